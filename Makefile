@@ -1,0 +1,112 @@
+# devpickle — GNU make build. `make help` lists the targets.
+
+PREFIX    ?= /usr/local
+DESTDIR   ?=
+CC        ?= cc
+BUILD     ?= build
+CUDA_HOME ?= /usr/local/cuda
+
+VERSION   := 0.1.0
+WARN      := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes
+OPT       ?= -O2 -g
+CFLAGS    ?=
+DPFLAGS   := -std=c11 -D_POSIX_C_SOURCE=200809L $(WARN) $(OPT) -Iinclude -fPIC -fvisibility=hidden -DDP_BUILDING
+TFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -Werror $(OPT) -Iinclude -Itest
+LDLIBS    := -lmsgpackc -lxxhash -lpthread
+SANFLAGS  ?=
+
+HAVE_CUDA := $(if $(wildcard $(CUDA_HOME)/include/cuda_runtime.h),1,0)
+
+LIB_SRC   := $(wildcard pickler/*.c)
+LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
+CLI_SRC   := $(wildcard tools/*.c)
+CLI_OBJ   := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
+TEST_SRC  := $(wildcard test/test_*.c)
+TEST_BIN  := $(TEST_SRC:test/%.c=$(BUILD)/%)
+BENCH_SRC := $(wildcard bench/bench_*.c)
+BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/%)
+HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
+
+DEB_PKGS  := libmsgpack-dev libxxhash-dev libcriterion-dev libjansson-dev
+
+.PHONY: all lib cli test demo bench deps install uninstall clean help config
+
+all: lib cli ## Build the static and shared library and the CLI (build/devpickle)
+
+lib: $(BUILD)/libdevpickle.a $(BUILD)/libdevpickle.so ## Build the libraries only
+
+cli: $(BUILD)/devpickle ## Build the CLI only
+
+$(BUILD)/obj/%.o: %.c $(HEADERS) $(wildcard */internal.h pickler/*.h tools/*.h) | deps-check
+	@mkdir -p $(dir $@)
+	$(CC) $(DPFLAGS) $(SANFLAGS) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/libdevpickle.a: $(LIB_OBJ)
+	@mkdir -p $(BUILD)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/libdevpickle.so: $(LIB_OBJ)
+	$(CC) -shared -Wl,-soname,libdevpickle.so.0 $(SANFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/devpickle: $(CLI_OBJ) $(BUILD)/libdevpickle.a
+	$(CC) $(SANFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libdevpickle.a -ljansson $(LDLIBS)
+
+$(BUILD)/test_%: test/test_%.c test/helpers.h $(BUILD)/libdevpickle.a
+	$(CC) $(TFLAGS) $(SANFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS)
+
+$(BUILD)/bench_%: bench/bench_%.c bench/bench.h $(BUILD)/libdevpickle.a
+	$(CC) $(TFLAGS) -O2 -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
+
+test: deps all $(TEST_BIN) ## Run the Criterion suites (the CLI suite runs build/devpickle)
+	@set -e; for t in $(TEST_BIN); do echo "== $$t"; DEVPICKLE=$(BUILD)/devpickle $$t --jobs 2; done
+
+demo: deps all ## Pack the examples and dump the device pointers they hold
+	@sh tools/demo.sh $(BUILD)/devpickle
+
+bench: all $(BENCH_BIN) ## Run the benchmarks; results in build/bench.json
+	@rm -f $(BUILD)/bench.json
+	@set -e; for b in $(BENCH_BIN); do $$b $(BUILD)/bench.json; done
+	@echo "wrote $(BUILD)/bench.json"
+
+# Dependencies: Debian packages, installed when missing.
+deps: ## Install the missing Debian packages (apt-get; needs root)
+	@missing=""; for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	echo "devpickle: installing$$missing"; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	  echo "devpickle: cannot install packages here; run: sudo apt-get install -y$$missing" >&2; exit 1; fi; \
+	(apt-get install -y -q $$missing || (apt-get update -q && apt-get install -y -q $$missing)) >/dev/null || \
+	  { echo "devpickle: apt-get failed; run: apt-get update && apt-get install -y$$missing" >&2; exit 1; }
+
+deps-check:
+	@test -f /usr/include/msgpack.h -a -f /usr/include/xxhash.h || \
+	  { echo "devpickle: msgpack-c or xxHash headers missing: run 'make deps'" >&2; exit 1; }
+
+config: ## Show what the build found
+	@echo "CC=$(CC) CUDA=$(HAVE_CUDA) ($(CUDA_HOME)) PREFIX=$(PREFIX)"
+
+$(BUILD)/devpickle.pc: Makefile
+	@mkdir -p $(BUILD)
+	@printf 'prefix=%s\nincludedir=$${prefix}/include\nlibdir=$${prefix}/lib\n\nName: devpickle\nDescription: Finds the device allocations a value references; frames for transport\nVersion: %s\nLibs: -L$${libdir} -ldevpickle\nLibs.private: -lmsgpackc -lxxhash -lpthread\nCflags: -I$${includedir}\n' '$(PREFIX)' '$(VERSION)' > $@
+
+install: all $(BUILD)/devpickle.pc ## Install headers, libraries, CLI and devpickle.pc (PREFIX, DESTDIR)
+	install -d $(DESTDIR)$(PREFIX)/include/devpickle $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
+	install -m 644 include/devpickle.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 include/devpickle/*.h $(DESTDIR)$(PREFIX)/include/devpickle/
+	install -m 644 $(BUILD)/libdevpickle.a $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(BUILD)/libdevpickle.so $(DESTDIR)$(PREFIX)/lib/libdevpickle.so.0
+	ln -sf libdevpickle.so.0 $(DESTDIR)$(PREFIX)/lib/libdevpickle.so
+	install -m 644 $(BUILD)/devpickle.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+	install -m 755 $(BUILD)/devpickle $(DESTDIR)$(PREFIX)/bin/
+
+uninstall: ## Remove what install put in place
+	rm -f $(DESTDIR)$(PREFIX)/include/devpickle.h $(DESTDIR)$(PREFIX)/lib/libdevpickle.a \
+	  $(DESTDIR)$(PREFIX)/lib/libdevpickle.so $(DESTDIR)$(PREFIX)/lib/libdevpickle.so.0 \
+	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/devpickle.pc $(DESTDIR)$(PREFIX)/bin/devpickle
+	rm -rf $(DESTDIR)$(PREFIX)/include/devpickle
+
+clean: ## Remove build/
+	rm -rf $(BUILD)
+
+help: ## List the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-10s %s\n", $$1, $$2}'

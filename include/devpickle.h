@@ -1,0 +1,8 @@
+/* devpickle.h — the whole public API. */
+#ifndef DEVPICKLE_H
+#define DEVPICKLE_H
+#include "devpickle/base.h"
+#include "devpickle/value.h"
+#include "devpickle/ptrset.h"
+#include "devpickle/pickler.h"
+#endif

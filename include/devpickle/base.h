@@ -1,0 +1,129 @@
+/*
+ * devpickle/base.h — errors, the allocator hook and device identifiers.
+ *
+ * Every other public header includes this one. Nothing here allocates.
+ *
+ * Thread safety: dp_strerror() and dp_err_name() are thread-safe. The
+ * allocator hook must be installed before any other devpickle call and is not
+ * changed afterwards (dp_set_allocator() is not thread-safe).
+ */
+#ifndef DEVPICKLE_BASE_H
+#define DEVPICKLE_BASE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(DP_BUILDING) && defined(__GNUC__)
+#define DP_API __attribute__((visibility("default")))
+#else
+#define DP_API
+#endif
+
+#define DP_VERSION_MAJOR 0
+#define DP_VERSION_MINOR 1
+#define DP_VERSION_PATCH 0
+#define DP_VERSION_STRING "0.1.0"
+
+/*
+ * Error codes. A fallible call returns 0 or one of these (all negative).
+ * XX(name, value, description)
+ */
+#define DP_ERRNO_MAP(XX)                                                      \
+  XX(EINVAL, -1, "invalid argument")                                          \
+  XX(ENOMEM, -2, "out of memory")                                             \
+  XX(ETYPE, -3, "value cannot be walked")                                     \
+  XX(ELIMIT, -4, "limit exceeded")                                            \
+  XX(EFORMAT, -5, "malformed frame")                                          \
+  XX(ECHECKSUM, -6, "checksum mismatch")                                      \
+  XX(ETRUNC, -7, "truncated input")                                           \
+  XX(EVERSION, -8, "unsupported format version")                              \
+  XX(EIO, -9, "i/o error")                                                    \
+  XX(ENODEV, -10, "no such device or backend unavailable")                    \
+  XX(ECUDA, -11, "CUDA error")                                                \
+  XX(EDEVICE, -12, "device not allowed")                                      \
+  XX(ESTATE, -13, "operation not valid in this state")                        \
+  XX(ETIMEDOUT, -14, "timed out")                                             \
+  XX(ENOTFOUND, -15, "not found")                                             \
+  XX(EMISUSE, -16, "API misuse")
+
+typedef enum dp_errno {
+  DP_OK = 0,
+#define DP__ERR_ENUM(name, val, s) DP_##name = (val),
+  DP_ERRNO_MAP(DP__ERR_ENUM)
+#undef DP__ERR_ENUM
+} dp_errno_t;
+
+/** Size of dp_error_t's message buffer; longer messages are cut with "...". */
+#define DP_ERROR_MSG_MAX 512
+
+/** Detail for a failed call. Caller-owned; pass NULL when detail is not wanted.
+ *  `offset` is the byte offset in the input where a reader failed, or -1. */
+typedef struct dp_error {
+  int code;           /* DP_E*, or 0 */
+  int backend_code;   /* e.g. a cudaError_t, or 0 */
+  int64_t offset;     /* byte offset for reader errors, else -1 */
+  char message[DP_ERROR_MSG_MAX];
+} dp_error_t;
+
+/** Clears an error record (code 0, offset -1, empty message). */
+DP_API void dp_error_clear(dp_error_t *err);
+
+/** Static description of a code ("out of memory"); "unknown error" otherwise. */
+DP_API const char *dp_strerror(int code);
+
+/** Static name of a code ("DP_ENOMEM"); "DP_UNKNOWN" otherwise. */
+DP_API const char *dp_err_name(int code);
+
+/*
+ * The allocator hook, in the manner of lua_Alloc: one function does malloc,
+ * realloc and free. `osize` is the size of the block at `ptr` (0 when ptr is
+ * NULL); `nsize` the wanted size. nsize == 0 frees and returns NULL. Returning
+ * NULL for nsize > 0 is an allocation failure; the block at ptr stays valid.
+ *
+ * Every allocation devpickle makes goes through this one function, so tests can
+ * fail the Nth allocation. The default wraps realloc/free.
+ */
+typedef void *(*dp_alloc_fn)(void *ud, void *ptr, size_t osize, size_t nsize);
+
+/** Installs the process-wide allocator (NULL restores the default). Call
+ *  before any other devpickle function and never while devpickle memory is
+ *  alive: blocks are freed with the function that allocated them. */
+DP_API void dp_set_allocator(dp_alloc_fn fn, void *ud);
+
+/** Reads the installed allocator. */
+DP_API dp_alloc_fn dp_get_allocator(void **ud);
+
+/* Devices. `cpu` has no streams; `cuda` is a CUDA device; `host` is the
+ * asynchronous host stream executor used where no GPU exists. */
+typedef enum dp_device_type {
+  DP_DEVICE_CPU = 0,
+  DP_DEVICE_CUDA = 1,
+  DP_DEVICE_HOST = 2,
+} dp_device_type_t;
+
+#define DP_DEVICE_TYPE_COUNT 3
+#define DP_DEVICE_INDEX_MAX 255
+
+typedef struct dp_device {
+  uint8_t type;   /* dp_device_type_t */
+  uint8_t index;  /* 0 for cpu */
+} dp_device_t;
+
+/** Formats "cuda:0", "host:1", "cpu" into buf (at least 16 bytes). Returns buf. */
+DP_API char *dp_device_format(dp_device_t dev, char *buf, size_t size);
+
+/** Parses "cpu", "cuda:N" or "host:N" (N 0..255). DP_EINVAL otherwise. */
+DP_API int dp_device_parse(const char *s, dp_device_t *out);
+
+static inline int dp_device_equal(dp_device_t a, dp_device_t b) {
+  return a.type == b.type && a.index == b.index;
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif

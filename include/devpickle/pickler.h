@@ -1,0 +1,150 @@
+/*
+ * devpickle/pickler.h — scan, pickle and unpickle.
+ *
+ * One walker reduces every value to its parts: containers are entered,
+ * tensors report their storage, customs are reduced through their type's
+ * reduce() and their state is walked. Shared nodes and cycles are visited
+ * once (a memo). The walker is iterative: depth is bounded by a limit, never
+ * by the C stack.
+ *
+ * Thread safety: a dp_ptrset_t or dp_frame_t is used by one thread at a time;
+ * different threads may walk the same value at once (the value must not be
+ * mutated meanwhile). Customs' reduce functions may then run concurrently.
+ */
+#ifndef DEVPICKLE_PICKLER_H
+#define DEVPICKLE_PICKLER_H
+
+#include "ptrset.h"
+#include "value.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- limits (a field of 0 means its default) ---- */
+#define DP_DEFAULT_MAX_DEPTH 262144u                 /* nesting levels */
+#define DP_DEFAULT_MAX_ITEMS (64ull << 20)            /* values in one frame */
+#define DP_DEFAULT_MAX_BYTES (1ull << 30)             /* str + bytes + inline data */
+#define DP_DEFAULT_MAX_STR (256ull << 20)             /* one str or bytes */
+#define DP_DEFAULT_MAX_BUFFERS (1u << 20)             /* buffer descriptors */
+
+typedef struct dp_limits {
+  uint32_t max_depth;
+  uint32_t max_buffers;
+  uint64_t max_items;
+  uint64_t max_bytes;
+  uint64_t max_str;
+} dp_limits_t;
+
+/* ---- scan ---- */
+#define DP_SCAN_PATHS 1u   /* record each storage's first path in the set */
+
+typedef struct dp_scan_opts {
+  uint32_t flags;       /* DP_SCAN_* */
+  uint32_t max_depth;   /* 0: DP_DEFAULT_MAX_DEPTH */
+} dp_scan_opts_t;
+
+/** Walks v and adds every storage it references to set (which is not
+ *  cleared first). opts may be NULL. Errors: DP_ETYPE (a custom without
+ *  reduce, or whose reduce failed: message names the type and the path),
+ *  DP_ELIMIT (nesting deeper than max_depth), DP_ENOMEM. On error the set
+ *  holds what was found before it. */
+DP_API int dp_scan(dp_value_t v, const dp_scan_opts_t *opts, dp_ptrset_t *set, dp_error_t *err);
+
+/* ---- frames ---- */
+typedef struct dp_frame dp_frame_t;
+
+/** A buffer descriptor: one storage a frame refers to. `base` is the
+ *  sender's address, for diagnostics only. `data` is the inline copy
+ *  (NULL unless the frame is inline). */
+typedef struct dp_buffer_desc {
+  uint32_t id;
+  dp_device_t device;
+  uint64_t nbytes;
+  uint64_t base;
+  const void *data;
+} dp_buffer_desc_t;
+
+/** Copies nbytes of device memory at src to host memory at dst. */
+typedef int (*dp_read_cb)(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst,
+                          dp_error_t *err);
+
+#define DP_PICKLE_INLINE 1u   /* copy buffer bytes into the frame */
+
+typedef struct dp_pickle_opts {
+  uint32_t flags;       /* DP_PICKLE_* */
+  uint32_t max_depth;   /* 0: DP_DEFAULT_MAX_DEPTH */
+  /** Reads device memory for DP_PICKLE_INLINE. NULL: cpu storages are read
+   *  directly and storages carrying host data (dp_storage_set_host_data)
+   *  use it; any other is DP_ENODEV. */
+  dp_read_cb read;
+  void *read_ud;
+} dp_pickle_opts_t;
+
+/** A reusable output frame. */
+DP_API int dp_frame_new(dp_frame_t **out, dp_error_t *err);
+DP_API void dp_frame_free(dp_frame_t *f);
+/** The frame's bytes (borrowed; valid until the next pickle or free). */
+DP_API const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len);
+DP_API size_t dp_frame_nbuffers(const dp_frame_t *f);
+DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out);
+
+/** Serializes v into frame (replacing its contents). The same value always
+ *  gives the same bytes. Errors as dp_scan, plus DP_ENODEV when an inline
+ *  buffer cannot be read. On error the frame is empty. */
+DP_API int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *frame, dp_error_t *err);
+
+/* ---- unpickle ---- */
+
+/** Binds buffer `desc` to a local storage (*out, a new reference). */
+typedef int (*dp_bind_cb)(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err);
+
+/** Rebuilds an allowed custom from its state (borrowed). Returns 0 and a new
+ *  reference in *out (usually dp_custom_new), or an error. */
+typedef int (*dp_resolve_cb)(void *ud, const char *type_name, dp_value_t state, dp_value_t *out,
+                             dp_error_t *err);
+
+typedef struct dp_resolver {
+  const char *const *types;   /* allow-list of type names */
+  size_t ntypes;
+  dp_resolve_cb resolve;
+  void *ud;
+} dp_resolver_t;
+
+typedef struct dp_unpickle_opts {
+  dp_limits_t limits;               /* zero fields: defaults */
+  const dp_resolver_t *resolver;    /* NULL: customs come back as generic objects */
+  /** NULL: each buffer becomes a storage on the sender's device whose base is
+   *  the sender's address (never dereferenced), carrying the inline bytes
+   *  as host data when the frame has them. */
+  dp_bind_cb bind;
+  void *bind_ud;
+} dp_unpickle_opts_t;
+
+/** Rebuilds a value from a frame. The input is treated as hostile: every
+ *  failure is an error code with a message and err->offset, the byte offset
+ *  in the frame where reading stopped; nothing leaks; allocation stays
+ *  within a constant factor of n. Types are never instantiated from the
+ *  wire except through opts->resolver. Errors: DP_ETRUNC, DP_ECHECKSUM,
+ *  DP_EVERSION, DP_EFORMAT, DP_ELIMIT, DP_ENOMEM, or a bind/resolve error. */
+DP_API int dp_unpickle(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_value_t *out,
+                       dp_error_t *err);
+
+/** Header facts of a frame, after checking its length and checksum. */
+typedef struct dp_frame_info {
+  uint16_t version;
+  uint16_t flags;
+  uint64_t payload_len;
+  uint64_t table_len;
+  uint64_t data_len;
+  uint64_t checksum;
+  uint32_t nbuffers;
+} dp_frame_info_t;
+
+/** Validates the header, lengths and checksum and counts the buffers. */
+DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,235 @@
+/*
+ * devpickle/value.h — the value model.
+ *
+ * OWNERSHIP — one rule for the whole API:
+ *   - Constructors (dp_*_new) hand the caller a new reference.
+ *   - Functions that store a value or storage into another object STEAL the
+ *     caller's reference — even when they fail (the argument is released).
+ *     So `dp_list_append(l, v)` never leaks v.
+ *   - Getters BORROW: the result is valid while its container holds it.
+ *     Call dp_value_retain() to keep it longer.
+ *   - dp_value_release() gives a reference back. Scalars (none, bool, int,
+ *     float) hold no reference; retain/release on them do nothing.
+ *
+ * CYCLES. Containers (list, tuple, dict, object) may form cycles. A cycle is
+ * freed without help: whenever a release leaves a container with references
+ * still held, devpickle runs a synchronous trial deletion (Bacon & Rajan's
+ * algorithm) over the containers reachable from it and frees those held only
+ * by each other. Its cost is proportional to the containers reachable from the
+ * released one; releases that drop a count to zero cost nothing extra.
+ * Customs are opaque to the collector: a cycle that passes through a custom's
+ * own C data is the custom's to break in its destroy().
+ *
+ * THREAD SAFETY. Reference counts are atomic: any thread may retain and
+ * release any value, and values may be read (walked, scanned, pickled) from
+ * several threads at once. Mutation (append, set) of one container is not
+ * thread-safe; do not mutate a value while another thread reads it. Releases
+ * of containers take a process-wide lock (the collector's), so a storage
+ * release callback or custom destroy may run under it: they must not block
+ * on other threads that release devpickle values.
+ */
+#ifndef DEVPICKLE_VALUE_H
+#define DEVPICKLE_VALUE_H
+
+#include <stdbool.h>
+#include "base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum dp_kind {
+  DP_NONE = 0,
+  DP_BOOL,
+  DP_INT,
+  DP_FLOAT,
+  DP_STR,
+  DP_BYTES,
+  DP_LIST,
+  DP_TUPLE,
+  DP_DICT,
+  DP_TENSOR,
+  DP_OBJECT,
+  DP_CUSTOM,
+} dp_kind_t;
+
+#define DP_KIND_COUNT 12
+
+struct dp_heap;
+
+/** A 16-byte tagged value, passed by value. Treat the fields as private;
+ *  use the accessors. */
+typedef struct dp_value {
+  union {
+    int64_t i;
+    double f;
+    struct dp_heap *h;
+  } u;
+  uint32_t kind;
+  uint32_t reserved_;
+} dp_value_t;
+
+/* ---- scalars: no reference, nothing to release ---- */
+static inline dp_value_t dp_none(void) { dp_value_t v; v.u.i = 0; v.kind = DP_NONE; v.reserved_ = 0; return v; }
+static inline dp_value_t dp_bool(bool b) { dp_value_t v; v.u.i = b ? 1 : 0; v.kind = DP_BOOL; v.reserved_ = 0; return v; }
+static inline dp_value_t dp_int(int64_t i) { dp_value_t v; v.u.i = i; v.kind = DP_INT; v.reserved_ = 0; return v; }
+static inline dp_value_t dp_float(double f) { dp_value_t v; v.u.f = f; v.kind = DP_FLOAT; v.reserved_ = 0; return v; }
+
+static inline dp_kind_t dp_value_kind(dp_value_t v) { return (dp_kind_t)v.kind; }
+static inline bool dp_value_as_bool(dp_value_t v) { return v.u.i != 0; }
+static inline int64_t dp_value_as_int(dp_value_t v) { return v.u.i; }
+static inline double dp_value_as_float(dp_value_t v) { return v.u.f; }
+static inline bool dp_value_is_heap(dp_value_t v) { return v.kind >= DP_STR; }
+/** Identity of a heap value (NULL for scalars): equal pointers, same node. */
+static inline const void *dp_value_id(dp_value_t v) { return dp_value_is_heap(v) ? (const void *)v.u.h : (const void *)0; }
+
+/** Lower-case kind name: "none", "list", "tensor", ... */
+DP_API const char *dp_kind_name(dp_kind_t kind);
+
+/** New reference to the same value. Thread-safe. Returns v. */
+DP_API dp_value_t dp_value_retain(dp_value_t v);
+/** Gives back one reference; frees what is no longer reachable (cycles
+ *  included). Thread-safe (see THREAD SAFETY above). */
+DP_API void dp_value_release(dp_value_t v);
+/** Current reference count (1 for scalars). For diagnostics and tests. */
+DP_API uint32_t dp_value_refcount(dp_value_t v);
+
+/* ---- str and bytes: immutable, length-counted ---- */
+/** Copies n bytes of UTF-8 (validated: DP_EINVAL if malformed). */
+DP_API int dp_str_new(const char *s, size_t n, dp_value_t *out, dp_error_t *err);
+DP_API int dp_bytes_new(const void *p, size_t n, dp_value_t *out, dp_error_t *err);
+/** Borrowed pointer and length. The str data is NUL-terminated too. */
+DP_API const char *dp_str_data(dp_value_t s, size_t *len);
+DP_API const uint8_t *dp_bytes_data(dp_value_t b, size_t *len);
+
+/* ---- list and tuple ---- */
+DP_API int dp_list_new(size_t capacity, dp_value_t *out, dp_error_t *err);
+/** Appends (steals item). */
+DP_API int dp_list_append(dp_value_t list, dp_value_t item, dp_error_t *err);
+/** A tuple of n items, each none until set. Tuples are fixed-length. */
+DP_API int dp_tuple_new(size_t n, dp_value_t *out, dp_error_t *err);
+/** Length of a list or tuple (0 for other kinds). */
+DP_API size_t dp_seq_len(dp_value_t seq);
+/** Borrowed item i of a list or tuple; none when out of range. */
+DP_API dp_value_t dp_seq_get(dp_value_t seq, size_t i);
+/** Replaces item i of a list or tuple (steals item; releases the old one). */
+DP_API int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err);
+
+/* ---- dict: insertion-ordered; keys none/bool/int/float/str/bytes or tuples
+ * of those. Keys compare by kind and content: int 1 and float 1.0 are
+ * different keys; floats compare bitwise (a NaN key finds itself). ---- */
+DP_API int dp_dict_new(size_t capacity, dp_value_t *out, dp_error_t *err);
+/** Inserts or replaces (steals key and val). DP_ETYPE for an unhashable key. */
+DP_API int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error_t *err);
+/** Looks key up (borrowed key). 0 and *val borrowed, or DP_ENOTFOUND. */
+DP_API int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val);
+DP_API size_t dp_dict_len(dp_value_t dict);
+/** Item i in insertion order (borrowed). DP_EINVAL when out of range. */
+DP_API int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val);
+/** Whether a value may be a dict key (acyclic tuples of scalars/str/bytes). */
+DP_API bool dp_value_is_hashable(dp_value_t key);
+
+/* ---- storage: one allocation ---- */
+typedef struct dp_storage dp_storage_t;
+/** Called once when the last reference to a storage goes. */
+typedef void (*dp_storage_release_cb)(void *ud, dp_device_t device, void *base, size_t nbytes);
+
+/** A storage of nbytes at base on device. base may be any address: devpickle
+ *  never dereferences it. release (may be NULL) runs when the storage dies. */
+DP_API int dp_storage_new(dp_device_t device, void *base, size_t nbytes,
+                          dp_storage_release_cb release, void *ud,
+                          dp_storage_t **out, dp_error_t *err);
+DP_API dp_storage_t *dp_storage_retain(dp_storage_t *s);
+DP_API void dp_storage_release(dp_storage_t *s);
+DP_API dp_device_t dp_storage_device(const dp_storage_t *s);
+DP_API void *dp_storage_base(const dp_storage_t *s);
+DP_API size_t dp_storage_nbytes(const dp_storage_t *s);
+/** Host bytes attached to the storage (an inline frame's copy), or NULL. */
+DP_API const void *dp_storage_host_data(const dp_storage_t *s);
+/** Attaches a copy of nbytes host bytes (for inline frames). */
+DP_API int dp_storage_set_host_data(dp_storage_t *s, const void *data, dp_error_t *err);
+
+/* ---- tensor: a strided view of a storage ---- */
+typedef enum dp_dtype {
+  DP_BOOL8 = 0, DP_INT8, DP_INT16, DP_INT32, DP_INT64,
+  DP_UINT8, DP_UINT16, DP_UINT32, DP_UINT64,
+  DP_FLOAT16, DP_BFLOAT16, DP_FLOAT32, DP_FLOAT64,
+  DP_COMPLEX64, DP_COMPLEX128,
+} dp_dtype_t;
+#define DP_DTYPE_COUNT 15
+#define DP_TENSOR_MAX_DIMS 16
+
+DP_API const char *dp_dtype_name(dp_dtype_t d);       /* "float32"; NULL if unknown */
+DP_API int dp_dtype_parse(const char *name, dp_dtype_t *out);
+DP_API size_t dp_dtype_size(dp_dtype_t d);             /* bytes per element; 0 if unknown */
+
+/** A view (steals storage). strides NULL means contiguous; strides and offset
+ *  count elements. DP_EINVAL unless every addressed element lies inside the
+ *  storage (negative strides allowed when they stay inside). */
+DP_API int dp_tensor_new(dp_storage_t *storage, dp_dtype_t dtype, int ndim,
+                         const int64_t *shape, const int64_t *strides,
+                         int64_t offset, dp_value_t *out, dp_error_t *err);
+DP_API dp_storage_t *dp_tensor_storage(dp_value_t t);  /* borrowed */
+DP_API dp_dtype_t dp_tensor_dtype(dp_value_t t);
+DP_API int dp_tensor_ndim(dp_value_t t);
+DP_API const int64_t *dp_tensor_shape(dp_value_t t);
+DP_API const int64_t *dp_tensor_strides(dp_value_t t);
+DP_API int64_t dp_tensor_offset(dp_value_t t);
+
+/* ---- object: a user-defined class instance, held generically ---- */
+DP_API int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err);
+/** Sets an attribute (steals val). A new name is appended; an existing one
+ *  keeps its position. Names are non-empty UTF-8. */
+DP_API int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *err);
+/** Borrowed attribute, or DP_ENOTFOUND. */
+DP_API int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val);
+DP_API const char *dp_object_class(dp_value_t obj);
+DP_API size_t dp_object_nattrs(dp_value_t obj);
+/** Attribute i in order (borrowed). DP_EINVAL when out of range. */
+DP_API int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val);
+/** True for the generic stand-in of a custom that came off the wire
+ *  without a resolver: its class is the custom's type name and its one
+ *  attribute "__reduce__" the reduced state. Pickled again it is written as
+ *  the custom was, so frames survive a round trip through such a process. */
+DP_API bool dp_object_is_reduced(dp_value_t obj);
+/** Makes such a stand-in (steals state). */
+DP_API int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_value_t *out, dp_error_t *err);
+
+/* ---- custom: a foreign C object that carries its own type ---- */
+typedef struct dp_type {
+  /** Type name, reported in errors and written to frames. Required. */
+  const char *name;
+  /** Reduces obj to a state value: any value, which may hold tensors and
+   *  other customs (Python's __reduce__ contract). Returns 0 and a new
+   *  reference in *state, or a DP_E* code (details in err). NULL: the type
+   *  cannot be walked, which is DP_ETYPE with the type name and path. */
+  int (*reduce)(void *obj, dp_value_t *state, dp_error_t *err);
+  /** Frees obj when the custom dies. May be NULL. */
+  void (*destroy)(void *obj);
+} dp_type_t;
+
+/** Wraps obj (ownership of obj passes to the custom; destroy frees it, also
+ *  when this call fails). type must outlive the value. */
+DP_API int dp_custom_new(const dp_type_t *type, void *obj, dp_value_t *out, dp_error_t *err);
+DP_API const dp_type_t *dp_custom_type(dp_value_t c);
+DP_API void *dp_custom_data(dp_value_t c);
+
+/* ---- equality and hashing; both terminate on cycles ---- */
+#define DP_EQ_SHARING 1u  /* also require the same sharing (same node graph) */
+
+/** Deep equality. Without flags: equal as trees (bisimulation: cycles
+ *  compare equal when their unrollings do). With DP_EQ_SHARING: also the
+ *  same pattern of shared nodes and cycles, as a round trip preserves.
+ *  Tensors compare storage device, base and nbytes, dtype, shape, strides and
+ *  offset; customs compare by identity; floats bitwise.
+ *  Returns 1 equal, 0 not, or a negative DP_E* (DP_ENOMEM). */
+DP_API int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags);
+
+/** XXH3-based hash consistent with dp_value_equal(a, b, 0): equal values hash
+ *  equal. Looks at a bounded prefix of very large or cyclic values. */
+DP_API uint64_t dp_value_hash(dp_value_t v);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

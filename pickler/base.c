@@ -1,0 +1,235 @@
+/* pickler/base.c — errors, the allocator hook, devices, small text helpers. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static void *default_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  DP_UNUSED(ud);
+  DP_UNUSED(osize);
+  if (nsize == 0) {
+    free(ptr);
+    return NULL;
+  }
+  return realloc(ptr, nsize);
+}
+
+static dp_alloc_fn g_alloc = default_alloc;
+static void *g_alloc_ud;
+
+void dp_set_allocator(dp_alloc_fn fn, void *ud) {
+  g_alloc = fn ? fn : default_alloc;
+  g_alloc_ud = fn ? ud : NULL;
+}
+
+dp_alloc_fn dp_get_allocator(void **ud) {
+  if (ud) *ud = g_alloc_ud;
+  return g_alloc;
+}
+
+void *dp__alloc(size_t n) { return n ? g_alloc(g_alloc_ud, NULL, 0, n) : NULL; }
+
+void *dp__realloc(void *p, size_t osize, size_t nsize) {
+  if (p == NULL) return dp__alloc(nsize);
+  return g_alloc(g_alloc_ud, p, osize, nsize);
+}
+
+void dp__free(void *p, size_t n) {
+  if (p) g_alloc(g_alloc_ud, p, n, 0);
+}
+
+void *dp__alloc_array(size_t n, size_t size) {
+  if (size && n > SIZE_MAX / size) return NULL;
+  return dp__alloc(n * size);
+}
+
+char *dp__strndup(const char *s, size_t n) {
+  char *d = dp__alloc(n + 1);
+  if (d) {
+    memcpy(d, s, n);
+    d[n] = '\0';
+  }
+  return d;
+}
+
+int dp__grow(void **arr, size_t *cap, size_t need, size_t size) {
+  if (need <= *cap) return 0;
+  size_t ncap = *cap ? *cap : 4;
+  while (ncap < need) {
+    if (ncap > SIZE_MAX / 2 / size) return DP_ENOMEM;
+    ncap *= 2;
+  }
+  void *p = dp__realloc(*arr, *cap * size, ncap * size);
+  if (!p) return DP_ENOMEM;
+  *arr = p;
+  *cap = ncap;
+  return 0;
+}
+
+/* ---- errors ---- */
+
+void dp_error_clear(dp_error_t *err) {
+  if (!err) return;
+  err->code = 0;
+  err->backend_code = 0;
+  err->offset = -1;
+  err->message[0] = '\0';
+}
+
+const char *dp_strerror(int code) {
+  switch (code) {
+    case 0: return "success";
+#define DP__STR(name, val, s) case val: return s;
+    DP_ERRNO_MAP(DP__STR)
+#undef DP__STR
+  }
+  return "unknown error";
+}
+
+const char *dp_err_name(int code) {
+  switch (code) {
+    case 0: return "DP_OK";
+#define DP__NAME(name, val, s) case val: return "DP_" #name;
+    DP_ERRNO_MAP(DP__NAME)
+#undef DP__NAME
+  }
+  return "DP_UNKNOWN";
+}
+
+int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap) {
+  if (!err) return code;
+  err->code = code;
+  err->backend_code = 0;
+  err->offset = offset;
+  int n = vsnprintf(err->message, sizeof err->message, fmt, ap);
+  if (n >= (int)sizeof err->message) memcpy(err->message + sizeof err->message - 4, "...", 4);
+  return code;
+}
+
+int dp__err(dp_error_t *err, int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  dp__verr(err, code, -1, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  dp__verr(err, code, offset, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+/* ---- devices ---- */
+
+static const char *const device_type_names[DP_DEVICE_TYPE_COUNT] = {"cpu", "cuda", "host"};
+
+char *dp_device_format(dp_device_t dev, char *buf, size_t size) {
+  if (dev.type == DP_DEVICE_CPU)
+    snprintf(buf, size, "cpu");
+  else if (dev.type < DP_DEVICE_TYPE_COUNT)
+    snprintf(buf, size, "%s:%u", device_type_names[dev.type], (unsigned)dev.index);
+  else
+    snprintf(buf, size, "unknown%u:%u", (unsigned)dev.type, (unsigned)dev.index);
+  return buf;
+}
+
+int dp_device_parse(const char *s, dp_device_t *out) {
+  if (!s || !out) return DP_EINVAL;
+  if (strcmp(s, "cpu") == 0) {
+    out->type = DP_DEVICE_CPU;
+    out->index = 0;
+    return 0;
+  }
+  for (int t = 1; t < DP_DEVICE_TYPE_COUNT; t++) {
+    size_t n = strlen(device_type_names[t]);
+    if (strncmp(s, device_type_names[t], n) != 0 || s[n] != ':') continue;
+    const char *d = s + n + 1;
+    if (*d < '0' || *d > '9' || (d[0] == '0' && d[1] != '\0')) return DP_EINVAL;
+    unsigned v = 0;
+    for (; *d; d++) {
+      if (*d < '0' || *d > '9') return DP_EINVAL;
+      v = v * 10 + (unsigned)(*d - '0');
+      if (v > DP_DEVICE_INDEX_MAX) return DP_EINVAL;
+    }
+    out->type = (uint8_t)t;
+    out->index = (uint8_t)v;
+    return 0;
+  }
+  return DP_EINVAL;
+}
+
+/* ---- text ---- */
+
+int dp__utf8_valid(const char *str, size_t n) {
+  const unsigned char *s = (const unsigned char *)str;
+  size_t i = 0;
+  while (i < n) {
+    /* ASCII fast path, 8 bytes at a time. */
+    while (i + 8 <= n) {
+      uint64_t w;
+      memcpy(&w, s + i, 8);
+      if (w & 0x8080808080808080ull) break;
+      i += 8;
+    }
+    if (i >= n) break;
+    unsigned c = s[i];
+    if (c < 0x80) {
+      i++;
+      continue;
+    }
+    size_t len;
+    unsigned cp, min;
+    if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; min = 0x80; }
+    else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; min = 0x800; }
+    else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; min = 0x10000; }
+    else return 0;
+    if (n - i < len) return 0;
+    for (size_t k = 1; k < len; k++) {
+      if ((s[i + k] & 0xC0) != 0x80) return 0;
+      cp = (cp << 6) | (s[i + k] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+    i += len;
+  }
+  return 1;
+}
+
+int dp__is_identifier(const char *s, size_t n) {
+  if (n == 0) return 0;
+  for (size_t i = 0; i < n; i++) {
+    char c = s[i];
+    int alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+    if (!alpha && !(i > 0 && c >= '0' && c <= '9')) return 0;
+  }
+  return 1;
+}
+
+static size_t put(char *buf, size_t cap, size_t pos, const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++, pos++)
+    if (pos + 1 < cap) buf[pos] = s[i];
+  if (cap) buf[pos + 1 < cap ? pos : cap - 1] = '\0';
+  return pos;
+}
+
+size_t dp__json_quote(char *buf, size_t cap, size_t pos, const char *s, size_t n) {
+  pos = put(buf, cap, pos, "\"", 1);
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    char esc[8];
+    if (c == '"' || c == '\\') {
+      esc[0] = '\\';
+      esc[1] = (char)c;
+      pos = put(buf, cap, pos, esc, 2);
+    } else if (c < 0x20) {
+      snprintf(esc, sizeof esc, "\\u%04x", c);
+      pos = put(buf, cap, pos, esc, 6);
+    } else {
+      pos = put(buf, cap, pos, (const char *)&c, 1);
+    }
+  }
+  return put(buf, cap, pos, "\"", 1);
+}

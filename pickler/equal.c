@@ -1,0 +1,219 @@
+/* pickler/equal.c — deep equality and hashing that terminate on cycles. */
+#include <string.h>
+#include <xxhash.h>
+
+#include "internal.h"
+
+/* A pointer-pair set (or a pointer map when b is the value). */
+typedef struct pairset {
+  const void **a, **b;
+  size_t cap, count;
+} pairset_t;
+
+static size_t pair_hash(const void *a, const void *b) {
+  uint64_t x = (uint64_t)(uintptr_t)a * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uintptr_t)b * 0xC2B2AE3D27D4EB4Full;
+  return (size_t)(x ^ (x >> 29));
+}
+
+static int ps_grow(pairset_t *s, int keyed_on_a_only) {
+  size_t ncap = s->cap ? s->cap * 2 : 64;
+  const void **na = dp__alloc_array(ncap, sizeof(void *));
+  const void **nb = dp__alloc_array(ncap, sizeof(void *));
+  if (!na || !nb) {
+    dp__free(na, na ? ncap * sizeof(void *) : 0);
+    dp__free(nb, nb ? ncap * sizeof(void *) : 0);
+    return DP_ENOMEM;
+  }
+  memset(na, 0, ncap * sizeof(void *));
+  for (size_t i = 0; i < s->cap; i++) {
+    if (!s->a[i]) continue;
+    size_t j = pair_hash(s->a[i], keyed_on_a_only ? NULL : s->b[i]) & (ncap - 1);
+    while (na[j]) j = (j + 1) & (ncap - 1);
+    na[j] = s->a[i];
+    nb[j] = s->b[i];
+  }
+  dp__free(s->a, s->cap * sizeof(void *));
+  dp__free(s->b, s->cap * sizeof(void *));
+  s->a = na;
+  s->b = nb;
+  s->cap = ncap;
+  return 0;
+}
+
+/* Finds the slot for (a, b) or, when keyed on a only, for a. Returns 1 found,
+ * 0 inserted, or DP_ENOMEM. *bout gets the stored b. */
+static int ps_put(pairset_t *s, const void *a, const void *b, int keyed_on_a_only, const void **bout) {
+  if ((s->count + 1) * 2 > s->cap && ps_grow(s, keyed_on_a_only) != 0) return DP_ENOMEM;
+  size_t mask = s->cap - 1;
+  for (size_t j = pair_hash(a, keyed_on_a_only ? NULL : b) & mask;; j = (j + 1) & mask) {
+    if (!s->a[j]) {
+      s->a[j] = a;
+      s->b[j] = b;
+      s->count++;
+      return 0;
+    }
+    if (s->a[j] == a && (keyed_on_a_only || s->b[j] == b)) {
+      if (bout) *bout = s->b[j];
+      return 1;
+    }
+  }
+}
+
+static void ps_free(pairset_t *s) {
+  dp__free(s->a, s->cap * sizeof(void *));
+  dp__free(s->b, s->cap * sizeof(void *));
+}
+
+typedef struct eq {
+  dp_value_t *stack;   /* pairs: stack[2k], stack[2k+1] */
+  size_t top, cap;
+  pairset_t seen;      /* without sharing: pairs assumed equal */
+  pairset_t ab, ba;    /* with sharing: the node bijection */
+  unsigned flags;
+} eq_t;
+
+static int eq_push(eq_t *e, dp_value_t a, dp_value_t b) {
+  if (dp__grow((void **)&e->stack, &e->cap, e->top + 2, sizeof(dp_value_t)) != 0) return DP_ENOMEM;
+  e->stack[e->top++] = a;
+  e->stack[e->top++] = b;
+  return 0;
+}
+
+/* 1: same node or already matched (skip), 0: go on, <0 error, 2: unequal. */
+static int eq_memo(eq_t *e, dp_value_t a, dp_value_t b) {
+  const void *ha = a.u.h, *hb = b.u.h;
+  if (e->flags & DP_EQ_SHARING) {
+    const void *ma = NULL, *mb = NULL;
+    int fa = ps_put(&e->ab, ha, hb, 1, &ma);
+    if (fa < 0) return fa;
+    int fb = ps_put(&e->ba, hb, ha, 1, &mb);
+    if (fb < 0) return fb;
+    if (fa != fb) return 2;
+    if (fa == 1) return (ma == hb && mb == ha) ? 1 : 2;
+    return 0;
+  }
+  if (ha == hb) return 1;
+  if (dp__rc(a.u.h) == 1 && dp__rc(b.u.h) == 1) return 0;
+  return ps_put(&e->seen, ha, hb, 0, NULL);
+}
+
+static int tensor_equal(dp_tensor_t *x, dp_tensor_t *y) {
+  return x->storage->base == y->storage->base && dp_device_equal(x->storage->device, y->storage->device) &&
+         x->storage->nbytes == y->storage->nbytes && x->dtype == y->dtype && x->ndim == y->ndim &&
+         x->offset == y->offset && memcmp(x->dims, y->dims, 2 * (size_t)x->ndim * sizeof(int64_t)) == 0;
+}
+
+static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
+  if (a.kind != b.kind) return 2;
+  switch (a.kind) {
+    case DP_NONE: return 0;
+    case DP_BOOL: case DP_INT: case DP_FLOAT: return a.u.i == b.u.i ? 0 : 2;
+    default: break;
+  }
+  int m = eq_memo(e, a, b);
+  if (m != 0) return m == 1 ? 0 : m;
+  switch (a.kind) {
+    case DP_STR:
+    case DP_BYTES:
+      return DP_STROBJ(a)->len == DP_STROBJ(b)->len &&
+             memcmp(DP_STROBJ(a)->data, DP_STROBJ(b)->data, DP_STROBJ(a)->len) == 0 ? 0 : 2;
+    case DP_TENSOR:
+      return tensor_equal(DP_TENSOR(a), DP_TENSOR(b)) ? 0 : 2;
+    case DP_CUSTOM:
+      return a.u.h == b.u.h ? 0 : 2;
+    case DP_LIST:
+    case DP_TUPLE: {
+      dp_seq_t *x = DP_SEQ(a), *y = DP_SEQ(b);
+      if (x->len != y->len) return 2;
+      for (size_t i = x->len; i-- > 0;)
+        if (eq_push(e, x->items[i], y->items[i]) != 0) return DP_ENOMEM;
+      return 0;
+    }
+    case DP_DICT: {
+      dp_dict_t *x = DP_DICT(a);
+      if (x->len != DP_DICT(b)->len) return 2;
+      for (size_t i = 0; i < x->len; i++) {
+        dp_value_t other;
+        if (dp_dict_get(b, x->entries[i].key, &other) != 0) return 2;
+        if ((e->flags & DP_EQ_SHARING) && eq_push(e, x->entries[i].key, DP_DICT(b)->entries[i].key) != 0)
+          return DP_ENOMEM;
+        if (eq_push(e, x->entries[i].val, other) != 0) return DP_ENOMEM;
+      }
+      return 0;
+    }
+    case DP_OBJECT: {
+      dp_object_t *x = DP_OBJ(a), *y = DP_OBJ(b);
+      if (x->len != y->len || x->class_len != y->class_len || memcmp(x->class_name, y->class_name, x->class_len) ||
+          (x->c.h.flags & DP_HEAP_REDUCED) != (y->c.h.flags & DP_HEAP_REDUCED))
+        return 2;
+      for (size_t i = 0; i < x->len; i++) {
+        dp_value_t other;
+        if (dp_object_get(b, x->attrs[i].name, &other) != 0) return 2;
+        if (eq_push(e, x->attrs[i].val, other) != 0) return DP_ENOMEM;
+      }
+      return 0;
+    }
+  }
+  return 2;
+}
+
+int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags) {
+  eq_t e;
+  memset(&e, 0, sizeof e);
+  e.flags = flags;
+  int rc = eq_step(&e, a, b);
+  while (rc == 0 && e.top > 0) {
+    dp_value_t y = e.stack[--e.top];
+    dp_value_t x = e.stack[--e.top];
+    rc = eq_step(&e, x, y);
+  }
+  dp__free(e.stack, e.cap * sizeof(dp_value_t));
+  ps_free(&e.seen);
+  ps_free(&e.ab);
+  ps_free(&e.ba);
+  if (rc < 0) return rc;
+  return rc == 0 ? 1 : 0;
+}
+
+/* Hash of the unrolled tree, cut at a depth and a node budget so that it
+ * terminates on cycles and stays cheap on huge values. Bisimilar values
+ * have the same unrolling, hence the same hash. Dicts and objects hash
+ * their size and class only, because equality ignores their order. */
+#define HASH_DEPTH 12
+
+static uint64_t mix(uint64_t h, uint64_t x) {
+  uint64_t pair[2] = {h, x};
+  return XXH3_64bits(pair, sizeof pair);
+}
+
+static uint64_t hash_rec(dp_value_t v, int depth, size_t *budget) {
+  uint64_t h = v.kind;
+  if (*budget == 0) return h;
+  (*budget)--;
+  switch (v.kind) {
+    case DP_NONE: return h;
+    case DP_BOOL: case DP_INT: case DP_FLOAT: return mix(h, (uint64_t)v.u.i);
+    case DP_STR: case DP_BYTES: return mix(h, XXH3_64bits(DP_STROBJ(v)->data, DP_STROBJ(v)->len));
+    case DP_TENSOR: {
+      dp_tensor_t *t = DP_TENSOR(v);
+      h = mix(h, (uint64_t)(uintptr_t)t->storage->base);
+      h = mix(h, t->dtype | ((uint64_t)t->ndim << 8));
+      return mix(h, XXH3_64bits(t->dims, 2 * (size_t)t->ndim * sizeof(int64_t)));
+    }
+    case DP_CUSTOM: return mix(h, (uint64_t)(uintptr_t)v.u.h);
+    case DP_DICT: return mix(h, DP_DICT(v)->len);
+    case DP_OBJECT: return mix(mix(h, DP_OBJ(v)->len), XXH3_64bits(DP_OBJ(v)->class_name, DP_OBJ(v)->class_len));
+    default: {
+      dp_seq_t *s = DP_SEQ(v);
+      h = mix(h, s->len);
+      if (depth >= HASH_DEPTH) return h;
+      for (size_t i = 0; i < s->len && *budget; i++) h = mix(h, hash_rec(s->items[i], depth + 1, budget));
+      return h;
+    }
+  }
+}
+
+uint64_t dp_value_hash(dp_value_t v) {
+  size_t budget = 256;
+  return hash_rec(v, 0, &budget);
+}

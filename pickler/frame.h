@@ -1,0 +1,29 @@
+/* pickler/frame.h — the frame layout shared by the writer and the reader. */
+#ifndef DP_PICKLER_FRAME_H
+#define DP_PICKLER_FRAME_H
+#include "internal.h"
+
+#define DP_FRAME_MAGIC "DPKL"
+#define DP_FRAME_VERSION 1
+#define DP_FRAME_HEADER 40
+#define DP_FRAME_FLAG_INLINE 1u
+
+/* msgpack ext types */
+#define DP_EXT_TAG 0   /* fixext1: the node kind of the array it opens */
+#define DP_EXT_REF 1   /* fixext4: big-endian preorder index of an earlier node */
+
+enum { DP_TAG_TUPLE = 1, DP_TAG_TENSOR = 2, DP_TAG_OBJECT = 3, DP_TAG_REDUCE = 4 };
+
+static inline void dp__put_le64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint64_t dp__get_le64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+  return v;
+}
+static inline void dp__put_le16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+static inline uint16_t dp__get_le16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+uint64_t dp__frame_checksum(const uint8_t *frame, size_t n);
+#endif

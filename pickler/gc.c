@@ -1,0 +1,249 @@
+/* pickler/gc.c — freeing containers, cycles included.
+ *
+ * Reference counting frees acyclic garbage at once. For cycles we use the
+ * synchronous trial deletion of Bacon & Rajan ("Concurrent Cycle Collection
+ * in Reference Counted Systems", 2001): when a release leaves a container with
+ * a non-zero count it becomes a candidate; at the end of the outermost release
+ * the collector subtracts, for every container reachable from the candidates,
+ * the references that come from inside that subgraph. Containers left with a
+ * positive count are held from outside, and so is everything they reach; the
+ * rest is garbage held only by itself and is freed.
+ *
+ * The collector allocates nothing: its lists are threaded through the
+ * containers themselves (gc_next, gc_next2), so a release cannot fail and a
+ * chain of a million containers frees without recursion.
+ *
+ * Concurrency. Every container release — the decrement included — runs under
+ * one process-wide recursive lock. Retains stay lock-free. This is enough for
+ * the trial counts to be sound: a thread can only add a reference into a
+ * subgraph through a reference it already holds there, which keeps that
+ * node's count above its internal in-degree for the whole collection, and it
+ * cannot drop that reference until the collection releases the lock. The lock
+ * is recursive because a custom's destroy or a storage's release callback,
+ * run while freeing, may release containers itself: such nested releases only
+ * queue their work for the outermost one.
+ */
+#include <pthread.h>
+
+#include "gc.h"
+
+static pthread_mutex_t gc_lock;
+static pthread_once_t gc_once = PTHREAD_ONCE_INIT;
+static int gc_depth;            /* nesting of releases on the lock holder */
+static dp_cont_t *dead_list;    /* via gc_next: count reached zero or garbage */
+static dp_cont_t *cand_list;    /* via gc_next2: released with count > 0 */
+static dp_cont_t *free_list;    /* via gc_next: children released, memory pending */
+
+static void gc_init(void) {
+  pthread_mutexattr_t a;
+  pthread_mutexattr_init(&a);
+  pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
+  pthread_mutex_init(&gc_lock, &a);
+  pthread_mutexattr_destroy(&a);
+}
+
+static void mark_dead(dp_cont_t *c) {
+  c->h.color = DP_GC_DEAD;
+  c->gc_next = dead_list;
+  dead_list = c;
+}
+
+static void make_candidate(dp_cont_t *c) {
+  if (c->h.color != DP_GC_NONE) return;  /* already a candidate */
+  c->h.color = DP_GC_PURPLE;
+  c->gc_next2 = cand_list;
+  cand_list = c;
+}
+
+/* Drops one reference held by a dying container. Children already dead
+ * belong to the same garbage batch and are freed with it. */
+static void drop_child(dp_value_t v) {
+  if (!dp_value_is_heap(v)) return;
+  if (!dp__is_container_kind(v.kind)) {
+    dp__release_leaf(v.u.h);
+    return;
+  }
+  dp_cont_t *k = (dp_cont_t *)v.u.h;
+  if (k->h.color == DP_GC_DEAD) return;
+  if (atomic_fetch_sub_explicit(&k->h.rc, 1, memory_order_acq_rel) == 1)
+    mark_dead(k);
+  else
+    make_candidate(k);
+}
+
+/* Releases what a dead container holds and frees its arrays; the container's
+ * own memory waits for the end of the drain (it may still be on a list). */
+static void release_children(dp_cont_t *c) {
+  switch (c->h.kind) {
+    case DP_LIST:
+    case DP_TUPLE: {
+      dp_seq_t *s = (dp_seq_t *)c;
+      for (size_t i = 0; i < s->len; i++) drop_child(s->items[i]);
+      dp__free(s->items, s->cap * sizeof(dp_value_t));
+      s->items = NULL;
+      s->len = s->cap = 0;
+      break;
+    }
+    case DP_DICT: {
+      dp_dict_t *d = (dp_dict_t *)c;
+      for (size_t i = 0; i < d->len; i++) {
+        drop_child(d->entries[i].key);
+        drop_child(d->entries[i].val);
+      }
+      dp__free(d->entries, d->cap * sizeof(dp_entry_t));
+      dp__free(d->index, d->index_cap * sizeof(uint32_t));
+      d->entries = NULL;
+      d->index = NULL;
+      d->len = d->cap = d->index_cap = 0;
+      break;
+    }
+    case DP_OBJECT: {
+      dp_object_t *o = (dp_object_t *)c;
+      for (size_t i = 0; i < o->len; i++) {
+        dp__free(o->attrs[i].name, o->attrs[i].name_len + 1);
+        drop_child(o->attrs[i].val);
+      }
+      dp__free(o->attrs, o->cap * sizeof(dp_attr_t));
+      dp__free(o->index, o->index_cap * sizeof(uint32_t));
+      dp__free(o->class_name, o->class_len + 1);
+      o->attrs = NULL;
+      o->index = NULL;
+      o->len = o->cap = o->index_cap = 0;
+      break;
+    }
+  }
+}
+
+static size_t cont_size(const dp_cont_t *c) {
+  switch (c->h.kind) {
+    case DP_DICT: return sizeof(dp_dict_t);
+    case DP_OBJECT: return sizeof(dp_object_t);
+    default: return sizeof(dp_seq_t);
+  }
+}
+
+/* Calls fn(child, ctx) for each container child of c. */
+#define FOR_EACH_CONTAINER_CHILD(c, K, BODY)                                       \
+  do {                                                                             \
+    dp_value_t *vals_ = NULL;                                                      \
+    size_t n_ = 0, stride_ = 1;                                                    \
+    switch ((c)->h.kind) {                                                         \
+      case DP_LIST:                                                                \
+      case DP_TUPLE:                                                               \
+        vals_ = ((dp_seq_t *)(c))->items;                                          \
+        n_ = ((dp_seq_t *)(c))->len;                                               \
+        break;                                                                     \
+      case DP_DICT:                                                                \
+                                                                                   \
+        n_ = ((dp_dict_t *)(c))->len * 2;                                          \
+        stride_ = 0; /* handled below */                                           \
+        break;                                                                     \
+      case DP_OBJECT:                                                              \
+        n_ = ((dp_object_t *)(c))->len;                                            \
+        stride_ = 2;                                                               \
+        break;                                                                     \
+    }                                                                              \
+    for (size_t i_ = 0; i_ < n_; i_++) {                                           \
+      dp_value_t v_;                                                               \
+      if (stride_ == 1) v_ = vals_[i_];                                            \
+      else if (stride_ == 0) {                                                     \
+        dp_entry_t *e_ = &((dp_dict_t *)(c))->entries[i_ / 2];                     \
+        v_ = (i_ & 1) ? e_->val : e_->key;                                         \
+      } else v_ = ((dp_object_t *)(c))->attrs[i_].val;                             \
+      if (!dp__is_container_kind(v_.kind)) continue;                               \
+      dp_cont_t *K = (dp_cont_t *)v_.u.h;                                          \
+      BODY                                                                         \
+    }                                                                              \
+  } while (0)
+
+/* Trial deletion over everything reachable from the candidates. */
+static void collect_candidates(void) {
+  /* The candidates become the visit list (gc_next2), counted from their
+   * real reference counts. */
+  dp_cont_t *visit = NULL, *tail = NULL;
+  for (dp_cont_t *c = cand_list, *next; c; c = next) {
+    next = c->gc_next2;
+    c->gc_next2 = NULL;
+    if (c->h.color != DP_GC_PURPLE) continue;  /* died since */
+    c->h.color = DP_GC_GRAY;
+    c->gc_refs = dp__rc(&c->h);
+    if (tail) tail->gc_next2 = c; else visit = c;
+    tail = c;
+  }
+  cand_list = NULL;
+
+  /* Breadth-first: subtract internal references. */
+  for (dp_cont_t *p = visit; p; p = p->gc_next2) {
+    FOR_EACH_CONTAINER_CHILD(p, k, {
+      if (k->h.color != DP_GC_GRAY) {
+        k->h.color = DP_GC_GRAY;
+        k->gc_refs = dp__rc(&k->h);
+        k->gc_next2 = NULL;
+        tail->gc_next2 = k;
+        tail = k;
+      }
+      k->gc_refs--;
+    });
+  }
+
+  /* Held from outside: black, and everything it reaches (stack via gc_next). */
+  for (dp_cont_t *p = visit; p; p = p->gc_next2) {
+    if (p->h.color != DP_GC_GRAY || p->gc_refs == 0) continue;
+    p->h.color = DP_GC_BLACK;
+    p->gc_next = NULL;
+    dp_cont_t *stack = p;
+    while (stack) {
+      dp_cont_t *q = stack;
+      stack = q->gc_next;
+      FOR_EACH_CONTAINER_CHILD(q, k, {
+        if (k->h.color == DP_GC_GRAY) {
+          k->h.color = DP_GC_BLACK;
+          k->gc_next = stack;
+          stack = k;
+        }
+      });
+    }
+  }
+
+  /* Still gray: garbage. */
+  for (dp_cont_t *p = visit, *next; p; p = next) {
+    next = p->gc_next2;
+    p->gc_next2 = NULL;
+    if (p->h.color == DP_GC_GRAY)
+      mark_dead(p);
+    else
+      p->h.color = DP_GC_NONE;
+  }
+}
+
+static void drain(void) {
+  for (;;) {
+    while (dead_list) {
+      dp_cont_t *c = dead_list;
+      dead_list = c->gc_next;
+      release_children(c);
+      c->gc_next = free_list;
+      free_list = c;
+    }
+    if (!cand_list) break;
+    collect_candidates();
+  }
+  while (free_list) {
+    dp_cont_t *c = free_list;
+    free_list = c->gc_next;
+    dp__free(c, cont_size(c));
+  }
+}
+
+void dp__gc_release(dp_cont_t *c) {
+  pthread_once(&gc_once, gc_init);
+  pthread_mutex_lock(&gc_lock);
+  gc_depth++;
+  if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1)
+    mark_dead(c);
+  else
+    make_candidate(c);
+  if (gc_depth == 1) drain();
+  gc_depth--;
+  pthread_mutex_unlock(&gc_lock);
+}

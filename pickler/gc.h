@@ -1,0 +1,17 @@
+/* pickler/gc.h — the cycle collector and module-private constructors. */
+#ifndef DP_PICKLER_GC_H
+#define DP_PICKLER_GC_H
+#include "internal.h"
+
+void dp__gc_release(dp_cont_t *c);
+void dp__release_leaf(dp_heap_t *h);
+
+int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int allow_replace,
+                         dp_error_t *err);
+int dp__object_new_n(const char *cls, size_t len, dp_value_t *out, dp_error_t *err);
+int dp__object_new_reduced_n(const char *type, size_t len, dp_value_t *out, dp_error_t *err);
+int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val, int allow_replace,
+                     dp_error_t *err);
+int dp__tensor_check(size_t nbytes, dp_dtype_t dtype, int ndim, const int64_t *shape,
+                     const int64_t *strides, int64_t offset, dp_error_t *err);
+#endif

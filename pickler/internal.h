@@ -1,0 +1,145 @@
+/* pickler/internal.h — declarations shared inside the pickler module. */
+#ifndef DP_PICKLER_INTERNAL_H
+#define DP_PICKLER_INTERNAL_H
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include "devpickle.h"
+
+#define DP_UNUSED(x) ((void)(x))
+#define DP_LIKELY(x) __builtin_expect(!!(x), 1)
+#define DP_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* ---- memory: everything goes through the hook ---- */
+void *dp__alloc(size_t n);
+void *dp__realloc(void *p, size_t osize, size_t nsize);
+void dp__free(void *p, size_t n);
+/* n * size with overflow check; NULL on overflow or failure. */
+void *dp__alloc_array(size_t n, size_t size);
+char *dp__strndup(const char *s, size_t n);
+/* Grows *arr (element size `size`) to hold at least `need` elements. */
+int dp__grow(void **arr, size_t *cap, size_t need, size_t size);
+
+/* ---- errors ---- */
+int dp__err(dp_error_t *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap);
+
+/* ---- heap objects ---- */
+enum { DP_GC_NONE = 0, DP_GC_PURPLE, DP_GC_GRAY, DP_GC_BLACK, DP_GC_DEAD };
+enum {
+  DP_HEAP_REDUCED = 1,  /* object stand-in for a custom */
+  DP_HEAP_OPEN = 2,     /* container still being filled by the unpickler */
+};
+
+typedef struct dp_heap {
+  _Atomic uint32_t rc;
+  uint8_t kind;
+  uint8_t color;   /* collector state; containers only, under the gc lock */
+  uint16_t flags;
+} dp_heap_t;
+
+/* Containers carry the collector's bookkeeping: no allocation at release. */
+typedef struct dp_cont {
+  dp_heap_t h;
+  uint32_t gc_refs;
+  struct dp_cont *gc_next;   /* dead list, free list, alive stack */
+  struct dp_cont *gc_next2;  /* candidate list, visit list */
+} dp_cont_t;
+
+typedef struct dp_strobj {
+  dp_heap_t h;
+  size_t len;
+  char data[];
+} dp_strobj_t;
+
+typedef struct dp_seq {
+  dp_cont_t c;
+  size_t len, cap;
+  dp_value_t *items;
+} dp_seq_t;
+
+typedef struct dp_entry {
+  dp_value_t key;
+  dp_value_t val;
+  uint64_t hash;
+} dp_entry_t;
+
+typedef struct dp_dict {
+  dp_cont_t c;
+  size_t len, cap;
+  dp_entry_t *entries;
+  uint32_t *index;      /* open addressing: entry + 1, 0 empty; NULL while small */
+  size_t index_cap;
+} dp_dict_t;
+
+typedef struct dp_attr {
+  char *name;
+  size_t name_len;
+  uint64_t hash;
+  dp_value_t val;
+} dp_attr_t;
+
+typedef struct dp_object {
+  dp_cont_t c;
+  char *class_name;
+  size_t class_len;
+  size_t len, cap;
+  dp_attr_t *attrs;
+  uint32_t *index;
+  size_t index_cap;
+} dp_object_t;
+
+typedef struct dp_tensor {
+  dp_heap_t h;
+  dp_storage_t *storage;
+  uint8_t dtype;
+  uint8_t ndim;
+  int64_t offset;
+  int64_t dims[];  /* shape[ndim] then strides[ndim] */
+} dp_tensor_t;
+
+typedef struct dp_custom {
+  dp_heap_t h;
+  const dp_type_t *type;
+  void *obj;
+} dp_custom_t;
+
+struct dp_storage {
+  _Atomic uint32_t rc;
+  dp_device_t device;
+  void *base;
+  size_t nbytes;
+  dp_storage_release_cb release;
+  void *ud;
+  void *host_data;
+};
+
+#define DP_H(v) ((v).u.h)
+#define DP_SEQ(v) ((dp_seq_t *)(v).u.h)
+#define DP_DICT(v) ((dp_dict_t *)(v).u.h)
+#define DP_OBJ(v) ((dp_object_t *)(v).u.h)
+#define DP_TENSOR(v) ((dp_tensor_t *)(v).u.h)
+#define DP_CUSTOM(v) ((dp_custom_t *)(v).u.h)
+#define DP_STROBJ(v) ((dp_strobj_t *)(v).u.h)
+
+static inline int dp__is_container_kind(uint32_t k) {
+  return k == DP_LIST || k == DP_TUPLE || k == DP_DICT || k == DP_OBJECT;
+}
+static inline uint32_t dp__rc(const dp_heap_t *h) {
+  return atomic_load_explicit(&((dp_heap_t *)h)->rc, memory_order_relaxed);
+}
+
+/* UTF-8 validation (RFC 3629: no overlongs, no surrogates, <= U+10FFFF). */
+int dp__utf8_valid(const char *s, size_t n);
+/* Whether s is an identifier ([A-Za-z_][A-Za-z0-9_]*) for path rendering. */
+int dp__is_identifier(const char *s, size_t n);
+
+/* Appends a JSON string literal (quoted, escaped) to buf; truncates safely. */
+size_t dp__json_quote(char *buf, size_t cap, size_t pos, const char *s, size_t n);
+
+/* Reduced-object helpers: the state stored in a stand-in object. */
+dp_value_t dp__reduced_state(dp_value_t obj);
+
+#endif

@@ -1,0 +1,307 @@
+/* pickler/pickle.c — values to frames, written with msgpack-c's packer. */
+#include <msgpack.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "frame.h"
+#include "walk.h"
+
+struct dp_frame {
+  uint8_t *buf;
+  size_t len, cap;
+  dp_ptrset_t *set;      /* buffers, in first-met order; owns the walker */
+  uint64_t *data_off;    /* inline: offset of each buffer's bytes in buf */
+  size_t data_off_cap;
+  int is_inline;
+  int failed;            /* sticky: the writer ran out of memory */
+  msgpack_packer pk;
+};
+
+uint64_t dp__frame_checksum(const uint8_t *frame, size_t n) {
+  return XXH3_64bits_withSeed(frame + DP_FRAME_HEADER, n - DP_FRAME_HEADER, XXH3_64bits(frame, 32));
+}
+
+static int frame_reserve(dp_frame_t *f, size_t extra) {
+  if (f->len + extra <= f->cap) return 0;
+  size_t ncap = f->cap ? f->cap : 256;
+  while (ncap < f->len + extra) {
+    if (ncap > SIZE_MAX / 2) return DP_ENOMEM;
+    ncap *= 2;
+  }
+  uint8_t *p = dp__realloc(f->buf, f->cap, ncap);
+  if (!p) return DP_ENOMEM;
+  f->buf = p;
+  f->cap = ncap;
+  return 0;
+}
+
+/* msgpack-c write callback: appends to the frame, through the hook. */
+static int frame_write(void *data, const char *buf, size_t len) {
+  dp_frame_t *f = data;
+  if (DP_UNLIKELY(f->len + len > f->cap) && frame_reserve(f, len) != 0) {
+    f->failed = 1;
+    return -1;
+  }
+  memcpy(f->buf + f->len, buf, len);
+  f->len += len;
+  return 0;
+}
+
+int dp_frame_new(dp_frame_t **out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_frame_new: NULL out");
+  dp_frame_t *f = dp__alloc(sizeof *f);
+  if (!f) return dp__err(err, DP_ENOMEM, "out of memory allocating a frame");
+  memset(f, 0, sizeof *f);
+  int rc = dp_ptrset_new(&f->set, err);
+  if (rc) {
+    dp__free(f, sizeof *f);
+    return rc;
+  }
+  msgpack_packer_init(&f->pk, f, frame_write);
+  *out = f;
+  return 0;
+}
+
+void dp_frame_free(dp_frame_t *f) {
+  if (!f) return;
+  dp_ptrset_free(f->set);
+  dp__free(f->buf, f->cap);
+  dp__free(f->data_off, f->data_off_cap * sizeof(uint64_t));
+  dp__free(f, sizeof *f);
+}
+
+const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len) {
+  if (len) *len = f ? f->len : 0;
+  return f ? f->buf : NULL;
+}
+
+size_t dp_frame_nbuffers(const dp_frame_t *f) { return f && f->len ? dp_ptrset_count(f->set) : 0; }
+
+int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out) {
+  dp_ptr_info_t info;
+  if (!f || !out || !f->len || dp_ptrset_get(f->set, i, &info) != 0) return DP_EINVAL;
+  out->id = (uint32_t)i;
+  out->device = info.device;
+  out->nbytes = info.nbytes;
+  out->base = (uint64_t)(uintptr_t)info.base;
+  out->data = f->is_inline ? f->buf + f->data_off[i] : NULL;
+  return 0;
+}
+
+/* ---- the sink ---- */
+
+static int put_tag(msgpack_packer *pk, char tag) {
+  int rc = msgpack_pack_ext(pk, 1, DP_EXT_TAG);
+  return rc ? rc : msgpack_pack_ext_body(pk, &tag, 1);
+}
+
+static int put_str(msgpack_packer *pk, const char *s, size_t n) {
+  int rc = msgpack_pack_str(pk, n);
+  return rc ? rc : msgpack_pack_str_body(pk, s, n);
+}
+
+static int sink_scalar(void *ctx, dp_value_t v) {
+  msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
+  switch (v.kind) {
+    case DP_NONE: return msgpack_pack_nil(pk);
+    case DP_BOOL: return v.u.i ? msgpack_pack_true(pk) : msgpack_pack_false(pk);
+    case DP_INT: return msgpack_pack_int64(pk, v.u.i);
+    case DP_FLOAT: return msgpack_pack_double(pk, v.u.f);
+    case DP_STR: return put_str(pk, DP_STROBJ(v)->data, DP_STROBJ(v)->len);
+    default: {
+      int rc = msgpack_pack_bin(pk, DP_STROBJ(v)->len);
+      return rc ? rc : msgpack_pack_bin_body(pk, DP_STROBJ(v)->data, DP_STROBJ(v)->len);
+    }
+  }
+}
+
+static int sink_enter(void *ctx, dp_value_t v, size_t n) {
+  msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
+  int rc;
+  switch (v.kind) {
+    case DP_LIST: return msgpack_pack_array(pk, n);
+    case DP_DICT: return msgpack_pack_map(pk, n);
+    case DP_TUPLE:
+      rc = msgpack_pack_array(pk, n + 1);
+      return rc ? rc : put_tag(pk, DP_TAG_TUPLE);
+    case DP_OBJECT: {
+      dp_object_t *o = DP_OBJ(v);
+      int reduced = (o->c.h.flags & DP_HEAP_REDUCED) != 0;
+      if ((rc = msgpack_pack_array(pk, reduced ? 3 : 2 + 2 * n)) != 0) return rc;
+      if ((rc = put_tag(pk, reduced ? DP_TAG_REDUCE : DP_TAG_OBJECT)) != 0) return rc;
+      return put_str(pk, o->class_name, o->class_len);
+    }
+    default: { /* custom */
+      const char *name = DP_CUSTOM(v)->type->name;
+      if ((rc = msgpack_pack_array(pk, 3)) != 0) return rc;
+      if ((rc = put_tag(pk, DP_TAG_REDUCE)) != 0) return rc;
+      return put_str(pk, name, strlen(name));
+    }
+  }
+}
+
+static int sink_attr(void *ctx, const char *name, size_t n) {
+  return put_str(&((dp_frame_t *)ctx)->pk, name, n);
+}
+
+static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
+  msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
+  dp_tensor_t *t = DP_TENSOR(v);
+  int rc = msgpack_pack_array(pk, 6);
+  rc = rc ? rc : put_tag(pk, DP_TAG_TENSOR);
+  rc = rc ? rc : msgpack_pack_uint64(pk, buffer);
+  rc = rc ? rc : msgpack_pack_uint8(pk, t->dtype);
+  for (int half = 0; half < 2 && !rc; half++) {
+    rc = msgpack_pack_array(pk, t->ndim);
+    for (int d = 0; d < t->ndim && !rc; d++) rc = msgpack_pack_int64(pk, t->dims[half * t->ndim + d]);
+  }
+  return rc ? rc : msgpack_pack_int64(pk, t->offset);
+}
+
+static int sink_backref(void *ctx, uint64_t index) {
+  msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
+  char be[4] = {(char)(index >> 24), (char)(index >> 16), (char)(index >> 8), (char)index};
+  int rc = msgpack_pack_ext(pk, 4, DP_EXT_REF);
+  return rc ? rc : msgpack_pack_ext_body(pk, be, 4);
+}
+
+static const dp__sink_t pack_sink = {sink_scalar, sink_enter, sink_attr, sink_tensor, sink_backref};
+
+/* ---- the buffer table and inline data ---- */
+
+static int write_table(dp_frame_t *f) {
+  size_t n = dp_ptrset_count(f->set);
+  uint64_t off = 0;
+  int rc = msgpack_pack_array(&f->pk, n);
+  for (size_t i = 0; i < n && !rc; i++) {
+    dp_ptr_info_t e;
+    dp_ptrset_get(f->set, i, &e);
+    rc = msgpack_pack_array(&f->pk, f->is_inline ? 5 : 4);
+    rc = rc ? rc : msgpack_pack_uint8(&f->pk, e.device.type);
+    rc = rc ? rc : msgpack_pack_uint8(&f->pk, e.device.index);
+    rc = rc ? rc : msgpack_pack_uint64(&f->pk, e.nbytes);
+    rc = rc ? rc : msgpack_pack_uint64(&f->pk, (uint64_t)(uintptr_t)e.base);
+    if (f->is_inline) {
+      rc = rc ? rc : msgpack_pack_uint64(&f->pk, off);
+      off += e.nbytes;
+    }
+  }
+  return rc;
+}
+
+static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst, dp_error_t *err) {
+  if (st->host_data) {
+    memcpy(dst, st->host_data, st->nbytes);
+    return 0;
+  }
+  if (opts && opts->read) return opts->read(opts->read_ud, st->device, st->base, st->nbytes, dst, err);
+  if (st->device.type == DP_DEVICE_CPU) {
+    if (st->nbytes) memcpy(dst, st->base, st->nbytes);
+    return 0;
+  }
+  char dev[16];
+  return dp__err(err, DP_ENODEV, "cannot read %zu bytes of %s memory for an inline frame: no reader given",
+                 st->nbytes, dp_device_format(st->device, dev, sizeof dev));
+}
+
+/* Finds the storage of every buffer: the first tensor met on each. */
+static int collect_storages(dp_value_t v, dp_frame_t *f, dp_storage_t **out, dp_error_t *err);
+
+static int write_data(dp_frame_t *f, dp_value_t v, const dp_pickle_opts_t *opts, dp_error_t *err) {
+  size_t n = dp_ptrset_count(f->set);
+  if (dp__grow((void **)&f->data_off, &f->data_off_cap, n ? n : 1, sizeof(uint64_t)) != 0)
+    return dp__err(err, DP_ENOMEM, "out of memory laying out inline data");
+  dp_storage_t **st = dp__alloc_array(n ? n : 1, sizeof *st);
+  if (!st) return dp__err(err, DP_ENOMEM, "out of memory laying out inline data");
+  int rc = collect_storages(v, f, st, err);
+  for (size_t i = 0; i < n && !rc; i++) {
+    size_t nb = st[i]->nbytes;
+    if (frame_reserve(f, nb) != 0) {
+      rc = dp__err(err, DP_ENOMEM, "out of memory copying %zu inline bytes", nb);
+      break;
+    }
+    f->data_off[i] = f->len;
+    rc = read_buffer(opts, st[i], f->buf + f->len, err);
+    f->len += nb;
+  }
+  dp__free(st, (n ? n : 1) * sizeof *st);
+  return rc;
+}
+
+/* A second, sink-less walk that records the storage object of each buffer.
+ * Inline frames are for files and tests, not the hot path. */
+typedef struct stor_sink_ctx {
+  dp_storage_t **out;
+  size_t n;
+} stor_sink_ctx_t;
+
+static int ss_none(void *ctx, dp_value_t v) { DP_UNUSED(ctx); DP_UNUSED(v); return 0; }
+static int ss_enter(void *ctx, dp_value_t v, size_t n) { DP_UNUSED(ctx); DP_UNUSED(v); DP_UNUSED(n); return 0; }
+static int ss_attr(void *ctx, const char *s, size_t n) { DP_UNUSED(ctx); DP_UNUSED(s); DP_UNUSED(n); return 0; }
+static int ss_ref(void *ctx, uint64_t i) { DP_UNUSED(ctx); DP_UNUSED(i); return 0; }
+static int ss_tensor(void *ctx, dp_value_t t, size_t id) {
+  stor_sink_ctx_t *c = ctx;
+  if (id == c->n) c->out[c->n++] = DP_TENSOR(t)->storage;
+  return 0;
+}
+static const dp__sink_t stor_sink = {ss_none, ss_enter, ss_attr, ss_tensor, ss_ref};
+
+static int collect_storages(dp_value_t v, dp_frame_t *f, dp_storage_t **out, dp_error_t *err) {
+  dp_ptrset_t *tmp;
+  int rc = dp_ptrset_new(&tmp, err);
+  if (rc) return rc;
+  dp__walker_t *w = dp__ptrset_walker(tmp);
+  stor_sink_ctx_t ctx = {out, 0};
+  w->set = tmp;
+  w->sink = &stor_sink;
+  w->sink_ctx = &ctx;
+  w->err = err;
+  w->want_paths = 0;
+  w->max_depth = dp__ptrset_walker(f->set)->max_depth;
+  rc = dp__walk(w, v);
+  dp_ptrset_free(tmp);
+  return rc;
+}
+
+int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_error_t *err) {
+  if (!f) return dp__err(err, DP_EINVAL, "dp_pickle: NULL frame");
+  f->len = 0;
+  f->failed = 0;
+  f->is_inline = opts && (opts->flags & DP_PICKLE_INLINE);
+  dp_ptrset_clear(f->set);
+  int rc = frame_reserve(f, DP_FRAME_HEADER);
+  if (rc) return dp__err(err, DP_ENOMEM, "out of memory starting a frame");
+  f->len = DP_FRAME_HEADER;
+
+  dp__walker_t *w = dp__ptrset_walker(f->set);
+  w->set = f->set;
+  w->sink = &pack_sink;
+  w->sink_ctx = f;
+  w->err = err;
+  w->want_paths = 0;
+  w->max_depth = (opts && opts->max_depth) ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
+  rc = dp__walk(w, v);
+  if (rc == 0 && f->failed) rc = dp__err(err, DP_ENOMEM, "out of memory writing the payload");
+  if (rc) goto fail;
+  size_t payload_end = f->len;
+  if (write_table(f) != 0 || f->failed) {
+    rc = dp__err(err, DP_ENOMEM, "out of memory writing the buffer table");
+    goto fail;
+  }
+  size_t table_end = f->len;
+  if (f->is_inline && (rc = write_data(f, v, opts, err)) != 0) goto fail;
+
+  uint8_t *h = f->buf;
+  memcpy(h, DP_FRAME_MAGIC, 4);
+  dp__put_le16(h + 4, DP_FRAME_VERSION);
+  dp__put_le16(h + 6, f->is_inline ? DP_FRAME_FLAG_INLINE : 0);
+  dp__put_le64(h + 8, payload_end - DP_FRAME_HEADER);
+  dp__put_le64(h + 16, table_end - payload_end);
+  dp__put_le64(h + 24, f->len - table_end);
+  dp__put_le64(h + 32, dp__frame_checksum(h, f->len));
+  return 0;
+fail:
+  f->len = 0;
+  dp_ptrset_clear(f->set);
+  return rc;
+}

@@ -1,0 +1,709 @@
+/* pickler/unpickle.c — frames to values. The input is hostile.
+ *
+ * Why not msgpack-c's unpacker: its C API builds a whole object tree in a
+ * zone allocated with malloc (outside the allocator hook) and sizes arrays
+ * from the counts in their headers before checking that the bytes exist.
+ * This reader is a bounds-checked pull decoder over the same format: every
+ * length is checked against the bytes left before anything is allocated, so
+ * allocation stays within a constant factor of the input, and values are
+ * built directly with an explicit stack (no recursion). */
+#include <string.h>
+
+#include "frame.h"
+#include "gc.h"
+
+/* ---- tokens ---- */
+
+enum tok_type { T_NIL, T_BOOL, T_INT, T_UINT, T_FLOAT, T_STR, T_BIN, T_ARRAY, T_MAP, T_EXT };
+
+typedef struct tok {
+  int type;
+  union {
+    int64_t i;
+    uint64_t u;
+    double f;
+  } v;
+  uint64_t len;          /* str/bin/ext bytes, array items, map pairs */
+  const uint8_t *data;   /* str/bin/ext bytes */
+  int8_t ext;
+} tok_t;
+
+typedef struct rd {
+  const uint8_t *base;   /* frame start, for offsets */
+  const uint8_t *p, *end;
+  dp_error_t *err;
+} rd_t;
+
+static int64_t off(const rd_t *r, const uint8_t *at) { return (int64_t)(at - r->base); }
+
+static uint64_t be(const uint8_t *p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; i++) v = (v << 8) | p[i];
+  return v;
+}
+
+static int need(rd_t *r, const uint8_t *start, uint64_t n, const char *what) {
+  if ((uint64_t)(r->end - r->p) < n)
+    return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s runs past the end of its section", what);
+  return 0;
+}
+
+/* Reads one token header. Counts and lengths are checked against the bytes
+ * left: an array of n items needs at least n bytes, a map 2n. */
+static int next_tok(rd_t *r, tok_t *t) {
+  const uint8_t *start = r->p;
+  if (r->p >= r->end) return dp__err_at(r->err, DP_EFORMAT, off(r, start), "value expected, section ended");
+  uint8_t b = *r->p++;
+  int lenbytes = 0, rc;
+  t->data = NULL;
+  t->len = 0;
+  if (b <= 0x7f) { t->type = T_INT; t->v.i = b; return 0; }
+  if (b >= 0xe0) { t->type = T_INT; t->v.i = (int8_t)b; return 0; }
+  if ((b & 0xf0) == 0x80) { t->type = T_MAP; t->len = b & 0x0f; goto check_count; }
+  if ((b & 0xf0) == 0x90) { t->type = T_ARRAY; t->len = b & 0x0f; goto check_count; }
+  if ((b & 0xe0) == 0xa0) { t->type = T_STR; t->len = b & 0x1f; goto body; }
+  switch (b) {
+    case 0xc0: t->type = T_NIL; return 0;
+    case 0xc2: t->type = T_BOOL; t->v.i = 0; return 0;
+    case 0xc3: t->type = T_BOOL; t->v.i = 1; return 0;
+    case 0xc4: case 0xc5: case 0xc6:
+      t->type = T_BIN; lenbytes = 1 << (b - 0xc4); break;
+    case 0xd9: case 0xda: case 0xdb:
+      t->type = T_STR; lenbytes = 1 << (b - 0xd9); break;
+    case 0xdc: case 0xdd:
+      t->type = T_ARRAY; lenbytes = b == 0xdc ? 2 : 4; break;
+    case 0xde: case 0xdf:
+      t->type = T_MAP; lenbytes = b == 0xde ? 2 : 4; break;
+    case 0xcc: case 0xcd: case 0xce: case 0xcf: {
+      int n = 1 << (b - 0xcc);
+      if ((rc = need(r, start, (uint64_t)n, "integer")) != 0) return rc;
+      t->type = T_UINT;
+      t->v.u = be(r->p, n);
+      r->p += n;
+      return 0;
+    }
+    case 0xd0: case 0xd1: case 0xd2: case 0xd3: {
+      int n = 1 << (b - 0xd0);
+      if ((rc = need(r, start, (uint64_t)n, "integer")) != 0) return rc;
+      uint64_t u = be(r->p, n);
+      r->p += n;
+      t->type = T_INT;
+      t->v.i = n == 8 ? (int64_t)u : (int64_t)(u << (64 - 8 * n)) >> (64 - 8 * n);
+      return 0;
+    }
+    case 0xca: case 0xcb: {
+      int n = b == 0xca ? 4 : 8;
+      if ((rc = need(r, start, (uint64_t)n, "float")) != 0) return rc;
+      uint64_t u = be(r->p, n);
+      r->p += n;
+      t->type = T_FLOAT;
+      if (n == 4) {
+        uint32_t u32 = (uint32_t)u;
+        float f;
+        memcpy(&f, &u32, 4);
+        t->v.f = f;
+      } else {
+        memcpy(&t->v.f, &u, 8);
+      }
+      return 0;
+    }
+    case 0xd4: case 0xd5: case 0xd6: case 0xd7: case 0xd8:
+      t->type = T_EXT;
+      t->len = 1u << (b - 0xd4);
+      if ((rc = need(r, start, 1 + t->len, "ext")) != 0) return rc;
+      t->ext = (int8_t)*r->p++;
+      t->data = r->p;
+      r->p += t->len;
+      return 0;
+    case 0xc7: case 0xc8: case 0xc9: {
+      int n = 1 << (b - 0xc7);
+      if ((rc = need(r, start, (uint64_t)n + 1, "ext")) != 0) return rc;
+      t->type = T_EXT;
+      t->len = be(r->p, n);
+      r->p += n;
+      t->ext = (int8_t)*r->p++;
+      goto body_checked;
+    }
+    default:
+      return dp__err_at(r->err, DP_EFORMAT, off(r, start), "invalid msgpack type byte 0x%02x", b);
+  }
+  if ((rc = need(r, start, (uint64_t)lenbytes, "length")) != 0) return rc;
+  t->len = be(r->p, lenbytes);
+  r->p += lenbytes;
+  if (t->type == T_ARRAY || t->type == T_MAP) goto check_count;
+body:
+body_checked:
+  if ((uint64_t)(r->end - r->p) < t->len)
+    return dp__err_at(r->err, DP_EFORMAT, off(r, start),
+                      "%s of %llu bytes is longer than the %lld bytes left", t->type == T_STR ? "str" : t->type == T_BIN ? "bytes" : "ext",
+                      (unsigned long long)t->len, (long long)(r->end - r->p));
+  t->data = r->p;
+  r->p += t->len;
+  return 0;
+check_count:
+  if (t->len > (uint64_t)(r->end - r->p) / (t->type == T_MAP ? 2 : 1))
+    return dp__err_at(r->err, DP_EFORMAT, off(r, start),
+                      "%s claims %llu %s but only %lld bytes are left", t->type == T_MAP ? "map" : "array",
+                      (unsigned long long)t->len, t->type == T_MAP ? "pairs" : "items", (long long)(r->end - r->p));
+  return 0;
+}
+
+static int read_int(rd_t *r, int64_t *out, int64_t lo, int64_t hi, const char *what) {
+  const uint8_t *start = r->p;
+  tok_t t;
+  int rc = next_tok(r, &t);
+  if (rc) return rc;
+  if (t.type == T_UINT) {
+    if (t.v.u > (uint64_t)INT64_MAX) goto range;
+    t.v.i = (int64_t)t.v.u;
+  } else if (t.type != T_INT) {
+    return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: integer expected", what);
+  }
+  if (t.v.i < lo || t.v.i > hi) goto range;
+  *out = t.v.i;
+  return 0;
+range:
+  return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s out of range", what);
+}
+
+static int read_uint(rd_t *r, uint64_t *out, const char *what) {
+  const uint8_t *start = r->p;
+  tok_t t;
+  int rc = next_tok(r, &t);
+  if (rc) return rc;
+  if (t.type == T_INT && t.v.i >= 0) t.v.u = (uint64_t)t.v.i;
+  else if (t.type != T_UINT) return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: unsigned integer expected", what);
+  *out = t.v.u;
+  return 0;
+}
+
+static int read_array(rd_t *r, uint64_t *n, const char *what) {
+  const uint8_t *start = r->p;
+  tok_t t;
+  int rc = next_tok(r, &t);
+  if (rc) return rc;
+  if (t.type != T_ARRAY) return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: array expected", what);
+  *n = t.len;
+  return 0;
+}
+
+static int read_name(rd_t *r, const char **s, size_t *n, const char *what) {
+  const uint8_t *start = r->p;
+  tok_t t;
+  int rc = next_tok(r, &t);
+  if (rc) return rc;
+  if (t.type != T_STR || t.len == 0)
+    return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: non-empty str expected", what);
+  if (!dp__utf8_valid((const char *)t.data, t.len))
+    return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: invalid UTF-8", what);
+  *s = (const char *)t.data;
+  *n = t.len;
+  return 0;
+}
+
+/* ---- the unpickler ---- */
+
+typedef struct node {
+  dp_value_t v;      /* borrowed: owned by the tree being built */
+  uint8_t open;      /* a container still being filled */
+} node_t;
+
+typedef struct uframe {
+  dp_value_t v;          /* the container (owned by the frame until delivered) */
+  uint64_t remaining;    /* children still to read (pairs for dict/object) */
+  uint64_t pos;          /* next tuple slot */
+  uint32_t node;         /* preorder index */
+  uint8_t tag;           /* 0 list, DP_TAG_*, or 'd' for dict */
+  uint8_t have_key;
+  dp_value_t key;        /* dict: the key read, waiting for its value */
+  const char *name;      /* object: the attribute name read */
+  size_t name_len;
+  const char *type;      /* reduce: the type name */
+  size_t type_len;
+} uframe_t;
+
+typedef struct up {
+  rd_t r;
+  dp_limits_t lim;
+  const dp_unpickle_opts_t *opts;
+  node_t *nodes;
+  size_t nnodes, nodes_cap;
+  uframe_t *stack;
+  size_t top, stack_cap;
+  dp_storage_t **bufs;
+  size_t nbufs, bufs_cap;
+  uint64_t items, bytes;
+  dp_value_t root;
+  int have_root;
+} up_t;
+
+static int lim_err(up_t *u, const uint8_t *at, const char *what, unsigned long long limit) {
+  return dp__err_at(u->r.err, DP_ELIMIT, off(&u->r, at), "%s exceeds the limit of %llu", what, limit);
+}
+
+static int oom_at(up_t *u, const uint8_t *at) {
+  return dp__err_at(u->r.err, DP_ENOMEM, off(&u->r, at), "out of memory");
+}
+
+static int add_node(up_t *u, dp_value_t v, int open, const uint8_t *at) {
+  if (u->nnodes == u->nodes_cap &&
+      dp__grow((void **)&u->nodes, &u->nodes_cap, u->nnodes + 1, sizeof(node_t)) != 0)
+    return oom_at(u, at);
+  u->nodes[u->nnodes].v = v;
+  u->nodes[u->nnodes].open = (uint8_t)open;
+  u->nnodes++;
+  return 0;
+}
+
+static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, const uint8_t *at) {
+  if (u->top >= u->lim.max_depth) {
+    dp_value_release(v);
+    return lim_err(u, at, "nesting depth", u->lim.max_depth);
+  }
+  if (u->top == u->stack_cap &&
+      dp__grow((void **)&u->stack, &u->stack_cap, u->top + 1, sizeof(uframe_t)) != 0) {
+    dp_value_release(v);
+    return oom_at(u, at);
+  }
+  int rc = add_node(u, v, 1, at);
+  if (rc) {
+    dp_value_release(v);
+    return rc;
+  }
+  uframe_t *f = &u->stack[u->top++];
+  memset(f, 0, sizeof *f);
+  v.u.h->flags |= DP_HEAP_OPEN;
+  f->v = v;
+  f->remaining = remaining;
+  f->node = (uint32_t)(u->nnodes - 1);
+  f->tag = tag;
+  return 0;
+}
+
+static int check_len(up_t *u, const uint8_t *at, uint64_t len) {
+  if (len > u->lim.max_str) return lim_err(u, at, "str or bytes length", u->lim.max_str);
+  u->bytes += len;
+  if (u->bytes > u->lim.max_bytes) return lim_err(u, at, "total str and bytes size", u->lim.max_bytes);
+  return 0;
+}
+
+static int read_tensor(up_t *u, const uint8_t *at, dp_value_t *out) {
+  rd_t *r = &u->r;
+  int64_t id, dtype, offset;
+  uint64_t nd, ns;
+  int64_t shape[DP_TENSOR_MAX_DIMS], strides[DP_TENSOR_MAX_DIMS];
+  int rc = read_int(r, &id, 0, (int64_t)u->nbufs - 1, "tensor buffer id");
+  if (!rc) rc = read_int(r, &dtype, 0, DP_DTYPE_COUNT - 1, "tensor dtype");
+  if (!rc) rc = read_array(r, &nd, "tensor shape");
+  if (!rc && nd > DP_TENSOR_MAX_DIMS)
+    rc = dp__err_at(r->err, DP_EFORMAT, off(r, at), "tensor has %llu dimensions (at most %d)",
+                    (unsigned long long)nd, DP_TENSOR_MAX_DIMS);
+  for (uint64_t d = 0; !rc && d < nd; d++) rc = read_int(r, &shape[d], 0, INT64_MAX, "tensor dimension");
+  if (!rc) rc = read_array(r, &ns, "tensor strides");
+  if (!rc && ns != nd) rc = dp__err_at(r->err, DP_EFORMAT, off(r, at), "tensor has %llu strides for %llu dimensions",
+                                       (unsigned long long)ns, (unsigned long long)nd);
+  for (uint64_t d = 0; !rc && d < ns; d++) rc = read_int(r, &strides[d], INT64_MIN + 1, INT64_MAX, "tensor stride");
+  if (!rc) rc = read_int(r, &offset, 0, INT64_MAX, "tensor offset");
+  if (rc) return rc;
+  dp_storage_t *st = u->bufs[id];
+  dp_error_t e;
+  if (dp__tensor_check(st->nbytes, (dp_dtype_t)dtype, (int)nd, shape, strides, offset, &e) != 0)
+    return dp__err_at(r->err, DP_EFORMAT, off(r, at), "tensor: %s", e.message);
+  return dp_tensor_new(dp_storage_retain(st), (dp_dtype_t)dtype, (int)nd, shape, strides, offset, out, &e) == 0
+             ? 0 : oom_at(u, at);
+}
+
+/* Reads one value. Scalars, strings, tensors and back-references come back
+ * complete in *out (*done = 1); containers are pushed (*done = 0). */
+static int read_value(up_t *u, dp_value_t *out, int *done) {
+  rd_t *r = &u->r;
+  const uint8_t *at = r->p;
+  tok_t t;
+  int rc = next_tok(r, &t);
+  if (rc) return rc;
+  if (++u->items > u->lim.max_items) return lim_err(u, at, "value count", u->lim.max_items);
+  *done = 1;
+  dp_error_t e;
+  switch (t.type) {
+    case T_NIL: *out = dp_none(); return 0;
+    case T_BOOL: *out = dp_bool(t.v.i != 0); return 0;
+    case T_INT: *out = dp_int(t.v.i); return 0;
+    case T_UINT:
+      if (t.v.u > (uint64_t)INT64_MAX) return dp__err_at(r->err, DP_EFORMAT, off(r, at), "integer out of range");
+      *out = dp_int((int64_t)t.v.u);
+      return 0;
+    case T_FLOAT: *out = dp_float(t.v.f); return 0;
+    case T_STR:
+    case T_BIN:
+      if ((rc = check_len(u, at, t.len)) != 0) return rc;
+      if (t.type == T_STR && !dp__utf8_valid((const char *)t.data, t.len))
+        return dp__err_at(r->err, DP_EFORMAT, off(r, at), "invalid UTF-8 in str");
+      rc = t.type == T_STR ? dp_str_new((const char *)t.data, t.len, out, &e)
+                           : dp_bytes_new(t.data, t.len, out, &e);
+      if (rc) return oom_at(u, at);
+      if ((rc = add_node(u, *out, 0, at)) != 0) dp_value_release(*out);
+      return rc;
+    case T_EXT: {
+      if (t.ext != DP_EXT_REF || t.len != 4)
+        return dp__err_at(r->err, DP_EFORMAT, off(r, at), "unexpected ext type %d of %llu bytes", t.ext,
+                          (unsigned long long)t.len);
+      uint64_t idx = be(t.data, 4);
+      if (idx >= u->nnodes)
+        return dp__err_at(r->err, DP_EFORMAT, off(r, at), "back-reference to node %llu, only %zu exist",
+                          (unsigned long long)idx, u->nnodes);
+      *out = dp_value_retain(u->nodes[idx].v);
+      return 0;
+    }
+    case T_MAP: {
+      if ((rc = dp_dict_new(t.len < 64 ? t.len : 64, out, &e)) != 0) return oom_at(u, at);
+      *done = 0;
+      return push_frame(u, *out, 'd', t.len, at);
+    }
+    default: /* T_ARRAY */
+      break;
+  }
+  /* An array: a list, or a tagged node when it opens with a tag. */
+  if (t.len > 0 && r->end - r->p >= 3 && r->p[0] == 0xd4 && r->p[1] == DP_EXT_TAG) {
+    uint8_t tag = r->p[2];
+    r->p += 3;
+    uint64_t n = t.len - 1;
+    switch (tag) {
+      case DP_TAG_TUPLE:
+        if ((rc = dp_tuple_new(n, out, &e)) != 0) return oom_at(u, at);
+        *done = 0;
+        return push_frame(u, *out, DP_TAG_TUPLE, n, at);
+      case DP_TAG_TENSOR:
+        if (n != 5) return dp__err_at(r->err, DP_EFORMAT, off(r, at), "tensor node has %llu fields, expected 5",
+                                      (unsigned long long)n);
+        if ((rc = read_tensor(u, at, out)) != 0) return rc;
+        if ((rc = add_node(u, *out, 0, at)) != 0) dp_value_release(*out);
+        return rc;
+      case DP_TAG_OBJECT:
+      case DP_TAG_REDUCE: {
+        const char *cls;
+        size_t cls_len;
+        if (n < 1 || (tag == DP_TAG_OBJECT ? (n - 1) % 2 != 0 : n != 2))
+          return dp__err_at(r->err, DP_EFORMAT, off(r, at), "%s node has %llu fields",
+                            tag == DP_TAG_OBJECT ? "object" : "reduce", (unsigned long long)n);
+        if ((rc = read_name(r, &cls, &cls_len, tag == DP_TAG_OBJECT ? "object class" : "reduce type")) != 0)
+          return rc;
+        rc = tag == DP_TAG_OBJECT ? dp__object_new_n(cls, cls_len, out, &e)
+                                  : dp__object_new_reduced_n(cls, cls_len, out, &e);
+        if (rc) return oom_at(u, at);
+        *done = 0;
+        if ((rc = push_frame(u, *out, tag, tag == DP_TAG_OBJECT ? (n - 1) / 2 : 1, at)) != 0) return rc;
+        u->stack[u->top - 1].type = cls;
+        u->stack[u->top - 1].type_len = cls_len;
+        return 0;
+      }
+      default:
+        return dp__err_at(r->err, DP_EFORMAT, off(r, at), "unknown node tag %u", tag);
+    }
+  }
+  if ((rc = dp_list_new(t.len < 1024 ? t.len : 1024, out, &e)) != 0) return oom_at(u, at);
+  *done = 0;
+  return push_frame(u, *out, 0, t.len, at);
+}
+
+static int allowed_type(const dp_resolver_t *res, const char *name, size_t n) {
+  if (!res || !res->resolve) return 0;
+  for (size_t i = 0; i < res->ntypes; i++)
+    if (res->types[i] && strlen(res->types[i]) == n && memcmp(res->types[i], name, n) == 0) return 1;
+  return 0;
+}
+
+/* A frame that has all its children: closes it and yields its value. */
+static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at) {
+  u->nodes[f->node].open = 0;
+  f->v.u.h->flags &= (uint16_t)~DP_HEAP_OPEN;
+  *out = f->v;
+  if (f->tag != DP_TAG_REDUCE || !allowed_type(u->opts->resolver, f->type, f->type_len)) return 0;
+  /* An allowed custom: rebuild it from its state. */
+  if (dp_value_refcount(f->v) != 1) {
+    return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at),
+                      "reduced state of '%.*s' refers back to it: a resolved custom cannot be in a cycle",
+                      (int)f->type_len, f->type);
+  }
+  char name[256];
+  size_t n = f->type_len < sizeof name - 1 ? f->type_len : sizeof name - 1;
+  memcpy(name, f->type, n);
+  name[n] = '\0';
+  const dp_resolver_t *res = u->opts->resolver;
+  dp_value_t made = dp_none();
+  dp_error_t e;
+  dp_error_clear(&e);
+  int rc = res->resolve(res->ud, name, dp__reduced_state(f->v), &made, &e);
+  if (rc) {
+    return dp__err_at(u->r.err, rc, off(&u->r, at), "resolving custom '%s' failed: %s", name,
+                      e.message[0] ? e.message : dp_strerror(rc));
+  }
+  dp_value_release(f->v);
+  f->v = made;
+  u->nodes[f->node].v = made;
+  *out = made;
+  return 0;
+}
+
+/* Whether a key holds no tuple that is still being filled (its hash would
+ * change under the dict). Deeper keys fail dp_value_is_hashable anyway. */
+static int key_finished(dp_value_t k, int depth) {
+  if (k.kind != DP_TUPLE || depth > 33) return 1;
+  if (k.u.h->flags & DP_HEAP_OPEN) return 0;
+  for (size_t i = 0; i < DP_SEQ(k)->len; i++)
+    if (!key_finished(DP_SEQ(k)->items[i], depth + 1)) return 0;
+  return 1;
+}
+
+/* Gives a finished child to the frame on top (stealing it). */
+static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
+  if (u->top == 0) {
+    u->root = v;
+    u->have_root = 1;
+    return 0;
+  }
+  uframe_t *f = &u->stack[u->top - 1];
+  dp_error_t e;
+  int rc = 0;
+  switch (f->tag) {
+    case 0:
+      rc = dp_list_append(f->v, v, &e);
+      break;
+    case DP_TAG_TUPLE:
+      DP_SEQ(f->v)->items[f->pos++] = v;
+      break;
+    case 'd':
+      if (!f->have_key) {
+        /* A key must be hashable and finished: a back-reference to a tuple
+         * still being filled would change under the dict. */
+        if (!key_finished(v, 0)) {
+          dp_value_release(v);
+          return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "dict key refers to an unfinished tuple");
+        }
+        if (!dp_value_is_hashable(v)) {
+          int k = (int)v.kind;
+          dp_value_release(v);
+          return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "dict key of kind %s is not hashable",
+                            dp_kind_name((dp_kind_t)k));
+        }
+        f->key = v;
+        f->have_key = 1;
+        return 0;
+      }
+      f->have_key = 0;
+      rc = dp__dict_set_checked(f->v, f->key, v, 0, &e);
+      if (rc == DP_EINVAL) return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "duplicate dict key");
+      break;
+    case DP_TAG_OBJECT:
+      rc = dp__object_set_n(f->v, f->name, f->name_len, v, 0, &e);
+      f->name = NULL;
+      if (rc == DP_EINVAL) return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "duplicate attribute");
+      break;
+    case DP_TAG_REDUCE:
+      rc = dp__object_set_n(f->v, "__reduce__", 10, v, 0, &e);
+      break;
+  }
+  f->remaining--;
+  return rc ? oom_at(u, at) : 0;
+}
+
+static int parse_payload(up_t *u) {
+  rd_t *r = &u->r;
+  int rc = 0, done;
+  dp_value_t v;
+  if ((rc = read_value(u, &v, &done)) != 0) return rc;
+  if (done && (rc = deliver(u, v, r->p)) != 0) return rc;
+  while (u->top > 0) {
+    uframe_t *f = &u->stack[u->top - 1];
+    const uint8_t *at = r->p;
+    if (f->remaining == 0 && !(f->tag == 'd' && f->have_key)) {
+      if ((rc = finish_frame(u, f, &v, at)) != 0) return rc;
+      u->top--;
+      if ((rc = deliver(u, v, at)) != 0) return rc;
+      continue;
+    }
+    if (f->tag == DP_TAG_OBJECT && f->name == NULL) {
+      if ((rc = read_name(r, &f->name, &f->name_len, "attribute name")) != 0) return rc;
+    }
+    if ((rc = read_value(u, &v, &done)) != 0) return rc;
+    if (!done) continue;  /* a new frame: its value arrives when it closes */
+    if ((rc = deliver(u, v, r->p)) != 0) return rc;
+  }
+  return 0;
+}
+
+/* ---- header, table, entry point ---- */
+
+int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err) {
+  const uint8_t *b = bytes;
+  if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_frame_check: NULL bytes");
+  if (n < 4 || memcmp(b, DP_FRAME_MAGIC, 4) != 0) {
+    if (n < 4 && memcmp(b, DP_FRAME_MAGIC, n) == 0)
+      return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu bytes, the header needs %d", n,
+                        DP_FRAME_HEADER);
+    return dp__err_at(err, DP_EFORMAT, 0, "not a devpickle frame (bad magic)");
+  }
+  if (n < DP_FRAME_HEADER)
+    return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu bytes, the header needs %d", n,
+                      DP_FRAME_HEADER);
+  dp_frame_info_t fi;
+  fi.version = dp__get_le16(b + 4);
+  fi.flags = dp__get_le16(b + 6);
+  fi.payload_len = dp__get_le64(b + 8);
+  fi.table_len = dp__get_le64(b + 16);
+  fi.data_len = dp__get_le64(b + 24);
+  fi.checksum = dp__get_le64(b + 32);
+  fi.nbuffers = 0;
+  uint64_t body = n - DP_FRAME_HEADER;
+  if (fi.payload_len > body || fi.table_len > body - fi.payload_len ||
+      fi.data_len > body - fi.payload_len - fi.table_len) {
+    /* Lengths claim more than is here: truncated, or a corrupt header (the
+     * checksum cannot be trusted to say which without the missing bytes). */
+    return dp__err_at(err, DP_ETRUNC, (int64_t)n,
+                      "truncated frame: header announces %llu + %llu + %llu body bytes, %llu present",
+                      (unsigned long long)fi.payload_len, (unsigned long long)fi.table_len,
+                      (unsigned long long)fi.data_len, (unsigned long long)body);
+  }
+  if (fi.payload_len + fi.table_len + fi.data_len != body)
+    return dp__err_at(err, DP_EFORMAT, (int64_t)(DP_FRAME_HEADER + fi.payload_len + fi.table_len + fi.data_len),
+                      "%llu bytes after the end of the frame",
+                      (unsigned long long)(body - fi.payload_len - fi.table_len - fi.data_len));
+  uint64_t sum = dp__frame_checksum(b, n);
+  if (sum != fi.checksum)
+    return dp__err_at(err, DP_ECHECKSUM, 32, "checksum mismatch: header says %016llx, content hashes to %016llx",
+                      (unsigned long long)fi.checksum, (unsigned long long)sum);
+  if (fi.version != DP_FRAME_VERSION)
+    return dp__err_at(err, DP_EVERSION, 4, "frame version %u, this build reads version %d", fi.version,
+                      DP_FRAME_VERSION);
+  if (fi.flags & ~DP_FRAME_FLAG_INLINE)
+    return dp__err_at(err, DP_EFORMAT, 6, "unknown frame flags 0x%04x", fi.flags);
+  if ((fi.flags & DP_FRAME_FLAG_INLINE) == 0 && fi.data_len != 0)
+    return dp__err_at(err, DP_EFORMAT, 24, "data section in a frame without the inline flag");
+  /* Count the buffers: the table opens with an array header. */
+  rd_t r = {b, b + DP_FRAME_HEADER + fi.payload_len, b + DP_FRAME_HEADER + fi.payload_len + fi.table_len, err};
+  uint64_t nb;
+  int rc = read_array(&r, &nb, "buffer table");
+  if (rc) return rc;
+  fi.nbuffers = (uint32_t)(nb > UINT32_MAX ? UINT32_MAX : nb);
+  if (info) *info = fi;
+  return 0;
+}
+
+static int read_table(up_t *u, const dp_frame_info_t *fi) {
+  rd_t *r = &u->r;
+  const uint8_t *b = r->base;
+  const uint8_t *data = b + DP_FRAME_HEADER + fi->payload_len + fi->table_len;
+  int is_inline = (fi->flags & DP_FRAME_FLAG_INLINE) != 0;
+  r->p = b + DP_FRAME_HEADER + fi->payload_len;
+  r->end = data;
+  uint64_t n, data_off = 0;
+  const uint8_t *at = r->p;
+  int rc = read_array(r, &n, "buffer table");
+  if (rc) return rc;
+  if (n > u->lim.max_buffers) return lim_err(u, at, "buffer count", u->lim.max_buffers);
+  u->bufs = dp__alloc_array(n ? n : 1, sizeof(dp_storage_t *));
+  if (!u->bufs) return oom_at(u, at);
+  u->bufs_cap = n ? n : 1;
+  for (uint64_t i = 0; i < n; i++) {
+    uint64_t fields, dtype, dindex, nbytes, base, doff = 0;
+    at = r->p;
+    if ((rc = read_array(r, &fields, "buffer descriptor")) != 0) return rc;
+    if (fields != (is_inline ? 5u : 4u))
+      return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer descriptor %llu has %llu fields, expected %d",
+                        (unsigned long long)i, (unsigned long long)fields, is_inline ? 5 : 4);
+    if ((rc = read_uint(r, &dtype, "buffer device type")) || (rc = read_uint(r, &dindex, "buffer device index")) ||
+        (rc = read_uint(r, &nbytes, "buffer size")) || (rc = read_uint(r, &base, "buffer address")))
+      return rc;
+    if (is_inline && (rc = read_uint(r, &doff, "buffer data offset")) != 0) return rc;
+    if (dtype >= DP_DEVICE_TYPE_COUNT || dindex > DP_DEVICE_INDEX_MAX || (dtype == DP_DEVICE_CPU && dindex != 0))
+      return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer %llu: invalid device (type %llu, index %llu)",
+                        (unsigned long long)i, (unsigned long long)dtype, (unsigned long long)dindex);
+    if (nbytes > ((uint64_t)1 << 62))
+      return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer %llu: size %llu is out of range",
+                        (unsigned long long)i, (unsigned long long)nbytes);
+    if (is_inline) {
+      if (doff != data_off || nbytes > fi->data_len - data_off)
+        return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer %llu: inline data at %llu+%llu does not follow "
+                          "the previous buffer within the %llu-byte data section", (unsigned long long)i,
+                          (unsigned long long)doff, (unsigned long long)nbytes, (unsigned long long)fi->data_len);
+      data_off += nbytes;
+      u->bytes += nbytes;
+      if (u->bytes > u->lim.max_bytes) return lim_err(u, at, "total str, bytes and inline size", u->lim.max_bytes);
+    }
+    dp_buffer_desc_t desc = {(uint32_t)i, {(uint8_t)dtype, (uint8_t)dindex}, nbytes, base,
+                             is_inline ? data + doff : NULL};
+    dp_storage_t *st = NULL;
+    dp_error_t e;
+    dp_error_clear(&e);
+    if (u->opts->bind) {
+      rc = u->opts->bind(u->opts->bind_ud, &desc, &st, &e);
+      if (rc == 0 && (!st || st->nbytes < nbytes)) {
+        dp_storage_release(st);
+        rc = dp__err(&e, DP_EINVAL, "bind returned %s", st ? "a storage smaller than the buffer" : "no storage");
+      }
+      if (rc) return dp__err_at(r->err, rc, off(r, at), "binding buffer %llu failed: %s", (unsigned long long)i,
+                                e.message[0] ? e.message : dp_strerror(rc));
+    } else {
+      if (dp_storage_new(desc.device, (void *)(uintptr_t)base, nbytes, NULL, NULL, &st, &e) != 0)
+        return oom_at(u, at);
+      if (is_inline && dp_storage_set_host_data(st, desc.data, &e) != 0) {
+        dp_storage_release(st);
+        return oom_at(u, at);
+      }
+    }
+    u->bufs[u->nbufs++] = st;
+  }
+  if (r->p != r->end)
+    return dp__err_at(r->err, DP_EFORMAT, off(r, r->p), "%lld bytes after the buffer table", (long long)(r->end - r->p));
+  if (is_inline && data_off != fi->data_len)
+    return dp__err_at(r->err, DP_EFORMAT, off(r, data), "%llu bytes of the data section belong to no buffer",
+                      (unsigned long long)(fi->data_len - data_off));
+  return 0;
+}
+
+static void resolve_limits(dp_limits_t *l, const dp_limits_t *in) {
+  l->max_depth = in && in->max_depth ? in->max_depth : DP_DEFAULT_MAX_DEPTH;
+  l->max_buffers = in && in->max_buffers ? in->max_buffers : DP_DEFAULT_MAX_BUFFERS;
+  l->max_items = in && in->max_items ? in->max_items : DP_DEFAULT_MAX_ITEMS;
+  l->max_bytes = in && in->max_bytes ? in->max_bytes : DP_DEFAULT_MAX_BYTES;
+  l->max_str = in && in->max_str ? in->max_str : DP_DEFAULT_MAX_STR;
+}
+
+static void up_cleanup(up_t *u, int failed) {
+  while (u->top > 0) {
+    uframe_t *f = &u->stack[--u->top];
+    if (f->have_key) dp_value_release(f->key);
+    f->v.u.h->flags &= (uint16_t)~DP_HEAP_OPEN;
+    dp_value_release(f->v);
+  }
+  if (failed && u->have_root) dp_value_release(u->root);
+  for (size_t i = 0; i < u->nbufs; i++) dp_storage_release(u->bufs[i]);
+  dp__free(u->bufs, u->bufs_cap * sizeof(dp_storage_t *));
+  dp__free(u->nodes, u->nodes_cap * sizeof(node_t));
+  dp__free(u->stack, u->stack_cap * sizeof(uframe_t));
+}
+
+int dp_unpickle(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_unpickle: NULL out");
+  dp_frame_info_t fi;
+  int rc = dp_frame_check(bytes, n, &fi, err);
+  if (rc) return rc;
+  static const dp_unpickle_opts_t no_opts;
+  up_t u;
+  memset(&u, 0, sizeof u);
+  u.opts = opts ? opts : &no_opts;
+  resolve_limits(&u.lim, opts ? &opts->limits : NULL);
+  u.r.base = bytes;
+  u.r.err = err;
+  rc = read_table(&u, &fi);
+  if (rc == 0) {
+    u.r.p = (const uint8_t *)bytes + DP_FRAME_HEADER;
+    u.r.end = u.r.p + fi.payload_len;
+    rc = parse_payload(&u);
+    if (rc == 0 && u.r.p != u.r.end)
+      rc = dp__err_at(err, DP_EFORMAT, off(&u.r, u.r.p), "%lld bytes after the root value in the payload",
+                      (long long)(u.r.end - u.r.p));
+  }
+  if (rc == 0) *out = u.root;
+  up_cleanup(&u, rc != 0);
+  return rc;
+}

@@ -1,0 +1,729 @@
+/* pickler/value.c — values: constructors, accessors, reference counting. */
+#include <string.h>
+#include <xxhash.h>
+
+#include "internal.h"
+#include "gc.h"
+
+static const char *const kind_names[DP_KIND_COUNT] = {
+    "none", "bool", "int", "float", "str", "bytes",
+    "list", "tuple", "dict", "tensor", "object", "custom"};
+
+const char *dp_kind_name(dp_kind_t kind) {
+  return (unsigned)kind < DP_KIND_COUNT ? kind_names[kind] : "invalid";
+}
+
+static void heap_init(dp_heap_t *h, uint32_t kind) {
+  atomic_init(&h->rc, 1);
+  h->kind = (uint8_t)kind;
+  h->color = DP_GC_NONE;
+  h->flags = 0;
+}
+
+static void cont_init(dp_cont_t *c, uint32_t kind) {
+  heap_init(&c->h, kind);
+  c->gc_refs = 0;
+  c->gc_next = c->gc_next2 = NULL;
+}
+
+static dp_value_t heap_value(void *h, uint32_t kind) {
+  dp_value_t v;
+  v.u.h = h;
+  v.kind = kind;
+  v.reserved_ = 0;
+  return v;
+}
+
+static int oom(dp_error_t *err, const char *what) {
+  return dp__err(err, DP_ENOMEM, "out of memory allocating %s", what);
+}
+
+static int kind_mismatch(dp_error_t *err, const char *fn, dp_value_t v, const char *want) {
+  return dp__err(err, DP_EINVAL, "%s: expected %s, got %s", fn, want, dp_kind_name(dp_value_kind(v)));
+}
+
+/* ---- reference counting ---- */
+
+dp_value_t dp_value_retain(dp_value_t v) {
+  if (dp_value_is_heap(v)) atomic_fetch_add_explicit(&v.u.h->rc, 1, memory_order_relaxed);
+  return v;
+}
+
+uint32_t dp_value_refcount(dp_value_t v) {
+  return dp_value_is_heap(v) ? dp__rc(v.u.h) : 1;
+}
+
+/* Frees a non-container heap value whose count reached zero. */
+static void free_leaf(dp_heap_t *h) {
+  switch (h->kind) {
+    case DP_STR:
+    case DP_BYTES: {
+      dp_strobj_t *s = (dp_strobj_t *)h;
+      dp__free(s, sizeof *s + s->len + 1);
+      break;
+    }
+    case DP_TENSOR: {
+      dp_tensor_t *t = (dp_tensor_t *)h;
+      dp_storage_t *st = t->storage;
+      dp__free(t, sizeof *t + 2 * (size_t)t->ndim * sizeof(int64_t));
+      dp_storage_release(st);
+      break;
+    }
+    case DP_CUSTOM: {
+      dp_custom_t *c = (dp_custom_t *)h;
+      const dp_type_t *type = c->type;
+      void *obj = c->obj;
+      dp__free(c, sizeof *c);
+      if (type->destroy) type->destroy(obj);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void dp__release_leaf(dp_heap_t *h) {
+  if (atomic_fetch_sub_explicit(&h->rc, 1, memory_order_acq_rel) == 1) free_leaf(h);
+}
+
+void dp_value_release(dp_value_t v) {
+  if (!dp_value_is_heap(v)) return;
+  if (dp__is_container_kind(v.kind))
+    dp__gc_release((dp_cont_t *)v.u.h);
+  else
+    dp__release_leaf(v.u.h);
+}
+
+/* ---- str / bytes ---- */
+
+static int strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_error_t *err) {
+  if (n > SIZE_MAX - sizeof(dp_strobj_t) - 1) return oom(err, dp_kind_name(kind));
+  dp_strobj_t *s = dp__alloc(sizeof *s + n + 1);
+  if (!s) return oom(err, dp_kind_name(kind));
+  heap_init(&s->h, kind);
+  s->len = n;
+  if (n) memcpy(s->data, p, n);
+  s->data[n] = '\0';
+  *out = heap_value(s, kind);
+  return 0;
+}
+
+int dp_str_new(const char *s, size_t n, dp_value_t *out, dp_error_t *err) {
+  if (!out || (!s && n)) return dp__err(err, DP_EINVAL, "dp_str_new: NULL argument");
+  if (!dp__utf8_valid(s, n)) return dp__err(err, DP_EINVAL, "dp_str_new: invalid UTF-8");
+  return strobj_new(DP_STR, s, n, out, err);
+}
+
+int dp_bytes_new(const void *p, size_t n, dp_value_t *out, dp_error_t *err) {
+  if (!out || (!p && n)) return dp__err(err, DP_EINVAL, "dp_bytes_new: NULL argument");
+  return strobj_new(DP_BYTES, p, n, out, err);
+}
+
+const char *dp_str_data(dp_value_t s, size_t *len) {
+  if (s.kind != DP_STR) {
+    if (len) *len = 0;
+    return NULL;
+  }
+  if (len) *len = DP_STROBJ(s)->len;
+  return DP_STROBJ(s)->data;
+}
+
+const uint8_t *dp_bytes_data(dp_value_t b, size_t *len) {
+  if (b.kind != DP_BYTES) {
+    if (len) *len = 0;
+    return NULL;
+  }
+  if (len) *len = DP_STROBJ(b)->len;
+  return (const uint8_t *)DP_STROBJ(b)->data;
+}
+
+/* ---- list / tuple ---- */
+
+static int seq_new(uint32_t kind, size_t cap, size_t len, dp_value_t *out, dp_error_t *err) {
+  dp_seq_t *s = dp__alloc(sizeof *s);
+  if (!s) return oom(err, dp_kind_name(kind));
+  cont_init(&s->c, kind);
+  s->items = NULL;
+  if (cap) {
+    s->items = dp__alloc_array(cap, sizeof(dp_value_t));
+    if (!s->items) {
+      dp__free(s, sizeof *s);
+      return oom(err, dp_kind_name(kind));
+    }
+    for (size_t i = 0; i < len; i++) s->items[i] = dp_none();
+  }
+  s->len = len;
+  s->cap = cap;
+  *out = heap_value(s, kind);
+  return 0;
+}
+
+int dp_list_new(size_t capacity, dp_value_t *out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_list_new: NULL out");
+  return seq_new(DP_LIST, capacity, 0, out, err);
+}
+
+int dp_tuple_new(size_t n, dp_value_t *out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_tuple_new: NULL out");
+  return seq_new(DP_TUPLE, n, n, out, err);
+}
+
+int dp_list_append(dp_value_t list, dp_value_t item, dp_error_t *err) {
+  if (list.kind != DP_LIST) {
+    dp_value_release(item);
+    return kind_mismatch(err, "dp_list_append", list, "list");
+  }
+  dp_seq_t *s = DP_SEQ(list);
+  if (s->len == s->cap &&
+      dp__grow((void **)&s->items, &s->cap, s->len + 1, sizeof(dp_value_t)) != 0) {
+    dp_value_release(item);
+    return oom(err, "list items");
+  }
+  s->items[s->len++] = item;
+  return 0;
+}
+
+size_t dp_seq_len(dp_value_t seq) {
+  return (seq.kind == DP_LIST || seq.kind == DP_TUPLE) ? DP_SEQ(seq)->len : 0;
+}
+
+dp_value_t dp_seq_get(dp_value_t seq, size_t i) {
+  if ((seq.kind != DP_LIST && seq.kind != DP_TUPLE) || i >= DP_SEQ(seq)->len) return dp_none();
+  return DP_SEQ(seq)->items[i];
+}
+
+int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err) {
+  if (seq.kind != DP_LIST && seq.kind != DP_TUPLE) {
+    dp_value_release(item);
+    return kind_mismatch(err, "dp_seq_set", seq, "list or tuple");
+  }
+  dp_seq_t *s = DP_SEQ(seq);
+  if (i >= s->len) {
+    dp_value_release(item);
+    return dp__err(err, DP_EINVAL, "dp_seq_set: index %zu out of range (length %zu)", i, s->len);
+  }
+  dp_value_t old = s->items[i];
+  s->items[i] = item;
+  dp_value_release(old);
+  return 0;
+}
+
+/* ---- keys: hashing and equality for dict keys ---- */
+
+#define KEY_MAX_DEPTH 32
+
+static int key_hashable(dp_value_t k, int depth) {
+  if (depth > KEY_MAX_DEPTH) return 0;
+  switch (k.kind) {
+    case DP_NONE: case DP_BOOL: case DP_INT: case DP_FLOAT: case DP_STR: case DP_BYTES:
+      return 1;
+    case DP_TUPLE: {
+      dp_seq_t *s = DP_SEQ(k);
+      for (size_t i = 0; i < s->len; i++)
+        if (!key_hashable(s->items[i], depth + 1)) return 0;
+      return 1;
+    }
+    default:
+      return 0;
+  }
+}
+
+bool dp_value_is_hashable(dp_value_t key) { return key_hashable(key, 0); }
+
+static uint64_t key_hash(dp_value_t k) {
+  switch (k.kind) {
+    case DP_STR:
+    case DP_BYTES:
+      return XXH3_64bits_withSeed(DP_STROBJ(k)->data, DP_STROBJ(k)->len, k.kind);
+    case DP_TUPLE: {
+      dp_seq_t *s = DP_SEQ(k);
+      uint64_t h = XXH3_64bits_withSeed(&s->len, sizeof s->len, DP_TUPLE);
+      for (size_t i = 0; i < s->len; i++) {
+        uint64_t pair[2] = {h, key_hash(s->items[i])};
+        h = XXH3_64bits(pair, sizeof pair);
+      }
+      return h;
+    }
+    default: {
+      uint64_t bits = (uint64_t)k.u.i;
+      if (k.kind == DP_NONE) bits = 0;
+      return XXH3_64bits_withSeed(&bits, sizeof bits, k.kind);
+    }
+  }
+}
+
+static int key_equal(dp_value_t a, dp_value_t b) {
+  if (a.kind != b.kind) return 0;
+  switch (a.kind) {
+    case DP_NONE: return 1;
+    case DP_STR:
+    case DP_BYTES:
+      return DP_STROBJ(a)->len == DP_STROBJ(b)->len &&
+             memcmp(DP_STROBJ(a)->data, DP_STROBJ(b)->data, DP_STROBJ(a)->len) == 0;
+    case DP_TUPLE: {
+      if (a.u.h == b.u.h) return 1;
+      dp_seq_t *x = DP_SEQ(a), *y = DP_SEQ(b);
+      if (x->len != y->len) return 0;
+      for (size_t i = 0; i < x->len; i++)
+        if (!key_equal(x->items[i], y->items[i])) return 0;
+      return 1;
+    }
+    default:
+      return a.u.i == b.u.i;  /* bool, int, and float bitwise */
+  }
+}
+
+/* ---- a small open-addressing index shared by dict and object ----
+ * Entries live in insertion order in an array; the index maps hash -> entry+1.
+ * Small tables (<= 8 entries) have no index: a linear scan is faster. */
+
+#define INDEX_MIN_ENTRIES 8
+
+typedef int (*entry_match_fn)(const void *entries, size_t i, const void *key, uint64_t hash);
+
+static int index_rebuild(uint32_t **index, size_t *index_cap, size_t n,
+                         uint64_t (*hash_at)(const void *, size_t), const void *entries) {
+  size_t cap = 16;
+  while (cap < n * 2) cap *= 2;
+  uint32_t *ix = dp__alloc_array(cap, sizeof(uint32_t));
+  if (!ix) return DP_ENOMEM;
+  memset(ix, 0, cap * sizeof(uint32_t));
+  for (size_t i = 0; i < n; i++) {
+    size_t j = hash_at(entries, i) & (cap - 1);
+    while (ix[j]) j = (j + 1) & (cap - 1);
+    ix[j] = (uint32_t)(i + 1);
+  }
+  dp__free(*index, *index_cap * sizeof(uint32_t));
+  *index = ix;
+  *index_cap = cap;
+  return 0;
+}
+
+/* Returns the entry position of key, or SIZE_MAX. */
+static size_t index_find(const uint32_t *index, size_t index_cap, size_t n, const void *entries,
+                         const void *key, uint64_t hash, entry_match_fn match) {
+  if (!index) {
+    for (size_t i = 0; i < n; i++)
+      if (match(entries, i, key, hash)) return i;
+    return SIZE_MAX;
+  }
+  size_t j = hash & (index_cap - 1);
+  for (; index[j]; j = (j + 1) & (index_cap - 1))
+    if (match(entries, index[j] - 1, key, hash)) return index[j] - 1;
+  return SIZE_MAX;
+}
+
+/* After appending entry n-1: keep the index in step. */
+static int index_add(uint32_t **index, size_t *index_cap, size_t n,
+                     uint64_t (*hash_at)(const void *, size_t), const void *entries) {
+  if (n <= INDEX_MIN_ENTRIES) return 0;
+  if (!*index || n * 2 > *index_cap) return index_rebuild(index, index_cap, n, hash_at, entries);
+  size_t j = hash_at(entries, n - 1) & (*index_cap - 1);
+  while ((*index)[j]) j = (j + 1) & (*index_cap - 1);
+  (*index)[j] = (uint32_t)n;
+  return 0;
+}
+
+/* ---- dict ---- */
+
+static uint64_t dict_hash_at(const void *e, size_t i) { return ((const dp_entry_t *)e)[i].hash; }
+static int dict_match(const void *e, size_t i, const void *key, uint64_t hash) {
+  const dp_entry_t *en = (const dp_entry_t *)e + i;
+  return en->hash == hash && key_equal(en->key, *(const dp_value_t *)key);
+}
+
+int dp_dict_new(size_t capacity, dp_value_t *out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_dict_new: NULL out");
+  dp_dict_t *d = dp__alloc(sizeof *d);
+  if (!d) return oom(err, "dict");
+  cont_init(&d->c, DP_DICT);
+  d->len = 0;
+  d->cap = 0;
+  d->entries = NULL;
+  d->index = NULL;
+  d->index_cap = 0;
+  if (capacity && dp__grow((void **)&d->entries, &d->cap, capacity, sizeof(dp_entry_t)) != 0) {
+    dp__free(d, sizeof *d);
+    return oom(err, "dict entries");
+  }
+  *out = heap_value(d, DP_DICT);
+  return 0;
+}
+
+int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int allow_replace,
+                         dp_error_t *err) {
+  if (dict.kind != DP_DICT) {
+    dp_value_release(key);
+    dp_value_release(val);
+    return kind_mismatch(err, "dp_dict_set", dict, "dict");
+  }
+  if (!key_hashable(key, 0)) {
+    int kk = key.kind;
+    dp_value_release(key);
+    dp_value_release(val);
+    return dp__err(err, DP_ETYPE, "dict key of kind %s is not hashable%s", dp_kind_name(kk),
+                   kk == DP_TUPLE ? " (tuple holds an unhashable item or nests deeper than 32)" : "");
+  }
+  dp_dict_t *d = DP_DICT(dict);
+  uint64_t h = key_hash(key);
+  size_t at = index_find(d->index, d->index_cap, d->len, d->entries, &key, h, dict_match);
+  if (at != SIZE_MAX) {
+    if (!allow_replace) {
+      dp_value_release(key);
+      dp_value_release(val);
+      return dp__err(err, DP_EINVAL, "duplicate dict key");
+    }
+    dp_value_t old = d->entries[at].val;
+    d->entries[at].val = val;
+    dp_value_release(key);
+    dp_value_release(old);
+    return 0;
+  }
+  if (d->len >= UINT32_MAX - 1 ||
+      (d->len == d->cap && dp__grow((void **)&d->entries, &d->cap, d->len + 1, sizeof(dp_entry_t)) != 0)) {
+    dp_value_release(key);
+    dp_value_release(val);
+    return oom(err, "dict entries");
+  }
+  d->entries[d->len].key = key;
+  d->entries[d->len].val = val;
+  d->entries[d->len].hash = h;
+  d->len++;
+  if (index_add(&d->index, &d->index_cap, d->len, dict_hash_at, d->entries) != 0) {
+    d->len--;
+    dp_value_release(key);
+    dp_value_release(val);
+    return oom(err, "dict index");
+  }
+  return 0;
+}
+
+int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error_t *err) {
+  return dp__dict_set_checked(dict, key, val, 1, err);
+}
+
+int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val) {
+  if (dict.kind != DP_DICT || !key_hashable(key, 0)) return DP_ENOTFOUND;
+  dp_dict_t *d = DP_DICT(dict);
+  size_t at = index_find(d->index, d->index_cap, d->len, d->entries, &key, key_hash(key), dict_match);
+  if (at == SIZE_MAX) return DP_ENOTFOUND;
+  if (val) *val = d->entries[at].val;
+  return 0;
+}
+
+size_t dp_dict_len(dp_value_t dict) { return dict.kind == DP_DICT ? DP_DICT(dict)->len : 0; }
+
+int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val) {
+  if (dict.kind != DP_DICT || i >= DP_DICT(dict)->len) return DP_EINVAL;
+  if (key) *key = DP_DICT(dict)->entries[i].key;
+  if (val) *val = DP_DICT(dict)->entries[i].val;
+  return 0;
+}
+
+/* ---- object ---- */
+
+typedef struct name_key { const char *s; size_t n; } name_key_t;
+
+static uint64_t attr_hash_at(const void *a, size_t i) { return ((const dp_attr_t *)a)[i].hash; }
+static int attr_match(const void *a, size_t i, const void *key, uint64_t hash) {
+  const dp_attr_t *at = (const dp_attr_t *)a + i;
+  const name_key_t *k = key;
+  return at->hash == hash && at->name_len == k->n && memcmp(at->name, k->s, k->n) == 0;
+}
+
+static int object_alloc(const char *cls, size_t len, uint16_t flags, dp_value_t *out, dp_error_t *err) {
+  if (len == 0 || !dp__utf8_valid(cls, len))
+    return dp__err(err, DP_EINVAL, "object class name must be non-empty UTF-8");
+  dp_object_t *o = dp__alloc(sizeof *o);
+  if (!o) return oom(err, "object");
+  cont_init(&o->c, DP_OBJECT);
+  o->c.h.flags = flags;
+  o->class_name = dp__strndup(cls, len);
+  if (!o->class_name) {
+    dp__free(o, sizeof *o);
+    return oom(err, "object class name");
+  }
+  o->class_len = len;
+  o->len = o->cap = 0;
+  o->attrs = NULL;
+  o->index = NULL;
+  o->index_cap = 0;
+  *out = heap_value(o, DP_OBJECT);
+  return 0;
+}
+
+int dp__object_new_n(const char *cls, size_t len, dp_value_t *out, dp_error_t *err) {
+  return object_alloc(cls, len, 0, out, err);
+}
+
+int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err) {
+  if (!class_name || !out) return dp__err(err, DP_EINVAL, "dp_object_new: NULL argument");
+  return object_alloc(class_name, strlen(class_name), 0, out, err);
+}
+
+int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val, int allow_replace,
+                     dp_error_t *err) {
+  if (obj.kind != DP_OBJECT) {
+    dp_value_release(val);
+    return kind_mismatch(err, "dp_object_set", obj, "object");
+  }
+  if (n == 0 || !dp__utf8_valid(name, n)) {
+    dp_value_release(val);
+    return dp__err(err, DP_EINVAL, "attribute name must be non-empty UTF-8");
+  }
+  dp_object_t *o = DP_OBJ(obj);
+  name_key_t key = {name, n};
+  uint64_t h = XXH3_64bits(name, n);
+  size_t at = index_find(o->index, o->index_cap, o->len, o->attrs, &key, h, attr_match);
+  if (at != SIZE_MAX) {
+    if (!allow_replace) {
+      dp_value_release(val);
+      return dp__err(err, DP_EINVAL, "duplicate attribute");
+    }
+    dp_value_t old = o->attrs[at].val;
+    o->attrs[at].val = val;
+    dp_value_release(old);
+    return 0;
+  }
+  char *copy = dp__strndup(name, n);
+  if (!copy || o->len >= UINT32_MAX - 1 ||
+      (o->len == o->cap && dp__grow((void **)&o->attrs, &o->cap, o->len + 1, sizeof(dp_attr_t)) != 0)) {
+    dp__free(copy, copy ? n + 1 : 0);
+    dp_value_release(val);
+    return oom(err, "object attributes");
+  }
+  o->attrs[o->len] = (dp_attr_t){copy, n, h, val};
+  o->len++;
+  if (index_add(&o->index, &o->index_cap, o->len, attr_hash_at, o->attrs) != 0) {
+    o->len--;
+    dp__free(copy, n + 1);
+    dp_value_release(val);
+    return oom(err, "object index");
+  }
+  return 0;
+}
+
+int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *err) {
+  if (!name) {
+    dp_value_release(val);
+    return dp__err(err, DP_EINVAL, "dp_object_set: NULL name");
+  }
+  return dp__object_set_n(obj, name, strlen(name), val, 1, err);
+}
+
+int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val) {
+  if (obj.kind != DP_OBJECT || !name) return DP_ENOTFOUND;
+  dp_object_t *o = DP_OBJ(obj);
+  name_key_t key = {name, strlen(name)};
+  size_t at = index_find(o->index, o->index_cap, o->len, o->attrs, &key, XXH3_64bits(name, key.n),
+                         attr_match);
+  if (at == SIZE_MAX) return DP_ENOTFOUND;
+  if (val) *val = o->attrs[at].val;
+  return 0;
+}
+
+const char *dp_object_class(dp_value_t obj) {
+  return obj.kind == DP_OBJECT ? DP_OBJ(obj)->class_name : NULL;
+}
+
+size_t dp_object_nattrs(dp_value_t obj) { return obj.kind == DP_OBJECT ? DP_OBJ(obj)->len : 0; }
+
+int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val) {
+  if (obj.kind != DP_OBJECT || i >= DP_OBJ(obj)->len) return DP_EINVAL;
+  if (name) *name = DP_OBJ(obj)->attrs[i].name;
+  if (val) *val = DP_OBJ(obj)->attrs[i].val;
+  return 0;
+}
+
+bool dp_object_is_reduced(dp_value_t obj) {
+  return obj.kind == DP_OBJECT && (DP_OBJ(obj)->c.h.flags & DP_HEAP_REDUCED);
+}
+
+#define REDUCED_ATTR "__reduce__"
+
+int dp__object_new_reduced_n(const char *type, size_t len, dp_value_t *out, dp_error_t *err) {
+  return object_alloc(type, len, DP_HEAP_REDUCED, out, err);
+}
+
+int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  if (!type_name || !out) {
+    dp_value_release(state);
+    return dp__err(err, DP_EINVAL, "dp_object_new_reduced: NULL argument");
+  }
+  int rc = object_alloc(type_name, strlen(type_name), DP_HEAP_REDUCED, out, err);
+  if (rc) {
+    dp_value_release(state);
+    return rc;
+  }
+  rc = dp_object_set(*out, REDUCED_ATTR, state, err);
+  if (rc) dp_value_release(*out);
+  return rc;
+}
+
+dp_value_t dp__reduced_state(dp_value_t obj) {
+  dp_value_t st = dp_none();
+  dp_object_get(obj, REDUCED_ATTR, &st);
+  return st;
+}
+
+/* ---- storage ---- */
+
+int dp_storage_new(dp_device_t device, void *base, size_t nbytes, dp_storage_release_cb release,
+                   void *ud, dp_storage_t **out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_storage_new: NULL out");
+  if (device.type >= DP_DEVICE_TYPE_COUNT || (device.type == DP_DEVICE_CPU && device.index != 0))
+    return dp__err(err, DP_EINVAL, "dp_storage_new: invalid device (type %u, index %u)",
+                   device.type, device.index);
+  dp_storage_t *s = dp__alloc(sizeof *s);
+  if (!s) return oom(err, "storage");
+  atomic_init(&s->rc, 1);
+  s->device = device;
+  s->base = base;
+  s->nbytes = nbytes;
+  s->release = release;
+  s->ud = ud;
+  s->host_data = NULL;
+  *out = s;
+  return 0;
+}
+
+dp_storage_t *dp_storage_retain(dp_storage_t *s) {
+  if (s) atomic_fetch_add_explicit(&s->rc, 1, memory_order_relaxed);
+  return s;
+}
+
+void dp_storage_release(dp_storage_t *s) {
+  if (!s || atomic_fetch_sub_explicit(&s->rc, 1, memory_order_acq_rel) != 1) return;
+  if (s->release) s->release(s->ud, s->device, s->base, s->nbytes);
+  dp__free(s->host_data, s->nbytes ? s->nbytes : 1);
+  dp__free(s, sizeof *s);
+}
+
+dp_device_t dp_storage_device(const dp_storage_t *s) { return s->device; }
+void *dp_storage_base(const dp_storage_t *s) { return s->base; }
+size_t dp_storage_nbytes(const dp_storage_t *s) { return s->nbytes; }
+const void *dp_storage_host_data(const dp_storage_t *s) { return s->host_data; }
+
+int dp_storage_set_host_data(dp_storage_t *s, const void *data, dp_error_t *err) {
+  if (!s || (!data && s->nbytes)) return dp__err(err, DP_EINVAL, "dp_storage_set_host_data: NULL argument");
+  void *copy = dp__alloc(s->nbytes ? s->nbytes : 1);
+  if (!copy) return oom(err, "storage host data");
+  if (s->nbytes) memcpy(copy, data, s->nbytes);
+  dp__free(s->host_data, s->nbytes ? s->nbytes : 1);
+  s->host_data = copy;
+  return 0;
+}
+
+/* ---- tensor ---- */
+
+static const struct { const char *name; size_t size; } dtypes[DP_DTYPE_COUNT] = {
+    {"bool", 1},     {"int8", 1},    {"int16", 2},    {"int32", 4},    {"int64", 8},
+    {"uint8", 1},    {"uint16", 2},  {"uint32", 4},   {"uint64", 8},   {"float16", 2},
+    {"bfloat16", 2}, {"float32", 4}, {"float64", 8},  {"complex64", 8}, {"complex128", 16},
+};
+
+const char *dp_dtype_name(dp_dtype_t d) { return (unsigned)d < DP_DTYPE_COUNT ? dtypes[d].name : NULL; }
+size_t dp_dtype_size(dp_dtype_t d) { return (unsigned)d < DP_DTYPE_COUNT ? dtypes[d].size : 0; }
+
+int dp_dtype_parse(const char *name, dp_dtype_t *out) {
+  for (int i = 0; name && i < DP_DTYPE_COUNT; i++)
+    if (strcmp(name, dtypes[i].name) == 0) {
+      *out = (dp_dtype_t)i;
+      return 0;
+    }
+  return DP_EINVAL;
+}
+
+/* Checks that every element the view addresses lies in [0, nbytes). */
+int dp__tensor_check(size_t nbytes, dp_dtype_t dtype, int ndim, const int64_t *shape,
+                     const int64_t *strides, int64_t offset, dp_error_t *err) {
+  if ((unsigned)dtype >= DP_DTYPE_COUNT) return dp__err(err, DP_EINVAL, "unknown dtype %d", (int)dtype);
+  if (ndim < 0 || ndim > DP_TENSOR_MAX_DIMS)
+    return dp__err(err, DP_EINVAL, "tensor has %d dimensions (0..%d allowed)", ndim, DP_TENSOR_MAX_DIMS);
+  if (offset < 0) return dp__err(err, DP_EINVAL, "negative tensor offset %lld", (long long)offset);
+  __int128 lo = offset, hi = offset, count = 1;
+  for (int d = 0; d < ndim; d++) {
+    if (shape[d] < 0) return dp__err(err, DP_EINVAL, "negative tensor dimension %lld", (long long)shape[d]);
+    count *= shape[d];
+    if (count > ((__int128)1 << 62)) return dp__err(err, DP_EINVAL, "tensor has too many elements");
+  }
+  if (count == 0) return 0;  /* an empty view addresses nothing */
+  for (int d = 0; d < ndim; d++) {
+    __int128 span = (__int128)(shape[d] - 1) * strides[d];
+    if (span < 0) lo += span; else hi += span;
+  }
+  size_t isz = dtypes[dtype].size;
+  if (lo < 0 || (hi + 1) * (__int128)isz > (__int128)nbytes)
+    return dp__err(err, DP_EINVAL, "tensor view exceeds its storage of %zu bytes", nbytes);
+  return 0;
+}
+
+int dp_tensor_new(dp_storage_t *storage, dp_dtype_t dtype, int ndim, const int64_t *shape,
+                  const int64_t *strides, int64_t offset, dp_value_t *out, dp_error_t *err) {
+  int rc;
+  int64_t contiguous[DP_TENSOR_MAX_DIMS];
+  if (!storage || !out || (ndim > 0 && !shape)) {
+    rc = dp__err(err, DP_EINVAL, "dp_tensor_new: NULL argument");
+    goto fail;
+  }
+  if (ndim >= 0 && ndim <= DP_TENSOR_MAX_DIMS && !strides) {
+    int64_t s = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
+      contiguous[d] = s;
+      s *= shape[d] > 0 ? shape[d] : 1;
+    }
+    strides = contiguous;
+  }
+  rc = dp__tensor_check(storage->nbytes, dtype, ndim, shape, strides, offset, err);
+  if (rc) goto fail;
+  dp_tensor_t *t = dp__alloc(sizeof *t + 2 * (size_t)ndim * sizeof(int64_t));
+  if (!t) {
+    rc = oom(err, "tensor");
+    goto fail;
+  }
+  heap_init(&t->h, DP_TENSOR);
+  t->storage = storage;
+  t->dtype = (uint8_t)dtype;
+  t->ndim = (uint8_t)ndim;
+  t->offset = offset;
+  if (ndim) {
+    memcpy(t->dims, shape, (size_t)ndim * sizeof(int64_t));
+    memcpy(t->dims + ndim, strides, (size_t)ndim * sizeof(int64_t));
+  }
+  *out = heap_value(t, DP_TENSOR);
+  return 0;
+fail:
+  dp_storage_release(storage);
+  return rc;
+}
+
+dp_storage_t *dp_tensor_storage(dp_value_t t) { return t.kind == DP_TENSOR ? DP_TENSOR(t)->storage : NULL; }
+dp_dtype_t dp_tensor_dtype(dp_value_t t) { return (dp_dtype_t)(t.kind == DP_TENSOR ? DP_TENSOR(t)->dtype : 0); }
+int dp_tensor_ndim(dp_value_t t) { return t.kind == DP_TENSOR ? DP_TENSOR(t)->ndim : 0; }
+const int64_t *dp_tensor_shape(dp_value_t t) { return t.kind == DP_TENSOR ? DP_TENSOR(t)->dims : NULL; }
+const int64_t *dp_tensor_strides(dp_value_t t) {
+  return t.kind == DP_TENSOR ? DP_TENSOR(t)->dims + DP_TENSOR(t)->ndim : NULL;
+}
+int64_t dp_tensor_offset(dp_value_t t) { return t.kind == DP_TENSOR ? DP_TENSOR(t)->offset : 0; }
+
+/* ---- custom ---- */
+
+int dp_custom_new(const dp_type_t *type, void *obj, dp_value_t *out, dp_error_t *err) {
+  if (!type || !type->name || !out) {
+    if (type && type->destroy) type->destroy(obj);
+    return dp__err(err, DP_EINVAL, "dp_custom_new: type, type->name and out are required");
+  }
+  dp_custom_t *c = dp__alloc(sizeof *c);
+  if (!c) {
+    if (type->destroy) type->destroy(obj);
+    return oom(err, "custom");
+  }
+  heap_init(&c->h, DP_CUSTOM);
+  c->type = type;
+  c->obj = obj;
+  *out = heap_value(c, DP_CUSTOM);
+  return 0;
+}
+
+const dp_type_t *dp_custom_type(dp_value_t c) { return c.kind == DP_CUSTOM ? DP_CUSTOM(c)->type : NULL; }
+void *dp_custom_data(dp_value_t c) { return c.kind == DP_CUSTOM ? DP_CUSTOM(c)->obj : NULL; }

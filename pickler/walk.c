@@ -1,0 +1,380 @@
+/* pickler/walk.c — the walker: iterative, memoized, with lazy paths.
+ *
+ * Memo. Only nodes whose reference count exceeds one are memoized: a node
+ * held once has a single way in and cannot be met twice (a cycle always
+ * adds a reference). Trees therefore walk without touching the memo. Every
+ * heap node still gets a preorder number, so back-references name nodes the
+ * same way whatever the reference counts are, and the bytes stay
+ * deterministic.
+ *
+ * Paths are rendered from the stack only when asked for or on error. */
+#include <stdio.h>
+#include <string.h>
+
+#include "walk.h"
+
+void dp__walker_init(dp__walker_t *w) {
+  memset(w, 0, sizeof *w);
+  w->memo_gen = 1;
+}
+
+static void release_states(dp__walker_t *w) {
+  for (size_t i = 0; i < w->nstates; i++) dp_value_release(w->states[i]);
+  w->nstates = 0;
+}
+
+void dp__walker_destroy(dp__walker_t *w) {
+  release_states(w);
+  dp__free(w->stack, w->stack_cap * sizeof(dp__wframe_t));
+  dp__free(w->memo, w->memo_cap * sizeof(dp__memo_slot_t));
+  dp__free(w->states, w->states_cap * sizeof(dp_value_t));
+  dp__free(w->path, w->path_cap);
+  memset(w, 0, sizeof *w);
+}
+
+/* ---- memo: pointer -> preorder index, cleared by bumping a generation ---- */
+
+static inline size_t ptr_hash(const void *p) {
+  return (size_t)(((uint64_t)(uintptr_t)p >> 4) * 0x9E3779B97F4A7C15ull >> 16);
+}
+
+static int memo_grow(dp__walker_t *w) {
+  size_t ncap = w->memo_cap ? w->memo_cap * 2 : 256;
+  dp__memo_slot_t *m = dp__alloc_array(ncap, sizeof *m);
+  if (!m) return DP_ENOMEM;
+  memset(m, 0, ncap * sizeof *m);
+  for (size_t i = 0; i < w->memo_cap; i++) {
+    dp__memo_slot_t *s = &w->memo[i];
+    if (s->gen != w->memo_gen || !s->key) continue;
+    size_t j = ptr_hash(s->key) & (ncap - 1);
+    while (m[j].key) j = (j + 1) & (ncap - 1);
+    m[j] = (dp__memo_slot_t){s->key, s->index, 1};
+  }
+  dp__free(w->memo, w->memo_cap * sizeof *m);
+  w->memo = m;
+  w->memo_cap = ncap;
+  w->memo_gen = 1;
+  return 0;
+}
+
+/* Returns 1 and *index when key was seen; else records it (0), or DP_ENOMEM. */
+static int memo_check(dp__walker_t *w, const void *key, uint64_t index, uint64_t *seen) {
+  if ((w->memo_count + 1) * 2 > w->memo_cap && memo_grow(w) != 0) return DP_ENOMEM;
+  size_t mask = w->memo_cap - 1;
+  for (size_t j = ptr_hash(key) & mask;; j = (j + 1) & mask) {
+    dp__memo_slot_t *s = &w->memo[j];
+    if (s->gen != w->memo_gen || !s->key) {
+      *s = (dp__memo_slot_t){key, (uint32_t)index, w->memo_gen};
+      w->memo_count++;
+      return 0;
+    }
+    if (s->key == key) {
+      *seen = s->index;
+      return 1;
+    }
+  }
+}
+
+static void memo_reset(dp__walker_t *w) {
+  w->memo_count = 0;
+  if (++w->memo_gen == 0) {
+    if (w->memo) memset(w->memo, 0, w->memo_cap * sizeof *w->memo);
+    w->memo_gen = 1;
+  }
+}
+
+/* ---- paths ---- */
+
+typedef struct pbuf {
+  char *s;
+  size_t cap, len;
+} pbuf_t;
+
+static void pb_put(pbuf_t *b, const char *s, size_t n) {
+  if (b->len + n + 1 > b->cap) {
+    size_t ncap = b->cap ? b->cap : 64;
+    while (b->len + n + 1 > ncap) ncap *= 2;
+    char *p = dp__realloc(b->s, b->cap, ncap);
+    if (!p) return;  /* keep the prefix rendered so far */
+    b->s = p;
+    b->cap = ncap;
+  }
+  memcpy(b->s + b->len, s, n);
+  b->len += n;
+  b->s[b->len] = '\0';
+}
+
+static void pb_quote(pbuf_t *b, const char *s, size_t n) {
+  char tmp[8];
+  pb_put(b, "\"", 1);
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c == '"' || c == '\\') {
+      tmp[0] = '\\';
+      tmp[1] = (char)c;
+      pb_put(b, tmp, 2);
+    } else if (c < 0x20) {
+      snprintf(tmp, sizeof tmp, "\\u%04x", c);
+      pb_put(b, tmp, 6);
+    } else {
+      pb_put(b, (const char *)&c, 1);
+    }
+  }
+  pb_put(b, "\"", 1);
+}
+
+/* A dict key as JSON, for `[<json>]` path steps. */
+static void pb_key_json(pbuf_t *b, dp_value_t k, int depth) {
+  char tmp[40];
+  switch (k.kind) {
+    case DP_NONE: pb_put(b, "null", 4); break;
+    case DP_BOOL: k.u.i ? pb_put(b, "true", 4) : pb_put(b, "false", 5); break;
+    case DP_INT: pb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%lld", (long long)k.u.i)); break;
+    case DP_FLOAT: pb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%.17g", k.u.f)); break;
+    case DP_STR: pb_quote(b, DP_STROBJ(k)->data, DP_STROBJ(k)->len); break;
+    case DP_BYTES: pb_put(b, "{\"$bytes\":…}", strlen("{\"$bytes\":…}")); break;
+    case DP_TUPLE: {
+      pb_put(b, "{\"$tuple\":[", 11);
+      for (size_t i = 0; i < DP_SEQ(k)->len && depth < 8; i++) {
+        if (i) pb_put(b, ",", 1);
+        pb_key_json(b, DP_SEQ(k)->items[i], depth + 1);
+      }
+      pb_put(b, "]}", 2);
+      break;
+    }
+    default: pb_put(b, "?", 1); break;
+  }
+}
+
+const char *dp__walker_path(dp__walker_t *w) {
+  pbuf_t b = {w->path, w->path_cap, 0};
+  char tmp[32];
+  pb_put(&b, "$", 1);
+  for (size_t d = 0; d < w->top; d++) {
+    dp__wframe_t *f = &w->stack[d];
+    size_t i = f->i - 1;  /* the child being visited */
+    dp_value_t node = f->node;
+    switch (node.kind) {
+      case DP_LIST:
+      case DP_TUPLE:
+        pb_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "[%zu]", i));
+        break;
+      case DP_DICT: {
+        dp_value_t key = DP_DICT(node)->entries[i / 2].key;
+        if (!(i & 1)) {  /* inside a key itself */
+          pb_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "<key %zu>", i / 2));
+        } else if (key.kind == DP_STR && dp__is_identifier(DP_STROBJ(key)->data, DP_STROBJ(key)->len)) {
+          pb_put(&b, ".", 1);
+          pb_put(&b, DP_STROBJ(key)->data, DP_STROBJ(key)->len);
+        } else {
+          pb_put(&b, "[", 1);
+          pb_key_json(&b, key, 0);
+          pb_put(&b, "]", 1);
+        }
+        break;
+      }
+      case DP_OBJECT:
+        if (DP_OBJ(node)->c.h.flags & DP_HEAP_REDUCED) {
+          pb_put(&b, "<reduce ", 8);
+          pb_put(&b, DP_OBJ(node)->class_name, DP_OBJ(node)->class_len);
+          pb_put(&b, ">", 1);
+        } else {
+          dp_attr_t *a = &DP_OBJ(node)->attrs[i];
+          if (dp__is_identifier(a->name, a->name_len)) {
+            pb_put(&b, ".", 1);
+            pb_put(&b, a->name, a->name_len);
+          } else {
+            pb_put(&b, "[", 1);
+            pb_quote(&b, a->name, a->name_len);
+            pb_put(&b, "]", 1);
+          }
+        }
+        break;
+      case DP_CUSTOM:
+        pb_put(&b, "<reduce ", 8);
+        pb_put(&b, DP_CUSTOM(node)->type->name, strlen(DP_CUSTOM(node)->type->name));
+        pb_put(&b, ">", 1);
+        break;
+    }
+  }
+  w->path = b.s;
+  w->path_cap = b.cap;
+  return b.s ? b.s : "$";
+}
+
+/* ---- the walk ---- */
+
+static int push(dp__walker_t *w, dp_value_t node, dp_value_t state, size_t n) {
+  if (w->top >= w->max_depth)
+    return dp__err(w->err, DP_ELIMIT, "nesting deeper than %u levels at %s", w->max_depth,
+                   dp__walker_path(w));
+  if (w->top == w->stack_cap &&
+      dp__grow((void **)&w->stack, &w->stack_cap, w->top + 1, sizeof(dp__wframe_t)) != 0)
+    return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk stack");
+  dp__wframe_t *f = &w->stack[w->top++];
+  f->node = node;
+  f->state = state;
+  f->i = 0;
+  f->n = n;
+  return 0;
+}
+
+static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state) {
+  const dp_type_t *t = DP_CUSTOM(v)->type;
+  if (!t->reduce)
+    return dp__err(w->err, DP_ETYPE, "cannot walk a value of type '%s' at %s: its type has no reduce",
+                   t->name, dp__walker_path(w));
+  if (w->nstates == w->states_cap &&
+      dp__grow((void **)&w->states, &w->states_cap, w->nstates + 1, sizeof(dp_value_t)) != 0)
+    return dp__err(w->err, DP_ENOMEM, "out of memory holding reduce states");
+  dp_error_t inner;
+  dp_error_clear(&inner);
+  *state = dp_none();
+  int rc = t->reduce(DP_CUSTOM(v)->obj, state, &inner);
+  if (rc != 0) {
+    dp_value_release(*state);
+    return dp__err(w->err, DP_ETYPE, "reduce of type '%s' failed at %s: %s", t->name,
+                   dp__walker_path(w), inner.message[0] ? inner.message : dp_strerror(rc));
+  }
+  w->states[w->nstates++] = *state;
+  return 0;
+}
+
+static int visit_tensor(dp__walker_t *w, dp_value_t v) {
+  dp_storage_t *st = DP_TENSOR(v)->storage;
+  size_t id;
+  int is_new;
+  if (dp__ptrset_add(w->set, st->device, st->base, st->nbytes, &id, &is_new) != 0)
+    return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
+  if (is_new && w->want_paths && dp__ptrset_set_path(w->set, id, dp__walker_path(w)) != 0)
+    return dp__err(w->err, DP_ENOMEM, "out of memory recording a path");
+  return w->sink ? w->sink->tensor(w->sink_ctx, v, id) : 0;
+}
+
+static int visit(dp__walker_t *w, dp_value_t v) {
+  uint32_t k = v.kind;
+  if (k < DP_STR) return w->sink ? w->sink->scalar(w->sink_ctx, v) : 0;
+  dp_heap_t *h = v.u.h;
+  uint64_t index = w->next_index++;
+  if (dp__rc(h) > 1) {
+    uint64_t seen;
+    int m = memo_check(w, h, index, &seen);
+    if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
+    if (m == 1) {
+      w->next_index--;
+      return w->sink ? w->sink->backref(w->sink_ctx, seen) : 0;
+    }
+  }
+  switch (k) {
+    case DP_STR:
+    case DP_BYTES:
+      return w->sink ? w->sink->scalar(w->sink_ctx, v) : 0;
+    case DP_TENSOR:
+      return visit_tensor(w, v);
+    case DP_LIST:
+    case DP_TUPLE: {
+      size_t n = DP_SEQ(v)->len;
+      if (w->sink) {
+        int rc = w->sink->enter(w->sink_ctx, v, n);
+        if (rc) return rc;
+      }
+      return n ? push(w, v, dp_none(), n) : 0;
+    }
+    case DP_DICT: {
+      size_t n = DP_DICT(v)->len;
+      if (w->sink) {
+        int rc = w->sink->enter(w->sink_ctx, v, n);
+        if (rc) return rc;
+      }
+      return n ? push(w, v, dp_none(), 2 * n) : 0;
+    }
+    case DP_OBJECT: {
+      dp_object_t *o = DP_OBJ(v);
+      int reduced = (o->c.h.flags & DP_HEAP_REDUCED) != 0;
+      size_t n = reduced ? 1 : o->len;
+      if (w->sink) {
+        int rc = w->sink->enter(w->sink_ctx, v, n);
+        if (rc) return rc;
+      }
+      if (reduced) return push(w, v, dp__reduced_state(v), 1);
+      return n ? push(w, v, dp_none(), n) : 0;
+    }
+    case DP_CUSTOM: {
+      dp_value_t state;
+      int rc = reduce_custom(w, v, &state);
+      if (rc) return rc;
+      if (w->sink && (rc = w->sink->enter(w->sink_ctx, v, 1)) != 0) return rc;
+      return push(w, v, state, 1);
+    }
+  }
+  return dp__err(w->err, DP_EINVAL, "corrupt value of kind %u at %s", k, dp__walker_path(w));
+}
+
+static inline int next_child(dp__walker_t *w, dp__wframe_t *f, dp_value_t *child) {
+  size_t i = f->i++;
+  dp_value_t node = f->node;
+  switch (node.kind) {
+    case DP_LIST:
+    case DP_TUPLE:
+      *child = DP_SEQ(node)->items[i];
+      return 0;
+    case DP_DICT: {
+      dp_entry_t *e = &DP_DICT(node)->entries[i >> 1];
+      *child = (i & 1) ? e->val : e->key;
+      return 0;
+    }
+    case DP_OBJECT:
+      if (DP_OBJ(node)->c.h.flags & DP_HEAP_REDUCED) {
+        *child = f->state;
+        return 0;
+      }
+      *child = DP_OBJ(node)->attrs[i].val;
+      return w->sink ? w->sink->attr(w->sink_ctx, DP_OBJ(node)->attrs[i].name,
+                                     DP_OBJ(node)->attrs[i].name_len)
+                     : 0;
+    default:
+      *child = f->state;
+      return 0;
+  }
+}
+
+int dp__walk(dp__walker_t *w, dp_value_t root) {
+  w->top = 0;
+  w->next_index = 0;
+  memo_reset(w);
+  int rc = visit(w, root);
+  while (rc == 0 && w->top > 0) {
+    dp__wframe_t *f = &w->stack[w->top - 1];
+    if (f->i == f->n) {
+      w->top--;
+      continue;
+    }
+    /* Fast path for the common case: a run of list items. */
+    if (!w->sink && (f->node.kind == DP_LIST || f->node.kind == DP_TUPLE)) {
+      dp_value_t *items = DP_SEQ(f->node)->items;
+      size_t n = f->n;
+      while (f->i < n && items[f->i].kind < DP_STR) f->i++;
+      if (f->i == n) continue;
+    }
+    dp_value_t child;
+    rc = next_child(w, f, &child);
+    if (rc == 0) rc = visit(w, child);
+  }
+  release_states(w);
+  w->top = 0;
+  return rc;
+}
+
+/* ---- scan ---- */
+
+int dp_scan(dp_value_t v, const dp_scan_opts_t *opts, dp_ptrset_t *set, dp_error_t *err) {
+  if (!set) return dp__err(err, DP_EINVAL, "dp_scan: NULL set");
+  dp__walker_t *w = dp__ptrset_walker(set);
+  w->set = set;
+  w->sink = NULL;
+  w->sink_ctx = NULL;
+  w->err = err;
+  w->want_paths = opts && (opts->flags & DP_SCAN_PATHS);
+  w->max_depth = (opts && opts->max_depth) ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
+  return dp__walk(w, v);
+}

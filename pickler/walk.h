@@ -1,0 +1,58 @@
+/* pickler/walk.h — the one walker behind scan and pickle. */
+#ifndef DP_PICKLER_WALK_H
+#define DP_PICKLER_WALK_H
+#include "internal.h"
+
+/* What a walk reports, for pickle. Scan passes no sink: the walker then only
+ * feeds the pointer set. */
+typedef struct dp__sink {
+  int (*scalar)(void *ctx, dp_value_t v);                 /* none..bytes */
+  int (*enter)(void *ctx, dp_value_t v, size_t nchildren); /* containers, customs */
+  int (*attr)(void *ctx, const char *name, size_t n);     /* before an attribute value */
+  int (*tensor)(void *ctx, dp_value_t t, size_t buffer);  /* buffer = ptrset index */
+  int (*backref)(void *ctx, uint64_t index);              /* node met before */
+} dp__sink_t;
+
+typedef struct dp__wframe {
+  dp_value_t node;
+  dp_value_t state;   /* a custom's reduced state */
+  size_t i, n;        /* next child, child count */
+} dp__wframe_t;
+
+typedef struct dp__memo_slot {
+  const void *key;
+  uint32_t index;
+  uint32_t gen;
+} dp__memo_slot_t;
+
+typedef struct dp__walker {
+  dp__wframe_t *stack;
+  size_t top, stack_cap;
+  dp__memo_slot_t *memo;
+  size_t memo_cap, memo_count;
+  uint32_t memo_gen;
+  dp_value_t *states;          /* reduce states held until the walk ends */
+  size_t nstates, states_cap;
+  char *path;                  /* scratch for rendering paths */
+  size_t path_cap;
+  uint64_t next_index;         /* preorder number of the next heap node */
+  uint32_t max_depth;
+  int want_paths;
+  dp_ptrset_t *set;
+  const dp__sink_t *sink;
+  void *sink_ctx;
+  dp_error_t *err;
+} dp__walker_t;
+
+void dp__walker_init(dp__walker_t *w);
+void dp__walker_destroy(dp__walker_t *w);
+int dp__walk(dp__walker_t *w, dp_value_t root);
+/* Renders the path of the node being visited into w->path; returns it. */
+const char *dp__walker_path(dp__walker_t *w);
+
+/* ptrset internals used by the walker */
+int dp__ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbytes,
+                   size_t *index, int *is_new);
+int dp__ptrset_set_path(dp_ptrset_t *set, size_t index, const char *path);
+dp__walker_t *dp__ptrset_walker(dp_ptrset_t *set);
+#endif

@@ -1,0 +1,212 @@
+/* test/helpers.h — shared by the Criterion suites. */
+#ifndef DP_TEST_HELPERS_H
+#define DP_TEST_HELPERS_H
+
+#include <criterion/criterion.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "devpickle.h"
+
+/* ---- a counting allocator that can fail the Nth allocation ---- */
+static _Atomic long t_live_blocks;
+static _Atomic long t_live_bytes;
+static _Atomic long t_alloc_count;
+static long t_fail_at;  /* fail allocation number t_fail_at (1-based); 0: never */
+
+static void *t_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  (void)ud;
+  if (nsize == 0) {
+    if (ptr) {
+      atomic_fetch_sub(&t_live_blocks, 1);
+      atomic_fetch_sub(&t_live_bytes, (long)osize);
+    }
+    free(ptr);
+    return NULL;
+  }
+  long n = atomic_fetch_add(&t_alloc_count, 1) + 1;
+  if (t_fail_at && n == t_fail_at) return NULL;
+  void *p = realloc(ptr, nsize);
+  if (!p) return NULL;
+  if (!ptr) atomic_fetch_add(&t_live_blocks, 1);
+  atomic_fetch_add(&t_live_bytes, (long)nsize - (long)osize);
+  return p;
+}
+
+static inline void t_track(void) {
+  t_live_blocks = 0;
+  t_live_bytes = 0;
+  t_alloc_count = 0;
+  t_fail_at = 0;
+  dp_set_allocator(t_alloc, NULL);
+}
+
+#define ASSERT_NO_LEAK()                                                              \
+  cr_assert_eq(atomic_load(&t_live_blocks), 0, "%ld blocks (%ld bytes) still live",   \
+               atomic_load(&t_live_blocks), atomic_load(&t_live_bytes))
+
+#define OK(call)                                                                      \
+  do {                                                                                \
+    dp_error_t e_;                                                                    \
+    dp_error_clear(&e_);                                                              \
+    int rc_ = (call);                                                                 \
+    (void)e_;                                                                         \
+    cr_assert_eq(rc_, 0, "%s failed: %s", #call, dp_err_name(rc_));                   \
+  } while (0)
+
+static inline dp_device_t t_dev(int type, int index) {
+  dp_device_t d = {(uint8_t)type, (uint8_t)index};
+  return d;
+}
+
+static inline dp_value_t t_str(const char *s) {
+  dp_value_t v;
+  cr_assert_eq(dp_str_new(s, strlen(s), &v, NULL), 0);
+  return v;
+}
+
+static inline dp_storage_t *t_storage(dp_device_t d, uintptr_t base, size_t nbytes) {
+  dp_storage_t *s;
+  cr_assert_eq(dp_storage_new(d, (void *)base, nbytes, NULL, NULL, &s, NULL), 0);
+  return s;
+}
+
+/* A contiguous float32 vector of n elements on its own storage. */
+static inline dp_value_t t_tensor(dp_device_t d, uintptr_t base, int64_t n) {
+  dp_value_t t;
+  int64_t shape[1] = {n};
+  cr_assert_eq(dp_tensor_new(t_storage(d, base, (size_t)n * 4), DP_FLOAT32, 1, shape, NULL, 0, &t, NULL), 0);
+  return t;
+}
+
+/* A view on an existing storage (borrowed; retained here). */
+static inline dp_value_t t_view(dp_storage_t *s, int64_t n, int64_t offset) {
+  dp_value_t t;
+  int64_t shape[1] = {n};
+  cr_assert_eq(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, shape, NULL, offset, &t, NULL), 0);
+  return t;
+}
+
+static inline dp_value_t t_list(void) {
+  dp_value_t l;
+  cr_assert_eq(dp_list_new(0, &l, NULL), 0);
+  return l;
+}
+
+static inline dp_value_t t_obj(const char *cls) {
+  dp_value_t o;
+  cr_assert_eq(dp_object_new(cls, &o, NULL), 0);
+  return o;
+}
+
+/* ---- a seeded random value generator ---- */
+typedef struct t_rng {
+  uint64_t s;
+} t_rng_t;
+
+static inline uint64_t t_rand(t_rng_t *r) {
+  r->s ^= r->s << 13;
+  r->s ^= r->s >> 7;
+  r->s ^= r->s << 17;
+  return r->s;
+}
+
+/* Storage pool so that random tensors share storages now and then. */
+typedef struct t_pool {
+  dp_storage_t *st[8];
+} t_pool_t;
+
+static inline void t_pool_init(t_pool_t *p, uint64_t salt) {
+  for (int i = 0; i < 8; i++)
+    p->st[i] = t_storage(t_dev(i % 3 == 0 ? DP_DEVICE_CPU : DP_DEVICE_CUDA, i % 3 == 0 ? 0 : i % 2),
+                         0x7f0000000000u + (salt << 20) + (uintptr_t)i * 0x10000u, 4096);
+}
+
+static inline void t_pool_free(t_pool_t *p) {
+  for (int i = 0; i < 8; i++) dp_storage_release(p->st[i]);
+}
+
+static dp_value_t t_random_value(t_rng_t *r, t_pool_t *pool, int depth);
+
+static inline dp_value_t t_random_key(t_rng_t *r) {
+  char buf[16];
+  switch (t_rand(r) % 4) {
+    case 0: return dp_int((int64_t)(t_rand(r) % 1000));
+    case 1: {
+      int n = (int)(t_rand(r) % 6);
+      for (int i = 0; i < n; i++) buf[i] = (char)('a' + t_rand(r) % 26);
+      dp_value_t s;
+      cr_assert_eq(dp_str_new(buf, (size_t)n, &s, NULL), 0);
+      return s;
+    }
+    case 2: {
+      dp_value_t t;
+      cr_assert_eq(dp_tuple_new(2, &t, NULL), 0);
+      cr_assert_eq(dp_seq_set(t, 0, dp_int((int64_t)(t_rand(r) % 50)), NULL), 0);
+      cr_assert_eq(dp_seq_set(t, 1, dp_bool(t_rand(r) & 1), NULL), 0);
+      return t;
+    }
+    default: return dp_none();
+  }
+}
+
+__attribute__((unused)) static dp_value_t t_random_value(t_rng_t *r, t_pool_t *pool, int depth) {
+  uint64_t pick = t_rand(r) % (depth > 4 ? 7 : 12);
+  dp_value_t v;
+  switch (pick) {
+    case 0: return dp_none();
+    case 1: return dp_bool(t_rand(r) & 1);
+    case 2: return dp_int((int64_t)t_rand(r));
+    case 3: return dp_float((double)(int64_t)t_rand(r) / 7.0);
+    case 4: {
+      char buf[24];
+      int n = (int)(t_rand(r) % 20);
+      for (int i = 0; i < n; i++) buf[i] = (char)(' ' + t_rand(r) % 90);
+      cr_assert_eq(dp_str_new(buf, (size_t)n, &v, NULL), 0);
+      return v;
+    }
+    case 5: {
+      uint8_t buf[24];
+      int n = (int)(t_rand(r) % 24);
+      for (int i = 0; i < n; i++) buf[i] = (uint8_t)t_rand(r);
+      cr_assert_eq(dp_bytes_new(buf, (size_t)n, &v, NULL), 0);
+      return v;
+    }
+    case 6: {
+      dp_storage_t *s = pool->st[t_rand(r) % 8];
+      int64_t n = (int64_t)(t_rand(r) % 64) + 1;
+      return t_view(s, n, (int64_t)(t_rand(r) % 64));
+    }
+    case 7:
+    case 8: {
+      size_t n = t_rand(r) % 6;
+      if (pick == 7) {
+        v = t_list();
+        for (size_t i = 0; i < n; i++) cr_assert_eq(dp_list_append(v, t_random_value(r, pool, depth + 1), NULL), 0);
+      } else {
+        cr_assert_eq(dp_tuple_new(n, &v, NULL), 0);
+        for (size_t i = 0; i < n; i++) cr_assert_eq(dp_seq_set(v, i, t_random_value(r, pool, depth + 1), NULL), 0);
+      }
+      return v;
+    }
+    case 9: {
+      cr_assert_eq(dp_dict_new(0, &v, NULL), 0);
+      size_t n = t_rand(r) % 5;
+      for (size_t i = 0; i < n; i++)
+        cr_assert_eq(dp_dict_set(v, t_random_key(r), t_random_value(r, pool, depth + 1), NULL), 0);
+      return v;
+    }
+    default: {
+      static const char *const names[] = {"weights", "bias", "next", "state", "x"};
+      v = t_obj(t_rand(r) & 1 ? "Layer" : "Block");
+      size_t n = t_rand(r) % 4;
+      for (size_t i = 0; i < n; i++)
+        cr_assert_eq(dp_object_set(v, names[t_rand(r) % 5], t_random_value(r, pool, depth + 1), NULL), 0);
+      return v;
+    }
+  }
+}
+
+#endif

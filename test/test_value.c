@@ -1,0 +1,407 @@
+/* Value model: ownership, containers, tensors, customs, cycles, equality. */
+#include <pthread.h>
+
+#include "helpers.h"
+
+static void setup(void) { t_track(); }
+static void teardown(void) { dp_set_allocator(NULL, NULL); }
+TestSuite(value, .init = setup, .fini = teardown);
+
+Test(value, scalars_are_sixteen_bytes_and_hold_no_reference) {
+  cr_assert_eq(sizeof(dp_value_t), 16);
+  dp_value_t i = dp_int(-5);
+  cr_assert_eq(dp_value_kind(i), DP_INT);
+  cr_assert_eq(dp_value_as_int(i), -5);
+  cr_assert_eq(dp_value_refcount(i), 1);
+  dp_value_release(dp_value_retain(i));
+  cr_assert_eq(dp_value_as_float(dp_float(2.5)), 2.5);
+  cr_assert(dp_value_as_bool(dp_bool(true)));
+  ASSERT_NO_LEAK();
+}
+
+Test(value, str_rejects_invalid_utf8_with_a_message) {
+  dp_value_t v;
+  dp_error_t e;
+  cr_assert_eq(dp_str_new("\xc3\x28", 2, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_str_new: invalid UTF-8");
+  cr_assert_eq(dp_str_new("\xed\xa0\x80", 3, &v, &e), DP_EINVAL, "surrogates are not UTF-8");
+  cr_assert_eq(dp_str_new("\xc0\xaf", 2, &v, &e), DP_EINVAL, "overlong encodings are not UTF-8");
+  OK(dp_str_new("h\xc3\xa9llo\xf0\x9f\x98\x80", 10, &v, &e));
+  size_t n;
+  cr_assert_str_eq(dp_str_data(v, &n), "h\xc3\xa9llo\xf0\x9f\x98\x80");
+  cr_assert_eq(n, 10);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, bytes_keep_embedded_zeros) {
+  dp_value_t v;
+  OK(dp_bytes_new("a\0b", 3, &v, NULL));
+  size_t n;
+  const uint8_t *p = dp_bytes_data(v, &n);
+  cr_assert_eq(n, 3);
+  cr_assert_eq(p[1], 0);
+  cr_assert_null(dp_str_data(v, NULL), "bytes are not str");
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, list_append_steals_and_release_frees_the_tree) {
+  dp_value_t l = t_list();
+  dp_value_t s = t_str("x");
+  OK(dp_list_append(l, s, NULL));
+  cr_assert_eq(dp_value_refcount(s), 1, "append took the caller's reference");
+  OK(dp_list_append(l, dp_int(3), NULL));
+  cr_assert_eq(dp_seq_len(l), 2);
+  cr_assert_eq(dp_seq_get(l, 0).u.h, s.u.h, "get borrows the same node");
+  cr_assert_eq(dp_value_kind(dp_seq_get(l, 9)), DP_NONE, "out of range reads none");
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, stealing_functions_consume_the_argument_even_when_they_fail) {
+  dp_value_t notalist = dp_int(1);
+  dp_value_t s = t_str("kept?");
+  dp_error_t e;
+  cr_assert_eq(dp_list_append(notalist, s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_list_append: expected list, got int");
+  dp_value_t t;
+  OK(dp_tuple_new(1, &t, NULL));
+  cr_assert_eq(dp_seq_set(t, 5, t_str("y"), &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_seq_set: index 5 out of range (length 1)");
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, dict_keeps_insertion_order_and_replaces_in_place) {
+  dp_value_t d;
+  OK(dp_dict_new(0, &d, NULL));
+  for (int i = 0; i < 40; i++) OK(dp_dict_set(d, dp_int(i * 7 % 40), dp_int(i), NULL));
+  OK(dp_dict_set(d, t_str("k"), dp_int(1), NULL));
+  OK(dp_dict_set(d, dp_int(0), dp_int(99), NULL));
+  cr_assert_eq(dp_dict_len(d), 41);
+  dp_value_t k, v;
+  OK(dp_dict_item(d, 0, &k, &v));
+  cr_assert_eq(dp_value_as_int(k), 0);
+  cr_assert_eq(dp_value_as_int(v), 99, "replacing keeps the position");
+  OK(dp_dict_item(d, 1, &k, &v));
+  cr_assert_eq(dp_value_as_int(k), 7);
+  dp_value_t key = t_str("k");
+  OK(dp_dict_get(d, key, &v));
+  cr_assert_eq(dp_value_as_int(v), 1);
+  dp_value_release(key);
+  cr_assert_eq(dp_dict_get(d, dp_float(0.0), &v), DP_ENOTFOUND, "int 0 and float 0.0 are different keys");
+  dp_value_release(d);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, dict_rejects_unhashable_keys_and_names_the_kind) {
+  dp_value_t d;
+  OK(dp_dict_new(0, &d, NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_dict_set(d, t_list(), dp_int(1), &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, "dict key of kind list is not hashable");
+  dp_value_t tup;
+  OK(dp_tuple_new(2, &tup, NULL));
+  OK(dp_seq_set(tup, 0, dp_int(1), NULL));
+  OK(dp_seq_set(tup, 1, t_str("a"), NULL));
+  cr_assert(dp_value_is_hashable(tup));
+  OK(dp_dict_set(d, dp_value_retain(tup), dp_int(2), NULL));
+  dp_value_t v;
+  OK(dp_dict_get(d, tup, &v));
+  cr_assert_eq(dp_value_as_int(v), 2);
+  /* a tuple that contains itself is not hashable */
+  OK(dp_seq_set(tup, 1, dp_value_retain(tup), NULL));
+  cr_assert_not(dp_value_is_hashable(tup));
+  dp_value_release(tup);
+  dp_value_release(d);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, object_attributes_keep_order_and_are_found_by_name) {
+  dp_value_t o = t_obj("Linear");
+  cr_assert_str_eq(dp_object_class(o), "Linear");
+  char name[16];
+  for (int i = 0; i < 30; i++) {
+    snprintf(name, sizeof name, "a%d", i);
+    OK(dp_object_set(o, name, dp_int(i), NULL));
+  }
+  OK(dp_object_set(o, "a3", dp_int(-3), NULL));
+  cr_assert_eq(dp_object_nattrs(o), 30);
+  const char *n;
+  dp_value_t v;
+  OK(dp_object_attr(o, 3, &n, &v));
+  cr_assert_str_eq(n, "a3");
+  cr_assert_eq(dp_value_as_int(v), -3);
+  OK(dp_object_get(o, "a29", &v));
+  cr_assert_eq(dp_value_as_int(v), 29);
+  cr_assert_eq(dp_object_get(o, "nope", &v), DP_ENOTFOUND);
+  dp_error_t e;
+  cr_assert_eq(dp_object_set(o, "", dp_int(1), &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "attribute name must be non-empty UTF-8");
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, tensor_views_must_fit_their_storage) {
+  dp_storage_t *s = t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 400);
+  dp_value_t t;
+  dp_error_t e;
+  int64_t shape[2] = {10, 10}, strides[2] = {10, 1};
+  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 2, shape, strides, 0, &t, &e));
+  cr_assert_eq(dp_tensor_ndim(t), 2);
+  cr_assert_eq(dp_tensor_strides(t)[0], 10);
+  dp_value_release(t);
+  cr_assert_eq(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 2, shape, strides, 1, &t, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "tensor view exceeds its storage of 400 bytes");
+  int64_t rev[1] = {-1}, n[1] = {100};
+  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, n, rev, 99, &t, &e));
+  dp_value_release(t);
+  cr_assert_eq(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, n, rev, 98, &t, &e), DP_EINVAL,
+               "a negative stride below element 0 is outside");
+  int64_t empty[1] = {0};
+  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT64, 1, empty, NULL, 1000, &t, &e));
+  dp_value_release(t);
+  cr_assert_eq(dp_storage_nbytes(s), 400);
+  dp_storage_release(s);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, every_dtype_has_a_name_and_size) {
+  static const char *const names[] = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                                      "uint64", "float16", "bfloat16", "float32", "float64", "complex64",
+                                      "complex128"};
+  static const size_t sizes[] = {1, 1, 2, 4, 8, 1, 2, 4, 8, 2, 2, 4, 8, 8, 16};
+  for (int i = 0; i < DP_DTYPE_COUNT; i++) {
+    dp_dtype_t d;
+    cr_assert_eq(dp_dtype_parse(names[i], &d), 0, "%s", names[i]);
+    cr_assert_eq(d, (dp_dtype_t)i);
+    cr_assert_str_eq(dp_dtype_name(d), names[i]);
+    cr_assert_eq(dp_dtype_size(d), sizes[i]);
+  }
+  dp_dtype_t d;
+  cr_assert_eq(dp_dtype_parse("float8", &d), DP_EINVAL);
+}
+
+static int released_storages;
+static void count_release(void *ud, dp_device_t d, void *base, size_t n) {
+  (void)ud; (void)d; (void)base; (void)n;
+  released_storages++;
+}
+
+Test(value, storage_release_callback_runs_once_when_the_last_tensor_goes) {
+  released_storages = 0;
+  dp_storage_t *s;
+  OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 1), (void *)0x5000, 64, count_release, NULL, &s, NULL));
+  dp_value_t a = t_view(s, 4, 0), b = t_view(s, 4, 4);
+  dp_storage_release(s);
+  dp_value_release(a);
+  cr_assert_eq(released_storages, 0);
+  dp_value_release(b);
+  cr_assert_eq(released_storages, 1);
+  ASSERT_NO_LEAK();
+}
+
+static int destroyed;
+static void destroy_count(void *obj) { (void)obj; destroyed++; }
+static const dp_type_t counted_type = {"Counted", NULL, destroy_count};
+
+Test(value, custom_destroy_runs_once_and_also_when_creation_fails) {
+  destroyed = 0;
+  dp_value_t c;
+  OK(dp_custom_new(&counted_type, (void *)1, &c, NULL));
+  cr_assert_eq(dp_custom_type(c), &counted_type);
+  cr_assert_eq(dp_custom_data(c), (void *)1);
+  dp_value_release(c);
+  cr_assert_eq(destroyed, 1);
+  t_fail_at = t_alloc_count + 1;
+  dp_error_t e;
+  cr_assert_eq(dp_custom_new(&counted_type, (void *)2, &c, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory allocating custom");
+  cr_assert_eq(destroyed, 2, "ownership of obj passed even though creation failed");
+  ASSERT_NO_LEAK();
+}
+
+/* ---- cycles ---- */
+
+Test(value, a_list_that_contains_itself_is_freed) {
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, dp_value_retain(l), NULL));
+  OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 4), NULL));
+  cr_assert_eq(dp_value_refcount(l), 2);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, a_cycle_of_objects_is_freed_when_the_last_outside_reference_goes) {
+  dp_value_t a = t_obj("Node"), b = t_obj("Node");
+  OK(dp_object_set(a, "next", dp_value_retain(b), NULL));
+  OK(dp_object_set(b, "next", dp_value_retain(a), NULL));
+  OK(dp_object_set(b, "data", t_str("payload"), NULL));
+  dp_value_release(a);
+  /* b still held: nothing may be freed */
+  dp_value_t n;
+  OK(dp_object_get(b, "next", &n));
+  cr_assert_str_eq(dp_object_class(n), "Node");
+  OK(dp_object_get(n, "next", &n));
+  cr_assert_eq(n.u.h, b.u.h);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, garbage_cycle_releases_children_that_are_still_held_elsewhere) {
+  dp_value_t kept = t_list();
+  OK(dp_list_append(kept, t_str("survivor"), NULL));
+  dp_value_t a = t_list(), d;
+  OK(dp_dict_new(0, &d, NULL));
+  OK(dp_dict_set(d, t_str("back"), dp_value_retain(a), NULL));
+  OK(dp_dict_set(d, t_str("kept"), dp_value_retain(kept), NULL));
+  OK(dp_list_append(a, d, NULL));
+  dp_value_release(a);  /* a <-> d is garbage; kept is not */
+  cr_assert_eq(dp_value_refcount(kept), 1);
+  size_t n;
+  cr_assert_str_eq(dp_str_data(dp_seq_get(kept, 0), &n), "survivor");
+  dp_value_release(kept);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, a_ring_of_a_hundred_thousand_objects_frees_without_recursion) {
+  dp_value_t head = t_obj("Node"), cur = head;
+  for (int i = 0; i < 100000; i++) {
+    dp_value_t n = t_obj("Node");
+    OK(dp_object_set(cur, "next", n, NULL));
+    cur = n;
+  }
+  OK(dp_object_set(cur, "next", dp_value_retain(head), NULL));
+  dp_value_release(head);
+  ASSERT_NO_LEAK();
+}
+
+static void destroy_releasing(void *obj) { dp_value_release(*(dp_value_t *)obj); free(obj); }
+static const dp_type_t holder_type = {"Holder", NULL, destroy_releasing};
+
+Test(value, a_custom_destroy_may_release_containers_while_a_cycle_is_freed) {
+  dp_value_t inner = t_list();
+  OK(dp_list_append(inner, dp_value_retain(inner), NULL));
+  dp_value_t *box = malloc(sizeof *box);
+  *box = inner;  /* the custom owns the reference */
+  dp_value_t c;
+  OK(dp_custom_new(&holder_type, box, &c, NULL));
+  dp_value_t outer = t_list();
+  OK(dp_list_append(outer, dp_value_retain(outer), NULL));
+  OK(dp_list_append(outer, c, NULL));
+  dp_value_release(outer);
+  ASSERT_NO_LEAK();
+}
+
+typedef struct churn_arg {
+  dp_value_t shared;
+} churn_arg_t;
+
+static void *churn(void *p) {
+  churn_arg_t *a = p;
+  for (int i = 0; i < 20000; i++) {
+    dp_value_t l = t_list();
+    dp_list_append(l, dp_value_retain(a->shared), NULL);
+    dp_list_append(l, dp_value_retain(l), NULL);  /* a cycle each time */
+    dp_value_release(l);
+  }
+  return NULL;
+}
+
+Test(value, references_may_be_taken_and_dropped_from_many_threads) {
+  dp_value_t shared = t_obj("Shared");
+  OK(dp_object_set(shared, "self", dp_value_retain(shared), NULL));
+  churn_arg_t arg = {shared};
+  pthread_t th[4];
+  for (int i = 0; i < 4; i++) pthread_create(&th[i], NULL, churn, &arg);
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  cr_assert_eq(dp_value_refcount(shared), 2, "one for the caller, one for its own attribute");
+  dp_value_release(shared);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, construction_fails_cleanly_at_every_allocation) {
+  for (long n = 1;; n++) {
+    t_track();
+    t_fail_at = n;
+    dp_value_t o;
+    int rc = dp_object_new("Box", &o, NULL);
+    if (rc == 0) {
+      dp_value_t d;
+      rc = dp_dict_new(0, &d, NULL);
+      if (rc == 0) rc = dp_object_set(o, "d", d, NULL);
+      for (int i = 0; rc == 0 && i < 12; i++) {
+        dp_value_t s;
+        rc = dp_str_new("key", 3, &s, NULL);
+        if (rc == 0) rc = dp_dict_set(d, dp_int(i), s, NULL);
+      }
+      dp_value_release(o);
+    }
+    ASSERT_NO_LEAK();
+    if (rc == 0) {
+      cr_assert_gt(n, 10, "the loop must have failed some allocations");
+      break;
+    }
+    cr_assert_eq(rc, DP_ENOMEM);
+  }
+}
+
+/* ---- equality and hash ---- */
+
+Test(value, equality_is_structural_and_terminates_on_cycles) {
+  dp_value_t a = t_list(), b = t_list();
+  OK(dp_list_append(a, dp_value_retain(a), NULL));
+  OK(dp_list_append(b, dp_value_retain(b), NULL));
+  cr_assert_eq(dp_value_equal(a, b, 0), 1);
+  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING), 1);
+  cr_assert_eq(dp_value_hash(a), dp_value_hash(b));
+  /* [s, s] and [s, s'] are equal as trees but differ in sharing */
+  dp_value_t s = t_str("x");
+  dp_value_t x = t_list(), y = t_list();
+  OK(dp_list_append(x, dp_value_retain(s), NULL));
+  OK(dp_list_append(x, dp_value_retain(s), NULL));
+  OK(dp_list_append(y, s, NULL));
+  OK(dp_list_append(y, t_str("x"), NULL));
+  cr_assert_eq(dp_value_equal(x, y, 0), 1);
+  cr_assert_eq(dp_value_equal(x, y, DP_EQ_SHARING), 0);
+  cr_assert_eq(dp_value_hash(x), dp_value_hash(y));
+  OK(dp_list_append(y, dp_int(1), NULL));
+  cr_assert_eq(dp_value_equal(x, y, 0), 0);
+  cr_assert_eq(dp_value_equal(dp_float(1.0), dp_int(1), 0), 0);
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_value_release(x);
+  dp_value_release(y);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, dicts_and_objects_compare_regardless_of_order) {
+  dp_value_t a, b;
+  OK(dp_dict_new(0, &a, NULL));
+  OK(dp_dict_new(0, &b, NULL));
+  OK(dp_dict_set(a, t_str("x"), dp_int(1), NULL));
+  OK(dp_dict_set(a, t_str("y"), dp_int(2), NULL));
+  OK(dp_dict_set(b, t_str("y"), dp_int(2), NULL));
+  OK(dp_dict_set(b, t_str("x"), dp_int(1), NULL));
+  cr_assert_eq(dp_value_equal(a, b, 0), 1);
+  cr_assert_eq(dp_value_hash(a), dp_value_hash(b));
+  OK(dp_dict_set(b, t_str("x"), dp_int(3), NULL));
+  cr_assert_eq(dp_value_equal(a, b, 0), 0);
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, error_names_and_messages_come_from_one_table) {
+  cr_assert_str_eq(dp_err_name(DP_ETYPE), "DP_ETYPE");
+  cr_assert_str_eq(dp_strerror(DP_ENOMEM), "out of memory");
+  cr_assert_str_eq(dp_err_name(-999), "DP_UNKNOWN");
+  char buf[16];
+  dp_device_t d;
+  cr_assert_eq(dp_device_parse("cuda:12", &d), 0);
+  cr_assert_str_eq(dp_device_format(d, buf, sizeof buf), "cuda:12");
+  cr_assert_eq(dp_device_parse("cuda:256", &d), DP_EINVAL);
+  cr_assert_eq(dp_device_parse("cuda:01", &d), DP_EINVAL);
+  cr_assert_eq(dp_device_parse("tpu:0", &d), DP_EINVAL);
+}
