@@ -219,6 +219,8 @@ typedef struct uframe {
   const char *name;      /* object: the attribute name read */
   size_t name_len;
   const char *type;      /* reduce: the type name */
+  const uint8_t *start;  /* where the container began */
+  const uint8_t *key_at; /* dict: where the pending key began */
   size_t type_len;
 } uframe_t;
 
@@ -277,6 +279,7 @@ static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, co
   f->remaining = remaining;
   f->node = (uint32_t)(u->nnodes - 1);
   f->tag = tag;
+  f->start = at;
   return 0;
 }
 
@@ -486,12 +489,13 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
                             dp_kind_name((dp_kind_t)k));
         }
         f->key = v;
+        f->key_at = at;
         f->have_key = 1;
         return 0;
       }
       f->have_key = 0;
       rc = dp__dict_set_checked(f->v, f->key, v, 0, &e);
-      if (rc == DP_EINVAL) return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "duplicate dict key");
+      if (rc == DP_EINVAL) return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, f->key_at), "duplicate dict key");
       break;
     case DP_TAG_OBJECT:
       rc = dp__object_set_n(f->v, f->name, f->name_len, v, 0, &e);
@@ -516,17 +520,19 @@ static int parse_payload(up_t *u) {
     uframe_t *f = &u->stack[u->top - 1];
     const uint8_t *at = r->p;
     if (f->remaining == 0 && !(f->tag == 'd' && f->have_key)) {
+      const uint8_t *start = f->start;
       if ((rc = finish_frame(u, f, &v, at)) != 0) return rc;
       u->top--;
-      if ((rc = deliver(u, v, at)) != 0) return rc;
+      if ((rc = deliver(u, v, start)) != 0) return rc;
       continue;
     }
     if (f->tag == DP_TAG_OBJECT && f->name == NULL) {
       if ((rc = read_name(r, &f->name, &f->name_len, "attribute name")) != 0) return rc;
     }
+    const uint8_t *vstart = r->p;
     if ((rc = read_value(u, &v, &done)) != 0) return rc;
     if (!done) continue;  /* a new frame: its value arrives when it closes */
-    if ((rc = deliver(u, v, r->p)) != 0) return rc;
+    if ((rc = deliver(u, v, vstart)) != 0) return rc;
   }
   return 0;
 }

@@ -233,7 +233,9 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state) {
   int rc = t->reduce(DP_CUSTOM(v)->obj, state, &inner);
   if (rc != 0) {
     dp_value_release(*state);
-    return dp__err(w->err, DP_ETYPE, "reduce of type '%s' failed at %s: %s", t->name,
+    /* Out of memory stays out of memory; any other failure means the value
+     * cannot be walked. */
+    return dp__err(w->err, rc == DP_ENOMEM ? DP_ENOMEM : DP_ETYPE, "reduce of type '%s' failed at %s: %s", t->name,
                    dp__walker_path(w), inner.message[0] ? inner.message : dp_strerror(rc));
   }
   w->states[w->nstates++] = *state;

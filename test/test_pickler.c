@@ -1,0 +1,733 @@
+/* Pickler: walker paths, scan, pickle/unpickle, frames, hostile input. */
+#include <xxhash.h>
+
+#include "helpers.h"
+
+static void setup(void) { t_track(); }
+static void teardown(void) { dp_set_allocator(NULL, NULL); }
+TestSuite(pickler, .init = setup, .fini = teardown);
+
+#define CUDA0 t_dev(DP_DEVICE_CUDA, 0)
+#define CUDA1 t_dev(DP_DEVICE_CUDA, 1)
+#define CPU t_dev(DP_DEVICE_CPU, 0)
+
+static dp_ptrset_t *scan_paths(dp_value_t v) {
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  dp_scan_opts_t o = {DP_SCAN_PATHS, 0};
+  dp_error_t e;
+  int rc = dp_scan(v, &o, set, &e);
+  cr_assert_eq(rc, 0, "scan failed: %s", e.message);
+  return set;
+}
+
+static void expect_ptr(dp_ptrset_t *set, size_t i, uintptr_t base, const char *path, uint32_t refs) {
+  dp_ptr_info_t info;
+  cr_assert_eq(dp_ptrset_get(set, i, &info), 0, "no entry %zu", i);
+  cr_assert_eq((uintptr_t)info.base, base, "entry %zu base %p", i, info.base);
+  cr_assert_str_eq(info.path, path);
+  cr_assert_eq(info.refs, refs, "entry %zu refs %u, expected %u", i, info.refs, refs);
+}
+
+/* reduce: state = [the tensor it holds] */
+typedef struct holder { dp_value_t held; } holder_t;
+static int holder_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)err;
+  dp_value_t l;
+  int rc = dp_list_new(1, &l, err);
+  if (rc) return rc;
+  *state = l;
+  return dp_list_append(l, dp_value_retain(((holder_t *)obj)->held), err);
+}
+static void holder_destroy(void *obj) {
+  dp_value_release(((holder_t *)obj)->held);
+  free(obj);
+}
+static const dp_type_t holder_type = {"Holder", holder_reduce, holder_destroy};
+
+static dp_value_t t_holder(dp_value_t held) {
+  holder_t *h = malloc(sizeof *h);
+  h->held = held;
+  dp_value_t c;
+  OK(dp_custom_new(&holder_type, h, &c, NULL));
+  return c;
+}
+
+/* reduce: state = {"inner": <the custom it holds>} */
+static int outer_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  dp_value_t d;
+  int rc = dp_dict_new(1, &d, err);
+  if (rc) return rc;
+  *state = d;
+  dp_value_t k;
+  if ((rc = dp_str_new("inner", 5, &k, err)) != 0) return rc;
+  return dp_dict_set(d, k, dp_value_retain(((holder_t *)obj)->held), err);
+}
+static const dp_type_t outer_type = {"Outer", outer_reduce, holder_destroy};
+
+static int failing_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj; (void)state;
+  snprintf(err->message, sizeof err->message, "device handle is stale");
+  return DP_EINVAL;
+}
+static const dp_type_t failing_type = {"Stale", failing_reduce, NULL};
+static const dp_type_t opaque_type = {"Opaque", NULL, NULL};
+
+Test(pickler, every_kind_is_walked_with_exact_paths) {
+  dp_value_t root, d2, tup, key;
+  OK(dp_dict_new(0, &root, NULL));
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, dp_int(1), NULL));
+  OK(dp_list_append(l, t_tensor(CUDA0, 0x1000, 4), NULL));
+  OK(dp_tuple_new(2, &tup, NULL));
+  OK(dp_seq_set(tup, 1, t_tensor(CUDA0, 0x2000, 4), NULL));
+  OK(dp_list_append(l, tup, NULL));
+  OK(dp_dict_set(root, t_str("a"), l, NULL));
+  OK(dp_dict_new(0, &d2, NULL));
+  OK(dp_dict_set(d2, t_str("k k"), t_tensor(CUDA1, 0x3000, 4), NULL));
+  OK(dp_dict_set(d2, dp_int(3), t_tensor(CUDA1, 0x4000, 4), NULL));
+  OK(dp_dict_set(root, t_str("b"), d2, NULL));
+  dp_value_t o = t_obj("Layer");
+  OK(dp_object_set(o, "weight", t_tensor(CUDA0, 0x5000, 4), NULL));
+  OK(dp_object_set(o, "odd name", t_tensor(CUDA0, 0x6000, 4), NULL));
+  OK(dp_dict_set(root, t_str("layer"), o, NULL));
+  OK(dp_dict_set(root, t_str("c"), t_holder(t_tensor(CPU, 0x7000, 4)), NULL));
+  OK(dp_tuple_new(2, &key, NULL));
+  OK(dp_seq_set(key, 0, dp_int(1), NULL));
+  OK(dp_seq_set(key, 1, t_str("x"), NULL));
+  OK(dp_dict_set(root, key, t_tensor(CUDA0, 0x8000, 4), NULL));
+  dp_ptrset_t *set = scan_paths(root);
+  cr_assert_eq(dp_ptrset_count(set), 8);
+  expect_ptr(set, 0, 0x1000, "$.a[1]", 1);
+  expect_ptr(set, 1, 0x2000, "$.a[2][1]", 1);
+  expect_ptr(set, 2, 0x3000, "$.b[\"k k\"]", 1);
+  expect_ptr(set, 3, 0x4000, "$.b[3]", 1);
+  expect_ptr(set, 4, 0x5000, "$.layer.weight", 1);
+  expect_ptr(set, 5, 0x6000, "$.layer[\"odd name\"]", 1);
+  expect_ptr(set, 6, 0x7000, "$.c<reduce Holder>[0]", 1);
+  expect_ptr(set, 7, 0x8000, "$[{\"$tuple\":[1,\"x\"]}]", 1);
+  /* grouped by device, in discovery order */
+  cr_assert_eq(dp_ptrset_ndevices(set), 3);
+  cr_assert(dp_device_equal(dp_ptrset_device(set, 0), CUDA0));
+  cr_assert(dp_device_equal(dp_ptrset_device(set, 1), CUDA1));
+  cr_assert(dp_device_equal(dp_ptrset_device(set, 2), CPU));
+  cr_assert_eq(dp_ptrset_device_count(set, 0), 5);
+  size_t seen[8], n = 0;
+  for (size_t i = dp_ptrset_first_on(set, 0); i != SIZE_MAX; i = dp_ptrset_next_on(set, i)) seen[n++] = i;
+  cr_assert_eq(n, 5);
+  cr_assert(seen[0] == 0 && seen[1] == 1 && seen[2] == 4 && seen[3] == 5 && seen[4] == 7);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, shared_storages_are_reported_once_with_their_tensor_count) {
+  dp_storage_t *s = t_storage(CUDA0, 0xA000, 1024);
+  dp_value_t l = t_list(), view = t_view(s, 8, 8);
+  OK(dp_list_append(l, t_view(s, 8, 0), NULL));
+  OK(dp_list_append(l, dp_value_retain(view), NULL));
+  OK(dp_list_append(l, view, NULL));  /* the same tensor again: one tensor */
+  OK(dp_list_append(l, t_view(s, 4, 100), NULL));
+  OK(dp_list_append(l, t_tensor(CUDA0, 0xB000, 4), NULL));
+  dp_storage_release(s);
+  dp_ptrset_t *set = scan_paths(l);
+  cr_assert_eq(dp_ptrset_count(set), 2);
+  expect_ptr(set, 0, 0xA000, "$[0]", 3);
+  expect_ptr(set, 1, 0xB000, "$[4]", 1);
+  dp_ptrset_free(set);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, cycles_terminate_and_each_storage_is_met_once) {
+  dp_value_t a = t_obj("Node"), b = t_obj("Node");
+  OK(dp_object_set(a, "t", t_tensor(CUDA0, 0x1000, 4), NULL));
+  OK(dp_object_set(a, "next", dp_value_retain(b), NULL));
+  OK(dp_object_set(b, "t", t_tensor(CUDA0, 0x2000, 4), NULL));
+  OK(dp_object_set(b, "next", dp_value_retain(a), NULL));
+  dp_ptrset_t *set = scan_paths(a);
+  cr_assert_eq(dp_ptrset_count(set), 2);
+  expect_ptr(set, 1, 0x2000, "$.next.t", 1);
+  dp_ptrset_free(set);
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_reduce_state_may_hold_another_custom) {
+  holder_t *h = malloc(sizeof *h);
+  h->held = t_holder(t_tensor(CUDA0, 0x1000, 4));
+  dp_value_t outer;
+  OK(dp_custom_new(&outer_type, h, &outer, NULL));
+  dp_value_t root = t_obj("Model");
+  OK(dp_object_set(root, "part", outer, NULL));
+  dp_ptrset_t *set = scan_paths(root);
+  cr_assert_eq(dp_ptrset_count(set), 1);
+  expect_ptr(set, 0, 0x1000, "$.part<reduce Outer>.inner<reduce Holder>[0]", 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_failing_reduce_is_an_error_naming_the_type_and_path) {
+  dp_value_t root = t_list(), inner = t_obj("Wrapper"), c;
+  OK(dp_custom_new(&failing_type, NULL, &c, NULL));
+  OK(dp_object_set(inner, "handle", c, NULL));
+  OK(dp_list_append(root, dp_int(0), NULL));
+  OK(dp_list_append(root, inner, NULL));
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, "reduce of type 'Stale' failed at $[1].handle: device handle is stale");
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  cr_assert_eq(dp_pickle(root, NULL, f, &e), DP_ETYPE, "pickle walks the same way");
+  cr_assert_str_eq(e.message, "reduce of type 'Stale' failed at $[1].handle: device handle is stale");
+  size_t len;
+  dp_frame_data(f, &len);
+  cr_assert_eq(len, 0, "a failed pickle leaves an empty frame");
+  dp_value_release(root);
+  OK(dp_custom_new(&opaque_type, NULL, &c, NULL));
+  cr_assert_eq(dp_scan(c, NULL, set, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, "cannot walk a value of type 'Opaque' at $: its type has no reduce");
+  dp_value_release(c);
+  dp_frame_free(f);
+  dp_ptrset_free(set);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, nesting_beyond_the_depth_limit_is_an_error_not_a_crash) {
+  dp_value_t root = t_list(), cur = root;
+  for (int i = 0; i < 50; i++) {
+    dp_value_t n = t_list();
+    OK(dp_list_append(cur, n, NULL));
+    cur = n;
+  }
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  dp_scan_opts_t o = {0, 10};
+  dp_error_t e;
+  cr_assert_eq(dp_scan(root, &o, set, &e), DP_ELIMIT);
+  cr_assert_str_eq(e.message, "nesting deeper than 10 levels at $[0][0][0][0][0][0][0][0][0][0]");
+  o.max_depth = 100;
+  OK(dp_scan(root, &o, set, &e));
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_steady_state_scan_allocates_nothing) {
+  dp_value_t l = t_list();
+  for (int i = 0; i < 1000; i++) {
+    dp_value_t tup;
+    OK(dp_tuple_new(2, &tup, NULL));
+    dp_value_t t = t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 64, 4);
+    OK(dp_seq_set(tup, 0, dp_value_retain(t), NULL));
+    dp_value_t inner = t_list();
+    OK(dp_list_append(inner, t, NULL));
+    OK(dp_seq_set(tup, 1, inner, NULL));
+    OK(dp_list_append(l, tup, NULL));
+  }
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_scan(l, NULL, set, NULL));
+  cr_assert_eq(dp_ptrset_count(set), 1000);
+  long before = t_alloc_count;
+  for (int k = 0; k < 5; k++) {
+    dp_ptrset_clear(set);
+    OK(dp_scan(l, NULL, set, NULL));
+  }
+  cr_assert_eq(t_alloc_count, before, "steady-state scans allocated %ld times", t_alloc_count - before);
+  cr_assert_eq(dp_ptrset_count(set), 1000);
+  dp_ptrset_free(set);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+/* ---- pickle / unpickle ---- */
+
+static dp_frame_t *pickle_ok(dp_value_t v, uint32_t flags) {
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  dp_pickle_opts_t o = {flags, 0, NULL, NULL};
+  dp_error_t e;
+  int rc = dp_pickle(v, &o, f, &e);
+  cr_assert_eq(rc, 0, "pickle: %s", e.message);
+  return f;
+}
+
+static dp_value_t unpickle_ok(dp_frame_t *f) {
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_value_t v;
+  dp_error_t e;
+  int rc = dp_unpickle(b, n, NULL, &v, &e);
+  cr_assert_eq(rc, 0, "unpickle: %s (at byte %lld)", e.message, (long long)e.offset);
+  return v;
+}
+
+Test(pickler, round_trip_preserves_sharing_and_cycles) {
+  dp_value_t root = t_obj("Graph"), shared = t_list(), d;
+  OK(dp_list_append(shared, t_str("s"), NULL));
+  OK(dp_list_append(shared, dp_value_retain(shared), NULL));
+  OK(dp_dict_new(0, &d, NULL));
+  OK(dp_dict_set(d, t_str("self"), dp_value_retain(d), NULL));
+  OK(dp_dict_set(d, dp_float(1.5), dp_value_retain(shared), NULL));
+  OK(dp_object_set(root, "a", dp_value_retain(shared), NULL));
+  OK(dp_object_set(root, "b", shared, NULL));
+  OK(dp_object_set(root, "d", d, NULL));
+  OK(dp_object_set(root, "me", dp_value_retain(root), NULL));
+  dp_frame_t *f = pickle_ok(root, 0);
+  dp_value_t back = unpickle_ok(f);
+  cr_assert_eq(dp_value_equal(root, back, DP_EQ_SHARING), 1);
+  dp_value_t a, b, me;
+  OK(dp_object_get(back, "a", &a));
+  OK(dp_object_get(back, "b", &b));
+  OK(dp_object_get(back, "me", &me));
+  cr_assert_eq(a.u.h, b.u.h, "shared list came back as one node");
+  cr_assert_eq(dp_seq_get(a, 1).u.h, a.u.h, "self-cycle preserved");
+  cr_assert_eq(me.u.h, back.u.h);
+  dp_frame_free(f);
+  dp_value_release(back);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, the_same_value_always_pickles_to_the_same_bytes) {
+  t_rng_t r = {42};
+  t_pool_t pool;
+  t_pool_init(&pool, 1);
+  dp_value_t v = t_random_value(&r, &pool, 0);
+  dp_value_t extra = dp_value_retain(v);  /* a different refcount must not change the bytes */
+  dp_frame_t *f1 = pickle_ok(v, 0);
+  dp_value_release(extra);
+  dp_frame_t *f2 = pickle_ok(v, 0);
+  size_t n1, n2;
+  const uint8_t *b1 = dp_frame_data(f1, &n1), *b2 = dp_frame_data(f2, &n2);
+  cr_assert_eq(n1, n2);
+  cr_assert_eq(memcmp(b1, b2, n1), 0);
+  dp_value_t back = unpickle_ok(f1);
+  dp_frame_t *f3 = pickle_ok(back, 0);
+  const uint8_t *b3 = dp_frame_data(f3, &n2);
+  cr_assert_eq(n1, n2);
+  cr_assert_eq(memcmp(b1, b3, n1), 0, "pickle(unpickle(frame)) == frame");
+  dp_frame_free(f1);
+  dp_frame_free(f2);
+  dp_frame_free(f3);
+  dp_value_release(back);
+  dp_value_release(v);
+  t_pool_free(&pool);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_linked_list_of_a_hundred_thousand_objects_scans_pickles_and_unpickles) {
+  dp_value_t head = t_obj("Node"), cur = head;
+  for (int i = 0; i < 100000; i++) {
+    OK(dp_object_set(cur, "t", t_tensor(CUDA0, 0x10000000 + (uintptr_t)i * 256, 4), NULL));
+    if (i == 99999) break;
+    dp_value_t n = t_obj("Node");
+    OK(dp_object_set(cur, "next", n, NULL));
+    cur = n;
+  }
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_scan(head, NULL, set, NULL));
+  cr_assert_eq(dp_ptrset_count(set), 100000);
+  dp_frame_t *f = pickle_ok(head, 0);
+  cr_assert_eq(dp_frame_nbuffers(f), 100000);
+  dp_value_t back = unpickle_ok(f);
+  cr_assert_eq(dp_value_equal(head, back, DP_EQ_SHARING), 1);
+  dp_ptrset_clear(set);
+  OK(dp_scan(back, NULL, set, NULL));
+  cr_assert_eq(dp_ptrset_count(set), 100000);
+  dp_ptrset_free(set);
+  dp_frame_free(f);
+  dp_value_release(back);
+  dp_value_release(head);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, for_a_thousand_random_values_scan_matches_the_buffer_table_and_round_trips) {
+  t_rng_t r = {0x5eed};
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  int with_buffers = 0;
+  for (int k = 0; k < 1000; k++) {
+    t_pool_t pool;
+    t_pool_init(&pool, (uint64_t)k);
+    dp_value_t v = t_random_value(&r, &pool, 0);
+    if (k % 7 == 0 && dp_value_kind(v) == DP_LIST) OK(dp_list_append(v, dp_value_retain(v), NULL));
+    dp_ptrset_clear(set);
+    OK(dp_scan(v, NULL, set, NULL));
+    OK(dp_pickle(v, NULL, f, NULL));
+    cr_assert_eq(dp_frame_nbuffers(f), dp_ptrset_count(set), "value %d", k);
+    for (size_t i = 0; i < dp_ptrset_count(set); i++) {
+      dp_ptr_info_t p;
+      dp_buffer_desc_t b;
+      OK(dp_ptrset_get(set, i, &p));
+      OK(dp_frame_buffer(f, i, &b));
+      cr_assert(dp_device_equal(p.device, b.device) && (uintptr_t)p.base == b.base && p.nbytes == b.nbytes,
+                "value %d buffer %zu", k, i);
+    }
+    with_buffers += dp_ptrset_count(set) > 0;
+    dp_value_t back = unpickle_ok(f);
+    cr_assert_eq(dp_value_equal(v, back, DP_EQ_SHARING), 1, "value %d did not round trip", k);
+    dp_value_release(back);
+    dp_value_release(v);
+    t_pool_free(&pool);
+  }
+  cr_assert_gt(with_buffers, 100, "the generator must produce tensors");
+  dp_frame_free(f);
+  dp_ptrset_free(set);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, customs_come_back_as_generic_objects_and_pickle_back_the_same) {
+  dp_value_t root = t_list();
+  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), NULL));
+  dp_frame_t *f = pickle_ok(root, 0);
+  dp_value_t back = unpickle_ok(f);
+  dp_value_t g = dp_seq_get(back, 0);
+  cr_assert_eq(dp_value_kind(g), DP_OBJECT);
+  cr_assert(dp_object_is_reduced(g));
+  cr_assert_str_eq(dp_object_class(g), "Holder");
+  dp_value_t st;
+  OK(dp_object_get(g, "__reduce__", &st));
+  cr_assert_eq(dp_value_kind(dp_seq_get(st, 0)), DP_TENSOR);
+  dp_ptrset_t *set = scan_paths(back);
+  expect_ptr(set, 0, 0x1000, "$[0]<reduce Holder>[0]", 1);
+  dp_frame_t *f2 = pickle_ok(back, 0);
+  size_t n1, n2;
+  const uint8_t *b1 = dp_frame_data(f, &n1), *b2 = dp_frame_data(f2, &n2);
+  cr_assert(n1 == n2 && memcmp(b1, b2, n1) == 0, "the stand-in pickles as the custom did");
+  dp_ptrset_free(set);
+  dp_frame_free(f);
+  dp_frame_free(f2);
+  dp_value_release(back);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+static int resolve_holder(void *ud, const char *type, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (*(int *)ud)++;
+  cr_assert_str_eq(type, "Holder");
+  holder_t *h = malloc(sizeof *h);
+  h->held = dp_value_retain(dp_seq_get(state, 0));
+  return dp_custom_new(&holder_type, h, out, err);
+}
+
+Test(pickler, a_resolver_rebuilds_only_allowed_types) {
+  dp_value_t root = t_list();
+  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), NULL));
+  holder_t *h = malloc(sizeof *h);
+  h->held = t_holder(t_tensor(CUDA0, 0x2000, 4));
+  dp_value_t outer;
+  OK(dp_custom_new(&outer_type, h, &outer, NULL));
+  OK(dp_list_append(root, outer, NULL));
+  dp_frame_t *f = pickle_ok(root, 0);
+  int calls = 0;
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_holder, &calls};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.resolver = &res;
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_value_t back;
+  OK(dp_unpickle(b, n, &o, &back, NULL));
+  cr_assert_eq(calls, 2);
+  cr_assert_eq(dp_custom_type(dp_seq_get(back, 0)), &holder_type);
+  dp_value_t o2 = dp_seq_get(back, 1), st, inner;
+  cr_assert(dp_object_is_reduced(o2), "Outer is not allowed: generic");
+  OK(dp_object_get(o2, "__reduce__", &st));
+  dp_value_t key = t_str("inner");
+  OK(dp_dict_get(st, key, &inner));
+  dp_value_release(key);
+  cr_assert_eq(dp_custom_type(inner), &holder_type, "Holder inside it is allowed: rebuilt");
+  dp_frame_free(f);
+  dp_value_release(back);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, inline_frames_carry_the_buffer_bytes) {
+  float host[4] = {1, 2, 3, 4};
+  dp_storage_t *s = t_storage(CPU, (uintptr_t)host, sizeof host);
+  dp_value_t t = t_view(s, 4, 0);
+  dp_storage_release(s);
+  dp_frame_t *f = pickle_ok(t, DP_PICKLE_INLINE);
+  dp_buffer_desc_t b;
+  OK(dp_frame_buffer(f, 0, &b));
+  cr_assert_not_null(b.data);
+  cr_assert_eq(memcmp(b.data, host, sizeof host), 0);
+  dp_value_t back = unpickle_ok(f);
+  const float *copy = dp_storage_host_data(dp_tensor_storage(back));
+  cr_assert_not_null(copy);
+  cr_assert_eq(copy[3], 4.0f);
+  /* pickled again from the copy: same bytes, even though `host` changed */
+  host[0] = 99;
+  dp_frame_t *f2 = pickle_ok(back, DP_PICKLE_INLINE);
+  size_t n1, n2;
+  const uint8_t *b1 = dp_frame_data(f, &n1), *b2 = dp_frame_data(f2, &n2);
+  cr_assert(n1 == n2 && memcmp(b1, b2, n1) == 0);
+  /* device memory without a reader cannot be inlined */
+  dp_value_t g = t_tensor(CUDA0, 0x1000, 4);
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(g, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, NULL, NULL}, f2, &e), DP_ENODEV);
+  cr_assert_str_eq(e.message, "cannot read 16 bytes of cuda:0 memory for an inline frame: no reader given");
+  dp_value_release(g);
+  dp_frame_free(f);
+  dp_frame_free(f2);
+  dp_value_release(back);
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
+/* ---- hostile frames ---- */
+
+static dp_value_t sample_value(void) {
+  dp_value_t root = t_obj("Sample"), d, tup;
+  OK(dp_dict_new(0, &d, NULL));
+  OK(dp_dict_set(d, t_str("w"), t_tensor(CUDA0, 0x1000, 16), NULL));
+  OK(dp_dict_set(d, dp_int(-7), dp_float(0.25), NULL));
+  OK(dp_tuple_new(3, &tup, NULL));
+  OK(dp_seq_set(tup, 0, t_str("hello"), NULL));
+  OK(dp_seq_set(tup, 1, dp_bool(true), NULL));
+  OK(dp_seq_set(tup, 2, dp_value_retain(d), NULL));
+  OK(dp_object_set(root, "d", d, NULL));
+  OK(dp_object_set(root, "t", tup, NULL));
+  OK(dp_object_set(root, "c", t_holder(t_tensor(CPU, 0x2000, 8)), NULL));
+  dp_value_t b;
+  OK(dp_bytes_new("\x00\x01\x02", 3, &b, NULL));
+  OK(dp_object_set(root, "b", b, NULL));
+  return root;
+}
+
+Test(pickler, truncation_at_every_offset_is_detected) {
+  dp_value_t v = sample_value();
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  for (size_t cut = 0; cut < n; cut++) {
+    dp_value_t out;
+    dp_error_t e;
+    int rc = dp_unpickle(b, cut, NULL, &out, &e);
+    cr_assert(rc == DP_ETRUNC, "cut at %zu: %s (%s)", cut, dp_err_name(rc), e.message);
+    cr_assert_eq(e.offset, (int64_t)cut, "cut at %zu: offset %lld", cut, (long long)e.offset);
+  }
+  dp_frame_free(f);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_change_to_any_byte_is_detected) {
+  dp_value_t v = sample_value();
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  const uint8_t *b0 = dp_frame_data(f, &n);
+  uint8_t *b = malloc(n);
+  memcpy(b, b0, n);
+  for (size_t i = 0; i < n; i++) {
+    for (int bit = 0; bit < 8; bit += 3) {
+      b[i] ^= (uint8_t)(1u << bit);
+      dp_value_t out;
+      dp_error_t e;
+      int rc = dp_unpickle(b, n, NULL, &out, &e);
+      cr_assert_neq(rc, 0, "flipping bit %d of byte %zu went unnoticed", bit, i);
+      cr_assert(e.offset >= 0 && e.offset <= (int64_t)n, "byte %zu: offset %lld", i, (long long)e.offset);
+      b[i] ^= (uint8_t)(1u << bit);
+    }
+  }
+  free(b);
+  dp_frame_free(f);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+/* A frame with a hand-made payload and a valid checksum: what an attacker
+ * who computes checksums sends. */
+static size_t make_frame(uint8_t *out, const uint8_t *payload, size_t plen) {
+  memcpy(out, "DPKL", 4);
+  out[4] = 1; out[5] = 0; out[6] = 0; out[7] = 0;
+  uint64_t lens[3] = {plen, 1, 0};
+  for (int k = 0; k < 3; k++)
+    for (int i = 0; i < 8; i++) out[8 + 8 * k + i] = (uint8_t)(lens[k] >> (8 * i));
+  memcpy(out + 40, payload, plen);
+  out[40 + plen] = 0x90;  /* empty buffer table */
+  size_t n = 41 + plen;
+  uint64_t sum = XXH3_64bits_withSeed(out + 40, n - 40, XXH3_64bits(out, 32));
+  for (int i = 0; i < 8; i++) out[32 + i] = (uint8_t)(sum >> (8 * i));
+  return n;
+}
+
+static void expect_bad(const uint8_t *payload, size_t plen, int code, int64_t offset, const char *msg,
+                       const dp_unpickle_opts_t *o) {
+  uint8_t *frame = malloc(plen + 64);
+  size_t n = make_frame(frame, payload, plen);
+  dp_value_t out;
+  dp_error_t e;
+  int rc = dp_unpickle(frame, n, o, &out, &e);
+  cr_assert_eq(rc, code, "got %s: %s", dp_err_name(rc), e.message);
+  cr_assert_eq(e.offset, offset, "offset %lld, expected %lld (%s)", (long long)e.offset, (long long)offset, e.message);
+  cr_assert_str_eq(e.message, msg);
+  free(frame);
+}
+
+Test(pickler, a_nesting_bomb_hits_the_depth_limit) {
+  size_t depth = 300000;
+  uint8_t *p = malloc(depth + 1);
+  memset(p, 0x91, depth);  /* [[[[...]]]] */
+  p[depth] = 0xc0;
+  expect_bad(p, depth + 1, DP_ELIMIT, 40 + DP_DEFAULT_MAX_DEPTH, "nesting depth exceeds the limit of 262144", NULL);
+  free(p);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_container_count_larger_than_the_bytes_left_is_rejected_before_allocating) {
+  const uint8_t arr[] = {0xdd, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02};
+  expect_bad(arr, sizeof arr, DP_EFORMAT, 40, "array claims 4294967295 items but only 2 bytes are left", NULL);
+  const uint8_t map[] = {0xdf, 0x00, 0x00, 0x00, 0x02, 0x01, 0x02};
+  expect_bad(map, sizeof map, DP_EFORMAT, 40, "map claims 2 pairs but only 2 bytes are left", NULL);
+  long peak = t_alloc_count;
+  cr_assert_lt(peak, 20);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_huge_string_length_is_rejected) {
+  const uint8_t s[] = {0xdb, 0x7f, 0xff, 0xff, 0xff, 'a', 'b'};
+  expect_bad(s, sizeof s, DP_EFORMAT, 40, "str of 2147483647 bytes is longer than the 2 bytes left", NULL);
+  const uint8_t ok_len[] = {0xa5, 'h', 'e', 'l', 'l', 'o'};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.limits.max_str = 4;
+  expect_bad(ok_len, sizeof ok_len, DP_ELIMIT, 40, "str or bytes length exceeds the limit of 4", &o);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, malformed_payloads_get_precise_errors) {
+  const uint8_t bad_type[] = {0x92, 0x01, 0xc1};
+  expect_bad(bad_type, sizeof bad_type, DP_EFORMAT, 42, "invalid msgpack type byte 0xc1", NULL);
+  const uint8_t bad_utf8[] = {0x91, 0xa2, 0xc3, 0x28};
+  expect_bad(bad_utf8, sizeof bad_utf8, DP_EFORMAT, 41, "invalid UTF-8 in str", NULL);
+  const uint8_t fwd_ref[] = {0x91, 0xd6, 0x01, 0, 0, 0, 5};
+  expect_bad(fwd_ref, sizeof fwd_ref, DP_EFORMAT, 41, "back-reference to node 5, only 1 exist", NULL);
+  const uint8_t dup[] = {0x82, 0x01, 0xc0, 0x01, 0xc0};
+  expect_bad(dup, sizeof dup, DP_EFORMAT, 43, "duplicate dict key", NULL);
+  const uint8_t list_key[] = {0x81, 0x90, 0xc0};
+  expect_bad(list_key, sizeof list_key, DP_EFORMAT, 41, "dict key of kind list is not hashable", NULL);
+  const uint8_t trailing[] = {0xc0, 0xc0};
+  expect_bad(trailing, sizeof trailing, DP_EFORMAT, 41, "1 bytes after the root value in the payload", NULL);
+  const uint8_t no_buffer[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x90, 0x90, 0x00};
+  expect_bad(no_buffer, sizeof no_buffer, DP_EFORMAT, 44, "tensor buffer id out of range", NULL);
+  const uint8_t tag[] = {0x91, 0xd4, 0x00, 0x09};
+  expect_bad(tag, sizeof tag, DP_EFORMAT, 40, "unknown node tag 9", NULL);
+  const uint8_t big[] = {0xcf, 0xff, 0, 0, 0, 0, 0, 0, 0};
+  expect_bad(big, sizeof big, DP_EFORMAT, 40, "integer out of range", NULL);
+  /* a back-reference to an unfinished tuple used as a dict key */
+  const uint8_t open_key[] = {0x92, 0xd4, 0x00, 0x01, 0x81, 0xd6, 0x01, 0, 0, 0, 0, 0xc0};
+  expect_bad(open_key, sizeof open_key, DP_EFORMAT, 45, "dict key refers to an unfinished tuple", NULL);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, header_errors_name_what_is_wrong) {
+  dp_value_t v = dp_int(1);
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  const uint8_t *b0 = dp_frame_data(f, &n);
+  uint8_t b[128];
+  memcpy(b, b0, n);
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle("JUNKJUNK", 8, NULL, &out, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "not a devpickle frame (bad magic)");
+  b[4] = 2;
+  uint64_t sum = XXH3_64bits_withSeed(b + 40, n - 40, XXH3_64bits(b, 32));
+  for (int i = 0; i < 8; i++) b[32 + i] = (uint8_t)(sum >> (8 * i));
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EVERSION);
+  cr_assert_str_eq(e.message, "frame version 2, this build reads version 1");
+  memcpy(b, b0, n);
+  b[n] = 0;
+  cr_assert_eq(dp_unpickle(b, n + 1, NULL, &out, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "1 bytes after the end of the frame");
+  b[n - 1] ^= 1;
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_ECHECKSUM);
+  cr_assert_eq(e.offset, 32);
+  dp_frame_free(f);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, pickle_and_unpickle_fail_cleanly_at_every_allocation) {
+  dp_value_t v = sample_value();
+  dp_frame_t *ref = pickle_ok(v, 0);
+  size_t rn;
+  const uint8_t *rb = dp_frame_data(ref, &rn);
+  long base_blocks = t_live_blocks;
+  int pickled = 0, unpickled = 0;
+  for (long k = 1; !(pickled && unpickled); k++) {
+    cr_assert_lt(k, 10000);
+    long start = t_alloc_count;
+    t_fail_at = start + k;
+    if (!pickled) {
+      dp_frame_t *f;
+      int rc = dp_frame_new(&f, NULL);
+      if (rc == 0) {
+        rc = dp_pickle(v, NULL, f, NULL);
+        dp_frame_free(f);
+      }
+      cr_assert(rc == 0 || rc == DP_ENOMEM, "pickle: %s", dp_err_name(rc));
+      pickled = rc == 0;
+    }
+    cr_assert_eq(t_live_blocks, base_blocks, "pickle leaked after failing allocation %ld", k);
+    t_fail_at = t_alloc_count + k;
+    if (!unpickled) {
+      dp_value_t out;
+      dp_error_t e;
+      int rc = dp_unpickle(rb, rn, NULL, &out, &e);
+      cr_assert(rc == 0 || rc == DP_ENOMEM, "unpickle: %s", dp_err_name(rc));
+      if (rc == 0) {
+        t_fail_at = 0;
+        dp_frame_t *again = pickle_ok(out, 0);
+        size_t an;
+        const uint8_t *ab = dp_frame_data(again, &an);
+        cr_assert(an == rn && memcmp(ab, rb, rn) == 0, "what came back pickles to the same bytes");
+        dp_frame_free(again);
+        dp_value_release(out);
+      } else {
+        cr_assert_geq(e.offset, 0, "an allocation failure still says where");
+      }
+      unpickled = rc == 0;
+    }
+    cr_assert_eq(t_live_blocks, base_blocks, "unpickle leaked after failing allocation %ld", k);
+  }
+  t_fail_at = 0;
+  dp_frame_free(ref);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, scan_fails_cleanly_at_every_allocation) {
+  dp_value_t v = sample_value();
+  OK(dp_object_set(v, "self", dp_value_retain(v), NULL));
+  long base_blocks = t_live_blocks;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 1000);
+    dp_ptrset_t *set;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_ptrset_new(&set, NULL);
+    if (rc == 0) {
+      dp_scan_opts_t o = {DP_SCAN_PATHS, 0};
+      rc = dp_scan(v, &o, set, NULL);
+      if (rc == 0) cr_assert_eq(dp_ptrset_count(set), 2);
+      dp_ptrset_free(set);
+    }
+    cr_assert_eq(t_live_blocks, base_blocks, "scan leaked after failing allocation %ld", k);
+    if (rc == 0) break;
+    cr_assert_eq(rc, DP_ENOMEM, "%s", dp_err_name(rc));
+  }
+  t_fail_at = 0;
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
