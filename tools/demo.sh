@@ -1,0 +1,23 @@
+#!/bin/sh
+# make demo: pack every example value, verify the frame, dump its pointers,
+# check that unpack gives back JSON that packs to the same bytes, then run
+# the in-process demo. Stops at the first failure.
+set -eu
+cli=${1:-build/devpickle}
+out=build/examples
+mkdir -p "$out"
+for json in examples/*.json; do
+  name=$(basename "$json" .json)
+  frame="$out/$name.dpk"
+  echo "== $json"
+  "$cli" pack "$json" -o "$frame"
+  "$cli" verify "$frame"
+  "$cli" dump "$frame"
+  "$cli" unpack "$frame" > "$out/$name.unpacked.json"
+  "$cli" pack "$out/$name.unpacked.json" -o "$out/$name.again.dpk"
+  cmp "$frame" "$out/$name.again.dpk"
+  echo "unpack -> pack: identical bytes"
+  echo
+done
+echo "== devpickle demo"
+"$cli" demo
