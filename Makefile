@@ -51,6 +51,8 @@ $(BUILD)/libdevpickle.so: $(LIB_OBJ)
 $(BUILD)/devpickle: $(CLI_OBJ) $(BUILD)/libdevpickle.a
 	$(CC) $(SANFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libdevpickle.a -ljansson $(LDLIBS)
 
+$(BUILD)/test_cli: LDLIBS += -ljansson
+
 $(BUILD)/test_%: test/test_%.c test/helpers.h $(BUILD)/libdevpickle.a
 	$(CC) $(TFLAGS) $(SANFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS)
 

@@ -1,0 +1,325 @@
+/* bench/bench_pickler.c — scan, pickle and unpickle against their baselines,
+ * measured in the same run. Usage: bench_pickler OUT.json */
+#include <msgpack.h>
+
+#include "bench.h"
+#include "devpickle.h"
+
+static dp_device_t cuda0 = {DP_DEVICE_CUDA, 0};
+
+static dp_value_t tensor_at(uintptr_t base) {
+  dp_storage_t *s;
+  dp_value_t t;
+  int64_t shape[1] = {256};
+  if (dp_storage_new(cuda0, (void *)base, 1024, NULL, NULL, &s, NULL) ||
+      dp_tensor_new(s, DP_FLOAT32, 1, shape, NULL, 0, &t, NULL)) {
+    fprintf(stderr, "bench: cannot build a tensor\n");
+    exit(1);
+  }
+  return t;
+}
+
+/* ---- scan workloads ---- */
+
+typedef struct scan_ctx {
+  dp_value_t v;
+  dp_ptrset_t *set;
+  dp_storage_t **storages;  /* the same storages, for the hand-written loop */
+  size_t nstorages;
+} scan_ctx_t;
+
+static void run_scan(void *p) {
+  scan_ctx_t *c = p;
+  dp_ptrset_clear(c->set);
+  if (dp_scan(c->v, NULL, c->set, NULL) != 0) exit(1);
+}
+
+/* The baseline: a loop that already knows every storage. */
+static void run_loop(void *p) {
+  scan_ctx_t *c = p;
+  dp_ptrset_clear(c->set);
+  for (size_t i = 0; i < c->nstorages; i++) {
+    dp_storage_t *s = c->storages[i];
+    dp_ptrset_add(c->set, dp_storage_device(s), dp_storage_base(s), dp_storage_nbytes(s), NULL, NULL);
+  }
+}
+
+static void collect(scan_ctx_t *c, dp_value_t t) {
+  c->storages[c->nstorages++] = dp_tensor_storage(t);
+}
+
+static scan_ctx_t make_list(size_t n) {
+  scan_ctx_t c = {0};
+  dp_list_new(n, &c.v, NULL);
+  c.storages = malloc(n * sizeof *c.storages);
+  for (size_t i = 0; i < n; i++) {
+    dp_value_t t = tensor_at(0x7f0000000000 + i * 4096);
+    collect(&c, t);
+    dp_list_append(c.v, t, NULL);
+  }
+  return c;
+}
+
+/* 1000 x tuple(tensor, [view of the same storage]) */
+static scan_ctx_t make_nested(size_t n) {
+  scan_ctx_t c = {0};
+  dp_list_new(n, &c.v, NULL);
+  c.storages = malloc(2 * n * sizeof *c.storages);
+  for (size_t i = 0; i < n; i++) {
+    dp_value_t t = tensor_at(0x7f0000000000 + i * 4096), view, tup, inner;
+    int64_t shape[1] = {128};
+    dp_tensor_new(dp_storage_retain(dp_tensor_storage(t)), DP_FLOAT32, 1, shape, NULL, 128, &view, NULL);
+    collect(&c, t);
+    collect(&c, view);
+    dp_list_new(1, &inner, NULL);
+    dp_list_append(inner, view, NULL);
+    dp_tuple_new(2, &tup, NULL);
+    dp_seq_set(tup, 0, t, NULL);
+    dp_seq_set(tup, 1, inner, NULL);
+    dp_list_append(c.v, tup, NULL);
+  }
+  return c;
+}
+
+/* 1000 user objects, each holding a tensor and a scalar */
+static scan_ctx_t make_objects(size_t n) {
+  scan_ctx_t c = {0};
+  dp_list_new(n, &c.v, NULL);
+  c.storages = malloc(n * sizeof *c.storages);
+  for (size_t i = 0; i < n; i++) {
+    dp_value_t o, t = tensor_at(0x7f0000000000 + i * 4096);
+    collect(&c, t);
+    dp_object_new("Activation", &o, NULL);
+    dp_object_set(o, "data", t, NULL);
+    dp_object_set(o, "step", dp_int((int64_t)i), NULL);
+    dp_list_append(c.v, o, NULL);
+  }
+  return c;
+}
+
+/* A tree of 1.11 million nodes: fan-out 10 lists, six levels, down to a
+ * million leaves, half tensors and half ints. */
+static size_t tree_nodes;
+static dp_value_t build_tree(scan_ctx_t *c, int depth, size_t *counter) {
+  tree_nodes++;
+  if (depth == 0) {
+    size_t k = (*counter)++;
+    if (k % 2 == 0) {
+      dp_value_t t = tensor_at(0x7f0000000000 + k * 4096);
+      collect(c, t);
+      return t;
+    }
+    return dp_int((int64_t)k);
+  }
+  dp_value_t l;
+  dp_list_new(10, &l, NULL);
+  for (int i = 0; i < 10; i++) dp_list_append(l, build_tree(c, depth - 1, counter), NULL);
+  return l;
+}
+
+static void free_ctx(scan_ctx_t *c) {
+  dp_value_release(c->v);
+  free(c->storages);
+}
+
+static void bench_scan(const char *out, const char *name, scan_ctx_t c, size_t nodes, int per_node) {
+  dp_ptrset_new(&c.set, NULL);
+  double ts, tl;
+  bench_pair(run_scan, run_loop, &c, 7, &ts, &tl);
+  if (per_node)
+    bench_row(out, name, "cpu", ts * 1e9 / (double)nodes, "ns/node", ts / tl, "hand-written loop over the same storages");
+  else
+    bench_row(out, name, "cpu", ts * 1e6, "us", ts / tl, "hand-written loop over the same storages");
+  dp_ptrset_free(c.set);
+  free_ctx(&c);
+}
+
+/* ---- pickle / unpickle on a mixed payload ---- */
+
+static dp_value_t make_mixed(void) {
+  dp_value_t root;
+  dp_list_new(0, &root, NULL);
+  char text[200];
+  uint8_t blob[1024];
+  for (size_t i = 0; i < sizeof blob; i++) blob[i] = (uint8_t)(i * 31);
+  for (int i = 0; i < 20000; i++) {
+    dp_value_t rec, k, v;
+    dp_dict_new(6, &rec, NULL);
+    int n = snprintf(text, sizeof text, "record-%d with a moderately long description field", i);
+    dp_str_new("name", 4, &k, NULL);
+    dp_str_new(text, (size_t)n, &v, NULL);
+    dp_dict_set(rec, k, v, NULL);
+    dp_str_new("id", 2, &k, NULL);
+    dp_dict_set(rec, k, dp_int(i * 7919), NULL);
+    dp_str_new("score", 5, &k, NULL);
+    dp_dict_set(rec, k, dp_float(i * 0.5), NULL);
+    dp_str_new("blob", 4, &k, NULL);
+    dp_bytes_new(blob, 64 + (size_t)(i % 8) * 120, &v, NULL);
+    dp_dict_set(rec, k, v, NULL);
+    dp_str_new("grad", 4, &k, NULL);
+    dp_dict_set(rec, k, tensor_at(0x7f0000000000 + (uintptr_t)i * 4096), NULL);
+    dp_value_t o, vals;
+    dp_object_new("Stats", &o, NULL);
+    dp_list_new(4, &vals, NULL);
+    for (int j = 0; j < 4; j++) dp_list_append(vals, dp_int(j - i), NULL);
+    dp_object_set(o, "values", vals, NULL);
+    dp_object_set(o, "ok", dp_bool(i & 1), NULL);
+    dp_str_new("stats", 5, &k, NULL);
+    dp_dict_set(rec, k, o, NULL);
+    dp_list_append(root, rec, NULL);
+  }
+  return root;
+}
+
+/* The baseline: the same tree packed by a direct recursive walk with
+ * msgpack-c's sbuffer, same layout, no memo and no buffer table. */
+static void pack_direct(msgpack_packer *pk, dp_value_t v) {
+  size_t n;
+  switch (dp_value_kind(v)) {
+    case DP_NONE: msgpack_pack_nil(pk); break;
+    case DP_BOOL: dp_value_as_bool(v) ? msgpack_pack_true(pk) : msgpack_pack_false(pk); break;
+    case DP_INT: msgpack_pack_int64(pk, dp_value_as_int(v)); break;
+    case DP_FLOAT: msgpack_pack_double(pk, dp_value_as_float(v)); break;
+    case DP_STR: {
+      const char *s = dp_str_data(v, &n);
+      msgpack_pack_str(pk, n);
+      msgpack_pack_str_body(pk, s, n);
+      break;
+    }
+    case DP_BYTES: {
+      const uint8_t *b = dp_bytes_data(v, &n);
+      msgpack_pack_bin(pk, n);
+      msgpack_pack_bin_body(pk, b, n);
+      break;
+    }
+    case DP_LIST:
+      msgpack_pack_array(pk, dp_seq_len(v));
+      for (size_t i = 0; i < dp_seq_len(v); i++) pack_direct(pk, dp_seq_get(v, i));
+      break;
+    case DP_DICT:
+      msgpack_pack_map(pk, dp_dict_len(v));
+      for (size_t i = 0; i < dp_dict_len(v); i++) {
+        dp_value_t k, x;
+        dp_dict_item(v, i, &k, &x);
+        pack_direct(pk, k);
+        pack_direct(pk, x);
+      }
+      break;
+    case DP_OBJECT: {
+      char tag = 3;
+      msgpack_pack_array(pk, 2 + 2 * dp_object_nattrs(v));
+      msgpack_pack_ext(pk, 1, 0);
+      msgpack_pack_ext_body(pk, &tag, 1);
+      const char *cls = dp_object_class(v);
+      msgpack_pack_str(pk, strlen(cls));
+      msgpack_pack_str_body(pk, cls, strlen(cls));
+      for (size_t i = 0; i < dp_object_nattrs(v); i++) {
+        const char *name;
+        dp_value_t x;
+        dp_object_attr(v, i, &name, &x);
+        msgpack_pack_str(pk, strlen(name));
+        msgpack_pack_str_body(pk, name, strlen(name));
+        pack_direct(pk, x);
+      }
+      break;
+    }
+    case DP_TENSOR: {
+      char tag = 2;
+      msgpack_pack_array(pk, 6);
+      msgpack_pack_ext(pk, 1, 0);
+      msgpack_pack_ext_body(pk, &tag, 1);
+      msgpack_pack_uint64(pk, 0);
+      msgpack_pack_uint8(pk, (uint8_t)dp_tensor_dtype(v));
+      for (int h = 0; h < 2; h++) {
+        const int64_t *d = h ? dp_tensor_strides(v) : dp_tensor_shape(v);
+        msgpack_pack_array(pk, (size_t)dp_tensor_ndim(v));
+        for (int i = 0; i < dp_tensor_ndim(v); i++) msgpack_pack_int64(pk, d[i]);
+      }
+      msgpack_pack_int64(pk, dp_tensor_offset(v));
+      break;
+    }
+    default: msgpack_pack_nil(pk); break;
+  }
+}
+
+typedef struct pk_ctx {
+  dp_value_t v;
+  dp_frame_t *frame;
+  msgpack_sbuffer sb;
+  const uint8_t *bytes;
+  size_t n;
+  const char *payload;
+  size_t payload_len;
+} pk_ctx_t;
+
+static void run_pickle(void *p) {
+  pk_ctx_t *c = p;
+  if (dp_pickle(c->v, NULL, c->frame, NULL) != 0) exit(1);
+}
+
+static void run_direct(void *p) {
+  pk_ctx_t *c = p;
+  msgpack_sbuffer_clear(&c->sb);
+  msgpack_packer pk;
+  msgpack_packer_init(&pk, &c->sb, msgpack_sbuffer_write);
+  pack_direct(&pk, c->v);
+}
+
+static void run_unpickle(void *p) {
+  pk_ctx_t *c = p;
+  dp_value_t v;
+  if (dp_unpickle(c->bytes, c->n, NULL, &v, NULL) != 0) exit(1);
+  dp_value_release(v);
+}
+
+/* msgpack-c's own decoder on the same payload bytes, object tree included. */
+static void run_msgpack_unpack(void *p) {
+  pk_ctx_t *c = p;
+  msgpack_zone zone;
+  msgpack_zone_init(&zone, 1 << 20);
+  msgpack_object obj;
+  size_t off = 0;
+  if (msgpack_unpack(c->payload, c->payload_len, &off, &zone, &obj) != MSGPACK_UNPACK_SUCCESS) exit(1);
+  msgpack_zone_destroy(&zone);
+}
+
+int main(int argc, char **argv) {
+  const char *out = argc > 1 ? argv[1] : "build/bench.json";
+  bench_scan(out, "scan_list_1000", make_list(1000), 1001, 0);
+  bench_scan(out, "scan_nested_1000", make_nested(1000), 5001, 0);
+  bench_scan(out, "scan_objects_1000", make_objects(1000), 2001, 0);
+  {
+    scan_ctx_t c = {0};
+    c.storages = malloc(sizeof *c.storages * 500000);
+    size_t counter = 0;
+    tree_nodes = 0;
+    c.v = build_tree(&c, 6, &counter);
+    bench_scan(out, "scan_tree_1m", c, tree_nodes, 1);
+  }
+
+  pk_ctx_t c = {0};
+  c.v = make_mixed();
+  dp_frame_new(&c.frame, NULL);
+  msgpack_sbuffer_init(&c.sb);
+  run_pickle(&c);
+  run_direct(&c);
+  c.bytes = dp_frame_data(c.frame, &c.n);
+  double tp, td;
+  bench_pair(run_pickle, run_direct, &c, 7, &tp, &td);
+  bench_row(out, "pickle_mixed", "cpu", (double)c.n / tp / 1e6, "MB/s", tp / td,
+            "the same tree packed directly with msgpack-c (time ratio)");
+  /* the payload alone, for msgpack-c's decoder */
+  c.payload = (const char *)c.bytes + 40;
+  dp_frame_info_t fi;
+  dp_frame_check(c.bytes, c.n, &fi, NULL);
+  c.payload_len = fi.payload_len;
+  double tu, tm;
+  bench_pair(run_unpickle, run_msgpack_unpack, &c, 7, &tu, &tm);
+  bench_row(out, "unpickle_mixed", "cpu", (double)c.n / tu / 1e6, "MB/s", tu / tm,
+            "msgpack-c unpack of the payload into its object tree (time ratio)");
+  printf("(mixed payload: %zu-byte frame, %zu-byte direct msgpack)\n", c.n, c.sb.size);
+  msgpack_sbuffer_destroy(&c.sb);
+  dp_frame_free(c.frame);
+  dp_value_release(c.v);
+  return 0;
+}

@@ -1,0 +1,102 @@
+/* ptrset: dedup by device + base, discovery order, device groups, reuse. */
+#include "helpers.h"
+
+static void setup(void) { t_track(); }
+static void teardown(void) { dp_set_allocator(NULL, NULL); }
+TestSuite(ptrset, .init = setup, .fini = teardown);
+
+Test(ptrset, the_same_base_on_the_same_device_is_one_entry_with_a_count) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, NULL));
+  size_t i;
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 64, &i, NULL));
+  cr_assert_eq(i, 0);
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 1), (void *)0x1000, 64, &i, NULL));
+  cr_assert_eq(i, 1, "another device is another allocation");
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 128, &i, NULL));
+  cr_assert_eq(i, 0);
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(s, 0, &p));
+  cr_assert_eq(p.refs, 2);
+  cr_assert_eq(p.nbytes, 128, "the larger size is kept");
+  cr_assert_null(p.path, "no path unless a scan asked for it");
+  cr_assert_eq(dp_ptrset_find(s, t_dev(DP_DEVICE_CUDA, 1), (void *)0x1000, &i), 0);
+  cr_assert_eq(i, 1);
+  cr_assert_eq(dp_ptrset_find(s, t_dev(DP_DEVICE_HOST, 0), (void *)0x1000, &i), DP_ENOTFOUND);
+  cr_assert_eq(dp_ptrset_get(s, 2, &p), DP_EINVAL);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+Test(ptrset, a_hundred_thousand_entries_keep_discovery_order_and_device_groups) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, NULL));
+  for (uintptr_t k = 0; k < 100000; k++)
+    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k % 3)), (void *)(0x10000 + k * 512), 512, NULL, NULL));
+  for (uintptr_t k = 0; k < 100000; k += 7)
+    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k % 3)), (void *)(0x10000 + k * 512), 512, NULL, NULL));
+  cr_assert_eq(dp_ptrset_count(s), 100000);
+  cr_assert_eq(dp_ptrset_ndevices(s), 3);
+  for (size_t j = 0; j < 3; j++) {
+    cr_assert_eq(dp_ptrset_device(s, j).index, j);
+    size_t n = 0, prev = 0;
+    for (size_t i = dp_ptrset_first_on(s, j); i != SIZE_MAX; i = dp_ptrset_next_on(s, i)) {
+      cr_assert(n == 0 || i > prev, "discovery order within a group");
+      cr_assert_eq(i % 3, j);
+      prev = i;
+      n++;
+    }
+    cr_assert_eq(n, dp_ptrset_device_count(s, j));
+  }
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(s, 99995, &p));
+  cr_assert_eq((uintptr_t)p.base, 0x10000 + 99995u * 512);
+  cr_assert_eq(p.refs, 1 + (99995 % 7 == 0));
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+Test(ptrset, clear_keeps_memory_so_refilling_allocates_nothing) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, NULL));
+  for (uintptr_t k = 0; k < 5000; k++) OK(dp_ptrset_add(s, t_dev(DP_DEVICE_HOST, 1), (void *)(k * 64 + 64), 64, NULL, NULL));
+  long before = t_alloc_count;
+  for (int round = 0; round < 3; round++) {
+    dp_ptrset_clear(s);
+    cr_assert_eq(dp_ptrset_count(s), 0);
+    cr_assert_eq(dp_ptrset_ndevices(s), 0);
+    size_t i;
+    cr_assert_eq(dp_ptrset_find(s, t_dev(DP_DEVICE_HOST, 1), (void *)64, &i), DP_ENOTFOUND, "cleared means gone");
+    for (uintptr_t k = 0; k < 5000; k++) OK(dp_ptrset_add(s, t_dev(DP_DEVICE_HOST, 1), (void *)(k * 64 + 64), 64, NULL, NULL));
+  }
+  cr_assert_eq(t_alloc_count, before);
+  cr_assert_eq(dp_ptrset_count(s), 5000);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+Test(ptrset, a_failed_add_leaves_the_set_as_it_was) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, NULL));
+  size_t added = 0;
+  for (uintptr_t k = 0; k < 2000; k++) {
+    t_fail_at = t_alloc_count + 1;
+    dp_error_t e;
+    int rc = dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k & 1)), (void *)(k * 16 + 16), 16, NULL, &e);
+    if (rc == 0) {
+      added++;
+    } else {
+      cr_assert_eq(rc, DP_ENOMEM);
+      cr_assert_str_eq(e.message, "out of memory growing a pointer set");
+      cr_assert_eq(dp_ptrset_count(s), added);
+      t_fail_at = 0;
+      OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k & 1)), (void *)(k * 16 + 16), 16, NULL, NULL));
+      added++;
+    }
+  }
+  t_fail_at = 0;
+  cr_assert_eq(dp_ptrset_count(s), 2000);
+  cr_assert_eq(dp_ptrset_ndevices(s), 2);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
