@@ -59,8 +59,12 @@ $(BUILD)/test_%: test/test_%.c test/helpers.h $(BUILD)/libdevpickle.a
 $(BUILD)/bench_%: bench/bench_%.c bench/bench.h $(BUILD)/libdevpickle.a
 	$(CC) $(TFLAGS) -O2 -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
-test: deps all $(TEST_BIN) ## Run the Criterion suites (the CLI suite runs build/devpickle)
+$(BUILD)/embed: examples/embed.c $(BUILD)/libdevpickle.a
+	$(CC) $(TFLAGS) $(SANFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
+
+test: deps all $(TEST_BIN) $(BUILD)/embed ## Run the Criterion suites and the embedding example
 	@set -e; for t in $(TEST_BIN); do echo "== $$t"; DEVPICKLE=$(BUILD)/devpickle $$t --jobs 2; done
+	@echo "== $(BUILD)/embed"; $(BUILD)/embed
 
 demo: deps all ## Pack the examples and dump the device pointers they hold
 	@sh tools/demo.sh $(BUILD)/devpickle
