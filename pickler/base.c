@@ -67,6 +67,25 @@ int dp__grow(void **arr, size_t *cap, size_t need, size_t size) {
   return 0;
 }
 
+int dp__grow_inl(void **arr, size_t *cap, size_t need, size_t size, const void *inl) {
+  if (need <= *cap) return 0;
+  if (*arr != inl || *arr == NULL) {
+    if (*arr == NULL) *cap = 0;
+    return dp__grow(arr, cap, need, size);
+  }
+  size_t ncap = *cap ? *cap : 4;
+  while (ncap < need) {
+    if (ncap > SIZE_MAX / 2 / size) return DP_ENOMEM;
+    ncap *= 2;
+  }
+  void *p = dp__alloc(ncap * size);
+  if (!p) return DP_ENOMEM;
+  memcpy(p, inl, *cap * size);
+  *arr = p;
+  *cap = ncap;
+  return 0;
+}
+
 /* ---- errors ---- */
 
 void dp_error_clear(dp_error_t *err) {

@@ -148,7 +148,7 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
         return 2;
       for (size_t i = 0; i < x->len; i++) {
         dp_value_t other;
-        if (dp_object_get(b, x->attrs[i].name, &other) != 0) return 2;
+        if (dp_object_get(b, dp__attr_name(&x->attrs[i]), &other) != 0) return 2;
         if (eq_push(e, x->attrs[i].val, other) != 0) return DP_ENOMEM;
       }
       return 0;

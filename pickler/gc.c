@@ -79,7 +79,7 @@ static void release_children(dp_cont_t *c) {
     case DP_TUPLE: {
       dp_seq_t *s = (dp_seq_t *)c;
       for (size_t i = 0; i < s->len; i++) drop_child(s->items[i]);
-      dp__free(s->items, s->cap * sizeof(dp_value_t));
+      dp__free_inl(s->items, s->cap, sizeof(dp_value_t), s->inl);
       s->items = NULL;
       s->len = s->cap = 0;
       break;
@@ -90,7 +90,7 @@ static void release_children(dp_cont_t *c) {
         drop_child(d->entries[i].key);
         drop_child(d->entries[i].val);
       }
-      dp__free(d->entries, d->cap * sizeof(dp_entry_t));
+      dp__free_inl(d->entries, d->cap, sizeof(dp_entry_t), d->inl);
       dp__free(d->index, d->index_cap * sizeof(uint32_t));
       d->entries = NULL;
       d->index = NULL;
@@ -100,12 +100,11 @@ static void release_children(dp_cont_t *c) {
     case DP_OBJECT: {
       dp_object_t *o = (dp_object_t *)c;
       for (size_t i = 0; i < o->len; i++) {
-        dp__free(o->attrs[i].name, o->attrs[i].name_len + 1);
+        if (o->attrs[i].name_len >= DP_ATTR_INLINE) dp__free(o->attrs[i].n.heap, o->attrs[i].name_len + 1);
         drop_child(o->attrs[i].val);
       }
-      dp__free(o->attrs, o->cap * sizeof(dp_attr_t));
+      dp__free_inl(o->attrs, o->cap, sizeof(dp_attr_t), o->inl);
       dp__free(o->index, o->index_cap * sizeof(uint32_t));
-      dp__free(o->class_name, o->class_len + 1);
       o->attrs = NULL;
       o->index = NULL;
       o->len = o->cap = o->index_cap = 0;
@@ -116,9 +115,9 @@ static void release_children(dp_cont_t *c) {
 
 static size_t cont_size(const dp_cont_t *c) {
   switch (c->h.kind) {
-    case DP_DICT: return sizeof(dp_dict_t);
-    case DP_OBJECT: return sizeof(dp_object_t);
-    default: return sizeof(dp_seq_t);
+    case DP_DICT: return sizeof(dp_dict_t) + ((const dp_dict_t *)c)->inl_cap * sizeof(dp_entry_t);
+    case DP_OBJECT: return dp__object_size(((const dp_object_t *)c)->inl_cap, ((const dp_object_t *)c)->class_len);
+    default: return sizeof(dp_seq_t) + ((const dp_seq_t *)c)->inl_cap * sizeof(dp_value_t);
   }
 }
 

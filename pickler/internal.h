@@ -19,6 +19,11 @@ void *dp__alloc_array(size_t n, size_t size);
 char *dp__strndup(const char *s, size_t n);
 /* Grows *arr (element size `size`) to hold at least `need` elements. */
 int dp__grow(void **arr, size_t *cap, size_t need, size_t size);
+/* dp__grow for an array that may still live inline at `inl`. */
+int dp__grow_inl(void **arr, size_t *cap, size_t need, size_t size, const void *inl);
+static inline void dp__free_inl(void *arr, size_t cap, size_t size, const void *inl) {
+  if (arr != inl) dp__free(arr, cap * size);
+}
 
 /* ---- errors ---- */
 int dp__err(dp_error_t *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -54,10 +59,15 @@ typedef struct dp_strobj {
   char data[];
 } dp_strobj_t;
 
+/* Containers are allocated with room for their first `inl_cap` elements
+ * after the header: one allocation and one cache miss until they outgrow
+ * it, when the elements move to a separate array. */
 typedef struct dp_seq {
   dp_cont_t c;
   size_t len, cap;
-  dp_value_t *items;
+  dp_value_t *items;   /* inl, or a separate array once grown */
+  size_t inl_cap;
+  dp_value_t inl[];
 } dp_seq_t;
 
 typedef struct dp_entry {
@@ -72,23 +82,37 @@ typedef struct dp_dict {
   dp_entry_t *entries;
   uint32_t *index;      /* open addressing: entry + 1, 0 empty; NULL while small */
   size_t index_cap;
+  size_t inl_cap;
+  dp_entry_t inl[];
 } dp_dict_t;
 
+/* Attribute names up to 15 bytes live in the attribute itself: objects
+ * then cost no allocation per attribute. */
+#define DP_ATTR_INLINE 16
 typedef struct dp_attr {
-  char *name;
+  union {
+    char *heap;
+    char inl[DP_ATTR_INLINE];
+  } n;
   size_t name_len;
   uint64_t hash;
   dp_value_t val;
 } dp_attr_t;
 
+static inline const char *dp__attr_name(const dp_attr_t *a) {
+  return a->name_len < DP_ATTR_INLINE ? a->n.inl : a->n.heap;
+}
+
 typedef struct dp_object {
   dp_cont_t c;
-  char *class_name;
+  const char *class_name;   /* stored after inl[inl_cap] */
   size_t class_len;
   size_t len, cap;
   dp_attr_t *attrs;
   uint32_t *index;
   size_t index_cap;
+  size_t inl_cap;
+  dp_attr_t inl[];
 } dp_object_t;
 
 typedef struct dp_tensor {

@@ -257,6 +257,7 @@ static int collect_storages(dp_value_t v, dp_frame_t *f, dp_storage_t **out, dp_
   w->sink_ctx = &ctx;
   w->err = err;
   w->want_paths = 0;
+  w->batch = 0;
   w->max_depth = dp__ptrset_walker(f->set)->max_depth;
   rc = dp__walk(w, v);
   dp_ptrset_free(tmp);
@@ -279,6 +280,7 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
   w->sink_ctx = f;
   w->err = err;
   w->want_paths = 0;
+  w->batch = 0;  /* the sink needs each buffer id at once */
   w->max_depth = (opts && opts->max_depth) ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
   rc = dp__walk(w, v);
   if (rc == 0 && f->failed) rc = dp__err(err, DP_ENOMEM, "out of memory writing the payload");

@@ -1,42 +1,8 @@
 /* pickler/ptrset.c — deduplicated storages in discovery order, by device. */
 #include <string.h>
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 
+#include "ptrset_impl.h"
 #include "walk.h"
-
-typedef struct entry {
-  dp_device_t device;
-  uint32_t refs;
-  void *base;
-  size_t nbytes;
-  char *path;
-  uint32_t next_on;   /* next entry on the same device + 1, or 0 */
-  uint32_t group;
-} entry_t;
-
-typedef struct slot {
-  uint32_t entry;  /* entry + 1 */
-  uint32_t gen;
-} slot_t;
-
-typedef struct group {
-  dp_device_t device;
-  uint32_t count;
-  uint32_t head, tail;
-} group_t;
-
-struct dp_ptrset {
-  entry_t *entries;
-  size_t count, cap;
-  slot_t *slots;
-  size_t nslots;   /* power of two */
-  uint32_t gen;
-  group_t *groups;
-  size_t ngroups, groups_cap;
-  size_t last_group;
-  dp__walker_t walker;  /* reused by dp_scan */
-};
 
 int dp_ptrset_new(dp_ptrset_t **out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_ptrset_new: NULL out");
@@ -50,6 +16,8 @@ int dp_ptrset_new(dp_ptrset_t **out, dp_error_t *err) {
 }
 
 static void free_paths(dp_ptrset_t *s) {
+  if (!s->has_paths) return;
+  s->has_paths = 0;
   for (size_t i = 0; i < s->count; i++)
     if (s->entries[i].path) {
       dp__free(s->entries[i].path, strlen(s->entries[i].path) + 1);
@@ -60,9 +28,9 @@ static void free_paths(dp_ptrset_t *s) {
 void dp_ptrset_free(dp_ptrset_t *s) {
   if (!s) return;
   free_paths(s);
-  dp__free(s->entries, s->cap * sizeof(entry_t));
-  dp__free(s->slots, s->nslots * sizeof(slot_t));
-  dp__free(s->groups, s->groups_cap * sizeof(group_t));
+  dp__free(s->entries, s->cap * sizeof(dp__pentry_t));
+  dp__free(s->slots, s->nslots * sizeof(dp__pslot_t));
+  dp__free(s->groups, s->groups_cap * sizeof(dp__pgroup_t));
   dp__walker_destroy(&s->walker);
   dp__free(s, sizeof *s);
 }
@@ -74,27 +42,22 @@ void dp_ptrset_clear(dp_ptrset_t *s) {
   s->ngroups = 0;
   s->last_group = 0;
   if (++s->gen == 0) {  /* generations wrapped: really clear */
-    if (s->slots) memset(s->slots, 0, s->nslots * sizeof(slot_t));
+    if (s->slots) memset(s->slots, 0, s->nslots * sizeof(dp__pslot_t));
     s->gen = 1;
   }
 }
 
-static inline uint64_t key_hash(dp_device_t d, const void *base) {
-  uint64_t k = (uint64_t)(uintptr_t)base;
-  return XXH3_64bits_withSeed(&k, sizeof k, ((uint64_t)d.type << 8) | d.index);
-}
-
 static int rehash(dp_ptrset_t *s, size_t nslots) {
-  slot_t *ns = dp__alloc_array(nslots, sizeof(slot_t));
+  dp__pslot_t *ns = dp__alloc_array(nslots, sizeof(dp__pslot_t));
   if (!ns) return DP_ENOMEM;
-  memset(ns, 0, nslots * sizeof(slot_t));
+  memset(ns, 0, nslots * sizeof(dp__pslot_t));
   for (size_t i = 0; i < s->count; i++) {
-    size_t j = key_hash(s->entries[i].device, s->entries[i].base) & (nslots - 1);
+    uint64_t h = dp__ptr_hash(s->entries[i].device, s->entries[i].base);
+    size_t j = h & (nslots - 1);
     while (ns[j].entry) j = (j + 1) & (nslots - 1);
-    ns[j].entry = (uint32_t)(i + 1);
-    ns[j].gen = 1;
+    ns[j] = (dp__pslot_t){(uint32_t)(i + 1), 1, (uint16_t)(h >> 48)};
   }
-  dp__free(s->slots, s->nslots * sizeof(slot_t));
+  dp__free(s->slots, s->nslots * sizeof(dp__pslot_t));
   s->slots = ns;
   s->nslots = nslots;
   s->gen = 1;
@@ -109,48 +72,38 @@ static size_t group_of(dp_ptrset_t *s, dp_device_t d) {
   return SIZE_MAX;
 }
 
-int dp__ptrset_add(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, size_t *index,
-                   int *is_new) {
-  if (s->count * 2 >= s->nslots && rehash(s, s->nslots ? s->nslots * 2 : 64) != 0) return DP_ENOMEM;
-  size_t mask = s->nslots - 1;
-  size_t j = key_hash(device, base) & mask;
-  for (;; j = (j + 1) & mask) {
-    slot_t *sl = &s->slots[j];
-    if (sl->gen != s->gen || sl->entry == 0) break;
-    entry_t *e = &s->entries[sl->entry - 1];
-    if (e->base == base && dp_device_equal(e->device, device)) {
-      e->refs++;
-      if (nbytes > e->nbytes) e->nbytes = nbytes;
-      if (index) *index = sl->entry - 1;
-      if (is_new) *is_new = 0;
-      return 0;
-    }
+int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
+                          size_t slot, size_t *index) {
+  if ((s->count + 1) * 2 > s->nslots) {
+    if (rehash(s, s->nslots ? s->nslots * 2 : 64) != 0) return DP_ENOMEM;
+    slot = SIZE_MAX;
   }
   if (s->count >= UINT32_MAX - 1) return DP_ELIMIT;
   size_t g = group_of(s, device);
   if (g == SIZE_MAX) {
-    if (dp__grow((void **)&s->groups, &s->groups_cap, s->ngroups + 1, sizeof(group_t)) != 0)
+    if (dp__grow((void **)&s->groups, &s->groups_cap, s->ngroups + 1, sizeof(dp__pgroup_t)) != 0)
       return DP_ENOMEM;
     g = s->ngroups++;
-    s->groups[g] = (group_t){device, 0, 0, 0};
+    s->groups[g] = (dp__pgroup_t){device, 0, 0, 0};
     s->last_group = g;
   }
-  if (s->count == s->cap && dp__grow((void **)&s->entries, &s->cap, s->count + 1, sizeof(entry_t)) != 0) {
+  if (s->count == s->cap &&
+      dp__grow((void **)&s->entries, &s->cap, s->count + 1, sizeof(dp__pentry_t)) != 0) {
     if (s->groups[g].count == 0) s->ngroups--;
     return DP_ENOMEM;
   }
+  size_t mask = s->nslots - 1, j = slot != SIZE_MAX ? slot : (h & mask);
+  while (s->slots[j].gen == s->gen && s->slots[j].entry != 0) j = (j + 1) & mask;
   size_t i = s->count++;
-  s->entries[i] = (entry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
-  group_t *gr = &s->groups[g];
+  s->entries[i] = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
+  dp__pgroup_t *gr = &s->groups[g];
   if (gr->count++ == 0)
     gr->head = (uint32_t)i;
   else
     s->entries[gr->tail].next_on = (uint32_t)(i + 1);
   gr->tail = (uint32_t)i;
-  s->slots[j].entry = (uint32_t)(i + 1);
-  s->slots[j].gen = s->gen;
-  if (index) *index = i;
-  if (is_new) *is_new = 1;
+  s->slots[j] = (dp__pslot_t){(uint32_t)(i + 1), s->gen, (uint16_t)(h >> 48)};
+  *index = i;
   return 0;
 }
 
@@ -158,8 +111,11 @@ int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbyte
                   dp_error_t *err) {
   if (!set) return dp__err(err, DP_EINVAL, "dp_ptrset_add: NULL set");
   if (device.type >= DP_DEVICE_TYPE_COUNT) return dp__err(err, DP_EINVAL, "dp_ptrset_add: invalid device");
-  int rc = dp__ptrset_add(set, device, base, nbytes, index, NULL);
+  size_t i;
+  int is_new;
+  int rc = dp__ptrset_add_hashed(set, device, base, nbytes, dp__ptr_hash(device, base), &i, &is_new);
   if (rc) return dp__err(err, rc, "out of memory growing a pointer set");
+  if (index) *index = i;
   return 0;
 }
 
@@ -167,6 +123,7 @@ int dp__ptrset_set_path(dp_ptrset_t *s, size_t index, const char *path) {
   char *p = dp__strndup(path, strlen(path));
   if (!p) return DP_ENOMEM;
   s->entries[index].path = p;
+  s->has_paths = 1;
   return 0;
 }
 
@@ -175,10 +132,10 @@ dp__walker_t *dp__ptrset_walker(dp_ptrset_t *set) { return &set->walker; }
 int dp_ptrset_find(const dp_ptrset_t *s, dp_device_t device, const void *base, size_t *index) {
   if (!s || !s->nslots) return DP_ENOTFOUND;
   size_t mask = s->nslots - 1;
-  for (size_t j = key_hash(device, base) & mask;; j = (j + 1) & mask) {
-    const slot_t *sl = &s->slots[j];
+  for (size_t j = dp__ptr_hash(device, base) & mask;; j = (j + 1) & mask) {
+    const dp__pslot_t *sl = &s->slots[j];
     if (sl->gen != s->gen || sl->entry == 0) return DP_ENOTFOUND;
-    const entry_t *e = &s->entries[sl->entry - 1];
+    const dp__pentry_t *e = &s->entries[sl->entry - 1];
     if (e->base == base && dp_device_equal(e->device, device)) {
       if (index) *index = sl->entry - 1;
       return 0;
@@ -190,7 +147,7 @@ size_t dp_ptrset_count(const dp_ptrset_t *s) { return s ? s->count : 0; }
 
 int dp_ptrset_get(const dp_ptrset_t *s, size_t i, dp_ptr_info_t *out) {
   if (!s || !out || i >= s->count) return DP_EINVAL;
-  const entry_t *e = &s->entries[i];
+  const dp__pentry_t *e = &s->entries[i];
   out->device = e->device;
   out->base = e->base;
   out->nbytes = e->nbytes;

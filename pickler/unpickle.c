@@ -341,8 +341,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
       if ((rc = check_len(u, at, t.len)) != 0) return rc;
       if (t.type == T_STR && !dp__utf8_valid((const char *)t.data, t.len))
         return dp__err_at(r->err, DP_EFORMAT, off(r, at), "invalid UTF-8 in str");
-      rc = t.type == T_STR ? dp_str_new((const char *)t.data, t.len, out, &e)
-                           : dp_bytes_new(t.data, t.len, out, &e);
+      rc = dp__strobj_new(t.type == T_STR ? DP_STR : DP_BYTES, t.data, t.len, out, &e);
       if (rc) return oom_at(u, at);
       if ((rc = add_node(u, *out, 0, at)) != 0) dp_value_release(*out);
       return rc;
@@ -358,7 +357,8 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
       return 0;
     }
     case T_MAP: {
-      if ((rc = dp_dict_new(t.len < 64 ? t.len : 64, out, &e)) != 0) return oom_at(u, at);
+      /* exact sizes: counts were checked against the bytes left */
+      if ((rc = dp_dict_new(t.len, out, &e)) != 0) return oom_at(u, at);
       *done = 0;
       return push_frame(u, *out, 'd', t.len, at);
     }
@@ -390,7 +390,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
                             tag == DP_TAG_OBJECT ? "object" : "reduce", (unsigned long long)n);
         if ((rc = read_name(r, &cls, &cls_len, tag == DP_TAG_OBJECT ? "object class" : "reduce type")) != 0)
           return rc;
-        rc = tag == DP_TAG_OBJECT ? dp__object_new_n(cls, cls_len, out, &e)
+        rc = tag == DP_TAG_OBJECT ? dp__object_new_n(cls, cls_len, (n - 1) / 2, out, &e)
                                   : dp__object_new_reduced_n(cls, cls_len, out, &e);
         if (rc) return oom_at(u, at);
         *done = 0;
@@ -403,7 +403,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
         return dp__err_at(r->err, DP_EFORMAT, off(r, at), "unknown node tag %u", tag);
     }
   }
-  if ((rc = dp_list_new(t.len < 1024 ? t.len : 1024, out, &e)) != 0) return oom_at(u, at);
+  if ((rc = dp_list_new(t.len, out, &e)) != 0) return oom_at(u, at);
   *done = 0;
   return push_frame(u, *out, 0, t.len, at);
 }

@@ -96,7 +96,7 @@ void dp_value_release(dp_value_t v) {
 
 /* ---- str / bytes ---- */
 
-static int strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_error_t *err) {
+int dp__strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_error_t *err) {
   if (n > SIZE_MAX - sizeof(dp_strobj_t) - 1) return oom(err, dp_kind_name(kind));
   dp_strobj_t *s = dp__alloc(sizeof *s + n + 1);
   if (!s) return oom(err, dp_kind_name(kind));
@@ -111,12 +111,12 @@ static int strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, d
 int dp_str_new(const char *s, size_t n, dp_value_t *out, dp_error_t *err) {
   if (!out || (!s && n)) return dp__err(err, DP_EINVAL, "dp_str_new: NULL argument");
   if (!dp__utf8_valid(s, n)) return dp__err(err, DP_EINVAL, "dp_str_new: invalid UTF-8");
-  return strobj_new(DP_STR, s, n, out, err);
+  return dp__strobj_new(DP_STR, s, n, out, err);
 }
 
 int dp_bytes_new(const void *p, size_t n, dp_value_t *out, dp_error_t *err) {
   if (!out || (!p && n)) return dp__err(err, DP_EINVAL, "dp_bytes_new: NULL argument");
-  return strobj_new(DP_BYTES, p, n, out, err);
+  return dp__strobj_new(DP_BYTES, p, n, out, err);
 }
 
 const char *dp_str_data(dp_value_t s, size_t *len) {
@@ -140,18 +140,13 @@ const uint8_t *dp_bytes_data(dp_value_t b, size_t *len) {
 /* ---- list / tuple ---- */
 
 static int seq_new(uint32_t kind, size_t cap, size_t len, dp_value_t *out, dp_error_t *err) {
-  dp_seq_t *s = dp__alloc(sizeof *s);
+  if (cap > (SIZE_MAX - sizeof(dp_seq_t)) / sizeof(dp_value_t)) return oom(err, dp_kind_name(kind));
+  dp_seq_t *s = dp__alloc(sizeof *s + cap * sizeof(dp_value_t));
   if (!s) return oom(err, dp_kind_name(kind));
   cont_init(&s->c, kind);
-  s->items = NULL;
-  if (cap) {
-    s->items = dp__alloc_array(cap, sizeof(dp_value_t));
-    if (!s->items) {
-      dp__free(s, sizeof *s);
-      return oom(err, dp_kind_name(kind));
-    }
-    for (size_t i = 0; i < len; i++) s->items[i] = dp_none();
-  }
+  s->items = cap ? s->inl : NULL;
+  s->inl_cap = cap;
+  for (size_t i = 0; i < len; i++) s->items[i] = dp_none();
   s->len = len;
   s->cap = cap;
   *out = heap_value(s, kind);
@@ -175,7 +170,7 @@ int dp_list_append(dp_value_t list, dp_value_t item, dp_error_t *err) {
   }
   dp_seq_t *s = DP_SEQ(list);
   if (s->len == s->cap &&
-      dp__grow((void **)&s->items, &s->cap, s->len + 1, sizeof(dp_value_t)) != 0) {
+      dp__grow_inl((void **)&s->items, &s->cap, s->len + 1, sizeof(dp_value_t), s->inl) != 0) {
     dp_value_release(item);
     return oom(err, "list items");
   }
@@ -334,18 +329,16 @@ static int dict_match(const void *e, size_t i, const void *key, uint64_t hash) {
 
 int dp_dict_new(size_t capacity, dp_value_t *out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_dict_new: NULL out");
-  dp_dict_t *d = dp__alloc(sizeof *d);
+  if (capacity > (SIZE_MAX - sizeof(dp_dict_t)) / sizeof(dp_entry_t)) return oom(err, "dict");
+  dp_dict_t *d = dp__alloc(sizeof *d + capacity * sizeof(dp_entry_t));
   if (!d) return oom(err, "dict");
   cont_init(&d->c, DP_DICT);
   d->len = 0;
-  d->cap = 0;
-  d->entries = NULL;
+  d->cap = capacity;
+  d->inl_cap = capacity;
+  d->entries = capacity ? d->inl : NULL;
   d->index = NULL;
   d->index_cap = 0;
-  if (capacity && dp__grow((void **)&d->entries, &d->cap, capacity, sizeof(dp_entry_t)) != 0) {
-    dp__free(d, sizeof *d);
-    return oom(err, "dict entries");
-  }
   *out = heap_value(d, DP_DICT);
   return 0;
 }
@@ -380,7 +373,8 @@ int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int al
     return 0;
   }
   if (d->len >= UINT32_MAX - 1 ||
-      (d->len == d->cap && dp__grow((void **)&d->entries, &d->cap, d->len + 1, sizeof(dp_entry_t)) != 0)) {
+      (d->len == d->cap &&
+       dp__grow_inl((void **)&d->entries, &d->cap, d->len + 1, sizeof(dp_entry_t), d->inl) != 0)) {
     dp_value_release(key);
     dp_value_release(val);
     return oom(err, "dict entries");
@@ -428,37 +422,46 @@ static uint64_t attr_hash_at(const void *a, size_t i) { return ((const dp_attr_t
 static int attr_match(const void *a, size_t i, const void *key, uint64_t hash) {
   const dp_attr_t *at = (const dp_attr_t *)a + i;
   const name_key_t *k = key;
-  return at->hash == hash && at->name_len == k->n && memcmp(at->name, k->s, k->n) == 0;
+  return at->hash == hash && at->name_len == k->n && memcmp(dp__attr_name(at), k->s, k->n) == 0;
 }
 
-static int object_alloc(const char *cls, size_t len, uint16_t flags, dp_value_t *out, dp_error_t *err) {
+size_t dp__object_size(size_t inl_cap, size_t class_len) {
+  return sizeof(dp_object_t) + inl_cap * sizeof(dp_attr_t) + class_len + 1;
+}
+
+static int object_alloc(const char *cls, size_t len, size_t nattrs, uint16_t flags, dp_value_t *out,
+                        dp_error_t *err) {
   if (len == 0 || !dp__utf8_valid(cls, len))
     return dp__err(err, DP_EINVAL, "object class name must be non-empty UTF-8");
-  dp_object_t *o = dp__alloc(sizeof *o);
+  if (len > SIZE_MAX / 4 || nattrs > SIZE_MAX / 4 / sizeof(dp_attr_t)) return oom(err, "object");
+  dp_object_t *o = dp__alloc(dp__object_size(nattrs, len));
   if (!o) return oom(err, "object");
   cont_init(&o->c, DP_OBJECT);
   o->c.h.flags = flags;
-  o->class_name = dp__strndup(cls, len);
-  if (!o->class_name) {
-    dp__free(o, sizeof *o);
-    return oom(err, "object class name");
-  }
+  char *name = (char *)(o->inl + nattrs);
+  memcpy(name, cls, len);
+  name[len] = '\0';
+  o->class_name = name;
   o->class_len = len;
-  o->len = o->cap = 0;
-  o->attrs = NULL;
+  o->len = 0;
+  o->cap = o->inl_cap = nattrs;
+  o->attrs = nattrs ? o->inl : NULL;
   o->index = NULL;
   o->index_cap = 0;
   *out = heap_value(o, DP_OBJECT);
   return 0;
 }
 
-int dp__object_new_n(const char *cls, size_t len, dp_value_t *out, dp_error_t *err) {
-  return object_alloc(cls, len, 0, out, err);
+/* Room for a few attributes up front: most objects have a handful. */
+#define OBJECT_DEFAULT_ATTRS 4
+
+int dp__object_new_n(const char *cls, size_t len, size_t nattrs, dp_value_t *out, dp_error_t *err) {
+  return object_alloc(cls, len, nattrs, 0, out, err);
 }
 
 int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err) {
   if (!class_name || !out) return dp__err(err, DP_EINVAL, "dp_object_new: NULL argument");
-  return object_alloc(class_name, strlen(class_name), 0, out, err);
+  return object_alloc(class_name, strlen(class_name), OBJECT_DEFAULT_ATTRS, 0, out, err);
 }
 
 int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val, int allow_replace,
@@ -485,14 +488,24 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
     dp_value_release(old);
     return 0;
   }
-  char *copy = dp__strndup(name, n);
-  if (!copy || o->len >= UINT32_MAX - 1 ||
-      (o->len == o->cap && dp__grow((void **)&o->attrs, &o->cap, o->len + 1, sizeof(dp_attr_t)) != 0)) {
-    dp__free(copy, copy ? n + 1 : 0);
+  char *copy = n >= DP_ATTR_INLINE ? dp__strndup(name, n) : NULL;
+  if ((n >= DP_ATTR_INLINE && !copy) || o->len >= UINT32_MAX - 1 ||
+      (o->len == o->cap &&
+       dp__grow_inl((void **)&o->attrs, &o->cap, o->len + 1, sizeof(dp_attr_t), o->inl) != 0)) {
+    dp__free(copy, n + 1);
     dp_value_release(val);
     return oom(err, "object attributes");
   }
-  o->attrs[o->len] = (dp_attr_t){copy, n, h, val};
+  dp_attr_t *a = &o->attrs[o->len];
+  if (copy) {
+    a->n.heap = copy;
+  } else {
+    memcpy(a->n.inl, name, n);
+    a->n.inl[n] = '\0';
+  }
+  a->name_len = n;
+  a->hash = h;
+  a->val = val;
   o->len++;
   if (index_add(&o->index, &o->index_cap, o->len, attr_hash_at, o->attrs) != 0) {
     o->len--;
@@ -530,7 +543,7 @@ size_t dp_object_nattrs(dp_value_t obj) { return obj.kind == DP_OBJECT ? DP_OBJ(
 
 int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val) {
   if (obj.kind != DP_OBJECT || i >= DP_OBJ(obj)->len) return DP_EINVAL;
-  if (name) *name = DP_OBJ(obj)->attrs[i].name;
+  if (name) *name = dp__attr_name(&DP_OBJ(obj)->attrs[i]);
   if (val) *val = DP_OBJ(obj)->attrs[i].val;
   return 0;
 }
@@ -542,7 +555,7 @@ bool dp_object_is_reduced(dp_value_t obj) {
 #define REDUCED_ATTR "__reduce__"
 
 int dp__object_new_reduced_n(const char *type, size_t len, dp_value_t *out, dp_error_t *err) {
-  return object_alloc(type, len, DP_HEAP_REDUCED, out, err);
+  return object_alloc(type, len, 1, DP_HEAP_REDUCED, out, err);
 }
 
 int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_value_t *out, dp_error_t *err) {
@@ -550,7 +563,7 @@ int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_value_t *o
     dp_value_release(state);
     return dp__err(err, DP_EINVAL, "dp_object_new_reduced: NULL argument");
   }
-  int rc = object_alloc(type_name, strlen(type_name), DP_HEAP_REDUCED, out, err);
+  int rc = object_alloc(type_name, strlen(type_name), 1, DP_HEAP_REDUCED, out, err);
   if (rc) {
     dp_value_release(state);
     return rc;

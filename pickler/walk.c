@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "ptrset_impl.h"
 #include "walk.h"
 
 void dp__walker_init(dp__walker_t *w) {
@@ -180,12 +181,12 @@ const char *dp__walker_path(dp__walker_t *w) {
           pb_put(&b, ">", 1);
         } else {
           dp_attr_t *a = &DP_OBJ(node)->attrs[i];
-          if (dp__is_identifier(a->name, a->name_len)) {
+          if (dp__is_identifier(dp__attr_name(a), a->name_len)) {
             pb_put(&b, ".", 1);
-            pb_put(&b, a->name, a->name_len);
+            pb_put(&b, dp__attr_name(a), a->name_len);
           } else {
             pb_put(&b, "[", 1);
-            pb_quote(&b, a->name, a->name_len);
+            pb_quote(&b, dp__attr_name(a), a->name_len);
             pb_put(&b, "]", 1);
           }
         }
@@ -242,11 +243,38 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state) {
   return 0;
 }
 
+/* Inserts the pending storages: hash each and prefetch its slot, then
+ * insert in order (discovery order is kept). */
+static int flush_pending(dp__walker_t *w) {
+  uint64_t h[DP_WALK_BATCH];
+  int n = w->npending;
+  w->npending = 0;
+  for (int i = 0; i < n; i++) {
+    dp_storage_t *st = w->pending[i];
+    h[i] = dp__ptr_hash(st->device, st->base);
+    dp__ptrset_prefetch(w->set, h[i]);
+  }
+  for (int i = 0; i < n; i++) {
+    dp_storage_t *st = w->pending[i];
+    size_t id;
+    int is_new;
+    if (dp__ptrset_add_hashed(w->set, st->device, st->base, st->nbytes, h[i], &id, &is_new) != 0)
+      return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
+  }
+  return 0;
+}
+
 static int visit_tensor(dp__walker_t *w, dp_value_t v) {
   dp_storage_t *st = DP_TENSOR(v)->storage;
+  if (w->batch) {
+    __builtin_prefetch(st);
+    w->pending[w->npending++] = st;
+    return w->npending == DP_WALK_BATCH ? flush_pending(w) : 0;
+  }
   size_t id;
   int is_new;
-  if (dp__ptrset_add(w->set, st->device, st->base, st->nbytes, &id, &is_new) != 0)
+  if (dp__ptrset_add_hashed(w->set, st->device, st->base, st->nbytes, dp__ptr_hash(st->device, st->base), &id,
+                            &is_new) != 0)
     return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
   if (is_new && w->want_paths && dp__ptrset_set_path(w->set, id, dp__walker_path(w)) != 0)
     return dp__err(w->err, DP_ENOMEM, "out of memory recording a path");
@@ -255,7 +283,9 @@ static int visit_tensor(dp__walker_t *w, dp_value_t v) {
 
 static int visit(dp__walker_t *w, dp_value_t v) {
   uint32_t k = v.kind;
-  if (k < DP_STR) return w->sink ? w->sink->scalar(w->sink_ctx, v) : 0;
+  /* Without a sink (a scan) str and bytes are leaves that hold no pointer:
+   * not even their memory is touched. */
+  if (k < DP_LIST && (k < DP_STR || !w->sink)) return w->sink ? w->sink->scalar(w->sink_ctx, v) : 0;
   dp_heap_t *h = v.u.h;
   uint64_t index = w->next_index++;
   if (dp__rc(h) > 1) {
@@ -331,7 +361,7 @@ static inline int next_child(dp__walker_t *w, dp__wframe_t *f, dp_value_t *child
         return 0;
       }
       *child = DP_OBJ(node)->attrs[i].val;
-      return w->sink ? w->sink->attr(w->sink_ctx, DP_OBJ(node)->attrs[i].name,
+      return w->sink ? w->sink->attr(w->sink_ctx, dp__attr_name(&DP_OBJ(node)->attrs[i]),
                                      DP_OBJ(node)->attrs[i].name_len)
                      : 0;
     default:
@@ -351,16 +381,23 @@ int dp__walk(dp__walker_t *w, dp_value_t root) {
       w->top--;
       continue;
     }
-    /* Fast path for the common case: a run of list items. */
+    /* Fast path for the common case: a run of list items. Scalars are
+     * skipped in place; heap items a few places ahead are prefetched. */
     if (!w->sink && (f->node.kind == DP_LIST || f->node.kind == DP_TUPLE)) {
       dp_value_t *items = DP_SEQ(f->node)->items;
       size_t n = f->n;
-      while (f->i < n && items[f->i].kind < DP_STR) f->i++;
+      while (f->i < n && items[f->i].kind < DP_LIST) f->i++;
       if (f->i == n) continue;
+      if (f->i + 4 < n && items[f->i + 4].kind >= DP_LIST) __builtin_prefetch(items[f->i + 4].u.h);
     }
     dp_value_t child;
     rc = next_child(w, f, &child);
     if (rc == 0) rc = visit(w, child);
+  }
+  /* What was met before an error still lands in the set. */
+  if (w->npending) {
+    int frc = flush_pending(w);
+    if (rc == 0) rc = frc;
   }
   release_states(w);
   w->top = 0;
@@ -377,6 +414,7 @@ int dp_scan(dp_value_t v, const dp_scan_opts_t *opts, dp_ptrset_t *set, dp_error
   w->sink_ctx = NULL;
   w->err = err;
   w->want_paths = opts && (opts->flags & DP_SCAN_PATHS);
+  w->batch = !w->want_paths;
   w->max_depth = (opts && opts->max_depth) ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
   return dp__walk(w, v);
 }

@@ -25,7 +25,14 @@ typedef struct dp__memo_slot {
   uint32_t gen;
 } dp__memo_slot_t;
 
+/* Storages a scan has met but not yet inserted: inserts are pipelined so
+ * that the cache misses of up to this many overlap. */
+#define DP_WALK_BATCH 32
+
 typedef struct dp__walker {
+  dp_storage_t *pending[DP_WALK_BATCH];
+  int npending;
+  int batch;                   /* scan without paths: pipeline inserts */
   dp__wframe_t *stack;
   size_t top, stack_cap;
   dp__memo_slot_t *memo;
@@ -50,9 +57,7 @@ int dp__walk(dp__walker_t *w, dp_value_t root);
 /* Renders the path of the node being visited into w->path; returns it. */
 const char *dp__walker_path(dp__walker_t *w);
 
-/* ptrset internals used by the walker */
-int dp__ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbytes,
-                   size_t *index, int *is_new);
+/* ptrset internals used by the walker (the hot path is in ptrset_impl.h) */
 int dp__ptrset_set_path(dp_ptrset_t *set, size_t index, const char *path);
 dp__walker_t *dp__ptrset_walker(dp_ptrset_t *set);
 #endif
