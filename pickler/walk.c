@@ -205,6 +205,9 @@ const char *dp__walker_path(dp__walker_t *w) {
 
 /* ---- the walk ---- */
 
+/* How many list items ahead a scan prefetches. */
+#define DP_PREFETCH_AHEAD 8
+
 static int push(dp__walker_t *w, dp_value_t node, dp_value_t state, size_t n) {
   if (w->top >= w->max_depth)
     return dp__err(w->err, DP_ELIMIT, "nesting deeper than %u levels at %s", w->max_depth,
@@ -309,6 +312,12 @@ static int visit(dp__walker_t *w, dp_value_t v) {
       if (w->sink) {
         int rc = w->sink->enter(w->sink_ctx, v, n);
         if (rc) return rc;
+      } else {
+        /* Issue the misses of the first children together rather than
+         * one at a time as the walk reaches them. */
+        const dp_value_t *items = DP_SEQ(v)->items;
+        for (size_t i = 0; i < n && i < DP_PREFETCH_AHEAD; i++)
+          if (items[i].kind >= DP_LIST) __builtin_prefetch(items[i].u.h);
       }
       return n ? push(w, v, dp_none(), n) : 0;
     }
@@ -388,7 +397,8 @@ int dp__walk(dp__walker_t *w, dp_value_t root) {
       size_t n = f->n;
       while (f->i < n && items[f->i].kind < DP_LIST) f->i++;
       if (f->i == n) continue;
-      if (f->i + 4 < n && items[f->i + 4].kind >= DP_LIST) __builtin_prefetch(items[f->i + 4].u.h);
+      size_t ahead = f->i + DP_PREFETCH_AHEAD;
+      if (ahead < n && items[ahead].kind >= DP_LIST) __builtin_prefetch(items[ahead].u.h);
     }
     dp_value_t child;
     rc = next_child(w, f, &child);
