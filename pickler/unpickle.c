@@ -48,9 +48,32 @@ static int need(rd_t *r, const uint8_t *start, uint64_t n, const char *what) {
   return 0;
 }
 
+static int next_tok_slow(rd_t *r, tok_t *t);
+
 /* Reads one token header. Counts and lengths are checked against the bytes
- * left: an array of n items needs at least n bytes, a map 2n. */
-static int next_tok(rd_t *r, tok_t *t) {
+ * left: an array of n items needs at least n bytes, a map 2n. The one-byte
+ * forms that make up most payloads are decoded inline. */
+static inline int next_tok(rd_t *r, tok_t *t) {
+  if (DP_LIKELY(r->p < r->end)) {
+    uint8_t b = *r->p;
+    if (b <= 0x7f) {
+      r->p++;
+      t->type = T_INT;
+      t->v.i = b;
+      return 0;
+    }
+    if ((b & 0xe0) == 0xa0 && (uint64_t)(r->end - r->p - 1) >= (b & 0x1fu)) {
+      t->type = T_STR;
+      t->len = b & 0x1f;
+      t->data = r->p + 1;
+      r->p += 1 + t->len;
+      return 0;
+    }
+  }
+  return next_tok_slow(r, t);
+}
+
+static int next_tok_slow(rd_t *r, tok_t *t) {
   const uint8_t *start = r->p;
   if (r->p >= r->end) return dp__err_at(r->err, DP_EFORMAT, off(r, start), "value expected, section ended");
   uint8_t b = *r->p++;

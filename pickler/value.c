@@ -1,5 +1,6 @@
 /* pickler/value.c — values: constructors, accessors, reference counting. */
 #include <string.h>
+#define XXH_INLINE_ALL
 #include <xxhash.h>
 
 #include "internal.h"
