@@ -81,6 +81,26 @@ static inline int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void
     }
   }
   *is_new = 1;
+  /* Fast path: room everywhere and the same device as the last insert. */
+  if (DP_LIKELY(j != SIZE_MAX && (s->count + 1) * 2 <= s->nslots && s->count < s->cap &&
+                s->last_group < s->ngroups && dp_device_equal(s->groups[s->last_group].device, device))) {
+    size_t i = s->count++;
+    dp__pgroup_t *gr = &s->groups[s->last_group];
+    dp__pentry_t *e = &s->entries[i];
+    e->device = device;
+    e->refs = 1;
+    e->base = base;
+    e->nbytes = nbytes;
+    e->path = NULL;
+    e->next_on = 0;
+    e->group = (uint32_t)s->last_group;
+    if (gr->count++ == 0) gr->head = (uint32_t)i;
+    else s->entries[gr->tail].next_on = (uint32_t)(i + 1);
+    gr->tail = (uint32_t)i;
+    s->slots[j] = (dp__pslot_t){(uint32_t)(i + 1), s->gen, (uint16_t)(h >> 48)};
+    *index = i;
+    return 0;
+  }
   return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index);
 }
 #endif
