@@ -246,22 +246,35 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state) {
   return 0;
 }
 
-/* Inserts the pending storages: hash each and prefetch its slot, then
- * insert in order (discovery order is kept). */
+/* Resolves the pending tensors in three passes over the batch — tensor
+ * (memo for shared ones, prefetch the storage), storage (hash, prefetch the
+ * slot), insert — each pass issuing its cache misses together. Inserts keep
+ * discovery order. */
 static int flush_pending(dp__walker_t *w) {
+  dp_storage_t *st[DP_WALK_BATCH];
   uint64_t h[DP_WALK_BATCH];
-  int n = w->npending;
+  int n = 0, m = w->npending;
   w->npending = 0;
+  for (int i = 0; i < m; i++) {
+    dp_tensor_t *t = w->pending[i];
+    if (dp__rc(&t->h) > 1) {
+      uint64_t seen;
+      int r = memo_check(w, t, w->next_index++, &seen);
+      if (r < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
+      if (r == 1) continue;  /* the same tensor again: counted once */
+    }
+    st[n] = t->storage;
+    __builtin_prefetch(st[n]);
+    n++;
+  }
   for (int i = 0; i < n; i++) {
-    dp_storage_t *st = w->pending[i];
-    h[i] = dp__ptr_hash(st->device, st->base);
+    h[i] = dp__ptr_hash(st[i]->device, st[i]->base);
     dp__ptrset_prefetch(w->set, h[i]);
   }
   for (int i = 0; i < n; i++) {
-    dp_storage_t *st = w->pending[i];
     size_t id;
     int is_new;
-    if (dp__ptrset_add_hashed(w->set, st->device, st->base, st->nbytes, h[i], &id, &is_new) != 0)
+    if (dp__ptrset_add_hashed(w->set, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new) != 0)
       return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
   }
   return 0;
@@ -269,11 +282,6 @@ static int flush_pending(dp__walker_t *w) {
 
 static int visit_tensor(dp__walker_t *w, dp_value_t v) {
   dp_storage_t *st = DP_TENSOR(v)->storage;
-  if (w->batch) {
-    __builtin_prefetch(st);
-    w->pending[w->npending++] = st;
-    return w->npending == DP_WALK_BATCH ? flush_pending(w) : 0;
-  }
   size_t id;
   int is_new;
   if (dp__ptrset_add_hashed(w->set, st->device, st->base, st->nbytes, dp__ptr_hash(st->device, st->base), &id,
@@ -290,6 +298,11 @@ static int visit(dp__walker_t *w, dp_value_t v) {
    * not even their memory is touched. */
   if (k < DP_LIST && (k < DP_STR || !w->sink)) return w->sink ? w->sink->scalar(w->sink_ctx, v) : 0;
   dp_heap_t *h = v.u.h;
+  if (k == DP_TENSOR && w->batch) {  /* looked into later, with its batch */
+    __builtin_prefetch(h);
+    w->pending[w->npending++] = (dp_tensor_t *)h;
+    return w->npending == DP_WALK_BATCH ? flush_pending(w) : 0;
+  }
   uint64_t index = w->next_index++;
   if (dp__rc(h) > 1) {
     uint64_t seen;

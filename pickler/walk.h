@@ -25,12 +25,13 @@ typedef struct dp__memo_slot {
   uint32_t gen;
 } dp__memo_slot_t;
 
-/* Storages a scan has met but not yet inserted: inserts are pipelined so
- * that the cache misses of up to this many overlap. */
+/* Tensors a scan has met but not yet looked into: the tensor, its storage
+ * and its hash slot are fetched for a whole batch at a time, so that the
+ * cache misses of up to this many overlap. */
 #define DP_WALK_BATCH 32
 
 typedef struct dp__walker {
-  dp_storage_t *pending[DP_WALK_BATCH];
+  struct dp_tensor *pending[DP_WALK_BATCH];
   int npending;
   int batch;                   /* scan without paths: pipeline inserts */
   dp__wframe_t *stack;

@@ -139,6 +139,41 @@ Test(pickler, shared_storages_are_reported_once_with_their_tensor_count) {
   ASSERT_NO_LEAK();
 }
 
+Test(pickler, scans_without_paths_count_the_same_across_batches) {
+  /* Without paths a scan resolves tensors in batches of 32: counts, order
+   * and dedup must not change at batch boundaries. */
+  dp_storage_t *s = t_storage(CUDA0, 0xA000, 1 << 20);
+  dp_value_t l = t_list(), shared = t_view(s, 8, 0);
+  for (int i = 0; i < 100; i++) {
+    OK(dp_list_append(l, t_tensor(CUDA1, 0x100000 + (uintptr_t)i * 64, 4), NULL));
+    if (i % 30 == 0) OK(dp_list_append(l, dp_value_retain(shared), NULL));
+    if (i % 7 == 0) OK(dp_list_append(l, t_view(s, 4, i), NULL));
+  }
+  dp_storage_release(s);
+  dp_value_release(shared);
+  dp_ptrset_t *with = scan_paths(l), *without;
+  OK(dp_ptrset_new(&without, NULL));
+  OK(dp_scan(l, NULL, without, NULL));
+  cr_assert_eq(dp_ptrset_count(without), 101);
+  cr_assert_eq(dp_ptrset_count(with), 101);
+  for (size_t i = 0; i < 101; i++) {
+    dp_ptr_info_t a, b;
+    OK(dp_ptrset_get(with, i, &a));
+    OK(dp_ptrset_get(without, i, &b));
+    cr_assert(a.base == b.base && a.refs == b.refs && dp_device_equal(a.device, b.device), "entry %zu", i);
+    cr_assert_null(b.path);
+  }
+  size_t at;
+  OK(dp_ptrset_find(without, CUDA0, (void *)0xA000, &at));
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(without, at, &p));
+  cr_assert_eq(p.refs, 1 + 15, "the shared view once, plus 15 distinct views");
+  dp_ptrset_free(with);
+  dp_ptrset_free(without);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, cycles_terminate_and_each_storage_is_met_once) {
   dp_value_t a = t_obj("Node"), b = t_obj("Node");
   OK(dp_object_set(a, "t", t_tensor(CUDA0, 0x1000, 4), NULL));
