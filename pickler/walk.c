@@ -280,7 +280,11 @@ static int flush_pending(dp__walker_t *w) {
   return 0;
 }
 
-static int visit_tensor(dp__walker_t *w, dp_value_t v) {
+#define DP_WALK_INLINE static inline __attribute__((always_inline))
+
+/* S: the walk has a sink. Each function below is compiled twice, with S a
+ * constant 0 (scan) and 1 (pickle), from the one body. */
+DP_WALK_INLINE int visit_tensor(dp__walker_t *w, dp_value_t v, const int S) {
   dp_storage_t *st = DP_TENSOR(v)->storage;
   size_t id;
   int is_new;
@@ -289,14 +293,14 @@ static int visit_tensor(dp__walker_t *w, dp_value_t v) {
     return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
   if (is_new && w->want_paths && dp__ptrset_set_path(w->set, id, dp__walker_path(w)) != 0)
     return dp__err(w->err, DP_ENOMEM, "out of memory recording a path");
-  return w->sink ? w->sink->tensor(w->sink_ctx, v, id) : 0;
+  return S ? w->sink->tensor(w->sink_ctx, v, id) : 0;
 }
 
-static int visit(dp__walker_t *w, dp_value_t v) {
+DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
   uint32_t k = v.kind;
   /* Without a sink (a scan) str and bytes are leaves that hold no pointer:
    * not even their memory is touched. */
-  if (k < DP_LIST && (k < DP_STR || !w->sink)) return w->sink ? w->sink->scalar(w->sink_ctx, v) : 0;
+  if (k < DP_LIST && (k < DP_STR || !S)) return S ? w->sink->scalar(w->sink_ctx, v) : 0;
   dp_heap_t *h = v.u.h;
   if (k == DP_TENSOR && w->batch) {  /* looked into later, with its batch */
     __builtin_prefetch(h);
@@ -310,19 +314,19 @@ static int visit(dp__walker_t *w, dp_value_t v) {
     if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
     if (m == 1) {
       w->next_index--;
-      return w->sink ? w->sink->backref(w->sink_ctx, seen) : 0;
+      return S ? w->sink->backref(w->sink_ctx, seen) : 0;
     }
   }
   switch (k) {
     case DP_STR:
     case DP_BYTES:
-      return w->sink ? w->sink->scalar(w->sink_ctx, v) : 0;
+      return S ? w->sink->scalar(w->sink_ctx, v) : 0;
     case DP_TENSOR:
-      return visit_tensor(w, v);
+      return visit_tensor(w, v, S);
     case DP_LIST:
     case DP_TUPLE: {
       size_t n = DP_SEQ(v)->len;
-      if (w->sink) {
+      if (S) {
         int rc = w->sink->enter(w->sink_ctx, v, n);
         if (rc) return rc;
       } else {
@@ -336,7 +340,7 @@ static int visit(dp__walker_t *w, dp_value_t v) {
     }
     case DP_DICT: {
       size_t n = DP_DICT(v)->len;
-      if (w->sink) {
+      if (S) {
         int rc = w->sink->enter(w->sink_ctx, v, n);
         if (rc) return rc;
       }
@@ -346,7 +350,7 @@ static int visit(dp__walker_t *w, dp_value_t v) {
       dp_object_t *o = DP_OBJ(v);
       int reduced = (o->c.h.flags & DP_HEAP_REDUCED) != 0;
       size_t n = reduced ? 1 : o->len;
-      if (w->sink) {
+      if (S) {
         int rc = w->sink->enter(w->sink_ctx, v, n);
         if (rc) return rc;
       }
@@ -357,14 +361,14 @@ static int visit(dp__walker_t *w, dp_value_t v) {
       dp_value_t state;
       int rc = reduce_custom(w, v, &state);
       if (rc) return rc;
-      if (w->sink && (rc = w->sink->enter(w->sink_ctx, v, 1)) != 0) return rc;
+      if (S && (rc = w->sink->enter(w->sink_ctx, v, 1)) != 0) return rc;
       return push(w, v, state, 1);
     }
   }
   return dp__err(w->err, DP_EINVAL, "corrupt value of kind %u at %s", k, dp__walker_path(w));
 }
 
-static inline int next_child(dp__walker_t *w, dp__wframe_t *f, dp_value_t *child) {
+DP_WALK_INLINE int next_child(dp__walker_t *w, dp__wframe_t *f, dp_value_t *child, const int S) {
   size_t i = f->i++;
   dp_value_t node = f->node;
   switch (node.kind) {
@@ -383,7 +387,7 @@ static inline int next_child(dp__walker_t *w, dp__wframe_t *f, dp_value_t *child
         return 0;
       }
       *child = DP_OBJ(node)->attrs[i].val;
-      return w->sink ? w->sink->attr(w->sink_ctx, dp__attr_name(&DP_OBJ(node)->attrs[i]),
+      return S ? w->sink->attr(w->sink_ctx, dp__attr_name(&DP_OBJ(node)->attrs[i]),
                                      DP_OBJ(node)->attrs[i].name_len)
                      : 0;
     default:
@@ -392,11 +396,11 @@ static inline int next_child(dp__walker_t *w, dp__wframe_t *f, dp_value_t *child
   }
 }
 
-int dp__walk(dp__walker_t *w, dp_value_t root) {
+DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
   w->top = 0;
   w->next_index = 0;
   memo_reset(w);
-  int rc = visit(w, root);
+  int rc = visit(w, root, S);
   while (rc == 0 && w->top > 0) {
     dp__wframe_t *f = &w->stack[w->top - 1];
     if (f->i == f->n) {
@@ -405,7 +409,7 @@ int dp__walk(dp__walker_t *w, dp_value_t root) {
     }
     /* Fast path for the common case: a run of list items. Scalars are
      * skipped in place; heap items a few places ahead are prefetched. */
-    if (!w->sink && (f->node.kind == DP_LIST || f->node.kind == DP_TUPLE)) {
+    if (!S && (f->node.kind == DP_LIST || f->node.kind == DP_TUPLE)) {
       dp_value_t *items = DP_SEQ(f->node)->items;
       size_t n = f->n;
       while (f->i < n && items[f->i].kind < DP_LIST) f->i++;
@@ -414,8 +418,8 @@ int dp__walk(dp__walker_t *w, dp_value_t root) {
       if (ahead < n && items[ahead].kind >= DP_LIST) __builtin_prefetch(items[ahead].u.h);
     }
     dp_value_t child;
-    rc = next_child(w, f, &child);
-    if (rc == 0) rc = visit(w, child);
+    rc = next_child(w, f, &child, S);
+    if (rc == 0) rc = visit(w, child, S);
   }
   /* What was met before an error still lands in the set. */
   if (w->npending) {
@@ -425,6 +429,10 @@ int dp__walk(dp__walker_t *w, dp_value_t root) {
   release_states(w);
   w->top = 0;
   return rc;
+}
+
+int dp__walk(dp__walker_t *w, dp_value_t root) {
+  return w->sink ? walk_impl(w, root, 1) : walk_impl(w, root, 0);
 }
 
 /* ---- scan ---- */
