@@ -344,6 +344,10 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
         int rc = w->sink->enter(w->sink_ctx, v, n);
         if (rc) return rc;
       }
+      for (size_t i = 0; i < n && i < DP_PREFETCH_AHEAD; i++) {
+        const dp_value_t *x = &DP_DICT(v)->entries[i].val;
+        if (x->kind >= DP_LIST) __builtin_prefetch(x->u.h);
+      }
       return n ? push(w, v, dp_none(), 2 * n) : 0;
     }
     case DP_OBJECT: {
@@ -379,6 +383,10 @@ DP_WALK_INLINE int next_child(dp__walker_t *w, dp__wframe_t *f, dp_value_t *chil
     case DP_DICT: {
       dp_entry_t *e = &DP_DICT(node)->entries[i >> 1];
       *child = (i & 1) ? e->val : e->key;
+      /* A tensor is usually a dict value: while its key is written, start
+       * fetching its storage (its header was fetched when the dict was
+       * entered). */
+      if (S && !(i & 1) && e->val.kind == DP_TENSOR) __builtin_prefetch(DP_TENSOR(e->val)->storage);
       return 0;
     }
     case DP_OBJECT:
