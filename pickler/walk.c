@@ -333,8 +333,16 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
         /* Issue the misses of the first children together rather than
          * one at a time as the walk reaches them. */
         const dp_value_t *items = DP_SEQ(v)->items;
-        for (size_t i = 0; i < n && i < DP_PREFETCH_AHEAD; i++)
-          if (items[i].kind >= DP_LIST) __builtin_prefetch(items[i].u.h);
+        for (size_t i = 0; i < n && i < DP_PREFETCH_AHEAD; i++) {
+          if (items[i].kind < DP_LIST) continue;
+          const char *p = (const char *)items[i].u.h;
+          __builtin_prefetch(p);
+          if (items[i].kind <= DP_TUPLE) {  /* and the first items, after the header */
+            __builtin_prefetch(p + 64);
+            __builtin_prefetch(p + 128);
+            __builtin_prefetch(p + 192);
+          }
+        }
       }
       return n ? push(w, v, dp_none(), n) : 0;
     }
