@@ -29,7 +29,7 @@ HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
 
 DEB_PKGS  := libmsgpack-dev libxxhash-dev libcriterion-dev libjansson-dev
 
-.PHONY: all lib cli test demo bench deps install uninstall clean help config
+.PHONY: all lib cli test test-asan demo bench deps install uninstall clean help config
 
 all: lib cli ## Build the static and shared library and the CLI (build/devpickle)
 
@@ -65,6 +65,26 @@ $(BUILD)/embed: examples/embed.c $(BUILD)/libdevpickle.a
 test: deps all $(TEST_BIN) $(BUILD)/embed ## Run the Criterion suites and the embedding example
 	@set -e; for t in $(TEST_BIN); do echo "== $$t"; DEVPICKLE=$(BUILD)/devpickle $$t --jobs 2; done
 	@echo "== $(BUILD)/embed"; $(BUILD)/embed
+
+# Sanitizers. Criterion runs each test in a forked worker and ignores what
+# LeakSanitizer prints when that worker exits, so the run's output is scanned
+# for sanitizer reports: any report fails the target.
+ASAN_BUILD := $(BUILD)/asan
+ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+
+test-asan: deps ## Run every suite under ASan + UBSan + LeakSanitizer; any report fails
+	@$(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) OPT="-O1 -g" SANFLAGS="$(ASAN_FLAGS)" all \
+	  $(TEST_SRC:test/%.c=$(ASAN_BUILD)/%) $(ASAN_BUILD)/embed >/dev/null
+	@set -e; log=$(ASAN_BUILD)/test-asan.log; : > $$log; \
+	for t in $(TEST_SRC:test/%.c=$(ASAN_BUILD)/%) $(ASAN_BUILD)/embed; do \
+	  echo "== $$t (asan)"; \
+	  ASAN_OPTIONS=detect_leaks=1:exitcode=23 UBSAN_OPTIONS=print_stacktrace=1 \
+	    DEVPICKLE=$(ASAN_BUILD)/devpickle $$t --jobs 2 2>&1 | tee -a $$log | grep -E 'Synthesis|^cuda|^frame' || true; \
+	done; \
+	if grep -qE 'Sanitizer|runtime error:|Synthesis: .*(Failing: [1-9]|Crashing: [1-9])' $$log; then \
+	  grep -nE -A12 'ERROR: |runtime error:|SUMMARY:' $$log | head -80; \
+	  echo "test-asan: sanitizer reports or failures (full log: $$log)"; exit 1; fi; \
+	echo "test-asan: no sanitizer reports"
 
 demo: deps all ## Pack the examples and dump the device pointers they hold
 	@sh tools/demo.sh $(BUILD)/devpickle
