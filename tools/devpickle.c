@@ -129,17 +129,36 @@ static int parse_args(const char *cmd, const char *help, int argc, char **argv, 
   return 0;
 }
 
-/* Reads and unpickles a frame file. */
-static int load_frame(const char *file, dp_value_t *v, uint8_t **bytes, size_t *n) {
-  int rc = read_all(file, bytes, n);
+/* The common start of the commands that read a frame: their arguments, the
+ * file, its header facts and its value. Returns 0 or the exit status. */
+typedef struct loaded {
+  args_t a;
+  dp_value_t v;
+  dp_frame_info_t info;
+  size_t size;
+} loaded_t;
+
+static int load_command(const char *cmd, const char *help, int argc, char **argv, int allow_json, loaded_t *l) {
+  int rc = parse_args(cmd, help, argc, argv, &l->a, 0, allow_json);
   if (rc) return rc;
+  uint8_t *bytes;
+  if ((rc = read_all(l->a.file, &bytes, &l->size)) != 0) return rc;
   dp_error_t e;
   dp_error_clear(&e);
-  if (dp_unpickle(*bytes, *n, NULL, v, &e) != 0) {
-    free(*bytes);
-    return data_error(display(file), e.message, e.offset);
-  }
-  return 0;
+  rc = dp_unpickle(bytes, l->size, NULL, &l->v, &e);
+  if (rc == 0) dp_frame_check(bytes, l->size, &l->info, NULL);
+  free(bytes);
+  return rc ? data_error(display(l->a.file), e.message, e.offset) : 0;
+}
+
+/* Prints JSON (taking the reference) and a newline on stdout. */
+static int put_json(json_t *j, size_t flags, const char *file) {
+  char *s = json_dumps(j, flags);
+  json_decref(j);
+  if (!s) return data_error(display(file), "out of memory writing JSON", -1);
+  puts(s);
+  free(s);
+  return fflush(stdout) == 0 ? 0 : data_error("<stdout>", "write failed", -1);
 }
 
 /* ---- pack ---- */
@@ -203,24 +222,14 @@ static const char *const help_unpack =
     "appear as {\"$id\": ..., \"$value\": ...} and {\"$ref\": ...}.\n";
 
 static int cmd_unpack(int argc, char **argv) {
-  args_t a;
-  int rc = parse_args("unpack", help_unpack, argc, argv, &a, 0, 0);
+  loaded_t l;
+  int rc = load_command("unpack", help_unpack, argc, argv, 0, &l);
   if (rc) return rc;
-  dp_value_t v;
-  uint8_t *bytes;
-  size_t n;
-  if ((rc = load_frame(a.file, &v, &bytes, &n)) != 0) return rc;
-  free(bytes);
   char msg[256];
-  json_t *j = vjson_from_value(v, msg, sizeof msg);
-  dp_value_release(v);
-  if (!j) return data_error(display(a.file), msg, -1);
-  char *s = json_dumps(j, JSON_ENCODE_ANY | JSON_INDENT(2) | JSON_REAL_PRECISION(17));
-  json_decref(j);
-  if (!s) return data_error(display(a.file), "out of memory writing JSON", -1);
-  puts(s);
-  free(s);
-  return fflush(stdout) == 0 ? 0 : data_error("<stdout>", "write failed", -1);
+  json_t *j = vjson_from_value(l.v, msg, sizeof msg);
+  dp_value_release(l.v);
+  if (!j) return data_error(display(l.a.file), msg, -1);
+  return put_json(j, JSON_ENCODE_ANY | JSON_INDENT(2) | JSON_REAL_PRECISION(17), l.a.file);
 }
 
 /* ---- dump ---- */
@@ -247,21 +256,16 @@ static int scan_value(const char *file, dp_value_t v, dp_ptrset_t **set) {
 }
 
 static int cmd_dump(int argc, char **argv) {
-  args_t a;
-  int rc = parse_args("dump", help_dump, argc, argv, &a, 0, 1);
+  loaded_t l;
+  int rc = load_command("dump", help_dump, argc, argv, 1, &l);
   if (rc) return rc;
-  dp_value_t v;
-  uint8_t *bytes;
-  size_t n;
-  if ((rc = load_frame(a.file, &v, &bytes, &n)) != 0) return rc;
-  free(bytes);
   dp_ptrset_t *set;
-  rc = scan_value(a.file, v, &set);
-  dp_value_release(v);
+  rc = scan_value(l.a.file, l.v, &set);
+  dp_value_release(l.v);
   if (rc) return rc;
   char dev[16];
   size_t count = dp_ptrset_count(set);
-  if (a.json) {
+  if (l.a.json) {
     json_t *o = json_object(), *devs = json_array(), *ptrs = json_array();
     json_object_set_new(o, "count", json_integer((json_int_t)count));
     for (size_t j = 0; j < dp_ptrset_ndevices(set); j++)
@@ -281,10 +285,8 @@ static int cmd_dump(int argc, char **argv) {
     }
     json_object_set_new(o, "devices", devs);
     json_object_set_new(o, "pointers", ptrs);
-    char *s = json_dumps(o, JSON_INDENT(2));
-    puts(s ? s : "{}");
-    free(s);
-    json_decref(o);
+    dp_ptrset_free(set);
+    return put_json(o, JSON_INDENT(2), l.a.file);
   } else {
     printf("%-8s  %-18s  %12s  %5s  %s\n", "DEVICE", "POINTER", "BYTES", "REFS", "FIRST PATH");
     for (size_t i = 0; i < count; i++) {
@@ -429,29 +431,23 @@ static void print_node(seen_t *seen, dp_value_t v, char *path, size_t plen, int 
 }
 
 static int cmd_inspect(int argc, char **argv) {
-  args_t a;
-  int rc = parse_args("inspect", help_inspect, argc, argv, &a, 0, 0);
+  loaded_t l;
+  int rc = load_command("inspect", help_inspect, argc, argv, 0, &l);
   if (rc) return rc;
-  dp_value_t v;
-  uint8_t *bytes;
-  size_t n;
-  if ((rc = load_frame(a.file, &v, &bytes, &n)) != 0) return rc;
-  dp_frame_info_t fi;
-  dp_frame_check(bytes, n, &fi, NULL);
-  free(bytes);
+  const dp_frame_info_t fi = l.info;
   printf("frame: %zu bytes, version %u, %s, payload %" PRIu64 ", table %" PRIu64 ", data %" PRIu64
          ", %u buffer%s, checksum %016" PRIx64 "\n",
-         n, fi.version, (fi.flags & 1) ? "inline" : "buffers out-of-band", fi.payload_len, fi.table_len, fi.data_len,
+         l.size, fi.version, (fi.flags & 1) ? "inline" : "buffers out-of-band", fi.payload_len, fi.table_len, fi.data_len,
          fi.nbuffers, fi.nbuffers == 1 ? "" : "s", fi.checksum);
   char *path = malloc(8192);
   strcpy(path, "$");
   seen_t seen = {0};
-  print_node(&seen, v, path, 1, 0);
+  print_node(&seen, l.v, path, 1, 0);
   for (size_t i = 0; i < seen.n; i++) free(seen.paths[i]);
   free(seen.ids);
   free(seen.paths);
   free(path);
-  dp_value_release(v);
+  dp_value_release(l.v);
   return fflush(stdout) == 0 ? 0 : data_error("<stdout>", "write failed", -1);
 }
 
@@ -466,21 +462,15 @@ static const char *const help_verify =
     "and exit status 1.\n";
 
 static int cmd_verify(int argc, char **argv) {
-  args_t a;
-  int rc = parse_args("verify", help_verify, argc, argv, &a, 0, 0);
+  loaded_t l;
+  int rc = load_command("verify", help_verify, argc, argv, 0, &l);
   if (rc) return rc;
-  dp_value_t v;
-  uint8_t *bytes;
-  size_t n;
-  if ((rc = load_frame(a.file, &v, &bytes, &n)) != 0) return rc;
-  dp_frame_info_t fi;
-  dp_frame_check(bytes, n, &fi, NULL);
-  free(bytes);
   dp_ptrset_t *set;
-  rc = scan_value(a.file, v, &set);
-  dp_value_release(v);
+  rc = scan_value(l.a.file, l.v, &set);
+  dp_value_release(l.v);
   if (rc) return rc;
-  printf("%s: ok, %zu bytes, version %u, %u buffer%s, %zu device pointer%s, %s\n", display(a.file), n, fi.version,
+  const dp_frame_info_t fi = l.info;
+  printf("%s: ok, %zu bytes, version %u, %u buffer%s, %zu device pointer%s, %s\n", display(l.a.file), l.size, fi.version,
          fi.nbuffers, fi.nbuffers == 1 ? "" : "s", dp_ptrset_count(set), dp_ptrset_count(set) == 1 ? "" : "s",
          (fi.flags & 1) ? "inline" : "out-of-band");
   dp_ptrset_free(set);
