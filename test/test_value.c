@@ -143,6 +143,29 @@ Test(value, object_attributes_keep_order_and_are_found_by_name) {
   ASSERT_NO_LEAK();
 }
 
+Test(value, long_attribute_names_and_objects_that_outgrow_their_first_block) {
+  dp_value_t o = t_obj("Config");
+  const char *longname = "a_rather_long_attribute_name_well_past_sixteen_bytes";
+  OK(dp_object_set(o, longname, t_str("v1"), NULL));
+  for (int i = 0; i < 9; i++) {  /* past the attributes allocated with the object */
+    char name[48];
+    snprintf(name, sizeof name, "%s_%d", i % 2 ? "short" : "another_quite_long_attribute", i);
+    OK(dp_object_set(o, name, dp_int(i), NULL));
+  }
+  OK(dp_object_set(o, longname, t_str("v2"), NULL));
+  dp_value_t v;
+  OK(dp_object_get(o, longname, &v));
+  cr_assert_str_eq(dp_str_data(v, NULL), "v2");
+  const char *n;
+  OK(dp_object_attr(o, 0, &n, NULL));
+  cr_assert_str_eq(n, longname);
+  OK(dp_object_attr(o, 2, &n, NULL));
+  cr_assert_str_eq(n, "short_1");
+  cr_assert_eq(dp_object_nattrs(o), 10);
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, tensor_views_must_fit_their_storage) {
   dp_storage_t *s = t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 400);
   dp_value_t t;
