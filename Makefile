@@ -12,12 +12,18 @@ OPT       ?= -O2 -g
 CFLAGS    ?=
 DPFLAGS   := -std=c11 -D_POSIX_C_SOURCE=200809L $(WARN) $(OPT) -Iinclude -fPIC -fvisibility=hidden -DDP_BUILDING
 TFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -Werror $(OPT) -Iinclude -Itest
-LDLIBS    := -lmsgpackc -lxxhash -lpthread
 SANFLAGS  ?=
 
-HAVE_CUDA := $(if $(wildcard $(CUDA_HOME)/include/cuda_runtime.h),1,0)
+# CUDA: the backend is built whenever the toolkit is present; the runtime is
+# linked statically, so binaries need no libcudart at run time (only a driver).
+HAVE_CUDA := $(if $(wildcard $(CUDA_HOME)/include/cuda_runtime_api.h),1,0)
+ifeq ($(HAVE_CUDA),1)
+CUDA_CFLAGS := -DDP_HAVE_CUDA -isystem $(CUDA_HOME)/include
+CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt
+endif
+LDLIBS    := -lmsgpackc -lxxhash $(CUDA_LIBS) -lpthread -lm
 
-LIB_SRC   := $(wildcard pickler/*.c)
+LIB_SRC   := $(wildcard pickler/*.c device/*.c allocator_hooks/*.c)
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 CLI_SRC   := $(wildcard tools/*.c)
 CLI_OBJ   := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
@@ -40,6 +46,8 @@ cli: $(BUILD)/devpickle ## Build the CLI only
 $(BUILD)/obj/%.o: %.c $(HEADERS) $(wildcard */internal.h pickler/*.h tools/*.h) | deps-check
 	@mkdir -p $(dir $@)
 	$(CC) $(DPFLAGS) $(SANFLAGS) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/device/cuda.o: DPFLAGS += $(CUDA_CFLAGS)
 
 $(BUILD)/libdevpickle.a: $(LIB_OBJ)
 	@mkdir -p $(BUILD)
@@ -113,7 +121,7 @@ config: ## Show what the build found
 
 $(BUILD)/devpickle.pc: Makefile
 	@mkdir -p $(BUILD)
-	@printf 'prefix=%s\nincludedir=$${prefix}/include\nlibdir=$${prefix}/lib\n\nName: devpickle\nDescription: Finds the device allocations a value references; frames for transport\nVersion: %s\nLibs: -L$${libdir} -ldevpickle\nLibs.private: -lmsgpackc -lxxhash -lpthread\nCflags: -I$${includedir}\n' '$(PREFIX)' '$(VERSION)' > $@
+	@printf 'prefix=%s\nincludedir=$${prefix}/include\nlibdir=$${prefix}/lib\n\nName: devpickle\nDescription: Finds the device allocations a value references; frames for transport\nVersion: %s\nLibs: -L$${libdir} -ldevpickle\nLibs.private: $(LDLIBS)\nCflags: -I$${includedir}\n' '$(PREFIX)' '$(VERSION)' > $@
 
 install: all $(BUILD)/devpickle.pc ## Install headers, libraries, CLI and devpickle.pc (PREFIX, DESTDIR)
 	install -d $(DESTDIR)$(PREFIX)/include/devpickle $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin

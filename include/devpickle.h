@@ -5,4 +5,6 @@
 #include "devpickle/value.h"
 #include "devpickle/ptrset.h"
 #include "devpickle/pickler.h"
+#include "devpickle/device.h"
+#include "devpickle/allocator.h"
 #endif

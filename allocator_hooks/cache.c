@@ -1,0 +1,681 @@
+/* allocator_hooks/cache.c — the stream-ordered caching allocator.
+ *
+ * Layout. Per device: free blocks of small segments sit in exact-size bins
+ * (multiples of 512 bytes up to 2 MiB, a bitmap finds the next non-empty
+ * bin), free blocks of large segments in one list searched best-fit.
+ * Segments are kept sorted by address for interior-pointer lookups; blocks
+ * are linked in address order within their segment for split and merge.
+ * Allocated blocks are found by pointer through an open-addressing map.
+ *
+ * Streams. A block carries the stream it was allocated on: freed there it is
+ * reusable at once on that stream, because the stream orders the next use
+ * after the last. Blocks merge only with free neighbours of the same stream,
+ * so that the affinity stays true. Streams added with record_stream hold a
+ * freed block pending until one event recorded on each at free time
+ * completes.
+ */
+#include <string.h>
+
+#include "../device/internal.h"
+
+#define ROUND 512u
+#define SMALL_MAX ((size_t)1 << 20)
+#define SMALL_SEGMENT ((size_t)2 << 20)
+#define LARGE_ROUND ((size_t)2 << 20)
+#define NBINS (SMALL_SEGMENT / ROUND)   /* 4096: sizes 512 .. 2 MiB */
+
+enum { B_FREE, B_USED, B_PENDING };
+
+typedef struct segment segment_t;
+
+typedef struct block {
+  char *ptr;
+  size_t size;
+  dp_stream_t *stream;
+  segment_t *seg;
+  struct block *prev, *next;     /* address order in the segment */
+  struct block *fprev, *fnext;   /* free list */
+  struct block *pnext;           /* pending list */
+  int state;
+  dp_stream_t **uses;            /* record_stream streams */
+  uint32_t nuses, uses_cap;
+  dp_event_t **events;           /* pending: one per use stream */
+  uint32_t nevents, events_cap;
+} block_t;
+
+struct segment {
+  char *base;
+  size_t size;
+  int small;
+  block_t *first;
+};
+
+typedef struct devpool {
+  block_t *bins[NBINS];
+  uint64_t bitmap[NBINS / 64];
+  block_t *large;
+  segment_t **segs;              /* sorted by base */
+  size_t nsegs, segs_cap;
+  dp_cache_stats_t st;
+} devpool_t;
+
+struct dp_cache {
+  struct dp_cache *next_live;    /* every allocator, for dp__stream_gone */
+  dp_backend_t *b;
+  pthread_mutex_t mu;
+  devpool_t *pools;
+  int ndev;
+  block_t **map;                 /* allocated blocks by ptr */
+  size_t map_cap, map_count;
+  block_t *pending_head, *pending_tail;
+  block_t *spare;                /* recycled block structs */
+};
+
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static dp_cache_t *live_caches;
+
+/* ---- block structs ---- */
+
+static block_t *block_new(dp_cache_t *c) {
+  block_t *b = c->spare;
+  if (b) c->spare = b->fnext;
+  else if (!(b = dp__alloc(sizeof *b))) return NULL;
+  memset(b, 0, sizeof *b);
+  return b;
+}
+
+static void block_recycle(dp_cache_t *c, block_t *b) {
+  dp__free(b->uses, b->uses_cap * sizeof *b->uses);
+  dp__free(b->events, b->events_cap * sizeof *b->events);
+  b->uses = NULL;
+  b->events = NULL;
+  b->fnext = c->spare;
+  c->spare = b;
+}
+
+/* ---- the pointer map (linear probing, backward-shift deletion) ---- */
+
+static size_t ptr_slot(const void *p, size_t cap) {
+  return (size_t)(((uint64_t)(uintptr_t)p >> 9) * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
+}
+
+static int map_insert(dp_cache_t *c, block_t *b) {
+  if ((c->map_count + 1) * 2 > c->map_cap) {
+    size_t ncap = c->map_cap ? c->map_cap * 2 : 256;
+    block_t **m = dp__alloc_array(ncap, sizeof *m);
+    if (!m) return DP_ENOMEM;
+    memset(m, 0, ncap * sizeof *m);
+    for (size_t i = 0; i < c->map_cap; i++) {
+      if (!c->map[i]) continue;
+      size_t j = ptr_slot(c->map[i]->ptr, ncap);
+      while (m[j]) j = (j + 1) & (ncap - 1);
+      m[j] = c->map[i];
+    }
+    dp__free(c->map, c->map_cap * sizeof *m);
+    c->map = m;
+    c->map_cap = ncap;
+  }
+  size_t j = ptr_slot(b->ptr, c->map_cap);
+  while (c->map[j]) j = (j + 1) & (c->map_cap - 1);
+  c->map[j] = b;
+  c->map_count++;
+  return 0;
+}
+
+static block_t *map_find(dp_cache_t *c, const void *p, size_t *slot) {
+  if (!c->map_cap) return NULL;
+  for (size_t j = ptr_slot(p, c->map_cap); c->map[j]; j = (j + 1) & (c->map_cap - 1))
+    if (c->map[j]->ptr == p) {
+      if (slot) *slot = j;
+      return c->map[j];
+    }
+  return NULL;
+}
+
+static void map_remove_at(dp_cache_t *c, size_t j) {
+  size_t mask = c->map_cap - 1;
+  c->map[j] = NULL;
+  c->map_count--;
+  for (size_t k = (j + 1) & mask; c->map[k]; k = (k + 1) & mask) {
+    size_t home = ptr_slot(c->map[k]->ptr, c->map_cap);
+    /* move k back to j if its home is not within (j, k] */
+    if ((k > j && (home <= j || home > k)) || (k < j && home <= j && home > k)) {
+      c->map[j] = c->map[k];
+      c->map[k] = NULL;
+      j = k;
+    }
+  }
+}
+
+/* ---- free lists ---- */
+
+static size_t bin_of(size_t size) { return size / ROUND - 1; }
+
+static void free_insert(devpool_t *p, block_t *b) {
+  block_t **head = b->seg->small ? &p->bins[bin_of(b->size)] : &p->large;
+  b->fprev = NULL;
+  b->fnext = *head;
+  if (*head) (*head)->fprev = b;
+  *head = b;
+  if (b->seg->small) p->bitmap[bin_of(b->size) / 64] |= 1ull << (bin_of(b->size) % 64);
+}
+
+static void free_remove(devpool_t *p, block_t *b) {
+  block_t **head = b->seg->small ? &p->bins[bin_of(b->size)] : &p->large;
+  if (b->fprev) b->fprev->fnext = b->fnext; else *head = b->fnext;
+  if (b->fnext) b->fnext->fprev = b->fprev;
+  if (b->seg->small && !*head) p->bitmap[bin_of(b->size) / 64] &= ~(1ull << (bin_of(b->size) % 64));
+  b->fprev = b->fnext = NULL;
+}
+
+/* A free block of at least size for stream s (any stream when s is NULL). */
+static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t *s) {
+  if (small) {
+    for (size_t bin = bin_of(size); bin < NBINS;) {
+      uint64_t word = p->bitmap[bin / 64] >> (bin % 64);
+      if (!word) {
+        bin = (bin / 64 + 1) * 64;
+        continue;
+      }
+      bin += (size_t)__builtin_ctzll(word);
+      for (block_t *b = p->bins[bin]; b; b = b->fnext)
+        if (!s || b->stream == s || !b->stream) return b;
+      bin++;
+    }
+    return NULL;
+  }
+  block_t *best = NULL;
+  for (block_t *b = p->large; b; b = b->fnext)
+    if (b->size >= size && (!s || b->stream == s || !b->stream) && (!best || b->size < best->size)) best = b;
+  return best;
+}
+
+/* Returns a block to its free list, merged with free neighbours of its stream. */
+static void free_block(dp_cache_t *c, devpool_t *p, block_t *b) {
+  b->state = B_FREE;
+  block_t *n = b->next;
+  if (n && n->state == B_FREE && n->stream == b->stream) {
+    free_remove(p, n);
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next) n->next->prev = b;
+    block_recycle(c, n);
+  }
+  block_t *q = b->prev;
+  if (q && q->state == B_FREE && q->stream == b->stream) {
+    free_remove(p, q);
+    q->size += b->size;
+    q->next = b->next;
+    if (b->next) b->next->prev = q;
+    block_recycle(c, b);
+    b = q;
+  }
+  free_insert(p, b);
+}
+
+/* ---- segments ---- */
+
+static size_t seg_find(devpool_t *p, const char *ptr) {  /* last seg with base <= ptr, or SIZE_MAX */
+  size_t lo = 0, hi = p->nsegs;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (p->segs[mid]->base <= ptr) lo = mid + 1; else hi = mid;
+  }
+  return lo ? lo - 1 : SIZE_MAX;
+}
+
+static int dev_of(dp_cache_t *c, devpool_t *p) { return (int)(p - c->pools); }
+
+static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small, dp_stream_t *s, block_t **out,
+                         dp_error_t *err) {
+  segment_t *seg = dp__alloc(sizeof *seg);
+  block_t *b = block_new(c);
+  if (!seg || !b ||
+      dp__grow((void **)&p->segs, &p->segs_cap, p->nsegs + 1, sizeof *p->segs) != 0) {
+    dp__free(seg, seg ? sizeof *seg : 0);
+    if (b) block_recycle(c, b);
+    return dp__err(err, DP_ENOMEM, "out of memory tracking a segment");
+  }
+  void *mem;
+  int rc = c->b->ops->malloc(c->b, dev_of(c, p), seg_size, &mem, err);
+  if (rc) {
+    dp__free(seg, sizeof *seg);
+    block_recycle(c, b);
+    return rc;
+  }
+  seg->base = mem;
+  seg->size = seg_size;
+  seg->small = small;
+  seg->first = b;
+  b->ptr = mem;
+  b->size = seg_size;
+  b->stream = s;
+  b->seg = seg;
+  b->state = B_FREE;
+  size_t at = seg_find(p, mem) + 1;
+  memmove(&p->segs[at + 1], &p->segs[at], (p->nsegs - at) * sizeof *p->segs);
+  p->segs[at] = seg;
+  p->nsegs++;
+  p->st.reserved += seg_size;
+  p->st.segment_allocs++;
+  *out = b;
+  return 0;
+}
+
+/* Gives entirely free segments back to the backend. The streams that last
+ * used them are synchronized first: on the host backend the memory would
+ * otherwise be freed under work still queued (cudaFree synchronizes by
+ * itself). */
+static void release_free_segments(dp_cache_t *c, devpool_t *p) {
+  size_t keep = 0;
+  for (size_t i = 0; i < p->nsegs; i++) {
+    segment_t *seg = p->segs[i];
+    block_t *b = seg->first;
+    if (b->state != B_FREE || b->next || b->size != seg->size) {
+      p->segs[keep++] = seg;
+      continue;
+    }
+    if (b->stream) dp_stream_synchronize(b->stream, NULL);
+    free_remove(p, b);
+    block_recycle(c, b);
+    c->b->ops->free(c->b, dev_of(c, p), seg->base);
+    p->st.reserved -= seg->size;
+    p->st.segment_frees++;
+    dp__free(seg, sizeof *seg);
+  }
+  p->nsegs = keep;
+}
+
+/* ---- pending blocks ---- */
+
+static int pending_done(block_t *b) {
+  for (uint32_t i = 0; i < b->nevents; i++)
+    if (dp_event_query(b->events[i]) == 0) return 0;
+  return 1;
+}
+
+static devpool_t *pool_of(dp_cache_t *c, block_t *b);
+
+static void pending_finish(dp_cache_t *c, block_t *b) {
+  devpool_t *p = pool_of(c, b);
+  for (uint32_t i = 0; i < b->nevents; i++) dp_event_release(b->events[i]);
+  b->nevents = 0;
+  p->st.pending_blocks--;
+  p->st.pending_bytes -= b->size;
+  free_block(c, p, b);
+}
+
+/* Reclaims completed pending blocks: all of them, or (hot path) from the
+ * head until the first one still in use. */
+static int poll_pending(dp_cache_t *c, int all) {
+  int n = 0;
+  block_t *prev = NULL, *b = c->pending_head;
+  while (b) {
+    block_t *next = b->pnext;
+    if (pending_done(b)) {
+      if (prev) prev->pnext = next; else c->pending_head = next;
+      if (c->pending_tail == b) c->pending_tail = prev;
+      pending_finish(c, b);
+      n++;
+    } else {
+      if (!all) break;
+      prev = b;
+    }
+    b = next;
+  }
+  return n;
+}
+
+/* ---- public ---- */
+
+/* A stream is being destroyed, its work done: blocks tied to it become
+ * tied to no stream (reusable by any without waiting), and it is dropped
+ * from the recorded uses. */
+static void stream_gone(dp_stream_t *s) {
+  pthread_mutex_lock(&live_mu);
+  for (dp_cache_t *c = live_caches; c; c = c->next_live) {
+    pthread_mutex_lock(&c->mu);
+    for (int d = 0; d < c->ndev; d++)
+      for (size_t i = 0; i < c->pools[d].nsegs; i++)
+        for (block_t *b = c->pools[d].segs[i]->first; b; b = b->next) {
+          if (b->stream == s) b->stream = NULL;
+          for (uint32_t k = 0; k < b->nuses; k++)
+            if (b->uses[k] == s) b->uses[k--] = b->uses[--b->nuses];
+        }
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_mutex_unlock(&live_mu);
+}
+
+int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
+  if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_new: NULL argument");
+  dp_cache_t *c = dp__alloc(sizeof *c);
+  if (!c) return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
+  memset(c, 0, sizeof *c);
+  c->pools = dp__alloc_array((size_t)b->ndev, sizeof(devpool_t));
+  if (!c->pools) {
+    dp__free(c, sizeof *c);
+    return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
+  }
+  memset(c->pools, 0, (size_t)b->ndev * sizeof(devpool_t));
+  c->b = b;
+  c->ndev = b->ndev;
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_mutex_lock(&live_mu);
+  c->next_live = live_caches;
+  live_caches = c;
+  dp__stream_gone = stream_gone;
+  pthread_mutex_unlock(&live_mu);
+  *out = c;
+  return 0;
+}
+
+void dp_cache_destroy(dp_cache_t *c) {
+  if (!c) return;
+  pthread_mutex_lock(&live_mu);
+  for (dp_cache_t **l = &live_caches; *l; l = &(*l)->next_live)
+    if (*l == c) {
+      *l = c->next_live;
+      break;
+    }
+  pthread_mutex_unlock(&live_mu);
+  pthread_mutex_lock(&c->mu);
+  for (block_t *b = c->pending_head; b; b = b->pnext)
+    for (uint32_t i = 0; i < b->nevents; i++) dp_event_synchronize(b->events[i], NULL);
+  poll_pending(c, 1);
+  for (int d = 0; d < c->ndev; d++) {
+    devpool_t *p = &c->pools[d];
+    if (p->nsegs) dp_device_synchronize(c->b, dp_backend_device(c->b, d), NULL);
+    for (size_t i = 0; i < p->nsegs; i++) {
+      segment_t *seg = p->segs[i];
+      for (block_t *b = seg->first, *n; b; b = n) {
+        n = b->next;
+        dp__free(b->uses, b->uses_cap * sizeof *b->uses);
+        dp__free(b->events, b->events_cap * sizeof *b->events);
+        dp__free(b, sizeof *b);
+      }
+      c->b->ops->free(c->b, d, seg->base);
+      dp__free(seg, sizeof *seg);
+    }
+    dp__free(p->segs, p->segs_cap * sizeof *p->segs);
+  }
+  while (c->spare) {
+    block_t *b = c->spare;
+    c->spare = b->fnext;
+    dp__free(b, sizeof *b);
+  }
+  dp__free(c->map, c->map_cap * sizeof *c->map);
+  dp__free(c->pools, (size_t)c->ndev * sizeof(devpool_t));
+  pthread_mutex_unlock(&c->mu);
+  pthread_mutex_destroy(&c->mu);
+  dp__free(c, sizeof *c);
+}
+
+int dp_cache_malloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out, dp_error_t *err) {
+  if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_malloc: NULL argument");
+  int rc = dp__check_device(c->b, dev, err);
+  if (rc) return rc;
+  if (!s) s = dp_current_stream(c->b, dev);
+  if (!s || !dp_device_equal(s->dev, dev))
+    return dp__err(err, DP_EINVAL, "dp_cache_malloc: the stream must be on the device allocated from");
+  if (nbytes > SIZE_MAX - LARGE_ROUND) return dp__err(err, DP_ENOMEM, "allocation of %zu bytes", nbytes);
+  size_t size = nbytes ? (nbytes + ROUND - 1) / ROUND * ROUND : ROUND;
+  int small = size <= SMALL_MAX;
+  devpool_t *p = &c->pools[dev.index];
+
+  pthread_mutex_lock(&c->mu);
+  if (c->pending_head) poll_pending(c, 0);
+  block_t *b = find_free(p, size, small, s);
+  if (b) {
+    p->st.cache_hits++;
+  } else if ((b = find_free(p, size, small, NULL)) != NULL) {
+    /* Another stream's block: order this stream after its earlier work. */
+    dp_event_t *ev;
+    rc = dp_event_acquire(c->b, b->stream->dev, &ev, err);
+    if (rc == 0 && (rc = dp_event_record(ev, b->stream, err)) == 0) rc = dp_stream_wait_event(s, ev, err);
+    if (rc == 0) dp_event_release(ev);
+    if (rc) goto out;
+    p->st.cache_hits++;
+    p->st.cross_stream++;
+  } else {
+    size_t seg_size = small ? SMALL_SEGMENT : (size + LARGE_ROUND - 1) / LARGE_ROUND * LARGE_ROUND;
+    dp_error_t first;
+    rc = segment_alloc(c, p, seg_size, small, s, &b, &first);
+    if (rc == DP_ENOMEM) {  /* free the cache and try once more */
+      p->st.oom_retries++;
+      poll_pending(c, 1);
+      release_free_segments(c, p);
+      rc = segment_alloc(c, p, seg_size, small, s, &b, &first);
+    }
+    if (rc) {
+      if (err) *err = first;
+      if (rc == DP_ENOMEM)
+        dp__err(err, DP_ENOMEM, "out of memory allocating %zu bytes on %s:%d (%zu allocated, %zu reserved, %zu pending): %s",
+                nbytes, c->b->name, dev.index, p->st.allocated, p->st.reserved, p->st.pending_bytes, first.message);
+      goto out;
+    }
+    free_insert(p, b);
+  }
+  free_remove(p, b);
+  dp_stream_t *owner = b->stream;
+  /* Split: keep what is not needed, with the block's old stream. */
+  size_t rest = b->size - size;
+  if (small ? rest >= ROUND : rest > SMALL_MAX) {
+    block_t *r = block_new(c);
+    if (r) {
+      r->ptr = b->ptr + size;
+      r->size = rest;
+      r->seg = b->seg;
+      r->stream = owner;
+      r->prev = b;
+      r->next = b->next;
+      if (b->next) b->next->prev = r;
+      b->next = r;
+      b->size = size;
+      free_block(c, p, r);
+    }
+  }
+  if (map_insert(c, b) != 0) {
+    free_block(c, p, b);
+    rc = dp__err(err, DP_ENOMEM, "out of memory tracking an allocation");
+    goto out;
+  }
+  b->state = B_USED;
+  b->stream = s;
+  b->nuses = 0;
+  p->st.allocated += b->size;
+  if (p->st.allocated > p->st.peak_allocated) p->st.peak_allocated = p->st.allocated;
+  p->st.allocs++;
+  *out = b->ptr;
+out:
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+static devpool_t *pool_of(dp_cache_t *c, block_t *b) {
+  for (int d = 0; d < c->ndev; d++) {
+    size_t at = seg_find(&c->pools[d], b->ptr);
+    if (at != SIZE_MAX && c->pools[d].segs[at] == b->seg) return &c->pools[d];
+  }
+  return NULL;
+}
+
+int dp_cache_free(dp_cache_t *c, void *ptr, dp_error_t *err) {
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_free: NULL allocator");
+  if (!ptr) return 0;
+  pthread_mutex_lock(&c->mu);
+  size_t slot;
+  block_t *b = map_find(c, ptr, &slot);
+  if (!b) {
+    pthread_mutex_unlock(&c->mu);
+    return dp__err(err, DP_EINVAL, "dp_cache_free(%p): not allocated by this allocator, or already freed", ptr);
+  }
+  map_remove_at(c, slot);
+  devpool_t *p = pool_of(c, b);
+  p->st.allocated -= b->size;
+  p->st.frees++;
+  /* One event on each stream that used the block besides its own. */
+  for (uint32_t i = 0; i < b->nuses; i++) {
+    dp_stream_t *u = b->uses[i];
+    dp_event_t *ev = NULL;
+    if (b->nevents == b->events_cap) {
+      size_t cap = b->events_cap;
+      if (dp__grow((void **)&b->events, &cap, b->nevents + 1, sizeof *b->events) == 0) b->events_cap = (uint32_t)cap;
+    }
+    if (b->nevents < b->events_cap && dp_event_acquire(c->b, u->dev, &ev, NULL) == 0 &&
+        dp_event_record(ev, u, NULL) == 0) {
+      b->events[b->nevents++] = ev;
+      continue;
+    }
+    /* No event to be had: wait for the stream instead of risking reuse. */
+    if (ev) dp_event_release(ev);
+    dp_stream_synchronize(u, NULL);
+  }
+  b->nuses = 0;
+  if (b->nevents) {
+    b->state = B_PENDING;
+    b->pnext = NULL;
+    if (c->pending_tail) c->pending_tail->pnext = b; else c->pending_head = b;
+    c->pending_tail = b;
+    p->st.pending_blocks++;
+    p->st.pending_bytes += b->size;
+  } else {
+    free_block(c, p, b);
+  }
+  if (c->pending_head) poll_pending(c, 0);
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+/* The allocated block holding p, exact or interior. */
+static block_t *find_used(dp_cache_t *c, const void *ptr) {
+  block_t *b = map_find(c, ptr, NULL);
+  if (b) return b;
+  for (int d = 0; d < c->ndev; d++) {
+    devpool_t *p = &c->pools[d];
+    size_t at = seg_find(p, ptr);
+    if (at == SIZE_MAX || (const char *)ptr >= p->segs[at]->base + p->segs[at]->size) continue;
+    for (b = p->segs[at]->first; b; b = b->next)
+      if ((const char *)ptr >= b->ptr && (const char *)ptr < b->ptr + b->size) return b;
+  }
+  return NULL;
+}
+
+static int record_locked(dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  block_t *b = find_used(c, ptr);
+  if (!b || b->state != B_USED)
+    return dp__err(err, DP_ENOTFOUND, "record_stream(%p): not an allocation of this allocator", ptr);
+  if (s == b->stream) return 0;
+  for (uint32_t i = 0; i < b->nuses; i++)
+    if (b->uses[i] == s) return 0;
+  if (b->nuses == b->uses_cap) {
+    size_t cap = b->uses_cap;
+    if (dp__grow((void **)&b->uses, &cap, b->nuses + 1, sizeof *b->uses) != 0)
+      return dp__err(err, DP_ENOMEM, "out of memory recording a stream use");
+    b->uses_cap = (uint32_t)cap;
+  }
+  b->uses[b->nuses++] = s;
+  return 0;
+}
+
+int dp_cache_record_stream(dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  if (!c || !s) return dp__err(err, DP_EINVAL, "dp_cache_record_stream: NULL argument");
+  pthread_mutex_lock(&c->mu);
+  int rc = record_locked(c, ptr, s, err);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  return dp_cache_record_stream(ctx, ptr, s, err);
+}
+
+static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
+  dp_cache_t *c = ctx;
+  if (!s) return dp__err(err, DP_EINVAL, "record_streams: NULL stream");
+  int rc = 0;
+  pthread_mutex_lock(&c->mu);
+  for (size_t i = 0; i < n && rc != DP_ENOMEM; i++) {
+    rc = record_locked(c, ptrs[i], s, err);
+    if (rc == DP_ENOTFOUND) rc = 0;
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+dp_allocator_hooks_t dp_cache_hooks(dp_cache_t *c) {
+  dp_allocator_hooks_t h = {c, hook_record_stream, hook_record_streams};
+  return h;
+}
+
+int dp_allocator_record(const dp_allocator_hooks_t *h, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
+  if (!h) return 0;
+  if (h->record_streams) return h->record_streams(h->ctx, ptrs, n, s, err);
+  for (size_t i = 0; i < n; i++) {
+    int rc = h->record_stream(h->ctx, ptrs[i], s, err);
+    if (rc && rc != DP_ENOTFOUND) return rc;
+  }
+  return 0;
+}
+
+int dp_cache_poll(dp_cache_t *c) {
+  pthread_mutex_lock(&c->mu);
+  int n = poll_pending(c, 1);
+  pthread_mutex_unlock(&c->mu);
+  return n;
+}
+
+int dp_cache_empty(dp_cache_t *c, dp_error_t *err) {
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_empty: NULL allocator");
+  pthread_mutex_lock(&c->mu);
+  poll_pending(c, 1);
+  for (int d = 0; d < c->ndev; d++) release_free_segments(c, &c->pools[d]);
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+int dp_cache_lookup(dp_cache_t *c, const void *ptr, void **base, size_t *size) {
+  pthread_mutex_lock(&c->mu);
+  block_t *b = find_used(c, ptr);
+  int rc = b && b->state == B_USED ? 0 : DP_ENOTFOUND;
+  if (rc == 0) {
+    if (base) *base = b->ptr;
+    if (size) *size = b->size;
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+void dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out) {
+  memset(out, 0, sizeof *out);
+  if (!c || dp__check_device(c->b, dev, NULL) != 0) return;
+  pthread_mutex_lock(&c->mu);
+  poll_pending(c, 1);
+  *out = c->pools[dev.index].st;
+  pthread_mutex_unlock(&c->mu);
+}
+
+/* ---- the backends' default allocators ---- */
+
+static pthread_mutex_t defaults_mu = PTHREAD_MUTEX_INITIALIZER;
+static dp_cache_t *defaults[DP_DEVICE_TYPE_COUNT];
+
+static void destroy_defaults(void) {
+  pthread_mutex_lock(&defaults_mu);
+  for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
+    dp_cache_destroy(defaults[t]);
+    defaults[t] = NULL;
+  }
+  pthread_mutex_unlock(&defaults_mu);
+}
+
+int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
+  if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_default: NULL argument");
+  pthread_mutex_lock(&defaults_mu);
+  int rc = 0;
+  if (!defaults[b->type] && (rc = dp_cache_new(b, &defaults[b->type], err)) == 0)
+    dp__cache_shutdown = destroy_defaults;
+  *out = defaults[b->type];
+  pthread_mutex_unlock(&defaults_mu);
+  return rc;
+}

@@ -1,0 +1,329 @@
+/* device/device.c — what every backend shares: the registry, stream and
+ * event handles, pools, the per-thread current stream. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static pthread_mutex_t registry_mu = PTHREAD_MUTEX_INITIALIZER;
+void (*dp__cache_shutdown)(void);
+void (*dp__stream_gone)(dp_stream_t *s);
+static dp_backend_t *registry[DP_DEVICE_TYPE_COUNT];
+
+/* This thread's current streams: a few slots searched linearly, no
+ * allocation (a thread rarely drives more than a handful of devices). */
+typedef struct tls_slot {
+  uint16_t key;  /* type << 8 | index, + 1; 0 free */
+  dp_stream_t *s;
+} tls_slot_t;
+static _Thread_local tls_slot_t tls_current[DP_CURRENT_STREAM_SLOTS];
+
+static uint16_t slot_key(dp_device_t d) { return (uint16_t)(((d.type << 8) | d.index) + 1); }
+static _Atomic(dp_stream_provider_cb) provider_fn;
+static void *_Atomic provider_ud;
+
+static const dp__backend_ops_t *ops_for(dp_device_type_t t) {
+  return t == DP_DEVICE_HOST ? &dp__host_ops : t == DP_DEVICE_CUDA ? &dp__cuda_ops : NULL;
+}
+
+int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_backend_get: NULL out");
+  const dp__backend_ops_t *ops = ops_for(type);
+  if (!ops) return dp__err(err, DP_EINVAL, "no backend for device type %d (cpu has no streams)", (int)type);
+  pthread_mutex_lock(&registry_mu);
+  dp_backend_t *b = registry[type];
+  int rc = 0;
+  if (!b) {
+    b = dp__alloc(sizeof *b);
+    if (!b) {
+      rc = dp__err(err, DP_ENOMEM, "out of memory creating a backend");
+      goto out;
+    }
+    memset(b, 0, sizeof *b);
+    b->type = type;
+    b->name = type == DP_DEVICE_HOST ? "host" : "cuda";
+    b->ops = ops;
+    if ((rc = ops->init(b, err)) != 0) {
+      dp__free(b, sizeof *b);
+      goto out;
+    }
+    b->devs = dp__alloc_array((size_t)b->ndev, sizeof(dp__devstate_t));
+    if (!b->devs) {
+      ops->shutdown(b);
+      dp__free(b, sizeof *b);
+      rc = dp__err(err, DP_ENOMEM, "out of memory creating a backend");
+      goto out;
+    }
+    memset(b->devs, 0, (size_t)b->ndev * sizeof(dp__devstate_t));
+    for (int i = 0; i < b->ndev; i++) pthread_mutex_init(&b->devs[i].mu, NULL);
+    registry[type] = b;
+  }
+out:
+  pthread_mutex_unlock(&registry_mu);
+  if (rc == 0) *out = b;
+  return rc;
+}
+
+int dp_backend_default(dp_backend_t **out, dp_error_t *err) {
+  const char *env = getenv("DEVPICKLE_BACKEND");
+  if (env && *env) {
+    if (strcmp(env, "host") == 0) return dp_backend_get(DP_DEVICE_HOST, out, err);
+    if (strcmp(env, "cuda") == 0) return dp_backend_get(DP_DEVICE_CUDA, out, err);
+    return dp__err(err, DP_EINVAL, "DEVPICKLE_BACKEND=%s: expected host or cuda", env);
+  }
+  if (dp_backend_get(DP_DEVICE_CUDA, out, NULL) == 0) return 0;
+  return dp_backend_get(DP_DEVICE_HOST, out, err);
+}
+
+dp_device_type_t dp_backend_type(const dp_backend_t *b) { return b->type; }
+const char *dp_backend_name(const dp_backend_t *b) { return b->name; }
+int dp_backend_device_count(const dp_backend_t *b) { return b->ndev; }
+
+dp_device_t dp_backend_device(const dp_backend_t *b, int index) {
+  dp_device_t d = {(uint8_t)b->type, (uint8_t)index};
+  return d;
+}
+
+int dp__check_device(const dp_backend_t *b, dp_device_t dev, dp_error_t *err) {
+  if (!b) return dp__err(err, DP_EINVAL, "NULL backend");
+  if (dev.type != b->type || dev.index >= b->ndev) {
+    char buf[16];
+    return dp__err(err, DP_EINVAL, "device %s does not belong to the %s backend (%d devices)",
+                   dp_device_format(dev, buf, sizeof buf), b->name, b->ndev);
+  }
+  return 0;
+}
+
+static void free_stream_handle(dp_stream_t *s) {
+  if (!s) return;
+  s->b->ops->stream_destroy(s->b, s->h);
+  dp__free(s, sizeof *s);
+}
+
+void dp_backend_shutdown(void) {
+  if (dp__cache_shutdown) dp__cache_shutdown();
+  pthread_mutex_lock(&registry_mu);
+  for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
+    dp_backend_t *b = registry[t];
+    if (!b) continue;
+    for (int d = 0; d < b->ndev; d++) {
+      dp__devstate_t *ds = &b->devs[d];
+      while (ds->free_events) {
+        dp_event_t *e = ds->free_events;
+        ds->free_events = e->next_free;
+        b->ops->event_destroy(b, e->h);
+        dp__free(e, sizeof *e);
+      }
+      for (int i = 0; i < DP_POOL_STREAMS; i++) free_stream_handle(ds->pool[i]);
+      free_stream_handle(ds->default_stream);
+      pthread_mutex_destroy(&ds->mu);
+    }
+    b->ops->shutdown(b);
+    dp__free(b->devs, (size_t)b->ndev * sizeof(dp__devstate_t));
+    dp__free(b, sizeof *b);
+    registry[t] = NULL;
+  }
+  pthread_mutex_unlock(&registry_mu);
+  memset(tls_current, 0, sizeof tls_current);
+}
+
+/* ---- streams ---- */
+
+static int stream_new(dp_backend_t *b, dp_device_t dev, int owned, dp_stream_t **out, dp_error_t *err) {
+  dp_stream_t *s = dp__alloc(sizeof *s);
+  if (!s) return dp__err(err, DP_ENOMEM, "out of memory creating a stream");
+  int rc = b->ops->stream_create(b, dev.index, &s->h, err);
+  if (rc) {
+    dp__free(s, sizeof *s);
+    return rc;
+  }
+  s->b = b;
+  s->dev = dev;
+  s->owned = owned;
+  *out = s;
+  return 0;
+}
+
+int dp_stream_create(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
+  int rc = dp__check_device(b, dev, err);
+  if (rc) return rc;
+  if (!out) return dp__err(err, DP_EINVAL, "dp_stream_create: NULL out");
+  return stream_new(b, dev, 0, out, err);
+}
+
+void dp_stream_destroy(dp_stream_t *s) {
+  if (!s || s->owned) return;
+  dp_stream_synchronize(s, NULL);
+  if (dp__stream_gone) dp__stream_gone(s);
+  free_stream_handle(s);
+}
+
+dp_stream_t *dp_stream_default(dp_backend_t *b, dp_device_t dev) {
+  if (dp__check_device(b, dev, NULL) != 0) return NULL;
+  dp__devstate_t *ds = &b->devs[dev.index];
+  dp_stream_t *s = __atomic_load_n(&ds->default_stream, __ATOMIC_ACQUIRE);
+  if (s) return s;
+  pthread_mutex_lock(&ds->mu);
+  if (!ds->default_stream && stream_new(b, dev, 1, &s, NULL) == 0)
+    __atomic_store_n(&ds->default_stream, s, __ATOMIC_RELEASE);
+  s = ds->default_stream;
+  pthread_mutex_unlock(&ds->mu);
+  return s;
+}
+
+dp_stream_t *dp_stream_pool_next(dp_backend_t *b, dp_device_t dev) {
+  if (dp__check_device(b, dev, NULL) != 0) return NULL;
+  dp__devstate_t *ds = &b->devs[dev.index];
+  unsigned i = atomic_fetch_add_explicit(&ds->pool_next, 1, memory_order_relaxed) % DP_POOL_STREAMS;
+  dp_stream_t *s = __atomic_load_n(&ds->pool[i], __ATOMIC_ACQUIRE);
+  if (s) return s;
+  pthread_mutex_lock(&ds->mu);
+  if (!ds->pool[i] && stream_new(b, dev, 1, &s, NULL) == 0) __atomic_store_n(&ds->pool[i], s, __ATOMIC_RELEASE);
+  s = ds->pool[i];
+  pthread_mutex_unlock(&ds->mu);
+  return s;
+}
+
+dp_backend_t *dp_stream_backend(const dp_stream_t *s) { return s->b; }
+dp_device_t dp_stream_device(const dp_stream_t *s) { return s->dev; }
+void *dp_stream_native(const dp_stream_t *s) { return s->b->ops->stream_native(s->h); }
+
+int dp_stream_synchronize(dp_stream_t *s, dp_error_t *err) {
+  if (!s) return dp__err(err, DP_EINVAL, "dp_stream_synchronize: NULL stream");
+  return s->b->ops->stream_sync(s->b, s->h, err);
+}
+
+int dp_stream_query(dp_stream_t *s) { return s ? s->b->ops->stream_query(s->b, s->h) : DP_EINVAL; }
+
+int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err) {
+  if (!s || !e) return dp__err(err, DP_EINVAL, "dp_stream_wait_event: NULL argument");
+  if (s->b != e->b) return dp__err(err, DP_EINVAL, "stream and event belong to different backends");
+  return s->b->ops->stream_wait(s->b, s->h, e->h, err);
+}
+
+int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *err) {
+  int rc = dp__check_device(b, dev, err);
+  return rc ? rc : b->ops->device_sync(b, dev.index, err);
+}
+
+/* ---- current stream ---- */
+
+dp_stream_t *dp_current_stream(dp_backend_t *b, dp_device_t dev) {
+  if (dp__check_device(b, dev, NULL) != 0) return NULL;
+  uint16_t key = slot_key(dev);
+  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
+    if (tls_current[i].key == key) return tls_current[i].s;
+  dp_stream_provider_cb fn = atomic_load(&provider_fn);
+  if (fn) {
+    dp_stream_t *s = fn(atomic_load(&provider_ud), b, dev);
+    if (s) return s;
+  }
+  return dp_stream_default(b, dev);
+}
+
+int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev) {
+  if (prev) *prev = NULL;
+  if (!s) return DP_EINVAL;
+  uint16_t key = slot_key(s->dev);
+  int free_slot = -1;
+  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++) {
+    if (tls_current[i].key == key) {
+      if (prev) *prev = tls_current[i].s;
+      tls_current[i].s = s;
+      return 0;
+    }
+    if (!tls_current[i].key && free_slot < 0) free_slot = i;
+  }
+  if (free_slot < 0) return DP_ELIMIT;
+  tls_current[free_slot].key = key;
+  tls_current[free_slot].s = s;
+  return 0;
+}
+
+void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev) {
+  (void)b;
+  uint16_t key = slot_key(dev);
+  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
+    if (tls_current[i].key == key) tls_current[i] = (tls_slot_t){0, NULL};
+}
+
+void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud) {
+  atomic_store(&provider_ud, ud);
+  atomic_store(&provider_fn, fn);
+}
+
+/* ---- events ---- */
+
+int dp_event_acquire(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t *err) {
+  int rc = dp__check_device(b, dev, err);
+  if (rc) return rc;
+  dp__devstate_t *ds = &b->devs[dev.index];
+  pthread_mutex_lock(&ds->mu);
+  dp_event_t *e = ds->free_events;
+  if (e) ds->free_events = e->next_free;
+  pthread_mutex_unlock(&ds->mu);
+  if (!e) {
+    e = dp__alloc(sizeof *e);
+    if (!e) return dp__err(err, DP_ENOMEM, "out of memory creating an event");
+    if ((rc = b->ops->event_create(b, dev.index, &e->h, err)) != 0) {
+      dp__free(e, sizeof *e);
+      return rc;
+    }
+    e->b = b;
+    e->dev = dev;
+  }
+  e->next_free = NULL;
+  *out = e;
+  return 0;
+}
+
+void dp_event_release(dp_event_t *e) {
+  if (!e) return;
+  if (e->b->ops->event_reset) e->b->ops->event_reset(e->b, e->h);
+  dp__devstate_t *ds = &e->b->devs[e->dev.index];
+  pthread_mutex_lock(&ds->mu);
+  e->next_free = ds->free_events;
+  ds->free_events = e;
+  pthread_mutex_unlock(&ds->mu);
+}
+
+int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err) {
+  if (!e || !s) return dp__err(err, DP_EINVAL, "dp_event_record: NULL argument");
+  if (s->b != e->b || !dp_device_equal(s->dev, e->dev))
+    return dp__err(err, DP_EINVAL, "an event is recorded on a stream of its own device");
+  return e->b->ops->event_record(e->b, e->h, s->h, err);
+}
+
+int dp_event_query(dp_event_t *e) { return e ? e->b->ops->event_query(e->b, e->h) : DP_EINVAL; }
+
+int dp_event_synchronize(dp_event_t *e, dp_error_t *err) {
+  if (!e) return dp__err(err, DP_EINVAL, "dp_event_synchronize: NULL event");
+  return e->b->ops->event_sync(e->b, e->h, err);
+}
+
+dp_device_t dp_event_device(const dp_event_t *e) { return e->dev; }
+
+/* ---- memory ---- */
+
+int dp_device_malloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err) {
+  int rc = dp__check_device(b, dev, err);
+  if (rc) return rc;
+  if (!out) return dp__err(err, DP_EINVAL, "dp_device_malloc: NULL out");
+  return b->ops->malloc(b, dev.index, nbytes, out, err);
+}
+
+void dp_device_free(dp_backend_t *b, dp_device_t dev, void *p) {
+  if (p && dp__check_device(b, dev, NULL) == 0) b->ops->free(b, dev.index, p);
+}
+
+int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out) {
+  int dev;
+  if (!b || b->ops->pointer_device(b, p, &dev) != 0) return DP_ENOTFOUND;
+  if (out) *out = dp_backend_device(b, dev);
+  return 0;
+}
+
+int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_error_t *err) {
+  if (!s || (n && (!dst || !src))) return dp__err(err, DP_EINVAL, "dp_memcpy_async: NULL argument");
+  return s->b->ops->memcpy_async(s->b, s->h, dst, src, n, err);
+}

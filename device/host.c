@@ -1,0 +1,500 @@
+/* device/host.c — the host backend: streams executed by worker threads.
+ *
+ * Each stream has one worker thread that runs its queue in order. A stream's
+ * progress is a counter of completed tasks; an event is a (progress, target)
+ * pair captured at record time and is complete when the counter reaches the
+ * target. Waiting on an event from another stream queues a task that blocks
+ * that stream's worker until the counter gets there — the host thread that
+ * queued it never blocks. The progress record is reference counted, so an
+ * event or a queued wait outlives the stream it refers to safely.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define HOST_MAX_DEVICES 64
+#define HOST_ALIGN 256   /* as cudaMalloc's alignment */
+
+typedef struct progress {
+  _Atomic uint32_t refs;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;            /* broadcast after every completed task */
+  _Atomic uint64_t completed;
+} progress_t;
+
+enum { T_FN, T_WAIT, T_COPY };
+
+typedef struct task {
+  int kind;
+  dp_host_fn fn;
+  void *arg;
+  progress_t *wait_on;   /* T_WAIT: a reference */
+  uint64_t wait_for;
+  void *dst;
+  const void *src;
+  size_t n;
+} task_t;
+
+typedef struct hstream {
+  pthread_mutex_t mu;
+  pthread_cond_t work_cv;
+  task_t *ring;
+  size_t cap, head, count;
+  uint64_t enqueued;       /* under mu */
+  int stop;
+  int dev;
+  progress_t *prog;
+  pthread_t thread;
+  struct hstream *next, *prev;  /* the device's streams */
+} hstream_t;
+
+typedef struct hevent {
+  pthread_mutex_t mu;
+  progress_t *prog;        /* NULL: never recorded */
+  uint64_t target;
+  int dev;
+} hevent_t;
+
+typedef struct alloc_rec {
+  uintptr_t base;          /* aligned address handed out */
+  size_t size;
+  void *raw;               /* what the hook returned */
+  size_t raw_size;
+  int dev;
+} alloc_rec_t;
+
+typedef struct host_impl {
+  pthread_mutex_t mu;      /* streams lists, allocation registry */
+  hstream_t *streams[HOST_MAX_DEVICES];
+  alloc_rec_t *recs;       /* sorted by base */
+  size_t nrecs, recs_cap;
+  size_t used[HOST_MAX_DEVICES];
+  size_t limit[HOST_MAX_DEVICES];
+} host_impl_t;
+
+/* Limits set before the backend exists are kept here. */
+static size_t pending_limit[HOST_MAX_DEVICES];
+static pthread_mutex_t limit_mu = PTHREAD_MUTEX_INITIALIZER;
+static host_impl_t *live_impl;
+
+/* ---- progress ---- */
+
+static progress_t *progress_new(void) {
+  progress_t *p = dp__alloc(sizeof *p);
+  if (!p) return NULL;
+  atomic_init(&p->refs, 1);
+  atomic_init(&p->completed, 0);
+  pthread_mutex_init(&p->mu, NULL);
+  pthread_cond_init(&p->cv, NULL);
+  return p;
+}
+
+static progress_t *progress_retain(progress_t *p) {
+  atomic_fetch_add(&p->refs, 1);
+  return p;
+}
+
+static void progress_release(progress_t *p) {
+  if (!p || atomic_fetch_sub(&p->refs, 1) != 1) return;
+  pthread_mutex_destroy(&p->mu);
+  pthread_cond_destroy(&p->cv);
+  dp__free(p, sizeof *p);
+}
+
+static void progress_wait(progress_t *p, uint64_t target) {
+  if (atomic_load_explicit(&p->completed, memory_order_acquire) >= target) return;
+  pthread_mutex_lock(&p->mu);
+  while (atomic_load_explicit(&p->completed, memory_order_acquire) < target) pthread_cond_wait(&p->cv, &p->mu);
+  pthread_mutex_unlock(&p->mu);
+}
+
+/* ---- streams ---- */
+
+static void *worker(void *arg) {
+  hstream_t *s = arg;
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    while (s->count == 0 && !s->stop) pthread_cond_wait(&s->work_cv, &s->mu);
+    if (s->count == 0 && s->stop) break;
+    task_t t = s->ring[s->head];
+    s->head = (s->head + 1) % s->cap;
+    s->count--;
+    pthread_mutex_unlock(&s->mu);
+    switch (t.kind) {
+      case T_FN:
+        t.fn(t.arg);
+        break;
+      case T_WAIT:
+        progress_wait(t.wait_on, t.wait_for);
+        progress_release(t.wait_on);
+        break;
+      case T_COPY:
+        memmove(t.dst, t.src, t.n);
+        break;
+    }
+    pthread_mutex_lock(&s->prog->mu);
+    atomic_fetch_add_explicit(&s->prog->completed, 1, memory_order_release);
+    pthread_cond_broadcast(&s->prog->cv);
+    pthread_mutex_unlock(&s->prog->mu);
+    pthread_mutex_lock(&s->mu);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+static int enqueue(hstream_t *s, const task_t *t, dp_error_t *err) {
+  pthread_mutex_lock(&s->mu);
+  if (s->count == s->cap) {
+    size_t ncap = s->cap ? s->cap * 2 : 64;
+    task_t *r = dp__alloc_array(ncap, sizeof *r);
+    if (!r) {
+      pthread_mutex_unlock(&s->mu);
+      return dp__err(err, DP_ENOMEM, "out of memory queueing host work");
+    }
+    for (size_t i = 0; i < s->count; i++) r[i] = s->ring[(s->head + i) % s->cap];
+    dp__free(s->ring, s->cap * sizeof *r);
+    s->ring = r;
+    s->cap = ncap;
+    s->head = 0;
+  }
+  s->ring[(s->head + s->count) % s->cap] = *t;
+  s->count++;
+  s->enqueued++;
+  pthread_cond_signal(&s->work_cv);
+  pthread_mutex_unlock(&s->mu);
+  return 0;
+}
+
+static int h_stream_create(dp_backend_t *b, int dev, void **h, dp_error_t *err) {
+  host_impl_t *im = b->impl;
+  hstream_t *s = dp__alloc(sizeof *s);
+  if (!s) return dp__err(err, DP_ENOMEM, "out of memory creating a host stream");
+  memset(s, 0, sizeof *s);
+  s->dev = dev;
+  if (!(s->prog = progress_new())) {
+    dp__free(s, sizeof *s);
+    return dp__err(err, DP_ENOMEM, "out of memory creating a host stream");
+  }
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_cond_init(&s->work_cv, NULL);
+  if (pthread_create(&s->thread, NULL, worker, s) != 0) {
+    progress_release(s->prog);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->work_cv);
+    dp__free(s, sizeof *s);
+    return dp__err(err, DP_ENOMEM, "cannot start a host stream thread");
+  }
+  pthread_mutex_lock(&im->mu);
+  s->next = im->streams[dev];
+  if (s->next) s->next->prev = s;
+  im->streams[dev] = s;
+  pthread_mutex_unlock(&im->mu);
+  *h = s;
+  return 0;
+}
+
+static void h_stream_destroy(dp_backend_t *b, void *h) {
+  host_impl_t *im = b->impl;
+  hstream_t *s = h;
+  pthread_mutex_lock(&s->mu);
+  s->stop = 1;  /* the worker drains the queue first */
+  pthread_cond_signal(&s->work_cv);
+  pthread_mutex_unlock(&s->mu);
+  pthread_join(s->thread, NULL);
+  pthread_mutex_lock(&im->mu);
+  if (s->prev) s->prev->next = s->next; else im->streams[s->dev] = s->next;
+  if (s->next) s->next->prev = s->prev;
+  pthread_mutex_unlock(&im->mu);
+  progress_release(s->prog);
+  dp__free(s->ring, s->cap * sizeof(task_t));
+  pthread_mutex_destroy(&s->mu);
+  pthread_cond_destroy(&s->work_cv);
+  dp__free(s, sizeof *s);
+}
+
+static void *h_stream_native(void *h) {
+  (void)h;
+  return NULL;
+}
+
+static uint64_t enqueued_now(hstream_t *s) {
+  pthread_mutex_lock(&s->mu);
+  uint64_t n = s->enqueued;
+  pthread_mutex_unlock(&s->mu);
+  return n;
+}
+
+static int h_stream_sync(dp_backend_t *b, void *h, dp_error_t *err) {
+  (void)b;
+  (void)err;
+  hstream_t *s = h;
+  progress_wait(s->prog, enqueued_now(s));
+  return 0;
+}
+
+static int h_stream_query(dp_backend_t *b, void *h) {
+  (void)b;
+  hstream_t *s = h;
+  return atomic_load(&s->prog->completed) >= enqueued_now(s);
+}
+
+static int h_stream_wait(dp_backend_t *b, void *sh, void *eh, dp_error_t *err) {
+  (void)b;
+  hevent_t *e = eh;
+  task_t t = {T_WAIT, NULL, NULL, NULL, 0, NULL, NULL, 0};
+  pthread_mutex_lock(&e->mu);
+  if (e->prog) {
+    t.wait_on = progress_retain(e->prog);
+    t.wait_for = e->target;
+  }
+  pthread_mutex_unlock(&e->mu);
+  if (!t.wait_on) return 0;  /* never recorded: nothing to wait for */
+  if (atomic_load(&t.wait_on->completed) >= t.wait_for) {  /* already complete */
+    progress_release(t.wait_on);
+    return 0;
+  }
+  int rc = enqueue(sh, &t, err);
+  if (rc) progress_release(t.wait_on);
+  return rc;
+}
+
+static int h_device_sync(dp_backend_t *b, int dev, dp_error_t *err) {
+  host_impl_t *im = b->impl;
+  /* Capture every stream's target under the lock, wait outside it. */
+  pthread_mutex_lock(&im->mu);
+  size_t n = 0;
+  for (hstream_t *s = im->streams[dev]; s; s = s->next) n++;
+  progress_t **p = dp__alloc_array(n ? n : 1, sizeof *p);
+  uint64_t *target = dp__alloc_array(n ? n : 1, sizeof *target);
+  if (!p || !target) {
+    pthread_mutex_unlock(&im->mu);
+    dp__free(p, p ? (n ? n : 1) * sizeof *p : 0);
+    dp__free(target, target ? (n ? n : 1) * sizeof *target : 0);
+    return dp__err(err, DP_ENOMEM, "out of memory synchronizing a device");
+  }
+  size_t i = 0;
+  for (hstream_t *s = im->streams[dev]; s; s = s->next, i++) {
+    p[i] = progress_retain(s->prog);
+    target[i] = enqueued_now(s);
+  }
+  pthread_mutex_unlock(&im->mu);
+  for (i = 0; i < n; i++) {
+    progress_wait(p[i], target[i]);
+    progress_release(p[i]);
+  }
+  dp__free(p, (n ? n : 1) * sizeof *p);
+  dp__free(target, (n ? n : 1) * sizeof *target);
+  return 0;
+}
+
+/* ---- events ---- */
+
+static int h_event_create(dp_backend_t *b, int dev, void **h, dp_error_t *err) {
+  (void)b;
+  hevent_t *e = dp__alloc(sizeof *e);
+  if (!e) return dp__err(err, DP_ENOMEM, "out of memory creating a host event");
+  pthread_mutex_init(&e->mu, NULL);
+  e->prog = NULL;
+  e->target = 0;
+  e->dev = dev;
+  *h = e;
+  return 0;
+}
+
+static void h_event_reset(dp_backend_t *b, void *h) {
+  (void)b;
+  hevent_t *e = h;
+  pthread_mutex_lock(&e->mu);
+  progress_t *old = e->prog;
+  e->prog = NULL;
+  pthread_mutex_unlock(&e->mu);
+  progress_release(old);
+}
+
+static void h_event_destroy(dp_backend_t *b, void *h) {
+  hevent_t *e = h;
+  h_event_reset(b, h);
+  pthread_mutex_destroy(&e->mu);
+  dp__free(e, sizeof *e);
+}
+
+static int h_event_record(dp_backend_t *b, void *eh, void *sh, dp_error_t *err) {
+  (void)b;
+  (void)err;
+  hevent_t *e = eh;
+  hstream_t *s = sh;
+  uint64_t target = enqueued_now(s);
+  progress_t *p = progress_retain(s->prog);
+  pthread_mutex_lock(&e->mu);
+  progress_t *old = e->prog;
+  e->prog = p;
+  e->target = target;
+  pthread_mutex_unlock(&e->mu);
+  progress_release(old);
+  return 0;
+}
+
+static int h_event_query(dp_backend_t *b, void *eh) {
+  (void)b;
+  hevent_t *e = eh;
+  pthread_mutex_lock(&e->mu);
+  int done = !e->prog || atomic_load_explicit(&e->prog->completed, memory_order_acquire) >= e->target;
+  pthread_mutex_unlock(&e->mu);
+  return done;
+}
+
+static int h_event_sync(dp_backend_t *b, void *eh, dp_error_t *err) {
+  (void)b;
+  (void)err;
+  hevent_t *e = eh;
+  pthread_mutex_lock(&e->mu);
+  progress_t *p = e->prog ? progress_retain(e->prog) : NULL;
+  uint64_t target = e->target;
+  pthread_mutex_unlock(&e->mu);
+  if (!p) return 0;
+  progress_wait(p, target);
+  progress_release(p);
+  return 0;
+}
+
+/* ---- memory: tagged by device, found again by any interior pointer ---- */
+
+static size_t rec_find(host_impl_t *im, uintptr_t p) {  /* last rec with base <= p, or SIZE_MAX */
+  size_t lo = 0, hi = im->nrecs;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (im->recs[mid].base <= p) lo = mid + 1; else hi = mid;
+  }
+  return lo ? lo - 1 : SIZE_MAX;
+}
+
+static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *err) {
+  host_impl_t *im = b->impl;
+  if (n == 0) n = 1;
+  if (n > SIZE_MAX - HOST_ALIGN) return dp__err(err, DP_ENOMEM, "host device allocation of %zu bytes", n);
+  pthread_mutex_lock(&im->mu);
+  if (im->limit[dev] && im->used[dev] + n > im->limit[dev]) {
+    size_t used = im->used[dev], limit = im->limit[dev];
+    pthread_mutex_unlock(&im->mu);
+    return dp__err(err, DP_ENOMEM, "host:%d is out of memory: %zu bytes asked, %zu of %zu in use", dev, n, used, limit);
+  }
+  if (dp__grow((void **)&im->recs, &im->recs_cap, im->nrecs + 1, sizeof(alloc_rec_t)) != 0) {
+    pthread_mutex_unlock(&im->mu);
+    return dp__err(err, DP_ENOMEM, "out of memory tracking host allocations");
+  }
+  void *raw = dp__alloc(n + HOST_ALIGN);
+  if (!raw) {
+    pthread_mutex_unlock(&im->mu);
+    return dp__err(err, DP_ENOMEM, "out of memory allocating %zu bytes on host:%d", n, dev);
+  }
+  uintptr_t base = ((uintptr_t)raw + HOST_ALIGN - 1) & ~(uintptr_t)(HOST_ALIGN - 1);
+  size_t at = rec_find(im, base) + 1;  /* SIZE_MAX + 1 == 0 */
+  memmove(&im->recs[at + 1], &im->recs[at], (im->nrecs - at) * sizeof(alloc_rec_t));
+  im->recs[at] = (alloc_rec_t){base, n, raw, n + HOST_ALIGN, dev};
+  im->nrecs++;
+  im->used[dev] += n;
+  pthread_mutex_unlock(&im->mu);
+  *out = (void *)base;
+  return 0;
+}
+
+static void h_free(dp_backend_t *b, int dev, void *p) {
+  host_impl_t *im = b->impl;
+  (void)dev;
+  pthread_mutex_lock(&im->mu);
+  size_t at = rec_find(im, (uintptr_t)p);
+  if (at != SIZE_MAX && im->recs[at].base == (uintptr_t)p) {
+    alloc_rec_t r = im->recs[at];
+    memmove(&im->recs[at], &im->recs[at + 1], (im->nrecs - at - 1) * sizeof(alloc_rec_t));
+    im->nrecs--;
+    im->used[r.dev] -= r.size;
+    dp__free(r.raw, r.raw_size);
+  }
+  pthread_mutex_unlock(&im->mu);
+}
+
+static int h_pointer_device(dp_backend_t *b, const void *p, int *dev) {
+  host_impl_t *im = b->impl;
+  int rc = DP_ENOTFOUND;
+  pthread_mutex_lock(&im->mu);
+  size_t at = rec_find(im, (uintptr_t)p);
+  if (at != SIZE_MAX && (uintptr_t)p < im->recs[at].base + im->recs[at].size) {
+    *dev = im->recs[at].dev;
+    rc = 0;
+  }
+  pthread_mutex_unlock(&im->mu);
+  return rc;
+}
+
+static int h_memcpy_async(dp_backend_t *b, void *sh, void *dst, const void *src, size_t n, dp_error_t *err) {
+  (void)b;
+  task_t t = {T_COPY, NULL, NULL, NULL, 0, dst, src, n};
+  return enqueue(sh, &t, err);
+}
+
+int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err) {
+  if (!s || !fn) return dp__err(err, DP_EINVAL, "dp_host_launch: NULL argument");
+  if (s->b->type != DP_DEVICE_HOST) return dp__err(err, DP_EINVAL, "dp_host_launch needs a host stream, got %s", s->b->name);
+  task_t t = {T_FN, fn, arg, NULL, 0, NULL, NULL, 0};
+  return enqueue(s->h, &t, err);
+}
+
+int dp_host_set_memory_limit(dp_device_t dev, size_t nbytes) {
+  if (dev.type != DP_DEVICE_HOST || dev.index >= HOST_MAX_DEVICES) return DP_EINVAL;
+  pthread_mutex_lock(&limit_mu);
+  pending_limit[dev.index] = nbytes;
+  if (live_impl) {
+    pthread_mutex_lock(&live_impl->mu);
+    live_impl->limit[dev.index] = nbytes;
+    pthread_mutex_unlock(&live_impl->mu);
+  }
+  pthread_mutex_unlock(&limit_mu);
+  return 0;
+}
+
+/* ---- lifecycle ---- */
+
+static int h_init(dp_backend_t *b, dp_error_t *err) {
+  int n = 2;
+  const char *env = getenv("DEVPICKLE_HOST_DEVICES");
+  if (env && *env) {
+    char *end;
+    long v = strtol(env, &end, 10);
+    if (*end || v < 1 || v > HOST_MAX_DEVICES)
+      return dp__err(err, DP_EINVAL, "DEVPICKLE_HOST_DEVICES=%s: expected 1..%d", env, HOST_MAX_DEVICES);
+    n = (int)v;
+  }
+  host_impl_t *im = dp__alloc(sizeof *im);
+  if (!im) return dp__err(err, DP_ENOMEM, "out of memory starting the host backend");
+  memset(im, 0, sizeof *im);
+  pthread_mutex_init(&im->mu, NULL);
+  pthread_mutex_lock(&limit_mu);
+  memcpy(im->limit, pending_limit, sizeof im->limit);
+  live_impl = im;
+  pthread_mutex_unlock(&limit_mu);
+  b->impl = im;
+  b->ndev = n;
+  return 0;
+}
+
+static void h_shutdown(dp_backend_t *b) {
+  host_impl_t *im = b->impl;
+  /* Streams the caller still holds are stopped and freed too. */
+  for (int d = 0; d < HOST_MAX_DEVICES; d++)
+    while (im->streams[d]) h_stream_destroy(b, im->streams[d]);
+  for (size_t i = 0; i < im->nrecs; i++) dp__free(im->recs[i].raw, im->recs[i].raw_size);
+  dp__free(im->recs, im->recs_cap * sizeof(alloc_rec_t));
+  pthread_mutex_lock(&limit_mu);
+  live_impl = NULL;
+  pthread_mutex_unlock(&limit_mu);
+  pthread_mutex_destroy(&im->mu);
+  dp__free(im, sizeof *im);
+}
+
+const dp__backend_ops_t dp__host_ops = {
+    h_init,        h_shutdown,     h_stream_create, h_stream_destroy, h_stream_native,
+    h_stream_sync, h_stream_query, h_stream_wait,   h_event_create,   h_event_destroy,
+    h_event_reset, h_event_record, h_event_query,   h_event_sync,     h_device_sync,
+    h_malloc,      h_free,         h_pointer_device, h_memcpy_async,
+};

@@ -1,0 +1,82 @@
+/* device/internal.h — the backend ops table and the structs behind the
+ * handles of device.h. */
+#ifndef DP_DEVICE_INTERNAL_H
+#define DP_DEVICE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "devpickle.h"
+#include "../pickler/internal.h"
+
+/* A backend is this table. Handles are the backend's own (a cudaStream_t,
+ * a host stream); device.c wraps them in dp_stream_t / dp_event_t. */
+typedef struct dp__backend_ops {
+  int (*init)(dp_backend_t *b, dp_error_t *err);          /* sets b->ndev, b->impl */
+  void (*shutdown)(dp_backend_t *b);
+  int (*stream_create)(dp_backend_t *b, int dev, void **h, dp_error_t *err);
+  void (*stream_destroy)(dp_backend_t *b, void *h);        /* after its work completes */
+  void *(*stream_native)(void *h);
+  int (*stream_sync)(dp_backend_t *b, void *h, dp_error_t *err);
+  int (*stream_query)(dp_backend_t *b, void *h);
+  int (*stream_wait)(dp_backend_t *b, void *sh, void *eh, dp_error_t *err);
+  int (*event_create)(dp_backend_t *b, int dev, void **h, dp_error_t *err);
+  void (*event_destroy)(dp_backend_t *b, void *h);
+  void (*event_reset)(dp_backend_t *b, void *h);           /* back to never-recorded; may be NULL */
+  int (*event_record)(dp_backend_t *b, void *eh, void *sh, dp_error_t *err);
+  int (*event_query)(dp_backend_t *b, void *eh);
+  int (*event_sync)(dp_backend_t *b, void *eh, dp_error_t *err);
+  int (*device_sync)(dp_backend_t *b, int dev, dp_error_t *err);
+  int (*malloc)(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *err);
+  void (*free)(dp_backend_t *b, int dev, void *p);
+  int (*pointer_device)(dp_backend_t *b, const void *p, int *dev);
+  int (*memcpy_async)(dp_backend_t *b, void *sh, void *dst, const void *src, size_t n, dp_error_t *err);
+} dp__backend_ops_t;
+
+struct dp_stream {
+  dp_backend_t *b;
+  dp_device_t dev;
+  void *h;
+  int owned;              /* by the backend: default and pool streams */
+};
+
+struct dp_event {
+  dp_backend_t *b;
+  dp_device_t dev;
+  void *h;
+  dp_event_t *next_free;  /* the pool's free list */
+};
+
+#define DP_POOL_STREAMS 4
+
+typedef struct dp__devstate {
+  pthread_mutex_t mu;     /* guards lazy creation and the event pool */
+  dp_stream_t *default_stream;
+  dp_stream_t *pool[DP_POOL_STREAMS];
+  _Atomic unsigned pool_next;
+  dp_event_t *free_events;
+  size_t nevents;         /* created, for shutdown accounting */
+} dp__devstate_t;
+
+struct dp_backend {
+  dp_device_type_t type;
+  const char *name;
+  const dp__backend_ops_t *ops;
+  int ndev;
+  dp__devstate_t *devs;
+  void *impl;
+};
+
+extern const dp__backend_ops_t dp__host_ops;
+extern const dp__backend_ops_t dp__cuda_ops;
+
+/* Set by the allocator module when it creates the backends' default
+ * allocators; dp_backend_shutdown calls it before stopping the backends. */
+extern void (*dp__cache_shutdown)(void);
+/* Set by the allocator module: tells every allocator that a stream is going
+ * away (its work has completed), so that no block keeps pointing at it. */
+extern void (*dp__stream_gone)(dp_stream_t *s);
+
+/* Checks that dev belongs to b; fills err. */
+int dp__check_device(const dp_backend_t *b, dp_device_t dev, dp_error_t *err);
+#endif

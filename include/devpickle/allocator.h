@@ -1,0 +1,108 @@
+/*
+ * devpickle/allocator.h — allocator hooks and the built-in caching allocator.
+ *
+ * A stream-aware consumer (the future) must tell the allocator on which
+ * streams an allocation is used, so that freeing it does not hand the
+ * memory to someone else while those streams still read it. The hooks are
+ * that channel; the built-in caching allocator implements them.
+ *
+ * The caching allocator (one per backend by default, or your own):
+ *   - per-device pools of blocks carved from segments obtained from the
+ *     backend: requests up to 1 MiB come from 2 MiB segments, larger ones get
+ *     a segment of their size rounded up to 2 MiB; sizes round up to 512
+ *     bytes; blocks split on allocation and merge with free neighbours on
+ *     free;
+ *   - stream-ordered reuse: a block remembers the stream it was allocated on
+ *     and a block freed there is reusable at once by allocations on that
+ *     stream. An allocation on another stream takes it only by making its
+ *     stream wait (device side) for an event recorded on the block's stream,
+ *     so that the block's earlier work completes first;
+ *   - record_stream adds a stream that uses the block. Freeing such a block
+ *     records one event on each of those streams; the block returns to the
+ *     pool only when they have completed. Pending blocks are reclaimed by
+ *     polling — in every malloc and free, and in dp_cache_poll — never by
+ *     blocking the caller;
+ *   - when the backend is out of memory: free the cached segments, retry,
+ *     then DP_ENOMEM.
+ *
+ * Thread safety: all functions are thread-safe (one lock per allocator).
+ */
+#ifndef DEVPICKLE_ALLOCATOR_H
+#define DEVPICKLE_ALLOCATOR_H
+
+#include "device.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** How a consumer tells an allocator which streams use an allocation. */
+typedef struct dp_allocator_hooks {
+  void *ctx;
+  /** The allocation holding ptr (any interior pointer) is used on s.
+   *  DP_ENOTFOUND when the allocator does not own ptr. */
+  int (*record_stream)(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err);
+  /** The same for n pointers on one stream; pointers the allocator does not
+   *  own are skipped. May be NULL: record_stream is then called n times. */
+  int (*record_streams)(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err);
+} dp_allocator_hooks_t;
+
+/** Calls hooks->record_streams, or record_stream for each pointer
+ *  (skipping DP_ENOTFOUND) when the batched form is missing. */
+DP_API int dp_allocator_record(const dp_allocator_hooks_t *hooks, void *const *ptrs, size_t n, dp_stream_t *s,
+                               dp_error_t *err);
+
+typedef struct dp_cache dp_cache_t;
+
+typedef struct dp_cache_stats {
+  size_t allocated;        /* bytes in blocks handed out (rounded sizes) */
+  size_t peak_allocated;
+  size_t reserved;         /* bytes in segments held from the backend */
+  size_t pending_blocks;   /* freed blocks waiting for their streams */
+  size_t pending_bytes;
+  uint64_t allocs, frees;
+  uint64_t cache_hits;     /* allocations served without a backend malloc */
+  uint64_t segment_allocs, segment_frees;
+  uint64_t cross_stream;   /* blocks taken by another stream through an event wait */
+  uint64_t oom_retries;    /* backend OOMs answered by freeing the cache */
+} dp_cache_stats_t;
+
+/** A caching allocator over backend b (its own, independent of the default). */
+DP_API int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
+/** Waits for pending blocks, gives every segment back to the backend and
+ *  frees the allocator. Pointers still allocated from it become invalid. */
+DP_API void dp_cache_destroy(dp_cache_t *c);
+/** The backend's built-in allocator (created on first use, destroyed by
+ *  dp_backend_shutdown). */
+DP_API int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
+
+/** Allocates nbytes on dev for use on stream s (NULL: this thread's current
+ *  stream of dev). Errors: DP_EINVAL, DP_ENOMEM (after freeing the cache
+ *  and retrying), backend errors. */
+DP_API int dp_cache_malloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out,
+                           dp_error_t *err);
+/** Frees a pointer from dp_cache_malloc. It is reusable at once on its
+ *  allocation stream; streams recorded with dp_cache_record_stream hold it
+ *  until their work queued before this call completes. DP_EINVAL for a
+ *  pointer this allocator did not hand out (or already freed). */
+DP_API int dp_cache_free(dp_cache_t *c, void *p, dp_error_t *err);
+/** Marks the allocation holding p (interior pointers too) as used on s.
+ *  DP_ENOTFOUND when p is not from this allocator. */
+DP_API int dp_cache_record_stream(dp_cache_t *c, void *p, dp_stream_t *s, dp_error_t *err);
+/** Reclaims pending blocks whose streams have completed; never blocks.
+ *  Returns how many came back. */
+DP_API int dp_cache_poll(dp_cache_t *c);
+/** Gives every entirely free segment back to the backend (synchronizing
+ *  the streams that last used them first). */
+DP_API int dp_cache_empty(dp_cache_t *c, dp_error_t *err);
+/** The block holding p: its base and size. DP_ENOTFOUND otherwise. */
+DP_API int dp_cache_lookup(dp_cache_t *c, const void *p, void **base, size_t *size);
+/** Statistics for one device. */
+DP_API void dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out);
+/** The hooks through which a future records stream uses on this allocator. */
+DP_API dp_allocator_hooks_t dp_cache_hooks(dp_cache_t *c);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,151 @@
+/*
+ * devpickle/device.h — backends, streams, events, device memory.
+ *
+ * A backend is a table of operations on one kind of device: `cuda` (the CUDA
+ * runtime) or `host` (an asynchronous executor on the CPU that behaves like
+ * a GPU: one worker thread per stream, work in order, events marking
+ * positions in streams). Both are built in; `host` stands in where no GPU
+ * exists and lets tests prove ordering with real concurrency.
+ *
+ * Streams and events behave as CUDA's do: work on one stream runs in order;
+ * an event recorded on a stream completes when all work queued before the
+ * record has; a stream told to wait on an event runs nothing queued after
+ * the wait until the event completes, without blocking the host. A
+ * never-recorded event counts as complete. Default streams do not
+ * synchronize implicitly with other streams (CUDA's non-blocking streams).
+ *
+ * Thread safety: every function here may be called from any thread, except
+ * that a stream must not be destroyed while another thread uses it, and an
+ * event must not be released while another thread uses it.
+ *
+ * Lifetime: backends are process-wide and live until dp_backend_shutdown().
+ * Streams from dp_stream_default() and dp_stream_pool_next() belong to the
+ * backend; streams from dp_stream_create() belong to the caller.
+ */
+#ifndef DEVPICKLE_DEVICE_H
+#define DEVPICKLE_DEVICE_H
+
+#include "base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dp_backend dp_backend_t;
+typedef struct dp_stream dp_stream_t;
+typedef struct dp_event dp_event_t;
+
+/* ---- backends ---- */
+
+/** The backend for DP_DEVICE_CUDA or DP_DEVICE_HOST. CUDA without a usable
+ *  driver or device (or in a build without CUDA) is DP_ENODEV, with the
+ *  reason in err. */
+DP_API int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err);
+
+/** The default backend: `cuda` when a GPU is usable, else `host`. The
+ *  environment variable DEVPICKLE_BACKEND=host|cuda forces one; forcing
+ *  `cuda` without a GPU is DP_ENODEV, never a fallback. */
+DP_API int dp_backend_default(dp_backend_t **out, dp_error_t *err);
+
+DP_API dp_device_type_t dp_backend_type(const dp_backend_t *b);
+DP_API const char *dp_backend_name(const dp_backend_t *b);   /* "cuda", "host" */
+/** Number of devices: CUDA's device count; for `host`, DEVPICKLE_HOST_DEVICES
+ *  (1..64, default 2). */
+DP_API int dp_backend_device_count(const dp_backend_t *b);
+/** dp_device_t {type, index} for device i of this backend. */
+DP_API dp_device_t dp_backend_device(const dp_backend_t *b, int index);
+
+/** Stops every backend: waits for queued host work, joins the host threads,
+ *  destroys pooled streams and events and frees everything. No stream,
+ *  event or backend pointer may be used afterwards; a later dp_backend_get()
+ *  starts afresh. Not thread-safe: call it when no other thread uses
+ *  devpickle. */
+DP_API void dp_backend_shutdown(void);
+
+/* ---- streams ---- */
+
+/** A new stream on dev (the caller's; destroy it with dp_stream_destroy). */
+DP_API int dp_stream_create(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
+/** Waits for the stream's work, then destroys it. Streams the backend owns
+ *  (default and pool streams) are left alone. */
+DP_API void dp_stream_destroy(dp_stream_t *s);
+/** The device's default stream, owned by the backend; NULL for an invalid device. */
+DP_API dp_stream_t *dp_stream_default(dp_backend_t *b, dp_device_t dev);
+/** The next stream of the device's pool (4 streams, round-robin), owned by
+ *  the backend; NULL for an invalid device or when one cannot be created. */
+DP_API dp_stream_t *dp_stream_pool_next(dp_backend_t *b, dp_device_t dev);
+
+DP_API dp_backend_t *dp_stream_backend(const dp_stream_t *s);
+DP_API dp_device_t dp_stream_device(const dp_stream_t *s);
+/** The native handle: a cudaStream_t for `cuda`, NULL for `host`. */
+DP_API void *dp_stream_native(const dp_stream_t *s);
+
+/** Blocks until all work queued on s so far has completed. */
+DP_API int dp_stream_synchronize(dp_stream_t *s, dp_error_t *err);
+/** 1 when all queued work has completed, 0 when some is pending, <0 error. */
+DP_API int dp_stream_query(dp_stream_t *s);
+/** Work queued on s after this call waits for e (device side; the host
+ *  does not block). e and s may be on different devices of one backend. */
+DP_API int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err);
+/** Blocks until all work on every stream of dev has completed. */
+DP_API int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *err);
+
+/* ---- the current stream of this thread ---- */
+
+/** This thread's current stream on dev: the one set with
+ *  dp_set_current_stream, else the provider's (if installed), else the
+ *  device's default stream. */
+DP_API dp_stream_t *dp_current_stream(dp_backend_t *b, dp_device_t dev);
+#define DP_CURRENT_STREAM_SLOTS 16
+/** Makes s the calling thread's current stream for s's device. *prev (may
+ *  be NULL) receives the one it replaces (NULL when none was set). A thread
+ *  holds current streams for up to DP_CURRENT_STREAM_SLOTS devices at once:
+ *  one more is DP_ELIMIT. Use dp_reset_current_stream to clear one. */
+DP_API int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev);
+/** Forgets this thread's current stream for dev (back to provider/default). */
+DP_API void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev);
+
+/** An embedder's source of current streams, asked when a thread has set
+ *  none. Return NULL to fall back to the default stream. */
+typedef dp_stream_t *(*dp_stream_provider_cb)(void *ud, dp_backend_t *b, dp_device_t dev);
+/** Installs a provider for every thread (NULL removes it). */
+DP_API void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud);
+
+/* ---- events (pooled: no create/destroy on the hot path) ---- */
+
+/** An event for dev from the backend's pool (created when the pool is
+ *  empty). Timing is disabled. Give it back with dp_event_release. */
+DP_API int dp_event_acquire(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t *err);
+/** Returns e to its pool. Its recorded state is dropped. */
+DP_API void dp_event_release(dp_event_t *e);
+/** Captures the work queued on s so far. Re-recording replaces the capture. */
+DP_API int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err);
+/** 1 when complete (or never recorded), 0 when not yet, <0 error. */
+DP_API int dp_event_query(dp_event_t *e);
+/** Blocks until e completes. */
+DP_API int dp_event_synchronize(dp_event_t *e, dp_error_t *err);
+DP_API dp_device_t dp_event_device(const dp_event_t *e);
+
+/* ---- device memory (raw, uncached: see allocator.h for the cache) ---- */
+
+DP_API int dp_device_malloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err);
+DP_API void dp_device_free(dp_backend_t *b, dp_device_t dev, void *p);
+/** The device holding p (interior pointers included), or DP_ENOTFOUND. */
+DP_API int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out);
+/** Copies n bytes in stream order (host or device memory on either side). */
+DP_API int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_error_t *err);
+
+/* ---- host backend only ---- */
+
+typedef void (*dp_host_fn)(void *arg);
+/** Queues fn(arg) on a host stream: it runs on the stream's worker thread,
+ *  after the work queued before it. DP_EINVAL for a non-host stream. */
+DP_API int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err);
+/** Caps the memory dp_device_malloc hands out on a host device (0: no cap),
+ *  so that out-of-memory paths can be exercised. */
+DP_API int dp_host_set_memory_limit(dp_device_t dev, size_t nbytes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,381 @@
+/* Device layer on the host backend: ordering with real concurrency, events,
+ * pools, the current stream, memory. CUDA runs in test/gpu/. */
+#include <pthread.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "helpers.h"
+
+static void setup(void) {
+  unsetenv("DEVPICKLE_BACKEND");
+  unsetenv("DEVPICKLE_HOST_DEVICES");
+  t_track();
+}
+static void teardown(void) {
+  dp_backend_shutdown();
+  dp_set_allocator(NULL, NULL);
+}
+TestSuite(device, .init = setup, .fini = teardown);
+
+static dp_backend_t *host(void) {
+  dp_backend_t *b;
+  dp_error_t e;
+  int rc = dp_backend_get(DP_DEVICE_HOST, &b, &e);
+  cr_assert_eq(rc, 0, "%s", e.message);
+  return b;
+}
+
+#define H0 t_dev(DP_DEVICE_HOST, 0)
+#define H1 t_dev(DP_DEVICE_HOST, 1)
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* ---- slow producer, consumer on another stream ---- */
+
+typedef struct cell {
+  _Atomic int value;
+  _Atomic int seen;
+} cell_t;
+
+static void slow_write(void *arg) {
+  sleep_ms(60);  /* device work made slow on purpose */
+  atomic_store(&((cell_t *)arg)->value, 42);
+}
+
+static void read_value(void *arg) {
+  cell_t *c = arg;
+  atomic_store(&c->seen, atomic_load(&c->value));
+}
+
+static int consumer_sees(int with_wait) {
+  dp_backend_t *b = host();
+  dp_stream_t *a, *c;
+  OK(dp_stream_create(b, H0, &a, NULL));
+  OK(dp_stream_create(b, H0, &c, NULL));
+  cell_t cell;
+  atomic_init(&cell.value, 0);
+  atomic_init(&cell.seen, -1);
+  dp_event_t *ev;
+  OK(dp_host_launch(a, slow_write, &cell, NULL));
+  OK(dp_event_acquire(b, H0, &ev, NULL));
+  OK(dp_event_record(ev, a, NULL));
+  if (with_wait) OK(dp_stream_wait_event(c, ev, NULL));
+  OK(dp_host_launch(c, read_value, &cell, NULL));
+  OK(dp_stream_synchronize(c, NULL));
+  int seen = atomic_load(&cell.seen);
+  OK(dp_stream_synchronize(a, NULL));
+  dp_event_release(ev);
+  dp_stream_destroy(a);
+  dp_stream_destroy(c);
+  return seen;
+}
+
+Test(device, a_stream_that_waits_on_an_event_sees_the_producers_writes) {
+  for (int i = 0; i < 3; i++) cr_assert_eq(consumer_sees(1), 42, "the wait must order the read after the write");
+}
+
+Test(device, negative_control_without_the_wait_the_consumer_reads_stale_data) {
+  cr_assert_eq(consumer_sees(0), 0, "without the wait the read runs before the slow write: the race is observable");
+}
+
+Test(device, a_wait_does_not_block_the_host_thread) {
+  dp_backend_t *b = host();
+  dp_stream_t *a, *c;
+  OK(dp_stream_create(b, H0, &a, NULL));
+  OK(dp_stream_create(b, H1, &c, NULL));
+  cell_t cell;
+  atomic_init(&cell.value, 0);
+  atomic_init(&cell.seen, -1);
+  dp_event_t *ev;
+  OK(dp_event_acquire(b, H0, &ev, NULL));
+  OK(dp_host_launch(a, slow_write, &cell, NULL));
+  OK(dp_event_record(ev, a, NULL));
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  OK(dp_stream_wait_event(c, ev, NULL));  /* across devices */
+  OK(dp_host_launch(c, read_value, &cell, NULL));
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
+  cr_assert_lt(ms, 30, "queueing the wait took %.1f ms: it blocked", ms);
+  cr_assert_eq(dp_stream_query(c), 0, "the consumer stream is still waiting");
+  OK(dp_stream_synchronize(c, NULL));
+  cr_assert_eq(atomic_load(&cell.seen), 42);
+  dp_event_release(ev);
+  dp_stream_destroy(a);
+  dp_stream_destroy(c);
+}
+
+/* ---- order, events, queries ---- */
+
+typedef struct log {
+  _Atomic int n;
+  int order[2000];
+} log_t;
+typedef struct entry {
+  log_t *log;
+  int id;
+} entry_t;
+static void append(void *arg) {
+  entry_t *e = arg;
+  e->log->order[atomic_fetch_add(&e->log->n, 1)] = e->id;
+}
+
+Test(device, a_stream_runs_its_work_in_order) {
+  dp_backend_t *b = host();
+  dp_stream_t *s = dp_stream_default(b, H0);
+  cr_assert_not_null(s);
+  static log_t log;
+  static entry_t es[2000];
+  atomic_init(&log.n, 0);
+  for (int i = 0; i < 2000; i++) {
+    es[i] = (entry_t){&log, i};
+    OK(dp_host_launch(s, append, &es[i], NULL));
+  }
+  OK(dp_stream_synchronize(s, NULL));
+  cr_assert_eq(atomic_load(&log.n), 2000);
+  for (int i = 0; i < 2000; i++) cr_assert_eq(log.order[i], i);
+}
+
+static void sleep_task(void *arg) { sleep_ms((int)(intptr_t)arg); }
+
+Test(device, events_and_streams_answer_queries_as_cuda_does) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  OK(dp_stream_create(b, H0, &s, NULL));
+  dp_event_t *ev;
+  OK(dp_event_acquire(b, H0, &ev, NULL));
+  cr_assert_eq(dp_event_query(ev), 1, "a never-recorded event is complete");
+  OK(dp_event_synchronize(ev, NULL));
+  cr_assert_eq(dp_stream_query(s), 1, "an idle stream is complete");
+  OK(dp_host_launch(s, sleep_task, (void *)(intptr_t)40, NULL));
+  OK(dp_event_record(ev, s, NULL));
+  cr_assert_eq(dp_event_query(ev), 0);
+  cr_assert_eq(dp_stream_query(s), 0);
+  OK(dp_host_launch(s, sleep_task, (void *)(intptr_t)40, NULL));
+  OK(dp_event_synchronize(ev, NULL));
+  cr_assert_eq(dp_event_query(ev), 1);
+  cr_assert_eq(dp_stream_query(s), 0, "work queued after the record is still running");
+  OK(dp_event_record(ev, s, NULL));  /* re-record: captures the second task too */
+  cr_assert_eq(dp_event_query(ev), 0);
+  OK(dp_stream_synchronize(s, NULL));
+  cr_assert_eq(dp_event_query(ev), 1);
+  cr_assert_eq(dp_stream_query(s), 1);
+  dp_event_release(ev);
+  dp_stream_destroy(s);
+}
+
+Test(device, device_synchronize_waits_for_every_stream_of_the_device) {
+  dp_backend_t *b = host();
+  dp_stream_t *s[3];
+  cell_t cells[3];
+  for (int i = 0; i < 3; i++) {
+    OK(dp_stream_create(b, H1, &s[i], NULL));
+    atomic_init(&cells[i].value, 0);
+    OK(dp_host_launch(s[i], slow_write, &cells[i], NULL));
+  }
+  OK(dp_device_synchronize(b, H1, NULL));
+  for (int i = 0; i < 3; i++) cr_assert_eq(atomic_load(&cells[i].value), 42);
+  for (int i = 0; i < 3; i++) dp_stream_destroy(s[i]);
+}
+
+Test(device, memcpy_runs_in_stream_order) {
+  dp_backend_t *b = host();
+  dp_stream_t *s = dp_stream_default(b, H0);
+  void *dev;
+  OK(dp_device_malloc(b, H0, 64, &dev, NULL));
+  cell_t cell;
+  atomic_init(&cell.value, 0);
+  OK(dp_host_launch(s, slow_write, &cell, NULL));
+  OK(dp_memcpy_async(s, dev, &cell.value, sizeof(int), NULL));
+  int out = -1;
+  OK(dp_memcpy_async(s, &out, dev, sizeof(int), NULL));
+  OK(dp_stream_synchronize(s, NULL));
+  cr_assert_eq(out, 42);
+  dp_device_free(b, H0, dev);
+}
+
+/* ---- pools and the current stream ---- */
+
+Test(device, the_stream_pool_hands_out_its_streams_round_robin) {
+  dp_backend_t *b = host();
+  dp_stream_t *first[4];
+  for (int i = 0; i < 4; i++) first[i] = dp_stream_pool_next(b, H0);
+  for (int i = 0; i < 4; i++)
+    for (int j = i + 1; j < 4; j++) cr_assert_neq(first[i], first[j]);
+  for (int i = 0; i < 8; i++) cr_assert_eq(dp_stream_pool_next(b, H0), first[i % 4]);
+  cr_assert_neq(dp_stream_pool_next(b, H1), first[0], "each device has its own pool");
+  cr_assert_neq(dp_stream_default(b, H0), first[0]);
+}
+
+Test(device, released_events_are_reused_not_recreated) {
+  dp_backend_t *b = host();
+  dp_event_t *e1, *e2;
+  OK(dp_event_acquire(b, H0, &e1, NULL));
+  dp_event_release(e1);
+  long before = t_alloc_count;
+  OK(dp_event_acquire(b, H0, &e2, NULL));
+  cr_assert_eq(e1, e2);
+  cr_assert_eq(t_alloc_count, before, "acquiring from the pool allocates nothing");
+  dp_event_release(e2);
+}
+
+typedef struct thread_arg {
+  dp_backend_t *b;
+  dp_stream_t *seen;
+} thread_arg_t;
+
+static void *read_current(void *p) {
+  thread_arg_t *a = p;
+  a->seen = dp_current_stream(a->b, H0);
+  return NULL;
+}
+
+static dp_stream_t *provided;
+static dp_stream_t *provider(void *ud, dp_backend_t *b, dp_device_t dev) {
+  (void)ud;
+  (void)b;
+  return dev.index == 0 ? provided : NULL;
+}
+
+Test(device, the_current_stream_is_per_thread_and_falls_back_to_provider_then_default) {
+  dp_backend_t *b = host();
+  dp_stream_t *mine, *prev;
+  OK(dp_stream_create(b, H0, &mine, NULL));
+  cr_assert_eq(dp_current_stream(b, H0), dp_stream_default(b, H0));
+  OK(dp_set_current_stream(mine, &prev));
+  cr_assert_null(prev);
+  cr_assert_eq(dp_current_stream(b, H0), mine);
+  cr_assert_eq(dp_current_stream(b, H1), dp_stream_default(b, H1), "other devices are unaffected");
+  thread_arg_t a = {b, NULL};
+  pthread_t th;
+  pthread_create(&th, NULL, read_current, &a);
+  pthread_join(th, NULL);
+  cr_assert_eq(a.seen, dp_stream_default(b, H0), "another thread does not see this thread's stream");
+  provided = dp_stream_pool_next(b, H0);
+  dp_set_stream_provider(provider, NULL);
+  pthread_create(&th, NULL, read_current, &a);
+  pthread_join(th, NULL);
+  cr_assert_eq(a.seen, provided, "threads without their own stream ask the provider");
+  cr_assert_eq(dp_current_stream(b, H0), mine, "a thread's own stream wins over the provider");
+  dp_reset_current_stream(b, H0);
+  cr_assert_eq(dp_current_stream(b, H0), provided);
+  dp_set_stream_provider(NULL, NULL);
+  cr_assert_eq(dp_current_stream(b, H0), dp_stream_default(b, H0));
+  dp_stream_destroy(mine);
+}
+
+Test(device, a_thread_holds_current_streams_for_a_bounded_number_of_devices) {
+  setenv("DEVPICKLE_HOST_DEVICES", "20", 1);
+  dp_backend_t *b = host();
+  cr_assert_eq(dp_backend_device_count(b), 20);
+  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
+    OK(dp_set_current_stream(dp_stream_default(b, t_dev(DP_DEVICE_HOST, i)), NULL));
+  cr_assert_eq(dp_set_current_stream(dp_stream_default(b, t_dev(DP_DEVICE_HOST, 17)), NULL), DP_ELIMIT);
+  dp_reset_current_stream(b, t_dev(DP_DEVICE_HOST, 3));
+  OK(dp_set_current_stream(dp_stream_default(b, t_dev(DP_DEVICE_HOST, 17)), NULL));
+}
+
+/* ---- backend selection ---- */
+
+Test(device, the_host_device_count_comes_from_the_environment_and_is_checked) {
+  setenv("DEVPICKLE_HOST_DEVICES", "0", 1);
+  dp_backend_t *b;
+  dp_error_t e;
+  cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, &b, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "DEVPICKLE_HOST_DEVICES=0: expected 1..64");
+  setenv("DEVPICKLE_HOST_DEVICES", "3", 1);
+  cr_assert_eq(dp_backend_device_count(host()), 3);
+  unsetenv("DEVPICKLE_HOST_DEVICES");
+  dp_backend_shutdown();
+  cr_assert_eq(dp_backend_device_count(host()), 2, "two host devices by default");
+}
+
+Test(device, forcing_cuda_without_a_gpu_is_an_error_not_a_fallback) {
+  dp_backend_t *b;
+  dp_error_t e;
+  if (dp_backend_get(DP_DEVICE_CUDA, &b, NULL) == 0) cr_skip_test("a CUDA device is usable here");
+  setenv("DEVPICKLE_BACKEND", "cuda", 1);
+  cr_assert_eq(dp_backend_default(&b, &e), DP_ENODEV);
+  cr_assert(strstr(e.message, "CUDA") != NULL, "the reason is given: %s", e.message);
+  setenv("DEVPICKLE_BACKEND", "host", 1);
+  OK(dp_backend_default(&b, &e));
+  cr_assert_str_eq(dp_backend_name(b), "host");
+  unsetenv("DEVPICKLE_BACKEND");
+  OK(dp_backend_default(&b, &e));
+  cr_assert_str_eq(dp_backend_name(b), "host", "without a GPU the default is host");
+  setenv("DEVPICKLE_BACKEND", "tpu", 1);
+  cr_assert_eq(dp_backend_default(&b, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND=tpu: expected host or cuda");
+}
+
+Test(device, devices_are_checked_against_the_backend) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  dp_error_t e;
+  cr_assert_eq(dp_stream_create(b, t_dev(DP_DEVICE_HOST, 2), &s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "device host:2 does not belong to the host backend (2 devices)");
+  cr_assert_eq(dp_stream_create(b, t_dev(DP_DEVICE_CUDA, 0), &s, &e), DP_EINVAL);
+  cr_assert_null(dp_stream_default(b, t_dev(DP_DEVICE_CPU, 0)));
+}
+
+/* ---- memory ---- */
+
+Test(device, host_memory_is_tagged_by_device_and_found_from_interior_pointers) {
+  dp_backend_t *b = host();
+  char *p0, *p1;
+  OK(dp_device_malloc(b, H0, 1000, (void **)&p0, NULL));
+  OK(dp_device_malloc(b, H1, 1000, (void **)&p1, NULL));
+  cr_assert_eq((uintptr_t)p0 % 256, 0, "aligned like cudaMalloc");
+  dp_device_t d;
+  OK(dp_pointer_device(b, p0 + 999, &d));
+  cr_assert(dp_device_equal(d, H0));
+  OK(dp_pointer_device(b, p1, &d));
+  cr_assert(dp_device_equal(d, H1));
+  int local;
+  cr_assert_eq(dp_pointer_device(b, &local, &d), DP_ENOTFOUND);
+  cr_assert_eq(dp_pointer_device(b, p0 + 1000, &d), DP_ENOTFOUND, "one past the end is not inside");
+  dp_device_free(b, H0, p0);
+  cr_assert_eq(dp_pointer_device(b, p0, &d), DP_ENOTFOUND);
+  dp_device_free(b, H1, p1);
+}
+
+Test(device, a_memory_limit_makes_host_allocations_fail_cleanly) {
+  OK(dp_host_set_memory_limit(H1, 4096));
+  dp_backend_t *b = host();
+  void *p, *q;
+  dp_error_t e;
+  OK(dp_device_malloc(b, H1, 4000, &p, &e));
+  cr_assert_eq(dp_device_malloc(b, H1, 200, &q, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "host:1 is out of memory: 200 bytes asked, 4000 of 4096 in use");
+  OK(dp_device_malloc(b, H0, 8000, &q, &e));
+  dp_device_free(b, H1, p);
+  dp_device_free(b, H0, q);
+  OK(dp_host_set_memory_limit(H1, 0));
+}
+
+/* ---- shutdown ---- */
+
+Test(device, shutdown_joins_every_thread_and_frees_everything) {
+  dp_backend_t *b = host();
+  for (int i = 0; i < 4; i++) (void)dp_stream_pool_next(b, H0);
+  dp_stream_t *s;
+  OK(dp_stream_create(b, H1, &s, NULL));
+  cell_t cell;
+  atomic_init(&cell.value, 0);
+  OK(dp_host_launch(dp_stream_default(b, H0), slow_write, &cell, NULL));
+  dp_event_t *ev;
+  OK(dp_event_acquire(b, H0, &ev, NULL));
+  OK(dp_event_record(ev, dp_stream_default(b, H0), NULL));
+  dp_event_release(ev);
+  dp_stream_destroy(s);
+  void *p;
+  OK(dp_device_malloc(b, H0, 100, &p, NULL));  /* not freed: shutdown frees it */
+  dp_backend_shutdown();
+  cr_assert_eq(atomic_load(&cell.value), 42, "queued work ran before the threads stopped");
+  ASSERT_NO_LEAK();
+  OK(dp_backend_get(DP_DEVICE_HOST, &b, NULL));  /* and it starts again */
+  cr_assert_not_null(dp_stream_default(b, H0));
+}
