@@ -457,6 +457,7 @@ int dp_cache_malloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *
     free_insert(p, b);
   }
   free_remove(p, b);
+  b->state = B_USED;  /* before splitting: the remainder must not merge back */
   dp_stream_t *owner = b->stream;
   /* Split: keep what is not needed, with the block's old stream. */
   size_t rest = b->size - size;
@@ -480,7 +481,6 @@ int dp_cache_malloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *
     rc = dp__err(err, DP_ENOMEM, "out of memory tracking an allocation");
     goto out;
   }
-  b->state = B_USED;
   b->stream = s;
   b->nuses = 0;
   p->st.allocated += b->size;
