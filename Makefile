@@ -35,7 +35,7 @@ HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
 
 DEB_PKGS  := libmsgpack-dev libxxhash-dev libcriterion-dev libjansson-dev
 
-.PHONY: all lib cli test test-asan demo bench deps install uninstall clean help config
+.PHONY: all lib cli test test-asan test-tsan demo bench deps install uninstall clean help config
 
 all: lib cli ## Build the static and shared library and the CLI (build/devpickle)
 
@@ -93,6 +93,25 @@ test-asan: deps ## Run every suite under ASan + UBSan + LeakSanitizer; any repor
 	  grep -nE -A12 'ERROR: |runtime error:|SUMMARY:' $$log | head -80; \
 	  echo "test-asan: sanitizer reports or failures (full log: $$log)"; exit 1; fi; \
 	echo "test-asan: no sanitizer reports"
+
+TSAN_BUILD := $(BUILD)/tsan
+
+$(BUILD)/stress: test/stress/stress.c $(BUILD)/libdevpickle.a
+	$(CC) $(TFLAGS) $(SANFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
+
+# Criterion cannot start under ThreadSanitizer, so the concurrent scenarios
+# live in test/stress. The racy control must be reported, or the check is
+# blind and the target fails.
+test-tsan: deps ## Run the concurrency stress under ThreadSanitizer (and check that a racy control is caught)
+	@$(MAKE) --no-print-directory BUILD=$(TSAN_BUILD) OPT="-O1 -g" SANFLAGS="-fsanitize=thread" $(TSAN_BUILD)/stress >/dev/null
+	@log=$(TSAN_BUILD)/test-tsan.log; \
+	TSAN_OPTIONS=halt_on_error=0 $(TSAN_BUILD)/stress > $$log 2>&1; rc=$$?; cat $$log | grep -vE '^(==|  |    #|SUMMARY|WARNING|Previous|Location|Mutex|Thread|  Thread)' ; \
+	if [ $$rc -ne 0 ] || grep -q 'ThreadSanitizer' $$log; then \
+	  grep -nE -A24 'WARNING: ThreadSanitizer' $$log | head -80; echo "test-tsan: reports or failures (log: $$log)"; exit 1; fi; \
+	TSAN_OPTIONS=halt_on_error=0 $(TSAN_BUILD)/stress --control > $$log.control 2>&1; \
+	if ! grep -q 'WARNING: ThreadSanitizer: data race' $$log.control; then \
+	  echo "test-tsan: the racy control was NOT reported: the check is blind"; exit 1; fi; \
+	echo "test-tsan: no reports; the racy control was reported as it must be"
 
 demo: deps all ## Pack the examples and dump the device pointers they hold
 	@sh tools/demo.sh $(BUILD)/devpickle

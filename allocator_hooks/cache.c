@@ -190,8 +190,9 @@ static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t *s) 
   return best;
 }
 
-/* Returns a block to its free list, merged with free neighbours of its stream. */
-static void free_block(dp_cache_t *c, devpool_t *p, block_t *b) {
+/* Returns a block to its free list, merged with free neighbours of its
+ * stream; returns the block it ended up in. */
+static block_t *free_block(dp_cache_t *c, devpool_t *p, block_t *b) {
   b->state = B_FREE;
   block_t *n = b->next;
   if (n && n->state == B_FREE && n->stream == b->stream) {
@@ -211,6 +212,7 @@ static void free_block(dp_cache_t *c, devpool_t *p, block_t *b) {
     b = q;
   }
   free_insert(p, b);
+  return b;
 }
 
 /* ---- segments ---- */
@@ -270,14 +272,20 @@ static void release_free_segments(dp_cache_t *c, devpool_t *p) {
   size_t keep = 0;
   for (size_t i = 0; i < p->nsegs; i++) {
     segment_t *seg = p->segs[i];
-    block_t *b = seg->first;
-    if (b->state != B_FREE || b->next || b->size != seg->size) {
+    int all_free = 1;
+    for (block_t *b = seg->first; b && all_free; b = b->next) all_free = b->state == B_FREE;
+    if (!all_free) {
       p->segs[keep++] = seg;
       continue;
     }
-    if (b->stream) dp_stream_synchronize(b->stream, NULL);
-    free_remove(p, b);
-    block_recycle(c, b);
+    /* Free blocks of several streams do not merge, so a free segment may
+     * hold several: wait for each one's stream. */
+    for (block_t *b = seg->first, *n; b; b = n) {
+      n = b->next;
+      if (b->stream) dp_stream_synchronize(b->stream, NULL);
+      free_remove(p, b);
+      block_recycle(c, b);
+    }
     c->b->ops->free(c->b, dev_of(c, p), seg->base);
     p->st.reserved -= seg->size;
     p->st.segment_frees++;
@@ -337,10 +345,15 @@ static void stream_gone(dp_stream_t *s) {
     pthread_mutex_lock(&c->mu);
     for (int d = 0; d < c->ndev; d++)
       for (size_t i = 0; i < c->pools[d].nsegs; i++)
-        for (block_t *b = c->pools[d].segs[i]->first; b; b = b->next) {
+        for (block_t *b = c->pools[d].segs[i]->first, *n; b; b = n) {
+          n = b->next;
           if (b->stream == s) b->stream = NULL;
           for (uint32_t k = 0; k < b->nuses; k++)
             if (b->uses[k] == s) b->uses[k--] = b->uses[--b->nuses];
+          if (b->state == B_FREE && !b->stream) {  /* merge with free stream-less neighbours */
+            free_remove(&c->pools[d], b);
+            n = free_block(c, &c->pools[d], b)->next;
+          }
         }
     pthread_mutex_unlock(&c->mu);
   }

@@ -1,0 +1,220 @@
+/* test/stress/stress.c — concurrency stress without Criterion, for
+ * ThreadSanitizer (Criterion cannot start under TSan: its inheritable arena
+ * collides with TSan's memory layout).
+ *
+ *   stress            run every scenario; prints "N passed, M failed"
+ *   stress --control  run a deliberately racy scenario: under TSan it must
+ *                     be reported, which shows the harness catches races
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "devpickle.h"
+
+static int failures, passes;
+
+#define CHECK(cond, ...)                                    \
+  do {                                                      \
+    if (!(cond)) {                                          \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);  \
+      fprintf(stderr, __VA_ARGS__);                         \
+      fputc('\n', stderr);                                  \
+      return 1;                                             \
+    }                                                       \
+  } while (0)
+
+static void run(const char *name, int (*fn)(void)) {
+  int rc = fn();
+  if (rc) failures++; else passes++;
+  printf("%s %s\n", rc ? "FAIL" : "ok  ", name);
+  dp_backend_shutdown();
+}
+
+static void spin(int us) {
+  struct timespec ts = {0, (long)us * 1000};
+  nanosleep(&ts, NULL);
+}
+
+/* ---- values shared across threads, cycles collected concurrently ---- */
+
+static dp_value_t shared_obj;
+
+static void *value_churn(void *arg) {
+  (void)arg;
+  for (int i = 0; i < 5000; i++) {
+    dp_value_t l;
+    dp_list_new(2, &l, NULL);
+    dp_list_append(l, dp_value_retain(shared_obj), NULL);
+    dp_list_append(l, dp_value_retain(l), NULL);
+    dp_value_release(l);
+  }
+  return NULL;
+}
+
+static int scenario_values(void) {
+  dp_object_new("Shared", &shared_obj, NULL);
+  dp_object_set(shared_obj, "self", dp_value_retain(shared_obj), NULL);
+  pthread_t th[4];
+  for (int i = 0; i < 4; i++) pthread_create(&th[i], NULL, value_churn, NULL);
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  CHECK(dp_value_refcount(shared_obj) == 2, "refcount %u", dp_value_refcount(shared_obj));
+  dp_value_release(shared_obj);
+  return 0;
+}
+
+/* ---- producers and consumers on host streams, from many threads ---- */
+
+typedef struct slot {
+  int data;            /* written by a producer stream, read by a consumer stream */
+  int seen;
+} slot_t;
+
+static void produce(void *arg) {
+  slot_t *s = arg;
+  spin(50);
+  s->data = 7;
+}
+
+static void consume(void *arg) {
+  slot_t *s = arg;
+  s->seen = s->data;
+}
+
+typedef struct worker_arg {
+  dp_backend_t *b;
+  int id;
+  int bad;
+} worker_arg_t;
+
+static void *stream_worker(void *p) {
+  worker_arg_t *a = p;
+  dp_device_t d0 = {DP_DEVICE_HOST, 0}, d1 = {DP_DEVICE_HOST, 1};
+  for (int i = 0; i < 200; i++) {
+    slot_t *s = calloc(1, sizeof *s);
+    dp_stream_t *prod = dp_stream_pool_next(a->b, d0), *cons = dp_stream_pool_next(a->b, d1);
+    dp_event_t *ev;
+    dp_event_acquire(a->b, d0, &ev, NULL);
+    dp_host_launch(prod, produce, s, NULL);
+    dp_event_record(ev, prod, NULL);
+    dp_stream_wait_event(cons, ev, NULL);
+    dp_event_release(ev);
+    dp_host_launch(cons, consume, s, NULL);
+    dp_stream_synchronize(cons, NULL);
+    if (s->seen != 7) a->bad++;
+    dp_stream_synchronize(prod, NULL);
+    free(s);
+  }
+  return NULL;
+}
+
+static int scenario_streams(void) {
+  dp_backend_t *b;
+  CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
+  pthread_t th[4];
+  worker_arg_t args[4];
+  for (int i = 0; i < 4; i++) {
+    args[i] = (worker_arg_t){b, i, 0};
+    pthread_create(&th[i], NULL, stream_worker, &args[i]);
+  }
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < 4; i++) CHECK(args[i].bad == 0, "thread %d saw %d stale reads", i, args[i].bad);
+  return 0;
+}
+
+/* ---- the caching allocator under contention, with record_stream ---- */
+
+static dp_cache_t *cache;
+
+static void touch(void *arg) {
+  memset(arg, 0x5a, 256);
+}
+
+static void *alloc_worker(void *p) {
+  worker_arg_t *a = p;
+  dp_device_t dev = {DP_DEVICE_HOST, (uint8_t)(a->id % 2)};
+  dp_stream_t *s, *u;
+  dp_stream_create(a->b, dev, &s, NULL);
+  u = dp_stream_pool_next(a->b, dev);
+  uint64_t seed = (uint64_t)a->id * 7919 + 1;
+  void *live[16] = {0};
+  for (int i = 0; i < 3000; i++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    int k = (int)(seed >> 60);
+    if (live[k]) {
+      dp_cache_free(cache, live[k], NULL);
+      live[k] = NULL;
+    } else if (dp_cache_malloc(cache, dev, 256 + (size_t)(seed >> 44) % 100000, s, &live[k], NULL) == 0) {
+      dp_host_launch(s, touch, live[k], NULL);
+      if (seed & 1) {
+        dp_host_launch(u, touch, live[k], NULL);
+        dp_cache_record_stream(cache, live[k], u, NULL);
+      }
+    }
+    if (i % 500 == 0) dp_cache_poll(cache);
+  }
+  for (int k = 0; k < 16; k++) dp_cache_free(cache, live[k], NULL);
+  dp_stream_destroy(s);
+  return NULL;
+}
+
+static int scenario_allocator(void) {
+  dp_backend_t *b;
+  CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
+  CHECK(dp_cache_new(b, &cache, NULL) == 0, "cache");
+  pthread_t th[4];
+  worker_arg_t args[4];
+  for (int i = 0; i < 4; i++) {
+    args[i] = (worker_arg_t){b, i, 0};
+    pthread_create(&th[i], NULL, alloc_worker, &args[i]);
+  }
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  for (int d = 0; d < 2; d++) dp_device_synchronize(b, (dp_device_t){DP_DEVICE_HOST, (uint8_t)d}, NULL);
+  for (int d = 0; d < 2; d++) {
+    dp_cache_stats_t st;
+    dp_cache_stats(cache, (dp_device_t){DP_DEVICE_HOST, (uint8_t)d}, &st);
+    CHECK(st.allocated == 0 && st.allocs == st.frees && st.pending_blocks == 0,
+          "device %d: allocated %zu, allocs %llu, frees %llu, pending %zu", d, st.allocated,
+          (unsigned long long)st.allocs, (unsigned long long)st.frees, st.pending_blocks);
+  }
+  dp_cache_destroy(cache);
+  return 0;
+}
+
+/* ---- the control: a consumer without the wait races with the producer ---- */
+
+static void *racy_worker(void *p) {
+  worker_arg_t *a = p;
+  dp_device_t d0 = {DP_DEVICE_HOST, 0}, d1 = {DP_DEVICE_HOST, 1};
+  slot_t *s = calloc(1, sizeof *s);
+  dp_stream_t *prod = dp_stream_pool_next(a->b, d0), *cons = dp_stream_pool_next(a->b, d1);
+  dp_host_launch(prod, produce, s, NULL);
+  dp_host_launch(cons, consume, s, NULL);  /* no event, no wait: a data race */
+  dp_stream_synchronize(cons, NULL);
+  dp_stream_synchronize(prod, NULL);
+  free(s);
+  return NULL;
+}
+
+static int scenario_racy_control(void) {
+  dp_backend_t *b;
+  CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
+  worker_arg_t a = {b, 0, 0};
+  racy_worker(&a);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "--control") == 0) {
+    run("racy control (must be reported by ThreadSanitizer)", scenario_racy_control);
+    return 0;
+  }
+  run("values: concurrent retain, release and cycle collection", scenario_values);
+  run("streams: producer/consumer pairs from 4 threads", scenario_streams);
+  run("allocator: 4 threads, record_stream, polling", scenario_allocator);
+  printf("%d passed, %d failed\n", passes, failures);
+  return failures ? 1 : 0;
+}
