@@ -35,7 +35,7 @@ HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
 
 DEB_PKGS  := libmsgpack-dev libxxhash-dev libcriterion-dev libjansson-dev
 
-.PHONY: all lib cli test test-asan test-tsan demo bench deps install uninstall clean help config
+.PHONY: all lib cli test test-asan test-tsan gpu-test demo bench deps install uninstall clean help config
 
 all: lib cli ## Build the static and shared library and the CLI (build/devpickle)
 
@@ -65,7 +65,7 @@ $(BUILD)/test_%: test/test_%.c test/helpers.h $(BUILD)/libdevpickle.a
 	$(CC) $(TFLAGS) $(SANFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS)
 
 $(BUILD)/bench_%: bench/bench_%.c bench/bench.h $(BUILD)/libdevpickle.a
-	$(CC) $(TFLAGS) -O2 -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
+	$(CC) $(TFLAGS) $(CUDA_CFLAGS) -O2 -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
 $(BUILD)/embed: examples/embed.c $(BUILD)/libdevpickle.a
 	$(CC) $(TFLAGS) $(SANFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
@@ -93,6 +93,26 @@ test-asan: deps ## Run every suite under ASan + UBSan + LeakSanitizer; any repor
 	  grep -nE -A12 'ERROR: |runtime error:|SUMMARY:' $$log | head -80; \
 	  echo "test-asan: sanitizer reports or failures (full log: $$log)"; exit 1; fi; \
 	echo "test-asan: no sanitizer reports"
+
+# GPU suite: built here (nvcc and the CUDA headers), run on a GPU machine
+# (see ../shared/GPU.md); without a GPU every test skips with the reason.
+NVCC      ?= $(CUDA_HOME)/bin/nvcc
+GPU_ARCH  ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+
+$(BUILD)/gpu/kernels.o: test/gpu/kernels.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(GPU_ARCH) -O2 -c $< -o $@
+
+$(BUILD)/test_gpu: test/gpu/test_gpu.c $(BUILD)/gpu/kernels.o $(BUILD)/libdevpickle.a
+	$(CC) $(TFLAGS) -o $@ $< $(BUILD)/gpu/kernels.o $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS) -lstdc++
+
+gpu-test: deps ## Build the GPU suite (build/test_gpu) and run it here; tests skip, saying why, without a GPU
+ifeq ($(HAVE_CUDA),1)
+	@$(MAKE) --no-print-directory all $(BUILD)/test_gpu $(BENCH_BIN)
+	$(BUILD)/test_gpu --verbose -j1
+else
+	@echo "gpu-test: no CUDA toolkit under $(CUDA_HOME): the GPU suite cannot be built here"
+endif
 
 TSAN_BUILD := $(BUILD)/tsan
 

@@ -47,12 +47,14 @@ struct segment {
   char *base;
   size_t size;
   int small;
+  int dev;
   block_t *first;
 };
 
 typedef struct devpool {
   block_t *bins[NBINS];
-  uint64_t bitmap[NBINS / 64];
+  uint64_t bitmap[NBINS / 64];   /* non-empty bins */
+  uint64_t summary;              /* non-zero bitmap words */
   block_t *large;
   segment_t **segs;              /* sorted by base */
   size_t nsegs, segs_cap;
@@ -157,14 +159,22 @@ static void free_insert(devpool_t *p, block_t *b) {
   b->fnext = *head;
   if (*head) (*head)->fprev = b;
   *head = b;
-  if (b->seg->small) p->bitmap[bin_of(b->size) / 64] |= 1ull << (bin_of(b->size) % 64);
+  if (b->seg->small) {
+    size_t bin = bin_of(b->size);
+    p->bitmap[bin / 64] |= 1ull << (bin % 64);
+    p->summary |= 1ull << (bin / 64);
+  }
 }
 
 static void free_remove(devpool_t *p, block_t *b) {
   block_t **head = b->seg->small ? &p->bins[bin_of(b->size)] : &p->large;
   if (b->fprev) b->fprev->fnext = b->fnext; else *head = b->fnext;
   if (b->fnext) b->fnext->fprev = b->fprev;
-  if (b->seg->small && !*head) p->bitmap[bin_of(b->size) / 64] &= ~(1ull << (bin_of(b->size) % 64));
+  if (b->seg->small && !*head) {
+    size_t bin = bin_of(b->size);
+    p->bitmap[bin / 64] &= ~(1ull << (bin % 64));
+    if (!p->bitmap[bin / 64]) p->summary &= ~(1ull << (bin / 64));
+  }
   b->fprev = b->fnext = NULL;
 }
 
@@ -173,8 +183,11 @@ static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t *s) 
   if (small) {
     for (size_t bin = bin_of(size); bin < NBINS;) {
       uint64_t word = p->bitmap[bin / 64] >> (bin % 64);
-      if (!word) {
-        bin = (bin / 64 + 1) * 64;
+      if (!word) {  /* jump to the next non-empty word through the summary */
+        size_t next = bin / 64 + 1;
+        uint64_t rest = next < 64 ? p->summary >> next : 0;
+        if (!rest) break;
+        bin = (next + (size_t)__builtin_ctzll(rest)) * 64;
         continue;
       }
       bin += (size_t)__builtin_ctzll(word);
@@ -248,6 +261,7 @@ static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small
   seg->base = mem;
   seg->size = seg_size;
   seg->small = small;
+  seg->dev = dev_of(c, p);
   seg->first = b;
   b->ptr = mem;
   b->size = seg_size;
@@ -505,13 +519,7 @@ out:
   return rc;
 }
 
-static devpool_t *pool_of(dp_cache_t *c, block_t *b) {
-  for (int d = 0; d < c->ndev; d++) {
-    size_t at = seg_find(&c->pools[d], b->ptr);
-    if (at != SIZE_MAX && c->pools[d].segs[at] == b->seg) return &c->pools[d];
-  }
-  return NULL;
-}
+static devpool_t *pool_of(dp_cache_t *c, block_t *b) { return &c->pools[b->seg->dev]; }
 
 int dp_cache_free(dp_cache_t *c, void *ptr, dp_error_t *err) {
   if (!c) return dp__err(err, DP_EINVAL, "dp_cache_free: NULL allocator");

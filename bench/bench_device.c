@@ -1,0 +1,157 @@
+/* bench/bench_device.c — the caching allocator, record_stream, event record
+ * and stream wait, per backend, against baselines measured in the same run.
+ * Usage: bench_device OUT.json */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "bench.h"
+#include "devpickle.h"
+#ifdef DP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+typedef struct ctx {
+  dp_backend_t *b;
+  dp_device_t dev;
+  dp_cache_t *cache;
+  dp_stream_t *s, *u;
+  dp_event_t *ev;
+  void *block;
+  pthread_mutex_t mu;
+#ifdef DP_HAVE_CUDA
+  cudaEvent_t raw_ev;
+  cudaStream_t raw_s, raw_u;
+#endif
+} ctx_t;
+
+static void cache_pair(void *p) {
+  ctx_t *c = p;
+  void *x;
+  if (dp_cache_malloc(c->cache, c->dev, 4096, c->s, &x, NULL) != 0) exit(1);
+  dp_cache_free(c->cache, x, NULL);
+}
+
+static void malloc_pair(void *p) {
+  (void)p;
+  void *x = malloc(4096);
+  __asm__ volatile("" : : "r"(x) : "memory");
+  free(x);
+}
+
+static void record(void *p) {
+  ctx_t *c = p;
+  dp_cache_record_stream(c->cache, c->block, c->u, NULL);
+}
+
+static void mutex_pair(void *p) {
+  ctx_t *c = p;
+  pthread_mutex_lock(&c->mu);
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void ev_record(void *p) {
+  ctx_t *c = p;
+  dp_event_record(c->ev, c->s, NULL);
+}
+
+static void wait_event(void *p) {
+  ctx_t *c = p;
+  dp_stream_wait_event(c->u, c->ev, NULL);
+}
+
+static void setup(ctx_t *c, dp_backend_t *b) {
+  memset(c, 0, sizeof *c);
+  c->b = b;
+  c->dev = dp_backend_device(b, 0);
+  pthread_mutex_init(&c->mu, NULL);
+  if (dp_cache_new(b, &c->cache, NULL) || dp_stream_create(b, c->dev, &c->s, NULL) ||
+      dp_stream_create(b, c->dev, &c->u, NULL) || dp_event_acquire(b, c->dev, &c->ev, NULL) ||
+      dp_cache_malloc(c->cache, c->dev, 4096, c->s, &c->block, NULL)) {
+    fprintf(stderr, "bench_device: setup failed on %s\n", dp_backend_name(b));
+    exit(1);
+  }
+}
+
+static void teardown(ctx_t *c) {
+  dp_stream_synchronize(c->s, NULL);
+  dp_stream_synchronize(c->u, NULL);
+  dp_cache_free(c->cache, c->block, NULL);
+  dp_event_release(c->ev);
+  dp_cache_destroy(c->cache);
+  dp_stream_destroy(c->s);
+  dp_stream_destroy(c->u);
+}
+
+#ifdef DP_HAVE_CUDA
+static void cuda_pair(void *p) {
+  (void)p;
+  void *x;
+  cudaMalloc(&x, 4096);
+  cudaFree(x);
+}
+
+static void cuda_async_pair(void *p) {
+  ctx_t *c = p;
+  void *x;
+  cudaMallocAsync(&x, 4096, c->raw_s);
+  cudaFreeAsync(x, c->raw_s);
+}
+
+static void raw_record(void *p) {
+  ctx_t *c = p;
+  cudaEventRecord(c->raw_ev, c->raw_s);
+}
+
+static void raw_wait(void *p) {
+  ctx_t *c = p;
+  cudaStreamWaitEvent(c->raw_u, c->raw_ev, 0);
+}
+#endif
+
+int main(int argc, char **argv) {
+  const char *out = argc > 1 ? argv[1] : "build/bench.json";
+  dp_backend_t *host;
+  if (dp_backend_get(DP_DEVICE_HOST, &host, NULL) != 0) return 1;
+  ctx_t c;
+  setup(&c, host);
+  double t, base;
+  bench_pair(cache_pair, malloc_pair, &c, 7, &t, &base);
+  bench_row(out, "alloc_free_4k", "host", t * 1e9, "ns/pair", t / base, "malloc + free of 4 KiB (glibc)");
+  bench_pair(record, mutex_pair, &c, 7, &t, &base);
+  bench_row(out, "record_stream", "host", t * 1e9, "ns/call", t / base, "an uncontended mutex lock + unlock");
+  bench_pair(ev_record, mutex_pair, &c, 7, &t, &base);
+  bench_row(out, "event_record", "host", t * 1e9, "ns/call", t / base, "an uncontended mutex lock + unlock");
+  bench_pair(wait_event, mutex_pair, &c, 5, &t, &base);
+  bench_row(out, "stream_wait_event", "host", t * 1e9, "ns/call", t / base, "an uncontended mutex lock + unlock");
+  teardown(&c);
+
+#ifdef DP_HAVE_CUDA
+  dp_backend_t *cuda;
+  dp_error_t e;
+  if (dp_backend_get(DP_DEVICE_CUDA, &cuda, &e) != 0) {
+    printf("(cuda rows skipped: %s)\n", e.message);
+  } else {
+    setup(&c, cuda);
+    c.raw_s = dp_stream_native(c.s);
+    c.raw_u = dp_stream_native(c.u);
+    cudaEventCreateWithFlags(&c.raw_ev, cudaEventDisableTiming);
+    bench_pair(cache_pair, cuda_pair, &c, 7, &t, &base);
+    bench_row(out, "alloc_free_4k", "cuda", t * 1e9, "ns/pair", t / base, "cudaMalloc + cudaFree of 4 KiB");
+    double ta, tasync;
+    bench_pair(cache_pair, cuda_async_pair, &c, 7, &ta, &tasync);
+    bench_row(out, "alloc_free_4k_vs_async", "cuda", ta * 1e9, "ns/pair", ta / tasync,
+              "cudaMallocAsync + cudaFreeAsync of 4 KiB on the same stream");
+    bench_pair(record, mutex_pair, &c, 7, &t, &base);
+    bench_row(out, "record_stream", "cuda", t * 1e9, "ns/call", t / base, "an uncontended mutex lock + unlock");
+    bench_pair(ev_record, raw_record, &c, 7, &t, &base);
+    bench_row(out, "event_record", "cuda", t * 1e9, "ns/call", t / base, "cudaEventRecord");
+    bench_pair(wait_event, raw_wait, &c, 7, &t, &base);
+    bench_row(out, "stream_wait_event", "cuda", t * 1e9, "ns/call", t / base, "cudaStreamWaitEvent");
+    cudaStreamSynchronize(c.raw_s);
+    cudaEventDestroy(c.raw_ev);
+    teardown(&c);
+  }
+#endif
+  dp_backend_shutdown();
+  return 0;
+}

@@ -1,0 +1,188 @@
+/* The CUDA backend and the caching allocator on a real GPU. Device work is
+ * slowed down on purpose (a kernel that spins before it writes), so that a
+ * missing wait shows up as wrong data; each race test has a negative control
+ * that leaves the synchronization out and observes the race. Every test
+ * skips, saying why, where no CUDA device is usable. */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "devpickle.h"
+
+int gpu_spin_write(void *stream, int *p, int value, double ms);
+int gpu_spin_check(void *stream, const void *p, int n, unsigned char expect, double ms, int *ok);
+int gpu_fill(void *stream, void *p, int n, unsigned char v);
+
+static dp_backend_t *B;
+#define G0 ((dp_device_t){DP_DEVICE_CUDA, 0})
+
+#define OK(call)                                                                  \
+  do {                                                                            \
+    dp_error_t e_;                                                                \
+    dp_error_clear(&e_);                                                          \
+    int rc_ = (call);                                                             \
+    cr_assert_eq(rc_, 0, "%s failed: %s %s", #call, dp_err_name(rc_), e_.message); \
+  } while (0)
+
+static void setup(void) {
+  dp_error_t e;
+  unsetenv("DEVPICKLE_BACKEND");
+  if (dp_backend_get(DP_DEVICE_CUDA, &B, &e) != 0) cr_skip_test("%s", e.message);
+}
+static void teardown(void) { dp_backend_shutdown(); }
+TestSuite(gpu, .init = setup, .fini = teardown);
+
+Test(gpu, the_default_backend_is_cuda_when_a_gpu_is_usable) {
+  dp_backend_t *b;
+  OK(dp_backend_default(&b, NULL));
+  cr_assert_str_eq(dp_backend_name(b), "cuda");
+  cr_assert_gt(dp_backend_device_count(b), 0);
+}
+
+/* Producer on stream a: spin, then write 42 into device memory. Consumer on
+ * stream c: copy it to the host. */
+static int consumer_sees(int with_wait) {
+  dp_stream_t *a, *c;
+  OK(dp_stream_create(B, G0, &a, NULL));
+  OK(dp_stream_create(B, G0, &c, NULL));
+  int *dev;
+  OK(dp_device_malloc(B, G0, sizeof(int), (void **)&dev, NULL));
+  int zero = 0, out = -1;
+  OK(dp_memcpy_async(a, dev, &zero, sizeof zero, NULL));
+  OK(dp_stream_synchronize(a, NULL));
+  cr_assert_eq(gpu_spin_write(dp_stream_native(a), dev, 42, 20.0), 0);
+  dp_event_t *ev;
+  OK(dp_event_acquire(B, G0, &ev, NULL));
+  OK(dp_event_record(ev, a, NULL));
+  if (with_wait) OK(dp_stream_wait_event(c, ev, NULL));
+  OK(dp_memcpy_async(c, &out, dev, sizeof out, NULL));
+  OK(dp_stream_synchronize(c, NULL));
+  OK(dp_stream_synchronize(a, NULL));
+  dp_event_release(ev);
+  dp_device_free(B, G0, dev);
+  dp_stream_destroy(a);
+  dp_stream_destroy(c);
+  return out;
+}
+
+Test(gpu, a_stream_that_waits_on_an_event_sees_the_kernels_write) {
+  for (int i = 0; i < 3; i++) cr_assert_eq(consumer_sees(1), 42);
+}
+
+Test(gpu, negative_control_without_the_wait_the_copy_reads_stale_data) {
+  cr_assert_eq(consumer_sees(0), 0, "without the wait the copy overtakes the spinning kernel");
+}
+
+Test(gpu, events_and_streams_answer_queries) {
+  dp_stream_t *s;
+  OK(dp_stream_create(B, G0, &s, NULL));
+  int *dev;
+  OK(dp_device_malloc(B, G0, sizeof(int), (void **)&dev, NULL));
+  dp_event_t *ev;
+  OK(dp_event_acquire(B, G0, &ev, NULL));
+  cr_assert_eq(dp_event_query(ev), 1, "never recorded: complete");
+  cr_assert_eq(gpu_spin_write(dp_stream_native(s), dev, 1, 20.0), 0);
+  OK(dp_event_record(ev, s, NULL));
+  cr_assert_eq(dp_event_query(ev), 0);
+  cr_assert_eq(dp_stream_query(s), 0);
+  OK(dp_event_synchronize(ev, NULL));
+  cr_assert_eq(dp_event_query(ev), 1);
+  OK(dp_device_synchronize(B, G0, NULL));
+  cr_assert_eq(dp_stream_query(s), 1);
+  dp_device_t d;
+  OK(dp_pointer_device(B, (char *)dev + 2, &d));
+  cr_assert(dp_device_equal(d, G0));
+  int local;
+  cr_assert_eq(dp_pointer_device(B, &local, &d), DP_ENOTFOUND);
+  dp_event_release(ev);
+  dp_event_t *again;
+  OK(dp_event_acquire(B, G0, &again, NULL));
+  cr_assert_eq(again, ev, "events come back from the pool");
+  dp_event_release(again);
+  dp_device_free(B, G0, dev);
+  dp_stream_destroy(s);
+}
+
+/* ---- the caching allocator on the GPU ---- */
+
+static int user_stream_sees_its_data(int record) {
+  dp_cache_t *c;
+  OK(dp_cache_new(B, &c, NULL));
+  dp_stream_t *s, *u;
+  OK(dp_stream_create(B, G0, &s, NULL));
+  OK(dp_stream_create(B, G0, &u, NULL));
+  int *ok;
+  OK(dp_device_malloc(B, G0, sizeof(int), (void **)&ok, NULL));
+  void *p;
+  OK(dp_cache_malloc(c, G0, 4096, s, &p, NULL));
+  cr_assert_eq(gpu_fill(dp_stream_native(s), p, 4096, 0xAA), 0);
+  OK(dp_stream_synchronize(s, NULL));
+  /* u reads p after spinning 20 ms */
+  cr_assert_eq(gpu_spin_check(dp_stream_native(u), p, 4096, 0xAA, 20.0, ok), 0);
+  if (record) OK(dp_cache_record_stream(c, (char *)p + 64, u, NULL));
+  OK(dp_cache_free(c, p, NULL));
+  void *q;
+  OK(dp_cache_malloc(c, G0, 4096, s, &q, NULL));
+  cr_assert_eq(gpu_fill(dp_stream_native(s), q, 4096, 0x55), 0);
+  OK(dp_device_synchronize(B, G0, NULL));
+  int host_ok = -1;
+  OK(dp_memcpy_async(s, &host_ok, ok, sizeof host_ok, NULL));
+  OK(dp_stream_synchronize(s, NULL));
+  if (record) {
+    cr_assert_neq(q, p, "the block was in use on u: not handed out again");
+    cr_assert_eq(dp_cache_poll(c), 1);
+  }
+  OK(dp_cache_free(c, q, NULL));
+  dp_device_free(B, G0, ok);
+  dp_stream_destroy(s);
+  dp_stream_destroy(u);
+  dp_cache_destroy(c);
+  return host_ok;
+}
+
+Test(gpu, record_stream_keeps_a_block_until_the_user_streams_kernel_is_done) {
+  cr_assert_eq(user_stream_sees_its_data(1), 1);
+}
+
+Test(gpu, negative_control_without_record_stream_the_reused_block_is_overwritten_under_the_kernel) {
+  cr_assert_eq(user_stream_sees_its_data(0), 0);
+}
+
+Test(gpu, another_stream_reusing_a_block_waits_for_the_first_streams_kernel) {
+  dp_cache_t *c;
+  OK(dp_cache_new(B, &c, NULL));
+  dp_stream_t *s, *t;
+  OK(dp_stream_create(B, G0, &s, NULL));
+  OK(dp_stream_create(B, G0, &t, NULL));
+  int *p;
+  OK(dp_cache_malloc(c, G0, 4096, s, (void **)&p, NULL));
+  cr_assert_eq(gpu_spin_write(dp_stream_native(s), p, 7, 20.0), 0);  /* s writes 7 late */
+  OK(dp_cache_free(c, p, NULL));
+  int *q;
+  OK(dp_cache_malloc(c, G0, 4096, t, (void **)&q, NULL));
+  cr_assert_eq(q, p);
+  cr_assert_eq(gpu_fill(dp_stream_native(t), q, 4, 0x01), 0);  /* t's write must land after s's */
+  int out = 0;
+  OK(dp_memcpy_async(t, &out, q, sizeof out, NULL));
+  OK(dp_stream_synchronize(t, NULL));
+  cr_assert_eq(out, 0x01010101, "t's write came last");
+  dp_cache_stats_t st;
+  dp_cache_stats(c, G0, &st);
+  cr_assert_eq(st.cross_stream, 1);
+  OK(dp_cache_free(c, q, NULL));
+  OK(dp_device_synchronize(B, G0, NULL));
+  dp_stream_destroy(s);
+  dp_stream_destroy(t);
+  dp_cache_destroy(c);
+}
+
+Test(gpu, an_impossible_allocation_is_enomem_after_freeing_the_cache) {
+  dp_cache_t *c;
+  OK(dp_cache_new(B, &c, NULL));
+  void *p;
+  dp_error_t e;
+  cr_assert_eq(dp_cache_malloc(c, G0, (size_t)1 << 50, NULL, &p, &e), DP_ENOMEM, "%s", e.message);
+  dp_cache_stats_t st;
+  dp_cache_stats(c, G0, &st);
+  cr_assert_eq(st.oom_retries, 1);
+  dp_cache_destroy(c);
+}
