@@ -23,7 +23,7 @@ CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt
 endif
 LDLIBS    := -lmsgpackc -lxxhash $(CUDA_LIBS) -lpthread -lm
 
-LIB_SRC   := $(wildcard pickler/*.c device/*.c allocator_hooks/*.c)
+LIB_SRC   := $(wildcard pickler/*.c device/*.c allocator_hooks/*.c future/*.c)
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 CLI_SRC   := $(wildcard tools/*.c)
 CLI_OBJ   := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)

@@ -7,6 +7,7 @@
 
 static pthread_mutex_t registry_mu = PTHREAD_MUTEX_INITIALIZER;
 void (*dp__cache_shutdown)(void);
+void (*dp__future_shutdown)(void);
 void (*dp__stream_gone)(dp_stream_t *s);
 static dp_backend_t *registry[DP_DEVICE_TYPE_COUNT];
 
@@ -101,6 +102,7 @@ static void free_stream_handle(dp_stream_t *s) {
 }
 
 void dp_backend_shutdown(void) {
+  if (dp__future_shutdown) dp__future_shutdown();
   if (dp__cache_shutdown) dp__cache_shutdown();
   pthread_mutex_lock(&registry_mu);
   for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {

@@ -73,6 +73,9 @@ extern const dp__backend_ops_t dp__cuda_ops;
 /* Set by the allocator module when it creates the backends' default
  * allocators; dp_backend_shutdown calls it before stopping the backends. */
 extern void (*dp__cache_shutdown)(void);
+/* Set by the future module: frees the calling thread's scratch pointer set
+ * (other threads' go with them, through a thread-specific destructor). */
+extern void (*dp__future_shutdown)(void);
 /* Set by the allocator module: tells every allocator that a stream is going
  * away (its work has completed), so that no block keeps pointing at it. */
 extern void (*dp__stream_gone)(dp_stream_t *s);

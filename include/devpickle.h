@@ -7,4 +7,5 @@
 #include "devpickle/pickler.h"
 #include "devpickle/device.h"
 #include "devpickle/allocator.h"
+#include "devpickle/future.h"
 #endif

@@ -1,0 +1,672 @@
+/* future/future.c — the stream-aware future.
+ *
+ * Completing: walk the value into this thread's scratch pointer set (no lock
+ * held), copy the allocations into one block owned by the future, record one
+ * event per used device on that device's current stream and record the
+ * allocations on it, then take the lock only to publish. Everything published
+ * is immutable afterwards, so waiters read it without the lock.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "../device/internal.h"
+
+enum { PENDING = 0, DONE = 1, FAILED = 2 };
+
+typedef struct fptr {
+  dp_device_t device;
+  uint32_t refs;
+  void *base;
+  size_t nbytes;
+} fptr_t;
+
+typedef struct fdev {
+  dp_device_t dev;
+  dp_event_t *ev;
+  size_t first, count;   /* this device's bases in by_dev */
+} fdev_t;
+
+/* What a completion publishes: one allocation holding three arrays. */
+typedef struct record {
+  void *block;
+  size_t block_size;
+  fptr_t *ptrs;
+  size_t nptrs;
+  void **by_dev;
+  fdev_t *devs;
+  size_t ndevs;
+} record_t;
+
+typedef struct cbent {
+  struct cbent *next;
+  dp_then_cb cb;
+  void *ud;
+  dp_future_t *child;
+  void (*internal)(void *ctx, dp_future_t *parent);  /* collect_all */
+  void (*internal_drop)(void *ctx);
+  void *ctx;
+} cbent_t;
+
+struct dp_future {
+  _Atomic uint32_t refs;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int state;
+  dp_value_t value;
+  dp_error_t error;
+  dp_backend_t *b;
+  dp_device_t *allowed;
+  size_t nallowed;
+  dp_allocator_hooks_t hooks;
+  int use_hooks;
+  record_t rec;
+  cbent_t *cbs;
+};
+
+/* ---- the scratch pointer set: one per thread, reused ---- */
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static _Thread_local int scratch_busy;
+
+static void scratch_destroy(void *p) { dp_ptrset_free(p); }
+
+static void scratch_release_mine(void) {
+  dp_ptrset_t *s = pthread_getspecific(scratch_key);
+  if (s && !scratch_busy) {
+    pthread_setspecific(scratch_key, NULL);
+    dp_ptrset_free(s);
+  }
+}
+
+static void scratch_init(void) {
+  pthread_key_create(&scratch_key, scratch_destroy);
+  dp__future_shutdown = scratch_release_mine;
+}
+
+/* The thread's set, or a fresh one when it is in use further up the stack
+ * (a reduce() that completes a future); *owned tells which. */
+static dp_ptrset_t *scratch_get(int *owned, dp_error_t *err) {
+  pthread_once(&scratch_once, scratch_init);
+  dp_ptrset_t *s = scratch_busy ? NULL : pthread_getspecific(scratch_key);
+  *owned = 0;
+  if (!s) {
+    if (dp_ptrset_new(&s, err) != 0) return NULL;
+    if (!scratch_busy && pthread_setspecific(scratch_key, s) == 0) {
+      /* kept for this thread */
+    } else {
+      *owned = 1;
+    }
+  }
+  if (!*owned) scratch_busy = 1;
+  dp_ptrset_clear(s);
+  return s;
+}
+
+static void scratch_put(dp_ptrset_t *s, int owned) {
+  if (owned) dp_ptrset_free(s);
+  else scratch_busy = 0;
+}
+
+/* ---- creation and lifetime ---- */
+
+static int init_opts(dp_future_t *f, const dp_future_opts_t *o, dp_error_t *err) {
+  int rc;
+  if (o && o->backend) f->b = o->backend;
+  else if ((rc = dp_backend_default(&f->b, err)) != 0) return rc;
+  if (o && o->ndevices) {
+    f->allowed = dp__alloc_array(o->ndevices, sizeof(dp_device_t));
+    if (!f->allowed) return dp__err(err, DP_ENOMEM, "out of memory creating a future");
+    for (size_t i = 0; i < o->ndevices; i++) {
+      if ((rc = dp__check_device(f->b, o->devices[i], err)) != 0) return rc;
+      f->allowed[i] = o->devices[i];
+    }
+    f->nallowed = o->ndevices;
+  }
+  if (o && o->no_hooks) return 0;
+  if (o && o->hooks) {
+    f->hooks = *o->hooks;
+  } else {
+    dp_cache_t *c;
+    if ((rc = dp_cache_default(f->b, &c, err)) != 0) return rc;
+    f->hooks = dp_cache_hooks(c);
+  }
+  f->use_hooks = 1;
+  return 0;
+}
+
+static void future_free(dp_future_t *f);
+
+int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_future_new: NULL out");
+  dp_future_t *f = dp__alloc(sizeof *f);
+  if (!f) return dp__err(err, DP_ENOMEM, "out of memory creating a future");
+  memset(f, 0, sizeof *f);
+  atomic_init(&f->refs, 1);
+  pthread_mutex_init(&f->mu, NULL);
+  pthread_cond_init(&f->cv, NULL);
+  f->value = dp_none();
+  dp_error_clear(&f->error);
+  int rc = init_opts(f, opts, err);
+  if (rc) {
+    future_free(f);
+    return rc;
+  }
+  *out = f;
+  return 0;
+}
+
+/* A child shares its parent's backend, devices and hooks. */
+static int future_like(const dp_future_t *p, dp_future_t **out, dp_error_t *err) {
+  dp_future_opts_t o = {p->b, p->allowed, p->nallowed, p->use_hooks ? &p->hooks : NULL, !p->use_hooks};
+  return dp_future_new(&o, out, err);
+}
+
+dp_future_t *dp_future_retain(dp_future_t *f) {
+  if (f) atomic_fetch_add_explicit(&f->refs, 1, memory_order_relaxed);
+  return f;
+}
+
+static void record_free(record_t *r) {
+  for (size_t i = 0; i < r->ndevs; i++) dp_event_release(r->devs[i].ev);
+  dp__free(r->block, r->block_size);
+  memset(r, 0, sizeof *r);
+}
+
+static void cbent_free(cbent_t *e) {
+  if (e->child) dp_future_release(e->child);
+  if (e->internal_drop) e->internal_drop(e->ctx);
+  dp__free(e, sizeof *e);
+}
+
+static void future_free(dp_future_t *f) {
+  while (f->cbs) {
+    cbent_t *e = f->cbs;
+    f->cbs = e->next;
+    cbent_free(e);
+  }
+  dp_value_release(f->value);
+  record_free(&f->rec);
+  dp__free(f->allowed, f->nallowed * sizeof(dp_device_t));
+  pthread_mutex_destroy(&f->mu);
+  pthread_cond_destroy(&f->cv);
+  dp__free(f, sizeof *f);
+}
+
+void dp_future_release(dp_future_t *f) {
+  if (f && atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel) == 1) future_free(f);
+}
+
+/* ---- completion ---- */
+
+static int allowed(const dp_future_t *f, dp_device_t d) {
+  if (d.type == DP_DEVICE_CPU) return 1;
+  if (d.type != f->b->type || d.index >= f->b->ndev) return 0;
+  if (!f->nallowed) return 1;
+  for (size_t i = 0; i < f->nallowed; i++)
+    if (dp_device_equal(f->allowed[i], d)) return 1;
+  return 0;
+}
+
+static size_t put_devices(char *buf, size_t cap, const dp_device_t *d, size_t n, const dp_backend_t *b) {
+  size_t pos = (size_t)snprintf(buf, cap, "[");
+  char one[16];
+  size_t count = n ? n : (size_t)b->ndev;
+  for (size_t i = 0; i < count && pos < cap; i++)
+    pos += (size_t)snprintf(buf + pos, cap - pos, "%s%s", i ? ", " : "",
+                            dp_device_format(n ? d[i] : dp_backend_device(b, (int)i), one, sizeof one));
+  if (pos < cap) pos += (size_t)snprintf(buf + pos, cap - pos, "]");
+  return pos;
+}
+
+/* Copies the set into a record, checks devices, records one event per used
+ * device on the given streams (the current ones when streams is NULL) and
+ * the allocations on those streams. */
+static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *streams, record_t *r, dp_error_t *err) {
+  memset(r, 0, sizeof *r);
+  size_t n = dp_ptrset_count(set), ngroups = dp_ptrset_ndevices(set), ndevs = 0;
+  for (size_t g = 0; g < ngroups; g++) {
+    dp_device_t d = dp_ptrset_device(set, g);
+    if (!allowed(f, d)) {
+      char used[256], ok[256], one[16];
+      dp_device_t all[64];
+      size_t k = 0;
+      for (size_t j = 0; j < ngroups && k < 64; j++) all[k++] = dp_ptrset_device(set, j);
+      put_devices(used, sizeof used, all, k, f->b);
+      put_devices(ok, sizeof ok, f->allowed, f->nallowed, f->b);
+      return dp__err(err, DP_EDEVICE, "the value uses %s, which is not among the future's devices %s (the value's devices: %s)",
+                     dp_device_format(d, one, sizeof one), ok, used);
+    }
+    if (d.type != DP_DEVICE_CPU) ndevs++;
+  }
+  r->block_size = n * sizeof(fptr_t) + n * sizeof(void *) + ndevs * sizeof(fdev_t);
+  if (r->block_size && !(r->block = dp__alloc(r->block_size)))
+    return dp__err(err, DP_ENOMEM, "out of memory completing a future");
+  r->ptrs = r->block;
+  r->by_dev = (void **)(r->ptrs + n);
+  r->devs = (fdev_t *)(r->by_dev + n);
+  r->nptrs = n;
+  for (size_t i = 0; i < n; i++) {
+    dp_ptr_info_t p;
+    dp_ptrset_get(set, i, &p);
+    r->ptrs[i] = (fptr_t){p.device, p.refs, p.base, p.nbytes};
+  }
+  size_t pos = 0;
+  for (size_t g = 0; g < ngroups; g++) {
+    dp_device_t d = dp_ptrset_device(set, g);
+    if (d.type == DP_DEVICE_CPU) continue;
+    fdev_t *fd = &r->devs[r->ndevs];
+    fd->dev = d;
+    fd->first = pos;
+    for (size_t i = dp_ptrset_first_on(set, g); i != SIZE_MAX; i = dp_ptrset_next_on(set, i)) r->by_dev[pos++] = r->ptrs[i].base;
+    fd->count = pos - fd->first;
+    dp_stream_t *s = streams ? streams[r->ndevs] : dp_current_stream(f->b, d);
+    int rc = s ? dp_event_acquire(f->b, d, &fd->ev, err) : dp__err(err, DP_ENODEV, "no stream for a device");
+    if (rc == 0 && (rc = dp_event_record(fd->ev, s, err)) != 0) dp_event_release(fd->ev);
+    if (rc == 0 && f->use_hooks && (rc = dp_allocator_record(&f->hooks, r->by_dev + fd->first, fd->count, s, err)) != 0)
+      dp_event_release(fd->ev);
+    if (rc) {
+      record_free(r);
+      return rc;
+    }
+    r->ndevs++;
+  }
+  return 0;
+}
+
+static void run_callbacks(dp_future_t *f, cbent_t *list);
+
+/* Publishes a record (or an error when rec is NULL). Steals value. */
+static int publish(dp_future_t *f, dp_value_t value, record_t *rec, const dp_error_t *error, dp_error_t *err) {
+  pthread_mutex_lock(&f->mu);
+  if (f->state != PENDING) {
+    pthread_mutex_unlock(&f->mu);
+    dp_value_release(value);
+    if (rec) record_free(rec);
+    return dp__err(err, DP_ESTATE, "the future is already complete");
+  }
+  /* The state is stored last, with release: readers that see it without
+   * the lock (dp_future_value, dp_future_is_done) see what it publishes. */
+  if (rec) {
+    f->value = value;
+    f->rec = *rec;
+    __atomic_store_n(&f->state, DONE, __ATOMIC_RELEASE);
+  } else {
+    f->error = *error;
+    if (!f->error.code) f->error.code = DP_ESTATE;
+    dp_value_release(value);
+    __atomic_store_n(&f->state, FAILED, __ATOMIC_RELEASE);
+  }
+  cbent_t *cbs = f->cbs;
+  f->cbs = NULL;
+  pthread_cond_broadcast(&f->cv);
+  pthread_mutex_unlock(&f->mu);
+  run_callbacks(f, cbs);
+  return 0;
+}
+
+/* Completes f from a filled set on the given streams (NULL: current). A
+ * failure completes f with that failure. */
+static int complete_with_set(dp_future_t *f, dp_value_t value, const dp_ptrset_t *set, dp_stream_t *const *streams,
+                             dp_error_t *err) {
+  record_t rec;
+  dp_error_t e;
+  dp_error_clear(&e);
+  int rc = prepare(f, set, streams, &rec, &e);
+  if (rc) {
+    if (err) *err = e;
+    if (publish(f, value, NULL, &e, NULL) != 0) return DP_ESTATE;
+    return rc;
+  }
+  return publish(f, value, &rec, NULL, err);
+}
+
+int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) {
+  if (!f) {
+    dp_value_release(value);
+    return dp__err(err, DP_EINVAL, "dp_future_mark_completed: NULL future");
+  }
+  if (dp_future_is_done(f)) {
+    dp_value_release(value);
+    return dp__err(err, DP_ESTATE, "the future is already complete");
+  }
+  int owned;
+  dp_error_t e;
+  dp_error_clear(&e);
+  dp_ptrset_t *set = scratch_get(&owned, &e);
+  int rc = set ? dp_scan(value, NULL, set, &e) : e.code;
+  if (rc) {
+    if (set) scratch_put(set, owned);
+    if (err) *err = e;
+    /* The walk failed: so does the future, so that nobody waits forever. */
+    return publish(f, value, NULL, &e, NULL) == 0 ? rc : DP_ESTATE;
+  }
+  rc = complete_with_set(f, value, set, NULL, err);
+  scratch_put(set, owned);
+  return rc;
+}
+
+int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const dp_ptrset_t *ptrs, dp_error_t *err) {
+  if (!f || !ptrs) {
+    dp_value_release(value);
+    return dp__err(err, DP_EINVAL, "dp_future_mark_completed_with_ptrs: NULL argument");
+  }
+  return complete_with_set(f, value, ptrs, NULL, err);
+}
+
+int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err) {
+  if (!f || !error) return dp__err(err, DP_EINVAL, "dp_future_set_error: NULL argument");
+  return publish(f, dp_none(), NULL, error, err);
+}
+
+/* ---- waiting ---- */
+
+static int wait_done(dp_future_t *f, int64_t timeout_ns) {
+  pthread_mutex_lock(&f->mu);
+  if (timeout_ns < 0) {
+    while (f->state == PENDING) pthread_cond_wait(&f->cv, &f->mu);
+  } else {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t ns = ts.tv_nsec + timeout_ns % 1000000000;
+    ts.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
+    ts.tv_nsec = (long)(ns % 1000000000);
+    while (f->state == PENDING)
+      if (pthread_cond_timedwait(&f->cv, &f->mu, &ts) == ETIMEDOUT) break;
+  }
+  int state = f->state;
+  pthread_mutex_unlock(&f->mu);
+  return state;
+}
+
+/* Makes stream s wait on the event of device i and records the device's
+ * allocations on s. */
+static int join_device(dp_future_t *f, size_t i, dp_stream_t *s, dp_error_t *err) {
+  fdev_t *d = &f->rec.devs[i];
+  int rc = dp_stream_wait_event(s, d->ev, err);
+  if (rc == 0 && f->use_hooks) rc = dp_allocator_record(&f->hooks, f->rec.by_dev + d->first, d->count, s, err);
+  return rc;
+}
+
+int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
+  if (!f) return dp__err(err, DP_EINVAL, "dp_future_wait: NULL future");
+  int state = wait_done(f, timeout_ns);
+  if (state == PENDING) return dp__err(err, DP_ETIMEDOUT, "the future did not complete within %lld ns", (long long)timeout_ns);
+  if (state == FAILED) {
+    if (err) *err = f->error;
+    return f->error.code;
+  }
+  for (size_t i = 0; i < f->rec.ndevs; i++) {
+    dp_stream_t *s = dp_current_stream(f->b, f->rec.devs[i].dev);
+    int rc = s ? join_device(f, i, s, err) : dp__err(err, DP_ENODEV, "no current stream");
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
+  int rc = dp_future_wait(f, timeout_ns, err);
+  for (size_t i = 0; rc == 0 && i < f->rec.ndevs; i++) rc = dp_event_synchronize(f->rec.devs[i].ev, err);
+  return rc;
+}
+
+dp_value_t dp_future_value(const dp_future_t *f) {
+  if (!f) return dp_none();
+  int state = __atomic_load_n(&f->state, __ATOMIC_ACQUIRE);
+  return state == DONE ? f->value : dp_none();
+}
+
+int dp_future_is_done(const dp_future_t *f) {
+  return f && __atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != PENDING;
+}
+
+int dp_future_error(const dp_future_t *f, dp_error_t *err) {
+  if (!f || __atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != FAILED) return 0;
+  if (err) *err = f->error;
+  return f->error.code;
+}
+
+/* ---- then ---- */
+
+#define STREAMS_INLINE 16
+
+/* Runs a then() callback for a completed parent. */
+static void run_then(dp_future_t *p, cbent_t *e) {
+  dp_future_t *child = e->child;
+  dp_error_t err;
+  dp_error_clear(&err);
+  if (__atomic_load_n(&p->state, __ATOMIC_ACQUIRE) == FAILED) {
+    dp_future_set_error(child, &p->error, NULL);
+    return;
+  }
+  size_t n = p->rec.ndevs;
+  dp_stream_t *inl[2 * STREAMS_INLINE], **streams = inl;
+  if (n > STREAMS_INLINE && !(streams = dp__alloc_array(2 * n, sizeof *streams))) {
+    dp__err(&err, DP_ENOMEM, "out of memory running a callback");
+    dp_future_set_error(child, &err, NULL);
+    return;
+  }
+  dp_stream_t **prev = streams + n;
+  size_t set = 0;
+  int rc = 0;
+  /* Pool streams, current for the callback, wait on the parent's events. */
+  for (; set < n && rc == 0; set++) {
+    dp_stream_t *s = dp_stream_pool_next(p->b, p->rec.devs[set].dev);
+    rc = s ? join_device(p, set, s, &err) : dp__err(&err, DP_ENODEV, "no pool stream");
+    if (rc == 0) rc = dp_set_current_stream(s, &prev[set]);
+    if (rc) break;
+    streams[set] = s;
+  }
+  if (rc == 0) {
+    dp_value_t result = dp_none();
+    rc = e->cb(e->ud, p, &result, &err);
+    if (rc) {
+      if (!err.code) dp__err(&err, rc, "the callback failed: %s", dp_strerror(rc));
+      dp_value_release(result);
+    } else {
+      /* The result is walked afresh; its events go on the callback's streams
+       * (still current). A failed walk fails the child — never a fallback. */
+      dp_future_mark_completed(child, result, NULL);
+    }
+  }
+  for (size_t i = 0; i < set; i++) {
+    if (prev[i]) dp_set_current_stream(prev[i], NULL);
+    else dp_reset_current_stream(p->b, p->rec.devs[i].dev);
+  }
+  if (rc) dp_future_set_error(child, &err, NULL);
+  if (streams != inl) dp__free(streams, 2 * n * sizeof *streams);
+}
+
+static void run_callbacks(dp_future_t *f, cbent_t *list) {
+  /* Registered order: the list was built by pushing at the head. */
+  cbent_t *rev = NULL;
+  while (list) {
+    cbent_t *n = list->next;
+    list->next = rev;
+    rev = list;
+    list = n;
+  }
+  while (rev) {
+    cbent_t *e = rev;
+    rev = e->next;
+    if (e->internal) e->internal(e->ctx, f);
+    else run_then(f, e);
+    cbent_free(e);
+  }
+}
+
+/* Adds a callback entry, or runs it at once if f is complete. */
+static void add_callback(dp_future_t *f, cbent_t *e) {
+  pthread_mutex_lock(&f->mu);
+  if (f->state == PENDING) {
+    e->next = f->cbs;
+    f->cbs = e;
+    pthread_mutex_unlock(&f->mu);
+    return;
+  }
+  pthread_mutex_unlock(&f->mu);
+  e->next = NULL;
+  run_callbacks(f, e);
+}
+
+int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child, dp_error_t *err) {
+  if (!f || !cb || !child) return dp__err(err, DP_EINVAL, "dp_future_then: NULL argument");
+  dp_future_t *c;
+  int rc = future_like(f, &c, err);
+  if (rc) return rc;
+  cbent_t *e = dp__alloc(sizeof *e);
+  if (!e) {
+    dp_future_release(c);
+    return dp__err(err, DP_ENOMEM, "out of memory chaining a callback");
+  }
+  memset(e, 0, sizeof *e);
+  e->cb = cb;
+  e->ud = ud;
+  e->child = dp_future_retain(c);
+  *child = c;
+  add_callback(f, e);
+  return 0;
+}
+
+/* ---- collect_all ---- */
+
+typedef struct collect {
+  _Atomic uint32_t refs;
+  _Atomic size_t remaining;
+  size_t n;
+  dp_future_t **in;
+  dp_future_t *out;
+} collect_t;
+
+static void collect_drop(void *p) {
+  collect_t *c = p;
+  if (atomic_fetch_sub(&c->refs, 1) != 1) return;
+  for (size_t i = 0; i < c->n; i++) dp_future_release(c->in[i]);
+  dp__free(c->in, c->n * sizeof *c->in);
+  dp_future_release(c->out);
+  dp__free(c, sizeof *c);
+}
+
+static void collect_finish(collect_t *c) {
+  dp_error_t err;
+  dp_error_clear(&err);
+  for (size_t i = 0; i < c->n; i++)
+    if (__atomic_load_n(&c->in[i]->state, __ATOMIC_ACQUIRE) == FAILED) {
+      dp_future_set_error(c->out, &c->in[i]->error, NULL);
+      return;
+    }
+  dp_value_t list;
+  dp_ptrset_t *set = NULL;
+  int rc = dp_list_new(c->n, &list, &err);
+  for (size_t i = 0; rc == 0 && i < c->n; i++) rc = dp_list_append(list, dp_value_retain(c->in[i]->value), &err);
+  if (rc == 0) rc = dp_ptrset_new(&set, &err);
+  /* The inputs' allocations pass through: no walk. */
+  for (size_t i = 0; rc == 0 && i < c->n; i++)
+    for (size_t k = 0; rc == 0 && k < c->in[i]->rec.nptrs; k++) {
+      fptr_t *p = &c->in[i]->rec.ptrs[k];
+      rc = dp_ptrset_add(set, p->device, p->base, p->nbytes, NULL, &err);
+    }
+  /* One stream per used device joins every input's event there. */
+  size_t ngroups = rc == 0 ? dp_ptrset_ndevices(set) : 0, nd = 0;
+  dp_stream_t *inl[STREAMS_INLINE], **streams = inl;
+  if (rc == 0 && ngroups > STREAMS_INLINE && !(streams = dp__alloc_array(ngroups, sizeof *streams)))
+    rc = dp__err(&err, DP_ENOMEM, "out of memory collecting futures");
+  for (size_t g = 0; rc == 0 && g < ngroups; g++) {
+    dp_device_t d = dp_ptrset_device(set, g);
+    if (d.type == DP_DEVICE_CPU) continue;
+    dp_stream_t *s = dp_stream_pool_next(c->out->b, d);
+    if (!s) {
+      rc = dp__err(&err, DP_EDEVICE, "no stream for a device of a collected value");
+      break;
+    }
+    for (size_t i = 0; rc == 0 && i < c->n; i++)
+      for (size_t k = 0; rc == 0 && k < c->in[i]->rec.ndevs; k++)
+        if (dp_device_equal(c->in[i]->rec.devs[k].dev, d)) rc = dp_stream_wait_event(s, c->in[i]->rec.devs[k].ev, &err);
+    streams[nd++] = s;
+  }
+  if (rc == 0) rc = complete_with_set(c->out, list, set, streams, &err);
+  else {
+    dp_value_release(list);
+    dp_future_set_error(c->out, &err, NULL);
+  }
+  if (streams != inl) dp__free(streams, ngroups * sizeof *streams);
+  dp_ptrset_free(set);
+}
+
+static void collect_one(void *p, dp_future_t *parent) {
+  (void)parent;
+  collect_t *c = p;
+  if (atomic_fetch_sub(&c->remaining, 1) == 1) collect_finish(c);
+}
+
+int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future_opts_t *opts, dp_future_t **out,
+                          dp_error_t *err) {
+  if (!out || (n && !futures)) return dp__err(err, DP_EINVAL, "dp_future_collect_all: NULL argument");
+  dp_future_t *o;
+  int rc = opts || n == 0 ? dp_future_new(opts, &o, err) : future_like(futures[0], &o, err);
+  if (rc) return rc;
+  collect_t *c = dp__alloc(sizeof *c);
+  cbent_t **es = c ? dp__alloc_array(n ? n : 1, sizeof *es) : NULL;
+  dp_future_t **in = c ? dp__alloc_array(n ? n : 1, sizeof *in) : NULL;
+  size_t made = 0;
+  if (es && in)
+    for (; made < n; made++)
+      if (!(es[made] = dp__alloc(sizeof(cbent_t)))) break;
+  if (!c || !es || !in || made < n) {
+    for (size_t i = 0; i < made; i++) dp__free(es[i], sizeof(cbent_t));
+    dp__free(es, es ? (n ? n : 1) * sizeof *es : 0);
+    dp__free(in, in ? (n ? n : 1) * sizeof *in : 0);
+    dp__free(c, c ? sizeof *c : 0);
+    dp_future_release(o);
+    return dp__err(err, DP_ENOMEM, "out of memory collecting futures");
+  }
+  c->n = n;
+  c->in = in;
+  c->out = dp_future_retain(o);
+  atomic_init(&c->refs, (uint32_t)n + 1);
+  atomic_init(&c->remaining, n);
+  for (size_t i = 0; i < n; i++) c->in[i] = dp_future_retain(futures[i]);
+  *out = o;
+  if (n == 0) {
+    dp_value_t empty;
+    if (dp_list_new(0, &empty, err) == 0) dp_future_mark_completed(o, empty, NULL);
+  }
+  for (size_t i = 0; i < n; i++) {
+    memset(es[i], 0, sizeof(cbent_t));
+    es[i]->internal = collect_one;
+    es[i]->internal_drop = collect_drop;
+    es[i]->ctx = c;
+    add_callback(futures[i], es[i]);
+  }
+  dp__free(es, (n ? n : 1) * sizeof *es);
+  collect_drop(c);
+  return 0;
+}
+
+/* ---- introspection ---- */
+
+size_t dp_future_nptrs(const dp_future_t *f) { return dp_future_is_done(f) ? f->rec.nptrs : 0; }
+
+int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out) {
+  if (!dp_future_is_done(f) || i >= f->rec.nptrs || !out) return DP_EINVAL;
+  const fptr_t *p = &f->rec.ptrs[i];
+  out->device = p->device;
+  out->base = p->base;
+  out->nbytes = p->nbytes;
+  out->refs = p->refs;
+  out->path = NULL;
+  return 0;
+}
+
+size_t dp_future_ndevices(const dp_future_t *f) { return dp_future_is_done(f) ? f->rec.ndevs : 0; }
+
+dp_device_t dp_future_device(const dp_future_t *f, size_t i) {
+  dp_device_t none = {DP_DEVICE_CPU, 0};
+  return dp_future_is_done(f) && i < f->rec.ndevs ? f->rec.devs[i].dev : none;
+}
+
+dp_event_t *dp_future_event(const dp_future_t *f, size_t i) {
+  return dp_future_is_done(f) && i < f->rec.ndevs ? f->rec.devs[i].ev : NULL;
+}

@@ -1,0 +1,121 @@
+/*
+ * devpickle/future.h — a stream-aware future.
+ *
+ * When a future is completed with a value, it walks the value (dp_scan) to
+ * learn which device allocations the value holds — user-defined objects and
+ * customs included, with no registration — and records one event per device
+ * on that device's current stream. A consumer that waits on the future makes
+ * its own current streams wait on those events (device side: the host does
+ * not block on device work) and tells the allocator that the allocations are
+ * used on its streams, so their memory is not reused under it.
+ *
+ * then() chains a callback: it runs when the parent completes, with pool
+ * streams current on the devices the parent's value uses, after those streams
+ * wait on the parent's events. The callback's result is walked afresh and the
+ * child records its own events on the callback's streams. If that walk fails
+ * the child fails loudly, naming the type and the path; it never falls back
+ * to the parent's events.
+ *
+ * OWNERSHIP: futures are reference counted (dp_future_retain/release).
+ * Completing functions steal the value they are given, even on failure.
+ * dp_future_value() borrows.
+ *
+ * THREAD SAFETY: every function may be called from any thread at once: any
+ * thread may complete, wait and chain. Callbacks never run under the
+ * future's lock; each runs exactly once, on the thread that completes the
+ * parent, or at once on the thread calling then() if the parent is already
+ * complete.
+ */
+#ifndef DEVPICKLE_FUTURE_H
+#define DEVPICKLE_FUTURE_H
+
+#include "allocator.h"
+#include "pickler.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dp_future dp_future_t;
+
+typedef struct dp_future_opts {
+  /** NULL: dp_backend_default(). */
+  dp_backend_t *backend;
+  /** The devices the future's values may use; NULL/0: every device of the
+   *  backend. cpu memory is always allowed (it needs no stream work). */
+  const dp_device_t *devices;
+  size_t ndevices;
+  /** Where stream uses are recorded. NULL: the backend's default caching
+   *  allocator (dp_cache_default). */
+  const dp_allocator_hooks_t *hooks;
+  /** 1: record no stream uses at all (hooks ignored). */
+  int no_hooks;
+} dp_future_opts_t;
+
+/** A new pending future. opts may be NULL. */
+DP_API int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *err);
+DP_API dp_future_t *dp_future_retain(dp_future_t *f);
+/** Drops a reference; the last one frees the future, its value and its
+ *  events. A pending future's callbacks then never run. */
+DP_API void dp_future_release(dp_future_t *f);
+
+/** Completes f with value (stolen). The value is walked before any lock is
+ *  taken. Errors (f then completes with that error, so no waiter hangs):
+ *  DP_ETYPE / DP_ELIMIT from the walk, with the type and the path;
+ *  DP_EDEVICE when the value uses a device outside f's devices (the message
+ *  names both); backend errors. DP_ESTATE if f was already complete (f is
+ *  left as it was). */
+DP_API int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err);
+/** As dp_future_mark_completed, without the walk: the producer gives the
+ *  allocations (copied from ptrs). */
+DP_API int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const dp_ptrset_t *ptrs,
+                                              dp_error_t *err);
+/** Completes f with an error (copied; a code of 0 becomes DP_ESTATE).
+ *  DP_ESTATE if f was already complete. */
+DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err);
+
+/** Blocks the host until f completes or timeout_ns passes (<0: no limit),
+ *  then makes this thread's current streams wait on f's events and records
+ *  f's allocations on those streams. Returns 0, DP_ETIMEDOUT, or f's own
+ *  error (copied into err). */
+DP_API int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
+/** dp_future_wait, then blocks the host until f's events complete too. */
+DP_API int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
+
+/** The value, borrowed, without any synchronization: device memory it
+ *  references may still be being written. none while pending or failed. */
+DP_API dp_value_t dp_future_value(const dp_future_t *f);
+/** 1 when complete (with a value or an error), else 0. */
+DP_API int dp_future_is_done(const dp_future_t *f);
+/** 0 while pending or completed with a value; else the error code, with
+ *  the error copied into err. */
+DP_API int dp_future_error(const dp_future_t *f, dp_error_t *err);
+
+/** A then() callback: parent is complete with a value. Return 0 and a new
+ *  reference in *result (none is fine), or an error code with err filled. */
+typedef int (*dp_then_cb)(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err);
+
+/** A child future, with f's backend, devices and hooks, completed by cb's
+ *  result. If f fails the child fails with the same error and cb is not
+ *  called. */
+DP_API int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child, dp_error_t *err);
+
+/** A future of a list of the futures' values, complete when all are (failed
+ *  when any fails, with the first error). Allocations pass through without a
+ *  new walk; one event per device joins the inputs' events. */
+DP_API int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future_opts_t *opts,
+                                 dp_future_t **out, dp_error_t *err);
+
+/* ---- introspection of a completed future ---- */
+DP_API size_t dp_future_nptrs(const dp_future_t *f);
+DP_API int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out);
+/** Devices that have an event (the used non-cpu devices). */
+DP_API size_t dp_future_ndevices(const dp_future_t *f);
+DP_API dp_device_t dp_future_device(const dp_future_t *f, size_t i);
+/** The event recorded for device i (borrowed; owned by the future). */
+DP_API dp_event_t *dp_future_event(const dp_future_t *f, size_t i);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,552 @@
+/* The future on the host backend: discovery at completion, events per
+ * device, waits, then() chains (the defining case), collect_all, errors, and
+ * memory held from reuse — with negative controls for every race. */
+#include <pthread.h>
+#include <time.h>
+
+#include "helpers.h"
+
+static dp_backend_t *B;
+#define H0 t_dev(DP_DEVICE_HOST, 0)
+#define H1 t_dev(DP_DEVICE_HOST, 1)
+
+static void setup(void) {
+  unsetenv("DEVPICKLE_BACKEND");
+  unsetenv("DEVPICKLE_HOST_DEVICES");
+  t_track();
+  cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, &B, NULL), 0);
+}
+static void teardown(void) {
+  dp_backend_shutdown();
+  dp_set_allocator(NULL, NULL);
+}
+TestSuite(future, .init = setup, .fini = teardown);
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static dp_future_t *future(void) {
+  dp_future_t *f;
+  dp_future_opts_t o = {B, NULL, 0, NULL, 0};
+  OK(dp_future_new(&o, &f, NULL));
+  return f;
+}
+
+/* A tensor over `n` ints of real host-device memory from the default cache,
+ * allocated on this thread's current stream. */
+static dp_value_t device_ints(dp_device_t d, int n) {
+  dp_cache_t *c;
+  OK(dp_cache_default(B, &c, NULL));
+  void *p;
+  OK(dp_cache_malloc(c, d, (size_t)n * sizeof(int), NULL, &p, NULL));
+  memset(p, 0, (size_t)n * sizeof(int));
+  dp_storage_t *st;
+  OK(dp_storage_new(d, p, (size_t)n * sizeof(int), NULL, NULL, &st, NULL));
+  int64_t shape[1] = {n};
+  dp_value_t t;
+  OK(dp_tensor_new(st, DP_INT32, 1, shape, NULL, 0, &t, NULL));
+  return t;
+}
+
+static int *data_of(dp_value_t t) { return dp_storage_base(dp_tensor_storage(t)); }
+
+static void free_ints(dp_value_t t) {
+  dp_cache_t *c;
+  OK(dp_cache_default(B, &c, NULL));
+  OK(dp_cache_free(c, data_of(t), NULL));
+}
+
+/* slow device work: spin, then fill with a value */
+typedef struct fill {
+  int *p;
+  int n, value, ms;
+} fill_t;
+static void slow_fill(void *arg) {
+  fill_t *f = arg;
+  sleep_ms(f->ms);
+  for (int i = 0; i < f->n; i++) f->p[i] = f->value;
+}
+typedef struct read {
+  const int *p;
+  int n, ms;
+  int first, all_same;
+} read_t;
+static void slow_read(void *arg) {
+  read_t *r = arg;
+  sleep_ms(r->ms);
+  r->first = r->p[0];
+  r->all_same = 1;
+  for (int i = 1; i < r->n; i++) r->all_same &= r->p[i] == r->p[0];
+}
+
+/* ---- a custom type that holds a tensor and reduces to it ---- */
+typedef struct box {
+  dp_value_t t;
+} box_t;
+static int box_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  int rc = dp_tuple_new(1, state, err);
+  return rc ? rc : dp_seq_set(*state, 0, dp_value_retain(((box_t *)obj)->t), err);
+}
+static void box_destroy(void *obj) {
+  dp_value_release(((box_t *)obj)->t);
+  free(obj);
+}
+static const dp_type_t box_type = {"Box", box_reduce, box_destroy};
+static const dp_type_t opaque_type = {"Opaque", NULL, NULL};
+
+static dp_value_t boxed(dp_value_t t) {
+  box_t *b = malloc(sizeof *b);
+  b->t = t;
+  dp_value_t c;
+  OK(dp_custom_new(&box_type, b, &c, NULL));
+  return c;
+}
+
+Test(future, completion_discovers_the_allocations_of_user_objects_and_records_one_event_per_device) {
+  dp_value_t o = t_obj("Batch");
+  dp_value_t a = device_ints(H0, 16), b = device_ints(H0, 16), c = device_ints(H1, 16);
+  OK(dp_object_set(o, "a", dp_value_retain(a), NULL));
+  OK(dp_object_set(o, "box", boxed(dp_value_retain(b)), NULL));
+  OK(dp_object_set(o, "other", dp_value_retain(c), NULL));
+  OK(dp_object_set(o, "cpu", t_tensor(t_dev(DP_DEVICE_CPU, 0), 0x1000, 4), NULL));
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, o, NULL));
+  cr_assert_eq(dp_future_nptrs(f), 4, "cpu storages are listed too");
+  cr_assert_eq(dp_future_ndevices(f), 2, "one event per device with streams; cpu has none");
+  cr_assert(dp_device_equal(dp_future_device(f, 0), H0));
+  cr_assert(dp_device_equal(dp_future_device(f, 1), H1));
+  dp_ptr_info_t p;
+  OK(dp_future_ptr(f, 1, &p));
+  cr_assert_eq(p.base, (void *)data_of(b), "the tensor inside the custom was found");
+  cr_assert_not_null(dp_future_event(f, 0));
+  cr_assert_eq(dp_value_id(dp_future_value(f)), dp_value_id(o));
+  OK(dp_future_wait(f, -1, NULL));
+  free_ints(a);
+  free_ints(b);
+  free_ints(c);
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_value_release(c);
+  dp_future_release(f);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* Producer: fills a tensor slowly on its stream and completes the future.
+ * Consumer: on another stream, reads it — after waiting on the future, or
+ * (negative control) not. */
+static int consumer_reads(int wait) {
+  dp_stream_t *prod, *cons;
+  OK(dp_stream_create(B, H0, &prod, NULL));
+  OK(dp_stream_create(B, H0, &cons, NULL));
+  OK(dp_set_current_stream(prod, NULL));
+  dp_value_t t = device_ints(H0, 64);
+  fill_t fill = {data_of(t), 64, 7, 60};
+  OK(dp_host_launch(prod, slow_fill, &fill, NULL));
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, dp_value_retain(t), NULL));
+  OK(dp_set_current_stream(cons, NULL));
+  if (wait) OK(dp_future_wait(f, -1, NULL));
+  read_t r = {data_of(dp_future_value(f).kind == DP_TENSOR ? dp_future_value(f) : t), 64, 0, -1, 0};
+  OK(dp_host_launch(cons, slow_read, &r, NULL));
+  OK(dp_stream_synchronize(cons, NULL));
+  OK(dp_stream_synchronize(prod, NULL));
+  dp_reset_current_stream(B, H0);
+  free_ints(t);
+  dp_value_release(t);
+  dp_future_release(f);
+  dp_stream_destroy(prod);
+  dp_stream_destroy(cons);
+  return r.first;
+}
+
+Test(future, a_consumer_that_waits_sees_the_producers_data) {
+  cr_assert_eq(consumer_reads(1), 7);
+}
+
+Test(future, negative_control_a_consumer_that_does_not_wait_sees_stale_data) {
+  cr_assert_eq(consumer_reads(0), 0);
+}
+
+/* ---- the defining case ---- */
+
+typedef struct cb_state {
+  _Atomic int calls;
+  fill_t fill;
+  dp_value_t made;
+} cb_state_t;
+
+/* Launches new device work on the callback's (pool) stream and returns its
+ * result inside a user-defined object. */
+static int launch_and_wrap(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  cb_state_t *s = ud;
+  atomic_fetch_add(&s->calls, 1);
+  (void)parent;
+  dp_value_t out = device_ints(H0, 64);  /* allocated on the current (pool) stream */
+  s->fill = (fill_t){data_of(out), 64, 99, 60};
+  int rc = dp_host_launch(dp_current_stream(B, H0), slow_fill, &s->fill, err);
+  if (rc) return rc;
+  s->made = dp_value_retain(out);
+  dp_value_t obj;
+  if ((rc = dp_object_new("Result", &obj, err)) != 0) return rc;
+  *result = obj;
+  return dp_object_set(obj, "payload", boxed(out), err);
+}
+
+static int child_consumer_reads(int wait_on_child) {
+  dp_stream_t *cons;
+  OK(dp_stream_create(B, H0, &cons, NULL));
+  dp_value_t t = device_ints(H0, 64);
+  dp_future_t *parent = future(), *child;
+  cb_state_t st = {0};
+  OK(dp_future_then(parent, launch_and_wrap, &st, &child, NULL));
+  OK(dp_future_mark_completed(parent, dp_value_retain(t), NULL));  /* runs the callback here */
+  cr_assert_eq(atomic_load(&st.calls), 1);
+  OK(dp_set_current_stream(cons, NULL));
+  /* the negative control waits on the parent's events only: what a fallback
+   * to the parent's events would give the child's consumers */
+  OK(dp_future_wait(wait_on_child ? child : parent, -1, NULL));
+  read_t r = {data_of(st.made), 64, 0, -1, 0};
+  OK(dp_host_launch(cons, slow_read, &r, NULL));
+  OK(dp_stream_synchronize(cons, NULL));
+  OK(dp_device_synchronize(B, H0, NULL));
+  dp_reset_current_stream(B, H0);
+  cr_assert_eq(dp_future_nptrs(child), 1, "the child walked the callback's result afresh");
+  free_ints(st.made);
+  free_ints(t);
+  dp_value_release(st.made);
+  dp_value_release(t);
+  dp_future_release(parent);
+  dp_future_release(child);
+  dp_stream_destroy(cons);
+  return r.first;
+}
+
+Test(future, the_consumer_of_a_then_child_sees_the_callbacks_finished_device_work) {
+  cr_assert_eq(child_consumer_reads(1), 99);
+}
+
+Test(future, negative_control_the_parents_events_do_not_cover_the_callbacks_work) {
+  cr_assert_eq(child_consumer_reads(0), 0);
+}
+
+static int bad_result(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud;
+  (void)parent;
+  dp_value_t l;
+  int rc = dp_list_new(1, &l, err);
+  if (rc) return rc;
+  *result = l;
+  dp_value_t c;
+  if ((rc = dp_custom_new(&opaque_type, NULL, &c, err)) != 0) return rc;
+  return dp_list_append(l, c, err);
+}
+
+Test(future, a_child_whose_result_cannot_be_walked_fails_loudly_never_falls_back) {
+  dp_future_t *parent = future(), *child;
+  OK(dp_future_then(parent, bad_result, NULL, &child, NULL));
+  OK(dp_future_mark_completed(parent, device_ints(H0, 4), NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(child, -1, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, "cannot walk a value of type 'Opaque' at $[0]: its type has no reduce");
+  cr_assert_eq(dp_future_ndevices(child), 0, "no events borrowed from the parent");
+  free_ints(dp_future_value(parent));
+  dp_future_release(parent);
+  dp_future_release(child);
+}
+
+/* ---- errors ---- */
+
+typedef struct waiter {
+  dp_future_t *f;
+  int rc;
+  dp_error_t err;
+} waiter_t;
+static void *wait_thread(void *p) {
+  waiter_t *w = p;
+  w->rc = dp_future_wait(w->f, -1, &w->err);
+  return NULL;
+}
+
+Test(future, a_walk_failure_completes_the_future_and_wakes_waiters_with_the_path) {
+  dp_future_t *f = future();
+  waiter_t w = {f, 1, {0}};
+  pthread_t th;
+  pthread_create(&th, NULL, wait_thread, &w);
+  sleep_ms(20);
+  dp_value_t o = t_obj("Model"), c;
+  OK(dp_custom_new(&opaque_type, NULL, &c, NULL));
+  OK(dp_object_set(o, "handle", c, NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_future_mark_completed(f, o, &e), DP_ETYPE);
+  pthread_join(th, NULL);
+  cr_assert_eq(w.rc, DP_ETYPE);
+  cr_assert_str_eq(w.err.message, "cannot walk a value of type 'Opaque' at $.handle: its type has no reduce");
+  cr_assert_eq(dp_future_error(f, &e), DP_ETYPE);
+  cr_assert(dp_future_is_done(f));
+  dp_future_release(f);
+}
+
+Test(future, a_device_outside_the_future_is_an_error_naming_both_lists) {
+  dp_future_t *f;
+  dp_device_t only0[1] = {H0};
+  dp_future_opts_t o = {B, only0, 1, NULL, 0};
+  OK(dp_future_new(&o, &f, NULL));
+  dp_value_t l = t_list(), a = device_ints(H0, 4), b = device_ints(H1, 4);
+  OK(dp_list_append(l, dp_value_retain(a), NULL));
+  OK(dp_list_append(l, dp_value_retain(b), NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_future_mark_completed(f, l, &e), DP_EDEVICE);
+  cr_assert_str_eq(e.message, "the value uses host:1, which is not among the future's devices [host:0] "
+                              "(the value's devices: [host:0, host:1])");
+  cr_assert_eq(dp_future_wait(f, -1, &e), DP_EDEVICE);
+  free_ints(a);
+  free_ints(b);
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_future_release(f);
+}
+
+Test(future, completing_twice_is_an_error_and_changes_nothing) {
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, dp_int(1), NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_future_mark_completed(f, dp_int(2), &e), DP_ESTATE);
+  cr_assert_str_eq(e.message, "the future is already complete");
+  dp_error_t boom;
+  dp_error_clear(&boom);
+  boom.code = DP_EINVAL;
+  cr_assert_eq(dp_future_set_error(f, &boom, &e), DP_ESTATE);
+  cr_assert_eq(dp_value_as_int(dp_future_value(f)), 1);
+  cr_assert_eq(dp_future_error(f, NULL), 0);
+  dp_future_release(f);
+}
+
+static int failing_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent;
+  (void)result;
+  atomic_fetch_add((_Atomic int *)ud, 1);
+  snprintf(err->message, sizeof err->message, "the model diverged");
+  err->code = DP_EINVAL;
+  return DP_EINVAL;
+}
+
+static int counting_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent;
+  (void)err;
+  atomic_fetch_add((_Atomic int *)ud, 1);
+  *result = dp_int(5);
+  return 0;
+}
+
+Test(future, a_callback_error_propagates_down_the_chain) {
+  _Atomic int failing = 0, later = 0;
+  dp_future_t *f = future(), *c1, *c2;
+  OK(dp_future_then(f, failing_cb, &failing, &c1, NULL));
+  OK(dp_future_then(c1, counting_cb, &later, &c2, NULL));
+  OK(dp_future_mark_completed(f, dp_int(0), NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(c2, -1, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "the model diverged");
+  cr_assert_eq(atomic_load(&failing), 1);
+  cr_assert_eq(atomic_load(&later), 0, "a failed parent's callback is not called");
+  dp_future_release(f);
+  dp_future_release(c1);
+  dp_future_release(c2);
+}
+
+Test(future, wait_times_out_on_a_pending_future) {
+  dp_future_t *f = future();
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(f, 20 * 1000000, &e), DP_ETIMEDOUT);
+  cr_assert_str_eq(e.message, "the future did not complete within 20000000 ns");
+  cr_assert_not(dp_future_is_done(f));
+  dp_future_release(f);
+}
+
+Test(future, callbacks_added_after_completion_run_at_once_and_each_runs_once) {
+  _Atomic int calls = 0;
+  dp_future_t *f = future(), *c[5];
+  OK(dp_future_then(f, counting_cb, &calls, &c[0], NULL));
+  OK(dp_future_then(f, counting_cb, &calls, &c[1], NULL));
+  OK(dp_future_mark_completed(f, dp_int(3), NULL));
+  cr_assert_eq(atomic_load(&calls), 2);
+  OK(dp_future_then(f, counting_cb, &calls, &c[2], NULL));
+  cr_assert_eq(atomic_load(&calls), 3, "ran at once");
+  OK(dp_future_then(c[2], counting_cb, &calls, &c[3], NULL));
+  OK(dp_future_then(c[3], counting_cb, &calls, &c[4], NULL));
+  cr_assert_eq(atomic_load(&calls), 5);
+  cr_assert_eq(dp_value_as_int(dp_future_value(c[4])), 5);
+  for (int i = 0; i < 5; i++) dp_future_release(c[i]);
+  dp_future_release(f);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(future, a_released_pending_future_frees_its_callbacks_without_running_them) {
+  _Atomic int calls = 0;
+  dp_future_t *f = future(), *c;
+  OK(dp_future_then(f, counting_cb, &calls, &c, NULL));
+  dp_future_release(f);
+  cr_assert_eq(atomic_load(&calls), 0);
+  cr_assert_not(dp_future_is_done(c));
+  dp_future_release(c);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* ---- memory held while a consumer still uses it ---- */
+
+static int reused_under_consumer(int with_hooks) {
+  dp_stream_t *prod, *cons;
+  OK(dp_stream_create(B, H0, &prod, NULL));
+  OK(dp_stream_create(B, H0, &cons, NULL));
+  OK(dp_set_current_stream(prod, NULL));
+  dp_value_t t = device_ints(H0, 1024);
+  for (int i = 0; i < 1024; i++) data_of(t)[i] = 5;
+  dp_future_t *f;
+  dp_future_opts_t o = {B, NULL, 0, NULL, !with_hooks};
+  OK(dp_future_new(&o, &f, NULL));
+  OK(dp_future_mark_completed(f, dp_value_retain(t), NULL));
+  OK(dp_set_current_stream(cons, NULL));
+  OK(dp_future_wait(f, -1, NULL));  /* cons waits, and (with hooks) is recorded */
+  read_t r = {data_of(t), 1024, 60, -1, 0};
+  OK(dp_host_launch(cons, slow_read, &r, NULL));  /* cons still reads for 60 ms */
+  OK(dp_set_current_stream(prod, NULL));
+  free_ints(t);  /* the producer is done with it */
+  dp_value_t again = device_ints(H0, 1024);  /* and allocates the same size */
+  fill_t fill = {data_of(again), 1024, 9, 0};
+  OK(dp_host_launch(prod, slow_fill, &fill, NULL));
+  OK(dp_device_synchronize(B, H0, NULL));
+  dp_reset_current_stream(B, H0);
+  int same_block = data_of(again) == data_of(t);
+  free_ints(again);
+  dp_value_release(again);
+  dp_value_release(t);
+  dp_future_release(f);
+  dp_stream_destroy(prod);
+  dp_stream_destroy(cons);
+  cr_assert_eq(same_block, !with_hooks);
+  return r.first == 5 && r.all_same;
+}
+
+Test(future, storages_are_not_reused_while_a_consumer_that_waited_still_reads_them) {
+  cr_assert(reused_under_consumer(1));
+}
+
+Test(future, negative_control_without_allocator_hooks_the_storage_is_reused_under_the_consumer) {
+  cr_assert_not(reused_under_consumer(0));
+}
+
+/* ---- collect_all, with_ptrs ---- */
+
+Test(future, collect_all_gathers_values_and_passes_pointers_through) {
+  dp_future_t *in[3], *all;
+  dp_value_t t[3];
+  for (int i = 0; i < 3; i++) {
+    in[i] = future();
+    t[i] = device_ints(i == 2 ? H1 : H0, 8);
+  }
+  OK(dp_future_collect_all(in, 3, NULL, &all, NULL));
+  OK(dp_future_mark_completed(in[2], dp_value_retain(t[2]), NULL));
+  OK(dp_future_mark_completed(in[0], dp_value_retain(t[0]), NULL));
+  cr_assert_not(dp_future_is_done(all));
+  OK(dp_future_mark_completed(in[1], dp_value_retain(t[1]), NULL));
+  OK(dp_future_wait(all, -1, NULL));
+  dp_value_t v = dp_future_value(all);
+  cr_assert_eq(dp_seq_len(v), 3);
+  for (int i = 0; i < 3; i++) cr_assert_eq(dp_value_id(dp_seq_get(v, (size_t)i)), dp_value_id(t[i]));
+  cr_assert_eq(dp_future_nptrs(all), 3);
+  cr_assert_eq(dp_future_ndevices(all), 2);
+  for (int i = 0; i < 3; i++) {
+    free_ints(t[i]);
+    dp_value_release(t[i]);
+    dp_future_release(in[i]);
+  }
+  dp_future_release(all);
+}
+
+Test(future, collect_all_fails_with_the_first_failed_input) {
+  dp_future_t *in[2] = {future(), future()}, *all;
+  OK(dp_future_collect_all(in, 2, NULL, &all, NULL));
+  dp_error_t boom;
+  dp_error_clear(&boom);
+  boom.code = DP_EIO;
+  snprintf(boom.message, sizeof boom.message, "peer went away");
+  OK(dp_future_set_error(in[1], &boom, NULL));
+  OK(dp_future_mark_completed(in[0], dp_int(1), NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(all, -1, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "peer went away");
+  dp_future_release(in[0]);
+  dp_future_release(in[1]);
+  dp_future_release(all);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(future, completing_with_known_pointers_skips_the_walk) {
+  dp_future_t *f = future();
+  dp_value_t c;
+  OK(dp_custom_new(&opaque_type, NULL, &c, NULL));  /* could not be walked */
+  dp_value_t t = device_ints(H1, 4);
+  dp_ptrset_t *ptrs;
+  OK(dp_ptrset_new(&ptrs, NULL));
+  OK(dp_ptrset_add(ptrs, H1, data_of(t), 16, NULL, NULL));
+  OK(dp_future_mark_completed_with_ptrs(f, c, ptrs, NULL));
+  cr_assert_eq(dp_future_nptrs(f), 1);
+  cr_assert(dp_device_equal(dp_future_device(f, 0), H1));
+  dp_ptrset_free(ptrs);
+  free_ints(t);
+  dp_value_release(t);
+  dp_future_release(f);
+}
+
+/* ---- threads ---- */
+
+typedef struct stress {
+  dp_future_t **fs;
+  int n, id, nthreads;
+  _Atomic int *calls;
+} stress_t;
+
+static void *completer(void *p) {
+  stress_t *s = p;
+  for (int i = s->id; i < s->n; i += s->nthreads) dp_future_mark_completed(s->fs[(i * 7919) % s->n], dp_int(i), NULL);
+  return NULL;
+}
+
+static void *chainer(void *p) {
+  stress_t *s = p;
+  for (int i = s->id; i < s->n; i += s->nthreads) {
+    dp_future_t *c;
+    if (dp_future_then(s->fs[(i * 104729) % s->n], counting_cb, s->calls, &c, NULL) == 0) dp_future_release(c);
+  }
+  return NULL;
+}
+
+Test(future, threads_complete_and_chain_concurrently_and_no_callback_is_lost_or_doubled) {
+  enum { N = 4000, T = 4 };
+  dp_future_t **fs = malloc(N * sizeof *fs);
+  for (int i = 0; i < N; i++) fs[i] = future();
+  _Atomic int calls = 0;
+  pthread_t th[2 * T];
+  stress_t args[2 * T];
+  for (int t = 0; t < T; t++) {
+    args[t] = (stress_t){fs, N, t, T, &calls};
+    args[T + t] = (stress_t){fs, N, t, T, &calls};
+    pthread_create(&th[t], NULL, chainer, &args[t]);
+    pthread_create(&th[T + t], NULL, completer, &args[T + t]);
+  }
+  for (int t = 0; t < 2 * T; t++) pthread_join(th[t], NULL);
+  cr_assert_eq(atomic_load(&calls), N, "every callback ran exactly once");
+  for (int i = 0; i < N; i++) {
+    cr_assert(dp_future_is_done(fs[i]));
+    dp_future_release(fs[i]);
+  }
+  free(fs);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
