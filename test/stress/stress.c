@@ -184,6 +184,74 @@ static int scenario_allocator(void) {
   return 0;
 }
 
+/* ---- futures: 8 threads, 100k futures, random completion order, chains ---- */
+
+enum { NFUT = 100000, NTHREADS = 8 };
+static dp_future_t **futs;
+static _Atomic int chained_calls;
+
+static int count_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud;
+  (void)err;
+  atomic_fetch_add(&chained_calls, 1);
+  *result = dp_value_retain(dp_future_value(parent));
+  return 0;
+}
+
+static void *future_worker(void *p) {
+  worker_arg_t *a = p;
+  uint64_t seed = (uint64_t)a->id * 2654435761u + 17;
+  for (int i = a->id; i < NFUT; i += NTHREADS) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    int k = (int)((seed >> 33) % NFUT);
+    switch (i % 4) {
+      case 0:
+      case 1: {  /* complete some future, perhaps one already complete */
+        dp_value_t v = dp_int(i);
+        int rc = dp_future_mark_completed(futs[k], v, NULL);
+        if (rc != 0 && rc != DP_ESTATE) a->bad++;
+        break;
+      }
+      case 2: {  /* chain on some future */
+        dp_future_t *c;
+        if (dp_future_then(futs[k], count_cb, NULL, &c, NULL) == 0) dp_future_release(c);
+        else a->bad++;
+        break;
+      }
+      default: {  /* collect three */
+        dp_future_t *three[3] = {futs[k], futs[(k + 1) % NFUT], futs[(k + 7) % NFUT]}, *all;
+        if (dp_future_collect_all(three, 3, NULL, &all, NULL) == 0) dp_future_release(all);
+        else a->bad++;
+      }
+    }
+  }
+  return NULL;
+}
+
+static int scenario_futures(void) {
+  dp_backend_t *b;
+  CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
+  dp_future_opts_t o = {b, NULL, 0, NULL, 0};
+  futs = malloc(NFUT * sizeof *futs);
+  for (int i = 0; i < NFUT; i++) CHECK(dp_future_new(&o, &futs[i], NULL) == 0, "future");
+  atomic_store(&chained_calls, 0);
+  pthread_t th[NTHREADS];
+  worker_arg_t args[NTHREADS];
+  for (int i = 0; i < NTHREADS; i++) {
+    args[i] = (worker_arg_t){b, i, 0};
+    pthread_create(&th[i], NULL, future_worker, &args[i]);
+  }
+  for (int i = 0; i < NTHREADS; i++) pthread_join(th[i], NULL);
+  int chained = NFUT / 4;  /* i % 4 == 2 */
+  /* complete whatever random order left pending: their callbacks run now */
+  for (int i = 0; i < NFUT; i++) dp_future_mark_completed(futs[i], dp_none(), NULL);
+  for (int i = 0; i < NTHREADS; i++) CHECK(args[i].bad == 0, "thread %d: %d unexpected errors", i, args[i].bad);
+  CHECK(atomic_load(&chained_calls) == chained, "%d callbacks ran, %d were chained", atomic_load(&chained_calls), chained);
+  for (int i = 0; i < NFUT; i++) dp_future_release(futs[i]);
+  free(futs);
+  return 0;
+}
+
 /* ---- the control: a consumer without the wait races with the producer ---- */
 
 static void *racy_worker(void *p) {
@@ -215,6 +283,7 @@ int main(int argc, char **argv) {
   run("values: concurrent retain, release and cycle collection", scenario_values);
   run("streams: producer/consumer pairs from 4 threads", scenario_streams);
   run("allocator: 4 threads, record_stream, polling", scenario_allocator);
+  run("futures: 8 threads, 100k futures, random completion order, then chains, collect_all", scenario_futures);
   printf("%d passed, %d failed\n", passes, failures);
   return failures ? 1 : 0;
 }
