@@ -22,6 +22,8 @@ CUDA_CFLAGS := -DDP_HAVE_CUDA -isystem $(CUDA_HOME)/include
 CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt
 endif
 LDLIBS    := -lmsgpackc -lxxhash $(CUDA_LIBS) -lpthread -lm
+NVCC      ?= $(CUDA_HOME)/bin/nvcc
+GPU_ARCH  ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 
 LIB_SRC   := $(wildcard pickler/*.c device/*.c allocator_hooks/*.c future/*.c)
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
@@ -56,8 +58,20 @@ $(BUILD)/libdevpickle.a: $(LIB_OBJ)
 $(BUILD)/libdevpickle.so: $(LIB_OBJ)
 	$(CC) -shared -Wl,-soname,libdevpickle.so.0 $(SANFLAGS) -o $@ $^ $(LDLIBS)
 
+# The demo's CUDA kernels, when nvcc is there.
+DEMO_CUDA := $(if $(and $(filter 1,$(HAVE_CUDA)),$(wildcard $(NVCC))),1,0)
+ifeq ($(DEMO_CUDA),1)
+CLI_OBJ   += $(BUILD)/obj/tools/demo_kernels.o
+CLI_LIBS  := -lstdc++
+$(BUILD)/obj/tools/demo.o: DPFLAGS += -DDP_DEMO_CUDA
+endif
+
+$(BUILD)/obj/tools/demo_kernels.o: tools/demo_kernels.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(GPU_ARCH) -O2 -c $< -o $@
+
 $(BUILD)/devpickle: $(CLI_OBJ) $(BUILD)/libdevpickle.a
-	$(CC) $(SANFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libdevpickle.a -ljansson $(LDLIBS)
+	$(CC) $(SANFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libdevpickle.a -ljansson $(LDLIBS) $(CLI_LIBS)
 
 $(BUILD)/test_cli: LDLIBS += -ljansson
 
@@ -96,8 +110,6 @@ test-asan: deps ## Run every suite under ASan + UBSan + LeakSanitizer; any repor
 
 # GPU suite: built here (nvcc and the CUDA headers), run on a GPU machine
 # (see ../shared/GPU.md); without a GPU every test skips with the reason.
-NVCC      ?= $(CUDA_HOME)/bin/nvcc
-GPU_ARCH  ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 
 $(BUILD)/gpu/kernels.o: test/gpu/kernels.cu
 	@mkdir -p $(dir $@)

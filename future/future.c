@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "../device/internal.h"
+#include "../pickler/ptrset_impl.h"
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
@@ -248,19 +249,21 @@ static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *s
   r->by_dev = (void **)(r->ptrs + n);
   r->devs = (fdev_t *)(r->by_dev + n);
   r->nptrs = n;
-  for (size_t i = 0; i < n; i++) {
-    dp_ptr_info_t p;
-    dp_ptrset_get(set, i, &p);
-    r->ptrs[i] = (fptr_t){p.device, p.refs, p.base, p.nbytes};
-  }
+  /* The set's entries are read directly: this runs on every completion. */
+  const dp__pentry_t *en = set->entries;
+  for (size_t i = 0; i < n; i++) r->ptrs[i] = (fptr_t){en[i].device, en[i].refs, en[i].base, en[i].nbytes};
   size_t pos = 0;
   for (size_t g = 0; g < ngroups; g++) {
-    dp_device_t d = dp_ptrset_device(set, g);
+    dp_device_t d = set->groups[g].device;
     if (d.type == DP_DEVICE_CPU) continue;
     fdev_t *fd = &r->devs[r->ndevs];
     fd->dev = d;
     fd->first = pos;
-    for (size_t i = dp_ptrset_first_on(set, g); i != SIZE_MAX; i = dp_ptrset_next_on(set, i)) r->by_dev[pos++] = r->ptrs[i].base;
+    if (ngroups == 1) {  /* one device: discovery order is device order */
+      for (size_t i = 0; i < n; i++) r->by_dev[pos++] = en[i].base;
+    } else {
+      for (uint32_t i = set->groups[g].head + 1; i; i = en[i - 1].next_on) r->by_dev[pos++] = en[i - 1].base;
+    }
     fd->count = pos - fd->first;
     dp_stream_t *s = streams ? streams[r->ndevs] : dp_current_stream(f->b, d);
     int rc = s ? dp_event_acquire(f->b, d, &fd->ev, err) : dp__err(err, DP_ENODEV, "no stream for a device");

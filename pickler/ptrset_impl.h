@@ -60,7 +60,7 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
                           size_t slot, size_t *index);
 
 /* Finds (device, base) given its hash or adds it; counts one more tensor. */
-static inline int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,
+static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,
                                         uint64_t h, size_t *index, int *is_new) {
   size_t j = SIZE_MAX;
   if (DP_LIKELY(s->nslots)) {

@@ -1,5 +1,7 @@
 /* tools/demo.h — `devpickle demo`. */
 #ifndef DP_TOOLS_DEMO_H
 #define DP_TOOLS_DEMO_H
+#include "devpickle.h"
 int demo_run(int argc, char **argv);
+int dp__demo_err(dp_error_t *err, int code, const char *msg);
 #endif

@@ -1,0 +1,191 @@
+/* bench/bench_future.c — completing, chaining and waiting on futures whose
+ * values hold device allocations, per backend. Usage: bench_future OUT.json
+ *
+ * future_complete_{list,nested,objects}_N: dp_future_mark_completed of a
+ *   value holding N tensors, each on its own allocation from the backend's
+ *   caching allocator: a list of N tensors; N x tuple(tensor, [view]); N user
+ *   objects each holding a tensor. The future is created before the clock
+ *   starts and released after it stops.
+ * future_then_hop: dp_future_then on a completed future whose value holds one
+ *   tensor; the callback returns the parent's value: one hop, the child
+ *   complete when the call returns.
+ * future_wait: dp_future_wait on a completed future with one device event.
+ * Ratios: against the scan alone (dp_scan of the same value), for completions;
+ * against a bare dp_stream_wait_event for the wait; the then hop against
+ * a completion of the same one-tensor value. */
+#include <stdlib.h>
+
+#include "bench.h"
+#include "devpickle.h"
+
+typedef struct ctx {
+  dp_backend_t *b;
+  dp_device_t dev;
+  dp_cache_t *cache;
+  dp_value_t v;
+  void **blocks;
+  size_t nblocks;
+  dp_ptrset_t *set;
+  dp_future_t **fs;
+  int k;
+  dp_future_t *done;
+  dp_event_t *ev;
+} ctx_t;
+
+static dp_value_t tensor(ctx_t *c) {
+  void *p;
+  if (dp_cache_malloc(c->cache, c->dev, 1024, NULL, &p, NULL)) exit(1);
+  c->blocks[c->nblocks++] = p;
+  dp_storage_t *st;
+  dp_value_t t;
+  int64_t shape[1] = {256};
+  if (dp_storage_new(c->dev, p, 1024, NULL, NULL, &st, NULL) || dp_tensor_new(st, DP_FLOAT32, 1, shape, NULL, 0, &t, NULL))
+    exit(1);
+  return t;
+}
+
+static dp_value_t make(ctx_t *c, const char *kind, int n) {
+  dp_value_t l;
+  dp_list_new((size_t)n, &l, NULL);
+  for (int i = 0; i < n; i++) {
+    dp_value_t t = tensor(c);
+    if (kind[0] == 'l') {
+      dp_list_append(l, t, NULL);
+    } else if (kind[0] == 'n') {
+      dp_value_t tup, inner, view;
+      int64_t shape[1] = {128};
+      dp_tensor_new(dp_storage_retain(dp_tensor_storage(t)), DP_FLOAT32, 1, shape, NULL, 128, &view, NULL);
+      dp_list_new(1, &inner, NULL);
+      dp_list_append(inner, view, NULL);
+      dp_tuple_new(2, &tup, NULL);
+      dp_seq_set(tup, 0, t, NULL);
+      dp_seq_set(tup, 1, inner, NULL);
+      dp_list_append(l, tup, NULL);
+    } else {
+      dp_value_t o;
+      dp_object_new("Activation", &o, NULL);
+      dp_object_set(o, "data", t, NULL);
+      dp_list_append(l, o, NULL);
+    }
+  }
+  return l;
+}
+
+static void release_blocks(ctx_t *c) {
+  for (size_t i = 0; i < c->nblocks; i++) dp_cache_free(c->cache, c->blocks[i], NULL);
+  c->nblocks = 0;
+}
+
+/* Times K completions (fresh futures made before, released after). */
+static double time_complete(ctx_t *c, int rounds) {
+  double best = 1e9;
+  for (int r = 0; r < rounds; r++) {
+    dp_future_opts_t o = {c->b, NULL, 0, NULL, 0};
+    for (int i = 0; i < c->k; i++) dp_future_new(&o, &c->fs[i], NULL);
+    double t0 = bench_now();
+    for (int i = 0; i < c->k; i++) dp_future_mark_completed(c->fs[i], dp_value_retain(c->v), NULL);
+    double t = (bench_now() - t0) / c->k;
+    for (int i = 0; i < c->k; i++) dp_future_release(c->fs[i]);
+    dp_device_synchronize(c->b, c->dev, NULL);
+    dp_cache_poll(c->cache);
+    if (t < best) best = t;
+  }
+  return best;
+}
+
+static void run_scan(void *p) {
+  ctx_t *c = p;
+  dp_ptrset_clear(c->set);
+  dp_scan(c->v, NULL, c->set, NULL);
+}
+
+static int hop_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud;
+  (void)err;
+  *result = dp_value_retain(dp_future_value(parent));
+  return 0;
+}
+
+static double time_hops(ctx_t *c, int rounds) {
+  double best = 1e9;
+  for (int r = 0; r < rounds; r++) {
+    double t0 = bench_now();
+    for (int i = 0; i < c->k; i++) dp_future_then(c->done, hop_cb, NULL, &c->fs[i], NULL);
+    double t = (bench_now() - t0) / c->k;
+    for (int i = 0; i < c->k; i++) dp_future_release(c->fs[i]);
+    dp_device_synchronize(c->b, c->dev, NULL);
+    dp_cache_poll(c->cache);
+    if (t < best) best = t;
+  }
+  return best;
+}
+
+static void run_wait(void *p) {
+  ctx_t *c = p;
+  dp_future_wait(c->done, -1, NULL);
+}
+
+static void run_raw_wait(void *p) {
+  ctx_t *c = p;
+  dp_stream_wait_event(dp_current_stream(c->b, c->dev), c->ev, NULL);
+}
+
+static void bench_backend(const char *out, dp_backend_t *b) {
+  ctx_t c = {0};
+  c.b = b;
+  c.dev = dp_backend_device(b, 0);
+  c.blocks = malloc(sizeof(void *) * 30000);
+  c.fs = malloc(sizeof(dp_future_t *) * 1000);
+  dp_ptrset_new(&c.set, NULL);
+  if (dp_cache_default(b, &c.cache, NULL)) exit(1);
+  const char *name = dp_backend_name(b);
+  static const char *const kinds[] = {"list", "nested", "objects"};
+  static const int sizes[] = {1, 10, 100, 1000, 10000};
+  char row[64];
+  for (int ki = 0; ki < 3; ki++)
+    for (int si = 0; si < 5; si++) {
+      int n = sizes[si];
+      c.v = make(&c, kinds[ki], n);
+      c.k = n >= 1000 ? 20 : n >= 100 ? 200 : 1000;
+      double t = time_complete(&c, 5);
+      double ts = bench_time(run_scan, &c, 5);
+      snprintf(row, sizeof row, "future_complete_%s_%d", kinds[ki], n);
+      bench_row(out, row, name, t * 1e6, "us", t / ts, "dp_scan of the same value alone");
+      dp_value_release(c.v);
+      release_blocks(&c);
+    }
+  /* one hop, and a wait */
+  c.v = make(&c, "list", 1);
+  dp_future_opts_t o = {b, NULL, 0, NULL, 0};
+  dp_future_new(&o, &c.done, NULL);
+  dp_future_mark_completed(c.done, dp_value_retain(c.v), NULL);
+  c.k = 1000;
+  double th = time_hops(&c, 5);
+  double tc = time_complete(&c, 5);
+  bench_row(out, "future_then_hop", name, th * 1e6, "us", th / tc, "completing a future with the same value");
+  dp_event_acquire(b, c.dev, &c.ev, NULL);
+  dp_event_record(c.ev, dp_current_stream(b, c.dev), NULL);
+  double tw, traw;
+  bench_pair(run_wait, run_raw_wait, &c, 5, &tw, &traw);
+  bench_row(out, "future_wait", name, tw * 1e6, "us", tw / traw, "a bare stream wait on one event");
+  dp_device_synchronize(b, c.dev, NULL);
+  dp_event_release(c.ev);
+  dp_future_release(c.done);
+  dp_value_release(c.v);
+  release_blocks(&c);
+  dp_ptrset_free(c.set);
+  free(c.blocks);
+  free(c.fs);
+}
+
+int main(int argc, char **argv) {
+  const char *out = argc > 1 ? argv[1] : "build/bench.json";
+  dp_backend_t *b;
+  if (dp_backend_get(DP_DEVICE_HOST, &b, NULL) != 0) return 1;
+  bench_backend(out, b);
+  dp_error_t e;
+  if (dp_backend_get(DP_DEVICE_CUDA, &b, &e) == 0) bench_backend(out, b);
+  else printf("(cuda rows skipped: %s)\n", e.message);
+  dp_backend_shutdown();
+  return 0;
+}
