@@ -186,3 +186,116 @@ Test(gpu, an_impossible_allocation_is_enomem_after_freeing_the_cache) {
   cr_assert_eq(st.oom_retries, 1);
   dp_cache_destroy(c);
 }
+
+/* ---- the future on the GPU ---- */
+
+static int *tensor_base(dp_value_t t) { return dp_storage_base(dp_tensor_storage(t)); }
+
+static dp_value_t cuda_ints(dp_cache_t *c, int n) {
+  void *p;
+  OK(dp_cache_malloc(c, G0, (size_t)n * sizeof(int), NULL, &p, NULL));
+  dp_storage_t *st;
+  OK(dp_storage_new(G0, p, (size_t)n * sizeof(int), NULL, NULL, &st, NULL));
+  int64_t shape[1] = {n};
+  dp_value_t t;
+  OK(dp_tensor_new(st, DP_INT32, 1, shape, NULL, 0, &t, NULL));
+  return t;
+}
+
+typedef struct gpu_cb {
+  dp_cache_t *c;
+  dp_value_t made;
+} gpu_cb_t;
+
+/* The defining case: new device work launched in the callback, its result
+ * returned inside a user-defined object. */
+static int gpu_launch_and_wrap(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  gpu_cb_t *s = ud;
+  (void)parent;
+  dp_value_t out = cuda_ints(s->c, 1);
+  dp_stream_t *cur = dp_current_stream(B, G0);
+  int rc = gpu_spin_write(dp_stream_native(cur), tensor_base(out), 99, 20.0);
+  if (rc) return DP_ECUDA;
+  s->made = dp_value_retain(out);
+  dp_value_t obj;
+  if ((rc = dp_object_new("Result", &obj, err)) != 0) return rc;
+  *result = obj;
+  return dp_object_set(obj, "out", out, err);
+}
+
+static int gpu_child_consumer_reads(int wait_on_child) {
+  dp_cache_t *c;
+  OK(dp_cache_default(B, &c, NULL));
+  dp_stream_t *cons;
+  OK(dp_stream_create(B, G0, &cons, NULL));
+  dp_future_t *parent, *child;
+  dp_future_opts_t o = {B, NULL, 0, NULL, 0};
+  OK(dp_future_new(&o, &parent, NULL));
+  gpu_cb_t st;
+  st.c = c;
+  st.made = dp_none();
+  OK(dp_future_then(parent, gpu_launch_and_wrap, &st, &child, NULL));
+  OK(dp_future_mark_completed(parent, cuda_ints(c, 1), NULL));
+  OK(dp_set_current_stream(cons, NULL));
+  OK(dp_future_wait(wait_on_child ? child : parent, -1, NULL));
+  int out = -1;
+  OK(dp_memcpy_async(cons, &out, tensor_base(st.made), sizeof out, NULL));
+  OK(dp_stream_synchronize(cons, NULL));
+  OK(dp_device_synchronize(B, G0, NULL));
+  dp_reset_current_stream(B, G0);
+  cr_assert_eq(dp_future_nptrs(child), 1);
+  dp_cache_free(c, tensor_base(st.made), NULL);
+  dp_cache_free(c, tensor_base(dp_future_value(parent)), NULL);
+  dp_value_release(st.made);
+  dp_future_release(parent);
+  dp_future_release(child);
+  dp_stream_destroy(cons);
+  return out;
+}
+
+Test(gpu, the_consumer_of_a_then_child_sees_the_callbacks_finished_kernel) {
+  cr_assert_eq(gpu_child_consumer_reads(1), 99);
+}
+
+Test(gpu, negative_control_the_parents_events_do_not_cover_the_callbacks_kernel) {
+  int v = gpu_child_consumer_reads(0);
+  cr_assert_neq(v, 99, "waiting on the parent alone must not be enough (read %d)", v);
+}
+
+static int gpu_future_consumer_reads(int wait) {
+  dp_cache_t *c;
+  OK(dp_cache_default(B, &c, NULL));
+  dp_stream_t *prod, *cons;
+  OK(dp_stream_create(B, G0, &prod, NULL));
+  OK(dp_stream_create(B, G0, &cons, NULL));
+  OK(dp_set_current_stream(prod, NULL));
+  dp_value_t t = cuda_ints(c, 1);
+  int zero = 0, out = -1;
+  OK(dp_memcpy_async(prod, tensor_base(t), &zero, sizeof zero, NULL));
+  OK(dp_stream_synchronize(prod, NULL));
+  cr_assert_eq(gpu_spin_write(dp_stream_native(prod), tensor_base(t), 7, 20.0), 0);
+  dp_future_t *f;
+  dp_future_opts_t o = {B, NULL, 0, NULL, 0};
+  OK(dp_future_new(&o, &f, NULL));
+  OK(dp_future_mark_completed(f, dp_value_retain(t), NULL));
+  OK(dp_set_current_stream(cons, NULL));
+  if (wait) OK(dp_future_wait(f, -1, NULL));
+  OK(dp_memcpy_async(cons, &out, tensor_base(t), sizeof out, NULL));
+  OK(dp_stream_synchronize(cons, NULL));
+  OK(dp_device_synchronize(B, G0, NULL));
+  dp_reset_current_stream(B, G0);
+  dp_cache_free(c, tensor_base(t), NULL);
+  dp_value_release(t);
+  dp_future_release(f);
+  dp_stream_destroy(prod);
+  dp_stream_destroy(cons);
+  return out;
+}
+
+Test(gpu, a_future_consumer_that_waits_sees_the_producers_kernel) {
+  cr_assert_eq(gpu_future_consumer_reads(1), 7);
+}
+
+Test(gpu, negative_control_a_future_consumer_that_does_not_wait_reads_stale_data) {
+  cr_assert_eq(gpu_future_consumer_reads(0), 0);
+}
