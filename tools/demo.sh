@@ -1,9 +1,12 @@
 #!/bin/sh
-# make demo: pack every example value, verify the frame, dump its pointers,
-# check that unpack gives back JSON that packs to the same bytes, then run
-# the in-process demo. Stops at the first failure.
+# make demo: the future pipeline end to end (devpickle demo), then pack every
+# example value, verify the frame, dump its pointers and check that unpack
+# gives back JSON that packs to the same bytes. Stops at the first failure.
 set -eu
 cli=${1:-build/devpickle}
+echo "== devpickle demo"
+"$cli" demo
+echo
 out=build/examples
 mkdir -p "$out"
 for json in examples/*.json; do
@@ -19,5 +22,3 @@ for json in examples/*.json; do
   echo "unpack -> pack: identical bytes"
   echo
 done
-echo "== devpickle demo"
-"$cli" demo
