@@ -282,6 +282,27 @@ static int flush_pending(dp__walker_t *w) {
 
 #define DP_WALK_INLINE static inline __attribute__((always_inline))
 
+/* A scan's tensor waits in the batch, looked into later (flush_pending). */
+DP_WALK_INLINE int stage_tensor(dp__walker_t *w, dp_heap_t *h) {
+  __builtin_prefetch(h);
+  w->pending[w->npending++] = (dp_tensor_t *)h;
+  return w->npending == DP_WALK_BATCH ? flush_pending(w) : 0;
+}
+
+/* Scan only: runs over seq items from *i that need no frame of their own —
+ * scalars, str and bytes (skipped) and tensors (staged) — and stops at the
+ * first other item. */
+DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i) {
+  for (; *i < n; (*i)++) {
+    uint32_t k = items[*i].kind;
+    if (k < DP_LIST) continue;
+    if (k != DP_TENSOR) return 0;
+    int rc = stage_tensor(w, items[*i].u.h);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
 /* S: the walk has a sink. Each function below is compiled twice, with S a
  * constant 0 (scan) and 1 (pickle), from the one body. */
 DP_WALK_INLINE int visit_tensor(dp__walker_t *w, dp_value_t v, const int S) {
@@ -302,11 +323,7 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
    * not even their memory is touched. */
   if (k < DP_LIST && (k < DP_STR || !S)) return S ? w->sink->scalar(w->sink_ctx, v) : 0;
   dp_heap_t *h = v.u.h;
-  if (k == DP_TENSOR && w->batch) {  /* looked into later, with its batch */
-    __builtin_prefetch(h);
-    w->pending[w->npending++] = (dp_tensor_t *)h;
-    return w->npending == DP_WALK_BATCH ? flush_pending(w) : 0;
-  }
+  if (k == DP_TENSOR && w->batch) return stage_tensor(w, h);
   uint64_t index = w->next_index++;
   if (dp__rc(h) > 1) {
     uint64_t seen;
@@ -330,9 +347,15 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
         int rc = w->sink->enter(w->sink_ctx, v, n);
         if (rc) return rc;
       } else {
+        const dp_value_t *items = DP_SEQ(v)->items;
+        if (w->batch) {
+          /* A container of leaves needs no frame: stage its tensors here. */
+          size_t i = 0;
+          int rc = scan_leaves(w, items, n, &i);
+          if (rc || i == n) return rc;
+        }
         /* Issue the misses of the first children together rather than
          * one at a time as the walk reaches them. */
-        const dp_value_t *items = DP_SEQ(v)->items;
         for (size_t i = 0; i < n && i < DP_PREFETCH_AHEAD; i++) {
           if (items[i].kind < DP_LIST) continue;
           const char *p = (const char *)items[i].u.h;
@@ -428,7 +451,11 @@ DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
     if (!S && (f->node.kind == DP_LIST || f->node.kind == DP_TUPLE)) {
       dp_value_t *items = DP_SEQ(f->node)->items;
       size_t n = f->n;
-      while (f->i < n && items[f->i].kind < DP_LIST) f->i++;
+      if (w->batch) {
+        if ((rc = scan_leaves(w, items, n, &f->i)) != 0) break;
+      } else {
+        while (f->i < n && items[f->i].kind < DP_LIST) f->i++;
+      }
       if (f->i == n) continue;
       size_t ahead = f->i + DP_PREFETCH_AHEAD;
       if (ahead < n && items[ahead].kind >= DP_LIST) __builtin_prefetch(items[ahead].u.h);
