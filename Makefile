@@ -37,7 +37,7 @@ HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
 
 DEB_PKGS  := libmsgpack-dev libxxhash-dev libcriterion-dev libjansson-dev
 
-.PHONY: all lib cli test test-asan test-tsan gpu-test demo bench deps install uninstall clean help config
+.PHONY: all lib cli test test-asan test-tsan gpu-test fuzz deps-fuzz demo bench deps install uninstall clean help config
 
 all: lib cli ## Build the static and shared library and the CLI (build/devpickle)
 
@@ -125,6 +125,44 @@ ifeq ($(HAVE_CUDA),1)
 else
 	@echo "gpu-test: no CUDA toolkit under $(CUDA_HOME): the GPU suite cannot be built here"
 endif
+
+# Fuzzing (libFuzzer, clang, ASan + UBSan). Each target is linked with the
+# library sources built alike. Corpora grow in build/fuzz/corpus, seeded from
+# test/fuzz/corpus; findings land in build/fuzz/artifacts and fail the run.
+FUZZ_SECONDS ?= 60
+FUZZ_BUILD   := $(BUILD)/fuzz
+FUZZ_TARGETS := unpickle frame_readers value_json roundtrip
+FUZZ_FLAGS   := -std=c11 -D_POSIX_C_SOURCE=200809L -g -O1 -Iinclude \
+                -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
+FUZZ_SRC     := $(wildcard pickler/*.c) tools/vjson.c tools/inspect.c
+
+deps-fuzz:
+	@command -v clang >/dev/null && ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || \
+	  { echo "devpickle: installing clang and libclang-rt-dev for libFuzzer"; \
+	    (apt-get install -y -q clang libclang-rt-dev || (apt-get update -q && apt-get install -y -q clang libclang-rt-dev)) >/dev/null || \
+	    { echo "devpickle: run: apt-get install -y clang libclang-rt-dev" >&2; exit 1; }; }
+
+$(FUZZ_BUILD)/fuzz_%: test/fuzz/fuzz_%.c test/fuzz/fuzz.h $(FUZZ_SRC) $(HEADERS) | deps-fuzz
+	@mkdir -p $(dir $@)
+	clang $(FUZZ_FLAGS) -o $@ $< $(FUZZ_SRC) -lmsgpackc -lxxhash -ljansson -lpthread -lm
+
+fuzz_corpus = $(if $(filter value_json,$(1)),value_json,$(if $(filter roundtrip,$(1)),roundtrip,unpickle))
+fuzz_dict = $(if $(filter value_json,$(1)),test/fuzz/json.dict,test/fuzz/dpk.dict)
+
+fuzz: deps deps-fuzz $(FUZZ_TARGETS:%=$(FUZZ_BUILD)/fuzz_%) ## Run every fuzz target for FUZZ_SECONDS (default 60); any finding fails
+	@set -e; mkdir -p $(FUZZ_BUILD)/artifacts; : > $(FUZZ_BUILD)/stats.txt; \
+	for t in $(FUZZ_TARGETS); do \
+	  case $$t in value_json) c=value_json; d=test/fuzz/json.dict;; roundtrip) c=roundtrip; d=test/fuzz/dpk.dict;; \
+	    *) c=unpickle; d=test/fuzz/dpk.dict;; esac; \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$t; \
+	  echo "== fuzz_$$t for $(FUZZ_SECONDS) s"; \
+	  if ! $(FUZZ_BUILD)/fuzz_$$t $(FUZZ_BUILD)/corpus/$$t test/fuzz/corpus/$$c -dict=$$d \
+	       -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+	       -artifact_prefix=$(FUZZ_BUILD)/artifacts/$$t- > $(FUZZ_BUILD)/$$t.log 2>&1; then \
+	    tail -40 $(FUZZ_BUILD)/$$t.log; echo "fuzz: fuzz_$$t found a problem (artifacts in $(FUZZ_BUILD)/artifacts)"; exit 1; fi; \
+	  execs=$$(sed -n 's/^stat::number_of_executed_units: *//p' $(FUZZ_BUILD)/$$t.log); \
+	  echo "fuzz_$$t $$execs" >> $(FUZZ_BUILD)/stats.txt; echo "fuzz_$$t: $$execs executions, no finding"; \
+	done
 
 TSAN_BUILD := $(BUILD)/tsan
 

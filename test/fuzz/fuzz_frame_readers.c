@@ -1,0 +1,43 @@
+/* What `dump`, `inspect` and `unpack` do with a frame: unpickle, scan with
+ * paths, print the tree, render value JSON. */
+#include <stdio.h>
+
+#include "../../tools/inspect.h"
+#include "../../tools/vjson.h"
+#include "fuzz.h"
+
+static FILE *sink;
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  if (!sink) sink = fopen("/dev/null", "w");
+  uint8_t *f = malloc(size ? size : 1);
+  memcpy(f, data, size);
+  fuzz_fix_checksum(f, size);
+  dp_unpickle_opts_t o = fuzz_opts();
+  dp_value_t v;
+  dp_frame_info_t fi;
+  if (dp_frame_check(f, size, &fi, NULL) == 0 && dp_unpickle(f, size, &o, &v, NULL) == 0) {
+    dp_ptrset_t *set;
+    dp_scan_opts_t so = {DP_SCAN_PATHS, 0};
+    if (dp_ptrset_new(&set, NULL) == 0) {
+      dp_scan(v, &so, set, NULL);
+      for (size_t i = 0; i < dp_ptrset_count(set); i++) {
+        dp_ptr_info_t p;
+        dp_ptrset_get(set, i, &p);
+        fprintf(sink, "%p %zu %u %s\n", p.base, p.nbytes, p.refs, p.path ? p.path : "");
+      }
+      dp_ptrset_free(set);
+    }
+    inspect_print(sink, v);
+    char msg[256];
+    json_t *j = vjson_from_value(v, msg, sizeof msg);
+    if (j) {
+      char *s = json_dumps(j, JSON_ENCODE_ANY | JSON_REAL_PRECISION(17));
+      free(s);
+      json_decref(j);
+    }
+    dp_value_release(v);
+  }
+  free(f);
+  return 0;
+}

@@ -1,0 +1,116 @@
+/* Structure-aware: the input drives a small builder (with sharing and
+ * cycles); the value is scanned and pickled, the frame must unpickle to an
+ * equal value with the same sharing, and the scan must equal the buffer
+ * table. Then the last input bytes pick a frame byte to change (checksum
+ * fixed up): the reader must survive it. */
+#include "fuzz.h"
+
+typedef struct rd {
+  const uint8_t *p;
+  size_t n;
+} rd_t;
+
+static unsigned next(rd_t *r) {
+  if (!r->n) return 0;
+  r->n--;
+  return *r->p++;
+}
+
+#define MAXNODES 64
+
+static dp_value_t build(rd_t *r, dp_value_t *nodes, size_t *nn, dp_storage_t **st, int depth) {
+  unsigned op = next(r) % 12;
+  if (depth > 8) op %= 6;
+  dp_value_t v;
+  char s[8];
+  switch (op) {
+    case 0: return dp_none();
+    case 1: return dp_int((int64_t)next(r) - 128);
+    case 2: return dp_float((double)next(r) / 3.0);
+    case 3:
+      snprintf(s, sizeof s, "k%u", next(r) % 10);
+      dp_str_new(s, strlen(s), &v, NULL);
+      return v;
+    case 4: {
+      int64_t shape[1] = {(int64_t)(next(r) % 8) + 1};
+      dp_tensor_new(dp_storage_retain(st[next(r) % 4]), DP_FLOAT32, 1, shape, NULL, next(r) % 8, &v, NULL);
+      return v;
+    }
+    case 5:  /* a reference to an earlier container: sharing or a cycle */
+      if (*nn) return dp_value_retain(nodes[next(r) % *nn]);
+      return dp_bool(1);
+    case 6:
+    case 7: {
+      dp_list_new(0, &v, NULL);
+      if (*nn < MAXNODES) nodes[(*nn)++] = dp_value_retain(v); /* owned: a replaced dict value may die */
+      unsigned k = next(r) % 4;
+      for (unsigned i = 0; i < k; i++) dp_list_append(v, build(r, nodes, nn, st, depth + 1), NULL);
+      return v;
+    }
+    case 8: {
+      unsigned k = next(r) % 3;
+      dp_tuple_new(k, &v, NULL);
+      for (unsigned i = 0; i < k; i++) dp_seq_set(v, i, build(r, nodes, nn, st, depth + 1), NULL);
+      return v;
+    }
+    case 9: {
+      dp_dict_new(0, &v, NULL);
+      if (*nn < MAXNODES) nodes[(*nn)++] = dp_value_retain(v); /* owned: a replaced dict value may die */
+      unsigned k = next(r) % 3;
+      for (unsigned i = 0; i < k; i++) {
+        snprintf(s, sizeof s, "d%u", next(r) % 5);
+        dp_value_t key;
+        dp_str_new(s, strlen(s), &key, NULL);
+        dp_dict_set(v, key, build(r, nodes, nn, st, depth + 1), NULL);
+      }
+      return v;
+    }
+    default: {
+      dp_object_new(op == 10 ? "Layer" : "Block", &v, NULL);
+      if (*nn < MAXNODES) nodes[(*nn)++] = dp_value_retain(v); /* owned: a replaced dict value may die */
+      unsigned k = next(r) % 3;
+      for (unsigned i = 0; i < k; i++) {
+        snprintf(s, sizeof s, "a%u", next(r) % 4);
+        dp_object_set(v, s, build(r, nodes, nn, st, depth + 1), NULL);
+      }
+      return v;
+    }
+  }
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  rd_t r = {data, size};
+  dp_storage_t *st[4];
+  for (int i = 0; i < 4; i++)
+    dp_storage_new((dp_device_t){(uint8_t)(i % 2), 0}, (void *)(uintptr_t)(0x1000 * (i + 1)), 64, NULL, NULL, &st[i], NULL);
+  dp_value_t nodes[MAXNODES];
+  size_t nn = 0;
+  dp_value_t v = build(&r, nodes, &nn, st, 0);
+  dp_ptrset_t *set;
+  dp_frame_t *f;
+  dp_ptrset_new(&set, NULL);
+  dp_frame_new(&f, NULL);
+  if (dp_scan(v, NULL, set, NULL) != 0 || dp_pickle(v, NULL, f, NULL) != 0) abort();
+  if (dp_frame_nbuffers(f) != dp_ptrset_count(set)) abort();
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_value_t back;
+  if (dp_unpickle(b, n, NULL, &back, NULL) != 0) abort();
+  if (dp_value_equal(v, back, DP_EQ_SHARING) != 1) abort();
+  dp_value_release(back);
+  /* damage one byte */
+  uint8_t *c = malloc(n);
+  memcpy(c, b, n);
+  size_t at = (next(&r) << 8 | next(&r)) % n;
+  c[at] ^= (uint8_t)(next(&r) | 1);
+  fuzz_fix_checksum(c, n);
+  dp_unpickle_opts_t o = fuzz_opts();
+  if (dp_unpickle(c, n, &o, &back, NULL) == 0) dp_value_release(back);
+  free(c);
+  dp_frame_free(f);
+  dp_ptrset_free(set);
+  dp_value_release(v);
+  for (size_t i = 0; i < nn; i++) dp_value_release(nodes[i]);
+  for (int i = 0; i < 4; i++) dp_storage_release(st[i]);
+  return 0;
+}
