@@ -37,7 +37,7 @@ HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
 
 DEB_PKGS  := libmsgpack-dev libxxhash-dev libcriterion-dev libjansson-dev
 
-.PHONY: all lib cli test test-asan test-tsan gpu-test fuzz deps-fuzz demo bench deps install uninstall clean help config
+.PHONY: soak checksymbols checkheaders all lib cli test test-asan test-tsan gpu-test fuzz deps-fuzz demo bench deps install uninstall clean help config
 
 all: lib cli ## Build the static and shared library and the CLI (build/devpickle)
 
@@ -74,9 +74,11 @@ $(BUILD)/devpickle: $(CLI_OBJ) $(BUILD)/libdevpickle.a
 	$(CC) $(SANFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libdevpickle.a -ljansson $(LDLIBS) $(CLI_LIBS)
 
 $(BUILD)/test_cli: LDLIBS += -ljansson
+$(BUILD)/test_cli: TEST_OBJ = $(BUILD)/obj/tools/vjson.o
+$(BUILD)/test_cli: $(BUILD)/obj/tools/vjson.o
 
 $(BUILD)/test_%: test/test_%.c test/helpers.h $(BUILD)/libdevpickle.a
-	$(CC) $(TFLAGS) $(SANFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS)
+	$(CC) $(TFLAGS) $(SANFLAGS) $(CFLAGS) -o $@ $< $(TEST_OBJ) $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS)
 
 $(BUILD)/bench_%: bench/bench_%.c bench/bench.h $(BUILD)/libdevpickle.a
 	$(CC) $(TFLAGS) $(CUDA_CFLAGS) -O2 -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
@@ -164,6 +166,15 @@ fuzz: deps deps-fuzz $(FUZZ_TARGETS:%=$(FUZZ_BUILD)/fuzz_%) ## Run every fuzz ta
 	  echo "fuzz_$$t $$execs" >> $(FUZZ_BUILD)/stats.txt; echo "fuzz_$$t: $$execs executions, no finding"; \
 	done
 
+SOAK_SECONDS ?= 60
+
+$(BUILD)/soak: test/stress/soak.c $(BUILD)/libdevpickle.a
+	$(CC) $(TFLAGS) $(SANFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
+
+soak: deps ## Hammer futures, the allocator and pickling from 4 threads for SOAK_SECONDS with failures injected (ASan build)
+	@$(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) OPT="-O1 -g" SANFLAGS="$(ASAN_FLAGS)" $(ASAN_BUILD)/soak >/dev/null
+	ASAN_OPTIONS=detect_leaks=1 $(ASAN_BUILD)/soak $(SOAK_SECONDS)
+
 TSAN_BUILD := $(BUILD)/tsan
 
 $(BUILD)/stress: test/stress/stress.c $(BUILD)/libdevpickle.a
@@ -227,6 +238,20 @@ uninstall: ## Remove what install put in place
 	  $(DESTDIR)$(PREFIX)/lib/libdevpickle.so $(DESTDIR)$(PREFIX)/lib/libdevpickle.so.0 \
 	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/devpickle.pc $(DESTDIR)$(PREFIX)/bin/devpickle
 	rm -rf $(DESTDIR)$(PREFIX)/include/devpickle
+
+checksymbols: lib ## Fail if the libraries export a symbol without the dp_ prefix
+	@bad=$$(nm -D --defined-only $(BUILD)/libdevpickle.so | awk '{print $$3}' | grep -v '^dp_' || true); \
+	bad="$$bad $$(nm -g --defined-only $(LIB_OBJ) 2>/dev/null | awk 'NF==3 {print $$3}' | grep -v '^dp_' || true)"; \
+	if [ -n "$$(echo $$bad | tr -d ' ')" ]; then echo "checksymbols: symbols without the dp_ prefix:"; echo $$bad | tr ' ' '\n'; exit 1; fi; \
+	echo "checksymbols: $$(nm -D --defined-only $(BUILD)/libdevpickle.so | wc -l) exported symbols, all dp_"
+
+checkheaders: ## Compile each public header alone, as C11 and as C++11
+	@set -e; mkdir -p $(BUILD)/headers; for h in $(HEADERS); do \
+	  n=$$(echo $$h | tr '/.' '__'); printf '#include "%s"\n#include "%s"\n' $${h#include/} $${h#include/} > $(BUILD)/headers/$$n.c; \
+	  $(CC) -std=c11 -Wall -Wextra -Werror -pedantic -Iinclude -fsyntax-only $(BUILD)/headers/$$n.c; \
+	  cp $(BUILD)/headers/$$n.c $(BUILD)/headers/$$n.cpp; \
+	  $(CXX) -std=c++11 -Wall -Wextra -Werror -Iinclude -fsyntax-only $(BUILD)/headers/$$n.cpp; \
+	done; echo "checkheaders: $(words $(HEADERS)) headers stand alone in C11 and C++11"
 
 clean: ## Remove build/
 	rm -rf $(BUILD)

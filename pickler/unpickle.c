@@ -470,13 +470,14 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
   return 0;
 }
 
-/* Whether a key holds no tuple that is still being filled (its hash would
- * change under the dict). Deeper keys fail dp_value_is_hashable anyway. */
-static int key_finished(dp_value_t k, int depth) {
-  if (k.kind != DP_TUPLE || depth > 33) return 1;
+/* Whether a hashable key holds no tuple that is still being filled (its
+ * hash would change under the dict). Hashable keys are bounded trees
+ * (dp_value_is_hashable), so this walk is too. */
+static int key_finished(dp_value_t k) {
+  if (k.kind != DP_TUPLE) return 1;
   if (k.u.h->flags & DP_HEAP_OPEN) return 0;
   for (size_t i = 0; i < DP_SEQ(k)->len; i++)
-    if (!key_finished(DP_SEQ(k)->items[i], depth + 1)) return 0;
+    if (!key_finished(DP_SEQ(k)->items[i])) return 0;
   return 1;
 }
 
@@ -501,15 +502,15 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
       if (!f->have_key) {
         /* A key must be hashable and finished: a back-reference to a tuple
          * still being filled would change under the dict. */
-        if (!key_finished(v, 0)) {
-          dp_value_release(v);
-          return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "dict key refers to an unfinished tuple");
-        }
         if (!dp_value_is_hashable(v)) {
           int k = (int)v.kind;
           dp_value_release(v);
           return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "dict key of kind %s is not hashable",
                             dp_kind_name((dp_kind_t)k));
+        }
+        if (!key_finished(v)) {
+          dp_value_release(v);
+          return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "dict key refers to an unfinished tuple");
         }
         f->key = v;
         f->key_at = at;

@@ -206,17 +206,22 @@ int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err) {
 
 /* ---- keys: hashing and equality for dict keys ---- */
 
+/* Keys are walked as trees (hashing, equality), so a key whose tuples share
+ * items would cost exponential time in its depth: a key is hashable only if
+ * its tree has at most KEY_MAX_NODES nodes and KEY_MAX_DEPTH levels, which
+ * bounds every later walk of it. */
 #define KEY_MAX_DEPTH 32
+#define KEY_MAX_NODES 1024
 
-static int key_hashable(dp_value_t k, int depth) {
-  if (depth > KEY_MAX_DEPTH) return 0;
+static int key_hashable(dp_value_t k, int depth, int *budget) {
+  if (depth > KEY_MAX_DEPTH || --*budget < 0) return 0;
   switch (k.kind) {
     case DP_NONE: case DP_BOOL: case DP_INT: case DP_FLOAT: case DP_STR: case DP_BYTES:
       return 1;
     case DP_TUPLE: {
       dp_seq_t *s = DP_SEQ(k);
       for (size_t i = 0; i < s->len; i++)
-        if (!key_hashable(s->items[i], depth + 1)) return 0;
+        if (!key_hashable(s->items[i], depth + 1, budget)) return 0;
       return 1;
     }
     default:
@@ -224,7 +229,10 @@ static int key_hashable(dp_value_t k, int depth) {
   }
 }
 
-bool dp_value_is_hashable(dp_value_t key) { return key_hashable(key, 0); }
+bool dp_value_is_hashable(dp_value_t key) {
+  int budget = KEY_MAX_NODES;
+  return key_hashable(key, 0, &budget);
+}
 
 static uint64_t key_hash(dp_value_t k) {
   switch (k.kind) {
@@ -351,12 +359,13 @@ int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int al
     dp_value_release(val);
     return kind_mismatch(err, "dp_dict_set", dict, "dict");
   }
-  if (!key_hashable(key, 0)) {
+  if (!dp_value_is_hashable(key)) {
     int kk = key.kind;
     dp_value_release(key);
     dp_value_release(val);
     return dp__err(err, DP_ETYPE, "dict key of kind %s is not hashable%s", dp_kind_name(kk),
-                   kk == DP_TUPLE ? " (tuple holds an unhashable item or nests deeper than 32)" : "");
+                   kk == DP_TUPLE ? " (a tuple key holds only scalars, str, bytes and tuples, at most 1024 "
+                                    "of them, 32 levels deep)" : "");
   }
   dp_dict_t *d = DP_DICT(dict);
   uint64_t h = key_hash(key);
@@ -398,7 +407,7 @@ int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error_t *err
 }
 
 int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val) {
-  if (dict.kind != DP_DICT || !key_hashable(key, 0)) return DP_ENOTFOUND;
+  if (dict.kind != DP_DICT || !dp_value_is_hashable(key)) return DP_ENOTFOUND;
   dp_dict_t *d = DP_DICT(dict);
   size_t at = index_find(d->index, d->index_cap, d->len, d->entries, &key, key_hash(key), dict_match);
   if (at == SIZE_MAX) return DP_ENOTFOUND;

@@ -254,3 +254,40 @@ Test(cli, the_examples_round_trip_and_the_demo_passes) {
   cr_assert_not_null(strstr(r.out, "demo: all checks passed"));
   res_free(r);
 }
+
+/* ---- the JSON path in process, failing every allocation in turn ---- */
+#include "../tools/vjson.h"
+
+Test(cli, reading_value_json_fails_cleanly_at_every_allocation) {
+  const char *text =
+      "{\"$id\": \"r\", \"$value\": {\"$object\": \"M\", \"attrs\": {\"w\": {\"$tensor\": {\"device\": \"cuda:0\", "
+      "\"ptr\": \"0x1000\", \"nbytes\": 64, \"dtype\": \"float32\", \"shape\": [4, 4]}}, \"k\": {\"$dict\": [[1, "
+      "{\"$bytes\": \"AAE=\"}], [{\"$tuple\": [2, \"x\"]}, [1.5, null, {\"$ref\": \"r\"}]]]}}}}";
+  json_error_t je;
+  json_t *j = json_loads(text, 0, &je);
+  cr_assert_not_null(j, "%s", je.text);
+  t_track();
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 500);
+    t_fail_at = t_alloc_count + k;
+    dp_value_t v;
+    int is_inline;
+    char msg[512];
+    int rc = vjson_to_value(j, &v, &is_inline, msg, sizeof msg);
+    t_fail_at = 0;
+    if (rc == 0) {
+      json_t *back = vjson_from_value(v, msg, sizeof msg);
+      cr_assert_not_null(back, "%s", msg);
+      json_decref(back);
+      dp_value_release(v);
+      ASSERT_NO_LEAK();
+      cr_assert_gt(k, 10);
+      break;
+    }
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s (%s)", k, dp_err_name(rc), msg);
+    cr_assert(strstr(msg, ", at $") != NULL, "the failure says where: %s", msg);
+    ASSERT_NO_LEAK();
+  }
+  dp_set_allocator(NULL, NULL);
+  json_decref(j);
+}

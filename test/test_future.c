@@ -550,3 +550,48 @@ Test(future, threads_complete_and_chain_concurrently_and_no_callback_is_lost_or_
   dp_backend_shutdown();
   ASSERT_NO_LEAK();
 }
+
+static int hop_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud;
+  (void)err;
+  *result = dp_value_retain(dp_future_value(parent));
+  return 0;
+}
+
+Test(future, every_allocation_failure_is_an_error_and_leaks_nothing) {
+  dp_backend_shutdown();
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 2000);
+    OK(dp_backend_get(DP_DEVICE_HOST, &B, NULL));
+    dp_value_t o = t_obj("Pair");
+    dp_value_t a = device_ints(H0, 8), b = device_ints(H1, 8);
+    OK(dp_object_set(o, "a", dp_value_retain(a), NULL));
+    OK(dp_object_set(o, "b", dp_value_retain(b), NULL));
+    t_fail_at = t_alloc_count + k;
+    dp_future_t *f = NULL, *child = NULL, *all = NULL;
+    int rc = dp_future_new(NULL, &f, NULL);
+    if (rc == 0) rc = dp_future_then(f, hop_cb, NULL, &child, NULL);
+    if (rc == 0) rc = dp_future_collect_all(&f, 1, NULL, &all, NULL);
+    dp_value_t given = o;
+    o = dp_none();
+    if (rc == 0) rc = dp_future_mark_completed(f, given, NULL);
+    else dp_value_release(given);
+    if (rc == 0) rc = dp_future_wait(child, -1, NULL);
+    if (rc == 0) rc = dp_future_wait(all, -1, NULL);
+    t_fail_at = 0;
+    cr_assert(rc == 0 || rc == DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
+    if (child && rc == DP_ENOMEM) cr_assert(dp_future_is_done(child), "a failure never leaves a child hanging");
+    dp_future_release(all);
+    dp_future_release(child);
+    dp_future_release(f);
+    OK(dp_device_synchronize(B, H0, NULL));
+    OK(dp_device_synchronize(B, H1, NULL));
+    free_ints(a);
+    free_ints(b);
+    dp_value_release(a);
+    dp_value_release(b);
+    dp_backend_shutdown();
+    cr_assert_eq(t_live_blocks, 0, "leak after failing allocation %ld", k);
+    if (rc == 0) break;
+  }
+}

@@ -1,4 +1,5 @@
 /* Pickler: walker paths, scan, pickle/unpickle, frames, hostile input. */
+#include <time.h>
 #include <xxhash.h>
 
 #include "helpers.h"
@@ -764,5 +765,46 @@ Test(pickler, scan_fails_cleanly_at_every_allocation) {
   }
   t_fail_at = 0;
   dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+/* Found by fuzzing: a key of tuples that share their items is small as a
+ * graph but exponential as a tree; it must be refused at once, not walked. */
+Test(pickler, a_dict_key_of_shared_tuples_is_refused_without_exponential_work) {
+  /* payload: {t40: none} where t0 = (1,), t(i+1) = (t(i), t(i)) by back-reference */
+  uint8_t p[1024];
+  size_t n = 0;
+  p[n++] = 0x81;  /* map of 1 */
+  for (int i = 0; i < 40; i++) {
+    p[n++] = 0x93;  /* [tag, a, b] */
+    p[n++] = 0xd4; p[n++] = 0x00; p[n++] = 0x01;
+  }
+  p[n++] = 0x92; p[n++] = 0xd4; p[n++] = 0x00; p[n++] = 0x01; p[n++] = 0x01;  /* t0 = (1,) : node 40 */
+  for (int i = 39; i >= 0; i--) {  /* the second item of tuple i refers back to node i + 1 */
+    p[n++] = 0xd6; p[n++] = 0x01; p[n++] = 0; p[n++] = 0; p[n++] = 0; p[n++] = (uint8_t)(i + 1);
+  }
+  p[n++] = 0xc0;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  expect_bad(p, n, DP_EFORMAT, 41, "dict key of kind tuple is not hashable", NULL);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  cr_assert_lt(t1.tv_sec - t0.tv_sec, 2, "refused quickly");
+  /* and the same key through the API */
+  dp_value_t k;
+  OK(dp_tuple_new(1, &k, NULL));
+  OK(dp_seq_set(k, 0, dp_int(1), NULL));
+  for (int i = 0; i < 40; i++) {
+    dp_value_t t;
+    OK(dp_tuple_new(2, &t, NULL));
+    OK(dp_seq_set(t, 0, dp_value_retain(k), NULL));
+    OK(dp_seq_set(t, 1, k, NULL));
+    k = t;
+  }
+  cr_assert_not(dp_value_is_hashable(k));
+  dp_value_t d;
+  OK(dp_dict_new(0, &d, NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_dict_set(d, k, dp_none(), &e), DP_ETYPE);
+  dp_value_release(d);
   ASSERT_NO_LEAK();
 }

@@ -70,6 +70,8 @@ typedef struct rd {
   char path[1024];
   idnode_t *ids;
   size_t nids, idcap;
+  const void *open[VJSON_MAX_DEPTH + 2];  /* $id containers being filled */
+  size_t nopen;
   dp_ptrset_t *stset;      /* (device, ptr) -> storage index */
   dp_storage_t **storages;
   size_t nst, stcap;
@@ -263,12 +265,13 @@ static int fill_seq(rd_t *r, json_t *a, dp_value_t seq, int depth) {
   return 0;
 }
 
+/* Whether a (hashable, hence bounded) key holds a tuple still being filled. */
 static int key_is_open(rd_t *r, dp_value_t k) {
-  for (size_t i = 0; i < r->nids; i++)
-    if (r->ids[i].open && dp_value_id(r->ids[i].v) == dp_value_id(k) && dp_value_id(k)) return 1;
-  if (dp_value_kind(k) == DP_TUPLE)
-    for (size_t i = 0; i < dp_seq_len(k); i++)
-      if (key_is_open(r, dp_seq_get(k, i))) return 1;
+  if (dp_value_kind(k) != DP_TUPLE) return 0;
+  for (size_t i = 0; i < r->nopen; i++)
+    if (r->open[i] == dp_value_id(k)) return 1;
+  for (size_t i = 0; i < dp_seq_len(k); i++)
+    if (key_is_open(r, dp_seq_get(k, i))) return 1;
   return 0;
 }
 
@@ -314,6 +317,11 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
       if (!json_is_array(pair) || json_array_size(pair) != 2) return fail(r, DP_EINVAL, "$dict items are [key, value] pairs");
       dp_value_t key, val;
       if ((rc = read_value(r, json_array_get(pair, 0), &key, depth + 1)) != 0) return rc;
+      if (!dp_value_is_hashable(key)) {  /* bounded before any walk of it */
+        int kind = (int)dp_value_kind(key);
+        dp_value_release(key);
+        return fail(r, DP_ETYPE, "dict key of kind %s is not hashable", dp_kind_name((dp_kind_t)kind));
+      }
       if (key_is_open(r, key)) {
         dp_value_release(key);
         return fail(r, DP_EINVAL, "dict key refers to a node that is still being built");
@@ -392,7 +400,9 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
         node->v = *out;
         node->open = 1;
         size_t mine = r->nids++;
+        r->open[r->nopen++] = dp_value_id(*out);
         rc = fill_container(r, val, *out, depth);
+        r->nopen--;
         r->ids[mine].open = 0;
         if (rc) dp_value_release(*out);
         return rc;
