@@ -13,6 +13,13 @@
  * containers themselves (gc_next, gc_next2), so a release cannot fail and a
  * chain of a million containers frees without recursion.
  *
+ * Budget. A release-time trial visits at most GC_BUDGET containers: a
+ * candidate whose subgraph is larger (a big value still held elsewhere, say
+ * by a future) is deferred instead, so that a release costs O(1) amortized
+ * rather than O(its subgraph). Deferred candidates are collected together,
+ * without a budget, when GC_DEFER_BATCH of them have accumulated or when
+ * dp_value_collect() asks; those that die meanwhile simply leave the list.
+ *
  * Concurrency. Every container release — the decrement included — runs under
  * one process-wide recursive lock. Retains stay lock-free. This is enough for
  * the trial counts to be sound: a thread can only add a reference into a
@@ -33,6 +40,11 @@ static int gc_depth;            /* nesting of releases on the lock holder */
 static dp_cont_t *dead_list;    /* via gc_next: count reached zero or garbage */
 static dp_cont_t *cand_list;    /* via gc_next2: released with count > 0 */
 static dp_cont_t *free_list;    /* via gc_next: children released, memory pending */
+static dp_cont_t *deferred_list; /* via gc_next2: candidates too large to try at release */
+static size_t ndeferred, deferred_dead;
+
+#define GC_BUDGET 256
+#define GC_DEFER_BATCH 64
 
 static void gc_init(void) {
   pthread_mutexattr_t a;
@@ -43,6 +55,7 @@ static void gc_init(void) {
 }
 
 static void mark_dead(dp_cont_t *c) {
+  if (c->h.flags & DP_HEAP_INDEFERRED) deferred_dead++;  /* purged at the end of the drain */
   c->h.color = DP_GC_DEAD;
   c->gc_next = dead_list;
   dead_list = c;
@@ -155,11 +168,21 @@ static size_t cont_size(const dp_cont_t *c) {
     }                                                                              \
   } while (0)
 
-/* Trial deletion over everything reachable from the candidates. */
-static void collect_candidates(void) {
+static void defer(dp_cont_t *c) {
+  c->h.color = DP_GC_DEFERRED;
+  c->h.flags |= DP_HEAP_INDEFERRED;
+  c->gc_next2 = deferred_list;
+  deferred_list = c;
+  ndeferred++;
+}
+
+/* Trial deletion over everything reachable from the candidates; budget 0
+ * means no limit. Over budget, the candidates are deferred. */
+static void collect_candidates(size_t budget) {
   /* The candidates become the visit list (gc_next2), counted from their
    * real reference counts. */
   dp_cont_t *visit = NULL, *tail = NULL;
+  size_t ncand = 0, visited = 0;
   for (dp_cont_t *c = cand_list, *next; c; c = next) {
     next = c->gc_next2;
     c->gc_next2 = NULL;
@@ -168,13 +191,26 @@ static void collect_candidates(void) {
     c->gc_refs = dp__rc(&c->h);
     if (tail) tail->gc_next2 = c; else visit = c;
     tail = c;
+    ncand++;
   }
   cand_list = NULL;
 
   /* Breadth-first: subtract internal references. */
   for (dp_cont_t *p = visit; p; p = p->gc_next2) {
+    if (budget && ++visited > budget) {
+      /* Too big to try now: undo the marks, defer the candidates. */
+      size_t i = 0;
+      for (dp_cont_t *q = visit, *next; q; q = next, i++) {
+        next = q->gc_next2;
+        q->gc_next2 = NULL;
+        if (i < ncand) defer(q);
+        else q->h.color = DP_GC_NONE;
+      }
+      return;
+    }
     FOR_EACH_CONTAINER_CHILD(p, k, {
       if (k->h.color != DP_GC_GRAY) {
+        /* a deferred node met here is tried with this batch */
         k->h.color = DP_GC_GRAY;
         k->gc_refs = dp__rc(&k->h);
         k->gc_next2 = NULL;
@@ -215,6 +251,42 @@ static void collect_candidates(void) {
   }
 }
 
+/* Moves the deferred candidates back to the candidate list (the dead ones
+ * leave it). */
+static void undefer_all(void) {
+  for (dp_cont_t *c = deferred_list, *next; c; c = next) {
+    next = c->gc_next2;
+    c->gc_next2 = NULL;
+    c->h.flags &= (uint16_t)~DP_HEAP_INDEFERRED;
+    if (c->h.color == DP_GC_DEFERRED) {
+      c->h.color = DP_GC_PURPLE;
+      c->gc_next2 = cand_list;
+      cand_list = c;
+    }
+  }
+  deferred_list = NULL;
+  ndeferred = deferred_dead = 0;
+}
+
+/* Drops deferred candidates that died (so that their memory can go now). */
+static void purge_deferred(void) {
+  dp_cont_t **link = &deferred_list;
+  while (*link) {
+    dp_cont_t *c = *link;
+    if (c->h.color == DP_GC_DEAD) {
+      *link = c->gc_next2;
+      c->gc_next2 = NULL;
+      c->h.flags &= (uint16_t)~DP_HEAP_INDEFERRED;
+      ndeferred--;
+    } else {
+      link = &c->gc_next2;
+    }
+  }
+  deferred_dead = 0;
+}
+
+static int force_collect;
+
 static void drain(void) {
   for (;;) {
     while (dead_list) {
@@ -224,14 +296,34 @@ static void drain(void) {
       c->gc_next = free_list;
       free_list = c;
     }
-    if (!cand_list) break;
-    collect_candidates();
+    if (cand_list) {
+      collect_candidates(GC_BUDGET);
+      continue;
+    }
+    if (deferred_list && (force_collect || ndeferred >= GC_DEFER_BATCH)) {
+      force_collect = 0;
+      undefer_all();
+      collect_candidates(0);
+      continue;
+    }
+    break;
   }
+  if (deferred_dead) purge_deferred();
   while (free_list) {
     dp_cont_t *c = free_list;
     free_list = c->gc_next;
     dp__free(c, cont_size(c));
   }
+}
+
+void dp_value_collect(void) {
+  pthread_once(&gc_once, gc_init);
+  pthread_mutex_lock(&gc_lock);
+  gc_depth++;
+  force_collect = 1;
+  if (gc_depth == 1) drain();
+  gc_depth--;
+  pthread_mutex_unlock(&gc_lock);
 }
 
 void dp__gc_release(dp_cont_t *c) {

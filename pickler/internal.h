@@ -32,10 +32,11 @@ int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...)
 int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap);
 
 /* ---- heap objects ---- */
-enum { DP_GC_NONE = 0, DP_GC_PURPLE, DP_GC_GRAY, DP_GC_BLACK, DP_GC_DEAD };
+enum { DP_GC_NONE = 0, DP_GC_PURPLE, DP_GC_GRAY, DP_GC_BLACK, DP_GC_DEAD, DP_GC_DEFERRED };
 enum {
   DP_HEAP_REDUCED = 1,  /* object stand-in for a custom */
   DP_HEAP_OPEN = 2,     /* container still being filled by the unpickler */
+  DP_HEAP_INDEFERRED = 4, /* on the collector's deferred list */
 };
 
 typedef struct dp_heap {

@@ -1,5 +1,6 @@
 /* Value model: ownership, containers, tensors, customs, cycles, equality. */
 #include <pthread.h>
+#include <time.h>
 
 #include "helpers.h"
 
@@ -297,6 +298,43 @@ Test(value, a_ring_of_a_hundred_thousand_objects_frees_without_recursion) {
   }
   OK(dp_object_set(cur, "next", dp_value_retain(head), NULL));
   dp_value_release(head);
+  cr_assert_gt(t_live_blocks, 100000, "too large to try at release: deferred");
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
+
+Test(value, releasing_a_large_value_still_held_elsewhere_costs_a_bounded_trial) {
+  dp_value_t big = t_list();
+  for (int i = 0; i < 5000; i++) {
+    dp_value_t inner = t_list();
+    OK(dp_list_append(inner, dp_int(i), NULL));
+    OK(dp_list_append(big, inner, NULL));
+  }
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (int i = 0; i < 2000; i++) dp_value_release(dp_value_retain(big));  /* 2 -> 1 each time */
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double us = ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / 1e3 / 2000;
+  cr_assert_lt(us, 20, "%.1f us a release: it walked the whole value", us);
+  cr_assert_eq(dp_value_refcount(big), 1);
+  cr_assert_eq(dp_seq_len(big), 5000, "nothing freed: the value is alive");
+  dp_value_release(big);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, deferred_cycles_are_collected_in_batches_without_being_asked) {
+  for (int k = 0; k < 70; k++) {  /* more than one batch of large cycles */
+    dp_value_t head = t_obj("Node"), cur = head;
+    for (int i = 0; i < 300; i++) {
+      dp_value_t n = t_obj("Node");
+      OK(dp_object_set(cur, "next", n, NULL));
+      cur = n;
+    }
+    OK(dp_object_set(cur, "next", dp_value_retain(head), NULL));
+    dp_value_release(head);
+  }
+  cr_assert_lt(t_live_blocks, 64 * 301 + 10, "a batch was collected on its own");
+  dp_value_collect();
   ASSERT_NO_LEAK();
 }
 

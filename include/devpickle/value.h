@@ -13,10 +13,12 @@
  *
  * CYCLES. Containers (list, tuple, dict, object) may form cycles. A cycle is
  * freed without help: whenever a release leaves a container with references
- * still held, devpickle runs a synchronous trial deletion (Bacon & Rajan's
- * algorithm) over the containers reachable from it and frees those held only
- * by each other. Its cost is proportional to the containers reachable from the
- * released one; releases that drop a count to zero cost nothing extra.
+ * still held, devpickle runs a trial deletion (Bacon & Rajan's algorithm)
+ * over the containers reachable from it and frees those held only by each
+ * other — at once when at most 256 containers are reachable, so that a
+ * release costs at most that much; a larger candidate is deferred and
+ * collected with others once 64 have accumulated, or by dp_value_collect().
+ * Releases that drop a count to zero cost nothing extra.
  * Customs are opaque to the collector: a cycle that passes through a custom's
  * own C data is the custom's to break in its destroy().
  *
@@ -91,6 +93,8 @@ DP_API dp_value_t dp_value_retain(dp_value_t v);
 /** Gives back one reference; frees what is no longer reachable (cycles
  *  included). Thread-safe (see THREAD SAFETY above). */
 DP_API void dp_value_release(dp_value_t v);
+/** Collects every deferred cycle candidate now (see CYCLES). Thread-safe. */
+DP_API void dp_value_collect(void);
 /** Current reference count (1 for scalars). For diagnostics and tests. */
 DP_API uint32_t dp_value_refcount(dp_value_t v);
 
