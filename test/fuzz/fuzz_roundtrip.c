@@ -3,6 +3,8 @@
  * equal value with the same sharing, and the scan must equal the buffer
  * table. Then the last input bytes pick a frame byte to change (checksum
  * fixed up): the reader must survive it. */
+#include <stdio.h>
+
 #include "fuzz.h"
 
 typedef struct rd {
