@@ -268,11 +268,17 @@ static int flush_pending(dp__walker_t *w) {
     n++;
   }
   for (int i = 0; i < n; i++) {
+    if (i && st[i] == st[i - 1]) continue;  /* see below */
     h[i] = dp__ptr_hash(st[i]->device, st[i]->base);
     dp__ptrset_prefetch(w->set, h[i]);
   }
+  size_t id = 0;
   for (int i = 0; i < n; i++) {
-    size_t id;
+    /* a view right after its base tensor: the same entry, no probe */
+    if (i && st[i] == st[i - 1]) {
+      w->set->entries[id].refs++;
+      continue;
+    }
     int is_new;
     if (dp__ptrset_add_hashed(w->set, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new) != 0)
       return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
