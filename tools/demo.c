@@ -169,7 +169,7 @@ static int add_one(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t
   (void)ud;
   dp_value_t layer = dp_future_value(parent), weight;
   int rc = dp_object_get(layer, "weight", &weight);
-  if (rc) return dp__demo_err(err, rc, "the parent's value has no weight");
+  if (rc) return demo_err(err, rc, "the parent's value has no weight");
   dp_value_t out = device_tensor();  /* on the callback's stream (current) */
   if ((rc = slow_add(dp_current_stream(B, D), base_of(out), base_of(weight), 1)) != 0) {
     dp_value_release(out);
@@ -199,7 +199,7 @@ static int check_bytes(const unsigned char *p, unsigned char want, const char *w
   return bad == 0;
 }
 
-int dp__demo_err(dp_error_t *err, int code, const char *msg) {
+int demo_err(dp_error_t *err, int code, const char *msg) {
   if (err) {
     err->code = code;
     snprintf(err->message, sizeof err->message, "%s", msg);

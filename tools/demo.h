@@ -3,5 +3,5 @@
 #define DP_TOOLS_DEMO_H
 #include "devpickle.h"
 int demo_run(int argc, char **argv);
-int dp__demo_err(dp_error_t *err, int code, const char *msg);
+int demo_err(dp_error_t *err, int code, const char *msg);
 #endif
