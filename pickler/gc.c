@@ -62,7 +62,8 @@ static void mark_dead(dp_cont_t *c) {
 }
 
 static void make_candidate(dp_cont_t *c) {
-  if (c->h.color != DP_GC_NONE) return;  /* already a candidate */
+  /* Already queued: a candidate now, or deferred (its link is taken). */
+  if (c->h.color != DP_GC_NONE || (c->h.flags & DP_HEAP_INDEFERRED)) return;
   c->h.color = DP_GC_PURPLE;
   c->gc_next2 = cand_list;
   cand_list = c;
@@ -209,8 +210,11 @@ static void collect_candidates(size_t budget) {
       return;
     }
     FOR_EACH_CONTAINER_CHILD(p, k, {
+      /* A deferred node stays outside this trial: its link belongs to the
+       * deferred list. Counting it as outside can only keep nodes alive
+       * (never frees a live one); it is tried when its batch is collected. */
+      if (k->h.flags & DP_HEAP_INDEFERRED) continue;
       if (k->h.color != DP_GC_GRAY) {
-        /* a deferred node met here is tried with this batch */
         k->h.color = DP_GC_GRAY;
         k->gc_refs = dp__rc(&k->h);
         k->gc_next2 = NULL;

@@ -466,3 +466,35 @@ Test(value, error_names_and_messages_come_from_one_table) {
   cr_assert_eq(dp_device_parse("cuda:01", &d), DP_EINVAL);
   cr_assert_eq(dp_device_parse("tpu:0", &d), DP_EINVAL);
 }
+
+static dp_value_t big_ring(int n) {
+  dp_value_t head = t_obj("Node"), cur = head;
+  for (int i = 0; i < n; i++) {
+    dp_value_t x = t_obj("Node");
+    OK(dp_object_set(cur, "next", x, NULL));
+    cur = x;
+  }
+  OK(dp_object_set(cur, "next", dp_value_retain(head), NULL));
+  return head;
+}
+
+/* Found by fuzz_roundtrip: a deferred candidate examined again by another
+ * trial, then released again, was queued a second time and cut the
+ * deferred list, losing the garbage behind it. */
+Test(value, a_deferred_candidate_examined_and_released_again_loses_nothing) {
+  dp_value_t ring1 = big_ring(300);
+  dp_value_release(ring1);                     /* garbage, deferred */
+  dp_value_t big = t_list();
+  for (int i = 0; i < 300; i++) OK(dp_list_append(big, t_list(), NULL));
+  dp_value_release(dp_value_retain(big));      /* alive, deferred after ring1 */
+  dp_value_t ring2 = big_ring(300);
+  dp_value_release(ring2);                     /* garbage, deferred after big */
+  dp_value_t holder = t_list();
+  OK(dp_list_append(holder, dp_value_retain(big), NULL));
+  dp_value_release(dp_value_retain(holder));   /* a trial that meets big again */
+  dp_value_release(dp_value_retain(big));      /* and big released again */
+  dp_value_release(holder);
+  dp_value_release(big);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
