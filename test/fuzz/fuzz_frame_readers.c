@@ -39,5 +39,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     dp_value_release(v);
   }
   free(f);
+  dp_value_collect();
   return 0;
 }

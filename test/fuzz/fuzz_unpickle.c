@@ -15,5 +15,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     abort();  /* every failure says where and what */
   }
   free(f);
+  dp_value_collect();
   return 0;
 }

@@ -34,5 +34,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     dp_value_release(v);
   }
   json_decref(j);
+  dp_value_collect();
   return 0;
 }
