@@ -194,7 +194,7 @@ test-tsan: deps ## Run the concurrency stress under ThreadSanitizer (and check t
 	  echo "test-tsan: the racy control was NOT reported: the check is blind"; exit 1; fi; \
 	echo "test-tsan: no reports; the racy control was reported as it must be"
 
-demo: deps all ## Pack the examples and dump the device pointers they hold
+demo: deps all ## The future pipeline end to end (devpickle demo), then the examples packed, verified, dumped
 	@sh tools/demo.sh $(BUILD)/devpickle
 
 bench: all $(BENCH_BIN) ## Run the benchmarks; results in build/bench.json
@@ -257,4 +257,4 @@ clean: ## Remove build/
 	rm -rf $(BUILD)
 
 help: ## List the targets
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-13s %s\n", $$1, $$2}'
