@@ -121,11 +121,11 @@ $(BUILD)/test_gpu: test/gpu/test_gpu.c $(BUILD)/gpu/kernels.o $(BUILD)/libdevpic
 	$(CC) $(TFLAGS) -o $@ $< $(BUILD)/gpu/kernels.o $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS) -lstdc++
 
 gpu-test: deps ## Build the GPU suite (build/test_gpu) and run it here; tests skip, saying why, without a GPU
-ifeq ($(HAVE_CUDA),1)
+ifeq ($(DEMO_CUDA),1)
 	@$(MAKE) --no-print-directory all $(BUILD)/test_gpu $(BENCH_BIN)
 	$(BUILD)/test_gpu --verbose -j1
 else
-	@echo "gpu-test: no CUDA toolkit under $(CUDA_HOME): the GPU suite cannot be built here"
+	@echo "gpu-test: no CUDA toolkit (headers and nvcc) under $(CUDA_HOME): the GPU suite cannot be built here"
 endif
 
 # Fuzzing (libFuzzer, clang, ASan + UBSan). Each target is linked with the
