@@ -239,12 +239,13 @@ Test(cli, bad_value_json_names_the_problem_and_where) {
 
 Test(cli, the_examples_round_trip_and_the_demo_passes) {
   static const char *const ex[] = {"model", "shared_cycle", "mixed", "inline"};
-  char cwd[512];
+  char cwd[512], abs[512];
   cr_assert_not_null(getcwd(cwd, sizeof cwd));
+  cr_assert_not_null(realpath(cli, abs));
   for (int i = 0; i < 4; i++) {
     char args[4096];
-    snprintf(args, sizeof args, "pack %s/examples/%s.json -o e.dpk && %s/%s unpack e.dpk > e.json && "
-             "%s/%s pack e.json -o f.dpk && cmp e.dpk f.dpk", cwd, ex[i], cwd, cli, cwd, cli);
+    snprintf(args, sizeof args, "pack %s/examples/%s.json -o e.dpk && %s unpack e.dpk > e.json && "
+             "%s pack e.json -o f.dpk && cmp e.dpk f.dpk", cwd, ex[i], abs, abs);
     res_t r = run(args);
     cr_assert_eq(r.status, 0, "%s: %s", ex[i], r.err);
     res_free(r);
