@@ -295,15 +295,33 @@ DP_WALK_INLINE int stage_tensor(dp__walker_t *w, dp_heap_t *h) {
   return w->npending == DP_WALK_BATCH ? flush_pending(w) : 0;
 }
 
+/* Whether a list or tuple holds only leaves: scalars, str, bytes, tensors. */
+DP_WALK_INLINE int leaf_only(const dp_seq_t *s) {
+  if (s->len > 8) return 0;
+  for (size_t j = 0; j < s->len; j++)
+    if (s->items[j].kind >= DP_LIST && s->items[j].kind != DP_TENSOR) return 0;
+  return 1;
+}
+
 /* Scan only: runs over seq items from *i that need no frame of their own —
- * scalars, str and bytes (skipped) and tensors (staged) — and stops at the
- * first other item. */
+ * scalars, str and bytes (skipped), tensors (staged), and small lists and
+ * tuples of leaves held once (their tensors staged in place: with one
+ * reference they cannot be met again, so the memo never needs them) — and
+ * stops at the first other item. */
 DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i) {
   for (; *i < n; (*i)++) {
     uint32_t k = items[*i].kind;
     if (k < DP_LIST) continue;
-    if (k != DP_TENSOR) return 0;
-    int rc = stage_tensor(w, items[*i].u.h);
+    int rc = 0;
+    if (k == DP_TENSOR) {
+      rc = stage_tensor(w, items[*i].u.h);
+    } else if ((k == DP_LIST || k == DP_TUPLE) && dp__rc(items[*i].u.h) == 1 && leaf_only(DP_SEQ(items[*i]))) {
+      const dp_seq_t *s = DP_SEQ(items[*i]);
+      for (size_t j = 0; j < s->len && rc == 0; j++)
+        if (s->items[j].kind == DP_TENSOR) rc = stage_tensor(w, s->items[j].u.h);
+    } else {
+      return 0;
+    }
     if (rc) return rc;
   }
   return 0;
@@ -355,10 +373,13 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
       } else {
         const dp_value_t *items = DP_SEQ(v)->items;
         if (w->batch) {
-          /* A container of leaves needs no frame: stage its tensors here. */
-          size_t i = 0;
-          int rc = scan_leaves(w, items, n, &i);
-          if (rc || i == n) return rc;
+          /* A container of leaves needs no frame: stage its tensors here;
+           * otherwise its frame starts where the leaves stop. */
+          size_t start = 0;
+          int rc = scan_leaves(w, items, n, &start);
+          if (rc || start == n) return rc;
+          if ((rc = push(w, v, dp_none(), n)) == 0) w->stack[w->top - 1].i = start;
+          return rc;
         }
         /* Issue the misses of the first children together rather than
          * one at a time as the walk reaches them. */

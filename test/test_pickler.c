@@ -175,6 +175,50 @@ Test(pickler, scans_without_paths_count_the_same_across_batches) {
   ASSERT_NO_LEAK();
 }
 
+Test(pickler, small_lists_of_leaves_are_scanned_in_place_without_losing_shared_ones) {
+  /* [(t_i, [view_i]) ...] plus an inner list shared by two tuples and a
+   * tensor shared by two inner lists: counts must match the path scan. */
+  dp_value_t root = t_list(), shared_inner = t_list(), shared_t = t_tensor(CUDA1, 0xF000, 4);
+  OK(dp_list_append(shared_inner, dp_value_retain(shared_t), NULL));
+  for (int i = 0; i < 40; i++) {
+    dp_storage_t *s = t_storage(CUDA0, 0x100000 + (uintptr_t)i * 4096, 4096);
+    dp_value_t tup, inner;
+    OK(dp_tuple_new(2, &tup, NULL));
+    OK(dp_seq_set(tup, 0, t_view(s, 8, 0), NULL));
+    if (i % 10 == 3) {
+      inner = dp_value_retain(shared_inner);
+    } else {
+      inner = t_list();
+      OK(dp_list_append(inner, t_view(s, 4, 8), NULL));
+      if (i % 10 == 5) OK(dp_list_append(inner, dp_value_retain(shared_t), NULL));
+    }
+    OK(dp_seq_set(tup, 1, inner, NULL));
+    OK(dp_list_append(root, tup, NULL));
+    dp_storage_release(s);
+  }
+  dp_value_release(shared_inner);
+  dp_value_release(shared_t);
+  dp_ptrset_t *with = scan_paths(root), *without;
+  OK(dp_ptrset_new(&without, NULL));
+  OK(dp_scan(root, NULL, without, NULL));
+  cr_assert_eq(dp_ptrset_count(without), dp_ptrset_count(with));
+  for (size_t i = 0; i < dp_ptrset_count(with); i++) {
+    dp_ptr_info_t a, b;
+    OK(dp_ptrset_get(with, i, &a));
+    OK(dp_ptrset_get(without, i, &b));
+    cr_assert(a.base == b.base && a.refs == b.refs, "entry %zu: refs %u vs %u", i, a.refs, b.refs);
+  }
+  size_t at;
+  OK(dp_ptrset_find(without, CUDA1, (void *)0xF000, &at));
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(without, at, &p));
+  cr_assert_eq(p.refs, 1, "the shared tensor is one tensor");
+  dp_ptrset_free(with);
+  dp_ptrset_free(without);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, cycles_terminate_and_each_storage_is_met_once) {
   dp_value_t a = t_obj("Node"), b = t_obj("Node");
   OK(dp_object_set(a, "t", t_tensor(CUDA0, 0x1000, 4), NULL));
@@ -385,6 +429,7 @@ Test(pickler, a_linked_list_of_a_hundred_thousand_objects_scans_pickles_and_unpi
 }
 
 Test(pickler, for_a_thousand_random_values_scan_matches_the_buffer_table_and_round_trips) {
+  /* (scan_paths is defined above) */
   t_rng_t r = {0x5eed};
   dp_ptrset_t *set;
   OK(dp_ptrset_new(&set, NULL));
@@ -408,6 +453,16 @@ Test(pickler, for_a_thousand_random_values_scan_matches_the_buffer_table_and_rou
       cr_assert(dp_device_equal(p.device, b.device) && (uintptr_t)p.base == b.base && p.nbytes == b.nbytes,
                 "value %d buffer %zu", k, i);
     }
+    /* the batched scan (no paths) counts tensors exactly as the path scan */
+    dp_ptrset_t *paths = scan_paths(v);
+    cr_assert_eq(dp_ptrset_count(paths), dp_ptrset_count(set), "value %d", k);
+    for (size_t i = 0; i < dp_ptrset_count(set); i++) {
+      dp_ptr_info_t a, b;
+      OK(dp_ptrset_get(set, i, &a));
+      OK(dp_ptrset_get(paths, i, &b));
+      cr_assert(a.base == b.base && a.refs == b.refs, "value %d entry %zu: refs %u vs %u", k, i, a.refs, b.refs);
+    }
+    dp_ptrset_free(paths);
     with_buffers += dp_ptrset_count(set) > 0;
     dp_value_t back = unpickle_ok(f);
     cr_assert_eq(dp_value_equal(v, back, DP_EQ_SHARING), 1, "value %d did not round trip", k);
