@@ -95,11 +95,8 @@ static dp_ptrset_t *scratch_get(int *owned, dp_error_t *err) {
   *owned = 0;
   if (!s) {
     if (dp_ptrset_new(&s, err) != 0) return NULL;
-    if (!scratch_busy && pthread_setspecific(scratch_key, s) == 0) {
-      /* kept for this thread */
-    } else {
-      *owned = 1;
-    }
+    /* kept for this thread unless the thread's own is busy up the stack */
+    *owned = scratch_busy || pthread_setspecific(scratch_key, s) != 0;
   }
   if (!*owned) scratch_busy = 1;
   dp_ptrset_clear(s);

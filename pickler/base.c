@@ -69,10 +69,7 @@ int dp__grow(void **arr, size_t *cap, size_t need, size_t size) {
 
 int dp__grow_inl(void **arr, size_t *cap, size_t need, size_t size, const void *inl) {
   if (need <= *cap) return 0;
-  if (*arr != inl || *arr == NULL) {
-    if (*arr == NULL) *cap = 0;
-    return dp__grow(arr, cap, need, size);
-  }
+  if (*arr != inl) return dp__grow(arr, cap, need, size);  /* already separate, or none yet */
   size_t ncap = *cap ? *cap : 4;
   while (ncap < need) {
     if (ncap > SIZE_MAX / 2 / size) return DP_ENOMEM;

@@ -12,6 +12,8 @@ struct dp_frame {
   dp_ptrset_t *set;      /* buffers, in first-met order; owns the walker */
   uint64_t *data_off;    /* inline: offset of each buffer's bytes in buf */
   size_t data_off_cap;
+  dp_storage_t **storages; /* inline: the storage behind each buffer id, as met */
+  size_t nstorages, storages_cap;
   int is_inline;
   int failed;            /* sticky: the writer ran out of memory */
   msgpack_packer pk;
@@ -67,6 +69,7 @@ void dp_frame_free(dp_frame_t *f) {
   dp_ptrset_free(f->set);
   dp__free(f->buf, f->cap);
   dp__free(f->data_off, f->data_off_cap * sizeof(uint64_t));
+  dp__free(f->storages, f->storages_cap * sizeof *f->storages);
   dp__free(f, sizeof *f);
 }
 
@@ -145,8 +148,18 @@ static int sink_attr(void *ctx, const char *name, size_t n) {
 }
 
 static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
-  msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
+  dp_frame_t *f = ctx;
+  msgpack_packer *pk = &f->pk;
   dp_tensor_t *t = DP_TENSOR(v);
+  /* An inline frame copies each buffer's bytes later: remember the storage
+   * met first for each new buffer id (ids are handed out in that order). */
+  if (f->is_inline && buffer == f->nstorages) {
+    if (dp__grow((void **)&f->storages, &f->storages_cap, f->nstorages + 1, sizeof *f->storages) != 0) {
+      f->failed = 1;
+      return -1;
+    }
+    f->storages[f->nstorages++] = t->storage;
+  }
   int rc = msgpack_pack_array(pk, 6);
   rc = rc ? rc : put_tag(pk, DP_TAG_TENSOR);
   rc = rc ? rc : msgpack_pack_uint64(pk, buffer);
@@ -204,70 +217,26 @@ static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst
                  st->nbytes, dp_device_format(st->device, dev, sizeof dev));
 }
 
-/* Finds the storage of every buffer: the first tensor met on each. */
-static int collect_storages(dp_value_t v, dp_frame_t *f, dp_storage_t **out, dp_error_t *err);
-
-static int write_data(dp_frame_t *f, dp_value_t v, const dp_pickle_opts_t *opts, dp_error_t *err) {
+static int write_data(dp_frame_t *f, const dp_pickle_opts_t *opts, dp_error_t *err) {
   size_t n = dp_ptrset_count(f->set);
   if (dp__grow((void **)&f->data_off, &f->data_off_cap, n ? n : 1, sizeof(uint64_t)) != 0)
     return dp__err(err, DP_ENOMEM, "out of memory laying out inline data");
-  dp_storage_t **st = dp__alloc_array(n ? n : 1, sizeof *st);
-  if (!st) return dp__err(err, DP_ENOMEM, "out of memory laying out inline data");
-  int rc = collect_storages(v, f, st, err);
-  for (size_t i = 0; i < n && !rc; i++) {
-    size_t nb = st[i]->nbytes;
-    if (frame_reserve(f, nb) != 0) {
-      rc = dp__err(err, DP_ENOMEM, "out of memory copying %zu inline bytes", nb);
-      break;
-    }
+  for (size_t i = 0; i < n; i++) {
+    size_t nb = f->storages[i]->nbytes;
+    if (frame_reserve(f, nb) != 0) return dp__err(err, DP_ENOMEM, "out of memory copying %zu inline bytes", nb);
     f->data_off[i] = f->len;
-    rc = read_buffer(opts, st[i], f->buf + f->len, err);
+    int rc = read_buffer(opts, f->storages[i], f->buf + f->len, err);
+    if (rc) return rc;
     f->len += nb;
   }
-  dp__free(st, (n ? n : 1) * sizeof *st);
-  return rc;
-}
-
-/* A second, sink-less walk that records the storage object of each buffer.
- * Inline frames are for files and tests, not the hot path. */
-typedef struct stor_sink_ctx {
-  dp_storage_t **out;
-  size_t n;
-} stor_sink_ctx_t;
-
-static int ss_none(void *ctx, dp_value_t v) { DP_UNUSED(ctx); DP_UNUSED(v); return 0; }
-static int ss_enter(void *ctx, dp_value_t v, size_t n) { DP_UNUSED(ctx); DP_UNUSED(v); DP_UNUSED(n); return 0; }
-static int ss_attr(void *ctx, const char *s, size_t n) { DP_UNUSED(ctx); DP_UNUSED(s); DP_UNUSED(n); return 0; }
-static int ss_ref(void *ctx, uint64_t i) { DP_UNUSED(ctx); DP_UNUSED(i); return 0; }
-static int ss_tensor(void *ctx, dp_value_t t, size_t id) {
-  stor_sink_ctx_t *c = ctx;
-  if (id == c->n) c->out[c->n++] = DP_TENSOR(t)->storage;
   return 0;
-}
-static const dp__sink_t stor_sink = {ss_none, ss_enter, ss_attr, ss_tensor, ss_ref};
-
-static int collect_storages(dp_value_t v, dp_frame_t *f, dp_storage_t **out, dp_error_t *err) {
-  dp_ptrset_t *tmp;
-  int rc = dp_ptrset_new(&tmp, err);
-  if (rc) return rc;
-  dp__walker_t *w = dp__ptrset_walker(tmp);
-  stor_sink_ctx_t ctx = {out, 0};
-  w->set = tmp;
-  w->sink = &stor_sink;
-  w->sink_ctx = &ctx;
-  w->err = err;
-  w->want_paths = 0;
-  w->batch = 0;
-  w->max_depth = dp__ptrset_walker(f->set)->max_depth;
-  rc = dp__walk(w, v);
-  dp_ptrset_free(tmp);
-  return rc;
 }
 
 int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_error_t *err) {
   if (!f) return dp__err(err, DP_EINVAL, "dp_pickle: NULL frame");
   f->len = 0;
   f->failed = 0;
+  f->nstorages = 0;
   f->is_inline = opts && (opts->flags & DP_PICKLE_INLINE);
   dp_ptrset_clear(f->set);
   int rc = frame_reserve(f, DP_FRAME_HEADER);
@@ -283,7 +252,9 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
   w->batch = 0;  /* the sink needs each buffer id at once */
   w->max_depth = (opts && opts->max_depth) ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
   rc = dp__walk(w, v);
-  if (rc == 0 && f->failed) rc = dp__err(err, DP_ENOMEM, "out of memory writing the payload");
+  /* The writer reports running out of memory as msgpack-c's -1: whatever
+   * the walk returned then, the error is that one, with its message. */
+  if (f->failed) rc = dp__err(err, DP_ENOMEM, "out of memory writing the payload");
   if (rc) goto fail;
   size_t payload_end = f->len;
   if (write_table(f) != 0 || f->failed) {
@@ -291,7 +262,7 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
     goto fail;
   }
   size_t table_end = f->len;
-  if (f->is_inline && (rc = write_data(f, v, opts, err)) != 0) goto fail;
+  if (f->is_inline && (rc = write_data(f, opts, err)) != 0) goto fail;
 
   uint8_t *h = f->buf;
   memcpy(h, DP_FRAME_MAGIC, 4);

@@ -226,11 +226,6 @@ static int read_name(rd_t *r, const char **s, size_t *n, const char *what) {
 
 /* ---- the unpickler ---- */
 
-typedef struct node {
-  dp_value_t v;      /* borrowed: owned by the tree being built */
-  uint8_t open;      /* a container still being filled */
-} node_t;
-
 typedef struct uframe {
   dp_value_t v;          /* the container (owned by the frame until delivered) */
   uint64_t remaining;    /* children still to read (pairs for dict/object) */
@@ -251,7 +246,7 @@ typedef struct up {
   rd_t r;
   dp_limits_t lim;
   const dp_unpickle_opts_t *opts;
-  node_t *nodes;
+  dp_value_t *nodes;     /* by preorder number; borrowed from the tree being built */
   size_t nnodes, nodes_cap;
   uframe_t *stack;
   size_t top, stack_cap;
@@ -270,13 +265,11 @@ static int oom_at(up_t *u, const uint8_t *at) {
   return dp__err_at(u->r.err, DP_ENOMEM, off(&u->r, at), "out of memory");
 }
 
-static int add_node(up_t *u, dp_value_t v, int open, const uint8_t *at) {
+static int add_node(up_t *u, dp_value_t v, const uint8_t *at) {
   if (u->nnodes == u->nodes_cap &&
-      dp__grow((void **)&u->nodes, &u->nodes_cap, u->nnodes + 1, sizeof(node_t)) != 0)
+      dp__grow((void **)&u->nodes, &u->nodes_cap, u->nnodes + 1, sizeof *u->nodes) != 0)
     return oom_at(u, at);
-  u->nodes[u->nnodes].v = v;
-  u->nodes[u->nnodes].open = (uint8_t)open;
-  u->nnodes++;
+  u->nodes[u->nnodes++] = v;
   return 0;
 }
 
@@ -290,7 +283,7 @@ static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, co
     dp_value_release(v);
     return oom_at(u, at);
   }
-  int rc = add_node(u, v, 1, at);
+  int rc = add_node(u, v, at);
   if (rc) {
     dp_value_release(v);
     return rc;
@@ -366,7 +359,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
         return dp__err_at(r->err, DP_EFORMAT, off(r, at), "invalid UTF-8 in str");
       rc = dp__strobj_new(t.type == T_STR ? DP_STR : DP_BYTES, t.data, t.len, out, &e);
       if (rc) return oom_at(u, at);
-      if ((rc = add_node(u, *out, 0, at)) != 0) dp_value_release(*out);
+      if ((rc = add_node(u, *out, at)) != 0) dp_value_release(*out);
       return rc;
     case T_EXT: {
       if (t.ext != DP_EXT_REF || t.len != 4)
@@ -376,7 +369,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
       if (idx >= u->nnodes)
         return dp__err_at(r->err, DP_EFORMAT, off(r, at), "back-reference to node %llu, only %zu exist",
                           (unsigned long long)idx, u->nnodes);
-      *out = dp_value_retain(u->nodes[idx].v);
+      *out = dp_value_retain(u->nodes[idx]);
       return 0;
     }
     case T_MAP: {
@@ -402,7 +395,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
         if (n != 5) return dp__err_at(r->err, DP_EFORMAT, off(r, at), "tensor node has %llu fields, expected 5",
                                       (unsigned long long)n);
         if ((rc = read_tensor(u, at, out)) != 0) return rc;
-        if ((rc = add_node(u, *out, 0, at)) != 0) dp_value_release(*out);
+        if ((rc = add_node(u, *out, at)) != 0) dp_value_release(*out);
         return rc;
       case DP_TAG_OBJECT:
       case DP_TAG_REDUCE: {
@@ -440,7 +433,6 @@ static int allowed_type(const dp_resolver_t *res, const char *name, size_t n) {
 
 /* A frame that has all its children: closes it and yields its value. */
 static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at) {
-  u->nodes[f->node].open = 0;
   f->v.u.h->flags &= (uint16_t)~DP_HEAP_OPEN;
   *out = f->v;
   if (f->tag != DP_TAG_REDUCE || !allowed_type(u->opts->resolver, f->type, f->type_len)) return 0;
@@ -450,22 +442,21 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
                       "reduced state of '%.*s' refers back to it: a resolved custom cannot be in a cycle",
                       (int)f->type_len, f->type);
   }
-  char name[256];
-  size_t n = f->type_len < sizeof name - 1 ? f->type_len : sizeof name - 1;
-  memcpy(name, f->type, n);
-  name[n] = '\0';
+  /* The resolver gets the whole name (the allow-list matched all of it). */
+  char *name = dp__strndup(f->type, f->type_len);
+  if (!name) return oom_at(u, at);
   const dp_resolver_t *res = u->opts->resolver;
   dp_value_t made = dp_none();
   dp_error_t e;
   dp_error_clear(&e);
   int rc = res->resolve(res->ud, name, dp__reduced_state(f->v), &made, &e);
-  if (rc) {
-    return dp__err_at(u->r.err, rc, off(&u->r, at), "resolving custom '%s' failed: %s", name,
-                      e.message[0] ? e.message : dp_strerror(rc));
-  }
+  if (rc) rc = dp__err_at(u->r.err, rc, off(&u->r, at), "resolving custom '%s' failed: %s", name,
+                          e.message[0] ? e.message : dp_strerror(rc));
+  dp__free(name, f->type_len + 1);
+  if (rc) return rc;
   dp_value_release(f->v);
   f->v = made;
-  u->nodes[f->node].v = made;
+  u->nodes[f->node] = made;
   *out = made;
   return 0;
 }
@@ -708,7 +699,7 @@ static void up_cleanup(up_t *u, int failed) {
   if (failed && u->have_root) dp_value_release(u->root);
   for (size_t i = 0; i < u->nbufs; i++) dp_storage_release(u->bufs[i]);
   dp__free(u->bufs, u->bufs_cap * sizeof(dp_storage_t *));
-  dp__free(u->nodes, u->nodes_cap * sizeof(node_t));
+  dp__free(u->nodes, u->nodes_cap * sizeof *u->nodes);
   dp__free(u->stack, u->stack_cap * sizeof(uframe_t));
 }
 

@@ -377,7 +377,6 @@ Test(allocator, every_allocation_failure_is_an_error_and_leaks_nothing) {
   dp_cache_destroy(C);
   C = NULL;
   dp_stream_t *s = stream(H0), *u = stream(H0);
-  long base_blocks = t_live_blocks;
   for (long k = 1;; k++) {
     cr_assert_lt(k, 500);
     t_fail_at = t_alloc_count + k;
@@ -399,7 +398,6 @@ Test(allocator, every_allocation_failure_is_an_error_and_leaks_nothing) {
     dp_stream_destroy(u);
     dp_backend_shutdown();
     cr_assert_eq(t_live_blocks, 0, "leak after failing allocation %ld", k);
-    (void)base_blocks;
     OK(dp_backend_get(DP_DEVICE_HOST, &B, NULL));
     s = stream(H0);
     u = stream(H0);

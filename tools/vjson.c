@@ -489,9 +489,19 @@ typedef struct wr {
   wslot_t *slots;
   size_t cap, n;
   int next_id;
+  int failed;   /* some piece could not be built: the whole result is refused */
   char *msg;
   size_t msgsize;
 } wr_t;
+
+/* base64 of p as a JSON string; on failure marks the writer failed. */
+static json_t *b64_string(wr_t *w, const uint8_t *p, size_t n) {
+  char *b = vjson_b64_encode(p, n);
+  json_t *s = b ? json_string(b) : NULL;
+  free(b);
+  if (!s) w->failed = 1;
+  return s;
+}
 
 static wslot_t *wslot(wr_t *w, const void *key, int insert) {
   if (insert && (w->n + 1) * 2 > w->cap) {
@@ -572,7 +582,7 @@ static json_t *tag1(const char *k, json_t *v) {
   return o;
 }
 
-static json_t *emit_tensor(dp_value_t v) {
+static json_t *emit_tensor(wr_t *w, dp_value_t v) {
   dp_storage_t *st = dp_tensor_storage(v);
   char buf[32];
   json_t *t = json_object();
@@ -590,11 +600,7 @@ static json_t *emit_tensor(dp_value_t v) {
   json_object_set_new(t, "strides", strides);
   json_object_set_new(t, "offset", json_integer(dp_tensor_offset(v)));
   const void *data = dp_storage_host_data(st);
-  if (data) {
-    char *b = vjson_b64_encode(data, dp_storage_nbytes(st));
-    json_object_set_new(t, "data", json_string(b ? b : ""));
-    free(b);
-  }
+  if (data) json_object_set_new(t, "data", b64_string(w, data, dp_storage_nbytes(st)));
   return tag1("$tensor", t);
 }
 
@@ -625,10 +631,7 @@ static json_t *emit_body(wr_t *w, dp_value_t v) {
     case DP_BYTES: {
       size_t n;
       const uint8_t *p = dp_bytes_data(v, &n);
-      char *b = vjson_b64_encode(p, n);
-      json_t *j = tag1("$bytes", json_string(b ? b : ""));
-      free(b);
-      return j;
+      return tag1("$bytes", b64_string(w, p, n));
     }
     case DP_LIST:
     case DP_TUPLE: {
@@ -659,7 +662,7 @@ static json_t *emit_body(wr_t *w, dp_value_t v) {
       return plain ? o : tag1("$dict", o);
     }
     case DP_TENSOR:
-      return emit_tensor(v);
+      return emit_tensor(w, v);
     case DP_OBJECT: {
       json_t *o = json_object();
       if (dp_object_is_reduced(v)) {
@@ -710,7 +713,11 @@ json_t *vjson_from_value(dp_value_t v, char *msg, size_t msgsize) {
   json_t *j = NULL;
   if (count_refs(&w, v, 0) == 0) {
     j = emit(&w, v);
-    if (!j) snprintf(msg, msgsize, "out of memory building JSON");
+    if (!j || w.failed) {
+      json_decref(j);
+      j = NULL;
+      snprintf(msg, msgsize, "out of memory building JSON");
+    }
   }
   free(w.slots);
   return j;
