@@ -8,7 +8,9 @@
 #include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <thread>
 #include <cstdio>
 #include <vector>
 
@@ -32,11 +34,51 @@ static void row(const char *name, double us) {
   fflush(stdout);
 }
 
+// T threads, each repeatedly building a list of 100 tensors, completing a
+// future with it, waiting and releasing it: the same work as
+// bench_future's threads rows. Tensors are made once per thread (their
+// allocation is the caching allocator's, not the future's, cost).
+static void threads(const at::TensorOptions &opts, const std::vector<c10::Device> &devices) {
+  const int iters = 2000;
+  double one = 0;
+  for (int T : {1, 4, 16}) {
+    double best = 1e18;
+    for (int r = 0; r < 3; r++) {
+      std::atomic<int> ready{0};
+      std::vector<std::thread> th;
+      auto t0 = clk::now();
+      for (int t = 0; t < T; t++)
+        th.emplace_back([&] {
+          std::vector<at::Tensor> ts;
+          for (int i = 0; i < 100; i++) ts.push_back(at::empty({256}, opts));
+          ready++;
+          for (int it = 0; it < iters; it++) {
+            c10::impl::GenericList list(c10::AnyType::get());
+            for (auto &x : ts) list.push_back(x);
+            auto f = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get(), devices);
+            f->markCompleted(c10::IValue(list));
+            f->wait();
+          }
+        });
+      for (auto &x : th) x.join();
+      double us = std::chrono::duration<double, std::micro>(clk::now() - t0).count();
+      best = std::min(best, us);
+    }
+    // throughput: completions per microsecond, all threads together
+    double rate = (double)T * iters / best;
+    if (T == 1) one = rate;
+    printf("{\"name\": \"torch_future_threads_list100_t%d\", \"backend\": \"cuda\", \"value\": %.4g, "
+           "\"unit\": \"completions/us\", \"ratio\": %.4g, \"ratio_vs\": \"the same with 1 thread (scaling)\"}\n",
+           T, rate, rate / one);
+    fflush(stdout);
+  }
+}
+
 int main() {
   c10::Device dev(c10::kCUDA, 0);
   std::vector<c10::Device> devices = {dev};
   auto opts = at::TensorOptions().device(dev).dtype(at::kFloat);
-  const int sizes[] = {1, 10, 100, 1000, 10000};
+  const int sizes[] = {1, 10, 100, 1000, 10000, 100000};
   for (int kind = 0; kind < 2; kind++) {
     for (int n : sizes) {
       c10::impl::GenericList list(c10::AnyType::get());
@@ -51,7 +93,7 @@ int main() {
         }
       }
       c10::IValue value(list);
-      int k = n >= 1000 ? 20 : n >= 100 ? 200 : 1000;
+      int k = n >= 100000 ? 3 : n >= 10000 ? 10 : n >= 1000 ? 20 : n >= 100 ? 200 : 1000;
       std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futs(k);
       double us = best_of(
           5, k,
@@ -78,5 +120,6 @@ int main() {
   double wait = best_of(5, 1000, [] {}, [&] { done->wait(); });
   row("torch_future_wait", wait);
   c10::cuda::device_synchronize();
+  threads(opts, devices);
   return 0;
 }

@@ -32,7 +32,7 @@ def row(name, us):
 def main():
     dev = torch.device("cuda:0")
     for kind in ("list", "nested", "objects"):
-        for n in (1, 10, 100, 1000, 10000):
+        for n in (1, 10, 100, 1000, 10000, 100000):
             ts = [torch.empty(256, device=dev) for _ in range(n)]
             if kind == "list":
                 value = ts
@@ -41,8 +41,10 @@ def main():
             else:
                 value = [Activation(t) for t in ts]
             k = 20 if n >= 1000 else 200 if n >= 100 else 1000
-            if kind == "objects" and n == 10000:
-                k = 5
+            if n >= 10000:
+                k = 5 if n == 10000 else 2
+            if kind == "objects" and n == 100000:
+                k = 1
             us = best_of(3, k, lambda: [torch.futures.Future(devices=["cuda:0"]) for _ in range(k)],
                          lambda fs, i: fs[i].set_result(value))
             row(f"torch_py_future_complete_{kind}_{n}", us)
