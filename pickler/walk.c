@@ -341,6 +341,7 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
   w->memo_rc = 0;
   size_t top = 0;
   uint64_t index = 0;
+  int found = 0;
   dp_value_t v = w->root;
   for (;;) {
     uint32_t k = v.kind;
@@ -350,7 +351,10 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
       if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
       if (m == 0) {
         index++;
-        if (v.u.h == stop) break;
+        if (v.u.h == stop) {
+          found = 1;
+          break;
+        }
         /* Before the first reduce() the walk met no custom but `stop`. */
         size_t n = 0;
         if (k == DP_LIST || k == DP_TUPLE)
@@ -368,12 +372,12 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
       }
     }
     while (top && w->rstack[top - 1].i == w->rstack[top - 1].n) top--;
-    if (!top) break;  /* not met: the value changed (checked below) */
+    if (!top) break;  /* `stop` not met: the value changed */
     dp__wframe_t *f = &w->rstack[top - 1];
     v = replay_child(f->node, f->i++);
   }
   /* Pickle numbered `stop` already: the replay must agree. */
-  if (S ? index != w->next_index : top == 0)
+  if (!found || (S && index != w->next_index))
     return dp__err(w->err, DP_ESTATE, "the value changed while it was walked, at %s", dp__walker_path(w));
   w->next_index = index;
   return 0;
