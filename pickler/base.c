@@ -113,6 +113,8 @@ const char *dp_err_name(int code) {
   return "DP_UNKNOWN";
 }
 
+#define DP_ERR_FULL_MAX (64u << 10)
+
 /* Fits a message of n bytes into dst[cap]: its beginning and its end, with
  * "…" in place of its middle, each cut at a UTF-8 character boundary. */
 static void cut_middle(char *dst, size_t cap, const char *msg, size_t n) {
@@ -136,8 +138,10 @@ int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list
   int n = vsnprintf(err->message, sizeof err->message, fmt, ap);
   if (n >= (int)sizeof err->message) {
     /* Too long: the end of a message (the end of a path, the cause) matters
-     * as much as its beginning, so the middle goes. */
-    char *full = dp__alloc((size_t)n + 1);
+     * as much as its beginning, so the middle goes. A message longer than
+     * DP_ERR_FULL_MAX (some caller formatted a huge string) is not copied
+     * whole: its end goes instead. */
+    char *full = (size_t)n < DP_ERR_FULL_MAX ? dp__alloc((size_t)n + 1) : NULL;
     if (full) {
       vsnprintf(full, (size_t)n + 1, fmt, again);
       cut_middle(err->message, sizeof err->message, full, (size_t)n);
