@@ -468,8 +468,10 @@ DP_WALK_INLINE int leaf_only(const dp_seq_t *s) {
 /* Scan only: runs over seq items from *i that need no frame of their own —
  * scalars, str and bytes (skipped), tensors (staged), and small lists and
  * tuples of leaves held once (their tensors staged in place: with one
- * reference they cannot be met again, so the memo never needs them) — and
- * stops at the first other item. */
+ * reference they cannot be met again before a reduce(), so the memo never
+ * needs them; after one, such a list met again through a state has two
+ * references and gets a frame, and its tensors, recorded when their batch
+ * was looked into, count once) — and stops at the first other item. */
 DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i) {
   for (; *i < n; (*i)++) {
     uint32_t k = items[*i].kind;
