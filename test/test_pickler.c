@@ -1241,3 +1241,97 @@ Test(pickler, a_long_key_repeated_down_a_deep_value_costs_bounded_path_memory) {
   dp_value_release(v);
   ASSERT_NO_LEAK();
 }
+
+/* Heap nodes of v in preorder, each once (small values: a linear search). */
+static void collect_nodes(dp_value_t v, dp_value_t *out, size_t *n, size_t cap) {
+  if (!dp_value_is_heap(v) || *n == cap) return;
+  for (size_t i = 0; i < *n; i++)
+    if (out[i].u.h == v.u.h) return;
+  out[(*n)++] = v;
+  dp_value_t k, x;
+  const char *name;
+  switch (dp_value_kind(v)) {
+    case DP_LIST:
+    case DP_TUPLE:
+      for (size_t i = 0; i < dp_seq_len(v); i++) collect_nodes(dp_seq_get(v, i), out, n, cap);
+      break;
+    case DP_DICT:
+      for (size_t i = 0; i < dp_dict_len(v); i++) {
+        OK(dp_dict_item(v, i, &k, &x));
+        collect_nodes(k, out, n, cap);
+        collect_nodes(x, out, n, cap);
+      }
+      break;
+    case DP_OBJECT:
+      for (size_t i = 0; i < dp_object_nattrs(v); i++) {
+        OK(dp_object_attr(v, i, &name, &x));
+        collect_nodes(x, out, n, cap);
+      }
+      break;
+    default: break;
+  }
+}
+
+/* Every storage of `a` is in `b` with the same count, and nothing else. */
+static void expect_same_storages(dp_ptrset_t *a, dp_ptrset_t *b, int k) {
+  cr_assert_eq(dp_ptrset_count(a), dp_ptrset_count(b), "value %d: %zu storages vs %zu", k, dp_ptrset_count(a),
+               dp_ptrset_count(b));
+  for (size_t i = 0; i < dp_ptrset_count(a); i++) {
+    dp_ptr_info_t p, q;
+    size_t at;
+    OK(dp_ptrset_get(a, i, &p));
+    cr_assert_eq(dp_ptrset_find(b, p.device, p.base, &at), 0, "value %d: storage %zu missing", k, i);
+    OK(dp_ptrset_get(b, at, &q));
+    cr_assert_eq(p.refs, q.refs, "value %d storage %zu: refs %u, then %u", k, i, p.refs, q.refs);
+  }
+}
+
+Test(pickler, random_values_behind_a_custom_exposing_any_of_their_nodes_walk_as_without_it) {
+  t_rng_t r = {0xc0ffee};
+  for (int k = 0; k < 300; k++) {
+    t_pool_t pool;
+    t_pool_init(&pool, (uint64_t)k + 7);
+    dp_value_t v = t_random_value(&r, &pool, 0);
+    dp_value_t nodes[512];
+    size_t n = 0;
+    collect_nodes(v, nodes, &n, 512);
+    if (n == 0) {
+      dp_value_release(v);
+      t_pool_free(&pool);
+      continue;
+    }
+    dp_value_t x = nodes[t_rand(&r) % n], root = t_list();
+    linked_t *l;
+    int custom_first = k & 1;
+    if (custom_first) OK(dp_list_append(root, t_linked(x, dp_none(), 2, &l), NULL));
+    OK(dp_list_append(root, dp_value_retain(v), NULL));
+    if (!custom_first) OK(dp_list_append(root, t_linked(x, dp_none(), 2, &l), NULL));
+    /* the custom adds no storage and no tensor: scans count as for v alone */
+    dp_ptrset_t *alone = scan_paths(v), *with = scan_paths(root), *batched;
+    OK(dp_ptrset_new(&batched, NULL));
+    OK(dp_scan(root, NULL, batched, NULL));
+    expect_same_storages(alone, with, k);
+    expect_same_storages(alone, batched, k);
+    cr_assert_eq(l->calls, 2, "value %d: reduce ran %d times in two scans", k, l->calls);
+    /* the bytes depend on no reference count */
+    dp_frame_t *f = pickle_twice_same(root, x);
+    dp_frame_free(pickle_twice_same(root, v));
+    cr_assert_eq(dp_frame_nbuffers(f), dp_ptrset_count(alone));
+    dp_value_t back = unpickle_ok(f);
+    cr_assert_eq(dp_value_equal(v, dp_seq_get(back, custom_first ? 1 : 0), DP_EQ_SHARING), 1, "value %d", k);
+    dp_frame_t *f2 = pickle_ok(back, 0);
+    size_t n1, n2;
+    const uint8_t *b1 = dp_frame_data(f, &n1), *b2 = dp_frame_data(f2, &n2);
+    cr_assert(n1 == n2 && memcmp(b1, b2, n1) == 0, "value %d: pickle(unpickle(frame)) == frame", k);
+    dp_frame_free(f);
+    dp_frame_free(f2);
+    dp_ptrset_free(alone);
+    dp_ptrset_free(with);
+    dp_ptrset_free(batched);
+    dp_value_release(back);
+    dp_value_release(root);
+    dp_value_release(v);
+    t_pool_free(&pool);
+  }
+  ASSERT_NO_LEAK();
+}
