@@ -113,13 +113,46 @@ const char *dp_err_name(int code) {
   return "DP_UNKNOWN";
 }
 
+#define DP_ERR_FULL_MAX (64u << 10)
+
+/* Fits a message of n bytes into dst[cap]: its beginning and its end, with
+ * "…" in place of its middle, each cut at a UTF-8 character boundary. */
+static void cut_middle(char *dst, size_t cap, const char *msg, size_t n) {
+  size_t room = cap - 1 - 3, head = room / 2, tail = room - head;
+  while (head > 0 && ((unsigned char)msg[head] & 0xC0) == 0x80) head--;
+  size_t from = n - tail;
+  while (from < n && ((unsigned char)msg[from] & 0xC0) == 0x80) from++;
+  memcpy(dst, msg, head);
+  memcpy(dst + head, "\xe2\x80\xa6", 3);
+  memcpy(dst + head + 3, msg + from, n - from);
+  dst[head + 3 + n - from] = '\0';
+}
+
 int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap) {
   if (!err) return code;
   err->code = code;
   err->backend_code = 0;
   err->offset = offset;
+  va_list again;
+  va_copy(again, ap);
   int n = vsnprintf(err->message, sizeof err->message, fmt, ap);
-  if (n >= (int)sizeof err->message) memcpy(err->message + sizeof err->message - 4, "...", 4);
+  if (n >= (int)sizeof err->message) {
+    /* Too long: the end of a message (the end of a path, the cause) matters
+     * as much as its beginning, so the middle goes. A message longer than
+     * DP_ERR_FULL_MAX (some caller formatted a huge string) is not copied
+     * whole: its end goes instead. */
+    char *full = (size_t)n < DP_ERR_FULL_MAX ? dp__alloc((size_t)n + 1) : NULL;
+    if (full) {
+      vsnprintf(full, (size_t)n + 1, fmt, again);
+      cut_middle(err->message, sizeof err->message, full, (size_t)n);
+      dp__free(full, (size_t)n + 1);
+    } else {
+      size_t k = sizeof err->message - 4;
+      while (k > 0 && ((unsigned char)err->message[k] & 0xC0) == 0x80) k--;
+      memcpy(err->message + k, "\xe2\x80\xa6", 4);
+    }
+  }
+  va_end(again);
   return code;
 }
 

@@ -15,19 +15,60 @@ int dp_ptrset_new(dp_ptrset_t **out, dp_error_t *err) {
   return 0;
 }
 
-static void free_paths(dp_ptrset_t *s) {
-  if (!s->has_paths) return;
-  s->has_paths = 0;
-  for (size_t i = 0; i < s->count; i++)
-    if (s->entries[i].path) {
-      dp__free(s->entries[i].path, strlen(s->entries[i].path) + 1);
-      s->entries[i].path = NULL;
+/* ---- paths: an arena of chunks reused across clears ---- */
+
+#define DP_ARENA_FIRST 4096
+#define DP_ARENA_BIGGEST (1u << 20)
+
+char *dp__arena_strdup(dp__arena_t *a, const char *s, size_t n) {
+  if (!a->cur) {
+    a->cur = a->head;
+    a->used = 0;
+  }
+  while (!a->cur || a->cur->cap - a->used < n + 1) {
+    if (a->cur && a->cur->next) {  /* a chunk kept from before a reset */
+      a->cur = a->cur->next;
+      a->used = 0;
+      continue;
     }
+    size_t cap = a->cur ? a->cur->cap * 2 : DP_ARENA_FIRST;
+    if (cap > DP_ARENA_BIGGEST) cap = DP_ARENA_BIGGEST;
+    if (cap < n + 1) cap = n + 1;
+    if (cap > SIZE_MAX - sizeof(dp__achunk_t)) return NULL;
+    dp__achunk_t *c = dp__alloc(sizeof *c + cap);
+    if (!c) return NULL;
+    c->next = NULL;
+    c->cap = cap;
+    if (a->cur)
+      a->cur->next = c;
+    else
+      a->head = c;
+    a->cur = c;
+    a->used = 0;
+  }
+  char *p = a->cur->data + a->used;
+  memcpy(p, s, n);
+  p[n] = '\0';
+  a->used += n + 1;
+  return p;
+}
+
+void dp__arena_reset(dp__arena_t *a) {
+  a->cur = NULL;
+  a->used = 0;
+}
+
+void dp__arena_free(dp__arena_t *a) {
+  for (dp__achunk_t *c = a->head, *next; c; c = next) {
+    next = c->next;
+    dp__free(c, sizeof *c + c->cap);
+  }
+  memset(a, 0, sizeof *a);
 }
 
 void dp_ptrset_free(dp_ptrset_t *s) {
   if (!s) return;
-  free_paths(s);
+  dp__arena_free(&s->paths);
   dp__free(s->entries, s->cap * sizeof(dp__pentry_t));
   dp__free(s->slots, s->nslots * sizeof(dp__pslot_t));
   dp__free(s->groups, s->groups_cap * sizeof(dp__pgroup_t));
@@ -37,7 +78,7 @@ void dp_ptrset_free(dp_ptrset_t *s) {
 
 void dp_ptrset_clear(dp_ptrset_t *s) {
   if (!s) return;
-  free_paths(s);
+  dp__arena_reset(&s->paths);
   s->count = 0;
   s->ngroups = 0;
   s->last_group = 0;
@@ -120,10 +161,9 @@ int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbyte
 }
 
 int dp__ptrset_set_path(dp_ptrset_t *s, size_t index, const char *path) {
-  char *p = dp__strndup(path, strlen(path));
+  char *p = dp__arena_strdup(&s->paths, path, strlen(path));
   if (!p) return DP_ENOMEM;
   s->entries[index].path = p;
-  s->has_paths = 1;
   return 0;
 }
 

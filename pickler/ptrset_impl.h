@@ -41,7 +41,7 @@ struct dp_ptrset {
   dp__pgroup_t *groups;
   size_t ngroups, groups_cap;
   size_t last_group;
-  int has_paths;        /* some entry holds a path to free */
+  dp__arena_t paths;    /* entries' paths; kept across clears */
   dp__walker_t walker;  /* reused by dp_scan */
 };
 

@@ -1,22 +1,26 @@
 /* pickler/walk.c — the walker: iterative, memoized, with lazy paths.
  *
- * Memo. Only nodes whose reference count exceeds one are memoized: a node
- * held once has a single way in and cannot be met twice (a cycle always
- * adds a reference). Trees therefore walk without touching the memo. Every
- * heap node still gets a preorder number, so back-references name nodes the
- * same way whatever the reference counts are, and the bytes stay
- * deterministic.
+ * Memo. Every heap node gets a preorder number, and a node met again is a
+ * back-reference to it. Recording every node would make trees pay a hash
+ * insert per node, so a walk starts by recording only nodes whose reference
+ * count exceeds one, and records every node from its first reduce() on.
+ * Why that is sound, and why the bytes stay the same whatever references
+ * the caller holds: see memo_everything() below.
  *
- * Paths are rendered from the stack only when asked for or on error. */
+ * Paths are rendered from the stack only when asked for or on error, and
+ * are bounded (ptrset.h). */
 #include <stdio.h>
 #include <string.h>
 
 #include "ptrset_impl.h"
 #include "walk.h"
 
+_Static_assert(DP_PATH_HEAD + 40 + DP_PATH_TAIL <= DP_PATH_MAX, "an elided path fits in DP_PATH_MAX");
+
 void dp__walker_init(dp__walker_t *w) {
   memset(w, 0, sizeof *w);
   w->memo_gen = 1;
+  w->memo_rc = 1;
 }
 
 static void release_states(dp__walker_t *w) {
@@ -29,7 +33,7 @@ void dp__walker_destroy(dp__walker_t *w) {
   dp__free(w->stack, w->stack_cap * sizeof(dp__wframe_t));
   dp__free(w->memo, w->memo_cap * sizeof(dp__memo_slot_t));
   dp__free(w->states, w->states_cap * sizeof(dp_value_t));
-  dp__free(w->path, w->path_cap);
+  dp__free(w->rstack, w->rstack_cap * sizeof(dp__wframe_t));
   memset(w, 0, sizeof *w);
 }
 
@@ -84,31 +88,42 @@ static void memo_reset(dp__walker_t *w) {
   }
 }
 
-/* ---- paths ---- */
+/* ---- paths: bounded, as ptrset.h states ---- */
 
+#define ELLIPSIS "\xe2\x80\xa6"  /* U+2026 */
+/* The longest step: ["<64 bytes, each escaped as \u00XX>…"] */
+#define DP_STEP_MAX (2 + 6 * DP_PATH_NAME_MAX + 3 + 2 + 1)
+
+/* Appends to a fixed buffer; what does not fit is dropped and `full` set. */
 typedef struct pbuf {
   char *s;
-  size_t cap, len;
+  size_t len, cap;
+  int full;
 } pbuf_t;
 
 static void pb_put(pbuf_t *b, const char *s, size_t n) {
-  if (b->len + n + 1 > b->cap) {
-    size_t ncap = b->cap ? b->cap : 64;
-    while (b->len + n + 1 > ncap) ncap *= 2;
-    char *p = dp__realloc(b->s, b->cap, ncap);
-    if (!p) return;  /* keep the prefix rendered so far */
-    b->s = p;
-    b->cap = ncap;
+  if (n > b->cap - b->len) {
+    n = b->cap - b->len;
+    b->full = 1;
   }
   memcpy(b->s + b->len, s, n);
   b->len += n;
-  b->s[b->len] = '\0';
 }
 
-static void pb_quote(pbuf_t *b, const char *s, size_t n) {
+/* How many of a name's n bytes a path shows: at most DP_PATH_NAME_MAX, cut
+ * back to the start of a UTF-8 character. */
+static size_t name_shown(const char *s, size_t n) {
+  if (n <= DP_PATH_NAME_MAX) return n;
+  size_t k = DP_PATH_NAME_MAX;
+  while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
+  return k;
+}
+
+/* A JSON string of s[0..n), with "…" before the closing quote when cut. */
+static void pb_quote(pbuf_t *b, const char *s, size_t n, int cut) {
   char tmp[8];
   pb_put(b, "\"", 1);
-  for (size_t i = 0; i < n; i++) {
+  for (size_t i = 0; i < n && !b->full; i++) {
     unsigned char c = (unsigned char)s[i];
     if (c == '"' || c == '\\') {
       tmp[0] = '\\';
@@ -121,10 +136,11 @@ static void pb_quote(pbuf_t *b, const char *s, size_t n) {
       pb_put(b, (const char *)&c, 1);
     }
   }
+  if (cut) pb_put(b, ELLIPSIS, 3);
   pb_put(b, "\"", 1);
 }
 
-/* A dict key as JSON, for `[<json>]` path steps. */
+/* A dict key as JSON, for `[<json>]` path steps; stops once b is full. */
 static void pb_key_json(pbuf_t *b, dp_value_t k, int depth) {
   char tmp[40];
   switch (k.kind) {
@@ -132,11 +148,11 @@ static void pb_key_json(pbuf_t *b, dp_value_t k, int depth) {
     case DP_BOOL: k.u.i ? pb_put(b, "true", 4) : pb_put(b, "false", 5); break;
     case DP_INT: pb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%lld", (long long)k.u.i)); break;
     case DP_FLOAT: pb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%.17g", k.u.f)); break;
-    case DP_STR: pb_quote(b, DP_STROBJ(k)->data, DP_STROBJ(k)->len); break;
-    case DP_BYTES: pb_put(b, "{\"$bytes\":…}", strlen("{\"$bytes\":…}")); break;
+    case DP_STR: pb_quote(b, DP_STROBJ(k)->data, DP_STROBJ(k)->len, 0); break;
+    case DP_BYTES: pb_put(b, "{\"$bytes\":" ELLIPSIS "}", strlen("{\"$bytes\":" ELLIPSIS "}")); break;
     case DP_TUPLE: {
       pb_put(b, "{\"$tuple\":[", 11);
-      for (size_t i = 0; i < DP_SEQ(k)->len && depth < 8; i++) {
+      for (size_t i = 0; i < DP_SEQ(k)->len && depth < 8 && !b->full; i++) {
         if (i) pb_put(b, ",", 1);
         pb_key_json(b, DP_SEQ(k)->items[i], depth + 1);
       }
@@ -147,60 +163,112 @@ static void pb_key_json(pbuf_t *b, dp_value_t k, int depth) {
   }
 }
 
-const char *dp__walker_path(dp__walker_t *w) {
-  pbuf_t b = {w->path, w->path_cap, 0};
-  char tmp[32];
-  pb_put(&b, "$", 1);
-  for (size_t d = 0; d < w->top; d++) {
-    dp__wframe_t *f = &w->stack[d];
-    size_t i = f->i - 1;  /* the child being visited */
-    dp_value_t node = f->node;
-    switch (node.kind) {
-      case DP_LIST:
-      case DP_TUPLE:
-        pb_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "[%zu]", i));
-        break;
-      case DP_DICT: {
-        dp_value_t key = DP_DICT(node)->entries[i / 2].key;
-        if (!(i & 1)) {  /* inside a key itself */
-          pb_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "<key %zu>", i / 2));
-        } else if (key.kind == DP_STR && dp__is_identifier(DP_STROBJ(key)->data, DP_STROBJ(key)->len)) {
-          pb_put(&b, ".", 1);
-          pb_put(&b, DP_STROBJ(key)->data, DP_STROBJ(key)->len);
-        } else {
-          pb_put(&b, "[", 1);
-          pb_key_json(&b, key, 0);
-          pb_put(&b, "]", 1);
-        }
-        break;
+/* `.name` when the part shown is an identifier, else `["name"]`. */
+static void pb_name_step(pbuf_t *b, const char *s, size_t n) {
+  size_t k = name_shown(s, n);
+  if (dp__is_identifier(s, k)) {
+    pb_put(b, ".", 1);
+    pb_put(b, s, k);
+    if (k < n) pb_put(b, ELLIPSIS, 3);
+  } else {
+    pb_put(b, "[", 1);
+    pb_quote(b, s, k, k < n);
+    pb_put(b, "]", 1);
+  }
+}
+
+static void pb_reduce_step(pbuf_t *b, const char *s, size_t n) {
+  size_t k = name_shown(s, n);
+  pb_put(b, "<reduce ", 8);
+  pb_put(b, s, k);
+  if (k < n) pb_put(b, ELLIPSIS, 3);
+  pb_put(b, ">", 1);
+}
+
+/* The step of frame f (the child being visited) into out[DP_STEP_MAX];
+ * returns its length. */
+static size_t render_step(const dp__wframe_t *f, char *out) {
+  pbuf_t b = {out, 0, DP_STEP_MAX, 0};
+  char tmp[48];
+  size_t i = f->i - 1;
+  dp_value_t node = f->node;
+  switch (node.kind) {
+    case DP_LIST:
+    case DP_TUPLE:
+      pb_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "[%zu]", i));
+      break;
+    case DP_DICT: {
+      dp_value_t key = DP_DICT(node)->entries[i / 2].key;
+      if (!(i & 1)) {  /* inside a key itself */
+        pb_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "<key %zu>", i / 2));
+      } else if (key.kind == DP_STR) {
+        pb_name_step(&b, DP_STROBJ(key)->data, DP_STROBJ(key)->len);
+      } else {
+        /* its JSON text, rendered in place up to one byte past the limit
+         * to see whether it is cut */
+        pb_put(&b, "[", 1);
+        pbuf_t kb = {out + b.len, 0, DP_PATH_NAME_MAX + 1, 0};
+        pb_key_json(&kb, key, 0);
+        b.len += kb.full ? name_shown(kb.s, kb.len) : kb.len;
+        if (kb.full) pb_put(&b, ELLIPSIS, 3);
+        pb_put(&b, "]", 1);
       }
-      case DP_OBJECT:
-        if (DP_OBJ(node)->c.h.flags & DP_HEAP_REDUCED) {
-          pb_put(&b, "<reduce ", 8);
-          pb_put(&b, DP_OBJ(node)->class_name, DP_OBJ(node)->class_len);
-          pb_put(&b, ">", 1);
-        } else {
-          dp_attr_t *a = &DP_OBJ(node)->attrs[i];
-          if (dp__is_identifier(dp__attr_name(a), a->name_len)) {
-            pb_put(&b, ".", 1);
-            pb_put(&b, dp__attr_name(a), a->name_len);
-          } else {
-            pb_put(&b, "[", 1);
-            pb_quote(&b, dp__attr_name(a), a->name_len);
-            pb_put(&b, "]", 1);
-          }
-        }
-        break;
-      case DP_CUSTOM:
-        pb_put(&b, "<reduce ", 8);
-        pb_put(&b, DP_CUSTOM(node)->type->name, strlen(DP_CUSTOM(node)->type->name));
-        pb_put(&b, ">", 1);
-        break;
+      break;
+    }
+    case DP_OBJECT:
+      if (DP_OBJ(node)->c.h.flags & DP_HEAP_REDUCED) {
+        pb_reduce_step(&b, DP_OBJ(node)->class_name, DP_OBJ(node)->class_len);
+      } else {
+        dp_attr_t *a = &DP_OBJ(node)->attrs[i];
+        pb_name_step(&b, dp__attr_name(a), a->name_len);
+      }
+      break;
+    case DP_CUSTOM:
+      pb_reduce_step(&b, DP_CUSTOM(node)->type->name, strlen(DP_CUSTOM(node)->type->name));
+      break;
+  }
+  return b.len;
+}
+
+/* Steps are rendered only while they fit: a path costs at most about
+ * DP_PATH_MAX bytes of rendering (each step is at least 2 bytes), however
+ * deep the walk and however long its names. */
+const char *dp__walker_path(dp__walker_t *w) {
+  char *out = w->path, step[DP_STEP_MAX];
+  size_t len = 1, top = w->top, d, n;
+  size_t head_steps = 0, head_len = 1;
+  out[0] = '$';
+  for (d = 0; d < top; d++) {
+    n = render_step(&w->stack[d], step);
+    if (len + n > DP_PATH_MAX) break;
+    memcpy(out + len, step, n);
+    len += n;
+    if (len <= DP_PATH_HEAD) {
+      head_steps = d + 1;
+      head_len = len;
     }
   }
-  w->path = b.s;
-  w->path_cap = b.cap;
-  return b.s ? b.s : "$";
+  if (d < top) {
+    /* Too long: the head, how many steps are left out, the tail. The head
+     * and the tail together are under DP_PATH_MAX bytes, so at least one
+     * step is left out; no step is longer than the tail's budget, so the
+     * last one is always shown. */
+    size_t tail_len = 0, t = top;
+    while (t > head_steps && tail_len + (n = render_step(&w->stack[t - 1], step)) <= DP_PATH_TAIL) {
+      tail_len += n;
+      t--;
+    }
+    len = head_len;
+    len += (size_t)snprintf(out + len, DP_PATH_MAX + 1 - len, "<" ELLIPSIS "%zu steps" ELLIPSIS ">",
+                            t - head_steps);
+    for (d = t; d < top; d++) {
+      n = render_step(&w->stack[d], step);
+      memcpy(out + len, step, n);
+      len += n;
+    }
+  }
+  out[len] = '\0';
+  return out;
 }
 
 /* ---- the walk ---- */
@@ -223,18 +291,112 @@ static int push(dp__walker_t *w, dp_value_t node, dp_value_t state, size_t n) {
   return 0;
 }
 
-static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state) {
+static int flush_pending(dp__walker_t *w);
+
+/* The child i of a node being replayed (never a custom: see below). */
+static dp_value_t replay_child(dp_value_t node, size_t i) {
+  switch (node.kind) {
+    case DP_LIST:
+    case DP_TUPLE: return DP_SEQ(node)->items[i];
+    case DP_DICT: {
+      dp_entry_t *e = &DP_DICT(node)->entries[i >> 1];
+      return (i & 1) ? e->val : e->key;
+    }
+    default:
+      return (DP_OBJ(node)->c.h.flags & DP_HEAP_REDUCED) ? dp__reduced_state(node) : DP_OBJ(node)->attrs[i].val;
+  }
+}
+
+/* Called just before the walk's first reduce(), on the custom `stop` about
+ * to be reduced: from here on every heap node is recorded in the memo.
+ *
+ * Why recording only nodes with a count above one is sound until now: a
+ * node the walk meets twice is reached through two distinct edges (the walk
+ * enters only first meetings, so it crosses each edge at most once), and
+ * every edge holds a reference. Before the first reduce() nothing but the
+ * value holds references for the walk, so such a node's count is at least
+ * two the first time it is met. reduce() breaks this: its state may hold a
+ * node met before with a count of one (an ancestor, a tensor), which then
+ * has a second way in that the memo does not know.
+ *
+ * So before the first reduce() the memo is rebuilt as if every node had
+ * been recorded: the walk is replayed from the root — the value has not
+ * changed, so the replay meets the same nodes in the same order and stops
+ * at `stop`, where the walk is — recording each heap node met with its
+ * preorder number. Nodes met before were then first met exactly where the
+ * walk met them first, and their numbers are the walk's. From here on every
+ * node is recorded whatever its count, so a node met again through a state
+ * is a back-reference, and reduce() runs once per custom.
+ *
+ * The walk is thus the same as one that records every node from the start,
+ * which never looks at a reference count: the bytes do not depend on the
+ * references the caller holds. Values without customs never replay and
+ * never hash a node held once. A scan's tensors waiting in the batch are
+ * looked into first, under the old rule, since the replay records them.
+ * Scan never numbers str and bytes (it skips them), pickle does. */
+static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
+  int rc;
+  if (w->npending && (rc = flush_pending(w)) != 0) return rc;
+  memo_reset(w);
+  w->memo_rc = 0;
+  size_t top = 0;
+  uint64_t index = 0;
+  int found = 0;
+  dp_value_t v = w->root;
+  for (;;) {
+    uint32_t k = v.kind;
+    if (k >= DP_LIST || (S && k >= DP_STR)) {
+      uint64_t seen;
+      int m = memo_check(w, v.u.h, index, &seen);
+      if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
+      if (m == 0) {
+        index++;
+        if (v.u.h == stop) {
+          found = 1;
+          break;
+        }
+        /* Before the first reduce() the walk met no custom but `stop`. */
+        size_t n = 0;
+        if (k == DP_LIST || k == DP_TUPLE)
+          n = DP_SEQ(v)->len;
+        else if (k == DP_DICT)
+          n = 2 * DP_DICT(v)->len;
+        else if (k == DP_OBJECT)
+          n = (DP_OBJ(v)->c.h.flags & DP_HEAP_REDUCED) ? 1 : DP_OBJ(v)->len;
+        if (n) {
+          if (top == w->rstack_cap &&
+              dp__grow((void **)&w->rstack, &w->rstack_cap, top + 1, sizeof(dp__wframe_t)) != 0)
+            return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk stack");
+          w->rstack[top++] = (dp__wframe_t){v, dp_none(), 0, n};
+        }
+      }
+    }
+    while (top && w->rstack[top - 1].i == w->rstack[top - 1].n) top--;
+    if (!top) break;  /* `stop` not met: the value changed */
+    dp__wframe_t *f = &w->rstack[top - 1];
+    v = replay_child(f->node, f->i++);
+  }
+  /* Pickle numbered `stop` already: the replay must agree. */
+  if (!found || (S && index != w->next_index))
+    return dp__err(w->err, DP_ESTATE, "the value changed while it was walked, at %s", dp__walker_path(w));
+  w->next_index = index;
+  return 0;
+}
+
+static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const int S) {
   const dp_type_t *t = DP_CUSTOM(v)->type;
   if (!t->reduce)
     return dp__err(w->err, DP_ETYPE, "cannot walk a value of type '%s' at %s: its type has no reduce",
                    t->name, dp__walker_path(w));
+  int rc;
+  if (w->memo_rc && (rc = memo_everything(w, v.u.h, S)) != 0) return rc;
   if (w->nstates == w->states_cap &&
       dp__grow((void **)&w->states, &w->states_cap, w->nstates + 1, sizeof(dp_value_t)) != 0)
     return dp__err(w->err, DP_ENOMEM, "out of memory holding reduce states");
   dp_error_t inner;
   dp_error_clear(&inner);
   *state = dp_none();
-  int rc = t->reduce(DP_CUSTOM(v)->obj, state, &inner);
+  rc = t->reduce(DP_CUSTOM(v)->obj, state, &inner);
   if (rc != 0) {
     dp_value_release(*state);
     /* Out of memory stays out of memory; any other failure means the value
@@ -257,7 +419,7 @@ static int flush_pending(dp__walker_t *w) {
   w->npending = 0;
   for (int i = 0; i < m; i++) {
     dp_tensor_t *t = w->pending[i];
-    if (dp__rc(&t->h) > 1) {
+    if (dp__rc(&t->h) > w->memo_rc) {
       uint64_t seen;
       int r = memo_check(w, t, w->next_index++, &seen);
       if (r < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
@@ -306,8 +468,10 @@ DP_WALK_INLINE int leaf_only(const dp_seq_t *s) {
 /* Scan only: runs over seq items from *i that need no frame of their own —
  * scalars, str and bytes (skipped), tensors (staged), and small lists and
  * tuples of leaves held once (their tensors staged in place: with one
- * reference they cannot be met again, so the memo never needs them) — and
- * stops at the first other item. */
+ * reference they cannot be met again before a reduce(), so the memo never
+ * needs them; after one, such a list met again through a state has two
+ * references and gets a frame, and its tensors, recorded when their batch
+ * was looked into, count once) — and stops at the first other item. */
 DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i) {
   for (; *i < n; (*i)++) {
     uint32_t k = items[*i].kind;
@@ -349,7 +513,7 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
   dp_heap_t *h = v.u.h;
   if (k == DP_TENSOR && w->batch) return stage_tensor(w, h);
   uint64_t index = w->next_index++;
-  if (dp__rc(h) > 1) {
+  if (dp__rc(h) > w->memo_rc) {
     uint64_t seen;
     int m = memo_check(w, h, index, &seen);
     if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
@@ -421,7 +585,7 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
     }
     case DP_CUSTOM: {
       dp_value_t state;
-      int rc = reduce_custom(w, v, &state);
+      int rc = reduce_custom(w, v, &state, S);
       if (rc) return rc;
       if (S && (rc = w->sink->enter(w->sink_ctx, v, 1)) != 0) return rc;
       return push(w, v, state, 1);
@@ -465,6 +629,8 @@ DP_WALK_INLINE int next_child(dp__walker_t *w, dp__wframe_t *f, dp_value_t *chil
 DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
   w->top = 0;
   w->next_index = 0;
+  w->memo_rc = 1;
+  w->root = root;
   memo_reset(w);
   int rc = visit(w, root, S);
   while (rc == 0 && w->top > 0) {
@@ -498,6 +664,7 @@ DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
   }
   release_states(w);
   w->top = 0;
+  w->root = dp_none();
   return rc;
 }
 

@@ -25,6 +25,24 @@ typedef struct dp__memo_slot {
   uint32_t gen;
 } dp__memo_slot_t;
 
+/* A bump arena of strings: chunks kept across resets, so that refilling it
+ * with what it held before allocates nothing. */
+typedef struct dp__achunk {
+  struct dp__achunk *next;
+  size_t cap;
+  char data[];
+} dp__achunk_t;
+
+typedef struct dp__arena {
+  dp__achunk_t *head, *cur;  /* cur: the chunk being filled (NULL: none yet) */
+  size_t used;               /* bytes used in cur */
+} dp__arena_t;
+
+/* A copy of s[0..n) plus a NUL in the arena, or NULL. */
+char *dp__arena_strdup(dp__arena_t *a, const char *s, size_t n);
+void dp__arena_reset(dp__arena_t *a);
+void dp__arena_free(dp__arena_t *a);
+
 /* Tensors a scan has met but not yet looked into: the tensor, its storage
  * and its hash slot are fetched for a whole batch at a time, so that the
  * cache misses of up to this many overlap. */
@@ -39,10 +57,13 @@ typedef struct dp__walker {
   dp__memo_slot_t *memo;
   size_t memo_cap, memo_count;
   uint32_t memo_gen;
+  uint32_t memo_rc;            /* nodes whose count exceeds this enter the memo:
+                                  1 until the walk's first reduce(), then 0 */
+  dp_value_t root;             /* the walk's root, for the replay (walk.c) */
+  dp__wframe_t *rstack;        /* the replay's stack */
+  size_t rstack_cap;
   dp_value_t *states;          /* reduce states held until the walk ends */
   size_t nstates, states_cap;
-  char *path;                  /* scratch for rendering paths */
-  size_t path_cap;
   uint64_t next_index;         /* preorder number of the next heap node */
   uint32_t max_depth;
   int want_paths;
@@ -50,12 +71,14 @@ typedef struct dp__walker {
   const dp__sink_t *sink;
   void *sink_ctx;
   dp_error_t *err;
+  char path[DP_PATH_MAX + 1];  /* the last path rendered (bounded: ptrset.h) */
 } dp__walker_t;
 
 void dp__walker_init(dp__walker_t *w);
 void dp__walker_destroy(dp__walker_t *w);
 int dp__walk(dp__walker_t *w, dp_value_t root);
-/* Renders the path of the node being visited into w->path; returns it. */
+/* Renders the path of the node being visited into w->path, bounded as
+ * ptrset.h states, at a cost bounded by its length; returns it. */
 const char *dp__walker_path(dp__walker_t *w);
 
 /* ptrset internals used by the walker (the hot path is in ptrset_impl.h) */

@@ -863,3 +863,475 @@ Test(pickler, a_dict_key_of_shared_tuples_is_refused_without_exponential_work) {
   dp_value_release(d);
   ASSERT_NO_LEAK();
 }
+
+/* ---- the walker: reduce() that adds references; bounded paths ---- */
+
+/* A custom that exposes a node it does not own (a tree node's parent, a
+ * tensor held elsewhere): its state holds references the value did not. */
+typedef struct linked {
+  dp_value_t target;  /* borrowed */
+  dp_value_t own;     /* owned (dp_none() for none) */
+  int shape;          /* 0: {"parent": target, "u": own}; 1: [{"up": target}, own]; 2: [target] */
+  int calls;
+} linked_t;
+
+static int linked_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  linked_t *l = obj;
+  l->calls++;
+  dp_value_t s, d;
+  int rc;
+  if (l->shape == 0) {
+    if ((rc = dp_dict_new(2, &s, err)) != 0) return rc;
+    *state = s;
+    dp_value_t k;
+    if ((rc = dp_str_new("parent", 6, &k, err)) != 0 || (rc = dp_dict_set(s, k, dp_value_retain(l->target), err)) != 0)
+      return rc;
+    if ((rc = dp_str_new("u", 1, &k, err)) != 0) return rc;
+    return dp_dict_set(s, k, dp_value_retain(l->own), err);
+  }
+  if ((rc = dp_list_new(2, &s, err)) != 0) return rc;
+  *state = s;
+  if (l->shape == 2) return dp_list_append(s, dp_value_retain(l->target), err);
+  if ((rc = dp_dict_new(1, &d, err)) != 0) return rc;
+  if ((rc = dp_list_append(s, d, err)) != 0) return rc;
+  dp_value_t k;
+  if ((rc = dp_str_new("up", 2, &k, err)) != 0 || (rc = dp_dict_set(d, k, dp_value_retain(l->target), err)) != 0)
+    return rc;
+  return dp_list_append(s, dp_value_retain(l->own), err);
+}
+
+static void linked_destroy(void *obj) {
+  dp_value_release(((linked_t *)obj)->own);
+  free(obj);
+}
+
+static const dp_type_t node_type = {"NodeType", linked_reduce, linked_destroy};
+
+static dp_value_t t_linked(dp_value_t target, dp_value_t own, int shape, linked_t **out) {
+  linked_t *l = calloc(1, sizeof *l);
+  l->target = target;
+  l->own = own;
+  l->shape = shape;
+  dp_value_t c;
+  OK(dp_custom_new(&node_type, l, &c, NULL));
+  *out = l;
+  return c;
+}
+
+/* Pickles v twice, the second time with `extra` held once more by the
+ * caller: the bytes must not change. Returns the first frame. */
+static dp_frame_t *pickle_twice_same(dp_value_t v, dp_value_t extra) {
+  dp_frame_t *f1 = pickle_ok(v, 0);
+  dp_value_t held = dp_value_retain(extra);
+  dp_frame_t *f2 = pickle_ok(v, 0);
+  dp_value_release(held);
+  size_t n1, n2;
+  const uint8_t *b1 = dp_frame_data(f1, &n1), *b2 = dp_frame_data(f2, &n2);
+  cr_assert_eq(n1, n2, "%zu bytes, then %zu with one more reference held", n1, n2);
+  cr_assert_eq(memcmp(b1, b2, n1), 0, "the bytes depend on the references held");
+  dp_frame_free(f2);
+  return f1;
+}
+
+/* Scans with and without paths; expects one storage at `base` with `refs`. */
+static void expect_one_storage(dp_value_t v, uintptr_t base, const char *path, uint32_t refs, size_t count) {
+  dp_ptrset_t *with = scan_paths(v), *without;
+  OK(dp_ptrset_new(&without, NULL));
+  OK(dp_scan(v, NULL, without, NULL));
+  cr_assert_eq(dp_ptrset_count(with), count);
+  cr_assert_eq(dp_ptrset_count(without), count);
+  size_t at;
+  OK(dp_ptrset_find(with, CUDA0, (void *)base, &at));
+  expect_ptr(with, at, base, path, refs);
+  OK(dp_ptrset_find(without, CUDA0, (void *)base, &at));
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(without, at, &p));
+  cr_assert_eq(p.refs, refs, "refs %u without paths, expected %u", p.refs, refs);
+  dp_ptrset_free(with);
+  dp_ptrset_free(without);
+}
+
+Test(pickler, a_reduce_that_exposes_the_parent_runs_once_and_keeps_the_bytes_and_the_sharing) {
+  dp_value_t root = t_obj("Tree");
+  linked_t *l;
+  OK(dp_object_set(root, "child", t_linked(root, t_tensor(CUDA0, 0x1000, 4), 0, &l), NULL));
+  expect_one_storage(root, 0x1000, "$.child<reduce NodeType>.u", 1, 1);
+  cr_assert_eq(l->calls, 2, "reduce ran %d times in two scans", l->calls);
+  dp_frame_t *f = pickle_twice_same(root, root);
+  cr_assert_eq(l->calls, 4, "reduce ran %d times in four walks", l->calls);
+  /* the custom as the root of a walk: its state holds what holds it */
+  dp_value_t child;
+  OK(dp_object_get(root, "child", &child));
+  expect_one_storage(child, 0x1000, "$<reduce NodeType>.u", 1, 1);
+  dp_frame_free(pickle_twice_same(child, root));
+  /* the parent came back as the root itself */
+  dp_value_t back = unpickle_ok(f), st, parent;
+  OK(dp_object_get(back, "child", &child));
+  cr_assert(dp_object_is_reduced(child));
+  OK(dp_object_get(child, "__reduce__", &st));
+  dp_value_t k = t_str("parent");
+  OK(dp_dict_get(st, k, &parent));
+  dp_value_release(k);
+  cr_assert_eq(parent.u.h, back.u.h, "sharing lost: the parent is a copy");
+  dp_frame_t *f2 = pickle_ok(back, 0);
+  size_t n1, n2;
+  const uint8_t *b1 = dp_frame_data(f, &n1), *b2 = dp_frame_data(f2, &n2);
+  cr_assert(n1 == n2 && memcmp(b1, b2, n1) == 0, "pickle(unpickle(frame)) == frame");
+  dp_frame_free(f);
+  dp_frame_free(f2);
+  dp_value_release(back);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_reduce_state_holding_a_tensor_met_in_a_list_of_leaves_counts_it_once) {
+  /* [[t], 40 tensors, Peer(t), [u], Peer(u)]: t and u are held once and
+   * met in lists of leaves, which a scan stages without the memo; each
+   * custom's state then holds the tensor a second time. */
+  dp_value_t root = t_list(), t = t_tensor(CUDA0, 0x1000, 4), u = t_tensor(CUDA0, 0x2000, 4), in1 = t_list(),
+             in2 = t_list();
+  OK(dp_list_append(in1, t, NULL));
+  OK(dp_list_append(root, in1, NULL));
+  for (int i = 0; i < 40; i++) OK(dp_list_append(root, t_tensor(CUDA1, 0x100000 + (uintptr_t)i * 64, 4), NULL));
+  linked_t *l1, *l2;
+  OK(dp_list_append(root, t_linked(t, dp_none(), 2, &l1), NULL));
+  OK(dp_list_append(in2, u, NULL));
+  OK(dp_list_append(root, in2, NULL));
+  OK(dp_list_append(root, t_linked(u, dp_none(), 2, &l2), NULL));
+  expect_one_storage(root, 0x1000, "$[0][0]", 1, 42);
+  expect_one_storage(root, 0x2000, "$[42][0]", 1, 42);
+  dp_frame_t *f = pickle_twice_same(root, t);
+  dp_frame_free(f);
+  f = pickle_twice_same(root, u);
+  cr_assert_eq(dp_frame_nbuffers(f), 42);
+  cr_assert(l1->calls == 8 && l2->calls == 8, "reduce ran %d and %d times in eight walks", l1->calls, l2->calls);
+  dp_value_t back = unpickle_ok(f), st;
+  OK(dp_object_get(dp_seq_get(back, 41), "__reduce__", &st));
+  cr_assert_eq(dp_seq_get(st, 0).u.h, dp_seq_get(dp_seq_get(back, 0), 0).u.h, "the tensor came back as one");
+  dp_frame_free(f);
+  dp_value_release(back);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_reduce_state_reaching_an_ancestor_through_a_new_container_is_a_back_reference) {
+  dp_value_t root, mid = t_obj("Mid");
+  OK(dp_dict_new(0, &root, NULL));
+  linked_t *l;
+  OK(dp_object_set(mid, "c", t_linked(root, t_tensor(CUDA0, 0x1000, 4), 1, &l), NULL));
+  OK(dp_dict_set(root, t_str("a"), mid, NULL));
+  expect_one_storage(root, 0x1000, "$.a.c<reduce NodeType>[1]", 1, 1);
+  dp_frame_t *f = pickle_twice_same(root, root);
+  dp_frame_free(f);
+  f = pickle_twice_same(root, mid);
+  cr_assert_eq(l->calls, 6);
+  dp_value_t back = unpickle_ok(f), a, c, st, up;
+  dp_value_t k = t_str("a");
+  OK(dp_dict_get(back, k, &a));
+  dp_value_release(k);
+  OK(dp_object_get(a, "c", &c));
+  OK(dp_object_get(c, "__reduce__", &st));
+  k = t_str("up");
+  OK(dp_dict_get(dp_seq_get(st, 0), k, &up));
+  dp_value_release(k);
+  cr_assert_eq(up.u.h, back.u.h, "the ancestor came back as itself");
+  dp_frame_free(f);
+  dp_value_release(back);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_steady_state_scan_with_paths_allocates_nothing) {
+  dp_value_t l = t_list();
+  for (int i = 0; i < 1000; i++) {
+    dp_value_t o = t_obj("Layer");
+    OK(dp_object_set(o, "weight", t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 64, 4), NULL));
+    OK(dp_list_append(l, o, NULL));
+  }
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  dp_scan_opts_t o = {DP_SCAN_PATHS, 0};
+  OK(dp_scan(l, &o, set, NULL));
+  long before = t_alloc_count;
+  for (int k = 0; k < 5; k++) {
+    dp_ptrset_clear(set);
+    OK(dp_scan(l, &o, set, NULL));
+  }
+  cr_assert_eq(t_alloc_count, before, "steady-state scans with paths allocated %ld times", t_alloc_count - before);
+  cr_assert_eq(dp_ptrset_count(set), 1000);
+  for (int i = 0; i < 1000; i++) {
+    char want[32];
+    snprintf(want, sizeof want, "$[%d].weight", i);
+    expect_ptr(set, (size_t)i, 0x100000 + (uintptr_t)i * 64, want, 1);
+  }
+  dp_ptrset_free(set);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+/* "$" and n times s */
+static char *repeat(const char *head, const char *s, int n) {
+  size_t len = strlen(head) + strlen(s) * (size_t)n;
+  char *r = malloc(len + 1), *p = r;
+  p += sprintf(p, "%s", head);
+  for (int i = 0; i < n; i++) p += sprintf(p, "%s", s);
+  return r;
+}
+
+Test(pickler, an_error_at_depth_two_thousand_keeps_the_head_and_the_tail_of_its_path) {
+  dp_value_t root = t_obj("N"), cur = root, c;
+  for (int i = 1; i < 2000; i++) {
+    dp_value_t n = t_obj("N");
+    OK(dp_object_set(cur, "next", n, NULL));
+    cur = n;
+  }
+  OK(dp_custom_new(&failing_type, NULL, &c, NULL));
+  OK(dp_object_set(cur, "handle", c, NULL));
+  /* $.next x 1999 .handle: "$" and 51 steps fill the 256-byte head; 139
+   * steps and .handle fit in the 704-byte tail */
+  char *head = repeat("$", ".next", 51), *tail = repeat("", ".next", 139);
+  char want[2048];
+  snprintf(want, sizeof want, "reduce of type 'Stale' failed at %s<\u2026%d steps\u2026>%s.handle: device handle is stale",
+           head, 2000 - 51 - 140, tail);
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, want);
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  cr_assert_eq(dp_pickle(root, NULL, f, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, want);
+  /* the depth limit names the same kind of path */
+  dp_scan_opts_t o = {0, 1500};
+  cr_assert_eq(dp_scan(root, &o, set, &e), DP_ELIMIT);
+  free(tail);
+  tail = repeat("", ".next", 140);
+  snprintf(want, sizeof want, "nesting deeper than 1500 levels at %s<\u2026%d steps\u2026>%s", head, 1500 - 51 - 140, tail);
+  cr_assert_str_eq(e.message, want);
+  free(head);
+  free(tail);
+  dp_frame_free(f);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+static int verbose_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj;
+  (void)state;
+  memset(err->message, 'x', sizeof err->message - 1);
+  memcpy(err->message + sizeof err->message - 5, "END.", 5);
+  return DP_EINVAL;
+}
+static const dp_type_t verbose_type = {"Verbose", verbose_reduce, NULL};
+
+Test(pickler, a_message_too_long_for_its_buffer_loses_its_middle_not_its_end) {
+  dp_value_t root = t_list(), c;
+  OK(dp_custom_new(&verbose_type, NULL, &c, NULL));
+  OK(dp_list_append(root, c, NULL));
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
+  size_t n = strlen(e.message);
+  cr_assert_eq(n, DP_ERROR_MSG_MAX - 1);
+  cr_assert_eq(strncmp(e.message, "reduce of type 'Verbose' failed at $[0]: xxx", 44), 0, "%.60s", e.message);
+  cr_assert_str_eq(e.message + n - 7, "xxxEND.", "the end is kept");
+  cr_assert_not_null(strstr(e.message, "x\u2026x"), "the middle is marked");
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, long_names_and_keys_are_cut_at_a_character_boundary_in_paths) {
+  char name[200], want[400];
+  memset(name, 'a', 63);
+  strcpy(name + 63, "\xc3\xa9" "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb");  /* é at bytes 63-64 */
+  dp_value_t root, d, key, o = t_obj("Layer");
+  OK(dp_dict_new(0, &root, NULL));
+  OK(dp_dict_set(root, t_str(name), t_tensor(CUDA0, 0x1000, 4), NULL));
+  char quoted[100];
+  memset(quoted, '"', 70);
+  quoted[70] = '\0';
+  OK(dp_dict_set(root, t_str(quoted), t_tensor(CUDA0, 0x2000, 4), NULL));
+  OK(dp_tuple_new(2, &key, NULL));
+  OK(dp_seq_set(key, 0, dp_int(7), NULL));
+  OK(dp_seq_set(key, 1, t_str(name), NULL));
+  OK(dp_dict_set(root, key, t_tensor(CUDA0, 0x3000, 4), NULL));
+  OK(dp_object_set(o, name, t_tensor(CUDA0, 0x4000, 4), NULL));
+  OK(dp_dict_new(0, &d, NULL));
+  OK(dp_dict_set(d, t_str("x"), o, NULL));
+  OK(dp_dict_set(root, t_str("d"), d, NULL));
+  dp_ptrset_t *set = scan_paths(root);
+  /* the first 64 bytes end inside é: 63 bytes are shown */
+  snprintf(want, sizeof want, "$.%.63s\u2026", name);
+  expect_ptr(set, 0, 0x1000, want, 1);
+  /* each " is escaped after the cut: 64 of them */
+  char esc[200], *p = esc;
+  for (int i = 0; i < 64; i++) p += sprintf(p, "\\\"");
+  snprintf(want, sizeof want, "$[\"%s\u2026\"]", esc);
+  expect_ptr(set, 1, 0x2000, want, 1);
+  /* another key: its JSON text, 64 bytes of {"$tuple":[7,"aaa... */
+  snprintf(want, sizeof want, "$[{\"$tuple\":[7,\"%.50s\u2026]", name);
+  expect_ptr(set, 2, 0x3000, want, 1);
+  snprintf(want, sizeof want, "$.d.x.%.63s\u2026", name);
+  expect_ptr(set, 3, 0x4000, want, 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+/* The allocator of the suite, also keeping the peak of live bytes. */
+static _Atomic long t_peak_bytes;
+static void *peak_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  void *p = t_alloc(ud, ptr, osize, nsize);
+  long now = atomic_load(&t_live_bytes);
+  if (now > atomic_load(&t_peak_bytes)) atomic_store(&t_peak_bytes, now);
+  return p;
+}
+
+Test(pickler, a_long_key_repeated_down_a_deep_value_costs_bounded_path_memory) {
+  /* 200 nested dicts keyed by one 10 kB str, 200 tensors at the bottom:
+   * each full path would be 2 MB */
+  dp_set_allocator(peak_alloc, NULL);
+  char *kname = malloc(10001);
+  memset(kname, 'k', 10000);
+  kname[10000] = '\0';
+  dp_value_t key = t_str(kname), bottom = t_list(), v = bottom;
+  for (int i = 0; i < 200; i++) OK(dp_list_append(bottom, t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 64, 4), NULL));
+  for (int i = 0; i < 200; i++) {
+    dp_value_t d;
+    OK(dp_dict_new(1, &d, NULL));
+    OK(dp_dict_set(d, dp_value_retain(key), v, NULL));
+    v = d;
+  }
+  dp_value_release(key);
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  dp_frame_data(f, &n);
+  cr_assert_lt(n, 20000, "the key is written once: %zu bytes", n);
+  dp_value_t back = unpickle_ok(f);
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  long before = atomic_load(&t_live_bytes);
+  t_peak_bytes = before;
+  dp_scan_opts_t o = {DP_SCAN_PATHS, 0};
+  OK(dp_scan(back, &o, set, NULL));
+  long used = atomic_load(&t_peak_bytes) - before;
+  cr_assert_lt(used, 1 << 20, "a scan with paths used %ld bytes", used);
+  cr_assert_eq(dp_ptrset_count(set), 200);
+  /* "$" and 3 steps of 68 bytes in the head, 10 and [i] in the tail */
+  char *head = repeat("$", ".kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk\u2026", 3);
+  char *tail = repeat("", ".kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk\u2026", 10);
+  char want[2048];
+  for (size_t i = 0; i < 200; i += 199) {
+    snprintf(want, sizeof want, "%s<\u2026187 steps\u2026>%s[%zu]", head, tail, i);
+    expect_ptr(set, i, 0x100000 + i * 64, want, 1);
+    dp_ptr_info_t p;
+    OK(dp_ptrset_get(set, i, &p));
+    cr_assert_leq(strlen(p.path), DP_PATH_MAX);
+  }
+  free(head);
+  free(tail);
+  free(kname);
+  dp_ptrset_free(set);
+  dp_frame_free(f);
+  dp_value_release(back);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+/* Heap nodes of v in preorder, each once (small values: a linear search). */
+static void collect_nodes(dp_value_t v, dp_value_t *out, size_t *n, size_t cap) {
+  if (!dp_value_is_heap(v) || *n == cap) return;
+  for (size_t i = 0; i < *n; i++)
+    if (out[i].u.h == v.u.h) return;
+  out[(*n)++] = v;
+  dp_value_t k, x;
+  const char *name;
+  switch (dp_value_kind(v)) {
+    case DP_LIST:
+    case DP_TUPLE:
+      for (size_t i = 0; i < dp_seq_len(v); i++) collect_nodes(dp_seq_get(v, i), out, n, cap);
+      break;
+    case DP_DICT:
+      for (size_t i = 0; i < dp_dict_len(v); i++) {
+        OK(dp_dict_item(v, i, &k, &x));
+        collect_nodes(k, out, n, cap);
+        collect_nodes(x, out, n, cap);
+      }
+      break;
+    case DP_OBJECT:
+      for (size_t i = 0; i < dp_object_nattrs(v); i++) {
+        OK(dp_object_attr(v, i, &name, &x));
+        collect_nodes(x, out, n, cap);
+      }
+      break;
+    default: break;
+  }
+}
+
+/* Every storage of `a` is in `b` with the same count, and nothing else. */
+static void expect_same_storages(dp_ptrset_t *a, dp_ptrset_t *b, int k) {
+  cr_assert_eq(dp_ptrset_count(a), dp_ptrset_count(b), "value %d: %zu storages vs %zu", k, dp_ptrset_count(a),
+               dp_ptrset_count(b));
+  for (size_t i = 0; i < dp_ptrset_count(a); i++) {
+    dp_ptr_info_t p, q;
+    size_t at;
+    OK(dp_ptrset_get(a, i, &p));
+    cr_assert_eq(dp_ptrset_find(b, p.device, p.base, &at), 0, "value %d: storage %zu missing", k, i);
+    OK(dp_ptrset_get(b, at, &q));
+    cr_assert_eq(p.refs, q.refs, "value %d storage %zu: refs %u, then %u", k, i, p.refs, q.refs);
+  }
+}
+
+Test(pickler, random_values_behind_a_custom_exposing_any_of_their_nodes_walk_as_without_it) {
+  t_rng_t r = {0xc0ffee};
+  for (int k = 0; k < 300; k++) {
+    t_pool_t pool;
+    t_pool_init(&pool, (uint64_t)k + 7);
+    dp_value_t v = t_random_value(&r, &pool, 0);
+    dp_value_t nodes[512];
+    size_t n = 0;
+    collect_nodes(v, nodes, &n, 512);
+    if (n == 0) {
+      dp_value_release(v);
+      t_pool_free(&pool);
+      continue;
+    }
+    dp_value_t x = nodes[t_rand(&r) % n], root = t_list();
+    linked_t *l;
+    int custom_first = k & 1;
+    if (custom_first) OK(dp_list_append(root, t_linked(x, dp_none(), 2, &l), NULL));
+    OK(dp_list_append(root, dp_value_retain(v), NULL));
+    if (!custom_first) OK(dp_list_append(root, t_linked(x, dp_none(), 2, &l), NULL));
+    /* the custom adds no storage and no tensor: scans count as for v alone */
+    dp_ptrset_t *alone = scan_paths(v), *with = scan_paths(root), *batched;
+    OK(dp_ptrset_new(&batched, NULL));
+    OK(dp_scan(root, NULL, batched, NULL));
+    expect_same_storages(alone, with, k);
+    expect_same_storages(alone, batched, k);
+    cr_assert_eq(l->calls, 2, "value %d: reduce ran %d times in two scans", k, l->calls);
+    /* the bytes depend on no reference count */
+    dp_frame_t *f = pickle_twice_same(root, x);
+    dp_frame_free(pickle_twice_same(root, v));
+    cr_assert_eq(dp_frame_nbuffers(f), dp_ptrset_count(alone));
+    dp_value_t back = unpickle_ok(f);
+    cr_assert_eq(dp_value_equal(v, dp_seq_get(back, custom_first ? 1 : 0), DP_EQ_SHARING), 1, "value %d", k);
+    dp_frame_t *f2 = pickle_ok(back, 0);
+    size_t n1, n2;
+    const uint8_t *b1 = dp_frame_data(f, &n1), *b2 = dp_frame_data(f2, &n2);
+    cr_assert(n1 == n2 && memcmp(b1, b2, n1) == 0, "value %d: pickle(unpickle(frame)) == frame", k);
+    dp_frame_free(f);
+    dp_frame_free(f2);
+    dp_ptrset_free(alone);
+    dp_ptrset_free(with);
+    dp_ptrset_free(batched);
+    dp_value_release(back);
+    dp_value_release(root);
+    dp_value_release(v);
+    t_pool_free(&pool);
+  }
+  ASSERT_NO_LEAK();
+}

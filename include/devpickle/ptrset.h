@@ -4,7 +4,20 @@
  * Entries are deduplicated by (device, base pointer), kept in the order they
  * were first met, and grouped by device. Each entry counts the distinct
  * tensors seen on it. A set is reused across scans: dp_ptrset_clear() keeps
- * its memory, so a steady-state scan allocates nothing.
+ * its memory, paths included, so a steady-state scan allocates nothing, with
+ * or without DP_SCAN_PATHS.
+ *
+ * Paths (docs/FORMAT.md, "Paths") are bounded, whatever the value:
+ *   - a dict key, attribute name or class/type name shows at most its first
+ *     DP_PATH_NAME_MAX bytes (a str key or a name: of the text itself, before
+ *     escaping; any other key: of its JSON text), cut back to a UTF-8
+ *     character boundary and followed by "…" (U+2026) when anything was cut;
+ *     the notation (.name or ["name"]) is chosen from the part shown;
+ *   - a path longer than DP_PATH_MAX bytes keeps "$" and the leading steps
+ *     that fit in DP_PATH_HEAD bytes, then "<…N steps…>" (N the steps left
+ *     out), then the trailing steps that fit in DP_PATH_TAIL bytes.
+ * A path is therefore at most DP_PATH_MAX bytes, and rendering it costs time
+ * bounded by its length, not by the depth or the names' lengths.
  *
  * Thread safety: a set is not thread-safe; use one per thread.
  */
@@ -19,13 +32,19 @@ extern "C" {
 
 typedef struct dp_ptrset dp_ptrset_t;
 
+#define DP_PATH_NAME_MAX 64   /* bytes of one key or name shown in a path */
+#define DP_PATH_MAX 1024      /* bytes of a whole path */
+#define DP_PATH_HEAD 256      /* an elided path: bytes of its head ("$" included) */
+#define DP_PATH_TAIL 704      /* an elided path: bytes of its tail */
+
 typedef struct dp_ptr_info {
   dp_device_t device;
   void *base;
   size_t nbytes;
   uint32_t refs;      /* distinct tensors on this storage */
   const char *path;   /* first path, when the scan asked for paths; else NULL.
-                         Borrowed: valid until the set is cleared or freed. */
+                         At most DP_PATH_MAX bytes (see above). Borrowed:
+                         valid until the set is cleared or freed. */
 } dp_ptr_info_t;
 
 /** A new, empty set. */
