@@ -71,7 +71,8 @@ struct dp_future {
   pthread_cond_t cv;
   int state;
   dp_value_t value;
-  dp_error_t error;
+  int error_code;      /* FAILED: the code */
+  dp_error_t *error;   /* and its detail; NULL when recording it ran out of memory */
   dp_backend_t *b;
   dp_device_t *allowed;
   size_t nallowed;
@@ -208,7 +209,6 @@ int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *e
   pthread_once(&cv_attr_once, cv_attr_init);
   pthread_cond_init(&f->cv, &cv_attr);
   f->value = dp_none();
-  dp_error_clear(&f->error);
   int rc = init_opts(f, opts, err);
   if (rc) {
     future_free(f);
@@ -271,6 +271,7 @@ static void cancel_callbacks(cbent_t *list) {
 static void future_free(dp_future_t *f) {
   if (f->cbs) cancel_callbacks(f->cbs);
   dp_value_release(f->value);
+  dp__free(f->error, f->error ? sizeof *f->error : 0);
   record_free(&f->rec);
   dp__free(f->allowed, f->nallowed * sizeof(dp_device_t));
   pthread_mutex_destroy(&f->mu);
@@ -380,11 +381,16 @@ static void dispatch(dp_future_t *f, cbent_t *list);
 static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const dp_error_t *error, dp_error_t *err,
                         cbent_t **cbs) {
   *cbs = NULL;
+  /* The error is kept out of line (most futures never fail): copied before
+   * the lock; without memory for it only its code is kept. */
+  dp_error_t *detail = rec ? NULL : dp__alloc(sizeof *detail);
+  if (detail) *detail = *error;
   pthread_mutex_lock(&f->mu);
   if (f->state != PENDING) {
     pthread_mutex_unlock(&f->mu);
     dp_value_release(value);
     if (rec) record_free(rec);
+    dp__free(detail, detail ? sizeof *detail : 0);
     return dp__err(err, DP_ESTATE, "the future is already complete");
   }
   /* The state is stored last, with release: readers that see it without
@@ -394,8 +400,8 @@ static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const d
     f->rec = *rec;
     __atomic_store_n(&f->state, DONE, __ATOMIC_RELEASE);
   } else {
-    f->error = *error;
-    if (!f->error.code) f->error.code = DP_ESTATE;
+    f->error_code = error->code ? error->code : DP_ESTATE;
+    if ((f->error = detail)) detail->code = f->error_code;
     dp_value_release(value);
     __atomic_store_n(&f->state, FAILED, __ATOMIC_RELEASE);
   }
@@ -475,6 +481,16 @@ int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err
 
 /* ---- waiting ---- */
 
+/* A failed future's error, copied into err; returns its code. */
+static int get_error(const dp_future_t *f, dp_error_t *err) {
+  if (!err) return f->error_code;
+  if (f->error) {
+    *err = *f->error;
+    return f->error_code;
+  }
+  return dp__err(err, f->error_code, "%s (its detail was lost: out of memory)", dp_strerror(f->error_code));
+}
+
 static int wait_done(dp_future_t *f, int64_t timeout_ns) {
   /* In a callback, f may be waiting on work queued on this very thread:
    * run it first (the queue keeps its order; nothing runs under a lock). */
@@ -512,10 +528,7 @@ int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (!f) return dp__err(err, DP_EINVAL, "dp_future_wait: NULL future");
   int state = wait_done(f, timeout_ns);
   if (state == PENDING) return dp__err(err, DP_ETIMEDOUT, "the future did not complete within %lld ns", (long long)timeout_ns);
-  if (state == FAILED) {
-    if (err) *err = f->error;
-    return f->error.code;
-  }
+  if (state == FAILED) return get_error(f, err);
   for (size_t i = 0; i < f->rec.ndevs; i++) {
     dp_stream_t *s = dp_current_stream(f->b, f->rec.devs[i].dev);
     int rc = s ? join_device(f, i, s, err) : dp__err(err, DP_ENODEV, "no current stream");
@@ -542,8 +555,7 @@ int dp_future_is_done(const dp_future_t *f) {
 
 int dp_future_error(const dp_future_t *f, dp_error_t *err) {
   if (!f || __atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != FAILED) return 0;
-  if (err) *err = f->error;
-  return f->error.code;
+  return get_error(f, err);
 }
 
 /* ---- then ---- */
@@ -556,7 +568,8 @@ static void run_then(dp_future_t *p, cbent_t *e) {
   dp_error_t err;
   dp_error_clear(&err);
   if (__atomic_load_n(&p->state, __ATOMIC_ACQUIRE) == FAILED) {
-    dp_future_set_error(child, &p->error, NULL);
+    get_error(p, &err);
+    dp_future_set_error(child, &err, NULL);
     return;
   }
   size_t n = p->rec.ndevs;
@@ -699,7 +712,8 @@ static void collect_finish(collect_t *c) {
       return;
     }
     if (__atomic_load_n(&c->in[i]->state, __ATOMIC_ACQUIRE) == FAILED) {
-      dp_future_set_error(c->out, &c->in[i]->error, NULL);
+      get_error(c->in[i], &err);
+      dp_future_set_error(c->out, &err, NULL);
       return;
     }
   }

@@ -327,6 +327,23 @@ Test(future, completing_twice_is_an_error_and_changes_nothing) {
   dp_future_release(f);
 }
 
+Test(future, a_failure_whose_detail_cannot_be_copied_keeps_its_code) {
+  dp_future_t *f = future();
+  dp_error_t boom, e;
+  dp_error_clear(&boom);
+  boom.code = DP_EIO;
+  snprintf(boom.message, sizeof boom.message, "peer went away");
+  t_fail_at = t_alloc_count + 1;  /* the copy of the error */
+  OK(dp_future_set_error(f, &boom, NULL));
+  t_fail_at = 0;
+  cr_assert_eq(dp_future_wait(f, -1, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "i/o error (its detail was lost: out of memory)");
+  cr_assert_eq(dp_future_error(f, NULL), DP_EIO);
+  dp_future_release(f);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 static int failing_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
   (void)parent;
   (void)result;
