@@ -24,7 +24,7 @@
  * thread may complete, wait and chain. Callbacks never run under the
  * future's lock; each runs exactly once, on the thread that completes the
  * parent, or at once on the thread calling then() if the parent is already
- * complete.
+ * complete (inside a callback: once that callback returns, see below).
  *
  * CHAINS OF ANY LENGTH: completions and releases never recurse. A
  * completion (or a release) made while a callback runs on the same thread —
@@ -41,7 +41,8 @@
  * callbacks never run; its then() children fail with DP_ECANCELED ("the
  * parent future was released before it completed"), which goes down their
  * chains as any failure does, and a collect_all over it fails with
- * DP_ECANCELED naming the input. Waiters on them wake with that error.
+ * DP_ECANCELED naming the input (once its other inputs are done). Waiters on
+ * them wake with that error.
  */
 #ifndef DEVPICKLE_FUTURE_H
 #define DEVPICKLE_FUTURE_H
