@@ -5,6 +5,17 @@
  * event per used device on that device's current stream and record the
  * allocations on it, then take the lock only to publish. Everything published
  * is immutable afterwards, so waiters read it without the lock.
+ *
+ * Callbacks never recurse. Running a callback completes its child, whose own
+ * callbacks would run next, and so on down a chain; releasing a pending
+ * future cancels its children, and so on. Each thread has a trampoline: the
+ * outermost completion (or release) on the thread runs its own callbacks,
+ * and any completion or release nested under it only queues its work there
+ * (the callbacks, each with a reference to its parent; the futures to free),
+ * which the outermost frame drains in FIFO order. A chain of any length thus
+ * completes and is released in constant stack, in chain order; the callbacks
+ * of one future stay in registration order. A wait nested in a callback runs
+ * the queue first, so that a callback may wait on what it completed.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -42,12 +53,16 @@ typedef struct record {
 
 typedef struct cbent {
   struct cbent *next;
+  dp_future_t *parent;  /* a reference, while queued on a trampoline */
   dp_then_cb cb;
   void *ud;
   dp_future_t *child;
-  void (*internal)(void *ctx, dp_future_t *parent);  /* collect_all */
+  /* collect_all: input `index` completed (parent NULL: it was released
+   * pending) */
+  void (*internal)(void *ctx, dp_future_t *parent, size_t index);
   void (*internal_drop)(void *ctx);
   void *ctx;
+  size_t index;
 } cbent_t;
 
 struct dp_future {
@@ -56,7 +71,8 @@ struct dp_future {
   pthread_cond_t cv;
   int state;
   dp_value_t value;
-  dp_error_t error;
+  int error_code;      /* FAILED: the code */
+  dp_error_t *error;   /* and its detail; NULL when recording it ran out of memory */
   dp_backend_t *b;
   dp_device_t *allowed;
   size_t nallowed;
@@ -64,7 +80,46 @@ struct dp_future {
   int use_hooks;
   record_t rec;
   cbent_t *cbs;
+  dp_future_t *free_next;  /* on a trampoline's free queue */
 };
+
+/* ---- the trampoline: one per thread ---- */
+
+typedef struct tramp {
+  int depth;                      /* 1 while the outermost frame runs */
+  cbent_t *run_head, *run_tail;   /* callbacks to run, each holding its parent */
+  dp_future_t *free_head, *free_tail;  /* futures whose last reference went */
+} tramp_t;
+
+static _Thread_local tramp_t tramp;
+
+static void future_free(dp_future_t *f);
+static void run_entry(dp_future_t *f, cbent_t *e);
+
+/* Runs one queued item; 0 when the queue is empty. Frees go first: they
+ * keep memory low, and a free only queues (never runs) callbacks. */
+static int tramp_step(tramp_t *t) {
+  if (t->free_head) {
+    dp_future_t *f = t->free_head;
+    if (!(t->free_head = f->free_next)) t->free_tail = NULL;
+    future_free(f);
+    return 1;
+  }
+  if (t->run_head) {
+    cbent_t *e = t->run_head;
+    if (!(t->run_head = e->next)) t->run_tail = NULL;
+    dp_future_t *p = e->parent;
+    run_entry(p, e);
+    dp_future_release(p);
+    return 1;
+  }
+  return 0;
+}
+
+static void tramp_drain(tramp_t *t) {
+  while (tramp_step(t)) {
+  }
+}
 
 /* ---- the scratch pointer set: one per thread, reused ---- */
 
@@ -135,7 +190,14 @@ static int init_opts(dp_future_t *f, const dp_future_opts_t *o, dp_error_t *err)
   return 0;
 }
 
-static void future_free(dp_future_t *f);
+/* Timed waits measure on the monotonic clock: a step of the wall clock
+ * neither stretches nor cuts them. */
+static pthread_condattr_t cv_attr;
+static pthread_once_t cv_attr_once = PTHREAD_ONCE_INIT;
+static void cv_attr_init(void) {
+  pthread_condattr_init(&cv_attr);
+  pthread_condattr_setclock(&cv_attr, CLOCK_MONOTONIC);
+}
 
 int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_future_new: NULL out");
@@ -144,9 +206,9 @@ int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *e
   memset(f, 0, sizeof *f);
   atomic_init(&f->refs, 1);
   pthread_mutex_init(&f->mu, NULL);
-  pthread_cond_init(&f->cv, NULL);
+  pthread_once(&cv_attr_once, cv_attr_init);
+  pthread_cond_init(&f->cv, &cv_attr);
   f->value = dp_none();
-  dp_error_clear(&f->error);
   int rc = init_opts(f, opts, err);
   if (rc) {
     future_free(f);
@@ -179,13 +241,37 @@ static void cbent_free(cbent_t *e) {
   dp__free(e, sizeof *e);
 }
 
-static void future_free(dp_future_t *f) {
-  while (f->cbs) {
-    cbent_t *e = f->cbs;
-    f->cbs = e->next;
+static cbent_t *reverse(cbent_t *list) {
+  cbent_t *rev = NULL;
+  while (list) {
+    cbent_t *n = list->next;
+    list->next = rev;
+    rev = list;
+    list = n;
+  }
+  return rev;
+}
+
+/* The last reference to a pending future went: its callbacks never run, and
+ * whoever waits on them is told (then() children fail, which goes down their
+ * chains as any failure does; collect_all aggregates fail naming the input).
+ * Runs on a trampoline, so the children's completions only queue. */
+static void cancel_callbacks(cbent_t *list) {
+  dp_error_t canceled;
+  dp_error_clear(&canceled);
+  dp__err(&canceled, DP_ECANCELED, "the parent future was released before it completed");
+  for (cbent_t *e = reverse(list), *n; e; e = n) {
+    n = e->next;
+    if (e->internal) e->internal(e->ctx, NULL, e->index);
+    else dp_future_set_error(e->child, &canceled, NULL);
     cbent_free(e);
   }
+}
+
+static void future_free(dp_future_t *f) {
+  if (f->cbs) cancel_callbacks(f->cbs);
   dp_value_release(f->value);
+  dp__free(f->error, f->error ? sizeof *f->error : 0);
   record_free(&f->rec);
   dp__free(f->allowed, f->nallowed * sizeof(dp_device_t));
   pthread_mutex_destroy(&f->mu);
@@ -194,7 +280,19 @@ static void future_free(dp_future_t *f) {
 }
 
 void dp_future_release(dp_future_t *f) {
-  if (f && atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel) == 1) future_free(f);
+  if (!f || atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel) != 1) return;
+  tramp_t *t = &tramp;
+  if (t->depth) {  /* nested: the outermost frame frees it */
+    f->free_next = NULL;
+    if (t->free_tail) t->free_tail->free_next = f;
+    else t->free_head = f;
+    t->free_tail = f;
+    return;
+  }
+  t->depth = 1;
+  future_free(f);
+  tramp_drain(t);
+  t->depth = 0;
 }
 
 /* ---- completion ---- */
@@ -276,15 +374,23 @@ static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *s
   return 0;
 }
 
-static void run_callbacks(dp_future_t *f, cbent_t *list);
+static void dispatch(dp_future_t *f, cbent_t *list);
 
-/* Publishes a record (or an error when rec is NULL). Steals value. */
-static int publish(dp_future_t *f, dp_value_t value, record_t *rec, const dp_error_t *error, dp_error_t *err) {
+/* Publishes a record (or an error when rec is NULL) and hands back the
+ * callbacks to dispatch (in *cbs, newest first). Steals value. */
+static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const dp_error_t *error, dp_error_t *err,
+                        cbent_t **cbs) {
+  *cbs = NULL;
+  /* The error is kept out of line (most futures never fail): copied before
+   * the lock; without memory for it only its code is kept. */
+  dp_error_t *detail = rec ? NULL : dp__alloc(sizeof *detail);
+  if (detail) *detail = *error;
   pthread_mutex_lock(&f->mu);
   if (f->state != PENDING) {
     pthread_mutex_unlock(&f->mu);
     dp_value_release(value);
     if (rec) record_free(rec);
+    dp__free(detail, detail ? sizeof *detail : 0);
     return dp__err(err, DP_ESTATE, "the future is already complete");
   }
   /* The state is stored last, with release: readers that see it without
@@ -294,33 +400,40 @@ static int publish(dp_future_t *f, dp_value_t value, record_t *rec, const dp_err
     f->rec = *rec;
     __atomic_store_n(&f->state, DONE, __ATOMIC_RELEASE);
   } else {
-    f->error = *error;
-    if (!f->error.code) f->error.code = DP_ESTATE;
+    f->error_code = error->code ? error->code : DP_ESTATE;
+    if ((f->error = detail)) detail->code = f->error_code;
     dp_value_release(value);
     __atomic_store_n(&f->state, FAILED, __ATOMIC_RELEASE);
   }
-  cbent_t *cbs = f->cbs;
+  *cbs = f->cbs;
   f->cbs = NULL;
   pthread_cond_broadcast(&f->cv);
   pthread_mutex_unlock(&f->mu);
-  run_callbacks(f, cbs);
   return 0;
 }
 
+static int publish(dp_future_t *f, dp_value_t value, record_t *rec, const dp_error_t *error, dp_error_t *err) {
+  cbent_t *cbs;
+  int rc = publish_only(f, value, rec, error, err, &cbs);
+  dispatch(f, cbs);
+  return rc;
+}
+
 /* Completes f from a filled set on the given streams (NULL: current). A
- * failure completes f with that failure. */
+ * failure completes f with that failure. The callbacks to dispatch are
+ * handed back in *cbs. */
 static int complete_with_set(dp_future_t *f, dp_value_t value, const dp_ptrset_t *set, dp_stream_t *const *streams,
-                             dp_error_t *err) {
+                             dp_error_t *err, cbent_t **cbs) {
   record_t rec;
   dp_error_t e;
   dp_error_clear(&e);
   int rc = prepare(f, set, streams, &rec, &e);
   if (rc) {
     if (err) *err = e;
-    if (publish(f, value, NULL, &e, NULL) != 0) return DP_ESTATE;
+    if (publish_only(f, value, NULL, &e, NULL, cbs) != 0) return DP_ESTATE;
     return rc;
   }
-  return publish(f, value, &rec, NULL, err);
+  return publish_only(f, value, &rec, NULL, err, cbs);
 }
 
 int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) {
@@ -343,8 +456,10 @@ int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) 
     /* The walk failed: so does the future, so that nobody waits forever. */
     return publish(f, value, NULL, &e, NULL) == 0 ? rc : DP_ESTATE;
   }
-  rc = complete_with_set(f, value, set, NULL, err);
-  scratch_put(set, owned);
+  cbent_t *cbs;
+  rc = complete_with_set(f, value, set, NULL, err, &cbs);
+  scratch_put(set, owned);  /* free for the callbacks */
+  dispatch(f, cbs);
   return rc;
 }
 
@@ -353,7 +468,10 @@ int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const d
     dp_value_release(value);
     return dp__err(err, DP_EINVAL, "dp_future_mark_completed_with_ptrs: NULL argument");
   }
-  return complete_with_set(f, value, ptrs, NULL, err);
+  cbent_t *cbs;
+  int rc = complete_with_set(f, value, ptrs, NULL, err, &cbs);
+  dispatch(f, cbs);
+  return rc;
 }
 
 int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err) {
@@ -363,13 +481,29 @@ int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err
 
 /* ---- waiting ---- */
 
+/* A failed future's error, copied into err; returns its code. */
+static int get_error(const dp_future_t *f, dp_error_t *err) {
+  if (!err) return f->error_code;
+  if (f->error) {
+    *err = *f->error;
+    return f->error_code;
+  }
+  return dp__err(err, f->error_code, "%s (its detail was lost: out of memory)", dp_strerror(f->error_code));
+}
+
 static int wait_done(dp_future_t *f, int64_t timeout_ns) {
+  /* In a callback, f may be waiting on work queued on this very thread:
+   * run it first (the queue keeps its order; nothing runs under a lock). */
+  tramp_t *t = &tramp;
+  if (t->depth)
+    while (!dp_future_is_done(f) && tramp_step(t)) {
+    }
   pthread_mutex_lock(&f->mu);
   if (timeout_ns < 0) {
     while (f->state == PENDING) pthread_cond_wait(&f->cv, &f->mu);
   } else {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
+    clock_gettime(CLOCK_MONOTONIC, &ts);
     int64_t ns = ts.tv_nsec + timeout_ns % 1000000000;
     ts.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
     ts.tv_nsec = (long)(ns % 1000000000);
@@ -394,10 +528,7 @@ int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (!f) return dp__err(err, DP_EINVAL, "dp_future_wait: NULL future");
   int state = wait_done(f, timeout_ns);
   if (state == PENDING) return dp__err(err, DP_ETIMEDOUT, "the future did not complete within %lld ns", (long long)timeout_ns);
-  if (state == FAILED) {
-    if (err) *err = f->error;
-    return f->error.code;
-  }
+  if (state == FAILED) return get_error(f, err);
   for (size_t i = 0; i < f->rec.ndevs; i++) {
     dp_stream_t *s = dp_current_stream(f->b, f->rec.devs[i].dev);
     int rc = s ? join_device(f, i, s, err) : dp__err(err, DP_ENODEV, "no current stream");
@@ -424,8 +555,7 @@ int dp_future_is_done(const dp_future_t *f) {
 
 int dp_future_error(const dp_future_t *f, dp_error_t *err) {
   if (!f || __atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != FAILED) return 0;
-  if (err) *err = f->error;
-  return f->error.code;
+  return get_error(f, err);
 }
 
 /* ---- then ---- */
@@ -438,7 +568,8 @@ static void run_then(dp_future_t *p, cbent_t *e) {
   dp_error_t err;
   dp_error_clear(&err);
   if (__atomic_load_n(&p->state, __ATOMIC_ACQUIRE) == FAILED) {
-    dp_future_set_error(child, &p->error, NULL);
+    get_error(p, &err);
+    dp_future_set_error(child, &err, NULL);
     return;
   }
   size_t n = p->rec.ndevs;
@@ -479,22 +610,39 @@ static void run_then(dp_future_t *p, cbent_t *e) {
   if (streams != inl) dp__free(streams, 2 * n * sizeof *streams);
 }
 
-static void run_callbacks(dp_future_t *f, cbent_t *list) {
-  /* Registered order: the list was built by pushing at the head. */
-  cbent_t *rev = NULL;
-  while (list) {
-    cbent_t *n = list->next;
-    list->next = rev;
-    rev = list;
-    list = n;
+static void run_entry(dp_future_t *f, cbent_t *e) {
+  if (e->internal) e->internal(e->ctx, f, e->index);
+  else run_then(f, e);
+  cbent_free(e);
+}
+
+/* Runs the callbacks of a completed f (newest first in list), in registered
+ * order: here when this is the thread's outermost frame, else queued for it
+ * (each with a reference to f, which the queue holds until the entry ran). */
+static void dispatch(dp_future_t *f, cbent_t *list) {
+  if (!list) return;
+  list = reverse(list);
+  tramp_t *t = &tramp;
+  if (t->depth) {
+    uint32_t n = 0;
+    for (cbent_t *e = list; e; e = e->next) {
+      e->parent = f;
+      n++;
+    }
+    atomic_fetch_add_explicit(&f->refs, n, memory_order_relaxed);
+    if (t->run_tail) t->run_tail->next = list;
+    else t->run_head = list;
+    while (list->next) list = list->next;
+    t->run_tail = list;
+    return;
   }
-  while (rev) {
-    cbent_t *e = rev;
-    rev = e->next;
-    if (e->internal) e->internal(e->ctx, f);
-    else run_then(f, e);
-    cbent_free(e);
+  t->depth = 1;
+  for (cbent_t *e = list, *n; e; e = n) {
+    n = e->next;
+    run_entry(f, e);
   }
+  tramp_drain(t);
+  t->depth = 0;
 }
 
 /* Adds a callback entry, or runs it at once if f is complete. */
@@ -508,7 +656,7 @@ static void add_callback(dp_future_t *f, cbent_t *e) {
   }
   pthread_mutex_unlock(&f->mu);
   e->next = NULL;
-  run_callbacks(f, e);
+  dispatch(f, e);
 }
 
 int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child, dp_error_t *err) {
@@ -532,6 +680,10 @@ int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child,
 
 /* ---- collect_all ---- */
 
+/* The aggregate holds no reference to its inputs while they are pending (an
+ * input that held the aggregate that held it would never be freed): each
+ * input's callback stores a reference to it as it completes, or leaves NULL
+ * when it was released pending. */
 typedef struct collect {
   _Atomic uint32_t refs;
   _Atomic size_t remaining;
@@ -543,7 +695,8 @@ typedef struct collect {
 static void collect_drop(void *p) {
   collect_t *c = p;
   if (atomic_fetch_sub(&c->refs, 1) != 1) return;
-  for (size_t i = 0; i < c->n; i++) dp_future_release(c->in[i]);
+  for (size_t i = 0; i < c->n; i++)
+    if (c->in[i]) dp_future_release(c->in[i]);
   dp__free(c->in, c->n * sizeof *c->in);
   dp_future_release(c->out);
   dp__free(c, sizeof *c);
@@ -552,11 +705,18 @@ static void collect_drop(void *p) {
 static void collect_finish(collect_t *c) {
   dp_error_t err;
   dp_error_clear(&err);
-  for (size_t i = 0; i < c->n; i++)
-    if (__atomic_load_n(&c->in[i]->state, __ATOMIC_ACQUIRE) == FAILED) {
-      dp_future_set_error(c->out, &c->in[i]->error, NULL);
+  for (size_t i = 0; i < c->n; i++) {
+    if (!c->in[i]) {
+      dp__err(&err, DP_ECANCELED, "input %zu of collect_all was released before it completed", i);
+      dp_future_set_error(c->out, &err, NULL);
       return;
     }
+    if (__atomic_load_n(&c->in[i]->state, __ATOMIC_ACQUIRE) == FAILED) {
+      get_error(c->in[i], &err);
+      dp_future_set_error(c->out, &err, NULL);
+      return;
+    }
+  }
   dp_value_t list;
   dp_ptrset_t *set = NULL;
   int rc = dp_list_new(c->n, &list, &err);
@@ -586,19 +746,22 @@ static void collect_finish(collect_t *c) {
         if (dp_device_equal(c->in[i]->rec.devs[k].dev, d)) rc = dp_stream_wait_event(s, c->in[i]->rec.devs[k].ev, &err);
     streams[nd++] = s;
   }
-  if (rc == 0) rc = complete_with_set(c->out, list, set, streams, &err);
+  cbent_t *cbs = NULL;
+  if (rc == 0) rc = complete_with_set(c->out, list, set, streams, &err, &cbs);
   else {
     dp_value_release(list);
     dp_future_set_error(c->out, &err, NULL);
   }
   if (streams != inl) dp__free(streams, ngroups * sizeof *streams);
   dp_ptrset_free(set);
+  dispatch(c->out, cbs);
 }
 
-static void collect_one(void *p, dp_future_t *parent) {
-  (void)parent;
+static void collect_one(void *p, dp_future_t *parent, size_t index) {
   collect_t *c = p;
-  if (atomic_fetch_sub(&c->remaining, 1) == 1) collect_finish(c);
+  c->in[index] = parent ? dp_future_retain(parent) : NULL;
+  /* acq_rel: the last input sees every other input's store */
+  if (atomic_fetch_sub_explicit(&c->remaining, 1, memory_order_acq_rel) == 1) collect_finish(c);
 }
 
 int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future_opts_t *opts, dp_future_t **out,
@@ -627,7 +790,7 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
   c->out = dp_future_retain(o);
   atomic_init(&c->refs, (uint32_t)n + 1);
   atomic_init(&c->remaining, n);
-  for (size_t i = 0; i < n; i++) c->in[i] = dp_future_retain(futures[i]);
+  for (size_t i = 0; i < n; i++) c->in[i] = NULL;
   *out = o;
   if (n == 0) {
     dp_value_t empty;
@@ -638,6 +801,7 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
     es[i]->internal = collect_one;
     es[i]->internal_drop = collect_drop;
     es[i]->ctx = c;
+    es[i]->index = i;
     add_callback(futures[i], es[i]);
   }
   dp__free(es, (n ? n : 1) * sizeof *es);

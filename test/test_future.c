@@ -1,8 +1,11 @@
 /* The future on the host backend: discovery at completion, events per
  * device, waits, then() chains (the defining case), collect_all, errors, and
  * memory held from reuse — with negative controls for every race. */
+#define _GNU_SOURCE /* syscall() */
 #include <pthread.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "helpers.h"
 
@@ -324,6 +327,23 @@ Test(future, completing_twice_is_an_error_and_changes_nothing) {
   dp_future_release(f);
 }
 
+Test(future, a_failure_whose_detail_cannot_be_copied_keeps_its_code) {
+  dp_future_t *f = future();
+  dp_error_t boom, e;
+  dp_error_clear(&boom);
+  boom.code = DP_EIO;
+  snprintf(boom.message, sizeof boom.message, "peer went away");
+  t_fail_at = t_alloc_count + 1;  /* the copy of the error */
+  OK(dp_future_set_error(f, &boom, NULL));
+  t_fail_at = 0;
+  cr_assert_eq(dp_future_wait(f, -1, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "i/o error (its detail was lost: out of memory)");
+  cr_assert_eq(dp_future_error(f, NULL), DP_EIO);
+  dp_future_release(f);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 static int failing_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
   (void)parent;
   (void)result;
@@ -357,6 +377,27 @@ Test(future, a_callback_error_propagates_down_the_chain) {
   dp_future_release(c2);
 }
 
+/* The wall clock, as this binary sees it, can be stepped: a timed wait must
+ * measure its timeout on the monotonic clock, which nobody steps. */
+static _Atomic long wall_clock_step_s;
+
+int clock_gettime(clockid_t id, struct timespec *ts) {
+  int rc = (int)syscall(SYS_clock_gettime, id, ts);
+  if (rc == 0 && id == CLOCK_REALTIME) ts->tv_sec += atomic_load(&wall_clock_step_s);
+  return rc;
+}
+
+Test(future, a_timed_wait_is_not_stretched_when_the_wall_clock_steps_forward, .timeout = 30) {
+  dp_future_t *f = future();
+  dp_error_t e;
+  atomic_store(&wall_clock_step_s, 86400);  /* a day ahead: a wall-clock deadline would be a day away */
+  int rc = dp_future_wait(f, 20 * 1000000, &e);
+  atomic_store(&wall_clock_step_s, 0);
+  cr_assert_eq(rc, DP_ETIMEDOUT);
+  cr_assert_str_eq(e.message, "the future did not complete within 20000000 ns");
+  dp_future_release(f);
+}
+
 Test(future, wait_times_out_on_a_pending_future) {
   dp_future_t *f = future();
   dp_error_t e;
@@ -385,16 +426,177 @@ Test(future, callbacks_added_after_completion_run_at_once_and_each_runs_once) {
   ASSERT_NO_LEAK();
 }
 
-Test(future, a_released_pending_future_frees_its_callbacks_without_running_them) {
+Test(future, a_released_pending_future_cancels_its_children_without_running_their_callbacks, .timeout = 60) {
   _Atomic int calls = 0;
-  dp_future_t *f = future(), *c;
+  dp_future_t *f = future(), *c, *grandchild;
   OK(dp_future_then(f, counting_cb, &calls, &c, NULL));
+  OK(dp_future_then(c, counting_cb, &calls, &grandchild, NULL));
   dp_future_release(f);
   cr_assert_eq(atomic_load(&calls), 0);
-  cr_assert_not(dp_future_is_done(c));
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(c, -1, &e), DP_ECANCELED, "the wait returns instead of hanging");
+  cr_assert_str_eq(e.message, "the parent future was released before it completed");
+  cr_assert_eq(dp_future_wait(grandchild, -1, &e), DP_ECANCELED, "the failure goes down the chain");
+  cr_assert_str_eq(e.message, "the parent future was released before it completed");
+  cr_assert_eq(atomic_load(&calls), 0);
   dp_future_release(c);
+  dp_future_release(grandchild);
   dp_backend_shutdown();
   ASSERT_NO_LEAK();
+}
+
+Test(future, a_waiter_blocked_on_a_child_wakes_when_the_pending_parent_is_released, .timeout = 60) {
+  dp_future_t *f = future(), *c;
+  OK(dp_future_then(f, counting_cb, NULL, &c, NULL));
+  waiter_t w = {c, 1, {0}};
+  pthread_t th;
+  pthread_create(&th, NULL, wait_thread, &w);
+  sleep_ms(20);
+  dp_future_release(f);
+  pthread_join(th, NULL);
+  cr_assert_eq(w.rc, DP_ECANCELED);
+  cr_assert_str_eq(w.err.message, "the parent future was released before it completed");
+  dp_future_release(c);
+}
+
+/* ---- chains of any length: constant stack, in order ---- */
+
+enum { LONG_CHAIN = 1000000 };
+
+typedef struct order {
+  long next;  /* the link whose callback must run next */
+  long out_of_order;
+} order_t;
+
+/* Link k's callback: its parent holds k; the child gets k + 1. */
+static int next_link(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)err;
+  order_t *o = ud;
+  int64_t k = dp_value_as_int(dp_future_value(parent));
+  if (k != o->next) o->out_of_order++;
+  o->next = k + 1;
+  *result = dp_int(k + 1);
+  return 0;
+}
+
+Test(future, a_chain_of_a_million_then_links_completes_in_constant_stack_and_in_order) {
+  dp_future_t **c = malloc((LONG_CHAIN + 1) * sizeof *c);
+  cr_assert(c);
+  order_t o = {0, 0};
+  c[0] = future();
+  for (long k = 0; k < LONG_CHAIN; k++) OK(dp_future_then(c[k], next_link, &o, &c[k + 1], NULL));
+  OK(dp_future_mark_completed(c[0], dp_int(0), NULL));
+  cr_assert_eq(o.next, LONG_CHAIN, "every callback ran");
+  cr_assert_eq(o.out_of_order, 0, "in chain order");
+  for (long k = 0; k <= LONG_CHAIN; k++) {
+    if (dp_value_as_int(dp_future_value(c[k])) != k) cr_assert_fail("link %ld holds the wrong value", k);
+    dp_future_release(c[k]);
+  }
+  free(c);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(future, releasing_a_pending_chain_of_a_million_links_cancels_it_in_constant_stack, .timeout = 60) {
+  order_t o = {0, 0};
+  dp_future_t *root = future(), *link = dp_future_retain(root), *last = NULL;
+  for (long k = 0; k < LONG_CHAIN; k++) {
+    OK(dp_future_then(link, next_link, &o, &last, NULL));
+    dp_future_release(link);  /* only the chain holds the links now */
+    link = last;
+  }
+  dp_future_release(root);  /* the last reference: the whole chain is canceled */
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(last, -1, &e), DP_ECANCELED);
+  cr_assert_str_eq(e.message, "the parent future was released before it completed");
+  cr_assert_eq(o.next, 0, "no callback ran");
+  dp_future_release(last);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* A callback that completes another future and then waits on that future's
+ * child: the child's callback is run for the wait, not after it. */
+typedef struct nested {
+  dp_future_t *other, *other_child;
+  int rc;
+} nested_t;
+
+static int complete_other_and_wait(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent;
+  nested_t *n = ud;
+  int rc = dp_future_mark_completed(n->other, dp_int(41), err);
+  if (rc == 0) rc = dp_future_wait(n->other_child, -1, err);
+  n->rc = rc;
+  *result = rc ? dp_none() : dp_value_retain(dp_future_value(n->other_child));
+  return rc;
+}
+
+static int plus_one(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud;
+  (void)err;
+  *result = dp_int(dp_value_as_int(dp_future_value(parent)) + 1);
+  return 0;
+}
+
+Test(future, a_callback_may_complete_other_futures_and_wait_on_their_children) {
+  nested_t n = {future(), NULL, 1};
+  OK(dp_future_then(n.other, plus_one, NULL, &n.other_child, NULL));
+  dp_future_t *f = future(), *c;
+  OK(dp_future_then(f, complete_other_and_wait, &n, &c, NULL));
+  OK(dp_future_mark_completed(f, dp_int(0), NULL));
+  cr_assert_eq(n.rc, 0);
+  cr_assert_eq(dp_value_as_int(dp_future_value(c)), 42, "complete when the outer completion returns");
+  dp_future_release(f);
+  dp_future_release(c);
+  dp_future_release(n.other);
+  dp_future_release(n.other_child);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* The callbacks of one future run in registration order, also when they are
+ * run from inside another callback. */
+typedef struct seq {
+  int log[8];
+  int n;
+  dp_future_t *inner;
+} seq_t;
+typedef struct tag {
+  seq_t *s;
+  int id;
+} tag_t;
+static int log_tag(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent;
+  (void)result;
+  (void)err;
+  tag_t *t = ud;
+  t->s->log[t->s->n++] = t->id;
+  return 0;
+}
+static int complete_inner(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent;
+  (void)result;
+  seq_t *s = ud;
+  s->log[s->n++] = 0;
+  return dp_future_mark_completed(s->inner, dp_none(), err);
+}
+
+Test(future, callbacks_run_in_registration_order_also_when_completed_from_a_callback) {
+  seq_t s = {{0}, 0, future()};
+  tag_t tags[3] = {{&s, 1}, {&s, 2}, {&s, 3}};
+  dp_future_t *f = future(), *c[4];
+  OK(dp_future_then(f, complete_inner, &s, &c[0], NULL));
+  for (int i = 0; i < 3; i++) OK(dp_future_then(s.inner, log_tag, &tags[i], &c[1 + i], NULL));
+  OK(dp_future_mark_completed(f, dp_none(), NULL));
+  cr_assert_eq(s.n, 4);
+  for (int i = 0; i < 4; i++) cr_assert_eq(s.log[i], i);
+  for (int i = 0; i < 4; i++) {
+    cr_assert(dp_future_is_done(c[i]));
+    dp_future_release(c[i]);
+  }
+  dp_future_release(f);
+  dp_future_release(s.inner);
 }
 
 /* ---- memory held while a consumer still uses it ---- */
@@ -482,6 +684,22 @@ Test(future, collect_all_fails_with_the_first_failed_input) {
   cr_assert_str_eq(e.message, "peer went away");
   dp_future_release(in[0]);
   dp_future_release(in[1]);
+  dp_future_release(all);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(future, collect_all_over_a_released_pending_input_fails_with_ecanceled, .timeout = 60) {
+  dp_future_t *in[3] = {future(), future(), future()}, *all;
+  OK(dp_future_collect_all(in, 3, NULL, &all, NULL));
+  OK(dp_future_mark_completed(in[0], dp_int(1), NULL));
+  dp_future_release(in[1]);  /* pending, and nobody else holds it */
+  OK(dp_future_mark_completed(in[2], dp_int(3), NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(all, -1, &e), DP_ECANCELED, "the wait returns instead of hanging");
+  cr_assert_str_eq(e.message, "input 1 of collect_all was released before it completed");
+  dp_future_release(in[0]);
+  dp_future_release(in[2]);
   dp_future_release(all);
   dp_backend_shutdown();
   ASSERT_NO_LEAK();

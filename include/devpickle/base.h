@@ -48,7 +48,8 @@ extern "C" {
   XX(ESTATE, -13, "operation not valid in this state")                        \
   XX(ETIMEDOUT, -14, "timed out")                                             \
   XX(ENOTFOUND, -15, "not found")                                             \
-  XX(EMISUSE, -16, "API misuse")
+  XX(EMISUSE, -16, "API misuse")                                              \
+  XX(ECANCELED, -17, "canceled")
 
 typedef enum dp_errno {
   DP_OK = 0,

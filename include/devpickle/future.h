@@ -24,7 +24,25 @@
  * thread may complete, wait and chain. Callbacks never run under the
  * future's lock; each runs exactly once, on the thread that completes the
  * parent, or at once on the thread calling then() if the parent is already
- * complete.
+ * complete (inside a callback: once that callback returns, see below).
+ *
+ * CHAINS OF ANY LENGTH: completions and releases never recurse. A
+ * completion (or a release) made while a callback runs on the same thread —
+ * the child that a callback's result completes, a future the callback
+ * completes, one it chains on when already complete — does not run its
+ * callbacks there: they are queued on the thread and run, in order, once the
+ * running callback returns, before the outermost call returns. So a chain of
+ * a million then() links completes, or is released, in constant stack and in
+ * chain order, and the callbacks of one future run in the order they were
+ * registered. A dp_future_wait() in a callback first runs what is queued on
+ * its thread, so a callback may wait on what it completed.
+ *
+ * CANCELLATION: when the last reference to a pending future is dropped, its
+ * callbacks never run; its then() children fail with DP_ECANCELED ("the
+ * parent future was released before it completed"), which goes down their
+ * chains as any failure does, and a collect_all over it fails with
+ * DP_ECANCELED naming the input (once its other inputs are done). Waiters on
+ * them wake with that error.
  */
 #ifndef DEVPICKLE_FUTURE_H
 #define DEVPICKLE_FUTURE_H
@@ -56,7 +74,9 @@ typedef struct dp_future_opts {
 DP_API int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *err);
 DP_API dp_future_t *dp_future_retain(dp_future_t *f);
 /** Drops a reference; the last one frees the future, its value and its
- *  events. A pending future's callbacks then never run. */
+ *  events. A pending future's callbacks then never run: its then()
+ *  children and the collect_all futures over it fail with DP_ECANCELED
+ *  (see CANCELLATION above). */
 DP_API void dp_future_release(dp_future_t *f);
 
 /** Completes f with value (stolen). The value is walked before any lock is
@@ -74,8 +94,9 @@ DP_API int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, 
  *  DP_ESTATE if f was already complete. */
 DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err);
 
-/** Blocks the host until f completes or timeout_ns passes (<0: no limit),
- *  then makes this thread's current streams wait on f's events and records
+/** Blocks the host until f completes or timeout_ns passes (<0: no limit;
+ *  measured on CLOCK_MONOTONIC, so a step of the wall clock does not change
+ *  it), then makes this thread's current streams wait on f's events and records
  *  f's allocations on those streams. Returns 0, DP_ETIMEDOUT, or f's own
  *  error (copied into err). */
 DP_API int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
@@ -97,12 +118,15 @@ typedef int (*dp_then_cb)(void *ud, dp_future_t *parent, dp_value_t *result, dp_
 
 /** A child future, with f's backend, devices and hooks, completed by cb's
  *  result. If f fails the child fails with the same error and cb is not
- *  called. */
+ *  called; if f is released pending, with DP_ECANCELED. The child holds no
+ *  reference to f: keep f while you want the child to complete. */
 DP_API int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child, dp_error_t *err);
 
 /** A future of a list of the futures' values, complete when all are (failed
- *  when any fails, with the first error). Allocations pass through without a
- *  new walk; one event per device joins the inputs' events. */
+ *  when any fails, with the first error by input order; DP_ECANCELED when
+ *  an input is released pending, naming it). It holds no reference to a
+ *  pending input. Allocations pass through without a new walk; one event per
+ *  device joins the inputs' events. */
 DP_API int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future_opts_t *opts,
                                  dp_future_t **out, dp_error_t *err);
 

@@ -7,6 +7,7 @@
  *                     be reported, which shows the harness catches races
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -252,6 +253,89 @@ static int scenario_futures(void) {
   return 0;
 }
 
+/* ---- futures dropped pending: cancellation races with completions and waits ----
+ * Each worker makes root -> mid -> leaf and all = collect_all(root, leaf),
+ * drops mid, and trades root through a shared slot: whoever takes a root
+ * completes it or drops it pending. A waiter per worker blocks on each leaf
+ * and each all, which must end complete or canceled, never hang. */
+
+enum { NDROP = 8000, DROP_THREADS = 4, DROP_SLOTS = 16 };
+static dp_future_t *_Atomic drop_slot[DROP_SLOTS];
+
+typedef struct drop_arg {
+  dp_backend_t *b;
+  int id;
+  int bad;
+  dp_future_t *_Atomic *leaves, *_Atomic *alls;  /* published for the waiter */
+} drop_arg_t;
+
+static void trade(dp_future_t *other, uint64_t seed) {
+  if (other && (seed >> 40) % 2) dp_future_mark_completed(other, dp_int(1), NULL);
+  dp_future_release(other);  /* pending: cancels its chain and its collect_all */
+}
+
+static void *drop_worker(void *p) {
+  drop_arg_t *a = p;
+  dp_future_opts_t o = {a->b, NULL, 0, NULL, 0};
+  uint64_t seed = (uint64_t)a->id * 2654435761u + 99;
+  for (int i = 0; i < NDROP; i++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    dp_future_t *root, *mid, *leaf, *all;
+    if (dp_future_new(&o, &root, NULL) || dp_future_then(root, count_cb, NULL, &mid, NULL) ||
+        dp_future_then(mid, count_cb, NULL, &leaf, NULL)) {
+      a->bad++;
+      break;
+    }
+    dp_future_release(mid);
+    dp_future_t *two[2] = {root, leaf};
+    if (dp_future_collect_all(two, 2, NULL, &all, NULL)) a->bad++;
+    atomic_store(&a->leaves[i], leaf);
+    atomic_store(&a->alls[i], all);
+    trade(atomic_exchange(&drop_slot[(seed >> 33) % DROP_SLOTS], root), seed);
+  }
+  return NULL;
+}
+
+static void *drop_waiter(void *p) {
+  drop_arg_t *a = p;
+  for (int i = 0; i < NDROP; i++) {
+    dp_future_t *leaf, *all;
+    while (!(leaf = atomic_load(&a->leaves[i])) || !(all = atomic_load(&a->alls[i]))) sched_yield();
+    dp_error_t e;
+    int rc = dp_future_wait(leaf, -1, &e);
+    if (rc != 0 && !(rc == DP_ECANCELED && strcmp(e.message, "the parent future was released before it completed") == 0))
+      a->bad++;
+    rc = dp_future_wait(all, -1, &e);
+    if (rc != 0 && !(rc == DP_ECANCELED && strcmp(e.message, "input 0 of collect_all was released before it completed") == 0))
+      a->bad++;
+    dp_future_release(leaf);
+    dp_future_release(all);
+  }
+  return NULL;
+}
+
+static int scenario_dropped_futures(void) {
+  dp_backend_t *b;
+  CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
+  pthread_t th[2 * DROP_THREADS];
+  drop_arg_t args[DROP_THREADS];
+  for (int i = 0; i < DROP_THREADS; i++) {
+    args[i] = (drop_arg_t){b, i, 0, calloc(NDROP, sizeof(dp_future_t *)), calloc(NDROP, sizeof(dp_future_t *))};
+    CHECK(args[i].leaves && args[i].alls, "out of memory");
+    pthread_create(&th[i], NULL, drop_worker, &args[i]);
+    pthread_create(&th[DROP_THREADS + i], NULL, drop_waiter, &args[i]);
+  }
+  for (int i = 0; i < DROP_THREADS; i++) pthread_join(th[i], NULL);
+  for (int k = 0; k < DROP_SLOTS; k++) trade(atomic_exchange(&drop_slot[k], NULL), (uint64_t)k << 40);
+  for (int i = 0; i < DROP_THREADS; i++) pthread_join(th[DROP_THREADS + i], NULL);
+  for (int i = 0; i < DROP_THREADS; i++) {
+    CHECK(args[i].bad == 0, "thread %d: %d unexpected results", i, args[i].bad);
+    free((void *)args[i].leaves);
+    free((void *)args[i].alls);
+  }
+  return 0;
+}
+
 /* ---- the control: a consumer without the wait races with the producer ---- */
 
 static void *racy_worker(void *p) {
@@ -284,6 +368,7 @@ int main(int argc, char **argv) {
   run("streams: producer/consumer pairs from 4 threads", scenario_streams);
   run("allocator: 4 threads, record_stream, polling", scenario_allocator);
   run("futures: 8 threads, 100k futures, random completion order, then chains, collect_all", scenario_futures);
+  run("futures: pending chains and collect_all inputs dropped while others complete and wait", scenario_dropped_futures);
   printf("%d passed, %d failed\n", passes, failures);
   return failures ? 1 : 0;
 }
