@@ -210,7 +210,7 @@ Test(cli, bad_value_json_names_the_problem_and_where) {
   spit("bad.json", "{\"a\": [1, 2,, 3]}");
   res_t r = run("pack bad.json -o x.dpk");
   cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: bad.json: invalid JSON: unexpected token near ',' (line 1, column 13), at byte 13\n");
+  cr_assert_str_eq(r.err, "devpickle: bad.json: invalid JSON: unexpected ',' (line 1, column 13), at byte 12\n");
   res_free(r);
   spit("nb.json",
        "[{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 64, \"dtype\": \"float32\", \"shape\": [4]}},"
