@@ -24,7 +24,7 @@ static const char *const usage_main =
     "\n"
     "commands:\n"
     "  pack VALUE.json -o FRAME.dpk   value JSON to a frame\n"
-    "  unpack FRAME.dpk               a frame to value JSON on stdout\n"
+    "  unpack FRAME.dpk [-o V.json]   a frame to value JSON (on stdout)\n"
     "  dump FRAME.dpk [--json]        the device pointers a frame's value holds\n"
     "  inspect FRAME.dpk              the value as a tree, one node a line, with paths\n"
     "  verify FRAME.dpk               check a frame completely; print a summary\n"
