@@ -419,6 +419,7 @@ typedef struct rd {
   dp_storage_t **storages;
   size_t nst, stcap;
   int with_data, without_data;
+  dp_error_t e;   /* one for every call: the reader recurses, its frames stay small */
 } rd_t;
 
 static uint64_t process_seed(void) {
@@ -612,7 +613,6 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   }
 
   /* One storage per (device, ptr); its tensors agree on its size and bytes. */
-  dp_error_t e;
   size_t si;
   dp_storage_t *st;
   if (dp_ptrset_find(r->stset, dev, (void *)(uintptr_t)ptr, &si) == 0) {
@@ -629,9 +629,9 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
                   json_string_value(pj));
     }
   } else {
-    if ((rc = dp_storage_new(dev, (void *)(uintptr_t)ptr, nbytes, NULL, NULL, &st, &e)) != 0) {
+    if ((rc = dp_storage_new(dev, (void *)(uintptr_t)ptr, nbytes, NULL, NULL, &st, &r->e)) != 0) {
       free(bytes);
-      return check_err(r, rc, &e);
+      return check_err(r, rc, &r->e);
     }
     if (r->nst == r->stcap) {
       size_t ncap = r->stcap ? 2 * r->stcap : 16;
@@ -645,21 +645,21 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
       r->stcap = ncap;
     }
     r->storages[r->nst++] = st;
-    if ((rc = dp_ptrset_add(r->stset, dev, (void *)(uintptr_t)ptr, nbytes, NULL, &e)) != 0) {
+    if ((rc = dp_ptrset_add(r->stset, dev, (void *)(uintptr_t)ptr, nbytes, NULL, &r->e)) != 0) {
       free(bytes);
-      return check_err(r, rc, &e);
+      return check_err(r, rc, &r->e);
     }
   }
   if (data) {
-    rc = dp_storage_host_data(st) ? 0 : dp_storage_set_host_data(st, bytes, &e);
+    rc = dp_storage_host_data(st) ? 0 : dp_storage_set_host_data(st, bytes, &r->e);
     free(bytes);
-    if (rc) return check_err(r, rc, &e);
+    if (rc) return check_err(r, rc, &r->e);
     r->with_data++;
   } else {
     r->without_data++;
   }
-  rc = dp_tensor_new(dp_storage_retain(st), dtype, nd, shape, sj ? strides : NULL, offset, out, &e);
-  return check_err(r, rc, &e);
+  rc = dp_tensor_new(dp_storage_retain(st), dtype, nd, shape, sj ? strides : NULL, offset, out, &r->e);
+  return check_err(r, rc, &r->e);
 }
 
 /* A class or type name (a JSON string): the library's names are C strings. */
@@ -671,26 +671,25 @@ static int check_name(rd_t *r, json_t *s, const char *what) {
 /* Allocates the shell of a container, so that $id can name it before its
  * children are read (cycles). */
 static int make_shell(rd_t *r, json_t *j, dp_value_t *out) {
-  dp_error_t e;
   int rc;
   json_t *x;
   if (json_is_array(j)) {
-    rc = dp_list_new(json_array_size(j), out, &e);
+    rc = dp_list_new(json_array_size(j), out, &r->e);
   } else if ((x = json_object_get(j, "$tuple")) != NULL) {
     if (!json_is_array(x)) return fail(r, DP_EINVAL, "$tuple must be an array");
-    rc = dp_tuple_new(json_array_size(x), out, &e);
+    rc = dp_tuple_new(json_array_size(x), out, &r->e);
   } else if ((x = json_object_get(j, "$object")) != NULL) {
     if (!json_is_string(x)) return fail(r, DP_EINVAL, "$object must be a class name string");
     if ((rc = check_name(r, x, "class name")) != 0) return rc;
-    rc = dp_object_new(json_string_value(x), out, &e);
+    rc = dp_object_new(json_string_value(x), out, &r->e);
   } else if ((x = json_object_get(j, "$reduce")) != NULL) {
     if (!json_is_string(x)) return fail(r, DP_EINVAL, "$reduce must be a type name string");
     if ((rc = check_name(r, x, "type name")) != 0) return rc;
-    rc = dp_object_new_reduced(json_string_value(x), dp_none(), out, &e);
+    rc = dp_object_new_reduced(json_string_value(x), dp_none(), out, &r->e);
   } else {
-    rc = dp_dict_new(0, out, &e);
+    rc = dp_dict_new(0, out, &r->e);
   }
-  return check_err(r, rc, &e);
+  return check_err(r, rc, &r->e);
 }
 
 static int fill_seq(rd_t *r, json_t *a, dp_value_t seq, int depth) {
@@ -699,9 +698,8 @@ static int fill_seq(rd_t *r, json_t *a, dp_value_t seq, int depth) {
     dp_value_t item;
     int rc = read_value(r, json_array_get(a, i), &item, depth + 1);
     if (rc) return rc;
-    dp_error_t e;
-    rc = dp_value_kind(seq) == DP_LIST ? dp_list_append(seq, item, &e) : dp_seq_set(seq, i, item, &e);
-    if (rc) return check_err(r, rc, &e);
+    rc = dp_value_kind(seq) == DP_LIST ? dp_list_append(seq, item, &r->e) : dp_seq_set(seq, i, item, &r->e);
+    if (rc) return check_err(r, rc, &r->e);
     r->path[mark] = '\0';
   }
   return 0;
@@ -721,7 +719,6 @@ static int key_is_open(rd_t *r, dp_value_t k) {
 }
 
 static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
-  dp_error_t e;
   int rc;
   const char *k;
   size_t klen;
@@ -741,7 +738,7 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
       if (memchr(k, 0, klen)) return fail(r, DP_EINVAL, "attribute name contains a NUL byte");
       dp_value_t val;
       if ((rc = read_value(r, x, &val, depth + 1)) != 0) return rc;
-      if ((rc = dp_object_set(v, k, val, &e)) != 0) return check_err(r, rc, &e);
+      if ((rc = dp_object_set(v, k, val, &r->e)) != 0) return check_err(r, rc, &r->e);
       r->path[mark] = '\0';
     }
     return 0;
@@ -752,7 +749,7 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
     size_t mark = path_push(r, "<reduce %.64s%s>", json_string_value(x), json_string_length(x) > 64 ? "…" : "");
     dp_value_t val;
     if ((rc = read_value(r, state, &val, depth + 1)) != 0) return rc;
-    if ((rc = dp_object_set(v, "__reduce__", val, &e)) != 0) return check_err(r, rc, &e);
+    if ((rc = dp_object_set(v, "__reduce__", val, &r->e)) != 0) return check_err(r, rc, &r->e);
     r->path[mark] = '\0';
     return 0;
   }
@@ -783,7 +780,7 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
         dp_value_release(val);
         return fail(r, DP_EINVAL, "duplicate dict key");
       }
-      if ((rc = dp_dict_set(v, key, val, &e)) != 0) return check_err(r, rc, &e);
+      if ((rc = dp_dict_set(v, key, val, &r->e)) != 0) return check_err(r, rc, &r->e);
       r->path[mark] = '\0';
     }
     return 0;
@@ -793,12 +790,12 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
     size_t mark = strlen(r->path);
     path_key(r, k, klen);
     dp_value_t key, val;
-    if ((rc = dp_str_new(k, klen, &key, &e)) != 0) return check_err(r, rc, &e);
+    if ((rc = dp_str_new(k, klen, &key, &r->e)) != 0) return check_err(r, rc, &r->e);
     if ((rc = read_value(r, x, &val, depth + 1)) != 0) {
       dp_value_release(key);
       return rc;
     }
-    if ((rc = dp_dict_set(v, key, val, &e)) != 0) return check_err(r, rc, &e);
+    if ((rc = dp_dict_set(v, key, val, &r->e)) != 0) return check_err(r, rc, &r->e);
     r->path[mark] = '\0';
   }
   return 0;
@@ -848,7 +845,6 @@ static int read_float(rd_t *r, json_t *j, json_t *x, dp_value_t *out) {
 }
 
 static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
-  dp_error_t e;
   int rc;
   json_t *x;
   switch (json_typeof(j)) {
@@ -858,8 +854,8 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
     case JSON_INTEGER: *out = dp_int(json_integer_value(j)); return 0;
     case JSON_REAL: *out = dp_float(json_real_value(j)); return 0;
     case JSON_STRING:
-      rc = dp_str_new(json_string_value(j), json_string_length(j), out, &e);
-      return check_err(r, rc, &e);
+      rc = dp_str_new(json_string_value(j), json_string_length(j), out, &r->e);
+      return check_err(r, rc, &r->e);
     default: break;
   }
   if (json_is_object(j)) {
@@ -907,9 +903,9 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
       if (json_object_size(j) != 1 || !json_is_string(x) ||
           vjson_b64_decode(json_string_value(x), json_string_length(x), &p, &n) != 0)
         return fail(r, DP_EINVAL, "$bytes must be a base64 string");
-      rc = dp_bytes_new(p, n, out, &e);
+      rc = dp_bytes_new(p, n, out, &r->e);
       free(p);
-      return check_err(r, rc, &e);
+      return check_err(r, rc, &r->e);
     }
     if ((x = json_object_get(j, "$float")) != NULL) return read_float(r, j, x, out);
   }
@@ -925,9 +921,8 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   r.msg = msg;
   r.msgsize = msgsize;
   strcpy(r.path, "$");
-  dp_error_t e;
-  int rc = dp_ptrset_new(&r.stset, &e);
-  if (rc) return fail(&r, rc, "%s", e.message);
+  int rc = dp_ptrset_new(&r.stset, &r.e);
+  if (rc) return fail(&r, rc, "%s", r.e.message);
   rc = read_value(&r, j, out, 0);
   if (rc == 0 && r.with_data && r.without_data) {
     dp_value_release(*out);
