@@ -511,6 +511,10 @@ Test(cli, nesting_within_the_cli_limit_round_trips_and_deeper_is_refused_by_ever
   res_t r = run("pack deep.json -o d.dpk");
   cr_assert_eq(r.status, 1);
   cr_assert_not_null(strstr(r.err, "containers nested deeper than 2000 levels, at $[0][0]"), "%s", r.err);
+  /* the path keeps its head and its tail (docs/VALUE_JSON.md, "Paths") */
+  cr_assert_not_null(strstr(r.err, "[0]<…1681 steps…>[0]"), "%s", r.err);
+  size_t len = strlen(r.err);
+  cr_assert(len < 1200 && strcmp(r.err + len - 4, "[0]\n") == 0, "%s", r.err);
   res_free(r);
 }
 

@@ -297,12 +297,12 @@ static int cmd_pack(int argc, char **argv) {
   uint8_t *text;
   size_t len;
   if ((rc = read_all(a.file, &text, &len)) != 0) return rc;
-  char msg[1024];
+  char msg[2048];
   size_t pos = 0;
   json_t *j = vjson_parse((const char *)text, len, msg, sizeof msg, &pos);
   free(text);
   if (!j) {
-    char what[1100];
+    char what[2100];
     snprintf(what, sizeof what, "invalid JSON: %s", msg);
     return data_error(display(a.file), what, (int64_t)pos);
   }

@@ -411,7 +411,10 @@ typedef struct idx {
 typedef struct rd {
   char *msg;
   size_t msgsize;
-  char path[1024];
+  char *path;        /* the JSON path being read: steps after "$" */
+  size_t plen, pcap;
+  size_t *marks;     /* where each step starts */
+  size_t nmarks, mcap;
   idnode_t *ids;
   size_t nids, idcap;
   idx_t by_name, by_node;
@@ -477,25 +480,86 @@ static idnode_t *find_id(rd_t *r, const char *name, size_t len) {
   return *s ? &r->ids[*s - 1] : NULL;
 }
 
+/* The path for a message, by the rule of docs/VALUE_JSON.md ("Paths"):
+ * whole up to 1,024 bytes, else the steps that fit in 256 bytes, <…N steps…>,
+ * and the steps that fit in 704. */
+static void render_path(rd_t *r, char *out, size_t cap) {
+  if (!r->path) {
+    snprintf(out, cap, "$");
+    return;
+  }
+  if (r->plen <= 1024) {
+    snprintf(out, cap, "%.*s", (int)r->plen, r->path);
+    return;
+  }
+  size_t n = r->nmarks, head = 0, tail = n, len;
+#define STEP_LEN(k) (((k) + 1 < n ? r->marks[(k) + 1] : r->plen) - r->marks[k])
+  for (size_t used = 0; head < n && used + STEP_LEN(head) <= 256; head++) used += STEP_LEN(head);  /* step 0 is "$" */
+  for (size_t used = 0; tail > head && used + STEP_LEN(tail - 1) <= 704; tail--) used += STEP_LEN(tail - 1);
+  len = (size_t)snprintf(out, cap, "%.*s<…%zu steps…>", (int)(head < n ? r->marks[head] : r->plen), r->path,
+                         tail - head);
+  if (len < cap && tail < n) snprintf(out + len, cap - len, "%s", r->path + r->marks[tail]);
+#undef STEP_LEN
+}
+
 static int fail(rd_t *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int fail(rd_t *r, int code, const char *fmt, ...) {
-  char what[512];
+  char what[512], where[1200];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(what, sizeof what, fmt, ap);
   va_end(ap);
-  snprintf(r->msg, r->msgsize, "%s, at %s", what, r->path);
+  render_path(r, where, sizeof where);
+  snprintf(r->msg, r->msgsize, "%s, at %s", what, where);
   return code;
 }
 
-static size_t path_push(rd_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static size_t path_push(rd_t *r, const char *fmt, ...) {
-  size_t len = strlen(r->path);
+/* Appends one step (bounded: names are cut to 64 bytes). Out of memory, the
+ * step is left out of the path, never the read. */
+static void path_push(rd_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void path_push(rd_t *r, const char *fmt, ...) {
+  char step[512];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(r->path + len, sizeof r->path - len, fmt, ap);
+  int n = vsnprintf(step, sizeof step, fmt, ap);
   va_end(ap);
-  return len;
+  size_t k = n < 0 ? 0 : (size_t)n < sizeof step ? (size_t)n : sizeof step - 1;
+  if (r->nmarks == r->mcap) {
+    size_t ncap = r->mcap ? 2 * r->mcap : 64;
+    size_t *m = realloc(r->marks, ncap * sizeof *m);
+    if (m) {
+      r->marks = m;
+      r->mcap = ncap;
+    }
+  }
+  if (r->plen + k + 1 > r->pcap) {
+    size_t ncap = r->pcap ? 2 * r->pcap : 1024;
+    while (ncap < r->plen + k + 1) ncap *= 2;
+    char *p = realloc(r->path, ncap);
+    if (p) {
+      r->path = p;
+      r->pcap = ncap;
+    }
+  }
+  if (r->nmarks == r->mcap || r->plen + k + 1 > r->pcap) k = 0;
+  if (r->nmarks < r->mcap) r->marks[r->nmarks++] = r->plen;
+  memcpy(r->path + r->plen, step, k);
+  r->plen += k;
+  r->path[r->plen] = '\0';
+}
+
+static void path_pop(rd_t *r) {
+  if (!r->nmarks) return;
+  r->plen = r->marks[--r->nmarks];
+  r->path[r->plen] = '\0';
+}
+
+/* A JSON string's first 64 bytes, cut on a UTF-8 boundary. */
+static size_t cut64(const char *s, size_t n) {
+  if (n <= 64) return n;
+  size_t k = 64;
+  while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
+  return k;
 }
 
 static void path_key(rd_t *r, const char *key, size_t n) {
@@ -504,13 +568,13 @@ static void path_key(rd_t *r, const char *key, size_t n) {
     char c = key[i];
     ident = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || (c >= '0' && c <= '9');
   }
+  size_t k = cut64(key, n);
   if (ident) {
-    path_push(r, ".%.*s", (int)(n > 64 ? 64 : n), key);
-    if (n > 64) path_push(r, "…");
+    path_push(r, ".%.*s%s", (int)k, key, k < n ? "…" : "");
   } else {
-    json_t *js = json_stringn(key, n > 64 ? 64 : n);
+    json_t *js = json_stringn(key, k);
     char *q = js ? json_dumps(js, JSON_ENCODE_ANY) : NULL;
-    path_push(r, "[%s%s]", q ? q : "?", n > 64 ? "…" : "");
+    path_push(r, "[%s%s]", q ? q : "?", k < n ? "…" : "");
     free(q);
     json_decref(js);
   }
@@ -694,13 +758,13 @@ static int make_shell(rd_t *r, json_t *j, dp_value_t *out) {
 
 static int fill_seq(rd_t *r, json_t *a, dp_value_t seq, int depth) {
   for (size_t i = 0; i < json_array_size(a); i++) {
-    size_t mark = path_push(r, "[%zu]", i);
+    path_push(r, "[%zu]", i);
     dp_value_t item;
     int rc = read_value(r, json_array_get(a, i), &item, depth + 1);
     if (rc) return rc;
     rc = dp_value_kind(seq) == DP_LIST ? dp_list_append(seq, item, &r->e) : dp_seq_set(seq, i, item, &r->e);
     if (rc) return check_err(r, rc, &r->e);
-    r->path[mark] = '\0';
+    path_pop(r);
   }
   return 0;
 }
@@ -733,31 +797,31 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
     if (json_object_size(j) != (attrs ? 2u : 1u) || (attrs && !json_is_object(attrs)))
       return fail(r, DP_EINVAL, "$object takes one other field, \"attrs\", an object");
     json_object_keylen_foreach(attrs, k, klen, x) {
-      size_t mark = strlen(r->path);
       path_key(r, k, klen);
       if (memchr(k, 0, klen)) return fail(r, DP_EINVAL, "attribute name contains a NUL byte");
       dp_value_t val;
       if ((rc = read_value(r, x, &val, depth + 1)) != 0) return rc;
       if ((rc = dp_object_set(v, k, val, &r->e)) != 0) return check_err(r, rc, &r->e);
-      r->path[mark] = '\0';
+      path_pop(r);
     }
     return 0;
   }
   if ((x = json_object_get(j, "$reduce")) != NULL) {
     json_t *state = json_object_get(j, "state");
     if (json_object_size(j) != 2 || !state) return fail(r, DP_EINVAL, "$reduce takes one other field, \"state\"");
-    size_t mark = path_push(r, "<reduce %.64s%s>", json_string_value(x), json_string_length(x) > 64 ? "…" : "");
+    size_t cut = cut64(json_string_value(x), json_string_length(x));
+    path_push(r, "<reduce %.*s%s>", (int)cut, json_string_value(x), cut < json_string_length(x) ? "…" : "");
     dp_value_t val;
     if ((rc = read_value(r, state, &val, depth + 1)) != 0) return rc;
     if ((rc = dp_object_set(v, "__reduce__", val, &r->e)) != 0) return check_err(r, rc, &r->e);
-    r->path[mark] = '\0';
+    path_pop(r);
     return 0;
   }
   if ((x = json_object_get(j, "$dict")) != NULL) {
     if (json_object_size(j) != 1 || !json_is_array(x)) return fail(r, DP_EINVAL, "$dict must be an array of [key, value] pairs");
     for (size_t i = 0; i < json_array_size(x); i++) {
       json_t *pair = json_array_get(x, i);
-      size_t mark = path_push(r, "<item %zu>", i);
+      path_push(r, "<item %zu>", i);
       if (!json_is_array(pair) || json_array_size(pair) != 2) return fail(r, DP_EINVAL, "$dict items are [key, value] pairs");
       dp_value_t key, val;
       if ((rc = read_value(r, json_array_get(pair, 0), &key, depth + 1)) != 0) return rc;
@@ -781,13 +845,12 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
         return fail(r, DP_EINVAL, "duplicate dict key");
       }
       if ((rc = dp_dict_set(v, key, val, &r->e)) != 0) return check_err(r, rc, &r->e);
-      r->path[mark] = '\0';
+      path_pop(r);
     }
     return 0;
   }
   json_object_keylen_foreach(j, k, klen, x) {
     if (k[0] == '$') return fail(r, DP_EINVAL, "unknown tag \"%s\" (a plain key starting with '$' needs $dict)", k);
-    size_t mark = strlen(r->path);
     path_key(r, k, klen);
     dp_value_t key, val;
     if ((rc = dp_str_new(k, klen, &key, &r->e)) != 0) return check_err(r, rc, &r->e);
@@ -796,7 +859,7 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
       return rc;
     }
     if ((rc = dp_dict_set(v, key, val, &r->e)) != 0) return check_err(r, rc, &r->e);
-    r->path[mark] = '\0';
+    path_pop(r);
   }
   return 0;
 }
@@ -920,7 +983,7 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   memset(&r, 0, sizeof r);
   r.msg = msg;
   r.msgsize = msgsize;
-  strcpy(r.path, "$");
+  path_push(&r, "$");
   int rc = dp_ptrset_new(&r.stset, &r.e);
   if (rc) return fail(&r, rc, "%s", r.e.message);
   rc = read_value(&r, j, out, 0);
@@ -936,6 +999,8 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   free(r.ids);
   free(r.by_name.slot);
   free(r.by_node.slot);
+  free(r.path);
+  free(r.marks);
   dp_ptrset_free(r.stset);
   return rc;
 }
