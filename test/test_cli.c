@@ -437,6 +437,25 @@ Test(cli, a_write_that_fails_half_way_leaves_the_old_file_intact_even_when_it_is
   free(big);
 }
 
+Test(cli, an_output_replaced_whole_keeps_its_mode_and_a_link_keeps_its_target) {
+  spit("v.json", simple_json);
+  res_free(run("pack v.json -o t.dpk"));
+  char path[256], link_path[256];
+  path_in(path, sizeof path, "t.dpk");
+  path_in(link_path, sizeof link_path, "l.dpk");
+  cr_assert_eq(chmod(path, 0640), 0);
+  cr_assert_eq(symlink("t.dpk", link_path), 0);
+  res_t r = run("pack v.json -o l.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  struct stat st;
+  cr_assert_eq(lstat(link_path, &st), 0);
+  cr_assert(S_ISLNK(st.st_mode), "the link was replaced by a file");
+  cr_assert_eq(stat(path, &st), 0);
+  cr_assert_eq(st.st_mode & 07777, 0640, "mode %o", st.st_mode & 07777);
+  cr_assert_eq(count_entries(), 3);
+}
+
 /* ---- item 13: what verify accepts, unpack | pack gives back; what pack writes, verify accepts ---- */
 
 Test(cli, a_str_holding_nul_bytes_unpacks_to_json_that_packs_back_to_the_same_bytes) {

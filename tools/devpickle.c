@@ -1,4 +1,5 @@
 /* tools/devpickle.c — the devpickle command-line tool (public API only). */
+#define _XOPEN_SOURCE 700  /* realpath */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -101,6 +102,7 @@ typedef struct sink {
   FILE *f;
   const char *path;   /* as the user named it */
   char *tmp;          /* the temporary file, or NULL */
+  char *target;       /* what a symbolic link named by path resolves to, or NULL */
 } sink_t;
 
 static const char *out_display(const char *path) { return strcmp(path, "-") == 0 ? "<stdout>" : path; }
@@ -113,14 +115,19 @@ static int sink_open(sink_t *s, const char *path) {
     s->f = stdout;
     return 0;
   }
-  if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+  int exists = stat(path, &st) == 0;
+  if (exists && !S_ISREG(st.st_mode)) {
     s->f = fopen(path, "wb");
     return s->f ? 0 : data_error(path, strerror(errno), -1);
   }
-  size_t n = strlen(path);
+  /* a symbolic link keeps pointing where it did: its target is replaced */
+  char *target = exists ? realpath(path, NULL) : NULL;
+  const char *where = target ? target : path;
+  size_t n = strlen(where);
+  s->target = target;
   s->tmp = malloc(n + 16);
   if (!s->tmp) return data_error(path, "out of memory", -1);
-  snprintf(s->tmp, n + 16, "%s.tmp-XXXXXX", path);
+  snprintf(s->tmp, n + 16, "%s.tmp-XXXXXX", where);
   int fd = mkstemp(s->tmp);
   if (fd < 0) {
     int e = errno;
@@ -130,7 +137,8 @@ static int sink_open(sink_t *s, const char *path) {
   }
   mode_t mask = umask(0);
   umask(mask);
-  if (fchmod(fd, 0666 & ~mask) != 0 || !(s->f = fdopen(fd, "wb"))) {
+  mode_t mode = exists ? st.st_mode & 07777 : 0666 & ~mask;  /* an existing file keeps its mode */
+  if (fchmod(fd, mode) != 0 || !(s->f = fdopen(fd, "wb"))) {
     int e = errno;
     close(fd);
     unlink(s->tmp);
@@ -149,10 +157,11 @@ static int sink_close(sink_t *s, int ok) {
   if (s->tmp && !e && ok && fsync(fileno(s->f)) != 0) e = errno;
   if (s->f != stdout && fclose(s->f) != 0 && !e) e = errno;
   if (s->tmp) {
-    if (!e && ok && rename(s->tmp, s->path) != 0) e = errno;
+    if (!e && ok && rename(s->tmp, s->target ? s->target : s->path) != 0) e = errno;
     if (e || !ok) unlink(s->tmp);
     free(s->tmp);
   }
+  free(s->target);
   if (!ok) return EXIT_DATA;  /* the caller has said why */
   if (!e) return 0;
   char what[160];
