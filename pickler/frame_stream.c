@@ -199,8 +199,8 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
   if (!read || !out) return dp__err(err, DP_EINVAL, "dp_unpickle_stream: NULL argument");
   sr_t s = {read, ud, err, 0};
   uint8_t hdr[DP_FRAME_HEADER];
-  uint8_t *head = NULL, *chunk = NULL, *syn = NULL;
-  size_t head_cap = 0, syn_cap = 0, got;
+  uint8_t *buf = NULL, *chunk = NULL, *syn = NULL;  /* buf: the header, then payload and table */
+  size_t buf_cap = 0, syn_cap = 0, got;
   tmap_t map = {NULL, NULL, 0, 0};
   XXH3_state_t state, *xs = &state;
   XXH3_INITSTATE(xs);
@@ -221,23 +221,29 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
     rc = dp__err(err, DP_ENOMEM, "out of memory");
     goto done;
   }
-  /* payload and table, grown as bytes arrive (never as the header claims) */
+  /* payload and table, grown as bytes arrive (never beyond what the header claims) */
   uint64_t want = fi.payload_len + fi.table_len;
-  int overflow = fi.payload_len > UINT64_MAX - fi.table_len || want > UINT64_MAX - fi.data_len;
+  int overflow = fi.payload_len > UINT64_MAX - fi.table_len || want > UINT64_MAX - fi.data_len ||
+                 want > SIZE_MAX - DP_FRAME_HEADER;
   size_t head_len = 0;
-  while (!overflow && head_len < want) {
+  uint8_t *head = NULL;
+  while (!overflow && (head_len < want || !buf)) {
     size_t step = want - head_len < CHUNK ? (size_t)(want - head_len) : CHUNK;
-    if (head_len + step > head_cap) {
-      size_t ncap = head_cap ? head_cap : CHUNK;
-      while (ncap < head_len + step) ncap *= 2;
-      uint8_t *nh = dp__realloc(head, head_cap, ncap);
-      if (!nh) {
+    size_t need = DP_FRAME_HEADER + head_len + step;
+    if (need > buf_cap) {
+      size_t ncap = buf_cap ? buf_cap * 2 : CHUNK;
+      if (ncap < need) ncap = need;
+      if (ncap > DP_FRAME_HEADER + want) ncap = DP_FRAME_HEADER + (size_t)want;
+      uint8_t *nb = dp__realloc(buf, buf_cap, ncap);
+      if (!nb) {
         rc = dp__err(err, DP_ENOMEM, "out of memory reading %llu bytes of payload and buffer table",
                      (unsigned long long)want);
         goto done;
       }
-      head = nh;
-      head_cap = ncap;
+      buf = nb;
+      buf_cap = ncap;
+      memcpy(buf, hdr, DP_FRAME_HEADER);
+      head = buf + DP_FRAME_HEADER;
     }
     if ((rc = sread(&s, head + head_len, step, &got)) != 0) goto done;
     XXH3_64bits_update(xs, head + head_len, got);
@@ -295,11 +301,17 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
   uint64_t max_bytes = o.limits.max_bytes ? o.limits.max_bytes : DP_DEFAULT_MAX_BYTES;
   uint32_t max_buffers = o.limits.max_buffers ? o.limits.max_buffers : DP_DEFAULT_MAX_BUFFERS;
   size_t table_len = (size_t)fi.table_len;
-  syn_cap = DP_FRAME_HEADER + (size_t)fi.payload_len + table_len;
-  if (fi.flags & DP_FRAME_FLAG_INLINE) {
-    /* a descriptor (6 bytes at least) becomes 37 at most; the count 5 */
-    syn_cap += table_len / 6 * 37 + 5;
+  if (!(fi.flags & DP_FRAME_FLAG_INLINE)) {  /* the frame read is the frame: no copy */
+    rc = dp_unpickle(buf, DP_FRAME_HEADER + head_len, &o, out, err);
+    if (rc == 0) {
+      if (info) *info = fi;
+      if (info) dp_frame_check(buf, DP_FRAME_HEADER + head_len, info, NULL);
+      if (size) *size = s.total;
+    }
+    goto done;
   }
+  /* a descriptor (6 bytes at least) becomes 37 at most; the count 5 */
+  syn_cap = DP_FRAME_HEADER + (size_t)fi.payload_len + table_len / 6 * 37 + 5;
   syn = dp__alloc(syn_cap);
   if (!syn) {
     rc = dp__err(err, DP_ENOMEM, "out of memory");
@@ -307,7 +319,7 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
   }
   memcpy(syn, hdr, DP_FRAME_HEADER);
   memcpy(syn + DP_FRAME_HEADER, head, (size_t)fi.payload_len);
-  if (fi.flags & DP_FRAME_FLAG_INLINE) {
+  {
     tr_t t = {head + fi.payload_len, head + fi.payload_len + table_len, head - DP_FRAME_HEADER, err};
     if ((rc = convert_table(&t, fi.data_len, max_buffers, syn + DP_FRAME_HEADER + fi.payload_len, &table_len, &map)) != 0)
       goto done;
@@ -318,8 +330,6 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
     }
     o.limits.max_bytes = max_bytes - fi.data_len;
     if (o.limits.max_bytes == 0) o.limits.max_bytes = 1;  /* 0 would mean the default; no str fits anyway */
-  } else {
-    memcpy(syn + DP_FRAME_HEADER + fi.payload_len, head + fi.payload_len, table_len);
   }
   size_t syn_len = DP_FRAME_HEADER + (size_t)fi.payload_len + table_len;
   dp__put_le16(syn + 6, 0);
@@ -338,7 +348,7 @@ done:
   if (map.orig) dp__free(map.orig, map.cap * sizeof(uint64_t));
   if (map.syn) dp__free(map.syn, map.cap * sizeof(uint64_t));
   dp__free(syn, syn_cap);
-  dp__free(head, head_cap);
+  dp__free(buf, buf_cap);
   dp__free(chunk, CHUNK);
   return rc;
 }
