@@ -985,7 +985,12 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   r.msgsize = msgsize;
   path_push(&r, "$");
   int rc = dp_ptrset_new(&r.stset, &r.e);
-  if (rc) return fail(&r, rc, "%s", r.e.message);
+  if (rc) {
+    fail(&r, rc, "%s", r.e.message);
+    free(r.path);
+    free(r.marks);
+    return rc;
+  }
   rc = read_value(&r, j, out, 0);
   if (rc == 0 && r.with_data && r.without_data) {
     dp_value_release(*out);
