@@ -759,3 +759,72 @@ Test(cli, reading_value_json_fails_cleanly_at_every_allocation) {
   dp_set_allocator(NULL, NULL);
   json_decref(j);
 }
+
+/* ---- dp_unpickle_stream, what verify, dump and inspect read with ---- */
+
+typedef struct cursor {
+  const uint8_t *p;
+  size_t left;
+} cursor_t;
+
+static int mem_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  (void)err;
+  cursor_t *c = ud;
+  *got = n < c->left ? n : c->left;
+  if (*got > 5) *got = 5;  /* short reads: the stream must refill */
+  memcpy(dst, c->p, *got);
+  c->p += *got;
+  c->left -= *got;
+  return 0;
+}
+
+Test(cli, the_streamed_reader_fails_cleanly_at_every_allocation_and_matches_the_whole_reader) {
+  uint8_t data[64];
+  for (int i = 0; i < 64; i++) data[i] = (uint8_t)i;
+  dp_storage_t *s;
+  dp_value_t t, l;
+  dp_error_t e;
+  int64_t shape[1] = {16};
+  cr_assert_eq(dp_storage_new((dp_device_t){DP_DEVICE_CPU, 0}, data, 64, NULL, NULL, &s, &e), 0);
+  cr_assert_eq(dp_tensor_new(s, DP_FLOAT32, 1, shape, NULL, 0, &t, &e), 0);
+  cr_assert_eq(dp_list_new(0, &l, &e), 0);
+  cr_assert_eq(dp_list_append(l, t, &e), 0);
+  dp_frame_t *f;
+  dp_pickle_opts_t po = {DP_PICKLE_INLINE, 0, NULL, NULL};
+  cr_assert_eq(dp_frame_new(&f, &e), 0);
+  cr_assert_eq(dp_pickle(l, &po, f, &e), 0, "%s", e.message);
+  dp_value_release(l);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  t_track();
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 200);
+    t_fail_at = t_alloc_count + k;
+    cursor_t c = {b, n};
+    dp_value_t v;
+    dp_frame_info_t fi;
+    uint64_t size = 0;
+    int rc = dp_unpickle_stream(mem_read, &c, NULL, &v, &fi, &size, &e);
+    t_fail_at = 0;
+    if (rc == 0) {
+      cr_assert_eq(size, n);
+      cr_assert_eq(fi.nbuffers, 1);
+      cr_assert_eq(fi.flags, 1);
+      cr_assert_eq(fi.data_len, 64);
+      dp_value_t whole;
+      cr_assert_eq(dp_unpickle(b, n, NULL, &whole, &e), 0);
+      cr_assert_eq(dp_value_equal(v, whole, DP_EQ_SHARING), 1, "the streamed value differs");
+      dp_value_t st = dp_seq_get(v, 0);
+      cr_assert_null(dp_storage_host_data(dp_tensor_storage(st)), "the data section was kept");
+      dp_value_release(whole);
+      dp_value_release(v);
+      ASSERT_NO_LEAK();
+      cr_assert_gt(k, 3);
+      break;
+    }
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s (%s)", k, dp_err_name(rc), e.message);
+    ASSERT_NO_LEAK();
+  }
+  dp_set_allocator(NULL, NULL);
+  dp_frame_free(f);
+}
