@@ -1,5 +1,10 @@
 #define _XOPEN_SOURCE 700
+#define _DEFAULT_SOURCE  /* wait4 */
 /* The devpickle CLI: subcommands, exit codes and messages. */
+#include <dirent.h>
+#include <fcntl.h>
+#include <math.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -210,7 +215,7 @@ Test(cli, bad_value_json_names_the_problem_and_where) {
   spit("bad.json", "{\"a\": [1, 2,, 3]}");
   res_t r = run("pack bad.json -o x.dpk");
   cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: bad.json: invalid JSON: unexpected token near ',' (line 1, column 13), at byte 13\n");
+  cr_assert_str_eq(r.err, "devpickle: bad.json: invalid JSON: unexpected ',' (line 1, column 13), at byte 12\n");
   res_free(r);
   spit("nb.json",
        "[{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 64, \"dtype\": \"float32\", \"shape\": [4]}},"
@@ -256,6 +261,468 @@ Test(cli, the_examples_round_trip_and_the_demo_passes) {
   res_free(r);
 }
 
+/* ---- helpers for frames built in process ---- */
+
+/* The suite and the CLI are built alike: under AddressSanitizer (make
+ * test-asan), whose shadow memory and redzones cost about 2x, memory bounds
+ * are doubled. */
+#if defined(__SANITIZE_ADDRESS__)
+#define T_MEM_SCALE 2
+#else
+#define T_MEM_SCALE 1
+#endif
+
+static void path_in(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", dir, name); }
+
+/* Pickles v (taking the reference) into dir/name. */
+static void write_frame(const char *name, dp_value_t v, int is_inline) {
+  dp_frame_t *f;
+  dp_error_t e;
+  cr_assert_eq(dp_frame_new(&f, &e), 0);
+  dp_pickle_opts_t po = {is_inline ? DP_PICKLE_INLINE : 0, 0, NULL, NULL};
+  cr_assert_eq(dp_pickle(v, &po, f, &e), 0, "%s", e.message);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  char path[256];
+  path_in(path, sizeof path, name);
+  FILE *out = fopen(path, "wb");
+  cr_assert_not_null(out);
+  cr_assert_eq(fwrite(b, 1, n, out), n);
+  cr_assert_eq(fclose(out), 0);
+  dp_frame_free(f);
+  dp_value_release(v);
+}
+
+/* Builds a frame in a child process: the test process stays small, so the
+ * CLI it forks later starts small and its peak memory is its own. The
+ * builder returns 0 on success. */
+static void build_in_child(int (*build)(void)) {
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) _exit(build());
+  int st;
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "building the frame failed (%d)", st);
+}
+
+/* write_frame for builders (no Criterion asserts in a child). */
+static int write_frame_raw(const char *name, dp_value_t v, int is_inline) {
+  dp_frame_t *f;
+  dp_pickle_opts_t po = {is_inline ? DP_PICKLE_INLINE : 0, 0, NULL, NULL};
+  if (dp_frame_new(&f, NULL) != 0 || dp_pickle(v, &po, f, NULL) != 0) return 1;
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  char path[256];
+  path_in(path, sizeof path, name);
+  FILE *out = fopen(path, "wb");
+  int bad = !out || fwrite(b, 1, n, out) != n;
+  if (out) bad |= fclose(out) != 0;
+  dp_frame_free(f);
+  dp_value_release(v);
+  return bad;
+}
+
+static int same_file(const char *a, const char *b) {
+  char pa[256], pb[256];
+  path_in(pa, sizeof pa, a);
+  path_in(pb, sizeof pb, b);
+  FILE *fa = fopen(pa, "rb"), *fb = fopen(pb, "rb");
+  int same = fa && fb;
+  while (same) {
+    int ca = getc(fa), cb = getc(fb);
+    if (ca != cb) same = 0;
+    if (ca == EOF) break;
+  }
+  if (fa) fclose(fa);
+  if (fb) fclose(fb);
+  return same;
+}
+
+/* `unpack F | pack - -o G` and G must equal F. */
+static void assert_round_trip(const char *frame) {
+  char args[512];
+  snprintf(args, sizeof args, "unpack %s > rt.json", frame);
+  res_t r = run(args);
+  cr_assert_eq(r.status, 0, "unpack %s: %s", frame, r.err);
+  res_free(r);
+  r = run("pack rt.json -o rt.dpk");
+  cr_assert_eq(r.status, 0, "pack of unpack %s: %s", frame, r.err);
+  res_free(r);
+  cr_assert(same_file(frame, "rt.dpk"), "%s changed in unpack | pack", frame);
+}
+
+/* Runs the CLI with argv (no shell) in dir, stdout to /dev/null, under an
+ * optional file-size limit; returns the exit status and the child's peak
+ * resident memory in KiB (its rusage, as RUSAGE_CHILDREN reports it). */
+static int run_child(const char *const *argv, long fsize, long *maxrss_kb, char *err, size_t errsize) {
+  char abs[512], errpath[256];
+  cr_assert_not_null(realpath(cli, abs));
+  path_in(errpath, sizeof errpath, ".childerr");
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    if (chdir(dir) != 0) _exit(126);
+    int dn = open("/dev/null", O_WRONLY), en = open(errpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(dn, 1);
+    dup2(en, 2);
+    if (fsize > 0) {
+      struct rlimit rl = {(rlim_t)fsize, (rlim_t)fsize};
+      setrlimit(RLIMIT_FSIZE, &rl);
+    }
+    execv(abs, (char *const *)argv);
+    _exit(127);
+  }
+  int st;
+  struct rusage ru;
+  cr_assert_eq(wait4(pid, &st, 0, &ru), pid);
+  if (maxrss_kb) *maxrss_kb = ru.ru_maxrss;
+  if (err) {
+    char *e = slurp(errpath, NULL);
+    snprintf(err, errsize, "%s", e);
+    free(e);
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
+}
+
+static int count_entries(void) {
+  DIR *d = opendir(dir);
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+/* ---- item 14: writes never lose data ---- */
+
+Test(cli, every_write_to_stdout_is_checked_and_a_full_device_is_an_error) {
+  spit("v.json", simple_json);
+  res_free(run("pack v.json -o a.dpk"));
+  static const char *const cmds[] = {"verify a.dpk", "--help", "--version", "verify --help", "unpack a.dpk",
+                                     "dump a.dpk",   "dump a.dpk --json", "inspect a.dpk", "pack v.json -o -"};
+  for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
+    char args[128];
+    snprintf(args, sizeof args, "%s > /dev/full", cmds[i]);
+    res_t r = run(args);
+    cr_assert_eq(r.status, 1, "'%s' exited %d", args, r.status);
+    cr_assert_str_eq(r.err, "devpickle: <stdout>: write failed: No space left on device\n", "'%s': %s", args, r.err);
+    res_free(r);
+  }
+}
+
+Test(cli, a_write_that_fails_half_way_leaves_the_old_file_intact_even_when_it_is_the_input) {
+  /* an input larger than the file-size limit, packed over itself */
+  size_t n = 200000;
+  char *big = malloc(n + 64);
+  size_t k = (size_t)sprintf(big, "[");
+  while (k < n) k += (size_t)sprintf(big + k, "\"%06zu\", ", k);
+  strcpy(big + k, "0]");
+  spit("big.json", big);
+  char err[512];
+  long rss;
+  const char *const argv[] = {"devpickle", "pack", "big.json", "-o", "big.json", NULL};
+  int st = run_child(argv, 65536, &rss, err, sizeof err);
+  cr_assert_eq(st, 1, "exit %d: %s", st, err);
+  cr_assert_str_eq(err, "devpickle: big.json: write failed: File too large\n");
+  char path[256];
+  path_in(path, sizeof path, "big.json");
+  char *back = slurp(path, NULL);
+  cr_assert_str_eq(back, big, "the input was damaged");
+  free(back);
+  cr_assert_eq(count_entries(), 1, "a temporary file was left behind");
+  /* the same for an existing frame and for unpack's -o */
+  spit("v.json", simple_json);
+  res_free(run("pack v.json -o old.dpk"));
+  res_free(run("pack v.json -o keep.dpk"));
+  res_free(run("pack big.json -o a.dpk"));
+  spit("old.json", big);
+  const char *const argv2[] = {"devpickle", "pack", "big.json", "-o", "old.dpk", NULL};
+  cr_assert_eq(run_child(argv2, 65536, NULL, err, sizeof err), 1, "%s", err);
+  cr_assert(same_file("old.dpk", "keep.dpk"), "the existing frame was damaged");
+  const char *const argv3[] = {"devpickle", "unpack", "a.dpk", "-o", "old.json", NULL};
+  cr_assert_eq(run_child(argv3, 65536, NULL, err, sizeof err), 1, "%s", err);
+  cr_assert_str_eq(err, "devpickle: old.json: write failed: File too large\n");
+  cr_assert(same_file("old.json", "big.json"), "the existing JSON was damaged");
+  cr_assert_eq(count_entries(), 6, "a temporary file was left behind");
+  free(big);
+}
+
+Test(cli, an_output_replaced_whole_keeps_its_mode_and_a_link_keeps_its_target) {
+  spit("v.json", simple_json);
+  res_free(run("pack v.json -o t.dpk"));
+  char path[256], link_path[256];
+  path_in(path, sizeof path, "t.dpk");
+  path_in(link_path, sizeof link_path, "l.dpk");
+  cr_assert_eq(chmod(path, 0640), 0);
+  cr_assert_eq(symlink("t.dpk", link_path), 0);
+  res_t r = run("pack v.json -o l.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  struct stat st;
+  cr_assert_eq(lstat(link_path, &st), 0);
+  cr_assert(S_ISLNK(st.st_mode), "the link was replaced by a file");
+  cr_assert_eq(stat(path, &st), 0);
+  cr_assert_eq(st.st_mode & 07777, 0640, "mode %o", st.st_mode & 07777);
+  cr_assert_eq(count_entries(), 3);
+}
+
+/* ---- item 13: what verify accepts, unpack | pack gives back; what pack writes, verify accepts ---- */
+
+Test(cli, a_str_holding_nul_bytes_unpacks_to_json_that_packs_back_to_the_same_bytes) {
+  dp_value_t l, s, k, d;
+  dp_error_t e;
+  cr_assert_eq(dp_list_new(0, &l, &e), 0);
+  cr_assert_eq(dp_str_new("a\0b", 3, &s, &e), 0);
+  cr_assert_eq(dp_list_append(l, s, &e), 0);
+  cr_assert_eq(dp_dict_new(0, &d, &e), 0);
+  cr_assert_eq(dp_str_new("k\0ey", 4, &k, &e), 0);
+  cr_assert_eq(dp_dict_set(d, k, dp_int(1), &e), 0);
+  cr_assert_eq(dp_list_append(l, d, &e), 0);
+  write_frame("nul.dpk", l, 0);
+  assert_round_trip("nul.dpk");
+  res_t r = run("unpack nul.dpk");
+  cr_assert_not_null(strstr(r.out, "\"a\\u0000b\""), "%s", r.out);
+  res_free(r);
+}
+
+Test(cli, class_and_attribute_names_holding_nul_are_refused_by_pack) {
+  spit("c.json", "{\"$object\": \"Cls\\u0000Evil\", \"attrs\": {\"a\": 1}}");
+  res_t r = run("pack c.json -o c.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: c.json: class name contains a NUL byte, at $\n");
+  res_free(r);
+  spit("a.json", "{\"$object\": \"Cls\", \"attrs\": {\"a\\u0000x\": 1, \"a\\u0000y\": 2}}");
+  r = run("pack a.json -o a.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: a.json: attribute name contains a NUL byte, at $[\"a\\u0000x\"]\n");
+  res_free(r);
+}
+
+static dp_value_t nest(int levels, int tuples) {
+  dp_value_t v = dp_none();
+  dp_error_t e;
+  for (int i = 0; i < levels; i++) {
+    dp_value_t c;
+    if (tuples) {
+      cr_assert_eq(dp_tuple_new(i ? 1 : 0, &c, &e), 0);
+      if (i) cr_assert_eq(dp_seq_set(c, 0, v, &e), 0);
+    } else {
+      cr_assert_eq(dp_list_new(1, &c, &e), 0);
+      if (i) cr_assert_eq(dp_list_append(c, v, &e), 0);
+    }
+    v = c;
+  }
+  return v;
+}
+
+Test(cli, nesting_within_the_cli_limit_round_trips_and_deeper_is_refused_by_every_command) {
+  write_frame("t1100.dpk", nest(1100, 1), 0);
+  assert_round_trip("t1100.dpk");
+  write_frame("l2000.dpk", nest(2000, 0), 0);
+  assert_round_trip("l2000.dpk");
+  write_frame("l2001.dpk", nest(2001, 0), 0);
+  static const char *const cmds[] = {"verify", "unpack", "dump", "inspect"};
+  for (int i = 0; i < 4; i++) {
+    char args[64];
+    snprintf(args, sizeof args, "%s l2001.dpk", cmds[i]);
+    res_t r = run(args);
+    cr_assert_eq(r.status, 1, "%s accepted 2,001 levels", cmds[i]);
+    cr_assert_str_eq(r.err, "devpickle: l2001.dpk: nesting depth exceeds the limit of 2000, at byte 2040\n", "%s", r.err);
+    res_free(r);
+  }
+  /* and pack refuses what verify refuses */
+  char *deep = malloc(8000);
+  memset(deep, '[', 2001);
+  memset(deep + 2001, ']', 2001);
+  deep[4002] = '\0';
+  spit("deep.json", deep);
+  free(deep);
+  res_t r = run("pack deep.json -o d.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_not_null(strstr(r.err, "containers nested deeper than 2000 levels, at $[0][0]"), "%s", r.err);
+  /* the path keeps its head and its tail (docs/VALUE_JSON.md, "Paths") */
+  cr_assert_not_null(strstr(r.err, "[0]<…1681 steps…>[0]"), "%s", r.err);
+  size_t len = strlen(r.err);
+  cr_assert(len < 1200 && strcmp(r.err + len - 4, "[0]\n") == 0, "%s", r.err);
+  res_free(r);
+}
+
+Test(cli, nan_dict_keys_with_different_payloads_stay_distinct_through_unpack_and_pack) {
+  dp_value_t d;
+  dp_error_t e;
+  cr_assert_eq(dp_dict_new(0, &d, &e), 0);
+  uint64_t bits[3] = {0x7ff8000000000001ull, 0xfff8000000000000ull, 0};
+  for (int i = 0; i < 3; i++) {
+    double f = NAN;
+    if (bits[i]) memcpy(&f, &bits[i], sizeof f);
+    cr_assert_eq(dp_dict_set(d, dp_float(f), dp_int(i), &e), 0, "%s", e.message);
+  }
+  cr_assert_eq(dp_dict_len(d), 3);
+  write_frame("nan.dpk", d, 0);
+  assert_round_trip("nan.dpk");
+  res_t r = run("unpack nan.dpk");
+  cr_assert_not_null(strstr(r.out, "\"$float\": \"0x7ff8000000000001\""), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "\"$float\": \"0xfff8000000000000\""), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "\"$float\": \"nan\""), "%s", r.out);
+  res_free(r);
+}
+
+Test(cli, pack_refuses_a_ptr_or_nbytes_that_do_not_fit_and_writes_nothing) {
+  spit("p.json", "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x10000000000000000\", \"nbytes\": 8, "
+                 "\"dtype\": \"uint8\", \"shape\": [8]}}");
+  res_t r = run("pack p.json -o p.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: p.json: tensor ptr 0x10000000000000000 does not fit in 64 bits, at $\n");
+  res_free(r);
+  spit("n.json", "{\"x\": [{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 9223372036854775807, "
+                 "\"dtype\": \"uint8\", \"shape\": [8]}}]}");
+  r = run("pack n.json -o n.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: n.json: tensor nbytes 9223372036854775807 exceeds 2^62, the largest buffer a "
+                          "frame can describe, at $.x[0]\n");
+  res_free(r);
+  cr_assert_eq(count_entries(), 2, "a frame was written");
+}
+
+Test(cli, tensors_sharing_a_storage_must_agree_on_its_data) {
+  spit("d.json", "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
+                 "\"shape\": [4], \"data\": \"QUFBQQ==\"}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", "
+                 "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4], \"data\": \"QkJCQg==\"}}]");
+  res_t r = run("pack d.json -o d.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: d.json: tensors on cpu 0x1000 disagree on data, at $[1]\n");
+  res_free(r);
+}
+
+/* ---- items 9, 11, 12: bounded paths, memory per input byte ---- */
+
+Test(cli, inspect_paths_follow_the_documented_bounds) {
+  /* 60 nested dicts under 70-byte keys: each step is cut to 64 bytes + "…" */
+  char key[71];
+  memset(key, 'k', 70);
+  key[70] = '\0';
+  dp_value_t v = dp_int(7);
+  dp_error_t e;
+  for (int i = 0; i < 60; i++) {
+    dp_value_t d, k;
+    cr_assert_eq(dp_dict_new(1, &d, &e), 0);
+    cr_assert_eq(dp_str_new(key, 70, &k, &e), 0);
+    cr_assert_eq(dp_dict_set(d, k, v, &e), 0);
+    v = d;
+  }
+  write_frame("p.dpk", v, 0);
+  res_t r = run("inspect p.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  char step[80], want[2048];
+  snprintf(step, sizeof step, ".%.64s…", key);
+  /* 68-byte steps: 3 fit in the 256-byte head (with "$"), 10 in the 704-byte tail */
+  size_t n = (size_t)snprintf(want, sizeof want, "\n$");
+  for (int i = 0; i < 3; i++) n += (size_t)snprintf(want + n, sizeof want - n, "%s", step);
+  n += (size_t)snprintf(want + n, sizeof want - n, "<…47 steps…>");
+  for (int i = 0; i < 10; i++) n += (size_t)snprintf(want + n, sizeof want - n, "%s", step);
+  snprintf(want + n, sizeof want - n, "  int 7\n");
+  cr_assert_not_null(strstr(r.out, want), "%s", r.out);
+  cr_assert_null(strstr(r.out, key), "a name was not cut");
+  res_free(r);
+}
+
+static int build_long_path(void) {
+  /* 15 dicts nested under 500-byte keys above 25,000 distinct strs: a copy of
+   * the 7.5 kB path for each is 190 MB */
+  char key[500];
+  memset(key, 'q', sizeof key);
+  dp_value_t v;
+  if (dp_list_new(0, &v, NULL) != 0) return 1;
+  for (int i = 0; i < 25000; i++) {
+    dp_value_t s;
+    char num[16];
+    if (dp_str_new(num, (size_t)snprintf(num, sizeof num, "%d", i), &s, NULL) != 0 || dp_list_append(v, s, NULL) != 0)
+      return 1;
+  }
+  for (int i = 0; i < 15; i++) {
+    dp_value_t d, k;
+    if (dp_dict_new(1, &d, NULL) != 0 || dp_str_new(key, sizeof key, &k, NULL) != 0 || dp_dict_set(d, k, v, NULL) != 0)
+      return 1;
+    v = d;
+  }
+  return write_frame_raw("k.dpk", v, 0);
+}
+
+Test(cli, inspect_memory_does_not_grow_with_path_length_times_nodes) {
+  build_in_child(build_long_path);
+  long rss;
+  char err[512];
+  const char *const argv[] = {"devpickle", "inspect", "k.dpk", NULL};
+  cr_assert_eq(run_child(argv, 0, &rss, err, sizeof err), 0, "%s", err);
+  cr_assert_lt(rss, T_MEM_SCALE * 64 * 1024, "inspect of a 140 kB frame peaked at %ld KiB", rss);
+}
+
+/* The documented bound (docs/SECURITY.md, "The CLI"): peak memory at most
+ * 200 x the input + 16 MiB for every command that reads a frame. */
+static int build_empty_dicts(void) {
+  dp_value_t l;
+  if (dp_list_new(1 << 20, &l, NULL) != 0) return 1;
+  for (int i = 0; i < 1000000; i++) {
+    dp_value_t d;
+    if (dp_dict_new(0, &d, NULL) != 0 || dp_list_append(l, d, NULL) != 0) return 1;
+  }
+  return write_frame_raw("d.dpk", l, 0);
+}
+
+Test(cli, every_reading_command_stays_within_the_memory_bound_on_a_megabyte_of_empty_dicts) {
+  build_in_child(build_empty_dicts);
+  char path[256];
+  path_in(path, sizeof path, "d.dpk");
+  struct stat st;
+  cr_assert_eq(stat(path, &st), 0);
+  long bound_kb = T_MEM_SCALE * ((long)(200 * st.st_size / 1024) + 16 * 1024);
+  static const char *const cmds[] = {"verify", "unpack", "dump", "inspect"};
+  for (int i = 0; i < 4; i++) {
+    const char *const argv[] = {"devpickle", cmds[i], "d.dpk", NULL};
+    long rss;
+    char err[512];
+    cr_assert_eq(run_child(argv, 0, &rss, err, sizeof err), 0, "%s: %s", cmds[i], err);
+    cr_assert_leq(rss, bound_kb, "%s of a %lld-byte frame peaked at %ld KiB (bound %ld KiB)", cmds[i],
+                  (long long)st.st_size, rss, bound_kb);
+  }
+}
+
+static int build_inline(void) {
+  size_t n = 64u << 20;
+  uint8_t *data = malloc(n);
+  if (!data) return 1;
+  for (size_t i = 0; i < n; i++) data[i] = (uint8_t)(i * 7);
+  dp_storage_t *s;
+  dp_value_t t, d, k;
+  int64_t shape[1] = {(int64_t)n};
+  if (dp_storage_new((dp_device_t){DP_DEVICE_CPU, 0}, data, n, NULL, NULL, &s, NULL) != 0 ||
+      dp_tensor_new(s, DP_UINT8, 1, shape, NULL, 0, &t, NULL) != 0 || dp_dict_new(1, &d, NULL) != 0 ||
+      dp_str_new("w", 1, &k, NULL) != 0 || dp_dict_set(d, k, t, NULL) != 0)
+    return 1;
+  return write_frame_raw("big.dpk", d, 1);
+}
+
+Test(cli, checking_an_inline_frame_costs_memory_independent_of_its_data_section) {
+  build_in_child(build_inline);
+  static const char *const cmds[] = {"verify", "dump", "inspect"};
+  for (int i = 0; i < 3; i++) {
+    const char *const argv[] = {"devpickle", cmds[i], "big.dpk", NULL};
+    long rss;
+    char err[512];
+    cr_assert_eq(run_child(argv, 0, &rss, err, sizeof err), 0, "%s: %s", cmds[i], err);
+    cr_assert_lt(rss, T_MEM_SCALE * 24 * 1024, "%s of a 64 MiB inline frame peaked at %ld KiB", cmds[i], rss);
+  }
+  /* a changed data byte is still caught */
+  char path[256];
+  path_in(path, sizeof path, "big.dpk");
+  int fd = open(path, O_WRONLY);
+  cr_assert_eq(pwrite(fd, "\x01", 1, 40000000), 1);
+  close(fd);
+  const char *const argv[] = {"devpickle", "verify", "big.dpk", NULL};
+  char err[512];
+  cr_assert_eq(run_child(argv, 0, NULL, err, sizeof err), 1);
+  cr_assert_eq(strncmp(err, "devpickle: big.dpk: checksum mismatch: header says ", 51), 0, "%s", err);
+}
+
 /* ---- the JSON path in process, failing every allocation in turn ---- */
 #include "../tools/vjson.h"
 
@@ -291,4 +758,73 @@ Test(cli, reading_value_json_fails_cleanly_at_every_allocation) {
   }
   dp_set_allocator(NULL, NULL);
   json_decref(j);
+}
+
+/* ---- dp_unpickle_stream, what verify, dump and inspect read with ---- */
+
+typedef struct cursor {
+  const uint8_t *p;
+  size_t left;
+} cursor_t;
+
+static int mem_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  (void)err;
+  cursor_t *c = ud;
+  *got = n < c->left ? n : c->left;
+  if (*got > 5) *got = 5;  /* short reads: the stream must refill */
+  memcpy(dst, c->p, *got);
+  c->p += *got;
+  c->left -= *got;
+  return 0;
+}
+
+Test(cli, the_streamed_reader_fails_cleanly_at_every_allocation_and_matches_the_whole_reader) {
+  uint8_t data[64];
+  for (int i = 0; i < 64; i++) data[i] = (uint8_t)i;
+  dp_storage_t *s;
+  dp_value_t t, l;
+  dp_error_t e;
+  int64_t shape[1] = {16};
+  cr_assert_eq(dp_storage_new((dp_device_t){DP_DEVICE_CPU, 0}, data, 64, NULL, NULL, &s, &e), 0);
+  cr_assert_eq(dp_tensor_new(s, DP_FLOAT32, 1, shape, NULL, 0, &t, &e), 0);
+  cr_assert_eq(dp_list_new(0, &l, &e), 0);
+  cr_assert_eq(dp_list_append(l, t, &e), 0);
+  dp_frame_t *f;
+  dp_pickle_opts_t po = {DP_PICKLE_INLINE, 0, NULL, NULL};
+  cr_assert_eq(dp_frame_new(&f, &e), 0);
+  cr_assert_eq(dp_pickle(l, &po, f, &e), 0, "%s", e.message);
+  dp_value_release(l);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  t_track();
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 200);
+    t_fail_at = t_alloc_count + k;
+    cursor_t c = {b, n};
+    dp_value_t v;
+    dp_frame_info_t fi;
+    uint64_t size = 0;
+    int rc = dp_unpickle_stream(mem_read, &c, NULL, &v, &fi, &size, &e);
+    t_fail_at = 0;
+    if (rc == 0) {
+      cr_assert_eq(size, n);
+      cr_assert_eq(fi.nbuffers, 1);
+      cr_assert_eq(fi.flags, 1);
+      cr_assert_eq(fi.data_len, 64);
+      dp_value_t whole;
+      cr_assert_eq(dp_unpickle(b, n, NULL, &whole, &e), 0);
+      cr_assert_eq(dp_value_equal(v, whole, DP_EQ_SHARING), 1, "the streamed value differs");
+      dp_value_t st = dp_seq_get(v, 0);
+      cr_assert_null(dp_storage_host_data(dp_tensor_storage(st)), "the data section was kept");
+      dp_value_release(whole);
+      dp_value_release(v);
+      ASSERT_NO_LEAK();
+      cr_assert_gt(k, 3);
+      break;
+    }
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s (%s)", k, dp_err_name(rc), e.message);
+    ASSERT_NO_LEAK();
+  }
+  dp_set_allocator(NULL, NULL);
+  dp_frame_free(f);
 }

@@ -1,59 +1,335 @@
 /* tools/inspect.c — `devpickle inspect`'s tree printer (its own file so that
- * the fuzzers can drive it). */
+ * the fuzzers can drive it).
+ *
+ * Memory and time are linear in the nodes printed: a path is rendered from
+ * the stack of steps as the line is printed, never stored; a node that can be
+ * met again keeps a 32-byte record (its container, its index, its parent's
+ * record) from which a later "-> PATH" is rendered; `seen` is a hash. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "inspect.h"
-#include "vjson.h"
 
 #define INSPECT_DEPTH 64
 
-typedef struct seen {
-  const void **ids;
-  char **paths;
-  size_t n, cap;
-} seen_t;
+#define NAME_MAX_BYTES 64     /* a key, attribute or class name is cut here ... */
+#define PATH_MAX_BYTES 1024   /* ... and a longer path keeps its head and tail */
+#define PATH_HEAD_BYTES 256
+#define PATH_TAIL_BYTES 704
+#define STEP_MAX (8 + NAME_MAX_BYTES * 6 + 16)  /* an escaped, cut name and its brackets */
+#define NO_REC UINT32_MAX
 
-static const char *seen_find(seen_t *s, const void *id) {
-  for (size_t i = 0; i < s->n; i++)
-    if (s->ids[i] == id) return s->paths[i];
-  return NULL;
+/* Where a node was first met: child `index` of `container`, below `parent`. */
+typedef struct rec {
+  dp_value_t container;  /* borrowed; none for the root */
+  size_t index;
+  uint32_t parent;
+} rec_t;
+
+typedef struct frame {
+  dp_value_t v;
+  size_t i, count;
+  uint32_t rec;
+} frame_t;
+
+/* Rendered steps of one path: step k at text + k * STEP_MAX. */
+typedef struct stepbuf {
+  char text[(INSPECT_DEPTH + 2) * STEP_MAX];
+  size_t len[INSPECT_DEPTH + 2];
+} stepbuf_t;
+
+typedef struct ins {
+  FILE *out;
+  rec_t *recs;
+  size_t nrecs, reccap;
+  struct slot { const void *id; uint32_t rec; } *seen;
+  size_t seencap, nseen;
+  frame_t stack[INSPECT_DEPTH + 1];
+  size_t top;
+  stepbuf_t cur;   /* the stack's steps, each rendered when its frame moves on */
+  stepbuf_t rec;   /* the steps of a "-> PATH" */
+  char path[PATH_MAX_BYTES + 64];
+} ins_t;
+
+/* ---- bounded rendering ---- */
+
+typedef struct bw {
+  char *s;
+  size_t len, cap;
+  int cut;
+} bw_t;
+
+static void bw_put(bw_t *b, const char *s, size_t n) {
+  if (b->cut) return;
+  if (n > b->cap - b->len) {
+    n = b->cap - b->len;
+    b->cut = 1;
+  }
+  memcpy(b->s + b->len, s, n);
+  b->len += n;
 }
 
-static void seen_add(seen_t *s, const void *id, const char *path) {
-  if (s->n == s->cap) {
-    s->cap = s->cap ? s->cap * 2 : 64;
-    s->ids = realloc(s->ids, s->cap * sizeof *s->ids);
-    s->paths = realloc(s->paths, s->cap * sizeof *s->paths);
-    if (!s->ids || !s->paths) {
-      fprintf(stderr, "devpickle: out of memory\n");
-      exit(1);
+/* The longest prefix of s (n bytes) of at most max bytes that ends on a
+ * UTF-8 boundary. */
+static size_t utf8_cut(const char *s, size_t n, size_t max) {
+  if (n <= max) return n;
+  while (max > 0 && ((unsigned char)s[max] & 0xC0) == 0x80) max--;
+  return max;
+}
+
+/* The longest prefix of s made of whole UTF-8 sequences (s was cut blindly). */
+static size_t utf8_whole(const char *s, size_t n) {
+  size_t i = 0;
+  while (i < n) {
+    unsigned char c = (unsigned char)s[i];
+    size_t k = c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+    if (i + k > n) break;
+    i += k;
+  }
+  return i;
+}
+
+static void bw_quote(bw_t *b, const char *s, size_t n) {
+  char tmp[8];
+  bw_put(b, "\"", 1);
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c == '"' || c == '\\') {
+      tmp[0] = '\\';
+      tmp[1] = (char)c;
+      bw_put(b, tmp, 2);
+    } else if (c < 0x20) {
+      snprintf(tmp, sizeof tmp, "\\u%04x", c);
+      bw_put(b, tmp, 6);
+    } else {
+      bw_put(b, (const char *)&c, 1);
     }
   }
-  s->ids[s->n] = id;
-  s->paths[s->n++] = strdup(path);
+  bw_put(b, "\"", 1);
 }
 
-static int is_ident(const char *s) {
-  if (!*s || (*s >= '0' && *s <= '9')) return 0;
-  for (; *s; s++)
-    if (!((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || *s == '_' || (*s >= '0' && *s <= '9'))) return 0;
+static int is_ident(const char *s, size_t n) {
+  if (n == 0 || (s[0] >= '0' && s[0] <= '9')) return 0;
+  for (size_t i = 0; i < n; i++)
+    if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || s[i] == '_' || (s[i] >= '0' && s[i] <= '9')))
+      return 0;
   return 1;
 }
 
-static void print_node(FILE *out, seen_t *seen, dp_value_t v, char *path, size_t plen, int depth) {
-  char dev[16];
-  fprintf(out, "%-40s  ", path);
-  if (dp_value_is_heap(v)) {
-    const char *first = seen_find(seen, dp_value_id(v));
-    if (first) {
-      fprintf(out, "-> %s\n", first);
-      return;
-    }
-    seen_add(seen, dp_value_id(v), path);
+/* A name: its first NAME_MAX_BYTES bytes (cut on a UTF-8 boundary), then
+ * "…" when cut; as `.name` when an identifier, else quoted in brackets. */
+static void put_name(bw_t *b, const char *s, size_t n, int dotted) {
+  size_t k = utf8_cut(s, n, NAME_MAX_BYTES);
+  if (dotted && is_ident(s, n)) {
+    bw_put(b, ".", 1);
+    bw_put(b, s, k);
+    if (k < n) bw_put(b, "…", strlen("…"));
+    return;
   }
+  bw_put(b, "[", 1);
+  bw_quote(b, s, k);
+  if (k < n) bw_put(b, "…", strlen("…"));
+  bw_put(b, "]", 1);
+}
+
+/* A non-str dict key as compact JSON (the walker's notation). */
+static void key_json(bw_t *b, dp_value_t k, int depth) {
+  char tmp[40];
+  size_t n;
+  switch (dp_value_kind(k)) {
+    case DP_NONE: bw_put(b, "null", 4); break;
+    case DP_BOOL: dp_value_as_bool(k) ? bw_put(b, "true", 4) : bw_put(b, "false", 5); break;
+    case DP_INT: bw_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%" PRId64, dp_value_as_int(k))); break;
+    case DP_FLOAT: bw_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%.17g", dp_value_as_float(k))); break;
+    case DP_STR: {
+      const char *s = dp_str_data(k, &n);
+      bw_quote(b, s, n);
+      break;
+    }
+    case DP_BYTES: bw_put(b, "{\"$bytes\":…}", strlen("{\"$bytes\":…}")); break;
+    case DP_TUPLE:
+      bw_put(b, "{\"$tuple\":[", 11);
+      for (size_t i = 0; i < dp_seq_len(k) && depth < 8 && !b->cut; i++) {
+        if (i) bw_put(b, ",", 1);
+        key_json(b, dp_seq_get(k, i), depth + 1);
+      }
+      bw_put(b, "]}", 2);
+      break;
+    default: bw_put(b, "?", 1); break;
+  }
+}
+
+/* The step from container to its child i, into out (STEP_MAX bytes). */
+static size_t render_step(dp_value_t c, size_t i, char *out) {
+  bw_t b = {out, 0, STEP_MAX, 0};
+  size_t n;
+  switch (dp_value_kind(c)) {
+    case DP_LIST:
+    case DP_TUPLE: {
+      char tmp[32];
+      bw_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "[%zu]", i));
+      break;
+    }
+    case DP_DICT: {
+      dp_value_t k;
+      dp_dict_item(c, i, &k, NULL);
+      const char *s = dp_str_data(k, &n);
+      if (dp_value_kind(k) == DP_STR) {
+        put_name(&b, s, n, 1);
+      } else {
+        char kb[STEP_MAX];
+        bw_t kw = {kb, 0, NAME_MAX_BYTES, 0};
+        key_json(&kw, k, 0);
+        size_t keep = kw.cut ? utf8_whole(kb, kw.len) : kw.len;
+        bw_put(&b, "[", 1);
+        bw_put(&b, kb, keep);
+        if (kw.cut) bw_put(&b, "…", strlen("…"));
+        bw_put(&b, "]", 1);
+      }
+      break;
+    }
+    case DP_OBJECT:
+      if (dp_object_is_reduced(c)) {
+        const char *cls = dp_object_class(c);
+        size_t len = strlen(cls), k = utf8_cut(cls, len, NAME_MAX_BYTES);
+        bw_put(&b, "<reduce ", 8);
+        bw_put(&b, cls, k);
+        if (k < len) bw_put(&b, "…", strlen("…"));
+        bw_put(&b, ">", 1);
+      } else {
+        const char *name;
+        dp_object_attr(c, i, &name, NULL);
+        put_name(&b, name, strlen(name), 1);
+      }
+      break;
+    default: break;
+  }
+  return b.len;
+}
+
+/* Joins steps 0..n-1 of b after "$" into s->path: whole when the path is at
+ * most PATH_MAX_BYTES, else the leading steps that fit in PATH_HEAD_BYTES,
+ * "<…N steps…>", and the trailing steps that fit in PATH_TAIL_BYTES. */
+static const char *join_steps(ins_t *s, const stepbuf_t *b, size_t n) {
+  size_t total = 1;
+  for (size_t k = 0; k < n; k++) total += b->len[k];
+  char *p = s->path;
+  size_t len = 0;
+  p[len++] = '$';
+  size_t head = n, tail = n;
+  if (total > PATH_MAX_BYTES) {
+    size_t used = 1;
+    for (head = 0; head < n && used + b->len[head] <= PATH_HEAD_BYTES; head++) used += b->len[head];
+    used = 0;
+    for (tail = n; tail > head && used + b->len[tail - 1] <= PATH_TAIL_BYTES; tail--) used += b->len[tail - 1];
+  }
+  for (size_t k = 0; k < head; k++) {
+    memcpy(p + len, b->text + k * STEP_MAX, b->len[k]);
+    len += b->len[k];
+  }
+  if (head < tail) {
+    len += (size_t)snprintf(p + len, 48, "<…%zu steps…>", tail - head);
+    for (size_t k = tail; k < n; k++) {
+      memcpy(p + len, b->text + k * STEP_MAX, b->len[k]);
+      len += b->len[k];
+    }
+  }
+  p[len] = '\0';
+  return p;
+}
+
+static void set_step(stepbuf_t *b, size_t k, dp_value_t c, size_t i) {
+  b->len[k] = render_step(c, i, b->text + k * STEP_MAX);
+}
+
+/* The path where record r was first met: its chain of parents. */
+static const char *rec_path(ins_t *s, uint32_t r) {
+  size_t n = 0;
+  for (uint32_t q = r; s->recs[q].parent != NO_REC; q = s->recs[q].parent) n++;
+  size_t k = n;
+  for (uint32_t q = r; s->recs[q].parent != NO_REC; q = s->recs[q].parent) {
+    k--;
+    set_step(&s->rec, k, s->recs[q].container, s->recs[q].index);
+  }
+  return join_steps(s, &s->rec, n);
+}
+
+/* ---- seen: node identity -> record ---- */
+
+static size_t seen_hash(const void *id, size_t cap) {
+  return (size_t)(((uintptr_t)id >> 4) * 0x9E3779B97F4A7C15ull >> 17) & (cap - 1);
+}
+
+static struct slot *seen_slot(ins_t *s, const void *id) {
+  for (size_t j = seen_hash(id, s->seencap);; j = (j + 1) & (s->seencap - 1))
+    if (s->seen[j].id == id || !s->seen[j].id) return &s->seen[j];
+}
+
+static int seen_add(ins_t *s, const void *id, uint32_t rec) {
+  if ((s->nseen + 1) * 2 > s->seencap) {
+    size_t ocap = s->seencap;
+    struct slot *old = s->seen;
+    s->seencap = ocap ? ocap * 2 : 256;
+    s->seen = calloc(s->seencap, sizeof *s->seen);
+    if (!s->seen) {
+      s->seen = old;
+      s->seencap = ocap;
+      return -1;
+    }
+    for (size_t j = 0; j < ocap; j++)
+      if (old[j].id) *seen_slot(s, old[j].id) = old[j];
+    free(old);
+  }
+  struct slot *sl = seen_slot(s, id);
+  sl->id = id;
+  sl->rec = rec;
+  s->nseen++;
+  return 0;
+}
+
+static int rec_add(ins_t *s, dp_value_t container, size_t index, uint32_t parent, uint32_t *out) {
+  if (s->nrecs == s->reccap) {
+    size_t ncap = s->reccap ? s->reccap * 2 : 256;
+    rec_t *p = ncap < NO_REC ? realloc(s->recs, ncap * sizeof *p) : NULL;
+    if (!p) return -1;
+    s->recs = p;
+    s->reccap = ncap;
+  }
+  s->recs[s->nrecs] = (rec_t){container, index, parent};
+  *out = (uint32_t)s->nrecs++;
+  return 0;
+}
+
+/* ---- the tree ---- */
+
+static size_t child_count(dp_value_t v) {
+  switch (dp_value_kind(v)) {
+    case DP_LIST:
+    case DP_TUPLE: return dp_seq_len(v);
+    case DP_DICT: return dp_dict_len(v);
+    case DP_OBJECT: return dp_object_is_reduced(v) ? 1 : dp_object_nattrs(v);
+    default: return 0;
+  }
+}
+
+static dp_value_t child_at(dp_value_t v, size_t i) {
+  dp_value_t c = dp_none();
+  switch (dp_value_kind(v)) {
+    case DP_LIST:
+    case DP_TUPLE: return dp_seq_get(v, i);
+    case DP_DICT: dp_dict_item(v, i, NULL, &c); return c;
+    case DP_OBJECT:
+      if (dp_object_is_reduced(v)) dp_object_get(v, "__reduce__", &c);
+      else dp_object_attr(v, i, NULL, &c);
+      return c;
+    default: return c;
+  }
+}
+
+static void summary(FILE *out, dp_value_t v) {
+  char dev[16];
   size_t n;
   switch (dp_value_kind(v)) {
     case DP_NONE: fprintf(out, "none\n"); return;
@@ -62,7 +338,14 @@ static void print_node(FILE *out, seen_t *seen, dp_value_t v, char *path, size_t
     case DP_FLOAT: fprintf(out, "float %.17g\n", dp_value_as_float(v)); return;
     case DP_STR: {
       const char *s = dp_str_data(v, &n);
-      fprintf(out, "str (%zu bytes) \"%.*s%s\"\n", n, n > 40 ? 40 : (int)n, s, n > 40 ? "..." : "");
+      size_t k = utf8_cut(s, n, 40);
+      fprintf(out, "str (%zu bytes) \"", n);
+      for (size_t i = 0; i < k; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c < 0x20 || c == '"' || c == '\\') fprintf(out, c < 0x20 ? "\\u%04x" : "\\%c", c);
+        else fputc(c, out);
+      }
+      fprintf(out, "%s\"\n", k < n ? "..." : "");
       return;
     }
     case DP_BYTES: dp_bytes_data(v, &n); fprintf(out, "bytes (%zu)\n", n); return;
@@ -70,72 +353,87 @@ static void print_node(FILE *out, seen_t *seen, dp_value_t v, char *path, size_t
       dp_storage_t *st = dp_tensor_storage(v);
       fprintf(out, "tensor %s[", dp_dtype_name(dp_tensor_dtype(v)));
       for (int d = 0; d < dp_tensor_ndim(v); d++) fprintf(out, "%s%" PRId64, d ? ", " : "", dp_tensor_shape(v)[d]);
-      fprintf(out, "] %s 0x%" PRIxPTR " (%zu bytes) offset %" PRId64 "\n", dp_device_format(dp_storage_device(st), dev, sizeof dev),
-             (uintptr_t)dp_storage_base(st), dp_storage_nbytes(st), dp_tensor_offset(v));
+      fprintf(out, "] %s 0x%" PRIxPTR " (%zu bytes) offset %" PRId64 "\n",
+              dp_device_format(dp_storage_device(st), dev, sizeof dev), (uintptr_t)dp_storage_base(st),
+              dp_storage_nbytes(st), dp_tensor_offset(v));
       return;
     }
-    default: break;
-  }
-  int kind = dp_value_kind(v);
-  size_t count = kind == DP_DICT ? dp_dict_len(v) : kind == DP_OBJECT ? dp_object_nattrs(v) : dp_seq_len(v);
-  if (kind == DP_OBJECT)
-    fprintf(out, "%s %s (%zu attribute%s)\n", dp_object_is_reduced(v) ? "reduced" : "object", dp_object_class(v), count,
-           count == 1 ? "" : "s");
-  else
-    fprintf(out, "%s (%zu item%s)\n", dp_kind_name((dp_kind_t)kind), count, count == 1 ? "" : "s");
-  if (depth >= INSPECT_DEPTH) {
-    if (count) fprintf(out, "%-40s  (deeper levels not shown)\n", "");
-    return;
-  }
-  for (size_t i = 0; i < count; i++) {
-    dp_value_t child;
-    char step[512];
-    if (kind == DP_LIST || kind == DP_TUPLE) {
-      child = dp_seq_get(v, i);
-      snprintf(step, sizeof step, "[%zu]", i);
-    } else if (kind == DP_DICT) {
-      dp_value_t k;
-      dp_dict_item(v, i, &k, &child);
-      const char *ks = dp_str_data(k, &n);
-      if (ks && is_ident(ks) && strlen(ks) == n) {
-        snprintf(step, sizeof step, ".%s", ks);
-      } else {
-        char m[64];
-        json_t *kj = vjson_from_value(k, m, sizeof m);
-        char *txt = kj ? json_dumps(kj, JSON_ENCODE_ANY | JSON_COMPACT) : NULL;
-        snprintf(step, sizeof step, "[%s]", txt ? txt : "?");
-        free(txt);
-        json_decref(kj);
-      }
-    } else if (dp_object_is_reduced(v)) {
-      dp_object_get(v, "__reduce__", &child);
-      snprintf(step, sizeof step, "<reduce %s>", dp_object_class(v));
-    } else {
-      const char *name;
-      dp_object_attr(v, i, &name, &child);
-      if (is_ident(name)) snprintf(step, sizeof step, ".%s", name);
-      else snprintf(step, sizeof step, "[\"%s\"]", name);
-    }
-    size_t sl = strlen(step);
-    if (plen + sl + 1 > 8192) {
-      fprintf(out, "%-40s  (path too long)\n", "");
+    case DP_OBJECT: {
+      const char *cls = dp_object_class(v);
+      size_t len = strlen(cls), k = utf8_cut(cls, len, NAME_MAX_BYTES), count = dp_object_nattrs(v);
+      fprintf(out, "%s %.*s%s (%zu attribute%s)\n", dp_object_is_reduced(v) ? "reduced" : "object", (int)k, cls,
+              k < len ? "…" : "", count, count == 1 ? "" : "s");
       return;
     }
-    memcpy(path + plen, step, sl + 1);
-    print_node(out, seen, child, path, plen + sl, depth + 1);
-    path[plen] = '\0';
+    default: {
+      size_t count = child_count(v);
+      fprintf(out, "%s (%zu item%s)\n", dp_kind_name(dp_value_kind(v)), count, count == 1 ? "" : "s");
+      return;
+    }
   }
 }
 
+/* The record of stack frame k, made when first needed: only nodes that can
+ * be met again (more than one reference) and their ancestors get one, so a
+ * tree costs no record at all. */
+static int frame_rec(ins_t *s, size_t k, uint32_t *out) {
+  if (s->stack[k].rec == NO_REC) {
+    uint32_t parent = NO_REC;
+    if (k > 0 && frame_rec(s, k - 1, &parent)) return -1;
+    frame_t *up = k > 0 ? &s->stack[k - 1] : NULL;
+    if (rec_add(s, up ? up->v : dp_none(), up ? up->i - 1 : 0, parent, &s->stack[k].rec)) return -1;
+  }
+  *out = s->stack[k].rec;
+  return 0;
+}
 
-void inspect_print(FILE *out, dp_value_t v) {
-  char *path = malloc(8192);
-  if (!path) return;
-  strcpy(path, "$");
-  seen_t seen = {0};
-  print_node(out, &seen, v, path, 1, 0);
-  for (size_t i = 0; i < seen.n; i++) free(seen.paths[i]);
-  free(seen.ids);
-  free(seen.paths);
-  free(path);
+/* Prints one node's line; pushes a container whose children are to be shown. */
+static int visit(ins_t *s, dp_value_t v) {
+  fprintf(s->out, "%-40s  ", join_steps(s, &s->cur, s->top));
+  uint32_t r = NO_REC;
+  /* A node held once is met once (the caller's reference aside, which only
+   * adds): it needs no entry in `seen`. */
+  if (dp_value_is_heap(v) && dp_value_refcount(v) > 1) {
+    const void *id = dp_value_id(v);
+    struct slot *sl = s->seencap ? seen_slot(s, id) : NULL;
+    if (sl && sl->id) {
+      fprintf(s->out, "-> %s\n", rec_path(s, sl->rec));
+      return 0;
+    }
+    uint32_t parent = NO_REC;
+    frame_t *up = s->top ? &s->stack[s->top - 1] : NULL;
+    if ((s->top && frame_rec(s, s->top - 1, &parent)) ||
+        rec_add(s, up ? up->v : dp_none(), up ? up->i - 1 : 0, parent, &r) || seen_add(s, id, r))
+      return -1;
+  }
+  summary(s->out, v);
+  size_t count = child_count(v);
+  if (!count) return 0;
+  if (s->top >= INSPECT_DEPTH) {
+    fprintf(s->out, "%-40s  (deeper levels not shown)\n", "");
+    return 0;
+  }
+  s->stack[s->top++] = (frame_t){v, 0, count, r};
+  return 0;
+}
+
+int inspect_print(FILE *out, dp_value_t v) {
+  ins_t *s = calloc(1, sizeof *s);
+  if (!s) return -1;
+  s->out = out;
+  int rc = visit(s, v);
+  while (rc == 0 && s->top && !ferror(out)) {
+    frame_t *f = &s->stack[s->top - 1];
+    if (f->i == f->count) {
+      s->top--;
+      continue;
+    }
+    set_step(&s->cur, s->top - 1, f->v, f->i);
+    dp_value_t child = child_at(f->v, f->i++);
+    rc = visit(s, child);
+  }
+  free(s->recs);
+  free(s->seen);
+  free(s);
+  return rc;
 }

@@ -1,32 +1,46 @@
-/* tools/vjson.c — value JSON <-> values, through jansson and the public API. */
+/* tools/vjson.c — value JSON <-> values, through the public API. Reading
+ * parses with our own iterative parser into a jansson tree (jansson's parser
+ * stops at 2,048 levels and cannot take NUL in keys); writing streams the
+ * text as it walks the value, building no tree. */
 #include "vjson.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
 
 /* ---- base64 (RFC 4648, with padding) ---- */
 
 static const char b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
+static void b64_block(const uint8_t *p, size_t n, char *o) {
+  uint32_t v = (uint32_t)p[0] << 16 | (n > 1 ? (uint32_t)p[1] << 8 : 0) | (n > 2 ? p[2] : 0);
+  o[0] = b64[v >> 18];
+  o[1] = b64[(v >> 12) & 63];
+  o[2] = n > 1 ? b64[(v >> 6) & 63] : '=';
+  o[3] = n > 2 ? b64[v & 63] : '=';
+}
+
 char *vjson_b64_encode(const uint8_t *p, size_t n) {
   char *s = malloc((n + 2) / 3 * 4 + 1), *o = s;
   if (!s) return NULL;
-  for (size_t i = 0; i < n; i += 3) {
-    uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
-    *o++ = b64[v >> 18];
-    *o++ = b64[(v >> 12) & 63];
-    *o++ = i + 1 < n ? b64[(v >> 6) & 63] : '=';
-    *o++ = i + 2 < n ? b64[v & 63] : '=';
-  }
+  for (size_t i = 0; i < n; i += 3, o += 4) b64_block(p + i, n - i, o);
   *o = '\0';
   return s;
 }
 
-int vjson_b64_decode(const char *s, uint8_t **out, size_t *n) {
-  size_t len = strlen(s);
+static int b64_val(char c) {
+  const char *at = c ? strchr(b64, c) : NULL;
+  return at ? (int)(at - b64) : -1;
+}
+
+int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n) {
   if (len % 4) return -1;
   uint8_t *p = malloc(len / 4 * 3 + 1);
   if (!p) return -1;
@@ -36,12 +50,12 @@ int vjson_b64_decode(const char *s, uint8_t **out, size_t *n) {
     int pad = 0;
     for (int j = 0; j < 4; j++) {
       char c = s[i + j];
-      const char *at = c ? strchr(b64, c) : NULL;
+      int d = b64_val(c);
       if (c == '=' && i + 4 == len && j >= 2 && (j == 3 || s[i + 3] == '=')) {
         pad++;
         v <<= 6;
-      } else if (at && !pad) {
-        v = v << 6 | (uint32_t)(at - b64);
+      } else if (d >= 0 && !pad) {
+        v = v << 6 | (uint32_t)d;
       } else {
         free(p);
         return -1;
@@ -56,71 +70,517 @@ int vjson_b64_decode(const char *s, uint8_t **out, size_t *n) {
   return 0;
 }
 
-/* ---- reading ---- */
+/* ---- parsing ---- */
 
-typedef struct idnode {
-  char *name;
-  dp_value_t v;   /* borrowed */
-  int open;       /* still being filled */
-} idnode_t;
-
-typedef struct rd {
+typedef struct ps {
+  const char *s, *end, *p;
   char *msg;
   size_t msgsize;
-  char path[1024];
-  idnode_t *ids;
-  size_t nids, idcap;
-  const void *open[VJSON_MAX_DEPTH + 2];  /* $id containers being filled */
-  size_t nopen;
-  dp_ptrset_t *stset;      /* (device, ptr) -> storage index */
-  dp_storage_t **storages;
-  size_t nst, stcap;
-  int with_data, without_data;
-} rd_t;
+  char *buf;      /* string scratch */
+  size_t cap, len;
+  char *key;      /* the member key being read */
+  size_t keycap, keylen;
+} ps_t;
 
-static int fail(rd_t *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int fail(rd_t *r, int code, const char *fmt, ...) {
-  char what[512];
+static int perr(ps_t *ps, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int perr(ps_t *ps, const char *fmt, ...) {
+  char what[160];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(what, sizeof what, fmt, ap);
   va_end(ap);
-  snprintf(r->msg, r->msgsize, "%s, at %s", what, r->path);
+  size_t line = 1, col = 1;
+  for (const char *c = ps->s; c < ps->p; c++) {
+    if (*c == '\n') {
+      line++;
+      col = 1;
+    } else if (((unsigned char)*c & 0xC0) != 0x80) {
+      col++;
+    }
+  }
+  snprintf(ps->msg, ps->msgsize, "%s (line %zu, column %zu)", what, line, col);
+  return -1;
+}
+
+static void skip_ws(ps_t *ps) {
+  while (ps->p < ps->end && (*ps->p == ' ' || *ps->p == '\t' || *ps->p == '\n' || *ps->p == '\r')) ps->p++;
+}
+
+static int buf_put(ps_t *ps, const char *c, size_t n) {
+  if (ps->len + n > ps->cap) {
+    size_t ncap = ps->cap ? ps->cap : 64;
+    while (ncap < ps->len + n) ncap *= 2;
+    char *b = realloc(ps->buf, ncap);
+    if (!b) return perr(ps, "out of memory");
+    ps->buf = b;
+    ps->cap = ncap;
+  }
+  memcpy(ps->buf + ps->len, c, n);
+  ps->len += n;
+  return 0;
+}
+
+/* Length of the well-formed UTF-8 sequence at p (RFC 3629), or 0. */
+static size_t utf8_seq(const unsigned char *p, const unsigned char *end) {
+  unsigned c = p[0];
+  size_t n;
+  uint32_t cp;
+  if (c < 0x80) return 1;
+  if (c >= 0xC2 && c <= 0xDF) n = 2, cp = c & 0x1F;
+  else if (c >= 0xE0 && c <= 0xEF) n = 3, cp = c & 0x0F;
+  else if (c >= 0xF0 && c <= 0xF4) n = 4, cp = c & 0x07;
+  else return 0;
+  if ((size_t)(end - p) < n) return 0;
+  for (size_t i = 1; i < n; i++) {
+    if ((p[i] & 0xC0) != 0x80) return 0;
+    cp = cp << 6 | (p[i] & 0x3F);
+  }
+  if ((n == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (n == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
+    return 0;
+  return n;
+}
+
+static int hex4(ps_t *ps, uint32_t *out) {
+  if (ps->end - ps->p < 4) return perr(ps, "invalid \\u escape");
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) {
+    char c = ps->p[i];
+    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    if (d < 0) return perr(ps, "invalid \\u escape");
+    v = v << 4 | (uint32_t)d;
+  }
+  ps->p += 4;
+  *out = v;
+  return 0;
+}
+
+/* A string token into ps->buf/len (not terminated; may hold NUL bytes). */
+static int parse_string(ps_t *ps) {
+  ps->len = 0;
+  ps->p++;  /* the opening quote */
+  for (;;) {
+    if (ps->p >= ps->end) return perr(ps, "premature end of input in a string");
+    unsigned char c = (unsigned char)*ps->p;
+    if (c == '"') {
+      ps->p++;
+      return 0;
+    }
+    if (c < 0x20) return perr(ps, "control character 0x%02x in a string", c);
+    if (c != '\\') {
+      size_t n = utf8_seq((const unsigned char *)ps->p, (const unsigned char *)ps->end);
+      if (!n) return perr(ps, "invalid UTF-8 in a string");
+      if (buf_put(ps, ps->p, n)) return -1;
+      ps->p += n;
+      continue;
+    }
+    if (++ps->p >= ps->end) return perr(ps, "premature end of input in a string");
+    char e = *ps->p++, one;
+    switch (e) {
+      case '"': case '\\': case '/': one = e; break;
+      case 'b': one = '\b'; break;
+      case 'f': one = '\f'; break;
+      case 'n': one = '\n'; break;
+      case 'r': one = '\r'; break;
+      case 't': one = '\t'; break;
+      case 'u': {
+        uint32_t cp, lo;
+        if (hex4(ps, &cp)) return -1;
+        if (cp >= 0xDC00 && cp <= 0xDFFF) return perr(ps, "invalid \\u escape: a lone low surrogate");
+        if (cp >= 0xD800 && cp <= 0xDBFF) {
+          if (ps->end - ps->p < 2 || ps->p[0] != '\\' || ps->p[1] != 'u')
+            return perr(ps, "invalid \\u escape: a lone high surrogate");
+          ps->p += 2;
+          if (hex4(ps, &lo)) return -1;
+          if (lo < 0xDC00 || lo > 0xDFFF) return perr(ps, "invalid \\u escape: a lone high surrogate");
+          cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+        }
+        char u[4];
+        size_t n;
+        if (cp < 0x80) u[0] = (char)cp, n = 1;
+        else if (cp < 0x800) u[0] = (char)(0xC0 | cp >> 6), u[1] = (char)(0x80 | (cp & 63)), n = 2;
+        else if (cp < 0x10000)
+          u[0] = (char)(0xE0 | cp >> 12), u[1] = (char)(0x80 | ((cp >> 6) & 63)), u[2] = (char)(0x80 | (cp & 63)), n = 3;
+        else
+          u[0] = (char)(0xF0 | cp >> 18), u[1] = (char)(0x80 | ((cp >> 12) & 63)), u[2] = (char)(0x80 | ((cp >> 6) & 63)),
+          u[3] = (char)(0x80 | (cp & 63)), n = 4;
+        if (buf_put(ps, u, n)) return -1;
+        continue;
+      }
+      default:
+        ps->p--;
+        return perr(ps, "invalid escape '\\%c' in a string", e);
+    }
+    if (buf_put(ps, &one, 1)) return -1;
+  }
+}
+
+static json_t *parse_number(ps_t *ps) {
+  const char *q = ps->p;
+  int real = 0;
+  if (q < ps->end && *q == '-') q++;
+  if (q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid token"), NULL;
+  if (*q == '0') q++;
+  else while (q < ps->end && *q >= '0' && *q <= '9') q++;
+  if (q < ps->end && *q == '.') {
+    real = 1;
+    if (++q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
+    while (q < ps->end && *q >= '0' && *q <= '9') q++;
+  }
+  if (q < ps->end && (*q == 'e' || *q == 'E')) {
+    real = 1;
+    q++;
+    if (q < ps->end && (*q == '+' || *q == '-')) q++;
+    if (q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
+    while (q < ps->end && *q >= '0' && *q <= '9') q++;
+  }
+  char tmp[512];
+  size_t n = (size_t)(q - ps->p);
+  if (n >= sizeof tmp) return perr(ps, "number too long"), NULL;
+  memcpy(tmp, ps->p, n);
+  tmp[n] = '\0';
+  errno = 0;
+  json_t *j;
+  if (real) {
+    double d = strtod(tmp, NULL);
+    if (errno == ERANGE && (d == HUGE_VAL || d == -HUGE_VAL)) return perr(ps, "real number overflow"), NULL;
+    j = json_real(d);
+  } else {
+    long long v = strtoll(tmp, NULL, 10);
+    if (errno == ERANGE) return perr(ps, "integer %s does not fit in 64 bits", tmp), NULL;
+    j = json_integer(v);
+  }
+  if (!j) return perr(ps, "out of memory"), NULL;
+  ps->p = q;
+  return j;
+}
+
+/* A scalar token, or a new empty container (the caller fills it). */
+static json_t *parse_token(ps_t *ps) {
+  skip_ws(ps);
+  if (ps->p >= ps->end) return perr(ps, "premature end of input"), NULL;
+  json_t *j = NULL;
+  switch (*ps->p) {
+    case '{': j = json_object(); ps->p++; break;
+    case '[': j = json_array(); ps->p++; break;
+    case '"':
+      if (parse_string(ps)) return NULL;
+      j = json_stringn_nocheck(ps->len ? ps->buf : "", ps->len);
+      break;
+    case 't': case 'f': case 'n': {
+      static const char *const lit[] = {"true", "false", "null"};
+      int k = *ps->p == 't' ? 0 : *ps->p == 'f' ? 1 : 2;
+      size_t n = strlen(lit[k]);
+      if ((size_t)(ps->end - ps->p) < n || memcmp(ps->p, lit[k], n) != 0) return perr(ps, "invalid token"), NULL;
+      ps->p += n;
+      j = k == 0 ? json_true() : k == 1 ? json_false() : json_null();
+      break;
+    }
+    default:
+      if (*ps->p == '-' || (*ps->p >= '0' && *ps->p <= '9')) return parse_number(ps);
+      return perr(ps, "unexpected '%c'", *ps->p), NULL;
+  }
+  if (!j) perr(ps, "out of memory");
+  return j;
+}
+
+/* Reads `"key" :` into ps->buf/len. */
+static int parse_key(ps_t *ps) {
+  skip_ws(ps);
+  if (ps->p >= ps->end || *ps->p != '"') return perr(ps, "%s", ps->p < ps->end ? "string or '}' expected" : "premature end of input");
+  if (parse_string(ps)) return -1;
+  if (ps->len + 1 > ps->keycap) {
+    char *k = realloc(ps->key, ps->len + 1);
+    if (!k) return perr(ps, "out of memory");
+    ps->key = k;
+    ps->keycap = ps->len + 1;
+  }
+  memcpy(ps->key, ps->buf ? ps->buf : "", ps->len);
+  ps->key[ps->len] = '\0';
+  ps->keylen = ps->len;
+  skip_ws(ps);
+  if (ps->p >= ps->end || *ps->p != ':') return perr(ps, "':' expected");
+  ps->p++;
+  return 0;
+}
+
+json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_t *errpos) {
+  ps_t ps = {text, text + n, text, msg, msgsize, NULL, 0, 0, NULL, 0, 0};
+  json_t **stack = malloc(sizeof *stack * (VJSON_MAX_JSON_DEPTH + 1));
+  size_t top = 0;
+  json_t *root = NULL;
+  int bad = !stack;
+  if (bad) perr(&ps, "out of memory");
+  while (!bad) {
+    /* ps.buf holds the key when the open container is an object */
+    json_t *v = parse_token(&ps);
+    if (!v) {
+      bad = 1;
+      break;
+    }
+    if (!root) {
+      root = v;
+    } else {
+      json_t *c = stack[top - 1];
+      int rc = json_is_array(c) ? json_array_append_new(c, v) : json_object_setn_new_nocheck(c, ps.key, ps.keylen, v);
+      if (rc) {
+        bad = perr(&ps, "out of memory");
+        break;
+      }
+    }
+    if (json_is_object(v) || json_is_array(v)) {
+      if (top == VJSON_MAX_JSON_DEPTH) {
+        ps.p--;
+        bad = perr(&ps, "nesting deeper than %d levels", VJSON_MAX_JSON_DEPTH);
+        break;
+      }
+      stack[top++] = v;
+      skip_ws(&ps);
+      char close = json_is_array(v) ? ']' : '}';
+      if (ps.p < ps.end && *ps.p == close) {
+        ps.p++;
+        top--;
+      } else {
+        if (json_is_object(v) && parse_key(&ps)) {
+          bad = 1;
+          break;
+        }
+        continue;
+      }
+    }
+    /* a value is complete: close containers, or move to the next item */
+    for (;;) {
+      if (top == 0) break;
+      json_t *c = stack[top - 1];
+      skip_ws(&ps);
+      char close = json_is_array(c) ? ']' : '}';
+      if (ps.p < ps.end && *ps.p == ',') {
+        ps.p++;
+        if (json_is_object(c)) {
+          if (parse_key(&ps)) {
+            bad = 1;
+            break;
+          }
+          if (json_object_getn(c, ps.key, ps.keylen)) {
+            bad = perr(&ps, "duplicate object key");
+            break;
+          }
+        }
+        break;
+      }
+      if (ps.p < ps.end && *ps.p == close) {
+        ps.p++;
+        top--;
+        continue;
+      }
+      bad = ps.p < ps.end ? perr(&ps, "unexpected '%c'", *ps.p) : perr(&ps, "premature end of input");
+      break;
+    }
+    if (bad || top == 0) break;
+  }
+  if (!bad) {
+    skip_ws(&ps);
+    if (ps.p != ps.end) bad = perr(&ps, "end of input expected, not '%c'", *ps.p);
+  }
+  free(stack);
+  free(ps.buf);
+  free(ps.key);
+  if (bad) {
+    json_decref(root);
+    if (errpos) *errpos = (size_t)(ps.p - text);
+    return NULL;
+  }
+  return root;
+}
+
+/* ---- reading ---- */
+
+typedef struct idnode {
+  char *name;
+  size_t len;
+  dp_value_t v;   /* borrowed */
+  int open;       /* a container still being filled */
+} idnode_t;
+
+/* Open-addressing index of r->ids (slots hold index + 1), by name and by
+ * node identity: lookups stay O(1) however many $ids a document has. */
+typedef struct idx {
+  size_t *slot;
+  size_t cap, n;
+} idx_t;
+
+typedef struct rd {
+  char *msg;
+  size_t msgsize;
+  char *path;        /* the JSON path being read: steps after "$" */
+  size_t plen, pcap;
+  size_t *marks;     /* where each step starts */
+  size_t nmarks, mcap;
+  idnode_t *ids;
+  size_t nids, idcap;
+  idx_t by_name, by_node;
+  dp_ptrset_t *stset;      /* (device, ptr) -> storage index */
+  dp_storage_t **storages;
+  size_t nst, stcap;
+  int with_data, without_data;
+  dp_error_t e;   /* one for every call: the reader recurses, its frames stay small */
+} rd_t;
+
+static uint64_t process_seed(void) {
+  static uint64_t seed;
+  if (!seed) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t mix[4] = {(uint64_t)ts.tv_nsec, (uint64_t)ts.tv_sec, (uint64_t)getpid(), (uint64_t)(uintptr_t)&ts};
+    seed = XXH3_64bits(mix, sizeof mix) | 1;
+  }
+  return seed;
+}
+
+static uint64_t name_hash(const char *s, size_t n) { return XXH3_64bits_withSeed(s, n, process_seed()); }
+static uint64_t node_hash(const void *p) { return XXH3_64bits_withSeed(&p, sizeof p, process_seed()); }
+
+/* Finds the slot for (name, len) or node in x: the matching entry's slot or
+ * the empty one where it would go. */
+static size_t *idx_probe(rd_t *r, idx_t *x, const char *name, size_t len, const void *node) {
+  uint64_t h = node ? node_hash(node) : name_hash(name, len);
+  for (size_t j = h & (x->cap - 1);; j = (j + 1) & (x->cap - 1)) {
+    size_t *s = &x->slot[j];
+    if (!*s) return s;
+    idnode_t *e = &r->ids[*s - 1];
+    if (node ? dp_value_id(e->v) == node : (e->len == len && memcmp(e->name, name, len) == 0)) return s;
+  }
+}
+
+static int idx_add(rd_t *r, idx_t *x, size_t i, int by_node) {
+  if ((x->n + 1) * 2 > x->cap) {
+    size_t ncap = x->cap ? x->cap * 2 : 64;
+    size_t *ns = calloc(ncap, sizeof *ns), *old = x->slot, ocap = x->cap;
+    if (!ns) return -1;
+    x->slot = ns;
+    x->cap = ncap;
+    for (size_t j = 0; j < ocap; j++)
+      if (old[j]) {
+        idnode_t *e = &r->ids[old[j] - 1];
+        *idx_probe(r, x, e->name, e->len, by_node ? dp_value_id(e->v) : NULL) = old[j];
+      }
+    free(old);
+  }
+  idnode_t *e = &r->ids[i];
+  size_t *s = idx_probe(r, x, e->name, e->len, by_node ? dp_value_id(e->v) : NULL);
+  if (!*s) {  /* a node named twice ($id of a $ref) keeps its first entry */
+    *s = i + 1;
+    x->n++;
+  }
+  return 0;
+}
+
+static idnode_t *find_id(rd_t *r, const char *name, size_t len) {
+  if (!r->by_name.cap) return NULL;
+  size_t *s = idx_probe(r, &r->by_name, name, len, NULL);
+  return *s ? &r->ids[*s - 1] : NULL;
+}
+
+/* The path for a message, by the rule of docs/VALUE_JSON.md ("Paths"):
+ * whole up to 1,024 bytes, else the steps that fit in 256 bytes, <…N steps…>,
+ * and the steps that fit in 704. */
+static void render_path(rd_t *r, char *out, size_t cap) {
+  if (!r->path) {
+    snprintf(out, cap, "$");
+    return;
+  }
+  if (r->plen <= 1024) {
+    snprintf(out, cap, "%.*s", (int)r->plen, r->path);
+    return;
+  }
+  size_t n = r->nmarks, head = 0, tail = n, len;
+#define STEP_LEN(k) (((k) + 1 < n ? r->marks[(k) + 1] : r->plen) - r->marks[k])
+  for (size_t used = 0; head < n && used + STEP_LEN(head) <= 256; head++) used += STEP_LEN(head);  /* step 0 is "$" */
+  for (size_t used = 0; tail > head && used + STEP_LEN(tail - 1) <= 704; tail--) used += STEP_LEN(tail - 1);
+  len = (size_t)snprintf(out, cap, "%.*s<…%zu steps…>", (int)(head < n ? r->marks[head] : r->plen), r->path,
+                         tail - head);
+  if (len < cap && tail < n) snprintf(out + len, cap - len, "%s", r->path + r->marks[tail]);
+#undef STEP_LEN
+}
+
+static int fail(rd_t *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int fail(rd_t *r, int code, const char *fmt, ...) {
+  char what[512], where[1200];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  render_path(r, where, sizeof where);
+  snprintf(r->msg, r->msgsize, "%s, at %s", what, where);
   return code;
 }
 
-static size_t path_push(rd_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static size_t path_push(rd_t *r, const char *fmt, ...) {
-  size_t len = strlen(r->path);
+/* Appends one step (bounded: names are cut to 64 bytes). Out of memory, the
+ * step is left out of the path, never the read. */
+static void path_push(rd_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void path_push(rd_t *r, const char *fmt, ...) {
+  char step[512];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(r->path + len, sizeof r->path - len, fmt, ap);
+  int n = vsnprintf(step, sizeof step, fmt, ap);
   va_end(ap);
-  return len;
+  size_t k = n < 0 ? 0 : (size_t)n < sizeof step ? (size_t)n : sizeof step - 1;
+  if (r->nmarks == r->mcap) {
+    size_t ncap = r->mcap ? 2 * r->mcap : 64;
+    size_t *m = realloc(r->marks, ncap * sizeof *m);
+    if (m) {
+      r->marks = m;
+      r->mcap = ncap;
+    }
+  }
+  if (r->plen + k + 1 > r->pcap) {
+    size_t ncap = r->pcap ? 2 * r->pcap : 1024;
+    while (ncap < r->plen + k + 1) ncap *= 2;
+    char *p = realloc(r->path, ncap);
+    if (p) {
+      r->path = p;
+      r->pcap = ncap;
+    }
+  }
+  if (r->nmarks == r->mcap || r->plen + k + 1 > r->pcap) k = 0;
+  if (r->nmarks < r->mcap) r->marks[r->nmarks++] = r->plen;
+  memcpy(r->path + r->plen, step, k);
+  r->plen += k;
+  r->path[r->plen] = '\0';
 }
 
-static void path_key(rd_t *r, const char *key) {
-  int ident = key[0] && !(key[0] >= '0' && key[0] <= '9');
-  for (const char *c = key; *c && ident; c++)
-    ident = (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || *c == '_' || (*c >= '0' && *c <= '9');
+static void path_pop(rd_t *r) {
+  if (!r->nmarks) return;
+  r->plen = r->marks[--r->nmarks];
+  r->path[r->plen] = '\0';
+}
+
+/* A JSON string's first 64 bytes, cut on a UTF-8 boundary. */
+static size_t cut64(const char *s, size_t n) {
+  if (n <= 64) return n;
+  size_t k = 64;
+  while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
+  return k;
+}
+
+static void path_key(rd_t *r, const char *key, size_t n) {
+  int ident = n > 0 && !(key[0] >= '0' && key[0] <= '9');
+  for (size_t i = 0; i < n && ident; i++) {
+    char c = key[i];
+    ident = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || (c >= '0' && c <= '9');
+  }
+  size_t k = cut64(key, n);
   if (ident) {
-    path_push(r, ".%s", key);
+    path_push(r, ".%.*s%s", (int)k, key, k < n ? "…" : "");
   } else {
-    json_t *js = json_string(key);
+    json_t *js = json_stringn(key, k);
     char *q = js ? json_dumps(js, JSON_ENCODE_ANY) : NULL;
-    path_push(r, "[%s]", q ? q : "?");
+    path_push(r, "[%s%s]", q ? q : "?", k < n ? "…" : "");
     free(q);
     json_decref(js);
   }
 }
 
 static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth);
-
-static idnode_t *find_id(rd_t *r, const char *name) {
-  for (size_t i = 0; i < r->nids; i++)
-    if (strcmp(r->ids[i].name, name) == 0) return &r->ids[i];
-  return NULL;
-}
 
 static int check_err(rd_t *r, int rc, dp_error_t *e) {
   return rc ? fail(r, rc, "%s", e->message) : 0;
@@ -129,6 +589,22 @@ static int check_err(rd_t *r, int rc, dp_error_t *e) {
 static int parse_device(rd_t *r, json_t *dj, dp_device_t *d) {
   if (!json_is_string(dj) || dp_device_parse(json_string_value(dj), d) != 0)
     return fail(r, DP_EINVAL, "tensor device must be \"cpu\", \"cuda:N\" or \"host:N\"");
+  return 0;
+}
+
+/* "0x" and 1..16 significant hex digits: an address that fits in 64 bits
+ * (strtoull would clamp a longer one silently). */
+static int parse_hex64(const char *s, size_t n, uint64_t *out) {
+  if (n < 3 || s[0] != '0' || s[1] != 'x') return -1;
+  uint64_t v = 0;
+  for (size_t i = 2; i < n; i++) {
+    char c = s[i];
+    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    if (d < 0) return -1;
+    if (v >> 60) return -2;
+    v = v << 4 | (uint64_t)d;
+  }
+  *out = v;
   return 0;
 }
 
@@ -144,6 +620,9 @@ static int read_i64_array(rd_t *r, json_t *a, int64_t *out, int max, int *n, con
   return 0;
 }
 
+/* The format's largest buffer (docs/FORMAT.md): what the reader refuses, pack refuses. */
+#define VJSON_MAX_NBYTES (1ull << 62)
+
 static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   static const char *const known[] = {"device", "ptr", "nbytes", "dtype", "shape", "strides", "offset", "data"};
   const char *k;
@@ -158,14 +637,16 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   int rc = parse_device(r, json_object_get(t, "device"), &dev);
   if (rc) return rc;
   json_t *pj = json_object_get(t, "ptr");
-  char *end = NULL;
-  unsigned long long ptr = 0;
-  if (json_is_string(pj)) ptr = strtoull(json_string_value(pj), &end, 16);
-  if (!json_is_string(pj) || strncmp(json_string_value(pj), "0x", 2) != 0 || !end || *end)
-    return fail(r, DP_EINVAL, "tensor ptr must be a hex string such as \"0x7f0000001000\"");
+  uint64_t ptr = 0;
+  rc = json_is_string(pj) ? parse_hex64(json_string_value(pj), json_string_length(pj), &ptr) : -1;
+  if (rc == -2) return fail(r, DP_EINVAL, "tensor ptr %s does not fit in 64 bits", json_string_value(pj));
+  if (rc || ptr > UINTPTR_MAX) return fail(r, DP_EINVAL, "tensor ptr must be a hex string such as \"0x7f0000001000\"");
   json_t *nj = json_object_get(t, "nbytes");
   if (!json_is_integer(nj) || json_integer_value(nj) < 0)
     return fail(r, DP_EINVAL, "tensor nbytes must be a non-negative integer");
+  if ((uint64_t)json_integer_value(nj) > VJSON_MAX_NBYTES || (uint64_t)json_integer_value(nj) > SIZE_MAX)
+    return fail(r, DP_EINVAL, "tensor nbytes %" PRId64 " exceeds 2^62, the largest buffer a frame can describe",
+                (int64_t)json_integer_value(nj));
   size_t nbytes = (size_t)json_integer_value(nj);
   dp_dtype_t dtype;
   json_t *dj = json_object_get(t, "dtype");
@@ -184,22 +665,43 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   int64_t offset = oj ? json_integer_value(oj) : 0;
   json_t *data = json_object_get(t, "data");
   if (data && !json_is_string(data)) return fail(r, DP_EINVAL, "tensor data must be a base64 string");
+  uint8_t *bytes = NULL;
+  size_t n = 0;
+  if (data) {
+    if (vjson_b64_decode(json_string_value(data), json_string_length(data), &bytes, &n) != 0)
+      return fail(r, DP_EINVAL, "tensor data is not valid base64");
+    if (n != nbytes) {
+      free(bytes);
+      return fail(r, DP_EINVAL, "tensor data has %zu bytes, nbytes says %zu", n, nbytes);
+    }
+  }
 
-  /* One storage per (device, ptr). */
-  dp_error_t e;
-  size_t idx;
+  /* One storage per (device, ptr); its tensors agree on its size and bytes. */
+  size_t si;
   dp_storage_t *st;
-  if (dp_ptrset_find(r->stset, dev, (void *)(uintptr_t)ptr, &idx) == 0) {
-    st = r->storages[idx];
-    if (dp_storage_nbytes(st) != nbytes)
-      return fail(r, DP_EINVAL, "tensors on %s %s disagree on nbytes (%zu and %zu)", json_string_value(
-                  json_object_get(t, "device")), json_string_value(pj), dp_storage_nbytes(st), nbytes);
+  if (dp_ptrset_find(r->stset, dev, (void *)(uintptr_t)ptr, &si) == 0) {
+    st = r->storages[si];
+    const void *had = dp_storage_host_data(st);
+    if (dp_storage_nbytes(st) != nbytes) {
+      free(bytes);
+      return fail(r, DP_EINVAL, "tensors on %s %s disagree on nbytes (%zu and %zu)",
+                  json_string_value(json_object_get(t, "device")), json_string_value(pj), dp_storage_nbytes(st), nbytes);
+    }
+    if (had && bytes && nbytes && memcmp(had, bytes, nbytes) != 0) {
+      free(bytes);
+      return fail(r, DP_EINVAL, "tensors on %s %s disagree on data", json_string_value(json_object_get(t, "device")),
+                  json_string_value(pj));
+    }
   } else {
-    if ((rc = dp_storage_new(dev, (void *)(uintptr_t)ptr, nbytes, NULL, NULL, &st, &e)) != 0) return check_err(r, rc, &e);
+    if ((rc = dp_storage_new(dev, (void *)(uintptr_t)ptr, nbytes, NULL, NULL, &st, &r->e)) != 0) {
+      free(bytes);
+      return check_err(r, rc, &r->e);
+    }
     if (r->nst == r->stcap) {
       size_t ncap = r->stcap ? 2 * r->stcap : 16;
       dp_storage_t **p = realloc(r->storages, ncap * sizeof *p);
       if (!p) {
+        free(bytes);
         dp_storage_release(st);
         return fail(r, DP_ENOMEM, "out of memory");
       }
@@ -207,78 +709,83 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
       r->stcap = ncap;
     }
     r->storages[r->nst++] = st;
-    if ((rc = dp_ptrset_add(r->stset, dev, (void *)(uintptr_t)ptr, nbytes, NULL, &e)) != 0) return check_err(r, rc, &e);
+    if ((rc = dp_ptrset_add(r->stset, dev, (void *)(uintptr_t)ptr, nbytes, NULL, &r->e)) != 0) {
+      free(bytes);
+      return check_err(r, rc, &r->e);
+    }
   }
   if (data) {
-    uint8_t *bytes;
-    size_t n;
-    if (vjson_b64_decode(json_string_value(data), &bytes, &n) != 0) return fail(r, DP_EINVAL, "tensor data is not valid base64");
-    if (n != nbytes) {
-      free(bytes);
-      return fail(r, DP_EINVAL, "tensor data has %zu bytes, nbytes says %zu", n, nbytes);
-    }
-    rc = dp_storage_host_data(st) ? 0 : dp_storage_set_host_data(st, bytes, &e);
+    rc = dp_storage_host_data(st) ? 0 : dp_storage_set_host_data(st, bytes, &r->e);
     free(bytes);
-    if (rc) return check_err(r, rc, &e);
+    if (rc) return check_err(r, rc, &r->e);
     r->with_data++;
   } else {
     r->without_data++;
   }
-  rc = dp_tensor_new(dp_storage_retain(st), dtype, nd, shape, sj ? strides : NULL, offset, out, &e);
-  return check_err(r, rc, &e);
+  rc = dp_tensor_new(dp_storage_retain(st), dtype, nd, shape, sj ? strides : NULL, offset, out, &r->e);
+  return check_err(r, rc, &r->e);
+}
+
+/* A class or type name (a JSON string): the library's names are C strings. */
+static int check_name(rd_t *r, json_t *s, const char *what) {
+  if (memchr(json_string_value(s), 0, json_string_length(s))) return fail(r, DP_EINVAL, "%s contains a NUL byte", what);
+  return 0;
 }
 
 /* Allocates the shell of a container, so that $id can name it before its
  * children are read (cycles). */
 static int make_shell(rd_t *r, json_t *j, dp_value_t *out) {
-  dp_error_t e;
   int rc;
   json_t *x;
   if (json_is_array(j)) {
-    rc = dp_list_new(json_array_size(j), out, &e);
+    rc = dp_list_new(json_array_size(j), out, &r->e);
   } else if ((x = json_object_get(j, "$tuple")) != NULL) {
     if (!json_is_array(x)) return fail(r, DP_EINVAL, "$tuple must be an array");
-    rc = dp_tuple_new(json_array_size(x), out, &e);
+    rc = dp_tuple_new(json_array_size(x), out, &r->e);
   } else if ((x = json_object_get(j, "$object")) != NULL) {
     if (!json_is_string(x)) return fail(r, DP_EINVAL, "$object must be a class name string");
-    rc = dp_object_new(json_string_value(x), out, &e);
+    if ((rc = check_name(r, x, "class name")) != 0) return rc;
+    rc = dp_object_new(json_string_value(x), out, &r->e);
   } else if ((x = json_object_get(j, "$reduce")) != NULL) {
     if (!json_is_string(x)) return fail(r, DP_EINVAL, "$reduce must be a type name string");
-    rc = dp_object_new_reduced(json_string_value(x), dp_none(), out, &e);
+    if ((rc = check_name(r, x, "type name")) != 0) return rc;
+    rc = dp_object_new_reduced(json_string_value(x), dp_none(), out, &r->e);
   } else {
-    rc = dp_dict_new(0, out, &e);
+    rc = dp_dict_new(0, out, &r->e);
   }
-  return check_err(r, rc, &e);
+  return check_err(r, rc, &r->e);
 }
 
 static int fill_seq(rd_t *r, json_t *a, dp_value_t seq, int depth) {
   for (size_t i = 0; i < json_array_size(a); i++) {
-    size_t mark = path_push(r, "[%zu]", i);
+    path_push(r, "[%zu]", i);
     dp_value_t item;
     int rc = read_value(r, json_array_get(a, i), &item, depth + 1);
     if (rc) return rc;
-    dp_error_t e;
-    rc = dp_value_kind(seq) == DP_LIST ? dp_list_append(seq, item, &e) : dp_seq_set(seq, i, item, &e);
-    if (rc) return check_err(r, rc, &e);
-    r->path[mark] = '\0';
+    rc = dp_value_kind(seq) == DP_LIST ? dp_list_append(seq, item, &r->e) : dp_seq_set(seq, i, item, &r->e);
+    if (rc) return check_err(r, rc, &r->e);
+    path_pop(r);
   }
   return 0;
 }
 
-/* Whether a (hashable, hence bounded) key holds a tuple still being filled. */
+/* Whether a (hashable, hence bounded) key holds a tuple still being filled:
+ * only $id-named containers can be, so one lookup a tuple. */
 static int key_is_open(rd_t *r, dp_value_t k) {
   if (dp_value_kind(k) != DP_TUPLE) return 0;
-  for (size_t i = 0; i < r->nopen; i++)
-    if (r->open[i] == dp_value_id(k)) return 1;
+  if (r->by_node.cap) {
+    size_t *s = idx_probe(r, &r->by_node, NULL, 0, dp_value_id(k));
+    if (*s && r->ids[*s - 1].open) return 1;
+  }
   for (size_t i = 0; i < dp_seq_len(k); i++)
     if (key_is_open(r, dp_seq_get(k, i))) return 1;
   return 0;
 }
 
 static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
-  dp_error_t e;
   int rc;
   const char *k;
+  size_t klen;
   json_t *x;
   if (json_is_array(j)) return fill_seq(r, j, v, depth);
   if ((x = json_object_get(j, "$tuple")) != NULL) {
@@ -289,31 +796,32 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
     json_t *attrs = json_object_get(j, "attrs");
     if (json_object_size(j) != (attrs ? 2u : 1u) || (attrs && !json_is_object(attrs)))
       return fail(r, DP_EINVAL, "$object takes one other field, \"attrs\", an object");
-    json_object_foreach(attrs, k, x) {
-      size_t mark = strlen(r->path);
-      path_key(r, k);
+    json_object_keylen_foreach(attrs, k, klen, x) {
+      path_key(r, k, klen);
+      if (memchr(k, 0, klen)) return fail(r, DP_EINVAL, "attribute name contains a NUL byte");
       dp_value_t val;
       if ((rc = read_value(r, x, &val, depth + 1)) != 0) return rc;
-      if ((rc = dp_object_set(v, k, val, &e)) != 0) return check_err(r, rc, &e);
-      r->path[mark] = '\0';
+      if ((rc = dp_object_set(v, k, val, &r->e)) != 0) return check_err(r, rc, &r->e);
+      path_pop(r);
     }
     return 0;
   }
   if ((x = json_object_get(j, "$reduce")) != NULL) {
     json_t *state = json_object_get(j, "state");
     if (json_object_size(j) != 2 || !state) return fail(r, DP_EINVAL, "$reduce takes one other field, \"state\"");
-    size_t mark = path_push(r, "<reduce %s>", json_string_value(x));
+    size_t cut = cut64(json_string_value(x), json_string_length(x));
+    path_push(r, "<reduce %.*s%s>", (int)cut, json_string_value(x), cut < json_string_length(x) ? "…" : "");
     dp_value_t val;
     if ((rc = read_value(r, state, &val, depth + 1)) != 0) return rc;
-    if ((rc = dp_object_set(v, "__reduce__", val, &e)) != 0) return check_err(r, rc, &e);
-    r->path[mark] = '\0';
+    if ((rc = dp_object_set(v, "__reduce__", val, &r->e)) != 0) return check_err(r, rc, &r->e);
+    path_pop(r);
     return 0;
   }
   if ((x = json_object_get(j, "$dict")) != NULL) {
     if (json_object_size(j) != 1 || !json_is_array(x)) return fail(r, DP_EINVAL, "$dict must be an array of [key, value] pairs");
     for (size_t i = 0; i < json_array_size(x); i++) {
       json_t *pair = json_array_get(x, i);
-      size_t mark = path_push(r, "<item %zu>", i);
+      path_push(r, "<item %zu>", i);
       if (!json_is_array(pair) || json_array_size(pair) != 2) return fail(r, DP_EINVAL, "$dict items are [key, value] pairs");
       dp_value_t key, val;
       if ((rc = read_value(r, json_array_get(pair, 0), &key, depth + 1)) != 0) return rc;
@@ -336,23 +844,22 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
         dp_value_release(val);
         return fail(r, DP_EINVAL, "duplicate dict key");
       }
-      if ((rc = dp_dict_set(v, key, val, &e)) != 0) return check_err(r, rc, &e);
-      r->path[mark] = '\0';
+      if ((rc = dp_dict_set(v, key, val, &r->e)) != 0) return check_err(r, rc, &r->e);
+      path_pop(r);
     }
     return 0;
   }
-  json_object_foreach(j, k, x) {
+  json_object_keylen_foreach(j, k, klen, x) {
     if (k[0] == '$') return fail(r, DP_EINVAL, "unknown tag \"%s\" (a plain key starting with '$' needs $dict)", k);
-    size_t mark = strlen(r->path);
-    path_key(r, k);
+    path_key(r, k, klen);
     dp_value_t key, val;
-    if ((rc = dp_str_new(k, strlen(k), &key, &e)) != 0) return check_err(r, rc, &e);
+    if ((rc = dp_str_new(k, klen, &key, &r->e)) != 0) return check_err(r, rc, &r->e);
     if ((rc = read_value(r, x, &val, depth + 1)) != 0) {
       dp_value_release(key);
       return rc;
     }
-    if ((rc = dp_dict_set(v, key, val, &e)) != 0) return check_err(r, rc, &e);
-    r->path[mark] = '\0';
+    if ((rc = dp_dict_set(v, key, val, &r->e)) != 0) return check_err(r, rc, &r->e);
+    path_pop(r);
   }
   return 0;
 }
@@ -364,11 +871,45 @@ static int is_container_json(json_t *j) {
          !json_object_get(j, "$ref") && !json_object_get(j, "$id");
 }
 
+/* Registers a named node (borrowed v). */
+static int add_id(rd_t *r, json_t *name, dp_value_t v, int open, size_t *at) {
+  if (r->nids == r->idcap) {
+    size_t ncap = r->idcap ? 2 * r->idcap : 16;
+    idnode_t *p = realloc(r->ids, ncap * sizeof *p);
+    if (!p) return fail(r, DP_ENOMEM, "out of memory");
+    r->ids = p;
+    r->idcap = ncap;
+  }
+  size_t len = json_string_length(name);
+  idnode_t *node = &r->ids[r->nids];
+  node->name = malloc(len + 1);
+  if (!node->name) return fail(r, DP_ENOMEM, "out of memory");
+  memcpy(node->name, json_string_value(name), len + 1);
+  node->len = len;
+  node->v = v;
+  node->open = open;
+  *at = r->nids++;
+  if (idx_add(r, &r->by_name, *at, 0) || idx_add(r, &r->by_node, *at, 1)) return fail(r, DP_ENOMEM, "out of memory");
+  return 0;
+}
+
+static int read_float(rd_t *r, json_t *j, json_t *x, dp_value_t *out) {
+  const char *s = json_is_string(x) ? json_string_value(x) : "";
+  size_t n = json_is_string(x) ? json_string_length(x) : 0;
+  uint64_t bits;
+  double f;
+  if (json_object_size(j) == 1 && strcmp(s, "nan") == 0) f = NAN;
+  else if (json_object_size(j) == 1 && strcmp(s, "inf") == 0) f = INFINITY;
+  else if (json_object_size(j) == 1 && strcmp(s, "-inf") == 0) f = -INFINITY;
+  else if (json_object_size(j) == 1 && n == 18 && parse_hex64(s, n, &bits) == 0) memcpy(&f, &bits, sizeof f);
+  else return fail(r, DP_EINVAL, "$float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 bits");
+  *out = dp_float(f);
+  return 0;
+}
+
 static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
-  dp_error_t e;
   int rc;
   json_t *x;
-  if (depth > VJSON_MAX_DEPTH) return fail(r, DP_ELIMIT, "nesting deeper than %d levels", VJSON_MAX_DEPTH);
   switch (json_typeof(j)) {
     case JSON_NULL: *out = dp_none(); return 0;
     case JSON_TRUE: *out = dp_bool(true); return 0;
@@ -376,8 +917,8 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
     case JSON_INTEGER: *out = dp_int(json_integer_value(j)); return 0;
     case JSON_REAL: *out = dp_float(json_real_value(j)); return 0;
     case JSON_STRING:
-      rc = dp_str_new(json_string_value(j), json_string_length(j), out, &e);
-      return check_err(r, rc, &e);
+      rc = dp_str_new(json_string_value(j), json_string_length(j), out, &r->e);
+      return check_err(r, rc, &r->e);
     default: break;
   }
   if (json_is_object(j)) {
@@ -385,41 +926,31 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
       json_t *val = json_object_get(j, "$value");
       if (!json_is_string(x) || !val || json_object_size(j) != 2)
         return fail(r, DP_EINVAL, "$id needs a string name and a \"$value\"");
-      if (find_id(r, json_string_value(x))) return fail(r, DP_EINVAL, "$id \"%s\" is defined twice", json_string_value(x));
-      if (r->nids == r->idcap) {
-        size_t ncap = r->idcap ? 2 * r->idcap : 16;
-        idnode_t *p = realloc(r->ids, ncap * sizeof *p);
-        if (!p) return fail(r, DP_ENOMEM, "out of memory");
-        r->ids = p;
-        r->idcap = ncap;
-      }
-      idnode_t *node = &r->ids[r->nids];
+      if (find_id(r, json_string_value(x), json_string_length(x)))
+        return fail(r, DP_EINVAL, "$id \"%s\" is defined twice", json_string_value(x));
+      size_t mine;
       if (is_container_json(val)) {
+        if (depth >= VJSON_MAX_DEPTH) return fail(r, DP_ELIMIT, "containers nested deeper than %d levels", VJSON_MAX_DEPTH);
         if ((rc = make_shell(r, val, out)) != 0) return rc;
-        node->name = strdup(json_string_value(x));
-        node->v = *out;
-        node->open = 1;
-        size_t mine = r->nids++;
-        r->open[r->nopen++] = dp_value_id(*out);
+        if ((rc = add_id(r, x, *out, 1, &mine)) != 0) {
+          dp_value_release(*out);
+          return rc;
+        }
         rc = fill_container(r, val, *out, depth);
-        r->nopen--;
         r->ids[mine].open = 0;
         if (rc) dp_value_release(*out);
         return rc;
       }
-      if ((rc = read_value(r, val, out, depth + 1)) != 0) return rc;
+      if ((rc = read_value(r, val, out, depth)) != 0) return rc;
       if (!dp_value_is_heap(*out)) {
         dp_value_release(*out);
         return fail(r, DP_EINVAL, "$id names a scalar; only str, bytes, containers and tensors have identity");
       }
-      node->name = strdup(json_string_value(x));
-      node->v = *out;
-      node->open = 0;
-      r->nids++;
-      return 0;
+      if ((rc = add_id(r, x, *out, 0, &mine)) != 0) dp_value_release(*out);
+      return rc;
     }
     if ((x = json_object_get(j, "$ref")) != NULL) {
-      idnode_t *node = json_is_string(x) ? find_id(r, json_string_value(x)) : NULL;
+      idnode_t *node = json_is_string(x) ? find_id(r, json_string_value(x), json_string_length(x)) : NULL;
       if (!node || json_object_size(j) != 1)
         return fail(r, DP_EINVAL, "$ref \"%s\" names no earlier $id", json_is_string(x) ? json_string_value(x) : "?");
       *out = dp_value_retain(node->v);
@@ -432,21 +963,16 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
     if ((x = json_object_get(j, "$bytes")) != NULL) {
       uint8_t *p;
       size_t n;
-      if (json_object_size(j) != 1 || !json_is_string(x) || vjson_b64_decode(json_string_value(x), &p, &n) != 0)
+      if (json_object_size(j) != 1 || !json_is_string(x) ||
+          vjson_b64_decode(json_string_value(x), json_string_length(x), &p, &n) != 0)
         return fail(r, DP_EINVAL, "$bytes must be a base64 string");
-      rc = dp_bytes_new(p, n, out, &e);
+      rc = dp_bytes_new(p, n, out, &r->e);
       free(p);
-      return check_err(r, rc, &e);
+      return check_err(r, rc, &r->e);
     }
-    if ((x = json_object_get(j, "$float")) != NULL) {
-      const char *s = json_is_string(x) ? json_string_value(x) : "";
-      if (json_object_size(j) == 1 && strcmp(s, "nan") == 0) *out = dp_float(NAN);
-      else if (json_object_size(j) == 1 && strcmp(s, "inf") == 0) *out = dp_float(INFINITY);
-      else if (json_object_size(j) == 1 && strcmp(s, "-inf") == 0) *out = dp_float(-INFINITY);
-      else return fail(r, DP_EINVAL, "$float must be \"nan\", \"inf\" or \"-inf\"");
-      return 0;
-    }
+    if ((x = json_object_get(j, "$float")) != NULL) return read_float(r, j, x, out);
   }
+  if (depth >= VJSON_MAX_DEPTH) return fail(r, DP_ELIMIT, "containers nested deeper than %d levels", VJSON_MAX_DEPTH);
   if ((rc = make_shell(r, j, out)) != 0) return rc;
   if ((rc = fill_container(r, j, *out, depth)) != 0) dp_value_release(*out);
   return rc;
@@ -457,10 +983,14 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   memset(&r, 0, sizeof r);
   r.msg = msg;
   r.msgsize = msgsize;
-  strcpy(r.path, "$");
-  dp_error_t e;
-  int rc = dp_ptrset_new(&r.stset, &e);
-  if (rc) return fail(&r, rc, "%s", e.message);
+  path_push(&r, "$");
+  int rc = dp_ptrset_new(&r.stset, &r.e);
+  if (rc) {
+    fail(&r, rc, "%s", r.e.message);
+    free(r.path);
+    free(r.marks);
+    return rc;
+  }
   rc = read_value(&r, j, out, 0);
   if (rc == 0 && r.with_data && r.without_data) {
     dp_value_release(*out);
@@ -472,13 +1002,19 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   free(r.storages);
   for (size_t i = 0; i < r.nids; i++) free(r.ids[i].name);
   free(r.ids);
+  free(r.by_name.slot);
+  free(r.by_node.slot);
+  free(r.path);
+  free(r.marks);
   dp_ptrset_free(r.stset);
   return rc;
 }
 
 /* ---- writing ---- */
 
-/* Heap node -> (times met, $id number) */
+/* A node with more than one reference: (times met, $id number). Nodes held
+ * once are met once and need no entry, which keeps the table to the shared
+ * nodes: unpack's memory is the value's plus this. */
 typedef struct wslot {
   const void *key;
   uint32_t count;
@@ -489,18 +1025,23 @@ typedef struct wr {
   wslot_t *slots;
   size_t cap, n;
   int next_id;
-  int failed;   /* some piece could not be built: the whole result is refused */
+  FILE *out;
+  int indent, level;
+  int rc;       /* first error: later output is skipped */
   char *msg;
   size_t msgsize;
+  char buf[1 << 16];   /* output gathered into large writes */
+  size_t len;
 } wr_t;
 
-/* base64 of p as a JSON string; on failure marks the writer failed. */
-static json_t *b64_string(wr_t *w, const uint8_t *p, size_t n) {
-  char *b = vjson_b64_encode(p, n);
-  json_t *s = b ? json_string(b) : NULL;
-  free(b);
-  if (!s) w->failed = 1;
-  return s;
+static int wfail(wr_t *w, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int wfail(wr_t *w, int code, const char *fmt, ...) {
+  if (w->rc) return w->rc;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(w->msg, w->msgsize, fmt, ap);
+  va_end(ap);
+  return w->rc = code;
 }
 
 static wslot_t *wslot(wr_t *w, const void *key, int insert) {
@@ -510,8 +1051,8 @@ static wslot_t *wslot(wr_t *w, const void *key, int insert) {
     if (!ns) return NULL;
     for (size_t i = 0; i < w->cap; i++) {
       if (!w->slots[i].key) continue;
-      size_t j = ((uintptr_t)w->slots[i].key >> 4) * 0x9E3779B97F4A7C15ull % ncap;
-      while (ns[j].key) j = (j + 1) % ncap;
+      size_t j = node_hash(w->slots[i].key) & (ncap - 1);
+      while (ns[j].key) j = (j + 1) & (ncap - 1);
       ns[j] = w->slots[i];
     }
     free(w->slots);
@@ -519,7 +1060,7 @@ static wslot_t *wslot(wr_t *w, const void *key, int insert) {
     w->cap = ncap;
   }
   if (!w->cap) return NULL;
-  for (size_t j = ((uintptr_t)key >> 4) * 0x9E3779B97F4A7C15ull % w->cap;; j = (j + 1) % w->cap) {
+  for (size_t j = node_hash(key) & (w->cap - 1);; j = (j + 1) & (w->cap - 1)) {
     if (w->slots[j].key == key) return &w->slots[j];
     if (!w->slots[j].key) {
       if (!insert) return NULL;
@@ -530,19 +1071,21 @@ static wslot_t *wslot(wr_t *w, const void *key, int insert) {
   }
 }
 
-/* Pass 1: how often is each heap node met? */
+static int is_container(dp_value_t v) {
+  dp_kind_t k = dp_value_kind(v);
+  return k == DP_LIST || k == DP_TUPLE || k == DP_DICT || k == DP_OBJECT;
+}
+
+/* Pass 1: how often is each shared node met? depth: containers above v. */
 static int count_refs(wr_t *w, dp_value_t v, int depth) {
   if (!dp_value_is_heap(v)) return 0;
-  if (depth > VJSON_MAX_DEPTH) {
-    snprintf(w->msg, w->msgsize, "value nests deeper than %d levels, too deep for value JSON", VJSON_MAX_DEPTH);
-    return DP_ELIMIT;
+  if (is_container(v) && depth >= VJSON_MAX_DEPTH)
+    return wfail(w, DP_ELIMIT, "containers nested deeper than %d levels, too deep for value JSON", VJSON_MAX_DEPTH);
+  if (dp_value_refcount(v) > 1) {
+    wslot_t *s = wslot(w, dp_value_id(v), 1);
+    if (!s) return wfail(w, DP_ENOMEM, "out of memory");
+    if (s->count++ > 0) return 0;
   }
-  wslot_t *s = wslot(w, dp_value_id(v), 1);
-  if (!s) {
-    snprintf(w->msg, w->msgsize, "out of memory");
-    return DP_ENOMEM;
-  }
-  if (s->count++ > 0) return 0;
   int rc = 0;
   switch (dp_value_kind(v)) {
     case DP_LIST:
@@ -565,43 +1108,175 @@ static int count_refs(wr_t *w, dp_value_t v, int depth) {
       }
       break;
     case DP_CUSTOM:
-      snprintf(w->msg, w->msgsize, "a custom of type '%s' has no value JSON form (pickle it first)",
-               dp_custom_type(v)->name);
-      return DP_ETYPE;
+      return wfail(w, DP_ETYPE, "a custom of type '%s' has no value JSON form (pickle it first)", dp_custom_type(v)->name);
     default:
       break;
   }
   return rc;
 }
 
-static json_t *emit(wr_t *w, dp_value_t v);
+/* ---- the text ---- */
 
-static json_t *tag1(const char *k, json_t *v) {
-  json_t *o = json_object();
-  json_object_set_new(o, k, v);
-  return o;
+static void flush_out(wr_t *w) {
+  if (!w->rc && w->len && fwrite(w->buf, 1, w->len, w->out) != w->len)
+    wfail(w, DP_EIO, "write failed: %s", strerror(errno));
+  w->len = 0;
 }
 
-static json_t *emit_tensor(wr_t *w, dp_value_t v) {
+static void put(wr_t *w, const char *s, size_t n) {
+  if (w->len + n > sizeof w->buf) {
+    flush_out(w);
+    if (n > sizeof w->buf) {
+      if (!w->rc && fwrite(s, 1, n, w->out) != n) wfail(w, DP_EIO, "write failed: %s", strerror(errno));
+      return;
+    }
+  }
+  memcpy(w->buf + w->len, s, n);
+  w->len += n;
+}
+
+static void puts_(wr_t *w, const char *s) { put(w, s, strlen(s)); }
+
+static void newline(wr_t *w) {
+  static const char spaces[] = "                                                                ";
+  if (!w->indent) return;
+  put(w, "\n", 1);
+  for (size_t left = (size_t)w->level * (size_t)w->indent; left;) {
+    size_t k = left < sizeof spaces - 1 ? left : sizeof spaces - 1;
+    put(w, spaces, k);
+    left -= k;
+  }
+}
+
+static void put_string(wr_t *w, const char *s, size_t n) {
+  put(w, "\"", 1);
+  size_t run = 0;
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c >= 0x20 && c != '"' && c != '\\') continue;
+    put(w, s + run, i - run);
+    run = i + 1;
+    char esc[8];
+    switch (c) {
+      case '"': puts_(w, "\\\""); break;
+      case '\\': puts_(w, "\\\\"); break;
+      case '\b': puts_(w, "\\b"); break;
+      case '\f': puts_(w, "\\f"); break;
+      case '\n': puts_(w, "\\n"); break;
+      case '\r': puts_(w, "\\r"); break;
+      case '\t': puts_(w, "\\t"); break;
+      default: snprintf(esc, sizeof esc, "\\u%04x", c); put(w, esc, 6); break;
+    }
+  }
+  put(w, s + run, n - run);
+  put(w, "\"", 1);
+}
+
+/* Containers: open, then one `sep` per member or item, then close. */
+static void open_(wr_t *w, char c, int *first) {
+  put(w, &c, 1);
+  w->level++;
+  *first = 1;
+}
+
+static void sep(wr_t *w, int *first) {
+  if (!*first) put(w, ",", 1);
+  *first = 0;
+  newline(w);
+}
+
+static void key(wr_t *w, const char *k, size_t n, int *first) {
+  sep(w, first);
+  put_string(w, k, n);
+  put(w, w->indent ? ": " : ":", w->indent ? 2 : 1);
+}
+
+static void close_(wr_t *w, char c, int first) {
+  w->level--;
+  if (!first) newline(w);
+  put(w, &c, 1);
+}
+
+static void put_int(wr_t *w, long long i) {
+  char b[32];
+  put(w, b, (size_t)snprintf(b, sizeof b, "%lld", i));
+}
+
+static void put_b64(wr_t *w, const uint8_t *p, size_t n) {
+  char chunk[4096];
+  put(w, "\"", 1);
+  for (size_t i = 0; i < n && !w->rc;) {
+    size_t k = 0;
+    for (; i < n && k + 4 <= sizeof chunk; i += 3, k += 4) b64_block(p + i, n - i, chunk + k);
+    put(w, chunk, k);
+  }
+  put(w, "\"", 1);
+}
+
+/* {"tag": <then the caller's value>}: returns `first` for close_. */
+static int tag_open(wr_t *w, const char *tag) {
+  int first;
+  open_(w, '{', &first);
+  key(w, tag, strlen(tag), &first);
+  return first;
+}
+
+static void put_float(wr_t *w, double f) {
+  static const double canonical_nan = NAN;
+  uint64_t bits, nan_bits;
+  memcpy(&bits, &f, sizeof bits);
+  memcpy(&nan_bits, &canonical_nan, sizeof nan_bits);
+  char b[40];
+  if (isfinite(f)) {
+    int n = snprintf(b, sizeof b, "%.17g", f);
+    if (!strpbrk(b, ".e")) n += snprintf(b + n, sizeof b - (size_t)n, ".0");
+    put(w, b, (size_t)n);
+    return;
+  }
+  /* NaNs other than the canonical one keep their bits: distinct NaN keys stay distinct */
+  if (isnan(f) && bits != nan_bits) snprintf(b, sizeof b, "0x%016" PRIx64, bits);
+  else snprintf(b, sizeof b, "%s", isnan(f) ? "nan" : f > 0 ? "inf" : "-inf");
+  int first = tag_open(w, "$float");
+  put_string(w, b, strlen(b));
+  close_(w, '}', first);
+}
+
+static void emit(wr_t *w, dp_value_t v);
+
+static void emit_tensor(wr_t *w, dp_value_t v) {
   dp_storage_t *st = dp_tensor_storage(v);
   char buf[32];
-  json_t *t = json_object();
-  json_object_set_new(t, "device", json_string(dp_device_format(dp_storage_device(st), buf, sizeof buf)));
+  int outer = tag_open(w, "$tensor"), first, f2;
+  open_(w, '{', &first);
+  key(w, "device", 6, &first);
+  dp_device_format(dp_storage_device(st), buf, sizeof buf);
+  put_string(w, buf, strlen(buf));
+  key(w, "ptr", 3, &first);
   snprintf(buf, sizeof buf, "0x%" PRIxPTR, (uintptr_t)dp_storage_base(st));
-  json_object_set_new(t, "ptr", json_string(buf));
-  json_object_set_new(t, "nbytes", json_integer((json_int_t)dp_storage_nbytes(st)));
-  json_object_set_new(t, "dtype", json_string(dp_dtype_name(dp_tensor_dtype(v))));
-  json_t *shape = json_array(), *strides = json_array();
-  for (int d = 0; d < dp_tensor_ndim(v); d++) {
-    json_array_append_new(shape, json_integer(dp_tensor_shape(v)[d]));
-    json_array_append_new(strides, json_integer(dp_tensor_strides(v)[d]));
+  put_string(w, buf, strlen(buf));
+  key(w, "nbytes", 6, &first);
+  put_int(w, (long long)dp_storage_nbytes(st));
+  key(w, "dtype", 5, &first);
+  put_string(w, dp_dtype_name(dp_tensor_dtype(v)), strlen(dp_dtype_name(dp_tensor_dtype(v))));
+  for (int which = 0; which < 2; which++) {
+    key(w, which ? "strides" : "shape", which ? 7 : 5, &first);
+    const int64_t *a = which ? dp_tensor_strides(v) : dp_tensor_shape(v);
+    open_(w, '[', &f2);
+    for (int d = 0; d < dp_tensor_ndim(v); d++) {
+      sep(w, &f2);
+      put_int(w, (long long)a[d]);
+    }
+    close_(w, ']', f2);
   }
-  json_object_set_new(t, "shape", shape);
-  json_object_set_new(t, "strides", strides);
-  json_object_set_new(t, "offset", json_integer(dp_tensor_offset(v)));
+  key(w, "offset", 6, &first);
+  put_int(w, (long long)dp_tensor_offset(v));
   const void *data = dp_storage_host_data(st);
-  if (data) json_object_set_new(t, "data", b64_string(w, data, dp_storage_nbytes(st)));
-  return tag1("$tensor", t);
+  if (data) {
+    key(w, "data", 4, &first);
+    put_b64(w, data, dp_storage_nbytes(st));
+  }
+  close_(w, '}', first);
+  close_(w, '}', outer);
 }
 
 static int plain_key(wr_t *w, dp_value_t k) {
@@ -609,36 +1284,45 @@ static int plain_key(wr_t *w, dp_value_t k) {
   const char *s = dp_str_data(k, &n);
   if (!s || n == 0 || s[0] == '$' || memchr(s, 0, n)) return 0;
   wslot_t *sl = wslot(w, dp_value_id(k), 0);
-  return sl && sl->count == 1;
+  return !sl || sl->count == 1;
 }
 
-static json_t *emit_body(wr_t *w, dp_value_t v) {
+static void emit_seq(wr_t *w, dp_value_t v) {
+  int first;
+  open_(w, '[', &first);
+  for (size_t i = 0; i < dp_seq_len(v); i++) {
+    sep(w, &first);
+    emit(w, dp_seq_get(v, i));
+  }
+  close_(w, ']', first);
+}
+
+static void emit_body(wr_t *w, dp_value_t v) {
+  size_t n;
+  int first, outer;
   switch (dp_value_kind(v)) {
-    case DP_NONE: return json_null();
-    case DP_BOOL: return json_boolean(dp_value_as_bool(v));
-    case DP_INT: return json_integer(dp_value_as_int(v));
-    case DP_FLOAT: {
-      double f = dp_value_as_float(v);
-      if (isnan(f)) return tag1("$float", json_string("nan"));
-      if (isinf(f)) return tag1("$float", json_string(f > 0 ? "inf" : "-inf"));
-      return json_real(f);
-    }
+    case DP_NONE: puts_(w, "null"); return;
+    case DP_BOOL: puts_(w, dp_value_as_bool(v) ? "true" : "false"); return;
+    case DP_INT: put_int(w, (long long)dp_value_as_int(v)); return;
+    case DP_FLOAT: put_float(w, dp_value_as_float(v)); return;
     case DP_STR: {
-      size_t n;
       const char *s = dp_str_data(v, &n);
-      return json_stringn(s, n);
+      put_string(w, s, n);
+      return;
     }
     case DP_BYTES: {
-      size_t n;
       const uint8_t *p = dp_bytes_data(v, &n);
-      return tag1("$bytes", b64_string(w, p, n));
+      outer = tag_open(w, "$bytes");
+      put_b64(w, p, n);
+      close_(w, '}', outer);
+      return;
     }
-    case DP_LIST:
-    case DP_TUPLE: {
-      json_t *a = json_array();
-      for (size_t i = 0; i < dp_seq_len(v); i++) json_array_append_new(a, emit(w, dp_seq_get(v, i)));
-      return dp_value_kind(v) == DP_TUPLE ? tag1("$tuple", a) : a;
-    }
+    case DP_LIST: emit_seq(w, v); return;
+    case DP_TUPLE:
+      outer = tag_open(w, "$tuple");
+      emit_seq(w, v);
+      close_(w, '}', outer);
+      return;
     case DP_DICT: {
       int plain = 1;
       for (size_t i = 0; i < dp_dict_len(v) && plain; i++) {
@@ -646,79 +1330,128 @@ static json_t *emit_body(wr_t *w, dp_value_t v) {
         dp_dict_item(v, i, &k, NULL);
         plain = plain_key(w, k);
       }
-      json_t *o = plain ? json_object() : json_array();
+      outer = plain ? 1 : tag_open(w, "$dict");
+      open_(w, plain ? '{' : '[', &first);
       for (size_t i = 0; i < dp_dict_len(v); i++) {
         dp_value_t k, x;
         dp_dict_item(v, i, &k, &x);
         if (plain) {
-          json_object_set_new(o, dp_str_data(k, NULL), emit(w, x));
+          const char *ks = dp_str_data(k, &n);
+          key(w, ks, n, &first);
+          emit(w, x);
         } else {
-          json_t *pair = json_array();
-          json_array_append_new(pair, emit(w, k));
-          json_array_append_new(pair, emit(w, x));
-          json_array_append_new(o, pair);
+          int f2;
+          sep(w, &first);
+          open_(w, '[', &f2);
+          sep(w, &f2);
+          emit(w, k);
+          sep(w, &f2);
+          emit(w, x);
+          close_(w, ']', f2);
         }
       }
-      return plain ? o : tag1("$dict", o);
+      close_(w, plain ? '}' : ']', first);
+      if (!plain) close_(w, '}', outer);
+      return;
     }
-    case DP_TENSOR:
-      return emit_tensor(w, v);
+    case DP_TENSOR: emit_tensor(w, v); return;
     case DP_OBJECT: {
-      json_t *o = json_object();
+      const char *cls = dp_object_class(v);
       if (dp_object_is_reduced(v)) {
         dp_value_t st = dp_none();
         dp_object_get(v, "__reduce__", &st);
-        json_object_set_new(o, "$reduce", json_string(dp_object_class(v)));
-        json_object_set_new(o, "state", emit(w, st));
-        return o;
+        outer = tag_open(w, "$reduce");
+        put_string(w, cls, strlen(cls));
+        key(w, "state", 5, &outer);
+        emit(w, st);
+        close_(w, '}', outer);
+        return;
       }
-      json_t *attrs = json_object();
+      outer = tag_open(w, "$object");
+      put_string(w, cls, strlen(cls));
+      key(w, "attrs", 5, &outer);
+      open_(w, '{', &first);
       for (size_t i = 0; i < dp_object_nattrs(v); i++) {
         const char *name;
         dp_value_t x;
         dp_object_attr(v, i, &name, &x);
-        json_object_set_new(attrs, name, emit(w, x));
+        key(w, name, strlen(name), &first);
+        emit(w, x);
       }
-      json_object_set_new(o, "$object", json_string(dp_object_class(v)));
-      json_object_set_new(o, "attrs", attrs);
-      return o;
+      close_(w, '}', first);
+      close_(w, '}', outer);
+      return;
     }
     default:  /* customs were refused by count_refs */
-      return json_null();
+      puts_(w, "null");
+      return;
   }
 }
 
-static json_t *emit(wr_t *w, dp_value_t v) {
-  if (!dp_value_is_heap(v)) return emit_body(w, v);
-  wslot_t *s = wslot(w, dp_value_id(v), 0);
-  if (!s || s->count == 1) return emit_body(w, v);
+static void emit(wr_t *w, dp_value_t v) {
+  if (w->rc) return;
+  wslot_t *s = dp_value_is_heap(v) && dp_value_refcount(v) > 1 ? wslot(w, dp_value_id(v), 0) : NULL;
+  if (!s || s->count == 1) {
+    emit_body(w, v);
+    return;
+  }
   char name[24];
+  int first;
   if (s->id >= 0) {
     snprintf(name, sizeof name, "n%d", s->id);
-    return tag1("$ref", json_string(name));
+    first = tag_open(w, "$ref");
+    put_string(w, name, strlen(name));
+    close_(w, '}', first);
+    return;
   }
   s->id = w->next_id++;
   snprintf(name, sizeof name, "n%d", s->id);
-  json_t *o = json_object();
-  json_object_set_new(o, "$id", json_string(name));
-  json_object_set_new(o, "$value", emit_body(w, v));
-  return o;
+  first = tag_open(w, "$id");
+  put_string(w, name, strlen(name));
+  key(w, "$value", 6, &first);
+  emit_body(w, v);
+  close_(w, '}', first);
+}
+
+int vjson_write(FILE *out, dp_value_t v, int indent, char *msg, size_t msgsize) {
+  wr_t *w = calloc(1, sizeof *w);
+  if (!w) {
+    snprintf(msg, msgsize, "out of memory");
+    return DP_ENOMEM;
+  }
+  w->out = out;
+  w->indent = indent;
+  w->msg = msg;
+  w->msgsize = msgsize;
+  if (count_refs(w, v, 0) == 0) {
+    emit(w, v);
+    put(w, "\n", 1);
+    flush_out(w);
+  }
+  int rc = w->rc;
+  free(w->slots);
+  free(w);
+  return rc;
 }
 
 json_t *vjson_from_value(dp_value_t v, char *msg, size_t msgsize) {
-  wr_t w;
-  memset(&w, 0, sizeof w);
-  w.msg = msg;
-  w.msgsize = msgsize;
-  json_t *j = NULL;
-  if (count_refs(&w, v, 0) == 0) {
-    j = emit(&w, v);
-    if (!j || w.failed) {
-      json_decref(j);
-      j = NULL;
-      snprintf(msg, msgsize, "out of memory building JSON");
-    }
+  char *text = NULL;
+  size_t n = 0;
+  FILE *f = open_memstream(&text, &n);
+  if (!f) {
+    snprintf(msg, msgsize, "out of memory building JSON");
+    return NULL;
   }
-  free(w.slots);
+  int rc = vjson_write(f, v, 0, msg, msgsize);
+  if (fclose(f) != 0 && !rc) {
+    rc = DP_ENOMEM;
+    snprintf(msg, msgsize, "out of memory building JSON");
+  }
+  json_t *j = NULL;
+  if (!rc) {
+    size_t pos;
+    j = vjson_parse(text, n, msg, msgsize, &pos);
+  }
+  free(text);
   return j;
 }

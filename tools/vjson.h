@@ -1,20 +1,41 @@
 /* tools/vjson.h — the value-JSON notation (docs/VALUE_JSON.md). */
 #ifndef DP_TOOLS_VJSON_H
 #define DP_TOOLS_VJSON_H
+#include <stdio.h>
 #include <jansson.h>
 #include "devpickle.h"
 
+/* Containers nested at most this deep, in value JSON and in the frames the
+ * CLI reads (the same number, so that every frame the CLI accepts has a value
+ * JSON form and packs back). */
 #define VJSON_MAX_DEPTH 2000
+/* JSON nesting that VJSON_MAX_DEPTH value levels can need: a level costs at
+ * most 4 JSON levels ({"$id", "$value": {"$dict": [[k, v]]}}), a tensor 3. */
+#define VJSON_MAX_JSON_DEPTH (4 * VJSON_MAX_DEPTH + 8)
+
+/* Parses JSON text of n bytes into a jansson tree without jansson's parser:
+ * nesting up to VJSON_MAX_JSON_DEPTH, NUL bytes allowed in strings and keys
+ * (\u0000), duplicate keys refused, integers outside int64 refused. NULL on
+ * error with msg ("... (line L, column C)") and *errpos, the byte offset. */
+json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_t *errpos);
 
 /* Builds a value from parsed JSON. On error returns a DP_E* code and writes
  * a message naming the JSON path into msg. *is_inline tells whether the
  * tensors carry "data" (all of them) — such values make inline frames. */
 int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t msgsize);
 
-/* Renders a value as value JSON (new reference), or NULL with msg. */
+/* Writes v as value JSON to out as it walks (no tree is built), indented by
+ * `indent` spaces a level (0: compact), and a final newline. Memory: one
+ * table entry per node with more than one reference. Returns 0, or a DP_E*
+ * code with msg (a custom, nesting deeper than VJSON_MAX_DEPTH, no memory, or
+ * DP_EIO when a write failed: check ferror(out)). */
+int vjson_write(FILE *out, dp_value_t v, int indent, char *msg, size_t msgsize);
+
+/* Renders a value as value JSON (new reference), or NULL with msg: the text
+ * vjson_write gives, parsed back. For tests and fuzzers. */
 json_t *vjson_from_value(dp_value_t v, char *msg, size_t msgsize);
 
 /* base64 */
 char *vjson_b64_encode(const uint8_t *p, size_t n);
-int vjson_b64_decode(const char *s, uint8_t **out, size_t *n);
+int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n);
 #endif

@@ -144,6 +144,25 @@ typedef struct dp_frame_info {
 /** Validates the header, lengths and checksum and counts the buffers. */
 DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err);
 
+/** Reads up to n bytes into dst: 0 and *got (0 only at the end of the
+ *  stream), or a DP_E* code (DP_EIO) with err filled in. */
+typedef int (*dp_stream_read_cb)(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err);
+
+/** Reads a frame from a stream and rebuilds its value as dp_unpickle does,
+ *  with the same checks, limits and errors (offsets count from the start of
+ *  the stream), holding in memory only the header, payload and buffer table:
+ *  an inline frame's data section is hashed and its layout checked as it
+ *  streams by, then dropped. So checking a frame costs memory independent
+ *  of its data section. The price: inline storages come back WITHOUT host
+ *  data (dp_storage_host_data is NULL) and a bind callback sees desc->data
+ *  NULL; use dp_unpickle when the bytes are wanted.
+ *  On success *out is a new reference, *info (may be NULL) the frame's
+ *  header facts and *size (may be NULL) its length. read is called from this
+ *  thread only; the call is thread-safe as dp_unpickle is. Errors: those of
+ *  dp_unpickle, and read's. */
+DP_API int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_t *opts, dp_value_t *out,
+                              dp_frame_info_t *info, uint64_t *size, dp_error_t *err);
+
 #ifdef __cplusplus
 }
 #endif
