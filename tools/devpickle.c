@@ -336,7 +336,7 @@ static int cmd_pack(int argc, char **argv) {
   dp_unpickle_opts_t o = cli_unpickle_opts();
   dp_value_t back;
   if (dp_unpickle(b, n, &o, &back, &e) != 0) {
-    char what[700];
+    char what[DP_ERROR_MSG_MAX + 128];
     snprintf(what, sizeof what, "the frame would not pass verify (%s, at byte %lld); nothing written", e.message,
              (long long)e.offset);
     dp_frame_free(f);
