@@ -2,6 +2,7 @@
 #ifndef DP_PICKLER_WALK_H
 #define DP_PICKLER_WALK_H
 #include "internal.h"
+#include "table.h"
 
 /* What a walk reports, for pickle. Scan passes no sink: the walker then only
  * feeds the pointer set. */
@@ -19,11 +20,12 @@ typedef struct dp__wframe {
   size_t i, n;        /* next child, child count */
 } dp__wframe_t;
 
-typedef struct dp__memo_slot {
+/* The memo's items, in the order first met; its table (table.h) maps a
+ * node's address to one. */
+typedef struct dp__memo_item {
   const void *key;
-  uint32_t index;
-  uint32_t gen;
-} dp__memo_slot_t;
+  uint64_t index;   /* preorder number */
+} dp__memo_item_t;
 
 /* Tensors a scan has met but not yet looked into: the tensor, its storage
  * and its hash slot are fetched for a whole batch at a time, so that the
@@ -36,9 +38,9 @@ typedef struct dp__walker {
   int batch;                   /* scan without paths: pipeline inserts */
   dp__wframe_t *stack;
   size_t top, stack_cap;
-  dp__memo_slot_t *memo;
-  size_t memo_cap, memo_count;
-  uint32_t memo_gen;
+  dp__table_t memo;            /* node -> memo_items[i]; cleared by generation */
+  dp__memo_item_t *memo_items;
+  size_t memo_items_cap;
   dp_value_t *states;          /* reduce states held until the walk ends */
   size_t nstates, states_cap;
   char *path;                  /* scratch for rendering paths */
