@@ -102,7 +102,7 @@ static void block_recycle(dp_cache_t *c, block_t *b) {
  * hole, so that mapped[] stays dense. */
 
 /* Keyed (table.h): which pointers come back is up to the caller. */
-static uint64_t ptr_hash(const void *p) { return dp__hash_u64((uint64_t)(uintptr_t)p, 0); }
+static inline uint64_t ptr_hash(const void *p) { return dp__hash_ptr(p); }
 
 static uint64_t map_hash_at(const void *ctx, size_t i) {
   return ptr_hash(((const dp_cache_t *)ctx)->mapped[i]->ptr);

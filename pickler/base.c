@@ -98,7 +98,6 @@ int dp__grow_inl(void **arr, size_t *cap, size_t need, size_t size, const void *
  * this code (randomised by ASLR). That fallback resists a remote sender, not
  * a local one that can read the clock and the process's memory map. */
 
-_Atomic int dp__g_hash_ready;
 _Atomic uint64_t dp__g_hash_secret;
 static pthread_once_t g_hash_once = PTHREAD_ONCE_INIT;
 
@@ -116,8 +115,7 @@ static void hash_secret_init(void) {
                        (uint64_t)getpid(), (uint64_t)(uintptr_t)&s, (uint64_t)(uintptr_t)&hash_secret_init};
     s = XXH3_64bits(mix, sizeof mix);
   }
-  atomic_store_explicit(&dp__g_hash_secret, s, memory_order_relaxed);
-  atomic_store_explicit(&dp__g_hash_ready, 1, memory_order_release);
+  atomic_store_explicit(&dp__g_hash_secret, s ? s : 1, memory_order_relaxed);  /* 0 means "not yet" */
 }
 
 uint64_t dp__hash_secret_slow(void) {

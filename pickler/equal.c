@@ -26,7 +26,7 @@ static void ps_init(pairset_t *s, int a_only) {
 /* Keyed (table.h): node addresses follow the allocator, which the input
  * steers. */
 static uint64_t pair_hash(const pairset_t *s, const void *a, const void *b) {
-  if (s->a_only) return dp__hash_u64((uint64_t)(uintptr_t)a, 0);
+  if (s->a_only) return dp__hash_ptr(a);
   uint64_t k[2] = {(uint64_t)(uintptr_t)a, (uint64_t)(uintptr_t)b};
   return dp__hash_bytes(k, sizeof k, 0);
 }

@@ -34,7 +34,7 @@ struct dp_ptrset {
 
 /* Keyed with the process's secret: bases a frame or a caller chose to
  * collide under a known hash do not collide here. */
-static inline uint64_t dp__ptr_hash(dp_device_t d, const void *base) {
+static inline __attribute__((always_inline)) uint64_t dp__ptr_hash(dp_device_t d, const void *base) {
   return dp__hash_u64((uint64_t)(uintptr_t)base, ((uint64_t)d.type << 8) | d.index);
 }
 

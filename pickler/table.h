@@ -36,29 +36,42 @@
 
 /* ---- the per-process secret ---- */
 
-/* hidden: read without going through the GOT */
-extern __attribute__((visibility("hidden"))) _Atomic int dp__g_hash_ready;
+/* hidden: read without going through the GOT. 0 until drawn. */
 extern __attribute__((visibility("hidden"))) _Atomic uint64_t dp__g_hash_secret;
 uint64_t dp__hash_secret_slow(void);
 
-/* The secret every hash is keyed with: random (getrandom) once per process. */
+/* The secret every hash is keyed with: random (getrandom) once per process,
+ * never 0 unless a test forces it (then every call takes the slow path).
+ * Relaxed: the secret is the only thing published. */
 static inline __attribute__((always_inline)) uint64_t dp__hash_secret(void) {
-  if (DP_LIKELY(atomic_load_explicit(&dp__g_hash_ready, memory_order_acquire)))
-    return atomic_load_explicit(&dp__g_hash_secret, memory_order_relaxed);
-  return dp__hash_secret_slow();
+  uint64_t s = atomic_load_explicit(&dp__g_hash_secret, memory_order_relaxed);
+  return DP_LIKELY(s != 0) ? s : dp__hash_secret_slow();
 }
 
 /* Test hook: replaces the secret. Only before any table or hashed value
  * exists (their hashes were taken with the old one). */
 void dp__hash_secret_set(uint64_t secret);
 
-/* Keyed hashes: 8 bytes (pointers, integers) and byte strings. `salt`
- * separates key kinds (a device, a value kind). */
+/* Keyed hashes of data — 8 bytes (integers, buffer bases from a frame) and
+ * byte strings: XXH3 seeded with the secret. `salt` separates key kinds (a
+ * device, a value kind); with the secret 0 these are the fixed-seed hashes
+ * the library used before (the tests build their collisions that way). */
 static inline __attribute__((always_inline)) uint64_t dp__hash_u64(uint64_t x, uint64_t salt) {
   return XXH3_64bits_withSeed(&x, sizeof x, dp__hash_secret() ^ salt);
 }
 static inline uint64_t dp__hash_bytes(const void *p, size_t n, uint64_t salt) {
   return XXH3_64bits_withSeed(p, n, dp__hash_secret() ^ salt);
+}
+
+/* Keyed hash of a local address (the memo, equality's node maps, the
+ * allocator's blocks): the allocator picks those, an input only steers it,
+ * so a lighter full-avalanche mix (splitmix64's finalizer) of the address
+ * xor the secret does, at half XXH3's instructions on the walk's path. */
+static inline __attribute__((always_inline)) uint64_t dp__hash_ptr(const void *p) {
+  uint64_t z = (uint64_t)(uintptr_t)p ^ dp__hash_secret();
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
 }
 
 /* ---- the table ---- */

@@ -38,7 +38,7 @@ void dp__walker_destroy(dp__walker_t *w) {
 
 /* Keyed (table.h): node addresses follow the allocator, which the input
  * steers. */
-static inline uint64_t ptr_hash(const void *p) { return dp__hash_u64((uint64_t)(uintptr_t)p, 0); }
+static inline uint64_t ptr_hash(const void *p) { return dp__hash_ptr(p); }
 
 static inline __attribute__((always_inline)) int memo_eq(const void *ctx, size_t i, const void *key) {
   return ((const dp__walker_t *)ctx)->memo_items[i].key == key;
