@@ -423,7 +423,7 @@ void dp_cache_destroy(dp_cache_t *c) {
     c->spare = b->fnext;
     dp__free(b, sizeof *b);
   }
-  dp__table_free(&c->map, DP_TABLE_TAGGED);
+  dp__table_destroy(&c->map, DP_TABLE_TAGGED);
   dp__free(c->mapped, c->mapped_cap * sizeof *c->mapped);
   dp__free(c->pools, (size_t)c->ndev * sizeof(devpool_t));
   pthread_mutex_unlock(&c->mu);

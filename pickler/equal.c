@@ -64,7 +64,7 @@ static int ps_put(pairset_t *s, const void *a, const void *b, const void **bout)
 }
 
 static void ps_free(pairset_t *s) {
-  dp__table_free(&s->t, DP_TABLE_TAGGED);
+  dp__table_destroy(&s->t, DP_TABLE_TAGGED);
   dp__free(s->pairs, s->cap * sizeof(pair_t));
 }
 

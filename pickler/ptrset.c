@@ -29,7 +29,7 @@ void dp_ptrset_free(dp_ptrset_t *s) {
   if (!s) return;
   free_paths(s);
   dp__free(s->entries, s->cap * sizeof(dp__pentry_t));
-  dp__table_free(&s->tab, DP_TABLE_TAGGED);
+  dp__table_destroy(&s->tab, DP_TABLE_TAGGED);
   dp__free(s->groups, s->groups_cap * sizeof(dp__pgroup_t));
   dp__walker_destroy(&s->walker);
   dp__free(s, sizeof *s);

@@ -12,7 +12,7 @@ int dp__table_grow(dp__table_t *t, int kind, size_t nitems, size_t min_slots, dp
   void *slots = dp__alloc_array(n, ssize);
   if (!slots) return DP_ENOMEM;
   memset(slots, 0, n * ssize);
-  dp__table_free(t, kind);
+  dp__table_destroy(t, kind);
   t->slots = slots;
   t->nslots = n;
   t->gen = 1;
@@ -69,7 +69,7 @@ void dp__table_move(dp__table_t *t, int kind, uint64_t h, size_t from, size_t to
   }
 }
 
-void dp__table_free(dp__table_t *t, int kind) {
+void dp__table_destroy(dp__table_t *t, int kind) {
   dp__free(t->slots, t->nslots * dp__table_slot_size(kind));
   t->slots = NULL;
   t->nslots = 0;

@@ -204,7 +204,8 @@ void dp__table_remove(dp__table_t *t, int kind, size_t slot, dp__table_hash_fn h
 /* The slot holding item `from` (hash h) now holds item `to`. */
 void dp__table_move(dp__table_t *t, int kind, uint64_t h, size_t from, size_t to);
 
-void dp__table_free(dp__table_t *t, int kind);
+/* Frees the slots: the table is empty, as after dp__table_init. */
+void dp__table_destroy(dp__table_t *t, int kind);
 
 /* Test hook: the probes that finding every item takes, in total (each
  * item: its distance from its home slot, plus one). */

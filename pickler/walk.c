@@ -27,7 +27,7 @@ static void release_states(dp__walker_t *w) {
 void dp__walker_destroy(dp__walker_t *w) {
   release_states(w);
   dp__free(w->stack, w->stack_cap * sizeof(dp__wframe_t));
-  dp__table_free(&w->memo, DP_TABLE_TAGGED);
+  dp__table_destroy(&w->memo, DP_TABLE_TAGGED);
   dp__free(w->memo_items, w->memo_items_cap * sizeof(dp__memo_item_t));
   dp__free(w->states, w->states_cap * sizeof(dp_value_t));
   dp__free(w->path, w->path_cap);

@@ -69,7 +69,7 @@ static void insert_and_find(int kind) {
   for (uint64_t i = 0; i < 1000; i++) cr_assert_eq(t_find(&t, kind, &s, i * 4096 + 1), DP_TABLE_NONE);
   double avg = (double)dp__table_probes(&t, kind, keys_hash_at, &s) / (double)t.count;
   cr_assert_leq(avg, 2.0, "%.2f probes per key on average", avg);
-  dp__table_free(&t, kind);
+  dp__table_destroy(&t, kind);
   free(s.k);
   ASSERT_NO_LEAK();
 }
@@ -94,7 +94,7 @@ Test(table, clearing_empties_the_table_and_keeps_its_slots) {
     for (uint64_t i = 0; i < 1000; i++) cr_assert_eq(t_add(&t, kind, &s, 5000 + i), i);
     cr_assert_eq(t.slots, slots, "refilled without growing");
     for (uint64_t i = 0; i < 1000; i++) cr_assert_eq(t_find(&t, kind, &s, 5000 + i), i);
-    dp__table_free(&t, kind);
+    dp__table_destroy(&t, kind);
     free(s.k);
   }
   ASSERT_NO_LEAK();
@@ -115,7 +115,7 @@ Test(table, an_item_of_the_first_generation_stays_gone_when_the_generation_count
   cr_assert_eq(t_add(&t, DP_TABLE_TAGGED, &s, 7), 0);
   cr_assert_eq(t_find(&t, DP_TABLE_TAGGED, &s, 7), 0);
   cr_assert_eq(t_find(&t, DP_TABLE_TAGGED, &s, 42), DP_TABLE_NONE);
-  dp__table_free(&t, DP_TABLE_TAGGED);
+  dp__table_destroy(&t, DP_TABLE_TAGGED);
   free(s.k);
   ASSERT_NO_LEAK();
 }
@@ -160,7 +160,7 @@ Test(table, removing_items_from_runs_that_wrap_around_the_end_keeps_every_other_
       if (gone[i]) t_add(&t, kind, &s, i);
     for (uint64_t i = 0; i < 300; i++) cr_assert_neq(t_find(&t, kind, &s, i), DP_TABLE_NONE);
     cr_assert_eq(t.count, 300);
-    dp__table_free(&t, kind);
+    dp__table_destroy(&t, kind);
     free(s.k);
   }
   ASSERT_NO_LEAK();
@@ -177,7 +177,7 @@ Test(table, growth_that_runs_out_of_memory_leaves_the_table_intact) {
   t_fail_at = 0;
   cr_assert_eq(t.slots, slots);
   for (uint64_t i = 0; i < 16; i++) cr_assert_eq(t_find(&t, DP_TABLE_TAGGED, &s, i), i);
-  dp__table_free(&t, DP_TABLE_TAGGED);
+  dp__table_destroy(&t, DP_TABLE_TAGGED);
   free(s.k);
   ASSERT_NO_LEAK();
 }
