@@ -116,9 +116,7 @@ dp__walker_t *dp__ptrset_walker(dp_ptrset_t *set) { return &set->walker; }
 
 int dp_ptrset_find(const dp_ptrset_t *s, dp_device_t device, const void *base, size_t *index) {
   if (!s) return DP_ENOTFOUND;
-  dp__pentry_t key;
-  key.device = device;
-  key.base = (void *)(uintptr_t)base;
+  dp__pkey_t key = {base, device};
   size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, dp__ptr_hash(device, base), dp__ptrset_eq, s, &key, &j);
   if (at == DP_TABLE_NONE) return DP_ENOTFOUND;
   if (index) *index = at;

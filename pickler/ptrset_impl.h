@@ -42,8 +42,14 @@ static inline void dp__ptrset_prefetch(const dp_ptrset_t *s, uint64_t h) {
   dp__table_prefetch(&s->tab, DP_TABLE_TAGGED, h);
 }
 
+typedef struct dp__pkey {
+  const void *base;
+  dp_device_t device;
+} dp__pkey_t;
+
 static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, size_t i, const void *key) {
-  const dp__pentry_t *e = &((const dp_ptrset_t *)ctx)->entries[i], *k = key;
+  const dp__pentry_t *e = &((const dp_ptrset_t *)ctx)->entries[i];
+  const dp__pkey_t *k = key;
   return e->base == k->base && dp_device_equal(e->device, k->device);
 }
 
@@ -55,9 +61,7 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
 /* Finds (device, base) given its hash or adds it; counts one more tensor. */
 static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,
                                         uint64_t h, size_t *index, int *is_new) {
-  dp__pentry_t key;
-  key.device = device;
-  key.base = base;
+  dp__pkey_t key = {base, device};
   size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
   if (at != DP_TABLE_NONE) {
     dp__pentry_t *e = &s->entries[at];
