@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "../device/internal.h"
+#include "../pickler/table.h"
 
 #define ROUND 512u
 #define SMALL_MAX ((size_t)1 << 20)
@@ -67,8 +68,9 @@ struct dp_cache {
   pthread_mutex_t mu;
   devpool_t *pools;
   int ndev;
-  block_t **map;                 /* allocated blocks by ptr */
-  size_t map_cap, map_count;
+  dp__table_t map;               /* allocated blocks by ptr: mapped[] */
+  block_t **mapped;              /* the allocated blocks, dense */
+  size_t mapped_cap;
   block_t *pending_head, *pending_tail;
   block_t *spare;                /* recycled block structs */
 };
@@ -95,57 +97,46 @@ static void block_recycle(dp_cache_t *c, block_t *b) {
   c->spare = b;
 }
 
-/* ---- the pointer map (linear probing, backward-shift deletion) ---- */
+/* ---- the pointer map: a tagged table (table.h) over mapped[] ----
+ * Deletion shifts back (no tombstones) and moves the last block into the
+ * hole, so that mapped[] stays dense. */
 
-static size_t ptr_slot(const void *p, size_t cap) {
-  return (size_t)(((uint64_t)(uintptr_t)p >> 9) * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
+/* Keyed (table.h): which pointers come back is up to the caller. */
+static inline uint64_t ptr_hash(const void *p) { return dp__hash_ptr(p); }
+
+static uint64_t map_hash_at(const void *ctx, size_t i) {
+  return ptr_hash(((const dp_cache_t *)ctx)->mapped[i]->ptr);
+}
+
+static inline __attribute__((always_inline)) int map_eq(const void *ctx, size_t i, const void *key) {
+  return ((const dp_cache_t *)ctx)->mapped[i]->ptr == (const char *)key;
 }
 
 static int map_insert(dp_cache_t *c, block_t *b) {
-  if ((c->map_count + 1) * 2 > c->map_cap) {
-    size_t ncap = c->map_cap ? c->map_cap * 2 : 256;
-    block_t **m = dp__alloc_array(ncap, sizeof *m);
-    if (!m) return DP_ENOMEM;
-    memset(m, 0, ncap * sizeof *m);
-    for (size_t i = 0; i < c->map_cap; i++) {
-      if (!c->map[i]) continue;
-      size_t j = ptr_slot(c->map[i]->ptr, ncap);
-      while (m[j]) j = (j + 1) & (ncap - 1);
-      m[j] = c->map[i];
-    }
-    dp__free(c->map, c->map_cap * sizeof *m);
-    c->map = m;
-    c->map_cap = ncap;
-  }
-  size_t j = ptr_slot(b->ptr, c->map_cap);
-  while (c->map[j]) j = (j + 1) & (c->map_cap - 1);
-  c->map[j] = b;
-  c->map_count++;
+  size_t n = c->map.count;
+  if (dp__grow((void **)&c->mapped, &c->mapped_cap, n + 1, sizeof *c->mapped) != 0) return DP_ENOMEM;
+  if (dp__table_full(&c->map) && dp__table_grow(&c->map, DP_TABLE_TAGGED, n, 256, map_hash_at, c) != 0)
+    return DP_ENOMEM;
+  uint64_t h = ptr_hash(b->ptr);
+  c->mapped[n] = b;
+  dp__table_put(&c->map, DP_TABLE_TAGGED, dp__table_empty_slot(&c->map, DP_TABLE_TAGGED, h), h, n);
   return 0;
 }
 
 static block_t *map_find(dp_cache_t *c, const void *p, size_t *slot) {
-  if (!c->map_cap) return NULL;
-  for (size_t j = ptr_slot(p, c->map_cap); c->map[j]; j = (j + 1) & (c->map_cap - 1))
-    if (c->map[j]->ptr == p) {
-      if (slot) *slot = j;
-      return c->map[j];
-    }
-  return NULL;
+  size_t j, at = dp__table_find(&c->map, DP_TABLE_TAGGED, ptr_hash(p), map_eq, c, p, &j);
+  if (at == DP_TABLE_NONE) return NULL;
+  if (slot) *slot = j;
+  return c->mapped[at];
 }
 
 static void map_remove_at(dp_cache_t *c, size_t j) {
-  size_t mask = c->map_cap - 1;
-  c->map[j] = NULL;
-  c->map_count--;
-  for (size_t k = (j + 1) & mask; c->map[k]; k = (k + 1) & mask) {
-    size_t home = ptr_slot(c->map[k]->ptr, c->map_cap);
-    /* move k back to j if its home is not within (j, k] */
-    if ((k > j && (home <= j || home > k)) || (k < j && home <= j && home > k)) {
-      c->map[j] = c->map[k];
-      c->map[k] = NULL;
-      j = k;
-    }
+  size_t at = dp__table_ref(&c->map, DP_TABLE_TAGGED, j) - 1;
+  dp__table_remove(&c->map, DP_TABLE_TAGGED, j, map_hash_at, c);
+  size_t last = c->map.count;
+  if (at != last) {
+    c->mapped[at] = c->mapped[last];
+    dp__table_move(&c->map, DP_TABLE_TAGGED, ptr_hash(c->mapped[at]->ptr), last, at);
   }
 }
 
@@ -385,6 +376,7 @@ int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
     return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
   }
   memset(c->pools, 0, (size_t)b->ndev * sizeof(devpool_t));
+  dp__table_init(&c->map);
   c->b = b;
   c->ndev = b->ndev;
   pthread_mutex_init(&c->mu, NULL);
@@ -431,7 +423,8 @@ void dp_cache_destroy(dp_cache_t *c) {
     c->spare = b->fnext;
     dp__free(b, sizeof *b);
   }
-  dp__free(c->map, c->map_cap * sizeof *c->map);
+  dp__table_destroy(&c->map, DP_TABLE_TAGGED);
+  dp__free(c->mapped, c->mapped_cap * sizeof *c->mapped);
   dp__free(c->pools, (size_t)c->ndev * sizeof(devpool_t));
   pthread_mutex_unlock(&c->mu);
   pthread_mutex_destroy(&c->mu);

@@ -1,6 +1,7 @@
 /* bench/bench_pickler.c — scan, pickle and unpickle against their baselines,
  * measured in the same run. Usage: bench_pickler OUT.json */
 #include <msgpack.h>
+#include <xxhash.h>
 
 #include "bench.h"
 #include "devpickle.h"
@@ -310,6 +311,121 @@ static double time_decode(pk_ctx_t *c, int msgpack_c, int rounds) {
   return best;
 }
 
+/* ---- hash flooding: keys built to collide vs random keys ----
+ * XXH3-64 of 8 bytes is invertible (x -> rrmxmx(rotl(x, 32) ^ bitflip),
+ * bitflip a function of the seed), so under a known seed anyone can pick
+ * keys whose hashes share their low 32 bits. The library keys its hashes
+ * with a per-process secret: these keys, built for the old fixed seeds (the
+ * value kind for dict keys, the device for buffer bases), must cost what
+ * random keys cost (ratio close to 1). */
+
+static uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+static uint64_t rrmxmx_inverse(uint64_t h) {
+  const uint64_t p = 0x9FB21C651E98DF25ull;
+  uint64_t inv = p;
+  for (int i = 0; i < 6; i++) inv *= 2 - p * inv;
+  uint64_t x = h;
+  for (int i = 0; i < 3; i++) x = h ^ (x >> 28);
+  x *= inv;
+  x ^= (x >> 35) + 8;
+  x *= inv;
+  for (int i = 0; i < 63; i++) x = x ^ rotl64(x, 49) ^ rotl64(x, 24);  /* L^64 = I */
+  return x;
+}
+
+/* Key i of a family colliding under XXH3_64bits_withSeed(., 8, seed). */
+static uint64_t colliding_key(size_t i, uint64_t seed) {
+  uint64_t zero = 0, bitflip = rrmxmx_inverse(XXH3_64bits_withSeed(&zero, 8, seed));
+  return rotl64(rrmxmx_inverse(((uint64_t)(i + 1) << 32) | 0x5bd1e995u) ^ bitflip, 32);
+}
+
+static uint64_t random_key(size_t i) {
+  uint64_t x = (uint64_t)i * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  return x ^ (x >> 29);
+}
+
+typedef struct flood_ctx {
+  uint8_t *frame;
+  size_t n;
+  dp_ptrset_t *set;
+  uint64_t *bases;
+  size_t nbases;
+} flood_ctx_t;
+
+static flood_ctx_t flood_dict_frame(size_t n, int collide) {
+  dp_value_t d;
+  dp_dict_new(n, &d, NULL);
+  for (size_t i = 0; i < n; i++)
+    dp_dict_set(d, dp_int((int64_t)(collide ? colliding_key(i, DP_INT) : random_key(i))), dp_int((int64_t)i), NULL);
+  dp_frame_t *f;
+  dp_frame_new(&f, NULL);
+  if (dp_pickle(d, NULL, f, NULL) != 0) exit(1);
+  flood_ctx_t c = {0};
+  const uint8_t *p = dp_frame_data(f, &c.n);
+  c.frame = malloc(c.n);
+  memcpy(c.frame, p, c.n);
+  dp_frame_free(f);
+  dp_value_release(d);
+  return c;
+}
+
+static void run_unpickle_frame(void *p) {
+  flood_ctx_t *c = p;
+  dp_value_t v;
+  if (dp_unpickle(c->frame, c->n, NULL, &v, NULL) != 0) exit(1);
+  dp_value_release(v);
+}
+
+static void run_ptrset_adds(void *p) {
+  flood_ctx_t *c = p;
+  dp_ptrset_clear(c->set);
+  for (size_t i = 0; i < c->nbases; i++) dp_ptrset_add(c->set, cuda0, (void *)(uintptr_t)c->bases[i], 512, NULL, NULL);
+}
+
+/* Times a and b alternately (as bench_pair does), each on its own context. */
+static void flood_pair(void (*fn)(void *), flood_ctx_t *a, flood_ctx_t *b, double *ta, double *tb) {
+  double xa[5], xb[5];
+  for (int r = 0; r < 5; r++) {
+    xa[r] = bench_time(fn, a, 3);
+    xb[r] = bench_time(fn, b, 3);
+  }
+  qsort(xa, 5, sizeof(double), bench_cmp);
+  qsort(xb, 5, sizeof(double), bench_cmp);
+  *ta = xa[0];
+  *tb = xb[0];
+}
+
+static void bench_flood(const char *out) {
+  flood_ctx_t a = flood_dict_frame(60000, 1), b = flood_dict_frame(60000, 0);
+  double ta, tb;
+  flood_pair(run_unpickle_frame, &a, &b, &ta, &tb);
+  bench_row(out, "flood_dict_60000", "cpu", ta * 1e3, "ms", ta / tb,
+            "unpickle of a dict of 60,000 int keys colliding under the old fixed seed vs random keys (time ratio)");
+  free(a.frame);
+  free(b.frame);
+  uint64_t old_seed = ((uint64_t)cuda0.type << 8) | cuda0.index;
+  flood_ctx_t pa = {0}, pb = {0};
+  pa.nbases = pb.nbases = 40000;
+  pa.bases = malloc(40000 * sizeof(uint64_t));
+  pb.bases = malloc(40000 * sizeof(uint64_t));
+  for (size_t i = 0; i < 40000; i++) {
+    pa.bases[i] = colliding_key(i, old_seed);
+    pb.bases[i] = random_key(i);
+  }
+  dp_ptrset_new(&pa.set, NULL);
+  dp_ptrset_new(&pb.set, NULL);
+  flood_pair(run_ptrset_adds, &pa, &pb, &ta, &tb);
+  bench_row(out, "flood_ptrset_40000", "cpu", ta * 1e3, "ms", ta / tb,
+            "40,000 buffer bases colliding under the old fixed seed added to a pointer set vs random bases (time ratio)");
+  dp_ptrset_free(pa.set);
+  dp_ptrset_free(pb.set);
+  free(pa.bases);
+  free(pb.bases);
+}
+
 int main(int argc, char **argv) {
   const char *out = argc > 1 ? argv[1] : "build/bench.json";
   bench_scan(out, "scan_list_1000", make_list(1000), 1001, 0);
@@ -317,6 +433,7 @@ int main(int argc, char **argv) {
   bench_scan(out, "scan_objects_1000", make_objects(1000), 2001, 0);
   bench_tree(out, "scan_tree_1m", 10);       /* 100k tensors among 1.11M nodes */
   bench_tree(out, "scan_tree_1m_dense", 2);  /* 500k distinct allocations: the worst case */
+  bench_flood(out);
 
   pk_ctx_t c = {0};
   c.v = make_mixed();

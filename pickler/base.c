@@ -1,9 +1,15 @@
 /* pickler/base.c — errors, the allocator hook, devices, small text helpers. */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <sys/random.h>
+#endif
 
-#include "internal.h"
+#include "table.h"
 
 static void *default_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
   DP_UNUSED(ud);
@@ -81,6 +87,45 @@ int dp__grow_inl(void **arr, size_t *cap, size_t need, size_t size, const void *
   *arr = p;
   *cap = ncap;
   return 0;
+}
+
+/* ---- the hash secret ----
+ * Every table keyed by data hashes with this per-process secret (table.h).
+ * It comes from getrandom(2), once, without blocking. Where that fails (no
+ * such call, or the kernel's pool is not yet initialised, early at boot) it
+ * is derived from what an outside sender cannot see: both clocks in
+ * nanoseconds, the process id and the addresses of a stack variable and of
+ * this code (randomised by ASLR). That fallback resists a remote sender, not
+ * a local one that can read the clock and the process's memory map. */
+
+_Atomic uint64_t dp__g_hash_secret;
+static pthread_once_t g_hash_once = PTHREAD_ONCE_INIT;
+
+static void hash_secret_init(void) {
+  uint64_t s = 0;
+  int ok = 0;
+#if defined(__linux__)
+  ok = getrandom(&s, sizeof s, GRND_NONBLOCK) == (ssize_t)sizeof s;
+#endif
+  if (!ok) {
+    struct timespec rt = {0, 0}, mt = {0, 0};
+    clock_gettime(CLOCK_REALTIME, &rt);
+    clock_gettime(CLOCK_MONOTONIC, &mt);
+    uint64_t mix[6] = {(uint64_t)rt.tv_sec, (uint64_t)rt.tv_nsec, (uint64_t)mt.tv_sec ^ ((uint64_t)mt.tv_nsec << 20),
+                       (uint64_t)getpid(), (uint64_t)(uintptr_t)&s, (uint64_t)(uintptr_t)&hash_secret_init};
+    s = XXH3_64bits(mix, sizeof mix);
+  }
+  atomic_store_explicit(&dp__g_hash_secret, s ? s : 1, memory_order_relaxed);  /* 0 means "not yet" */
+}
+
+uint64_t dp__hash_secret_slow(void) {
+  pthread_once(&g_hash_once, hash_secret_init);
+  return atomic_load_explicit(&dp__g_hash_secret, memory_order_relaxed);
+}
+
+void dp__hash_secret_set(uint64_t secret) {
+  pthread_once(&g_hash_once, hash_secret_init);
+  atomic_store_explicit(&dp__g_hash_secret, secret, memory_order_relaxed);
 }
 
 /* ---- errors ---- */

@@ -1,67 +1,71 @@
 /* pickler/equal.c — deep equality and hashing that terminate on cycles. */
 #include <string.h>
-#include <xxhash.h>
 
-#include "internal.h"
+#include "table.h"
 
-/* A pointer-pair set (or a pointer map when b is the value). */
+/* A set of node pairs, or a map from node to node when keyed on a only: a
+ * tagged table (table.h) over the pairs in the order met. */
+typedef struct pair {
+  const void *a, *b;
+} pair_t;
+
 typedef struct pairset {
-  const void **a, **b;
-  size_t cap, count;
+  dp__table_t t;
+  pair_t *pairs;
+  size_t cap;
+  int a_only;
 } pairset_t;
 
-static size_t pair_hash(const void *a, const void *b) {
-  uint64_t x = (uint64_t)(uintptr_t)a * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uintptr_t)b * 0xC2B2AE3D27D4EB4Full;
-  return (size_t)(x ^ (x >> 29));
+static void ps_init(pairset_t *s, int a_only) {
+  dp__table_init(&s->t);
+  s->pairs = NULL;
+  s->cap = 0;
+  s->a_only = a_only;
 }
 
-static int ps_grow(pairset_t *s, int keyed_on_a_only) {
-  size_t ncap = s->cap ? s->cap * 2 : 64;
-  const void **na = dp__alloc_array(ncap, sizeof(void *));
-  const void **nb = dp__alloc_array(ncap, sizeof(void *));
-  if (!na || !nb) {
-    dp__free(na, na ? ncap * sizeof(void *) : 0);
-    dp__free(nb, nb ? ncap * sizeof(void *) : 0);
-    return DP_ENOMEM;
+/* Keyed (table.h): node addresses follow the allocator, which the input
+ * steers. */
+static uint64_t pair_hash(const pairset_t *s, const void *a, const void *b) {
+  if (s->a_only) return dp__hash_ptr(a);
+  uint64_t k[2] = {(uint64_t)(uintptr_t)a, (uint64_t)(uintptr_t)b};
+  return dp__hash_bytes(k, sizeof k, 0);
+}
+
+static uint64_t ps_hash_at(const void *ctx, size_t i) {
+  const pairset_t *s = ctx;
+  return pair_hash(s, s->pairs[i].a, s->pairs[i].b);
+}
+
+static inline __attribute__((always_inline)) int ps_eq(const void *ctx, size_t i, const void *key) {
+  const pairset_t *s = ctx;
+  const pair_t *k = key;
+  return s->pairs[i].a == k->a && (s->a_only || s->pairs[i].b == k->b);
+}
+
+/* Finds (a, b) or, when keyed on a only, a. Returns 1 found, 0 inserted, or
+ * DP_ENOMEM. *bout gets the stored b. */
+static int ps_put(pairset_t *s, const void *a, const void *b, const void **bout) {
+  pair_t key = {a, b};
+  uint64_t h = pair_hash(s, a, b);
+  size_t j, at = dp__table_find(&s->t, DP_TABLE_TAGGED, h, ps_eq, s, &key, &j);
+  if (at != DP_TABLE_NONE) {
+    if (bout) *bout = s->pairs[at].b;
+    return 1;
   }
-  memset(na, 0, ncap * sizeof(void *));
-  for (size_t i = 0; i < s->cap; i++) {
-    if (!s->a[i]) continue;
-    size_t j = pair_hash(s->a[i], keyed_on_a_only ? NULL : s->b[i]) & (ncap - 1);
-    while (na[j]) j = (j + 1) & (ncap - 1);
-    na[j] = s->a[i];
-    nb[j] = s->b[i];
+  size_t n = s->t.count;
+  if (dp__grow((void **)&s->pairs, &s->cap, n + 1, sizeof(pair_t)) != 0) return DP_ENOMEM;
+  if (dp__table_full(&s->t)) {
+    if (dp__table_grow(&s->t, DP_TABLE_TAGGED, n, 64, ps_hash_at, s) != 0) return DP_ENOMEM;
+    j = dp__table_empty_slot(&s->t, DP_TABLE_TAGGED, h);
   }
-  dp__free(s->a, s->cap * sizeof(void *));
-  dp__free(s->b, s->cap * sizeof(void *));
-  s->a = na;
-  s->b = nb;
-  s->cap = ncap;
+  s->pairs[n] = key;
+  dp__table_put(&s->t, DP_TABLE_TAGGED, j, h, n);
   return 0;
 }
 
-/* Finds the slot for (a, b) or, when keyed on a only, for a. Returns 1 found,
- * 0 inserted, or DP_ENOMEM. *bout gets the stored b. */
-static int ps_put(pairset_t *s, const void *a, const void *b, int keyed_on_a_only, const void **bout) {
-  if ((s->count + 1) * 2 > s->cap && ps_grow(s, keyed_on_a_only) != 0) return DP_ENOMEM;
-  size_t mask = s->cap - 1;
-  for (size_t j = pair_hash(a, keyed_on_a_only ? NULL : b) & mask;; j = (j + 1) & mask) {
-    if (!s->a[j]) {
-      s->a[j] = a;
-      s->b[j] = b;
-      s->count++;
-      return 0;
-    }
-    if (s->a[j] == a && (keyed_on_a_only || s->b[j] == b)) {
-      if (bout) *bout = s->b[j];
-      return 1;
-    }
-  }
-}
-
 static void ps_free(pairset_t *s) {
-  dp__free(s->a, s->cap * sizeof(void *));
-  dp__free(s->b, s->cap * sizeof(void *));
+  dp__table_destroy(&s->t, DP_TABLE_TAGGED);
+  dp__free(s->pairs, s->cap * sizeof(pair_t));
 }
 
 typedef struct eq {
@@ -84,9 +88,9 @@ static int eq_memo(eq_t *e, dp_value_t a, dp_value_t b) {
   const void *ha = a.u.h, *hb = b.u.h;
   if (e->flags & DP_EQ_SHARING) {
     const void *ma = NULL, *mb = NULL;
-    int fa = ps_put(&e->ab, ha, hb, 1, &ma);
+    int fa = ps_put(&e->ab, ha, hb, &ma);
     if (fa < 0) return fa;
-    int fb = ps_put(&e->ba, hb, ha, 1, &mb);
+    int fb = ps_put(&e->ba, hb, ha, &mb);
     if (fb < 0) return fb;
     if (fa != fb) return 2;
     if (fa == 1) return (ma == hb && mb == ha) ? 1 : 2;
@@ -94,7 +98,7 @@ static int eq_memo(eq_t *e, dp_value_t a, dp_value_t b) {
   }
   if (ha == hb) return 1;
   if (dp__rc(a.u.h) == 1 && dp__rc(b.u.h) == 1) return 0;
-  return ps_put(&e->seen, ha, hb, 0, NULL);
+  return ps_put(&e->seen, ha, hb, NULL);
 }
 
 static int tensor_equal(dp_tensor_t *x, dp_tensor_t *y) {
@@ -161,6 +165,9 @@ int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags) {
   eq_t e;
   memset(&e, 0, sizeof e);
   e.flags = flags;
+  ps_init(&e.seen, 0);
+  ps_init(&e.ab, 1);
+  ps_init(&e.ba, 1);
   int rc = eq_step(&e, a, b);
   while (rc == 0 && e.top > 0) {
     dp_value_t y = e.stack[--e.top];
@@ -178,12 +185,13 @@ int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags) {
 /* Hash of the unrolled tree, cut at a depth and a node budget so that it
  * terminates on cycles and stays cheap on huge values. Bisimilar values
  * have the same unrolling, hence the same hash. Dicts and objects hash
- * their size and class only, because equality ignores their order. */
+ * their size and class only, because equality ignores their order. Keyed
+ * with the process's secret (table.h), as any table using it must be. */
 #define HASH_DEPTH 12
 
 static uint64_t mix(uint64_t h, uint64_t x) {
   uint64_t pair[2] = {h, x};
-  return XXH3_64bits(pair, sizeof pair);
+  return dp__hash_bytes(pair, sizeof pair, 0);
 }
 
 static uint64_t hash_rec(dp_value_t v, int depth, size_t *budget) {
@@ -193,16 +201,16 @@ static uint64_t hash_rec(dp_value_t v, int depth, size_t *budget) {
   switch (v.kind) {
     case DP_NONE: return h;
     case DP_BOOL: case DP_INT: case DP_FLOAT: return mix(h, (uint64_t)v.u.i);
-    case DP_STR: case DP_BYTES: return mix(h, XXH3_64bits(DP_STROBJ(v)->data, DP_STROBJ(v)->len));
+    case DP_STR: case DP_BYTES: return mix(h, dp__hash_bytes(DP_STROBJ(v)->data, DP_STROBJ(v)->len, 0));
     case DP_TENSOR: {
       dp_tensor_t *t = DP_TENSOR(v);
       h = mix(h, (uint64_t)(uintptr_t)t->storage->base);
       h = mix(h, t->dtype | ((uint64_t)t->ndim << 8));
-      return mix(h, XXH3_64bits(t->dims, 2 * (size_t)t->ndim * sizeof(int64_t)));
+      return mix(h, dp__hash_bytes(t->dims, 2 * (size_t)t->ndim * sizeof(int64_t), 0));
     }
     case DP_CUSTOM: return mix(h, (uint64_t)(uintptr_t)v.u.h);
     case DP_DICT: return mix(h, DP_DICT(v)->len);
-    case DP_OBJECT: return mix(mix(h, DP_OBJ(v)->len), XXH3_64bits(DP_OBJ(v)->class_name, DP_OBJ(v)->class_len));
+    case DP_OBJECT: return mix(mix(h, DP_OBJ(v)->len), dp__hash_bytes(DP_OBJ(v)->class_name, DP_OBJ(v)->class_len, 0));
     default: {
       dp_seq_t *s = DP_SEQ(v);
       h = mix(h, s->len);

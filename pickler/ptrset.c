@@ -9,7 +9,7 @@ int dp_ptrset_new(dp_ptrset_t **out, dp_error_t *err) {
   dp_ptrset_t *s = dp__alloc(sizeof *s);
   if (!s) return dp__err(err, DP_ENOMEM, "out of memory allocating a pointer set");
   memset(s, 0, sizeof *s);
-  s->gen = 1;
+  dp__table_init(&s->tab);
   dp__walker_init(&s->walker);
   *out = s;
   return 0;
@@ -70,7 +70,7 @@ void dp_ptrset_free(dp_ptrset_t *s) {
   if (!s) return;
   dp__arena_free(&s->paths);
   dp__free(s->entries, s->cap * sizeof(dp__pentry_t));
-  dp__free(s->slots, s->nslots * sizeof(dp__pslot_t));
+  dp__table_destroy(&s->tab, DP_TABLE_TAGGED);
   dp__free(s->groups, s->groups_cap * sizeof(dp__pgroup_t));
   dp__walker_destroy(&s->walker);
   dp__free(s, sizeof *s);
@@ -82,27 +82,12 @@ void dp_ptrset_clear(dp_ptrset_t *s) {
   s->count = 0;
   s->ngroups = 0;
   s->last_group = 0;
-  if (++s->gen == 0) {  /* generations wrapped: really clear */
-    if (s->slots) memset(s->slots, 0, s->nslots * sizeof(dp__pslot_t));
-    s->gen = 1;
-  }
+  dp__table_clear(&s->tab, DP_TABLE_TAGGED);
 }
 
-static int rehash(dp_ptrset_t *s, size_t nslots) {
-  dp__pslot_t *ns = dp__alloc_array(nslots, sizeof(dp__pslot_t));
-  if (!ns) return DP_ENOMEM;
-  memset(ns, 0, nslots * sizeof(dp__pslot_t));
-  for (size_t i = 0; i < s->count; i++) {
-    uint64_t h = dp__ptr_hash(s->entries[i].device, s->entries[i].base);
-    size_t j = h & (nslots - 1);
-    while (ns[j].entry) j = (j + 1) & (nslots - 1);
-    ns[j] = (dp__pslot_t){(uint32_t)(i + 1), 1, (uint16_t)(h >> 48)};
-  }
-  dp__free(s->slots, s->nslots * sizeof(dp__pslot_t));
-  s->slots = ns;
-  s->nslots = nslots;
-  s->gen = 1;
-  return 0;
+static uint64_t entry_hash(const void *ctx, size_t i) {
+  const dp__pentry_t *e = &((const dp_ptrset_t *)ctx)->entries[i];
+  return dp__ptr_hash(e->device, e->base);
 }
 
 static size_t group_of(dp_ptrset_t *s, dp_device_t d) {
@@ -115,11 +100,12 @@ static size_t group_of(dp_ptrset_t *s, dp_device_t d) {
 
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
                           size_t slot, size_t *index) {
-  if ((s->count + 1) * 2 > s->nslots) {
-    if (rehash(s, s->nslots ? s->nslots * 2 : 64) != 0) return DP_ENOMEM;
+  if (s->count >= UINT32_MAX - 1) return DP_ELIMIT;
+  if (dp__table_full(&s->tab)) {
+    int rc = dp__table_grow(&s->tab, DP_TABLE_TAGGED, s->count, 64, entry_hash, s);
+    if (rc) return rc;
     slot = SIZE_MAX;
   }
-  if (s->count >= UINT32_MAX - 1) return DP_ELIMIT;
   size_t g = group_of(s, device);
   if (g == SIZE_MAX) {
     if (dp__grow((void **)&s->groups, &s->groups_cap, s->ngroups + 1, sizeof(dp__pgroup_t)) != 0)
@@ -133,8 +119,7 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
     if (s->groups[g].count == 0) s->ngroups--;
     return DP_ENOMEM;
   }
-  size_t mask = s->nslots - 1, j = slot != SIZE_MAX ? slot : (h & mask);
-  while (s->slots[j].gen == s->gen && s->slots[j].entry != 0) j = (j + 1) & mask;
+  size_t j = slot != SIZE_MAX ? slot : dp__table_empty_slot(&s->tab, DP_TABLE_TAGGED, h);
   size_t i = s->count++;
   s->entries[i] = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
   dp__pgroup_t *gr = &s->groups[g];
@@ -143,7 +128,7 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
   else
     s->entries[gr->tail].next_on = (uint32_t)(i + 1);
   gr->tail = (uint32_t)i;
-  s->slots[j] = (dp__pslot_t){(uint32_t)(i + 1), s->gen, (uint16_t)(h >> 48)};
+  dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
   *index = i;
   return 0;
 }
@@ -170,17 +155,12 @@ int dp__ptrset_set_path(dp_ptrset_t *s, size_t index, const char *path) {
 dp__walker_t *dp__ptrset_walker(dp_ptrset_t *set) { return &set->walker; }
 
 int dp_ptrset_find(const dp_ptrset_t *s, dp_device_t device, const void *base, size_t *index) {
-  if (!s || !s->nslots) return DP_ENOTFOUND;
-  size_t mask = s->nslots - 1;
-  for (size_t j = dp__ptr_hash(device, base) & mask;; j = (j + 1) & mask) {
-    const dp__pslot_t *sl = &s->slots[j];
-    if (sl->gen != s->gen || sl->entry == 0) return DP_ENOTFOUND;
-    const dp__pentry_t *e = &s->entries[sl->entry - 1];
-    if (e->base == base && dp_device_equal(e->device, device)) {
-      if (index) *index = sl->entry - 1;
-      return 0;
-    }
-  }
+  if (!s) return DP_ENOTFOUND;
+  dp__pkey_t key = {base, device};
+  size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, dp__ptr_hash(device, base), dp__ptrset_eq, s, &key, &j);
+  if (at == DP_TABLE_NONE) return DP_ENOTFOUND;
+  if (index) *index = at;
+  return 0;
 }
 
 size_t dp_ptrset_count(const dp_ptrset_t *s) { return s ? s->count : 0; }

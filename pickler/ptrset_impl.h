@@ -2,9 +2,7 @@
  * so that the walker can pipeline inserts (see walk.c). */
 #ifndef DP_PICKLER_PTRSET_IMPL_H
 #define DP_PICKLER_PTRSET_IMPL_H
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
+#include "table.h"
 #include "walk.h"
 
 typedef struct dp__pentry {
@@ -17,15 +15,6 @@ typedef struct dp__pentry {
   uint32_t group;
 } dp__pentry_t;
 
-/* A slot holds the entry index and 16 bits of the hash, so that probing
- * past other keys rarely touches the entries array. Slots from an older
- * generation are empty: clearing is one increment. */
-typedef struct dp__pslot {
-  uint32_t entry;  /* entry + 1 */
-  uint16_t gen;
-  uint16_t tag;
-} dp__pslot_t;
-
 typedef struct dp__pgroup {
   dp_device_t device;
   uint32_t count;
@@ -35,9 +24,7 @@ typedef struct dp__pgroup {
 struct dp_ptrset {
   dp__pentry_t *entries;
   size_t count, cap;
-  dp__pslot_t *slots;
-  size_t nslots;   /* power of two, at least twice count */
-  uint16_t gen;
+  dp__table_t tab;      /* (device, base) -> entry; tagged, cleared by generation */
   dp__pgroup_t *groups;
   size_t ngroups, groups_cap;
   size_t last_group;
@@ -45,13 +32,25 @@ struct dp_ptrset {
   dp__walker_t walker;  /* reused by dp_scan */
 };
 
-static inline uint64_t dp__ptr_hash(dp_device_t d, const void *base) {
-  uint64_t k = (uint64_t)(uintptr_t)base;
-  return XXH3_64bits_withSeed(&k, sizeof k, ((uint64_t)d.type << 8) | d.index);
+/* Keyed with the process's secret: bases a frame or a caller chose to
+ * collide under a known hash do not collide here. */
+static inline __attribute__((always_inline)) uint64_t dp__ptr_hash(dp_device_t d, const void *base) {
+  return dp__hash_u64((uint64_t)(uintptr_t)base, ((uint64_t)d.type << 8) | d.index);
 }
 
 static inline void dp__ptrset_prefetch(const dp_ptrset_t *s, uint64_t h) {
-  if (s->nslots) __builtin_prefetch(&s->slots[h & (s->nslots - 1)], 1);
+  dp__table_prefetch(&s->tab, DP_TABLE_TAGGED, h);
+}
+
+typedef struct dp__pkey {
+  const void *base;
+  dp_device_t device;
+} dp__pkey_t;
+
+static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, size_t i, const void *key) {
+  const dp__pentry_t *e = &((const dp_ptrset_t *)ctx)->entries[i];
+  const dp__pkey_t *k = key;
+  return e->base == k->base && dp_device_equal(e->device, k->device);
 }
 
 /* Slow path: grow, add a device group, append the entry. `slot` is the
@@ -62,27 +61,19 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
 /* Finds (device, base) given its hash or adds it; counts one more tensor. */
 static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,
                                         uint64_t h, size_t *index, int *is_new) {
-  size_t j = SIZE_MAX;
-  if (DP_LIKELY(s->nslots)) {
-    size_t mask = s->nslots - 1;
-    uint16_t tag = (uint16_t)(h >> 48);
-    for (j = h & mask;; j = (j + 1) & mask) {
-      dp__pslot_t *sl = &s->slots[j];
-      if (sl->gen != s->gen || sl->entry == 0) break;
-      if (sl->tag != tag) continue;
-      dp__pentry_t *e = &s->entries[sl->entry - 1];
-      if (e->base == base && dp_device_equal(e->device, device)) {
-        e->refs++;
-        if (nbytes > e->nbytes) e->nbytes = nbytes;
-        *index = sl->entry - 1;
-        *is_new = 0;
-        return 0;
-      }
-    }
+  dp__pkey_t key = {base, device};
+  size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
+  if (at != DP_TABLE_NONE) {
+    dp__pentry_t *e = &s->entries[at];
+    e->refs++;
+    if (nbytes > e->nbytes) e->nbytes = nbytes;
+    *index = at;
+    *is_new = 0;
+    return 0;
   }
   *is_new = 1;
   /* Fast path: room everywhere and the same device as the last insert. */
-  if (DP_LIKELY(j != SIZE_MAX && (s->count + 1) * 2 <= s->nslots && s->count < s->cap &&
+  if (DP_LIKELY(j != SIZE_MAX && !dp__table_full(&s->tab) && s->count < s->cap &&
                 s->last_group < s->ngroups && dp_device_equal(s->groups[s->last_group].device, device))) {
     size_t i = s->count++;
     dp__pgroup_t *gr = &s->groups[s->last_group];
@@ -97,7 +88,7 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
     if (gr->count++ == 0) gr->head = (uint32_t)i;
     else s->entries[gr->tail].next_on = (uint32_t)(i + 1);
     gr->tail = (uint32_t)i;
-    s->slots[j] = (dp__pslot_t){(uint32_t)(i + 1), s->gen, (uint16_t)(h >> 48)};
+    dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
     *index = i;
     return 0;
   }

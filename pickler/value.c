@@ -1,9 +1,8 @@
 /* pickler/value.c — values: constructors, accessors, reference counting. */
 #include <string.h>
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 
 #include "internal.h"
+#include "table.h"
 #include "gc.h"
 
 static const char *const kind_names[DP_KIND_COUNT] = {
@@ -234,25 +233,24 @@ bool dp_value_is_hashable(dp_value_t key) {
   return key_hashable(key, 0, &budget);
 }
 
+/* Keyed with the process's secret (table.h): keys a frame chose to collide
+ * under a known hash do not collide here. */
 static uint64_t key_hash(dp_value_t k) {
   switch (k.kind) {
     case DP_STR:
     case DP_BYTES:
-      return XXH3_64bits_withSeed(DP_STROBJ(k)->data, DP_STROBJ(k)->len, k.kind);
+      return dp__hash_bytes(DP_STROBJ(k)->data, DP_STROBJ(k)->len, k.kind);
     case DP_TUPLE: {
       dp_seq_t *s = DP_SEQ(k);
-      uint64_t h = XXH3_64bits_withSeed(&s->len, sizeof s->len, DP_TUPLE);
+      uint64_t h = dp__hash_u64(s->len, DP_TUPLE);
       for (size_t i = 0; i < s->len; i++) {
         uint64_t pair[2] = {h, key_hash(s->items[i])};
-        h = XXH3_64bits(pair, sizeof pair);
+        h = dp__hash_bytes(pair, sizeof pair, DP_TUPLE);
       }
       return h;
     }
-    default: {
-      uint64_t bits = (uint64_t)k.u.i;
-      if (k.kind == DP_NONE) bits = 0;
-      return XXH3_64bits_withSeed(&bits, sizeof bits, k.kind);
-    }
+    default:
+      return dp__hash_u64(k.kind == DP_NONE ? 0 : (uint64_t)k.u.i, k.kind);
   }
 }
 
@@ -277,30 +275,36 @@ static int key_equal(dp_value_t a, dp_value_t b) {
   }
 }
 
-/* ---- a small open-addressing index shared by dict and object ----
- * Entries live in insertion order in an array; the index maps hash -> entry+1.
- * Small tables (<= 8 entries) have no index: a linear scan is faster. */
+/* ---- the index shared by dict and object ----
+ * Entries live in insertion order in an array; the index is a plain table
+ * (table.h) over them, keyed by the hash each entry keeps. Small tables
+ * (<= 8 entries) have no index: a linear scan is faster. */
 
 #define INDEX_MIN_ENTRIES 8
 
 typedef int (*entry_match_fn)(const void *entries, size_t i, const void *key, uint64_t hash);
 
-static int index_rebuild(uint32_t **index, size_t *index_cap, size_t n,
-                         uint64_t (*hash_at)(const void *, size_t), const void *entries) {
-  size_t cap = 16;
-  while (cap < n * 2) cap *= 2;
-  uint32_t *ix = dp__alloc_array(cap, sizeof(uint32_t));
-  if (!ix) return DP_ENOMEM;
-  memset(ix, 0, cap * sizeof(uint32_t));
-  for (size_t i = 0; i < n; i++) {
-    size_t j = hash_at(entries, i) & (cap - 1);
-    while (ix[j]) j = (j + 1) & (cap - 1);
-    ix[j] = (uint32_t)(i + 1);
-  }
-  dp__free(*index, *index_cap * sizeof(uint32_t));
-  *index = ix;
-  *index_cap = cap;
-  return 0;
+/* The table over an index of n entries. */
+static inline dp__table_t index_table(uint32_t *index, size_t index_cap, size_t n) {
+  dp__table_t t;
+  dp__table_init(&t);
+  t.slots = index;
+  t.nslots = index_cap;
+  t.count = n;
+  return t;
+}
+
+typedef struct index_key {
+  const void *entries;
+  entry_match_fn match;
+  const void *key;
+  uint64_t hash;
+} index_key_t;
+
+static inline __attribute__((always_inline)) int index_eq(const void *ctx, size_t i, const void *key) {
+  DP_UNUSED(ctx);
+  const index_key_t *k = key;
+  return k->match(k->entries, i, k->key, k->hash);
 }
 
 /* Returns the entry position of key, or SIZE_MAX. */
@@ -311,20 +315,27 @@ static size_t index_find(const uint32_t *index, size_t index_cap, size_t n, cons
       if (match(entries, i, key, hash)) return i;
     return SIZE_MAX;
   }
-  size_t j = hash & (index_cap - 1);
-  for (; index[j]; j = (j + 1) & (index_cap - 1))
-    if (match(entries, index[j] - 1, key, hash)) return index[j] - 1;
-  return SIZE_MAX;
+  dp__table_t t = index_table((uint32_t *)index, index_cap, n);
+  index_key_t k = {entries, match, key, hash};
+  size_t j, at = dp__table_find(&t, DP_TABLE_PLAIN, hash, index_eq, NULL, &k, &j);
+  return at == DP_TABLE_NONE ? SIZE_MAX : at;
 }
 
-/* After appending entry n-1: keep the index in step. */
-static int index_add(uint32_t **index, size_t *index_cap, size_t n,
+/* After appending entry n-1 (hash `hash`): keep the index in step. */
+static int index_add(uint32_t **index, size_t *index_cap, size_t n, uint64_t hash,
                      uint64_t (*hash_at)(const void *, size_t), const void *entries) {
   if (n <= INDEX_MIN_ENTRIES) return 0;
-  if (!*index || n * 2 > *index_cap) return index_rebuild(index, index_cap, n, hash_at, entries);
-  size_t j = hash_at(entries, n - 1) & (*index_cap - 1);
-  while ((*index)[j]) j = (j + 1) & (*index_cap - 1);
-  (*index)[j] = (uint32_t)n;
+  dp__table_t t = index_table(*index, *index_cap, n - 1);
+  if (!*index || dp__table_full(&t)) {
+    /* rebuilt with every entry, the new one included */
+    int rc = dp__table_grow(&t, DP_TABLE_PLAIN, n, 16, hash_at, entries);
+    if (rc == 0) {
+      *index = t.slots;
+      *index_cap = t.nslots;
+    }
+    return rc;
+  }
+  dp__table_put(&t, DP_TABLE_PLAIN, dp__table_empty_slot(&t, DP_TABLE_PLAIN, hash), hash, n - 1);
   return 0;
 }
 
@@ -393,7 +404,7 @@ int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int al
   d->entries[d->len].val = val;
   d->entries[d->len].hash = h;
   d->len++;
-  if (index_add(&d->index, &d->index_cap, d->len, dict_hash_at, d->entries) != 0) {
+  if (index_add(&d->index, &d->index_cap, d->len, h, dict_hash_at, d->entries) != 0) {
     d->len--;
     dp_value_release(key);
     dp_value_release(val);
@@ -486,7 +497,7 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
   }
   dp_object_t *o = DP_OBJ(obj);
   name_key_t key = {name, n};
-  uint64_t h = XXH3_64bits(name, n);
+  uint64_t h = dp__hash_bytes(name, n, DP_OBJECT);
   size_t at = index_find(o->index, o->index_cap, o->len, o->attrs, &key, h, attr_match);
   if (at != SIZE_MAX) {
     if (!allow_replace) {
@@ -517,7 +528,7 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
   a->hash = h;
   a->val = val;
   o->len++;
-  if (index_add(&o->index, &o->index_cap, o->len, attr_hash_at, o->attrs) != 0) {
+  if (index_add(&o->index, &o->index_cap, o->len, h, attr_hash_at, o->attrs) != 0) {
     o->len--;
     dp__free(copy, n + 1);
     dp_value_release(val);
@@ -538,7 +549,7 @@ int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val) {
   if (obj.kind != DP_OBJECT || !name) return DP_ENOTFOUND;
   dp_object_t *o = DP_OBJ(obj);
   name_key_t key = {name, strlen(name)};
-  size_t at = index_find(o->index, o->index_cap, o->len, o->attrs, &key, XXH3_64bits(name, key.n),
+  size_t at = index_find(o->index, o->index_cap, o->len, o->attrs, &key, dp__hash_bytes(name, key.n, DP_OBJECT),
                          attr_match);
   if (at == SIZE_MAX) return DP_ENOTFOUND;
   if (val) *val = o->attrs[at].val;

@@ -19,7 +19,7 @@ _Static_assert(DP_PATH_HEAD + 40 + DP_PATH_TAIL <= DP_PATH_MAX, "an elided path 
 
 void dp__walker_init(dp__walker_t *w) {
   memset(w, 0, sizeof *w);
-  w->memo_gen = 1;
+  dp__table_init(&w->memo);
   w->memo_rc = 1;
 }
 
@@ -31,62 +31,57 @@ static void release_states(dp__walker_t *w) {
 void dp__walker_destroy(dp__walker_t *w) {
   release_states(w);
   dp__free(w->stack, w->stack_cap * sizeof(dp__wframe_t));
-  dp__free(w->memo, w->memo_cap * sizeof(dp__memo_slot_t));
+  dp__table_destroy(&w->memo, DP_TABLE_TAGGED);
+  dp__free(w->memo_items, w->memo_items_cap * sizeof(dp__memo_item_t));
   dp__free(w->states, w->states_cap * sizeof(dp_value_t));
   dp__free(w->rstack, w->rstack_cap * sizeof(dp__wframe_t));
   memset(w, 0, sizeof *w);
 }
 
-/* ---- memo: pointer -> preorder index, cleared by bumping a generation ---- */
+/* ---- memo: node -> preorder index, cleared by bumping a generation ---- */
 
-static inline size_t ptr_hash(const void *p) {
-  return (size_t)(((uint64_t)(uintptr_t)p >> 4) * 0x9E3779B97F4A7C15ull >> 16);
+/* Keyed (table.h): node addresses follow the allocator, which the input
+ * steers. */
+static inline uint64_t ptr_hash(const void *p) { return dp__hash_ptr(p); }
+
+static inline __attribute__((always_inline)) int memo_eq(const void *ctx, size_t i, const void *key) {
+  return ((const dp__walker_t *)ctx)->memo_items[i].key == key;
 }
 
+static uint64_t memo_hash_at(const void *ctx, size_t i) {
+  return ptr_hash(((const dp__walker_t *)ctx)->memo_items[i].key);
+}
+
+/* Room for one more item, in the table and in the items. */
 static int memo_grow(dp__walker_t *w) {
-  size_t ncap = w->memo_cap ? w->memo_cap * 2 : 256;
-  dp__memo_slot_t *m = dp__alloc_array(ncap, sizeof *m);
-  if (!m) return DP_ENOMEM;
-  memset(m, 0, ncap * sizeof *m);
-  for (size_t i = 0; i < w->memo_cap; i++) {
-    dp__memo_slot_t *s = &w->memo[i];
-    if (s->gen != w->memo_gen || !s->key) continue;
-    size_t j = ptr_hash(s->key) & (ncap - 1);
-    while (m[j].key) j = (j + 1) & (ncap - 1);
-    m[j] = (dp__memo_slot_t){s->key, s->index, 1};
-  }
-  dp__free(w->memo, w->memo_cap * sizeof *m);
-  w->memo = m;
-  w->memo_cap = ncap;
-  w->memo_gen = 1;
+  size_t n = w->memo.count;
+  if (n == w->memo_items_cap &&
+      dp__grow((void **)&w->memo_items, &w->memo_items_cap, n + 1, sizeof(dp__memo_item_t)) != 0)
+    return DP_ENOMEM;
+  if (dp__table_full(&w->memo) && dp__table_grow(&w->memo, DP_TABLE_TAGGED, n, 256, memo_hash_at, w) != 0)
+    return DP_ENOMEM;
   return 0;
 }
 
 /* Returns 1 and *index when key was seen; else records it (0), or DP_ENOMEM. */
 static int memo_check(dp__walker_t *w, const void *key, uint64_t index, uint64_t *seen) {
-  if ((w->memo_count + 1) * 2 > w->memo_cap && memo_grow(w) != 0) return DP_ENOMEM;
-  size_t mask = w->memo_cap - 1;
-  for (size_t j = ptr_hash(key) & mask;; j = (j + 1) & mask) {
-    dp__memo_slot_t *s = &w->memo[j];
-    if (s->gen != w->memo_gen || !s->key) {
-      *s = (dp__memo_slot_t){key, (uint32_t)index, w->memo_gen};
-      w->memo_count++;
-      return 0;
-    }
-    if (s->key == key) {
-      *seen = s->index;
-      return 1;
-    }
+  uint64_t h = ptr_hash(key);
+  size_t j, at = dp__table_find(&w->memo, DP_TABLE_TAGGED, h, memo_eq, w, key, &j);
+  if (at != DP_TABLE_NONE) {
+    *seen = w->memo_items[at].index;
+    return 1;
   }
+  size_t n = w->memo.count;
+  if (DP_UNLIKELY(j == SIZE_MAX || n == w->memo_items_cap || dp__table_full(&w->memo))) {
+    if (memo_grow(w) != 0) return DP_ENOMEM;
+    j = dp__table_empty_slot(&w->memo, DP_TABLE_TAGGED, h);
+  }
+  w->memo_items[n] = (dp__memo_item_t){key, index};
+  dp__table_put(&w->memo, DP_TABLE_TAGGED, j, h, n);
+  return 0;
 }
 
-static void memo_reset(dp__walker_t *w) {
-  w->memo_count = 0;
-  if (++w->memo_gen == 0) {
-    if (w->memo) memset(w->memo, 0, w->memo_cap * sizeof *w->memo);
-    w->memo_gen = 1;
-  }
-}
+static void memo_reset(dp__walker_t *w) { dp__table_clear(&w->memo, DP_TABLE_TAGGED); }
 
 /* ---- paths: bounded, as ptrset.h states ---- */
 

@@ -2,6 +2,7 @@
 #ifndef DP_PICKLER_WALK_H
 #define DP_PICKLER_WALK_H
 #include "internal.h"
+#include "table.h"
 
 /* What a walk reports, for pickle. Scan passes no sink: the walker then only
  * feeds the pointer set. */
@@ -19,11 +20,12 @@ typedef struct dp__wframe {
   size_t i, n;        /* next child, child count */
 } dp__wframe_t;
 
-typedef struct dp__memo_slot {
+/* The memo's items, in the order first met; its table (table.h) maps a
+ * node's address to one. */
+typedef struct dp__memo_item {
   const void *key;
-  uint32_t index;
-  uint32_t gen;
-} dp__memo_slot_t;
+  uint64_t index;   /* preorder number */
+} dp__memo_item_t;
 
 /* A bump arena of strings: chunks kept across resets, so that refilling it
  * with what it held before allocates nothing. */
@@ -54,9 +56,9 @@ typedef struct dp__walker {
   int batch;                   /* scan without paths: pipeline inserts */
   dp__wframe_t *stack;
   size_t top, stack_cap;
-  dp__memo_slot_t *memo;
-  size_t memo_cap, memo_count;
-  uint32_t memo_gen;
+  dp__table_t memo;            /* node -> memo_items[i]; cleared by generation */
+  dp__memo_item_t *memo_items;
+  size_t memo_items_cap;
   uint32_t memo_rc;            /* nodes whose count exceeds this enter the memo:
                                   1 until the walk's first reduce(), then 0 */
   dp_value_t root;             /* the walk's root, for the replay (walk.c) */
