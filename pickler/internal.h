@@ -10,6 +10,15 @@
 #define DP_LIKELY(x) __builtin_expect(!!(x), 1)
 #define DP_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
+/* ---- checked arithmetic: every size, span and offset goes through these ----
+ * dp__add_ovf(a, b, &r) and dp__mul_ovf(a, b, &r) store a+b or a*b in r and
+ * return nonzero when the exact result does not fit r's type (r then holds
+ * the wrapped value: never use it). Type-generic: mixed signed and unsigned
+ * operands are computed exactly, then checked against r's type. */
+#define dp__add_ovf(a, b, r) __builtin_add_overflow((a), (b), (r))
+#define dp__sub_ovf(a, b, r) __builtin_sub_overflow((a), (b), (r))
+#define dp__mul_ovf(a, b, r) __builtin_mul_overflow((a), (b), (r))
+
 /* ---- memory: everything goes through the hook ---- */
 void *dp__alloc(size_t n);
 void *dp__realloc(void *p, size_t osize, size_t nsize);
@@ -158,6 +167,9 @@ static inline uint32_t dp__rc(const dp_heap_t *h) {
 
 /* UTF-8 validation (RFC 3629: no overlongs, no surrogates, <= U+10FFFF). */
 int dp__utf8_valid(const char *s, size_t n);
+/* Whether s may name a class, type or attribute: non-empty UTF-8 without
+ * NUL (names are also handed out as C strings, so a NUL would cut them). */
+int dp__name_valid(const char *s, size_t n);
 /* Whether s is an identifier ([A-Za-z_][A-Za-z0-9_]*) for path rendering. */
 int dp__is_identifier(const char *s, size_t n);
 

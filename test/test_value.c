@@ -139,7 +139,7 @@ Test(value, object_attributes_keep_order_and_are_found_by_name) {
   cr_assert_eq(dp_object_get(o, "nope", &v), DP_ENOTFOUND);
   dp_error_t e;
   cr_assert_eq(dp_object_set(o, "", dp_int(1), &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "attribute name must be non-empty UTF-8");
+  cr_assert_str_eq(e.message, "attribute name must be non-empty UTF-8 without NUL");
   dp_value_release(o);
   ASSERT_NO_LEAK();
 }
