@@ -718,7 +718,11 @@ int dp_tensor_new(dp_storage_t *storage, dp_dtype_t dtype, int ndim, const int64
     for (int d = ndim - 1; d >= 0; d--) {
       contiguous[d] = s;
       if (d > 0 && dp__mul_ovf(s, shape[d] > 0 ? shape[d] : 1, &s)) {
-        rc = dp__err(err, DP_EINVAL, "contiguous strides of this shape overflow int64");
+        /* the shape's own error first (a negative or too many elements);
+         * else it is empty, and only its strides do not fit */
+        static const int64_t zeros[DP_TENSOR_MAX_DIMS];
+        rc = dp__tensor_check(storage->nbytes, dtype, ndim, shape, zeros, offset, err);
+        if (rc == 0) rc = dp__err(err, DP_EINVAL, "contiguous strides of this shape overflow int64");
         goto fail;
       }
     }
