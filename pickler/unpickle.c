@@ -282,9 +282,32 @@ static int oom_at(up_t *u, const uint8_t *at) {
   return dp__err_at(u->r.err, DP_ENOMEM, off(&u->r, at), "out of memory");
 }
 
+/* Grows *arr to hold one more element than `len`: doubling, but never past
+ * `bound`, the most elements it can ever need. The node table and the stack
+ * are bounded by the input (every node, every open container takes at least
+ * one byte of it): capped by what is left, they never hold more than the
+ * input can fill, so their slack costs no memory beyond the bound in
+ * pickler.h. */
+static int grow_bounded(void **arr, size_t *cap, size_t len, size_t bound, size_t size) {
+  size_t ncap = *cap < 8 ? 8 : *cap * 2;
+  if (ncap > bound) ncap = bound;
+  if (ncap < len + 1) ncap = len + 1;
+  size_t nbytes;
+  if (dp__mul_ovf(ncap, size, &nbytes)) return DP_ENOMEM;
+  void *p = dp__realloc(*arr, *cap * size, nbytes);
+  if (!p) return DP_ENOMEM;
+  *arr = p;
+  *cap = ncap;
+  return 0;
+}
+
+/* Payload bytes not read yet: an upper bound on the nodes still to come. */
+static size_t bytes_left(const up_t *u) { return (size_t)(u->r.end - u->r.p); }
+
 static int add_node(up_t *u, dp_value_t v, const uint8_t *at) {
   if (u->nnodes == u->nodes_cap &&
-      dp__grow((void **)&u->nodes, &u->nodes_cap, u->nnodes + 1, sizeof *u->nodes) != 0)
+      grow_bounded((void **)&u->nodes, &u->nodes_cap, u->nnodes, u->nnodes + 1 + bytes_left(u),
+                   sizeof *u->nodes) != 0)
     return oom_at(u, at);
   u->nodes[u->nnodes++] = v;
   return 0;
@@ -309,8 +332,11 @@ static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, co
     dp_value_release(v);
     return lim_err(u, at, "nesting depth", u->lim.max_depth);
   }
+  /* an open container has a child still to read: at least one byte each */
   if (u->top == u->stack_cap &&
-      dp__grow((void **)&u->stack, &u->stack_cap, u->top + 1, sizeof(uframe_t)) != 0) {
+      grow_bounded((void **)&u->stack, &u->stack_cap, u->top,
+                   u->top + 1 + (bytes_left(u) < u->lim.max_depth ? bytes_left(u) : u->lim.max_depth),
+                   sizeof(uframe_t)) != 0) {
     dp_value_release(v);
     return oom_at(u, at);
   }

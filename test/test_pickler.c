@@ -1147,3 +1147,129 @@ Test(pickler, the_writer_refuses_buffers_larger_than_the_format_allows) {
   dp_frame_free(f);
   ASSERT_NO_LEAK();
 }
+
+/* ---- memory per input byte ---- */
+
+/* Bytes held through the allocator hook, each block counted as glibc's
+ * malloc holds it (8 bytes of header, 16-byte granules, 32 at least). */
+static long m_live, m_peak, m_calls;
+static size_t m_chunk(size_t n) {
+  size_t c = (n + 8 + 15) & ~(size_t)15;
+  return c < 32 ? 32 : c;
+}
+static void *m_alloc(void *ud, void *p, size_t osize, size_t nsize) {
+  (void)ud;
+  m_calls++;
+  if (nsize == 0) {
+    if (p) m_live -= (long)m_chunk(osize);
+    free(p);
+    return NULL;
+  }
+  void *q = realloc(p, nsize);
+  if (!q) return NULL;
+  if (p) m_live -= (long)m_chunk(osize);
+  m_live += (long)m_chunk(nsize);
+  if (m_live > m_peak) m_peak = m_live;
+  return q;
+}
+
+/* Unpickles frame b (which must be read successfully) and checks that the
+ * memory held at the peak stays within the bound pickler.h states. */
+static void expect_within_bound(const char *what, const uint8_t *b, size_t n) {
+  dp_set_allocator(m_alloc, NULL);
+  m_live = m_peak = m_calls = 0;
+  dp_frame_info_t fi;
+  dp_error_t e;
+  cr_assert_eq(dp_frame_check(b, n, &fi, &e), 0, "%s: %s", what, e.message);
+  cr_assert_eq(m_calls, 0, "%s: dp_frame_check allocated", what);
+  dp_value_t v;
+  int rc = dp_unpickle(b, n, NULL, &v, &e);
+  long peak = m_peak;
+  if (rc == 0) dp_value_release(v);
+  dp_set_allocator(t_alloc, NULL);  /* back to the suite's counting hook, counts kept */
+  cr_assert_eq(m_live, 0, "%s: %ld bytes still held", what, m_live);
+  cr_assert_eq(rc, 0, "%s: %s", what, e.message);
+  double bound = (double)DP_UNPICKLE_MEMORY_PER_BYTE * (double)n + (double)DP_UNPICKLE_MEMORY_FIXED;
+  cr_assert_leq((double)peak, bound, "%s: %ld bytes at the peak for a %zu-byte frame (%.1f per byte), bound %.0f",
+                what, peak, n, (double)peak / (double)n, bound);
+}
+
+/* A frame whose root is a list of `count` copies of `unit`. */
+static void repeated(const char *what, const uint8_t *unit, size_t ulen, size_t count) {
+  size_t plen = 5 + ulen * count;
+  uint8_t *p = malloc(plen);
+  p[0] = 0xdd;
+  for (int i = 0; i < 4; i++) p[1 + i] = (uint8_t)(count >> (24 - 8 * i));
+  for (size_t i = 0; i < count; i++) memcpy(p + 5 + i * ulen, unit, ulen);
+  const uint8_t table[] = {0x91, 0x94, 0x00, 0x00, 0x01, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(p, plen, table, sizeof table, NULL, 0, 0, &n);
+  expect_within_bound(what, b, n);
+  free(b);
+  free(p);
+}
+
+Test(pickler, unpickling_holds_at_most_the_stated_memory_per_input_byte) {
+  const size_t N = 100000;  /* not a power of two: growth slack shows */
+  repeated("empty dicts", (const uint8_t[]){0x80}, 1, N);
+  repeated("empty lists", (const uint8_t[]){0x90}, 1, N);
+  repeated("empty strs", (const uint8_t[]){0xa0}, 1, N);
+  repeated("empty bytes", (const uint8_t[]){0xc4, 0x00}, 2, N);
+  repeated("empty tuples", (const uint8_t[]){0x91, 0xd4, 0x00, 0x01}, 4, N);
+  repeated("lists of one", (const uint8_t[]){0x91, 0x00}, 2, N);
+  repeated("dicts of one", (const uint8_t[]){0x81, 0x00, 0x00}, 3, N);
+  repeated("empty objects", (const uint8_t[]){0x92, 0xd4, 0x00, 0x03, 0xa1, 'C'}, 6, N);
+  repeated("reduce nodes", (const uint8_t[]){0x93, 0xd4, 0x00, 0x04, 0xa1, 'C', 0xc0}, 7, N);
+  repeated("back-references", (const uint8_t[]){0xd6, 0x01, 0, 0, 0, 0}, 6, N);
+  repeated("ints", (const uint8_t[]){0x01}, 1, N);
+  repeated("0-d tensors", (const uint8_t[]){0x96, 0xd4, 0x00, 0x02, 0x00, 0x00, 0x90, 0x90, 0x00}, 9, N);
+  /* nesting: lists one byte a level, at and below the default depth */
+  for (size_t depth = 100001; depth <= DP_DEFAULT_MAX_DEPTH; depth += DP_DEFAULT_MAX_DEPTH - 100001) {
+    uint8_t *p = malloc(2 * depth + 1);
+    memset(p, 0x91, depth);
+    p[depth] = 0xc0;
+    size_t n;
+    uint8_t *b = frame_with_table(p, depth + 1, (const uint8_t[]){0x90}, 1, NULL, 0, 0, &n);
+    expect_within_bound("nested lists", b, n);
+    free(b);
+    for (size_t i = 0; i < depth; i++) { p[2 * i] = 0x81; p[2 * i + 1] = 0x00; }
+    p[2 * depth] = 0xc0;
+    b = frame_with_table(p, 2 * depth + 1, (const uint8_t[]){0x90}, 1, NULL, 0, 0, &n);
+    expect_within_bound("nested dicts", b, n);
+    free(b);
+    free(p);
+  }
+  /* a large table of small buffers */
+  size_t nb = 50000, q = 0;
+  uint8_t *t = malloc(5 + nb * 9);
+  t[q++] = 0xdd; t[q++] = 0; t[q++] = (uint8_t)(nb >> 16); t[q++] = (uint8_t)(nb >> 8); t[q++] = (uint8_t)nb;
+  for (size_t i = 0; i < nb; i++) {
+    const uint8_t d[] = {0x94, 0x00, 0x00, 0x00, 0xce, 0x00, (uint8_t)(i >> 16), (uint8_t)(i >> 8), (uint8_t)i};
+    memcpy(t + q, d, sizeof d);
+    q += sizeof d;
+  }
+  size_t n;
+  uint8_t *b = frame_with_table((const uint8_t[]){0xc0}, 1, t, q, NULL, 0, 0, &n);
+  expect_within_bound("buffer descriptors", b, n);
+  free(b);
+  free(t);
+  /* and ordinary values, tiny and larger */
+  dp_value_t v = sample_value();
+  dp_frame_t *f = pickle_ok(v, 0);
+  const uint8_t *fb = dp_frame_data(f, &n);
+  expect_within_bound("a small value", fb, n);
+  dp_frame_free(f);
+  dp_value_release(v);
+  t_rng_t r = {7};
+  t_pool_t pool;
+  t_pool_init(&pool, 3);
+  dp_value_t l = t_list();
+  for (int i = 0; i < 2000; i++) OK(dp_list_append(l, t_random_value(&r, &pool, 0), NULL));
+  f = pickle_ok(l, 0);
+  fb = dp_frame_data(f, &n);
+  expect_within_bound("random values", fb, n);
+  dp_frame_free(f);
+  dp_value_release(l);
+  t_pool_free(&pool);
+  ASSERT_NO_LEAK();
+}

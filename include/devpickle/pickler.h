@@ -28,6 +28,17 @@ extern "C" {
 #define DP_DEFAULT_MAX_STR (256ull << 20)             /* one str or bytes */
 #define DP_DEFAULT_MAX_BUFFERS (1u << 20)             /* buffer descriptors */
 
+/* Memory. dp_unpickle of an n-byte frame holds at most
+ *   DP_UNPICKLE_MEMORY_PER_BYTE * n + DP_UNPICKLE_MEMORY_FIXED
+ * bytes through the allocator hook at any moment, with the default limits
+ * or any others, counting each block as malloc holds it (an 8-byte header,
+ * 16-byte granules, at least 32); what bind and resolve callbacks allocate
+ * is theirs. The worst input is one byte per nesting level ([[[...]]]: a
+ * list, its node-table entry and its open frame for every byte); 1 MB of
+ * empty dicts holds 128 MB. dp_frame_check allocates nothing. */
+#define DP_UNPICKLE_MEMORY_PER_BYTE 192u
+#define DP_UNPICKLE_MEMORY_FIXED (64u << 10)
+
 typedef struct dp_limits {
   uint32_t max_depth;
   uint32_t max_buffers;
