@@ -236,9 +236,10 @@ static int read_name(rd_t *r, const char **s, size_t *n, const char *what) {
  * counts exactly what the writer's walk counts (containers with children;
  * a reduce node always has one, its state). */
 typedef struct uframe {
-  dp_value_t v;          /* the container (owned by the frame until delivered) */
+  dp_heap_t *h;          /* the container (owned by the frame until delivered) */
   uint64_t remaining;    /* children still to read (pairs for dict/object) */
   uint32_t node;         /* preorder index */
+  uint32_t low;          /* lowest open container its subtree refers to (NO_LOW: none) */
   uint8_t tag;           /* 0 list, DP_TAG_*, or 'd' for dict */
   uint8_t have_key;
   union {
@@ -251,6 +252,27 @@ typedef struct uframe {
   const uint8_t *start;  /* where the container began */
   const uint8_t *key_at; /* dict: where the pending key began */
 } uframe_t;
+
+#define NO_LOW UINT32_MAX
+
+/* A container's value (its kind is in its header). */
+static inline dp_value_t hval(dp_heap_t *h) {
+  dp_value_t v;
+  v.u.h = h;
+  v.kind = h->kind;
+  v.reserved_ = 0;
+  return v;
+}
+
+/* Cycles. A resolved custom must not be in a cycle (customs are opaque to
+ * the collector): its state must not reach a container that is still open
+ * (its ancestors). Each frame tracks the lowest open container its subtree
+ * refers to, directly or through a finished node that did; a finished
+ * container that reached an open one records it in its node-table entry
+ * (reserved_ = node index + 1), so that a later back-reference to it
+ * carries the fact along. Open containers close in stack order, so the
+ * lowest one reached is the last to close: while it is open, the node still
+ * reaches an open container; once it is closed, nothing it reached is open. */
 
 /* Ownership. The node table borrows: every node in it is owned by the tree
  * being built (its parent container, an open frame, or the root) or by
@@ -305,6 +327,8 @@ static int grow_bounded(void **arr, size_t *cap, size_t len, size_t bound, size_
 static size_t bytes_left(const up_t *u) { return (size_t)(u->r.end - u->r.p); }
 
 static int add_node(up_t *u, dp_value_t v, const uint8_t *at) {
+  /* preorder numbers are 32 bits on the wire (back-references) and here */
+  if (DP_UNLIKELY(u->nnodes >= UINT32_MAX - 1)) return lim_err(u, at, "node count", UINT32_MAX - 1);
   if (u->nnodes == u->nodes_cap &&
       grow_bounded((void **)&u->nodes, &u->nodes_cap, u->nnodes, u->nnodes + 1 + bytes_left(u),
                    sizeof *u->nodes) != 0)
@@ -348,9 +372,10 @@ static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, co
   uframe_t *f = &u->stack[u->top++];
   memset(f, 0, sizeof *f);
   v.u.h->flags |= DP_HEAP_OPEN;
-  f->v = v;
+  f->h = v.u.h;
   f->remaining = remaining;
   f->node = (uint32_t)(u->nnodes - 1);
+  f->low = NO_LOW;
   f->tag = tag;
   f->start = at;
   return 0;
@@ -426,7 +451,18 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
       if (idx >= u->nnodes)
         return dp__err_at(r->err, DP_EFORMAT, off(r, at), "back-reference to node %llu, only %zu exist",
                           (unsigned long long)idx, u->nnodes);
-      *out = dp_value_retain(u->nodes[idx]);
+      dp_value_t target = u->nodes[idx];
+      if (u->top > 0) {
+        /* the open container it is, or the lowest one it reaches */
+        uint64_t reach = dp_value_is_heap(target) && (target.u.h->flags & DP_HEAP_OPEN) ? idx
+                         : target.reserved_ ? target.reserved_ - 1 : NO_LOW;
+        if (reach != NO_LOW && reach < u->stack[u->top - 1].low &&
+            (reach == idx || (dp__is_container_kind(u->nodes[reach].kind) &&
+                              (u->nodes[reach].u.h->flags & DP_HEAP_OPEN))))
+          u->stack[u->top - 1].low = (uint32_t)reach;
+      }
+      target.reserved_ = 0;
+      *out = dp_value_retain(target);
       return 0;
     }
     case T_MAP: {
@@ -483,18 +519,25 @@ static int allowed_type(const dp_resolver_t *res, const char *name, size_t n) {
 
 /* A frame that has all its children: closes it and yields its value. */
 static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at) {
-  f->v.u.h->flags &= (uint16_t)~DP_HEAP_OPEN;
-  *out = f->v;
+  f->h->flags &= (uint16_t)~DP_HEAP_OPEN;
+  dp_value_t v = hval(f->h);
+  *out = v;
+  if (f->low < f->node) {
+    /* it reaches an open ancestor: remember it, and so does the parent */
+    u->nodes[f->node].reserved_ = f->low + 1;
+    if (u->top >= 2 && f->low < u->stack[u->top - 2].low) u->stack[u->top - 2].low = f->low;
+  }
   if (f->tag != DP_TAG_REDUCE) return 0;
   /* The stand-in holds its type name, NUL-terminated (names with a NUL are
    * refused): the resolver gets all of it, as the allow-list matched it. */
-  const char *name = DP_OBJ(f->v)->class_name;
-  size_t name_len = DP_OBJ(f->v)->class_len;
+  const char *name = DP_OBJ(v)->class_name;
+  size_t name_len = DP_OBJ(v)->class_len;
   if (!allowed_type(u->opts->resolver, name, name_len)) return 0;
-  /* An allowed custom: rebuild it from its state. */
-  if (dp_value_refcount(f->v) != 1) {
+  /* An allowed custom: rebuild it from its state, unless the state refers
+   * to the stand-in itself or to a container around it. */
+  if (dp_value_refcount(v) != 1 || f->low < f->node) {
     return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at),
-                      "reduced state of '%.*s' refers back to it: a resolved custom cannot be in a cycle",
+                      "reduced state of '%.*s' refers to it or to a container around it: a resolved custom cannot be in a cycle",
                       (int)name_len, name);
   }
   /* Room to keep the stand-in first: once the resolver has run, nothing
@@ -506,13 +549,12 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
   dp_value_t made = dp_none();
   dp_error_t e;
   dp_error_clear(&e);
-  int rc = res->resolve(res->ud, name, dp__reduced_state(f->v), &made, &e);
+  int rc = res->resolve(res->ud, name, dp__reduced_state(v), &made, &e);
   if (rc) return dp__err_at(u->r.err, rc, off(&u->r, at), "resolving custom '%s' failed: %s", name,
                             e.message[0] ? e.message : dp_strerror(rc));
   /* The node table points into the stand-in's state (any node of it may be
    * referred to later): keep the stand-in, and so its state, until the end. */
-  u->kept[u->nkept++] = f->v;
-  f->v = made;
+  u->kept[u->nkept++] = v;
   u->nodes[f->node] = made;
   *out = made;
   return 0;
@@ -541,10 +583,10 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
   int rc = 0;
   switch (f->tag) {
     case 0:
-      rc = dp_list_append(f->v, v, &e);
+      rc = dp_list_append(hval(f->h), v, &e);
       break;
     case DP_TAG_TUPLE:
-      DP_SEQ(f->v)->items[DP_SEQ(f->v)->len - f->remaining] = v;
+      ((dp_seq_t *)f->h)->items[((dp_seq_t *)f->h)->len - f->remaining] = v;
       break;
     case 'd':
       if (!f->have_key) {
@@ -566,16 +608,16 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
         return 0;
       }
       f->have_key = 0;
-      rc = dp__dict_set_checked(f->v, f->u.key, v, 0, &e);
+      rc = dp__dict_set_checked(hval(f->h), f->u.key, v, 0, &e);
       if (rc == DP_EINVAL) return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, f->key_at), "duplicate dict key");
       break;
     case DP_TAG_OBJECT:
-      rc = dp__object_set_n(f->v, f->u.name.s, f->u.name.n, v, 0, &e);
+      rc = dp__object_set_n(hval(f->h), f->u.name.s, f->u.name.n, v, 0, &e);
       f->u.name.s = NULL;
       if (rc == DP_EINVAL) return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "duplicate attribute");
       break;
     case DP_TAG_REDUCE:
-      rc = dp__object_set_n(f->v, "__reduce__", 10, v, 0, &e);
+      rc = dp__object_set_n(hval(f->h), "__reduce__", 10, v, 0, &e);
       break;
   }
   f->remaining--;
@@ -841,8 +883,8 @@ static void up_cleanup(up_t *u, int failed) {
   while (u->top > 0) {
     uframe_t *f = &u->stack[--u->top];
     if (f->have_key) dp_value_release(f->u.key);
-    f->v.u.h->flags &= (uint16_t)~DP_HEAP_OPEN;
-    dp_value_release(f->v);
+    f->h->flags &= (uint16_t)~DP_HEAP_OPEN;
+    dp_value_release(hval(f->h));
   }
   if (failed && u->have_root) dp_value_release(u->root);
   for (size_t i = 0; i < u->nkept; i++) dp_value_release(u->kept[i]);

@@ -1273,3 +1273,39 @@ Test(pickler, unpickling_holds_at_most_the_stated_memory_per_input_byte) {
   t_pool_free(&pool);
   ASSERT_NO_LEAK();
 }
+
+/* A resolved custom is opaque to the collector: its state must not reach
+ * the reduce node or any container around it, directly or through a node
+ * finished earlier. */
+Test(pickler, a_resolved_custom_whose_state_reaches_an_open_container_is_refused) {
+  int calls = 0;
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_holder, &calls};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.resolver = &res;
+  const char *msg = "reduced state of 'Holder' refers to it or to a container around it: a resolved custom "
+                    "cannot be in a cycle";
+  /* [reduce Holder [backref 0]]: the state holds the list around it */
+  const uint8_t direct[] = {0x91, 0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r',
+                            0x91, 0xd6, 0x01, 0, 0, 0, 0};
+  expect_bad(direct, sizeof direct, DP_EFORMAT, 59, msg, &o);
+  /* [[backref 0], reduce Holder [backref 1]]: through a finished list that holds the root */
+  const uint8_t through[] = {0x92, 0x91, 0xd6, 0x01, 0, 0, 0, 0,
+                             0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r',
+                             0x91, 0xd6, 0x01, 0, 0, 0, 1};
+  expect_bad(through, sizeof through, DP_EFORMAT, 66, msg, &o);
+  /* the same through a list that is closed by then: no cycle, resolved */
+  const uint8_t closed[] = {0x92, 0x91, 0x91, 0xd6, 0x01, 0, 0, 0, 1,
+                            0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r',
+                            0x91, 0xd6, 0x01, 0, 0, 0, 2};
+  uint8_t frame[128];
+  size_t n = make_frame(frame, closed, sizeof closed);
+  dp_value_t back;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(frame, n, &o, &back, &e), 0, "%s", e.message);
+  cr_assert_eq(calls, 1);
+  dp_value_release(back);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
