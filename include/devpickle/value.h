@@ -186,10 +186,12 @@ DP_API const int64_t *dp_tensor_shape(dp_value_t t);
 DP_API const int64_t *dp_tensor_strides(dp_value_t t);
 DP_API int64_t dp_tensor_offset(dp_value_t t);
 
-/* ---- object: a user-defined class instance, held generically ---- */
+/* ---- object: a user-defined class instance, held generically ----
+ * Class and attribute names are non-empty UTF-8 without NUL (they are handed
+ * out as C strings); DP_EINVAL otherwise. */
 DP_API int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err);
 /** Sets an attribute (steals val). A new name is appended; an existing one
- *  keeps its position. Names are non-empty UTF-8. */
+ *  keeps its position. */
 DP_API int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *err);
 /** Borrowed attribute, or DP_ENOTFOUND. */
 DP_API int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val);
