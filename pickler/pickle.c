@@ -15,6 +15,7 @@ struct dp_frame {
   dp_storage_t **storages; /* the storage behind each buffer id, as first met */
   size_t nstorages, storages_cap;
   dp_storage_t *checked;   /* the last other storage found to match its buffer */
+  uint64_t nnodes;         /* heap nodes written: preorder numbers are 32 bits */
   int is_inline;
   int failed;            /* sticky: the writer ran out of memory */
   msgpack_packer pk;
@@ -108,6 +109,16 @@ static int too_large(dp_frame_t *f, const char *what, unsigned long long n) {
                  dp__walker_path(w));
 }
 
+/* One more heap node: a reader numbers at most 2^32 - 2 of them. */
+static inline int count_node(dp_frame_t *f) {
+  if (DP_UNLIKELY(++f->nnodes > UINT32_MAX - 1)) {
+    dp__walker_t *w = frame_walker(f);
+    return dp__err(w->err, DP_ELIMIT, "more than 4294967294 nodes: the frame format numbers nodes in 32 bits, at %s",
+                   dp__walker_path(w));
+  }
+  return 0;
+}
+
 static int put_tag(msgpack_packer *pk, char tag) {
   int rc = msgpack_pack_ext(pk, 1, DP_EXT_TAG);
   return rc ? rc : msgpack_pack_ext_body(pk, &tag, 1);
@@ -120,8 +131,12 @@ static int put_str(msgpack_packer *pk, const char *s, size_t n) {
 
 static int sink_scalar(void *ctx, dp_value_t v) {
   msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
-  if (v.kind >= DP_STR && DP_UNLIKELY(DP_STROBJ(v)->len > UINT32_MAX))
-    return too_large(ctx, v.kind == DP_STR ? "str length" : "bytes length", DP_STROBJ(v)->len);
+  if (v.kind >= DP_STR) {
+    if (DP_UNLIKELY(DP_STROBJ(v)->len > UINT32_MAX))
+      return too_large(ctx, v.kind == DP_STR ? "str length" : "bytes length", DP_STROBJ(v)->len);
+    int rc = count_node(ctx);
+    if (rc) return rc;
+  }
   switch (v.kind) {
     case DP_NONE: return msgpack_pack_nil(pk);
     case DP_BOOL: return v.u.i ? msgpack_pack_true(pk) : msgpack_pack_false(pk);
@@ -137,7 +152,8 @@ static int sink_scalar(void *ctx, dp_value_t v) {
 
 static int sink_enter(void *ctx, dp_value_t v, size_t n) {
   msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
-  int rc;
+  int rc = count_node(ctx);
+  if (rc) return rc;
   /* MessagePack counts are 32 bits: an object's array holds 2 + 2n fields,
    * a tuple's n + 1 */
   if (DP_UNLIKELY(n > (UINT32_MAX - 2) / 2) &&
@@ -199,6 +215,8 @@ static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
   dp_frame_t *f = ctx;
   msgpack_packer *pk = &f->pk;
   dp_tensor_t *t = DP_TENSOR(v);
+  int rc = count_node(f);
+  if (rc) return rc;
   /* Remember the storage met first for each new buffer id (ids are handed
    * out in that order): an inline frame copies its bytes later, and every
    * other storage at the same (device, base) must agree with it. */
@@ -214,10 +232,9 @@ static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
     }
     f->storages[f->nstorages++] = t->storage;
   } else if (DP_UNLIKELY(f->storages[buffer] != t->storage) && t->storage != f->checked) {
-    int rc = check_same_buffer(f, f->storages[buffer], t->storage);
-    if (rc) return rc;
+    if ((rc = check_same_buffer(f, f->storages[buffer], t->storage)) != 0) return rc;
   }
-  int rc = msgpack_pack_array(pk, 6);
+  rc = msgpack_pack_array(pk, 6);
   rc = rc ? rc : put_tag(pk, DP_TAG_TENSOR);
   rc = rc ? rc : msgpack_pack_uint64(pk, buffer);
   rc = rc ? rc : msgpack_pack_uint8(pk, t->dtype);
@@ -296,6 +313,7 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
   f->failed = 0;
   f->nstorages = 0;
   f->checked = NULL;
+  f->nnodes = 0;
   f->is_inline = opts && (opts->flags & DP_PICKLE_INLINE);
   dp_ptrset_clear(f->set);
   int rc = frame_reserve(f, DP_FRAME_HEADER);
