@@ -537,8 +537,8 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
    * to the stand-in itself or to a container around it. */
   if (dp_value_refcount(v) != 1 || f->low < f->node) {
     return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at),
-                      "reduced state of '%.*s' refers to it or to a container around it: a resolved custom cannot be in a cycle",
-                      (int)name_len, name);
+                      "reduced state of '%.*s' refers to it or to a container around it: a resolved custom "
+                      "cannot be in a cycle", (int)name_len, name);
   }
   /* Room to keep the stand-in first: once the resolver has run, nothing
    * may fail before the stand-in is kept. */
@@ -795,16 +795,22 @@ static int read_table(up_t *u, const dp_frame_info_t *fi) {
   u->bufs = dp__alloc_array(n ? n : 1, sizeof(dp_storage_t *));
   if (!u->bufs) return oom_at(u, at);
   u->bufs_cap = n ? n : 1;
-  /* Each buffer must name a distinct (device, base): checked after the
-   * table is read, by sorting these (freed before the payload is read). */
+  /* Two passes: the first checks every descriptor and that each names a
+   * distinct (device, base) (by sorting these keys, freed before the
+   * payload is read); the second binds them, so that a bad table binds
+   * nothing. */
   bkey_t *keys = dp__alloc_array(n ? n : 1, sizeof *keys);
   if (!keys) return oom_at(u, at);
+  const uint8_t *first = r->p;
   rc = read_descriptors(u, fi, n, keys, data);
   if (rc == 0) rc = check_distinct(u, fi, keys, n);
   dp__free(keys, (n ? n : 1) * sizeof *keys);
-  return rc;
+  if (rc) return rc;
+  r->p = first;
+  return read_descriptors(u, fi, n, NULL, data);
 }
 
+/* keys != NULL: checks the descriptors and fills keys; NULL: binds them. */
 static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, bkey_t *keys, const uint8_t *data) {
   rd_t *r = &u->r;
   int is_inline = (fi->flags & DP_FRAME_FLAG_INLINE) != 0;
@@ -822,9 +828,6 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, bkey
         (rc = read_uint(r, &nbytes, "buffer size")) || (rc = read_uint(r, &base, "buffer address")))
       return rc;
     if (is_inline && (rc = read_uint(r, &doff, "buffer data offset")) != 0) return rc;
-    keys[i].base = base;
-    keys[i].dev = (uint32_t)(dtype << 8 | (dindex & 0xff));
-    keys[i].id = (uint32_t)i;
     if (dtype >= DP_DEVICE_TYPE_COUNT || dindex > DP_DEVICE_INDEX_MAX || (dtype == DP_DEVICE_CPU && dindex != 0))
       return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer %llu: invalid device (type %llu, index %llu)",
                         (unsigned long long)i, (unsigned long long)dtype, (unsigned long long)dindex);
@@ -837,8 +840,14 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, bkey
                           "the previous buffer within the %llu-byte data section", (unsigned long long)i,
                           (unsigned long long)doff, (unsigned long long)nbytes, (unsigned long long)fi->data_len);
       data_off += nbytes;
-      if (dp__add_ovf(u->bytes, nbytes, &u->bytes) || u->bytes > u->lim.max_bytes)
+      if (keys && (dp__add_ovf(u->bytes, nbytes, &u->bytes) || u->bytes > u->lim.max_bytes))
         return lim_err(u, at, "total str, bytes and inline size", u->lim.max_bytes);
+    }
+    if (keys) {
+      keys[i].base = base;
+      keys[i].dev = (uint32_t)(dtype << 8 | dindex);
+      keys[i].id = (uint32_t)i;
+      continue;
     }
     dp_buffer_desc_t desc = {(uint32_t)i, {(uint8_t)dtype, (uint8_t)dindex}, nbytes, base,
                              is_inline ? data + doff : NULL};
@@ -863,6 +872,7 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, bkey
     }
     u->bufs[u->nbufs++] = st;
   }
+  if (!keys) return 0;
   if (r->p != r->end)
     return dp__err_at(r->err, DP_EFORMAT, off(r, r->p), "%lld bytes after the buffer table", (long long)(r->end - r->p));
   if (is_inline && data_off != fi->data_len)

@@ -1011,6 +1011,11 @@ Test(pickler, the_reader_accepts_exactly_the_depth_the_writer_writes) {
   ASSERT_NO_LEAK();
 }
 
+static int count_binds(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
+  (*(int *)ud)++;
+  return dp_storage_new(d->device, (void *)(uintptr_t)d->base, d->nbytes, NULL, NULL, out, err);
+}
+
 /* One (device, base) described twice: buffer 1 repeats buffer 0's cuda:0
  * 0x1000 with another size. */
 Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
@@ -1021,6 +1026,13 @@ Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
   uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
   dp_value_t out;
   dp_error_t e;
+  int binds = 0;
+  dp_unpickle_opts_t bo;
+  memset(&bo, 0, sizeof bo);
+  bo.bind = count_binds;
+  bo.bind_ud = &binds;
+  cr_assert_eq(dp_unpickle(b, n, &bo, &out, &e), DP_EFORMAT);
+  cr_assert_eq(binds, 0, "a table that is refused binds nothing");
   cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT);
   cr_assert_str_eq(e.message, "buffer 1 describes cuda:0 0x1000 again (buffer 0 did): a frame has one buffer "
                               "per (device, base)");
@@ -1040,7 +1052,8 @@ Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
   const uint8_t ok_table[] = {0x92, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00,
                                     0x94, 0x01, 0x01, 0x04, 0xcd, 0x10, 0x00};
   b = frame_with_table(payload, sizeof payload, ok_table, sizeof ok_table, NULL, 0, 0, &n);
-  OK(dp_unpickle(b, n, NULL, &out, &e));
+  OK(dp_unpickle(b, n, &bo, &out, &e));
+  cr_assert_eq(binds, 2);
   free(b);
   ASSERT_NO_LEAK();
 }
