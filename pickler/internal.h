@@ -170,6 +170,20 @@ int dp__utf8_valid(const char *s, size_t n);
 /* Whether s may name a class, type or attribute: non-empty UTF-8 without
  * NUL (names are also handed out as C strings, so a NUL would cut them). */
 int dp__name_valid(const char *s, size_t n);
+
+/* Whether n bytes at s hold a 0 byte: eight at a time, for names. */
+static inline int dp__has_nul(const void *s, size_t n) {
+  const unsigned char *p = s;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t x;
+    __builtin_memcpy(&x, p + i, 8);
+    if ((x - 0x0101010101010101ull) & ~x & 0x8080808080808080ull) return 1;
+  }
+  for (; i < n; i++)
+    if (p[i] == 0) return 1;
+  return 0;
+}
 /* Whether s is an identifier ([A-Za-z_][A-Za-z0-9_]*) for path rendering. */
 int dp__is_identifier(const char *s, size_t n);
 

@@ -15,7 +15,6 @@ struct dp_frame {
   dp_storage_t **storages; /* the storage behind each buffer id, as first met */
   size_t nstorages, storages_cap;
   dp_storage_t *checked;   /* the last other storage found to match its buffer */
-  uint64_t nnodes;         /* heap nodes written: preorder numbers are 32 bits */
   int is_inline;
   int failed;            /* sticky: the writer ran out of memory */
   msgpack_packer pk;
@@ -44,7 +43,8 @@ static int frame_reserve(dp_frame_t *f, size_t extra) {
 /* msgpack-c write callback: appends to the frame, through the hook. */
 static int frame_write(void *data, const char *buf, size_t len) {
   dp_frame_t *f = data;
-  if (DP_UNLIKELY(len > f->cap - f->len) && frame_reserve(f, len) != 0) {
+  /* f->len + len cannot overflow: both are sizes of memory held */
+  if (DP_UNLIKELY(f->len + len > f->cap) && frame_reserve(f, len) != 0) {
     f->failed = 1;
     return -1;
   }
@@ -109,15 +109,7 @@ static int too_large(dp_frame_t *f, const char *what, unsigned long long n) {
                  dp__walker_path(w));
 }
 
-/* One more heap node: a reader numbers at most 2^32 - 2 of them. */
-static inline int count_node(dp_frame_t *f) {
-  if (DP_UNLIKELY(++f->nnodes > UINT32_MAX - 1)) {
-    dp__walker_t *w = frame_walker(f);
-    return dp__err(w->err, DP_ELIMIT, "more than 4294967294 nodes: the frame format numbers nodes in 32 bits, at %s",
-                   dp__walker_path(w));
-  }
-  return 0;
-}
+
 
 static int put_tag(msgpack_packer *pk, char tag) {
   int rc = msgpack_pack_ext(pk, 1, DP_EXT_TAG);
@@ -131,29 +123,24 @@ static int put_str(msgpack_packer *pk, const char *s, size_t n) {
 
 static int sink_scalar(void *ctx, dp_value_t v) {
   msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
-  if (v.kind >= DP_STR) {
-    if (DP_UNLIKELY(DP_STROBJ(v)->len > UINT32_MAX))
-      return too_large(ctx, v.kind == DP_STR ? "str length" : "bytes length", DP_STROBJ(v)->len);
-    int rc = count_node(ctx);
-    if (rc) return rc;
-  }
   switch (v.kind) {
     case DP_NONE: return msgpack_pack_nil(pk);
     case DP_BOOL: return v.u.i ? msgpack_pack_true(pk) : msgpack_pack_false(pk);
     case DP_INT: return msgpack_pack_int64(pk, v.u.i);
     case DP_FLOAT: return msgpack_pack_double(pk, v.u.f);
-    case DP_STR: return put_str(pk, DP_STROBJ(v)->data, DP_STROBJ(v)->len);
     default: {
-      int rc = msgpack_pack_bin(pk, DP_STROBJ(v)->len);
-      return rc ? rc : msgpack_pack_bin_body(pk, DP_STROBJ(v)->data, DP_STROBJ(v)->len);
+      size_t n = DP_STROBJ(v)->len;
+      if (DP_UNLIKELY(n > UINT32_MAX)) return too_large(ctx, v.kind == DP_STR ? "str length" : "bytes length", n);
+      if (v.kind == DP_STR) return put_str(pk, DP_STROBJ(v)->data, n);
+      int rc = msgpack_pack_bin(pk, n);
+      return rc ? rc : msgpack_pack_bin_body(pk, DP_STROBJ(v)->data, n);
     }
   }
 }
 
 static int sink_enter(void *ctx, dp_value_t v, size_t n) {
   msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
-  int rc = count_node(ctx);
-  if (rc) return rc;
+  int rc;
   /* MessagePack counts are 32 bits: an object's array holds 2 + 2n fields,
    * a tuple's n + 1 */
   if (DP_UNLIKELY(n > (UINT32_MAX - 2) / 2) &&
@@ -215,8 +202,7 @@ static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
   dp_frame_t *f = ctx;
   msgpack_packer *pk = &f->pk;
   dp_tensor_t *t = DP_TENSOR(v);
-  int rc = count_node(f);
-  if (rc) return rc;
+  int rc;
   /* Remember the storage met first for each new buffer id (ids are handed
    * out in that order): an inline frame copies its bytes later, and every
    * other storage at the same (device, base) must agree with it. */
@@ -313,7 +299,6 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
   f->failed = 0;
   f->nstorages = 0;
   f->checked = NULL;
-  f->nnodes = 0;
   f->is_inline = opts && (opts->flags & DP_PICKLE_INLINE);
   dp_ptrset_clear(f->set);
   int rc = frame_reserve(f, DP_FRAME_HEADER);
@@ -332,6 +317,11 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
   /* The writer reports running out of memory as msgpack-c's -1: whatever
    * the walk returned then, the error is that one, with its message. */
   if (f->failed) rc = dp__err(err, DP_ENOMEM, "out of memory writing the payload");
+  /* A reader numbers at most 2^32 - 2 heap nodes (32-bit back-references,
+   * which the sink checks as it writes them). */
+  if (rc == 0 && w->next_index > (uint64_t)UINT32_MAX - 1)
+    rc = dp__err(err, DP_ELIMIT, "value of %llu heap nodes: the frame format numbers at most 4294967294",
+                 (unsigned long long)w->next_index);
   if (rc) goto fail;
   size_t payload_end = f->len;
   if (write_table(f) != 0 || f->failed) {

@@ -222,7 +222,7 @@ static int read_name(rd_t *r, const char **s, size_t *n, const char *what) {
     return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: non-empty str expected", what);
   if (!dp__utf8_valid((const char *)t.data, t.len))
     return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: invalid UTF-8", what);
-  if (memchr(t.data, 0, t.len))
+  if (dp__has_nul(t.data, t.len))
     return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: NUL byte in a name", what);
   *s = (const char *)t.data;
   *n = t.len;
@@ -326,13 +326,18 @@ static int grow_bounded(void **arr, size_t *cap, size_t len, size_t bound, size_
 /* Payload bytes not read yet: an upper bound on the nodes still to come. */
 static size_t bytes_left(const up_t *u) { return (size_t)(u->r.end - u->r.p); }
 
+/* Preorder numbers are 32 bits on the wire (back-references) and here: the
+ * table never grows past MAX_NODES, so the check costs nothing until then. */
+#define MAX_NODES ((size_t)UINT32_MAX - 1)
+
 static int add_node(up_t *u, dp_value_t v, const uint8_t *at) {
-  /* preorder numbers are 32 bits on the wire (back-references) and here */
-  if (DP_UNLIKELY(u->nnodes >= UINT32_MAX - 1)) return lim_err(u, at, "node count", UINT32_MAX - 1);
-  if (u->nnodes == u->nodes_cap &&
-      grow_bounded((void **)&u->nodes, &u->nodes_cap, u->nnodes, u->nnodes + 1 + bytes_left(u),
-                   sizeof *u->nodes) != 0)
-    return oom_at(u, at);
+  if (DP_UNLIKELY(u->nnodes == u->nodes_cap)) {
+    if (u->nnodes >= MAX_NODES) return lim_err(u, at, "node count", MAX_NODES);
+    size_t bound = u->nnodes + 1 + bytes_left(u);
+    if (grow_bounded((void **)&u->nodes, &u->nodes_cap, u->nnodes, bound < MAX_NODES ? bound : MAX_NODES,
+                     sizeof *u->nodes) != 0)
+      return oom_at(u, at);
+  }
   u->nodes[u->nnodes++] = v;
   return 0;
 }
@@ -715,34 +720,35 @@ typedef struct bkey {
   uint32_t id;
 } bkey_t;
 
-static int bkey_less(const bkey_t *a, const bkey_t *b) {
-  if (a->base != b->base) return a->base < b->base;
-  if (a->dev != b->dev) return a->dev < b->dev;
-  return a->id < b->id;
+/* The sort key's byte d, least significant first: dev's 2 bytes, then
+ * base's 8 (any total order finds equal keys; this one is cheap). */
+static inline unsigned bkey_digit(const bkey_t *k, int d) {
+  return d < 2 ? (k->dev >> (8 * d)) & 0xffu : (unsigned)(k->base >> (8 * (d - 2))) & 0xffu;
 }
 
-/* Heapsort: O(n log n) whatever the input, in place, no allocation. */
-static void bkey_sift(bkey_t *k, size_t i, size_t n) {
-  for (;;) {
-    size_t c = 2 * i + 1;
-    if (c >= n) return;
-    if (c + 1 < n && bkey_less(&k[c], &k[c + 1])) c++;
-    if (!bkey_less(&k[i], &k[c])) return;
-    bkey_t t = k[i];
-    k[i] = k[c];
-    k[c] = t;
-    i = c;
+/* LSD radix sort, stable (keys come in id order, so equal keys stay in id
+ * order): linear whatever the addresses, so a hostile table cannot slow it
+ * down. All ten histograms are counted in one pass; a digit that is the
+ * same in every key (the high bytes of addresses, usually) is skipped.
+ * tmp holds n keys. Returns the array that holds the sorted keys. */
+static bkey_t *bkey_sort(bkey_t *k, bkey_t *tmp, size_t n) {
+  uint32_t count[10][256];
+  memset(count, 0, sizeof count);
+  for (size_t i = 0; i < n; i++)
+    for (int d = 0; d < 10; d++) count[d][bkey_digit(&k[i], d)]++;
+  for (int d = 0; d < 10; d++) {
+    if (count[d][bkey_digit(&k[0], d)] == n) continue;
+    uint32_t pos[256], sum = 0;
+    for (int j = 0; j < 256; j++) {
+      pos[j] = sum;
+      sum += count[d][j];
+    }
+    for (size_t i = 0; i < n; i++) tmp[pos[bkey_digit(&k[i], d)]++] = k[i];
+    bkey_t *t = k;
+    k = tmp;
+    tmp = t;
   }
-}
-
-static void bkey_sort(bkey_t *k, size_t n) {
-  for (size_t i = n / 2; i-- > 0;) bkey_sift(k, i, n);
-  for (size_t i = n; i-- > 1;) {
-    bkey_t t = k[0];
-    k[0] = k[i];
-    k[i] = t;
-    bkey_sift(k, 0, i);
-  }
+  return k;
 }
 
 /* Where descriptor `id` starts (the table was read and checked already). */
@@ -761,11 +767,12 @@ static const uint8_t *descriptor_at(up_t *u, const dp_frame_info_t *fi, uint32_t
 
 static int check_distinct(up_t *u, const dp_frame_info_t *fi, bkey_t *keys, uint64_t n) {
   if (n < 2) return 0;
-  bkey_sort(keys, (size_t)n);
+  size_t i;
+  keys = bkey_sort(keys, keys + n, (size_t)n);
   /* Report the first repeat in table order: in each run of equal keys
    * (sorted by id) the second one; the smallest of those. */
   size_t rep = SIZE_MAX;
-  for (size_t i = 1; i < n; i++)
+  for (i = 1; i < n; i++)
     if (keys[i].base == keys[i - 1].base && keys[i].dev == keys[i - 1].dev &&
         (i < 2 || keys[i - 1].base != keys[i - 2].base || keys[i - 1].dev != keys[i - 2].dev) &&
         (rep == SIZE_MAX || keys[i].id < keys[rep].id))
@@ -779,7 +786,9 @@ static int check_distinct(up_t *u, const dp_frame_info_t *fi, bkey_t *keys, uint
                     (unsigned long long)keys[rep].base, keys[rep - 1].id);
 }
 
-static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, bkey_t *keys, const uint8_t *data);
+enum { PASS_CHECK, PASS_MAKE, PASS_KEYS, PASS_BIND };
+static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int pass, bkey_t *keys,
+                            const uint8_t *data, int *sorted);
 
 static int read_table(up_t *u, const dp_frame_info_t *fi) {
   rd_t *r = &u->r;
@@ -795,28 +804,44 @@ static int read_table(up_t *u, const dp_frame_info_t *fi) {
   u->bufs = dp__alloc_array(n ? n : 1, sizeof(dp_storage_t *));
   if (!u->bufs) return oom_at(u, at);
   u->bufs_cap = n ? n : 1;
-  /* Two passes: the first checks every descriptor and that each names a
-   * distinct (device, base) (by sorting these keys, freed before the
-   * payload is read); the second binds them, so that a bad table binds
-   * nothing. */
-  bkey_t *keys = dp__alloc_array(n ? n : 1, sizeof *keys);
-  if (!keys) return oom_at(u, at);
+  /* Every descriptor must name a distinct (device, base). Writers list
+   * buffers as met, often in address order: the first pass notes whether
+   * they are sorted, which shows them distinct. Otherwise a second pass
+   * collects keys (2n of them: the radix sort's room) to sort, freed before
+   * the payload is read. With a bind callback the table is checked whole
+   * before a last pass binds it, so that a bad table binds nothing; without
+   * one the first pass makes the storages (a bad table frees them). */
   const uint8_t *first = r->p;
-  rc = read_descriptors(u, fi, n, keys, data);
-  if (rc == 0) rc = check_distinct(u, fi, keys, n);
-  dp__free(keys, (n ? n : 1) * sizeof *keys);
-  if (rc) return rc;
+  int bind = u->opts->bind != NULL, sorted;
+  rc = read_descriptors(u, fi, n, bind ? PASS_CHECK : PASS_MAKE, NULL, data, &sorted);
+  if (rc == 0 && !sorted) {
+    size_t nk = 2 * n;
+    bkey_t *keys = dp__alloc_array(nk, sizeof *keys);
+    if (!keys) return oom_at(u, at);
+    r->p = first;
+    read_descriptors(u, fi, n, PASS_KEYS, keys, data, &sorted);  /* checked already */
+    rc = check_distinct(u, fi, keys, n);
+    dp__free(keys, nk * sizeof *keys);
+  }
+  if (rc || !bind) return rc;
   r->p = first;
-  return read_descriptors(u, fi, n, NULL, data);
+  return read_descriptors(u, fi, n, PASS_BIND, NULL, data, &sorted);
 }
 
-/* keys != NULL: checks the descriptors and fills keys; NULL: binds them. */
-static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, bkey_t *keys, const uint8_t *data) {
+/* Reads the n descriptors, checking each, and notes in *sorted whether
+ * their (base, device) increase strictly. The first pass (CHECK or MAKE)
+ * also counts inline bytes against the limit; MAKE and BIND make or bind
+ * the storages; KEYS fills keys. */
+static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int pass, bkey_t *keys,
+                            const uint8_t *data, int *sorted) {
   rd_t *r = &u->r;
   int is_inline = (fi->flags & DP_FRAME_FLAG_INLINE) != 0;
-  uint64_t data_off = 0;
+  int make = pass == PASS_MAKE || pass == PASS_BIND;
+  uint64_t data_off = 0, prev_base = 0;
+  uint32_t prev_dev = 0;
   const uint8_t *at;
   int rc;
+  *sorted = 1;
   for (uint64_t i = 0; i < n; i++) {
     uint64_t fields, dtype, dindex, nbytes, base, doff = 0;
     at = r->p;
@@ -840,15 +865,20 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, bkey
                           "the previous buffer within the %llu-byte data section", (unsigned long long)i,
                           (unsigned long long)doff, (unsigned long long)nbytes, (unsigned long long)fi->data_len);
       data_off += nbytes;
-      if (keys && (dp__add_ovf(u->bytes, nbytes, &u->bytes) || u->bytes > u->lim.max_bytes))
+      if ((pass == PASS_CHECK || pass == PASS_MAKE) &&
+          (dp__add_ovf(u->bytes, nbytes, &u->bytes) || u->bytes > u->lim.max_bytes))
         return lim_err(u, at, "total str, bytes and inline size", u->lim.max_bytes);
     }
+    uint32_t dev = (uint32_t)(dtype << 8 | dindex);
+    if (i > 0 && !(base > prev_base || (base == prev_base && dev > prev_dev))) *sorted = 0;
+    prev_base = base;
+    prev_dev = dev;
     if (keys) {
       keys[i].base = base;
-      keys[i].dev = (uint32_t)(dtype << 8 | dindex);
+      keys[i].dev = dev;
       keys[i].id = (uint32_t)i;
-      continue;
     }
+    if (!make) continue;
     dp_buffer_desc_t desc = {(uint32_t)i, {(uint8_t)dtype, (uint8_t)dindex}, nbytes, base,
                              is_inline ? data + doff : NULL};
     dp_storage_t *st = NULL;
@@ -872,7 +902,7 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, bkey
     }
     u->bufs[u->nbufs++] = st;
   }
-  if (!keys) return 0;
+  if (pass != PASS_CHECK && pass != PASS_MAKE) return 0;
   if (r->p != r->end)
     return dp__err_at(r->err, DP_EFORMAT, off(r, r->p), "%lld bytes after the buffer table", (long long)(r->end - r->p));
   if (is_inline && data_off != fi->data_len)

@@ -432,7 +432,7 @@ int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val) {
 /* ---- object ---- */
 
 int dp__name_valid(const char *s, size_t n) {
-  return n > 0 && memchr(s, 0, n) == NULL && dp__utf8_valid(s, n);
+  return n > 0 && !dp__has_nul(s, n) && dp__utf8_valid(s, n);
 }
 
 typedef struct name_key { const char *s; size_t n; } name_key_t;
@@ -448,10 +448,15 @@ size_t dp__object_size(size_t inl_cap, size_t class_len) {
   return sizeof(dp_object_t) + inl_cap * sizeof(dp_attr_t) + class_len + 1;
 }
 
+static int bad_class_name(dp_error_t *err) {
+  return dp__err(err, DP_EINVAL, "object class name must be non-empty UTF-8 without NUL");
+}
+
+/* Names are checked once, where they come in: by the public constructors
+ * here (dp__name_valid) and by the reader (read_name, the same rule). The
+ * dp__*_n internals, the reader's, take names already checked. */
 static int object_alloc(const char *cls, size_t len, size_t nattrs, uint16_t flags, dp_value_t *out,
                         dp_error_t *err) {
-  if (!dp__name_valid(cls, len))
-    return dp__err(err, DP_EINVAL, "object class name must be non-empty UTF-8 without NUL");
   size_t size;
   if (dp__mul_ovf(nattrs, sizeof(dp_attr_t), &size) || dp__add_ovf(size, sizeof(dp_object_t) + 1, &size) ||
       dp__add_ovf(size, len, &size))
@@ -483,7 +488,9 @@ int dp__object_new_n(const char *cls, size_t len, size_t nattrs, dp_value_t *out
 
 int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err) {
   if (!class_name || !out) return dp__err(err, DP_EINVAL, "dp_object_new: NULL argument");
-  return object_alloc(class_name, strlen(class_name), OBJECT_DEFAULT_ATTRS, 0, out, err);
+  size_t len = strlen(class_name);
+  if (!dp__name_valid(class_name, len)) return bad_class_name(err);
+  return object_alloc(class_name, len, OBJECT_DEFAULT_ATTRS, 0, out, err);
 }
 
 int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val, int allow_replace,
@@ -491,10 +498,6 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
   if (obj.kind != DP_OBJECT) {
     dp_value_release(val);
     return kind_mismatch(err, "dp_object_set", obj, "object");
-  }
-  if (!dp__name_valid(name, n)) {
-    dp_value_release(val);
-    return dp__err(err, DP_EINVAL, "attribute name must be non-empty UTF-8 without NUL");
   }
   dp_object_t *o = DP_OBJ(obj);
   name_key_t key = {name, n};
@@ -543,7 +546,12 @@ int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *
     dp_value_release(val);
     return dp__err(err, DP_EINVAL, "dp_object_set: NULL name");
   }
-  return dp__object_set_n(obj, name, strlen(name), val, 1, err);
+  size_t n = strlen(name);
+  if (obj.kind == DP_OBJECT && !dp__name_valid(name, n)) {
+    dp_value_release(val);
+    return dp__err(err, DP_EINVAL, "attribute name must be non-empty UTF-8 without NUL");
+  }
+  return dp__object_set_n(obj, name, n, val, 1, err);
 }
 
 int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val) {
@@ -585,7 +593,9 @@ int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_value_t *o
     dp_value_release(state);
     return dp__err(err, DP_EINVAL, "dp_object_new_reduced: NULL argument");
   }
-  int rc = object_alloc(type_name, strlen(type_name), 1, DP_HEAP_REDUCED, out, err);
+  size_t len = strlen(type_name);
+  int rc = dp__name_valid(type_name, len) ? object_alloc(type_name, len, 1, DP_HEAP_REDUCED, out, err)
+                                          : bad_class_name(err);
   if (rc) {
     dp_value_release(state);
     return rc;

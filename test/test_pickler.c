@@ -1048,6 +1048,30 @@ Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
   cr_assert_str_eq(e.message, "buffer 2 describes cpu 0x1000 again (buffer 0 did): a frame has one buffer "
                               "per (device, base)");
   free(b);
+  /* among many: 1,000 scattered addresses, buffer 700 repeating buffer 300's */
+  size_t q = 0, nd = 1000;
+  uint8_t *t = malloc(3 + nd * 14);
+  t[q++] = 0xdc; t[q++] = (uint8_t)(nd >> 8); t[q++] = (uint8_t)nd;
+  size_t at700 = 0;
+  for (size_t i = 0; i < nd; i++) {
+    uint64_t base = (i == 700 ? 300 : i) * 0x9e3779b97f4a7c15ull;
+    if (i == 700) at700 = q;
+    t[q++] = 0x94; t[q++] = 0x01; t[q++] = (uint8_t)((i == 700 ? 300 : i) % 3); t[q++] = 0x04; t[q++] = 0xcf;
+    for (int k = 7; k >= 0; k--) t[q++] = (uint8_t)(base >> (8 * k));
+  }
+  b = frame_with_table(payload, sizeof payload, t, q, NULL, 0, 0, &n);
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT);
+  char want[160];
+  snprintf(want, sizeof want, "buffer 700 describes cuda:0 0x%llx again (buffer 300 did): a frame has one buffer per "
+           "(device, base)", (unsigned long long)(300 * 0x9e3779b97f4a7c15ull));
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(e.offset, (int64_t)(41 + at700));
+  free(b);
+  t[at700 + 2] = 2;  /* on cuda:2 it is another allocation */
+  b = frame_with_table(payload, sizeof payload, t, q, NULL, 0, 0, &n);
+  OK(dp_unpickle(b, n, NULL, &out, &e));
+  free(b);
+  free(t);
   /* the same device and base on different devices are different allocations */
   const uint8_t ok_table[] = {0x92, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00,
                                     0x94, 0x01, 0x01, 0x04, 0xcd, 0x10, 0x00};
