@@ -7,6 +7,7 @@
 #define DP_FRAME_VERSION 1
 #define DP_FRAME_HEADER 40
 #define DP_FRAME_FLAG_INLINE 1u
+#define DP_FRAME_MAX_NBYTES ((uint64_t)1 << 62)  /* one buffer's size */
 
 /* msgpack ext types */
 #define DP_EXT_TAG 0   /* fixext1: the node kind of the array it opens */

@@ -12,8 +12,9 @@ struct dp_frame {
   dp_ptrset_t *set;      /* buffers, in first-met order; owns the walker */
   uint64_t *data_off;    /* inline: offset of each buffer's bytes in buf */
   size_t data_off_cap;
-  dp_storage_t **storages; /* inline: the storage behind each buffer id, as met */
+  dp_storage_t **storages; /* the storage behind each buffer id, as first met */
   size_t nstorages, storages_cap;
+  dp_storage_t *checked;   /* the last other storage found to match its buffer */
   int is_inline;
   int failed;            /* sticky: the writer ran out of memory */
   msgpack_packer pk;
@@ -24,9 +25,11 @@ uint64_t dp__frame_checksum(const uint8_t *frame, size_t n) {
 }
 
 static int frame_reserve(dp_frame_t *f, size_t extra) {
-  if (f->len + extra <= f->cap) return 0;
+  size_t need;
+  if (dp__add_ovf(f->len, extra, &need)) return DP_ENOMEM;
+  if (need <= f->cap) return 0;
   size_t ncap = f->cap ? f->cap : 256;
-  while (ncap < f->len + extra) {
+  while (ncap < need) {
     if (ncap > SIZE_MAX / 2) return DP_ENOMEM;
     ncap *= 2;
   }
@@ -40,6 +43,7 @@ static int frame_reserve(dp_frame_t *f, size_t extra) {
 /* msgpack-c write callback: appends to the frame, through the hook. */
 static int frame_write(void *data, const char *buf, size_t len) {
   dp_frame_t *f = data;
+  /* f->len + len cannot overflow: both are sizes of memory held */
   if (DP_UNLIKELY(f->len + len > f->cap) && frame_reserve(f, len) != 0) {
     f->failed = 1;
     return -1;
@@ -91,7 +95,21 @@ int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out) {
   return 0;
 }
 
-/* ---- the sink ---- */
+/* ---- the sink ----
+ * The writer writes only what the reader accepts: lengths and counts that
+ * MessagePack can carry (32 bits), back-references to the first 2^32 nodes,
+ * buffers of at most 2^62 bytes, one buffer per (device, base). Anything
+ * else is an error naming the path, never a frame the reader refuses. */
+
+static dp__walker_t *frame_walker(dp_frame_t *f) { return dp__ptrset_walker(f->set); }
+
+static int too_large(dp_frame_t *f, const char *what, unsigned long long n) {
+  dp__walker_t *w = frame_walker(f);
+  return dp__err(w->err, DP_ELIMIT, "%s of %llu exceeds the frame format's limit of 4294967295 at %s", what, n,
+                 dp__walker_path(w));
+}
+
+
 
 static int put_tag(msgpack_packer *pk, char tag) {
   int rc = msgpack_pack_ext(pk, 1, DP_EXT_TAG);
@@ -110,10 +128,12 @@ static int sink_scalar(void *ctx, dp_value_t v) {
     case DP_BOOL: return v.u.i ? msgpack_pack_true(pk) : msgpack_pack_false(pk);
     case DP_INT: return msgpack_pack_int64(pk, v.u.i);
     case DP_FLOAT: return msgpack_pack_double(pk, v.u.f);
-    case DP_STR: return put_str(pk, DP_STROBJ(v)->data, DP_STROBJ(v)->len);
     default: {
-      int rc = msgpack_pack_bin(pk, DP_STROBJ(v)->len);
-      return rc ? rc : msgpack_pack_bin_body(pk, DP_STROBJ(v)->data, DP_STROBJ(v)->len);
+      size_t n = DP_STROBJ(v)->len;
+      if (DP_UNLIKELY(n > UINT32_MAX)) return too_large(ctx, v.kind == DP_STR ? "str length" : "bytes length", n);
+      if (v.kind == DP_STR) return put_str(pk, DP_STROBJ(v)->data, n);
+      int rc = msgpack_pack_bin(pk, n);
+      return rc ? rc : msgpack_pack_bin_body(pk, DP_STROBJ(v)->data, n);
     }
   }
 }
@@ -121,6 +141,11 @@ static int sink_scalar(void *ctx, dp_value_t v) {
 static int sink_enter(void *ctx, dp_value_t v, size_t n) {
   msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
   int rc;
+  /* MessagePack counts are 32 bits: an object's array holds 2 + 2n fields,
+   * a tuple's n + 1 */
+  if (DP_UNLIKELY(n > (UINT32_MAX - 2) / 2) &&
+      (v.kind == DP_OBJECT || n > UINT32_MAX - (v.kind == DP_TUPLE)))
+    return too_large(ctx, "container size", n);
   switch (v.kind) {
     case DP_LIST: return msgpack_pack_array(pk, n);
     case DP_DICT: return msgpack_pack_map(pk, n);
@@ -147,20 +172,55 @@ static int sink_attr(void *ctx, const char *name, size_t n) {
   return put_str(&((dp_frame_t *)ctx)->pk, name, n);
 }
 
+/* Two storages at one (device, base) become one buffer: they must agree on
+ * its size and, in an inline frame, on its bytes (the frame carries those of
+ * the first). Refused otherwise, whichever is met first. */
+static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *st) {
+  dp__walker_t *w = frame_walker(f);
+  char dev[16];
+  const char *why = NULL;
+  if (first->nbytes != st->nbytes) {
+    return dp__err(w->err, DP_EINVAL, "storages of %s %p differ in size (%zu and %zu bytes) at %s: a frame has "
+                   "one buffer per (device, base)", dp_device_format(st->device, dev, sizeof dev), st->base,
+                   first->nbytes, st->nbytes, dp__walker_path(w));
+  }
+  if (f->is_inline) {
+    if ((first->host_data == NULL) != (st->host_data == NULL))
+      why = "only one carries host bytes";
+    else if (first->host_data && st->nbytes && memcmp(first->host_data, st->host_data, st->nbytes) != 0)
+      why = "their host bytes differ";
+    if (why)
+      return dp__err(w->err, DP_EINVAL, "storages of %s %p (%zu bytes) disagree at %s: %s; a frame has one "
+                     "buffer per (device, base)", dp_device_format(st->device, dev, sizeof dev), st->base,
+                     st->nbytes, dp__walker_path(w), why);
+  }
+  f->checked = st;
+  return 0;
+}
+
 static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
   dp_frame_t *f = ctx;
   msgpack_packer *pk = &f->pk;
   dp_tensor_t *t = DP_TENSOR(v);
-  /* An inline frame copies each buffer's bytes later: remember the storage
-   * met first for each new buffer id (ids are handed out in that order). */
-  if (f->is_inline && buffer == f->nstorages) {
+  int rc;
+  /* Remember the storage met first for each new buffer id (ids are handed
+   * out in that order): an inline frame copies its bytes later, and every
+   * other storage at the same (device, base) must agree with it. */
+  if (buffer == f->nstorages) {
+    if (DP_UNLIKELY(t->storage->nbytes > DP_FRAME_MAX_NBYTES)) {
+      dp__walker_t *w = frame_walker(f);
+      return dp__err(w->err, DP_ELIMIT, "storage of %zu bytes exceeds the frame format's limit of 2^62 at %s",
+                     t->storage->nbytes, dp__walker_path(w));
+    }
     if (dp__grow((void **)&f->storages, &f->storages_cap, f->nstorages + 1, sizeof *f->storages) != 0) {
       f->failed = 1;
       return -1;
     }
     f->storages[f->nstorages++] = t->storage;
+  } else if (DP_UNLIKELY(f->storages[buffer] != t->storage) && t->storage != f->checked) {
+    if ((rc = check_same_buffer(f, f->storages[buffer], t->storage)) != 0) return rc;
   }
-  int rc = msgpack_pack_array(pk, 6);
+  rc = msgpack_pack_array(pk, 6);
   rc = rc ? rc : put_tag(pk, DP_TAG_TENSOR);
   rc = rc ? rc : msgpack_pack_uint64(pk, buffer);
   rc = rc ? rc : msgpack_pack_uint8(pk, t->dtype);
@@ -173,6 +233,7 @@ static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
 
 static int sink_backref(void *ctx, uint64_t index) {
   msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
+  if (DP_UNLIKELY(index > UINT32_MAX)) return too_large(ctx, "back-reference to node", index);
   char be[4] = {(char)(index >> 24), (char)(index >> 16), (char)(index >> 8), (char)index};
   int rc = msgpack_pack_ext(pk, 4, DP_EXT_REF);
   return rc ? rc : msgpack_pack_ext_body(pk, be, 4);
@@ -196,7 +257,7 @@ static int write_table(dp_frame_t *f) {
     rc = rc ? rc : msgpack_pack_uint64(&f->pk, (uint64_t)(uintptr_t)e.base);
     if (f->is_inline) {
       rc = rc ? rc : msgpack_pack_uint64(&f->pk, off);
-      off += e.nbytes;
+      if (dp__add_ovf(off, e.nbytes, &off)) f->failed = 1;  /* cannot be allocated either */
     }
   }
   return rc;
@@ -237,6 +298,7 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
   f->len = 0;
   f->failed = 0;
   f->nstorages = 0;
+  f->checked = NULL;
   f->is_inline = opts && (opts->flags & DP_PICKLE_INLINE);
   dp_ptrset_clear(f->set);
   int rc = frame_reserve(f, DP_FRAME_HEADER);
@@ -255,6 +317,11 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
   /* The writer reports running out of memory as msgpack-c's -1: whatever
    * the walk returned then, the error is that one, with its message. */
   if (f->failed) rc = dp__err(err, DP_ENOMEM, "out of memory writing the payload");
+  /* A reader numbers at most 2^32 - 2 heap nodes (32-bit back-references,
+   * which the sink checks as it writes them). */
+  if (rc == 0 && w->next_index > (uint64_t)UINT32_MAX - 1)
+    rc = dp__err(err, DP_ELIMIT, "value of %llu heap nodes: the frame format numbers at most 4294967294",
+                 (unsigned long long)w->next_index);
   if (rc) goto fail;
   size_t payload_end = f->len;
   if (write_table(f) != 0 || f->failed) {

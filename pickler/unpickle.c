@@ -210,6 +210,9 @@ static int read_array(rd_t *r, uint64_t *n, const char *what) {
   return 0;
 }
 
+/* A class, type or attribute name: non-empty UTF-8 without NUL (names are
+ * handed out as C strings; a NUL would cut them, and what is read must be
+ * what is written back). */
 static int read_name(rd_t *r, const char **s, size_t *n, const char *what) {
   const uint8_t *start = r->p;
   tok_t t;
@@ -219,6 +222,8 @@ static int read_name(rd_t *r, const char **s, size_t *n, const char *what) {
     return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: non-empty str expected", what);
   if (!dp__utf8_valid((const char *)t.data, t.len))
     return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: invalid UTF-8", what);
+  if (dp__has_nul(t.data, t.len))
+    return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: NUL byte in a name", what);
   *s = (const char *)t.data;
   *n = t.len;
   return 0;
@@ -226,32 +231,66 @@ static int read_name(rd_t *r, const char **s, size_t *n, const char *what) {
 
 /* ---- the unpickler ---- */
 
+/* An open container: one that still has children to read. Empty ones are
+ * finished as soon as they are read and never take a frame, so that depth
+ * counts exactly what the writer's walk counts (containers with children;
+ * a reduce node always has one, its state). */
 typedef struct uframe {
-  dp_value_t v;          /* the container (owned by the frame until delivered) */
+  dp_heap_t *h;          /* the container (owned by the frame until delivered) */
   uint64_t remaining;    /* children still to read (pairs for dict/object) */
-  uint64_t pos;          /* next tuple slot */
   uint32_t node;         /* preorder index */
+  uint32_t low;          /* lowest open container its subtree refers to (NO_LOW: none) */
   uint8_t tag;           /* 0 list, DP_TAG_*, or 'd' for dict */
   uint8_t have_key;
-  dp_value_t key;        /* dict: the key read, waiting for its value */
-  const char *name;      /* object: the attribute name read */
-  size_t name_len;
-  const char *type;      /* reduce: the type name */
+  union {
+    dp_value_t key;      /* dict: the key read, waiting for its value */
+    struct {             /* object: the attribute name read (in the input) */
+      const char *s;
+      size_t n;
+    } name;
+  } u;
   const uint8_t *start;  /* where the container began */
   const uint8_t *key_at; /* dict: where the pending key began */
-  size_t type_len;
 } uframe_t;
 
+#define NO_LOW UINT32_MAX
+
+/* A container's value (its kind is in its header). */
+static inline dp_value_t hval(dp_heap_t *h) {
+  dp_value_t v;
+  v.u.h = h;
+  v.kind = h->kind;
+  v.reserved_ = 0;
+  return v;
+}
+
+/* Cycles. A resolved custom must not be in a cycle (customs are opaque to
+ * the collector): its state must not reach a container that is still open
+ * (its ancestors). Each frame tracks the lowest open container its subtree
+ * refers to, directly or through a finished node that did; a finished
+ * container that reached an open one records it in its node-table entry
+ * (reserved_ = node index + 1), so that a later back-reference to it
+ * carries the fact along. Open containers close in stack order, so the
+ * lowest one reached is the last to close: while it is open, the node still
+ * reaches an open container; once it is closed, nothing it reached is open. */
+
+/* Ownership. The node table borrows: every node in it is owned by the tree
+ * being built (its parent container, an open frame, or the root) or by
+ * `kept`. The reader never releases a node before the end: a reduce node
+ * that a resolver replaced is moved to `kept` with its whole state (the
+ * table still points into it) and released only when the read is over. */
 typedef struct up {
   rd_t r;
   dp_limits_t lim;
   const dp_unpickle_opts_t *opts;
-  dp_value_t *nodes;     /* by preorder number; borrowed from the tree being built */
+  dp_value_t *nodes;     /* by preorder number; borrowed (see above) */
   size_t nnodes, nodes_cap;
   uframe_t *stack;
   size_t top, stack_cap;
   dp_storage_t **bufs;
   size_t nbufs, bufs_cap;
+  dp_value_t *kept;      /* replaced reduce stand-ins, released at the end */
+  size_t nkept, kept_cap;
   uint64_t items, bytes;
   dp_value_t root;
   int have_root;
@@ -265,12 +304,56 @@ static int oom_at(up_t *u, const uint8_t *at) {
   return dp__err_at(u->r.err, DP_ENOMEM, off(&u->r, at), "out of memory");
 }
 
+/* Grows *arr to hold one more element than `len`: doubling, but never past
+ * `bound`, the most elements it can ever need. The node table and the stack
+ * are bounded by the input (every node, every open container takes at least
+ * one byte of it): capped by what is left, they never hold more than the
+ * input can fill, so their slack costs no memory beyond the bound in
+ * pickler.h. */
+static int grow_bounded(void **arr, size_t *cap, size_t len, size_t bound, size_t size) {
+  size_t ncap = *cap < 8 ? 8 : *cap * 2;
+  if (ncap > bound) ncap = bound;
+  if (ncap < len + 1) ncap = len + 1;
+  size_t nbytes;
+  if (dp__mul_ovf(ncap, size, &nbytes)) return DP_ENOMEM;
+  void *p = dp__realloc(*arr, *cap * size, nbytes);
+  if (!p) return DP_ENOMEM;
+  *arr = p;
+  *cap = ncap;
+  return 0;
+}
+
+/* Payload bytes not read yet: an upper bound on the nodes still to come. */
+static size_t bytes_left(const up_t *u) { return (size_t)(u->r.end - u->r.p); }
+
+/* Preorder numbers are 32 bits on the wire (back-references) and here: the
+ * table never grows past MAX_NODES, so the check costs nothing until then. */
+#define MAX_NODES ((size_t)UINT32_MAX - 1)
+
 static int add_node(up_t *u, dp_value_t v, const uint8_t *at) {
-  if (u->nnodes == u->nodes_cap &&
-      dp__grow((void **)&u->nodes, &u->nodes_cap, u->nnodes + 1, sizeof *u->nodes) != 0)
-    return oom_at(u, at);
+  if (DP_UNLIKELY(u->nnodes == u->nodes_cap)) {
+    if (u->nnodes >= MAX_NODES) return lim_err(u, at, "node count", MAX_NODES);
+    size_t bound = u->nnodes + 1 + bytes_left(u);
+    if (grow_bounded((void **)&u->nodes, &u->nodes_cap, u->nnodes, bound < MAX_NODES ? bound : MAX_NODES,
+                     sizeof *u->nodes) != 0)
+      return oom_at(u, at);
+  }
   u->nodes[u->nnodes++] = v;
   return 0;
+}
+
+/* A container just read: finished at once when it has no children (*done
+ * = 1, *out stays v), else pushed as an open frame (*done = 0). */
+static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, const uint8_t *at);
+static int open_container(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, const uint8_t *at, int *done) {
+  if (remaining == 0) {
+    *done = 1;
+    int rc = add_node(u, v, at);
+    if (rc) dp_value_release(v);
+    return rc;
+  }
+  *done = 0;
+  return push_frame(u, v, tag, remaining, at);
 }
 
 static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, const uint8_t *at) {
@@ -278,8 +361,11 @@ static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, co
     dp_value_release(v);
     return lim_err(u, at, "nesting depth", u->lim.max_depth);
   }
+  /* an open container has a child still to read: at least one byte each */
   if (u->top == u->stack_cap &&
-      dp__grow((void **)&u->stack, &u->stack_cap, u->top + 1, sizeof(uframe_t)) != 0) {
+      grow_bounded((void **)&u->stack, &u->stack_cap, u->top,
+                   u->top + 1 + (bytes_left(u) < u->lim.max_depth ? bytes_left(u) : u->lim.max_depth),
+                   sizeof(uframe_t)) != 0) {
     dp_value_release(v);
     return oom_at(u, at);
   }
@@ -291,9 +377,10 @@ static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, co
   uframe_t *f = &u->stack[u->top++];
   memset(f, 0, sizeof *f);
   v.u.h->flags |= DP_HEAP_OPEN;
-  f->v = v;
+  f->h = v.u.h;
   f->remaining = remaining;
   f->node = (uint32_t)(u->nnodes - 1);
+  f->low = NO_LOW;
   f->tag = tag;
   f->start = at;
   return 0;
@@ -301,8 +388,8 @@ static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, co
 
 static int check_len(up_t *u, const uint8_t *at, uint64_t len) {
   if (len > u->lim.max_str) return lim_err(u, at, "str or bytes length", u->lim.max_str);
-  u->bytes += len;
-  if (u->bytes > u->lim.max_bytes) return lim_err(u, at, "total str and bytes size", u->lim.max_bytes);
+  if (dp__add_ovf(u->bytes, len, &u->bytes) || u->bytes > u->lim.max_bytes)
+    return lim_err(u, at, "total str and bytes size", u->lim.max_bytes);
   return 0;
 }
 
@@ -369,14 +456,24 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
       if (idx >= u->nnodes)
         return dp__err_at(r->err, DP_EFORMAT, off(r, at), "back-reference to node %llu, only %zu exist",
                           (unsigned long long)idx, u->nnodes);
-      *out = dp_value_retain(u->nodes[idx]);
+      dp_value_t target = u->nodes[idx];
+      if (u->top > 0) {
+        /* the open container it is, or the lowest one it reaches */
+        uint64_t reach = dp_value_is_heap(target) && (target.u.h->flags & DP_HEAP_OPEN) ? idx
+                         : target.reserved_ ? target.reserved_ - 1 : NO_LOW;
+        if (reach != NO_LOW && reach < u->stack[u->top - 1].low &&
+            (reach == idx || (dp__is_container_kind(u->nodes[reach].kind) &&
+                              (u->nodes[reach].u.h->flags & DP_HEAP_OPEN))))
+          u->stack[u->top - 1].low = (uint32_t)reach;
+      }
+      target.reserved_ = 0;
+      *out = dp_value_retain(target);
       return 0;
     }
     case T_MAP: {
       /* exact sizes: counts were checked against the bytes left */
       if ((rc = dp_dict_new(t.len, out, &e)) != 0) return oom_at(u, at);
-      *done = 0;
-      return push_frame(u, *out, 'd', t.len, at);
+      return open_container(u, *out, 'd', t.len, at, done);
     }
     default: /* T_ARRAY */
       break;
@@ -389,8 +486,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
     switch (tag) {
       case DP_TAG_TUPLE:
         if ((rc = dp_tuple_new(n, out, &e)) != 0) return oom_at(u, at);
-        *done = 0;
-        return push_frame(u, *out, DP_TAG_TUPLE, n, at);
+        return open_container(u, *out, DP_TAG_TUPLE, n, at, done);
       case DP_TAG_TENSOR:
         if (n != 5) return dp__err_at(r->err, DP_EFORMAT, off(r, at), "tensor node has %llu fields, expected 5",
                                       (unsigned long long)n);
@@ -409,19 +505,14 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
         rc = tag == DP_TAG_OBJECT ? dp__object_new_n(cls, cls_len, (n - 1) / 2, out, &e)
                                   : dp__object_new_reduced_n(cls, cls_len, out, &e);
         if (rc) return oom_at(u, at);
-        *done = 0;
-        if ((rc = push_frame(u, *out, tag, tag == DP_TAG_OBJECT ? (n - 1) / 2 : 1, at)) != 0) return rc;
-        u->stack[u->top - 1].type = cls;
-        u->stack[u->top - 1].type_len = cls_len;
-        return 0;
+        return open_container(u, *out, tag, tag == DP_TAG_OBJECT ? (n - 1) / 2 : 1, at, done);
       }
       default:
         return dp__err_at(r->err, DP_EFORMAT, off(r, at), "unknown node tag %u", tag);
     }
   }
   if ((rc = dp_list_new(t.len, out, &e)) != 0) return oom_at(u, at);
-  *done = 0;
-  return push_frame(u, *out, 0, t.len, at);
+  return open_container(u, *out, 0, t.len, at, done);
 }
 
 static int allowed_type(const dp_resolver_t *res, const char *name, size_t n) {
@@ -433,29 +524,42 @@ static int allowed_type(const dp_resolver_t *res, const char *name, size_t n) {
 
 /* A frame that has all its children: closes it and yields its value. */
 static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at) {
-  f->v.u.h->flags &= (uint16_t)~DP_HEAP_OPEN;
-  *out = f->v;
-  if (f->tag != DP_TAG_REDUCE || !allowed_type(u->opts->resolver, f->type, f->type_len)) return 0;
-  /* An allowed custom: rebuild it from its state. */
-  if (dp_value_refcount(f->v) != 1) {
-    return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at),
-                      "reduced state of '%.*s' refers back to it: a resolved custom cannot be in a cycle",
-                      (int)f->type_len, f->type);
+  f->h->flags &= (uint16_t)~DP_HEAP_OPEN;
+  dp_value_t v = hval(f->h);
+  *out = v;
+  if (f->low < f->node) {
+    /* it reaches an open ancestor: remember it, and so does the parent */
+    u->nodes[f->node].reserved_ = f->low + 1;
+    if (u->top >= 2 && f->low < u->stack[u->top - 2].low) u->stack[u->top - 2].low = f->low;
   }
-  /* The resolver gets the whole name (the allow-list matched all of it). */
-  char *name = dp__strndup(f->type, f->type_len);
-  if (!name) return oom_at(u, at);
+  if (f->tag != DP_TAG_REDUCE) return 0;
+  /* The stand-in holds its type name, NUL-terminated (names with a NUL are
+   * refused): the resolver gets all of it, as the allow-list matched it. */
+  const char *name = DP_OBJ(v)->class_name;
+  size_t name_len = DP_OBJ(v)->class_len;
+  if (!allowed_type(u->opts->resolver, name, name_len)) return 0;
+  /* An allowed custom: rebuild it from its state, unless the state refers
+   * to the stand-in itself or to a container around it. */
+  if (dp_value_refcount(v) != 1 || f->low < f->node) {
+    return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at),
+                      "reduced state of '%.*s' refers to it or to a container around it: a resolved custom "
+                      "cannot be in a cycle", (int)name_len, name);
+  }
+  /* Room to keep the stand-in first: once the resolver has run, nothing
+   * may fail before the stand-in is kept. */
+  if (u->nkept == u->kept_cap &&
+      dp__grow((void **)&u->kept, &u->kept_cap, u->nkept + 1, sizeof *u->kept) != 0)
+    return oom_at(u, at);
   const dp_resolver_t *res = u->opts->resolver;
   dp_value_t made = dp_none();
   dp_error_t e;
   dp_error_clear(&e);
-  int rc = res->resolve(res->ud, name, dp__reduced_state(f->v), &made, &e);
-  if (rc) rc = dp__err_at(u->r.err, rc, off(&u->r, at), "resolving custom '%s' failed: %s", name,
-                          e.message[0] ? e.message : dp_strerror(rc));
-  dp__free(name, f->type_len + 1);
-  if (rc) return rc;
-  dp_value_release(f->v);
-  f->v = made;
+  int rc = res->resolve(res->ud, name, dp__reduced_state(v), &made, &e);
+  if (rc) return dp__err_at(u->r.err, rc, off(&u->r, at), "resolving custom '%s' failed: %s", name,
+                            e.message[0] ? e.message : dp_strerror(rc));
+  /* The node table points into the stand-in's state (any node of it may be
+   * referred to later): keep the stand-in, and so its state, until the end. */
+  u->kept[u->nkept++] = v;
   u->nodes[f->node] = made;
   *out = made;
   return 0;
@@ -484,10 +588,10 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
   int rc = 0;
   switch (f->tag) {
     case 0:
-      rc = dp_list_append(f->v, v, &e);
+      rc = dp_list_append(hval(f->h), v, &e);
       break;
     case DP_TAG_TUPLE:
-      DP_SEQ(f->v)->items[f->pos++] = v;
+      ((dp_seq_t *)f->h)->items[((dp_seq_t *)f->h)->len - f->remaining] = v;
       break;
     case 'd':
       if (!f->have_key) {
@@ -503,22 +607,22 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
           dp_value_release(v);
           return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "dict key refers to an unfinished tuple");
         }
-        f->key = v;
+        f->u.key = v;
         f->key_at = at;
         f->have_key = 1;
         return 0;
       }
       f->have_key = 0;
-      rc = dp__dict_set_checked(f->v, f->key, v, 0, &e);
+      rc = dp__dict_set_checked(hval(f->h), f->u.key, v, 0, &e);
       if (rc == DP_EINVAL) return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, f->key_at), "duplicate dict key");
       break;
     case DP_TAG_OBJECT:
-      rc = dp__object_set_n(f->v, f->name, f->name_len, v, 0, &e);
-      f->name = NULL;
+      rc = dp__object_set_n(hval(f->h), f->u.name.s, f->u.name.n, v, 0, &e);
+      f->u.name.s = NULL;
       if (rc == DP_EINVAL) return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "duplicate attribute");
       break;
     case DP_TAG_REDUCE:
-      rc = dp__object_set_n(f->v, "__reduce__", 10, v, 0, &e);
+      rc = dp__object_set_n(hval(f->h), "__reduce__", 10, v, 0, &e);
       break;
   }
   f->remaining--;
@@ -541,8 +645,8 @@ static int parse_payload(up_t *u) {
       if ((rc = deliver(u, v, start)) != 0) return rc;
       continue;
     }
-    if (f->tag == DP_TAG_OBJECT && f->name == NULL) {
-      if ((rc = read_name(r, &f->name, &f->name_len, "attribute name")) != 0) return rc;
+    if (f->tag == DP_TAG_OBJECT && f->u.name.s == NULL) {
+      if ((rc = read_name(r, &f->u.name.s, &f->u.name.n, "attribute name")) != 0) return rc;
     }
     const uint8_t *vstart = r->p;
     if ((rc = read_value(u, &v, &done)) != 0) return rc;
@@ -609,14 +713,90 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
   return 0;
 }
 
+/* A buffer's (device, base), to find one described twice. */
+typedef struct bkey {
+  uint64_t base;
+  uint32_t dev;   /* type << 8 | index */
+  uint32_t id;
+} bkey_t;
+
+/* The sort key's byte d, least significant first: dev's 2 bytes, then
+ * base's 8 (any total order finds equal keys; this one is cheap). */
+static inline unsigned bkey_digit(const bkey_t *k, int d) {
+  return d < 2 ? (k->dev >> (8 * d)) & 0xffu : (unsigned)(k->base >> (8 * (d - 2))) & 0xffu;
+}
+
+/* LSD radix sort, stable (keys come in id order, so equal keys stay in id
+ * order): linear whatever the addresses, so a hostile table cannot slow it
+ * down. All ten histograms are counted in one pass; a digit that is the
+ * same in every key (the high bytes of addresses, usually) is skipped.
+ * tmp holds n keys. Returns the array that holds the sorted keys. */
+static bkey_t *bkey_sort(bkey_t *k, bkey_t *tmp, size_t n) {
+  uint32_t count[10][256];
+  memset(count, 0, sizeof count);
+  for (size_t i = 0; i < n; i++)
+    for (int d = 0; d < 10; d++) count[d][bkey_digit(&k[i], d)]++;
+  for (int d = 0; d < 10; d++) {
+    if (count[d][bkey_digit(&k[0], d)] == n) continue;
+    uint32_t pos[256], sum = 0;
+    for (int j = 0; j < 256; j++) {
+      pos[j] = sum;
+      sum += count[d][j];
+    }
+    for (size_t i = 0; i < n; i++) tmp[pos[bkey_digit(&k[i], d)]++] = k[i];
+    bkey_t *t = k;
+    k = tmp;
+    tmp = t;
+  }
+  return k;
+}
+
+/* Where descriptor `id` starts (the table was read and checked already). */
+static const uint8_t *descriptor_at(up_t *u, const dp_frame_info_t *fi, uint32_t id) {
+  rd_t r = u->r;
+  r.p = r.base + DP_FRAME_HEADER + fi->payload_len;
+  uint64_t n, x;
+  read_array(&r, &n, "buffer table");
+  for (uint32_t i = 0; i < id; i++) {
+    uint64_t fields;
+    read_array(&r, &fields, "buffer descriptor");
+    for (uint64_t j = 0; j < fields; j++) read_uint(&r, &x, "buffer field");
+  }
+  return r.p;
+}
+
+static int check_distinct(up_t *u, const dp_frame_info_t *fi, bkey_t *keys, uint64_t n) {
+  if (n < 2) return 0;
+  size_t i;
+  keys = bkey_sort(keys, keys + n, (size_t)n);
+  /* Report the first repeat in table order: in each run of equal keys
+   * (sorted by id) the second one; the smallest of those. */
+  size_t rep = SIZE_MAX;
+  for (i = 1; i < n; i++)
+    if (keys[i].base == keys[i - 1].base && keys[i].dev == keys[i - 1].dev &&
+        (i < 2 || keys[i - 1].base != keys[i - 2].base || keys[i - 1].dev != keys[i - 2].dev) &&
+        (rep == SIZE_MAX || keys[i].id < keys[rep].id))
+      rep = i;
+  if (rep == SIZE_MAX) return 0;
+  char dev[16];
+  dp_device_t d = {(uint8_t)(keys[rep].dev >> 8), (uint8_t)keys[rep].dev};
+  return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, descriptor_at(u, fi, keys[rep].id)),
+                    "buffer %u describes %s 0x%llx again (buffer %u did): a frame has one buffer per "
+                    "(device, base)", keys[rep].id, dp_device_format(d, dev, sizeof dev),
+                    (unsigned long long)keys[rep].base, keys[rep - 1].id);
+}
+
+enum { PASS_CHECK, PASS_MAKE, PASS_KEYS, PASS_BIND };
+static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int pass, bkey_t *keys,
+                            const uint8_t *data, int *sorted);
+
 static int read_table(up_t *u, const dp_frame_info_t *fi) {
   rd_t *r = &u->r;
   const uint8_t *b = r->base;
   const uint8_t *data = b + DP_FRAME_HEADER + fi->payload_len + fi->table_len;
-  int is_inline = (fi->flags & DP_FRAME_FLAG_INLINE) != 0;
   r->p = b + DP_FRAME_HEADER + fi->payload_len;
   r->end = data;
-  uint64_t n, data_off = 0;
+  uint64_t n;
   const uint8_t *at = r->p;
   int rc = read_array(r, &n, "buffer table");
   if (rc) return rc;
@@ -624,6 +804,44 @@ static int read_table(up_t *u, const dp_frame_info_t *fi) {
   u->bufs = dp__alloc_array(n ? n : 1, sizeof(dp_storage_t *));
   if (!u->bufs) return oom_at(u, at);
   u->bufs_cap = n ? n : 1;
+  /* Every descriptor must name a distinct (device, base). Writers list
+   * buffers as met, often in address order: the first pass notes whether
+   * they are sorted, which shows them distinct. Otherwise a second pass
+   * collects keys (2n of them: the radix sort's room) to sort, freed before
+   * the payload is read. With a bind callback the table is checked whole
+   * before a last pass binds it, so that a bad table binds nothing; without
+   * one the first pass makes the storages (a bad table frees them). */
+  const uint8_t *first = r->p;
+  int bind = u->opts->bind != NULL, sorted;
+  rc = read_descriptors(u, fi, n, bind ? PASS_CHECK : PASS_MAKE, NULL, data, &sorted);
+  if (rc == 0 && !sorted) {
+    size_t nk = 2 * n;
+    bkey_t *keys = dp__alloc_array(nk, sizeof *keys);
+    if (!keys) return oom_at(u, at);
+    r->p = first;
+    read_descriptors(u, fi, n, PASS_KEYS, keys, data, &sorted);  /* checked already */
+    rc = check_distinct(u, fi, keys, n);
+    dp__free(keys, nk * sizeof *keys);
+  }
+  if (rc || !bind) return rc;
+  r->p = first;
+  return read_descriptors(u, fi, n, PASS_BIND, NULL, data, &sorted);
+}
+
+/* Reads the n descriptors, checking each, and notes in *sorted whether
+ * their (base, device) increase strictly. The first pass (CHECK or MAKE)
+ * also counts inline bytes against the limit; MAKE and BIND make or bind
+ * the storages; KEYS fills keys. */
+static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int pass, bkey_t *keys,
+                            const uint8_t *data, int *sorted) {
+  rd_t *r = &u->r;
+  int is_inline = (fi->flags & DP_FRAME_FLAG_INLINE) != 0;
+  int make = pass == PASS_MAKE || pass == PASS_BIND;
+  uint64_t data_off = 0, prev_base = 0;
+  uint32_t prev_dev = 0;
+  const uint8_t *at;
+  int rc;
+  *sorted = 1;
   for (uint64_t i = 0; i < n; i++) {
     uint64_t fields, dtype, dindex, nbytes, base, doff = 0;
     at = r->p;
@@ -638,7 +856,7 @@ static int read_table(up_t *u, const dp_frame_info_t *fi) {
     if (dtype >= DP_DEVICE_TYPE_COUNT || dindex > DP_DEVICE_INDEX_MAX || (dtype == DP_DEVICE_CPU && dindex != 0))
       return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer %llu: invalid device (type %llu, index %llu)",
                         (unsigned long long)i, (unsigned long long)dtype, (unsigned long long)dindex);
-    if (nbytes > ((uint64_t)1 << 62))
+    if (nbytes > DP_FRAME_MAX_NBYTES)
       return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer %llu: size %llu is out of range",
                         (unsigned long long)i, (unsigned long long)nbytes);
     if (is_inline) {
@@ -647,9 +865,20 @@ static int read_table(up_t *u, const dp_frame_info_t *fi) {
                           "the previous buffer within the %llu-byte data section", (unsigned long long)i,
                           (unsigned long long)doff, (unsigned long long)nbytes, (unsigned long long)fi->data_len);
       data_off += nbytes;
-      u->bytes += nbytes;
-      if (u->bytes > u->lim.max_bytes) return lim_err(u, at, "total str, bytes and inline size", u->lim.max_bytes);
+      if ((pass == PASS_CHECK || pass == PASS_MAKE) &&
+          (dp__add_ovf(u->bytes, nbytes, &u->bytes) || u->bytes > u->lim.max_bytes))
+        return lim_err(u, at, "total str, bytes and inline size", u->lim.max_bytes);
     }
+    uint32_t dev = (uint32_t)(dtype << 8 | dindex);
+    if (i > 0 && !(base > prev_base || (base == prev_base && dev > prev_dev))) *sorted = 0;
+    prev_base = base;
+    prev_dev = dev;
+    if (keys) {
+      keys[i].base = base;
+      keys[i].dev = dev;
+      keys[i].id = (uint32_t)i;
+    }
+    if (!make) continue;
     dp_buffer_desc_t desc = {(uint32_t)i, {(uint8_t)dtype, (uint8_t)dindex}, nbytes, base,
                              is_inline ? data + doff : NULL};
     dp_storage_t *st = NULL;
@@ -673,6 +902,7 @@ static int read_table(up_t *u, const dp_frame_info_t *fi) {
     }
     u->bufs[u->nbufs++] = st;
   }
+  if (pass != PASS_CHECK && pass != PASS_MAKE) return 0;
   if (r->p != r->end)
     return dp__err_at(r->err, DP_EFORMAT, off(r, r->p), "%lld bytes after the buffer table", (long long)(r->end - r->p));
   if (is_inline && data_off != fi->data_len)
@@ -692,11 +922,13 @@ static void resolve_limits(dp_limits_t *l, const dp_limits_t *in) {
 static void up_cleanup(up_t *u, int failed) {
   while (u->top > 0) {
     uframe_t *f = &u->stack[--u->top];
-    if (f->have_key) dp_value_release(f->key);
-    f->v.u.h->flags &= (uint16_t)~DP_HEAP_OPEN;
-    dp_value_release(f->v);
+    if (f->have_key) dp_value_release(f->u.key);
+    f->h->flags &= (uint16_t)~DP_HEAP_OPEN;
+    dp_value_release(hval(f->h));
   }
   if (failed && u->have_root) dp_value_release(u->root);
+  for (size_t i = 0; i < u->nkept; i++) dp_value_release(u->kept[i]);
+  dp__free(u->kept, u->kept_cap * sizeof *u->kept);
   for (size_t i = 0; i < u->nbufs; i++) dp_storage_release(u->bufs[i]);
   dp__free(u->bufs, u->bufs_cap * sizeof(dp_storage_t *));
   dp__free(u->nodes, u->nodes_cap * sizeof *u->nodes);

@@ -97,8 +97,9 @@ void dp_value_release(dp_value_t v) {
 /* ---- str / bytes ---- */
 
 int dp__strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_error_t *err) {
-  if (n > SIZE_MAX - sizeof(dp_strobj_t) - 1) return oom(err, dp_kind_name(kind));
-  dp_strobj_t *s = dp__alloc(sizeof *s + n + 1);
+  size_t size;
+  if (dp__add_ovf(n, sizeof(dp_strobj_t) + 1, &size)) return oom(err, dp_kind_name(kind));
+  dp_strobj_t *s = dp__alloc(size);
   if (!s) return oom(err, dp_kind_name(kind));
   heap_init(&s->h, kind);
   s->len = n;
@@ -140,8 +141,10 @@ const uint8_t *dp_bytes_data(dp_value_t b, size_t *len) {
 /* ---- list / tuple ---- */
 
 static int seq_new(uint32_t kind, size_t cap, size_t len, dp_value_t *out, dp_error_t *err) {
-  if (cap > (SIZE_MAX - sizeof(dp_seq_t)) / sizeof(dp_value_t)) return oom(err, dp_kind_name(kind));
-  dp_seq_t *s = dp__alloc(sizeof *s + cap * sizeof(dp_value_t));
+  size_t size;
+  if (dp__mul_ovf(cap, sizeof(dp_value_t), &size) || dp__add_ovf(size, sizeof(dp_seq_t), &size))
+    return oom(err, dp_kind_name(kind));
+  dp_seq_t *s = dp__alloc(size);
   if (!s) return oom(err, dp_kind_name(kind));
   cont_init(&s->c, kind);
   s->items = cap ? s->inl : NULL;
@@ -349,8 +352,10 @@ static int dict_match(const void *e, size_t i, const void *key, uint64_t hash) {
 
 int dp_dict_new(size_t capacity, dp_value_t *out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_dict_new: NULL out");
-  if (capacity > (SIZE_MAX - sizeof(dp_dict_t)) / sizeof(dp_entry_t)) return oom(err, "dict");
-  dp_dict_t *d = dp__alloc(sizeof *d + capacity * sizeof(dp_entry_t));
+  size_t size;
+  if (dp__mul_ovf(capacity, sizeof(dp_entry_t), &size) || dp__add_ovf(size, sizeof(dp_dict_t), &size))
+    return oom(err, "dict");
+  dp_dict_t *d = dp__alloc(size);
   if (!d) return oom(err, "dict");
   cont_init(&d->c, DP_DICT);
   d->len = 0;
@@ -437,6 +442,10 @@ int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val) {
 
 /* ---- object ---- */
 
+int dp__name_valid(const char *s, size_t n) {
+  return n > 0 && !dp__has_nul(s, n) && dp__utf8_valid(s, n);
+}
+
 typedef struct name_key { const char *s; size_t n; } name_key_t;
 
 static uint64_t attr_hash_at(const void *a, size_t i) { return ((const dp_attr_t *)a)[i].hash; }
@@ -450,12 +459,20 @@ size_t dp__object_size(size_t inl_cap, size_t class_len) {
   return sizeof(dp_object_t) + inl_cap * sizeof(dp_attr_t) + class_len + 1;
 }
 
+static int bad_class_name(dp_error_t *err) {
+  return dp__err(err, DP_EINVAL, "object class name must be non-empty UTF-8 without NUL");
+}
+
+/* Names are checked once, where they come in: by the public constructors
+ * here (dp__name_valid) and by the reader (read_name, the same rule). The
+ * dp__*_n internals, the reader's, take names already checked. */
 static int object_alloc(const char *cls, size_t len, size_t nattrs, uint16_t flags, dp_value_t *out,
                         dp_error_t *err) {
-  if (len == 0 || !dp__utf8_valid(cls, len))
-    return dp__err(err, DP_EINVAL, "object class name must be non-empty UTF-8");
-  if (len > SIZE_MAX / 4 || nattrs > SIZE_MAX / 4 / sizeof(dp_attr_t)) return oom(err, "object");
-  dp_object_t *o = dp__alloc(dp__object_size(nattrs, len));
+  size_t size;
+  if (dp__mul_ovf(nattrs, sizeof(dp_attr_t), &size) || dp__add_ovf(size, sizeof(dp_object_t) + 1, &size) ||
+      dp__add_ovf(size, len, &size))
+    return oom(err, "object");
+  dp_object_t *o = dp__alloc(size);
   if (!o) return oom(err, "object");
   cont_init(&o->c, DP_OBJECT);
   o->c.h.flags = flags;
@@ -482,7 +499,9 @@ int dp__object_new_n(const char *cls, size_t len, size_t nattrs, dp_value_t *out
 
 int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err) {
   if (!class_name || !out) return dp__err(err, DP_EINVAL, "dp_object_new: NULL argument");
-  return object_alloc(class_name, strlen(class_name), OBJECT_DEFAULT_ATTRS, 0, out, err);
+  size_t len = strlen(class_name);
+  if (!dp__name_valid(class_name, len)) return bad_class_name(err);
+  return object_alloc(class_name, len, OBJECT_DEFAULT_ATTRS, 0, out, err);
 }
 
 int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val, int allow_replace,
@@ -490,10 +509,6 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
   if (obj.kind != DP_OBJECT) {
     dp_value_release(val);
     return kind_mismatch(err, "dp_object_set", obj, "object");
-  }
-  if (n == 0 || !dp__utf8_valid(name, n)) {
-    dp_value_release(val);
-    return dp__err(err, DP_EINVAL, "attribute name must be non-empty UTF-8");
   }
   dp_object_t *o = DP_OBJ(obj);
   name_key_t key = {name, n};
@@ -542,7 +557,12 @@ int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *
     dp_value_release(val);
     return dp__err(err, DP_EINVAL, "dp_object_set: NULL name");
   }
-  return dp__object_set_n(obj, name, strlen(name), val, 1, err);
+  size_t n = strlen(name);
+  if (obj.kind == DP_OBJECT && !dp__name_valid(name, n)) {
+    dp_value_release(val);
+    return dp__err(err, DP_EINVAL, "attribute name must be non-empty UTF-8 without NUL");
+  }
+  return dp__object_set_n(obj, name, n, val, 1, err);
 }
 
 int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val) {
@@ -584,7 +604,9 @@ int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_value_t *o
     dp_value_release(state);
     return dp__err(err, DP_EINVAL, "dp_object_new_reduced: NULL argument");
   }
-  int rc = object_alloc(type_name, strlen(type_name), 1, DP_HEAP_REDUCED, out, err);
+  size_t len = strlen(type_name);
+  int rc = dp__name_valid(type_name, len) ? object_alloc(type_name, len, 1, DP_HEAP_REDUCED, out, err)
+                                          : bad_class_name(err);
   if (rc) {
     dp_value_release(state);
     return rc;
@@ -668,28 +690,38 @@ int dp_dtype_parse(const char *name, dp_dtype_t *out) {
   return DP_EINVAL;
 }
 
-/* Checks that every element the view addresses lies in [0, nbytes). */
+/* Checks that every element the view addresses lies in [0, nbytes). Every
+ * product and sum is checked (dp__mul_ovf, dp__add_ovf): a view whose extent
+ * does not fit in 64 bits addresses bytes no storage has. */
 int dp__tensor_check(size_t nbytes, dp_dtype_t dtype, int ndim, const int64_t *shape,
                      const int64_t *strides, int64_t offset, dp_error_t *err) {
   if ((unsigned)dtype >= DP_DTYPE_COUNT) return dp__err(err, DP_EINVAL, "unknown dtype %d", (int)dtype);
   if (ndim < 0 || ndim > DP_TENSOR_MAX_DIMS)
     return dp__err(err, DP_EINVAL, "tensor has %d dimensions (0..%d allowed)", ndim, DP_TENSOR_MAX_DIMS);
   if (offset < 0) return dp__err(err, DP_EINVAL, "negative tensor offset %lld", (long long)offset);
-  __int128 lo = offset, hi = offset, count = 1;
+  int empty = 0;
   for (int d = 0; d < ndim; d++) {
     if (shape[d] < 0) return dp__err(err, DP_EINVAL, "negative tensor dimension %lld", (long long)shape[d]);
-    count *= shape[d];
-    if (count > ((__int128)1 << 62)) return dp__err(err, DP_EINVAL, "tensor has too many elements");
+    if (shape[d] == 0) empty = 1;
   }
-  if (count == 0) return 0;  /* an empty view addresses nothing */
+  if (empty) return 0;  /* an empty view addresses nothing */
+  int64_t count = 1;
+  for (int d = 0; d < ndim; d++)
+    if (dp__mul_ovf(count, shape[d], &count) || count > DP_TENSOR_MAX_ELEMENTS)
+      return dp__err(err, DP_EINVAL, "tensor has too many elements (at most 2^62)");
+  /* lo and hi: the lowest and highest element index addressed */
+  int64_t lo = offset, hi = offset, span;
+  uint64_t end;
   for (int d = 0; d < ndim; d++) {
-    __int128 span = (__int128)(shape[d] - 1) * strides[d];
-    if (span < 0) lo += span; else hi += span;
+    if (dp__mul_ovf(shape[d] - 1, strides[d], &span) ||
+        (span < 0 ? dp__add_ovf(lo, span, &lo) : dp__add_ovf(hi, span, &hi)))
+      goto outside;
   }
-  size_t isz = dtypes[dtype].size;
-  if (lo < 0 || (hi + 1) * (__int128)isz > (__int128)nbytes)
-    return dp__err(err, DP_EINVAL, "tensor view exceeds its storage of %zu bytes", nbytes);
+  if (lo < 0 || dp__add_ovf(hi, 1, &end) || dp__mul_ovf(end, dtypes[dtype].size, &end) || end > nbytes)
+    goto outside;
   return 0;
+outside:
+  return dp__err(err, DP_EINVAL, "tensor view exceeds its storage of %zu bytes", nbytes);
 }
 
 int dp_tensor_new(dp_storage_t *storage, dp_dtype_t dtype, int ndim, const int64_t *shape,
@@ -701,10 +733,19 @@ int dp_tensor_new(dp_storage_t *storage, dp_dtype_t dtype, int ndim, const int64
     goto fail;
   }
   if (ndim >= 0 && ndim <= DP_TENSOR_MAX_DIMS && !strides) {
+    /* Row-major strides; the product of the shape after a 0 dimension may
+     * still overflow (an empty view of a huge shape). */
     int64_t s = 1;
     for (int d = ndim - 1; d >= 0; d--) {
       contiguous[d] = s;
-      s *= shape[d] > 0 ? shape[d] : 1;
+      if (d > 0 && dp__mul_ovf(s, shape[d] > 0 ? shape[d] : 1, &s)) {
+        /* the shape's own error first (a negative or too many elements);
+         * else it is empty, and only its strides do not fit */
+        static const int64_t zeros[DP_TENSOR_MAX_DIMS];
+        rc = dp__tensor_check(storage->nbytes, dtype, ndim, shape, zeros, offset, err);
+        if (rc == 0) rc = dp__err(err, DP_EINVAL, "contiguous strides of this shape overflow int64");
+        goto fail;
+      }
     }
     strides = contiguous;
   }

@@ -517,30 +517,31 @@ static dp_value_t nest(int levels, int tuples) {
 Test(cli, nesting_within_the_cli_limit_round_trips_and_deeper_is_refused_by_every_command) {
   write_frame("t1100.dpk", nest(1100, 1), 0);
   assert_round_trip("t1100.dpk");
-  write_frame("l2000.dpk", nest(2000, 0), 0);
-  assert_round_trip("l2000.dpk");
+  /* 2,000 levels with children and an empty list inside: the limit exactly */
   write_frame("l2001.dpk", nest(2001, 0), 0);
+  assert_round_trip("l2001.dpk");
+  write_frame("l2002.dpk", nest(2002, 0), 0);
   static const char *const cmds[] = {"verify", "unpack", "dump", "inspect"};
   for (int i = 0; i < 4; i++) {
     char args[64];
-    snprintf(args, sizeof args, "%s l2001.dpk", cmds[i]);
+    snprintf(args, sizeof args, "%s l2002.dpk", cmds[i]);
     res_t r = run(args);
     cr_assert_eq(r.status, 1, "%s accepted 2,001 levels", cmds[i]);
-    cr_assert_str_eq(r.err, "devpickle: l2001.dpk: nesting depth exceeds the limit of 2000, at byte 2040\n", "%s", r.err);
+    cr_assert_str_eq(r.err, "devpickle: l2002.dpk: nesting depth exceeds the limit of 2000, at byte 2040\n", "%s", r.err);
     res_free(r);
   }
   /* and pack refuses what verify refuses */
   char *deep = malloc(8000);
-  memset(deep, '[', 2001);
-  memset(deep + 2001, ']', 2001);
-  deep[4002] = '\0';
+  memset(deep, '[', 2002);
+  memset(deep + 2002, ']', 2002);
+  deep[4004] = '\0';
   spit("deep.json", deep);
   free(deep);
   res_t r = run("pack deep.json -o d.dpk");
   cr_assert_eq(r.status, 1);
   cr_assert_not_null(strstr(r.err, "containers nested deeper than 2000 levels, at $[0][0]"), "%s", r.err);
   /* the path keeps its head and its tail (docs/VALUE_JSON.md, "Paths") */
-  cr_assert_not_null(strstr(r.err, "[0]<…1681 steps…>[0]"), "%s", r.err);
+  cr_assert_not_null(strstr(r.err, "[0]<…1682 steps…>[0]"), "%s", r.err);
   size_t len = strlen(r.err);
   cr_assert(len < 1200 && strcmp(r.err + len - 4, "[0]\n") == 0, "%s", r.err);
   res_free(r);

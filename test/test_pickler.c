@@ -1335,3 +1335,486 @@ Test(pickler, random_values_behind_a_custom_exposing_any_of_their_nodes_walk_as_
   }
   ASSERT_NO_LEAK();
 }
+
+/* ---- reader and writer agree (issue: hostile-input and embedding review) ---- */
+
+/* A frame with a buffer table (and, when flags has bit 0, a data section),
+ * checksummed as an attacker would. */
+static uint8_t *frame_with_table(const uint8_t *payload, size_t plen, const uint8_t *table, size_t tlen,
+                                 const uint8_t *data, size_t dlen, uint16_t flags, size_t *n) {
+  *n = 40 + plen + tlen + dlen;
+  uint8_t *out = malloc(*n);
+  memcpy(out, "DPKL", 4);
+  out[4] = 1; out[5] = 0; out[6] = (uint8_t)flags; out[7] = 0;
+  uint64_t lens[3] = {plen, tlen, dlen};
+  for (int k = 0; k < 3; k++)
+    for (int i = 0; i < 8; i++) out[8 + 8 * k + i] = (uint8_t)(lens[k] >> (8 * i));
+  memcpy(out + 40, payload, plen);
+  memcpy(out + 40 + plen, table, tlen);
+  if (dlen) memcpy(out + 40 + plen + tlen, data, dlen);
+  uint64_t sum = XXH3_64bits_withSeed(out + 40, *n - 40, XXH3_64bits(out, 32));
+  for (int i = 0; i < 8; i++) out[32 + i] = (uint8_t)(sum >> (8 * i));
+  return out;
+}
+
+/* [reduce "Holder" [tensor], backref(node)]: nodes are 0 the list, 1 the
+ * reduce node, 2 its state list, 3 the tensor. */
+static void resolve_then_refer_back(uint8_t node) {
+  const uint8_t payload[] = {0x92,
+                             0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r',
+                             0x91, 0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x04, 0x91, 0x01, 0x00,
+                             0xd6, 0x01, 0x00, 0x00, 0x00, node};
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x10, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
+  int calls = 0;
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_holder, &calls};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.resolver = &res;
+  dp_value_t back;
+  dp_error_t e;
+  int rc = dp_unpickle(b, n, &o, &back, &e);
+  cr_assert_eq(rc, 0, "unpickle: %s", e.message);
+  cr_assert_eq(calls, 1);
+  dp_value_t c = dp_seq_get(back, 0), later = dp_seq_get(back, 1);
+  cr_assert_eq(dp_custom_type(c), &holder_type);
+  dp_value_t held = ((holder_t *)dp_custom_data(c))->held;
+  if (node == 3) {
+    cr_assert_eq(dp_value_kind(later), DP_TENSOR);
+    cr_assert_eq(dp_value_id(later), dp_value_id(held), "the tensor is shared by the custom and the list");
+  } else {
+    cr_assert_eq(dp_value_kind(later), DP_LIST, "the state list outlives the stand-in");
+    cr_assert_eq(dp_seq_len(later), 1);
+    cr_assert_eq(dp_value_id(dp_seq_get(later, 0)), dp_value_id(held));
+  }
+  cr_assert_eq(dp_value_refcount(held), 2);
+  dp_value_release(back);
+  free(b);
+}
+
+Test(pickler, a_back_reference_into_the_state_of_a_resolved_custom_stays_valid) {
+  resolve_then_refer_back(3);  /* the tensor the resolver kept */
+  resolve_then_refer_back(2);  /* the state list it did not keep */
+  ASSERT_NO_LEAK();
+}
+
+/* reduce: state = the value it holds, so each custom is one level */
+static int box_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)err;
+  *state = dp_value_retain(((holder_t *)obj)->held);
+  return 0;
+}
+static const dp_type_t box_type = {"Box", box_reduce, holder_destroy};
+
+/* n non-empty containers of one kind nested, the innermost holding an empty
+ * one: the writer's walk counts n levels. */
+static dp_value_t nest(char kind, int n) {
+  dp_value_t v;
+  if (kind == 'd') OK(dp_dict_new(0, &v, NULL));
+  else if (kind == 't') OK(dp_tuple_new(0, &v, NULL));
+  else v = kind == 'o' ? t_obj("Empty") : t_list();
+  for (int i = 0; i < n; i++) {
+    dp_value_t c;
+    switch (kind) {
+      case 'l': c = t_list(); OK(dp_list_append(c, v, NULL)); break;
+      case 'd': OK(dp_dict_new(1, &c, NULL)); OK(dp_dict_set(c, dp_int(i), v, NULL)); break;
+      case 'o': c = t_obj("Node"); OK(dp_object_set(c, "child", v, NULL)); break;
+      case 't': OK(dp_tuple_new(1, &c, NULL)); OK(dp_seq_set(c, 0, v, NULL)); break;
+      default: {
+        holder_t *h = malloc(sizeof *h);
+        h->held = v;
+        OK(dp_custom_new(&box_type, h, &c, NULL));
+      }
+    }
+    v = c;
+  }
+  return v;
+}
+
+static int pickle_depth(dp_value_t v, uint32_t max_depth, dp_frame_t *f, dp_error_t *e) {
+  dp_pickle_opts_t o = {0, max_depth, NULL, NULL};
+  return dp_pickle(v, &o, f, e);
+}
+
+static int unpickle_depth(dp_frame_t *f, uint32_t max_depth, dp_error_t *e) {
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.limits.max_depth = max_depth;
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_value_t back;
+  int rc = dp_unpickle(b, n, &o, &back, e);
+  if (rc == 0) dp_value_release(back);
+  return rc;
+}
+
+Test(pickler, the_reader_accepts_exactly_the_depth_the_writer_writes) {
+  const uint32_t limit = 8;
+  const char kinds[] = "ldotc";  /* list, dict, object, tuple, custom (reduce) */
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  dp_error_t e;
+  for (const char *k = kinds; *k; k++) {
+    for (int n = (int)limit - 1; n <= (int)limit + 1; n++) {
+      dp_value_t v = nest(*k, n);
+      int prc = pickle_depth(v, limit, f, &e);
+      if (n <= (int)limit) {
+        cr_assert_eq(prc, 0, "%c x %d: pickle: %s", *k, n, e.message);
+        int urc = unpickle_depth(f, limit, &e);
+        cr_assert_eq(urc, 0, "%c x %d: what the writer wrote, the reader refused: %s", *k, n, e.message);
+      } else {
+        cr_assert_eq(prc, DP_ELIMIT, "%c x %d: pickle", *k, n);
+        /* the same frame written with one more level allowed is one too deep to read */
+        OK(pickle_depth(v, limit + 1, f, &e));
+        cr_assert_eq(unpickle_depth(f, limit, &e), DP_ELIMIT, "%c x %d: unpickle", *k, n);
+        cr_assert_str_eq(e.message, "nesting depth exceeds the limit of 8");
+      }
+      dp_value_release(v);
+    }
+  }
+  /* and at the default limit: 262,144 non-empty lists plus an empty one */
+  dp_value_t deep = nest('l', (int)DP_DEFAULT_MAX_DEPTH);
+  OK(pickle_depth(deep, 0, f, &e));
+  cr_assert_eq(unpickle_depth(f, 0, &e), 0, "default depth: %s", e.message);
+  dp_value_release(deep);
+  dp_frame_free(f);
+  ASSERT_NO_LEAK();
+}
+
+static int count_binds(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
+  (*(int *)ud)++;
+  return dp_storage_new(d->device, (void *)(uintptr_t)d->base, d->nbytes, NULL, NULL, out, err);
+}
+
+/* One (device, base) described twice: buffer 1 repeats buffer 0's cuda:0
+ * 0x1000 with another size. */
+Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
+  const uint8_t payload[] = {0xc0};
+  const uint8_t table[] = {0x92, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00,
+                                 0x94, 0x01, 0x00, 0x08, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
+  dp_value_t out;
+  dp_error_t e;
+  int binds = 0;
+  dp_unpickle_opts_t bo;
+  memset(&bo, 0, sizeof bo);
+  bo.bind = count_binds;
+  bo.bind_ud = &binds;
+  cr_assert_eq(dp_unpickle(b, n, &bo, &out, &e), DP_EFORMAT);
+  cr_assert_eq(binds, 0, "a table that is refused binds nothing");
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "buffer 1 describes cuda:0 0x1000 again (buffer 0 did): a frame has one buffer "
+                              "per (device, base)");
+  cr_assert_eq(e.offset, 41 + 1 + 7, "the offset of the second descriptor");
+  free(b);
+  /* inline, the issue's case: sizes 4 and 8, bytes AAAA and BBBBBBBB */
+  const uint8_t itable[] = {0x93, 0x95, 0x00, 0x00, 0x04, 0xcd, 0x10, 0x00, 0x00,
+                                  0x95, 0x01, 0x00, 0x04, 0xcd, 0x20, 0x00, 0x04,
+                                  0x95, 0x00, 0x00, 0x08, 0xcd, 0x10, 0x00, 0x08};
+  const uint8_t data[] = "AAAACCCCBBBBBBBB";
+  b = frame_with_table(payload, sizeof payload, itable, sizeof itable, data, 16, 1, &n);
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "buffer 2 describes cpu 0x1000 again (buffer 0 did): a frame has one buffer "
+                              "per (device, base)");
+  free(b);
+  /* among many: 1,000 scattered addresses, buffer 700 repeating buffer 300's */
+  size_t q = 0, nd = 1000;
+  uint8_t *t = malloc(3 + nd * 14);
+  t[q++] = 0xdc; t[q++] = (uint8_t)(nd >> 8); t[q++] = (uint8_t)nd;
+  size_t at700 = 0;
+  for (size_t i = 0; i < nd; i++) {
+    uint64_t base = (i == 700 ? 300 : i) * 0x9e3779b97f4a7c15ull;
+    if (i == 700) at700 = q;
+    t[q++] = 0x94; t[q++] = 0x01; t[q++] = (uint8_t)((i == 700 ? 300 : i) % 3); t[q++] = 0x04; t[q++] = 0xcf;
+    for (int k = 7; k >= 0; k--) t[q++] = (uint8_t)(base >> (8 * k));
+  }
+  b = frame_with_table(payload, sizeof payload, t, q, NULL, 0, 0, &n);
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT);
+  char want[160];
+  snprintf(want, sizeof want, "buffer 700 describes cuda:0 0x%llx again (buffer 300 did): a frame has one buffer per "
+           "(device, base)", (unsigned long long)(300 * 0x9e3779b97f4a7c15ull));
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(e.offset, (int64_t)(41 + at700));
+  free(b);
+  t[at700 + 2] = 2;  /* on cuda:2 it is another allocation */
+  b = frame_with_table(payload, sizeof payload, t, q, NULL, 0, 0, &n);
+  OK(dp_unpickle(b, n, NULL, &out, &e));
+  free(b);
+  free(t);
+  /* the same device and base on different devices are different allocations */
+  const uint8_t ok_table[] = {0x92, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00,
+                                    0x94, 0x01, 0x01, 0x04, 0xcd, 0x10, 0x00};
+  b = frame_with_table(payload, sizeof payload, ok_table, sizeof ok_table, NULL, 0, 0, &n);
+  OK(dp_unpickle(b, n, &bo, &out, &e));
+  cr_assert_eq(binds, 2);
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
+/* The writer: two storages at one (device, base) must agree, whichever
+ * comes first. */
+Test(pickler, storages_that_disagree_about_one_allocation_are_not_pickled) {
+  uint8_t a[8] = "AAAAAAAA", bb[8] = "BBBBBBBB";
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  dp_error_t e;
+  for (int order = 0; order < 2; order++) {
+    dp_storage_t *s4 = t_storage(CUDA0, 0x1000, 4), *s8 = t_storage(CUDA0, 0x1000, 8);
+    dp_value_t l = t_list();
+    OK(dp_list_append(l, t_view(order ? s8 : s4, 1, 0), NULL));
+    OK(dp_list_append(l, t_view(order ? s4 : s8, 1, 0), NULL));
+    cr_assert_eq(dp_pickle(l, NULL, f, &e), DP_EINVAL, "order %d", order);
+    char want[200];
+    snprintf(want, sizeof want, "storages of cuda:0 0x1000 differ in size (%d and %d bytes) at $[1]: a frame has "
+             "one buffer per (device, base)", order ? 8 : 4, order ? 4 : 8);
+    cr_assert_str_eq(e.message, want);
+    size_t n;
+    dp_frame_data(f, &n);
+    cr_assert_eq(n, 0, "on error the frame is empty");
+    dp_value_release(l);
+    dp_storage_release(s4);
+    dp_storage_release(s8);
+    /* inline: same size, different bytes */
+    dp_storage_t *x = t_storage(CUDA0, 0x2000, 8), *y = t_storage(CUDA0, 0x2000, 8);
+    OK(dp_storage_set_host_data(x, order ? bb : a, NULL));
+    OK(dp_storage_set_host_data(y, order ? a : bb, NULL));
+    l = t_list();
+    OK(dp_list_append(l, t_view(x, 2, 0), NULL));
+    OK(dp_list_append(l, t_view(y, 2, 0), NULL));
+    OK(dp_pickle(l, NULL, f, &e));  /* not inline: only the sizes matter */
+    dp_pickle_opts_t io = {DP_PICKLE_INLINE, 0, NULL, NULL};
+    cr_assert_eq(dp_pickle(l, &io, f, &e), DP_EINVAL);
+    cr_assert_str_eq(e.message, "storages of cuda:0 0x2000 (8 bytes) disagree at $[1]: their host bytes differ; "
+                                "a frame has one buffer per (device, base)");
+    /* the same bytes: one buffer, and the frame reads back */
+    OK(dp_storage_set_host_data(y, order ? bb : a, NULL));
+    OK(dp_pickle(l, &io, f, &e));
+    cr_assert_eq(dp_frame_nbuffers(f), 1);
+    dp_value_t back = unpickle_ok(f);
+    dp_value_release(back);
+    dp_value_release(l);
+    dp_storage_release(x);
+    dp_storage_release(y);
+  }
+  dp_frame_free(f);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, names_with_a_nul_byte_are_refused) {
+  /* object "Cls\0Evil" with attributes "a\0x" and "a\0y" */
+  const uint8_t cls[] = {0x96, 0xd4, 0x00, 0x03, 0xa8, 'C', 'l', 's', 0, 'E', 'v', 'i', 'l',
+                         0xa3, 'a', 0, 'x', 0x01, 0xa3, 'a', 0, 'y', 0x02};
+  expect_bad(cls, sizeof cls, DP_EFORMAT, 44, "object class: NUL byte in a name", NULL);
+  const uint8_t attr[] = {0x96, 0xd4, 0x00, 0x03, 0xa3, 'C', 'l', 's',
+                          0xa3, 'a', 0, 'x', 0x01, 0xa3, 'a', 0, 'y', 0x02};
+  expect_bad(attr, sizeof attr, DP_EFORMAT, 48, "attribute name: NUL byte in a name", NULL);
+  const uint8_t red[] = {0x93, 0xd4, 0x00, 0x04, 0xa3, 'H', 0, 'x', 0xc0};
+  expect_bad(red, sizeof red, DP_EFORMAT, 44, "reduce type: NUL byte in a name", NULL);
+  ASSERT_NO_LEAK();
+}
+
+/* The issue's view: complex128, shape [2^61+1], stride 2^63-1, offset 2^61
+ * over 16 bytes; its extent overflowed the old 128-bit check. */
+Test(pickler, a_tensor_whose_extent_overflows_is_refused_by_the_reader) {
+  const uint8_t payload[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0e,
+                             0x91, 0xcf, 0x20, 0, 0, 0, 0, 0, 0, 0x01,
+                             0x91, 0xcf, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+                             0xcf, 0x20, 0, 0, 0, 0, 0, 0, 0};
+  const uint8_t table[] = {0x91, 0x94, 0x00, 0x00, 0x10, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "tensor: tensor view exceeds its storage of 16 bytes");
+  cr_assert_eq(e.offset, 40);
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
+/* What a frame cannot carry is an error when writing, not a frame the
+ * reader refuses. */
+Test(pickler, the_writer_refuses_buffers_larger_than_the_format_allows) {
+  dp_storage_t *s = t_storage(CUDA0, 0x1000, (size_t)1 << 62);
+  dp_value_t ok = t_view(s, 1, 0);
+  dp_frame_t *f = pickle_ok(ok, 0);
+  dp_value_release(unpickle_ok(f));
+  dp_value_release(ok);
+  dp_storage_release(s);
+  s = t_storage(CUDA0, 0x1000, ((size_t)1 << 62) + 1);
+  dp_value_t big = t_view(s, 1, 0);
+  dp_storage_release(s);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, big, NULL));
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(l, NULL, f, &e), DP_ELIMIT);
+  cr_assert_str_eq(e.message, "storage of 4611686018427387905 bytes exceeds the frame format's limit of 2^62 at $[0]");
+  dp_value_release(l);
+  dp_frame_free(f);
+  ASSERT_NO_LEAK();
+}
+
+/* ---- memory per input byte ---- */
+
+/* Bytes held through the allocator hook, each block counted as glibc's
+ * malloc holds it (8 bytes of header, 16-byte granules, 32 at least). */
+static long m_live, m_peak, m_calls;
+static size_t m_chunk(size_t n) {
+  size_t c = (n + 8 + 15) & ~(size_t)15;
+  return c < 32 ? 32 : c;
+}
+static void *m_alloc(void *ud, void *p, size_t osize, size_t nsize) {
+  (void)ud;
+  m_calls++;
+  if (nsize == 0) {
+    if (p) m_live -= (long)m_chunk(osize);
+    free(p);
+    return NULL;
+  }
+  void *q = realloc(p, nsize);
+  if (!q) return NULL;
+  if (p) m_live -= (long)m_chunk(osize);
+  m_live += (long)m_chunk(nsize);
+  if (m_live > m_peak) m_peak = m_live;
+  return q;
+}
+
+/* Unpickles frame b (which must be read successfully) and checks that the
+ * memory held at the peak stays within the bound pickler.h states. */
+static void expect_within_bound(const char *what, const uint8_t *b, size_t n) {
+  dp_set_allocator(m_alloc, NULL);
+  m_live = m_peak = m_calls = 0;
+  dp_frame_info_t fi;
+  dp_error_t e;
+  cr_assert_eq(dp_frame_check(b, n, &fi, &e), 0, "%s: %s", what, e.message);
+  cr_assert_eq(m_calls, 0, "%s: dp_frame_check allocated", what);
+  dp_value_t v;
+  int rc = dp_unpickle(b, n, NULL, &v, &e);
+  long peak = m_peak;
+  if (rc == 0) dp_value_release(v);
+  dp_set_allocator(t_alloc, NULL);  /* back to the suite's counting hook, counts kept */
+  cr_assert_eq(m_live, 0, "%s: %ld bytes still held", what, m_live);
+  cr_assert_eq(rc, 0, "%s: %s", what, e.message);
+  double bound = (double)DP_UNPICKLE_MEMORY_PER_BYTE * (double)n + (double)DP_UNPICKLE_MEMORY_FIXED;
+  cr_assert_leq((double)peak, bound, "%s: %ld bytes at the peak for a %zu-byte frame (%.1f per byte), bound %.0f",
+                what, peak, n, (double)peak / (double)n, bound);
+}
+
+/* A frame whose root is a list of `count` copies of `unit`. */
+static void repeated(const char *what, const uint8_t *unit, size_t ulen, size_t count) {
+  size_t plen = 5 + ulen * count;
+  uint8_t *p = malloc(plen);
+  p[0] = 0xdd;
+  for (int i = 0; i < 4; i++) p[1 + i] = (uint8_t)(count >> (24 - 8 * i));
+  for (size_t i = 0; i < count; i++) memcpy(p + 5 + i * ulen, unit, ulen);
+  const uint8_t table[] = {0x91, 0x94, 0x00, 0x00, 0x01, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(p, plen, table, sizeof table, NULL, 0, 0, &n);
+  expect_within_bound(what, b, n);
+  free(b);
+  free(p);
+}
+
+Test(pickler, unpickling_holds_at_most_the_stated_memory_per_input_byte) {
+  const size_t N = 100000;  /* not a power of two: growth slack shows */
+  repeated("empty dicts", (const uint8_t[]){0x80}, 1, N);
+  repeated("empty lists", (const uint8_t[]){0x90}, 1, N);
+  repeated("empty strs", (const uint8_t[]){0xa0}, 1, N);
+  repeated("empty bytes", (const uint8_t[]){0xc4, 0x00}, 2, N);
+  repeated("empty tuples", (const uint8_t[]){0x91, 0xd4, 0x00, 0x01}, 4, N);
+  repeated("lists of one", (const uint8_t[]){0x91, 0x00}, 2, N);
+  repeated("dicts of one", (const uint8_t[]){0x81, 0x00, 0x00}, 3, N);
+  repeated("empty objects", (const uint8_t[]){0x92, 0xd4, 0x00, 0x03, 0xa1, 'C'}, 6, N);
+  repeated("reduce nodes", (const uint8_t[]){0x93, 0xd4, 0x00, 0x04, 0xa1, 'C', 0xc0}, 7, N);
+  repeated("back-references", (const uint8_t[]){0xd6, 0x01, 0, 0, 0, 0}, 6, N);
+  repeated("ints", (const uint8_t[]){0x01}, 1, N);
+  repeated("0-d tensors", (const uint8_t[]){0x96, 0xd4, 0x00, 0x02, 0x00, 0x00, 0x90, 0x90, 0x00}, 9, N);
+  /* nesting: lists one byte a level, at and below the default depth */
+  for (size_t depth = 100001; depth <= DP_DEFAULT_MAX_DEPTH; depth += DP_DEFAULT_MAX_DEPTH - 100001) {
+    uint8_t *p = malloc(2 * depth + 1);
+    memset(p, 0x91, depth);
+    p[depth] = 0xc0;
+    size_t n;
+    uint8_t *b = frame_with_table(p, depth + 1, (const uint8_t[]){0x90}, 1, NULL, 0, 0, &n);
+    expect_within_bound("nested lists", b, n);
+    free(b);
+    for (size_t i = 0; i < depth; i++) { p[2 * i] = 0x81; p[2 * i + 1] = 0x00; }
+    p[2 * depth] = 0xc0;
+    b = frame_with_table(p, 2 * depth + 1, (const uint8_t[]){0x90}, 1, NULL, 0, 0, &n);
+    expect_within_bound("nested dicts", b, n);
+    free(b);
+    free(p);
+  }
+  /* a large table of small buffers */
+  size_t nb = 50000, q = 0;
+  uint8_t *t = malloc(5 + nb * 9);
+  t[q++] = 0xdd; t[q++] = 0; t[q++] = (uint8_t)(nb >> 16); t[q++] = (uint8_t)(nb >> 8); t[q++] = (uint8_t)nb;
+  for (size_t i = 0; i < nb; i++) {
+    const uint8_t d[] = {0x94, 0x00, 0x00, 0x00, 0xce, 0x00, (uint8_t)(i >> 16), (uint8_t)(i >> 8), (uint8_t)i};
+    memcpy(t + q, d, sizeof d);
+    q += sizeof d;
+  }
+  size_t n;
+  uint8_t *b = frame_with_table((const uint8_t[]){0xc0}, 1, t, q, NULL, 0, 0, &n);
+  expect_within_bound("buffer descriptors", b, n);
+  free(b);
+  free(t);
+  /* and ordinary values, tiny and larger */
+  dp_value_t v = sample_value();
+  dp_frame_t *f = pickle_ok(v, 0);
+  const uint8_t *fb = dp_frame_data(f, &n);
+  expect_within_bound("a small value", fb, n);
+  dp_frame_free(f);
+  dp_value_release(v);
+  t_rng_t r = {7};
+  t_pool_t pool;
+  t_pool_init(&pool, 3);
+  dp_value_t l = t_list();
+  for (int i = 0; i < 2000; i++) OK(dp_list_append(l, t_random_value(&r, &pool, 0), NULL));
+  f = pickle_ok(l, 0);
+  fb = dp_frame_data(f, &n);
+  expect_within_bound("random values", fb, n);
+  dp_frame_free(f);
+  dp_value_release(l);
+  t_pool_free(&pool);
+  ASSERT_NO_LEAK();
+}
+
+/* A resolved custom is opaque to the collector: its state must not reach
+ * the reduce node or any container around it, directly or through a node
+ * finished earlier. */
+Test(pickler, a_resolved_custom_whose_state_reaches_an_open_container_is_refused) {
+  int calls = 0;
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_holder, &calls};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.resolver = &res;
+  const char *msg = "reduced state of 'Holder' refers to it or to a container around it: a resolved custom "
+                    "cannot be in a cycle";
+  /* [reduce Holder [backref 0]]: the state holds the list around it */
+  const uint8_t direct[] = {0x91, 0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r',
+                            0x91, 0xd6, 0x01, 0, 0, 0, 0};
+  expect_bad(direct, sizeof direct, DP_EFORMAT, 59, msg, &o);
+  /* [[backref 0], reduce Holder [backref 1]]: through a finished list that holds the root */
+  const uint8_t through[] = {0x92, 0x91, 0xd6, 0x01, 0, 0, 0, 0,
+                             0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r',
+                             0x91, 0xd6, 0x01, 0, 0, 0, 1};
+  expect_bad(through, sizeof through, DP_EFORMAT, 66, msg, &o);
+  /* the same through a list that is closed by then: no cycle, resolved */
+  const uint8_t closed[] = {0x92, 0x91, 0x91, 0xd6, 0x01, 0, 0, 0, 1,
+                            0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r',
+                            0x91, 0xd6, 0x01, 0, 0, 0, 2};
+  uint8_t frame[128];
+  size_t n = make_frame(frame, closed, sizeof closed);
+  dp_value_t back;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(frame, n, &o, &back, &e), 0, "%s", e.message);
+  cr_assert_eq(calls, 1);
+  dp_value_release(back);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}

@@ -139,7 +139,7 @@ Test(value, object_attributes_keep_order_and_are_found_by_name) {
   cr_assert_eq(dp_object_get(o, "nope", &v), DP_ENOTFOUND);
   dp_error_t e;
   cr_assert_eq(dp_object_set(o, "", dp_int(1), &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "attribute name must be non-empty UTF-8");
+  cr_assert_str_eq(e.message, "attribute name must be non-empty UTF-8 without NUL");
   dp_value_release(o);
   ASSERT_NO_LEAK();
 }
@@ -188,6 +188,69 @@ Test(value, tensor_views_must_fit_their_storage) {
   dp_value_release(t);
   cr_assert_eq(dp_storage_nbytes(s), 400);
   dp_storage_release(s);
+  ASSERT_NO_LEAK();
+}
+
+/* dp_tensor_new with shape, strides and offset on one storage of nbytes:
+ * 0 or the error's message. */
+static const char *view_check(size_t nbytes, dp_dtype_t dt, int nd, const int64_t *shape, const int64_t *strides,
+                              int64_t offset) {
+  static char msg[DP_ERROR_MSG_MAX];
+  dp_value_t t;
+  dp_error_t e;
+  int rc = dp_tensor_new(t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, nbytes), dt, nd, shape, strides, offset, &t, &e);
+  if (rc == 0) {
+    dp_value_release(t);
+    return NULL;
+  }
+  cr_assert_eq(rc, DP_EINVAL);
+  snprintf(msg, sizeof msg, "%s", e.message);
+  return msg;
+}
+
+Test(value, tensor_extents_are_computed_exactly_at_the_edges_of_64_bits) {
+  const int64_t max = INT64_MAX, p61 = (int64_t)1 << 61, p62 = (int64_t)1 << 62;
+  /* the review's view: complex128 [2^61+1], stride 2^63-1, offset 2^61 over 16 bytes */
+  cr_assert_str_eq(view_check(16, DP_COMPLEX128, 1, (int64_t[]){p61 + 1}, (int64_t[]){max}, p61),
+                   "tensor view exceeds its storage of 16 bytes");
+  /* sixteen dimensions whose spans each fit but whose sum does not */
+  int64_t sh[16], st[16];
+  for (int d = 0; d < 16; d++) { sh[d] = 2; st[d] = max; }
+  cr_assert_not_null(view_check(SIZE_MAX, DP_INT8, 16, sh, st, 0));
+  /* the largest view: element index 2^63-1 of a 1-byte dtype ends at 2^63 */
+  cr_assert_null(view_check(SIZE_MAX, DP_INT8, 1, (int64_t[]){1}, NULL, max));
+  cr_assert_null(view_check(SIZE_MAX, DP_INT8, 1, (int64_t[]){2}, (int64_t[]){max}, 0));
+  cr_assert_not_null(view_check(SIZE_MAX, DP_INT8, 1, (int64_t[]){2}, (int64_t[]){max}, 1), "hi overflows int64");
+  /* (hi + 1) * itemsize: 2^63 * 2 is exactly 2^64 */
+  cr_assert_str_eq(view_check(SIZE_MAX, DP_INT16, 1, (int64_t[]){1}, NULL, max),
+                   "tensor view exceeds its storage of 18446744073709551615 bytes");
+  cr_assert_null(view_check(SIZE_MAX, DP_INT16, 1, (int64_t[]){1}, NULL, max - 1), "ends at 2^64 - 2");
+  /* exactly fitting, and one byte short */
+  cr_assert_null(view_check((size_t)p62, DP_INT8, 1, (int64_t[]){p62}, NULL, 0));
+  cr_assert_not_null(view_check((size_t)p62 - 1, DP_INT8, 1, (int64_t[]){p62}, NULL, 0));
+  /* element counts: 2^62 allowed, 2^62 + 1 not, products at 2^63 and 2^64 overflow */
+  cr_assert_null(view_check(SIZE_MAX, DP_INT8, 2, (int64_t[]){(int64_t)1 << 31, (int64_t)1 << 31}, NULL, 0));
+  cr_assert_str_eq(view_check(SIZE_MAX, DP_INT8, 1, (int64_t[]){p62 + 1}, NULL, 0),
+                   "tensor has too many elements (at most 2^62)");
+  cr_assert_str_eq(view_check(SIZE_MAX, DP_INT8, 2, (int64_t[]){2, p62}, (int64_t[]){0, 0}, 0),
+                   "tensor has too many elements (at most 2^62)");
+  cr_assert_str_eq(view_check(SIZE_MAX, DP_INT8, 2, (int64_t[]){(int64_t)1 << 32, (int64_t)1 << 32},
+                              (int64_t[]){0, 0}, 0),
+                   "tensor has too many elements (at most 2^62)");
+  /* negative strides: down to element 0 and not below; spans past int64 */
+  cr_assert_null(view_check(SIZE_MAX, DP_INT8, 1, (int64_t[]){2}, (int64_t[]){-max}, max));
+  cr_assert_not_null(view_check(SIZE_MAX, DP_INT8, 1, (int64_t[]){2}, (int64_t[]){-max}, max - 1));
+  cr_assert_not_null(view_check(SIZE_MAX, DP_INT8, 1, (int64_t[]){2}, (int64_t[]){INT64_MIN}, max));
+  cr_assert_not_null(view_check(SIZE_MAX, DP_INT8, 1, (int64_t[]){3}, (int64_t[]){INT64_MIN}, max));
+  cr_assert_not_null(view_check(SIZE_MAX, DP_INT8, 2, (int64_t[]){2, 2}, (int64_t[]){-max, -max}, max));
+  /* a 0 dimension addresses nothing, whatever the rest */
+  cr_assert_null(view_check(0, DP_COMPLEX128, 3, (int64_t[]){p62, 0, p62}, (int64_t[]){max, max, INT64_MIN}, max));
+  /* contiguous strides of an empty view of a huge shape do not fit int64 */
+  cr_assert_str_eq(view_check(0, DP_INT8, 3, (int64_t[]){2, p62, p62}, NULL, 0),
+                   "tensor has too many elements (at most 2^62)");
+  cr_assert_str_eq(view_check(0, DP_INT8, 3, (int64_t[]){0, p62, p62}, NULL, 0),
+                   "contiguous strides of this shape overflow int64");
+  cr_assert_null(view_check(0, DP_INT8, 3, (int64_t[]){p62, p62, 0}, NULL, 0));
   ASSERT_NO_LEAK();
 }
 

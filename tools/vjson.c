@@ -907,9 +907,12 @@ static int read_float(rd_t *r, json_t *j, json_t *x, dp_value_t *out) {
   return 0;
 }
 
+/* depth: the containers above j, every one of them with children — the
+ * library's own count (an empty container adds no level). */
 static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
   int rc;
   json_t *x;
+  if (depth > VJSON_MAX_DEPTH) return fail(r, DP_ELIMIT, "containers nested deeper than %d levels", VJSON_MAX_DEPTH);
   switch (json_typeof(j)) {
     case JSON_NULL: *out = dp_none(); return 0;
     case JSON_TRUE: *out = dp_bool(true); return 0;
@@ -930,7 +933,6 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
         return fail(r, DP_EINVAL, "$id \"%s\" is defined twice", json_string_value(x));
       size_t mine;
       if (is_container_json(val)) {
-        if (depth >= VJSON_MAX_DEPTH) return fail(r, DP_ELIMIT, "containers nested deeper than %d levels", VJSON_MAX_DEPTH);
         if ((rc = make_shell(r, val, out)) != 0) return rc;
         if ((rc = add_id(r, x, *out, 1, &mine)) != 0) {
           dp_value_release(*out);
@@ -972,7 +974,6 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
     }
     if ((x = json_object_get(j, "$float")) != NULL) return read_float(r, j, x, out);
   }
-  if (depth >= VJSON_MAX_DEPTH) return fail(r, DP_ELIMIT, "containers nested deeper than %d levels", VJSON_MAX_DEPTH);
   if ((rc = make_shell(r, j, out)) != 0) return rc;
   if ((rc = fill_container(r, j, *out, depth)) != 0) dp_value_release(*out);
   return rc;
@@ -1071,16 +1072,12 @@ static wslot_t *wslot(wr_t *w, const void *key, int insert) {
   }
 }
 
-static int is_container(dp_value_t v) {
-  dp_kind_t k = dp_value_kind(v);
-  return k == DP_LIST || k == DP_TUPLE || k == DP_DICT || k == DP_OBJECT;
-}
-
-/* Pass 1: how often is each shared node met? depth: containers above v. */
+/* Pass 1: how often is each shared node met? depth: containers above v (each
+ * of them has a child: v), counted as the library counts them. */
 static int count_refs(wr_t *w, dp_value_t v, int depth) {
-  if (!dp_value_is_heap(v)) return 0;
-  if (is_container(v) && depth >= VJSON_MAX_DEPTH)
+  if (depth > VJSON_MAX_DEPTH)
     return wfail(w, DP_ELIMIT, "containers nested deeper than %d levels, too deep for value JSON", VJSON_MAX_DEPTH);
+  if (!dp_value_is_heap(v)) return 0;
   if (dp_value_refcount(v) > 1) {
     wslot_t *s = wslot(w, dp_value_id(v), 1);
     if (!s) return wfail(w, DP_ENOMEM, "out of memory");

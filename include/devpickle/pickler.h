@@ -21,12 +21,32 @@
 extern "C" {
 #endif
 
-/* ---- limits (a field of 0 means its default) ---- */
+/* ---- limits (a field of 0 means its default) ----
+ * Depth is counted alike by every walk (scan, pickle) and by the reader:
+ * the number of nested containers that have children — list, tuple, dict,
+ * object with attributes, and every custom or reduce node (its state is its
+ * child). An empty container, a leaf or a back-reference adds no level. So
+ * whatever dp_pickle writes under a depth limit, dp_unpickle reads under the
+ * same limit. */
 #define DP_DEFAULT_MAX_DEPTH 262144u                 /* nesting levels */
-#define DP_DEFAULT_MAX_ITEMS (64ull << 20)            /* values in one frame */
-#define DP_DEFAULT_MAX_BYTES (1ull << 30)             /* str + bytes + inline data */
-#define DP_DEFAULT_MAX_STR (256ull << 20)             /* one str or bytes */
-#define DP_DEFAULT_MAX_BUFFERS (1u << 20)             /* buffer descriptors */
+/* The other defaults are the format's own: memory is bounded by the input
+ * (below) whatever they are, and the reader reads every frame the writer
+ * writes. Set them to refuse large frames outright. */
+#define DP_DEFAULT_MAX_ITEMS UINT64_MAX               /* values in one frame */
+#define DP_DEFAULT_MAX_BYTES UINT64_MAX               /* str + bytes + inline data */
+#define DP_DEFAULT_MAX_STR 0xffffffffull              /* one str or bytes: 32-bit lengths */
+#define DP_DEFAULT_MAX_BUFFERS UINT32_MAX             /* buffer descriptors */
+
+/* Memory, the reader's bound. dp_unpickle of an n-byte frame holds at most
+ *   DP_UNPICKLE_MEMORY_PER_BYTE * n + DP_UNPICKLE_MEMORY_FIXED
+ * bytes through the allocator hook at any moment, with the default limits
+ * or any others, counting each block as malloc holds it (an 8-byte header,
+ * 16-byte granules, at least 32); what bind and resolve callbacks allocate
+ * is theirs. The worst input is one byte per nesting level ([[[...]]]: a
+ * list, its node-table entry and its open frame for every byte); 1 MB of
+ * empty dicts holds 128 MB. dp_frame_check allocates nothing. */
+#define DP_UNPICKLE_MEMORY_PER_BYTE 192u
+#define DP_UNPICKLE_MEMORY_FIXED (64u << 10)
 
 typedef struct dp_limits {
   uint32_t max_depth;
@@ -90,8 +110,15 @@ DP_API size_t dp_frame_nbuffers(const dp_frame_t *f);
 DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out);
 
 /** Serializes v into frame (replacing its contents). The same value always
- *  gives the same bytes. Errors as dp_scan, plus DP_ENODEV when an inline
- *  buffer cannot be read. On error the frame is empty. */
+ *  gives the same bytes, and dp_unpickle reads them back (with the same
+ *  max_depth): what the format cannot carry is an error, never a frame the
+ *  reader refuses. Errors as dp_scan, plus DP_ENODEV when an inline buffer
+ *  cannot be read; DP_EINVAL when two storages at one (device, base) — one
+ *  buffer in the frame — differ in size or, in an inline frame, in their
+ *  host bytes (or only one has host bytes); DP_ELIMIT for a storage over
+ *  2^62 bytes, a str, bytes or container longer than 2^32 - 1, or a value
+ *  of more than 2^32 heap nodes. Messages name the path. On error the frame
+ *  is empty. */
 DP_API int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *frame, dp_error_t *err);
 
 /* ---- unpickle ---- */
@@ -99,8 +126,14 @@ DP_API int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *fra
 /** Binds buffer `desc` to a local storage (*out, a new reference). */
 typedef int (*dp_bind_cb)(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err);
 
-/** Rebuilds an allowed custom from its state (borrowed). Returns 0 and a new
- *  reference in *out (usually dp_custom_new), or an error. */
+/** Rebuilds an allowed custom from its state. The state is borrowed and must
+ *  not be modified: retain what the custom keeps. The state stays alive
+ *  until dp_unpickle returns (later back-references may name any node in
+ *  it), whatever the custom keeps. A state that refers to its own reduce
+ *  node or to a container around it (the custom would be in a cycle, which
+ *  the collector cannot see through) is DP_EFORMAT without calling this.
+ *  Returns 0 and a new reference in *out (usually dp_custom_new), or an
+ *  error. */
 typedef int (*dp_resolve_cb)(void *ud, const char *type_name, dp_value_t state, dp_value_t *out,
                              dp_error_t *err);
 
@@ -123,10 +156,11 @@ typedef struct dp_unpickle_opts {
 
 /** Rebuilds a value from a frame. The input is treated as hostile: every
  *  failure is an error code with a message and err->offset, the byte offset
- *  in the frame where reading stopped; nothing leaks; allocation stays
- *  within a constant factor of n. Types are never instantiated from the
- *  wire except through opts->resolver. Errors: DP_ETRUNC, DP_ECHECKSUM,
- *  DP_EVERSION, DP_EFORMAT, DP_ELIMIT, DP_ENOMEM, or a bind/resolve error. */
+ *  in the frame where reading stopped; nothing leaks; memory stays within
+ *  the bound stated with DP_UNPICKLE_MEMORY_PER_BYTE. Types are never
+ *  instantiated from the wire except through opts->resolver. Errors:
+ *  DP_ETRUNC, DP_ECHECKSUM, DP_EVERSION, DP_EFORMAT, DP_ELIMIT, DP_ENOMEM,
+ *  or a bind/resolve error. */
 DP_API int dp_unpickle(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_value_t *out,
                        dp_error_t *err);
 
@@ -141,7 +175,8 @@ typedef struct dp_frame_info {
   uint32_t nbuffers;
 } dp_frame_info_t;
 
-/** Validates the header, lengths and checksum and counts the buffers. */
+/** Validates the header, lengths and checksum and counts the buffers.
+ *  Allocates nothing. */
 DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err);
 
 /** Reads up to n bytes into dst: 0 and *got (0 only at the end of the

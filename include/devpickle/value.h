@@ -162,6 +162,7 @@ typedef enum dp_dtype {
 } dp_dtype_t;
 #define DP_DTYPE_COUNT 15
 #define DP_TENSOR_MAX_DIMS 16
+#define DP_TENSOR_MAX_ELEMENTS (1ll << 62)  /* elements in one non-empty view */
 
 DP_API const char *dp_dtype_name(dp_dtype_t d);       /* "float32"; NULL if unknown */
 DP_API int dp_dtype_parse(const char *name, dp_dtype_t *out);
@@ -169,7 +170,12 @@ DP_API size_t dp_dtype_size(dp_dtype_t d);             /* bytes per element; 0 i
 
 /** A view (steals storage). strides NULL means contiguous; strides and offset
  *  count elements. DP_EINVAL unless every addressed element lies inside the
- *  storage (negative strides allowed when they stay inside). */
+ *  storage (negative strides allowed when they stay inside): with lo and hi
+ *  the lowest and highest element index addressed, lo >= 0 and
+ *  (hi + 1) * itemsize <= nbytes, computed exactly (a view whose extent
+ *  overflows 64 bits is refused). A view with a 0 dimension addresses
+ *  nothing and always fits; any other has at most DP_TENSOR_MAX_ELEMENTS
+ *  elements. */
 DP_API int dp_tensor_new(dp_storage_t *storage, dp_dtype_t dtype, int ndim,
                          const int64_t *shape, const int64_t *strides,
                          int64_t offset, dp_value_t *out, dp_error_t *err);
@@ -180,10 +186,12 @@ DP_API const int64_t *dp_tensor_shape(dp_value_t t);
 DP_API const int64_t *dp_tensor_strides(dp_value_t t);
 DP_API int64_t dp_tensor_offset(dp_value_t t);
 
-/* ---- object: a user-defined class instance, held generically ---- */
+/* ---- object: a user-defined class instance, held generically ----
+ * Class and attribute names are non-empty UTF-8 without NUL (they are handed
+ * out as C strings); DP_EINVAL otherwise. */
 DP_API int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err);
 /** Sets an attribute (steals val). A new name is appended; an existing one
- *  keeps its position. Names are non-empty UTF-8. */
+ *  keeps its position. */
 DP_API int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *err);
 /** Borrowed attribute, or DP_ENOTFOUND. */
 DP_API int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val);

@@ -1,8 +1,10 @@
 /* Structure-aware: the input drives a small builder (with sharing and
  * cycles); the value is scanned and pickled, the frame must unpickle to an
  * equal value with the same sharing, and the scan must equal the buffer
- * table. Then the last input bytes pick a frame byte to change (checksum
- * fixed up): the reader must survive it. */
+ * table. Whatever the writer writes under a depth limit, the reader reads
+ * under the same limit; two storages at one (device, base) that disagree
+ * are refused by the writer, never written. Then the last input bytes pick
+ * a frame byte to change (checksum fixed up): the reader must survive it. */
 #include <stdio.h>
 
 #include "fuzz.h"
@@ -38,7 +40,10 @@ static dp_value_t build(rd_t *r, dp_value_t *nodes, size_t *nn, dp_storage_t **s
       return v;
     case 4: {
       int64_t shape[1] = {(int64_t)(next(r) % 8) + 1};
-      dp_tensor_new(dp_storage_retain(st[next(r) % 4]), DP_FLOAT32, 1, shape, NULL, next(r) % 8, &v, NULL);
+      /* st[4] is st[0]'s allocation described with another size */
+      unsigned which = next(r) % 9;
+      dp_tensor_new(dp_storage_retain(st[which < 8 ? which % 4 : 4]), DP_FLOAT32, 1, shape, NULL, next(r) % 8, &v,
+                    NULL);
       return v;
     }
     case 5:  /* a reference to an earlier container: sharing or a cycle */
@@ -86,9 +91,10 @@ static dp_value_t build(rd_t *r, dp_value_t *nodes, size_t *nn, dp_storage_t **s
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   rd_t r = {data, size};
   built = 0;
-  dp_storage_t *st[4];
+  dp_storage_t *st[5];
   for (int i = 0; i < 4; i++)
     dp_storage_new((dp_device_t){(uint8_t)(i % 2), 0}, (void *)(uintptr_t)(0x1000 * (i + 1)), 64, NULL, NULL, &st[i], NULL);
+  dp_storage_new((dp_device_t){0, 0}, (void *)(uintptr_t)0x1000, 128, NULL, NULL, &st[4], NULL);
   dp_value_t nodes[MAXNODES];
   size_t nn = 0;
   dp_value_t v = build(&r, nodes, &nn, st, 0);
@@ -96,8 +102,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   dp_frame_t *f;
   dp_ptrset_new(&set, NULL);
   dp_frame_new(&f, NULL);
-  if (dp_scan(v, NULL, set, NULL) != 0 || dp_pickle(v, NULL, f, NULL) != 0) abort();
-  if (dp_frame_nbuffers(f) != dp_ptrset_count(set)) abort();
+  if (dp_scan(v, NULL, set, NULL) != 0) abort();
+  /* a depth limit from the input: the writer and the reader agree on it */
+  uint32_t depth = 1 + next(&r) % 12;
+  dp_pickle_opts_t po = {0, depth, NULL, NULL};
+  dp_unpickle_opts_t uo;
+  memset(&uo, 0, sizeof uo);
+  uo.limits.max_depth = depth;
+  int prc = dp_pickle(v, &po, f, NULL);
+  if (prc == 0) {
+    dp_value_t back;
+    size_t n;
+    const uint8_t *b = dp_frame_data(f, &n);
+    if (dp_unpickle(b, n, &uo, &back, NULL) != 0) abort();  /* written at this depth, readable at it */
+    dp_value_release(back);
+  } else if (prc != DP_ELIMIT && prc != DP_EINVAL) {
+    abort();
+  }
+  int rc = dp_pickle(v, NULL, f, NULL);
+  if (rc == DP_EINVAL) goto done;  /* st[0] and st[4] both met: refused, as it must be */
+  if (rc != 0 || dp_frame_nbuffers(f) != dp_ptrset_count(set)) abort();
   size_t n;
   const uint8_t *b = dp_frame_data(f, &n);
   dp_value_t back;
@@ -113,11 +137,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   dp_unpickle_opts_t o = fuzz_opts();
   if (dp_unpickle(c, n, &o, &back, NULL) == 0) dp_value_release(back);
   free(c);
+done:
   dp_frame_free(f);
   dp_ptrset_free(set);
   dp_value_release(v);
   for (size_t i = 0; i < nn; i++) dp_value_release(nodes[i]);
-  for (int i = 0; i < 4; i++) dp_storage_release(st[i]);
+  for (int i = 0; i < 5; i++) dp_storage_release(st[i]);
   dp_value_collect();  /* deferred cycles too: what is left now is a leak */
   return 0;
 }
