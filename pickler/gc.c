@@ -36,11 +36,13 @@
  *    holds b. A decrement that races past the check is a candidate on its
  *    own thread and is tried again later.
  *  - A candidate holds no reference, so it may die while buffered. Its
- *    state word (gc_state, atomic) says so: a thread releasing a container
- *    buffered by another thread does it under the collector lock and, at
- *    zero, marks it GCS_ZERO for the buffer's owner to free; a trial that
- *    finds garbage buffered by another thread frees its contents and leaves
- *    the header to that owner (GCS_GARBAGE, then GCS_ZERO when done).
+ *    state word (gc_state, atomic) says so. A thread releasing a container
+ *    buffered by another thread does it under the collector lock; at zero,
+ *    or when a trial finds such a container garbage, the container is marked
+ *    GCS_GARBAGE (trials skip it), its contents are freed at once, and its
+ *    header goes to whichever of the two threads lets go of it last: the
+ *    freeing thread sets GCS_ZERO when done, the owner clears GCS_BUFFERED
+ *    when it collects.
  *
  * A trial visits containers buffered by other threads like any other, so a
  * cycle whose candidates sit in several buffers is still found.
@@ -53,9 +55,9 @@
 
 enum {
   GCS_BUFFERED = 1u,  /* in some thread's candidate buffer */
-  GCS_ZERO = 2u,      /* count reached zero while buffered: the owner frees it */
+  GCS_ZERO = 2u,      /* its contents freed while buffered: the owner frees the header */
   GCS_ROOT = 4u,      /* a candidate of the running trial */
-  GCS_GARBAGE = 8u,   /* found garbage by a trial: its children are being released */
+  GCS_GARBAGE = 8u,   /* dead while buffered elsewhere: its children are being released */
 };
 
 typedef struct gc_tls {
@@ -283,7 +285,11 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
       push_dead(t, c);
     }
   } else if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
-    atomic_fetch_or_explicit(&c->gc_state, GCS_ZERO, memory_order_acq_rel);  /* the owner frees it */
+    /* Dead: its contents are freed here and now (a value's storages must not
+     * wait for another thread); the header, which the owner's buffer still
+     * points at, is handed to the owner as a trial's garbage is. */
+    atomic_fetch_or_explicit(&c->gc_state, GCS_GARBAGE, memory_order_acq_rel);
+    push_dead(t, c);
   }
   pthread_mutex_unlock(&gc_lock);
 }
@@ -400,14 +406,11 @@ static void collect_locked(gc_tls_t *t) {
       continue;
     }
     p->h.color = DP_GC_NONE;
-    if (st & GCS_ROOT) {
-      /* A candidate that is alive, or that died while buffered. */
-      atomic_store_explicit(&p->gc_state, 0, memory_order_release);
-      if (st & GCS_ZERO) push_dead(t, p);
-    }
+    if (st & GCS_ROOT) atomic_store_explicit(&p->gc_state, 0, memory_order_release);  /* alive */
   }
 
-  /* Candidates not visited: garbage of another trial whose header is ours. */
+  /* Candidates not visited: dead while buffered here, their contents freed
+   * by another thread; the header is ours once that thread is done. */
   for (size_t i = 0; i < n; i++) {
     dp_cont_t *c = t->buf[i];
     uint32_t st = state_of(c);

@@ -625,3 +625,54 @@ Test(value, a_cycle_dropped_by_a_thread_that_exits_is_collected_when_it_exits) {
   /* No collection on this thread: the exiting thread collected its own. */
   cr_assert_eq(atomic_load(&t_live_blocks), 0, "%ld blocks live", (long)atomic_load(&t_live_blocks));
 }
+
+/* The contents of a container buffered as a candidate by another thread are
+ * freed when it is released to zero, not when that thread next collects: a
+ * value's storages must not wait for an idle thread. */
+typedef struct holder_arg {
+  dp_value_t v;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int buffered, finish;
+} holder_arg_t;
+
+static void *buffer_then_wait(void *p) {
+  holder_arg_t *a = p;
+  dp_value_release(a->v);  /* 2 -> 1: a candidate of this thread */
+  pthread_mutex_lock(&a->mu);
+  a->buffered = 1;
+  pthread_cond_broadcast(&a->cv);
+  while (!a->finish) pthread_cond_wait(&a->cv, &a->mu);
+  pthread_mutex_unlock(&a->mu);
+  return NULL;  /* collects its buffer as it exits: the header goes then */
+}
+
+static int storages_released;
+static void count_storage_release(void *ud, dp_device_t d, void *base, size_t n) {
+  (void)ud, (void)d, (void)base, (void)n;
+  storages_released++;
+}
+
+Test(value, a_container_buffered_by_another_thread_frees_its_contents_when_released) {
+  storages_released = 0;
+  dp_storage_t *st;
+  dp_value_t t, l = t_list();
+  OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 64, count_storage_release, NULL, &st, NULL));
+  int64_t shape[1] = {16};
+  OK(dp_tensor_new(st, DP_FLOAT32, 1, shape, NULL, 0, &t, NULL));
+  OK(dp_list_append(l, t, NULL));
+  holder_arg_t a = {dp_value_retain(l), PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0};
+  pthread_t th;
+  pthread_create(&th, NULL, buffer_then_wait, &a);
+  pthread_mutex_lock(&a.mu);
+  while (!a.buffered) pthread_cond_wait(&a.cv, &a.mu);
+  pthread_mutex_unlock(&a.mu);
+  dp_value_release(l);  /* 1 -> 0 while the other thread, alive, buffers it */
+  cr_assert_eq(storages_released, 1, "the storage waited for the other thread's collection");
+  pthread_mutex_lock(&a.mu);
+  a.finish = 1;
+  pthread_cond_broadcast(&a.cv);
+  pthread_mutex_unlock(&a.mu);
+  pthread_join(th, NULL);
+  ASSERT_NO_LEAK();
+}

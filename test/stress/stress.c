@@ -75,10 +75,12 @@ static _Atomic int payloads_freed;
 static void payload_destroy(void *p) { (void)p; atomic_fetch_add(&payloads_freed, 1); }
 static const dp_type_t payload_type = {"Payload", NULL, payload_destroy};
 static dp_value_t ring_nodes[RINGS][4];
+static dp_value_t shared_lists[RINGS];  /* one reference per thread */
 
 static void *ring_dropper(void *arg) {
   int id = (int)(intptr_t)arg;
   for (int r = 0; r < RINGS; r++) {
+    dp_value_release(shared_lists[r]);  /* buffered by one thread, freed by another */
     dp_value_release(ring_nodes[r][id]);
     if (r % 97 == id) dp_value_collect();
   }
@@ -108,6 +110,10 @@ static int scenario_rings(void) {
       dp_object_get(cur, "next", &cur);
     }
     dp_value_release(head);
+    dp_list_new(1, &shared_lists[r], NULL);
+    dp_custom_new(&payload_type, NULL, &p, NULL);
+    dp_list_append(shared_lists[r], p, NULL);
+    for (int t = 1; t < 4; t++) dp_value_retain(shared_lists[r]);
   }
   dp_value_collect();
   CHECK(atomic_load(&payloads_freed) == 0, "%d rings freed while held", atomic_load(&payloads_freed));
@@ -115,7 +121,8 @@ static int scenario_rings(void) {
   for (int i = 0; i < 4; i++) pthread_create(&th[i], NULL, ring_dropper, (void *)(intptr_t)i);
   for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
   dp_value_collect();  /* headers handed back to this thread's buffer, if any */
-  CHECK(atomic_load(&payloads_freed) == RINGS, "%d of %d rings freed", atomic_load(&payloads_freed), RINGS);
+  CHECK(atomic_load(&payloads_freed) == 2 * RINGS, "%d of %d rings and lists freed", atomic_load(&payloads_freed),
+        2 * RINGS);
   return 0;
 }
 
@@ -334,7 +341,7 @@ int main(int argc, char **argv) {
     return 0;
   }
   run("values: concurrent retain, release and cycle collection", scenario_values);
-  run("values: rings let go by 4 threads at once, collected as they exit", scenario_rings);
+  run("values: rings and lists let go by 4 threads at once, collected as they exit", scenario_rings);
   run("streams: producer/consumer pairs from 4 threads", scenario_streams);
   run("allocator: 4 threads, record_stream, polling", scenario_allocator);
   run("futures: 8 threads, 100k futures, random completion order, then chains, collect_all", scenario_futures);
