@@ -230,10 +230,12 @@ static void wait_not_collecting(void) {
 
 /* Gives back one reference to c, held by this thread. */
 static void release_ref(gc_tls_t *t, dp_cont_t *c) {
-  uint32_t st = state_of(c);
+  /* The count first: a thread that buffered c did so before its decrement,
+   * so a count of 1 read here (acquire) comes with that thread's state. */
+  uint32_t rc = rc_of(c), st = state_of(c);
   if (st == 0) {
     /* The only holder: nobody else can reach it, no trial counts it. */
-    if (rc_of(c) == 1) {
+    if (rc == 1) {
       push_dead(t, c);
       return;
     }
