@@ -344,10 +344,15 @@ static void collect_locked(gc_tls_t *t) {
    * reference counts. Garbage of another trial, whose header waits for us,
    * is not visited: its children are being released. */
   dp_cont_t *visit = NULL, *tail = NULL;
+  size_t z = 0;  /* those go first in the buffer: buf[0, z) */
   for (size_t i = 0; i < n; i++) {
     dp_cont_t *c = t->buf[i];
     uint32_t st = atomic_fetch_or_explicit(&c->gc_state, GCS_ROOT, memory_order_acq_rel);
-    if (st & GCS_GARBAGE) continue;
+    if (st & GCS_GARBAGE) {
+      t->buf[i] = t->buf[z];
+      t->buf[z++] = c;
+      continue;
+    }
     c->h.color = DP_GC_GRAY;
     c->gc_refs = rc_of(c);
     c->gc_next2 = NULL;
@@ -395,31 +400,32 @@ static void collect_locked(gc_tls_t *t) {
     if (p->h.color == DP_GC_GRAY) atomic_fetch_or_explicit(&p->gc_state, GCS_GARBAGE, memory_order_acq_rel);
   atomic_store_explicit(&collecting, 0, memory_order_release);
 
+  /* Reset the marks and queue the garbage. The candidates are still
+   * buffered, which keeps everything visited alive until the loop below. */
   for (dp_cont_t *p = visit, *next; p; p = next) {
     next = p->gc_next2;
     p->gc_next2 = NULL;
-    uint32_t st = state_of(p);
     if (p->h.color == DP_GC_GRAY) {
       p->h.color = DP_GC_DEAD;
-      /* Ours to free, header included, unless another thread's buffer still
-       * points at it (drain hands the header over). */
-      if (st & GCS_ROOT) atomic_store_explicit(&p->gc_state, GCS_GARBAGE, memory_order_release);
       push_dead(t, p);
-      continue;
+    } else {
+      p->h.color = DP_GC_NONE;
     }
-    p->h.color = DP_GC_NONE;
-    if (st & GCS_ROOT) atomic_store_explicit(&p->gc_state, 0, memory_order_release);  /* alive */
   }
 
-  /* Candidates not visited: dead while buffered here, their contents freed
-   * by another thread; the header is ours once that thread is done. */
-  for (size_t i = 0; i < n; i++) {
+  /* The candidates leave the buffer. Garbage is ours, header included. A
+   * live one may be freed by another thread from here on: not touched
+   * again. */
+  for (size_t i = z; i < n; i++) {
     dp_cont_t *c = t->buf[i];
-    uint32_t st = state_of(c);
-    if (!(st & GCS_GARBAGE) || !(st & GCS_ROOT)) continue;
-    st = atomic_fetch_and_explicit(&c->gc_state, ~(uint32_t)(GCS_BUFFERED | GCS_ROOT), memory_order_acq_rel);
-    /* Its trial is done with it (ZERO): free the empty header here;
-     * otherwise that trial's drain frees it. */
+    atomic_store_explicit(&c->gc_state, c->h.color == DP_GC_DEAD ? GCS_GARBAGE : 0, memory_order_release);
+  }
+  /* Candidates not visited: dead while buffered here, their contents freed
+   * by another thread; the header is ours once that thread is done (ZERO),
+   * else that thread frees it. */
+  for (size_t i = 0; i < z; i++) {
+    dp_cont_t *c = t->buf[i];
+    uint32_t st = atomic_fetch_and_explicit(&c->gc_state, ~(uint32_t)(GCS_BUFFERED | GCS_ROOT), memory_order_acq_rel);
     if (st & GCS_ZERO) {
       c->gc_next = t->freed;
       t->freed = c;
