@@ -57,7 +57,7 @@ enum {
   GCS_BUFFERED = 1u,  /* in some thread's candidate buffer */
   GCS_ZERO = 2u,      /* its contents freed while buffered: the owner frees the header */
   GCS_ROOT = 4u,      /* a candidate of the running trial */
-  GCS_GARBAGE = 8u,   /* dead while buffered elsewhere: its children are being released */
+  GCS_GARBAGE = 8u,   /* dead (trial garbage, or zero while buffered elsewhere): children being released */
 };
 
 typedef struct gc_tls {
