@@ -70,4 +70,52 @@ static inline void bench_row(const char *file, const char *name, const char *bac
   fclose(f);
   printf("%-22s %-5s %10.4g %-7s ratio %6.3f vs %s\n", name, backend, value, unit, ratio, ratio_vs);
 }
+/* ---- threads: the same work on T threads at once ---- */
+#include <pthread.h>
+
+typedef struct bench_thread {
+  void (*fn)(void *ctx, int thread);  /* one iteration */
+  void *ctx;
+  int id, iters;
+  pthread_barrier_t *go;
+  double t0, t1;
+} bench_thread_t;
+
+static void *bench_thread_main(void *p) {
+  bench_thread_t *b = p;
+  b->fn(b->ctx, b->id);  /* warm up this thread's caches and buffers */
+  pthread_barrier_wait(b->go);
+  b->t0 = bench_now();
+  for (int i = 0; i < b->iters; i++) b->fn(b->ctx, b->id);
+  b->t1 = bench_now();
+  return NULL;
+}
+
+/* Iterations per second of fn over T threads together, each running
+ * `iters` iterations after a common start: the best of `rounds`. */
+static inline double bench_threads(void (*fn)(void *, int), void *ctx, int T, int iters, int rounds) {
+  double best = 0;
+  bench_thread_t *b = malloc(sizeof *b * (size_t)T);
+  pthread_t *th = malloc(sizeof *th * (size_t)T);
+  for (int r = 0; r < rounds; r++) {
+    pthread_barrier_t go;
+    pthread_barrier_init(&go, NULL, (unsigned)T);
+    for (int i = 0; i < T; i++) {
+      b[i] = (bench_thread_t){fn, ctx, i, iters, &go, 0, 0};
+      pthread_create(&th[i], NULL, bench_thread_main, &b[i]);
+    }
+    double t0 = 1e300, t1 = 0;
+    for (int i = 0; i < T; i++) {
+      pthread_join(th[i], NULL);
+      if (b[i].t0 < t0) t0 = b[i].t0;
+      if (b[i].t1 > t1) t1 = b[i].t1;
+    }
+    pthread_barrier_destroy(&go);
+    double rate = (double)T * iters / (t1 - t0);
+    if (rate > best) best = rate;
+  }
+  free(b);
+  free(th);
+  return best;
+}
 #endif

@@ -2,7 +2,7 @@
  * values hold device allocations, per backend. Usage: bench_future OUT.json
  *
  * future_complete_{list,nested,objects}_N: dp_future_mark_completed of a
- *   value holding N tensors, each on its own allocation from the backend's
+ *   value holding N tensors (N up to 100000), each on its own allocation from the backend's
  *   caching allocator: a list of N tensors; N x tuple(tensor, [view]); N user
  *   objects each holding a tensor. The future is created before the clock
  *   starts and released after it stops.
@@ -10,6 +10,10 @@
  *   tensor; the callback returns the parent's value: one hop, the child
  *   complete when the call returns.
  * future_wait: dp_future_wait on a completed future with one device event.
+ * threads_future_T: T threads at once, each building a list of 100 user
+ *   objects holding a tensor (CPU storages), completing a fresh future with
+ *   it, waiting, releasing both; value: iterations per second over all
+ *   threads; ratio: over one thread (the scaling factor).
  * Ratios: against the scan alone (dp_scan of the same value), for completions;
  * against a bare dp_stream_wait_event for the wait; the then hop against
  * a completion of the same one-tensor value. */
@@ -127,16 +131,16 @@ static void bench_backend(const char *out, dp_backend_t *b) {
   ctx_t c = {0};
   c.b = b;
   c.dev = dp_backend_device(b, 0);
-  c.blocks = malloc(sizeof(void *) * 30000);
+  c.blocks = malloc(sizeof(void *) * 200000);
   c.fs = malloc(sizeof(dp_future_t *) * 1000);
   dp_ptrset_new(&c.set, NULL);
   if (dp_cache_default(b, &c.cache, NULL)) exit(1);
   const char *name = dp_backend_name(b);
   static const char *const kinds[] = {"list", "nested", "objects"};
-  static const int sizes[] = {1, 10, 100, 1000, 10000};
+  static const int sizes[] = {1, 10, 100, 1000, 10000, 100000};
   char row[64];
   for (int ki = 0; ki < 3; ki++)
-    for (int si = 0; si < 5; si++) {
+    for (int si = 0; si < 6; si++) {
       int n = sizes[si];
       c.v = make(&c, kinds[ki], n);
       c.k = n >= 1000 ? 20 : n >= 100 ? 200 : 1000;
@@ -171,11 +175,58 @@ static void bench_backend(const char *out, dp_backend_t *b) {
   free(c.fs);
 }
 
+/* ---- threads: build, complete a future, wait, release ---- */
+
+/* One iteration: a list of 100 user objects, each holding a tensor on its
+ * own CPU storage (no device event or stream lock enters the figure), made
+ * the value of a fresh future, waited on, then both released. */
+#define THREAD_OBJECTS 100
+static dp_backend_t *thread_backend;
+
+static void thread_future(void *ctx, int thread) {
+  (void)ctx;
+  static const dp_device_t cpu = {DP_DEVICE_CPU, 0};
+  dp_value_t l;
+  dp_list_new(THREAD_OBJECTS, &l, NULL);
+  for (int i = 0; i < THREAD_OBJECTS; i++) {
+    dp_storage_t *st;
+    dp_value_t t, o;
+    int64_t shape[1] = {256};
+    uintptr_t base = 0x100000000000u + ((uintptr_t)thread << 32) + (uintptr_t)i * 4096;
+    dp_storage_new(cpu, (void *)base, 1024, NULL, NULL, &st, NULL);
+    dp_tensor_new(st, DP_FLOAT32, 1, shape, NULL, 0, &t, NULL);
+    dp_object_new("Activation", &o, NULL);
+    dp_object_set(o, "data", t, NULL);
+    dp_list_append(l, o, NULL);
+  }
+  dp_future_opts_t o = {thread_backend, NULL, 0, NULL, 1};
+  dp_future_t *f;
+  if (dp_future_new(&o, &f, NULL) || dp_future_mark_completed(f, dp_value_retain(l), NULL) ||
+      dp_future_wait(f, -1, NULL))
+    exit(1);
+  dp_future_release(f);
+  dp_value_release(l);
+}
+
+static void bench_thread_rows(const char *out, dp_backend_t *b) {
+  static const int threads[] = {1, 2, 4, 16};
+  thread_backend = b;
+  double one = 0;
+  char row[64];
+  for (int k = 0; k < 4; k++) {
+    double rate = bench_threads(thread_future, NULL, threads[k], 2000, 3);
+    if (k == 0) one = rate;
+    snprintf(row, sizeof row, "threads_future_%d", threads[k]);
+    bench_row(out, row, dp_backend_name(b), rate / 1e3, "k/s", rate / one, "one thread (scaling factor)");
+  }
+}
+
 int main(int argc, char **argv) {
   const char *out = argc > 1 ? argv[1] : "build/bench.json";
   dp_backend_t *b;
   if (dp_backend_get(DP_DEVICE_HOST, &b, NULL) != 0) return 1;
   bench_backend(out, b);
+  bench_thread_rows(out, b);
   dp_error_t e;
   if (dp_backend_get(DP_DEVICE_CUDA, &b, &e) == 0) bench_backend(out, b);
   else printf("(cuda rows skipped: %s)\n", e.message);

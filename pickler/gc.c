@@ -1,98 +1,147 @@
 /* pickler/gc.c — freeing containers, cycles included.
  *
  * Reference counting frees acyclic garbage at once. For cycles we use the
- * synchronous trial deletion of Bacon & Rajan ("Concurrent Cycle Collection
- * in Reference Counted Systems", 2001): when a release leaves a container with
- * a non-zero count it becomes a candidate; at the end of the outermost release
- * the collector subtracts, for every container reachable from the candidates,
- * the references that come from inside that subgraph. Containers left with a
- * positive count are held from outside, and so is everything they reach; the
- * rest is garbage held only by itself and is freed.
+ * trial deletion of Bacon & Rajan ("Concurrent Cycle Collection in Reference
+ * Counted Systems", 2001): a container whose count a release leaves above
+ * zero becomes a candidate; a collection subtracts, for every container
+ * reachable from the candidates, the references that come from inside that
+ * subgraph. Containers left with a positive count are held from outside, and
+ * so is everything they reach; the rest is garbage held only by itself.
  *
- * The collector allocates nothing: its lists are threaded through the
- * containers themselves (gc_next, gc_next2), so a release cannot fail and a
- * chain of a million containers frees without recursion.
+ * Hot path: no lock, no shared write. A release by the only holder (count 1,
+ * not a candidate) frees the container on this thread. A release that leaves
+ * the count above zero records the container in this thread's candidate
+ * buffer (GC_BUF entries, in thread-local storage: nothing allocated) and
+ * decrements. A candidate released to zero by the thread that buffered it
+ * leaves the buffer and is freed at once: the usual "held by a future and by
+ * the caller, both let go" costs no collection at all. Frees cascade through
+ * thread-local lists (gc_next), so a chain of a million containers frees
+ * without recursion, and a custom's destroy or a storage's release callback
+ * that releases values only queues work for the outermost release.
  *
- * Budget. A release-time trial visits at most GC_BUDGET containers: a
- * candidate whose subgraph is larger (a big value still held elsewhere, say
- * by a future) is deferred instead, so that a release costs O(1) amortized
- * rather than O(its subgraph). Deferred candidates are collected together,
- * without a budget, when GC_DEFER_BATCH of them have accumulated or when
- * dp_value_collect() asks; those that die meanwhile simply leave the list.
+ * Collection: when a thread's buffer is full, when it calls
+ * dp_value_collect(), or when it exits (a thread-specific destructor), its
+ * candidates are tried together, under the one collector lock. Collections
+ * are thus serialized, but run once per GC_BUF candidates, off the hot path.
  *
- * Concurrency. Every container release — the decrement included — runs under
- * one process-wide recursive lock. Retains stay lock-free. This is enough for
- * the trial counts to be sound: a thread can only add a reference into a
- * subgraph through a reference it already holds there, which keeps that
- * node's count above its internal in-degree for the whole collection, and it
- * cannot drop that reference until the collection releases the lock. The lock
- * is recursive because a custom's destroy or a storage's release callback,
- * run while freeing, may release containers itself: such nested releases only
- * queue their work for the outermost one.
+ * Soundness against concurrent releases. A trial reads reference counts one
+ * by one while other threads retain and release. Two rules keep it sound:
+ *
+ *  - A decrement that leaves a count above zero first checks `collecting`
+ *    (after a seq_cst fence) and waits for a running collection to end. A
+ *    thread that retained b (through a) and then drops a is thus either seen
+ *    by the trial with its retain of b counted (Dekker's argument: the
+ *    collector stores `collecting`, fences, then reads counts), or its drop
+ *    of a waits: the trial cannot find a and b garbage while the thread
+ *    holds b. A decrement that races past the check is a candidate on its
+ *    own thread and is tried again later.
+ *  - A candidate holds no reference, so it may die while buffered. Its
+ *    state word (gc_state, atomic) says so. A thread releasing a container
+ *    buffered by another thread does it under the collector lock; at zero,
+ *    or when a trial finds such a container garbage, the container is marked
+ *    GCS_GARBAGE (trials skip it), its contents are freed at once, and its
+ *    header goes to whichever of the two threads lets go of it last: the
+ *    freeing thread sets GCS_ZERO when done, the owner clears GCS_BUFFERED
+ *    when it collects.
+ *
+ * A trial visits containers buffered by other threads like any other, so a
+ * cycle whose candidates sit in several buffers is still found.
  */
 #include <pthread.h>
 
 #include "gc.h"
 
-static pthread_mutex_t gc_lock;
-static pthread_once_t gc_once = PTHREAD_ONCE_INIT;
-static int gc_depth;            /* nesting of releases on the lock holder */
-static dp_cont_t *dead_list;    /* via gc_next: count reached zero or garbage */
-static dp_cont_t *cand_list;    /* via gc_next2: released with count > 0 */
-static dp_cont_t *free_list;    /* via gc_next: children released, memory pending */
-static dp_cont_t *deferred_list; /* via gc_next2: candidates too large to try at release */
-static size_t ndeferred, deferred_dead;
+#define GC_BUF 256
 
-#define GC_BUDGET 256
-#define GC_DEFER_BATCH 64
+enum {
+  GCS_BUFFERED = 1u,  /* in some thread's candidate buffer */
+  GCS_ZERO = 2u,      /* its contents freed while buffered: the owner frees the header */
+  GCS_ROOT = 4u,      /* a candidate of the running trial */
+  GCS_GARBAGE = 8u,   /* dead (trial garbage, or zero while buffered elsewhere): children being released */
+};
 
-static void gc_init(void) {
-  pthread_mutexattr_t a;
-  pthread_mutexattr_init(&a);
-  pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
-  pthread_mutex_init(&gc_lock, &a);
-  pthread_mutexattr_destroy(&a);
+typedef struct gc_tls {
+  dp_cont_t *buf[GC_BUF];  /* candidates; no reference held */
+  size_t n;
+  dp_cont_t *dead;         /* via gc_next: count zero, children to release */
+  dp_cont_t *freed;        /* via gc_next: children released, memory pending */
+  int depth;               /* releases in progress on this thread */
+  int armed;               /* the thread-exit flush is registered */
+} gc_tls_t;
+
+static _Thread_local gc_tls_t tls;
+static pthread_mutex_t gc_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic int collecting;
+static pthread_key_t exit_key;
+static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
+
+static uint32_t rc_of(dp_cont_t *c) { return atomic_load_explicit(&c->h.rc, memory_order_acquire); }
+static uint32_t state_of(dp_cont_t *c) { return atomic_load_explicit(&c->gc_state, memory_order_acquire); }
+
+static void release_ref(gc_tls_t *t, dp_cont_t *c);
+static void drain(gc_tls_t *t);
+static void collect_locked(gc_tls_t *t);
+
+/* ---- thread exit: the buffer is collected ---- */
+
+/* Collects this thread's candidates, and those that freeing the garbage
+ * made (a custom's destroy may release a cycle), until none is left. */
+static void collect_all_mine(gc_tls_t *t) {
+  t->depth++;
+  do {
+    if (t->n) {
+      pthread_mutex_lock(&gc_lock);
+      collect_locked(t);
+      pthread_mutex_unlock(&gc_lock);
+    }
+    if (t->depth == 1) drain(t);
+  } while (t->n && t->depth == 1);
+  t->depth--;
 }
 
-static void mark_dead(dp_cont_t *c) {
-  if (c->h.flags & DP_HEAP_INDEFERRED) deferred_dead++;  /* purged at the end of the drain */
-  c->h.color = DP_GC_DEAD;
-  c->gc_next = dead_list;
-  dead_list = c;
+static void exit_flush(void *p) {
+  gc_tls_t *t = p;
+  t->armed = 0;
+  collect_all_mine(t);
 }
 
-static void make_candidate(dp_cont_t *c) {
-  /* Already queued: a candidate now, or deferred (its link is taken). */
-  if (c->h.color != DP_GC_NONE || (c->h.flags & DP_HEAP_INDEFERRED)) return;
-  c->h.color = DP_GC_PURPLE;
-  c->gc_next2 = cand_list;
-  cand_list = c;
+static void make_exit_key(void) { pthread_key_create(&exit_key, exit_flush); }
+
+static void arm_exit(gc_tls_t *t) {
+  if (t->armed) return;
+  pthread_once(&exit_once, make_exit_key);
+  t->armed = pthread_setspecific(exit_key, t) == 0;
 }
 
-/* Drops one reference held by a dying container. Children already dead
- * belong to the same garbage batch and are freed with it. */
-static void drop_child(dp_value_t v) {
+/* ---- freeing ---- */
+
+static void push_dead(gc_tls_t *t, dp_cont_t *c) {
+  c->gc_next = t->dead;
+  t->dead = c;
+}
+
+/* Drops one reference held by a dying container. Children found garbage by
+ * the same trial are freed with it. */
+static void drop_child(gc_tls_t *t, dp_value_t v) {
   if (!dp_value_is_heap(v)) return;
   if (!dp__is_container_kind(v.kind)) {
     dp__release_leaf(v.u.h);
     return;
   }
   dp_cont_t *k = (dp_cont_t *)v.u.h;
-  if (k->h.color == DP_GC_DEAD) return;
-  if (atomic_fetch_sub_explicit(&k->h.rc, 1, memory_order_acq_rel) == 1)
-    mark_dead(k);
-  else
-    make_candidate(k);
+  if (state_of(k) & GCS_GARBAGE) return;
+  release_ref(t, k);
 }
 
 /* Releases what a dead container holds and frees its arrays; the container's
- * own memory waits for the end of the drain (it may still be on a list). */
-static void release_children(dp_cont_t *c) {
+ * own memory waits for the end of the drain (a later dead container may
+ * still look at its state). */
+static void release_children(gc_tls_t *t, dp_cont_t *c) {
   switch (c->h.kind) {
     case DP_LIST:
     case DP_TUPLE: {
       dp_seq_t *s = (dp_seq_t *)c;
-      for (size_t i = 0; i < s->len; i++) drop_child(s->items[i]);
+      for (size_t i = 0; i < s->len; i++) drop_child(t, s->items[i]);
       dp__free_inl(s->items, s->cap, sizeof(dp_value_t), s->inl);
       s->items = NULL;
       s->len = s->cap = 0;
@@ -101,8 +150,8 @@ static void release_children(dp_cont_t *c) {
     case DP_DICT: {
       dp_dict_t *d = (dp_dict_t *)c;
       for (size_t i = 0; i < d->len; i++) {
-        drop_child(d->entries[i].key);
-        drop_child(d->entries[i].val);
+        drop_child(t, d->entries[i].key);
+        drop_child(t, d->entries[i].val);
       }
       dp__free_inl(d->entries, d->cap, sizeof(dp_entry_t), d->inl);
       dp__free(d->index, d->index_cap * sizeof(uint32_t));
@@ -115,7 +164,7 @@ static void release_children(dp_cont_t *c) {
       dp_object_t *o = (dp_object_t *)c;
       for (size_t i = 0; i < o->len; i++) {
         if (o->attrs[i].name_len >= DP_ATTR_INLINE) dp__free(o->attrs[i].n.heap, o->attrs[i].name_len + 1);
-        drop_child(o->attrs[i].val);
+        drop_child(t, o->attrs[i].val);
       }
       dp__free_inl(o->attrs, o->cap, sizeof(dp_attr_t), o->inl);
       dp__free(o->index, o->index_cap * sizeof(uint32_t));
@@ -135,7 +184,121 @@ static size_t cont_size(const dp_cont_t *c) {
   }
 }
 
-/* Calls fn(child, ctx) for each container child of c. */
+static void drain(gc_tls_t *t) {
+  while (t->dead) {
+    dp_cont_t *c = t->dead;
+    t->dead = c->gc_next;
+    release_children(t, c);
+    c->gc_next = t->freed;
+    t->freed = c;
+  }
+  while (t->freed) {
+    dp_cont_t *c = t->freed;
+    t->freed = c->gc_next;
+    /* Garbage still in another thread's buffer: its header is the owner's
+     * to free, unless the owner let go of it first. */
+    if ((state_of(c) & GCS_BUFFERED) &&
+        (atomic_fetch_or_explicit(&c->gc_state, GCS_ZERO, memory_order_acq_rel) & GCS_BUFFERED))
+      continue;
+    dp__free(c, cont_size(c));
+  }
+}
+
+/* ---- the candidate buffer ---- */
+
+/* Index of c in this thread's buffer, or GC_BUF. Most recent first: a
+ * candidate is usually released again soon after it was buffered. */
+static size_t own_slot(const gc_tls_t *t, const dp_cont_t *c) {
+  for (size_t i = t->n; i-- > 0;)
+    if (t->buf[i] == c) return i;
+  return GC_BUF;
+}
+
+static void unbuffer_at(gc_tls_t *t, size_t i) {
+  t->buf[i] = t->buf[--t->n];
+}
+
+/* Waits while a collection runs (see the header comment). */
+static void wait_not_collecting(void) {
+  atomic_thread_fence(memory_order_seq_cst);
+  while (atomic_load_explicit(&collecting, memory_order_relaxed)) {
+    pthread_mutex_lock(&gc_lock);
+    pthread_mutex_unlock(&gc_lock);
+    atomic_thread_fence(memory_order_seq_cst);
+  }
+}
+
+/* Gives back one reference to c, held by this thread. */
+static void release_ref(gc_tls_t *t, dp_cont_t *c) {
+  /* The count first: a thread that buffered c did so before its decrement,
+   * so a count of 1 read here (acquire) comes with that thread's state. */
+  uint32_t rc = rc_of(c), st = state_of(c);
+  if (st == 0) {
+    /* The only holder: nobody else can reach it, no trial counts it. */
+    if (rc == 1) {
+      push_dead(t, c);
+      return;
+    }
+    wait_not_collecting();
+    if (t->n == GC_BUF) {
+      pthread_mutex_lock(&gc_lock);
+      collect_locked(t);
+      pthread_mutex_unlock(&gc_lock);
+    }
+    uint32_t expect = 0;
+    if (atomic_compare_exchange_strong_explicit(&c->gc_state, &expect, GCS_BUFFERED, memory_order_acq_rel,
+                                                memory_order_acquire)) {
+      t->buf[t->n++] = c;
+      arm_exit(t);
+      if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+        unbuffer_at(t, t->n - 1);
+        atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
+        push_dead(t, c);
+      }
+      return;
+    }
+    /* another thread buffered it meanwhile */
+  } else {
+    wait_not_collecting();
+  }
+  size_t i = own_slot(t, c);
+  if (i != GC_BUF) {
+    /* In this thread's buffer: its next collection comes after this. */
+    if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+      unbuffer_at(t, i);
+      atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
+      push_dead(t, c);
+    }
+    return;
+  }
+  /* Buffered by another thread: decrement under the lock, so that its owner
+   * neither collects meanwhile nor loses the container. */
+  pthread_mutex_lock(&gc_lock);
+  st = state_of(c);
+  if (!(st & GCS_BUFFERED)) {
+    /* The owner let go of it: a candidate of ours now. */
+    if (t->n == GC_BUF) collect_locked(t);
+    atomic_fetch_or_explicit(&c->gc_state, GCS_BUFFERED, memory_order_acq_rel);
+    t->buf[t->n++] = c;
+    arm_exit(t);
+    if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+      unbuffer_at(t, t->n - 1);
+      atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
+      push_dead(t, c);
+    }
+  } else if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+    /* Dead: its contents are freed here and now (a value's storages must not
+     * wait for another thread); the header, which the owner's buffer still
+     * points at, is handed to the owner as a trial's garbage is. */
+    atomic_fetch_or_explicit(&c->gc_state, GCS_GARBAGE, memory_order_acq_rel);
+    push_dead(t, c);
+  }
+  pthread_mutex_unlock(&gc_lock);
+}
+
+/* ---- the trial ---- */
+
+/* For each container child K of c, runs BODY. */
 #define FOR_EACH_CONTAINER_CHILD(c, K, BODY)                                       \
   do {                                                                             \
     dp_value_t *vals_ = NULL;                                                      \
@@ -147,7 +310,6 @@ static size_t cont_size(const dp_cont_t *c) {
         n_ = ((dp_seq_t *)(c))->len;                                               \
         break;                                                                     \
       case DP_DICT:                                                                \
-                                                                                   \
         n_ = ((dp_dict_t *)(c))->len * 2;                                          \
         stride_ = 0; /* handled below */                                           \
         break;                                                                     \
@@ -169,54 +331,43 @@ static size_t cont_size(const dp_cont_t *c) {
     }                                                                              \
   } while (0)
 
-static void defer(dp_cont_t *c) {
-  c->h.color = DP_GC_DEFERRED;
-  c->h.flags |= DP_HEAP_INDEFERRED;
-  c->gc_next2 = deferred_list;
-  deferred_list = c;
-  ndeferred++;
-}
+/* Trial deletion over everything reachable from this thread's candidates;
+ * empties the buffer, queues the garbage on t->dead. Under gc_lock. */
+static void collect_locked(gc_tls_t *t) {
+  size_t n = t->n;
+  t->n = 0;
+  if (!n) return;
+  atomic_store_explicit(&collecting, 1, memory_order_seq_cst);
+  atomic_thread_fence(memory_order_seq_cst);
 
-/* Trial deletion over everything reachable from the candidates; budget 0
- * means no limit. Over budget, the candidates are deferred. */
-static void collect_candidates(size_t budget) {
-  /* The candidates become the visit list (gc_next2), counted from their
-   * real reference counts. */
+  /* The candidates start the visit list (gc_next2), counted from their real
+   * reference counts. Garbage of another trial, whose header waits for us,
+   * is not visited: its children are being released. */
   dp_cont_t *visit = NULL, *tail = NULL;
-  size_t ncand = 0, visited = 0;
-  for (dp_cont_t *c = cand_list, *next; c; c = next) {
-    next = c->gc_next2;
-    c->gc_next2 = NULL;
-    if (c->h.color != DP_GC_PURPLE) continue;  /* died since */
+  size_t z = 0;  /* those go first in the buffer: buf[0, z) */
+  for (size_t i = 0; i < n; i++) {
+    dp_cont_t *c = t->buf[i];
+    uint32_t st = atomic_fetch_or_explicit(&c->gc_state, GCS_ROOT, memory_order_acq_rel);
+    if (st & GCS_GARBAGE) {
+      t->buf[i] = t->buf[z];
+      t->buf[z++] = c;
+      continue;
+    }
     c->h.color = DP_GC_GRAY;
-    c->gc_refs = dp__rc(&c->h);
+    c->gc_refs = rc_of(c);
+    c->gc_next2 = NULL;
     if (tail) tail->gc_next2 = c; else visit = c;
     tail = c;
-    ncand++;
   }
-  cand_list = NULL;
 
-  /* Breadth-first: subtract internal references. */
+  /* Breadth-first: subtract internal references. A count read after a
+   * racing decrement may go below the internal references: it wraps and
+   * reads as held from outside, which only keeps nodes alive. */
   for (dp_cont_t *p = visit; p; p = p->gc_next2) {
-    if (budget && ++visited > budget) {
-      /* Too big to try now: undo the marks, defer the candidates. */
-      size_t i = 0;
-      for (dp_cont_t *q = visit, *next; q; q = next, i++) {
-        next = q->gc_next2;
-        q->gc_next2 = NULL;
-        if (i < ncand) defer(q);
-        else q->h.color = DP_GC_NONE;
-      }
-      return;
-    }
     FOR_EACH_CONTAINER_CHILD(p, k, {
-      /* A deferred node stays outside this trial: its link belongs to the
-       * deferred list. Counting it as outside can only keep nodes alive
-       * (never frees a live one); it is tried when its batch is collected. */
-      if (k->h.flags & DP_HEAP_INDEFERRED) continue;
       if (k->h.color != DP_GC_GRAY) {
         k->h.color = DP_GC_GRAY;
-        k->gc_refs = dp__rc(&k->h);
+        k->gc_refs = rc_of(k);
         k->gc_next2 = NULL;
         tail->gc_next2 = k;
         tail = k;
@@ -244,101 +395,52 @@ static void collect_candidates(size_t budget) {
     }
   }
 
-  /* Still gray: garbage. */
+  /* Still gray: garbage. Marked before any of it is released. */
+  for (dp_cont_t *p = visit; p; p = p->gc_next2)
+    if (p->h.color == DP_GC_GRAY) atomic_fetch_or_explicit(&p->gc_state, GCS_GARBAGE, memory_order_acq_rel);
+  atomic_store_explicit(&collecting, 0, memory_order_release);
+
+  /* Reset the marks and queue the garbage. The candidates are still
+   * buffered, which keeps everything visited alive until the loop below. */
   for (dp_cont_t *p = visit, *next; p; p = next) {
     next = p->gc_next2;
     p->gc_next2 = NULL;
-    if (p->h.color == DP_GC_GRAY)
-      mark_dead(p);
-    else
-      p->h.color = DP_GC_NONE;
-  }
-}
-
-/* Moves the deferred candidates back to the candidate list (the dead ones
- * leave it). */
-static void undefer_all(void) {
-  for (dp_cont_t *c = deferred_list, *next; c; c = next) {
-    next = c->gc_next2;
-    c->gc_next2 = NULL;
-    c->h.flags &= (uint16_t)~DP_HEAP_INDEFERRED;
-    if (c->h.color == DP_GC_DEFERRED) {
-      c->h.color = DP_GC_PURPLE;
-      c->gc_next2 = cand_list;
-      cand_list = c;
-    }
-  }
-  deferred_list = NULL;
-  ndeferred = deferred_dead = 0;
-}
-
-/* Drops deferred candidates that died (so that their memory can go now). */
-static void purge_deferred(void) {
-  dp_cont_t **link = &deferred_list;
-  while (*link) {
-    dp_cont_t *c = *link;
-    if (c->h.color == DP_GC_DEAD) {
-      *link = c->gc_next2;
-      c->gc_next2 = NULL;
-      c->h.flags &= (uint16_t)~DP_HEAP_INDEFERRED;
-      ndeferred--;
+    if (p->h.color == DP_GC_GRAY) {
+      p->h.color = DP_GC_DEAD;
+      push_dead(t, p);
     } else {
-      link = &c->gc_next2;
+      p->h.color = DP_GC_NONE;
     }
   }
-  deferred_dead = 0;
-}
 
-static int force_collect;
-
-static void drain(void) {
-  for (;;) {
-    while (dead_list) {
-      dp_cont_t *c = dead_list;
-      dead_list = c->gc_next;
-      release_children(c);
-      c->gc_next = free_list;
-      free_list = c;
-    }
-    if (cand_list) {
-      collect_candidates(GC_BUDGET);
-      continue;
-    }
-    if (deferred_list && (force_collect || ndeferred >= GC_DEFER_BATCH)) {
-      force_collect = 0;
-      undefer_all();
-      collect_candidates(0);
-      continue;
-    }
-    break;
+  /* The candidates leave the buffer. Garbage is ours, header included. A
+   * live one may be freed by another thread from here on: not touched
+   * again. */
+  for (size_t i = z; i < n; i++) {
+    dp_cont_t *c = t->buf[i];
+    atomic_store_explicit(&c->gc_state, c->h.color == DP_GC_DEAD ? GCS_GARBAGE : 0, memory_order_release);
   }
-  if (deferred_dead) purge_deferred();
-  while (free_list) {
-    dp_cont_t *c = free_list;
-    free_list = c->gc_next;
-    dp__free(c, cont_size(c));
+  /* Candidates not visited: dead while buffered here, their contents freed
+   * by another thread; the header is ours once that thread is done (ZERO),
+   * else that thread frees it. */
+  for (size_t i = 0; i < z; i++) {
+    dp_cont_t *c = t->buf[i];
+    uint32_t st = atomic_fetch_and_explicit(&c->gc_state, ~(uint32_t)(GCS_BUFFERED | GCS_ROOT), memory_order_acq_rel);
+    if (st & GCS_ZERO) {
+      c->gc_next = t->freed;
+      t->freed = c;
+    }
   }
 }
 
-void dp_value_collect(void) {
-  pthread_once(&gc_once, gc_init);
-  pthread_mutex_lock(&gc_lock);
-  gc_depth++;
-  force_collect = 1;
-  if (gc_depth == 1) drain();
-  gc_depth--;
-  pthread_mutex_unlock(&gc_lock);
-}
+/* ---- entry points ---- */
+
+void dp_value_collect(void) { collect_all_mine(&tls); }
 
 void dp__gc_release(dp_cont_t *c) {
-  pthread_once(&gc_once, gc_init);
-  pthread_mutex_lock(&gc_lock);
-  gc_depth++;
-  if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1)
-    mark_dead(c);
-  else
-    make_candidate(c);
-  if (gc_depth == 1) drain();
-  gc_depth--;
-  pthread_mutex_unlock(&gc_lock);
+  gc_tls_t *t = &tls;
+  t->depth++;
+  release_ref(t, c);
+  if (t->depth == 1) drain(t);
+  t->depth--;
 }

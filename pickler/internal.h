@@ -41,26 +41,29 @@ int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...)
 int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap);
 
 /* ---- heap objects ---- */
-enum { DP_GC_NONE = 0, DP_GC_PURPLE, DP_GC_GRAY, DP_GC_BLACK, DP_GC_DEAD, DP_GC_DEFERRED };
+enum { DP_GC_NONE = 0, DP_GC_GRAY, DP_GC_BLACK, DP_GC_DEAD };
 enum {
   DP_HEAP_REDUCED = 1,  /* object stand-in for a custom */
   DP_HEAP_OPEN = 2,     /* container still being filled by the unpickler */
-  DP_HEAP_INDEFERRED = 4, /* on the collector's deferred list */
 };
 
 typedef struct dp_heap {
   _Atomic uint32_t rc;
   uint8_t kind;
-  uint8_t color;   /* collector state; containers only, under the gc lock */
+  uint8_t color;   /* trial colour; containers only, under the gc lock */
   uint16_t flags;
 } dp_heap_t;
 
-/* Containers carry the collector's bookkeeping: no allocation at release. */
+/* Containers carry the collector's bookkeeping: no allocation at release.
+ * gc_state (candidate buffered, died while buffered, ...) is shared between
+ * threads; the other fields belong to the running trial (under the gc lock)
+ * or to the thread freeing the container. See gc.c. */
 typedef struct dp_cont {
   dp_heap_t h;
   uint32_t gc_refs;
+  _Atomic uint32_t gc_state;
   struct dp_cont *gc_next;   /* dead list, free list, alive stack */
-  struct dp_cont *gc_next2;  /* candidate list, visit list */
+  struct dp_cont *gc_next2;  /* visit list */
 } dp_cont_t;
 
 typedef struct dp_strobj {

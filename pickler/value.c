@@ -23,6 +23,7 @@ static void heap_init(dp_heap_t *h, uint32_t kind) {
 static void cont_init(dp_cont_t *c, uint32_t kind) {
   heap_init(&c->h, kind);
   c->gc_refs = 0;
+  atomic_init(&c->gc_state, 0);
   c->gc_next = c->gc_next2 = NULL;
 }
 

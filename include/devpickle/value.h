@@ -11,24 +11,28 @@
  *   - dp_value_release() gives a reference back. Scalars (none, bool, int,
  *     float) hold no reference; retain/release on them do nothing.
  *
- * CYCLES. Containers (list, tuple, dict, object) may form cycles. A cycle is
- * freed without help: whenever a release leaves a container with references
- * still held, devpickle runs a trial deletion (Bacon & Rajan's algorithm)
- * over the containers reachable from it and frees those held only by each
- * other — at once when at most 256 containers are reachable, so that a
- * release costs at most that much; a larger candidate is deferred and
- * collected with others once 64 have accumulated, or by dp_value_collect().
- * Releases that drop a count to zero cost nothing extra.
+ * CYCLES. Containers (list, tuple, dict, object) may form cycles; devpickle
+ * frees them by trial deletion (Bacon & Rajan's algorithm). A release that
+ * leaves a container's count above zero records it as a candidate in the
+ * releasing thread's buffer (256 entries, no allocation); a buffer is
+ * collected — the containers reachable from its candidates are tried, and
+ * those held only by each other freed — when it is full, when its thread
+ * calls dp_value_collect(), and when its thread exits. A garbage cycle thus
+ * outlives its last outside reference until one of those happens. A
+ * candidate released to zero on the thread that buffered it is freed at
+ * once, as is any container released by its only holder.
  * Customs are opaque to the collector: a cycle that passes through a custom's
  * own C data is the custom's to break in its destroy().
  *
  * THREAD SAFETY. Reference counts are atomic: any thread may retain and
  * release any value, and values may be read (walked, scanned, pickled) from
  * several threads at once. Mutation (append, set) of one container is not
- * thread-safe; do not mutate a value while another thread reads it. Releases
- * of containers take a process-wide lock (the collector's), so a storage
- * release callback or custom destroy may run under it: they must not block
- * on other threads that release devpickle values.
+ * thread-safe; do not mutate a value while another thread reads it — a
+ * collection reads the containers reachable from its candidates. Releases
+ * take no process-wide lock, except while a collection runs (a release
+ * that leaves a count above zero then waits for it) and for a container
+ * buffered as a candidate by another thread. Storage release callbacks and
+ * custom destroys run under no devpickle lock.
  */
 #ifndef DEVPICKLE_VALUE_H
 #define DEVPICKLE_VALUE_H
@@ -90,10 +94,12 @@ DP_API const char *dp_kind_name(dp_kind_t kind);
 
 /** New reference to the same value. Thread-safe. Returns v. */
 DP_API dp_value_t dp_value_retain(dp_value_t v);
-/** Gives back one reference; frees what is no longer reachable (cycles
- *  included). Thread-safe (see THREAD SAFETY above). */
+/** Gives back one reference; frees what is no longer reachable, cycles at
+ *  the next collection (see CYCLES). Thread-safe (see THREAD SAFETY). */
 DP_API void dp_value_release(dp_value_t v);
-/** Collects every deferred cycle candidate now (see CYCLES). Thread-safe. */
+/** Collects the calling thread's cycle candidates now, and those that
+ *  freeing garbage makes (see CYCLES). Candidates buffered by other threads
+ *  are collected by those threads. Thread-safe. */
 DP_API void dp_value_collect(void);
 /** Current reference count (1 for scalars). For diagnostics and tests. */
 DP_API uint32_t dp_value_refcount(dp_value_t v);

@@ -67,6 +67,66 @@ static int scenario_values(void) {
   return 0;
 }
 
+/* ---- rings let go by several threads at once: candidates in several
+ * buffers, handed between threads, collected as the threads exit ---- */
+
+#define RINGS 400
+#define RING_NODES 8
+static _Atomic int payloads_freed;
+static void payload_destroy(void *p) { (void)p; atomic_fetch_add(&payloads_freed, 1); }
+static const dp_type_t payload_type = {"Payload", NULL, payload_destroy};
+static dp_value_t ring_nodes[RINGS][4];
+static dp_value_t shared_lists[RINGS];  /* one reference per thread */
+
+static void *ring_dropper(void *arg) {
+  int id = (int)(intptr_t)arg;
+  for (int r = 0; r < RINGS; r++) {
+    dp_value_release(shared_lists[r]);  /* buffered by one thread, freed by another */
+    dp_value_release(ring_nodes[r][id]);
+    if (r % 97 == id) dp_value_collect();
+  }
+  return NULL;
+}
+
+static int scenario_rings(void) {
+  atomic_store(&payloads_freed, 0);
+  for (int r = 0; r < RINGS; r++) {
+    dp_value_t head, cur, p;
+    dp_object_new("Node", &head, NULL);
+    cur = head;
+    for (int i = 1; i < RING_NODES; i++) {
+      dp_value_t n;
+      dp_object_new("Node", &n, NULL);
+      dp_object_set(cur, "next", n, NULL);
+      cur = n;
+    }
+    dp_object_set(cur, "next", dp_value_retain(head), NULL);
+    dp_custom_new(&payload_type, NULL, &p, NULL);
+    dp_object_set(head, "payload", p, NULL);
+    /* threads 0..3 hold nodes 0, 2, 4, 6; thread 3 also holds the head */
+    cur = head;
+    for (int t = 0; t < 4; t++) {
+      ring_nodes[r][t] = dp_value_retain(t == 3 ? head : cur);
+      dp_object_get(cur, "next", &cur);
+      dp_object_get(cur, "next", &cur);
+    }
+    dp_value_release(head);
+    dp_list_new(1, &shared_lists[r], NULL);
+    dp_custom_new(&payload_type, NULL, &p, NULL);
+    dp_list_append(shared_lists[r], p, NULL);
+    for (int t = 1; t < 4; t++) dp_value_retain(shared_lists[r]);
+  }
+  dp_value_collect();
+  CHECK(atomic_load(&payloads_freed) == 0, "%d rings freed while held", atomic_load(&payloads_freed));
+  pthread_t th[4];
+  for (int i = 0; i < 4; i++) pthread_create(&th[i], NULL, ring_dropper, (void *)(intptr_t)i);
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  dp_value_collect();  /* headers handed back to this thread's buffer, if any */
+  CHECK(atomic_load(&payloads_freed) == 2 * RINGS, "%d of %d rings and lists freed", atomic_load(&payloads_freed),
+        2 * RINGS);
+  return 0;
+}
+
 /* ---- producers and consumers on host streams, from many threads ---- */
 
 typedef struct slot {
@@ -365,6 +425,7 @@ int main(int argc, char **argv) {
     return 0;
   }
   run("values: concurrent retain, release and cycle collection", scenario_values);
+  run("values: rings and lists let go by 4 threads at once, collected as they exit", scenario_rings);
   run("streams: producer/consumer pairs from 4 threads", scenario_streams);
   run("allocator: 4 threads, record_stream, polling", scenario_allocator);
   run("futures: 8 threads, 100k futures, random completion order, then chains, collect_all", scenario_futures);
