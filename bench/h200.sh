@@ -1,0 +1,20 @@
+#!/bin/sh
+# bench/h200.sh OUT — everything a GPU machine call runs, in one go, from
+# binaries built here (make gpu-test; bundle-libs build/gpu-libs ...):
+# the GPU suite, the future's suite on that host, the demo on cuda, every
+# benchmark twice, and the libtorch/PyTorch anchors in the same call.
+# Results: OUT/gpu.log, OUT/bench.json, OUT/anchors.json, OUT/machine.txt.
+set -u
+out=${1:?usage: bench/h200.sh OUT}
+export LD_LIBRARY_PATH=build/gpu-libs
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; lscpu | grep 'Model name'; } > "$out/machine.txt" 2>&1
+build/test_gpu --verbose -j1 > "$out/gpu.log" 2>&1; echo "test_gpu rc=$?" >> "$out/gpu.log"
+build/test_future -j1 >> "$out/gpu.log" 2>&1; echo "test_future rc=$?" >> "$out/gpu.log"
+build/devpickle demo >> "$out/gpu.log" 2>&1; echo "demo rc=$?" >> "$out/gpu.log"
+for round in 1 2; do
+  for b in build/bench_future build/bench_pickler build/bench_device; do
+    $b "$out/bench.json" > /dev/null 2>> "$out/bench.err" || echo "$b failed: $?" >> "$out/bench.err"
+  done
+done
+sh bench/anchors/run.sh "$out/anchors.json" > "$out/anchors.log" 2>&1
+echo done
