@@ -680,8 +680,8 @@ Test(pickler, a_nesting_bomb_hits_the_depth_limit) {
 Test(pickler, a_container_count_larger_than_the_bytes_left_is_rejected_before_allocating) {
   const uint8_t arr[] = {0xdd, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02};
   expect_bad(arr, sizeof arr, DP_EFORMAT, 40, "array claims 4294967295 items but only 2 bytes are left", NULL);
-  const uint8_t map[] = {0xdf, 0x00, 0x00, 0x00, 0x02, 0x01, 0x02};
-  expect_bad(map, sizeof map, DP_EFORMAT, 40, "map claims 2 pairs but only 2 bytes are left", NULL);
+  const uint8_t map[] = {0xdf, 0x00, 0x01, 0x00, 0x00, 0x01, 0x02};
+  expect_bad(map, sizeof map, DP_EFORMAT, 40, "map claims 65536 pairs but only 2 bytes are left", NULL);
   long peak = t_alloc_count;
   cr_assert_lt(peak, 20);
   ASSERT_NO_LEAK();
@@ -1357,6 +1357,36 @@ static uint8_t *frame_with_table(const uint8_t *payload, size_t plen, const uint
   return out;
 }
 
+/* v as the writer writes an integer (its shortest MessagePack form); returns
+ * the bytes written at o (at most 9). */
+static size_t put_uint(uint8_t *o, uint64_t v) {
+  int n = v < 0x80 ? 0 : v <= 0xff ? 1 : v <= 0xffff ? 2 : v <= 0xffffffffu ? 4 : 8;
+  if (n == 0) return o[0] = (uint8_t)v, 1;
+  o[0] = (uint8_t)(n == 1 ? 0xcc : n == 2 ? 0xcd : n == 4 ? 0xce : 0xcf);
+  for (int i = 0; i < n; i++) o[1 + i] = (uint8_t)(v >> (8 * (n - 1 - i)));
+  return (size_t)n + 1;
+}
+
+/* A payload that refers to buffers 0..nbuf-1 in order: a list of empty bool
+ * views (shape [0]), one a buffer, as the writer lists them. */
+static uint8_t *payload_using(size_t nbuf, size_t *plen) {
+  uint8_t *p = malloc(5 + nbuf * 16), *o = p;
+  if (nbuf < 16) *o++ = (uint8_t)(0x90 | nbuf);
+  else if (nbuf <= 0xffff) *o++ = 0xdc, *o++ = (uint8_t)(nbuf >> 8), *o++ = (uint8_t)nbuf;
+  else *o++ = 0xdd, *o++ = 0, *o++ = (uint8_t)(nbuf >> 16), *o++ = (uint8_t)(nbuf >> 8), *o++ = (uint8_t)nbuf;
+  for (size_t i = 0; i < nbuf; i++) {
+    const uint8_t head[] = {0x96, 0xd4, 0x00, 0x02};
+    const uint8_t tail[] = {0x00, 0x91, 0x00, 0x91, 0x01, 0x00};
+    memcpy(o, head, sizeof head);
+    o += sizeof head;
+    o += put_uint(o, i);
+    memcpy(o, tail, sizeof tail);
+    o += sizeof tail;
+  }
+  *plen = (size_t)(o - p);
+  return p;
+}
+
 /* [reduce "Holder" [tensor], backref(node)]: nodes are 0 the list, 1 the
  * reduce node, 2 its state list, 3 the tensor. */
 static void resolve_then_refer_back(uint8_t node) {
@@ -1521,36 +1551,41 @@ Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
                               "per (device, base)");
   free(b);
   /* among many: 1,000 scattered addresses, buffer 700 repeating buffer 300's */
-  size_t q = 0, nd = 1000;
-  uint8_t *t = malloc(3 + nd * 14);
+  size_t q = 0, nd = 1000, plen;
+  uint8_t *t = malloc(3 + nd * 14), *all = payload_using(nd, &plen);
   t[q++] = 0xdc; t[q++] = (uint8_t)(nd >> 8); t[q++] = (uint8_t)nd;
   size_t at700 = 0;
   for (size_t i = 0; i < nd; i++) {
     uint64_t base = (i == 700 ? 300 : i) * 0x9e3779b97f4a7c15ull;
     if (i == 700) at700 = q;
-    t[q++] = 0x94; t[q++] = 0x01; t[q++] = (uint8_t)((i == 700 ? 300 : i) % 3); t[q++] = 0x04; t[q++] = 0xcf;
-    for (int k = 7; k >= 0; k--) t[q++] = (uint8_t)(base >> (8 * k));
+    t[q++] = 0x94; t[q++] = 0x01; t[q++] = (uint8_t)((i == 700 ? 300 : i) % 3); t[q++] = 0x04;
+    q += put_uint(t + q, base);
   }
-  b = frame_with_table(payload, sizeof payload, t, q, NULL, 0, 0, &n);
+  b = frame_with_table(all, plen, t, q, NULL, 0, 0, &n);
   cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT);
   char want[160];
   snprintf(want, sizeof want, "buffer 700 describes cuda:0 0x%llx again (buffer 300 did): a frame has one buffer per "
            "(device, base)", (unsigned long long)(300 * 0x9e3779b97f4a7c15ull));
   cr_assert_str_eq(e.message, want);
-  cr_assert_eq(e.offset, (int64_t)(41 + at700));
+  cr_assert_eq(e.offset, (int64_t)(40 + plen + at700));
   free(b);
   t[at700 + 2] = 2;  /* on cuda:2 it is another allocation */
-  b = frame_with_table(payload, sizeof payload, t, q, NULL, 0, 0, &n);
+  b = frame_with_table(all, plen, t, q, NULL, 0, 0, &n);
   OK(dp_unpickle(b, n, NULL, &out, &e));
+  dp_value_release(out);
   free(b);
   free(t);
+  free(all);
   /* the same device and base on different devices are different allocations */
   const uint8_t ok_table[] = {0x92, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00,
                                     0x94, 0x01, 0x01, 0x04, 0xcd, 0x10, 0x00};
-  b = frame_with_table(payload, sizeof payload, ok_table, sizeof ok_table, NULL, 0, 0, &n);
+  all = payload_using(2, &plen);
+  b = frame_with_table(all, plen, ok_table, sizeof ok_table, NULL, 0, 0, &n);
   OK(dp_unpickle(b, n, &bo, &out, &e));
+  dp_value_release(out);
   cr_assert_eq(binds, 2);
   free(b);
+  free(all);
   ASSERT_NO_LEAK();
 }
 
@@ -1710,9 +1745,13 @@ static void repeated(const char *what, const uint8_t *unit, size_t ulen, size_t 
   p[0] = 0xdd;
   for (int i = 0; i < 4; i++) p[1 + i] = (uint8_t)(count >> (24 - 8 * i));
   for (size_t i = 0; i < count; i++) memcpy(p + 5 + i * ulen, unit, ulen);
+  /* a buffer for the tensors, when they are what is repeated (a frame lists
+   * only the buffers its value uses) */
   const uint8_t table[] = {0x91, 0x94, 0x00, 0x00, 0x01, 0x00};
+  int tensors = ulen > 3 && unit[3] == 0x02;
   size_t n;
-  uint8_t *b = frame_with_table(p, plen, table, sizeof table, NULL, 0, 0, &n);
+  uint8_t *b = frame_with_table(p, plen, tensors ? table : (const uint8_t[]){0x90}, tensors ? sizeof table : 1, NULL,
+                                0, 0, &n);
   expect_within_bound(what, b, n);
   free(b);
   free(p);
@@ -1748,20 +1787,22 @@ Test(pickler, unpickling_holds_at_most_the_stated_memory_per_input_byte) {
     free(b);
     free(p);
   }
-  /* a large table of small buffers */
-  size_t nb = 50000, q = 0;
-  uint8_t *t = malloc(5 + nb * 9);
+  /* a large table of small buffers (and the empty views that use them) */
+  size_t nb = 70000, q = 0, plen;
+  uint8_t *t = malloc(5 + nb * 9), *all = payload_using(nb, &plen);
   t[q++] = 0xdd; t[q++] = 0; t[q++] = (uint8_t)(nb >> 16); t[q++] = (uint8_t)(nb >> 8); t[q++] = (uint8_t)nb;
   for (size_t i = 0; i < nb; i++) {
-    const uint8_t d[] = {0x94, 0x00, 0x00, 0x00, 0xce, 0x00, (uint8_t)(i >> 16), (uint8_t)(i >> 8), (uint8_t)i};
+    const uint8_t d[] = {0x94, 0x00, 0x00, 0x00};
     memcpy(t + q, d, sizeof d);
     q += sizeof d;
+    q += put_uint(t + q, i);
   }
   size_t n;
-  uint8_t *b = frame_with_table((const uint8_t[]){0xc0}, 1, t, q, NULL, 0, 0, &n);
+  uint8_t *b = frame_with_table(all, plen, t, q, NULL, 0, 0, &n);
   expect_within_bound("buffer descriptors", b, n);
   free(b);
   free(t);
+  free(all);
   /* and ordinary values, tiny and larger */
   dp_value_t v = sample_value();
   dp_frame_t *f = pickle_ok(v, 0);
