@@ -27,4 +27,13 @@ static inline void dp__put_le16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1
 static inline uint16_t dp__get_le16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
 uint64_t dp__frame_checksum(const uint8_t *frame, size_t n);
+
+/* Reads a frame whose header dp_frame_check (or the stream reader) has
+ * checked: lengths, checksum, version and flags. frame holds the header,
+ * the payload and the buffer table; data is the inline data section, or
+ * NULL when it was not kept (storages then carry no host bytes). The one
+ * reader behind dp_unpickle and dp_unpickle_stream, so that both accept the
+ * same frames under the same limits. Sets fi->nbuffers on success. */
+int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_t *data,
+                         const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err);
 #endif

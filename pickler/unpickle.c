@@ -7,6 +7,7 @@
  * length is checked against the bytes left before anything is allocated, so
  * allocation stays within a constant factor of the input, and values are
  * built directly with an explicit stack (no recursion). */
+#include <stdio.h>
 #include <string.h>
 
 #include "frame.h"
@@ -73,11 +74,54 @@ static inline int next_tok(rd_t *r, tok_t *t) {
   return next_tok_slow(r, t);
 }
 
+/* Canonical form. A frame holds every MessagePack header in the one form
+ * the writer (msgpack-c's packers) gives it: integers, lengths and counts in
+ * their shortest form (non-negative integers in the unsigned family,
+ * negative ones in the signed family), floats as float 64 and extension
+ * values as fixext. Anything else is refused, so that a frame read and
+ * written again is the same bytes. These names are MessagePack's. */
+static const char *uint_form(uint64_t v) {
+  return v < 0x80 ? "positive fixint" : v <= UINT8_MAX ? "uint 8" : v <= UINT16_MAX ? "uint 16"
+         : v <= UINT32_MAX ? "uint 32" : "uint 64";
+}
+
+static const char *int_form(int64_t v) {
+  if (v >= 0) return uint_form((uint64_t)v);
+  return v >= -32 ? "negative fixint" : v >= INT8_MIN ? "int 8" : v >= INT16_MIN ? "int 16"
+         : v >= INT32_MIN ? "int 32" : "int 64";
+}
+
+/* The shortest form for a length or count n in a family whose short forms
+ * hold up to `fix` (0: none), then 8 bits (when `has8`), 16 and 32 bits. */
+static const char *len_form(const char *family, uint64_t n, uint64_t fix, int has8, char *buf, size_t cap) {
+  if (n < fix) snprintf(buf, cap, "fix%s", family);
+  else snprintf(buf, cap, "%s %d", family, has8 && n <= UINT8_MAX ? 8 : n <= UINT16_MAX ? 16 : 32);
+  return buf;
+}
+
+/* The form of header byte b, for messages. */
+static const char *wire_form(uint8_t b, char *buf, size_t cap) {
+  static const char *const forms[] = {"bin 8", "bin 16", "bin 32", "ext 8", "ext 16", "ext 32", "float 32",
+                                      "float 64", "uint 8", "uint 16", "uint 32", "uint 64", "int 8", "int 16",
+                                      "int 32", "int 64"};
+  if (b >= 0xc4 && b <= 0xd3) return forms[b - 0xc4];
+  if (b >= 0xd9 && b <= 0xdb) return snprintf(buf, cap, "str %d", 8 << (b - 0xd9)), buf;
+  if (b >= 0xdc) return snprintf(buf, cap, "%s %d", b <= 0xdd ? "array" : "map", b & 1 ? 32 : 16), buf;
+  return "?";
+}
+
+static int noncanonical(rd_t *r, const uint8_t *start, const char *what, const char *canon) {
+  char form[16];
+  return dp__err_at(r->err, DP_EFORMAT, off(r, start), "non-canonical encoding: %s as %s (canonical: %s)", what,
+                    wire_form(*start, form, sizeof form), canon);
+}
+
 static int next_tok_slow(rd_t *r, tok_t *t) {
   const uint8_t *start = r->p;
   if (r->p >= r->end) return dp__err_at(r->err, DP_EFORMAT, off(r, start), "value expected, section ended");
   uint8_t b = *r->p++;
   int lenbytes = 0, rc;
+  char what[48], canon[16];
   t->data = NULL;
   t->len = 0;
   if (b <= 0x7f) { t->type = T_INT; t->v.i = b; return 0; }
@@ -103,6 +147,11 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
       t->type = T_UINT;
       t->v.u = be(r->p, n);
       r->p += n;
+      /* the shortest unsigned form: at least the previous one's limit */
+      if (DP_UNLIKELY(t->v.u < (n == 1 ? 0x80u : (uint64_t)1 << (4 * n)))) {
+        snprintf(what, sizeof what, "integer %llu", (unsigned long long)t->v.u);
+        return noncanonical(r, start, what, uint_form(t->v.u));
+      }
       return 0;
     }
     case 0xd0: case 0xd1: case 0xd2: case 0xd3: {
@@ -112,22 +161,21 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
       r->p += n;
       t->type = T_INT;
       t->v.i = n == 8 ? (int64_t)u : (int64_t)(u << (64 - 8 * n)) >> (64 - 8 * n);
+      /* signed forms hold negative integers below the previous form's range */
+      if (DP_UNLIKELY(t->v.i >= (n == 1 ? -32 : -((int64_t)1 << (4 * n - 1))))) {
+        snprintf(what, sizeof what, "integer %lld", (long long)t->v.i);
+        return noncanonical(r, start, what, int_form(t->v.i));
+      }
       return 0;
     }
     case 0xca: case 0xcb: {
       int n = b == 0xca ? 4 : 8;
       if ((rc = need(r, start, (uint64_t)n, "float")) != 0) return rc;
+      if (n == 4) return noncanonical(r, start, "float", "float 64");
       uint64_t u = be(r->p, n);
       r->p += n;
       t->type = T_FLOAT;
-      if (n == 4) {
-        uint32_t u32 = (uint32_t)u;
-        float f;
-        memcpy(&f, &u32, 4);
-        t->v.f = f;
-      } else {
-        memcpy(&t->v.f, &u, 8);
-      }
+      memcpy(&t->v.f, &u, 8);
       return 0;
     }
     case 0xd4: case 0xd5: case 0xd6: case 0xd7: case 0xd8:
@@ -143,6 +191,13 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
       if ((rc = need(r, start, (uint64_t)n + 1, "ext")) != 0) return rc;
       t->type = T_EXT;
       t->len = be(r->p, n);
+      /* 1, 2, 4, 8 and 16 bytes are fixext; otherwise the shortest length */
+      int fix = t->len <= 16 && (t->len & (t->len - 1)) == 0 && t->len != 0;
+      if (DP_UNLIKELY(fix || t->len < (n == 1 ? 0 : (uint64_t)1 << (4 * n)))) {
+        snprintf(what, sizeof what, "ext of %llu byte%s", (unsigned long long)t->len, t->len == 1 ? "" : "s");
+        if (fix) snprintf(canon, sizeof canon, "fixext %llu", (unsigned long long)t->len);
+        return noncanonical(r, start, what, fix ? canon : len_form("ext", t->len, 0, 1, canon, sizeof canon));
+      }
       r->p += n;
       t->ext = (int8_t)*r->p++;
       goto body_checked;
@@ -153,6 +208,18 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
   if ((rc = need(r, start, (uint64_t)lenbytes, "length")) != 0) return rc;
   t->len = be(r->p, lenbytes);
   r->p += lenbytes;
+  /* the shortest length form: str 8 holds 32.., bin 8 0.., 16-bit forms
+   * 256.. (arrays and maps: 16..), 32-bit forms 65536.. */
+  if (DP_UNLIKELY(t->len < (lenbytes == 4 ? 65536u : lenbytes == 2 ? (t->type == T_ARRAY || t->type == T_MAP ? 16u : 256u)
+                                                   : t->type == T_STR ? 32u : 0u))) {
+    const char *fam = t->type == T_STR ? "str" : t->type == T_BIN ? "bin" : t->type == T_ARRAY ? "array" : "map";
+    int container = t->type == T_ARRAY || t->type == T_MAP;
+    snprintf(what, sizeof what, "%s of %llu %s%s", fam, (unsigned long long)t->len,
+             t->type == T_ARRAY ? "item" : t->type == T_MAP ? "pair" : "byte", t->len == 1 ? "" : "s");
+    return noncanonical(r, start, what,
+                        len_form(fam, t->len, t->type == T_STR ? 32 : container ? 16 : 0, !container, canon,
+                                 sizeof canon));
+  }
   if (t->type == T_ARRAY || t->type == T_MAP) goto check_count;
 body:
 body_checked:
@@ -289,6 +356,7 @@ typedef struct up {
   size_t top, stack_cap;
   dp_storage_t **bufs;
   size_t nbufs, bufs_cap;
+  size_t next_buf;       /* buffers 0..next_buf-1 have been referred to */
   dp_value_t *kept;      /* replaced reduce stand-ins, released at the end */
   size_t nkept, kept_cap;
   uint64_t items, bytes;
@@ -398,7 +466,16 @@ static int read_tensor(up_t *u, const uint8_t *at, dp_value_t *out) {
   int64_t id, dtype, offset;
   uint64_t nd, ns;
   int64_t shape[DP_TENSOR_MAX_DIMS], strides[DP_TENSOR_MAX_DIMS];
+  const uint8_t *id_at = r->p;
   int rc = read_int(r, &id, 0, (int64_t)u->nbufs - 1, "tensor buffer id");
+  /* The writer numbers buffers as its walk first meets them: a tensor
+   * refers to a buffer met before or to the next one, never beyond. */
+  if (!rc && DP_UNLIKELY((size_t)id >= u->next_buf)) {
+    if ((size_t)id > u->next_buf)
+      return dp__err_at(r->err, DP_EFORMAT, off(r, id_at), "tensor refers to buffer %lld before buffer %zu: a frame "
+                        "lists buffers in the order its tensors first refer to them", (long long)id, u->next_buf);
+    u->next_buf++;
+  }
   if (!rc) rc = read_int(r, &dtype, 0, DP_DTYPE_COUNT - 1, "tensor dtype");
   if (!rc) rc = read_array(r, &nd, "tensor shape");
   if (!rc && nd > DP_TENSOR_MAX_DIMS)
@@ -755,6 +832,7 @@ static bkey_t *bkey_sort(bkey_t *k, bkey_t *tmp, size_t n) {
 static const uint8_t *descriptor_at(up_t *u, const dp_frame_info_t *fi, uint32_t id) {
   rd_t r = u->r;
   r.p = r.base + DP_FRAME_HEADER + fi->payload_len;
+  r.end = r.p + fi->table_len;
   uint64_t n, x;
   read_array(&r, &n, "buffer table");
   for (uint32_t i = 0; i < id; i++) {
@@ -790,12 +868,10 @@ enum { PASS_CHECK, PASS_MAKE, PASS_KEYS, PASS_BIND };
 static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int pass, bkey_t *keys,
                             const uint8_t *data, int *sorted);
 
-static int read_table(up_t *u, const dp_frame_info_t *fi) {
+static int read_table(up_t *u, const dp_frame_info_t *fi, const uint8_t *data) {
   rd_t *r = &u->r;
-  const uint8_t *b = r->base;
-  const uint8_t *data = b + DP_FRAME_HEADER + fi->payload_len + fi->table_len;
-  r->p = b + DP_FRAME_HEADER + fi->payload_len;
-  r->end = data;
+  r->p = r->base + DP_FRAME_HEADER + fi->payload_len;
+  r->end = r->p + fi->table_len;
   uint64_t n;
   const uint8_t *at = r->p;
   int rc = read_array(r, &n, "buffer table");
@@ -831,7 +907,8 @@ static int read_table(up_t *u, const dp_frame_info_t *fi) {
 /* Reads the n descriptors, checking each, and notes in *sorted whether
  * their (base, device) increase strictly. The first pass (CHECK or MAKE)
  * also counts inline bytes against the limit; MAKE and BIND make or bind
- * the storages; KEYS fills keys. */
+ * the storages; KEYS fills keys. data: the inline data section, or NULL
+ * when it was not kept (the storages then carry no host bytes). */
 static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int pass, bkey_t *keys,
                             const uint8_t *data, int *sorted) {
   rd_t *r = &u->r;
@@ -880,7 +957,7 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
     }
     if (!make) continue;
     dp_buffer_desc_t desc = {(uint32_t)i, {(uint8_t)dtype, (uint8_t)dindex}, nbytes, base,
-                             is_inline ? data + doff : NULL};
+                             is_inline && data ? data + doff : NULL};
     dp_storage_t *st = NULL;
     dp_error_t e;
     dp_error_clear(&e);
@@ -895,7 +972,7 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
     } else {
       if (dp_storage_new(desc.device, (void *)(uintptr_t)base, nbytes, NULL, NULL, &st, &e) != 0)
         return oom_at(u, at);
-      if (is_inline && dp_storage_set_host_data(st, desc.data, &e) != 0) {
+      if (desc.data && dp_storage_set_host_data(st, desc.data, &e) != 0) {
         dp_storage_release(st);
         return oom_at(u, at);
       }
@@ -906,7 +983,7 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
   if (r->p != r->end)
     return dp__err_at(r->err, DP_EFORMAT, off(r, r->p), "%lld bytes after the buffer table", (long long)(r->end - r->p));
   if (is_inline && data_off != fi->data_len)
-    return dp__err_at(r->err, DP_EFORMAT, off(r, data), "%llu bytes of the data section belong to no buffer",
+    return dp__err_at(r->err, DP_EFORMAT, off(r, r->end), "%llu bytes of the data section belong to no buffer",
                       (unsigned long long)(fi->data_len - data_off));
   return 0;
 }
@@ -935,28 +1012,42 @@ static void up_cleanup(up_t *u, int failed) {
   dp__free(u->stack, u->stack_cap * sizeof(uframe_t));
 }
 
-int dp_unpickle(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err) {
-  if (!out) return dp__err(err, DP_EINVAL, "dp_unpickle: NULL out");
-  dp_frame_info_t fi;
-  int rc = dp_frame_check(bytes, n, &fi, err);
-  if (rc) return rc;
+int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_t *data,
+                         const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err) {
   static const dp_unpickle_opts_t no_opts;
   up_t u;
   memset(&u, 0, sizeof u);
   u.opts = opts ? opts : &no_opts;
   resolve_limits(&u.lim, opts ? &opts->limits : NULL);
-  u.r.base = bytes;
+  u.r.base = frame;
   u.r.err = err;
-  rc = read_table(&u, &fi);
+  int rc = read_table(&u, fi, data);
   if (rc == 0) {
-    u.r.p = (const uint8_t *)bytes + DP_FRAME_HEADER;
-    u.r.end = u.r.p + fi.payload_len;
+    u.r.p = frame + DP_FRAME_HEADER;
+    u.r.end = u.r.p + fi->payload_len;
     rc = parse_payload(&u);
     if (rc == 0 && u.r.p != u.r.end)
       rc = dp__err_at(err, DP_EFORMAT, off(&u.r, u.r.p), "%lld bytes after the root value in the payload",
                       (long long)(u.r.end - u.r.p));
+    /* the writer lists only the buffers its walk met */
+    if (rc == 0 && u.next_buf < u.nbufs)
+      rc = dp__err_at(err, DP_EFORMAT, off(&u.r, descriptor_at(&u, fi, (uint32_t)u.next_buf)),
+                      "buffer %zu is referred to by no tensor: a frame lists only the buffers its value uses",
+                      u.next_buf);
   }
-  if (rc == 0) *out = u.root;
+  if (rc == 0) {
+    *out = u.root;
+    fi->nbuffers = (uint32_t)u.nbufs;
+  }
   up_cleanup(&u, rc != 0);
   return rc;
+}
+
+int dp_unpickle(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_unpickle: NULL out");
+  dp_frame_info_t fi;
+  int rc = dp_frame_check(bytes, n, &fi, err);
+  if (rc) return rc;
+  const uint8_t *b = bytes;
+  return dp__unpickle_checked(b, &fi, b + DP_FRAME_HEADER + fi.payload_len + fi.table_len, opts, out, err);
 }

@@ -680,8 +680,8 @@ Test(pickler, a_nesting_bomb_hits_the_depth_limit) {
 Test(pickler, a_container_count_larger_than_the_bytes_left_is_rejected_before_allocating) {
   const uint8_t arr[] = {0xdd, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02};
   expect_bad(arr, sizeof arr, DP_EFORMAT, 40, "array claims 4294967295 items but only 2 bytes are left", NULL);
-  const uint8_t map[] = {0xdf, 0x00, 0x00, 0x00, 0x02, 0x01, 0x02};
-  expect_bad(map, sizeof map, DP_EFORMAT, 40, "map claims 2 pairs but only 2 bytes are left", NULL);
+  const uint8_t map[] = {0xdf, 0x00, 0x01, 0x00, 0x00, 0x01, 0x02};
+  expect_bad(map, sizeof map, DP_EFORMAT, 40, "map claims 65536 pairs but only 2 bytes are left", NULL);
   long peak = t_alloc_count;
   cr_assert_lt(peak, 20);
   ASSERT_NO_LEAK();
@@ -1357,6 +1357,36 @@ static uint8_t *frame_with_table(const uint8_t *payload, size_t plen, const uint
   return out;
 }
 
+/* v as the writer writes an integer (its shortest MessagePack form); returns
+ * the bytes written at o (at most 9). */
+static size_t put_uint(uint8_t *o, uint64_t v) {
+  int n = v < 0x80 ? 0 : v <= 0xff ? 1 : v <= 0xffff ? 2 : v <= 0xffffffffu ? 4 : 8;
+  if (n == 0) return o[0] = (uint8_t)v, 1;
+  o[0] = (uint8_t)(n == 1 ? 0xcc : n == 2 ? 0xcd : n == 4 ? 0xce : 0xcf);
+  for (int i = 0; i < n; i++) o[1 + i] = (uint8_t)(v >> (8 * (n - 1 - i)));
+  return (size_t)n + 1;
+}
+
+/* A payload that refers to buffers 0..nbuf-1 in order: a list of empty bool
+ * views (shape [0]), one a buffer, as the writer lists them. */
+static uint8_t *payload_using(size_t nbuf, size_t *plen) {
+  uint8_t *p = malloc(5 + nbuf * 16), *o = p;
+  if (nbuf < 16) *o++ = (uint8_t)(0x90 | nbuf);
+  else if (nbuf <= 0xffff) *o++ = 0xdc, *o++ = (uint8_t)(nbuf >> 8), *o++ = (uint8_t)nbuf;
+  else *o++ = 0xdd, *o++ = 0, *o++ = (uint8_t)(nbuf >> 16), *o++ = (uint8_t)(nbuf >> 8), *o++ = (uint8_t)nbuf;
+  for (size_t i = 0; i < nbuf; i++) {
+    const uint8_t head[] = {0x96, 0xd4, 0x00, 0x02};
+    const uint8_t tail[] = {0x00, 0x91, 0x00, 0x91, 0x01, 0x00};
+    memcpy(o, head, sizeof head);
+    o += sizeof head;
+    o += put_uint(o, i);
+    memcpy(o, tail, sizeof tail);
+    o += sizeof tail;
+  }
+  *plen = (size_t)(o - p);
+  return p;
+}
+
 /* [reduce "Holder" [tensor], backref(node)]: nodes are 0 the list, 1 the
  * reduce node, 2 its state list, 3 the tensor. */
 static void resolve_then_refer_back(uint8_t node) {
@@ -1521,36 +1551,41 @@ Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
                               "per (device, base)");
   free(b);
   /* among many: 1,000 scattered addresses, buffer 700 repeating buffer 300's */
-  size_t q = 0, nd = 1000;
-  uint8_t *t = malloc(3 + nd * 14);
+  size_t q = 0, nd = 1000, plen;
+  uint8_t *t = malloc(3 + nd * 14), *all = payload_using(nd, &plen);
   t[q++] = 0xdc; t[q++] = (uint8_t)(nd >> 8); t[q++] = (uint8_t)nd;
   size_t at700 = 0;
   for (size_t i = 0; i < nd; i++) {
     uint64_t base = (i == 700 ? 300 : i) * 0x9e3779b97f4a7c15ull;
     if (i == 700) at700 = q;
-    t[q++] = 0x94; t[q++] = 0x01; t[q++] = (uint8_t)((i == 700 ? 300 : i) % 3); t[q++] = 0x04; t[q++] = 0xcf;
-    for (int k = 7; k >= 0; k--) t[q++] = (uint8_t)(base >> (8 * k));
+    t[q++] = 0x94; t[q++] = 0x01; t[q++] = (uint8_t)((i == 700 ? 300 : i) % 3); t[q++] = 0x04;
+    q += put_uint(t + q, base);
   }
-  b = frame_with_table(payload, sizeof payload, t, q, NULL, 0, 0, &n);
+  b = frame_with_table(all, plen, t, q, NULL, 0, 0, &n);
   cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT);
   char want[160];
   snprintf(want, sizeof want, "buffer 700 describes cuda:0 0x%llx again (buffer 300 did): a frame has one buffer per "
            "(device, base)", (unsigned long long)(300 * 0x9e3779b97f4a7c15ull));
   cr_assert_str_eq(e.message, want);
-  cr_assert_eq(e.offset, (int64_t)(41 + at700));
+  cr_assert_eq(e.offset, (int64_t)(40 + plen + at700));
   free(b);
   t[at700 + 2] = 2;  /* on cuda:2 it is another allocation */
-  b = frame_with_table(payload, sizeof payload, t, q, NULL, 0, 0, &n);
+  b = frame_with_table(all, plen, t, q, NULL, 0, 0, &n);
   OK(dp_unpickle(b, n, NULL, &out, &e));
+  dp_value_release(out);
   free(b);
   free(t);
+  free(all);
   /* the same device and base on different devices are different allocations */
   const uint8_t ok_table[] = {0x92, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00,
                                     0x94, 0x01, 0x01, 0x04, 0xcd, 0x10, 0x00};
-  b = frame_with_table(payload, sizeof payload, ok_table, sizeof ok_table, NULL, 0, 0, &n);
+  all = payload_using(2, &plen);
+  b = frame_with_table(all, plen, ok_table, sizeof ok_table, NULL, 0, 0, &n);
   OK(dp_unpickle(b, n, &bo, &out, &e));
+  dp_value_release(out);
   cr_assert_eq(binds, 2);
   free(b);
+  free(all);
   ASSERT_NO_LEAK();
 }
 
@@ -1711,9 +1746,13 @@ static void repeated(const char *what, const uint8_t *unit, size_t ulen, size_t 
   p[0] = 0xdd;
   for (int i = 0; i < 4; i++) p[1 + i] = (uint8_t)(count >> (24 - 8 * i));
   for (size_t i = 0; i < count; i++) memcpy(p + 5 + i * ulen, unit, ulen);
+  /* a buffer for the tensors, when they are what is repeated (a frame lists
+   * only the buffers its value uses) */
   const uint8_t table[] = {0x91, 0x94, 0x00, 0x00, 0x01, 0x00};
+  int tensors = ulen > 3 && unit[3] == 0x02;
   size_t n;
-  uint8_t *b = frame_with_table(p, plen, table, sizeof table, NULL, 0, 0, &n);
+  uint8_t *b = frame_with_table(p, plen, tensors ? table : (const uint8_t[]){0x90}, tensors ? sizeof table : 1, NULL,
+                                0, 0, &n);
   expect_within_bound(what, b, n);
   free(b);
   free(p);
@@ -1749,20 +1788,22 @@ Test(pickler, unpickling_holds_at_most_the_stated_memory_per_input_byte) {
     free(b);
     free(p);
   }
-  /* a large table of small buffers */
-  size_t nb = 50000, q = 0;
-  uint8_t *t = malloc(5 + nb * 9);
+  /* a large table of small buffers (and the empty views that use them) */
+  size_t nb = 70000, q = 0, plen;
+  uint8_t *t = malloc(5 + nb * 9), *all = payload_using(nb, &plen);
   t[q++] = 0xdd; t[q++] = 0; t[q++] = (uint8_t)(nb >> 16); t[q++] = (uint8_t)(nb >> 8); t[q++] = (uint8_t)nb;
   for (size_t i = 0; i < nb; i++) {
-    const uint8_t d[] = {0x94, 0x00, 0x00, 0x00, 0xce, 0x00, (uint8_t)(i >> 16), (uint8_t)(i >> 8), (uint8_t)i};
+    const uint8_t d[] = {0x94, 0x00, 0x00, 0x00};
     memcpy(t + q, d, sizeof d);
     q += sizeof d;
+    q += put_uint(t + q, i);
   }
   size_t n;
-  uint8_t *b = frame_with_table((const uint8_t[]){0xc0}, 1, t, q, NULL, 0, 0, &n);
+  uint8_t *b = frame_with_table(all, plen, t, q, NULL, 0, 0, &n);
   expect_within_bound("buffer descriptors", b, n);
   free(b);
   free(t);
+  free(all);
   /* and ordinary values, tiny and larger */
   dp_value_t v = sample_value();
   dp_frame_t *f = pickle_ok(v, 0);
@@ -1817,5 +1858,262 @@ Test(pickler, a_resolved_custom_whose_state_reaches_an_open_container_is_refused
   cr_assert_eq(calls, 1);
   dp_value_release(back);
   dp_value_collect();
+  ASSERT_NO_LEAK();
+}
+
+/* ---- canonical form: what the reader accepts, the writer writes back byte for byte ---- */
+
+/* Reads frame b whole and streamed; both must refuse it with DP_EFORMAT,
+ * this message and this offset. */
+typedef struct mcur {
+  const uint8_t *p;
+  size_t left;
+} mcur_t;
+
+static int mcur_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  (void)err;
+  mcur_t *c = ud;
+  *got = n < c->left ? n : c->left;
+  if (*got > 7) *got = 7;  /* short reads: the stream refills */
+  memcpy(dst, c->p, *got);
+  c->p += *got;
+  c->left -= *got;
+  return 0;
+}
+
+static int unpickle_streamed(const uint8_t *b, size_t n, const dp_unpickle_opts_t *o, dp_value_t *out,
+                             dp_error_t *e) {
+  mcur_t c = {b, n};
+  return dp_unpickle_stream(mcur_read, &c, o, out, NULL, NULL, e);
+}
+
+static void expect_refused(const char *what, const uint8_t *b, size_t n, int64_t offset, const char *msg) {
+  dp_value_t out;
+  dp_error_t e;
+  for (int streamed = 0; streamed < 2; streamed++) {
+    int rc = streamed ? unpickle_streamed(b, n, NULL, &out, &e) : dp_unpickle(b, n, NULL, &out, &e);
+    cr_assert_eq(rc, DP_EFORMAT, "%s (%s): %s: %s", what, streamed ? "streamed" : "whole", dp_err_name(rc),
+                 rc ? e.message : "accepted");
+    cr_assert_str_eq(e.message, msg, "%s (%s)", what, streamed ? "streamed" : "whole");
+    cr_assert_eq(e.offset, offset, "%s (%s): offset %lld, expected %lld", what, streamed ? "streamed" : "whole",
+                 (long long)e.offset, (long long)offset);
+  }
+}
+
+/* Reads frame b and writes it again (inline when it came inline): the same
+ * bytes. */
+static void expect_same_bytes(const char *what, const uint8_t *b, size_t n) {
+  dp_value_t v;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(b, n, NULL, &v, &e), 0, "%s: %s", what, e.message);
+  dp_frame_t *f = pickle_ok(v, (b[6] & 1) ? DP_PICKLE_INLINE : 0);
+  size_t m;
+  const uint8_t *w = dp_frame_data(f, &m);
+  cr_assert(m == n && memcmp(w, b, n) == 0, "%s: read and written again, %zu bytes became %zu", what, n, m);
+  dp_frame_free(f);
+  dp_value_release(v);
+}
+
+typedef struct canon_case {
+  const char *what;
+  uint8_t payload[24];
+  size_t plen;
+  int64_t offset;       /* of the refusal, in the frame */
+  const char *msg;
+} canon_case_t;
+
+#define NC "non-canonical encoding: "
+
+/* Payloads of the hostile review's repro frames and their siblings: each
+ * header in a longer form than the writer's. make_frame puts them in a
+ * frame with an empty buffer table. */
+static const canon_case_t non_canonical[] = {
+  {"int 1 as uint 64", {0x91, 0xcf, 0, 0, 0, 0, 0, 0, 0, 1}, 10, 41, NC "integer 1 as uint 64 (canonical: positive fixint)"},
+  {"uint 8 of 127", {0xcc, 0x7f}, 2, 40, NC "integer 127 as uint 8 (canonical: positive fixint)"},
+  {"uint 16 of 255", {0xcd, 0x00, 0xff}, 3, 40, NC "integer 255 as uint 16 (canonical: uint 8)"},
+  {"uint 32 of 65535", {0xce, 0, 0, 0xff, 0xff}, 5, 40, NC "integer 65535 as uint 32 (canonical: uint 16)"},
+  {"uint 64 of 2^32-1", {0xcf, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff}, 9, 40,
+   NC "integer 4294967295 as uint 64 (canonical: uint 32)"},
+  {"-1 as int 64", {0x92, 0xd3, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x05}, 11, 41,
+   NC "integer -1 as int 64 (canonical: negative fixint)"},
+  {"-32 as int 8", {0xd0, 0xe0}, 2, 40, NC "integer -32 as int 8 (canonical: negative fixint)"},
+  {"-128 as int 16", {0xd1, 0xff, 0x80}, 3, 40, NC "integer -128 as int 16 (canonical: int 8)"},
+  {"-32768 as int 32", {0xd2, 0xff, 0xff, 0x80, 0x00}, 5, 40, NC "integer -32768 as int 32 (canonical: int 16)"},
+  {"-2^31 as int 64", {0xd3, 0xff, 0xff, 0xff, 0xff, 0x80, 0, 0, 0}, 9, 40,
+   NC "integer -2147483648 as int 64 (canonical: int 32)"},
+  {"5 as int 8", {0xd0, 0x05}, 2, 40, NC "integer 5 as int 8 (canonical: positive fixint)"},
+  {"200 as int 16", {0xd1, 0x00, 0xc8}, 3, 40, NC "integer 200 as int 16 (canonical: uint 8)"},
+  {"2^31-1 as int 32", {0xd2, 0x7f, 0xff, 0xff, 0xff}, 5, 40, NC "integer 2147483647 as int 32 (canonical: uint 32)"},
+  {"str 8 of 2", {0x91, 0xd9, 0x02, 'a', 'b'}, 5, 41, NC "str of 2 bytes as str 8 (canonical: fixstr)"},
+  {"str 16 of 1", {0xda, 0x00, 0x01, 'a'}, 4, 40, NC "str of 1 byte as str 16 (canonical: fixstr)"},
+  {"str 32 of 0", {0xdb, 0, 0, 0, 0}, 5, 40, NC "str of 0 bytes as str 32 (canonical: fixstr)"},
+  {"bin 16 of 2", {0x91, 0xc5, 0x00, 0x02, 'a', 'b'}, 6, 41, NC "bin of 2 bytes as bin 16 (canonical: bin 8)"},
+  {"bin 32 of 0", {0xc6, 0, 0, 0, 0}, 5, 40, NC "bin of 0 bytes as bin 32 (canonical: bin 8)"},
+  {"array 16 of 1", {0xdc, 0x00, 0x01, 0x01}, 4, 40, NC "array of 1 item as array 16 (canonical: fixarray)"},
+  {"array 32 of 0", {0xdd, 0, 0, 0, 0}, 5, 40, NC "array of 0 items as array 32 (canonical: fixarray)"},
+  {"map 16 of 0", {0x91, 0xde, 0x00, 0x00}, 4, 41, NC "map of 0 pairs as map 16 (canonical: fixmap)"},
+  {"map 32 of 1", {0xdf, 0, 0, 0, 1, 0x01, 0x02}, 7, 40, NC "map of 1 pair as map 32 (canonical: fixmap)"},
+  {"float 32", {0x91, 0xca, 0x3f, 0xc0, 0x00, 0x00}, 6, 41, NC "float as float 32 (canonical: float 64)"},
+  {"back-reference as ext 8", {0x92, 0xa2, 'a', 'b', 0xc7, 0x04, 0x01, 0, 0, 0, 1}, 11, 44,
+   NC "ext of 4 bytes as ext 8 (canonical: fixext 4)"},
+  {"tag as ext 8", {0x92, 0xc7, 0x01, 0x00, 0x01, 0xc0}, 6, 41, NC "ext of 1 byte as ext 8 (canonical: fixext 1)"},
+  {"back-reference as ext 16", {0x92, 0xa2, 'a', 'b', 0xc8, 0x00, 0x04, 0x01, 0, 0, 0, 1}, 12, 44,
+   NC "ext of 4 bytes as ext 16 (canonical: fixext 4)"},
+  {"ext 16 of 3", {0xc8, 0x00, 0x03, 0x01, 0, 0, 0}, 7, 40, NC "ext of 3 bytes as ext 16 (canonical: ext 8)"},
+};
+
+Test(pickler, a_header_in_a_longer_form_than_the_writers_is_refused_with_its_canonical_form) {
+  for (size_t i = 0; i < sizeof non_canonical / sizeof *non_canonical; i++) {
+    const canon_case_t *c = &non_canonical[i];
+    uint8_t frame[96];
+    size_t n = make_frame(frame, c->payload, c->plen);
+    expect_refused(c->what, frame, n, c->offset, c->msg);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* The other side of each boundary: the shortest forms are read, and
+ * written back the same. */
+Test(pickler, the_shortest_form_at_each_boundary_is_read_and_written_back_the_same) {
+  static const struct {
+    uint8_t p[12];
+    size_t n;
+  } ok[] = {
+    {{0x7f}, 1}, {{0xcc, 0x80}, 2}, {{0xcc, 0xff}, 2}, {{0xcd, 0x01, 0x00}, 3}, {{0xce, 0, 1, 0, 0}, 5},
+    {{0xcf, 0, 0, 0, 1, 0, 0, 0, 0}, 9}, {{0xe0}, 1}, {{0xd0, 0xdf}, 2}, {{0xd0, 0x80}, 2},
+    {{0xd1, 0xff, 0x7f}, 3}, {{0xd2, 0xff, 0xff, 0x7f, 0xff}, 5}, {{0xd3, 0xff, 0xff, 0xff, 0xff, 0x7f, 0xff, 0xff, 0xff}, 9},
+    {{0xc4, 0x00}, 2}, {{0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0}, 9}, {{0x90}, 1}, {{0x80}, 1},
+  };
+  for (size_t i = 0; i < sizeof ok / sizeof *ok; i++) {
+    uint8_t frame[64];
+    size_t n = make_frame(frame, ok[i].p, ok[i].n);
+    char what[32];
+    snprintf(what, sizeof what, "case %zu", i);
+    expect_same_bytes(what, frame, n);
+  }
+  /* lengths at their boundaries: str 8 of 32, str 16 of 256, bin 16 of 256,
+   * array 16 of 16, map 16 of 16, array 32 of 65536 */
+  size_t lens[][3] = {{0xd9, 1, 32}, {0xda, 2, 256}, {0xc5, 2, 256}, {0xdc, 2, 16}, {0xde, 2, 16}, {0xdd, 4, 65536}};
+  for (size_t i = 0; i < sizeof lens / sizeof *lens; i++) {
+    size_t hb = lens[i][1], len = lens[i][2], body = lens[i][0] == 0xde ? 2 * len : len;
+    uint8_t *p = malloc(1 + hb + body);
+    p[0] = (uint8_t)lens[i][0];
+    for (size_t k = 0; k < hb; k++) p[1 + k] = (uint8_t)(len >> (8 * (hb - 1 - k)));
+    for (size_t k = 0; k < body; k++) p[1 + hb + k] = lens[i][0] == 0xde ? (uint8_t)(k % 2 ? 0xc0 : k / 2) : 'a';
+    size_t n;
+    uint8_t *b = frame_with_table(p, 1 + hb + body, (const uint8_t[]){0x90}, 1, NULL, 0, 0, &n);
+    expect_same_bytes("a length at its boundary", b, n);
+    free(b);
+    free(p);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* Buffer-table fields and tensor fields are integers like any other: the
+ * repro frames table_wide, tensor_wide and inline_signed. */
+Test(pickler, table_and_tensor_fields_in_a_longer_form_are_refused) {
+  const uint8_t tensor[] = {0x91, 0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00};
+  size_t n;
+  /* device type 1 as int 8 */
+  const uint8_t wide_dev[] = {0x91, 0x94, 0xd0, 0x01, 0x00, 0xcd, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  uint8_t *b = frame_with_table(tensor, sizeof tensor, wide_dev, sizeof wide_dev, NULL, 0, 0, &n);
+  expect_refused("device type as int 8", b, n, 40 + sizeof tensor + 2, NC "integer 1 as int 8 (canonical: positive fixint)");
+  free(b);
+  /* size 4 as uint 16 */
+  const uint8_t wide_size[] = {0x91, 0x94, 0x01, 0x00, 0xcd, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  b = frame_with_table(tensor, sizeof tensor, wide_size, sizeof wide_size, NULL, 0, 0, &n);
+  expect_refused("size as uint 16", b, n, 40 + sizeof tensor + 4, NC "integer 4 as uint 16 (canonical: positive fixint)");
+  free(b);
+  /* inline: the data offset 0 as int 8 */
+  const uint8_t wide_off[] = {0x91, 0x95, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00, 0xd0, 0x00};
+  b = frame_with_table(tensor, sizeof tensor, wide_off, sizeof wide_off, (const uint8_t *)"AAAA", 4, 1, &n);
+  expect_refused("data offset as int 8", b, n, 40 + sizeof tensor + 8, NC "integer 0 as int 8 (canonical: positive fixint)");
+  free(b);
+  /* the tensor's buffer id 0 as uint 8, its stride 1 as int 8 */
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  const uint8_t wide_id[] = {0x91, 0x96, 0xd4, 0x00, 0x02, 0xcc, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00};
+  b = frame_with_table(wide_id, sizeof wide_id, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("buffer id as uint 8", b, n, 45, NC "integer 0 as uint 8 (canonical: positive fixint)");
+  free(b);
+  const uint8_t wide_stride[] = {0x91, 0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0xd0, 0x01, 0x00};
+  b = frame_with_table(wide_stride, sizeof wide_stride, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("stride as int 8", b, n, 50, NC "integer 1 as int 8 (canonical: positive fixint)");
+  free(b);
+  /* and the canonical frame they all spell differently is read and written back the same */
+  b = frame_with_table(tensor, sizeof tensor, table, sizeof table, NULL, 0, 0, &n);
+  expect_same_bytes("the canonical tensor frame", b, n);
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
+/* The writer lists buffers as its walk first meets them, and only those:
+ * the repro frames table_order, unref_buf and inl_unref. */
+Test(pickler, buffers_listed_out_of_first_reference_order_or_never_referred_to_are_refused) {
+  const uint8_t table2[] = {0x92, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x20, 0x00};
+  /* [tensor(buffer 1), tensor(buffer 0)] */
+  const uint8_t swapped[] = {0x92, 0x96, 0xd4, 0x00, 0x02, 0x01, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00,
+                                   0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(swapped, sizeof swapped, table2, sizeof table2, NULL, 0, 0, &n);
+  expect_refused("swapped", b, n, 45, "tensor refers to buffer 1 before buffer 0: a frame lists buffers in the order "
+                                      "its tensors first refer to them");
+  free(b);
+  /* [] with one buffer */
+  b = frame_with_table((const uint8_t[]){0x90}, 1, (const uint8_t[]){0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00}, 8,
+                       NULL, 0, 0, &n);
+  expect_refused("unreferenced", b, n, 42, "buffer 0 is referred to by no tensor: a frame lists only the buffers its "
+                                           "value uses");
+  free(b);
+  /* inline, two buffers, only the first used: the second is refused */
+  const uint8_t one[] = {0x91, 0x96, 0xd4, 0x00, 0x02, 0x00, 0x00, 0x91, 0x02, 0x91, 0x01, 0x00};
+  const uint8_t itable[] = {0x92, 0x95, 0x01, 0x00, 0x02, 0xcd, 0x10, 0x00, 0x00,
+                                  0x95, 0x01, 0x00, 0x02, 0xcd, 0x20, 0x00, 0x02};
+  b = frame_with_table(one, sizeof one, itable, sizeof itable, (const uint8_t *)"abcd", 4, 1, &n);
+  expect_refused("inline, unreferenced", b, n, 40 + sizeof one + 9,
+                 "buffer 1 is referred to by no tensor: a frame lists only the buffers its value uses");
+  free(b);
+  /* a tensor met again refers to its buffer again: fine, in any order after */
+  const uint8_t again[] = {0x93, 0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00,
+                                 0x96, 0xd4, 0x00, 0x02, 0x01, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00,
+                                 0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00};
+  b = frame_with_table(again, sizeof again, table2, sizeof table2, NULL, 0, 0, &n);
+  expect_same_bytes("buffers 0, 1, 0", b, n);
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
+/* The stream reader used to rewrite the inline table into a second frame
+ * and lower max_bytes by the data section's size, turning 0 into 1: one
+ * byte more of str than dp_unpickle allowed. Both readers count alike. */
+Test(pickler, both_readers_agree_on_max_bytes_with_inline_data_at_the_edge) {
+  uint8_t data[100];
+  memset(data, 'A', sizeof data);
+  const uint8_t table[] = {0x91, 0x95, 0x01, 0x00, 0x64, 0xcd, 0x10, 0x00, 0x00};
+  /* [tensor over the 100 bytes, "x"] and [tensor, ""] */
+  uint8_t payload[] = {0x92, 0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0x64, 0x91, 0x01, 0x00, 0xa1, 'x'};
+  for (int len = 0; len <= 1; len++) {
+    payload[12] = (uint8_t)(0xa0 | len);
+    size_t n;
+    uint8_t *b = frame_with_table(payload, sizeof payload - 1 + (size_t)len, table, sizeof table, data, 100, 1, &n);
+    for (uint64_t limit = 99; limit <= 102; limit++) {
+      dp_unpickle_opts_t o;
+      memset(&o, 0, sizeof o);
+      o.limits.max_bytes = limit;
+      dp_value_t v;
+      dp_error_t e;
+      int whole = dp_unpickle(b, n, &o, &v, &e);
+      if (whole == 0) dp_value_release(v);
+      int streamed = unpickle_streamed(b, n, &o, &v, &e);
+      if (streamed == 0) dp_value_release(v);
+      int fits = 100 + (uint64_t)len <= limit;
+      cr_assert_eq(whole, fits ? 0 : DP_ELIMIT, "str of %d, limit %llu, whole: %s", len, (unsigned long long)limit,
+                   dp_err_name(whole));
+      cr_assert_eq(streamed, whole, "str of %d, limit %llu: streamed %s, whole %s", len, (unsigned long long)limit,
+                   dp_err_name(streamed), dp_err_name(whole));
+      if (!fits) cr_assert_str_eq(e.message, limit < 100 ? "total str, bytes and inline size exceeds the limit of 99"
+                                                         : "total str and bytes size exceeds the limit of 100");
+    }
+    free(b);
+  }
   ASSERT_NO_LEAK();
 }

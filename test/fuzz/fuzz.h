@@ -2,6 +2,7 @@
 #ifndef DP_FUZZ_H
 #define DP_FUZZ_H
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
@@ -24,5 +25,29 @@ static inline dp_unpickle_opts_t fuzz_opts(void) {
   o.limits.max_items = 1 << 16;
   o.limits.max_bytes = 1 << 22;
   return o;
+}
+
+/* The canonical-form invariant: a frame the reader accepted is exactly what
+ * the writer writes for the value read (inline when the frame is), so that
+ * reading and writing again never changes a byte. Aborts otherwise. */
+static inline void fuzz_expect_rewritten_same(const uint8_t *f, size_t n, dp_value_t v, uint32_t max_depth) {
+  dp_frame_t *fr;
+  dp_error_t e;
+  if (dp_frame_new(&fr, NULL) != 0) abort();
+  dp_pickle_opts_t po = {(f[6] & 1) ? DP_PICKLE_INLINE : 0, max_depth, NULL, NULL};
+  if (dp_pickle(v, &po, fr, &e) != 0) {
+    fprintf(stderr, "accepted frame cannot be written again: %s\n", e.message);
+    abort();
+  }
+  size_t m;
+  const uint8_t *b = dp_frame_data(fr, &m);
+  if (m != n || memcmp(b, f, n) != 0) {
+    size_t at = 0;
+    while (at < n && at < m && b[at] == f[at]) at++;
+    fprintf(stderr, "accepted frame of %zu bytes is written again as %zu bytes, first difference at byte %zu\n", n,
+            m, at);
+    abort();
+  }
+  dp_frame_free(fr);
 }
 #endif

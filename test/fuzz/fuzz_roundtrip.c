@@ -4,7 +4,9 @@
  * table. Whatever the writer writes under a depth limit, the reader reads
  * under the same limit; two storages at one (device, base) that disagree
  * are refused by the writer, never written. Then the last input bytes pick
- * a frame byte to change (checksum fixed up): the reader must survive it. */
+ * a frame byte to change (checksum fixed up): the reader must survive it,
+ * and a changed frame it accepts must be what the writer writes for the
+ * value read. */
 #include <stdio.h>
 
 #include "fuzz.h"
@@ -135,7 +137,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   c[at] ^= (uint8_t)(next(&r) | 1);
   fuzz_fix_checksum(c, n);
   dp_unpickle_opts_t o = fuzz_opts();
-  if (dp_unpickle(c, n, &o, &back, NULL) == 0) dp_value_release(back);
+  if (dp_unpickle(c, n, &o, &back, NULL) == 0) {
+    fuzz_expect_rewritten_same(c, n, back, o.limits.max_depth);  /* a change the reader accepts is canonical */
+    dp_value_release(back);
+  }
   free(c);
 done:
   dp_frame_free(f);

@@ -3,7 +3,9 @@
  * A resolver rebuilds customs of type "R" from part of their state (as
  * embedders do), so that later back-references into a replaced state are
  * exercised. Whatever is read pickles again, and what the writer writes
- * the reader reads under the same limits. */
+ * the reader reads under the same limits; unless a resolver rebuilt a
+ * custom, it pickles again to exactly the bytes read (the reader accepts
+ * only the canonical form the writer writes). */
 #include "fuzz.h"
 
 typedef struct held { dp_value_t v; } held_t;
@@ -19,9 +21,12 @@ static void held_destroy(void *obj) {
 static const dp_type_t held_type = {"R", held_reduce, held_destroy};
 
 /* Keeps the first item of a list or tuple state (or the state itself). */
+static int resolved;  /* customs rebuilt for this input */
+
 static int resolve(void *ud, const char *type, dp_value_t state, dp_value_t *out, dp_error_t *err) {
   (void)ud;
   (void)type;
+  resolved++;
   held_t *h = malloc(sizeof *h);
   dp_kind_t k = dp_value_kind(state);
   h->v = dp_value_retain((k == DP_LIST || k == DP_TUPLE) && dp_seq_len(state) ? dp_seq_get(state, 0) : state);
@@ -38,7 +43,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size > 40 && (f[size - 1] & 1)) o.resolver = &res;
   dp_value_t v;
   dp_error_t e;
+  resolved = 0;
   if (dp_unpickle(f, size, &o, &v, &e) == 0) {
+    if (!resolved) fuzz_expect_rewritten_same(f, size, v, o.limits.max_depth);
     /* written again (inline when it came inline: storages carry its bytes) */
     dp_frame_t *fr;
     if (dp_frame_new(&fr, NULL) != 0) abort();
