@@ -126,7 +126,8 @@ DP_API dp_value_t dp_seq_get(dp_value_t seq, size_t i);
 DP_API int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err);
 
 /* ---- dict: insertion-ordered; keys none/bool/int/float/str/bytes or tuples
- * of those. Keys compare by kind and content: int 1 and float 1.0 are
+ * of those, a tuple key bounded to 1,024 nodes and 32 levels below the key
+ * (docs/FORMAT.md: a key is walked when hashed and compared). Keys compare by kind and content: int 1 and float 1.0 are
  * different keys; floats compare bitwise (a NaN key finds itself). ---- */
 DP_API int dp_dict_new(size_t capacity, dp_value_t *out, dp_error_t *err);
 /** Inserts or replaces (steals key and val). DP_ETYPE for an unhashable key. */
@@ -136,7 +137,8 @@ DP_API int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val);
 DP_API size_t dp_dict_len(dp_value_t dict);
 /** Item i in insertion order (borrowed). DP_EINVAL when out of range. */
 DP_API int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val);
-/** Whether a value may be a dict key (acyclic tuples of scalars/str/bytes). */
+/** Whether a value may be a dict key: a scalar, str or bytes, or an acyclic
+ *  tuple of those of at most 1,024 nodes with no node deeper than level 32. */
 DP_API bool dp_value_is_hashable(dp_value_t key);
 
 /* ---- storage: one allocation ---- */
