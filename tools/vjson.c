@@ -1291,8 +1291,12 @@ static int count_refs(wr_t *w, dp_value_t v, int depth) {
         rc = count_refs(w, x, depth + 1);
       }
       break;
-    case DP_CUSTOM:
-      return wfail(w, DP_ETYPE, "a custom of type '%s' has no value JSON form (pickle it first)", dp_custom_type(v)->name);
+    case DP_CUSTOM: {
+      char name[VJSON_NAME_TEXT_MAX];
+      const char *t = dp_custom_type(v)->name;
+      size_t n = vjson_name_text(t, strlen(t), name);
+      return wfail(w, DP_ETYPE, "a custom of type '%.*s' has no value JSON form (pickle it first)", (int)n, name);
+    }
     default:
       break;
   }
