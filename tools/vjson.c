@@ -589,6 +589,7 @@ typedef struct rd {
   unsigned char *has_data;  /* per storage: a tensor of it carried "data" */
   size_t nst, stcap;
   dp_error_t e;   /* one for every call: the reader recurses, its frames stay small */
+  char scratch[VJSON_STEP_MAX];  /* a rendered step or name, for the same reason */
 } rd_t;
 
 static uint64_t process_seed(void) {
@@ -723,15 +724,14 @@ static void path_pop(rd_t *r) {
 static void path_step(rd_t *r, const char *step, size_t n) { path_push(r, "%.*s", (int)n, step); }
 
 static void path_key(rd_t *r, const char *key, size_t n) {
-  char step[VJSON_STEP_MAX];
-  path_step(r, step, vjson_step_name(key, n, step));
+  path_step(r, r->scratch, vjson_step_name(key, n, r->scratch));
 }
 
 /* A JSON string from the input, for a message: quoted, escaped and cut as a
  * name in a path is, so that a message stays one line. */
-#define SHOWN_MAX (VJSON_NAME_TEXT_MAX + 3)
-static const char *shown_n(const char *s, size_t n, int quoted, char buf[SHOWN_MAX]) {
-  sb_t b = {buf, 0, SHOWN_MAX - 1, 0};
+_Static_assert(VJSON_NAME_TEXT_MAX + 3 <= VJSON_STEP_MAX, "a quoted name fits in rd_t.scratch");
+static const char *shown_n(const char *s, size_t n, int quoted, char *buf) {
+  sb_t b = {buf, 0, VJSON_STEP_MAX - 1, 0};
   size_t k = vjson_name_shown(s, n);
   if (quoted) sb_quote(&b, s, k, k < n);
   else sb_escaped(&b, s, k, 0, k < n);
@@ -739,7 +739,7 @@ static const char *shown_n(const char *s, size_t n, int quoted, char buf[SHOWN_M
   return buf;
 }
 
-static const char *shown(json_t *s, int quoted, char buf[SHOWN_MAX]) {
+static const char *shown(json_t *s, int quoted, char *buf) {
   if (!json_is_string(s)) return "(not a string)";
   return shown_n(json_string_value(s), json_string_length(s), quoted, buf);
 }
@@ -795,8 +795,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   json_object_foreach(t, k, x) {
     size_t i = 0;
     while (i < 8 && strcmp(k, known[i]) != 0) i++;
-    char b[SHOWN_MAX];
-    if (i == 8) return fail(r, DP_EINVAL, "unknown $tensor field %s", shown_n(k, strlen(k), 1, b));
+    if (i == 8) return fail(r, DP_EINVAL, "unknown $tensor field %s", shown_n(k, strlen(k), 1, r->scratch));
   }
   dp_device_t dev;
   int rc = parse_device(r, json_object_get(t, "device"), &dev);
@@ -804,8 +803,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   json_t *pj = json_object_get(t, "ptr");
   uint64_t ptr = 0;
   rc = json_is_string(pj) ? parse_hex64(json_string_value(pj), json_string_length(pj), &ptr) : -1;
-  char b[SHOWN_MAX];
-  if (rc == -2) return fail(r, DP_EINVAL, "tensor ptr %s does not fit in 64 bits", shown(pj, 0, b));
+  if (rc == -2) return fail(r, DP_EINVAL, "tensor ptr %s does not fit in 64 bits", shown(pj, 0, r->scratch));
   if (rc || ptr > UINTPTR_MAX) return fail(r, DP_EINVAL, "tensor ptr must be a hex string such as \"0x7f0000001000\"");
   json_t *nj = json_object_get(t, "nbytes");
   if (!json_is_integer(nj) || json_integer_value(nj) < 0)
@@ -817,7 +815,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   dp_dtype_t dtype;
   json_t *dj = json_object_get(t, "dtype");
   if (!json_is_string(dj) || dp_dtype_parse(json_string_value(dj), &dtype) != 0)
-    return fail(r, DP_EINVAL, "unknown tensor dtype %s", dj ? shown(dj, 0, b) : "(missing)");
+    return fail(r, DP_EINVAL, "unknown tensor dtype %s", dj ? shown(dj, 0, r->scratch) : "(missing)");
   int64_t shape[DP_TENSOR_MAX_DIMS], strides[DP_TENSOR_MAX_DIMS];
   int nd, ns;
   if ((rc = read_i64_array(r, json_object_get(t, "shape"), shape, DP_TENSOR_MAX_DIMS, &nd, "shape")) != 0) return rc;
@@ -977,8 +975,7 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
   if ((x = json_object_get(j, "$reduce")) != NULL) {
     json_t *state = json_object_get(j, "state");
     if (json_object_size(j) != 2 || !state) return fail(r, DP_EINVAL, "$reduce takes one other field, \"state\"");
-    char step[VJSON_STEP_MAX];
-    path_step(r, step, vjson_step_reduce(json_string_value(x), json_string_length(x), step));
+    path_step(r, r->scratch, vjson_step_reduce(json_string_value(x), json_string_length(x), r->scratch));
     dp_value_t val;
     if ((rc = read_value(r, state, &val, depth + 1)) != 0) return rc;
     if ((rc = dp_object_set(v, "__reduce__", val, &r->e)) != 0) return check_err(r, rc, &r->e);
@@ -1010,8 +1007,7 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
         return fail(r, DP_EINVAL, "duplicate dict key");
       }
       path_pop(r);
-      char step[VJSON_STEP_MAX];
-      path_step(r, step, vjson_step_key(key, step));
+      path_step(r, r->scratch, vjson_step_key(key, r->scratch));
       if ((rc = read_value(r, json_array_get(pair, 1), &val, depth + 1)) != 0) {
         dp_value_release(key);
         return rc;
@@ -1022,9 +1018,9 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
     return 0;
   }
   json_object_keylen_foreach(j, k, klen, x) {
-    char b[SHOWN_MAX];
     if (k[0] == '$')
-      return fail(r, DP_EINVAL, "unknown tag %s (a plain key starting with '$' needs $dict)", shown_n(k, klen, 1, b));
+      return fail(r, DP_EINVAL, "unknown tag %s (a plain key starting with '$' needs $dict)",
+                  shown_n(k, klen, 1, r->scratch));
     path_key(r, k, klen);
     dp_value_t key, val;
     if ((rc = dp_str_new(k, klen, &key, &r->e)) != 0) return check_err(r, rc, &r->e);
@@ -1086,7 +1082,6 @@ static int read_float(rd_t *r, json_t *j, json_t *x, dp_value_t *out) {
 static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
   int rc;
   json_t *x;
-  char b[SHOWN_MAX];
   if (depth > VJSON_MAX_DEPTH) return fail(r, DP_ELIMIT, "containers nested deeper than %d levels", VJSON_MAX_DEPTH);
   switch (json_typeof(j)) {
     case JSON_NULL: *out = dp_none(); return 0;
@@ -1105,7 +1100,7 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
       if (!json_is_string(x) || !val || json_object_size(j) != 2)
         return fail(r, DP_EINVAL, "$id needs a string name and a \"$value\"");
       if (find_id(r, json_string_value(x), json_string_length(x)))
-        return fail(r, DP_EINVAL, "$id %s is defined twice", shown(x, 1, b));
+        return fail(r, DP_EINVAL, "$id %s is defined twice", shown(x, 1, r->scratch));
       size_t mine;
       if (is_container_json(val)) {
         if ((rc = make_shell(r, val, out)) != 0) return rc;
@@ -1129,7 +1124,7 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
     if ((x = json_object_get(j, "$ref")) != NULL) {
       idnode_t *node = json_is_string(x) ? find_id(r, json_string_value(x), json_string_length(x)) : NULL;
       if (!node || json_object_size(j) != 1)
-        return fail(r, DP_EINVAL, "$ref %s names no earlier $id", shown(x, 1, b));
+        return fail(r, DP_EINVAL, "$ref %s names no earlier $id", shown(x, 1, r->scratch));
       *out = dp_value_retain(node->v);
       return 0;
     }
