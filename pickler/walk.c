@@ -86,8 +86,8 @@ static void memo_reset(dp__walker_t *w) { dp__table_clear(&w->memo, DP_TABLE_TAG
 /* ---- paths: bounded, as ptrset.h states ---- */
 
 #define ELLIPSIS "\xe2\x80\xa6"  /* U+2026 */
-/* The longest step: ["<64 bytes, each escaped as \u00XX>…"] */
-#define DP_STEP_MAX (2 + 6 * DP_PATH_NAME_MAX + 3 + 2 + 1)
+/* The longest step: <reduce <64 bytes, each escaped as \u00XX>…> */
+#define DP_STEP_MAX (8 + 6 * DP_PATH_NAME_MAX + 3 + 1)
 
 /* Appends to a fixed buffer; what does not fit is dropped and `full` set. */
 typedef struct pbuf {
@@ -135,14 +135,32 @@ static void pb_quote(pbuf_t *b, const char *s, size_t n, int cut) {
   pb_put(b, "\"", 1);
 }
 
-/* A dict key as JSON, for `[<json>]` path steps; stops once b is full. */
+/* A dict key as its value JSON (docs/VALUE_JSON.md, compact, as unpack
+ * writes it: a float always with a fraction or exponent, inf and NaNs as
+ * {"$float":...}), for `[<json>]` path steps; stops once b is full. */
 static void pb_key_json(pbuf_t *b, dp_value_t k, int depth) {
-  char tmp[40];
+  char tmp[48];
   switch (k.kind) {
     case DP_NONE: pb_put(b, "null", 4); break;
     case DP_BOOL: k.u.i ? pb_put(b, "true", 4) : pb_put(b, "false", 5); break;
     case DP_INT: pb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%lld", (long long)k.u.i)); break;
-    case DP_FLOAT: pb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%.17g", k.u.f)); break;
+    case DP_FLOAT: {
+      uint64_t bits;
+      memcpy(&bits, &k.u.f, sizeof bits);
+      size_t n;
+      if ((bits >> 52 & 0x7ff) != 0x7ff) {  /* finite */
+        n = (size_t)snprintf(tmp, sizeof tmp, "%.17g", k.u.f);
+        if (!strpbrk(tmp, ".e")) n += (size_t)snprintf(tmp + n, sizeof tmp - n, ".0");
+      } else if (bits << 12 == 0) {  /* an infinity */
+        n = (size_t)snprintf(tmp, sizeof tmp, "{\"$float\":\"%s\"}", bits >> 63 ? "-inf" : "inf");
+      } else if (bits == 0x7ff8000000000000ull) {  /* the default quiet NaN */
+        n = (size_t)snprintf(tmp, sizeof tmp, "{\"$float\":\"nan\"}");
+      } else {  /* any other NaN by its bits */
+        n = (size_t)snprintf(tmp, sizeof tmp, "{\"$float\":\"0x%016llx\"}", (unsigned long long)bits);
+      }
+      pb_put(b, tmp, n);
+      break;
+    }
     case DP_STR: pb_quote(b, DP_STROBJ(k)->data, DP_STROBJ(k)->len, 0); break;
     case DP_BYTES: pb_put(b, "{\"$bytes\":" ELLIPSIS "}", strlen("{\"$bytes\":" ELLIPSIS "}")); break;
     case DP_TUPLE: {
@@ -172,10 +190,22 @@ static void pb_name_step(pbuf_t *b, const char *s, size_t n) {
   }
 }
 
+/* `<reduce Name>`: the name outside quotes, so its control characters and
+ * `\` are escaped as in a JSON string (\u00XX, \\) and `>` as \u003e: the
+ * step is one line and ends at its first `>`. */
 static void pb_reduce_step(pbuf_t *b, const char *s, size_t n) {
-  size_t k = name_shown(s, n);
+  size_t k = name_shown(s, n), run = 0;
+  char tmp[8];
   pb_put(b, "<reduce ", 8);
-  pb_put(b, s, k);
+  for (size_t i = 0; i < k; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c >= 0x20 && c != '\\' && c != '>') continue;
+    pb_put(b, s + run, i - run);
+    run = i + 1;
+    if (c == '\\') pb_put(b, "\\\\", 2);
+    else pb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "\\u%04x", c));
+  }
+  pb_put(b, s + run, k - run);
   if (k < n) pb_put(b, ELLIPSIS, 3);
   pb_put(b, ">", 1);
 }
@@ -204,8 +234,9 @@ static size_t render_step(const dp__wframe_t *f, char *out) {
         pb_put(&b, "[", 1);
         pbuf_t kb = {out + b.len, 0, DP_PATH_NAME_MAX + 1, 0};
         pb_key_json(&kb, key, 0);
-        b.len += kb.full ? name_shown(kb.s, kb.len) : kb.len;
-        if (kb.full) pb_put(&b, ELLIPSIS, 3);
+        int cut = kb.full || kb.len > DP_PATH_NAME_MAX;  /* at most 64 bytes shown */
+        b.len += cut ? name_shown(kb.s, kb.len) : kb.len;
+        if (cut) pb_put(&b, ELLIPSIS, 3);
         pb_put(&b, "]", 1);
       }
       break;

@@ -829,3 +829,217 @@ Test(cli, the_streamed_reader_fails_cleanly_at_every_allocation_and_matches_the_
   dp_set_allocator(NULL, NULL);
   dp_frame_free(f);
 }
+
+/* ---- output linear in the frame; paths and names as docs/FORMAT.md ("Paths") says ---- */
+
+/* Runs a shell script in the temp dir, with $D the CLI. */
+static res_t run_sh(const char *script) {
+  char abs[512], args[8192];
+  cr_assert_not_null(realpath(cli, abs));
+  snprintf(args, sizeof args, "--version >/dev/null; D='%s'; %s", abs, script);
+  return run(args);
+}
+
+static size_t count_of(const char *hay, const char *needle) {
+  size_t n = 0;
+  for (const char *p = hay; (p = strstr(p, needle)) != NULL; p += strlen(needle)) n++;
+  return n;
+}
+
+Test(cli, unpack_writes_a_shared_storages_data_once_and_pack_takes_it_from_the_tensor_that_gives_it) {
+  /* 16 views of one 3 kB inline storage: the base64 is written once, not 16 times */
+  static uint8_t data[3072];
+  for (size_t i = 0; i < sizeof data; i++) data[i] = (uint8_t)(i * 13);
+  dp_storage_t *s;
+  cr_assert_eq(dp_storage_new((dp_device_t){DP_DEVICE_CPU, 0}, data, sizeof data, NULL, NULL, &s, NULL), 0);
+  dp_value_t l = t_list();
+  for (int i = 0; i < 16; i++) cr_assert_eq(dp_list_append(l, t_view(s, 8, i * 8), NULL), 0);
+  dp_storage_release(s);
+  write_frame("inl.dpk", l, 1);
+  res_t r = run("unpack inl.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_eq(count_of(r.out, "\"data\""), 1, "data written %zu times", count_of(r.out, "\"data\""));
+  cr_assert_lt(strlen(r.out), sizeof data * 4 / 3 + 16 * 300, "%zu bytes of JSON", strlen(r.out));
+  /* on the first tensor */
+  cr_assert_lt(strstr(r.out, "\"data\"") - r.out, strstr(r.out, "\"offset\": 8") - r.out);
+  res_free(r);
+  assert_round_trip("inl.dpk");
+  /* pack: the data may come on any tensor of the storage, and must agree where repeated */
+  spit("later.json", "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
+                     "\"shape\": [4]}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, "
+                     "\"dtype\": \"uint8\", \"shape\": [2], \"data\": \"QUFBQQ==\"}}, {\"$tensor\": {\"device\": \"cpu\", "
+                     "\"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [1], \"data\": \"QUFBQQ==\"}}]");
+  r = run_sh("$D pack later.json -o later.dpk && $D verify later.dpk && $D unpack later.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "later.dpk: ok, 87 bytes, version 1, 1 buffer, 1 device pointer, inline\n"), "%s", r.out);
+  cr_assert_eq(count_of(r.out, "\"data\": \"QUFBQQ==\""), 1, "%s", r.out);
+  res_free(r);
+  /* a storage with no data anywhere in an inline value is still an error */
+  spit("none.json", "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
+                    "\"shape\": [4], \"data\": \"QUFBQQ==\"}}, {\"$tensor\": {\"device\": \"cuda:1\", \"ptr\": \"0x2000\", "
+                    "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4]}}]");
+  r = run("pack none.json -o none.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: none.json: no tensor on cuda:1 0x2000 carries \"data\", but tensors on 1 other "
+                          "storage do: an inline frame needs each storage's data (on one of its tensors), at $\n");
+  res_free(r);
+}
+
+Test(cli, dict_keys_show_their_value_json_alike_in_dump_inspect_and_pack_errors) {
+  dp_value_t d;
+  cr_assert_eq(dp_dict_new(0, &d, NULL), 0);
+  uint64_t bits[] = {0x7ff0000000000000ull, 0x7ff8000000000000ull, 0x7ff8000000000001ull};
+  dp_value_t keys[5] = {dp_int(1), dp_float(1.0)};
+  for (int i = 0; i < 3; i++) {
+    double f;
+    memcpy(&f, &bits[i], sizeof f);
+    keys[2 + i] = dp_float(f);
+  }
+  for (int i = 0; i < 5; i++) cr_assert_eq(dp_dict_set(d, keys[i], t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x1000 * (i + 1), 1), NULL), 0);
+  write_frame("k.dpk", d, 0);
+  static const char *const want[] = {"$[1]", "$[1.0]", "$[{\"$float\":\"inf\"}]", "$[{\"$float\":\"nan\"}]",
+                                     "$[{\"$float\":\"0x7ff8000000000001\"}]"};
+  res_t r = run("dump k.dpk");
+  res_t ri = run("inspect k.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_eq(ri.status, 0, "%s", ri.err);
+  for (int i = 0; i < 5; i++) {
+    char line[128];
+    snprintf(line, sizeof line, "%5u  %s\n", 1u, want[i]);
+    cr_assert_not_null(strstr(r.out, line), "dump lacks %s:\n%s", want[i], r.out);
+    snprintf(line, sizeof line, "\n%-40s  tensor", want[i]);
+    cr_assert_not_null(strstr(ri.out, line), "inspect lacks %s:\n%s", want[i], ri.out);
+  }
+  res_free(r);
+  res_free(ri);
+  /* pack names a $dict value by its key's JSON, and the inside of a key by <key N> */
+  spit("pe.json", "{\"$dict\": [[2, 0], [{\"$tuple\": [1.0]}, {\"$float\": \"bad\"}]]}");
+  r = run("pack pe.json -o pe.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: pe.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of "
+                          "IEEE 754 bits, at $[{\"$tuple\":[1.0]}]\n");
+  res_free(r);
+  spit("pk.json", "{\"$dict\": [[{\"$float\": \"nan\"}, {\"$dict\": [[{\"$tuple\": [[1]]}, 2]]}]]}");
+  r = run("pack pk.json -o pk.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: pk.json: dict key of kind tuple is not hashable, at $[{\"$float\":\"nan\"}]<key 0>\n");
+  res_free(r);
+  spit("pp.json", "{\"a b\": {\"$dict\": [[1, 2], 3]}}");
+  r = run("pack pp.json -o pp.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: pp.json: $dict item 1 is not a [key, value] pair, at $[\"a b\"]\n");
+  res_free(r);
+}
+
+Test(cli, names_holding_control_characters_are_escaped_so_that_every_line_stays_one_line) {
+  /* a type name that would forge a second line */
+  spit("nl.json", "{\"$reduce\": \"A\\ndevpickle: forged.dpk: ok\", \"state\": [{\"$tensor\": {\"device\": \"cuda:0\", "
+                  "\"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"float32\", \"shape\": [1]}}, {\"$tensor\": "
+                  "{\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"float32\", \"shape\": [1]}}]}");
+  res_t r = run("pack nl.json -o nl.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: nl.json: tensors on cuda:0 0x1000 disagree on nbytes (4 and 8), at "
+                          "$<reduce A\\u000adevpickle: forged.dpk: ok>[1]\n");
+  res_free(r);
+  spit("ok.json", "[{\"$reduce\": \"T>\\u001b\", \"state\": [{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", "
+                  "\"nbytes\": 4, \"dtype\": \"float32\", \"shape\": [1]}}]}, {\"$object\": \"C\\r\\n\", \"attrs\": "
+                  "{\"x\\ny\": 1}}, {\"$x\\n\": 1}]");
+  r = run("pack ok.json -o ok.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: ok.json: unknown tag \"$x\\u000a\" (a plain key starting with '$' needs $dict), "
+                          "at $[2]\n");
+  res_free(r);
+  spit("ok.json", "[{\"$reduce\": \"T>\\u001b\", \"state\": [{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", "
+                  "\"nbytes\": 4, \"dtype\": \"float32\", \"shape\": [1]}}]}, {\"$object\": \"C\\r\\n\", \"attrs\": "
+                  "{\"x\\ny\": 1}}]");
+  r = run_sh("$D pack ok.json -o ok.dpk && $D dump ok.dpk && $D inspect ok.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "  $[0]<reduce T\\u003e\\u001b>[0]\n"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "\n$[0]                                      reduced T\\u003e\\u001b (1 attribute)\n"),
+                     "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "\n$[1]                                      object C\\u000d\\u000a (1 attribute)\n"),
+                     "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "\n$[1][\"x\\u000ay\"]"), "%s", r.out);
+  cr_assert_eq(count_of(r.out, "\n"), 2 + 2 + 1 + 5, "%s", r.out);  /* dump: 3 lines, inspect: 1 + 6 */
+  res_free(r);
+  /* whatever else reaches stderr (a file name, an argument) is escaped too */
+  r = run_sh("$D verify \"$(printf 'no\\nsuch')\"; $D pack -x\"$(printf '\\ny')\"");
+  cr_assert_str_eq(r.err, "devpickle: no\\u000asuch: No such file or directory\n"
+                          "devpickle pack: unknown option '-x\\u000ay'\nTry 'devpickle pack --help'.\n");
+  res_free(r);
+}
+
+Test(cli, inspect_puts_the_ellipsis_of_a_cut_quoted_name_inside_the_quotes_as_dump_does) {
+  char quoted[128] = "", ident[80];
+  for (int i = 0; i < 40; i++) strcat(quoted, "\xc3\xa9");  /* é: 80 bytes, cut to 64 */
+  memset(ident, 'a', 64);
+  strcpy(ident + 64, "-b");  /* the part shown is an identifier */
+  dp_value_t d;
+  cr_assert_eq(dp_dict_new(0, &d, NULL), 0);
+  cr_assert_eq(dp_dict_set(d, t_str(quoted), t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 1), NULL), 0);
+  cr_assert_eq(dp_dict_set(d, t_str(ident), t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x2000, 1), NULL), 0);
+  write_frame("q.dpk", d, 0);
+  char want[2][256];
+  snprintf(want[0], sizeof want[0], "$[\"%.64s\u2026\"]", quoted);
+  snprintf(want[1], sizeof want[1], "$.%.64s\u2026", ident);
+  res_t r = run("dump q.dpk"), ri = run("inspect q.dpk");
+  for (int i = 0; i < 2; i++) {
+    char line[600];
+    snprintf(line, sizeof line, "  %s\n", want[i]);
+    cr_assert_not_null(strstr(r.out, line), "dump lacks %s:\n%s", want[i], r.out);
+    snprintf(line, sizeof line, "\n%s  tensor", want[i]);
+    cr_assert_not_null(strstr(ri.out, line), "inspect lacks %s:\n%s", want[i], ri.out);
+  }
+  res_free(r);
+  res_free(ri);
+}
+
+Test(cli, an_output_through_dangling_relative_or_chained_links_writes_their_target_and_keeps_the_links) {
+  spit("v.json", simple_json);
+  char p[256], q[256];
+  path_in(p, sizeof p, "lnk.dpk");
+  cr_assert_eq(symlink("real.dpk", p), 0);  /* dangling */
+  path_in(p, sizeof p, "sub");
+  cr_assert_eq(mkdir(p, 0755), 0);
+  path_in(p, sizeof p, "sub/l1");
+  cr_assert_eq(symlink("../sub/t.dpk", p), 0);  /* relative to its own directory, dangling */
+  path_in(p, sizeof p, "l2");
+  cr_assert_eq(symlink("sub/l1", p), 0);  /* a chain */
+  path_in(q, sizeof q, "sub/l1");
+  path_in(p, sizeof p, "abs");
+  cr_assert_eq(symlink(q, p), 0);  /* absolute, to a link */
+  res_t r = run_sh("$D pack v.json -o lnk.dpk && $D pack v.json -o l2 && $D verify real.dpk && $D verify sub/t.dpk "
+                   "&& $D pack v.json -o abs && $D verify abs");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  static const char *const links[] = {"lnk.dpk", "sub/l1", "l2", "abs"};
+  for (int i = 0; i < 4; i++) {
+    struct stat st;
+    path_in(p, sizeof p, links[i]);
+    cr_assert_eq(lstat(p, &st), 0);
+    cr_assert(S_ISLNK(st.st_mode), "%s was replaced by a file", links[i]);
+  }
+  path_in(p, sizeof p, "loop");
+  cr_assert_eq(symlink("loop", p), 0);
+  r = run("pack v.json -o loop");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: loop: Too many levels of symbolic links\n");
+  res_free(r);
+  cr_assert_eq(count_entries(), 7, "a temporary file was left behind");
+}
+
+Test(cli, an_output_named_with_the_longest_legal_file_name_is_written) {
+  spit("v.json", simple_json);
+  char name[256], args[1024];
+  memset(name, 'n', 251);
+  strcpy(name + 251, ".dpk");  /* 255 bytes: NAME_MAX */
+  snprintf(args, sizeof args, "$D pack v.json -o %s && $D unpack %s -o %.250s.json", name, name, name);
+  res_t r = run_sh(args);
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  snprintf(args, sizeof args, "verify %s", name);
+  r = run(args);
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  cr_assert_eq(count_entries(), 3);
+}

@@ -2117,3 +2117,79 @@ Test(pickler, both_readers_agree_on_max_bytes_with_inline_data_at_the_edge) {
   }
   ASSERT_NO_LEAK();
 }
+
+/* ---- path steps of non-str keys and of <reduce Name> (docs/FORMAT.md, "Paths") ---- */
+
+static dp_value_t float_bits(uint64_t bits) {
+  double f;
+  memcpy(&f, &bits, sizeof f);
+  return dp_float(f);
+}
+
+Test(pickler, a_non_str_key_shows_its_value_json_so_int_float_inf_and_nan_keys_stay_distinct) {
+  dp_value_t root;
+  OK(dp_dict_new(0, &root, NULL));
+  dp_value_t keys[] = {dp_int(1), dp_float(1.0), float_bits(0x7ff0000000000000ull), float_bits(0xfff0000000000000ull),
+                       float_bits(0x7ff8000000000000ull), float_bits(0x7ff8000000000001ull),
+                       float_bits(0xfff8000000000000ull), dp_float(-0.0), dp_float(1e300), dp_float(0.5)};
+  const char *want[] = {"$[1]", "$[1.0]", "$[{\"$float\":\"inf\"}]", "$[{\"$float\":\"-inf\"}]",
+                        "$[{\"$float\":\"nan\"}]", "$[{\"$float\":\"0x7ff8000000000001\"}]",
+                        "$[{\"$float\":\"0xfff8000000000000\"}]", "$[-0.0]", "$[1.0000000000000001e+300]", "$[0.5]"};
+  size_t n = sizeof keys / sizeof keys[0];
+  for (size_t i = 0; i < n; i++) OK(dp_dict_set(root, keys[i], t_tensor(CUDA0, 0x1000 * (i + 1), 4), NULL));
+  cr_assert_eq(dp_dict_len(root), n);
+  dp_ptrset_t *set = scan_paths(root);
+  for (size_t i = 0; i < n; i++) expect_ptr(set, i, 0x1000 * (i + 1), want[i], 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_non_str_key_whose_json_is_65_bytes_is_cut_to_64) {
+  /* {"$tuple":["<50 x>"]} is 65 bytes of JSON: 64 are shown, then … */
+  char s[51];
+  memset(s, 'x', 50);
+  s[50] = '\0';
+  dp_value_t root, key;
+  OK(dp_dict_new(0, &root, NULL));
+  OK(dp_tuple_new(1, &key, NULL));
+  OK(dp_seq_set(key, 0, t_str(s), NULL));
+  OK(dp_dict_set(root, key, t_tensor(CUDA0, 0x1000, 4), NULL));
+  dp_ptrset_t *set = scan_paths(root);
+  char want[128];
+  snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\"]\u2026]", s);
+  expect_ptr(set, 0, 0x1000, want, 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_reduce_step_escapes_control_characters_backslashes_and_angle_brackets_in_its_name) {
+  dp_value_t state = t_list(), r1, r2, r3, root = t_list();
+  OK(dp_list_append(state, t_tensor(CUDA0, 0x1000, 4), NULL));
+  OK(dp_object_new_reduced("A\ndevpickle: x.dpk: ok", state, &r1, NULL));
+  state = t_list();
+  OK(dp_list_append(state, t_tensor(CUDA0, 0x2000, 4), NULL));
+  OK(dp_object_new_reduced("Map<int>\\\x1b", state, &r2, NULL));
+  /* 64 control characters: the longest step, 396 bytes, shown whole */
+  char ctl[71];
+  memset(ctl, '\t', 70);
+  ctl[70] = '\0';
+  state = t_list();
+  OK(dp_list_append(state, t_tensor(CUDA0, 0x3000, 4), NULL));
+  OK(dp_object_new_reduced(ctl, state, &r3, NULL));
+  OK(dp_list_append(root, r1, NULL));
+  OK(dp_list_append(root, r2, NULL));
+  OK(dp_list_append(root, r3, NULL));
+  dp_ptrset_t *set = scan_paths(root);
+  expect_ptr(set, 0, 0x1000, "$[0]<reduce A\\u000adevpickle: x.dpk: ok>[0]", 1);
+  expect_ptr(set, 1, 0x2000, "$[1]<reduce Map<int\\u003e\\\\\\u001b>[0]", 1);
+  char want[512], *p = want;
+  p += sprintf(p, "$[2]<reduce ");
+  for (int i = 0; i < 64; i++) p += sprintf(p, "\\u0009");
+  sprintf(p, "\u2026>[0]");
+  expect_ptr(set, 2, 0x3000, want, 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}

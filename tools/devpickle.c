@@ -1,5 +1,5 @@
 /* tools/devpickle.c — the devpickle command-line tool (public API only). */
-#define _XOPEN_SOURCE 700  /* realpath */
+#define _XOPEN_SOURCE 700  /* lstat, readlink */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -43,19 +43,35 @@ typedef struct cmd {
   int (*run)(int argc, char **argv);
 } cmd_t;
 
+/* Text from outside (a file name, an argument, a message quoting the input)
+ * on stderr: control characters as \u00XX, so that an error stays one line
+ * (names in messages are escaped already, docs/FORMAT.md "Paths"; this is
+ * for everything else). */
+static void put_err(const char *s) {
+  for (; *s; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c < 0x20 || c == 0x7f) fprintf(stderr, "\\u%04x", c);
+    else fputc(c, stderr);
+  }
+}
+
 static int usage_error(const char *cmd, const char *fmt, const char *arg) {
+  char what[512];
+  snprintf(what, sizeof what, fmt, arg);
   fprintf(stderr, "devpickle %s: ", cmd);
-  fprintf(stderr, fmt, arg);
+  put_err(what);
   fprintf(stderr, "\nTry 'devpickle %s --help'.\n", cmd);
   return EXIT_USAGE;
 }
 
 /* One line on stderr: devpickle: FILE: what[, at byte N] */
 static int data_error(const char *file, const char *what, int64_t offset) {
-  if (offset >= 0)
-    fprintf(stderr, "devpickle: %s: %s, at byte %lld\n", file, what, (long long)offset);
-  else
-    fprintf(stderr, "devpickle: %s: %s\n", file, what);
+  fputs("devpickle: ", stderr);
+  put_err(file);
+  fputs(": ", stderr);
+  put_err(what);
+  if (offset >= 0) fprintf(stderr, ", at byte %lld", (long long)offset);
+  fputc('\n', stderr);
   return EXIT_DATA;
 }
 
@@ -96,16 +112,75 @@ static int read_all(const char *path, uint8_t **out, size_t *n) {
 /* Where a command's output goes. A regular file (or a new one) is written
  * as a temporary file beside it, flushed to disk and renamed over it only
  * when complete: a failure half-way leaves the old file as it was (even when
- * it is the input, `pack v.json -o v.json`). stdout and other files (a
- * device, a pipe) are written in place. */
+ * it is the input, `pack v.json -o v.json`). A symbolic link (or a chain of
+ * them, relative or absolute, dangling or not) keeps pointing where it did:
+ * the file it ends at is the one written. stdout and other files (a device,
+ * a pipe) are written in place. */
 typedef struct sink {
   FILE *f;
   const char *path;   /* as the user named it */
   char *tmp;          /* the temporary file, or NULL */
-  char *target;       /* what a symbolic link named by path resolves to, or NULL */
+  char *target;       /* the name path's links end at (path itself when none) */
 } sink_t;
 
 static const char *out_display(const char *path) { return strcmp(path, "-") == 0 ? "<stdout>" : path; }
+
+#define MAX_LINKS 40  /* as the kernel's own limit (ELOOP) */
+
+/* The name that path ends at once its symbolic links are followed; that
+ * name may not exist yet. A new string, or NULL with errno. */
+static char *follow_links(const char *path) {
+  char *cur = strdup(path);
+  for (int hops = 0; cur; hops++) {
+    struct stat st;
+    if (lstat(cur, &st) != 0 || !S_ISLNK(st.st_mode)) return cur;  /* not a link: the name itself */
+    if (hops == MAX_LINKS) {
+      free(cur);
+      errno = ELOOP;
+      return NULL;
+    }
+    size_t cap = st.st_size > 0 ? (size_t)st.st_size + 1 : 256;
+    char *link = NULL;
+    ssize_t k;
+    for (;;) {  /* a link may change size between lstat and readlink */
+      char *nl = realloc(link, cap);
+      if (!nl) {
+        free(link);
+        free(cur);
+        errno = ENOMEM;
+        return NULL;
+      }
+      link = nl;
+      k = readlink(cur, link, cap);
+      if (k < 0 || (size_t)k < cap) break;
+      cap *= 2;
+    }
+    if (k < 0) {
+      int e = errno;
+      free(link);
+      free(cur);
+      errno = e;
+      return NULL;
+    }
+    link[k] = '\0';
+    const char *slash = strrchr(cur, '/');
+    size_t dirlen = link[0] == '/' || !slash ? 0 : (size_t)(slash - cur) + 1;  /* a relative link: from its directory */
+    char *next = malloc(dirlen + (size_t)k + 1);
+    if (next) {
+      memcpy(next, cur, dirlen);
+      memcpy(next + dirlen, link, (size_t)k + 1);
+    }
+    free(link);
+    free(cur);
+    cur = next;
+    if (!cur) errno = ENOMEM;
+  }
+  return NULL;
+}
+
+/* The temporary file: a short fixed name in the target's directory, so that
+ * it fits NAME_MAX whatever the target's own name is. */
+#define TMP_NAME ".devpickle-XXXXXX"
 
 static int sink_open(sink_t *s, const char *path) {
   memset(s, 0, sizeof *s);
@@ -115,24 +190,31 @@ static int sink_open(sink_t *s, const char *path) {
     s->f = stdout;
     return 0;
   }
-  int exists = stat(path, &st) == 0;
+  char *target = follow_links(path);
+  if (!target) return data_error(path, strerror(errno), -1);
+  int exists = stat(target, &st) == 0;
   if (exists && !S_ISREG(st.st_mode)) {
+    free(target);
     s->f = fopen(path, "wb");
     return s->f ? 0 : data_error(path, strerror(errno), -1);
   }
-  /* a symbolic link keeps pointing where it did: its target is replaced */
-  char *target = exists ? realpath(path, NULL) : NULL;
-  const char *where = target ? target : path;
-  size_t n = strlen(where);
   s->target = target;
-  s->tmp = malloc(n + 16);
-  if (!s->tmp) return data_error(path, "out of memory", -1);
-  snprintf(s->tmp, n + 16, "%s.tmp-XXXXXX", where);
+  const char *slash = strrchr(target, '/');
+  size_t dirlen = slash ? (size_t)(slash - target) + 1 : 0;
+  s->tmp = malloc(dirlen + sizeof TMP_NAME);
+  if (!s->tmp) {
+    free(target);
+    s->target = NULL;
+    return data_error(path, "out of memory", -1);
+  }
+  memcpy(s->tmp, target, dirlen);
+  memcpy(s->tmp + dirlen, TMP_NAME, sizeof TMP_NAME);
   int fd = mkstemp(s->tmp);
   if (fd < 0) {
     int e = errno;
     free(s->tmp);
-    s->tmp = NULL;
+    free(s->target);
+    s->tmp = s->target = NULL;
     return data_error(path, strerror(e), -1);
   }
   mode_t mask = umask(0);
@@ -143,7 +225,8 @@ static int sink_open(sink_t *s, const char *path) {
     close(fd);
     unlink(s->tmp);
     free(s->tmp);
-    s->tmp = NULL;
+    free(s->target);
+    s->tmp = s->target = NULL;
     return data_error(path, strerror(e), -1);
   }
   return 0;
@@ -530,6 +613,8 @@ int main(int argc, char **argv) {
   }
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     if (strcmp(argv[1], commands[i].name) == 0) return commands[i].run(argc - 1, argv + 1);
-  fprintf(stderr, "devpickle: unknown command '%s'\n\n%s", argv[1], usage_main);
+  fputs("devpickle: unknown command '", stderr);
+  put_err(argv[1]);
+  fprintf(stderr, "'\n\n%s", usage_main);
   return EXIT_USAGE;
 }

@@ -11,14 +11,14 @@
 #include <string.h>
 
 #include "inspect.h"
+#include "vjson.h"
 
 #define INSPECT_DEPTH 64
 
-#define NAME_MAX_BYTES 64     /* a key, attribute or class name is cut here ... */
-#define PATH_MAX_BYTES 1024   /* ... and a longer path keeps its head and tail */
+#define PATH_MAX_BYTES 1024   /* a longer path keeps its head and tail */
 #define PATH_HEAD_BYTES 256
 #define PATH_TAIL_BYTES 704
-#define STEP_MAX (8 + NAME_MAX_BYTES * 6 + 16)  /* an escaped, cut name and its brackets */
+#define STEP_MAX VJSON_STEP_MAX  /* an escaped, cut name and its brackets */
 #define NO_REC UINT32_MAX
 
 /* Where a node was first met: child `index` of `container`, below `parent`. */
@@ -53,23 +53,7 @@ typedef struct ins {
   char path[PATH_MAX_BYTES + 64];
 } ins_t;
 
-/* ---- bounded rendering ---- */
-
-typedef struct bw {
-  char *s;
-  size_t len, cap;
-  int cut;
-} bw_t;
-
-static void bw_put(bw_t *b, const char *s, size_t n) {
-  if (b->cut) return;
-  if (n > b->cap - b->len) {
-    n = b->cap - b->len;
-    b->cut = 1;
-  }
-  memcpy(b->s + b->len, s, n);
-  b->len += n;
-}
+/* ---- steps: rendered by vjson's renderers, which follow the library's ---- */
 
 /* The longest prefix of s (n bytes) of at most max bytes that ends on a
  * UTF-8 boundary. */
@@ -79,134 +63,27 @@ static size_t utf8_cut(const char *s, size_t n, size_t max) {
   return max;
 }
 
-/* The longest prefix of s made of whole UTF-8 sequences (s was cut blindly). */
-static size_t utf8_whole(const char *s, size_t n) {
-  size_t i = 0;
-  while (i < n) {
-    unsigned char c = (unsigned char)s[i];
-    size_t k = c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
-    if (i + k > n) break;
-    i += k;
-  }
-  return i;
-}
-
-static void bw_quote(bw_t *b, const char *s, size_t n) {
-  char tmp[8];
-  bw_put(b, "\"", 1);
-  for (size_t i = 0; i < n; i++) {
-    unsigned char c = (unsigned char)s[i];
-    if (c == '"' || c == '\\') {
-      tmp[0] = '\\';
-      tmp[1] = (char)c;
-      bw_put(b, tmp, 2);
-    } else if (c < 0x20) {
-      snprintf(tmp, sizeof tmp, "\\u%04x", c);
-      bw_put(b, tmp, 6);
-    } else {
-      bw_put(b, (const char *)&c, 1);
-    }
-  }
-  bw_put(b, "\"", 1);
-}
-
-static int is_ident(const char *s, size_t n) {
-  if (n == 0 || (s[0] >= '0' && s[0] <= '9')) return 0;
-  for (size_t i = 0; i < n; i++)
-    if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || s[i] == '_' || (s[i] >= '0' && s[i] <= '9')))
-      return 0;
-  return 1;
-}
-
-/* A name: its first NAME_MAX_BYTES bytes (cut on a UTF-8 boundary), then
- * "…" when cut; as `.name` when an identifier, else quoted in brackets. */
-static void put_name(bw_t *b, const char *s, size_t n, int dotted) {
-  size_t k = utf8_cut(s, n, NAME_MAX_BYTES);
-  if (dotted && is_ident(s, n)) {
-    bw_put(b, ".", 1);
-    bw_put(b, s, k);
-    if (k < n) bw_put(b, "…", strlen("…"));
-    return;
-  }
-  bw_put(b, "[", 1);
-  bw_quote(b, s, k);
-  if (k < n) bw_put(b, "…", strlen("…"));
-  bw_put(b, "]", 1);
-}
-
-/* A non-str dict key as compact JSON (the walker's notation). */
-static void key_json(bw_t *b, dp_value_t k, int depth) {
-  char tmp[40];
-  size_t n;
-  switch (dp_value_kind(k)) {
-    case DP_NONE: bw_put(b, "null", 4); break;
-    case DP_BOOL: dp_value_as_bool(k) ? bw_put(b, "true", 4) : bw_put(b, "false", 5); break;
-    case DP_INT: bw_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%" PRId64, dp_value_as_int(k))); break;
-    case DP_FLOAT: bw_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%.17g", dp_value_as_float(k))); break;
-    case DP_STR: {
-      const char *s = dp_str_data(k, &n);
-      bw_quote(b, s, n);
-      break;
-    }
-    case DP_BYTES: bw_put(b, "{\"$bytes\":…}", strlen("{\"$bytes\":…}")); break;
-    case DP_TUPLE:
-      bw_put(b, "{\"$tuple\":[", 11);
-      for (size_t i = 0; i < dp_seq_len(k) && depth < 8 && !b->cut; i++) {
-        if (i) bw_put(b, ",", 1);
-        key_json(b, dp_seq_get(k, i), depth + 1);
-      }
-      bw_put(b, "]}", 2);
-      break;
-    default: bw_put(b, "?", 1); break;
-  }
-}
-
 /* The step from container to its child i, into out (STEP_MAX bytes). */
 static size_t render_step(dp_value_t c, size_t i, char *out) {
-  bw_t b = {out, 0, STEP_MAX, 0};
-  size_t n;
   switch (dp_value_kind(c)) {
     case DP_LIST:
-    case DP_TUPLE: {
-      char tmp[32];
-      bw_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "[%zu]", i));
-      break;
-    }
+    case DP_TUPLE: return (size_t)snprintf(out, STEP_MAX, "[%zu]", i);
     case DP_DICT: {
       dp_value_t k;
       dp_dict_item(c, i, &k, NULL);
-      const char *s = dp_str_data(k, &n);
-      if (dp_value_kind(k) == DP_STR) {
-        put_name(&b, s, n, 1);
-      } else {
-        char kb[STEP_MAX];
-        bw_t kw = {kb, 0, NAME_MAX_BYTES, 0};
-        key_json(&kw, k, 0);
-        size_t keep = kw.cut ? utf8_whole(kb, kw.len) : kw.len;
-        bw_put(&b, "[", 1);
-        bw_put(&b, kb, keep);
-        if (kw.cut) bw_put(&b, "…", strlen("…"));
-        bw_put(&b, "]", 1);
-      }
-      break;
+      return vjson_step_key(k, out);
     }
     case DP_OBJECT:
       if (dp_object_is_reduced(c)) {
         const char *cls = dp_object_class(c);
-        size_t len = strlen(cls), k = utf8_cut(cls, len, NAME_MAX_BYTES);
-        bw_put(&b, "<reduce ", 8);
-        bw_put(&b, cls, k);
-        if (k < len) bw_put(&b, "…", strlen("…"));
-        bw_put(&b, ">", 1);
+        return vjson_step_reduce(cls, strlen(cls), out);
       } else {
         const char *name;
         dp_object_attr(c, i, &name, NULL);
-        put_name(&b, name, strlen(name), 1);
+        return vjson_step_name(name, strlen(name), out);
       }
-      break;
-    default: break;
+    default: return 0;
   }
-  return b.len;
 }
 
 /* Joins steps 0..n-1 of b after "$" into s->path: whole when the path is at
@@ -360,9 +237,10 @@ static void summary(FILE *out, dp_value_t v) {
     }
     case DP_OBJECT: {
       const char *cls = dp_object_class(v);
-      size_t len = strlen(cls), k = utf8_cut(cls, len, NAME_MAX_BYTES), count = dp_object_nattrs(v);
-      fprintf(out, "%s %.*s%s (%zu attribute%s)\n", dp_object_is_reduced(v) ? "reduced" : "object", (int)k, cls,
-              k < len ? "…" : "", count, count == 1 ? "" : "s");
+      char name[VJSON_NAME_TEXT_MAX];
+      size_t k = vjson_name_text(cls, strlen(cls), name), count = dp_object_nattrs(v);
+      fprintf(out, "%s %.*s (%zu attribute%s)\n", dp_object_is_reduced(v) ? "reduced" : "object", (int)k, name, count,
+              count == 1 ? "" : "s");
       return;
     }
     default: {

@@ -70,6 +70,172 @@ int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n) {
   return 0;
 }
 
+/* ---- path steps and names (docs/FORMAT.md, "Paths"), rendered as the
+ * library renders them ---- */
+
+#define ELLIPSIS "\xe2\x80\xa6"  /* U+2026 */
+
+typedef struct sb {
+  char *s;
+  size_t len, cap;
+  int full;
+} sb_t;
+
+static void sb_put(sb_t *b, const char *s, size_t n) {
+  if (n > b->cap - b->len) {
+    n = b->cap - b->len;
+    b->full = 1;
+  }
+  memcpy(b->s + b->len, s, n);
+  b->len += n;
+}
+
+size_t vjson_name_shown(const char *s, size_t n) {
+  if (n <= VJSON_NAME_MAX) return n;
+  size_t k = VJSON_NAME_MAX;
+  while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
+  return k;
+}
+
+static int is_ident(const char *s, size_t n) {
+  if (n == 0 || (s[0] >= '0' && s[0] <= '9')) return 0;
+  for (size_t i = 0; i < n; i++)
+    if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || s[i] == '_' || (s[i] >= '0' && s[i] <= '9')))
+      return 0;
+  return 1;
+}
+
+/* s[0..n) with a name's escapes: a control character as \u00XX and `\` as
+ * `\\`; inside quotes also `"` as `\"`, outside them `>` as \u003e (so that a
+ * `<reduce Name>` step ends at its first `>`). "…" follows when cut. */
+static void sb_escaped(sb_t *b, const char *s, size_t n, int quoted, int cut) {
+  char tmp[8];
+  size_t run = 0;
+  for (size_t i = 0; i < n && !b->full; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c >= 0x20 && c != '\\' && c != (quoted ? '"' : '>')) continue;
+    sb_put(b, s + run, i - run);
+    run = i + 1;
+    if (c == '\\' || c == '"') {
+      tmp[0] = '\\';
+      tmp[1] = (char)c;
+      sb_put(b, tmp, 2);
+    } else {
+      snprintf(tmp, sizeof tmp, "\\u%04x", c);
+      sb_put(b, tmp, 6);
+    }
+  }
+  sb_put(b, s + run, n - run);
+  if (cut) sb_put(b, ELLIPSIS, 3);
+}
+
+static void sb_quote(sb_t *b, const char *s, size_t n, int cut) {
+  sb_put(b, "\"", 1);
+  sb_escaped(b, s, n, 1, cut);
+  sb_put(b, "\"", 1);
+}
+
+/* A float as unpack writes it: the number with 17 significant digits (and
+ * ".0" when it would read as an int) and 1 returned, or the text of its
+ * {"$float": ...} form and 0 returned (inf, -inf, nan, or a NaN's bits). */
+static int float_text(double f, char *b, size_t cap) {
+  uint64_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if (isfinite(f)) {
+    int n = snprintf(b, cap, "%.17g", f);
+    if (!strpbrk(b, ".e")) snprintf(b + n, cap - (size_t)n, ".0");
+    return 1;
+  }
+  /* NaNs other than the default quiet one keep their bits: distinct NaN keys stay distinct */
+  if (isnan(f) && bits != VJSON_DEFAULT_NAN_BITS) snprintf(b, cap, "0x%016" PRIx64, bits);
+  else snprintf(b, cap, "%s", isnan(f) ? "nan" : f > 0 ? "inf" : "-inf");
+  return 0;
+}
+
+/* A non-str dict key as compact value JSON (bytes abbreviated); stops once b
+ * is full. */
+static void sb_key_json(sb_t *b, dp_value_t k, int depth) {
+  char tmp[48];
+  size_t n;
+  switch (dp_value_kind(k)) {
+    case DP_NONE: sb_put(b, "null", 4); break;
+    case DP_BOOL: dp_value_as_bool(k) ? sb_put(b, "true", 4) : sb_put(b, "false", 5); break;
+    case DP_INT: sb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%" PRId64, dp_value_as_int(k))); break;
+    case DP_FLOAT:
+      if (float_text(dp_value_as_float(k), tmp, sizeof tmp)) {
+        sb_put(b, tmp, strlen(tmp));
+      } else {
+        sb_put(b, "{\"$float\":\"", 11);
+        sb_put(b, tmp, strlen(tmp));
+        sb_put(b, "\"}", 2);
+      }
+      break;
+    case DP_STR: {
+      const char *s = dp_str_data(k, &n);
+      sb_quote(b, s, n, 0);
+      break;
+    }
+    case DP_BYTES: sb_put(b, "{\"$bytes\":" ELLIPSIS "}", strlen("{\"$bytes\":" ELLIPSIS "}")); break;
+    case DP_TUPLE:
+      sb_put(b, "{\"$tuple\":[", 11);
+      for (size_t i = 0; i < dp_seq_len(k) && depth < 8 && !b->full; i++) {
+        if (i) sb_put(b, ",", 1);
+        sb_key_json(b, dp_seq_get(k, i), depth + 1);
+      }
+      sb_put(b, "]}", 2);
+      break;
+    default: sb_put(b, "?", 1); break;
+  }
+}
+
+size_t vjson_step_name(const char *s, size_t n, char *out) {
+  sb_t b = {out, 0, VJSON_STEP_MAX, 0};
+  size_t k = vjson_name_shown(s, n);
+  if (is_ident(s, k)) {
+    sb_put(&b, ".", 1);
+    sb_escaped(&b, s, k, 0, k < n);
+  } else {
+    sb_put(&b, "[", 1);
+    sb_quote(&b, s, k, k < n);
+    sb_put(&b, "]", 1);
+  }
+  return b.len;
+}
+
+size_t vjson_step_key(dp_value_t key, char *out) {
+  size_t n;
+  if (dp_value_kind(key) == DP_STR) {
+    const char *s = dp_str_data(key, &n);
+    return vjson_step_name(s, n, out);
+  }
+  /* its JSON text, rendered up to one byte past the limit to see whether it is cut */
+  char kb[VJSON_NAME_MAX + 1];
+  sb_t k = {kb, 0, sizeof kb, 0};
+  sb_key_json(&k, key, 0);
+  int cut = k.full || k.len > VJSON_NAME_MAX;
+  sb_t b = {out, 0, VJSON_STEP_MAX, 0};
+  sb_put(&b, "[", 1);
+  sb_put(&b, kb, cut ? vjson_name_shown(kb, k.len) : k.len);
+  if (cut) sb_put(&b, ELLIPSIS, 3);
+  sb_put(&b, "]", 1);
+  return b.len;
+}
+
+size_t vjson_name_text(const char *s, size_t n, char *out) {
+  sb_t b = {out, 0, VJSON_NAME_TEXT_MAX, 0};
+  size_t k = vjson_name_shown(s, n);
+  sb_escaped(&b, s, k, 0, k < n);
+  return b.len;
+}
+
+size_t vjson_step_reduce(const char *s, size_t n, char *out) {
+  sb_t b = {out, 0, VJSON_STEP_MAX, 0};
+  sb_put(&b, "<reduce ", 8);
+  b.len += vjson_name_text(s, n, out + b.len);
+  sb_put(&b, ">", 1);
+  return b.len;
+}
+
 /* ---- parsing ---- */
 
 typedef struct ps {
@@ -420,9 +586,10 @@ typedef struct rd {
   idx_t by_name, by_node;
   dp_ptrset_t *stset;      /* (device, ptr) -> storage index */
   dp_storage_t **storages;
+  unsigned char *has_data;  /* per storage: a tensor of it carried "data" */
   size_t nst, stcap;
-  int with_data, without_data;
   dp_error_t e;   /* one for every call: the reader recurses, its frames stay small */
+  char scratch[VJSON_STEP_MAX];  /* a rendered step or name, for the same reason */
 } rd_t;
 
 static uint64_t process_seed(void) {
@@ -554,30 +721,27 @@ static void path_pop(rd_t *r) {
   r->path[r->plen] = '\0';
 }
 
-/* A JSON string's first 64 bytes, cut on a UTF-8 boundary. */
-static size_t cut64(const char *s, size_t n) {
-  if (n <= 64) return n;
-  size_t k = 64;
-  while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
-  return k;
-}
+static void path_step(rd_t *r, const char *step, size_t n) { path_push(r, "%.*s", (int)n, step); }
 
 static void path_key(rd_t *r, const char *key, size_t n) {
-  int ident = n > 0 && !(key[0] >= '0' && key[0] <= '9');
-  for (size_t i = 0; i < n && ident; i++) {
-    char c = key[i];
-    ident = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || (c >= '0' && c <= '9');
-  }
-  size_t k = cut64(key, n);
-  if (ident) {
-    path_push(r, ".%.*s%s", (int)k, key, k < n ? "…" : "");
-  } else {
-    json_t *js = json_stringn(key, k);
-    char *q = js ? json_dumps(js, JSON_ENCODE_ANY) : NULL;
-    path_push(r, "[%s%s]", q ? q : "?", k < n ? "…" : "");
-    free(q);
-    json_decref(js);
-  }
+  path_step(r, r->scratch, vjson_step_name(key, n, r->scratch));
+}
+
+/* A JSON string from the input, for a message: quoted, escaped and cut as a
+ * name in a path is, so that a message stays one line. */
+_Static_assert(VJSON_NAME_TEXT_MAX + 3 <= VJSON_STEP_MAX, "a quoted name fits in rd_t.scratch");
+static const char *shown_n(const char *s, size_t n, int quoted, char *buf) {
+  sb_t b = {buf, 0, VJSON_STEP_MAX - 1, 0};
+  size_t k = vjson_name_shown(s, n);
+  if (quoted) sb_quote(&b, s, k, k < n);
+  else sb_escaped(&b, s, k, 0, k < n);
+  buf[b.len] = '\0';
+  return buf;
+}
+
+static const char *shown(json_t *s, int quoted, char *buf) {
+  if (!json_is_string(s)) return "(not a string)";
+  return shown_n(json_string_value(s), json_string_length(s), quoted, buf);
 }
 
 static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth);
@@ -631,7 +795,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   json_object_foreach(t, k, x) {
     size_t i = 0;
     while (i < 8 && strcmp(k, known[i]) != 0) i++;
-    if (i == 8) return fail(r, DP_EINVAL, "unknown $tensor field \"%s\"", k);
+    if (i == 8) return fail(r, DP_EINVAL, "unknown $tensor field %s", shown_n(k, strlen(k), 1, r->scratch));
   }
   dp_device_t dev;
   int rc = parse_device(r, json_object_get(t, "device"), &dev);
@@ -639,7 +803,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   json_t *pj = json_object_get(t, "ptr");
   uint64_t ptr = 0;
   rc = json_is_string(pj) ? parse_hex64(json_string_value(pj), json_string_length(pj), &ptr) : -1;
-  if (rc == -2) return fail(r, DP_EINVAL, "tensor ptr %s does not fit in 64 bits", json_string_value(pj));
+  if (rc == -2) return fail(r, DP_EINVAL, "tensor ptr %s does not fit in 64 bits", shown(pj, 0, r->scratch));
   if (rc || ptr > UINTPTR_MAX) return fail(r, DP_EINVAL, "tensor ptr must be a hex string such as \"0x7f0000001000\"");
   json_t *nj = json_object_get(t, "nbytes");
   if (!json_is_integer(nj) || json_integer_value(nj) < 0)
@@ -651,7 +815,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   dp_dtype_t dtype;
   json_t *dj = json_object_get(t, "dtype");
   if (!json_is_string(dj) || dp_dtype_parse(json_string_value(dj), &dtype) != 0)
-    return fail(r, DP_EINVAL, "unknown tensor dtype %s", json_is_string(dj) ? json_string_value(dj) : "(missing)");
+    return fail(r, DP_EINVAL, "unknown tensor dtype %s", dj ? shown(dj, 0, r->scratch) : "(missing)");
   int64_t shape[DP_TENSOR_MAX_DIMS], strides[DP_TENSOR_MAX_DIMS];
   int nd, ns;
   if ((rc = read_i64_array(r, json_object_get(t, "shape"), shape, DP_TENSOR_MAX_DIMS, &nd, "shape")) != 0) return rc;
@@ -700,27 +864,29 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
     if (r->nst == r->stcap) {
       size_t ncap = r->stcap ? 2 * r->stcap : 16;
       dp_storage_t **p = realloc(r->storages, ncap * sizeof *p);
-      if (!p) {
+      if (p) r->storages = p;
+      unsigned char *h = p ? realloc(r->has_data, ncap) : NULL;
+      if (h) r->has_data = h;
+      if (!h) {
         free(bytes);
         dp_storage_release(st);
         return fail(r, DP_ENOMEM, "out of memory");
       }
-      r->storages = p;
       r->stcap = ncap;
     }
+    si = r->nst;
+    r->has_data[si] = 0;
     r->storages[r->nst++] = st;
     if ((rc = dp_ptrset_add(r->stset, dev, (void *)(uintptr_t)ptr, nbytes, NULL, &r->e)) != 0) {
       free(bytes);
       return check_err(r, rc, &r->e);
     }
   }
-  if (data) {
-    rc = dp_storage_host_data(st) ? 0 : dp_storage_set_host_data(st, bytes, &r->e);
+  if (data) {  /* the first tensor that carries the storage's bytes gives them */
+    rc = r->has_data[si] ? 0 : dp_storage_set_host_data(st, bytes, &r->e);
     free(bytes);
     if (rc) return check_err(r, rc, &r->e);
-    r->with_data++;
-  } else {
-    r->without_data++;
+    r->has_data[si] = 1;
   }
   rc = dp_tensor_new(dp_storage_retain(st), dtype, nd, shape, sj ? strides : NULL, offset, out, &r->e);
   return check_err(r, rc, &r->e);
@@ -809,8 +975,7 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
   if ((x = json_object_get(j, "$reduce")) != NULL) {
     json_t *state = json_object_get(j, "state");
     if (json_object_size(j) != 2 || !state) return fail(r, DP_EINVAL, "$reduce takes one other field, \"state\"");
-    size_t cut = cut64(json_string_value(x), json_string_length(x));
-    path_push(r, "<reduce %.*s%s>", (int)cut, json_string_value(x), cut < json_string_length(x) ? "…" : "");
+    path_step(r, r->scratch, vjson_step_reduce(json_string_value(x), json_string_length(x), r->scratch));
     dp_value_t val;
     if ((rc = read_value(r, state, &val, depth + 1)) != 0) return rc;
     if ((rc = dp_object_set(v, "__reduce__", val, &r->e)) != 0) return check_err(r, rc, &r->e);
@@ -819,11 +984,14 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
   }
   if ((x = json_object_get(j, "$dict")) != NULL) {
     if (json_object_size(j) != 1 || !json_is_array(x)) return fail(r, DP_EINVAL, "$dict must be an array of [key, value] pairs");
+    /* paths as the library names them: `<key N>` inside the key of entry N,
+     * `[<key JSON>]` (or `.name`) for its value */
     for (size_t i = 0; i < json_array_size(x); i++) {
       json_t *pair = json_array_get(x, i);
-      path_push(r, "<item %zu>", i);
-      if (!json_is_array(pair) || json_array_size(pair) != 2) return fail(r, DP_EINVAL, "$dict items are [key, value] pairs");
-      dp_value_t key, val;
+      if (!json_is_array(pair) || json_array_size(pair) != 2)
+        return fail(r, DP_EINVAL, "$dict item %zu is not a [key, value] pair", i);
+      path_push(r, "<key %zu>", i);
+      dp_value_t key, val, dummy;
       if ((rc = read_value(r, json_array_get(pair, 0), &key, depth + 1)) != 0) return rc;
       if (!dp_value_is_hashable(key)) {  /* bounded before any walk of it */
         int kind = (int)dp_value_kind(key);
@@ -834,15 +1002,15 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
         dp_value_release(key);
         return fail(r, DP_EINVAL, "dict key refers to a node that is still being built");
       }
+      if (dp_dict_get(v, key, &dummy) == 0) {
+        dp_value_release(key);
+        return fail(r, DP_EINVAL, "duplicate dict key");
+      }
+      path_pop(r);
+      path_step(r, r->scratch, vjson_step_key(key, r->scratch));
       if ((rc = read_value(r, json_array_get(pair, 1), &val, depth + 1)) != 0) {
         dp_value_release(key);
         return rc;
-      }
-      dp_value_t dummy;
-      if (dp_dict_get(v, key, &dummy) == 0) {
-        dp_value_release(key);
-        dp_value_release(val);
-        return fail(r, DP_EINVAL, "duplicate dict key");
       }
       if ((rc = dp_dict_set(v, key, val, &r->e)) != 0) return check_err(r, rc, &r->e);
       path_pop(r);
@@ -850,7 +1018,9 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
     return 0;
   }
   json_object_keylen_foreach(j, k, klen, x) {
-    if (k[0] == '$') return fail(r, DP_EINVAL, "unknown tag \"%s\" (a plain key starting with '$' needs $dict)", k);
+    if (k[0] == '$')
+      return fail(r, DP_EINVAL, "unknown tag %s (a plain key starting with '$' needs $dict)",
+                  shown_n(k, klen, 1, r->scratch));
     path_key(r, k, klen);
     dp_value_t key, val;
     if ((rc = dp_str_new(k, klen, &key, &r->e)) != 0) return check_err(r, rc, &r->e);
@@ -930,7 +1100,7 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
       if (!json_is_string(x) || !val || json_object_size(j) != 2)
         return fail(r, DP_EINVAL, "$id needs a string name and a \"$value\"");
       if (find_id(r, json_string_value(x), json_string_length(x)))
-        return fail(r, DP_EINVAL, "$id \"%s\" is defined twice", json_string_value(x));
+        return fail(r, DP_EINVAL, "$id %s is defined twice", shown(x, 1, r->scratch));
       size_t mine;
       if (is_container_json(val)) {
         if ((rc = make_shell(r, val, out)) != 0) return rc;
@@ -954,7 +1124,7 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
     if ((x = json_object_get(j, "$ref")) != NULL) {
       idnode_t *node = json_is_string(x) ? find_id(r, json_string_value(x), json_string_length(x)) : NULL;
       if (!node || json_object_size(j) != 1)
-        return fail(r, DP_EINVAL, "$ref \"%s\" names no earlier $id", json_is_string(x) ? json_string_value(x) : "?");
+        return fail(r, DP_EINVAL, "$ref %s names no earlier $id", shown(x, 1, r->scratch));
       *out = dp_value_retain(node->v);
       return 0;
     }
@@ -993,14 +1163,24 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
     return rc;
   }
   rc = read_value(&r, j, out, 0);
-  if (rc == 0 && r.with_data && r.without_data) {
-    dp_value_release(*out);
-    rc = fail(&r, DP_EINVAL, "%d tensors carry \"data\" and %d do not: an inline frame needs it on all",
-              r.with_data, r.without_data);
+  size_t with_data = 0, without = r.nst;
+  for (size_t i = 0; i < r.nst; i++) {
+    with_data += r.has_data[i];
+    if (!r.has_data[i] && without == r.nst) without = i;
   }
-  *is_inline = r.with_data > 0;
+  if (rc == 0 && with_data && without < r.nst) {
+    dp_value_release(*out);
+    char dev[16];
+    rc = fail(&r, DP_EINVAL,
+              "no tensor on %s 0x%" PRIxPTR " carries \"data\", but tensors on %zu other storage%s do: an inline "
+              "frame needs each storage's data (on one of its tensors)",
+              dp_device_format(dp_storage_device(r.storages[without]), dev, sizeof dev),
+              (uintptr_t)dp_storage_base(r.storages[without]), with_data, with_data == 1 ? "" : "s");
+  }
+  *is_inline = with_data > 0;
   for (size_t i = 0; i < r.nst; i++) dp_storage_release(r.storages[i]);
   free(r.storages);
+  free(r.has_data);
   for (size_t i = 0; i < r.nids; i++) free(r.ids[i].name);
   free(r.ids);
   free(r.by_name.slot);
@@ -1031,6 +1211,8 @@ typedef struct wr {
   int rc;       /* first error: later output is skipped */
   char *msg;
   size_t msgsize;
+  const void **stores; /* storages whose "data" was written: each is written once */
+  size_t scap, sn;
   char buf[1 << 16];   /* output gathered into large writes */
   size_t len;
 } wr_t;
@@ -1104,8 +1286,12 @@ static int count_refs(wr_t *w, dp_value_t v, int depth) {
         rc = count_refs(w, x, depth + 1);
       }
       break;
-    case DP_CUSTOM:
-      return wfail(w, DP_ETYPE, "a custom of type '%s' has no value JSON form (pickle it first)", dp_custom_type(v)->name);
+    case DP_CUSTOM: {
+      char name[VJSON_NAME_TEXT_MAX];
+      const char *t = dp_custom_type(v)->name;
+      size_t n = vjson_name_text(t, strlen(t), name);
+      return wfail(w, DP_ETYPE, "a custom of type '%.*s' has no value JSON form (pickle it first)", (int)n, name);
+    }
     default:
       break;
   }
@@ -1219,26 +1405,43 @@ static int tag_open(wr_t *w, const char *tag) {
 }
 
 static void put_float(wr_t *w, double f) {
-  static const double canonical_nan = NAN;
-  uint64_t bits, nan_bits;
-  memcpy(&bits, &f, sizeof bits);
-  memcpy(&nan_bits, &canonical_nan, sizeof nan_bits);
   char b[40];
-  if (isfinite(f)) {
-    int n = snprintf(b, sizeof b, "%.17g", f);
-    if (!strpbrk(b, ".e")) n += snprintf(b + n, sizeof b - (size_t)n, ".0");
-    put(w, b, (size_t)n);
+  if (float_text(f, b, sizeof b)) {
+    put(w, b, strlen(b));
     return;
   }
-  /* NaNs other than the canonical one keep their bits: distinct NaN keys stay distinct */
-  if (isnan(f) && bits != nan_bits) snprintf(b, sizeof b, "0x%016" PRIx64, bits);
-  else snprintf(b, sizeof b, "%s", isnan(f) ? "nan" : f > 0 ? "inf" : "-inf");
   int first = tag_open(w, "$float");
   put_string(w, b, strlen(b));
   close_(w, '}', first);
 }
 
 static void emit(wr_t *w, dp_value_t v);
+
+/* Whether storage st is met for the first time (and now recorded): its
+ * "data" goes on its first tensor only, so that the text stays linear in the
+ * frame however many tensors share a storage. */
+static int storage_first(wr_t *w, const void *st) {
+  if ((w->sn + 1) * 2 > w->scap) {
+    size_t ncap = w->scap ? w->scap * 2 : 64;
+    const void **ns = calloc(ncap, sizeof *ns);
+    if (!ns) return wfail(w, DP_ENOMEM, "out of memory"), 0;
+    for (size_t i = 0; i < w->scap; i++) {
+      if (!w->stores[i]) continue;
+      size_t j = node_hash(w->stores[i]) & (ncap - 1);
+      while (ns[j]) j = (j + 1) & (ncap - 1);
+      ns[j] = w->stores[i];
+    }
+    free(w->stores);
+    w->stores = ns;
+    w->scap = ncap;
+  }
+  size_t j = node_hash(st) & (w->scap - 1);
+  for (; w->stores[j]; j = (j + 1) & (w->scap - 1))
+    if (w->stores[j] == st) return 0;
+  w->stores[j] = st;
+  w->sn++;
+  return 1;
+}
 
 static void emit_tensor(wr_t *w, dp_value_t v) {
   dp_storage_t *st = dp_tensor_storage(v);
@@ -1268,7 +1471,7 @@ static void emit_tensor(wr_t *w, dp_value_t v) {
   key(w, "offset", 6, &first);
   put_int(w, (long long)dp_tensor_offset(v));
   const void *data = dp_storage_host_data(st);
-  if (data) {
+  if (data && storage_first(w, st)) {
     key(w, "data", 4, &first);
     put_b64(w, data, dp_storage_nbytes(st));
   }
@@ -1427,6 +1630,7 @@ int vjson_write(FILE *out, dp_value_t v, int indent, char *msg, size_t msgsize) 
   }
   int rc = w->rc;
   free(w->slots);
+  free(w->stores);
   free(w);
   return rc;
 }

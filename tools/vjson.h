@@ -21,7 +21,8 @@ json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_
 
 /* Builds a value from parsed JSON. On error returns a DP_E* code and writes
  * a message naming the JSON path into msg. *is_inline tells whether the
- * tensors carry "data" (all of them) — such values make inline frames. */
+ * storages carry "data" (each on at least one of its tensors) — such values
+ * make inline frames. */
 int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t msgsize);
 
 /* Writes v as value JSON to out as it walks (no tree is built), indented by
@@ -34,6 +35,23 @@ int vjson_write(FILE *out, dp_value_t v, int indent, char *msg, size_t msgsize);
 /* Renders a value as value JSON (new reference), or NULL with msg: the text
  * vjson_write gives, parsed back. For tests and fuzzers. */
 json_t *vjson_from_value(dp_value_t v, char *msg, size_t msgsize);
+
+/* Path steps and names, rendered by the rule of docs/FORMAT.md ("Paths") as
+ * the library renders them: a name shows its first VJSON_NAME_MAX bytes (cut
+ * on a UTF-8 boundary, then "…"); control characters and `\` are escaped
+ * (\u00XX, \\), and `>` too outside quotes. Each writes into out, which holds
+ * VJSON_STEP_MAX bytes (VJSON_NAME_TEXT_MAX for a name's text), and returns
+ * the length (no terminating NUL). */
+#define VJSON_NAME_MAX 64
+#define VJSON_NAME_TEXT_MAX (6 * VJSON_NAME_MAX + 3)
+#define VJSON_STEP_MAX (8 + VJSON_NAME_TEXT_MAX + 1)
+/* The NaN that value JSON writes as {"$float": "nan"}; others go by their bits. */
+#define VJSON_DEFAULT_NAN_BITS 0x7ff8000000000000ull
+size_t vjson_name_shown(const char *s, size_t n);                  /* bytes of s a path shows */
+size_t vjson_name_text(const char *s, size_t n, char *out);        /* a name outside quotes */
+size_t vjson_step_name(const char *s, size_t n, char *out);        /* .name or ["name"] */
+size_t vjson_step_key(dp_value_t key, char *out);                  /* a dict value's step */
+size_t vjson_step_reduce(const char *s, size_t n, char *out);      /* <reduce Name> */
 
 /* base64 */
 char *vjson_b64_encode(const uint8_t *p, size_t n);
