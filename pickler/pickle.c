@@ -1,7 +1,15 @@
 /* pickler/pickle.c — values to frames, written with msgpack-c's packer. */
+/* The checksum's long-input loop is also compiled for AVX2 and picked at run
+ * time (dp__frame_checksum): xxhash's own dispatch, which only its shared
+ * library carries. These must precede xxhash.h (included by table.h). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DP_CHECKSUM_AVX2 1
+#define XXH_DISPATCH_AVX2 1
+#define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
+#include <immintrin.h>
+#endif
 #include <msgpack.h>
 #include <string.h>
-#include <xxhash.h>
 
 #include "frame.h"
 #include "walk.h"
@@ -19,8 +27,24 @@ struct dp_frame {
   int failed;            /* sticky: the writer ran out of memory */
 };
 
+#ifdef DP_CHECKSUM_AVX2
+/* XXH3_64bits_withSeed's path for inputs over XXH3_MIDSIZE_MAX bytes, with
+ * the AVX2 kernels: the same hash (xxhash's kernels agree by design; the
+ * pickler suite checks it), twice the bytes per instruction of SSE2. */
+static XXH_TARGET_AVX2 __attribute__((noinline)) uint64_t checksum_long_avx2(const void *p, size_t n, uint64_t seed) {
+  return XXH3_hashLong_64b_withSeed_internal(p, n, seed, XXH3_accumulate_512_avx2, XXH3_scrambleAcc_avx2,
+                                             XXH3_initCustomSecret_avx2);
+}
+#endif
+
 uint64_t dp__frame_checksum(const uint8_t *frame, size_t n) {
-  return XXH3_64bits_withSeed(frame + DP_FRAME_HEADER, n - DP_FRAME_HEADER, XXH3_64bits(frame, 32));
+  const uint8_t *p = frame + DP_FRAME_HEADER;
+  size_t len = n - DP_FRAME_HEADER;
+  uint64_t seed = XXH3_64bits(frame, 32);
+#ifdef DP_CHECKSUM_AVX2
+  if (len > XXH3_MIDSIZE_MAX && __builtin_cpu_supports("avx2")) return checksum_long_avx2(p, len, seed);
+#endif
+  return XXH3_64bits_withSeed(p, len, seed);
 }
 
 static int frame_reserve(dp_frame_t *f, size_t extra) {
