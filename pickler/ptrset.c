@@ -133,6 +133,18 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
   return 0;
 }
 
+int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
+  size_t need = s->count + n;  /* both bounded by memory held */
+  if (need >= UINT32_MAX - 1) return DP_ELIMIT;
+  if (need * 2 > s->tab.nslots) {
+    size_t slots = s->tab.nslots > 64 ? s->tab.nslots : 64;  /* a power of two */
+    while (slots < need * 2) slots *= 2;
+    int rc = dp__table_grow(&s->tab, DP_TABLE_TAGGED, s->count, slots, entry_hash, s);
+    if (rc) return rc;
+  }
+  return dp__grow((void **)&s->entries, &s->cap, need, sizeof(dp__pentry_t));
+}
+
 int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbytes, size_t *index,
                   dp_error_t *err) {
   if (!set) return dp__err(err, DP_EINVAL, "dp_ptrset_add: NULL set");

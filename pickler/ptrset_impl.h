@@ -33,9 +33,19 @@ struct dp_ptrset {
 };
 
 /* Keyed with the process's secret: bases a frame or a caller chose to
- * collide under a known hash do not collide here. */
+ * collide under a known hash do not collide here. The key of a device is
+ * derived once (dp__hash_u64_key); a scan derives it once per batch. */
+static inline __attribute__((always_inline)) uint64_t dp__ptr_salt(dp_device_t d) {
+  return ((uint64_t)d.type << 8) | d.index;
+}
+static inline __attribute__((always_inline)) uint64_t dp__ptr_key(dp_device_t d) {
+  return dp__hash_u64_key(dp__ptr_salt(d));
+}
+static inline __attribute__((always_inline)) uint64_t dp__ptr_hash_keyed(const void *base, uint64_t key) {
+  return dp__hash_u64_keyed((uint64_t)(uintptr_t)base, key);
+}
 static inline __attribute__((always_inline)) uint64_t dp__ptr_hash(dp_device_t d, const void *base) {
-  return dp__hash_u64((uint64_t)(uintptr_t)base, ((uint64_t)d.type << 8) | d.index);
+  return dp__ptr_hash_keyed(base, dp__ptr_key(d));
 }
 
 static inline void dp__ptrset_prefetch(const dp_ptrset_t *s, uint64_t h) {
@@ -58,6 +68,48 @@ static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, 
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
                           size_t slot, size_t *index);
 
+/* Room for n more entries, in the entries and in the table: then n calls
+ * of dp__ptrset_add_reserved need no growth. DP_ENOMEM (or DP_ELIMIT) and
+ * nothing changed when it cannot be had. */
+int dp__ptrset_reserve(dp_ptrset_t *s, size_t n);
+
+/* Room reserved for the whole batch (dp__ptrset_reserve): appends the entry
+ * on the fast path, the same as dp__ptrset_add_hashed's. */
+static inline __attribute__((always_inline)) size_t dp__ptrset_append(dp_ptrset_t *s, dp_device_t device, void *base,
+                                                                     size_t nbytes, uint64_t h, size_t j) {
+  size_t i = s->count++, g = s->last_group;
+  dp__pgroup_t *gr = &s->groups[g];
+  dp__pentry_t *e = &s->entries[i];
+  *e = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
+  if (gr->count++ == 0)
+    gr->head = (uint32_t)i;
+  else
+    s->entries[gr->tail].next_on = (uint32_t)(i + 1);
+  gr->tail = (uint32_t)i;
+  dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
+  return i;
+}
+
+/* dp__ptrset_add_hashed with room reserved: only a new device takes the
+ * slow path. */
+static inline __attribute__((always_inline)) int dp__ptrset_add_reserved(dp_ptrset_t *s, dp_device_t device, void *base,
+                                                                        size_t nbytes, uint64_t h, size_t *index) {
+  dp__pkey_t key = {base, device};
+  size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
+  if (at != DP_TABLE_NONE) {
+    dp__pentry_t *e = &s->entries[at];
+    e->refs++;
+    if (nbytes > e->nbytes) e->nbytes = nbytes;
+    *index = at;
+    return 0;
+  }
+  if (DP_LIKELY(s->last_group < s->ngroups && dp_device_equal(s->groups[s->last_group].device, device))) {
+    *index = dp__ptrset_append(s, device, base, nbytes, h, j);
+    return 0;
+  }
+  return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index);
+}
+
 /* Finds (device, base) given its hash or adds it; counts one more tensor. */
 static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,
                                         uint64_t h, size_t *index, int *is_new) {
@@ -75,21 +127,7 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
   /* Fast path: room everywhere and the same device as the last insert. */
   if (DP_LIKELY(j != SIZE_MAX && !dp__table_full(&s->tab) && s->count < s->cap &&
                 s->last_group < s->ngroups && dp_device_equal(s->groups[s->last_group].device, device))) {
-    size_t i = s->count++;
-    dp__pgroup_t *gr = &s->groups[s->last_group];
-    dp__pentry_t *e = &s->entries[i];
-    e->device = device;
-    e->refs = 1;
-    e->base = base;
-    e->nbytes = nbytes;
-    e->path = NULL;
-    e->next_on = 0;
-    e->group = (uint32_t)s->last_group;
-    if (gr->count++ == 0) gr->head = (uint32_t)i;
-    else s->entries[gr->tail].next_on = (uint32_t)(i + 1);
-    gr->tail = (uint32_t)i;
-    dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
-    *index = i;
+    *index = dp__ptrset_append(s, device, base, nbytes, h, j);
     return 0;
   }
   return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index);

@@ -408,8 +408,8 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
  * slot), insert — each pass issuing its cache misses together. Inserts keep
  * discovery order. */
 static int flush_pending(dp__walker_t *w) {
-  dp_storage_t *st[DP_WALK_BATCH];
-  uint64_t h[DP_WALK_BATCH];
+  dp_storage_t *st[DP_WALK_BATCH + DP_INLINE_MAX];
+  uint64_t h[DP_WALK_BATCH + DP_INLINE_MAX];
   int n = 0, m = w->npending;
   w->npending = 0;
   for (int i = 0; i < m; i++) {
@@ -424,21 +424,36 @@ static int flush_pending(dp__walker_t *w) {
     __builtin_prefetch(st[n]);
     n++;
   }
+  if (!n) return 0;
+  dp_ptrset_t *s = w->set;
+  /* Room for the whole batch at once, so that inserts check nothing but the
+   * device; if it cannot be had, each insert grows what it needs (and what
+   * was met before running out still lands in the set). */
+  int reserved = dp__ptrset_reserve(s, (size_t)n) == 0;
+  /* One key per device, derived again only when the device changes. */
+  dp_device_t kdev = st[0]->device;
+  uint64_t key = dp__ptr_key(kdev);
+  const dp__tslot_t *slots = s->tab.slots;
+  size_t mask = s->tab.nslots - 1;
   for (int i = 0; i < n; i++) {
     if (i && st[i] == st[i - 1]) continue;  /* see below */
-    h[i] = dp__ptr_hash(st[i]->device, st[i]->base);
-    dp__ptrset_prefetch(w->set, h[i]);
+    if (DP_UNLIKELY(!dp_device_equal(st[i]->device, kdev))) key = dp__ptr_key(kdev = st[i]->device);
+    h[i] = dp__ptr_hash_keyed(st[i]->base, key);
+    if (reserved) __builtin_prefetch(slots + (h[i] & mask), 1);
   }
   size_t id = 0;
   for (int i = 0; i < n; i++) {
     /* a view right after its base tensor: the same entry, no probe */
     if (i && st[i] == st[i - 1]) {
-      w->set->entries[id].refs++;
+      s->entries[id].refs++;
       continue;
     }
-    int is_new;
-    if (dp__ptrset_add_hashed(w->set, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new) != 0)
-      return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
+    int rc, is_new;
+    if (reserved)
+      rc = dp__ptrset_add_reserved(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id);
+    else
+      rc = dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new);
+    if (rc != 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
   }
   return 0;
 }
@@ -446,42 +461,92 @@ static int flush_pending(dp__walker_t *w) {
 #define DP_WALK_INLINE static inline __attribute__((always_inline))
 
 /* A scan's tensor waits in the batch, looked into later (flush_pending). */
-DP_WALK_INLINE int stage_tensor(dp__walker_t *w, dp_heap_t *h) {
+DP_WALK_INLINE void pend(dp__walker_t *w, dp_heap_t *h) {
   __builtin_prefetch(h);
   w->pending[w->npending++] = (dp_tensor_t *)h;
-  return w->npending == DP_WALK_BATCH ? flush_pending(w) : 0;
 }
 
-/* Whether a list or tuple holds only leaves: scalars, str, bytes, tensors. */
-DP_WALK_INLINE int leaf_only(const dp_seq_t *s) {
-  if (s->len > 8) return 0;
-  for (size_t j = 0; j < s->len; j++)
-    if (s->items[j].kind >= DP_LIST && s->items[j].kind != DP_TENSOR) return 0;
+DP_WALK_INLINE int stage_tensor(dp__walker_t *w, dp_heap_t *h) {
+  pend(w, h);
+  return w->npending >= DP_WALK_BATCH ? flush_pending(w) : 0;
+}
+
+/* Scan only: stages the tensors of v — a list, tuple or object held once —
+ * in place, without a frame, if its items are leaves (scalars, str, bytes,
+ * tensors) or, with room for one more level, lists and tuples held once
+ * that hold only leaves; DP_INLINE_MAX items in all. Returns 1 if it did;
+ * 0 (nothing staged: what was staged is taken back) if v needs a frame.
+ * `room`: how many levels of non-empty containers the depth limit still
+ * allows below the frame being scanned; each container staged in place
+ * would have been a frame, and the limit counts them the same. The batch
+ * has room for DP_INLINE_MAX tensors past DP_WALK_BATCH: nothing is looked
+ * into before v is known to need no frame. */
+DP_WALK_INLINE int try_stage(dp__walker_t *w, dp_value_t v, uint32_t room) {
+  int mark = w->npending;
+  if (v.kind == DP_OBJECT) {
+    const dp_object_t *o = DP_OBJ(v);
+    if ((o->c.h.flags & DP_HEAP_REDUCED) || o->len > DP_INLINE_MAX || (o->len && room < 1)) return 0;
+    for (size_t j = 0; j < o->len; j++) {
+      uint32_t k = o->attrs[j].val.kind;
+      if (k < DP_LIST) continue;
+      if (k != DP_TENSOR) goto undo;
+      pend(w, o->attrs[j].val.u.h);
+    }
+    return 1;
+  }
+  const dp_seq_t *s = DP_SEQ(v);
+  size_t budget = DP_INLINE_MAX;
+  if (s->len > budget || (s->len && room < 1)) return 0;
+  budget -= s->len;
+  for (size_t j = 0; j < s->len; j++) {
+    dp_value_t x = s->items[j];
+    if (x.kind < DP_LIST) continue;
+    if (x.kind == DP_TENSOR) {
+      pend(w, x.u.h);
+      continue;
+    }
+    if ((x.kind != DP_LIST && x.kind != DP_TUPLE) || dp__rc(x.u.h) != 1) goto undo;
+    const dp_seq_t *c = DP_SEQ(x);
+    if (!c->len) continue;
+    if (room < 2 || c->len > budget) goto undo;
+    budget -= c->len;
+    for (size_t i = 0; i < c->len; i++) {
+      uint32_t k = c->items[i].kind;
+      if (k < DP_LIST) continue;
+      if (k != DP_TENSOR) goto undo;
+      pend(w, c->items[i].u.h);
+    }
+  }
   return 1;
+undo:
+  w->npending = mark;
+  return 0;
 }
 
 /* Scan only: runs over seq items from *i that need no frame of their own —
- * scalars, str and bytes (skipped), tensors (staged), and small lists and
- * tuples of leaves held once (their tensors staged in place: with one
- * reference they cannot be met again before a reduce(), so the memo never
- * needs them; after one, such a list met again through a state has two
- * references and gets a frame, and its tensors, recorded when their batch
- * was looked into, count once) — and stops at the first other item. */
-DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i) {
+ * scalars, str and bytes (skipped), tensors (staged), small containers held
+ * once that try_stage() stages in place — and stops at the first other
+ * item. Staging in place is sound: a container held once cannot be met
+ * again before a reduce(), so the memo never needs it (the replay before
+ * the first reduce() records it all the same); after one, such a container
+ * met again through a state has two references and gets a frame, and its
+ * tensors, recorded when their batch was looked into, count once. The items
+ * would be frames at depth `depth`. */
+DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i, size_t depth) {
+  uint32_t room = depth < w->max_depth ? (uint32_t)(w->max_depth - depth) : 0;
   for (; *i < n; (*i)++) {
     uint32_t k = items[*i].kind;
     if (k < DP_LIST) continue;
-    int rc = 0;
-    if (k == DP_TENSOR) {
-      rc = stage_tensor(w, items[*i].u.h);
-    } else if ((k == DP_LIST || k == DP_TUPLE) && dp__rc(items[*i].u.h) == 1 && leaf_only(DP_SEQ(items[*i]))) {
-      const dp_seq_t *s = DP_SEQ(items[*i]);
-      for (size_t j = 0; j < s->len && rc == 0; j++)
-        if (s->items[j].kind == DP_TENSOR) rc = stage_tensor(w, s->items[j].u.h);
-    } else {
-      return 0;
+    if (k == DP_TENSOR || ((k == DP_LIST || k == DP_TUPLE || k == DP_OBJECT) && dp__rc(items[*i].u.h) == 1 &&
+                           try_stage(w, items[*i], room))) {
+      if (k == DP_TENSOR) pend(w, items[*i].u.h);
+      if (w->npending >= DP_WALK_BATCH) {
+        int rc = flush_pending(w);
+        if (rc) return rc;
+      }
+      continue;
     }
-    if (rc) return rc;
+    return 0;
   }
   return 0;
 }
@@ -531,11 +596,12 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
         if (rc) return rc;
       } else {
         const dp_value_t *items = DP_SEQ(v)->items;
-        if (w->batch) {
+        if (w->batch && n && w->top < w->max_depth) {
           /* A container of leaves needs no frame: stage its tensors here;
-           * otherwise its frame starts where the leaves stop. */
+           * otherwise its frame starts where the leaves stop. (Past the
+           * depth limit, push() refuses it as a frame would be.) */
           size_t start = 0;
-          int rc = scan_leaves(w, items, n, &start);
+          int rc = scan_leaves(w, items, n, &start, w->top + 1);
           if (rc || start == n) return rc;
           if ((rc = push(w, v, dp_none(), n)) == 0) w->stack[w->top - 1].i = start;
           return rc;
@@ -640,7 +706,7 @@ DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
       dp_value_t *items = DP_SEQ(f->node)->items;
       size_t n = f->n;
       if (w->batch) {
-        if ((rc = scan_leaves(w, items, n, &f->i)) != 0) break;
+        if ((rc = scan_leaves(w, items, n, &f->i, w->top)) != 0) break;
       } else {
         while (f->i < n && items[f->i].kind < DP_LIST) f->i++;
       }

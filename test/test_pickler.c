@@ -219,6 +219,149 @@ Test(pickler, small_lists_of_leaves_are_scanned_in_place_without_losing_shared_o
   ASSERT_NO_LEAK();
 }
 
+/* Scans a with and without paths and pickles it, all with max_depth md:
+ * the three agree on the outcome and the message. */
+static void expect_same_depth_verdict(dp_value_t v, uint32_t md, int want) {
+  dp_ptrset_t *s;
+  dp_error_t e1, e2, e3;
+  OK(dp_ptrset_new(&s, NULL));
+  dp_scan_opts_t with = {DP_SCAN_PATHS, md}, without = {0, md};
+  int r1 = dp_scan(v, &with, s, &e1);
+  dp_ptrset_clear(s);
+  int r2 = dp_scan(v, &without, s, &e2);
+  dp_ptrset_free(s);
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  dp_pickle_opts_t po = {0};
+  po.max_depth = md;
+  int r3 = dp_pickle(v, &po, f, &e3);
+  dp_frame_free(f);
+  cr_assert_eq(r1, want, "max_depth %u, scan with paths: %s", md, dp_err_name(r1));
+  cr_assert_eq(r2, want, "max_depth %u, scan without paths: %s (with paths: %s)", md, dp_err_name(r2), dp_err_name(r1));
+  cr_assert_eq(r3, want, "max_depth %u, pickle: %s", md, dp_err_name(r3));
+  if (want) {
+    cr_assert_str_eq(e2.message, e1.message);
+    cr_assert_str_eq(e3.message, e1.message);
+  }
+}
+
+Test(pickler, scans_without_paths_keep_the_depth_limit_of_scans_with_paths) {
+  /* A scan without paths stages small containers of tensors in place,
+   * without a frame: the depth limit must count them as frames all the
+   * same. [[t]], [[[t]]], [(t, [t])], [obj{t}], [[], [[t]]]. */
+  dp_value_t v[5], a, b, c, tup, o;
+  a = t_list(), b = t_list();
+  OK(dp_list_append(b, t_tensor(CUDA0, 0x1000, 4), NULL));
+  OK(dp_list_append(a, b, NULL));
+  v[0] = a;
+  a = t_list(), b = t_list(), c = t_list();
+  OK(dp_list_append(c, t_tensor(CUDA0, 0x2000, 4), NULL));
+  OK(dp_list_append(b, c, NULL));
+  OK(dp_list_append(a, b, NULL));
+  v[1] = a;
+  a = t_list(), b = t_list();
+  OK(dp_list_append(b, t_tensor(CUDA0, 0x3000, 4), NULL));
+  OK(dp_tuple_new(2, &tup, NULL));
+  OK(dp_seq_set(tup, 0, t_tensor(CUDA0, 0x4000, 4), NULL));
+  OK(dp_seq_set(tup, 1, b, NULL));
+  OK(dp_list_append(a, tup, NULL));
+  v[2] = a;
+  a = t_list(), o = t_obj("Holder");
+  OK(dp_object_set(o, "t", t_tensor(CUDA0, 0x5000, 4), NULL));
+  OK(dp_list_append(a, o, NULL));
+  v[3] = a;
+  a = t_list(), b = t_list(), c = t_list();
+  OK(dp_list_append(c, t_tensor(CUDA0, 0x6000, 4), NULL));
+  OK(dp_list_append(b, c, NULL));
+  OK(dp_list_append(a, t_list(), NULL));
+  OK(dp_list_append(a, b, NULL));
+  v[4] = a;
+  uint32_t deep[5] = {2, 3, 3, 2, 3};  /* levels of non-empty containers */
+  for (int i = 0; i < 5; i++) {
+    for (uint32_t md = 1; md <= deep[i] + 1; md++) expect_same_depth_verdict(v[i], md, md < deep[i] ? DP_ELIMIT : 0);
+    dp_value_release(v[i]);
+  }
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, containers_staged_in_place_keep_order_and_counts_across_batches) {
+  /* Lists, tuples and objects of tensors that are staged in place, and
+   * others that turn out to need a frame after some of their tensors were
+   * staged (a dict, a custom-free object in a list, a 17th item), around
+   * the batch boundaries: the same entries, in the same order, with the same
+   * counts as the path scan. */
+  dp_value_t root = t_list();
+  uintptr_t base = 0x200000;
+  for (int i = 0; i < 60; i++) {
+    dp_value_t x;
+    switch (i % 5) {
+      case 0:  /* (t, t, [t, 1]) */
+        x = t_list();
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        {
+          dp_value_t in = t_list();
+          OK(dp_list_append(in, t_tensor(CUDA0, base += 64, 4), NULL));
+          OK(dp_list_append(in, dp_int(1), NULL));
+          OK(dp_list_append(x, in, NULL));
+        }
+        break;
+      case 1: { /* [t, t, {"k": t}]: a frame after two tensors */
+        x = t_list();
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        dp_value_t d;
+        OK(dp_dict_new(1, &d, NULL));
+        OK(dp_dict_set(d, t_str("k"), t_tensor(CUDA0, base += 64, 4), NULL));
+        OK(dp_list_append(x, d, NULL));
+        break;
+      }
+      case 2: /* obj{a: t, b: 2, c: t} */
+        x = t_obj("Pair");
+        OK(dp_object_set(x, "a", t_tensor(CUDA0, base += 64, 4), NULL));
+        OK(dp_object_set(x, "b", dp_int(2), NULL));
+        OK(dp_object_set(x, "c", t_tensor(CUDA1, base += 64, 4), NULL));
+        break;
+      case 3: /* [17 tensors]: over DP_INLINE_MAX */
+        x = t_list();
+        for (int k = 0; k < 17; k++) OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        break;
+      default: /* [[t x 9], [t x 9]]: over DP_INLINE_MAX in all, after 9 staged */
+        x = t_list();
+        for (int h = 0; h < 2; h++) {
+          dp_value_t in = t_list();
+          for (int k = 0; k < 9; k++) OK(dp_list_append(in, t_tensor(CUDA1, base += 64, 4), NULL));
+          OK(dp_list_append(x, in, NULL));
+        }
+        break;
+    }
+    OK(dp_list_append(root, x, NULL));
+  }
+  dp_ptrset_t *with = scan_paths(root), *without;
+  OK(dp_ptrset_new(&without, NULL));
+  OK(dp_scan(root, NULL, without, NULL));
+  cr_assert_eq(dp_ptrset_count(with), 12 * (3 + 3 + 2 + 17 + 18));
+  cr_assert_eq(dp_ptrset_count(without), dp_ptrset_count(with));
+  for (size_t i = 0; i < dp_ptrset_count(with); i++) {
+    dp_ptr_info_t a, b;
+    OK(dp_ptrset_get(with, i, &a));
+    OK(dp_ptrset_get(without, i, &b));
+    cr_assert(a.base == b.base && a.refs == b.refs && dp_device_equal(a.device, b.device), "entry %zu", i);
+  }
+  for (size_t j = 0; j < dp_ptrset_ndevices(with); j++) {
+    cr_assert(dp_device_equal(dp_ptrset_device(with, j), dp_ptrset_device(without, j)));
+    size_t x = dp_ptrset_first_on(with, j), y = dp_ptrset_first_on(without, j), n = 0;
+    for (; x != SIZE_MAX; x = dp_ptrset_next_on(with, x), y = dp_ptrset_next_on(without, y), n++)
+      cr_assert_eq(x, y, "device %zu, entry %zu", j, n);
+    cr_assert_eq(y, SIZE_MAX);
+    cr_assert_eq(n, dp_ptrset_device_count(without, j));
+  }
+  dp_ptrset_free(with);
+  dp_ptrset_free(without);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, cycles_terminate_and_each_storage_is_met_once) {
   dp_value_t a = t_obj("Node"), b = t_obj("Node");
   OK(dp_object_set(a, "t", t_tensor(CUDA0, 0x1000, 4), NULL));
