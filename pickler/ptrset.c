@@ -110,6 +110,10 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
   if (g == SIZE_MAX) {
     if (dp__grow((void **)&s->groups, &s->groups_cap, s->ngroups + 1, sizeof(dp__pgroup_t)) != 0)
       return DP_ENOMEM;
+    if (s->ngroups == 1) {  /* a second device: chain the first one's entries (0, 1, 2, ...) */
+      for (size_t k = 0; k + 1 < s->count; k++) s->entries[k].next_on = (uint32_t)(k + 2);
+      if (s->count) s->entries[s->count - 1].next_on = 0;
+    }
     g = s->ngroups++;
     s->groups[g] = (dp__pgroup_t){device, 0, 0, 0};
     s->last_group = g;
@@ -204,6 +208,8 @@ size_t dp_ptrset_first_on(const dp_ptrset_t *s, size_t j) {
 }
 
 size_t dp_ptrset_next_on(const dp_ptrset_t *s, size_t i) {
-  if (!s || i >= s->count || s->entries[i].next_on == 0) return SIZE_MAX;
+  if (!s || i >= s->count) return SIZE_MAX;
+  if (s->ngroups == 1) return i + 1 < s->count ? i + 1 : SIZE_MAX;  /* not chained: see dp__ptrset_append */
+  if (s->entries[i].next_on == 0) return SIZE_MAX;
   return s->entries[i].next_on - 1;
 }

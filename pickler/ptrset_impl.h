@@ -52,6 +52,14 @@ static inline void dp__ptrset_prefetch(const dp_ptrset_t *s, uint64_t h) {
   dp__table_prefetch(&s->tab, DP_TABLE_TAGGED, h);
 }
 
+/* A device as one 16-bit number: compared in one instruction. */
+_Static_assert(sizeof(dp_device_t) == 2, "a device is two bytes");
+static inline __attribute__((always_inline)) uint16_t dp__dev_bits(dp_device_t d) {
+  uint16_t x;
+  memcpy(&x, &d, sizeof x);
+  return x;
+}
+
 typedef struct dp__pkey {
   const void *base;
   dp_device_t device;
@@ -60,7 +68,7 @@ typedef struct dp__pkey {
 static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, size_t i, const void *key) {
   const dp__pentry_t *e = &((const dp_ptrset_t *)ctx)->entries[i];
   const dp__pkey_t *k = key;
-  return e->base == k->base && dp_device_equal(e->device, k->device);
+  return e->base == k->base && dp__dev_bits(e->device) == dp__dev_bits(k->device);
 }
 
 /* Slow path: grow, add a device group, append the entry. `slot` is the
@@ -73,18 +81,18 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
  * nothing changed when it cannot be had. */
 int dp__ptrset_reserve(dp_ptrset_t *s, size_t n);
 
-/* Room reserved for the whole batch (dp__ptrset_reserve): appends the entry
- * on the fast path, the same as dp__ptrset_add_hashed's. */
+/* Appends the entry on the fast path: room reserved, and the device is the
+ * last insert's (so its group has entries already). Each device's entries
+ * are chained in order (next_on); while there is one device the chain is
+ * entries 0, 1, 2, ... and is not written (ptrset.c links it when a second
+ * device comes). */
 static inline __attribute__((always_inline)) size_t dp__ptrset_append(dp_ptrset_t *s, dp_device_t device, void *base,
                                                                      size_t nbytes, uint64_t h, size_t j) {
   size_t i = s->count++, g = s->last_group;
   dp__pgroup_t *gr = &s->groups[g];
-  dp__pentry_t *e = &s->entries[i];
-  *e = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
-  if (gr->count++ == 0)
-    gr->head = (uint32_t)i;
-  else
-    s->entries[gr->tail].next_on = (uint32_t)(i + 1);
+  s->entries[i] = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
+  gr->count++;
+  if (DP_UNLIKELY(s->ngroups > 1)) s->entries[gr->tail].next_on = (uint32_t)(i + 1);
   gr->tail = (uint32_t)i;
   dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
   return i;
@@ -95,6 +103,7 @@ static inline __attribute__((always_inline)) size_t dp__ptrset_append(dp_ptrset_
 static inline __attribute__((always_inline)) int dp__ptrset_add_reserved(dp_ptrset_t *s, dp_device_t device, void *base,
                                                                         size_t nbytes, uint64_t h, size_t *index) {
   dp__pkey_t key = {base, device};
+  if (!s->tab.nslots) __builtin_unreachable();  /* reserved */
   size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
   if (at != DP_TABLE_NONE) {
     dp__pentry_t *e = &s->entries[at];
@@ -103,7 +112,7 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_reserved(dp_ptrs
     *index = at;
     return 0;
   }
-  if (DP_LIKELY(s->last_group < s->ngroups && dp_device_equal(s->groups[s->last_group].device, device))) {
+  if (DP_LIKELY(s->last_group < s->ngroups && dp__dev_bits(s->groups[s->last_group].device) == dp__dev_bits(device))) {
     *index = dp__ptrset_append(s, device, base, nbytes, h, j);
     return 0;
   }
@@ -126,7 +135,7 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
   *is_new = 1;
   /* Fast path: room everywhere and the same device as the last insert. */
   if (DP_LIKELY(j != SIZE_MAX && !dp__table_full(&s->tab) && s->count < s->cap &&
-                s->last_group < s->ngroups && dp_device_equal(s->groups[s->last_group].device, device))) {
+                s->last_group < s->ngroups && dp__dev_bits(s->groups[s->last_group].device) == dp__dev_bits(device))) {
     *index = dp__ptrset_append(s, device, base, nbytes, h, j);
     return 0;
   }

@@ -430,21 +430,26 @@ static int flush_pending(dp__walker_t *w) {
    * device; if it cannot be had, each insert grows what it needs (and what
    * was met before running out still lands in the set). */
   int reserved = dp__ptrset_reserve(s, (size_t)n) == 0;
-  /* One key per device, derived again only when the device changes. */
+  /* One key per device, derived again only when the device changes. A
+   * storage right after itself (a view after its base tensor) is marked in
+   * `again`: the same entry, no probe. */
   dp_device_t kdev = st[0]->device;
-  uint64_t key = dp__ptr_key(kdev);
+  uint64_t key = dp__ptr_key(kdev), again = 0;
+  _Static_assert(DP_WALK_BATCH + DP_INLINE_MAX <= 64, "a batch fits a 64-bit mask");
   const dp__tslot_t *slots = s->tab.slots;
   size_t mask = s->tab.nslots - 1;
   for (int i = 0; i < n; i++) {
-    if (i && st[i] == st[i - 1]) continue;  /* see below */
-    if (DP_UNLIKELY(!dp_device_equal(st[i]->device, kdev))) key = dp__ptr_key(kdev = st[i]->device);
+    if (i && st[i] == st[i - 1]) {
+      again |= 1ull << i;
+      continue;
+    }
+    if (DP_UNLIKELY(dp__dev_bits(st[i]->device) != dp__dev_bits(kdev))) key = dp__ptr_key(kdev = st[i]->device);
     h[i] = dp__ptr_hash_keyed(st[i]->base, key);
     if (reserved) __builtin_prefetch(slots + (h[i] & mask), 1);
   }
   size_t id = 0;
   for (int i = 0; i < n; i++) {
-    /* a view right after its base tensor: the same entry, no probe */
-    if (i && st[i] == st[i - 1]) {
+    if (again >> i & 1) {
       s->entries[id].refs++;
       continue;
     }
