@@ -77,7 +77,7 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
                           size_t slot, size_t *index);
 
 /* Room for n more entries, in the entries and in the table: then n calls
- * of dp__ptrset_add_reserved need no growth. DP_ENOMEM (or DP_ELIMIT) and
+ * of the fast path need no growth. DP_ENOMEM (or DP_ELIMIT) and
  * nothing changed when it cannot be had. */
 int dp__ptrset_reserve(dp_ptrset_t *s, size_t n);
 
@@ -98,26 +98,11 @@ static inline __attribute__((always_inline)) size_t dp__ptrset_append(dp_ptrset_
   return i;
 }
 
-/* dp__ptrset_add_hashed with room reserved: only a new device takes the
- * slow path. */
-static inline __attribute__((always_inline)) int dp__ptrset_add_reserved(dp_ptrset_t *s, dp_device_t device, void *base,
-                                                                        size_t nbytes, uint64_t h, size_t *index) {
-  dp__pkey_t key = {base, device};
-  if (!s->tab.nslots) __builtin_unreachable();  /* reserved */
-  size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
-  if (at != DP_TABLE_NONE) {
-    dp__pentry_t *e = &s->entries[at];
-    e->refs++;
-    if (nbytes > e->nbytes) e->nbytes = nbytes;
-    *index = at;
-    return 0;
-  }
-  if (DP_LIKELY(s->last_group < s->ngroups && dp__dev_bits(s->groups[s->last_group].device) == dp__dev_bits(device))) {
-    *index = dp__ptrset_append(s, device, base, nbytes, h, j);
-    return 0;
-  }
-  return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index);
-}
+/* Adds a scan's batch of storages, hashes h (dp__ptr_hash), in order, with
+ * room reserved for n (dp__ptrset_reserve); bit i of `again` marks st[i] as
+ * st[i - 1] again (the same entry, no probe). Fails (DP_ENOMEM) only where a
+ * new device needs a group. */
+int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_storage *const *st, const uint64_t *h, uint64_t again, int n);
 
 /* Finds (device, base) given its hash or adds it; counts one more tensor. */
 static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,

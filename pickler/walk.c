@@ -447,18 +447,20 @@ static int flush_pending(dp__walker_t *w) {
     h[i] = dp__ptr_hash_keyed(st[i]->base, key);
     if (reserved) __builtin_prefetch(slots + (h[i] & mask), 1);
   }
+  if (reserved) {
+    if (dp__ptrset_add_batch(s, st, h, again, n) != 0)
+      return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
+    return 0;
+  }
   size_t id = 0;
   for (int i = 0; i < n; i++) {
     if (again >> i & 1) {
       s->entries[id].refs++;
       continue;
     }
-    int rc, is_new;
-    if (reserved)
-      rc = dp__ptrset_add_reserved(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id);
-    else
-      rc = dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new);
-    if (rc != 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
+    int is_new;
+    if (dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new) != 0)
+      return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
   }
   return 0;
 }
