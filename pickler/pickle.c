@@ -146,12 +146,12 @@ static int too_large(dp_frame_t *f, const char *what, unsigned long long n) {
 
 
 
-static inline int put_tag(dp_frame_t *pk, char tag) {
+static inline __attribute__((always_inline)) int put_tag(dp_frame_t *pk, char tag) {
   int rc = fpk_ext(pk, 1, DP_EXT_TAG);
   return rc ? rc : fpk_ext_body(pk, &tag, 1);
 }
 
-static inline int put_str(dp_frame_t *pk, const char *s, size_t n) {
+static inline __attribute__((always_inline)) int put_str(dp_frame_t *pk, const char *s, size_t n) {
   int rc = fpk_str(pk, n);
   return rc ? rc : fpk_str_body(pk, s, n);
 }
