@@ -362,6 +362,116 @@ Test(pickler, containers_staged_in_place_keep_order_and_counts_across_batches) {
   ASSERT_NO_LEAK();
 }
 
+Test(pickler, a_scan_that_runs_out_of_memory_says_so_and_keeps_what_it_met_in_order) {
+  /* 200 tensors over two devices, a device change inside batches, views
+   * after their base: failing each allocation of a fresh set's scan in turn,
+   * the scan reports DP_ENOMEM with its message, and the entries it kept are
+   * the first ones of the full scan, with their devices chained in order. */
+  dp_value_t root = t_list();
+  for (int i = 0; i < 200; i++) {
+    dp_storage_t *st = t_storage(i % 50 == 49 ? CUDA1 : CUDA0, 0x400000 + (uintptr_t)i * 4096, 4096);
+    OK(dp_list_append(root, t_view(st, 8, 0), NULL));
+    if (i % 3 == 0) OK(dp_list_append(root, t_view(st, 4, 8), NULL));
+    dp_storage_release(st);
+  }
+  dp_ptrset_t *full;
+  OK(dp_ptrset_new(&full, NULL));
+  long before = t_alloc_count;
+  OK(dp_scan(root, NULL, full, NULL));
+  long allocs = t_alloc_count - before;
+  cr_assert_eq(dp_ptrset_count(full), 200);
+  int failed = 0;
+  /* a failed allocation may be made up for (a batch's room is then grown
+   * one insert at a time): the scan either succeeds whole or fails */
+  for (long k = 1; k <= allocs + 2; k++) {
+    dp_ptrset_t *s;
+    OK(dp_ptrset_new(&s, NULL));
+    dp_error_t e;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_scan(root, NULL, s, &e);
+    t_fail_at = 0;
+    if (rc == 0) {
+      cr_assert_eq(dp_ptrset_count(s), 200, "allocation %ld", k);
+      dp_ptrset_free(s);
+      continue;
+    }
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
+    cr_assert(strstr(e.message, "out of memory"), "%s", e.message);
+    size_t n = dp_ptrset_count(s);
+    for (size_t i = 0; i < n; i++) {
+      dp_ptr_info_t a, b;
+      OK(dp_ptrset_get(full, i, &a));
+      OK(dp_ptrset_get(s, i, &b));
+      cr_assert(a.base == b.base && dp_device_equal(a.device, b.device), "allocation %ld, entry %zu", k, i);
+    }
+    for (size_t j = 0; j < dp_ptrset_ndevices(s); j++) {
+      size_t m = 0, prev = 0;
+      for (size_t i = dp_ptrset_first_on(s, j); i != SIZE_MAX; i = dp_ptrset_next_on(s, i), m++) {
+        cr_assert(m == 0 || i > prev);
+        dp_ptr_info_t p;
+        OK(dp_ptrset_get(s, i, &p));
+        cr_assert(dp_device_equal(p.device, dp_ptrset_device(s, j)), "allocation %ld, entry %zu", k, i);
+        prev = i;
+      }
+      cr_assert_eq(m, dp_ptrset_device_count(s, j));
+    }
+    dp_ptrset_free(s);
+  }
+  cr_assert_gt(failed, 0, "no allocation was failed");
+  dp_ptrset_free(full);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_pickle_that_runs_out_of_memory_says_so_and_leaks_nothing) {
+  /* Failing each allocation of a fresh frame's pickle in turn (the buffer
+   * grows as msgpack-c's packer writes into it): DP_ENOMEM with a message,
+   * an empty frame, nothing leaked; then the same frame pickles whole. */
+  dp_value_t root = t_list();
+  char text[300];
+  memset(text, 'x', sizeof text);
+  for (int i = 0; i < 60; i++) {
+    dp_value_t o = t_obj("Rec"), str;
+    OK(dp_str_new(text, (size_t)(i * 5), &str, NULL));
+    OK(dp_object_set(o, "name", str, NULL));
+    OK(dp_object_set(o, "t", t_tensor(i % 2 ? CUDA1 : CUDA0, 0x500000 + (uintptr_t)i * 64, 4), NULL));
+    OK(dp_object_set(o, "x", dp_float(i * 0.25), NULL));
+    OK(dp_list_append(root, o, NULL));
+  }
+  dp_frame_t *ref;
+  OK(dp_frame_new(&ref, NULL));
+  OK(dp_pickle(root, NULL, ref, NULL));
+  size_t ref_n;
+  const uint8_t *ref_p = dp_frame_data(ref, &ref_n);
+  int failed = 0;
+  for (long k = 1; k < 100; k++) {
+    dp_frame_t *f;
+    OK(dp_frame_new(&f, NULL));
+    dp_error_t e;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_pickle(root, NULL, f, &e);
+    t_fail_at = 0;
+    size_t n;
+    if (rc != 0) {
+      failed++;
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
+      cr_assert(strstr(e.message, "out of memory"), "%s", e.message);
+      dp_frame_data(f, &n);
+      cr_assert_eq(n, 0, "a failed pickle leaves no frame");
+      OK(dp_pickle(root, NULL, f, NULL));
+    }
+    const uint8_t *p = dp_frame_data(f, &n);
+    cr_assert(n == ref_n && memcmp(p, ref_p, n) == 0, "allocation %ld: the frame differs", k);
+    dp_frame_free(f);
+    if (rc == 0) break;
+  }
+  cr_assert_gt(failed, 2);
+  dp_frame_free(ref);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, cycles_terminate_and_each_storage_is_met_once) {
   dp_value_t a = t_obj("Node"), b = t_obj("Node");
   OK(dp_object_set(a, "t", t_tensor(CUDA0, 0x1000, 4), NULL));
