@@ -63,14 +63,9 @@ static int memo_grow(dp__walker_t *w) {
   return 0;
 }
 
-/* Returns 1 and *index when key was seen; else records it (0), or DP_ENOMEM. */
-static int memo_check(dp__walker_t *w, const void *key, uint64_t index, uint64_t *seen) {
-  uint64_t h = ptr_hash(key);
-  size_t j, at = dp__table_find(&w->memo, DP_TABLE_TAGGED, h, memo_eq, w, key, &j);
-  if (at != DP_TABLE_NONE) {
-    *seen = w->memo_items[at].index;
-    return 1;
-  }
+/* Records key (hash h, not found: probing stopped at slot j). */
+static __attribute__((noinline)) int memo_insert(dp__walker_t *w, const void *key, uint64_t h, size_t j,
+                                                 uint64_t index) {
   size_t n = w->memo.count;
   if (DP_UNLIKELY(j == SIZE_MAX || n == w->memo_items_cap || dp__table_full(&w->memo))) {
     if (memo_grow(w) != 0) return DP_ENOMEM;
@@ -79,6 +74,19 @@ static int memo_check(dp__walker_t *w, const void *key, uint64_t index, uint64_t
   w->memo_items[n] = (dp__memo_item_t){key, index};
   dp__table_put(&w->memo, DP_TABLE_TAGGED, j, h, n);
   return 0;
+}
+
+/* Returns 1 and *index when key was seen; else records it (0), or DP_ENOMEM.
+ * The lookup is inlined where the walk asks; recording is not. */
+static inline __attribute__((always_inline)) int memo_check(dp__walker_t *w, const void *key, uint64_t index,
+                                                            uint64_t *seen) {
+  uint64_t h = ptr_hash(key);
+  size_t j, at = dp__table_find(&w->memo, DP_TABLE_TAGGED, h, memo_eq, w, key, &j);
+  if (at != DP_TABLE_NONE) {
+    *seen = w->memo_items[at].index;
+    return 1;
+  }
+  return memo_insert(w, key, h, j, index);
 }
 
 static void memo_reset(dp__walker_t *w) { dp__table_clear(&w->memo, DP_TABLE_TAGGED); }
@@ -341,7 +349,7 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
   for (;;) {
     uint32_t k = v.kind;
     if (k >= DP_LIST || (S && k >= DP_STR)) {
-      uint64_t seen;
+      uint64_t seen = 0;
       int m = memo_check(w, v.u.h, index, &seen);
       if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
       if (m == 0) {
@@ -415,7 +423,7 @@ static int flush_pending(dp__walker_t *w) {
   for (int i = 0; i < m; i++) {
     dp_tensor_t *t = w->pending[i];
     if (dp__rc(&t->h) > w->memo_rc) {
-      uint64_t seen;
+      uint64_t seen = 0;
       int r = memo_check(w, t, w->next_index++, &seen);
       if (r < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
       if (r == 1) continue;  /* the same tensor again: counted once */
@@ -581,7 +589,7 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
   if (k == DP_TENSOR && w->batch) return stage_tensor(w, h);
   uint64_t index = w->next_index++;
   if (dp__rc(h) > w->memo_rc) {
-    uint64_t seen;
+    uint64_t seen = 0;
     int m = memo_check(w, h, index, &seen);
     if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
     if (m == 1) {
