@@ -702,6 +702,36 @@ DP_WALK_INLINE int next_child(dp__walker_t *w, dp__wframe_t *f, dp_value_t *chil
   }
 }
 
+/* Pickle only: writes the run of scalar children of a list, tuple or dict
+ * frame from f->i — none, bool, int, float, and str and bytes whose count
+ * is not above memo_rc (numbered as visit() numbers them, which would not
+ * record them either) — and stops at the first other child. The same calls
+ * to the sink as visit() makes, without a round of the walk loop each. */
+DP_WALK_INLINE int write_scalars(dp__walker_t *w, dp__wframe_t *f) {
+  dp_value_t node = f->node;
+  const dp__sink_t *sink = w->sink;
+  while (f->i < f->n) {
+    size_t i = f->i;
+    dp_value_t c;
+    if (node.kind == DP_DICT) {
+      dp_entry_t *e = &DP_DICT(node)->entries[i >> 1];
+      c = (i & 1) ? e->val : e->key;
+      /* as next_child(): fetch a tensor value's storage while its key is written */
+      if (!(i & 1) && e->val.kind == DP_TENSOR) __builtin_prefetch(DP_TENSOR(e->val)->storage);
+    } else {
+      c = DP_SEQ(node)->items[i];
+    }
+    if (c.kind >= DP_STR) {
+      if (c.kind >= DP_LIST || dp__rc(c.u.h) > w->memo_rc) return 0;
+      w->next_index++;
+    }
+    f->i = i + 1;  /* the child being visited, for paths */
+    int rc = sink->scalar(w->sink_ctx, c);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
 DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
   w->top = 0;
   w->next_index = 0;
@@ -728,6 +758,10 @@ DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
       if (f->i == n) continue;
       size_t ahead = f->i + DP_PREFETCH_AHEAD;
       if (ahead < n && items[ahead].kind >= DP_LIST) __builtin_prefetch(items[ahead].u.h);
+    }
+    if (S && f->node.kind >= DP_LIST && f->node.kind <= DP_DICT) {
+      if ((rc = write_scalars(w, f)) != 0) break;
+      if (f->i == f->n) continue;
     }
     dp_value_t child;
     rc = next_child(w, f, &child, S);
