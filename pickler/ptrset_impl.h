@@ -34,7 +34,17 @@ struct dp_ptrset {
 
 /* Keyed with the process's secret: bases a frame or a caller chose to
  * collide under a known hash do not collide here. The key of a device is
- * derived once (dp__hash_u64_key); a scan derives it once per batch. */
+ * derived once (dp__hash_u64_key); a scan derives it once per batch.
+ *
+ * Why not a lighter keyed mix. Bases come from untrusted frames, so the
+ * mix must spread every input bit into the slot index: a keyed multiply
+ * then xorshift, ((x ^ k) * C) ^ (... >> 32), does not — bases differing
+ * only in bits 48..63 give products differing only there, and after the
+ * shift the low 16 bits (the slot in tables up to 65,536 slots) are equal
+ * whatever k is. splitmix64's finalizer of x ^ k (dp__hash_ptr, for local
+ * addresses) would do, but costs what XXH3's 8-byte path costs once its
+ * key is hoisted (two multiplies, a few shifts): keeping XXH3 keeps the
+ * hash bit for bit, and the flooding tests built on it. */
 static inline __attribute__((always_inline)) uint64_t dp__ptr_salt(dp_device_t d) {
   return ((uint64_t)d.type << 8) | d.index;
 }
