@@ -98,6 +98,31 @@ static scan_ctx_t make_objects(size_t n) {
   return c;
 }
 
+/* Memo-heavy: 1000 references to 100 tensors (each held 10 times) and 500
+ * to 100 small lists (each held 5 times): every one goes through the walker's
+ * memo. The baseline adds the 1000 tensors' storages. */
+static scan_ctx_t make_shared(void) {
+  scan_ctx_t c = {0};
+  dp_value_t ts[100], ls[100];
+  dp_list_new(1500, &c.v, NULL);
+  c.storages = malloc(1000 * sizeof *c.storages);
+  for (int i = 0; i < 100; i++) {
+    ts[i] = tensor_at(0x7f0000000000 + (uintptr_t)i * 4096);
+    dp_list_new(2, &ls[i], NULL);
+    dp_list_append(ls[i], dp_int(i), NULL);
+  }
+  for (int i = 0; i < 1000; i++) {
+    collect(&c, ts[(i * 7) % 100]);
+    dp_list_append(c.v, dp_value_retain(ts[(i * 7) % 100]), NULL);
+    if (i % 2) dp_list_append(c.v, dp_value_retain(ls[(i * 3) % 100]), NULL);
+  }
+  for (int i = 0; i < 100; i++) {
+    dp_value_release(ts[i]);
+    dp_value_release(ls[i]);
+  }
+  return c;
+}
+
 /* Trees of 1.11 million nodes: fan-out-10 lists, six levels, a million
  * leaves. `tensor_every` picks how many leaves are tensors (each on its own
  * storage); of the rest, every third is a short str and the others ints and
@@ -520,6 +545,7 @@ int main(int argc, char **argv) {
   bench_row(out, "unpickle_mixed", "cpu", (double)c.n / tu / 1e6, "MB/s", tu / tm,
             "msgpack-c unpack of the payload into its object tree (time ratio; decode timed, free not)");
   printf("(mixed payload: %zu-byte frame, %zu-byte direct msgpack)\n", c.n, c.sb.size);
+  bench_scan(out, "scan_shared_1000", make_shared(), 1501, 0);
   msgpack_sbuffer_destroy(&c.sb);
   dp_frame_free(c.frame);
   dp_value_release(c.v);

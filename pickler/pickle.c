@@ -1,7 +1,15 @@
 /* pickler/pickle.c — values to frames, written with msgpack-c's packer. */
+/* The checksum's long-input loop is also compiled for AVX2 and picked at run
+ * time (dp__frame_checksum): xxhash's own dispatch, which only its shared
+ * library carries. These must precede xxhash.h (included by table.h). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DP_CHECKSUM_AVX2 1
+#define XXH_DISPATCH_AVX2 1
+#define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
+#include <immintrin.h>
+#endif
 #include <msgpack.h>
 #include <string.h>
-#include <xxhash.h>
 
 #include "frame.h"
 #include "walk.h"
@@ -17,11 +25,26 @@ struct dp_frame {
   dp_storage_t *checked;   /* the last other storage found to match its buffer */
   int is_inline;
   int failed;            /* sticky: the writer ran out of memory */
-  msgpack_packer pk;
 };
 
+#ifdef DP_CHECKSUM_AVX2
+/* XXH3_64bits_withSeed's path for inputs over XXH3_MIDSIZE_MAX bytes, with
+ * the AVX2 kernels: the same hash (xxhash's kernels agree by design; the
+ * pickler suite checks it), twice the bytes per instruction of SSE2. */
+static XXH_TARGET_AVX2 __attribute__((noinline)) uint64_t checksum_long_avx2(const void *p, size_t n, uint64_t seed) {
+  return XXH3_hashLong_64b_withSeed_internal(p, n, seed, XXH3_accumulate_512_avx2, XXH3_scrambleAcc_avx2,
+                                             XXH3_initCustomSecret_avx2);
+}
+#endif
+
 uint64_t dp__frame_checksum(const uint8_t *frame, size_t n) {
-  return XXH3_64bits_withSeed(frame + DP_FRAME_HEADER, n - DP_FRAME_HEADER, XXH3_64bits(frame, 32));
+  const uint8_t *p = frame + DP_FRAME_HEADER;
+  size_t len = n - DP_FRAME_HEADER;
+  uint64_t seed = XXH3_64bits(frame, 32);
+#ifdef DP_CHECKSUM_AVX2
+  if (len > XXH3_MIDSIZE_MAX && __builtin_cpu_supports("avx2")) return checksum_long_avx2(p, len, seed);
+#endif
+  return XXH3_64bits_withSeed(p, len, seed);
 }
 
 static int frame_reserve(dp_frame_t *f, size_t extra) {
@@ -40,11 +63,10 @@ static int frame_reserve(dp_frame_t *f, size_t extra) {
   return 0;
 }
 
-/* msgpack-c write callback: appends to the frame, through the hook. */
-static int frame_write(void *data, const char *buf, size_t len) {
-  dp_frame_t *f = data;
-  /* f->len + len cannot overflow: both are sizes of memory held */
-  if (DP_UNLIKELY(f->len + len > f->cap) && frame_reserve(f, len) != 0) {
+/* Appends to the frame, through the hook: what msgpack-c's packer writes
+ * with (below). On failure the frame is marked and the packer returns -1. */
+static inline __attribute__((always_inline)) int frame_append(dp_frame_t *f, const void *buf, size_t len) {
+  if (DP_UNLIKELY(f->cap - f->len < len) && frame_reserve(f, len) != 0) {
     f->failed = 1;
     return -1;
   }
@@ -52,6 +74,20 @@ static int frame_write(void *data, const char *buf, size_t len) {
   f->len += len;
   return 0;
 }
+
+/* msgpack-c's packer, instantiated on the frame: pack_template.h is the
+ * template msgpack.h instantiates on msgpack_packer (writing through a
+ * function pointer, one indirect call per header); here the same functions,
+ * named fpk_*, append to the frame directly, so that each header is a few
+ * stores after one bounds check. Its timestamp function calls
+ * msgpack_pack_ext by name: that name is pointed at this instance too. */
+#define msgpack_pack_inline_func(name) static inline __attribute__((always_inline)) int fpk##name
+#define msgpack_pack_inline_func_cint(name) static inline __attribute__((always_inline)) int fpk##name
+#define msgpack_pack_user dp_frame_t *
+#define msgpack_pack_append_buffer(user, buf, len) return frame_append(user, buf, len)
+#define msgpack_pack_ext fpk_ext
+#include <msgpack/pack_template.h>
+#undef msgpack_pack_ext
 
 int dp_frame_new(dp_frame_t **out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_frame_new: NULL out");
@@ -63,7 +99,6 @@ int dp_frame_new(dp_frame_t **out, dp_error_t *err) {
     dp__free(f, sizeof *f);
     return rc;
   }
-  msgpack_packer_init(&f->pk, f, frame_write);
   *out = f;
   return 0;
 }
@@ -111,35 +146,35 @@ static int too_large(dp_frame_t *f, const char *what, unsigned long long n) {
 
 
 
-static int put_tag(msgpack_packer *pk, char tag) {
-  int rc = msgpack_pack_ext(pk, 1, DP_EXT_TAG);
-  return rc ? rc : msgpack_pack_ext_body(pk, &tag, 1);
+static inline __attribute__((always_inline)) int put_tag(dp_frame_t *pk, char tag) {
+  int rc = fpk_ext(pk, 1, DP_EXT_TAG);
+  return rc ? rc : fpk_ext_body(pk, &tag, 1);
 }
 
-static int put_str(msgpack_packer *pk, const char *s, size_t n) {
-  int rc = msgpack_pack_str(pk, n);
-  return rc ? rc : msgpack_pack_str_body(pk, s, n);
+static inline __attribute__((always_inline)) int put_str(dp_frame_t *pk, const char *s, size_t n) {
+  int rc = fpk_str(pk, n);
+  return rc ? rc : fpk_str_body(pk, s, n);
 }
 
 static int sink_scalar(void *ctx, dp_value_t v) {
-  msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
+  dp_frame_t *pk = ctx;
   switch (v.kind) {
-    case DP_NONE: return msgpack_pack_nil(pk);
-    case DP_BOOL: return v.u.i ? msgpack_pack_true(pk) : msgpack_pack_false(pk);
-    case DP_INT: return msgpack_pack_int64(pk, v.u.i);
-    case DP_FLOAT: return msgpack_pack_double(pk, v.u.f);
+    case DP_NONE: return fpk_nil(pk);
+    case DP_BOOL: return v.u.i ? fpk_true(pk) : fpk_false(pk);
+    case DP_INT: return fpk_int64(pk, v.u.i);
+    case DP_FLOAT: return fpk_double(pk, v.u.f);
     default: {
       size_t n = DP_STROBJ(v)->len;
       if (DP_UNLIKELY(n > UINT32_MAX)) return too_large(ctx, v.kind == DP_STR ? "str length" : "bytes length", n);
       if (v.kind == DP_STR) return put_str(pk, DP_STROBJ(v)->data, n);
-      int rc = msgpack_pack_bin(pk, n);
-      return rc ? rc : msgpack_pack_bin_body(pk, DP_STROBJ(v)->data, n);
+      int rc = fpk_bin(pk, n);
+      return rc ? rc : fpk_bin_body(pk, DP_STROBJ(v)->data, n);
     }
   }
 }
 
 static int sink_enter(void *ctx, dp_value_t v, size_t n) {
-  msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
+  dp_frame_t *pk = ctx;
   int rc;
   /* MessagePack counts are 32 bits: an object's array holds 2 + 2n fields,
    * a tuple's n + 1 */
@@ -147,21 +182,21 @@ static int sink_enter(void *ctx, dp_value_t v, size_t n) {
       (v.kind == DP_OBJECT || n > UINT32_MAX - (v.kind == DP_TUPLE)))
     return too_large(ctx, "container size", n);
   switch (v.kind) {
-    case DP_LIST: return msgpack_pack_array(pk, n);
-    case DP_DICT: return msgpack_pack_map(pk, n);
+    case DP_LIST: return fpk_array(pk, n);
+    case DP_DICT: return fpk_map(pk, n);
     case DP_TUPLE:
-      rc = msgpack_pack_array(pk, n + 1);
+      rc = fpk_array(pk, n + 1);
       return rc ? rc : put_tag(pk, DP_TAG_TUPLE);
     case DP_OBJECT: {
       dp_object_t *o = DP_OBJ(v);
       int reduced = (o->c.h.flags & DP_HEAP_REDUCED) != 0;
-      if ((rc = msgpack_pack_array(pk, reduced ? 3 : 2 + 2 * n)) != 0) return rc;
+      if ((rc = fpk_array(pk, reduced ? 3 : 2 + 2 * n)) != 0) return rc;
       if ((rc = put_tag(pk, reduced ? DP_TAG_REDUCE : DP_TAG_OBJECT)) != 0) return rc;
       return put_str(pk, o->class_name, o->class_len);
     }
     default: { /* custom */
       const char *name = DP_CUSTOM(v)->type->name;
-      if ((rc = msgpack_pack_array(pk, 3)) != 0) return rc;
+      if ((rc = fpk_array(pk, 3)) != 0) return rc;
       if ((rc = put_tag(pk, DP_TAG_REDUCE)) != 0) return rc;
       return put_str(pk, name, strlen(name));
     }
@@ -169,7 +204,7 @@ static int sink_enter(void *ctx, dp_value_t v, size_t n) {
 }
 
 static int sink_attr(void *ctx, const char *name, size_t n) {
-  return put_str(&((dp_frame_t *)ctx)->pk, name, n);
+  return put_str(ctx, name, n);
 }
 
 /* Two storages at one (device, base) become one buffer: they must agree on
@@ -200,7 +235,7 @@ static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *s
 
 static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
   dp_frame_t *f = ctx;
-  msgpack_packer *pk = &f->pk;
+  dp_frame_t *pk = f;
   dp_tensor_t *t = DP_TENSOR(v);
   int rc;
   /* Remember the storage met first for each new buffer id (ids are handed
@@ -220,23 +255,23 @@ static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
   } else if (DP_UNLIKELY(f->storages[buffer] != t->storage) && t->storage != f->checked) {
     if ((rc = check_same_buffer(f, f->storages[buffer], t->storage)) != 0) return rc;
   }
-  rc = msgpack_pack_array(pk, 6);
+  rc = fpk_array(pk, 6);
   rc = rc ? rc : put_tag(pk, DP_TAG_TENSOR);
-  rc = rc ? rc : msgpack_pack_uint64(pk, buffer);
-  rc = rc ? rc : msgpack_pack_uint8(pk, t->dtype);
+  rc = rc ? rc : fpk_uint64(pk, buffer);
+  rc = rc ? rc : fpk_uint8(pk, t->dtype);
   for (int half = 0; half < 2 && !rc; half++) {
-    rc = msgpack_pack_array(pk, t->ndim);
-    for (int d = 0; d < t->ndim && !rc; d++) rc = msgpack_pack_int64(pk, t->dims[half * t->ndim + d]);
+    rc = fpk_array(pk, t->ndim);
+    for (int d = 0; d < t->ndim && !rc; d++) rc = fpk_int64(pk, t->dims[half * t->ndim + d]);
   }
-  return rc ? rc : msgpack_pack_int64(pk, t->offset);
+  return rc ? rc : fpk_int64(pk, t->offset);
 }
 
 static int sink_backref(void *ctx, uint64_t index) {
-  msgpack_packer *pk = &((dp_frame_t *)ctx)->pk;
+  dp_frame_t *pk = ctx;
   if (DP_UNLIKELY(index > UINT32_MAX)) return too_large(ctx, "back-reference to node", index);
   char be[4] = {(char)(index >> 24), (char)(index >> 16), (char)(index >> 8), (char)index};
-  int rc = msgpack_pack_ext(pk, 4, DP_EXT_REF);
-  return rc ? rc : msgpack_pack_ext_body(pk, be, 4);
+  int rc = fpk_ext(pk, 4, DP_EXT_REF);
+  return rc ? rc : fpk_ext_body(pk, be, 4);
 }
 
 static const dp__sink_t pack_sink = {sink_scalar, sink_enter, sink_attr, sink_tensor, sink_backref};
@@ -246,17 +281,17 @@ static const dp__sink_t pack_sink = {sink_scalar, sink_enter, sink_attr, sink_te
 static int write_table(dp_frame_t *f) {
   size_t n = dp_ptrset_count(f->set);
   uint64_t off = 0;
-  int rc = msgpack_pack_array(&f->pk, n);
+  int rc = fpk_array(f, n);
   for (size_t i = 0; i < n && !rc; i++) {
     dp_ptr_info_t e;
     dp_ptrset_get(f->set, i, &e);
-    rc = msgpack_pack_array(&f->pk, f->is_inline ? 5 : 4);
-    rc = rc ? rc : msgpack_pack_uint8(&f->pk, e.device.type);
-    rc = rc ? rc : msgpack_pack_uint8(&f->pk, e.device.index);
-    rc = rc ? rc : msgpack_pack_uint64(&f->pk, e.nbytes);
-    rc = rc ? rc : msgpack_pack_uint64(&f->pk, (uint64_t)(uintptr_t)e.base);
+    rc = fpk_array(f, f->is_inline ? 5 : 4);
+    rc = rc ? rc : fpk_uint8(f, e.device.type);
+    rc = rc ? rc : fpk_uint8(f, e.device.index);
+    rc = rc ? rc : fpk_uint64(f, e.nbytes);
+    rc = rc ? rc : fpk_uint64(f, (uint64_t)(uintptr_t)e.base);
     if (f->is_inline) {
-      rc = rc ? rc : msgpack_pack_uint64(&f->pk, off);
+      rc = rc ? rc : fpk_uint64(f, off);
       if (dp__add_ovf(off, e.nbytes, &off)) f->failed = 1;  /* cannot be allocated either */
     }
   }

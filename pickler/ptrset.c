@@ -110,6 +110,10 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
   if (g == SIZE_MAX) {
     if (dp__grow((void **)&s->groups, &s->groups_cap, s->ngroups + 1, sizeof(dp__pgroup_t)) != 0)
       return DP_ENOMEM;
+    if (s->ngroups == 1) {  /* a second device: chain the first one's entries (0, 1, 2, ...) */
+      for (size_t k = 0; k + 1 < s->count; k++) s->entries[k].next_on = (uint32_t)(k + 2);
+      if (s->count) s->entries[s->count - 1].next_on = 0;
+    }
     g = s->ngroups++;
     s->groups[g] = (dp__pgroup_t){device, 0, 0, 0};
     s->last_group = g;
@@ -131,6 +135,85 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
   dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
   *index = i;
   return 0;
+}
+
+int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
+  size_t need = s->count + n;  /* both bounded by memory held */
+  if (need >= UINT32_MAX - 1) return DP_ELIMIT;
+  if (need * 2 > s->tab.nslots) {
+    size_t slots = s->tab.nslots > 64 ? s->tab.nslots : 64;  /* a power of two */
+    while (slots < need * 2) slots *= 2;
+    int rc = dp__table_grow(&s->tab, DP_TABLE_TAGGED, s->count, slots, entry_hash, s);
+    if (rc) return rc;
+  }
+  return dp__grow((void **)&s->entries, &s->cap, need, sizeof(dp__pentry_t));
+}
+
+/* The batch's loop keeps the table, the entries and the device's group in
+ * locals (the table through its own functions, on a copy): stores into the
+ * entries then cannot force them to be reloaded. They are written back
+ * before a new device takes the slow path, and at the end. */
+int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t *h, uint64_t again, int n) {
+  dp__table_t tab = s->tab;
+  dp__pentry_t *entries = s->entries;
+  size_t count = s->count, id = 0, g = s->last_group;
+  /* the device that takes the fast path: the last insert's (none: 0x10000) */
+  uint32_t gdev = g < s->ngroups ? dp__dev_bits(s->groups[g].device) : 0x10000u;
+  uint32_t gcount = 0, gtail = 0;
+  int chained = s->ngroups > 1;
+  if (gdev != 0x10000u) {
+    gcount = s->groups[g].count;
+    gtail = s->groups[g].tail;
+  }
+  if (!tab.nslots) __builtin_unreachable();  /* reserved */
+  int rc = 0;
+  for (int i = 0; i < n; i++) {
+    if (again >> i & 1) {
+      entries[id].refs++;
+      continue;
+    }
+    const dp_storage_t *x = st[i];
+    dp__pkey_t key = {x->base, x->device};
+    size_t j, at = dp__table_find(&tab, DP_TABLE_TAGGED, h[i], dp__ptrset_eq, s, &key, &j);
+    if (at != DP_TABLE_NONE) {
+      dp__pentry_t *e = &entries[at];
+      e->refs++;
+      if (x->nbytes > e->nbytes) e->nbytes = x->nbytes;
+      id = at;
+      continue;
+    }
+    if (DP_UNLIKELY(dp__dev_bits(x->device) != gdev)) {
+      s->tab = tab;
+      s->count = count;
+      if (gdev != 0x10000u) {
+        s->groups[g].count = gcount;
+        s->groups[g].tail = gtail;
+      }
+      if ((rc = dp__ptrset_insert_new(s, x->device, x->base, x->nbytes, h[i], j, &id)) != 0) return rc;
+      tab = s->tab;
+      entries = s->entries;
+      count = s->count;
+      g = s->last_group;
+      gdev = dp__dev_bits(s->groups[g].device);
+      gcount = s->groups[g].count;
+      gtail = s->groups[g].tail;
+      chained = s->ngroups > 1;
+      continue;
+    }
+    id = count++;
+    entries[id] = (dp__pentry_t){x->device, 1, x->base, x->nbytes, NULL, 0, (uint32_t)g};
+    if (chained) entries[gtail].next_on = (uint32_t)(id + 1);
+    gtail = (uint32_t)id;
+    gcount++;
+    dp__table_put(&tab, DP_TABLE_TAGGED, j, h[i], id);
+  }
+  s->tab = tab;
+  s->count = count;
+  if (gdev != 0x10000u) {
+    s->groups[g].count = gcount;
+    s->groups[g].tail = gtail;
+  }
+  return rc;
 }
 
 int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbytes, size_t *index,
@@ -192,6 +275,8 @@ size_t dp_ptrset_first_on(const dp_ptrset_t *s, size_t j) {
 }
 
 size_t dp_ptrset_next_on(const dp_ptrset_t *s, size_t i) {
-  if (!s || i >= s->count || s->entries[i].next_on == 0) return SIZE_MAX;
+  if (!s || i >= s->count) return SIZE_MAX;
+  if (s->ngroups == 1) return i + 1 < s->count ? i + 1 : SIZE_MAX;  /* not chained: see dp__ptrset_append */
+  if (s->entries[i].next_on == 0) return SIZE_MAX;
   return s->entries[i].next_on - 1;
 }

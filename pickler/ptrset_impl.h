@@ -33,13 +33,41 @@ struct dp_ptrset {
 };
 
 /* Keyed with the process's secret: bases a frame or a caller chose to
- * collide under a known hash do not collide here. */
+ * collide under a known hash do not collide here. The key of a device is
+ * derived once (dp__hash_u64_key); a scan derives it once per batch.
+ *
+ * Why not a lighter keyed mix. Bases come from untrusted frames, so the
+ * mix must spread every input bit into the slot index: a keyed multiply
+ * then xorshift, ((x ^ k) * C) ^ (... >> 32), does not — bases differing
+ * only in bits 48..63 give products differing only there, and after the
+ * shift the low 16 bits (the slot in tables up to 65,536 slots) are equal
+ * whatever k is. splitmix64's finalizer of x ^ k (dp__hash_ptr, for local
+ * addresses) would do, but costs what XXH3's 8-byte path costs once its
+ * key is hoisted (two multiplies, a few shifts): keeping XXH3 keeps the
+ * hash bit for bit, and the flooding tests built on it. */
+static inline __attribute__((always_inline)) uint64_t dp__ptr_salt(dp_device_t d) {
+  return ((uint64_t)d.type << 8) | d.index;
+}
+static inline __attribute__((always_inline)) uint64_t dp__ptr_key(dp_device_t d) {
+  return dp__hash_u64_key(dp__ptr_salt(d));
+}
+static inline __attribute__((always_inline)) uint64_t dp__ptr_hash_keyed(const void *base, uint64_t key) {
+  return dp__hash_u64_keyed((uint64_t)(uintptr_t)base, key);
+}
 static inline __attribute__((always_inline)) uint64_t dp__ptr_hash(dp_device_t d, const void *base) {
-  return dp__hash_u64((uint64_t)(uintptr_t)base, ((uint64_t)d.type << 8) | d.index);
+  return dp__ptr_hash_keyed(base, dp__ptr_key(d));
 }
 
 static inline void dp__ptrset_prefetch(const dp_ptrset_t *s, uint64_t h) {
   dp__table_prefetch(&s->tab, DP_TABLE_TAGGED, h);
+}
+
+/* A device as one 16-bit number: compared in one instruction. */
+_Static_assert(sizeof(dp_device_t) == 2, "a device is two bytes");
+static inline __attribute__((always_inline)) uint16_t dp__dev_bits(dp_device_t d) {
+  uint16_t x;
+  memcpy(&x, &d, sizeof x);
+  return x;
 }
 
 typedef struct dp__pkey {
@@ -50,13 +78,41 @@ typedef struct dp__pkey {
 static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, size_t i, const void *key) {
   const dp__pentry_t *e = &((const dp_ptrset_t *)ctx)->entries[i];
   const dp__pkey_t *k = key;
-  return e->base == k->base && dp_device_equal(e->device, k->device);
+  return e->base == k->base && dp__dev_bits(e->device) == dp__dev_bits(k->device);
 }
 
 /* Slow path: grow, add a device group, append the entry. `slot` is the
  * empty slot the lookup stopped at (SIZE_MAX if none was probed). */
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
                           size_t slot, size_t *index);
+
+/* Room for n more entries, in the entries and in the table: then n calls
+ * of the fast path need no growth. DP_ENOMEM (or DP_ELIMIT) and
+ * nothing changed when it cannot be had. */
+int dp__ptrset_reserve(dp_ptrset_t *s, size_t n);
+
+/* Appends the entry on the fast path: room reserved, and the device is the
+ * last insert's (so its group has entries already). Each device's entries
+ * are chained in order (next_on); while there is one device the chain is
+ * entries 0, 1, 2, ... and is not written (ptrset.c links it when a second
+ * device comes). */
+static inline __attribute__((always_inline)) size_t dp__ptrset_append(dp_ptrset_t *s, dp_device_t device, void *base,
+                                                                     size_t nbytes, uint64_t h, size_t j) {
+  size_t i = s->count++, g = s->last_group;
+  dp__pgroup_t *gr = &s->groups[g];
+  s->entries[i] = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
+  gr->count++;
+  if (DP_UNLIKELY(s->ngroups > 1)) s->entries[gr->tail].next_on = (uint32_t)(i + 1);
+  gr->tail = (uint32_t)i;
+  dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
+  return i;
+}
+
+/* Adds a scan's batch of storages, hashes h (dp__ptr_hash), in order, with
+ * room reserved for n (dp__ptrset_reserve); bit i of `again` marks st[i] as
+ * st[i - 1] again (the same entry, no probe). Fails (DP_ENOMEM) only where a
+ * new device needs a group. */
+int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_storage *const *st, const uint64_t *h, uint64_t again, int n);
 
 /* Finds (device, base) given its hash or adds it; counts one more tensor. */
 static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,
@@ -74,22 +130,8 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
   *is_new = 1;
   /* Fast path: room everywhere and the same device as the last insert. */
   if (DP_LIKELY(j != SIZE_MAX && !dp__table_full(&s->tab) && s->count < s->cap &&
-                s->last_group < s->ngroups && dp_device_equal(s->groups[s->last_group].device, device))) {
-    size_t i = s->count++;
-    dp__pgroup_t *gr = &s->groups[s->last_group];
-    dp__pentry_t *e = &s->entries[i];
-    e->device = device;
-    e->refs = 1;
-    e->base = base;
-    e->nbytes = nbytes;
-    e->path = NULL;
-    e->next_on = 0;
-    e->group = (uint32_t)s->last_group;
-    if (gr->count++ == 0) gr->head = (uint32_t)i;
-    else s->entries[gr->tail].next_on = (uint32_t)(i + 1);
-    gr->tail = (uint32_t)i;
-    dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
-    *index = i;
+                s->last_group < s->ngroups && dp__dev_bits(s->groups[s->last_group].device) == dp__dev_bits(device))) {
+    *index = dp__ptrset_append(s, device, base, nbytes, h, j);
     return 0;
   }
   return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index);

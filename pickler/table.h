@@ -59,6 +59,21 @@ void dp__hash_secret_set(uint64_t secret);
 static inline __attribute__((always_inline)) uint64_t dp__hash_u64(uint64_t x, uint64_t salt) {
   return XXH3_64bits_withSeed(&x, sizeof x, dp__hash_secret() ^ salt);
 }
+/* dp__hash_u64 in two steps, for loops hashing many keys of one salt: the
+ * key that XXH3 derives from its seed for 4- to 8-byte inputs, computed once,
+ * then each input with it. dp__hash_u64_keyed(x, dp__hash_u64_key(salt)) is
+ * dp__hash_u64(x, salt), bit for bit (XXH3_64bits_withSeed's path for 8
+ * bytes spelled out; the table suite checks it): the same keyed hash, minus
+ * deriving the key and reading the secret for every input. */
+static inline __attribute__((always_inline)) uint64_t dp__hash_u64_key(uint64_t salt) {
+  uint64_t seed = dp__hash_secret() ^ salt;
+  seed ^= (uint64_t)XXH_swap32((uint32_t)seed) << 32;
+  return (XXH_readLE64(XXH3_kSecret + 8) ^ XXH_readLE64(XXH3_kSecret + 16)) - seed;
+}
+static inline __attribute__((always_inline)) uint64_t dp__hash_u64_keyed(uint64_t x, uint64_t key) {
+  if (!XXH_CPU_LITTLE_ENDIAN) x = XXH_swap64(x);  /* XXH3 reads the bytes little-endian */
+  return XXH3_rrmxmx(((x << 32) | (x >> 32)) ^ key, 8);
+}
 static inline uint64_t dp__hash_bytes(const void *p, size_t n, uint64_t salt) {
   return XXH3_64bits_withSeed(p, n, dp__hash_secret() ^ salt);
 }

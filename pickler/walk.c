@@ -63,14 +63,9 @@ static int memo_grow(dp__walker_t *w) {
   return 0;
 }
 
-/* Returns 1 and *index when key was seen; else records it (0), or DP_ENOMEM. */
-static int memo_check(dp__walker_t *w, const void *key, uint64_t index, uint64_t *seen) {
-  uint64_t h = ptr_hash(key);
-  size_t j, at = dp__table_find(&w->memo, DP_TABLE_TAGGED, h, memo_eq, w, key, &j);
-  if (at != DP_TABLE_NONE) {
-    *seen = w->memo_items[at].index;
-    return 1;
-  }
+/* Records key (hash h, not found: probing stopped at slot j). */
+static __attribute__((noinline)) int memo_insert(dp__walker_t *w, const void *key, uint64_t h, size_t j,
+                                                 uint64_t index) {
   size_t n = w->memo.count;
   if (DP_UNLIKELY(j == SIZE_MAX || n == w->memo_items_cap || dp__table_full(&w->memo))) {
     if (memo_grow(w) != 0) return DP_ENOMEM;
@@ -79,6 +74,19 @@ static int memo_check(dp__walker_t *w, const void *key, uint64_t index, uint64_t
   w->memo_items[n] = (dp__memo_item_t){key, index};
   dp__table_put(&w->memo, DP_TABLE_TAGGED, j, h, n);
   return 0;
+}
+
+/* Returns 1 and *index when key was seen; else records it (0), or DP_ENOMEM.
+ * The lookup is inlined where the walk asks; recording is not. */
+static inline __attribute__((always_inline)) int memo_check(dp__walker_t *w, const void *key, uint64_t index,
+                                                            uint64_t *seen) {
+  uint64_t h = ptr_hash(key);
+  size_t j, at = dp__table_find(&w->memo, DP_TABLE_TAGGED, h, memo_eq, w, key, &j);
+  if (at != DP_TABLE_NONE) {
+    *seen = w->memo_items[at].index;
+    return 1;
+  }
+  return memo_insert(w, key, h, j, index);
 }
 
 static void memo_reset(dp__walker_t *w) { dp__table_clear(&w->memo, DP_TABLE_TAGGED); }
@@ -372,7 +380,7 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
   for (;;) {
     uint32_t k = v.kind;
     if (k >= DP_LIST || (S && k >= DP_STR)) {
-      uint64_t seen;
+      uint64_t seen = 0;
       int m = memo_check(w, v.u.h, index, &seen);
       if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
       if (m == 0) {
@@ -439,14 +447,14 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
  * slot), insert — each pass issuing its cache misses together. Inserts keep
  * discovery order. */
 static int flush_pending(dp__walker_t *w) {
-  dp_storage_t *st[DP_WALK_BATCH];
-  uint64_t h[DP_WALK_BATCH];
+  dp_storage_t *st[DP_WALK_BATCH + DP_INLINE_MAX];
+  uint64_t h[DP_WALK_BATCH + DP_INLINE_MAX];
   int n = 0, m = w->npending;
   w->npending = 0;
   for (int i = 0; i < m; i++) {
     dp_tensor_t *t = w->pending[i];
     if (dp__rc(&t->h) > w->memo_rc) {
-      uint64_t seen;
+      uint64_t seen = 0;
       int r = memo_check(w, t, w->next_index++, &seen);
       if (r < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
       if (r == 1) continue;  /* the same tensor again: counted once */
@@ -455,20 +463,42 @@ static int flush_pending(dp__walker_t *w) {
     __builtin_prefetch(st[n]);
     n++;
   }
+  if (!n) return 0;
+  dp_ptrset_t *s = w->set;
+  /* Room for the whole batch at once, so that inserts check nothing but the
+   * device; if it cannot be had, each insert grows what it needs (and what
+   * was met before running out still lands in the set). */
+  int reserved = dp__ptrset_reserve(s, (size_t)n) == 0;
+  /* One key per device, derived again only when the device changes. A
+   * storage right after itself (a view after its base tensor) is marked in
+   * `again`: the same entry, no probe. */
+  dp_device_t kdev = st[0]->device;
+  uint64_t key = dp__ptr_key(kdev), again = 0;
+  _Static_assert(DP_WALK_BATCH + DP_INLINE_MAX <= 64, "a batch fits a 64-bit mask");
+  const dp__tslot_t *slots = s->tab.slots;
+  size_t mask = s->tab.nslots - 1;
   for (int i = 0; i < n; i++) {
-    if (i && st[i] == st[i - 1]) continue;  /* see below */
-    h[i] = dp__ptr_hash(st[i]->device, st[i]->base);
-    dp__ptrset_prefetch(w->set, h[i]);
+    if (i && st[i] == st[i - 1]) {
+      again |= 1ull << i;
+      continue;
+    }
+    if (DP_UNLIKELY(dp__dev_bits(st[i]->device) != dp__dev_bits(kdev))) key = dp__ptr_key(kdev = st[i]->device);
+    h[i] = dp__ptr_hash_keyed(st[i]->base, key);
+    if (reserved) __builtin_prefetch(slots + (h[i] & mask), 1);
+  }
+  if (reserved) {
+    if (dp__ptrset_add_batch(s, st, h, again, n) != 0)
+      return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
+    return 0;
   }
   size_t id = 0;
   for (int i = 0; i < n; i++) {
-    /* a view right after its base tensor: the same entry, no probe */
-    if (i && st[i] == st[i - 1]) {
-      w->set->entries[id].refs++;
+    if (again >> i & 1) {
+      s->entries[id].refs++;
       continue;
     }
     int is_new;
-    if (dp__ptrset_add_hashed(w->set, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new) != 0)
+    if (dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new) != 0)
       return dp__err(w->err, DP_ENOMEM, "out of memory growing the pointer set");
   }
   return 0;
@@ -477,42 +507,92 @@ static int flush_pending(dp__walker_t *w) {
 #define DP_WALK_INLINE static inline __attribute__((always_inline))
 
 /* A scan's tensor waits in the batch, looked into later (flush_pending). */
-DP_WALK_INLINE int stage_tensor(dp__walker_t *w, dp_heap_t *h) {
+DP_WALK_INLINE void pend(dp__walker_t *w, dp_heap_t *h) {
   __builtin_prefetch(h);
   w->pending[w->npending++] = (dp_tensor_t *)h;
-  return w->npending == DP_WALK_BATCH ? flush_pending(w) : 0;
 }
 
-/* Whether a list or tuple holds only leaves: scalars, str, bytes, tensors. */
-DP_WALK_INLINE int leaf_only(const dp_seq_t *s) {
-  if (s->len > 8) return 0;
-  for (size_t j = 0; j < s->len; j++)
-    if (s->items[j].kind >= DP_LIST && s->items[j].kind != DP_TENSOR) return 0;
+DP_WALK_INLINE int stage_tensor(dp__walker_t *w, dp_heap_t *h) {
+  pend(w, h);
+  return w->npending >= DP_WALK_BATCH ? flush_pending(w) : 0;
+}
+
+/* Scan only: stages the tensors of v — a list, tuple or object held once —
+ * in place, without a frame, if its items are leaves (scalars, str, bytes,
+ * tensors) or, with room for one more level, lists and tuples held once
+ * that hold only leaves; DP_INLINE_MAX items in all. Returns 1 if it did;
+ * 0 (nothing staged: what was staged is taken back) if v needs a frame.
+ * `room`: how many levels of non-empty containers the depth limit still
+ * allows below the frame being scanned; each container staged in place
+ * would have been a frame, and the limit counts them the same. The batch
+ * has room for DP_INLINE_MAX tensors past DP_WALK_BATCH: nothing is looked
+ * into before v is known to need no frame. */
+DP_WALK_INLINE int try_stage(dp__walker_t *w, dp_value_t v, uint32_t room) {
+  int mark = w->npending;
+  if (v.kind == DP_OBJECT) {
+    const dp_object_t *o = DP_OBJ(v);
+    if ((o->c.h.flags & DP_HEAP_REDUCED) || o->len > DP_INLINE_MAX || (o->len && room < 1)) return 0;
+    for (size_t j = 0; j < o->len; j++) {
+      uint32_t k = o->attrs[j].val.kind;
+      if (k < DP_LIST) continue;
+      if (k != DP_TENSOR) goto undo;
+      pend(w, o->attrs[j].val.u.h);
+    }
+    return 1;
+  }
+  const dp_seq_t *s = DP_SEQ(v);
+  size_t budget = DP_INLINE_MAX;
+  if (s->len > budget || (s->len && room < 1)) return 0;
+  budget -= s->len;
+  for (size_t j = 0; j < s->len; j++) {
+    dp_value_t x = s->items[j];
+    if (x.kind < DP_LIST) continue;
+    if (x.kind == DP_TENSOR) {
+      pend(w, x.u.h);
+      continue;
+    }
+    if ((x.kind != DP_LIST && x.kind != DP_TUPLE) || dp__rc(x.u.h) != 1) goto undo;
+    const dp_seq_t *c = DP_SEQ(x);
+    if (!c->len) continue;
+    if (room < 2 || c->len > budget) goto undo;
+    budget -= c->len;
+    for (size_t i = 0; i < c->len; i++) {
+      uint32_t k = c->items[i].kind;
+      if (k < DP_LIST) continue;
+      if (k != DP_TENSOR) goto undo;
+      pend(w, c->items[i].u.h);
+    }
+  }
   return 1;
+undo:
+  w->npending = mark;
+  return 0;
 }
 
 /* Scan only: runs over seq items from *i that need no frame of their own —
- * scalars, str and bytes (skipped), tensors (staged), and small lists and
- * tuples of leaves held once (their tensors staged in place: with one
- * reference they cannot be met again before a reduce(), so the memo never
- * needs them; after one, such a list met again through a state has two
- * references and gets a frame, and its tensors, recorded when their batch
- * was looked into, count once) — and stops at the first other item. */
-DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i) {
+ * scalars, str and bytes (skipped), tensors (staged), small containers held
+ * once that try_stage() stages in place — and stops at the first other
+ * item. Staging in place is sound: a container held once cannot be met
+ * again before a reduce(), so the memo never needs it (the replay before
+ * the first reduce() records it all the same); after one, such a container
+ * met again through a state has two references and gets a frame, and its
+ * tensors, recorded when their batch was looked into, count once. The items
+ * would be frames at depth `depth`. */
+DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i, size_t depth) {
+  uint32_t room = depth < w->max_depth ? (uint32_t)(w->max_depth - depth) : 0;
   for (; *i < n; (*i)++) {
     uint32_t k = items[*i].kind;
     if (k < DP_LIST) continue;
-    int rc = 0;
-    if (k == DP_TENSOR) {
-      rc = stage_tensor(w, items[*i].u.h);
-    } else if ((k == DP_LIST || k == DP_TUPLE) && dp__rc(items[*i].u.h) == 1 && leaf_only(DP_SEQ(items[*i]))) {
-      const dp_seq_t *s = DP_SEQ(items[*i]);
-      for (size_t j = 0; j < s->len && rc == 0; j++)
-        if (s->items[j].kind == DP_TENSOR) rc = stage_tensor(w, s->items[j].u.h);
-    } else {
-      return 0;
+    if (k == DP_TENSOR || ((k == DP_LIST || k == DP_TUPLE || k == DP_OBJECT) && dp__rc(items[*i].u.h) == 1 &&
+                           try_stage(w, items[*i], room))) {
+      if (k == DP_TENSOR) pend(w, items[*i].u.h);
+      if (w->npending >= DP_WALK_BATCH) {
+        int rc = flush_pending(w);
+        if (rc) return rc;
+      }
+      continue;
     }
-    if (rc) return rc;
+    return 0;
   }
   return 0;
 }
@@ -540,7 +620,7 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
   if (k == DP_TENSOR && w->batch) return stage_tensor(w, h);
   uint64_t index = w->next_index++;
   if (dp__rc(h) > w->memo_rc) {
-    uint64_t seen;
+    uint64_t seen = 0;
     int m = memo_check(w, h, index, &seen);
     if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
     if (m == 1) {
@@ -562,11 +642,12 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
         if (rc) return rc;
       } else {
         const dp_value_t *items = DP_SEQ(v)->items;
-        if (w->batch) {
+        if (w->batch && n && w->top < w->max_depth) {
           /* A container of leaves needs no frame: stage its tensors here;
-           * otherwise its frame starts where the leaves stop. */
+           * otherwise its frame starts where the leaves stop. (Past the
+           * depth limit, push() refuses it as a frame would be.) */
           size_t start = 0;
-          int rc = scan_leaves(w, items, n, &start);
+          int rc = scan_leaves(w, items, n, &start, w->top + 1);
           if (rc || start == n) return rc;
           if ((rc = push(w, v, dp_none(), n)) == 0) w->stack[w->top - 1].i = start;
           return rc;
@@ -652,6 +733,36 @@ DP_WALK_INLINE int next_child(dp__walker_t *w, dp__wframe_t *f, dp_value_t *chil
   }
 }
 
+/* Pickle only: writes the run of scalar children of a list, tuple or dict
+ * frame from f->i — none, bool, int, float, and str and bytes whose count
+ * is not above memo_rc (numbered as visit() numbers them, which would not
+ * record them either) — and stops at the first other child. The same calls
+ * to the sink as visit() makes, without a round of the walk loop each. */
+DP_WALK_INLINE int write_scalars(dp__walker_t *w, dp__wframe_t *f) {
+  dp_value_t node = f->node;
+  const dp__sink_t *sink = w->sink;
+  while (f->i < f->n) {
+    size_t i = f->i;
+    dp_value_t c;
+    if (node.kind == DP_DICT) {
+      dp_entry_t *e = &DP_DICT(node)->entries[i >> 1];
+      c = (i & 1) ? e->val : e->key;
+      /* as next_child(): fetch a tensor value's storage while its key is written */
+      if (!(i & 1) && e->val.kind == DP_TENSOR) __builtin_prefetch(DP_TENSOR(e->val)->storage);
+    } else {
+      c = DP_SEQ(node)->items[i];
+    }
+    if (c.kind >= DP_STR) {
+      if (c.kind >= DP_LIST || dp__rc(c.u.h) > w->memo_rc) return 0;
+      w->next_index++;
+    }
+    f->i = i + 1;  /* the child being visited, for paths */
+    int rc = sink->scalar(w->sink_ctx, c);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
 DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
   w->top = 0;
   w->next_index = 0;
@@ -671,13 +782,17 @@ DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
       dp_value_t *items = DP_SEQ(f->node)->items;
       size_t n = f->n;
       if (w->batch) {
-        if ((rc = scan_leaves(w, items, n, &f->i)) != 0) break;
+        if ((rc = scan_leaves(w, items, n, &f->i, w->top)) != 0) break;
       } else {
         while (f->i < n && items[f->i].kind < DP_LIST) f->i++;
       }
       if (f->i == n) continue;
       size_t ahead = f->i + DP_PREFETCH_AHEAD;
       if (ahead < n && items[ahead].kind >= DP_LIST) __builtin_prefetch(items[ahead].u.h);
+    }
+    if (S && f->node.kind >= DP_LIST && f->node.kind <= DP_DICT) {
+      if ((rc = write_scalars(w, f)) != 0) break;
+      if (f->i == f->n) continue;
     }
     dp_value_t child;
     rc = next_child(w, f, &child, S);

@@ -49,9 +49,12 @@ void dp__arena_free(dp__arena_t *a);
  * and its hash slot are fetched for a whole batch at a time, so that the
  * cache misses of up to this many overlap. */
 #define DP_WALK_BATCH 32
+/* The most tensors a scan stages in place for one container (walk.c): the
+ * batch holds that many past DP_WALK_BATCH. */
+#define DP_INLINE_MAX 16
 
 typedef struct dp__walker {
-  struct dp_tensor *pending[DP_WALK_BATCH];
+  struct dp_tensor *pending[DP_WALK_BATCH + DP_INLINE_MAX];
   int npending;
   int batch;                   /* scan without paths: pipeline inserts */
   dp__wframe_t *stack;

@@ -219,6 +219,259 @@ Test(pickler, small_lists_of_leaves_are_scanned_in_place_without_losing_shared_o
   ASSERT_NO_LEAK();
 }
 
+/* Scans a with and without paths and pickles it, all with max_depth md:
+ * the three agree on the outcome and the message. */
+static void expect_same_depth_verdict(dp_value_t v, uint32_t md, int want) {
+  dp_ptrset_t *s;
+  dp_error_t e1, e2, e3;
+  OK(dp_ptrset_new(&s, NULL));
+  dp_scan_opts_t with = {DP_SCAN_PATHS, md}, without = {0, md};
+  int r1 = dp_scan(v, &with, s, &e1);
+  dp_ptrset_clear(s);
+  int r2 = dp_scan(v, &without, s, &e2);
+  dp_ptrset_free(s);
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  dp_pickle_opts_t po = {0};
+  po.max_depth = md;
+  int r3 = dp_pickle(v, &po, f, &e3);
+  dp_frame_free(f);
+  cr_assert_eq(r1, want, "max_depth %u, scan with paths: %s", md, dp_err_name(r1));
+  cr_assert_eq(r2, want, "max_depth %u, scan without paths: %s (with paths: %s)", md, dp_err_name(r2), dp_err_name(r1));
+  cr_assert_eq(r3, want, "max_depth %u, pickle: %s", md, dp_err_name(r3));
+  if (want) {
+    cr_assert_str_eq(e2.message, e1.message);
+    cr_assert_str_eq(e3.message, e1.message);
+  }
+}
+
+Test(pickler, scans_without_paths_keep_the_depth_limit_of_scans_with_paths) {
+  /* A scan without paths stages small containers of tensors in place,
+   * without a frame: the depth limit must count them as frames all the
+   * same. [[t]], [[[t]]], [(t, [t])], [obj{t}], [[], [[t]]]. */
+  dp_value_t v[5], a, b, c, tup, o;
+  a = t_list(), b = t_list();
+  OK(dp_list_append(b, t_tensor(CUDA0, 0x1000, 4), NULL));
+  OK(dp_list_append(a, b, NULL));
+  v[0] = a;
+  a = t_list(), b = t_list(), c = t_list();
+  OK(dp_list_append(c, t_tensor(CUDA0, 0x2000, 4), NULL));
+  OK(dp_list_append(b, c, NULL));
+  OK(dp_list_append(a, b, NULL));
+  v[1] = a;
+  a = t_list(), b = t_list();
+  OK(dp_list_append(b, t_tensor(CUDA0, 0x3000, 4), NULL));
+  OK(dp_tuple_new(2, &tup, NULL));
+  OK(dp_seq_set(tup, 0, t_tensor(CUDA0, 0x4000, 4), NULL));
+  OK(dp_seq_set(tup, 1, b, NULL));
+  OK(dp_list_append(a, tup, NULL));
+  v[2] = a;
+  a = t_list(), o = t_obj("Holder");
+  OK(dp_object_set(o, "t", t_tensor(CUDA0, 0x5000, 4), NULL));
+  OK(dp_list_append(a, o, NULL));
+  v[3] = a;
+  a = t_list(), b = t_list(), c = t_list();
+  OK(dp_list_append(c, t_tensor(CUDA0, 0x6000, 4), NULL));
+  OK(dp_list_append(b, c, NULL));
+  OK(dp_list_append(a, t_list(), NULL));
+  OK(dp_list_append(a, b, NULL));
+  v[4] = a;
+  uint32_t deep[5] = {2, 3, 3, 2, 3};  /* levels of non-empty containers */
+  for (int i = 0; i < 5; i++) {
+    for (uint32_t md = 1; md <= deep[i] + 1; md++) expect_same_depth_verdict(v[i], md, md < deep[i] ? DP_ELIMIT : 0);
+    dp_value_release(v[i]);
+  }
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, containers_staged_in_place_keep_order_and_counts_across_batches) {
+  /* Lists, tuples and objects of tensors that are staged in place, and
+   * others that turn out to need a frame after some of their tensors were
+   * staged (a dict, a custom-free object in a list, a 17th item), around
+   * the batch boundaries: the same entries, in the same order, with the same
+   * counts as the path scan. */
+  dp_value_t root = t_list();
+  uintptr_t base = 0x200000;
+  for (int i = 0; i < 60; i++) {
+    dp_value_t x;
+    switch (i % 5) {
+      case 0:  /* (t, t, [t, 1]) */
+        x = t_list();
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        {
+          dp_value_t in = t_list();
+          OK(dp_list_append(in, t_tensor(CUDA0, base += 64, 4), NULL));
+          OK(dp_list_append(in, dp_int(1), NULL));
+          OK(dp_list_append(x, in, NULL));
+        }
+        break;
+      case 1: { /* [t, t, {"k": t}]: a frame after two tensors */
+        x = t_list();
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        dp_value_t d;
+        OK(dp_dict_new(1, &d, NULL));
+        OK(dp_dict_set(d, t_str("k"), t_tensor(CUDA0, base += 64, 4), NULL));
+        OK(dp_list_append(x, d, NULL));
+        break;
+      }
+      case 2: /* obj{a: t, b: 2, c: t} */
+        x = t_obj("Pair");
+        OK(dp_object_set(x, "a", t_tensor(CUDA0, base += 64, 4), NULL));
+        OK(dp_object_set(x, "b", dp_int(2), NULL));
+        OK(dp_object_set(x, "c", t_tensor(CUDA1, base += 64, 4), NULL));
+        break;
+      case 3: /* [17 tensors]: over DP_INLINE_MAX */
+        x = t_list();
+        for (int k = 0; k < 17; k++) OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        break;
+      default: /* [[t x 9], [t x 9]]: over DP_INLINE_MAX in all, after 9 staged */
+        x = t_list();
+        for (int h = 0; h < 2; h++) {
+          dp_value_t in = t_list();
+          for (int k = 0; k < 9; k++) OK(dp_list_append(in, t_tensor(CUDA1, base += 64, 4), NULL));
+          OK(dp_list_append(x, in, NULL));
+        }
+        break;
+    }
+    OK(dp_list_append(root, x, NULL));
+  }
+  dp_ptrset_t *with = scan_paths(root), *without;
+  OK(dp_ptrset_new(&without, NULL));
+  OK(dp_scan(root, NULL, without, NULL));
+  cr_assert_eq(dp_ptrset_count(with), 12 * (3 + 3 + 2 + 17 + 18));
+  cr_assert_eq(dp_ptrset_count(without), dp_ptrset_count(with));
+  for (size_t i = 0; i < dp_ptrset_count(with); i++) {
+    dp_ptr_info_t a, b;
+    OK(dp_ptrset_get(with, i, &a));
+    OK(dp_ptrset_get(without, i, &b));
+    cr_assert(a.base == b.base && a.refs == b.refs && dp_device_equal(a.device, b.device), "entry %zu", i);
+  }
+  for (size_t j = 0; j < dp_ptrset_ndevices(with); j++) {
+    cr_assert(dp_device_equal(dp_ptrset_device(with, j), dp_ptrset_device(without, j)));
+    size_t x = dp_ptrset_first_on(with, j), y = dp_ptrset_first_on(without, j), n = 0;
+    for (; x != SIZE_MAX; x = dp_ptrset_next_on(with, x), y = dp_ptrset_next_on(without, y), n++)
+      cr_assert_eq(x, y, "device %zu, entry %zu", j, n);
+    cr_assert_eq(y, SIZE_MAX);
+    cr_assert_eq(n, dp_ptrset_device_count(without, j));
+  }
+  dp_ptrset_free(with);
+  dp_ptrset_free(without);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_scan_that_runs_out_of_memory_says_so_and_keeps_what_it_met_in_order) {
+  /* 200 tensors over two devices, a device change inside batches, views
+   * after their base: failing each allocation of a fresh set's scan in turn,
+   * the scan reports DP_ENOMEM with its message, and the entries it kept are
+   * the first ones of the full scan, with their devices chained in order. */
+  dp_value_t root = t_list();
+  for (int i = 0; i < 200; i++) {
+    dp_storage_t *st = t_storage(i % 50 == 49 ? CUDA1 : CUDA0, 0x400000 + (uintptr_t)i * 4096, 4096);
+    OK(dp_list_append(root, t_view(st, 8, 0), NULL));
+    if (i % 3 == 0) OK(dp_list_append(root, t_view(st, 4, 8), NULL));
+    dp_storage_release(st);
+  }
+  dp_ptrset_t *full;
+  OK(dp_ptrset_new(&full, NULL));
+  long before = t_alloc_count;
+  OK(dp_scan(root, NULL, full, NULL));
+  long allocs = t_alloc_count - before;
+  cr_assert_eq(dp_ptrset_count(full), 200);
+  int failed = 0;
+  /* a failed allocation may be made up for (a batch's room is then grown
+   * one insert at a time): the scan either succeeds whole or fails */
+  for (long k = 1; k <= allocs + 2; k++) {
+    dp_ptrset_t *s;
+    OK(dp_ptrset_new(&s, NULL));
+    dp_error_t e;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_scan(root, NULL, s, &e);
+    t_fail_at = 0;
+    if (rc == 0) {
+      cr_assert_eq(dp_ptrset_count(s), 200, "allocation %ld", k);
+      dp_ptrset_free(s);
+      continue;
+    }
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
+    cr_assert(strstr(e.message, "out of memory"), "%s", e.message);
+    size_t n = dp_ptrset_count(s);
+    for (size_t i = 0; i < n; i++) {
+      dp_ptr_info_t a, b;
+      OK(dp_ptrset_get(full, i, &a));
+      OK(dp_ptrset_get(s, i, &b));
+      cr_assert(a.base == b.base && dp_device_equal(a.device, b.device), "allocation %ld, entry %zu", k, i);
+    }
+    for (size_t j = 0; j < dp_ptrset_ndevices(s); j++) {
+      size_t m = 0, prev = 0;
+      for (size_t i = dp_ptrset_first_on(s, j); i != SIZE_MAX; i = dp_ptrset_next_on(s, i), m++) {
+        cr_assert(m == 0 || i > prev);
+        dp_ptr_info_t p;
+        OK(dp_ptrset_get(s, i, &p));
+        cr_assert(dp_device_equal(p.device, dp_ptrset_device(s, j)), "allocation %ld, entry %zu", k, i);
+        prev = i;
+      }
+      cr_assert_eq(m, dp_ptrset_device_count(s, j));
+    }
+    dp_ptrset_free(s);
+  }
+  cr_assert_gt(failed, 0, "no allocation was failed");
+  dp_ptrset_free(full);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_pickle_that_runs_out_of_memory_says_so_and_leaks_nothing) {
+  /* Failing each allocation of a fresh frame's pickle in turn (the buffer
+   * grows as msgpack-c's packer writes into it): DP_ENOMEM with a message,
+   * an empty frame, nothing leaked; then the same frame pickles whole. */
+  dp_value_t root = t_list();
+  char text[300];
+  memset(text, 'x', sizeof text);
+  for (int i = 0; i < 60; i++) {
+    dp_value_t o = t_obj("Rec"), str;
+    OK(dp_str_new(text, (size_t)(i * 5), &str, NULL));
+    OK(dp_object_set(o, "name", str, NULL));
+    OK(dp_object_set(o, "t", t_tensor(i % 2 ? CUDA1 : CUDA0, 0x500000 + (uintptr_t)i * 64, 4), NULL));
+    OK(dp_object_set(o, "x", dp_float(i * 0.25), NULL));
+    OK(dp_list_append(root, o, NULL));
+  }
+  dp_frame_t *ref;
+  OK(dp_frame_new(&ref, NULL));
+  OK(dp_pickle(root, NULL, ref, NULL));
+  size_t ref_n;
+  const uint8_t *ref_p = dp_frame_data(ref, &ref_n);
+  int failed = 0;
+  for (long k = 1; k < 100; k++) {
+    dp_frame_t *f;
+    OK(dp_frame_new(&f, NULL));
+    dp_error_t e;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_pickle(root, NULL, f, &e);
+    t_fail_at = 0;
+    size_t n;
+    if (rc != 0) {
+      failed++;
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
+      cr_assert(strstr(e.message, "out of memory"), "%s", e.message);
+      dp_frame_data(f, &n);
+      cr_assert_eq(n, 0, "a failed pickle leaves no frame");
+      OK(dp_pickle(root, NULL, f, NULL));
+    }
+    const uint8_t *p = dp_frame_data(f, &n);
+    cr_assert(n == ref_n && memcmp(p, ref_p, n) == 0, "allocation %ld: the frame differs", k);
+    dp_frame_free(f);
+    if (rc == 0) break;
+  }
+  cr_assert_gt(failed, 2);
+  dp_frame_free(ref);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, cycles_terminate_and_each_storage_is_met_once) {
   dp_value_t a = t_obj("Node"), b = t_obj("Node");
   OK(dp_object_set(a, "t", t_tensor(CUDA0, 0x1000, 4), NULL));
@@ -635,6 +888,33 @@ Test(pickler, a_change_to_any_byte_is_detected) {
   free(b);
   dp_frame_free(f);
   dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+/* The checksum has a vectorised path for long frames (pickle.c): whatever
+ * the length, it is XXH3-64 of everything after the header seeded with the
+ * hash of the header's first 32 bytes, as FORMAT.md states, computed here
+ * by xxhash's library. */
+Test(pickler, the_checksum_is_xxh3_of_the_frame_at_every_length) {
+  size_t lens[] = {0, 1, 190, 200, 230, 236, 237, 300, 1023, 1024, 1025, 4096, 65536 + 3, (1u << 20) + 13};
+  uint8_t *blob = malloc((1u << 20) + 13);
+  for (size_t i = 0; i < (1u << 20) + 13; i++) blob[i] = (uint8_t)(i * 2654435761u >> 13);
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++) {
+    dp_value_t v;
+    OK(dp_bytes_new(blob, lens[k], &v, NULL));
+    OK(dp_pickle(v, NULL, f, NULL));
+    size_t n;
+    const uint8_t *p = dp_frame_data(f, &n);
+    uint64_t want = XXH3_64bits_withSeed(p + 40, n - 40, XXH3_64bits(p, 32)), got = 0;
+    for (int i = 0; i < 8; i++) got |= (uint64_t)p[32 + i] << (8 * i);
+    cr_assert_eq(got, want, "a frame of %zu bytes: checksum %016llx, XXH3 %016llx", n, (unsigned long long)got,
+                 (unsigned long long)want);
+    dp_value_release(v);
+  }
+  dp_frame_free(f);
+  free(blob);
   ASSERT_NO_LEAK();
 }
 

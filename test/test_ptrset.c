@@ -56,6 +56,50 @@ Test(ptrset, a_hundred_thousand_entries_keep_discovery_order_and_device_groups) 
   ASSERT_NO_LEAK();
 }
 
+static void expect_chain(dp_ptrset_t *s, size_t g, const size_t *want, size_t n) {
+  size_t k = 0;
+  for (size_t i = dp_ptrset_first_on(s, g); i != SIZE_MAX; i = dp_ptrset_next_on(s, i), k++) {
+    cr_assert_lt(k, n, "device %zu: more entries than %zu", g, n);
+    cr_assert_eq(i, want[k], "device %zu, entry %zu: %zu, expected %zu", g, k, i, want[k]);
+  }
+  cr_assert_eq(k, n, "device %zu: %zu entries, expected %zu", g, k, n);
+  cr_assert_eq(dp_ptrset_device_count(s, g), n);
+}
+
+Test(ptrset, device_groups_stay_in_order_when_a_second_device_comes_late) {
+  /* 1000 entries on one device, then another device, then both again; then
+   * the same after a clear, with the devices the other way round. */
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, NULL));
+  size_t *a = malloc(2000 * sizeof *a), *b = malloc(2000 * sizeof *b);
+  for (int round = 0; round < 2; round++) {
+    dp_device_t d0 = t_dev(DP_DEVICE_CUDA, round), d1 = t_dev(DP_DEVICE_CUDA, 1 - round);
+    size_t na = 0, nb = 0, i;
+    dp_ptrset_clear(s);
+    for (uintptr_t k = 0; k < 1000; k++) {
+      OK(dp_ptrset_add(s, d0, (void *)(0x10000 + k * 64), 64, &i, NULL));
+      a[na++] = i;
+    }
+    expect_chain(s, 0, a, na);
+    OK(dp_ptrset_add(s, d1, (void *)0x10000, 64, &i, NULL));
+    b[nb++] = i;
+    for (uintptr_t k = 1000; k < 1500; k++) {
+      OK(dp_ptrset_add(s, k % 3 ? d0 : d1, (void *)(0x10000 + k * 64), 64, &i, NULL));
+      if (k % 3) a[na++] = i; else b[nb++] = i;
+    }
+    OK(dp_ptrset_add(s, d0, (void *)0x10000, 64, &i, NULL));  /* met again: no new entry */
+    cr_assert_eq(i, 0);
+    cr_assert_eq(dp_ptrset_ndevices(s), 2);
+    cr_assert(dp_device_equal(dp_ptrset_device(s, 0), d0));
+    expect_chain(s, 0, a, na);
+    expect_chain(s, 1, b, nb);
+  }
+  free(a);
+  free(b);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
 Test(ptrset, clear_keeps_memory_so_refilling_allocates_nothing) {
   dp_ptrset_t *s;
   OK(dp_ptrset_new(&s, NULL));

@@ -308,6 +308,25 @@ Test(table, with_the_secret_forced_to_zero_the_buffer_bases_do_collide) {
   cr_assert_geq(avg, 1000.0, "%.1f probes per base", avg);
 }
 
+Test(table, the_two_step_keyed_hash_is_the_keyed_hash) {
+  /* dp__hash_u64_key + dp__hash_u64_keyed (the pointer set's hash, the key
+   * derived once per device) must be dp__hash_u64 bit for bit, whatever the
+   * secret and the salt: the flooding tests above build on the latter. */
+  uint64_t secrets[] = {0, 1, 0x9E3779B97F4A7C15ull, ~0ull};
+  t_rng_t r = {7};
+  for (size_t k = 0; k < 4; k++) {
+    dp__hash_secret_set(secrets[k]);
+    for (uint64_t salt = 0; salt < 0x300; salt += 0x81) {
+      uint64_t key = dp__hash_u64_key(salt);
+      for (int i = 0; i < 1000; i++) {
+        uint64_t x = i < 8 ? (uint64_t)i << (8 * i) : t_rand(&r);
+        cr_assert_eq(dp__hash_u64_keyed(x, key), dp__hash_u64(x, salt), "x %016llx salt %llx",
+                     (unsigned long long)x, (unsigned long long)salt);
+      }
+    }
+  }
+}
+
 Test(table, attribute_names_and_dict_keys_hash_with_the_secret) {
   /* the same key, two secrets: two hashes (a fixed seed gave one) */
   dp_value_t k = t_str("parameter");
