@@ -69,6 +69,11 @@ typedef struct dp_cont {
 typedef struct dp_strobj {
   dp_heap_t h;
   size_t len;
+  /* The keyed hash of the bytes (a str or bytes is immutable), computed the
+   * first time it is hashed as a dict key, 0 until then: a key that holds
+   * one long str many times, or is used in many dicts, reads its bytes
+   * once. Relaxed atomics: racing threads store the same value. */
+  _Atomic uint64_t hash;
   char data[];
 } dp_strobj_t;
 
@@ -167,6 +172,9 @@ static inline int dp__is_container_kind(uint32_t k) {
 static inline uint32_t dp__rc(const dp_heap_t *h) {
   return atomic_load_explicit(&((dp_heap_t *)h)->rc, memory_order_relaxed);
 }
+
+/* Bytes of str/bytes dict keys hashed on this thread (a test counter). */
+extern _Thread_local uint64_t dp__key_bytes_hashed;
 
 /* UTF-8 validation (RFC 3629: no overlongs, no surrogates, <= U+10FFFF). */
 int dp__utf8_valid(const char *s, size_t n);

@@ -2473,3 +2473,43 @@ Test(pickler, a_reduce_step_escapes_control_characters_backslashes_and_angle_bra
   dp_value_release(root);
   ASSERT_NO_LEAK();
 }
+
+/* ---- dict keys: a key's str is hashed once, however often it is used ---- */
+
+extern _Thread_local uint64_t dp__key_bytes_hashed;  /* pickler/internal.h */
+
+Test(pickler, a_str_shared_by_many_keys_and_dicts_is_hashed_once_when_read) {
+  /* 20 dicts keyed by one tuple of 200 references to one 10 kB str: before,
+   * every dict hashed the str 200 times (40 MB of hashing for a 10 kB frame,
+   * quadratic in the frame); now its bytes are hashed once. */
+  enum { STR = 10000, REFS = 200, DICTS = 20 };
+  char *text = malloc(STR);
+  memset(text, 'k', STR);
+  dp_value_t s, key, list;
+  OK(dp_str_new(text, STR, &s, NULL));
+  free(text);
+  OK(dp_tuple_new(REFS, &key, NULL));
+  for (size_t i = 0; i < REFS; i++) OK(dp_seq_set(key, i, dp_value_retain(s), NULL));
+  dp_value_release(s);
+  OK(dp_list_new(DICTS, &list, NULL));
+  for (int i = 0; i < DICTS; i++) {
+    dp_value_t d;
+    OK(dp_dict_new(1, &d, NULL));
+    OK(dp_dict_set(d, dp_value_retain(key), dp_int(i), NULL));
+    OK(dp_list_append(list, d, NULL));
+  }
+  dp_value_release(key);
+  dp_frame_t *f = pickle_ok(list, 0);
+  size_t n;
+  dp_frame_data(f, &n);
+  cr_assert_lt(n, 2 * STR, "the str is written once: %zu bytes", n);
+  dp__key_bytes_hashed = 0;
+  dp_value_t back = unpickle_ok(f);
+  cr_assert_eq(dp__key_bytes_hashed, STR, "%llu bytes hashed", (unsigned long long)dp__key_bytes_hashed);
+  cr_assert_eq(dp_value_equal(list, back, DP_EQ_SHARING), 1);
+  dp_value_release(back);
+  dp_value_release(list);
+  dp_frame_free(f);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
