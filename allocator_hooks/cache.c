@@ -623,12 +623,9 @@ static int record_block(block_t *b, dp_stream_t *s, dp_error_t *err) {
  * after waiting for an event recorded on that stream (dp_cache_malloc), so
  * an event on it at free time would order nothing more. An exact pointer is
  * decided from the map entry alone; an interior one looks for its segment. */
-static inline __attribute__((always_inline)) int record_hashed(dp_cache_t *c, void *ptr, uint64_t h, dp_stream_t *s,
-                                                               dp_error_t *err) {
-  mapent_t *e = map_entry(c, ptr, h, NULL);
+static int record_slow(dp_cache_t *c, void *ptr, mapent_t *e, dp_stream_t *s, dp_error_t *err) {
   block_t *b;
-  if (DP_LIKELY(e != NULL)) {
-    if (e->stream == s) return 0;
+  if (e) {
     b = e->b;
   } else if (!(b = find_used(c, ptr)) || b->state != B_USED) {
     return dp__err(err, DP_ENOTFOUND, "record_stream(%p): not an allocation of this allocator", ptr);
@@ -636,6 +633,17 @@ static inline __attribute__((always_inline)) int record_hashed(dp_cache_t *c, vo
     return 0;
   }
   return record_block(b, s, err);
+}
+
+static inline __attribute__((always_inline)) int record_hashed(dp_cache_t *c, void *ptr, uint64_t h, dp_stream_t *s,
+                                                               dp_error_t *err) {
+  mapent_t *e = map_entry(c, ptr, h, NULL);
+  if (DP_LIKELY(e != NULL) && e->stream == s) return 0;
+  return record_slow(c, ptr, e, s, err);
+}
+
+static inline __attribute__((always_inline)) int ents_eq(const void *ctx, size_t i, const void *key) {
+  return ((const mapent_t *)ctx)[i].ptr == (const char *)key;
 }
 
 int dp_cache_record_stream(dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *err) {
@@ -665,7 +673,9 @@ static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream
   int rc = 0;
   uint64_t ring[RECORD_RING];
   pthread_mutex_lock(&c->mu);
-  const dp__table_t *t = &c->map;
+  /* Nothing in the loop changes the map: its fields are read once. */
+  const dp__table_t map = c->map, *t = &map;
+  mapent_t *const mapped = c->mapped;
   size_t mask = t->nslots ? t->nslots - 1 : 0;
   for (size_t i = 0; i < n && i < RECORD_SLOT_AHEAD; i++) {
     ring[i] = ptr_hash(ptrs[i]);
@@ -680,9 +690,11 @@ static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream
     ahead = i + RECORD_ENTRY_AHEAD;
     if (ahead < n && t->nslots) {
       uint32_t ref = dp__table_ref(t, DP_TABLE_TAGGED, ring[ahead % RECORD_RING] & mask);
-      if (ref) __builtin_prefetch(&c->mapped[ref - 1]);
+      if (ref) __builtin_prefetch(&mapped[ref - 1]);
     }
-    rc = record_hashed(c, ptrs[i], ring[i % RECORD_RING], s, err);
+    size_t slot, at = dp__table_find(t, DP_TABLE_TAGGED, ring[i % RECORD_RING], ents_eq, mapped, ptrs[i], &slot);
+    if (DP_LIKELY(at != DP_TABLE_NONE) && mapped[at].stream == s) continue;
+    rc = record_slow(c, ptrs[i], at != DP_TABLE_NONE ? &mapped[at] : NULL, s, err);
     if (rc == DP_ENOTFOUND) rc = 0;
   }
   pthread_mutex_unlock(&c->mu);
