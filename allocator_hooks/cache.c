@@ -662,10 +662,13 @@ static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *
  * pointer RECORD_SLOT_AHEAD ahead is fetched, and the dense entry its home
  * slot names for the one RECORD_ENTRY_AHEAD ahead, so that the misses of a
  * large batch (slots and entries out of cache) overlap instead of queuing
- * one after another. Hashes are taken once, in a ring. */
+ * one after another. Hashes are taken once, in a ring. A map whose slots
+ * fit the first-level cache (RECORD_PREFETCH_SLOTS) is not prefetched: the
+ * extra instructions would only cost there. */
 #define RECORD_RING 32u           /* a power of two, > RECORD_SLOT_AHEAD */
 #define RECORD_SLOT_AHEAD 16u
 #define RECORD_ENTRY_AHEAD 8u
+#define RECORD_PREFETCH_SLOTS 8192u  /* 64 KiB of slots */
 
 static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
   dp_cache_t *c = ctx;
@@ -677,18 +680,19 @@ static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream
   const dp__table_t map = c->map, *t = &map;
   mapent_t *const mapped = c->mapped;
   size_t mask = t->nslots ? t->nslots - 1 : 0;
+  int prefetch = t->nslots > RECORD_PREFETCH_SLOTS;
   for (size_t i = 0; i < n && i < RECORD_SLOT_AHEAD; i++) {
     ring[i] = ptr_hash(ptrs[i]);
-    dp__table_prefetch(t, DP_TABLE_TAGGED, ring[i]);
+    if (prefetch) dp__table_prefetch(t, DP_TABLE_TAGGED, ring[i]);
   }
   for (size_t i = 0; i < n && rc != DP_ENOMEM; i++) {
     size_t ahead = i + RECORD_SLOT_AHEAD;
     if (ahead < n) {
       uint64_t h = ring[ahead % RECORD_RING] = ptr_hash(ptrs[ahead]);
-      dp__table_prefetch(t, DP_TABLE_TAGGED, h);
+      if (prefetch) dp__table_prefetch(t, DP_TABLE_TAGGED, h);
     }
     ahead = i + RECORD_ENTRY_AHEAD;
-    if (ahead < n && t->nslots) {
+    if (prefetch && ahead < n) {
       uint32_t ref = dp__table_ref(t, DP_TABLE_TAGGED, ring[ahead % RECORD_RING] & mask);
       if (ref) __builtin_prefetch(&mapped[ref - 1]);
     }
