@@ -73,7 +73,7 @@ struct dp_cache {
   devpool_t *pools;
   int ndev;
   dp__table_t map;               /* allocated blocks by ptr: mapped[] */
-  block_t **mapped;              /* the allocated blocks, dense */
+  struct mapent *mapped;         /* the allocated blocks, dense */
   size_t mapped_cap;
   block_t *pending_head, *pending_tail;
   block_t *spare;                /* recycled block structs */
@@ -103,35 +103,54 @@ static void block_recycle(dp_cache_t *c, block_t *b) {
 
 /* ---- the pointer map: a tagged table (table.h) over mapped[] ----
  * Deletion shifts back (no tombstones) and moves the last block into the
- * hole, so that mapped[] stays dense. */
+ * hole, so that mapped[] stays dense.
+ *
+ * An entry holds, beside its block, what a record_stream lookup needs: the
+ * key and the block's allocation stream (kept equal to b->stream while the
+ * block is mapped). A record on the allocation stream — what a completion
+ * does for every allocation made on its stream — thus reads a slot and one
+ * dense entry, never the block. */
+typedef struct mapent {
+  char *ptr;
+  dp_stream_t *stream;           /* == b->stream */
+  block_t *b;
+} mapent_t;
 
 /* Keyed (table.h): which pointers come back is up to the caller. */
 static inline uint64_t ptr_hash(const void *p) { return dp__hash_ptr(p); }
 
 static uint64_t map_hash_at(const void *ctx, size_t i) {
-  return ptr_hash(((const dp_cache_t *)ctx)->mapped[i]->ptr);
+  return ptr_hash(((const dp_cache_t *)ctx)->mapped[i].ptr);
 }
 
 static inline __attribute__((always_inline)) int map_eq(const void *ctx, size_t i, const void *key) {
-  return ((const dp_cache_t *)ctx)->mapped[i]->ptr == (const char *)key;
+  return ((const dp_cache_t *)ctx)->mapped[i].ptr == (const char *)key;
 }
 
-static int map_insert(dp_cache_t *c, block_t *b) {
+/* Maps b, allocated for stream s. */
+static int map_insert(dp_cache_t *c, block_t *b, dp_stream_t *s) {
   size_t n = c->map.count;
   if (dp__grow((void **)&c->mapped, &c->mapped_cap, n + 1, sizeof *c->mapped) != 0) return DP_ENOMEM;
   if (dp__table_full(&c->map) && dp__table_grow(&c->map, DP_TABLE_TAGGED, n, 256, map_hash_at, c) != 0)
     return DP_ENOMEM;
   uint64_t h = ptr_hash(b->ptr);
-  c->mapped[n] = b;
+  c->mapped[n] = (mapent_t){b->ptr, s, b};
   dp__table_put(&c->map, DP_TABLE_TAGGED, dp__table_empty_slot(&c->map, DP_TABLE_TAGGED, h), h, n);
   return 0;
 }
 
-static block_t *map_find(dp_cache_t *c, const void *p, size_t *slot) {
-  size_t j, at = dp__table_find(&c->map, DP_TABLE_TAGGED, ptr_hash(p), map_eq, c, p, &j);
+/* The entry of the block allocated at p (hash h), or NULL. */
+static inline __attribute__((always_inline)) mapent_t *map_entry(dp_cache_t *c, const void *p, uint64_t h,
+                                                                 size_t *slot) {
+  size_t j, at = dp__table_find(&c->map, DP_TABLE_TAGGED, h, map_eq, c, p, &j);
   if (at == DP_TABLE_NONE) return NULL;
   if (slot) *slot = j;
-  return c->mapped[at];
+  return &c->mapped[at];
+}
+
+static block_t *map_find(dp_cache_t *c, const void *p, size_t *slot) {
+  mapent_t *e = map_entry(c, p, ptr_hash(p), slot);
+  return e ? e->b : NULL;
 }
 
 static void map_remove_at(dp_cache_t *c, size_t j) {
@@ -140,7 +159,7 @@ static void map_remove_at(dp_cache_t *c, size_t j) {
   size_t last = c->map.count;
   if (at != last) {
     c->mapped[at] = c->mapped[last];
-    dp__table_move(&c->map, DP_TABLE_TAGGED, ptr_hash(c->mapped[at]->ptr), last, at);
+    dp__table_move(&c->map, DP_TABLE_TAGGED, ptr_hash(c->mapped[at].ptr), last, at);
   }
 }
 
@@ -356,7 +375,11 @@ static void stream_gone(dp_stream_t *s) {
       for (size_t i = 0; i < c->pools[d].nsegs; i++)
         for (block_t *b = c->pools[d].segs[i]->first, *n; b; b = n) {
           n = b->next;
-          if (b->stream == s) b->stream = NULL;
+          if (b->stream == s) {
+            b->stream = NULL;
+            mapent_t *e = b->state == B_USED ? map_entry(c, b->ptr, ptr_hash(b->ptr), NULL) : NULL;
+            if (e) e->stream = NULL;
+          }
           for (uint32_t k = 0; k < b->nuses; k++)
             if (b->uses[k] == s) b->uses[k--] = b->uses[--b->nuses];
           if (b->state == B_FREE && !b->stream) {  /* merge with free stream-less neighbours */
@@ -500,7 +523,7 @@ int dp_cache_malloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *
       free_block(c, p, r);
     }
   }
-  if (map_insert(c, b) != 0) {
+  if (map_insert(c, b, s) != 0) {
     free_block(c, p, b);
     rc = dp__err(err, DP_ENOMEM, "out of memory tracking an allocation");
     goto out;
@@ -579,11 +602,8 @@ static block_t *find_used(dp_cache_t *c, const void *ptr) {
   return NULL;
 }
 
-static int record_locked(dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *err) {
-  block_t *b = find_used(c, ptr);
-  if (!b || b->state != B_USED)
-    return dp__err(err, DP_ENOTFOUND, "record_stream(%p): not an allocation of this allocator", ptr);
-  if (s == b->stream) return 0;
+/* Adds stream s to an allocated block's uses. */
+static int record_block(block_t *b, dp_stream_t *s, dp_error_t *err) {
   for (uint32_t i = 0; i < b->nuses; i++)
     if (b->uses[i] == s) return 0;
   if (b->nuses == b->uses_cap) {
@@ -596,10 +616,40 @@ static int record_locked(dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *e
   return 0;
 }
 
+/* Records s on the allocation holding ptr (hash h of ptr). A record on the
+ * block's allocation stream is a no-op and is not stored: a block freed is
+ * reusable at once on that stream (the stream orders the next use after
+ * every earlier one), and an allocation on another stream takes it only
+ * after waiting for an event recorded on that stream (dp_cache_malloc), so
+ * an event on it at free time would order nothing more. An exact pointer is
+ * decided from the map entry alone; an interior one looks for its segment. */
+static int record_slow(dp_cache_t *c, void *ptr, mapent_t *e, dp_stream_t *s, dp_error_t *err) {
+  block_t *b;
+  if (e) {
+    b = e->b;
+  } else if (!(b = find_used(c, ptr)) || b->state != B_USED) {
+    return dp__err(err, DP_ENOTFOUND, "record_stream(%p): not an allocation of this allocator", ptr);
+  } else if (b->stream == s) {
+    return 0;
+  }
+  return record_block(b, s, err);
+}
+
+static inline __attribute__((always_inline)) int record_hashed(dp_cache_t *c, void *ptr, uint64_t h, dp_stream_t *s,
+                                                               dp_error_t *err) {
+  mapent_t *e = map_entry(c, ptr, h, NULL);
+  if (DP_LIKELY(e != NULL) && e->stream == s) return 0;
+  return record_slow(c, ptr, e, s, err);
+}
+
+static inline __attribute__((always_inline)) int ents_eq(const void *ctx, size_t i, const void *key) {
+  return ((const mapent_t *)ctx)[i].ptr == (const char *)key;
+}
+
 int dp_cache_record_stream(dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *err) {
   if (!c || !s) return dp__err(err, DP_EINVAL, "dp_cache_record_stream: NULL argument");
   pthread_mutex_lock(&c->mu);
-  int rc = record_locked(c, ptr, s, err);
+  int rc = record_hashed(c, ptr, ptr_hash(ptr), s, err);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -608,13 +658,47 @@ static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *
   return dp_cache_record_stream(ctx, ptr, s, err);
 }
 
+/* The batched record: one lock, and the lookups pipelined — the slot of the
+ * pointer RECORD_SLOT_AHEAD ahead is fetched, and the dense entry its home
+ * slot names for the one RECORD_ENTRY_AHEAD ahead, so that the misses of a
+ * large batch (slots and entries out of cache) overlap instead of queuing
+ * one after another. Hashes are taken once, in a ring. A map whose slots
+ * fit the first-level cache (RECORD_PREFETCH_SLOTS) is not prefetched: the
+ * extra instructions would only cost there. */
+#define RECORD_RING 32u           /* a power of two, > RECORD_SLOT_AHEAD */
+#define RECORD_SLOT_AHEAD 16u
+#define RECORD_ENTRY_AHEAD 8u
+#define RECORD_PREFETCH_SLOTS 8192u  /* 64 KiB of slots */
+
 static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
   dp_cache_t *c = ctx;
   if (!s) return dp__err(err, DP_EINVAL, "record_streams: NULL stream");
   int rc = 0;
+  uint64_t ring[RECORD_RING];
   pthread_mutex_lock(&c->mu);
+  /* Nothing in the loop changes the map: its fields are read once. */
+  const dp__table_t map = c->map, *t = &map;
+  mapent_t *const mapped = c->mapped;
+  size_t mask = t->nslots ? t->nslots - 1 : 0;
+  int prefetch = t->nslots > RECORD_PREFETCH_SLOTS;
+  for (size_t i = 0; i < n && i < RECORD_SLOT_AHEAD; i++) {
+    ring[i] = ptr_hash(ptrs[i]);
+    if (prefetch) dp__table_prefetch(t, DP_TABLE_TAGGED, ring[i]);
+  }
   for (size_t i = 0; i < n && rc != DP_ENOMEM; i++) {
-    rc = record_locked(c, ptrs[i], s, err);
+    size_t ahead = i + RECORD_SLOT_AHEAD;
+    if (ahead < n) {
+      uint64_t h = ring[ahead % RECORD_RING] = ptr_hash(ptrs[ahead]);
+      if (prefetch) dp__table_prefetch(t, DP_TABLE_TAGGED, h);
+    }
+    ahead = i + RECORD_ENTRY_AHEAD;
+    if (prefetch && ahead < n) {
+      uint32_t ref = dp__table_ref(t, DP_TABLE_TAGGED, ring[ahead % RECORD_RING] & mask);
+      if (ref) __builtin_prefetch(&mapped[ref - 1]);
+    }
+    size_t slot, at = dp__table_find(t, DP_TABLE_TAGGED, ring[i % RECORD_RING], ents_eq, mapped, ptrs[i], &slot);
+    if (DP_LIKELY(at != DP_TABLE_NONE) && mapped[at].stream == s) continue;
+    rc = record_slow(c, ptrs[i], at != DP_TABLE_NONE ? &mapped[at] : NULL, s, err);
     if (rc == DP_ENOTFOUND) rc = 0;
   }
   pthread_mutex_unlock(&c->mu);

@@ -1,6 +1,11 @@
 /* bench/bench_device.c — the caching allocator, record_stream, event record
  * and stream wait, per backend, against baselines measured in the same run.
- * Usage: bench_device OUT.json */
+ * Usage: bench_device OUT.json
+ *
+ * record_streams_own_N: the batched record (the hooks a future completes
+ *   through) of N pointers, each its own 1 KiB block, on the stream they
+ *   were allocated on (the no-op a completion makes for every allocation of
+ *   its stream); ns per pointer; ratio: over the 1,000 row (the scaling). */
 #include <pthread.h>
 #include <stdlib.h>
 
@@ -82,6 +87,35 @@ static void teardown(ctx_t *c) {
   dp_stream_destroy(c->u);
 }
 
+typedef struct batch {
+  dp_allocator_hooks_t h;
+  void **ptrs;
+  size_t n;
+  dp_stream_t *s;
+} batch_t;
+
+static void record_batch(void *p) {
+  batch_t *b = p;
+  dp_allocator_record(&b->h, b->ptrs, b->n, b->s, NULL);
+}
+
+static void record_batch_rows(const char *out, ctx_t *c) {
+  static const size_t sizes[] = {1000, 10000, 100000};
+  batch_t b = {dp_cache_hooks(c->cache), malloc(sizeof(void *) * 100000), 0, c->s};
+  double one = 0;
+  char row[64];
+  for (int k = 0; k < 3; k++) {
+    for (b.n = 0; b.n < sizes[k]; b.n++)
+      if (dp_cache_malloc(c->cache, c->dev, 1024, c->s, &b.ptrs[b.n], NULL) != 0) exit(1);
+    double t = bench_time(record_batch, &b, 7) / (double)b.n;
+    if (k == 0) one = t;
+    snprintf(row, sizeof row, "record_streams_own_%zu", b.n);
+    bench_row(out, row, dp_backend_name(c->b), t * 1e9, "ns/ptr", t / one, "the 1,000 row (scaling factor)");
+    for (size_t i = 0; i < b.n; i++) dp_cache_free(c->cache, b.ptrs[i], NULL);
+  }
+  free(b.ptrs);
+}
+
 #ifdef DP_HAVE_CUDA
 static void cuda_pair(void *p) {
   (void)p;
@@ -123,6 +157,7 @@ int main(int argc, char **argv) {
   bench_row(out, "event_record", "host", t * 1e9, "ns/call", t / base, "an uncontended mutex lock + unlock");
   bench_pair(wait_event, mutex_pair, &c, 5, &t, &base);
   bench_row(out, "stream_wait_event", "host", t * 1e9, "ns/call", t / base, "an uncontended mutex lock + unlock");
+  record_batch_rows(out, &c);
   teardown(&c);
 
 #ifdef DP_HAVE_CUDA
@@ -149,6 +184,7 @@ int main(int argc, char **argv) {
     bench_row(out, "stream_wait_event", "cuda", t * 1e9, "ns/call", t / base, "cudaStreamWaitEvent");
     cudaStreamSynchronize(c.raw_s);
     cudaEventDestroy(c.raw_ev);
+    record_batch_rows(out, &c);
     teardown(&c);
   }
 #endif

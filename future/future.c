@@ -27,11 +27,11 @@
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
+/* An allocation's other fields (its base is in record_t.bases). */
 typedef struct fptr {
-  dp_device_t device;
-  uint32_t refs;
-  void *base;
   size_t nbytes;
+  uint32_t refs;
+  dp_device_t device;
 } fptr_t;
 
 typedef struct fdev {
@@ -40,10 +40,14 @@ typedef struct fdev {
   size_t first, count;   /* this device's bases in by_dev */
 } fdev_t;
 
-/* What a completion publishes: one allocation holding three arrays. */
+/* What a completion publishes: one allocation holding the bases (in
+ * discovery order), the other fields of each allocation, the bases grouped
+ * by device and the devices. With one device the grouped bases are the
+ * bases themselves: the record is 24 bytes an allocation, written once. */
 typedef struct record {
   void *block;
   size_t block_size;
+  void **bases;
   fptr_t *ptrs;
   size_t nptrs;
   void **by_dev;
@@ -337,16 +341,22 @@ static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *s
     }
     if (d.type != DP_DEVICE_CPU) ndevs++;
   }
-  r->block_size = n * sizeof(fptr_t) + n * sizeof(void *) + ndevs * sizeof(fdev_t);
+  /* one group: discovery order is device order, by_dev is bases */
+  size_t ngrouped = ngroups > 1 ? n : 0;
+  r->block_size = n * (sizeof(void *) + sizeof(fptr_t)) + ngrouped * sizeof(void *) + ndevs * sizeof(fdev_t);
   if (r->block_size && !(r->block = dp__alloc(r->block_size)))
     return dp__err(err, DP_ENOMEM, "out of memory completing a future");
-  r->ptrs = r->block;
-  r->by_dev = (void **)(r->ptrs + n);
-  r->devs = (fdev_t *)(r->by_dev + n);
+  r->bases = r->block;
+  r->ptrs = (fptr_t *)(r->bases + n);
+  r->by_dev = ngroups > 1 ? (void **)(r->ptrs + n) : r->bases;
+  r->devs = (fdev_t *)((void **)(r->ptrs + n) + ngrouped);
   r->nptrs = n;
   /* The set's entries are read directly: this runs on every completion. */
   const dp__pentry_t *en = set->entries;
-  for (size_t i = 0; i < n; i++) r->ptrs[i] = (fptr_t){en[i].device, en[i].refs, en[i].base, en[i].nbytes};
+  for (size_t i = 0; i < n; i++) {
+    r->bases[i] = en[i].base;
+    r->ptrs[i] = (fptr_t){en[i].nbytes, en[i].refs, en[i].device};
+  }
   size_t pos = 0;
   for (size_t g = 0; g < ngroups; g++) {
     dp_device_t d = set->groups[g].device;
@@ -354,8 +364,8 @@ static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *s
     fdev_t *fd = &r->devs[r->ndevs];
     fd->dev = d;
     fd->first = pos;
-    if (ngroups == 1) {  /* one device: discovery order is device order */
-      for (size_t i = 0; i < n; i++) r->by_dev[pos++] = en[i].base;
+    if (ngroups == 1) {
+      pos = n;
     } else {
       for (uint32_t i = set->groups[g].head + 1; i; i = en[i - 1].next_on) r->by_dev[pos++] = en[i - 1].base;
     }
@@ -726,7 +736,7 @@ static void collect_finish(collect_t *c) {
   for (size_t i = 0; rc == 0 && i < c->n; i++)
     for (size_t k = 0; rc == 0 && k < c->in[i]->rec.nptrs; k++) {
       fptr_t *p = &c->in[i]->rec.ptrs[k];
-      rc = dp_ptrset_add(set, p->device, p->base, p->nbytes, NULL, &err);
+      rc = dp_ptrset_add(set, p->device, c->in[i]->rec.bases[k], p->nbytes, NULL, &err);
     }
   /* One stream per used device joins every input's event there. */
   size_t ngroups = rc == 0 ? dp_ptrset_ndevices(set) : 0, nd = 0;
@@ -817,7 +827,7 @@ int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out) {
   if (!dp_future_is_done(f) || i >= f->rec.nptrs || !out) return DP_EINVAL;
   const fptr_t *p = &f->rec.ptrs[i];
   out->device = p->device;
-  out->base = p->base;
+  out->base = f->rec.bases[i];
   out->nbytes = p->nbytes;
   out->refs = p->refs;
   out->path = NULL;

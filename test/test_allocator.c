@@ -407,3 +407,32 @@ Test(allocator, every_allocation_failure_is_an_error_and_leaks_nothing) {
   dp_stream_destroy(u);
   OK(dp_cache_new(B, &C, NULL));
 }
+
+/* A record on a block's allocation stream holds nothing back (the stream
+ * orders the block's reuse by itself); once that stream is destroyed the
+ * block belongs to no stream, and a record on any stream — one created
+ * later at the same address too — holds it until that stream's work is
+ * done. Through the batched hook and the single call. */
+Test(allocator, a_record_on_the_allocation_stream_is_a_no_op_and_after_its_destruction_holds_the_block) {
+  dp_allocator_hooks_t h = dp_cache_hooks(C);
+  dp_stream_t *s = stream(H0);
+  void *p, *q[2];
+  OK(dp_cache_malloc(C, H0, 4096, s, &p, NULL));
+  OK(dp_allocator_record(&h, &p, 1, s, NULL));
+  OK(dp_cache_record_stream(C, p, s, NULL));
+  OK(dp_cache_free(C, p, NULL));
+  cr_assert_eq(stats(H0).pending_blocks, 0, "a record on the allocation stream holds nothing");
+  for (int i = 0; i < 2; i++) OK(dp_cache_malloc(C, H0, 4096, s, &q[i], NULL));
+  dp_stream_t *old = s;
+  dp_stream_destroy(s);
+  dp_stream_t *u = stream(H0);  /* malloc tends to hand back the destroyed stream's memory */
+  cr_log_info("the new stream %s the destroyed one's address", u == old ? "has" : "does not have");
+  OK(dp_allocator_record(&h, &q[0], 1, u, NULL));
+  OK(dp_cache_record_stream(C, q[1], u, NULL));
+  OK(dp_host_launch(u, sleep_40, NULL, NULL));
+  for (int i = 0; i < 2; i++) OK(dp_cache_free(C, q[i], NULL));
+  cr_assert_eq(stats(H0).pending_blocks, 2, "both blocks wait for the stream that recorded them");
+  OK(dp_stream_synchronize(u, NULL));
+  cr_assert_eq(dp_cache_poll(C), 2);
+  dp_stream_destroy(u);
+}

@@ -813,3 +813,55 @@ Test(future, every_allocation_failure_is_an_error_and_leaks_nothing) {
     if (rc == 0) break;
   }
 }
+
+/* ---- what a completion holds ---- */
+
+/* A completed future keeps, per allocation of its value, its base and its
+ * other fields (24 bytes), and with one device nothing more: the record
+ * that record_stream reads is the list of bases itself. Also checks that
+ * every allocation is still reported, in discovery order, and that a
+ * two-device value still groups its bases per device. */
+Test(future, a_completed_future_holds_24_bytes_per_allocation_of_a_one_device_value) {
+  enum { N = 1000 };
+  dp_value_t l;
+  OK(dp_list_new(N, &l, NULL));
+  for (int i = 0; i < N; i++) OK(dp_list_append(l, device_ints(H0, 4), NULL));
+  dp_future_t *warm = future();  /* grows the thread's scratch set and the event pool */
+  OK(dp_future_mark_completed(warm, dp_value_retain(l), NULL));
+  dp_future_t *f = future();
+  long before = atomic_load(&t_live_bytes);
+  OK(dp_future_mark_completed(f, dp_value_retain(l), NULL));
+  long held = atomic_load(&t_live_bytes) - before;
+  cr_assert_leq(held, 24 * N + 256, "a completion holds %ld bytes for %d allocations", held, N);
+  cr_assert_eq(dp_future_nptrs(f), N);
+  for (int i = 0; i < N; i++) {
+    dp_ptr_info_t info;
+    OK(dp_future_ptr(f, (size_t)i, &info));
+    cr_assert_eq(info.base, data_of(dp_seq_get(l, (size_t)i)));
+    cr_assert_eq(info.nbytes, 16);
+    cr_assert(dp_device_equal(info.device, H0));
+  }
+  /* two devices: bases grouped per device, each device's event recorded */
+  dp_value_t two;
+  OK(dp_list_new(3, &two, NULL));
+  OK(dp_list_append(two, device_ints(H0, 4), NULL));
+  OK(dp_list_append(two, device_ints(H1, 4), NULL));
+  OK(dp_list_append(two, device_ints(H0, 4), NULL));
+  dp_future_t *g = future();
+  OK(dp_future_mark_completed(g, dp_value_retain(two), NULL));
+  cr_assert_eq(dp_future_nptrs(g), 3);
+  cr_assert_eq(dp_future_ndevices(g), 2);
+  dp_ptr_info_t info;
+  OK(dp_future_ptr(g, 1, &info));
+  cr_assert_eq(info.base, data_of(dp_seq_get(two, 1)));
+  cr_assert(dp_device_equal(info.device, H1));
+  OK(dp_future_wait(g, -1, NULL));
+  OK(dp_future_wait(f, -1, NULL));
+  dp_future_release(g);
+  dp_future_release(f);
+  dp_future_release(warm);
+  for (int i = 0; i < 3; i++) free_ints(dp_seq_get(two, (size_t)i));
+  for (int i = 0; i < N; i++) free_ints(dp_seq_get(l, (size_t)i));
+  dp_value_release(two);
+  dp_value_release(l);
+}

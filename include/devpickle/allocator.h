@@ -19,9 +19,11 @@
  *     so that the block's earlier work completes first;
  *   - record_stream adds a stream that uses the block. Freeing such a block
  *     records one event on each of those streams; the block returns to the
- *     pool only when they have completed. Pending blocks are reclaimed by
- *     polling — in every malloc and free, and in dp_cache_poll — never by
- *     blocking the caller;
+ *     pool only when they have completed. A record on the block's own
+ *     allocation stream is a no-op (stream order already covers it, as
+ *     above) and stores nothing. Pending blocks are reclaimed by polling —
+ *     in every malloc and free, and in dp_cache_poll — never by blocking
+ *     the caller;
  *   - when the backend is out of memory: free the cached segments, retry,
  *     then DP_ENOMEM.
  *
