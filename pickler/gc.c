@@ -82,6 +82,8 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c);
 static void drain(gc_tls_t *t);
 static void collect_locked(gc_tls_t *t);
 
+void (*dp__gc_pause_hook)(int where);
+
 /* ---- thread exit: the buffer is collected ---- */
 
 /* Collects this thread's candidates, and those that freeing the garbage
@@ -273,20 +275,31 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
   }
   /* Buffered by another thread: decrement under the lock, so that its owner
    * neither collects meanwhile nor loses the container. */
+  if (dp__gc_pause_hook) dp__gc_pause_hook(DP_GC_PAUSE_FOREIGN);
   pthread_mutex_lock(&gc_lock);
   st = state_of(c);
   if (!(st & GCS_BUFFERED)) {
-    /* The owner let go of it: a candidate of ours now. */
+    /* The owner let go of it: a candidate of ours now, unless a thread on the
+     * lock-free path above buffers it first (the lock does not stop that):
+     * the flag is claimed by a CAS, as there, so that a container is never in
+     * two buffers; on failure it is buffered elsewhere after all. */
+    if (dp__gc_pause_hook) dp__gc_pause_hook(DP_GC_PAUSE_OWNER_LET_GO);
     if (t->n == GC_BUF) collect_locked(t);
-    atomic_fetch_or_explicit(&c->gc_state, GCS_BUFFERED, memory_order_acq_rel);
-    t->buf[t->n++] = c;
-    arm_exit(t);
-    if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
-      unbuffer_at(t, t->n - 1);
-      atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
-      push_dead(t, c);
+    uint32_t expect = 0;
+    if (atomic_compare_exchange_strong_explicit(&c->gc_state, &expect, GCS_BUFFERED, memory_order_acq_rel,
+                                                memory_order_acquire)) {
+      t->buf[t->n++] = c;
+      arm_exit(t);
+      if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+        unbuffer_at(t, t->n - 1);
+        atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
+        push_dead(t, c);
+      }
+      pthread_mutex_unlock(&gc_lock);
+      return;
     }
-  } else if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+  }
+  if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
     /* Dead: its contents are freed here and now (a value's storages must not
      * wait for another thread); the header, which the owner's buffer still
      * points at, is handed to the owner as a trial's garbage is. */
