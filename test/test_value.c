@@ -838,3 +838,18 @@ Test(value, a_container_let_go_by_its_buffering_thread_is_buffered_by_one_other_
   worker_stop(&w_other);
   ASSERT_NO_LEAK();
 }
+
+/* A container buffered by a thread that then idles, released to zero on
+ * another thread, is freed there, memory and all: nothing waits for the
+ * idle thread's next collection. */
+Test(value, a_container_buffered_by_an_idle_thread_is_freed_whole_when_released_to_zero_elsewhere) {
+  worker_start(&w_owner);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_obj("Item"), NULL));
+  worker_run(&w_owner, job_release, dp_value_retain(l));  /* 2 -> 1: w_owner's candidate */
+  dp_value_release(l);                                    /* 1 -> 0 here; w_owner idles */
+  long live = atomic_load(&t_live_blocks);
+  worker_stop(&w_owner);
+  cr_assert_eq(live, 0, "%ld blocks waited for the thread that buffered the container", live);
+  ASSERT_NO_LEAK();
+}
