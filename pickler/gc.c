@@ -64,7 +64,8 @@ enum {
 
 typedef struct gc_tls {
   dp_cont_t *buf[GC_BUF];  /* candidates; no reference held */
-  size_t n;
+  _Atomic size_t n;        /* relaxed: changed under buf_lock, read anywhere by
+                              the owner (a removal may shrink it meanwhile) */
   atomic_flag buf_lock;    /* buf and n: the owner's changes, and another
                               thread's removal of a dead entry (under gc_lock) */
   dp_cont_t *dead;         /* via gc_next: count zero, children to release */
@@ -74,6 +75,9 @@ typedef struct gc_tls {
 } gc_tls_t;
 
 static _Thread_local gc_tls_t tls;
+
+static size_t len_of(gc_tls_t *t) { return atomic_load_explicit(&t->n, memory_order_relaxed); }
+static void set_len(gc_tls_t *t, size_t n) { atomic_store_explicit(&t->n, n, memory_order_relaxed); }
 static pthread_mutex_t gc_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int collecting;
 static pthread_key_t exit_key;
@@ -95,13 +99,13 @@ void (*dp__gc_pause_hook)(int where);
 static void collect_all_mine(gc_tls_t *t) {
   t->depth++;
   do {
-    if (t->n) {
+    if (len_of(t)) {
       pthread_mutex_lock(&gc_lock);
       collect_locked(t);
       pthread_mutex_unlock(&gc_lock);
     }
     if (t->depth == 1) drain(t);
-  } while (t->n && t->depth == 1);
+  } while (len_of(t) && t->depth == 1);
   t->depth--;
 }
 
@@ -209,14 +213,16 @@ static void drain(gc_tls_t *t) {
 
 /* Index of c in this thread's buffer, or GC_BUF. Most recent first: a
  * candidate is usually released again soon after it was buffered. */
-static size_t own_slot(const gc_tls_t *t, const dp_cont_t *c) {
-  for (size_t i = t->n; i-- > 0;)
+static size_t own_slot(gc_tls_t *t, const dp_cont_t *c) {
+  for (size_t i = len_of(t); i-- > 0;)
     if (t->buf[i] == c) return i;
   return GC_BUF;
 }
 
 static void unbuffer_at(gc_tls_t *t, size_t i) {
-  t->buf[i] = t->buf[--t->n];
+  size_t n = len_of(t) - 1;
+  t->buf[i] = t->buf[n];
+  set_len(t, n);
 }
 
 /* The buffer lock: held for a few stores or one scan of the buffer, never
@@ -232,7 +238,9 @@ static void buf_unlock(gc_tls_t *t) { atomic_flag_clear_explicit(&t->buf_lock, m
 static void buffer(gc_tls_t *t, dp_cont_t *c) {
   c->gc_owner = t;
   buf_lock(t);
-  t->buf[t->n++] = c;
+  size_t n = len_of(t);
+  t->buf[n] = c;
+  set_len(t, n + 1);
   buf_unlock(t);
   arm_exit(t);
 }
@@ -282,7 +290,7 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
       return;
     }
     wait_not_collecting();
-    if (t->n == GC_BUF) {
+    if (len_of(t) == GC_BUF) {
       pthread_mutex_lock(&gc_lock);
       collect_locked(t);
       pthread_mutex_unlock(&gc_lock);
@@ -327,7 +335,7 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
      * the flag is claimed by a CAS, as there, so that a container is never in
      * two buffers; on failure it is buffered elsewhere after all. */
     if (dp__gc_pause_hook) dp__gc_pause_hook(DP_GC_PAUSE_OWNER_LET_GO);
-    if (t->n == GC_BUF) collect_locked(t);
+    if (len_of(t) == GC_BUF) collect_locked(t);
     uint32_t expect = 0;
     if (atomic_compare_exchange_strong_explicit(&c->gc_state, &expect, GCS_BUFFERED, memory_order_acq_rel,
                                                 memory_order_acquire)) {
@@ -389,8 +397,8 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
 /* Trial deletion over everything reachable from this thread's candidates;
  * empties the buffer, queues the garbage on t->dead. Under gc_lock. */
 static void collect_locked(gc_tls_t *t) {
-  size_t n = t->n;
-  t->n = 0;
+  size_t n = len_of(t);
+  set_len(t, 0);
   if (!n) return;
   atomic_store_explicit(&collecting, 1, memory_order_seq_cst);
   atomic_thread_fence(memory_order_seq_cst);
