@@ -36,13 +36,16 @@
  *    holds b. A decrement that races past the check is a candidate on its
  *    own thread and is tried again later.
  *  - A candidate holds no reference, so it may die while buffered. Its
- *    state word (gc_state, atomic) says so. A thread releasing a container
- *    buffered by another thread does it under the collector lock; at zero,
- *    or when a trial finds such a container garbage, the container is marked
- *    GCS_GARBAGE (trials skip it), its contents are freed at once, and its
- *    header goes to whichever of the two threads lets go of it last: the
- *    freeing thread sets GCS_ZERO when done, the owner clears GCS_BUFFERED
- *    when it collects.
+ *    state word (gc_state, atomic) says whether it is buffered, and
+ *    gc_owner by which thread; GCS_BUFFERED is only ever set by a CAS from
+ *    0, so a container is in one buffer at most. A thread releasing a
+ *    container buffered by another thread does it under the collector lock;
+ *    at zero, or when a trial finds such a container garbage, the container
+ *    leaves the owner's buffer there and then (under the owner's buffer
+ *    lock, which the owner takes only around its own short buffer updates)
+ *    and is freed by that thread, memory included: nothing waits for the
+ *    owner, which may idle. Holding the collector lock keeps the owner from
+ *    collecting or exiting meanwhile, so its buffer is there.
  *
  * A trial visits containers buffered by other threads like any other, so a
  * cycle whose candidates sit in several buffers is still found.
@@ -54,15 +57,17 @@
 #define GC_BUF 256
 
 enum {
-  GCS_BUFFERED = 1u,  /* in some thread's candidate buffer */
-  GCS_ZERO = 2u,      /* its contents freed while buffered: the owner frees the header */
+  GCS_BUFFERED = 1u,  /* in some thread's candidate buffer (gc_owner) */
   GCS_ROOT = 4u,      /* a candidate of the running trial */
-  GCS_GARBAGE = 8u,   /* dead (trial garbage, or zero while buffered elsewhere): children being released */
+  GCS_GARBAGE = 8u,   /* trial garbage: children being released */
 };
 
 typedef struct gc_tls {
   dp_cont_t *buf[GC_BUF];  /* candidates; no reference held */
-  size_t n;
+  _Atomic size_t n;        /* relaxed: changed under buf_lock, read anywhere by
+                              the owner (a removal may shrink it meanwhile) */
+  atomic_flag buf_lock;    /* buf and n: the owner's changes, and another
+                              thread's removal of a dead entry (under gc_lock) */
   dp_cont_t *dead;         /* via gc_next: count zero, children to release */
   dp_cont_t *freed;        /* via gc_next: children released, memory pending */
   int depth;               /* releases in progress on this thread */
@@ -70,6 +75,9 @@ typedef struct gc_tls {
 } gc_tls_t;
 
 static _Thread_local gc_tls_t tls;
+
+static size_t len_of(gc_tls_t *t) { return atomic_load_explicit(&t->n, memory_order_relaxed); }
+static void set_len(gc_tls_t *t, size_t n) { atomic_store_explicit(&t->n, n, memory_order_relaxed); }
 static pthread_mutex_t gc_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int collecting;
 static pthread_key_t exit_key;
@@ -82,6 +90,8 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c);
 static void drain(gc_tls_t *t);
 static void collect_locked(gc_tls_t *t);
 
+void (*dp__gc_pause_hook)(int where);
+
 /* ---- thread exit: the buffer is collected ---- */
 
 /* Collects this thread's candidates, and those that freeing the garbage
@@ -89,13 +99,13 @@ static void collect_locked(gc_tls_t *t);
 static void collect_all_mine(gc_tls_t *t) {
   t->depth++;
   do {
-    if (t->n) {
+    if (len_of(t)) {
       pthread_mutex_lock(&gc_lock);
       collect_locked(t);
       pthread_mutex_unlock(&gc_lock);
     }
     if (t->depth == 1) drain(t);
-  } while (t->n && t->depth == 1);
+  } while (len_of(t) && t->depth == 1);
   t->depth--;
 }
 
@@ -195,11 +205,6 @@ static void drain(gc_tls_t *t) {
   while (t->freed) {
     dp_cont_t *c = t->freed;
     t->freed = c->gc_next;
-    /* Garbage still in another thread's buffer: its header is the owner's
-     * to free, unless the owner let go of it first. */
-    if ((state_of(c) & GCS_BUFFERED) &&
-        (atomic_fetch_or_explicit(&c->gc_state, GCS_ZERO, memory_order_acq_rel) & GCS_BUFFERED))
-      continue;
     dp__free(c, cont_size(c));
   }
 }
@@ -208,14 +213,59 @@ static void drain(gc_tls_t *t) {
 
 /* Index of c in this thread's buffer, or GC_BUF. Most recent first: a
  * candidate is usually released again soon after it was buffered. */
-static size_t own_slot(const gc_tls_t *t, const dp_cont_t *c) {
-  for (size_t i = t->n; i-- > 0;)
+static size_t own_slot(gc_tls_t *t, const dp_cont_t *c) {
+  for (size_t i = len_of(t); i-- > 0;)
     if (t->buf[i] == c) return i;
   return GC_BUF;
 }
 
 static void unbuffer_at(gc_tls_t *t, size_t i) {
-  t->buf[i] = t->buf[--t->n];
+  size_t n = len_of(t) - 1;
+  t->buf[i] = t->buf[n];
+  set_len(t, n);
+}
+
+/* The buffer lock: held for a few stores or one scan of the buffer, never
+ * while waiting for anything else. Uncontended but for a removal by
+ * another thread. */
+static void buf_lock(gc_tls_t *t) {
+  while (atomic_flag_test_and_set_explicit(&t->buf_lock, memory_order_acquire)) {
+  }
+}
+static void buf_unlock(gc_tls_t *t) { atomic_flag_clear_explicit(&t->buf_lock, memory_order_release); }
+
+/* Appends c, whose GCS_BUFFERED this thread has just claimed. */
+static void buffer(gc_tls_t *t, dp_cont_t *c) {
+  c->gc_owner = t;
+  buf_lock(t);
+  size_t n = len_of(t);
+  t->buf[n] = c;
+  set_len(t, n + 1);
+  buf_unlock(t);
+  arm_exit(t);
+}
+
+/* This thread's candidate c, released to zero here, leaves the buffer (its
+ * slot may have moved: another thread may have removed an entry). */
+static void unbuffer_own(gc_tls_t *t, dp_cont_t *c) {
+  buf_lock(t);
+  size_t i = own_slot(t, c);
+  if (i != GC_BUF) unbuffer_at(t, i);
+  buf_unlock(t);
+  atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
+}
+
+/* A dead container still buffered by another thread leaves that buffer, so
+ * that its memory goes back now, whatever the owner is doing. Under gc_lock:
+ * the owner neither collects (which clears GCS_BUFFERED) nor exits (its
+ * exit collects) meanwhile, so its buffer is there. */
+static void unbuffer_foreign(dp_cont_t *c) {
+  gc_tls_t *o = c->gc_owner;
+  buf_lock(o);
+  size_t i = own_slot(o, c);
+  if (i != GC_BUF) unbuffer_at(o, i);
+  buf_unlock(o);
+  atomic_fetch_and_explicit(&c->gc_state, ~(uint32_t)GCS_BUFFERED, memory_order_acq_rel);
 }
 
 /* Waits while a collection runs (see the header comment). */
@@ -240,7 +290,7 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
       return;
     }
     wait_not_collecting();
-    if (t->n == GC_BUF) {
+    if (len_of(t) == GC_BUF) {
       pthread_mutex_lock(&gc_lock);
       collect_locked(t);
       pthread_mutex_unlock(&gc_lock);
@@ -248,11 +298,9 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
     uint32_t expect = 0;
     if (atomic_compare_exchange_strong_explicit(&c->gc_state, &expect, GCS_BUFFERED, memory_order_acq_rel,
                                                 memory_order_acquire)) {
-      t->buf[t->n++] = c;
-      arm_exit(t);
+      buffer(t, c);
       if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
-        unbuffer_at(t, t->n - 1);
-        atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
+        unbuffer_own(t, c);
         push_dead(t, c);
       }
       return;
@@ -261,36 +309,51 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
   } else {
     wait_not_collecting();
   }
+  buf_lock(t);
   size_t i = own_slot(t, c);
   if (i != GC_BUF) {
     /* In this thread's buffer: its next collection comes after this. */
     if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
       unbuffer_at(t, i);
+      buf_unlock(t);
       atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
       push_dead(t, c);
+      return;
     }
+    buf_unlock(t);
     return;
   }
+  buf_unlock(t);
   /* Buffered by another thread: decrement under the lock, so that its owner
    * neither collects meanwhile nor loses the container. */
+  if (dp__gc_pause_hook) dp__gc_pause_hook(DP_GC_PAUSE_FOREIGN);
   pthread_mutex_lock(&gc_lock);
   st = state_of(c);
   if (!(st & GCS_BUFFERED)) {
-    /* The owner let go of it: a candidate of ours now. */
-    if (t->n == GC_BUF) collect_locked(t);
-    atomic_fetch_or_explicit(&c->gc_state, GCS_BUFFERED, memory_order_acq_rel);
-    t->buf[t->n++] = c;
-    arm_exit(t);
-    if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
-      unbuffer_at(t, t->n - 1);
-      atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
-      push_dead(t, c);
+    /* The owner let go of it: a candidate of ours now, unless a thread on the
+     * lock-free path above buffers it first (the lock does not stop that):
+     * the flag is claimed by a CAS, as there, so that a container is never in
+     * two buffers; on failure it is buffered elsewhere after all. */
+    if (dp__gc_pause_hook) dp__gc_pause_hook(DP_GC_PAUSE_OWNER_LET_GO);
+    if (len_of(t) == GC_BUF) collect_locked(t);
+    uint32_t expect = 0;
+    if (atomic_compare_exchange_strong_explicit(&c->gc_state, &expect, GCS_BUFFERED, memory_order_acq_rel,
+                                                memory_order_acquire)) {
+      buffer(t, c);
+      if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+        unbuffer_own(t, c);
+        push_dead(t, c);
+      }
+      pthread_mutex_unlock(&gc_lock);
+      return;
     }
-  } else if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
-    /* Dead: its contents are freed here and now (a value's storages must not
-     * wait for another thread); the header, which the owner's buffer still
-     * points at, is handed to the owner as a trial's garbage is. */
-    atomic_fetch_or_explicit(&c->gc_state, GCS_GARBAGE, memory_order_acq_rel);
+  }
+  if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+    /* Dead: it leaves the owner's buffer and is freed here and now, header
+     * included (a value's storages, and its memory, must not wait for
+     * another thread, which may idle). */
+    unbuffer_foreign(c);
+    atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
     push_dead(t, c);
   }
   pthread_mutex_unlock(&gc_lock);
@@ -334,25 +397,19 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
 /* Trial deletion over everything reachable from this thread's candidates;
  * empties the buffer, queues the garbage on t->dead. Under gc_lock. */
 static void collect_locked(gc_tls_t *t) {
-  size_t n = t->n;
-  t->n = 0;
+  size_t n = len_of(t);
+  set_len(t, 0);
   if (!n) return;
   atomic_store_explicit(&collecting, 1, memory_order_seq_cst);
   atomic_thread_fence(memory_order_seq_cst);
 
   /* The candidates start the visit list (gc_next2), counted from their real
-   * reference counts. Garbage of another trial, whose header waits for us,
-   * is not visited: its children are being released. */
+   * reference counts. All are alive: a candidate that dies (released to
+   * zero, or garbage of another thread's trial) leaves the buffer then. */
   dp_cont_t *visit = NULL, *tail = NULL;
-  size_t z = 0;  /* those go first in the buffer: buf[0, z) */
   for (size_t i = 0; i < n; i++) {
     dp_cont_t *c = t->buf[i];
-    uint32_t st = atomic_fetch_or_explicit(&c->gc_state, GCS_ROOT, memory_order_acq_rel);
-    if (st & GCS_GARBAGE) {
-      t->buf[i] = t->buf[z];
-      t->buf[z++] = c;
-      continue;
-    }
+    atomic_fetch_or_explicit(&c->gc_state, GCS_ROOT, memory_order_acq_rel);
     c->h.color = DP_GC_GRAY;
     c->gc_refs = rc_of(c);
     c->gc_next2 = NULL;
@@ -395,9 +452,13 @@ static void collect_locked(gc_tls_t *t) {
     }
   }
 
-  /* Still gray: garbage. Marked before any of it is released. */
+  /* Still gray: garbage. Marked before any of it is released; garbage that
+   * another thread buffers leaves that buffer now (ours, below). */
   for (dp_cont_t *p = visit; p; p = p->gc_next2)
-    if (p->h.color == DP_GC_GRAY) atomic_fetch_or_explicit(&p->gc_state, GCS_GARBAGE, memory_order_acq_rel);
+    if (p->h.color == DP_GC_GRAY &&
+        (atomic_fetch_or_explicit(&p->gc_state, GCS_GARBAGE, memory_order_acq_rel) & GCS_BUFFERED) &&
+        p->gc_owner != t)
+      unbuffer_foreign(p);
   atomic_store_explicit(&collecting, 0, memory_order_release);
 
   /* Reset the marks and queue the garbage. The candidates are still
@@ -416,20 +477,9 @@ static void collect_locked(gc_tls_t *t) {
   /* The candidates leave the buffer. Garbage is ours, header included. A
    * live one may be freed by another thread from here on: not touched
    * again. */
-  for (size_t i = z; i < n; i++) {
+  for (size_t i = 0; i < n; i++) {
     dp_cont_t *c = t->buf[i];
     atomic_store_explicit(&c->gc_state, c->h.color == DP_GC_DEAD ? GCS_GARBAGE : 0, memory_order_release);
-  }
-  /* Candidates not visited: dead while buffered here, their contents freed
-   * by another thread; the header is ours once that thread is done (ZERO),
-   * else that thread frees it. */
-  for (size_t i = 0; i < z; i++) {
-    dp_cont_t *c = t->buf[i];
-    uint32_t st = atomic_fetch_and_explicit(&c->gc_state, ~(uint32_t)(GCS_BUFFERED | GCS_ROOT), memory_order_acq_rel);
-    if (st & GCS_ZERO) {
-      c->gc_next = t->freed;
-      t->freed = c;
-    }
   }
 }
 

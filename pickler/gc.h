@@ -4,6 +4,12 @@
 #include "internal.h"
 
 void dp__gc_release(dp_cont_t *c);
+/* Tests only: called, when set, where a release of a container buffered by
+ * another thread may be overtaken: before it takes the collector lock
+ * (DP_GC_PAUSE_FOREIGN), and under it once it has seen that the owner let
+ * go of the container (DP_GC_PAUSE_OWNER_LET_GO). */
+enum { DP_GC_PAUSE_FOREIGN, DP_GC_PAUSE_OWNER_LET_GO };
+extern void (*dp__gc_pause_hook)(int where);
 void dp__release_leaf(dp_heap_t *h);
 /* str or bytes without validation: the caller has checked the text. */
 int dp__strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_error_t *err);

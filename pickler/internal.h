@@ -55,7 +55,7 @@ typedef struct dp_heap {
 } dp_heap_t;
 
 /* Containers carry the collector's bookkeeping: no allocation at release.
- * gc_state (candidate buffered, died while buffered, ...) is shared between
+ * gc_state (candidate buffered, trial garbage, ...) and gc_owner are shared between
  * threads; the other fields belong to the running trial (under the gc lock)
  * or to the thread freeing the container. See gc.c. */
 typedef struct dp_cont {
@@ -64,6 +64,7 @@ typedef struct dp_cont {
   _Atomic uint32_t gc_state;
   struct dp_cont *gc_next;   /* dead list, free list, alive stack */
   struct dp_cont *gc_next2;  /* visit list */
+  struct gc_tls *gc_owner;   /* the thread buffer holding it, while GCS_BUFFERED */
 } dp_cont_t;
 
 typedef struct dp_strobj {

@@ -25,6 +25,7 @@ static void cont_init(dp_cont_t *c, uint32_t kind) {
   c->gc_refs = 0;
   atomic_init(&c->gc_state, 0);
   c->gc_next = c->gc_next2 = NULL;
+  c->gc_owner = NULL;
 }
 
 static dp_value_t heap_value(void *h, uint32_t kind) {

@@ -3,6 +3,7 @@
 #include <time.h>
 
 #include "helpers.h"
+#include "../pickler/gc.h" /* dp__gc_pause_hook */
 
 static void setup(void) { t_track(); }
 static void teardown(void) { dp_set_allocator(NULL, NULL); }
@@ -737,5 +738,118 @@ Test(value, a_container_buffered_by_another_thread_frees_its_contents_when_relea
   pthread_cond_broadcast(&a.cv);
   pthread_mutex_unlock(&a.mu);
   pthread_join(th, NULL);
+  ASSERT_NO_LEAK();
+}
+
+/* ---- the collector across threads, step by step ---- */
+
+/* A thread that runs one job at a time when asked, and stays alive (a
+ * thread's exit collects its buffer, which would change the scenario). */
+typedef struct worker {
+  pthread_t th;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  void (*job)(dp_value_t);
+  dp_value_t arg;
+  int pending, quit;
+} worker_t;
+
+static void *worker_main(void *p) {
+  worker_t *w = p;
+  pthread_mutex_lock(&w->mu);
+  for (;;) {
+    while (!w->pending && !w->quit) pthread_cond_wait(&w->cv, &w->mu);
+    if (w->pending) {
+      pthread_mutex_unlock(&w->mu);
+      w->job(w->arg);
+      pthread_mutex_lock(&w->mu);
+      w->pending = 0;
+      pthread_cond_broadcast(&w->cv);
+    } else {
+      break;
+    }
+  }
+  pthread_mutex_unlock(&w->mu);
+  return NULL;
+}
+
+static void worker_start(worker_t *w) {
+  memset(w, 0, sizeof *w);
+  pthread_mutex_init(&w->mu, NULL);
+  pthread_cond_init(&w->cv, NULL);
+  pthread_create(&w->th, NULL, worker_main, w);
+}
+
+/* Runs job(arg) on the worker and waits until it is done. */
+static void worker_run(worker_t *w, void (*job)(dp_value_t), dp_value_t arg) {
+  pthread_mutex_lock(&w->mu);
+  w->job = job;
+  w->arg = arg;
+  w->pending = 1;
+  pthread_cond_broadcast(&w->cv);
+  while (w->pending) pthread_cond_wait(&w->cv, &w->mu);
+  pthread_mutex_unlock(&w->mu);
+}
+
+static void worker_stop(worker_t *w) {
+  pthread_mutex_lock(&w->mu);
+  w->quit = 1;
+  pthread_cond_broadcast(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+  pthread_join(w->th, NULL);
+  pthread_mutex_destroy(&w->mu);
+  pthread_cond_destroy(&w->cv);
+}
+
+static void job_release(dp_value_t v) { dp_value_release(v); }
+static void job_collect(dp_value_t v) { (void)v, dp_value_collect(); }
+
+static worker_t w_owner, w_other;
+static dp_value_t w_shared;
+static pthread_t w_paused;
+
+/* The release paused on this thread (the container buffered by w_owner):
+ * before it takes the collector lock, the owner collects, which lets go of
+ * the container; once it has seen that under the lock, w_other releases the
+ * container on its lock-free path. */
+static void pause_release(int where) {
+  if (!pthread_equal(pthread_self(), w_paused)) return;
+  if (where == DP_GC_PAUSE_FOREIGN) worker_run(&w_owner, job_collect, w_shared);
+  else if (where == DP_GC_PAUSE_OWNER_LET_GO) worker_run(&w_other, job_release, w_shared);
+}
+
+Test(value, a_container_let_go_by_its_buffering_thread_is_buffered_by_one_other_thread_only) {
+  worker_start(&w_owner);
+  worker_start(&w_other);
+  w_shared = t_list();
+  OK(dp_list_append(w_shared, t_obj("Item"), NULL));
+  for (int i = 0; i < 3; i++) dp_value_retain(w_shared);  /* held here twice, by w_owner and w_other */
+  worker_run(&w_owner, job_release, w_shared);           /* 4 -> 3: w_owner's candidate */
+  w_paused = pthread_self();
+  dp__gc_pause_hook = pause_release;
+  dp_value_release(w_shared);  /* 3 -> 1, with w_other's release in the middle */
+  dp__gc_pause_hook = NULL;
+  dp_value_release(w_shared);  /* 1 -> 0 */
+  /* w_other's buffer holds the container: its collection hands over the
+   * header. Had this thread buffered it too, the last release above would
+   * have freed it under w_other's buffer, and this would read freed memory. */
+  worker_run(&w_other, job_collect, w_shared);
+  worker_stop(&w_owner);
+  worker_stop(&w_other);
+  ASSERT_NO_LEAK();
+}
+
+/* A container buffered by a thread that then idles, released to zero on
+ * another thread, is freed there, memory and all: nothing waits for the
+ * idle thread's next collection. */
+Test(value, a_container_buffered_by_an_idle_thread_is_freed_whole_when_released_to_zero_elsewhere) {
+  worker_start(&w_owner);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_obj("Item"), NULL));
+  worker_run(&w_owner, job_release, dp_value_retain(l));  /* 2 -> 1: w_owner's candidate */
+  dp_value_release(l);                                    /* 1 -> 0 here; w_owner idles */
+  long live = atomic_load(&t_live_blocks);
+  worker_stop(&w_owner);
+  cr_assert_eq(live, 0, "%ld blocks waited for the thread that buffered the container", live);
   ASSERT_NO_LEAK();
 }

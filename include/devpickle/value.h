@@ -18,21 +18,49 @@
  * collected — the containers reachable from its candidates are tried, and
  * those held only by each other freed — when it is full, when its thread
  * calls dp_value_collect(), and when its thread exits. A garbage cycle thus
- * outlives its last outside reference until one of those happens. A
- * candidate released to zero on the thread that buffered it is freed at
- * once, as is any container released by its only holder.
+ * outlives its last outside reference until one of those happens. Any
+ * acyclic container released to zero is freed at once, memory and all, on
+ * the releasing thread — whichever thread buffered it.
+ * EXIT: thread exit means a thread-specific destructor, which exit() does
+ * not run: the main thread, and any thread that ends the process through
+ * exit() or a return from main(), must call dp_value_collect() before that
+ * for the storage release callbacks and custom destroys of the cyclic
+ * garbage it released to run. (No atexit collection is made: it would run
+ * those callbacks after other libraries' exit handlers — a device runtime's
+ * teardown, say — and while other threads may still run.) The memory goes
+ * back with the process either way; a leak checker does not report it,
+ * since the buffer still points at it.
+ * COST: a collection walks everything reachable from its candidates, live
+ * or not. A thread that keeps releasing extra references to the root of a
+ * large live graph (retain/release pairs around it, futures holding it)
+ * makes it a candidate again and again, and pays a walk of the whole graph
+ * per collection (every 256 such releases, or each dp_value_collect());
+ * and while any collection runs, other threads' releases that leave a count
+ * above zero wait for it. Hold one reference to such a graph and borrow
+ * from it rather than retaining it in hot loops.
  * Customs are opaque to the collector: a cycle that passes through a custom's
  * own C data is the custom's to break in its destroy().
  *
  * THREAD SAFETY. Reference counts are atomic: any thread may retain and
  * release any value, and values may be read (walked, scanned, pickled) from
  * several threads at once. Mutation (append, set) of one container is not
- * thread-safe; do not mutate a value while another thread reads it — a
- * collection reads the containers reachable from its candidates. Releases
- * take no process-wide lock, except while a collection runs (a release
- * that leaves a count above zero then waits for it) and for a container
- * buffered as a candidate by another thread. Storage release callbacks and
- * custom destroys run under no devpickle lock.
+ * thread-safe, and the collector reads containers behind the caller's
+ * back: a collection on any thread — its buffer full during any release
+ * of a container, dp_value_collect(), its exit — reads the items of every
+ * container reachable from its candidates, and a thread's candidates are
+ * the containers it released while they were still held elsewhere; they
+ * stay candidates after the thread let go, until it collects. So a
+ * container may be mutated only while no other thread can reach it: once
+ * it has been reachable from another thread (held there, directly or
+ * through another container), mutate it again only after that thread has
+ * let go of every such reference and then finished a dp_value_collect()
+ * (or ended). Otherwise a collection may read an items array that the
+ * mutation frees: a use after free, not merely a stale read. In practice:
+ * build a value on one thread, then share it and treat it as immutable.
+ * Releases take no process-wide lock, except while a collection runs (a
+ * release that leaves a count above zero then waits for it) and for a
+ * container buffered as a candidate by another thread. Storage release
+ * callbacks and custom destroys run under no devpickle lock.
  */
 #ifndef DEVPICKLE_VALUE_H
 #define DEVPICKLE_VALUE_H
@@ -99,7 +127,9 @@ DP_API dp_value_t dp_value_retain(dp_value_t v);
 DP_API void dp_value_release(dp_value_t v);
 /** Collects the calling thread's cycle candidates now, and those that
  *  freeing garbage makes (see CYCLES). Candidates buffered by other threads
- *  are collected by those threads. Thread-safe. */
+ *  are collected by those threads. Call it on the main thread before the
+ *  process exits, for the callbacks of its cyclic garbage to run (see
+ *  CYCLES, EXIT). Thread-safe. */
 DP_API void dp_value_collect(void);
 /** Current reference count (1 for scalars). For diagnostics and tests. */
 DP_API uint32_t dp_value_refcount(dp_value_t v);

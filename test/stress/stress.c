@@ -127,6 +127,77 @@ static int scenario_rings(void) {
   return 0;
 }
 
+/* ---- candidates handed between threads: a shared container let go and
+ * buffered again by several threads at once (its buffered flag claimed on
+ * the lock-free path and under the collector lock: never in two buffers),
+ * and containers buffered on one thread released to zero on the next
+ * (the dead entry leaves the owner's buffer while the owner keeps
+ * changing it) ---- */
+
+#define HANDOFF_THREADS 4
+#define HANDOFF_ITERS 4000
+static dp_value_t handoff_shared;
+static dp_value_t handoff_box[HANDOFF_THREADS];
+static _Atomic int handoff_full[HANDOFF_THREADS];
+static _Atomic int handoff_made, handoff_done;
+
+static void handoff_take(int id) {
+  if (!atomic_load_explicit(&handoff_full[id], memory_order_acquire)) return;
+  dp_value_t v = handoff_box[id];
+  atomic_store_explicit(&handoff_full[id], 0, memory_order_release);
+  dp_value_release(v);  /* to zero, buffered by the previous thread */
+}
+
+static void *handoff_thread(void *arg) {
+  int id = (int)(intptr_t)arg, next = (id + 1) % HANDOFF_THREADS;
+  for (int i = 0; i < HANDOFF_ITERS; i++) {
+    dp_value_release(dp_value_retain(handoff_shared));
+    if (i % 61 == id) dp_value_collect();  /* lets go of the shared container */
+    dp_value_t l, p;
+    dp_list_new(1, &l, NULL);
+    dp_custom_new(&payload_type, NULL, &p, NULL);
+    dp_list_append(l, p, NULL);
+    atomic_fetch_add(&handoff_made, 1);
+    dp_value_t mine = dp_value_retain(l);
+    dp_value_release(l);  /* 2 -> 1: this thread's candidate */
+    while (atomic_load_explicit(&handoff_full[next], memory_order_acquire)) {
+      handoff_take(id);
+      sched_yield();
+    }
+    handoff_box[next] = mine;
+    atomic_store_explicit(&handoff_full[next], 1, memory_order_release);
+    handoff_take(id);
+  }
+  /* the previous thread may still hand this one a list */
+  atomic_fetch_add(&handoff_done, 1);
+  while (atomic_load(&handoff_done) < HANDOFF_THREADS) {
+    handoff_take(id);
+    sched_yield();
+  }
+  return NULL;
+}
+
+static int scenario_handoff(void) {
+  atomic_store(&payloads_freed, 0);
+  atomic_store(&handoff_made, 0);
+  atomic_store(&handoff_done, 0);
+  dp_value_t p;
+  dp_list_new(1, &handoff_shared, NULL);
+  dp_custom_new(&payload_type, NULL, &p, NULL);
+  dp_list_append(handoff_shared, p, NULL);
+  atomic_fetch_add(&handoff_made, 1);
+  pthread_t th[HANDOFF_THREADS];
+  for (int i = 0; i < HANDOFF_THREADS; i++) pthread_create(&th[i], NULL, handoff_thread, (void *)(intptr_t)i);
+  for (int i = 0; i < HANDOFF_THREADS; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < HANDOFF_THREADS; i++) handoff_take(i);
+  CHECK(dp_value_refcount(handoff_shared) == 1, "refcount %u", dp_value_refcount(handoff_shared));
+  CHECK(atomic_load(&payloads_freed) == atomic_load(&handoff_made) - 1, "%d of %d handed-off lists freed",
+        atomic_load(&payloads_freed), atomic_load(&handoff_made) - 1);
+  dp_value_release(handoff_shared);
+  CHECK(atomic_load(&payloads_freed) == atomic_load(&handoff_made), "the shared list was not freed");
+  return 0;
+}
+
 /* ---- producers and consumers on host streams, from many threads ---- */
 
 typedef struct slot {
@@ -426,6 +497,7 @@ int main(int argc, char **argv) {
   }
   run("values: concurrent retain, release and cycle collection", scenario_values);
   run("values: rings and lists let go by 4 threads at once, collected as they exit", scenario_rings);
+  run("values: candidates handed between 4 threads, released to zero by the next", scenario_handoff);
   run("streams: producer/consumer pairs from 4 threads", scenario_streams);
   run("allocator: 4 threads, record_stream, polling", scenario_allocator);
   run("futures: 8 threads, 100k futures, random completion order, then chains, collect_all", scenario_futures);
