@@ -572,19 +572,22 @@ undo:
 /* Scan only: runs over seq items from *i that need no frame of their own —
  * scalars, str and bytes (skipped), tensors (staged), small containers held
  * once that try_stage() stages in place — and stops at the first other
- * item. Staging in place is sound: a container held once cannot be met
- * again before a reduce(), so the memo never needs it (the replay before
- * the first reduce() records it all the same); after one, such a container
- * met again through a state has two references and gets a frame, and its
- * tensors, recorded when their batch was looked into, count once. The items
- * would be frames at depth `depth`. */
+ * item. Staging in place is sound only before a walk's first reduce(): a
+ * container held once cannot be met again until a reduce() adds a
+ * reference, so the memo never needs it (the replay before the first
+ * reduce() records it all the same). After it every node must enter the
+ * memo, so containers get frames again through visit(): one staged in place
+ * then and met again through a later state would be walked a second time —
+ * its tensors counted once, but its depth counted again (a scan without
+ * paths refused what pickle accepts). The items would be frames at depth
+ * `depth`. */
 DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i, size_t depth) {
   uint32_t room = depth < w->max_depth ? (uint32_t)(w->max_depth - depth) : 0;
   for (; *i < n; (*i)++) {
     uint32_t k = items[*i].kind;
     if (k < DP_LIST) continue;
-    if (k == DP_TENSOR || ((k == DP_LIST || k == DP_TUPLE || k == DP_OBJECT) && dp__rc(items[*i].u.h) == 1 &&
-                           try_stage(w, items[*i], room))) {
+    if (k == DP_TENSOR || ((k == DP_LIST || k == DP_TUPLE || k == DP_OBJECT) && w->memo_rc &&
+                           dp__rc(items[*i].u.h) == 1 && try_stage(w, items[*i], room))) {
       if (k == DP_TENSOR) pend(w, items[*i].u.h);
       if (w->npending >= DP_WALK_BATCH) {
         int rc = flush_pending(w);

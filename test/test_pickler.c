@@ -2513,3 +2513,67 @@ Test(pickler, a_str_shared_by_many_keys_and_dicts_is_hashed_once_when_read) {
   dp_value_collect();
   ASSERT_NO_LEAK();
 }
+
+/* ---- depth after a reduce(): scan without paths, with paths and pickle agree ---- */
+
+static dp_value_t depth_y;  /* the list a later reduce() reaches again */
+static int reduce_to_none(void *o, dp_value_t *s, dp_error_t *e) {
+  (void)o;
+  (void)e;
+  *s = dp_none();
+  return 0;
+}
+static int reduce_to_chain(void *o, dp_value_t *s, dp_error_t *e) {
+  dp_value_t cur = dp_value_retain(depth_y);
+  for (int i = 0; i < *(int *)o; i++) {
+    dp_value_t l;
+    OK(dp_list_new(1, &l, e));
+    OK(dp_list_append(l, cur, e));
+    cur = l;
+  }
+  *s = cur;
+  return 0;
+}
+
+Test(pickler, a_list_held_once_after_a_reduce_and_reached_again_counts_its_depth_once_in_every_walk) {
+  /* [C1, Y, C2]: C1's reduce() comes first, so the walk memoizes every
+   * node from then on; Y = [[tensor]] is held once when met; C2's state
+   * reaches Y again under k levels. Before, a scan without paths staged Y
+   * in place without recording it, walked it again as new and counted its
+   * depth twice: DP_ELIMIT where the scan with paths and pickle accept. */
+  static const dp_type_t t1 = {"C1", reduce_to_none, NULL}, t2 = {"C2", reduce_to_chain, NULL};
+  static int k = 3;
+  dp_value_t root, c1, c2, inner, t = t_tensor((dp_device_t){DP_DEVICE_CUDA, 0}, 0x1000, 4);
+  OK(dp_list_new(1, &depth_y, NULL));
+  OK(dp_list_new(1, &inner, NULL));
+  OK(dp_list_append(inner, t, NULL));
+  OK(dp_list_append(depth_y, inner, NULL));
+  OK(dp_custom_new(&t1, NULL, &c1, NULL));
+  OK(dp_custom_new(&t2, &k, &c2, NULL));
+  OK(dp_list_new(3, &root, NULL));
+  OK(dp_list_append(root, c1, NULL));
+  OK(dp_list_append(root, depth_y, NULL));
+  OK(dp_list_append(root, c2, NULL));
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, NULL));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  for (uint32_t md = (uint32_t)k + 1; md <= (uint32_t)k + 4; md++) {
+    dp_error_t e;
+    dp_scan_opts_t plain = {0, md}, paths = {DP_SCAN_PATHS, md};
+    dp_pickle_opts_t po = {0, md, NULL, NULL};
+    dp_ptrset_clear(set);
+    int r0 = dp_scan(root, &plain, set, &e);
+    dp_ptrset_clear(set);
+    int r1 = dp_scan(root, &paths, set, &e);
+    int r2 = dp_pickle(root, &po, f, &e);
+    cr_assert(r0 == r1 && r1 == r2, "max_depth %u: scan %s, scan with paths %s, pickle %s", md, dp_err_name(r0),
+              dp_err_name(r1), dp_err_name(r2));
+    if (r1 == 0) cr_assert_eq(dp_ptrset_count(set), 1);
+  }
+  dp_frame_free(f);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
