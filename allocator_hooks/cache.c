@@ -46,6 +46,7 @@ typedef struct block {
   struct block *pnext;           /* pending list */
   dp_event_t **events;           /* pending: one per use stream */
   uint32_t nevents, events_cap;
+  dp_event_t *drop_ev;           /* its stream's position when its segment was dropped */
 } block_t;
 
 struct segment {
@@ -54,6 +55,7 @@ struct segment {
   int small;
   int dev;
   block_t *first;
+  struct segment *next_drop;    /* dropped segments, until they are freed */
 };
 
 typedef struct devpool {
@@ -296,31 +298,75 @@ static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small
  * used them are synchronized first: on the host backend the memory would
  * otherwise be freed under work still queued (cudaFree synchronizes by
  * itself). */
-static void release_free_segments(dp_cache_t *c, devpool_t *p) {
+/* Segments whose blocks are all free go back to the backend in two steps,
+ * so that nothing blocks while the allocator's lock is held (a host
+ * function on one of those streams may itself be waiting for the lock):
+ * drop_free_segments(), under the lock, takes them out of the pool and
+ * records an event on each of their blocks' streams; free_dropped(),
+ * without the lock, waits on those events, frees the memory, and retakes
+ * the lock to recycle the blocks. A segment whose event cannot be had
+ * stays in the pool. */
+static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p) {
+  segment_t *dropped = NULL;
   size_t keep = 0;
   for (size_t i = 0; i < p->nsegs; i++) {
     segment_t *seg = p->segs[i];
     int all_free = 1;
     for (block_t *b = seg->first; b && all_free; b = b->next) all_free = b->state == B_FREE;
+    /* Free blocks of several streams do not merge, so a free segment may
+     * hold several: mark where each one's stream is. */
+    for (block_t *b = seg->first; b && all_free; b = b->next) {
+      b->drop_ev = NULL;
+      if (b->stream && (dp_event_acquire(c->b, b->stream->dev, &b->drop_ev, NULL) != 0 ||
+                        dp_event_record(b->drop_ev, b->stream, NULL) != 0)) {
+        if (b->drop_ev) dp_event_release(b->drop_ev);
+        b->drop_ev = NULL;
+        for (block_t *u = seg->first; u != b; u = u->next)
+          if (u->drop_ev) dp_event_release(u->drop_ev);
+        all_free = 0;
+      }
+    }
     if (!all_free) {
       p->segs[keep++] = seg;
       continue;
     }
-    /* Free blocks of several streams do not merge, so a free segment may
-     * hold several: wait for each one's stream. */
-    for (block_t *b = seg->first, *n; b; b = n) {
-      n = b->next;
-      if (b->stream) dp_stream_synchronize(b->stream, NULL);
-      free_remove(p, b);
-      block_recycle(c, b);
-    }
-    c->b->ops->free(c->b, dev_of(c, p), seg->base);
+    for (block_t *b = seg->first; b; b = b->next) free_remove(p, b);
     p->st.reserved -= seg->size;
     p->st.segment_frees++;
-    dp__free(seg, sizeof *seg);
+    seg->next_drop = dropped;
+    dropped = seg;
   }
   p->nsegs = keep;
+  return dropped;
 }
+
+/* Called with the lock held; returns with it held, having let it go while
+ * the dropped segments' streams were waited on and their memory freed. */
+static void free_dropped(dp_cache_t *c, segment_t *dropped) {
+  if (!dropped) return;
+  pthread_mutex_unlock(&c->mu);
+  for (segment_t *seg = dropped; seg; seg = seg->next_drop) {
+    for (block_t *b = seg->first; b; b = b->next)
+      if (b->drop_ev) {
+        dp_event_synchronize(b->drop_ev, NULL);
+        dp_event_release(b->drop_ev);
+        b->drop_ev = NULL;
+      }
+    c->b->ops->free(c->b, seg->dev, seg->base);
+  }
+  pthread_mutex_lock(&c->mu);
+  while (dropped) {
+    segment_t *seg = dropped;
+    dropped = seg->next_drop;
+    for (block_t *b = seg->first, *n; b; b = n) {
+      n = b->next;
+      block_recycle(c, b);
+    }
+    dp__free(seg, sizeof *seg);
+  }
+}
+
+static void release_free_segments(dp_cache_t *c, devpool_t *p) { free_dropped(c, drop_free_segments(c, p)); }
 
 /* ---- pending blocks ---- */
 

@@ -436,3 +436,29 @@ Test(allocator, a_record_on_the_allocation_stream_is_a_no_op_and_after_its_destr
   cr_assert_eq(dp_cache_poll(C), 2);
   dp_stream_destroy(u);
 }
+
+/* A host function on stream s that needs the allocator. */
+static _Atomic int fn_done;
+static void allocate_from_a_stream(void *arg) {
+  dp_stream_t *s = arg;
+  void *p;
+  sleep_ms(100);  /* until the main thread is inside dp_cache_empty */
+  if (dp_cache_malloc(C, H0, 1024, s, &p, NULL) == 0) dp_cache_free(C, p, NULL);
+  fn_done = 1;
+}
+
+Test(allocator, emptying_the_cache_waits_for_a_stream_without_holding_the_lock_its_work_needs, .timeout = 20) {
+  /* Before, dp_cache_empty (and the out-of-memory retry) synchronized the
+   * streams of the segments it freed while holding the allocator's lock:
+   * a host function on such a stream that itself allocates deadlocked. */
+  dp_stream_t *s = stream(H0);
+  void *p;
+  OK(dp_cache_malloc(C, H0, 4096, s, &p, NULL));
+  OK(dp_cache_free(C, p, NULL));  /* a whole free segment, last used on s */
+  fn_done = 0;
+  OK(dp_host_launch(s, allocate_from_a_stream, s, NULL));
+  OK(dp_cache_empty(C, NULL));
+  cr_assert_eq(fn_done, 1, "dp_cache_empty returned before s's work that preceded it was done");
+  OK(dp_stream_synchronize(s, NULL));
+  dp_stream_destroy(s);
+}

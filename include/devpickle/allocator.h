@@ -28,6 +28,8 @@
  *     then DP_ENOMEM.
  *
  * Thread safety: all functions are thread-safe (one lock per allocator).
+ * No function waits on a stream while holding that lock, so work queued on
+ * a stream (a host function, dp_host_launch) may itself allocate and free.
  */
 #ifndef DEVPICKLE_ALLOCATOR_H
 #define DEVPICKLE_ALLOCATOR_H
@@ -94,8 +96,9 @@ DP_API int dp_cache_record_stream(dp_cache_t *c, void *p, dp_stream_t *s, dp_err
 /** Reclaims pending blocks whose streams have completed; never blocks.
  *  Returns how many came back. */
 DP_API int dp_cache_poll(dp_cache_t *c);
-/** Gives every entirely free segment back to the backend (synchronizing
- *  the streams that last used them first). */
+/** Gives every entirely free segment back to the backend, after the work
+ *  already queued on the streams that last used them (waited on without
+ *  the allocator's lock). */
 DP_API int dp_cache_empty(dp_cache_t *c, dp_error_t *err);
 /** The block holding p: its base and size. DP_ENOTFOUND otherwise. */
 DP_API int dp_cache_lookup(dp_cache_t *c, const void *p, void **base, size_t *size);
