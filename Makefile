@@ -221,7 +221,7 @@ config: ## Show what the build found
 
 $(BUILD)/devpickle.pc: Makefile
 	@mkdir -p $(BUILD)
-	@printf 'prefix=%s\nincludedir=$${prefix}/include\nlibdir=$${prefix}/lib\n\nName: devpickle\nDescription: Finds the device allocations a value references; frames for transport\nVersion: %s\nLibs: -L$${libdir} -ldevpickle\nLibs.private: $(LDLIBS)\nCflags: -I$${includedir}\n' '$(PREFIX)' '$(VERSION)' > $@
+	@printf 'prefix=%s\nincludedir=$${prefix}/include\nlibdir=$${prefix}/lib\nstaticlibs=$${libdir}/libdevpickle.a $(LDLIBS)\n\nName: devpickle\nDescription: Finds the device allocations a value references; frames for transport\nVersion: %s\nLibs: -L$${libdir} -ldevpickle\nLibs.private: $(LDLIBS)\nCflags: -I$${includedir}\n' '$(PREFIX)' '$(VERSION)' > $@
 
 install: all $(BUILD)/devpickle.pc ## Install headers, libraries, CLI and devpickle.pc (PREFIX, DESTDIR)
 	install -d $(DESTDIR)$(PREFIX)/include/devpickle $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin

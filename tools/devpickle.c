@@ -29,7 +29,7 @@ static const char *const usage_main =
     "  dump FRAME.dpk [--json]        the device pointers a frame's value holds\n"
     "  inspect FRAME.dpk              the value as a tree, one node a line, with paths\n"
     "  verify FRAME.dpk               check a frame completely; print a summary\n"
-    "  demo                           walk, pickle and check an example value\n"
+    "  demo                           the future pipeline end to end, every byte checked\n"
     "\n"
     "FILE may be '-' for stdin (and -o - for stdout).\n"
     "Run 'devpickle <command> --help' for a command's options.\n"

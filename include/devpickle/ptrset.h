@@ -69,8 +69,11 @@ DP_API int dp_ptrset_get(const dp_ptrset_t *set, size_t i, dp_ptr_info_t *out);
 
 /** Devices in the order first met. */
 DP_API size_t dp_ptrset_ndevices(const dp_ptrset_t *set);
+/** Device j (0 <= j < dp_ptrset_ndevices). Out of range, or a NULL set:
+ *  {DP_DEVICE_CPU, 0} — check j against dp_ptrset_ndevices first, since
+ *  that value is also a real device. */
 DP_API dp_device_t dp_ptrset_device(const dp_ptrset_t *set, size_t j);
-/** Number of entries on device j. */
+/** Number of entries on device j; 0 when out of range. */
 DP_API size_t dp_ptrset_device_count(const dp_ptrset_t *set, size_t j);
 /** First entry on device j, then the next on the same device, in discovery
  *  order; SIZE_MAX at the end. */
