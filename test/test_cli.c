@@ -73,6 +73,17 @@ static void res_free(res_t r) {
   free(r.err);
 }
 
+/* Writes JSON to NAME; `pack NAME -o OUT` must fail with exactly WANT. */
+static void pack_fails(const char *name, const char *out, const char *json, const char *want) {
+  char args[256];
+  spit(name, json);
+  snprintf(args, sizeof args, "pack %s -o %s", name, out);
+  res_t r = run(args);
+  cr_assert_eq(r.status, 1, "%s: %s", args, r.err);
+  cr_assert_str_eq(r.err, want);
+  res_free(r);
+}
+
 static const char *simple_json =
     "{\"w\": {\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x7f0000001000\", \"nbytes\": 4096,"
     " \"dtype\": \"float32\", \"shape\": [32, 32], \"strides\": [32, 1], \"offset\": 0}},"
@@ -212,34 +223,23 @@ Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
 }
 
 Test(cli, bad_value_json_names_the_problem_and_where) {
-  spit("bad.json", "{\"a\": [1, 2,, 3]}");
-  res_t r = run("pack bad.json -o x.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: bad.json: invalid JSON: unexpected ',' (line 1, column 13), at byte 12\n");
-  res_free(r);
-  spit("nb.json",
-       "[{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 64, \"dtype\": \"float32\", \"shape\": [4]}},"
-       " {\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 32, \"dtype\": \"float32\", \"shape\": [4]}}]");
-  r = run("pack nb.json -o x.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: nb.json: tensors on cuda:0 0x1000 disagree on nbytes (64 and 32), at $[1]\n");
-  res_free(r);
-  spit("tag.json", "{\"x\": {\"y\": {\"$tupel\": []}}}");
-  r = run("pack tag.json -o x.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: tag.json: unknown tag \"$tupel\" (a plain key starting with '$' needs $dict), "
-                          "at $.x.y\n");
-  res_free(r);
-  spit("ref.json", "[{\"$ref\": \"nope\"}]");
-  r = run("pack ref.json -o x.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: ref.json: $ref \"nope\" names no earlier $id, at $[0]\n");
-  res_free(r);
-  spit("view.json", "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"float64\", \"shape\": [2]}}");
-  r = run("pack view.json -o x.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: view.json: tensor view exceeds its storage of 8 bytes, at $\n");
-  res_free(r);
+  pack_fails("bad.json", "x.dpk", "{\"a\": [1, 2,, 3]}",
+             "devpickle: bad.json: invalid JSON: unexpected ',' (line 1, column 13), at byte 12\n");
+  pack_fails("nb.json", "x.dpk",
+             "[{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 64, \"dtype\": \"float32\", "
+             "\"shape\": [4]}},"
+             " {\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 32, \"dtype\": \"float32\", "
+             "\"shape\": [4]}}]",
+             "devpickle: nb.json: tensors on cuda:0 0x1000 disagree on nbytes (64 and 32), at $[1]\n");
+  pack_fails("tag.json", "x.dpk", "{\"x\": {\"y\": {\"$tupel\": []}}}",
+             "devpickle: tag.json: unknown tag \"$tupel\" (a plain key starting with '$' needs $dict), "
+             "at $.x.y\n");
+  pack_fails("ref.json", "x.dpk", "[{\"$ref\": \"nope\"}]",
+             "devpickle: ref.json: $ref \"nope\" names no earlier $id, at $[0]\n");
+  pack_fails("view.json", "x.dpk",
+             "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"float64\", "
+             "\"shape\": [2]}}",
+             "devpickle: view.json: tensor view exceeds its storage of 8 bytes, at $\n");
 }
 
 Test(cli, the_examples_round_trip_and_the_demo_passes) {
@@ -485,16 +485,10 @@ Test(cli, a_str_holding_nul_bytes_unpacks_to_json_that_packs_back_to_the_same_by
 }
 
 Test(cli, class_and_attribute_names_holding_nul_are_refused_by_pack) {
-  spit("c.json", "{\"$object\": \"Cls\\u0000Evil\", \"attrs\": {\"a\": 1}}");
-  res_t r = run("pack c.json -o c.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: c.json: class name contains a NUL byte, at $\n");
-  res_free(r);
-  spit("a.json", "{\"$object\": \"Cls\", \"attrs\": {\"a\\u0000x\": 1, \"a\\u0000y\": 2}}");
-  r = run("pack a.json -o a.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: a.json: attribute name contains a NUL byte, at $[\"a\\u0000x\"]\n");
-  res_free(r);
+  pack_fails("c.json", "c.dpk", "{\"$object\": \"Cls\\u0000Evil\", \"attrs\": {\"a\": 1}}",
+             "devpickle: c.json: class name contains a NUL byte, at $\n");
+  pack_fails("a.json", "a.dpk", "{\"$object\": \"Cls\", \"attrs\": {\"a\\u0000x\": 1, \"a\\u0000y\": 2}}",
+             "devpickle: a.json: attribute name contains a NUL byte, at $[\"a\\u0000x\"]\n");
 }
 
 static dp_value_t nest(int levels, int tuples) {
@@ -568,30 +562,24 @@ Test(cli, nan_dict_keys_with_different_payloads_stay_distinct_through_unpack_and
 }
 
 Test(cli, pack_refuses_a_ptr_or_nbytes_that_do_not_fit_and_writes_nothing) {
-  spit("p.json", "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x10000000000000000\", \"nbytes\": 8, "
-                 "\"dtype\": \"uint8\", \"shape\": [8]}}");
-  res_t r = run("pack p.json -o p.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: p.json: tensor ptr 0x10000000000000000 does not fit in 64 bits, at $\n");
-  res_free(r);
-  spit("n.json", "{\"x\": [{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 9223372036854775807, "
-                 "\"dtype\": \"uint8\", \"shape\": [8]}}]}");
-  r = run("pack n.json -o n.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: n.json: tensor nbytes 9223372036854775807 exceeds 2^62, the largest buffer a "
-                          "frame can describe, at $.x[0]\n");
-  res_free(r);
+  pack_fails("p.json", "p.dpk",
+             "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x10000000000000000\", \"nbytes\": 8, "
+             "\"dtype\": \"uint8\", \"shape\": [8]}}",
+             "devpickle: p.json: tensor ptr 0x10000000000000000 does not fit in 64 bits, at $\n");
+  pack_fails("n.json", "n.dpk",
+             "{\"x\": [{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 9223372036854775807, "
+             "\"dtype\": \"uint8\", \"shape\": [8]}}]}",
+             "devpickle: n.json: tensor nbytes 9223372036854775807 exceeds 2^62, the largest buffer a "
+             "frame can describe, at $.x[0]\n");
   cr_assert_eq(count_entries(), 2, "a frame was written");
 }
 
 Test(cli, tensors_sharing_a_storage_must_agree_on_its_data) {
-  spit("d.json", "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
-                 "\"shape\": [4], \"data\": \"QUFBQQ==\"}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", "
-                 "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4], \"data\": \"QkJCQg==\"}}]");
-  res_t r = run("pack d.json -o d.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: d.json: tensors on cpu 0x1000 disagree on data, at $[1]\n");
-  res_free(r);
+  pack_fails("d.json", "d.dpk",
+             "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
+             "\"shape\": [4], \"data\": \"QUFBQQ==\"}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", "
+             "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4], \"data\": \"QkJCQg==\"}}]",
+             "devpickle: d.json: tensors on cpu 0x1000 disagree on data, at $[1]\n");
 }
 
 /* ---- items 9, 11, 12: bounded paths, memory per input byte ---- */
@@ -875,14 +863,12 @@ Test(cli, unpack_writes_a_shared_storages_data_once_and_pack_takes_it_from_the_t
   cr_assert_eq(count_of(r.out, "\"data\": \"QUFBQQ==\""), 1, "%s", r.out);
   res_free(r);
   /* a storage with no data anywhere in an inline value is still an error */
-  spit("none.json", "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
-                    "\"shape\": [4], \"data\": \"QUFBQQ==\"}}, {\"$tensor\": {\"device\": \"cuda:1\", \"ptr\": \"0x2000\", "
-                    "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4]}}]");
-  r = run("pack none.json -o none.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: none.json: no tensor on cuda:1 0x2000 carries \"data\", but tensors on 1 other "
-                          "storage do: an inline frame needs each storage's data (on one of its tensors), at $\n");
-  res_free(r);
+  pack_fails("none.json", "none.dpk",
+             "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
+             "\"shape\": [4], \"data\": \"QUFBQQ==\"}}, {\"$tensor\": {\"device\": \"cuda:1\", \"ptr\": \"0x2000\", "
+             "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4]}}]",
+             "devpickle: none.json: no tensor on cuda:1 0x2000 carries \"data\", but tensors on 1 other "
+             "storage do: an inline frame needs each storage's data (on one of its tensors), at $\n");
 }
 
 Test(cli, dict_keys_show_their_value_json_alike_in_dump_inspect_and_pack_errors) {
@@ -913,46 +899,33 @@ Test(cli, dict_keys_show_their_value_json_alike_in_dump_inspect_and_pack_errors)
   res_free(r);
   res_free(ri);
   /* pack names a $dict value by its key's JSON, and the inside of a key by <key N> */
-  spit("pe.json", "{\"$dict\": [[2, 0], [{\"$tuple\": [1.0]}, {\"$float\": \"bad\"}]]}");
-  r = run("pack pe.json -o pe.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: pe.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of "
-                          "IEEE 754 bits, at $[{\"$tuple\":[1.0]}]\n");
-  res_free(r);
-  spit("pk.json", "{\"$dict\": [[{\"$float\": \"nan\"}, {\"$dict\": [[{\"$tuple\": [[1]]}, 2]]}]]}");
-  r = run("pack pk.json -o pk.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: pk.json: dict key of kind tuple is not hashable, at $[{\"$float\":\"nan\"}]<key 0>\n");
-  res_free(r);
-  spit("pp.json", "{\"a b\": {\"$dict\": [[1, 2], 3]}}");
-  r = run("pack pp.json -o pp.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: pp.json: $dict item 1 is not a [key, value] pair, at $[\"a b\"]\n");
-  res_free(r);
+  pack_fails("pe.json", "pe.dpk", "{\"$dict\": [[2, 0], [{\"$tuple\": [1.0]}, {\"$float\": \"bad\"}]]}",
+             "devpickle: pe.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of "
+             "IEEE 754 bits, at $[{\"$tuple\":[1.0]}]\n");
+  pack_fails("pk.json", "pk.dpk", "{\"$dict\": [[{\"$float\": \"nan\"}, {\"$dict\": [[{\"$tuple\": [[1]]}, 2]]}]]}",
+             "devpickle: pk.json: dict key of kind tuple is not hashable, at $[{\"$float\":\"nan\"}]<key 0>\n");
+  pack_fails("pp.json", "pp.dpk", "{\"a b\": {\"$dict\": [[1, 2], 3]}}",
+             "devpickle: pp.json: $dict item 1 is not a [key, value] pair, at $[\"a b\"]\n");
 }
 
 Test(cli, names_holding_control_characters_are_escaped_so_that_every_line_stays_one_line) {
   /* a type name that would forge a second line */
-  spit("nl.json", "{\"$reduce\": \"A\\ndevpickle: forged.dpk: ok\", \"state\": [{\"$tensor\": {\"device\": \"cuda:0\", "
-                  "\"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"float32\", \"shape\": [1]}}, {\"$tensor\": "
-                  "{\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"float32\", \"shape\": [1]}}]}");
-  res_t r = run("pack nl.json -o nl.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: nl.json: tensors on cuda:0 0x1000 disagree on nbytes (4 and 8), at "
-                          "$<reduce A\\u000adevpickle: forged.dpk: ok>[1]\n");
-  res_free(r);
-  spit("ok.json", "[{\"$reduce\": \"T>\\u001b\", \"state\": [{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", "
-                  "\"nbytes\": 4, \"dtype\": \"float32\", \"shape\": [1]}}]}, {\"$object\": \"C\\r\\n\", \"attrs\": "
-                  "{\"x\\ny\": 1}}, {\"$x\\n\": 1}]");
-  r = run("pack ok.json -o ok.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: ok.json: unknown tag \"$x\\u000a\" (a plain key starting with '$' needs $dict), "
-                          "at $[2]\n");
-  res_free(r);
+  pack_fails("nl.json", "nl.dpk",
+             "{\"$reduce\": \"A\\ndevpickle: forged.dpk: ok\", \"state\": [{\"$tensor\": {\"device\": \"cuda:0\", "
+             "\"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"float32\", \"shape\": [1]}}, {\"$tensor\": "
+             "{\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"float32\", \"shape\": [1]}}]}",
+             "devpickle: nl.json: tensors on cuda:0 0x1000 disagree on nbytes (4 and 8), at "
+             "$<reduce A\\u000adevpickle: forged.dpk: ok>[1]\n");
+  pack_fails("ok.json", "ok.dpk",
+             "[{\"$reduce\": \"T>\\u001b\", \"state\": [{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", "
+             "\"nbytes\": 4, \"dtype\": \"float32\", \"shape\": [1]}}]}, {\"$object\": \"C\\r\\n\", \"attrs\": "
+             "{\"x\\ny\": 1}}, {\"$x\\n\": 1}]",
+             "devpickle: ok.json: unknown tag \"$x\\u000a\" (a plain key starting with '$' needs $dict), "
+             "at $[2]\n");
   spit("ok.json", "[{\"$reduce\": \"T>\\u001b\", \"state\": [{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", "
                   "\"nbytes\": 4, \"dtype\": \"float32\", \"shape\": [1]}}]}, {\"$object\": \"C\\r\\n\", \"attrs\": "
                   "{\"x\\ny\": 1}}]");
-  r = run_sh("$D pack ok.json -o ok.dpk && $D dump ok.dpk && $D inspect ok.dpk");
+  res_t r = run_sh("$D pack ok.json -o ok.dpk && $D dump ok.dpk && $D inspect ok.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_not_null(strstr(r.out, "  $[0]<reduce T\\u003e\\u001b>[0]\n"), "%s", r.out);
   cr_assert_not_null(strstr(r.out, "\n$[0]                                      reduced T\\u003e\\u001b (1 attribute)\n"),
