@@ -77,7 +77,7 @@ $(BUILD)/test_cli: LDLIBS += -ljansson
 $(BUILD)/test_cli: TEST_OBJ = $(BUILD)/obj/tools/vjson.o
 $(BUILD)/test_cli: $(BUILD)/obj/tools/vjson.o
 
-$(BUILD)/test_%: test/test_%.c test/helpers.h $(BUILD)/libdevpickle.a
+$(BUILD)/test_%: test/test_%.c test/helpers.h test/mem_reader.h $(BUILD)/libdevpickle.a
 	$(CC) $(TFLAGS) $(SANFLAGS) $(CFLAGS) -o $@ $< $(TEST_OBJ) $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS)
 
 $(BUILD)/bench_%: bench/bench_%.c bench/bench.h $(BUILD)/libdevpickle.a
@@ -144,7 +144,7 @@ deps-fuzz:
 	    (apt-get install -y -q clang libclang-rt-dev || (apt-get update -q && apt-get install -y -q clang libclang-rt-dev)) >/dev/null || \
 	    { echo "devpickle: run: apt-get install -y clang libclang-rt-dev" >&2; exit 1; }; }
 
-$(FUZZ_BUILD)/fuzz_%: test/fuzz/fuzz_%.c test/fuzz/fuzz.h $(FUZZ_SRC) $(HEADERS) | deps-fuzz
+$(FUZZ_BUILD)/fuzz_%: test/fuzz/fuzz_%.c test/fuzz/fuzz.h test/mem_reader.h $(FUZZ_SRC) $(HEADERS) | deps-fuzz
 	@mkdir -p $(dir $@)
 	clang $(FUZZ_FLAGS) -o $@ $< $(FUZZ_SRC) -lmsgpackc -lxxhash -ljansson -lpthread -lm
 

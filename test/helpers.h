@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "devpickle.h"
+#include "mem_reader.h"
 
 /* ---- a counting allocator that can fail the Nth allocation ---- */
 static _Atomic long t_live_blocks;

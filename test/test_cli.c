@@ -751,22 +751,6 @@ Test(cli, reading_value_json_fails_cleanly_at_every_allocation) {
 
 /* ---- dp_unpickle_stream, what verify, dump and inspect read with ---- */
 
-typedef struct cursor {
-  const uint8_t *p;
-  size_t left;
-} cursor_t;
-
-static int mem_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
-  (void)err;
-  cursor_t *c = ud;
-  *got = n < c->left ? n : c->left;
-  if (*got > 5) *got = 5;  /* short reads: the stream must refill */
-  memcpy(dst, c->p, *got);
-  c->p += *got;
-  c->left -= *got;
-  return 0;
-}
-
 Test(cli, the_streamed_reader_fails_cleanly_at_every_allocation_and_matches_the_whole_reader) {
   uint8_t data[64];
   for (int i = 0; i < 64; i++) data[i] = (uint8_t)i;
@@ -789,7 +773,7 @@ Test(cli, the_streamed_reader_fails_cleanly_at_every_allocation_and_matches_the_
   for (long k = 1;; k++) {
     cr_assert_lt(k, 200);
     t_fail_at = t_alloc_count + k;
-    cursor_t c = {b, n};
+    mem_reader_t c = {b, n, 5};
     dp_value_t v;
     dp_frame_info_t fi;
     uint64_t size = 0;

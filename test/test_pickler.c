@@ -2145,26 +2145,10 @@ Test(pickler, a_resolved_custom_whose_state_reaches_an_open_container_is_refused
 
 /* Reads frame b whole and streamed; both must refuse it with DP_EFORMAT,
  * this message and this offset. */
-typedef struct mcur {
-  const uint8_t *p;
-  size_t left;
-} mcur_t;
-
-static int mcur_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
-  (void)err;
-  mcur_t *c = ud;
-  *got = n < c->left ? n : c->left;
-  if (*got > 7) *got = 7;  /* short reads: the stream refills */
-  memcpy(dst, c->p, *got);
-  c->p += *got;
-  c->left -= *got;
-  return 0;
-}
-
 static int unpickle_streamed(const uint8_t *b, size_t n, const dp_unpickle_opts_t *o, dp_value_t *out,
                              dp_error_t *e) {
-  mcur_t c = {b, n};
-  return dp_unpickle_stream(mcur_read, &c, o, out, NULL, NULL, e);
+  mem_reader_t c = {b, n, 7};
+  return dp_unpickle_stream(mem_read, &c, o, out, NULL, NULL, e);
 }
 
 static void expect_refused(const char *what, const uint8_t *b, size_t n, int64_t offset, const char *msg) {

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <xxhash.h>
 
+#include "../mem_reader.h"
 #include "devpickle.h"
 
 /* The checksum a writer would put in bytes 32..39: fuzzed frames get it, as

@@ -9,24 +9,6 @@
 
 static FILE *sink;
 
-typedef struct cursor {
-  const uint8_t *p;
-  size_t left;
-} cursor_t;
-
-/* Hands out at most 7 bytes a call, to exercise the stream's refills. */
-static int mem_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
-  (void)err;
-  cursor_t *c = ud;
-  size_t k = n < c->left ? n : c->left;
-  if (k > 7) k = 7;
-  memcpy(dst, c->p, k);
-  c->p += k;
-  c->left -= k;
-  *got = k;
-  return 0;
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (!sink) sink = fopen("/dev/null", "w");
   uint8_t *f = malloc(size ? size : 1);
@@ -36,7 +18,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   dp_value_t v, sv;
   dp_frame_info_t fi;
   int whole = dp_frame_check(f, size, &fi, NULL) == 0 ? dp_unpickle(f, size, &o, &v, NULL) : -1;
-  cursor_t c = {f, size};
+  mem_reader_t c = {f, size, 7}; /* at most 7 bytes a call */
   int streamed = dp_unpickle_stream(mem_read, &c, &o, &sv, NULL, NULL, NULL);
   if ((whole == 0) != (streamed == 0)) abort();  /* verify and unpack accept the same frames */
   if (streamed == 0) dp_value_release(sv);
