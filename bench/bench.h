@@ -6,6 +6,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "devpickle.h"
+
 static inline double bench_now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -117,5 +119,42 @@ static inline double bench_threads(void (*fn)(void *, int), void *ctx, int T, in
   free(b);
   free(th);
   return best;
+}
+
+/* One thread's work item for the threads rows: a list of BENCH_THREAD_OBJECTS
+ * user objects, each holding a tensor on its own CPU storage (addresses
+ * apart per thread, no device event or stream lock in the figure). */
+#define BENCH_THREAD_OBJECTS 100
+static inline dp_value_t bench_thread_objects(int thread) {
+  static const dp_device_t cpu = {DP_DEVICE_CPU, 0};
+  dp_value_t l;
+  dp_list_new(BENCH_THREAD_OBJECTS, &l, NULL);
+  for (int i = 0; i < BENCH_THREAD_OBJECTS; i++) {
+    dp_storage_t *st;
+    dp_value_t t, o;
+    int64_t shape[1] = {256};
+    uintptr_t base = 0x100000000000u + ((uintptr_t)thread << 32) + (uintptr_t)i * 4096;
+    dp_storage_new(cpu, (void *)base, 1024, NULL, NULL, &st, NULL);
+    dp_tensor_new(st, DP_FLOAT32, 1, shape, NULL, 0, &t, NULL);
+    dp_object_new("Activation", &o, NULL);
+    dp_object_set(o, "data", t, NULL);
+    dp_list_append(l, o, NULL);
+  }
+  return l;
+}
+
+/* The rows PREFIX_T for T = 1, 2, 4, 16 threads running fn: thousands of
+ * iterations per second, and the scaling factor over one thread. */
+static inline void bench_thread_scaling(const char *out, void (*fn)(void *, int), const char *prefix,
+                                        const char *backend) {
+  static const int threads[] = {1, 2, 4, 16};
+  double one = 0;
+  char row[64];
+  for (int k = 0; k < 4; k++) {
+    double rate = bench_threads(fn, NULL, threads[k], 2000, 3);
+    if (k == 0) one = rate;
+    snprintf(row, sizeof row, "%s_%d", prefix, threads[k]);
+    bench_row(out, row, backend, rate / 1e3, "k/s", rate / one, "one thread (scaling factor)");
+  }
 }
 #endif

@@ -180,25 +180,11 @@ static void bench_backend(const char *out, dp_backend_t *b) {
 /* One iteration: a list of 100 user objects, each holding a tensor on its
  * own CPU storage (no device event or stream lock enters the figure), made
  * the value of a fresh future, waited on, then both released. */
-#define THREAD_OBJECTS 100
 static dp_backend_t *thread_backend;
 
 static void thread_future(void *ctx, int thread) {
   (void)ctx;
-  static const dp_device_t cpu = {DP_DEVICE_CPU, 0};
-  dp_value_t l;
-  dp_list_new(THREAD_OBJECTS, &l, NULL);
-  for (int i = 0; i < THREAD_OBJECTS; i++) {
-    dp_storage_t *st;
-    dp_value_t t, o;
-    int64_t shape[1] = {256};
-    uintptr_t base = 0x100000000000u + ((uintptr_t)thread << 32) + (uintptr_t)i * 4096;
-    dp_storage_new(cpu, (void *)base, 1024, NULL, NULL, &st, NULL);
-    dp_tensor_new(st, DP_FLOAT32, 1, shape, NULL, 0, &t, NULL);
-    dp_object_new("Activation", &o, NULL);
-    dp_object_set(o, "data", t, NULL);
-    dp_list_append(l, o, NULL);
-  }
+  dp_value_t l = bench_thread_objects(thread);
   dp_future_opts_t o = {thread_backend, NULL, 0, NULL, 1};
   dp_future_t *f;
   if (dp_future_new(&o, &f, NULL) || dp_future_mark_completed(f, dp_value_retain(l), NULL) ||
@@ -209,16 +195,8 @@ static void thread_future(void *ctx, int thread) {
 }
 
 static void bench_thread_rows(const char *out, dp_backend_t *b) {
-  static const int threads[] = {1, 2, 4, 16};
   thread_backend = b;
-  double one = 0;
-  char row[64];
-  for (int k = 0; k < 4; k++) {
-    double rate = bench_threads(thread_future, NULL, threads[k], 2000, 3);
-    if (k == 0) one = rate;
-    snprintf(row, sizeof row, "threads_future_%d", threads[k]);
-    bench_row(out, row, dp_backend_name(b), rate / 1e3, "k/s", rate / one, "one thread (scaling factor)");
-  }
+  bench_thread_scaling(out, thread_future, "threads_future", dp_backend_name(b));
 }
 
 int main(int argc, char **argv) {

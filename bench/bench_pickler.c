@@ -181,47 +181,20 @@ static void bench_scan(const char *out, const char *name, scan_ctx_t c, size_t n
 
 /* One iteration: a list of 100 user objects, each holding a tensor on its
  * own CPU storage, scanned into this thread's set, then released. */
-#define THREAD_OBJECTS 100
 static dp_ptrset_t *thread_sets[64];
-
-static dp_value_t build_objects(int thread) {
-  static const dp_device_t cpu = {DP_DEVICE_CPU, 0};
-  dp_value_t l;
-  dp_list_new(THREAD_OBJECTS, &l, NULL);
-  for (int i = 0; i < THREAD_OBJECTS; i++) {
-    dp_storage_t *st;
-    dp_value_t t, o;
-    int64_t shape[1] = {256};
-    uintptr_t base = 0x100000000000u + ((uintptr_t)thread << 32) + (uintptr_t)i * 4096;
-    dp_storage_new(cpu, (void *)base, 1024, NULL, NULL, &st, NULL);
-    dp_tensor_new(st, DP_FLOAT32, 1, shape, NULL, 0, &t, NULL);
-    dp_object_new("Activation", &o, NULL);
-    dp_object_set(o, "data", t, NULL);
-    dp_list_append(l, o, NULL);
-  }
-  return l;
-}
 
 static void thread_scan(void *ctx, int thread) {
   (void)ctx;
   /* made on its thread (the warm-up call): no cache line shared with another's */
   if (!thread_sets[thread]) dp_ptrset_new(&thread_sets[thread], NULL);
-  dp_value_t l = build_objects(thread);
+  dp_value_t l = bench_thread_objects(thread);
   dp_ptrset_clear(thread_sets[thread]);
   if (dp_scan(l, NULL, thread_sets[thread], NULL) != 0) exit(1);
   dp_value_release(l);
 }
 
 static void bench_thread_rows(const char *out) {
-  static const int threads[] = {1, 2, 4, 16};
-  double one = 0;
-  char row[64];
-  for (int k = 0; k < 4; k++) {
-    double rate = bench_threads(thread_scan, NULL, threads[k], 2000, 3);
-    if (k == 0) one = rate;
-    snprintf(row, sizeof row, "threads_scan_%d", threads[k]);
-    bench_row(out, row, "cpu", rate / 1e3, "k/s", rate / one, "one thread (scaling factor)");
-  }
+  bench_thread_scaling(out, thread_scan, "threads_scan", "cpu");
   for (int i = 0; i < 64; i++) {
     dp_ptrset_free(thread_sets[i]);
     thread_sets[i] = NULL;
