@@ -274,25 +274,6 @@ Test(cli, the_examples_round_trip_and_the_demo_passes) {
 
 static void path_in(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", dir, name); }
 
-/* Pickles v (taking the reference) into dir/name. */
-static void write_frame(const char *name, dp_value_t v, int is_inline) {
-  dp_frame_t *f;
-  dp_error_t e;
-  cr_assert_eq(dp_frame_new(&f, &e), 0);
-  dp_pickle_opts_t po = {is_inline ? DP_PICKLE_INLINE : 0, 0, NULL, NULL};
-  cr_assert_eq(dp_pickle(v, &po, f, &e), 0, "%s", e.message);
-  size_t n;
-  const uint8_t *b = dp_frame_data(f, &n);
-  char path[256];
-  path_in(path, sizeof path, name);
-  FILE *out = fopen(path, "wb");
-  cr_assert_not_null(out);
-  cr_assert_eq(fwrite(b, 1, n, out), n);
-  cr_assert_eq(fclose(out), 0);
-  dp_frame_free(f);
-  dp_value_release(v);
-}
-
 /* Builds a frame in a child process: the test process stays small, so the
  * CLI it forks later starts small and its peak memory is its own. The
  * builder returns 0 on success. */
@@ -305,21 +286,35 @@ static void build_in_child(int (*build)(void)) {
   cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "building the frame failed (%d)", st);
 }
 
-/* write_frame for builders (no Criterion asserts in a child). */
-static int write_frame_raw(const char *name, dp_value_t v, int is_inline) {
+/* Pickles v (taking the reference) into dir/name; 0 on success, else 1 with
+ * e (when given) saying why if the pickler failed. No Criterion asserts: the
+ * builders of build_in_child call it in a child. */
+static int write_frame_raw(const char *name, dp_value_t v, int is_inline, dp_error_t *e) {
   dp_frame_t *f;
   dp_pickle_opts_t po = {is_inline ? DP_PICKLE_INLINE : 0, 0, NULL, NULL};
-  if (dp_frame_new(&f, NULL) != 0 || dp_pickle(v, &po, f, NULL) != 0) return 1;
-  size_t n;
-  const uint8_t *b = dp_frame_data(f, &n);
-  char path[256];
-  path_in(path, sizeof path, name);
-  FILE *out = fopen(path, "wb");
-  int bad = !out || fwrite(b, 1, n, out) != n;
-  if (out) bad |= fclose(out) != 0;
+  if (dp_frame_new(&f, e) != 0) {
+    dp_value_release(v);
+    return 1;
+  }
+  int bad = dp_pickle(v, &po, f, e) != 0;
+  if (!bad) {
+    size_t n;
+    const uint8_t *b = dp_frame_data(f, &n);
+    char path[256];
+    path_in(path, sizeof path, name);
+    FILE *out = fopen(path, "wb");
+    bad = !out || fwrite(b, 1, n, out) != n;
+    if (out) bad |= fclose(out) != 0;
+  }
   dp_frame_free(f);
   dp_value_release(v);
   return bad;
+}
+
+static void write_frame(const char *name, dp_value_t v, int is_inline) {
+  dp_error_t e;
+  dp_error_clear(&e);
+  cr_assert_eq(write_frame_raw(name, v, is_inline, &e), 0, "writing %s: %s", name, e.message);
 }
 
 static int same_file(const char *a, const char *b) {
@@ -633,7 +628,7 @@ static int build_long_path(void) {
       return 1;
     v = d;
   }
-  return write_frame_raw("k.dpk", v, 0);
+  return write_frame_raw("k.dpk", v, 0, NULL);
 }
 
 Test(cli, inspect_memory_does_not_grow_with_path_length_times_nodes) {
@@ -654,7 +649,7 @@ static int build_empty_dicts(void) {
     dp_value_t d;
     if (dp_dict_new(0, &d, NULL) != 0 || dp_list_append(l, d, NULL) != 0) return 1;
   }
-  return write_frame_raw("d.dpk", l, 0);
+  return write_frame_raw("d.dpk", l, 0, NULL);
 }
 
 Test(cli, every_reading_command_stays_within_the_memory_bound_on_a_megabyte_of_empty_dicts) {
@@ -687,7 +682,7 @@ static int build_inline(void) {
       dp_tensor_new(s, DP_UINT8, 1, shape, NULL, 0, &t, NULL) != 0 || dp_dict_new(1, &d, NULL) != 0 ||
       dp_str_new("w", 1, &k, NULL) != 0 || dp_dict_set(d, k, t, NULL) != 0)
     return 1;
-  return write_frame_raw("big.dpk", d, 1);
+  return write_frame_raw("big.dpk", d, 1, NULL);
 }
 
 Test(cli, checking_an_inline_frame_costs_memory_independent_of_its_data_section) {
