@@ -119,10 +119,8 @@ typedef struct mapent {
 } mapent_t;
 
 /* Keyed (table.h): which pointers come back is up to the caller. */
-static inline uint64_t ptr_hash(const void *p) { return dp__hash_ptr(p); }
-
 static uint64_t map_hash_at(const void *ctx, size_t i) {
-  return ptr_hash(((const dp_cache_t *)ctx)->mapped[i].ptr);
+  return dp__hash_ptr(((const dp_cache_t *)ctx)->mapped[i].ptr);
 }
 
 static inline __attribute__((always_inline)) int map_eq(const void *ctx, size_t i, const void *key) {
@@ -135,7 +133,7 @@ static int map_insert(dp_cache_t *c, block_t *b, dp_stream_t *s) {
   if (dp__grow((void **)&c->mapped, &c->mapped_cap, n + 1, sizeof *c->mapped) != 0) return DP_ENOMEM;
   if (dp__table_full(&c->map) && dp__table_grow(&c->map, DP_TABLE_TAGGED, n, 256, map_hash_at, c) != 0)
     return DP_ENOMEM;
-  uint64_t h = ptr_hash(b->ptr);
+  uint64_t h = dp__hash_ptr(b->ptr);
   c->mapped[n] = (mapent_t){b->ptr, s, b};
   dp__table_put(&c->map, DP_TABLE_TAGGED, dp__table_empty_slot(&c->map, DP_TABLE_TAGGED, h), h, n);
   return 0;
@@ -151,7 +149,7 @@ static inline __attribute__((always_inline)) mapent_t *map_entry(dp_cache_t *c, 
 }
 
 static block_t *map_find(dp_cache_t *c, const void *p, size_t *slot) {
-  mapent_t *e = map_entry(c, p, ptr_hash(p), slot);
+  mapent_t *e = map_entry(c, p, dp__hash_ptr(p), slot);
   return e ? e->b : NULL;
 }
 
@@ -161,7 +159,7 @@ static void map_remove_at(dp_cache_t *c, size_t j) {
   size_t last = c->map.count;
   if (at != last) {
     c->mapped[at] = c->mapped[last];
-    dp__table_move(&c->map, DP_TABLE_TAGGED, ptr_hash(c->mapped[at].ptr), last, at);
+    dp__table_move(&c->map, DP_TABLE_TAGGED, dp__hash_ptr(c->mapped[at].ptr), last, at);
   }
 }
 
@@ -413,26 +411,28 @@ static int poll_pending(dp_cache_t *c, int all) {
 /* A stream is being destroyed, its work done: blocks tied to it become
  * tied to no stream (reusable by any without waiting), and it is dropped
  * from the recorded uses. */
+/* Unties block b of pool p from s; returns the block after it (after the
+ * free block it merged into, if it merged). */
+static block_t *block_stream_gone(dp_cache_t *c, devpool_t *p, block_t *b, dp_stream_t *s) {
+  if (b->stream == s) {
+    b->stream = NULL;
+    mapent_t *e = b->state == B_USED ? map_entry(c, b->ptr, dp__hash_ptr(b->ptr), NULL) : NULL;
+    if (e) e->stream = NULL;
+  }
+  for (uint32_t k = 0; k < b->nuses; k++)
+    if (b->uses[k] == s) b->uses[k--] = b->uses[--b->nuses];
+  if (b->state != B_FREE || b->stream) return b->next;
+  free_remove(p, b);  /* merge with free stream-less neighbours */
+  return free_block(c, p, b)->next;
+}
+
 static void stream_gone(dp_stream_t *s) {
   pthread_mutex_lock(&live_mu);
   for (dp_cache_t *c = live_caches; c; c = c->next_live) {
     pthread_mutex_lock(&c->mu);
     for (int d = 0; d < c->ndev; d++)
       for (size_t i = 0; i < c->pools[d].nsegs; i++)
-        for (block_t *b = c->pools[d].segs[i]->first, *n; b; b = n) {
-          n = b->next;
-          if (b->stream == s) {
-            b->stream = NULL;
-            mapent_t *e = b->state == B_USED ? map_entry(c, b->ptr, ptr_hash(b->ptr), NULL) : NULL;
-            if (e) e->stream = NULL;
-          }
-          for (uint32_t k = 0; k < b->nuses; k++)
-            if (b->uses[k] == s) b->uses[k--] = b->uses[--b->nuses];
-          if (b->state == B_FREE && !b->stream) {  /* merge with free stream-less neighbours */
-            free_remove(&c->pools[d], b);
-            n = free_block(c, &c->pools[d], b)->next;
-          }
-        }
+        for (block_t *b = c->pools[d].segs[i]->first; b;) b = block_stream_gone(c, &c->pools[d], b, s);
     pthread_mutex_unlock(&c->mu);
   }
   pthread_mutex_unlock(&live_mu);
@@ -695,7 +695,7 @@ static inline __attribute__((always_inline)) int ents_eq(const void *ctx, size_t
 int dp_cache_record_stream(dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *err) {
   if (!c || !s) return dp__err(err, DP_EINVAL, "dp_cache_record_stream: NULL argument");
   pthread_mutex_lock(&c->mu);
-  int rc = record_hashed(c, ptr, ptr_hash(ptr), s, err);
+  int rc = record_hashed(c, ptr, dp__hash_ptr(ptr), s, err);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -728,13 +728,13 @@ static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream
   size_t mask = t->nslots ? t->nslots - 1 : 0;
   int prefetch = t->nslots > RECORD_PREFETCH_SLOTS;
   for (size_t i = 0; i < n && i < RECORD_SLOT_AHEAD; i++) {
-    ring[i] = ptr_hash(ptrs[i]);
+    ring[i] = dp__hash_ptr(ptrs[i]);
     if (prefetch) dp__table_prefetch(t, DP_TABLE_TAGGED, ring[i]);
   }
   for (size_t i = 0; i < n && rc != DP_ENOMEM; i++) {
     size_t ahead = i + RECORD_SLOT_AHEAD;
     if (ahead < n) {
-      uint64_t h = ring[ahead % RECORD_RING] = ptr_hash(ptrs[ahead]);
+      uint64_t h = ring[ahead % RECORD_RING] = dp__hash_ptr(ptrs[ahead]);
       if (prefetch) dp__table_prefetch(t, DP_TABLE_TAGGED, h);
     }
     ahead = i + RECORD_ENTRY_AHEAD;

@@ -440,8 +440,8 @@ static int complete_with_set(dp_future_t *f, dp_value_t value, const dp_ptrset_t
   int rc = prepare(f, set, streams, &rec, &e);
   if (rc) {
     if (err) *err = e;
-    if (publish_only(f, value, NULL, &e, NULL, cbs) != 0) return DP_ESTATE;
-    return rc;
+    int prc = publish_only(f, value, NULL, &e, err, cbs);  /* already complete: says so */
+    return prc ? prc : rc;
   }
   return publish_only(f, value, &rec, NULL, err, cbs);
 }

@@ -28,6 +28,13 @@ static inline uint16_t dp__get_le16(const uint8_t *p) { return (uint16_t)(p[0] |
 
 uint64_t dp__frame_checksum(const uint8_t *frame, size_t n);
 
+/* The header's fields (nbuffers left 0), and the checks that follow the
+ * length checks: checksum (sum, computed by the caller over the whole frame),
+ * version and flags. Shared by dp_frame_check and dp_unpickle_stream so that
+ * both refuse the same headers with the same messages. */
+void dp__frame_header_parse(const uint8_t *h, dp_frame_info_t *fi);
+int dp__frame_header_check(const dp_frame_info_t *fi, uint64_t sum, dp_error_t *err);
+
 /* Reads a frame whose header dp_frame_check (or the stream reader) has
  * checked: lengths, checksum, version and flags. frame holds the header,
  * the payload and the buffer table; data is the inline data section, or

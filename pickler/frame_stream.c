@@ -62,13 +62,7 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
   if (rc) return rc;
   if (got < sizeof hdr || memcmp(hdr, DP_FRAME_MAGIC, 4) != 0) return dp_frame_check(hdr, got, info, err);
   dp_frame_info_t fi;
-  fi.version = dp__get_le16(hdr + 4);
-  fi.flags = dp__get_le16(hdr + 6);
-  fi.payload_len = dp__get_le64(hdr + 8);
-  fi.table_len = dp__get_le64(hdr + 16);
-  fi.data_len = dp__get_le64(hdr + 24);
-  fi.checksum = dp__get_le64(hdr + 32);
-  fi.nbuffers = 0;
+  dp__frame_header_parse(hdr, &fi);
 
   chunk = dp__alloc(CHUNK);
   if (!chunk || XXH3_64bits_reset_withSeed(xs, XXH3_64bits(hdr, 32)) != XXH_OK) {
@@ -129,24 +123,7 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
                     (unsigned long long)(s.total - framed));
     goto done;
   }
-  uint64_t sum = XXH3_64bits_digest(xs);
-  if (sum != fi.checksum) {
-    rc = dp__err_at(err, DP_ECHECKSUM, 32, "checksum mismatch: header says %016llx, content hashes to %016llx",
-                    (unsigned long long)fi.checksum, (unsigned long long)sum);
-    goto done;
-  }
-  if (fi.version != DP_FRAME_VERSION) {
-    rc = dp__err_at(err, DP_EVERSION, 4, "frame version %u, this build reads version %d", fi.version, DP_FRAME_VERSION);
-    goto done;
-  }
-  if (fi.flags & ~DP_FRAME_FLAG_INLINE) {
-    rc = dp__err_at(err, DP_EFORMAT, 6, "unknown frame flags 0x%04x", fi.flags);
-    goto done;
-  }
-  if ((fi.flags & DP_FRAME_FLAG_INLINE) == 0 && fi.data_len != 0) {
-    rc = dp__err_at(err, DP_EFORMAT, 24, "data section in a frame without the inline flag");
-    goto done;
-  }
+  if ((rc = dp__frame_header_check(&fi, XXH3_64bits_digest(xs), err)) != 0) goto done;
 
   /* The header, payload and table read as dp_unpickle reads them, with
    * the data section's layout checked against its length alone. */

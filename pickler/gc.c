@@ -279,6 +279,22 @@ static void wait_not_collecting(void) {
 }
 
 /* Gives back one reference to c, held by this thread. */
+/* Claims c's buffered flag by a CAS (so that a container is never in two
+ * buffers), buffers it here and drops the reference; false, doing nothing,
+ * when another thread claimed it first. */
+static bool claim_and_release(gc_tls_t *t, dp_cont_t *c) {
+  uint32_t expect = 0;
+  if (!atomic_compare_exchange_strong_explicit(&c->gc_state, &expect, GCS_BUFFERED, memory_order_acq_rel,
+                                               memory_order_acquire))
+    return false;
+  buffer(t, c);
+  if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+    unbuffer_own(t, c);
+    push_dead(t, c);
+  }
+  return true;
+}
+
 static void release_ref(gc_tls_t *t, dp_cont_t *c) {
   /* The count first: a thread that buffered c did so before its decrement,
    * so a count of 1 read here (acquire) comes with that thread's state. */
@@ -295,16 +311,7 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
       collect_locked(t);
       pthread_mutex_unlock(&gc_lock);
     }
-    uint32_t expect = 0;
-    if (atomic_compare_exchange_strong_explicit(&c->gc_state, &expect, GCS_BUFFERED, memory_order_acq_rel,
-                                                memory_order_acquire)) {
-      buffer(t, c);
-      if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
-        unbuffer_own(t, c);
-        push_dead(t, c);
-      }
-      return;
-    }
+    if (claim_and_release(t, c)) return;
     /* another thread buffered it meanwhile */
   } else {
     wait_not_collecting();
@@ -336,14 +343,7 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
      * two buffers; on failure it is buffered elsewhere after all. */
     if (dp__gc_pause_hook) dp__gc_pause_hook(DP_GC_PAUSE_OWNER_LET_GO);
     if (len_of(t) == GC_BUF) collect_locked(t);
-    uint32_t expect = 0;
-    if (atomic_compare_exchange_strong_explicit(&c->gc_state, &expect, GCS_BUFFERED, memory_order_acq_rel,
-                                                memory_order_acquire)) {
-      buffer(t, c);
-      if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
-        unbuffer_own(t, c);
-        push_dead(t, c);
-      }
+    if (claim_and_release(t, c)) {
       pthread_mutex_unlock(&gc_lock);
       return;
     }

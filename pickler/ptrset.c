@@ -223,6 +223,7 @@ int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbyte
   size_t i;
   int is_new;
   int rc = dp__ptrset_add_hashed(set, device, base, nbytes, dp__ptr_hash(device, base), &i, &is_new);
+  if (rc == DP_ELIMIT) return dp__err(err, rc, "a pointer set holds at most %u entries", UINT32_MAX - 2);
   if (rc) return dp__err(err, rc, "out of memory growing a pointer set");
   if (index) *index = i;
   return 0;

@@ -735,6 +735,30 @@ static int parse_payload(up_t *u) {
 
 /* ---- header, table, entry point ---- */
 
+void dp__frame_header_parse(const uint8_t *h, dp_frame_info_t *fi) {
+  fi->version = dp__get_le16(h + 4);
+  fi->flags = dp__get_le16(h + 6);
+  fi->payload_len = dp__get_le64(h + 8);
+  fi->table_len = dp__get_le64(h + 16);
+  fi->data_len = dp__get_le64(h + 24);
+  fi->checksum = dp__get_le64(h + 32);
+  fi->nbuffers = 0;
+}
+
+int dp__frame_header_check(const dp_frame_info_t *fi, uint64_t sum, dp_error_t *err) {
+  if (sum != fi->checksum)
+    return dp__err_at(err, DP_ECHECKSUM, 32, "checksum mismatch: header says %016llx, content hashes to %016llx",
+                      (unsigned long long)fi->checksum, (unsigned long long)sum);
+  if (fi->version != DP_FRAME_VERSION)
+    return dp__err_at(err, DP_EVERSION, 4, "frame version %u, this build reads version %d", fi->version,
+                      DP_FRAME_VERSION);
+  if (fi->flags & ~DP_FRAME_FLAG_INLINE)
+    return dp__err_at(err, DP_EFORMAT, 6, "unknown frame flags 0x%04x", fi->flags);
+  if ((fi->flags & DP_FRAME_FLAG_INLINE) == 0 && fi->data_len != 0)
+    return dp__err_at(err, DP_EFORMAT, 24, "data section in a frame without the inline flag");
+  return 0;
+}
+
 int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err) {
   const uint8_t *b = bytes;
   if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_frame_check: NULL bytes");
@@ -748,13 +772,7 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
     return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu bytes, the header needs %d", n,
                       DP_FRAME_HEADER);
   dp_frame_info_t fi;
-  fi.version = dp__get_le16(b + 4);
-  fi.flags = dp__get_le16(b + 6);
-  fi.payload_len = dp__get_le64(b + 8);
-  fi.table_len = dp__get_le64(b + 16);
-  fi.data_len = dp__get_le64(b + 24);
-  fi.checksum = dp__get_le64(b + 32);
-  fi.nbuffers = 0;
+  dp__frame_header_parse(b, &fi);
   uint64_t body = n - DP_FRAME_HEADER;
   if (fi.payload_len > body || fi.table_len > body - fi.payload_len ||
       fi.data_len > body - fi.payload_len - fi.table_len) {
@@ -769,21 +787,12 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
     return dp__err_at(err, DP_EFORMAT, (int64_t)(DP_FRAME_HEADER + fi.payload_len + fi.table_len + fi.data_len),
                       "%llu bytes after the end of the frame",
                       (unsigned long long)(body - fi.payload_len - fi.table_len - fi.data_len));
-  uint64_t sum = dp__frame_checksum(b, n);
-  if (sum != fi.checksum)
-    return dp__err_at(err, DP_ECHECKSUM, 32, "checksum mismatch: header says %016llx, content hashes to %016llx",
-                      (unsigned long long)fi.checksum, (unsigned long long)sum);
-  if (fi.version != DP_FRAME_VERSION)
-    return dp__err_at(err, DP_EVERSION, 4, "frame version %u, this build reads version %d", fi.version,
-                      DP_FRAME_VERSION);
-  if (fi.flags & ~DP_FRAME_FLAG_INLINE)
-    return dp__err_at(err, DP_EFORMAT, 6, "unknown frame flags 0x%04x", fi.flags);
-  if ((fi.flags & DP_FRAME_FLAG_INLINE) == 0 && fi.data_len != 0)
-    return dp__err_at(err, DP_EFORMAT, 24, "data section in a frame without the inline flag");
+  int rc = dp__frame_header_check(&fi, dp__frame_checksum(b, n), err);
+  if (rc) return rc;
   /* Count the buffers: the table opens with an array header. */
   rd_t r = {b, b + DP_FRAME_HEADER + fi.payload_len, b + DP_FRAME_HEADER + fi.payload_len + fi.table_len, err};
   uint64_t nb;
-  int rc = read_array(&r, &nb, "buffer table");
+  rc = read_array(&r, &nb, "buffer table");
   if (rc) return rc;
   fi.nbuffers = (uint32_t)(nb > UINT32_MAX ? UINT32_MAX : nb);
   if (info) *info = fi;

@@ -42,14 +42,12 @@ void dp__walker_destroy(dp__walker_t *w) {
 
 /* Keyed (table.h): node addresses follow the allocator, which the input
  * steers. */
-static inline uint64_t ptr_hash(const void *p) { return dp__hash_ptr(p); }
-
 static inline __attribute__((always_inline)) int memo_eq(const void *ctx, size_t i, const void *key) {
   return ((const dp__walker_t *)ctx)->memo_items[i].key == key;
 }
 
 static uint64_t memo_hash_at(const void *ctx, size_t i) {
-  return ptr_hash(((const dp__walker_t *)ctx)->memo_items[i].key);
+  return dp__hash_ptr(((const dp__walker_t *)ctx)->memo_items[i].key);
 }
 
 /* Room for one more item, in the table and in the items. */
@@ -80,7 +78,7 @@ static __attribute__((noinline)) int memo_insert(dp__walker_t *w, const void *ke
  * The lookup is inlined where the walk asks; recording is not. */
 static inline __attribute__((always_inline)) int memo_check(dp__walker_t *w, const void *key, uint64_t index,
                                                             uint64_t *seen) {
-  uint64_t h = ptr_hash(key);
+  uint64_t h = dp__hash_ptr(key);
   size_t j, at = dp__table_find(&w->memo, DP_TABLE_TAGGED, h, memo_eq, w, key, &j);
   if (at != DP_TABLE_NONE) {
     *seen = w->memo_items[at].index;
