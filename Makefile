@@ -25,7 +25,7 @@ LDLIBS    := -lmsgpackc -lxxhash $(CUDA_LIBS) -lpthread -lm
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
 GPU_ARCH  ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 
-LIB_SRC   := $(wildcard pickler/*.c device/*.c allocator_hooks/*.c future/*.c)
+LIB_SRC   := $(wildcard core/*.c value/*.c pickler/*.c device/*.c cache/*.c future/*.c)
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 CLI_SRC   := $(wildcard tools/*.c)
 CLI_OBJ   := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
@@ -45,7 +45,7 @@ lib: $(BUILD)/libdevpickle.a $(BUILD)/libdevpickle.so ## Build the libraries onl
 
 cli: $(BUILD)/devpickle ## Build the CLI only
 
-$(BUILD)/obj/%.o: %.c $(HEADERS) $(wildcard */internal.h pickler/*.h tools/*.h) | deps-check
+$(BUILD)/obj/%.o: %.c $(HEADERS) $(wildcard */internal.h */*.h tools/*.h) | deps-check
 	@mkdir -p $(dir $@)
 	$(CC) $(DPFLAGS) $(SANFLAGS) $(CFLAGS) -c $< -o $@
 
@@ -136,7 +136,7 @@ FUZZ_BUILD   := $(BUILD)/fuzz
 FUZZ_TARGETS := unpickle frame_readers value_json roundtrip
 FUZZ_FLAGS   := -std=c11 -D_POSIX_C_SOURCE=200809L -g -O1 -Iinclude \
                 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
-FUZZ_SRC     := $(wildcard pickler/*.c) tools/vjson.c tools/inspect.c
+FUZZ_SRC     := $(wildcard core/*.c value/*.c pickler/*.c) tools/vjson.c tools/inspect.c
 
 deps-fuzz:
 	@command -v clang >/dev/null && ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || \

@@ -32,8 +32,8 @@ typedef struct ctx {
 static void cache_pair(void *p) {
   ctx_t *c = p;
   void *x;
-  if (dp_cache_malloc(c->cache, c->dev, 4096, c->s, &x, NULL) != 0) exit(1);
-  dp_cache_free(c->cache, x, NULL);
+  if (dp_cache_alloc(c->cache, c->dev, 4096, c->s, &x, NULL) != 0) exit(1);
+  dp_cache_dealloc(c->cache, x, NULL);
 }
 
 static void malloc_pair(void *p) {
@@ -69,9 +69,9 @@ static void setup(ctx_t *c, dp_backend_t *b) {
   c->b = b;
   c->dev = dp_backend_device(b, 0);
   pthread_mutex_init(&c->mu, NULL);
-  if (dp_cache_new(b, &c->cache, NULL) || dp_stream_create(b, c->dev, &c->s, NULL) ||
-      dp_stream_create(b, c->dev, &c->u, NULL) || dp_event_acquire(b, c->dev, &c->ev, NULL) ||
-      dp_cache_malloc(c->cache, c->dev, 4096, c->s, &c->block, NULL)) {
+  if (dp_cache_new(b, &c->cache, NULL) || dp_stream_new(b, c->dev, &c->s, NULL) ||
+      dp_stream_new(b, c->dev, &c->u, NULL) || dp_event_new(b, c->dev, &c->ev, NULL) ||
+      dp_cache_alloc(c->cache, c->dev, 4096, c->s, &c->block, NULL)) {
     fprintf(stderr, "bench_device: setup failed on %s\n", dp_backend_name(b));
     exit(1);
   }
@@ -80,15 +80,15 @@ static void setup(ctx_t *c, dp_backend_t *b) {
 static void teardown(ctx_t *c) {
   dp_stream_synchronize(c->s, NULL);
   dp_stream_synchronize(c->u, NULL);
-  dp_cache_free(c->cache, c->block, NULL);
-  dp_event_release(c->ev);
-  dp_cache_destroy(c->cache);
-  dp_stream_destroy(c->s);
-  dp_stream_destroy(c->u);
+  dp_cache_dealloc(c->cache, c->block, NULL);
+  dp_event_free(c->ev);
+  dp_cache_free(c->cache);
+  dp_stream_free(c->s);
+  dp_stream_free(c->u);
 }
 
 typedef struct batch {
-  dp_allocator_hooks_t h;
+  dp_cache_hooks_t h;
   void **ptrs;
   size_t n;
   dp_stream_t *s;
@@ -96,7 +96,7 @@ typedef struct batch {
 
 static void record_batch(void *p) {
   batch_t *b = p;
-  dp_allocator_record(&b->h, b->ptrs, b->n, b->s, NULL);
+  dp_cache_hooks_record(&b->h, b->ptrs, b->n, b->s, NULL);
 }
 
 static void record_batch_rows(const char *out, ctx_t *c) {
@@ -106,12 +106,12 @@ static void record_batch_rows(const char *out, ctx_t *c) {
   char row[64];
   for (int k = 0; k < 3; k++) {
     for (b.n = 0; b.n < sizes[k]; b.n++)
-      if (dp_cache_malloc(c->cache, c->dev, 1024, c->s, &b.ptrs[b.n], NULL) != 0) exit(1);
+      if (dp_cache_alloc(c->cache, c->dev, 1024, c->s, &b.ptrs[b.n], NULL) != 0) exit(1);
     double t = bench_time(record_batch, &b, 7) / (double)b.n;
     if (k == 0) one = t;
     snprintf(row, sizeof row, "record_streams_own_%zu", b.n);
     bench_row(out, row, dp_backend_name(c->b), t * 1e9, "ns/ptr", t / one, "the 1,000 row (scaling factor)");
-    for (size_t i = 0; i < b.n; i++) dp_cache_free(c->cache, b.ptrs[i], NULL);
+    for (size_t i = 0; i < b.n; i++) dp_cache_dealloc(c->cache, b.ptrs[i], NULL);
   }
   free(b.ptrs);
 }

@@ -38,7 +38,7 @@ typedef struct ctx {
 
 static dp_value_t tensor(ctx_t *c) {
   void *p;
-  if (dp_cache_malloc(c->cache, c->dev, 1024, NULL, &p, NULL)) exit(1);
+  if (dp_cache_alloc(c->cache, c->dev, 1024, NULL, &p, NULL)) exit(1);
   c->blocks[c->nblocks++] = p;
   dp_storage_t *st;
   dp_value_t t;
@@ -76,7 +76,7 @@ static dp_value_t make(ctx_t *c, const char *kind, int n) {
 }
 
 static void release_blocks(ctx_t *c) {
-  for (size_t i = 0; i < c->nblocks; i++) dp_cache_free(c->cache, c->blocks[i], NULL);
+  for (size_t i = 0; i < c->nblocks; i++) dp_cache_dealloc(c->cache, c->blocks[i], NULL);
   c->nblocks = 0;
 }
 
@@ -160,13 +160,13 @@ static void bench_backend(const char *out, dp_backend_t *b) {
   double th = time_ops(&c, 5, HOP);
   double tc = time_ops(&c, 5, COMPLETE);
   bench_row(out, "future_then_hop", name, th * 1e6, "us", th / tc, "completing a future with the same value");
-  dp_event_acquire(b, c.dev, &c.ev, NULL);
+  dp_event_new(b, c.dev, &c.ev, NULL);
   dp_event_record(c.ev, dp_current_stream(b, c.dev), NULL);
   double tw, traw;
   bench_pair(run_wait, run_raw_wait, &c, 5, &tw, &traw);
   bench_row(out, "future_wait", name, tw * 1e6, "us", tw / traw, "a bare stream wait on one event");
   dp_device_synchronize(b, c.dev, NULL);
-  dp_event_release(c.ev);
+  dp_event_free(c.ev);
   dp_future_release(c.done);
   dp_value_release(c.v);
   release_blocks(&c);

@@ -146,14 +146,14 @@ static int stream_new(dp_backend_t *b, dp_device_t dev, int owned, dp_stream_t *
   return 0;
 }
 
-int dp_stream_create(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
+int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
   int rc = dp__check_device(b, dev, err);
   if (rc) return rc;
-  if (!out) return dp__err(err, DP_EINVAL, "dp_stream_create: NULL out");
+  if (!out) return dp__err(err, DP_EINVAL, "dp_stream_new: NULL out");
   return stream_new(b, dev, 0, out, err);
 }
 
-void dp_stream_destroy(dp_stream_t *s) {
+void dp_stream_free(dp_stream_t *s) {
   if (!s || s->owned) return;
   dp_stream_synchronize(s, NULL);
   if (dp__stream_gone) dp__stream_gone(s);
@@ -256,7 +256,7 @@ void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud) {
 
 /* ---- events ---- */
 
-int dp_event_acquire(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t *err) {
+int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t *err) {
   int rc = dp__check_device(b, dev, err);
   if (rc) return rc;
   dp__devstate_t *ds = &b->devs[dev.index];
@@ -279,7 +279,7 @@ int dp_event_acquire(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_erro
   return 0;
 }
 
-void dp_event_release(dp_event_t *e) {
+void dp_event_free(dp_event_t *e) {
   if (!e) return;
   if (e->b->ops->event_reset) e->b->ops->event_reset(e->b, e->h);
   dp__devstate_t *ds = &e->b->devs[e->dev.index];
@@ -307,14 +307,14 @@ dp_device_t dp_event_device(const dp_event_t *e) { return e->dev; }
 
 /* ---- memory ---- */
 
-int dp_device_malloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err) {
+int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err) {
   int rc = dp__check_device(b, dev, err);
   if (rc) return rc;
-  if (!out) return dp__err(err, DP_EINVAL, "dp_device_malloc: NULL out");
+  if (!out) return dp__err(err, DP_EINVAL, "dp_device_alloc: NULL out");
   return b->ops->malloc(b, dev.index, nbytes, out, err);
 }
 
-void dp_device_free(dp_backend_t *b, dp_device_t dev, void *p) {
+void dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p) {
   if (p && dp__check_device(b, dev, NULL) == 0) b->ops->free(b, dev.index, p);
 }
 

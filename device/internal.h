@@ -7,7 +7,7 @@
 #include <stdatomic.h>
 
 #include "devpickle.h"
-#include "../pickler/internal.h"
+#include "../core/internal.h"
 
 /* A backend is this table. Handles are the backend's own (a cudaStream_t,
  * a host stream); device.c wraps them in dp_stream_t / dp_event_t. */

@@ -80,7 +80,7 @@ struct dp_future {
   dp_backend_t *b;
   dp_device_t *allowed;
   size_t nallowed;
-  dp_allocator_hooks_t hooks;
+  dp_cache_hooks_t hooks;
   int use_hooks;
   record_t rec;
   cbent_t *cbs;
@@ -234,7 +234,7 @@ dp_future_t *dp_future_retain(dp_future_t *f) {
 }
 
 static void record_free(record_t *r) {
-  for (size_t i = 0; i < r->ndevs; i++) dp_event_release(r->devs[i].ev);
+  for (size_t i = 0; i < r->ndevs; i++) dp_event_free(r->devs[i].ev);
   dp__free(r->block, r->block_size);
   memset(r, 0, sizeof *r);
 }
@@ -371,10 +371,10 @@ static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *s
     }
     fd->count = pos - fd->first;
     dp_stream_t *s = streams ? streams[r->ndevs] : dp_current_stream(f->b, d);
-    int rc = s ? dp_event_acquire(f->b, d, &fd->ev, err) : dp__err(err, DP_ENODEV, "no stream for a device");
-    if (rc == 0 && (rc = dp_event_record(fd->ev, s, err)) != 0) dp_event_release(fd->ev);
-    if (rc == 0 && f->use_hooks && (rc = dp_allocator_record(&f->hooks, r->by_dev + fd->first, fd->count, s, err)) != 0)
-      dp_event_release(fd->ev);
+    int rc = s ? dp_event_new(f->b, d, &fd->ev, err) : dp__err(err, DP_ENODEV, "no stream for a device");
+    if (rc == 0 && (rc = dp_event_record(fd->ev, s, err)) != 0) dp_event_free(fd->ev);
+    if (rc == 0 && f->use_hooks && (rc = dp_cache_hooks_record(&f->hooks, r->by_dev + fd->first, fd->count, s, err)) != 0)
+      dp_event_free(fd->ev);
     if (rc) {
       record_free(r);
       return rc;
@@ -530,7 +530,7 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
 static int join_device(dp_future_t *f, size_t i, dp_stream_t *s, dp_error_t *err) {
   fdev_t *d = &f->rec.devs[i];
   int rc = dp_stream_wait_event(s, d->ev, err);
-  if (rc == 0 && f->use_hooks) rc = dp_allocator_record(&f->hooks, f->rec.by_dev + d->first, d->count, s, err);
+  if (rc == 0 && f->use_hooks) rc = dp_cache_hooks_record(&f->hooks, f->rec.by_dev + d->first, d->count, s, err);
   return rc;
 }
 

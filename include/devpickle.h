@@ -6,6 +6,6 @@
 #include "devpickle/ptrset.h"
 #include "devpickle/pickler.h"
 #include "devpickle/device.h"
-#include "devpickle/allocator.h"
+#include "devpickle/cache.h"
 #include "devpickle/future.h"
 #endif

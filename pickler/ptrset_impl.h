@@ -2,7 +2,7 @@
  * so that the walker can pipeline inserts (see walk.c). */
 #ifndef DP_PICKLER_PTRSET_IMPL_H
 #define DP_PICKLER_PTRSET_IMPL_H
-#include "table.h"
+#include "internal.h"
 #include "walk.h"
 
 typedef struct dp__pentry {

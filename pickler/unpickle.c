@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "frame.h"
-#include "gc.h"
+#include "../value/gc.h"
 
 /* ---- tokens ---- */
 

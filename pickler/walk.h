@@ -2,7 +2,6 @@
 #ifndef DP_PICKLER_WALK_H
 #define DP_PICKLER_WALK_H
 #include "internal.h"
-#include "table.h"
 
 /* What a walk reports, for pickle. Scan passes no sink: the walker then only
  * feeds the pointer set. */

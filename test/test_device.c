@@ -53,23 +53,23 @@ static void read_value(void *arg) {
 static int consumer_sees(int with_wait) {
   dp_backend_t *b = host();
   dp_stream_t *a, *c;
-  OK(dp_stream_create(b, H0, &a, NULL));
-  OK(dp_stream_create(b, H0, &c, NULL));
+  OK(dp_stream_new(b, H0, &a, NULL));
+  OK(dp_stream_new(b, H0, &c, NULL));
   cell_t cell;
   atomic_init(&cell.value, 0);
   atomic_init(&cell.seen, -1);
   dp_event_t *ev;
   OK(dp_host_launch(a, slow_write, &cell, NULL));
-  OK(dp_event_acquire(b, H0, &ev, NULL));
+  OK(dp_event_new(b, H0, &ev, NULL));
   OK(dp_event_record(ev, a, NULL));
   if (with_wait) OK(dp_stream_wait_event(c, ev, NULL));
   OK(dp_host_launch(c, read_value, &cell, NULL));
   OK(dp_stream_synchronize(c, NULL));
   int seen = atomic_load(&cell.seen);
   OK(dp_stream_synchronize(a, NULL));
-  dp_event_release(ev);
-  dp_stream_destroy(a);
-  dp_stream_destroy(c);
+  dp_event_free(ev);
+  dp_stream_free(a);
+  dp_stream_free(c);
   return seen;
 }
 
@@ -84,13 +84,13 @@ Test(device, negative_control_without_the_wait_the_consumer_reads_stale_data) {
 Test(device, a_wait_does_not_block_the_host_thread) {
   dp_backend_t *b = host();
   dp_stream_t *a, *c;
-  OK(dp_stream_create(b, H0, &a, NULL));
-  OK(dp_stream_create(b, H1, &c, NULL));
+  OK(dp_stream_new(b, H0, &a, NULL));
+  OK(dp_stream_new(b, H1, &c, NULL));
   cell_t cell;
   atomic_init(&cell.value, 0);
   atomic_init(&cell.seen, -1);
   dp_event_t *ev;
-  OK(dp_event_acquire(b, H0, &ev, NULL));
+  OK(dp_event_new(b, H0, &ev, NULL));
   OK(dp_host_launch(a, slow_write, &cell, NULL));
   OK(dp_event_record(ev, a, NULL));
   struct timespec t0, t1;
@@ -103,9 +103,9 @@ Test(device, a_wait_does_not_block_the_host_thread) {
   cr_assert_eq(dp_stream_query(c), 0, "the consumer stream is still waiting");
   OK(dp_stream_synchronize(c, NULL));
   cr_assert_eq(atomic_load(&cell.seen), 42);
-  dp_event_release(ev);
-  dp_stream_destroy(a);
-  dp_stream_destroy(c);
+  dp_event_free(ev);
+  dp_stream_free(a);
+  dp_stream_free(c);
 }
 
 /* ---- order, events, queries ---- */
@@ -144,9 +144,9 @@ static void sleep_task(void *arg) { sleep_ms((int)(intptr_t)arg); }
 Test(device, events_and_streams_answer_queries_as_cuda_does) {
   dp_backend_t *b = host();
   dp_stream_t *s;
-  OK(dp_stream_create(b, H0, &s, NULL));
+  OK(dp_stream_new(b, H0, &s, NULL));
   dp_event_t *ev;
-  OK(dp_event_acquire(b, H0, &ev, NULL));
+  OK(dp_event_new(b, H0, &ev, NULL));
   cr_assert_eq(dp_event_query(ev), 1, "a never-recorded event is complete");
   OK(dp_event_synchronize(ev, NULL));
   cr_assert_eq(dp_stream_query(s), 1, "an idle stream is complete");
@@ -163,8 +163,8 @@ Test(device, events_and_streams_answer_queries_as_cuda_does) {
   OK(dp_stream_synchronize(s, NULL));
   cr_assert_eq(dp_event_query(ev), 1);
   cr_assert_eq(dp_stream_query(s), 1);
-  dp_event_release(ev);
-  dp_stream_destroy(s);
+  dp_event_free(ev);
+  dp_stream_free(s);
 }
 
 Test(device, device_synchronize_waits_for_every_stream_of_the_device) {
@@ -172,20 +172,20 @@ Test(device, device_synchronize_waits_for_every_stream_of_the_device) {
   dp_stream_t *s[3];
   cell_t cells[3];
   for (int i = 0; i < 3; i++) {
-    OK(dp_stream_create(b, H1, &s[i], NULL));
+    OK(dp_stream_new(b, H1, &s[i], NULL));
     atomic_init(&cells[i].value, 0);
     OK(dp_host_launch(s[i], slow_write, &cells[i], NULL));
   }
   OK(dp_device_synchronize(b, H1, NULL));
   for (int i = 0; i < 3; i++) cr_assert_eq(atomic_load(&cells[i].value), 42);
-  for (int i = 0; i < 3; i++) dp_stream_destroy(s[i]);
+  for (int i = 0; i < 3; i++) dp_stream_free(s[i]);
 }
 
 Test(device, memcpy_runs_in_stream_order) {
   dp_backend_t *b = host();
   dp_stream_t *s = dp_stream_default(b, H0);
   void *dev;
-  OK(dp_device_malloc(b, H0, 64, &dev, NULL));
+  OK(dp_device_alloc(b, H0, 64, &dev, NULL));
   cell_t cell;
   atomic_init(&cell.value, 0);
   OK(dp_host_launch(s, slow_write, &cell, NULL));
@@ -194,7 +194,7 @@ Test(device, memcpy_runs_in_stream_order) {
   OK(dp_memcpy_async(s, &out, dev, sizeof(int), NULL));
   OK(dp_stream_synchronize(s, NULL));
   cr_assert_eq(out, 42);
-  dp_device_free(b, H0, dev);
+  dp_device_dealloc(b, H0, dev);
 }
 
 /* ---- pools and the current stream ---- */
@@ -213,13 +213,13 @@ Test(device, the_stream_pool_hands_out_its_streams_round_robin) {
 Test(device, released_events_are_reused_not_recreated) {
   dp_backend_t *b = host();
   dp_event_t *e1, *e2;
-  OK(dp_event_acquire(b, H0, &e1, NULL));
-  dp_event_release(e1);
+  OK(dp_event_new(b, H0, &e1, NULL));
+  dp_event_free(e1);
   long before = t_alloc_count;
-  OK(dp_event_acquire(b, H0, &e2, NULL));
+  OK(dp_event_new(b, H0, &e2, NULL));
   cr_assert_eq(e1, e2);
   cr_assert_eq(t_alloc_count, before, "acquiring from the pool allocates nothing");
-  dp_event_release(e2);
+  dp_event_free(e2);
 }
 
 typedef struct thread_arg {
@@ -243,7 +243,7 @@ static dp_stream_t *provider(void *ud, dp_backend_t *b, dp_device_t dev) {
 Test(device, the_current_stream_is_per_thread_and_falls_back_to_provider_then_default) {
   dp_backend_t *b = host();
   dp_stream_t *mine, *prev;
-  OK(dp_stream_create(b, H0, &mine, NULL));
+  OK(dp_stream_new(b, H0, &mine, NULL));
   cr_assert_eq(dp_current_stream(b, H0), dp_stream_default(b, H0));
   OK(dp_set_current_stream(mine, &prev));
   cr_assert_null(prev);
@@ -264,7 +264,7 @@ Test(device, the_current_stream_is_per_thread_and_falls_back_to_provider_then_de
   cr_assert_eq(dp_current_stream(b, H0), provided);
   dp_set_stream_provider(NULL, NULL);
   cr_assert_eq(dp_current_stream(b, H0), dp_stream_default(b, H0));
-  dp_stream_destroy(mine);
+  dp_stream_free(mine);
 }
 
 Test(device, a_thread_holds_current_streams_for_a_bounded_number_of_devices) {
@@ -315,9 +315,9 @@ Test(device, devices_are_checked_against_the_backend) {
   dp_backend_t *b = host();
   dp_stream_t *s;
   dp_error_t e;
-  cr_assert_eq(dp_stream_create(b, t_dev(DP_DEVICE_HOST, 2), &s, &e), DP_EINVAL);
+  cr_assert_eq(dp_stream_new(b, t_dev(DP_DEVICE_HOST, 2), &s, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "device host:2 does not belong to the host backend (2 devices)");
-  cr_assert_eq(dp_stream_create(b, t_dev(DP_DEVICE_CUDA, 0), &s, &e), DP_EINVAL);
+  cr_assert_eq(dp_stream_new(b, t_dev(DP_DEVICE_CUDA, 0), &s, &e), DP_EINVAL);
   cr_assert_null(dp_stream_default(b, t_dev(DP_DEVICE_CPU, 0)));
 }
 
@@ -326,8 +326,8 @@ Test(device, devices_are_checked_against_the_backend) {
 Test(device, host_memory_is_tagged_by_device_and_found_from_interior_pointers) {
   dp_backend_t *b = host();
   char *p0, *p1;
-  OK(dp_device_malloc(b, H0, 1000, (void **)&p0, NULL));
-  OK(dp_device_malloc(b, H1, 1000, (void **)&p1, NULL));
+  OK(dp_device_alloc(b, H0, 1000, (void **)&p0, NULL));
+  OK(dp_device_alloc(b, H1, 1000, (void **)&p1, NULL));
   cr_assert_eq((uintptr_t)p0 % 256, 0, "aligned like cudaMalloc");
   dp_device_t d;
   OK(dp_pointer_device(b, p0 + 999, &d));
@@ -337,9 +337,9 @@ Test(device, host_memory_is_tagged_by_device_and_found_from_interior_pointers) {
   int local;
   cr_assert_eq(dp_pointer_device(b, &local, &d), DP_ENOTFOUND);
   cr_assert_eq(dp_pointer_device(b, p0 + 1000, &d), DP_ENOTFOUND, "one past the end is not inside");
-  dp_device_free(b, H0, p0);
+  dp_device_dealloc(b, H0, p0);
   cr_assert_eq(dp_pointer_device(b, p0, &d), DP_ENOTFOUND);
-  dp_device_free(b, H1, p1);
+  dp_device_dealloc(b, H1, p1);
 }
 
 Test(device, a_memory_limit_makes_host_allocations_fail_cleanly) {
@@ -347,12 +347,12 @@ Test(device, a_memory_limit_makes_host_allocations_fail_cleanly) {
   dp_backend_t *b = host();
   void *p, *q;
   dp_error_t e;
-  OK(dp_device_malloc(b, H1, 4000, &p, &e));
-  cr_assert_eq(dp_device_malloc(b, H1, 200, &q, &e), DP_ENOMEM);
+  OK(dp_device_alloc(b, H1, 4000, &p, &e));
+  cr_assert_eq(dp_device_alloc(b, H1, 200, &q, &e), DP_ENOMEM);
   cr_assert_str_eq(e.message, "host:1 is out of memory: 200 bytes asked, 4000 of 4096 in use");
-  OK(dp_device_malloc(b, H0, 8000, &q, &e));
-  dp_device_free(b, H1, p);
-  dp_device_free(b, H0, q);
+  OK(dp_device_alloc(b, H0, 8000, &q, &e));
+  dp_device_dealloc(b, H1, p);
+  dp_device_dealloc(b, H0, q);
   OK(dp_host_set_memory_limit(H1, 0));
 }
 
@@ -362,17 +362,17 @@ Test(device, shutdown_joins_every_thread_and_frees_everything) {
   dp_backend_t *b = host();
   for (int i = 0; i < 4; i++) (void)dp_stream_pool_next(b, H0);
   dp_stream_t *s;
-  OK(dp_stream_create(b, H1, &s, NULL));
+  OK(dp_stream_new(b, H1, &s, NULL));
   cell_t cell;
   atomic_init(&cell.value, 0);
   OK(dp_host_launch(dp_stream_default(b, H0), slow_write, &cell, NULL));
   dp_event_t *ev;
-  OK(dp_event_acquire(b, H0, &ev, NULL));
+  OK(dp_event_new(b, H0, &ev, NULL));
   OK(dp_event_record(ev, dp_stream_default(b, H0), NULL));
-  dp_event_release(ev);
-  dp_stream_destroy(s);
+  dp_event_free(ev);
+  dp_stream_free(s);
   void *p;
-  OK(dp_device_malloc(b, H0, 100, &p, NULL));  /* not freed: shutdown frees it */
+  OK(dp_device_alloc(b, H0, 100, &p, NULL));  /* not freed: shutdown frees it */
   dp_backend_shutdown();
   cr_assert_eq(atomic_load(&cell.value), 42, "queued work ran before the threads stopped");
   ASSERT_NO_LEAK();

@@ -43,7 +43,7 @@ static dp_value_t device_ints(dp_device_t d, int n) {
   dp_cache_t *c;
   OK(dp_cache_default(B, &c, NULL));
   void *p;
-  OK(dp_cache_malloc(c, d, (size_t)n * sizeof(int), NULL, &p, NULL));
+  OK(dp_cache_alloc(c, d, (size_t)n * sizeof(int), NULL, &p, NULL));
   memset(p, 0, (size_t)n * sizeof(int));
   dp_storage_t *st;
   OK(dp_storage_new(d, p, (size_t)n * sizeof(int), NULL, NULL, &st, NULL));
@@ -58,7 +58,7 @@ static int *data_of(dp_value_t t) { return dp_storage_base(dp_tensor_storage(t))
 static void free_ints(dp_value_t t) {
   dp_cache_t *c;
   OK(dp_cache_default(B, &c, NULL));
-  OK(dp_cache_free(c, data_of(t), NULL));
+  OK(dp_cache_dealloc(c, data_of(t), NULL));
 }
 
 /* slow device work: spin, then fill with a value */
@@ -142,8 +142,8 @@ Test(future, completion_discovers_the_allocations_of_user_objects_and_records_on
  * (negative control) not. */
 static int consumer_reads(int wait) {
   dp_stream_t *prod, *cons;
-  OK(dp_stream_create(B, H0, &prod, NULL));
-  OK(dp_stream_create(B, H0, &cons, NULL));
+  OK(dp_stream_new(B, H0, &prod, NULL));
+  OK(dp_stream_new(B, H0, &cons, NULL));
   OK(dp_set_current_stream(prod, NULL));
   dp_value_t t = device_ints(H0, 64);
   fill_t fill = {data_of(t), 64, 7, 60};
@@ -160,8 +160,8 @@ static int consumer_reads(int wait) {
   free_ints(t);
   dp_value_release(t);
   dp_future_release(f);
-  dp_stream_destroy(prod);
-  dp_stream_destroy(cons);
+  dp_stream_free(prod);
+  dp_stream_free(cons);
   return r.first;
 }
 
@@ -200,7 +200,7 @@ static int launch_and_wrap(void *ud, dp_future_t *parent, dp_value_t *result, dp
 
 static int child_consumer_reads(int wait_on_child) {
   dp_stream_t *cons;
-  OK(dp_stream_create(B, H0, &cons, NULL));
+  OK(dp_stream_new(B, H0, &cons, NULL));
   dp_value_t t = device_ints(H0, 64);
   dp_future_t *parent = future(), *child;
   cb_state_t st = {0};
@@ -223,7 +223,7 @@ static int child_consumer_reads(int wait_on_child) {
   dp_value_release(t);
   dp_future_release(parent);
   dp_future_release(child);
-  dp_stream_destroy(cons);
+  dp_stream_free(cons);
   return r.first;
 }
 
@@ -603,8 +603,8 @@ Test(future, callbacks_run_in_registration_order_also_when_completed_from_a_call
 
 static int reused_under_consumer(int with_hooks) {
   dp_stream_t *prod, *cons;
-  OK(dp_stream_create(B, H0, &prod, NULL));
-  OK(dp_stream_create(B, H0, &cons, NULL));
+  OK(dp_stream_new(B, H0, &prod, NULL));
+  OK(dp_stream_new(B, H0, &cons, NULL));
   OK(dp_set_current_stream(prod, NULL));
   dp_value_t t = device_ints(H0, 1024);
   for (int i = 0; i < 1024; i++) data_of(t)[i] = 5;
@@ -628,8 +628,8 @@ static int reused_under_consumer(int with_hooks) {
   dp_value_release(again);
   dp_value_release(t);
   dp_future_release(f);
-  dp_stream_destroy(prod);
-  dp_stream_destroy(cons);
+  dp_stream_free(prod);
+  dp_stream_free(cons);
   cr_assert_eq(same_block, !with_hooks);
   return r.first == 5 && r.all_same;
 }

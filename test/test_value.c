@@ -3,7 +3,7 @@
 #include <time.h>
 
 #include "helpers.h"
-#include "../pickler/gc.h" /* dp__gc_pause_hook */
+#include "../value/gc.h" /* dp__gc_pause_hook */
 
 static void setup(void) { t_track(); }
 static void teardown(void) { dp_set_allocator(NULL, NULL); }

@@ -96,7 +96,7 @@ static void give_back(void *ud, dp_device_t d, void *base, size_t n) {
   (void)ud;
   (void)d;
   (void)n;
-  dp_cache_free(C, base, NULL);
+  dp_cache_dealloc(C, base, NULL);
 }
 
 /* A tensor over a fresh allocation from the caching allocator, on the
@@ -107,7 +107,7 @@ static dp_value_t device_tensor(void) {
   dp_value_t t = dp_none();
   int64_t shape[1] = {(int64_t)NBYTES};
   dp_error_t e;
-  if (dp_cache_malloc(C, D, NBYTES, NULL, &p, &e) || dp_storage_new(D, p, NBYTES, give_back, NULL, &st, &e) ||
+  if (dp_cache_alloc(C, D, NBYTES, NULL, &p, &e) || dp_storage_new(D, p, NBYTES, give_back, NULL, &st, &e) ||
       dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &t, &e))
     CHECK(0, "allocating a tensor: %s", e.message);
   return t;
@@ -132,12 +132,12 @@ static const dp_type_t qscale_type = {"QuantScale", qscale_reduce, qscale_destro
 
 /* Counts what the future asks of the allocator. */
 static long record_calls, record_ptrs;
-static dp_allocator_hooks_t inner;
+static dp_cache_hooks_t inner;
 static int counting_record(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
   (void)ctx;
   record_calls++;
   record_ptrs += (long)n;
-  return dp_allocator_record(&inner, ptrs, n, s, err);
+  return dp_cache_hooks_record(&inner, ptrs, n, s, err);
 }
 
 static void print_ptrs(const char *title, dp_value_t v) {
@@ -237,12 +237,12 @@ int demo_run(int argc, char **argv) {
          dp_backend_device_count(B) == 1 ? "" : "s", dp_device_format(D, dev, sizeof dev));
 
   dp_stream_t *producer, *consumer;
-  if (dp_stream_create(B, D, &producer, &e) || dp_stream_create(B, D, &consumer, &e)) {
+  if (dp_stream_new(B, D, &producer, &e) || dp_stream_new(B, D, &consumer, &e)) {
     fprintf(stderr, "devpickle: demo: %s\n", e.message);
     return 1;
   }
   inner = dp_cache_hooks(C);
-  dp_allocator_hooks_t counting = {NULL, NULL, counting_record};
+  dp_cache_hooks_t counting = {NULL, NULL, counting_record};
   dp_future_opts_t fo = {B, &D, 1, &counting, 0};
 
   /* 1. the producer's slow work fills a user object's tensors */
@@ -317,8 +317,8 @@ int demo_run(int argc, char **argv) {
   dp_future_release(f);
   dp_device_synchronize(B, D, NULL);
   dp_reset_current_stream(B, D);
-  dp_stream_destroy(producer);
-  dp_stream_destroy(consumer);
+  dp_stream_free(producer);
+  dp_stream_free(consumer);
   dp_backend_shutdown();
   printf("demo: %s\n", failures ? "FAILED" : "all checks passed");
   return failures ? 1 : 0;

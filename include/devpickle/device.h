@@ -20,7 +20,7 @@
  *
  * Lifetime: backends are process-wide and live until dp_backend_shutdown().
  * Streams from dp_stream_default() and dp_stream_pool_next() belong to the
- * backend; streams from dp_stream_create() belong to the caller.
+ * backend; streams from dp_stream_new() belong to the caller.
  */
 #ifndef DEVPICKLE_DEVICE_H
 #define DEVPICKLE_DEVICE_H
@@ -64,11 +64,11 @@ DP_API void dp_backend_shutdown(void);
 
 /* ---- streams ---- */
 
-/** A new stream on dev (the caller's; destroy it with dp_stream_destroy). */
-DP_API int dp_stream_create(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
+/** A new stream on dev (the caller's; destroy it with dp_stream_free). */
+DP_API int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
 /** Waits for the stream's work, then destroys it. Streams the backend owns
  *  (default and pool streams) are left alone. */
-DP_API void dp_stream_destroy(dp_stream_t *s);
+DP_API void dp_stream_free(dp_stream_t *s);
 /** The device's default stream, owned by the backend; NULL for an invalid device. */
 DP_API dp_stream_t *dp_stream_default(dp_backend_t *b, dp_device_t dev);
 /** The next stream of the device's pool (4 streams, round-robin), owned by
@@ -114,10 +114,10 @@ DP_API void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud);
 /* ---- events (pooled: no create/destroy on the hot path) ---- */
 
 /** An event for dev from the backend's pool (created when the pool is
- *  empty). Timing is disabled. Give it back with dp_event_release. */
-DP_API int dp_event_acquire(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t *err);
+ *  empty). Timing is disabled. Give it back with dp_event_free. */
+DP_API int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t *err);
 /** Returns e to its pool. Its recorded state is dropped. */
-DP_API void dp_event_release(dp_event_t *e);
+DP_API void dp_event_free(dp_event_t *e);
 /** Captures the work queued on s so far. Re-recording replaces the capture. */
 DP_API int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err);
 /** 1 when complete (or never recorded), 0 when not yet, <0 error. */
@@ -126,10 +126,10 @@ DP_API int dp_event_query(dp_event_t *e);
 DP_API int dp_event_synchronize(dp_event_t *e, dp_error_t *err);
 DP_API dp_device_t dp_event_device(const dp_event_t *e);
 
-/* ---- device memory (raw, uncached: see allocator.h for the cache) ---- */
+/* ---- device memory (raw, uncached: see cache.h for the caching allocator) ---- */
 
-DP_API int dp_device_malloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err);
-DP_API void dp_device_free(dp_backend_t *b, dp_device_t dev, void *p);
+DP_API int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err);
+DP_API void dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p);
 /** The device holding p (interior pointers included), or DP_ENOTFOUND. */
 DP_API int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out);
 /** Copies n bytes in stream order (host or device memory on either side). */
@@ -141,7 +141,7 @@ typedef void (*dp_host_fn)(void *arg);
 /** Queues fn(arg) on a host stream: it runs on the stream's worker thread,
  *  after the work queued before it. DP_EINVAL for a non-host stream. */
 DP_API int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err);
-/** Caps the memory dp_device_malloc hands out on a host device (0: no cap),
+/** Caps the memory dp_device_alloc hands out on a host device (0: no cap),
  *  so that out-of-memory paths can be exercised. */
 DP_API int dp_host_set_memory_limit(dp_device_t dev, size_t nbytes);
 

@@ -47,7 +47,7 @@
 #ifndef DEVPICKLE_FUTURE_H
 #define DEVPICKLE_FUTURE_H
 
-#include "allocator.h"
+#include "cache.h"
 #include "pickler.h"
 
 #ifdef __cplusplus
@@ -65,7 +65,7 @@ typedef struct dp_future_opts {
   size_t ndevices;
   /** Where stream uses are recorded. NULL: the backend's default caching
    *  allocator (dp_cache_default). */
-  const dp_allocator_hooks_t *hooks;
+  const dp_cache_hooks_t *hooks;
   /** 1: record no stream uses at all (hooks ignored). */
   int no_hooks;
 } dp_future_opts_t;

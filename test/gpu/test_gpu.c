@@ -42,25 +42,25 @@ Test(gpu, the_default_backend_is_cuda_when_a_gpu_is_usable) {
  * stream c: copy it to the host. */
 static int consumer_sees(int with_wait) {
   dp_stream_t *a, *c;
-  OK(dp_stream_create(B, G0, &a, NULL));
-  OK(dp_stream_create(B, G0, &c, NULL));
+  OK(dp_stream_new(B, G0, &a, NULL));
+  OK(dp_stream_new(B, G0, &c, NULL));
   int *dev;
-  OK(dp_device_malloc(B, G0, sizeof(int), (void **)&dev, NULL));
+  OK(dp_device_alloc(B, G0, sizeof(int), (void **)&dev, NULL));
   int zero = 0, out = -1;
   OK(dp_memcpy_async(a, dev, &zero, sizeof zero, NULL));
   OK(dp_stream_synchronize(a, NULL));
   cr_assert_eq(gpu_spin_write(dp_stream_native(a), dev, 42, 20.0), 0);
   dp_event_t *ev;
-  OK(dp_event_acquire(B, G0, &ev, NULL));
+  OK(dp_event_new(B, G0, &ev, NULL));
   OK(dp_event_record(ev, a, NULL));
   if (with_wait) OK(dp_stream_wait_event(c, ev, NULL));
   OK(dp_memcpy_async(c, &out, dev, sizeof out, NULL));
   OK(dp_stream_synchronize(c, NULL));
   OK(dp_stream_synchronize(a, NULL));
-  dp_event_release(ev);
-  dp_device_free(B, G0, dev);
-  dp_stream_destroy(a);
-  dp_stream_destroy(c);
+  dp_event_free(ev);
+  dp_device_dealloc(B, G0, dev);
+  dp_stream_free(a);
+  dp_stream_free(c);
   return out;
 }
 
@@ -74,11 +74,11 @@ Test(gpu, negative_control_without_the_wait_the_copy_reads_stale_data) {
 
 Test(gpu, events_and_streams_answer_queries) {
   dp_stream_t *s;
-  OK(dp_stream_create(B, G0, &s, NULL));
+  OK(dp_stream_new(B, G0, &s, NULL));
   int *dev;
-  OK(dp_device_malloc(B, G0, sizeof(int), (void **)&dev, NULL));
+  OK(dp_device_alloc(B, G0, sizeof(int), (void **)&dev, NULL));
   dp_event_t *ev;
-  OK(dp_event_acquire(B, G0, &ev, NULL));
+  OK(dp_event_new(B, G0, &ev, NULL));
   cr_assert_eq(dp_event_query(ev), 1, "never recorded: complete");
   cr_assert_eq(gpu_spin_write(dp_stream_native(s), dev, 1, 20.0), 0);
   OK(dp_event_record(ev, s, NULL));
@@ -93,13 +93,13 @@ Test(gpu, events_and_streams_answer_queries) {
   cr_assert(dp_device_equal(d, G0));
   int local;
   cr_assert_eq(dp_pointer_device(B, &local, &d), DP_ENOTFOUND);
-  dp_event_release(ev);
+  dp_event_free(ev);
   dp_event_t *again;
-  OK(dp_event_acquire(B, G0, &again, NULL));
+  OK(dp_event_new(B, G0, &again, NULL));
   cr_assert_eq(again, ev, "events come back from the pool");
-  dp_event_release(again);
-  dp_device_free(B, G0, dev);
-  dp_stream_destroy(s);
+  dp_event_free(again);
+  dp_device_dealloc(B, G0, dev);
+  dp_stream_free(s);
 }
 
 /* ---- the caching allocator on the GPU ---- */
@@ -108,20 +108,20 @@ static int user_stream_sees_its_data(int record) {
   dp_cache_t *c;
   OK(dp_cache_new(B, &c, NULL));
   dp_stream_t *s, *u;
-  OK(dp_stream_create(B, G0, &s, NULL));
-  OK(dp_stream_create(B, G0, &u, NULL));
+  OK(dp_stream_new(B, G0, &s, NULL));
+  OK(dp_stream_new(B, G0, &u, NULL));
   int *ok;
-  OK(dp_device_malloc(B, G0, sizeof(int), (void **)&ok, NULL));
+  OK(dp_device_alloc(B, G0, sizeof(int), (void **)&ok, NULL));
   void *p;
-  OK(dp_cache_malloc(c, G0, 4096, s, &p, NULL));
+  OK(dp_cache_alloc(c, G0, 4096, s, &p, NULL));
   cr_assert_eq(gpu_fill(dp_stream_native(s), p, 4096, 0xAA), 0);
   OK(dp_stream_synchronize(s, NULL));
   /* u reads p after spinning 20 ms */
   cr_assert_eq(gpu_spin_check(dp_stream_native(u), p, 4096, 0xAA, 20.0, ok), 0);
   if (record) OK(dp_cache_record_stream(c, (char *)p + 64, u, NULL));
-  OK(dp_cache_free(c, p, NULL));
+  OK(dp_cache_dealloc(c, p, NULL));
   void *q;
-  OK(dp_cache_malloc(c, G0, 4096, s, &q, NULL));
+  OK(dp_cache_alloc(c, G0, 4096, s, &q, NULL));
   cr_assert_eq(gpu_fill(dp_stream_native(s), q, 4096, 0x55), 0);
   OK(dp_device_synchronize(B, G0, NULL));
   int host_ok = -1;
@@ -131,11 +131,11 @@ static int user_stream_sees_its_data(int record) {
     cr_assert_neq(q, p, "the block was in use on u: not handed out again");
     cr_assert_eq(dp_cache_poll(c), 1);
   }
-  OK(dp_cache_free(c, q, NULL));
-  dp_device_free(B, G0, ok);
-  dp_stream_destroy(s);
-  dp_stream_destroy(u);
-  dp_cache_destroy(c);
+  OK(dp_cache_dealloc(c, q, NULL));
+  dp_device_dealloc(B, G0, ok);
+  dp_stream_free(s);
+  dp_stream_free(u);
+  dp_cache_free(c);
   return host_ok;
 }
 
@@ -151,14 +151,14 @@ Test(gpu, another_stream_reusing_a_block_waits_for_the_first_streams_kernel) {
   dp_cache_t *c;
   OK(dp_cache_new(B, &c, NULL));
   dp_stream_t *s, *t;
-  OK(dp_stream_create(B, G0, &s, NULL));
-  OK(dp_stream_create(B, G0, &t, NULL));
+  OK(dp_stream_new(B, G0, &s, NULL));
+  OK(dp_stream_new(B, G0, &t, NULL));
   int *p;
-  OK(dp_cache_malloc(c, G0, 4096, s, (void **)&p, NULL));
+  OK(dp_cache_alloc(c, G0, 4096, s, (void **)&p, NULL));
   cr_assert_eq(gpu_spin_write(dp_stream_native(s), p, 7, 20.0), 0);  /* s writes 7 late */
-  OK(dp_cache_free(c, p, NULL));
+  OK(dp_cache_dealloc(c, p, NULL));
   int *q;
-  OK(dp_cache_malloc(c, G0, 4096, t, (void **)&q, NULL));
+  OK(dp_cache_alloc(c, G0, 4096, t, (void **)&q, NULL));
   cr_assert_eq(q, p);
   cr_assert_eq(gpu_fill(dp_stream_native(t), q, 4, 0x01), 0);  /* t's write must land after s's */
   int out = 0;
@@ -168,11 +168,11 @@ Test(gpu, another_stream_reusing_a_block_waits_for_the_first_streams_kernel) {
   dp_cache_stats_t st;
   dp_cache_stats(c, G0, &st);
   cr_assert_eq(st.cross_stream, 1);
-  OK(dp_cache_free(c, q, NULL));
+  OK(dp_cache_dealloc(c, q, NULL));
   OK(dp_device_synchronize(B, G0, NULL));
-  dp_stream_destroy(s);
-  dp_stream_destroy(t);
-  dp_cache_destroy(c);
+  dp_stream_free(s);
+  dp_stream_free(t);
+  dp_cache_free(c);
 }
 
 Test(gpu, an_impossible_allocation_is_enomem_after_freeing_the_cache) {
@@ -180,11 +180,11 @@ Test(gpu, an_impossible_allocation_is_enomem_after_freeing_the_cache) {
   OK(dp_cache_new(B, &c, NULL));
   void *p;
   dp_error_t e;
-  cr_assert_eq(dp_cache_malloc(c, G0, (size_t)1 << 50, NULL, &p, &e), DP_ENOMEM, "%s", e.message);
+  cr_assert_eq(dp_cache_alloc(c, G0, (size_t)1 << 50, NULL, &p, &e), DP_ENOMEM, "%s", e.message);
   dp_cache_stats_t st;
   dp_cache_stats(c, G0, &st);
   cr_assert_eq(st.oom_retries, 1);
-  dp_cache_destroy(c);
+  dp_cache_free(c);
 }
 
 /* ---- the future on the GPU ---- */
@@ -193,7 +193,7 @@ static int *tensor_base(dp_value_t t) { return dp_storage_base(dp_tensor_storage
 
 static dp_value_t cuda_ints(dp_cache_t *c, int n) {
   void *p;
-  OK(dp_cache_malloc(c, G0, (size_t)n * sizeof(int), NULL, &p, NULL));
+  OK(dp_cache_alloc(c, G0, (size_t)n * sizeof(int), NULL, &p, NULL));
   dp_storage_t *st;
   OK(dp_storage_new(G0, p, (size_t)n * sizeof(int), NULL, NULL, &st, NULL));
   int64_t shape[1] = {n};
@@ -227,7 +227,7 @@ static int gpu_child_consumer_reads(int wait_on_child) {
   dp_cache_t *c;
   OK(dp_cache_default(B, &c, NULL));
   dp_stream_t *cons;
-  OK(dp_stream_create(B, G0, &cons, NULL));
+  OK(dp_stream_new(B, G0, &cons, NULL));
   dp_future_t *parent, *child;
   dp_future_opts_t o = {B, NULL, 0, NULL, 0};
   OK(dp_future_new(&o, &parent, NULL));
@@ -244,12 +244,12 @@ static int gpu_child_consumer_reads(int wait_on_child) {
   OK(dp_device_synchronize(B, G0, NULL));
   dp_reset_current_stream(B, G0);
   cr_assert_eq(dp_future_nptrs(child), 1);
-  dp_cache_free(c, tensor_base(st.made), NULL);
-  dp_cache_free(c, tensor_base(dp_future_value(parent)), NULL);
+  dp_cache_dealloc(c, tensor_base(st.made), NULL);
+  dp_cache_dealloc(c, tensor_base(dp_future_value(parent)), NULL);
   dp_value_release(st.made);
   dp_future_release(parent);
   dp_future_release(child);
-  dp_stream_destroy(cons);
+  dp_stream_free(cons);
   return out;
 }
 
@@ -266,8 +266,8 @@ static int gpu_future_consumer_reads(int wait) {
   dp_cache_t *c;
   OK(dp_cache_default(B, &c, NULL));
   dp_stream_t *prod, *cons;
-  OK(dp_stream_create(B, G0, &prod, NULL));
-  OK(dp_stream_create(B, G0, &cons, NULL));
+  OK(dp_stream_new(B, G0, &prod, NULL));
+  OK(dp_stream_new(B, G0, &cons, NULL));
   OK(dp_set_current_stream(prod, NULL));
   dp_value_t t = cuda_ints(c, 1);
   int zero = 0, out = -1;
@@ -284,11 +284,11 @@ static int gpu_future_consumer_reads(int wait) {
   OK(dp_stream_synchronize(cons, NULL));
   OK(dp_device_synchronize(B, G0, NULL));
   dp_reset_current_stream(B, G0);
-  dp_cache_free(c, tensor_base(t), NULL);
+  dp_cache_dealloc(c, tensor_base(t), NULL);
   dp_value_release(t);
   dp_future_release(f);
-  dp_stream_destroy(prod);
-  dp_stream_destroy(cons);
+  dp_stream_free(prod);
+  dp_stream_free(cons);
   return out;
 }
 

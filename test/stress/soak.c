@@ -65,7 +65,7 @@ static int cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err
 static void give_back(void *ud, dp_device_t d, void *base, size_t n) {
   (void)d;
   (void)n;
-  dp_cache_free(ud, base, NULL);
+  dp_cache_dealloc(ud, base, NULL);
 }
 
 static int make_value(dp_cache_t *c, dp_device_t d, dp_value_t *out) {
@@ -78,9 +78,9 @@ static int make_value(dp_cache_t *c, dp_device_t d, dp_value_t *out) {
     dp_storage_t *st;
     dp_value_t t, o;
     int64_t shape[1] = {64};
-    if ((rc = dp_cache_malloc(c, d, 256, NULL, &p, NULL)) != 0) break;
+    if ((rc = dp_cache_alloc(c, d, 256, NULL, &p, NULL)) != 0) break;
     if ((rc = dp_storage_new(d, p, 256, give_back, c, &st, NULL)) != 0) {
-      dp_cache_free(c, p, NULL);
+      dp_cache_dealloc(c, p, NULL);
       break;
     }
     if ((rc = dp_tensor_new(st, DP_FLOAT32, 1, shape, NULL, 0, &t, NULL)) != 0) break;
@@ -140,10 +140,10 @@ static void op_alloc(dp_cache_t *c, dp_device_t d) {
   void *p[8] = {0};
   dp_stream_t *u = dp_stream_pool_next(B, d);
   for (int i = 0; i < 8; i++) {
-    if (dp_cache_malloc(c, d, 512 + next_rand() % 200000, NULL, &p[i], NULL) != 0) continue;
+    if (dp_cache_alloc(c, d, 512 + next_rand() % 200000, NULL, &p[i], NULL) != 0) continue;
     if (u && next_rand() % 2) dp_cache_record_stream(c, p[i], u, NULL);
   }
-  for (int i = 0; i < 8; i++) dp_cache_free(c, p[i], NULL);
+  for (int i = 0; i < 8; i++) dp_cache_dealloc(c, p[i], NULL);
   dp_cache_poll(c);
 }
 

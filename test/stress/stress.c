@@ -229,11 +229,11 @@ static void *stream_worker(void *p) {
     slot_t *s = calloc(1, sizeof *s);
     dp_stream_t *prod = dp_stream_pool_next(a->b, d0), *cons = dp_stream_pool_next(a->b, d1);
     dp_event_t *ev;
-    dp_event_acquire(a->b, d0, &ev, NULL);
+    dp_event_new(a->b, d0, &ev, NULL);
     dp_host_launch(prod, produce, s, NULL);
     dp_event_record(ev, prod, NULL);
     dp_stream_wait_event(cons, ev, NULL);
-    dp_event_release(ev);
+    dp_event_free(ev);
     dp_host_launch(cons, consume, s, NULL);
     dp_stream_synchronize(cons, NULL);
     if (s->seen != 7) a->bad++;
@@ -269,7 +269,7 @@ static void *alloc_worker(void *p) {
   worker_arg_t *a = p;
   dp_device_t dev = {DP_DEVICE_HOST, (uint8_t)(a->id % 2)};
   dp_stream_t *s, *u;
-  dp_stream_create(a->b, dev, &s, NULL);
+  dp_stream_new(a->b, dev, &s, NULL);
   u = dp_stream_pool_next(a->b, dev);
   uint64_t seed = (uint64_t)a->id * 7919 + 1;
   void *live[16] = {0};
@@ -277,9 +277,9 @@ static void *alloc_worker(void *p) {
     seed = seed * 6364136223846793005ull + 1442695040888963407ull;
     int k = (int)(seed >> 60);
     if (live[k]) {
-      dp_cache_free(cache, live[k], NULL);
+      dp_cache_dealloc(cache, live[k], NULL);
       live[k] = NULL;
-    } else if (dp_cache_malloc(cache, dev, 256 + (size_t)(seed >> 44) % 100000, s, &live[k], NULL) == 0) {
+    } else if (dp_cache_alloc(cache, dev, 256 + (size_t)(seed >> 44) % 100000, s, &live[k], NULL) == 0) {
       dp_host_launch(s, touch, live[k], NULL);
       if (seed & 1) {
         dp_host_launch(u, touch, live[k], NULL);
@@ -288,8 +288,8 @@ static void *alloc_worker(void *p) {
     }
     if (i % 500 == 0) dp_cache_poll(cache);
   }
-  for (int k = 0; k < 16; k++) dp_cache_free(cache, live[k], NULL);
-  dp_stream_destroy(s);
+  for (int k = 0; k < 16; k++) dp_cache_dealloc(cache, live[k], NULL);
+  dp_stream_free(s);
   return NULL;
 }
 
@@ -312,7 +312,7 @@ static int scenario_allocator(void) {
           "device %d: allocated %zu, allocs %llu, frees %llu, pending %zu", d, st.allocated,
           (unsigned long long)st.allocs, (unsigned long long)st.frees, st.pending_blocks);
   }
-  dp_cache_destroy(cache);
+  dp_cache_free(cache);
   return 0;
 }
 

@@ -1,4 +1,4 @@
-/* allocator_hooks/cache.c — the stream-ordered caching allocator.
+/* cache/cache.c — the stream-ordered caching allocator.
  *
  * Layout. Per device: free blocks of small segments sit in exact-size bins
  * (multiples of 512 bytes up to 2 MiB, a bitmap finds the next non-empty
@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "../device/internal.h"
-#include "../pickler/table.h"
+#include "../core/table.h"
 
 #define ROUND 512u
 #define SMALL_MAX ((size_t)1 << 20)
@@ -315,12 +315,12 @@ static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p) {
      * hold several: mark where each one's stream is. */
     for (block_t *b = seg->first; b && all_free; b = b->next) {
       b->drop_ev = NULL;
-      if (b->stream && (dp_event_acquire(c->b, b->stream->dev, &b->drop_ev, NULL) != 0 ||
+      if (b->stream && (dp_event_new(c->b, b->stream->dev, &b->drop_ev, NULL) != 0 ||
                         dp_event_record(b->drop_ev, b->stream, NULL) != 0)) {
-        if (b->drop_ev) dp_event_release(b->drop_ev);
+        if (b->drop_ev) dp_event_free(b->drop_ev);
         b->drop_ev = NULL;
         for (block_t *u = seg->first; u != b; u = u->next)
-          if (u->drop_ev) dp_event_release(u->drop_ev);
+          if (u->drop_ev) dp_event_free(u->drop_ev);
         all_free = 0;
       }
     }
@@ -347,7 +347,7 @@ static void free_dropped(dp_cache_t *c, segment_t *dropped) {
     for (block_t *b = seg->first; b; b = b->next)
       if (b->drop_ev) {
         dp_event_synchronize(b->drop_ev, NULL);
-        dp_event_release(b->drop_ev);
+        dp_event_free(b->drop_ev);
         b->drop_ev = NULL;
       }
     c->b->ops->free(c->b, seg->dev, seg->base);
@@ -378,7 +378,7 @@ static devpool_t *pool_of(dp_cache_t *c, block_t *b);
 
 static void pending_finish(dp_cache_t *c, block_t *b) {
   devpool_t *p = pool_of(c, b);
-  for (uint32_t i = 0; i < b->nevents; i++) dp_event_release(b->events[i]);
+  for (uint32_t i = 0; i < b->nevents; i++) dp_event_free(b->events[i]);
   b->nevents = 0;
   p->st.pending_blocks--;
   p->st.pending_bytes -= b->size;
@@ -462,7 +462,7 @@ int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   return 0;
 }
 
-void dp_cache_destroy(dp_cache_t *c) {
+void dp_cache_free(dp_cache_t *c) {
   if (!c) return;
   pthread_mutex_lock(&live_mu);
   for (dp_cache_t **l = &live_caches; *l; l = &(*l)->next_live)
@@ -504,13 +504,13 @@ void dp_cache_destroy(dp_cache_t *c) {
   dp__free(c, sizeof *c);
 }
 
-int dp_cache_malloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out, dp_error_t *err) {
-  if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_malloc: NULL argument");
+int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out, dp_error_t *err) {
+  if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_alloc: NULL argument");
   int rc = dp__check_device(c->b, dev, err);
   if (rc) return rc;
   if (!s) s = dp_current_stream(c->b, dev);
   if (!s || !dp_device_equal(s->dev, dev))
-    return dp__err(err, DP_EINVAL, "dp_cache_malloc: the stream must be on the device allocated from");
+    return dp__err(err, DP_EINVAL, "dp_cache_alloc: the stream must be on the device allocated from");
   if (nbytes > SIZE_MAX - LARGE_ROUND) return dp__err(err, DP_ENOMEM, "allocation of %zu bytes", nbytes);
   size_t size = nbytes ? (nbytes + ROUND - 1) / ROUND * ROUND : ROUND;
   int small = size <= SMALL_MAX;
@@ -524,9 +524,9 @@ int dp_cache_malloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *
   } else if ((b = find_free(p, size, small, NULL)) != NULL) {
     /* Another stream's block: order this stream after its earlier work. */
     dp_event_t *ev;
-    rc = dp_event_acquire(c->b, b->stream->dev, &ev, err);
+    rc = dp_event_new(c->b, b->stream->dev, &ev, err);
     if (rc == 0 && (rc = dp_event_record(ev, b->stream, err)) == 0) rc = dp_stream_wait_event(s, ev, err);
-    if (rc == 0) dp_event_release(ev);
+    if (rc == 0) dp_event_free(ev);
     if (rc) goto out;
     p->st.cache_hits++;
     p->st.cross_stream++;
@@ -587,15 +587,15 @@ out:
 
 static devpool_t *pool_of(dp_cache_t *c, block_t *b) { return &c->pools[b->seg->dev]; }
 
-int dp_cache_free(dp_cache_t *c, void *ptr, dp_error_t *err) {
-  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_free: NULL allocator");
+int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_dealloc: NULL allocator");
   if (!ptr) return 0;
   pthread_mutex_lock(&c->mu);
   size_t slot;
   block_t *b = map_find(c, ptr, &slot);
   if (!b) {
     pthread_mutex_unlock(&c->mu);
-    return dp__err(err, DP_EINVAL, "dp_cache_free(%p): not allocated by this allocator, or already freed", ptr);
+    return dp__err(err, DP_EINVAL, "dp_cache_dealloc(%p): not allocated by this allocator, or already freed", ptr);
   }
   map_remove_at(c, slot);
   devpool_t *p = pool_of(c, b);
@@ -609,13 +609,13 @@ int dp_cache_free(dp_cache_t *c, void *ptr, dp_error_t *err) {
       size_t cap = b->events_cap;
       if (dp__grow((void **)&b->events, &cap, b->nevents + 1, sizeof *b->events) == 0) b->events_cap = (uint32_t)cap;
     }
-    if (b->nevents < b->events_cap && dp_event_acquire(c->b, u->dev, &ev, NULL) == 0 &&
+    if (b->nevents < b->events_cap && dp_event_new(c->b, u->dev, &ev, NULL) == 0 &&
         dp_event_record(ev, u, NULL) == 0) {
       b->events[b->nevents++] = ev;
       continue;
     }
     /* No event to be had: wait for the stream instead of risking reuse. */
-    if (ev) dp_event_release(ev);
+    if (ev) dp_event_free(ev);
     dp_stream_synchronize(u, NULL);
   }
   b->nuses = 0;
@@ -666,7 +666,7 @@ static int record_block(block_t *b, dp_stream_t *s, dp_error_t *err) {
  * block's allocation stream is a no-op and is not stored: a block freed is
  * reusable at once on that stream (the stream orders the next use after
  * every earlier one), and an allocation on another stream takes it only
- * after waiting for an event recorded on that stream (dp_cache_malloc), so
+ * after waiting for an event recorded on that stream (dp_cache_alloc), so
  * an event on it at free time would order nothing more. An exact pointer is
  * decided from the map entry alone; an interior one looks for its segment. */
 static int record_slow(dp_cache_t *c, void *ptr, mapent_t *e, dp_stream_t *s, dp_error_t *err) {
@@ -751,12 +751,12 @@ static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream
   return rc;
 }
 
-dp_allocator_hooks_t dp_cache_hooks(dp_cache_t *c) {
-  dp_allocator_hooks_t h = {c, hook_record_stream, hook_record_streams};
+dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c) {
+  dp_cache_hooks_t h = {c, hook_record_stream, hook_record_streams};
   return h;
 }
 
-int dp_allocator_record(const dp_allocator_hooks_t *h, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
+int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
   if (!h) return 0;
   if (h->record_streams) return h->record_streams(h->ctx, ptrs, n, s, err);
   for (size_t i = 0; i < n; i++) {
@@ -811,7 +811,7 @@ static dp_cache_t *defaults[DP_DEVICE_TYPE_COUNT];
 static void destroy_defaults(void) {
   pthread_mutex_lock(&defaults_mu);
   for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
-    dp_cache_destroy(defaults[t]);
+    dp_cache_free(defaults[t]);
     defaults[t] = NULL;
   }
   pthread_mutex_unlock(&defaults_mu);

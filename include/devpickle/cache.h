@@ -1,5 +1,5 @@
 /*
- * devpickle/allocator.h — allocator hooks and the built-in caching allocator.
+ * devpickle/cache.h — allocator hooks and the built-in caching allocator.
  *
  * A stream-aware consumer (the future) must tell the allocator on which
  * streams an allocation is used, so that freeing it does not hand the
@@ -31,8 +31,8 @@
  * No function waits on a stream while holding that lock, so work queued on
  * a stream (a host function, dp_host_launch) may itself allocate and free.
  */
-#ifndef DEVPICKLE_ALLOCATOR_H
-#define DEVPICKLE_ALLOCATOR_H
+#ifndef DEVPICKLE_CACHE_H
+#define DEVPICKLE_CACHE_H
 
 #include "device.h"
 
@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 /** How a consumer tells an allocator which streams use an allocation. */
-typedef struct dp_allocator_hooks {
+typedef struct dp_cache_hooks {
   void *ctx;
   /** The allocation holding ptr (any interior pointer) is used on s.
    *  DP_ENOTFOUND when the allocator does not own ptr. */
@@ -49,11 +49,11 @@ typedef struct dp_allocator_hooks {
   /** The same for n pointers on one stream; pointers the allocator does not
    *  own are skipped. May be NULL: record_stream is then called n times. */
   int (*record_streams)(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err);
-} dp_allocator_hooks_t;
+} dp_cache_hooks_t;
 
 /** Calls hooks->record_streams, or record_stream for each pointer
  *  (skipping DP_ENOTFOUND) when the batched form is missing. */
-DP_API int dp_allocator_record(const dp_allocator_hooks_t *hooks, void *const *ptrs, size_t n, dp_stream_t *s,
+DP_API int dp_cache_hooks_record(const dp_cache_hooks_t *hooks, void *const *ptrs, size_t n, dp_stream_t *s,
                                dp_error_t *err);
 
 typedef struct dp_cache dp_cache_t;
@@ -75,7 +75,7 @@ typedef struct dp_cache_stats {
 DP_API int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
 /** Waits for pending blocks, gives every segment back to the backend and
  *  frees the allocator. Pointers still allocated from it become invalid. */
-DP_API void dp_cache_destroy(dp_cache_t *c);
+DP_API void dp_cache_free(dp_cache_t *c);
 /** The backend's built-in allocator (created on first use, destroyed by
  *  dp_backend_shutdown). */
 DP_API int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
@@ -83,13 +83,13 @@ DP_API int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
 /** Allocates nbytes on dev for use on stream s (NULL: this thread's current
  *  stream of dev). Errors: DP_EINVAL, DP_ENOMEM (after freeing the cache
  *  and retrying), backend errors. */
-DP_API int dp_cache_malloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out,
+DP_API int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out,
                            dp_error_t *err);
-/** Frees a pointer from dp_cache_malloc. It is reusable at once on its
+/** Frees a pointer from dp_cache_alloc. It is reusable at once on its
  *  allocation stream; streams recorded with dp_cache_record_stream hold it
  *  until their work queued before this call completes. DP_EINVAL for a
  *  pointer this allocator did not hand out (or already freed). */
-DP_API int dp_cache_free(dp_cache_t *c, void *p, dp_error_t *err);
+DP_API int dp_cache_dealloc(dp_cache_t *c, void *p, dp_error_t *err);
 /** Marks the allocation holding p (interior pointers too) as used on s.
  *  DP_ENOTFOUND when p is not from this allocator. */
 DP_API int dp_cache_record_stream(dp_cache_t *c, void *p, dp_stream_t *s, dp_error_t *err);
@@ -105,7 +105,7 @@ DP_API int dp_cache_lookup(dp_cache_t *c, const void *p, void **base, size_t *si
 /** Statistics for one device. */
 DP_API void dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out);
 /** The hooks through which a future records stream uses on this allocator. */
-DP_API dp_allocator_hooks_t dp_cache_hooks(dp_cache_t *c);
+DP_API dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c);
 
 #ifdef __cplusplus
 }

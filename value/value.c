@@ -2,7 +2,7 @@
 #include <string.h>
 
 #include "internal.h"
-#include "table.h"
+#include "../core/table.h"
 #include "gc.h"
 
 static const char *const kind_names[DP_KIND_COUNT] = {

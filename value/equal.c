@@ -1,7 +1,8 @@
 /* pickler/equal.c — deep equality and hashing that terminate on cycles. */
 #include <string.h>
 
-#include "table.h"
+#include "internal.h"
+#include "../core/table.h"
 
 /* A set of node pairs, or a map from node to node when keyed on a only: a
  * tagged table (table.h) over the pairs in the order met. */

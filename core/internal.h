@@ -1,0 +1,70 @@
+/* core/internal.h — the runtime every module stands on: checked arithmetic,
+ * the allocator hook, errors, text helpers. Nothing here knows values,
+ * devices or frames. */
+#ifndef DP_CORE_INTERNAL_H
+#define DP_CORE_INTERNAL_H
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include "devpickle.h"
+
+#define DP_UNUSED(x) ((void)(x))
+#define DP_LIKELY(x) __builtin_expect(!!(x), 1)
+#define DP_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* ---- checked arithmetic: every size, span and offset goes through these ----
+ * dp__add_ovf(a, b, &r) and dp__mul_ovf(a, b, &r) store a+b or a*b in r and
+ * return nonzero when the exact result does not fit r's type (r then holds
+ * the wrapped value: never use it). Type-generic: mixed signed and unsigned
+ * operands are computed exactly, then checked against r's type. */
+#define dp__add_ovf(a, b, r) __builtin_add_overflow((a), (b), (r))
+#define dp__sub_ovf(a, b, r) __builtin_sub_overflow((a), (b), (r))
+#define dp__mul_ovf(a, b, r) __builtin_mul_overflow((a), (b), (r))
+
+/* ---- memory: everything goes through the hook ---- */
+void *dp__alloc(size_t n);
+void *dp__realloc(void *p, size_t osize, size_t nsize);
+void dp__free(void *p, size_t n);
+/* n * size with overflow check; NULL on overflow or failure. */
+void *dp__alloc_array(size_t n, size_t size);
+char *dp__strndup(const char *s, size_t n);
+/* Grows *arr (element size `size`) to hold at least `need` elements. */
+int dp__grow(void **arr, size_t *cap, size_t need, size_t size);
+/* dp__grow for an array that may still live inline at `inl`. */
+int dp__grow_inl(void **arr, size_t *cap, size_t need, size_t size, const void *inl);
+static inline void dp__free_inl(void *arr, size_t cap, size_t size, const void *inl) {
+  if (arr != inl) dp__free(arr, cap * size);
+}
+
+/* ---- errors ---- */
+int dp__err(dp_error_t *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap);
+
+/* UTF-8 validation (RFC 3629: no overlongs, no surrogates, <= U+10FFFF). */
+int dp__utf8_valid(const char *s, size_t n);
+/* Whether s may name a class, type or attribute: non-empty UTF-8 without
+ * NUL (names are also handed out as C strings, so a NUL would cut them). */
+int dp__name_valid(const char *s, size_t n);
+
+/* Whether n bytes at s hold a 0 byte: eight at a time, for names. */
+static inline int dp__has_nul(const void *s, size_t n) {
+  const unsigned char *p = s;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t x;
+    __builtin_memcpy(&x, p + i, 8);
+    if ((x - 0x0101010101010101ull) & ~x & 0x8080808080808080ull) return 1;
+  }
+  for (; i < n; i++)
+    if (p[i] == 0) return 1;
+  return 0;
+}
+/* Whether s is an identifier ([A-Za-z_][A-Za-z0-9_]*) for path rendering. */
+int dp__is_identifier(const char *s, size_t n);
+
+/* Appends a JSON string literal (quoted, escaped) to buf; truncates safely. */
+size_t dp__json_quote(char *buf, size_t cap, size_t pos, const char *s, size_t n);
+
+#endif

@@ -1,0 +1,149 @@
+/* value/internal.h — the value model's layout, shared by the value module
+ * and, read-only, by the pickler above it (the walker reads containers
+ * directly). */
+#ifndef DP_VALUE_INTERNAL_H
+#define DP_VALUE_INTERNAL_H
+
+#include "../core/internal.h"
+
+/* ---- heap objects ---- */
+enum { DP_GC_NONE = 0, DP_GC_GRAY, DP_GC_BLACK, DP_GC_DEAD };
+enum {
+  DP_HEAP_REDUCED = 1,  /* object stand-in for a custom */
+  DP_HEAP_OPEN = 2,     /* container still being filled by the unpickler */
+};
+
+typedef struct dp_heap {
+  _Atomic uint32_t rc;
+  uint8_t kind;
+  uint8_t color;   /* trial colour; containers only, under the gc lock */
+  uint16_t flags;
+} dp_heap_t;
+
+/* Containers carry the collector's bookkeeping: no allocation at release.
+ * gc_state (candidate buffered, trial garbage, ...) and gc_owner are shared between
+ * threads; the other fields belong to the running trial (under the gc lock)
+ * or to the thread freeing the container. See gc.c. */
+typedef struct dp_cont {
+  dp_heap_t h;
+  uint32_t gc_refs;
+  _Atomic uint32_t gc_state;
+  struct dp_cont *gc_next;   /* dead list, free list, alive stack */
+  struct dp_cont *gc_next2;  /* visit list */
+  struct gc_tls *gc_owner;   /* the thread buffer holding it, while GCS_BUFFERED */
+} dp_cont_t;
+
+typedef struct dp_strobj {
+  dp_heap_t h;
+  size_t len;
+  /* The keyed hash of the bytes (a str or bytes is immutable), computed the
+   * first time it is hashed as a dict key, 0 until then: a key that holds
+   * one long str many times, or is used in many dicts, reads its bytes
+   * once. Relaxed atomics: racing threads store the same value. */
+  _Atomic uint64_t hash;
+  char data[];
+} dp_strobj_t;
+
+/* Containers are allocated with room for their first `inl_cap` elements
+ * after the header: one allocation and one cache miss until they outgrow
+ * it, when the elements move to a separate array. */
+typedef struct dp_seq {
+  dp_cont_t c;
+  size_t len, cap;
+  dp_value_t *items;   /* inl, or a separate array once grown */
+  size_t inl_cap;
+  dp_value_t inl[];
+} dp_seq_t;
+
+typedef struct dp_entry {
+  dp_value_t key;
+  dp_value_t val;
+  uint64_t hash;
+} dp_entry_t;
+
+typedef struct dp_dict {
+  dp_cont_t c;
+  size_t len, cap;
+  dp_entry_t *entries;
+  uint32_t *index;      /* open addressing: entry + 1, 0 empty; NULL while small */
+  size_t index_cap;
+  size_t inl_cap;
+  dp_entry_t inl[];
+} dp_dict_t;
+
+/* Attribute names up to 15 bytes live in the attribute itself: objects
+ * then cost no allocation per attribute. */
+#define DP_ATTR_INLINE 16
+typedef struct dp_attr {
+  union {
+    char *heap;
+    char inl[DP_ATTR_INLINE];
+  } n;
+  size_t name_len;
+  uint64_t hash;
+  dp_value_t val;
+} dp_attr_t;
+
+static inline const char *dp__attr_name(const dp_attr_t *a) {
+  return a->name_len < DP_ATTR_INLINE ? a->n.inl : a->n.heap;
+}
+
+typedef struct dp_object {
+  dp_cont_t c;
+  const char *class_name;   /* stored after inl[inl_cap] */
+  size_t class_len;
+  size_t len, cap;
+  dp_attr_t *attrs;
+  uint32_t *index;
+  size_t index_cap;
+  size_t inl_cap;
+  dp_attr_t inl[];
+} dp_object_t;
+
+typedef struct dp_tensor {
+  dp_heap_t h;
+  dp_storage_t *storage;
+  uint8_t dtype;
+  uint8_t ndim;
+  int64_t offset;
+  int64_t dims[];  /* shape[ndim] then strides[ndim] */
+} dp_tensor_t;
+
+typedef struct dp_custom {
+  dp_heap_t h;
+  const dp_type_t *type;
+  void *obj;
+} dp_custom_t;
+
+struct dp_storage {
+  _Atomic uint32_t rc;
+  dp_device_t device;
+  void *base;
+  size_t nbytes;
+  dp_storage_release_cb release;
+  void *ud;
+  void *host_data;
+};
+
+#define DP_H(v) ((v).u.h)
+#define DP_SEQ(v) ((dp_seq_t *)(v).u.h)
+#define DP_DICT(v) ((dp_dict_t *)(v).u.h)
+#define DP_OBJ(v) ((dp_object_t *)(v).u.h)
+#define DP_TENSOR(v) ((dp_tensor_t *)(v).u.h)
+#define DP_CUSTOM(v) ((dp_custom_t *)(v).u.h)
+#define DP_STROBJ(v) ((dp_strobj_t *)(v).u.h)
+
+static inline int dp__is_container_kind(uint32_t k) {
+  return k == DP_LIST || k == DP_TUPLE || k == DP_DICT || k == DP_OBJECT;
+}
+static inline uint32_t dp__rc(const dp_heap_t *h) {
+  return atomic_load_explicit(&((dp_heap_t *)h)->rc, memory_order_relaxed);
+}
+
+/* Bytes of str/bytes dict keys hashed on this thread (a test counter). */
+extern _Thread_local uint64_t dp__key_bytes_hashed;
+
+/* Reduced-object helpers: the state stored in a stand-in object. */
+dp_value_t dp__reduced_state(dp_value_t obj);
+
+#endif
