@@ -1,4 +1,4 @@
-/* pickler/base.c — errors, the allocator hook, devices, small text helpers. */
+/* core/base.c — errors, the allocator hook, devices, small text helpers. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,4 +1,4 @@
-/* pickler/table.c — the table's slow paths: growth, deletion, statistics. */
+/* core/table.c — the table's slow paths: growth, deletion, statistics. */
 #include "table.h"
 
 int dp__table_grow(dp__table_t *t, int kind, size_t nitems, size_t min_slots, dp__table_hash_fn hash_at,

@@ -1,4 +1,4 @@
-/* pickler/table.h — the one open-addressing hash table behind every lookup
+/* core/table.h — the one open-addressing hash table behind every lookup
  * keyed by data: the pointer set, the walker's memo, equality's pair maps,
  * the dict and object indexes and the caching allocator's block map.
  *
@@ -25,8 +25,8 @@
  * be deterministic depends on the secret: items keep their owner's order
  * and nothing is ever listed in slot order.
  */
-#ifndef DP_PICKLER_TABLE_H
-#define DP_PICKLER_TABLE_H
+#ifndef DP_CORE_TABLE_H
+#define DP_CORE_TABLE_H
 #include <stdint.h>
 #include <string.h>
 #define XXH_INLINE_ALL

@@ -1,4 +1,4 @@
-/* pickler/equal.c — deep equality and hashing that terminate on cycles. */
+/* value/equal.c — deep equality and hashing that terminate on cycles. */
 #include <string.h>
 
 #include "internal.h"

@@ -1,4 +1,4 @@
-/* pickler/gc.c — freeing containers, cycles included.
+/* value/gc.c — freeing containers, cycles included.
  *
  * Reference counting frees acyclic garbage at once. For cycles we use the
  * trial deletion of Bacon & Rajan ("Concurrent Cycle Collection in Reference

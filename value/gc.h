@@ -1,6 +1,6 @@
-/* pickler/gc.h — the cycle collector and module-private constructors. */
-#ifndef DP_PICKLER_GC_H
-#define DP_PICKLER_GC_H
+/* value/gc.h — the cycle collector, and the value module's private constructors (used by the unpickler). */
+#ifndef DP_VALUE_GC_H
+#define DP_VALUE_GC_H
 #include "internal.h"
 
 void dp__gc_release(dp_cont_t *c);

@@ -1,4 +1,4 @@
-/* pickler/value.c — values: constructors, accessors, reference counting. */
+/* value/value.c — values: constructors, accessors, reference counting. */
 #include <string.h>
 
 #include "internal.h"
