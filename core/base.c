@@ -115,17 +115,17 @@ static void hash_secret_init(void) {
                        (uint64_t)getpid(), (uint64_t)(uintptr_t)&s, (uint64_t)(uintptr_t)&hash_secret_init};
     s = XXH3_64bits(mix, sizeof mix);
   }
-  atomic_store_explicit(&dp__g_hash_secret, s ? s : 1, memory_order_relaxed);  /* 0 means "not yet" */
+  dp__store_relaxed(&dp__g_hash_secret, s ? s : 1);  /* 0 means "not yet" */
 }
 
 uint64_t dp__hash_secret_slow(void) {
   pthread_once(&g_hash_once, hash_secret_init);
-  return atomic_load_explicit(&dp__g_hash_secret, memory_order_relaxed);
+  return dp__load_relaxed(&dp__g_hash_secret);
 }
 
 void dp__hash_secret_set(uint64_t secret) {
   pthread_once(&g_hash_once, hash_secret_init);
-  atomic_store_explicit(&dp__g_hash_secret, secret, memory_order_relaxed);
+  dp__store_relaxed(&dp__g_hash_secret, secret);
 }
 
 /* ---- errors ---- */

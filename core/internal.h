@@ -5,7 +5,7 @@
 #define DP_CORE_INTERNAL_H
 
 #include <stdarg.h>
-#include <stdatomic.h>
+#include "atomic.h"
 #include "devpickle.h"
 
 #define DP_UNUSED(x) ((void)(x))

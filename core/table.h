@@ -44,7 +44,7 @@ uint64_t dp__hash_secret_slow(void);
  * never 0 unless a test forces it (then every call takes the slow path).
  * Relaxed: the secret is the only thing published. */
 static inline __attribute__((always_inline)) uint64_t dp__hash_secret(void) {
-  uint64_t s = atomic_load_explicit(&dp__g_hash_secret, memory_order_relaxed);
+  uint64_t s = dp__load_relaxed(&dp__g_hash_secret);
   return DP_LIKELY(s != 0) ? s : dp__hash_secret_slow();
 }
 

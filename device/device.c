@@ -116,8 +116,8 @@ void dp_backend_shutdown(void) {
         b->ops->event_destroy(b, e->h);
         dp__free(e, sizeof *e);
       }
-      for (int i = 0; i < DP_POOL_STREAMS; i++) free_stream_handle(ds->pool[i]);
-      free_stream_handle(ds->default_stream);
+      for (int i = 0; i < DP_POOL_STREAMS; i++) free_stream_handle(dp__load_relaxed(&ds->pool[i]));
+      free_stream_handle(dp__load_relaxed(&ds->default_stream));
       pthread_mutex_destroy(&ds->mu);
     }
     b->ops->shutdown(b);
@@ -163,12 +163,12 @@ void dp_stream_free(dp_stream_t *s) {
 dp_stream_t *dp_stream_default(dp_backend_t *b, dp_device_t dev) {
   if (dp__check_device(b, dev, NULL) != 0) return NULL;
   dp__devstate_t *ds = &b->devs[dev.index];
-  dp_stream_t *s = __atomic_load_n(&ds->default_stream, __ATOMIC_ACQUIRE);
+  dp_stream_t *s = dp__load_acquire(&ds->default_stream);
   if (s) return s;
   pthread_mutex_lock(&ds->mu);
-  if (!ds->default_stream && stream_new(b, dev, 1, &s, NULL) == 0)
-    __atomic_store_n(&ds->default_stream, s, __ATOMIC_RELEASE);
-  s = ds->default_stream;
+  if (!dp__load_relaxed(&ds->default_stream) && stream_new(b, dev, 1, &s, NULL) == 0)
+    dp__store_release(&ds->default_stream, s);
+  s = dp__load_relaxed(&ds->default_stream);
   pthread_mutex_unlock(&ds->mu);
   return s;
 }
@@ -176,12 +176,12 @@ dp_stream_t *dp_stream_default(dp_backend_t *b, dp_device_t dev) {
 dp_stream_t *dp_stream_pool_next(dp_backend_t *b, dp_device_t dev) {
   if (dp__check_device(b, dev, NULL) != 0) return NULL;
   dp__devstate_t *ds = &b->devs[dev.index];
-  unsigned i = atomic_fetch_add_explicit(&ds->pool_next, 1, memory_order_relaxed) % DP_POOL_STREAMS;
-  dp_stream_t *s = __atomic_load_n(&ds->pool[i], __ATOMIC_ACQUIRE);
+  unsigned i = dp__fetch_add_relaxed(&ds->pool_next, 1) % DP_POOL_STREAMS;
+  dp_stream_t *s = dp__load_acquire(&ds->pool[i]);
   if (s) return s;
   pthread_mutex_lock(&ds->mu);
-  if (!ds->pool[i] && stream_new(b, dev, 1, &s, NULL) == 0) __atomic_store_n(&ds->pool[i], s, __ATOMIC_RELEASE);
-  s = ds->pool[i];
+  if (!dp__load_relaxed(&ds->pool[i]) && stream_new(b, dev, 1, &s, NULL) == 0) dp__store_release(&ds->pool[i], s);
+  s = dp__load_relaxed(&ds->pool[i]);
   pthread_mutex_unlock(&ds->mu);
   return s;
 }
@@ -215,9 +215,9 @@ dp_stream_t *dp_current_stream(dp_backend_t *b, dp_device_t dev) {
   uint16_t key = slot_key(dev);
   for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
     if (tls_current[i].key == key) return tls_current[i].s;
-  dp_stream_provider_cb fn = atomic_load(&provider_fn);
+  dp_stream_provider_cb fn = dp__load_acquire(&provider_fn);
   if (fn) {
-    dp_stream_t *s = fn(atomic_load(&provider_ud), b, dev);
+    dp_stream_t *s = fn(dp__load_acquire(&provider_ud), b, dev);
     if (s) return s;
   }
   return dp_stream_default(b, dev);
@@ -250,8 +250,9 @@ void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev) {
 }
 
 void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud) {
-  atomic_store(&provider_ud, ud);
-  atomic_store(&provider_fn, fn);
+  /* ud first: a thread that sees the new fn (acquire) sees its ud */
+  dp__store_release(&provider_ud, ud);
+  dp__store_release(&provider_fn, fn);
 }
 
 /* ---- events ---- */

@@ -83,29 +83,29 @@ static host_impl_t *live_impl;
 static progress_t *progress_new(void) {
   progress_t *p = dp__alloc(sizeof *p);
   if (!p) return NULL;
-  atomic_init(&p->refs, 1);
-  atomic_init(&p->completed, 0);
+  dp__atomic_init(&p->refs, 1);
+  dp__atomic_init(&p->completed, 0);
   pthread_mutex_init(&p->mu, NULL);
   pthread_cond_init(&p->cv, NULL);
   return p;
 }
 
 static progress_t *progress_retain(progress_t *p) {
-  atomic_fetch_add(&p->refs, 1);
+  dp__ref_inc(&p->refs);
   return p;
 }
 
 static void progress_release(progress_t *p) {
-  if (!p || atomic_fetch_sub(&p->refs, 1) != 1) return;
+  if (!p || !dp__ref_dec(&p->refs)) return;
   pthread_mutex_destroy(&p->mu);
   pthread_cond_destroy(&p->cv);
   dp__free(p, sizeof *p);
 }
 
 static void progress_wait(progress_t *p, uint64_t target) {
-  if (atomic_load_explicit(&p->completed, memory_order_acquire) >= target) return;
+  if (dp__load_acquire(&p->completed) >= target) return;
   pthread_mutex_lock(&p->mu);
-  while (atomic_load_explicit(&p->completed, memory_order_acquire) < target) pthread_cond_wait(&p->cv, &p->mu);
+  while (dp__load_acquire(&p->completed) < target) pthread_cond_wait(&p->cv, &p->mu);
   pthread_mutex_unlock(&p->mu);
 }
 
@@ -134,7 +134,7 @@ static void *worker(void *arg) {
         break;
     }
     pthread_mutex_lock(&s->prog->mu);
-    atomic_fetch_add_explicit(&s->prog->completed, 1, memory_order_release);
+    dp__fetch_add_release(&s->prog->completed, 1);
     pthread_cond_broadcast(&s->prog->cv);
     pthread_mutex_unlock(&s->prog->mu);
     pthread_mutex_lock(&s->mu);
@@ -236,7 +236,7 @@ static int h_stream_sync(dp_backend_t *b, void *h, dp_error_t *err) {
 static int h_stream_query(dp_backend_t *b, void *h) {
   (void)b;
   hstream_t *s = h;
-  return atomic_load(&s->prog->completed) >= enqueued_now(s);
+  return dp__load_acquire(&s->prog->completed) >= enqueued_now(s);
 }
 
 static int h_stream_wait(dp_backend_t *b, void *sh, void *eh, dp_error_t *err) {
@@ -250,7 +250,7 @@ static int h_stream_wait(dp_backend_t *b, void *sh, void *eh, dp_error_t *err) {
   }
   pthread_mutex_unlock(&e->mu);
   if (!t.wait_on) return 0;  /* never recorded: nothing to wait for */
-  if (atomic_load(&t.wait_on->completed) >= t.wait_for) {  /* already complete */
+  if (dp__load_acquire(&t.wait_on->completed) >= t.wait_for) {  /* already complete */
     progress_release(t.wait_on);
     return 0;
   }
@@ -339,7 +339,7 @@ static int h_event_query(dp_backend_t *b, void *eh) {
   (void)b;
   hevent_t *e = eh;
   pthread_mutex_lock(&e->mu);
-  int done = !e->prog || atomic_load_explicit(&e->prog->completed, memory_order_acquire) >= e->target;
+  int done = !e->prog || dp__load_acquire(&e->prog->completed) >= e->target;
   pthread_mutex_unlock(&e->mu);
   return done;
 }

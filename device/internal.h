@@ -4,7 +4,7 @@
 #define DP_DEVICE_INTERNAL_H
 
 #include <pthread.h>
-#include <stdatomic.h>
+
 
 #include "devpickle.h"
 #include "../core/internal.h"
@@ -51,8 +51,8 @@ struct dp_event {
 
 typedef struct dp__devstate {
   pthread_mutex_t mu;     /* guards lazy creation and the event pool */
-  dp_stream_t *default_stream;
-  dp_stream_t *pool[DP_POOL_STREAMS];
+  dp_stream_t *_Atomic default_stream;  /* made once, under mu; read without it */
+  dp_stream_t *_Atomic pool[DP_POOL_STREAMS];
   _Atomic unsigned pool_next;
   dp_event_t *free_events;
   size_t nevents;         /* created, for shutdown accounting */

@@ -73,7 +73,7 @@ struct dp_future {
   _Atomic uint32_t refs;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  int state;
+  _Atomic int state;   /* written under mu, with release; read without it (acquire) */
   dp_value_t value;
   int error_code;      /* FAILED: the code */
   dp_error_t *error;   /* and its detail; NULL when recording it ran out of memory */
@@ -208,7 +208,7 @@ int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *e
   dp_future_t *f = dp__alloc(sizeof *f);
   if (!f) return dp__err(err, DP_ENOMEM, "out of memory creating a future");
   memset(f, 0, sizeof *f);
-  atomic_init(&f->refs, 1);
+  dp__atomic_init(&f->refs, 1);
   pthread_mutex_init(&f->mu, NULL);
   pthread_once(&cv_attr_once, cv_attr_init);
   pthread_cond_init(&f->cv, &cv_attr);
@@ -229,7 +229,7 @@ static int future_like(const dp_future_t *p, dp_future_t **out, dp_error_t *err)
 }
 
 dp_future_t *dp_future_retain(dp_future_t *f) {
-  if (f) atomic_fetch_add_explicit(&f->refs, 1, memory_order_relaxed);
+  if (f) dp__ref_inc(&f->refs);
   return f;
 }
 
@@ -284,7 +284,7 @@ static void future_free(dp_future_t *f) {
 }
 
 void dp_future_release(dp_future_t *f) {
-  if (!f || atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel) != 1) return;
+  if (!f || !dp__ref_dec(&f->refs)) return;
   tramp_t *t = &tramp;
   if (t->depth) {  /* nested: the outermost frame frees it */
     f->free_next = NULL;
@@ -396,7 +396,7 @@ static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const d
   dp_error_t *detail = rec ? NULL : dp__alloc(sizeof *detail);
   if (detail) *detail = *error;
   pthread_mutex_lock(&f->mu);
-  if (f->state != PENDING) {
+  if (dp__load_relaxed(&f->state) != PENDING) {
     pthread_mutex_unlock(&f->mu);
     dp_value_release(value);
     if (rec) record_free(rec);
@@ -408,12 +408,12 @@ static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const d
   if (rec) {
     f->value = value;
     f->rec = *rec;
-    __atomic_store_n(&f->state, DONE, __ATOMIC_RELEASE);
+    dp__store_release(&f->state, DONE);
   } else {
     f->error_code = error->code ? error->code : DP_ESTATE;
     if ((f->error = detail)) detail->code = f->error_code;
     dp_value_release(value);
-    __atomic_store_n(&f->state, FAILED, __ATOMIC_RELEASE);
+    dp__store_release(&f->state, FAILED);
   }
   *cbs = f->cbs;
   f->cbs = NULL;
@@ -510,17 +510,17 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
     }
   pthread_mutex_lock(&f->mu);
   if (timeout_ns < 0) {
-    while (f->state == PENDING) pthread_cond_wait(&f->cv, &f->mu);
+    while (dp__load_relaxed(&f->state) == PENDING) pthread_cond_wait(&f->cv, &f->mu);
   } else {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     int64_t ns = ts.tv_nsec + timeout_ns % 1000000000;
     ts.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
     ts.tv_nsec = (long)(ns % 1000000000);
-    while (f->state == PENDING)
+    while (dp__load_relaxed(&f->state) == PENDING)
       if (pthread_cond_timedwait(&f->cv, &f->mu, &ts) == ETIMEDOUT) break;
   }
-  int state = f->state;
+  int state = dp__load_relaxed(&f->state);
   pthread_mutex_unlock(&f->mu);
   return state;
 }
@@ -555,16 +555,16 @@ int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
 
 dp_value_t dp_future_value(const dp_future_t *f) {
   if (!f) return dp_none();
-  int state = __atomic_load_n(&f->state, __ATOMIC_ACQUIRE);
+  int state = dp__load_acquire(&f->state);
   return state == DONE ? f->value : dp_none();
 }
 
 int dp_future_is_done(const dp_future_t *f) {
-  return f && __atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != PENDING;
+  return f && dp__load_acquire(&f->state) != PENDING;
 }
 
 int dp_future_error(const dp_future_t *f, dp_error_t *err) {
-  if (!f || __atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != FAILED) return 0;
+  if (!f || dp__load_acquire(&f->state) != FAILED) return 0;
   return get_error(f, err);
 }
 
@@ -577,7 +577,7 @@ static void run_then(dp_future_t *p, cbent_t *e) {
   dp_future_t *child = e->child;
   dp_error_t err;
   dp_error_clear(&err);
-  if (__atomic_load_n(&p->state, __ATOMIC_ACQUIRE) == FAILED) {
+  if (dp__load_acquire(&p->state) == FAILED) {
     get_error(p, &err);
     dp_future_set_error(child, &err, NULL);
     return;
@@ -639,7 +639,7 @@ static void dispatch(dp_future_t *f, cbent_t *list) {
       e->parent = f;
       n++;
     }
-    atomic_fetch_add_explicit(&f->refs, n, memory_order_relaxed);
+    dp__fetch_add_relaxed(&f->refs, n);
     if (t->run_tail) t->run_tail->next = list;
     else t->run_head = list;
     while (list->next) list = list->next;
@@ -658,7 +658,7 @@ static void dispatch(dp_future_t *f, cbent_t *list) {
 /* Adds a callback entry, or runs it at once if f is complete. */
 static void add_callback(dp_future_t *f, cbent_t *e) {
   pthread_mutex_lock(&f->mu);
-  if (f->state == PENDING) {
+  if (dp__load_relaxed(&f->state) == PENDING) {
     e->next = f->cbs;
     f->cbs = e;
     pthread_mutex_unlock(&f->mu);
@@ -704,7 +704,7 @@ typedef struct collect {
 
 static void collect_drop(void *p) {
   collect_t *c = p;
-  if (atomic_fetch_sub(&c->refs, 1) != 1) return;
+  if (!dp__ref_dec(&c->refs)) return;
   for (size_t i = 0; i < c->n; i++)
     if (c->in[i]) dp_future_release(c->in[i]);
   dp__free(c->in, c->n * sizeof *c->in);
@@ -721,7 +721,7 @@ static void collect_finish(collect_t *c) {
       dp_future_set_error(c->out, &err, NULL);
       return;
     }
-    if (__atomic_load_n(&c->in[i]->state, __ATOMIC_ACQUIRE) == FAILED) {
+    if (dp__load_acquire(&c->in[i]->state) == FAILED) {
       get_error(c->in[i], &err);
       dp_future_set_error(c->out, &err, NULL);
       return;
@@ -771,7 +771,7 @@ static void collect_one(void *p, dp_future_t *parent, size_t index) {
   collect_t *c = p;
   c->in[index] = parent ? dp_future_retain(parent) : NULL;
   /* acq_rel: the last input sees every other input's store */
-  if (atomic_fetch_sub_explicit(&c->remaining, 1, memory_order_acq_rel) == 1) collect_finish(c);
+  if (dp__ref_dec(&c->remaining)) collect_finish(c);
 }
 
 int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future_opts_t *opts, dp_future_t **out,
@@ -798,8 +798,8 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
   c->n = n;
   c->in = in;
   c->out = dp_future_retain(o);
-  atomic_init(&c->refs, (uint32_t)n + 1);
-  atomic_init(&c->remaining, n);
+  dp__atomic_init(&c->refs, (uint32_t)n + 1);
+  dp__atomic_init(&c->remaining, n);
   for (size_t i = 0; i < n; i++) c->in[i] = NULL;
   *out = o;
   if (n == 0) {

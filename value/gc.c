@@ -66,7 +66,7 @@ typedef struct gc_tls {
   dp_cont_t *buf[GC_BUF];  /* candidates; no reference held */
   _Atomic size_t n;        /* relaxed: changed under buf_lock, read anywhere by
                               the owner (a removal may shrink it meanwhile) */
-  atomic_flag buf_lock;    /* buf and n: the owner's changes, and another
+  dp__spin_t buf_lock;     /* buf and n: the owner's changes, and another
                               thread's removal of a dead entry (under gc_lock) */
   dp_cont_t *dead;         /* via gc_next: count zero, children to release */
   dp_cont_t *freed;        /* via gc_next: children released, memory pending */
@@ -76,15 +76,15 @@ typedef struct gc_tls {
 
 static _Thread_local gc_tls_t tls;
 
-static size_t len_of(gc_tls_t *t) { return atomic_load_explicit(&t->n, memory_order_relaxed); }
-static void set_len(gc_tls_t *t, size_t n) { atomic_store_explicit(&t->n, n, memory_order_relaxed); }
+static size_t len_of(gc_tls_t *t) { return dp__load_relaxed(&t->n); }
+static void set_len(gc_tls_t *t, size_t n) { dp__store_relaxed(&t->n, n); }
 static pthread_mutex_t gc_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int collecting;
 static pthread_key_t exit_key;
 static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
 
-static uint32_t rc_of(dp_cont_t *c) { return atomic_load_explicit(&c->h.rc, memory_order_acquire); }
-static uint32_t state_of(dp_cont_t *c) { return atomic_load_explicit(&c->gc_state, memory_order_acquire); }
+static uint32_t rc_of(dp_cont_t *c) { return dp__load_acquire(&c->h.rc); }
+static uint32_t state_of(dp_cont_t *c) { return dp__load_acquire(&c->gc_state); }
 
 static void release_ref(gc_tls_t *t, dp_cont_t *c);
 static void drain(gc_tls_t *t);
@@ -229,10 +229,10 @@ static void unbuffer_at(gc_tls_t *t, size_t i) {
  * while waiting for anything else. Uncontended but for a removal by
  * another thread. */
 static void buf_lock(gc_tls_t *t) {
-  while (atomic_flag_test_and_set_explicit(&t->buf_lock, memory_order_acquire)) {
+  while (!dp__spin_trylock(&t->buf_lock)) {
   }
 }
-static void buf_unlock(gc_tls_t *t) { atomic_flag_clear_explicit(&t->buf_lock, memory_order_release); }
+static void buf_unlock(gc_tls_t *t) { dp__spin_unlock(&t->buf_lock); }
 
 /* Appends c, whose GCS_BUFFERED this thread has just claimed. */
 static void buffer(gc_tls_t *t, dp_cont_t *c) {
@@ -252,7 +252,7 @@ static void unbuffer_own(gc_tls_t *t, dp_cont_t *c) {
   size_t i = own_slot(t, c);
   if (i != GC_BUF) unbuffer_at(t, i);
   buf_unlock(t);
-  atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
+  dp__store_relaxed(&c->gc_state, 0);
 }
 
 /* A dead container still buffered by another thread leaves that buffer, so
@@ -265,16 +265,16 @@ static void unbuffer_foreign(dp_cont_t *c) {
   size_t i = own_slot(o, c);
   if (i != GC_BUF) unbuffer_at(o, i);
   buf_unlock(o);
-  atomic_fetch_and_explicit(&c->gc_state, ~(uint32_t)GCS_BUFFERED, memory_order_acq_rel);
+  dp__fetch_and_acq_rel(&c->gc_state, ~(uint32_t)GCS_BUFFERED);
 }
 
 /* Waits while a collection runs (see the header comment). */
 static void wait_not_collecting(void) {
-  atomic_thread_fence(memory_order_seq_cst);
-  while (atomic_load_explicit(&collecting, memory_order_relaxed)) {
+  dp__fence_seq_cst();
+  while (dp__load_relaxed(&collecting)) {
     pthread_mutex_lock(&gc_lock);
     pthread_mutex_unlock(&gc_lock);
-    atomic_thread_fence(memory_order_seq_cst);
+    dp__fence_seq_cst();
   }
 }
 
@@ -284,11 +284,10 @@ static void wait_not_collecting(void) {
  * when another thread claimed it first. */
 static bool claim_and_release(gc_tls_t *t, dp_cont_t *c) {
   uint32_t expect = 0;
-  if (!atomic_compare_exchange_strong_explicit(&c->gc_state, &expect, GCS_BUFFERED, memory_order_acq_rel,
-                                               memory_order_acquire))
+  if (!dp__cas_acq_rel(&c->gc_state, &expect, GCS_BUFFERED))
     return false;
   buffer(t, c);
-  if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+  if (dp__ref_dec(&c->h.rc)) {
     unbuffer_own(t, c);
     push_dead(t, c);
   }
@@ -320,10 +319,10 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
   size_t i = own_slot(t, c);
   if (i != GC_BUF) {
     /* In this thread's buffer: its next collection comes after this. */
-    if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+    if (dp__ref_dec(&c->h.rc)) {
       unbuffer_at(t, i);
       buf_unlock(t);
-      atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
+      dp__store_relaxed(&c->gc_state, 0);
       push_dead(t, c);
       return;
     }
@@ -348,12 +347,12 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
       return;
     }
   }
-  if (atomic_fetch_sub_explicit(&c->h.rc, 1, memory_order_acq_rel) == 1) {
+  if (dp__ref_dec(&c->h.rc)) {
     /* Dead: it leaves the owner's buffer and is freed here and now, header
      * included (a value's storages, and its memory, must not wait for
      * another thread, which may idle). */
     unbuffer_foreign(c);
-    atomic_store_explicit(&c->gc_state, 0, memory_order_relaxed);
+    dp__store_relaxed(&c->gc_state, 0);
     push_dead(t, c);
   }
   pthread_mutex_unlock(&gc_lock);
@@ -400,8 +399,8 @@ static void collect_locked(gc_tls_t *t) {
   size_t n = len_of(t);
   set_len(t, 0);
   if (!n) return;
-  atomic_store_explicit(&collecting, 1, memory_order_seq_cst);
-  atomic_thread_fence(memory_order_seq_cst);
+  dp__store_seq_cst(&collecting, 1);
+  dp__fence_seq_cst();
 
   /* The candidates start the visit list (gc_next2), counted from their real
    * reference counts. All are alive: a candidate that dies (released to
@@ -409,7 +408,7 @@ static void collect_locked(gc_tls_t *t) {
   dp_cont_t *visit = NULL, *tail = NULL;
   for (size_t i = 0; i < n; i++) {
     dp_cont_t *c = t->buf[i];
-    atomic_fetch_or_explicit(&c->gc_state, GCS_ROOT, memory_order_acq_rel);
+    dp__fetch_or_acq_rel(&c->gc_state, GCS_ROOT);
     c->h.color = DP_GC_GRAY;
     c->gc_refs = rc_of(c);
     c->gc_next2 = NULL;
@@ -456,10 +455,10 @@ static void collect_locked(gc_tls_t *t) {
    * another thread buffers leaves that buffer now (ours, below). */
   for (dp_cont_t *p = visit; p; p = p->gc_next2)
     if (p->h.color == DP_GC_GRAY &&
-        (atomic_fetch_or_explicit(&p->gc_state, GCS_GARBAGE, memory_order_acq_rel) & GCS_BUFFERED) &&
+        (dp__fetch_or_acq_rel(&p->gc_state, GCS_GARBAGE) & GCS_BUFFERED) &&
         p->gc_owner != t)
       unbuffer_foreign(p);
-  atomic_store_explicit(&collecting, 0, memory_order_release);
+  dp__store_release(&collecting, 0);
 
   /* Reset the marks and queue the garbage. The candidates are still
    * buffered, which keeps everything visited alive until the loop below. */
@@ -479,7 +478,7 @@ static void collect_locked(gc_tls_t *t) {
    * again. */
   for (size_t i = 0; i < n; i++) {
     dp_cont_t *c = t->buf[i];
-    atomic_store_explicit(&c->gc_state, c->h.color == DP_GC_DEAD ? GCS_GARBAGE : 0, memory_order_release);
+    dp__store_release(&c->gc_state, c->h.color == DP_GC_DEAD ? GCS_GARBAGE : 0);
   }
 }
 

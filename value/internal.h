@@ -137,7 +137,7 @@ static inline int dp__is_container_kind(uint32_t k) {
   return k == DP_LIST || k == DP_TUPLE || k == DP_DICT || k == DP_OBJECT;
 }
 static inline uint32_t dp__rc(const dp_heap_t *h) {
-  return atomic_load_explicit(&((dp_heap_t *)h)->rc, memory_order_relaxed);
+  return dp__load_relaxed(&((dp_heap_t *)h)->rc);
 }
 
 /* Bytes of str/bytes dict keys hashed on this thread (a test counter). */

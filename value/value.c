@@ -14,7 +14,7 @@ const char *dp_kind_name(dp_kind_t kind) {
 }
 
 static void heap_init(dp_heap_t *h, uint32_t kind) {
-  atomic_init(&h->rc, 1);
+  dp__atomic_init(&h->rc, 1);
   h->kind = (uint8_t)kind;
   h->color = DP_GC_NONE;
   h->flags = 0;
@@ -23,7 +23,7 @@ static void heap_init(dp_heap_t *h, uint32_t kind) {
 static void cont_init(dp_cont_t *c, uint32_t kind) {
   heap_init(&c->h, kind);
   c->gc_refs = 0;
-  atomic_init(&c->gc_state, 0);
+  dp__atomic_init(&c->gc_state, 0);
   c->gc_next = c->gc_next2 = NULL;
   c->gc_owner = NULL;
 }
@@ -47,7 +47,7 @@ static int kind_mismatch(dp_error_t *err, const char *fn, dp_value_t v, const ch
 /* ---- reference counting ---- */
 
 dp_value_t dp_value_retain(dp_value_t v) {
-  if (dp_value_is_heap(v)) atomic_fetch_add_explicit(&v.u.h->rc, 1, memory_order_relaxed);
+  if (dp_value_is_heap(v)) dp__ref_inc(&v.u.h->rc);
   return v;
 }
 
@@ -85,7 +85,7 @@ static void free_leaf(dp_heap_t *h) {
 }
 
 void dp__release_leaf(dp_heap_t *h) {
-  if (atomic_fetch_sub_explicit(&h->rc, 1, memory_order_acq_rel) == 1) free_leaf(h);
+  if (dp__ref_dec(&h->rc)) free_leaf(h);
 }
 
 void dp_value_release(dp_value_t v) {
@@ -105,7 +105,7 @@ int dp__strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_e
   if (!s) return oom(err, dp_kind_name(kind));
   heap_init(&s->h, kind);
   s->len = n;
-  atomic_init(&s->hash, 0);
+  dp__atomic_init(&s->hash, 0);
   if (n) memcpy(s->data, p, n);
   s->data[n] = '\0';
   *out = heap_value(s, kind);
@@ -250,11 +250,11 @@ static uint64_t key_hash(dp_value_t k) {
     case DP_STR:
     case DP_BYTES: {
       dp_strobj_t *s = DP_STROBJ(k);
-      uint64_t h = atomic_load_explicit(&s->hash, memory_order_relaxed);
+      uint64_t h = dp__load_relaxed(&s->hash);
       if (!h) {
         dp__key_bytes_hashed += s->len;
         h = dp__hash_bytes(s->data, s->len, k.kind);
-        atomic_store_explicit(&s->hash, h, memory_order_relaxed);
+        dp__store_relaxed(&s->hash, h);
       }
       return h;
     }
@@ -648,7 +648,7 @@ int dp_storage_new(dp_device_t device, void *base, size_t nbytes, dp_storage_rel
                    device.type, device.index);
   dp_storage_t *s = dp__alloc(sizeof *s);
   if (!s) return oom(err, "storage");
-  atomic_init(&s->rc, 1);
+  dp__atomic_init(&s->rc, 1);
   s->device = device;
   s->base = base;
   s->nbytes = nbytes;
@@ -660,12 +660,12 @@ int dp_storage_new(dp_device_t device, void *base, size_t nbytes, dp_storage_rel
 }
 
 dp_storage_t *dp_storage_retain(dp_storage_t *s) {
-  if (s) atomic_fetch_add_explicit(&s->rc, 1, memory_order_relaxed);
+  if (s) dp__ref_inc(&s->rc);
   return s;
 }
 
 void dp_storage_release(dp_storage_t *s) {
-  if (!s || atomic_fetch_sub_explicit(&s->rc, 1, memory_order_acq_rel) != 1) return;
+  if (!s || !dp__ref_dec(&s->rc)) return;
   if (s->release) s->release(s->ud, s->device, s->base, s->nbytes);
   dp__free(s->host_data, s->nbytes ? s->nbytes : 1);
   dp__free(s, sizeof *s);
