@@ -23,34 +23,21 @@
 #include <time.h>
 
 #include "../device/internal.h"
-#include "../pickler/ptrset_impl.h"
+#include "../pickler/ptrs.h"
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
-/* An allocation's other fields (its base is in record_t.bases). */
-typedef struct fptr {
-  size_t nbytes;
-  uint32_t refs;
-  dp_device_t device;
-} fptr_t;
-
+/* A device the value uses (CPU aside), and its event. */
 typedef struct fdev {
   dp_device_t dev;
   dp_event_t *ev;
-  size_t first, count;   /* this device's bases in by_dev */
+  size_t first, count;   /* this device's bases in ptrs.by_dev */
 } fdev_t;
 
-/* What a completion publishes: one allocation holding the bases (in
- * discovery order), the other fields of each allocation, the bases grouped
- * by device and the devices. With one device the grouped bases are the
- * bases themselves: the record is 24 bytes an allocation, written once. */
+/* What a completion publishes: the scan's pointer set frozen (one block,
+ * pickler/ptrs.h), whose extra room holds the devices and their events. */
 typedef struct record {
-  void *block;
-  size_t block_size;
-  void **bases;
-  fptr_t *ptrs;
-  size_t nptrs;
-  void **by_dev;
+  dp__ptrs_t ptrs;
   fdev_t *devs;
   size_t ndevs;
 } record_t;
@@ -235,7 +222,7 @@ dp_future_t *dp_future_retain(dp_future_t *f) {
 
 static void record_free(record_t *r) {
   for (size_t i = 0; i < r->ndevs; i++) dp_event_free(r->devs[i].ev);
-  dp__free(r->block, r->block_size);
+  dp__ptrs_free(&r->ptrs);
   memset(r, 0, sizeof *r);
 }
 
@@ -321,12 +308,12 @@ static size_t put_devices(char *buf, size_t cap, const dp_device_t *d, size_t n,
   return pos;
 }
 
-/* Copies the set into a record, checks devices, records one event per used
- * device on the given streams (the current ones when streams is NULL) and
- * the allocations on those streams. */
+/* Freezes the set into a record, checks devices, records one event per
+ * used device on the given streams (the current ones when streams is NULL)
+ * and the allocations on those streams. */
 static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *streams, record_t *r, dp_error_t *err) {
   memset(r, 0, sizeof *r);
-  size_t n = dp_ptrset_count(set), ngroups = dp_ptrset_ndevices(set), ndevs = 0;
+  size_t ngroups = dp_ptrset_ndevices(set), ndevs = 0;
   for (size_t g = 0; g < ngroups; g++) {
     dp_device_t d = dp_ptrset_device(set, g);
     if (!allowed(f, d)) {
@@ -341,39 +328,19 @@ static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *s
     }
     if (d.type != DP_DEVICE_CPU) ndevs++;
   }
-  /* one group: discovery order is device order, by_dev is bases */
-  size_t ngrouped = ngroups > 1 ? n : 0;
-  r->block_size = n * (sizeof(void *) + sizeof(fptr_t)) + ngrouped * sizeof(void *) + ndevs * sizeof(fdev_t);
-  if (r->block_size && !(r->block = dp__alloc(r->block_size)))
-    return dp__err(err, DP_ENOMEM, "out of memory completing a future");
-  r->bases = r->block;
-  r->ptrs = (fptr_t *)(r->bases + n);
-  r->by_dev = ngroups > 1 ? (void **)(r->ptrs + n) : r->bases;
-  r->devs = (fdev_t *)((void **)(r->ptrs + n) + ngrouped);
-  r->nptrs = n;
-  /* The set's entries are read directly: this runs on every completion. */
-  const dp__pentry_t *en = set->entries;
-  for (size_t i = 0; i < n; i++) {
-    r->bases[i] = en[i].base;
-    r->ptrs[i] = (fptr_t){en[i].nbytes, en[i].refs, en[i].device};
-  }
-  size_t pos = 0;
-  for (size_t g = 0; g < ngroups; g++) {
-    dp_device_t d = set->groups[g].device;
-    if (d.type == DP_DEVICE_CPU) continue;
+  int rc = dp__ptrs_freeze(&r->ptrs, set, ndevs * sizeof(fdev_t), err);
+  if (rc) return rc;
+  r->devs = r->ptrs.extra;
+  for (size_t g = 0; g < r->ptrs.ndevs; g++) {
+    const dp__ptrs_dev_t *pd = &r->ptrs.devs[g];
+    if (pd->device.type == DP_DEVICE_CPU) continue;
     fdev_t *fd = &r->devs[r->ndevs];
-    fd->dev = d;
-    fd->first = pos;
-    if (ngroups == 1) {
-      pos = n;
-    } else {
-      for (uint32_t i = set->groups[g].head + 1; i; i = en[i - 1].next_on) r->by_dev[pos++] = en[i - 1].base;
-    }
-    fd->count = pos - fd->first;
-    dp_stream_t *s = streams ? streams[r->ndevs] : dp_current_stream(f->b, d);
-    int rc = s ? dp_event_new(f->b, d, &fd->ev, err) : dp__err(err, DP_ENODEV, "no stream for a device");
+    *fd = (fdev_t){pd->device, NULL, pd->first, pd->count};
+    dp_stream_t *s = streams ? streams[r->ndevs] : dp_current_stream(f->b, pd->device);
+    rc = s ? dp_event_new(f->b, pd->device, &fd->ev, err) : dp__err(err, DP_ENODEV, "no stream for a device");
     if (rc == 0 && (rc = dp_event_record(fd->ev, s, err)) != 0) dp_event_free(fd->ev);
-    if (rc == 0 && f->use_hooks && (rc = dp_cache_hooks_record(&f->hooks, r->by_dev + fd->first, fd->count, s, err)) != 0)
+    if (rc == 0 && f->use_hooks &&
+        (rc = dp_cache_hooks_record(&f->hooks, r->ptrs.by_dev + fd->first, fd->count, s, err)) != 0)
       dp_event_free(fd->ev);
     if (rc) {
       record_free(r);
@@ -530,7 +497,7 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
 static int join_device(dp_future_t *f, size_t i, dp_stream_t *s, dp_error_t *err) {
   fdev_t *d = &f->rec.devs[i];
   int rc = dp_stream_wait_event(s, d->ev, err);
-  if (rc == 0 && f->use_hooks) rc = dp_cache_hooks_record(&f->hooks, f->rec.by_dev + d->first, d->count, s, err);
+  if (rc == 0 && f->use_hooks) rc = dp_cache_hooks_record(&f->hooks, f->rec.ptrs.by_dev + d->first, d->count, s, err);
   return rc;
 }
 
@@ -734,9 +701,10 @@ static void collect_finish(collect_t *c) {
   if (rc == 0) rc = dp_ptrset_new(&set, &err);
   /* The inputs' allocations pass through: no walk. */
   for (size_t i = 0; rc == 0 && i < c->n; i++)
-    for (size_t k = 0; rc == 0 && k < c->in[i]->rec.nptrs; k++) {
-      fptr_t *p = &c->in[i]->rec.ptrs[k];
-      rc = dp_ptrset_add(set, p->device, c->in[i]->rec.bases[k], p->nbytes, NULL, &err);
+    for (size_t k = 0; rc == 0 && k < c->in[i]->rec.ptrs.n; k++) {
+      dp_ptr_info_t p;
+      dp__ptrs_get(&c->in[i]->rec.ptrs, k, &p);
+      rc = dp_ptrset_add(set, p.device, p.base, p.nbytes, NULL, &err);
     }
   /* One stream per used device joins every input's event there. */
   size_t ngroups = rc == 0 ? dp_ptrset_ndevices(set) : 0, nd = 0;
@@ -821,16 +789,11 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
 
 /* ---- introspection ---- */
 
-size_t dp_future_nptrs(const dp_future_t *f) { return dp_future_is_done(f) ? f->rec.nptrs : 0; }
+size_t dp_future_nptrs(const dp_future_t *f) { return dp_future_is_done(f) ? f->rec.ptrs.n : 0; }
 
 int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out) {
-  if (!dp_future_is_done(f) || i >= f->rec.nptrs || !out) return DP_EINVAL;
-  const fptr_t *p = &f->rec.ptrs[i];
-  out->device = p->device;
-  out->base = f->rec.bases[i];
-  out->nbytes = p->nbytes;
-  out->refs = p->refs;
-  out->path = NULL;
+  if (!dp_future_is_done(f) || i >= f->rec.ptrs.n || !out) return DP_EINVAL;
+  dp__ptrs_get(&f->rec.ptrs, i, out);
   return 0;
 }
 
