@@ -791,8 +791,12 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
 
 size_t dp_future_nptrs(const dp_future_t *f) { return dp_future_is_done(f) ? f->rec.ptrs.n : 0; }
 
-int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out) {
-  if (!dp_future_is_done(f) || i >= f->rec.ptrs.n || !out) return DP_EINVAL;
+int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out, dp_error_t *err) {
+  if (!f || !out) return dp__err(err, DP_EINVAL, "dp_future_ptr: NULL %s", f ? "out" : "future");
+  if (dp__load_acquire(&f->state) != DONE)
+    return dp__err(err, DP_ESTATE, "dp_future_ptr: the future is %s", dp_future_is_done(f) ? "failed" : "pending");
+  if (i >= f->rec.ptrs.n)
+    return dp__err(err, DP_EINVAL, "dp_future_ptr: allocation %zu of %zu", i, f->rec.ptrs.n);
   dp__ptrs_get(&f->rec.ptrs, i, out);
   return 0;
 }

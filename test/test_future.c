@@ -121,7 +121,7 @@ Test(future, completion_discovers_the_allocations_of_user_objects_and_records_on
   cr_assert(dp_device_equal(dp_future_device(f, 0), H0));
   cr_assert(dp_device_equal(dp_future_device(f, 1), H1));
   dp_ptr_info_t p;
-  OK(dp_future_ptr(f, 1, &p));
+  OK(dp_future_ptr(f, 1, &p, NULL));
   cr_assert_eq(p.base, (void *)data_of(b), "the tensor inside the custom was found");
   cr_assert_not_null(dp_future_event(f, 0));
   cr_assert_eq(dp_value_id(dp_future_value(f)), dp_value_id(o));
@@ -133,6 +133,33 @@ Test(future, completion_discovers_the_allocations_of_user_objects_and_records_on
   dp_value_release(b);
   dp_value_release(c);
   dp_future_release(f);
+  dp_backend_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(future, introspecting_a_pending_failed_or_null_future_reports_why) {
+  dp_future_t *f = future(), *g = future();
+  dp_ptr_info_t p;
+  dp_error_t e;
+  cr_assert_eq(dp_future_ptr(f, 0, &p, &e), DP_ESTATE);
+  cr_assert_str_eq(e.message, "dp_future_ptr: the future is pending");
+  dp_error_t why;
+  dp_error_clear(&why);
+  why.code = DP_EDEVICE;
+  OK(dp_future_set_error(g, &why, NULL));
+  cr_assert_eq(dp_future_ptr(g, 0, &p, &e), DP_ESTATE);
+  cr_assert_str_eq(e.message, "dp_future_ptr: the future is failed");
+  cr_assert_eq(dp_future_nptrs(g), 0);
+  cr_assert_eq(dp_future_ptr(NULL, 0, &p, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_ptr: NULL future");
+  OK(dp_future_mark_completed(f, t_tensor(t_dev(DP_DEVICE_CPU, 0), 0x1000, 4), NULL));
+  cr_assert_eq(dp_future_ptr(f, 1, &p, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_ptr: allocation 1 of 1");
+  OK(dp_future_ptr(f, 0, &p, NULL));
+  cr_assert_eq(p.base, (void *)0x1000);
+  cr_assert_eq(dp_future_ptr(f, 0, NULL, &e), DP_EINVAL);
+  dp_future_release(f);
+  dp_future_release(g);
   dp_backend_shutdown();
   ASSERT_NO_LEAK();
 }
@@ -836,7 +863,7 @@ Test(future, a_completed_future_holds_24_bytes_per_allocation_of_a_one_device_va
   cr_assert_eq(dp_future_nptrs(f), N);
   for (int i = 0; i < N; i++) {
     dp_ptr_info_t info;
-    OK(dp_future_ptr(f, (size_t)i, &info));
+    OK(dp_future_ptr(f, (size_t)i, &info, NULL));
     cr_assert_eq(info.base, data_of(dp_seq_get(l, (size_t)i)));
     cr_assert_eq(info.nbytes, 16);
     cr_assert(dp_device_equal(info.device, H0));
@@ -852,7 +879,7 @@ Test(future, a_completed_future_holds_24_bytes_per_allocation_of_a_one_device_va
   cr_assert_eq(dp_future_nptrs(g), 3);
   cr_assert_eq(dp_future_ndevices(g), 2);
   dp_ptr_info_t info;
-  OK(dp_future_ptr(g, 1, &info));
+  OK(dp_future_ptr(g, 1, &info, NULL));
   cr_assert_eq(info.base, data_of(dp_seq_get(two, 1)));
   cr_assert(dp_device_equal(info.device, H1));
   OK(dp_future_wait(g, -1, NULL));

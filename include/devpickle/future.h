@@ -130,13 +130,21 @@ DP_API int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t *
 DP_API int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future_opts_t *opts,
                                  dp_future_t **out, dp_error_t *err);
 
-/* ---- introspection of a completed future ---- */
+/* ---- introspection of a completed future ----
+ * The counts are 0 for a NULL, pending or failed future. */
+/** Allocations the value holds, in discovery order. */
 DP_API size_t dp_future_nptrs(const dp_future_t *f);
-DP_API int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out);
+/** Allocation i (its path is NULL: completions scan without paths).
+ *  DP_EINVAL for a NULL future or out, DP_ESTATE while it is not
+ *  completed with a value, DP_EINVAL for i out of range. */
+DP_API int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out, dp_error_t *err);
 /** Devices that have an event (the used non-cpu devices). */
 DP_API size_t dp_future_ndevices(const dp_future_t *f);
+/** Device i; {DP_DEVICE_CPU, 0} out of range (check i against
+ *  dp_future_ndevices). */
 DP_API dp_device_t dp_future_device(const dp_future_t *f, size_t i);
-/** The event recorded for device i (borrowed; owned by the future). */
+/** The event recorded for device i (borrowed; owned by the future);
+ *  NULL out of range. */
 DP_API dp_event_t *dp_future_event(const dp_future_t *f, size_t i);
 
 #ifdef __cplusplus
