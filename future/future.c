@@ -126,6 +126,7 @@ static void scratch_release_mine(void) {
     pthread_setspecific(scratch_key, NULL);
     dp_ptrset_free(s);
   }
+  dp__ptrs_recycle_drain();
 }
 
 static void scratch_init(void) {

@@ -49,7 +49,10 @@ static inline void dp__ptrs_get(const dp__ptrs_t *p, size_t i, dp_ptr_info_t *ou
 /* Freezes set into *out, with `extra` bytes for the caller. An empty set
  * with no extra allocates nothing. DP_ENOMEM leaves *out empty. */
 int dp__ptrs_freeze(dp__ptrs_t *out, const dp_ptrset_t *set, size_t extra, dp_error_t *err);
-/* Frees the block (an empty or zeroed record is fine). */
+/* Frees the block (an empty or zeroed record is fine): the calling thread
+ * keeps it for a later freeze (see ptrs.c), within a bound. */
 void dp__ptrs_free(dp__ptrs_t *p);
+/* Frees the blocks the calling thread keeps (its exit does it too). */
+void dp__ptrs_recycle_drain(void);
 
 #endif
