@@ -70,6 +70,19 @@ v=$("$work/build/devpickle" --version)
 grep -qx 'Version: 9.8.7' "$pc" || fail "devpickle.pc after the header says 9.8.7: $(grep '^Version' "$pc")"
 echo "check-build: the version comes from include/devpickle/base.h alone"
 
+# The suites' OK() shows the library's message when a call fails: a test that
+# fails on purpose, built here only (never part of the suites).
+printf '%s\n' '#include "helpers.h"' 'Test(check_build, fails_on_purpose) {' \
+  '  dp_value_t l = t_list();' '  OK(dp_seq_set(l, 5, dp_int(1), T_ERR));' '}' > "$work/failing_ok.c"
+libs=$(sed -n 's/^Libs.private: //p' "$pc")
+# shellcheck disable=SC2086 # $libs is a list of flags
+(cd "$work" && cc -std=c11 -D_POSIX_C_SOURCE=200809L -Iinclude -Itest -o failing_ok failing_ok.c build/libdevpickle.a -lcriterion $libs) ||
+  fail "the failing test does not build"
+out=$("$work/failing_ok" 2>&1 || true)
+echo "$out" | grep -qF 'failed: DP_EINVAL: dp_seq_set: index 5 out of range (length 0)' ||
+  fail "a failing OK() does not show the library's message: $out"
+echo "check-build: a failing OK() shows the library's message"
+
 if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && id nobody >/dev/null 2>&1; then
   rm -rf "$work/build" "$stage"
   chown -R nobody "$work"
