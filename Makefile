@@ -4,9 +4,13 @@ PREFIX    ?= /usr/local
 DESTDIR   ?=
 CC        ?= cc
 BUILD     ?= build
+STAMPS     = $(BUILD)/stamp
 CUDA_HOME ?= /usr/local/cuda
 
-VERSION   := 0.1.0
+# The version is written once, in include/devpickle/base.h; read it from there.
+VERSION_PART = $(shell sed -n 's/^.define DP_VERSION_$(1) *\([0-9][0-9]*\).*/\1/p' include/devpickle/base.h)
+VERSION   := $(call VERSION_PART,MAJOR).$(call VERSION_PART,MINOR).$(call VERSION_PART,PATCH)
+SONAME    := libdevpickle.so.$(call VERSION_PART,MAJOR)
 WARN      := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes
 OPT       ?= -O2 -g
 CFLAGS    ?=
@@ -35,9 +39,12 @@ BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/%)
 HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
 
-DEB_PKGS  := libmsgpack-dev libxxhash-dev libcriterion-dev libjansson-dev
+# Each Debian package with a header that shows it is there: a package counts as
+# installed when the compiler finds its header (wherever it came from), so
+# nothing asks for root (or dpkg) when everything is already installed.
+DEB_PKGS  := libmsgpack-dev:msgpack.h libxxhash-dev:xxhash.h libcriterion-dev:criterion/criterion.h libjansson-dev:jansson.h
 
-.PHONY: soak checksymbols checkheaders all lib cli test test-asan test-tsan gpu-test fuzz deps-fuzz demo bench deps install uninstall clean help config
+.PHONY: soak checksymbols checkheaders check-build all lib cli test test-asan test-tsan gpu-test fuzz deps-fuzz demo bench deps deps-check install uninstall clean help config FORCE
 
 all: lib cli ## Build the static and shared library and the CLI (build/devpickle)
 
@@ -45,9 +52,14 @@ lib: $(BUILD)/libdevpickle.a $(BUILD)/libdevpickle.so ## Build the libraries onl
 
 cli: $(BUILD)/devpickle ## Build the CLI only
 
-$(BUILD)/obj/%.o: %.c $(HEADERS) $(wildcard */internal.h */*.h tools/*.h) | deps-check
+# Each compile writes the headers it read to $@.d (-MMD; -MP: a deleted header
+# is no error), included at the end: an object is rebuilt when a header it
+# includes changes, and only then.
+DEPFLAGS   = -MMD -MP -MT $@ -MF $@.d
+
+$(BUILD)/obj/%.o: %.c $(STAMPS)/cc | deps-check
 	@mkdir -p $(dir $@)
-	$(CC) $(DPFLAGS) $(SANFLAGS) $(CFLAGS) -c $< -o $@
+	$(CC) $(DPFLAGS) $(SANFLAGS) $(CFLAGS) $(DEPFLAGS) -c $< -o $@
 
 $(BUILD)/obj/device/cuda.o: DPFLAGS += $(CUDA_CFLAGS)
 
@@ -55,8 +67,8 @@ $(BUILD)/libdevpickle.a: $(LIB_OBJ)
 	@mkdir -p $(BUILD)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/libdevpickle.so: $(LIB_OBJ)
-	$(CC) -shared -Wl,-soname,libdevpickle.so.0 $(SANFLAGS) -o $@ $^ $(LDLIBS)
+$(BUILD)/libdevpickle.so: $(LIB_OBJ) $(STAMPS)/ld
+	$(CC) -shared -Wl,-soname,$(SONAME) $(SANFLAGS) -o $@ $(LIB_OBJ) $(LDLIBS)
 
 # The demo's CUDA kernels, when nvcc is there.
 DEMO_CUDA := $(if $(and $(filter 1,$(HAVE_CUDA)),$(wildcard $(NVCC))),1,0)
@@ -66,25 +78,25 @@ CLI_LIBS  := -lstdc++
 $(BUILD)/obj/tools/demo.o: DPFLAGS += -DDP_DEMO_CUDA
 endif
 
-$(BUILD)/obj/tools/demo_kernels.o: tools/demo_kernels.cu
+$(BUILD)/obj/tools/demo_kernels.o: tools/demo_kernels.cu $(STAMPS)/nvcc
 	@mkdir -p $(dir $@)
-	$(NVCC) $(GPU_ARCH) -O2 -c $< -o $@
+	$(NVCC) $(GPU_ARCH) -O2 $(DEPFLAGS) -c $< -o $@
 
-$(BUILD)/devpickle: $(CLI_OBJ) $(BUILD)/libdevpickle.a
+$(BUILD)/devpickle: $(CLI_OBJ) $(BUILD)/libdevpickle.a $(STAMPS)/ld
 	$(CC) $(SANFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libdevpickle.a -ljansson $(LDLIBS) $(CLI_LIBS)
 
 $(BUILD)/test_cli: LDLIBS += -ljansson
 $(BUILD)/test_cli: TEST_OBJ = $(BUILD)/obj/tools/vjson.o
 $(BUILD)/test_cli: $(BUILD)/obj/tools/vjson.o
 
-$(BUILD)/test_%: test/test_%.c test/helpers.h test/mem_reader.h $(BUILD)/libdevpickle.a
-	$(CC) $(TFLAGS) $(SANFLAGS) $(CFLAGS) -o $@ $< $(TEST_OBJ) $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS)
+$(BUILD)/test_%: test/test_%.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
+	$(CC) $(TFLAGS) $(SANFLAGS) $(CFLAGS) $(DEPFLAGS) -o $@ $< $(TEST_OBJ) $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS)
 
-$(BUILD)/bench_%: bench/bench_%.c bench/bench.h $(BUILD)/libdevpickle.a
-	$(CC) $(TFLAGS) $(CUDA_CFLAGS) -O2 -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
+$(BUILD)/bench_%: bench/bench_%.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
+	$(CC) $(TFLAGS) $(CUDA_CFLAGS) -O2 $(DEPFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
-$(BUILD)/embed: examples/embed.c $(BUILD)/libdevpickle.a
-	$(CC) $(TFLAGS) $(SANFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
+$(BUILD)/embed: examples/embed.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
+	$(CC) $(TFLAGS) $(SANFLAGS) $(DEPFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
 test: deps all $(TEST_BIN) $(BUILD)/embed ## Run the Criterion suites and the embedding example
 	@set -e; for t in $(TEST_BIN); do echo "== $$t"; DEVPICKLE=$(BUILD)/devpickle $$t --jobs 2; done
@@ -113,12 +125,12 @@ test-asan: deps ## Run every suite under ASan + UBSan + LeakSanitizer; any repor
 # GPU suite: built here (nvcc and the CUDA headers), run on a GPU machine
 # (see ../shared/GPU.md); without a GPU every test skips with the reason.
 
-$(BUILD)/gpu/kernels.o: test/gpu/kernels.cu
+$(BUILD)/gpu/kernels.o: test/gpu/kernels.cu $(STAMPS)/nvcc
 	@mkdir -p $(dir $@)
-	$(NVCC) $(GPU_ARCH) -O2 -c $< -o $@
+	$(NVCC) $(GPU_ARCH) -O2 $(DEPFLAGS) -c $< -o $@
 
-$(BUILD)/test_gpu: test/gpu/test_gpu.c $(BUILD)/gpu/kernels.o $(BUILD)/libdevpickle.a
-	$(CC) $(TFLAGS) -o $@ $< $(BUILD)/gpu/kernels.o $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS) -lstdc++
+$(BUILD)/test_gpu: test/gpu/test_gpu.c $(BUILD)/gpu/kernels.o $(BUILD)/libdevpickle.a $(STAMPS)/test
+	$(CC) $(TFLAGS) $(DEPFLAGS) -o $@ $< $(BUILD)/gpu/kernels.o $(BUILD)/libdevpickle.a -lcriterion $(LDLIBS) -lstdc++
 
 gpu-test: deps ## Build the GPU suite (build/test_gpu) and run it here; tests skip, saying why, without a GPU
 ifeq ($(DEMO_CUDA),1)
@@ -129,7 +141,7 @@ else
 endif
 
 # Fuzzing (libFuzzer, clang, ASan + UBSan). Each target is linked with the
-# library sources built alike. Corpora grow in build/fuzz/corpus, seeded from
+# library sources built alike (objects under build/fuzz/obj). Corpora grow in build/fuzz/corpus, seeded from
 # test/fuzz/corpus; findings land in build/fuzz/artifacts and fail the run.
 FUZZ_SECONDS ?= 60
 FUZZ_BUILD   := $(BUILD)/fuzz
@@ -137,6 +149,7 @@ FUZZ_TARGETS := unpickle frame_readers value_json roundtrip
 FUZZ_FLAGS   := -std=c11 -D_POSIX_C_SOURCE=200809L -g -O1 -Iinclude \
                 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
 FUZZ_SRC     := $(wildcard core/*.c value/*.c pickler/*.c) tools/vjson.c tools/inspect.c
+FUZZ_OBJ     := $(FUZZ_SRC:%.c=$(FUZZ_BUILD)/obj/%.o)
 
 deps-fuzz:
 	@command -v clang >/dev/null && ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || \
@@ -144,12 +157,12 @@ deps-fuzz:
 	    (apt-get install -y -q clang libclang-rt-dev || (apt-get update -q && apt-get install -y -q clang libclang-rt-dev)) >/dev/null || \
 	    { echo "devpickle: run: apt-get install -y clang libclang-rt-dev" >&2; exit 1; }; }
 
-$(FUZZ_BUILD)/fuzz_%: test/fuzz/fuzz_%.c test/fuzz/fuzz.h test/mem_reader.h $(FUZZ_SRC) $(HEADERS) | deps-fuzz
+$(FUZZ_BUILD)/obj/%.o: %.c $(STAMPS)/fuzz | deps-fuzz deps-check
 	@mkdir -p $(dir $@)
-	clang $(FUZZ_FLAGS) -o $@ $< $(FUZZ_SRC) -lmsgpackc -lxxhash -ljansson -lpthread -lm
+	clang $(FUZZ_FLAGS) $(DEPFLAGS) -c $< -o $@
 
-fuzz_corpus = $(if $(filter value_json,$(1)),value_json,$(if $(filter roundtrip,$(1)),roundtrip,unpickle))
-fuzz_dict = $(if $(filter value_json,$(1)),test/fuzz/json.dict,test/fuzz/dpk.dict)
+$(FUZZ_TARGETS:%=$(FUZZ_BUILD)/fuzz_%): $(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/obj/test/fuzz/fuzz_%.o $(FUZZ_OBJ)
+	clang $(FUZZ_FLAGS) -o $@ $< $(FUZZ_OBJ) -lmsgpackc -lxxhash -ljansson -lpthread -lm
 
 fuzz: deps deps-fuzz $(FUZZ_TARGETS:%=$(FUZZ_BUILD)/fuzz_%) ## Run every fuzz target for FUZZ_SECONDS (default 60); any finding fails
 	@set -e; mkdir -p $(FUZZ_BUILD)/artifacts; : > $(FUZZ_BUILD)/stats.txt; \
@@ -168,8 +181,8 @@ fuzz: deps deps-fuzz $(FUZZ_TARGETS:%=$(FUZZ_BUILD)/fuzz_%) ## Run every fuzz ta
 
 SOAK_SECONDS ?= 60
 
-$(BUILD)/soak: test/stress/soak.c $(BUILD)/libdevpickle.a
-	$(CC) $(TFLAGS) $(SANFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
+$(BUILD)/soak: test/stress/soak.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
+	$(CC) $(TFLAGS) $(SANFLAGS) $(DEPFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
 soak: deps ## Hammer futures, the allocator and pickling from 4 threads for SOAK_SECONDS with failures injected (ASan build)
 	@$(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) OPT="-O1 -g" SANFLAGS="$(ASAN_FLAGS)" $(ASAN_BUILD)/soak >/dev/null
@@ -177,8 +190,8 @@ soak: deps ## Hammer futures, the allocator and pickling from 4 threads for SOAK
 
 TSAN_BUILD := $(BUILD)/tsan
 
-$(BUILD)/stress: test/stress/stress.c $(BUILD)/libdevpickle.a
-	$(CC) $(TFLAGS) $(SANFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
+$(BUILD)/stress: test/stress/stress.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
+	$(CC) $(TFLAGS) $(SANFLAGS) $(DEPFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
 # Criterion cannot start under ThreadSanitizer, so the concurrent scenarios
 # live in test/stress. The racy control must be reported, or the check is
@@ -203,8 +216,9 @@ bench: all $(BENCH_BIN) ## Run the benchmarks; results in build/bench.json
 	@echo "wrote $(BUILD)/bench.json"
 
 # Dependencies: Debian packages, installed when missing.
-deps: ## Install the missing Debian packages (apt-get; needs root)
-	@missing=""; for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+deps: ## Install the missing Debian packages (apt-get; needs root only when one is missing)
+	@missing=""; for ph in $(DEB_PKGS); do \
+	  printf '#include <%s>\n' "$${ph#*:}" | $(CC) -E -x c - >/dev/null 2>&1 || missing="$$missing $${ph%%:*}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	echo "devpickle: installing$$missing"; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
@@ -213,13 +227,13 @@ deps: ## Install the missing Debian packages (apt-get; needs root)
 	  { echo "devpickle: apt-get failed; run: apt-get update && apt-get install -y$$missing" >&2; exit 1; }
 
 deps-check:
-	@test -f /usr/include/msgpack.h -a -f /usr/include/xxhash.h || \
+	@printf '#include <msgpack.h>\n#include <xxhash.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 || \
 	  { echo "devpickle: msgpack-c or xxHash headers missing: run 'make deps'" >&2; exit 1; }
 
 config: ## Show what the build found
 	@echo "CC=$(CC) CUDA=$(HAVE_CUDA) ($(CUDA_HOME)) PREFIX=$(PREFIX)"
 
-$(BUILD)/devpickle.pc: Makefile
+$(BUILD)/devpickle.pc: Makefile $(STAMPS)/pc
 	@mkdir -p $(BUILD)
 	@printf 'prefix=%s\nincludedir=$${prefix}/include\nlibdir=$${prefix}/lib\nstaticlibs=$${libdir}/libdevpickle.a $(LDLIBS)\n\nName: devpickle\nDescription: Finds the device allocations a value references; frames for transport\nVersion: %s\nLibs: -L$${libdir} -ldevpickle\nLibs.private: $(LDLIBS)\nCflags: -I$${includedir}\n' '$(PREFIX)' '$(VERSION)' > $@
 
@@ -238,6 +252,9 @@ uninstall: ## Remove what install put in place
 	  $(DESTDIR)$(PREFIX)/lib/libdevpickle.so $(DESTDIR)$(PREFIX)/lib/libdevpickle.so.0 \
 	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/devpickle.pc $(DESTDIR)$(PREFIX)/bin/devpickle
 	rm -rf $(DESTDIR)$(PREFIX)/include/devpickle
+
+check-build: ## Check, on a copy of the tree, that a change (header, CFLAGS, PREFIX, version) rebuilds what it affects
+	@sh test/build/check.sh
 
 checksymbols: lib ## Fail if the libraries export a symbol without the dp_ prefix
 	@bad=$$(nm -D --defined-only $(BUILD)/libdevpickle.so | awk '{print $$3}' | grep -v '^dp_' || true); \
@@ -258,3 +275,26 @@ clean: ## Remove build/
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-13s %s\n", $$1, $$2}'
+
+# ---- what a build depends on besides files ----
+# Each stamp holds the values of the variables a group of outputs is built
+# with; it is rewritten only when they change, so those outputs are rebuilt
+# then (a new PREFIX rewrites devpickle.pc, a new CFLAGS recompiles). The
+# recipe runs even under `make -n` (+), so a dry run shows the truth. The values
+# are taken here, before any target-specific variable, so every target sees
+# the same value.
+STAMP_cc   := $(CC) $(DPFLAGS) $(SANFLAGS) $(CFLAGS) $(CUDA_CFLAGS) $(DEMO_CUDA)
+STAMP_test := $(CC) $(TFLAGS) $(SANFLAGS) $(CFLAGS) $(CUDA_CFLAGS) $(LDLIBS)
+STAMP_ld   := $(CC) $(SANFLAGS) $(LDLIBS) $(CLI_LIBS) $(SONAME)
+STAMP_nvcc := $(NVCC) $(GPU_ARCH)
+STAMP_fuzz := $(FUZZ_FLAGS)
+STAMP_pc   := $(PREFIX) $(VERSION) $(LDLIBS)
+
+STAMP_FILES := $(addprefix $(STAMPS)/,cc test ld nvcc fuzz pc)
+$(STAMP_FILES): $(STAMPS)/%: FORCE
+	+@mkdir -p $(STAMPS); v='$(subst ','\'',$(STAMP_$*))'; \
+	  [ -f $@ ] && [ "$$(cat $@)" = "$$v" ] || printf '%s\n' "$$v" > $@
+
+FORCE:
+
+-include $(wildcard $(BUILD)/obj/*/*.d $(BUILD)/*.d $(BUILD)/gpu/*.d $(FUZZ_BUILD)/obj/*/*.d $(FUZZ_BUILD)/obj/test/fuzz/*.d)

@@ -53,13 +53,26 @@ static inline void t_track(void) {
                  atomic_load(&t_live_blocks), atomic_load(&t_live_bytes));            \
   } while (0)
 
-#define OK(call)                                                                      \
-  do {                                                                                \
-    dp_error_t e_;                                                                    \
-    dp_error_clear(&e_);                                                              \
-    int rc_ = (call);                                                                 \
-    (void)e_;                                                                         \
-    cr_assert_eq(rc_, 0, "%s failed: %s", #call, dp_err_name(rc_));                   \
+/* Assert that a fallible call succeeds; on failure, show the call, the code
+ * and the library's message. Inside OK(), T_ERR is the error record to pass:
+ *   OK(dp_list_append(l, v, T_ERR));
+ * A call that fills its own record (to look at it afterwards) names it:
+ *   OK_WITH(&e, dp_unpickle(b, n, NULL, &out, &e));
+ * A call that takes no dp_error_t shows the code alone. */
+#define T_ERR (&t_err_)
+#define OK(call)                                                                       \
+  do {                                                                                 \
+    dp_error_t t_err_;                                                                 \
+    dp_error_clear(&t_err_);                                                           \
+    int t_rc_ = (call);                                                                \
+    cr_assert_eq(t_rc_, 0, "%s failed: %s: %s", #call, dp_err_name(t_rc_), t_err_.message); \
+  } while (0)
+#define OK_WITH(errp, call)                                                            \
+  do {                                                                                 \
+    const dp_error_t *t_errp_ = (errp);                                                \
+    int t_rc_ = (call);                                                                \
+    cr_assert_eq(t_rc_, 0, "%s failed: %s: %s", #call, dp_err_name(t_rc_),             \
+                 t_errp_ ? t_errp_->message : "");                                     \
   } while (0)
 
 static inline dp_device_t t_dev(int type, int index) {
@@ -69,13 +82,13 @@ static inline dp_device_t t_dev(int type, int index) {
 
 static inline dp_value_t t_str(const char *s) {
   dp_value_t v;
-  cr_assert_eq(dp_str_new(s, strlen(s), &v, NULL), 0);
+  OK(dp_str_new(s, strlen(s), &v, T_ERR));
   return v;
 }
 
 static inline dp_storage_t *t_storage(dp_device_t d, uintptr_t base, size_t nbytes) {
   dp_storage_t *s;
-  cr_assert_eq(dp_storage_new(d, (void *)base, nbytes, NULL, NULL, &s, NULL), 0);
+  OK(dp_storage_new(d, (void *)base, nbytes, NULL, NULL, &s, T_ERR));
   return s;
 }
 
@@ -83,7 +96,7 @@ static inline dp_storage_t *t_storage(dp_device_t d, uintptr_t base, size_t nbyt
 static inline dp_value_t t_tensor(dp_device_t d, uintptr_t base, int64_t n) {
   dp_value_t t;
   int64_t shape[1] = {n};
-  cr_assert_eq(dp_tensor_new(t_storage(d, base, (size_t)n * 4), DP_FLOAT32, 1, shape, NULL, 0, &t, NULL), 0);
+  OK(dp_tensor_new(t_storage(d, base, (size_t)n * 4), DP_FLOAT32, 1, shape, NULL, 0, &t, T_ERR));
   return t;
 }
 
@@ -91,19 +104,19 @@ static inline dp_value_t t_tensor(dp_device_t d, uintptr_t base, int64_t n) {
 static inline dp_value_t t_view(dp_storage_t *s, int64_t n, int64_t offset) {
   dp_value_t t;
   int64_t shape[1] = {n};
-  cr_assert_eq(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, shape, NULL, offset, &t, NULL), 0);
+  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, shape, NULL, offset, &t, T_ERR));
   return t;
 }
 
 static inline dp_value_t t_list(void) {
   dp_value_t l;
-  cr_assert_eq(dp_list_new(0, &l, NULL), 0);
+  OK(dp_list_new(0, &l, T_ERR));
   return l;
 }
 
 static inline dp_value_t t_obj(const char *cls) {
   dp_value_t o;
-  cr_assert_eq(dp_object_new(cls, &o, NULL), 0);
+  OK(dp_object_new(cls, &o, T_ERR));
   return o;
 }
 
@@ -144,14 +157,14 @@ static inline dp_value_t t_random_key(t_rng_t *r) {
       int n = (int)(t_rand(r) % 6);
       for (int i = 0; i < n; i++) buf[i] = (char)('a' + t_rand(r) % 26);
       dp_value_t s;
-      cr_assert_eq(dp_str_new(buf, (size_t)n, &s, NULL), 0);
+      OK(dp_str_new(buf, (size_t)n, &s, T_ERR));
       return s;
     }
     case 2: {
       dp_value_t t;
-      cr_assert_eq(dp_tuple_new(2, &t, NULL), 0);
-      cr_assert_eq(dp_seq_set(t, 0, dp_int((int64_t)(t_rand(r) % 50)), NULL), 0);
-      cr_assert_eq(dp_seq_set(t, 1, dp_bool(t_rand(r) & 1), NULL), 0);
+      OK(dp_tuple_new(2, &t, T_ERR));
+      OK(dp_seq_set(t, 0, dp_int((int64_t)(t_rand(r) % 50)), T_ERR));
+      OK(dp_seq_set(t, 1, dp_bool(t_rand(r) & 1), T_ERR));
       return t;
     }
     default: return dp_none();
@@ -170,14 +183,14 @@ __attribute__((unused)) static dp_value_t t_random_value(t_rng_t *r, t_pool_t *p
       char buf[24];
       int n = (int)(t_rand(r) % 20);
       for (int i = 0; i < n; i++) buf[i] = (char)(' ' + t_rand(r) % 90);
-      cr_assert_eq(dp_str_new(buf, (size_t)n, &v, NULL), 0);
+      OK(dp_str_new(buf, (size_t)n, &v, T_ERR));
       return v;
     }
     case 5: {
       uint8_t buf[24];
       int n = (int)(t_rand(r) % 24);
       for (int i = 0; i < n; i++) buf[i] = (uint8_t)t_rand(r);
-      cr_assert_eq(dp_bytes_new(buf, (size_t)n, &v, NULL), 0);
+      OK(dp_bytes_new(buf, (size_t)n, &v, T_ERR));
       return v;
     }
     case 6: {
@@ -190,18 +203,18 @@ __attribute__((unused)) static dp_value_t t_random_value(t_rng_t *r, t_pool_t *p
       size_t n = t_rand(r) % 6;
       if (pick == 7) {
         v = t_list();
-        for (size_t i = 0; i < n; i++) cr_assert_eq(dp_list_append(v, t_random_value(r, pool, depth + 1), NULL), 0);
+        for (size_t i = 0; i < n; i++) OK(dp_list_append(v, t_random_value(r, pool, depth + 1), T_ERR));
       } else {
-        cr_assert_eq(dp_tuple_new(n, &v, NULL), 0);
-        for (size_t i = 0; i < n; i++) cr_assert_eq(dp_seq_set(v, i, t_random_value(r, pool, depth + 1), NULL), 0);
+        OK(dp_tuple_new(n, &v, T_ERR));
+        for (size_t i = 0; i < n; i++) OK(dp_seq_set(v, i, t_random_value(r, pool, depth + 1), T_ERR));
       }
       return v;
     }
     case 9: {
-      cr_assert_eq(dp_dict_new(0, &v, NULL), 0);
+      OK(dp_dict_new(0, &v, T_ERR));
       size_t n = t_rand(r) % 5;
       for (size_t i = 0; i < n; i++)
-        cr_assert_eq(dp_dict_set(v, t_random_key(r), t_random_value(r, pool, depth + 1), NULL), 0);
+        OK(dp_dict_set(v, t_random_key(r), t_random_value(r, pool, depth + 1), T_ERR));
       return v;
     }
     default: {
@@ -209,7 +222,7 @@ __attribute__((unused)) static dp_value_t t_random_value(t_rng_t *r, t_pool_t *p
       v = t_obj(t_rand(r) & 1 ? "Layer" : "Block");
       size_t n = t_rand(r) % 4;
       for (size_t i = 0; i < n; i++)
-        cr_assert_eq(dp_object_set(v, names[t_rand(r) % 5], t_random_value(r, pool, depth + 1), NULL), 0);
+        OK(dp_object_set(v, names[t_rand(r) % 5], t_random_value(r, pool, depth + 1), T_ERR));
       return v;
     }
   }

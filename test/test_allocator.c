@@ -14,8 +14,8 @@ static dp_cache_t *C;
 static void setup(void) {
   unsetenv("DEVPICKLE_HOST_DEVICES");
   t_track();
-  cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, &B, NULL), 0);
-  cr_assert_eq(dp_cache_new(B, &C, NULL), 0);
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+  OK(dp_cache_new(B, &C, T_ERR));
 }
 static void teardown(void) {
   dp_cache_free(C);
@@ -31,7 +31,7 @@ static void sleep_ms(int ms) {
 
 static dp_stream_t *stream(dp_device_t d) {
   dp_stream_t *s;
-  OK(dp_stream_new(B, d, &s, NULL));
+  OK(dp_stream_new(B, d, &s, T_ERR));
   return s;
 }
 
@@ -44,9 +44,9 @@ static dp_cache_stats_t stats(dp_device_t d) {
 Test(allocator, sizes_round_up_to_512_bytes_from_two_mebibyte_segments) {
   dp_stream_t *s = stream(H0);
   void *a, *b2, *c;
-  OK(dp_cache_alloc(C, H0, 1, s, &a, NULL));
-  OK(dp_cache_alloc(C, H0, 513, s, &b2, NULL));
-  OK(dp_cache_alloc(C, H0, 3 << 20, s, &c, NULL));
+  OK(dp_cache_alloc(C, H0, 1, s, &a, T_ERR));
+  OK(dp_cache_alloc(C, H0, 513, s, &b2, T_ERR));
+  OK(dp_cache_alloc(C, H0, 3 << 20, s, &c, T_ERR));
   void *base;
   size_t size;
   OK(dp_cache_lookup(C, a, &base, &size));
@@ -60,9 +60,9 @@ Test(allocator, sizes_round_up_to_512_bytes_from_two_mebibyte_segments) {
   cr_assert_eq(st.allocated, 512 + 1024 + (4 << 20));
   cr_assert_eq(st.reserved, (2 << 20) + (4 << 20), "one small segment, one large rounded to 2 MiB");
   cr_assert_eq(st.segment_allocs, 2);
-  OK(dp_cache_dealloc(C, a, NULL));
-  OK(dp_cache_dealloc(C, b2, NULL));
-  OK(dp_cache_dealloc(C, c, NULL));
+  OK(dp_cache_dealloc(C, a, T_ERR));
+  OK(dp_cache_dealloc(C, b2, T_ERR));
+  OK(dp_cache_dealloc(C, c, T_ERR));
   cr_assert_eq(stats(H0).allocated, 0);
   dp_stream_free(s);
 }
@@ -70,34 +70,34 @@ Test(allocator, sizes_round_up_to_512_bytes_from_two_mebibyte_segments) {
 Test(allocator, blocks_split_on_allocation_and_merge_when_freed) {
   dp_stream_t *s = stream(H0);
   char *p[3];
-  for (int i = 0; i < 3; i++) OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p[i], NULL));
+  for (int i = 0; i < 3; i++) OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p[i], T_ERR));
   cr_assert(p[1] == p[0] + 4096 && p[2] == p[1] + 4096);
-  OK(dp_cache_dealloc(C, p[1], NULL));
-  OK(dp_cache_dealloc(C, p[0], NULL));
+  OK(dp_cache_dealloc(C, p[1], T_ERR));
+  OK(dp_cache_dealloc(C, p[0], T_ERR));
   char *q;
-  OK(dp_cache_alloc(C, H0, 8192, s, (void **)&q, NULL));
+  OK(dp_cache_alloc(C, H0, 8192, s, (void **)&q, T_ERR));
   cr_assert_eq(q, p[0], "the two freed neighbours merged into one 8 KiB block");
-  OK(dp_cache_dealloc(C, q, NULL));
-  OK(dp_cache_dealloc(C, p[2], NULL));
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  OK(dp_cache_dealloc(C, p[2], T_ERR));
   char *whole;
-  OK(dp_cache_alloc(C, H0, 1 << 20, s, (void **)&whole, NULL));
+  OK(dp_cache_alloc(C, H0, 1 << 20, s, (void **)&whole, T_ERR));
   cr_assert_eq(whole, p[0], "everything merged back");
   cr_assert_eq(stats(H0).segment_allocs, 1);
-  OK(dp_cache_dealloc(C, whole, NULL));
+  OK(dp_cache_dealloc(C, whole, T_ERR));
   dp_stream_free(s);
 }
 
 Test(allocator, a_block_freed_on_a_stream_is_reusable_at_once_on_that_stream) {
   dp_stream_t *s = stream(H0);
   void *a, *b2;
-  OK(dp_cache_alloc(C, H0, 4096, s, &a, NULL));
+  OK(dp_cache_alloc(C, H0, 4096, s, &a, T_ERR));
   uint64_t hits = stats(H0).cache_hits;
-  OK(dp_cache_dealloc(C, a, NULL));
-  OK(dp_cache_alloc(C, H0, 4096, s, &b2, NULL));
+  OK(dp_cache_dealloc(C, a, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, s, &b2, T_ERR));
   cr_assert_eq(a, b2);
   cr_assert_eq(stats(H0).cache_hits, hits + 1);
   cr_assert_eq(stats(H0).cross_stream, 0);
-  OK(dp_cache_dealloc(C, b2, NULL));
+  OK(dp_cache_dealloc(C, b2, T_ERR));
   dp_stream_free(s);
 }
 
@@ -135,20 +135,20 @@ static void slow_check(void *arg) {
 Test(allocator, another_stream_gets_a_freed_block_only_after_the_first_streams_work) {
   dp_stream_t *s = stream(H0), *t = stream(H0);
   unsigned char *a;
-  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&a, NULL));
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&a, T_ERR));
   slow_fill_t first = {a, 0x11, 60, 0};
-  OK(dp_host_launch(s, slow_fill, &first, NULL));  /* s still writes a for 60 ms */
-  OK(dp_cache_dealloc(C, a, NULL));
+  OK(dp_host_launch(s, slow_fill, &first, T_ERR));  /* s still writes a for 60 ms */
+  OK(dp_cache_dealloc(C, a, T_ERR));
   unsigned char *b2;
-  OK(dp_cache_alloc(C, H0, 4096, t, (void **)&b2, NULL));
+  OK(dp_cache_alloc(C, H0, 4096, t, (void **)&b2, T_ERR));
   cr_assert_eq(b2, a, "the block moved to the other stream");
   cr_assert_eq(stats(H0).cross_stream, 1);
   check_t chk = {b2, 0x11, 0, 0};
-  OK(dp_host_launch(t, slow_check, &chk, NULL));  /* t's first use must see s's write done */
-  OK(dp_stream_synchronize(t, NULL));
+  OK(dp_host_launch(t, slow_check, &chk, T_ERR));  /* t's first use must see s's write done */
+  OK(dp_stream_synchronize(t, T_ERR));
   cr_assert(atomic_load(&first.done), "t's work ran after s's");
   cr_assert(atomic_load(&chk.ok));
-  OK(dp_cache_dealloc(C, b2, NULL));
+  OK(dp_cache_dealloc(C, b2, T_ERR));
   dp_stream_free(s);
   dp_stream_free(t);
 }
@@ -158,25 +158,25 @@ Test(allocator, another_stream_gets_a_freed_block_only_after_the_first_streams_w
 static int user_stream_sees_its_data(int record) {
   dp_stream_t *s = stream(H0), *u = stream(H0);
   unsigned char *p;
-  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, NULL));
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, T_ERR));
   memset(p, 0xAA, 4096);
   check_t chk = {p, 0xAA, 60, 0};
-  OK(dp_host_launch(u, slow_check, &chk, NULL));  /* u reads p for the next 60 ms */
-  if (record) OK(dp_cache_record_stream(C, p + 100, u, NULL));  /* an interior pointer will do */
-  OK(dp_cache_dealloc(C, p, NULL));
+  OK(dp_host_launch(u, slow_check, &chk, T_ERR));  /* u reads p for the next 60 ms */
+  if (record) OK(dp_cache_record_stream(C, p + 100, u, T_ERR));  /* an interior pointer will do */
+  OK(dp_cache_dealloc(C, p, T_ERR));
   unsigned char *q;
-  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&q, NULL));
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&q, T_ERR));
   slow_fill_t overwrite = {q, 0x55, 0, 0};
-  OK(dp_host_launch(s, slow_fill, &overwrite, NULL));
-  OK(dp_stream_synchronize(u, NULL));
-  OK(dp_stream_synchronize(s, NULL));
+  OK(dp_host_launch(s, slow_fill, &overwrite, T_ERR));
+  OK(dp_stream_synchronize(u, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
   int reused_early = q == p;
   if (record) {
     cr_assert_not(reused_early, "a block in use on u must not be handed out while u's work is pending");
     cr_assert_eq(dp_cache_poll(C), 1, "once u is done, polling reclaims the block");
     cr_assert_eq(stats(H0).pending_blocks, 0);
   }
-  OK(dp_cache_dealloc(C, q, NULL));
+  OK(dp_cache_dealloc(C, q, T_ERR));
   dp_stream_free(s);
   dp_stream_free(u);
   return atomic_load(&chk.ok);
@@ -198,25 +198,25 @@ static void sleep_40(void *arg) {
 Test(allocator, pending_blocks_are_counted_and_come_back_by_polling_without_blocking) {
   dp_stream_t *s = stream(H0), *u = stream(H1);  /* a user stream on another device */
   void *p;
-  OK(dp_cache_alloc(C, H0, 4096, s, &p, NULL));
-  OK(dp_host_launch(u, sleep_40, NULL, NULL));
-  OK(dp_cache_record_stream(C, p, u, NULL));
-  OK(dp_cache_record_stream(C, p, u, NULL));  /* twice is once */
-  OK(dp_cache_record_stream(C, p, s, NULL));  /* its own stream: nothing to do */
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  OK(dp_cache_record_stream(C, p, u, T_ERR));
+  OK(dp_cache_record_stream(C, p, u, T_ERR));  /* twice is once */
+  OK(dp_cache_record_stream(C, p, s, T_ERR));  /* its own stream: nothing to do */
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
-  OK(dp_cache_dealloc(C, p, NULL));
+  OK(dp_cache_dealloc(C, p, T_ERR));
   cr_assert_eq(dp_cache_poll(C), 0);
   clock_gettime(CLOCK_MONOTONIC, &t1);
   cr_assert_lt((t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6, 20, "free and poll never block");
   dp_cache_stats_t st = stats(H0);
   cr_assert_eq(st.pending_blocks, 1);
   cr_assert_eq(st.pending_bytes, 4096);
-  OK(dp_stream_synchronize(u, NULL));
+  OK(dp_stream_synchronize(u, T_ERR));
   void *other;  /* any allocation polls, whatever its size */
-  OK(dp_cache_alloc(C, H0, 100000, s, &other, NULL));
+  OK(dp_cache_alloc(C, H0, 100000, s, &other, T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 0);
-  OK(dp_cache_dealloc(C, other, NULL));
+  OK(dp_cache_dealloc(C, other, T_ERR));
   dp_stream_free(s);
   dp_stream_free(u);
 }
@@ -224,20 +224,20 @@ Test(allocator, pending_blocks_are_counted_and_come_back_by_polling_without_bloc
 Test(allocator, stats_track_allocated_reserved_peak_and_hits) {
   dp_stream_t *s = stream(H0);
   void *p[10];
-  for (int i = 0; i < 10; i++) OK(dp_cache_alloc(C, H0, 10000, s, &p[i], NULL));
+  for (int i = 0; i < 10; i++) OK(dp_cache_alloc(C, H0, 10000, s, &p[i], T_ERR));
   dp_cache_stats_t st = stats(H0);
   cr_assert_eq(st.allocated, 10 * 10240);
   cr_assert_eq(st.peak_allocated, 10 * 10240);
   cr_assert_eq(st.allocs, 10);
   cr_assert_eq(st.segment_allocs, 1);
   cr_assert_eq(st.cache_hits, 9);
-  for (int i = 0; i < 10; i++) OK(dp_cache_dealloc(C, p[i], NULL));
+  for (int i = 0; i < 10; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
   st = stats(H0);
   cr_assert_eq(st.allocated, 0);
   cr_assert_eq(st.peak_allocated, 10 * 10240);
   cr_assert_eq(st.frees, 10);
   cr_assert_eq(st.reserved, 2 << 20);
-  OK(dp_cache_empty(C, NULL));
+  OK(dp_cache_empty(C, T_ERR));
   cr_assert_eq(stats(H0).reserved, 0);
   cr_assert_eq(stats(H0).segment_frees, 1);
   cr_assert_eq(stats(H1).allocs, 0, "stats are per device");
@@ -248,12 +248,12 @@ Test(allocator, out_of_memory_frees_the_cache_retries_then_fails_clearly) {
   OK(dp_host_set_memory_limit(H1, 5u << 20));
   dp_stream_t *s = stream(H1);
   void *small[2], *big, *more;
-  OK(dp_cache_alloc(C, H1, 1 << 20, s, &small[0], NULL));
-  OK(dp_cache_alloc(C, H1, 1 << 20, s, &small[1], NULL));  /* fills one 2 MiB segment */
-  OK(dp_cache_dealloc(C, small[0], NULL));
-  OK(dp_cache_dealloc(C, small[1], NULL));
+  OK(dp_cache_alloc(C, H1, 1 << 20, s, &small[0], T_ERR));
+  OK(dp_cache_alloc(C, H1, 1 << 20, s, &small[1], T_ERR));  /* fills one 2 MiB segment */
+  OK(dp_cache_dealloc(C, small[0], T_ERR));
+  OK(dp_cache_dealloc(C, small[1], T_ERR));
   cr_assert_eq(stats(H1).reserved, 2 << 20, "cached, not given back");
-  OK(dp_cache_alloc(C, H1, 4 << 20, s, &big, NULL));  /* needs the cached 2 MiB back */
+  OK(dp_cache_alloc(C, H1, 4 << 20, s, &big, T_ERR));  /* needs the cached 2 MiB back */
   dp_cache_stats_t st = stats(H1);
   cr_assert_eq(st.oom_retries, 1);
   cr_assert_eq(st.segment_frees, 1);
@@ -262,7 +262,7 @@ Test(allocator, out_of_memory_frees_the_cache_retries_then_fails_clearly) {
   cr_assert_eq(dp_cache_alloc(C, H1, 2 << 20, s, &more, &e), DP_ENOMEM);
   cr_assert(strstr(e.message, "out of memory allocating 2097152 bytes on host:1 (4194304 allocated, 4194304 reserved") ==
                 e.message, "%s", e.message);
-  OK(dp_cache_dealloc(C, big, NULL));
+  OK(dp_cache_dealloc(C, big, T_ERR));
   dp_stream_free(s);
   OK(dp_host_set_memory_limit(H1, 0));
 }
@@ -270,7 +270,7 @@ Test(allocator, out_of_memory_frees_the_cache_retries_then_fails_clearly) {
 Test(allocator, interior_pointers_find_their_block) {
   dp_stream_t *s = stream(H0);
   char *p;
-  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, NULL));
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, T_ERR));
   void *base;
   size_t size;
   OK(dp_cache_lookup(C, p + 4095, &base, &size));
@@ -278,7 +278,7 @@ Test(allocator, interior_pointers_find_their_block) {
   cr_assert_eq(dp_cache_lookup(C, p + 4096, &base, &size), DP_ENOTFOUND, "the free remainder is nobody's");
   int local;
   cr_assert_eq(dp_cache_lookup(C, &local, &base, &size), DP_ENOTFOUND);
-  OK(dp_cache_dealloc(C, p, NULL));
+  OK(dp_cache_dealloc(C, p, T_ERR));
   cr_assert_eq(dp_cache_lookup(C, p, &base, &size), DP_ENOTFOUND);
   dp_stream_free(s);
 }
@@ -287,31 +287,31 @@ Test(allocator, freeing_what_it_did_not_hand_out_is_an_error) {
   dp_stream_t *s = stream(H0);
   void *p;
   dp_error_t e;
-  OK(dp_cache_alloc(C, H0, 64, s, &p, NULL));
-  OK(dp_cache_dealloc(C, p, NULL));
+  OK(dp_cache_alloc(C, H0, 64, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
   cr_assert_eq(dp_cache_dealloc(C, p, &e), DP_EINVAL);
   cr_assert(strstr(e.message, "not allocated by this allocator, or already freed") != NULL, "%s", e.message);
   cr_assert_eq(dp_cache_record_stream(C, p, s, &e), DP_ENOTFOUND);
   cr_assert_eq(dp_cache_alloc(C, H0, 64, dp_stream_default(B, H1), &p, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_cache_alloc: the stream must be on the device allocated from");
-  OK(dp_cache_dealloc(C, NULL, NULL));
+  OK(dp_cache_dealloc(C, NULL, T_ERR));
   dp_stream_free(s);
 }
 
 Test(allocator, the_hooks_record_many_pointers_and_skip_foreign_ones) {
   dp_stream_t *s = stream(H0), *u = stream(H0);
   void *p[3];
-  for (int i = 0; i < 3; i++) OK(dp_cache_alloc(C, H0, 4096, s, &p[i], NULL));
+  for (int i = 0; i < 3; i++) OK(dp_cache_alloc(C, H0, 4096, s, &p[i], T_ERR));
   int foreign;
   void *ptrs[4] = {p[0], &foreign, p[1], p[2]};
   dp_cache_hooks_t h = dp_cache_hooks(C);
-  OK(dp_cache_hooks_record(&h, ptrs, 4, u, NULL));
+  OK(dp_cache_hooks_record(&h, ptrs, 4, u, T_ERR));
   h.record_streams = NULL;  /* the fallback path: one call per pointer */
-  OK(dp_cache_hooks_record(&h, ptrs, 4, u, NULL));
-  OK(dp_host_launch(u, sleep_40, NULL, NULL));
-  for (int i = 0; i < 3; i++) OK(dp_cache_dealloc(C, p[i], NULL));
+  OK(dp_cache_hooks_record(&h, ptrs, 4, u, T_ERR));
+  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  for (int i = 0; i < 3; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 3);
-  OK(dp_stream_synchronize(u, NULL));
+  OK(dp_stream_synchronize(u, T_ERR));
   cr_assert_eq(dp_cache_poll(C), 3);
   dp_stream_free(s);
   dp_stream_free(u);
@@ -320,13 +320,13 @@ Test(allocator, the_hooks_record_many_pointers_and_skip_foreign_ones) {
 Test(allocator, a_destroyed_stream_leaves_no_dangling_block) {
   dp_stream_t *s = stream(H0), *t = stream(H0);
   void *p, *q;
-  OK(dp_cache_alloc(C, H0, 4096, s, &p, NULL));
-  OK(dp_cache_dealloc(C, p, NULL));
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
   dp_stream_free(s);  /* its cached blocks now belong to no stream */
-  OK(dp_cache_alloc(C, H0, 4096, t, &q, NULL));
+  OK(dp_cache_alloc(C, H0, 4096, t, &q, T_ERR));
   cr_assert_eq(q, p);
   cr_assert_eq(stats(H0).cross_stream, 0, "no wait needed: the stream's work completed when it was destroyed");
-  OK(dp_cache_dealloc(C, q, NULL));
+  OK(dp_cache_dealloc(C, q, T_ERR));
   dp_stream_free(t);
 }
 
@@ -369,7 +369,7 @@ Test(allocator, many_threads_allocate_and_free_and_the_books_balance) {
     cr_assert_eq(st.allocs, st.frees);
     cr_assert_gt(st.allocs, 10000);
   }
-  OK(dp_cache_empty(C, NULL));
+  OK(dp_cache_empty(C, T_ERR));
   cr_assert_eq(stats(H0).reserved + stats(H1).reserved, 0, "every segment went back");
 }
 
@@ -398,14 +398,14 @@ Test(allocator, every_allocation_failure_is_an_error_and_leaks_nothing) {
     dp_stream_free(u);
     dp_backend_shutdown();
     cr_assert_eq(t_live_blocks, 0, "leak after failing allocation %ld", k);
-    OK(dp_backend_get(DP_DEVICE_HOST, &B, NULL));
+    OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
     s = stream(H0);
     u = stream(H0);
     if (rc == 0) break;
   }
   dp_stream_free(s);
   dp_stream_free(u);
-  OK(dp_cache_new(B, &C, NULL));
+  OK(dp_cache_new(B, &C, T_ERR));
 }
 
 /* A record on a block's allocation stream holds nothing back (the stream
@@ -417,22 +417,22 @@ Test(allocator, a_record_on_the_allocation_stream_is_a_no_op_and_after_its_destr
   dp_cache_hooks_t h = dp_cache_hooks(C);
   dp_stream_t *s = stream(H0);
   void *p, *q[2];
-  OK(dp_cache_alloc(C, H0, 4096, s, &p, NULL));
-  OK(dp_cache_hooks_record(&h, &p, 1, s, NULL));
-  OK(dp_cache_record_stream(C, p, s, NULL));
-  OK(dp_cache_dealloc(C, p, NULL));
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_hooks_record(&h, &p, 1, s, T_ERR));
+  OK(dp_cache_record_stream(C, p, s, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 0, "a record on the allocation stream holds nothing");
-  for (int i = 0; i < 2; i++) OK(dp_cache_alloc(C, H0, 4096, s, &q[i], NULL));
+  for (int i = 0; i < 2; i++) OK(dp_cache_alloc(C, H0, 4096, s, &q[i], T_ERR));
   dp_stream_t *old = s;
   dp_stream_free(s);
   dp_stream_t *u = stream(H0);  /* malloc tends to hand back the destroyed stream's memory */
   cr_log_info("the new stream %s the destroyed one's address", u == old ? "has" : "does not have");
-  OK(dp_cache_hooks_record(&h, &q[0], 1, u, NULL));
-  OK(dp_cache_record_stream(C, q[1], u, NULL));
-  OK(dp_host_launch(u, sleep_40, NULL, NULL));
-  for (int i = 0; i < 2; i++) OK(dp_cache_dealloc(C, q[i], NULL));
+  OK(dp_cache_hooks_record(&h, &q[0], 1, u, T_ERR));
+  OK(dp_cache_record_stream(C, q[1], u, T_ERR));
+  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  for (int i = 0; i < 2; i++) OK(dp_cache_dealloc(C, q[i], T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 2, "both blocks wait for the stream that recorded them");
-  OK(dp_stream_synchronize(u, NULL));
+  OK(dp_stream_synchronize(u, T_ERR));
   cr_assert_eq(dp_cache_poll(C), 2);
   dp_stream_free(u);
 }
@@ -453,12 +453,12 @@ Test(allocator, emptying_the_cache_waits_for_a_stream_without_holding_the_lock_i
    * a host function on such a stream that itself allocates deadlocked. */
   dp_stream_t *s = stream(H0);
   void *p;
-  OK(dp_cache_alloc(C, H0, 4096, s, &p, NULL));
-  OK(dp_cache_dealloc(C, p, NULL));  /* a whole free segment, last used on s */
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));  /* a whole free segment, last used on s */
   fn_done = 0;
-  OK(dp_host_launch(s, allocate_from_a_stream, s, NULL));
-  OK(dp_cache_empty(C, NULL));
+  OK(dp_host_launch(s, allocate_from_a_stream, s, T_ERR));
+  OK(dp_cache_empty(C, T_ERR));
   cr_assert_eq(fn_done, 1, "dp_cache_empty returned before s's work that preceded it was done");
-  OK(dp_stream_synchronize(s, NULL));
+  OK(dp_stream_synchronize(s, T_ERR));
   dp_stream_free(s);
 }

@@ -818,9 +818,9 @@ Test(cli, unpack_writes_a_shared_storages_data_once_and_pack_takes_it_from_the_t
   static uint8_t data[3072];
   for (size_t i = 0; i < sizeof data; i++) data[i] = (uint8_t)(i * 13);
   dp_storage_t *s;
-  cr_assert_eq(dp_storage_new((dp_device_t){DP_DEVICE_CPU, 0}, data, sizeof data, NULL, NULL, &s, NULL), 0);
+  OK(dp_storage_new((dp_device_t){DP_DEVICE_CPU, 0}, data, sizeof data, NULL, NULL, &s, T_ERR));
   dp_value_t l = t_list();
-  for (int i = 0; i < 16; i++) cr_assert_eq(dp_list_append(l, t_view(s, 8, i * 8), NULL), 0);
+  for (int i = 0; i < 16; i++) OK(dp_list_append(l, t_view(s, 8, i * 8), T_ERR));
   dp_storage_release(s);
   write_frame("inl.dpk", l, 1);
   res_t r = run("unpack inl.dpk");
@@ -852,7 +852,7 @@ Test(cli, unpack_writes_a_shared_storages_data_once_and_pack_takes_it_from_the_t
 
 Test(cli, dict_keys_show_their_value_json_alike_in_dump_inspect_and_pack_errors) {
   dp_value_t d;
-  cr_assert_eq(dp_dict_new(0, &d, NULL), 0);
+  OK(dp_dict_new(0, &d, T_ERR));
   uint64_t bits[] = {0x7ff0000000000000ull, 0x7ff8000000000000ull, 0x7ff8000000000001ull};
   dp_value_t keys[5] = {dp_int(1), dp_float(1.0)};
   for (int i = 0; i < 3; i++) {
@@ -860,7 +860,7 @@ Test(cli, dict_keys_show_their_value_json_alike_in_dump_inspect_and_pack_errors)
     memcpy(&f, &bits[i], sizeof f);
     keys[2 + i] = dp_float(f);
   }
-  for (int i = 0; i < 5; i++) cr_assert_eq(dp_dict_set(d, keys[i], t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x1000 * (i + 1), 1), NULL), 0);
+  for (int i = 0; i < 5; i++) OK(dp_dict_set(d, keys[i], t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x1000 * (i + 1), 1), T_ERR));
   write_frame("k.dpk", d, 0);
   static const char *const want[] = {"$[1]", "$[1.0]", "$[{\"$float\":\"inf\"}]", "$[{\"$float\":\"nan\"}]",
                                      "$[{\"$float\":\"0x7ff8000000000001\"}]"};
@@ -927,9 +927,9 @@ Test(cli, inspect_puts_the_ellipsis_of_a_cut_quoted_name_inside_the_quotes_as_du
   memset(ident, 'a', 64);
   strcpy(ident + 64, "-b");  /* the part shown is an identifier */
   dp_value_t d;
-  cr_assert_eq(dp_dict_new(0, &d, NULL), 0);
-  cr_assert_eq(dp_dict_set(d, t_str(quoted), t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 1), NULL), 0);
-  cr_assert_eq(dp_dict_set(d, t_str(ident), t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x2000, 1), NULL), 0);
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_dict_set(d, t_str(quoted), t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 1), T_ERR));
+  OK(dp_dict_set(d, t_str(ident), t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x2000, 1), T_ERR));
   write_frame("q.dpk", d, 0);
   char want[2][256];
   snprintf(want[0], sizeof want[0], "$[\"%.64s\u2026\"]", quoted);

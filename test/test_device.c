@@ -53,20 +53,20 @@ static void read_value(void *arg) {
 static int consumer_sees(int with_wait) {
   dp_backend_t *b = host();
   dp_stream_t *a, *c;
-  OK(dp_stream_new(b, H0, &a, NULL));
-  OK(dp_stream_new(b, H0, &c, NULL));
+  OK(dp_stream_new(b, H0, &a, T_ERR));
+  OK(dp_stream_new(b, H0, &c, T_ERR));
   cell_t cell;
   atomic_init(&cell.value, 0);
   atomic_init(&cell.seen, -1);
   dp_event_t *ev;
-  OK(dp_host_launch(a, slow_write, &cell, NULL));
-  OK(dp_event_new(b, H0, &ev, NULL));
-  OK(dp_event_record(ev, a, NULL));
-  if (with_wait) OK(dp_stream_wait_event(c, ev, NULL));
-  OK(dp_host_launch(c, read_value, &cell, NULL));
-  OK(dp_stream_synchronize(c, NULL));
+  OK(dp_host_launch(a, slow_write, &cell, T_ERR));
+  OK(dp_event_new(b, H0, &ev, T_ERR));
+  OK(dp_event_record(ev, a, T_ERR));
+  if (with_wait) OK(dp_stream_wait_event(c, ev, T_ERR));
+  OK(dp_host_launch(c, read_value, &cell, T_ERR));
+  OK(dp_stream_synchronize(c, T_ERR));
   int seen = atomic_load(&cell.seen);
-  OK(dp_stream_synchronize(a, NULL));
+  OK(dp_stream_synchronize(a, T_ERR));
   dp_event_free(ev);
   dp_stream_free(a);
   dp_stream_free(c);
@@ -84,24 +84,24 @@ Test(device, negative_control_without_the_wait_the_consumer_reads_stale_data) {
 Test(device, a_wait_does_not_block_the_host_thread) {
   dp_backend_t *b = host();
   dp_stream_t *a, *c;
-  OK(dp_stream_new(b, H0, &a, NULL));
-  OK(dp_stream_new(b, H1, &c, NULL));
+  OK(dp_stream_new(b, H0, &a, T_ERR));
+  OK(dp_stream_new(b, H1, &c, T_ERR));
   cell_t cell;
   atomic_init(&cell.value, 0);
   atomic_init(&cell.seen, -1);
   dp_event_t *ev;
-  OK(dp_event_new(b, H0, &ev, NULL));
-  OK(dp_host_launch(a, slow_write, &cell, NULL));
-  OK(dp_event_record(ev, a, NULL));
+  OK(dp_event_new(b, H0, &ev, T_ERR));
+  OK(dp_host_launch(a, slow_write, &cell, T_ERR));
+  OK(dp_event_record(ev, a, T_ERR));
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
-  OK(dp_stream_wait_event(c, ev, NULL));  /* across devices */
-  OK(dp_host_launch(c, read_value, &cell, NULL));
+  OK(dp_stream_wait_event(c, ev, T_ERR));  /* across devices */
+  OK(dp_host_launch(c, read_value, &cell, T_ERR));
   clock_gettime(CLOCK_MONOTONIC, &t1);
   double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
   cr_assert_lt(ms, 30, "queueing the wait took %.1f ms: it blocked", ms);
   cr_assert_eq(dp_stream_query(c), 0, "the consumer stream is still waiting");
-  OK(dp_stream_synchronize(c, NULL));
+  OK(dp_stream_synchronize(c, T_ERR));
   cr_assert_eq(atomic_load(&cell.seen), 42);
   dp_event_free(ev);
   dp_stream_free(a);
@@ -132,9 +132,9 @@ Test(device, a_stream_runs_its_work_in_order) {
   atomic_init(&log.n, 0);
   for (int i = 0; i < 2000; i++) {
     es[i] = (entry_t){&log, i};
-    OK(dp_host_launch(s, append, &es[i], NULL));
+    OK(dp_host_launch(s, append, &es[i], T_ERR));
   }
-  OK(dp_stream_synchronize(s, NULL));
+  OK(dp_stream_synchronize(s, T_ERR));
   cr_assert_eq(atomic_load(&log.n), 2000);
   for (int i = 0; i < 2000; i++) cr_assert_eq(log.order[i], i);
 }
@@ -144,23 +144,23 @@ static void sleep_task(void *arg) { sleep_ms((int)(intptr_t)arg); }
 Test(device, events_and_streams_answer_queries_as_cuda_does) {
   dp_backend_t *b = host();
   dp_stream_t *s;
-  OK(dp_stream_new(b, H0, &s, NULL));
+  OK(dp_stream_new(b, H0, &s, T_ERR));
   dp_event_t *ev;
-  OK(dp_event_new(b, H0, &ev, NULL));
+  OK(dp_event_new(b, H0, &ev, T_ERR));
   cr_assert_eq(dp_event_query(ev), 1, "a never-recorded event is complete");
-  OK(dp_event_synchronize(ev, NULL));
+  OK(dp_event_synchronize(ev, T_ERR));
   cr_assert_eq(dp_stream_query(s), 1, "an idle stream is complete");
-  OK(dp_host_launch(s, sleep_task, (void *)(intptr_t)40, NULL));
-  OK(dp_event_record(ev, s, NULL));
+  OK(dp_host_launch(s, sleep_task, (void *)(intptr_t)40, T_ERR));
+  OK(dp_event_record(ev, s, T_ERR));
   cr_assert_eq(dp_event_query(ev), 0);
   cr_assert_eq(dp_stream_query(s), 0);
-  OK(dp_host_launch(s, sleep_task, (void *)(intptr_t)40, NULL));
-  OK(dp_event_synchronize(ev, NULL));
+  OK(dp_host_launch(s, sleep_task, (void *)(intptr_t)40, T_ERR));
+  OK(dp_event_synchronize(ev, T_ERR));
   cr_assert_eq(dp_event_query(ev), 1);
   cr_assert_eq(dp_stream_query(s), 0, "work queued after the record is still running");
-  OK(dp_event_record(ev, s, NULL));  /* re-record: captures the second task too */
+  OK(dp_event_record(ev, s, T_ERR));  /* re-record: captures the second task too */
   cr_assert_eq(dp_event_query(ev), 0);
-  OK(dp_stream_synchronize(s, NULL));
+  OK(dp_stream_synchronize(s, T_ERR));
   cr_assert_eq(dp_event_query(ev), 1);
   cr_assert_eq(dp_stream_query(s), 1);
   dp_event_free(ev);
@@ -172,11 +172,11 @@ Test(device, device_synchronize_waits_for_every_stream_of_the_device) {
   dp_stream_t *s[3];
   cell_t cells[3];
   for (int i = 0; i < 3; i++) {
-    OK(dp_stream_new(b, H1, &s[i], NULL));
+    OK(dp_stream_new(b, H1, &s[i], T_ERR));
     atomic_init(&cells[i].value, 0);
-    OK(dp_host_launch(s[i], slow_write, &cells[i], NULL));
+    OK(dp_host_launch(s[i], slow_write, &cells[i], T_ERR));
   }
-  OK(dp_device_synchronize(b, H1, NULL));
+  OK(dp_device_synchronize(b, H1, T_ERR));
   for (int i = 0; i < 3; i++) cr_assert_eq(atomic_load(&cells[i].value), 42);
   for (int i = 0; i < 3; i++) dp_stream_free(s[i]);
 }
@@ -185,14 +185,14 @@ Test(device, memcpy_runs_in_stream_order) {
   dp_backend_t *b = host();
   dp_stream_t *s = dp_stream_default(b, H0);
   void *dev;
-  OK(dp_device_alloc(b, H0, 64, &dev, NULL));
+  OK(dp_device_alloc(b, H0, 64, &dev, T_ERR));
   cell_t cell;
   atomic_init(&cell.value, 0);
-  OK(dp_host_launch(s, slow_write, &cell, NULL));
-  OK(dp_memcpy_async(s, dev, &cell.value, sizeof(int), NULL));
+  OK(dp_host_launch(s, slow_write, &cell, T_ERR));
+  OK(dp_memcpy_async(s, dev, &cell.value, sizeof(int), T_ERR));
   int out = -1;
-  OK(dp_memcpy_async(s, &out, dev, sizeof(int), NULL));
-  OK(dp_stream_synchronize(s, NULL));
+  OK(dp_memcpy_async(s, &out, dev, sizeof(int), T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
   cr_assert_eq(out, 42);
   dp_device_dealloc(b, H0, dev);
 }
@@ -213,10 +213,10 @@ Test(device, the_stream_pool_hands_out_its_streams_round_robin) {
 Test(device, released_events_are_reused_not_recreated) {
   dp_backend_t *b = host();
   dp_event_t *e1, *e2;
-  OK(dp_event_new(b, H0, &e1, NULL));
+  OK(dp_event_new(b, H0, &e1, T_ERR));
   dp_event_free(e1);
   long before = t_alloc_count;
-  OK(dp_event_new(b, H0, &e2, NULL));
+  OK(dp_event_new(b, H0, &e2, T_ERR));
   cr_assert_eq(e1, e2);
   cr_assert_eq(t_alloc_count, before, "acquiring from the pool allocates nothing");
   dp_event_free(e2);
@@ -243,7 +243,7 @@ static dp_stream_t *provider(void *ud, dp_backend_t *b, dp_device_t dev) {
 Test(device, the_current_stream_is_per_thread_and_falls_back_to_provider_then_default) {
   dp_backend_t *b = host();
   dp_stream_t *mine, *prev;
-  OK(dp_stream_new(b, H0, &mine, NULL));
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
   cr_assert_eq(dp_current_stream(b, H0), dp_stream_default(b, H0));
   OK(dp_set_current_stream(mine, &prev));
   cr_assert_null(prev);
@@ -301,10 +301,10 @@ Test(device, forcing_cuda_without_a_gpu_is_an_error_not_a_fallback) {
   cr_assert_eq(dp_backend_default(&b, &e), DP_ENODEV);
   cr_assert(strstr(e.message, "CUDA") != NULL, "the reason is given: %s", e.message);
   setenv("DEVPICKLE_BACKEND", "host", 1);
-  OK(dp_backend_default(&b, &e));
+  OK_WITH(&e, dp_backend_default(&b, &e));
   cr_assert_str_eq(dp_backend_name(b), "host");
   unsetenv("DEVPICKLE_BACKEND");
-  OK(dp_backend_default(&b, &e));
+  OK_WITH(&e, dp_backend_default(&b, &e));
   cr_assert_str_eq(dp_backend_name(b), "host", "without a GPU the default is host");
   setenv("DEVPICKLE_BACKEND", "tpu", 1);
   cr_assert_eq(dp_backend_default(&b, &e), DP_EINVAL);
@@ -326,8 +326,8 @@ Test(device, devices_are_checked_against_the_backend) {
 Test(device, host_memory_is_tagged_by_device_and_found_from_interior_pointers) {
   dp_backend_t *b = host();
   char *p0, *p1;
-  OK(dp_device_alloc(b, H0, 1000, (void **)&p0, NULL));
-  OK(dp_device_alloc(b, H1, 1000, (void **)&p1, NULL));
+  OK(dp_device_alloc(b, H0, 1000, (void **)&p0, T_ERR));
+  OK(dp_device_alloc(b, H1, 1000, (void **)&p1, T_ERR));
   cr_assert_eq((uintptr_t)p0 % 256, 0, "aligned like cudaMalloc");
   dp_device_t d;
   OK(dp_pointer_device(b, p0 + 999, &d));
@@ -347,10 +347,10 @@ Test(device, a_memory_limit_makes_host_allocations_fail_cleanly) {
   dp_backend_t *b = host();
   void *p, *q;
   dp_error_t e;
-  OK(dp_device_alloc(b, H1, 4000, &p, &e));
+  OK_WITH(&e, dp_device_alloc(b, H1, 4000, &p, &e));
   cr_assert_eq(dp_device_alloc(b, H1, 200, &q, &e), DP_ENOMEM);
   cr_assert_str_eq(e.message, "host:1 is out of memory: 200 bytes asked, 4000 of 4096 in use");
-  OK(dp_device_alloc(b, H0, 8000, &q, &e));
+  OK_WITH(&e, dp_device_alloc(b, H0, 8000, &q, &e));
   dp_device_dealloc(b, H1, p);
   dp_device_dealloc(b, H0, q);
   OK(dp_host_set_memory_limit(H1, 0));
@@ -362,20 +362,20 @@ Test(device, shutdown_joins_every_thread_and_frees_everything) {
   dp_backend_t *b = host();
   for (int i = 0; i < 4; i++) (void)dp_stream_pool_next(b, H0);
   dp_stream_t *s;
-  OK(dp_stream_new(b, H1, &s, NULL));
+  OK(dp_stream_new(b, H1, &s, T_ERR));
   cell_t cell;
   atomic_init(&cell.value, 0);
-  OK(dp_host_launch(dp_stream_default(b, H0), slow_write, &cell, NULL));
+  OK(dp_host_launch(dp_stream_default(b, H0), slow_write, &cell, T_ERR));
   dp_event_t *ev;
-  OK(dp_event_new(b, H0, &ev, NULL));
-  OK(dp_event_record(ev, dp_stream_default(b, H0), NULL));
+  OK(dp_event_new(b, H0, &ev, T_ERR));
+  OK(dp_event_record(ev, dp_stream_default(b, H0), T_ERR));
   dp_event_free(ev);
   dp_stream_free(s);
   void *p;
-  OK(dp_device_alloc(b, H0, 100, &p, NULL));  /* not freed: shutdown frees it */
+  OK(dp_device_alloc(b, H0, 100, &p, T_ERR));  /* not freed: shutdown frees it */
   dp_backend_shutdown();
   cr_assert_eq(atomic_load(&cell.value), 42, "queued work ran before the threads stopped");
   ASSERT_NO_LEAK();
-  OK(dp_backend_get(DP_DEVICE_HOST, &b, NULL));  /* and it starts again */
+  OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));  /* and it starts again */
   cr_assert_not_null(dp_stream_default(b, H0));
 }

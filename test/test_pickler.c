@@ -14,7 +14,7 @@ TestSuite(pickler, .init = setup, .fini = teardown);
 
 static dp_ptrset_t *scan_paths(dp_value_t v) {
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
   dp_scan_opts_t o = {DP_SCAN_PATHS, 0};
   dp_error_t e;
   int rc = dp_scan(v, &o, set, &e);
@@ -50,7 +50,7 @@ static dp_value_t t_holder(dp_value_t held) {
   holder_t *h = malloc(sizeof *h);
   h->held = held;
   dp_value_t c;
-  OK(dp_custom_new(&holder_type, h, &c, NULL));
+  OK(dp_custom_new(&holder_type, h, &c, T_ERR));
   return c;
 }
 
@@ -76,27 +76,27 @@ static const dp_type_t opaque_type = {"Opaque", NULL, NULL};
 
 Test(pickler, every_kind_is_walked_with_exact_paths) {
   dp_value_t root, d2, tup, key;
-  OK(dp_dict_new(0, &root, NULL));
+  OK(dp_dict_new(0, &root, T_ERR));
   dp_value_t l = t_list();
-  OK(dp_list_append(l, dp_int(1), NULL));
-  OK(dp_list_append(l, t_tensor(CUDA0, 0x1000, 4), NULL));
-  OK(dp_tuple_new(2, &tup, NULL));
-  OK(dp_seq_set(tup, 1, t_tensor(CUDA0, 0x2000, 4), NULL));
-  OK(dp_list_append(l, tup, NULL));
-  OK(dp_dict_set(root, t_str("a"), l, NULL));
-  OK(dp_dict_new(0, &d2, NULL));
-  OK(dp_dict_set(d2, t_str("k k"), t_tensor(CUDA1, 0x3000, 4), NULL));
-  OK(dp_dict_set(d2, dp_int(3), t_tensor(CUDA1, 0x4000, 4), NULL));
-  OK(dp_dict_set(root, t_str("b"), d2, NULL));
+  OK(dp_list_append(l, dp_int(1), T_ERR));
+  OK(dp_list_append(l, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_tuple_new(2, &tup, T_ERR));
+  OK(dp_seq_set(tup, 1, t_tensor(CUDA0, 0x2000, 4), T_ERR));
+  OK(dp_list_append(l, tup, T_ERR));
+  OK(dp_dict_set(root, t_str("a"), l, T_ERR));
+  OK(dp_dict_new(0, &d2, T_ERR));
+  OK(dp_dict_set(d2, t_str("k k"), t_tensor(CUDA1, 0x3000, 4), T_ERR));
+  OK(dp_dict_set(d2, dp_int(3), t_tensor(CUDA1, 0x4000, 4), T_ERR));
+  OK(dp_dict_set(root, t_str("b"), d2, T_ERR));
   dp_value_t o = t_obj("Layer");
-  OK(dp_object_set(o, "weight", t_tensor(CUDA0, 0x5000, 4), NULL));
-  OK(dp_object_set(o, "odd name", t_tensor(CUDA0, 0x6000, 4), NULL));
-  OK(dp_dict_set(root, t_str("layer"), o, NULL));
-  OK(dp_dict_set(root, t_str("c"), t_holder(t_tensor(CPU, 0x7000, 4)), NULL));
-  OK(dp_tuple_new(2, &key, NULL));
-  OK(dp_seq_set(key, 0, dp_int(1), NULL));
-  OK(dp_seq_set(key, 1, t_str("x"), NULL));
-  OK(dp_dict_set(root, key, t_tensor(CUDA0, 0x8000, 4), NULL));
+  OK(dp_object_set(o, "weight", t_tensor(CUDA0, 0x5000, 4), T_ERR));
+  OK(dp_object_set(o, "odd name", t_tensor(CUDA0, 0x6000, 4), T_ERR));
+  OK(dp_dict_set(root, t_str("layer"), o, T_ERR));
+  OK(dp_dict_set(root, t_str("c"), t_holder(t_tensor(CPU, 0x7000, 4)), T_ERR));
+  OK(dp_tuple_new(2, &key, T_ERR));
+  OK(dp_seq_set(key, 0, dp_int(1), T_ERR));
+  OK(dp_seq_set(key, 1, t_str("x"), T_ERR));
+  OK(dp_dict_set(root, key, t_tensor(CUDA0, 0x8000, 4), T_ERR));
   dp_ptrset_t *set = scan_paths(root);
   cr_assert_eq(dp_ptrset_count(set), 8);
   expect_ptr(set, 0, 0x1000, "$.a[1]", 1);
@@ -125,11 +125,11 @@ Test(pickler, every_kind_is_walked_with_exact_paths) {
 Test(pickler, shared_storages_are_reported_once_with_their_tensor_count) {
   dp_storage_t *s = t_storage(CUDA0, 0xA000, 1024);
   dp_value_t l = t_list(), view = t_view(s, 8, 8);
-  OK(dp_list_append(l, t_view(s, 8, 0), NULL));
-  OK(dp_list_append(l, dp_value_retain(view), NULL));
-  OK(dp_list_append(l, view, NULL));  /* the same tensor again: one tensor */
-  OK(dp_list_append(l, t_view(s, 4, 100), NULL));
-  OK(dp_list_append(l, t_tensor(CUDA0, 0xB000, 4), NULL));
+  OK(dp_list_append(l, t_view(s, 8, 0), T_ERR));
+  OK(dp_list_append(l, dp_value_retain(view), T_ERR));
+  OK(dp_list_append(l, view, T_ERR));  /* the same tensor again: one tensor */
+  OK(dp_list_append(l, t_view(s, 4, 100), T_ERR));
+  OK(dp_list_append(l, t_tensor(CUDA0, 0xB000, 4), T_ERR));
   dp_storage_release(s);
   dp_ptrset_t *set = scan_paths(l);
   cr_assert_eq(dp_ptrset_count(set), 2);
@@ -146,15 +146,15 @@ Test(pickler, scans_without_paths_count_the_same_across_batches) {
   dp_storage_t *s = t_storage(CUDA0, 0xA000, 1 << 20);
   dp_value_t l = t_list(), shared = t_view(s, 8, 0);
   for (int i = 0; i < 100; i++) {
-    OK(dp_list_append(l, t_tensor(CUDA1, 0x100000 + (uintptr_t)i * 64, 4), NULL));
-    if (i % 30 == 0) OK(dp_list_append(l, dp_value_retain(shared), NULL));
-    if (i % 7 == 0) OK(dp_list_append(l, t_view(s, 4, i), NULL));
+    OK(dp_list_append(l, t_tensor(CUDA1, 0x100000 + (uintptr_t)i * 64, 4), T_ERR));
+    if (i % 30 == 0) OK(dp_list_append(l, dp_value_retain(shared), T_ERR));
+    if (i % 7 == 0) OK(dp_list_append(l, t_view(s, 4, i), T_ERR));
   }
   dp_storage_release(s);
   dp_value_release(shared);
   dp_ptrset_t *with = scan_paths(l), *without;
-  OK(dp_ptrset_new(&without, NULL));
-  OK(dp_scan(l, NULL, without, NULL));
+  OK(dp_ptrset_new(&without, T_ERR));
+  OK(dp_scan(l, NULL, without, T_ERR));
   cr_assert_eq(dp_ptrset_count(without), 101);
   cr_assert_eq(dp_ptrset_count(with), 101);
   for (size_t i = 0; i < 101; i++) {
@@ -179,28 +179,28 @@ Test(pickler, small_lists_of_leaves_are_scanned_in_place_without_losing_shared_o
   /* [(t_i, [view_i]) ...] plus an inner list shared by two tuples and a
    * tensor shared by two inner lists: counts must match the path scan. */
   dp_value_t root = t_list(), shared_inner = t_list(), shared_t = t_tensor(CUDA1, 0xF000, 4);
-  OK(dp_list_append(shared_inner, dp_value_retain(shared_t), NULL));
+  OK(dp_list_append(shared_inner, dp_value_retain(shared_t), T_ERR));
   for (int i = 0; i < 40; i++) {
     dp_storage_t *s = t_storage(CUDA0, 0x100000 + (uintptr_t)i * 4096, 4096);
     dp_value_t tup, inner;
-    OK(dp_tuple_new(2, &tup, NULL));
-    OK(dp_seq_set(tup, 0, t_view(s, 8, 0), NULL));
+    OK(dp_tuple_new(2, &tup, T_ERR));
+    OK(dp_seq_set(tup, 0, t_view(s, 8, 0), T_ERR));
     if (i % 10 == 3) {
       inner = dp_value_retain(shared_inner);
     } else {
       inner = t_list();
-      OK(dp_list_append(inner, t_view(s, 4, 8), NULL));
-      if (i % 10 == 5) OK(dp_list_append(inner, dp_value_retain(shared_t), NULL));
+      OK(dp_list_append(inner, t_view(s, 4, 8), T_ERR));
+      if (i % 10 == 5) OK(dp_list_append(inner, dp_value_retain(shared_t), T_ERR));
     }
-    OK(dp_seq_set(tup, 1, inner, NULL));
-    OK(dp_list_append(root, tup, NULL));
+    OK(dp_seq_set(tup, 1, inner, T_ERR));
+    OK(dp_list_append(root, tup, T_ERR));
     dp_storage_release(s);
   }
   dp_value_release(shared_inner);
   dp_value_release(shared_t);
   dp_ptrset_t *with = scan_paths(root), *without;
-  OK(dp_ptrset_new(&without, NULL));
-  OK(dp_scan(root, NULL, without, NULL));
+  OK(dp_ptrset_new(&without, T_ERR));
+  OK(dp_scan(root, NULL, without, T_ERR));
   cr_assert_eq(dp_ptrset_count(without), dp_ptrset_count(with));
   for (size_t i = 0; i < dp_ptrset_count(with); i++) {
     dp_ptr_info_t a, b;
@@ -224,14 +224,14 @@ Test(pickler, small_lists_of_leaves_are_scanned_in_place_without_losing_shared_o
 static void expect_same_depth_verdict(dp_value_t v, uint32_t md, int want) {
   dp_ptrset_t *s;
   dp_error_t e1, e2, e3;
-  OK(dp_ptrset_new(&s, NULL));
+  OK(dp_ptrset_new(&s, T_ERR));
   dp_scan_opts_t with = {DP_SCAN_PATHS, md}, without = {0, md};
   int r1 = dp_scan(v, &with, s, &e1);
   dp_ptrset_clear(s);
   int r2 = dp_scan(v, &without, s, &e2);
   dp_ptrset_free(s);
   dp_frame_t *f;
-  OK(dp_frame_new(&f, NULL));
+  OK(dp_frame_new(&f, T_ERR));
   dp_pickle_opts_t po = {0};
   po.max_depth = md;
   int r3 = dp_pickle(v, &po, f, &e3);
@@ -251,30 +251,30 @@ Test(pickler, scans_without_paths_keep_the_depth_limit_of_scans_with_paths) {
    * same. [[t]], [[[t]]], [(t, [t])], [obj{t}], [[], [[t]]]. */
   dp_value_t v[5], a, b, c, tup, o;
   a = t_list(), b = t_list();
-  OK(dp_list_append(b, t_tensor(CUDA0, 0x1000, 4), NULL));
-  OK(dp_list_append(a, b, NULL));
+  OK(dp_list_append(b, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_list_append(a, b, T_ERR));
   v[0] = a;
   a = t_list(), b = t_list(), c = t_list();
-  OK(dp_list_append(c, t_tensor(CUDA0, 0x2000, 4), NULL));
-  OK(dp_list_append(b, c, NULL));
-  OK(dp_list_append(a, b, NULL));
+  OK(dp_list_append(c, t_tensor(CUDA0, 0x2000, 4), T_ERR));
+  OK(dp_list_append(b, c, T_ERR));
+  OK(dp_list_append(a, b, T_ERR));
   v[1] = a;
   a = t_list(), b = t_list();
-  OK(dp_list_append(b, t_tensor(CUDA0, 0x3000, 4), NULL));
-  OK(dp_tuple_new(2, &tup, NULL));
-  OK(dp_seq_set(tup, 0, t_tensor(CUDA0, 0x4000, 4), NULL));
-  OK(dp_seq_set(tup, 1, b, NULL));
-  OK(dp_list_append(a, tup, NULL));
+  OK(dp_list_append(b, t_tensor(CUDA0, 0x3000, 4), T_ERR));
+  OK(dp_tuple_new(2, &tup, T_ERR));
+  OK(dp_seq_set(tup, 0, t_tensor(CUDA0, 0x4000, 4), T_ERR));
+  OK(dp_seq_set(tup, 1, b, T_ERR));
+  OK(dp_list_append(a, tup, T_ERR));
   v[2] = a;
   a = t_list(), o = t_obj("Holder");
-  OK(dp_object_set(o, "t", t_tensor(CUDA0, 0x5000, 4), NULL));
-  OK(dp_list_append(a, o, NULL));
+  OK(dp_object_set(o, "t", t_tensor(CUDA0, 0x5000, 4), T_ERR));
+  OK(dp_list_append(a, o, T_ERR));
   v[3] = a;
   a = t_list(), b = t_list(), c = t_list();
-  OK(dp_list_append(c, t_tensor(CUDA0, 0x6000, 4), NULL));
-  OK(dp_list_append(b, c, NULL));
-  OK(dp_list_append(a, t_list(), NULL));
-  OK(dp_list_append(a, b, NULL));
+  OK(dp_list_append(c, t_tensor(CUDA0, 0x6000, 4), T_ERR));
+  OK(dp_list_append(b, c, T_ERR));
+  OK(dp_list_append(a, t_list(), T_ERR));
+  OK(dp_list_append(a, b, T_ERR));
   v[4] = a;
   uint32_t deep[5] = {2, 3, 3, 2, 3};  /* levels of non-empty containers */
   for (int i = 0; i < 5; i++) {
@@ -297,49 +297,49 @@ Test(pickler, containers_staged_in_place_keep_order_and_counts_across_batches) {
     switch (i % 5) {
       case 0:  /* (t, t, [t, 1]) */
         x = t_list();
-        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
-        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), T_ERR));
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), T_ERR));
         {
           dp_value_t in = t_list();
-          OK(dp_list_append(in, t_tensor(CUDA0, base += 64, 4), NULL));
-          OK(dp_list_append(in, dp_int(1), NULL));
-          OK(dp_list_append(x, in, NULL));
+          OK(dp_list_append(in, t_tensor(CUDA0, base += 64, 4), T_ERR));
+          OK(dp_list_append(in, dp_int(1), T_ERR));
+          OK(dp_list_append(x, in, T_ERR));
         }
         break;
       case 1: { /* [t, t, {"k": t}]: a frame after two tensors */
         x = t_list();
-        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
-        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), T_ERR));
+        OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), T_ERR));
         dp_value_t d;
-        OK(dp_dict_new(1, &d, NULL));
-        OK(dp_dict_set(d, t_str("k"), t_tensor(CUDA0, base += 64, 4), NULL));
-        OK(dp_list_append(x, d, NULL));
+        OK(dp_dict_new(1, &d, T_ERR));
+        OK(dp_dict_set(d, t_str("k"), t_tensor(CUDA0, base += 64, 4), T_ERR));
+        OK(dp_list_append(x, d, T_ERR));
         break;
       }
       case 2: /* obj{a: t, b: 2, c: t} */
         x = t_obj("Pair");
-        OK(dp_object_set(x, "a", t_tensor(CUDA0, base += 64, 4), NULL));
-        OK(dp_object_set(x, "b", dp_int(2), NULL));
-        OK(dp_object_set(x, "c", t_tensor(CUDA1, base += 64, 4), NULL));
+        OK(dp_object_set(x, "a", t_tensor(CUDA0, base += 64, 4), T_ERR));
+        OK(dp_object_set(x, "b", dp_int(2), T_ERR));
+        OK(dp_object_set(x, "c", t_tensor(CUDA1, base += 64, 4), T_ERR));
         break;
       case 3: /* [17 tensors]: over DP_INLINE_MAX */
         x = t_list();
-        for (int k = 0; k < 17; k++) OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), NULL));
+        for (int k = 0; k < 17; k++) OK(dp_list_append(x, t_tensor(CUDA0, base += 64, 4), T_ERR));
         break;
       default: /* [[t x 9], [t x 9]]: over DP_INLINE_MAX in all, after 9 staged */
         x = t_list();
         for (int h = 0; h < 2; h++) {
           dp_value_t in = t_list();
-          for (int k = 0; k < 9; k++) OK(dp_list_append(in, t_tensor(CUDA1, base += 64, 4), NULL));
-          OK(dp_list_append(x, in, NULL));
+          for (int k = 0; k < 9; k++) OK(dp_list_append(in, t_tensor(CUDA1, base += 64, 4), T_ERR));
+          OK(dp_list_append(x, in, T_ERR));
         }
         break;
     }
-    OK(dp_list_append(root, x, NULL));
+    OK(dp_list_append(root, x, T_ERR));
   }
   dp_ptrset_t *with = scan_paths(root), *without;
-  OK(dp_ptrset_new(&without, NULL));
-  OK(dp_scan(root, NULL, without, NULL));
+  OK(dp_ptrset_new(&without, T_ERR));
+  OK(dp_scan(root, NULL, without, T_ERR));
   cr_assert_eq(dp_ptrset_count(with), 12 * (3 + 3 + 2 + 17 + 18));
   cr_assert_eq(dp_ptrset_count(without), dp_ptrset_count(with));
   for (size_t i = 0; i < dp_ptrset_count(with); i++) {
@@ -370,14 +370,14 @@ Test(pickler, a_scan_that_runs_out_of_memory_says_so_and_keeps_what_it_met_in_or
   dp_value_t root = t_list();
   for (int i = 0; i < 200; i++) {
     dp_storage_t *st = t_storage(i % 50 == 49 ? CUDA1 : CUDA0, 0x400000 + (uintptr_t)i * 4096, 4096);
-    OK(dp_list_append(root, t_view(st, 8, 0), NULL));
-    if (i % 3 == 0) OK(dp_list_append(root, t_view(st, 4, 8), NULL));
+    OK(dp_list_append(root, t_view(st, 8, 0), T_ERR));
+    if (i % 3 == 0) OK(dp_list_append(root, t_view(st, 4, 8), T_ERR));
     dp_storage_release(st);
   }
   dp_ptrset_t *full;
-  OK(dp_ptrset_new(&full, NULL));
+  OK(dp_ptrset_new(&full, T_ERR));
   long before = t_alloc_count;
-  OK(dp_scan(root, NULL, full, NULL));
+  OK(dp_scan(root, NULL, full, T_ERR));
   long allocs = t_alloc_count - before;
   cr_assert_eq(dp_ptrset_count(full), 200);
   int failed = 0;
@@ -385,7 +385,7 @@ Test(pickler, a_scan_that_runs_out_of_memory_says_so_and_keeps_what_it_met_in_or
    * one insert at a time): the scan either succeeds whole or fails */
   for (long k = 1; k <= allocs + 2; k++) {
     dp_ptrset_t *s;
-    OK(dp_ptrset_new(&s, NULL));
+    OK(dp_ptrset_new(&s, T_ERR));
     dp_error_t e;
     t_fail_at = t_alloc_count + k;
     int rc = dp_scan(root, NULL, s, &e);
@@ -433,21 +433,21 @@ Test(pickler, a_pickle_that_runs_out_of_memory_says_so_and_leaks_nothing) {
   memset(text, 'x', sizeof text);
   for (int i = 0; i < 60; i++) {
     dp_value_t o = t_obj("Rec"), str;
-    OK(dp_str_new(text, (size_t)(i * 5), &str, NULL));
-    OK(dp_object_set(o, "name", str, NULL));
-    OK(dp_object_set(o, "t", t_tensor(i % 2 ? CUDA1 : CUDA0, 0x500000 + (uintptr_t)i * 64, 4), NULL));
-    OK(dp_object_set(o, "x", dp_float(i * 0.25), NULL));
-    OK(dp_list_append(root, o, NULL));
+    OK(dp_str_new(text, (size_t)(i * 5), &str, T_ERR));
+    OK(dp_object_set(o, "name", str, T_ERR));
+    OK(dp_object_set(o, "t", t_tensor(i % 2 ? CUDA1 : CUDA0, 0x500000 + (uintptr_t)i * 64, 4), T_ERR));
+    OK(dp_object_set(o, "x", dp_float(i * 0.25), T_ERR));
+    OK(dp_list_append(root, o, T_ERR));
   }
   dp_frame_t *ref;
-  OK(dp_frame_new(&ref, NULL));
-  OK(dp_pickle(root, NULL, ref, NULL));
+  OK(dp_frame_new(&ref, T_ERR));
+  OK(dp_pickle(root, NULL, ref, T_ERR));
   size_t ref_n;
   const uint8_t *ref_p = dp_frame_data(ref, &ref_n);
   int failed = 0;
   for (long k = 1; k < 100; k++) {
     dp_frame_t *f;
-    OK(dp_frame_new(&f, NULL));
+    OK(dp_frame_new(&f, T_ERR));
     dp_error_t e;
     t_fail_at = t_alloc_count + k;
     int rc = dp_pickle(root, NULL, f, &e);
@@ -459,7 +459,7 @@ Test(pickler, a_pickle_that_runs_out_of_memory_says_so_and_leaks_nothing) {
       cr_assert(strstr(e.message, "out of memory"), "%s", e.message);
       dp_frame_data(f, &n);
       cr_assert_eq(n, 0, "a failed pickle leaves no frame");
-      OK(dp_pickle(root, NULL, f, NULL));
+      OK(dp_pickle(root, NULL, f, T_ERR));
     }
     const uint8_t *p = dp_frame_data(f, &n);
     cr_assert(n == ref_n && memcmp(p, ref_p, n) == 0, "allocation %ld: the frame differs", k);
@@ -474,10 +474,10 @@ Test(pickler, a_pickle_that_runs_out_of_memory_says_so_and_leaks_nothing) {
 
 Test(pickler, cycles_terminate_and_each_storage_is_met_once) {
   dp_value_t a = t_obj("Node"), b = t_obj("Node");
-  OK(dp_object_set(a, "t", t_tensor(CUDA0, 0x1000, 4), NULL));
-  OK(dp_object_set(a, "next", dp_value_retain(b), NULL));
-  OK(dp_object_set(b, "t", t_tensor(CUDA0, 0x2000, 4), NULL));
-  OK(dp_object_set(b, "next", dp_value_retain(a), NULL));
+  OK(dp_object_set(a, "t", t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_object_set(a, "next", dp_value_retain(b), T_ERR));
+  OK(dp_object_set(b, "t", t_tensor(CUDA0, 0x2000, 4), T_ERR));
+  OK(dp_object_set(b, "next", dp_value_retain(a), T_ERR));
   dp_ptrset_t *set = scan_paths(a);
   cr_assert_eq(dp_ptrset_count(set), 2);
   expect_ptr(set, 1, 0x2000, "$.next.t", 1);
@@ -491,9 +491,9 @@ Test(pickler, a_reduce_state_may_hold_another_custom) {
   holder_t *h = malloc(sizeof *h);
   h->held = t_holder(t_tensor(CUDA0, 0x1000, 4));
   dp_value_t outer;
-  OK(dp_custom_new(&outer_type, h, &outer, NULL));
+  OK(dp_custom_new(&outer_type, h, &outer, T_ERR));
   dp_value_t root = t_obj("Model");
-  OK(dp_object_set(root, "part", outer, NULL));
+  OK(dp_object_set(root, "part", outer, T_ERR));
   dp_ptrset_t *set = scan_paths(root);
   cr_assert_eq(dp_ptrset_count(set), 1);
   expect_ptr(set, 0, 0x1000, "$.part<reduce Outer>.inner<reduce Holder>[0]", 1);
@@ -504,24 +504,24 @@ Test(pickler, a_reduce_state_may_hold_another_custom) {
 
 Test(pickler, a_failing_reduce_is_an_error_naming_the_type_and_path) {
   dp_value_t root = t_list(), inner = t_obj("Wrapper"), c;
-  OK(dp_custom_new(&failing_type, NULL, &c, NULL));
-  OK(dp_object_set(inner, "handle", c, NULL));
-  OK(dp_list_append(root, dp_int(0), NULL));
-  OK(dp_list_append(root, inner, NULL));
+  OK(dp_custom_new(&failing_type, NULL, &c, T_ERR));
+  OK(dp_object_set(inner, "handle", c, T_ERR));
+  OK(dp_list_append(root, dp_int(0), T_ERR));
+  OK(dp_list_append(root, inner, T_ERR));
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
   cr_assert_str_eq(e.message, "reduce of type 'Stale' failed at $[1].handle: device handle is stale");
   dp_frame_t *f;
-  OK(dp_frame_new(&f, NULL));
+  OK(dp_frame_new(&f, T_ERR));
   cr_assert_eq(dp_pickle(root, NULL, f, &e), DP_ETYPE, "pickle walks the same way");
   cr_assert_str_eq(e.message, "reduce of type 'Stale' failed at $[1].handle: device handle is stale");
   size_t len;
   dp_frame_data(f, &len);
   cr_assert_eq(len, 0, "a failed pickle leaves an empty frame");
   dp_value_release(root);
-  OK(dp_custom_new(&opaque_type, NULL, &c, NULL));
+  OK(dp_custom_new(&opaque_type, NULL, &c, T_ERR));
   cr_assert_eq(dp_scan(c, NULL, set, &e), DP_ETYPE);
   cr_assert_str_eq(e.message, "cannot walk a value of type 'Opaque' at $: its type has no reduce");
   dp_value_release(c);
@@ -534,17 +534,17 @@ Test(pickler, nesting_beyond_the_depth_limit_is_an_error_not_a_crash) {
   dp_value_t root = t_list(), cur = root;
   for (int i = 0; i < 50; i++) {
     dp_value_t n = t_list();
-    OK(dp_list_append(cur, n, NULL));
+    OK(dp_list_append(cur, n, T_ERR));
     cur = n;
   }
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
   dp_scan_opts_t o = {0, 10};
   dp_error_t e;
   cr_assert_eq(dp_scan(root, &o, set, &e), DP_ELIMIT);
   cr_assert_str_eq(e.message, "nesting deeper than 10 levels at $[0][0][0][0][0][0][0][0][0][0]");
   o.max_depth = 100;
-  OK(dp_scan(root, &o, set, &e));
+  OK_WITH(&e, dp_scan(root, &o, set, &e));
   dp_ptrset_free(set);
   dp_value_release(root);
   ASSERT_NO_LEAK();
@@ -554,22 +554,22 @@ Test(pickler, a_steady_state_scan_allocates_nothing) {
   dp_value_t l = t_list();
   for (int i = 0; i < 1000; i++) {
     dp_value_t tup;
-    OK(dp_tuple_new(2, &tup, NULL));
+    OK(dp_tuple_new(2, &tup, T_ERR));
     dp_value_t t = t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 64, 4);
-    OK(dp_seq_set(tup, 0, dp_value_retain(t), NULL));
+    OK(dp_seq_set(tup, 0, dp_value_retain(t), T_ERR));
     dp_value_t inner = t_list();
-    OK(dp_list_append(inner, t, NULL));
-    OK(dp_seq_set(tup, 1, inner, NULL));
-    OK(dp_list_append(l, tup, NULL));
+    OK(dp_list_append(inner, t, T_ERR));
+    OK(dp_seq_set(tup, 1, inner, T_ERR));
+    OK(dp_list_append(l, tup, T_ERR));
   }
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
-  OK(dp_scan(l, NULL, set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
+  OK(dp_scan(l, NULL, set, T_ERR));
   cr_assert_eq(dp_ptrset_count(set), 1000);
   long before = t_alloc_count;
   for (int k = 0; k < 5; k++) {
     dp_ptrset_clear(set);
-    OK(dp_scan(l, NULL, set, NULL));
+    OK(dp_scan(l, NULL, set, T_ERR));
   }
   cr_assert_eq(t_alloc_count, before, "steady-state scans allocated %ld times", t_alloc_count - before);
   cr_assert_eq(dp_ptrset_count(set), 1000);
@@ -582,7 +582,7 @@ Test(pickler, a_steady_state_scan_allocates_nothing) {
 
 static dp_frame_t *pickle_ok(dp_value_t v, uint32_t flags) {
   dp_frame_t *f;
-  OK(dp_frame_new(&f, NULL));
+  OK(dp_frame_new(&f, T_ERR));
   dp_pickle_opts_t o = {flags, 0, NULL, NULL};
   dp_error_t e;
   int rc = dp_pickle(v, &o, f, &e);
@@ -602,15 +602,15 @@ static dp_value_t unpickle_ok(dp_frame_t *f) {
 
 Test(pickler, round_trip_preserves_sharing_and_cycles) {
   dp_value_t root = t_obj("Graph"), shared = t_list(), d;
-  OK(dp_list_append(shared, t_str("s"), NULL));
-  OK(dp_list_append(shared, dp_value_retain(shared), NULL));
-  OK(dp_dict_new(0, &d, NULL));
-  OK(dp_dict_set(d, t_str("self"), dp_value_retain(d), NULL));
-  OK(dp_dict_set(d, dp_float(1.5), dp_value_retain(shared), NULL));
-  OK(dp_object_set(root, "a", dp_value_retain(shared), NULL));
-  OK(dp_object_set(root, "b", shared, NULL));
-  OK(dp_object_set(root, "d", d, NULL));
-  OK(dp_object_set(root, "me", dp_value_retain(root), NULL));
+  OK(dp_list_append(shared, t_str("s"), T_ERR));
+  OK(dp_list_append(shared, dp_value_retain(shared), T_ERR));
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_dict_set(d, t_str("self"), dp_value_retain(d), T_ERR));
+  OK(dp_dict_set(d, dp_float(1.5), dp_value_retain(shared), T_ERR));
+  OK(dp_object_set(root, "a", dp_value_retain(shared), T_ERR));
+  OK(dp_object_set(root, "b", shared, T_ERR));
+  OK(dp_object_set(root, "d", d, T_ERR));
+  OK(dp_object_set(root, "me", dp_value_retain(root), T_ERR));
   dp_frame_t *f = pickle_ok(root, 0);
   dp_value_t back = unpickle_ok(f);
   cr_assert_eq(dp_value_equal(root, back, DP_EQ_SHARING), 1);
@@ -657,22 +657,22 @@ Test(pickler, the_same_value_always_pickles_to_the_same_bytes) {
 Test(pickler, a_linked_list_of_a_hundred_thousand_objects_scans_pickles_and_unpickles) {
   dp_value_t head = t_obj("Node"), cur = head;
   for (int i = 0; i < 100000; i++) {
-    OK(dp_object_set(cur, "t", t_tensor(CUDA0, 0x10000000 + (uintptr_t)i * 256, 4), NULL));
+    OK(dp_object_set(cur, "t", t_tensor(CUDA0, 0x10000000 + (uintptr_t)i * 256, 4), T_ERR));
     if (i == 99999) break;
     dp_value_t n = t_obj("Node");
-    OK(dp_object_set(cur, "next", n, NULL));
+    OK(dp_object_set(cur, "next", n, T_ERR));
     cur = n;
   }
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
-  OK(dp_scan(head, NULL, set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
+  OK(dp_scan(head, NULL, set, T_ERR));
   cr_assert_eq(dp_ptrset_count(set), 100000);
   dp_frame_t *f = pickle_ok(head, 0);
   cr_assert_eq(dp_frame_nbuffers(f), 100000);
   dp_value_t back = unpickle_ok(f);
   cr_assert_eq(dp_value_equal(head, back, DP_EQ_SHARING), 1);
   dp_ptrset_clear(set);
-  OK(dp_scan(back, NULL, set, NULL));
+  OK(dp_scan(back, NULL, set, T_ERR));
   cr_assert_eq(dp_ptrset_count(set), 100000);
   dp_ptrset_free(set);
   dp_frame_free(f);
@@ -685,18 +685,18 @@ Test(pickler, for_a_thousand_random_values_scan_matches_the_buffer_table_and_rou
   /* (scan_paths is defined above) */
   t_rng_t r = {0x5eed};
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
   dp_frame_t *f;
-  OK(dp_frame_new(&f, NULL));
+  OK(dp_frame_new(&f, T_ERR));
   int with_buffers = 0;
   for (int k = 0; k < 1000; k++) {
     t_pool_t pool;
     t_pool_init(&pool, (uint64_t)k);
     dp_value_t v = t_random_value(&r, &pool, 0);
-    if (k % 7 == 0 && dp_value_kind(v) == DP_LIST) OK(dp_list_append(v, dp_value_retain(v), NULL));
+    if (k % 7 == 0 && dp_value_kind(v) == DP_LIST) OK(dp_list_append(v, dp_value_retain(v), T_ERR));
     dp_ptrset_clear(set);
-    OK(dp_scan(v, NULL, set, NULL));
-    OK(dp_pickle(v, NULL, f, NULL));
+    OK(dp_scan(v, NULL, set, T_ERR));
+    OK(dp_pickle(v, NULL, f, T_ERR));
     cr_assert_eq(dp_frame_nbuffers(f), dp_ptrset_count(set), "value %d", k);
     for (size_t i = 0; i < dp_ptrset_count(set); i++) {
       dp_ptr_info_t p;
@@ -731,7 +731,7 @@ Test(pickler, for_a_thousand_random_values_scan_matches_the_buffer_table_and_rou
 
 Test(pickler, customs_come_back_as_generic_objects_and_pickle_back_the_same) {
   dp_value_t root = t_list();
-  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), NULL));
+  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
   dp_frame_t *f = pickle_ok(root, 0);
   dp_value_t back = unpickle_ok(f);
   dp_value_t g = dp_seq_get(back, 0);
@@ -765,12 +765,12 @@ static int resolve_holder(void *ud, const char *type, dp_value_t state, dp_value
 
 Test(pickler, a_resolver_rebuilds_only_allowed_types) {
   dp_value_t root = t_list();
-  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), NULL));
+  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
   holder_t *h = malloc(sizeof *h);
   h->held = t_holder(t_tensor(CUDA0, 0x2000, 4));
   dp_value_t outer;
-  OK(dp_custom_new(&outer_type, h, &outer, NULL));
-  OK(dp_list_append(root, outer, NULL));
+  OK(dp_custom_new(&outer_type, h, &outer, T_ERR));
+  OK(dp_list_append(root, outer, T_ERR));
   dp_frame_t *f = pickle_ok(root, 0);
   int calls = 0;
   const char *allowed[] = {"Holder"};
@@ -781,7 +781,7 @@ Test(pickler, a_resolver_rebuilds_only_allowed_types) {
   size_t n;
   const uint8_t *b = dp_frame_data(f, &n);
   dp_value_t back;
-  OK(dp_unpickle(b, n, &o, &back, NULL));
+  OK(dp_unpickle(b, n, &o, &back, T_ERR));
   cr_assert_eq(calls, 2);
   cr_assert_eq(dp_custom_type(dp_seq_get(back, 0)), &holder_type);
   dp_value_t o2 = dp_seq_get(back, 1), st, inner;
@@ -834,19 +834,19 @@ Test(pickler, inline_frames_carry_the_buffer_bytes) {
 
 static dp_value_t sample_value(void) {
   dp_value_t root = t_obj("Sample"), d, tup;
-  OK(dp_dict_new(0, &d, NULL));
-  OK(dp_dict_set(d, t_str("w"), t_tensor(CUDA0, 0x1000, 16), NULL));
-  OK(dp_dict_set(d, dp_int(-7), dp_float(0.25), NULL));
-  OK(dp_tuple_new(3, &tup, NULL));
-  OK(dp_seq_set(tup, 0, t_str("hello"), NULL));
-  OK(dp_seq_set(tup, 1, dp_bool(true), NULL));
-  OK(dp_seq_set(tup, 2, dp_value_retain(d), NULL));
-  OK(dp_object_set(root, "d", d, NULL));
-  OK(dp_object_set(root, "t", tup, NULL));
-  OK(dp_object_set(root, "c", t_holder(t_tensor(CPU, 0x2000, 8)), NULL));
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_dict_set(d, t_str("w"), t_tensor(CUDA0, 0x1000, 16), T_ERR));
+  OK(dp_dict_set(d, dp_int(-7), dp_float(0.25), T_ERR));
+  OK(dp_tuple_new(3, &tup, T_ERR));
+  OK(dp_seq_set(tup, 0, t_str("hello"), T_ERR));
+  OK(dp_seq_set(tup, 1, dp_bool(true), T_ERR));
+  OK(dp_seq_set(tup, 2, dp_value_retain(d), T_ERR));
+  OK(dp_object_set(root, "d", d, T_ERR));
+  OK(dp_object_set(root, "t", tup, T_ERR));
+  OK(dp_object_set(root, "c", t_holder(t_tensor(CPU, 0x2000, 8)), T_ERR));
   dp_value_t b;
-  OK(dp_bytes_new("\x00\x01\x02", 3, &b, NULL));
-  OK(dp_object_set(root, "b", b, NULL));
+  OK(dp_bytes_new("\x00\x01\x02", 3, &b, T_ERR));
+  OK(dp_object_set(root, "b", b, T_ERR));
   return root;
 }
 
@@ -900,11 +900,11 @@ Test(pickler, the_checksum_is_xxh3_of_the_frame_at_every_length) {
   uint8_t *blob = malloc((1u << 20) + 13);
   for (size_t i = 0; i < (1u << 20) + 13; i++) blob[i] = (uint8_t)(i * 2654435761u >> 13);
   dp_frame_t *f;
-  OK(dp_frame_new(&f, NULL));
+  OK(dp_frame_new(&f, T_ERR));
   for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++) {
     dp_value_t v;
-    OK(dp_bytes_new(blob, lens[k], &v, NULL));
-    OK(dp_pickle(v, NULL, f, NULL));
+    OK(dp_bytes_new(blob, lens[k], &v, T_ERR));
+    OK(dp_pickle(v, NULL, f, T_ERR));
     size_t n;
     const uint8_t *p = dp_frame_data(f, &n);
     uint64_t want = XXH3_64bits_withSeed(p + 40, n - 40, XXH3_64bits(p, 32)), got = 0;
@@ -1081,7 +1081,7 @@ Test(pickler, pickle_and_unpickle_fail_cleanly_at_every_allocation) {
 
 Test(pickler, scan_fails_cleanly_at_every_allocation) {
   dp_value_t v = sample_value();
-  OK(dp_object_set(v, "self", dp_value_retain(v), NULL));
+  OK(dp_object_set(v, "self", dp_value_retain(v), T_ERR));
   long base_blocks = t_live_blocks;
   for (long k = 1;; k++) {
     cr_assert_lt(k, 1000);
@@ -1126,18 +1126,18 @@ Test(pickler, a_dict_key_of_shared_tuples_is_refused_without_exponential_work) {
   cr_assert_lt(t1.tv_sec - t0.tv_sec, 2, "refused quickly");
   /* and the same key through the API */
   dp_value_t k;
-  OK(dp_tuple_new(1, &k, NULL));
-  OK(dp_seq_set(k, 0, dp_int(1), NULL));
+  OK(dp_tuple_new(1, &k, T_ERR));
+  OK(dp_seq_set(k, 0, dp_int(1), T_ERR));
   for (int i = 0; i < 40; i++) {
     dp_value_t t;
-    OK(dp_tuple_new(2, &t, NULL));
-    OK(dp_seq_set(t, 0, dp_value_retain(k), NULL));
-    OK(dp_seq_set(t, 1, k, NULL));
+    OK(dp_tuple_new(2, &t, T_ERR));
+    OK(dp_seq_set(t, 0, dp_value_retain(k), T_ERR));
+    OK(dp_seq_set(t, 1, k, T_ERR));
     k = t;
   }
   cr_assert_not(dp_value_is_hashable(k));
   dp_value_t d;
-  OK(dp_dict_new(0, &d, NULL));
+  OK(dp_dict_new(0, &d, T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_dict_set(d, k, dp_none(), &e), DP_ETYPE);
   dp_value_release(d);
@@ -1193,7 +1193,7 @@ static dp_value_t t_linked(dp_value_t target, dp_value_t own, int shape, linked_
   l->own = own;
   l->shape = shape;
   dp_value_t c;
-  OK(dp_custom_new(&node_type, l, &c, NULL));
+  OK(dp_custom_new(&node_type, l, &c, T_ERR));
   *out = l;
   return c;
 }
@@ -1216,8 +1216,8 @@ static dp_frame_t *pickle_twice_same(dp_value_t v, dp_value_t extra) {
 /* Scans with and without paths; expects one storage at `base` with `refs`. */
 static void expect_one_storage(dp_value_t v, uintptr_t base, const char *path, uint32_t refs, size_t count) {
   dp_ptrset_t *with = scan_paths(v), *without;
-  OK(dp_ptrset_new(&without, NULL));
-  OK(dp_scan(v, NULL, without, NULL));
+  OK(dp_ptrset_new(&without, T_ERR));
+  OK(dp_scan(v, NULL, without, T_ERR));
   cr_assert_eq(dp_ptrset_count(with), count);
   cr_assert_eq(dp_ptrset_count(without), count);
   size_t at;
@@ -1234,7 +1234,7 @@ static void expect_one_storage(dp_value_t v, uintptr_t base, const char *path, u
 Test(pickler, a_reduce_that_exposes_the_parent_runs_once_and_keeps_the_bytes_and_the_sharing) {
   dp_value_t root = t_obj("Tree");
   linked_t *l;
-  OK(dp_object_set(root, "child", t_linked(root, t_tensor(CUDA0, 0x1000, 4), 0, &l), NULL));
+  OK(dp_object_set(root, "child", t_linked(root, t_tensor(CUDA0, 0x1000, 4), 0, &l), T_ERR));
   expect_one_storage(root, 0x1000, "$.child<reduce NodeType>.u", 1, 1);
   cr_assert_eq(l->calls, 2, "reduce ran %d times in two scans", l->calls);
   dp_frame_t *f = pickle_twice_same(root, root);
@@ -1270,14 +1270,14 @@ Test(pickler, a_reduce_state_holding_a_tensor_met_in_a_list_of_leaves_counts_it_
    * custom's state then holds the tensor a second time. */
   dp_value_t root = t_list(), t = t_tensor(CUDA0, 0x1000, 4), u = t_tensor(CUDA0, 0x2000, 4), in1 = t_list(),
              in2 = t_list();
-  OK(dp_list_append(in1, t, NULL));
-  OK(dp_list_append(root, in1, NULL));
-  for (int i = 0; i < 40; i++) OK(dp_list_append(root, t_tensor(CUDA1, 0x100000 + (uintptr_t)i * 64, 4), NULL));
+  OK(dp_list_append(in1, t, T_ERR));
+  OK(dp_list_append(root, in1, T_ERR));
+  for (int i = 0; i < 40; i++) OK(dp_list_append(root, t_tensor(CUDA1, 0x100000 + (uintptr_t)i * 64, 4), T_ERR));
   linked_t *l1, *l2;
-  OK(dp_list_append(root, t_linked(t, dp_none(), 2, &l1), NULL));
-  OK(dp_list_append(in2, u, NULL));
-  OK(dp_list_append(root, in2, NULL));
-  OK(dp_list_append(root, t_linked(u, dp_none(), 2, &l2), NULL));
+  OK(dp_list_append(root, t_linked(t, dp_none(), 2, &l1), T_ERR));
+  OK(dp_list_append(in2, u, T_ERR));
+  OK(dp_list_append(root, in2, T_ERR));
+  OK(dp_list_append(root, t_linked(u, dp_none(), 2, &l2), T_ERR));
   expect_one_storage(root, 0x1000, "$[0][0]", 1, 42);
   expect_one_storage(root, 0x2000, "$[42][0]", 1, 42);
   dp_frame_t *f = pickle_twice_same(root, t);
@@ -1296,10 +1296,10 @@ Test(pickler, a_reduce_state_holding_a_tensor_met_in_a_list_of_leaves_counts_it_
 
 Test(pickler, a_reduce_state_reaching_an_ancestor_through_a_new_container_is_a_back_reference) {
   dp_value_t root, mid = t_obj("Mid");
-  OK(dp_dict_new(0, &root, NULL));
+  OK(dp_dict_new(0, &root, T_ERR));
   linked_t *l;
-  OK(dp_object_set(mid, "c", t_linked(root, t_tensor(CUDA0, 0x1000, 4), 1, &l), NULL));
-  OK(dp_dict_set(root, t_str("a"), mid, NULL));
+  OK(dp_object_set(mid, "c", t_linked(root, t_tensor(CUDA0, 0x1000, 4), 1, &l), T_ERR));
+  OK(dp_dict_set(root, t_str("a"), mid, T_ERR));
   expect_one_storage(root, 0x1000, "$.a.c<reduce NodeType>[1]", 1, 1);
   dp_frame_t *f = pickle_twice_same(root, root);
   dp_frame_free(f);
@@ -1325,17 +1325,17 @@ Test(pickler, a_steady_state_scan_with_paths_allocates_nothing) {
   dp_value_t l = t_list();
   for (int i = 0; i < 1000; i++) {
     dp_value_t o = t_obj("Layer");
-    OK(dp_object_set(o, "weight", t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 64, 4), NULL));
-    OK(dp_list_append(l, o, NULL));
+    OK(dp_object_set(o, "weight", t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 64, 4), T_ERR));
+    OK(dp_list_append(l, o, T_ERR));
   }
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
   dp_scan_opts_t o = {DP_SCAN_PATHS, 0};
-  OK(dp_scan(l, &o, set, NULL));
+  OK(dp_scan(l, &o, set, T_ERR));
   long before = t_alloc_count;
   for (int k = 0; k < 5; k++) {
     dp_ptrset_clear(set);
-    OK(dp_scan(l, &o, set, NULL));
+    OK(dp_scan(l, &o, set, T_ERR));
   }
   cr_assert_eq(t_alloc_count, before, "steady-state scans with paths allocated %ld times", t_alloc_count - before);
   cr_assert_eq(dp_ptrset_count(set), 1000);
@@ -1362,11 +1362,11 @@ Test(pickler, an_error_at_depth_two_thousand_keeps_the_head_and_the_tail_of_its_
   dp_value_t root = t_obj("N"), cur = root, c;
   for (int i = 1; i < 2000; i++) {
     dp_value_t n = t_obj("N");
-    OK(dp_object_set(cur, "next", n, NULL));
+    OK(dp_object_set(cur, "next", n, T_ERR));
     cur = n;
   }
-  OK(dp_custom_new(&failing_type, NULL, &c, NULL));
-  OK(dp_object_set(cur, "handle", c, NULL));
+  OK(dp_custom_new(&failing_type, NULL, &c, T_ERR));
+  OK(dp_object_set(cur, "handle", c, T_ERR));
   /* $.next x 1999 .handle: "$" and 51 steps fill the 256-byte head; 139
    * steps and .handle fit in the 704-byte tail */
   char *head = repeat("$", ".next", 51), *tail = repeat("", ".next", 139);
@@ -1374,12 +1374,12 @@ Test(pickler, an_error_at_depth_two_thousand_keeps_the_head_and_the_tail_of_its_
   snprintf(want, sizeof want, "reduce of type 'Stale' failed at %s<\u2026%d steps\u2026>%s.handle: device handle is stale",
            head, 2000 - 51 - 140, tail);
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
   cr_assert_str_eq(e.message, want);
   dp_frame_t *f;
-  OK(dp_frame_new(&f, NULL));
+  OK(dp_frame_new(&f, T_ERR));
   cr_assert_eq(dp_pickle(root, NULL, f, &e), DP_ETYPE);
   cr_assert_str_eq(e.message, want);
   /* the depth limit names the same kind of path */
@@ -1408,10 +1408,10 @@ static const dp_type_t verbose_type = {"Verbose", verbose_reduce, NULL};
 
 Test(pickler, a_message_too_long_for_its_buffer_loses_its_middle_not_its_end) {
   dp_value_t root = t_list(), c;
-  OK(dp_custom_new(&verbose_type, NULL, &c, NULL));
-  OK(dp_list_append(root, c, NULL));
+  OK(dp_custom_new(&verbose_type, NULL, &c, T_ERR));
+  OK(dp_list_append(root, c, T_ERR));
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
   size_t n = strlen(e.message);
@@ -1429,20 +1429,20 @@ Test(pickler, long_names_and_keys_are_cut_at_a_character_boundary_in_paths) {
   memset(name, 'a', 63);
   strcpy(name + 63, "\xc3\xa9" "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb");  /* é at bytes 63-64 */
   dp_value_t root, d, key, o = t_obj("Layer");
-  OK(dp_dict_new(0, &root, NULL));
-  OK(dp_dict_set(root, t_str(name), t_tensor(CUDA0, 0x1000, 4), NULL));
+  OK(dp_dict_new(0, &root, T_ERR));
+  OK(dp_dict_set(root, t_str(name), t_tensor(CUDA0, 0x1000, 4), T_ERR));
   char quoted[100];
   memset(quoted, '"', 70);
   quoted[70] = '\0';
-  OK(dp_dict_set(root, t_str(quoted), t_tensor(CUDA0, 0x2000, 4), NULL));
-  OK(dp_tuple_new(2, &key, NULL));
-  OK(dp_seq_set(key, 0, dp_int(7), NULL));
-  OK(dp_seq_set(key, 1, t_str(name), NULL));
-  OK(dp_dict_set(root, key, t_tensor(CUDA0, 0x3000, 4), NULL));
-  OK(dp_object_set(o, name, t_tensor(CUDA0, 0x4000, 4), NULL));
-  OK(dp_dict_new(0, &d, NULL));
-  OK(dp_dict_set(d, t_str("x"), o, NULL));
-  OK(dp_dict_set(root, t_str("d"), d, NULL));
+  OK(dp_dict_set(root, t_str(quoted), t_tensor(CUDA0, 0x2000, 4), T_ERR));
+  OK(dp_tuple_new(2, &key, T_ERR));
+  OK(dp_seq_set(key, 0, dp_int(7), T_ERR));
+  OK(dp_seq_set(key, 1, t_str(name), T_ERR));
+  OK(dp_dict_set(root, key, t_tensor(CUDA0, 0x3000, 4), T_ERR));
+  OK(dp_object_set(o, name, t_tensor(CUDA0, 0x4000, 4), T_ERR));
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_dict_set(d, t_str("x"), o, T_ERR));
+  OK(dp_dict_set(root, t_str("d"), d, T_ERR));
   dp_ptrset_t *set = scan_paths(root);
   /* the first 64 bytes end inside é: 63 bytes are shown */
   snprintf(want, sizeof want, "$.%.63s\u2026", name);
@@ -1479,11 +1479,11 @@ Test(pickler, a_long_key_repeated_down_a_deep_value_costs_bounded_path_memory) {
   memset(kname, 'k', 10000);
   kname[10000] = '\0';
   dp_value_t key = t_str(kname), bottom = t_list(), v = bottom;
-  for (int i = 0; i < 200; i++) OK(dp_list_append(bottom, t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 64, 4), NULL));
+  for (int i = 0; i < 200; i++) OK(dp_list_append(bottom, t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 64, 4), T_ERR));
   for (int i = 0; i < 200; i++) {
     dp_value_t d;
-    OK(dp_dict_new(1, &d, NULL));
-    OK(dp_dict_set(d, dp_value_retain(key), v, NULL));
+    OK(dp_dict_new(1, &d, T_ERR));
+    OK(dp_dict_set(d, dp_value_retain(key), v, T_ERR));
     v = d;
   }
   dp_value_release(key);
@@ -1493,11 +1493,11 @@ Test(pickler, a_long_key_repeated_down_a_deep_value_costs_bounded_path_memory) {
   cr_assert_lt(n, 20000, "the key is written once: %zu bytes", n);
   dp_value_t back = unpickle_ok(f);
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
   long before = atomic_load(&t_live_bytes);
   t_peak_bytes = before;
   dp_scan_opts_t o = {DP_SCAN_PATHS, 0};
-  OK(dp_scan(back, &o, set, NULL));
+  OK(dp_scan(back, &o, set, T_ERR));
   long used = atomic_load(&t_peak_bytes) - before;
   cr_assert_lt(used, 1 << 20, "a scan with paths used %ld bytes", used);
   cr_assert_eq(dp_ptrset_count(set), 200);
@@ -1583,13 +1583,13 @@ Test(pickler, random_values_behind_a_custom_exposing_any_of_their_nodes_walk_as_
     dp_value_t x = nodes[t_rand(&r) % n], root = t_list();
     linked_t *l;
     int custom_first = k & 1;
-    if (custom_first) OK(dp_list_append(root, t_linked(x, dp_none(), 2, &l), NULL));
-    OK(dp_list_append(root, dp_value_retain(v), NULL));
-    if (!custom_first) OK(dp_list_append(root, t_linked(x, dp_none(), 2, &l), NULL));
+    if (custom_first) OK(dp_list_append(root, t_linked(x, dp_none(), 2, &l), T_ERR));
+    OK(dp_list_append(root, dp_value_retain(v), T_ERR));
+    if (!custom_first) OK(dp_list_append(root, t_linked(x, dp_none(), 2, &l), T_ERR));
     /* the custom adds no storage and no tensor: scans count as for v alone */
     dp_ptrset_t *alone = scan_paths(v), *with = scan_paths(root), *batched;
-    OK(dp_ptrset_new(&batched, NULL));
-    OK(dp_scan(root, NULL, batched, NULL));
+    OK(dp_ptrset_new(&batched, T_ERR));
+    OK(dp_scan(root, NULL, batched, T_ERR));
     expect_same_storages(alone, with, k);
     expect_same_storages(alone, batched, k);
     cr_assert_eq(l->calls, 2, "value %d: reduce ran %d times in two scans", k, l->calls);
@@ -1722,20 +1722,20 @@ static const dp_type_t box_type = {"Box", box_reduce, holder_destroy};
  * one: the writer's walk counts n levels. */
 static dp_value_t nest(char kind, int n) {
   dp_value_t v;
-  if (kind == 'd') OK(dp_dict_new(0, &v, NULL));
-  else if (kind == 't') OK(dp_tuple_new(0, &v, NULL));
+  if (kind == 'd') OK(dp_dict_new(0, &v, T_ERR));
+  else if (kind == 't') OK(dp_tuple_new(0, &v, T_ERR));
   else v = kind == 'o' ? t_obj("Empty") : t_list();
   for (int i = 0; i < n; i++) {
     dp_value_t c;
     switch (kind) {
-      case 'l': c = t_list(); OK(dp_list_append(c, v, NULL)); break;
-      case 'd': OK(dp_dict_new(1, &c, NULL)); OK(dp_dict_set(c, dp_int(i), v, NULL)); break;
-      case 'o': c = t_obj("Node"); OK(dp_object_set(c, "child", v, NULL)); break;
-      case 't': OK(dp_tuple_new(1, &c, NULL)); OK(dp_seq_set(c, 0, v, NULL)); break;
+      case 'l': c = t_list(); OK(dp_list_append(c, v, T_ERR)); break;
+      case 'd': OK(dp_dict_new(1, &c, T_ERR)); OK(dp_dict_set(c, dp_int(i), v, T_ERR)); break;
+      case 'o': c = t_obj("Node"); OK(dp_object_set(c, "child", v, T_ERR)); break;
+      case 't': OK(dp_tuple_new(1, &c, T_ERR)); OK(dp_seq_set(c, 0, v, T_ERR)); break;
       default: {
         holder_t *h = malloc(sizeof *h);
         h->held = v;
-        OK(dp_custom_new(&box_type, h, &c, NULL));
+        OK(dp_custom_new(&box_type, h, &c, T_ERR));
       }
     }
     v = c;
@@ -1764,7 +1764,7 @@ Test(pickler, the_reader_accepts_exactly_the_depth_the_writer_writes) {
   const uint32_t limit = 8;
   const char kinds[] = "ldotc";  /* list, dict, object, tuple, custom (reduce) */
   dp_frame_t *f;
-  OK(dp_frame_new(&f, NULL));
+  OK(dp_frame_new(&f, T_ERR));
   dp_error_t e;
   for (const char *k = kinds; *k; k++) {
     for (int n = (int)limit - 1; n <= (int)limit + 1; n++) {
@@ -1851,7 +1851,7 @@ Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
   free(b);
   t[at700 + 2] = 2;  /* on cuda:2 it is another allocation */
   b = frame_with_table(all, plen, t, q, NULL, 0, 0, &n);
-  OK(dp_unpickle(b, n, NULL, &out, &e));
+  OK_WITH(&e, dp_unpickle(b, n, NULL, &out, &e));
   dp_value_release(out);
   free(b);
   free(t);
@@ -1861,7 +1861,7 @@ Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
                                     0x94, 0x01, 0x01, 0x04, 0xcd, 0x10, 0x00};
   all = payload_using(2, &plen);
   b = frame_with_table(all, plen, ok_table, sizeof ok_table, NULL, 0, 0, &n);
-  OK(dp_unpickle(b, n, &bo, &out, &e));
+  OK_WITH(&e, dp_unpickle(b, n, &bo, &out, &e));
   dp_value_release(out);
   cr_assert_eq(binds, 2);
   free(b);
@@ -1874,13 +1874,13 @@ Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
 Test(pickler, storages_that_disagree_about_one_allocation_are_not_pickled) {
   uint8_t a[8] = "AAAAAAAA", bb[8] = "BBBBBBBB";
   dp_frame_t *f;
-  OK(dp_frame_new(&f, NULL));
+  OK(dp_frame_new(&f, T_ERR));
   dp_error_t e;
   for (int order = 0; order < 2; order++) {
     dp_storage_t *s4 = t_storage(CUDA0, 0x1000, 4), *s8 = t_storage(CUDA0, 0x1000, 8);
     dp_value_t l = t_list();
-    OK(dp_list_append(l, t_view(order ? s8 : s4, 1, 0), NULL));
-    OK(dp_list_append(l, t_view(order ? s4 : s8, 1, 0), NULL));
+    OK(dp_list_append(l, t_view(order ? s8 : s4, 1, 0), T_ERR));
+    OK(dp_list_append(l, t_view(order ? s4 : s8, 1, 0), T_ERR));
     cr_assert_eq(dp_pickle(l, NULL, f, &e), DP_EINVAL, "order %d", order);
     char want[200];
     snprintf(want, sizeof want, "storages of cuda:0 0x1000 differ in size (%d and %d bytes) at $[1]: a frame has "
@@ -1894,19 +1894,19 @@ Test(pickler, storages_that_disagree_about_one_allocation_are_not_pickled) {
     dp_storage_release(s8);
     /* inline: same size, different bytes */
     dp_storage_t *x = t_storage(CUDA0, 0x2000, 8), *y = t_storage(CUDA0, 0x2000, 8);
-    OK(dp_storage_set_host_data(x, order ? bb : a, NULL));
-    OK(dp_storage_set_host_data(y, order ? a : bb, NULL));
+    OK(dp_storage_set_host_data(x, order ? bb : a, T_ERR));
+    OK(dp_storage_set_host_data(y, order ? a : bb, T_ERR));
     l = t_list();
-    OK(dp_list_append(l, t_view(x, 2, 0), NULL));
-    OK(dp_list_append(l, t_view(y, 2, 0), NULL));
-    OK(dp_pickle(l, NULL, f, &e));  /* not inline: only the sizes matter */
+    OK(dp_list_append(l, t_view(x, 2, 0), T_ERR));
+    OK(dp_list_append(l, t_view(y, 2, 0), T_ERR));
+    OK_WITH(&e, dp_pickle(l, NULL, f, &e));  /* not inline: only the sizes matter */
     dp_pickle_opts_t io = {DP_PICKLE_INLINE, 0, NULL, NULL};
     cr_assert_eq(dp_pickle(l, &io, f, &e), DP_EINVAL);
     cr_assert_str_eq(e.message, "storages of cuda:0 0x2000 (8 bytes) disagree at $[1]: their host bytes differ; "
                                 "a frame has one buffer per (device, base)");
     /* the same bytes: one buffer, and the frame reads back */
-    OK(dp_storage_set_host_data(y, order ? bb : a, NULL));
-    OK(dp_pickle(l, &io, f, &e));
+    OK(dp_storage_set_host_data(y, order ? bb : a, T_ERR));
+    OK_WITH(&e, dp_pickle(l, &io, f, &e));
     cr_assert_eq(dp_frame_nbuffers(f), 1);
     dp_value_t back = unpickle_ok(f);
     dp_value_release(back);
@@ -1963,7 +1963,7 @@ Test(pickler, the_writer_refuses_buffers_larger_than_the_format_allows) {
   dp_value_t big = t_view(s, 1, 0);
   dp_storage_release(s);
   dp_value_t l = t_list();
-  OK(dp_list_append(l, big, NULL));
+  OK(dp_list_append(l, big, T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_pickle(l, NULL, f, &e), DP_ELIMIT);
   cr_assert_str_eq(e.message, "storage of 4611686018427387905 bytes exceeds the frame format's limit of 2^62 at $[0]");
@@ -2095,7 +2095,7 @@ Test(pickler, unpickling_holds_at_most_the_stated_memory_per_input_byte) {
   t_pool_t pool;
   t_pool_init(&pool, 3);
   dp_value_t l = t_list();
-  for (int i = 0; i < 2000; i++) OK(dp_list_append(l, t_random_value(&r, &pool, 0), NULL));
+  for (int i = 0; i < 2000; i++) OK(dp_list_append(l, t_random_value(&r, &pool, 0), T_ERR));
   f = pickle_ok(l, 0);
   fb = dp_frame_data(f, &n);
   expect_within_bound("random values", fb, n);
@@ -2392,7 +2392,7 @@ static dp_value_t float_bits(uint64_t bits) {
 
 Test(pickler, a_non_str_key_shows_its_value_json_so_int_float_inf_and_nan_keys_stay_distinct) {
   dp_value_t root;
-  OK(dp_dict_new(0, &root, NULL));
+  OK(dp_dict_new(0, &root, T_ERR));
   dp_value_t keys[] = {dp_int(1), dp_float(1.0), float_bits(0x7ff0000000000000ull), float_bits(0xfff0000000000000ull),
                        float_bits(0x7ff8000000000000ull), float_bits(0x7ff8000000000001ull),
                        float_bits(0xfff8000000000000ull), dp_float(-0.0), dp_float(1e300), dp_float(0.5)};
@@ -2400,7 +2400,7 @@ Test(pickler, a_non_str_key_shows_its_value_json_so_int_float_inf_and_nan_keys_s
                         "$[{\"$float\":\"nan\"}]", "$[{\"$float\":\"0x7ff8000000000001\"}]",
                         "$[{\"$float\":\"0xfff8000000000000\"}]", "$[-0.0]", "$[1.0000000000000001e+300]", "$[0.5]"};
   size_t n = sizeof keys / sizeof keys[0];
-  for (size_t i = 0; i < n; i++) OK(dp_dict_set(root, keys[i], t_tensor(CUDA0, 0x1000 * (i + 1), 4), NULL));
+  for (size_t i = 0; i < n; i++) OK(dp_dict_set(root, keys[i], t_tensor(CUDA0, 0x1000 * (i + 1), 4), T_ERR));
   cr_assert_eq(dp_dict_len(root), n);
   dp_ptrset_t *set = scan_paths(root);
   for (size_t i = 0; i < n; i++) expect_ptr(set, i, 0x1000 * (i + 1), want[i], 1);
@@ -2415,10 +2415,10 @@ Test(pickler, a_non_str_key_whose_json_is_65_bytes_is_cut_to_64) {
   memset(s, 'x', 50);
   s[50] = '\0';
   dp_value_t root, key;
-  OK(dp_dict_new(0, &root, NULL));
-  OK(dp_tuple_new(1, &key, NULL));
-  OK(dp_seq_set(key, 0, t_str(s), NULL));
-  OK(dp_dict_set(root, key, t_tensor(CUDA0, 0x1000, 4), NULL));
+  OK(dp_dict_new(0, &root, T_ERR));
+  OK(dp_tuple_new(1, &key, T_ERR));
+  OK(dp_seq_set(key, 0, t_str(s), T_ERR));
+  OK(dp_dict_set(root, key, t_tensor(CUDA0, 0x1000, 4), T_ERR));
   dp_ptrset_t *set = scan_paths(root);
   char want[128];
   snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\"]\u2026]", s);
@@ -2430,21 +2430,21 @@ Test(pickler, a_non_str_key_whose_json_is_65_bytes_is_cut_to_64) {
 
 Test(pickler, a_reduce_step_escapes_control_characters_backslashes_and_angle_brackets_in_its_name) {
   dp_value_t state = t_list(), r1, r2, r3, root = t_list();
-  OK(dp_list_append(state, t_tensor(CUDA0, 0x1000, 4), NULL));
-  OK(dp_object_new_reduced("A\ndevpickle: x.dpk: ok", state, &r1, NULL));
+  OK(dp_list_append(state, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_object_new_reduced("A\ndevpickle: x.dpk: ok", state, &r1, T_ERR));
   state = t_list();
-  OK(dp_list_append(state, t_tensor(CUDA0, 0x2000, 4), NULL));
-  OK(dp_object_new_reduced("Map<int>\\\x1b", state, &r2, NULL));
+  OK(dp_list_append(state, t_tensor(CUDA0, 0x2000, 4), T_ERR));
+  OK(dp_object_new_reduced("Map<int>\\\x1b", state, &r2, T_ERR));
   /* 64 control characters: the longest step, 396 bytes, shown whole */
   char ctl[71];
   memset(ctl, '\t', 70);
   ctl[70] = '\0';
   state = t_list();
-  OK(dp_list_append(state, t_tensor(CUDA0, 0x3000, 4), NULL));
-  OK(dp_object_new_reduced(ctl, state, &r3, NULL));
-  OK(dp_list_append(root, r1, NULL));
-  OK(dp_list_append(root, r2, NULL));
-  OK(dp_list_append(root, r3, NULL));
+  OK(dp_list_append(state, t_tensor(CUDA0, 0x3000, 4), T_ERR));
+  OK(dp_object_new_reduced(ctl, state, &r3, T_ERR));
+  OK(dp_list_append(root, r1, T_ERR));
+  OK(dp_list_append(root, r2, T_ERR));
+  OK(dp_list_append(root, r3, T_ERR));
   dp_ptrset_t *set = scan_paths(root);
   expect_ptr(set, 0, 0x1000, "$[0]<reduce A\\u000adevpickle: x.dpk: ok>[0]", 1);
   expect_ptr(set, 1, 0x2000, "$[1]<reduce Map<int\\u003e\\\\\\u001b>[0]", 1);
@@ -2470,17 +2470,17 @@ Test(pickler, a_str_shared_by_many_keys_and_dicts_is_hashed_once_when_read) {
   char *text = malloc(STR);
   memset(text, 'k', STR);
   dp_value_t s, key, list;
-  OK(dp_str_new(text, STR, &s, NULL));
+  OK(dp_str_new(text, STR, &s, T_ERR));
   free(text);
-  OK(dp_tuple_new(REFS, &key, NULL));
-  for (size_t i = 0; i < REFS; i++) OK(dp_seq_set(key, i, dp_value_retain(s), NULL));
+  OK(dp_tuple_new(REFS, &key, T_ERR));
+  for (size_t i = 0; i < REFS; i++) OK(dp_seq_set(key, i, dp_value_retain(s), T_ERR));
   dp_value_release(s);
-  OK(dp_list_new(DICTS, &list, NULL));
+  OK(dp_list_new(DICTS, &list, T_ERR));
   for (int i = 0; i < DICTS; i++) {
     dp_value_t d;
-    OK(dp_dict_new(1, &d, NULL));
-    OK(dp_dict_set(d, dp_value_retain(key), dp_int(i), NULL));
-    OK(dp_list_append(list, d, NULL));
+    OK(dp_dict_new(1, &d, T_ERR));
+    OK(dp_dict_set(d, dp_value_retain(key), dp_int(i), T_ERR));
+    OK(dp_list_append(list, d, T_ERR));
   }
   dp_value_release(key);
   dp_frame_t *f = pickle_ok(list, 0);
@@ -2511,8 +2511,8 @@ static int reduce_to_chain(void *o, dp_value_t *s, dp_error_t *e) {
   dp_value_t cur = dp_value_retain(depth_y);
   for (int i = 0; i < *(int *)o; i++) {
     dp_value_t l;
-    OK(dp_list_new(1, &l, e));
-    OK(dp_list_append(l, cur, e));
+    OK_WITH(e, dp_list_new(1, &l, e));
+    OK_WITH(e, dp_list_append(l, cur, e));
     cur = l;
   }
   *s = cur;
@@ -2528,20 +2528,20 @@ Test(pickler, a_list_held_once_after_a_reduce_and_reached_again_counts_its_depth
   static const dp_type_t t1 = {"C1", reduce_to_none, NULL}, t2 = {"C2", reduce_to_chain, NULL};
   static int k = 3;
   dp_value_t root, c1, c2, inner, t = t_tensor((dp_device_t){DP_DEVICE_CUDA, 0}, 0x1000, 4);
-  OK(dp_list_new(1, &depth_y, NULL));
-  OK(dp_list_new(1, &inner, NULL));
-  OK(dp_list_append(inner, t, NULL));
-  OK(dp_list_append(depth_y, inner, NULL));
-  OK(dp_custom_new(&t1, NULL, &c1, NULL));
-  OK(dp_custom_new(&t2, &k, &c2, NULL));
-  OK(dp_list_new(3, &root, NULL));
-  OK(dp_list_append(root, c1, NULL));
-  OK(dp_list_append(root, depth_y, NULL));
-  OK(dp_list_append(root, c2, NULL));
+  OK(dp_list_new(1, &depth_y, T_ERR));
+  OK(dp_list_new(1, &inner, T_ERR));
+  OK(dp_list_append(inner, t, T_ERR));
+  OK(dp_list_append(depth_y, inner, T_ERR));
+  OK(dp_custom_new(&t1, NULL, &c1, T_ERR));
+  OK(dp_custom_new(&t2, &k, &c2, T_ERR));
+  OK(dp_list_new(3, &root, T_ERR));
+  OK(dp_list_append(root, c1, T_ERR));
+  OK(dp_list_append(root, depth_y, T_ERR));
+  OK(dp_list_append(root, c2, T_ERR));
   dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, NULL));
+  OK(dp_ptrset_new(&set, T_ERR));
   dp_frame_t *f;
-  OK(dp_frame_new(&f, NULL));
+  OK(dp_frame_new(&f, T_ERR));
   for (uint32_t md = (uint32_t)k + 1; md <= (uint32_t)k + 4; md++) {
     dp_error_t e;
     dp_scan_opts_t plain = {0, md}, paths = {DP_SCAN_PATHS, md};

@@ -7,13 +7,13 @@ TestSuite(ptrset, .init = setup, .fini = teardown);
 
 Test(ptrset, the_same_base_on_the_same_device_is_one_entry_with_a_count) {
   dp_ptrset_t *s;
-  OK(dp_ptrset_new(&s, NULL));
+  OK(dp_ptrset_new(&s, T_ERR));
   size_t i;
-  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 64, &i, NULL));
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 64, &i, T_ERR));
   cr_assert_eq(i, 0);
-  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 1), (void *)0x1000, 64, &i, NULL));
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 1), (void *)0x1000, 64, &i, T_ERR));
   cr_assert_eq(i, 1, "another device is another allocation");
-  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 128, &i, NULL));
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 128, &i, T_ERR));
   cr_assert_eq(i, 0);
   dp_ptr_info_t p;
   OK(dp_ptrset_get(s, 0, &p));
@@ -30,11 +30,11 @@ Test(ptrset, the_same_base_on_the_same_device_is_one_entry_with_a_count) {
 
 Test(ptrset, a_hundred_thousand_entries_keep_discovery_order_and_device_groups) {
   dp_ptrset_t *s;
-  OK(dp_ptrset_new(&s, NULL));
+  OK(dp_ptrset_new(&s, T_ERR));
   for (uintptr_t k = 0; k < 100000; k++)
-    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k % 3)), (void *)(0x10000 + k * 512), 512, NULL, NULL));
+    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k % 3)), (void *)(0x10000 + k * 512), 512, NULL, T_ERR));
   for (uintptr_t k = 0; k < 100000; k += 7)
-    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k % 3)), (void *)(0x10000 + k * 512), 512, NULL, NULL));
+    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k % 3)), (void *)(0x10000 + k * 512), 512, NULL, T_ERR));
   cr_assert_eq(dp_ptrset_count(s), 100000);
   cr_assert_eq(dp_ptrset_ndevices(s), 3);
   for (size_t j = 0; j < 3; j++) {
@@ -70,24 +70,24 @@ Test(ptrset, device_groups_stay_in_order_when_a_second_device_comes_late) {
   /* 1000 entries on one device, then another device, then both again; then
    * the same after a clear, with the devices the other way round. */
   dp_ptrset_t *s;
-  OK(dp_ptrset_new(&s, NULL));
+  OK(dp_ptrset_new(&s, T_ERR));
   size_t *a = malloc(2000 * sizeof *a), *b = malloc(2000 * sizeof *b);
   for (int round = 0; round < 2; round++) {
     dp_device_t d0 = t_dev(DP_DEVICE_CUDA, round), d1 = t_dev(DP_DEVICE_CUDA, 1 - round);
     size_t na = 0, nb = 0, i;
     dp_ptrset_clear(s);
     for (uintptr_t k = 0; k < 1000; k++) {
-      OK(dp_ptrset_add(s, d0, (void *)(0x10000 + k * 64), 64, &i, NULL));
+      OK(dp_ptrset_add(s, d0, (void *)(0x10000 + k * 64), 64, &i, T_ERR));
       a[na++] = i;
     }
     expect_chain(s, 0, a, na);
-    OK(dp_ptrset_add(s, d1, (void *)0x10000, 64, &i, NULL));
+    OK(dp_ptrset_add(s, d1, (void *)0x10000, 64, &i, T_ERR));
     b[nb++] = i;
     for (uintptr_t k = 1000; k < 1500; k++) {
-      OK(dp_ptrset_add(s, k % 3 ? d0 : d1, (void *)(0x10000 + k * 64), 64, &i, NULL));
+      OK(dp_ptrset_add(s, k % 3 ? d0 : d1, (void *)(0x10000 + k * 64), 64, &i, T_ERR));
       if (k % 3) a[na++] = i; else b[nb++] = i;
     }
-    OK(dp_ptrset_add(s, d0, (void *)0x10000, 64, &i, NULL));  /* met again: no new entry */
+    OK(dp_ptrset_add(s, d0, (void *)0x10000, 64, &i, T_ERR));  /* met again: no new entry */
     cr_assert_eq(i, 0);
     cr_assert_eq(dp_ptrset_ndevices(s), 2);
     cr_assert(dp_device_equal(dp_ptrset_device(s, 0), d0));
@@ -102,8 +102,8 @@ Test(ptrset, device_groups_stay_in_order_when_a_second_device_comes_late) {
 
 Test(ptrset, clear_keeps_memory_so_refilling_allocates_nothing) {
   dp_ptrset_t *s;
-  OK(dp_ptrset_new(&s, NULL));
-  for (uintptr_t k = 0; k < 5000; k++) OK(dp_ptrset_add(s, t_dev(DP_DEVICE_HOST, 1), (void *)(k * 64 + 64), 64, NULL, NULL));
+  OK(dp_ptrset_new(&s, T_ERR));
+  for (uintptr_t k = 0; k < 5000; k++) OK(dp_ptrset_add(s, t_dev(DP_DEVICE_HOST, 1), (void *)(k * 64 + 64), 64, NULL, T_ERR));
   long before = t_alloc_count;
   for (int round = 0; round < 3; round++) {
     dp_ptrset_clear(s);
@@ -111,7 +111,7 @@ Test(ptrset, clear_keeps_memory_so_refilling_allocates_nothing) {
     cr_assert_eq(dp_ptrset_ndevices(s), 0);
     size_t i;
     cr_assert_eq(dp_ptrset_find(s, t_dev(DP_DEVICE_HOST, 1), (void *)64, &i), DP_ENOTFOUND, "cleared means gone");
-    for (uintptr_t k = 0; k < 5000; k++) OK(dp_ptrset_add(s, t_dev(DP_DEVICE_HOST, 1), (void *)(k * 64 + 64), 64, NULL, NULL));
+    for (uintptr_t k = 0; k < 5000; k++) OK(dp_ptrset_add(s, t_dev(DP_DEVICE_HOST, 1), (void *)(k * 64 + 64), 64, NULL, T_ERR));
   }
   cr_assert_eq(t_alloc_count, before);
   cr_assert_eq(dp_ptrset_count(s), 5000);
@@ -121,7 +121,7 @@ Test(ptrset, clear_keeps_memory_so_refilling_allocates_nothing) {
 
 Test(ptrset, a_failed_add_leaves_the_set_as_it_was) {
   dp_ptrset_t *s;
-  OK(dp_ptrset_new(&s, NULL));
+  OK(dp_ptrset_new(&s, T_ERR));
   size_t added = 0;
   for (uintptr_t k = 0; k < 2000; k++) {
     t_fail_at = t_alloc_count + 1;
@@ -134,7 +134,7 @@ Test(ptrset, a_failed_add_leaves_the_set_as_it_was) {
       cr_assert_str_eq(e.message, "out of memory growing a pointer set");
       cr_assert_eq(dp_ptrset_count(s), added);
       t_fail_at = 0;
-      OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k & 1)), (void *)(k * 16 + 16), 16, NULL, NULL));
+      OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k & 1)), (void *)(k * 16 + 16), 16, NULL, T_ERR));
       added++;
     }
   }

@@ -1,4 +1,4 @@
-/* table: the one open-addressing table (pickler/table.h) — insert, lookup,
+/* table: the one open-addressing table (core/table.h) — insert, lookup,
  * growth, clearing by generation, deletion — and the keyed hashing that
  * keeps inputs built to collide from flooding it. Probes are counted, not
  * timed (dp__table_probes). */
@@ -239,8 +239,8 @@ static double dict_probes(dp_value_t d) {
 
 static dp_value_t flood_dict(size_t n) {
   dp_value_t d;
-  OK(dp_dict_new(0, &d, NULL));
-  for (size_t i = 0; i < n; i++) OK(dp_dict_set(d, dp_int((int64_t)colliding(i, DP_INT)), dp_int((int64_t)i), NULL));
+  OK(dp_dict_new(0, &d, T_ERR));
+  for (size_t i = 0; i < n; i++) OK(dp_dict_set(d, dp_int((int64_t)colliding(i, DP_INT)), dp_int((int64_t)i), T_ERR));
   cr_assert_eq(dp_dict_len(d), n);
   return d;
 }
@@ -279,10 +279,10 @@ static double flood_ptrset(size_t n) {
   dp_device_t dev = t_dev(DP_DEVICE_CUDA, 0);
   uint64_t old_seed = ((uint64_t)dev.type << 8) | dev.index;
   dp_ptrset_t *s;
-  OK(dp_ptrset_new(&s, NULL));
+  OK(dp_ptrset_new(&s, T_ERR));
   for (size_t i = 0; i < n; i++) {
     size_t at;
-    OK(dp_ptrset_add(s, dev, (void *)(uintptr_t)colliding(i, old_seed), 512, &at, NULL));
+    OK(dp_ptrset_add(s, dev, (void *)(uintptr_t)colliding(i, old_seed), 512, &at, T_ERR));
     cr_assert_eq(at, i);
   }
   cr_assert_eq(dp_ptrset_count(s), n);
@@ -346,27 +346,27 @@ static dp_value_t det_value(void) {
   dp_value_t root = t_list(), shared = t_list(), obj = t_obj("Module");
   dp_storage_t *st = t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x7f0000100000u, 1 << 20);
   dp_value_t d, tk;
-  OK(dp_dict_new(0, &d, NULL));
+  OK(dp_dict_new(0, &d, T_ERR));
   for (int i = 0; i < 40; i++) {
     char name[32];
     snprintf(name, sizeof name, "layer%d.weight", (i * 17) % 40);
-    OK(dp_dict_set(d, t_str(name), t_tensor(t_dev(DP_DEVICE_CUDA, i % 2), 0x7f0000200000u + (uintptr_t)i * 4096u * 7, 64), NULL));
-    OK(dp_dict_set(d, dp_int(1000 - i * 13), t_view(st, 16, i), NULL));
-    OK(dp_tuple_new(2, &tk, NULL));
-    OK(dp_seq_set(tk, 0, dp_int(i), NULL));
-    OK(dp_seq_set(tk, 1, t_str(name), NULL));
-    OK(dp_dict_set(d, tk, dp_value_retain(shared), NULL));
+    OK(dp_dict_set(d, t_str(name), t_tensor(t_dev(DP_DEVICE_CUDA, i % 2), 0x7f0000200000u + (uintptr_t)i * 4096u * 7, 64), T_ERR));
+    OK(dp_dict_set(d, dp_int(1000 - i * 13), t_view(st, 16, i), T_ERR));
+    OK(dp_tuple_new(2, &tk, T_ERR));
+    OK(dp_seq_set(tk, 0, dp_int(i), T_ERR));
+    OK(dp_seq_set(tk, 1, t_str(name), T_ERR));
+    OK(dp_dict_set(d, tk, dp_value_retain(shared), T_ERR));
     snprintf(name, sizeof name, "attr_%d", (i * 7) % 40);
-    OK(dp_object_set(obj, name, i % 3 ? dp_int(i) : dp_value_retain(shared), NULL));
+    OK(dp_object_set(obj, name, i % 3 ? dp_int(i) : dp_value_retain(shared), T_ERR));
   }
-  OK(dp_list_append(shared, t_view(st, 8, 0), NULL));
-  OK(dp_list_append(root, d, NULL));
-  OK(dp_list_append(root, obj, NULL));
-  OK(dp_list_append(root, shared, NULL));
+  OK(dp_list_append(shared, t_view(st, 8, 0), T_ERR));
+  OK(dp_list_append(root, d, T_ERR));
+  OK(dp_list_append(root, obj, T_ERR));
+  OK(dp_list_append(root, shared, T_ERR));
   t_rng_t r = {12345};
   t_pool_t pool;
   t_pool_init(&pool, 3);
-  for (int i = 0; i < 30; i++) OK(dp_list_append(root, t_random_value(&r, &pool, 0), NULL));
+  for (int i = 0; i < 30; i++) OK(dp_list_append(root, t_random_value(&r, &pool, 0), T_ERR));
   t_pool_free(&pool);
   dp_storage_release(st);
   return root;
@@ -383,16 +383,16 @@ static det_t det_run(uint64_t secret) {
   dp_value_t v = det_value();
   det_t out;
   dp_frame_t *f;
-  OK(dp_frame_new(&f, NULL));
-  OK(dp_pickle(v, NULL, f, NULL));
+  OK(dp_frame_new(&f, T_ERR));
+  OK(dp_pickle(v, NULL, f, T_ERR));
   const uint8_t *p = dp_frame_data(f, &out.n);
   out.frame = malloc(out.n);
   memcpy(out.frame, p, out.n);
   dp_frame_free(f);
   dp_ptrset_t *s;
-  OK(dp_ptrset_new(&s, NULL));
+  OK(dp_ptrset_new(&s, T_ERR));
   dp_scan_opts_t o = {DP_SCAN_PATHS, 0};
-  OK(dp_scan(v, &o, s, NULL));
+  OK(dp_scan(v, &o, s, T_ERR));
   size_t cap = 1 << 16, len = 0;
   out.scan = malloc(cap);
   for (size_t i = 0; i < dp_ptrset_count(s); i++) {
@@ -405,7 +405,7 @@ static det_t det_run(uint64_t secret) {
   dp_ptrset_free(s);
   /* read back: the dict's insertion order survives */
   dp_value_t back, d, k;
-  OK(dp_unpickle(out.frame, out.n, NULL, &back, NULL));
+  OK(dp_unpickle(out.frame, out.n, NULL, &back, T_ERR));
   d = dp_seq_get(back, 0);
   cr_assert_eq(dp_dict_len(d), 120);
   OK(dp_dict_item(d, 1, &k, NULL));
@@ -438,20 +438,20 @@ Test(table, a_set_reused_past_the_generation_counter_still_finds_and_counts_righ
   dp_value_t big = t_list(), small = t_list(), other = t_list();
   for (int i = 0; i < 200; i++) {
     dp_value_t t = t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x7f0000000000u + (uintptr_t)i * 65536u, 16);
-    if (i >= 190) OK(dp_list_append(small, dp_value_retain(t), NULL));
-    OK(dp_list_append(big, t, NULL));
+    if (i >= 190) OK(dp_list_append(small, dp_value_retain(t), T_ERR));
+    OK(dp_list_append(big, t, T_ERR));
   }
-  OK(dp_list_append(other, t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x7f1000000000u, 16), NULL));
+  OK(dp_list_append(other, t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x7f1000000000u, 16), T_ERR));
   dp_ptrset_t *s;
-  OK(dp_ptrset_new(&s, NULL));
-  OK(dp_scan(big, NULL, s, NULL));
+  OK(dp_ptrset_new(&s, T_ERR));
+  OK(dp_scan(big, NULL, s, T_ERR));
   cr_assert_eq(dp_ptrset_count(s), 200);
   int wrapped = 0;
   for (int i = 0; i < 70000; i++) {
     dp_ptrset_clear(s);
     if (s->tab.gen == 1) {  /* the generation of the big scan again */
       wrapped = 1;
-      OK(dp_scan(small, NULL, s, NULL));
+      OK(dp_scan(small, NULL, s, T_ERR));
       cr_assert_eq(dp_ptrset_count(s), 10, "scan %d", i);
       for (size_t k = 0; k < 10; k++) {
         dp_ptr_info_t e;
@@ -460,7 +460,7 @@ Test(table, a_set_reused_past_the_generation_counter_still_finds_and_counts_righ
         cr_assert_eq(e.refs, 1);
       }
     } else {
-      OK(dp_scan(other, NULL, s, NULL));
+      OK(dp_scan(other, NULL, s, T_ERR));
       cr_assert_eq(dp_ptrset_count(s), 1, "scan %d", i);
     }
   }

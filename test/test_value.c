@@ -28,7 +28,7 @@ Test(value, str_rejects_invalid_utf8_with_a_message) {
   cr_assert_str_eq(e.message, "dp_str_new: invalid UTF-8");
   cr_assert_eq(dp_str_new("\xed\xa0\x80", 3, &v, &e), DP_EINVAL, "surrogates are not UTF-8");
   cr_assert_eq(dp_str_new("\xc0\xaf", 2, &v, &e), DP_EINVAL, "overlong encodings are not UTF-8");
-  OK(dp_str_new("h\xc3\xa9llo\xf0\x9f\x98\x80", 10, &v, &e));
+  OK_WITH(&e, dp_str_new("h\xc3\xa9llo\xf0\x9f\x98\x80", 10, &v, &e));
   size_t n;
   cr_assert_str_eq(dp_str_data(v, &n), "h\xc3\xa9llo\xf0\x9f\x98\x80");
   cr_assert_eq(n, 10);
@@ -38,7 +38,7 @@ Test(value, str_rejects_invalid_utf8_with_a_message) {
 
 Test(value, bytes_keep_embedded_zeros) {
   dp_value_t v;
-  OK(dp_bytes_new("a\0b", 3, &v, NULL));
+  OK(dp_bytes_new("a\0b", 3, &v, T_ERR));
   size_t n;
   const uint8_t *p = dp_bytes_data(v, &n);
   cr_assert_eq(n, 3);
@@ -51,9 +51,9 @@ Test(value, bytes_keep_embedded_zeros) {
 Test(value, list_append_steals_and_release_frees_the_tree) {
   dp_value_t l = t_list();
   dp_value_t s = t_str("x");
-  OK(dp_list_append(l, s, NULL));
+  OK(dp_list_append(l, s, T_ERR));
   cr_assert_eq(dp_value_refcount(s), 1, "append took the caller's reference");
-  OK(dp_list_append(l, dp_int(3), NULL));
+  OK(dp_list_append(l, dp_int(3), T_ERR));
   cr_assert_eq(dp_seq_len(l), 2);
   cr_assert_eq(dp_seq_get(l, 0).u.h, s.u.h, "get borrows the same node");
   cr_assert_eq(dp_value_kind(dp_seq_get(l, 9)), DP_NONE, "out of range reads none");
@@ -68,7 +68,7 @@ Test(value, stealing_functions_consume_the_argument_even_when_they_fail) {
   cr_assert_eq(dp_list_append(notalist, s, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_list_append: expected list, got int");
   dp_value_t t;
-  OK(dp_tuple_new(1, &t, NULL));
+  OK(dp_tuple_new(1, &t, T_ERR));
   cr_assert_eq(dp_seq_set(t, 5, t_str("y"), &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_seq_set: index 5 out of range (length 1)");
   dp_value_release(t);
@@ -77,10 +77,10 @@ Test(value, stealing_functions_consume_the_argument_even_when_they_fail) {
 
 Test(value, dict_keeps_insertion_order_and_replaces_in_place) {
   dp_value_t d;
-  OK(dp_dict_new(0, &d, NULL));
-  for (int i = 0; i < 40; i++) OK(dp_dict_set(d, dp_int(i * 7 % 40), dp_int(i), NULL));
-  OK(dp_dict_set(d, t_str("k"), dp_int(1), NULL));
-  OK(dp_dict_set(d, dp_int(0), dp_int(99), NULL));
+  OK(dp_dict_new(0, &d, T_ERR));
+  for (int i = 0; i < 40; i++) OK(dp_dict_set(d, dp_int(i * 7 % 40), dp_int(i), T_ERR));
+  OK(dp_dict_set(d, t_str("k"), dp_int(1), T_ERR));
+  OK(dp_dict_set(d, dp_int(0), dp_int(99), T_ERR));
   cr_assert_eq(dp_dict_len(d), 41);
   dp_value_t k, v;
   OK(dp_dict_item(d, 0, &k, &v));
@@ -99,21 +99,21 @@ Test(value, dict_keeps_insertion_order_and_replaces_in_place) {
 
 Test(value, dict_rejects_unhashable_keys_and_names_the_kind) {
   dp_value_t d;
-  OK(dp_dict_new(0, &d, NULL));
+  OK(dp_dict_new(0, &d, T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_dict_set(d, t_list(), dp_int(1), &e), DP_ETYPE);
   cr_assert_str_eq(e.message, "dict key of kind list is not hashable");
   dp_value_t tup;
-  OK(dp_tuple_new(2, &tup, NULL));
-  OK(dp_seq_set(tup, 0, dp_int(1), NULL));
-  OK(dp_seq_set(tup, 1, t_str("a"), NULL));
+  OK(dp_tuple_new(2, &tup, T_ERR));
+  OK(dp_seq_set(tup, 0, dp_int(1), T_ERR));
+  OK(dp_seq_set(tup, 1, t_str("a"), T_ERR));
   cr_assert(dp_value_is_hashable(tup));
-  OK(dp_dict_set(d, dp_value_retain(tup), dp_int(2), NULL));
+  OK(dp_dict_set(d, dp_value_retain(tup), dp_int(2), T_ERR));
   dp_value_t v;
   OK(dp_dict_get(d, tup, &v));
   cr_assert_eq(dp_value_as_int(v), 2);
   /* a tuple that contains itself is not hashable */
-  OK(dp_seq_set(tup, 1, dp_value_retain(tup), NULL));
+  OK(dp_seq_set(tup, 1, dp_value_retain(tup), T_ERR));
   cr_assert_not(dp_value_is_hashable(tup));
   dp_value_release(tup);
   dp_value_release(d);
@@ -126,9 +126,9 @@ Test(value, object_attributes_keep_order_and_are_found_by_name) {
   char name[16];
   for (int i = 0; i < 30; i++) {
     snprintf(name, sizeof name, "a%d", i);
-    OK(dp_object_set(o, name, dp_int(i), NULL));
+    OK(dp_object_set(o, name, dp_int(i), T_ERR));
   }
-  OK(dp_object_set(o, "a3", dp_int(-3), NULL));
+  OK(dp_object_set(o, "a3", dp_int(-3), T_ERR));
   cr_assert_eq(dp_object_nattrs(o), 30);
   const char *n;
   dp_value_t v;
@@ -148,13 +148,13 @@ Test(value, object_attributes_keep_order_and_are_found_by_name) {
 Test(value, long_attribute_names_and_objects_that_outgrow_their_first_block) {
   dp_value_t o = t_obj("Config");
   const char *longname = "a_rather_long_attribute_name_well_past_sixteen_bytes";
-  OK(dp_object_set(o, longname, t_str("v1"), NULL));
+  OK(dp_object_set(o, longname, t_str("v1"), T_ERR));
   for (int i = 0; i < 9; i++) {  /* past the attributes allocated with the object */
     char name[48];
     snprintf(name, sizeof name, "%s_%d", i % 2 ? "short" : "another_quite_long_attribute", i);
-    OK(dp_object_set(o, name, dp_int(i), NULL));
+    OK(dp_object_set(o, name, dp_int(i), T_ERR));
   }
-  OK(dp_object_set(o, longname, t_str("v2"), NULL));
+  OK(dp_object_set(o, longname, t_str("v2"), T_ERR));
   dp_value_t v;
   OK(dp_object_get(o, longname, &v));
   cr_assert_str_eq(dp_str_data(v, NULL), "v2");
@@ -173,19 +173,19 @@ Test(value, tensor_views_must_fit_their_storage) {
   dp_value_t t;
   dp_error_t e;
   int64_t shape[2] = {10, 10}, strides[2] = {10, 1};
-  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 2, shape, strides, 0, &t, &e));
+  OK_WITH(&e, dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 2, shape, strides, 0, &t, &e));
   cr_assert_eq(dp_tensor_ndim(t), 2);
   cr_assert_eq(dp_tensor_strides(t)[0], 10);
   dp_value_release(t);
   cr_assert_eq(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 2, shape, strides, 1, &t, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "tensor view exceeds its storage of 400 bytes");
   int64_t rev[1] = {-1}, n[1] = {100};
-  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, n, rev, 99, &t, &e));
+  OK_WITH(&e, dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, n, rev, 99, &t, &e));
   dp_value_release(t);
   cr_assert_eq(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, n, rev, 98, &t, &e), DP_EINVAL,
                "a negative stride below element 0 is outside");
   int64_t empty[1] = {0};
-  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT64, 1, empty, NULL, 1000, &t, &e));
+  OK_WITH(&e, dp_tensor_new(dp_storage_retain(s), DP_FLOAT64, 1, empty, NULL, 1000, &t, &e));
   dp_value_release(t);
   cr_assert_eq(dp_storage_nbytes(s), 400);
   dp_storage_release(s);
@@ -280,7 +280,7 @@ static void count_release(void *ud, dp_device_t d, void *base, size_t n) {
 Test(value, storage_release_callback_runs_once_when_the_last_tensor_goes) {
   released_storages = 0;
   dp_storage_t *s;
-  OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 1), (void *)0x5000, 64, count_release, NULL, &s, NULL));
+  OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 1), (void *)0x5000, 64, count_release, NULL, &s, T_ERR));
   dp_value_t a = t_view(s, 4, 0), b = t_view(s, 4, 4);
   dp_storage_release(s);
   dp_value_release(a);
@@ -297,7 +297,7 @@ static const dp_type_t counted_type = {"Counted", NULL, destroy_count};
 Test(value, custom_destroy_runs_once_and_also_when_creation_fails) {
   destroyed = 0;
   dp_value_t c;
-  OK(dp_custom_new(&counted_type, (void *)1, &c, NULL));
+  OK(dp_custom_new(&counted_type, (void *)1, &c, T_ERR));
   cr_assert_eq(dp_custom_type(c), &counted_type);
   cr_assert_eq(dp_custom_data(c), (void *)1);
   dp_value_release(c);
@@ -314,8 +314,8 @@ Test(value, custom_destroy_runs_once_and_also_when_creation_fails) {
 
 Test(value, a_list_that_contains_itself_is_freed) {
   dp_value_t l = t_list();
-  OK(dp_list_append(l, dp_value_retain(l), NULL));
-  OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 4), NULL));
+  OK(dp_list_append(l, dp_value_retain(l), T_ERR));
+  OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 4), T_ERR));
   cr_assert_eq(dp_value_refcount(l), 2);
   dp_value_release(l);
   ASSERT_NO_LEAK();
@@ -323,9 +323,9 @@ Test(value, a_list_that_contains_itself_is_freed) {
 
 Test(value, a_cycle_of_objects_is_freed_when_the_last_outside_reference_goes) {
   dp_value_t a = t_obj("Node"), b = t_obj("Node");
-  OK(dp_object_set(a, "next", dp_value_retain(b), NULL));
-  OK(dp_object_set(b, "next", dp_value_retain(a), NULL));
-  OK(dp_object_set(b, "data", t_str("payload"), NULL));
+  OK(dp_object_set(a, "next", dp_value_retain(b), T_ERR));
+  OK(dp_object_set(b, "next", dp_value_retain(a), T_ERR));
+  OK(dp_object_set(b, "data", t_str("payload"), T_ERR));
   dp_value_release(a);
   /* b still held: nothing may be freed */
   dp_value_t n;
@@ -339,12 +339,12 @@ Test(value, a_cycle_of_objects_is_freed_when_the_last_outside_reference_goes) {
 
 Test(value, garbage_cycle_releases_children_that_are_still_held_elsewhere) {
   dp_value_t kept = t_list();
-  OK(dp_list_append(kept, t_str("survivor"), NULL));
+  OK(dp_list_append(kept, t_str("survivor"), T_ERR));
   dp_value_t a = t_list(), d;
-  OK(dp_dict_new(0, &d, NULL));
-  OK(dp_dict_set(d, t_str("back"), dp_value_retain(a), NULL));
-  OK(dp_dict_set(d, t_str("kept"), dp_value_retain(kept), NULL));
-  OK(dp_list_append(a, d, NULL));
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_dict_set(d, t_str("back"), dp_value_retain(a), T_ERR));
+  OK(dp_dict_set(d, t_str("kept"), dp_value_retain(kept), T_ERR));
+  OK(dp_list_append(a, d, T_ERR));
   dp_value_release(a);  /* a <-> d is garbage; kept is not */
   dp_value_collect();
   cr_assert_eq(dp_value_refcount(kept), 1);
@@ -358,10 +358,10 @@ Test(value, a_ring_of_a_hundred_thousand_objects_frees_without_recursion) {
   dp_value_t head = t_obj("Node"), cur = head;
   for (int i = 0; i < 100000; i++) {
     dp_value_t n = t_obj("Node");
-    OK(dp_object_set(cur, "next", n, NULL));
+    OK(dp_object_set(cur, "next", n, T_ERR));
     cur = n;
   }
-  OK(dp_object_set(cur, "next", dp_value_retain(head), NULL));
+  OK(dp_object_set(cur, "next", dp_value_retain(head), T_ERR));
   dp_value_release(head);
   cr_assert_gt(t_live_blocks, 100000, "too large to try at release: deferred");
   dp_value_collect();
@@ -372,8 +372,8 @@ Test(value, releasing_a_large_value_still_held_elsewhere_costs_a_bounded_trial) 
   dp_value_t big = t_list();
   for (int i = 0; i < 5000; i++) {
     dp_value_t inner = t_list();
-    OK(dp_list_append(inner, dp_int(i), NULL));
-    OK(dp_list_append(big, inner, NULL));
+    OK(dp_list_append(inner, dp_int(i), T_ERR));
+    OK(dp_list_append(big, inner, T_ERR));
   }
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -392,10 +392,10 @@ Test(value, cycles_are_collected_when_a_thread_has_buffered_enough_candidates) {
     dp_value_t head = t_obj("Node"), cur = head;
     for (int i = 0; i < 9; i++) {
       dp_value_t n = t_obj("Node");
-      OK(dp_object_set(cur, "next", n, NULL));
+      OK(dp_object_set(cur, "next", n, T_ERR));
       cur = n;
     }
-    OK(dp_object_set(cur, "next", dp_value_retain(head), NULL));
+    OK(dp_object_set(cur, "next", dp_value_retain(head), T_ERR));
     dp_value_release(head);
   }
   cr_assert_lt(t_live_blocks, 100 * 10, "a full buffer was collected on its own (%ld blocks live)",
@@ -408,14 +408,14 @@ static const dp_type_t holder_type = {"Holder", NULL, destroy_releasing};
 
 Test(value, a_custom_destroy_may_release_containers_while_a_cycle_is_freed) {
   dp_value_t inner = t_list();
-  OK(dp_list_append(inner, dp_value_retain(inner), NULL));
+  OK(dp_list_append(inner, dp_value_retain(inner), T_ERR));
   dp_value_t *box = malloc(sizeof *box);
   *box = inner;  /* the custom owns the reference */
   dp_value_t c;
-  OK(dp_custom_new(&holder_type, box, &c, NULL));
+  OK(dp_custom_new(&holder_type, box, &c, T_ERR));
   dp_value_t outer = t_list();
-  OK(dp_list_append(outer, dp_value_retain(outer), NULL));
-  OK(dp_list_append(outer, c, NULL));
+  OK(dp_list_append(outer, dp_value_retain(outer), T_ERR));
+  OK(dp_list_append(outer, c, T_ERR));
   dp_value_release(outer);
   ASSERT_NO_LEAK();
 }
@@ -437,7 +437,7 @@ static void *churn(void *p) {
 
 Test(value, references_may_be_taken_and_dropped_from_many_threads) {
   dp_value_t shared = t_obj("Shared");
-  OK(dp_object_set(shared, "self", dp_value_retain(shared), NULL));
+  OK(dp_object_set(shared, "self", dp_value_retain(shared), T_ERR));
   churn_arg_t arg = {shared};
   pthread_t th[4];
   for (int i = 0; i < 4; i++) pthread_create(&th[i], NULL, churn, &arg);
@@ -477,22 +477,22 @@ Test(value, construction_fails_cleanly_at_every_allocation) {
 
 Test(value, equality_is_structural_and_terminates_on_cycles) {
   dp_value_t a = t_list(), b = t_list();
-  OK(dp_list_append(a, dp_value_retain(a), NULL));
-  OK(dp_list_append(b, dp_value_retain(b), NULL));
+  OK(dp_list_append(a, dp_value_retain(a), T_ERR));
+  OK(dp_list_append(b, dp_value_retain(b), T_ERR));
   cr_assert_eq(dp_value_equal(a, b, 0), 1);
   cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING), 1);
   cr_assert_eq(dp_value_hash(a), dp_value_hash(b));
   /* [s, s] and [s, s'] are equal as trees but differ in sharing */
   dp_value_t s = t_str("x");
   dp_value_t x = t_list(), y = t_list();
-  OK(dp_list_append(x, dp_value_retain(s), NULL));
-  OK(dp_list_append(x, dp_value_retain(s), NULL));
-  OK(dp_list_append(y, s, NULL));
-  OK(dp_list_append(y, t_str("x"), NULL));
+  OK(dp_list_append(x, dp_value_retain(s), T_ERR));
+  OK(dp_list_append(x, dp_value_retain(s), T_ERR));
+  OK(dp_list_append(y, s, T_ERR));
+  OK(dp_list_append(y, t_str("x"), T_ERR));
   cr_assert_eq(dp_value_equal(x, y, 0), 1);
   cr_assert_eq(dp_value_equal(x, y, DP_EQ_SHARING), 0);
   cr_assert_eq(dp_value_hash(x), dp_value_hash(y));
-  OK(dp_list_append(y, dp_int(1), NULL));
+  OK(dp_list_append(y, dp_int(1), T_ERR));
   cr_assert_eq(dp_value_equal(x, y, 0), 0);
   cr_assert_eq(dp_value_equal(dp_float(1.0), dp_int(1), 0), 0);
   dp_value_release(a);
@@ -504,15 +504,15 @@ Test(value, equality_is_structural_and_terminates_on_cycles) {
 
 Test(value, dicts_and_objects_compare_regardless_of_order) {
   dp_value_t a, b;
-  OK(dp_dict_new(0, &a, NULL));
-  OK(dp_dict_new(0, &b, NULL));
-  OK(dp_dict_set(a, t_str("x"), dp_int(1), NULL));
-  OK(dp_dict_set(a, t_str("y"), dp_int(2), NULL));
-  OK(dp_dict_set(b, t_str("y"), dp_int(2), NULL));
-  OK(dp_dict_set(b, t_str("x"), dp_int(1), NULL));
+  OK(dp_dict_new(0, &a, T_ERR));
+  OK(dp_dict_new(0, &b, T_ERR));
+  OK(dp_dict_set(a, t_str("x"), dp_int(1), T_ERR));
+  OK(dp_dict_set(a, t_str("y"), dp_int(2), T_ERR));
+  OK(dp_dict_set(b, t_str("y"), dp_int(2), T_ERR));
+  OK(dp_dict_set(b, t_str("x"), dp_int(1), T_ERR));
   cr_assert_eq(dp_value_equal(a, b, 0), 1);
   cr_assert_eq(dp_value_hash(a), dp_value_hash(b));
-  OK(dp_dict_set(b, t_str("x"), dp_int(3), NULL));
+  OK(dp_dict_set(b, t_str("x"), dp_int(3), T_ERR));
   cr_assert_eq(dp_value_equal(a, b, 0), 0);
   dp_value_release(a);
   dp_value_release(b);
@@ -536,10 +536,10 @@ static dp_value_t big_ring(int n) {
   dp_value_t head = t_obj("Node"), cur = head;
   for (int i = 0; i < n; i++) {
     dp_value_t x = t_obj("Node");
-    OK(dp_object_set(cur, "next", x, NULL));
+    OK(dp_object_set(cur, "next", x, T_ERR));
     cur = x;
   }
-  OK(dp_object_set(cur, "next", dp_value_retain(head), NULL));
+  OK(dp_object_set(cur, "next", dp_value_retain(head), T_ERR));
   return head;
 }
 
@@ -550,12 +550,12 @@ Test(value, a_deferred_candidate_examined_and_released_again_loses_nothing) {
   dp_value_t ring1 = big_ring(300);
   dp_value_release(ring1);                     /* garbage, deferred */
   dp_value_t big = t_list();
-  for (int i = 0; i < 300; i++) OK(dp_list_append(big, t_list(), NULL));
+  for (int i = 0; i < 300; i++) OK(dp_list_append(big, t_list(), T_ERR));
   dp_value_release(dp_value_retain(big));      /* alive, deferred after ring1 */
   dp_value_t ring2 = big_ring(300);
   dp_value_release(ring2);                     /* garbage, deferred after big */
   dp_value_t holder = t_list();
-  OK(dp_list_append(holder, dp_value_retain(big), NULL));
+  OK(dp_list_append(holder, dp_value_retain(big), T_ERR));
   dp_value_release(dp_value_retain(holder));   /* a trial that meets big again */
   dp_value_release(dp_value_retain(big));      /* and big released again */
   dp_value_release(holder);
@@ -570,7 +570,7 @@ Test(value, a_deferred_candidate_examined_and_released_again_loses_nothing) {
  * on one thread is freed at the second release: no collection needed. */
 Test(value, a_container_let_go_twice_on_one_thread_is_freed_at_once) {
   dp_value_t l = t_list();
-  OK(dp_list_append(l, t_obj("Item"), NULL));
+  OK(dp_list_append(l, t_obj("Item"), T_ERR));
   dp_value_retain(l);
   dp_value_release(l);  /* 2 -> 1: a candidate */
   dp_value_release(l);  /* 1 -> 0: leaves the candidates, freed */
@@ -627,9 +627,9 @@ Test(value, a_destroy_callback_may_wait_for_another_thread_that_releases_contain
   pthread_t th;
   pthread_create(&th, NULL, build_and_release, NULL);
   dp_value_t c, l = t_list();
-  OK(dp_custom_new(&waiting_type, NULL, &c, NULL));
-  OK(dp_list_append(l, c, NULL));
-  OK(dp_list_append(l, dp_value_retain(l), NULL));  /* a cycle: freed by a collection */
+  OK(dp_custom_new(&waiting_type, NULL, &c, T_ERR));
+  OK(dp_list_append(l, c, T_ERR));
+  OK(dp_list_append(l, dp_value_retain(l), T_ERR));  /* a cycle: freed by a collection */
   dp_value_release(l);
   dp_value_collect();  /* frees the cycle; the destroy waits for the other thread */
   pthread_join(th, NULL);
@@ -721,10 +721,10 @@ Test(value, a_container_buffered_by_another_thread_frees_its_contents_when_relea
   storages_released = 0;
   dp_storage_t *st;
   dp_value_t t, l = t_list();
-  OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 64, count_storage_release, NULL, &st, NULL));
+  OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 64, count_storage_release, NULL, &st, T_ERR));
   int64_t shape[1] = {16};
-  OK(dp_tensor_new(st, DP_FLOAT32, 1, shape, NULL, 0, &t, NULL));
-  OK(dp_list_append(l, t, NULL));
+  OK(dp_tensor_new(st, DP_FLOAT32, 1, shape, NULL, 0, &t, T_ERR));
+  OK(dp_list_append(l, t, T_ERR));
   holder_arg_t a = {dp_value_retain(l), PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0};
   pthread_t th;
   pthread_create(&th, NULL, buffer_then_wait, &a);
@@ -822,7 +822,7 @@ Test(value, a_container_let_go_by_its_buffering_thread_is_buffered_by_one_other_
   worker_start(&w_owner);
   worker_start(&w_other);
   w_shared = t_list();
-  OK(dp_list_append(w_shared, t_obj("Item"), NULL));
+  OK(dp_list_append(w_shared, t_obj("Item"), T_ERR));
   for (int i = 0; i < 3; i++) dp_value_retain(w_shared);  /* held here twice, by w_owner and w_other */
   worker_run(&w_owner, job_release, w_shared);           /* 4 -> 3: w_owner's candidate */
   w_paused = pthread_self();
@@ -845,7 +845,7 @@ Test(value, a_container_let_go_by_its_buffering_thread_is_buffered_by_one_other_
 Test(value, a_container_buffered_by_an_idle_thread_is_freed_whole_when_released_to_zero_elsewhere) {
   worker_start(&w_owner);
   dp_value_t l = t_list();
-  OK(dp_list_append(l, t_obj("Item"), NULL));
+  OK(dp_list_append(l, t_obj("Item"), T_ERR));
   worker_run(&w_owner, job_release, dp_value_retain(l));  /* 2 -> 1: w_owner's candidate */
   dp_value_release(l);                                    /* 1 -> 0 here; w_owner idles */
   long live = atomic_load(&t_live_blocks);

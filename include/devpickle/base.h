@@ -23,10 +23,17 @@ extern "C" {
 #define DP_API
 #endif
 
+/* The library's version, written here only: the Makefile reads these three
+ * lines (devpickle.pc, the shared library's soname) and the string is made
+ * from them. */
 #define DP_VERSION_MAJOR 0
 #define DP_VERSION_MINOR 1
 #define DP_VERSION_PATCH 0
-#define DP_VERSION_STRING "0.1.0"
+#define DP__VERSION_STR(x) #x
+#define DP__VERSION_XSTR(x) DP__VERSION_STR(x)
+#define DP_VERSION_STRING                                                   \
+  DP__VERSION_XSTR(DP_VERSION_MAJOR) "." DP__VERSION_XSTR(DP_VERSION_MINOR) \
+  "." DP__VERSION_XSTR(DP_VERSION_PATCH)
 
 /*
  * Error codes. A fallible call returns 0 or one of these (all negative).
