@@ -4,6 +4,8 @@
 # the GPU suite, the future's suite on that host, the demo on cuda, every
 # benchmark twice, and the libtorch/PyTorch anchors in the same call.
 # Results: OUT/gpu.log, OUT/bench.json, OUT/anchors.json, OUT/machine.txt.
+# Before/after: benchmarks of an older commit placed in build/base/ (built
+# there, copied) run interleaved with these, into OUT/bench_base.json.
 set -u
 out=${1:?usage: bench/h200.sh OUT}
 export LD_LIBRARY_PATH=build/gpu-libs
@@ -12,8 +14,11 @@ build/test_gpu --verbose -j1 > "$out/gpu.log" 2>&1; echo "test_gpu rc=$?" >> "$o
 build/test_future -j1 >> "$out/gpu.log" 2>&1; echo "test_future rc=$?" >> "$out/gpu.log"
 build/devpickle demo >> "$out/gpu.log" 2>&1; echo "demo rc=$?" >> "$out/gpu.log"
 for round in 1 2; do
-  for b in build/bench_future build/bench_pickler build/bench_device; do
-    $b "$out/bench.json" > /dev/null 2>> "$out/bench.err" || echo "$b failed: $?" >> "$out/bench.err"
+  for b in bench_future bench_pickler bench_device; do
+    build/$b "$out/bench.json" > /dev/null 2>> "$out/bench.err" || echo "$b failed: $?" >> "$out/bench.err"
+    if [ -x build/base/$b ]; then
+      build/base/$b "$out/bench_base.json" > /dev/null 2>> "$out/bench.err" || echo "base $b failed: $?" >> "$out/bench.err"
+    fi
   done
 done
 sh bench/anchors/run.sh "$out/anchors.json" > "$out/anchors.log" 2>&1
