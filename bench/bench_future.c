@@ -208,6 +208,6 @@ int main(int argc, char **argv) {
   dp_error_t e;
   if (dp_backend_get(DP_DEVICE_CUDA, &b, &e) == 0) bench_backend(out, b);
   else printf("(cuda rows skipped: %s)\n", e.message);
-  dp_backend_shutdown();
+  dp_shutdown();
   return 0;
 }

@@ -18,6 +18,7 @@
 
 #include "../device/internal.h"
 #include "../core/table.h"
+#include "internal.h"
 
 #define ROUND 512u
 #define SMALL_MAX ((size_t)1 << 20)
@@ -69,7 +70,7 @@ typedef struct devpool {
 } devpool_t;
 
 struct dp_cache {
-  struct dp_cache *next_live;    /* every allocator, for dp__stream_gone */
+  dp__stream_listener_t gone;    /* the device layer's stream-destroy notice */
   dp_backend_t *b;
   pthread_mutex_t mu;
   devpool_t *pools;
@@ -80,9 +81,6 @@ struct dp_cache {
   block_t *pending_head, *pending_tail;
   block_t *spare;                /* recycled block structs */
 };
-
-static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
-static dp_cache_t *live_caches;
 
 /* ---- block structs ---- */
 
@@ -266,7 +264,7 @@ static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small
     return dp__err(err, DP_ENOMEM, "out of memory tracking a segment");
   }
   void *mem;
-  int rc = c->b->ops->malloc(c->b, dev_of(c, p), seg_size, &mem, err);
+  int rc = dp_device_alloc(c->b, dp_backend_device(c->b, dev_of(c, p)), seg_size, &mem, err);
   if (rc) {
     dp__free(seg, sizeof *seg);
     block_recycle(c, b);
@@ -315,7 +313,7 @@ static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p) {
      * hold several: mark where each one's stream is. */
     for (block_t *b = seg->first; b && all_free; b = b->next) {
       b->drop_ev = NULL;
-      if (b->stream && (dp_event_new(c->b, b->stream->dev, &b->drop_ev, NULL) != 0 ||
+      if (b->stream && (dp_event_new(c->b, dp__stream_dev(b->stream), &b->drop_ev, NULL) != 0 ||
                         dp_event_record(b->drop_ev, b->stream, NULL) != 0)) {
         if (b->drop_ev) dp_event_free(b->drop_ev);
         b->drop_ev = NULL;
@@ -350,7 +348,7 @@ static void free_dropped(dp_cache_t *c, segment_t *dropped) {
         dp_event_free(b->drop_ev);
         b->drop_ev = NULL;
       }
-    c->b->ops->free(c->b, seg->dev, seg->base);
+    dp_device_dealloc(c->b, dp_backend_device(c->b, seg->dev), seg->base);
   }
   pthread_mutex_lock(&c->mu);
   while (dropped) {
@@ -426,16 +424,14 @@ static block_t *block_stream_gone(dp_cache_t *c, devpool_t *p, block_t *b, dp_st
   return free_block(c, p, b)->next;
 }
 
-static void stream_gone(dp_stream_t *s) {
-  pthread_mutex_lock(&live_mu);
-  for (dp_cache_t *c = live_caches; c; c = c->next_live) {
-    pthread_mutex_lock(&c->mu);
-    for (int d = 0; d < c->ndev; d++)
-      for (size_t i = 0; i < c->pools[d].nsegs; i++)
-        for (block_t *b = c->pools[d].segs[i]->first; b;) b = block_stream_gone(c, &c->pools[d], b, s);
-    pthread_mutex_unlock(&c->mu);
-  }
-  pthread_mutex_unlock(&live_mu);
+static void stream_gone(void *ctx, dp_stream_t *s) {
+  dp_cache_t *c = ctx;
+  if (dp_stream_backend(s) != c->b) return;
+  pthread_mutex_lock(&c->mu);
+  for (int d = 0; d < c->ndev; d++)
+    for (size_t i = 0; i < c->pools[d].nsegs; i++)
+      for (block_t *b = c->pools[d].segs[i]->first; b;) b = block_stream_gone(c, &c->pools[d], b, s);
+  pthread_mutex_unlock(&c->mu);
 }
 
 int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
@@ -443,34 +439,26 @@ int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   dp_cache_t *c = dp__alloc(sizeof *c);
   if (!c) return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
   memset(c, 0, sizeof *c);
-  c->pools = dp__alloc_array((size_t)b->ndev, sizeof(devpool_t));
+  int ndev = dp_backend_device_count(b);
+  c->pools = dp__alloc_array((size_t)ndev, sizeof(devpool_t));
   if (!c->pools) {
     dp__free(c, sizeof *c);
     return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
   }
-  memset(c->pools, 0, (size_t)b->ndev * sizeof(devpool_t));
+  memset(c->pools, 0, (size_t)ndev * sizeof(devpool_t));
   dp__table_init(&c->map);
   c->b = b;
-  c->ndev = b->ndev;
+  c->ndev = ndev;
   pthread_mutex_init(&c->mu, NULL);
-  pthread_mutex_lock(&live_mu);
-  c->next_live = live_caches;
-  live_caches = c;
-  dp__stream_gone = stream_gone;
-  pthread_mutex_unlock(&live_mu);
+  c->gone = (dp__stream_listener_t){stream_gone, c, NULL};
+  dp__stream_listen(&c->gone);
   *out = c;
   return 0;
 }
 
 void dp_cache_free(dp_cache_t *c) {
   if (!c) return;
-  pthread_mutex_lock(&live_mu);
-  for (dp_cache_t **l = &live_caches; *l; l = &(*l)->next_live)
-    if (*l == c) {
-      *l = c->next_live;
-      break;
-    }
-  pthread_mutex_unlock(&live_mu);
+  dp__stream_unlisten(&c->gone);
   pthread_mutex_lock(&c->mu);
   for (block_t *b = c->pending_head; b; b = b->pnext)
     for (uint32_t i = 0; i < b->nevents; i++) dp_event_synchronize(b->events[i], NULL);
@@ -486,7 +474,7 @@ void dp_cache_free(dp_cache_t *c) {
         dp__free(b->events, b->events_cap * sizeof *b->events);
         dp__free(b, sizeof *b);
       }
-      c->b->ops->free(c->b, d, seg->base);
+      dp_device_dealloc(c->b, dp_backend_device(c->b, d), seg->base);
       dp__free(seg, sizeof *seg);
     }
     dp__free(p->segs, p->segs_cap * sizeof *p->segs);
@@ -509,7 +497,7 @@ int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s
   int rc = dp__check_device(c->b, dev, err);
   if (rc) return rc;
   if (!s) s = dp_current_stream(c->b, dev);
-  if (!s || !dp_device_equal(s->dev, dev))
+  if (!s || !dp_device_equal(dp__stream_dev(s), dev))
     return dp__err(err, DP_EINVAL, "dp_cache_alloc: the stream must be on the device allocated from");
   if (nbytes > SIZE_MAX - LARGE_ROUND) return dp__err(err, DP_ENOMEM, "allocation of %zu bytes", nbytes);
   size_t size = nbytes ? (nbytes + ROUND - 1) / ROUND * ROUND : ROUND;
@@ -523,11 +511,7 @@ int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s
     p->st.cache_hits++;
   } else if ((b = find_free(p, size, small, NULL)) != NULL) {
     /* Another stream's block: order this stream after its earlier work. */
-    dp_event_t *ev;
-    rc = dp_event_new(c->b, b->stream->dev, &ev, err);
-    if (rc == 0 && (rc = dp_event_record(ev, b->stream, err)) == 0) rc = dp_stream_wait_event(s, ev, err);
-    if (rc == 0) dp_event_free(ev);
-    if (rc) goto out;
+    if ((rc = dp_stream_wait_stream(s, b->stream, err)) != 0) goto out;
     p->st.cache_hits++;
     p->st.cross_stream++;
   } else {
@@ -544,7 +528,7 @@ int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s
       if (err) *err = first;
       if (rc == DP_ENOMEM)
         dp__err(err, DP_ENOMEM, "out of memory allocating %zu bytes on %s:%d (%zu allocated, %zu reserved, %zu pending): %s",
-                nbytes, c->b->name, dev.index, p->st.allocated, p->st.reserved, p->st.pending_bytes, first.message);
+                nbytes, dp_backend_name(c->b), dev.index, p->st.allocated, p->st.reserved, p->st.pending_bytes, first.message);
       goto out;
     }
     free_insert(p, b);
@@ -609,7 +593,7 @@ int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
       size_t cap = b->events_cap;
       if (dp__grow((void **)&b->events, &cap, b->nevents + 1, sizeof *b->events) == 0) b->events_cap = (uint32_t)cap;
     }
-    if (b->nevents < b->events_cap && dp_event_new(c->b, u->dev, &ev, NULL) == 0 &&
+    if (b->nevents < b->events_cap && dp_event_new(c->b, dp__stream_dev(u), &ev, NULL) == 0 &&
         dp_event_record(ev, u, NULL) == 0) {
       b->events[b->nevents++] = ev;
       continue;
@@ -808,7 +792,7 @@ void dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out) {
 static pthread_mutex_t defaults_mu = PTHREAD_MUTEX_INITIALIZER;
 static dp_cache_t *defaults[DP_DEVICE_TYPE_COUNT];
 
-static void destroy_defaults(void) {
+void dp__cache_shutdown(void) {
   pthread_mutex_lock(&defaults_mu);
   for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
     dp_cache_free(defaults[t]);
@@ -821,9 +805,9 @@ int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_default: NULL argument");
   pthread_mutex_lock(&defaults_mu);
   int rc = 0;
-  if (!defaults[b->type] && (rc = dp_cache_new(b, &defaults[b->type], err)) == 0)
-    dp__cache_shutdown = destroy_defaults;
-  *out = defaults[b->type];
+  dp_device_type_t t = dp_backend_type(b);
+  if (!defaults[t]) rc = dp_cache_new(b, &defaults[t], err);
+  *out = defaults[t];
   pthread_mutex_unlock(&defaults_mu);
   return rc;
 }

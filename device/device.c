@@ -5,11 +5,14 @@
 
 #include "internal.h"
 
+/* Process-wide (ARCHITECTURE.md, "Process-wide state"): one backend per
+ * device type, as the CUDA runtime is one per process. */
 static pthread_mutex_t registry_mu = PTHREAD_MUTEX_INITIALIZER;
-void (*dp__cache_shutdown)(void);
-void (*dp__future_shutdown)(void);
-void (*dp__stream_gone)(dp_stream_t *s);
 static dp_backend_t *registry[DP_DEVICE_TYPE_COUNT];
+
+/* Stream-destroy listeners (internal.h). */
+static pthread_mutex_t listeners_mu = PTHREAD_MUTEX_INITIALIZER;
+static dp__stream_listener_t *listeners;
 
 /* This thread's current streams: a few slots searched linearly, no
  * allocation (a thread rarely drives more than a handful of devices). */
@@ -101,9 +104,25 @@ static void free_stream_handle(dp_stream_t *s) {
   dp__free(s, sizeof *s);
 }
 
-void dp_backend_shutdown(void) {
-  if (dp__future_shutdown) dp__future_shutdown();
-  if (dp__cache_shutdown) dp__cache_shutdown();
+void dp__stream_listen(dp__stream_listener_t *l) {
+  pthread_mutex_lock(&listeners_mu);
+  l->next = listeners;
+  listeners = l;
+  pthread_mutex_unlock(&listeners_mu);
+}
+
+void dp__stream_unlisten(dp__stream_listener_t *l) {
+  pthread_mutex_lock(&listeners_mu);
+  for (dp__stream_listener_t **p = &listeners; *p; p = &(*p)->next)
+    if (*p == l) {
+      *p = l->next;
+      break;
+    }
+  pthread_mutex_unlock(&listeners_mu);
+  l->next = NULL;
+}
+
+void dp__device_shutdown(void) {
   pthread_mutex_lock(&registry_mu);
   for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
     dp_backend_t *b = registry[t];
@@ -127,6 +146,7 @@ void dp_backend_shutdown(void) {
   }
   pthread_mutex_unlock(&registry_mu);
   memset(tls_current, 0, sizeof tls_current);
+  dp_set_stream_provider(NULL, NULL);
 }
 
 /* ---- streams ---- */
@@ -156,7 +176,9 @@ int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_
 void dp_stream_free(dp_stream_t *s) {
   if (!s || s->owned) return;
   dp_stream_synchronize(s, NULL);
-  if (dp__stream_gone) dp__stream_gone(s);
+  pthread_mutex_lock(&listeners_mu);
+  for (dp__stream_listener_t *l = listeners; l; l = l->next) l->fn(l->ctx, s);
+  pthread_mutex_unlock(&listeners_mu);
   free_stream_handle(s);
 }
 
@@ -201,6 +223,18 @@ int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err) {
   if (!s || !e) return dp__err(err, DP_EINVAL, "dp_stream_wait_event: NULL argument");
   if (s->b != e->b) return dp__err(err, DP_EINVAL, "stream and event belong to different backends");
   return s->b->ops->stream_wait(s->b, s->h, e->h, err);
+}
+
+int dp_stream_wait_stream(dp_stream_t *s, dp_stream_t *t, dp_error_t *err) {
+  if (!s || !t) return dp__err(err, DP_EINVAL, "dp_stream_wait_stream: NULL stream");
+  if (s->b != t->b) return dp__err(err, DP_EINVAL, "dp_stream_wait_stream: the streams belong to different backends");
+  if (s == t) return 0;  /* stream order already covers it */
+  dp_event_t *e;
+  int rc = dp_event_new(t->b, t->dev, &e, err);
+  if (rc) return rc;
+  if ((rc = dp_event_record(e, t, err)) == 0) rc = s->b->ops->stream_wait(s->b, s->h, e->h, err);
+  dp_event_free(e);  /* the wait holds what it needs (CUDA and host alike) */
+  return rc;
 }
 
 int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *err) {

@@ -24,6 +24,7 @@
 
 #include "../device/internal.h"
 #include "../pickler/ptrset_impl.h"
+#include "internal.h"
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
@@ -133,17 +134,15 @@ static _Thread_local int scratch_busy;
 
 static void scratch_destroy(void *p) { dp_ptrset_free(p); }
 
-static void scratch_release_mine(void) {
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_destroy); }
+
+void dp__future_shutdown(void) {
+  pthread_once(&scratch_once, scratch_init);  /* scratch_key is valid only after it */
   dp_ptrset_t *s = pthread_getspecific(scratch_key);
   if (s && !scratch_busy) {
     pthread_setspecific(scratch_key, NULL);
     dp_ptrset_free(s);
   }
-}
-
-static void scratch_init(void) {
-  pthread_key_create(&scratch_key, scratch_destroy);
-  dp__future_shutdown = scratch_release_mine;
 }
 
 /* The thread's set, or a fresh one when it is in use further up the stack

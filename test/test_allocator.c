@@ -19,7 +19,7 @@ static void setup(void) {
 }
 static void teardown(void) {
   dp_cache_free(C);
-  dp_backend_shutdown();
+  dp_shutdown();
   dp_set_allocator(NULL, NULL);
 }
 TestSuite(allocator, .init = setup, .fini = teardown);
@@ -396,7 +396,7 @@ Test(allocator, every_allocation_failure_is_an_error_and_leaks_nothing) {
     /* the event pool may keep events created along the way */
     dp_stream_free(s);
     dp_stream_free(u);
-    dp_backend_shutdown();
+    dp_shutdown();
     cr_assert_eq(t_live_blocks, 0, "leak after failing allocation %ld", k);
     OK(dp_backend_get(DP_DEVICE_HOST, &B, NULL));
     s = stream(H0);
@@ -461,4 +461,82 @@ Test(allocator, emptying_the_cache_waits_for_a_stream_without_holding_the_lock_i
   cr_assert_eq(fn_done, 1, "dp_cache_empty returned before s's work that preceded it was done");
   OK(dp_stream_synchronize(s, NULL));
   dp_stream_free(s);
+}
+
+/* ---- teardown and the device layer's seams ---- */
+
+static void gate_wait(void *arg) {
+  while (!atomic_load((_Atomic int *)arg)) sleep_ms(1);
+}
+
+/* Taking another stream's block makes the new stream wait for the old one
+ * (dp_stream_wait_stream): the event it borrows goes back to the pool when
+ * the record or the wait fails too. Every allocation along the path fails
+ * in turn; the code comes back as it was and nothing is left live. */
+Test(allocator, a_failed_cross_stream_wait_returns_its_event_and_passes_the_code_through) {
+  int failures = 0;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 100);
+    _Atomic int open = 0;
+    dp_stream_t *t = stream(H0), *s = stream(H0);
+    OK(dp_host_launch(t, gate_wait, &open, NULL));  /* t is busy: s must queue a wait */
+    void *p, *q = NULL;
+    OK(dp_cache_alloc(C, H0, 4 << 20, t, &p, NULL));  /* a segment of its own: no remainder */
+    OK(dp_cache_dealloc(C, p, NULL));
+    dp_error_t e;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_cache_alloc(C, H0, 4 << 20, s, &q, &e);
+    t_fail_at = 0;
+    atomic_store(&open, 1);
+    if (rc == 0) {
+      cr_assert_eq(q, p, "the block was taken across streams");
+      OK(dp_cache_dealloc(C, q, NULL));
+    } else {
+      cr_assert_eq(rc, DP_ENOMEM, "%s: %s", dp_err_name(rc), e.message);
+      cr_assert(e.message[0], "the failure says why");
+      failures++;
+    }
+    dp_stream_free(s);
+    dp_stream_free(t);
+    if (rc == 0) break;
+  }
+  cr_assert_gt(failures, 0, "some allocation along the path was failed");
+  dp_cache_free(C);
+  C = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* The device layer tells every live cache that a stream is going away
+ * (a listener each cache registers); a freed cache is no longer told. */
+Test(allocator, a_freed_cache_is_no_longer_told_of_destroyed_streams) {
+  dp_cache_t *c2;
+  OK(dp_cache_new(B, &c2, NULL));
+  dp_stream_t *s = stream(H0), *t = stream(H0);
+  void *p, *q;
+  OK(dp_cache_alloc(c2, H0, 4096, s, &p, NULL));
+  OK(dp_cache_dealloc(c2, p, NULL));
+  dp_stream_free(s);  /* c2 hears of it: its block belongs to no stream */
+  OK(dp_cache_alloc(c2, H0, 4096, t, &q, NULL));
+  cr_assert_eq(q, p);
+  OK(dp_cache_dealloc(c2, q, NULL));
+  dp_cache_free(c2);
+  dp_stream_free(t);  /* c2 is gone: telling it would touch freed memory (ASan) */
+}
+
+/* dp_shutdown frees the default caches before it stops the backends they
+ * hold memory of, and a later dp_cache_default starts afresh. */
+Test(allocator, shutdown_frees_the_default_caches_then_the_backends_in_that_order) {
+  dp_cache_t *d, *d2;
+  OK(dp_cache_default(B, &d, NULL));
+  void *p;
+  OK(dp_cache_alloc(d, H0, 4096, NULL, &p, NULL));  /* left allocated: the cache goes with shutdown */
+  dp_cache_free(C);
+  C = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, NULL));
+  OK(dp_cache_default(B, &d2, NULL));
+  OK(dp_cache_alloc(d2, H0, 4096, NULL, &p, NULL));
+  OK(dp_cache_dealloc(d2, p, NULL));
 }

@@ -12,7 +12,7 @@ static void setup(void) {
   t_track();
 }
 static void teardown(void) {
-  dp_backend_shutdown();
+  dp_shutdown();
   dp_set_allocator(NULL, NULL);
 }
 TestSuite(device, .init = setup, .fini = teardown);
@@ -79,6 +79,31 @@ Test(device, a_stream_that_waits_on_an_event_sees_the_producers_writes) {
 
 Test(device, negative_control_without_the_wait_the_consumer_reads_stale_data) {
   cr_assert_eq(consumer_sees(0), 0, "without the wait the read runs before the slow write: the race is observable");
+}
+
+/* dp_stream_wait_stream: the consumer waits for everything queued on the
+ * producer so far, without an event of the caller's. */
+Test(device, a_stream_made_to_wait_for_another_sees_its_writes) {
+  dp_backend_t *b = host();
+  dp_stream_t *a, *c;
+  OK(dp_stream_new(b, H0, &a, NULL));
+  OK(dp_stream_new(b, H1, &c, NULL));
+  cell_t cell;
+  atomic_init(&cell.value, 0);
+  atomic_init(&cell.seen, -1);
+  OK(dp_host_launch(a, slow_write, &cell, NULL));
+  long before = t_live_blocks;
+  OK(dp_stream_wait_stream(c, a, NULL));
+  OK(dp_host_launch(c, read_value, &cell, NULL));
+  OK(dp_stream_synchronize(c, NULL));
+  cr_assert_eq(atomic_load(&cell.seen), 42, "the wait must order the read after the write");
+  OK(dp_stream_wait_stream(c, c, NULL));  /* a no-op */
+  dp_error_t e;
+  cr_assert_eq(dp_stream_wait_stream(c, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_stream_wait_stream: NULL stream");
+  dp_stream_free(a);
+  dp_stream_free(c);
+  cr_assert_leq(t_live_blocks, before, "the event went back to the pool, the streams are gone");
 }
 
 Test(device, a_wait_does_not_block_the_host_thread) {
@@ -267,6 +292,24 @@ Test(device, the_current_stream_is_per_thread_and_falls_back_to_provider_then_de
   dp_stream_free(mine);
 }
 
+static _Atomic int provider_calls;
+static dp_stream_t *counting_provider(void *ud, dp_backend_t *b, dp_device_t dev) {
+  atomic_fetch_add(&provider_calls, 1);
+  return provider(ud, b, dev);
+}
+
+Test(device, shutdown_forgets_the_stream_provider) {
+  dp_backend_t *b = host();
+  provided = dp_stream_pool_next(b, H0);
+  dp_set_stream_provider(counting_provider, NULL);
+  cr_assert_eq(dp_current_stream(b, H0), provided);
+  dp_shutdown();  /* provided is freed: a provider still installed would hand it out */
+  atomic_store(&provider_calls, 0);
+  b = host();
+  cr_assert_not_null(dp_current_stream(b, H0));
+  cr_assert_eq(atomic_load(&provider_calls), 0, "the provider was asked after shutdown");
+}
+
 Test(device, a_thread_holds_current_streams_for_a_bounded_number_of_devices) {
   setenv("DEVPICKLE_HOST_DEVICES", "20", 1);
   dp_backend_t *b = host();
@@ -289,7 +332,7 @@ Test(device, the_host_device_count_comes_from_the_environment_and_is_checked) {
   setenv("DEVPICKLE_HOST_DEVICES", "3", 1);
   cr_assert_eq(dp_backend_device_count(host()), 3);
   unsetenv("DEVPICKLE_HOST_DEVICES");
-  dp_backend_shutdown();
+  dp_shutdown();
   cr_assert_eq(dp_backend_device_count(host()), 2, "two host devices by default");
 }
 
@@ -373,7 +416,7 @@ Test(device, shutdown_joins_every_thread_and_frees_everything) {
   dp_stream_free(s);
   void *p;
   OK(dp_device_alloc(b, H0, 100, &p, NULL));  /* not freed: shutdown frees it */
-  dp_backend_shutdown();
+  dp_shutdown();
   cr_assert_eq(atomic_load(&cell.value), 42, "queued work ran before the threads stopped");
   ASSERT_NO_LEAK();
   OK(dp_backend_get(DP_DEVICE_HOST, &b, NULL));  /* and it starts again */

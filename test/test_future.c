@@ -20,7 +20,7 @@ static void setup(void) {
   cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, &B, NULL), 0);
 }
 static void teardown(void) {
-  dp_backend_shutdown();
+  dp_shutdown();
   dp_set_allocator(NULL, NULL);
 }
 TestSuite(future, .init = setup, .fini = teardown);
@@ -133,7 +133,7 @@ Test(future, completion_discovers_the_allocations_of_user_objects_and_records_on
   dp_value_release(b);
   dp_value_release(c);
   dp_future_release(f);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -340,7 +340,7 @@ Test(future, a_failure_whose_detail_cannot_be_copied_keeps_its_code) {
   cr_assert_str_eq(e.message, "i/o error (its detail was lost: out of memory)");
   cr_assert_eq(dp_future_error(f, NULL), DP_EIO);
   dp_future_release(f);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -422,7 +422,7 @@ Test(future, callbacks_added_after_completion_run_at_once_and_each_runs_once) {
   cr_assert_eq(dp_value_as_int(dp_future_value(c[4])), 5);
   for (int i = 0; i < 5; i++) dp_future_release(c[i]);
   dp_future_release(f);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -441,7 +441,7 @@ Test(future, a_released_pending_future_cancels_its_children_without_running_thei
   cr_assert_eq(atomic_load(&calls), 0);
   dp_future_release(c);
   dp_future_release(grandchild);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -493,7 +493,7 @@ Test(future, a_chain_of_a_million_then_links_completes_in_constant_stack_and_in_
     dp_future_release(c[k]);
   }
   free(c);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -511,7 +511,7 @@ Test(future, releasing_a_pending_chain_of_a_million_links_cancels_it_in_constant
   cr_assert_str_eq(e.message, "the parent future was released before it completed");
   cr_assert_eq(o.next, 0, "no callback ran");
   dp_future_release(last);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -551,7 +551,7 @@ Test(future, a_callback_may_complete_other_futures_and_wait_on_their_children) {
   dp_future_release(c);
   dp_future_release(n.other);
   dp_future_release(n.other_child);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -685,7 +685,7 @@ Test(future, collect_all_fails_with_the_first_failed_input) {
   dp_future_release(in[0]);
   dp_future_release(in[1]);
   dp_future_release(all);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -701,7 +701,7 @@ Test(future, collect_all_over_a_released_pending_input_fails_with_ecanceled, .ti
   dp_future_release(in[0]);
   dp_future_release(in[2]);
   dp_future_release(all);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -765,7 +765,7 @@ Test(future, threads_complete_and_chain_concurrently_and_no_callback_is_lost_or_
     dp_future_release(fs[i]);
   }
   free(fs);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -777,7 +777,7 @@ static int hop_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t 
 }
 
 Test(future, every_allocation_failure_is_an_error_and_leaks_nothing) {
-  dp_backend_shutdown();
+  dp_shutdown();
   for (long k = 1;; k++) {
     cr_assert_lt(k, 2000);
     OK(dp_backend_get(DP_DEVICE_HOST, &B, NULL));
@@ -808,7 +808,7 @@ Test(future, every_allocation_failure_is_an_error_and_leaks_nothing) {
     free_ints(b);
     dp_value_release(a);
     dp_value_release(b);
-    dp_backend_shutdown();
+    dp_shutdown();
     cr_assert_eq(t_live_blocks, 0, "leak after failing allocation %ld", k);
     if (rc == 0) break;
   }

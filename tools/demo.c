@@ -319,7 +319,7 @@ int demo_run(int argc, char **argv) {
   dp_reset_current_stream(B, D);
   dp_stream_free(producer);
   dp_stream_free(consumer);
-  dp_backend_shutdown();
+  dp_shutdown();
   printf("demo: %s\n", failures ? "FAILED" : "all checks passed");
   return failures ? 1 : 0;
 }

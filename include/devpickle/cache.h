@@ -77,7 +77,7 @@ DP_API int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
  *  frees the allocator. Pointers still allocated from it become invalid. */
 DP_API void dp_cache_free(dp_cache_t *c);
 /** The backend's built-in allocator (created on first use, destroyed by
- *  dp_backend_shutdown). */
+ *  dp_shutdown). */
 DP_API int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
 
 /** Allocates nbytes on dev for use on stream s (NULL: this thread's current

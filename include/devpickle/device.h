@@ -18,7 +18,8 @@
  * that a stream must not be destroyed while another thread uses it, and an
  * event must not be released while another thread uses it.
  *
- * Lifetime: backends are process-wide and live until dp_backend_shutdown().
+ * Lifetime: backends are process-wide and live until dp_shutdown()
+ * (devpickle.h), which stops them after the caches and futures above them.
  * Streams from dp_stream_default() and dp_stream_pool_next() belong to the
  * backend; streams from dp_stream_new() belong to the caller.
  */
@@ -55,13 +56,6 @@ DP_API int dp_backend_device_count(const dp_backend_t *b);
 /** dp_device_t {type, index} for device i of this backend. */
 DP_API dp_device_t dp_backend_device(const dp_backend_t *b, int index);
 
-/** Stops every backend: waits for queued host work, joins the host threads,
- *  destroys pooled streams and events and frees everything. No stream,
- *  event or backend pointer may be used afterwards; a later dp_backend_get()
- *  starts afresh. Not thread-safe: call it when no other thread uses
- *  devpickle. */
-DP_API void dp_backend_shutdown(void);
-
 /* ---- streams ---- */
 
 /** A new stream on dev (the caller's; destroy it with dp_stream_free). */
@@ -87,6 +81,11 @@ DP_API int dp_stream_query(dp_stream_t *s);
 /** Work queued on s after this call waits for e (device side; the host
  *  does not block). e and s may be on different devices of one backend. */
 DP_API int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err);
+/** Work queued on s after this call waits for the work queued on t so far
+ *  (device side; the host does not block): an event from the pool is
+ *  recorded on t, s waits on it, and the event goes back to the pool. A
+ *  no-op when s == t. s and t may be on different devices of one backend. */
+DP_API int dp_stream_wait_stream(dp_stream_t *s, dp_stream_t *t, dp_error_t *err);
 /** Blocks until all work on every stream of dev has completed. */
 DP_API int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *err);
 

@@ -28,7 +28,7 @@ static void setup(void) {
   unsetenv("DEVPICKLE_BACKEND");
   if (dp_backend_get(DP_DEVICE_CUDA, &B, &e) != 0) cr_skip_test("%s", e.message);
 }
-static void teardown(void) { dp_backend_shutdown(); }
+static void teardown(void) { dp_shutdown(); }
 TestSuite(gpu, .init = setup, .fini = teardown);
 
 Test(gpu, the_default_backend_is_cuda_when_a_gpu_is_usable) {

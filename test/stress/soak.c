@@ -3,7 +3,7 @@
  * fails about one allocation in 500 at random. Errors are expected; what
  * must hold at the end: every child future created is done (no lost
  * callback), every callback ran at most once, the caches' books balance, and
- * after dp_backend_shutdown no block is left live. Prints "N passed, M failed". */
+ * after dp_shutdown no block is left live. Prints "N passed, M failed". */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -192,7 +192,7 @@ int main(int argc, char **argv) {
           "host:%d: %zu bytes still allocated, %llu allocs, %llu frees, %zu pending", d, st.allocated,
           (unsigned long long)st.allocs, (unsigned long long)st.frees, st.pending_blocks);
   }
-  dp_backend_shutdown();
+  dp_shutdown();
   CHECK(atomic_load(&live_blocks) == 0, "%ld blocks leaked", atomic_load(&live_blocks));
   CHECK(atomic_load(&injected) > 0, "no failure was injected: the soak proved nothing");
   printf("%d passed, %d failed\n", passed, failed);

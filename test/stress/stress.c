@@ -32,7 +32,7 @@ static void run(const char *name, int (*fn)(void)) {
   int rc = fn();
   if (rc) failures++; else passes++;
   printf("%s %s\n", rc ? "FAIL" : "ok  ", name);
-  dp_backend_shutdown();
+  dp_shutdown();
 }
 
 static void spin(int us) {
