@@ -348,7 +348,7 @@ static void free_dropped(dp_cache_t *c, segment_t *dropped) {
         dp_event_free(b->drop_ev);
         b->drop_ev = NULL;
       }
-    dp_device_dealloc(c->b, dp_backend_device(c->b, seg->dev), seg->base);
+    dp_device_dealloc(c->b, dp_backend_device(c->b, seg->dev), seg->base, NULL);
   }
   pthread_mutex_lock(&c->mu);
   while (dropped) {
@@ -368,7 +368,7 @@ static void release_free_segments(dp_cache_t *c, devpool_t *p) { free_dropped(c,
 
 static int pending_done(block_t *b) {
   for (uint32_t i = 0; i < b->nevents; i++)
-    if (dp_event_query(b->events[i]) == 0) return 0;
+    if (dp_event_query(b->events[i], NULL) == 0) return 0;
   return 1;
 }
 
@@ -474,7 +474,7 @@ void dp_cache_free(dp_cache_t *c) {
         dp__free(b->events, b->events_cap * sizeof *b->events);
         dp__free(b, sizeof *b);
       }
-      dp_device_dealloc(c->b, dp_backend_device(c->b, d), seg->base);
+      dp_device_dealloc(c->b, dp_backend_device(c->b, d), seg->base, NULL);
       dp__free(seg, sizeof *seg);
     }
     dp__free(p->segs, p->segs_cap * sizeof *p->segs);
@@ -496,8 +496,8 @@ int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s
   if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_alloc: NULL argument");
   int rc = dp__check_device(c->b, dev, err);
   if (rc) return rc;
-  if (!s) s = dp_current_stream(c->b, dev);
-  if (!s || !dp_device_equal(dp__stream_dev(s), dev))
+  if (!s && (rc = dp_current_stream(c->b, dev, &s, err)) != 0) return rc;
+  if (!dp_device_equal(dp__stream_dev(s), dev))
     return dp__err(err, DP_EINVAL, "dp_cache_alloc: the stream must be on the device allocated from");
   if (nbytes > SIZE_MAX - LARGE_ROUND) return dp__err(err, DP_ENOMEM, "allocation of %zu bytes", nbytes);
   size_t size = nbytes ? (nbytes + ROUND - 1) / ROUND * ROUND : ROUND;
@@ -702,7 +702,7 @@ static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *
 
 static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
   dp_cache_t *c = ctx;
-  if (!s) return dp__err(err, DP_EINVAL, "record_streams: NULL stream");
+  if (!c || !s) return dp__err(err, DP_EINVAL, "record_streams: NULL argument");
   int rc = 0;
   uint64_t ring[RECORD_RING];
   pthread_mutex_lock(&c->mu);
@@ -741,7 +741,8 @@ dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c) {
 }
 
 int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
-  if (!h) return 0;
+  if (!h || (!h->record_streams && !h->record_stream))
+    return dp__err(err, DP_EINVAL, "dp_cache_hooks_record: no hooks");
   if (h->record_streams) return h->record_streams(h->ctx, ptrs, n, s, err);
   for (size_t i = 0; i < n; i++) {
     int rc = h->record_stream(h->ctx, ptrs[i], s, err);
@@ -750,7 +751,8 @@ int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n
   return 0;
 }
 
-int dp_cache_poll(dp_cache_t *c) {
+int dp_cache_poll(dp_cache_t *c, dp_error_t *err) {
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_poll: NULL allocator");
   pthread_mutex_lock(&c->mu);
   int n = poll_pending(c, 1);
   pthread_mutex_unlock(&c->mu);
@@ -766,25 +768,28 @@ int dp_cache_empty(dp_cache_t *c, dp_error_t *err) {
   return 0;
 }
 
-int dp_cache_lookup(dp_cache_t *c, const void *ptr, void **base, size_t *size) {
+int dp_cache_lookup(dp_cache_t *c, const void *ptr, void **base, size_t *size, dp_error_t *err) {
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_lookup: NULL allocator");
   pthread_mutex_lock(&c->mu);
   block_t *b = find_used(c, ptr);
-  int rc = b && b->state == B_USED ? 0 : DP_ENOTFOUND;
-  if (rc == 0) {
+  int found = b && b->state == B_USED;
+  if (found) {
     if (base) *base = b->ptr;
     if (size) *size = b->size;
   }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return found ? 0 : dp__err(err, DP_ENOTFOUND, "dp_cache_lookup(%p): not in a block allocated by this allocator", ptr);
 }
 
-void dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out) {
-  memset(out, 0, sizeof *out);
-  if (!c || dp__check_device(c->b, dev, NULL) != 0) return;
+int dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out, dp_error_t *err) {
+  if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_stats: NULL argument");
+  int rc = dp__check_device(c->b, dev, err);
+  if (rc) return rc;
   pthread_mutex_lock(&c->mu);
   poll_pending(c, 1);
   *out = c->pools[dev.index].st;
   pthread_mutex_unlock(&c->mu);
+  return 0;
 }
 
 /* ---- the backends' default allocators ---- */

@@ -18,13 +18,13 @@ typedef struct dp__backend_ops {
   void (*stream_destroy)(dp_backend_t *b, void *h);        /* after its work completes */
   void *(*stream_native)(void *h);
   int (*stream_sync)(dp_backend_t *b, void *h, dp_error_t *err);
-  int (*stream_query)(dp_backend_t *b, void *h);
+  int (*stream_query)(dp_backend_t *b, void *h, dp_error_t *err);  /* 1 done, 0 pending, <0 error */
   int (*stream_wait)(dp_backend_t *b, void *sh, void *eh, dp_error_t *err);
   int (*event_create)(dp_backend_t *b, int dev, void **h, dp_error_t *err);
   void (*event_destroy)(dp_backend_t *b, void *h);
   void (*event_reset)(dp_backend_t *b, void *h);           /* back to never-recorded; may be NULL */
   int (*event_record)(dp_backend_t *b, void *eh, void *sh, dp_error_t *err);
-  int (*event_query)(dp_backend_t *b, void *eh);
+  int (*event_query)(dp_backend_t *b, void *eh, dp_error_t *err);
   int (*event_sync)(dp_backend_t *b, void *eh, dp_error_t *err);
   int (*device_sync)(dp_backend_t *b, int dev, dp_error_t *err);
   int (*malloc)(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *err);

@@ -144,13 +144,13 @@ static int consumer_reads(int wait) {
   dp_stream_t *prod, *cons;
   OK(dp_stream_new(B, H0, &prod, NULL));
   OK(dp_stream_new(B, H0, &cons, NULL));
-  OK(dp_set_current_stream(prod, NULL));
+  OK(dp_set_current_stream(prod, NULL, NULL));
   dp_value_t t = device_ints(H0, 64);
   fill_t fill = {data_of(t), 64, 7, 60};
   OK(dp_host_launch(prod, slow_fill, &fill, NULL));
   dp_future_t *f = future();
   OK(dp_future_mark_completed(f, dp_value_retain(t), NULL));
-  OK(dp_set_current_stream(cons, NULL));
+  OK(dp_set_current_stream(cons, NULL, NULL));
   if (wait) OK(dp_future_wait(f, -1, NULL));
   read_t r = {data_of(dp_future_value(f).kind == DP_TENSOR ? dp_future_value(f) : t), 64, 0, -1, 0};
   OK(dp_host_launch(cons, slow_read, &r, NULL));
@@ -189,7 +189,9 @@ static int launch_and_wrap(void *ud, dp_future_t *parent, dp_value_t *result, dp
   (void)parent;
   dp_value_t out = device_ints(H0, 64);  /* allocated on the current (pool) stream */
   s->fill = (fill_t){data_of(out), 64, 99, 60};
-  int rc = dp_host_launch(dp_current_stream(B, H0), slow_fill, &s->fill, err);
+  dp_stream_t *cur;
+  int rc = dp_current_stream(B, H0, &cur, err);
+  if (rc == 0) rc = dp_host_launch(cur, slow_fill, &s->fill, err);
   if (rc) return rc;
   s->made = dp_value_retain(out);
   dp_value_t obj;
@@ -207,7 +209,7 @@ static int child_consumer_reads(int wait_on_child) {
   OK(dp_future_then(parent, launch_and_wrap, &st, &child, NULL));
   OK(dp_future_mark_completed(parent, dp_value_retain(t), NULL));  /* runs the callback here */
   cr_assert_eq(atomic_load(&st.calls), 1);
-  OK(dp_set_current_stream(cons, NULL));
+  OK(dp_set_current_stream(cons, NULL, NULL));
   /* the negative control waits on the parent's events only: what a fallback
    * to the parent's events would give the child's consumers */
   OK(dp_future_wait(wait_on_child ? child : parent, -1, NULL));
@@ -605,18 +607,18 @@ static int reused_under_consumer(int with_hooks) {
   dp_stream_t *prod, *cons;
   OK(dp_stream_new(B, H0, &prod, NULL));
   OK(dp_stream_new(B, H0, &cons, NULL));
-  OK(dp_set_current_stream(prod, NULL));
+  OK(dp_set_current_stream(prod, NULL, NULL));
   dp_value_t t = device_ints(H0, 1024);
   for (int i = 0; i < 1024; i++) data_of(t)[i] = 5;
   dp_future_t *f;
   dp_future_opts_t o = {B, NULL, 0, NULL, !with_hooks};
   OK(dp_future_new(&o, &f, NULL));
   OK(dp_future_mark_completed(f, dp_value_retain(t), NULL));
-  OK(dp_set_current_stream(cons, NULL));
+  OK(dp_set_current_stream(cons, NULL, NULL));
   OK(dp_future_wait(f, -1, NULL));  /* cons waits, and (with hooks) is recorded */
   read_t r = {data_of(t), 1024, 60, -1, 0};
   OK(dp_host_launch(cons, slow_read, &r, NULL));  /* cons still reads for 60 ms */
-  OK(dp_set_current_stream(prod, NULL));
+  OK(dp_set_current_stream(prod, NULL, NULL));
   free_ints(t);  /* the producer is done with it */
   dp_value_t again = device_ints(H0, 1024);  /* and allocates the same size */
   fill_t fill = {data_of(again), 1024, 9, 0};
