@@ -22,7 +22,8 @@ extern "C" {
  *      threads are joined, pooled streams and events destroyed); the stream
  *      provider and the calling thread's current streams are forgotten.
  *  Before calling it, free what you own that stands on a backend (your
- *  futures, caches from dp_cache_new, streams from dp_stream_new), and
+ *  futures, caches from dp_cache_new, streams from dp_stream_new; other
+ *  threads that set current streams reset them or exit), and
  *  release your values and call dp_value_collect() if their release
  *  callbacks give device memory back. Afterwards no backend, stream, event
  *  or cache pointer may be used; a later dp_backend_get() starts afresh.
