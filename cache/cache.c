@@ -70,7 +70,6 @@ typedef struct devpool {
 } devpool_t;
 
 struct dp_cache {
-  dp__stream_listener_t gone;    /* the device layer's stream-destroy notice */
   dp_backend_t *b;
   pthread_mutex_t mu;
   devpool_t *pools;
@@ -80,6 +79,7 @@ struct dp_cache {
   size_t mapped_cap;
   block_t *pending_head, *pending_tail;
   block_t *spare;                /* recycled block structs */
+  dp__stream_listener_t gone;    /* the device layer's stream-destroy notice (cold: last) */
 };
 
 /* ---- block structs ---- */
