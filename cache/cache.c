@@ -28,6 +28,12 @@
 
 enum { B_FREE, B_USED, B_PENDING };
 
+/* The functions of an allocation and a free start on a cache line of their
+ * own: otherwise their placement, and with it the speed of a 4 KiB
+ * allocate-free pair, moves by 5-10 % with unrelated code earlier in the
+ * file (same instructions, measured with cachegrind). */
+#define HOT __attribute__((aligned(64)))
+
 typedef struct segment segment_t;
 
 /* What a record_stream lookup reads (ptr, state, stream; nuses and uses
@@ -165,7 +171,7 @@ static void map_remove_at(dp_cache_t *c, size_t j) {
 
 static size_t bin_of(size_t size) { return size / ROUND - 1; }
 
-static void free_insert(devpool_t *p, block_t *b) {
+HOT static void free_insert(devpool_t *p, block_t *b) {
   block_t **head = b->seg->small ? &p->bins[bin_of(b->size)] : &p->large;
   b->fprev = NULL;
   b->fnext = *head;
@@ -178,7 +184,7 @@ static void free_insert(devpool_t *p, block_t *b) {
   }
 }
 
-static void free_remove(devpool_t *p, block_t *b) {
+HOT static void free_remove(devpool_t *p, block_t *b) {
   block_t **head = b->seg->small ? &p->bins[bin_of(b->size)] : &p->large;
   if (b->fprev) b->fprev->fnext = b->fnext; else *head = b->fnext;
   if (b->fnext) b->fnext->fprev = b->fprev;
@@ -191,7 +197,7 @@ static void free_remove(devpool_t *p, block_t *b) {
 }
 
 /* A free block of at least size for stream s (any stream when s is NULL). */
-static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t *s) {
+HOT static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t *s) {
   if (small) {
     for (size_t bin = bin_of(size); bin < NBINS;) {
       uint64_t word = p->bitmap[bin / 64] >> (bin % 64);
@@ -217,7 +223,7 @@ static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t *s) 
 
 /* Returns a block to its free list, merged with free neighbours of its
  * stream; returns the block it ended up in. */
-static block_t *free_block(dp_cache_t *c, devpool_t *p, block_t *b) {
+HOT static block_t *free_block(dp_cache_t *c, devpool_t *p, block_t *b) {
   b->state = B_FREE;
   block_t *n = b->next;
   if (n && n->state == B_FREE && n->stream == b->stream) {
@@ -492,7 +498,7 @@ void dp_cache_free(dp_cache_t *c) {
   dp__free(c, sizeof *c);
 }
 
-int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out, dp_error_t *err) {
+HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out, dp_error_t *err) {
   if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_alloc: NULL argument");
   int rc = dp__check_device(c->b, dev, err);
   if (rc) return rc;
@@ -571,7 +577,7 @@ out:
 
 static devpool_t *pool_of(dp_cache_t *c, block_t *b) { return &c->pools[b->seg->dev]; }
 
-int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
+HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
   if (!c) return dp__err(err, DP_EINVAL, "dp_cache_dealloc: NULL allocator");
   if (!ptr) return 0;
   pthread_mutex_lock(&c->mu);
