@@ -188,6 +188,6 @@ int main(int argc, char **argv) {
     teardown(&c);
   }
 #endif
-  dp_backend_shutdown();
+  dp_shutdown();
   return 0;
 }

@@ -105,7 +105,7 @@ static double time_ops(ctx_t *c, int rounds, int op) {
     double t = (bench_now() - t0) / c->k;
     for (int i = 0; i < c->k; i++) dp_future_release(c->fs[i]);
     dp_device_synchronize(c->b, c->dev, NULL);
-    dp_cache_poll(c->cache);
+    dp_cache_poll(c->cache, NULL);
     if (t < best) best = t;
   }
   return best;
@@ -124,7 +124,8 @@ static void run_wait(void *p) {
 
 static void run_raw_wait(void *p) {
   ctx_t *c = p;
-  dp_stream_wait_event(dp_current_stream(c->b, c->dev), c->ev, NULL);
+  dp_stream_t *s;
+  if (dp_current_stream(c->b, c->dev, &s, NULL) == 0) dp_stream_wait_event(s, c->ev, NULL);
 }
 
 static void bench_backend(const char *out, dp_backend_t *b) {
@@ -161,7 +162,9 @@ static void bench_backend(const char *out, dp_backend_t *b) {
   double tc = time_ops(&c, 5, COMPLETE);
   bench_row(out, "future_then_hop", name, th * 1e6, "us", th / tc, "completing a future with the same value");
   dp_event_new(b, c.dev, &c.ev, NULL);
-  dp_event_record(c.ev, dp_current_stream(b, c.dev), NULL);
+  dp_stream_t *cur;
+  dp_current_stream(b, c.dev, &cur, NULL);
+  dp_event_record(c.ev, cur, NULL);
   double tw, traw;
   bench_pair(run_wait, run_raw_wait, &c, 5, &tw, &traw);
   bench_row(out, "future_wait", name, tw * 1e6, "us", tw / traw, "a bare stream wait on one event");
@@ -208,6 +211,6 @@ int main(int argc, char **argv) {
   dp_error_t e;
   if (dp_backend_get(DP_DEVICE_CUDA, &b, &e) == 0) bench_backend(out, b);
   else printf("(cuda rows skipped: %s)\n", e.message);
-  dp_backend_shutdown();
+  dp_shutdown();
   return 0;
 }

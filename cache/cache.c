@@ -18,6 +18,7 @@
 
 #include "../device/internal.h"
 #include "../core/table.h"
+#include "internal.h"
 
 #define ROUND 512u
 #define SMALL_MAX ((size_t)1 << 20)
@@ -26,6 +27,12 @@
 #define NBINS (SMALL_SEGMENT / ROUND)   /* 4096: sizes 512 .. 2 MiB */
 
 enum { B_FREE, B_USED, B_PENDING };
+
+/* The functions of an allocation and a free start on a cache line of their
+ * own: otherwise their placement, and with it the speed of a 4 KiB
+ * allocate-free pair, moves by 5-10 % with unrelated code earlier in the
+ * file (same instructions, measured with cachegrind). */
+#define HOT __attribute__((aligned(64)))
 
 typedef struct segment segment_t;
 
@@ -69,7 +76,6 @@ typedef struct devpool {
 } devpool_t;
 
 struct dp_cache {
-  struct dp_cache *next_live;    /* every allocator, for dp__stream_gone */
   dp_backend_t *b;
   pthread_mutex_t mu;
   devpool_t *pools;
@@ -79,10 +85,8 @@ struct dp_cache {
   size_t mapped_cap;
   block_t *pending_head, *pending_tail;
   block_t *spare;                /* recycled block structs */
+  dp__stream_listener_t gone;    /* the device layer's stream-destroy notice (cold: last) */
 };
-
-static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
-static dp_cache_t *live_caches;
 
 /* ---- block structs ---- */
 
@@ -167,7 +171,7 @@ static void map_remove_at(dp_cache_t *c, size_t j) {
 
 static size_t bin_of(size_t size) { return size / ROUND - 1; }
 
-static void free_insert(devpool_t *p, block_t *b) {
+HOT static void free_insert(devpool_t *p, block_t *b) {
   block_t **head = b->seg->small ? &p->bins[bin_of(b->size)] : &p->large;
   b->fprev = NULL;
   b->fnext = *head;
@@ -180,7 +184,7 @@ static void free_insert(devpool_t *p, block_t *b) {
   }
 }
 
-static void free_remove(devpool_t *p, block_t *b) {
+HOT static void free_remove(devpool_t *p, block_t *b) {
   block_t **head = b->seg->small ? &p->bins[bin_of(b->size)] : &p->large;
   if (b->fprev) b->fprev->fnext = b->fnext; else *head = b->fnext;
   if (b->fnext) b->fnext->fprev = b->fprev;
@@ -193,7 +197,7 @@ static void free_remove(devpool_t *p, block_t *b) {
 }
 
 /* A free block of at least size for stream s (any stream when s is NULL). */
-static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t *s) {
+HOT static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t *s) {
   if (small) {
     for (size_t bin = bin_of(size); bin < NBINS;) {
       uint64_t word = p->bitmap[bin / 64] >> (bin % 64);
@@ -219,7 +223,7 @@ static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t *s) 
 
 /* Returns a block to its free list, merged with free neighbours of its
  * stream; returns the block it ended up in. */
-static block_t *free_block(dp_cache_t *c, devpool_t *p, block_t *b) {
+HOT static block_t *free_block(dp_cache_t *c, devpool_t *p, block_t *b) {
   b->state = B_FREE;
   block_t *n = b->next;
   if (n && n->state == B_FREE && n->stream == b->stream) {
@@ -266,7 +270,7 @@ static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small
     return dp__err(err, DP_ENOMEM, "out of memory tracking a segment");
   }
   void *mem;
-  int rc = c->b->ops->malloc(c->b, dev_of(c, p), seg_size, &mem, err);
+  int rc = dp_device_alloc(c->b, dp_backend_device(c->b, dev_of(c, p)), seg_size, &mem, err);
   if (rc) {
     dp__free(seg, sizeof *seg);
     block_recycle(c, b);
@@ -315,7 +319,7 @@ static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p) {
      * hold several: mark where each one's stream is. */
     for (block_t *b = seg->first; b && all_free; b = b->next) {
       b->drop_ev = NULL;
-      if (b->stream && (dp_event_new(c->b, b->stream->dev, &b->drop_ev, NULL) != 0 ||
+      if (b->stream && (dp_event_new(c->b, dp__stream_dev(b->stream), &b->drop_ev, NULL) != 0 ||
                         dp_event_record(b->drop_ev, b->stream, NULL) != 0)) {
         if (b->drop_ev) dp_event_free(b->drop_ev);
         b->drop_ev = NULL;
@@ -350,7 +354,7 @@ static void free_dropped(dp_cache_t *c, segment_t *dropped) {
         dp_event_free(b->drop_ev);
         b->drop_ev = NULL;
       }
-    c->b->ops->free(c->b, seg->dev, seg->base);
+    dp_device_dealloc(c->b, dp_backend_device(c->b, seg->dev), seg->base, NULL);
   }
   pthread_mutex_lock(&c->mu);
   while (dropped) {
@@ -370,7 +374,7 @@ static void release_free_segments(dp_cache_t *c, devpool_t *p) { free_dropped(c,
 
 static int pending_done(block_t *b) {
   for (uint32_t i = 0; i < b->nevents; i++)
-    if (dp_event_query(b->events[i]) == 0) return 0;
+    if (dp_event_query(b->events[i], NULL) == 0) return 0;
   return 1;
 }
 
@@ -426,16 +430,14 @@ static block_t *block_stream_gone(dp_cache_t *c, devpool_t *p, block_t *b, dp_st
   return free_block(c, p, b)->next;
 }
 
-static void stream_gone(dp_stream_t *s) {
-  pthread_mutex_lock(&live_mu);
-  for (dp_cache_t *c = live_caches; c; c = c->next_live) {
-    pthread_mutex_lock(&c->mu);
-    for (int d = 0; d < c->ndev; d++)
-      for (size_t i = 0; i < c->pools[d].nsegs; i++)
-        for (block_t *b = c->pools[d].segs[i]->first; b;) b = block_stream_gone(c, &c->pools[d], b, s);
-    pthread_mutex_unlock(&c->mu);
-  }
-  pthread_mutex_unlock(&live_mu);
+static void stream_gone(void *ctx, dp_stream_t *s) {
+  dp_cache_t *c = ctx;
+  if (dp_stream_backend(s) != c->b) return;
+  pthread_mutex_lock(&c->mu);
+  for (int d = 0; d < c->ndev; d++)
+    for (size_t i = 0; i < c->pools[d].nsegs; i++)
+      for (block_t *b = c->pools[d].segs[i]->first; b;) b = block_stream_gone(c, &c->pools[d], b, s);
+  pthread_mutex_unlock(&c->mu);
 }
 
 int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
@@ -443,34 +445,26 @@ int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   dp_cache_t *c = dp__alloc(sizeof *c);
   if (!c) return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
   memset(c, 0, sizeof *c);
-  c->pools = dp__alloc_array((size_t)b->ndev, sizeof(devpool_t));
+  int ndev = dp_backend_device_count(b);
+  c->pools = dp__alloc_array((size_t)ndev, sizeof(devpool_t));
   if (!c->pools) {
     dp__free(c, sizeof *c);
     return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
   }
-  memset(c->pools, 0, (size_t)b->ndev * sizeof(devpool_t));
+  memset(c->pools, 0, (size_t)ndev * sizeof(devpool_t));
   dp__table_init(&c->map);
   c->b = b;
-  c->ndev = b->ndev;
+  c->ndev = ndev;
   pthread_mutex_init(&c->mu, NULL);
-  pthread_mutex_lock(&live_mu);
-  c->next_live = live_caches;
-  live_caches = c;
-  dp__stream_gone = stream_gone;
-  pthread_mutex_unlock(&live_mu);
+  c->gone = (dp__stream_listener_t){stream_gone, c, NULL};
+  dp__stream_listen(&c->gone);
   *out = c;
   return 0;
 }
 
 void dp_cache_free(dp_cache_t *c) {
   if (!c) return;
-  pthread_mutex_lock(&live_mu);
-  for (dp_cache_t **l = &live_caches; *l; l = &(*l)->next_live)
-    if (*l == c) {
-      *l = c->next_live;
-      break;
-    }
-  pthread_mutex_unlock(&live_mu);
+  dp__stream_unlisten(&c->gone);
   pthread_mutex_lock(&c->mu);
   for (block_t *b = c->pending_head; b; b = b->pnext)
     for (uint32_t i = 0; i < b->nevents; i++) dp_event_synchronize(b->events[i], NULL);
@@ -486,7 +480,7 @@ void dp_cache_free(dp_cache_t *c) {
         dp__free(b->events, b->events_cap * sizeof *b->events);
         dp__free(b, sizeof *b);
       }
-      c->b->ops->free(c->b, d, seg->base);
+      dp_device_dealloc(c->b, dp_backend_device(c->b, d), seg->base, NULL);
       dp__free(seg, sizeof *seg);
     }
     dp__free(p->segs, p->segs_cap * sizeof *p->segs);
@@ -504,12 +498,12 @@ void dp_cache_free(dp_cache_t *c) {
   dp__free(c, sizeof *c);
 }
 
-int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out, dp_error_t *err) {
+HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out, dp_error_t *err) {
   if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_alloc: NULL argument");
   int rc = dp__check_device(c->b, dev, err);
   if (rc) return rc;
-  if (!s) s = dp_current_stream(c->b, dev);
-  if (!s || !dp_device_equal(s->dev, dev))
+  if (!s && (rc = dp_current_stream(c->b, dev, &s, err)) != 0) return rc;
+  if (!dp_device_equal(dp__stream_dev(s), dev))
     return dp__err(err, DP_EINVAL, "dp_cache_alloc: the stream must be on the device allocated from");
   if (nbytes > SIZE_MAX - LARGE_ROUND) return dp__err(err, DP_ENOMEM, "allocation of %zu bytes", nbytes);
   size_t size = nbytes ? (nbytes + ROUND - 1) / ROUND * ROUND : ROUND;
@@ -523,11 +517,7 @@ int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s
     p->st.cache_hits++;
   } else if ((b = find_free(p, size, small, NULL)) != NULL) {
     /* Another stream's block: order this stream after its earlier work. */
-    dp_event_t *ev;
-    rc = dp_event_new(c->b, b->stream->dev, &ev, err);
-    if (rc == 0 && (rc = dp_event_record(ev, b->stream, err)) == 0) rc = dp_stream_wait_event(s, ev, err);
-    if (rc == 0) dp_event_free(ev);
-    if (rc) goto out;
+    if ((rc = dp_stream_wait_stream(s, b->stream, err)) != 0) goto out;
     p->st.cache_hits++;
     p->st.cross_stream++;
   } else {
@@ -544,7 +534,7 @@ int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s
       if (err) *err = first;
       if (rc == DP_ENOMEM)
         dp__err(err, DP_ENOMEM, "out of memory allocating %zu bytes on %s:%d (%zu allocated, %zu reserved, %zu pending): %s",
-                nbytes, c->b->name, dev.index, p->st.allocated, p->st.reserved, p->st.pending_bytes, first.message);
+                nbytes, dp_backend_name(c->b), dev.index, p->st.allocated, p->st.reserved, p->st.pending_bytes, first.message);
       goto out;
     }
     free_insert(p, b);
@@ -587,7 +577,7 @@ out:
 
 static devpool_t *pool_of(dp_cache_t *c, block_t *b) { return &c->pools[b->seg->dev]; }
 
-int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
+HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
   if (!c) return dp__err(err, DP_EINVAL, "dp_cache_dealloc: NULL allocator");
   if (!ptr) return 0;
   pthread_mutex_lock(&c->mu);
@@ -609,7 +599,7 @@ int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
       size_t cap = b->events_cap;
       if (dp__grow((void **)&b->events, &cap, b->nevents + 1, sizeof *b->events) == 0) b->events_cap = (uint32_t)cap;
     }
-    if (b->nevents < b->events_cap && dp_event_new(c->b, u->dev, &ev, NULL) == 0 &&
+    if (b->nevents < b->events_cap && dp_event_new(c->b, dp__stream_dev(u), &ev, NULL) == 0 &&
         dp_event_record(ev, u, NULL) == 0) {
       b->events[b->nevents++] = ev;
       continue;
@@ -718,7 +708,7 @@ static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *
 
 static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
   dp_cache_t *c = ctx;
-  if (!s) return dp__err(err, DP_EINVAL, "record_streams: NULL stream");
+  if (!c || !s) return dp__err(err, DP_EINVAL, "record_streams: NULL argument");
   int rc = 0;
   uint64_t ring[RECORD_RING];
   pthread_mutex_lock(&c->mu);
@@ -757,7 +747,8 @@ dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c) {
 }
 
 int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
-  if (!h) return 0;
+  if (!h || (!h->record_streams && !h->record_stream))
+    return dp__err(err, DP_EINVAL, "dp_cache_hooks_record: no hooks");
   if (h->record_streams) return h->record_streams(h->ctx, ptrs, n, s, err);
   for (size_t i = 0; i < n; i++) {
     int rc = h->record_stream(h->ctx, ptrs[i], s, err);
@@ -766,7 +757,8 @@ int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n
   return 0;
 }
 
-int dp_cache_poll(dp_cache_t *c) {
+int dp_cache_poll(dp_cache_t *c, dp_error_t *err) {
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_poll: NULL allocator");
   pthread_mutex_lock(&c->mu);
   int n = poll_pending(c, 1);
   pthread_mutex_unlock(&c->mu);
@@ -782,25 +774,28 @@ int dp_cache_empty(dp_cache_t *c, dp_error_t *err) {
   return 0;
 }
 
-int dp_cache_lookup(dp_cache_t *c, const void *ptr, void **base, size_t *size) {
+int dp_cache_lookup(dp_cache_t *c, const void *ptr, void **base, size_t *size, dp_error_t *err) {
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_lookup: NULL allocator");
   pthread_mutex_lock(&c->mu);
   block_t *b = find_used(c, ptr);
-  int rc = b && b->state == B_USED ? 0 : DP_ENOTFOUND;
-  if (rc == 0) {
+  int found = b && b->state == B_USED;
+  if (found) {
     if (base) *base = b->ptr;
     if (size) *size = b->size;
   }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return found ? 0 : dp__err(err, DP_ENOTFOUND, "dp_cache_lookup(%p): not in a block allocated by this allocator", ptr);
 }
 
-void dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out) {
-  memset(out, 0, sizeof *out);
-  if (!c || dp__check_device(c->b, dev, NULL) != 0) return;
+int dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out, dp_error_t *err) {
+  if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_stats: NULL argument");
+  int rc = dp__check_device(c->b, dev, err);
+  if (rc) return rc;
   pthread_mutex_lock(&c->mu);
   poll_pending(c, 1);
   *out = c->pools[dev.index].st;
   pthread_mutex_unlock(&c->mu);
+  return 0;
 }
 
 /* ---- the backends' default allocators ---- */
@@ -808,7 +803,7 @@ void dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out) {
 static pthread_mutex_t defaults_mu = PTHREAD_MUTEX_INITIALIZER;
 static dp_cache_t *defaults[DP_DEVICE_TYPE_COUNT];
 
-static void destroy_defaults(void) {
+void dp__cache_shutdown(void) {
   pthread_mutex_lock(&defaults_mu);
   for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
     dp_cache_free(defaults[t]);
@@ -821,9 +816,9 @@ int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_default: NULL argument");
   pthread_mutex_lock(&defaults_mu);
   int rc = 0;
-  if (!defaults[b->type] && (rc = dp_cache_new(b, &defaults[b->type], err)) == 0)
-    dp__cache_shutdown = destroy_defaults;
-  *out = defaults[b->type];
+  dp_device_type_t t = dp_backend_type(b);
+  if (!defaults[t]) rc = dp_cache_new(b, &defaults[t], err);
+  *out = defaults[t];
   pthread_mutex_unlock(&defaults_mu);
   return rc;
 }

@@ -78,12 +78,12 @@ static int c_stream_sync(dp_backend_t *b, void *h, dp_error_t *err) {
   return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaStreamSynchronize");
 }
 
-static int c_stream_query(dp_backend_t *b, void *h) {
+static int c_stream_query(dp_backend_t *b, void *h, dp_error_t *err) {
   (void)b;
   cudaError_t e = cudaStreamQuery((cudaStream_t)h);
   if (e == cudaSuccess) return 1;
   if (e == cudaErrorNotReady) return 0;
-  return cuda_err(NULL, e, "cudaStreamQuery");
+  return cuda_err(err, e, "cudaStreamQuery");
 }
 
 static int c_stream_wait(dp_backend_t *b, void *sh, void *eh, dp_error_t *err) {
@@ -113,12 +113,12 @@ static int c_event_record(dp_backend_t *b, void *eh, void *sh, dp_error_t *err) 
   return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaEventRecord");
 }
 
-static int c_event_query(dp_backend_t *b, void *eh) {
+static int c_event_query(dp_backend_t *b, void *eh, dp_error_t *err) {
   (void)b;
   cudaError_t e = cudaEventQuery((cudaEvent_t)eh);
   if (e == cudaSuccess) return 1;
   if (e == cudaErrorNotReady) return 0;
-  return cuda_err(NULL, e, "cudaEventQuery");
+  return cuda_err(err, e, "cudaEventQuery");
 }
 
 static int c_event_sync(dp_backend_t *b, void *eh, dp_error_t *err) {

@@ -5,11 +5,14 @@
 
 #include "internal.h"
 
+/* Process-wide (ARCHITECTURE.md, "Process-wide state"): one backend per
+ * device type, as the CUDA runtime is one per process. */
 static pthread_mutex_t registry_mu = PTHREAD_MUTEX_INITIALIZER;
-void (*dp__cache_shutdown)(void);
-void (*dp__future_shutdown)(void);
-void (*dp__stream_gone)(dp_stream_t *s);
 static dp_backend_t *registry[DP_DEVICE_TYPE_COUNT];
+
+/* Stream-destroy listeners (internal.h). */
+static pthread_mutex_t listeners_mu = PTHREAD_MUTEX_INITIALIZER;
+static dp__stream_listener_t *listeners;
 
 /* This thread's current streams: a few slots searched linearly, no
  * allocation (a thread rarely drives more than a handful of devices). */
@@ -101,9 +104,25 @@ static void free_stream_handle(dp_stream_t *s) {
   dp__free(s, sizeof *s);
 }
 
-void dp_backend_shutdown(void) {
-  if (dp__future_shutdown) dp__future_shutdown();
-  if (dp__cache_shutdown) dp__cache_shutdown();
+void dp__stream_listen(dp__stream_listener_t *l) {
+  pthread_mutex_lock(&listeners_mu);
+  l->next = listeners;
+  listeners = l;
+  pthread_mutex_unlock(&listeners_mu);
+}
+
+void dp__stream_unlisten(dp__stream_listener_t *l) {
+  pthread_mutex_lock(&listeners_mu);
+  for (dp__stream_listener_t **p = &listeners; *p; p = &(*p)->next)
+    if (*p == l) {
+      *p = l->next;
+      break;
+    }
+  pthread_mutex_unlock(&listeners_mu);
+  l->next = NULL;
+}
+
+void dp__device_shutdown(void) {
   pthread_mutex_lock(&registry_mu);
   for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
     dp_backend_t *b = registry[t];
@@ -127,6 +146,7 @@ void dp_backend_shutdown(void) {
   }
   pthread_mutex_unlock(&registry_mu);
   memset(tls_current, 0, sizeof tls_current);
+  dp_set_stream_provider(NULL, NULL);
 }
 
 /* ---- streams ---- */
@@ -156,34 +176,51 @@ int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_
 void dp_stream_free(dp_stream_t *s) {
   if (!s || s->owned) return;
   dp_stream_synchronize(s, NULL);
-  if (dp__stream_gone) dp__stream_gone(s);
+  pthread_mutex_lock(&listeners_mu);
+  for (dp__stream_listener_t *l = listeners; l; l = l->next) l->fn(l->ctx, s);
+  pthread_mutex_unlock(&listeners_mu);
   free_stream_handle(s);
 }
 
-dp_stream_t *dp_stream_default(dp_backend_t *b, dp_device_t dev) {
-  if (dp__check_device(b, dev, NULL) != 0) return NULL;
+/* The backend's stream in *slot, made on first use (under the device's
+ * lock; read without it afterwards). A failed creation leaves the slot
+ * empty, for the next call to try again, and reports why. */
+static int owned_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t *_Atomic *slot, dp_stream_t **out,
+                        dp_error_t *err) {
   dp__devstate_t *ds = &b->devs[dev.index];
-  dp_stream_t *s = dp__load_acquire(&ds->default_stream);
-  if (s) return s;
+  int rc = 0;
   pthread_mutex_lock(&ds->mu);
-  if (!dp__load_relaxed(&ds->default_stream) && stream_new(b, dev, 1, &s, NULL) == 0)
-    dp__store_release(&ds->default_stream, s);
-  s = dp__load_relaxed(&ds->default_stream);
+  dp_stream_t *s = dp__load_relaxed(slot);
+  if (!s && (rc = stream_new(b, dev, 1, &s, err)) == 0) dp__store_release(slot, s);
   pthread_mutex_unlock(&ds->mu);
-  return s;
+  if (rc == 0) *out = s;
+  return rc;
 }
 
-dp_stream_t *dp_stream_pool_next(dp_backend_t *b, dp_device_t dev) {
-  if (dp__check_device(b, dev, NULL) != 0) return NULL;
+int dp_stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
+  int rc = dp__check_device(b, dev, err);
+  if (rc) return rc;
+  if (!out) return dp__err(err, DP_EINVAL, "dp_stream_default: NULL out");
+  dp_stream_t *s = dp__load_acquire(&b->devs[dev.index].default_stream);
+  if (DP_LIKELY(s != NULL)) {
+    *out = s;
+    return 0;
+  }
+  return owned_stream(b, dev, &b->devs[dev.index].default_stream, out, err);
+}
+
+int dp_stream_pool_next(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
+  int rc = dp__check_device(b, dev, err);
+  if (rc) return rc;
+  if (!out) return dp__err(err, DP_EINVAL, "dp_stream_pool_next: NULL out");
   dp__devstate_t *ds = &b->devs[dev.index];
   unsigned i = dp__fetch_add_relaxed(&ds->pool_next, 1) % DP_POOL_STREAMS;
   dp_stream_t *s = dp__load_acquire(&ds->pool[i]);
-  if (s) return s;
-  pthread_mutex_lock(&ds->mu);
-  if (!dp__load_relaxed(&ds->pool[i]) && stream_new(b, dev, 1, &s, NULL) == 0) dp__store_release(&ds->pool[i], s);
-  s = dp__load_relaxed(&ds->pool[i]);
-  pthread_mutex_unlock(&ds->mu);
-  return s;
+  if (DP_LIKELY(s != NULL)) {
+    *out = s;
+    return 0;
+  }
+  return owned_stream(b, dev, &ds->pool[i], out, err);
 }
 
 dp_backend_t *dp_stream_backend(const dp_stream_t *s) { return s->b; }
@@ -195,12 +232,27 @@ int dp_stream_synchronize(dp_stream_t *s, dp_error_t *err) {
   return s->b->ops->stream_sync(s->b, s->h, err);
 }
 
-int dp_stream_query(dp_stream_t *s) { return s ? s->b->ops->stream_query(s->b, s->h) : DP_EINVAL; }
+int dp_stream_query(dp_stream_t *s, dp_error_t *err) {
+  if (!s) return dp__err(err, DP_EINVAL, "dp_stream_query: NULL stream");
+  return s->b->ops->stream_query(s->b, s->h, err);
+}
 
 int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err) {
   if (!s || !e) return dp__err(err, DP_EINVAL, "dp_stream_wait_event: NULL argument");
   if (s->b != e->b) return dp__err(err, DP_EINVAL, "stream and event belong to different backends");
   return s->b->ops->stream_wait(s->b, s->h, e->h, err);
+}
+
+int dp_stream_wait_stream(dp_stream_t *s, dp_stream_t *t, dp_error_t *err) {
+  if (!s || !t) return dp__err(err, DP_EINVAL, "dp_stream_wait_stream: NULL stream");
+  if (s->b != t->b) return dp__err(err, DP_EINVAL, "dp_stream_wait_stream: the streams belong to different backends");
+  if (s == t) return 0;  /* stream order already covers it */
+  dp_event_t *e;
+  int rc = dp_event_new(t->b, t->dev, &e, err);
+  if (rc) return rc;
+  if ((rc = dp_event_record(e, t, err)) == 0) rc = s->b->ops->stream_wait(s->b, s->h, e->h, err);
+  dp_event_free(e);  /* the wait holds what it needs (CUDA and host alike) */
+  return rc;
 }
 
 int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *err) {
@@ -210,22 +262,30 @@ int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *err) {
 
 /* ---- current stream ---- */
 
-dp_stream_t *dp_current_stream(dp_backend_t *b, dp_device_t dev) {
-  if (dp__check_device(b, dev, NULL) != 0) return NULL;
+int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
+  int rc = dp__check_device(b, dev, err);
+  if (rc) return rc;
+  if (!out) return dp__err(err, DP_EINVAL, "dp_current_stream: NULL out");
   uint16_t key = slot_key(dev);
   for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
-    if (tls_current[i].key == key) return tls_current[i].s;
+    if (tls_current[i].key == key) {
+      *out = tls_current[i].s;
+      return 0;
+    }
   dp_stream_provider_cb fn = dp__load_acquire(&provider_fn);
   if (fn) {
     dp_stream_t *s = fn(dp__load_acquire(&provider_ud), b, dev);
-    if (s) return s;
+    if (s) {
+      *out = s;
+      return 0;
+    }
   }
-  return dp_stream_default(b, dev);
+  return dp_stream_default(b, dev, out, err);
 }
 
-int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev) {
+int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t *err) {
   if (prev) *prev = NULL;
-  if (!s) return DP_EINVAL;
+  if (!s) return dp__err(err, DP_EINVAL, "dp_set_current_stream: NULL stream");
   uint16_t key = slot_key(s->dev);
   int free_slot = -1;
   for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++) {
@@ -236,7 +296,11 @@ int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev) {
     }
     if (!tls_current[i].key && free_slot < 0) free_slot = i;
   }
-  if (free_slot < 0) return DP_ELIMIT;
+  if (free_slot < 0) {
+    char buf[16];
+    return dp__err(err, DP_ELIMIT, "dp_set_current_stream(%s): this thread already holds current streams for %d devices",
+                   dp_device_format(s->dev, buf, sizeof buf), DP_CURRENT_STREAM_SLOTS);
+  }
   tls_current[free_slot].key = key;
   tls_current[free_slot].s = s;
   return 0;
@@ -260,6 +324,7 @@ void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud) {
 int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t *err) {
   int rc = dp__check_device(b, dev, err);
   if (rc) return rc;
+  if (!out) return dp__err(err, DP_EINVAL, "dp_event_new: NULL out");
   dp__devstate_t *ds = &b->devs[dev.index];
   pthread_mutex_lock(&ds->mu);
   dp_event_t *e = ds->free_events;
@@ -297,7 +362,10 @@ int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err) {
   return e->b->ops->event_record(e->b, e->h, s->h, err);
 }
 
-int dp_event_query(dp_event_t *e) { return e ? e->b->ops->event_query(e->b, e->h) : DP_EINVAL; }
+int dp_event_query(dp_event_t *e, dp_error_t *err) {
+  if (!e) return dp__err(err, DP_EINVAL, "dp_event_query: NULL event");
+  return e->b->ops->event_query(e->b, e->h, err);
+}
 
 int dp_event_synchronize(dp_event_t *e, dp_error_t *err) {
   if (!e) return dp__err(err, DP_EINVAL, "dp_event_synchronize: NULL event");
@@ -315,13 +383,17 @@ int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out,
   return b->ops->malloc(b, dev.index, nbytes, out, err);
 }
 
-void dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p) {
-  if (p && dp__check_device(b, dev, NULL) == 0) b->ops->free(b, dev.index, p);
+int dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p, dp_error_t *err) {
+  int rc = dp__check_device(b, dev, err);
+  if (rc == 0 && p) b->ops->free(b, dev.index, p);
+  return rc;
 }
 
-int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out) {
-  int dev;
-  if (!b || b->ops->pointer_device(b, p, &dev) != 0) return DP_ENOTFOUND;
+int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out, dp_error_t *err) {
+  if (!b) return dp__err(err, DP_EINVAL, "dp_pointer_device: NULL backend");
+  int dev, rc = b->ops->pointer_device(b, p, &dev);
+  if (rc == DP_ENOTFOUND) return dp__err(err, rc, "dp_pointer_device(%p): not memory of the %s backend", p, b->name);
+  if (rc) return rc;
   if (out) *out = dp_backend_device(b, dev);
   return 0;
 }

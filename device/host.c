@@ -233,8 +233,9 @@ static int h_stream_sync(dp_backend_t *b, void *h, dp_error_t *err) {
   return 0;
 }
 
-static int h_stream_query(dp_backend_t *b, void *h) {
+static int h_stream_query(dp_backend_t *b, void *h, dp_error_t *err) {
   (void)b;
+  (void)err;
   hstream_t *s = h;
   return dp__load_acquire(&s->prog->completed) >= enqueued_now(s);
 }
@@ -335,8 +336,9 @@ static int h_event_record(dp_backend_t *b, void *eh, void *sh, dp_error_t *err) 
   return 0;
 }
 
-static int h_event_query(dp_backend_t *b, void *eh) {
+static int h_event_query(dp_backend_t *b, void *eh, dp_error_t *err) {
   (void)b;
+  (void)err;
   hevent_t *e = eh;
   pthread_mutex_lock(&e->mu);
   int done = !e->prog || dp__load_acquire(&e->prog->completed) >= e->target;
@@ -440,8 +442,12 @@ int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err) {
   return enqueue(s->h, &t, err);
 }
 
-int dp_host_set_memory_limit(dp_device_t dev, size_t nbytes) {
-  if (dev.type != DP_DEVICE_HOST || dev.index >= HOST_MAX_DEVICES) return DP_EINVAL;
+int dp_host_set_memory_limit(dp_device_t dev, size_t nbytes, dp_error_t *err) {
+  if (dev.type != DP_DEVICE_HOST || dev.index >= HOST_MAX_DEVICES) {
+    char buf[16];
+    return dp__err(err, DP_EINVAL, "dp_host_set_memory_limit: %s is not a host device (host:0..host:%d)",
+                   dp_device_format(dev, buf, sizeof buf), HOST_MAX_DEVICES - 1);
+  }
   pthread_mutex_lock(&limit_mu);
   pending_limit[dev.index] = nbytes;
   if (live_impl) {

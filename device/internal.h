@@ -18,13 +18,13 @@ typedef struct dp__backend_ops {
   void (*stream_destroy)(dp_backend_t *b, void *h);        /* after its work completes */
   void *(*stream_native)(void *h);
   int (*stream_sync)(dp_backend_t *b, void *h, dp_error_t *err);
-  int (*stream_query)(dp_backend_t *b, void *h);
+  int (*stream_query)(dp_backend_t *b, void *h, dp_error_t *err);  /* 1 done, 0 pending, <0 error */
   int (*stream_wait)(dp_backend_t *b, void *sh, void *eh, dp_error_t *err);
   int (*event_create)(dp_backend_t *b, int dev, void **h, dp_error_t *err);
   void (*event_destroy)(dp_backend_t *b, void *h);
   void (*event_reset)(dp_backend_t *b, void *h);           /* back to never-recorded; may be NULL */
   int (*event_record)(dp_backend_t *b, void *eh, void *sh, dp_error_t *err);
-  int (*event_query)(dp_backend_t *b, void *eh);
+  int (*event_query)(dp_backend_t *b, void *eh, dp_error_t *err);
   int (*event_sync)(dp_backend_t *b, void *eh, dp_error_t *err);
   int (*device_sync)(dp_backend_t *b, int dev, dp_error_t *err);
   int (*malloc)(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *err);
@@ -70,15 +70,30 @@ struct dp_backend {
 extern const dp__backend_ops_t dp__host_ops;
 extern const dp__backend_ops_t dp__cuda_ops;
 
-/* Set by the allocator module when it creates the backends' default
- * allocators; dp_backend_shutdown calls it before stopping the backends. */
-extern void (*dp__cache_shutdown)(void);
-/* Set by the future module: frees the calling thread's scratch pointer set
- * (other threads' go with them, through a thread-specific destructor). */
-extern void (*dp__future_shutdown)(void);
-/* Set by the allocator module: tells every allocator that a stream is going
- * away (its work has completed), so that no block keeps pointing at it. */
-extern void (*dp__stream_gone)(dp_stream_t *s);
+/* Stream-destroy notices. A module above that keeps stream pointers (the
+ * caching allocator) registers a listener; dp_stream_free calls every
+ * listener, after the stream's work has completed and before its handle is
+ * freed, so that nothing keeps pointing at it. The node is the caller's
+ * (embedded in its object: registering cannot fail); unlisten before
+ * freeing it. Listeners run under the device layer's listener lock, in no
+ * particular order, and must not create or free streams. */
+typedef struct dp__stream_listener {
+  void (*fn)(void *ctx, dp_stream_t *s);
+  void *ctx;
+  struct dp__stream_listener *next;
+} dp__stream_listener_t;
+void dp__stream_listen(dp__stream_listener_t *l);
+void dp__stream_unlisten(dp__stream_listener_t *l);
+
+/* The device layer's part of dp_shutdown (devpickle.h): stops every backend
+ * (waits for queued host work, joins the host threads, destroys pooled
+ * streams and events), empties the registry, forgets the stream provider
+ * and the calling thread's current streams. Everything above that holds
+ * backend objects (caches, futures) must be gone first. */
+void dp__device_shutdown(void);
+
+/* dp_stream_device, inline: the cache's allocation path reads it. */
+static inline dp_device_t dp__stream_dev(const dp_stream_t *s) { return s->dev; }
 
 /* Checks that dev belongs to b; fills err. */
 int dp__check_device(const dp_backend_t *b, dp_device_t dev, dp_error_t *err);

@@ -24,6 +24,7 @@
 
 #include "../device/internal.h"
 #include "../pickler/ptrs.h"
+#include "internal.h"
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
@@ -120,18 +121,16 @@ static _Thread_local int scratch_busy;
 
 static void scratch_destroy(void *p) { dp_ptrset_free(p); }
 
-static void scratch_release_mine(void) {
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_destroy); }
+
+void dp__future_shutdown(void) {
+  pthread_once(&scratch_once, scratch_init);  /* scratch_key is valid only after it */
   dp_ptrset_t *s = pthread_getspecific(scratch_key);
   if (s && !scratch_busy) {
     pthread_setspecific(scratch_key, NULL);
     dp_ptrset_free(s);
   }
   dp__ptrs_recycle_drain();
-}
-
-static void scratch_init(void) {
-  pthread_key_create(&scratch_key, scratch_destroy);
-  dp__future_shutdown = scratch_release_mine;
 }
 
 /* The thread's set, or a fresh one when it is in use further up the stack
@@ -337,9 +336,10 @@ static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *s
     if (pd->device.type == DP_DEVICE_CPU) continue;
     fdev_t *fd = &r->devs[r->ndevs];
     *fd = (fdev_t){pd->device, NULL, pd->first, pd->count};
-    dp_stream_t *s = streams ? streams[r->ndevs] : dp_current_stream(f->b, pd->device);
-    rc = s ? dp_event_new(f->b, pd->device, &fd->ev, err) : dp__err(err, DP_ENODEV, "no stream for a device");
-    if (rc == 0 && (rc = dp_event_record(fd->ev, s, err)) != 0) dp_event_free(fd->ev);
+    dp_stream_t *s = streams ? streams[r->ndevs] : NULL;
+    rc = s ? 0 : dp_current_stream(f->b, pd->device, &s, err);
+    if (rc == 0 && (rc = dp_event_new(f->b, pd->device, &fd->ev, err)) == 0 && (rc = dp_event_record(fd->ev, s, err)) != 0)
+      dp_event_free(fd->ev);
     if (rc == 0 && f->use_hooks &&
         (rc = dp_cache_hooks_record(&f->hooks, r->ptrs.by_dev + fd->first, fd->count, s, err)) != 0)
       dp_event_free(fd->ev);
@@ -508,8 +508,9 @@ int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (state == PENDING) return dp__err(err, DP_ETIMEDOUT, "the future did not complete within %lld ns", (long long)timeout_ns);
   if (state == FAILED) return get_error(f, err);
   for (size_t i = 0; i < f->rec.ndevs; i++) {
-    dp_stream_t *s = dp_current_stream(f->b, f->rec.devs[i].dev);
-    int rc = s ? join_device(f, i, s, err) : dp__err(err, DP_ENODEV, "no current stream");
+    dp_stream_t *s;
+    int rc = dp_current_stream(f->b, f->rec.devs[i].dev, &s, err);
+    if (rc == 0) rc = join_device(f, i, s, err);
     if (rc) return rc;
   }
   return 0;
@@ -562,9 +563,10 @@ static void run_then(dp_future_t *p, cbent_t *e) {
   int rc = 0;
   /* Pool streams, current for the callback, wait on the parent's events. */
   for (; set < n && rc == 0; set++) {
-    dp_stream_t *s = dp_stream_pool_next(p->b, p->rec.devs[set].dev);
-    rc = s ? join_device(p, set, s, &err) : dp__err(&err, DP_ENODEV, "no pool stream");
-    if (rc == 0) rc = dp_set_current_stream(s, &prev[set]);
+    dp_stream_t *s;
+    rc = dp_stream_pool_next(p->b, p->rec.devs[set].dev, &s, &err);
+    if (rc == 0) rc = join_device(p, set, s, &err);
+    if (rc == 0) rc = dp_set_current_stream(s, &prev[set], &err);
     if (rc) break;
     streams[set] = s;
   }
@@ -581,7 +583,7 @@ static void run_then(dp_future_t *p, cbent_t *e) {
     }
   }
   for (size_t i = 0; i < set; i++) {
-    if (prev[i]) dp_set_current_stream(prev[i], NULL);
+    if (prev[i]) dp_set_current_stream(prev[i], NULL, NULL);
     else dp_reset_current_stream(p->b, p->rec.devs[i].dev);
   }
   if (rc) dp_future_set_error(child, &err, NULL);
@@ -715,11 +717,8 @@ static void collect_finish(collect_t *c) {
   for (size_t g = 0; rc == 0 && g < ngroups; g++) {
     dp_device_t d = dp_ptrset_device(set, g);
     if (d.type == DP_DEVICE_CPU) continue;
-    dp_stream_t *s = dp_stream_pool_next(c->out->b, d);
-    if (!s) {
-      rc = dp__err(&err, DP_EDEVICE, "no stream for a device of a collected value");
-      break;
-    }
+    dp_stream_t *s;
+    if ((rc = dp_stream_pool_next(c->out->b, d, &s, &err)) != 0) break;
     for (size_t i = 0; rc == 0 && i < c->n; i++)
       for (size_t k = 0; rc == 0 && k < c->in[i]->rec.ndevs; k++)
         if (dp_device_equal(c->in[i]->rec.devs[k].dev, d)) rc = dp_stream_wait_event(s, c->in[i]->rec.devs[k].ev, &err);

@@ -8,4 +8,30 @@
 #include "devpickle/device.h"
 #include "devpickle/cache.h"
 #include "devpickle/future.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Tears the library's process-wide state down, top layer first:
+ *   1. futures: the calling thread's scratch pointer set (other threads'
+ *      are freed when those threads exit);
+ *   2. caches: the backends' default caching allocators (dp_cache_default):
+ *      each waits for its pending blocks and gives its segments back;
+ *   3. devices: every backend stops (queued host work completes, host
+ *      threads are joined, pooled streams and events destroyed); the stream
+ *      provider and the calling thread's current streams are forgotten.
+ *  Before calling it, free what you own that stands on a backend (your
+ *  futures, caches from dp_cache_new, streams from dp_stream_new; other
+ *  threads that set current streams reset them or exit), and
+ *  release your values and call dp_value_collect() if their release
+ *  callbacks give device memory back. Afterwards no backend, stream, event
+ *  or cache pointer may be used; a later dp_backend_get() starts afresh.
+ *  The allocator hook (dp_set_allocator) is left as it is. Not thread-safe:
+ *  call it when no other thread uses devpickle. */
+DP_API void dp_shutdown(void);
+
+#ifdef __cplusplus
+}
+#endif
 #endif

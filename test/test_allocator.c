@@ -19,7 +19,7 @@ static void setup(void) {
 }
 static void teardown(void) {
   dp_cache_free(C);
-  dp_backend_shutdown();
+  dp_shutdown();
   dp_set_allocator(NULL, NULL);
 }
 TestSuite(allocator, .init = setup, .fini = teardown);
@@ -37,7 +37,7 @@ static dp_stream_t *stream(dp_device_t d) {
 
 static dp_cache_stats_t stats(dp_device_t d) {
   dp_cache_stats_t st;
-  dp_cache_stats(C, d, &st);
+  OK(dp_cache_stats(C, d, &st, T_ERR));
   return st;
 }
 
@@ -49,12 +49,12 @@ Test(allocator, sizes_round_up_to_512_bytes_from_two_mebibyte_segments) {
   OK(dp_cache_alloc(C, H0, 3 << 20, s, &c, T_ERR));
   void *base;
   size_t size;
-  OK(dp_cache_lookup(C, a, &base, &size));
+  OK(dp_cache_lookup(C, a, &base, &size, T_ERR));
   cr_assert_eq(size, 512);
-  OK(dp_cache_lookup(C, b2, &base, &size));
+  OK(dp_cache_lookup(C, b2, &base, &size, T_ERR));
   cr_assert_eq(size, 1024);
   cr_assert_eq((char *)b2, (char *)a + 512, "carved from the same segment, in order");
-  OK(dp_cache_lookup(C, c, &base, &size));
+  OK(dp_cache_lookup(C, c, &base, &size, T_ERR));
   cr_assert_eq(size, 4 << 20, "a large block keeps a remainder of 1 MiB or less rather than split");
   dp_cache_stats_t st = stats(H0);
   cr_assert_eq(st.allocated, 512 + 1024 + (4 << 20));
@@ -173,7 +173,7 @@ static int user_stream_sees_its_data(int record) {
   int reused_early = q == p;
   if (record) {
     cr_assert_not(reused_early, "a block in use on u must not be handed out while u's work is pending");
-    cr_assert_eq(dp_cache_poll(C), 1, "once u is done, polling reclaims the block");
+    cr_assert_eq(dp_cache_poll(C, NULL), 1, "once u is done, polling reclaims the block");
     cr_assert_eq(stats(H0).pending_blocks, 0);
   }
   OK(dp_cache_dealloc(C, q, T_ERR));
@@ -206,7 +206,7 @@ Test(allocator, pending_blocks_are_counted_and_come_back_by_polling_without_bloc
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   OK(dp_cache_dealloc(C, p, T_ERR));
-  cr_assert_eq(dp_cache_poll(C), 0);
+  cr_assert_eq(dp_cache_poll(C, NULL), 0);
   clock_gettime(CLOCK_MONOTONIC, &t1);
   cr_assert_lt((t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6, 20, "free and poll never block");
   dp_cache_stats_t st = stats(H0);
@@ -245,7 +245,7 @@ Test(allocator, stats_track_allocated_reserved_peak_and_hits) {
 }
 
 Test(allocator, out_of_memory_frees_the_cache_retries_then_fails_clearly) {
-  OK(dp_host_set_memory_limit(H1, 5u << 20));
+  OK(dp_host_set_memory_limit(H1, 5u << 20, T_ERR));
   dp_stream_t *s = stream(H1);
   void *small[2], *big, *more;
   OK(dp_cache_alloc(C, H1, 1 << 20, s, &small[0], T_ERR));
@@ -264,7 +264,7 @@ Test(allocator, out_of_memory_frees_the_cache_retries_then_fails_clearly) {
                 e.message, "%s", e.message);
   OK(dp_cache_dealloc(C, big, T_ERR));
   dp_stream_free(s);
-  OK(dp_host_set_memory_limit(H1, 0));
+  OK(dp_host_set_memory_limit(H1, 0, T_ERR));
 }
 
 Test(allocator, interior_pointers_find_their_block) {
@@ -273,13 +273,13 @@ Test(allocator, interior_pointers_find_their_block) {
   OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, T_ERR));
   void *base;
   size_t size;
-  OK(dp_cache_lookup(C, p + 4095, &base, &size));
+  OK(dp_cache_lookup(C, p + 4095, &base, &size, T_ERR));
   cr_assert(base == p && size == 4096);
-  cr_assert_eq(dp_cache_lookup(C, p + 4096, &base, &size), DP_ENOTFOUND, "the free remainder is nobody's");
+  cr_assert_eq(dp_cache_lookup(C, p + 4096, &base, &size, NULL), DP_ENOTFOUND, "the free remainder is nobody's");
   int local;
-  cr_assert_eq(dp_cache_lookup(C, &local, &base, &size), DP_ENOTFOUND);
+  cr_assert_eq(dp_cache_lookup(C, &local, &base, &size, NULL), DP_ENOTFOUND);
   OK(dp_cache_dealloc(C, p, T_ERR));
-  cr_assert_eq(dp_cache_lookup(C, p, &base, &size), DP_ENOTFOUND);
+  cr_assert_eq(dp_cache_lookup(C, p, &base, &size, NULL), DP_ENOTFOUND);
   dp_stream_free(s);
 }
 
@@ -292,7 +292,9 @@ Test(allocator, freeing_what_it_did_not_hand_out_is_an_error) {
   cr_assert_eq(dp_cache_dealloc(C, p, &e), DP_EINVAL);
   cr_assert(strstr(e.message, "not allocated by this allocator, or already freed") != NULL, "%s", e.message);
   cr_assert_eq(dp_cache_record_stream(C, p, s, &e), DP_ENOTFOUND);
-  cr_assert_eq(dp_cache_alloc(C, H0, 64, dp_stream_default(B, H1), &p, &e), DP_EINVAL);
+  dp_stream_t *d1;
+  OK(dp_stream_default(B, H1, &d1, T_ERR));
+  cr_assert_eq(dp_cache_alloc(C, H0, 64, d1, &p, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_cache_alloc: the stream must be on the device allocated from");
   OK(dp_cache_dealloc(C, NULL, T_ERR));
   dp_stream_free(s);
@@ -312,7 +314,7 @@ Test(allocator, the_hooks_record_many_pointers_and_skip_foreign_ones) {
   for (int i = 0; i < 3; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 3);
   OK(dp_stream_synchronize(u, T_ERR));
-  cr_assert_eq(dp_cache_poll(C), 3);
+  cr_assert_eq(dp_cache_poll(C, NULL), 3);
   dp_stream_free(s);
   dp_stream_free(u);
 }
@@ -396,7 +398,7 @@ Test(allocator, every_allocation_failure_is_an_error_and_leaks_nothing) {
     /* the event pool may keep events created along the way */
     dp_stream_free(s);
     dp_stream_free(u);
-    dp_backend_shutdown();
+    dp_shutdown();
     cr_assert_eq(t_live_blocks, 0, "leak after failing allocation %ld", k);
     OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
     s = stream(H0);
@@ -433,7 +435,7 @@ Test(allocator, a_record_on_the_allocation_stream_is_a_no_op_and_after_its_destr
   for (int i = 0; i < 2; i++) OK(dp_cache_dealloc(C, q[i], T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 2, "both blocks wait for the stream that recorded them");
   OK(dp_stream_synchronize(u, T_ERR));
-  cr_assert_eq(dp_cache_poll(C), 2);
+  cr_assert_eq(dp_cache_poll(C, NULL), 2);
   dp_stream_free(u);
 }
 
@@ -461,4 +463,135 @@ Test(allocator, emptying_the_cache_waits_for_a_stream_without_holding_the_lock_i
   cr_assert_eq(fn_done, 1, "dp_cache_empty returned before s's work that preceded it was done");
   OK(dp_stream_synchronize(s, T_ERR));
   dp_stream_free(s);
+}
+
+/* ---- teardown and the device layer's seams ---- */
+
+static void gate_wait(void *arg) {
+  while (!atomic_load((_Atomic int *)arg)) sleep_ms(1);
+}
+
+/* Taking another stream's block makes the new stream wait for the old one
+ * (dp_stream_wait_stream): the event it borrows goes back to the pool when
+ * the record or the wait fails too. Every allocation along the path fails
+ * in turn; the code comes back as it was and nothing is left live. */
+Test(allocator, a_failed_cross_stream_wait_returns_its_event_and_passes_the_code_through) {
+  int failures = 0;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 100);
+    _Atomic int open = 0;
+    dp_stream_t *t = stream(H0), *s = stream(H0);
+    OK(dp_host_launch(t, gate_wait, &open, T_ERR));  /* t is busy: s must queue a wait */
+    void *p, *q = NULL;
+    OK(dp_cache_alloc(C, H0, 4 << 20, t, &p, T_ERR));  /* a segment of its own: no remainder */
+    OK(dp_cache_dealloc(C, p, T_ERR));
+    dp_error_t e;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_cache_alloc(C, H0, 4 << 20, s, &q, &e);
+    t_fail_at = 0;
+    atomic_store(&open, 1);
+    if (rc == 0) {
+      cr_assert_eq(q, p, "the block was taken across streams");
+      OK(dp_cache_dealloc(C, q, T_ERR));
+    } else {
+      cr_assert_eq(rc, DP_ENOMEM, "%s: %s", dp_err_name(rc), e.message);
+      cr_assert(e.message[0], "the failure says why");
+      failures++;
+    }
+    dp_stream_free(s);
+    dp_stream_free(t);
+    if (rc == 0) break;
+  }
+  cr_assert_gt(failures, 0, "some allocation along the path was failed");
+  dp_cache_free(C);
+  C = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* The device layer tells every live cache that a stream is going away
+ * (a listener each cache registers); a freed cache is no longer told. */
+Test(allocator, a_freed_cache_is_no_longer_told_of_destroyed_streams) {
+  dp_cache_t *c2;
+  OK(dp_cache_new(B, &c2, T_ERR));
+  dp_stream_t *s = stream(H0), *t = stream(H0);
+  void *p, *q;
+  OK(dp_cache_alloc(c2, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_dealloc(c2, p, T_ERR));
+  dp_stream_free(s);  /* c2 hears of it: its block belongs to no stream */
+  OK(dp_cache_alloc(c2, H0, 4096, t, &q, T_ERR));
+  cr_assert_eq(q, p);
+  OK(dp_cache_dealloc(c2, q, T_ERR));
+  dp_cache_free(c2);
+  dp_stream_free(t);  /* c2 is gone: telling it would touch freed memory (ASan) */
+}
+
+/* dp_shutdown frees the default caches before it stops the backends they
+ * hold memory of, and a later dp_cache_default starts afresh. */
+Test(allocator, shutdown_frees_the_default_caches_then_the_backends_in_that_order) {
+  dp_cache_t *d, *d2;
+  OK(dp_cache_default(B, &d, T_ERR));
+  void *p;
+  OK(dp_cache_alloc(d, H0, 4096, NULL, &p, T_ERR));  /* left allocated: the cache goes with shutdown */
+  dp_cache_free(C);
+  C = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+  OK(dp_cache_default(B, &d2, T_ERR));
+  OK(dp_cache_alloc(d2, H0, 4096, NULL, &p, T_ERR));
+  OK(dp_cache_dealloc(d2, p, T_ERR));
+}
+
+/* ---- errors and NULL ---- */
+
+/* A NULL allocator is DP_EINVAL with the function's name everywhere (it
+ * crashed dp_cache_poll and dp_cache_lookup, and dp_cache_stats answered
+ * zeros); dp_cache_free(NULL) does nothing. */
+Test(allocator, a_null_allocator_is_einval_everywhere_and_free_takes_it) {
+  dp_error_t e;
+  void *p = NULL, *base;
+  size_t size;
+  dp_cache_stats_t st;
+  dp_stream_t *s = stream(H0);
+  cr_assert_eq(dp_cache_poll(NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_poll: NULL allocator");
+  cr_assert_eq(dp_cache_lookup(NULL, &e, &base, &size, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_lookup: NULL allocator");
+  cr_assert_eq(dp_cache_stats(NULL, H0, &st, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_stats: NULL argument");
+  cr_assert_eq(dp_cache_dealloc(NULL, &e, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_dealloc: NULL allocator");
+  cr_assert_eq(dp_cache_alloc(NULL, H0, 64, s, &p, &e), DP_EINVAL);
+  cr_assert_eq(dp_cache_record_stream(NULL, p, s, &e), DP_EINVAL);
+  cr_assert_eq(dp_cache_empty(NULL, &e), DP_EINVAL);
+  cr_assert_eq(dp_cache_new(NULL, NULL, &e), DP_EINVAL);
+  cr_assert_eq(dp_cache_default(NULL, NULL, &e), DP_EINVAL);
+  dp_cache_hooks_t h = dp_cache_hooks(NULL);
+  void *ptrs[1] = {&e};
+  cr_assert_eq(dp_cache_hooks_record(&h, ptrs, 1, s, &e), DP_EINVAL, "the hooks of no allocator report it");
+  cr_assert_eq(dp_cache_hooks_record(NULL, ptrs, 1, s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_hooks_record: no hooks");
+  dp_cache_free(NULL);
+  cr_assert_eq(dp_cache_stats(C, t_dev(DP_DEVICE_CUDA, 0), &st, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "device cuda:0 does not belong to the host backend (2 devices)");
+  int local;
+  cr_assert_eq(dp_cache_lookup(C, &local, &base, &size, &e), DP_ENOTFOUND);
+  cr_assert(strstr(e.message, "not in a block allocated by this allocator") != NULL, "%s", e.message);
+  dp_stream_free(s);
+}
+
+/* An allocation on this thread's current stream, when that stream cannot be
+ * made, fails with the reason it could not (it was relabelled DP_EINVAL,
+ * "the stream must be on the device allocated from"). */
+Test(allocator, a_current_stream_that_cannot_be_made_passes_its_error_through) {
+  void *p;
+  dp_error_t e;
+  t_fail_at = t_alloc_count + 1;
+  int rc = dp_cache_alloc(C, H0, 64, NULL, &p, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert_str_eq(e.message, "out of memory creating a stream");
+  OK(dp_cache_alloc(C, H0, 64, NULL, &p, &e));
+  OK(dp_cache_dealloc(C, p, &e));
 }

@@ -12,7 +12,7 @@ static void setup(void) {
   t_track();
 }
 static void teardown(void) {
-  dp_backend_shutdown();
+  dp_shutdown();
   dp_set_allocator(NULL, NULL);
 }
 TestSuite(device, .init = setup, .fini = teardown);
@@ -27,6 +27,22 @@ static dp_backend_t *host(void) {
 
 #define H0 t_dev(DP_DEVICE_HOST, 0)
 #define H1 t_dev(DP_DEVICE_HOST, 1)
+
+static dp_stream_t *dflt(dp_backend_t *b, dp_device_t d) {
+  dp_stream_t *s;
+  OK(dp_stream_default(b, d, &s, T_ERR));
+  return s;
+}
+static dp_stream_t *pooled(dp_backend_t *b, dp_device_t d) {
+  dp_stream_t *s;
+  OK(dp_stream_pool_next(b, d, &s, T_ERR));
+  return s;
+}
+static dp_stream_t *current(dp_backend_t *b, dp_device_t d) {
+  dp_stream_t *s;
+  OK(dp_current_stream(b, d, &s, T_ERR));
+  return s;
+}
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -81,6 +97,31 @@ Test(device, negative_control_without_the_wait_the_consumer_reads_stale_data) {
   cr_assert_eq(consumer_sees(0), 0, "without the wait the read runs before the slow write: the race is observable");
 }
 
+/* dp_stream_wait_stream: the consumer waits for everything queued on the
+ * producer so far, without an event of the caller's. */
+Test(device, a_stream_made_to_wait_for_another_sees_its_writes) {
+  dp_backend_t *b = host();
+  dp_stream_t *a, *c;
+  OK(dp_stream_new(b, H0, &a, T_ERR));
+  OK(dp_stream_new(b, H1, &c, T_ERR));
+  cell_t cell;
+  atomic_init(&cell.value, 0);
+  atomic_init(&cell.seen, -1);
+  OK(dp_host_launch(a, slow_write, &cell, T_ERR));
+  long before = t_live_blocks;
+  OK(dp_stream_wait_stream(c, a, T_ERR));
+  OK(dp_host_launch(c, read_value, &cell, T_ERR));
+  OK(dp_stream_synchronize(c, T_ERR));
+  cr_assert_eq(atomic_load(&cell.seen), 42, "the wait must order the read after the write");
+  OK(dp_stream_wait_stream(c, c, T_ERR));  /* a no-op */
+  dp_error_t e;
+  cr_assert_eq(dp_stream_wait_stream(c, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_stream_wait_stream: NULL stream");
+  dp_stream_free(a);
+  dp_stream_free(c);
+  cr_assert_leq(t_live_blocks, before, "the event went back to the pool, the streams are gone");
+}
+
 Test(device, a_wait_does_not_block_the_host_thread) {
   dp_backend_t *b = host();
   dp_stream_t *a, *c;
@@ -100,7 +141,7 @@ Test(device, a_wait_does_not_block_the_host_thread) {
   clock_gettime(CLOCK_MONOTONIC, &t1);
   double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
   cr_assert_lt(ms, 30, "queueing the wait took %.1f ms: it blocked", ms);
-  cr_assert_eq(dp_stream_query(c), 0, "the consumer stream is still waiting");
+  cr_assert_eq(dp_stream_query(c, NULL), 0, "the consumer stream is still waiting");
   OK(dp_stream_synchronize(c, T_ERR));
   cr_assert_eq(atomic_load(&cell.seen), 42);
   dp_event_free(ev);
@@ -125,7 +166,7 @@ static void append(void *arg) {
 
 Test(device, a_stream_runs_its_work_in_order) {
   dp_backend_t *b = host();
-  dp_stream_t *s = dp_stream_default(b, H0);
+  dp_stream_t *s = dflt(b, H0);
   cr_assert_not_null(s);
   static log_t log;
   static entry_t es[2000];
@@ -147,22 +188,22 @@ Test(device, events_and_streams_answer_queries_as_cuda_does) {
   OK(dp_stream_new(b, H0, &s, T_ERR));
   dp_event_t *ev;
   OK(dp_event_new(b, H0, &ev, T_ERR));
-  cr_assert_eq(dp_event_query(ev), 1, "a never-recorded event is complete");
+  cr_assert_eq(dp_event_query(ev, NULL), 1, "a never-recorded event is complete");
   OK(dp_event_synchronize(ev, T_ERR));
-  cr_assert_eq(dp_stream_query(s), 1, "an idle stream is complete");
+  cr_assert_eq(dp_stream_query(s, NULL), 1, "an idle stream is complete");
   OK(dp_host_launch(s, sleep_task, (void *)(intptr_t)40, T_ERR));
   OK(dp_event_record(ev, s, T_ERR));
-  cr_assert_eq(dp_event_query(ev), 0);
-  cr_assert_eq(dp_stream_query(s), 0);
+  cr_assert_eq(dp_event_query(ev, NULL), 0);
+  cr_assert_eq(dp_stream_query(s, NULL), 0);
   OK(dp_host_launch(s, sleep_task, (void *)(intptr_t)40, T_ERR));
   OK(dp_event_synchronize(ev, T_ERR));
-  cr_assert_eq(dp_event_query(ev), 1);
-  cr_assert_eq(dp_stream_query(s), 0, "work queued after the record is still running");
+  cr_assert_eq(dp_event_query(ev, NULL), 1);
+  cr_assert_eq(dp_stream_query(s, NULL), 0, "work queued after the record is still running");
   OK(dp_event_record(ev, s, T_ERR));  /* re-record: captures the second task too */
-  cr_assert_eq(dp_event_query(ev), 0);
+  cr_assert_eq(dp_event_query(ev, NULL), 0);
   OK(dp_stream_synchronize(s, T_ERR));
-  cr_assert_eq(dp_event_query(ev), 1);
-  cr_assert_eq(dp_stream_query(s), 1);
+  cr_assert_eq(dp_event_query(ev, NULL), 1);
+  cr_assert_eq(dp_stream_query(s, NULL), 1);
   dp_event_free(ev);
   dp_stream_free(s);
 }
@@ -183,7 +224,7 @@ Test(device, device_synchronize_waits_for_every_stream_of_the_device) {
 
 Test(device, memcpy_runs_in_stream_order) {
   dp_backend_t *b = host();
-  dp_stream_t *s = dp_stream_default(b, H0);
+  dp_stream_t *s = dflt(b, H0);
   void *dev;
   OK(dp_device_alloc(b, H0, 64, &dev, T_ERR));
   cell_t cell;
@@ -194,7 +235,7 @@ Test(device, memcpy_runs_in_stream_order) {
   OK(dp_memcpy_async(s, &out, dev, sizeof(int), T_ERR));
   OK(dp_stream_synchronize(s, T_ERR));
   cr_assert_eq(out, 42);
-  dp_device_dealloc(b, H0, dev);
+  OK(dp_device_dealloc(b, H0, dev, T_ERR));
 }
 
 /* ---- pools and the current stream ---- */
@@ -202,12 +243,12 @@ Test(device, memcpy_runs_in_stream_order) {
 Test(device, the_stream_pool_hands_out_its_streams_round_robin) {
   dp_backend_t *b = host();
   dp_stream_t *first[4];
-  for (int i = 0; i < 4; i++) first[i] = dp_stream_pool_next(b, H0);
+  for (int i = 0; i < 4; i++) first[i] = pooled(b, H0);
   for (int i = 0; i < 4; i++)
     for (int j = i + 1; j < 4; j++) cr_assert_neq(first[i], first[j]);
-  for (int i = 0; i < 8; i++) cr_assert_eq(dp_stream_pool_next(b, H0), first[i % 4]);
-  cr_assert_neq(dp_stream_pool_next(b, H1), first[0], "each device has its own pool");
-  cr_assert_neq(dp_stream_default(b, H0), first[0]);
+  for (int i = 0; i < 8; i++) cr_assert_eq(pooled(b, H0), first[i % 4]);
+  cr_assert_neq(pooled(b, H1), first[0], "each device has its own pool");
+  cr_assert_neq(dflt(b, H0), first[0]);
 }
 
 Test(device, released_events_are_reused_not_recreated) {
@@ -229,7 +270,7 @@ typedef struct thread_arg {
 
 static void *read_current(void *p) {
   thread_arg_t *a = p;
-  a->seen = dp_current_stream(a->b, H0);
+  if (dp_current_stream(a->b, H0, &a->seen, NULL) != 0) a->seen = NULL;
   return NULL;
 }
 
@@ -244,27 +285,45 @@ Test(device, the_current_stream_is_per_thread_and_falls_back_to_provider_then_de
   dp_backend_t *b = host();
   dp_stream_t *mine, *prev;
   OK(dp_stream_new(b, H0, &mine, T_ERR));
-  cr_assert_eq(dp_current_stream(b, H0), dp_stream_default(b, H0));
-  OK(dp_set_current_stream(mine, &prev));
+  cr_assert_eq(current(b, H0), dflt(b, H0));
+  OK(dp_set_current_stream(mine, &prev, T_ERR));
   cr_assert_null(prev);
-  cr_assert_eq(dp_current_stream(b, H0), mine);
-  cr_assert_eq(dp_current_stream(b, H1), dp_stream_default(b, H1), "other devices are unaffected");
+  cr_assert_eq(current(b, H0), mine);
+  cr_assert_eq(current(b, H1), dflt(b, H1), "other devices are unaffected");
   thread_arg_t a = {b, NULL};
   pthread_t th;
   pthread_create(&th, NULL, read_current, &a);
   pthread_join(th, NULL);
-  cr_assert_eq(a.seen, dp_stream_default(b, H0), "another thread does not see this thread's stream");
-  provided = dp_stream_pool_next(b, H0);
+  cr_assert_eq(a.seen, dflt(b, H0), "another thread does not see this thread's stream");
+  provided = pooled(b, H0);
   dp_set_stream_provider(provider, NULL);
   pthread_create(&th, NULL, read_current, &a);
   pthread_join(th, NULL);
   cr_assert_eq(a.seen, provided, "threads without their own stream ask the provider");
-  cr_assert_eq(dp_current_stream(b, H0), mine, "a thread's own stream wins over the provider");
+  cr_assert_eq(current(b, H0), mine, "a thread's own stream wins over the provider");
   dp_reset_current_stream(b, H0);
-  cr_assert_eq(dp_current_stream(b, H0), provided);
+  cr_assert_eq(current(b, H0), provided);
   dp_set_stream_provider(NULL, NULL);
-  cr_assert_eq(dp_current_stream(b, H0), dp_stream_default(b, H0));
+  cr_assert_eq(current(b, H0), dflt(b, H0));
   dp_stream_free(mine);
+}
+
+static _Atomic int provider_calls;
+static dp_stream_t *counting_provider(void *ud, dp_backend_t *b, dp_device_t dev) {
+  atomic_fetch_add(&provider_calls, 1);
+  return provider(ud, b, dev);
+}
+
+Test(device, shutdown_forgets_the_stream_provider) {
+  dp_backend_t *b = host();
+  provided = pooled(b, H0);
+  dp_set_stream_provider(counting_provider, NULL);
+  cr_assert_eq(current(b, H0), provided);
+  dp_shutdown();  /* provided is freed: a provider still installed would hand it out */
+  atomic_store(&provider_calls, 0);
+  b = host();
+  cr_assert_not_null(current(b, H0));
+  cr_assert_eq(atomic_load(&provider_calls), 0, "the provider was asked after shutdown");
 }
 
 Test(device, a_thread_holds_current_streams_for_a_bounded_number_of_devices) {
@@ -272,10 +331,12 @@ Test(device, a_thread_holds_current_streams_for_a_bounded_number_of_devices) {
   dp_backend_t *b = host();
   cr_assert_eq(dp_backend_device_count(b), 20);
   for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
-    OK(dp_set_current_stream(dp_stream_default(b, t_dev(DP_DEVICE_HOST, i)), NULL));
-  cr_assert_eq(dp_set_current_stream(dp_stream_default(b, t_dev(DP_DEVICE_HOST, 17)), NULL), DP_ELIMIT);
+    OK(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, i)), NULL, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, 17)), NULL, &e), DP_ELIMIT);
+  cr_assert_str_eq(e.message, "dp_set_current_stream(host:17): this thread already holds current streams for 16 devices");
   dp_reset_current_stream(b, t_dev(DP_DEVICE_HOST, 3));
-  OK(dp_set_current_stream(dp_stream_default(b, t_dev(DP_DEVICE_HOST, 17)), NULL));
+  OK(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, 17)), NULL, T_ERR));
 }
 
 /* ---- backend selection ---- */
@@ -289,7 +350,7 @@ Test(device, the_host_device_count_comes_from_the_environment_and_is_checked) {
   setenv("DEVPICKLE_HOST_DEVICES", "3", 1);
   cr_assert_eq(dp_backend_device_count(host()), 3);
   unsetenv("DEVPICKLE_HOST_DEVICES");
-  dp_backend_shutdown();
+  dp_shutdown();
   cr_assert_eq(dp_backend_device_count(host()), 2, "two host devices by default");
 }
 
@@ -318,7 +379,8 @@ Test(device, devices_are_checked_against_the_backend) {
   cr_assert_eq(dp_stream_new(b, t_dev(DP_DEVICE_HOST, 2), &s, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "device host:2 does not belong to the host backend (2 devices)");
   cr_assert_eq(dp_stream_new(b, t_dev(DP_DEVICE_CUDA, 0), &s, &e), DP_EINVAL);
-  cr_assert_null(dp_stream_default(b, t_dev(DP_DEVICE_CPU, 0)));
+  cr_assert_eq(dp_stream_default(b, t_dev(DP_DEVICE_CPU, 0), &s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "device cpu does not belong to the host backend (2 devices)");
 }
 
 /* ---- memory ---- */
@@ -330,52 +392,115 @@ Test(device, host_memory_is_tagged_by_device_and_found_from_interior_pointers) {
   OK(dp_device_alloc(b, H1, 1000, (void **)&p1, T_ERR));
   cr_assert_eq((uintptr_t)p0 % 256, 0, "aligned like cudaMalloc");
   dp_device_t d;
-  OK(dp_pointer_device(b, p0 + 999, &d));
+  OK(dp_pointer_device(b, p0 + 999, &d, T_ERR));
   cr_assert(dp_device_equal(d, H0));
-  OK(dp_pointer_device(b, p1, &d));
+  OK(dp_pointer_device(b, p1, &d, T_ERR));
   cr_assert(dp_device_equal(d, H1));
   int local;
-  cr_assert_eq(dp_pointer_device(b, &local, &d), DP_ENOTFOUND);
-  cr_assert_eq(dp_pointer_device(b, p0 + 1000, &d), DP_ENOTFOUND, "one past the end is not inside");
-  dp_device_dealloc(b, H0, p0);
-  cr_assert_eq(dp_pointer_device(b, p0, &d), DP_ENOTFOUND);
-  dp_device_dealloc(b, H1, p1);
+  cr_assert_eq(dp_pointer_device(b, &local, &d, NULL), DP_ENOTFOUND);
+  cr_assert_eq(dp_pointer_device(b, p0 + 1000, &d, NULL), DP_ENOTFOUND, "one past the end is not inside");
+  OK(dp_device_dealloc(b, H0, p0, T_ERR));
+  cr_assert_eq(dp_pointer_device(b, p0, &d, NULL), DP_ENOTFOUND);
+  OK(dp_device_dealloc(b, H1, p1, T_ERR));
 }
 
 Test(device, a_memory_limit_makes_host_allocations_fail_cleanly) {
-  OK(dp_host_set_memory_limit(H1, 4096));
+  OK(dp_host_set_memory_limit(H1, 4096, T_ERR));
   dp_backend_t *b = host();
   void *p, *q;
   dp_error_t e;
   OK_WITH(&e, dp_device_alloc(b, H1, 4000, &p, &e));
   cr_assert_eq(dp_device_alloc(b, H1, 200, &q, &e), DP_ENOMEM);
   cr_assert_str_eq(e.message, "host:1 is out of memory: 200 bytes asked, 4000 of 4096 in use");
-  OK_WITH(&e, dp_device_alloc(b, H0, 8000, &q, &e));
-  dp_device_dealloc(b, H1, p);
-  dp_device_dealloc(b, H0, q);
-  OK(dp_host_set_memory_limit(H1, 0));
+  OK(dp_device_alloc(b, H0, 8000, &q, &e));
+  OK(dp_device_dealloc(b, H1, p, T_ERR));
+  OK(dp_device_dealloc(b, H0, q, T_ERR));
+  OK(dp_host_set_memory_limit(H1, 0, T_ERR));
 }
 
 /* ---- shutdown ---- */
 
 Test(device, shutdown_joins_every_thread_and_frees_everything) {
   dp_backend_t *b = host();
-  for (int i = 0; i < 4; i++) (void)dp_stream_pool_next(b, H0);
+  for (int i = 0; i < 4; i++) (void)pooled(b, H0);
   dp_stream_t *s;
   OK(dp_stream_new(b, H1, &s, T_ERR));
   cell_t cell;
   atomic_init(&cell.value, 0);
-  OK(dp_host_launch(dp_stream_default(b, H0), slow_write, &cell, T_ERR));
+  OK(dp_host_launch(dflt(b, H0), slow_write, &cell, T_ERR));
   dp_event_t *ev;
   OK(dp_event_new(b, H0, &ev, T_ERR));
-  OK(dp_event_record(ev, dp_stream_default(b, H0), T_ERR));
+  OK(dp_event_record(ev, dflt(b, H0), T_ERR));
   dp_event_free(ev);
   dp_stream_free(s);
   void *p;
   OK(dp_device_alloc(b, H0, 100, &p, T_ERR));  /* not freed: shutdown frees it */
-  dp_backend_shutdown();
+  dp_shutdown();
   cr_assert_eq(atomic_load(&cell.value), 42, "queued work ran before the threads stopped");
   ASSERT_NO_LEAK();
   OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));  /* and it starts again */
-  cr_assert_not_null(dp_stream_default(b, H0));
+  cr_assert_not_null(dflt(b, H0));
+}
+
+/* ---- errors and NULL ---- */
+
+/* Every function that can fail says so through its code and err: a NULL
+ * handle or out pointer is DP_EINVAL with the function's name (never a
+ * crash, never a code of another meaning); the _free functions take NULL. */
+Test(device, null_arguments_are_einval_with_a_message_and_free_takes_null) {
+  dp_backend_t *b = host();
+  dp_error_t e;
+  dp_stream_t *s;
+  dp_device_t d;
+  int local;
+  cr_assert_eq(dp_stream_query(NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_stream_query: NULL stream");
+  cr_assert_eq(dp_event_query(NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_event_query: NULL event");
+  cr_assert_eq(dp_stream_default(b, H0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_stream_default: NULL out");
+  cr_assert_eq(dp_stream_pool_next(NULL, H0, &s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "NULL backend");
+  cr_assert_eq(dp_current_stream(b, H0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_current_stream: NULL out");
+  cr_assert_eq(dp_set_current_stream(NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_set_current_stream: NULL stream");
+  cr_assert_eq(dp_event_new(b, H0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_event_new: NULL out");
+  cr_assert_eq(dp_pointer_device(NULL, &local, &d, &e), DP_EINVAL, "a NULL backend is not a pointer not found");
+  cr_assert_str_eq(e.message, "dp_pointer_device: NULL backend");
+  cr_assert_eq(dp_stream_wait_stream(NULL, NULL, &e), DP_EINVAL);
+  dp_stream_free(NULL);
+  dp_event_free(NULL);
+  OK(dp_device_dealloc(b, H0, NULL, T_ERR));
+}
+
+Test(device, devices_of_another_backend_are_reported_not_ignored) {
+  dp_backend_t *b = host();
+  dp_error_t e;
+  void *p;
+  OK(dp_device_alloc(b, H0, 64, &p, T_ERR));
+  cr_assert_eq(dp_device_dealloc(b, t_dev(DP_DEVICE_CUDA, 0), p, &e), DP_EINVAL, "the memory is not freed silently");
+  cr_assert_str_eq(e.message, "device cuda:0 does not belong to the host backend (2 devices)");
+  OK(dp_device_dealloc(b, H0, p, &e));
+  cr_assert_eq(dp_host_set_memory_limit(t_dev(DP_DEVICE_CUDA, 0), 1, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_host_set_memory_limit: cuda:0 is not a host device (host:0..host:63)");
+  int local;
+  dp_device_t d;
+  cr_assert_eq(dp_pointer_device(b, &local, &d, &e), DP_ENOTFOUND);
+  cr_assert(strstr(e.message, "not memory of the host backend") != NULL, "%s", e.message);
+}
+
+/* A default stream that cannot be made reports the backend's reason, and a
+ * later call tries again. */
+Test(device, a_stream_that_cannot_be_made_reports_why_and_is_tried_again) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  dp_error_t e;
+  t_fail_at = t_alloc_count + 1;
+  cr_assert_eq(dp_stream_default(b, H0, &s, &e), DP_ENOMEM);
+  t_fail_at = 0;
+  cr_assert_str_eq(e.message, "out of memory creating a stream");
+  OK(dp_stream_default(b, H0, &s, &e));
+  cr_assert_not_null(s);
 }

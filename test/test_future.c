@@ -20,7 +20,7 @@ static void setup(void) {
   OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
 }
 static void teardown(void) {
-  dp_backend_shutdown();
+  dp_shutdown();
   dp_set_allocator(NULL, NULL);
 }
 TestSuite(future, .init = setup, .fini = teardown);
@@ -133,7 +133,7 @@ Test(future, completion_discovers_the_allocations_of_user_objects_and_records_on
   dp_value_release(b);
   dp_value_release(c);
   dp_future_release(f);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -160,7 +160,7 @@ Test(future, introspecting_a_pending_failed_or_null_future_reports_why) {
   cr_assert_eq(dp_future_ptr(f, 0, NULL, &e), DP_EINVAL);
   dp_future_release(f);
   dp_future_release(g);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -171,13 +171,13 @@ static int consumer_reads(int wait) {
   dp_stream_t *prod, *cons;
   OK(dp_stream_new(B, H0, &prod, T_ERR));
   OK(dp_stream_new(B, H0, &cons, T_ERR));
-  OK(dp_set_current_stream(prod, NULL));
+  OK(dp_set_current_stream(prod, NULL, T_ERR));
   dp_value_t t = device_ints(H0, 64);
   fill_t fill = {data_of(t), 64, 7, 60};
   OK(dp_host_launch(prod, slow_fill, &fill, T_ERR));
   dp_future_t *f = future();
   OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR));
-  OK(dp_set_current_stream(cons, NULL));
+  OK(dp_set_current_stream(cons, NULL, T_ERR));
   if (wait) OK(dp_future_wait(f, -1, T_ERR));
   read_t r = {data_of(dp_future_value(f).kind == DP_TENSOR ? dp_future_value(f) : t), 64, 0, -1, 0};
   OK(dp_host_launch(cons, slow_read, &r, T_ERR));
@@ -216,7 +216,9 @@ static int launch_and_wrap(void *ud, dp_future_t *parent, dp_value_t *result, dp
   (void)parent;
   dp_value_t out = device_ints(H0, 64);  /* allocated on the current (pool) stream */
   s->fill = (fill_t){data_of(out), 64, 99, 60};
-  int rc = dp_host_launch(dp_current_stream(B, H0), slow_fill, &s->fill, err);
+  dp_stream_t *cur;
+  int rc = dp_current_stream(B, H0, &cur, err);
+  if (rc == 0) rc = dp_host_launch(cur, slow_fill, &s->fill, err);
   if (rc) return rc;
   s->made = dp_value_retain(out);
   dp_value_t obj;
@@ -234,7 +236,7 @@ static int child_consumer_reads(int wait_on_child) {
   OK(dp_future_then(parent, launch_and_wrap, &st, &child, T_ERR));
   OK(dp_future_mark_completed(parent, dp_value_retain(t), T_ERR));  /* runs the callback here */
   cr_assert_eq(atomic_load(&st.calls), 1);
-  OK(dp_set_current_stream(cons, NULL));
+  OK(dp_set_current_stream(cons, NULL, T_ERR));
   /* the negative control waits on the parent's events only: what a fallback
    * to the parent's events would give the child's consumers */
   OK(dp_future_wait(wait_on_child ? child : parent, -1, T_ERR));
@@ -367,7 +369,7 @@ Test(future, a_failure_whose_detail_cannot_be_copied_keeps_its_code) {
   cr_assert_str_eq(e.message, "i/o error (its detail was lost: out of memory)");
   cr_assert_eq(dp_future_error(f, NULL), DP_EIO);
   dp_future_release(f);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -449,7 +451,7 @@ Test(future, callbacks_added_after_completion_run_at_once_and_each_runs_once) {
   cr_assert_eq(dp_value_as_int(dp_future_value(c[4])), 5);
   for (int i = 0; i < 5; i++) dp_future_release(c[i]);
   dp_future_release(f);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -468,7 +470,7 @@ Test(future, a_released_pending_future_cancels_its_children_without_running_thei
   cr_assert_eq(atomic_load(&calls), 0);
   dp_future_release(c);
   dp_future_release(grandchild);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -520,7 +522,7 @@ Test(future, a_chain_of_a_million_then_links_completes_in_constant_stack_and_in_
     dp_future_release(c[k]);
   }
   free(c);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -538,7 +540,7 @@ Test(future, releasing_a_pending_chain_of_a_million_links_cancels_it_in_constant
   cr_assert_str_eq(e.message, "the parent future was released before it completed");
   cr_assert_eq(o.next, 0, "no callback ran");
   dp_future_release(last);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -578,7 +580,7 @@ Test(future, a_callback_may_complete_other_futures_and_wait_on_their_children) {
   dp_future_release(c);
   dp_future_release(n.other);
   dp_future_release(n.other_child);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -632,18 +634,18 @@ static int reused_under_consumer(int with_hooks) {
   dp_stream_t *prod, *cons;
   OK(dp_stream_new(B, H0, &prod, T_ERR));
   OK(dp_stream_new(B, H0, &cons, T_ERR));
-  OK(dp_set_current_stream(prod, NULL));
+  OK(dp_set_current_stream(prod, NULL, T_ERR));
   dp_value_t t = device_ints(H0, 1024);
   for (int i = 0; i < 1024; i++) data_of(t)[i] = 5;
   dp_future_t *f;
   dp_future_opts_t o = {B, NULL, 0, NULL, !with_hooks};
   OK(dp_future_new(&o, &f, T_ERR));
   OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR));
-  OK(dp_set_current_stream(cons, NULL));
+  OK(dp_set_current_stream(cons, NULL, T_ERR));
   OK(dp_future_wait(f, -1, T_ERR));  /* cons waits, and (with hooks) is recorded */
   read_t r = {data_of(t), 1024, 60, -1, 0};
   OK(dp_host_launch(cons, slow_read, &r, T_ERR));  /* cons still reads for 60 ms */
-  OK(dp_set_current_stream(prod, NULL));
+  OK(dp_set_current_stream(prod, NULL, T_ERR));
   free_ints(t);  /* the producer is done with it */
   dp_value_t again = device_ints(H0, 1024);  /* and allocates the same size */
   fill_t fill = {data_of(again), 1024, 9, 0};
@@ -712,7 +714,7 @@ Test(future, collect_all_fails_with_the_first_failed_input) {
   dp_future_release(in[0]);
   dp_future_release(in[1]);
   dp_future_release(all);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -728,7 +730,7 @@ Test(future, collect_all_over_a_released_pending_input_fails_with_ecanceled, .ti
   dp_future_release(in[0]);
   dp_future_release(in[2]);
   dp_future_release(all);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -792,7 +794,7 @@ Test(future, threads_complete_and_chain_concurrently_and_no_callback_is_lost_or_
     dp_future_release(fs[i]);
   }
   free(fs);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
@@ -804,7 +806,7 @@ static int hop_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t 
 }
 
 Test(future, every_allocation_failure_is_an_error_and_leaks_nothing) {
-  dp_backend_shutdown();
+  dp_shutdown();
   for (long k = 1;; k++) {
     cr_assert_lt(k, 2000);
     OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
@@ -835,7 +837,7 @@ Test(future, every_allocation_failure_is_an_error_and_leaks_nothing) {
     free_ints(b);
     dp_value_release(a);
     dp_value_release(b);
-    dp_backend_shutdown();
+    dp_shutdown();
     cr_assert_eq(t_live_blocks, 0, "leak after failing allocation %ld", k);
     if (rc == 0) break;
   }
@@ -864,7 +866,7 @@ Test(future, steady_state_completions_reuse_the_threads_record_blocks_and_alloca
   }
   for (int i = 0; i < N; i++) free_ints(dp_seq_get(l, (size_t)i));
   dp_value_release(l);
-  dp_backend_shutdown();
+  dp_shutdown();
   ASSERT_NO_LEAK();
 }
 

@@ -171,7 +171,8 @@ static int add_one(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t
   int rc = dp_object_get(layer, "weight", &weight);
   if (rc) return demo_err(err, rc, "the parent's value has no weight");
   dp_value_t out = device_tensor();  /* on the callback's stream (current) */
-  if ((rc = slow_add(dp_current_stream(B, D), base_of(out), base_of(weight), 1)) != 0) {
+  dp_stream_t *cur;
+  if ((rc = dp_current_stream(B, D, &cur, err)) != 0 || (rc = slow_add(cur, base_of(out), base_of(weight), 1)) != 0) {
     dp_value_release(out);
     return rc;
   }
@@ -187,8 +188,9 @@ static int add_one(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t
 /* Reads device memory into host memory for an inline frame. */
 static int read_device(void *ud, dp_device_t dev, const void *src, size_t n, void *dst, dp_error_t *err) {
   (void)ud;
-  dp_stream_t *s = dp_stream_default(B, dev);
-  int rc = dp_memcpy_async(s, dst, src, n, err);
+  dp_stream_t *s;
+  int rc = dp_stream_default(B, dev, &s, err);
+  if (rc == 0) rc = dp_memcpy_async(s, dst, src, n, err);
   return rc ? rc : dp_stream_synchronize(s, err);
 }
 
@@ -246,7 +248,7 @@ int demo_run(int argc, char **argv) {
   dp_future_opts_t fo = {B, &D, 1, &counting, 0};
 
   /* 1. the producer's slow work fills a user object's tensors */
-  dp_set_current_stream(producer, NULL);
+  CHECK(dp_set_current_stream(producer, NULL, &e) == 0, "current stream: %s", e.message);
   dp_value_t weight = device_tensor(), scale = device_tensor();
   CHECK(slow_fill(producer, base_of(weight), 0x41) == 0, "launching the producer's work");
   CHECK(slow_fill(producer, base_of(scale), 0x07) == 0, "launching the producer's work");
@@ -275,7 +277,7 @@ int demo_run(int argc, char **argv) {
   print_events("then() child", child);
 
   /* 4. a consumer on a third stream */
-  dp_set_current_stream(consumer, NULL);
+  CHECK(dp_set_current_stream(consumer, NULL, &e) == 0, "current stream: %s", e.message);
   CHECK(dp_future_wait(child, -1, &e) == 0, "wait: %s", e.message);
   dp_value_t out = dp_none();
   dp_object_get(dp_future_value(child), "out", &out);
@@ -306,7 +308,7 @@ int demo_run(int argc, char **argv) {
 
   printf("record_stream: %ld call(s) covering %ld allocation(s)\n", record_calls, record_ptrs);
   dp_cache_stats_t st;
-  dp_cache_stats(C, D, &st);
+  CHECK(dp_cache_stats(C, D, &st, &e) == 0, "stats: %s", e.message);
   printf("allocator: %zu bytes allocated, %zu reserved, peak %zu, %llu hits, %zu pending block(s)\n", st.allocated,
          st.reserved, st.peak_allocated, (unsigned long long)st.cache_hits, st.pending_blocks);
 
@@ -319,7 +321,7 @@ int demo_run(int argc, char **argv) {
   dp_reset_current_stream(B, D);
   dp_stream_free(producer);
   dp_stream_free(consumer);
-  dp_backend_shutdown();
+  dp_shutdown();
   printf("demo: %s\n", failures ? "FAILED" : "all checks passed");
   return failures ? 1 : 0;
 }

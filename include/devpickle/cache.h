@@ -27,6 +27,11 @@
  *   - when the backend is out of memory: free the cached segments, retry,
  *     then DP_ENOMEM.
  *
+ * Errors and NULL follow device.h: every function that can fail returns an
+ * int code and fills err (when not NULL) with it and a message; a NULL
+ * allocator is DP_EINVAL, dp_cache_free(NULL) does nothing; backend codes
+ * come through unchanged.
+ *
  * Thread safety: all functions are thread-safe (one lock per allocator).
  * No function waits on a stream while holding that lock, so work queued on
  * a stream (a host function, dp_host_launch) may itself allocate and free.
@@ -52,7 +57,8 @@ typedef struct dp_cache_hooks {
 } dp_cache_hooks_t;
 
 /** Calls hooks->record_streams, or record_stream for each pointer
- *  (skipping DP_ENOTFOUND) when the batched form is missing. */
+ *  (skipping DP_ENOTFOUND) when the batched form is missing. DP_EINVAL
+ *  for NULL hooks or hooks with neither function. */
 DP_API int dp_cache_hooks_record(const dp_cache_hooks_t *hooks, void *const *ptrs, size_t n, dp_stream_t *s,
                                dp_error_t *err);
 
@@ -77,7 +83,7 @@ DP_API int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
  *  frees the allocator. Pointers still allocated from it become invalid. */
 DP_API void dp_cache_free(dp_cache_t *c);
 /** The backend's built-in allocator (created on first use, destroyed by
- *  dp_backend_shutdown). */
+ *  dp_shutdown). */
 DP_API int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
 
 /** Allocates nbytes on dev for use on stream s (NULL: this thread's current
@@ -94,17 +100,20 @@ DP_API int dp_cache_dealloc(dp_cache_t *c, void *p, dp_error_t *err);
  *  DP_ENOTFOUND when p is not from this allocator. */
 DP_API int dp_cache_record_stream(dp_cache_t *c, void *p, dp_stream_t *s, dp_error_t *err);
 /** Reclaims pending blocks whose streams have completed; never blocks.
- *  Returns how many came back. */
-DP_API int dp_cache_poll(dp_cache_t *c);
+ *  Returns how many came back (>= 0), or an error. */
+DP_API int dp_cache_poll(dp_cache_t *c, dp_error_t *err);
 /** Gives every entirely free segment back to the backend, after the work
  *  already queued on the streams that last used them (waited on without
  *  the allocator's lock). */
 DP_API int dp_cache_empty(dp_cache_t *c, dp_error_t *err);
-/** The block holding p: its base and size. DP_ENOTFOUND otherwise. */
-DP_API int dp_cache_lookup(dp_cache_t *c, const void *p, void **base, size_t *size);
-/** Statistics for one device. */
-DP_API void dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out);
-/** The hooks through which a future records stream uses on this allocator. */
+/** The allocated block holding p: its base and size (either may be NULL).
+ *  DP_ENOTFOUND otherwise. */
+DP_API int dp_cache_lookup(dp_cache_t *c, const void *p, void **base, size_t *size, dp_error_t *err);
+/** Statistics for one device (pending blocks are polled first). DP_EINVAL
+ *  for a device of another backend. */
+DP_API int dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out, dp_error_t *err);
+/** The hooks through which a future records stream uses on this allocator
+ *  (for a NULL allocator, hooks that report DP_EINVAL). */
 DP_API dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c);
 
 #ifdef __cplusplus

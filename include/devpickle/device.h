@@ -18,7 +18,18 @@
  * that a stream must not be destroyed while another thread uses it, and an
  * event must not be released while another thread uses it.
  *
- * Lifetime: backends are process-wide and live until dp_backend_shutdown().
+ * Errors and NULL: every function that can fail returns an int code (0,
+ * or a negative DP_E*; the queries return 1 or 0 on success) and, when err
+ * is not NULL, fills *err with the code and a message naming the function
+ * or the device. A NULL handle or out pointer passed to such a function is
+ * DP_EINVAL, reported like any other error. Backend codes come through as
+ * the backend gave them (DP_ECUDA with the cudaError_t in
+ * err->backend_code, DP_ENOMEM, ...). The _free functions accept NULL and do
+ * nothing; the accessors (dp_backend_name, dp_stream_device, ...) cannot
+ * fail and take a valid handle.
+ *
+ * Lifetime: backends are process-wide and live until dp_shutdown()
+ * (devpickle.h), which stops them after the caches and futures above them.
  * Streams from dp_stream_default() and dp_stream_pool_next() belong to the
  * backend; streams from dp_stream_new() belong to the caller.
  */
@@ -55,13 +66,6 @@ DP_API int dp_backend_device_count(const dp_backend_t *b);
 /** dp_device_t {type, index} for device i of this backend. */
 DP_API dp_device_t dp_backend_device(const dp_backend_t *b, int index);
 
-/** Stops every backend: waits for queued host work, joins the host threads,
- *  destroys pooled streams and events and frees everything. No stream,
- *  event or backend pointer may be used afterwards; a later dp_backend_get()
- *  starts afresh. Not thread-safe: call it when no other thread uses
- *  devpickle. */
-DP_API void dp_backend_shutdown(void);
-
 /* ---- streams ---- */
 
 /** A new stream on dev (the caller's; destroy it with dp_stream_free). */
@@ -69,11 +73,13 @@ DP_API int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp
 /** Waits for the stream's work, then destroys it. Streams the backend owns
  *  (default and pool streams) are left alone. */
 DP_API void dp_stream_free(dp_stream_t *s);
-/** The device's default stream, owned by the backend; NULL for an invalid device. */
-DP_API dp_stream_t *dp_stream_default(dp_backend_t *b, dp_device_t dev);
+/** The device's default stream, owned by the backend (made on first use:
+ *  the backend's error when that fails). DP_EINVAL for a device of another
+ *  backend. */
+DP_API int dp_stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
 /** The next stream of the device's pool (4 streams, round-robin), owned by
- *  the backend; NULL for an invalid device or when one cannot be created. */
-DP_API dp_stream_t *dp_stream_pool_next(dp_backend_t *b, dp_device_t dev);
+ *  the backend; errors as dp_stream_default. */
+DP_API int dp_stream_pool_next(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
 
 DP_API dp_backend_t *dp_stream_backend(const dp_stream_t *s);
 DP_API dp_device_t dp_stream_device(const dp_stream_t *s);
@@ -83,10 +89,15 @@ DP_API void *dp_stream_native(const dp_stream_t *s);
 /** Blocks until all work queued on s so far has completed. */
 DP_API int dp_stream_synchronize(dp_stream_t *s, dp_error_t *err);
 /** 1 when all queued work has completed, 0 when some is pending, <0 error. */
-DP_API int dp_stream_query(dp_stream_t *s);
+DP_API int dp_stream_query(dp_stream_t *s, dp_error_t *err);
 /** Work queued on s after this call waits for e (device side; the host
  *  does not block). e and s may be on different devices of one backend. */
 DP_API int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err);
+/** Work queued on s after this call waits for the work queued on t so far
+ *  (device side; the host does not block): an event from the pool is
+ *  recorded on t, s waits on it, and the event goes back to the pool. A
+ *  no-op when s == t. s and t may be on different devices of one backend. */
+DP_API int dp_stream_wait_stream(dp_stream_t *s, dp_stream_t *t, dp_error_t *err);
 /** Blocks until all work on every stream of dev has completed. */
 DP_API int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *err);
 
@@ -94,21 +105,22 @@ DP_API int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *e
 
 /** This thread's current stream on dev: the one set with
  *  dp_set_current_stream, else the provider's (if installed), else the
- *  device's default stream. */
-DP_API dp_stream_t *dp_current_stream(dp_backend_t *b, dp_device_t dev);
+ *  device's default stream (errors as dp_stream_default). */
+DP_API int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
 #define DP_CURRENT_STREAM_SLOTS 16
 /** Makes s the calling thread's current stream for s's device. *prev (may
  *  be NULL) receives the one it replaces (NULL when none was set). A thread
  *  holds current streams for up to DP_CURRENT_STREAM_SLOTS devices at once:
  *  one more is DP_ELIMIT. Use dp_reset_current_stream to clear one. */
-DP_API int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev);
+DP_API int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t *err);
 /** Forgets this thread's current stream for dev (back to provider/default). */
 DP_API void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev);
 
 /** An embedder's source of current streams, asked when a thread has set
  *  none. Return NULL to fall back to the default stream. */
 typedef dp_stream_t *(*dp_stream_provider_cb)(void *ud, dp_backend_t *b, dp_device_t dev);
-/** Installs a provider for every thread (NULL removes it). */
+/** Installs a provider for every thread (NULL removes it; dp_shutdown
+ *  removes it too). */
 DP_API void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud);
 
 /* ---- events (pooled: no create/destroy on the hot path) ---- */
@@ -121,7 +133,7 @@ DP_API void dp_event_free(dp_event_t *e);
 /** Captures the work queued on s so far. Re-recording replaces the capture. */
 DP_API int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err);
 /** 1 when complete (or never recorded), 0 when not yet, <0 error. */
-DP_API int dp_event_query(dp_event_t *e);
+DP_API int dp_event_query(dp_event_t *e, dp_error_t *err);
 /** Blocks until e completes. */
 DP_API int dp_event_synchronize(dp_event_t *e, dp_error_t *err);
 DP_API dp_device_t dp_event_device(const dp_event_t *e);
@@ -129,9 +141,11 @@ DP_API dp_device_t dp_event_device(const dp_event_t *e);
 /* ---- device memory (raw, uncached: see cache.h for the caching allocator) ---- */
 
 DP_API int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err);
-DP_API void dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p);
+/** Gives p (from dp_device_alloc on dev) back; NULL p does nothing. DP_EINVAL
+ *  for a device of another backend. */
+DP_API int dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p, dp_error_t *err);
 /** The device holding p (interior pointers included), or DP_ENOTFOUND. */
-DP_API int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out);
+DP_API int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out, dp_error_t *err);
 /** Copies n bytes in stream order (host or device memory on either side). */
 DP_API int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_error_t *err);
 
@@ -143,7 +157,7 @@ typedef void (*dp_host_fn)(void *arg);
 DP_API int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err);
 /** Caps the memory dp_device_alloc hands out on a host device (0: no cap),
  *  so that out-of-memory paths can be exercised. */
-DP_API int dp_host_set_memory_limit(dp_device_t dev, size_t nbytes);
+DP_API int dp_host_set_memory_limit(dp_device_t dev, size_t nbytes, dp_error_t *err);
 
 #ifdef __cplusplus
 }

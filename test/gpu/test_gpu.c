@@ -28,7 +28,7 @@ static void setup(void) {
   unsetenv("DEVPICKLE_BACKEND");
   if (dp_backend_get(DP_DEVICE_CUDA, &B, &e) != 0) cr_skip_test("%s", e.message);
 }
-static void teardown(void) { dp_backend_shutdown(); }
+static void teardown(void) { dp_shutdown(); }
 TestSuite(gpu, .init = setup, .fini = teardown);
 
 Test(gpu, the_default_backend_is_cuda_when_a_gpu_is_usable) {
@@ -58,7 +58,7 @@ static int consumer_sees(int with_wait) {
   OK(dp_stream_synchronize(c, NULL));
   OK(dp_stream_synchronize(a, NULL));
   dp_event_free(ev);
-  dp_device_dealloc(B, G0, dev);
+  OK(dp_device_dealloc(B, G0, dev, NULL));
   dp_stream_free(a);
   dp_stream_free(c);
   return out;
@@ -79,26 +79,26 @@ Test(gpu, events_and_streams_answer_queries) {
   OK(dp_device_alloc(B, G0, sizeof(int), (void **)&dev, NULL));
   dp_event_t *ev;
   OK(dp_event_new(B, G0, &ev, NULL));
-  cr_assert_eq(dp_event_query(ev), 1, "never recorded: complete");
+  cr_assert_eq(dp_event_query(ev, NULL), 1, "never recorded: complete");
   cr_assert_eq(gpu_spin_write(dp_stream_native(s), dev, 1, 20.0), 0);
   OK(dp_event_record(ev, s, NULL));
-  cr_assert_eq(dp_event_query(ev), 0);
-  cr_assert_eq(dp_stream_query(s), 0);
+  cr_assert_eq(dp_event_query(ev, NULL), 0);
+  cr_assert_eq(dp_stream_query(s, NULL), 0);
   OK(dp_event_synchronize(ev, NULL));
-  cr_assert_eq(dp_event_query(ev), 1);
+  cr_assert_eq(dp_event_query(ev, NULL), 1);
   OK(dp_device_synchronize(B, G0, NULL));
-  cr_assert_eq(dp_stream_query(s), 1);
+  cr_assert_eq(dp_stream_query(s, NULL), 1);
   dp_device_t d;
-  OK(dp_pointer_device(B, (char *)dev + 2, &d));
+  OK(dp_pointer_device(B, (char *)dev + 2, &d, NULL));
   cr_assert(dp_device_equal(d, G0));
   int local;
-  cr_assert_eq(dp_pointer_device(B, &local, &d), DP_ENOTFOUND);
+  cr_assert_eq(dp_pointer_device(B, &local, &d, NULL), DP_ENOTFOUND);
   dp_event_free(ev);
   dp_event_t *again;
   OK(dp_event_new(B, G0, &again, NULL));
   cr_assert_eq(again, ev, "events come back from the pool");
   dp_event_free(again);
-  dp_device_dealloc(B, G0, dev);
+  OK(dp_device_dealloc(B, G0, dev, NULL));
   dp_stream_free(s);
 }
 
@@ -129,10 +129,10 @@ static int user_stream_sees_its_data(int record) {
   OK(dp_stream_synchronize(s, NULL));
   if (record) {
     cr_assert_neq(q, p, "the block was in use on u: not handed out again");
-    cr_assert_eq(dp_cache_poll(c), 1);
+    cr_assert_eq(dp_cache_poll(c, NULL), 1);
   }
   OK(dp_cache_dealloc(c, q, NULL));
-  dp_device_dealloc(B, G0, ok);
+  OK(dp_device_dealloc(B, G0, ok, NULL));
   dp_stream_free(s);
   dp_stream_free(u);
   dp_cache_free(c);
@@ -166,7 +166,7 @@ Test(gpu, another_stream_reusing_a_block_waits_for_the_first_streams_kernel) {
   OK(dp_stream_synchronize(t, NULL));
   cr_assert_eq(out, 0x01010101, "t's write came last");
   dp_cache_stats_t st;
-  dp_cache_stats(c, G0, &st);
+  OK(dp_cache_stats(c, G0, &st, NULL));
   cr_assert_eq(st.cross_stream, 1);
   OK(dp_cache_dealloc(c, q, NULL));
   OK(dp_device_synchronize(B, G0, NULL));
@@ -182,7 +182,7 @@ Test(gpu, an_impossible_allocation_is_enomem_after_freeing_the_cache) {
   dp_error_t e;
   cr_assert_eq(dp_cache_alloc(c, G0, (size_t)1 << 50, NULL, &p, &e), DP_ENOMEM, "%s", e.message);
   dp_cache_stats_t st;
-  dp_cache_stats(c, G0, &st);
+  OK(dp_cache_stats(c, G0, &st, NULL));
   cr_assert_eq(st.oom_retries, 1);
   dp_cache_free(c);
 }
@@ -213,7 +213,8 @@ static int gpu_launch_and_wrap(void *ud, dp_future_t *parent, dp_value_t *result
   gpu_cb_t *s = ud;
   (void)parent;
   dp_value_t out = cuda_ints(s->c, 1);
-  dp_stream_t *cur = dp_current_stream(B, G0);
+  dp_stream_t *cur;
+  OK(dp_current_stream(B, G0, &cur, NULL));
   int rc = gpu_spin_write(dp_stream_native(cur), tensor_base(out), 99, 20.0);
   if (rc) return DP_ECUDA;
   s->made = dp_value_retain(out);
@@ -236,7 +237,7 @@ static int gpu_child_consumer_reads(int wait_on_child) {
   st.made = dp_none();
   OK(dp_future_then(parent, gpu_launch_and_wrap, &st, &child, NULL));
   OK(dp_future_mark_completed(parent, cuda_ints(c, 1), NULL));
-  OK(dp_set_current_stream(cons, NULL));
+  OK(dp_set_current_stream(cons, NULL, NULL));
   OK(dp_future_wait(wait_on_child ? child : parent, -1, NULL));
   int out = -1;
   OK(dp_memcpy_async(cons, &out, tensor_base(st.made), sizeof out, NULL));
@@ -268,7 +269,7 @@ static int gpu_future_consumer_reads(int wait) {
   dp_stream_t *prod, *cons;
   OK(dp_stream_new(B, G0, &prod, NULL));
   OK(dp_stream_new(B, G0, &cons, NULL));
-  OK(dp_set_current_stream(prod, NULL));
+  OK(dp_set_current_stream(prod, NULL, NULL));
   dp_value_t t = cuda_ints(c, 1);
   int zero = 0, out = -1;
   OK(dp_memcpy_async(prod, tensor_base(t), &zero, sizeof zero, NULL));
@@ -278,7 +279,7 @@ static int gpu_future_consumer_reads(int wait) {
   dp_future_opts_t o = {B, NULL, 0, NULL, 0};
   OK(dp_future_new(&o, &f, NULL));
   OK(dp_future_mark_completed(f, dp_value_retain(t), NULL));
-  OK(dp_set_current_stream(cons, NULL));
+  OK(dp_set_current_stream(cons, NULL, NULL));
   if (wait) OK(dp_future_wait(f, -1, NULL));
   OK(dp_memcpy_async(cons, &out, tensor_base(t), sizeof out, NULL));
   OK(dp_stream_synchronize(cons, NULL));

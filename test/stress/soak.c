@@ -3,7 +3,7 @@
  * fails about one allocation in 500 at random. Errors are expected; what
  * must hold at the end: every child future created is done (no lost
  * callback), every callback ran at most once, the caches' books balance, and
- * after dp_backend_shutdown no block is left live. Prints "N passed, M failed". */
+ * after dp_shutdown no block is left live. Prints "N passed, M failed". */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -138,13 +138,14 @@ static void op_pickle(dp_cache_t *c, dp_device_t d) {
 
 static void op_alloc(dp_cache_t *c, dp_device_t d) {
   void *p[8] = {0};
-  dp_stream_t *u = dp_stream_pool_next(B, d);
+  dp_stream_t *u = NULL;
+  dp_stream_pool_next(B, d, &u, NULL);
   for (int i = 0; i < 8; i++) {
     if (dp_cache_alloc(c, d, 512 + next_rand() % 200000, NULL, &p[i], NULL) != 0) continue;
     if (u && next_rand() % 2) dp_cache_record_stream(c, p[i], u, NULL);
   }
   for (int i = 0; i < 8; i++) dp_cache_dealloc(c, p[i], NULL);
-  dp_cache_poll(c);
+  dp_cache_poll(c, NULL);
 }
 
 static void *worker(void *arg) {
@@ -187,12 +188,12 @@ int main(int argc, char **argv) {
     dp_device_t dev = dp_backend_device(B, d);
     dp_device_synchronize(B, dev, NULL);
     dp_cache_stats_t st;
-    dp_cache_stats(c, dev, &st);
+    CHECK(dp_cache_stats(c, dev, &st, NULL) == 0, "host:%d: no statistics", d);
     CHECK(st.allocated == 0 && st.allocs == st.frees && st.pending_blocks == 0,
           "host:%d: %zu bytes still allocated, %llu allocs, %llu frees, %zu pending", d, st.allocated,
           (unsigned long long)st.allocs, (unsigned long long)st.frees, st.pending_blocks);
   }
-  dp_backend_shutdown();
+  dp_shutdown();
   CHECK(atomic_load(&live_blocks) == 0, "%ld blocks leaked", atomic_load(&live_blocks));
   CHECK(atomic_load(&injected) > 0, "no failure was injected: the soak proved nothing");
   printf("%d passed, %d failed\n", passed, failed);

@@ -32,7 +32,14 @@ static void run(const char *name, int (*fn)(void)) {
   int rc = fn();
   if (rc) failures++; else passes++;
   printf("%s %s\n", rc ? "FAIL" : "ok  ", name);
-  dp_backend_shutdown();
+  dp_shutdown();
+}
+
+/* A pool stream of d (NULL when none can be had: the scenario then fails). */
+static dp_stream_t *pool(dp_backend_t *b, dp_device_t d) {
+  dp_stream_t *s = NULL;
+  dp_stream_pool_next(b, d, &s, NULL);
+  return s;
 }
 
 static void spin(int us) {
@@ -227,7 +234,7 @@ static void *stream_worker(void *p) {
   dp_device_t d0 = {DP_DEVICE_HOST, 0}, d1 = {DP_DEVICE_HOST, 1};
   for (int i = 0; i < 200; i++) {
     slot_t *s = calloc(1, sizeof *s);
-    dp_stream_t *prod = dp_stream_pool_next(a->b, d0), *cons = dp_stream_pool_next(a->b, d1);
+    dp_stream_t *prod = pool(a->b, d0), *cons = pool(a->b, d1);
     dp_event_t *ev;
     dp_event_new(a->b, d0, &ev, NULL);
     dp_host_launch(prod, produce, s, NULL);
@@ -270,7 +277,7 @@ static void *alloc_worker(void *p) {
   dp_device_t dev = {DP_DEVICE_HOST, (uint8_t)(a->id % 2)};
   dp_stream_t *s, *u;
   dp_stream_new(a->b, dev, &s, NULL);
-  u = dp_stream_pool_next(a->b, dev);
+  u = pool(a->b, dev);
   uint64_t seed = (uint64_t)a->id * 7919 + 1;
   void *live[16] = {0};
   for (int i = 0; i < 3000; i++) {
@@ -286,7 +293,7 @@ static void *alloc_worker(void *p) {
         dp_cache_record_stream(cache, live[k], u, NULL);
       }
     }
-    if (i % 500 == 0) dp_cache_poll(cache);
+    if (i % 500 == 0) dp_cache_poll(cache, NULL);
   }
   for (int k = 0; k < 16; k++) dp_cache_dealloc(cache, live[k], NULL);
   dp_stream_free(s);
@@ -307,7 +314,7 @@ static int scenario_allocator(void) {
   for (int d = 0; d < 2; d++) dp_device_synchronize(b, (dp_device_t){DP_DEVICE_HOST, (uint8_t)d}, NULL);
   for (int d = 0; d < 2; d++) {
     dp_cache_stats_t st;
-    dp_cache_stats(cache, (dp_device_t){DP_DEVICE_HOST, (uint8_t)d}, &st);
+    CHECK(dp_cache_stats(cache, (dp_device_t){DP_DEVICE_HOST, (uint8_t)d}, &st, NULL) == 0, "device %d: no statistics", d);
     CHECK(st.allocated == 0 && st.allocs == st.frees && st.pending_blocks == 0,
           "device %d: allocated %zu, allocs %llu, frees %llu, pending %zu", d, st.allocated,
           (unsigned long long)st.allocs, (unsigned long long)st.frees, st.pending_blocks);
@@ -473,7 +480,7 @@ static void *racy_worker(void *p) {
   worker_arg_t *a = p;
   dp_device_t d0 = {DP_DEVICE_HOST, 0}, d1 = {DP_DEVICE_HOST, 1};
   slot_t *s = calloc(1, sizeof *s);
-  dp_stream_t *prod = dp_stream_pool_next(a->b, d0), *cons = dp_stream_pool_next(a->b, d1);
+  dp_stream_t *prod = pool(a->b, d0), *cons = pool(a->b, d1);
   dp_host_launch(prod, produce, s, NULL);
   dp_host_launch(cons, consume, s, NULL);  /* no event, no wait: a data race */
   dp_stream_synchronize(cons, NULL);

@@ -1,0 +1,17 @@
+/* future/shutdown.c — dp_shutdown (devpickle.h): the one teardown order.
+ *
+ * It lives in the top layer because only the top layer may call every
+ * layer below it: each layer frees its own process-wide state in its own
+ * function, and nothing below calls up. Top layer first, so that whatever
+ * a layer frees may still use the layers under it: the futures' scratch
+ * sets, then the default caches (which give their segments back to the
+ * backends and wait on streams), then the backends. */
+#include "../cache/internal.h"
+#include "../device/internal.h"
+#include "internal.h"
+
+void dp_shutdown(void) {
+  dp__future_shutdown();
+  dp__cache_shutdown();
+  dp__device_shutdown();
+}
