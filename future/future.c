@@ -290,7 +290,7 @@ void dp_future_release(dp_future_t *f) {
 
 static int allowed(const dp_future_t *f, dp_device_t d) {
   if (d.type == DP_DEVICE_CPU) return 1;
-  if (d.type != f->b->type || d.index >= f->b->ndev) return 0;
+  if (d.type != dp_backend_type(f->b) || d.index >= dp_backend_device_count(f->b)) return 0;
   if (!f->nallowed) return 1;
   for (size_t i = 0; i < f->nallowed; i++)
     if (dp_device_equal(f->allowed[i], d)) return 1;
@@ -300,7 +300,7 @@ static int allowed(const dp_future_t *f, dp_device_t d) {
 static size_t put_devices(char *buf, size_t cap, const dp_device_t *d, size_t n, const dp_backend_t *b) {
   size_t pos = (size_t)snprintf(buf, cap, "[");
   char one[16];
-  size_t count = n ? n : (size_t)b->ndev;
+  size_t count = n ? n : (size_t)dp_backend_device_count(b);
   for (size_t i = 0; i < count && pos < cap; i++)
     pos += (size_t)snprintf(buf + pos, cap - pos, "%s%s", i ? ", " : "",
                             dp_device_format(n ? d[i] : dp_backend_device(b, (int)i), one, sizeof one));
