@@ -301,29 +301,3 @@ int dp__is_identifier(const char *s, size_t n) {
   }
   return 1;
 }
-
-static size_t put(char *buf, size_t cap, size_t pos, const char *s, size_t n) {
-  for (size_t i = 0; i < n; i++, pos++)
-    if (pos + 1 < cap) buf[pos] = s[i];
-  if (cap) buf[pos + 1 < cap ? pos : cap - 1] = '\0';
-  return pos;
-}
-
-size_t dp__json_quote(char *buf, size_t cap, size_t pos, const char *s, size_t n) {
-  pos = put(buf, cap, pos, "\"", 1);
-  for (size_t i = 0; i < n; i++) {
-    unsigned char c = (unsigned char)s[i];
-    char esc[8];
-    if (c == '"' || c == '\\') {
-      esc[0] = '\\';
-      esc[1] = (char)c;
-      pos = put(buf, cap, pos, esc, 2);
-    } else if (c < 0x20) {
-      snprintf(esc, sizeof esc, "\\u%04x", c);
-      pos = put(buf, cap, pos, esc, 6);
-    } else {
-      pos = put(buf, cap, pos, (const char *)&c, 1);
-    }
-  }
-  return put(buf, cap, pos, "\"", 1);
-}

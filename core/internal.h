@@ -64,7 +64,4 @@ static inline int dp__has_nul(const void *s, size_t n) {
 /* Whether s is an identifier ([A-Za-z_][A-Za-z0-9_]*) for path rendering. */
 int dp__is_identifier(const char *s, size_t n);
 
-/* Appends a JSON string literal (quoted, escaped) to buf; truncates safely. */
-size_t dp__json_quote(char *buf, size_t cap, size_t pos, const char *s, size_t n);
-
 #endif

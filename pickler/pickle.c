@@ -17,7 +17,8 @@
 struct dp_frame {
   uint8_t *buf;
   size_t len, cap;
-  dp_ptrset_t *set;      /* buffers, in first-met order; owns the walker */
+  dp_ptrset_t *set;      /* buffers, in first-met order */
+  dp__walker_t walker;   /* the frame's own, reused by each pickle */
   uint64_t *data_off;    /* inline: offset of each buffer's bytes in buf */
   size_t data_off_cap;
   dp_storage_t **storages; /* the storage behind each buffer id, as first met */
@@ -94,6 +95,7 @@ int dp_frame_new(dp_frame_t **out, dp_error_t *err) {
   dp_frame_t *f = dp__alloc(sizeof *f);
   if (!f) return dp__err(err, DP_ENOMEM, "out of memory allocating a frame");
   memset(f, 0, sizeof *f);
+  dp__walker_init(&f->walker);
   int rc = dp_ptrset_new(&f->set, err);
   if (rc) {
     dp__free(f, sizeof *f);
@@ -106,6 +108,7 @@ int dp_frame_new(dp_frame_t **out, dp_error_t *err) {
 void dp_frame_free(dp_frame_t *f) {
   if (!f) return;
   dp_ptrset_free(f->set);
+  dp__walker_destroy(&f->walker);
   dp__free(f->buf, f->cap);
   dp__free(f->data_off, f->data_off_cap * sizeof(uint64_t));
   dp__free(f->storages, f->storages_cap * sizeof *f->storages);
@@ -136,7 +139,7 @@ int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out) {
  * buffers of at most 2^62 bytes, one buffer per (device, base). Anything
  * else is an error naming the path, never a frame the reader refuses. */
 
-static dp__walker_t *frame_walker(dp_frame_t *f) { return dp__ptrset_walker(f->set); }
+static dp__walker_t *frame_walker(dp_frame_t *f) { return &f->walker; }
 
 static int too_large(dp_frame_t *f, const char *what, unsigned long long n) {
   dp__walker_t *w = frame_walker(f);
@@ -340,14 +343,8 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
   if (rc) return dp__err(err, DP_ENOMEM, "out of memory starting a frame");
   f->len = DP_FRAME_HEADER;
 
-  dp__walker_t *w = dp__ptrset_walker(f->set);
-  w->set = f->set;
-  w->sink = &pack_sink;
-  w->sink_ctx = f;
-  w->err = err;
-  w->want_paths = 0;
-  w->batch = 0;  /* the sink needs each buffer id at once */
-  w->max_depth = (opts && opts->max_depth) ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
+  dp__walker_t *w = frame_walker(f);
+  dp__walker_setup(w, f->set, &pack_sink, f, opts ? opts->max_depth : 0, 0, err);
   rc = dp__walk(w, v);
   /* The writer reports running out of memory as msgpack-c's -1: whatever
    * the walk returned then, the error is that one, with its message. */

@@ -2,7 +2,6 @@
 #include <string.h>
 
 #include "ptrset_impl.h"
-#include "walk.h"
 
 int dp_ptrset_new(dp_ptrset_t **out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_ptrset_new: NULL out");
@@ -10,7 +9,6 @@ int dp_ptrset_new(dp_ptrset_t **out, dp_error_t *err) {
   if (!s) return dp__err(err, DP_ENOMEM, "out of memory allocating a pointer set");
   memset(s, 0, sizeof *s);
   dp__table_init(&s->tab);
-  dp__walker_init(&s->walker);
   *out = s;
   return 0;
 }
@@ -72,7 +70,7 @@ void dp_ptrset_free(dp_ptrset_t *s) {
   dp__free(s->entries, s->cap * sizeof(dp__pentry_t));
   dp__table_destroy(&s->tab, DP_TABLE_TAGGED);
   dp__free(s->groups, s->groups_cap * sizeof(dp__pgroup_t));
-  dp__walker_destroy(&s->walker);
+  if (s->scratch_free) s->scratch_free(s->scratch);
   dp__free(s, sizeof *s);
 }
 
@@ -124,16 +122,10 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
     return DP_ENOMEM;
   }
   size_t j = slot != SIZE_MAX ? slot : dp__table_empty_slot(&s->tab, DP_TABLE_TAGGED, h);
-  size_t i = s->count++;
-  s->entries[i] = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
   dp__pgroup_t *gr = &s->groups[g];
-  if (gr->count++ == 0)
-    gr->head = (uint32_t)i;
-  else
-    s->entries[gr->tail].next_on = (uint32_t)(i + 1);
-  gr->tail = (uint32_t)i;
-  dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
-  *index = i;
+  if (gr->count == 0) gr->head = (uint32_t)s->count;
+  *index = dp__pentry_push(s->entries, &s->count, &s->tab, (uint32_t)g, &gr->count, &gr->tail,
+                           s->ngroups > 1 && gr->count > 0, device, base, nbytes, h, j);
   return 0;
 }
 
@@ -200,12 +192,8 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
       chained = s->ngroups > 1;
       continue;
     }
-    id = count++;
-    entries[id] = (dp__pentry_t){x->device, 1, x->base, x->nbytes, NULL, 0, (uint32_t)g};
-    if (chained) entries[gtail].next_on = (uint32_t)(id + 1);
-    gtail = (uint32_t)id;
-    gcount++;
-    dp__table_put(&tab, DP_TABLE_TAGGED, j, h[i], id);
+    id = dp__pentry_push(entries, &count, &tab, (uint32_t)g, &gcount, &gtail, chained, x->device, x->base, x->nbytes,
+                         h[i], j);
   }
   s->tab = tab;
   s->count = count;
@@ -235,8 +223,6 @@ int dp__ptrset_set_path(dp_ptrset_t *s, size_t index, const char *path) {
   s->entries[index].path = p;
   return 0;
 }
-
-dp__walker_t *dp__ptrset_walker(dp_ptrset_t *set) { return &set->walker; }
 
 int dp_ptrset_find(const dp_ptrset_t *s, dp_device_t device, const void *base, size_t *index) {
   if (!s) return DP_ENOTFOUND;
@@ -277,7 +263,7 @@ size_t dp_ptrset_first_on(const dp_ptrset_t *s, size_t j) {
 
 size_t dp_ptrset_next_on(const dp_ptrset_t *s, size_t i) {
   if (!s || i >= s->count) return SIZE_MAX;
-  if (s->ngroups == 1) return i + 1 < s->count ? i + 1 : SIZE_MAX;  /* not chained: see dp__ptrset_append */
+  if (s->ngroups == 1) return i + 1 < s->count ? i + 1 : SIZE_MAX;  /* not chained: see dp__pentry_push */
   if (s->entries[i].next_on == 0) return SIZE_MAX;
   return s->entries[i].next_on - 1;
 }

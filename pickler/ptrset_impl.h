@@ -1,9 +1,27 @@
 /* pickler/ptrset_impl.h — the pointer set's layout and its hot path, inline
- * so that the walker can pipeline inserts (see walk.c). */
+ * so that the walker can pipeline inserts (see walk.c). The set knows
+ * nothing of the walker: walk.c stands on this file, never the reverse. */
 #ifndef DP_PICKLER_PTRSET_IMPL_H
 #define DP_PICKLER_PTRSET_IMPL_H
 #include "internal.h"
-#include "walk.h"
+
+/* A bump arena of strings: chunks kept across resets, so that refilling it
+ * with what it held before allocates nothing. */
+typedef struct dp__achunk {
+  struct dp__achunk *next;
+  size_t cap;
+  char data[];
+} dp__achunk_t;
+
+typedef struct dp__arena {
+  dp__achunk_t *head, *cur;  /* cur: the chunk being filled (NULL: none yet) */
+  size_t used;               /* bytes used in cur */
+} dp__arena_t;
+
+/* A copy of s[0..n) plus a NUL in the arena, or NULL. */
+char *dp__arena_strdup(dp__arena_t *a, const char *s, size_t n);
+void dp__arena_reset(dp__arena_t *a);
+void dp__arena_free(dp__arena_t *a);
 
 typedef struct dp__pentry {
   dp_device_t device;
@@ -29,7 +47,11 @@ struct dp_ptrset {
   size_t ngroups, groups_cap;
   size_t last_group;
   dp__arena_t paths;    /* entries' paths; kept across clears */
-  dp__walker_t walker;  /* reused by dp_scan */
+  /* Scratch memory that a user of the set keeps with it between uses (a
+   * scan keeps its walker here, walk.c): opaque to the set, which only
+   * frees it, with scratch_free, when the set is freed. */
+  void *scratch;
+  void (*scratch_free)(void *scratch);
 };
 
 /* Keyed with the process's secret: bases a frame or a caller chose to
@@ -81,7 +103,29 @@ static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, 
   return e->base == k->base && dp__dev_bits(e->device) == dp__dev_bits(k->device);
 }
 
-/* Slow path: grow, add a device group, append the entry. `slot` is the
+/* The one way an entry is added: appended as entries[*count], in group g
+ * (its count *gcount, its last entry *gtail), linked after that last entry
+ * when `chained`, and put in the table at slot j (hash h). Room has been
+ * made. The caller passes the set's own fields or copies of them that it
+ * keeps in locals (dp__ptrset_add_batch). Each device's entries are chained
+ * in order (next_on); while the set has one device the chain is entries 0,
+ * 1, 2, ... and is not written (chained is 0: ptrset.c links it when a
+ * second device comes). A group's first entry is its head: the caller sets
+ * it (chained is then 0). */
+static inline __attribute__((always_inline)) size_t dp__pentry_push(dp__pentry_t *entries, size_t *count,
+                                                                    dp__table_t *tab, uint32_t g, uint32_t *gcount,
+                                                                    uint32_t *gtail, int chained, dp_device_t device,
+                                                                    void *base, size_t nbytes, uint64_t h, size_t j) {
+  size_t i = (*count)++;
+  entries[i] = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, g};
+  if (chained) entries[*gtail].next_on = (uint32_t)(i + 1);
+  *gtail = (uint32_t)i;
+  (*gcount)++;
+  dp__table_put(tab, DP_TABLE_TAGGED, j, h, i);
+  return i;
+}
+
+/* Slow path: grow, add a device group, then dp__pentry_push. `slot` is the
  * empty slot the lookup stopped at (SIZE_MAX if none was probed). */
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
                           size_t slot, size_t *index);
@@ -91,22 +135,8 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
  * nothing changed when it cannot be had. */
 int dp__ptrset_reserve(dp_ptrset_t *s, size_t n);
 
-/* Appends the entry on the fast path: room reserved, and the device is the
- * last insert's (so its group has entries already). Each device's entries
- * are chained in order (next_on); while there is one device the chain is
- * entries 0, 1, 2, ... and is not written (ptrset.c links it when a second
- * device comes). */
-static inline __attribute__((always_inline)) size_t dp__ptrset_append(dp_ptrset_t *s, dp_device_t device, void *base,
-                                                                     size_t nbytes, uint64_t h, size_t j) {
-  size_t i = s->count++, g = s->last_group;
-  dp__pgroup_t *gr = &s->groups[g];
-  s->entries[i] = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
-  gr->count++;
-  if (DP_UNLIKELY(s->ngroups > 1)) s->entries[gr->tail].next_on = (uint32_t)(i + 1);
-  gr->tail = (uint32_t)i;
-  dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
-  return i;
-}
+/* Records entry index's path (a copy, in the set's arena). DP_ENOMEM. */
+int dp__ptrset_set_path(dp_ptrset_t *set, size_t index, const char *path);
 
 /* Adds a scan's batch of storages, hashes h (dp__ptr_hash), in order, with
  * room reserved for n (dp__ptrset_reserve); bit i of `again` marks st[i] as
@@ -131,7 +161,9 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
   /* Fast path: room everywhere and the same device as the last insert. */
   if (DP_LIKELY(j != SIZE_MAX && !dp__table_full(&s->tab) && s->count < s->cap &&
                 s->last_group < s->ngroups && dp__dev_bits(s->groups[s->last_group].device) == dp__dev_bits(device))) {
-    *index = dp__ptrset_append(s, device, base, nbytes, h, j);
+    dp__pgroup_t *gr = &s->groups[s->last_group];
+    *index = dp__pentry_push(s->entries, &s->count, &s->tab, (uint32_t)s->last_group, &gr->count, &gr->tail,
+                             s->ngroups > 1, device, base, nbytes, h, j);
     return 0;
   }
   return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index);

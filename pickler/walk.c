@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "ptrset_impl.h"
 #include "walk.h"
 
 _Static_assert(DP_PATH_HEAD + 40 + DP_PATH_TAIL <= DP_PATH_MAX, "an elided path fits in DP_PATH_MAX");
@@ -21,6 +20,17 @@ void dp__walker_init(dp__walker_t *w) {
   memset(w, 0, sizeof *w);
   dp__table_init(&w->memo);
   w->memo_rc = 1;
+}
+
+void dp__walker_setup(dp__walker_t *w, dp_ptrset_t *set, const dp__sink_t *sink, void *sink_ctx,
+                      uint32_t max_depth, int want_paths, dp_error_t *err) {
+  w->set = set;
+  w->sink = sink;
+  w->sink_ctx = sink_ctx;
+  w->err = err;
+  w->want_paths = want_paths;
+  w->batch = !sink && !want_paths;  /* a pickle's sink needs each buffer id at once */
+  w->max_depth = max_depth ? max_depth : DP_DEFAULT_MAX_DEPTH;
 }
 
 static void release_states(dp__walker_t *w) {
@@ -822,15 +832,35 @@ int dp__walk(dp__walker_t *w, dp_value_t root) {
 
 /* ---- scan ---- */
 
+/* A scan's walker is kept with the set it fills, as the set's opaque
+ * scratch (ptrset_impl.h): made at the set's first scan, freed with the
+ * set, so that a steady-state scan allocates nothing. A set is used by one
+ * thread at a time, and so is its walker. */
+static void scan_walker_free(void *p) {
+  dp__walker_destroy(p);
+  dp__free(p, sizeof(dp__walker_t));
+}
+
+static int scan_walker(dp_ptrset_t *set, dp__walker_t **out, dp_error_t *err) {
+  if (DP_LIKELY(set->scratch_free == scan_walker_free)) {
+    *out = set->scratch;
+    return 0;
+  }
+  if (set->scratch_free) return dp__err(err, DP_ESTATE, "dp_scan: the set's scratch is in other use");
+  dp__walker_t *w = dp__alloc(sizeof *w);
+  if (!w) return dp__err(err, DP_ENOMEM, "out of memory allocating the scan's walker");
+  dp__walker_init(w);
+  set->scratch = w;
+  set->scratch_free = scan_walker_free;
+  *out = w;
+  return 0;
+}
+
 int dp_scan(dp_value_t v, const dp_scan_opts_t *opts, dp_ptrset_t *set, dp_error_t *err) {
   if (!set) return dp__err(err, DP_EINVAL, "dp_scan: NULL set");
-  dp__walker_t *w = dp__ptrset_walker(set);
-  w->set = set;
-  w->sink = NULL;
-  w->sink_ctx = NULL;
-  w->err = err;
-  w->want_paths = opts && (opts->flags & DP_SCAN_PATHS);
-  w->batch = !w->want_paths;
-  w->max_depth = (opts && opts->max_depth) ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
+  dp__walker_t *w = NULL;
+  int rc = scan_walker(set, &w, err);
+  if (rc) return rc;
+  dp__walker_setup(w, set, NULL, NULL, opts ? opts->max_depth : 0, opts && (opts->flags & DP_SCAN_PATHS), err);
   return dp__walk(w, v);
 }
