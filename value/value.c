@@ -243,55 +243,75 @@ bool dp_value_is_hashable(dp_value_t key) {
  * it instead of timing it. */
 _Thread_local uint64_t dp__key_bytes_hashed;
 
-/* Keyed with the process's secret (table.h): keys a frame chose to collide
- * under a known hash do not collide here. */
-static uint64_t key_hash(dp_value_t k) {
-  switch (k.kind) {
+/* The one hash of values: dict keys here, dp_value_hash (equal.c) for any
+ * value. Keyed with the process's secret (table.h): keys a frame chose to
+ * collide under a known hash do not collide here. It hashes the value as a
+ * tree, cut below `max_depth` levels and after `*budget` nodes, so that it
+ * terminates on cycles; equal trees are cut alike, so values equal under
+ * dp_value_equal(a, b, 0) hash equal. Dicts and objects hash their size
+ * (and class) only, as equality ignores their order. A key is a bounded
+ * tree (dp_value_is_hashable): its hash is never cut. */
+static uint64_t mix(uint64_t h, uint64_t x, uint32_t kind) {
+  uint64_t pair[2] = {h, x};
+  return dp__hash_bytes(pair, sizeof pair, kind);
+}
+
+uint64_t dp__hash_value(dp_value_t v, int depth, int max_depth, size_t *budget) {
+  switch (v.kind) {
+    case DP_NONE: case DP_BOOL: case DP_INT: case DP_FLOAT:
+      return dp__hash_u64(v.kind == DP_NONE ? 0 : (uint64_t)v.u.i, v.kind);
     case DP_STR:
     case DP_BYTES: {
-      dp_strobj_t *s = DP_STROBJ(k);
+      dp_strobj_t *s = DP_STROBJ(v);
       uint64_t h = dp__load_relaxed(&s->hash);
       if (!h) {
         dp__key_bytes_hashed += s->len;
-        h = dp__hash_bytes(s->data, s->len, k.kind);
+        h = dp__hash_bytes(s->data, s->len, v.kind);
         dp__store_relaxed(&s->hash, h);
       }
       return h;
     }
-    case DP_TUPLE: {
-      dp_seq_t *s = DP_SEQ(k);
-      uint64_t h = dp__hash_u64(s->len, DP_TUPLE);
-      for (size_t i = 0; i < s->len; i++) {
-        uint64_t pair[2] = {h, key_hash(s->items[i])};
-        h = dp__hash_bytes(pair, sizeof pair, DP_TUPLE);
-      }
+    default: break;
+  }
+  if (*budget == 0) return dp__hash_u64(0, v.kind);
+  (*budget)--;
+  switch (v.kind) {
+    case DP_TENSOR: {
+      dp_tensor_t *t = DP_TENSOR(v);
+      uint64_t h = dp__hash_u64((uint64_t)(uintptr_t)t->storage->base, DP_TENSOR);
+      h = mix(h, t->dtype | ((uint64_t)t->ndim << 8), DP_TENSOR);
+      return mix(h, dp__hash_bytes(t->dims, 2 * (size_t)t->ndim * sizeof(int64_t), DP_TENSOR), DP_TENSOR);
+    }
+    case DP_CUSTOM: return dp__hash_u64((uint64_t)(uintptr_t)v.u.h, DP_CUSTOM);
+    case DP_DICT: return dp__hash_u64(DP_DICT(v)->len, DP_DICT);
+    case DP_OBJECT:
+      return mix(dp__hash_u64(DP_OBJ(v)->len, DP_OBJECT), dp__hash_bytes(DP_OBJ(v)->class_name, DP_OBJ(v)->class_len,
+                                                                         DP_OBJECT), DP_OBJECT);
+    default: {  /* list, tuple */
+      dp_seq_t *s = DP_SEQ(v);
+      uint64_t h = dp__hash_u64(s->len, v.kind);
+      if (depth >= max_depth) return h;
+      for (size_t i = 0; i < s->len && *budget; i++)
+        h = mix(h, dp__hash_value(s->items[i], depth + 1, max_depth, budget), v.kind);
       return h;
     }
-    default:
-      return dp__hash_u64(k.kind == DP_NONE ? 0 : (uint64_t)k.u.i, k.kind);
   }
+}
+
+static inline uint64_t key_hash(dp_value_t k) {
+  size_t budget = SIZE_MAX;
+  return dp__hash_value(k, 0, KEY_MAX_DEPTH + 1, &budget);
 }
 
 static int key_equal(dp_value_t a, dp_value_t b) {
   if (a.kind != b.kind) return 0;
-  switch (a.kind) {
-    case DP_NONE: return 1;
-    case DP_STR:
-    case DP_BYTES:
-      if (a.u.h == b.u.h) return 1;
-      return DP_STROBJ(a)->len == DP_STROBJ(b)->len &&
-             memcmp(DP_STROBJ(a)->data, DP_STROBJ(b)->data, DP_STROBJ(a)->len) == 0;
-    case DP_TUPLE: {
-      if (a.u.h == b.u.h) return 1;
-      dp_seq_t *x = DP_SEQ(a), *y = DP_SEQ(b);
-      if (x->len != y->len) return 0;
-      for (size_t i = 0; i < x->len; i++)
-        if (!key_equal(x->items[i], y->items[i])) return 0;
-      return 1;
-    }
-    default:
-      return a.u.i == b.u.i;  /* bool, int, and float bitwise */
-  }
+  if (a.kind != DP_TUPLE) return dp__leaf_equal(a, b);
+  if (a.u.h == b.u.h) return 1;
+  dp_seq_t *x = DP_SEQ(a), *y = DP_SEQ(b);
+  if (x->len != y->len) return 0;
+  for (size_t i = 0; i < x->len; i++)
+    if (!key_equal(x->items[i], y->items[i])) return 0;
+  return 1;
 }
 
 /* ---- the index shared by dict and object ----
