@@ -96,18 +96,24 @@ static size_t group_of(dp_ptrset_t *s, dp_device_t d) {
   return SIZE_MAX;
 }
 
+/* Errors are written where they happen, and passed through by every caller. */
+static int too_many(dp_error_t *err) {
+  return dp__err(err, DP_ELIMIT, "a pointer set holds at most %u entries", UINT32_MAX - 2);
+}
+
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
-                          size_t slot, size_t *index) {
-  if (s->count >= UINT32_MAX - 1) return DP_ELIMIT;
+                          size_t slot, size_t *index, dp_error_t *err) {
+  if (s->count >= UINT32_MAX - 1) return too_many(err);
   if (dp__table_full(&s->tab)) {
     int rc = dp__table_grow(&s->tab, DP_TABLE_TAGGED, s->count, 64, entry_hash, s);
-    if (rc) return rc;
+    if (rc == DP_ELIMIT) return too_many(err);
+    if (rc) return dp__err(err, rc, "out of memory growing a pointer set's table");
     slot = SIZE_MAX;
   }
   size_t g = group_of(s, device);
   if (g == SIZE_MAX) {
     if (dp__grow((void **)&s->groups, &s->groups_cap, s->ngroups + 1, sizeof(dp__pgroup_t)) != 0)
-      return DP_ENOMEM;
+      return dp__err(err, DP_ENOMEM, "out of memory growing a pointer set's devices");
     if (s->ngroups == 1) {  /* a second device: chain the first one's entries (0, 1, 2, ...) */
       for (size_t k = 0; k + 1 < s->count; k++) s->entries[k].next_on = (uint32_t)(k + 2);
       if (s->count) s->entries[s->count - 1].next_on = 0;
@@ -119,7 +125,7 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
   if (s->count == s->cap &&
       dp__grow((void **)&s->entries, &s->cap, s->count + 1, sizeof(dp__pentry_t)) != 0) {
     if (s->groups[g].count == 0) s->ngroups--;
-    return DP_ENOMEM;
+    return dp__err(err, DP_ENOMEM, "out of memory growing a pointer set's entries");
   }
   size_t j = slot != SIZE_MAX ? slot : dp__table_empty_slot(&s->tab, DP_TABLE_TAGGED, h);
   dp__pgroup_t *gr = &s->groups[g];
@@ -145,7 +151,8 @@ int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
  * locals (the table through its own functions, on a copy): stores into the
  * entries then cannot force them to be reloaded. They are written back
  * before a new device takes the slow path, and at the end. */
-int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t *h, uint64_t again, int n) {
+int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t *h, uint64_t again, int n,
+                         dp_error_t *err) {
   dp__table_t tab = s->tab;
   dp__pentry_t *entries = s->entries;
   size_t count = s->count, id = 0, g = s->last_group;
@@ -181,7 +188,7 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
         s->groups[g].count = gcount;
         s->groups[g].tail = gtail;
       }
-      if ((rc = dp__ptrset_insert_new(s, x->device, x->base, x->nbytes, h[i], j, &id)) != 0) return rc;
+      if ((rc = dp__ptrset_insert_new(s, x->device, x->base, x->nbytes, h[i], j, &id, err)) != 0) return rc;
       tab = s->tab;
       entries = s->entries;
       count = s->count;
@@ -210,9 +217,8 @@ int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbyte
   if (device.type >= DP_DEVICE_TYPE_COUNT) return dp__err(err, DP_EINVAL, "dp_ptrset_add: invalid device");
   size_t i;
   int is_new;
-  int rc = dp__ptrset_add_hashed(set, device, base, nbytes, dp__ptr_hash(device, base), &i, &is_new);
-  if (rc == DP_ELIMIT) return dp__err(err, rc, "a pointer set holds at most %u entries", UINT32_MAX - 2);
-  if (rc) return dp__err(err, rc, "out of memory growing a pointer set");
+  int rc = dp__ptrset_add_hashed(set, device, base, nbytes, dp__ptr_hash(device, base), &i, &is_new, err);
+  if (rc) return rc;
   if (index) *index = i;
   return 0;
 }

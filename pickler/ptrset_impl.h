@@ -128,7 +128,7 @@ static inline __attribute__((always_inline)) size_t dp__pentry_push(dp__pentry_t
 /* Slow path: grow, add a device group, then dp__pentry_push. `slot` is the
  * empty slot the lookup stopped at (SIZE_MAX if none was probed). */
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
-                          size_t slot, size_t *index);
+                          size_t slot, size_t *index, dp_error_t *err);
 
 /* Room for n more entries, in the entries and in the table: then n calls
  * of the fast path need no growth. DP_ENOMEM (or DP_ELIMIT) and
@@ -142,11 +142,12 @@ int dp__ptrset_set_path(dp_ptrset_t *set, size_t index, const char *path);
  * room reserved for n (dp__ptrset_reserve); bit i of `again` marks st[i] as
  * st[i - 1] again (the same entry, no probe). Fails (DP_ENOMEM) only where a
  * new device needs a group. */
-int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_storage *const *st, const uint64_t *h, uint64_t again, int n);
+int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_storage *const *st, const uint64_t *h, uint64_t again, int n,
+                         dp_error_t *err);
 
 /* Finds (device, base) given its hash or adds it; counts one more tensor. */
 static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,
-                                        uint64_t h, size_t *index, int *is_new) {
+                                        uint64_t h, size_t *index, int *is_new, dp_error_t *err) {
   dp__pkey_t key = {base, device};
   size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
   if (at != DP_TABLE_NONE) {
@@ -166,6 +167,6 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
                              s->ngroups > 1, device, base, nbytes, h, j);
     return 0;
   }
-  return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index);
+  return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index, err);
 }
 #endif

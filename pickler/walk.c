@@ -454,12 +454,8 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
  * (memo for shared ones, prefetch the storage), storage (hash, prefetch the
  * slot), insert — each pass issuing its cache misses together. Inserts keep
  * discovery order. */
-/* A pointer-set failure keeps its code: out of memory, or the set's
- * entry limit. */
-static int set_failed(dp__walker_t *w, int rc) {
-  if (rc == DP_ELIMIT) return dp__err(w->err, rc, "a pointer set holds at most %u entries", UINT32_MAX - 2);
-  return dp__err(w->err, rc, "out of memory growing the pointer set");
-}
+/* A pointer-set failure comes back with its code and message (written by
+ * the set): the walker passes it through. */
 
 static int flush_pending(dp__walker_t *w) {
   dp_storage_t *st[DP_WALK_BATCH + DP_INLINE_MAX];
@@ -502,8 +498,7 @@ static int flush_pending(dp__walker_t *w) {
     if (reserved) __builtin_prefetch(slots + (h[i] & mask), 1);
   }
   if (reserved) {
-    if ((rc = dp__ptrset_add_batch(s, st, h, again, n)) != 0) return set_failed(w, rc);
-    return 0;
+    return dp__ptrset_add_batch(s, st, h, again, n, w->err);
   }
   size_t id = 0;
   for (int i = 0; i < n; i++) {
@@ -512,8 +507,8 @@ static int flush_pending(dp__walker_t *w) {
       continue;
     }
     int is_new;
-    if ((rc = dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new)) != 0)
-      return set_failed(w, rc);
+    if ((rc = dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new, w->err)) != 0)
+      return rc;
   }
   return 0;
 }
@@ -621,8 +616,8 @@ DP_WALK_INLINE int visit_tensor(dp__walker_t *w, dp_value_t v, const int S) {
   size_t id;
   int is_new;
   int rc = dp__ptrset_add_hashed(w->set, st->device, st->base, st->nbytes, dp__ptr_hash(st->device, st->base), &id,
-                                 &is_new);
-  if (rc) return set_failed(w, rc);
+                                 &is_new, w->err);
+  if (rc) return rc;
   if (is_new && w->want_paths && dp__ptrset_set_path(w->set, id, dp__walker_path(w)) != 0)
     return dp__err(w->err, DP_ENOMEM, "out of memory recording a path");
   return S ? w->sink->tensor(w->sink_ctx, v, id) : 0;

@@ -131,7 +131,7 @@ Test(ptrset, a_failed_add_leaves_the_set_as_it_was) {
       added++;
     } else {
       cr_assert_eq(rc, DP_ENOMEM);
-      cr_assert_str_eq(e.message, "out of memory growing a pointer set");
+      cr_assert(strncmp(e.message, "out of memory growing a pointer set", 35) == 0, "%s", e.message);
       cr_assert_eq(dp_ptrset_count(s), added);
       t_fail_at = 0;
       OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, (int)(k & 1)), (void *)(k * 16 + 16), 16, NULL, NULL));

@@ -40,6 +40,10 @@ static int oom(dp_error_t *err, const char *what) {
   return dp__err(err, DP_ENOMEM, "out of memory allocating %s", what);
 }
 
+static int too_many(dp_error_t *err, const char *what, const char *items) {
+  return dp__err(err, DP_ELIMIT, "%s holds at most %u %s", what, UINT32_MAX - 2, items);
+}
+
 static int kind_mismatch(dp_error_t *err, const char *fn, dp_value_t v, const char *want) {
   return dp__err(err, DP_EINVAL, "%s: expected %s, got %s", fn, want, dp_kind_name(dp_value_kind(v)));
 }
@@ -426,7 +430,7 @@ int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int al
     if (!allow_replace) {
       dp_value_release(key);
       dp_value_release(val);
-      return dp__err(err, DP_EINVAL, "duplicate dict key");
+      return DP__EXISTS;
     }
     dp_value_t old = d->entries[at].val;
     d->entries[at].val = val;
@@ -434,22 +438,24 @@ int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int al
     dp_value_release(old);
     return 0;
   }
-  if (d->len >= UINT32_MAX - 1 ||
-      (d->len == d->cap &&
-       dp__grow_inl((void **)&d->entries, &d->cap, d->len + 1, sizeof(dp_entry_t), d->inl) != 0)) {
+  int rc = d->len >= UINT32_MAX - 1 ? too_many(err, "a dict", "entries") : 0;
+  if (!rc && d->len == d->cap &&
+      dp__grow_inl((void **)&d->entries, &d->cap, d->len + 1, sizeof(dp_entry_t), d->inl) != 0)
+    rc = oom(err, "dict entries");
+  if (rc) {
     dp_value_release(key);
     dp_value_release(val);
-    return oom(err, "dict entries");
+    return rc;
   }
   d->entries[d->len].key = key;
   d->entries[d->len].val = val;
   d->entries[d->len].hash = h;
   d->len++;
-  if (index_add(&d->index, &d->index_cap, d->len, h, dict_hash_at, d->entries) != 0) {
+  if ((rc = index_add(&d->index, &d->index_cap, d->len, h, dict_hash_at, d->entries)) != 0) {
     d->len--;
     dp_value_release(key);
     dp_value_release(val);
-    return oom(err, "dict index");
+    return rc == DP_ELIMIT ? too_many(err, "a dict", "entries") : oom(err, "dict index");
   }
   return 0;
 }
@@ -553,20 +559,23 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
   if (at != SIZE_MAX) {
     if (!allow_replace) {
       dp_value_release(val);
-      return dp__err(err, DP_EINVAL, "duplicate attribute");
+      return DP__EXISTS;
     }
     dp_value_t old = o->attrs[at].val;
     o->attrs[at].val = val;
     dp_value_release(old);
     return 0;
   }
-  char *copy = n >= DP_ATTR_INLINE ? dp__strndup(name, n) : NULL;
-  if ((n >= DP_ATTR_INLINE && !copy) || o->len >= UINT32_MAX - 1 ||
-      (o->len == o->cap &&
-       dp__grow_inl((void **)&o->attrs, &o->cap, o->len + 1, sizeof(dp_attr_t), o->inl) != 0)) {
+  int rc = o->len >= UINT32_MAX - 1 ? too_many(err, "an object", "attributes") : 0;
+  char *copy = !rc && n >= DP_ATTR_INLINE ? dp__strndup(name, n) : NULL;
+  if (!rc && ((n >= DP_ATTR_INLINE && !copy) ||
+              (o->len == o->cap &&
+               dp__grow_inl((void **)&o->attrs, &o->cap, o->len + 1, sizeof(dp_attr_t), o->inl) != 0)))
+    rc = oom(err, "object attributes");
+  if (rc) {
     dp__free(copy, n + 1);
     dp_value_release(val);
-    return oom(err, "object attributes");
+    return rc;
   }
   dp_attr_t *a = &o->attrs[o->len];
   if (copy) {
@@ -579,11 +588,11 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
   a->hash = h;
   a->val = val;
   o->len++;
-  if (index_add(&o->index, &o->index_cap, o->len, h, attr_hash_at, o->attrs) != 0) {
+  if ((rc = index_add(&o->index, &o->index_cap, o->len, h, attr_hash_at, o->attrs)) != 0) {
     o->len--;
     dp__free(copy, n + 1);
     dp_value_release(val);
-    return oom(err, "object index");
+    return rc == DP_ELIMIT ? too_many(err, "an object", "attributes") : oom(err, "object index");
   }
   return 0;
 }
