@@ -143,9 +143,12 @@ const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len) {
 
 size_t dp_frame_nbuffers(const dp_frame_t *f) { return f && f->len ? dp_ptrset_count(f->set) : 0; }
 
-int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out) {
+int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out, dp_error_t *err) {
   dp_ptr_info_t info;
-  if (!f || !out || !f->len || dp_ptrset_get(f->set, i, &info) != 0) return DP_EINVAL;
+  if (!f || !out) return dp__err(err, DP_EINVAL, "dp_frame_buffer: NULL %s", f ? "out" : "frame");
+  if (!f->len || i >= dp_ptrset_count(f->set))
+    return dp__err(err, DP_EINVAL, "dp_frame_buffer: buffer %zu out of range (the frame has %zu)", i, dp_frame_nbuffers(f));
+  dp_ptrset_get(f->set, i, &info, NULL);
   out->id = (uint32_t)i;
   out->device = info.device;
   out->nbytes = info.nbytes;
@@ -306,7 +309,7 @@ static int write_table(dp_frame_t *f) {
   int rc = fpk_array(f, n);
   for (size_t i = 0; i < n && !rc; i++) {
     dp_ptr_info_t e;
-    dp_ptrset_get(f->set, i, &e);
+    dp_ptrset_get(f->set, i, &e, NULL);
     rc = fpk_array(f, f->is_inline ? 5 : 4);
     rc = rc ? rc : fpk_uint8(f, e.device.type);
     rc = rc ? rc : fpk_uint8(f, e.device.index);

@@ -230,19 +230,24 @@ int dp__ptrset_set_path(dp_ptrset_t *s, size_t index, const char *path) {
   return 0;
 }
 
-int dp_ptrset_find(const dp_ptrset_t *s, dp_device_t device, const void *base, size_t *index) {
-  if (!s) return DP_ENOTFOUND;
+int dp_ptrset_find(const dp_ptrset_t *s, dp_device_t device, const void *base, size_t *index, dp_error_t *err) {
+  if (!s) return dp__err(err, DP_EINVAL, "dp_ptrset_find: NULL set");
   dp__pkey_t key = {base, device};
   size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, dp__ptr_hash(device, base), dp__ptrset_eq, s, &key, &j);
-  if (at == DP_TABLE_NONE) return DP_ENOTFOUND;
+  if (at == DP_TABLE_NONE) {
+    char dev[16];
+    return dp__err(err, DP_ENOTFOUND, "dp_ptrset_find: %s %p is not in the set", dp_device_format(device, dev, sizeof dev),
+                   base);
+  }
   if (index) *index = at;
   return 0;
 }
 
 size_t dp_ptrset_count(const dp_ptrset_t *s) { return s ? s->count : 0; }
 
-int dp_ptrset_get(const dp_ptrset_t *s, size_t i, dp_ptr_info_t *out) {
-  if (!s || !out || i >= s->count) return DP_EINVAL;
+int dp_ptrset_get(const dp_ptrset_t *s, size_t i, dp_ptr_info_t *out, dp_error_t *err) {
+  if (!s || !out) return dp__err(err, DP_EINVAL, "dp_ptrset_get: NULL %s", s ? "out" : "set");
+  if (i >= s->count) return dp__err(err, DP_EINVAL, "dp_ptrset_get: index %zu out of range (%zu entries)", i, s->count);
   const dp__pentry_t *e = &s->entries[i];
   out->device = e->device;
   out->base = e->base;

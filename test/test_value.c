@@ -83,16 +83,16 @@ Test(value, dict_keeps_insertion_order_and_replaces_in_place) {
   OK(dp_dict_set(d, dp_int(0), dp_int(99), NULL));
   cr_assert_eq(dp_dict_len(d), 41);
   dp_value_t k, v;
-  OK(dp_dict_item(d, 0, &k, &v));
+  OK(dp_dict_item(d, 0, &k, &v, NULL));
   cr_assert_eq(dp_value_as_int(k), 0);
   cr_assert_eq(dp_value_as_int(v), 99, "replacing keeps the position");
-  OK(dp_dict_item(d, 1, &k, &v));
+  OK(dp_dict_item(d, 1, &k, &v, NULL));
   cr_assert_eq(dp_value_as_int(k), 7);
   dp_value_t key = t_str("k");
-  OK(dp_dict_get(d, key, &v));
+  OK(dp_dict_get(d, key, &v, NULL));
   cr_assert_eq(dp_value_as_int(v), 1);
   dp_value_release(key);
-  cr_assert_eq(dp_dict_get(d, dp_float(0.0), &v), DP_ENOTFOUND, "int 0 and float 0.0 are different keys");
+  cr_assert_eq(dp_dict_get(d, dp_float(0.0), &v, NULL), DP_ENOTFOUND, "int 0 and float 0.0 are different keys");
   dp_value_release(d);
   ASSERT_NO_LEAK();
 }
@@ -110,7 +110,7 @@ Test(value, dict_rejects_unhashable_keys_and_names_the_kind) {
   cr_assert(dp_value_is_hashable(tup));
   OK(dp_dict_set(d, dp_value_retain(tup), dp_int(2), NULL));
   dp_value_t v;
-  OK(dp_dict_get(d, tup, &v));
+  OK(dp_dict_get(d, tup, &v, NULL));
   cr_assert_eq(dp_value_as_int(v), 2);
   /* a tuple that contains itself is not hashable */
   OK(dp_seq_set(tup, 1, dp_value_retain(tup), NULL));
@@ -132,12 +132,12 @@ Test(value, object_attributes_keep_order_and_are_found_by_name) {
   cr_assert_eq(dp_object_nattrs(o), 30);
   const char *n;
   dp_value_t v;
-  OK(dp_object_attr(o, 3, &n, &v));
+  OK(dp_object_attr(o, 3, &n, &v, NULL));
   cr_assert_str_eq(n, "a3");
   cr_assert_eq(dp_value_as_int(v), -3);
-  OK(dp_object_get(o, "a29", &v));
+  OK(dp_object_get(o, "a29", &v, NULL));
   cr_assert_eq(dp_value_as_int(v), 29);
-  cr_assert_eq(dp_object_get(o, "nope", &v), DP_ENOTFOUND);
+  cr_assert_eq(dp_object_get(o, "nope", &v, NULL), DP_ENOTFOUND);
   dp_error_t e;
   cr_assert_eq(dp_object_set(o, "", dp_int(1), &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "attribute name must be non-empty UTF-8 without NUL");
@@ -156,12 +156,12 @@ Test(value, long_attribute_names_and_objects_that_outgrow_their_first_block) {
   }
   OK(dp_object_set(o, longname, t_str("v2"), NULL));
   dp_value_t v;
-  OK(dp_object_get(o, longname, &v));
+  OK(dp_object_get(o, longname, &v, NULL));
   cr_assert_str_eq(dp_str_data(v, NULL), "v2");
   const char *n;
-  OK(dp_object_attr(o, 0, &n, NULL));
+  OK(dp_object_attr(o, 0, &n, NULL, NULL));
   cr_assert_str_eq(n, longname);
-  OK(dp_object_attr(o, 2, &n, NULL));
+  OK(dp_object_attr(o, 2, &n, NULL, NULL));
   cr_assert_str_eq(n, "short_1");
   cr_assert_eq(dp_object_nattrs(o), 10);
   dp_value_release(o);
@@ -262,13 +262,13 @@ Test(value, every_dtype_has_a_name_and_size) {
   static const size_t sizes[] = {1, 1, 2, 4, 8, 1, 2, 4, 8, 2, 2, 4, 8, 8, 16};
   for (int i = 0; i < DP_DTYPE_COUNT; i++) {
     dp_dtype_t d;
-    cr_assert_eq(dp_dtype_parse(names[i], &d), 0, "%s", names[i]);
+    cr_assert_eq(dp_dtype_parse(names[i], &d, NULL), 0, "%s", names[i]);
     cr_assert_eq(d, (dp_dtype_t)i);
     cr_assert_str_eq(dp_dtype_name(d), names[i]);
     cr_assert_eq(dp_dtype_size(d), sizes[i]);
   }
   dp_dtype_t d;
-  cr_assert_eq(dp_dtype_parse("float8", &d), DP_EINVAL);
+  cr_assert_eq(dp_dtype_parse("float8", &d, NULL), DP_EINVAL);
 }
 
 static int released_storages;
@@ -329,9 +329,9 @@ Test(value, a_cycle_of_objects_is_freed_when_the_last_outside_reference_goes) {
   dp_value_release(a);
   /* b still held: nothing may be freed */
   dp_value_t n;
-  OK(dp_object_get(b, "next", &n));
+  OK(dp_object_get(b, "next", &n, NULL));
   cr_assert_str_eq(dp_object_class(n), "Node");
-  OK(dp_object_get(n, "next", &n));
+  OK(dp_object_get(n, "next", &n, NULL));
   cr_assert_eq(n.u.h, b.u.h);
   dp_value_release(b);
   ASSERT_NO_LEAK();
@@ -479,8 +479,8 @@ Test(value, equality_is_structural_and_terminates_on_cycles) {
   dp_value_t a = t_list(), b = t_list();
   OK(dp_list_append(a, dp_value_retain(a), NULL));
   OK(dp_list_append(b, dp_value_retain(b), NULL));
-  cr_assert_eq(dp_value_equal(a, b, 0), 1);
-  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING), 1);
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 1);
+  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING, NULL), 1);
   cr_assert_eq(dp_value_hash(a), dp_value_hash(b));
   /* [s, s] and [s, s'] are equal as trees but differ in sharing */
   dp_value_t s = t_str("x");
@@ -489,12 +489,12 @@ Test(value, equality_is_structural_and_terminates_on_cycles) {
   OK(dp_list_append(x, dp_value_retain(s), NULL));
   OK(dp_list_append(y, s, NULL));
   OK(dp_list_append(y, t_str("x"), NULL));
-  cr_assert_eq(dp_value_equal(x, y, 0), 1);
-  cr_assert_eq(dp_value_equal(x, y, DP_EQ_SHARING), 0);
+  cr_assert_eq(dp_value_equal(x, y, 0, NULL), 1);
+  cr_assert_eq(dp_value_equal(x, y, DP_EQ_SHARING, NULL), 0);
   cr_assert_eq(dp_value_hash(x), dp_value_hash(y));
   OK(dp_list_append(y, dp_int(1), NULL));
-  cr_assert_eq(dp_value_equal(x, y, 0), 0);
-  cr_assert_eq(dp_value_equal(dp_float(1.0), dp_int(1), 0), 0);
+  cr_assert_eq(dp_value_equal(x, y, 0, NULL), 0);
+  cr_assert_eq(dp_value_equal(dp_float(1.0), dp_int(1), 0, NULL), 0);
   dp_value_release(a);
   dp_value_release(b);
   dp_value_release(x);
@@ -510,10 +510,10 @@ Test(value, dicts_and_objects_compare_regardless_of_order) {
   OK(dp_dict_set(a, t_str("y"), dp_int(2), NULL));
   OK(dp_dict_set(b, t_str("y"), dp_int(2), NULL));
   OK(dp_dict_set(b, t_str("x"), dp_int(1), NULL));
-  cr_assert_eq(dp_value_equal(a, b, 0), 1);
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 1);
   cr_assert_eq(dp_value_hash(a), dp_value_hash(b));
   OK(dp_dict_set(b, t_str("x"), dp_int(3), NULL));
-  cr_assert_eq(dp_value_equal(a, b, 0), 0);
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 0);
   dp_value_release(a);
   dp_value_release(b);
   ASSERT_NO_LEAK();
@@ -525,11 +525,11 @@ Test(value, error_names_and_messages_come_from_one_table) {
   cr_assert_str_eq(dp_err_name(-999), "DP_UNKNOWN");
   char buf[16];
   dp_device_t d;
-  cr_assert_eq(dp_device_parse("cuda:12", &d), 0);
+  cr_assert_eq(dp_device_parse("cuda:12", &d, NULL), 0);
   cr_assert_str_eq(dp_device_format(d, buf, sizeof buf), "cuda:12");
-  cr_assert_eq(dp_device_parse("cuda:256", &d), DP_EINVAL);
-  cr_assert_eq(dp_device_parse("cuda:01", &d), DP_EINVAL);
-  cr_assert_eq(dp_device_parse("tpu:0", &d), DP_EINVAL);
+  cr_assert_eq(dp_device_parse("cuda:256", &d, NULL), DP_EINVAL);
+  cr_assert_eq(dp_device_parse("cuda:01", &d, NULL), DP_EINVAL);
+  cr_assert_eq(dp_device_parse("tpu:0", &d, NULL), DP_EINVAL);
 }
 
 static dp_value_t big_ring(int n) {
@@ -659,7 +659,7 @@ Test(value, a_cycle_released_from_several_threads_at_once_is_freed) {
     pthread_barrier_t go;
     pthread_barrier_init(&go, NULL, RING_THREADS + 1);
     for (int i = 0; i < RING_THREADS; i++) {
-      for (int k = 0; k < 4; k++) OK(dp_object_get(cur, "next", &cur));
+      for (int k = 0; k < 4; k++) OK(dp_object_get(cur, "next", &cur, NULL));
       args[i].node = dp_value_retain(cur);
       args[i].go = &go;
     }

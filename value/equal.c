@@ -134,7 +134,7 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
       if (x->len != DP_DICT(b)->len) return 2;
       for (size_t i = 0; i < x->len; i++) {
         dp_value_t other;
-        if (dp_dict_get(b, x->entries[i].key, &other) != 0) return 2;
+        if (dp_dict_get(b, x->entries[i].key, &other, NULL) != 0) return 2;
         if ((e->flags & DP_EQ_SHARING) && eq_push(e, x->entries[i].key, DP_DICT(b)->entries[i].key) != 0)
           return DP_ENOMEM;
         if (eq_push(e, x->entries[i].val, other) != 0) return DP_ENOMEM;
@@ -148,7 +148,7 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
         return 2;
       for (size_t i = 0; i < x->len; i++) {
         dp_value_t other;
-        if (dp_object_get(b, dp__attr_name(&x->attrs[i]), &other) != 0) return 2;
+        if (dp_object_get(b, dp__attr_name(&x->attrs[i]), &other, NULL) != 0) return 2;
         if (eq_push(e, x->attrs[i].val, other) != 0) return DP_ENOMEM;
       }
       return 0;
@@ -157,7 +157,7 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
   return 2;
 }
 
-int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags) {
+int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t *err) {
   eq_t e;
   memset(&e, 0, sizeof e);
   e.flags = flags;
@@ -174,7 +174,8 @@ int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags) {
   ps_free(&e.seen);
   ps_free(&e.ab);
   ps_free(&e.ba);
-  if (rc < 0) return rc;
+  if (rc < 0) return dp__err(err, rc, "out of memory comparing values (the comparison's %s)",
+                             flags & DP_EQ_SHARING ? "node bijection" : "stack and pairs");
   return rc == 0 ? 1 : 0;
 }
 

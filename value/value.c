@@ -464,19 +464,22 @@ int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error_t *err
   return dp__dict_set_checked(dict, key, val, 1, err);
 }
 
-int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val) {
-  if (dict.kind != DP_DICT || !dp_value_is_hashable(key)) return DP_ENOTFOUND;
+int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val, dp_error_t *err) {
+  if (dict.kind != DP_DICT) return kind_mismatch(err, "dp_dict_get", dict, "dict");
+  if (!dp_value_is_hashable(key)) return dp__err(err, DP_ENOTFOUND, "dp_dict_get: no such key (a key of kind %s is not hashable)", dp_kind_name(dp_value_kind(key)));
   dp_dict_t *d = DP_DICT(dict);
   size_t at = index_find(d->index, d->index_cap, d->len, d->entries, &key, key_hash(key), dict_match);
-  if (at == SIZE_MAX) return DP_ENOTFOUND;
+  if (at == SIZE_MAX) return dp__err(err, DP_ENOTFOUND, "dp_dict_get: no such key");
   if (val) *val = d->entries[at].val;
   return 0;
 }
 
 size_t dp_dict_len(dp_value_t dict) { return dict.kind == DP_DICT ? DP_DICT(dict)->len : 0; }
 
-int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val) {
-  if (dict.kind != DP_DICT || i >= DP_DICT(dict)->len) return DP_EINVAL;
+int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val, dp_error_t *err) {
+  if (dict.kind != DP_DICT) return kind_mismatch(err, "dp_dict_item", dict, "dict");
+  if (i >= DP_DICT(dict)->len)
+    return dp__err(err, DP_EINVAL, "dp_dict_item: index %zu out of range (length %zu)", i, DP_DICT(dict)->len);
   if (key) *key = DP_DICT(dict)->entries[i].key;
   if (val) *val = DP_DICT(dict)->entries[i].val;
   return 0;
@@ -610,13 +613,14 @@ int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *
   return dp__object_set_n(obj, name, n, val, 1, err);
 }
 
-int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val) {
-  if (obj.kind != DP_OBJECT || !name) return DP_ENOTFOUND;
+int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val, dp_error_t *err) {
+  if (obj.kind != DP_OBJECT) return kind_mismatch(err, "dp_object_get", obj, "object");
+  if (!name) return dp__err(err, DP_EINVAL, "dp_object_get: NULL name");
   dp_object_t *o = DP_OBJ(obj);
   name_key_t key = {name, strlen(name)};
   size_t at = index_find(o->index, o->index_cap, o->len, o->attrs, &key, dp__hash_bytes(name, key.n, DP_OBJECT),
                          attr_match);
-  if (at == SIZE_MAX) return DP_ENOTFOUND;
+  if (at == SIZE_MAX) return dp__err(err, DP_ENOTFOUND, "dp_object_get: no attribute '%.64s'", name);
   if (val) *val = o->attrs[at].val;
   return 0;
 }
@@ -627,8 +631,10 @@ const char *dp_object_class(dp_value_t obj) {
 
 size_t dp_object_nattrs(dp_value_t obj) { return obj.kind == DP_OBJECT ? DP_OBJ(obj)->len : 0; }
 
-int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val) {
-  if (obj.kind != DP_OBJECT || i >= DP_OBJ(obj)->len) return DP_EINVAL;
+int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val, dp_error_t *err) {
+  if (obj.kind != DP_OBJECT) return kind_mismatch(err, "dp_object_attr", obj, "object");
+  if (i >= DP_OBJ(obj)->len)
+    return dp__err(err, DP_EINVAL, "dp_object_attr: index %zu out of range (%zu attributes)", i, DP_OBJ(obj)->len);
   if (name) *name = dp__attr_name(&DP_OBJ(obj)->attrs[i]);
   if (val) *val = DP_OBJ(obj)->attrs[i].val;
   return 0;
@@ -663,7 +669,7 @@ int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_value_t *o
 
 dp_value_t dp__reduced_state(dp_value_t obj) {
   dp_value_t st = dp_none();
-  dp_object_get(obj, REDUCED_ATTR, &st);
+  dp_object_get(obj, REDUCED_ATTR, &st, NULL);
   return st;
 }
 
@@ -700,10 +706,13 @@ void dp_storage_release(dp_storage_t *s) {
   dp__free(s, sizeof *s);
 }
 
-dp_device_t dp_storage_device(const dp_storage_t *s) { return s->device; }
-void *dp_storage_base(const dp_storage_t *s) { return s->base; }
-size_t dp_storage_nbytes(const dp_storage_t *s) { return s->nbytes; }
-const void *dp_storage_host_data(const dp_storage_t *s) { return s->host_data; }
+dp_device_t dp_storage_device(const dp_storage_t *s) {
+  dp_device_t none = {DP_DEVICE_CPU, 0};
+  return s ? s->device : none;
+}
+void *dp_storage_base(const dp_storage_t *s) { return s ? s->base : NULL; }
+size_t dp_storage_nbytes(const dp_storage_t *s) { return s ? s->nbytes : 0; }
+const void *dp_storage_host_data(const dp_storage_t *s) { return s ? s->host_data : NULL; }
 
 int dp_storage_set_host_data(dp_storage_t *s, const void *data, dp_error_t *err) {
   if (!s || (!data && s->nbytes)) return dp__err(err, DP_EINVAL, "dp_storage_set_host_data: NULL argument");
@@ -726,13 +735,14 @@ static const struct { const char *name; size_t size; } dtypes[DP_DTYPE_COUNT] = 
 const char *dp_dtype_name(dp_dtype_t d) { return (unsigned)d < DP_DTYPE_COUNT ? dtypes[d].name : NULL; }
 size_t dp_dtype_size(dp_dtype_t d) { return (unsigned)d < DP_DTYPE_COUNT ? dtypes[d].size : 0; }
 
-int dp_dtype_parse(const char *name, dp_dtype_t *out) {
-  for (int i = 0; name && i < DP_DTYPE_COUNT; i++)
+int dp_dtype_parse(const char *name, dp_dtype_t *out, dp_error_t *err) {
+  if (!name || !out) return dp__err(err, DP_EINVAL, "dp_dtype_parse: NULL %s", name ? "out" : "name");
+  for (int i = 0; i < DP_DTYPE_COUNT; i++)
     if (strcmp(name, dtypes[i].name) == 0) {
       *out = (dp_dtype_t)i;
       return 0;
     }
-  return DP_EINVAL;
+  return dp__err(err, DP_EINVAL, "dp_dtype_parse: unknown dtype '%.32s'", name);
 }
 
 /* Checks that every element the view addresses lies in [0, nbytes). Every

@@ -61,11 +61,11 @@ DP_API int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_
                          size_t *index, dp_error_t *err);
 /** Position of (device, base), or DP_ENOTFOUND. */
 DP_API int dp_ptrset_find(const dp_ptrset_t *set, dp_device_t device, const void *base,
-                          size_t *index);
+                          size_t *index, dp_error_t *err);
 
 DP_API size_t dp_ptrset_count(const dp_ptrset_t *set);
 /** Entry i in discovery order. DP_EINVAL when out of range. */
-DP_API int dp_ptrset_get(const dp_ptrset_t *set, size_t i, dp_ptr_info_t *out);
+DP_API int dp_ptrset_get(const dp_ptrset_t *set, size_t i, dp_ptr_info_t *out, dp_error_t *err);
 
 /** Devices in the order first met. */
 DP_API size_t dp_ptrset_ndevices(const dp_ptrset_t *set);
