@@ -247,7 +247,7 @@ size_t dp_ptrset_count(const dp_ptrset_t *s) { return s ? s->count : 0; }
 
 int dp_ptrset_get(const dp_ptrset_t *s, size_t i, dp_ptr_info_t *out, dp_error_t *err) {
   if (!s || !out) return dp__err(err, DP_EINVAL, "dp_ptrset_get: NULL %s", s ? "out" : "set");
-  if (i >= s->count) return dp__err(err, DP_EINVAL, "dp_ptrset_get: index %zu out of range (%zu entries)", i, s->count);
+  if (i >= s->count) return dp__err(err, DP_EINVAL, "dp_ptrset_get: index %zu out of range (the set holds %zu)", i, s->count);
   const dp__pentry_t *e = &s->entries[i];
   out->device = e->device;
   out->base = e->base;

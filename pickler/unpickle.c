@@ -57,8 +57,8 @@ static __attribute__((format(printf, 4, 5), noinline)) int rd_fail(rd_t *r, int 
 
 /* A failure of a call below the reader (a constructor, bind, resolve),
  * reported at `at` with its own code and message. */
-static int rd_pass(rd_t *r, const uint8_t *at, int code, const dp_error_t *e, const char *what) {
-  return rd_fail(r, code, at, "%s%s%s", what, what[0] ? ": " : "", e->message[0] ? e->message : dp_strerror(code));
+static int rd_pass(rd_t *r, const uint8_t *at, int code, const dp_error_t *e) {
+  return rd_fail(r, code, at, "%s", e->message[0] ? e->message : dp_strerror(code));
 }
 
 static uint64_t be(const uint8_t *p, int n) {
@@ -518,7 +518,7 @@ static int read_tensor(up_t *u, const uint8_t *at, dp_value_t *out) {
   if (dp__tensor_check(st->nbytes, (dp_dtype_t)dtype, (int)nd, shape, strides, offset, &e) != 0)
     return rd_fail(r, DP_EFORMAT, at, "tensor: %s", e.message);
   rc = dp_tensor_new(dp_storage_retain(st), (dp_dtype_t)dtype, (int)nd, shape, strides, offset, out, &e);
-  return rc ? rd_pass(r, at, rc, &e, "tensor") : 0;
+  return rc ? rd_pass(r, at, rc, &e) : 0;
 }
 
 /* Reads one value. Scalars, strings, tensors and back-references come back
@@ -547,7 +547,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
       if (t.type == T_STR && !dp__utf8_valid((const char *)t.data, t.len))
         return rd_fail(r, DP_EFORMAT, at, "invalid UTF-8 in str");
       rc = dp__strobj_new(t.type == T_STR ? DP_STR : DP_BYTES, t.data, t.len, out, &e);
-      if (rc) return rd_pass(r, at, rc, &e, "");
+      if (rc) return rd_pass(r, at, rc, &e);
       if ((rc = add_node(u, *out, at)) != 0) dp_value_release(*out);
       return rc;
     case T_EXT: {
@@ -574,7 +574,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
     }
     case T_MAP: {
       /* exact sizes: counts were checked against the bytes left */
-      if ((rc = dp_dict_new(t.len, out, &e)) != 0) return rd_pass(r, at, rc, &e, "");
+      if ((rc = dp_dict_new(t.len, out, &e)) != 0) return rd_pass(r, at, rc, &e);
       return open_container(u, *out, 'd', t.len, at, done);
     }
     default: /* T_ARRAY */
@@ -587,7 +587,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
     uint64_t n = t.len - 1;
     switch (tag) {
       case DP_TAG_TUPLE:
-        if ((rc = dp_tuple_new(n, out, &e)) != 0) return rd_pass(r, at, rc, &e, "");
+        if ((rc = dp_tuple_new(n, out, &e)) != 0) return rd_pass(r, at, rc, &e);
         return open_container(u, *out, DP_TAG_TUPLE, n, at, done);
       case DP_TAG_TENSOR:
         if (n != 5) return rd_fail(r, DP_EFORMAT, at, "tensor node has %llu fields, expected 5",
@@ -606,14 +606,14 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
           return rc;
         rc = tag == DP_TAG_OBJECT ? dp__object_new_n(cls, cls_len, (n - 1) / 2, out, &e)
                                   : dp__object_new_reduced_n(cls, cls_len, out, &e);
-        if (rc) return rd_pass(r, at, rc, &e, "");
+        if (rc) return rd_pass(r, at, rc, &e);
         return open_container(u, *out, tag, tag == DP_TAG_OBJECT ? (n - 1) / 2 : 1, at, done);
       }
       default:
         return rd_fail(r, DP_EFORMAT, at, "unknown node tag %u", tag);
     }
   }
-  if ((rc = dp_list_new(t.len, out, &e)) != 0) return rd_pass(r, at, rc, &e, "");
+  if ((rc = dp_list_new(t.len, out, &e)) != 0) return rd_pass(r, at, rc, &e);
   return open_container(u, *out, 0, t.len, at, done);
 }
 
@@ -728,7 +728,7 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
       break;
   }
   f->remaining--;
-  return rc ? rd_pass(&u->r, at, rc, &e, "") : 0;
+  return rc ? rd_pass(&u->r, at, rc, &e) : 0;
 }
 
 static int parse_payload(up_t *u) {
@@ -1005,10 +1005,10 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
                                 e.message[0] ? e.message : dp_strerror(rc));
     } else {
       if ((rc = dp_storage_new(desc.device, (void *)(uintptr_t)base, nbytes, NULL, NULL, &st, &e)) != 0)
-        return rd_pass(r, at, rc, &e, "");
+        return rd_pass(r, at, rc, &e);
       if (desc.data && (rc = dp_storage_set_host_data(st, desc.data, &e)) != 0) {
         dp_storage_release(st);
-        return rd_pass(r, at, rc, &e, "");
+        return rd_pass(r, at, rc, &e);
       }
     }
     u->bufs[u->nbufs++] = st;

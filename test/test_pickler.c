@@ -2561,3 +2561,133 @@ Test(pickler, a_list_held_once_after_a_reduce_and_reached_again_counts_its_depth
   dp_value_collect();
   ASSERT_NO_LEAK();
 }
+
+/* ---- one error discipline (base.h, ERRORS AND NULL) ---- */
+
+static dp_value_t every_kind_value(void) {
+  dp_value_t root = t_list(), d, tup, o = t_obj("Module");
+  OK(dp_dict_new(0, &d, NULL));
+  OK(dp_tuple_new(2, &tup, NULL));
+  OK(dp_seq_set(tup, 0, t_str("a str long enough to be its own block"), NULL));
+  OK(dp_seq_set(tup, 1, t_tensor(CUDA0, 0x10000, 16), NULL));
+  for (int i = 0; i < 12; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "layer%d", i);
+    OK(dp_dict_set(d, t_str(name), t_tensor(i % 2 ? CUDA1 : CUDA0, 0x20000 + (uintptr_t)i * 64, 4), NULL));
+    OK(dp_object_set(o, name, dp_int(i), NULL));
+  }
+  dp_value_t b;
+  OK(dp_bytes_new("\x01\x02", 2, &b, NULL));
+  OK(dp_list_append(root, d, NULL));
+  OK(dp_list_append(root, tup, NULL));
+  OK(dp_list_append(root, o, NULL));
+  OK(dp_list_append(root, b, NULL));
+  return root;
+}
+
+Test(pickler, an_allocation_failure_while_reading_passes_the_failing_calls_message_through) {
+  /* Constructor and storage failures keep their code and message (they
+   * were all relabelled a bare "out of memory"). */
+  dp_value_t root = every_kind_value();
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  OK(dp_pickle(root, NULL, f, NULL));
+  size_t n;
+  const uint8_t *p = dp_frame_data(f, &n);
+  int failed = 0, from_constructor = 0;
+  for (long k = 1; k < 400; k++) {
+    dp_value_t out;
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_unpickle(p, n, NULL, &out, &e);
+    t_fail_at = 0;
+    if (rc == 0) {
+      dp_value_release(out);
+      break;
+    }
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
+    cr_assert_eq(e.code, rc);
+    cr_assert(e.offset >= 0, "allocation %ld: an offset", k);
+    cr_assert(strcmp(e.message, "out of memory") != 0, "allocation %ld: the message says what failed", k);
+    cr_assert(strncmp(e.message, "out of memory", 13) == 0, "%s", e.message);
+    if (strncmp(e.message, "out of memory allocating ", 25) == 0) from_constructor++;
+  }
+  cr_assert_gt(failed, 5);
+  cr_assert_gt(from_constructor, 3, "constructors' own messages come through");
+  dp_frame_free(f);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, the_writers_and_the_sets_first_error_is_kept_with_the_message_of_what_failed) {
+  /* Pickle: the writer's failures are DP_E* codes with their own message
+   * (msgpack-c's -1 was relabelled "out of memory writing the payload");
+   * scan: the set's failures come with the set's message (the walker
+   * relabelled them). */
+  dp_value_t root = every_kind_value();
+  int failed = 0;
+  for (long k = 1; k < 100; k++) {
+    dp_frame_t *f;
+    OK(dp_frame_new(&f, NULL));
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_pickle(root, NULL, f, &e);
+    t_fail_at = 0;
+    dp_frame_free(f);
+    if (rc == 0) break;
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
+    cr_assert_eq(e.code, rc);
+    cr_assert(strncmp(e.message, "out of memory growing the frame to ", 35) == 0 ||
+              strcmp(e.message, "out of memory growing the frame's storage list") == 0 ||
+              strncmp(e.message, "out of memory growing a pointer set's ", 38) == 0 ||
+              strncmp(e.message, "out of memory growing the walk ", 31) == 0,
+              "allocation %ld: %s", k, e.message);
+  }
+  cr_assert_gt(failed, 2);
+  failed = 0;
+  for (long k = 1; k < 100; k++) {
+    dp_ptrset_t *s;
+    OK(dp_ptrset_new(&s, NULL));
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    dp_scan_opts_t opts = {DP_SCAN_PATHS, 0};
+    int rc = dp_scan(root, &opts, s, &e);
+    t_fail_at = 0;
+    dp_ptrset_free(s);
+    if (rc == 0) break;
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM);
+    cr_assert(strncmp(e.message, "out of memory growing a pointer set's ", 38) == 0 ||
+              strcmp(e.message, "out of memory allocating the scan's walker") == 0 ||
+              strcmp(e.message, "out of memory recording a path") == 0 ||
+              strncmp(e.message, "out of memory growing the walk ", 31) == 0,
+              "allocation %ld: %s", k, e.message);
+  }
+  cr_assert_gt(failed, 2);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, dp_frame_buffer_reports_through_err) {
+  dp_value_t root = every_kind_value();
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  dp_buffer_desc_t d;
+  dp_error_t e;
+  cr_assert_eq(dp_frame_buffer(f, 0, &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_buffer: buffer 0 out of range (the frame has 0)");
+  OK(dp_pickle(root, NULL, f, NULL));
+  OK(dp_frame_buffer(f, 12, &d, &e));
+  cr_assert_eq(dp_frame_buffer(f, 13, &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_buffer: buffer 13 out of range (the frame has 13)");
+  cr_assert_eq(dp_frame_buffer(NULL, 0, &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_buffer: NULL frame");
+  dp_frame_free(f);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}

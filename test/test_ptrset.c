@@ -144,3 +144,22 @@ Test(ptrset, a_failed_add_leaves_the_set_as_it_was) {
   dp_ptrset_free(s);
   ASSERT_NO_LEAK();
 }
+
+Test(ptrset, a_null_set_is_einval_with_a_message_and_a_miss_says_what_was_missed) {
+  dp_error_t e;
+  size_t i;
+  dp_ptr_info_t p;
+  cr_assert_eq(dp_ptrset_find(NULL, t_dev(DP_DEVICE_CUDA, 0), (void *)64, &i, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_find: NULL set");
+  cr_assert_eq(dp_ptrset_get(NULL, 0, &p, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_get: NULL set");
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, NULL));
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, NULL, NULL));
+  cr_assert_eq(dp_ptrset_find(s, t_dev(DP_DEVICE_CUDA, 1), (void *)0x40, &i, &e), DP_ENOTFOUND);
+  cr_assert_str_eq(e.message, "dp_ptrset_find: cuda:1 0x40 is not in the set");
+  cr_assert_eq(dp_ptrset_get(s, 1, &p, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_get: index 1 out of range (the set holds 1)");
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}

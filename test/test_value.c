@@ -853,3 +853,101 @@ Test(value, a_container_buffered_by_an_idle_thread_is_freed_whole_when_released_
   cr_assert_eq(live, 0, "%ld blocks waited for the thread that buffered the container", live);
   ASSERT_NO_LEAK();
 }
+
+/* ---- one error discipline (base.h, ERRORS AND NULL) ---- */
+
+Test(value, null_handles_and_other_kinds_follow_the_one_rule) {
+  dp_error_t e;
+  /* accessors: a neutral value, no crash */
+  cr_assert(dp_device_equal(dp_storage_device(NULL), t_dev(DP_DEVICE_CPU, 0)));
+  cr_assert_null(dp_storage_base(NULL));
+  cr_assert_eq(dp_storage_nbytes(NULL), 0);
+  cr_assert_null(dp_storage_host_data(NULL));
+  cr_assert_null(dp_device_format(t_dev(DP_DEVICE_CUDA, 1), NULL, 16));
+  /* fallible calls: DP_EINVAL naming the function and the argument */
+  cr_assert_eq(dp_dtype_parse(NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dtype_parse: NULL name");
+  dp_device_t d;
+  cr_assert_eq(dp_device_parse("cuda:", &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_parse: 'cuda:' is not a device (cpu, cuda:N or host:N, N 0..255)");
+  cr_assert_eq(dp_device_parse("cpu", NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_parse: NULL out");
+  dp_dtype_t dt;
+  cr_assert_eq(dp_dtype_parse("float8", &dt, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dtype_parse: unknown dtype 'float8'");
+  /* a value of another kind is misuse (DP_EINVAL), not a miss */
+  dp_value_t v;
+  cr_assert_eq(dp_dict_get(dp_int(1), dp_int(1), &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dict_get: expected dict, got int");
+  cr_assert_eq(dp_object_get(dp_none(), "x", &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_get: expected object, got none");
+  ASSERT_NO_LEAK();
+}
+
+Test(value, lookups_and_items_report_through_err) {
+  dp_value_t d, o, v, k;
+  dp_error_t e;
+  OK(dp_dict_new(0, &d, NULL));
+  OK(dp_dict_set(d, t_str("a"), dp_int(1), NULL));
+  cr_assert_eq(dp_dict_get(d, dp_int(7), &v, &e), DP_ENOTFOUND);
+  cr_assert_str_eq(e.message, "dp_dict_get: no such key");
+  cr_assert_eq(e.code, DP_ENOTFOUND);
+  cr_assert_eq(dp_dict_item(d, 3, &k, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dict_item: index 3 out of range (length 1)");
+  o = t_obj("M");
+  cr_assert_eq(dp_object_get(o, "w", &v, &e), DP_ENOTFOUND);
+  cr_assert_str_eq(e.message, "dp_object_get: no attribute 'w'");
+  cr_assert_eq(dp_object_attr(o, 0, NULL, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_attr: index 0 out of range (0 attributes)");
+  dp_value_release(d);
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, an_equality_that_runs_out_of_memory_says_so_through_err) {
+  dp_value_t a = t_list(), b = t_list(), s = t_list();
+  for (int i = 0; i < 40; i++) {
+    OK(dp_list_append(a, dp_value_retain(s), NULL));
+    OK(dp_list_append(b, dp_value_retain(s), NULL));
+  }
+  int failed = 0;
+  for (long k = 1; k < 50; k++) {
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_value_equal(a, b, DP_EQ_SHARING, &e);
+    t_fail_at = 0;
+    if (rc == 1) break;
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %d", k, rc);
+    cr_assert_eq(e.code, DP_ENOMEM);
+    cr_assert_str_eq(e.message, "out of memory comparing values (the comparison's node bijection)");
+  }
+  cr_assert_gt(failed, 0);
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_value_release(s);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, an_insert_without_replace_reports_a_duplicate_outside_the_public_codes) {
+  /* The reader inserts without replace: a duplicate comes back as an
+   * internal positive result, which no DP_E* code can be mistaken for
+   * (it was DP_EINVAL, the code of any misuse). */
+  dp_value_t d, o;
+  dp_error_t e;
+  dp_error_clear(&e);
+  OK(dp_dict_new(0, &d, NULL));
+  OK(dp__dict_set_checked(d, t_str("k"), dp_int(1), 0, &e));
+  int rc = dp__dict_set_checked(d, t_str("k"), dp_int(2), 0, &e);
+  cr_assert_eq(rc, DP__EXISTS, "%d", rc);
+  cr_assert_gt(rc, 0, "not in the public code space");
+  cr_assert_eq(e.code, 0, "not an error: err is untouched");
+  o = t_obj("M");
+  OK(dp__object_set_n(o, "x", 1, dp_int(1), 0, &e));
+  cr_assert_eq(dp__object_set_n(o, "x", 1, dp_int(2), 0, &e), DP__EXISTS);
+  cr_assert_eq(dp__dict_set_checked(dp_int(0), dp_int(1), dp_int(2), 0, &e), DP_EINVAL, "misuse stays DP_EINVAL");
+  dp_value_release(d);
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
