@@ -130,8 +130,8 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
   size_t j = slot != SIZE_MAX ? slot : dp__table_empty_slot(&s->tab, DP_TABLE_TAGGED, h);
   dp__pgroup_t *gr = &s->groups[g];
   if (gr->count == 0) gr->head = (uint32_t)s->count;
-  *index = dp__pentry_push(s->entries, &s->count, &s->tab, (uint32_t)g, &gr->count, &gr->tail,
-                           s->ngroups > 1 && gr->count > 0, device, base, nbytes, h, j);
+  DP__PENTRY_PUSH(*index, s->entries, s->count, &s->tab, g, gr->count, gr->tail, s->ngroups > 1 && gr->count > 0,
+                  device, base, nbytes, h, j);
   return 0;
 }
 
@@ -199,8 +199,7 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
       chained = s->ngroups > 1;
       continue;
     }
-    id = dp__pentry_push(entries, &count, &tab, (uint32_t)g, &gcount, &gtail, chained, x->device, x->base, x->nbytes,
-                         h[i], j);
+    DP__PENTRY_PUSH(id, entries, count, &tab, g, gcount, gtail, chained, x->device, x->base, x->nbytes, h[i], j);
   }
   s->tab = tab;
   s->count = count;
@@ -274,7 +273,7 @@ size_t dp_ptrset_first_on(const dp_ptrset_t *s, size_t j) {
 
 size_t dp_ptrset_next_on(const dp_ptrset_t *s, size_t i) {
   if (!s || i >= s->count) return SIZE_MAX;
-  if (s->ngroups == 1) return i + 1 < s->count ? i + 1 : SIZE_MAX;  /* not chained: see dp__pentry_push */
+  if (s->ngroups == 1) return i + 1 < s->count ? i + 1 : SIZE_MAX;  /* not chained: see DP__PENTRY_PUSH */
   if (s->entries[i].next_on == 0) return SIZE_MAX;
   return s->entries[i].next_on - 1;
 }

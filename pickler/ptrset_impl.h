@@ -103,29 +103,29 @@ static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, 
   return e->base == k->base && dp__dev_bits(e->device) == dp__dev_bits(k->device);
 }
 
-/* The one way an entry is added: appended as entries[*count], in group g
- * (its count *gcount, its last entry *gtail), linked after that last entry
- * when `chained`, and put in the table at slot j (hash h). Room has been
- * made. The caller passes the set's own fields or copies of them that it
- * keeps in locals (dp__ptrset_add_batch). Each device's entries are chained
- * in order (next_on); while the set has one device the chain is entries 0,
- * 1, 2, ... and is not written (chained is 0: ptrset.c links it when a
- * second device comes). A group's first entry is its head: the caller sets
- * it (chained is then 0). */
-static inline __attribute__((always_inline)) size_t dp__pentry_push(dp__pentry_t *entries, size_t *count,
-                                                                    dp__table_t *tab, uint32_t g, uint32_t *gcount,
-                                                                    uint32_t *gtail, int chained, dp_device_t device,
-                                                                    void *base, size_t nbytes, uint64_t h, size_t j) {
-  size_t i = (*count)++;
-  entries[i] = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, g};
-  if (chained) entries[*gtail].next_on = (uint32_t)(i + 1);
-  *gtail = (uint32_t)i;
-  (*gcount)++;
-  dp__table_put(tab, DP_TABLE_TAGGED, j, h, i);
-  return i;
-}
+/* The one way an entry is added: appended as entries[count] (its index
+ * stored in `id`), in group g (its entry count `gcount`, its last entry
+ * `gtail`), linked after that last entry when `chained`, and put in the
+ * table *tab at slot j (hash h). Room has been made. Each device's entries
+ * are chained in order (next_on); while the set has one device the chain is
+ * entries 0, 1, 2, ... and is not written (chained is 0: ptrset.c links it
+ * when a second device comes). A group's first entry is its head: the
+ * caller sets it (chained is then 0).
+ * A macro over lvalues, not a function over pointers: the batch loop
+ * (dp__ptrset_add_batch) passes locals that must stay in registers, and
+ * pointers to them cost its loop 3 % (the compiler then keeps the table and
+ * the entries in memory). */
+#define DP__PENTRY_PUSH(id, entries, count, tab, g, gcount, gtail, chained, device_, base_, nbytes_, h, j) \
+  do {                                                                                                   \
+    (id) = (count)++;                                                                                    \
+    (entries)[id] = (dp__pentry_t){(device_), 1, (base_), (nbytes_), NULL, 0, (uint32_t)(g)};            \
+    if (chained) (entries)[gtail].next_on = (uint32_t)((id) + 1);                                         \
+    (gtail) = (uint32_t)(id);                                                                            \
+    (gcount)++;                                                                                          \
+    dp__table_put((tab), DP_TABLE_TAGGED, (j), (h), (id));                                               \
+  } while (0)
 
-/* Slow path: grow, add a device group, then dp__pentry_push. `slot` is the
+/* Slow path: grow, add a device group, then DP__PENTRY_PUSH. `slot` is the
  * empty slot the lookup stopped at (SIZE_MAX if none was probed). */
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
                           size_t slot, size_t *index, dp_error_t *err);
@@ -163,8 +163,8 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
   if (DP_LIKELY(j != SIZE_MAX && !dp__table_full(&s->tab) && s->count < s->cap &&
                 s->last_group < s->ngroups && dp__dev_bits(s->groups[s->last_group].device) == dp__dev_bits(device))) {
     dp__pgroup_t *gr = &s->groups[s->last_group];
-    *index = dp__pentry_push(s->entries, &s->count, &s->tab, (uint32_t)s->last_group, &gr->count, &gr->tail,
-                             s->ngroups > 1, device, base, nbytes, h, j);
+    DP__PENTRY_PUSH(*index, s->entries, s->count, &s->tab, s->last_group, gr->count, gr->tail, s->ngroups > 1, device,
+                    base, nbytes, h, j);
     return 0;
   }
   return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index, err);
