@@ -4,8 +4,9 @@
  * Entries are deduplicated by (device, base pointer), kept in the order they
  * were first met, and grouped by device. Each entry counts the distinct
  * tensors seen on it. A set is reused across scans: dp_ptrset_clear() keeps
- * its memory, paths included, so a steady-state scan allocates nothing, with
- * or without DP_SCAN_PATHS.
+ * its memory, paths included, and the set keeps what dp_scan works with
+ * until it is freed, so a steady-state scan allocates nothing, with or
+ * without DP_SCAN_PATHS.
  *
  * Paths (docs/FORMAT.md, "Paths") are bounded, whatever the value:
  *   - a dict key, attribute name or class/type name shows at most its first
