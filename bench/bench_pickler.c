@@ -267,7 +267,7 @@ static void pack_direct(msgpack_packer *pk, dp_value_t v) {
       msgpack_pack_map(pk, dp_dict_len(v));
       for (size_t i = 0; i < dp_dict_len(v); i++) {
         dp_value_t k, x;
-        dp_dict_item(v, i, &k, &x);
+        dp_dict_item(v, i, &k, &x, NULL);
         pack_direct(pk, k);
         pack_direct(pk, x);
       }
@@ -283,7 +283,7 @@ static void pack_direct(msgpack_packer *pk, dp_value_t v) {
       for (size_t i = 0; i < dp_object_nattrs(v); i++) {
         const char *name;
         dp_value_t x;
-        dp_object_attr(v, i, &name, &x);
+        dp_object_attr(v, i, &name, &x, NULL);
         msgpack_pack_str(pk, strlen(name));
         msgpack_pack_str_body(pk, name, strlen(name));
         pack_direct(pk, x);

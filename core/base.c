@@ -222,6 +222,7 @@ int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...) 
 static const char *const device_type_names[DP_DEVICE_TYPE_COUNT] = {"cpu", "cuda", "host"};
 
 char *dp_device_format(dp_device_t dev, char *buf, size_t size) {
+  if (!buf || !size) return buf;
   if (dev.type == DP_DEVICE_CPU)
     snprintf(buf, size, "cpu");
   else if (dev.type < DP_DEVICE_TYPE_COUNT)
@@ -231,8 +232,13 @@ char *dp_device_format(dp_device_t dev, char *buf, size_t size) {
   return buf;
 }
 
-int dp_device_parse(const char *s, dp_device_t *out) {
-  if (!s || !out) return DP_EINVAL;
+static int bad_device(dp_error_t *err, const char *s) {
+  return dp__err(err, DP_EINVAL, "dp_device_parse: '%.32s' is not a device (cpu, cuda:N or host:N, N 0..%d)", s,
+                 DP_DEVICE_INDEX_MAX);
+}
+
+int dp_device_parse(const char *s, dp_device_t *out, dp_error_t *err) {
+  if (!s || !out) return dp__err(err, DP_EINVAL, "dp_device_parse: NULL %s", s ? "out" : "s");
   if (strcmp(s, "cpu") == 0) {
     out->type = DP_DEVICE_CPU;
     out->index = 0;
@@ -242,18 +248,18 @@ int dp_device_parse(const char *s, dp_device_t *out) {
     size_t n = strlen(device_type_names[t]);
     if (strncmp(s, device_type_names[t], n) != 0 || s[n] != ':') continue;
     const char *d = s + n + 1;
-    if (*d < '0' || *d > '9' || (d[0] == '0' && d[1] != '\0')) return DP_EINVAL;
+    if (*d < '0' || *d > '9' || (d[0] == '0' && d[1] != '\0')) return bad_device(err, s);
     unsigned v = 0;
     for (; *d; d++) {
-      if (*d < '0' || *d > '9') return DP_EINVAL;
+      if (*d < '0' || *d > '9') return bad_device(err, s);
       v = v * 10 + (unsigned)(*d - '0');
-      if (v > DP_DEVICE_INDEX_MAX) return DP_EINVAL;
+      if (v > DP_DEVICE_INDEX_MAX) return bad_device(err, s);
     }
     out->type = (uint8_t)t;
     out->index = (uint8_t)v;
     return 0;
   }
-  return DP_EINVAL;
+  return bad_device(err, s);
 }
 
 /* ---- text ---- */
@@ -300,30 +306,4 @@ int dp__is_identifier(const char *s, size_t n) {
     if (!alpha && !(i > 0 && c >= '0' && c <= '9')) return 0;
   }
   return 1;
-}
-
-static size_t put(char *buf, size_t cap, size_t pos, const char *s, size_t n) {
-  for (size_t i = 0; i < n; i++, pos++)
-    if (pos + 1 < cap) buf[pos] = s[i];
-  if (cap) buf[pos + 1 < cap ? pos : cap - 1] = '\0';
-  return pos;
-}
-
-size_t dp__json_quote(char *buf, size_t cap, size_t pos, const char *s, size_t n) {
-  pos = put(buf, cap, pos, "\"", 1);
-  for (size_t i = 0; i < n; i++) {
-    unsigned char c = (unsigned char)s[i];
-    char esc[8];
-    if (c == '"' || c == '\\') {
-      esc[0] = '\\';
-      esc[1] = (char)c;
-      pos = put(buf, cap, pos, esc, 2);
-    } else if (c < 0x20) {
-      snprintf(esc, sizeof esc, "\\u%04x", c);
-      pos = put(buf, cap, pos, esc, 6);
-    } else {
-      pos = put(buf, cap, pos, (const char *)&c, 1);
-    }
-  }
-  return put(buf, cap, pos, "\"", 1);
 }

@@ -36,7 +36,12 @@ static inline void dp__free_inl(void *arr, size_t cap, size_t size, const void *
   if (arr != inl) dp__free(arr, cap * size);
 }
 
-/* ---- errors ---- */
+/* ---- errors ----
+ * Every function returns 0 or a DP_E* code (negative). Internal results
+ * that are not errors are positive, so that they can never be taken for
+ * one, and never leave the library: */
+#define DP__EXISTS 1  /* an insert without replace met the key or name already there */
+
 int dp__err(dp_error_t *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -63,8 +68,5 @@ static inline int dp__has_nul(const void *s, size_t n) {
 }
 /* Whether s is an identifier ([A-Za-z_][A-Za-z0-9_]*) for path rendering. */
 int dp__is_identifier(const char *s, size_t n);
-
-/* Appends a JSON string literal (quoted, escaped) to buf; truncates safely. */
-size_t dp__json_quote(char *buf, size_t cap, size_t pos, const char *s, size_t n);
 
 #endif

@@ -52,7 +52,7 @@ int main(void) {
   for (size_t i = 0; i < dp_ptrset_count(set); i++) {
     dp_ptr_info_t p;
     char dev[16];
-    dp_ptrset_get(set, i, &p);
+    dp_ptrset_get(set, i, &p, NULL);
     printf("%s %p %zu bytes at %s\n", dp_device_format(p.device, dev, sizeof dev), p.base, p.nbytes, p.path);
   }
 
@@ -70,7 +70,7 @@ int main(void) {
   /* Without a resolver the Block comes back generic: class "Block", its state
    * in the attribute "__reduce__". */
   dp_value_t blk2;
-  dp_object_get(copy, "block", &blk2);
+  dp_object_get(copy, "block", &blk2, NULL);
   printf("received a %s (reduced: %s)\n", dp_object_class(blk2), dp_object_is_reduced(blk2) ? "yes" : "no");
 
   dp_value_release(copy);

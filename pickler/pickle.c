@@ -17,14 +17,20 @@
 struct dp_frame {
   uint8_t *buf;
   size_t len, cap;
-  dp_ptrset_t *set;      /* buffers, in first-met order; owns the walker */
+  size_t end;            /* cap while the writer is sound; len once it failed */
+  dp_ptrset_t *set;      /* buffers, in first-met order */
+  dp__walker_t walker;   /* the frame's own, reused by each pickle */
   uint64_t *data_off;    /* inline: offset of each buffer's bytes in buf */
   size_t data_off_cap;
   dp_storage_t **storages; /* the storage behind each buffer id, as first met */
   size_t nstorages, storages_cap;
   dp_storage_t *checked;   /* the last other storage found to match its buffer */
   int is_inline;
-  int failed;            /* sticky: the writer ran out of memory */
+  /* The writer's error discipline (mpack's): its first error is kept in
+   * rc, with its message in err, and every later write is a no-op that
+   * returns it. No code but a DP_E* one is ever returned. */
+  int rc;
+  dp_error_t *err;
 };
 
 #ifdef DP_CHECKSUM_AVX2
@@ -47,28 +53,44 @@ uint64_t dp__frame_checksum(const uint8_t *frame, size_t n) {
   return XXH3_64bits_withSeed(p, len, seed);
 }
 
+/* The writer fails: the first error is kept (code and message), later
+ * ones return it unchanged. Appends then all take the slow path (end is
+ * len), which returns it. */
+static __attribute__((format(printf, 3, 4), noinline)) int writer_fail(dp_frame_t *f, int code, const char *fmt, ...) {
+  if (f->rc) return f->rc;
+  f->rc = code;
+  f->end = f->len;
+  va_list ap;
+  va_start(ap, fmt);
+  dp__verr(f->err, code, -1, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+/* Room for extra more bytes, or the writer's (sticky) error. */
 static int frame_reserve(dp_frame_t *f, size_t extra) {
+  if (f->rc) return f->rc;
   size_t need;
-  if (dp__add_ovf(f->len, extra, &need)) return DP_ENOMEM;
+  if (dp__add_ovf(f->len, extra, &need)) return writer_fail(f, DP_ENOMEM, "out of memory: a frame of more than %zu bytes", SIZE_MAX);
   if (need <= f->cap) return 0;
   size_t ncap = f->cap ? f->cap : 256;
   while (ncap < need) {
-    if (ncap > SIZE_MAX / 2) return DP_ENOMEM;
+    if (ncap > SIZE_MAX / 2) return writer_fail(f, DP_ENOMEM, "out of memory: a frame of %zu bytes", need);
     ncap *= 2;
   }
   uint8_t *p = dp__realloc(f->buf, f->cap, ncap);
-  if (!p) return DP_ENOMEM;
+  if (!p) return writer_fail(f, DP_ENOMEM, "out of memory growing the frame to %zu bytes", ncap);
   f->buf = p;
-  f->cap = ncap;
+  f->cap = f->end = ncap;
   return 0;
 }
 
 /* Appends to the frame, through the hook: what msgpack-c's packer writes
- * with (below). On failure the frame is marked and the packer returns -1. */
+ * with (below). Its result is the packer's: 0, or the writer's error. */
 static inline __attribute__((always_inline)) int frame_append(dp_frame_t *f, const void *buf, size_t len) {
-  if (DP_UNLIKELY(f->cap - f->len < len) && frame_reserve(f, len) != 0) {
-    f->failed = 1;
-    return -1;
+  if (DP_UNLIKELY(f->end - f->len < len)) {
+    int rc = frame_reserve(f, len);
+    if (rc) return rc;
   }
   memcpy(f->buf + f->len, buf, len);
   f->len += len;
@@ -94,6 +116,7 @@ int dp_frame_new(dp_frame_t **out, dp_error_t *err) {
   dp_frame_t *f = dp__alloc(sizeof *f);
   if (!f) return dp__err(err, DP_ENOMEM, "out of memory allocating a frame");
   memset(f, 0, sizeof *f);
+  dp__walker_init(&f->walker);
   int rc = dp_ptrset_new(&f->set, err);
   if (rc) {
     dp__free(f, sizeof *f);
@@ -106,6 +129,7 @@ int dp_frame_new(dp_frame_t **out, dp_error_t *err) {
 void dp_frame_free(dp_frame_t *f) {
   if (!f) return;
   dp_ptrset_free(f->set);
+  dp__walker_destroy(&f->walker);
   dp__free(f->buf, f->cap);
   dp__free(f->data_off, f->data_off_cap * sizeof(uint64_t));
   dp__free(f->storages, f->storages_cap * sizeof *f->storages);
@@ -119,9 +143,12 @@ const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len) {
 
 size_t dp_frame_nbuffers(const dp_frame_t *f) { return f && f->len ? dp_ptrset_count(f->set) : 0; }
 
-int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out) {
+int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out, dp_error_t *err) {
   dp_ptr_info_t info;
-  if (!f || !out || !f->len || dp_ptrset_get(f->set, i, &info) != 0) return DP_EINVAL;
+  if (!f || !out) return dp__err(err, DP_EINVAL, "dp_frame_buffer: NULL %s", f ? "out" : "frame");
+  if (!f->len || i >= dp_ptrset_count(f->set))
+    return dp__err(err, DP_EINVAL, "dp_frame_buffer: buffer %zu out of range (the frame has %zu)", i, dp_frame_nbuffers(f));
+  dp_ptrset_get(f->set, i, &info, NULL);
   out->id = (uint32_t)i;
   out->device = info.device;
   out->nbytes = info.nbytes;
@@ -136,11 +163,11 @@ int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out) {
  * buffers of at most 2^62 bytes, one buffer per (device, base). Anything
  * else is an error naming the path, never a frame the reader refuses. */
 
-static dp__walker_t *frame_walker(dp_frame_t *f) { return dp__ptrset_walker(f->set); }
+static dp__walker_t *frame_walker(dp_frame_t *f) { return &f->walker; }
 
 static int too_large(dp_frame_t *f, const char *what, unsigned long long n) {
   dp__walker_t *w = frame_walker(f);
-  return dp__err(w->err, DP_ELIMIT, "%s of %llu exceeds the frame format's limit of 4294967295 at %s", what, n,
+  return writer_fail(f, DP_ELIMIT, "%s of %llu exceeds the frame format's limit of 4294967295 at %s", what, n,
                  dp__walker_path(w));
 }
 
@@ -215,7 +242,7 @@ static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *s
   char dev[16];
   const char *why = NULL;
   if (first->nbytes != st->nbytes) {
-    return dp__err(w->err, DP_EINVAL, "storages of %s %p differ in size (%zu and %zu bytes) at %s: a frame has "
+    return writer_fail(f, DP_EINVAL, "storages of %s %p differ in size (%zu and %zu bytes) at %s: a frame has "
                    "one buffer per (device, base)", dp_device_format(st->device, dev, sizeof dev), st->base,
                    first->nbytes, st->nbytes, dp__walker_path(w));
   }
@@ -225,7 +252,7 @@ static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *s
     else if (first->host_data && st->nbytes && memcmp(first->host_data, st->host_data, st->nbytes) != 0)
       why = "their host bytes differ";
     if (why)
-      return dp__err(w->err, DP_EINVAL, "storages of %s %p (%zu bytes) disagree at %s: %s; a frame has one "
+      return writer_fail(f, DP_EINVAL, "storages of %s %p (%zu bytes) disagree at %s: %s; a frame has one "
                      "buffer per (device, base)", dp_device_format(st->device, dev, sizeof dev), st->base,
                      st->nbytes, dp__walker_path(w), why);
   }
@@ -244,13 +271,11 @@ static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
   if (buffer == f->nstorages) {
     if (DP_UNLIKELY(t->storage->nbytes > DP_FRAME_MAX_NBYTES)) {
       dp__walker_t *w = frame_walker(f);
-      return dp__err(w->err, DP_ELIMIT, "storage of %zu bytes exceeds the frame format's limit of 2^62 at %s",
+      return writer_fail(f, DP_ELIMIT, "storage of %zu bytes exceeds the frame format's limit of 2^62 at %s",
                      t->storage->nbytes, dp__walker_path(w));
     }
-    if (dp__grow((void **)&f->storages, &f->storages_cap, f->nstorages + 1, sizeof *f->storages) != 0) {
-      f->failed = 1;
-      return -1;
-    }
+    if (dp__grow((void **)&f->storages, &f->storages_cap, f->nstorages + 1, sizeof *f->storages) != 0)
+      return writer_fail(f, DP_ENOMEM, "out of memory growing the frame's storage list");
     f->storages[f->nstorages++] = t->storage;
   } else if (DP_UNLIKELY(f->storages[buffer] != t->storage) && t->storage != f->checked) {
     if ((rc = check_same_buffer(f, f->storages[buffer], t->storage)) != 0) return rc;
@@ -284,7 +309,7 @@ static int write_table(dp_frame_t *f) {
   int rc = fpk_array(f, n);
   for (size_t i = 0; i < n && !rc; i++) {
     dp_ptr_info_t e;
-    dp_ptrset_get(f->set, i, &e);
+    dp_ptrset_get(f->set, i, &e, NULL);
     rc = fpk_array(f, f->is_inline ? 5 : 4);
     rc = rc ? rc : fpk_uint8(f, e.device.type);
     rc = rc ? rc : fpk_uint8(f, e.device.index);
@@ -292,7 +317,8 @@ static int write_table(dp_frame_t *f) {
     rc = rc ? rc : fpk_uint64(f, (uint64_t)(uintptr_t)e.base);
     if (f->is_inline) {
       rc = rc ? rc : fpk_uint64(f, off);
-      if (dp__add_ovf(off, e.nbytes, &off)) f->failed = 1;  /* cannot be allocated either */
+      if (!rc && dp__add_ovf(off, e.nbytes, &off))
+        rc = writer_fail(f, DP_ENOMEM, "out of memory: inline data of more than 2^64 bytes");
     }
   }
   return rc;
@@ -316,13 +342,13 @@ static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst
 static int write_data(dp_frame_t *f, const dp_pickle_opts_t *opts, dp_error_t *err) {
   size_t n = dp_ptrset_count(f->set);
   if (dp__grow((void **)&f->data_off, &f->data_off_cap, n ? n : 1, sizeof(uint64_t)) != 0)
-    return dp__err(err, DP_ENOMEM, "out of memory laying out inline data");
+    return writer_fail(f, DP_ENOMEM, "out of memory laying out inline data");
   for (size_t i = 0; i < n; i++) {
     size_t nb = f->storages[i]->nbytes;
-    if (frame_reserve(f, nb) != 0) return dp__err(err, DP_ENOMEM, "out of memory copying %zu inline bytes", nb);
-    f->data_off[i] = f->len;
-    int rc = read_buffer(opts, f->storages[i], f->buf + f->len, err);
+    int rc = frame_reserve(f, nb);
     if (rc) return rc;
+    f->data_off[i] = f->len;
+    if ((rc = read_buffer(opts, f->storages[i], f->buf + f->len, err)) != 0) return rc;
     f->len += nb;
   }
   return 0;
@@ -331,27 +357,21 @@ static int write_data(dp_frame_t *f, const dp_pickle_opts_t *opts, dp_error_t *e
 int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_error_t *err) {
   if (!f) return dp__err(err, DP_EINVAL, "dp_pickle: NULL frame");
   f->len = 0;
-  f->failed = 0;
+  f->rc = 0;
+  f->err = err;
+  f->end = f->cap;
   f->nstorages = 0;
   f->checked = NULL;
   f->is_inline = opts && (opts->flags & DP_PICKLE_INLINE);
   dp_ptrset_clear(f->set);
   int rc = frame_reserve(f, DP_FRAME_HEADER);
-  if (rc) return dp__err(err, DP_ENOMEM, "out of memory starting a frame");
+  if (rc) goto fail;
   f->len = DP_FRAME_HEADER;
 
-  dp__walker_t *w = dp__ptrset_walker(f->set);
-  w->set = f->set;
-  w->sink = &pack_sink;
-  w->sink_ctx = f;
-  w->err = err;
-  w->want_paths = 0;
-  w->batch = 0;  /* the sink needs each buffer id at once */
-  w->max_depth = (opts && opts->max_depth) ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
+  dp__walker_t *w = frame_walker(f);
+  dp__walker_setup(w, f->set, &pack_sink, f, opts ? opts->max_depth : 0, 0, err);
+  /* The walk returns the sink's error as the writer reported it. */
   rc = dp__walk(w, v);
-  /* The writer reports running out of memory as msgpack-c's -1: whatever
-   * the walk returned then, the error is that one, with its message. */
-  if (f->failed) rc = dp__err(err, DP_ENOMEM, "out of memory writing the payload");
   /* A reader numbers at most 2^32 - 2 heap nodes (32-bit back-references,
    * which the sink checks as it writes them). */
   if (rc == 0 && w->next_index > (uint64_t)UINT32_MAX - 1)
@@ -359,10 +379,7 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
                  (unsigned long long)w->next_index);
   if (rc) goto fail;
   size_t payload_end = f->len;
-  if (write_table(f) != 0 || f->failed) {
-    rc = dp__err(err, DP_ENOMEM, "out of memory writing the buffer table");
-    goto fail;
-  }
+  if ((rc = write_table(f)) != 0) goto fail;
   size_t table_end = f->len;
   if (f->is_inline && (rc = write_data(f, opts, err)) != 0) goto fail;
 

@@ -2,7 +2,6 @@
 #include <string.h>
 
 #include "ptrset_impl.h"
-#include "walk.h"
 
 int dp_ptrset_new(dp_ptrset_t **out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_ptrset_new: NULL out");
@@ -10,7 +9,6 @@ int dp_ptrset_new(dp_ptrset_t **out, dp_error_t *err) {
   if (!s) return dp__err(err, DP_ENOMEM, "out of memory allocating a pointer set");
   memset(s, 0, sizeof *s);
   dp__table_init(&s->tab);
-  dp__walker_init(&s->walker);
   *out = s;
   return 0;
 }
@@ -72,7 +70,7 @@ void dp_ptrset_free(dp_ptrset_t *s) {
   dp__free(s->entries, s->cap * sizeof(dp__pentry_t));
   dp__table_destroy(&s->tab, DP_TABLE_TAGGED);
   dp__free(s->groups, s->groups_cap * sizeof(dp__pgroup_t));
-  dp__walker_destroy(&s->walker);
+  if (s->scratch_free) s->scratch_free(s->scratch);
   dp__free(s, sizeof *s);
 }
 
@@ -98,18 +96,24 @@ static size_t group_of(dp_ptrset_t *s, dp_device_t d) {
   return SIZE_MAX;
 }
 
+/* Errors are written where they happen, and passed through by every caller. */
+static int too_many(dp_error_t *err) {
+  return dp__err(err, DP_ELIMIT, "a pointer set holds at most %u entries", UINT32_MAX - 2);
+}
+
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
-                          size_t slot, size_t *index) {
-  if (s->count >= UINT32_MAX - 1) return DP_ELIMIT;
+                          size_t slot, size_t *index, dp_error_t *err) {
+  if (s->count >= UINT32_MAX - 1) return too_many(err);
   if (dp__table_full(&s->tab)) {
     int rc = dp__table_grow(&s->tab, DP_TABLE_TAGGED, s->count, 64, entry_hash, s);
-    if (rc) return rc;
+    if (rc == DP_ELIMIT) return too_many(err);
+    if (rc) return dp__err(err, rc, "out of memory growing a pointer set's table");
     slot = SIZE_MAX;
   }
   size_t g = group_of(s, device);
   if (g == SIZE_MAX) {
     if (dp__grow((void **)&s->groups, &s->groups_cap, s->ngroups + 1, sizeof(dp__pgroup_t)) != 0)
-      return DP_ENOMEM;
+      return dp__err(err, DP_ENOMEM, "out of memory growing a pointer set's devices");
     if (s->ngroups == 1) {  /* a second device: chain the first one's entries (0, 1, 2, ...) */
       for (size_t k = 0; k + 1 < s->count; k++) s->entries[k].next_on = (uint32_t)(k + 2);
       if (s->count) s->entries[s->count - 1].next_on = 0;
@@ -121,19 +125,13 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
   if (s->count == s->cap &&
       dp__grow((void **)&s->entries, &s->cap, s->count + 1, sizeof(dp__pentry_t)) != 0) {
     if (s->groups[g].count == 0) s->ngroups--;
-    return DP_ENOMEM;
+    return dp__err(err, DP_ENOMEM, "out of memory growing a pointer set's entries");
   }
   size_t j = slot != SIZE_MAX ? slot : dp__table_empty_slot(&s->tab, DP_TABLE_TAGGED, h);
-  size_t i = s->count++;
-  s->entries[i] = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
   dp__pgroup_t *gr = &s->groups[g];
-  if (gr->count++ == 0)
-    gr->head = (uint32_t)i;
-  else
-    s->entries[gr->tail].next_on = (uint32_t)(i + 1);
-  gr->tail = (uint32_t)i;
-  dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
-  *index = i;
+  if (gr->count == 0) gr->head = (uint32_t)s->count;
+  DP__PENTRY_PUSH(*index, s->entries, s->count, &s->tab, g, gr->count, gr->tail, s->ngroups > 1 && gr->count > 0,
+                  device, base, nbytes, h, j);
   return 0;
 }
 
@@ -153,7 +151,8 @@ int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
  * locals (the table through its own functions, on a copy): stores into the
  * entries then cannot force them to be reloaded. They are written back
  * before a new device takes the slow path, and at the end. */
-int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t *h, uint64_t again, int n) {
+int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t *h, uint64_t again, int n,
+                         dp_error_t *err) {
   dp__table_t tab = s->tab;
   dp__pentry_t *entries = s->entries;
   size_t count = s->count, id = 0, g = s->last_group;
@@ -189,7 +188,7 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
         s->groups[g].count = gcount;
         s->groups[g].tail = gtail;
       }
-      if ((rc = dp__ptrset_insert_new(s, x->device, x->base, x->nbytes, h[i], j, &id)) != 0) return rc;
+      if ((rc = dp__ptrset_insert_new(s, x->device, x->base, x->nbytes, h[i], j, &id, err)) != 0) return rc;
       tab = s->tab;
       entries = s->entries;
       count = s->count;
@@ -200,12 +199,7 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
       chained = s->ngroups > 1;
       continue;
     }
-    id = count++;
-    entries[id] = (dp__pentry_t){x->device, 1, x->base, x->nbytes, NULL, 0, (uint32_t)g};
-    if (chained) entries[gtail].next_on = (uint32_t)(id + 1);
-    gtail = (uint32_t)id;
-    gcount++;
-    dp__table_put(&tab, DP_TABLE_TAGGED, j, h[i], id);
+    DP__PENTRY_PUSH(id, entries, count, &tab, g, gcount, gtail, chained, x->device, x->base, x->nbytes, h[i], j);
   }
   s->tab = tab;
   s->count = count;
@@ -222,9 +216,8 @@ int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbyte
   if (device.type >= DP_DEVICE_TYPE_COUNT) return dp__err(err, DP_EINVAL, "dp_ptrset_add: invalid device");
   size_t i;
   int is_new;
-  int rc = dp__ptrset_add_hashed(set, device, base, nbytes, dp__ptr_hash(device, base), &i, &is_new);
-  if (rc == DP_ELIMIT) return dp__err(err, rc, "a pointer set holds at most %u entries", UINT32_MAX - 2);
-  if (rc) return dp__err(err, rc, "out of memory growing a pointer set");
+  int rc = dp__ptrset_add_hashed(set, device, base, nbytes, dp__ptr_hash(device, base), &i, &is_new, err);
+  if (rc) return rc;
   if (index) *index = i;
   return 0;
 }
@@ -236,21 +229,24 @@ int dp__ptrset_set_path(dp_ptrset_t *s, size_t index, const char *path) {
   return 0;
 }
 
-dp__walker_t *dp__ptrset_walker(dp_ptrset_t *set) { return &set->walker; }
-
-int dp_ptrset_find(const dp_ptrset_t *s, dp_device_t device, const void *base, size_t *index) {
-  if (!s) return DP_ENOTFOUND;
+int dp_ptrset_find(const dp_ptrset_t *s, dp_device_t device, const void *base, size_t *index, dp_error_t *err) {
+  if (!s) return dp__err(err, DP_EINVAL, "dp_ptrset_find: NULL set");
   dp__pkey_t key = {base, device};
   size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, dp__ptr_hash(device, base), dp__ptrset_eq, s, &key, &j);
-  if (at == DP_TABLE_NONE) return DP_ENOTFOUND;
+  if (at == DP_TABLE_NONE) {
+    char dev[16];
+    return dp__err(err, DP_ENOTFOUND, "dp_ptrset_find: %s %p is not in the set", dp_device_format(device, dev, sizeof dev),
+                   base);
+  }
   if (index) *index = at;
   return 0;
 }
 
 size_t dp_ptrset_count(const dp_ptrset_t *s) { return s ? s->count : 0; }
 
-int dp_ptrset_get(const dp_ptrset_t *s, size_t i, dp_ptr_info_t *out) {
-  if (!s || !out || i >= s->count) return DP_EINVAL;
+int dp_ptrset_get(const dp_ptrset_t *s, size_t i, dp_ptr_info_t *out, dp_error_t *err) {
+  if (!s || !out) return dp__err(err, DP_EINVAL, "dp_ptrset_get: NULL %s", s ? "out" : "set");
+  if (i >= s->count) return dp__err(err, DP_EINVAL, "dp_ptrset_get: index %zu out of range (the set holds %zu)", i, s->count);
   const dp__pentry_t *e = &s->entries[i];
   out->device = e->device;
   out->base = e->base;
@@ -277,7 +273,7 @@ size_t dp_ptrset_first_on(const dp_ptrset_t *s, size_t j) {
 
 size_t dp_ptrset_next_on(const dp_ptrset_t *s, size_t i) {
   if (!s || i >= s->count) return SIZE_MAX;
-  if (s->ngroups == 1) return i + 1 < s->count ? i + 1 : SIZE_MAX;  /* not chained: see dp__ptrset_append */
+  if (s->ngroups == 1) return i + 1 < s->count ? i + 1 : SIZE_MAX;  /* not chained: see DP__PENTRY_PUSH */
   if (s->entries[i].next_on == 0) return SIZE_MAX;
   return s->entries[i].next_on - 1;
 }

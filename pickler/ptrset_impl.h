@@ -1,9 +1,27 @@
 /* pickler/ptrset_impl.h — the pointer set's layout and its hot path, inline
- * so that the walker can pipeline inserts (see walk.c). */
+ * so that the walker can pipeline inserts (see walk.c). The set knows
+ * nothing of the walker: walk.c stands on this file, never the reverse. */
 #ifndef DP_PICKLER_PTRSET_IMPL_H
 #define DP_PICKLER_PTRSET_IMPL_H
 #include "internal.h"
-#include "walk.h"
+
+/* A bump arena of strings: chunks kept across resets, so that refilling it
+ * with what it held before allocates nothing. */
+typedef struct dp__achunk {
+  struct dp__achunk *next;
+  size_t cap;
+  char data[];
+} dp__achunk_t;
+
+typedef struct dp__arena {
+  dp__achunk_t *head, *cur;  /* cur: the chunk being filled (NULL: none yet) */
+  size_t used;               /* bytes used in cur */
+} dp__arena_t;
+
+/* A copy of s[0..n) plus a NUL in the arena, or NULL. */
+char *dp__arena_strdup(dp__arena_t *a, const char *s, size_t n);
+void dp__arena_reset(dp__arena_t *a);
+void dp__arena_free(dp__arena_t *a);
 
 typedef struct dp__pentry {
   dp_device_t device;
@@ -29,7 +47,11 @@ struct dp_ptrset {
   size_t ngroups, groups_cap;
   size_t last_group;
   dp__arena_t paths;    /* entries' paths; kept across clears */
-  dp__walker_t walker;  /* reused by dp_scan */
+  /* Scratch memory that a user of the set keeps with it between uses (a
+   * scan keeps its walker here, walk.c): opaque to the set, which only
+   * frees it, with scratch_free, when the set is freed. */
+  void *scratch;
+  void (*scratch_free)(void *scratch);
 };
 
 /* Keyed with the process's secret: bases a frame or a caller chose to
@@ -81,42 +103,51 @@ static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, 
   return e->base == k->base && dp__dev_bits(e->device) == dp__dev_bits(k->device);
 }
 
-/* Slow path: grow, add a device group, append the entry. `slot` is the
+/* The one way an entry is added: appended as entries[count] (its index
+ * stored in `id`), in group g (its entry count `gcount`, its last entry
+ * `gtail`), linked after that last entry when `chained`, and put in the
+ * table *tab at slot j (hash h). Room has been made. Each device's entries
+ * are chained in order (next_on); while the set has one device the chain is
+ * entries 0, 1, 2, ... and is not written (chained is 0: ptrset.c links it
+ * when a second device comes). A group's first entry is its head: the
+ * caller sets it (chained is then 0).
+ * A macro over lvalues, not a function over pointers: the batch loop
+ * (dp__ptrset_add_batch) passes locals that must stay in registers, and
+ * pointers to them cost its loop 3 % (the compiler then keeps the table and
+ * the entries in memory). */
+#define DP__PENTRY_PUSH(id, entries, count, tab, g, gcount, gtail, chained, device_, base_, nbytes_, h, j) \
+  do {                                                                                                   \
+    (id) = (count)++;                                                                                    \
+    (entries)[id] = (dp__pentry_t){(device_), 1, (base_), (nbytes_), NULL, 0, (uint32_t)(g)};            \
+    if (chained) (entries)[gtail].next_on = (uint32_t)((id) + 1);                                         \
+    (gtail) = (uint32_t)(id);                                                                            \
+    (gcount)++;                                                                                          \
+    dp__table_put((tab), DP_TABLE_TAGGED, (j), (h), (id));                                               \
+  } while (0)
+
+/* Slow path: grow, add a device group, then DP__PENTRY_PUSH. `slot` is the
  * empty slot the lookup stopped at (SIZE_MAX if none was probed). */
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
-                          size_t slot, size_t *index);
+                          size_t slot, size_t *index, dp_error_t *err);
 
 /* Room for n more entries, in the entries and in the table: then n calls
  * of the fast path need no growth. DP_ENOMEM (or DP_ELIMIT) and
  * nothing changed when it cannot be had. */
 int dp__ptrset_reserve(dp_ptrset_t *s, size_t n);
 
-/* Appends the entry on the fast path: room reserved, and the device is the
- * last insert's (so its group has entries already). Each device's entries
- * are chained in order (next_on); while there is one device the chain is
- * entries 0, 1, 2, ... and is not written (ptrset.c links it when a second
- * device comes). */
-static inline __attribute__((always_inline)) size_t dp__ptrset_append(dp_ptrset_t *s, dp_device_t device, void *base,
-                                                                     size_t nbytes, uint64_t h, size_t j) {
-  size_t i = s->count++, g = s->last_group;
-  dp__pgroup_t *gr = &s->groups[g];
-  s->entries[i] = (dp__pentry_t){device, 1, base, nbytes, NULL, 0, (uint32_t)g};
-  gr->count++;
-  if (DP_UNLIKELY(s->ngroups > 1)) s->entries[gr->tail].next_on = (uint32_t)(i + 1);
-  gr->tail = (uint32_t)i;
-  dp__table_put(&s->tab, DP_TABLE_TAGGED, j, h, i);
-  return i;
-}
+/* Records entry index's path (a copy, in the set's arena). DP_ENOMEM. */
+int dp__ptrset_set_path(dp_ptrset_t *set, size_t index, const char *path);
 
 /* Adds a scan's batch of storages, hashes h (dp__ptr_hash), in order, with
  * room reserved for n (dp__ptrset_reserve); bit i of `again` marks st[i] as
  * st[i - 1] again (the same entry, no probe). Fails (DP_ENOMEM) only where a
  * new device needs a group. */
-int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_storage *const *st, const uint64_t *h, uint64_t again, int n);
+int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_storage *const *st, const uint64_t *h, uint64_t again, int n,
+                         dp_error_t *err);
 
 /* Finds (device, base) given its hash or adds it; counts one more tensor. */
 static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,
-                                        uint64_t h, size_t *index, int *is_new) {
+                                        uint64_t h, size_t *index, int *is_new, dp_error_t *err) {
   dp__pkey_t key = {base, device};
   size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
   if (at != DP_TABLE_NONE) {
@@ -131,9 +162,11 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
   /* Fast path: room everywhere and the same device as the last insert. */
   if (DP_LIKELY(j != SIZE_MAX && !dp__table_full(&s->tab) && s->count < s->cap &&
                 s->last_group < s->ngroups && dp__dev_bits(s->groups[s->last_group].device) == dp__dev_bits(device))) {
-    *index = dp__ptrset_append(s, device, base, nbytes, h, j);
+    dp__pgroup_t *gr = &s->groups[s->last_group];
+    DP__PENTRY_PUSH(*index, s->entries, s->count, &s->tab, s->last_group, gr->count, gr->tail, s->ngroups > 1, device,
+                    base, nbytes, h, j);
     return 0;
   }
-  return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index);
+  return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index, err);
 }
 #endif

@@ -29,13 +29,37 @@ typedef struct tok {
   int8_t ext;
 } tok_t;
 
+/* The reader's error discipline (mpack's): its first error is kept in rc,
+ * with its message and offset in err, and every later read is a no-op that
+ * returns it (end is moved to p, so the inline fast path falls through to
+ * next_tok_slow, which returns rc). Only DP_E* codes are returned. */
 typedef struct rd {
   const uint8_t *base;   /* frame start, for offsets */
   const uint8_t *p, *end;
   dp_error_t *err;
+  int rc;                /* the first error, or 0 */
 } rd_t;
 
 static int64_t off(const rd_t *r, const uint8_t *at) { return (int64_t)(at - r->base); }
+
+/* The reader fails at `at` (unless it failed already: then that error). */
+static __attribute__((format(printf, 4, 5), noinline)) int rd_fail(rd_t *r, int code, const uint8_t *at,
+                                                                  const char *fmt, ...) {
+  if (r->rc) return r->rc;
+  r->rc = code;
+  r->end = r->p;
+  va_list ap;
+  va_start(ap, fmt);
+  dp__verr(r->err, code, off(r, at), fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+/* A failure of a call below the reader (a constructor, bind, resolve),
+ * reported at `at` with its own code and message. */
+static int rd_pass(rd_t *r, const uint8_t *at, int code, const dp_error_t *e) {
+  return rd_fail(r, code, at, "%s", e->message[0] ? e->message : dp_strerror(code));
+}
 
 static uint64_t be(const uint8_t *p, int n) {
   uint64_t v = 0;
@@ -45,7 +69,7 @@ static uint64_t be(const uint8_t *p, int n) {
 
 static int need(rd_t *r, const uint8_t *start, uint64_t n, const char *what) {
   if ((uint64_t)(r->end - r->p) < n)
-    return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s runs past the end of its section", what);
+    return rd_fail(r, DP_EFORMAT, start, "%s runs past the end of its section", what);
   return 0;
 }
 
@@ -112,13 +136,14 @@ static const char *wire_form(uint8_t b, char *buf, size_t cap) {
 
 static int noncanonical(rd_t *r, const uint8_t *start, const char *what, const char *canon) {
   char form[16];
-  return dp__err_at(r->err, DP_EFORMAT, off(r, start), "non-canonical encoding: %s as %s (canonical: %s)", what,
+  return rd_fail(r, DP_EFORMAT, start, "non-canonical encoding: %s as %s (canonical: %s)", what,
                     wire_form(*start, form, sizeof form), canon);
 }
 
 static int next_tok_slow(rd_t *r, tok_t *t) {
   const uint8_t *start = r->p;
-  if (r->p >= r->end) return dp__err_at(r->err, DP_EFORMAT, off(r, start), "value expected, section ended");
+  if (DP_UNLIKELY(r->rc)) return r->rc;
+  if (r->p >= r->end) return rd_fail(r, DP_EFORMAT, start, "value expected, section ended");
   uint8_t b = *r->p++;
   int lenbytes = 0, rc;
   char what[48], canon[16];
@@ -203,7 +228,7 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
       goto body_checked;
     }
     default:
-      return dp__err_at(r->err, DP_EFORMAT, off(r, start), "invalid msgpack type byte 0x%02x", b);
+      return rd_fail(r, DP_EFORMAT, start, "invalid msgpack type byte 0x%02x", b);
   }
   if ((rc = need(r, start, (uint64_t)lenbytes, "length")) != 0) return rc;
   t->len = be(r->p, lenbytes);
@@ -224,7 +249,7 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
 body:
 body_checked:
   if ((uint64_t)(r->end - r->p) < t->len)
-    return dp__err_at(r->err, DP_EFORMAT, off(r, start),
+    return rd_fail(r, DP_EFORMAT, start,
                       "%s of %llu bytes is longer than the %lld bytes left", t->type == T_STR ? "str" : t->type == T_BIN ? "bytes" : "ext",
                       (unsigned long long)t->len, (long long)(r->end - r->p));
   t->data = r->p;
@@ -232,7 +257,7 @@ body_checked:
   return 0;
 check_count:
   if (t->len > (uint64_t)(r->end - r->p) / (t->type == T_MAP ? 2 : 1))
-    return dp__err_at(r->err, DP_EFORMAT, off(r, start),
+    return rd_fail(r, DP_EFORMAT, start,
                       "%s claims %llu %s but only %lld bytes are left", t->type == T_MAP ? "map" : "array",
                       (unsigned long long)t->len, t->type == T_MAP ? "pairs" : "items", (long long)(r->end - r->p));
   return 0;
@@ -247,13 +272,13 @@ static int read_int(rd_t *r, int64_t *out, int64_t lo, int64_t hi, const char *w
     if (t.v.u > (uint64_t)INT64_MAX) goto range;
     t.v.i = (int64_t)t.v.u;
   } else if (t.type != T_INT) {
-    return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: integer expected", what);
+    return rd_fail(r, DP_EFORMAT, start, "%s: integer expected", what);
   }
   if (t.v.i < lo || t.v.i > hi) goto range;
   *out = t.v.i;
   return 0;
 range:
-  return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s out of range", what);
+  return rd_fail(r, DP_EFORMAT, start, "%s out of range", what);
 }
 
 static int read_uint(rd_t *r, uint64_t *out, const char *what) {
@@ -262,7 +287,7 @@ static int read_uint(rd_t *r, uint64_t *out, const char *what) {
   int rc = next_tok(r, &t);
   if (rc) return rc;
   if (t.type == T_INT && t.v.i >= 0) t.v.u = (uint64_t)t.v.i;
-  else if (t.type != T_UINT) return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: unsigned integer expected", what);
+  else if (t.type != T_UINT) return rd_fail(r, DP_EFORMAT, start, "%s: unsigned integer expected", what);
   *out = t.v.u;
   return 0;
 }
@@ -272,7 +297,7 @@ static int read_array(rd_t *r, uint64_t *n, const char *what) {
   tok_t t;
   int rc = next_tok(r, &t);
   if (rc) return rc;
-  if (t.type != T_ARRAY) return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: array expected", what);
+  if (t.type != T_ARRAY) return rd_fail(r, DP_EFORMAT, start, "%s: array expected", what);
   *n = t.len;
   return 0;
 }
@@ -286,11 +311,11 @@ static int read_name(rd_t *r, const char **s, size_t *n, const char *what) {
   int rc = next_tok(r, &t);
   if (rc) return rc;
   if (t.type != T_STR || t.len == 0)
-    return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: non-empty str expected", what);
+    return rd_fail(r, DP_EFORMAT, start, "%s: non-empty str expected", what);
   if (!dp__utf8_valid((const char *)t.data, t.len))
-    return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: invalid UTF-8", what);
+    return rd_fail(r, DP_EFORMAT, start, "%s: invalid UTF-8", what);
   if (dp__has_nul(t.data, t.len))
-    return dp__err_at(r->err, DP_EFORMAT, off(r, start), "%s: NUL byte in a name", what);
+    return rd_fail(r, DP_EFORMAT, start, "%s: NUL byte in a name", what);
   *s = (const char *)t.data;
   *n = t.len;
   return 0;
@@ -365,11 +390,11 @@ typedef struct up {
 } up_t;
 
 static int lim_err(up_t *u, const uint8_t *at, const char *what, unsigned long long limit) {
-  return dp__err_at(u->r.err, DP_ELIMIT, off(&u->r, at), "%s exceeds the limit of %llu", what, limit);
+  return rd_fail(&u->r, DP_ELIMIT, at, "%s exceeds the limit of %llu", what, limit);
 }
 
-static int oom_at(up_t *u, const uint8_t *at) {
-  return dp__err_at(u->r.err, DP_ENOMEM, off(&u->r, at), "out of memory");
+static int oom_at(up_t *u, const uint8_t *at, const char *what) {
+  return rd_fail(&u->r, DP_ENOMEM, at, "out of memory growing %s", what);
 }
 
 /* Grows *arr to hold one more element than `len`: doubling, but never past
@@ -404,7 +429,7 @@ static int add_node(up_t *u, dp_value_t v, const uint8_t *at) {
     size_t bound = u->nnodes + 1 + bytes_left(u);
     if (grow_bounded((void **)&u->nodes, &u->nodes_cap, u->nnodes, bound < MAX_NODES ? bound : MAX_NODES,
                      sizeof *u->nodes) != 0)
-      return oom_at(u, at);
+      return oom_at(u, at, "the node table");
   }
   u->nodes[u->nnodes++] = v;
   return 0;
@@ -435,7 +460,7 @@ static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, co
                    u->top + 1 + (bytes_left(u) < u->lim.max_depth ? bytes_left(u) : u->lim.max_depth),
                    sizeof(uframe_t)) != 0) {
     dp_value_release(v);
-    return oom_at(u, at);
+    return oom_at(u, at, "the reader's stack");
   }
   int rc = add_node(u, v, at);
   if (rc) {
@@ -472,18 +497,18 @@ static int read_tensor(up_t *u, const uint8_t *at, dp_value_t *out) {
    * refers to a buffer met before or to the next one, never beyond. */
   if (!rc && DP_UNLIKELY((size_t)id >= u->next_buf)) {
     if ((size_t)id > u->next_buf)
-      return dp__err_at(r->err, DP_EFORMAT, off(r, id_at), "tensor refers to buffer %lld before buffer %zu: a frame "
+      return rd_fail(r, DP_EFORMAT, id_at, "tensor refers to buffer %lld before buffer %zu: a frame "
                         "lists buffers in the order its tensors first refer to them", (long long)id, u->next_buf);
     u->next_buf++;
   }
   if (!rc) rc = read_int(r, &dtype, 0, DP_DTYPE_COUNT - 1, "tensor dtype");
   if (!rc) rc = read_array(r, &nd, "tensor shape");
   if (!rc && nd > DP_TENSOR_MAX_DIMS)
-    rc = dp__err_at(r->err, DP_EFORMAT, off(r, at), "tensor has %llu dimensions (at most %d)",
+    rc = rd_fail(r, DP_EFORMAT, at, "tensor has %llu dimensions (at most %d)",
                     (unsigned long long)nd, DP_TENSOR_MAX_DIMS);
   for (uint64_t d = 0; !rc && d < nd; d++) rc = read_int(r, &shape[d], 0, INT64_MAX, "tensor dimension");
   if (!rc) rc = read_array(r, &ns, "tensor strides");
-  if (!rc && ns != nd) rc = dp__err_at(r->err, DP_EFORMAT, off(r, at), "tensor has %llu strides for %llu dimensions",
+  if (!rc && ns != nd) rc = rd_fail(r, DP_EFORMAT, at, "tensor has %llu strides for %llu dimensions",
                                        (unsigned long long)ns, (unsigned long long)nd);
   for (uint64_t d = 0; !rc && d < ns; d++) rc = read_int(r, &strides[d], INT64_MIN + 1, INT64_MAX, "tensor stride");
   if (!rc) rc = read_int(r, &offset, 0, INT64_MAX, "tensor offset");
@@ -491,9 +516,9 @@ static int read_tensor(up_t *u, const uint8_t *at, dp_value_t *out) {
   dp_storage_t *st = u->bufs[id];
   dp_error_t e;
   if (dp__tensor_check(st->nbytes, (dp_dtype_t)dtype, (int)nd, shape, strides, offset, &e) != 0)
-    return dp__err_at(r->err, DP_EFORMAT, off(r, at), "tensor: %s", e.message);
-  return dp_tensor_new(dp_storage_retain(st), (dp_dtype_t)dtype, (int)nd, shape, strides, offset, out, &e) == 0
-             ? 0 : oom_at(u, at);
+    return rd_fail(r, DP_EFORMAT, at, "tensor: %s", e.message);
+  rc = dp_tensor_new(dp_storage_retain(st), (dp_dtype_t)dtype, (int)nd, shape, strides, offset, out, &e);
+  return rc ? rd_pass(r, at, rc, &e) : 0;
 }
 
 /* Reads one value. Scalars, strings, tensors and back-references come back
@@ -512,7 +537,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
     case T_BOOL: *out = dp_bool(t.v.i != 0); return 0;
     case T_INT: *out = dp_int(t.v.i); return 0;
     case T_UINT:
-      if (t.v.u > (uint64_t)INT64_MAX) return dp__err_at(r->err, DP_EFORMAT, off(r, at), "integer out of range");
+      if (t.v.u > (uint64_t)INT64_MAX) return rd_fail(r, DP_EFORMAT, at, "integer out of range");
       *out = dp_int((int64_t)t.v.u);
       return 0;
     case T_FLOAT: *out = dp_float(t.v.f); return 0;
@@ -520,18 +545,18 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
     case T_BIN:
       if ((rc = check_len(u, at, t.len)) != 0) return rc;
       if (t.type == T_STR && !dp__utf8_valid((const char *)t.data, t.len))
-        return dp__err_at(r->err, DP_EFORMAT, off(r, at), "invalid UTF-8 in str");
+        return rd_fail(r, DP_EFORMAT, at, "invalid UTF-8 in str");
       rc = dp__strobj_new(t.type == T_STR ? DP_STR : DP_BYTES, t.data, t.len, out, &e);
-      if (rc) return oom_at(u, at);
+      if (rc) return rd_pass(r, at, rc, &e);
       if ((rc = add_node(u, *out, at)) != 0) dp_value_release(*out);
       return rc;
     case T_EXT: {
       if (t.ext != DP_EXT_REF || t.len != 4)
-        return dp__err_at(r->err, DP_EFORMAT, off(r, at), "unexpected ext type %d of %llu bytes", t.ext,
+        return rd_fail(r, DP_EFORMAT, at, "unexpected ext type %d of %llu bytes", t.ext,
                           (unsigned long long)t.len);
       uint64_t idx = be(t.data, 4);
       if (idx >= u->nnodes)
-        return dp__err_at(r->err, DP_EFORMAT, off(r, at), "back-reference to node %llu, only %zu exist",
+        return rd_fail(r, DP_EFORMAT, at, "back-reference to node %llu, only %zu exist",
                           (unsigned long long)idx, u->nnodes);
       dp_value_t target = u->nodes[idx];
       if (u->top > 0) {
@@ -549,7 +574,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
     }
     case T_MAP: {
       /* exact sizes: counts were checked against the bytes left */
-      if ((rc = dp_dict_new(t.len, out, &e)) != 0) return oom_at(u, at);
+      if ((rc = dp_dict_new(t.len, out, &e)) != 0) return rd_pass(r, at, rc, &e);
       return open_container(u, *out, 'd', t.len, at, done);
     }
     default: /* T_ARRAY */
@@ -562,10 +587,10 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
     uint64_t n = t.len - 1;
     switch (tag) {
       case DP_TAG_TUPLE:
-        if ((rc = dp_tuple_new(n, out, &e)) != 0) return oom_at(u, at);
+        if ((rc = dp_tuple_new(n, out, &e)) != 0) return rd_pass(r, at, rc, &e);
         return open_container(u, *out, DP_TAG_TUPLE, n, at, done);
       case DP_TAG_TENSOR:
-        if (n != 5) return dp__err_at(r->err, DP_EFORMAT, off(r, at), "tensor node has %llu fields, expected 5",
+        if (n != 5) return rd_fail(r, DP_EFORMAT, at, "tensor node has %llu fields, expected 5",
                                       (unsigned long long)n);
         if ((rc = read_tensor(u, at, out)) != 0) return rc;
         if ((rc = add_node(u, *out, at)) != 0) dp_value_release(*out);
@@ -575,20 +600,20 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
         const char *cls;
         size_t cls_len;
         if (n < 1 || (tag == DP_TAG_OBJECT ? (n - 1) % 2 != 0 : n != 2))
-          return dp__err_at(r->err, DP_EFORMAT, off(r, at), "%s node has %llu fields",
+          return rd_fail(r, DP_EFORMAT, at, "%s node has %llu fields",
                             tag == DP_TAG_OBJECT ? "object" : "reduce", (unsigned long long)n);
         if ((rc = read_name(r, &cls, &cls_len, tag == DP_TAG_OBJECT ? "object class" : "reduce type")) != 0)
           return rc;
         rc = tag == DP_TAG_OBJECT ? dp__object_new_n(cls, cls_len, (n - 1) / 2, out, &e)
                                   : dp__object_new_reduced_n(cls, cls_len, out, &e);
-        if (rc) return oom_at(u, at);
+        if (rc) return rd_pass(r, at, rc, &e);
         return open_container(u, *out, tag, tag == DP_TAG_OBJECT ? (n - 1) / 2 : 1, at, done);
       }
       default:
-        return dp__err_at(r->err, DP_EFORMAT, off(r, at), "unknown node tag %u", tag);
+        return rd_fail(r, DP_EFORMAT, at, "unknown node tag %u", tag);
     }
   }
-  if ((rc = dp_list_new(t.len, out, &e)) != 0) return oom_at(u, at);
+  if ((rc = dp_list_new(t.len, out, &e)) != 0) return rd_pass(r, at, rc, &e);
   return open_container(u, *out, 0, t.len, at, done);
 }
 
@@ -618,7 +643,7 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
   /* An allowed custom: rebuild it from its state, unless the state refers
    * to the stand-in itself or to a container around it. */
   if (dp_value_refcount(v) != 1 || f->low < f->node) {
-    return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at),
+    return rd_fail(&u->r, DP_EFORMAT, at,
                       "reduced state of '%.*s' refers to it or to a container around it: a resolved custom "
                       "cannot be in a cycle", (int)name_len, name);
   }
@@ -626,13 +651,13 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
    * may fail before the stand-in is kept. */
   if (u->nkept == u->kept_cap &&
       dp__grow((void **)&u->kept, &u->kept_cap, u->nkept + 1, sizeof *u->kept) != 0)
-    return oom_at(u, at);
+    return oom_at(u, at, "the list of resolved stand-ins");
   const dp_resolver_t *res = u->opts->resolver;
   dp_value_t made = dp_none();
   dp_error_t e;
   dp_error_clear(&e);
   int rc = res->resolve(res->ud, name, dp__reduced_state(v), &made, &e);
-  if (rc) return dp__err_at(u->r.err, rc, off(&u->r, at), "resolving custom '%s' failed: %s", name,
+  if (rc) return rd_fail(&u->r, rc, at, "resolving custom '%s' failed: %s", name,
                             e.message[0] ? e.message : dp_strerror(rc));
   /* The node table points into the stand-in's state (any node of it may be
    * referred to later): keep the stand-in, and so its state, until the end. */
@@ -677,12 +702,12 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
         if (!dp_value_is_hashable(v)) {
           int k = (int)v.kind;
           dp_value_release(v);
-          return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "dict key of kind %s is not hashable",
+          return rd_fail(&u->r, DP_EFORMAT, at, "dict key of kind %s is not hashable",
                             dp_kind_name((dp_kind_t)k));
         }
         if (!key_finished(v)) {
           dp_value_release(v);
-          return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "dict key refers to an unfinished tuple");
+          return rd_fail(&u->r, DP_EFORMAT, at, "dict key refers to an unfinished tuple");
         }
         f->u.key = v;
         f->key_at = at;
@@ -691,19 +716,19 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
       }
       f->have_key = 0;
       rc = dp__dict_set_checked(hval(f->h), f->u.key, v, 0, &e);
-      if (rc == DP_EINVAL) return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, f->key_at), "duplicate dict key");
+      if (rc == DP__EXISTS) return rd_fail(&u->r, DP_EFORMAT, f->key_at, "duplicate dict key");
       break;
     case DP_TAG_OBJECT:
       rc = dp__object_set_n(hval(f->h), f->u.name.s, f->u.name.n, v, 0, &e);
       f->u.name.s = NULL;
-      if (rc == DP_EINVAL) return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, at), "duplicate attribute");
+      if (rc == DP__EXISTS) return rd_fail(&u->r, DP_EFORMAT, at, "duplicate attribute");
       break;
     case DP_TAG_REDUCE:
       rc = dp__object_set_n(hval(f->h), "__reduce__", 10, v, 0, &e);
       break;
   }
   f->remaining--;
-  return rc ? oom_at(u, at) : 0;
+  return rc ? rd_pass(&u->r, at, rc, &e) : 0;
 }
 
 static int parse_payload(up_t *u) {
@@ -790,7 +815,7 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
   int rc = dp__frame_header_check(&fi, dp__frame_checksum(b, n), err);
   if (rc) return rc;
   /* Count the buffers: the table opens with an array header. */
-  rd_t r = {b, b + DP_FRAME_HEADER + fi.payload_len, b + DP_FRAME_HEADER + fi.payload_len + fi.table_len, err};
+  rd_t r = {b, b + DP_FRAME_HEADER + fi.payload_len, b + DP_FRAME_HEADER + fi.payload_len + fi.table_len, err, 0};
   uint64_t nb;
   rc = read_array(&r, &nb, "buffer table");
   if (rc) return rc;
@@ -867,7 +892,7 @@ static int check_distinct(up_t *u, const dp_frame_info_t *fi, bkey_t *keys, uint
   if (rep == SIZE_MAX) return 0;
   char dev[16];
   dp_device_t d = {(uint8_t)(keys[rep].dev >> 8), (uint8_t)keys[rep].dev};
-  return dp__err_at(u->r.err, DP_EFORMAT, off(&u->r, descriptor_at(u, fi, keys[rep].id)),
+  return rd_fail(&u->r, DP_EFORMAT, descriptor_at(u, fi, keys[rep].id),
                     "buffer %u describes %s 0x%llx again (buffer %u did): a frame has one buffer per "
                     "(device, base)", keys[rep].id, dp_device_format(d, dev, sizeof dev),
                     (unsigned long long)keys[rep].base, keys[rep - 1].id);
@@ -887,7 +912,7 @@ static int read_table(up_t *u, const dp_frame_info_t *fi, const uint8_t *data) {
   if (rc) return rc;
   if (n > u->lim.max_buffers) return lim_err(u, at, "buffer count", u->lim.max_buffers);
   u->bufs = dp__alloc_array(n ? n : 1, sizeof(dp_storage_t *));
-  if (!u->bufs) return oom_at(u, at);
+  if (!u->bufs) return oom_at(u, at, "the buffer list");
   u->bufs_cap = n ? n : 1;
   /* Every descriptor must name a distinct (device, base). Writers list
    * buffers as met, often in address order: the first pass notes whether
@@ -902,7 +927,7 @@ static int read_table(up_t *u, const dp_frame_info_t *fi, const uint8_t *data) {
   if (rc == 0 && !sorted) {
     size_t nk = 2 * n;
     bkey_t *keys = dp__alloc_array(nk, sizeof *keys);
-    if (!keys) return oom_at(u, at);
+    if (!keys) return oom_at(u, at, "the buffer keys");
     r->p = first;
     read_descriptors(u, fi, n, PASS_KEYS, keys, data, &sorted);  /* checked already */
     rc = check_distinct(u, fi, keys, n);
@@ -933,21 +958,21 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
     at = r->p;
     if ((rc = read_array(r, &fields, "buffer descriptor")) != 0) return rc;
     if (fields != (is_inline ? 5u : 4u))
-      return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer descriptor %llu has %llu fields, expected %d",
+      return rd_fail(r, DP_EFORMAT, at, "buffer descriptor %llu has %llu fields, expected %d",
                         (unsigned long long)i, (unsigned long long)fields, is_inline ? 5 : 4);
     if ((rc = read_uint(r, &dtype, "buffer device type")) || (rc = read_uint(r, &dindex, "buffer device index")) ||
         (rc = read_uint(r, &nbytes, "buffer size")) || (rc = read_uint(r, &base, "buffer address")))
       return rc;
     if (is_inline && (rc = read_uint(r, &doff, "buffer data offset")) != 0) return rc;
     if (dtype >= DP_DEVICE_TYPE_COUNT || dindex > DP_DEVICE_INDEX_MAX || (dtype == DP_DEVICE_CPU && dindex != 0))
-      return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer %llu: invalid device (type %llu, index %llu)",
+      return rd_fail(r, DP_EFORMAT, at, "buffer %llu: invalid device (type %llu, index %llu)",
                         (unsigned long long)i, (unsigned long long)dtype, (unsigned long long)dindex);
     if (nbytes > DP_FRAME_MAX_NBYTES)
-      return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer %llu: size %llu is out of range",
+      return rd_fail(r, DP_EFORMAT, at, "buffer %llu: size %llu is out of range",
                         (unsigned long long)i, (unsigned long long)nbytes);
     if (is_inline) {
       if (doff != data_off || nbytes > fi->data_len - data_off)
-        return dp__err_at(r->err, DP_EFORMAT, off(r, at), "buffer %llu: inline data at %llu+%llu does not follow "
+        return rd_fail(r, DP_EFORMAT, at, "buffer %llu: inline data at %llu+%llu does not follow "
                           "the previous buffer within the %llu-byte data section", (unsigned long long)i,
                           (unsigned long long)doff, (unsigned long long)nbytes, (unsigned long long)fi->data_len);
       data_off += nbytes;
@@ -976,23 +1001,23 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
         dp_storage_release(st);
         rc = dp__err(&e, DP_EINVAL, "bind returned %s", st ? "a storage smaller than the buffer" : "no storage");
       }
-      if (rc) return dp__err_at(r->err, rc, off(r, at), "binding buffer %llu failed: %s", (unsigned long long)i,
+      if (rc) return rd_fail(r, rc, at, "binding buffer %llu failed: %s", (unsigned long long)i,
                                 e.message[0] ? e.message : dp_strerror(rc));
     } else {
-      if (dp_storage_new(desc.device, (void *)(uintptr_t)base, nbytes, NULL, NULL, &st, &e) != 0)
-        return oom_at(u, at);
-      if (desc.data && dp_storage_set_host_data(st, desc.data, &e) != 0) {
+      if ((rc = dp_storage_new(desc.device, (void *)(uintptr_t)base, nbytes, NULL, NULL, &st, &e)) != 0)
+        return rd_pass(r, at, rc, &e);
+      if (desc.data && (rc = dp_storage_set_host_data(st, desc.data, &e)) != 0) {
         dp_storage_release(st);
-        return oom_at(u, at);
+        return rd_pass(r, at, rc, &e);
       }
     }
     u->bufs[u->nbufs++] = st;
   }
   if (pass != PASS_CHECK && pass != PASS_MAKE) return 0;
   if (r->p != r->end)
-    return dp__err_at(r->err, DP_EFORMAT, off(r, r->p), "%lld bytes after the buffer table", (long long)(r->end - r->p));
+    return rd_fail(r, DP_EFORMAT, r->p, "%lld bytes after the buffer table", (long long)(r->end - r->p));
   if (is_inline && data_off != fi->data_len)
-    return dp__err_at(r->err, DP_EFORMAT, off(r, r->end), "%llu bytes of the data section belong to no buffer",
+    return rd_fail(r, DP_EFORMAT, r->end, "%llu bytes of the data section belong to no buffer",
                       (unsigned long long)(fi->data_len - data_off));
   return 0;
 }
@@ -1036,11 +1061,11 @@ int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_
     u.r.end = u.r.p + fi->payload_len;
     rc = parse_payload(&u);
     if (rc == 0 && u.r.p != u.r.end)
-      rc = dp__err_at(err, DP_EFORMAT, off(&u.r, u.r.p), "%lld bytes after the root value in the payload",
+      rc = rd_fail(&u.r, DP_EFORMAT, u.r.p, "%lld bytes after the root value in the payload",
                       (long long)(u.r.end - u.r.p));
     /* the writer lists only the buffers its walk met */
     if (rc == 0 && u.next_buf < u.nbufs)
-      rc = dp__err_at(err, DP_EFORMAT, off(&u.r, descriptor_at(&u, fi, (uint32_t)u.next_buf)),
+      rc = rd_fail(&u.r, DP_EFORMAT, descriptor_at(&u, fi, (uint32_t)u.next_buf),
                       "buffer %zu is referred to by no tensor: a frame lists only the buffers its value uses",
                       u.next_buf);
   }

@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "ptrset_impl.h"
 #include "walk.h"
 
 _Static_assert(DP_PATH_HEAD + 40 + DP_PATH_TAIL <= DP_PATH_MAX, "an elided path fits in DP_PATH_MAX");
@@ -21,6 +20,17 @@ void dp__walker_init(dp__walker_t *w) {
   memset(w, 0, sizeof *w);
   dp__table_init(&w->memo);
   w->memo_rc = 1;
+}
+
+void dp__walker_setup(dp__walker_t *w, dp_ptrset_t *set, const dp__sink_t *sink, void *sink_ctx,
+                      uint32_t max_depth, int want_paths, dp_error_t *err) {
+  w->set = set;
+  w->sink = sink;
+  w->sink_ctx = sink_ctx;
+  w->err = err;
+  w->want_paths = want_paths;
+  w->batch = !sink && !want_paths;  /* a pickle's sink needs each buffer id at once */
+  w->max_depth = max_depth ? max_depth : DP_DEFAULT_MAX_DEPTH;
 }
 
 static void release_states(dp__walker_t *w) {
@@ -444,12 +454,8 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
  * (memo for shared ones, prefetch the storage), storage (hash, prefetch the
  * slot), insert — each pass issuing its cache misses together. Inserts keep
  * discovery order. */
-/* A pointer-set failure keeps its code: out of memory, or the set's
- * entry limit. */
-static int set_failed(dp__walker_t *w, int rc) {
-  if (rc == DP_ELIMIT) return dp__err(w->err, rc, "a pointer set holds at most %u entries", UINT32_MAX - 2);
-  return dp__err(w->err, rc, "out of memory growing the pointer set");
-}
+/* A pointer-set failure comes back with its code and message (written by
+ * the set): the walker passes it through. */
 
 static int flush_pending(dp__walker_t *w) {
   dp_storage_t *st[DP_WALK_BATCH + DP_INLINE_MAX];
@@ -492,8 +498,7 @@ static int flush_pending(dp__walker_t *w) {
     if (reserved) __builtin_prefetch(slots + (h[i] & mask), 1);
   }
   if (reserved) {
-    if ((rc = dp__ptrset_add_batch(s, st, h, again, n)) != 0) return set_failed(w, rc);
-    return 0;
+    return dp__ptrset_add_batch(s, st, h, again, n, w->err);
   }
   size_t id = 0;
   for (int i = 0; i < n; i++) {
@@ -502,8 +507,8 @@ static int flush_pending(dp__walker_t *w) {
       continue;
     }
     int is_new;
-    if ((rc = dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new)) != 0)
-      return set_failed(w, rc);
+    if ((rc = dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new, w->err)) != 0)
+      return rc;
   }
   return 0;
 }
@@ -611,8 +616,8 @@ DP_WALK_INLINE int visit_tensor(dp__walker_t *w, dp_value_t v, const int S) {
   size_t id;
   int is_new;
   int rc = dp__ptrset_add_hashed(w->set, st->device, st->base, st->nbytes, dp__ptr_hash(st->device, st->base), &id,
-                                 &is_new);
-  if (rc) return set_failed(w, rc);
+                                 &is_new, w->err);
+  if (rc) return rc;
   if (is_new && w->want_paths && dp__ptrset_set_path(w->set, id, dp__walker_path(w)) != 0)
     return dp__err(w->err, DP_ENOMEM, "out of memory recording a path");
   return S ? w->sink->tensor(w->sink_ctx, v, id) : 0;
@@ -822,15 +827,35 @@ int dp__walk(dp__walker_t *w, dp_value_t root) {
 
 /* ---- scan ---- */
 
+/* A scan's walker is kept with the set it fills, as the set's opaque
+ * scratch (ptrset_impl.h): made at the set's first scan, freed with the
+ * set, so that a steady-state scan allocates nothing. A set is used by one
+ * thread at a time, and so is its walker. */
+static void scan_walker_free(void *p) {
+  dp__walker_destroy(p);
+  dp__free(p, sizeof(dp__walker_t));
+}
+
+static int scan_walker(dp_ptrset_t *set, dp__walker_t **out, dp_error_t *err) {
+  if (DP_LIKELY(set->scratch_free == scan_walker_free)) {
+    *out = set->scratch;
+    return 0;
+  }
+  if (set->scratch_free) return dp__err(err, DP_ESTATE, "dp_scan: the set's scratch is in other use");
+  dp__walker_t *w = dp__alloc(sizeof *w);
+  if (!w) return dp__err(err, DP_ENOMEM, "out of memory allocating the scan's walker");
+  dp__walker_init(w);
+  set->scratch = w;
+  set->scratch_free = scan_walker_free;
+  *out = w;
+  return 0;
+}
+
 int dp_scan(dp_value_t v, const dp_scan_opts_t *opts, dp_ptrset_t *set, dp_error_t *err) {
   if (!set) return dp__err(err, DP_EINVAL, "dp_scan: NULL set");
-  dp__walker_t *w = dp__ptrset_walker(set);
-  w->set = set;
-  w->sink = NULL;
-  w->sink_ctx = NULL;
-  w->err = err;
-  w->want_paths = opts && (opts->flags & DP_SCAN_PATHS);
-  w->batch = !w->want_paths;
-  w->max_depth = (opts && opts->max_depth) ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
+  dp__walker_t *w = NULL;
+  int rc = scan_walker(set, &w, err);
+  if (rc) return rc;
+  dp__walker_setup(w, set, NULL, NULL, opts ? opts->max_depth : 0, opts && (opts->flags & DP_SCAN_PATHS), err);
   return dp__walk(w, v);
 }

@@ -1,7 +1,7 @@
 /* pickler/walk.h — the one walker behind scan and pickle. */
 #ifndef DP_PICKLER_WALK_H
 #define DP_PICKLER_WALK_H
-#include "internal.h"
+#include "ptrset_impl.h"
 
 /* What a walk reports, for pickle. Scan passes no sink: the walker then only
  * feeds the pointer set. */
@@ -25,24 +25,6 @@ typedef struct dp__memo_item {
   const void *key;
   uint64_t index;   /* preorder number */
 } dp__memo_item_t;
-
-/* A bump arena of strings: chunks kept across resets, so that refilling it
- * with what it held before allocates nothing. */
-typedef struct dp__achunk {
-  struct dp__achunk *next;
-  size_t cap;
-  char data[];
-} dp__achunk_t;
-
-typedef struct dp__arena {
-  dp__achunk_t *head, *cur;  /* cur: the chunk being filled (NULL: none yet) */
-  size_t used;               /* bytes used in cur */
-} dp__arena_t;
-
-/* A copy of s[0..n) plus a NUL in the arena, or NULL. */
-char *dp__arena_strdup(dp__arena_t *a, const char *s, size_t n);
-void dp__arena_reset(dp__arena_t *a);
-void dp__arena_free(dp__arena_t *a);
 
 /* Tensors a scan has met but not yet looked into: the tensor, its storage
  * and its hash slot are fetched for a whole batch at a time, so that the
@@ -80,12 +62,14 @@ typedef struct dp__walker {
 
 void dp__walker_init(dp__walker_t *w);
 void dp__walker_destroy(dp__walker_t *w);
+/* Sets a walker up for one walk — the one place its settings are made:
+ * entries go to set; sink NULL is a scan (which then batches its inserts
+ * unless it records paths), else a pickle; max_depth 0 means
+ * DP_DEFAULT_MAX_DEPTH; errors go to err. */
+void dp__walker_setup(dp__walker_t *w, dp_ptrset_t *set, const dp__sink_t *sink, void *sink_ctx,
+                      uint32_t max_depth, int want_paths, dp_error_t *err);
 int dp__walk(dp__walker_t *w, dp_value_t root);
 /* Renders the path of the node being visited into w->path, bounded as
  * ptrset.h states, at a cost bounded by its length; returns it. */
 const char *dp__walker_path(dp__walker_t *w);
-
-/* ptrset internals used by the walker (the hot path is in ptrset_impl.h) */
-int dp__ptrset_set_path(dp_ptrset_t *set, size_t index, const char *path);
-dp__walker_t *dp__ptrset_walker(dp_ptrset_t *set);
 #endif

@@ -781,7 +781,7 @@ Test(cli, the_streamed_reader_fails_cleanly_at_every_allocation_and_matches_the_
       cr_assert_eq(fi.data_len, 64);
       dp_value_t whole;
       cr_assert_eq(dp_unpickle(b, n, NULL, &whole, &e), 0);
-      cr_assert_eq(dp_value_equal(v, whole, DP_EQ_SHARING), 1, "the streamed value differs");
+      cr_assert_eq(dp_value_equal(v, whole, DP_EQ_SHARING, NULL), 1, "the streamed value differs");
       dp_value_t st = dp_seq_get(v, 0);
       cr_assert_null(dp_storage_host_data(dp_tensor_storage(st)), "the data section was kept");
       dp_value_release(whole);

@@ -24,7 +24,7 @@ static dp_ptrset_t *scan_paths(dp_value_t v) {
 
 static void expect_ptr(dp_ptrset_t *set, size_t i, uintptr_t base, const char *path, uint32_t refs) {
   dp_ptr_info_t info;
-  cr_assert_eq(dp_ptrset_get(set, i, &info), 0, "no entry %zu", i);
+  cr_assert_eq(dp_ptrset_get(set, i, &info, NULL), 0, "no entry %zu", i);
   cr_assert_eq((uintptr_t)info.base, base, "entry %zu base %p", i, info.base);
   cr_assert_str_eq(info.path, path);
   cr_assert_eq(info.refs, refs, "entry %zu refs %u, expected %u", i, info.refs, refs);
@@ -159,15 +159,15 @@ Test(pickler, scans_without_paths_count_the_same_across_batches) {
   cr_assert_eq(dp_ptrset_count(with), 101);
   for (size_t i = 0; i < 101; i++) {
     dp_ptr_info_t a, b;
-    OK(dp_ptrset_get(with, i, &a));
-    OK(dp_ptrset_get(without, i, &b));
+    OK(dp_ptrset_get(with, i, &a, T_ERR));
+    OK(dp_ptrset_get(without, i, &b, T_ERR));
     cr_assert(a.base == b.base && a.refs == b.refs && dp_device_equal(a.device, b.device), "entry %zu", i);
     cr_assert_null(b.path);
   }
   size_t at;
-  OK(dp_ptrset_find(without, CUDA0, (void *)0xA000, &at));
+  OK(dp_ptrset_find(without, CUDA0, (void *)0xA000, &at, T_ERR));
   dp_ptr_info_t p;
-  OK(dp_ptrset_get(without, at, &p));
+  OK(dp_ptrset_get(without, at, &p, T_ERR));
   cr_assert_eq(p.refs, 1 + 15, "the shared view once, plus 15 distinct views");
   dp_ptrset_free(with);
   dp_ptrset_free(without);
@@ -204,14 +204,14 @@ Test(pickler, small_lists_of_leaves_are_scanned_in_place_without_losing_shared_o
   cr_assert_eq(dp_ptrset_count(without), dp_ptrset_count(with));
   for (size_t i = 0; i < dp_ptrset_count(with); i++) {
     dp_ptr_info_t a, b;
-    OK(dp_ptrset_get(with, i, &a));
-    OK(dp_ptrset_get(without, i, &b));
+    OK(dp_ptrset_get(with, i, &a, T_ERR));
+    OK(dp_ptrset_get(without, i, &b, T_ERR));
     cr_assert(a.base == b.base && a.refs == b.refs, "entry %zu: refs %u vs %u", i, a.refs, b.refs);
   }
   size_t at;
-  OK(dp_ptrset_find(without, CUDA1, (void *)0xF000, &at));
+  OK(dp_ptrset_find(without, CUDA1, (void *)0xF000, &at, T_ERR));
   dp_ptr_info_t p;
-  OK(dp_ptrset_get(without, at, &p));
+  OK(dp_ptrset_get(without, at, &p, T_ERR));
   cr_assert_eq(p.refs, 1, "the shared tensor is one tensor");
   dp_ptrset_free(with);
   dp_ptrset_free(without);
@@ -344,8 +344,8 @@ Test(pickler, containers_staged_in_place_keep_order_and_counts_across_batches) {
   cr_assert_eq(dp_ptrset_count(without), dp_ptrset_count(with));
   for (size_t i = 0; i < dp_ptrset_count(with); i++) {
     dp_ptr_info_t a, b;
-    OK(dp_ptrset_get(with, i, &a));
-    OK(dp_ptrset_get(without, i, &b));
+    OK(dp_ptrset_get(with, i, &a, T_ERR));
+    OK(dp_ptrset_get(without, i, &b, T_ERR));
     cr_assert(a.base == b.base && a.refs == b.refs && dp_device_equal(a.device, b.device), "entry %zu", i);
   }
   for (size_t j = 0; j < dp_ptrset_ndevices(with); j++) {
@@ -401,8 +401,8 @@ Test(pickler, a_scan_that_runs_out_of_memory_says_so_and_keeps_what_it_met_in_or
     size_t n = dp_ptrset_count(s);
     for (size_t i = 0; i < n; i++) {
       dp_ptr_info_t a, b;
-      OK(dp_ptrset_get(full, i, &a));
-      OK(dp_ptrset_get(s, i, &b));
+      OK(dp_ptrset_get(full, i, &a, T_ERR));
+      OK(dp_ptrset_get(s, i, &b, T_ERR));
       cr_assert(a.base == b.base && dp_device_equal(a.device, b.device), "allocation %ld, entry %zu", k, i);
     }
     for (size_t j = 0; j < dp_ptrset_ndevices(s); j++) {
@@ -410,7 +410,7 @@ Test(pickler, a_scan_that_runs_out_of_memory_says_so_and_keeps_what_it_met_in_or
       for (size_t i = dp_ptrset_first_on(s, j); i != SIZE_MAX; i = dp_ptrset_next_on(s, i), m++) {
         cr_assert(m == 0 || i > prev);
         dp_ptr_info_t p;
-        OK(dp_ptrset_get(s, i, &p));
+        OK(dp_ptrset_get(s, i, &p, T_ERR));
         cr_assert(dp_device_equal(p.device, dp_ptrset_device(s, j)), "allocation %ld, entry %zu", k, i);
         prev = i;
       }
@@ -613,11 +613,11 @@ Test(pickler, round_trip_preserves_sharing_and_cycles) {
   OK(dp_object_set(root, "me", dp_value_retain(root), T_ERR));
   dp_frame_t *f = pickle_ok(root, 0);
   dp_value_t back = unpickle_ok(f);
-  cr_assert_eq(dp_value_equal(root, back, DP_EQ_SHARING), 1);
+  cr_assert_eq(dp_value_equal(root, back, DP_EQ_SHARING, NULL), 1);
   dp_value_t a, b, me;
-  OK(dp_object_get(back, "a", &a));
-  OK(dp_object_get(back, "b", &b));
-  OK(dp_object_get(back, "me", &me));
+  OK(dp_object_get(back, "a", &a, T_ERR));
+  OK(dp_object_get(back, "b", &b, T_ERR));
+  OK(dp_object_get(back, "me", &me, T_ERR));
   cr_assert_eq(a.u.h, b.u.h, "shared list came back as one node");
   cr_assert_eq(dp_seq_get(a, 1).u.h, a.u.h, "self-cycle preserved");
   cr_assert_eq(me.u.h, back.u.h);
@@ -670,7 +670,7 @@ Test(pickler, a_linked_list_of_a_hundred_thousand_objects_scans_pickles_and_unpi
   dp_frame_t *f = pickle_ok(head, 0);
   cr_assert_eq(dp_frame_nbuffers(f), 100000);
   dp_value_t back = unpickle_ok(f);
-  cr_assert_eq(dp_value_equal(head, back, DP_EQ_SHARING), 1);
+  cr_assert_eq(dp_value_equal(head, back, DP_EQ_SHARING, NULL), 1);
   dp_ptrset_clear(set);
   OK(dp_scan(back, NULL, set, T_ERR));
   cr_assert_eq(dp_ptrset_count(set), 100000);
@@ -701,8 +701,8 @@ Test(pickler, for_a_thousand_random_values_scan_matches_the_buffer_table_and_rou
     for (size_t i = 0; i < dp_ptrset_count(set); i++) {
       dp_ptr_info_t p;
       dp_buffer_desc_t b;
-      OK(dp_ptrset_get(set, i, &p));
-      OK(dp_frame_buffer(f, i, &b));
+      OK(dp_ptrset_get(set, i, &p, T_ERR));
+      OK(dp_frame_buffer(f, i, &b, T_ERR));
       cr_assert(dp_device_equal(p.device, b.device) && (uintptr_t)p.base == b.base && p.nbytes == b.nbytes,
                 "value %d buffer %zu", k, i);
     }
@@ -711,14 +711,14 @@ Test(pickler, for_a_thousand_random_values_scan_matches_the_buffer_table_and_rou
     cr_assert_eq(dp_ptrset_count(paths), dp_ptrset_count(set), "value %d", k);
     for (size_t i = 0; i < dp_ptrset_count(set); i++) {
       dp_ptr_info_t a, b;
-      OK(dp_ptrset_get(set, i, &a));
-      OK(dp_ptrset_get(paths, i, &b));
+      OK(dp_ptrset_get(set, i, &a, T_ERR));
+      OK(dp_ptrset_get(paths, i, &b, T_ERR));
       cr_assert(a.base == b.base && a.refs == b.refs, "value %d entry %zu: refs %u vs %u", k, i, a.refs, b.refs);
     }
     dp_ptrset_free(paths);
     with_buffers += dp_ptrset_count(set) > 0;
     dp_value_t back = unpickle_ok(f);
-    cr_assert_eq(dp_value_equal(v, back, DP_EQ_SHARING), 1, "value %d did not round trip", k);
+    cr_assert_eq(dp_value_equal(v, back, DP_EQ_SHARING, NULL), 1, "value %d did not round trip", k);
     dp_value_release(back);
     dp_value_release(v);
     t_pool_free(&pool);
@@ -739,7 +739,7 @@ Test(pickler, customs_come_back_as_generic_objects_and_pickle_back_the_same) {
   cr_assert(dp_object_is_reduced(g));
   cr_assert_str_eq(dp_object_class(g), "Holder");
   dp_value_t st;
-  OK(dp_object_get(g, "__reduce__", &st));
+  OK(dp_object_get(g, "__reduce__", &st, T_ERR));
   cr_assert_eq(dp_value_kind(dp_seq_get(st, 0)), DP_TENSOR);
   dp_ptrset_t *set = scan_paths(back);
   expect_ptr(set, 0, 0x1000, "$[0]<reduce Holder>[0]", 1);
@@ -786,9 +786,9 @@ Test(pickler, a_resolver_rebuilds_only_allowed_types) {
   cr_assert_eq(dp_custom_type(dp_seq_get(back, 0)), &holder_type);
   dp_value_t o2 = dp_seq_get(back, 1), st, inner;
   cr_assert(dp_object_is_reduced(o2), "Outer is not allowed: generic");
-  OK(dp_object_get(o2, "__reduce__", &st));
+  OK(dp_object_get(o2, "__reduce__", &st, T_ERR));
   dp_value_t key = t_str("inner");
-  OK(dp_dict_get(st, key, &inner));
+  OK(dp_dict_get(st, key, &inner, T_ERR));
   dp_value_release(key);
   cr_assert_eq(dp_custom_type(inner), &holder_type, "Holder inside it is allowed: rebuilt");
   dp_frame_free(f);
@@ -804,7 +804,7 @@ Test(pickler, inline_frames_carry_the_buffer_bytes) {
   dp_storage_release(s);
   dp_frame_t *f = pickle_ok(t, DP_PICKLE_INLINE);
   dp_buffer_desc_t b;
-  OK(dp_frame_buffer(f, 0, &b));
+  OK(dp_frame_buffer(f, 0, &b, T_ERR));
   cr_assert_not_null(b.data);
   cr_assert_eq(memcmp(b.data, host, sizeof host), 0);
   dp_value_t back = unpickle_ok(f);
@@ -1221,11 +1221,11 @@ static void expect_one_storage(dp_value_t v, uintptr_t base, const char *path, u
   cr_assert_eq(dp_ptrset_count(with), count);
   cr_assert_eq(dp_ptrset_count(without), count);
   size_t at;
-  OK(dp_ptrset_find(with, CUDA0, (void *)base, &at));
+  OK(dp_ptrset_find(with, CUDA0, (void *)base, &at, T_ERR));
   expect_ptr(with, at, base, path, refs);
-  OK(dp_ptrset_find(without, CUDA0, (void *)base, &at));
+  OK(dp_ptrset_find(without, CUDA0, (void *)base, &at, T_ERR));
   dp_ptr_info_t p;
-  OK(dp_ptrset_get(without, at, &p));
+  OK(dp_ptrset_get(without, at, &p, T_ERR));
   cr_assert_eq(p.refs, refs, "refs %u without paths, expected %u", p.refs, refs);
   dp_ptrset_free(with);
   dp_ptrset_free(without);
@@ -1241,16 +1241,16 @@ Test(pickler, a_reduce_that_exposes_the_parent_runs_once_and_keeps_the_bytes_and
   cr_assert_eq(l->calls, 4, "reduce ran %d times in four walks", l->calls);
   /* the custom as the root of a walk: its state holds what holds it */
   dp_value_t child;
-  OK(dp_object_get(root, "child", &child));
+  OK(dp_object_get(root, "child", &child, T_ERR));
   expect_one_storage(child, 0x1000, "$<reduce NodeType>.u", 1, 1);
   dp_frame_free(pickle_twice_same(child, root));
   /* the parent came back as the root itself */
   dp_value_t back = unpickle_ok(f), st, parent;
-  OK(dp_object_get(back, "child", &child));
+  OK(dp_object_get(back, "child", &child, T_ERR));
   cr_assert(dp_object_is_reduced(child));
-  OK(dp_object_get(child, "__reduce__", &st));
+  OK(dp_object_get(child, "__reduce__", &st, T_ERR));
   dp_value_t k = t_str("parent");
-  OK(dp_dict_get(st, k, &parent));
+  OK(dp_dict_get(st, k, &parent, T_ERR));
   dp_value_release(k);
   cr_assert_eq(parent.u.h, back.u.h, "sharing lost: the parent is a copy");
   dp_frame_t *f2 = pickle_ok(back, 0);
@@ -1286,7 +1286,7 @@ Test(pickler, a_reduce_state_holding_a_tensor_met_in_a_list_of_leaves_counts_it_
   cr_assert_eq(dp_frame_nbuffers(f), 42);
   cr_assert(l1->calls == 8 && l2->calls == 8, "reduce ran %d and %d times in eight walks", l1->calls, l2->calls);
   dp_value_t back = unpickle_ok(f), st;
-  OK(dp_object_get(dp_seq_get(back, 41), "__reduce__", &st));
+  OK(dp_object_get(dp_seq_get(back, 41), "__reduce__", &st, T_ERR));
   cr_assert_eq(dp_seq_get(st, 0).u.h, dp_seq_get(dp_seq_get(back, 0), 0).u.h, "the tensor came back as one");
   dp_frame_free(f);
   dp_value_release(back);
@@ -1307,12 +1307,12 @@ Test(pickler, a_reduce_state_reaching_an_ancestor_through_a_new_container_is_a_b
   cr_assert_eq(l->calls, 6);
   dp_value_t back = unpickle_ok(f), a, c, st, up;
   dp_value_t k = t_str("a");
-  OK(dp_dict_get(back, k, &a));
+  OK(dp_dict_get(back, k, &a, T_ERR));
   dp_value_release(k);
-  OK(dp_object_get(a, "c", &c));
-  OK(dp_object_get(c, "__reduce__", &st));
+  OK(dp_object_get(a, "c", &c, T_ERR));
+  OK(dp_object_get(c, "__reduce__", &st, T_ERR));
   k = t_str("up");
-  OK(dp_dict_get(dp_seq_get(st, 0), k, &up));
+  OK(dp_dict_get(dp_seq_get(st, 0), k, &up, T_ERR));
   dp_value_release(k);
   cr_assert_eq(up.u.h, back.u.h, "the ancestor came back as itself");
   dp_frame_free(f);
@@ -1509,7 +1509,7 @@ Test(pickler, a_long_key_repeated_down_a_deep_value_costs_bounded_path_memory) {
     snprintf(want, sizeof want, "%s<\u2026187 steps\u2026>%s[%zu]", head, tail, i);
     expect_ptr(set, i, 0x100000 + i * 64, want, 1);
     dp_ptr_info_t p;
-    OK(dp_ptrset_get(set, i, &p));
+    OK(dp_ptrset_get(set, i, &p, T_ERR));
     cr_assert_leq(strlen(p.path), DP_PATH_MAX);
   }
   free(head);
@@ -1537,14 +1537,14 @@ static void collect_nodes(dp_value_t v, dp_value_t *out, size_t *n, size_t cap) 
       break;
     case DP_DICT:
       for (size_t i = 0; i < dp_dict_len(v); i++) {
-        OK(dp_dict_item(v, i, &k, &x));
+        OK(dp_dict_item(v, i, &k, &x, T_ERR));
         collect_nodes(k, out, n, cap);
         collect_nodes(x, out, n, cap);
       }
       break;
     case DP_OBJECT:
       for (size_t i = 0; i < dp_object_nattrs(v); i++) {
-        OK(dp_object_attr(v, i, &name, &x));
+        OK(dp_object_attr(v, i, &name, &x, T_ERR));
         collect_nodes(x, out, n, cap);
       }
       break;
@@ -1559,9 +1559,9 @@ static void expect_same_storages(dp_ptrset_t *a, dp_ptrset_t *b, int k) {
   for (size_t i = 0; i < dp_ptrset_count(a); i++) {
     dp_ptr_info_t p, q;
     size_t at;
-    OK(dp_ptrset_get(a, i, &p));
-    cr_assert_eq(dp_ptrset_find(b, p.device, p.base, &at), 0, "value %d: storage %zu missing", k, i);
-    OK(dp_ptrset_get(b, at, &q));
+    OK(dp_ptrset_get(a, i, &p, T_ERR));
+    cr_assert_eq(dp_ptrset_find(b, p.device, p.base, &at, NULL), 0, "value %d: storage %zu missing", k, i);
+    OK(dp_ptrset_get(b, at, &q, T_ERR));
     cr_assert_eq(p.refs, q.refs, "value %d storage %zu: refs %u, then %u", k, i, p.refs, q.refs);
   }
 }
@@ -1598,7 +1598,7 @@ Test(pickler, random_values_behind_a_custom_exposing_any_of_their_nodes_walk_as_
     dp_frame_free(pickle_twice_same(root, v));
     cr_assert_eq(dp_frame_nbuffers(f), dp_ptrset_count(alone));
     dp_value_t back = unpickle_ok(f);
-    cr_assert_eq(dp_value_equal(v, dp_seq_get(back, custom_first ? 1 : 0), DP_EQ_SHARING), 1, "value %d", k);
+    cr_assert_eq(dp_value_equal(v, dp_seq_get(back, custom_first ? 1 : 0), DP_EQ_SHARING, NULL), 1, "value %d", k);
     dp_frame_t *f2 = pickle_ok(back, 0);
     size_t n1, n2;
     const uint8_t *b1 = dp_frame_data(f, &n1), *b2 = dp_frame_data(f2, &n2);
@@ -2490,7 +2490,7 @@ Test(pickler, a_str_shared_by_many_keys_and_dicts_is_hashed_once_when_read) {
   dp__key_bytes_hashed = 0;
   dp_value_t back = unpickle_ok(f);
   cr_assert_eq(dp__key_bytes_hashed, STR, "%llu bytes hashed", (unsigned long long)dp__key_bytes_hashed);
-  cr_assert_eq(dp_value_equal(list, back, DP_EQ_SHARING), 1);
+  cr_assert_eq(dp_value_equal(list, back, DP_EQ_SHARING, NULL), 1);
   dp_value_release(back);
   dp_value_release(list);
   dp_frame_free(f);
@@ -2559,5 +2559,135 @@ Test(pickler, a_list_held_once_after_a_reduce_and_reached_again_counts_its_depth
   dp_ptrset_free(set);
   dp_value_release(root);
   dp_value_collect();
+  ASSERT_NO_LEAK();
+}
+
+/* ---- one error discipline (base.h, ERRORS AND NULL) ---- */
+
+static dp_value_t every_kind_value(void) {
+  dp_value_t root = t_list(), d, tup, o = t_obj("Module");
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_tuple_new(2, &tup, T_ERR));
+  OK(dp_seq_set(tup, 0, t_str("a str long enough to be its own block"), T_ERR));
+  OK(dp_seq_set(tup, 1, t_tensor(CUDA0, 0x10000, 16), T_ERR));
+  for (int i = 0; i < 12; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "layer%d", i);
+    OK(dp_dict_set(d, t_str(name), t_tensor(i % 2 ? CUDA1 : CUDA0, 0x20000 + (uintptr_t)i * 64, 4), T_ERR));
+    OK(dp_object_set(o, name, dp_int(i), T_ERR));
+  }
+  dp_value_t b;
+  OK(dp_bytes_new("\x01\x02", 2, &b, T_ERR));
+  OK(dp_list_append(root, d, T_ERR));
+  OK(dp_list_append(root, tup, T_ERR));
+  OK(dp_list_append(root, o, T_ERR));
+  OK(dp_list_append(root, b, T_ERR));
+  return root;
+}
+
+Test(pickler, an_allocation_failure_while_reading_passes_the_failing_calls_message_through) {
+  /* Constructor and storage failures keep their code and message (they
+   * were all relabelled a bare "out of memory"). */
+  dp_value_t root = every_kind_value();
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  OK(dp_pickle(root, NULL, f, T_ERR));
+  size_t n;
+  const uint8_t *p = dp_frame_data(f, &n);
+  int failed = 0, from_constructor = 0;
+  for (long k = 1; k < 400; k++) {
+    dp_value_t out;
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_unpickle(p, n, NULL, &out, &e);
+    t_fail_at = 0;
+    if (rc == 0) {
+      dp_value_release(out);
+      break;
+    }
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
+    cr_assert_eq(e.code, rc);
+    cr_assert(e.offset >= 0, "allocation %ld: an offset", k);
+    cr_assert(strcmp(e.message, "out of memory") != 0, "allocation %ld: the message says what failed", k);
+    cr_assert(strncmp(e.message, "out of memory", 13) == 0, "%s", e.message);
+    if (strncmp(e.message, "out of memory allocating ", 25) == 0) from_constructor++;
+  }
+  cr_assert_gt(failed, 5);
+  cr_assert_gt(from_constructor, 3, "constructors' own messages come through");
+  dp_frame_free(f);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, the_writers_and_the_sets_first_error_is_kept_with_the_message_of_what_failed) {
+  /* Pickle: the writer's failures are DP_E* codes with their own message
+   * (msgpack-c's -1 was relabelled "out of memory writing the payload");
+   * scan: the set's failures come with the set's message (the walker
+   * relabelled them). */
+  dp_value_t root = every_kind_value();
+  int failed = 0;
+  for (long k = 1; k < 100; k++) {
+    dp_frame_t *f;
+    OK(dp_frame_new(&f, T_ERR));
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_pickle(root, NULL, f, &e);
+    t_fail_at = 0;
+    dp_frame_free(f);
+    if (rc == 0) break;
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
+    cr_assert_eq(e.code, rc);
+    cr_assert(strncmp(e.message, "out of memory growing the frame to ", 35) == 0 ||
+              strcmp(e.message, "out of memory growing the frame's storage list") == 0 ||
+              strncmp(e.message, "out of memory growing a pointer set's ", 38) == 0 ||
+              strncmp(e.message, "out of memory growing the walk ", 31) == 0,
+              "allocation %ld: %s", k, e.message);
+  }
+  cr_assert_gt(failed, 2);
+  failed = 0;
+  for (long k = 1; k < 100; k++) {
+    dp_ptrset_t *s;
+    OK(dp_ptrset_new(&s, T_ERR));
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    dp_scan_opts_t opts = {DP_SCAN_PATHS, 0};
+    int rc = dp_scan(root, &opts, s, &e);
+    t_fail_at = 0;
+    dp_ptrset_free(s);
+    if (rc == 0) break;
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM);
+    cr_assert(strncmp(e.message, "out of memory growing a pointer set's ", 38) == 0 ||
+              strcmp(e.message, "out of memory allocating the scan's walker") == 0 ||
+              strcmp(e.message, "out of memory recording a path") == 0 ||
+              strncmp(e.message, "out of memory growing the walk ", 31) == 0,
+              "allocation %ld: %s", k, e.message);
+  }
+  cr_assert_gt(failed, 2);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, dp_frame_buffer_reports_through_err) {
+  dp_value_t root = every_kind_value();
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_buffer_desc_t d;
+  dp_error_t e;
+  cr_assert_eq(dp_frame_buffer(f, 0, &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_buffer: buffer 0 out of range (the frame has 0)");
+  OK(dp_pickle(root, NULL, f, T_ERR));
+  OK(dp_frame_buffer(f, 12, &d, &e));
+  cr_assert_eq(dp_frame_buffer(f, 13, &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_buffer: buffer 13 out of range (the frame has 13)");
+  cr_assert_eq(dp_frame_buffer(NULL, 0, &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_buffer: NULL frame");
+  dp_frame_free(f);
+  dp_value_release(root);
   ASSERT_NO_LEAK();
 }

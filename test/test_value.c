@@ -83,16 +83,16 @@ Test(value, dict_keeps_insertion_order_and_replaces_in_place) {
   OK(dp_dict_set(d, dp_int(0), dp_int(99), T_ERR));
   cr_assert_eq(dp_dict_len(d), 41);
   dp_value_t k, v;
-  OK(dp_dict_item(d, 0, &k, &v));
+  OK(dp_dict_item(d, 0, &k, &v, T_ERR));
   cr_assert_eq(dp_value_as_int(k), 0);
   cr_assert_eq(dp_value_as_int(v), 99, "replacing keeps the position");
-  OK(dp_dict_item(d, 1, &k, &v));
+  OK(dp_dict_item(d, 1, &k, &v, T_ERR));
   cr_assert_eq(dp_value_as_int(k), 7);
   dp_value_t key = t_str("k");
-  OK(dp_dict_get(d, key, &v));
+  OK(dp_dict_get(d, key, &v, T_ERR));
   cr_assert_eq(dp_value_as_int(v), 1);
   dp_value_release(key);
-  cr_assert_eq(dp_dict_get(d, dp_float(0.0), &v), DP_ENOTFOUND, "int 0 and float 0.0 are different keys");
+  cr_assert_eq(dp_dict_get(d, dp_float(0.0), &v, NULL), DP_ENOTFOUND, "int 0 and float 0.0 are different keys");
   dp_value_release(d);
   ASSERT_NO_LEAK();
 }
@@ -110,7 +110,7 @@ Test(value, dict_rejects_unhashable_keys_and_names_the_kind) {
   cr_assert(dp_value_is_hashable(tup));
   OK(dp_dict_set(d, dp_value_retain(tup), dp_int(2), T_ERR));
   dp_value_t v;
-  OK(dp_dict_get(d, tup, &v));
+  OK(dp_dict_get(d, tup, &v, T_ERR));
   cr_assert_eq(dp_value_as_int(v), 2);
   /* a tuple that contains itself is not hashable */
   OK(dp_seq_set(tup, 1, dp_value_retain(tup), T_ERR));
@@ -132,12 +132,12 @@ Test(value, object_attributes_keep_order_and_are_found_by_name) {
   cr_assert_eq(dp_object_nattrs(o), 30);
   const char *n;
   dp_value_t v;
-  OK(dp_object_attr(o, 3, &n, &v));
+  OK(dp_object_attr(o, 3, &n, &v, T_ERR));
   cr_assert_str_eq(n, "a3");
   cr_assert_eq(dp_value_as_int(v), -3);
-  OK(dp_object_get(o, "a29", &v));
+  OK(dp_object_get(o, "a29", &v, T_ERR));
   cr_assert_eq(dp_value_as_int(v), 29);
-  cr_assert_eq(dp_object_get(o, "nope", &v), DP_ENOTFOUND);
+  cr_assert_eq(dp_object_get(o, "nope", &v, NULL), DP_ENOTFOUND);
   dp_error_t e;
   cr_assert_eq(dp_object_set(o, "", dp_int(1), &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "attribute name must be non-empty UTF-8 without NUL");
@@ -156,12 +156,12 @@ Test(value, long_attribute_names_and_objects_that_outgrow_their_first_block) {
   }
   OK(dp_object_set(o, longname, t_str("v2"), T_ERR));
   dp_value_t v;
-  OK(dp_object_get(o, longname, &v));
+  OK(dp_object_get(o, longname, &v, T_ERR));
   cr_assert_str_eq(dp_str_data(v, NULL), "v2");
   const char *n;
-  OK(dp_object_attr(o, 0, &n, NULL));
+  OK(dp_object_attr(o, 0, &n, NULL, T_ERR));
   cr_assert_str_eq(n, longname);
-  OK(dp_object_attr(o, 2, &n, NULL));
+  OK(dp_object_attr(o, 2, &n, NULL, T_ERR));
   cr_assert_str_eq(n, "short_1");
   cr_assert_eq(dp_object_nattrs(o), 10);
   dp_value_release(o);
@@ -262,13 +262,13 @@ Test(value, every_dtype_has_a_name_and_size) {
   static const size_t sizes[] = {1, 1, 2, 4, 8, 1, 2, 4, 8, 2, 2, 4, 8, 8, 16};
   for (int i = 0; i < DP_DTYPE_COUNT; i++) {
     dp_dtype_t d;
-    cr_assert_eq(dp_dtype_parse(names[i], &d), 0, "%s", names[i]);
+    cr_assert_eq(dp_dtype_parse(names[i], &d, NULL), 0, "%s", names[i]);
     cr_assert_eq(d, (dp_dtype_t)i);
     cr_assert_str_eq(dp_dtype_name(d), names[i]);
     cr_assert_eq(dp_dtype_size(d), sizes[i]);
   }
   dp_dtype_t d;
-  cr_assert_eq(dp_dtype_parse("float8", &d), DP_EINVAL);
+  cr_assert_eq(dp_dtype_parse("float8", &d, NULL), DP_EINVAL);
 }
 
 static int released_storages;
@@ -329,9 +329,9 @@ Test(value, a_cycle_of_objects_is_freed_when_the_last_outside_reference_goes) {
   dp_value_release(a);
   /* b still held: nothing may be freed */
   dp_value_t n;
-  OK(dp_object_get(b, "next", &n));
+  OK(dp_object_get(b, "next", &n, T_ERR));
   cr_assert_str_eq(dp_object_class(n), "Node");
-  OK(dp_object_get(n, "next", &n));
+  OK(dp_object_get(n, "next", &n, T_ERR));
   cr_assert_eq(n.u.h, b.u.h);
   dp_value_release(b);
   ASSERT_NO_LEAK();
@@ -479,8 +479,8 @@ Test(value, equality_is_structural_and_terminates_on_cycles) {
   dp_value_t a = t_list(), b = t_list();
   OK(dp_list_append(a, dp_value_retain(a), T_ERR));
   OK(dp_list_append(b, dp_value_retain(b), T_ERR));
-  cr_assert_eq(dp_value_equal(a, b, 0), 1);
-  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING), 1);
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 1);
+  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING, NULL), 1);
   cr_assert_eq(dp_value_hash(a), dp_value_hash(b));
   /* [s, s] and [s, s'] are equal as trees but differ in sharing */
   dp_value_t s = t_str("x");
@@ -489,12 +489,12 @@ Test(value, equality_is_structural_and_terminates_on_cycles) {
   OK(dp_list_append(x, dp_value_retain(s), T_ERR));
   OK(dp_list_append(y, s, T_ERR));
   OK(dp_list_append(y, t_str("x"), T_ERR));
-  cr_assert_eq(dp_value_equal(x, y, 0), 1);
-  cr_assert_eq(dp_value_equal(x, y, DP_EQ_SHARING), 0);
+  cr_assert_eq(dp_value_equal(x, y, 0, NULL), 1);
+  cr_assert_eq(dp_value_equal(x, y, DP_EQ_SHARING, NULL), 0);
   cr_assert_eq(dp_value_hash(x), dp_value_hash(y));
   OK(dp_list_append(y, dp_int(1), T_ERR));
-  cr_assert_eq(dp_value_equal(x, y, 0), 0);
-  cr_assert_eq(dp_value_equal(dp_float(1.0), dp_int(1), 0), 0);
+  cr_assert_eq(dp_value_equal(x, y, 0, NULL), 0);
+  cr_assert_eq(dp_value_equal(dp_float(1.0), dp_int(1), 0, NULL), 0);
   dp_value_release(a);
   dp_value_release(b);
   dp_value_release(x);
@@ -510,10 +510,10 @@ Test(value, dicts_and_objects_compare_regardless_of_order) {
   OK(dp_dict_set(a, t_str("y"), dp_int(2), T_ERR));
   OK(dp_dict_set(b, t_str("y"), dp_int(2), T_ERR));
   OK(dp_dict_set(b, t_str("x"), dp_int(1), T_ERR));
-  cr_assert_eq(dp_value_equal(a, b, 0), 1);
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 1);
   cr_assert_eq(dp_value_hash(a), dp_value_hash(b));
   OK(dp_dict_set(b, t_str("x"), dp_int(3), T_ERR));
-  cr_assert_eq(dp_value_equal(a, b, 0), 0);
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 0);
   dp_value_release(a);
   dp_value_release(b);
   ASSERT_NO_LEAK();
@@ -525,11 +525,11 @@ Test(value, error_names_and_messages_come_from_one_table) {
   cr_assert_str_eq(dp_err_name(-999), "DP_UNKNOWN");
   char buf[16];
   dp_device_t d;
-  cr_assert_eq(dp_device_parse("cuda:12", &d), 0);
+  cr_assert_eq(dp_device_parse("cuda:12", &d, NULL), 0);
   cr_assert_str_eq(dp_device_format(d, buf, sizeof buf), "cuda:12");
-  cr_assert_eq(dp_device_parse("cuda:256", &d), DP_EINVAL);
-  cr_assert_eq(dp_device_parse("cuda:01", &d), DP_EINVAL);
-  cr_assert_eq(dp_device_parse("tpu:0", &d), DP_EINVAL);
+  cr_assert_eq(dp_device_parse("cuda:256", &d, NULL), DP_EINVAL);
+  cr_assert_eq(dp_device_parse("cuda:01", &d, NULL), DP_EINVAL);
+  cr_assert_eq(dp_device_parse("tpu:0", &d, NULL), DP_EINVAL);
 }
 
 static dp_value_t big_ring(int n) {
@@ -659,7 +659,7 @@ Test(value, a_cycle_released_from_several_threads_at_once_is_freed) {
     pthread_barrier_t go;
     pthread_barrier_init(&go, NULL, RING_THREADS + 1);
     for (int i = 0; i < RING_THREADS; i++) {
-      for (int k = 0; k < 4; k++) OK(dp_object_get(cur, "next", &cur));
+      for (int k = 0; k < 4; k++) OK(dp_object_get(cur, "next", &cur, T_ERR));
       args[i].node = dp_value_retain(cur);
       args[i].go = &go;
     }
@@ -851,5 +851,103 @@ Test(value, a_container_buffered_by_an_idle_thread_is_freed_whole_when_released_
   long live = atomic_load(&t_live_blocks);
   worker_stop(&w_owner);
   cr_assert_eq(live, 0, "%ld blocks waited for the thread that buffered the container", live);
+  ASSERT_NO_LEAK();
+}
+
+/* ---- one error discipline (base.h, ERRORS AND NULL) ---- */
+
+Test(value, null_handles_and_other_kinds_follow_the_one_rule) {
+  dp_error_t e;
+  /* accessors: a neutral value, no crash */
+  cr_assert(dp_device_equal(dp_storage_device(NULL), t_dev(DP_DEVICE_CPU, 0)));
+  cr_assert_null(dp_storage_base(NULL));
+  cr_assert_eq(dp_storage_nbytes(NULL), 0);
+  cr_assert_null(dp_storage_host_data(NULL));
+  cr_assert_null(dp_device_format(t_dev(DP_DEVICE_CUDA, 1), NULL, 16));
+  /* fallible calls: DP_EINVAL naming the function and the argument */
+  cr_assert_eq(dp_dtype_parse(NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dtype_parse: NULL name");
+  dp_device_t d;
+  cr_assert_eq(dp_device_parse("cuda:", &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_parse: 'cuda:' is not a device (cpu, cuda:N or host:N, N 0..255)");
+  cr_assert_eq(dp_device_parse("cpu", NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_parse: NULL out");
+  dp_dtype_t dt;
+  cr_assert_eq(dp_dtype_parse("float8", &dt, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dtype_parse: unknown dtype 'float8'");
+  /* a value of another kind is misuse (DP_EINVAL), not a miss */
+  dp_value_t v;
+  cr_assert_eq(dp_dict_get(dp_int(1), dp_int(1), &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dict_get: expected dict, got int");
+  cr_assert_eq(dp_object_get(dp_none(), "x", &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_get: expected object, got none");
+  ASSERT_NO_LEAK();
+}
+
+Test(value, lookups_and_items_report_through_err) {
+  dp_value_t d, o, v, k;
+  dp_error_t e;
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_dict_set(d, t_str("a"), dp_int(1), T_ERR));
+  cr_assert_eq(dp_dict_get(d, dp_int(7), &v, &e), DP_ENOTFOUND);
+  cr_assert_str_eq(e.message, "dp_dict_get: no such key");
+  cr_assert_eq(e.code, DP_ENOTFOUND);
+  cr_assert_eq(dp_dict_item(d, 3, &k, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dict_item: index 3 out of range (length 1)");
+  o = t_obj("M");
+  cr_assert_eq(dp_object_get(o, "w", &v, &e), DP_ENOTFOUND);
+  cr_assert_str_eq(e.message, "dp_object_get: no attribute 'w'");
+  cr_assert_eq(dp_object_attr(o, 0, NULL, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_attr: index 0 out of range (0 attributes)");
+  dp_value_release(d);
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, an_equality_that_runs_out_of_memory_says_so_through_err) {
+  dp_value_t a = t_list(), b = t_list(), s = t_list();
+  for (int i = 0; i < 40; i++) {
+    OK(dp_list_append(a, dp_value_retain(s), T_ERR));
+    OK(dp_list_append(b, dp_value_retain(s), T_ERR));
+  }
+  int failed = 0;
+  for (long k = 1; k < 50; k++) {
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_value_equal(a, b, DP_EQ_SHARING, &e);
+    t_fail_at = 0;
+    if (rc == 1) break;
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %d", k, rc);
+    cr_assert_eq(e.code, DP_ENOMEM);
+    cr_assert_str_eq(e.message, "out of memory comparing values (the comparison's node bijection)");
+  }
+  cr_assert_gt(failed, 0);
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_value_release(s);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, an_insert_without_replace_reports_a_duplicate_outside_the_public_codes) {
+  /* The reader inserts without replace: a duplicate comes back as an
+   * internal positive result, which no DP_E* code can be mistaken for
+   * (it was DP_EINVAL, the code of any misuse). */
+  dp_value_t d, o;
+  dp_error_t e;
+  dp_error_clear(&e);
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp__dict_set_checked(d, t_str("k"), dp_int(1), 0, &e));
+  int rc = dp__dict_set_checked(d, t_str("k"), dp_int(2), 0, &e);
+  cr_assert_eq(rc, DP__EXISTS, "%d", rc);
+  cr_assert_gt(rc, 0, "not in the public code space");
+  cr_assert_eq(e.code, 0, "not an error: err is untouched");
+  o = t_obj("M");
+  OK(dp__object_set_n(o, "x", 1, dp_int(1), 0, &e));
+  cr_assert_eq(dp__object_set_n(o, "x", 1, dp_int(2), 0, &e), DP__EXISTS);
+  cr_assert_eq(dp__dict_set_checked(dp_int(0), dp_int(1), dp_int(2), 0, &e), DP_EINVAL, "misuse stays DP_EINVAL");
+  dp_value_release(d);
+  dp_value_release(o);
   ASSERT_NO_LEAK();
 }

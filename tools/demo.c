@@ -148,7 +148,7 @@ static void print_ptrs(const char *title, dp_value_t v) {
   printf("%s:\n", title);
   for (size_t i = 0; i < dp_ptrset_count(set); i++) {
     dp_ptr_info_t p;
-    dp_ptrset_get(set, i, &p);
+    dp_ptrset_get(set, i, &p, NULL);
     printf("  %-7s %p %8zu bytes  refs %u  %s\n", dp_device_format(p.device, dev, sizeof dev), p.base, p.nbytes, p.refs,
            p.path);
   }
@@ -168,7 +168,7 @@ static void print_events(const char *who, dp_future_t *f) {
 static int add_one(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
   (void)ud;
   dp_value_t layer = dp_future_value(parent), weight;
-  int rc = dp_object_get(layer, "weight", &weight);
+  int rc = dp_object_get(layer, "weight", &weight, NULL);
   if (rc) return demo_err(err, rc, "the parent's value has no weight");
   dp_value_t out = device_tensor();  /* on the callback's stream (current) */
   dp_stream_t *cur;
@@ -280,7 +280,7 @@ int demo_run(int argc, char **argv) {
   CHECK(dp_set_current_stream(consumer, NULL, &e) == 0, "current stream: %s", e.message);
   CHECK(dp_future_wait(child, -1, &e) == 0, "wait: %s", e.message);
   dp_value_t out = dp_none();
-  dp_object_get(dp_future_value(child), "out", &out);
+  dp_object_get(dp_future_value(child), "out", &out, NULL);
   unsigned char *host = malloc(NBYTES);
   memset(host, 0, NBYTES);
   CHECK(dp_memcpy_async(consumer, host, base_of(out), NBYTES, &e) == 0, "copy: %s", e.message);
@@ -298,7 +298,7 @@ int demo_run(int argc, char **argv) {
   const uint8_t *bytes = dp_frame_data(frame, &n);
   CHECK(dp_unpickle(bytes, n, NULL, &back, &e) == 0, "unpickle: %s at byte %lld", e.message, (long long)e.offset);
   dp_value_t out2 = dp_none();
-  if (dp_object_get(back, "out", &out2) == 0 && dp_value_kind(out2) == DP_TENSOR) {
+  if (dp_object_get(back, "out", &out2, NULL) == 0 && dp_value_kind(out2) == DP_TENSOR) {
     const unsigned char *copy = dp_storage_host_data(dp_tensor_storage(out2));
     CHECK(copy != NULL, "the inline frame carried no bytes");
     if (copy && check_bytes(copy, 0x42, "the frame's copy")) printf("frame: %zu-byte inline frame, round trip checked\n", n);

@@ -511,7 +511,7 @@ static int cmd_dump(int argc, char **argv) {
     printf("%s],\n  \"pointers\": [", dp_ptrset_ndevices(set) ? "\n  " : "");
     for (size_t i = 0; i < count && !ferror(stdout); i++) {
       dp_ptr_info_t p;
-      dp_ptrset_get(set, i, &p);
+      dp_ptrset_get(set, i, &p, NULL);
       printf("%s\n    {\n      \"device\": \"%s\",\n      \"ptr\": \"0x%" PRIxPTR "\",\n      \"nbytes\": %zu,\n"
              "      \"path\": ", i ? "," : "", dp_device_format(p.device, dev, sizeof dev), (uintptr_t)p.base, p.nbytes);
       json_str(p.path ? p.path : "");
@@ -522,7 +522,7 @@ static int cmd_dump(int argc, char **argv) {
     printf("%-8s  %-18s  %12s  %5s  %s\n", "DEVICE", "POINTER", "BYTES", "REFS", "FIRST PATH");
     for (size_t i = 0; i < count && !ferror(stdout); i++) {
       dp_ptr_info_t p;
-      dp_ptrset_get(set, i, &p);
+      dp_ptrset_get(set, i, &p, NULL);
       printf("%-8s  0x%016" PRIxPTR "  %12zu  %5u  %s\n", dp_device_format(p.device, dev, sizeof dev),
              (uintptr_t)p.base, p.nbytes, p.refs, p.path ? p.path : "");
     }

@@ -70,7 +70,7 @@ static size_t render_step(dp_value_t c, size_t i, char *out) {
     case DP_TUPLE: return (size_t)snprintf(out, STEP_MAX, "[%zu]", i);
     case DP_DICT: {
       dp_value_t k;
-      dp_dict_item(c, i, &k, NULL);
+      dp_dict_item(c, i, &k, NULL, NULL);
       return vjson_step_key(k, out);
     }
     case DP_OBJECT:
@@ -79,7 +79,7 @@ static size_t render_step(dp_value_t c, size_t i, char *out) {
         return vjson_step_reduce(cls, strlen(cls), out);
       } else {
         const char *name;
-        dp_object_attr(c, i, &name, NULL);
+        dp_object_attr(c, i, &name, NULL, NULL);
         return vjson_step_name(name, strlen(name), out);
       }
     default: return 0;
@@ -196,10 +196,10 @@ static dp_value_t child_at(dp_value_t v, size_t i) {
   switch (dp_value_kind(v)) {
     case DP_LIST:
     case DP_TUPLE: return dp_seq_get(v, i);
-    case DP_DICT: dp_dict_item(v, i, NULL, &c); return c;
+    case DP_DICT: dp_dict_item(v, i, NULL, &c, NULL); return c;
     case DP_OBJECT:
-      if (dp_object_is_reduced(v)) dp_object_get(v, "__reduce__", &c);
-      else dp_object_attr(v, i, NULL, &c);
+      if (dp_object_is_reduced(v)) dp_object_get(v, "__reduce__", &c, NULL);
+      else dp_object_attr(v, i, NULL, &c, NULL);
       return c;
     default: return c;
   }

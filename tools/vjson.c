@@ -751,7 +751,7 @@ static int check_err(rd_t *r, int rc, dp_error_t *e) {
 }
 
 static int parse_device(rd_t *r, json_t *dj, dp_device_t *d) {
-  if (!json_is_string(dj) || dp_device_parse(json_string_value(dj), d) != 0)
+  if (!json_is_string(dj) || dp_device_parse(json_string_value(dj), d, NULL) != 0)
     return fail(r, DP_EINVAL, "tensor device must be \"cpu\", \"cuda:N\" or \"host:N\"");
   return 0;
 }
@@ -814,7 +814,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   size_t nbytes = (size_t)json_integer_value(nj);
   dp_dtype_t dtype;
   json_t *dj = json_object_get(t, "dtype");
-  if (!json_is_string(dj) || dp_dtype_parse(json_string_value(dj), &dtype) != 0)
+  if (!json_is_string(dj) || dp_dtype_parse(json_string_value(dj), &dtype, NULL) != 0)
     return fail(r, DP_EINVAL, "unknown tensor dtype %s", dj ? shown(dj, 0, r->scratch) : "(missing)");
   int64_t shape[DP_TENSOR_MAX_DIMS], strides[DP_TENSOR_MAX_DIMS];
   int nd, ns;
@@ -843,7 +843,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   /* One storage per (device, ptr); its tensors agree on its size and bytes. */
   size_t si;
   dp_storage_t *st;
-  if (dp_ptrset_find(r->stset, dev, (void *)(uintptr_t)ptr, &si) == 0) {
+  if (dp_ptrset_find(r->stset, dev, (void *)(uintptr_t)ptr, &si, NULL) == 0) {
     st = r->storages[si];
     const void *had = dp_storage_host_data(st);
     if (dp_storage_nbytes(st) != nbytes) {
@@ -1002,7 +1002,7 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
         dp_value_release(key);
         return fail(r, DP_EINVAL, "dict key refers to a node that is still being built");
       }
-      if (dp_dict_get(v, key, &dummy) == 0) {
+      if (dp_dict_get(v, key, &dummy, NULL) == 0) {
         dp_value_release(key);
         return fail(r, DP_EINVAL, "duplicate dict key");
       }
@@ -1274,7 +1274,7 @@ static int count_refs(wr_t *w, dp_value_t v, int depth) {
     case DP_DICT:
       for (size_t i = 0; i < dp_dict_len(v) && !rc; i++) {
         dp_value_t k, x;
-        dp_dict_item(v, i, &k, &x);
+        dp_dict_item(v, i, &k, &x, NULL);
         rc = count_refs(w, k, depth + 1);
         if (!rc) rc = count_refs(w, x, depth + 1);
       }
@@ -1282,7 +1282,7 @@ static int count_refs(wr_t *w, dp_value_t v, int depth) {
     case DP_OBJECT:
       for (size_t i = 0; i < dp_object_nattrs(v) && !rc; i++) {
         dp_value_t x;
-        dp_object_attr(v, i, NULL, &x);
+        dp_object_attr(v, i, NULL, &x, NULL);
         rc = count_refs(w, x, depth + 1);
       }
       break;
@@ -1527,14 +1527,14 @@ static void emit_body(wr_t *w, dp_value_t v) {
       int plain = 1;
       for (size_t i = 0; i < dp_dict_len(v) && plain; i++) {
         dp_value_t k;
-        dp_dict_item(v, i, &k, NULL);
+        dp_dict_item(v, i, &k, NULL, NULL);
         plain = plain_key(w, k);
       }
       outer = plain ? 1 : tag_open(w, "$dict");
       open_(w, plain ? '{' : '[', &first);
       for (size_t i = 0; i < dp_dict_len(v); i++) {
         dp_value_t k, x;
-        dp_dict_item(v, i, &k, &x);
+        dp_dict_item(v, i, &k, &x, NULL);
         if (plain) {
           const char *ks = dp_str_data(k, &n);
           key(w, ks, n, &first);
@@ -1559,7 +1559,7 @@ static void emit_body(wr_t *w, dp_value_t v) {
       const char *cls = dp_object_class(v);
       if (dp_object_is_reduced(v)) {
         dp_value_t st = dp_none();
-        dp_object_get(v, "__reduce__", &st);
+        dp_object_get(v, "__reduce__", &st, NULL);
         outer = tag_open(w, "$reduce");
         put_string(w, cls, strlen(cls));
         key(w, "state", 5, &outer);
@@ -1574,7 +1574,7 @@ static void emit_body(wr_t *w, dp_value_t v) {
       for (size_t i = 0; i < dp_object_nattrs(v); i++) {
         const char *name;
         dp_value_t x;
-        dp_object_attr(v, i, &name, &x);
+        dp_object_attr(v, i, &name, &x, NULL);
         key(w, name, strlen(name), &first);
         emit(w, x);
       }

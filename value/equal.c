@@ -110,18 +110,13 @@ static int tensor_equal(dp_tensor_t *x, dp_tensor_t *y) {
 
 static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
   if (a.kind != b.kind) return 2;
-  switch (a.kind) {
-    case DP_NONE: return 0;
-    case DP_BOOL: case DP_INT: case DP_FLOAT: return a.u.i == b.u.i ? 0 : 2;
-    default: break;
-  }
+  if (a.kind < DP_STR) return dp__leaf_equal(a, b) ? 0 : 2;
   int m = eq_memo(e, a, b);
   if (m != 0) return m == 1 ? 0 : m;
   switch (a.kind) {
     case DP_STR:
     case DP_BYTES:
-      return DP_STROBJ(a)->len == DP_STROBJ(b)->len &&
-             memcmp(DP_STROBJ(a)->data, DP_STROBJ(b)->data, DP_STROBJ(a)->len) == 0 ? 0 : 2;
+      return dp__leaf_equal(a, b) ? 0 : 2;
     case DP_TENSOR:
       return tensor_equal(DP_TENSOR(a), DP_TENSOR(b)) ? 0 : 2;
     case DP_CUSTOM:
@@ -139,7 +134,7 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
       if (x->len != DP_DICT(b)->len) return 2;
       for (size_t i = 0; i < x->len; i++) {
         dp_value_t other;
-        if (dp_dict_get(b, x->entries[i].key, &other) != 0) return 2;
+        if (dp_dict_get(b, x->entries[i].key, &other, NULL) != 0) return 2;
         if ((e->flags & DP_EQ_SHARING) && eq_push(e, x->entries[i].key, DP_DICT(b)->entries[i].key) != 0)
           return DP_ENOMEM;
         if (eq_push(e, x->entries[i].val, other) != 0) return DP_ENOMEM;
@@ -153,7 +148,7 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
         return 2;
       for (size_t i = 0; i < x->len; i++) {
         dp_value_t other;
-        if (dp_object_get(b, dp__attr_name(&x->attrs[i]), &other) != 0) return 2;
+        if (dp_object_get(b, dp__attr_name(&x->attrs[i]), &other, NULL) != 0) return 2;
         if (eq_push(e, x->attrs[i].val, other) != 0) return DP_ENOMEM;
       }
       return 0;
@@ -162,7 +157,7 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
   return 2;
 }
 
-int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags) {
+int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t *err) {
   eq_t e;
   memset(&e, 0, sizeof e);
   e.flags = flags;
@@ -179,50 +174,18 @@ int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags) {
   ps_free(&e.seen);
   ps_free(&e.ab);
   ps_free(&e.ba);
-  if (rc < 0) return rc;
+  if (rc < 0) return dp__err(err, rc, "out of memory comparing values (the comparison's %s)",
+                             flags & DP_EQ_SHARING ? "node bijection" : "stack and pairs");
   return rc == 0 ? 1 : 0;
 }
 
-/* Hash of the unrolled tree, cut at a depth and a node budget so that it
- * terminates on cycles and stays cheap on huge values. Bisimilar values
- * have the same unrolling, hence the same hash. Dicts and objects hash
- * their size and class only, because equality ignores their order. Keyed
- * with the process's secret (table.h), as any table using it must be. */
+/* The hash is the one the dict keys use (dp__hash_value, value.c), cut at
+ * a depth and a node budget so that it terminates on cycles and stays cheap
+ * on huge values. */
 #define HASH_DEPTH 12
-
-static uint64_t mix(uint64_t h, uint64_t x) {
-  uint64_t pair[2] = {h, x};
-  return dp__hash_bytes(pair, sizeof pair, 0);
-}
-
-static uint64_t hash_rec(dp_value_t v, int depth, size_t *budget) {
-  uint64_t h = v.kind;
-  if (*budget == 0) return h;
-  (*budget)--;
-  switch (v.kind) {
-    case DP_NONE: return h;
-    case DP_BOOL: case DP_INT: case DP_FLOAT: return mix(h, (uint64_t)v.u.i);
-    case DP_STR: case DP_BYTES: return mix(h, dp__hash_bytes(DP_STROBJ(v)->data, DP_STROBJ(v)->len, 0));
-    case DP_TENSOR: {
-      dp_tensor_t *t = DP_TENSOR(v);
-      h = mix(h, (uint64_t)(uintptr_t)t->storage->base);
-      h = mix(h, t->dtype | ((uint64_t)t->ndim << 8));
-      return mix(h, dp__hash_bytes(t->dims, 2 * (size_t)t->ndim * sizeof(int64_t), 0));
-    }
-    case DP_CUSTOM: return mix(h, (uint64_t)(uintptr_t)v.u.h);
-    case DP_DICT: return mix(h, DP_DICT(v)->len);
-    case DP_OBJECT: return mix(mix(h, DP_OBJ(v)->len), dp__hash_bytes(DP_OBJ(v)->class_name, DP_OBJ(v)->class_len, 0));
-    default: {
-      dp_seq_t *s = DP_SEQ(v);
-      h = mix(h, s->len);
-      if (depth >= HASH_DEPTH) return h;
-      for (size_t i = 0; i < s->len && *budget; i++) h = mix(h, hash_rec(s->items[i], depth + 1, budget));
-      return h;
-    }
-  }
-}
+#define HASH_BUDGET 256
 
 uint64_t dp_value_hash(dp_value_t v) {
-  size_t budget = 256;
-  return hash_rec(v, 0, &budget);
+  size_t budget = HASH_BUDGET;
+  return dp__hash_value(v, 0, HASH_DEPTH, &budget);
 }

@@ -14,6 +14,9 @@ void dp__release_leaf(dp_heap_t *h);
 /* str or bytes without validation: the caller has checked the text. */
 int dp__strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_error_t *err);
 
+/* Inserts (steals key and val). Without allow_replace a key or name already
+ * there is DP__EXISTS (positive, internal: err untouched, key and val
+ * released); any failure is a DP_E* code with its message in err. */
 int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int allow_replace,
                          dp_error_t *err);
 int dp__object_new_n(const char *cls, size_t len, size_t nattrs, dp_value_t *out, dp_error_t *err);

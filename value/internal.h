@@ -143,6 +143,25 @@ static inline uint32_t dp__rc(const dp_heap_t *h) {
 /* Bytes of str/bytes dict keys hashed on this thread (a test counter). */
 extern _Thread_local uint64_t dp__key_bytes_hashed;
 
+/* The one hash of values (value.c): dict keys and dp_value_hash. Cut below
+ * max_depth levels and after *budget container nodes. */
+uint64_t dp__hash_value(dp_value_t v, int depth, int max_depth, size_t *budget);
+
+/* The one equality of leaves (none, bool, int, float bitwise, str, bytes)
+ * of the same kind: dict keys and dp_value_equal. */
+static inline int dp__leaf_equal(dp_value_t a, dp_value_t b) {
+  switch (a.kind) {
+    case DP_NONE: return 1;
+    case DP_STR:
+    case DP_BYTES:
+      return a.u.h == b.u.h || (((dp_strobj_t *)a.u.h)->len == ((dp_strobj_t *)b.u.h)->len &&
+                                __builtin_memcmp(((dp_strobj_t *)a.u.h)->data, ((dp_strobj_t *)b.u.h)->data,
+                                                 ((dp_strobj_t *)a.u.h)->len) == 0);
+    default:
+      return a.u.i == b.u.i;  /* bool, int, and float bitwise */
+  }
+}
+
 /* Reduced-object helpers: the state stored in a stand-in object. */
 dp_value_t dp__reduced_state(dp_value_t obj);
 

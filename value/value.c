@@ -40,6 +40,10 @@ static int oom(dp_error_t *err, const char *what) {
   return dp__err(err, DP_ENOMEM, "out of memory allocating %s", what);
 }
 
+static int too_many(dp_error_t *err, const char *what, const char *items) {
+  return dp__err(err, DP_ELIMIT, "%s holds at most %u %s", what, UINT32_MAX - 2, items);
+}
+
 static int kind_mismatch(dp_error_t *err, const char *fn, dp_value_t v, const char *want) {
   return dp__err(err, DP_EINVAL, "%s: expected %s, got %s", fn, want, dp_kind_name(dp_value_kind(v)));
 }
@@ -243,55 +247,75 @@ bool dp_value_is_hashable(dp_value_t key) {
  * it instead of timing it. */
 _Thread_local uint64_t dp__key_bytes_hashed;
 
-/* Keyed with the process's secret (table.h): keys a frame chose to collide
- * under a known hash do not collide here. */
-static uint64_t key_hash(dp_value_t k) {
-  switch (k.kind) {
+/* The one hash of values: dict keys here, dp_value_hash (equal.c) for any
+ * value. Keyed with the process's secret (table.h): keys a frame chose to
+ * collide under a known hash do not collide here. It hashes the value as a
+ * tree, cut below `max_depth` levels and after `*budget` nodes, so that it
+ * terminates on cycles; equal trees are cut alike, so values equal under
+ * dp_value_equal(a, b, 0) hash equal. Dicts and objects hash their size
+ * (and class) only, as equality ignores their order. A key is a bounded
+ * tree (dp_value_is_hashable): its hash is never cut. */
+static uint64_t mix(uint64_t h, uint64_t x, uint32_t kind) {
+  uint64_t pair[2] = {h, x};
+  return dp__hash_bytes(pair, sizeof pair, kind);
+}
+
+uint64_t dp__hash_value(dp_value_t v, int depth, int max_depth, size_t *budget) {
+  switch (v.kind) {
+    case DP_NONE: case DP_BOOL: case DP_INT: case DP_FLOAT:
+      return dp__hash_u64(v.kind == DP_NONE ? 0 : (uint64_t)v.u.i, v.kind);
     case DP_STR:
     case DP_BYTES: {
-      dp_strobj_t *s = DP_STROBJ(k);
+      dp_strobj_t *s = DP_STROBJ(v);
       uint64_t h = dp__load_relaxed(&s->hash);
       if (!h) {
         dp__key_bytes_hashed += s->len;
-        h = dp__hash_bytes(s->data, s->len, k.kind);
+        h = dp__hash_bytes(s->data, s->len, v.kind);
         dp__store_relaxed(&s->hash, h);
       }
       return h;
     }
-    case DP_TUPLE: {
-      dp_seq_t *s = DP_SEQ(k);
-      uint64_t h = dp__hash_u64(s->len, DP_TUPLE);
-      for (size_t i = 0; i < s->len; i++) {
-        uint64_t pair[2] = {h, key_hash(s->items[i])};
-        h = dp__hash_bytes(pair, sizeof pair, DP_TUPLE);
-      }
+    default: break;
+  }
+  if (*budget == 0) return dp__hash_u64(0, v.kind);
+  (*budget)--;
+  switch (v.kind) {
+    case DP_TENSOR: {
+      dp_tensor_t *t = DP_TENSOR(v);
+      uint64_t h = dp__hash_u64((uint64_t)(uintptr_t)t->storage->base, DP_TENSOR);
+      h = mix(h, t->dtype | ((uint64_t)t->ndim << 8), DP_TENSOR);
+      return mix(h, dp__hash_bytes(t->dims, 2 * (size_t)t->ndim * sizeof(int64_t), DP_TENSOR), DP_TENSOR);
+    }
+    case DP_CUSTOM: return dp__hash_u64((uint64_t)(uintptr_t)v.u.h, DP_CUSTOM);
+    case DP_DICT: return dp__hash_u64(DP_DICT(v)->len, DP_DICT);
+    case DP_OBJECT:
+      return mix(dp__hash_u64(DP_OBJ(v)->len, DP_OBJECT), dp__hash_bytes(DP_OBJ(v)->class_name, DP_OBJ(v)->class_len,
+                                                                         DP_OBJECT), DP_OBJECT);
+    default: {  /* list, tuple */
+      dp_seq_t *s = DP_SEQ(v);
+      uint64_t h = dp__hash_u64(s->len, v.kind);
+      if (depth >= max_depth) return h;
+      for (size_t i = 0; i < s->len && *budget; i++)
+        h = mix(h, dp__hash_value(s->items[i], depth + 1, max_depth, budget), v.kind);
       return h;
     }
-    default:
-      return dp__hash_u64(k.kind == DP_NONE ? 0 : (uint64_t)k.u.i, k.kind);
   }
+}
+
+static inline uint64_t key_hash(dp_value_t k) {
+  size_t budget = SIZE_MAX;
+  return dp__hash_value(k, 0, KEY_MAX_DEPTH + 1, &budget);
 }
 
 static int key_equal(dp_value_t a, dp_value_t b) {
   if (a.kind != b.kind) return 0;
-  switch (a.kind) {
-    case DP_NONE: return 1;
-    case DP_STR:
-    case DP_BYTES:
-      if (a.u.h == b.u.h) return 1;
-      return DP_STROBJ(a)->len == DP_STROBJ(b)->len &&
-             memcmp(DP_STROBJ(a)->data, DP_STROBJ(b)->data, DP_STROBJ(a)->len) == 0;
-    case DP_TUPLE: {
-      if (a.u.h == b.u.h) return 1;
-      dp_seq_t *x = DP_SEQ(a), *y = DP_SEQ(b);
-      if (x->len != y->len) return 0;
-      for (size_t i = 0; i < x->len; i++)
-        if (!key_equal(x->items[i], y->items[i])) return 0;
-      return 1;
-    }
-    default:
-      return a.u.i == b.u.i;  /* bool, int, and float bitwise */
-  }
+  if (a.kind != DP_TUPLE) return dp__leaf_equal(a, b);
+  if (a.u.h == b.u.h) return 1;
+  dp_seq_t *x = DP_SEQ(a), *y = DP_SEQ(b);
+  if (x->len != y->len) return 0;
+  for (size_t i = 0; i < x->len; i++)
+    if (!key_equal(x->items[i], y->items[i])) return 0;
+  return 1;
 }
 
 /* ---- the index shared by dict and object ----
@@ -406,7 +430,7 @@ int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int al
     if (!allow_replace) {
       dp_value_release(key);
       dp_value_release(val);
-      return dp__err(err, DP_EINVAL, "duplicate dict key");
+      return DP__EXISTS;
     }
     dp_value_t old = d->entries[at].val;
     d->entries[at].val = val;
@@ -414,22 +438,24 @@ int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int al
     dp_value_release(old);
     return 0;
   }
-  if (d->len >= UINT32_MAX - 1 ||
-      (d->len == d->cap &&
-       dp__grow_inl((void **)&d->entries, &d->cap, d->len + 1, sizeof(dp_entry_t), d->inl) != 0)) {
+  int rc = d->len >= UINT32_MAX - 1 ? too_many(err, "a dict", "entries") : 0;
+  if (!rc && d->len == d->cap &&
+      dp__grow_inl((void **)&d->entries, &d->cap, d->len + 1, sizeof(dp_entry_t), d->inl) != 0)
+    rc = oom(err, "dict entries");
+  if (rc) {
     dp_value_release(key);
     dp_value_release(val);
-    return oom(err, "dict entries");
+    return rc;
   }
   d->entries[d->len].key = key;
   d->entries[d->len].val = val;
   d->entries[d->len].hash = h;
   d->len++;
-  if (index_add(&d->index, &d->index_cap, d->len, h, dict_hash_at, d->entries) != 0) {
+  if ((rc = index_add(&d->index, &d->index_cap, d->len, h, dict_hash_at, d->entries)) != 0) {
     d->len--;
     dp_value_release(key);
     dp_value_release(val);
-    return oom(err, "dict index");
+    return rc == DP_ELIMIT ? too_many(err, "a dict", "entries") : oom(err, "dict index");
   }
   return 0;
 }
@@ -438,19 +464,22 @@ int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error_t *err
   return dp__dict_set_checked(dict, key, val, 1, err);
 }
 
-int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val) {
-  if (dict.kind != DP_DICT || !dp_value_is_hashable(key)) return DP_ENOTFOUND;
+int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val, dp_error_t *err) {
+  if (dict.kind != DP_DICT) return kind_mismatch(err, "dp_dict_get", dict, "dict");
+  if (!dp_value_is_hashable(key)) return dp__err(err, DP_ENOTFOUND, "dp_dict_get: no such key (a key of kind %s is not hashable)", dp_kind_name(dp_value_kind(key)));
   dp_dict_t *d = DP_DICT(dict);
   size_t at = index_find(d->index, d->index_cap, d->len, d->entries, &key, key_hash(key), dict_match);
-  if (at == SIZE_MAX) return DP_ENOTFOUND;
+  if (at == SIZE_MAX) return dp__err(err, DP_ENOTFOUND, "dp_dict_get: no such key");
   if (val) *val = d->entries[at].val;
   return 0;
 }
 
 size_t dp_dict_len(dp_value_t dict) { return dict.kind == DP_DICT ? DP_DICT(dict)->len : 0; }
 
-int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val) {
-  if (dict.kind != DP_DICT || i >= DP_DICT(dict)->len) return DP_EINVAL;
+int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val, dp_error_t *err) {
+  if (dict.kind != DP_DICT) return kind_mismatch(err, "dp_dict_item", dict, "dict");
+  if (i >= DP_DICT(dict)->len)
+    return dp__err(err, DP_EINVAL, "dp_dict_item: index %zu out of range (length %zu)", i, DP_DICT(dict)->len);
   if (key) *key = DP_DICT(dict)->entries[i].key;
   if (val) *val = DP_DICT(dict)->entries[i].val;
   return 0;
@@ -533,20 +562,23 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
   if (at != SIZE_MAX) {
     if (!allow_replace) {
       dp_value_release(val);
-      return dp__err(err, DP_EINVAL, "duplicate attribute");
+      return DP__EXISTS;
     }
     dp_value_t old = o->attrs[at].val;
     o->attrs[at].val = val;
     dp_value_release(old);
     return 0;
   }
-  char *copy = n >= DP_ATTR_INLINE ? dp__strndup(name, n) : NULL;
-  if ((n >= DP_ATTR_INLINE && !copy) || o->len >= UINT32_MAX - 1 ||
-      (o->len == o->cap &&
-       dp__grow_inl((void **)&o->attrs, &o->cap, o->len + 1, sizeof(dp_attr_t), o->inl) != 0)) {
+  int rc = o->len >= UINT32_MAX - 1 ? too_many(err, "an object", "attributes") : 0;
+  char *copy = !rc && n >= DP_ATTR_INLINE ? dp__strndup(name, n) : NULL;
+  if (!rc && ((n >= DP_ATTR_INLINE && !copy) ||
+              (o->len == o->cap &&
+               dp__grow_inl((void **)&o->attrs, &o->cap, o->len + 1, sizeof(dp_attr_t), o->inl) != 0)))
+    rc = oom(err, "object attributes");
+  if (rc) {
     dp__free(copy, n + 1);
     dp_value_release(val);
-    return oom(err, "object attributes");
+    return rc;
   }
   dp_attr_t *a = &o->attrs[o->len];
   if (copy) {
@@ -559,11 +591,11 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
   a->hash = h;
   a->val = val;
   o->len++;
-  if (index_add(&o->index, &o->index_cap, o->len, h, attr_hash_at, o->attrs) != 0) {
+  if ((rc = index_add(&o->index, &o->index_cap, o->len, h, attr_hash_at, o->attrs)) != 0) {
     o->len--;
     dp__free(copy, n + 1);
     dp_value_release(val);
-    return oom(err, "object index");
+    return rc == DP_ELIMIT ? too_many(err, "an object", "attributes") : oom(err, "object index");
   }
   return 0;
 }
@@ -581,13 +613,14 @@ int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *
   return dp__object_set_n(obj, name, n, val, 1, err);
 }
 
-int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val) {
-  if (obj.kind != DP_OBJECT || !name) return DP_ENOTFOUND;
+int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val, dp_error_t *err) {
+  if (obj.kind != DP_OBJECT) return kind_mismatch(err, "dp_object_get", obj, "object");
+  if (!name) return dp__err(err, DP_EINVAL, "dp_object_get: NULL name");
   dp_object_t *o = DP_OBJ(obj);
   name_key_t key = {name, strlen(name)};
   size_t at = index_find(o->index, o->index_cap, o->len, o->attrs, &key, dp__hash_bytes(name, key.n, DP_OBJECT),
                          attr_match);
-  if (at == SIZE_MAX) return DP_ENOTFOUND;
+  if (at == SIZE_MAX) return dp__err(err, DP_ENOTFOUND, "dp_object_get: no attribute '%.64s'", name);
   if (val) *val = o->attrs[at].val;
   return 0;
 }
@@ -598,8 +631,10 @@ const char *dp_object_class(dp_value_t obj) {
 
 size_t dp_object_nattrs(dp_value_t obj) { return obj.kind == DP_OBJECT ? DP_OBJ(obj)->len : 0; }
 
-int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val) {
-  if (obj.kind != DP_OBJECT || i >= DP_OBJ(obj)->len) return DP_EINVAL;
+int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val, dp_error_t *err) {
+  if (obj.kind != DP_OBJECT) return kind_mismatch(err, "dp_object_attr", obj, "object");
+  if (i >= DP_OBJ(obj)->len)
+    return dp__err(err, DP_EINVAL, "dp_object_attr: index %zu out of range (%zu attributes)", i, DP_OBJ(obj)->len);
   if (name) *name = dp__attr_name(&DP_OBJ(obj)->attrs[i]);
   if (val) *val = DP_OBJ(obj)->attrs[i].val;
   return 0;
@@ -634,7 +669,7 @@ int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_value_t *o
 
 dp_value_t dp__reduced_state(dp_value_t obj) {
   dp_value_t st = dp_none();
-  dp_object_get(obj, REDUCED_ATTR, &st);
+  dp_object_get(obj, REDUCED_ATTR, &st, NULL);
   return st;
 }
 
@@ -671,10 +706,13 @@ void dp_storage_release(dp_storage_t *s) {
   dp__free(s, sizeof *s);
 }
 
-dp_device_t dp_storage_device(const dp_storage_t *s) { return s->device; }
-void *dp_storage_base(const dp_storage_t *s) { return s->base; }
-size_t dp_storage_nbytes(const dp_storage_t *s) { return s->nbytes; }
-const void *dp_storage_host_data(const dp_storage_t *s) { return s->host_data; }
+dp_device_t dp_storage_device(const dp_storage_t *s) {
+  dp_device_t none = {DP_DEVICE_CPU, 0};
+  return s ? s->device : none;
+}
+void *dp_storage_base(const dp_storage_t *s) { return s ? s->base : NULL; }
+size_t dp_storage_nbytes(const dp_storage_t *s) { return s ? s->nbytes : 0; }
+const void *dp_storage_host_data(const dp_storage_t *s) { return s ? s->host_data : NULL; }
 
 int dp_storage_set_host_data(dp_storage_t *s, const void *data, dp_error_t *err) {
   if (!s || (!data && s->nbytes)) return dp__err(err, DP_EINVAL, "dp_storage_set_host_data: NULL argument");
@@ -697,13 +735,14 @@ static const struct { const char *name; size_t size; } dtypes[DP_DTYPE_COUNT] = 
 const char *dp_dtype_name(dp_dtype_t d) { return (unsigned)d < DP_DTYPE_COUNT ? dtypes[d].name : NULL; }
 size_t dp_dtype_size(dp_dtype_t d) { return (unsigned)d < DP_DTYPE_COUNT ? dtypes[d].size : 0; }
 
-int dp_dtype_parse(const char *name, dp_dtype_t *out) {
-  for (int i = 0; name && i < DP_DTYPE_COUNT; i++)
+int dp_dtype_parse(const char *name, dp_dtype_t *out, dp_error_t *err) {
+  if (!name || !out) return dp__err(err, DP_EINVAL, "dp_dtype_parse: NULL %s", name ? "out" : "name");
+  for (int i = 0; i < DP_DTYPE_COUNT; i++)
     if (strcmp(name, dtypes[i].name) == 0) {
       *out = (dp_dtype_t)i;
       return 0;
     }
-  return DP_EINVAL;
+  return dp__err(err, DP_EINVAL, "dp_dtype_parse: unknown dtype '%.32s'", name);
 }
 
 /* Checks that every element the view addresses lies in [0, nbytes). Every

@@ -80,6 +80,29 @@ typedef struct dp_error {
   char message[DP_ERROR_MSG_MAX];
 } dp_error_t;
 
+/*
+ * ERRORS AND NULL — one rule for the whole API (every header follows it):
+ *   - A function that can fail returns 0 or a DP_E* code (all negative)
+ *     and takes a last `dp_error_t *err`, filled on failure: the code, a
+ *     message, and for readers the offset. err may always be NULL. A lookup
+ *     that finds nothing (DP_ENOTFOUND) is such a failure too.
+ *   - A failure below a call — the allocator, a constructor, a callback
+ *     (bind, resolve, read) — keeps its code and message: they are passed
+ *     through, never relabelled (a reduce() that fails makes the value one
+ *     that cannot be walked: DP_ETYPE, with reduce's message; pickler.h).
+ *   - A reader or writer keeps its first error: what it does after one
+ *     returns that error and changes nothing.
+ *   - A NULL handle, or a NULL for a pointer the call needs, is DP_EINVAL
+ *     with a message naming the function and the argument. Out-pointers
+ *     documented as optional may be NULL.
+ *   - Functions that give memory or a reference back (_free, _release,
+ *     _clear) do nothing with NULL.
+ *   - Functions that cannot fail (counts, accessors, formatters) return a
+ *     neutral value for a NULL handle or a value of another kind: 0, NULL,
+ *     false, none, or {DP_DEVICE_CPU, 0}.
+ * Results that are not errors never leave the library as codes.
+ */
+
 /** Clears an error record (code 0, offset -1, empty message). */
 DP_API void dp_error_clear(dp_error_t *err);
 
@@ -124,11 +147,12 @@ typedef struct dp_device {
   uint8_t index;  /* 0 for cpu */
 } dp_device_t;
 
-/** Formats "cuda:0", "host:1", "cpu" into buf (at least 16 bytes). Returns buf. */
+/** Formats "cuda:0", "host:1", "cpu" into buf (at least 16 bytes). Returns
+ *  buf (NULL or size 0: nothing is written). */
 DP_API char *dp_device_format(dp_device_t dev, char *buf, size_t size);
 
 /** Parses "cpu", "cuda:N" or "host:N" (N 0..255). DP_EINVAL otherwise. */
-DP_API int dp_device_parse(const char *s, dp_device_t *out);
+DP_API int dp_device_parse(const char *s, dp_device_t *out, dp_error_t *err);
 
 static inline int dp_device_equal(dp_device_t a, dp_device_t b) {
   return a.type == b.type && a.index == b.index;

@@ -107,7 +107,9 @@ DP_API void dp_frame_free(dp_frame_t *f);
 /** The frame's bytes (borrowed; valid until the next pickle or free). */
 DP_API const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len);
 DP_API size_t dp_frame_nbuffers(const dp_frame_t *f);
-DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out);
+/** Buffer i's descriptor. DP_EINVAL when out of range (an empty frame has
+ *  none). */
+DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out, dp_error_t *err);
 
 /** Serializes v into frame (replacing its contents). The same value always
  *  gives the same bytes, and dp_unpickle reads them back (with the same

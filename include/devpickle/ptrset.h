@@ -4,8 +4,9 @@
  * Entries are deduplicated by (device, base pointer), kept in the order they
  * were first met, and grouped by device. Each entry counts the distinct
  * tensors seen on it. A set is reused across scans: dp_ptrset_clear() keeps
- * its memory, paths included, so a steady-state scan allocates nothing, with
- * or without DP_SCAN_PATHS.
+ * its memory, paths included, and the set keeps what dp_scan works with
+ * until it is freed, so a steady-state scan allocates nothing, with or
+ * without DP_SCAN_PATHS.
  *
  * Paths (docs/FORMAT.md, "Paths") are bounded, whatever the value:
  *   - a dict key, attribute name or class/type name shows at most its first
@@ -61,11 +62,11 @@ DP_API int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_
                          size_t *index, dp_error_t *err);
 /** Position of (device, base), or DP_ENOTFOUND. */
 DP_API int dp_ptrset_find(const dp_ptrset_t *set, dp_device_t device, const void *base,
-                          size_t *index);
+                          size_t *index, dp_error_t *err);
 
 DP_API size_t dp_ptrset_count(const dp_ptrset_t *set);
 /** Entry i in discovery order. DP_EINVAL when out of range. */
-DP_API int dp_ptrset_get(const dp_ptrset_t *set, size_t i, dp_ptr_info_t *out);
+DP_API int dp_ptrset_get(const dp_ptrset_t *set, size_t i, dp_ptr_info_t *out, dp_error_t *err);
 
 /** Devices in the order first met. */
 DP_API size_t dp_ptrset_ndevices(const dp_ptrset_t *set);

@@ -162,11 +162,13 @@ DP_API int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err
 DP_API int dp_dict_new(size_t capacity, dp_value_t *out, dp_error_t *err);
 /** Inserts or replaces (steals key and val). DP_ETYPE for an unhashable key. */
 DP_API int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error_t *err);
-/** Looks key up (borrowed key). 0 and *val borrowed, or DP_ENOTFOUND. */
-DP_API int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val);
+/** Looks key up (borrowed key). 0 and *val borrowed, or DP_ENOTFOUND
+ *  (also for an unhashable key); DP_EINVAL when dict is not a dict. */
+DP_API int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val, dp_error_t *err);
 DP_API size_t dp_dict_len(dp_value_t dict);
-/** Item i in insertion order (borrowed). DP_EINVAL when out of range. */
-DP_API int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val);
+/** Item i in insertion order (borrowed). DP_EINVAL when out of range or
+ *  not a dict. */
+DP_API int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val, dp_error_t *err);
 /** Whether a value may be a dict key: a scalar, str or bytes, or an acyclic
  *  tuple of those of at most 1,024 nodes with no node deeper than level 32. */
 DP_API bool dp_value_is_hashable(dp_value_t key);
@@ -203,7 +205,7 @@ typedef enum dp_dtype {
 #define DP_TENSOR_MAX_ELEMENTS (1ll << 62)  /* elements in one non-empty view */
 
 DP_API const char *dp_dtype_name(dp_dtype_t d);       /* "float32"; NULL if unknown */
-DP_API int dp_dtype_parse(const char *name, dp_dtype_t *out);
+DP_API int dp_dtype_parse(const char *name, dp_dtype_t *out, dp_error_t *err);  /* DP_EINVAL if unknown */
 DP_API size_t dp_dtype_size(dp_dtype_t d);             /* bytes per element; 0 if unknown */
 
 /** A view (steals storage). strides NULL means contiguous; strides and offset
@@ -231,12 +233,14 @@ DP_API int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *er
 /** Sets an attribute (steals val). A new name is appended; an existing one
  *  keeps its position. */
 DP_API int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *err);
-/** Borrowed attribute, or DP_ENOTFOUND. */
-DP_API int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val);
+/** Borrowed attribute, or DP_ENOTFOUND; DP_EINVAL when obj is not an
+ *  object. */
+DP_API int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val, dp_error_t *err);
 DP_API const char *dp_object_class(dp_value_t obj);
 DP_API size_t dp_object_nattrs(dp_value_t obj);
-/** Attribute i in order (borrowed). DP_EINVAL when out of range. */
-DP_API int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val);
+/** Attribute i in order (borrowed). DP_EINVAL when out of range or not an
+ *  object. */
+DP_API int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val, dp_error_t *err);
 /** True for the generic stand-in of a custom that came off the wire
  *  without a resolver: its class is the custom's type name and its one
  *  attribute "__reduce__" the reduced state. Pickled again it is written as
@@ -272,8 +276,8 @@ DP_API void *dp_custom_data(dp_value_t c);
  *  same pattern of shared nodes and cycles, as a round trip preserves.
  *  Tensors compare storage device, base and nbytes, dtype, shape, strides and
  *  offset; customs compare by identity; floats bitwise.
- *  Returns 1 equal, 0 not, or a negative DP_E* (DP_ENOMEM). */
-DP_API int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags);
+ *  Returns 1 equal, 0 not, or a negative DP_E* (DP_ENOMEM, with err). */
+DP_API int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t *err);
 
 /** XXH3-based hash consistent with dp_value_equal(a, b, 0): equal values hash
  *  equal. Looks at a bounded prefix of very large or cyclic values. Keyed

@@ -29,7 +29,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       dp_scan(v, &so, set, NULL);
       for (size_t i = 0; i < dp_ptrset_count(set); i++) {
         dp_ptr_info_t p;
-        dp_ptrset_get(set, i, &p);
+        dp_ptrset_get(set, i, &p, NULL);
         fprintf(sink, "%p %zu %u %s\n", p.base, p.nbytes, p.refs, p.path ? p.path : "");
       }
       dp_ptrset_free(set);

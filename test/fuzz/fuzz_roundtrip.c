@@ -128,7 +128,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const uint8_t *b = dp_frame_data(f, &n);
   dp_value_t back;
   if (dp_unpickle(b, n, NULL, &back, NULL) != 0) abort();
-  if (dp_value_equal(v, back, DP_EQ_SHARING) != 1) abort();
+  if (dp_value_equal(v, back, DP_EQ_SHARING, NULL) != 1) abort();
   dp_value_release(back);
   /* damage one byte */
   uint8_t *c = malloc(n);

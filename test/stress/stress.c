@@ -114,8 +114,8 @@ static int scenario_rings(void) {
     cur = head;
     for (int t = 0; t < 4; t++) {
       ring_nodes[r][t] = dp_value_retain(t == 3 ? head : cur);
-      dp_object_get(cur, "next", &cur);
-      dp_object_get(cur, "next", &cur);
+      dp_object_get(cur, "next", &cur, NULL);
+      dp_object_get(cur, "next", &cur, NULL);
     }
     dp_value_release(head);
     dp_list_new(1, &shared_lists[r], NULL);
