@@ -1,4 +1,5 @@
-/* value/gc.c — freeing containers, cycles included.
+/* value/gc.c — freeing values: leaves and storages at once, containers and
+ * cycles by reference counting and a cycle collector.
  *
  * Reference counting frees acyclic garbage at once. For cycles we use the
  * trial deletion of Bacon & Rajan ("Concurrent Cycle Collection in Reference
@@ -53,6 +54,48 @@
 #include <pthread.h>
 
 #include "gc.h"
+
+/* ---- leaves: freed at once when their count reaches zero ---- */
+
+void dp_storage_release(dp_storage_t *s) {
+  if (!s || !dp__ref_dec(&s->rc)) return;
+  if (s->release) s->release(s->ud, s->device, s->base, s->nbytes);
+  dp__free(s->host_data, s->nbytes ? s->nbytes : 1);
+  dp__free(s, sizeof *s);
+}
+
+/* Frees a non-container heap value whose count reached zero. */
+static void free_leaf(dp_heap_t *h) {
+  switch (h->kind) {
+    case DP_STR:
+    case DP_BYTES: {
+      dp_strobj_t *s = (dp_strobj_t *)h;
+      dp__free(s, sizeof *s + s->len + 1);
+      break;
+    }
+    case DP_TENSOR: {
+      dp_tensor_t *t = (dp_tensor_t *)h;
+      dp_storage_t *st = t->storage;
+      dp__free(t, sizeof *t + 2 * (size_t)t->ndim * sizeof(int64_t));
+      dp_storage_release(st);
+      break;
+    }
+    case DP_CUSTOM: {
+      dp_custom_t *c = (dp_custom_t *)h;
+      const dp_type_t *type = c->type;
+      void *obj = c->obj;
+      dp__free(c, sizeof *c);
+      if (type->destroy) type->destroy(obj);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void dp__release_leaf(dp_heap_t *h) {
+  if (dp__ref_dec(&h->rc)) free_leaf(h);
+}
 
 #define GC_BUF 256
 

@@ -100,6 +100,11 @@ typedef struct dp_object {
   dp_attr_t inl[];
 } dp_object_t;
 
+/* Bytes of an object with room for inl_cap attributes and its class name. */
+static inline size_t dp__object_size(size_t inl_cap, size_t class_len) {
+  return sizeof(dp_object_t) + inl_cap * sizeof(dp_attr_t) + class_len + 1;
+}
+
 typedef struct dp_tensor {
   dp_heap_t h;
   dp_storage_t *storage;

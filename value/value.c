@@ -59,39 +59,6 @@ uint32_t dp_value_refcount(dp_value_t v) {
   return dp_value_is_heap(v) ? dp__rc(v.u.h) : 1;
 }
 
-/* Frees a non-container heap value whose count reached zero. */
-static void free_leaf(dp_heap_t *h) {
-  switch (h->kind) {
-    case DP_STR:
-    case DP_BYTES: {
-      dp_strobj_t *s = (dp_strobj_t *)h;
-      dp__free(s, sizeof *s + s->len + 1);
-      break;
-    }
-    case DP_TENSOR: {
-      dp_tensor_t *t = (dp_tensor_t *)h;
-      dp_storage_t *st = t->storage;
-      dp__free(t, sizeof *t + 2 * (size_t)t->ndim * sizeof(int64_t));
-      dp_storage_release(st);
-      break;
-    }
-    case DP_CUSTOM: {
-      dp_custom_t *c = (dp_custom_t *)h;
-      const dp_type_t *type = c->type;
-      void *obj = c->obj;
-      dp__free(c, sizeof *c);
-      if (type->destroy) type->destroy(obj);
-      break;
-    }
-    default:
-      break;
-  }
-}
-
-void dp__release_leaf(dp_heap_t *h) {
-  if (dp__ref_dec(&h->rc)) free_leaf(h);
-}
-
 void dp_value_release(dp_value_t v) {
   if (!dp_value_is_heap(v)) return;
   if (dp__is_container_kind(v.kind))
@@ -500,10 +467,6 @@ static int attr_match(const void *a, size_t i, const void *key, uint64_t hash) {
   return at->hash == hash && at->name_len == k->n && memcmp(dp__attr_name(at), k->s, k->n) == 0;
 }
 
-size_t dp__object_size(size_t inl_cap, size_t class_len) {
-  return sizeof(dp_object_t) + inl_cap * sizeof(dp_attr_t) + class_len + 1;
-}
-
 static int bad_class_name(dp_error_t *err) {
   return dp__err(err, DP_EINVAL, "object class name must be non-empty UTF-8 without NUL");
 }
@@ -697,13 +660,6 @@ int dp_storage_new(dp_device_t device, void *base, size_t nbytes, dp_storage_rel
 dp_storage_t *dp_storage_retain(dp_storage_t *s) {
   if (s) dp__ref_inc(&s->rc);
   return s;
-}
-
-void dp_storage_release(dp_storage_t *s) {
-  if (!s || !dp__ref_dec(&s->rc)) return;
-  if (s->release) s->release(s->ud, s->device, s->base, s->nbytes);
-  dp__free(s->host_data, s->nbytes ? s->nbytes : 1);
-  dp__free(s, sizeof *s);
 }
 
 dp_device_t dp_storage_device(const dp_storage_t *s) {
