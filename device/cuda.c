@@ -10,10 +10,6 @@
 #ifdef DP_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-typedef struct cuda_impl {
-  int unused;
-} cuda_impl_t;
-
 static int cuda_err(dp_error_t *err, cudaError_t e, const char *what) {
   int code = (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || e == cudaErrorSystemNotReady ||
               e == cudaErrorSystemDriverMismatch || e == cudaErrorCompatNotSupportedOnDevice)
@@ -45,14 +41,12 @@ static int c_init(dp_backend_t *b, dp_error_t *err) {
     return DP_ENODEV;
   }
   if (n == 0) return dp__err(err, DP_ENODEV, "no CUDA device");
-  cuda_impl_t *im = dp__alloc(sizeof *im);
-  if (!im) return dp__err(err, DP_ENOMEM, "out of memory starting the CUDA backend");
-  b->impl = im;
+  b->impl = NULL;  /* the CUDA runtime keeps the state */
   b->ndev = n > DP_DEVICE_INDEX_MAX + 1 ? DP_DEVICE_INDEX_MAX + 1 : n;
   return 0;
 }
 
-static void c_shutdown(dp_backend_t *b) { dp__free(b->impl, sizeof(cuda_impl_t)); }
+static void c_shutdown(dp_backend_t *b) { (void)b; }
 
 static int c_stream_create(dp_backend_t *b, int dev, void **h, dp_error_t *err) {
   (void)b;

@@ -12,7 +12,7 @@
 /* A backend is this table. Handles are the backend's own (a cudaStream_t,
  * a host stream); device.c wraps them in dp_stream_t / dp_event_t. */
 typedef struct dp__backend_ops {
-  int (*init)(dp_backend_t *b, dp_error_t *err);          /* sets b->ndev, b->impl */
+  int (*init)(dp_backend_t *b, dp_error_t *err);          /* sets b->ndev, and b->impl if it keeps state */
   void (*shutdown)(dp_backend_t *b);
   int (*stream_create)(dp_backend_t *b, int dev, void **h, dp_error_t *err);
   void (*stream_destroy)(dp_backend_t *b, void *h);        /* after its work completes */
