@@ -2,7 +2,7 @@
 # bench/h200.sh OUT — everything a GPU machine call runs, in one go, from
 # binaries built here (make gpu-test; bundle-libs build/gpu-libs ...):
 # the GPU suite, the future's suite on that host, the demo on cuda, every
-# benchmark twice, and the libtorch/PyTorch anchors in the same call.
+# benchmark twice (ROUNDS=N: N times), and the libtorch/PyTorch anchors in the same call.
 # Results: OUT/gpu.log, OUT/bench.json, OUT/anchors.json, OUT/machine.txt.
 # Before/after: benchmarks of an older commit placed in build/base/ (built
 # there, copied) run interleaved with these, into OUT/bench_base.json.
@@ -13,7 +13,7 @@ export LD_LIBRARY_PATH=build/gpu-libs
 build/test_gpu --verbose -j1 > "$out/gpu.log" 2>&1; echo "test_gpu rc=$?" >> "$out/gpu.log"
 build/test_future -j1 >> "$out/gpu.log" 2>&1; echo "test_future rc=$?" >> "$out/gpu.log"
 build/devpickle demo >> "$out/gpu.log" 2>&1; echo "demo rc=$?" >> "$out/gpu.log"
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   for b in bench_future bench_pickler bench_device; do
     build/$b "$out/bench.json" > /dev/null 2>> "$out/bench.err" || echo "$b failed: $?" >> "$out/bench.err"
     if [ -x build/base/$b ]; then

@@ -197,16 +197,21 @@ static int owned_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t *_Atomic *
   return rc;
 }
 
-int dp_stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
-  int rc = dp__check_device(b, dev, err);
-  if (rc) return rc;
-  if (!out) return dp__err(err, DP_EINVAL, "dp_stream_default: NULL out");
+/* dp_stream_default once b, dev and out are checked. */
+static inline int stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
   dp_stream_t *s = dp__load_acquire(&b->devs[dev.index].default_stream);
   if (DP_LIKELY(s != NULL)) {
     *out = s;
     return 0;
   }
   return owned_stream(b, dev, &b->devs[dev.index].default_stream, out, err);
+}
+
+int dp_stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
+  int rc = dp__check_device(b, dev, err);
+  if (rc) return rc;
+  if (!out) return dp__err(err, DP_EINVAL, "dp_stream_default: NULL out");
+  return stream_default(b, dev, out, err);
 }
 
 int dp_stream_pool_next(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
@@ -280,7 +285,7 @@ int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_er
       return 0;
     }
   }
-  return dp_stream_default(b, dev, out, err);
+  return stream_default(b, dev, out, err);
 }
 
 int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t *err) {

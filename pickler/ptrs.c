@@ -7,8 +7,9 @@
  * memory it writes once (a fifth of a 1,000-tensor completion here, more
  * under a hypervisor). A thread keeps up to RECYCLE_MAX freed blocks of at
  * most RECYCLE_BLOCK_MAX bytes, RECYCLE_BYTES_MAX in all; a freeze takes
- * the smallest kept block that fits, if it is at most twice the size
- * needed. Kept blocks go at thread exit and in dp__ptrs_recycle_drain(). */
+ * a kept block that fits, if it is at most twice the size needed (the
+ * most recently kept such block). Kept blocks go at thread exit
+ * and in dp__ptrs_recycle_drain(). */
 #include <pthread.h>
 #include <stddef.h>
 #include <string.h>
@@ -54,11 +55,12 @@ static void recycle_exit(void *p) {
 
 static void recycle_init(void) { pthread_key_create(&recycle_key, recycle_exit); }
 
-static void *block_get(size_t size, size_t *got) {
+/* The most recently kept block that fits (completions of values of one
+ * shape ask for one size: the first probe takes it). */
+static inline void *block_get(size_t size, size_t *got) {
   recycle_t *r = &recycle;
-  int best = -1;
-  for (int i = 0; i < r->n; i++)
-    if (r->size[i] >= size && r->size[i] / 2 <= size && (best < 0 || r->size[i] < r->size[best])) best = i;
+  int best = r->n - 1;
+  while (best >= 0 && (r->size[best] < size || r->size[best] / 2 > size)) best--;
   if (best < 0) {
     *got = size;
     return dp__alloc(size);
@@ -92,14 +94,16 @@ static void block_put(void *b, size_t size) {
 }
 
 int dp__ptrs_freeze(dp__ptrs_t *out, const dp_ptrset_t *set, size_t extra, dp_error_t *err) {
-  memset(out, 0, sizeof *out);
   size_t n = set->count, ng = set->ngroups, grouped = ng > 1 ? n : 0;
   /* Bounded by memory the set already holds: no overflow before extra. */
   size_t head = align_up(n * (sizeof(void *) + sizeof(dp__ptrs_rest_t)) + grouped * sizeof(void *) +
                          ng * sizeof(dp__ptrs_dev_t));
   size_t size;
-  if (dp__add_ovf(head, extra, &size) || (size && !(out->block = block_get(size, &size))))
+  out->block = NULL;
+  if (dp__add_ovf(head, extra, &size) || (size && !(out->block = block_get(size, &size)))) {
+    memset(out, 0, sizeof *out);
     return dp__err(err, DP_ENOMEM, "out of memory freezing %zu allocations", n);
+  }
   out->block_size = size;
   out->bases = out->block;
   out->rest = (dp__ptrs_rest_t *)(out->bases + n);
