@@ -308,29 +308,34 @@ static size_t put_devices(char *buf, size_t cap, const dp_device_t *d, size_t n,
   return pos;
 }
 
+/* The value uses device d, which the future does not allow: says so. */
+static int refuse_device(const dp_future_t *f, const dp__ptrs_t *p, dp_device_t d, dp_error_t *err) {
+  char used[256], ok[256], one[16];
+  dp_device_t all[64];
+  size_t k = 0;
+  for (size_t j = 0; j < p->ndevs && k < 64; j++) all[k++] = p->devs[j].device;
+  put_devices(used, sizeof used, all, k, f->b);
+  put_devices(ok, sizeof ok, f->allowed, f->nallowed, f->b);
+  return dp__err(err, DP_EDEVICE, "the value uses %s, which is not among the future's devices %s (the value's devices: %s)",
+                 dp_device_format(d, one, sizeof one), ok, used);
+}
+
 /* Freezes the set into a record, checks devices, records one event per
  * used device on the given streams (the current ones when streams is NULL)
  * and the allocations on those streams. */
 static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *streams, record_t *r, dp_error_t *err) {
-  memset(r, 0, sizeof *r);
-  size_t ngroups = dp_ptrset_ndevices(set), ndevs = 0;
-  for (size_t g = 0; g < ngroups; g++) {
-    dp_device_t d = dp_ptrset_device(set, g);
-    if (!allowed(f, d)) {
-      char used[256], ok[256], one[16];
-      dp_device_t all[64];
-      size_t k = 0;
-      for (size_t j = 0; j < ngroups && k < 64; j++) all[k++] = dp_ptrset_device(set, j);
-      put_devices(used, sizeof used, all, k, f->b);
-      put_devices(ok, sizeof ok, f->allowed, f->nallowed, f->b);
-      return dp__err(err, DP_EDEVICE, "the value uses %s, which is not among the future's devices %s (the value's devices: %s)",
-                     dp_device_format(d, one, sizeof one), ok, used);
-    }
-    if (d.type != DP_DEVICE_CPU) ndevs++;
-  }
-  int rc = dp__ptrs_freeze(&r->ptrs, set, ndevs * sizeof(fdev_t), err);
+  r->devs = NULL;
+  r->ndevs = 0;
+  /* Room for an fdev_t a device (cpu's unused): one block, one pass. */
+  int rc = dp__ptrs_freeze(&r->ptrs, set, dp_ptrset_ndevices(set) * sizeof(fdev_t), err);
   if (rc) return rc;
   r->devs = r->ptrs.extra;
+  for (size_t g = 0; g < r->ptrs.ndevs; g++)
+    if (!allowed(f, r->ptrs.devs[g].device)) {
+      rc = refuse_device(f, &r->ptrs, r->ptrs.devs[g].device, err);
+      record_free(r);
+      return rc;
+    }
   for (size_t g = 0; g < r->ptrs.ndevs; g++) {
     const dp__ptrs_dev_t *pd = &r->ptrs.devs[g];
     if (pd->device.type == DP_DEVICE_CPU) continue;
