@@ -95,6 +95,10 @@ $(BUILD)/test_%: test/test_%.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-che
 $(BUILD)/bench_%: bench/bench_%.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
 	$(CC) $(TFLAGS) $(CUDA_CFLAGS) -O2 $(DEPFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
+# One completion row in a process of its own (bench/one_row.c); not run by `make bench`.
+$(BUILD)/one_row: bench/one_row.c bench/bench_future.c bench/bench.h $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
+	$(CC) $(TFLAGS) -Ibench $(CUDA_CFLAGS) -O2 $(DEPFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
+
 $(BUILD)/embed: examples/embed.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
 	$(CC) $(TFLAGS) $(SANFLAGS) $(DEPFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
