@@ -160,17 +160,22 @@ static int init_opts(dp_future_t *f, const dp_future_opts_t *o, dp_error_t *err)
   int rc;
   if (o && o->backend) f->b = o->backend;
   else if ((rc = dp_backend_default(&f->b, err)) != 0) return rc;
+  if (o && o->ndevices && !o->devices)
+    return dp__err(err, DP_EINVAL, "dp_future_new: devices is NULL but ndevices is %zu", o->ndevices);
   if (o && o->ndevices) {
     f->allowed = dp__alloc_array(o->ndevices, sizeof(dp_device_t));
     if (!f->allowed) return dp__err(err, DP_ENOMEM, "out of memory creating a future");
     for (size_t i = 0; i < o->ndevices; i++) {
-      if ((rc = dp__check_device(f->b, o->devices[i], err)) != 0) return rc;
+      /* cpu is always allowed; any other device must be the backend's */
+      if (o->devices[i].type != DP_DEVICE_CPU && (rc = dp__check_device(f->b, o->devices[i], err)) != 0) return rc;
       f->allowed[i] = o->devices[i];
     }
     f->nallowed = o->ndevices;
   }
   if (o && o->no_hooks) return 0;
   if (o && o->hooks) {
+    if (!o->hooks->record_stream && !o->hooks->record_streams)
+      return dp__err(err, DP_EINVAL, "dp_future_new: hooks with neither record_stream nor record_streams");
     f->hooks = *o->hooks;
   } else {
     dp_cache_t *c;
@@ -447,9 +452,15 @@ int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) 
 }
 
 int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const dp_ptrset_t *ptrs, dp_error_t *err) {
-  if (!f || !ptrs) {
+  if (!f) {
     dp_value_release(value);
-    return dp__err(err, DP_EINVAL, "dp_future_mark_completed_with_ptrs: NULL argument");
+    return dp__err(err, DP_EINVAL, "dp_future_mark_completed_with_ptrs: NULL future");
+  }
+  if (!ptrs) {  /* a failed completion: f fails with it, so no waiter hangs */
+    dp_error_t e;
+    dp__err(&e, DP_EINVAL, "dp_future_mark_completed_with_ptrs: NULL ptrs");
+    if (err) *err = e;
+    return publish(f, value, NULL, &e, NULL) == 0 ? DP_EINVAL : DP_ESTATE;
   }
   cbent_t *cbs;
   int rc = complete_with_set(f, value, ptrs, NULL, err, &cbs);
@@ -522,6 +533,7 @@ int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
 }
 
 int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
+  if (!f) return dp__err(err, DP_EINVAL, "dp_future_synchronize: NULL future");
   int rc = dp_future_wait(f, timeout_ns, err);
   for (size_t i = 0; rc == 0 && i < f->rec.ndevs; i++) rc = dp_event_synchronize(f->rec.devs[i].ev, err);
   return rc;
@@ -749,7 +761,10 @@ static void collect_one(void *p, dp_future_t *parent, size_t index) {
 
 int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future_opts_t *opts, dp_future_t **out,
                           dp_error_t *err) {
-  if (!out || (n && !futures)) return dp__err(err, DP_EINVAL, "dp_future_collect_all: NULL argument");
+  if (!out || (n && !futures))
+    return dp__err(err, DP_EINVAL, "dp_future_collect_all: NULL %s", out ? "futures" : "out");
+  for (size_t i = 0; i < n; i++)
+    if (!futures[i]) return dp__err(err, DP_EINVAL, "dp_future_collect_all: futures[%zu] is NULL", i);
   dp_future_t *o;
   int rc = opts || n == 0 ? dp_future_new(opts, &o, err) : future_like(futures[0], &o, err);
   if (rc) return rc;

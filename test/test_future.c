@@ -919,3 +919,35 @@ Test(future, a_completed_future_holds_24_bytes_per_allocation_of_a_one_device_va
   dp_value_release(two);
   dp_value_release(l);
 }
+
+/* Bad arguments are refused up front, each naming the function and what is
+ * wrong, and a completion refused for its arguments still completes the
+ * future (with the error), so that no waiter hangs. */
+Test(future, bad_arguments_are_refused_with_what_is_wrong_and_never_strand_a_waiter) {
+  dp_error_t e;
+  dp_future_t *f, *g;
+  dp_future_opts_t o = {B, NULL, 3, NULL, 0};
+  cr_assert_eq(dp_future_new(&o, &f, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_new: devices is NULL but ndevices is 3");
+  dp_device_t cpu_and_h0[2] = {t_dev(DP_DEVICE_CPU, 0), H0};
+  dp_future_opts_t oc = {B, cpu_and_h0, 2, NULL, 0};
+  OK(dp_future_new(&oc, &f, T_ERR));  /* cpu may be listed: it is always allowed */
+  dp_future_release(f);
+  dp_cache_hooks_t none = {NULL, NULL, NULL};
+  dp_future_opts_t oh = {B, NULL, 0, &none, 0};
+  cr_assert_eq(dp_future_new(&oh, &f, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_new: hooks with neither record_stream nor record_streams");
+  f = future();
+  dp_future_t *ins[2] = {f, NULL};
+  cr_assert_eq(dp_future_collect_all(ins, 2, NULL, &g, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_collect_all: futures[1] is NULL");
+  cr_assert_eq(dp_future_mark_completed_with_ptrs(f, dp_int(1), NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_mark_completed_with_ptrs: NULL ptrs");
+  cr_assert(dp_future_is_done(f), "the refused completion completed f");
+  cr_assert_eq(dp_future_wait(f, -1, &e), DP_EINVAL, "a waiter wakes with the error");
+  cr_assert_eq(dp_future_synchronize(NULL, -1, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_synchronize: NULL future");
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}

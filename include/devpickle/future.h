@@ -59,12 +59,15 @@ typedef struct dp_future dp_future_t;
 typedef struct dp_future_opts {
   /** NULL: dp_backend_default(). */
   dp_backend_t *backend;
-  /** The devices the future's values may use; NULL/0: every device of the
-   *  backend. cpu memory is always allowed (it needs no stream work). */
+  /** The devices the future's values may use (ndevices of them); ndevices
+   *  0: every device of the backend (devices NULL with ndevices above 0 is
+   *  DP_EINVAL). cpu memory is always allowed (it needs no stream work),
+   *  listed or not. */
   const dp_device_t *devices;
   size_t ndevices;
   /** Where stream uses are recorded. NULL: the backend's default caching
-   *  allocator (dp_cache_default). */
+   *  allocator (dp_cache_default). Hooks with neither function are
+   *  DP_EINVAL at dp_future_new. */
   const dp_cache_hooks_t *hooks;
   /** 1: record no stream uses at all (hooks ignored). */
   int no_hooks;
@@ -87,7 +90,8 @@ DP_API void dp_future_release(dp_future_t *f);
  *  left as it was). */
 DP_API int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err);
 /** As dp_future_mark_completed, without the walk: the producer gives the
- *  allocations (copied from ptrs). */
+ *  allocations (copied from ptrs). A NULL ptrs is DP_EINVAL, and f
+ *  completes with that error. */
 DP_API int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const dp_ptrset_t *ptrs,
                                               dp_error_t *err);
 /** Completes f with an error (copied; a code of 0 becomes DP_ESTATE).
