@@ -788,7 +788,7 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
   const uint8_t *b = bytes;
   if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_frame_check: NULL bytes");
   if (n < 4 || memcmp(b, DP_FRAME_MAGIC, 4) != 0) {
-    if (n < 4 && memcmp(b, DP_FRAME_MAGIC, n) == 0)
+    if (n < 4 && (n == 0 || memcmp(b, DP_FRAME_MAGIC, n) == 0))
       return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu bytes, the header needs %d", n,
                         DP_FRAME_HEADER);
     return dp__err_at(err, DP_EFORMAT, 0, "not a devpickle frame (bad magic)");
@@ -1079,6 +1079,7 @@ int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_
 
 int dp_unpickle(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_unpickle: NULL out");
+  if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_unpickle: NULL bytes");
   dp_frame_info_t fi;
   int rc = dp_frame_check(bytes, n, &fi, err);
   if (rc) return rc;

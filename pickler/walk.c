@@ -61,13 +61,13 @@ static uint64_t memo_hash_at(const void *ctx, size_t i) {
 }
 
 /* Room for one more item, in the table and in the items. */
+/* DP_ENOMEM, or the table's DP_ELIMIT (2^32 - 2 nodes), passed through. */
 static int memo_grow(dp__walker_t *w) {
   size_t n = w->memo.count;
   if (n == w->memo_items_cap &&
       dp__grow((void **)&w->memo_items, &w->memo_items_cap, n + 1, sizeof(dp__memo_item_t)) != 0)
     return DP_ENOMEM;
-  if (dp__table_full(&w->memo) && dp__table_grow(&w->memo, DP_TABLE_TAGGED, n, 256, memo_hash_at, w) != 0)
-    return DP_ENOMEM;
+  if (dp__table_full(&w->memo)) return dp__table_grow(&w->memo, DP_TABLE_TAGGED, n, 256, memo_hash_at, w);
   return 0;
 }
 
@@ -76,7 +76,8 @@ static __attribute__((noinline)) int memo_insert(dp__walker_t *w, const void *ke
                                                  uint64_t index) {
   size_t n = w->memo.count;
   if (DP_UNLIKELY(j == SIZE_MAX || n == w->memo_items_cap || dp__table_full(&w->memo))) {
-    if (memo_grow(w) != 0) return DP_ENOMEM;
+    int rc = memo_grow(w);
+    if (rc) return rc;
     j = dp__table_empty_slot(&w->memo, DP_TABLE_TAGGED, h);
   }
   w->memo_items[n] = (dp__memo_item_t){key, index};
@@ -84,7 +85,8 @@ static __attribute__((noinline)) int memo_insert(dp__walker_t *w, const void *ke
   return 0;
 }
 
-/* Returns 1 and *index when key was seen; else records it (0), or DP_ENOMEM.
+/* Returns 1 and *index when key was seen; else records it (0), or a
+ * negative code (DP_ENOMEM, DP_ELIMIT: memo_failed says which).
  * The lookup is inlined where the walk asks; recording is not. */
 static inline __attribute__((always_inline)) int memo_check(dp__walker_t *w, const void *key, uint64_t index,
                                                             uint64_t *seen) {
@@ -95,6 +97,12 @@ static inline __attribute__((always_inline)) int memo_check(dp__walker_t *w, con
     return 1;
   }
   return memo_insert(w, key, h, j, index);
+}
+
+/* A failed memo_check: its code, kept. */
+static int memo_failed(dp__walker_t *w, int rc) {
+  if (rc == DP_ELIMIT) return dp__err(w->err, rc, "a walk memoizes at most %u nodes", UINT32_MAX - 2);
+  return dp__err(w->err, rc, "out of memory growing the walk memo");
 }
 
 static void memo_reset(dp__walker_t *w) { dp__table_clear(&w->memo, DP_TABLE_TAGGED); }
@@ -390,7 +398,7 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
     if (k >= DP_LIST || (S && k >= DP_STR)) {
       uint64_t seen = 0;
       int m = memo_check(w, v.u.h, index, &seen);
-      if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
+      if (m < 0) return memo_failed(w, m);
       if (m == 0) {
         index++;
         if (v.u.h == stop) {
@@ -467,7 +475,7 @@ static int flush_pending(dp__walker_t *w) {
     if (dp__rc(&t->h) > w->memo_rc) {
       uint64_t seen = 0;
       int r = memo_check(w, t, w->next_index++, &seen);
-      if (r < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
+      if (r < 0) return memo_failed(w, r);
       if (r == 1) continue;  /* the same tensor again: counted once */
     }
     st[n] = t->storage;
@@ -634,7 +642,7 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
   if (dp__rc(h) > w->memo_rc) {
     uint64_t seen = 0;
     int m = memo_check(w, h, index, &seen);
-    if (m < 0) return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk memo");
+    if (m < 0) return memo_failed(w, m);
     if (m == 1) {
       w->next_index--;
       return S ? w->sink->backref(w->sink_ctx, seen) : 0;

@@ -2691,3 +2691,17 @@ Test(pickler, dp_frame_buffer_reports_through_err) {
   dp_value_release(root);
   ASSERT_NO_LEAK();
 }
+
+/* No bytes at all is a truncated frame (and no memcmp of a NULL pointer,
+ * which UBSan reports); a NULL pointer with a length is named by the
+ * function that was called. */
+Test(pickler, an_empty_or_null_input_is_a_clear_error_from_the_function_called) {
+  dp_error_t e;
+  dp_value_t v;
+  cr_assert_eq(dp_unpickle(NULL, 0, NULL, &v, &e), DP_ETRUNC);
+  cr_assert_str_eq(e.message, "truncated frame: 0 bytes, the header needs 40");
+  cr_assert_eq(dp_frame_check(NULL, 0, NULL, &e), DP_ETRUNC);
+  cr_assert_eq(dp_unpickle(NULL, 10, NULL, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_unpickle: NULL bytes");
+  ASSERT_NO_LEAK();
+}

@@ -89,7 +89,8 @@ typedef struct dp_error {
  *   - A failure below a call — the allocator, a constructor, a callback
  *     (bind, resolve, read) — keeps its code and message: they are passed
  *     through, never relabelled (a reduce() that fails makes the value one
- *     that cannot be walked: DP_ETYPE, with reduce's message; pickler.h).
+ *     that cannot be walked: DP_ETYPE, with reduce's message, unless it ran
+ *     out of memory, which stays DP_ENOMEM; pickler.h).
  *   - A reader or writer keeps its first error: what it does after one
  *     returns that error and changes nothing.
  *   - A NULL handle, or a NULL for a pointer the call needs, is DP_EINVAL

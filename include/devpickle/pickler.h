@@ -66,7 +66,8 @@ typedef struct dp_scan_opts {
 
 /** Walks v and adds every storage it references to set (which is not
  *  cleared first). opts may be NULL. Errors: DP_ETYPE (a custom without
- *  reduce, or whose reduce failed: message names the type and the path),
+ *  reduce, or whose reduce failed other than with DP_ENOMEM: the message names
+ *  the type and the path),
  *  DP_ELIMIT (nesting deeper than max_depth), DP_ENOMEM. On error the set
  *  holds what was found before it. */
 DP_API int dp_scan(dp_value_t v, const dp_scan_opts_t *opts, dp_ptrset_t *set, dp_error_t *err);
