@@ -6,7 +6,7 @@
 
 #include <stdarg.h>
 #include "atomic.h"
-#include "devpickle.h"
+#include "devpickle/base.h"
 
 #define DP_UNUSED(x) ((void)(x))
 #define DP_LIKELY(x) __builtin_expect(!!(x), 1)

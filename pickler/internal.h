@@ -6,6 +6,8 @@
 #define DP_PICKLER_INTERNAL_H
 
 #include "../core/internal.h"
+#include "devpickle/pickler.h"
+#include "devpickle/ptrset.h"
 #include "../core/table.h"
 #include "../value/gc.h"
 

@@ -14,7 +14,7 @@
 #ifndef DP_PICKLER_PTRS_H
 #define DP_PICKLER_PTRS_H
 
-#include "devpickle.h"
+#include "devpickle/ptrset.h"
 
 typedef struct dp__ptrs_dev {
   dp_device_t device;

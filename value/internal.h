@@ -5,6 +5,7 @@
 #define DP_VALUE_INTERNAL_H
 
 #include "../core/internal.h"
+#include "devpickle/value.h"
 
 /* ---- heap objects ---- */
 enum { DP_GC_NONE = 0, DP_GC_GRAY, DP_GC_BLACK, DP_GC_DEAD };
