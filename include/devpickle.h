@@ -14,8 +14,9 @@ extern "C" {
 #endif
 
 /** Tears the library's process-wide state down, top layer first:
- *   1. futures: the calling thread's scratch pointer set (other threads'
- *      are freed when those threads exit);
+ *   1. futures: the calling thread's scratch pointer set and the record
+ *      blocks it kept from released futures (other threads' are freed
+ *      when those threads exit);
  *   2. caches: the backends' default caching allocators (dp_cache_default):
  *      each waits for its pending blocks and gives its segments back;
  *   3. devices: every backend stops (queued host work completes, host

@@ -2460,7 +2460,7 @@ Test(pickler, a_reduce_step_escapes_control_characters_backslashes_and_angle_bra
 
 /* ---- dict keys: a key's str is hashed once, however often it is used ---- */
 
-extern _Thread_local uint64_t dp__key_bytes_hashed;  /* pickler/internal.h */
+extern _Thread_local uint64_t dp__key_bytes_hashed;  /* value/internal.h */
 
 Test(pickler, a_str_shared_by_many_keys_and_dicts_is_hashed_once_when_read) {
   /* 20 dicts keyed by one tuple of 200 references to one 10 kB str: before,
