@@ -469,7 +469,7 @@ int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const d
 }
 
 int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err) {
-  if (!f || !error) return dp__err(err, DP_EINVAL, "dp_future_set_error: NULL argument");
+  if (!f || !error) return dp__err(err, DP_EINVAL, "dp_future_set_error: NULL %s", f ? "error" : "future");
   return publish(f, dp_none(), NULL, error, err);
 }
 
@@ -657,7 +657,7 @@ static void add_callback(dp_future_t *f, cbent_t *e) {
 }
 
 int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child, dp_error_t *err) {
-  if (!f || !cb || !child) return dp__err(err, DP_EINVAL, "dp_future_then: NULL argument");
+  if (!f || !cb || !child) return dp__err(err, DP_EINVAL, "dp_future_then: NULL %s", !f ? "future" : !cb ? "cb" : "child");
   dp_future_t *c;
   int rc = future_like(f, &c, err);
   if (rc) return rc;

@@ -951,3 +951,23 @@ Test(value, an_insert_without_replace_reports_a_duplicate_outside_the_public_cod
   dp_value_release(o);
   ASSERT_NO_LEAK();
 }
+
+/* A NULL argument is named in the message, as base.h's rule says. */
+Test(value, a_null_argument_is_named_in_the_message) {
+  dp_error_t e;
+  dp_value_t v;
+  cr_assert_eq(dp_str_new("ab", 2, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_str_new: NULL out");
+  cr_assert_eq(dp_str_new(NULL, 2, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_str_new: NULL s");
+  cr_assert_eq(dp_bytes_new(NULL, 1, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_bytes_new: NULL p");
+  cr_assert_eq(dp_object_new(NULL, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_new: NULL class_name");
+  int64_t shape[1] = {4};
+  cr_assert_eq(dp_tensor_new(NULL, DP_FLOAT32, 1, shape, NULL, 0, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_tensor_new: NULL storage");
+  cr_assert_eq(dp_object_new_reduced(NULL, dp_none(), &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_new_reduced: NULL type_name");
+  ASSERT_NO_LEAK();
+}

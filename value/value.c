@@ -84,13 +84,13 @@ int dp__strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_e
 }
 
 int dp_str_new(const char *s, size_t n, dp_value_t *out, dp_error_t *err) {
-  if (!out || (!s && n)) return dp__err(err, DP_EINVAL, "dp_str_new: NULL argument");
+  if (!out || (!s && n)) return dp__err(err, DP_EINVAL, "dp_str_new: NULL %s", out ? "s" : "out");
   if (!dp__utf8_valid(s, n)) return dp__err(err, DP_EINVAL, "dp_str_new: invalid UTF-8");
   return dp__strobj_new(DP_STR, s, n, out, err);
 }
 
 int dp_bytes_new(const void *p, size_t n, dp_value_t *out, dp_error_t *err) {
-  if (!out || (!p && n)) return dp__err(err, DP_EINVAL, "dp_bytes_new: NULL argument");
+  if (!out || (!p && n)) return dp__err(err, DP_EINVAL, "dp_bytes_new: NULL %s", out ? "p" : "out");
   return dp__strobj_new(DP_BYTES, p, n, out, err);
 }
 
@@ -506,7 +506,7 @@ int dp__object_new_n(const char *cls, size_t len, size_t nattrs, dp_value_t *out
 }
 
 int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err) {
-  if (!class_name || !out) return dp__err(err, DP_EINVAL, "dp_object_new: NULL argument");
+  if (!class_name || !out) return dp__err(err, DP_EINVAL, "dp_object_new: NULL %s", out ? "class_name" : "out");
   size_t len = strlen(class_name);
   if (!dp__name_valid(class_name, len)) return bad_class_name(err);
   return object_alloc(class_name, len, OBJECT_DEFAULT_ATTRS, 0, out, err);
@@ -616,7 +616,7 @@ int dp__object_new_reduced_n(const char *type, size_t len, dp_value_t *out, dp_e
 int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_value_t *out, dp_error_t *err) {
   if (!type_name || !out) {
     dp_value_release(state);
-    return dp__err(err, DP_EINVAL, "dp_object_new_reduced: NULL argument");
+    return dp__err(err, DP_EINVAL, "dp_object_new_reduced: NULL %s", out ? "type_name" : "out");
   }
   size_t len = strlen(type_name);
   int rc = dp__name_valid(type_name, len) ? object_alloc(type_name, len, 1, DP_HEAP_REDUCED, out, err)
@@ -671,7 +671,7 @@ size_t dp_storage_nbytes(const dp_storage_t *s) { return s ? s->nbytes : 0; }
 const void *dp_storage_host_data(const dp_storage_t *s) { return s ? s->host_data : NULL; }
 
 int dp_storage_set_host_data(dp_storage_t *s, const void *data, dp_error_t *err) {
-  if (!s || (!data && s->nbytes)) return dp__err(err, DP_EINVAL, "dp_storage_set_host_data: NULL argument");
+  if (!s || (!data && s->nbytes)) return dp__err(err, DP_EINVAL, "dp_storage_set_host_data: NULL %s", s ? "data" : "storage");
   void *copy = dp__alloc(s->nbytes ? s->nbytes : 1);
   if (!copy) return oom(err, "storage host data");
   if (s->nbytes) memcpy(copy, data, s->nbytes);
@@ -740,7 +740,7 @@ int dp_tensor_new(dp_storage_t *storage, dp_dtype_t dtype, int ndim, const int64
   int rc;
   int64_t contiguous[DP_TENSOR_MAX_DIMS];
   if (!storage || !out || (ndim > 0 && !shape)) {
-    rc = dp__err(err, DP_EINVAL, "dp_tensor_new: NULL argument");
+    rc = dp__err(err, DP_EINVAL, "dp_tensor_new: NULL %s", !storage ? "storage" : !out ? "out" : "shape");
     goto fail;
   }
   if (ndim >= 0 && ndim <= DP_TENSOR_MAX_DIMS && !strides) {
