@@ -55,7 +55,6 @@ typedef struct dp__devstate {
   dp_stream_t *_Atomic pool[DP_POOL_STREAMS];
   _Atomic unsigned pool_next;
   dp_event_t *free_events;
-  size_t nevents;         /* created, for shutdown accounting */
 } dp__devstate_t;
 
 struct dp_backend {
