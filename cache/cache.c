@@ -16,6 +16,7 @@
  */
 #include <string.h>
 
+#include "devpickle/cache.h"
 #include "../device/internal.h"
 #include "../core/table.h"
 #include "internal.h"

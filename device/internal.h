@@ -5,8 +5,8 @@
 
 #include <pthread.h>
 
-
-#include "devpickle.h"
+#include "devpickle/base.h"
+#include "devpickle/device.h"
 #include "../core/internal.h"
 
 /* A backend is this table. Handles are the backend's own (a cudaStream_t,
