@@ -16,6 +16,7 @@
  */
 #include <string.h>
 
+#include "devpickle/cache.h"
 #include "../device/internal.h"
 #include "../core/table.h"
 #include "internal.h"
@@ -86,6 +87,7 @@ struct dp_cache {
   block_t *pending_head, *pending_tail;
   block_t *spare;                /* recycled block structs */
   dp__stream_listener_t gone;    /* the device layer's stream-destroy notice (cold: last) */
+  int is_default;                /* dp_cache_default's: dp_cache_free leaves it alone */
 };
 
 /* ---- block structs ---- */
@@ -462,8 +464,14 @@ int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   return 0;
 }
 
+static void cache_destroy(dp_cache_t *c);
+
 void dp_cache_free(dp_cache_t *c) {
-  if (!c) return;
+  if (!c || c->is_default) return;  /* a default cache is dp_shutdown's to free */
+  cache_destroy(c);
+}
+
+static void cache_destroy(dp_cache_t *c) {
   dp__stream_unlisten(&c->gone);
   pthread_mutex_lock(&c->mu);
   for (block_t *b = c->pending_head; b; b = b->pnext)
@@ -749,6 +757,7 @@ dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c) {
 int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
   if (!h || (!h->record_streams && !h->record_stream))
     return dp__err(err, DP_EINVAL, "dp_cache_hooks_record: no hooks");
+  if (n && !ptrs) return dp__err(err, DP_EINVAL, "dp_cache_hooks_record: NULL ptrs with n = %zu", n);
   if (h->record_streams) return h->record_streams(h->ctx, ptrs, n, s, err);
   for (size_t i = 0; i < n; i++) {
     int rc = h->record_stream(h->ctx, ptrs[i], s, err);
@@ -803,13 +812,25 @@ int dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out, dp_err
 static pthread_mutex_t defaults_mu = PTHREAD_MUTEX_INITIALIZER;
 static dp_cache_t *defaults[DP_DEVICE_TYPE_COUNT];
 
+/* The caches come out under the lock and are freed after it is released:
+ * freeing waits on streams, whose queued work may call dp_cache_default
+ * (which takes the lock). A cache such work made meanwhile is freed by the
+ * next round, before the backends go. */
 void dp__cache_shutdown(void) {
-  pthread_mutex_lock(&defaults_mu);
-  for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
-    dp_cache_free(defaults[t]);
-    defaults[t] = NULL;
+  for (;;) {
+    dp_cache_t *gone[DP_DEVICE_TYPE_COUNT];
+    int any = 0;
+    pthread_mutex_lock(&defaults_mu);
+    for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
+      gone[t] = defaults[t];
+      defaults[t] = NULL;
+      any |= gone[t] != NULL;
+    }
+    pthread_mutex_unlock(&defaults_mu);
+    if (!any) return;
+    for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++)
+      if (gone[t]) cache_destroy(gone[t]);
   }
-  pthread_mutex_unlock(&defaults_mu);
 }
 
 int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
@@ -817,7 +838,7 @@ int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   pthread_mutex_lock(&defaults_mu);
   int rc = 0;
   dp_device_type_t t = dp_backend_type(b);
-  if (!defaults[t]) rc = dp_cache_new(b, &defaults[t], err);
+  if (!defaults[t] && (rc = dp_cache_new(b, &defaults[t], err)) == 0) defaults[t]->is_default = 1;
   *out = defaults[t];
   pthread_mutex_unlock(&defaults_mu);
   return rc;

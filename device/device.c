@@ -33,7 +33,9 @@ static const dp__backend_ops_t *ops_for(dp_device_type_t t) {
 int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_backend_get: NULL out");
   const dp__backend_ops_t *ops = ops_for(type);
-  if (!ops) return dp__err(err, DP_EINVAL, "no backend for device type %d (cpu has no streams)", (int)type);
+  if (!ops)
+    return dp__err(err, DP_EINVAL, "dp_backend_get: no backend for device type %d%s", (int)type,
+                   type == DP_DEVICE_CPU ? " (cpu has no streams)" : "");
   pthread_mutex_lock(&registry_mu);
   dp_backend_t *b = registry[type];
   int rc = 0;
@@ -69,6 +71,7 @@ out:
 }
 
 int dp_backend_default(dp_backend_t **out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_backend_default: NULL out");
   const char *env = getenv("DEVPICKLE_BACKEND");
   if (env && *env) {
     if (strcmp(env, "host") == 0) return dp_backend_get(DP_DEVICE_HOST, out, err);
@@ -79,11 +82,15 @@ int dp_backend_default(dp_backend_t **out, dp_error_t *err) {
   return dp_backend_get(DP_DEVICE_HOST, out, err);
 }
 
-dp_device_type_t dp_backend_type(const dp_backend_t *b) { return b->type; }
-const char *dp_backend_name(const dp_backend_t *b) { return b->name; }
-int dp_backend_device_count(const dp_backend_t *b) { return b->ndev; }
+/* Accessors: a neutral value for a NULL handle (base.h). */
+static const dp_device_t no_device = {DP_DEVICE_CPU, 0};
+
+dp_device_type_t dp_backend_type(const dp_backend_t *b) { return b ? b->type : DP_DEVICE_CPU; }
+const char *dp_backend_name(const dp_backend_t *b) { return b ? b->name : NULL; }
+int dp_backend_device_count(const dp_backend_t *b) { return b ? b->ndev : 0; }
 
 dp_device_t dp_backend_device(const dp_backend_t *b, int index) {
+  if (!b || index < 0 || index >= b->ndev) return no_device;
   dp_device_t d = {(uint8_t)b->type, (uint8_t)index};
   return d;
 }
@@ -122,10 +129,21 @@ void dp__stream_unlisten(dp__stream_listener_t *l) {
   l->next = NULL;
 }
 
+/* The backends come out of the registry under its lock and are stopped
+ * after it is released: stopping joins the host workers, and work still
+ * queued on them may call dp_backend_get (which takes the lock). Such a
+ * call during the shutdown starts a new backend, which the next
+ * dp_shutdown stops. */
 void dp__device_shutdown(void) {
+  dp_backend_t *gone[DP_DEVICE_TYPE_COUNT];
   pthread_mutex_lock(&registry_mu);
   for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
-    dp_backend_t *b = registry[t];
+    gone[t] = registry[t];
+    registry[t] = NULL;
+  }
+  pthread_mutex_unlock(&registry_mu);
+  for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
+    dp_backend_t *b = gone[t];
     if (!b) continue;
     for (int d = 0; d < b->ndev; d++) {
       dp__devstate_t *ds = &b->devs[d];
@@ -142,9 +160,7 @@ void dp__device_shutdown(void) {
     b->ops->shutdown(b);
     dp__free(b->devs, (size_t)b->ndev * sizeof(dp__devstate_t));
     dp__free(b, sizeof *b);
-    registry[t] = NULL;
   }
-  pthread_mutex_unlock(&registry_mu);
   memset(tls_current, 0, sizeof tls_current);
   dp_set_stream_provider(NULL, NULL);
 }
@@ -175,6 +191,10 @@ int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_
 
 void dp_stream_free(dp_stream_t *s) {
   if (!s || s->owned) return;
+  /* this thread's current-stream slots forget it (other threads' cannot be
+   * reached: they reset theirs first, device.h) */
+  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
+    if (tls_current[i].s == s) tls_current[i] = (tls_slot_t){0, NULL};
   dp_stream_synchronize(s, NULL);
   pthread_mutex_lock(&listeners_mu);
   for (dp__stream_listener_t *l = listeners; l; l = l->next) l->fn(l->ctx, s);
@@ -228,9 +248,9 @@ int dp_stream_pool_next(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_
   return owned_stream(b, dev, &ds->pool[i], out, err);
 }
 
-dp_backend_t *dp_stream_backend(const dp_stream_t *s) { return s->b; }
-dp_device_t dp_stream_device(const dp_stream_t *s) { return s->dev; }
-void *dp_stream_native(const dp_stream_t *s) { return s->b->ops->stream_native(s->h); }
+dp_backend_t *dp_stream_backend(const dp_stream_t *s) { return s ? s->b : NULL; }
+dp_device_t dp_stream_device(const dp_stream_t *s) { return s ? s->dev : no_device; }
+void *dp_stream_native(const dp_stream_t *s) { return s ? s->b->ops->stream_native(s->h) : NULL; }
 
 int dp_stream_synchronize(dp_stream_t *s, dp_error_t *err) {
   if (!s) return dp__err(err, DP_EINVAL, "dp_stream_synchronize: NULL stream");
@@ -377,7 +397,7 @@ int dp_event_synchronize(dp_event_t *e, dp_error_t *err) {
   return e->b->ops->event_sync(e->b, e->h, err);
 }
 
-dp_device_t dp_event_device(const dp_event_t *e) { return e->dev; }
+dp_device_t dp_event_device(const dp_event_t *e) { return e ? e->dev : no_device; }
 
 /* ---- memory ---- */
 
@@ -405,5 +425,6 @@ int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out, dp_error
 
 int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_error_t *err) {
   if (!s || (n && (!dst || !src))) return dp__err(err, DP_EINVAL, "dp_memcpy_async: NULL argument");
+  if (n == 0) return 0;  /* nothing to order: no work is queued (and no memmove sees NULL) */
   return s->b->ops->memcpy_async(s->b, s->h, dst, src, n, err);
 }

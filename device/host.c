@@ -492,7 +492,7 @@ static void h_shutdown(dp_backend_t *b) {
   for (size_t i = 0; i < im->nrecs; i++) dp__free(im->recs[i].raw, im->recs[i].raw_size);
   dp__free(im->recs, im->recs_cap * sizeof(alloc_rec_t));
   pthread_mutex_lock(&limit_mu);
-  live_impl = NULL;
+  if (live_impl == im) live_impl = NULL;  /* not one started since (device.c's shutdown) */
   pthread_mutex_unlock(&limit_mu);
   pthread_mutex_destroy(&im->mu);
   dp__free(im, sizeof *im);

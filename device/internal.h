@@ -5,8 +5,8 @@
 
 #include <pthread.h>
 
-
-#include "devpickle.h"
+#include "devpickle/base.h"
+#include "devpickle/device.h"
 #include "../core/internal.h"
 
 /* A backend is this table. Handles are the backend's own (a cudaStream_t,
@@ -55,7 +55,6 @@ typedef struct dp__devstate {
   dp_stream_t *_Atomic pool[DP_POOL_STREAMS];
   _Atomic unsigned pool_next;
   dp_event_t *free_events;
-  size_t nevents;         /* created, for shutdown accounting */
 } dp__devstate_t;
 
 struct dp_backend {

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "devpickle.h"  /* the top layer: every public header */
 #include "../device/internal.h"
 #include "../pickler/ptrs.h"
 #include "internal.h"

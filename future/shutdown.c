@@ -6,6 +6,7 @@
  * a layer frees may still use the layers under it: the futures' scratch
  * sets, then the default caches (which give their segments back to the
  * backends and wait on streams), then the backends. */
+#include "devpickle.h"  /* dp_shutdown */
 #include "../cache/internal.h"
 #include "../device/internal.h"
 #include "internal.h"

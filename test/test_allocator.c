@@ -595,3 +595,68 @@ Test(allocator, a_current_stream_that_cannot_be_made_passes_its_error_through) {
   OK(dp_cache_alloc(C, H0, 64, NULL, &p, &e));
   OK(dp_cache_dealloc(C, p, &e));
 }
+
+/* dp_cache_free leaves a backend's default cache alone (dp_shutdown frees
+ * it): freeing it left dp_cache_default handing out the freed cache. */
+Test(allocator, freeing_the_default_cache_is_a_no_op_until_shutdown) {
+  dp_cache_t *d, *d2;
+  void *p;
+  OK(dp_cache_default(B, &d, T_ERR));
+  OK(dp_cache_alloc(d, H0, 4096, NULL, &p, T_ERR));
+  long live = atomic_load(&t_live_blocks);
+  dp_cache_free(d);
+  cr_assert_eq(atomic_load(&t_live_blocks), live, "dp_cache_free freed the default cache");
+  OK(dp_cache_default(B, &d2, T_ERR));
+  cr_assert_eq(d2, d);
+  void *base;
+  size_t size;
+  OK(dp_cache_lookup(d2, p, &base, &size, T_ERR));
+  cr_assert_eq(base, p, "the default cache still knows its allocations");
+  OK(dp_cache_dealloc(d2, p, T_ERR));
+  dp_cache_free(C);
+  C = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* NULL ptrs with n > 0 is DP_EINVAL, on the batched and the per-pointer
+ * path alike (both read ptrs[0] before); n == 0 records nothing. */
+Test(allocator, the_hooks_refuse_null_ptrs_for_a_nonzero_count) {
+  dp_stream_t *s = stream(H0);
+  dp_cache_hooks_t h = dp_cache_hooks(C);
+  dp_error_t e;
+  cr_assert_eq(dp_cache_hooks_record(&h, NULL, 2, s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_hooks_record: NULL ptrs with n = 2");
+  OK(dp_cache_hooks_record(&h, NULL, 0, s, T_ERR));
+  h.record_streams = NULL;
+  cr_assert_eq(dp_cache_hooks_record(&h, NULL, 1, s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_hooks_record: NULL ptrs with n = 1");
+  OK(dp_cache_hooks_record(&h, NULL, 0, s, T_ERR));
+  dp_stream_free(s);
+}
+
+/* Host work still queued when dp_shutdown frees the default caches may ask
+ * for one: the caches are freed without holding their registry's lock (it
+ * deadlocked), and the cache that work made is freed too. */
+static void ask_default(void *arg) {
+  dp_cache_t *d = NULL;
+  atomic_store((_Atomic int *)arg, dp_cache_default(B, &d, NULL) == 0 && d != NULL);
+}
+
+Test(allocator, shutdown_returns_when_queued_host_work_asks_for_the_default_cache, .timeout = 20) {
+  dp_cache_t *d;
+  void *p;
+  OK(dp_cache_default(B, &d, T_ERR));
+  OK(dp_cache_alloc(d, H0, 4096, NULL, &p, T_ERR));  /* a segment: freeing d waits on H0's streams */
+  dp_stream_t *s;
+  OK(dp_stream_default(B, H0, &s, T_ERR));
+  _Atomic int got;
+  atomic_init(&got, 0);
+  OK(dp_host_launch(s, sleep_40, NULL, T_ERR));
+  OK(dp_host_launch(s, ask_default, (void *)&got, T_ERR));
+  dp_cache_free(C);
+  C = NULL;
+  dp_shutdown();
+  cr_assert_eq(atomic_load(&got), 1, "the queued work ran to its end");
+  ASSERT_NO_LEAK();
+}

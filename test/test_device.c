@@ -504,3 +504,103 @@ Test(device, a_stream_that_cannot_be_made_reports_why_and_is_tried_again) {
   OK(dp_stream_default(b, H0, &s, &e));
   cr_assert_not_null(s);
 }
+
+/* Host work still queued when dp_shutdown runs may ask for a backend: the
+ * shutdown stops the backends without holding the registry's lock, so that
+ * work completes (it gets a new backend, which the next shutdown stops). */
+typedef struct late_get {
+  _Atomic int rc;
+  dp_backend_t *_Atomic b;
+} late_get_t;
+
+static void sleep_60(void *arg) {
+  (void)arg;
+  sleep_ms(60);  /* keeps the next task queued until dp_shutdown has begun */
+}
+
+static void get_backend(void *arg) {
+  late_get_t *g = arg;
+  dp_backend_t *b = NULL;
+  atomic_store(&g->rc, dp_backend_get(DP_DEVICE_HOST, &b, NULL));
+  atomic_store(&g->b, b);
+}
+
+Test(device, shutdown_returns_when_queued_host_work_asks_for_a_backend, .timeout = 20) {
+  dp_backend_t *b = host();
+  late_get_t g;
+  atomic_init(&g.rc, -1);
+  atomic_init(&g.b, NULL);
+  OK(dp_host_launch(dflt(b, H0), sleep_60, NULL, T_ERR));
+  OK(dp_host_launch(dflt(b, H0), get_backend, &g, T_ERR));
+  dp_shutdown();
+  cr_assert_eq(atomic_load(&g.rc), 0, "the queued work ran to its end");
+  cr_assert_not_null(atomic_load(&g.b));
+  dp_shutdown();  /* the backend the work started */
+  ASSERT_NO_LEAK();
+}
+
+/* A stream freed while it is this thread's current stream stops being
+ * current: the next dp_current_stream falls back to the default. */
+Test(device, freeing_the_current_stream_makes_it_no_longer_current) {
+  dp_backend_t *b = host();
+  dp_stream_t *s, *other, *d0 = dflt(b, H0), *d1 = dflt(b, H1);
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  OK(dp_stream_new(b, H1, &other, T_ERR));
+  OK(dp_set_current_stream(s, NULL, T_ERR));
+  OK(dp_set_current_stream(other, NULL, T_ERR));
+  dp_stream_free(s);
+  cr_assert_eq(current(b, H0), d0, "the freed stream is still current");
+  cr_assert_eq(current(b, H1), other, "other devices' current streams stay");
+  dp_stream_free(other);
+  cr_assert_eq(current(b, H1), d1);
+}
+
+/* Accessors cannot fail: a NULL handle gives a neutral value (base.h), and
+ * a device index out of the backend's range gives {DP_DEVICE_CPU, 0}. */
+Test(device, accessors_give_neutral_values_for_null_handles_and_bad_indices) {
+  cr_assert_eq(dp_backend_type(NULL), DP_DEVICE_CPU);
+  cr_assert_null(dp_backend_name(NULL));
+  cr_assert_eq(dp_backend_device_count(NULL), 0);
+  dp_device_t d = dp_backend_device(NULL, 0);
+  cr_assert(d.type == DP_DEVICE_CPU && d.index == 0);
+  cr_assert_null(dp_stream_backend(NULL));
+  d = dp_stream_device(NULL);
+  cr_assert(d.type == DP_DEVICE_CPU && d.index == 0);
+  cr_assert_null(dp_stream_native(NULL));
+  d = dp_event_device(NULL);
+  cr_assert(d.type == DP_DEVICE_CPU && d.index == 0);
+  dp_backend_t *b = host();
+  d = dp_backend_device(b, 1);
+  cr_assert(d.type == DP_DEVICE_HOST && d.index == 1);
+  int bad[] = {-1, 2, 255, 256};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    d = dp_backend_device(b, bad[i]);
+    cr_assert(d.type == DP_DEVICE_CPU && d.index == 0, "index %d gave %d:%d", bad[i], d.type, d.index);
+  }
+}
+
+/* The error messages name the function called and say what was wrong. */
+Test(device, backend_lookups_name_the_function_and_the_unknown_type) {
+  dp_backend_t *b;
+  dp_error_t e;
+  cr_assert_eq(dp_backend_get((dp_device_type_t)77, &b, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_backend_get: no backend for device type 77");
+  cr_assert_eq(dp_backend_get(DP_DEVICE_CPU, &b, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_backend_get: no backend for device type 0 (cpu has no streams)");
+  cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_backend_get: NULL out");
+  cr_assert_eq(dp_backend_default(NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_backend_default: NULL out");
+}
+
+/* A zero-byte copy queues nothing and takes NULL pointers (the worker never
+ * calls memmove with them: UBSan in make test-asan reports that). */
+Test(device, a_zero_byte_copy_takes_null_pointers_and_does_nothing) {
+  dp_backend_t *b = host();
+  dp_stream_t *s = dflt(b, H0);
+  OK(dp_memcpy_async(s, NULL, NULL, 0, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_memcpy_async(NULL, NULL, NULL, 0, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_memcpy_async: NULL argument");
+}

@@ -58,7 +58,7 @@ typedef struct dp_cache_hooks {
 
 /** Calls hooks->record_streams, or record_stream for each pointer
  *  (skipping DP_ENOTFOUND) when the batched form is missing. DP_EINVAL
- *  for NULL hooks or hooks with neither function. */
+ *  for NULL hooks, hooks with neither function, or NULL ptrs with n > 0. */
 DP_API int dp_cache_hooks_record(const dp_cache_hooks_t *hooks, void *const *ptrs, size_t n, dp_stream_t *s,
                                dp_error_t *err);
 
@@ -80,7 +80,9 @@ typedef struct dp_cache_stats {
 /** A caching allocator over backend b (its own, independent of the default). */
 DP_API int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
 /** Waits for pending blocks, gives every segment back to the backend and
- *  frees the allocator. Pointers still allocated from it become invalid. */
+ *  frees the allocator. Pointers still allocated from it become invalid.
+ *  A backend's default allocator (dp_cache_default) is left alone:
+ *  dp_shutdown frees it (as dp_stream_free leaves the backend's streams). */
 DP_API void dp_cache_free(dp_cache_t *c);
 /** The backend's built-in allocator (created on first use, destroyed by
  *  dp_shutdown). */

@@ -25,13 +25,17 @@
  * DP_EINVAL, reported like any other error. Backend codes come through as
  * the backend gave them (DP_ECUDA with the cudaError_t in
  * err->backend_code, DP_ENOMEM, ...). The _free functions accept NULL and do
- * nothing; the accessors (dp_backend_name, dp_stream_device, ...) cannot
- * fail and take a valid handle.
+ * nothing. The accessors (dp_backend_name, dp_stream_device, ...) cannot
+ * fail: for a NULL handle they return a neutral value (base.h): NULL, 0,
+ * DP_DEVICE_CPU or {DP_DEVICE_CPU, 0}.
  *
  * Lifetime: backends are process-wide and live until dp_shutdown()
  * (devpickle.h), which stops them after the caches and futures above them.
  * Streams from dp_stream_default() and dp_stream_pool_next() belong to the
- * backend; streams from dp_stream_new() belong to the caller.
+ * backend; streams from dp_stream_new() belong to the caller. Host work
+ * still queued when dp_shutdown() runs completes before it returns; if that
+ * work calls dp_backend_get() it gets a new backend, which the next
+ * dp_shutdown() stops.
  */
 #ifndef DEVPICKLE_DEVICE_H
 #define DEVPICKLE_DEVICE_H
@@ -50,7 +54,7 @@ typedef struct dp_event dp_event_t;
 
 /** The backend for DP_DEVICE_CUDA or DP_DEVICE_HOST. CUDA without a usable
  *  driver or device (or in a build without CUDA) is DP_ENODEV, with the
- *  reason in err. */
+ *  reason in err; any other type (DP_DEVICE_CPU included) is DP_EINVAL. */
 DP_API int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err);
 
 /** The default backend: `cuda` when a GPU is usable, else `host`. The
@@ -63,7 +67,8 @@ DP_API const char *dp_backend_name(const dp_backend_t *b);   /* "cuda", "host" *
 /** Number of devices: CUDA's device count; for `host`, DEVPICKLE_HOST_DEVICES
  *  (1..64, default 2). */
 DP_API int dp_backend_device_count(const dp_backend_t *b);
-/** dp_device_t {type, index} for device i of this backend. */
+/** dp_device_t {type, index} for device index of this backend;
+ *  {DP_DEVICE_CPU, 0} for an index outside 0 .. device count - 1. */
 DP_API dp_device_t dp_backend_device(const dp_backend_t *b, int index);
 
 /* ---- streams ---- */
@@ -71,7 +76,9 @@ DP_API dp_device_t dp_backend_device(const dp_backend_t *b, int index);
 /** A new stream on dev (the caller's; destroy it with dp_stream_free). */
 DP_API int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
 /** Waits for the stream's work, then destroys it. Streams the backend owns
- *  (default and pool streams) are left alone. */
+ *  (default and pool streams) are left alone. The calling thread stops
+ *  using s as its current stream (dp_set_current_stream); another thread
+ *  that made s current must reset it (dp_reset_current_stream) first. */
 DP_API void dp_stream_free(dp_stream_t *s);
 /** The device's default stream, owned by the backend (made on first use:
  *  the backend's error when that fails). DP_EINVAL for a device of another
@@ -146,7 +153,8 @@ DP_API int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void
 DP_API int dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p, dp_error_t *err);
 /** The device holding p (interior pointers included), or DP_ENOTFOUND. */
 DP_API int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out, dp_error_t *err);
-/** Copies n bytes in stream order (host or device memory on either side). */
+/** Copies n bytes in stream order (host or device memory on either side).
+ *  n == 0 queues nothing and returns 0; dst and src may then be NULL. */
 DP_API int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_error_t *err);
 
 /* ---- host backend only ---- */
