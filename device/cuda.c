@@ -139,13 +139,11 @@ static int c_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
   return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaMalloc");
 }
 
-static void c_free(dp_backend_t *b, int dev, void *p) {
+static int c_free(dp_backend_t *b, int dev, void *p, dp_error_t *err) {
   (void)b;
-  int prev = dev;
-  cudaGetDevice(&prev);
-  if (prev != dev) cudaSetDevice(dev);
-  cudaFree(p);
-  if (prev != dev) cudaSetDevice(prev);
+  cudaError_t e;
+  WITH_DEVICE(dev, err, "cudaFree", e = cudaFree(p));
+  return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaFree");
 }
 
 static int c_pointer_device(dp_backend_t *b, const void *p, int *dev) {

@@ -410,7 +410,7 @@ int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out,
 
 int dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p, dp_error_t *err) {
   int rc = dp__check_device(b, dev, err);
-  if (rc == 0 && p) b->ops->free(b, dev.index, p);
+  if (rc == 0 && p) rc = b->ops->free(b, dev.index, p, err);
   return rc;
 }
 

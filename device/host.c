@@ -401,19 +401,21 @@ static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
   return 0;
 }
 
-static void h_free(dp_backend_t *b, int dev, void *p) {
+static int h_free(dp_backend_t *b, int dev, void *p, dp_error_t *err) {
   host_impl_t *im = b->impl;
-  (void)dev;
   pthread_mutex_lock(&im->mu);
   size_t at = rec_find(im, (uintptr_t)p);
-  if (at != SIZE_MAX && im->recs[at].base == (uintptr_t)p) {
-    alloc_rec_t r = im->recs[at];
-    memmove(&im->recs[at], &im->recs[at + 1], (im->nrecs - at - 1) * sizeof(alloc_rec_t));
-    im->nrecs--;
-    im->used[r.dev] -= r.size;
-    dp__free(r.raw, r.raw_size);
+  if (at == SIZE_MAX || im->recs[at].base != (uintptr_t)p || im->recs[at].dev != dev) {
+    pthread_mutex_unlock(&im->mu);
+    return dp__err(err, DP_EINVAL, "dp_device_dealloc: %p is not an allocation of host:%d", p, dev);
   }
+  alloc_rec_t r = im->recs[at];
+  memmove(&im->recs[at], &im->recs[at + 1], (im->nrecs - at - 1) * sizeof(alloc_rec_t));
+  im->nrecs--;
+  im->used[r.dev] -= r.size;
+  dp__free(r.raw, r.raw_size);
   pthread_mutex_unlock(&im->mu);
+  return 0;
 }
 
 static int h_pointer_device(dp_backend_t *b, const void *p, int *dev) {

@@ -28,7 +28,7 @@ typedef struct dp__backend_ops {
   int (*event_sync)(dp_backend_t *b, void *eh, dp_error_t *err);
   int (*device_sync)(dp_backend_t *b, int dev, dp_error_t *err);
   int (*malloc)(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *err);
-  void (*free)(dp_backend_t *b, int dev, void *p);
+  int (*free)(dp_backend_t *b, int dev, void *p, dp_error_t *err);  /* DP_EINVAL: not this backend's */
   int (*pointer_device)(dp_backend_t *b, const void *p, int *dev);
   int (*memcpy_async)(dp_backend_t *b, void *sh, void *dst, const void *src, size_t n, dp_error_t *err);
 } dp__backend_ops_t;

@@ -604,3 +604,19 @@ Test(device, a_zero_byte_copy_takes_null_pointers_and_does_nothing) {
   cr_assert_eq(dp_memcpy_async(NULL, NULL, NULL, 0, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_memcpy_async: NULL argument");
 }
+
+/* Giving back memory the backend did not hand out (or handed out on another
+ * device) is an error, not a silent success. */
+Test(device, deallocating_memory_the_backend_did_not_hand_out_is_einval) {
+  dp_backend_t *b = host();
+  dp_error_t e;
+  int local;
+  cr_assert_eq(dp_device_dealloc(b, H0, &local, &e), DP_EINVAL);
+  cr_assert(strstr(e.message, "is not an allocation of host:0") != NULL, "%s", e.message);
+  void *p;
+  OK(dp_device_alloc(b, H1, 64, &p, T_ERR));
+  cr_assert_eq(dp_device_dealloc(b, H0, p, &e), DP_EINVAL, "host:1's memory is not host:0's");
+  OK(dp_device_dealloc(b, H1, p, T_ERR));
+  cr_assert_eq(dp_device_dealloc(b, H1, p, &e), DP_EINVAL, "twice is once too many");
+  OK(dp_device_dealloc(b, H1, NULL, T_ERR));
+}

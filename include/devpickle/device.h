@@ -127,7 +127,10 @@ DP_API void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev);
  *  none. Return NULL to fall back to the default stream. */
 typedef dp_stream_t *(*dp_stream_provider_cb)(void *ud, dp_backend_t *b, dp_device_t dev);
 /** Installs a provider for every thread (NULL removes it; dp_shutdown
- *  removes it too). */
+ *  removes it too). fn and ud are stored one after the other, not as one
+ *  atomic pair: install or change the provider while no other thread looks
+ *  up a current stream (at startup, say), or a lookup may call the old fn
+ *  with the new ud. */
 DP_API void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud);
 
 /* ---- events (pooled: no create/destroy on the hot path) ---- */
@@ -148,8 +151,10 @@ DP_API dp_device_t dp_event_device(const dp_event_t *e);
 /* ---- device memory (raw, uncached: see cache.h for the caching allocator) ---- */
 
 DP_API int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err);
-/** Gives p (from dp_device_alloc on dev) back; NULL p does nothing. DP_EINVAL
- *  for a device of another backend. */
+/** Gives p (from dp_device_alloc on dev) back; NULL p does nothing.
+ *  DP_EINVAL for a device of another backend, or a p that this backend did
+ *  not hand out on dev (or already took back; the host backend checks, the
+ *  CUDA runtime's error comes through from cudaFree). */
 DP_API int dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p, dp_error_t *err);
 /** The device holding p (interior pointers included), or DP_ENOTFOUND. */
 DP_API int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out, dp_error_t *err);
