@@ -57,14 +57,26 @@ typedef struct block {
   dp_event_t *drop_ev;           /* its stream's position when its segment was dropped */
 } block_t;
 
+/* A segment knows the stream its used blocks were allocated on while they
+ * share one (one_stream; NULL while none is used, MIXED once two differ or
+ * a stream went away), so that a batch of records on that stream — what a
+ * completion does for every allocation it made there — skips the lookup of
+ * each pointer (hook_record_streams): such a record is a no-op for every
+ * used block of the segment, and a pointer into a free block is skipped
+ * anyway. */
 struct segment {
   char *base;
   size_t size;
   int small;
   int dev;
+  uint32_t nused;               /* blocks in use */
+  dp_stream_t *one_stream;
   block_t *first;
   struct segment *next_drop;    /* dropped segments, until they are freed */
 };
+
+static char mixed_tag;
+#define MIXED ((dp_stream_t *)(void *)&mixed_tag)
 
 typedef struct devpool {
   block_t *bins[NBINS];
@@ -280,6 +292,8 @@ static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small
   }
   seg->base = mem;
   seg->size = seg_size;
+  seg->nused = 0;
+  seg->one_stream = NULL;
   seg->small = small;
   seg->dev = dev_of(c, p);
   seg->first = b;
@@ -437,8 +451,11 @@ static void stream_gone(void *ctx, dp_stream_t *s) {
   if (dp_stream_backend(s) != c->b) return;
   pthread_mutex_lock(&c->mu);
   for (int d = 0; d < c->ndev; d++)
-    for (size_t i = 0; i < c->pools[d].nsegs; i++)
-      for (block_t *b = c->pools[d].segs[i]->first; b;) b = block_stream_gone(c, &c->pools[d], b, s);
+    for (size_t i = 0; i < c->pools[d].nsegs; i++) {
+      segment_t *sg = c->pools[d].segs[i];
+      if (sg->one_stream == s) sg->one_stream = MIXED;  /* its blocks now have none */
+      for (block_t *b = sg->first; b;) b = block_stream_gone(c, &c->pools[d], b, s);
+    }
   pthread_mutex_unlock(&c->mu);
 }
 
@@ -574,6 +591,8 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
   }
   b->stream = s;
   b->nuses = 0;
+  segment_t *sg = b->seg;
+  sg->one_stream = sg->nused++ == 0 || sg->one_stream == s ? s : MIXED;
   p->st.allocated += b->size;
   if (p->st.allocated > p->st.peak_allocated) p->st.peak_allocated = p->st.allocated;
   p->st.allocs++;
@@ -596,6 +615,7 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
     return dp__err(err, DP_EINVAL, "dp_cache_dealloc(%p): not allocated by this allocator, or already freed", ptr);
   }
   map_remove_at(c, slot);
+  if (--b->seg->nused == 0) b->seg->one_stream = NULL;
   devpool_t *p = pool_of(c, b);
   p->st.allocated -= b->size;
   p->st.frees++;
@@ -729,6 +749,7 @@ static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream
     ring[i] = dp__hash_ptr(ptrs[i]);
     if (prefetch) dp__table_prefetch(t, DP_TABLE_TAGGED, ring[i]);
   }
+  const segment_t *last = NULL;  /* the segment of the last pointer found */
   for (size_t i = 0; i < n && rc != DP_ENOMEM; i++) {
     size_t ahead = i + RECORD_SLOT_AHEAD;
     if (ahead < n) {
@@ -740,7 +761,10 @@ static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream
       uint32_t ref = dp__table_ref(t, DP_TABLE_TAGGED, ring[ahead % RECORD_RING] & mask);
       if (ref) __builtin_prefetch(&mapped[ref - 1]);
     }
+    /* In the last segment found, whose used blocks are all on s: nothing to do. */
+    if (last && last->one_stream == s && (uintptr_t)ptrs[i] - (uintptr_t)last->base < last->size) continue;
     size_t slot, at = dp__table_find(t, DP_TABLE_TAGGED, ring[i % RECORD_RING], ents_eq, mapped, ptrs[i], &slot);
+    if (DP_LIKELY(at != DP_TABLE_NONE)) last = mapped[at].b->seg;
     if (DP_LIKELY(at != DP_TABLE_NONE) && mapped[at].stream == s) continue;
     rc = record_slow(c, ptrs[i], at != DP_TABLE_NONE ? &mapped[at] : NULL, s, err);
     if (rc == DP_ENOTFOUND) rc = 0;

@@ -660,3 +660,43 @@ Test(allocator, shutdown_returns_when_queued_host_work_asks_for_the_default_cach
   cr_assert_eq(atomic_load(&got), 1, "the queued work ran to its end");
   ASSERT_NO_LEAK();
 }
+
+/* A batch of records skips the lookup of pointers in a segment whose used
+ * blocks were all allocated on the recording stream. It must still record
+ * every pointer whose block is on another stream: one of a segment shared
+ * by two streams, and every block of a stream destroyed since (even when a
+ * new stream has the destroyed one's address). */
+Test(allocator, a_batch_record_skips_only_blocks_already_on_the_recording_stream) {
+  dp_cache_hooks_t h = dp_cache_hooks(C);
+  dp_stream_t *s1 = stream(H0), *s2 = stream(H0);
+  void *q[4];
+  OK(dp_cache_alloc(C, H0, 4096, s2, &q[2], T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, s1, &q[0], T_ERR));  /* same segment, another stream */
+  OK(dp_cache_alloc(C, H0, 4096, s1, &q[1], T_ERR));
+  cr_assert_eq(stats(H0).segment_allocs, 1, "one segment holds the three blocks");
+  OK(dp_cache_hooks_record(&h, q, 3, s1, T_ERR));    /* q[2] must get s1 */
+  OK(dp_host_launch(s1, sleep_40, NULL, T_ERR));
+  for (int i = 0; i < 3; i++) OK(dp_cache_dealloc(C, q[i], T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 1, "the block of s2 waits for s1, which used it");
+  OK(dp_stream_synchronize(s1, T_ERR));
+  cr_assert_eq(dp_cache_poll(C, NULL), 1);
+  /* every block of a destroyed stream: a later stream records them all */
+  for (int i = 0; i < 4; i++) OK(dp_cache_alloc(C, H0, 4096, s2, &q[i], T_ERR));
+  dp_stream_t *old = s2;
+  dp_stream_free(s2);
+  dp_stream_t *u = stream(H0);
+  cr_log_info("the new stream %s the destroyed one's address", u == old ? "has" : "does not have");
+  OK(dp_cache_hooks_record(&h, q, 4, u, T_ERR));
+  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  for (int i = 0; i < 4; i++) OK(dp_cache_dealloc(C, q[i], T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 4, "all four wait for the stream that recorded them");
+  OK(dp_stream_synchronize(u, T_ERR));
+  cr_assert_eq(dp_cache_poll(C, NULL), 4);
+  /* and blocks all on the recording stream hold nothing */
+  for (int i = 0; i < 4; i++) OK(dp_cache_alloc(C, H0, 4096, u, &q[i], T_ERR));
+  OK(dp_cache_hooks_record(&h, q, 4, u, T_ERR));
+  for (int i = 0; i < 4; i++) OK(dp_cache_dealloc(C, q[i], T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+  dp_stream_free(u);
+  dp_stream_free(s1);
+}
