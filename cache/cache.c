@@ -764,8 +764,12 @@ static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream
     /* In the last segment found, whose used blocks are all on s: nothing to do. */
     if (last && last->one_stream == s && (uintptr_t)ptrs[i] - (uintptr_t)last->base < last->size) continue;
     size_t slot, at = dp__table_find(t, DP_TABLE_TAGGED, ring[i % RECORD_RING], ents_eq, mapped, ptrs[i], &slot);
-    if (DP_LIKELY(at != DP_TABLE_NONE)) last = mapped[at].b->seg;
-    if (DP_LIKELY(at != DP_TABLE_NONE) && mapped[at].stream == s) continue;
+    if (DP_LIKELY(at != DP_TABLE_NONE) && mapped[at].stream == s) {
+      /* The block itself is read only on entering another segment: the
+       * entry alone decides every other record. */
+      if (!last || (uintptr_t)ptrs[i] - (uintptr_t)last->base >= last->size) last = mapped[at].b->seg;
+      continue;
+    }
     rc = record_slow(c, ptrs[i], at != DP_TABLE_NONE ? &mapped[at] : NULL, s, err);
     if (rc == DP_ENOTFOUND) rc = 0;
   }

@@ -24,7 +24,6 @@
 
 #define dp__fetch_add_relaxed(p, v) atomic_fetch_add_explicit((p), (v), memory_order_relaxed)
 #define dp__fetch_add_release(p, v) atomic_fetch_add_explicit((p), (v), memory_order_release)
-#define dp__fetch_sub_acq_rel(p, v) atomic_fetch_sub_explicit((p), (v), memory_order_acq_rel)
 #define dp__fetch_or_acq_rel(p, v) atomic_fetch_or_explicit((p), (v), memory_order_acq_rel)
 #define dp__fetch_and_acq_rel(p, v) atomic_fetch_and_explicit((p), (v), memory_order_acq_rel)
 
@@ -36,13 +35,11 @@
 
 /* Reference counts. */
 #define dp__ref_inc(p) ((void)atomic_fetch_add_explicit((p), 1, memory_order_relaxed))
-#define dp__ref_add(p, n) ((void)atomic_fetch_add_explicit((p), (n), memory_order_relaxed))
 /* True when this was the last reference. */
 #define dp__ref_dec(p) (atomic_fetch_sub_explicit((p), 1, memory_order_acq_rel) == 1)
 
 /* A spinlock for critical sections of a few instructions. */
 typedef atomic_flag dp__spin_t;
-#define DP__SPIN_INIT ATOMIC_FLAG_INIT
 static inline bool dp__spin_trylock(dp__spin_t *l) {
   return !atomic_flag_test_and_set_explicit(l, memory_order_acquire);
 }
