@@ -48,6 +48,7 @@ typedef struct cbent {
   struct cbent *next;
   dp_future_t *parent;  /* a reference, while queued on a trampoline */
   dp_then_cb cb;
+  dp_then_ptrs_cb ptrs_cb;  /* dp_future_then_with_ptrs: instead of cb */
   void *ud;
   dp_future_t *child;
   /* collect_all: input `index` completed (parent NULL: it was released
@@ -564,12 +565,13 @@ static void run_then(dp_future_t *p, cbent_t *e) {
   dp_future_t *child = e->child;
   dp_error_t err;
   dp_error_clear(&err);
-  if (dp__load_acquire(&p->state) == FAILED) {
+  int failed = dp__load_acquire(&p->state) == FAILED;
+  if (failed && !e->ptrs_cb) {
     get_error(p, &err);
     dp_future_set_error(child, &err, NULL);
     return;
   }
-  size_t n = p->rec.ndevs;
+  size_t n = failed ? 0 : p->rec.ndevs;
   dp_stream_t *inl[2 * STREAMS_INLINE], **streams = inl;
   if (n > STREAMS_INLINE && !(streams = dp__alloc_array(2 * n, sizeof *streams))) {
     dp__err(&err, DP_ENOMEM, "out of memory running a callback");
@@ -588,7 +590,20 @@ static void run_then(dp_future_t *p, cbent_t *e) {
     if (rc) break;
     streams[set] = s;
   }
-  if (rc == 0) {
+  if (rc == 0 && e->ptrs_cb) {
+    /* The callback reports its result's allocations: no walk. */
+    dp_value_t result = dp_none();
+    int owned;
+    dp_ptrset_t *found = scratch_get(&owned, &err);
+    rc = found ? e->ptrs_cb(e->ud, p, &result, found, &err) : err.code;
+    if (rc) {
+      if (!err.code) dp__err(&err, rc, "the callback failed: %s", dp_strerror(rc));
+      dp_value_release(result);
+    } else {
+      dp_future_mark_completed_with_ptrs(child, result, found, NULL);
+    }
+    if (found) scratch_put(found, owned);
+  } else if (rc == 0) {
     dp_value_t result = dp_none();
     rc = e->cb(e->ud, p, &result, &err);
     if (rc) {
@@ -657,8 +672,8 @@ static void add_callback(dp_future_t *f, cbent_t *e) {
   dispatch(f, e);
 }
 
-int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child, dp_error_t *err) {
-  if (!f || !cb || !child) return dp__err(err, DP_EINVAL, "dp_future_then: NULL %s", !f ? "future" : !cb ? "cb" : "child");
+static int then_entry(dp_future_t *f, dp_then_cb cb, dp_then_ptrs_cb ptrs_cb, void *ud, dp_future_t **child,
+                      dp_error_t *err) {
   dp_future_t *c;
   int rc = future_like(f, &c, err);
   if (rc) return rc;
@@ -669,11 +684,23 @@ int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child,
   }
   memset(e, 0, sizeof *e);
   e->cb = cb;
+  e->ptrs_cb = ptrs_cb;
   e->ud = ud;
   e->child = dp_future_retain(c);
   *child = c;
   add_callback(f, e);
   return 0;
+}
+
+int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child, dp_error_t *err) {
+  if (!f || !cb || !child) return dp__err(err, DP_EINVAL, "dp_future_then: NULL %s", !f ? "future" : !cb ? "cb" : "child");
+  return then_entry(f, cb, NULL, ud, child, err);
+}
+
+int dp_future_then_with_ptrs(dp_future_t *f, dp_then_ptrs_cb cb, void *ud, dp_future_t **child, dp_error_t *err) {
+  if (!f || !cb || !child)
+    return dp__err(err, DP_EINVAL, "dp_future_then_with_ptrs: NULL %s", !f ? "future" : !cb ? "cb" : "child");
+  return then_entry(f, NULL, cb, ud, child, err);
 }
 
 /* ---- collect_all ---- */

@@ -206,6 +206,7 @@ typedef struct cb_state {
   _Atomic int calls;
   fill_t fill;
   dp_value_t made;
+  int report;  /* launch_and_report: report the allocation */
 } cb_state_t;
 
 /* Launches new device work on the callback's (pool) stream and returns its
@@ -227,25 +228,46 @@ static int launch_and_wrap(void *ud, dp_future_t *parent, dp_value_t *result, dp
   return dp_object_set(obj, "payload", boxed(out), err);
 }
 
-static int child_consumer_reads(int wait_on_child) {
+/* As launch_and_wrap, for dp_future_then_with_ptrs: the result is a custom
+ * that cannot be walked, and the callback reports the allocation itself
+ * (or, for the negative control, reports nothing). */
+static int launch_and_report(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  cb_state_t *s = ud;
+  dp_value_t obj;
+  int rc = launch_and_wrap(ud, parent, &obj, err);
+  dp_value_release(obj);
+  if (rc) return rc;
+  if ((rc = dp_custom_new(&opaque_type, NULL, result, err)) != 0) return rc;
+  return s->report ? dp_ptrset_add(ptrs, H0, data_of(s->made), 64 * sizeof(int), NULL, err) : 0;
+}
+
+enum { WAIT_PARENT, WAIT_CHILD, WAIT_REPORTED, WAIT_UNREPORTED };
+
+static int child_consumer_reads(int how) {
   dp_stream_t *cons;
   OK(dp_stream_new(B, H0, &cons, T_ERR));
   dp_value_t t = device_ints(H0, 64);
   dp_future_t *parent = future(), *child;
   cb_state_t st = {0};
-  OK(dp_future_then(parent, launch_and_wrap, &st, &child, T_ERR));
+  if (how == WAIT_REPORTED || how == WAIT_UNREPORTED) {
+    st.report = how == WAIT_REPORTED;
+    OK(dp_future_then_with_ptrs(parent, launch_and_report, &st, &child, T_ERR));
+  } else {
+    OK(dp_future_then(parent, launch_and_wrap, &st, &child, T_ERR));
+  }
   OK(dp_future_mark_completed(parent, dp_value_retain(t), T_ERR));  /* runs the callback here */
   cr_assert_eq(atomic_load(&st.calls), 1);
   OK(dp_set_current_stream(cons, NULL, T_ERR));
   /* the negative control waits on the parent's events only: what a fallback
    * to the parent's events would give the child's consumers */
-  OK(dp_future_wait(wait_on_child ? child : parent, -1, T_ERR));
+  OK(dp_future_wait(how == WAIT_PARENT ? parent : child, -1, T_ERR));
   read_t r = {data_of(st.made), 64, 0, -1, 0};
   OK(dp_host_launch(cons, slow_read, &r, T_ERR));
   OK(dp_stream_synchronize(cons, T_ERR));
   OK(dp_device_synchronize(B, H0, T_ERR));
   dp_reset_current_stream(B, H0);
-  cr_assert_eq(dp_future_nptrs(child), 1, "the child walked the callback's result afresh");
+  cr_assert_eq(dp_future_nptrs(child), how == WAIT_UNREPORTED ? 0 : 1,
+               "the child walked the callback's result afresh, or took what it reported");
   free_ints(st.made);
   free_ints(t);
   dp_value_release(st.made);
@@ -257,11 +279,61 @@ static int child_consumer_reads(int wait_on_child) {
 }
 
 Test(future, the_consumer_of_a_then_child_sees_the_callbacks_finished_device_work) {
-  cr_assert_eq(child_consumer_reads(1), 99);
+  cr_assert_eq(child_consumer_reads(WAIT_CHILD), 99);
 }
 
 Test(future, negative_control_the_parents_events_do_not_cover_the_callbacks_work) {
-  cr_assert_eq(child_consumer_reads(0), 0);
+  cr_assert_eq(child_consumer_reads(WAIT_PARENT), 0);
+}
+
+Test(future, a_then_child_with_reported_pointers_covers_the_callbacks_work_without_a_walk) {
+  cr_assert_eq(child_consumer_reads(WAIT_REPORTED), 99);
+}
+
+Test(future, negative_control_a_then_child_whose_callback_reports_nothing_covers_nothing) {
+  cr_assert_eq(child_consumer_reads(WAIT_UNREPORTED), 0);
+}
+
+static int sees_failure(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)ptrs;
+  dp_error_t pe;
+  int code = dp_future_error(parent, &pe);
+  *(int *)ud = code;
+  dp_stream_t *cur;
+  if (dp_current_stream(B, H0, &cur, err)) return DP_ESTATE;
+  if (code) {
+    *err = pe;
+    return code;
+  }
+  *result = dp_int(7);
+  return 0;
+}
+
+Test(future, a_then_with_pointers_callback_runs_also_when_the_parent_failed) {
+  dp_future_t *parent = future(), *child, *ok_parent = future(), *ok_child;
+  int seen = 1, ok_seen = 1;
+  OK(dp_future_then_with_ptrs(parent, sees_failure, &seen, &child, T_ERR));
+  OK(dp_future_then_with_ptrs(ok_parent, sees_failure, &ok_seen, &ok_child, T_ERR));
+  dp_error_t boom;
+  dp_error_clear(&boom);
+  boom.code = DP_EIO;
+  snprintf(boom.message, sizeof boom.message, "boom");
+  OK(dp_future_set_error(parent, &boom, T_ERR));
+  OK(dp_future_mark_completed(ok_parent, dp_int(1), T_ERR));
+  cr_assert_eq(seen, DP_EIO, "the callback ran and saw the parent's error");
+  cr_assert_eq(ok_seen, 0);
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(child, -1, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "boom");
+  OK(dp_future_wait(ok_child, -1, T_ERR));
+  cr_assert_eq(dp_value_as_int(dp_future_value(ok_child)), 7);
+  dp_error_t bad;
+  cr_assert_eq(dp_future_then_with_ptrs(parent, NULL, NULL, &child, &bad), DP_EINVAL);
+  cr_assert_str_eq(bad.message, "dp_future_then_with_ptrs: NULL cb");
+  dp_future_release(parent);
+  dp_future_release(child);
+  dp_future_release(ok_parent);
+  dp_future_release(ok_child);
 }
 
 static int bad_result(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {

@@ -126,6 +126,23 @@ typedef int (*dp_then_cb)(void *ud, dp_future_t *parent, dp_value_t *result, dp_
  *  reference to f: keep f while you want the child to complete. */
 DP_API int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child, dp_error_t *err);
 
+/** A then() callback that reports its result's allocations itself (as
+ *  dp_future_mark_completed_with_ptrs does for a producer: the child does
+ *  not walk the result). It runs whether the parent completed with a value
+ *  or failed (dp_future_error(parent, ...) tells which; a failed parent has
+ *  no events and no streams are made current), as a language binding whose
+ *  callbacks read the parent's outcome themselves needs. ptrs is an empty
+ *  set: add the result's allocations to it (dp_ptrset_add, or dp_scan).
+ *  Return 0 and a new reference in *result, or an error code with err
+ *  filled: the child fails with it. */
+typedef int (*dp_then_ptrs_cb)(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs,
+                               dp_error_t *err);
+/** As dp_future_then, with a dp_then_ptrs_cb: the child completes with the
+ *  value and the allocations the callback gives, its events recorded on the
+ *  callback's (pool) streams. If f is released pending, cb never runs (ud
+ *  stays the caller's to free) and the child fails with DP_ECANCELED. */
+DP_API int dp_future_then_with_ptrs(dp_future_t *f, dp_then_ptrs_cb cb, void *ud, dp_future_t **child,
+                                    dp_error_t *err);
 /** A future of a list of the futures' values, complete when all are (failed
  *  when any fails, with the first error by input order; DP_ECANCELED when
  *  an input is released pending, naming it). It holds no reference to a
