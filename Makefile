@@ -102,9 +102,10 @@ $(BUILD)/one_row: bench/one_row.c bench/bench_future.c bench/bench.h $(BUILD)/li
 $(BUILD)/embed: examples/embed.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
 	$(CC) $(TFLAGS) $(SANFLAGS) $(DEPFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
-test: deps all $(TEST_BIN) $(BUILD)/embed ## Run the Criterion suites and the embedding example
+test: deps all $(TEST_BIN) $(BUILD)/embed ## Run the Criterion suites, the embedding example and the Python suite
 	@set -e; for t in $(TEST_BIN); do echo "== $$t"; DEVPICKLE=$(BUILD)/devpickle $$t --jobs 2; done
 	@echo "== $(BUILD)/embed"; $(BUILD)/embed
+	@echo "== python (pytest)"; $(MAKE) --no-print-directory test-python
 
 # Sanitizers. Criterion runs each test in a forked worker and ignores what
 # LeakSanitizer prints when that worker exits, so the run's output is scanned
@@ -218,6 +219,8 @@ bench: all $(BENCH_BIN) ## Run the benchmarks; results in build/bench.json
 	@rm -f $(BUILD)/bench.json
 	@set -e; for b in $(BENCH_BIN); do $$b $(BUILD)/bench.json; done
 	@echo "wrote $(BUILD)/bench.json"
+
+include python/python.mk
 
 # Dependencies: Debian packages, installed when missing.
 deps: ## Install the missing Debian packages (apt-get; needs root only when one is missing)

@@ -1,0 +1,38 @@
+"""devpickle: find the device memory any Python value references, a
+stream-aware Future with torch.futures.Future's interface, and devpickle
+frames with out-of-band buffers.
+
+    scan(obj, *, paths=True, opaque=())      -> [Allocation(device, ptr, nbytes, refs, path)]
+    Future(*, devices=None)                  torch.futures.Future's interface
+    collect_all(futures), wait_all(futures)
+    dumps(obj, *, inline=False, buffer_callback=None) -> bytes
+    loads(data, *, buffers=None, classes=())          -> object
+
+See docs/PYTHON.md for the walk rules, the streams and the GIL.
+"""
+
+from ._devpickle import (  # noqa: F401
+    Allocation,
+    Error,
+    Future,
+    WalkError,
+    collect_all,
+    dumps,
+    loads,
+    scan,
+    wait_all,
+)
+from ._object import Object  # noqa: F401
+
+__all__ = [
+    "Allocation",
+    "Error",
+    "Future",
+    "Object",
+    "WalkError",
+    "collect_all",
+    "dumps",
+    "loads",
+    "scan",
+    "wait_all",
+]

@@ -1,0 +1,39 @@
+"""devpickle.Object: an instance of a class that loads() was not allowed to
+rebuild — its class name and its attributes, nothing imported or called."""
+
+
+class Object:
+    """A class name and attributes, as they came in a frame.
+
+    Attributes are readable as attributes (obj.w) and as a dict
+    (obj.__attrs__). Two Objects are equal when their class names and
+    attributes are.
+    """
+
+    __slots__ = ("__class_name__", "__attrs__")
+
+    def __init__(self, class_name, attrs=None):
+        object.__setattr__(self, "__class_name__", str(class_name))
+        object.__setattr__(self, "__attrs__", dict(attrs or {}))
+
+    def __getattr__(self, name):
+        try:
+            return object.__getattribute__(self, "__attrs__")[name]
+        except KeyError:
+            raise AttributeError(
+                f"devpickle.Object of class {self.__class_name__!r} has no attribute {name!r}"
+            ) from None
+
+    def __setattr__(self, name, value):
+        self.__attrs__[name] = value
+
+    def __eq__(self, other):
+        if not isinstance(other, Object):
+            return NotImplemented
+        return self.__class_name__ == other.__class_name__ and self.__attrs__ == other.__attrs__
+
+    __hash__ = None
+
+    def __repr__(self):
+        attrs = ", ".join(f"{k}={v!r}" for k, v in self.__attrs__.items())
+        return f"devpickle.Object({self.__class_name__!r}, {attrs})" if attrs else f"devpickle.Object({self.__class_name__!r})"

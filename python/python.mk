@@ -1,0 +1,47 @@
+# The Python binding (python/): `make python` builds the package into
+# build/python/devpickle, importable with PYTHONPATH=build/python. Included by
+# the Makefile.
+
+PYTHON      ?= /usr/bin/python3
+PY_BUILD    := $(BUILD)/python
+PY_SRC      := $(wildcard python/src/*.c)
+PY_HDR      := $(wildcard python/src/*.h)
+PY_FILES    := $(wildcard python/devpickle/*.py)
+PY_CONF      = $(shell $(PYTHON) -c 'import sysconfig as s; print(s.get_paths()["include"], s.get_config_var("EXT_SUFFIX"))' 2>/dev/null)
+PY_INC       = $(word 1,$(PY_CONF))
+PY_SUFFIX    = $(word 2,$(PY_CONF))
+PY_EXT       = $(PY_BUILD)/devpickle/_devpickle$(PY_SUFFIX)
+PY_CFLAGS   := -std=c11 -Wall -Wextra -Werror -Wno-missing-field-initializers -O2 -g -fPIC -fvisibility=hidden -Iinclude
+
+python: lib deps-python ## Build the Python package into build/python/devpickle (PYTHON=/usr/bin/python3)
+	@test -n "$(PY_INC)" -a -f "$(PY_INC)/Python.h" || { echo "devpickle: no Python.h for $(PYTHON): run 'make deps'" >&2; exit 1; }
+	@$(MAKE) --no-print-directory PYTHON=$(PYTHON) $(PY_EXT) $(PY_FILES:python/%=$(PY_BUILD)/%)
+	@$(PYTHON) python/build_torch_adapter.py --out $(PY_BUILD)/devpickle --if-available
+
+$(PY_BUILD)/devpickle/_devpickle%: $(PY_SRC) $(PY_HDR) $(BUILD)/libdevpickle.a $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CC) $(PY_CFLAGS) $(CUDA_CFLAGS) -I$(PY_INC) -shared -o $@ $(PY_SRC) $(BUILD)/libdevpickle.a \
+	  -Wl,--exclude-libs,ALL $(LDLIBS)
+
+$(PY_BUILD)/devpickle/%.py: python/devpickle/%.py
+	@mkdir -p $(dir $@)
+	cp $< $@
+
+test-python: python ## Run the Python suite (pytest) against the built package
+	PYTHONPATH=$(abspath $(PY_BUILD)) DEVPICKLE=$(abspath $(BUILD)/devpickle) \
+	  $(PYTHON) -m pytest -q -p no:cacheprovider python/tests
+
+# Debian's interpreter and the packages the binding and its tests need.
+PY_DEB := python3-dev python3-pytest python3-numpy python3-torch libtorch-dev python3-pip python3-venv
+deps-python:
+	@$(PYTHON) -c 'import pytest, numpy, torch, pip, venv, sysconfig, os; \
+	  assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null && \
+	  { test -f /usr/include/torch/csrc/autograd/python_variable.h || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
+	    apt-get install -y -q libtorch-dev >/dev/null; exit 0; } ; \
+	echo "devpickle: installing $(PY_DEB)"; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	  echo "devpickle: cannot install packages here; run: sudo apt-get install -y $(PY_DEB)" >&2; exit 1; fi; \
+	(apt-get install -y -q $(PY_DEB) || (apt-get update -q && apt-get install -y -q $(PY_DEB))) >/dev/null || \
+	  { echo "devpickle: apt-get failed; run: apt-get update && apt-get install -y $(PY_DEB)" >&2; exit 1; }
+
+.PHONY: python test-python deps-python

@@ -1,0 +1,81 @@
+/*
+ * ext.h — what the files of the devpickle extension share. Not installed.
+ *
+ * The GIL protects everything here unless a comment says otherwise: module
+ * state is touched only by threads that hold it.
+ */
+#ifndef DEVPICKLE_PY_EXT_H
+#define DEVPICKLE_PY_EXT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <devpickle.h>
+
+#include "torch_api.h"
+
+/* ---- module state (module.c) ---- */
+typedef struct dpy_state {
+  PyObject *walk_error;        /* devpickle.WalkError (a TypeError) */
+  PyObject *dp_error;          /* devpickle.Error (a RuntimeError) for library errors */
+  PyObject *dispatch_table;    /* copyreg.dispatch_table */
+  PyObject *object_reduce_ex;  /* object.__reduce_ex__, object.__reduce__, object.__getstate__ */
+  PyObject *object_reduce;
+  PyObject *object_getstate;
+  PyObject *slotnames;         /* copyreg._slotnames */
+  PyObject *str_reduce_ex, *str_getstate, *str_fields, *str_dict, *str_cai, *str_dlpack,
+      *str_dlpack_device, *str_getnewargs, *str_getnewargs_ex, *str_slots;
+  /* torch, resolved on first need once torch is imported */
+  int torch_resolved;
+  PyTypeObject *torch_tensor;  /* torch.Tensor's C base, or NULL */
+  const dp_torch_api_t *torch; /* the adapter, or NULL: Python-level calls */
+  PyObject *cupy_ndarray;      /* cupy.ndarray once cupy is imported, else NULL */
+} dpy_state_t;
+
+extern dpy_state_t dpy;
+
+/* Raises the Python exception for a library error. Returns NULL. */
+PyObject *dpy_raise(int rc, const dp_error_t *e);
+/* Looks torch (and its adapter) and cupy up if they were imported since the
+ * last look. 0, or -1 with an exception. */
+int dpy_resolve_frameworks(void);
+
+/* ---- scan (scan.c) ---- */
+typedef struct dpy_scanner dpy_scanner_t;
+
+typedef struct dpy_scan_opts {
+  int paths;            /* render each allocation's first path */
+  PyObject *opaque;     /* a tuple of types treated as leaves, or NULL */
+  uint32_t max_depth;   /* 0: DP_DEFAULT_MAX_DEPTH */
+} dpy_scan_opts_t;
+
+/* A scanner from the module's cache (or a new one). */
+dpy_scanner_t *dpy_scanner_get(void);
+void dpy_scanner_put(dpy_scanner_t *s);
+/* Walks obj; the allocations found go into `into`, or (NULL) into the
+ * scanner's own set, cleared first: dpy_scanner_ptrs(s). 0, or -1 with an
+ * exception (WalkError naming type and path). */
+int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into);
+const dp_ptrset_t *dpy_scanner_ptrs(const dpy_scanner_t *s);
+/* Allocation i's first path (paths on), or NULL. */
+const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i);
+/* 1 when allocation i belongs to torch (its allocator records streams). */
+int dpy_scanner_is_torch(const dpy_scanner_t *s, size_t i);
+
+PyObject *dpy_scan_py(PyObject *self, PyObject *args, PyObject *kw);
+void dpy_scan_forget_types(void);
+int dpy_scan_types_init(PyObject *m);
+
+/* ---- future (future.c) ---- */
+int dpy_future_types_init(PyObject *m);
+PyObject *dpy_collect_all(PyObject *self, PyObject *arg);
+PyObject *dpy_wait_all(PyObject *self, PyObject *arg);
+
+/* ---- frames (frames.c) ---- */
+int dpy_frames_init(PyObject *m);
+PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw);
+PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw);
+
+/* Device names as the C library writes them ("cuda:0", "cpu", "host:1"). */
+PyObject *dpy_device_str(dp_device_t d);
+
+#endif

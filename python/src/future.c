@@ -1,0 +1,618 @@
+/*
+ * future.c — devpickle.Future: torch.futures.Future's interface over the C
+ * library's stream-aware future.
+ *
+ * The Python result lives in the Python object; the C future holds none and
+ * carries what the walk found (dp_future_mark_completed_with_ptrs), its
+ * events and its waits. then() and add_done_callback() register a
+ * dp_future_then_with_ptrs callback, which the library runs — inline on the
+ * completing thread, or at once when the future is already done — with no
+ * lock of its own held and with pool streams current; the callback takes the
+ * GIL, makes those streams torch's current streams too, calls Python, walks
+ * the result into the child's pointer set and puts the streams back.
+ *
+ * GIL rules: every call into the C future that can block (wait) releases the
+ * GIL first; the C future never holds its lock while a callback runs, so a
+ * callback taking the GIL cannot deadlock against a waiter (PyTorch #58239).
+ * A callback entry holds a reference to its parent's Python object, so a
+ * chain `f.then(a).then(b)` stays alive until it has run.
+ */
+#include "ext.h"
+
+#include <string.h>
+
+typedef struct pyfut {
+  PyObject_HEAD
+  dp_future_t *f;
+  PyObject *result;   /* set just before the C future completes */
+  PyObject *exc;      /* the exception it failed with, when Python gave one */
+  PyObject *inputs;   /* collect_all: the input futures (its value) */
+  dp_device_t *devices;
+  size_t ndevices;
+  int track;          /* 0 for devices=[]: nothing is walked */
+  PyObject *weakrefs;
+} pyfut_t;
+
+static PyTypeObject fut_type;
+
+static int same_devices(pyfut_t *f, dp_future_opts_t *o, dp_backend_t *b) {
+  memset(o, 0, sizeof *o);
+  o->backend = b;
+  o->devices = f->devices;
+  o->ndevices = f->ndevices;
+  o->no_hooks = !f->track;
+  return 0;
+}
+
+/* ---- stream uses: torch's allocator for torch's blocks, devpickle's for its own ---- */
+
+static int record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx;
+  dp_device_t dev = dp_stream_device(s);
+  dp_cache_t *cache = NULL;
+  for (size_t i = 0; i < n; i++) {
+    if (dev.type == DP_DEVICE_CUDA && dpy.torch && dpy.torch->has_cuda &&
+        dpy.torch->record_stream(ptrs[i], dev.index, dp_stream_native(s)) == 0)
+      continue;
+    if (!cache) {
+      int rc = dp_cache_default(dp_stream_backend(s), &cache, err);
+      if (rc) return rc;
+    }
+    int rc = dp_cache_record_stream(cache, ptrs[i], s, err);
+    if (rc && rc != DP_ENOTFOUND) return rc;
+  }
+  return 0;
+}
+
+static int record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  return record_streams(ctx, &ptr, 1, s, err);
+}
+
+static const dp_cache_hooks_t owner_hooks = {NULL, record_stream, record_streams};
+
+/* ---- construction ---- */
+
+static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
+  *out = NULL;
+  *n = 0;
+  PyObject *seq = PySequence_Fast(devices, "devices must be a list of devices");
+  if (!seq) return -1;
+  Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+  dp_device_t *d = PyMem_Calloc((size_t)k + 1, sizeof *d);
+  if (!d) {
+    Py_DECREF(seq);
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < k; i++) {
+    PyObject *x = PySequence_Fast_GET_ITEM(seq, i);
+    PyObject *s = PyLong_Check(x) ? PyUnicode_FromFormat("cuda:%S", x) : PyObject_Str(x);
+    const char *txt = s ? PyUnicode_AsUTF8(s) : NULL;
+    dp_error_t e;
+    if (!txt || dp_device_parse(txt, &d[i], &e)) {
+      if (txt) PyErr_Format(PyExc_ValueError, "devices: %s", e.message);
+      Py_XDECREF(s);
+      Py_DECREF(seq);
+      PyMem_Free(d);
+      return -1;
+    }
+    Py_DECREF(s);
+  }
+  Py_DECREF(seq);
+  *out = d;
+  *n = (size_t)k;
+  return 0;
+}
+
+static pyfut_t *fut_alloc(void) {
+  pyfut_t *f = PyObject_GC_New(pyfut_t, &fut_type);
+  if (!f) return NULL;
+  f->f = NULL;
+  f->result = f->exc = f->inputs = f->weakrefs = NULL;
+  f->devices = NULL;
+  f->ndevices = 0;
+  f->track = 1;
+  PyObject_GC_Track(f);
+  return f;
+}
+
+/* The backend for these devices: the default one (cuda where a GPU is
+ * usable, else host) unless the devices name another. */
+static int pick_backend(const dp_device_t *d, size_t n, dp_backend_t **b) {
+  dp_error_t e;
+  int rc = 0;
+  for (size_t i = 0; i < n && !rc; i++)
+    if (d[i].type != DP_DEVICE_CPU) return dp_backend_get(d[i].type, b, &e) ? (dpy_raise(DP_EDEVICE, &e), -1) : 0;
+  rc = dp_backend_default(b, &e);
+  if (rc) dpy_raise(rc, &e);
+  return rc ? -1 : 0;
+}
+
+static int fut_make(pyfut_t *self, dp_future_t *from) {
+  if (from) {
+    self->f = from;
+    return 0;
+  }
+  dp_backend_t *b;
+  if (pick_backend(self->devices, self->ndevices, &b)) return -1;
+  dp_future_opts_t o;
+  same_devices(self, &o, b);
+  o.hooks = &owner_hooks;
+  /* Only cpu devices listed: the C future tracks every device of the
+   * backend for an empty list, so name none and walk nothing. */
+  size_t gpu = 0;
+  for (size_t i = 0; i < self->ndevices; i++) gpu += self->devices[i].type != DP_DEVICE_CPU;
+  if (self->ndevices && !gpu) self->track = 0, o.no_hooks = 1, o.ndevices = 0, o.devices = NULL;
+  dp_error_t e;
+  int rc = dp_future_new(&o, &self->f, &e);
+  if (rc) dpy_raise(rc, &e);
+  return rc ? -1 : 0;
+}
+
+static PyObject *fut_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  (void)type;
+  static char *kwlist[] = {"devices", NULL};
+  PyObject *devices = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O:Future", kwlist, &devices)) return NULL;
+  pyfut_t *f = fut_alloc();
+  if (!f) return NULL;
+  if (devices != Py_None) {
+    if (parse_devices(devices, &f->devices, &f->ndevices)) goto fail;
+    if (f->ndevices == 0) f->track = 0;
+  }
+  if (fut_make(f, NULL)) goto fail;
+  return (PyObject *)f;
+fail:
+  Py_DECREF(f);
+  return NULL;
+}
+
+static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
+  Py_VISIT(f->result);
+  Py_VISIT(f->exc);
+  Py_VISIT(f->inputs);
+  return 0;
+}
+
+static int fut_clear(pyfut_t *f) {
+  Py_CLEAR(f->result);
+  Py_CLEAR(f->exc);
+  Py_CLEAR(f->inputs);
+  return 0;
+}
+
+static void fut_dealloc(pyfut_t *f) {
+  PyObject_GC_UnTrack(f);
+  if (f->weakrefs) PyObject_ClearWeakRefs((PyObject *)f);
+  fut_clear(f);
+  dp_future_t *c = f->f;
+  f->f = NULL;
+  if (c) {
+    /* a release may cancel children, which never calls Python */
+    dp_future_release(c);
+  }
+  PyMem_Free(f->devices);
+  PyObject_GC_Del(f);
+}
+
+/* ---- completion ---- */
+
+static void already_complete(void) {
+  PyErr_SetString(PyExc_RuntimeError,
+                  "Future can only be marked completed once (it is already complete)");
+}
+
+/* The allocations of value, for a future that tracks devices. 0 and a
+ * scanner holding them, or -1 with an exception. */
+static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_ptrset_t *into) {
+  *out = NULL;
+  if (!self->track) return 0;
+  dpy_scanner_t *s = dpy_scanner_get();
+  if (!s) return -1;
+  dpy_scan_opts_t o = {.paths = 0};
+  if (dpy_scan(s, value, &o, into)) {
+    dpy_scanner_put(s);
+    return -1;
+  }
+  *out = s;
+  return 0;
+}
+
+static dp_error_t py_failure(const char *what) {
+  dp_error_t e;
+  dp_error_clear(&e);
+  e.code = DP_ESTATE;
+  snprintf(e.message, sizeof e.message, "%s", what);
+  return e;
+}
+
+/* Moves the Python exception now raised into f->exc (cleared). */
+static void keep_raised(pyfut_t *f) {
+  PyObject *t, *v, *tb;
+  PyErr_Fetch(&t, &v, &tb);
+  PyErr_NormalizeException(&t, &v, &tb);
+  if (tb && v) PyException_SetTraceback(v, tb);
+  Py_XSETREF(f->exc, v ? v : Py_NewRef(Py_None));
+  Py_XDECREF(t);
+  Py_XDECREF(tb);
+}
+
+static PyObject *empty_ptrs_complete(pyfut_t *self) {
+  static dp_ptrset_t *empty;
+  dp_error_t e;
+  if (!empty && dp_ptrset_new(&empty, &e)) return dpy_raise(e.code, &e);
+  int rc = dp_future_mark_completed_with_ptrs(self->f, dp_none(), empty, &e);
+  if (rc) return dpy_raise(rc, &e);
+  Py_RETURN_NONE;
+}
+
+static PyObject *fut_set_result(pyfut_t *self, PyObject *value) {
+  if (dp_future_is_done(self->f)) {
+    already_complete();
+    return NULL;
+  }
+  dpy_scanner_t *s;
+  if (walk_value(self, value, &s, NULL)) {
+    /* the future fails with the WalkError too, so that no waiter hangs */
+    keep_raised(self);
+    dp_error_t e = py_failure("the result cannot be walked (WalkError)");
+    dp_future_set_error(self->f, &e, NULL);
+    PyErr_SetObject((PyObject *)Py_TYPE(self->exc), self->exc);
+    return NULL;
+  }
+  Py_XSETREF(self->result, Py_NewRef(value));
+  if (!s) return empty_ptrs_complete(self);
+  dp_error_t e;
+  int rc = dp_future_mark_completed_with_ptrs(self->f, dp_none(), dpy_scanner_ptrs(s), &e);
+  dpy_scanner_put(s);
+  if (rc == DP_ESTATE && !e.message[0]) {
+    already_complete();
+    return NULL;
+  }
+  if (rc) return dpy_raise(rc, &e);
+  Py_RETURN_NONE;
+}
+
+static PyObject *fut_set_exception(pyfut_t *self, PyObject *exc) {
+  if (!PyExceptionInstance_Check(exc)) {
+    PyErr_Format(PyExc_TypeError, "set_exception() takes an exception instance, not '%s'", Py_TYPE(exc)->tp_name);
+    return NULL;
+  }
+  if (dp_future_is_done(self->f)) {
+    already_complete();
+    return NULL;
+  }
+  Py_XSETREF(self->exc, Py_NewRef(exc));
+  dp_error_t e = py_failure("the future failed with a Python exception"), out;
+  if (dp_future_set_error(self->f, &e, &out)) {
+    already_complete();
+    return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
+/* The outcome of a complete future: its value (new reference), or NULL with
+ * its exception raised. */
+static PyObject *outcome(pyfut_t *self) {
+  dp_error_t e;
+  int code = dp_future_error(self->f, &e);
+  if (!code) {
+    if (self->inputs) return Py_NewRef(self->inputs);
+    return Py_NewRef(self->result ? self->result : Py_None);
+  }
+  if (self->exc) {
+    PyErr_SetObject((PyObject *)Py_TYPE(self->exc), self->exc);
+    return NULL;
+  }
+  if (self->inputs) { /* collect_all: the first failed input's exception */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->inputs); i++) {
+      pyfut_t *in = (pyfut_t *)PyList_GET_ITEM(self->inputs, i);
+      if (dp_future_error(in->f, NULL)) return outcome(in);
+    }
+  }
+  return dpy_raise(code, &e);
+}
+
+static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
+  (void)unused;
+  dp_error_t e;
+  int rc;
+  if (dp_future_is_done(self->f)) {
+    rc = dp_future_wait(self->f, -1, &e);
+  } else {
+    Py_BEGIN_ALLOW_THREADS;
+    rc = dp_future_wait(self->f, -1, &e);
+    Py_END_ALLOW_THREADS;
+  }
+  if (rc && !dp_future_is_done(self->f)) return dpy_raise(rc, &e);
+  return outcome(self);
+}
+
+static PyObject *fut_value(pyfut_t *self, PyObject *unused) {
+  (void)unused;
+  if (!dp_future_is_done(self->f)) {
+    PyErr_SetString(PyExc_RuntimeError, "value() of a Future that is not complete (wait() first)");
+    return NULL;
+  }
+  return outcome(self);
+}
+
+static PyObject *fut_done(pyfut_t *self, PyObject *unused) {
+  (void)unused;
+  return PyBool_FromLong(dp_future_is_done(self->f));
+}
+
+/* ---- callbacks ---- */
+
+typedef struct then_ud {
+  PyObject *callback;
+  pyfut_t *parent;  /* a reference: keeps the chain alive until it ran */
+  pyfut_t *child;   /* NULL for add_done_callback */
+} then_ud_t;
+
+/* Makes the pool streams the library made current torch's current streams
+ * too, so that the callback's kernels run on them. */
+typedef struct swap {
+  int n;
+  int dev[DP_CURRENT_STREAM_SLOTS];
+  void *prev[DP_CURRENT_STREAM_SLOTS];
+} swap_t;
+
+static void streams_in(dp_future_t *parent, swap_t *sw) {
+  sw->n = 0;
+  if (!dpy.torch || !dpy.torch->has_cuda) return;
+  dp_backend_t *b = NULL;
+  size_t n = dp_future_ndevices(parent);
+  for (size_t i = 0; i < n && sw->n < DP_CURRENT_STREAM_SLOTS; i++) {
+    dp_device_t d = dp_future_device(parent, i);
+    dp_stream_t *s;
+    if (d.type != DP_DEVICE_CUDA) continue;
+    if (!b && dp_backend_get(DP_DEVICE_CUDA, &b, NULL)) return;
+    if (dp_current_stream(b, d, &s, NULL)) continue;
+    sw->dev[sw->n] = d.index;
+    sw->prev[sw->n] = dpy.torch->set_current_stream(d.index, dp_stream_native(s));
+    sw->n++;
+  }
+}
+
+static void streams_out(const swap_t *sw) {
+  for (int i = sw->n; i-- > 0;) dpy.torch->set_current_stream(sw->dev[i], sw->prev[i]);
+}
+
+static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)result;
+  then_ud_t *u = ud;
+  PyGILState_STATE g = PyGILState_Ensure();
+  swap_t sw;
+  streams_in(parent, &sw);
+  int rc = 0;
+  PyObject *r = PyObject_CallOneArg(u->callback, (PyObject *)u->parent);
+  if (!u->child) { /* add_done_callback: the result is dropped, an error reported */
+    if (!r) PyErr_WriteUnraisable(u->callback);
+    Py_XDECREF(r);
+  } else if (!r) {
+    keep_raised(u->child);
+    rc = DP_ESTATE;
+  } else {
+    dpy_scanner_t *s;
+    if (walk_value(u->child, r, &s, ptrs)) {
+      keep_raised(u->child);
+      rc = DP_ETYPE;
+      Py_DECREF(r);
+    } else {
+      Py_XSETREF(u->child->result, r);
+      dpy_scanner_put(s);
+    }
+  }
+  if (rc) {
+    dp_error_clear(err);
+    err->code = rc;
+    snprintf(err->message, sizeof err->message, "the then() callback failed with a Python exception");
+  }
+  if (sw.n) streams_out(&sw);
+  Py_DECREF(u->callback);
+  Py_DECREF(u->parent);
+  Py_XDECREF(u->child);
+  PyMem_RawFree(u);
+  PyGILState_Release(g);
+  return rc;
+}
+
+static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
+  if (!PyCallable_Check(callback)) {
+    PyErr_Format(PyExc_TypeError, "the callback must be callable, not '%s'", Py_TYPE(callback)->tp_name);
+    return NULL;
+  }
+  then_ud_t *u = PyMem_RawMalloc(sizeof *u);
+  pyfut_t *child = with_child ? fut_alloc() : NULL;
+  if (!u || (with_child && !child)) {
+    PyMem_RawFree(u);
+    Py_XDECREF(child);
+    return PyErr_NoMemory();
+  }
+  if (child) {
+    child->track = self->track;
+    if (self->ndevices) {
+      child->devices = PyMem_Calloc(self->ndevices, sizeof *child->devices);
+      if (!child->devices) {
+        PyMem_RawFree(u);
+        Py_DECREF(child);
+        return PyErr_NoMemory();
+      }
+      memcpy(child->devices, self->devices, self->ndevices * sizeof *child->devices);
+      child->ndevices = self->ndevices;
+    }
+  }
+  u->callback = Py_NewRef(callback);
+  u->parent = (pyfut_t *)Py_NewRef(self);
+  u->child = child ? (pyfut_t *)Py_NewRef(child) : NULL;
+  dp_future_t *c;
+  dp_error_t e;
+  /* may run the callback at once (self already done): it takes the GIL we
+   * hold, which is reentrant */
+  int rc = dp_future_then_with_ptrs(self->f, then_cb, u, &c, &e);
+  if (rc) {
+    Py_DECREF(u->callback);
+    Py_DECREF(u->parent);
+    Py_XDECREF(u->child);
+    PyMem_RawFree(u);
+    Py_XDECREF(child);
+    return dpy_raise(rc, &e);
+  }
+  if (!child) {
+    dp_future_release(c);
+    Py_RETURN_NONE;
+  }
+  child->f = c;
+  return (PyObject *)child;
+}
+
+static PyObject *fut_then(pyfut_t *self, PyObject *cb) { return chain(self, cb, 1); }
+
+static PyObject *fut_add_done_callback(pyfut_t *self, PyObject *cb) {
+  PyObject *r = chain(self, cb, 0);
+  return r;
+}
+
+/* ---- collect_all, wait_all ---- */
+
+static PyObject *as_futures(PyObject *arg, dp_future_t ***out, Py_ssize_t *n) {
+  PyObject *list = PySequence_List(arg);
+  if (!list) return NULL;
+  *n = PyList_GET_SIZE(list);
+  *out = PyMem_Calloc((size_t)*n + 1, sizeof **out);
+  if (!*out) {
+    Py_DECREF(list);
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < *n; i++) {
+    PyObject *x = PyList_GET_ITEM(list, i);
+    if (!PyObject_TypeCheck(x, &fut_type)) {
+      PyErr_Format(PyExc_TypeError, "collect_all takes devpickle.Future objects; item %zd is a '%s'", i,
+                   Py_TYPE(x)->tp_name);
+      PyMem_Free(*out);
+      Py_DECREF(list);
+      return NULL;
+    }
+    (*out)[i] = ((pyfut_t *)x)->f;
+  }
+  return list;
+}
+
+PyObject *dpy_collect_all(PyObject *self, PyObject *arg) {
+  (void)self;
+  dp_future_t **in;
+  Py_ssize_t n;
+  PyObject *list = as_futures(arg, &in, &n);
+  if (!list) return NULL;
+  pyfut_t *out = fut_alloc();
+  if (!out) goto fail;
+  out->inputs = Py_NewRef(list);
+  /* its devices: every input's (none listed: the backend's) */
+  dp_error_t e;
+  int rc = dp_future_collect_all(in, (size_t)n, NULL, &out->f, &e);
+  if (rc) {
+    dpy_raise(rc, &e);
+    goto fail;
+  }
+  PyMem_Free(in);
+  Py_DECREF(list);
+  return (PyObject *)out;
+fail:
+  Py_XDECREF(out);
+  PyMem_Free(in);
+  Py_DECREF(list);
+  return NULL;
+}
+
+PyObject *dpy_wait_all(PyObject *self, PyObject *arg) {
+  (void)self;
+  dp_future_t **in;
+  Py_ssize_t n;
+  PyObject *list = as_futures(arg, &in, &n);
+  if (!list) return NULL;
+  PyMem_Free(in);
+  PyObject *values = PyList_New(n);
+  for (Py_ssize_t i = 0; values && i < n; i++) {
+    PyObject *v = fut_wait((pyfut_t *)PyList_GET_ITEM(list, i), NULL);
+    if (!v) Py_CLEAR(values);
+    else PyList_SET_ITEM(values, i, v);
+  }
+  Py_DECREF(list);
+  return values;
+}
+
+/* ---- introspection ---- */
+
+static PyObject *fut_allocations(pyfut_t *self, PyObject *unused) {
+  (void)unused;
+  size_t n = dp_future_nptrs(self->f);
+  PyObject *l = PyList_New((Py_ssize_t)n);
+  for (size_t i = 0; l && i < n; i++) {
+    dp_ptr_info_t p;
+    dp_future_ptr(self->f, i, &p, NULL);
+    PyObject *t = Py_BuildValue("(NNn)", dpy_device_str(p.device), PyLong_FromVoidPtr(p.base), (Py_ssize_t)p.nbytes);
+    if (!t) Py_CLEAR(l);
+    else PyList_SET_ITEM(l, (Py_ssize_t)i, t);
+  }
+  return l;
+}
+
+static PyObject *fut_devices_used(pyfut_t *self, PyObject *unused) {
+  (void)unused;
+  size_t n = dp_future_ndevices(self->f);
+  PyObject *l = PyList_New((Py_ssize_t)n);
+  for (size_t i = 0; l && i < n; i++) {
+    PyObject *d = dpy_device_str(dp_future_device(self->f, i));
+    if (!d) Py_CLEAR(l);
+    else PyList_SET_ITEM(l, (Py_ssize_t)i, d);
+  }
+  return l;
+}
+
+static PyMethodDef fut_methods[] = {
+    {"set_result", (PyCFunction)fut_set_result, METH_O,
+     "set_result(result): completes the future. The result is walked (unless devices=[]): one event per device it "
+     "uses, on that device's current stream. A result that cannot be walked raises WalkError and fails the future "
+     "with it. RuntimeError if already complete."},
+    {"set_exception", (PyCFunction)fut_set_exception, METH_O,
+     "set_exception(exc): completes the future with an exception; wait() and value() raise it."},
+    {"wait", (PyCFunction)fut_wait, METH_NOARGS,
+     "wait() -> result: blocks (without the GIL) until complete, makes the current streams wait on the result's "
+     "events and records its allocations on them; raises the future's exception."},
+    {"value", (PyCFunction)fut_value, METH_NOARGS,
+     "value() -> result of a complete future, without any synchronization; raises its exception."},
+    {"done", (PyCFunction)fut_done, METH_NOARGS, "done() -> True once complete (with a result or an exception)."},
+    {"then", (PyCFunction)fut_then, METH_O,
+     "then(callback) -> Future: callback(self) runs once self is complete, with pool streams current (waiting on "
+     "self's events); the new future completes with its result, walked afresh, or fails with what it raises."},
+    {"add_done_callback", (PyCFunction)fut_add_done_callback, METH_O,
+     "add_done_callback(callback): callback(self) runs once self is complete; its result is ignored and an "
+     "exception it raises goes to sys.unraisablehook."},
+    {"_allocations", (PyCFunction)fut_allocations, METH_NOARGS,
+     "The (device, ptr, nbytes) the completed result holds (devices with streams only)."},
+    {"_devices", (PyCFunction)fut_devices_used, METH_NOARGS, "The devices that have an event."},
+    {"__class_getitem__", Py_GenericAlias, METH_O | METH_CLASS, "Future[T]"},
+    {NULL},
+};
+
+static PyTypeObject fut_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "devpickle.Future",
+    .tp_basicsize = sizeof(pyfut_t),
+    .tp_dealloc = (destructor)fut_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Future(*, devices=None): torch.futures.Future's interface, stream-aware for every value.\n\n"
+              "devices=None walks each result and tracks every device it uses; devices=[...] also refuses others; "
+              "devices=[] walks nothing (a CPU future).",
+    .tp_traverse = (traverseproc)fut_traverse,
+    .tp_clear = (inquiry)fut_clear,
+    .tp_weaklistoffset = offsetof(pyfut_t, weakrefs),
+    .tp_methods = fut_methods,
+    .tp_new = fut_new,
+};
+
+int dpy_future_types_init(PyObject *m) {
+  if (PyType_Ready(&fut_type)) return -1;
+  Py_INCREF(&fut_type);
+  return PyModule_AddObject(m, "Future", (PyObject *)&fut_type);
+}

@@ -1,0 +1,173 @@
+/*
+ * module.c — devpickle._devpickle: module state, errors, and the lookup of
+ * torch and cupy.
+ */
+#include "ext.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+dpy_state_t dpy;
+
+PyObject *dpy_raise(int rc, const dp_error_t *e) {
+  const char *msg = e && e->code ? e->message : dp_strerror(rc);
+  switch (rc) {
+  case DP_ENOMEM:
+    return PyErr_NoMemory();
+  case DP_ETYPE:
+    PyErr_SetString(dpy.walk_error, msg);
+    return NULL;
+  case DP_EINVAL:
+    PyErr_SetString(PyExc_ValueError, msg);
+    return NULL;
+  case DP_ETIMEDOUT:
+    PyErr_SetString(PyExc_TimeoutError, msg);
+    return NULL;
+  default: {
+    PyObject *args = Py_BuildValue("(si)", msg, rc);
+    if (args) {
+      PyErr_SetObject(dpy.dp_error, args);
+      Py_DECREF(args);
+    }
+    return NULL;
+  }
+  }
+}
+
+static PyObject *sys_module(const char *name) {
+  PyObject *mods = PyImport_GetModuleDict();
+  return mods ? PyDict_GetItemString(mods, name) : NULL; /* borrowed */
+}
+
+static void resolve_torch(PyObject *torch) {
+  PyObject *c = PyObject_GetAttrString(torch, "_C");
+  PyObject *base = NULL;
+  if (c) {
+    base = PyObject_GetAttrString(c, "TensorBase");
+    if (!base) {
+      PyErr_Clear();
+      base = PyObject_GetAttrString(c, "_TensorBase");
+    }
+    Py_DECREF(c);
+  }
+  if (!base) {
+    PyErr_Clear();
+    base = PyObject_GetAttrString(torch, "Tensor");
+  }
+  if (!base || !PyType_Check(base)) {
+    PyErr_Clear();
+    Py_XDECREF(base);
+    return; /* a module named torch that is not PyTorch: nothing to find */
+  }
+  dpy.torch_tensor = (PyTypeObject *)base;
+  const char *off = getenv("DEVPICKLE_NO_TORCH_ADAPTER");
+  if (off && *off && strcmp(off, "0")) return;
+  PyObject *ad = PyImport_ImportModule("devpickle._torch");
+  if (!ad) {
+    PyErr_Clear(); /* not built here: torch's Python API answers instead */
+    return;
+  }
+  PyObject *cap = PyObject_GetAttrString(ad, "_api");
+  Py_DECREF(ad);
+  const dp_torch_api_t *api = cap ? PyCapsule_GetPointer(cap, DP_TORCH_API_CAPSULE) : NULL;
+  Py_XDECREF(cap);
+  PyErr_Clear();
+  if (api && api->version == DP_TORCH_API_VERSION) dpy.torch = api;
+}
+
+int dpy_resolve_frameworks(void) {
+  int changed = 0;
+  if (!dpy.torch_resolved) {
+    PyObject *torch = sys_module("torch");
+    if (torch) {
+      dpy.torch_resolved = 1;
+      resolve_torch(torch);
+      changed = 1;
+    }
+  }
+  if (!dpy.cupy_ndarray) {
+    PyObject *cupy = sys_module("cupy");
+    if (cupy) {
+      dpy.cupy_ndarray = PyObject_GetAttrString(cupy, "ndarray");
+      if (!dpy.cupy_ndarray || !PyType_Check(dpy.cupy_ndarray)) {
+        PyErr_Clear();
+        Py_CLEAR(dpy.cupy_ndarray);
+        dpy.cupy_ndarray = Py_NewRef(Py_None); /* looked at once */
+      }
+      changed = 1;
+    }
+  }
+  if (changed) dpy_scan_forget_types();
+  return 0;
+}
+
+static PyObject *torch_adapter(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+  dpy_resolve_frameworks();
+  if (dpy.torch) return PyUnicode_FromString("c++");
+  if (dpy.torch_tensor) return PyUnicode_FromString("python");
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"scan", (PyCFunction)(void (*)(void))dpy_scan_py, METH_VARARGS | METH_KEYWORDS,
+     "scan(obj, *, paths=True, opaque=()) -> list of Allocation\n\n"
+     "The memory obj references, deduplicated by (device, base), in discovery order."},
+    {"collect_all", dpy_collect_all, METH_O, "collect_all(futures) -> Future of the list of futures"},
+    {"wait_all", dpy_wait_all, METH_O, "wait_all(futures) -> list of their values"},
+    {"dumps", (PyCFunction)(void (*)(void))dpy_dumps, METH_VARARGS | METH_KEYWORDS,
+     "dumps(obj, *, inline=False, buffer_callback=None) -> bytes (a devpickle frame)"},
+    {"loads", (PyCFunction)(void (*)(void))dpy_loads, METH_VARARGS | METH_KEYWORDS,
+     "loads(data, *, buffers=None, classes=()) -> object"},
+    {"_torch_adapter", torch_adapter, METH_NOARGS,
+     "How torch tensors are read: 'c++' (the adapter), 'python', or None (torch not imported)."},
+    {NULL},
+};
+
+static struct PyModuleDef moddef = {
+    PyModuleDef_HEAD_INIT, "devpickle._devpickle",
+    "The C core of devpickle's Python binding (use the devpickle package).", -1, methods,
+};
+
+static int intern(PyObject **slot, const char *s) { return (*slot = PyUnicode_InternFromString(s)) ? 0 : -1; }
+
+PyMODINIT_FUNC PyInit__devpickle(void) {
+  PyObject *m = PyModule_Create(&moddef);
+  if (!m) return NULL;
+  dpy.walk_error = PyErr_NewExceptionWithDoc(
+      "devpickle.WalkError",
+      "A value that cannot be walked: the message names its type and its path "
+      "(attributes type_name and path).",
+      PyExc_TypeError, NULL);
+  dpy.dp_error = PyErr_NewExceptionWithDoc("devpickle.Error",
+                                           "An error of the devpickle library: args are (message, code).",
+                                           PyExc_RuntimeError, NULL);
+  if (!dpy.walk_error || !dpy.dp_error) goto fail;
+  Py_INCREF(dpy.walk_error);
+  Py_INCREF(dpy.dp_error);
+  if (PyModule_AddObject(m, "WalkError", dpy.walk_error) || PyModule_AddObject(m, "Error", dpy.dp_error)) goto fail;
+  PyObject *copyreg = PyImport_ImportModule("copyreg");
+  if (!copyreg) goto fail;
+  dpy.dispatch_table = PyObject_GetAttrString(copyreg, "dispatch_table");
+  dpy.slotnames = PyObject_GetAttrString(copyreg, "_slotnames");
+  Py_DECREF(copyreg);
+  if (!dpy.dispatch_table || !dpy.slotnames || !PyDict_Check(dpy.dispatch_table)) goto fail;
+  PyObject *obj = (PyObject *)&PyBaseObject_Type;
+  dpy.object_reduce_ex = PyObject_GetAttrString(obj, "__reduce_ex__");
+  dpy.object_reduce = PyObject_GetAttrString(obj, "__reduce__");
+  dpy.object_getstate = PyObject_GetAttrString(obj, "__getstate__");
+  if (!dpy.object_reduce_ex || !dpy.object_reduce) goto fail;
+  if (!dpy.object_getstate) PyErr_Clear(); /* before 3.11 */
+  if (intern(&dpy.str_reduce_ex, "__reduce_ex__") || intern(&dpy.str_getstate, "__getstate__") ||
+      intern(&dpy.str_fields, "_fields") || intern(&dpy.str_dict, "__dict__") ||
+      intern(&dpy.str_cai, "__cuda_array_interface__") || intern(&dpy.str_dlpack, "__dlpack__") ||
+      intern(&dpy.str_dlpack_device, "__dlpack_device__") || intern(&dpy.str_getnewargs, "__getnewargs__") ||
+      intern(&dpy.str_getnewargs_ex, "__getnewargs_ex__") || intern(&dpy.str_slots, "__slots__"))
+    goto fail;
+  if (dpy_scan_types_init(m) || dpy_future_types_init(m) || dpy_frames_init(m)) goto fail;
+  return m;
+fail:
+  Py_DECREF(m);
+  return NULL;
+}

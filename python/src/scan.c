@@ -1,0 +1,1231 @@
+/*
+ * scan.c — the walk of a Python object, and devpickle.scan.
+ *
+ * The walk visits what pickle (protocol 5) would visit, without writing
+ * anything: exact list, tuple, dict, set and frozenset are entered directly;
+ * instances whose class keeps pickle's defaults (object.__reduce_ex__,
+ * __reduce__ and __getstate__, no __slots__, no __getnewargs__, not in
+ * copyreg.dispatch_table) are entered through their __dict__ without calling
+ * anything; every other object goes through copyreg.dispatch_table or
+ * __reduce_ex__(5), whose parts (callable, args, state, listitems,
+ * dictitems) are walked. Memory — torch tensors, cupy arrays, objects with
+ * __cuda_array_interface__, buffer-protocol objects, DLPack producers — is
+ * added to a devpickle pointer set (deduplicated by device and base).
+ *
+ * The walk is iterative (an explicit stack of frames), so depth is bounded by
+ * max_depth, never by the C stack. Shared objects and cycles are entered
+ * once: a second pointer set serves as the memo, keyed by the object's
+ * address; every object the walk creates (reduce results) stays referenced
+ * until the walk ends, so no address is reused while the memo holds it.
+ */
+#include "ext.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <structmember.h>
+#include <string.h>
+
+/* ---- what a type is to the walk ---- */
+enum {
+  K_UNKNOWN = 0,
+  K_LEAF,
+  K_LIST,
+  K_TUPLE,
+  K_DICT,
+  K_SET,
+  K_OBJECT,      /* pickle's defaults: the walk enters __dict__ directly */
+  K_NAMEDTUPLE,  /* a tuple subclass with _fields and pickle's defaults */
+  K_TORCH,
+  K_CUPY,
+  K_CAI,         /* __cuda_array_interface__ */
+  K_BUFFER,      /* the buffer protocol: cpu memory */
+  K_DLPACK,
+  K_REDUCE,
+};
+
+typedef struct tcache_ent {
+  PyTypeObject *type;   /* a strong reference */
+  unsigned int version;
+  uint8_t kind;
+} tcache_ent_t;
+
+#define TCACHE_SIZE 512
+static tcache_ent_t tcache[TCACHE_SIZE];
+
+static int is_default(PyObject *type, PyObject *name, PyObject *base_attr) {
+  PyObject *a = PyObject_GetAttr(type, name);
+  if (!a) {
+    PyErr_Clear();
+    return 0;
+  }
+  int same = a == base_attr;
+  Py_DECREF(a);
+  return same;
+}
+
+static int has_attr(PyObject *type, PyObject *name) {
+  int r = PyObject_HasAttr(type, name);
+  return r;
+}
+
+/* Pickle's defaults, so that the state is exactly the instance __dict__. */
+static int plain_instance(PyTypeObject *t) {
+  PyObject *type = (PyObject *)t;
+  if (!is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex)) return 0;
+  if (!is_default(type, dpy.str_getstate, dpy.object_getstate)) return 0;
+  PyObject *r = PyObject_GetAttrString(type, "__reduce__");
+  if (!r) {
+    PyErr_Clear();
+    return 0;
+  }
+  int same = r == dpy.object_reduce;
+  Py_DECREF(r);
+  if (!same) return 0;
+  if (has_attr(type, dpy.str_getnewargs_ex) || has_attr(type, dpy.str_getnewargs)) return 0;
+  PyObject *slots = PyObject_CallOneArg(dpy.slotnames, type);
+  if (!slots) {
+    PyErr_Clear();
+    return 0;
+  }
+  Py_ssize_t n = PyList_Check(slots) ? PyList_GET_SIZE(slots) : -1;
+  Py_DECREF(slots);
+  return n == 0;
+}
+
+static uint8_t classify_slow(PyTypeObject *t) {
+  PyObject *type = (PyObject *)t;
+  if (PyType_IsSubtype(t, &PyType_Type) || t == &PyFunction_Type || t == &PyCFunction_Type) return K_LEAF;
+  if (dpy.torch_tensor && PyType_IsSubtype(t, dpy.torch_tensor)) return K_TORCH;
+  if (dpy.cupy_ndarray && dpy.cupy_ndarray != Py_None && PyType_IsSubtype(t, (PyTypeObject *)dpy.cupy_ndarray))
+    return K_CUPY;
+  if (has_attr(type, dpy.str_cai)) return K_CAI;
+  if (t->tp_as_buffer && t->tp_as_buffer->bf_getbuffer && !PyType_IsSubtype(t, &PyBytes_Type)) return K_BUFFER;
+  if (has_attr(type, dpy.str_dlpack) && has_attr(type, dpy.str_dlpack_device)) return K_DLPACK;
+  if (PyType_IsSubtype(t, &PyTuple_Type) && t->tp_dictoffset == 0 && has_attr(type, dpy.str_fields) &&
+      is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex) &&
+      is_default(type, dpy.str_getstate, dpy.object_getstate))
+    return K_NAMEDTUPLE;
+  if (t->tp_dictoffset != 0 && !PyType_IsSubtype(t, &PyTuple_Type) && !PyType_IsSubtype(t, &PyList_Type) &&
+      !PyType_IsSubtype(t, &PyDict_Type) && plain_instance(t))
+    return K_OBJECT;
+  return K_REDUCE;
+}
+
+/* The kind of t, cached per type and version tag (a class changed after it
+ * was cached gets a new tag, so the cache never answers for a stale class). */
+static uint8_t classify(PyTypeObject *t) {
+  if (t == &PyList_Type) return K_LIST;
+  if (t == &PyTuple_Type) return K_TUPLE;
+  if (t == &PyDict_Type) return K_DICT;
+  if (t == &PySet_Type || t == &PyFrozenSet_Type) return K_SET;
+  if (t == &_PyNone_Type || t == &PyBool_Type || t == &PyLong_Type || t == &PyFloat_Type ||
+      t == &PyComplex_Type || t == &PyUnicode_Type || t == &PyBytes_Type)
+    return K_LEAF;
+  tcache_ent_t *e = &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE];
+  if (e->type == t && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && e->version == t->tp_version_tag)
+    return e->kind;
+  uint8_t k = classify_slow(t);
+  if (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) {
+    Py_INCREF(t);
+    Py_XDECREF(e->type);
+    e->type = t;
+    e->version = t->tp_version_tag;
+    e->kind = k;
+  }
+  return k;
+}
+
+/* Forgets every cached kind (torch or cupy appeared: tensor types change
+ * kind). */
+static void tcache_clear(void) {
+  for (size_t i = 0; i < TCACHE_SIZE; i++) Py_CLEAR(tcache[i].type);
+}
+
+/* ---- frames ---- */
+enum { FR_SEQ, FR_DICT, FR_ATTRS, FR_SET, FR_REDUCE, FR_PAIRS };
+
+typedef struct frame {
+  uint8_t kind;
+  PyObject *obj;        /* what is iterated (borrowed: held by its parent or the keep list) */
+  PyObject *names;      /* FR_SEQ of a namedtuple: its _fields (kept) */
+  PyTypeObject *type;   /* FR_REDUCE: the reduced object's type */
+  Py_ssize_t pos;       /* iteration position */
+  Py_ssize_t idx;       /* the current child's index */
+  PyObject *label;      /* the current child's key or name (borrowed) */
+  int key_part;         /* FR_DICT / FR_PAIRS: 1 while the key itself is walked */
+} frame_t;
+
+struct dpy_scanner {
+  dpy_scanner_t *next_free;
+  dp_ptrset_t *found;    /* the allocations: own, or the caller's */
+  dp_ptrset_t *own;
+  dp_ptrset_t *memo;     /* objects entered, by address */
+  PyObject *keep;        /* a list: what the walk created, alive until it ends */
+  frame_t *frames;
+  size_t nframes, cap;
+  /* first paths: offsets into text, one per allocation */
+  char *text;
+  size_t text_len, text_cap;
+  size_t *path_at;
+  uint8_t *torch_owned;
+  size_t npaths, paths_cap;
+  int want_paths;
+  PyObject *opaque;
+  uint32_t max_depth;
+};
+
+static dpy_scanner_t *free_scanners;
+
+const dp_ptrset_t *dpy_scanner_ptrs(const dpy_scanner_t *s) { return s->found; }
+
+const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i) {
+  if (!s->want_paths || i >= s->npaths) return NULL;
+  return s->text + s->path_at[i];
+}
+
+int dpy_scanner_is_torch(const dpy_scanner_t *s, size_t i) { return i < s->npaths && s->torch_owned[i]; }
+
+dpy_scanner_t *dpy_scanner_get(void) {
+  dpy_scanner_t *s = free_scanners;
+  if (s) {
+    free_scanners = s->next_free;
+    return s;
+  }
+  s = PyMem_Calloc(1, sizeof *s);
+  if (!s) return (dpy_scanner_t *)PyErr_NoMemory();
+  dp_error_t e;
+  int rc = dp_ptrset_new(&s->found, &e);
+  s->own = s->found;
+  if (!rc) rc = dp_ptrset_new(&s->memo, &e);
+  if (rc) {
+    dp_ptrset_free(s->found);
+    PyMem_Free(s);
+    return (dpy_scanner_t *)dpy_raise(rc, &e);
+  }
+  return s;
+}
+
+void dpy_scanner_put(dpy_scanner_t *s) {
+  if (!s) return;
+  Py_CLEAR(s->keep);
+  s->found = s->own;
+  s->next_free = free_scanners;
+  free_scanners = s;
+}
+
+/* ---- paths ---- */
+
+typedef struct buf {
+  char *p;
+  size_t n, cap;
+} buf_t;
+
+static int buf_put(buf_t *b, const char *s, size_t n) {
+  if (b->n + n + 1 > b->cap) {
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->n + n + 1) cap *= 2;
+    char *p = PyMem_Realloc(b->p, cap);
+    if (!p) return -1;
+    b->p = p;
+    b->cap = cap;
+  }
+  memcpy(b->p + b->n, s, n);
+  b->n += n;
+  b->p[b->n] = 0;
+  return 0;
+}
+
+/* At most DP_PATH_NAME_MAX bytes of s, cut at a character boundary. */
+static size_t name_cut(const char *s, size_t n, int *cut) {
+  *cut = n > DP_PATH_NAME_MAX;
+  if (!*cut) return n;
+  size_t k = DP_PATH_NAME_MAX;
+  while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
+  return k;
+}
+
+static int put_json_str(buf_t *b, const char *s, size_t n) {
+  if (buf_put(b, "\"", 1)) return -1;
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    char esc[8];
+    if (c == '"' || c == '\\') {
+      esc[0] = '\\';
+      esc[1] = (char)c;
+      if (buf_put(b, esc, 2)) return -1;
+    } else if (c < 0x20) {
+      snprintf(esc, sizeof esc, "\\u%04x", c);
+      if (buf_put(b, esc, 6)) return -1;
+    } else if (buf_put(b, (const char *)&c, 1)) {
+      return -1;
+    }
+  }
+  return buf_put(b, "\"", 1);
+}
+
+static int is_ident(const char *s, size_t n) {
+  if (!n || !((s[0] >= 'a' && s[0] <= 'z') || (s[0] >= 'A' && s[0] <= 'Z') || s[0] == '_')) return 0;
+  for (size_t i = 1; i < n; i++) {
+    char c = s[i];
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_')) return 0;
+  }
+  return 1;
+}
+
+/* A name or string key: .name when it is an identifier, else ["..."]. */
+static int put_name(buf_t *b, PyObject *str, int attr_dot) {
+  Py_ssize_t n;
+  const char *s = PyUnicode_AsUTF8AndSize(str, &n);
+  if (!s) {
+    PyErr_Clear();
+    return buf_put(b, "[<str>]", 7);
+  }
+  int cut;
+  size_t k = name_cut(s, (size_t)n, &cut);
+  if (attr_dot && is_ident(s, k)) {
+    if (buf_put(b, ".", 1) || buf_put(b, s, k)) return -1;
+    return cut ? buf_put(b, "\xe2\x80\xa6", 3) : 0;
+  }
+  if (buf_put(b, "[", 1)) return -1;
+  if (cut) {
+    /* the escaped text, then the ellipsis inside the quotes */
+    if (buf_put(b, "\"", 1)) return -1;
+    buf_t t = {0};
+    if (put_json_str(&t, s, k)) return -1;
+    int rc = buf_put(b, t.p + 1, t.n - 2) || buf_put(b, "\xe2\x80\xa6\"", 4);
+    PyMem_Free(t.p);
+    if (rc) return -1;
+  } else if (put_json_str(b, s, k)) {
+    return -1;
+  }
+  return buf_put(b, "]", 1);
+}
+
+/* A non-string key: [<json>] for None, bool, int, float; [<repr>] else. */
+static int put_key(buf_t *b, PyObject *key) {
+  if (PyUnicode_CheckExact(key)) return put_name(b, key, 1);
+  char tmp[64];
+  if (key == Py_None) return buf_put(b, "[null]", 6);
+  if (key == Py_True) return buf_put(b, "[true]", 6);
+  if (key == Py_False) return buf_put(b, "[false]", 7);
+  PyObject *r = PyObject_Repr(key);
+  if (!r) {
+    PyErr_Clear();
+    snprintf(tmp, sizeof tmp, "[<%s>]", Py_TYPE(key)->tp_name);
+    return buf_put(b, tmp, strlen(tmp));
+  }
+  Py_ssize_t n;
+  const char *s = PyUnicode_AsUTF8AndSize(r, &n);
+  int rc;
+  if (!s) {
+    PyErr_Clear();
+    rc = buf_put(b, "[?]", 3);
+  } else {
+    int cut;
+    size_t k = name_cut(s, (size_t)n, &cut);
+    rc = buf_put(b, "[", 1) || buf_put(b, s, k) || (cut && buf_put(b, "\xe2\x80\xa6", 3)) || buf_put(b, "]", 1);
+  }
+  Py_DECREF(r);
+  return rc ? -1 : 0;
+}
+
+/* A type as paths and errors name it: module.qualname for classes defined
+ * in Python (tp_name is only their name), tp_name (already qualified) for C
+ * types. Written into buf. */
+static const char *type_name(PyTypeObject *t, char *buf, size_t size) {
+  if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return t->tp_name;
+  PyObject *mod = PyObject_GetAttrString((PyObject *)t, "__module__");
+  PyObject *qual = PyObject_GetAttrString((PyObject *)t, "__qualname__");
+  const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8(mod) : NULL;
+  const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8(qual) : NULL;
+  if (!q) q = t->tp_name;
+  if (m && strcmp(m, "builtins")) snprintf(buf, size, "%s.%s", m, q);
+  else snprintf(buf, size, "%s", q);
+  Py_XDECREF(mod);
+  Py_XDECREF(qual);
+  PyErr_Clear();
+  return buf;
+}
+
+/* The step from frame f to its current child. */
+static int put_step(buf_t *b, const frame_t *f) {
+  char tmp[48];
+  switch (f->kind) {
+  case FR_SEQ:
+    if (f->names && f->idx < PyTuple_GET_SIZE(f->names)) return put_name(b, PyTuple_GET_ITEM(f->names, f->idx), 1);
+    /* fall through */
+  case FR_SET:
+    snprintf(tmp, sizeof tmp, "[%zd]", f->idx);
+    return buf_put(b, tmp, strlen(tmp));
+  case FR_ATTRS:
+    return PyUnicode_Check(f->label) ? put_name(b, f->label, 1) : put_key(b, f->label);
+  case FR_DICT:
+  case FR_PAIRS:
+    if (f->key_part) {
+      snprintf(tmp, sizeof tmp, "<key %zd>", f->idx);
+      return buf_put(b, tmp, strlen(tmp));
+    }
+    return put_key(b, f->label);
+  case FR_REDUCE: {
+    static const char *const part[] = {".callable", ".args", ".state", ".listitems", ".dictitems"};
+    char tbuf[256];
+    const char *tn = type_name(f->type, tbuf, sizeof tbuf);
+    int cut;
+    size_t k = name_cut(tn, strlen(tn), &cut);
+    if (buf_put(b, "<reduce ", 8) || buf_put(b, tn, k) || (cut && buf_put(b, "\xe2\x80\xa6", 3)) ||
+        buf_put(b, ">", 1))
+      return -1;
+    return f->idx >= 0 && f->idx < 5 ? buf_put(b, part[f->idx], strlen(part[f->idx])) : 0;
+  }
+  }
+  return 0;
+}
+
+/* The path to the value being visited: "$" and a step per open frame,
+ * bounded as ptrset.h says (head and tail kept, the middle elided). */
+static int render_path(const dpy_scanner_t *s, buf_t *out) {
+  if (buf_put(out, "$", 1)) return -1;
+  size_t n = s->nframes, head = 0;
+  buf_t step = {0};
+  int rc = 0;
+  for (; head < n; head++) {
+    step.n = 0;
+    if ((rc = put_step(&step, &s->frames[head]))) goto done;
+    if (out->n + step.n > DP_PATH_HEAD) break;
+    if ((rc = buf_put(out, step.p ? step.p : "", step.n))) goto done;
+  }
+  if (head == n) goto done;
+  /* the tail, rendered backwards until it is full, then put in order */
+  size_t tail = n, tail_len = 0;
+  size_t *ends = PyMem_Malloc((n - head + 1) * sizeof *ends);
+  buf_t tb = {0};
+  if (!ends) {
+    rc = -1;
+    goto done;
+  }
+  while (tail > head) {
+    step.n = 0;
+    if ((rc = put_step(&step, &s->frames[tail - 1]))) break;
+    if (tail_len + step.n > DP_PATH_TAIL) break;
+    tail_len += step.n;
+    if ((rc = buf_put(&tb, step.p ? step.p : "", step.n))) break;
+    ends[n - tail] = tb.n;
+    tail--;
+  }
+  if (!rc && tail > head) {
+    char mid[64];
+    snprintf(mid, sizeof mid, "<\xe2\x80\xa6%zu steps\xe2\x80\xa6>", tail - head);
+    rc = buf_put(out, mid, strlen(mid));
+  }
+  /* tb holds the tail steps last-first; copy them back in order */
+  for (size_t j = n - tail; !rc && j-- > 0;) {
+    size_t end = ends[j], start = j ? ends[j - 1] : 0;
+    rc = buf_put(out, tb.p + start, end - start);
+  }
+  PyMem_Free(ends);
+  PyMem_Free(tb.p);
+done:
+  PyMem_Free(step.p);
+  return rc ? -1 : 0;
+}
+
+/* ---- errors ---- */
+
+static int walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+  PyErr_NormalizeException(&et, &ev, &tb);
+  buf_t path = {0};
+  if (render_path(s, &path)) {
+    Py_XDECREF(et);
+    Py_XDECREF(ev);
+    Py_XDECREF(tb);
+    PyMem_Free(path.p);
+    PyErr_NoMemory();
+    return -1;
+  }
+  char tbuf[256];
+  const char *tn = type_name(Py_TYPE(obj), tbuf, sizeof tbuf);
+  PyObject *msg;
+  if (ev) msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s: %S", tn, path.p, what, ev);
+  else msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s", tn, path.p, what);
+  PyObject *exc = msg ? PyObject_CallOneArg(dpy.walk_error, msg) : NULL;
+  Py_XDECREF(msg);
+  if (exc) {
+    PyObject *p = PyUnicode_FromString(path.p);
+    PyObject *t = PyUnicode_FromString(tn);
+    if (p && t) {
+      PyObject_SetAttrString(exc, "path", p);
+      PyObject_SetAttrString(exc, "type_name", t);
+    }
+    Py_XDECREF(p);
+    Py_XDECREF(t);
+    if (ev) PyException_SetCause(exc, Py_NewRef(ev));
+    PyErr_SetObject(dpy.walk_error, exc);
+    Py_DECREF(exc);
+  }
+  Py_XDECREF(et);
+  Py_XDECREF(ev);
+  Py_XDECREF(tb);
+  PyMem_Free(path.p);
+  return -1;
+}
+
+/* ---- allocations ---- */
+
+static int note_path(dpy_scanner_t *s, size_t index, int torch) {
+  if (index < s->npaths) return 0;
+  if (s->npaths == s->paths_cap) {
+    size_t cap = s->paths_cap ? 2 * s->paths_cap : 64;
+    size_t *pa = PyMem_Realloc(s->path_at, cap * sizeof *pa);
+    if (!pa) return -1;
+    s->path_at = pa;
+    uint8_t *to = PyMem_Realloc(s->torch_owned, cap);
+    if (!to) return -1;
+    s->torch_owned = to;
+    s->paths_cap = cap;
+  }
+  s->torch_owned[s->npaths] = (uint8_t)torch;
+  if (s->want_paths) {
+    buf_t b = {s->text, s->text_len, s->text_cap};
+    size_t at = b.n;
+    int rc = render_path(s, &b);
+    s->text = b.p;
+    s->text_cap = b.cap;
+    if (rc) return -1;
+    s->text_len = b.n + 1; /* keep the NUL */
+    s->path_at[s->npaths] = at;
+  }
+  s->npaths++;
+  return 0;
+}
+
+static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, int torch) {
+  size_t idx;
+  dp_error_t e;
+  int rc = dp_ptrset_add(s->found, dev, base, nbytes, &idx, &e);
+  if (rc) {
+    dpy_raise(rc, &e);
+    return -1;
+  }
+  if (note_path(s, idx, torch)) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  return 0;
+}
+
+/* 1 when obj was entered before (a shared reference or a cycle), 0 the
+ * first time. */
+static int seen(dpy_scanner_t *s, PyObject *obj) {
+  size_t before = dp_ptrset_count(s->memo), idx;
+  dp_error_t e;
+  int rc = dp_ptrset_add(s->memo, (dp_device_t){DP_DEVICE_CPU, 0}, obj, 0, &idx, &e);
+  if (rc) {
+    dpy_raise(rc, &e);
+    return -1;
+  }
+  return idx < before;
+}
+
+static PyObject *keep(dpy_scanner_t *s, PyObject *o) {
+  if (!o) return NULL;
+  if (!s->keep && !(s->keep = PyList_New(0))) {
+    Py_DECREF(o);
+    return NULL;
+  }
+  int rc = PyList_Append(s->keep, o);
+  Py_DECREF(o);
+  return rc ? NULL : o;
+}
+
+static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth);
+
+static int device_from_torch(PyObject *t, dp_torch_alloc_t *a) {
+  PyObject *dev = PyObject_GetAttrString(t, "device");
+  if (!dev) return -1;
+  PyObject *type = PyObject_GetAttrString(dev, "type");
+  PyObject *index = type ? PyObject_GetAttrString(dev, "index") : NULL;
+  Py_DECREF(dev);
+  if (!index) {
+    Py_XDECREF(type);
+    return -1;
+  }
+  const char *ts = PyUnicode_AsUTF8(type);
+  int rc = 0;
+  if (ts && !strcmp(ts, "cpu")) {
+    a->device_type = DP_DEVICE_CPU;
+    a->device_index = 0;
+  } else if (ts && !strcmp(ts, "cuda")) {
+    a->device_type = DP_DEVICE_CUDA;
+    a->device_index = index == Py_None ? 0 : (int)PyLong_AsLong(index);
+  } else {
+    if (ts) PyErr_Format(PyExc_TypeError, "a tensor on device type '%s' has no memory devpickle can track", ts);
+    rc = -1;
+  }
+  Py_DECREF(type);
+  Py_DECREF(index);
+  return rc;
+}
+
+/* Without the C++ adapter: the same answers through torch's Python API. */
+static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
+  PyObject *sparse = PyObject_GetAttrString(t, "is_sparse");
+  if (!sparse) return -1;
+  int is_sparse = PyObject_IsTrue(sparse);
+  Py_DECREF(sparse);
+  if (is_sparse && depth == 0) {
+    int n = 0;
+    const char *parts[] = {"_indices", "_values"};
+    for (int i = 0; i < 2; i++) {
+      PyObject *p = PyObject_CallMethod(t, parts[i], NULL);
+      if (!p) return -1;
+      int k = torch_python_allocs(p, out + n, 1);
+      Py_DECREF(p);
+      if (k < 0) return -1;
+      n += k;
+    }
+    return n;
+  }
+  PyObject *st = PyObject_HasAttrString(t, "untyped_storage") ? PyObject_CallMethod(t, "untyped_storage", NULL)
+                                                                : PyObject_CallMethod(t, "storage", NULL);
+  if (!st) return -1;
+  if (!PyObject_HasAttrString(t, "untyped_storage")) {
+    PyObject *u = PyObject_GetAttrString(st, "_storage");
+    Py_DECREF(st);
+    if (!(st = u)) return -1;
+  }
+  PyObject *ptr = PyObject_CallMethod(st, "data_ptr", NULL);
+  PyObject *nb = ptr ? PyObject_CallMethod(st, "nbytes", NULL) : NULL;
+  Py_DECREF(st);
+  if (!nb) {
+    Py_XDECREF(ptr);
+    return -1;
+  }
+  out->base = PyLong_AsVoidPtr(ptr);
+  out->nbytes = PyLong_AsSize_t(nb);
+  Py_DECREF(ptr);
+  Py_DECREF(nb);
+  if (PyErr_Occurred()) return -1;
+  return device_from_torch(t, out) ? -1 : 1;
+}
+
+static int visit_torch(dpy_scanner_t *s, PyObject *o) {
+  dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
+  int n = dpy.torch ? dpy.torch->tensor_allocs(o, a) : torch_python_allocs(o, a, 0);
+  if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
+  for (int i = 0; i < n; i++) {
+    if (!a[i].base && !a[i].nbytes) continue; /* an empty storage holds no memory */
+    if (add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, 1))
+      return -1;
+  }
+  return 0;
+}
+
+/* cupy: the allocation behind the view (arr.data.mem: ptr, size). */
+static int visit_cupy(dpy_scanner_t *s, PyObject *o) {
+  PyObject *data = PyObject_GetAttrString(o, "data");
+  PyObject *mem = data ? PyObject_GetAttrString(data, "mem") : NULL;
+  PyObject *ptr = mem ? PyObject_GetAttrString(mem, "ptr") : NULL;
+  PyObject *size = ptr ? PyObject_GetAttrString(mem, "size") : NULL;
+  PyObject *dev = size ? PyObject_GetAttrString(data, "device_id") : NULL;
+  int rc = -1;
+  if (dev) {
+    void *p = PyLong_AsVoidPtr(ptr);
+    size_t n = PyLong_AsSize_t(size);
+    long d = PyLong_AsLong(dev);
+    if (!PyErr_Occurred()) rc = add_alloc(s, (dp_device_t){DP_DEVICE_CUDA, (int)d}, p, n, 0);
+  }
+  Py_XDECREF(data);
+  Py_XDECREF(mem);
+  Py_XDECREF(ptr);
+  Py_XDECREF(size);
+  Py_XDECREF(dev);
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "a cupy array without its memory");
+  return rc;
+}
+
+/* The extent in bytes of a strided view: from its lowest to its highest
+ * addressed byte. 0 when it addresses nothing. lo receives the lowest
+ * element's byte offset (<= 0). */
+static int view_extent(Py_ssize_t ndim, const Py_ssize_t *shape, const Py_ssize_t *strides, Py_ssize_t itemsize,
+                       Py_ssize_t *lo, size_t *extent) {
+  Py_ssize_t l = 0, h = 0;
+  for (Py_ssize_t i = 0; i < ndim; i++) {
+    if (shape[i] == 0) {
+      *lo = 0;
+      *extent = 0;
+      return 0;
+    }
+    Py_ssize_t span;
+    if (__builtin_mul_overflow(shape[i] - 1, strides[i], &span)) return -1;
+    if (span < 0) {
+      if (__builtin_add_overflow(l, span, &l)) return -1;
+    } else if (__builtin_add_overflow(h, span, &h)) {
+      return -1;
+    }
+  }
+  Py_ssize_t e;
+  if (__builtin_sub_overflow(h, l, &e) || __builtin_add_overflow(e, itemsize, &e)) return -1;
+  *lo = l;
+  *extent = (size_t)e;
+  return 0;
+}
+
+/* __cuda_array_interface__: data pointer and extent of the view (no owner
+ * is known, so views at different offsets are different entries). */
+static int visit_cai(dpy_scanner_t *s, PyObject *o) {
+  PyObject *cai = PyObject_GetAttr(o, dpy.str_cai);
+  if (!cai) return walk_error(s, o, "__cuda_array_interface__ failed");
+  int rc = -1;
+  PyObject *data = PyDict_Check(cai) ? PyDict_GetItemString(cai, "data") : NULL;
+  PyObject *shape = PyDict_Check(cai) ? PyDict_GetItemString(cai, "shape") : NULL;
+  PyObject *strides = PyDict_Check(cai) ? PyDict_GetItemString(cai, "strides") : NULL;
+  PyObject *typestr = PyDict_Check(cai) ? PyDict_GetItemString(cai, "typestr") : NULL;
+  if (!data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1 || !shape || !PyTuple_Check(shape) || !typestr ||
+      !PyUnicode_Check(typestr)) {
+    Py_DECREF(cai);
+    PyErr_SetString(PyExc_ValueError, "__cuda_array_interface__ lacks data, shape or typestr");
+    return walk_error(s, o, "a malformed __cuda_array_interface__");
+  }
+  const char *ts = PyUnicode_AsUTF8(typestr);
+  Py_ssize_t isz = ts && strlen(ts) >= 3 ? atoi(ts + 2) : 0;
+  Py_ssize_t nd = PyTuple_GET_SIZE(shape), shp[64], str[64];
+  void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
+  if (nd > 64 || isz <= 0) {
+    PyErr_SetString(PyExc_ValueError, "unsupported shape or typestr");
+    goto out;
+  }
+  for (Py_ssize_t i = nd; i-- > 0;) {
+    shp[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+    if (strides && strides != Py_None) str[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i)) / isz;
+    else str[i] = i == nd - 1 ? 1 : str[i + 1] * shp[i + 1];
+  }
+  if (PyErr_Occurred()) goto out;
+  for (Py_ssize_t i = 0; i < nd; i++) str[i] *= isz;
+  Py_ssize_t lo;
+  size_t ext;
+  if (view_extent(nd, shp, str, isz, &lo, &ext)) {
+    PyErr_SetString(PyExc_OverflowError, "the view's extent overflows");
+    goto out;
+  }
+  /* The interface names no device: the CUDA runtime knows the pointer's. */
+  dp_device_t dev = {DP_DEVICE_CUDA, 0};
+  dp_backend_t *cuda;
+  if (ext && !dp_backend_get(DP_DEVICE_CUDA, &cuda, NULL)) dp_pointer_device(cuda, ptr, &dev, NULL);
+  rc = ext ? add_alloc(s, dev, (char *)ptr + lo, ext, 0) : 0;
+out:
+  Py_DECREF(cai);
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "a malformed __cuda_array_interface__");
+  return rc;
+}
+
+/* Buffer-protocol objects: cpu memory, owner first (numpy views and
+ * memoryviews report the array they view), never copied. */
+static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
+  PyObject *owner = o;
+  Py_INCREF(owner);
+  for (int hops = 0; hops < 64; hops++) {
+    PyObject *next = NULL;
+    if (PyMemoryView_Check(owner)) {
+      next = PyMemoryView_GET_BASE(owner);
+      Py_XINCREF(next);
+    } else if (!strcmp(Py_TYPE(owner)->tp_name, "numpy.ndarray")) {
+      next = PyObject_GetAttrString(owner, "base");
+      if (!next) PyErr_Clear();
+      else if (next == Py_None || !PyObject_CheckBuffer(next)) Py_CLEAR(next);
+    }
+    if (!next) break;
+    Py_DECREF(owner);
+    owner = next;
+  }
+  Py_buffer v;
+  if (PyObject_GetBuffer(owner, &v, PyBUF_RECORDS_RO) && (PyErr_Clear(), PyObject_GetBuffer(owner, &v, PyBUF_SIMPLE))) {
+    Py_DECREF(owner);
+    return walk_error(s, o, "its buffer cannot be read");
+  }
+  Py_ssize_t lo = 0;
+  size_t ext = (size_t)v.len;
+  if (v.strides && view_extent(v.ndim, v.shape, v.strides, v.itemsize, &lo, &ext)) ext = (size_t)v.len;
+  void *base = (char *)v.buf + lo;
+  PyBuffer_Release(&v);
+  Py_DECREF(owner);
+  return ext ? add_alloc(s, (dp_device_t){DP_DEVICE_CPU, 0}, base, ext, 0) : 0;
+}
+
+/* DLPack producers (jax arrays): the view's data, from the capsule. */
+typedef struct {
+  void *data;
+  struct {
+    int32_t device_type, device_id;
+  } device;
+  int32_t ndim;
+  struct {
+    uint8_t code, bits;
+    uint16_t lanes;
+  } dtype;
+  int64_t *shape, *strides;
+  uint64_t byte_offset;
+} dl_tensor_t;
+
+static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
+  PyObject *devt = PyObject_CallMethodNoArgs(o, dpy.str_dlpack_device);
+  if (!devt) return walk_error(s, o, "__dlpack_device__ failed");
+  long dt = -1, di = 0;
+  if (PyTuple_Check(devt) && PyTuple_GET_SIZE(devt) == 2) {
+    dt = PyLong_AsLong(PyTuple_GET_ITEM(devt, 0));
+    di = PyLong_AsLong(PyTuple_GET_ITEM(devt, 1));
+  }
+  Py_DECREF(devt);
+  if (PyErr_Occurred()) return walk_error(s, o, "__dlpack_device__ returned a bad device");
+  dp_device_t dev;
+  if (dt == 1 || dt == 3) dev = (dp_device_t){DP_DEVICE_CPU, 0}; /* kDLCPU, kDLCUDAHost */
+  else if (dt == 2) dev = (dp_device_t){DP_DEVICE_CUDA, (int)di};
+  else {
+    PyErr_Format(PyExc_TypeError, "DLPack device type %ld is not cpu or cuda", dt);
+    return walk_error(s, o, "memory devpickle cannot track");
+  }
+  PyObject *cap = PyObject_CallMethodNoArgs(o, dpy.str_dlpack);
+  if (!cap) return walk_error(s, o, "__dlpack__ failed");
+  const char *name = PyCapsule_GetName(cap);
+  int versioned = name && !strcmp(name, "dltensor_versioned");
+  void *p = PyCapsule_GetPointer(cap, name);
+  if (!p) {
+    Py_DECREF(cap);
+    return walk_error(s, o, "__dlpack__ returned no capsule");
+  }
+  /* DLManagedTensor starts with its DLTensor; the versioned form with a
+   * version (2 x uint32) and a manager pointer and deleter before flags. */
+  const dl_tensor_t *t = versioned ? (const dl_tensor_t *)((char *)p + 8 + 2 * sizeof(void *) + 8) : p;
+  Py_ssize_t shp[64], str[64], lo = 0;
+  size_t ext = 0;
+  int nd = t->ndim, isz = (t->dtype.bits * t->dtype.lanes + 7) / 8, bad = nd < 0 || nd > 64 || isz <= 0;
+  for (int i = nd; !bad && i-- > 0;) {
+    shp[i] = (Py_ssize_t)t->shape[i];
+    str[i] = t->strides ? (Py_ssize_t)t->strides[i] * isz : (i == nd - 1 ? isz : str[i + 1] * shp[i + 1]);
+  }
+  if (!bad) bad = view_extent(nd, shp, str, isz, &lo, &ext);
+  void *base = (char *)t->data + t->byte_offset + lo;
+  Py_DECREF(cap);
+  if (bad) {
+    PyErr_SetString(PyExc_ValueError, "a DLPack tensor with a bad shape or dtype");
+    return walk_error(s, o, "memory devpickle cannot describe");
+  }
+  return ext ? add_alloc(s, dev, base, ext, 0) : 0;
+}
+
+/* ---- the walk ---- */
+
+static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj) {
+  if (s->nframes >= s->max_depth) {
+    PyErr_Format(PyExc_RecursionError, "nesting deeper than %u levels", s->max_depth);
+    return walk_error(s, obj, "too deep");
+  }
+  if (s->nframes == s->cap) {
+    size_t cap = s->cap ? 2 * s->cap : 64;
+    frame_t *f = PyMem_Realloc(s->frames, cap * sizeof *f);
+    if (!f) {
+      PyErr_NoMemory();
+      return -1;
+    }
+    s->frames = f;
+    s->cap = cap;
+  }
+  frame_t *f = &s->frames[s->nframes++];
+  memset(f, 0, sizeof *f);
+  f->kind = kind;
+  f->obj = obj;
+  f->idx = -1;
+  return 0;
+}
+
+static int is_opaque(dpy_scanner_t *s, PyObject *o) {
+  if (!s->opaque) return 0;
+  return PyObject_IsInstance(o, s->opaque);
+}
+
+/* The reduce of an object that keeps pickle's defaults differs only in form:
+ * its state is its __dict__, entered as attributes. */
+static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
+  PyObject *r;
+  PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
+  if (fn) {
+    r = PyObject_CallOneArg(fn, o);
+  } else {
+    if (PyErr_Occurred()) return -1;
+    PyObject *five = PyLong_FromLong(5);
+    r = five ? PyObject_CallMethodOneArg(o, dpy.str_reduce_ex, five) : NULL;
+    Py_XDECREF(five);
+  }
+  if (!r) return walk_error(s, o, "it cannot be reduced");
+  if (PyUnicode_Check(r)) { /* a global, pickled by name */
+    Py_DECREF(r);
+    return 0;
+  }
+  if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 2 || PyTuple_GET_SIZE(r) > 6) {
+    Py_DECREF(r);
+    PyErr_SetString(PyExc_TypeError, "__reduce_ex__ must return a string or a tuple of 2 to 6 items");
+    return walk_error(s, o, "its reduce is malformed");
+  }
+  if (!keep(s, r)) return -1;
+  if (push(s, FR_REDUCE, r)) return -1;
+  s->frames[s->nframes - 1].type = Py_TYPE(o);
+  return 0;
+}
+
+/* Turns a listitems/dictitems iterator into a list the walk can index. */
+static PyObject *drain(dpy_scanner_t *s, PyObject *it) { return keep(s, PySequence_List(it)); }
+
+/* Visits one value: a leaf returns, memory is added, a container or an
+ * object gets a frame. */
+static int visit(dpy_scanner_t *s, PyObject *o) {
+  PyTypeObject *t = Py_TYPE(o);
+  uint8_t k = classify(t);
+  if (k == K_LEAF) return 0;
+  if (s->opaque) {
+    int op = is_opaque(s, o);
+    if (op) return op < 0 ? -1 : 0;
+  }
+  switch (k) {
+  case K_LIST:
+    if (PyList_GET_SIZE(o) == 0) return 0;
+    break;
+  case K_TUPLE:
+    if (PyTuple_GET_SIZE(o) == 0) return 0;
+    break;
+  case K_DICT:
+    if (PyDict_GET_SIZE(o) == 0) return 0;
+    break;
+  case K_SET:
+    if (PySet_GET_SIZE(o) == 0) return 0;
+    break;
+  default:
+    break;
+  }
+  int sn = seen(s, o);
+  if (sn) return sn < 0 ? -1 : 0;
+  switch (k) {
+  case K_LIST:
+  case K_TUPLE:
+    return push(s, FR_SEQ, o);
+  case K_NAMEDTUPLE: {
+    PyObject *names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
+    if (!names) return -1;
+    if (PyTuple_GET_SIZE(o) == 0) return 0;
+    if (push(s, FR_SEQ, o)) return -1;
+    if (PyTuple_Check(names)) s->frames[s->nframes - 1].names = names;
+    return 0;
+  }
+  case K_DICT:
+    return push(s, FR_DICT, o);
+  case K_SET: {
+    PyObject *items = keep(s, PySequence_List(o));
+    return items ? push(s, FR_SET, items) : -1;
+  }
+  case K_OBJECT: {
+    PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
+    if (fn || PyErr_Occurred()) return fn ? enter_reduce(s, o) : -1;
+    PyObject **dp = _PyObject_GetDictPtr(o);
+    PyObject *d = dp ? *dp : NULL;
+    if (!d) { /* a managed dict (3.11+): ask for it */
+      d = PyObject_GenericGetDict(o, NULL);
+      if (!d) return walk_error(s, o, "its __dict__ cannot be read");
+      if (!keep(s, d)) return -1;
+    }
+    if (!PyDict_Check(d) || PyDict_GET_SIZE(d) == 0) return 0;
+    return push(s, FR_ATTRS, d);
+  }
+  case K_TORCH:
+    return visit_torch(s, o);
+  case K_CUPY:
+    return visit_cupy(s, o);
+  case K_CAI:
+    return visit_cai(s, o);
+  case K_BUFFER:
+    return visit_buffer(s, o);
+  case K_DLPACK:
+    return visit_dlpack(s, o);
+  default:
+    return enter_reduce(s, o);
+  }
+}
+
+/* The next child of the top frame (borrowed), or NULL when it is done. */
+static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
+  switch (f->kind) {
+  case FR_SEQ:
+  case FR_SET: {
+    Py_ssize_t n = PyList_Check(f->obj) ? PyList_GET_SIZE(f->obj) : PyTuple_GET_SIZE(f->obj);
+    if (f->pos >= n) return NULL;
+    f->idx = f->pos++;
+    return PyList_Check(f->obj) ? PyList_GET_ITEM(f->obj, f->idx) : PyTuple_GET_ITEM(f->obj, f->idx);
+  }
+  case FR_DICT:
+  case FR_ATTRS: {
+    PyObject *k, *v;
+    if (f->key_part) { /* the key was walked; now its value */
+      f->key_part = 0;
+      return PyDict_GetItemWithError(f->obj, f->label);
+    }
+    if (!PyDict_Next(f->obj, &f->pos, &k, &v)) return NULL;
+    f->idx++;
+    f->label = k;
+    if (f->kind == FR_DICT && classify(Py_TYPE(k)) != K_LEAF) {
+      f->key_part = 1; /* a key that holds more than a leaf is walked too */
+      return k;
+    }
+    return v;
+  }
+  case FR_PAIRS: { /* dictitems of a reduce: a list of (key, value) */
+    for (;;) {
+      if (f->key_part) {
+        f->key_part = 0;
+        return PyTuple_GET_ITEM(PyList_GET_ITEM(f->obj, f->idx), 1);
+      }
+      if (f->pos >= PyList_GET_SIZE(f->obj)) return NULL;
+      f->idx = f->pos++;
+      PyObject *kv = PyList_GET_ITEM(f->obj, f->idx);
+      if (!PyTuple_Check(kv) || PyTuple_GET_SIZE(kv) != 2) {
+        PyErr_SetString(PyExc_TypeError, "dictitems must yield (key, value) pairs");
+        return NULL;
+      }
+      f->label = PyTuple_GET_ITEM(kv, 0);
+      if (classify(Py_TYPE(f->label)) != K_LEAF) {
+        f->key_part = 1;
+        return f->label;
+      }
+      return PyTuple_GET_ITEM(kv, 1);
+    }
+  }
+  case FR_REDUCE: {
+    Py_ssize_t n = PyTuple_GET_SIZE(f->obj);
+    while (++f->idx < n && f->idx < 5) {
+      PyObject *part = PyTuple_GET_ITEM(f->obj, f->idx);
+      if (part == Py_None) continue;
+      if (f->idx == 0 && (PyType_Check(part) || PyCFunction_Check(part) || PyFunction_Check(part))) continue;
+      if (f->idx == 3 || f->idx == 4) { /* iterators: drained into lists */
+        PyObject *l = drain(s, part);
+        if (!l) return NULL;
+        if (f->idx == 4) {
+          if (PyList_GET_SIZE(l) == 0) continue;
+          if (push(s, FR_PAIRS, l)) return NULL;
+          return Py_None; /* the pushed frame is the child */
+        }
+        return l;
+      }
+      return part;
+    }
+    return NULL;
+  }
+  }
+  return NULL;
+}
+
+int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
+  if (dpy_resolve_frameworks()) return -1;
+  if (!s->own) s->own = s->found;
+  s->found = into ? into : s->own;
+  if (!into) dp_ptrset_clear(s->found);
+  dp_ptrset_clear(s->memo);
+  s->nframes = 0;
+  s->npaths = 0;
+  s->text_len = 0;
+  s->want_paths = opts->paths;
+  s->opaque = opts->opaque;
+  s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
+  if (visit(s, obj)) return -1;
+  while (s->nframes) {
+    frame_t *f = &s->frames[s->nframes - 1];
+    size_t before = s->nframes;
+    PyObject *c = next_child(s, f);
+    if (!c) {
+      if (PyErr_Occurred()) return walk_error(s, f->obj, "its items cannot be read");
+      s->nframes--;
+      continue;
+    }
+    if (s->nframes != before) continue; /* next_child pushed the child's frame */
+    if (visit(s, c)) return -1;
+  }
+  return 0;
+}
+
+/* ---- devpickle.Allocation and the result of scan ---- */
+
+typedef struct alloc_obj {
+  PyObject_HEAD
+  PyObject *device;
+  PyObject *ptr;
+  PyObject *nbytes;
+  PyObject *refs;
+  PyObject *path;
+} alloc_obj_t;
+
+static PyTypeObject alloc_type;
+
+static void alloc_dealloc(PyObject *o) {
+  alloc_obj_t *a = (alloc_obj_t *)o;
+  Py_XDECREF(a->device);
+  Py_XDECREF(a->ptr);
+  Py_XDECREF(a->nbytes);
+  Py_XDECREF(a->refs);
+  Py_XDECREF(a->path);
+  Py_TYPE(o)->tp_free(o);
+}
+
+static const char *const alloc_fields[] = {"device", "ptr", "nbytes", "refs", "path"};
+
+static PyObject *alloc_field(alloc_obj_t *a, Py_ssize_t i) {
+  PyObject *v = i == 0 ? a->device : i == 1 ? a->ptr : i == 2 ? a->nbytes : i == 3 ? a->refs : a->path;
+  return Py_NewRef(v);
+}
+
+static PyObject *alloc_getitem(PyObject *o, PyObject *key) {
+  const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
+  for (Py_ssize_t i = 0; k && i < 5; i++)
+    if (!strcmp(k, alloc_fields[i])) return alloc_field((alloc_obj_t *)o, i);
+  PyErr_SetObject(PyExc_KeyError, key);
+  return NULL;
+}
+
+static PyObject *alloc_asdict(PyObject *o, PyObject *unused) {
+  (void)unused;
+  PyObject *d = PyDict_New();
+  for (Py_ssize_t i = 0; d && i < 5; i++) {
+    PyObject *v = alloc_field((alloc_obj_t *)o, i);
+    if (PyDict_SetItemString(d, alloc_fields[i], v)) Py_CLEAR(d);
+    Py_DECREF(v);
+  }
+  return d;
+}
+
+static PyObject *alloc_repr(PyObject *o) {
+  alloc_obj_t *a = (alloc_obj_t *)o;
+  return PyUnicode_FromFormat("Allocation(device=%R, ptr=%p, nbytes=%S, refs=%S, path=%R)", a->device,
+                              PyLong_AsVoidPtr(a->ptr), a->nbytes, a->refs, a->path);
+}
+
+static PyObject *alloc_richcompare(PyObject *a, PyObject *b, int op) {
+  if (!PyObject_TypeCheck(b, &alloc_type) || (op != Py_EQ && op != Py_NE)) Py_RETURN_NOTIMPLEMENTED;
+  int eq = 1;
+  for (Py_ssize_t i = 0; eq && i < 5; i++) {
+    PyObject *x = alloc_field((alloc_obj_t *)a, i), *y = alloc_field((alloc_obj_t *)b, i);
+    eq = PyObject_RichCompareBool(x, y, Py_EQ);
+    Py_DECREF(x);
+    Py_DECREF(y);
+    if (eq < 0) return NULL;
+  }
+  return PyBool_FromLong(op == Py_EQ ? eq : !eq);
+}
+
+static PyMemberDef alloc_members[] = {
+    {"device", T_OBJECT_EX, offsetof(alloc_obj_t, device), READONLY, "\"cuda:0\", \"cpu\" or \"host:0\""},
+    {"ptr", T_OBJECT_EX, offsetof(alloc_obj_t, ptr), READONLY, "the allocation's base address (an int)"},
+    {"nbytes", T_OBJECT_EX, offsetof(alloc_obj_t, nbytes), READONLY, "its size in bytes"},
+    {"refs", T_OBJECT_EX, offsetof(alloc_obj_t, refs), READONLY, "distinct tensors or arrays on it"},
+    {"path", T_OBJECT_EX, offsetof(alloc_obj_t, path), READONLY, "the first path to it (None: paths=False)"},
+    {NULL},
+};
+
+static PyMethodDef alloc_methods[] = {
+    {"_asdict", alloc_asdict, METH_NOARGS, "The allocation as a dict."},
+    {NULL},
+};
+
+static PyMappingMethods alloc_mapping = {.mp_subscript = alloc_getitem};
+
+static PyTypeObject alloc_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "devpickle.Allocation",
+    .tp_basicsize = sizeof(alloc_obj_t),
+    .tp_dealloc = alloc_dealloc,
+    .tp_repr = alloc_repr,
+    .tp_as_mapping = &alloc_mapping,
+    .tp_richcompare = alloc_richcompare,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One allocation found by devpickle.scan: device, ptr, nbytes, refs, path "
+              "(attributes, or a[\"ptr\"]).",
+    .tp_members = alloc_members,
+    .tp_methods = alloc_methods,
+};
+
+PyObject *dpy_device_str(dp_device_t d) {
+  char buf[32];
+  return PyUnicode_FromString(dp_device_format(d, buf, sizeof buf));
+}
+
+/* The scan's allocations as a list of Allocation. */
+static PyObject *result_list(const dpy_scanner_t *s) {
+  const dp_ptrset_t *set = s->found;
+  size_t n = dp_ptrset_count(set);
+  PyObject *list = PyList_New((Py_ssize_t)n);
+  PyObject *devs[8] = {0};
+  for (size_t i = 0; list && i < n; i++) {
+    dp_ptr_info_t p;
+    dp_ptrset_get(set, i, &p, NULL);
+    alloc_obj_t *a = PyObject_New(alloc_obj_t, &alloc_type);
+    if (!a) {
+      Py_CLEAR(list);
+      break;
+    }
+    PyObject *dev = NULL;
+    size_t slot = (size_t)p.device.type * 4 + (size_t)p.device.index;
+    if (p.device.index < 4 && slot < 8 && p.device.type < 2) {
+      if (!devs[slot]) devs[slot] = dpy_device_str(p.device);
+      dev = Py_XNewRef(devs[slot]);
+    } else {
+      dev = dpy_device_str(p.device);
+    }
+    const char *path = dpy_scanner_path(s, i);
+    a->device = dev;
+    a->ptr = PyLong_FromVoidPtr(p.base);
+    a->nbytes = PyLong_FromSize_t(p.nbytes);
+    a->refs = PyLong_FromUnsignedLong(p.refs);
+    a->path = path ? PyUnicode_FromString(path) : Py_NewRef(Py_None);
+    PyList_SET_ITEM(list, (Py_ssize_t)i, (PyObject *)a);
+    if (!a->device || !a->ptr || !a->nbytes || !a->refs || !a->path) Py_CLEAR(list);
+  }
+  for (size_t i = 0; i < 8; i++) Py_XDECREF(devs[i]);
+  return list;
+}
+
+static int check_opaque(PyObject *opaque, PyObject **out) {
+  *out = NULL;
+  if (!opaque || opaque == Py_None) return 0;
+  if (PyType_Check(opaque)) opaque = PyTuple_Pack(1, opaque);
+  else opaque = PySequence_Tuple(opaque);
+  if (!opaque) return -1;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(opaque); i++)
+    if (!PyType_Check(PyTuple_GET_ITEM(opaque, i))) {
+      PyErr_Format(PyExc_TypeError, "opaque= takes types; got a '%s'", Py_TYPE(PyTuple_GET_ITEM(opaque, i))->tp_name);
+      Py_DECREF(opaque);
+      return -1;
+    }
+  if (PyTuple_GET_SIZE(opaque) == 0) Py_CLEAR(opaque);
+  *out = opaque;
+  return 0;
+}
+
+PyObject *dpy_scan_py(PyObject *self, PyObject *args, PyObject *kw) {
+  (void)self;
+  static char *kwlist[] = {"", "paths", "opaque", NULL};
+  PyObject *obj, *opaque = NULL;
+  int paths = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$pO:scan", kwlist, &obj, &paths, &opaque)) return NULL;
+  dpy_scan_opts_t o = {.paths = paths};
+  if (check_opaque(opaque, &o.opaque)) return NULL;
+  dpy_scanner_t *s = dpy_scanner_get();
+  PyObject *res = NULL;
+  if (s && !dpy_scan(s, obj, &o, NULL)) res = result_list(s);
+  dpy_scanner_put(s);
+  Py_XDECREF(o.opaque);
+  return res;
+}
+
+int dpy_scan_types_init(PyObject *m) {
+  if (PyType_Ready(&alloc_type)) return -1;
+  Py_INCREF(&alloc_type);
+  if (PyModule_AddObject(m, "Allocation", (PyObject *)&alloc_type)) return -1;
+  (void)tcache_clear;
+  return 0;
+}
+
+void dpy_scan_forget_types(void) { tcache_clear(); }

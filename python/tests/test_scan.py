@@ -1,0 +1,157 @@
+"""devpickle.scan: what pickle would walk, memory found once, paths, errors."""
+import collections
+import dataclasses
+import enum
+
+import numpy as np
+import pytest
+import torch
+
+import devpickle
+
+
+class Holder:
+    def __init__(self, t):
+        self.t = t
+
+
+@dataclasses.dataclass
+class Block:
+    qkv: object
+    bias: object = None
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+class Slotted:
+    __slots__ = ("w",)
+
+    def __init__(self, w):
+        self.w = w
+
+
+class Custom:
+    def __init__(self, t):
+        self.hidden = t
+
+    def __reduce__(self):
+        return (Custom, (self.hidden,))
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+def storage_ptr(t):
+    s = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()._storage
+    return s.data_ptr(), s.nbytes()
+
+
+def test_leaves_and_empty_containers_hold_no_memory():
+    assert devpickle.scan([None, True, 1, 2.5, 3j, "s", b"b", [], (), {}, set(), frozenset(), int, len, Color.RED]) == []
+
+
+def test_views_of_one_storage_are_one_allocation_with_a_count_of_distinct_tensors():
+    t = torch.arange(16, dtype=torch.float32)
+    got = devpickle.scan([t, t[2:], t.view(4, 4), t])
+    assert len(got) == 1
+    a = got[0]
+    assert (a.ptr, a.nbytes) == storage_ptr(t)
+    assert a.device == "cpu" and a.refs == 3 and a.path == "$[0]"
+    assert a["ptr"] == a.ptr and a._asdict()["refs"] == 3
+
+
+def test_allocations_come_in_discovery_order_with_their_first_path():
+    a, b, c = torch.ones(2), torch.ones(3), torch.ones(4)
+    value = {"blocks": [Block(a, bias=b)], "x y": Holder(c), 7: a}
+    got = devpickle.scan(value)
+    assert [x.path for x in got] == ["$.blocks[0].qkv", "$.blocks[0].bias", '$["x y"].t']
+    assert [x.ptr for x in got] == [storage_ptr(t)[0] for t in (a, b, c)]
+
+
+def test_paths_false_gives_none_paths():
+    got = devpickle.scan([torch.ones(1)], paths=False)
+    assert got[0].path is None
+
+
+def test_namedtuples_slots_custom_reduce_and_dict_subclasses_are_walked():
+    ts = [torch.ones(i + 1) for i in range(5)]
+    value = [Pair(1, ts[0]), Slotted(ts[1]), Custom(ts[2]), collections.OrderedDict(k=ts[3]),
+             collections.defaultdict(list, {"d": [ts[4]]})]
+    got = devpickle.scan(value)
+    assert [x.path for x in got] == [
+        "$[0].b",
+        "$[1]<reduce test_scan.Slotted>.state[1].w",
+        "$[2]<reduce test_scan.Custom>.args[0]",
+        "$[3]<reduce collections.OrderedDict>.dictitems.k",
+        "$[4]<reduce collections.defaultdict>.dictitems.d[0]",
+    ]
+
+
+def test_shared_objects_and_cycles_are_walked_once():
+    t = torch.ones(3)
+    h = Holder(t)
+    cyc = [h]
+    cyc.append(cyc)
+    h.back = cyc
+    got = devpickle.scan([cyc, h, h, {"again": cyc}])
+    assert len(got) == 1 and got[0].refs == 1 and got[0].path == "$[0][0].t"
+
+
+def test_numpy_arrays_and_buffers_are_cpu_memory_owner_first_never_copied():
+    a = np.zeros(100, dtype=np.float64)
+    view = a[10:20]
+    ba = bytearray(32)
+    got = devpickle.scan({"view": view, "a": a, "ba": ba, "mv": memoryview(ba)})
+    assert [(x.device, x.nbytes, x.refs) for x in got] == [("cpu", 800, 2), ("cpu", 32, 2)]
+    assert got[0].ptr == a.__array_interface__["data"][0]
+
+
+def test_an_object_that_cannot_be_reduced_is_a_walk_error_naming_type_and_path():
+    def gen():
+        yield 1
+
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"blocks": [Holder(gen())]})
+    assert isinstance(e.value, TypeError)
+    assert e.value.path == "$.blocks[0].t" and e.value.type_name == "generator"
+    assert str(e.value).startswith("cannot walk a 'generator' at $.blocks[0].t: it cannot be reduced")
+
+
+def test_opaque_types_are_leaves():
+    def gen():
+        yield 1
+
+    class Secret:
+        def __init__(self):
+            self.t = torch.ones(2)
+
+    assert devpickle.scan([Secret(), gen()], opaque=(Secret, type(gen()))) == []
+    with pytest.raises(TypeError, match="opaque= takes types"):
+        devpickle.scan([], opaque=(1,))
+
+
+def test_a_deep_value_walks_without_recursion_and_a_limit_names_the_path():
+    deep = t = torch.ones(1)
+    for _ in range(100_000):
+        deep = [deep]
+    got = devpickle.scan(deep)
+    assert len(got) == 1 and got[0].ptr == storage_ptr(t)[0]
+    assert "<\u2026" in got[0].path and len(got[0].path.encode()) <= 1024
+
+
+def test_long_keys_are_cut_in_paths():
+    got = devpickle.scan({"k" * 1000: torch.ones(1)})
+    assert got[0].path == "$." + "k" * 64 + "\u2026"
+
+
+def test_a_class_changed_after_a_scan_is_walked_as_it_is_now():
+    class Late:
+        def __init__(self):
+            self.t = torch.ones(2)
+
+    obj = Late()
+    assert devpickle.scan(obj)[0].path == "$.t"
+    Late.__reduce__ = lambda self: (Late, ())
+    assert devpickle.scan(obj) == []
