@@ -14,6 +14,7 @@ See docs/PYTHON.md for the walk rules, the streams and the GIL.
 from ._devpickle import (  # noqa: F401
     Allocation,
     Error,
+    FrameError,
     Future,
     WalkError,
     collect_all,
@@ -22,11 +23,14 @@ from ._devpickle import (  # noqa: F401
     scan,
     wait_all,
 )
+from ._frames import Buffer  # noqa: F401
 from ._object import Object  # noqa: F401
 
 __all__ = [
     "Allocation",
+    "Buffer",
     "Error",
+    "FrameError",
     "Future",
     "Object",
     "WalkError",

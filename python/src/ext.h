@@ -46,6 +46,7 @@ typedef struct dpy_scan_opts {
   int paths;            /* render each allocation's first path */
   PyObject *opaque;     /* a tuple of types treated as leaves, or NULL */
   uint32_t max_depth;   /* 0: DP_DEFAULT_MAX_DEPTH */
+  int build;            /* also make the devpickle value (dumps): dpy_scanner_root */
 } dpy_scan_opts_t;
 
 /* A scanner from the module's cache (or a new one). */
@@ -58,6 +59,10 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
 const dp_ptrset_t *dpy_scanner_ptrs(const dpy_scanner_t *s);
 /* Allocation i's first path (paths on), or NULL. */
 const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i);
+/* After a build: the value made (borrowed: valid until the scanner is put
+ * back), and the first Python object found on allocation i. */
+dp_value_t dpy_scanner_root(const dpy_scanner_t *s);
+PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i);
 /* 1 when allocation i belongs to torch (its allocator records streams). */
 int dpy_scanner_is_torch(const dpy_scanner_t *s, size_t i);
 

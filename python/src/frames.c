@@ -1,4 +1,495 @@
+/*
+ * frames.c — devpickle.dumps and devpickle.loads: devpickle frames (the C
+ * library's format, the bytes `devpickle verify` checks), with device buffers
+ * out of band in the manner of pickle protocol 5.
+ *
+ * dumps walks the object in build mode (scan.c) into a devpickle value and
+ * pickles it; buffer_callback then receives each buffer in table order.
+ * loads unpickles (the C library's checks and limits apply: the input is
+ * hostile) and turns the value back into Python objects without recursion;
+ * classes come back only through classes=, tensors and arrays are rebuilt
+ * over the inline bytes or the buffers given (devpickle/_frames.py).
+ */
 #include "ext.h"
-int dpy_frames_init(PyObject *m) { (void)m; return 0; }
-PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw) { (void)self; (void)args; (void)kw; PyErr_SetString(PyExc_NotImplementedError, "wip"); return NULL; }
-PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) { (void)self; (void)args; (void)kw; PyErr_SetString(PyExc_NotImplementedError, "wip"); return NULL; }
+
+#include <string.h>
+
+static PyObject *frames_py;   /* devpickle._frames */
+static PyObject *frame_error; /* devpickle.FrameError */
+
+static PyObject *helper(const char *name) {
+  if (!frames_py && !(frames_py = PyImport_ImportModule("devpickle._frames"))) return NULL;
+  return PyObject_GetAttrString(frames_py, name);
+}
+
+/* ---- dumps ---- */
+
+/* Inline frames read device memory on this thread's current stream (torch's,
+ * where torch is in use): the data the caller's queued work writes. */
+static int read_device(void *ud, dp_device_t device, const void *src, size_t n, void *dst, dp_error_t *err) {
+  (void)ud;
+  if (device.type == DP_DEVICE_CPU) {
+    memcpy(dst, src, n);
+    return 0;
+  }
+  dp_backend_t *b;
+  dp_stream_t *s;
+  int rc = dp_backend_get(device.type, &b, err);
+  if (!rc) rc = dp_current_stream(b, device, &s, err);
+  if (!rc) rc = dp_memcpy_async(s, dst, src, n, err);
+  if (!rc) rc = dp_stream_synchronize(s, err);
+  return rc;
+}
+
+static PyObject *frame_fail(int rc, const dp_error_t *e) {
+  if (rc == DP_ENOMEM) return PyErr_NoMemory();
+  PyObject *exc = PyObject_CallFunction(frame_error, "s", e->message);
+  if (!exc) return NULL;
+  PyObject *code = PyUnicode_FromString(dp_err_name(rc)), *off = PyLong_FromLongLong(e->offset);
+  if (code && off && !PyObject_SetAttrString(exc, "code", code) && !PyObject_SetAttrString(exc, "offset", off))
+    PyErr_SetObject(frame_error, exc);
+  Py_XDECREF(code);
+  Py_XDECREF(off);
+  Py_DECREF(exc);
+  return NULL;
+}
+
+PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw) {
+  (void)self;
+  static char *kwlist[] = {"", "inline", "buffer_callback", NULL};
+  PyObject *obj, *cb = Py_None;
+  int inl = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$pO:dumps", kwlist, &obj, &inl, &cb)) return NULL;
+  if (cb != Py_None && !PyCallable_Check(cb)) {
+    PyErr_SetString(PyExc_TypeError, "buffer_callback must be callable");
+    return NULL;
+  }
+  dpy_scanner_t *s = dpy_scanner_get();
+  if (!s) return NULL;
+  PyObject *out = NULL, *mk = NULL;
+  dp_frame_t *frame = NULL;
+  dpy_scan_opts_t o = {.build = 1};
+  if (dpy_scan(s, obj, &o, NULL)) goto done;
+  dp_error_t e;
+  int rc = dp_frame_new(&frame, &e);
+  dp_pickle_opts_t po = {.flags = inl ? DP_PICKLE_INLINE : 0, .read = read_device};
+  if (!rc) {
+    Py_BEGIN_ALLOW_THREADS; /* an inline frame may wait for device work */
+    rc = dp_pickle(dpy_scanner_root(s), &po, frame, &e);
+    Py_END_ALLOW_THREADS;
+  }
+  if (rc) {
+    if (rc == DP_ENOMEM) PyErr_NoMemory();
+    else PyErr_SetString(PyExc_ValueError, e.message);
+    goto done;
+  }
+  size_t len;
+  const uint8_t *data = dp_frame_data(frame, &len);
+  if (!(out = PyBytes_FromStringAndSize((const char *)data, (Py_ssize_t)len))) goto done;
+  if (cb == Py_None || inl) goto done;
+  if (!(mk = helper("Buffer"))) goto fail;
+  for (size_t i = 0; i < dp_frame_nbuffers(frame); i++) {
+    dp_buffer_desc_t d;
+    size_t at;
+    dp_frame_buffer(frame, i, &d, NULL);
+    PyObject *owner = NULL;
+    if (!dp_ptrset_find(dpy_scanner_ptrs(s), d.device, (void *)(uintptr_t)d.base, &at, NULL))
+      owner = dpy_scanner_buffer_obj(s, at);
+    PyObject *b = PyObject_CallFunction(mk, "NNKO", dpy_device_str(d.device), PyLong_FromUnsignedLongLong(d.base),
+                                        (unsigned long long)d.nbytes, owner ? owner : Py_None);
+    PyObject *r = b ? PyObject_CallOneArg(cb, b) : NULL;
+    Py_XDECREF(b);
+    if (!r) goto fail;
+    Py_DECREF(r);
+  }
+  goto done;
+fail:
+  Py_CLEAR(out);
+done:
+  Py_XDECREF(mk);
+  dp_frame_free(frame);
+  dpy_scanner_put(s);
+  return out;
+}
+
+/* ---- loads ---- */
+
+typedef struct loader {
+  dp_ptrset_t *table;  /* the frame's buffers by (device, base), in table order */
+  PyObject *buffers;   /* a sequence, or NULL */
+  PyObject *classes;   /* label -> class */
+  PyObject *cache;     /* per buffer: the flat array rebuilt over it */
+  dp_ptrset_t *memo;   /* heap nodes converted, by identity */
+  PyObject *memo_objs; /* their Python objects (NULL while being finished) */
+  PyObject *fn_array, *fn_new, *fn_fill, *fn_finish;
+} loader_t;
+
+static int bind(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
+  loader_t *l = ud;
+  int rc = dp_ptrset_add(l->table, desc->device, (void *)(uintptr_t)desc->base, desc->nbytes, NULL, err);
+  if (!rc)
+    rc = dp_storage_new(desc->device, (void *)(uintptr_t)desc->base, desc->nbytes, NULL, NULL, out, err);
+  if (!rc && desc->data) {
+    rc = dp_storage_set_host_data(*out, desc->data, err);
+    if (rc) dp_storage_release(*out);
+  }
+  return rc;
+}
+
+static PyObject *key_to_py(dp_value_t k, int depth) {
+  switch (dp_value_kind(k)) {
+  case DP_NONE:
+    Py_RETURN_NONE;
+  case DP_BOOL:
+    return PyBool_FromLong(dp_value_as_bool(k));
+  case DP_INT:
+    return PyLong_FromLongLong(dp_value_as_int(k));
+  case DP_FLOAT:
+    return PyFloat_FromDouble(dp_value_as_float(k));
+  case DP_STR: {
+    size_t n;
+    const char *p = dp_str_data(k, &n);
+    return PyUnicode_DecodeUTF8(p, (Py_ssize_t)n, "surrogatepass");
+  }
+  case DP_BYTES: {
+    size_t n;
+    const uint8_t *p = dp_bytes_data(k, &n);
+    return PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)n);
+  }
+  case DP_TUPLE: { /* keys are bounded (32 levels): this recursion is too */
+    if (depth > 64) break;
+    size_t n = dp_seq_len(k);
+    PyObject *t = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; t && i < n; i++) {
+      PyObject *x = key_to_py(dp_seq_get(k, i), depth + 1);
+      if (!x) Py_CLEAR(t);
+      else PyTuple_SET_ITEM(t, (Py_ssize_t)i, x);
+    }
+    return t;
+  }
+  default:
+    break;
+  }
+  PyErr_SetString(PyExc_ValueError, "loads: a dict key of an unexpected kind");
+  return NULL;
+}
+
+static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
+  dp_storage_t *st = dp_tensor_storage(t);
+  dp_device_t dev = dp_storage_device(st);
+  size_t at;
+  if (dp_ptrset_find(l->table, dev, dp_storage_base(st), &at, NULL)) {
+    PyErr_SetString(PyExc_ValueError, "loads: a tensor whose storage is not in the frame's table");
+    return NULL;
+  }
+  PyObject *key = PyLong_FromSize_t(at), *source = NULL;
+  if (!key) return NULL;
+  const void *host = dp_storage_host_data(st);
+  if (PyDict_GetItemWithError(l->cache, key)) {
+    source = Py_NewRef(Py_None); /* rebuilt already: the helper has it */
+  } else if (PyErr_Occurred()) {
+    Py_DECREF(key);
+    return NULL;
+  } else if (host) {
+    source = PyByteArray_FromStringAndSize(host, (Py_ssize_t)dp_storage_nbytes(st));
+  } else if (l->buffers && (Py_ssize_t)at < PySequence_Length(l->buffers)) {
+    source = PySequence_GetItem(l->buffers, (Py_ssize_t)at);
+  } else {
+    char dn[32];
+    PyErr_Format(PyExc_ValueError,
+                 "loads: buffer %zu (%s, %zu bytes) is out of band and buffers= %s", at,
+                 dp_device_format(dev, dn, sizeof dn), dp_storage_nbytes(st),
+                 l->buffers ? "has no such item" : "was not given");
+  }
+  PyObject *r = NULL;
+  if (source) {
+    int nd = dp_tensor_ndim(t);
+    const int64_t *shp = dp_tensor_shape(t), *str = dp_tensor_strides(t);
+    PyObject *shape = PyTuple_New(nd), *strides = PyTuple_New(nd);
+    for (int i = 0; shape && strides && i < nd; i++) {
+      PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(shp[i]));
+      PyTuple_SET_ITEM(strides, i, PyLong_FromLongLong(str[i]));
+    }
+    PyObject *dev_s = dpy_device_str(dev);
+    if (shape && strides && dev_s)
+      r = PyObject_CallFunction(l->fn_array, "zOOsOOLOO", kind, dev_s, source, dp_dtype_name(dp_tensor_dtype(t)), shape,
+                                strides, (long long)dp_tensor_offset(t), l->cache, key);
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    Py_XDECREF(dev_s);
+    Py_DECREF(source);
+  }
+  Py_DECREF(key);
+  return r;
+}
+
+enum { CF_LIST, CF_TUPLE, CF_DICT, CF_OBJECT };
+
+typedef struct cframe {
+  dp_value_t v;
+  int kind;
+  size_t i, n;
+  PyObject *py;          /* list, dict, items (tuple) or attrs (object) */
+  PyObject *placeholder; /* a plain object made first (cycles), or NULL */
+  PyObject *key;         /* the key of the value being converted */
+  size_t memo_at;
+} cframe_t;
+
+#define PENDING ((PyObject *)1)
+
+static int is_reserved(const char *name) {
+  static const char *const r[] = {"builtins.set", "builtins.frozenset", "builtins.complex", "builtins.bytearray",
+                                  "devpickle.global"};
+  for (size_t i = 0; i < sizeof r / sizeof *r; i++)
+    if (!strcmp(name, r[i])) return 1;
+  return 0;
+}
+
+static int is_array_class(const char *name) {
+  return !strcmp(name, "torch.Tensor") || !strcmp(name, "numpy.ndarray") || !strcmp(name, "cupy.ndarray");
+}
+
+typedef struct cstack {
+  cframe_t *f;
+  size_t n, cap;
+} cstack_t;
+
+/* Enters a node not yet converted; obj NULL: its object is made at the end
+ * (the slot holds None until then). */
+static int memo_put(loader_t *l, dp_value_t v, PyObject *obj, size_t *at) {
+  dp_error_t e;
+  int rc = dp_ptrset_add(l->memo, (dp_device_t){DP_DEVICE_CPU, 0}, (void *)dp_value_id(v), 0, at, &e);
+  if (rc) return dpy_raise(rc, &e), -1;
+  return PyList_Append(l->memo_objs, obj ? obj : Py_None);
+}
+
+/* One value: its Python object (new reference), or PENDING with a frame
+ * pushed for a container. */
+static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
+  dp_kind_t k = dp_value_kind(v);
+  if (k <= DP_BYTES) return key_to_py(v, 0);
+  size_t at;
+  if (!dp_ptrset_find(l->memo, (dp_device_t){DP_DEVICE_CPU, 0}, dp_value_id(v), &at, NULL)) {
+    PyObject *o = PyList_GET_ITEM(l->memo_objs, (Py_ssize_t)at);
+    if (o == Py_None) {
+      PyErr_SetString(PyExc_ValueError, "loads: a cycle through a tuple or a reduced object cannot be rebuilt");
+      return NULL;
+    }
+    return Py_NewRef(o);
+  }
+  if (k == DP_TENSOR) {
+    PyObject *r = tensor_to_py(l, v, NULL);
+    if (r && memo_put(l, v, r, &at)) Py_CLEAR(r);
+    return r;
+  }
+  cframe_t f = {.v = v};
+  const char *cname = NULL;
+  switch (k) {
+  case DP_LIST:
+    f.kind = CF_LIST;
+    f.n = dp_seq_len(v);
+    f.py = PyList_New(0);
+    break;
+  case DP_TUPLE:
+    f.kind = CF_TUPLE;
+    f.n = dp_seq_len(v);
+    f.py = PyList_New(0);
+    break;
+  case DP_DICT:
+    f.kind = CF_DICT;
+    f.n = dp_dict_len(v);
+    f.py = PyDict_New();
+    break;
+  case DP_OBJECT: {
+    cname = dp_object_class(v);
+    f.kind = CF_OBJECT;
+    f.n = dp_object_nattrs(v);
+    const char *first = NULL;
+    dp_value_t data = dp_none();
+    if (f.n) dp_object_attr(v, 0, &first, &data, NULL);
+    if (is_array_class(cname) && f.n == 1 && !strcmp(first, "data") && dp_value_kind(data) == DP_TENSOR) {
+      PyObject *r = tensor_to_py(l, data, cname);
+      if (r && memo_put(l, v, r, &at)) Py_CLEAR(r);
+      return r;
+    }
+    if (!is_reserved(cname) && !dp_object_is_reduced(v) && !(first && first[0] == '<')) {
+      f.placeholder = PyObject_CallFunction(l->fn_new, "sO", cname, l->classes);
+      if (!f.placeholder) return NULL;
+    }
+    f.py = PyDict_New();
+    break;
+  }
+  default:
+    PyErr_Format(PyExc_ValueError, "loads: a value of kind %s", dp_kind_name(k));
+    return NULL;
+  }
+  if (!f.py || memo_put(l, v, f.kind == CF_LIST || f.kind == CF_DICT ? f.py : f.placeholder, &f.memo_at)) {
+    Py_XDECREF(f.py);
+    Py_XDECREF(f.placeholder);
+    return NULL;
+  }
+  if (st->n == st->cap) {
+    size_t cap = st->cap ? 2 * st->cap : 32;
+    cframe_t *nf = PyMem_Realloc(st->f, cap * sizeof *nf);
+    if (!nf) {
+      Py_DECREF(f.py);
+      Py_XDECREF(f.placeholder);
+      return PyErr_NoMemory();
+    }
+    st->f = nf;
+    st->cap = cap;
+  }
+  st->f[st->n++] = f;
+  return PENDING;
+}
+
+/* The finished object of a popped frame (new reference). */
+static PyObject *finish(loader_t *l, cframe_t *f) {
+  PyObject *r = NULL;
+  switch (f->kind) {
+  case CF_LIST:
+  case CF_DICT:
+    return Py_NewRef(f->py);
+  case CF_TUPLE:
+    r = PyList_AsTuple(f->py);
+    break;
+  case CF_OBJECT:
+    if (f->placeholder) r = PyObject_CallFunctionObjArgs(l->fn_fill, f->placeholder, f->py, NULL);
+    else r = PyObject_CallFunction(l->fn_finish, "sOO", dp_object_class(f->v), f->py, l->classes);
+    break;
+  }
+  if (r && PyList_SetItem(l->memo_objs, (Py_ssize_t)f->memo_at, Py_NewRef(r))) Py_CLEAR(r);
+  return r;
+}
+
+static int deliver(cframe_t *f, PyObject *r) {
+  int rc;
+  switch (f->kind) {
+  case CF_LIST:
+  case CF_TUPLE:
+    rc = PyList_Append(f->py, r);
+    break;
+  default:
+    rc = PyDict_SetItem(f->py, f->key, r);
+    Py_CLEAR(f->key);
+    break;
+  }
+  Py_DECREF(r);
+  return rc;
+}
+
+static void frame_drop(cframe_t *f) {
+  Py_XDECREF(f->py);
+  Py_XDECREF(f->placeholder);
+  Py_XDECREF(f->key);
+}
+
+static PyObject *to_python(loader_t *l, dp_value_t root) {
+  cstack_t st = {0};
+  PyObject *result = convert(l, &st, root);
+  if (result != PENDING) return result;
+  result = NULL;
+  while (st.n) {
+    cframe_t *f = &st.f[st.n - 1];
+    if (f->i == f->n) {
+      PyObject *r = finish(l, f);
+      frame_drop(f);
+      st.n--;
+      if (!r) goto fail;
+      if (!st.n) {
+        result = r;
+        break;
+      }
+      if (deliver(&st.f[st.n - 1], r)) goto fail;
+      continue;
+    }
+    dp_value_t child;
+    size_t i = f->i++;
+    if (f->kind == CF_LIST || f->kind == CF_TUPLE) {
+      child = dp_seq_get(f->v, i);
+    } else if (f->kind == CF_DICT) {
+      dp_value_t k;
+      dp_dict_item(f->v, i, &k, &child, NULL);
+      if (!(f->key = key_to_py(k, 0))) goto fail;
+    } else {
+      const char *name;
+      dp_object_attr(f->v, i, &name, &child, NULL);
+      if (!(f->key = PyUnicode_FromString(name))) goto fail;
+    }
+    PyObject *r = convert(l, &st, child);
+    if (!r) goto fail;
+    if (r != PENDING && deliver(&st.f[st.n - 1], r)) goto fail;
+  }
+  PyMem_Free(st.f);
+  return result;
+fail:
+  while (st.n) frame_drop(&st.f[--st.n]);
+  PyMem_Free(st.f);
+  return NULL;
+}
+
+PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
+  (void)self;
+  static char *kwlist[] = {"", "buffers", "classes", NULL};
+  PyObject *data, *buffers = Py_None, *classes = NULL, *result = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OO:loads", kwlist, &data, &buffers, &classes)) return NULL;
+  Py_buffer view;
+  if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)) return NULL;
+  loader_t l = {0};
+  dp_error_t e;
+  dp_value_t root = dp_none();
+  PyObject *mk = helper("allowed");
+  if (!mk) goto done;
+  l.classes = PyObject_CallOneArg(mk, classes ? classes : Py_None);
+  Py_DECREF(mk);
+  if (!l.classes) goto done;
+  if (buffers != Py_None) {
+    if (!PySequence_Check(buffers)) {
+      PyErr_SetString(PyExc_TypeError, "buffers= must be a sequence");
+      goto done;
+    }
+    l.buffers = buffers;
+  }
+  if (!(l.cache = PyDict_New()) || !(l.memo_objs = PyList_New(0)) || !(l.fn_array = helper("array")) ||
+      !(l.fn_new = helper("new")) || !(l.fn_fill = helper("fill")) || !(l.fn_finish = helper("finish")))
+    goto done;
+  int rc = dp_ptrset_new(&l.table, &e);
+  if (!rc) rc = dp_ptrset_new(&l.memo, &e);
+  if (rc) {
+    dpy_raise(rc, &e);
+    goto done;
+  }
+  dp_unpickle_opts_t uo = {.bind = bind, .bind_ud = &l};
+  Py_BEGIN_ALLOW_THREADS;
+  rc = dp_unpickle(view.buf, (size_t)view.len, &uo, &root, &e);
+  Py_END_ALLOW_THREADS;
+  if (rc) {
+    frame_fail(rc, &e);
+    goto done;
+  }
+  result = to_python(&l, root);
+done:
+  dp_value_release(root);
+  PyBuffer_Release(&view);
+  dp_ptrset_free(l.table);
+  dp_ptrset_free(l.memo);
+  Py_XDECREF(l.classes);
+  Py_XDECREF(l.cache);
+  Py_XDECREF(l.memo_objs);
+  Py_XDECREF(l.fn_array);
+  Py_XDECREF(l.fn_new);
+  Py_XDECREF(l.fn_fill);
+  Py_XDECREF(l.fn_finish);
+  return result;
+}
+
+int dpy_frames_init(PyObject *m) {
+  frame_error = PyErr_NewExceptionWithDoc(
+      "devpickle.FrameError",
+      "A frame loads() refused: the library's message; attributes code (\"DP_ECHECKSUM\", ...) and offset "
+      "(the byte where reading stopped).",
+      PyExc_ValueError, NULL);
+  if (!frame_error) return -1;
+  Py_INCREF(frame_error);
+  return PyModule_AddObject(m, "FrameError", frame_error);
+}

@@ -153,6 +153,11 @@ typedef struct frame {
   Py_ssize_t idx;       /* the current child's index */
   PyObject *label;      /* the current child's key or name (borrowed) */
   int key_part;         /* FR_DICT / FR_PAIRS: 1 while the key itself is walked */
+  /* building (dumps): the container being filled (borrowed: its parent or
+   * the memo holds it) and a key built before its value */
+  dp_value_t out;
+  dp_value_t key;
+  int has_key;
 } frame_t;
 
 struct dpy_scanner {
@@ -172,9 +177,20 @@ struct dpy_scanner {
   int want_paths;
   PyObject *opaque;
   uint32_t max_depth;
+  /* building (dumps): the root, a value per memo entry, a storage per
+   * allocation and the first object found on it */
+  int build;
+  dp_value_t root;
+  dp_value_t *vals;
+  size_t vals_cap;
+  dp_storage_t **stor;
+  PyObject **stor_obj;
+  size_t stor_cap;
+  dp_value_t made;  /* the container build_pairs made for the frame pushed next */
 };
 
 static dpy_scanner_t *free_scanners;
+static void build_reset(dpy_scanner_t *s);
 
 const dp_ptrset_t *dpy_scanner_ptrs(const dpy_scanner_t *s) { return s->found; }
 
@@ -207,6 +223,9 @@ dpy_scanner_t *dpy_scanner_get(void) {
 
 void dpy_scanner_put(dpy_scanner_t *s) {
   if (!s) return;
+  if (s->build) build_reset(s);
+  s->build = 0;
+  s->nframes = 0;
   Py_CLEAR(s->keep);
   s->found = s->own;
   s->next_free = free_scanners;
@@ -500,7 +519,7 @@ static int note_path(dpy_scanner_t *s, size_t index, int torch) {
   return 0;
 }
 
-static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, int torch) {
+static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, int torch, size_t *at) {
   size_t idx;
   dp_error_t e;
   int rc = dp_ptrset_add(s->found, dev, base, nbytes, &idx, &e);
@@ -512,12 +531,17 @@ static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbyte
     PyErr_NoMemory();
     return -1;
   }
+  if (at) *at = idx;
   return 0;
+}
+
+static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, int torch) {
+  return add_alloc_at(s, dev, base, nbytes, torch, NULL);
 }
 
 /* 1 when obj was entered before (a shared reference or a cycle), 0 the
  * first time. */
-static int seen(dpy_scanner_t *s, PyObject *obj) {
+static int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
   size_t before = dp_ptrset_count(s->memo), idx;
   dp_error_t e;
   int rc = dp_ptrset_add(s->memo, (dp_device_t){DP_DEVICE_CPU, 0}, obj, 0, &idx, &e);
@@ -525,7 +549,13 @@ static int seen(dpy_scanner_t *s, PyObject *obj) {
     dpy_raise(rc, &e);
     return -1;
   }
+  *at = idx;
   return idx < before;
+}
+
+static int seen(dpy_scanner_t *s, PyObject *obj) {
+  size_t at;
+  return seen_at(s, obj, &at);
 }
 
 static PyObject *keep(dpy_scanner_t *s, PyObject *o) {
@@ -722,7 +752,7 @@ out:
 
 /* Buffer-protocol objects: cpu memory, owner first (numpy views and
  * memoryviews report the array they view), never copied. */
-static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
+static int buffer_memory(dpy_scanner_t *s, PyObject *o, void **basep, size_t *extp) {
   PyObject *owner = o;
   Py_INCREF(owner);
   for (int hops = 0; hops < 64; hops++) {
@@ -747,9 +777,17 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   Py_ssize_t lo = 0;
   size_t ext = (size_t)v.len;
   if (v.strides && view_extent(v.ndim, v.shape, v.strides, v.itemsize, &lo, &ext)) ext = (size_t)v.len;
-  void *base = (char *)v.buf + lo;
+  *basep = (char *)v.buf + lo;
+  *extp = ext;
   PyBuffer_Release(&v);
   Py_DECREF(owner);
+  return 0;
+}
+
+static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
+  void *base;
+  size_t ext;
+  if (buffer_memory(s, o, &base, &ext)) return -1;
   return ext ? add_alloc(s, (dp_device_t){DP_DEVICE_CPU, 0}, base, ext, 0) : 0;
 }
 
@@ -878,9 +916,12 @@ static PyObject *drain(dpy_scanner_t *s, PyObject *it) { return keep(s, PySequen
 
 /* Visits one value: a leaf returns, memory is added, a container or an
  * object gets a frame. */
+static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k);
+
 static int visit(dpy_scanner_t *s, PyObject *o) {
   PyTypeObject *t = Py_TYPE(o);
   uint8_t k = classify(t);
+  if (s->build) return build_visit(s, o, k);
   if (k == K_LEAF) return 0;
   if (s->opaque) {
     int op = is_opaque(s, o);
@@ -950,6 +991,519 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   }
 }
 
+
+/* ---- building a value (dumps) ----
+ *
+ * The same walk, in build mode, makes the devpickle value that dp_pickle
+ * writes: each value visited is made and attached to the slot of the frame
+ * above it; a container is made before its children, so shared references
+ * and cycles point at the same node (the memo keeps a value per entry).
+ * Python-only kinds become objects with reserved class names, which loads()
+ * turns back (docs/PYTHON.md, "Frames"):
+ *   torch.Tensor / numpy.ndarray / cupy.ndarray {data: tensor}
+ *   builtins.set / builtins.frozenset {items: [...]}, builtins.complex
+ *   {real, imag}, builtins.bytearray {data: bytes}, devpickle.global {name}
+ *   (a class or function, pickled by name); an object whose class keeps
+ *   pickle's defaults has its attributes; any other reduced object has
+ *   "<callable>", "<args>", "<state>", "<listitems>", "<dictitems>".
+ */
+
+static int dp_fail(dpy_scanner_t *s, PyObject *o, int rc, const dp_error_t *e) {
+  if (rc == DP_ENOMEM) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  PyErr_SetString(PyExc_ValueError, e->message);
+  return walk_error(s, o, "it cannot be carried in a frame");
+}
+
+static int memo_store(dpy_scanner_t *s, size_t at, dp_value_t v) {
+  if (at >= s->vals_cap) {
+    size_t cap = s->vals_cap ? s->vals_cap : 64;
+    while (cap <= at) cap *= 2;
+    dp_value_t *nv = PyMem_Realloc(s->vals, cap * sizeof *nv);
+    if (!nv) {
+      PyErr_NoMemory();
+      return -1;
+    }
+    for (size_t i = s->vals_cap; i < cap; i++) nv[i] = dp_none();
+    s->vals = nv;
+    s->vals_cap = cap;
+  }
+  s->vals[at] = dp_value_retain(v);
+  return 0;
+}
+
+static const char *const reduce_part[] = {"<callable>", "<args>", "<state>", "<listitems>", "<dictitems>"};
+
+/* A leaf key of a dict, as a devpickle key. */
+static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out);
+
+/* Puts v (stolen) in the slot of the top frame, or makes it the root. */
+static int attach(dpy_scanner_t *s, PyObject *o, dp_value_t v) {
+  dp_error_t e;
+  int rc = 0;
+  if (!s->nframes) {
+    s->root = v;
+    return 0;
+  }
+  frame_t *f = &s->frames[s->nframes - 1];
+  switch (f->kind) {
+  case FR_SEQ:
+  case FR_SET:
+    if (f->names && f->idx < PyTuple_GET_SIZE(f->names)) {
+      const char *n = PyUnicode_AsUTF8(PyTuple_GET_ITEM(f->names, f->idx));
+      if (!n) return -1;
+      rc = dp_object_set(f->out, n, v, &e);
+    } else if (dp_value_kind(f->out) == DP_TUPLE) {
+      rc = dp_seq_set(f->out, (size_t)f->idx, v, &e);
+    } else {
+      rc = dp_list_append(f->out, v, &e);
+    }
+    break;
+  case FR_ATTRS: {
+    const char *n = PyUnicode_Check(f->label) ? PyUnicode_AsUTF8(f->label) : NULL;
+    if (!n) {
+      dp_value_release(v);
+      PyErr_Clear();
+      PyErr_SetString(PyExc_TypeError, "an attribute name that is not a str");
+      return walk_error(s, o, "it cannot be carried in a frame");
+    }
+    rc = dp_object_set(f->out, n, v, &e);
+    break;
+  }
+  case FR_DICT:
+  case FR_PAIRS:
+    if (f->key_part) { /* the key itself, walked: kept for its value */
+      f->key = v;
+      f->has_key = 1;
+      return 0;
+    }
+    {
+      dp_value_t k;
+      if (f->has_key) {
+        k = f->key;
+        f->has_key = 0;
+      } else if (build_leaf(s, f->label, &k)) {
+        dp_value_release(v);
+        return -1;
+      }
+      if (f->kind == FR_DICT) {
+        rc = dp_dict_set(f->out, k, v, &e);
+      } else {
+        dp_value_t pair;
+        rc = dp_tuple_new(2, &pair, &e);
+        if (rc) {
+          dp_value_release(k);
+          dp_value_release(v);
+          break;
+        }
+        dp_seq_set(pair, 0, k, NULL);
+        dp_seq_set(pair, 1, v, NULL);
+        rc = dp_list_append(f->out, pair, &e);
+      }
+    }
+    break;
+  case FR_REDUCE:
+    rc = dp_object_set(f->out, reduce_part[f->idx], v, &e);
+    break;
+  }
+  return rc ? dp_fail(s, o, rc, &e) : 0;
+}
+
+/* An object of a reserved class with one attribute. */
+static int wrap(dpy_scanner_t *s, PyObject *o, const char *cls, const char *attr, dp_value_t v, dp_value_t *out) {
+  dp_error_t e;
+  int rc = dp_object_new(cls, out, &e);
+  if (rc) {
+    dp_value_release(v);
+    return dp_fail(s, o, rc, &e);
+  }
+  rc = dp_object_set(*out, attr, v, &e);
+  if (rc) {
+    dp_value_release(*out);
+    return dp_fail(s, o, rc, &e);
+  }
+  return 0;
+}
+
+static int global_name(PyObject *o, char *buf, size_t size) {
+  PyObject *mod = PyObject_GetAttrString(o, "__module__");
+  if (!mod) PyErr_Clear();
+  PyObject *qual = PyObject_GetAttrString(o, "__qualname__");
+  if (!qual) {
+    PyErr_Clear();
+    qual = PyObject_GetAttrString(o, "__name__");
+  }
+  const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8(mod) : NULL;
+  const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8(qual) : NULL;
+  int ok = q != NULL;
+  if (ok) snprintf(buf, size, "%s%s%s", m ? m : "", m ? "." : "", q);
+  Py_XDECREF(mod);
+  Py_XDECREF(qual);
+  PyErr_Clear();
+  return ok ? 0 : -1;
+}
+
+static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
+  dp_error_t e;
+  int rc = 0;
+  if (o == Py_None) *out = dp_none();
+  else if (PyBool_Check(o)) *out = dp_bool(o == Py_True);
+  else if (PyLong_CheckExact(o)) {
+    int over;
+    long long x = PyLong_AsLongLongAndOverflow(o, &over);
+    if (over) {
+      PyErr_SetString(PyExc_OverflowError, "an int beyond 64 bits");
+      return walk_error(s, o, "it cannot be carried in a frame");
+    }
+    *out = dp_int(x);
+  } else if (PyFloat_CheckExact(o)) *out = dp_float(PyFloat_AS_DOUBLE(o));
+  else if (PyUnicode_CheckExact(o)) {
+    Py_ssize_t n;
+    const char *u = PyUnicode_AsUTF8AndSize(o, &n);
+    if (!u) return walk_error(s, o, "a str that is not valid UTF-8");
+    rc = dp_str_new(u, (size_t)n, out, &e);
+  } else if (PyBytes_CheckExact(o)) {
+    rc = dp_bytes_new(PyBytes_AS_STRING(o), (size_t)PyBytes_GET_SIZE(o), out, &e);
+  } else if (PyComplex_CheckExact(o)) {
+    rc = dp_object_new("builtins.complex", out, &e);
+    if (!rc) rc = dp_object_set(*out, "real", dp_float(PyComplex_RealAsDouble(o)), &e);
+    if (!rc) rc = dp_object_set(*out, "imag", dp_float(PyComplex_ImagAsDouble(o)), &e);
+  } else if (PyTuple_CheckExact(o)) { /* a dict key: a tuple of keys */
+    Py_ssize_t n = PyTuple_GET_SIZE(o);
+    rc = dp_tuple_new((size_t)n, out, &e);
+    for (Py_ssize_t i = 0; !rc && i < n; i++) {
+      dp_value_t it;
+      if (build_leaf(s, PyTuple_GET_ITEM(o, i), &it)) {
+        dp_value_release(*out);
+        return -1;
+      }
+      rc = dp_seq_set(*out, (size_t)i, it, &e);
+    }
+  } else {
+    char name[512];
+    if (global_name(o, name, sizeof name)) {
+      PyErr_SetString(PyExc_TypeError, "a class or function without a name");
+      return walk_error(s, o, "it cannot be carried in a frame");
+    }
+    dp_value_t n;
+    rc = dp_str_new(name, strlen(name), &n, &e);
+    if (!rc) return wrap(s, o, "devpickle.global", "name", n, out);
+  }
+  return rc ? dp_fail(s, o, rc, &e) : 0;
+}
+
+/* A tensor over allocation (dev, base, nbytes): one storage per allocation,
+ * shared by every view of it. */
+static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *base, size_t nbytes, const char *dtype,
+                        int ndim, const int64_t *shape, const int64_t *strides, int64_t offset, dp_value_t *out) {
+  size_t at;
+  if (add_alloc_at(s, dev, base, nbytes, 0, &at)) return -1;
+  if (at >= s->stor_cap) {
+    size_t cap = s->stor_cap ? s->stor_cap : 16;
+    while (cap <= at) cap *= 2;
+    dp_storage_t **ns = PyMem_Realloc(s->stor, cap * sizeof *ns);
+    if (!ns) return PyErr_NoMemory(), -1;
+    s->stor = ns;
+    PyObject **no = PyMem_Realloc(s->stor_obj, cap * sizeof *no);
+    if (!no) return PyErr_NoMemory(), -1;
+    s->stor_obj = no;
+    for (size_t i = s->stor_cap; i < cap; i++) s->stor[i] = NULL, s->stor_obj[i] = NULL;
+    s->stor_cap = cap;
+  }
+  dp_error_t e;
+  int rc;
+  if (!s->stor[at]) {
+    dp_ptr_info_t p;
+    dp_ptrset_get(s->found, at, &p, NULL);
+    if ((rc = dp_storage_new(dev, base, p.nbytes, NULL, NULL, &s->stor[at], &e))) return dp_fail(s, o, rc, &e);
+    s->stor_obj[at] = o; /* borrowed: the value holds it */
+  }
+  dp_dtype_t dt;
+  if (dp_dtype_parse(dtype, &dt, &e)) {
+    PyErr_Format(PyExc_TypeError, "dtype %s has no devpickle equivalent", dtype);
+    return walk_error(s, o, "it cannot be carried in a frame");
+  }
+  rc = dp_tensor_new(dp_storage_retain(s->stor[at]), dt, ndim, shape, strides, offset, out, &e);
+  return rc ? dp_fail(s, o, rc, &e) : 0;
+}
+
+static int int64_seq(PyObject *seq, int64_t *out, int max) {
+  PyObject *t = PySequence_Tuple(seq);
+  if (!t) return -1;
+  Py_ssize_t n = PyTuple_GET_SIZE(t);
+  if (n > max) {
+    Py_DECREF(t);
+    PyErr_SetString(PyExc_ValueError, "too many dimensions");
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(t, i));
+  Py_DECREF(t);
+  return PyErr_Occurred() ? -1 : (int)n;
+}
+
+#define MAX_DIMS 64
+
+static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
+  dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
+  int n = dpy.torch ? dpy.torch->tensor_allocs(o, a) : torch_python_allocs(o, a, 0);
+  if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
+  if (n != 1) {
+    PyErr_SetString(PyExc_TypeError, "sparse tensors are not carried in frames (make them dense, or send "
+                                     "their indices and values)");
+    return walk_error(s, o, "it cannot be carried in a frame");
+  }
+  int64_t shape[MAX_DIMS], strides[MAX_DIMS];
+  PyObject *dtype = PyObject_GetAttrString(o, "dtype");
+  PyObject *dstr = dtype ? PyObject_Str(dtype) : NULL;
+  PyObject *shp = PyObject_GetAttrString(o, "shape");
+  PyObject *str = PyObject_CallMethod(o, "stride", NULL);
+  PyObject *off = PyObject_CallMethod(o, "storage_offset", NULL);
+  int nd = -1, nd2 = -1;
+  int64_t offset = 0;
+  if (dstr && shp && str && off) {
+    nd = int64_seq(shp, shape, MAX_DIMS);
+    nd2 = nd < 0 ? -1 : int64_seq(str, strides, MAX_DIMS);
+    offset = PyLong_AsLongLong(off);
+  }
+  const char *ds = dstr ? PyUnicode_AsUTF8(dstr) : NULL;
+  int rc = -1;
+  if (ds && nd >= 0 && nd2 == nd && !PyErr_Occurred()) {
+    if (!strncmp(ds, "torch.", 6)) ds += 6;
+    dp_value_t t;
+    rc = build_tensor(s, o, (dp_device_t){(dp_device_type_t)a[0].device_type, (uint8_t)a[0].device_index},
+                      a[0].base, a[0].nbytes, ds, nd, shape, strides, offset, &t);
+    if (!rc) rc = wrap(s, o, "torch.Tensor", "data", t, out);
+  }
+  Py_XDECREF(dtype);
+  Py_XDECREF(dstr);
+  Py_XDECREF(shp);
+  Py_XDECREF(str);
+  Py_XDECREF(off);
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "a tensor that cannot be described");
+  return rc;
+}
+
+/* numpy's typestr ("<f4") as a devpickle dtype name. */
+static const char *typestr_dtype(const char *ts) {
+  static const struct {
+    const char *ts, *name;
+  } map[] = {{"|b1", "bool"},     {"|i1", "int8"},      {"<i2", "int16"},      {"<i4", "int32"},   {"<i8", "int64"},
+             {"|u1", "uint8"},    {"<u2", "uint16"},    {"<u4", "uint32"},     {"<u8", "uint64"},  {"<f2", "float16"},
+             {"<f4", "float32"},  {"<f8", "float64"},   {"<c8", "complex64"},  {"<c16", "complex128"}};
+  for (size_t i = 0; i < sizeof map / sizeof *map; i++)
+    if (!strcmp(ts, map[i].ts)) return map[i].name;
+  return NULL;
+}
+
+/* numpy and cupy arrays: __array_interface__ / __cuda_array_interface__
+ * give the view; the allocation is the owner's (numpy) or arr.data.mem. */
+static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out) {
+  PyObject *ai = PyObject_GetAttrString(o, cupy ? "__cuda_array_interface__" : "__array_interface__");
+  if (!ai || !PyDict_Check(ai)) {
+    Py_XDECREF(ai);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "no array interface");
+    return walk_error(s, o, "an array that cannot be described");
+  }
+  PyObject *typestr = PyDict_GetItemString(ai, "typestr"), *shp = PyDict_GetItemString(ai, "shape");
+  PyObject *str = PyDict_GetItemString(ai, "strides"), *data = PyDict_GetItemString(ai, "data");
+  const char *ts = typestr && PyUnicode_Check(typestr) ? PyUnicode_AsUTF8(typestr) : NULL;
+  const char *dt = ts ? typestr_dtype(ts) : NULL;
+  int64_t shape[MAX_DIMS], strides[MAX_DIMS];
+  int nd = shp ? int64_seq(shp, shape, MAX_DIMS) : -1;
+  int rc = -1;
+  if (!dt || nd < 0 || !data || !PyTuple_Check(data)) {
+    if (!PyErr_Occurred())
+      PyErr_Format(PyExc_TypeError, "an array of dtype %s cannot be carried", ts ? ts : "?");
+    goto out;
+  }
+  dp_dtype_t d;
+  dp_dtype_parse(dt, &d, NULL);
+  int64_t isz = (int64_t)dp_dtype_size(d);
+  if (str && str != Py_None) {
+    if (int64_seq(str, strides, MAX_DIMS) != nd) goto out;
+    for (int i = 0; i < nd; i++) {
+      if (strides[i] % isz) {
+        PyErr_SetString(PyExc_ValueError, "strides that are not a multiple of the item size");
+        goto out;
+      }
+      strides[i] /= isz;
+    }
+  } else {
+    for (int i = nd; i-- > 0;) strides[i] = i == nd - 1 ? 1 : strides[i + 1] * shape[i + 1];
+  }
+  char *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
+  void *base;
+  size_t ext;
+  dp_device_t dev = {DP_DEVICE_CPU, 0};
+  if (cupy) {
+    PyObject *dobj = PyObject_GetAttrString(o, "data");
+    PyObject *mem = dobj ? PyObject_GetAttrString(dobj, "mem") : NULL;
+    PyObject *mp = mem ? PyObject_GetAttrString(mem, "ptr") : NULL;
+    PyObject *ms = mp ? PyObject_GetAttrString(mem, "size") : NULL;
+    PyObject *md = ms ? PyObject_GetAttrString(dobj, "device_id") : NULL;
+    if (md) {
+      base = PyLong_AsVoidPtr(mp);
+      ext = PyLong_AsSize_t(ms);
+      dev = (dp_device_t){DP_DEVICE_CUDA, (uint8_t)PyLong_AsLong(md)};
+    }
+    Py_XDECREF(dobj);
+    Py_XDECREF(mem);
+    Py_XDECREF(mp);
+    Py_XDECREF(ms);
+    if (!md) goto out;
+    Py_DECREF(md);
+  } else if (buffer_memory(s, o, &base, &ext)) {
+    goto out;
+  }
+  if (PyErr_Occurred()) goto out;
+  ptrdiff_t delta = ptr - (char *)base;
+  if (delta % isz) {
+    PyErr_SetString(PyExc_ValueError, "a view whose offset is not a multiple of the item size");
+    goto out;
+  }
+  dp_value_t t;
+  rc = build_tensor(s, o, dev, base, ext, dt, nd, shape, strides, delta / isz, &t);
+  if (!rc) rc = wrap(s, o, cupy ? "cupy.ndarray" : "numpy.ndarray", "data", t, out);
+out:
+  Py_DECREF(ai);
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "an array that cannot be carried");
+  return rc;
+}
+
+/* The container for a frame, attached to its slot and kept in the memo. */
+static int build_container(dpy_scanner_t *s, PyObject *o, size_t at, uint8_t fr, PyObject *iter, const char *cls,
+                           dp_value_t made, PyObject *names) {
+  if (memo_store(s, at, made) || attach(s, o, made)) return -1;
+  dp_value_t into = made;
+  if (cls) { /* sets: the object holds a list of items */
+    dp_error_t e;
+    dp_value_t items;
+    int rc = dp_list_new(0, &items, &e);
+    if (rc) return dp_fail(s, o, rc, &e);
+    if ((rc = dp_object_set(made, "items", items, &e))) return dp_fail(s, o, rc, &e);
+    dp_object_get(made, "items", &into, NULL);
+  }
+  if (!iter) return 0;
+  if (push(s, fr, iter)) return -1;
+  frame_t *f = &s->frames[s->nframes - 1];
+  f->out = into;
+  f->names = names;
+  return 0;
+}
+
+static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
+  dp_value_t v;
+  dp_error_t e;
+  int rc;
+  if (k == K_LEAF) return build_leaf(s, o, &v) ? -1 : attach(s, o, v);
+  size_t at;
+  int sn = seen_at(s, o, &at);
+  if (sn < 0) return -1;
+  if (sn) {
+    if (at >= s->vals_cap || dp_value_kind(s->vals[at]) == DP_NONE) {
+      PyErr_SetString(PyExc_ValueError, "a reference to an object that is still being reduced (a cycle "
+                                        "through a reduce's arguments)");
+      return walk_error(s, o, "it cannot be carried in a frame");
+    }
+    return attach(s, o, dp_value_retain(s->vals[at]));
+  }
+  char name[256];
+  PyTypeObject *t = Py_TYPE(o);
+  switch (k) {
+  case K_LIST:
+    if ((rc = dp_list_new((size_t)PyList_GET_SIZE(o), &v, &e))) return dp_fail(s, o, rc, &e);
+    return build_container(s, o, at, FR_SEQ, PyList_GET_SIZE(o) ? o : NULL, NULL, v, NULL);
+  case K_TUPLE:
+    if ((rc = dp_tuple_new((size_t)PyTuple_GET_SIZE(o), &v, &e))) return dp_fail(s, o, rc, &e);
+    return build_container(s, o, at, FR_SEQ, PyTuple_GET_SIZE(o) ? o : NULL, NULL, v, NULL);
+  case K_DICT:
+    if ((rc = dp_dict_new((size_t)PyDict_GET_SIZE(o), &v, &e))) return dp_fail(s, o, rc, &e);
+    return build_container(s, o, at, FR_DICT, PyDict_GET_SIZE(o) ? o : NULL, NULL, v, NULL);
+  case K_SET: {
+    const char *cls = t == &PySet_Type ? "builtins.set" : "builtins.frozenset";
+    if ((rc = dp_object_new(cls, &v, &e))) return dp_fail(s, o, rc, &e);
+    PyObject *items = keep(s, PySequence_List(o));
+    if (!items) return -1;
+    return build_container(s, o, at, FR_SET, PyList_GET_SIZE(items) ? items : NULL, cls, v, NULL);
+  }
+  case K_NAMEDTUPLE:
+  case K_OBJECT: {
+    PyObject *iter = NULL, *names = NULL;
+    if (k == K_NAMEDTUPLE) {
+      names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
+      if (!names) return -1;
+      if (!PyTuple_Check(names)) names = NULL;
+      iter = PyTuple_GET_SIZE(o) ? o : NULL;
+    } else {
+      PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
+      if (fn || PyErr_Occurred()) break; /* reduced below */
+      PyObject *d = PyObject_GenericGetDict(o, NULL);
+      if (!d || !keep(s, d)) return walk_error(s, o, "its __dict__ cannot be read");
+      iter = PyDict_Check(d) && PyDict_GET_SIZE(d) ? d : NULL;
+    }
+    if ((rc = dp_object_new(type_name(t, name, sizeof name), &v, &e))) return dp_fail(s, o, rc, &e);
+    return build_container(s, o, at, k == K_OBJECT ? FR_ATTRS : FR_SEQ, iter, NULL, v, names);
+  }
+  case K_TORCH:
+    if (build_torch(s, o, &v) || memo_store(s, at, v)) return -1;
+    return attach(s, o, v);
+  case K_CUPY:
+  case K_BUFFER:
+    if (k == K_BUFFER && PyByteArray_CheckExact(o)) {
+      if ((rc = dp_bytes_new(PyByteArray_AS_STRING(o), (size_t)PyByteArray_GET_SIZE(o), &v, &e)))
+        return dp_fail(s, o, rc, &e);
+      if (wrap(s, o, "builtins.bytearray", "data", v, &v)) return -1;
+    } else if (k == K_CUPY || !strcmp(t->tp_name, "numpy.ndarray")) {
+      if (build_array(s, o, k == K_CUPY, &v)) return -1;
+    } else {
+      PyErr_SetString(PyExc_TypeError, "frames carry torch tensors, numpy and cupy arrays and bytearrays");
+      return walk_error(s, o, "memory that cannot be carried in a frame");
+    }
+    if (memo_store(s, at, v)) return -1;
+    return attach(s, o, v);
+  case K_CAI:
+  case K_DLPACK:
+    PyErr_SetString(PyExc_TypeError, "frames carry torch tensors, numpy and cupy arrays and bytearrays");
+    return walk_error(s, o, "memory that cannot be carried in a frame");
+  default:
+    break;
+  }
+  /* everything else: reduced; the object exists once its parts are made */
+  if ((rc = dp_object_new(type_name(t, name, sizeof name), &v, &e))) return dp_fail(s, o, rc, &e);
+  if (memo_store(s, at, v) || attach(s, o, v)) return -1;
+  size_t depth = s->nframes;
+  if (enter_reduce(s, o)) return -1;
+  if (s->nframes > depth) s->frames[s->nframes - 1].out = v;
+  return 0;
+}
+
+/* dictitems of a reduce: a list of (key, value) pairs, made for the frame
+ * about to be pushed. */
+static int build_pairs(dpy_scanner_t *s) {
+  dp_error_t e;
+  int rc = dp_list_new(0, &s->made, &e);
+  if (rc) return dp_fail(s, Py_None, rc, &e);
+  return attach(s, Py_None, s->made);
+}
+
+static void build_reset(dpy_scanner_t *s) {
+  dp_value_release(s->root);
+  s->root = dp_none();
+  for (size_t i = 0; i < s->vals_cap; i++) {
+    dp_value_release(s->vals[i]);
+    s->vals[i] = dp_none();
+  }
+  for (size_t i = 0; i < s->stor_cap; i++) {
+    dp_storage_release(s->stor[i]);
+    s->stor[i] = NULL;
+    s->stor_obj[i] = NULL;
+  }
+  for (size_t i = 0; i < s->nframes; i++)
+    if (s->frames[i].has_key) dp_value_release(s->frames[i].key);
+}
+
 /* The next child of the top frame (borrowed), or NULL when it is done. */
 static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
   switch (f->kind) {
@@ -1002,13 +1556,16 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
     while (++f->idx < n && f->idx < 5) {
       PyObject *part = PyTuple_GET_ITEM(f->obj, f->idx);
       if (part == Py_None) continue;
-      if (f->idx == 0 && (PyType_Check(part) || PyCFunction_Check(part) || PyFunction_Check(part))) continue;
+      if (!s->build && f->idx == 0 && (PyType_Check(part) || PyCFunction_Check(part) || PyFunction_Check(part)))
+        continue;
       if (f->idx == 3 || f->idx == 4) { /* iterators: drained into lists */
         PyObject *l = drain(s, part);
         if (!l) return NULL;
         if (f->idx == 4) {
           if (PyList_GET_SIZE(l) == 0) continue;
+          if (s->build && build_pairs(s)) return NULL;
           if (push(s, FR_PAIRS, l)) return NULL;
+          if (s->build) s->frames[s->nframes - 1].out = s->made;
           return Py_None; /* the pushed frame is the child */
         }
         return l;
@@ -1021,8 +1578,14 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
   return NULL;
 }
 
+dp_value_t dpy_scanner_root(const dpy_scanner_t *s) { return s->root; }
+
+PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i) { return i < s->stor_cap ? s->stor_obj[i] : NULL; }
+
 int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
   if (dpy_resolve_frameworks()) return -1;
+  s->build = opts->build;
+  s->root = dp_none();
   if (!s->own) s->own = s->found;
   s->found = into ? into : s->own;
   if (!into) dp_ptrset_clear(s->found);

@@ -1,0 +1,188 @@
+"""The Python half of dumps/loads: what loads() makes of the reserved classes
+and of allowed classes, and the arrays it rebuilds over buffers. Called by
+the C extension; nothing here imports a module or looks a class up by name
+from the frame."""
+
+import sys
+
+from ._object import Object
+
+
+class Buffer:
+    """One out-of-band buffer of a frame, as dumps() hands it to
+    buffer_callback, in the frame's table order.
+
+    device: "cuda:0", "cpu", ...; ptr: its address; nbytes: its size;
+    obj: the first tensor or array found on it (its memory is the buffer's).
+    raw(): the buffer as bytes (cpu) or, for torch, as a flat uint8 tensor on
+    its device.
+    """
+
+    __slots__ = ("device", "ptr", "nbytes", "obj")
+
+    def __init__(self, device, ptr, nbytes, obj):
+        self.device, self.ptr, self.nbytes, self.obj = device, ptr, nbytes, obj
+
+    def raw(self):
+        """The whole buffer: a flat uint8 torch tensor on its device (torch),
+        a uint8 numpy array (cpu memory), or a uint8 cupy array (cupy)."""
+        o = self.obj
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(o, torch.Tensor):
+            s = o.untyped_storage() if hasattr(o, "untyped_storage") else o.storage()._storage
+            return torch.empty(0, dtype=torch.uint8, device=o.device).set_(s)
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and isinstance(o, cupy.ndarray):
+            return cupy.ndarray((self.nbytes,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(o.data.mem, 0))
+        import numpy as np
+
+        while isinstance(o, np.ndarray) and isinstance(o.base, np.ndarray):
+            o = o.base
+        return np.frombuffer(o if not isinstance(o, np.ndarray) else o.reshape(-1).view(np.uint8), dtype=np.uint8)
+
+    def __repr__(self):
+        return f"devpickle.Buffer(device={self.device!r}, ptr={self.ptr:#x}, nbytes={self.nbytes})"
+
+
+def class_label(cls):
+    mod = getattr(cls, "__module__", None)
+    q = getattr(cls, "__qualname__", cls.__name__)
+    return q if mod in (None, "builtins") else f"{mod}.{q}"
+
+
+def allowed(classes):
+    """classes= as a dict label -> class."""
+    out = {}
+    for c in classes or ():
+        if not isinstance(c, type):
+            raise TypeError(f"classes= takes classes; got a {type(c).__name__!r}")
+        out[class_label(c)] = c
+    return out
+
+
+def new(name, classes):
+    """The object for a frame's plain object, made before its attributes so
+    that cycles through it come back."""
+    cls = classes.get(name)
+    if cls is None:
+        return Object(name)
+    return cls.__new__(cls)
+
+
+def fill(obj, attrs):
+    if isinstance(obj, Object):
+        obj.__attrs__.update(attrs)
+    else:
+        obj.__dict__.update(attrs)
+    return obj
+
+
+def finish(name, attrs, classes):
+    """The reserved classes, and objects that were reduced."""
+    if name == "builtins.set":
+        return set(attrs["items"])
+    if name == "builtins.frozenset":
+        return frozenset(attrs["items"])
+    if name == "builtins.complex":
+        return complex(attrs["real"], attrs["imag"])
+    if name == "builtins.bytearray":
+        return bytearray(attrs["data"])
+    if name == "devpickle.global":
+        cls = classes.get(attrs.get("name"))
+        return cls if cls is not None else Object(name, attrs)
+    cls = classes.get(name)
+    if cls is None or not any(k.startswith("<") for k in attrs):
+        return Object(name, attrs) if cls is None else fill(cls.__new__(cls), attrs)
+    return reduced(cls, attrs)
+
+
+def reduced(cls, parts):
+    """An allowed class from its reduce parts: the callable must be the class
+    itself or copyreg.__newobj__ of it (nothing else is called)."""
+    fn, args = parts.get("<callable>"), parts.get("<args>", ())
+    if fn is cls:
+        obj = cls(*args)
+    elif isinstance(fn, Object) and fn.__attrs__.get("name") in ("copyreg.__newobj__",) and args and args[0] is cls:
+        obj = cls.__new__(cls, *args[1:])
+    else:
+        raise TypeError(f"loads: {class_label(cls)} was reduced to a call of {fn!r}, which loads does not make")
+    state = parts.get("<state>")
+    if state is not None:
+        if hasattr(obj, "__setstate__"):
+            obj.__setstate__(state)
+        else:
+            d, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+            if d:
+                obj.__dict__.update(d)
+            for k, v in (slots or {}).items():
+                setattr(obj, k, v)
+    for item in parts.get("<listitems>", ()) or ():
+        obj.append(item)
+    for k, v in parts.get("<dictitems>", ()) or ():
+        obj[k] = v
+    return obj
+
+
+_TORCH_DTYPES = {"bool": "bool", "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
+                 "uint8": "uint8", "float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
+                 "float64": "float64", "complex64": "complex64", "complex128": "complex128"}
+
+
+def _flat(kind, device, source, cache, key):
+    """The whole buffer as a flat uint8 array of the kind wanted, made once
+    per buffer so that views of one storage share it."""
+    flat = cache.get(key)
+    if flat is not None:
+        return flat
+    if kind == "torch.Tensor":
+        import torch  # noqa: F811 - present: checked by the caller
+
+        if isinstance(source, torch.Tensor):
+            flat = source.reshape(-1).view(torch.uint8)
+        else:
+            flat = torch.frombuffer(source, dtype=torch.uint8) if len(source) else torch.empty(0, dtype=torch.uint8)
+            if device != "cpu":
+                flat = flat.to(device)
+    elif kind == "numpy.ndarray":
+        import numpy as np
+
+        if device != "cpu":
+            raise TypeError(f"loads: a numpy array on {device}")
+        flat = np.frombuffer(source, dtype=np.uint8)
+    else:
+        cupy = sys.modules["cupy"]
+        flat = source if isinstance(source, cupy.ndarray) else cupy.asarray(bytearray(source), dtype=cupy.uint8)
+        flat = flat.reshape(-1).view(cupy.uint8)
+    cache[key] = flat
+    return flat
+
+
+def array(kind, device, source, dtype, shape, strides, offset, cache, key):
+    """A tensor or array over buffer `key`: source is bytes-like (an inline
+    copy or a cpu buffer), a torch tensor or a cupy array holding the bytes."""
+    torch = sys.modules.get("torch")
+    if kind is None:  # a bare tensor: torch if imported, else numpy on cpu
+        kind = "torch.Tensor" if torch is not None else "numpy.ndarray"
+    if kind == "torch.Tensor" and torch is None:
+        raise TypeError("loads: the frame holds torch tensors; import torch first")
+    if kind == "cupy.ndarray" and "cupy" not in sys.modules:
+        raise TypeError("loads: the frame holds cupy arrays; import cupy first")
+    if kind not in ("torch.Tensor", "numpy.ndarray", "cupy.ndarray"):
+        raise TypeError(f"loads: unknown array kind {kind}")
+    flat = _flat(kind, device, source, cache, key)
+    if kind == "torch.Tensor":
+        if dtype not in _TORCH_DTYPES or not hasattr(torch, dtype):
+            raise TypeError(f"loads: dtype {dtype} has no torch equivalent here")
+        typed = flat.view(getattr(torch, dtype)) if len(flat) else flat.view(getattr(torch, dtype))
+        return torch.as_strided(typed, shape, strides, offset)
+    if kind == "numpy.ndarray":
+        import numpy as np
+
+        dt = np.dtype(dtype)
+        start = flat[offset * dt.itemsize:]
+        usable = len(start) - len(start) % dt.itemsize
+        return np.lib.stride_tricks.as_strided(start[:usable].view(dt), shape=shape,
+                                               strides=[s * dt.itemsize for s in strides])
+    cupy = sys.modules["cupy"]
+    dt = cupy.dtype(dtype)
+    return cupy.ndarray(shape, dt, memptr=flat.data + offset * dt.itemsize, strides=[s * dt.itemsize for s in strides])

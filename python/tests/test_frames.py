@@ -1,0 +1,136 @@
+"""devpickle.dumps / loads: frames of the C library, out-of-band buffers,
+classes only through classes=, hostile input refused with the byte offset."""
+import collections
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import devpickle
+
+
+class Node:
+    def __init__(self, name, t=None):
+        self.name = name
+        self.t = t
+        self.children = []
+
+
+class Danger:
+    def __reduce__(self):
+        return (os.system, ("echo should-never-run",))
+
+
+def storage_ptr(t):
+    return (t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()).data_ptr()
+
+
+def sample():
+    t = torch.arange(12, dtype=torch.float32)
+    root = Node("root", t)
+    child = Node("child", t[4:8].view(2, 2))
+    child.parent = root
+    root.children.append(child)
+    cyc = [1]
+    cyc.append(cyc)
+    return {
+        "tree": root,
+        "a": np.arange(6, dtype=np.int64)[1:],
+        "s": {1, 2},
+        "fs": frozenset({"x"}),
+        "c": 1 + 2j,
+        "ba": bytearray(b"xy"),
+        "keys": {(1, "k"): None, 7: 1.5, None: True, b"b": "s"},
+        "cyc": cyc,
+        "od": collections.OrderedDict(k=1),
+    }
+
+
+def test_an_inline_frame_round_trips_values_sharing_and_cycles():
+    value = sample()
+    out = devpickle.loads(devpickle.dumps(value, inline=True), classes=(Node, collections.OrderedDict))
+    root = out["tree"]
+    assert isinstance(root, Node) and root.name == "root"
+    child = root.children[0]
+    assert child.parent is root
+    assert torch.equal(root.t, value["tree"].t)
+    assert torch.equal(child.t, value["tree"].children[0].t)
+    assert storage_ptr(child.t) == storage_ptr(root.t), "views of one storage share one rebuilt storage"
+    assert np.array_equal(out["a"], value["a"])
+    assert out["s"] == {1, 2} and out["fs"] == frozenset({"x"}) and out["c"] == 1 + 2j
+    assert out["ba"] == bytearray(b"xy") and out["keys"] == value["keys"]
+    assert out["cyc"][1] is out["cyc"]
+    assert out["od"] == collections.OrderedDict(k=1)
+
+
+def test_the_same_value_always_gives_the_same_bytes():
+    value = sample()
+    assert devpickle.dumps(value, inline=True) == devpickle.dumps(value, inline=True)
+
+
+def test_without_classes_objects_come_back_as_devpickle_objects_and_nothing_is_called():
+    out = devpickle.loads(devpickle.dumps({"n": Node("x"), "d": Danger()}))
+    assert isinstance(out["n"], devpickle.Object)
+    assert out["n"].__class_name__ == "test_frames.Node" and out["n"].name == "x"
+    assert isinstance(out["d"], devpickle.Object)
+    with pytest.raises(TypeError, match="which loads does not make"):
+        devpickle.loads(devpickle.dumps(Danger()), classes=(Danger,))
+
+
+def test_buffers_go_out_of_band_in_table_order_and_come_back_without_a_copy():
+    t = torch.arange(8, dtype=torch.int32)
+    a = np.ones(3)
+    got = []
+    frame = devpickle.dumps({"t": t, "a": a, "v": t[2:]}, buffer_callback=got.append)
+    assert [b.device for b in got] == ["cpu", "cpu"] and [b.nbytes for b in got] == [32, 24]
+    assert got[0].obj is t and got[0].ptr == storage_ptr(t)
+    raw = [b.raw() for b in got]
+    out = devpickle.loads(frame, buffers=raw)
+    assert torch.equal(out["t"], t) and np.array_equal(out["a"], a) and torch.equal(out["v"], t[2:])
+    raw[0][0] = 99  # rebuilt over the buffer given, not a copy of it
+    assert out["t"][0].item() == 99 and t[0].item() == 99
+
+
+def test_an_out_of_band_frame_without_its_buffers_says_which_is_missing():
+    frame = devpickle.dumps([torch.ones(2)])
+    with pytest.raises(ValueError, match=r"buffer 0 \(cpu, 8 bytes\) is out of band and buffers= was not given"):
+        devpickle.loads(frame)
+
+
+def test_a_damaged_frame_is_a_frame_error_with_code_and_offset():
+    frame = devpickle.dumps({"x": [1, 2, 3]})
+    with pytest.raises(devpickle.FrameError) as e:
+        devpickle.loads(frame[:-2])
+    assert e.value.code == "DP_ETRUNC" and e.value.offset >= 0
+    bad = bytearray(frame)
+    bad[-1] ^= 0xFF
+    with pytest.raises(devpickle.FrameError) as e:
+        devpickle.loads(bytes(bad))
+    assert e.value.code == "DP_ECHECKSUM"
+    assert isinstance(e.value, ValueError)
+
+
+def test_what_a_frame_cannot_carry_is_a_walk_error_with_the_path():
+    def gen():
+        yield 1
+
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.dumps({"big": [2**70]})
+    assert e.value.path == "$.big[0]" and "64 bits" in str(e.value)
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.dumps({"g": gen()})
+    assert e.value.path == "$.g"
+
+
+def test_frames_are_the_ones_the_cli_verifies(tmp_path):
+    cli = os.environ.get("DEVPICKLE")
+    if not cli or not os.path.exists(cli):
+        pytest.skip("the devpickle CLI is not built (DEVPICKLE unset)")
+    path = tmp_path / "v.dpk"
+    path.write_bytes(devpickle.dumps(sample(), inline=True))
+    r = subprocess.run([cli, "verify", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([cli, "dump", "--json", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0 and '"count": 2' in r.stdout.replace('"count":2', '"count": 2')

@@ -1,0 +1,77 @@
+"""What devpickle.Future adds to torch's: results are walked (unless
+devices=[]), a result that cannot be walked fails loudly, chains of any
+length, threads."""
+import threading
+
+import pytest
+import torch
+
+import devpickle
+
+
+def gen():
+    yield 1
+
+
+class Holder:
+    def __init__(self, x):
+        self.x = x
+
+
+def test_a_result_that_cannot_be_walked_fails_set_result_and_the_future():
+    f = devpickle.Future()
+    with pytest.raises(devpickle.WalkError) as e:
+        f.set_result({"model": Holder(gen())})
+    assert e.value.path == "$.model.x"
+    assert f.done()
+    with pytest.raises(devpickle.WalkError, match=r"at \$\.model\.x"):
+        f.wait()
+
+
+def test_devices_empty_walks_nothing():
+    f = devpickle.Future(devices=[])
+    g = gen()
+    f.set_result([g])
+    assert f.wait()[0] is g
+
+
+def test_a_then_child_whose_result_cannot_be_walked_fails_never_borrows_the_parents_events():
+    f = devpickle.Future()
+    child = f.then(lambda fut: Holder(gen()))
+    f.set_result(torch.ones(2))
+    with pytest.raises(devpickle.WalkError, match=r"at \$\.x"):
+        child.wait()
+
+
+def test_a_long_then_chain_completes_in_order_without_recursion():
+    f = devpickle.Future()
+    order = []
+    tail = f
+    for i in range(20_000):
+        tail = tail.then(lambda fut, i=i: (order.append(i), fut.wait() + 1)[1])
+    f.set_result(0)
+    assert tail.wait() == 20_000
+    assert order == list(range(20_000))
+
+
+def test_threads_complete_and_wait_concurrently():
+    futs = [devpickle.Future() for _ in range(200)]
+    results = [None] * 200
+
+    def waiter(i):
+        results[i] = futs[i].wait()
+
+    ws = [threading.Thread(target=waiter, args=(i,)) for i in range(200)]
+    for w in ws:
+        w.start()
+    for i, f in enumerate(futs):
+        threading.Thread(target=f.set_result, args=([torch.ones(1), i],)).start()
+    for w in ws:
+        w.join(10)
+    assert [r[1] for r in results] == list(range(200))
+
+
+def test_devices_are_parsed_and_bad_ones_refused():
+    with pytest.raises(ValueError, match="devices"):
+        devpickle.Future(devices=["nonsense:0"])
+    devpickle.Future(devices=["cpu"]).set_result([torch.ones(1)])
