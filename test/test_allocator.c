@@ -700,3 +700,63 @@ Test(allocator, a_batch_record_skips_only_blocks_already_on_the_recording_stream
   dp_stream_free(u);
   dp_stream_free(s1);
 }
+
+/* ---- wrapped native streams (dp_stream_wrap) ---- */
+
+static dp_stream_t *wrap_of(dp_stream_t *owner) {
+  dp_stream_t *w;
+  OK(dp_stream_wrap(B, dp_stream_device(owner), dp_stream_native(owner), &w, T_ERR));
+  return w;
+}
+
+/* A framework's streams, wrapped: blocks are tied to the wrapper (one per
+ * native handle, so the framework's every call finds its blocks again), and
+ * a record on a wrapper holds a block for the work the framework queued on
+ * the native stream. */
+Test(allocator, wrapped_streams_get_stream_ordered_reuse_and_record_stream) {
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  dp_stream_t *ws = wrap_of(s), *wu = wrap_of(u);
+  unsigned char *p, *q;
+  OK(dp_cache_alloc(C, H0, 4096, ws, (void **)&p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_set_current_stream(wrap_of(s), NULL, T_ERR));  /* the same wrapper, made current */
+  OK(dp_cache_alloc(C, H0, 4096, NULL, (void **)&q, T_ERR));
+  cr_assert_eq(q, p, "freed on the wrapper, reused at once by the wrapper");
+  cr_assert_eq(stats(H0).cross_stream, 0, "the same handle is the same stream: no wait");
+  memset(q, 0xAA, 4096);
+  check_t chk = {q, 0xAA, 60, 0};
+  OK(dp_host_launch(u, slow_check, &chk, T_ERR));  /* the framework reads q on its stream */
+  OK(dp_cache_record_stream(C, q, wu, T_ERR));
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 1, "held for the wrapped stream's work");
+  unsigned char *r;
+  OK(dp_cache_alloc(C, H0, 4096, ws, (void **)&r, T_ERR));
+  cr_assert_neq(r, q, "not handed out while the native stream still reads it");
+  memset(r, 0x55, 4096);
+  OK(dp_stream_synchronize(u, T_ERR));
+  cr_assert(atomic_load(&chk.ok), "the reader saw its data");
+  cr_assert_eq(dp_cache_poll(C, NULL), 1);
+  OK(dp_cache_dealloc(C, r, T_ERR));
+  dp_reset_current_stream(B, H0);
+  dp_stream_free(s);
+  dp_stream_free(u);
+}
+
+Test(allocator, freeing_the_stream_behind_a_wrapper_unties_the_wrappers_blocks) {
+  dp_stream_t *s = stream(H0), *t = stream(H0);
+  dp_stream_t *ws = wrap_of(s);
+  void *p, *q, *held;
+  OK(dp_cache_alloc(C, H0, 4096, ws, &p, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, t, &held, T_ERR));
+  OK(dp_cache_record_stream(C, held, ws, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  uint64_t cross = stats(H0).cross_stream;
+  dp_stream_free(s);  /* the wrapper's blocks and uses go with the native stream */
+  OK(dp_cache_alloc(C, H0, 4096, t, &q, T_ERR));
+  cr_assert_eq(q, p);
+  cr_assert_eq(stats(H0).cross_stream, cross, "no wait on the retired wrapper");
+  OK(dp_cache_dealloc(C, held, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0, "no event on a stream that is gone");
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  dp_stream_free(t);
+}
