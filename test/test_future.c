@@ -933,7 +933,7 @@ Test(future, bad_arguments_are_refused_with_what_is_wrong_and_never_strand_a_wai
   dp_future_opts_t oc = {B, cpu_and_h0, 2, NULL, 0};
   OK(dp_future_new(&oc, &f, T_ERR));  /* cpu may be listed: it is always allowed */
   dp_future_release(f);
-  dp_cache_hooks_t none = {NULL, NULL, NULL};
+  dp_cache_hooks_t none = {NULL, NULL, NULL, NULL};
   dp_future_opts_t oh = {B, NULL, 0, &none, 0};
   cr_assert_eq(dp_future_new(&oh, &f, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_future_new: hooks with neither record_stream nor record_streams");
