@@ -106,7 +106,10 @@ static int c_stream_wrap(dp_backend_t *b, int dev, void *native, void **h, dp_er
    * events that cannot be. */
   int on;
   cudaError_t e = cudaStreamGetDevice((cudaStream_t)native, &on);
-  if (e != cudaSuccess) return cuda_err(err, e, "dp_stream_wrap: cudaStreamGetDevice");
+  if (e != cudaSuccess) {
+    cudaGetLastError();  /* a bad handle is the caller's error, not the next call's */
+    return cuda_err(err, e, "dp_stream_wrap: cudaStreamGetDevice");
+  }
   if (on != dev) return dp__err(err, DP_EINVAL, "dp_stream_wrap: %p is a stream of cuda:%d, not cuda:%d", native, on, dev);
 #else
   (void)dev;

@@ -123,10 +123,11 @@ DP_API int dp_stream_pool_next(dp_backend_t *b, dp_device_t dev, dp_stream_t **o
  *
  *  Errors: DP_EINVAL for NULL b or out, a device of another backend, or a
  *  native handle that is not a stream of dev — `host` checks against its
- *  live streams; `cuda` asks cudaStreamGetDevice (a destroyed or made-up
- *  handle is undefined behaviour there, as in CUDA), each the first time a
- *  handle is wrapped; DP_ENOMEM, or the backend's error. Thread-safe: any
- *  number of threads may wrap at once, the same handle or others. */
+ *  live streams; `cuda` asks cudaStreamGetDevice (CUDA 12.8 and later), whose
+ *  refusal comes through as DP_ECUDA (a destroyed or made-up handle is
+ *  undefined behaviour there, as in CUDA) — each the first time a handle
+ *  is wrapped; DP_ENOMEM. Thread-safe: any number of threads may wrap at
+ *  once, the same handle or others. */
 DP_API int dp_stream_wrap(dp_backend_t *b, dp_device_t dev, void *native, dp_stream_t **out, dp_error_t *err);
 
 DP_API dp_backend_t *dp_stream_backend(const dp_stream_t *s);
