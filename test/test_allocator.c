@@ -826,6 +826,35 @@ static dp_cache_hooks_chain_t *chain_of(const dp_cache_hooks_t *list, size_t n) 
   return ch;
 }
 
+/* Hooks that count the calls made through them, then pass them on. */
+typedef struct counted {
+  dp_cache_hooks_t inner;
+  int single, batch, marking;
+} counted_t;
+
+static int counted_one(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  counted_t *k = ctx;
+  k->single++;
+  return k->inner.record_stream(k->inner.ctx, ptr, s, err);
+}
+static int counted_batch(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
+  counted_t *k = ctx;
+  k->batch++;
+  return k->inner.record_streams(k->inner.ctx, ptrs, n, s, err);
+}
+static int counted_marking(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *owned,
+                           dp_error_t *err) {
+  counted_t *k = ctx;
+  k->marking++;
+  return k->inner.record_streams_owned(k->inner.ctx, ptrs, n, s, owned, err);
+}
+static dp_cache_hooks_t counted_hooks(counted_t *k, dp_cache_hooks_t inner) {
+  k->inner = inner;
+  dp_cache_hooks_t h = {k, counted_one, inner.record_streams ? counted_batch : NULL,
+                        inner.record_streams_owned ? counted_marking : NULL};
+  return h;
+}
+
 /* Pointers of two caches and the external allocator, mixed, each recorded
  * with its owner: a record held in a cache shows as a pending block after
  * the free; the external allocator shows its log. */
@@ -841,10 +870,14 @@ static void chain_records_each_pointer_with_its_owner(int batched) {
   }
   int nobody;
   void *ptrs[10] = {a[0], x->arena, b[0], &nobody, (char *)a[1] + 8, b[1], x->arena + 100, a[2], b[2], x->arena + 4096};
-  dp_cache_hooks_t list[3] = {dp_cache_hooks(C), dp_cache_hooks(c2), ext_hooks(x, batched)};
+  counted_t k1 = {0}, k2 = {0};
+  dp_cache_hooks_t list[3] = {counted_hooks(&k1, dp_cache_hooks(C)), counted_hooks(&k2, dp_cache_hooks(c2)),
+                              ext_hooks(x, batched)};
   dp_cache_hooks_chain_t *ch = chain_of(list, 3);
   dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(ch);
   OK(dp_cache_hooks_record(&h, ptrs, 10, u, T_ERR));
+  cr_assert(k1.marking == 1 && k1.single == 0 && k1.batch == 0, "the first cache: one marking batch call");
+  cr_assert(k2.marking == 1 && k2.single == 0 && k2.batch == 0, "the second: one, with what the first left");
   cr_assert_eq(x->nlog, 3, "the external allocator got its three pointers, and only those");
   cr_assert_eq(x->logged[0], x->arena);
   cr_assert_eq(x->logged[1], x->arena + 100);
