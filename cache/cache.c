@@ -734,8 +734,11 @@ static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *
 #define RECORD_ENTRY_AHEAD 8u
 #define RECORD_PREFETCH_SLOTS 8192u  /* 64 KiB of slots */
 
-static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
-  dp_cache_t *c = ctx;
+/* owned: NULL, or marks what is this allocator's (a chain passes the rest
+ * on): a pointer into one of its segments, a used block's or not, is no
+ * other allocator's. Inlined twice, so that the plain batch pays nothing. */
+static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, void *const *ptrs, size_t n,
+                                                                dp_stream_t *s, unsigned char *owned, dp_error_t *err) {
   if (!c || !s) return dp__err(err, DP_EINVAL, "record_streams: NULL argument");
   int rc = 0;
   uint64_t ring[RECORD_RING];
@@ -762,23 +765,37 @@ static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream
       if (ref) __builtin_prefetch(&mapped[ref - 1]);
     }
     /* In the last segment found, whose used blocks are all on s: nothing to do. */
-    if (last && last->one_stream == s && (uintptr_t)ptrs[i] - (uintptr_t)last->base < last->size) continue;
+    if (last && last->one_stream == s && (uintptr_t)ptrs[i] - (uintptr_t)last->base < last->size) {
+      if (owned) owned[i] = 1;
+      continue;
+    }
     size_t slot, at = dp__table_find(t, DP_TABLE_TAGGED, ring[i % RECORD_RING], ents_eq, mapped, ptrs[i], &slot);
     if (DP_LIKELY(at != DP_TABLE_NONE) && mapped[at].stream == s) {
       /* The block itself is read only on entering another segment: the
        * entry alone decides every other record. */
       if (!last || (uintptr_t)ptrs[i] - (uintptr_t)last->base >= last->size) last = mapped[at].b->seg;
+      if (owned) owned[i] = 1;
       continue;
     }
     rc = record_slow(c, ptrs[i], at != DP_TABLE_NONE ? &mapped[at] : NULL, s, err);
     if (rc == DP_ENOTFOUND) rc = 0;
+    else if (owned && rc == 0) owned[i] = 1;
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
 
+static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
+  return record_streams(ctx, ptrs, n, s, NULL, err);
+}
+
+static int hook_record_streams_owned(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *owned,
+                                     dp_error_t *err) {
+  return record_streams(ctx, ptrs, n, s, owned, err);
+}
+
 dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c) {
-  dp_cache_hooks_t h = {c, hook_record_stream, hook_record_streams};
+  dp_cache_hooks_t h = {c, hook_record_stream, hook_record_streams, hook_record_streams_owned};
   return h;
 }
 

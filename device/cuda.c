@@ -64,17 +64,78 @@ static void c_stream_destroy(dp_backend_t *b, void *h) {
   cudaStreamDestroy((cudaStream_t)h);
 }
 
-static void *c_stream_native(void *h) { return h; }
+/* The special handles 0 (the legacy default stream), cudaStreamLegacy and
+ * cudaStreamPerThread name a stream of whichever device is current when
+ * they are used. A wrapper of one (dp_stream_wrap) must keep meaning its
+ * own device's, so its handle is a small integer, never a stream's
+ * address (nothing is mapped below 4096), that encodes the device and the
+ * special handle: the calls below make that device current around each use. */
+#define SPECIAL_BASE ((uintptr_t)0x100)
+#define SPECIAL_KINDS 3u /* 0, cudaStreamLegacy (1), cudaStreamPerThread (2) */
+
+static int is_special_native(void *native) { return (uintptr_t)native < SPECIAL_KINDS; }
+
+/* -1 for an ordinary stream; else the device, with *native the special handle. */
+static int special_dev(void *h, cudaStream_t *native) {
+  uintptr_t v = (uintptr_t)h - SPECIAL_BASE;
+  if ((uintptr_t)h < SPECIAL_BASE || v >= (DP_DEVICE_INDEX_MAX + 1) * SPECIAL_KINDS) return -1;
+  *native = (cudaStream_t)(v % SPECIAL_KINDS);
+  return (int)(v / SPECIAL_KINDS);
+}
+
+/* e = call(stream), with h's device current when h is a special handle. */
+#define ON_STREAM(h, err, what, e, call)          \
+  do {                                            \
+    cudaStream_t stream = (cudaStream_t)(h);      \
+    int sdev_ = special_dev((h), &stream);        \
+    if (sdev_ < 0) {                              \
+      e = call;                                   \
+    } else {                                      \
+      WITH_DEVICE(sdev_, err, what, e = call);    \
+    }                                             \
+  } while (0)
+
+static int c_stream_wrap(dp_backend_t *b, int dev, void *native, void **h, dp_error_t *err) {
+  (void)b;
+  if (is_special_native(native)) {
+    *h = (void *)(SPECIAL_BASE + (uintptr_t)dev * SPECIAL_KINDS + (uintptr_t)native);
+    return 0;
+  }
+#if CUDART_VERSION >= 12080
+  /* A stream knows its device: a wrapper on another one would record
+   * events that cannot be. */
+  int on;
+  cudaError_t e = cudaStreamGetDevice((cudaStream_t)native, &on);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  /* a bad handle is the caller's error, not the next call's */
+    return cuda_err(err, e, "dp_stream_wrap: cudaStreamGetDevice");
+  }
+  if (on != dev) return dp__err(err, DP_EINVAL, "dp_stream_wrap: %p is a stream of cuda:%d, not cuda:%d", native, on, dev);
+#else
+  (void)dev;
+  (void)err;
+#endif
+  *h = native;
+  return 0;
+}
+
+static void *c_stream_native(void *h) {
+  cudaStream_t native = (cudaStream_t)h;
+  special_dev(h, &native);
+  return (void *)native;
+}
 
 static int c_stream_sync(dp_backend_t *b, void *h, dp_error_t *err) {
   (void)b;
-  cudaError_t e = cudaStreamSynchronize((cudaStream_t)h);
+  cudaError_t e;
+  ON_STREAM(h, err, "cudaStreamSynchronize", e, cudaStreamSynchronize(stream));
   return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaStreamSynchronize");
 }
 
 static int c_stream_query(dp_backend_t *b, void *h, dp_error_t *err) {
   (void)b;
-  cudaError_t e = cudaStreamQuery((cudaStream_t)h);
+  cudaError_t e;
+  ON_STREAM(h, err, "cudaStreamQuery", e, cudaStreamQuery(stream));
   if (e == cudaSuccess) return 1;
   if (e == cudaErrorNotReady) return 0;
   return cuda_err(err, e, "cudaStreamQuery");
@@ -82,7 +143,8 @@ static int c_stream_query(dp_backend_t *b, void *h, dp_error_t *err) {
 
 static int c_stream_wait(dp_backend_t *b, void *sh, void *eh, dp_error_t *err) {
   (void)b;
-  cudaError_t e = cudaStreamWaitEvent((cudaStream_t)sh, (cudaEvent_t)eh, 0);
+  cudaError_t e;
+  ON_STREAM(sh, err, "cudaStreamWaitEvent", e, cudaStreamWaitEvent(stream, (cudaEvent_t)eh, 0));
   return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaStreamWaitEvent");
 }
 
@@ -103,7 +165,8 @@ static void c_event_destroy(dp_backend_t *b, void *h) {
 
 static int c_event_record(dp_backend_t *b, void *eh, void *sh, dp_error_t *err) {
   (void)b;
-  cudaError_t e = cudaEventRecord((cudaEvent_t)eh, (cudaStream_t)sh);
+  cudaError_t e;
+  ON_STREAM(sh, err, "cudaEventRecord", e, cudaEventRecord((cudaEvent_t)eh, stream));
   return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaEventRecord");
 }
 
@@ -161,12 +224,13 @@ static int c_pointer_device(dp_backend_t *b, const void *p, int *dev) {
 
 static int c_memcpy_async(dp_backend_t *b, void *sh, void *dst, const void *src, size_t n, dp_error_t *err) {
   (void)b;
-  cudaError_t e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, (cudaStream_t)sh);
+  cudaError_t e;
+  ON_STREAM(sh, err, "cudaMemcpyAsync", e, cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream));
   return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaMemcpyAsync");
 }
 
 const dp__backend_ops_t dp__cuda_ops = {
-    c_init,        c_shutdown,     c_stream_create, c_stream_destroy, c_stream_native,
+    c_init,        c_shutdown,     c_stream_create, c_stream_destroy, c_stream_wrap,   c_stream_native,
     c_stream_sync, c_stream_query, c_stream_wait,   c_event_create,   c_event_destroy,
     NULL,          c_event_record, c_event_query,   c_event_sync,     c_device_sync,
     c_malloc,      c_free,         c_pointer_device, c_memcpy_async,
@@ -180,5 +244,5 @@ static int c_init(dp_backend_t *b, dp_error_t *err) {
 }
 
 const dp__backend_ops_t dp__cuda_ops = {c_init, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                                        NULL,   NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                                        NULL,   NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 #endif

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "../core/table.h"
 
 /* Process-wide (ARCHITECTURE.md, "Process-wide state"): one backend per
  * device type, as the CUDA runtime is one per process. */
@@ -111,6 +112,160 @@ static void free_stream_handle(dp_stream_t *s) {
   dp__free(s, sizeof *s);
 }
 
+static inline int stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
+
+/* ---- wrappers of native streams (dp_stream_wrap) ----
+ * Not core/table.h: that table is rebuilt in place and read under its
+ * owner's lock, while a wrap lookup (every completion of a future made
+ * with a framework's current stream) must not take one. */
+
+/* 0 marks an empty slot; a native of UINTPTR_MAX is refused before. */
+static inline uintptr_t wrap_key(const void *native) { return (uintptr_t)native + 1; }
+
+/* The slot holding key in t, or the empty slot where probing stopped
+ * (tables are at most half full). */
+static inline dp__wrap_slot_t *wrap_probe(dp__wrap_table_t *t, uintptr_t key, int *found) {
+  size_t mask = t->nslots - 1;
+  for (size_t j = dp__hash_ptr((const void *)key) & mask;; j = (j + 1) & mask) {
+    uintptr_t k = dp__load_acquire(&t->slots[j].key);
+    if (k == key || k == 0) {
+      *found = k == key;
+      return &t->slots[j];
+    }
+  }
+}
+
+/* The wrapper of key, without a lock; NULL when there is none (yet). */
+static inline dp_stream_t *wrap_find(dp__devstate_t *ds, uintptr_t key) {
+  dp__wrap_table_t *t = dp__load_acquire(&ds->wraps);
+  int found;
+  if (DP_UNLIKELY(!t)) return NULL;
+  dp__wrap_slot_t *sl = wrap_probe(t, key, &found);
+  return found ? dp__load_acquire(&sl->s) : NULL;
+}
+
+/* Publishes a table with room for one more key, holding the live entries
+ * of the current one (slots of natives gone away are dropped). Under mu. */
+static int wrap_grow(dp__devstate_t *ds) {
+  dp__wrap_table_t *old = dp__load_relaxed(&ds->wraps);
+  size_t live = 0, n = 16;
+  if (old)
+    for (size_t j = 0; j < old->nslots; j++) live += dp__load_relaxed(&old->slots[j].s) != NULL;
+  while ((live + 1) * 2 > n) n *= 2;
+  dp__wrap_table_t *t = dp__alloc(sizeof *t + n * sizeof t->slots[0]);
+  if (!t) return DP_ENOMEM;
+  memset(t, 0, sizeof *t + n * sizeof t->slots[0]);
+  t->nslots = n;
+  t->older = old;
+  if (old)
+    for (size_t j = 0; j < old->nslots; j++) {
+      dp_stream_t *s = dp__load_relaxed(&old->slots[j].s);
+      if (!s) continue;
+      int found;
+      uintptr_t key = dp__load_relaxed(&old->slots[j].key);
+      dp__wrap_slot_t *sl = wrap_probe(t, key, &found);
+      dp__store_relaxed(&sl->s, s);
+      dp__store_relaxed(&sl->key, key);
+      t->used++;
+    }
+  dp__store_release(&ds->wraps, t);  /* a reader that sees t sees its slots */
+  return 0;
+}
+
+/* The locked path of dp_stream_wrap: another thread may have made the
+ * wrapper meanwhile; otherwise the backend checks the handle and a new
+ * wrapper is published. */
+static int wrap_insert(dp_backend_t *b, dp_device_t dev, void *native, dp_stream_t **out, dp_error_t *err) {
+  dp__devstate_t *ds = &b->devs[dev.index];
+  uintptr_t key = wrap_key(native);
+  dp_stream_t *s = NULL;
+  int rc = 0, found = 0;
+  pthread_mutex_lock(&ds->mu);
+  dp__wrap_table_t *t = dp__load_relaxed(&ds->wraps);
+  dp__wrap_slot_t *sl = t ? wrap_probe(t, key, &found) : NULL;
+  if (found && (s = dp__load_relaxed(&sl->s)) != NULL) goto out;
+  if (!found && (!t || (t->used + 1) * 2 > t->nslots)) {
+    if (wrap_grow(ds) != 0) {
+      rc = dp__err(err, DP_ENOMEM, "out of memory wrapping a native stream");
+      goto out;
+    }
+    t = dp__load_relaxed(&ds->wraps);
+    sl = wrap_probe(t, key, &found);
+  }
+  void *h;
+  if ((rc = b->ops->stream_wrap(b, dev.index, native, &h, err)) != 0) goto out;
+  if (!(s = dp__alloc(sizeof *s))) {
+    rc = dp__err(err, DP_ENOMEM, "out of memory wrapping a native stream");
+    goto out;
+  }
+  *s = (dp_stream_t){b, dev, h, DP__STREAM_WRAPPED, NULL};
+  dp__store_release(&sl->s, s);
+  if (!found) {  /* the stream before the key: a reader that finds the key finds the stream */
+    dp__store_release(&sl->key, key);
+    t->used++;
+  }
+out:
+  pthread_mutex_unlock(&ds->mu);
+  if (rc == 0) *out = s;
+  return rc;
+}
+
+int dp_stream_wrap(dp_backend_t *b, dp_device_t dev, void *native, dp_stream_t **out, dp_error_t *err) {
+  int rc = dp__check_device(b, dev, err);
+  if (rc) return rc;
+  if (!out) return dp__err(err, DP_EINVAL, "dp_stream_wrap: NULL out");
+  /* host streams have no native default stream: NULL names the device's
+   * default stream (device.h) */
+  if (!native && b->type == DP_DEVICE_HOST) return stream_default(b, dev, out, err);
+  uintptr_t key = wrap_key(native);
+  if (DP_UNLIKELY(key == 0)) return dp__err(err, DP_EINVAL, "dp_stream_wrap: %p is not a stream handle", native);
+  dp_stream_t *s = wrap_find(&b->devs[dev.index], key);
+  if (DP_LIKELY(s != NULL)) {
+    *out = s;
+    return 0;
+  }
+  return wrap_insert(b, dev, native, out, err);
+}
+
+/* s (the caller's) is being destroyed, and with it its native handle: the
+ * wrapper of that handle, if any, leaves the table for the retired list
+ * (a thread may still hold it; it is freed by dp_shutdown). Returns it, for
+ * the listeners to be told. */
+static dp_stream_t *wrap_forget(dp_stream_t *s) {
+  dp__devstate_t *ds = &s->b->devs[s->dev.index];
+  uintptr_t key = wrap_key(s->b->ops->stream_native(s->h));
+  dp_stream_t *w = NULL;
+  int found;
+  pthread_mutex_lock(&ds->mu);
+  dp__wrap_table_t *t = dp__load_relaxed(&ds->wraps);
+  dp__wrap_slot_t *sl = t ? wrap_probe(t, key, &found) : NULL;
+  if (sl && found && (w = dp__load_relaxed(&sl->s)) != NULL) {
+    dp__store_release(&sl->s, NULL);
+    w->next_retired = ds->retired;
+    ds->retired = w;
+  }
+  pthread_mutex_unlock(&ds->mu);
+  return w;
+}
+
+/* dp_shutdown's part: the wrappers (never their handles) and the tables. */
+static void wraps_free(dp__devstate_t *ds) {
+  dp__wrap_table_t *t = dp__load_relaxed(&ds->wraps);
+  if (t)
+    for (size_t j = 0; j < t->nslots; j++) dp__free(dp__load_relaxed(&t->slots[j].s), sizeof(dp_stream_t));
+  while (t) {
+    dp__wrap_table_t *older = t->older;
+    dp__free(t, sizeof *t + t->nslots * sizeof t->slots[0]);
+    t = older;
+  }
+  dp__store_relaxed(&ds->wraps, NULL);
+  while (ds->retired) {
+    dp_stream_t *w = ds->retired;
+    ds->retired = w->next_retired;
+    dp__free(w, sizeof *w);
+  }
+}
+
 void dp__stream_listen(dp__stream_listener_t *l) {
   pthread_mutex_lock(&listeners_mu);
   l->next = listeners;
@@ -153,6 +308,7 @@ void dp__device_shutdown(void) {
         b->ops->event_destroy(b, e->h);
         dp__free(e, sizeof *e);
       }
+      wraps_free(ds);
       for (int i = 0; i < DP_POOL_STREAMS; i++) free_stream_handle(dp__load_relaxed(&ds->pool[i]));
       free_stream_handle(dp__load_relaxed(&ds->default_stream));
       pthread_mutex_destroy(&ds->mu);
@@ -186,18 +342,23 @@ int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_
   int rc = dp__check_device(b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_stream_new: NULL out");
-  return stream_new(b, dev, 0, out, err);
+  return stream_new(b, dev, DP__STREAM_CALLER, out, err);
 }
 
 void dp_stream_free(dp_stream_t *s) {
-  if (!s || s->owned) return;
-  /* this thread's current-stream slots forget it (other threads' cannot be
+  if (!s || s->owned != DP__STREAM_CALLER) return;
+  /* A wrapper of s's native handle goes with it: nothing may keep using it. */
+  dp_stream_t *w = wrap_forget(s);
+  /* this thread's current-stream slots forget them (other threads' cannot be
    * reached: they reset theirs first, device.h) */
   for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
-    if (tls_current[i].s == s) tls_current[i] = (tls_slot_t){0, NULL};
+    if (tls_current[i].s == s || (w && tls_current[i].s == w)) tls_current[i] = (tls_slot_t){0, NULL};
   dp_stream_synchronize(s, NULL);
   pthread_mutex_lock(&listeners_mu);
-  for (dp__stream_listener_t *l = listeners; l; l = l->next) l->fn(l->ctx, s);
+  for (dp__stream_listener_t *l = listeners; l; l = l->next) {
+    l->fn(l->ctx, s);
+    if (w) l->fn(l->ctx, w);
+  }
   pthread_mutex_unlock(&listeners_mu);
   free_stream_handle(s);
 }
@@ -211,7 +372,7 @@ static int owned_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t *_Atomic *
   int rc = 0;
   pthread_mutex_lock(&ds->mu);
   dp_stream_t *s = dp__load_relaxed(slot);
-  if (!s && (rc = stream_new(b, dev, 1, &s, err)) == 0) dp__store_release(slot, s);
+  if (!s && (rc = stream_new(b, dev, DP__STREAM_BACKEND, &s, err)) == 0) dp__store_release(slot, s);
   pthread_mutex_unlock(&ds->mu);
   if (rc == 0) *out = s;
   return rc;

@@ -213,9 +213,28 @@ static void h_stream_destroy(dp_backend_t *b, void *h) {
   dp__free(s, sizeof *s);
 }
 
-static void *h_stream_native(void *h) {
-  (void)h;
-  return NULL;
+/* A host stream's native handle is its hstream_t: opaque to the caller,
+ * good for dp_stream_wrap and nothing else. */
+static void *h_stream_native(void *h) { return h; }
+
+/* Wrapping checks that native is a live stream of dev: the host backend
+ * knows all of its streams, and a wrapper is made only once per handle
+ * (dp_stream_free takes it out of the cache when the stream goes). */
+static int h_stream_wrap(dp_backend_t *b, int dev, void *native, void **h, dp_error_t *err) {
+  host_impl_t *im = b->impl;
+  int on = -1;
+  pthread_mutex_lock(&im->mu);
+  for (int d = 0; d < b->ndev && on < 0; d++)
+    for (hstream_t *s = im->streams[d]; s; s = s->next)
+      if (s == native) {
+        on = d;
+        break;
+      }
+  pthread_mutex_unlock(&im->mu);
+  if (on < 0) return dp__err(err, DP_EINVAL, "dp_stream_wrap: %p is not a live host stream", native);
+  if (on != dev) return dp__err(err, DP_EINVAL, "dp_stream_wrap: %p is a stream of host:%d, not host:%d", native, on, dev);
+  *h = native;
+  return 0;
 }
 
 static uint64_t enqueued_now(hstream_t *s) {
@@ -501,7 +520,7 @@ static void h_shutdown(dp_backend_t *b) {
 }
 
 const dp__backend_ops_t dp__host_ops = {
-    h_init,        h_shutdown,     h_stream_create, h_stream_destroy, h_stream_native,
+    h_init,        h_shutdown,     h_stream_create, h_stream_destroy, h_stream_wrap,   h_stream_native,
     h_stream_sync, h_stream_query, h_stream_wait,   h_event_create,   h_event_destroy,
     h_event_reset, h_event_record, h_event_query,   h_event_sync,     h_device_sync,
     h_malloc,      h_free,         h_pointer_device, h_memcpy_async,

@@ -16,6 +16,9 @@ typedef struct dp__backend_ops {
   void (*shutdown)(dp_backend_t *b);
   int (*stream_create)(dp_backend_t *b, int dev, void **h, dp_error_t *err);
   void (*stream_destroy)(dp_backend_t *b, void *h);        /* after its work completes */
+  /* The handle for a native stream the caller owns (dp_stream_wrap), after
+   * checking it where the backend can; stream_destroy is never called on it. */
+  int (*stream_wrap)(dp_backend_t *b, int dev, void *native, void **h, dp_error_t *err);
   void *(*stream_native)(void *h);
   int (*stream_sync)(dp_backend_t *b, void *h, dp_error_t *err);
   int (*stream_query)(dp_backend_t *b, void *h, dp_error_t *err);  /* 1 done, 0 pending, <0 error */
@@ -33,11 +36,19 @@ typedef struct dp__backend_ops {
   int (*memcpy_async)(dp_backend_t *b, void *sh, void *dst, const void *src, size_t n, dp_error_t *err);
 } dp__backend_ops_t;
 
+/* Who owns a dp_stream_t, and with it its handle. */
+enum {
+  DP__STREAM_CALLER = 0,  /* dp_stream_new: dp_stream_free destroys it */
+  DP__STREAM_BACKEND,     /* default and pool streams: destroyed by dp_shutdown */
+  DP__STREAM_WRAPPED,     /* dp_stream_wrap: the struct is the backend's, the handle the caller's */
+};
+
 struct dp_stream {
   dp_backend_t *b;
   dp_device_t dev;
   void *h;
-  int owned;              /* by the backend: default and pool streams */
+  int owned;              /* DP__STREAM_* */
+  dp_stream_t *next_retired;  /* wrapped: on the device's retired list once its native went away */
 };
 
 struct dp_event {
@@ -49,12 +60,32 @@ struct dp_event {
 
 #define DP_POOL_STREAMS 4
 
+/* The wrappers of native streams (dp_stream_wrap) of one device, by native
+ * handle: open addressing, read without a lock. A table is never changed
+ * except by filling an empty slot (stream, then key, released) or by
+ * emptying a slot's stream (its native went away: a reader then takes the
+ * locked path); growing publishes a copy and keeps the old table, for the
+ * readers still in it, until dp_shutdown. */
+typedef struct dp__wrap_slot {
+  _Atomic uintptr_t key;        /* native + 1; 0: empty */
+  dp_stream_t *_Atomic s;       /* NULL: its native was freed through dp_stream_free */
+} dp__wrap_slot_t;
+
+typedef struct dp__wrap_table {
+  size_t nslots;                /* a power of two */
+  size_t used;                  /* slots with a key */
+  struct dp__wrap_table *older; /* the tables it replaced */
+  dp__wrap_slot_t slots[];
+} dp__wrap_table_t;
+
 typedef struct dp__devstate {
-  pthread_mutex_t mu;     /* guards lazy creation and the event pool */
+  pthread_mutex_t mu;     /* guards lazy creation, the event pool, wrapper inserts */
   dp_stream_t *_Atomic default_stream;  /* made once, under mu; read without it */
   dp_stream_t *_Atomic pool[DP_POOL_STREAMS];
   _Atomic unsigned pool_next;
   dp_event_t *free_events;
+  dp__wrap_table_t *_Atomic wraps;  /* NULL until the first wrap; grown under mu */
+  dp_stream_t *retired;   /* wrappers whose native went away, freed by dp_shutdown */
 } dp__devstate_t;
 
 struct dp_backend {

@@ -700,3 +700,346 @@ Test(allocator, a_batch_record_skips_only_blocks_already_on_the_recording_stream
   dp_stream_free(u);
   dp_stream_free(s1);
 }
+
+/* ---- wrapped native streams (dp_stream_wrap) ---- */
+
+static dp_stream_t *wrap_of(dp_stream_t *owner) {
+  dp_stream_t *w;
+  OK(dp_stream_wrap(B, dp_stream_device(owner), dp_stream_native(owner), &w, T_ERR));
+  return w;
+}
+
+/* A framework's streams, wrapped: blocks are tied to the wrapper (one per
+ * native handle, so the framework's every call finds its blocks again), and
+ * a record on a wrapper holds a block for the work the framework queued on
+ * the native stream. */
+Test(allocator, wrapped_streams_get_stream_ordered_reuse_and_record_stream) {
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  dp_stream_t *ws = wrap_of(s), *wu = wrap_of(u);
+  unsigned char *p, *q;
+  OK(dp_cache_alloc(C, H0, 4096, ws, (void **)&p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_set_current_stream(wrap_of(s), NULL, T_ERR));  /* the same wrapper, made current */
+  OK(dp_cache_alloc(C, H0, 4096, NULL, (void **)&q, T_ERR));
+  cr_assert_eq(q, p, "freed on the wrapper, reused at once by the wrapper");
+  cr_assert_eq(stats(H0).cross_stream, 0, "the same handle is the same stream: no wait");
+  memset(q, 0xAA, 4096);
+  check_t chk = {q, 0xAA, 60, 0};
+  OK(dp_host_launch(u, slow_check, &chk, T_ERR));  /* the framework reads q on its stream */
+  OK(dp_cache_record_stream(C, q, wu, T_ERR));
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 1, "held for the wrapped stream's work");
+  unsigned char *r;
+  OK(dp_cache_alloc(C, H0, 4096, ws, (void **)&r, T_ERR));
+  cr_assert_neq(r, q, "not handed out while the native stream still reads it");
+  memset(r, 0x55, 4096);
+  OK(dp_stream_synchronize(u, T_ERR));
+  cr_assert(atomic_load(&chk.ok), "the reader saw its data");
+  cr_assert_eq(dp_cache_poll(C, NULL), 1);
+  OK(dp_cache_dealloc(C, r, T_ERR));
+  dp_reset_current_stream(B, H0);
+  dp_stream_free(s);
+  dp_stream_free(u);
+}
+
+Test(allocator, freeing_the_stream_behind_a_wrapper_unties_the_wrappers_blocks) {
+  dp_stream_t *s = stream(H0), *t = stream(H0);
+  dp_stream_t *ws = wrap_of(s);
+  void *p, *q, *held;
+  OK(dp_cache_alloc(C, H0, 4096, ws, &p, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, t, &held, T_ERR));
+  OK(dp_cache_record_stream(C, held, ws, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  uint64_t cross = stats(H0).cross_stream;
+  dp_stream_free(s);  /* the wrapper's blocks and uses go with the native stream */
+  OK(dp_cache_alloc(C, H0, 4096, t, &q, T_ERR));
+  cr_assert_eq(q, p);
+  cr_assert_eq(stats(H0).cross_stream, cross, "no wait on the retired wrapper");
+  OK(dp_cache_dealloc(C, held, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0, "no event on a stream that is gone");
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  dp_stream_free(t);
+}
+
+/* ---- a chain of allocators (dp_cache_hooks_chain_new) ---- */
+
+/* An allocator devpickle knows nothing of (a framework's): one arena, and
+ * a log of the records it was asked to make. batched: it also has the
+ * marking batch form. */
+typedef struct ext {
+  char arena[8192];
+  int fail;                  /* answer DP_ENOMEM for a pointer it owns */
+  int single_calls, batch_calls;
+  int nlog;
+  void *logged[64];
+  dp_stream_t *on[64];
+} ext_t;
+
+static int ext_owns(const ext_t *x, const void *p) {
+  return (const char *)p >= x->arena && (const char *)p < x->arena + sizeof x->arena;
+}
+
+static int ext_take(ext_t *x, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  if (x->fail) {
+    if (err) {
+      err->code = DP_ENOMEM;
+      snprintf(err->message, sizeof err->message, "ext: no room to record %p", ptr);
+    }
+    return DP_ENOMEM;
+  }
+  x->logged[x->nlog] = ptr;
+  x->on[x->nlog++] = s;
+  return 0;
+}
+
+static int ext_record(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  ext_t *x = ctx;
+  x->single_calls++;
+  if (!ext_owns(x, ptr)) {
+    if (err) snprintf(err->message, sizeof err->message, "ext: not mine");
+    return DP_ENOTFOUND;
+  }
+  return ext_take(x, ptr, s, err);
+}
+
+static int ext_record_owned(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *owned,
+                            dp_error_t *err) {
+  ext_t *x = ctx;
+  x->batch_calls++;
+  for (size_t i = 0; i < n; i++) {
+    if (!ext_owns(x, ptrs[i])) continue;
+    int rc = ext_take(x, ptrs[i], s, err);
+    if (rc) return rc;
+    owned[i] = 1;
+  }
+  return 0;
+}
+
+static dp_cache_hooks_t ext_hooks(ext_t *x, int batched) {
+  dp_cache_hooks_t h = {x, ext_record, NULL, batched ? ext_record_owned : NULL};
+  return h;
+}
+
+static dp_cache_hooks_chain_t *chain_of(const dp_cache_hooks_t *list, size_t n) {
+  dp_cache_hooks_chain_t *ch;
+  OK(dp_cache_hooks_chain_new(list, n, &ch, T_ERR));
+  return ch;
+}
+
+/* Hooks that count the calls made through them, then pass them on. */
+typedef struct counted {
+  dp_cache_hooks_t inner;
+  int single, batch, marking;
+} counted_t;
+
+static int counted_one(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  counted_t *k = ctx;
+  k->single++;
+  return k->inner.record_stream(k->inner.ctx, ptr, s, err);
+}
+static int counted_batch(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
+  counted_t *k = ctx;
+  k->batch++;
+  return k->inner.record_streams(k->inner.ctx, ptrs, n, s, err);
+}
+static int counted_marking(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *owned,
+                           dp_error_t *err) {
+  counted_t *k = ctx;
+  k->marking++;
+  return k->inner.record_streams_owned(k->inner.ctx, ptrs, n, s, owned, err);
+}
+static dp_cache_hooks_t counted_hooks(counted_t *k, dp_cache_hooks_t inner) {
+  k->inner = inner;
+  dp_cache_hooks_t h = {k, counted_one, inner.record_streams ? counted_batch : NULL,
+                        inner.record_streams_owned ? counted_marking : NULL};
+  return h;
+}
+
+/* Pointers of two caches and the external allocator, mixed, each recorded
+ * with its owner: a record held in a cache shows as a pending block after
+ * the free; the external allocator shows its log. */
+static void chain_records_each_pointer_with_its_owner(int batched) {
+  dp_cache_t *c2;
+  OK(dp_cache_new(B, &c2, T_ERR));
+  ext_t *x = calloc(1, sizeof *x);
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *a[3], *b[3];
+  for (int i = 0; i < 3; i++) {
+    OK(dp_cache_alloc(C, H0, 4096, s, &a[i], T_ERR));
+    OK(dp_cache_alloc(c2, H0, 4096, s, &b[i], T_ERR));
+  }
+  int nobody;
+  void *ptrs[10] = {a[0], x->arena, b[0], &nobody, (char *)a[1] + 8, b[1], x->arena + 100, a[2], b[2], x->arena + 4096};
+  counted_t k1 = {0}, k2 = {0};
+  dp_cache_hooks_t list[3] = {counted_hooks(&k1, dp_cache_hooks(C)), counted_hooks(&k2, dp_cache_hooks(c2)),
+                              ext_hooks(x, batched)};
+  dp_cache_hooks_chain_t *ch = chain_of(list, 3);
+  dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(ch);
+  OK(dp_cache_hooks_record(&h, ptrs, 10, u, T_ERR));
+  cr_assert(k1.marking == 1 && k1.single == 0 && k1.batch == 0, "the first cache: one marking batch call");
+  cr_assert(k2.marking == 1 && k2.single == 0 && k2.batch == 0, "the second: one, with what the first left");
+  cr_assert_eq(x->nlog, 3, "the external allocator got its three pointers, and only those");
+  cr_assert_eq(x->logged[0], x->arena);
+  cr_assert_eq(x->logged[1], x->arena + 100);
+  cr_assert_eq(x->logged[2], x->arena + 4096);
+  for (int i = 0; i < 3; i++) cr_assert_eq(x->on[i], u);
+  if (batched) {
+    cr_assert_eq(x->batch_calls, 1, "one call for the whole batch");
+    cr_assert_eq(x->single_calls, 0);
+  } else {
+    cr_assert_eq(x->single_calls, 4, "one call per pointer the caches left: its three and the stranger");
+  }
+  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  for (int i = 0; i < 3; i++) {
+    OK(dp_cache_dealloc(C, a[i], T_ERR));
+    OK(dp_cache_dealloc(c2, b[i], T_ERR));
+  }
+  dp_cache_stats_t st2;
+  OK(dp_cache_stats(c2, H0, &st2, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 3, "the first cache holds its blocks for u");
+  cr_assert_eq(st2.pending_blocks, 3, "and so does the second");
+  OK(dp_stream_synchronize(u, T_ERR));
+  dp_cache_hooks_chain_free(ch);
+  dp_cache_free(c2);
+  free(x);
+  dp_stream_free(s);
+  dp_stream_free(u);
+}
+
+Test(allocator, a_chain_records_each_pointer_with_the_allocator_that_owns_it) {
+  chain_records_each_pointer_with_its_owner(1);
+}
+
+Test(allocator, a_chain_asks_an_allocator_without_the_marking_batch_pointer_by_pointer) {
+  chain_records_each_pointer_with_its_owner(0);
+}
+
+Test(allocator, a_chains_single_record_goes_to_the_owner_and_reports_a_pointer_nobody_owns) {
+  ext_t *x = calloc(1, sizeof *x);
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  dp_cache_hooks_t list[2] = {ext_hooks(x, 0), dp_cache_hooks(C)};
+  dp_cache_hooks_chain_t *ch = chain_of(list, 2);
+  dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(ch);
+  OK(h.record_stream(h.ctx, (char *)p + 1, u, T_ERR));
+  cr_assert_eq(x->nlog, 0);
+  OK(h.record_stream(h.ctx, x->arena + 5, u, T_ERR));
+  cr_assert_eq(x->nlog, 1);
+  int nobody;
+  dp_error_t e;
+  char want[128];
+  cr_assert_eq(h.record_stream(h.ctx, &nobody, u, &e), DP_ENOTFOUND);
+  snprintf(want, sizeof want, "record_stream(%p): owned by none of the chain's 2 allocators", (void *)&nobody);
+  cr_assert_str_eq(e.message, want);
+  void *ptrs[1] = {&nobody};
+  OK(h.record_streams(h.ctx, ptrs, 1, u, T_ERR));  /* the batch skips it */
+  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 1, "the cache recorded its pointer");
+  OK(dp_stream_synchronize(u, T_ERR));
+  dp_cache_hooks_chain_free(ch);
+  free(x);
+  dp_stream_free(s);
+  dp_stream_free(u);
+}
+
+/* An allocator's error stops the record and comes back as it gave it. */
+Test(allocator, a_chain_passes_an_allocators_error_through_and_stops) {
+  for (int batched = 0; batched < 2; batched++) {
+    ext_t *x = calloc(1, sizeof *x), *y = calloc(1, sizeof *y);
+    x->fail = 1;
+    dp_stream_t *u = stream(H0);
+    dp_cache_hooks_t list[3] = {dp_cache_hooks(C), ext_hooks(x, batched), ext_hooks(y, batched)};
+    dp_cache_hooks_chain_t *ch = chain_of(list, 3);
+    dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(ch);
+    void *ptrs[3] = {y->arena, x->arena + 4, y->arena + 8};
+    dp_error_t e;
+    char want[128];
+    snprintf(want, sizeof want, "ext: no room to record %p", (void *)(x->arena + 4));
+    cr_assert_eq(h.record_streams(h.ctx, ptrs, 3, u, &e), DP_ENOMEM);
+    cr_assert_str_eq(e.message, want);
+    cr_assert_eq(y->nlog, 0, "nothing after the failing allocator was asked");
+    cr_assert_eq(h.record_stream(h.ctx, x->arena, u, &e), DP_ENOMEM);
+    cr_assert_eq(dp_cache_hooks_record(&h, ptrs, 3, u, &e), DP_ENOMEM);
+    x->fail = 0;
+    OK(dp_cache_hooks_record(&h, ptrs, 3, u, T_ERR));
+    cr_assert_eq(x->nlog, 1);
+    cr_assert_eq(y->nlog, 2);
+    dp_cache_hooks_chain_free(ch);
+    free(x);
+    free(y);
+    dp_stream_free(u);
+  }
+}
+
+/* More than one chunk of pointers, and a chain inside a chain: marks come
+ * back for the pointers of the inner chain, so the outer one passes only
+ * the rest on. */
+Test(allocator, chains_nest_and_take_long_batches_in_chunks) {
+  ext_t *x = calloc(1, sizeof *x), *y = calloc(1, sizeof *y);
+  dp_stream_t *u = stream(H0);
+  dp_cache_hooks_t inner_list[2] = {ext_hooks(x, 1), dp_cache_hooks(C)};
+  dp_cache_hooks_chain_t *inner = chain_of(inner_list, 2);
+  dp_cache_hooks_t outer_list[2] = {dp_cache_hooks_chain_hooks(inner), ext_hooks(y, 0)};
+  dp_cache_hooks_chain_t *outer = chain_of(outer_list, 2);
+  dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(outer);
+  enum { N = DP_CACHE_HOOKS_CHAIN_BATCH * 2 + 5 };
+  int nobody;
+  void *few[6] = {x->arena, y->arena, x->arena + 1, y->arena + 1, &nobody, x->arena + 2};
+  unsigned char owned[6] = {0};
+  OK(h.record_streams_owned(h.ctx, few, 6, u, owned, T_ERR));
+  unsigned char want[6] = {1, 1, 1, 1, 0, 1};
+  cr_assert_arr_eq(owned, want, 6, "every owned pointer is marked, the stranger is not");
+  cr_assert_eq(x->nlog, 3);
+  cr_assert_eq(y->nlog, 2);
+  cr_assert_eq(y->single_calls, 3, "y was offered only what the inner chain left: its two and the stranger");
+  /* a long batch, in chunks: each chunk one call to x */
+  void **many = malloc(N * sizeof *many);
+  for (int i = 0; i < N; i++) many[i] = i == N - 1 ? (void *)(y->arena + 9) : (void *)&nobody;  /* nobody's, but the last */
+  x->batch_calls = 0;
+  y->single_calls = 0;
+  OK(h.record_streams(h.ctx, many, N, u, T_ERR));
+  cr_assert_eq(x->batch_calls, 3, "%d pointers: three chunks of at most %d", (int)N, DP_CACHE_HOOKS_CHAIN_BATCH);
+  cr_assert_eq(y->single_calls, N, "the last allocator, without a batch form, is asked for each pointer left");
+  cr_assert_eq(y->nlog, 3);
+  cr_assert_eq(y->logged[2], y->arena + 9, "the last pointer of the last chunk reached its owner");
+  free(many);
+  dp_cache_hooks_chain_free(outer);
+  dp_cache_hooks_chain_free(inner);
+  free(x);
+  free(y);
+  dp_stream_free(u);
+}
+
+static int hook_batch_only(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx, (void)ptrs, (void)n, (void)s, (void)err;
+  return 0;
+}
+
+Test(allocator, a_chain_refuses_hooks_that_cannot_say_what_they_own) {
+  dp_cache_hooks_chain_t *ch = NULL;
+  dp_error_t e;
+  dp_cache_hooks_t list[2] = {dp_cache_hooks(C), {NULL, NULL, hook_batch_only, NULL}};
+  cr_assert_eq(dp_cache_hooks_chain_new(list, 2, &ch, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_hooks_chain_new: hooks 1 has neither record_stream nor record_streams_owned, "
+                              "so it cannot say which pointers are its allocator's");
+  cr_assert_eq(dp_cache_hooks_chain_new(list, 0, &ch, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_hooks_chain_new: an empty chain");
+  cr_assert_eq(dp_cache_hooks_chain_new(NULL, 1, &ch, &e), DP_EINVAL);
+  cr_assert_eq(dp_cache_hooks_chain_new(list, 1, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_hooks_chain_new: NULL argument");
+  cr_assert_null(ch);
+  t_fail_at = t_alloc_count + 1;
+  cr_assert_eq(dp_cache_hooks_chain_new(list, 1, &ch, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory creating a hooks chain");
+  t_fail_at = 0;
+  dp_cache_hooks_t none = dp_cache_hooks_chain_hooks(NULL);
+  int local;
+  void *ptrs[1] = {&local};
+  cr_assert_eq(none.record_stream(none.ctx, &local, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_stream: NULL hooks chain");
+  cr_assert_eq(dp_cache_hooks_record(&none, ptrs, 1, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_streams: NULL hooks chain");
+  dp_cache_hooks_chain_free(NULL);
+}

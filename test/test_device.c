@@ -620,3 +620,255 @@ Test(device, deallocating_memory_the_backend_did_not_hand_out_is_einval) {
   cr_assert_eq(dp_device_dealloc(b, H1, p, &e), DP_EINVAL, "twice is once too many");
   OK(dp_device_dealloc(b, H1, NULL, T_ERR));
 }
+
+/* ---- wrapped native streams (dp_stream_wrap) ---- */
+
+static dp_stream_t *wrapped(dp_backend_t *b, dp_device_t d, void *native) {
+  dp_stream_t *w;
+  OK(dp_stream_wrap(b, d, native, &w, T_ERR));
+  return w;
+}
+
+Test(device, wrapping_a_native_handle_twice_gives_the_same_backend_owned_stream) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  void *native = dp_stream_native(s);
+  cr_assert_not_null(native, "a host stream has a native handle to wrap");
+  dp_stream_t *w = wrapped(b, H0, native);
+  cr_assert_neq(w, s, "the wrapper is the backend's, not the caller's stream");
+  cr_assert_eq(dp_stream_native(w), native);
+  cr_assert(dp_device_equal(dp_stream_device(w), H0));
+  cr_assert_eq(dp_stream_backend(w), b);
+  long allocs = t_alloc_count;
+  for (int i = 0; i < 100; i++) cr_assert_eq(wrapped(b, H0, native), w, "the same handle wraps to the same stream");
+  cr_assert_eq(t_alloc_count, allocs, "a cached wrapper costs no allocation");
+  dp_stream_free(w);  /* the backend's: nothing happens, the native stream lives on */
+  cr_assert_eq(wrapped(b, H0, native), w);
+  OK(dp_stream_synchronize(w, T_ERR));
+  dp_stream_t *other;
+  OK(dp_stream_new(b, H0, &other, T_ERR));
+  cr_assert_neq(wrapped(b, H0, dp_stream_native(other)), w, "another handle, another wrapper");
+  dp_stream_t *pool = pooled(b, H0);
+  cr_assert_not_null(wrapped(b, H0, dp_stream_native(pool)), "the backend's own streams wrap too");
+  dp_stream_free(other);
+  dp_stream_free(s);
+}
+
+/* Work queued on the native stream (through the caller's handle) and work
+ * ordered through the wrapper are one stream: an event recorded on the
+ * wrapper covers what the owner queued before it. */
+static int wrapped_consumer_sees(int with_wait) {
+  dp_backend_t *b = host();
+  dp_stream_t *owner, *c;
+  OK(dp_stream_new(b, H0, &owner, T_ERR));
+  OK(dp_stream_new(b, H1, &c, T_ERR));
+  dp_stream_t *w = wrapped(b, H0, dp_stream_native(owner));
+  cell_t cell;
+  atomic_init(&cell.value, 0);
+  atomic_init(&cell.seen, -1);
+  OK(dp_host_launch(owner, slow_write, &cell, T_ERR));  /* the framework's work */
+  dp_event_t *ev;
+  OK(dp_event_new(b, H0, &ev, T_ERR));
+  OK(dp_event_record(ev, w, T_ERR));
+  cr_assert_eq(dp_event_query(ev, NULL), 0, "the event waits for the owner's work");
+  if (with_wait) OK(dp_stream_wait_event(c, ev, T_ERR));
+  OK(dp_host_launch(c, read_value, &cell, T_ERR));
+  OK(dp_stream_synchronize(c, T_ERR));
+  int seen = atomic_load(&cell.seen);
+  OK(dp_event_synchronize(ev, T_ERR));
+  cr_assert_eq(dp_stream_query(w, NULL), 1);
+  dp_event_free(ev);
+  dp_stream_free(owner);
+  dp_stream_free(c);
+  return seen;
+}
+
+Test(device, an_event_recorded_on_a_wrapped_stream_covers_the_owners_earlier_work) {
+  for (int i = 0; i < 3; i++) cr_assert_eq(wrapped_consumer_sees(1), 42, "the wait must order the read after the write");
+}
+
+Test(device, negative_control_without_a_wait_on_the_wrapped_streams_event_the_read_is_stale) {
+  cr_assert_eq(wrapped_consumer_sees(0), 0, "without the wait the read overtakes the owner's slow write");
+}
+
+Test(device, a_wrapped_stream_waits_and_is_waited_on_in_stream_order) {
+  dp_backend_t *b = host();
+  dp_stream_t *producer, *owner;
+  OK(dp_stream_new(b, H0, &producer, T_ERR));
+  OK(dp_stream_new(b, H1, &owner, T_ERR));
+  dp_stream_t *w = wrapped(b, H1, dp_stream_native(owner));
+  cell_t cell;
+  atomic_init(&cell.value, 0);
+  atomic_init(&cell.seen, -1);
+  OK(dp_host_launch(producer, slow_write, &cell, T_ERR));
+  OK(dp_stream_wait_stream(w, producer, T_ERR));  /* the wrapper waits ... */
+  OK(dp_host_launch(owner, read_value, &cell, T_ERR));  /* ... and so does the owner's later work */
+  OK(dp_stream_synchronize(owner, T_ERR));
+  cr_assert_eq(atomic_load(&cell.seen), 42);
+  cell_t copy;
+  atomic_init(&copy.value, 7);
+  int dst = 0;
+  OK(dp_memcpy_async(w, &dst, &copy.value, sizeof dst, T_ERR));
+  OK(dp_stream_synchronize(owner, T_ERR));
+  cr_assert_eq(dst, 7, "a copy through the wrapper runs on the owner's stream");
+  dp_stream_free(producer);
+  dp_stream_free(owner);
+}
+
+Test(device, a_null_native_handle_wraps_to_the_host_devices_default_stream) {
+  dp_backend_t *b = host();
+  cr_assert_eq(wrapped(b, H0, NULL), dflt(b, H0));
+  cr_assert_eq(wrapped(b, H1, NULL), dflt(b, H1));
+}
+
+Test(device, wrapping_what_is_not_a_live_stream_of_the_device_is_einval_with_the_reason) {
+  dp_backend_t *b = host();
+  dp_stream_t *s, *w = NULL;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  void *native = dp_stream_native(s);
+  dp_error_t e;
+  char want[128];
+  cr_assert_eq(dp_stream_wrap(b, H1, native, &w, &e), DP_EINVAL, "a stream of host:0 is not one of host:1");
+  snprintf(want, sizeof want, "dp_stream_wrap: %p is a stream of host:0, not host:1", native);
+  cr_assert_str_eq(e.message, want);
+  int local;
+  cr_assert_eq(dp_stream_wrap(b, H0, &local, &w, &e), DP_EINVAL);
+  snprintf(want, sizeof want, "dp_stream_wrap: %p is not a live host stream", (void *)&local);
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(dp_stream_wrap(b, H0, (void *)UINTPTR_MAX, &w, &e), DP_EINVAL);
+  cr_assert_eq(dp_stream_wrap(b, t_dev(DP_DEVICE_HOST, 9), native, &w, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "device host:9 does not belong to the host backend (2 devices)");
+  cr_assert_eq(dp_stream_wrap(b, t_dev(DP_DEVICE_CUDA, 0), native, &w, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "device cuda:0 does not belong to the host backend (2 devices)");
+  cr_assert_eq(dp_stream_wrap(b, H0, native, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_stream_wrap: NULL out");
+  cr_assert_eq(dp_stream_wrap(NULL, H0, native, &w, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "NULL backend");
+  cr_assert_null(w, "no failed call wrote *out");
+  cr_assert_eq(dp_stream_wrap(b, H1, native, &w, NULL), DP_EINVAL, "a refusal is not cached: it is refused again");
+  dp_stream_free(s);
+}
+
+/* The one native stream devpickle sees go away: a dp_stream_new stream's.
+ * Its wrapper goes with it — out of the cache, out of this thread's current
+ * streams — so a later wrap of that address is checked again. */
+Test(device, freeing_a_stream_retires_its_wrapper_and_the_handle_is_checked_again) {
+  dp_backend_t *b = host();
+  (void)dflt(b, H0);  /* made now, so that no stream is made at the freed address below */
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  void *native = dp_stream_native(s);
+  dp_stream_t *w = wrapped(b, H0, native);
+  OK(dp_set_current_stream(w, NULL, T_ERR));
+  cr_assert_eq(current(b, H0), w, "a wrapper can be this thread's current stream");
+  dp_stream_free(s);
+  cr_assert_eq(current(b, H0), dflt(b, H0), "the retired wrapper is no longer current");
+  dp_error_t e;
+  dp_stream_t *again;
+  cr_assert_eq(dp_stream_wrap(b, H0, native, &again, &e), DP_EINVAL, "the handle of a freed stream is not a stream");
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  dp_stream_t *w2 = wrapped(b, H0, dp_stream_native(s));
+  cr_assert_neq(w2, w, "a new stream gets a new wrapper, even at the old address");
+  dp_stream_free(s);
+}
+
+Test(device, a_wrapped_stream_serves_as_current_stream_and_through_the_provider) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  provided = wrapped(b, H0, dp_stream_native(s));
+  dp_set_stream_provider(provider, NULL);
+  cr_assert_eq(current(b, H0), provided, "the provider may hand out a wrapper");
+  dp_set_stream_provider(NULL, NULL);
+  dp_stream_t *prev;
+  OK(dp_set_current_stream(provided, &prev, T_ERR));
+  cr_assert_eq(current(b, H0), provided);
+  dp_stream_free(provided);  /* the backend's: still current */
+  cr_assert_eq(current(b, H0), provided);
+  dp_reset_current_stream(b, H0);
+  dp_stream_free(s);
+}
+
+Test(device, every_allocation_failure_while_wrapping_is_an_error_and_leaks_nothing) {
+  for (long n = 1;; n++) {
+    dp_backend_t *b = host();
+    dp_stream_t *s[20];
+    for (int i = 0; i < 20; i++) OK(dp_stream_new(b, H0, &s[i], T_ERR));
+    t_fail_at = t_alloc_count + n;
+    int rc = 0;
+    dp_error_t e;
+    for (int i = 0; i < 20 && rc == 0; i++) {  /* 20 handles: the table grows once */
+      dp_stream_t *w;
+      rc = dp_stream_wrap(b, H0, dp_stream_native(s[i]), &w, &e);
+      if (rc == 0) cr_assert_eq(wrapped(b, H0, dp_stream_native(s[i])), w);
+    }
+    t_fail_at = 0;
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM);
+      cr_assert_str_eq(e.message, "out of memory wrapping a native stream");
+    }
+    for (int i = 0; i < 20; i++) dp_stream_free(s[i]);
+    dp_shutdown();
+    ASSERT_NO_LEAK();
+    if (rc == 0) {
+      cr_assert_geq(n, 3, "failures were injected: the wrapper and the table, twice");
+      break;
+    }
+  }
+}
+
+/* Many threads wrap the same handles at once, while the table grows under
+ * them: every thread gets the one wrapper of each handle. (test/stress runs
+ * this under ThreadSanitizer.) */
+#define WRAP_THREADS 8
+#define WRAP_HANDLES 40
+typedef struct wrap_arg {
+  dp_backend_t *b;
+  void *natives[WRAP_HANDLES];
+  dp_stream_t *got[WRAP_HANDLES];
+  int start;
+  _Atomic int *go;
+} wrap_arg_t;
+
+static void *wrap_many(void *p) {
+  wrap_arg_t *a = p;
+  while (!atomic_load(a->go)) {
+  }
+  for (int round = 0; round < 50; round++)
+    for (int k = 0; k < WRAP_HANDLES; k++) {
+      int i = (a->start + k) % WRAP_HANDLES;
+      dp_stream_t *w;
+      if (dp_stream_wrap(a->b, H0, a->natives[i], &w, NULL) != 0) return "wrap failed";
+      if (round > 0 && w != a->got[i]) return "a handle wrapped to two streams";
+      a->got[i] = w;
+    }
+  return NULL;
+}
+
+Test(device, threads_wrapping_the_same_handles_at_once_all_get_one_wrapper_per_handle) {
+  dp_backend_t *b = host();
+  dp_stream_t *s[WRAP_HANDLES];
+  static wrap_arg_t args[WRAP_THREADS];
+  _Atomic int go = 0;
+  for (int i = 0; i < WRAP_HANDLES; i++) OK(dp_stream_new(b, H0, &s[i], T_ERR));
+  pthread_t th[WRAP_THREADS];
+  for (int t = 0; t < WRAP_THREADS; t++) {
+    args[t].b = b;
+    args[t].start = t * 5;
+    args[t].go = &go;
+    for (int i = 0; i < WRAP_HANDLES; i++) args[t].natives[i] = dp_stream_native(s[i]);
+    pthread_create(&th[t], NULL, wrap_many, &args[t]);
+  }
+  atomic_store(&go, 1);
+  for (int t = 0; t < WRAP_THREADS; t++) {
+    void *why;
+    pthread_join(th[t], &why);
+    cr_assert_null(why, "thread %d: %s", t, (const char *)why);
+  }
+  for (int i = 0; i < WRAP_HANDLES; i++) {
+    for (int t = 1; t < WRAP_THREADS; t++) cr_assert_eq(args[t].got[i], args[0].got[i], "handle %d", i);
+    cr_assert_eq(dp_stream_native(args[0].got[i]), dp_stream_native(s[i]));
+    dp_stream_free(s[i]);
+  }
+}

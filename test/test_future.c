@@ -1005,7 +1005,7 @@ Test(future, bad_arguments_are_refused_with_what_is_wrong_and_never_strand_a_wai
   dp_future_opts_t oc = {B, cpu_and_h0, 2, NULL, 0};
   OK(dp_future_new(&oc, &f, T_ERR));  /* cpu may be listed: it is always allowed */
   dp_future_release(f);
-  dp_cache_hooks_t none = {NULL, NULL, NULL};
+  dp_cache_hooks_t none = {NULL, NULL, NULL, NULL};
   dp_future_opts_t oh = {B, NULL, 0, &none, 0};
   cr_assert_eq(dp_future_new(&oh, &f, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_future_new: hooks with neither record_stream nor record_streams");
@@ -1022,4 +1022,90 @@ Test(future, bad_arguments_are_refused_with_what_is_wrong_and_never_strand_a_wai
   dp_future_release(f);
   dp_shutdown();
   ASSERT_NO_LEAK();
+}
+
+/* ---- memory of several allocators: a hooks chain ---- */
+
+/* A framework's allocator, as the hooks see it: one arena, a log of the
+ * records it was asked to make. */
+typedef struct ext {
+  int arena[256];
+  int nlog;
+  void *logged[8];
+  dp_stream_t *on[8];
+} ext_t;
+
+static int ext_record(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  ext_t *x = ctx;
+  (void)err;
+  if ((char *)ptr < (char *)x->arena || (char *)ptr >= (char *)(x->arena + 256)) return DP_ENOTFOUND;
+  if (x->nlog < 8) {
+    x->logged[x->nlog] = ptr;
+    x->on[x->nlog++] = s;
+  }
+  return 0;
+}
+
+static dp_value_t ints_at(void *p, int n) {
+  dp_storage_t *st;
+  OK(dp_storage_new(H0, p, (size_t)n * sizeof(int), NULL, NULL, &st, T_ERR));
+  int64_t shape[1] = {n};
+  dp_value_t t;
+  OK(dp_tensor_new(st, DP_INT32, 1, shape, NULL, 0, &t, T_ERR));
+  return t;
+}
+
+/* One value over memory of two caches and of an allocator devpickle does
+ * not know: completion and wait record each allocation with its owner. */
+Test(future, a_future_with_a_hooks_chain_records_each_allocation_with_its_owner) {
+  dp_cache_t *ca, *cb;
+  OK(dp_cache_new(B, &ca, T_ERR));
+  OK(dp_cache_new(B, &cb, T_ERR));
+  ext_t *x = calloc(1, sizeof *x);
+  dp_cache_hooks_t list[3] = {dp_cache_hooks(ca), dp_cache_hooks(cb), {x, ext_record, NULL, NULL}};
+  dp_cache_hooks_chain_t *ch;
+  OK(dp_cache_hooks_chain_new(list, 3, &ch, T_ERR));
+  dp_cache_hooks_t hooks = dp_cache_hooks_chain_hooks(ch);
+  dp_stream_t *prod, *cons;
+  OK(dp_stream_new(B, H0, &prod, T_ERR));
+  OK(dp_stream_new(B, H0, &cons, T_ERR));
+  void *pa, *pb;
+  OK(dp_cache_alloc(ca, H0, 1024, prod, &pa, T_ERR));
+  OK(dp_cache_alloc(cb, H0, 1024, prod, &pb, T_ERR));
+  dp_value_t l;
+  OK(dp_list_new(3, &l, T_ERR));
+  OK(dp_list_append(l, ints_at(pa, 256), T_ERR));
+  OK(dp_list_append(l, ints_at(x->arena, 256), T_ERR));
+  OK(dp_list_append(l, ints_at(pb, 256), T_ERR));
+  dp_future_t *f;
+  dp_future_opts_t o = {B, NULL, 0, &hooks, 0};
+  OK(dp_future_new(&o, &f, T_ERR));
+  OK(dp_set_current_stream(prod, NULL, T_ERR));
+  OK(dp_future_mark_completed(f, l, T_ERR));
+  cr_assert_eq(dp_future_nptrs(f), 3);
+  cr_assert_eq(x->nlog, 1, "completion recorded the external allocation on the producer's stream");
+  cr_assert_eq(x->logged[0], x->arena);
+  cr_assert_eq(x->on[0], prod);
+  OK(dp_set_current_stream(cons, NULL, T_ERR));
+  OK(dp_future_wait(f, -1, T_ERR));
+  cr_assert_eq(x->nlog, 2, "the wait recorded it on the consumer's");
+  cr_assert_eq(x->on[1], cons);
+  read_t r = {pa, 256, 40, -1, 0};
+  OK(dp_host_launch(cons, slow_read, &r, T_ERR));  /* the consumer still reads */
+  OK(dp_cache_dealloc(ca, pa, T_ERR));
+  OK(dp_cache_dealloc(cb, pb, T_ERR));
+  dp_cache_stats_t sa, sb;
+  OK(dp_cache_stats(ca, H0, &sa, T_ERR));
+  OK(dp_cache_stats(cb, H0, &sb, T_ERR));
+  cr_assert_eq(sa.pending_blocks, 1, "the first cache holds its block for the consumer");
+  cr_assert_eq(sb.pending_blocks, 1, "and so does the second");
+  OK(dp_stream_synchronize(cons, T_ERR));
+  dp_reset_current_stream(B, H0);
+  dp_future_release(f);
+  dp_cache_hooks_chain_free(ch);
+  dp_cache_free(ca);
+  dp_cache_free(cb);
+  dp_stream_free(prod);
+  dp_stream_free(cons);
+  free(x);
 }

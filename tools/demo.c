@@ -244,7 +244,7 @@ int demo_run(int argc, char **argv) {
     return 1;
   }
   inner = dp_cache_hooks(C);
-  dp_cache_hooks_t counting = {NULL, NULL, counting_record};
+  dp_cache_hooks_t counting = {NULL, NULL, counting_record, NULL};
   dp_future_opts_t fo = {B, &D, 1, &counting, 0};
 
   /* 1. the producer's slow work fills a user object's tensors */

@@ -45,7 +45,10 @@
 extern "C" {
 #endif
 
-/** How a consumer tells an allocator which streams use an allocation. */
+/** How a consumer tells an allocator which streams use an allocation. The
+ *  functions may be called from any thread, concurrently; ctx must outlive
+ *  every future (and chain) holding the hooks. A struct initialized with
+ *  fewer fields leaves the later ones NULL, as C does. */
 typedef struct dp_cache_hooks {
   void *ctx;
   /** The allocation holding ptr (any interior pointer) is used on s.
@@ -54,6 +57,15 @@ typedef struct dp_cache_hooks {
   /** The same for n pointers on one stream; pointers the allocator does not
    *  own are skipped. May be NULL: record_stream is then called n times. */
   int (*record_streams)(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err);
+  /** record_streams that also says which pointers are the allocator's: it
+   *  sets owned[i] to 1 for each such pointer and leaves the others' as
+   *  they were. May be NULL. A chain (dp_cache_hooks_chain_new) uses it to
+   *  hand the allocators after this one only the pointers it did not own,
+   *  in one call instead of one per pointer. Alone it is not enough for a
+   *  future or dp_cache_hooks_record, which call record_streams or
+   *  record_stream. */
+  int (*record_streams_owned)(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *owned,
+                              dp_error_t *err);
 } dp_cache_hooks_t;
 
 /** Calls hooks->record_streams, or record_stream for each pointer
@@ -61,6 +73,43 @@ typedef struct dp_cache_hooks {
  *  for NULL hooks, hooks with neither function, or NULL ptrs with n > 0. */
 DP_API int dp_cache_hooks_record(const dp_cache_hooks_t *hooks, void *const *ptrs, size_t n, dp_stream_t *s,
                                dp_error_t *err);
+
+/* ---- several allocators: each pointer recorded with the one that owns it ---- */
+
+/** Allocators chained in order, for a consumer whose values hold memory of
+ *  several (a framework's caching allocator beside devpickle's, say): the
+ *  chain's hooks offer each pointer to the allocators in list order until
+ *  one owns it, and record it there only.
+ *
+ *  - record_stream: the first allocator whose answer is not DP_ENOTFOUND
+ *    decides (0, or its error, with its err); DP_ENOTFOUND, naming the
+ *    pointer, when none owns it.
+ *  - record_streams (and record_streams_owned, so that chains nest): each
+ *    allocator gets one call with the pointers the ones before it did not
+ *    own — through its record_streams_owned when it has one, else one
+ *    record_stream per pointer; the last allocator gets the rest through
+ *    its record_streams when it has one (nothing after it needs to know).
+ *    Pointers no allocator owns are skipped. Batches of more than
+ *    DP_CACHE_HOOKS_CHAIN_BATCH pointers are taken that many at a time (the
+ *    scratch space is on the stack: a record allocates nothing). The first
+ *    error stops the batch and is returned as the allocator gave it;
+ *    records already made stay made.
+ *
+ *  Every hooks in list must say what it owns: record_stream or
+ *  record_streams_owned, else DP_EINVAL naming its index (as does n == 0,
+ *  a NULL list or out). The hooks are copied; their ctx are not owned and
+ *  must outlive the chain. The chain must outlive the futures and the
+ *  chains given its hooks. Its hooks may be called from any thread; they
+ *  take no lock of their own (the allocators lock what they need). */
+typedef struct dp_cache_hooks_chain dp_cache_hooks_chain_t;
+#define DP_CACHE_HOOKS_CHAIN_BATCH 512
+DP_API int dp_cache_hooks_chain_new(const dp_cache_hooks_t *list, size_t n, dp_cache_hooks_chain_t **out,
+                                    dp_error_t *err);
+/** Frees the chain (NULL: nothing). Not while its hooks may still be called. */
+DP_API void dp_cache_hooks_chain_free(dp_cache_hooks_chain_t *chain);
+/** The chain's hooks, to pass as dp_future_opts_t.hooks or into another
+ *  chain (for a NULL chain, hooks that report DP_EINVAL). */
+DP_API dp_cache_hooks_t dp_cache_hooks_chain_hooks(dp_cache_hooks_chain_t *chain);
 
 typedef struct dp_cache dp_cache_t;
 
@@ -115,7 +164,8 @@ DP_API int dp_cache_lookup(dp_cache_t *c, const void *p, void **base, size_t *si
  *  for a device of another backend. */
 DP_API int dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out, dp_error_t *err);
 /** The hooks through which a future records stream uses on this allocator
- *  (for a NULL allocator, hooks that report DP_EINVAL). */
+ *  (for a NULL allocator, hooks that report DP_EINVAL); all three functions
+ *  are set. */
 DP_API dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c);
 
 #ifdef __cplusplus

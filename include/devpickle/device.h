@@ -31,8 +31,9 @@
  *
  * Lifetime: backends are process-wide and live until dp_shutdown()
  * (devpickle.h), which stops them after the caches and futures above them.
- * Streams from dp_stream_default() and dp_stream_pool_next() belong to the
- * backend; streams from dp_stream_new() belong to the caller. Host work
+ * Streams from dp_stream_default(), dp_stream_pool_next() and
+ * dp_stream_wrap() belong to the backend; streams from dp_stream_new()
+ * belong to the caller. Host work
  * still queued when dp_shutdown() runs completes before it returns; if that
  * work calls dp_backend_get() it gets a new backend, which the next
  * dp_shutdown() stops.
@@ -76,7 +77,7 @@ DP_API dp_device_t dp_backend_device(const dp_backend_t *b, int index);
 /** A new stream on dev (the caller's; destroy it with dp_stream_free). */
 DP_API int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
 /** Waits for the stream's work, then destroys it. Streams the backend owns
- *  (default and pool streams) are left alone. The calling thread stops
+ *  (default, pool and wrapped streams) are left alone. The calling thread stops
  *  using s as its current stream (dp_set_current_stream); another thread
  *  that made s current must reset it (dp_reset_current_stream) first. */
 DP_API void dp_stream_free(dp_stream_t *s);
@@ -88,9 +89,52 @@ DP_API int dp_stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t **out
  *  the backend; errors as dp_stream_default. */
 DP_API int dp_stream_pool_next(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
 
+/** A stream over a native stream that the caller (a framework: PyTorch,
+ *  CuPy) owns: for `cuda`, a cudaStream_t of dev; for `host`, the
+ *  dp_stream_native() handle of a live host stream of dev. Work queued
+ *  through it, events recorded on it and waits made by it happen on the
+ *  native stream itself, in order with the framework's own work there; it
+ *  is a stream like any other for events, waits, dp_set_current_stream,
+ *  the stream provider and the caching allocator.
+ *
+ *  Cached: the backend keeps one wrapper per (device, native handle), so
+ *  wrapping the same handle again returns the same dp_stream_t, found
+ *  without a lock (made under the device's lock on the first call). The
+ *  wrapper belongs to the backend and lives until dp_shutdown:
+ *  dp_stream_free on it does nothing, and nothing in devpickle destroys or
+ *  synchronizes the native stream on its own.
+ *
+ *  The native stream must outlive every use of the wrapper, including
+ *  memory of a caching allocator allocated or recorded on it and futures
+ *  whose events are on it (PyTorch's pool streams are never destroyed).
+ *  The one exception is a native handle of a stream from dp_stream_new:
+ *  dp_stream_free of that stream retires its wrapper too (caches are told,
+ *  as for the stream itself), and a later wrap of a handle at that address
+ *  makes a new wrapper.
+ *
+ *  NULL native: the device's default stream. For `cuda` that is the
+ *  legacy default stream (cudaStream_t 0, PyTorch's current stream unless
+ *  one is set), of dev whatever device is current when the wrapper is used
+ *  — not dp_stream_default's stream, which is a non-blocking stream
+ *  devpickle made and does not order with it. cudaStreamLegacy and
+ *  cudaStreamPerThread are taken likewise, each as the stream it names on
+ *  dev (per-thread: of the thread that uses the wrapper). For `host`, which
+ *  has no native default stream, NULL returns dp_stream_default's stream.
+ *
+ *  Errors: DP_EINVAL for NULL b or out, a device of another backend, or a
+ *  native handle that is not a stream of dev — `host` checks against its
+ *  live streams; `cuda` asks cudaStreamGetDevice (CUDA 12.8 and later), whose
+ *  refusal comes through as DP_ECUDA (a destroyed or made-up handle is
+ *  undefined behaviour there, as in CUDA) — each the first time a handle
+ *  is wrapped; DP_ENOMEM. Thread-safe: any number of threads may wrap at
+ *  once, the same handle or others. */
+DP_API int dp_stream_wrap(dp_backend_t *b, dp_device_t dev, void *native, dp_stream_t **out, dp_error_t *err);
+
 DP_API dp_backend_t *dp_stream_backend(const dp_stream_t *s);
 DP_API dp_device_t dp_stream_device(const dp_stream_t *s);
-/** The native handle: a cudaStream_t for `cuda`, NULL for `host`. */
+/** The native handle: a cudaStream_t for `cuda` (for a wrapper, the
+ *  handle it was made from); for `host`, an opaque handle of the host
+ *  stream, meaningful only to dp_stream_wrap. */
 DP_API void *dp_stream_native(const dp_stream_t *s);
 
 /** Blocks until all work queued on s so far has completed. */

@@ -44,3 +44,13 @@ extern "C" int gpu_fill(void *stream, void *p, int n, unsigned char v) {
   k_fill<<<1, 256, 0, (cudaStream_t)stream>>>((unsigned char *)p, n, v);
   return (int)cudaGetLastError();
 }
+
+// A stream the way a framework makes one (PyTorch's pool streams are
+// non-blocking), for dp_stream_wrap.
+extern "C" void *gpu_stream_create(void) {
+  cudaStream_t s = NULL;
+  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return NULL;
+  return (void *)s;
+}
+
+extern "C" void gpu_stream_destroy(void *s) { cudaStreamDestroy((cudaStream_t)s); }

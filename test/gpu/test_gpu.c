@@ -4,6 +4,7 @@
  * that leaves the synchronization out and observes the race. Every test
  * skips, saying why, where no CUDA device is usable. */
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "devpickle.h"
@@ -11,6 +12,8 @@
 int gpu_spin_write(void *stream, int *p, int value, double ms);
 int gpu_spin_check(void *stream, const void *p, int n, unsigned char expect, double ms, int *ok);
 int gpu_fill(void *stream, void *p, int n, unsigned char v);
+void *gpu_stream_create(void);
+void gpu_stream_destroy(void *s);
 
 static dp_backend_t *B;
 #define G0 ((dp_device_t){DP_DEVICE_CUDA, 0})
@@ -299,4 +302,182 @@ Test(gpu, a_future_consumer_that_waits_sees_the_producers_kernel) {
 
 Test(gpu, negative_control_a_future_consumer_that_does_not_wait_reads_stale_data) {
   cr_assert_eq(gpu_future_consumer_reads(0), 0);
+}
+
+/* ---- native streams a framework owns (dp_stream_wrap) ---- */
+
+static dp_stream_t *wrap(void *native) {
+  dp_stream_t *w;
+  OK(dp_stream_wrap(B, G0, native, &w, NULL));
+  return w;
+}
+
+/* The framework writes 42 late on its own stream (the native handle); the
+ * event recorded through the wrapper is what a consumer waits on. */
+static int wrapped_consumer_sees(void *native, dp_stream_t *record_on, int with_wait) {
+  dp_stream_t *c;
+  OK(dp_stream_new(B, G0, &c, NULL));
+  int *dev;
+  OK(dp_device_alloc(B, G0, sizeof(int), (void **)&dev, NULL));
+  int zero = 0, out = -1;
+  OK(dp_memcpy_async(c, dev, &zero, sizeof zero, NULL));
+  OK(dp_stream_synchronize(c, NULL));
+  cr_assert_eq(gpu_spin_write(native, dev, 42, 20.0), 0);
+  dp_event_t *ev;
+  OK(dp_event_new(B, G0, &ev, NULL));
+  OK(dp_event_record(ev, record_on, NULL));
+  if (with_wait) OK(dp_stream_wait_event(c, ev, NULL));
+  OK(dp_memcpy_async(c, &out, dev, sizeof out, NULL));
+  OK(dp_stream_synchronize(c, NULL));
+  OK(dp_device_synchronize(B, G0, NULL));
+  dp_event_free(ev);
+  OK(dp_device_dealloc(B, G0, dev, NULL));
+  dp_stream_free(c);
+  return out;
+}
+
+Test(gpu, a_wrapped_cuda_stream_is_cached_and_orders_with_the_frameworks_own_kernels) {
+  void *native = gpu_stream_create();
+  cr_assert_not_null(native);
+  dp_stream_t *w = wrap(native);
+  cr_assert_eq(wrap(native), w, "the same handle wraps to the same stream");
+  cr_assert_eq(dp_stream_native(w), native);
+  dp_stream_free(w);  /* the backend's: the native stream lives on */
+  for (int i = 0; i < 3; i++) cr_assert_eq(wrapped_consumer_sees(native, w, 1), 42);
+  OK(dp_stream_synchronize(w, NULL));
+  cr_assert_eq(dp_stream_query(w, NULL), 1);
+  gpu_stream_destroy(native);
+}
+
+Test(gpu, negative_control_without_the_wait_on_the_wrapped_streams_event_the_copy_is_stale) {
+  void *native = gpu_stream_create();
+  cr_assert_eq(wrapped_consumer_sees(native, wrap(native), 0), 0);
+  gpu_stream_destroy(native);
+}
+
+/* cudaStream_t 0, PyTorch's current stream unless one is set: the legacy
+ * default stream, not devpickle's default stream (a non-blocking stream of
+ * its own, which does not order with it). */
+Test(gpu, a_null_handle_wraps_the_legacy_default_stream_of_the_device) {
+  dp_stream_t *w = wrap(NULL), *dflt;
+  OK(dp_stream_default(B, G0, &dflt, NULL));
+  cr_assert_neq(w, dflt);
+  cr_assert_null(dp_stream_native(w), "the handle it was made from");
+  cr_assert_eq(wrap(NULL), w);
+  for (int i = 0; i < 3; i++) cr_assert_eq(wrapped_consumer_sees(NULL, w, 1), 42);
+  dp_stream_t *legacy, *per_thread;
+  OK(dp_stream_wrap(B, G0, (void *)1, &legacy, NULL));     /* cudaStreamLegacy */
+  OK(dp_stream_wrap(B, G0, (void *)2, &per_thread, NULL)); /* cudaStreamPerThread */
+  cr_assert_eq(dp_stream_native(legacy), (void *)1);
+  cr_assert_eq(wrapped_consumer_sees(NULL, legacy, 1), 42, "cudaStreamLegacy is the same stream as 0");
+  OK(dp_stream_synchronize(per_thread, NULL));
+  cr_assert_eq(dp_stream_query(w, NULL), 1);
+}
+
+Test(gpu, negative_control_an_event_on_devpickles_own_default_stream_does_not_cover_the_legacy_stream) {
+  dp_stream_t *dflt;
+  OK(dp_stream_default(B, G0, &dflt, NULL));
+  cr_assert_eq(wrapped_consumer_sees(NULL, dflt, 1), 0, "dp_stream_default is not cudaStream_t 0");
+}
+
+Test(gpu, wrapping_a_stream_of_another_device_is_einval) {
+  if (dp_backend_device_count(B) < 2) cr_skip_test("one GPU: no other device to wrap a stream of");
+  dp_device_t g1 = {DP_DEVICE_CUDA, 1};
+  dp_stream_t *s1, *w = NULL;
+  OK(dp_stream_new(B, g1, &s1, NULL));
+  dp_error_t e;
+  char want[128];
+  cr_assert_eq(dp_stream_wrap(B, G0, dp_stream_native(s1), &w, &e), DP_EINVAL);
+  snprintf(want, sizeof want, "dp_stream_wrap: %p is a stream of cuda:1, not cuda:0", dp_stream_native(s1));
+  cr_assert_str_eq(e.message, want);
+  cr_assert_null(w);
+  dp_stream_t *w1;
+  OK(dp_stream_wrap(B, g1, NULL, &w1, NULL));  /* the legacy stream of cuda:1, whatever device is current */
+  int *dev;
+  OK(dp_device_alloc(B, g1, sizeof(int), (void **)&dev, NULL));
+  int v = 5, out = 0;
+  OK(dp_memcpy_async(w1, dev, &v, sizeof v, NULL));
+  OK(dp_memcpy_async(w1, &out, dev, sizeof out, NULL));
+  OK(dp_stream_synchronize(w1, NULL));
+  cr_assert_eq(out, 5);
+  OK(dp_device_dealloc(B, g1, dev, NULL));
+  dp_stream_free(s1);
+}
+
+/* The caching allocator on wrapped streams: blocks tied to the wrapper are
+ * reused on it at once; a record on a wrapped user stream holds the block
+ * while the framework's kernel there still reads it. */
+Test(gpu, the_caching_allocator_treats_a_wrapped_stream_as_a_stream) {
+  dp_cache_t *c;
+  OK(dp_cache_new(B, &c, NULL));
+  void *ns = gpu_stream_create(), *nu = gpu_stream_create();
+  dp_stream_t *s = wrap(ns), *u = wrap(nu);
+  int *ok;
+  OK(dp_device_alloc(B, G0, sizeof(int), (void **)&ok, NULL));
+  void *p, *q;
+  OK(dp_cache_alloc(c, G0, 4096, s, &p, NULL));
+  cr_assert_eq(gpu_fill(ns, p, 4096, 0xAA), 0);
+  OK(dp_cache_dealloc(c, p, NULL));
+  OK(dp_cache_alloc(c, G0, 4096, wrap(ns), &q, NULL));
+  cr_assert_eq(q, p, "freed on the wrapper, reused by it");
+  cr_assert_eq(gpu_fill(ns, q, 4096, 0xAA), 0);
+  OK(dp_stream_synchronize(s, NULL));
+  cr_assert_eq(gpu_spin_check(nu, q, 4096, 0xAA, 20.0, ok), 0);  /* the framework reads q late */
+  OK(dp_cache_record_stream(c, q, u, NULL));
+  OK(dp_cache_dealloc(c, q, NULL));
+  void *r;
+  OK(dp_cache_alloc(c, G0, 4096, s, &r, NULL));
+  cr_assert_neq(r, q, "in use on the wrapped user stream: not handed out");
+  cr_assert_eq(gpu_fill(ns, r, 4096, 0x55), 0);
+  OK(dp_device_synchronize(B, G0, NULL));
+  int host_ok = -1;
+  OK(dp_memcpy_async(s, &host_ok, ok, sizeof host_ok, NULL));
+  OK(dp_stream_synchronize(s, NULL));
+  cr_assert_eq(host_ok, 1, "the framework's kernel read its data");
+  dp_cache_stats_t st;
+  OK(dp_cache_stats(c, G0, &st, NULL));
+  cr_assert_eq(st.cross_stream, 0);
+  OK(dp_cache_dealloc(c, r, NULL));
+  OK(dp_device_dealloc(B, G0, ok, NULL));
+  dp_cache_free(c);
+  gpu_stream_destroy(ns);
+  gpu_stream_destroy(nu);
+}
+
+/* The Python Future's path: producer and consumer are a framework's
+ * streams, made current through their wrappers. */
+static int wrapped_future_consumer_reads(int wait) {
+  dp_cache_t *c;
+  OK(dp_cache_default(B, &c, NULL));
+  void *np = gpu_stream_create(), *nc = gpu_stream_create();
+  OK(dp_set_current_stream(wrap(np), NULL, NULL));
+  dp_value_t t = cuda_ints(c, 1);
+  int zero = 0, out = -1;
+  OK(dp_memcpy_async(wrap(np), tensor_base(t), &zero, sizeof zero, NULL));
+  OK(dp_stream_synchronize(wrap(np), NULL));
+  cr_assert_eq(gpu_spin_write(np, tensor_base(t), 7, 20.0), 0);  /* the framework's kernel */
+  dp_future_t *f;
+  dp_future_opts_t o = {B, NULL, 0, NULL, 0};
+  OK(dp_future_new(&o, &f, NULL));
+  OK(dp_future_mark_completed(f, dp_value_retain(t), NULL));
+  OK(dp_set_current_stream(wrap(nc), NULL, NULL));
+  if (wait) OK(dp_future_wait(f, -1, NULL));
+  OK(dp_memcpy_async(wrap(nc), &out, tensor_base(t), sizeof out, NULL));
+  OK(dp_stream_synchronize(wrap(nc), NULL));
+  OK(dp_device_synchronize(B, G0, NULL));
+  dp_reset_current_stream(B, G0);
+  dp_cache_dealloc(c, tensor_base(t), NULL);
+  dp_value_release(t);
+  dp_future_release(f);
+  gpu_stream_destroy(np);
+  gpu_stream_destroy(nc);
+  return out;
+}
+
+Test(gpu, a_future_between_wrapped_framework_streams_orders_the_consumer_after_the_kernel) {
+  cr_assert_eq(wrapped_future_consumer_reads(1), 7);
+}
+
+Test(gpu, negative_control_a_consumer_on_a_wrapped_stream_that_does_not_wait_reads_stale_data) {
+  cr_assert_eq(wrapped_future_consumer_reads(0), 0);
 }

@@ -264,6 +264,88 @@ static int scenario_streams(void) {
   return 0;
 }
 
+/* ---- wrapped native streams: 8 threads wrap the same handles at once ----
+ * while the wrapper table grows under them and another thread wraps and
+ * frees streams of its own (retiring their wrappers); through the wrappers
+ * they order a consumer after work queued on the native streams. */
+
+#define WRAP_THREADS 8
+#define WRAP_HANDLES 24
+static dp_stream_t *wrap_owners[WRAP_HANDLES];
+static dp_stream_t *_Atomic wrap_seen[WRAP_HANDLES];
+static _Atomic int wrap_go;
+
+static void *wrap_worker(void *p) {
+  worker_arg_t *a = p;
+  dp_device_t d0 = {DP_DEVICE_HOST, 0}, d1 = {DP_DEVICE_HOST, 1};
+  while (!atomic_load(&wrap_go)) sched_yield();
+  for (int round = 0; round < 20; round++)
+    for (int k = 0; k < WRAP_HANDLES; k++) {
+      int i = (a->id * 3 + k) % WRAP_HANDLES;
+      dp_stream_t *w = NULL, *expect = NULL;
+      if (dp_stream_wrap(a->b, d0, dp_stream_native(wrap_owners[i]), &w, NULL) != 0) {
+        a->bad++;
+        continue;
+      }
+      if (!atomic_compare_exchange_strong(&wrap_seen[i], &expect, w) && expect != w) a->bad++;
+      if (k % 8) continue;
+      slot_t *s = calloc(1, sizeof *s);
+      dp_stream_t *cons = pool(a->b, d1);
+      dp_event_t *ev;
+      dp_event_new(a->b, d0, &ev, NULL);
+      dp_host_launch(wrap_owners[i], produce, s, NULL);  /* the owner's work */
+      dp_event_record(ev, w, NULL);                        /* ordered through the wrapper */
+      dp_stream_wait_event(cons, ev, NULL);
+      dp_event_free(ev);
+      dp_host_launch(cons, consume, s, NULL);
+      dp_stream_synchronize(cons, NULL);
+      if (s->seen != 7) a->bad++;
+      dp_stream_synchronize(wrap_owners[i], NULL);
+      free(s);
+    }
+  return NULL;
+}
+
+static void *wrap_churn(void *p) {
+  worker_arg_t *a = p;
+  dp_device_t d1 = {DP_DEVICE_HOST, 1};
+  while (!atomic_load(&wrap_go)) sched_yield();
+  for (int i = 0; i < 40; i++) {
+    dp_stream_t *s, *w, *again;
+    if (dp_stream_new(a->b, d1, &s, NULL) != 0) {
+      a->bad++;
+      continue;
+    }
+    if (dp_stream_wrap(a->b, d1, dp_stream_native(s), &w, NULL) != 0 ||
+        dp_stream_wrap(a->b, d1, dp_stream_native(s), &again, NULL) != 0 || again != w)
+      a->bad++;
+    dp_stream_free(s);
+  }
+  return NULL;
+}
+
+static int scenario_wraps(void) {
+  dp_backend_t *b;
+  dp_device_t d0 = {DP_DEVICE_HOST, 0};
+  CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
+  for (int i = 0; i < WRAP_HANDLES; i++) {
+    CHECK(dp_stream_new(b, d0, &wrap_owners[i], NULL) == 0, "stream %d", i);
+    atomic_store(&wrap_seen[i], NULL);
+  }
+  atomic_store(&wrap_go, 0);
+  pthread_t th[WRAP_THREADS + 1];
+  worker_arg_t args[WRAP_THREADS + 1];
+  for (int i = 0; i <= WRAP_THREADS; i++) {
+    args[i] = (worker_arg_t){b, i, 0};
+    pthread_create(&th[i], NULL, i < WRAP_THREADS ? wrap_worker : wrap_churn, &args[i]);
+  }
+  atomic_store(&wrap_go, 1);
+  for (int i = 0; i <= WRAP_THREADS; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i <= WRAP_THREADS; i++) CHECK(args[i].bad == 0, "thread %d: %d bad wraps or stale reads", i, args[i].bad);
+  for (int i = 0; i < WRAP_HANDLES; i++) dp_stream_free(wrap_owners[i]);
+  return 0;
+}
+
 /* ---- the caching allocator under contention, with record_stream ---- */
 
 static dp_cache_t *cache;
@@ -506,6 +588,7 @@ int main(int argc, char **argv) {
   run("values: rings and lists let go by 4 threads at once, collected as they exit", scenario_rings);
   run("values: candidates handed between 4 threads, released to zero by the next", scenario_handoff);
   run("streams: producer/consumer pairs from 4 threads", scenario_streams);
+  run("streams: 8 threads wrap the same native streams while the table grows and wrappers retire", scenario_wraps);
   run("allocator: 4 threads, record_stream, polling", scenario_allocator);
   run("futures: 8 threads, 100k futures, random completion order, then chains, collect_all", scenario_futures);
   run("futures: pending chains and collect_all inputs dropped while others complete and wait", scenario_dropped_futures);

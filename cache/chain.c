@@ -1,0 +1,136 @@
+/* cache/chain.c — hooks over several allocators (dp_cache_hooks_chain_new):
+ * each pointer is recorded with the allocator that owns it.
+ *
+ * A batch runs down the chain once: every allocator is offered the
+ * pointers that the ones before it did not own, and what it owns is taken
+ * out before the next. Only a batched call that marks what it owned
+ * (record_streams_owned) lets a pointer pass on in one call; an allocator
+ * that has only record_stream answers pointer by pointer. */
+#include <string.h>
+
+#include "devpickle/cache.h"
+#include "../core/internal.h"
+
+#define BATCH DP_CACHE_HOOKS_CHAIN_BATCH
+
+struct dp_cache_hooks_chain {
+  size_t n;
+  dp_cache_hooks_t hooks[];
+};
+
+/* Offers ptr to h alone: *owned says whether h's allocator owns it. */
+static int offer_one(const dp_cache_hooks_t *h, void *ptr, dp_stream_t *s, int *owned, dp_error_t *err) {
+  if (h->record_stream) {
+    int rc = h->record_stream(h->ctx, ptr, s, err);
+    *owned = rc != DP_ENOTFOUND;
+    return rc == DP_ENOTFOUND ? 0 : rc;
+  }
+  unsigned char o = 0;
+  void *one[1] = {ptr};
+  int rc = h->record_streams_owned(h->ctx, one, 1, s, &o, err);
+  *owned = o;
+  return rc;
+}
+
+static int chain_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  const dp_cache_hooks_chain_t *c = ctx;
+  if (!c) return dp__err(err, DP_EINVAL, "record_stream: NULL hooks chain");
+  for (size_t i = 0; i < c->n; i++) {
+    int owned, rc = offer_one(&c->hooks[i], ptr, s, &owned, err);
+    if (rc || owned) return rc;
+  }
+  return dp__err(err, DP_ENOTFOUND, "record_stream(%p): owned by none of the chain's %zu allocators", ptr, c->n);
+}
+
+/* Up to BATCH pointers down the chain. marks: NULL, or where to mark the
+ * pointers some allocator owned (a chain inside a chain). */
+static int chain_chunk(const dp_cache_hooks_chain_t *c, void *const *ptrs, size_t m, dp_stream_t *s,
+                       unsigned char *marks, dp_error_t *err) {
+  void *rest[BATCH];
+  uint16_t at[BATCH];  /* rest[k] is ptrs[at[k]] */
+  unsigned char own[BATCH];
+  void *const *cur = ptrs;
+  size_t ncur = m;
+  for (size_t i = 0; i < c->n && ncur; i++) {
+    const dp_cache_hooks_t *h = &c->hooks[i];
+    int rc = 0;
+    if (i + 1 == c->n && !marks && h->record_streams)  /* the last: nobody asks what it owned */
+      return h->record_streams(h->ctx, cur, ncur, s, err);
+    memset(own, 0, ncur);
+    if (h->record_streams_owned) {
+      rc = h->record_streams_owned(h->ctx, cur, ncur, s, own, err);
+    } else {
+      for (size_t k = 0; k < ncur && rc == 0; k++) {
+        int o;
+        rc = offer_one(h, cur[k], s, &o, err);
+        own[k] = (unsigned char)o;
+      }
+    }
+    if (rc) return rc;
+    /* What is left moves to the front of rest (in place after the first
+     * round: k only ever runs ahead of keep). */
+    size_t keep = 0;
+    for (size_t k = 0; k < ncur; k++) {
+      uint16_t orig = cur == ptrs ? (uint16_t)k : at[k];
+      if (own[k]) {
+        if (marks) marks[orig] = 1;
+        continue;
+      }
+      rest[keep] = cur[k];
+      at[keep++] = orig;
+    }
+    cur = rest;
+    ncur = keep;
+  }
+  return 0;
+}
+
+static int chain_batch(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *marks, dp_error_t *err) {
+  const dp_cache_hooks_chain_t *c = ctx;
+  if (!c) return dp__err(err, DP_EINVAL, "record_streams: NULL hooks chain");
+  if (n && !ptrs) return dp__err(err, DP_EINVAL, "record_streams: NULL ptrs with n = %zu", n);
+  for (size_t done = 0; done < n; done += BATCH) {
+    size_t m = n - done < BATCH ? n - done : BATCH;
+    int rc = chain_chunk(c, ptrs + done, m, s, marks ? marks + done : NULL, err);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+static int chain_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
+  return chain_batch(ctx, ptrs, n, s, NULL, err);
+}
+
+static int chain_record_streams_owned(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *owned,
+                                      dp_error_t *err) {
+  if (n && !owned) return dp__err(err, DP_EINVAL, "record_streams_owned: NULL owned with n = %zu", n);
+  return chain_batch(ctx, ptrs, n, s, owned, err);
+}
+
+int dp_cache_hooks_chain_new(const dp_cache_hooks_t *list, size_t n, dp_cache_hooks_chain_t **out, dp_error_t *err) {
+  if (!list || !out) return dp__err(err, DP_EINVAL, "dp_cache_hooks_chain_new: NULL argument");
+  if (n == 0) return dp__err(err, DP_EINVAL, "dp_cache_hooks_chain_new: an empty chain");
+  for (size_t i = 0; i < n; i++)
+    if (!list[i].record_stream && !list[i].record_streams_owned)
+      return dp__err(err, DP_EINVAL,
+                     "dp_cache_hooks_chain_new: hooks %zu has neither record_stream nor record_streams_owned, "
+                     "so it cannot say which pointers are its allocator's", i);
+  size_t bytes;
+  if (dp__mul_ovf(n, sizeof(dp_cache_hooks_t), &bytes) || dp__add_ovf(bytes, sizeof(dp_cache_hooks_chain_t), &bytes))
+    return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: %zu hooks", n);
+  dp_cache_hooks_chain_t *c = dp__alloc(bytes);
+  if (!c) return dp__err(err, DP_ENOMEM, "out of memory creating a hooks chain");
+  c->n = n;
+  memcpy(c->hooks, list, n * sizeof *list);
+  *out = c;
+  return 0;
+}
+
+void dp_cache_hooks_chain_free(dp_cache_hooks_chain_t *c) {
+  if (c) dp__free(c, sizeof *c + c->n * sizeof c->hooks[0]);
+}
+
+dp_cache_hooks_t dp_cache_hooks_chain_hooks(dp_cache_hooks_chain_t *c) {
+  dp_cache_hooks_t h = {c, chain_record_stream, chain_record_streams, chain_record_streams_owned};
+  return h;
+}
