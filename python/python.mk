@@ -31,17 +31,25 @@ test-python: python ## Run the Python suite (pytest) against the built package
 	PYTHONPATH=$(abspath $(PY_BUILD)) DEVPICKLE=$(abspath $(BUILD)/devpickle) \
 	  $(PYTHON) -m pytest -q -p no:cacheprovider python/tests
 
-# Debian's interpreter and the packages the binding and its tests need.
+# Debian's interpreter and the packages the binding (Python.h; libtorch-dev
+# for the optional torch adapter) and its tests need.
 PY_DEB := python3-dev python3-pytest python3-numpy python3-torch libtorch-dev python3-pip python3-venv
 deps-python:
-	@$(PYTHON) -c 'import pytest, numpy, torch, pip, venv, sysconfig, os; \
-	  assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null && \
-	  { test -f /usr/include/torch/csrc/autograd/python_variable.h || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
-	    apt-get install -y -q libtorch-dev >/dev/null; exit 0; } ; \
+	@$(PYTHON) -c 'import sysconfig, os; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null && \
+	  { [ "$(PYTHON)" != /usr/bin/python3 ] || /usr/bin/python3 -c 'import pytest, numpy, torch, pip, venv' 2>/dev/null && \
+	    test -f /usr/include/torch/csrc/autograd/python_variable.h; } && exit 0; \
 	echo "devpickle: installing $(PY_DEB)"; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
 	  echo "devpickle: cannot install packages here; run: sudo apt-get install -y $(PY_DEB)" >&2; exit 1; fi; \
 	(apt-get install -y -q $(PY_DEB) || (apt-get update -q && apt-get install -y -q $(PY_DEB))) >/dev/null || \
 	  { echo "devpickle: apt-get failed; run: apt-get update && apt-get install -y $(PY_DEB)" >&2; exit 1; }
 
-.PHONY: python test-python deps-python
+# pip install ./python, offline, into a fresh virtual environment that sees
+# Debian's packages; then the installed package works outside the tree.
+check-pip: deps-python ## Check that `pip install ./python` works offline (a venv under build/)
+	@rm -rf $(BUILD)/venv && /usr/bin/python3 -m venv --system-site-packages $(BUILD)/venv
+	$(BUILD)/venv/bin/pip install -q --no-index ./python
+	cd / && $(abspath $(BUILD))/venv/bin/python -c 'import devpickle, torch; \
+	  r = devpickle.scan({"t": torch.ones(2)}); assert r[0].path == "$$.t", r; print("check-pip: installed", devpickle.__file__)'
+
+.PHONY: python test-python deps-python check-pip

@@ -18,6 +18,7 @@ PyObject *dpy_raise(int rc, const dp_error_t *e) {
     PyErr_SetString(dpy.walk_error, msg);
     return NULL;
   case DP_EINVAL:
+  case DP_EDEVICE:
     PyErr_SetString(PyExc_ValueError, msg);
     return NULL;
   case DP_ETIMEDOUT:
@@ -37,6 +38,15 @@ PyObject *dpy_raise(int rc, const dp_error_t *e) {
 static PyObject *sys_module(const char *name) {
   PyObject *mods = PyImport_GetModuleDict();
   return mods ? PyDict_GetItemString(mods, name) : NULL; /* borrowed */
+}
+
+/* Current streams are torch's: asked of the adapter (c10's thread-local
+ * current stream; no GIL needed) and wrapped, once per handle. */
+static dp_stream_t *torch_current(void *ud, dp_backend_t *b, dp_device_t dev) {
+  (void)ud;
+  if (dev.type != DP_DEVICE_CUDA || !dpy.torch) return NULL;
+  dp_stream_t *s;
+  return dp_stream_wrap(b, dev, dpy.torch->current_stream(dev.index), &s, NULL) ? NULL : s;
 }
 
 static void resolve_torch(PyObject *torch) {
@@ -73,6 +83,7 @@ static void resolve_torch(PyObject *torch) {
   Py_XDECREF(cap);
   PyErr_Clear();
   if (api && api->version == DP_TORCH_API_VERSION) dpy.torch = api;
+  if (dpy.torch && dpy.torch->has_cuda) dp_set_stream_provider(torch_current, NULL);
 }
 
 int dpy_resolve_frameworks(void) {

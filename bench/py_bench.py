@@ -1,0 +1,137 @@
+"""Python binding benchmarks: devpickle against PyTorch on the same objects,
+in the same process. Appends rows to build/bench.json (ratio = devpickle's
+time / PyTorch's: below 1 is faster).
+
+    PYTHONPATH=build/python python3 bench/py_bench.py build/bench.json [--quick]
+
+Rows:
+  py_scan_*                   devpickle.scan(obj, paths=False) vs
+                              torch._jit_internal._extract_tensors(obj)
+  py_future_set_result_*      devpickle.Future().set_result(obj) vs
+                              torch.futures.Future(devices=["cuda:0"]).set_result(obj)
+                              (on a machine without CUDA: vs _extract_tensors +
+                              torch.futures.Future().set_result, the work torch's
+                              CUDA future does at set_result less its events)
+  py_then_hop                 one link of a 1,000-link then() chain, completed
+                              by set_result, vs torch.futures.Future
+Each figure is the median of repeated runs (each run timed over enough calls).
+"""
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch._jit_internal import _extract_tensors
+
+import devpickle
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda:0" if CUDA else "cpu"
+BACKEND = "cuda" if CUDA else "cpu"
+
+
+class User:
+    def __init__(self, t):
+        self.t = t
+
+
+@dataclasses.dataclass
+class Rec:
+    t: object
+    step: int = 0
+
+
+def median_time(fn, min_time=0.05, repeats=7):
+    fn()
+    n = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = time.perf_counter() - t0
+        if dt >= min_time / repeats or n >= 1 << 20:
+            break
+        n *= 2
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter() - t0) / n)
+    return statistics.median(runs)
+
+
+def values(quick):
+    ts = [torch.ones(4, device=DEV) for _ in range(1000)]
+    big = torch.ones(256, device=DEV)
+    tree_leaves = 100_000 if quick else 1_000_000
+    tensors_in_tree = 10_000
+
+    def tree():
+        # lists of 10 down to leaves: ints, every 100th a tensor view
+        leaves = [big[i % 256:] if i % (tree_leaves // tensors_in_tree) == 0 else i for i in range(tree_leaves)]
+        level = leaves
+        while len(level) > 1:
+            level = [level[i:i + 10] for i in range(0, len(level), 10)]
+        return level[0]
+
+    return {
+        "list_1000": ts,
+        "nested_1000": [(t, [t[:2]]) for t in ts],
+        "objects_1000": [User(t) for t in ts],
+        "dataclass_1000": [Rec(t, i) for i, t in enumerate(ts)],
+        "big_bytes": {"t": ts[0], "blob": b"x" * (100 << 20)},
+        ("tree_1m" if not quick else "tree_100k"): tree(),
+    }
+
+
+def row(out, name, value_s, base_s, vs):
+    r = {"name": name, "backend": BACKEND, "value": round(value_s * 1e6, 3), "unit": "us",
+         "ratio": round(value_s / base_s, 4), "ratio_vs": vs}
+    out.write(json.dumps(r) + "\n")
+    print(f"{name:34s} {BACKEND:5s} {value_s * 1e6:12.2f} us   ratio {value_s / base_s:8.4f} vs {vs}")
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else "build/bench.json"
+    quick = "--quick" in sys.argv
+    vals = values(quick)
+    adapter = devpickle._devpickle._torch_adapter()
+    print(f"devpickle reads torch tensors through: {adapter}; torch {torch.__version__}, device {DEV}")
+    with open(path, "a") as out:
+        for name, v in vals.items():
+            ours = median_time(lambda: devpickle.scan(v, paths=False))
+            theirs = median_time(lambda: _extract_tensors(v))
+            row(out, f"py_scan_{name}", ours, theirs, "torch._jit_internal._extract_tensors")
+        for name in ("list_1000", "objects_1000", "dataclass_1000", "big_bytes", "nested_1000"):
+            v = vals[name]
+            ours = median_time(lambda: devpickle.Future().set_result(v))
+            if CUDA:
+                def theirs_fn():
+                    torch.futures.Future(devices=[DEV]).set_result(v)
+                vs = 'torch.futures.Future(devices=["cuda:0"]).set_result'
+            else:
+                def theirs_fn():
+                    _extract_tensors(v)
+                    torch.futures.Future().set_result(v)
+                vs = "_extract_tensors + torch.futures.Future().set_result (no CUDA here)"
+            row(out, f"py_future_set_result_{name}", ours, median_time(theirs_fn), vs)
+
+        def chain(fut_cls, devices):
+            f = fut_cls(devices=devices) if devices is not None else fut_cls()
+            tail = f
+            for _ in range(1000):
+                tail = tail.then(lambda fut: fut.value())
+            f.set_result(1)
+            tail.wait()
+
+        ours = median_time(lambda: chain(devpickle.Future, None), min_time=0.5) / 1000
+        theirs = median_time(lambda: chain(torch.futures.Future, [DEV] if CUDA else None), min_time=0.5) / 1000
+        row(out, "py_then_hop", ours, theirs, "torch.futures.Future then() hop" + (" (devices=[cuda:0])" if CUDA else ""))
+
+
+if __name__ == "__main__":
+    main()
