@@ -1,0 +1,64 @@
+/*
+ * torch_api.h — what the devpickle extension asks of PyTorch, as a table of
+ * C functions. The optional C++ adapter (torch_adapter.cpp, module
+ * devpickle._torch, compiled against the installed libtorch) fills it and
+ * publishes it as the capsule "devpickle._torch._api"; without the adapter the
+ * extension answers the same questions through torch's Python API (slower).
+ *
+ * Every function is called with the GIL held unless it says otherwise, and
+ * never raises a Python exception unless its return value says so.
+ */
+#ifndef DEVPICKLE_PY_TORCH_API_H
+#define DEVPICKLE_PY_TORCH_API_H
+
+#include <Python.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DP_TORCH_API_VERSION 1
+#define DP_TORCH_API_CAPSULE "devpickle._torch._api"
+
+/* One allocation a tensor holds. device_type uses devpickle's numbering
+ * (DP_DEVICE_CPU 0, DP_DEVICE_CUDA 1; see devpickle/base.h). */
+typedef struct dp_torch_alloc {
+  int device_type;
+  int device_index;   /* 0 for cpu */
+  void *base;         /* the storage's data pointer (NULL for an empty storage) */
+  size_t nbytes;      /* the storage's size in bytes */
+} dp_torch_alloc_t;
+
+#define DP_TORCH_MAX_ALLOCS 4
+
+typedef struct dp_torch_api {
+  int version;              /* DP_TORCH_API_VERSION */
+  int has_cuda;             /* 1 when built against torch with CUDA */
+  /* o's allocations when o is a torch.Tensor (any subclass): a dense tensor
+   * gives its storage (views of one storage give the same base); a sparse
+   * COO tensor its indices' and values' storages; sparse CSR/CSC/BSR/BSC its
+   * index and values storages. Returns the count (1..DP_TORCH_MAX_ALLOCS),
+   * 0 when o is not a torch tensor, -1 with a Python exception set when o is
+   * a tensor whose memory cannot be described (a meta tensor, say). */
+  int (*tensor_allocs)(PyObject *o, dp_torch_alloc_t *out);
+  /* --- CUDA (NULL when has_cuda is 0); callable without the GIL --- */
+  /* torch's current stream (cudaStream_t) on CUDA device `device` for the
+   * calling thread. */
+  void *(*current_stream)(int device);
+  /* Makes `stream` (a cudaStream_t on `device`) torch's current stream on
+   * that device for the calling thread; returns the one it replaces. */
+  void *(*set_current_stream)(int device, void *stream);
+  /* A stream from torch's pool on `device` (torch.cuda.Stream-like, never
+   * destroyed). */
+  void *(*pool_stream)(int device);
+  /* Tells torch's caching allocator that the block starting at `base` on
+   * `device` is used on `stream`. Returns 0 when recorded, 1 when the block is
+   * not one of torch's allocator (nothing done). */
+  int (*record_stream)(void *base, int device, void *stream);
+} dp_torch_api_t;
+
+#ifdef __cplusplus
+}
+#endif
+#endif
