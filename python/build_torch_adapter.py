@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
 """Build devpickle's optional torch adapter, devpickle._torch.
 
-    PYTHON build_torch_adapter.py [--dry-run] [--cxx CXX] OUTDIR
+    PYTHON build_torch_adapter.py [--dry-run] [--if-available] [--cxx CXX] [--out] OUTDIR
 
 Run it with the interpreter the extension is for (or pass --python PY to
 re-run under it): it asks that interpreter's torch for its headers, libraries
 and C++ ABI, prints the compiler command, and (unless --dry-run) runs it,
-writing OUTDIR/_torch<EXT_SUFFIX>. The CUDA functions are compiled in when
+writing OUTDIR/_torch<EXT_SUFFIX> (not again while it is newer than its
+sources and the command is the same). The CUDA functions are compiled in when
 torch was built with CUDA, its c10/cuda headers are installed and the CUDA
 runtime headers are found ($CUDA_HOME, /usr/local/cuda, or the nvidia pip
 packages).
 
-Exit status: 0 built; 3 torch, its C++ headers or Python's headers are
-missing (the extension then uses torch's Python API); the compiler's status
-when it fails.
+Exit status: 0 built (or up to date); 3 torch, its C++ headers or Python's
+headers are missing (the extension then uses torch's Python API) — 0 with
+--if-available, which says so and builds nothing; the compiler's status when
+it fails.
 """
 import argparse
 import glob
@@ -26,12 +28,26 @@ import sysconfig
 MISSING = 3
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "src", "torch_adapter.cpp")
+DEPENDS = [SOURCE, os.path.join(HERE, "src", "torch_api.h"), os.path.abspath(__file__)]
+STAMP = ".torch_adapter.cmd"  # the command that built OUTDIR's adapter
+if_available = False
 
 
 def missing(msg):
     print("build_torch_adapter: %s; devpickle will use torch's Python API" % msg,
           file=sys.stderr)
-    sys.exit(MISSING)
+    sys.exit(0 if if_available else MISSING)
+
+
+def up_to_date(cmd, target, stamp):
+    try:
+        with open(stamp) as f:
+            if f.read() != cmd:
+                return False
+        t = os.path.getmtime(target)
+        return all(os.path.getmtime(d) < t for d in DEPENDS)
+    except OSError:
+        return False
 
 
 def cuda_include_dir(torch_mod):
@@ -111,23 +127,42 @@ def command(cxx, outdir):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("outdir", help="directory to write _torch<EXT_SUFFIX> into")
+    ap.add_argument("outdir", nargs="?", help="directory to write _torch<EXT_SUFFIX> into")
+    ap.add_argument("--out", help="the same as OUTDIR")
+    ap.add_argument("--if-available", action="store_true",
+                    help="exit 0, building nothing, when torch or its headers are missing")
     ap.add_argument("--python", help="interpreter to build for (re-runs this script under it)")
     ap.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     ap.add_argument("--dry-run", action="store_true", help="print the command only")
     a = ap.parse_args()
+    outdir = a.out or a.outdir
+    if not outdir or (a.out and a.outdir and a.out != a.outdir):
+        ap.error("give the output directory once, as OUTDIR or --out")
     if a.python and os.path.realpath(a.python) != os.path.realpath(sys.executable):
-        argv = [a.python, os.path.abspath(__file__), a.outdir, "--cxx", a.cxx]
-        if a.dry_run:
-            argv.append("--dry-run")
+        argv = [a.python, os.path.abspath(__file__), outdir, "--cxx", a.cxx]
+        argv += ["--dry-run"] * a.dry_run + ["--if-available"] * a.if_available
         sys.exit(subprocess.call(argv))
-    cmd = command(a.cxx, os.path.abspath(a.outdir))
-    print(" ".join(shlex.quote(c) for c in cmd))
+    global if_available
+    if_available = a.if_available
+    cmd = command(a.cxx, os.path.abspath(outdir))
+    line = " ".join(shlex.quote(c) for c in cmd)
+    target, stamp = cmd[cmd.index("-o") + 1], os.path.join(outdir, STAMP)
+    if not a.dry_run and up_to_date(line, target, stamp):
+        return 0
+    print(line)
     sys.stdout.flush()
     if a.dry_run:
         return 0
-    os.makedirs(a.outdir, exist_ok=True)
-    return subprocess.call(cmd)
+    os.makedirs(outdir, exist_ok=True)
+    try:
+        os.unlink(stamp)
+    except OSError:
+        pass
+    rc = subprocess.call(cmd)
+    if rc == 0:
+        with open(stamp, "w") as f:
+            f.write(line)
+    return rc
 
 
 if __name__ == "__main__":

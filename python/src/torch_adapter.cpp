@@ -24,6 +24,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <sstream>
@@ -64,10 +65,13 @@ std::string layout_name(c10::Layout l) {
     case c10::kSparseBsr: return "torch.sparse_bsr";
     case c10::kSparseBsc: return "torch.sparse_bsc";
     case c10::kMkldnn: return "torch._mkldnn";
-    default: {
+    default: { /* torch.jagged (2.x) and whatever comes later */
       std::ostringstream os;
       os << l;
-      return os.str();
+      std::string name = os.str();
+      for (char &c : name)
+        c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      return "torch." + name;
     }
   }
 }
@@ -112,11 +116,12 @@ inline int dense_alloc(const at::Tensor &t, const at::Tensor &whole, dp_torch_al
     out->device_index = s.device().index();
   } else {
     return fail(whole, dt == c10::DeviceType::Meta
-                       ? "a meta tensor has no memory"
+                       ? "its storage is on the meta device (a meta or fake tensor has no memory)"
                        : "devpickle knows only cpu and cuda memory");
   }
   if (data == nullptr && nbytes != 0)
-    return fail(whole, "its storage has a size but no data pointer");
+    return fail(whole, "its storage has a size but no data pointer (a wrapper tensor "
+                       "subclass keeps its data in other tensors)");
   out->base = const_cast<void *>(data);
   out->nbytes = nbytes;
   return 0;

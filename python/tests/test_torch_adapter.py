@@ -188,7 +188,38 @@ def test_numpy_array_is_not_a_tensor():
 
 def test_meta_tensor_raises_a_type_error_naming_the_device():
     t = torch.empty(3, 4, device="meta")
-    with pytest.raises(TypeError, match=r"layout torch\.strided, device meta\): a meta tensor has no memory"):
+    with pytest.raises(TypeError, match=r"layout torch\.strided, device meta\): its storage is on the meta "
+                                         r"device \(a meta or fake tensor has no memory\)"):
+        _tensor_allocs(t, (Alloc * MAX_ALLOCS)())
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass (the way DTensor and jagged nested tensors are
+    made): a tensor object whose storage holds no data."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
+                                                   device=inner.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(str(func))
+
+
+def test_wrapper_subclass_raises_a_type_error_not_a_pointer():
+    t = Wrapper(torch.randn(3))
+    with pytest.raises(TypeError, match=r"devpickle: cannot describe the memory of a torch tensor "
+                                        r"\(layout torch\.strided, device cpu\): "):
+        _tensor_allocs(t, (Alloc * MAX_ALLOCS)())
+
+
+def test_fake_tensor_raises_a_type_error():
+    fake = pytest.importorskip("torch._subclasses.fake_tensor")
+    with fake.FakeTensorMode():
+        t = torch.empty(4)
+    with pytest.raises(TypeError, match=r"devpickle: cannot describe the memory of a torch tensor "
+                                        r"\(layout torch\.strided, device (cpu|meta)\): "):
         _tensor_allocs(t, (Alloc * MAX_ALLOCS)())
 
 
