@@ -65,10 +65,6 @@ def storage(t):
     return s.data_ptr(), s.nbytes()
 
 
-def dev(t):
-    return (CUDA, t.device.index) if t.is_cuda else (CPU, 0)
-
-
 def test_capsule_publishes_version_1_of_the_table():
     assert API.version == API_VERSION
     assert API.tensor_allocs
