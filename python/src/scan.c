@@ -366,6 +366,20 @@ static const char *type_name(PyTypeObject *t, char *buf, size_t size) {
   return buf;
 }
 
+/* "[i]" without snprintf: paths are rendered for every allocation. */
+static int put_index(buf_t *b, Py_ssize_t i) {
+  char tmp[24];
+  size_t k = sizeof tmp;
+  tmp[--k] = ']';
+  size_t u = (size_t)i;
+  do {
+    tmp[--k] = (char)('0' + u % 10);
+    u /= 10;
+  } while (u);
+  tmp[--k] = '[';
+  return buf_put(b, tmp + k, sizeof tmp - k);
+}
+
 /* The step from frame f to its current child. */
 static int put_step(buf_t *b, const frame_t *f) {
   char tmp[48];
@@ -374,8 +388,7 @@ static int put_step(buf_t *b, const frame_t *f) {
     if (f->names && f->idx < PyTuple_GET_SIZE(f->names)) return put_name(b, PyTuple_GET_ITEM(f->names, f->idx), 1);
     /* fall through */
   case FR_SET:
-    snprintf(tmp, sizeof tmp, "[%zd]", f->idx);
-    return buf_put(b, tmp, strlen(tmp));
+    return put_index(b, f->idx);
   case FR_ATTRS:
     return PyUnicode_Check(f->label) ? put_name(b, f->label, 1) : put_key(b, f->label);
   case FR_DICT:
@@ -401,28 +414,33 @@ static int put_step(buf_t *b, const frame_t *f) {
 }
 
 /* The path to the value being visited: "$" and a step per open frame,
- * bounded as ptrset.h says (head and tail kept, the middle elided). */
+ * bounded as ptrset.h says: a path over DP_PATH_MAX bytes keeps the steps
+ * that fit in DP_PATH_HEAD bytes, "<…N steps…>", and the last steps that fit
+ * in DP_PATH_TAIL bytes. Rendered straight into out; the tail (rare) is
+ * rendered backwards into a scratch buffer. */
 static int render_path(const dpy_scanner_t *s, buf_t *out) {
+  size_t start = out->n, n = s->nframes, head_end, head_steps = 0, i;
   if (buf_put(out, "$", 1)) return -1;
-  size_t n = s->nframes, head = 0;
-  buf_t step = {0};
-  int rc = 0;
-  for (; head < n; head++) {
-    step.n = 0;
-    if ((rc = put_step(&step, &s->frames[head]))) goto done;
-    if (out->n + step.n > DP_PATH_HEAD) break;
-    if ((rc = buf_put(out, step.p ? step.p : "", step.n))) goto done;
+  head_end = out->n;
+  int in_head = 1;
+  for (i = 0; i < n; i++) {
+    if (put_step(out, &s->frames[i])) return -1;
+    if (in_head && out->n - start <= DP_PATH_HEAD) {
+      head_end = out->n;
+      head_steps = i + 1;
+    } else {
+      in_head = 0;
+    }
+    if (out->n - start > DP_PATH_MAX) break;
   }
-  if (head == n) goto done;
-  /* the tail, rendered backwards until it is full, then put in order */
+  if (i == n) return 0;
+  out->n = head_end;
+  out->p[head_end] = 0;
+  buf_t step = {0}, tb = {0};
+  size_t *ends = PyMem_Malloc((n - head_steps + 1) * sizeof *ends);
   size_t tail = n, tail_len = 0;
-  size_t *ends = PyMem_Malloc((n - head + 1) * sizeof *ends);
-  buf_t tb = {0};
-  if (!ends) {
-    rc = -1;
-    goto done;
-  }
-  while (tail > head) {
+  int rc = ends ? 0 : -1;
+  while (!rc && tail > head_steps) {
     step.n = 0;
     if ((rc = put_step(&step, &s->frames[tail - 1]))) break;
     if (tail_len + step.n > DP_PATH_TAIL) break;
@@ -431,19 +449,18 @@ static int render_path(const dpy_scanner_t *s, buf_t *out) {
     ends[n - tail] = tb.n;
     tail--;
   }
-  if (!rc && tail > head) {
+  if (!rc) {
     char mid[64];
-    snprintf(mid, sizeof mid, "<\xe2\x80\xa6%zu steps\xe2\x80\xa6>", tail - head);
+    snprintf(mid, sizeof mid, "<\xe2\x80\xa6%zu steps\xe2\x80\xa6>", tail - head_steps);
     rc = buf_put(out, mid, strlen(mid));
   }
-  /* tb holds the tail steps last-first; copy them back in order */
+  /* tb holds the tail steps last-first; put them back in order */
   for (size_t j = n - tail; !rc && j-- > 0;) {
-    size_t end = ends[j], start = j ? ends[j - 1] : 0;
-    rc = buf_put(out, tb.p + start, end - start);
+    size_t end = ends[j], begin = j ? ends[j - 1] : 0;
+    rc = buf_put(out, tb.p + begin, end - begin);
   }
   PyMem_Free(ends);
   PyMem_Free(tb.p);
-done:
   PyMem_Free(step.p);
   return rc ? -1 : 0;
 }
@@ -1616,36 +1633,56 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
 
 typedef struct alloc_obj {
   PyObject_HEAD
-  PyObject *device;
-  PyObject *ptr;
-  PyObject *nbytes;
-  PyObject *refs;
-  PyObject *path;
+  dp_device_t device;
+  void *ptr;
+  size_t nbytes;
+  uint32_t refs;
+  PyObject *path; /* a str, or None */
 } alloc_obj_t;
 
 static PyTypeObject alloc_type;
 
+/* Device names, made once: an Allocation makes its fields on access. */
+static PyObject *device_names[3][DP_CURRENT_STREAM_SLOTS];
+
+static PyObject *device_name(dp_device_t d) {
+  if ((unsigned)d.type < 3 && d.index < DP_CURRENT_STREAM_SLOTS) {
+    PyObject **slot = &device_names[d.type][d.index];
+    if (!*slot) *slot = dpy_device_str(d);
+    return Py_XNewRef(*slot);
+  }
+  return dpy_device_str(d);
+}
+
 static void alloc_dealloc(PyObject *o) {
-  alloc_obj_t *a = (alloc_obj_t *)o;
-  Py_XDECREF(a->device);
-  Py_XDECREF(a->ptr);
-  Py_XDECREF(a->nbytes);
-  Py_XDECREF(a->refs);
-  Py_XDECREF(a->path);
+  Py_XDECREF(((alloc_obj_t *)o)->path);
   Py_TYPE(o)->tp_free(o);
 }
 
 static const char *const alloc_fields[] = {"device", "ptr", "nbytes", "refs", "path"};
 
 static PyObject *alloc_field(alloc_obj_t *a, Py_ssize_t i) {
-  PyObject *v = i == 0 ? a->device : i == 1 ? a->ptr : i == 2 ? a->nbytes : i == 3 ? a->refs : a->path;
-  return Py_NewRef(v);
+  switch (i) {
+  case 0:
+    return device_name(a->device);
+  case 1:
+    return PyLong_FromVoidPtr(a->ptr);
+  case 2:
+    return PyLong_FromSize_t(a->nbytes);
+  case 3:
+    return PyLong_FromUnsignedLong(a->refs);
+  default:
+    return Py_NewRef(a->path);
+  }
 }
+
+static PyObject *alloc_get(PyObject *o, void *i) { return alloc_field((alloc_obj_t *)o, (Py_ssize_t)(intptr_t)i); }
 
 static PyObject *alloc_getitem(PyObject *o, PyObject *key) {
   const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
   for (Py_ssize_t i = 0; k && i < 5; i++)
     if (!strcmp(k, alloc_fields[i])) return alloc_field((alloc_obj_t *)o, i);
+  PyErr_Clear();
   PyErr_SetObject(PyExc_KeyError, key);
   return NULL;
 }
@@ -1655,37 +1692,39 @@ static PyObject *alloc_asdict(PyObject *o, PyObject *unused) {
   PyObject *d = PyDict_New();
   for (Py_ssize_t i = 0; d && i < 5; i++) {
     PyObject *v = alloc_field((alloc_obj_t *)o, i);
-    if (PyDict_SetItemString(d, alloc_fields[i], v)) Py_CLEAR(d);
-    Py_DECREF(v);
+    if (!v || PyDict_SetItemString(d, alloc_fields[i], v)) Py_CLEAR(d);
+    Py_XDECREF(v);
   }
   return d;
 }
 
 static PyObject *alloc_repr(PyObject *o) {
   alloc_obj_t *a = (alloc_obj_t *)o;
-  return PyUnicode_FromFormat("Allocation(device=%R, ptr=%p, nbytes=%S, refs=%S, path=%R)", a->device,
-                              PyLong_AsVoidPtr(a->ptr), a->nbytes, a->refs, a->path);
+  PyObject *dev = device_name(a->device);
+  PyObject *r = dev ? PyUnicode_FromFormat("Allocation(device=%R, ptr=%p, nbytes=%zu, refs=%u, path=%R)", dev, a->ptr,
+                                           a->nbytes, (unsigned)a->refs, a->path)
+                    : NULL;
+  Py_XDECREF(dev);
+  return r;
 }
 
 static PyObject *alloc_richcompare(PyObject *a, PyObject *b, int op) {
   if (!PyObject_TypeCheck(b, &alloc_type) || (op != Py_EQ && op != Py_NE)) Py_RETURN_NOTIMPLEMENTED;
-  int eq = 1;
-  for (Py_ssize_t i = 0; eq && i < 5; i++) {
-    PyObject *x = alloc_field((alloc_obj_t *)a, i), *y = alloc_field((alloc_obj_t *)b, i);
-    eq = PyObject_RichCompareBool(x, y, Py_EQ);
-    Py_DECREF(x);
-    Py_DECREF(y);
+  const alloc_obj_t *x = (alloc_obj_t *)a, *y = (alloc_obj_t *)b;
+  int eq = dp_device_equal(x->device, y->device) && x->ptr == y->ptr && x->nbytes == y->nbytes && x->refs == y->refs;
+  if (eq) {
+    eq = PyObject_RichCompareBool(x->path, y->path, Py_EQ);
     if (eq < 0) return NULL;
   }
   return PyBool_FromLong(op == Py_EQ ? eq : !eq);
 }
 
-static PyMemberDef alloc_members[] = {
-    {"device", T_OBJECT_EX, offsetof(alloc_obj_t, device), READONLY, "\"cuda:0\", \"cpu\" or \"host:0\""},
-    {"ptr", T_OBJECT_EX, offsetof(alloc_obj_t, ptr), READONLY, "the allocation's base address (an int)"},
-    {"nbytes", T_OBJECT_EX, offsetof(alloc_obj_t, nbytes), READONLY, "its size in bytes"},
-    {"refs", T_OBJECT_EX, offsetof(alloc_obj_t, refs), READONLY, "distinct tensors or arrays on it"},
-    {"path", T_OBJECT_EX, offsetof(alloc_obj_t, path), READONLY, "the first path to it (None: paths=False)"},
+static PyGetSetDef alloc_getset[] = {
+    {"device", alloc_get, NULL, "\"cuda:0\", \"cpu\" or \"host:0\"", (void *)0},
+    {"ptr", alloc_get, NULL, "the allocation's base address (an int)", (void *)1},
+    {"nbytes", alloc_get, NULL, "its size in bytes", (void *)2},
+    {"refs", alloc_get, NULL, "distinct tensors or arrays on it", (void *)3},
+    {"path", alloc_get, NULL, "the first path to it (None: paths=False)", (void *)4},
     {NULL},
 };
 
@@ -1706,7 +1745,7 @@ static PyTypeObject alloc_type = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One allocation found by devpickle.scan: device, ptr, nbytes, refs, path "
               "(attributes, or a[\"ptr\"]).",
-    .tp_members = alloc_members,
+    .tp_getset = alloc_getset,
     .tp_methods = alloc_methods,
 };
 
@@ -1720,7 +1759,6 @@ static PyObject *result_list(const dpy_scanner_t *s) {
   const dp_ptrset_t *set = s->found;
   size_t n = dp_ptrset_count(set);
   PyObject *list = PyList_New((Py_ssize_t)n);
-  PyObject *devs[8] = {0};
   for (size_t i = 0; list && i < n; i++) {
     dp_ptr_info_t p;
     dp_ptrset_get(set, i, &p, NULL);
@@ -1729,24 +1767,15 @@ static PyObject *result_list(const dpy_scanner_t *s) {
       Py_CLEAR(list);
       break;
     }
-    PyObject *dev = NULL;
-    size_t slot = (size_t)p.device.type * 4 + (size_t)p.device.index;
-    if (p.device.index < 4 && slot < 8 && p.device.type < 2) {
-      if (!devs[slot]) devs[slot] = dpy_device_str(p.device);
-      dev = Py_XNewRef(devs[slot]);
-    } else {
-      dev = dpy_device_str(p.device);
-    }
     const char *path = dpy_scanner_path(s, i);
-    a->device = dev;
-    a->ptr = PyLong_FromVoidPtr(p.base);
-    a->nbytes = PyLong_FromSize_t(p.nbytes);
-    a->refs = PyLong_FromUnsignedLong(p.refs);
+    a->device = p.device;
+    a->ptr = p.base;
+    a->nbytes = p.nbytes;
+    a->refs = p.refs;
     a->path = path ? PyUnicode_FromString(path) : Py_NewRef(Py_None);
     PyList_SET_ITEM(list, (Py_ssize_t)i, (PyObject *)a);
-    if (!a->device || !a->ptr || !a->nbytes || !a->refs || !a->path) Py_CLEAR(list);
+    if (!a->path) Py_CLEAR(list);
   }
-  for (size_t i = 0; i < 8; i++) Py_XDECREF(devs[i]);
   return list;
 }
 

@@ -1,0 +1,23 @@
+#!/bin/bash
+# Builds the Python binding on the GPU machine (its python3, gcc) against the
+# C library built and carried from a development machine, then runs the
+# Python suite there (CUDA tests included) and the Python benchmarks.
+#   bash python/gpu_run.sh OUTDIR        (docs/PYTHON.md, GPU.md)
+# Needs build/libdevpickle.a and build/gpu-libs/{libmsgpackc.a,libxxhash.a}.
+set -euo pipefail
+out=${1:?OUTDIR}
+py=${PYTHON:-python3}
+pkg=build/gpu-python/devpickle
+mkdir -p "$pkg"
+cp python/devpickle/*.py "$pkg/"
+inc=$($py -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+suffix=$($py -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+gcc -std=c11 -O2 -g -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-missing-field-initializers \
+  -Iinclude -I"$inc" python/src/*.c build/libdevpickle.a -Wl,--exclude-libs,ALL \
+  build/gpu-libs/libmsgpackc.a build/gpu-libs/libxxhash.a -L/usr/local/cuda/lib64 -lcudart_static -ldl -lrt \
+  -lpthread -lm -o "$pkg/_devpickle$suffix"
+$py python/build_torch_adapter.py --out "$pkg" 2>&1 | tail -3
+export PYTHONPATH=$PWD/build/gpu-python
+$py -c 'import devpickle, torch; torch.ones(1); print("adapter:", devpickle._devpickle._torch_adapter(), torch.__version__)'
+$py -m pytest -q -p no:cacheprovider python/tests 2>&1 | tee "$out/pytest.log" | tail -25
+$py bench/py_bench.py "$out/py_bench.json" 2>&1 | tee "$out/py_bench.txt"
