@@ -94,7 +94,7 @@ enum { COMPLETE, HOP };
 static double time_ops(ctx_t *c, int rounds, int op) {
   double best = 1e9;
   for (int r = 0; r < rounds; r++) {
-    dp_future_opts_t o = {c->b, NULL, 0, NULL, 0};
+    dp_future_opts_t o = {c->b, NULL, 0, NULL, 0, 0};
     if (op == COMPLETE)
       for (int i = 0; i < c->k; i++) dp_future_new(&o, &c->fs[i], NULL);
     double t0 = bench_now();
@@ -154,7 +154,7 @@ static void bench_backend(const char *out, dp_backend_t *b) {
     }
   /* one hop, and a wait */
   c.v = make(&c, "list", 1);
-  dp_future_opts_t o = {b, NULL, 0, NULL, 0};
+  dp_future_opts_t o = {b, NULL, 0, NULL, 0, 0};
   dp_future_new(&o, &c.done, NULL);
   dp_future_mark_completed(c.done, dp_value_retain(c.v), NULL);
   c.k = 1000;
@@ -188,7 +188,7 @@ static dp_backend_t *thread_backend;
 static void thread_future(void *ctx, int thread) {
   (void)ctx;
   dp_value_t l = bench_thread_objects(thread);
-  dp_future_opts_t o = {thread_backend, NULL, 0, NULL, 1};
+  dp_future_opts_t o = {thread_backend, NULL, 0, NULL, 1, 0};
   dp_future_t *f;
   if (dp_future_new(&o, &f, NULL) || dp_future_mark_completed(f, dp_value_retain(l), NULL) ||
       dp_future_wait(f, -1, NULL))

@@ -72,6 +72,7 @@ struct dp_future {
   size_t nallowed;
   dp_cache_hooks_t hooks;
   int use_hooks;
+  int consumers_only;  /* no record on the completing stream */
   record_t rec;
   cbent_t *cbs;
   dp_future_t *free_next;  /* on a trampoline's free queue */
@@ -175,6 +176,7 @@ static int init_opts(dp_future_t *f, const dp_future_opts_t *o, dp_error_t *err)
     f->nallowed = o->ndevices;
   }
   if (o && o->no_hooks) return 0;
+  f->consumers_only = o && o->consumers_only;
   if (o && o->hooks) {
     if (!o->hooks->record_stream && !o->hooks->record_streams)
       return dp__err(err, DP_EINVAL, "dp_future_new: hooks with neither record_stream nor record_streams");
@@ -218,7 +220,8 @@ int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *e
 
 /* A child shares its parent's backend, devices and hooks. */
 static int future_like(const dp_future_t *p, dp_future_t **out, dp_error_t *err) {
-  dp_future_opts_t o = {p->b, p->allowed, p->nallowed, p->use_hooks ? &p->hooks : NULL, !p->use_hooks};
+  dp_future_opts_t o = {p->b, p->allowed, p->nallowed, p->use_hooks ? &p->hooks : NULL, !p->use_hooks,
+                       p->consumers_only};
   return dp_future_new(&o, out, err);
 }
 
@@ -352,7 +355,7 @@ static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *s
     rc = s ? 0 : dp_current_stream(f->b, pd->device, &s, err);
     if (rc == 0 && (rc = dp_event_new(f->b, pd->device, &fd->ev, err)) == 0 && (rc = dp_event_record(fd->ev, s, err)) != 0)
       dp_event_free(fd->ev);
-    if (rc == 0 && f->use_hooks &&
+    if (rc == 0 && f->use_hooks && !f->consumers_only &&
         (rc = dp_cache_hooks_record(&f->hooks, r->ptrs.by_dev + fd->first, fd->count, s, err)) != 0)
       dp_event_free(fd->ev);
     if (rc) {

@@ -32,7 +32,7 @@ static void sleep_ms(int ms) {
 
 static dp_future_t *future(void) {
   dp_future_t *f;
-  dp_future_opts_t o = {B, NULL, 0, NULL, 0};
+  dp_future_opts_t o = {B, NULL, 0, NULL, 0, 0};
   OK(dp_future_new(&o, &f, T_ERR));
   return f;
 }
@@ -396,7 +396,7 @@ Test(future, a_walk_failure_completes_the_future_and_wakes_waiters_with_the_path
 Test(future, a_device_outside_the_future_is_an_error_naming_both_lists) {
   dp_future_t *f;
   dp_device_t only0[1] = {H0};
-  dp_future_opts_t o = {B, only0, 1, NULL, 0};
+  dp_future_opts_t o = {B, only0, 1, NULL, 0, 0};
   OK(dp_future_new(&o, &f, T_ERR));
   dp_value_t l = t_list(), a = device_ints(H0, 4), b = device_ints(H1, 4);
   OK(dp_list_append(l, dp_value_retain(a), T_ERR));
@@ -710,7 +710,7 @@ static int reused_under_consumer(int with_hooks) {
   dp_value_t t = device_ints(H0, 1024);
   for (int i = 0; i < 1024; i++) data_of(t)[i] = 5;
   dp_future_t *f;
-  dp_future_opts_t o = {B, NULL, 0, NULL, !with_hooks};
+  dp_future_opts_t o = {B, NULL, 0, NULL, !with_hooks, 0};
   OK(dp_future_new(&o, &f, T_ERR));
   OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR));
   OK(dp_set_current_stream(cons, NULL, T_ERR));
@@ -998,15 +998,15 @@ Test(future, a_completed_future_holds_24_bytes_per_allocation_of_a_one_device_va
 Test(future, bad_arguments_are_refused_with_what_is_wrong_and_never_strand_a_waiter) {
   dp_error_t e;
   dp_future_t *f, *g;
-  dp_future_opts_t o = {B, NULL, 3, NULL, 0};
+  dp_future_opts_t o = {B, NULL, 3, NULL, 0, 0};
   cr_assert_eq(dp_future_new(&o, &f, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_future_new: devices is NULL but ndevices is 3");
   dp_device_t cpu_and_h0[2] = {t_dev(DP_DEVICE_CPU, 0), H0};
-  dp_future_opts_t oc = {B, cpu_and_h0, 2, NULL, 0};
+  dp_future_opts_t oc = {B, cpu_and_h0, 2, NULL, 0, 0};
   OK(dp_future_new(&oc, &f, T_ERR));  /* cpu may be listed: it is always allowed */
   dp_future_release(f);
   dp_cache_hooks_t none = {NULL, NULL, NULL, NULL};
-  dp_future_opts_t oh = {B, NULL, 0, &none, 0};
+  dp_future_opts_t oh = {B, NULL, 0, &none, 0, 0};
   cr_assert_eq(dp_future_new(&oh, &f, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_future_new: hooks with neither record_stream nor record_streams");
   f = future();
@@ -1078,7 +1078,7 @@ Test(future, a_future_with_a_hooks_chain_records_each_allocation_with_its_owner)
   OK(dp_list_append(l, ints_at(x->arena, 256), T_ERR));
   OK(dp_list_append(l, ints_at(pb, 256), T_ERR));
   dp_future_t *f;
-  dp_future_opts_t o = {B, NULL, 0, &hooks, 0};
+  dp_future_opts_t o = {B, NULL, 0, &hooks, 0, 0};
   OK(dp_future_new(&o, &f, T_ERR));
   OK(dp_set_current_stream(prod, NULL, T_ERR));
   OK(dp_future_mark_completed(f, l, T_ERR));
@@ -1108,4 +1108,40 @@ Test(future, a_future_with_a_hooks_chain_records_each_allocation_with_its_owner)
   dp_stream_free(prod);
   dp_stream_free(cons);
   free(x);
+}
+
+/* ---- consumers_only ---- */
+
+static _Atomic int recorded_calls;
+static int count_record(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx, (void)ptr, (void)s, (void)err;
+  atomic_fetch_add(&recorded_calls, 1);
+  return 0;
+}
+
+Test(future, consumers_only_records_on_the_consumers_streams_and_not_on_the_completing_one) {
+  for (int only = 0; only < 2; only++) {
+    atomic_store(&recorded_calls, 0);
+    dp_cache_hooks_t hooks = {NULL, count_record, NULL, NULL};
+    dp_future_opts_t o = {B, NULL, 0, &hooks, 0, only};
+    dp_future_t *f, *child;
+    OK(dp_future_new(&o, &f, T_ERR));
+    OK(dp_future_then(f, bad_result, NULL, &child, T_ERR)); /* the child inherits the option */
+    dp_value_t t = device_ints(H0, 4);
+    OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR));
+    int at_completion = atomic_load(&recorded_calls);
+    dp_stream_t *cons;
+    OK(dp_stream_new(B, H0, &cons, T_ERR));
+    OK(dp_set_current_stream(cons, NULL, T_ERR));
+    OK(dp_future_wait(f, -1, T_ERR));
+    dp_reset_current_stream(B, H0);
+    /* completion: once (only 0); the then() callback's pool stream: once; wait: once */
+    cr_assert_eq(at_completion, only ? 1 : 2, "consumers_only=%d: %d records by completion", only, at_completion);
+    cr_assert_eq(atomic_load(&recorded_calls), only ? 2 : 3);
+    free_ints(t);
+    dp_value_release(t);
+    dp_future_release(f);
+    dp_future_release(child);
+    dp_stream_free(cons);
+  }
 }

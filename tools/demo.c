@@ -245,7 +245,7 @@ int demo_run(int argc, char **argv) {
   }
   inner = dp_cache_hooks(C);
   dp_cache_hooks_t counting = {NULL, NULL, counting_record, NULL};
-  dp_future_opts_t fo = {B, &D, 1, &counting, 0};
+  dp_future_opts_t fo = {B, &D, 1, &counting, 0, 0};
 
   /* 1. the producer's slow work fills a user object's tensors */
   CHECK(dp_set_current_stream(producer, NULL, &e) == 0, "current stream: %s", e.message);

@@ -71,6 +71,11 @@ typedef struct dp_future_opts {
   const dp_cache_hooks_t *hooks;
   /** 1: record no stream uses at all (hooks ignored). */
   int no_hooks;
+  /** 1: record stream uses on the consumers' streams only (dp_future_wait,
+   *  then() callbacks), not on the completing stream: the producer answers
+   *  for its own uses on other streams, as torch's CUDA future does. The
+   *  Python binding sets it: torch's allocator records cost ~80 ns each. */
+  int consumers_only;
 } dp_future_opts_t;
 
 /** A new pending future. opts may be NULL. */

@@ -41,6 +41,7 @@ static int same_devices(pyfut_t *f, dp_future_opts_t *o, dp_backend_t *b) {
   o->devices = f->devices;
   o->ndevices = f->ndevices;
   o->no_hooks = !f->track;
+  o->consumers_only = 1; /* torch's semantics; its allocator's records are dear */
   return 0;
 }
 

@@ -233,7 +233,7 @@ static int gpu_child_consumer_reads(int wait_on_child) {
   dp_stream_t *cons;
   OK(dp_stream_new(B, G0, &cons, NULL));
   dp_future_t *parent, *child;
-  dp_future_opts_t o = {B, NULL, 0, NULL, 0};
+  dp_future_opts_t o = {B, NULL, 0, NULL, 0, 0};
   OK(dp_future_new(&o, &parent, NULL));
   gpu_cb_t st;
   st.c = c;
@@ -279,7 +279,7 @@ static int gpu_future_consumer_reads(int wait) {
   OK(dp_stream_synchronize(prod, NULL));
   cr_assert_eq(gpu_spin_write(dp_stream_native(prod), tensor_base(t), 7, 20.0), 0);
   dp_future_t *f;
-  dp_future_opts_t o = {B, NULL, 0, NULL, 0};
+  dp_future_opts_t o = {B, NULL, 0, NULL, 0, 0};
   OK(dp_future_new(&o, &f, NULL));
   OK(dp_future_mark_completed(f, dp_value_retain(t), NULL));
   OK(dp_set_current_stream(cons, NULL, NULL));
@@ -457,7 +457,7 @@ static int wrapped_future_consumer_reads(int wait) {
   OK(dp_stream_synchronize(wrap(np), NULL));
   cr_assert_eq(gpu_spin_write(np, tensor_base(t), 7, 20.0), 0);  /* the framework's kernel */
   dp_future_t *f;
-  dp_future_opts_t o = {B, NULL, 0, NULL, 0};
+  dp_future_opts_t o = {B, NULL, 0, NULL, 0, 0};
   OK(dp_future_new(&o, &f, NULL));
   OK(dp_future_mark_completed(f, dp_value_retain(t), NULL));
   OK(dp_set_current_stream(wrap(nc), NULL, NULL));

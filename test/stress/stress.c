@@ -452,7 +452,7 @@ static void *future_worker(void *p) {
 static int scenario_futures(void) {
   dp_backend_t *b;
   CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
-  dp_future_opts_t o = {b, NULL, 0, NULL, 0};
+  dp_future_opts_t o = {b, NULL, 0, NULL, 0, 0};
   futs = malloc(NFUT * sizeof *futs);
   for (int i = 0; i < NFUT; i++) CHECK(dp_future_new(&o, &futs[i], NULL) == 0, "future");
   atomic_store(&chained_calls, 0);
@@ -496,7 +496,7 @@ static void trade(dp_future_t *other, uint64_t seed) {
 
 static void *drop_worker(void *p) {
   drop_arg_t *a = p;
-  dp_future_opts_t o = {a->b, NULL, 0, NULL, 0};
+  dp_future_opts_t o = {a->b, NULL, 0, NULL, 0, 0};
   uint64_t seed = (uint64_t)a->id * 2654435761u + 99;
   for (int i = 0; i < NDROP; i++) {
     seed = seed * 6364136223846793005ull + 1442695040888963407ull;
