@@ -63,6 +63,8 @@ const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i);
  * back), and the first Python object found on allocation i. */
 dp_value_t dpy_scanner_root(const dpy_scanner_t *s);
 PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i);
+/* 1 when the walk met a cupy array. */
+int dpy_scanner_saw_cupy(const dpy_scanner_t *s);
 /* 1 when allocation i belongs to torch (its allocator records streams). */
 int dpy_scanner_is_torch(const dpy_scanner_t *s, size_t i);
 

@@ -30,6 +30,7 @@ typedef struct pyfut {
   dp_device_t *devices;
   size_t ndevices;
   int track;          /* 0 for devices=[]: nothing is walked */
+  int cupy;           /* the value holds cupy arrays: cupy's current streams */
   PyObject *weakrefs;
 } pyfut_t;
 
@@ -196,6 +197,76 @@ static void fut_dealloc(pyfut_t *f) {
   PyObject_GC_Del(f);
 }
 
+/* ---- cupy's current streams ----
+ * A value holding cupy arrays is completed and waited on cupy's current
+ * streams (torch's are the default through the stream provider): for the
+ * call, each CUDA device's devpickle current stream is a wrapper of cupy's. */
+
+typedef struct cupy_swap {
+  int n;
+  dp_backend_t *b;
+  dp_device_t dev[DP_CURRENT_STREAM_SLOTS];
+  dp_stream_t *prev[DP_CURRENT_STREAM_SLOTS];
+} cupy_swap_t;
+
+static int cupy_stream_of(int device, void **out) {
+  PyObject *cuda = PyImport_ImportModule("cupy.cuda");
+  PyObject *dev = cuda ? PyObject_CallMethod(cuda, "Device", "i", device) : NULL;
+  PyObject *ent = dev ? PyObject_CallMethod(dev, "__enter__", NULL) : NULL;
+  PyObject *st = ent ? PyObject_CallMethod(cuda, "get_current_stream", NULL) : NULL;
+  PyObject *ptr = st ? PyObject_GetAttrString(st, "ptr") : NULL;
+  if (ent) {
+    PyObject *r = PyObject_CallMethod(dev, "__exit__", "OOO", Py_None, Py_None, Py_None);
+    Py_XDECREF(r);
+  }
+  if (ptr) *out = PyLong_AsVoidPtr(ptr);
+  Py_XDECREF(cuda);
+  Py_XDECREF(dev);
+  Py_XDECREF(ent);
+  Py_XDECREF(st);
+  Py_XDECREF(ptr);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
+/* devs: the CUDA devices to switch (others are skipped). */
+static int cupy_in(const dp_device_t *devs, size_t n, cupy_swap_t *sw) {
+  sw->n = 0;
+  for (size_t i = 0; i < n && sw->n < DP_CURRENT_STREAM_SLOTS; i++) {
+    if (devs[i].type != DP_DEVICE_CUDA) continue;
+    void *native = NULL;
+    dp_stream_t *s;
+    dp_error_t e;
+    if (!sw->b && dp_backend_get(DP_DEVICE_CUDA, &sw->b, &e)) return dpy_raise(e.code, &e), -1;
+    if (cupy_stream_of(devs[i].index, &native)) return -1;
+    if (dp_stream_wrap(sw->b, devs[i], native, &s, &e) || dp_set_current_stream(s, &sw->prev[sw->n], &e))
+      return dpy_raise(e.code, &e), -1;
+    sw->dev[sw->n++] = devs[i];
+  }
+  return 0;
+}
+
+static void cupy_out(cupy_swap_t *sw) {
+  for (int i = sw->n; i-- > 0;) {
+    if (sw->prev[i]) dp_set_current_stream(sw->prev[i], NULL, NULL);
+    else dp_reset_current_stream(sw->b, sw->dev[i]);
+  }
+  sw->n = 0;
+}
+
+static size_t set_devices(const dp_ptrset_t *set, dp_device_t *out, size_t max) {
+  size_t n = dp_ptrset_ndevices(set);
+  if (n > max) n = max;
+  for (size_t j = 0; j < n; j++) out[j] = dp_ptrset_device(set, j);
+  return n;
+}
+
+static size_t future_devices(dp_future_t *f, dp_device_t *out, size_t max) {
+  size_t n = dp_future_ndevices(f);
+  if (n > max) n = max;
+  for (size_t j = 0; j < n; j++) out[j] = dp_future_device(f, j);
+  return n;
+}
+
 /* ---- completion ---- */
 
 static void already_complete(void) {
@@ -263,8 +334,19 @@ static PyObject *fut_set_result(pyfut_t *self, PyObject *value) {
   }
   Py_XSETREF(self->result, Py_NewRef(value));
   if (!s) return empty_ptrs_complete(self);
+  cupy_swap_t sw = {0};
+  if (dpy_scanner_saw_cupy(s)) {
+    dp_device_t devs[DP_CURRENT_STREAM_SLOTS];
+    self->cupy = 1;
+    if (cupy_in(devs, set_devices(dpy_scanner_ptrs(s), devs, DP_CURRENT_STREAM_SLOTS), &sw)) {
+      cupy_out(&sw);
+      dpy_scanner_put(s);
+      return NULL;
+    }
+  }
   dp_error_t e;
   int rc = dp_future_mark_completed_with_ptrs(self->f, dp_none(), dpy_scanner_ptrs(s), &e);
+  cupy_out(&sw);
   dpy_scanner_put(s);
   if (rc == DP_ESTATE && !e.message[0]) {
     already_complete();
@@ -317,14 +399,26 @@ static PyObject *outcome(pyfut_t *self) {
 static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
   (void)unused;
   dp_error_t e;
-  int rc;
-  if (dp_future_is_done(self->f)) {
-    rc = dp_future_wait(self->f, -1, &e);
-  } else {
+  int rc, joined = 0;
+  if (!dp_future_is_done(self->f)) {
+    /* blocks without the GIL; joins the (torch) current streams */
     Py_BEGIN_ALLOW_THREADS;
     rc = dp_future_wait(self->f, -1, &e);
     Py_END_ALLOW_THREADS;
+    if (rc && !dp_future_is_done(self->f)) return dpy_raise(rc, &e);
+    joined = 1;
   }
+  if (joined && !self->cupy) return outcome(self);
+  cupy_swap_t sw = {0};
+  if (self->cupy) {
+    dp_device_t devs[DP_CURRENT_STREAM_SLOTS];
+    if (cupy_in(devs, future_devices(self->f, devs, DP_CURRENT_STREAM_SLOTS), &sw)) {
+      cupy_out(&sw);
+      return NULL;
+    }
+  }
+  rc = dp_future_wait(self->f, -1, &e); /* done: joins the current streams */
+  cupy_out(&sw);
   if (rc && !dp_future_is_done(self->f)) return dpy_raise(rc, &e);
   return outcome(self);
 }
@@ -402,6 +496,7 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
       Py_DECREF(r);
     } else {
       Py_XSETREF(u->child->result, r);
+      if (s) u->child->cupy = dpy_scanner_saw_cupy(s);
       dpy_scanner_put(s);
     }
   }

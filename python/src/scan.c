@@ -187,6 +187,7 @@ struct dpy_scanner {
   PyObject **stor_obj;
   size_t stor_cap;
   dp_value_t made;  /* the container build_pairs made for the frame pushed next */
+  int saw_cupy;     /* a cupy array was found: its streams are cupy's */
 };
 
 static dpy_scanner_t *free_scanners;
@@ -198,6 +199,8 @@ const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i) {
   if (!s->want_paths || i >= s->npaths) return NULL;
   return s->text + s->path_at[i];
 }
+
+int dpy_scanner_saw_cupy(const dpy_scanner_t *s) { return s->saw_cupy; }
 
 int dpy_scanner_is_torch(const dpy_scanner_t *s, size_t i) { return i < s->npaths && s->torch_owned[i]; }
 
@@ -671,6 +674,7 @@ static int visit_torch(dpy_scanner_t *s, PyObject *o) {
 
 /* cupy: the allocation behind the view (arr.data.mem: ptr, size). */
 static int visit_cupy(dpy_scanner_t *s, PyObject *o) {
+  s->saw_cupy = 1;
   PyObject *data = PyObject_GetAttrString(o, "data");
   PyObject *mem = data ? PyObject_GetAttrString(data, "mem") : NULL;
   PyObject *ptr = mem ? PyObject_GetAttrString(mem, "ptr") : NULL;
@@ -1603,6 +1607,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   if (dpy_resolve_frameworks()) return -1;
   s->build = opts->build;
   s->root = dp_none();
+  s->saw_cupy = 0;
   if (!s->own) s->own = s->found;
   s->found = into ? into : s->own;
   if (!into) dp_ptrset_clear(s->found);

@@ -169,6 +169,41 @@ def test_out_of_band_cuda_buffers_come_back_over_the_tensors_given():
     assert torch.equal(out["v"], t[4:8]) and out["t"].data_ptr() == t.data_ptr()
 
 
+SPIN_SRC = r"""
+extern "C" __global__ void spin(float *x, long long cycles, float v) {
+  long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+  x[blockIdx.x * blockDim.x + threadIdx.x] = v;
+}
+"""
+
+
+def cupy_consumer_reads(wait):
+    cupy = pytest.importorskip("cupy")
+    spin = cupy.RawKernel(SPIN_SRC, "spin")
+    n = 1 << 20
+    prod, cons = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    x = cupy.zeros(n, dtype=cupy.float32)
+    cupy.cuda.Device().synchronize()
+    fut = devpickle.Future()
+    with prod:
+        spin((n // 256,), (256,), (x, cupy.int64(20_000_000), cupy.float32(4.0)))
+        fut.set_result({"x": x})  # the event goes on cupy's current stream
+    with cons:
+        v = fut.wait() if wait else fut.value()
+        total = v["x"].sum()
+    cupy.cuda.Device().synchronize()
+    return float(total)
+
+
+def test_a_cupy_consumer_that_waits_sees_the_producers_data():
+    assert cupy_consumer_reads(True) == 4.0 * (1 << 20)
+
+
+def test_negative_control_a_cupy_consumer_that_does_not_wait_reads_stale_data():
+    assert cupy_consumer_reads(False) != 4.0 * (1 << 20)
+
+
 def test_cupy_and_jax_arrays_are_found():
     cupy = pytest.importorskip("cupy")
     a = cupy.arange(100, dtype=cupy.float32)
