@@ -128,7 +128,7 @@ _TORCH_DTYPES = {"bool": "bool", "int8": "int8", "int16": "int16", "int32": "int
                  "float64": "float64", "complex64": "complex64", "complex128": "complex128"}
 
 
-def _flat(kind, device, source, cache, key):
+def _flat(kind, device, source, cache, key, nbytes):
     """The whole buffer as a flat uint8 array of the kind wanted, made once
     per buffer so that views of one storage share it."""
     flat = cache.get(key)
@@ -153,11 +153,15 @@ def _flat(kind, device, source, cache, key):
         cupy = sys.modules["cupy"]
         flat = source if isinstance(source, cupy.ndarray) else cupy.asarray(bytearray(source), dtype=cupy.uint8)
         flat = flat.reshape(-1).view(cupy.uint8)
+    size = flat.numel() if kind == "torch.Tensor" else flat.size
+    if size < nbytes:
+        # the frame checked every view against nbytes: a smaller buffer would be read past its end
+        raise ValueError(f"loads: buffer {key} holds {size} bytes; the frame describes {nbytes}")
     cache[key] = flat
     return flat
 
 
-def array(kind, device, source, dtype, shape, strides, offset, cache, key):
+def array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes):
     """A tensor or array over buffer `key`: source is bytes-like (an inline
     copy or a cpu buffer), a torch tensor or a cupy array holding the bytes."""
     torch = sys.modules.get("torch")
@@ -169,7 +173,7 @@ def array(kind, device, source, dtype, shape, strides, offset, cache, key):
         raise TypeError("loads: the frame holds cupy arrays; import cupy first")
     if kind not in ("torch.Tensor", "numpy.ndarray", "cupy.ndarray"):
         raise TypeError(f"loads: unknown array kind {kind}")
-    flat = _flat(kind, device, source, cache, key)
+    flat = _flat(kind, device, source, cache, key, nbytes)
     if kind == "torch.Tensor":
         if dtype not in _TORCH_DTYPES or not hasattr(torch, dtype):
             raise TypeError(f"loads: dtype {dtype} has no torch equivalent here")

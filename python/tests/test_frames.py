@@ -134,3 +134,13 @@ def test_frames_are_the_ones_the_cli_verifies(tmp_path):
     assert r.returncode == 0, r.stderr
     r = subprocess.run([cli, "dump", "--json", str(path)], capture_output=True, text=True)
     assert r.returncode == 0 and '"count": 2' in r.stdout.replace('"count":2', '"count": 2')
+
+
+def test_a_buffer_smaller_than_the_frame_describes_is_refused_not_read_past():
+    a = np.arange(100, dtype=np.float64)
+    got = []
+    frame = devpickle.dumps({"a": a}, buffer_callback=got.append)
+    with pytest.raises(ValueError, match="holds 80 bytes; the frame describes 800"):
+        devpickle.loads(frame, buffers=[bytearray(80)])
+    with pytest.raises(ValueError, match="holds 8 bytes"):
+        devpickle.loads(devpickle.dumps(torch.ones(4), buffer_callback=lambda b: None), buffers=[bytearray(8)])
