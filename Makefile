@@ -215,9 +215,10 @@ test-tsan: deps ## Run the concurrency stress under ThreadSanitizer (and check t
 demo: deps all ## The future pipeline end to end (devpickle demo), then the examples packed, verified, dumped
 	@sh tools/demo.sh $(BUILD)/devpickle
 
-bench: all $(BENCH_BIN) ## Run the benchmarks; results in build/bench.json
+bench: all $(BENCH_BIN) python ## Run the benchmarks (C, then Python against PyTorch); results in build/bench.json
 	@rm -f $(BUILD)/bench.json
 	@set -e; for b in $(BENCH_BIN); do $$b $(BUILD)/bench.json; done
+	PYTHONPATH=$(abspath $(PY_BUILD)) $(PYTHON) bench/py_bench.py $(BUILD)/bench.json
 	@echo "wrote $(BUILD)/bench.json"
 
 include python/python.mk
