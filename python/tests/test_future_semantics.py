@@ -23,10 +23,10 @@ it cannot walk is an error instead of a silent race.
 """
 
 import faulthandler
+import gc
 import pickle
 import sys
 import threading
-import time
 import typing
 import weakref
 
@@ -117,6 +117,10 @@ def raise_value_error(fut):
 
 def no_arg():
     return True
+
+
+def raise_system_exit(fut):
+    raise SystemExit(3)
 
 
 def wrong_arg(fut):
@@ -493,6 +497,45 @@ def test_then_callback_runs_when_the_parent_failed_and_may_recover(Future):
     assert child.wait() == 7
 
 
+def test_a_then_callback_runs_though_its_child_was_dropped(Future):
+    f = Future()
+    ran = []
+    f.then(lambda fut: ran.append("child dropped"))
+    f.then(add_one).then(lambda fut: ran.append(fut.value()))
+    gc.collect()
+    f.set_result(0)
+    assert ran == ["child dropped", 1]
+
+
+def test_a_chain_runs_though_only_its_last_link_is_kept(Future):
+    def make():
+        root = Future()
+        return root, root.then(add_one)
+
+    root, child = make()
+    grandchild = child.then(add_one)
+    del child
+    root.set_result(1)
+    assert grandchild.wait() == 3
+
+
+def test_a_then_callback_may_wait_on_a_future_another_thread_completes(Future):
+    other, f = Future(), Future()
+    child = f.then(lambda fut: other.wait() + fut.wait())
+    t = start(other.set_result, 10)
+    f.set_result(1)
+    join(t)
+    assert child.wait() == 11
+
+
+def test_a_future_with_no_devices_behaves_as_the_default_one(Future):
+    f = Future(devices=[])
+    child = f.then(add_one)
+    f.set_result(1)
+    assert f.wait() == 1
+    assert child.wait() == 2
+
+
 # ---------------------------------------------------------------------------
 # errors in then() callbacks
 
@@ -501,6 +544,8 @@ ERRORS_IN_THEN = {
     "raise": (raise_value_error, "ValueError", "Expected error"),
     "wrong_arg": (wrong_arg, "TypeError", r"unsupported operand type.*Future.*int"),
     "no_arg": (no_arg, "TypeError", "takes 0 positional arguments but 1 was given"),
+    # not an Exception: it still fails the child, never escapes to the completer
+    "system_exit": (raise_system_exit, "SystemExit", "3"),
 }
 
 
@@ -510,13 +555,13 @@ def test_an_error_in_a_then_callback_fails_the_child_only(Future, case):
     f = Future[int]()
     child = f.then(callback)
     sibling = f.then(add_one)
-    f.set_result(5)
+    assert f.set_result(5) is None
     assert f.wait() == 5
     assert sibling.wait() == 6
     assert child.done()
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(BaseException, match=message):
         child.wait()
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(BaseException, match=message):
         child.value()
 
 
@@ -683,6 +728,25 @@ def test_collect_all_can_be_chained(Future, collect_all):
     a.set_result(3)
     b.set_result(4)
     assert total.wait() == 7
+
+
+def test_collect_all_and_wait_all_take_a_future_twice(Future, collect_all, wait_all):
+    f = Future()
+    f.set_result(3)
+    assert wait_all([f, f]) == [3, 3]
+    assert [x.wait() for x in collect_all([f, f]).wait()] == [3, 3]
+
+
+def test_collect_all_and_wait_all_raise_the_very_exception_set(Future, collect_all, wait_all):
+    err = KeyError("x")
+    f = Future()
+    f.set_exception(err)
+    with pytest.raises(KeyError) as raised:
+        wait_all([f])
+    assert raised.value is err
+    with pytest.raises(KeyError) as raised:
+        collect_all([f]).wait()
+    assert raised.value is err
 
 
 def test_collect_all_of_nothing_is_done_at_once(Future, collect_all):
