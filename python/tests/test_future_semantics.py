@@ -7,7 +7,8 @@ devpickle.collect_all / wait_all): the same assertions run against both. The
 behaviour is the one PyTorch's own test/test_futures.py checks, ported here
 and widened (exceptions, ordering, callbacks after completion, errors in
 callbacks, collect_all / wait_all, long chains, threads, typing), measured on
-the torch this machine has (Debian's 1.13, CPU).
+Debian's torch 1.13 (CPU); torch 2.11 behaves the same on every point where
+the two implementations differ.
 
 Where the two differ:
 - on purpose, the test asserts what matters to a user (the type, that the
@@ -15,7 +16,7 @@ Where the two differ:
 - where one of them gets a torch behaviour wrong, the test keeps asserting
   that behaviour and is marked `@fails_on(devpickle=...)` (or torch=..., for a
   torch bug): a strict xfail for that implementation only, so the suite runs
-  and the test turns into an error the day it is fixed.
+  and the test fails (XPASS) the day it is fixed: drop the mark then.
 
 The last part tests what devpickle.Future does on purpose that torch's
 device-less future does not: it walks each result (devices=None), so a value
@@ -213,8 +214,8 @@ def test_set_exception_keeps_the_exception_type_and_its_attributes(Future):
 
 
 def test_set_exception_refuses_what_is_not_an_exception(Future):
-    # Deliberate difference in the type: torch refuses with an `assert`
-    # (AssertionError, and no check at all under `python -O`); devpickle
+    # Deliberate difference in the type: torch refuses with AssertionError
+    # (an `assert` in 1.13, gone under `python -O`); devpickle
     # raises TypeError, Python's convention for an argument of the wrong
     # type. Both refuse, name the type given, and leave the future pending.
     expected = AssertionError if Future is torch.futures.Future else TypeError
@@ -247,7 +248,7 @@ def test_set_exception_after_set_result_raises(Future):
 
 
 @fails_on(
-    torch="torch 1.13 bug: Future.set_exception installs the unwrap function that raises before "
+    torch="torch bug (1.13, still in 2.11): Future.set_exception installs the unwrap function that raises before "
     "set_result refuses, so value() of the completed future then raises "
     "TypeError('exceptions must derive from BaseException')"
 )
