@@ -284,6 +284,23 @@ def test_a_future_cannot_be_pickled(Future):
         pickle.dumps(Future())
 
 
+def test_devices_naming_no_device_are_refused(Future):
+    # Deliberate difference in the type: torch's device parser raises
+    # RuntimeError; devpickle raises ValueError, Python's convention for a
+    # bad argument value. Both refuse and name what they were given.
+    expected = RuntimeError if Future is torch.futures.Future else ValueError
+    with pytest.raises(expected, match="bogus"):
+        Future(devices=["bogus"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a usable GPU is here")
+def test_devices_naming_cuda_without_a_usable_gpu_are_refused(Future):
+    with pytest.raises(RuntimeError):
+        Future(devices=["cuda:0"])
+    with pytest.raises(RuntimeError):
+        Future(devices=[0])
+
+
 # ---------------------------------------------------------------------------
 # typing
 
