@@ -31,6 +31,7 @@ typedef struct pyfut {
   size_t ndevices;
   int track;          /* 0 for devices=[]: nothing is walked */
   int cupy;           /* the value holds cupy arrays: cupy's current streams */
+  int completing;     /* set_result/set_exception began: a second one is refused */
   PyObject *weakrefs;
 } pyfut_t;
 
@@ -114,6 +115,8 @@ static pyfut_t *fut_alloc(void) {
   f->devices = NULL;
   f->ndevices = 0;
   f->track = 1;
+  f->cupy = 0;
+  f->completing = 0;
   PyObject_GC_Track(f);
   return f;
 }
@@ -124,7 +127,7 @@ static int pick_backend(const dp_device_t *d, size_t n, dp_backend_t **b) {
   dp_error_t e;
   int rc = 0;
   for (size_t i = 0; i < n && !rc; i++)
-    if (d[i].type != DP_DEVICE_CPU) return dp_backend_get(d[i].type, b, &e) ? (dpy_raise(DP_EDEVICE, &e), -1) : 0;
+    if (d[i].type != DP_DEVICE_CPU) return dp_backend_get(d[i].type, b, &e) ? (dpy_raise(e.code, &e), -1) : 0;
   rc = dp_backend_default(b, &e);
   if (rc) dpy_raise(rc, &e);
   return rc ? -1 : 0;
@@ -319,10 +322,13 @@ static PyObject *empty_ptrs_complete(pyfut_t *self) {
 }
 
 static PyObject *fut_set_result(pyfut_t *self, PyObject *value) {
-  if (dp_future_is_done(self->f)) {
+  /* claimed before the walk (which may run Python code, or let another
+   * thread in): the loser must not replace the winner's result */
+  if (self->completing || dp_future_is_done(self->f)) {
     already_complete();
     return NULL;
   }
+  self->completing = 1;
   dpy_scanner_t *s;
   if (walk_value(self, value, &s, NULL)) {
     /* the future fails with the WalkError too, so that no waiter hangs */
@@ -361,10 +367,11 @@ static PyObject *fut_set_exception(pyfut_t *self, PyObject *exc) {
     PyErr_Format(PyExc_TypeError, "set_exception() takes an exception instance, not '%s'", Py_TYPE(exc)->tp_name);
     return NULL;
   }
-  if (dp_future_is_done(self->f)) {
+  if (self->completing || dp_future_is_done(self->f)) {
     already_complete();
     return NULL;
   }
+  self->completing = 1;
   Py_XSETREF(self->exc, Py_NewRef(exc));
   dp_error_t e = py_failure("the future failed with a Python exception"), out;
   if (dp_future_set_error(self->f, &e, &out)) {

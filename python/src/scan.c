@@ -192,6 +192,7 @@ struct dpy_scanner {
 
 static dpy_scanner_t *free_scanners;
 static void build_reset(dpy_scanner_t *s);
+static void frame_drop(frame_t *f);
 
 const dp_ptrset_t *dpy_scanner_ptrs(const dpy_scanner_t *s) { return s->found; }
 
@@ -228,7 +229,7 @@ void dpy_scanner_put(dpy_scanner_t *s) {
   if (!s) return;
   if (s->build) build_reset(s);
   s->build = 0;
-  s->nframes = 0;
+  while (s->nframes) frame_drop(&s->frames[--s->nframes]);
   Py_CLEAR(s->keep);
   s->found = s->own;
   s->next_free = free_scanners;
@@ -393,6 +394,7 @@ static int put_step(buf_t *b, const frame_t *f) {
   case FR_SET:
     return put_index(b, f->idx);
   case FR_ATTRS:
+    if (!f->label) return put_index(b, f->idx);
     return PyUnicode_Check(f->label) ? put_name(b, f->label, 1) : put_key(b, f->label);
   case FR_DICT:
   case FR_PAIRS:
@@ -400,6 +402,7 @@ static int put_step(buf_t *b, const frame_t *f) {
       snprintf(tmp, sizeof tmp, "<key %zd>", f->idx);
       return buf_put(b, tmp, strlen(tmp));
     }
+    if (!f->label) return put_index(b, f->idx);
     return put_key(b, f->label);
   case FR_REDUCE: {
     static const char *const part[] = {".callable", ".args", ".state", ".listitems", ".dictitems"};
@@ -747,6 +750,10 @@ static int visit_cai(dpy_scanner_t *s, PyObject *o) {
     PyErr_SetString(PyExc_ValueError, "unsupported shape or typestr");
     goto out;
   }
+  if (strides && strides != Py_None && (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != nd)) {
+    PyErr_SetString(PyExc_ValueError, "strides must be None or a tuple as long as shape");
+    goto out;
+  }
   for (Py_ssize_t i = nd; i-- > 0;) {
     shp[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
     if (strides && strides != Py_None) str[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i)) / isz;
@@ -893,7 +900,7 @@ static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj) {
   frame_t *f = &s->frames[s->nframes++];
   memset(f, 0, sizeof *f);
   f->kind = kind;
-  f->obj = obj;
+  f->obj = Py_NewRef(obj); /* Python code run by the walk may drop the caller's references */
   f->idx = -1;
   return 0;
 }
@@ -1239,7 +1246,7 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
     dp_ptr_info_t p;
     dp_ptrset_get(s->found, at, &p, NULL);
     if ((rc = dp_storage_new(dev, base, p.nbytes, NULL, NULL, &s->stor[at], &e))) return dp_fail(s, o, rc, &e);
-    s->stor_obj[at] = o; /* borrowed: the value holds it */
+    s->stor_obj[at] = Py_NewRef(o); /* for buffer_callback, whatever Python code does meanwhile */
   }
   dp_dtype_t dt;
   if (dp_dtype_parse(dtype, &dt, &e)) {
@@ -1519,10 +1526,15 @@ static void build_reset(dpy_scanner_t *s) {
   for (size_t i = 0; i < s->stor_cap; i++) {
     dp_storage_release(s->stor[i]);
     s->stor[i] = NULL;
-    s->stor_obj[i] = NULL;
+    Py_CLEAR(s->stor_obj[i]);
   }
   for (size_t i = 0; i < s->nframes; i++)
     if (s->frames[i].has_key) dp_value_release(s->frames[i].key);
+}
+
+static void frame_drop(frame_t *f) {
+  Py_CLEAR(f->obj);
+  Py_CLEAR(f->label);
 }
 
 /* The next child of the top frame (borrowed), or NULL when it is done. */
@@ -1544,7 +1556,7 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
     }
     if (!PyDict_Next(f->obj, &f->pos, &k, &v)) return NULL;
     f->idx++;
-    f->label = k;
+    Py_XSETREF(f->label, Py_NewRef(k));
     if (f->kind == FR_DICT && classify(Py_TYPE(k)) != K_LEAF) {
       f->key_part = 1; /* a key that holds more than a leaf is walked too */
       return k;
@@ -1561,10 +1573,11 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
       f->idx = f->pos++;
       PyObject *kv = PyList_GET_ITEM(f->obj, f->idx);
       if (!PyTuple_Check(kv) || PyTuple_GET_SIZE(kv) != 2) {
+        Py_CLEAR(f->label);
         PyErr_SetString(PyExc_TypeError, "dictitems must yield (key, value) pairs");
         return NULL;
       }
-      f->label = PyTuple_GET_ITEM(kv, 0);
+      Py_XSETREF(f->label, Py_NewRef(PyTuple_GET_ITEM(kv, 0)));
       if (classify(Py_TYPE(f->label)) != K_LEAF) {
         f->key_part = 1;
         return f->label;
@@ -1625,11 +1638,14 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
     PyObject *c = next_child(s, f);
     if (!c) {
       if (PyErr_Occurred()) return walk_error(s, f->obj, "its items cannot be read");
-      s->nframes--;
+      frame_drop(&s->frames[--s->nframes]);
       continue;
     }
     if (s->nframes != before) continue; /* next_child pushed the child's frame */
-    if (visit(s, c)) return -1;
+    Py_INCREF(c); /* a reduce it calls may drop its container's reference */
+    int rc = visit(s, c);
+    Py_DECREF(c);
+    if (rc) return -1;
   }
   return 0;
 }

@@ -144,3 +144,15 @@ def test_a_buffer_smaller_than_the_frame_describes_is_refused_not_read_past():
         devpickle.loads(frame, buffers=[bytearray(80)])
     with pytest.raises(ValueError, match="holds 8 bytes"):
         devpickle.loads(devpickle.dumps(torch.ones(4), buffer_callback=lambda b: None), buffers=[bytearray(8)])
+
+
+def test_a_buffer_callback_that_drops_the_value_does_not_free_what_is_handed_out():
+    lst = [np.arange(1000.0) + i for i in range(5)]
+    seen = []
+
+    def cb(b):
+        seen.append(float(np.asarray(b.obj)[0]))
+        lst.clear()
+
+    devpickle.dumps(lst, buffer_callback=cb)
+    assert seen == [0.0, 1.0, 2.0, 3.0, 4.0]

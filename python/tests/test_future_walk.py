@@ -75,3 +75,17 @@ def test_devices_are_parsed_and_bad_ones_refused():
     with pytest.raises(ValueError, match="devices"):
         devpickle.Future(devices=["nonsense:0"])
     devpickle.Future(devices=["cpu"]).set_result([torch.ones(1)])
+
+
+def test_a_second_set_result_from_a_reduce_does_not_replace_the_first():
+    f = devpickle.Future()
+
+    class Sneaky:
+        def __reduce__(self):
+            with pytest.raises(RuntimeError, match="completed once"):
+                f.set_result("loser")
+            return (Sneaky, ())
+
+    winner = [Sneaky()]
+    f.set_result(winner)
+    assert f.wait() is winner

@@ -155,3 +155,36 @@ def test_a_class_changed_after_a_scan_is_walked_as_it_is_now():
     assert devpickle.scan(obj)[0].path == "$.t"
     Late.__reduce__ = lambda self: (Late, ())
     assert devpickle.scan(obj) == []
+
+
+def test_a_reduce_that_empties_the_containers_around_it_does_not_crash_the_walk():
+    outer = []
+
+    class Clearer:
+        def __reduce__(self):
+            outer.clear()
+            return (Clearer, ())
+
+    inner = [torch.ones(2) for _ in range(20)]
+    outer.extend([[Clearer(), *inner]])
+    del inner
+    got = devpickle.scan(outer)  # the walk holds what it iterates
+    assert len(got) == 20
+
+
+def test_dictitems_that_are_not_pairs_are_a_walk_error():
+    class R:
+        def __reduce__(self):
+            return (R, (), None, None, iter([1, 2]))
+
+    with pytest.raises(devpickle.WalkError, match="dictitems must yield"):
+        devpickle.scan(R())
+
+
+def test_a_malformed_cuda_array_interface_is_a_walk_error():
+    class Fake:
+        __cuda_array_interface__ = {"data": (4096, False), "shape": (4, 4), "strides": (4,), "typestr": "<f4",
+                                    "version": 3}
+
+    with pytest.raises(devpickle.WalkError, match="strides must be None or a tuple as long as shape"):
+        devpickle.scan(Fake())
