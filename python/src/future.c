@@ -493,7 +493,20 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
     if (!r) PyErr_WriteUnraisable(u->callback);
     Py_XDECREF(r);
   } else if (!r) {
+    /* as torch does: the child fails with a RuntimeError naming what the
+     * callback raised (kept as its __cause__) */
     keep_raised(u->child);
+    PyObject *cause = u->child->exc;
+    PyObject *wrapped = PyUnicode_FromFormat("Got the following error when running the callback: %s: %S",
+                                             _PyType_Name(Py_TYPE(cause)), cause);
+    PyObject *exc = wrapped ? PyObject_CallOneArg(PyExc_RuntimeError, wrapped) : NULL;
+    Py_XDECREF(wrapped);
+    if (exc) {
+      PyException_SetCause(exc, Py_NewRef(cause));
+      Py_SETREF(u->child->exc, exc);
+    } else {
+      PyErr_Clear();
+    }
     rc = DP_ESTATE;
   } else {
     dpy_scanner_t *s;
