@@ -77,16 +77,25 @@ def fill(obj, attrs):
     return obj
 
 
+def _reserved(name, attrs, attr, kind):
+    """An attribute of a reserved class, checked: a frame is hostile."""
+    v = attrs.get(attr)
+    if set(attrs) != {"items"} and name.endswith("set") or not isinstance(v, kind):
+        raise TypeError(f"loads: a {name} object whose {attr!r} is not a {kind.__name__} "
+                        f"(attributes: {sorted(attrs)!r})")
+    return v
+
+
 def finish(name, attrs, classes):
     """The reserved classes, and objects that were reduced."""
-    if name == "builtins.set":
-        return set(attrs["items"])
-    if name == "builtins.frozenset":
-        return frozenset(attrs["items"])
+    if name in ("builtins.set", "builtins.frozenset"):
+        items = _reserved(name, attrs, "items", list)
+        return set(items) if name == "builtins.set" else frozenset(items)
     if name == "builtins.complex":
-        return complex(attrs["real"], attrs["imag"])
+        return complex(_reserved(name, attrs, "real", float), _reserved(name, attrs, "imag", float))
     if name == "builtins.bytearray":
-        return bytearray(attrs["data"])
+        # bytes only: bytearray(an int) would allocate that many bytes
+        return bytearray(_reserved(name, attrs, "data", bytes))
     if name == "devpickle.global":
         cls = classes.get(attrs.get("name"))
         return cls if cls is not None else Object(name, attrs)

@@ -156,3 +156,15 @@ def test_a_buffer_callback_that_drops_the_value_does_not_free_what_is_handed_out
 
     devpickle.dumps(lst, buffer_callback=cb)
     assert seen == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_user_class_named_like_a_reserved_one_cannot_make_loads_allocate_or_crash():
+    class Fake:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    for qual, attrs in (("bytearray", {"data": 3 << 30}), ("set", {"other": 1}), ("complex", {"real": "x"})):
+        Fake.__module__, Fake.__qualname__ = "builtins", "builtins." + qual  # a crafted frame names it so
+        frame = devpickle.dumps(Fake(**attrs))
+        with pytest.raises(TypeError, match="loads: a builtins." + qual):
+            devpickle.loads(frame)
