@@ -78,6 +78,10 @@ static const dp_cache_hooks_t owner_hooks = {NULL, record_stream, record_streams
 static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
   *out = NULL;
   *n = 0;
+  if (PyUnicode_Check(devices)) {
+    PyErr_SetString(PyExc_TypeError, "devices must be a list of devices, not a str (devices=[\"cuda:0\"])");
+    return -1;
+  }
   PyObject *seq = PySequence_Fast(devices, "devices must be a list of devices");
   if (!seq) return -1;
   Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);

@@ -153,6 +153,7 @@ typedef struct frame {
   Py_ssize_t idx;       /* the current child's index */
   PyObject *label;      /* the current child's key or name (borrowed) */
   int key_part;         /* FR_DICT / FR_PAIRS: 1 while the key itself is walked */
+  PyObject *value;      /* FR_DICT: the value of that key (held: no second lookup) */
   /* building (dumps): the container being filled (borrowed: its parent or
    * the memo holds it) and a key built before its value */
   dp_value_t out;
@@ -1535,6 +1536,7 @@ static void build_reset(dpy_scanner_t *s) {
 static void frame_drop(frame_t *f) {
   Py_CLEAR(f->obj);
   Py_CLEAR(f->label);
+  Py_CLEAR(f->value);
 }
 
 /* The next child of the top frame (borrowed), or NULL when it is done. */
@@ -1550,14 +1552,15 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
   case FR_DICT:
   case FR_ATTRS: {
     PyObject *k, *v;
-    if (f->key_part) { /* the key was walked; now its value */
+    if (f->key_part) { /* the key was walked; now its value, as iteration gave it */
       f->key_part = 0;
-      return PyDict_GetItemWithError(f->obj, f->label);
+      return f->value;
     }
     if (!PyDict_Next(f->obj, &f->pos, &k, &v)) return NULL;
     f->idx++;
     Py_XSETREF(f->label, Py_NewRef(k));
     if (f->kind == FR_DICT && classify(Py_TYPE(k)) != K_LEAF) {
+      Py_XSETREF(f->value, Py_NewRef(v));
       f->key_part = 1; /* a key that holds more than a leaf is walked too */
       return k;
     }

@@ -188,3 +188,24 @@ def test_a_malformed_cuda_array_interface_is_a_walk_error():
 
     with pytest.raises(devpickle.WalkError, match="strides must be None or a tuple as long as shape"):
         devpickle.scan(Fake())
+
+
+def test_a_dict_key_holding_memory_does_not_make_the_walk_look_its_value_up_again():
+    class K:
+        def __init__(self):
+            self.t = torch.ones(1)
+            self.n = 0
+
+        def __hash__(self):  # changes after insertion: a second lookup would miss
+            self.n += 1
+            return self.n
+
+    d = {"first": torch.ones(2)}
+    d[K()] = torch.ones(3)
+    d["after"] = torch.ones(4)
+    assert len(devpickle.scan(d)) == 4
+
+
+def test_devices_given_as_a_str_is_a_clear_type_error():
+    with pytest.raises(TypeError, match="not a str"):
+        devpickle.Future(devices="cuda:0")
