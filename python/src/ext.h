@@ -65,8 +65,6 @@ dp_value_t dpy_scanner_root(const dpy_scanner_t *s);
 PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i);
 /* 1 when the walk met a cupy array. */
 int dpy_scanner_saw_cupy(const dpy_scanner_t *s);
-/* 1 when allocation i belongs to torch (its allocator records streams). */
-int dpy_scanner_is_torch(const dpy_scanner_t *s, size_t i);
 
 PyObject *dpy_scan_py(PyObject *self, PyObject *args, PyObject *kw);
 void dpy_scan_forget_types(void);

@@ -173,7 +173,6 @@ struct dpy_scanner {
   char *text;
   size_t text_len, text_cap;
   size_t *path_at;
-  uint8_t *torch_owned;
   size_t npaths, paths_cap;
   int want_paths;
   PyObject *opaque;
@@ -204,7 +203,6 @@ const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i) {
 
 int dpy_scanner_saw_cupy(const dpy_scanner_t *s) { return s->saw_cupy; }
 
-int dpy_scanner_is_torch(const dpy_scanner_t *s, size_t i) { return i < s->npaths && s->torch_owned[i]; }
 
 dpy_scanner_t *dpy_scanner_get(void) {
   dpy_scanner_t *s = free_scanners;
@@ -516,19 +514,15 @@ static int walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
 
 /* ---- allocations ---- */
 
-static int note_path(dpy_scanner_t *s, size_t index, int torch) {
+static int note_path(dpy_scanner_t *s, size_t index) {
   if (index < s->npaths) return 0;
   if (s->npaths == s->paths_cap) {
     size_t cap = s->paths_cap ? 2 * s->paths_cap : 64;
     size_t *pa = PyMem_Realloc(s->path_at, cap * sizeof *pa);
     if (!pa) return -1;
     s->path_at = pa;
-    uint8_t *to = PyMem_Realloc(s->torch_owned, cap);
-    if (!to) return -1;
-    s->torch_owned = to;
     s->paths_cap = cap;
   }
-  s->torch_owned[s->npaths] = (uint8_t)torch;
   if (s->want_paths) {
     buf_t b = {s->text, s->text_len, s->text_cap};
     size_t at = b.n;
@@ -543,7 +537,7 @@ static int note_path(dpy_scanner_t *s, size_t index, int torch) {
   return 0;
 }
 
-static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, int torch, size_t *at) {
+static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, size_t *at) {
   size_t idx;
   dp_error_t e;
   int rc = dp_ptrset_add(s->found, dev, base, nbytes, &idx, &e);
@@ -551,7 +545,7 @@ static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nb
     dpy_raise(rc, &e);
     return -1;
   }
-  if (note_path(s, idx, torch)) {
+  if (note_path(s, idx)) {
     PyErr_NoMemory();
     return -1;
   }
@@ -559,8 +553,8 @@ static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nb
   return 0;
 }
 
-static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, int torch) {
-  return add_alloc_at(s, dev, base, nbytes, torch, NULL);
+static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes) {
+  return add_alloc_at(s, dev, base, nbytes, NULL);
 }
 
 /* 1 when obj was entered before (a shared reference or a cycle), 0 the
@@ -670,7 +664,7 @@ static int visit_torch(dpy_scanner_t *s, PyObject *o) {
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
   for (int i = 0; i < n; i++) {
     if (!a[i].base && !a[i].nbytes) continue; /* an empty storage holds no memory */
-    if (add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, 1))
+    if (add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes))
       return -1;
   }
   return 0;
@@ -689,7 +683,7 @@ static int visit_cupy(dpy_scanner_t *s, PyObject *o) {
     void *p = PyLong_AsVoidPtr(ptr);
     size_t n = PyLong_AsSize_t(size);
     long d = PyLong_AsLong(dev);
-    if (!PyErr_Occurred()) rc = add_alloc(s, (dp_device_t){DP_DEVICE_CUDA, (int)d}, p, n, 0);
+    if (!PyErr_Occurred()) rc = add_alloc(s, (dp_device_t){DP_DEVICE_CUDA, (int)d}, p, n);
   }
   Py_XDECREF(data);
   Py_XDECREF(mem);
@@ -772,7 +766,7 @@ static int visit_cai(dpy_scanner_t *s, PyObject *o) {
   dp_device_t dev = {DP_DEVICE_CUDA, 0};
   dp_backend_t *cuda;
   if (ext && !dp_backend_get(DP_DEVICE_CUDA, &cuda, NULL)) dp_pointer_device(cuda, ptr, &dev, NULL);
-  rc = ext ? add_alloc(s, dev, (char *)ptr + lo, ext, 0) : 0;
+  rc = ext ? add_alloc(s, dev, (char *)ptr + lo, ext) : 0;
 out:
   Py_DECREF(cai);
   if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "a malformed __cuda_array_interface__");
@@ -817,7 +811,7 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   void *base;
   size_t ext;
   if (buffer_memory(s, o, &base, &ext)) return -1;
-  return ext ? add_alloc(s, (dp_device_t){DP_DEVICE_CPU, 0}, base, ext, 0) : 0;
+  return ext ? add_alloc(s, (dp_device_t){DP_DEVICE_CPU, 0}, base, ext) : 0;
 }
 
 /* DLPack producers (jax arrays): the view's data, from the capsule. */
@@ -878,7 +872,7 @@ static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
     PyErr_SetString(PyExc_ValueError, "a DLPack tensor with a bad shape or dtype");
     return walk_error(s, o, "memory devpickle cannot describe");
   }
-  return ext ? add_alloc(s, dev, base, ext, 0) : 0;
+  return ext ? add_alloc(s, dev, base, ext) : 0;
 }
 
 /* ---- the walk ---- */
@@ -1228,7 +1222,7 @@ static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
 static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *base, size_t nbytes, const char *dtype,
                         int ndim, const int64_t *shape, const int64_t *strides, int64_t offset, dp_value_t *out) {
   size_t at;
-  if (add_alloc_at(s, dev, base, nbytes, 0, &at)) return -1;
+  if (add_alloc_at(s, dev, base, nbytes, &at)) return -1;
   if (at >= s->stor_cap) {
     size_t cap = s->stor_cap ? s->stor_cap : 16;
     while (cap <= at) cap *= 2;
@@ -1840,7 +1834,6 @@ int dpy_scan_types_init(PyObject *m) {
   if (PyType_Ready(&alloc_type)) return -1;
   Py_INCREF(&alloc_type);
   if (PyModule_AddObject(m, "Allocation", (PyObject *)&alloc_type)) return -1;
-  (void)tcache_clear;
   return 0;
 }
 
