@@ -36,12 +36,31 @@ class Buffer:
             return cupy.ndarray((self.nbytes,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(o.data.mem, 0))
         import numpy as np
 
-        while isinstance(o, np.ndarray) and isinstance(o.base, np.ndarray):
-            o = o.base
-        return np.frombuffer(o if not isinstance(o, np.ndarray) else o.reshape(-1).view(np.uint8), dtype=np.uint8)
+        # exactly [ptr, ptr + nbytes), whatever view of it was found first;
+        # read-only when the memory's owner is (bytes, a read-only array)
+        owner = o
+        while isinstance(owner, np.ndarray) and owner.base is not None:
+            owner = owner.base
+        try:
+            with memoryview(owner) as m:
+                readonly = m.readonly
+        except TypeError:
+            readonly = isinstance(o, np.ndarray) and not o.flags.writeable
+        return np.asarray(_Memory(self.ptr, self.nbytes, readonly, o))
 
     def __repr__(self):
         return f"devpickle.Buffer(device={self.device!r}, ptr={self.ptr:#x}, nbytes={self.nbytes})"
+
+
+class _Memory:
+    """cpu memory as numpy sees it (__array_interface__), keeping the object
+    that owns it alive as long as the array."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, ptr, nbytes, readonly, owner):
+        self.__array_interface__ = {"data": (ptr, readonly), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+        self.owner = owner
 
 
 def class_label(cls):
@@ -53,6 +72,8 @@ def class_label(cls):
 def allowed(classes):
     """classes= as a dict label -> class."""
     out = {}
+    if isinstance(classes, type):
+        classes = (classes,)
     for c in classes or ():
         if not isinstance(c, type):
             raise TypeError(f"classes= takes classes; got a {type(c).__name__!r}")
@@ -96,6 +117,8 @@ def finish(name, attrs, classes):
     if name == "builtins.bytearray":
         # bytes only: bytearray(an int) would allocate that many bytes
         return bytearray(_reserved(name, attrs, "data", bytes))
+    if name == "numpy.generic":
+        return _numpy_scalar(_reserved(name, attrs, "dtype", str), _reserved(name, attrs, "data", bytes))
     if name == "devpickle.global":
         cls = classes.get(attrs.get("name"))
         return cls if cls is not None else Object(name, attrs)
@@ -103,6 +126,20 @@ def finish(name, attrs, classes):
     if cls is None or not any(k.startswith("<") for k in attrs):
         return Object(name, attrs) if cls is None else fill(cls.__new__(cls), attrs)
     return reduced(cls, attrs)
+
+
+def _numpy_scalar(dtype, data):
+    """A numpy scalar from its dtype's str and its bytes: plain data only
+    (a dtype holding objects would read pointers from the frame)."""
+    import numpy as np
+
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"loads: a numpy.generic of unknown dtype {dtype!r}") from e
+    if dt.hasobject or dt.itemsize != len(data):
+        raise TypeError(f"loads: a numpy.generic of dtype {dtype!r} with {len(data)} bytes of data")
+    return np.frombuffer(data, dtype=dt)[0]
 
 
 def reduced(cls, parts):

@@ -29,14 +29,16 @@ typedef struct dpy_state {
   PyTypeObject *torch_tensor;  /* torch.Tensor's C base, or NULL */
   const dp_torch_api_t *torch; /* the adapter, or NULL: Python-level calls */
   PyObject *cupy_ndarray;      /* cupy.ndarray once cupy is imported, else NULL */
+  PyTypeObject *numpy_ndarray; /* numpy.ndarray and numpy.generic (its scalars) once numpy is */
+  PyTypeObject *numpy_generic; /* imported, else NULL */
 } dpy_state_t;
 
 extern dpy_state_t dpy;
 
 /* Raises the Python exception for a library error. Returns NULL. */
 PyObject *dpy_raise(int rc, const dp_error_t *e);
-/* Looks torch (and its adapter) and cupy up if they were imported since the
- * last look. 0, or -1 with an exception. */
+/* Looks torch (and its adapter), cupy and numpy up if they were imported
+ * since the last look. 0, or -1 with an exception. */
 int dpy_resolve_frameworks(void);
 
 /* ---- scan (scan.c) ---- */

@@ -239,8 +239,8 @@ typedef struct cframe {
 #define PENDING ((PyObject *)1)
 
 static int is_reserved(const char *name) {
-  static const char *const r[] = {"builtins.set", "builtins.frozenset", "builtins.complex", "builtins.bytearray",
-                                  "devpickle.global"};
+  static const char *const r[] = {"builtins.set",       "builtins.frozenset", "builtins.complex",
+                                  "builtins.bytearray", "devpickle.global",   "numpy.generic"};
   for (size_t i = 0; i < sizeof r / sizeof *r; i++)
     if (!strcmp(name, r[i])) return 1;
   return 0;

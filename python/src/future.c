@@ -111,17 +111,11 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
   return 0;
 }
 
-static pyfut_t *fut_alloc(void) {
-  pyfut_t *f = PyObject_GC_New(pyfut_t, &fut_type);
-  if (!f) return NULL;
-  f->f = NULL;
-  f->result = f->exc = f->inputs = f->weakrefs = NULL;
-  f->devices = NULL;
-  f->ndevices = 0;
-  f->track = 1;
-  f->cupy = 0;
-  f->completing = 0;
-  PyObject_GC_Track(f);
+/* A new future of type (Future or a subclass): zeroed and tracked by the
+ * collector (tp_alloc). */
+static pyfut_t *fut_alloc(PyTypeObject *type) {
+  pyfut_t *f = (pyfut_t *)type->tp_alloc(type, 0);
+  if (f) f->track = 1;
   return f;
 }
 
@@ -159,11 +153,18 @@ static int fut_make(pyfut_t *self, dp_future_t *from) {
 }
 
 static PyObject *fut_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  (void)type;
   static char *kwlist[] = {"devices", NULL};
   PyObject *devices = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O:Future", kwlist, &devices)) return NULL;
-  pyfut_t *f = fut_alloc();
+  if (type == &fut_type) {
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O:Future", kwlist, &devices)) return NULL;
+  } else if (kw) { /* a subclass: its __init__ takes its own arguments; devices= is ours */
+    static PyObject *key;
+    if (!key && !(key = PyUnicode_InternFromString("devices"))) return NULL;
+    devices = PyDict_GetItemWithError(kw, key);
+    if (!devices && PyErr_Occurred()) return NULL;
+    if (!devices) devices = Py_None;
+  }
+  pyfut_t *f = fut_alloc(type);
   if (!f) return NULL;
   if (devices != Py_None) {
     if (parse_devices(devices, &f->devices, &f->ndevices)) goto fail;
@@ -201,7 +202,7 @@ static void fut_dealloc(pyfut_t *f) {
     dp_future_release(c);
   }
   PyMem_Free(f->devices);
-  PyObject_GC_Del(f);
+  Py_TYPE(f)->tp_free((PyObject *)f);
 }
 
 /* ---- cupy's current streams ----
@@ -544,7 +545,7 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
     return NULL;
   }
   then_ud_t *u = PyMem_RawMalloc(sizeof *u);
-  pyfut_t *child = with_child ? fut_alloc() : NULL;
+  pyfut_t *child = with_child ? fut_alloc(&fut_type) : NULL;
   if (!u || (with_child && !child)) {
     PyMem_RawFree(u);
     Py_XDECREF(child);
@@ -625,7 +626,7 @@ PyObject *dpy_collect_all(PyObject *self, PyObject *arg) {
   Py_ssize_t n;
   PyObject *list = as_futures(arg, &in, &n);
   if (!list) return NULL;
-  pyfut_t *out = fut_alloc();
+  pyfut_t *out = fut_alloc(&fut_type);
   if (!out) goto fail;
   out->inputs = Py_NewRef(list);
   /* its devices: every input's (none listed: the backend's) */

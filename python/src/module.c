@@ -1,6 +1,6 @@
 /*
  * module.c — devpickle._devpickle: module state, errors, and the lookup of
- * torch and cupy.
+ * torch, cupy and numpy.
  */
 #include "ext.h"
 
@@ -106,6 +106,21 @@ int dpy_resolve_frameworks(void) {
         dpy.cupy_ndarray = Py_NewRef(Py_None); /* looked at once */
       }
       changed = 1;
+    }
+  }
+  if (!dpy.numpy_ndarray) {
+    PyObject *np = sys_module("numpy");
+    if (np) {
+      PyObject *nd = PyObject_GetAttrString(np, "ndarray");
+      PyObject *gen = nd ? PyObject_GetAttrString(np, "generic") : NULL;
+      PyErr_Clear();
+      if (nd && gen && PyType_Check(nd) && PyType_Check(gen)) {
+        dpy.numpy_ndarray = (PyTypeObject *)Py_NewRef(nd);
+        dpy.numpy_generic = (PyTypeObject *)Py_NewRef(gen);
+        changed = 1;
+      }
+      Py_XDECREF(nd);
+      Py_XDECREF(gen);
     }
   }
   if (changed) dpy_scan_forget_types();

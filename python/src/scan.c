@@ -41,6 +41,8 @@ enum {
   K_BUFFER,      /* the buffer protocol: cpu memory */
   K_DLPACK,
   K_REDUCE,
+  K_CFUNC,       /* a builtin function or method: a global, or its __self__'s method */
+  K_NPSCALAR,    /* a numpy scalar: a value, not memory (a leaf to the walk) */
 };
 
 typedef struct tcache_ent {
@@ -94,7 +96,10 @@ static int plain_instance(PyTypeObject *t) {
 
 static uint8_t classify_slow(PyTypeObject *t) {
   PyObject *type = (PyObject *)t;
-  if (PyType_IsSubtype(t, &PyType_Type) || t == &PyFunction_Type || t == &PyCFunction_Type) return K_LEAF;
+  if (PyType_IsSubtype(t, &PyType_Type) || t == &PyFunction_Type) return K_LEAF;
+  if (PyType_IsSubtype(t, &PyCFunction_Type)) return K_CFUNC;
+  if (PyType_IsSubtype(t, &PyModule_Type)) return K_REDUCE; /* which refuses it, as pickle does */
+  if (dpy.numpy_generic && PyType_IsSubtype(t, dpy.numpy_generic)) return K_NPSCALAR;
   if (dpy.torch_tensor && PyType_IsSubtype(t, dpy.torch_tensor)) return K_TORCH;
   if (dpy.cupy_ndarray && dpy.cupy_ndarray != Py_None && PyType_IsSubtype(t, (PyTypeObject *)dpy.cupy_ndarray))
     return K_CUPY;
@@ -105,8 +110,10 @@ static uint8_t classify_slow(PyTypeObject *t) {
       is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex) &&
       is_default(type, dpy.str_getstate, dpy.object_getstate))
     return K_NAMEDTUPLE;
-  if (t->tp_dictoffset != 0 && !PyType_IsSubtype(t, &PyTuple_Type) && !PyType_IsSubtype(t, &PyList_Type) &&
-      !PyType_IsSubtype(t, &PyDict_Type) && plain_instance(t))
+  /* classes of Python code only: a C type's instances may hold state that
+   * its (inherited) reduce refuses or that __dict__ does not show */
+  if (t->tp_dictoffset != 0 && (t->tp_flags & Py_TPFLAGS_HEAPTYPE) && !PyType_IsSubtype(t, &PyTuple_Type) &&
+      !PyType_IsSubtype(t, &PyList_Type) && !PyType_IsSubtype(t, &PyDict_Type) && plain_instance(t))
     return K_OBJECT;
   return K_REDUCE;
 }
@@ -148,7 +155,7 @@ typedef struct frame {
   uint8_t kind;
   PyObject *obj;        /* what is iterated (borrowed: held by its parent or the keep list) */
   PyObject *names;      /* FR_SEQ of a namedtuple: its _fields (kept) */
-  PyTypeObject *type;   /* FR_REDUCE: the reduced object's type */
+  PyTypeObject *type;   /* FR_REDUCE, FR_PAIRS: the reduced object's type (held) */
   Py_ssize_t pos;       /* iteration position */
   Py_ssize_t idx;       /* the current child's index */
   PyObject *label;      /* the current child's key or name (borrowed) */
@@ -472,7 +479,13 @@ static int render_path(const dpy_scanner_t *s, buf_t *out) {
 
 /* ---- errors ---- */
 
-static int walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
+/* Raises WalkError naming type t and the current path, with the pending
+ * exception as its cause. What is not an error of the value — an interrupt
+ * (KeyboardInterrupt, SystemExit: not an Exception) or MemoryError — passes
+ * through as it is, as it would through pickle. */
+static int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *what) {
+  if (PyErr_Occurred() && (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)))
+    return -1;
   PyObject *et, *ev, *tb;
   PyErr_Fetch(&et, &ev, &tb);
   PyErr_NormalizeException(&et, &ev, &tb);
@@ -486,7 +499,7 @@ static int walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
     return -1;
   }
   char tbuf[256];
-  const char *tn = type_name(Py_TYPE(obj), tbuf, sizeof tbuf);
+  const char *tn = type_name(type, tbuf, sizeof tbuf);
   PyObject *msg;
   if (ev) msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s: %S", tn, path.p, what, ev);
   else msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s", tn, path.p, what);
@@ -510,6 +523,10 @@ static int walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
   Py_XDECREF(tb);
   PyMem_Free(path.p);
   return -1;
+}
+
+static int walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
+  return walk_error_type(s, Py_TYPE(obj), what);
 }
 
 /* ---- allocations ---- */
@@ -588,6 +605,8 @@ static PyObject *keep(dpy_scanner_t *s, PyObject *o) {
 }
 
 static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth);
+static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj);
+static int enter_reduce(dpy_scanner_t *s, PyObject *o);
 
 static int device_from_torch(PyObject *t, dp_torch_alloc_t *a) {
   PyObject *dev = PyObject_GetAttrString(t, "device");
@@ -658,40 +677,67 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
   return device_from_torch(t, out) ? -1 : 1;
 }
 
+/* The allocations of tensor t (the adapter's answer, or torch's Python
+ * API's): their number, or -1 with an exception. */
+static int torch_allocs(PyObject *t, dp_torch_alloc_t *out) {
+  return dpy.torch ? dpy.torch->tensor_allocs(t, out) : torch_python_allocs(t, out, 0);
+}
+
+static int is_torch(PyObject *o) { return dpy.torch_tensor && PyObject_TypeCheck(o, dpy.torch_tensor); }
+
+/* A tensor's state beyond its data — a subclass's or a tensor's own
+ * attributes (nn.Parameter's, say), which pickle carries — is walked as the
+ * attributes of an object. */
+static int visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
+  PyObject **dp = _PyObject_GetDictPtr(o);
+  if (!dp) return PyErr_Occurred() ? walk_error(s, o, "its __dict__ cannot be read") : 0;
+  PyObject *d = *dp;
+  return d && PyDict_Check(d) && PyDict_GET_SIZE(d) ? push(s, FR_ATTRS, d) : 0;
+}
+
 static int visit_torch(dpy_scanner_t *s, PyObject *o) {
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
-  int n = dpy.torch ? dpy.torch->tensor_allocs(o, a) : torch_python_allocs(o, a, 0);
+  int n = torch_allocs(o, a);
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
   for (int i = 0; i < n; i++) {
     if (!a[i].base && !a[i].nbytes) continue; /* an empty storage holds no memory */
     if (add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes))
       return -1;
   }
-  return 0;
+  return visit_tensor_attrs(s, o);
 }
 
-/* cupy: the allocation behind the view (arr.data.mem: ptr, size). */
-static int visit_cupy(dpy_scanner_t *s, PyObject *o) {
-  s->saw_cupy = 1;
+/* cupy: the allocation behind the view (arr.data.mem: ptr, size, and the
+ * device of arr.data). 0, or -1 with an exception. */
+static int cupy_memory(PyObject *o, dp_device_t *dev, void **base, size_t *size) {
   PyObject *data = PyObject_GetAttrString(o, "data");
   PyObject *mem = data ? PyObject_GetAttrString(data, "mem") : NULL;
   PyObject *ptr = mem ? PyObject_GetAttrString(mem, "ptr") : NULL;
-  PyObject *size = ptr ? PyObject_GetAttrString(mem, "size") : NULL;
-  PyObject *dev = size ? PyObject_GetAttrString(data, "device_id") : NULL;
-  int rc = -1;
-  if (dev) {
-    void *p = PyLong_AsVoidPtr(ptr);
-    size_t n = PyLong_AsSize_t(size);
-    long d = PyLong_AsLong(dev);
-    if (!PyErr_Occurred()) rc = add_alloc(s, (dp_device_t){DP_DEVICE_CUDA, (int)d}, p, n);
+  PyObject *sz = ptr ? PyObject_GetAttrString(mem, "size") : NULL;
+  PyObject *d = sz ? PyObject_GetAttrString(data, "device_id") : NULL;
+  if (d) {
+    *base = PyLong_AsVoidPtr(ptr);
+    *size = PyLong_AsSize_t(sz);
+    long id = PyLong_AsLong(d);
+    if (!PyErr_Occurred() && (id < 0 || id > UINT8_MAX))
+      PyErr_Format(PyExc_ValueError, "a cupy array on device %ld", id);
+    *dev = (dp_device_t){DP_DEVICE_CUDA, (uint8_t)id};
   }
   Py_XDECREF(data);
   Py_XDECREF(mem);
   Py_XDECREF(ptr);
-  Py_XDECREF(size);
-  Py_XDECREF(dev);
-  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "a cupy array without its memory");
-  return rc;
+  Py_XDECREF(sz);
+  Py_XDECREF(d);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
+static int visit_cupy(dpy_scanner_t *s, PyObject *o) {
+  s->saw_cupy = 1;
+  dp_device_t dev;
+  void *base;
+  size_t size;
+  if (cupy_memory(o, &dev, &base, &size)) return walk_error(s, o, "a cupy array without its memory");
+  return add_alloc(s, dev, base, size);
 }
 
 /* The extent in bytes of a strided view: from its lowest to its highest
@@ -774,19 +820,33 @@ out:
 }
 
 /* Buffer-protocol objects: cpu memory, owner first (numpy views and
- * memoryviews report the array they view), never copied. */
-static int buffer_memory(dpy_scanner_t *s, PyObject *o, void **basep, size_t *extp) {
+ * memoryviews report the array they view; an array over a torch tensor —
+ * Tensor.numpy() — is the tensor's allocation), never copied. */
+static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp) {
   PyObject *owner = o;
   Py_INCREF(owner);
+  *devp = (dp_device_t){DP_DEVICE_CPU, 0};
   for (int hops = 0; hops < 64; hops++) {
     PyObject *next = NULL;
     if (PyMemoryView_Check(owner)) {
       next = PyMemoryView_GET_BASE(owner);
       Py_XINCREF(next);
-    } else if (!strcmp(Py_TYPE(owner)->tp_name, "numpy.ndarray")) {
+    } else if (dpy.numpy_ndarray && PyObject_TypeCheck(owner, dpy.numpy_ndarray)) {
       next = PyObject_GetAttrString(owner, "base");
       if (!next) PyErr_Clear();
-      else if (next == Py_None || !PyObject_CheckBuffer(next)) Py_CLEAR(next);
+      else if (is_torch(next)) {
+        dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
+        int n = torch_allocs(next, a);
+        Py_DECREF(next);
+        Py_DECREF(owner);
+        if (n != 1) return walk_error(s, o, "an array over a tensor whose memory cannot be described");
+        *devp = (dp_device_t){(dp_device_type_t)a[0].device_type, a[0].device_index};
+        *basep = a[0].base;
+        *extp = a[0].nbytes;
+        return 0;
+      } else if (next == Py_None || !PyObject_CheckBuffer(next)) {
+        Py_CLEAR(next);
+      }
     }
     if (!next) break;
     Py_DECREF(owner);
@@ -807,11 +867,27 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, void **basep, size_t *ex
   return 0;
 }
 
+/* A numpy array of Python objects holds no data, only references: pickle
+ * reduces it to a list of its items, and so does the walk. */
+static int object_array(PyObject *o) {
+  if (!dpy.numpy_ndarray || !PyObject_TypeCheck(o, dpy.numpy_ndarray)) return 0;
+  PyObject *dt = PyObject_GetAttrString(o, "dtype");
+  PyObject *has = dt ? PyObject_GetAttrString(dt, "hasobject") : NULL;
+  Py_XDECREF(dt);
+  if (!has) return -1;
+  int r = PyObject_IsTrue(has);
+  Py_DECREF(has);
+  return r;
+}
+
 static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
+  int obj = object_array(o);
+  if (obj) return obj < 0 ? walk_error(s, o, "its dtype cannot be read") : enter_reduce(s, o);
+  dp_device_t dev;
   void *base;
   size_t ext;
-  if (buffer_memory(s, o, &base, &ext)) return -1;
-  return ext ? add_alloc(s, (dp_device_t){DP_DEVICE_CPU, 0}, base, ext) : 0;
+  if (buffer_memory(s, o, &dev, &base, &ext)) return -1;
+  return ext ? add_alloc(s, dev, base, ext) : 0;
 }
 
 /* DLPack producers (jax arrays): the view's data, from the capsule. */
@@ -930,7 +1006,7 @@ static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
   }
   if (!keep(s, r)) return -1;
   if (push(s, FR_REDUCE, r)) return -1;
-  s->frames[s->nframes - 1].type = Py_TYPE(o);
+  s->frames[s->nframes - 1].type = (PyTypeObject *)Py_NewRef((PyObject *)Py_TYPE(o));
   return 0;
 }
 
@@ -945,7 +1021,11 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   PyTypeObject *t = Py_TYPE(o);
   uint8_t k = classify(t);
   if (s->build) return build_visit(s, o, k);
-  if (k == K_LEAF) return 0;
+  if (k == K_LEAF || k == K_NPSCALAR) return 0;
+  if (k == K_CFUNC) { /* len, print: globals; lst.append: getattr(lst, "append") */
+    PyObject *self = PyCFunction_GET_SELF(o);
+    if (!self || PyModule_Check(self)) return 0;
+  }
   if (s->opaque) {
     int op = is_opaque(s, o);
     if (op) return op < 0 ? -1 : 0;
@@ -1270,8 +1350,13 @@ static int int64_seq(PyObject *seq, int64_t *out, int max) {
 
 static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
-  int n = dpy.torch ? dpy.torch->tensor_allocs(o, a) : torch_python_allocs(o, a, 0);
+  int n = torch_allocs(o, a);
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
+  PyObject **dp = _PyObject_GetDictPtr(o);
+  if (dp && *dp && PyDict_Check(*dp) && PyDict_GET_SIZE(*dp)) {
+    PyErr_SetString(PyExc_TypeError, "a tensor's attributes (a subclass's state) are not carried in frames");
+    return walk_error(s, o, "it cannot be carried in a frame");
+  }
   if (n != 1) {
     PyErr_SetString(PyExc_TypeError, "sparse tensors are not carried in frames (make them dense, or send "
                                      "their indices and values)");
@@ -1361,23 +1446,8 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   size_t ext;
   dp_device_t dev = {DP_DEVICE_CPU, 0};
   if (cupy) {
-    PyObject *dobj = PyObject_GetAttrString(o, "data");
-    PyObject *mem = dobj ? PyObject_GetAttrString(dobj, "mem") : NULL;
-    PyObject *mp = mem ? PyObject_GetAttrString(mem, "ptr") : NULL;
-    PyObject *ms = mp ? PyObject_GetAttrString(mem, "size") : NULL;
-    PyObject *md = ms ? PyObject_GetAttrString(dobj, "device_id") : NULL;
-    if (md) {
-      base = PyLong_AsVoidPtr(mp);
-      ext = PyLong_AsSize_t(ms);
-      dev = (dp_device_t){DP_DEVICE_CUDA, (uint8_t)PyLong_AsLong(md)};
-    }
-    Py_XDECREF(dobj);
-    Py_XDECREF(mem);
-    Py_XDECREF(mp);
-    Py_XDECREF(ms);
-    if (!md) goto out;
-    Py_DECREF(md);
-  } else if (buffer_memory(s, o, &base, &ext)) {
+    if (cupy_memory(o, &dev, &base, &ext)) goto out;
+  } else if (buffer_memory(s, o, &dev, &base, &ext)) {
     goto out;
   }
   if (PyErr_Occurred()) goto out;
@@ -1416,11 +1486,47 @@ static int build_container(dpy_scanner_t *s, PyObject *o, size_t at, uint8_t fr,
   return 0;
 }
 
+/* A numpy scalar: numpy.generic {dtype: its dtype.str, data: its bytes}. */
+static int build_npscalar(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
+  PyObject *dt = PyObject_GetAttrString(o, "dtype");
+  PyObject *has = dt ? PyObject_GetAttrString(dt, "hasobject") : NULL;
+  PyObject *str = has ? PyObject_GetAttrString(dt, "str") : NULL;
+  PyObject *data = str ? PyObject_CallMethod(o, "tobytes", NULL) : NULL;
+  int objects = has ? PyObject_IsTrue(has) : -1, rc = -1;
+  const char *u = NULL;
+  Py_ssize_t n = 0;
+  if (objects > 0) PyErr_SetString(PyExc_TypeError, "a numpy scalar holding Python objects is not carried in frames");
+  else if (data && PyUnicode_Check(str) && PyBytes_Check(data)) u = PyUnicode_AsUTF8AndSize(str, &n);
+  if (u) {
+    dp_error_t e;
+    dp_value_t d, b;
+    int dr = dp_str_new(u, (size_t)n, &d, &e);
+    if (dr) {
+      rc = dp_fail(s, o, dr, &e);
+    } else if (!(rc = wrap(s, o, "numpy.generic", "dtype", d, out))) {
+      dr = dp_bytes_new(PyBytes_AS_STRING(data), (size_t)PyBytes_GET_SIZE(data), &b, &e);
+      if (!dr) dr = dp_object_set(*out, "data", b, &e);
+      if (dr) {
+        dp_value_release(*out);
+        rc = dp_fail(s, o, dr, &e);
+      }
+    }
+  }
+  Py_XDECREF(dt);
+  Py_XDECREF(has);
+  Py_XDECREF(str);
+  Py_XDECREF(data);
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "it cannot be carried in a frame");
+  return rc;
+}
+
 static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   dp_value_t v;
   dp_error_t e;
   int rc;
+  if (k == K_CFUNC && (!PyCFunction_GET_SELF(o) || PyModule_Check(PyCFunction_GET_SELF(o)))) k = K_LEAF;
   if (k == K_LEAF) return build_leaf(s, o, &v) ? -1 : attach(s, o, v);
+  if (k == K_NPSCALAR) return build_npscalar(s, o, &v) ? -1 : attach(s, o, v);
   size_t at;
   int sn = seen_at(s, o, &at);
   if (sn < 0) return -1;
@@ -1529,6 +1635,7 @@ static void build_reset(dpy_scanner_t *s) {
 
 static void frame_drop(frame_t *f) {
   Py_CLEAR(f->obj);
+  Py_CLEAR(f->type);
   Py_CLEAR(f->label);
   Py_CLEAR(f->value);
 }
@@ -1594,8 +1701,10 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
         if (!l) return NULL;
         if (f->idx == 4) {
           if (PyList_GET_SIZE(l) == 0) continue;
+          PyTypeObject *reduced = f->type; /* push may move the frames */
           if (s->build && build_pairs(s)) return NULL;
           if (push(s, FR_PAIRS, l)) return NULL;
+          s->frames[s->nframes - 1].type = (PyTypeObject *)Py_XNewRef((PyObject *)reduced);
           if (s->build) s->frames[s->nframes - 1].out = s->made;
           return Py_None; /* the pushed frame is the child */
         }
@@ -1634,7 +1743,8 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
     size_t before = s->nframes;
     PyObject *c = next_child(s, f);
     if (!c) {
-      if (PyErr_Occurred()) return walk_error(s, f->obj, "its items cannot be read");
+      if (PyErr_Occurred()) /* a reduce's parts are the reduced object's */
+        return walk_error_type(s, f->type ? f->type : Py_TYPE(f->obj), "its items cannot be read");
       frame_drop(&s->frames[--s->nframes]);
       continue;
     }

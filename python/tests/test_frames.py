@@ -168,3 +168,59 @@ def test_a_user_class_named_like_a_reserved_one_cannot_make_loads_allocate_or_cr
         frame = devpickle.dumps(Fake(**attrs))
         with pytest.raises(TypeError, match="loads: a builtins." + qual):
             devpickle.loads(frame)
+
+
+def test_numpy_scalars_round_trip_with_their_dtype():
+    vals = [np.float64(1.5), np.int32(-3), np.bool_(True), np.float16(2.0), np.complex64(1 - 2j)]
+    out = devpickle.loads(devpickle.dumps(vals, inline=True))
+    assert [type(v) for v in out] == [type(v) for v in vals] and out == vals
+
+
+@pytest.mark.parametrize("dtype,data", [("O", b"\0" * 8), ("<f8", b"\0" * 4), ("no-such-dtype", b"")])
+def test_a_crafted_numpy_scalar_is_refused_not_read_as_pointers(dtype, data):
+    frame = devpickle.dumps([np.float64(0)], inline=True)
+    good = devpickle.loads(frame)
+    assert good == [0.0]
+
+    class Spoof:  # the same reserved class name, with hostile attributes
+        pass
+
+    Spoof.__module__, Spoof.__qualname__ = "numpy", "generic"
+    s = Spoof()
+    s.dtype, s.data = dtype, data
+    with pytest.raises(TypeError, match="loads: a numpy.generic"):
+        devpickle.loads(devpickle.dumps([s], inline=True))
+
+
+def test_what_pickle_carries_but_a_frame_cannot_is_refused_by_name():
+    t = torch.ones(2)
+    t.note = "x"
+    with pytest.raises(devpickle.WalkError, match=r"at \$\[0\].*a tensor's attributes"):
+        devpickle.dumps([t])
+    with pytest.raises(devpickle.WalkError, match=r"at \$\[0\].*dtype \|O"):
+        devpickle.dumps([np.empty(2, dtype=object)])
+
+
+def test_raw_is_the_whole_buffer_whatever_view_was_found_first():
+    base = np.arange(8, dtype=np.uint8)
+    got = []
+    devpickle.dumps([base[3:5], base[::2], base], buffer_callback=got.append)
+    assert len(got) == 1 and got[0].nbytes == 8
+    raw = got[0].raw()
+    assert raw.tolist() == list(range(8))
+    raw[0] = 42  # the memory itself, not a copy
+    assert base[0] == 42
+    t = torch.arange(4, dtype=torch.int32)
+    got = []
+    devpickle.dumps([t.numpy()[1:]], buffer_callback=got.append)
+    assert got[0].ptr == storage_ptr(t) and got[0].nbytes == 16
+    assert bytes(got[0].raw()) == t.numpy().tobytes()
+
+
+def test_classes_may_be_one_class_or_a_sequence():
+    n = Node("n")
+    frame = devpickle.dumps(n, inline=True)
+    assert type(devpickle.loads(frame, classes=Node)) is Node
+    assert type(devpickle.loads(frame, classes=[Node])) is Node
+    with pytest.raises(TypeError, match="classes= takes classes"):
+        devpickle.loads(frame, classes="Node")

@@ -89,3 +89,27 @@ def test_a_second_set_result_from_a_reduce_does_not_replace_the_first():
     winner = [Sneaky()]
     f.set_result(winner)
     assert f.wait() is winner
+
+
+class Tagged(devpickle.Future):
+    def __init__(self, tag, devices=None):
+        super().__init__()
+        self.tag = tag
+
+
+def test_a_subclass_of_future_is_made_as_itself_with_its_own_init():
+    import gc
+    import weakref
+
+    f = Tagged("x", devices=[])
+    assert type(f) is Tagged and f.tag == "x" and isinstance(f, devpickle.Future)
+    t = torch.ones(2)
+    f.set_result([t])
+    assert f.wait()[0] is t and f.then(lambda p: p.value()[0]).wait() is t
+    r = weakref.ref(f)
+    f.self = f  # a cycle through the subclass's __dict__ is collected
+    del f
+    gc.collect()
+    assert r() is None
+    with pytest.raises(TypeError):
+        devpickle.Future("positional")

@@ -209,3 +209,77 @@ def test_a_dict_key_holding_memory_does_not_make_the_walk_look_its_value_up_agai
 def test_devices_given_as_a_str_is_a_clear_type_error():
     with pytest.raises(TypeError, match="not a str"):
         devpickle.Future(devices="cuda:0")
+
+
+def test_a_tensor_subclass_and_a_tensor_with_attributes_have_their_dict_walked():
+    # pickle carries a tensor's __dict__ (torch._utils._get_obj_state); so does the walk
+    inner = torch.zeros(3)
+    p = torch.nn.Parameter(torch.ones(2))
+    p.extra = {"t": inner}
+    got = devpickle.scan([p])
+    assert [a.ptr for a in got] == [storage_ptr(p)[0], storage_ptr(inner)[0]]
+    assert got[1].path == '$[0].extra.t'
+    t = torch.ones(2)
+    t.note = inner
+    assert [a.path for a in devpickle.scan({"x": t})] == ['$.x', '$.x.note']
+
+
+def test_object_arrays_walk_their_items_and_numpy_scalars_are_leaves():
+    t = torch.ones(2)
+    arr = np.empty(2, dtype=object)
+    arr[0], arr[1] = t, "x"
+    got = devpickle.scan([arr])
+    assert [a.ptr for a in got] == [storage_ptr(t)[0]]  # the array's pointer block is not memory anyone shares
+    assert got[0].path.startswith("$[0]<reduce numpy.ndarray>")
+    assert devpickle.scan([np.float64(1.5), np.int32(3), np.bool_(True)]) == []
+
+
+def test_a_bound_builtin_method_walks_its_self_as_pickle_does():
+    t = torch.ones(2)
+    lst = [t]
+    got = devpickle.scan({"cb": lst.append})
+    assert [a.ptr for a in got] == [storage_ptr(t)[0]]
+    assert got[0].path.startswith('$.cb<reduce builtin_function_or_method>.args')
+    assert devpickle.scan([len, print]) == []  # module-level builtins are globals
+
+
+def test_a_module_is_a_walk_error_as_pickle_refuses_it():
+    import os
+
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"m": os})
+    assert e.value.type_name == "module" and e.value.path == '$.m'
+
+
+class Interrupting:
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __reduce__(self):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit, MemoryError])
+def test_an_interrupt_raised_by_a_reduce_passes_through_unwrapped(exc):
+    with pytest.raises(exc):
+        devpickle.scan([Interrupting(exc())])
+
+
+def test_a_numpy_view_of_a_torch_tensor_is_the_tensors_allocation():
+    t = torch.arange(8, dtype=torch.float32)
+    got = devpickle.scan([t, t.numpy()[2:], t[1:].numpy()])
+    assert len(got) == 1
+    assert (got[0].ptr, got[0].nbytes) == storage_ptr(t)
+    assert got[0].refs == 3
+
+
+class BadListItems:
+    def __reduce__(self):
+        return (list, (), None, 5)
+
+
+def test_a_reduce_whose_parts_cannot_be_read_names_the_reduced_type():
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan([BadListItems()])
+    assert e.value.type_name.endswith("BadListItems"), e.value
+    assert "listitems" in e.value.path
