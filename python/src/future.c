@@ -289,7 +289,7 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_pt
   if (!self->track) return 0;
   dpy_scanner_t *s = dpy_scanner_get();
   if (!s) return -1;
-  dpy_scan_opts_t o = {.paths = 0};
+  dpy_scan_opts_t o = {.paths = 0, .no_refs = 1}; /* the future needs the allocations, not their refs */
   if (dpy_scan(s, value, &o, into)) {
     dpy_scanner_put(s);
     return -1;

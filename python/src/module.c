@@ -35,9 +35,17 @@ PyObject *dpy_raise(int rc, const dp_error_t *e) {
   }
 }
 
-static PyObject *sys_module(const char *name) {
+/* sys.modules[name] (borrowed), or NULL: asked at every walk while the
+ * module is not imported, so the key is interned once (its hash kept). */
+static PyObject *sys_module(PyObject **key, const char *name) {
+  if (!*key && !(*key = PyUnicode_InternFromString(name))) {
+    PyErr_Clear();
+    return NULL;
+  }
   PyObject *mods = PyImport_GetModuleDict();
-  return mods ? PyDict_GetItemString(mods, name) : NULL; /* borrowed */
+  PyObject *m = mods ? PyDict_GetItemWithError(mods, *key) : NULL;
+  if (!m) PyErr_Clear();
+  return m;
 }
 
 /* Current streams are torch's: asked of the adapter (c10's thread-local
@@ -89,7 +97,8 @@ static void resolve_torch(PyObject *torch) {
 int dpy_resolve_frameworks(void) {
   int changed = 0;
   if (!dpy.torch_resolved) {
-    PyObject *torch = sys_module("torch");
+    static PyObject *key;
+    PyObject *torch = sys_module(&key, "torch");
     if (torch) {
       dpy.torch_resolved = 1;
       resolve_torch(torch);
@@ -97,7 +106,8 @@ int dpy_resolve_frameworks(void) {
     }
   }
   if (!dpy.cupy_ndarray) {
-    PyObject *cupy = sys_module("cupy");
+    static PyObject *key;
+    PyObject *cupy = sys_module(&key, "cupy");
     if (cupy) {
       dpy.cupy_ndarray = PyObject_GetAttrString(cupy, "ndarray");
       if (!dpy.cupy_ndarray || !PyType_Check(dpy.cupy_ndarray)) {
@@ -109,7 +119,8 @@ int dpy_resolve_frameworks(void) {
     }
   }
   if (!dpy.numpy_ndarray) {
-    PyObject *np = sys_module("numpy");
+    static PyObject *key;
+    PyObject *np = sys_module(&key, "numpy");
     if (np) {
       PyObject *nd = PyObject_GetAttrString(np, "ndarray");
       PyObject *gen = nd ? PyObject_GetAttrString(np, "generic") : NULL;

@@ -94,7 +94,7 @@ static int plain_instance(PyTypeObject *t) {
   return n == 0;
 }
 
-static uint8_t classify_slow(PyTypeObject *t) {
+static uint8_t kind_of(PyTypeObject *t) {
   PyObject *type = (PyObject *)t;
   if (PyType_IsSubtype(t, &PyType_Type) || t == &PyFunction_Type) return K_LEAF;
   if (PyType_IsSubtype(t, &PyCFunction_Type)) return K_CFUNC;
@@ -118,20 +118,28 @@ static uint8_t classify_slow(PyTypeObject *t) {
   return K_REDUCE;
 }
 
+/* A type not in the cache: classified and cached (out of line, so that the
+ * lookup below stays small enough to inline). */
+static __attribute__((noinline)) uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e);
+
 /* The kind of t, cached per type and version tag (a class changed after it
  * was cached gets a new tag, so the cache never answers for a stale class). */
-static uint8_t classify(PyTypeObject *t) {
+static inline uint8_t classify(PyTypeObject *t) {
   if (t == &PyList_Type) return K_LIST;
   if (t == &PyTuple_Type) return K_TUPLE;
   if (t == &PyDict_Type) return K_DICT;
-  if (t == &PySet_Type || t == &PyFrozenSet_Type) return K_SET;
-  if (t == &_PyNone_Type || t == &PyBool_Type || t == &PyLong_Type || t == &PyFloat_Type ||
-      t == &PyComplex_Type || t == &PyUnicode_Type || t == &PyBytes_Type)
+  if (t == &PyLong_Type || t == &PyUnicode_Type || t == &PyFloat_Type || t == &_PyNone_Type || t == &PyBool_Type)
     return K_LEAF;
   tcache_ent_t *e = &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE];
   if (e->type == t && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && e->version == t->tp_version_tag)
     return e->kind;
-  uint8_t k = classify_slow(t);
+  return classify_slow(t, e);
+}
+
+static uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
+  if (t == &PySet_Type || t == &PyFrozenSet_Type) return K_SET;
+  if (t == &PyComplex_Type || t == &PyBytes_Type) return K_LEAF;
+  uint8_t k = kind_of(t);
   if (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) {
     Py_INCREF(t);
     Py_XDECREF(e->type);
@@ -182,6 +190,7 @@ struct dpy_scanner {
   size_t *path_at;
   size_t npaths, paths_cap;
   int want_paths;
+  int tensor_memo;       /* tensors enter the memo (refs counted exactly) */
   PyObject *opaque;
   uint32_t max_depth;
   /* building (dumps): the root, a value per memo entry, a storage per
@@ -692,7 +701,12 @@ static int visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
   PyObject **dp = _PyObject_GetDictPtr(o);
   if (!dp) return PyErr_Occurred() ? walk_error(s, o, "its __dict__ cannot be read") : 0;
   PyObject *d = *dp;
-  return d && PyDict_Check(d) && PyDict_GET_SIZE(d) ? push(s, FR_ATTRS, d) : 0;
+  if (!d || !PyDict_Check(d) || !PyDict_GET_SIZE(d)) return 0;
+  if (!s->tensor_memo) { /* the memo was skipped: its attributes are entered once (t.me = t) */
+    int sn = seen(s, o);
+    if (sn) return sn < 0 ? -1 : 0;
+  }
+  return push(s, FR_ATTRS, d);
 }
 
 static int visit_torch(dpy_scanner_t *s, PyObject *o) {
@@ -1046,6 +1060,10 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   default:
     break;
   }
+  /* A tensor without the memo: met twice, its allocation is found again
+   * (the same one) and counted twice in refs; its attributes are still
+   * entered once (visit_tensor_attrs). */
+  if (k == K_TORCH && !s->tensor_memo) return visit_torch(s, o);
   int sn = seen(s, o);
   if (sn) return sn < 0 ? -1 : 0;
   switch (k) {
@@ -1735,6 +1753,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   s->npaths = 0;
   s->text_len = 0;
   s->want_paths = opts->paths;
+  s->tensor_memo = !opts->no_refs;
   s->opaque = opts->opaque;
   s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
   if (visit(s, obj)) return -1;
