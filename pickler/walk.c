@@ -511,7 +511,7 @@ static int flush_pending(dp__walker_t *w) {
   size_t id = 0;
   for (int i = 0; i < n; i++) {
     if (again >> i & 1) {
-      s->entries[id].refs++;
+      s->rest[id].refs++;
       continue;
     }
     int is_new;
