@@ -122,6 +122,7 @@ static void rearm(dp_ptrset_t *set, size_t cap) {
   char *tail;
   set->block = b;
   set->block_size = got;
+  set->sized = 1;
   set->cap = dp__ptrs_block_cap(got);
   block_arrays(b, set->cap, &set->bases, &set->rest, &tail);
 }
@@ -180,11 +181,14 @@ int dp__ptrs_freeze(dp__ptrs_t *out, dp_ptrset_t *set, int take, size_t extra, d
     dp_ptrset_clear(set);
     set->cap = 0;
     rearm(set, n);
-  } else if (take && n >= set->cap / 2) {
+  } else if (take && !set->sized && n >= set->cap / 2) {
     /* Copied, the set's block being too large for a record (it grew by
      * doubling): the set, now empty, gets one of just this size, which the
      * next completion of a value of this shape takes. Much smaller values
-     * leave the set as it is. */
+     * leave the set as it is, and so does a set that outgrew a block of
+     * the size it was given (a scan may reserve room for storages it then
+     * finds in the set already): it keeps its larger block, and its
+     * completions copy, rather than growing and shrinking every time. */
     dp__free(set->block, set->block_size);
     set->block = NULL;
     set->block_size = 0;

@@ -113,6 +113,7 @@ static int grow_entries(dp_ptrset_t *s, size_t need) {
   dp__free(s->block, s->block_size);
   s->block = b;
   s->block_size = size;
+  s->sized = 0;
   s->bases = bases;
   s->rest = rest;
   s->cap = cap;

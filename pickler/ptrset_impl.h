@@ -41,6 +41,7 @@ struct dp_ptrset {
   void **bases;         /* count, discovery order */
   dp__pentry_t *rest;   /* count, discovery order */
   size_t count, cap;
+  int sized;            /* the block was sized for a record (ptrs.c), not grown */
   dp__table_t tab;      /* (device, base) -> entry; tagged, cleared by generation */
   /* next entry on the same device + 1, or 0: written only once the set has
    * met a second device (NULL before; next_cap entries) */

@@ -470,6 +470,11 @@ static int flush_pending(dp__walker_t *w) {
   uint64_t h[DP_WALK_BATCH + DP_INLINE_MAX];
   int n = 0, m = w->npending, rc;
   w->npending = 0;
+  /* A storage right after itself (a view after its base tensor) is marked
+   * in `again`: the same entry, no probe. */
+  uint64_t again = 0;
+  _Static_assert(DP_WALK_BATCH + DP_INLINE_MAX <= 64, "a batch fits a 64-bit mask");
+  dp_storage_t *prev = NULL;
   for (int i = 0; i < m; i++) {
     dp_tensor_t *t = w->pending[i];
     if (dp__rc(&t->h) > w->memo_rc) {
@@ -478,29 +483,27 @@ static int flush_pending(dp__walker_t *w) {
       if (r < 0) return memo_failed(w, r);
       if (r == 1) continue;  /* the same tensor again: counted once */
     }
-    st[n] = t->storage;
-    __builtin_prefetch(st[n]);
-    n++;
+    dp_storage_t *x = t->storage;
+    again |= (uint64_t)(x == prev) << n;
+    st[n++] = x;
+    prev = x;
+    __builtin_prefetch(x);
   }
   if (!n) return 0;
   dp_ptrset_t *s = w->set;
   /* Room for the whole batch at once, so that inserts check nothing but the
    * device; if it cannot be had, each insert grows what it needs (and what
-   * was met before running out still lands in the set). */
-  int reserved = dp__ptrset_reserve(s, (size_t)n) == 0;
-  /* One key per device, derived again only when the device changes. A
-   * storage right after itself (a view after its base tensor) is marked in
-   * `again`: the same entry, no probe. */
+   * was met before running out still lands in the set). Room for the
+   * storages that can be new, not for every tensor: a set sized for its
+   * value (ptrs.c) is then never grown by a tensor and its view. */
+  int reserved = dp__ptrset_reserve(s, (size_t)(n - __builtin_popcountll(again))) == 0;
+  /* One key per device, derived again only when the device changes. */
   dp_device_t kdev = st[0]->device;
-  uint64_t key = dp__ptr_key(kdev), again = 0;
-  _Static_assert(DP_WALK_BATCH + DP_INLINE_MAX <= 64, "a batch fits a 64-bit mask");
+  uint64_t key = dp__ptr_key(kdev);
   const dp__tslot_t *slots = s->tab.slots;
   size_t mask = s->tab.nslots - 1;
   for (int i = 0; i < n; i++) {
-    if (i && st[i] == st[i - 1]) {
-      again |= 1ull << i;
-      continue;
-    }
+    if (again >> i & 1) continue;
     if (DP_UNLIKELY(dp__dev_bits(st[i]->device) != dp__dev_bits(kdev))) key = dp__ptr_key(kdev = st[i]->device);
     h[i] = dp__ptr_hash_keyed(st[i]->base, key);
     if (reserved) __builtin_prefetch(slots + (h[i] & mask), 1);
