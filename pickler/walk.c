@@ -601,9 +601,49 @@ undo:
  * its tensors counted once, but its depth counted again (a scan without
  * paths refused what pickle accepts). The items would be frames at depth
  * `depth`. */
+/* Scan only, over a long run of items (DP_SCAN_FAR_MIN or more, a value
+ * larger than the caches): fetches the tensors, lists and tuples
+ * DP_SCAN_FAR_AHEAD places ahead (their first two lines: a tuple's header
+ * and its elements), and for the one DP_SCAN_NEAR_AHEAD ahead, fetched by
+ * then, what its elements point to (a tensor's storage, a small tuple's
+ * tensor and list). Without it each (tensor, [view]) of a list of 100,000
+ * costs its misses one after another (completion 6.2-7.6 ms → 4.3-4.7 ms on
+ * the 2-core VM; a list of tensors 2.7 → 2.55 ms). User objects are left
+ * out: fetching theirs measured slower at 10,000 and no faster at 100,000.
+ * A short run is in cache and is left alone (the instructions would only
+ * cost there). */
+#define DP_SCAN_FAR_MIN 2048
+#define DP_SCAN_FAR_AHEAD 16
+#define DP_SCAN_NEAR_AHEAD 8
+
+DP_WALK_INLINE void prefetch_children(dp_value_t x) {
+  if (x.kind == DP_TENSOR) {
+    __builtin_prefetch(DP_TENSOR(x)->storage);
+  } else if (x.kind == DP_LIST || x.kind == DP_TUPLE) {
+    const dp_seq_t *q = DP_SEQ(x);
+    for (size_t j = 0; j < q->len && j < 2; j++)
+      if (q->items[j].kind >= DP_LIST) __builtin_prefetch(q->items[j].u.h);
+  }
+}
+
+DP_WALK_INLINE void scan_prefetch(const dp_value_t *items, size_t n, size_t i) {
+  size_t a = i + DP_SCAN_FAR_AHEAD;
+  if (a < n && items[a].kind >= DP_LIST && items[a].kind != DP_OBJECT) {
+    const char *p = (const char *)items[a].u.h;
+    __builtin_prefetch(p);
+    if (items[a].kind != DP_TENSOR) {
+      __builtin_prefetch(p + 64);
+    }
+  }
+  a = i + DP_SCAN_NEAR_AHEAD;
+  if (a < n && items[a].kind >= DP_LIST) prefetch_children(items[a]);
+}
+
 DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i, size_t depth) {
   uint32_t room = depth < w->max_depth ? (uint32_t)(w->max_depth - depth) : 0;
+  int far = n >= DP_SCAN_FAR_MIN;
   for (; *i < n; (*i)++) {
+    if (far) scan_prefetch(items, n, *i);
     uint32_t k = items[*i].kind;
     if (k < DP_LIST) continue;
     if (k == DP_TENSOR || ((k == DP_LIST || k == DP_TUPLE || k == DP_OBJECT) && w->memo_rc &&
