@@ -1,15 +1,17 @@
 /* pickler/ptrs.c — freezing a pointer set (ptrs.h).
  *
- * Blocks are recycled per thread. A runtime completes and releases futures
- * all the time, and a freeze block of a large value is hundreds of
- * kilobytes: handed back to malloc, such blocks are unmapped or trimmed
- * from the heap's top and every new completion pays page faults for
- * memory it writes once (a fifth of a 1,000-tensor completion here, more
- * under a hypervisor). A thread keeps up to RECYCLE_MAX freed blocks of at
- * most RECYCLE_BLOCK_MAX bytes, RECYCLE_BYTES_MAX in all; a freeze takes
- * a kept block that fits, if it is at most twice the size needed (the
- * most recently kept such block). Kept blocks go at thread exit
- * and in dp__ptrs_recycle_drain(). */
+ * A completion's record is its scratch set's block, taken (ptrs.h); the set
+ * gets another block of the size it needed. Blocks are recycled per thread:
+ * a runtime completes and releases futures all the time, and a block of a
+ * large value is hundreds of kilobytes: handed back to malloc, such blocks
+ * are unmapped or trimmed from the heap's top and every new completion pays
+ * page faults for memory it writes once (a fifth of a 1,000-tensor
+ * completion here, more under a hypervisor). A thread keeps up to
+ * RECYCLE_MAX freed blocks of at most RECYCLE_BLOCK_MAX bytes,
+ * RECYCLE_BYTES_MAX in all; a set's new block, or a copy, is a kept block
+ * that fits, if it is at most twice the size needed (the most recently kept
+ * such block). Kept blocks go at thread exit and in
+ * dp__ptrs_recycle_drain(). */
 #include <pthread.h>
 #include <stddef.h>
 #include <string.h>
