@@ -755,14 +755,15 @@ static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, v
   if (!c || !s) return dp__err(err, DP_EINVAL, "record_streams: NULL argument");
   int rc = 0;
   uint64_t ring[RECORD_RING];
-  size_t ring_at[RECORD_RING];  /* the index whose hash ring[] holds */
-  for (unsigned k = 0; k < RECORD_RING; k++) ring_at[k] = SIZE_MAX;
+  size_t ring_at[RECORD_RING];  /* the index whose hash ring[] holds (prefetch only) */
   pthread_mutex_lock(&c->mu);
   /* Nothing in the loop changes the map: its fields are read once. */
   const dp__table_t map = c->map, *t = &map;
   mapent_t *const mapped = c->mapped;
   size_t mask = t->nslots ? t->nslots - 1 : 0;
-  int prefetch = t->nslots > RECORD_PREFETCH_SLOTS;
+  int prefetch = t->nslots > RECORD_PREFETCH_SLOTS && n > 1;
+  if (prefetch)
+    for (unsigned k = 0; k < RECORD_RING; k++) ring_at[k] = SIZE_MAX;
   /* The run's segment: found last, all its used blocks on s (else NULL). */
   uintptr_t run_base = 0;
   size_t run_size = 0;
@@ -791,7 +792,7 @@ static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, v
         if (ref) __builtin_prefetch(&mapped[ref - 1]);
       }
     }
-    uint64_t h = ring_at[i % RECORD_RING] == i ? ring[i % RECORD_RING] : dp__hash_ptr(ptrs[i]);
+    uint64_t h = prefetch && ring_at[i % RECORD_RING] == i ? ring[i % RECORD_RING] : dp__hash_ptr(ptrs[i]);
     size_t slot, at = dp__table_find(t, DP_TABLE_TAGGED, h, ents_eq, mapped, ptrs[i], &slot);
     if (DP_LIKELY(at != DP_TABLE_NONE) && mapped[at].stream == s) {
       /* The block itself is read only on entering another segment: the

@@ -103,7 +103,7 @@ size_t dp__ptrs_block_size(size_t cap) {
 size_t dp__ptrs_block_cap(size_t size) {
   if (size < DP__PTRS_TAIL) return 0;
   size_t cap = (size - DP__PTRS_TAIL) / (sizeof(void *) + sizeof(dp__ptrs_rest_t));
-  while (cap && dp__ptrs_block_size(cap) > size) cap--;
+  if (cap && dp__ptrs_block_size(cap) > size) cap--;  /* the alignment took one entry's room */
   return cap;
 }
 
@@ -131,7 +131,7 @@ static void rearm(dp_ptrset_t *set, size_t cap) {
 
 int dp__ptrs_freeze(dp__ptrs_t *out, dp_ptrset_t *set, int take, size_t extra, dp_error_t *err) {
   size_t n = set->count, ng = set->ngroups;
-  memset(out, 0, sizeof *out);
+  *out = (dp__ptrs_t){0};
   /* The devices and extra: in the tail when they fit and nothing is
    * grouped; else in a block of their own, with the grouped bases. Sizes
    * are bounded by memory the set already holds: no overflow before extra. */
@@ -165,8 +165,15 @@ int dp__ptrs_freeze(dp__ptrs_t *out, dp_ptrset_t *set, int take, size_t extra, d
   out->n = n;
   out->ndevs = ng;
   if (n && out->block != set->block) {
-    memcpy(out->bases, set->bases, n * sizeof *out->bases);
-    memcpy(out->rest, set->rest, n * sizeof *out->rest);
+    if (n <= 8) {  /* a small value: no call */
+      for (size_t i = 0; i < n; i++) {
+        out->bases[i] = set->bases[i];
+        out->rest[i] = set->rest[i];
+      }
+    } else {
+      memcpy(out->bases, set->bases, n * sizeof *out->bases);
+      memcpy(out->rest, set->rest, n * sizeof *out->rest);
+    }
   }
   size_t pos = 0;
   for (size_t g = 0; g < ng; g++) {
