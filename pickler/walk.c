@@ -473,7 +473,6 @@ static int flush_pending(dp__walker_t *w) {
   /* A storage right after itself (a view after its base tensor) is marked
    * in `again`: the same entry, no probe. */
   uint64_t again = 0;
-  int copies = 0;  /* bits set in again */
   _Static_assert(DP_WALK_BATCH + DP_INLINE_MAX <= 64, "a batch fits a 64-bit mask");
   dp_storage_t *prev = NULL;
   for (int i = 0; i < m; i++) {
@@ -485,9 +484,7 @@ static int flush_pending(dp__walker_t *w) {
       if (r == 1) continue;  /* the same tensor again: counted once */
     }
     dp_storage_t *x = t->storage;
-    int same = x == prev;
-    again |= (uint64_t)same << n;
-    copies += same;
+    again |= (uint64_t)(x == prev) << n;
     st[n++] = x;
     prev = x;
     __builtin_prefetch(x);
@@ -499,7 +496,7 @@ static int flush_pending(dp__walker_t *w) {
    * was met before running out still lands in the set). Room for the
    * storages that can be new, not for every tensor: a set sized for its
    * value (ptrs.c) is then never grown by a tensor and its view. */
-  int reserved = dp__ptrset_reserve(s, (size_t)(n - copies)) == 0;
+  int reserved = dp__ptrset_reserve(s, (size_t)(n - __builtin_popcountll(again))) == 0;
   /* One key per device, derived again only when the device changes. */
   dp_device_t kdev = st[0]->device;
   uint64_t key = dp__ptr_key(kdev);
