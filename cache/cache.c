@@ -722,13 +722,26 @@ static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *
   return dp_cache_record_stream(ctx, ptr, s, err);
 }
 
-/* The batched record: one lock, and the lookups pipelined — the slot of the
- * pointer RECORD_SLOT_AHEAD ahead is fetched, and the dense entry its home
- * slot names for the one RECORD_ENTRY_AHEAD ahead, so that the misses of a
- * large batch (slots and entries out of cache) overlap instead of queuing
- * one after another. Hashes are taken once, in a ring. A map whose slots
- * fit the first-level cache (RECORD_PREFETCH_SLOTS) is not prefetched: the
- * extra instructions would only cost there. */
+/* The batched record: one lock; most pointers need no lookup, and the
+ * lookups that remain are pipelined.
+ *
+ * Runs. Most pointers of a completion lie in the segment of the pointer
+ * before, whose used blocks were all allocated on the recording stream
+ * (segment.one_stream): a record there is a no-op. Such a run is passed in
+ * a loop of a range check a pointer, with nothing hashed or fetched. (The
+ * pipeline below used to hash every pointer and fetch its slot and entry,
+ * for the lookup of perhaps one pointer in a thousand: two thirds of the
+ * record's instructions and, past RECORD_PREFETCH_SLOTS, two cache lines a
+ * pointer that nothing read.)
+ *
+ * Lookups. Each lookup fetches, RECORD_SLOT_AHEAD pointers ahead, the slots
+ * of the pointers not in the current run's segment, and the dense entry the
+ * home slot names for the one RECORD_ENTRY_AHEAD ahead, so that the misses
+ * of many lookups (slots and entries out of cache) overlap instead of
+ * queuing one after another. Hashes taken ahead wait in a ring, each with
+ * the index it is for. A map whose slots fit the first-level cache
+ * (RECORD_PREFETCH_SLOTS) is not prefetched: the extra instructions would
+ * only cost there. */
 #define RECORD_RING 32u           /* a power of two, > RECORD_SLOT_AHEAD */
 #define RECORD_SLOT_AHEAD 16u
 #define RECORD_ENTRY_AHEAD 8u
@@ -742,44 +755,60 @@ static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, v
   if (!c || !s) return dp__err(err, DP_EINVAL, "record_streams: NULL argument");
   int rc = 0;
   uint64_t ring[RECORD_RING];
+  size_t ring_at[RECORD_RING];  /* the index whose hash ring[] holds (prefetch only) */
   pthread_mutex_lock(&c->mu);
   /* Nothing in the loop changes the map: its fields are read once. */
   const dp__table_t map = c->map, *t = &map;
   mapent_t *const mapped = c->mapped;
   size_t mask = t->nslots ? t->nslots - 1 : 0;
-  int prefetch = t->nslots > RECORD_PREFETCH_SLOTS;
-  for (size_t i = 0; i < n && i < RECORD_SLOT_AHEAD; i++) {
-    ring[i] = dp__hash_ptr(ptrs[i]);
-    if (prefetch) dp__table_prefetch(t, DP_TABLE_TAGGED, ring[i]);
-  }
-  const segment_t *last = NULL;  /* the segment of the last pointer found */
-  for (size_t i = 0; i < n && rc != DP_ENOMEM; i++) {
-    size_t ahead = i + RECORD_SLOT_AHEAD;
-    if (ahead < n) {
-      uint64_t h = ring[ahead % RECORD_RING] = dp__hash_ptr(ptrs[ahead]);
-      if (prefetch) dp__table_prefetch(t, DP_TABLE_TAGGED, h);
+  int prefetch = t->nslots > RECORD_PREFETCH_SLOTS && n > 1;
+  if (prefetch)
+    for (unsigned k = 0; k < RECORD_RING; k++) ring_at[k] = SIZE_MAX;
+  /* The run's segment: found last, all its used blocks on s (else NULL). */
+  uintptr_t run_base = 0;
+  size_t run_size = 0;
+  size_t pf = 0;  /* the next index the pipeline has not looked at */
+  for (size_t i = 0; i < n && rc != DP_ENOMEM;) {
+    if (run_size) {
+      size_t j = i;
+      while (j < n && (uintptr_t)ptrs[j] - run_base < run_size) j++;
+      if (j != i) {
+        if (owned) memset(owned + i, 1, j - i);
+        i = j;
+        continue;
+      }
     }
-    ahead = i + RECORD_ENTRY_AHEAD;
-    if (prefetch && ahead < n) {
-      uint32_t ref = dp__table_ref(t, DP_TABLE_TAGGED, ring[ahead % RECORD_RING] & mask);
-      if (ref) __builtin_prefetch(&mapped[ref - 1]);
+    if (prefetch) {
+      if (pf <= i) pf = i;
+      for (; pf < n && pf <= i + RECORD_SLOT_AHEAD; pf++) {
+        if (pf > i && (uintptr_t)ptrs[pf] - run_base < run_size) continue;
+        uint64_t h = ring[pf % RECORD_RING] = dp__hash_ptr(ptrs[pf]);
+        ring_at[pf % RECORD_RING] = pf;
+        dp__table_prefetch(t, DP_TABLE_TAGGED, h);
+      }
+      size_t e = i + RECORD_ENTRY_AHEAD;
+      if (e < n && ring_at[e % RECORD_RING] == e) {
+        uint32_t ref = dp__table_ref(t, DP_TABLE_TAGGED, ring[e % RECORD_RING] & mask);
+        if (ref) __builtin_prefetch(&mapped[ref - 1]);
+      }
     }
-    /* In the last segment found, whose used blocks are all on s: nothing to do. */
-    if (last && last->one_stream == s && (uintptr_t)ptrs[i] - (uintptr_t)last->base < last->size) {
-      if (owned) owned[i] = 1;
-      continue;
-    }
-    size_t slot, at = dp__table_find(t, DP_TABLE_TAGGED, ring[i % RECORD_RING], ents_eq, mapped, ptrs[i], &slot);
+    uint64_t h = prefetch && ring_at[i % RECORD_RING] == i ? ring[i % RECORD_RING] : dp__hash_ptr(ptrs[i]);
+    size_t slot, at = dp__table_find(t, DP_TABLE_TAGGED, h, ents_eq, mapped, ptrs[i], &slot);
     if (DP_LIKELY(at != DP_TABLE_NONE) && mapped[at].stream == s) {
       /* The block itself is read only on entering another segment: the
        * entry alone decides every other record. */
-      if (!last || (uintptr_t)ptrs[i] - (uintptr_t)last->base >= last->size) last = mapped[at].b->seg;
+      const segment_t *seg = mapped[at].b->seg;
+      int same = seg->one_stream == s;
+      run_base = same ? (uintptr_t)seg->base : 0;
+      run_size = same ? seg->size : 0;
       if (owned) owned[i] = 1;
+      i++;
       continue;
     }
     rc = record_slow(c, ptrs[i], at != DP_TABLE_NONE ? &mapped[at] : NULL, s, err);
     if (rc == DP_ENOTFOUND) rc = 0;
     else if (owned && rc == 0) owned[i] = 1;
+    i++;
   }
   pthread_mutex_unlock(&c->mu);
   return rc;

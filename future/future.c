@@ -330,14 +330,16 @@ static int refuse_device(const dp_future_t *f, const dp__ptrs_t *p, dp_device_t 
                  dp_device_format(d, one, sizeof one), ok, used);
 }
 
-/* Freezes the set into a record, checks devices, records one event per
- * used device on the given streams (the current ones when streams is NULL)
- * and the allocations on those streams. */
-static int prepare(dp_future_t *f, const dp_ptrset_t *set, dp_stream_t *const *streams, record_t *r, dp_error_t *err) {
+/* Freezes the set into a record (take: the set is scratch, whose block the
+ * record takes instead of a copy: pickler/ptrs.h), checks devices, records
+ * one event per used device on the given streams (the current ones when
+ * streams is NULL) and the allocations on those streams. */
+static int prepare(dp_future_t *f, dp_ptrset_t *set, int take, dp_stream_t *const *streams, record_t *r,
+                   dp_error_t *err) {
   r->devs = NULL;
   r->ndevs = 0;
-  /* Room for an fdev_t a device (cpu's unused): one block, one pass. */
-  int rc = dp__ptrs_freeze(&r->ptrs, set, dp_ptrset_ndevices(set) * sizeof(fdev_t), err);
+  /* Room for an fdev_t a device (cpu's unused), with the record. */
+  int rc = dp__ptrs_freeze(&r->ptrs, set, take, dp_ptrset_ndevices(set) * sizeof(fdev_t), err);
   if (rc) return rc;
   r->devs = r->ptrs.extra;
   for (size_t g = 0; g < r->ptrs.ndevs; g++)
@@ -412,15 +414,15 @@ static int publish(dp_future_t *f, dp_value_t value, record_t *rec, const dp_err
   return rc;
 }
 
-/* Completes f from a filled set on the given streams (NULL: current). A
- * failure completes f with that failure. The callbacks to dispatch are
- * handed back in *cbs. */
-static int complete_with_set(dp_future_t *f, dp_value_t value, const dp_ptrset_t *set, dp_stream_t *const *streams,
+/* Completes f from a filled set on the given streams (NULL: current); take:
+ * the set is scratch (see prepare). A failure completes f with that
+ * failure. The callbacks to dispatch are handed back in *cbs. */
+static int complete_with_set(dp_future_t *f, dp_value_t value, dp_ptrset_t *set, int take, dp_stream_t *const *streams,
                              dp_error_t *err, cbent_t **cbs) {
   record_t rec;
   dp_error_t e;
   dp_error_clear(&e);
-  int rc = prepare(f, set, streams, &rec, &e);
+  int rc = prepare(f, set, take, streams, &rec, &e);
   if (rc) {
     if (err) *err = e;
     int prc = publish_only(f, value, NULL, &e, err, cbs);  /* already complete: says so */
@@ -450,7 +452,7 @@ int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) 
     return publish(f, value, NULL, &e, NULL) == 0 ? rc : DP_ESTATE;
   }
   cbent_t *cbs;
-  rc = complete_with_set(f, value, set, NULL, err, &cbs);
+  rc = complete_with_set(f, value, set, 1, NULL, err, &cbs);
   scratch_put(set, owned);  /* free for the callbacks */
   dispatch(f, cbs);
   return rc;
@@ -468,7 +470,8 @@ int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const d
     return publish(f, value, NULL, &e, NULL) == 0 ? DP_EINVAL : DP_ESTATE;
   }
   cbent_t *cbs;
-  int rc = complete_with_set(f, value, ptrs, NULL, err, &cbs);
+  /* the caller's set: copied, never changed (take 0) */
+  int rc = complete_with_set(f, value, (dp_ptrset_t *)ptrs, 0, NULL, err, &cbs);
   dispatch(f, cbs);
   return rc;
 }
@@ -773,7 +776,7 @@ static void collect_finish(collect_t *c) {
     streams[nd++] = s;
   }
   cbent_t *cbs = NULL;
-  if (rc == 0) rc = complete_with_set(c->out, list, set, streams, &err, &cbs);
+  if (rc == 0) rc = complete_with_set(c->out, list, set, 0, streams, &err, &cbs);
   else {
     dp_value_release(list);
     dp_future_set_error(c->out, &err, NULL);

@@ -1,16 +1,20 @@
-/* pickler/ptrs.h — a pointer set frozen into one block: what the layers
+/* pickler/ptrs.h — a pointer set frozen into a record: what the layers
  * above the pickler (the future) keep of a scan, read through
  * dp__ptrs_get() as the public record (dp_ptr_info_t, without paths)
  * without knowing the set's layout.
  *
  * Layout, for the memory a completed future holds (24 bytes an allocation
  * on one device): the bases in discovery order, then the rest of each
- * allocation, then — with more than one device — the bases again, grouped
- * by device, each device's run contiguous and in discovery order, since
- * that is what the allocator hooks take (dp_cache_hooks_record); with one
- * device the grouped bases are the bases themselves. A freeze is one
- * allocation, with room after it for the caller's own per-device data.
- * Immutable once made: threads read it without a lock. */
+ * allocation, in one block — the layout of a pointer set's own block
+ * (ptrset_impl.h), so that a completion takes its scratch set's block as
+ * the record (no copy) and gives the set another. With more than one device
+ * the bases are also kept grouped by device, each device's run contiguous
+ * and in discovery order, since that is what the allocator hooks take
+ * (dp_cache_hooks_record); with one device the grouped bases are the bases
+ * themselves. The devices and the caller's per-device data go in the
+ * block's tail (DP__PTRS_TAIL bytes) when they fit, else in a second block
+ * with the grouped bases. Immutable once made: threads read it without a
+ * lock. */
 #ifndef DP_PICKLER_PTRS_H
 #define DP_PICKLER_PTRS_H
 
@@ -29,8 +33,10 @@ typedef struct dp__ptrs_rest {
 } dp__ptrs_rest_t;
 
 typedef struct dp__ptrs {
-  void *block;
+  void *block;            /* bases, rest (and the tail): a set's block or a copy */
   size_t block_size;
+  void *meta;             /* devs, grouped bases, extra, when not in the tail */
+  size_t meta_size;
   size_t n;
   void **bases;           /* n, discovery order */
   dp__ptrs_rest_t *rest;  /* n, discovery order */
@@ -46,11 +52,22 @@ static inline void dp__ptrs_get(const dp__ptrs_t *p, size_t i, dp_ptr_info_t *ou
   *out = (dp_ptr_info_t){r->device, p->bases[i], r->nbytes, r->refs, NULL};
 }
 
-/* Freezes set into *out, with `extra` bytes for the caller. An empty set
- * with no extra allocates nothing. DP_ENOMEM leaves *out empty. */
-int dp__ptrs_freeze(dp__ptrs_t *out, const dp_ptrset_t *set, size_t extra, dp_error_t *err);
-/* Frees the block (an empty or zeroed record is fine): the calling thread
- * keeps it for a later freeze (see ptrs.c), within a bound. */
+/* Bytes after a block's two arrays, for a small record's devices and extra. */
+#define DP__PTRS_TAIL 128u
+
+/* A block of `size` bytes laid out for `cap` entries: bases at the start,
+ * the rest after bases[cap], the tail after rest[cap]. */
+size_t dp__ptrs_block_size(size_t cap);   /* 0 on overflow */
+size_t dp__ptrs_block_cap(size_t size);
+
+/* Freezes set into *out, with `extra` bytes for the caller. take: the set
+ * is the caller's scratch — its block becomes the record's, and the set,
+ * now empty, gets another (from the thread's kept blocks when one fits);
+ * else the set is copied and left as it was. An empty set with no extra
+ * allocates nothing. DP_ENOMEM leaves *out empty and the set as it was. */
+int dp__ptrs_freeze(dp__ptrs_t *out, dp_ptrset_t *set, int take, size_t extra, dp_error_t *err);
+/* Frees the blocks (an empty or zeroed record is fine): the calling thread
+ * keeps them for a later freeze or set (see ptrs.c), within a bound. */
 void dp__ptrs_free(dp__ptrs_t *p);
 /* Frees the blocks the calling thread keeps (its exit does it too). */
 void dp__ptrs_recycle_drain(void);

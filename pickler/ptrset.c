@@ -66,8 +66,10 @@ void dp__arena_free(dp__arena_t *a) {
 
 void dp_ptrset_free(dp_ptrset_t *s) {
   if (!s) return;
-  dp__arena_free(&s->paths);
-  dp__free(s->entries, s->cap * sizeof(dp__pentry_t));
+  dp__arena_free(&s->paths_arena);
+  dp__free(s->paths, s->paths_cap * sizeof *s->paths);
+  dp__free(s->block, s->block_size);
+  dp__free(s->next_on, s->next_cap * sizeof *s->next_on);
   dp__table_destroy(&s->tab, DP_TABLE_TAGGED);
   dp__free(s->groups, s->groups_cap * sizeof(dp__pgroup_t));
   if (s->scratch_free) s->scratch_free(s->scratch);
@@ -76,7 +78,8 @@ void dp_ptrset_free(dp_ptrset_t *s) {
 
 void dp_ptrset_clear(dp_ptrset_t *s) {
   if (!s) return;
-  dp__arena_reset(&s->paths);
+  dp__arena_reset(&s->paths_arena);
+  s->npaths = 0;
   s->count = 0;
   s->ngroups = 0;
   s->last_group = 0;
@@ -84,8 +87,37 @@ void dp_ptrset_clear(dp_ptrset_t *s) {
 }
 
 static uint64_t entry_hash(const void *ctx, size_t i) {
-  const dp__pentry_t *e = &((const dp_ptrset_t *)ctx)->entries[i];
-  return dp__ptr_hash(e->device, e->base);
+  const dp_ptrset_t *s = ctx;
+  return dp__ptr_hash(s->rest[i].device, s->bases[i]);
+}
+
+/* Room for `need` entries: a larger block (ptrs.h layout), the entries
+ * copied over, and the chain's array grown alike once there is one. */
+static int grow_entries(dp_ptrset_t *s, size_t need) {
+  if (need <= s->cap) return 0;
+  size_t cap = s->cap ? s->cap : 16;
+  while (cap < need) {
+    if (cap > SIZE_MAX / 4) return DP_ENOMEM;
+    cap *= 2;
+  }
+  if (s->next_on && dp__grow((void **)&s->next_on, &s->next_cap, cap, sizeof *s->next_on) != 0) return DP_ENOMEM;
+  size_t size = dp__ptrs_block_size(cap);
+  void *b = size ? dp__alloc(size) : NULL;
+  if (!b) return DP_ENOMEM;
+  void **bases = b;
+  dp__pentry_t *rest = (dp__pentry_t *)(bases + cap);
+  if (s->count) {
+    memcpy(bases, s->bases, s->count * sizeof *bases);
+    memcpy(rest, s->rest, s->count * sizeof *rest);
+  }
+  dp__free(s->block, s->block_size);
+  s->block = b;
+  s->block_size = size;
+  s->sized = 0;
+  s->bases = bases;
+  s->rest = rest;
+  s->cap = cap;
+  return 0;
 }
 
 static size_t group_of(dp_ptrset_t *s, dp_device_t d) {
@@ -115,23 +147,27 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
     if (dp__grow((void **)&s->groups, &s->groups_cap, s->ngroups + 1, sizeof(dp__pgroup_t)) != 0)
       return dp__err(err, DP_ENOMEM, "out of memory growing a pointer set's devices");
     if (s->ngroups == 1) {  /* a second device: chain the first one's entries (0, 1, 2, ...) */
-      for (size_t k = 0; k + 1 < s->count; k++) s->entries[k].next_on = (uint32_t)(k + 2);
-      if (s->count) s->entries[s->count - 1].next_on = 0;
+      if (dp__grow((void **)&s->next_on, &s->next_cap, s->cap > s->count + 1 ? s->cap : s->count + 1,
+                   sizeof *s->next_on) != 0)
+        return dp__err(err, DP_ENOMEM, "out of memory growing a pointer set's devices");
+      for (size_t k = 0; k + 1 < s->count; k++) s->next_on[k] = (uint32_t)(k + 2);
+      if (s->count) s->next_on[s->count - 1] = 0;
     }
     g = s->ngroups++;
     s->groups[g] = (dp__pgroup_t){device, 0, 0, 0};
     s->last_group = g;
   }
-  if (s->count == s->cap &&
-      dp__grow((void **)&s->entries, &s->cap, s->count + 1, sizeof(dp__pentry_t)) != 0) {
+  if (s->count == s->cap && grow_entries(s, s->count + 1) != 0) {
     if (s->groups[g].count == 0) s->ngroups--;
     return dp__err(err, DP_ENOMEM, "out of memory growing a pointer set's entries");
   }
   size_t j = slot != SIZE_MAX ? slot : dp__table_empty_slot(&s->tab, DP_TABLE_TAGGED, h);
   dp__pgroup_t *gr = &s->groups[g];
   if (gr->count == 0) gr->head = (uint32_t)s->count;
-  DP__PENTRY_PUSH(*index, s->entries, s->count, &s->tab, g, gr->count, gr->tail, s->ngroups > 1 && gr->count > 0,
-                  device, base, nbytes, h, j);
+  int chained = s->ngroups > 1 && gr->count > 0;
+  if (s->ngroups > 1 && !chained) s->next_on[s->count] = 0;  /* a group's head: its chain ends here so far */
+  DP__PENTRY_PUSH(*index, s->bases, s->rest, s->next_on, s->count, &s->tab, g, gr->count, gr->tail, chained, device,
+                  base, nbytes, h, j);
   return 0;
 }
 
@@ -144,7 +180,7 @@ int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
     int rc = dp__table_grow(&s->tab, DP_TABLE_TAGGED, s->count, slots, entry_hash, s);
     if (rc) return rc;
   }
-  return dp__grow((void **)&s->entries, &s->cap, need, sizeof(dp__pentry_t));
+  return grow_entries(s, need);
 }
 
 /* The batch's loop keeps the table, the entries and the device's group in
@@ -154,7 +190,9 @@ int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
 int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t *h, uint64_t again, int n,
                          dp_error_t *err) {
   dp__table_t tab = s->tab;
-  dp__pentry_t *entries = s->entries;
+  void **bases = s->bases;
+  dp__pentry_t *rest = s->rest;
+  uint32_t *next_on = s->next_on;
   size_t count = s->count, id = 0, g = s->last_group;
   /* the device that takes the fast path: the last insert's (none: 0x10000) */
   uint32_t gdev = g < s->ngroups ? dp__dev_bits(s->groups[g].device) : 0x10000u;
@@ -168,14 +206,14 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
   int rc = 0;
   for (int i = 0; i < n; i++) {
     if (again >> i & 1) {
-      entries[id].refs++;
+      rest[id].refs++;
       continue;
     }
     const dp_storage_t *x = st[i];
     dp__pkey_t key = {x->base, x->device};
     size_t j, at = dp__table_find(&tab, DP_TABLE_TAGGED, h[i], dp__ptrset_eq, s, &key, &j);
     if (at != DP_TABLE_NONE) {
-      dp__pentry_t *e = &entries[at];
+      dp__pentry_t *e = &rest[at];
       e->refs++;
       if (x->nbytes > e->nbytes) e->nbytes = x->nbytes;
       id = at;
@@ -190,7 +228,9 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
       }
       if ((rc = dp__ptrset_insert_new(s, x->device, x->base, x->nbytes, h[i], j, &id, err)) != 0) return rc;
       tab = s->tab;
-      entries = s->entries;
+      bases = s->bases;
+      rest = s->rest;
+      next_on = s->next_on;
       count = s->count;
       g = s->last_group;
       gdev = dp__dev_bits(s->groups[g].device);
@@ -199,7 +239,8 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
       chained = s->ngroups > 1;
       continue;
     }
-    DP__PENTRY_PUSH(id, entries, count, &tab, g, gcount, gtail, chained, x->device, x->base, x->nbytes, h[i], j);
+    DP__PENTRY_PUSH(id, bases, rest, next_on, count, &tab, g, gcount, gtail, chained, x->device, x->base, x->nbytes, h[i],
+                    j);
   }
   s->tab = tab;
   s->count = count;
@@ -223,9 +264,12 @@ int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbyte
 }
 
 int dp__ptrset_set_path(dp_ptrset_t *s, size_t index, const char *path) {
-  char *p = dp__arena_strdup(&s->paths, path, strlen(path));
+  if (dp__grow((void **)&s->paths, &s->paths_cap, index + 1, sizeof *s->paths) != 0) return DP_ENOMEM;
+  char *p = dp__arena_strdup(&s->paths_arena, path, strlen(path));
   if (!p) return DP_ENOMEM;
-  s->entries[index].path = p;
+  while (s->npaths < index) s->paths[s->npaths++] = NULL;
+  s->paths[index] = p;
+  if (s->npaths == index) s->npaths++;
   return 0;
 }
 
@@ -247,12 +291,12 @@ size_t dp_ptrset_count(const dp_ptrset_t *s) { return s ? s->count : 0; }
 int dp_ptrset_get(const dp_ptrset_t *s, size_t i, dp_ptr_info_t *out, dp_error_t *err) {
   if (!s || !out) return dp__err(err, DP_EINVAL, "dp_ptrset_get: NULL %s", s ? "out" : "set");
   if (i >= s->count) return dp__err(err, DP_EINVAL, "dp_ptrset_get: index %zu out of range (the set holds %zu)", i, s->count);
-  const dp__pentry_t *e = &s->entries[i];
+  const dp__pentry_t *e = &s->rest[i];
   out->device = e->device;
-  out->base = e->base;
+  out->base = s->bases[i];
   out->nbytes = e->nbytes;
   out->refs = e->refs;
-  out->path = e->path;
+  out->path = i < s->npaths ? s->paths[i] : NULL;
   return 0;
 }
 
@@ -274,6 +318,6 @@ size_t dp_ptrset_first_on(const dp_ptrset_t *s, size_t j) {
 size_t dp_ptrset_next_on(const dp_ptrset_t *s, size_t i) {
   if (!s || i >= s->count) return SIZE_MAX;
   if (s->ngroups == 1) return i + 1 < s->count ? i + 1 : SIZE_MAX;  /* not chained: see DP__PENTRY_PUSH */
-  if (s->entries[i].next_on == 0) return SIZE_MAX;
-  return s->entries[i].next_on - 1;
+  if (s->next_on[i] == 0) return SIZE_MAX;
+  return s->next_on[i] - 1;
 }

@@ -4,6 +4,7 @@
 #ifndef DP_PICKLER_PTRSET_IMPL_H
 #define DP_PICKLER_PTRSET_IMPL_H
 #include "internal.h"
+#include "ptrs.h"
 
 /* A bump arena of strings: chunks kept across resets, so that refilling it
  * with what it held before allocates nothing. */
@@ -23,15 +24,10 @@ char *dp__arena_strdup(dp__arena_t *a, const char *s, size_t n);
 void dp__arena_reset(dp__arena_t *a);
 void dp__arena_free(dp__arena_t *a);
 
-typedef struct dp__pentry {
-  dp_device_t device;
-  uint32_t refs;
-  void *base;
-  size_t nbytes;
-  char *path;
-  uint32_t next_on;   /* next entry on the same device + 1, or 0 */
-  uint32_t group;
-} dp__pentry_t;
+/* An entry but its base: the set keeps bases and the rest in two arrays of
+ * one block, laid out as a frozen record's (ptrs.h), so that a completion
+ * takes the block as its record instead of copying it (dp__ptrs_freeze). */
+typedef dp__ptrs_rest_t dp__pentry_t;
 
 typedef struct dp__pgroup {
   dp_device_t device;
@@ -40,13 +36,23 @@ typedef struct dp__pgroup {
 } dp__pgroup_t;
 
 struct dp_ptrset {
-  dp__pentry_t *entries;
+  void *block;          /* bases[cap], rest[cap], then DP__PTRS_TAIL bytes (ptrs.h) */
+  size_t block_size;
+  void **bases;         /* count, discovery order */
+  dp__pentry_t *rest;   /* count, discovery order */
   size_t count, cap;
+  int sized;            /* the block was sized for a record (ptrs.c), not grown */
   dp__table_t tab;      /* (device, base) -> entry; tagged, cleared by generation */
+  /* next entry on the same device + 1, or 0: written only once the set has
+   * met a second device (NULL before; next_cap entries) */
+  uint32_t *next_on;
+  size_t next_cap;
   dp__pgroup_t *groups;
   size_t ngroups, groups_cap;
   size_t last_group;
-  dp__arena_t paths;    /* entries' paths; kept across clears */
+  char **paths;         /* paths[i] for i < npaths; NULL past it */
+  size_t npaths, paths_cap;
+  dp__arena_t paths_arena; /* the paths' text; kept across clears */
   /* Scratch memory that a user of the set keeps with it between uses (a
    * scan keeps its walker here, walk.c): opaque to the set, which only
    * frees it, with scratch_free, when the set is freed. */
@@ -98,28 +104,33 @@ typedef struct dp__pkey {
 } dp__pkey_t;
 
 static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, size_t i, const void *key) {
-  const dp__pentry_t *e = &((const dp_ptrset_t *)ctx)->entries[i];
+  const dp_ptrset_t *s = ctx;
   const dp__pkey_t *k = key;
-  return e->base == k->base && dp__dev_bits(e->device) == dp__dev_bits(k->device);
+  return s->bases[i] == k->base && dp__dev_bits(s->rest[i].device) == dp__dev_bits(k->device);
 }
 
-/* The one way an entry is added: appended as entries[count] (its index
- * stored in `id`), in group g (its entry count `gcount`, its last entry
- * `gtail`), linked after that last entry when `chained`, and put in the
- * table *tab at slot j (hash h). Room has been made. Each device's entries
- * are chained in order (next_on); while the set has one device the chain is
- * entries 0, 1, 2, ... and is not written (chained is 0: ptrset.c links it
- * when a second device comes). A group's first entry is its head: the
- * caller sets it (chained is then 0).
+/* The one way an entry is added: appended as entry `count` (its index
+ * stored in `id`: bases[id], rest[id]), in group g (its entry count
+ * `gcount`, its last entry `gtail`), linked after that last entry when
+ * `chained`, and put in the table *tab at slot j (hash h). Room has been
+ * made. Each device's entries are chained in order (next_on); while the set
+ * has one device the chain is entries 0, 1, 2, ... and is not written
+ * (chained is 0, next_on may be NULL: ptrset.c links it when a second device
+ * comes). A group's first entry is its head: the caller sets it (chained is
+ * then 0).
  * A macro over lvalues, not a function over pointers: the batch loop
  * (dp__ptrset_add_batch) passes locals that must stay in registers, and
  * pointers to them cost its loop 3 % (the compiler then keeps the table and
  * the entries in memory). */
-#define DP__PENTRY_PUSH(id, entries, count, tab, g, gcount, gtail, chained, device_, base_, nbytes_, h, j) \
+#define DP__PENTRY_PUSH(id, bases, rest, next_on, count, tab, g, gcount, gtail, chained, device_, base_, nbytes_, h, j) \
   do {                                                                                                   \
     (id) = (count)++;                                                                                    \
-    (entries)[id] = (dp__pentry_t){(device_), 1, (base_), (nbytes_), NULL, 0, (uint32_t)(g)};            \
-    if (chained) (entries)[gtail].next_on = (uint32_t)((id) + 1);                                         \
+    (bases)[id] = (base_);                                                                               \
+    (rest)[id] = (dp__pentry_t){(nbytes_), 1, (device_)};                                                \
+    if (chained) {                                                                                       \
+      (next_on)[gtail] = (uint32_t)((id) + 1);                                                           \
+      (next_on)[id] = 0;                                                                                 \
+    }                                                                                                    \
     (gtail) = (uint32_t)(id);                                                                            \
     (gcount)++;                                                                                          \
     dp__table_put((tab), DP_TABLE_TAGGED, (j), (h), (id));                                               \
@@ -151,7 +162,7 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
   dp__pkey_t key = {base, device};
   size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
   if (at != DP_TABLE_NONE) {
-    dp__pentry_t *e = &s->entries[at];
+    dp__pentry_t *e = &s->rest[at];
     e->refs++;
     if (nbytes > e->nbytes) e->nbytes = nbytes;
     *index = at;
@@ -163,8 +174,8 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
   if (DP_LIKELY(j != SIZE_MAX && !dp__table_full(&s->tab) && s->count < s->cap &&
                 s->last_group < s->ngroups && dp__dev_bits(s->groups[s->last_group].device) == dp__dev_bits(device))) {
     dp__pgroup_t *gr = &s->groups[s->last_group];
-    DP__PENTRY_PUSH(*index, s->entries, s->count, &s->tab, s->last_group, gr->count, gr->tail, s->ngroups > 1, device,
-                    base, nbytes, h, j);
+    DP__PENTRY_PUSH(*index, s->bases, s->rest, s->next_on, s->count, &s->tab, s->last_group, gr->count, gr->tail,
+                    s->ngroups > 1, device, base, nbytes, h, j);
     return 0;
   }
   return dp__ptrset_insert_new(s, device, base, nbytes, h, j, index, err);

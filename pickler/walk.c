@@ -470,6 +470,11 @@ static int flush_pending(dp__walker_t *w) {
   uint64_t h[DP_WALK_BATCH + DP_INLINE_MAX];
   int n = 0, m = w->npending, rc;
   w->npending = 0;
+  /* A storage right after itself (a view after its base tensor) is marked
+   * in `again`: the same entry, no probe. */
+  uint64_t again = 0;
+  _Static_assert(DP_WALK_BATCH + DP_INLINE_MAX <= 64, "a batch fits a 64-bit mask");
+  dp_storage_t *prev = NULL;
   for (int i = 0; i < m; i++) {
     dp_tensor_t *t = w->pending[i];
     if (dp__rc(&t->h) > w->memo_rc) {
@@ -478,29 +483,27 @@ static int flush_pending(dp__walker_t *w) {
       if (r < 0) return memo_failed(w, r);
       if (r == 1) continue;  /* the same tensor again: counted once */
     }
-    st[n] = t->storage;
-    __builtin_prefetch(st[n]);
-    n++;
+    dp_storage_t *x = t->storage;
+    again |= (uint64_t)(x == prev) << n;
+    st[n++] = x;
+    prev = x;
+    __builtin_prefetch(x);
   }
   if (!n) return 0;
   dp_ptrset_t *s = w->set;
   /* Room for the whole batch at once, so that inserts check nothing but the
    * device; if it cannot be had, each insert grows what it needs (and what
-   * was met before running out still lands in the set). */
-  int reserved = dp__ptrset_reserve(s, (size_t)n) == 0;
-  /* One key per device, derived again only when the device changes. A
-   * storage right after itself (a view after its base tensor) is marked in
-   * `again`: the same entry, no probe. */
+   * was met before running out still lands in the set). Room for the
+   * storages that can be new, not for every tensor: a set sized for its
+   * value (ptrs.c) is then never grown by a tensor and its view. */
+  int reserved = dp__ptrset_reserve(s, (size_t)(n - __builtin_popcountll(again))) == 0;
+  /* One key per device, derived again only when the device changes. */
   dp_device_t kdev = st[0]->device;
-  uint64_t key = dp__ptr_key(kdev), again = 0;
-  _Static_assert(DP_WALK_BATCH + DP_INLINE_MAX <= 64, "a batch fits a 64-bit mask");
+  uint64_t key = dp__ptr_key(kdev);
   const dp__tslot_t *slots = s->tab.slots;
   size_t mask = s->tab.nslots - 1;
   for (int i = 0; i < n; i++) {
-    if (i && st[i] == st[i - 1]) {
-      again |= 1ull << i;
-      continue;
-    }
+    if (again >> i & 1) continue;
     if (DP_UNLIKELY(dp__dev_bits(st[i]->device) != dp__dev_bits(kdev))) key = dp__ptr_key(kdev = st[i]->device);
     h[i] = dp__ptr_hash_keyed(st[i]->base, key);
     if (reserved) __builtin_prefetch(slots + (h[i] & mask), 1);
@@ -511,7 +514,7 @@ static int flush_pending(dp__walker_t *w) {
   size_t id = 0;
   for (int i = 0; i < n; i++) {
     if (again >> i & 1) {
-      s->entries[id].refs++;
+      s->rest[id].refs++;
       continue;
     }
     int is_new;
@@ -598,9 +601,49 @@ undo:
  * its tensors counted once, but its depth counted again (a scan without
  * paths refused what pickle accepts). The items would be frames at depth
  * `depth`. */
+/* Scan only, over a long run of items (DP_SCAN_FAR_MIN or more, a value
+ * larger than the caches): fetches the tensors, lists and tuples
+ * DP_SCAN_FAR_AHEAD places ahead (their first two lines: a tuple's header
+ * and its elements), and for the one DP_SCAN_NEAR_AHEAD ahead, fetched by
+ * then, what its elements point to (a tensor's storage, a small tuple's
+ * tensor and list). Without it each (tensor, [view]) of a list of 100,000
+ * costs its misses one after another (completion 6.2-7.6 ms → 4.3-4.7 ms on
+ * the 2-core VM; a list of tensors 2.7 → 2.55 ms). User objects are left
+ * out: fetching theirs measured slower at 10,000 and no faster at 100,000.
+ * A short run is in cache and is left alone (the instructions would only
+ * cost there). */
+#define DP_SCAN_FAR_MIN 2048
+#define DP_SCAN_FAR_AHEAD 16
+#define DP_SCAN_NEAR_AHEAD 8
+
+DP_WALK_INLINE void prefetch_children(dp_value_t x) {
+  if (x.kind == DP_TENSOR) {
+    __builtin_prefetch(DP_TENSOR(x)->storage);
+  } else if (x.kind == DP_LIST || x.kind == DP_TUPLE) {
+    const dp_seq_t *q = DP_SEQ(x);
+    for (size_t j = 0; j < q->len && j < 2; j++)
+      if (q->items[j].kind >= DP_LIST) __builtin_prefetch(q->items[j].u.h);
+  }
+}
+
+DP_WALK_INLINE void scan_prefetch(const dp_value_t *items, size_t n, size_t i) {
+  size_t a = i + DP_SCAN_FAR_AHEAD;
+  if (a < n && items[a].kind >= DP_LIST && items[a].kind != DP_OBJECT) {
+    const char *p = (const char *)items[a].u.h;
+    __builtin_prefetch(p);
+    if (items[a].kind != DP_TENSOR) {
+      __builtin_prefetch(p + 64);
+    }
+  }
+  a = i + DP_SCAN_NEAR_AHEAD;
+  if (a < n && items[a].kind >= DP_LIST) prefetch_children(items[a]);
+}
+
 DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i, size_t depth) {
   uint32_t room = depth < w->max_depth ? (uint32_t)(w->max_depth - depth) : 0;
+  int far = n >= DP_SCAN_FAR_MIN;
   for (; *i < n; (*i)++) {
+    if (far) scan_prefetch(items, n, *i);
     uint32_t k = items[*i].kind;
     if (k < DP_LIST) continue;
     if (k == DP_TENSOR || ((k == DP_LIST || k == DP_TUPLE || k == DP_OBJECT) && w->memo_rc &&

@@ -701,6 +701,59 @@ Test(allocator, a_batch_record_skips_only_blocks_already_on_the_recording_stream
   dp_stream_free(s1);
 }
 
+/* A large batch (its map past the size where lookups are prefetched) passes
+ * runs of pointers in segments all on the recording stream without a
+ * lookup, and looks up the others — pointers of a segment two streams
+ * share, a block of another stream in the middle of a run, a pointer it
+ * does not own — each recorded or marked as a record one at a time would.
+ * Then the same batch on a third stream: every pointer looked up, in the
+ * prefetching pipeline. */
+Test(allocator, a_large_batch_record_skips_runs_and_records_every_block_of_another_stream) {
+  enum { N = 5000, ODD = 8 };
+  dp_cache_hooks_t h = dp_cache_hooks(C);
+  dp_stream_t *s1 = stream(H0), *s2 = stream(H0), *u = stream(H0);
+  void **p = malloc((N + ODD + 1) * sizeof *p);
+  unsigned char *owned = calloc(N + ODD + 1, 1);
+  cr_assert(p && owned);
+  for (int i = 0; i < N; i++) OK(dp_cache_alloc(C, H0, 1024, s1, &p[i], T_ERR));
+  cr_assert_eq(stats(H0).segment_allocs, 3, "three 2 MiB segments of 1 KiB blocks");
+  void *odd[ODD];
+  for (int i = 0; i < ODD; i++) OK(dp_cache_alloc(C, H0, 1024, s2, &odd[i], T_ERR));  /* s1's remainder: shared */
+  char foreign[64];
+  /* the odd ones out among the runs: at the start, mid-run, at a segment's end, last */
+  void **batch = malloc((N + ODD + 1) * sizeof *batch);
+  static const int at[ODD] = {0, 1, 700, 2047, 2048, 3000, 4096, N - 1};
+  int k = 0, o = 0;
+  for (int i = 0; i < N; i++) {
+    while (o < ODD && at[o] == i) batch[k++] = odd[o++];
+    batch[k++] = p[i];
+    if (i == 1500) batch[k++] = foreign;
+  }
+  while (o < ODD) batch[k++] = odd[o++];
+  cr_assert_eq(k, N + ODD + 1);
+  OK(h.record_streams_owned(h.ctx, batch, (size_t)k, s1, owned, T_ERR));
+  for (int i = 0; i < k; i++)
+    cr_assert_eq(owned[i], batch[i] != foreign, "pointer %d: %s", i, batch[i] == foreign ? "not the allocator's" : "owned");
+  OK(dp_host_launch(s1, sleep_40, NULL, T_ERR));
+  for (int i = 0; i < ODD; i++) OK(dp_cache_dealloc(C, odd[i], T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, ODD, "the blocks of s2 wait for s1, which used them");
+  OK(dp_stream_synchronize(s1, T_ERR));
+  cr_assert_eq(dp_cache_poll(C, NULL), ODD);
+  /* the s1 blocks on another stream: each one held */
+  OK(dp_cache_hooks_record(&h, p, N, u, T_ERR));
+  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  for (int i = 0; i < N; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, N, "every block waits for the stream that recorded it");
+  OK(dp_stream_synchronize(u, T_ERR));
+  cr_assert_eq(dp_cache_poll(C, NULL), N);
+  free(batch);
+  free(owned);
+  free(p);
+  dp_stream_free(u);
+  dp_stream_free(s2);
+  dp_stream_free(s1);
+}
+
 /* ---- wrapped native streams (dp_stream_wrap) ---- */
 
 static dp_stream_t *wrap_of(dp_stream_t *owner) {

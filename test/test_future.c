@@ -992,6 +992,69 @@ Test(future, a_completed_future_holds_24_bytes_per_allocation_of_a_one_device_va
   dp_value_release(l);
 }
 
+/* A completion's record is its scratch set's block, taken (the set gets
+ * another): later completions on the thread — of values of the same size,
+ * of other sizes, over two devices — must not write into a record already
+ * published, and completing from a caller's set copies it and leaves it as
+ * it was. Each future reads back its own value's allocations, in order. */
+static void check_record(dp_future_t *f, dp_value_t l) {
+  size_t n = dp_seq_len(l);
+  cr_assert_eq(dp_future_nptrs(f), n);
+  for (size_t i = 0; i < n; i++) {
+    dp_ptr_info_t info;
+    OK(dp_future_ptr(f, i, &info, T_ERR));
+    dp_storage_t *st = dp_tensor_storage(dp_seq_get(l, i));
+    cr_assert_eq(info.base, dp_storage_base(st), "allocation %zu of %zu", i, n);
+    cr_assert(dp_device_equal(info.device, dp_storage_device(st)));
+    cr_assert_eq(info.nbytes, dp_storage_nbytes(st));
+    cr_assert_eq(info.refs, 1);
+  }
+}
+
+Test(future, a_record_taken_from_the_scratch_set_is_never_written_by_later_completions) {
+  static const int sizes[] = {1000, 1000, 300, 10, 5000, 1000};
+  enum { K = sizeof sizes / sizeof *sizes };
+  dp_value_t v[K];
+  dp_future_t *f[K + 2];
+  for (int k = 0; k < K; k++) {
+    OK(dp_list_new((size_t)sizes[k], &v[k], T_ERR));
+    for (int i = 0; i < sizes[k]; i++)  /* the third value over two devices */
+      OK(dp_list_append(v[k], device_ints(k == 2 && i % 3 == 1 ? H1 : H0, 4), T_ERR));
+  }
+  for (int k = 0; k < K; k++) {
+    f[k] = future();
+    OK(dp_future_mark_completed(f[k], dp_value_retain(v[k]), T_ERR));
+  }
+  cr_assert_eq(dp_future_ndevices(f[2]), 2);
+  /* the same value again, after all of them */
+  f[K] = future();
+  OK(dp_future_mark_completed(f[K], dp_value_retain(v[0]), T_ERR));
+  for (int k = 0; k < K; k++) check_record(f[k], v[k]);
+  check_record(f[K], v[0]);
+  /* a caller's set: copied, and still the caller's */
+  dp_ptrset_t *mine;
+  OK(dp_ptrset_new(&mine, T_ERR));
+  OK(dp_scan(v[1], NULL, mine, T_ERR));
+  f[K + 1] = future();
+  OK(dp_future_mark_completed_with_ptrs(f[K + 1], dp_value_retain(v[1]), mine, T_ERR));
+  check_record(f[K + 1], v[1]);
+  cr_assert_eq(dp_ptrset_count(mine), 1000, "the caller's set keeps its entries");
+  for (size_t i = 0; i < 1000; i++) {
+    dp_ptr_info_t e;
+    OK(dp_ptrset_get(mine, i, &e, T_ERR));
+    cr_assert_eq(e.base, dp_storage_base(dp_tensor_storage(dp_seq_get(v[1], i))));
+  }
+  dp_ptrset_free(mine);
+  for (int k = 0; k < K + 2; k++) dp_future_release(f[k]);
+  for (int k = 0; k < K; k++) {
+    for (int i = 0; i < sizes[k]; i++) free_ints(dp_seq_get(v[k], (size_t)i));
+    dp_value_release(v[k]);
+  }
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+
 /* Bad arguments are refused up front, each naming the function and what is
  * wrong, and a completion refused for its arguments still completes the
  * future (with the error), so that no waiter hangs. */

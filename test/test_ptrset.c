@@ -163,3 +163,38 @@ Test(ptrset, a_null_set_is_einval_with_a_message_and_a_miss_says_what_was_missed
   dp_ptrset_free(s);
   ASSERT_NO_LEAK();
 }
+
+/* Paths are kept beside the entries, for those a scan with paths added:
+ * an entry added without one (dp_ptrset_add, or a scan without paths)
+ * reads NULL, before and after entries that have one, and a clear drops
+ * them all. */
+Test(ptrset, paths_belong_to_the_entries_a_scan_with_paths_added_and_to_no_other) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_device_t d = t_dev(DP_DEVICE_HOST, 0);
+  OK(dp_ptrset_add(s, d, (void *)0x1000, 64, NULL, T_ERR));
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_tensor(d, 0x2000, 4), T_ERR));
+  OK(dp_list_append(l, t_tensor(d, 0x1000, 4), T_ERR));  /* already in: keeps no path */
+  OK(dp_list_append(l, t_tensor(d, 0x3000, 4), T_ERR));
+  dp_scan_opts_t o = {0};
+  o.flags = DP_SCAN_PATHS;
+  OK(dp_scan(l, &o, s, T_ERR));
+  OK(dp_ptrset_add(s, d, (void *)0x4000, 64, NULL, T_ERR));
+  static const char *const want[] = {NULL, "$[0]", "$[2]", NULL};
+  cr_assert_eq(dp_ptrset_count(s), 4);
+  for (size_t i = 0; i < 4; i++) {
+    dp_ptr_info_t p;
+    OK(dp_ptrset_get(s, i, &p, T_ERR));
+    if (want[i]) cr_assert_str_eq(p.path, want[i], "entry %zu", i);
+    else cr_assert_null(p.path, "entry %zu has no path", i);
+  }
+  dp_ptrset_clear(s);
+  OK(dp_ptrset_add(s, d, (void *)0x5000, 64, NULL, T_ERR));
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(s, 0, &p, T_ERR));
+  cr_assert_null(p.path, "a clear drops the paths");
+  dp_value_release(l);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}

@@ -271,8 +271,8 @@ Test(table, with_the_secret_forced_to_zero_the_int_keys_do_collide) {
 }
 
 static uint64_t ptrset_hash_at(const void *ctx, size_t i) {
-  const dp__pentry_t *e = &((const dp_ptrset_t *)ctx)->entries[i];
-  return dp__ptr_hash(e->device, e->base);
+  const dp_ptrset_t *s = ctx;
+  return dp__ptr_hash(s->rest[i].device, s->bases[i]);
 }
 
 static double flood_ptrset(size_t n) {
