@@ -87,10 +87,10 @@ struct rmsg {
 };
 
 struct inbox {
-  inbox_t *next;
+  inbox_t *next, *prev;
   unsigned id;
-  uint8_t hdr[sizeof(dp__am_bufs_hdr_t) > sizeof(dp__am_frame_hdr_t) ? sizeof(dp__am_bufs_hdr_t)
-                                                                         : sizeof(dp__am_frame_hdr_t)];
+  uint64_t hdr[(sizeof(dp__am_bufs_hdr_t) > sizeof(dp__am_frame_hdr_t) ? sizeof(dp__am_bufs_hdr_t)
+                                                                          : sizeof(dp__am_frame_hdr_t)) / 8];
   size_t hlen;
   void *data;               /* a UCX data descriptor (persistent or rendezvous) */
   size_t len;
@@ -121,7 +121,8 @@ struct dp_endpoint {
   rmsg_t *cur;              /* the one whose buffers arrive now */
   uint64_t recv_seq;
   uint64_t held;            /* received buffer bytes not yet taken */
-  inbox_t *in_head, *in_tail;
+  inbox_t *in_head, *in_tail;  /* parked messages, in the sender's order */
+  size_t nparked;
   rwait_t *w_head, *w_tail;
   void *close_req;
   dp_endpoint_t *acc_next;  /* a listener's queue of accepted endpoints */
@@ -423,6 +424,7 @@ static void ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
     inbox_drop(t, b);
   }
   ep->in_head = ep->in_tail = NULL;
+  ep->nparked = 0;
   ep->held = ep->inflight = 0;
   if (ep->ep && !ep->dead) {
     ucp_request_param_t p = {0};
@@ -941,55 +943,110 @@ static void deliver(dp_transport_t *t, dp_endpoint_t *ep) {
   (void)t;
 }
 
-/* Processes queued messages in order while the receive bound allows. */
+/* Messages are processed in the sender's order: frame N, then its buffers
+ * by index, then frame N + 1. UCX may hand active messages over in another
+ * order (messages sent while the connection is wired up, rendezvous beside
+ * eager), so one that is not the next is parked, sorted by that order, and
+ * taken when its turn comes. A frame also waits while the endpoint holds
+ * more than the bound of received bytes nobody took (backpressure). */
+typedef struct key {
+  uint64_t seq, kind, first;
+} key_t;
+
+static key_t key_of(unsigned id, const void *hdr) {
+  key_t k;
+  if (id == DP__AM_FRAME) {
+    const dp__am_frame_hdr_t *h = hdr;
+    k.seq = h->seq, k.kind = 0, k.first = 0;
+  } else {
+    const dp__am_bufs_hdr_t *h = hdr;
+    k.seq = h->seq, k.kind = 1, k.first = h->first;
+  }
+  return k;
+}
+
+static int key_cmp(key_t a, key_t b) {
+  if (a.seq != b.seq) return a.seq < b.seq ? -1 : 1;
+  if (a.kind != b.kind) return a.kind < b.kind ? -1 : 1;
+  if (a.first != b.first) return a.first < b.first ? -1 : 1;
+  return 0;
+}
+
+static key_t expected(const dp_endpoint_t *ep) {
+  key_t k;
+  if (ep->cur && ep->cur->next_index < ep->cur->nbuf) k.seq = ep->cur->seq, k.kind = 1, k.first = ep->cur->next_index;
+  else k.seq = ep->recv_seq, k.kind = 0, k.first = 0;
+  return k;
+}
+
+static int blocked(const dp_transport_t *t, const dp_endpoint_t *ep, unsigned id) {
+  return id == DP__AM_FRAME && ep->held && ep->held > t->max_inflight;
+}
+
+static void process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, void *data, size_t len,
+                    int rndv) {
+  if (id == DP__AM_FRAME) on_frame(t, ep, hdr, data, len);
+  else on_bufs(t, ep, hdr, data, len, rndv);
+}
+
+/* Processes parked messages whose turn has come. */
 static void ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
   while (ep->in_head && !ep->dead) {
     inbox_t *b = ep->in_head;
-    if (b->id == DP__AM_FRAME && ep->held && ep->held > t->max_inflight) return;
+    if (key_cmp(key_of(b->id, b->hdr), expected(ep)) != 0 || blocked(t, ep, b->id)) return;
     ep->in_head = b->next;
     if (!ep->in_head) ep->in_tail = NULL;
+    else ep->in_head->prev = NULL;
+    ep->nparked--;
     void *data = b->data;
     b->data = NULL;
-    if (b->id == DP__AM_FRAME) {
-      on_frame(t, ep, (const dp__am_frame_hdr_t *)b->hdr, data, b->len);
-      ucp_am_data_release(t->worker, data);
-    } else {
-      if (!b->rndv) {
-        on_bufs(t, ep, (const dp__am_bufs_hdr_t *)b->hdr, data, b->len, 0);
-        ucp_am_data_release(t->worker, data);
-      } else {
-        on_bufs(t, ep, (const dp__am_bufs_hdr_t *)b->hdr, data, b->len, 1);
-      }
-    }
+    process(t, ep, b->id, b->hdr, data, b->len, b->rndv);
+    if (!b->rndv) ucp_am_data_release(t->worker, data); /* rendezvous data went to on_bufs */
     dp__free(b, sizeof *b);
   }
 }
+
+#define DP__MAX_PARKED 1000000
 
 static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size_t hlen, void *data, size_t len,
                            const ucp_am_recv_param_t *param) {
   int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   int persistent = rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
   dp_endpoint_t *ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? ep_find(t, param->reply_ep) : NULL;
-  if (!ep) return UCS_OK; /* from no endpoint we know (a closed one): dropped */
+  if (!ep) {
+    /* from no endpoint we know (one closed here): dropped */
+    if (rndv) ucp_am_data_release(t->worker, data);
+    return UCS_OK;
+  }
   size_t want = id == DP__AM_FRAME ? sizeof(dp__am_frame_hdr_t) : sizeof(dp__am_bufs_hdr_t);
-  if (hlen != want || ((const uint32_t *)hdr)[0] != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv)) {
+  uint32_t magic = 0;
+  if (hlen >= 4) memcpy(&magic, hdr, 4);
+  if (hlen != want || magic != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv)) {
+    if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
   }
-  if (!ep->in_head && !(id == DP__AM_FRAME && ep->held && ep->held > t->max_inflight)) {
-    if (id == DP__AM_FRAME) {
-      on_frame(t, ep, hdr, data, len);
-      return UCS_OK;
-    }
-    on_bufs(t, ep, hdr, data, len, rndv);
+  uint64_t h[sizeof ((inbox_t *)0)->hdr / 8];
+  memcpy(h, hdr, hlen); /* aligned */
+  key_t k = key_of(id, h);
+  int c = key_cmp(k, expected(ep));
+  if (c < 0) {
+    if (rndv) ucp_am_data_release(t->worker, data);
+    ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
     return UCS_OK;
   }
-  /* behind the receive bound: keep the message for later, in order */
-  inbox_t *b = dp__alloc(sizeof *b);
+  if (c == 0 && !blocked(t, ep, id)) {
+    process(t, ep, id, h, data, len, rndv);
+    if (ep->in_head) ep_pump_inbox(t, ep);
+    return UCS_OK;
+  }
+  /* not its turn: park it, in order */
+  inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
   if (!b || !persistent) {
     if (b) dp__free(b, sizeof *b);
     if (rndv) ucp_am_data_release(t->worker, data);
-    ep_failf(ep, DP_ENOMEM, "%s", b ? "eager data not persistent" : "out of memory");
+    ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
+             ep->nparked >= DP__MAX_PARKED ? "too many messages out of order" : "out of memory");
     return UCS_OK;
   }
   memset(b, 0, sizeof *b);
@@ -999,9 +1056,21 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   b->data = data;
   b->len = len;
   b->rndv = rndv;
-  if (ep->in_tail) ep->in_tail->next = b;
+  inbox_t *at = ep->in_tail;
+  while (at && key_cmp(key_of(at->id, at->hdr), k) > 0) at = at->prev;
+  if (at && key_cmp(key_of(at->id, at->hdr), k) == 0) {
+    dp__free(b, sizeof *b);
+    if (rndv) ucp_am_data_release(t->worker, data);
+    ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
+    return UCS_OK;
+  }
+  b->prev = at;
+  b->next = at ? at->next : ep->in_head;
+  if (b->next) b->next->prev = b;
+  else ep->in_tail = b;
+  if (at) at->next = b;
   else ep->in_head = b;
-  ep->in_tail = b;
+  ep->nparked++;
   return UCS_INPROGRESS;
 }
 
