@@ -43,6 +43,7 @@ static peer_t spawn_peer(peer_fn fn, void *arg, const dp_transport_opts_t *opts)
   cr_assert_neq(pid, -1);
   if (pid == 0) {
     close(fds[0]);
+    alarm(120); /* a peer never outlives a broken test for long */
     t_env();
     dp_transport_t *t;
     dp_listener_t *l;
@@ -375,4 +376,502 @@ Test(transport, user_objects_and_customs_round_trip_with_their_buffers) {
   dp_endpoint_free(ep);
   dp_transport_free(t);
   cr_assert_eq(peer_wait(p), 0);
+}
+
+/* ---- ordering against the host backend's streams ---- */
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+  while (nanosleep(&ts, &ts) != 0) {
+  }
+}
+
+typedef struct fill {
+  uint8_t *p;
+  size_t n;
+} fill_t;
+
+/* device work that takes a while, then writes the buffer */
+static void slow_fill(void *arg) {
+  fill_t *f = arg;
+  sleep_ms(300);
+  memset(f->p, 0xab, f->n);
+}
+
+/* exit 0: every byte was the producer's; 20: stale bytes arrived */
+static int recv_filled(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) {
+    fprintf(stderr, "recv_filled: %s\n", e.message);
+    return 10;
+  }
+  dp_storage_t *s = dp_tensor_storage(dp_future_value(f));
+  if (!s || dp_storage_device(s).type != DP_DEVICE_HOST) return 11;
+  const uint8_t *p = dp_storage_base(s);
+  int rc = 0;
+  for (size_t i = 0; i < dp_storage_nbytes(s); i++)
+    if (p[i] != 0xab) rc = 20;
+  dp_future_release(f);
+  return rc;
+}
+
+static void release_dev(void *ud, dp_device_t d, void *base, size_t n) {
+  (void)n;
+  dp_device_dealloc(ud, d, base, NULL);
+}
+
+/* Sends a host:0 buffer that a slow host-stream task fills, as a future
+ * completed on that stream; returns the peer's verdict. */
+static int send_after_slow_fill(void) {
+  peer_t p = spawn_peer(recv_filled, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_backend_t *b;
+  OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));
+  dp_device_t dev = t_dev(DP_DEVICE_HOST, 0);
+  dp_stream_t *s;
+  OK(dp_stream_new(b, dev, &s, T_ERR));
+  size_t n = 1 << 20;
+  void *mem;
+  OK(dp_device_alloc(b, dev, n, &mem, T_ERR));
+  memset(mem, 0, n);
+  fill_t fill = {mem, n};
+  OK(dp_host_launch(s, slow_fill, &fill, T_ERR));
+  dp_storage_t *st;
+  OK(dp_storage_new(dev, mem, n, release_dev, b, &st, T_ERR));
+  dp_value_t v;
+  int64_t shape[1] = {(int64_t)n};
+  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, T_ERR));
+  dp_future_opts_t fo = {0};
+  fo.backend = b;
+  fo.no_hooks = 1;
+  dp_future_t *f, *d;
+  OK(dp_future_new(&fo, &f, T_ERR));
+  OK(dp_set_current_stream(s, NULL, T_ERR));
+  OK(dp_future_mark_completed(f, v, T_ERR));  /* its event follows the fill on s */
+  dp_reset_current_stream(b, dev);
+  OK(dp_endpoint_send_future(ep, f, &d, T_ERR));
+  dp_error_t e;
+  OK_WITH(&e, wait_f(d, &e));
+  int verdict = peer_wait(p);
+  OK(dp_stream_synchronize(s, T_ERR));
+  dp_future_release(d);
+  dp_future_release(f);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  dp_stream_free(s);
+  return verdict;
+}
+
+Test(transport, a_future_is_sent_only_after_its_events_so_the_bytes_are_the_producers) {
+  cr_assert_eq(send_after_slow_fill(), 0, "the receiver saw bytes written before the producer's work");
+}
+
+Test(transport, negative_control_a_sender_that_skips_the_events_sends_stale_bytes) {
+  dp__transport_skip_events = 1;
+  cr_assert_eq(send_after_slow_fill(), 20, "skipping the events went unnoticed: the ordering test is blind");
+}
+
+/* ---- failures ---- */
+
+/* a port on lo where nobody listens (bound, so nobody else takes it) */
+static int closed_port(int *fd) {
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  *fd = socket(AF_INET, SOCK_STREAM, 0);
+  socklen_t len = sizeof a;
+  cr_assert_eq(bind(*fd, (struct sockaddr *)&a, sizeof a), 0);
+  cr_assert_eq(getsockname(*fd, (struct sockaddr *)&a, &len), 0);
+  return ntohs(a.sin_port);
+}
+
+Test(transport, a_refused_connection_fails_every_pending_future_with_a_clear_error) {
+  t_track();
+  int fd, port = closed_port(&fd);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, port);
+  dp_future_t *d, *r;
+  dp_error_t e;
+  dp_value_t v = owned_tensor(1000, 1);
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  int rc = dp_endpoint_send(ep, v, &d, &e);
+  if (rc == 0) {
+    cr_assert_eq(wait_f(d, &e), DP_EIO, "send: %s", e.message);
+    dp_future_release(d);
+  }
+  cr_assert_eq(wait_f(r, &e), DP_EIO, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "connection refused"), "%s", e.message);
+  cr_assert(strstr(e.message, "endpoint to 127.0.0.1:"), "%s", e.message);
+  cr_assert_eq(dp_endpoint_error(ep, &e), DP_EIO);
+  /* later calls fail with the same error */
+  cr_assert_eq(dp_endpoint_send(ep, v, &d, &e), DP_EIO);
+  dp_future_release(r);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  close(fd);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_device_buffer_is_refused_before_anything_is_sent) {
+  int fd, port = closed_port(&fd);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, port);
+  dp_storage_t *st;
+  OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 1), (void *)0x1000, 64, NULL, NULL, &st, T_ERR));
+  dp_value_t v;
+  int64_t shape[1] = {64};
+  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, T_ERR));
+  dp_future_t *d = (dp_future_t *)1;
+  dp_error_t e;
+  cr_assert_eq(dp_endpoint_send(ep, v, &d, &e), DP_ENODEV);
+  cr_assert_null(d);
+  cr_assert(strstr(e.message, "buffer 0 is on cuda:1"), "%s", e.message);
+  cr_assert(strstr(e.message, "no device path yet"), "%s", e.message);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  close(fd);
+}
+
+/* peer: sends n values of 4 MiB, then dies (SIGKILL) after the k-th send
+ * call, while the rest are on the wire */
+typedef struct killer {
+  int n, k;
+} killer_t;
+
+static int send_then_die(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  killer_t *kl = arg;
+  dp_error_t e;
+  for (int i = 0; i < kl->n; i++) {
+    dp_value_t v = owned_tensor(4 << 20, (unsigned)i);
+    dp_future_t *d;
+    if (dp_endpoint_send(ep, v, &d, &e)) return 10;
+    dp_value_release(v);
+    if (i == kl->k) raise(SIGKILL);
+    dp_future_release(d);
+  }
+  raise(SIGKILL);
+  return 0;
+}
+
+Test(transport, a_peer_killed_mid_transfer_fails_the_pending_receives_frees_their_buffers_and_spares_other_endpoints) {
+  t_track();
+  unsigned seed = (unsigned)getpid();
+  killer_t kl = {8, (int)(rand_r(&seed) % 8)};
+  peer_t dying = spawn_peer(send_then_die, &kl, NULL);
+  peer_t other = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, dying.port), *ep2 = connect_to(t, other.port);
+  dp_future_t *r[8];
+  for (int i = 0; i < 8; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
+  int got = 0, failed = 0;
+  dp_error_t e;
+  for (int i = 0; i < 8; i++) {
+    int rc = wait_f(r[i], &e);
+    if (rc == 0) {
+      cr_assert_eq(failed, 0, "a value arrived after a failure");
+      cr_assert(tensor_ok(dp_future_value(r[i]), 4 << 20, (unsigned)i));
+      got++;
+    } else {
+      cr_assert(rc == DP_EIO || rc == DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+      cr_assert(strstr(e.message, "connection lost"), "%s", e.message);
+      failed++;
+    }
+    dp_future_release(r[i]);
+  }
+  cr_assert(failed > 0, "the peer died after sending k=%d of 8, yet all 8 arrived", kl.k);
+  cr_assert_eq(peer_wait(dying), 128 + SIGKILL);
+  /* the other endpoint still works */
+  dp_value_t v = owned_tensor(100, 3);
+  dp_future_t *d, *back;
+  OK(dp_endpoint_send(ep2, v, &d, T_ERR));
+  OK(dp_endpoint_recv(ep2, &back, T_ERR));
+  OK_WITH(&e, wait_f(back, &e));
+  cr_assert(tensor_ok(dp_future_value(back), 100, 3));
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(back);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_endpoint_free(ep2);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(other), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+static int die_at_once(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *f;
+  dp_endpoint_recv(ep, &f, NULL); /* the first frame starts to arrive */
+  dp_future_wait(f, 60 * SEC, NULL);
+  raise(SIGKILL);
+  return 0;
+}
+
+Test(transport, a_peer_killed_while_receiving_fails_the_pending_sends) {
+  t_track();
+  peer_t p = spawn_peer(die_at_once, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t v[6];
+  for (int i = 0; i < 6; i++) v[i] = owned_tensor(32 << 20, (unsigned)i);
+  dp_future_t *d[6] = {0};
+  dp_error_t e;
+  int failed = 0;
+  for (int i = 0; i < 6; i++) {
+    int rc = dp_endpoint_send(ep, v[i], &d[i], &e);
+    if (rc == 0) rc = wait_f(d[i], &e);
+    /* the first may complete before the peer dies; the rest fail, at once
+       (the endpoint has failed) or through their futures */
+    if (rc) {
+      cr_assert(rc == DP_EIO || rc == DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+      cr_assert(strstr(e.message, "connection lost"), "%s", e.message);
+      failed++;
+    }
+    dp_future_release(d[i]);
+    dp_value_release(v[i]);
+  }
+  cr_assert(failed >= 5, "%d of 6 sends failed", failed);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* peer: sends a frame whose bytes were damaged on the way, then a good value */
+static int send_corrupt_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_frame_t *fr;
+  dp_error_t e;
+  dp_value_t s;
+  if (dp_frame_new(&fr, &e) || dp_str_new("hello", 5, &s, &e) || dp_pickle(s, NULL, fr, &e)) return 10;
+  size_t n;
+  const uint8_t *b = dp_frame_data(fr, &n);
+  uint8_t *bad = malloc(n);
+  memcpy(bad, b, n);
+  bad[n - 1] ^= 0x40;
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0, 0, n, 0};
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, bad, n, &e)) return 11;
+  free(bad);
+  dp_future_t *d;
+  if (dp_endpoint_send(ep, dp_int(7), &d, &e) || wait_f(d, &e)) return 12;
+  /* stay until the receiver is done */
+  dp_future_t *f;
+  if (dp_endpoint_recv(ep, &f, &e)) return 13;
+  wait_f(f, &e);
+  dp_future_release(f);
+  dp_future_release(d);
+  dp_value_release(s);
+  dp_frame_free(fr);
+  return 0;
+}
+
+Test(transport, a_corrupt_frame_fails_its_receive_with_the_unpicklers_error_and_the_next_value_arrives) {
+  t_track();
+  peer_t p = spawn_peer(send_corrupt_then_good, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r1, *r2, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer's first message goes to a known endpoint */
+  OK(dp_endpoint_recv(ep, &r1, T_ERR));
+  OK(dp_endpoint_recv(ep, &r2, T_ERR));
+  cr_assert_eq(wait_f(r1, &e), DP_ECHECKSUM, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "checksum"), "%s", e.message);
+  OK_WITH(&e, wait_f(r2, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r2)), 7);
+  cr_assert_eq(dp_endpoint_error(ep, NULL), 0, "the endpoint failed");
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(r1);
+  dp_future_release(r2);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* peer: sends an active message with a header no devpickle peer writes */
+static int send_garbage_header(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  char junk[13] = "not a header";
+  if (dp__endpoint_send_raw(ep, DP__AM_BUFS, junk, sizeof junk, junk, sizeof junk, &e)) return 11;
+  dp_future_t *f;
+  if (dp_endpoint_recv(ep, &f, &e)) return 13;
+  wait_f(f, &e); /* until the receiver closes */
+  dp_future_release(f);
+  return 0;
+}
+
+Test(transport, garbage_on_the_wire_fails_the_endpoint_with_a_format_error) {
+  t_track();
+  peer_t p = spawn_peer(send_garbage_header, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(wait_f(r, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "malformed message header"), "%s", e.message);
+  cr_assert_eq(dp_endpoint_error(ep, NULL), DP_EFORMAT);
+  wait_f(d, &e);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* peer: connects with a raw socket, writes garbage, then connects properly */
+static void garbage_then_value(int port) {
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_port = htons((uint16_t)port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) _exit(20);
+  char junk[4096];
+  for (size_t i = 0; i < sizeof junk; i++) junk[i] = (char)(i * 131 + 7);
+  if (write(fd, junk, sizeof junk) < 0) _exit(21);
+  close(fd);
+  t_env();
+  dp_transport_t *t;
+  dp_endpoint_t *ep;
+  dp_future_t *d, *f;
+  dp_error_t e;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  if (dp_transport_new(NULL, &t, &e) || dp_endpoint_connect(t, addr, &ep, &e)) _exit(22);
+  if (dp_endpoint_send(ep, dp_int(99), &d, &e) || wait_f(d, &e)) _exit(23);
+  if (dp_endpoint_recv(ep, &f, &e)) _exit(24);
+  wait_f(f, &e);
+  _exit(0);
+}
+
+Test(transport, garbage_sent_to_a_listener_does_not_stop_it_accepting) {
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int port;
+    close(fds[1]);
+    if (read(fds[0], &port, sizeof port) != sizeof port) _exit(30);
+    garbage_then_value(port);
+  }
+  close(fds[0]);
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  int port = dp_listener_port(l);
+  cr_assert_gt(port, 0);
+  cr_assert_eq(write(fds[1], &port, sizeof port), (ssize_t)sizeof port);
+  close(fds[1]);
+  dp_endpoint_t *ep;
+  dp_future_t *r;
+  dp_error_t e;
+  OK(dp_listener_accept(l, 30 * SEC, &ep, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 99);
+  dp_future_release(r);
+  dp_endpoint_free(ep);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  peer_t p = {pid, port};
+  cr_assert_eq(peer_wait(p), 0);
+}
+
+/* peer: takes nothing until told (its pipe closes), then everything */
+static int recv_when_told(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  int *fds = arg;
+  close(fds[1]);
+  char c;
+  while (read(fds[0], &c, 1) > 0) {
+  }
+  (void)ep;
+  return 0;
+}
+
+Test(transport, a_slow_receiver_holds_the_senders_back_and_closing_fails_the_pending_sends) {
+  t_track();
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  dp_transport_opts_t po = {0};
+  po.max_inflight_bytes = 8 << 20;
+  peer_t p = spawn_peer(recv_when_told, fds, &po);
+  close(fds[0]);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 8 << 20;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d[5];
+  for (int i = 0; i < 5; i++) {
+    dp_value_t v = owned_tensor(8 << 20, (unsigned)i);
+    OK(dp_endpoint_send(ep, v, &d[i], T_ERR));
+    dp_value_release(v);
+  }
+  dp_error_t e;
+  /* the receiver fetches up to its bound (two values), then stops */
+  OK_WITH(&e, wait_f(d[1], &e));
+  cr_assert_eq(dp_future_wait(d[2], SEC / 5, &e), DP_ETIMEDOUT, "a send past the receiver's bound completed");
+  cr_assert_eq(dp_future_is_done(d[4]), 0);
+  dp_endpoint_free(ep);
+  for (int i = 2; i < 5; i++) {
+    cr_assert_eq(wait_f(d[i], &e), DP_ECANCELED, "%d: %s", i, e.message);
+    cr_assert(strstr(e.message, "closed with 3 sends and 0 receives pending"), "%s", e.message);
+  }
+  for (int i = 0; i < 5; i++) dp_future_release(d[i]);
+  dp_transport_free(t);
+  close(fds[1]);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+static int stop_self(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)ep, (void)arg;
+  raise(SIGSTOP);
+  return 0;
+}
+
+Test(transport, a_send_the_peer_does_not_take_in_time_fails_with_a_timeout) {
+  t_track();
+  peer_t p = spawn_peer(stop_self, NULL, NULL);
+  dp_transport_opts_t o = {0};
+  o.timeout_ns = SEC / 5;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  int st;
+  cr_assert_eq(waitpid(p.pid, &st, WUNTRACED), p.pid);
+  cr_assert(WIFSTOPPED(st));
+  dp_value_t v = owned_tensor(8 << 20, 1);
+  dp_future_t *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  cr_assert_eq(wait_f(d, &e), DP_ETIMEDOUT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a send was not complete after 200 ms"), "%s", e.message);
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_future_release(d);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
 }

@@ -52,8 +52,9 @@ const dp__mover_t *dp__mover_for(dp_device_type_t type);
 /** 1: send_future reads the buffers as soon as the future completes,
  *  WITHOUT waiting for its events (the ordering test's negative control). */
 extern int dp__transport_skip_events;
-/** Sends one raw active message (id, header, data as given) on ep, for
- *  tests that put garbage on the wire. Blocks until it is posted. */
+/** Queues one raw active message (id, header, data as given) on ep, for
+ *  tests that put garbage on the wire. A frame header (DP__AM_FRAME, of its
+ *  size) gets the endpoint's next sequence number, as a real send would. */
 int dp__endpoint_send_raw(dp_endpoint_t *ep, unsigned am_id, const void *hdr, size_t hlen, const void *data,
                           size_t n, dp_error_t *err);
 

@@ -127,6 +127,8 @@ struct dp_endpoint {
   void *close_req;
   dp_endpoint_t *acc_next;  /* a listener's queue of accepted endpoints */
   int dead;                 /* failed: UCX ep closed or closing */
+  int need_close;           /* failed inside a UCX callback: close from the loop */
+  int established;          /* the peer answered once */
 };
 
 struct dp_listener {
@@ -426,14 +428,19 @@ static void ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
   ep->in_head = ep->in_tail = NULL;
   ep->nparked = 0;
   ep->held = ep->inflight = 0;
-  if (ep->ep && !ep->dead) {
-    ucp_request_param_t p = {0};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void *r = ucp_ep_close_nbx(ep->ep, &p);
-    if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
-  }
+  /* UCX is not re-entered from its own callbacks: the loop closes it */
+  if (ep->ep && !ep->dead) ep->need_close = 1;
   ep->dead = 1;
+}
+
+static void ep_force_close(dp_endpoint_t *ep) {
+  ep->need_close = 0;
+  if (!ep->ep) return;
+  ucp_request_param_t p = {0};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  void *r = ucp_ep_close_nbx(ep->ep, &p);
+  if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
 }
 
 static void ep_failf(dp_endpoint_t *ep, int code, const char *fmt, const char *detail) {
@@ -445,14 +452,17 @@ static void ep_failf(dp_endpoint_t *ep, int code, const char *fmt, const char *d
   ep_fail(ep, &e);
 }
 
-static void ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t st) {
-  dp_endpoint_t *ep = arg;
-  (void)uep;
+/* A UCX failure of the connection: refused while the peer never answered,
+ * lost afterwards. */
+static void ep_fail_status(dp_endpoint_t *ep, ucs_status_t st) {
   if (ep->dead) return;
-  const char *fmt = "connection lost (%s)";
-  if (st == UCS_ERR_UNREACHABLE || st == UCS_ERR_REJECTED || st == UCS_ERR_NOT_CONNECTED)
-    fmt = "connection refused (%s)";
+  const char *fmt = ep->established ? "connection lost (%s)" : "connection refused (%s)";
   ep_failf(ep, st == UCS_ERR_ENDPOINT_TIMEOUT ? DP_ETIMEDOUT : DP_EIO, fmt, ucs_status_string(st));
+}
+
+static void ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t st) {
+  (void)uep;
+  ep_fail_status(arg, st);
 }
 
 /* ---- endpoints ---- */
@@ -547,9 +557,8 @@ static void sop_complete(sop_t *s) {
 
 static void send_cb(void *req, ucs_status_t st, void *ud) {
   sop_t *s = ud;
-  if (st != UCS_OK && s->ep && !s->failed) {
-    ep_failf(s->ep, DP_EIO, "send failed (%s)", ucs_status_string(st));
-  }
+  if (st != UCS_OK && s->ep && !s->failed) ep_fail_status(s->ep, st);
+  if (st == UCS_OK && s->ep) s->ep->established = 1;
   ucp_request_free(req);
   if (--s->outstanding == 0 && (s->posted || s->failed)) {
     if (s->ep || !s->failed) sop_complete(s);
@@ -569,7 +578,9 @@ static int post_am(sop_t *s, unsigned id, const void *hdr, size_t hlen, const vo
   ucs_status_ptr_t r = ucp_am_send_nbx(ep->ep, id, hdr, hlen, data, n, &p);
   if (r == NULL) return 0;
   if (UCS_PTR_IS_ERR(r)) {
-    ep_failf(ep, DP_EIO, "send failed (%s)", ucs_status_string(UCS_PTR_STATUS(r)));
+    s->outstanding++; /* held across the failure: ep_fail must not free s under its poster */
+    ep_fail_status(ep, UCS_PTR_STATUS(r));
+    s->outstanding--;
     return DP_EIO;
   }
   s->outstanding++;
@@ -603,6 +614,8 @@ static int sop_post(dp_transport_t *t, sop_t *s) {
   size_t nb = 0;
   if (s->kind == SOP_RAW) {
     s->posted = 1;
+    if (s->raw_id == DP__AM_FRAME && s->raw_len_hdr == sizeof(dp__am_frame_hdr_t))
+      ((dp__am_frame_hdr_t *)s->raw_hdr)->seq = ep->send_seq++;
     return post_am(s, s->raw_id, s->raw_hdr, s->raw_len_hdr, s->bytes, s->nbytes, 0);
   }
   if (s->frame) {
@@ -706,8 +719,13 @@ static int ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
     if (!ep->sq_head) ep->sq_tail = NULL;
     s->next = ep->posted;
     ep->posted = s;
-    if (sop_post(t, s)) return 0; /* the endpoint failed: s was failed with it */
-    if (s->outstanding == 0) sop_complete(s);
+    s->outstanding++; /* held while posting (see post_am) */
+    int rc = sop_post(t, s);
+    if (--s->outstanding == 0) {
+      if (!rc && s->ep) sop_complete(s);
+      else if (!s->ep) sop_free(s); /* detached by the endpoint's failure */
+    }
+    if (rc) return 0;
   }
   return 0;
 }
@@ -1013,6 +1031,7 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   int persistent = rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
   dp_endpoint_t *ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? ep_find(t, param->reply_ep) : NULL;
+  if (ep) ep->established = 1;
   if (!ep) {
     /* from no endpoint we know (one closed here): dropped */
     if (rndv) ucp_am_data_release(t->worker, data);
@@ -1115,6 +1134,7 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
       ep->dead = 1;
     }
   }
+  if (ep->need_close) ep_force_close(ep);
   ep_unlink(t, ep);
 }
 
@@ -1295,6 +1315,7 @@ static void *progress_main(void *arg) {
     while (ucp_worker_progress(t->worker)) work++;
     int polling = 0;
     for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
+      if (ep->need_close) ep_force_close(ep), work++;
       if (ep->sq_head) polling |= ep_pump_sends(t, ep);
       if (ep->in_head && !ep->dead) ep_pump_inbox(t, ep);
     }
