@@ -1305,9 +1305,11 @@ static void check_timeouts(dp_transport_t *t) {
   }
 }
 
+#define DP__SPIN_NS 200000
+
 static void *progress_main(void *arg) {
   dp_transport_t *t = arg;
-  unsigned idle = 0;
+  int64_t idle_since = 0; /* 0: busy */
   int64_t last_check = now_ns();
   while (!t->stop) {
     int work = drain_cmds(t);
@@ -1325,14 +1327,17 @@ static void *progress_main(void *arg) {
       last_check = now_ns();
     }
     if (work) {
-      idle = 0;
+      idle_since = 0;
       continue;
     }
     if (polling || t->closing) {
       sched_yield();
       continue;
     }
-    if (++idle < 2000) continue;
+    /* spin a while after the last work (a reply often follows at once),
+     * then sleep on the worker's and the command queue's descriptors */
+    if (!idle_since) idle_since = now_ns();
+    if (now_ns() - idle_since < DP__SPIN_NS) continue;
     if (ucp_worker_arm(t->worker) == UCS_ERR_BUSY) continue;
     struct pollfd fds[2] = {{t->worker_fd, POLLIN, 0}, {t->wake_fd, POLLIN, 0}};
     poll(fds, 2, t->timeout_ns > 0 ? 10 : 100);
@@ -1341,7 +1346,7 @@ static void *progress_main(void *arg) {
       ssize_t r = read(t->wake_fd, &v, sizeof v);
       (void)r;
     }
-    idle = 0;
+    idle_since = 0;
   }
   /* closes in progress finish (bounded: a flush to a dead peer fails) */
   for (int64_t until = now_ns() + 2000000000; t->closing && now_ns() < until;) {
