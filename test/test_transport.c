@@ -875,3 +875,60 @@ Test(transport, a_send_the_peer_does_not_take_in_time_fails_with_a_timeout) {
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* peer: sends a frame whose table names a cuda buffer (with its bytes), then
+ * a good value */
+static int send_cuda_frame_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  dp_storage_t *st;
+  dp_value_t v;
+  int64_t shape[1] = {16};
+  dp_device_t cuda = {DP_DEVICE_CUDA, 0};
+  if (dp_storage_new(cuda, (void *)0x1000, 16, NULL, NULL, &st, &e) ||
+      dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e))
+    return 10;
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(v, NULL, fr, &e)) return 11;
+  size_t n;
+  const uint8_t *b = dp_frame_data(fr, &n);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, 16};
+  uint8_t bytes[16] = {0};
+  dp__am_bufs_hdr_t bh = {DP__WIRE_MAGIC, 1, 0, 0, 16};
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) return 12;
+  if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &bh, sizeof bh, bytes, sizeof bytes, &e)) return 13;
+  dp_future_t *d, *f;
+  if (dp_endpoint_send(ep, dp_int(8), &d, &e) || wait_f(d, &e)) return 14;
+  if (dp_endpoint_recv(ep, &f, &e)) return 15;
+  wait_f(f, &e);
+  dp_future_release(f);
+  dp_future_release(d);
+  dp_frame_free(fr);
+  dp_value_release(v);
+  return 0;
+}
+
+Test(transport, a_received_frame_naming_a_device_buffer_fails_its_receive_and_the_next_value_arrives) {
+  t_track();
+  peer_t p = spawn_peer(send_cuda_frame_then_good, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r1, *r2, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r1, T_ERR));
+  OK(dp_endpoint_recv(ep, &r2, T_ERR));
+  cr_assert_eq(wait_f(r1, &e), DP_ENODEV, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "is on cuda:0"), "%s", e.message);
+  OK_WITH(&e, wait_f(r2, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r2)), 8);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(r1);
+  dp_future_release(r2);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}

@@ -24,7 +24,7 @@
  * byte has arrived, its events recorded on that stream. Consumers use the
  * ordinary dp_future_wait/then.
  *
- * Wire protocol, matching and validation: docs/TRANSPORT.md.
+ * Wire protocol, matching, validation and failures: docs/TRANSPORT.md.
  *
  * WHAT MOVES. Memory on `cpu` and on the host backend's devices (`host:N`):
  * a storage's base must be readable host memory of its nbytes. Device
@@ -79,9 +79,11 @@ typedef struct dp_transport_opts {
    *  (receiver). 0: DP_TRANSPORT_DEFAULT_INFLIGHT. One value larger than
    *  the bound still goes, alone. */
   uint64_t max_inflight_bytes;
-  /** A connection not established, or a send posted and not complete,
-   *  after this long fails its endpoint with DP_ETIMEDOUT. 0: no limit
-   *  (a dead peer is still detected by UCX's keepalive). */
+  /** A send posted to UCX and not complete after this long fails its
+   *  endpoint with DP_ETIMEDOUT (a connection never established fails the
+   *  first send so). Sends held back by the in-flight bound are not yet
+   *  posted and not timed. 0: no limit (a dead peer is still detected by
+   *  UCX's keepalive). */
   int64_t timeout_ns;
   /** Limits and resolver for received frames (copied; the resolver and
    *  its types must outlive the transport). bind is ignored: the
