@@ -51,7 +51,9 @@
  * OWNERSHIP: transports, listeners and endpoints are freed with their
  * _free function; an endpoint or listener must be freed before its
  * transport (dp_transport_free fails the pending futures of endpoints still
- * open and frees them). Returned futures are new references.
+ * open and frees them). Returned futures are new references. Free every
+ * transport before dp_shutdown(): it stands on the host backend, its
+ * caching allocator and its streams.
  *
  * THREAD SAFETY: every function may be called from any thread, except that
  * an object must not be freed while another thread uses it. Futures
