@@ -4,6 +4,9 @@
  * tcp on lo and shared memory unless given).
  * Usage: bench_transport OUT.json
  *
+ * Ours and ucx_perftest's alternate, three rounds each; each figure is the
+ * best of its rounds.
+ *
  * transport_bw_64MiB: MiB/s sending values of one 64 MiB host:0 buffer back
  *   to back (20 of them, timed until the receiver has all); ratio over
  *   ucx_perftest -t ucp_am_bw -s 64MiB (the same unit: MB there is MiB).
@@ -88,7 +91,7 @@ static void send_one(dp_endpoint_t *ep, dp_value_t v, dp_future_t **d) {
 
 static double our_bw(dp_endpoint_t *ep, dp_value_t tensor) {
   double best = 0;
-  for (int round = 0; round < 3; round++) {
+  for (int round = 0; round < 2; round++) {
     dp_future_t *d[BW_COUNT];
     double t0 = bench_now();
     for (int i = 0; i < BW_COUNT; i++) send_one(ep, tensor, &d[i]);
@@ -213,8 +216,21 @@ int main(int argc, char **argv) {
       dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &tensor, &e))
     die("tensor", &e);
 
-  double lat = our_lat(ep);
-  double bw = our_bw(ep, tensor);
+  /* ours and ucx_perftest's alternate, three rounds each; the best of each */
+  char args[128];
+  snprintf(args, sizeof args, "-t ucp_am_bw -s %zu -n 20 -w 2", BW_SIZE);
+  double lat = 1e30, bw = 0, base_bw = -1, base_lat = 1e30;
+  for (int round = 0; round < 3; round++) {
+    double x = our_lat(ep);
+    if (x < lat) lat = x;
+    x = our_bw(ep, tensor);
+    if (x > bw) bw = x;
+    x = perftest(args, 5);
+    if (x > base_bw) base_bw = x;
+    x = perftest("-t ucp_am_lat -s 256 -n 100000", 3);
+    if (x > 0 && x < base_lat) base_lat = x;
+  }
+  if (base_lat >= 1e30) base_lat = -1;
   dp_future_t *d;
   send_one(ep, dp_none(), &d);
   dp_future_wait(d, 10 * SEC, NULL);
@@ -225,10 +241,6 @@ int main(int argc, char **argv) {
   dp_value_release(tensor);
   dp_device_dealloc(host, dev, mem, NULL);
 
-  char args[128];
-  snprintf(args, sizeof args, "-t ucp_am_bw -s %zu -n 20 -w 2", BW_SIZE);
-  double base_bw = perftest(args, 5);
-  double base_lat = perftest("-t ucp_am_lat -s 256 -n 100000", 3);
   if (base_bw <= 0 || base_lat <= 0) printf("(ucx_perftest did not run: the ratios are 0)\n");
   bench_row(out, "transport_bw_64MiB", "host", bw, "MiB/s", base_bw > 0 ? bw / base_bw : 0,
             "ucx_perftest ucp_am_bw 64 MiB, same UCX_TLS (higher is better)");
