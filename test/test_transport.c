@@ -20,7 +20,6 @@ static void t_env(void) {
   /* tcp on lo and shared memory: what a container without a network has */
   setenv("UCX_TLS", "tcp,posix,sysv,self", 0);
   setenv("UCX_NET_DEVICES", "lo", 0);
-  setenv("UCX_KEEPALIVE_INTERVAL", "100ms", 0);
   signal(SIGPIPE, SIG_IGN);
 }
 
@@ -61,6 +60,13 @@ static peer_t spawn_peer(peer_fn fn, void *arg, const dp_transport_opts_t *opts)
       _exit(92);
     }
     int rc = fn(t, ep, arg);
+    /* stay until the test closes its side: a peer that closed at once
+       could race its last messages (docs/TRANSPORT.md, "Closing") */
+    dp_future_t *bye;
+    if (dp_endpoint_recv(ep, &bye, &e) == 0) {
+      dp_future_wait(bye, 60 * SEC, NULL);
+      dp_future_release(bye);
+    }
     dp_endpoint_free(ep);
     dp_listener_free(l);
     dp_transport_free(t);
@@ -455,12 +461,12 @@ static int send_after_slow_fill(void) {
   OK(dp_endpoint_send_future(ep, f, &d, T_ERR));
   dp_error_t e;
   OK_WITH(&e, wait_f(d, &e));
-  int verdict = peer_wait(p);
   OK(dp_stream_synchronize(s, T_ERR));
   dp_future_release(d);
   dp_future_release(f);
   dp_endpoint_free(ep);
   dp_transport_free(t);
+  int verdict = peer_wait(p);
   dp_stream_free(s);
   return verdict;
 }

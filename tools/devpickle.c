@@ -750,9 +750,14 @@ static int cmd_recv(int argc, char **argv) {
     status = write_all(a.out, b, n);
     if (status) dp_str_new("the frame could not be written", 30, &answer, NULL);
   }
-  /* answer the sender; it waits for this */
-  if (ep && !dp_endpoint_error(ep, NULL) && dp_endpoint_send(ep, answer, &d, &e) == 0)
+  /* answer the sender, then stay until it closes: closing first could
+   * overtake the answer (docs/TRANSPORT.md, "Closing") */
+  if (ep && !dp_endpoint_error(ep, NULL) && dp_endpoint_send(ep, answer, &d, &e) == 0) {
+    dp_future_t *bye = NULL;
     dp_future_wait(d, 10 * (int64_t)1000000000, NULL);
+    if (dp_endpoint_recv(ep, &bye, NULL) == 0) dp_future_wait(bye, 10 * (int64_t)1000000000, NULL);
+    dp_future_release(bye);
+  }
   dp_value_release(answer);
 out:
   dp_future_release(f);

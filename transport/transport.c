@@ -456,7 +456,7 @@ static void ep_failf(dp_endpoint_t *ep, int code, const char *fmt, const char *d
  * lost afterwards. */
 static void ep_fail_status(dp_endpoint_t *ep, ucs_status_t st) {
   if (ep->dead) return;
-  const char *fmt = ep->established ? "connection lost (%s)" : "connection refused (%s)";
+  const char *fmt = ep->established ? "connection lost (%s)" : "connection refused or lost before any reply (%s)";
   ep_failf(ep, st == UCS_ERR_ENDPOINT_TIMEOUT ? DP_ETIMEDOUT : DP_EIO, fmt, ucs_status_string(st));
 }
 
@@ -527,6 +527,7 @@ static void on_conn(ucp_conn_request_h req, void *arg) {
     dp__free(ep, sizeof *ep);
     return;
   }
+  ep->established = 1; /* the peer asked for it */
   ep_link(t, ep);
   pthread_mutex_lock(&t->mu);
   if (l->acc_tail) l->acc_tail->acc_next = ep;
@@ -1160,20 +1161,22 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
       if (a.sockaddr.ss_family == AF_INET) l->port = ntohs(((struct sockaddr_in *)&a.sockaddr)->sin_port);
       else if (a.sockaddr.ss_family == AF_INET6) l->port = ntohs(((struct sockaddr_in6 *)&a.sockaddr)->sin6_port);
     }
+    pthread_mutex_lock(&t->mu); /* dp_transport_free reads the list */
     l->next = t->lsts;
     t->lsts = l;
+    pthread_mutex_unlock(&t->mu);
     cmd_finish(t, c, 0);
     return;
   }
   case CMD_UNLISTEN: {
     dp_listener_t *l = c->lst;
     if (l->l) ucp_listener_destroy(l->l);
+    pthread_mutex_lock(&t->mu);
     for (dp_listener_t **p = &t->lsts; *p; p = &(*p)->next)
       if (*p == l) {
         *p = l->next;
         break;
       }
-    pthread_mutex_lock(&t->mu);
     dp_endpoint_t *a = l->acc_head;
     l->acc_head = l->acc_tail = NULL;
     l->closed = 1;

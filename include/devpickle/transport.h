@@ -125,8 +125,11 @@ DP_API void dp_listener_free(dp_listener_t *l);
  *  address. */
 DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err);
 /** Closes the endpoint: pending sends and receives fail with DP_ECANCELED
- *  ("endpoint closed with N sends pending"), received buffers not taken
- *  are freed, and the connection is closed. NULL: nothing. */
+ *  ("closed with N sends and M receives pending"), received buffers not
+ *  taken are freed, and the connection is closed (flushed first when
+ *  nothing is pending). Waits for the progress thread: never call it (nor
+ *  any _free here) from a callback of the transport's futures. NULL:
+ *  nothing. */
 DP_API void dp_endpoint_free(dp_endpoint_t *ep);
 /** 0 while the endpoint works; else its error (copied into err). */
 DP_API int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err);
