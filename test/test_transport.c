@@ -938,3 +938,68 @@ Test(transport, a_received_frame_naming_a_device_buffer_fails_its_receive_and_th
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* owned_tensor without assertions: allocation failures come back as codes */
+static int append_tensor(dp_value_t list, size_t nbytes, unsigned seed, dp_error_t *e) {
+  uint8_t *p = malloc(nbytes);
+  for (size_t i = 0; i < nbytes; i++) p[i] = (uint8_t)(seed * 31 + i * 7);
+  dp_storage_t *s;
+  dp_value_t t;
+  int64_t shape[1] = {(int64_t)nbytes};
+  int rc = dp_storage_new(t_dev(DP_DEVICE_CPU, 0), p, nbytes, free_cb, NULL, &s, e);
+  if (rc) {
+    free(p);
+    return rc;
+  }
+  rc = dp_tensor_new(s, DP_UINT8, 1, shape, NULL, 0, &t, e);
+  return rc ? rc : dp_list_append(list, t, e);
+}
+
+/* Fails the Nth allocation of the test process (its progress thread's
+ * included) for N = 1, 2, ... until a round trip passes untouched: each
+ * failure is an error from a call or a failed future, never a hang, and
+ * nothing leaks. */
+Test(transport, a_round_trip_fails_cleanly_at_every_allocation) {
+  t_track();
+  int clean = 0;
+  for (long n = 1; n < 400 && !clean; n++) {
+    peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+    t_alloc_count = 0;
+    t_fail_at = n;
+    dp_transport_t *t = NULL;
+    dp_endpoint_t *ep = NULL;
+    dp_future_t *d = NULL, *r = NULL;
+    dp_error_t e;
+    dp_value_t v = dp_none();
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", p.port);
+    int rc = dp_transport_new(NULL, &t, &e);
+    if (!rc) rc = dp_endpoint_connect(t, addr, &ep, &e);
+    if (!rc) rc = dp_list_new(2, &v, &e);
+    if (!rc) rc = append_tensor(v, 200000, 1, &e);
+    if (!rc) rc = append_tensor(v, 100, 2, &e);
+    if (!rc) rc = dp_endpoint_send(ep, v, &d, &e);
+    if (!rc) rc = dp_endpoint_recv(ep, &r, &e);
+    if (!rc) rc = dp_future_wait(d, 30 * SEC, &e);
+    if (!rc) rc = dp_future_wait(r, 30 * SEC, &e);
+    cr_assert_neq(rc, DP_ETIMEDOUT, "allocation %ld: a future hung: %s", n, e.message);
+    if (rc) cr_assert(e.message[0], "allocation %ld: %s without a message", n, dp_err_name(rc));
+    else
+      cr_assert(tensor_ok(dp_seq_get(dp_future_value(r), 0), 200000, 1) &&
+                tensor_ok(dp_seq_get(dp_future_value(r), 1), 100, 2));
+    clean = rc == 0 && t_alloc_count < n;
+    t_fail_at = 0;
+    dp_future_release(d);
+    dp_future_release(r);
+    dp_value_release(v);
+    dp_endpoint_free(ep);
+    dp_transport_free(t);
+    kill(p.pid, SIGKILL); /* whatever it waits for */
+    peer_wait(p);
+    dp_shutdown();
+    dp_value_collect();
+    cr_assert_eq(atomic_load(&t_live_blocks), 0, "allocation %ld failed (%s): %ld blocks (%ld bytes) still live", n,
+                 rc ? e.message : "no error", atomic_load(&t_live_blocks), atomic_load(&t_live_bytes));
+  }
+  cr_assert(clean, "no round trip passed without a failed allocation");
+}

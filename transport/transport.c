@@ -369,8 +369,13 @@ static void rmsg_free(rmsg_t *m) {
   dp__free(m, sizeof *m);
 }
 
+static void drain_rndv(dp_transport_t *t, void *data, size_t n);
+
+/* A parked message that will not be processed. The endpoint is still open
+ * (its close comes from the loop): rendezvous data is pulled and dropped. */
 static void inbox_drop(dp_transport_t *t, inbox_t *b) {
-  if (b->data) ucp_am_data_release(t->worker, b->data);
+  if (b->data && b->rndv) drain_rndv(t, b->data, b->len);
+  else if (b->data) ucp_am_data_release(t->worker, b->data);
   dp__free(b, sizeof *b);
 }
 
@@ -499,7 +504,7 @@ static void ep_unlink(dp_transport_t *t, dp_endpoint_t *ep) {
 }
 
 static dp_endpoint_t *ep_find(dp_transport_t *t, ucp_ep_h uep) {
-  if (t->last_ep && t->last_ep->ep == uep) return t->last_ep;
+  if (t->last_ep && t->last_ep->ep == uep && !t->last_ep->dead) return t->last_ep;
   for (dp_endpoint_t *e = t->eps; e; e = e->next)
     if (e->ep == uep && !e->dead) return t->last_ep = e;
   return NULL;
@@ -766,7 +771,7 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
   }
   rmsg_t *m = dp__alloc(sizeof *m);
   if (!m) {
-    ep_failf(ep, DP_ENOMEM, "%s", "out of memory");
+    ep_failf(ep, DP_ENOMEM, "%s", "out of memory for a received message");
     return DP_ENOMEM;
   }
   memset(m, 0, sizeof *m);
@@ -858,18 +863,59 @@ static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   deliver(ep->t, ep);
 }
 
+typedef struct drain {
+  void *scratch;
+  size_t n;
+} drain_t;
+
+static void drain_cb(void *req, ucs_status_t st, size_t len, void *ud) {
+  drain_t *d = ud;
+  (void)st, (void)len;
+  ucp_request_free(req);
+  dp__free(d->scratch, d->n);
+  dp__free(d, sizeof *d);
+}
+
+/* Pulls a rendezvous buffer of a refused message into scratch memory and
+ * drops it: the sender's send then completes as any other (releasing the
+ * descriptor unread leaves UCX 1.13's descriptor behind). Without memory
+ * for it, the descriptor is released. */
+static void drain_rndv(dp_transport_t *t, void *data, size_t n) {
+  drain_t *d = dp__alloc(sizeof *d);
+  if (d && !(d->scratch = dp__alloc(n ? n : 1))) {
+    dp__free(d, sizeof *d);
+    d = NULL;
+  }
+  if (!d) {
+    ucp_am_data_release(t->worker, data);
+    return;
+  }
+  d->n = n ? n : 1;
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = drain_cb;
+  p.user_data = d;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, d->scratch, n, &p);
+  if (!UCS_PTR_IS_PTR(r)) {
+    dp__free(d->scratch, d->n);
+    dp__free(d, sizeof *d);
+  }
+}
+
 /* A buffers message. Returns 1 when the inbox must wait (none here). */
 static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t *h, void *data, size_t len,
                    int rndv) {
   rmsg_t *m = ep->cur;
   if (!m || h->seq != m->seq || h->first != m->next_index || h->count == 0 || h->count > m->nbuf ||
       h->first > m->nbuf - h->count || (!rndv && len != h->total)) {
+    if (rndv) drain_rndv(t, data, (size_t)h->total);
     ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
     return -1;
   }
   m->next_index += h->count;
   if (m->failed) {
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) drain_rndv(t, data, (size_t)h->total);
     deliver(t, ep);
     return 0;
   }
@@ -877,7 +923,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   for (uint32_t k = 0; k < h->count; k++) sum += m->bufs[h->first + k].nbytes;
   if (sum != h->total) {
     ep_failf(ep, DP_EFORMAT, "%s", "a buffers message's size differs from its frame's table");
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) drain_rndv(t, data, (size_t)h->total);
     return -1;
   }
   if (!rndv) {
@@ -887,8 +933,8 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   }
   rctx_t *c = dp__alloc(sizeof *c);
   if (!c) {
-    ucp_am_data_release(t->worker, data);
-    ep_failf(ep, DP_ENOMEM, "%s", "out of memory");
+    drain_rndv(t, data, (size_t)h->total);
+    ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving a buffer");
     return -1;
   }
   memset(c, 0, sizeof *c);
@@ -900,8 +946,8 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   if (h->count > 1) {
     if (!(c->tmp = dp__alloc(h->total ? (size_t)h->total : 1))) {
       dp__free(c, sizeof *c);
-      ucp_am_data_release(t->worker, data);
-      ep_failf(ep, DP_ENOMEM, "%s", "out of memory");
+      drain_rndv(t, data, (size_t)h->total);
+      ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving packed buffers");
       return -1;
     }
     c->tmplen = h->total ? (size_t)h->total : 1;
@@ -1034,15 +1080,16 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   dp_endpoint_t *ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? ep_find(t, param->reply_ep) : NULL;
   if (ep) ep->established = 1;
   if (!ep) {
-    /* from no endpoint we know (one closed here): dropped */
-    if (rndv) ucp_am_data_release(t->worker, data);
+    /* from an endpoint failed or closed here (UCX still has it, as it
+       names it): dropped */
+    if (rndv) drain_rndv(t, data, len);
     return UCS_OK;
   }
   size_t want = id == DP__AM_FRAME ? sizeof(dp__am_frame_hdr_t) : sizeof(dp__am_bufs_hdr_t);
   uint32_t magic = 0;
   if (hlen >= 4) memcpy(&magic, hdr, 4);
   if (hlen != want || magic != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv)) {
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) drain_rndv(t, data, len);
     ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
   }
@@ -1051,7 +1098,7 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   key_t k = key_of(id, h);
   int c = key_cmp(k, expected(ep));
   if (c < 0) {
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) drain_rndv(t, data, len);
     ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
     return UCS_OK;
   }
@@ -1064,9 +1111,9 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
   if (!b || !persistent) {
     if (b) dp__free(b, sizeof *b);
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) drain_rndv(t, data, len);
     ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
-             ep->nparked >= DP__MAX_PARKED ? "too many messages out of order" : "out of memory");
+             ep->nparked >= DP__MAX_PARKED ? "too many messages out of order" : "out of memory parking a message");
     return UCS_OK;
   }
   memset(b, 0, sizeof *b);
@@ -1080,7 +1127,7 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   while (at && key_cmp(key_of(at->id, at->hdr), k) > 0) at = at->prev;
   if (at && key_cmp(key_of(at->id, at->hdr), k) == 0) {
     dp__free(b, sizeof *b);
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) drain_rndv(t, data, len);
     ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
     return UCS_OK;
   }
