@@ -92,7 +92,8 @@ typedef struct dp_transport_opts {
    *  transport binds buffers itself. NULL: dp_unpickle's defaults. */
   const dp_unpickle_opts_t *unpickle;
   /** Where host:N receive buffers are allocated. NULL: the host
-   *  backend's default caching allocator. Must outlive the transport. */
+   *  backend's default caching allocator. Must outlive the transport and
+   *  every value and future received through it. */
   dp_cache_t *cache;
 } dp_transport_opts_t;
 
