@@ -38,6 +38,7 @@ enum { SOP_VALUE, SOP_FUTURE, SOP_FRAME, SOP_RAW };
 
 struct sop {
   sop_t *next;
+  dp_transport_t *t;
   dp_endpoint_t *ep;        /* NULL once the endpoint let go of it */
   int kind;
   dp_value_t value;         /* retained (SOP_VALUE, SOP_FUTURE once ready) */
@@ -174,6 +175,7 @@ struct dp_transport {
   dp_backend_t *host;
   dp_cache_t *cache;
   dp_stream_t *streams[DP_DEVICE_INDEX_MAX + 1];
+  size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
 };
 
@@ -369,13 +371,12 @@ static void rmsg_free(rmsg_t *m) {
   dp__free(m, sizeof *m);
 }
 
-static void drain_rndv(dp_transport_t *t, void *data, size_t n);
-
-/* A parked message that will not be processed. The endpoint is still open
- * (its close comes from the loop): rendezvous data is pulled and dropped. */
+/* A parked message that will not be processed: its endpoint failed or
+ * closes. (Rendezvous data is released unread: a receive posted on an
+ * endpoint being closed outlives it in UCX 1.13, which then asserts when the
+ * worker goes; UCX's descriptor is reclaimed with the worker.) */
 static void inbox_drop(dp_transport_t *t, inbox_t *b) {
-  if (b->data && b->rndv) drain_rndv(t, b->data, b->len);
-  else if (b->data) ucp_am_data_release(t->worker, b->data);
+  if (b->data) ucp_am_data_release(t->worker, b->data);
   dp__free(b, sizeof *b);
 }
 
@@ -563,6 +564,7 @@ static void sop_complete(sop_t *s) {
 
 static void send_cb(void *req, ucs_status_t st, void *ud) {
   sop_t *s = ud;
+  s->t->nreq--;
   if (st != UCS_OK && s->ep && !s->failed) ep_fail_status(s->ep, st);
   if (st == UCS_OK && s->ep) s->ep->established = 1;
   ucp_request_free(req);
@@ -590,6 +592,7 @@ static int post_am(sop_t *s, unsigned id, const void *hdr, size_t hlen, const vo
     return DP_EIO;
   }
   s->outstanding++;
+  ep->t->nreq++;
   return 0;
 }
 
@@ -826,6 +829,7 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
 }
 
 typedef struct rctx {
+  dp_transport_t *t;
   dp_endpoint_t *ep;
   rmsg_t *m;
   uint64_t first;
@@ -847,6 +851,7 @@ static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   rmsg_t *m = c->m;
   (void)len;
   ucp_request_free(req);
+  c->t->nreq--;
   if (st == UCS_OK && c->tmp && !m->detached && !m->failed) scatter(m, c->first, c->count, c->tmp);
   if (c->tmp) dp__free(c->tmp, c->tmplen);
   m->pending--;
@@ -864,6 +869,7 @@ static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
 }
 
 typedef struct drain {
+  dp_transport_t *t;
   void *scratch;
   size_t n;
 } drain_t;
@@ -872,14 +878,15 @@ static void drain_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   drain_t *d = ud;
   (void)st, (void)len;
   ucp_request_free(req);
+  d->t->nreq--;
   dp__free(d->scratch, d->n);
   dp__free(d, sizeof *d);
 }
 
-/* Pulls a rendezvous buffer of a refused message into scratch memory and
- * drops it: the sender's send then completes as any other (releasing the
- * descriptor unread leaves UCX 1.13's descriptor behind). Without memory
- * for it, the descriptor is released. */
+/* Pulls a rendezvous buffer of a refused message (its endpoint lives on)
+ * into scratch memory and drops it: the sender's send then completes as any
+ * other, and UCX's descriptor goes back (one released unread stays in its
+ * pool until the worker goes). Without memory for it, it is released. */
 static void drain_rndv(dp_transport_t *t, void *data, size_t n) {
   drain_t *d = dp__alloc(sizeof *d);
   if (d && !(d->scratch = dp__alloc(n ? n : 1))) {
@@ -891,13 +898,16 @@ static void drain_rndv(dp_transport_t *t, void *data, size_t n) {
     return;
   }
   d->n = n ? n : 1;
+  d->t = t;
   ucp_request_param_t p;
   memset(&p, 0, sizeof p);
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = drain_cb;
   p.user_data = d;
   ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, d->scratch, n, &p);
-  if (!UCS_PTR_IS_PTR(r)) {
+  if (UCS_PTR_IS_PTR(r)) {
+    t->nreq++;
+  } else {
     dp__free(d->scratch, d->n);
     dp__free(d, sizeof *d);
   }
@@ -909,7 +919,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   rmsg_t *m = ep->cur;
   if (!m || h->seq != m->seq || h->first != m->next_index || h->count == 0 || h->count > m->nbuf ||
       h->first > m->nbuf - h->count || (!rndv && len != h->total)) {
-    if (rndv) drain_rndv(t, data, (size_t)h->total);
+    if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
     return -1;
   }
@@ -923,7 +933,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   for (uint32_t k = 0; k < h->count; k++) sum += m->bufs[h->first + k].nbytes;
   if (sum != h->total) {
     ep_failf(ep, DP_EFORMAT, "%s", "a buffers message's size differs from its frame's table");
-    if (rndv) drain_rndv(t, data, (size_t)h->total);
+    if (rndv) ucp_am_data_release(t->worker, data);
     return -1;
   }
   if (!rndv) {
@@ -933,11 +943,12 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   }
   rctx_t *c = dp__alloc(sizeof *c);
   if (!c) {
-    drain_rndv(t, data, (size_t)h->total);
+    ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving a buffer");
     return -1;
   }
   memset(c, 0, sizeof *c);
+  c->t = t;
   c->ep = ep;
   c->m = m;
   c->first = h->first;
@@ -946,7 +957,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   if (h->count > 1) {
     if (!(c->tmp = dp__alloc(h->total ? (size_t)h->total : 1))) {
       dp__free(c, sizeof *c);
-      drain_rndv(t, data, (size_t)h->total);
+      ucp_am_data_release(t->worker, data);
       ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving packed buffers");
       return -1;
     }
@@ -960,7 +971,10 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   p.user_data = c;
   m->pending++;
   ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, (size_t)h->total, &p);
-  if (UCS_PTR_IS_PTR(r)) return 0;
+  if (UCS_PTR_IS_PTR(r)) {
+    t->nreq++;
+    return 0;
+  }
   /* done at once (or failed): the callback is not called */
   ucs_status_t st = UCS_PTR_STATUS(r);
   if (st == UCS_OK && c->tmp) scatter(m, c->first, c->count, c->tmp);
@@ -1082,14 +1096,14 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   if (!ep) {
     /* from an endpoint failed or closed here (UCX still has it, as it
        names it): dropped */
-    if (rndv) drain_rndv(t, data, len);
+    if (rndv) ucp_am_data_release(t->worker, data);
     return UCS_OK;
   }
   size_t want = id == DP__AM_FRAME ? sizeof(dp__am_frame_hdr_t) : sizeof(dp__am_bufs_hdr_t);
   uint32_t magic = 0;
   if (hlen >= 4) memcpy(&magic, hdr, 4);
   if (hlen != want || magic != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv)) {
-    if (rndv) drain_rndv(t, data, len);
+    if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
   }
@@ -1098,7 +1112,7 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   key_t k = key_of(id, h);
   int c = key_cmp(k, expected(ep));
   if (c < 0) {
-    if (rndv) drain_rndv(t, data, len);
+    if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
     return UCS_OK;
   }
@@ -1111,7 +1125,7 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
   if (!b || !persistent) {
     if (b) dp__free(b, sizeof *b);
-    if (rndv) drain_rndv(t, data, len);
+    if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
              ep->nparked >= DP__MAX_PARKED ? "too many messages out of order" : "out of memory parking a message");
     return UCS_OK;
@@ -1127,7 +1141,7 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   while (at && key_cmp(key_of(at->id, at->hdr), k) > 0) at = at->prev;
   if (at && key_cmp(key_of(at->id, at->hdr), k) == 0) {
     dp__free(b, sizeof *b);
-    if (rndv) drain_rndv(t, data, len);
+    if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
     return UCS_OK;
   }
@@ -1271,6 +1285,7 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
       return;
     }
     s->ep = ep;
+    s->t = t;
     ep->nsends++;
     if (ep->sq_tail) ep->sq_tail->next = s;
     else ep->sq_head = s;
@@ -1399,7 +1414,7 @@ static void *progress_main(void *arg) {
     idle_since = 0;
   }
   /* closes in progress finish (bounded: a flush to a dead peer fails) */
-  for (int64_t until = now_ns() + 2000000000; t->closing && now_ns() < until;) {
+  for (int64_t until = now_ns() + 2000000000; (t->closing || t->nreq) && now_ns() < until;) {
     ucp_worker_progress(t->worker);
     reap(t);
   }
