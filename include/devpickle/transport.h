@@ -27,7 +27,10 @@
  * Wire protocol, matching, validation and failures: docs/TRANSPORT.md.
  *
  * WHAT MOVES. Memory on `cpu` and on the host backend's devices (`host:N`):
- * a storage's base must be readable host memory of its nbytes. Device
+ * a storage's base must be readable host memory of its nbytes (so not the
+ * storages of a value read back from an inline frame without a bind
+ * callback, whose base is the writer's address and whose bytes are host
+ * data: send such a frame as it is, with dp_endpoint_send_frame). Device
  * memory (`cuda:N`) is NOT moved yet: a value holding a cuda storage is
  * refused by send (DP_ENODEV naming the buffer and the device, before
  * anything is sent), and a frame that names one fails its receive the same
