@@ -177,6 +177,7 @@ struct dp_transport {
   dp_stream_t *streams[DP_DEVICE_INDEX_MAX + 1];
   size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
+  int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
 };
 
 /* ---- small things ---- */
@@ -208,8 +209,9 @@ static int submit(dp_transport_t *t, cmd_t *c, int wait_done) {
   if (t->c_tail) t->c_tail->next = c;
   else t->c_head = c;
   t->c_tail = c;
+  int asleep = t->sleeping; /* a thread still spinning sees the queue itself */
   pthread_mutex_unlock(&t->mu);
-  wake(t);
+  if (asleep) wake(t);
   if (!wait_done) return 0;
   pthread_mutex_lock(&t->mu);
   while (!c->done) pthread_cond_wait(&t->cv, &t->mu);
@@ -1402,10 +1404,21 @@ static void *progress_main(void *arg) {
     /* spin a while after the last work (a reply often follows at once),
      * then sleep on the worker's and the command queue's descriptors */
     if (!idle_since) idle_since = now_ns();
-    if (now_ns() - idle_since < DP__SPIN_NS) continue;
+    if (now_ns() - idle_since < DP__SPIN_NS) {
+      sched_yield(); /* the threads this one waits for may need the core */
+      continue;
+    }
     if (ucp_worker_arm(t->worker) == UCS_ERR_BUSY) continue;
+    pthread_mutex_lock(&t->mu);
+    int queued = t->c_head != NULL;
+    t->sleeping = !queued;
+    pthread_mutex_unlock(&t->mu);
+    if (queued) continue;
     struct pollfd fds[2] = {{t->worker_fd, POLLIN, 0}, {t->wake_fd, POLLIN, 0}};
     poll(fds, 2, t->timeout_ns > 0 ? 10 : 100);
+    pthread_mutex_lock(&t->mu);
+    t->sleeping = 0;
+    pthread_mutex_unlock(&t->mu);
     if (fds[1].revents & POLLIN) {
       uint64_t v;
       ssize_t r = read(t->wake_fd, &v, sizeof v);
