@@ -25,11 +25,14 @@ ifeq ($(HAVE_CUDA),1)
 CUDA_CFLAGS := -DDP_HAVE_CUDA -isystem $(CUDA_HOME)/include
 CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt
 endif
-LDLIBS    := -lmsgpackc -lxxhash $(CUDA_LIBS) -lpthread -lm
+# UCX (the transport) is linked --as-needed: a link that pulls no transport
+# object from libdevpickle.a (the Python binding) does not depend on it.
+UCX_LIBS  := -Wl,--push-state,--as-needed -lucp -lucs -Wl,--pop-state
+LDLIBS    := -lmsgpackc -lxxhash $(UCX_LIBS) $(CUDA_LIBS) -lpthread -lm
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
 GPU_ARCH  ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 
-LIB_SRC   := $(wildcard core/*.c value/*.c pickler/*.c device/*.c cache/*.c future/*.c)
+LIB_SRC   := $(wildcard core/*.c value/*.c pickler/*.c device/*.c cache/*.c future/*.c transport/*.c)
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 CLI_SRC   := $(wildcard tools/*.c)
 CLI_OBJ   := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
@@ -41,8 +44,10 @@ HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
 
 # Each Debian package with a header that shows it is there: a package counts as
 # installed when the compiler finds its header (wherever it came from), so
-# nothing asks for root (or dpkg) when everything is already installed.
-DEB_PKGS  := libmsgpack-dev:msgpack.h libxxhash-dev:xxhash.h libcriterion-dev:criterion/criterion.h libjansson-dev:jansson.h
+# nothing asks for root (or dpkg) when everything is already installed. A
+# package without a header (a tool) is named by its command: cmd/NAME.
+DEB_PKGS  := libmsgpack-dev:msgpack.h libxxhash-dev:xxhash.h libcriterion-dev:criterion/criterion.h libjansson-dev:jansson.h \
+             libucx-dev:ucp/api/ucp.h ucx-utils:cmd/ucx_perftest
 
 .PHONY: soak checksymbols checkheaders check-build all lib cli test test-asan test-tsan gpu-test fuzz deps-fuzz demo bench deps deps-check install uninstall clean help config FORCE
 
@@ -195,16 +200,21 @@ soak: deps ## Hammer futures, the allocator and pickling from 4 threads for SOAK
 
 TSAN_BUILD := $(BUILD)/tsan
 
-$(BUILD)/stress: test/stress/stress.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
+$(BUILD)/stress $(BUILD)/transport_stress: $(BUILD)/%: test/stress/%.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
 	$(CC) $(TFLAGS) $(SANFLAGS) $(DEPFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
 # Criterion cannot start under ThreadSanitizer, so the concurrent scenarios
-# live in test/stress. The racy control must be reported, or the check is
-# blind and the target fails.
+# live in test/stress (the transport's in transport_stress, with UCX's memory
+# hooks off: they intercept madvise at thread exit, after TSan let go).
+# The racy control must be reported, or the check is blind and the target
+# fails.
 test-tsan: deps ## Run the concurrency stress under ThreadSanitizer (and check that a racy control is caught)
-	@$(MAKE) --no-print-directory BUILD=$(TSAN_BUILD) OPT="-O1 -g" SANFLAGS="-fsanitize=thread" $(TSAN_BUILD)/stress >/dev/null
+	@$(MAKE) --no-print-directory BUILD=$(TSAN_BUILD) OPT="-O1 -g" SANFLAGS="-fsanitize=thread" $(TSAN_BUILD)/stress $(TSAN_BUILD)/transport_stress >/dev/null
 	@log=$(TSAN_BUILD)/test-tsan.log; \
-	TSAN_OPTIONS=halt_on_error=0 $(TSAN_BUILD)/stress > $$log 2>&1; rc=$$?; cat $$log | grep -vE '^(==|  |    #|SUMMARY|WARNING|Previous|Location|Mutex|Thread|  Thread)' ; \
+	TSAN_OPTIONS=halt_on_error=0 $(TSAN_BUILD)/stress > $$log 2>&1; rc=$$?; \
+	UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_MALLOC_HOOKS=no TSAN_OPTIONS=halt_on_error=0 \
+	  $(TSAN_BUILD)/transport_stress >> $$log 2>&1 || rc=1; \
+	cat $$log | grep -vE '^(==|  |    #|SUMMARY|WARNING|Previous|Location|Mutex|Thread|  Thread)' ; \
 	if [ $$rc -ne 0 ] || grep -q 'ThreadSanitizer' $$log; then \
 	  grep -nE -A24 'WARNING: ThreadSanitizer' $$log | head -80; echo "test-tsan: reports or failures (log: $$log)"; exit 1; fi; \
 	TSAN_OPTIONS=halt_on_error=0 $(TSAN_BUILD)/stress --control > $$log.control 2>&1; \
@@ -225,8 +235,9 @@ include python/python.mk
 
 # Dependencies: Debian packages, installed when missing.
 deps: ## Install the missing Debian packages (apt-get; needs root only when one is missing)
-	@missing=""; for ph in $(DEB_PKGS); do \
-	  printf '#include <%s>\n' "$${ph#*:}" | $(CC) -E -x c - >/dev/null 2>&1 || missing="$$missing $${ph%%:*}"; done; \
+	@missing=""; for ph in $(DEB_PKGS); do c="$${ph#*:}"; \
+	  case "$$c" in cmd/*) command -v "$${c#cmd/}" >/dev/null 2>&1 ;; \
+	    *) printf '#include <%s>\n' "$$c" | $(CC) -E -x c - >/dev/null 2>&1 ;; esac || missing="$$missing $${ph%%:*}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	echo "devpickle: installing$$missing"; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
@@ -235,8 +246,8 @@ deps: ## Install the missing Debian packages (apt-get; needs root only when one 
 	  { echo "devpickle: apt-get failed; run: apt-get update && apt-get install -y$$missing" >&2; exit 1; }
 
 deps-check:
-	@printf '#include <msgpack.h>\n#include <xxhash.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 || \
-	  { echo "devpickle: msgpack-c or xxHash headers missing: run 'make deps'" >&2; exit 1; }
+	@printf '#include <msgpack.h>\n#include <xxhash.h>\n#include <ucp/api/ucp.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 || \
+	  { echo "devpickle: msgpack-c, xxHash or UCX headers missing: run 'make deps'" >&2; exit 1; }
 
 config: ## Show what the build found
 	@echo "CC=$(CC) CUDA=$(HAVE_CUDA) ($(CUDA_HOME)) PREFIX=$(PREFIX)"

@@ -8,6 +8,7 @@
 #include "devpickle/device.h"
 #include "devpickle/cache.h"
 #include "devpickle/future.h"
+#include "devpickle/transport.h"
 
 #ifdef __cplusplus
 extern "C" {

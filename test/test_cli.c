@@ -7,6 +7,9 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -93,8 +96,8 @@ static const char *simple_json =
     " \"nbytes\": 8, \"dtype\": \"uint8\", \"shape\": [8]}}}}}";
 
 Test(cli, every_command_answers_help_with_its_usage) {
-  static const char *const cmds[] = {"pack", "unpack", "dump", "inspect", "verify", "demo"};
-  for (int i = 0; i < 6; i++) {
+  static const char *const cmds[] = {"pack", "unpack", "dump", "inspect", "verify", "demo", "send", "recv"};
+  for (int i = 0; i < 8; i++) {
     char args[64];
     snprintf(args, sizeof args, "%s --help", cmds[i]);
     res_t r = run(args);
@@ -994,4 +997,112 @@ Test(cli, an_output_named_with_the_longest_legal_file_name_is_written) {
   cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
   cr_assert_eq(count_entries(), 3);
+}
+
+/* ---- send / recv ---- */
+
+static void ucx_env(void) {
+  setenv("UCX_TLS", "tcp,posix,sysv,self", 0);
+  setenv("UCX_NET_DEVICES", "lo", 0);
+}
+
+/* Starts `devpickle recv 0 ARGS...` in dir; returns its pid and the port it
+ * says it listens on (read from its stderr, which then goes to dir/.recv). */
+static pid_t start_recv(const char *out, int *port) {
+  ucx_env();
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  char abs[512];
+  cr_assert_not_null(realpath(cli, abs));
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    if (chdir(dir) != 0) _exit(99);
+    close(fds[0]);
+    dup2(fds[1], 2);
+    execl(abs, abs, "recv", "0", "--host", "127.0.0.1", "--timeout", "60", "-o", out, (char *)NULL);
+    _exit(98);
+  }
+  close(fds[1]);
+  char line[256];
+  size_t n = 0;
+  while (n < sizeof line - 1 && read(fds[0], line + n, 1) == 1 && line[n] != '\n') n++;
+  line[n] = 0;
+  close(fds[0]);
+  cr_assert_eq(sscanf(line, "devpickle recv: listening on port %d", port), 1, "recv said: %s", line);
+  return pid;
+}
+
+static int wait_status(pid_t pid) {
+  int st;
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+Test(cli, send_and_recv_move_an_inline_frame_that_arrives_verified_and_written_whole) {
+  /* an inline frame: its tensor's bytes travel in it */
+  spit("v.json", "{\"$object\": \"Checkpoint\", \"attrs\": {\"step\": 7, \"w\": {\"$tensor\": "
+                 "{\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"float32\", "
+                 "\"shape\": [2], \"data\": \"AACAPwAAAEA=\"}}}}");
+  res_t r = run("pack v.json -o f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  int port;
+  pid_t pid = start_recv("got.dpk", &port);
+  char args[128];
+  snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d", port);
+  r = run(args);
+  cr_assert_eq(r.status, 0, "send: %s", r.err);
+  cr_assert_not_null(strstr(r.out, "f.dpk: sent "), "%s", r.out);
+  res_free(r);
+  cr_assert_eq(wait_status(pid), 0);
+  char a[128], b[128];
+  path_in(a, sizeof a, "f.dpk");
+  path_in(b, sizeof b, "got.dpk");
+  size_t na, nb;
+  char *x = slurp(a, &na), *y = slurp(b, &nb);
+  cr_assert_eq(na, nb);
+  cr_assert_eq(memcmp(x, y, na), 0, "the received frame differs");
+  free(x);
+  free(y);
+  r = run("verify got.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+}
+
+Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_connection) {
+  ucx_env();
+  spit("bad.dpk", "DPKL this is no frame");
+  res_t r = run("send bad.dpk 127.0.0.1:1");
+  cr_assert_eq(r.status, 1);
+  cr_assert_not_null(strstr(r.err, "devpickle: bad.dpk: "), "%s", r.err);
+  res_free(r);
+  spit("v.json", "[1, 2]");
+  r = run("pack v.json -o f.dpk");
+  cr_assert_eq(r.status, 0);
+  res_free(r);
+  /* a port where nobody listens: a bound socket that does not listen */
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  cr_assert_eq(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
+  char args[128];
+  snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", ntohs(sa.sin_port));
+  r = run(args);
+  close(fd);
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_not_null(strstr(r.err, "connection refused"), "%s", r.err);
+  res_free(r);
+  r = run("send f.dpk nowhere");
+  cr_assert_eq(r.status, 1);
+  cr_assert_not_null(strstr(r.err, "is not HOST:PORT"), "%s", r.err);
+  res_free(r);
+  r = run("recv 70000");
+  cr_assert_eq(r.status, 2);
+  cr_assert_not_null(strstr(r.err, "devpickle recv: bad PORT '70000'"), "%s", r.err);
+  res_free(r);
 }

@@ -29,6 +29,8 @@ static const char *const usage_main =
     "  dump FRAME.dpk [--json]        the device pointers a frame's value holds\n"
     "  inspect FRAME.dpk              the value as a tree, one node a line, with paths\n"
     "  verify FRAME.dpk               check a frame completely; print a summary\n"
+    "  send FRAME.dpk HOST:PORT       send a self-contained frame to 'devpickle recv'\n"
+    "  recv PORT [-o FRAME.dpk]       receive one frame, verify it, write it\n"
     "  demo                           the future pipeline end to end, every byte checked\n"
     "\n"
     "FILE may be '-' for stdin (and -o - for stdout).\n"
@@ -586,6 +588,186 @@ static int cmd_verify(int argc, char **argv) {
   return stdout_done(0);
 }
 
+/* ---- send / recv: a link tested with the tool alone (docs/TRANSPORT.md) ---- */
+
+/* The receiver answers each frame with one value: 0 when the frame verified
+ * and was written, else the reason as a str. */
+
+static const char *const help_send =
+    "usage: devpickle send FRAME.dpk HOST:PORT [--timeout SECONDS]\n"
+    "\n"
+    "Sends a self-contained frame (inline, or without buffers) over UCX to\n"
+    "'devpickle recv' listening on HOST:PORT, and waits for its answer: the\n"
+    "receiver verifies the frame as 'verify' does and writes it. The frame is\n"
+    "verified here first. Exits 0 when the receiver took it; otherwise the\n"
+    "error line (the receiver's reason, or the connection's) and status 1.\n"
+    "--timeout: give up after SECONDS (default 60). UCX reads its own\n"
+    "environment (UCX_TLS, UCX_NET_DEVICES).\n";
+
+static const char *const help_recv =
+    "usage: devpickle recv PORT [-o FRAME.dpk] [--host HOST] [--timeout SECONDS]\n"
+    "\n"
+    "Listens on HOST:PORT (default host 0.0.0.0; PORT 0 takes a free port),\n"
+    "says 'devpickle recv: listening on port N' on stderr, receives one frame\n"
+    "from 'devpickle send', verifies it as 'verify' does, writes it to\n"
+    "FRAME.dpk (or stdout) — a file is written whole under a temporary name\n"
+    "and renamed, so a failure leaves no partial file — and answers the\n"
+    "sender. --timeout: give up after SECONDS without a frame (default: wait).\n";
+
+typedef struct link_args {
+  const char *pos[2];
+  int npos;
+  const char *out, *host;
+  double timeout;
+} link_args_t;
+
+static int parse_link(const char *cmd, const char *help, int argc, char **argv, int want_pos, int allow_o,
+                      link_args_t *a) {
+  memset(a, 0, sizeof *a);
+  a->timeout = -1;
+  for (int i = 1; i < argc; i++) {
+    const char *s = argv[i];
+    if (strcmp(s, "--help") == 0 || strcmp(s, "-h") == 0) {
+      fputs(help, stdout);
+      return stdout_done(0) ? EXIT_DATA : -1;
+    } else if ((allow_o && (strcmp(s, "-o") == 0 || strcmp(s, "--output") == 0)) || strcmp(s, "--host") == 0 ||
+               strcmp(s, "--timeout") == 0) {
+      if (++i == argc) return usage_error(cmd, "%s needs a value", s);
+      if (strcmp(s, "--host") == 0) {
+        if (allow_o) a->host = argv[i];
+        else return usage_error(cmd, "unknown option '%s'", s);
+      } else if (strcmp(s, "--timeout") == 0) {
+        char *end;
+        a->timeout = strtod(argv[i], &end);
+        if (*end || !(a->timeout > 0) || a->timeout > 1e6) return usage_error(cmd, "bad --timeout '%s'", argv[i]);
+      } else {
+        a->out = argv[i];
+      }
+    } else if (s[0] == '-' && s[1] != '\0') {
+      return usage_error(cmd, "unknown option '%s'", s);
+    } else if (a->npos == want_pos) {
+      return usage_error(cmd, "unexpected argument '%s'", s);
+    } else {
+      a->pos[a->npos++] = s;
+    }
+  }
+  if (a->npos < want_pos)
+    return usage_error(cmd, "%s", want_pos == 2 ? "missing FRAME.dpk or HOST:PORT" : "missing PORT");
+  return 0;
+}
+
+static int64_t timeout_ns(double s) { return s < 0 ? -1 : (int64_t)(s * 1e9); }
+
+static int cmd_send(int argc, char **argv) {
+  link_args_t a;
+  int rc = parse_link("send", help_send, argc, argv, 2, 0, &a);
+  if (rc) return rc < 0 ? 0 : rc;
+  if (a.timeout < 0) a.timeout = 60;
+  uint8_t *bytes;
+  size_t n;
+  if ((rc = read_all(a.pos[0], &bytes, &n)) != 0) return rc;
+  dp_error_t e;
+  dp_error_clear(&e);
+  dp_unpickle_opts_t o = cli_unpickle_opts();
+  dp_value_t v;
+  if ((rc = dp_unpickle(bytes, n, &o, &v, &e)) != 0) {
+    free(bytes);
+    return data_error(display(a.pos[0]), e.message, e.offset);
+  }
+  dp_value_release(v);
+  dp_transport_t *t = NULL;
+  dp_endpoint_t *ep = NULL;
+  dp_future_t *done = NULL, *ans = NULL;
+  const char *where = a.pos[1];
+  rc = dp_transport_new(NULL, &t, &e);
+  if (!rc) rc = dp_endpoint_connect(t, a.pos[1], &ep, &e);
+  if (!rc) where = display(a.pos[0]), rc = dp_endpoint_send_frame(ep, bytes, n, &done, &e);
+  if (!rc) where = a.pos[1], rc = dp_endpoint_recv(ep, &ans, &e);
+  if (!rc) rc = dp_future_wait(done, timeout_ns(a.timeout), &e);
+  if (!rc) rc = dp_future_wait(ans, timeout_ns(a.timeout), &e);
+  free(bytes);
+  int status = 0;
+  if (rc) {
+    status = data_error(where, e.message, -1);
+  } else {
+    dp_value_t r = dp_future_value(ans);
+    if (dp_value_kind(r) == DP_STR) {
+      char what[1200];
+      snprintf(what, sizeof what, "the receiver refused the frame: %.1100s", dp_str_data(r, NULL));
+      status = data_error(a.pos[1], what, -1);
+    } else if (dp_value_kind(r) != DP_INT || dp_value_as_int(r) != 0) {
+      status = data_error(a.pos[1], "the receiver gave no answer devpickle knows", -1);
+    } else {
+      printf("%s: sent %zu bytes to %s\n", display(a.pos[0]), n, a.pos[1]);
+    }
+  }
+  dp_future_release(done);
+  dp_future_release(ans);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  return stdout_done(status);
+}
+
+static int cmd_recv(int argc, char **argv) {
+  link_args_t a;
+  int rc = parse_link("recv", help_recv, argc, argv, 1, 1, &a);
+  if (rc) return rc < 0 ? 0 : rc;
+  const char *port = a.pos[0];
+  if (!*port || strspn(port, "0123456789") != strlen(port) || strlen(port) > 5 || atoi(port) > 65535)
+    return usage_error("recv", "bad PORT '%s'", port);
+  if (!a.out) a.out = "-";
+  char addr[320];
+  snprintf(addr, sizeof addr, "%s:%s", a.host ? a.host : "0.0.0.0", port);
+  dp_error_t e;
+  dp_error_clear(&e);
+  dp_transport_opts_t to;
+  memset(&to, 0, sizeof to);
+  dp_unpickle_opts_t uo = cli_unpickle_opts();
+  to.unpickle = &uo;
+  dp_transport_t *t = NULL;
+  dp_listener_t *l = NULL;
+  dp_endpoint_t *ep = NULL;
+  dp_future_t *f = NULL, *d = NULL;
+  int status = 0;
+  rc = dp_transport_new(&to, &t, &e);
+  if (!rc) rc = dp_listener_new(t, addr, &l, &e);
+  if (rc) {
+    status = data_error(addr, e.message, -1);
+    goto out;
+  }
+  fprintf(stderr, "devpickle recv: listening on port %d\n", dp_listener_port(l));
+  fflush(stderr);
+  rc = dp_listener_accept(l, timeout_ns(a.timeout), &ep, &e);
+  if (!rc) rc = dp_endpoint_recv_frame(ep, &f, &e);
+  if (!rc) rc = dp_future_wait(f, timeout_ns(a.timeout), &e);
+  dp_value_t answer = dp_int(0);
+  if (rc) {
+    status = data_error(addr, e.message, e.offset);
+    if (ep && !dp_endpoint_error(ep, NULL)) dp_str_new(e.message, strlen(e.message), &answer, NULL);
+  } else {
+    size_t n;
+    const uint8_t *b = dp_bytes_data(dp_future_value(f), &n);
+    status = write_all(a.out, b, n);
+    if (status) dp_str_new("the frame could not be written", 30, &answer, NULL);
+  }
+  /* answer the sender, then stay until it closes: closing first could
+   * overtake the answer (docs/TRANSPORT.md, "Closing") */
+  if (ep && !dp_endpoint_error(ep, NULL) && dp_endpoint_send(ep, answer, &d, &e) == 0) {
+    dp_future_t *bye = NULL;
+    dp_future_wait(d, 10 * (int64_t)1000000000, NULL);
+    if (dp_endpoint_recv(ep, &bye, NULL) == 0) dp_future_wait(bye, 10 * (int64_t)1000000000, NULL);
+    dp_future_release(bye);
+  }
+  dp_value_release(answer);
+out:
+  dp_future_release(f);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  return status;
+}
+
 /* ---- demo ---- */
 
 static int cmd_demo(int argc, char **argv) { return stdout_done(demo_run(argc, argv)); }
@@ -593,6 +775,7 @@ static int cmd_demo(int argc, char **argv) { return stdout_done(demo_run(argc, a
 static const cmd_t commands[] = {
     {"pack", cmd_pack},       {"unpack", cmd_unpack}, {"dump", cmd_dump},
     {"inspect", cmd_inspect}, {"verify", cmd_verify}, {"demo", cmd_demo},
+    {"send", cmd_send},       {"recv", cmd_recv},
 };
 
 int main(int argc, char **argv) {

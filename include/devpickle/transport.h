@@ -1,0 +1,171 @@
+/*
+ * devpickle/transport.h — send values between processes and nodes over UCX.
+ *
+ * A transport is a UCX context and worker whose progress is driven by a
+ * THREAD OF ITS OWN, started by dp_transport_new and joined by
+ * dp_transport_free: every UCX call is made on that thread, and the calls
+ * below only queue work for it (they never progress UCX on the caller's
+ * thread). Listeners bind HOST:PORT; endpoints connect or are accepted.
+ *
+ * dp_endpoint_send() pickles a value (or, with dp_endpoint_send_future, the
+ * value of a future once the future's events have completed: the progress
+ * thread polls them, nothing blocks a host thread or synchronizes a device)
+ * and sends its frame as one UCX active message, its out-of-band buffers in
+ * messages of their own (rendezvous for large ones; small ones packed
+ * together). The send's result is a future that completes (with none) when
+ * every buffer of the value may be reused by the sender.
+ *
+ * dp_endpoint_recv() gives a future of the next value from an endpoint, in
+ * the order the peer sent them: the frame is checked as dp_unpickle checks
+ * any input (it is hostile: checksum, limits, layout), each out-of-band
+ * buffer is received into memory allocated on the receiver — host:N from the
+ * transport's caching allocator on the transport's receive stream of that
+ * device, cpu from the allocator hook — and the future completes once every
+ * byte has arrived, its events recorded on that stream. Consumers use the
+ * ordinary dp_future_wait/then.
+ *
+ * Wire protocol, matching, validation and failures: docs/TRANSPORT.md.
+ *
+ * WHAT MOVES. Memory on `cpu` and on the host backend's devices (`host:N`):
+ * a storage's base must be readable host memory of its nbytes (so not the
+ * storages of a value read back from an inline frame without a bind
+ * callback, whose base is the writer's address and whose bytes are host
+ * data: send such a frame as it is, with dp_endpoint_send_frame). Device
+ * memory (`cuda:N`) is NOT moved yet: a value holding a cuda storage is
+ * refused by send (DP_ENODEV naming the buffer and the device, before
+ * anything is sent), and a frame that names one fails its receive the same
+ * way. Buffers move through a per-device-type "mover" (transport/internal.h)
+ * so a device path (NCCL, pinned staging) can be added without changing the
+ * protocol.
+ *
+ * FAILURES are errors, never hangs: connection refused or reset, peer death,
+ * a corrupt or unexpected message, a timeout (opts.timeout_ns), closing an
+ * endpoint with work pending. The endpoint fails: every pending send and
+ * receive future of it fails with the error (code and message naming the
+ * endpoint), every buffer allocated for an unfinished receive is freed, and
+ * later calls on it fail with the same error. Other endpoints keep working.
+ * Bounded in-flight bytes: an endpoint posts at most opts.max_inflight_bytes
+ * of buffers not yet taken by the peer; more sends wait in the transport
+ * (their futures pending) — send() itself never blocks. A receiver that
+ * holds more than max_inflight_bytes of received values not yet taken by
+ * dp_endpoint_recv stops fetching rendezvous buffers, which holds the
+ * sender's sends pending in turn (backpressure).
+ *
+ * OWNERSHIP: transports, listeners and endpoints are freed with their
+ * _free function; an endpoint or listener must be freed before its
+ * transport (dp_transport_free fails the pending futures of endpoints still
+ * open and frees them). Returned futures are new references. Free every
+ * transport before dp_shutdown(): it stands on the host backend, its
+ * caching allocator and its streams.
+ *
+ * THREAD SAFETY: every function may be called from any thread, except that
+ * an object must not be freed while another thread uses it. Futures
+ * complete on the progress thread (their then() callbacks run there: keep
+ * them short and never wait in one on a later message of the transport).
+ */
+#ifndef DEVPICKLE_TRANSPORT_H
+#define DEVPICKLE_TRANSPORT_H
+
+#include "future.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dp_transport dp_transport_t;
+typedef struct dp_listener dp_listener_t;
+typedef struct dp_endpoint dp_endpoint_t;
+
+#define DP_TRANSPORT_DEFAULT_INFLIGHT (256ull << 20)
+
+typedef struct dp_transport_opts {
+  /** Per endpoint, per direction: buffer bytes posted and not yet
+   *  complete (sender), or received and not yet taken by dp_endpoint_recv
+   *  (receiver). 0: DP_TRANSPORT_DEFAULT_INFLIGHT. One value larger than
+   *  the bound still goes, alone. */
+  uint64_t max_inflight_bytes;
+  /** A send posted to UCX and not complete after this long fails its
+   *  endpoint with DP_ETIMEDOUT (a connection never established fails the
+   *  first send so). Sends held back by the in-flight bound are not yet
+   *  posted and not timed. 0: no limit (a dead peer is still detected by
+   *  UCX's keepalive). */
+  int64_t timeout_ns;
+  /** Limits and resolver for received frames (copied; the resolver and
+   *  its types must outlive the transport). bind is ignored: the
+   *  transport binds buffers itself. NULL: dp_unpickle's defaults. */
+  const dp_unpickle_opts_t *unpickle;
+  /** Where host:N receive buffers are allocated. NULL: the host
+   *  backend's default caching allocator. Must outlive the transport and
+   *  every value and future received through it. */
+  dp_cache_t *cache;
+} dp_transport_opts_t;
+
+/** A transport and its progress thread. opts may be NULL. UCX reads its
+ *  own environment (UCX_TLS, UCX_NET_DEVICES, ...). Errors: DP_ENODEV when
+ *  UCX cannot start (its message in err), DP_ENOMEM. */
+DP_API int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_error_t *err);
+/** Stops the progress thread after failing every pending future of the
+ *  endpoints still open with DP_ECANCELED; frees them, the listeners and
+ *  the transport. NULL: nothing. Not from a transport's own callback. */
+DP_API void dp_transport_free(dp_transport_t *t);
+
+/** Listens on "HOST:PORT" (PORT 0: an ephemeral port, see
+ *  dp_listener_port; HOST may be an address or a name, "0.0.0.0" all
+ *  interfaces). Returns once the socket is bound. Errors: DP_EINVAL for a
+ *  malformed address, DP_EIO when UCX cannot listen (port in use), with
+ *  UCX's message. */
+DP_API int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err);
+/** The bound port (0 for NULL). */
+DP_API int dp_listener_port(const dp_listener_t *l);
+/** The next connection made to l, as a new endpoint, waiting up to
+ *  timeout_ns (<0: no limit). DP_ETIMEDOUT when none came. */
+DP_API int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err);
+/** Stops listening; connections accepted and not yet taken are closed. */
+DP_API void dp_listener_free(dp_listener_t *l);
+
+/** An endpoint connecting to "HOST:PORT". Returns at once: a refused or
+ *  failed connection fails the endpoint (its futures fail with DP_EIO,
+ *  "connection refused" or UCX's reason). DP_EINVAL for a malformed
+ *  address. */
+DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err);
+/** Closes the endpoint: pending sends and receives fail with DP_ECANCELED
+ *  ("closed with N sends and M receives pending"), received buffers not
+ *  taken are freed, and the connection is closed (flushed first when
+ *  nothing is pending). Waits for the progress thread: never call it (nor
+ *  any _free here) from a callback of the transport's futures. NULL:
+ *  nothing. */
+DP_API void dp_endpoint_free(dp_endpoint_t *ep);
+/** 0 while the endpoint works; else its error (copied into err). */
+DP_API int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err);
+
+/** Sends v (retained until the send completes; do not mutate it meanwhile).
+ *  *done completes when every buffer may be reused. Errors returned at
+ *  once (and *done then NULL): DP_EINVAL, the pickler's (DP_ETYPE,
+ *  DP_ELIMIT, ...), DP_ENODEV for a buffer the transport cannot move (a
+ *  cuda storage), the endpoint's error. Later failures fail *done. */
+DP_API int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done, dp_error_t *err);
+/** Sends f's value once f has completed and its events have (polled by the
+ *  progress thread: no host thread blocks, no device is synchronized). f is
+ *  retained. If f fails, *done fails with its error and nothing is sent. */
+DP_API int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **done, dp_error_t *err);
+/** Sends a frame as it is (the bytes are copied): it must pass
+ *  dp_frame_check and carry its buffers inline, or have none (DP_EINVAL
+ *  otherwise). The peer receives it as any value. */
+DP_API int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_future_t **done,
+                                  dp_error_t *err);
+
+/** A future of the next value received on ep (new reference). Futures are
+ *  matched to values in call order and in the sender's order. The value's
+ *  out-of-band storages are new allocations on this process (their base is
+ *  the received memory; freeing the value frees them). */
+DP_API int dp_endpoint_recv(dp_endpoint_t *ep, dp_future_t **out, dp_error_t *err);
+/** As dp_endpoint_recv, for a self-contained frame (inline, or without
+ *  buffers): the future's value is a bytes value holding the frame,
+ *  checked as dp_unpickle checks it (with the transport's unpickle limits).
+ *  A message with out-of-band buffers fails it with DP_EFORMAT. */
+DP_API int dp_endpoint_recv_frame(dp_endpoint_t *ep, dp_future_t **out, dp_error_t *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

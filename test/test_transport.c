@@ -1,0 +1,1005 @@
+/* test/test_transport.c — the transport between two processes on localhost.
+ *
+ * Each test forks its peer before either side starts UCX; the peer reports
+ * through its exit status (and a pipe), never through Criterion. UCX runs on
+ * TCP over lo and shared memory (t_env), as CI has no other interface. */
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <unistd.h>
+#include <time.h>
+
+#include "helpers.h"
+#include "../transport/internal.h"
+
+#define SEC 1000000000ll
+
+static void t_env(void) {
+  /* tcp on lo and shared memory: what a container without a network has */
+  setenv("UCX_TLS", "tcp,posix,sysv,self", 0);
+  setenv("UCX_NET_DEVICES", "lo", 0);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+/* ---- the peer process ---- */
+
+typedef int (*peer_fn)(dp_transport_t *t, dp_endpoint_t *ep, void *arg);
+
+typedef struct peer {
+  pid_t pid;
+  int port;
+} peer_t;
+
+/* Forks a peer that listens on 127.0.0.1:0, says its port through a pipe,
+ * accepts one connection and runs fn on it; its exit status is fn's result
+ * (0 ok). opts: the peer's transport options. */
+static peer_t spawn_peer(peer_fn fn, void *arg, const dp_transport_opts_t *opts) {
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    close(fds[0]);
+    alarm(120); /* a peer never outlives a broken test for long */
+    t_env();
+    dp_transport_t *t;
+    dp_listener_t *l;
+    dp_endpoint_t *ep;
+    dp_error_t e;
+    if (dp_transport_new(opts, &t, &e) || dp_listener_new(t, "127.0.0.1:0", &l, &e)) {
+      fprintf(stderr, "peer: %s\n", e.message);
+      _exit(90);
+    }
+    int port = dp_listener_port(l);
+    if (write(fds[1], &port, sizeof port) != sizeof port) _exit(91);
+    close(fds[1]);
+    if (dp_listener_accept(l, 30 * SEC, &ep, &e)) {
+      fprintf(stderr, "peer: %s\n", e.message);
+      _exit(92);
+    }
+    int rc = fn(t, ep, arg);
+    /* stay until the test closes its side: a peer that closed at once
+       could race its last messages (docs/TRANSPORT.md, "Closing") */
+    dp_future_t *bye;
+    if (dp_endpoint_recv(ep, &bye, &e) == 0) {
+      dp_future_wait(bye, 60 * SEC, NULL);
+      dp_future_release(bye);
+    }
+    dp_endpoint_free(ep);
+    dp_listener_free(l);
+    dp_transport_free(t);
+    dp_value_collect();
+    _exit(rc);
+  }
+  close(fds[1]);
+  peer_t p = {pid, 0};
+  cr_assert_eq(read(fds[0], &p.port, sizeof p.port), (ssize_t)sizeof p.port, "the peer did not start");
+  close(fds[0]);
+  return p;
+}
+
+static int peer_wait(peer_t p) {
+  int st;
+  cr_assert_eq(waitpid(p.pid, &st, 0), p.pid);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static dp_endpoint_t *connect_to(dp_transport_t *t, int port) {
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  dp_endpoint_t *ep;
+  OK(dp_endpoint_connect(t, addr, &ep, T_ERR));
+  return ep;
+}
+
+static dp_transport_t *new_transport(const dp_transport_opts_t *o) {
+  t_env();
+  dp_transport_t *t;
+  OK(dp_transport_new(o, &t, T_ERR));
+  return t;
+}
+
+/* waits on f; returns its code, the error in *e */
+static int wait_f(dp_future_t *f, dp_error_t *e) {
+  dp_error_clear(e);
+  return dp_future_wait(f, 60 * SEC, e);
+}
+
+/* peer: receives values and sends each back, until n were echoed */
+static int echo_n(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  long n = (long)(intptr_t)arg;
+  dp_error_t e;
+  for (long i = 0; i < n; i++) {
+    dp_future_t *f, *d;
+    if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) {
+      fprintf(stderr, "echo recv: %s\n", e.message);
+      return 10;
+    }
+    if (dp_endpoint_send(ep, dp_future_value(f), &d, &e) || wait_f(d, &e)) {
+      fprintf(stderr, "echo send: %s\n", e.message);
+      return 11;
+    }
+    dp_future_release(d);
+    dp_future_release(f);
+  }
+  return 0;
+}
+
+/* ---- values ---- */
+
+static void free_cb(void *ud, dp_device_t d, void *base, size_t n) {
+  (void)ud, (void)d, (void)n;
+  free(base);
+}
+
+static dp_value_t owned_tensor(size_t nbytes, unsigned seed) {
+  uint8_t *p = malloc(nbytes ? nbytes : 1);
+  for (size_t i = 0; i < nbytes; i++) p[i] = (uint8_t)(seed * 31 + i * 7);
+  dp_storage_t *s;
+  OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), p, nbytes, free_cb, NULL, &s, T_ERR));
+  dp_value_t t;
+  int64_t shape[1] = {(int64_t)nbytes};
+  OK(dp_tensor_new(s, DP_UINT8, 1, shape, NULL, 0, &t, T_ERR));
+  return t;
+}
+
+static int tensor_ok(dp_value_t t, size_t nbytes, unsigned seed) {
+  if (dp_value_kind(t) != DP_TENSOR) return 0;
+  dp_storage_t *s = dp_tensor_storage(t);
+  if (dp_storage_nbytes(s) != nbytes) return 0;
+  const uint8_t *p = dp_storage_base(s);
+  for (size_t i = 0; i < nbytes; i++)
+    if (p[i] != (uint8_t)(seed * 31 + i * 7)) return 0;
+  return 1;
+}
+
+/* a list of n tensors, tensor i of size sizes(i) */
+static size_t size_of(size_t i) { return 1 + (i * 13) % 40; }
+
+static dp_value_t many_tensors(size_t n) {
+  dp_value_t l;
+  OK(dp_list_new(n, &l, T_ERR));
+  for (size_t i = 0; i < n; i++) OK(dp_list_append(l, owned_tensor(size_of(i), (unsigned)i), T_ERR));
+  return l;
+}
+
+Test(transport, a_value_of_100000_small_buffers_round_trips_between_two_processes) {
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t v = many_tensors(100000);
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK_WITH(&e, wait_f(d, &e));
+  OK_WITH(&e, wait_f(r, &e));
+  dp_value_t back = dp_future_value(r);
+  cr_assert_eq(dp_seq_len(back), 100000);
+  for (size_t i = 0; i < 100000; i++)
+    cr_assert(tensor_ok(dp_seq_get(back, i), size_of(i), (unsigned)i), "tensor %zu differs", i);
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+}
+
+/* ---- one large buffer ---- */
+
+static size_t big_size(void) {
+  /* 1 GiB when the machine has room for it on both sides, else 256 MiB */
+  long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  return (double)pages * psz > 6.0 * (1 << 30) ? (size_t)1 << 30 : (size_t)256 << 20;
+}
+
+static uint64_t sum64(const uint8_t *p, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; i += 4096) h = (h ^ p[i] ^ ((uint64_t)p[n - 1 - i] << 8)) * 1099511628211ull;
+  return h;
+}
+
+static int recv_big(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  size_t n = (size_t)(uintptr_t)arg;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) {
+    fprintf(stderr, "recv_big: %s\n", e.message);
+    return 10;
+  }
+  dp_value_t v = dp_future_value(f);
+  dp_storage_t *s = dp_tensor_storage(v);
+  if (!s || dp_storage_nbytes(s) != n) return 11;
+  const uint8_t *p = dp_storage_base(s);
+  /* every byte */
+  for (size_t i = 0; i < n; i++)
+    if (p[i] != (uint8_t)(i * 7 + (i >> 20))) return 12;
+  dp_future_t *d;
+  dp_value_t ok = dp_int((int64_t)sum64(p, n));
+  if (dp_endpoint_send(ep, ok, &d, &e) || wait_f(d, &e)) return 13;
+  dp_future_release(d);
+  dp_future_release(f);
+  return 0;
+}
+
+Test(transport, a_buffer_of_1_GiB_arrives_byte_for_byte) {
+  size_t n = big_size();
+  if (n < ((size_t)1 << 30)) cr_log_warn("not enough memory for 1 GiB: sending %zu MiB", n >> 20);
+  peer_t p = spawn_peer(recv_big, (void *)(uintptr_t)n, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  uint8_t *buf = malloc(n);
+  cr_assert(buf);
+  for (size_t i = 0; i < n; i++) buf[i] = (uint8_t)(i * 7 + (i >> 20));
+  dp_storage_t *st;
+  OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), buf, n, free_cb, NULL, &st, T_ERR));
+  dp_value_t v;
+  int64_t shape[1] = {(int64_t)n};
+  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, T_ERR));
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK_WITH(&e, wait_f(d, &e));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq((uint64_t)dp_value_as_int(dp_future_value(r)), sum64(buf, n));
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+}
+
+/* ---- many messages in flight ---- */
+
+static int recv_in_order(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  long n = (long)(intptr_t)arg;
+  dp_future_t **fs = malloc(n * sizeof *fs);
+  dp_error_t e;
+  for (long i = 0; i < n; i++)
+    if (dp_endpoint_recv(ep, &fs[i], &e)) return 10;
+  for (long i = 0; i < n; i++) {
+    if (wait_f(fs[i], &e)) {
+      fprintf(stderr, "recv %ld: %s\n", i, e.message);
+      return 11;
+    }
+    dp_value_t v = dp_future_value(fs[i]);
+    if (dp_value_kind(v) != DP_TUPLE || dp_value_as_int(dp_seq_get(v, 0)) != i ||
+        !tensor_ok(dp_seq_get(v, 1), 16, (unsigned)i))
+      return 12;
+    dp_future_release(fs[i]);
+  }
+  free(fs);
+  dp_future_t *d;
+  if (dp_endpoint_send(ep, dp_int(n), &d, &e) || wait_f(d, &e)) return 13;
+  dp_future_release(d);
+  return 0;
+}
+
+Test(transport, ten_thousand_small_messages_in_flight_arrive_complete_and_in_order) {
+  long n = 10000;
+  peer_t p = spawn_peer(recv_in_order, (void *)(intptr_t)n, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t **ds = malloc(n * sizeof *ds);
+  for (long i = 0; i < n; i++) {
+    dp_value_t v;
+    OK(dp_tuple_new(2, &v, T_ERR));
+    OK(dp_seq_set(v, 0, dp_int(i), T_ERR));
+    OK(dp_seq_set(v, 1, owned_tensor(16, (unsigned)i), T_ERR));
+    OK(dp_endpoint_send(ep, v, &ds[i], T_ERR));
+    dp_value_release(v);  /* the transport holds it until sent */
+  }
+  dp_future_t *r;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), n);
+  for (long i = 0; i < n; i++) {
+    OK_WITH(&e, wait_f(ds[i], &e));
+    dp_future_release(ds[i]);
+  }
+  free(ds);
+  dp_future_release(r);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+}
+
+/* ---- user objects and customs ---- */
+
+typedef struct point {
+  dp_value_t tensor;
+  int64_t x;
+} point_t;
+static int point_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  point_t *pt = obj;
+  int rc = dp_tuple_new(2, state, err);
+  if (!rc) rc = dp_seq_set(*state, 0, dp_int(pt->x), err);
+  if (!rc) rc = dp_seq_set(*state, 1, dp_value_retain(pt->tensor), err);
+  return rc;
+}
+static void point_destroy(void *obj) {
+  dp_value_release(((point_t *)obj)->tensor);
+  free(obj);
+}
+static const dp_type_t point_type = {"test.Point", point_reduce, point_destroy};
+
+static int point_resolve(void *ud, const char *type_name, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)ud, (void)type_name;
+  point_t *pt = malloc(sizeof *pt);
+  pt->x = dp_value_as_int(dp_seq_get(state, 0));
+  pt->tensor = dp_value_retain(dp_seq_get(state, 1));
+  return dp_custom_new(&point_type, pt, out, err);
+}
+
+Test(transport, user_objects_and_customs_round_trip_with_their_buffers) {
+  /* the peer has no resolver: the custom passes through it as its reduced stand-in */
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  const char *types[] = {"test.Point"};
+  dp_resolver_t res = {types, 1, point_resolve, NULL};
+  dp_unpickle_opts_t uo;
+  memset(&uo, 0, sizeof uo);
+  uo.resolver = &res;
+  dp_transport_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.unpickle = &uo;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t obj, c;
+  OK(dp_object_new("test.Model", &obj, T_ERR));
+  OK(dp_object_set(obj, "weight", owned_tensor(100000, 5), T_ERR));
+  point_t *pt = malloc(sizeof *pt);
+  pt->x = 42;
+  pt->tensor = owned_tensor(300, 6);
+  OK(dp_custom_new(&point_type, pt, &c, T_ERR));
+  OK(dp_object_set(obj, "point", c, T_ERR));
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, obj, &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  dp_value_t back = dp_future_value(r), w, pc;
+  cr_assert_str_eq(dp_object_class(back), "test.Model");
+  OK(dp_object_get(back, "weight", &w, T_ERR));
+  cr_assert(tensor_ok(w, 100000, 5));
+  OK(dp_object_get(back, "point", &pc, T_ERR));
+  cr_assert_eq(dp_custom_type(pc), &point_type, "the custom came back as a %s", dp_kind_name(dp_value_kind(pc)));
+  point_t *bp = dp_custom_data(pc);
+  cr_assert_eq(bp->x, 42);
+  cr_assert(tensor_ok(bp->tensor, 300, 6));
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_value_release(obj);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+}
+
+/* ---- ordering against the host backend's streams ---- */
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+  while (nanosleep(&ts, &ts) != 0) {
+  }
+}
+
+typedef struct fill {
+  uint8_t *p;
+  size_t n;
+} fill_t;
+
+/* device work that takes a while, then writes the buffer */
+static void slow_fill(void *arg) {
+  fill_t *f = arg;
+  sleep_ms(300);
+  memset(f->p, 0xab, f->n);
+}
+
+/* exit 0: every byte was the producer's; 20: stale bytes arrived */
+static int recv_filled(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) {
+    fprintf(stderr, "recv_filled: %s\n", e.message);
+    return 10;
+  }
+  dp_storage_t *s = dp_tensor_storage(dp_future_value(f));
+  if (!s || dp_storage_device(s).type != DP_DEVICE_HOST) return 11;
+  const uint8_t *p = dp_storage_base(s);
+  int rc = 0;
+  for (size_t i = 0; i < dp_storage_nbytes(s); i++)
+    if (p[i] != 0xab) rc = 20;
+  dp_future_release(f);
+  return rc;
+}
+
+static void release_dev(void *ud, dp_device_t d, void *base, size_t n) {
+  (void)n;
+  dp_device_dealloc(ud, d, base, NULL);
+}
+
+/* Sends a host:0 buffer that a slow host-stream task fills, as a future
+ * completed on that stream; returns the peer's verdict. */
+static int send_after_slow_fill(void) {
+  peer_t p = spawn_peer(recv_filled, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_backend_t *b;
+  OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));
+  dp_device_t dev = t_dev(DP_DEVICE_HOST, 0);
+  dp_stream_t *s;
+  OK(dp_stream_new(b, dev, &s, T_ERR));
+  size_t n = 1 << 20;
+  void *mem;
+  OK(dp_device_alloc(b, dev, n, &mem, T_ERR));
+  memset(mem, 0, n);
+  fill_t fill = {mem, n};
+  OK(dp_host_launch(s, slow_fill, &fill, T_ERR));
+  dp_storage_t *st;
+  OK(dp_storage_new(dev, mem, n, release_dev, b, &st, T_ERR));
+  dp_value_t v;
+  int64_t shape[1] = {(int64_t)n};
+  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, T_ERR));
+  dp_future_opts_t fo = {0};
+  fo.backend = b;
+  fo.no_hooks = 1;
+  dp_future_t *f, *d;
+  OK(dp_future_new(&fo, &f, T_ERR));
+  OK(dp_set_current_stream(s, NULL, T_ERR));
+  OK(dp_future_mark_completed(f, v, T_ERR));  /* its event follows the fill on s */
+  dp_reset_current_stream(b, dev);
+  OK(dp_endpoint_send_future(ep, f, &d, T_ERR));
+  dp_error_t e;
+  OK_WITH(&e, wait_f(d, &e));
+  OK(dp_stream_synchronize(s, T_ERR));
+  dp_future_release(d);
+  dp_future_release(f);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  int verdict = peer_wait(p);
+  dp_stream_free(s);
+  return verdict;
+}
+
+Test(transport, a_future_is_sent_only_after_its_events_so_the_bytes_are_the_producers) {
+  cr_assert_eq(send_after_slow_fill(), 0, "the receiver saw bytes written before the producer's work");
+}
+
+Test(transport, negative_control_a_sender_that_skips_the_events_sends_stale_bytes) {
+  dp__transport_skip_events = 1;
+  cr_assert_eq(send_after_slow_fill(), 20, "skipping the events went unnoticed: the ordering test is blind");
+}
+
+/* ---- failures ---- */
+
+/* a port on lo where nobody listens (bound, so nobody else takes it) */
+static int closed_port(int *fd) {
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  *fd = socket(AF_INET, SOCK_STREAM, 0);
+  socklen_t len = sizeof a;
+  cr_assert_eq(bind(*fd, (struct sockaddr *)&a, sizeof a), 0);
+  cr_assert_eq(getsockname(*fd, (struct sockaddr *)&a, &len), 0);
+  return ntohs(a.sin_port);
+}
+
+Test(transport, a_refused_connection_fails_every_pending_future_with_a_clear_error) {
+  t_track();
+  int fd, port = closed_port(&fd);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, port);
+  dp_future_t *d, *r;
+  dp_error_t e;
+  dp_value_t v = owned_tensor(1000, 1);
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  int rc = dp_endpoint_send(ep, v, &d, &e);
+  if (rc == 0) {
+    cr_assert_eq(wait_f(d, &e), DP_EIO, "send: %s", e.message);
+    dp_future_release(d);
+  }
+  cr_assert_eq(wait_f(r, &e), DP_EIO, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "connection refused"), "%s", e.message);
+  cr_assert(strstr(e.message, "endpoint to 127.0.0.1:"), "%s", e.message);
+  cr_assert_eq(dp_endpoint_error(ep, &e), DP_EIO);
+  /* later calls fail with the same error */
+  cr_assert_eq(dp_endpoint_send(ep, v, &d, &e), DP_EIO);
+  dp_future_release(r);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  close(fd);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_device_buffer_is_refused_before_anything_is_sent) {
+  int fd, port = closed_port(&fd);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, port);
+  dp_storage_t *st;
+  OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 1), (void *)0x1000, 64, NULL, NULL, &st, T_ERR));
+  dp_value_t v;
+  int64_t shape[1] = {64};
+  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, T_ERR));
+  dp_future_t *d = (dp_future_t *)1;
+  dp_error_t e;
+  cr_assert_eq(dp_endpoint_send(ep, v, &d, &e), DP_ENODEV);
+  cr_assert_null(d);
+  cr_assert(strstr(e.message, "buffer 0 is on cuda:1"), "%s", e.message);
+  cr_assert(strstr(e.message, "no device path yet"), "%s", e.message);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  close(fd);
+}
+
+/* peer: sends n values of 4 MiB, then dies (SIGKILL) after the k-th send
+ * call, while the rest are on the wire */
+typedef struct killer {
+  int n, k;
+} killer_t;
+
+static int send_then_die(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  killer_t *kl = arg;
+  dp_error_t e;
+  for (int i = 0; i < kl->n; i++) {
+    dp_value_t v = owned_tensor(4 << 20, (unsigned)i);
+    dp_future_t *d;
+    if (dp_endpoint_send(ep, v, &d, &e)) return 10;
+    dp_value_release(v);
+    if (i == kl->k) raise(SIGKILL);
+    dp_future_release(d);
+  }
+  raise(SIGKILL);
+  return 0;
+}
+
+Test(transport, a_peer_killed_mid_transfer_fails_the_pending_receives_frees_their_buffers_and_spares_other_endpoints) {
+  t_track();
+  unsigned seed = (unsigned)getpid();
+  killer_t kl = {8, (int)(rand_r(&seed) % 8)};
+  peer_t dying = spawn_peer(send_then_die, &kl, NULL);
+  peer_t other = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, dying.port), *ep2 = connect_to(t, other.port);
+  dp_future_t *r[8];
+  for (int i = 0; i < 8; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
+  int got = 0, failed = 0;
+  dp_error_t e;
+  for (int i = 0; i < 8; i++) {
+    int rc = wait_f(r[i], &e);
+    if (rc == 0) {
+      cr_assert_eq(failed, 0, "a value arrived after a failure");
+      cr_assert(tensor_ok(dp_future_value(r[i]), 4 << 20, (unsigned)i));
+      got++;
+    } else {
+      cr_assert(rc == DP_EIO || rc == DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+      cr_assert(strstr(e.message, "lost"), "%s", e.message);
+      failed++;
+    }
+    dp_future_release(r[i]);
+  }
+  cr_assert(failed > 0, "the peer died after sending k=%d of 8, yet all 8 arrived", kl.k);
+  cr_assert_eq(peer_wait(dying), 128 + SIGKILL);
+  /* the other endpoint still works */
+  dp_value_t v = owned_tensor(100, 3);
+  dp_future_t *d, *back;
+  OK(dp_endpoint_send(ep2, v, &d, T_ERR));
+  OK(dp_endpoint_recv(ep2, &back, T_ERR));
+  OK_WITH(&e, wait_f(back, &e));
+  cr_assert(tensor_ok(dp_future_value(back), 100, 3));
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(back);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_endpoint_free(ep2);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(other), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+static int die_at_once(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *f;
+  dp_endpoint_recv(ep, &f, NULL); /* the first frame starts to arrive */
+  dp_future_wait(f, 60 * SEC, NULL);
+  raise(SIGKILL);
+  return 0;
+}
+
+Test(transport, a_peer_killed_while_receiving_fails_the_pending_sends) {
+  t_track();
+  peer_t p = spawn_peer(die_at_once, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t v[6];
+  for (int i = 0; i < 6; i++) v[i] = owned_tensor(32 << 20, (unsigned)i);
+  dp_future_t *d[6] = {0};
+  dp_error_t e;
+  int failed = 0;
+  for (int i = 0; i < 6; i++) {
+    int rc = dp_endpoint_send(ep, v[i], &d[i], &e);
+    if (rc == 0) rc = wait_f(d[i], &e);
+    /* the first may complete before the peer dies; the rest fail, at once
+       (the endpoint has failed) or through their futures */
+    if (rc) {
+      cr_assert(rc == DP_EIO || rc == DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+      cr_assert(strstr(e.message, "lost"), "%s", e.message);
+      failed++;
+    }
+    dp_future_release(d[i]);
+    dp_value_release(v[i]);
+  }
+  cr_assert(failed >= 5, "%d of 6 sends failed", failed);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* peer: sends a frame whose bytes were damaged on the way, then a good value */
+static int send_corrupt_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_frame_t *fr;
+  dp_error_t e;
+  dp_value_t s;
+  if (dp_frame_new(&fr, &e) || dp_str_new("hello", 5, &s, &e) || dp_pickle(s, NULL, fr, &e)) return 10;
+  size_t n;
+  const uint8_t *b = dp_frame_data(fr, &n);
+  uint8_t *bad = malloc(n);
+  memcpy(bad, b, n);
+  bad[n - 1] ^= 0x40;
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0, 0, n, 0};
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, bad, n, &e)) return 11;
+  free(bad);
+  dp_future_t *d;
+  if (dp_endpoint_send(ep, dp_int(7), &d, &e) || wait_f(d, &e)) return 12;
+  /* stay until the receiver is done */
+  dp_future_t *f;
+  if (dp_endpoint_recv(ep, &f, &e)) return 13;
+  wait_f(f, &e);
+  dp_future_release(f);
+  dp_future_release(d);
+  dp_value_release(s);
+  dp_frame_free(fr);
+  return 0;
+}
+
+Test(transport, a_corrupt_frame_fails_its_receive_with_the_unpicklers_error_and_the_next_value_arrives) {
+  t_track();
+  peer_t p = spawn_peer(send_corrupt_then_good, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r1, *r2, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer's first message goes to a known endpoint */
+  OK(dp_endpoint_recv(ep, &r1, T_ERR));
+  OK(dp_endpoint_recv(ep, &r2, T_ERR));
+  cr_assert_eq(wait_f(r1, &e), DP_ECHECKSUM, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "checksum"), "%s", e.message);
+  OK_WITH(&e, wait_f(r2, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r2)), 7);
+  cr_assert_eq(dp_endpoint_error(ep, NULL), 0, "the endpoint failed");
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(r1);
+  dp_future_release(r2);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* peer: sends an active message with a header no devpickle peer writes */
+static int send_garbage_header(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  char junk[13] = "not a header";
+  if (dp__endpoint_send_raw(ep, DP__AM_BUFS, junk, sizeof junk, junk, sizeof junk, &e)) return 11;
+  dp_future_t *f;
+  if (dp_endpoint_recv(ep, &f, &e)) return 13;
+  wait_f(f, &e); /* until the receiver closes */
+  dp_future_release(f);
+  return 0;
+}
+
+Test(transport, garbage_on_the_wire_fails_the_endpoint_with_a_format_error) {
+  t_track();
+  peer_t p = spawn_peer(send_garbage_header, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(wait_f(r, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "malformed message header"), "%s", e.message);
+  cr_assert_eq(dp_endpoint_error(ep, NULL), DP_EFORMAT);
+  wait_f(d, &e);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* peer: connects with a raw socket, writes garbage, then connects properly */
+static void garbage_then_value(int port) {
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_port = htons((uint16_t)port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) _exit(20);
+  char junk[4096];
+  for (size_t i = 0; i < sizeof junk; i++) junk[i] = (char)(i * 131 + 7);
+  if (write(fd, junk, sizeof junk) < 0) _exit(21);
+  close(fd);
+  t_env();
+  dp_transport_t *t;
+  dp_endpoint_t *ep;
+  dp_future_t *d, *f;
+  dp_error_t e;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  if (dp_transport_new(NULL, &t, &e) || dp_endpoint_connect(t, addr, &ep, &e)) _exit(22);
+  if (dp_endpoint_send(ep, dp_int(99), &d, &e) || wait_f(d, &e)) _exit(23);
+  if (dp_endpoint_recv(ep, &f, &e)) _exit(24);
+  wait_f(f, &e);
+  _exit(0);
+}
+
+Test(transport, garbage_sent_to_a_listener_does_not_stop_it_accepting) {
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int port;
+    close(fds[1]);
+    if (read(fds[0], &port, sizeof port) != sizeof port) _exit(30);
+    garbage_then_value(port);
+  }
+  close(fds[0]);
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  int port = dp_listener_port(l);
+  cr_assert_gt(port, 0);
+  cr_assert_eq(write(fds[1], &port, sizeof port), (ssize_t)sizeof port);
+  close(fds[1]);
+  dp_endpoint_t *ep;
+  dp_future_t *r;
+  dp_error_t e;
+  OK(dp_listener_accept(l, 30 * SEC, &ep, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 99);
+  dp_future_release(r);
+  dp_endpoint_free(ep);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  peer_t p = {pid, port};
+  cr_assert_eq(peer_wait(p), 0);
+}
+
+/* peer: takes nothing until told (its pipe closes), then everything */
+static int recv_when_told(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  int *fds = arg;
+  close(fds[1]);
+  char c;
+  while (read(fds[0], &c, 1) > 0) {
+  }
+  (void)ep;
+  return 0;
+}
+
+Test(transport, a_slow_receiver_holds_the_senders_back_and_closing_fails_the_pending_sends) {
+  t_track();
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  dp_transport_opts_t po = {0};
+  po.max_inflight_bytes = 8 << 20;
+  peer_t p = spawn_peer(recv_when_told, fds, &po);
+  close(fds[0]);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 8 << 20;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d[5];
+  for (int i = 0; i < 5; i++) {
+    dp_value_t v = owned_tensor(8 << 20, (unsigned)i);
+    OK(dp_endpoint_send(ep, v, &d[i], T_ERR));
+    dp_value_release(v);
+  }
+  dp_error_t e;
+  /* the receiver fetches up to its bound (two values), then stops */
+  OK_WITH(&e, wait_f(d[1], &e));
+  cr_assert_eq(dp_future_wait(d[2], SEC / 5, &e), DP_ETIMEDOUT, "a send past the receiver's bound completed");
+  cr_assert_eq(dp_future_is_done(d[4]), 0);
+  dp_endpoint_free(ep);
+  for (int i = 2; i < 5; i++) {
+    cr_assert_eq(wait_f(d[i], &e), DP_ECANCELED, "%d: %s", i, e.message);
+    cr_assert(strstr(e.message, "closed with 3 sends and 0 receives pending"), "%s", e.message);
+  }
+  for (int i = 0; i < 5; i++) dp_future_release(d[i]);
+  dp_transport_free(t);
+  close(fds[1]);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+static int stop_self(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)ep, (void)arg;
+  raise(SIGSTOP);
+  return 0;
+}
+
+Test(transport, a_send_the_peer_does_not_take_in_time_fails_with_a_timeout) {
+  t_track();
+  peer_t p = spawn_peer(stop_self, NULL, NULL);
+  dp_transport_opts_t o = {0};
+  o.timeout_ns = SEC / 5;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  int st;
+  cr_assert_eq(waitpid(p.pid, &st, WUNTRACED), p.pid);
+  cr_assert(WIFSTOPPED(st));
+  dp_value_t v = owned_tensor(8 << 20, 1);
+  dp_future_t *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  cr_assert_eq(wait_f(d, &e), DP_ETIMEDOUT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a send was not complete after 200 ms"), "%s", e.message);
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_future_release(d);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* peer: sends a frame whose table names a cuda buffer (with its bytes), then
+ * a good value */
+static int send_cuda_frame_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  dp_storage_t *st;
+  dp_value_t v;
+  int64_t shape[1] = {16};
+  dp_device_t cuda = {DP_DEVICE_CUDA, 0};
+  if (dp_storage_new(cuda, (void *)0x1000, 16, NULL, NULL, &st, &e) ||
+      dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e))
+    return 10;
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(v, NULL, fr, &e)) return 11;
+  size_t n;
+  const uint8_t *b = dp_frame_data(fr, &n);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, 16};
+  uint8_t bytes[16] = {0};
+  dp__am_bufs_hdr_t bh = {DP__WIRE_MAGIC, 1, 0, 0, 16};
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) return 12;
+  if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &bh, sizeof bh, bytes, sizeof bytes, &e)) return 13;
+  dp_future_t *d, *f;
+  if (dp_endpoint_send(ep, dp_int(8), &d, &e) || wait_f(d, &e)) return 14;
+  if (dp_endpoint_recv(ep, &f, &e)) return 15;
+  wait_f(f, &e);
+  dp_future_release(f);
+  dp_future_release(d);
+  dp_frame_free(fr);
+  dp_value_release(v);
+  return 0;
+}
+
+Test(transport, a_received_frame_naming_a_device_buffer_fails_its_receive_and_the_next_value_arrives) {
+  t_track();
+  peer_t p = spawn_peer(send_cuda_frame_then_good, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r1, *r2, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r1, T_ERR));
+  OK(dp_endpoint_recv(ep, &r2, T_ERR));
+  cr_assert_eq(wait_f(r1, &e), DP_ENODEV, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "is on cuda:0"), "%s", e.message);
+  OK_WITH(&e, wait_f(r2, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r2)), 8);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(r1);
+  dp_future_release(r2);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* owned_tensor without assertions: allocation failures come back as codes */
+static int append_tensor(dp_value_t list, size_t nbytes, unsigned seed, dp_error_t *e) {
+  uint8_t *p = malloc(nbytes);
+  for (size_t i = 0; i < nbytes; i++) p[i] = (uint8_t)(seed * 31 + i * 7);
+  dp_storage_t *s;
+  dp_value_t t;
+  int64_t shape[1] = {(int64_t)nbytes};
+  int rc = dp_storage_new(t_dev(DP_DEVICE_CPU, 0), p, nbytes, free_cb, NULL, &s, e);
+  if (rc) {
+    free(p);
+    return rc;
+  }
+  rc = dp_tensor_new(s, DP_UINT8, 1, shape, NULL, 0, &t, e);
+  return rc ? rc : dp_list_append(list, t, e);
+}
+
+/* Fails the Nth allocation of the test process (its progress thread's
+ * included) for N = 1, 2, ... until a round trip passes untouched: each
+ * failure is an error from a call or a failed future, never a hang, and
+ * nothing leaks. */
+Test(transport, a_round_trip_fails_cleanly_at_every_allocation) {
+  t_track();
+  int clean = 0;
+  for (long n = 1; n < 400 && !clean; n++) {
+    peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+    t_alloc_count = 0;
+    t_fail_at = n;
+    dp_transport_t *t = NULL;
+    dp_endpoint_t *ep = NULL;
+    dp_future_t *d = NULL, *r = NULL;
+    dp_error_t e;
+    dp_value_t v = dp_none();
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", p.port);
+    int rc = dp_transport_new(NULL, &t, &e);
+    if (!rc) rc = dp_endpoint_connect(t, addr, &ep, &e);
+    if (!rc) rc = dp_list_new(2, &v, &e);
+    if (!rc) rc = append_tensor(v, 200000, 1, &e);
+    if (!rc) rc = append_tensor(v, 100, 2, &e);
+    if (!rc) rc = dp_endpoint_send(ep, v, &d, &e);
+    if (!rc) rc = dp_endpoint_recv(ep, &r, &e);
+    if (!rc) rc = dp_future_wait(d, 30 * SEC, &e);
+    if (!rc) rc = dp_future_wait(r, 30 * SEC, &e);
+    cr_assert_neq(rc, DP_ETIMEDOUT, "allocation %ld: a future hung: %s", n, e.message);
+    if (rc) cr_assert(e.message[0], "allocation %ld: %s without a message", n, dp_err_name(rc));
+    else
+      cr_assert(tensor_ok(dp_seq_get(dp_future_value(r), 0), 200000, 1) &&
+                tensor_ok(dp_seq_get(dp_future_value(r), 1), 100, 2));
+    clean = rc == 0 && t_alloc_count < n;
+    t_fail_at = 0;
+    dp_future_release(d);
+    dp_future_release(r);
+    dp_value_release(v);
+    dp_endpoint_free(ep);
+    dp_transport_free(t);
+    kill(p.pid, SIGKILL); /* whatever it waits for */
+    peer_wait(p);
+    dp_shutdown();
+    dp_value_collect();
+    cr_assert_eq(atomic_load(&t_live_blocks), 0, "allocation %ld failed (%s): %ld blocks (%ld bytes) still live", n,
+                 rc ? e.message : "no error", atomic_load(&t_live_blocks), atomic_load(&t_live_bytes));
+  }
+  cr_assert(clean, "no round trip passed without a failed allocation");
+}

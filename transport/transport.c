@@ -1,0 +1,1790 @@
+/* transport/transport.c — values over UCX active messages (transport.h).
+ *
+ * One progress thread owns the UCX worker (UCS_THREAD_MODE_SINGLE): every
+ * UCX call and every change to an endpoint's send and receive state happens
+ * there. API calls queue a command and wake the thread through an eventfd;
+ * the few that must answer (listen, close) wait on the transport's
+ * condition variable for it. */
+#include <errno.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <time.h>
+#include <unistd.h>
+#include <ucp/api/ucp.h>
+
+#include "../core/internal.h"
+#include "devpickle/transport.h"
+#include "internal.h"
+
+int dp__transport_skip_events;
+
+/* ---- objects ---- */
+
+typedef struct sop sop_t;        /* one send */
+typedef struct rmsg rmsg_t;      /* one message being received */
+typedef struct inbox inbox_t;    /* an active message not yet processed */
+typedef struct cmd cmd_t;
+
+enum { SOP_VALUE, SOP_FUTURE, SOP_FRAME, SOP_RAW };
+
+struct sop {
+  sop_t *next;
+  dp_transport_t *t;
+  dp_endpoint_t *ep;        /* NULL once the endpoint let go of it */
+  int kind;
+  dp_value_t value;         /* retained (SOP_VALUE, SOP_FUTURE once ready) */
+  dp_future_t *src;         /* SOP_FUTURE */
+  dp_future_t *done;
+  dp_frame_t *frame;        /* SOP_VALUE / SOP_FUTURE */
+  uint8_t *bytes;           /* SOP_FRAME / SOP_RAW: our copy */
+  size_t nbytes, bytes_cap;
+  uint8_t *raw_hdr;         /* SOP_RAW */
+  size_t raw_hlen, raw_len_hdr;
+  unsigned raw_id;
+  uint64_t seq;
+  uint64_t buf_bytes;       /* what counts against the in-flight bound */
+  uint8_t **stage;          /* packed batches (owned) */
+  size_t *stage_len;
+  size_t nstage;
+  dp__am_frame_hdr_t fh;    /* headers must live until their sends complete */
+  dp__am_bufs_hdr_t *bh;
+  size_t nbh;
+  size_t outstanding;       /* UCX requests not yet complete */
+  int posted;
+  int failed;
+  int64_t deadline;         /* CLOCK_MONOTONIC ns, 0: none */
+};
+
+typedef struct rbuf {
+  dp_storage_t *storage;    /* borrowed from the value */
+  void *dst;
+  uint64_t nbytes;
+  int bound;
+} rbuf_t;
+
+struct rmsg {
+  rmsg_t *next;
+  uint64_t seq;
+  uint32_t nbuf;
+  uint64_t next_index;      /* next buffer index expected on the wire */
+  uint64_t buf_bytes;
+  rbuf_t *bufs;
+  dp_value_t value;
+  uint8_t *frame_copy;      /* for recv_frame */
+  size_t frame_len;
+  size_t pending;           /* rendezvous receives in flight */
+  int failed;               /* the message is refused: its buffers are drained */
+  dp_error_t error;
+  int detached;             /* the endpoint let go; free when pending == 0 */
+};
+
+struct inbox {
+  inbox_t *next, *prev;
+  unsigned id;
+  uint64_t hdr[(sizeof(dp__am_bufs_hdr_t) > sizeof(dp__am_frame_hdr_t) ? sizeof(dp__am_bufs_hdr_t)
+                                                                          : sizeof(dp__am_frame_hdr_t)) / 8];
+  size_t hlen;
+  void *data;               /* a UCX data descriptor (persistent or rendezvous) */
+  size_t len;
+  int rndv;
+};
+
+typedef struct rwait {
+  struct rwait *next;
+  dp_future_t *f;
+  int frame;                /* recv_frame */
+} rwait_t;
+
+struct dp_endpoint {
+  dp_transport_t *t;
+  dp_endpoint_t *next;      /* the transport's list */
+  ucp_ep_h ep;
+  char name[96];
+  /* shared, under t->mu */
+  int error;
+  dp_error_t errinfo;
+  /* the progress thread's */
+  sop_t *sq_head, *sq_tail; /* sends, in order: unposted ones wait here */
+  sop_t *posted;            /* posted and not complete */
+  uint64_t send_seq;
+  uint64_t inflight;
+  size_t nsends;
+  rmsg_t *rq_head, *rq_tail;/* messages being received, in order */
+  rmsg_t *cur;              /* the one whose buffers arrive now */
+  uint64_t recv_seq;
+  uint64_t held;            /* received buffer bytes not yet taken */
+  inbox_t *in_head, *in_tail;  /* parked messages, in the sender's order */
+  size_t nparked;
+  rwait_t *w_head, *w_tail;
+  void *close_req;
+  dp_endpoint_t *acc_next;  /* a listener's queue of accepted endpoints */
+  int dead;                 /* failed: UCX ep closed or closing */
+  int need_close;           /* failed inside a UCX callback: close from the loop */
+  int established;          /* the peer answered once */
+};
+
+struct dp_listener {
+  dp_transport_t *t;
+  dp_listener_t *next;
+  ucp_listener_h l;
+  int port;
+  dp_endpoint_t *acc_head, *acc_tail; /* under t->mu */
+  int closed;
+};
+
+enum { CMD_LISTEN, CMD_UNLISTEN, CMD_CONNECT, CMD_SEND, CMD_RECV, CMD_CLOSE, CMD_STOP };
+
+struct cmd {
+  cmd_t *next;
+  int type;
+  dp_endpoint_t *ep;
+  dp_listener_t *lst;
+  sop_t *sop;
+  rwait_t *rw;
+  struct sockaddr_storage addr;
+  socklen_t addrlen;
+  int done, rc;
+  dp_error_t err;
+};
+
+struct dp_transport {
+  ucp_context_h ctx;
+  ucp_worker_h worker;
+  pthread_t thread;
+  int wake_fd, worker_fd;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  cmd_t *c_head, *c_tail;
+  dp_endpoint_t *eps;           /* the progress thread's */
+  dp_endpoint_t *closing;       /* closing: freed once UCX let go */
+  dp_listener_t *lsts;
+  dp_endpoint_t *last_ep;       /* reply_ep cache */
+  uint64_t max_inflight;
+  int64_t timeout_ns;
+  dp_unpickle_opts_t uopts;
+  dp_resolver_t resolver;
+  dp_backend_t *host;
+  dp_cache_t *cache;
+  dp_stream_t *streams[DP_DEVICE_INDEX_MAX + 1];
+  size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
+  int stop;
+  int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
+};
+
+/* ---- small things ---- */
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void wake(dp_transport_t *t) {
+  uint64_t one = 1;
+  ssize_t w = write(t->wake_fd, &one, sizeof one);
+  (void)w;
+}
+
+static int host_future(dp_transport_t *t, dp_future_t **out, dp_error_t *err) {
+  dp_future_opts_t o = {0};
+  o.backend = t->host;
+  dp_cache_hooks_t hooks = dp_cache_hooks(t->cache);
+  o.hooks = &hooks;
+  return dp_future_new(&o, out, err);
+}
+
+/* Runs c on the progress thread; with wait, blocks until it was handled. */
+static int submit(dp_transport_t *t, cmd_t *c, int wait_done) {
+  pthread_mutex_lock(&t->mu);
+  c->next = NULL;
+  if (t->c_tail) t->c_tail->next = c;
+  else t->c_head = c;
+  t->c_tail = c;
+  int asleep = t->sleeping; /* a thread still spinning sees the queue itself */
+  pthread_mutex_unlock(&t->mu);
+  if (asleep) wake(t);
+  if (!wait_done) return 0;
+  pthread_mutex_lock(&t->mu);
+  while (!c->done) pthread_cond_wait(&t->cv, &t->mu);
+  pthread_mutex_unlock(&t->mu);
+  return c->rc;
+}
+
+static void cmd_finish(dp_transport_t *t, cmd_t *c, int rc) {
+  pthread_mutex_lock(&t->mu);
+  c->rc = rc;
+  c->done = 1;
+  pthread_cond_broadcast(&t->cv);
+  pthread_mutex_unlock(&t->mu);
+}
+
+/* "HOST:PORT" (the last colon splits; [v6] brackets allowed). */
+static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, socklen_t *len, dp_error_t *err) {
+  if (!hp) return dp__err(err, DP_EINVAL, "transport: NULL address");
+  const char *colon = strrchr(hp, ':');
+  if (!colon || colon == hp || !colon[1] || strlen(colon + 1) > 5)
+    return dp__err(err, DP_EINVAL, "transport: address '%.200s' is not HOST:PORT", hp);
+  for (const char *p = colon + 1; *p; p++)
+    if (*p < '0' || *p > '9') return dp__err(err, DP_EINVAL, "transport: port in '%.200s' is not a number", hp);
+  long port = strtol(colon + 1, NULL, 10);
+  if (port > 65535) return dp__err(err, DP_EINVAL, "transport: port %ld out of range", port);
+  char host[256];
+  size_t hl = (size_t)(colon - hp);
+  if (hl >= 2 && hp[0] == '[' && hp[hl - 1] == ']') hp++, hl -= 2;
+  if (hl >= sizeof host) return dp__err(err, DP_EINVAL, "transport: host name too long");
+  memcpy(host, hp, hl);
+  host[hl] = 0;
+  struct addrinfo hints, *res = NULL;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  int g = getaddrinfo(host, colon + 1, &hints, &res);
+  if (g != 0 || !res)
+    return dp__err(err, DP_EINVAL, "transport: cannot resolve '%s': %s", host, gai_strerror(g));
+  memcpy(ss, res->ai_addr, res->ai_addrlen);
+  *len = (socklen_t)res->ai_addrlen;
+  freeaddrinfo(res);
+  return 0;
+}
+
+/* ---- movers ---- */
+
+static int cpu_source(dp_transport_t *t, const dp_buffer_desc_t *d, const void **src, dp_error_t *err) {
+  (void)t, (void)err;
+  *src = (const void *)(uintptr_t)d->base;
+  return 0;
+}
+
+static void cpu_release(void *ud, dp_device_t dev, void *base, size_t n) {
+  (void)ud, (void)dev;
+  if (base) dp__free(base, n);
+}
+
+static int cpu_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage_t **out, void **dst,
+                     dp_error_t *err) {
+  (void)t;
+  void *p = NULL;
+  if (n > SIZE_MAX) return dp__err(err, DP_ENOMEM, "transport: buffer of %llu bytes", (unsigned long long)n);
+  if (n && !(p = dp__alloc((size_t)n)))
+    return dp__err(err, DP_ENOMEM, "transport: out of memory receiving a buffer of %llu bytes",
+                   (unsigned long long)n);
+  int rc = dp_storage_new(dev, p, (size_t)n, cpu_release, NULL, out, err);
+  if (rc) {
+    cpu_release(NULL, dev, p, (size_t)n);
+    return rc;
+  }
+  *dst = p;
+  return 0;
+}
+
+static void host_release(void *ud, dp_device_t dev, void *base, size_t n) {
+  (void)dev, (void)n;
+  if (base) dp_cache_dealloc((dp_cache_t *)ud, base, NULL);
+}
+
+/* The transport's receive stream of dev: created on first use and made
+ * current on the progress thread, so that completed receives record their
+ * events there. The transport queues no work on it: a block the cache hands
+ * out on it is free of earlier work on it, and the host may write it. */
+static int recv_stream(dp_transport_t *t, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
+  if (!t->streams[dev.index]) {
+    int rc = dp_stream_new(t->host, dev, &t->streams[dev.index], err);
+    if (rc) return rc;
+    rc = dp_set_current_stream(t->streams[dev.index], NULL, err);
+    if (rc) {
+      dp_stream_free(t->streams[dev.index]);
+      t->streams[dev.index] = NULL;
+      return rc;
+    }
+  }
+  *out = t->streams[dev.index];
+  return 0;
+}
+
+static int host_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage_t **out, void **dst,
+                      dp_error_t *err) {
+  dp_stream_t *s;
+  void *p = NULL;
+  int rc = recv_stream(t, dev, &s, err);
+  if (rc) return rc;
+  if (n > SIZE_MAX) return dp__err(err, DP_ENOMEM, "transport: buffer of %llu bytes", (unsigned long long)n);
+  if (n && (rc = dp_cache_alloc(t->cache, dev, (size_t)n, s, &p, err))) return rc;
+  rc = dp_storage_new(dev, p, (size_t)n, host_release, t->cache, out, err);
+  if (rc) {
+    if (p) dp_cache_dealloc(t->cache, p, NULL);
+    return rc;
+  }
+  *dst = p;
+  return 0;
+}
+
+static const dp__mover_t movers[DP_DEVICE_TYPE_COUNT] = {
+    [DP_DEVICE_CPU] = {"cpu", cpu_source, cpu_alloc},
+    [DP_DEVICE_HOST] = {"host", cpu_source, host_alloc},
+};
+
+const dp__mover_t *dp__mover_for(dp_device_type_t type) {
+  return (unsigned)type < DP_DEVICE_TYPE_COUNT && movers[type].name ? &movers[type] : NULL;
+}
+
+static int no_mover(dp_device_t dev, uint64_t i, dp_error_t *err) {
+  char d[16];
+  return dp__err(err, DP_ENODEV,
+                 "transport: buffer %llu is on %s: the transport moves cpu and host:N memory only "
+                 "(no device path yet)",
+                 (unsigned long long)i, dp_device_format(dev, d, sizeof d));
+}
+
+/* ---- endpoint failure ---- */
+
+static void sop_free(sop_t *s) {
+  dp_value_release(s->value);
+  dp_future_release(s->src);
+  dp_future_release(s->done);
+  dp_frame_free(s->frame);
+  if (s->bytes) dp__free(s->bytes, s->bytes_cap);
+  if (s->raw_hdr) dp__free(s->raw_hdr, s->raw_hlen);
+  for (size_t i = 0; i < s->nstage; i++) dp__free(s->stage[i], s->stage_len[i]);
+  if (s->stage) dp__free(s->stage, s->nstage * sizeof *s->stage);
+  if (s->stage_len) dp__free(s->stage_len, s->nstage * sizeof *s->stage_len);
+  if (s->bh) dp__free(s->bh, s->nbh * sizeof *s->bh);
+  dp__free(s, sizeof *s);
+}
+
+static void sop_fail(sop_t *s, const dp_error_t *e) {
+  if (!s->failed && s->done) dp_future_set_error(s->done, e, NULL);
+  s->failed = 1;
+}
+
+static void rmsg_free(rmsg_t *m) {
+  dp_value_release(m->value);
+  if (m->bufs) dp__free(m->bufs, m->nbuf * sizeof *m->bufs);
+  if (m->frame_copy) dp__free(m->frame_copy, m->frame_len ? m->frame_len : 1);
+  dp__free(m, sizeof *m);
+}
+
+/* A parked message that will not be processed: its endpoint failed or
+ * closes. (Rendezvous data is released unread: a receive posted on an
+ * endpoint being closed outlives it in UCX 1.13, which then asserts when the
+ * worker goes; UCX's descriptor is reclaimed with the worker.) */
+static void inbox_drop(dp_transport_t *t, inbox_t *b) {
+  if (b->data) ucp_am_data_release(t->worker, b->data);
+  dp__free(b, sizeof *b);
+}
+
+static void ep_set_error(dp_endpoint_t *ep, const dp_error_t *e) {
+  dp_transport_t *t = ep->t;
+  pthread_mutex_lock(&t->mu);
+  if (!ep->error) {
+    ep->errinfo = *e;
+    ep->error = e->code;
+  }
+  pthread_mutex_unlock(&t->mu);
+}
+
+/* The endpoint fails: every pending future fails with e, what was received
+ * and not taken is freed, the UCX endpoint is closed (force). Requests UCX
+ * still holds finish through their callbacks, which find their send or
+ * message detached and free it. */
+static void ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
+  dp_transport_t *t = ep->t;
+  ep_set_error(ep, e);
+  dp_error_t ee;
+  pthread_mutex_lock(&t->mu);
+  ee = ep->errinfo;
+  pthread_mutex_unlock(&t->mu);
+  for (sop_t *s = ep->sq_head, *n; s; s = n) {
+    n = s->next;
+    sop_fail(s, &ee);
+    sop_free(s);
+  }
+  ep->sq_head = ep->sq_tail = NULL;
+  for (sop_t *s = ep->posted, *n; s; s = n) {
+    n = s->next;
+    sop_fail(s, &ee);
+    s->ep = NULL;
+    if (!s->outstanding) sop_free(s);
+  }
+  ep->posted = NULL;
+  for (rmsg_t *m = ep->rq_head, *n; m; m = n) {
+    n = m->next;
+    m->detached = 1;
+    if (!m->pending) rmsg_free(m);
+  }
+  ep->rq_head = ep->rq_tail = ep->cur = NULL;
+  for (rwait_t *w = ep->w_head, *n; w; w = n) {
+    n = w->next;
+    dp_future_set_error(w->f, &ee, NULL);
+    dp_future_release(w->f);
+    dp__free(w, sizeof *w);
+  }
+  ep->w_head = ep->w_tail = NULL;
+  for (inbox_t *b = ep->in_head, *n; b; b = n) {
+    n = b->next;
+    inbox_drop(t, b);
+  }
+  ep->in_head = ep->in_tail = NULL;
+  ep->nparked = 0;
+  ep->held = ep->inflight = 0;
+  /* UCX is not re-entered from its own callbacks: the loop closes it */
+  if (ep->ep && !ep->dead) ep->need_close = 1;
+  ep->dead = 1;
+}
+
+static void ep_force_close(dp_endpoint_t *ep) {
+  ep->need_close = 0;
+  if (!ep->ep) return;
+  ucp_request_param_t p = {0};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  void *r = ucp_ep_close_nbx(ep->ep, &p);
+  if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
+}
+
+static void ep_failf(dp_endpoint_t *ep, int code, const char *fmt, const char *detail) {
+  dp_error_t e;
+  dp_error_clear(&e);
+  char what[512];
+  snprintf(what, sizeof what, fmt, detail);
+  dp__err(&e, code, "transport: %s: %s", ep->name, what);
+  ep_fail(ep, &e);
+}
+
+/* A UCX failure of the connection: refused while the peer never answered,
+ * lost afterwards. */
+static void ep_fail_status(dp_endpoint_t *ep, ucs_status_t st) {
+  if (ep->dead) return;
+  const char *fmt = ep->established ? "connection lost (%s)" : "connection refused or lost before any reply (%s)";
+  ep_failf(ep, st == UCS_ERR_ENDPOINT_TIMEOUT ? DP_ETIMEDOUT : DP_EIO, fmt, ucs_status_string(st));
+}
+
+static void ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t st) {
+  (void)uep;
+  ep_fail_status(arg, st);
+}
+
+/* ---- endpoints ---- */
+
+static int ep_alloc(dp_transport_t *t, const char *name, dp_endpoint_t **out, dp_error_t *err) {
+  dp_endpoint_t *ep = dp__alloc(sizeof *ep);
+  if (!ep) return dp__err(err, DP_ENOMEM, "transport: out of memory");
+  memset(ep, 0, sizeof *ep);
+  ep->t = t;
+  snprintf(ep->name, sizeof ep->name, "%s", name);
+  dp_error_clear(&ep->errinfo);
+  *out = ep;
+  return 0;
+}
+
+/* The list changes on the progress thread only, under mu, so that
+ * dp_transport_free may read it. */
+static void ep_link(dp_transport_t *t, dp_endpoint_t *ep) {
+  pthread_mutex_lock(&t->mu);
+  ep->next = t->eps;
+  t->eps = ep;
+  pthread_mutex_unlock(&t->mu);
+}
+
+static void ep_unlink(dp_transport_t *t, dp_endpoint_t *ep) {
+  pthread_mutex_lock(&t->mu);
+  for (dp_endpoint_t **p = &t->eps; *p; p = &(*p)->next)
+    if (*p == ep) {
+      *p = ep->next;
+      break;
+    }
+  pthread_mutex_unlock(&t->mu);
+  if (t->last_ep == ep) t->last_ep = NULL;
+}
+
+static dp_endpoint_t *ep_find(dp_transport_t *t, ucp_ep_h uep) {
+  if (t->last_ep && t->last_ep->ep == uep && !t->last_ep->dead) return t->last_ep;
+  for (dp_endpoint_t *e = t->eps; e; e = e->next)
+    if (e->ep == uep && !e->dead) return t->last_ep = e;
+  return NULL;
+}
+
+static void on_conn(ucp_conn_request_h req, void *arg) {
+  dp_listener_t *l = arg;
+  dp_transport_t *t = l->t;
+  dp_endpoint_t *ep;
+  char name[96];
+  snprintf(name, sizeof name, "endpoint accepted on port %d", l->port);
+  if (l->closed || ep_alloc(t, name, &ep, NULL)) {
+    ucp_listener_reject(l->l, req);
+    return;
+  }
+  ucp_ep_params_t p;
+  memset(&p, 0, sizeof p);
+  p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                 UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.conn_request = req;
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = ep_err_cb;
+  p.err_handler.arg = ep;
+  if (ucp_ep_create(t->worker, &p, &ep->ep) != UCS_OK) {
+    dp__free(ep, sizeof *ep);
+    return;
+  }
+  ep->established = 1; /* the peer asked for it */
+  ep_link(t, ep);
+  pthread_mutex_lock(&t->mu);
+  if (l->acc_tail) l->acc_tail->acc_next = ep;
+  else l->acc_head = ep;
+  l->acc_tail = ep;
+  pthread_cond_broadcast(&t->cv);
+  pthread_mutex_unlock(&t->mu);
+}
+
+/* ---- sending ---- */
+
+static void send_cb(void *req, ucs_status_t st, void *ud);
+
+static void sop_complete(sop_t *s) {
+  dp_endpoint_t *ep = s->ep;
+  if (ep) {
+    for (sop_t **p = &ep->posted; *p; p = &(*p)->next)
+      if (*p == s) {
+        *p = s->next;
+        break;
+      }
+    ep->inflight -= s->buf_bytes;
+    ep->nsends--;
+  }
+  if (!s->failed && s->done) dp_future_mark_completed(s->done, dp_none(), NULL);
+  sop_free(s);
+}
+
+static void send_cb(void *req, ucs_status_t st, void *ud) {
+  sop_t *s = ud;
+  s->t->nreq--;
+  if (st != UCS_OK && s->ep && !s->failed) ep_fail_status(s->ep, st);
+  if (st == UCS_OK && s->ep) s->ep->established = 1;
+  ucp_request_free(req);
+  if (--s->outstanding == 0 && (s->posted || s->failed)) {
+    if (s->ep || !s->failed) sop_complete(s);
+    else sop_free(s);
+  }
+}
+
+/* Posts one active message; counts it on s unless it completed at once. */
+static int post_am(sop_t *s, unsigned id, const void *hdr, size_t hlen, const void *data, size_t n, uint32_t flags) {
+  dp_endpoint_t *ep = s->ep;
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = send_cb;
+  p.user_data = s;
+  p.flags = UCP_AM_SEND_FLAG_REPLY | flags;
+  ucs_status_ptr_t r = ucp_am_send_nbx(ep->ep, id, hdr, hlen, data, n, &p);
+  if (r == NULL) return 0;
+  if (UCS_PTR_IS_ERR(r)) {
+    s->outstanding++; /* held across the failure: ep_fail must not free s under its poster */
+    ep_fail_status(ep, UCS_PTR_STATUS(r));
+    s->outstanding--;
+    return DP_EIO;
+  }
+  s->outstanding++;
+  ep->t->nreq++;
+  return 0;
+}
+
+/* The buffers' bytes as UCX reads them: batches of small buffers packed,
+ * large buffers from the storage itself. */
+static int sop_plan(dp_transport_t *t, sop_t *s, dp_error_t *err) {
+  size_t nb = dp_frame_nbuffers(s->frame);
+  dp_buffer_desc_t d;
+  for (size_t i = 0; i < nb; i++) {
+    dp_frame_buffer(s->frame, i, &d, NULL);
+    if (!dp__mover_for((dp_device_type_t)d.device.type)) return no_mover(d.device, i, err);
+    s->buf_bytes += d.nbytes;
+  }
+  (void)t;
+  /* worst case one header per buffer */
+  if (nb && !(s->bh = dp__alloc_array(nb, sizeof *s->bh))) return dp__err(err, DP_ENOMEM, "transport: out of memory");
+  if (nb && !(s->stage = dp__alloc_array(nb, sizeof *s->stage))) return dp__err(err, DP_ENOMEM, "transport: out of memory");
+  if (nb && !(s->stage_len = dp__alloc_array(nb, sizeof *s->stage_len)))
+    return dp__err(err, DP_ENOMEM, "transport: out of memory");
+  s->nbh = nb;
+  return 0;
+}
+
+static int sop_post(dp_transport_t *t, sop_t *s) {
+  dp_endpoint_t *ep = s->ep;
+  const uint8_t *fb;
+  size_t flen;
+  size_t nb = 0;
+  if (s->kind == SOP_RAW) {
+    s->posted = 1;
+    if (s->raw_id == DP__AM_FRAME && s->raw_len_hdr == sizeof(dp__am_frame_hdr_t))
+      ((dp__am_frame_hdr_t *)s->raw_hdr)->seq = ep->send_seq++;
+    return post_am(s, s->raw_id, s->raw_hdr, s->raw_len_hdr, s->bytes, s->nbytes, 0);
+  }
+  if (s->frame) {
+    fb = dp_frame_data(s->frame, &flen);
+    nb = dp_frame_nbuffers(s->frame);
+  } else {
+    fb = s->bytes;
+    flen = s->nbytes;
+  }
+  s->seq = ep->send_seq++;
+  s->fh.magic = DP__WIRE_MAGIC;
+  s->fh.nbuffers = (uint32_t)nb;
+  s->fh.seq = s->seq;
+  s->fh.frame_len = flen;
+  s->fh.buf_bytes = s->buf_bytes;
+  s->posted = 1;
+  ep->inflight += s->buf_bytes;
+  if (t->timeout_ns > 0) s->deadline = now_ns() + t->timeout_ns;
+  int rc = post_am(s, DP__AM_FRAME, &s->fh, sizeof s->fh, fb, flen, UCP_AM_SEND_FLAG_EAGER);
+  dp_buffer_desc_t d;
+  size_t nh = 0;
+  for (size_t i = 0; i < nb && !rc && !s->failed;) {
+    dp_frame_buffer(s->frame, i, &d, NULL);
+    const dp__mover_t *mv = dp__mover_for((dp_device_type_t)d.device.type);
+    dp__am_bufs_hdr_t *h = &s->bh[nh++];
+    h->magic = DP__WIRE_MAGIC;
+    h->seq = s->seq;
+    h->first = i;
+    if (d.nbytes > DP__SMALL_BUFFER) {
+      const void *src;
+      if ((rc = mv->source(t, &d, &src, NULL))) break;
+      h->count = 1;
+      h->total = d.nbytes;
+      rc = post_am(s, DP__AM_BUFS, h, sizeof *h, src, (size_t)d.nbytes, UCP_AM_SEND_FLAG_RNDV);
+      i++;
+      continue;
+    }
+    /* a run of small buffers, packed */
+    size_t j = i, total = 0;
+    dp_buffer_desc_t e;
+    while (j < nb) {
+      dp_frame_buffer(s->frame, j, &e, NULL);
+      if (e.nbytes > DP__SMALL_BUFFER || (j > i && total + e.nbytes > DP__BATCH_BYTES)) break;
+      total += (size_t)e.nbytes;
+      j++;
+    }
+    uint8_t *pk = total ? dp__alloc(total) : NULL;
+    if (total && !pk) {
+      ep_failf(ep, DP_ENOMEM, "%s", "out of memory packing buffers");
+      rc = DP_ENOMEM;
+      break;
+    }
+    size_t off = 0;
+    for (size_t k = i; k < j; k++) {
+      dp_frame_buffer(s->frame, k, &e, NULL);
+      const void *src;
+      dp__mover_for((dp_device_type_t)e.device.type)->source(t, &e, &src, NULL);
+      if (e.nbytes) memcpy(pk + off, src, (size_t)e.nbytes);
+      off += (size_t)e.nbytes;
+    }
+    s->stage[s->nstage] = pk;
+    s->stage_len[s->nstage++] = total;
+    h->count = (uint32_t)(j - i);
+    h->total = total;
+    rc = post_am(s, DP__AM_BUFS, h, sizeof *h, pk, total, 0);
+    i = j;
+  }
+  return rc;
+}
+
+/* Moves sends from the queue to UCX while the in-flight bound allows.
+ * Returns 1 when a send waits on its future (the loop must keep polling). */
+static int ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
+  while (ep->sq_head && !ep->dead) {
+    sop_t *s = ep->sq_head;
+    if (s->kind == SOP_FUTURE && !s->frame) {
+      if (!dp_future_is_done(s->src)) return 1;
+      dp_error_t e;
+      dp_error_clear(&e);
+      if (dp_future_error(s->src, &e)) {
+        sop_fail(s, &e);
+      } else {
+        if (!dp__transport_skip_events)
+          for (size_t i = 0, n = dp_future_ndevices(s->src); i < n; i++)
+            if (dp_event_query(dp_future_event(s->src, i), NULL) == 0) return 1;
+        int rc = dp_frame_new(&s->frame, &e);
+        if (!rc) rc = dp_pickle(dp_future_value(s->src), NULL, s->frame, &e);
+        if (!rc) rc = sop_plan(t, s, &e);
+        if (rc) sop_fail(s, &e);
+      }
+      if (s->failed) {
+        ep->sq_head = s->next;
+        if (!ep->sq_head) ep->sq_tail = NULL;
+        ep->nsends--;
+        sop_free(s);
+        continue;
+      }
+    }
+    if (ep->inflight && ep->inflight + s->buf_bytes > t->max_inflight) return 0;
+    ep->sq_head = s->next;
+    if (!ep->sq_head) ep->sq_tail = NULL;
+    s->next = ep->posted;
+    ep->posted = s;
+    s->outstanding++; /* held while posting (see post_am) */
+    int rc = sop_post(t, s);
+    if (--s->outstanding == 0) {
+      if (!rc && s->ep) sop_complete(s);
+      else if (!s->ep) sop_free(s); /* detached by the endpoint's failure */
+    }
+    if (rc) return 0;
+  }
+  return 0;
+}
+
+/* ---- receiving ---- */
+
+static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
+  void **ctx = ud;
+  dp_transport_t *t = ctx[0];
+  rmsg_t *m = ctx[1];
+  if (d->id >= m->nbuf || m->bufs[d->id].bound)
+    return dp__err(err, DP_EFORMAT, "transport: buffer id %u out of the message's %u", d->id, m->nbuf);
+  const dp__mover_t *mv = dp__mover_for((dp_device_type_t)d->device.type);
+  if (!mv) return no_mover(d->device, d->id, err);
+  rbuf_t *b = &m->bufs[d->id];
+  int rc = mv->alloc(t, d->device, d->nbytes, out, &b->dst, err);
+  if (rc) return rc;
+  b->storage = *out;
+  b->nbytes = d->nbytes;
+  b->bound = 1;
+  return 0;
+}
+
+static void deliver(dp_transport_t *t, dp_endpoint_t *ep);
+
+/* A frame message: check and unpickle the frame, binding its buffers to new
+ * receive allocations. A frame the unpickler refuses fails this message
+ * only (its buffers are drained); bad framing fails the endpoint. */
+static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr_t *h, const void *data, size_t len) {
+  if (ep->cur && ep->cur->next_index < ep->cur->nbuf) {
+    ep_failf(ep, DP_EFORMAT, "%s", "a frame arrived before the previous message's buffers");
+    return DP_EFORMAT;
+  }
+  if (h->seq != ep->recv_seq || h->frame_len != len) {
+    ep_failf(ep, DP_EFORMAT, "%s", "frame message out of sequence or of the wrong length");
+    return DP_EFORMAT;
+  }
+  rmsg_t *m = dp__alloc(sizeof *m);
+  if (!m) {
+    ep_failf(ep, DP_ENOMEM, "%s", "out of memory for a received message");
+    return DP_ENOMEM;
+  }
+  memset(m, 0, sizeof *m);
+  dp_error_clear(&m->error);
+  m->seq = ep->recv_seq++;
+  m->nbuf = h->nbuffers;
+  dp_frame_info_t info;
+  int rc = dp_frame_check(data, len, &info, &m->error);
+  if (!rc && (info.flags & 1u) && h->nbuffers)
+    rc = dp__err(&m->error, DP_EFORMAT, "transport: an inline frame announced %u out-of-band buffers", h->nbuffers);
+  if (!rc && !(info.flags & 1u) && info.nbuffers != h->nbuffers)
+    rc = dp__err(&m->error, DP_EFORMAT, "transport: frame has %u buffers, its message announced %u",
+                 info.nbuffers, h->nbuffers);
+  if (!rc && m->nbuf && !(m->bufs = dp__alloc_array(m->nbuf, sizeof *m->bufs)))
+    rc = dp__err(&m->error, DP_ENOMEM, "transport: out of memory");
+  if (!rc) {
+    if (m->bufs) memset(m->bufs, 0, m->nbuf * sizeof *m->bufs);
+    dp_unpickle_opts_t o = t->uopts;
+    void *ctx[2] = {t, m};
+    if (m->nbuf) {
+      o.bind = bind_cb;
+      o.bind_ud = ctx;
+    }
+    rc = dp_unpickle(data, len, &o, &m->value, &m->error);
+  }
+  if (!rc && !m->nbuf) { /* a self-contained frame: kept for recv_frame */
+    if (!(m->frame_copy = dp__alloc(len ? len : 1)))
+      rc = dp__err(&m->error, DP_ENOMEM, "transport: out of memory");
+    else {
+      memcpy(m->frame_copy, data, len);
+      m->frame_len = len;
+    }
+  }
+  if (rc) m->failed = 1;
+  m->buf_bytes = h->buf_bytes;
+  if (!m->failed) {
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < m->nbuf; i++) sum += m->bufs[i].nbytes;
+    if (sum != h->buf_bytes) {
+      ep_failf(ep, DP_EFORMAT, "%s", "the buffers' sizes differ from the frame message's total");
+      rmsg_free(m);
+      return DP_EFORMAT;
+    }
+  }
+  ep->held += m->buf_bytes;
+  if (ep->rq_tail) ep->rq_tail->next = m;
+  else ep->rq_head = m;
+  ep->rq_tail = m;
+  ep->cur = m;
+  deliver(t, ep);
+  return 0;
+}
+
+typedef struct rctx {
+  dp_transport_t *t;
+  dp_endpoint_t *ep;
+  rmsg_t *m;
+  uint64_t first;
+  uint32_t count;
+  uint8_t *tmp;
+  size_t tmplen;
+} rctx_t;
+
+static void scatter(rmsg_t *m, uint64_t first, uint32_t count, const uint8_t *src) {
+  for (uint32_t k = 0; k < count; k++) {
+    rbuf_t *b = &m->bufs[first + k];
+    if (b->nbytes) memcpy(b->dst, src, (size_t)b->nbytes);
+    src += b->nbytes;
+  }
+}
+
+static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
+  rctx_t *c = ud;
+  rmsg_t *m = c->m;
+  (void)len;
+  ucp_request_free(req);
+  c->t->nreq--;
+  if (st == UCS_OK && c->tmp && !m->detached && !m->failed) scatter(m, c->first, c->count, c->tmp);
+  if (c->tmp) dp__free(c->tmp, c->tmplen);
+  m->pending--;
+  dp_endpoint_t *ep = c->ep;
+  dp__free(c, sizeof *c);
+  if (m->detached) {
+    if (!m->pending) rmsg_free(m);
+    return;
+  }
+  if (st != UCS_OK) {
+    ep_failf(ep, DP_EIO, "receiving a buffer failed (%s)", ucs_status_string(st));
+    return;
+  }
+  deliver(ep->t, ep);
+}
+
+typedef struct drain {
+  dp_transport_t *t;
+  void *scratch;
+  size_t n;
+} drain_t;
+
+static void drain_cb(void *req, ucs_status_t st, size_t len, void *ud) {
+  drain_t *d = ud;
+  (void)st, (void)len;
+  ucp_request_free(req);
+  d->t->nreq--;
+  dp__free(d->scratch, d->n);
+  dp__free(d, sizeof *d);
+}
+
+/* Pulls a rendezvous buffer of a refused message (its endpoint lives on)
+ * into scratch memory and drops it: the sender's send then completes as any
+ * other, and UCX's descriptor goes back (one released unread stays in its
+ * pool until the worker goes). Without memory for it, it is released. */
+static void drain_rndv(dp_transport_t *t, void *data, size_t n) {
+  drain_t *d = dp__alloc(sizeof *d);
+  if (d && !(d->scratch = dp__alloc(n ? n : 1))) {
+    dp__free(d, sizeof *d);
+    d = NULL;
+  }
+  if (!d) {
+    ucp_am_data_release(t->worker, data);
+    return;
+  }
+  d->n = n ? n : 1;
+  d->t = t;
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = drain_cb;
+  p.user_data = d;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, d->scratch, n, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    t->nreq++;
+  } else {
+    dp__free(d->scratch, d->n);
+    dp__free(d, sizeof *d);
+  }
+}
+
+/* A buffers message. Returns 1 when the inbox must wait (none here). */
+static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t *h, void *data, size_t len,
+                   int rndv) {
+  rmsg_t *m = ep->cur;
+  if (!m || h->seq != m->seq || h->first != m->next_index || h->count == 0 || h->count > m->nbuf ||
+      h->first > m->nbuf - h->count || (!rndv && len != h->total)) {
+    if (rndv) ucp_am_data_release(t->worker, data);
+    ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
+    return -1;
+  }
+  m->next_index += h->count;
+  if (m->failed) {
+    if (rndv) drain_rndv(t, data, (size_t)h->total);
+    deliver(t, ep);
+    return 0;
+  }
+  uint64_t sum = 0;
+  for (uint32_t k = 0; k < h->count; k++) sum += m->bufs[h->first + k].nbytes;
+  if (sum != h->total) {
+    ep_failf(ep, DP_EFORMAT, "%s", "a buffers message's size differs from its frame's table");
+    if (rndv) ucp_am_data_release(t->worker, data);
+    return -1;
+  }
+  if (!rndv) {
+    scatter(m, h->first, h->count, data);
+    deliver(t, ep);
+    return 0;
+  }
+  rctx_t *c = dp__alloc(sizeof *c);
+  if (!c) {
+    ucp_am_data_release(t->worker, data);
+    ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving a buffer");
+    return -1;
+  }
+  memset(c, 0, sizeof *c);
+  c->t = t;
+  c->ep = ep;
+  c->m = m;
+  c->first = h->first;
+  c->count = h->count;
+  void *dst = m->bufs[h->first].dst;
+  if (h->count > 1) {
+    if (!(c->tmp = dp__alloc(h->total ? (size_t)h->total : 1))) {
+      dp__free(c, sizeof *c);
+      ucp_am_data_release(t->worker, data);
+      ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving packed buffers");
+      return -1;
+    }
+    c->tmplen = h->total ? (size_t)h->total : 1;
+    dst = c->tmp;
+  }
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = recv_cb;
+  p.user_data = c;
+  m->pending++;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, (size_t)h->total, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    t->nreq++;
+    return 0;
+  }
+  /* done at once (or failed): the callback is not called */
+  ucs_status_t st = UCS_PTR_STATUS(r);
+  if (st == UCS_OK && c->tmp) scatter(m, c->first, c->count, c->tmp);
+  if (c->tmp) dp__free(c->tmp, c->tmplen);
+  dp__free(c, sizeof *c);
+  m->pending--;
+  if (st != UCS_OK) {
+    ep_failf(ep, DP_EIO, "receiving a buffer failed (%s)", ucs_status_string(st));
+    return -1;
+  }
+  deliver(t, ep);
+  return 0;
+}
+
+/* Hands complete messages, in order, to the waiting receives. */
+static void deliver(dp_transport_t *t, dp_endpoint_t *ep) {
+  while (ep->rq_head && ep->w_head && !ep->dead) {
+    rmsg_t *m = ep->rq_head;
+    if (m->next_index < m->nbuf || m->pending) return;
+    rwait_t *w = ep->w_head;
+    ep->rq_head = m->next;
+    if (!ep->rq_head) ep->rq_tail = NULL;
+    if (ep->cur == m) ep->cur = NULL;
+    ep->w_head = w->next;
+    if (!ep->w_head) ep->w_tail = NULL;
+    ep->held -= m->buf_bytes;
+    if (m->failed) {
+      dp_future_set_error(w->f, &m->error, NULL);
+    } else if (w->frame) {
+      dp_value_t b = dp_none();
+      dp_error_t e;
+      int rc = m->nbuf ? dp__err(&e, DP_EFORMAT, "transport: %s: the message carries %u out-of-band buffers, "
+                                                 "not a self-contained frame", ep->name, m->nbuf)
+                       : dp_bytes_new(m->frame_copy, m->frame_len, &b, &e);
+      if (rc) dp_future_set_error(w->f, &e, NULL);
+      else dp_future_mark_completed(w->f, b, NULL);
+    } else {
+      dp_future_mark_completed(w->f, m->value, NULL);
+      m->value = dp_none();
+    }
+    dp_future_release(w->f);
+    dp__free(w, sizeof *w);
+    rmsg_free(m);
+  }
+  (void)t;
+}
+
+/* Messages are processed in the sender's order: frame N, then its buffers
+ * by index, then frame N + 1. UCX may hand active messages over in another
+ * order (messages sent while the connection is wired up, rendezvous beside
+ * eager), so one that is not the next is parked, sorted by that order, and
+ * taken when its turn comes. A frame also waits while the endpoint holds
+ * more than the bound of received bytes nobody took (backpressure). */
+typedef struct key {
+  uint64_t seq, kind, first;
+} key_t;
+
+static key_t key_of(unsigned id, const void *hdr) {
+  key_t k;
+  if (id == DP__AM_FRAME) {
+    const dp__am_frame_hdr_t *h = hdr;
+    k.seq = h->seq, k.kind = 0, k.first = 0;
+  } else {
+    const dp__am_bufs_hdr_t *h = hdr;
+    k.seq = h->seq, k.kind = 1, k.first = h->first;
+  }
+  return k;
+}
+
+static int key_cmp(key_t a, key_t b) {
+  if (a.seq != b.seq) return a.seq < b.seq ? -1 : 1;
+  if (a.kind != b.kind) return a.kind < b.kind ? -1 : 1;
+  if (a.first != b.first) return a.first < b.first ? -1 : 1;
+  return 0;
+}
+
+static key_t expected(const dp_endpoint_t *ep) {
+  key_t k;
+  if (ep->cur && ep->cur->next_index < ep->cur->nbuf) k.seq = ep->cur->seq, k.kind = 1, k.first = ep->cur->next_index;
+  else k.seq = ep->recv_seq, k.kind = 0, k.first = 0;
+  return k;
+}
+
+static int blocked(const dp_transport_t *t, const dp_endpoint_t *ep, unsigned id) {
+  return id == DP__AM_FRAME && ep->held && ep->held > t->max_inflight;
+}
+
+static void process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, void *data, size_t len,
+                    int rndv) {
+  if (id == DP__AM_FRAME) on_frame(t, ep, hdr, data, len);
+  else on_bufs(t, ep, hdr, data, len, rndv);
+}
+
+/* Processes parked messages whose turn has come. */
+static void ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
+  while (ep->in_head && !ep->dead) {
+    inbox_t *b = ep->in_head;
+    if (key_cmp(key_of(b->id, b->hdr), expected(ep)) != 0 || blocked(t, ep, b->id)) return;
+    ep->in_head = b->next;
+    if (!ep->in_head) ep->in_tail = NULL;
+    else ep->in_head->prev = NULL;
+    ep->nparked--;
+    void *data = b->data;
+    b->data = NULL;
+    process(t, ep, b->id, b->hdr, data, b->len, b->rndv);
+    if (!b->rndv) ucp_am_data_release(t->worker, data); /* rendezvous data went to on_bufs */
+    dp__free(b, sizeof *b);
+  }
+}
+
+#define DP__MAX_PARKED 1000000
+
+static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size_t hlen, void *data, size_t len,
+                           const ucp_am_recv_param_t *param) {
+  int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  int persistent = rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
+  dp_endpoint_t *ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? ep_find(t, param->reply_ep) : NULL;
+  if (ep) ep->established = 1;
+  if (!ep) {
+    /* from an endpoint failed or closed here (UCX still has it, as it
+       names it): dropped */
+    if (rndv) ucp_am_data_release(t->worker, data);
+    return UCS_OK;
+  }
+  size_t want = id == DP__AM_FRAME ? sizeof(dp__am_frame_hdr_t) : sizeof(dp__am_bufs_hdr_t);
+  uint32_t magic = 0;
+  if (hlen >= 4) memcpy(&magic, hdr, 4);
+  if (hlen != want || magic != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv)) {
+    if (rndv) ucp_am_data_release(t->worker, data);
+    ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
+    return UCS_OK;
+  }
+  uint64_t h[sizeof ((inbox_t *)0)->hdr / 8];
+  memcpy(h, hdr, hlen); /* aligned */
+  key_t k = key_of(id, h);
+  int c = key_cmp(k, expected(ep));
+  if (c < 0) {
+    if (rndv) ucp_am_data_release(t->worker, data);
+    ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
+    return UCS_OK;
+  }
+  if (c == 0 && !blocked(t, ep, id)) {
+    process(t, ep, id, h, data, len, rndv);
+    if (ep->in_head) ep_pump_inbox(t, ep);
+    return UCS_OK;
+  }
+  /* not its turn: park it, in order */
+  inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
+  if (!b || !persistent) {
+    if (b) dp__free(b, sizeof *b);
+    if (rndv) ucp_am_data_release(t->worker, data);
+    ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
+             ep->nparked >= DP__MAX_PARKED ? "too many messages out of order" : "out of memory parking a message");
+    return UCS_OK;
+  }
+  memset(b, 0, sizeof *b);
+  b->id = id;
+  memcpy(b->hdr, hdr, hlen);
+  b->hlen = hlen;
+  b->data = data;
+  b->len = len;
+  b->rndv = rndv;
+  inbox_t *at = ep->in_tail;
+  while (at && key_cmp(key_of(at->id, at->hdr), k) > 0) at = at->prev;
+  if (at && key_cmp(key_of(at->id, at->hdr), k) == 0) {
+    dp__free(b, sizeof *b);
+    if (rndv) ucp_am_data_release(t->worker, data);
+    ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
+    return UCS_OK;
+  }
+  b->prev = at;
+  b->next = at ? at->next : ep->in_head;
+  if (b->next) b->next->prev = b;
+  else ep->in_tail = b;
+  if (at) at->next = b;
+  else ep->in_head = b;
+  ep->nparked++;
+  return UCS_INPROGRESS;
+}
+
+static ucs_status_t am_frame_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                                const ucp_am_recv_param_t *param) {
+  return am_any(arg, DP__AM_FRAME, hdr, hlen, data, len, param);
+}
+
+static ucs_status_t am_bufs_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                               const ucp_am_recv_param_t *param) {
+  return am_any(arg, DP__AM_BUFS, hdr, hlen, data, len, param);
+}
+
+/* ---- the progress thread ---- */
+
+static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
+  size_t ns = ep->nsends, nr = 0;
+  for (rwait_t *w = ep->w_head; w; w = w->next) nr++;
+  if (!ep->dead) {
+    if (ns || nr) {
+      dp_error_t e;
+      dp__err(&e, DP_ECANCELED, "transport: %s closed with %zu sends and %zu receives pending", ep->name, ns, nr);
+      ep_fail(ep, &e);
+    } else {
+      for (rmsg_t *m = ep->rq_head, *n; m; m = n) {
+        n = m->next;
+        m->detached = 1;
+        if (!m->pending) rmsg_free(m);
+      }
+      ep->rq_head = ep->rq_tail = ep->cur = NULL;
+      for (inbox_t *b = ep->in_head, *n; b; b = n) {
+        n = b->next;
+        inbox_drop(t, b);
+      }
+      ep->in_head = ep->in_tail = NULL;
+      if (ep->ep) {
+        /* flush: eager messages whose sends completed may not have left yet */
+        ucp_request_param_t p = {0};
+        void *r = ucp_ep_close_nbx(ep->ep, &p);
+        if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
+      }
+      ep->dead = 1;
+    }
+  }
+  if (ep->need_close) ep_force_close(ep);
+  ep_unlink(t, ep);
+}
+
+static void handle_cmd(dp_transport_t *t, cmd_t *c) {
+  switch (c->type) {
+  case CMD_LISTEN: {
+    dp_listener_t *l = c->lst;
+    ucp_listener_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    p.sockaddr.addr = (const struct sockaddr *)&c->addr;
+    p.sockaddr.addrlen = c->addrlen;
+    p.conn_handler.cb = on_conn;
+    p.conn_handler.arg = l;
+    ucs_status_t st = ucp_listener_create(t->worker, &p, &l->l);
+    if (st != UCS_OK) {
+      cmd_finish(t, c, dp__err(&c->err, DP_EIO, "transport: cannot listen: %s", ucs_status_string(st)));
+      return;
+    }
+    ucp_listener_attr_t a;
+    a.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if (ucp_listener_query(l->l, &a) == UCS_OK) {
+      if (a.sockaddr.ss_family == AF_INET) l->port = ntohs(((struct sockaddr_in *)&a.sockaddr)->sin_port);
+      else if (a.sockaddr.ss_family == AF_INET6) l->port = ntohs(((struct sockaddr_in6 *)&a.sockaddr)->sin6_port);
+    }
+    pthread_mutex_lock(&t->mu); /* dp_transport_free reads the list */
+    l->next = t->lsts;
+    t->lsts = l;
+    pthread_mutex_unlock(&t->mu);
+    cmd_finish(t, c, 0);
+    return;
+  }
+  case CMD_UNLISTEN: {
+    dp_listener_t *l = c->lst;
+    if (l->l) ucp_listener_destroy(l->l);
+    pthread_mutex_lock(&t->mu);
+    for (dp_listener_t **p = &t->lsts; *p; p = &(*p)->next)
+      if (*p == l) {
+        *p = l->next;
+        break;
+      }
+    dp_endpoint_t *a = l->acc_head;
+    l->acc_head = l->acc_tail = NULL;
+    l->closed = 1;
+    pthread_mutex_unlock(&t->mu);
+    while (a) {
+      dp_endpoint_t *n = a->acc_next;
+      ep_close_now(t, a);
+      a->next = t->closing;
+      t->closing = a;
+      a = n;
+    }
+    cmd_finish(t, c, 0);
+    return;
+  }
+  case CMD_CONNECT: {
+    dp_endpoint_t *ep = c->ep;
+    ucp_ep_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    p.sockaddr.addr = (const struct sockaddr *)&c->addr;
+    p.sockaddr.addrlen = c->addrlen;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = ep_err_cb;
+    p.err_handler.arg = ep;
+    ep_link(t, ep);
+    ucs_status_t st = ucp_ep_create(t->worker, &p, &ep->ep);
+    if (st != UCS_OK) {
+      ep->ep = NULL;
+      ep_failf(ep, DP_EIO, "cannot connect (%s)", ucs_status_string(st));
+    }
+    dp__free(c, sizeof *c);
+    return;
+  }
+  case CMD_SEND: {
+    sop_t *s = c->sop;
+    dp_endpoint_t *ep = c->ep;
+    dp__free(c, sizeof *c);
+    if (ep->dead) {
+      dp_error_t e;
+      dp_endpoint_error(ep, &e);
+      sop_fail(s, &e);
+      sop_free(s);
+      return;
+    }
+    s->ep = ep;
+    s->t = t;
+    ep->nsends++;
+    if (ep->sq_tail) ep->sq_tail->next = s;
+    else ep->sq_head = s;
+    ep->sq_tail = s;
+    ep_pump_sends(t, ep);
+    return;
+  }
+  case CMD_RECV: {
+    rwait_t *w = c->rw;
+    dp_endpoint_t *ep = c->ep;
+    dp__free(c, sizeof *c);
+    if (ep->dead) {
+      dp_error_t e;
+      dp_endpoint_error(ep, &e);
+      dp_future_set_error(w->f, &e, NULL);
+      dp_future_release(w->f);
+      dp__free(w, sizeof *w);
+      return;
+    }
+    if (ep->w_tail) ep->w_tail->next = w;
+    else ep->w_head = w;
+    ep->w_tail = w;
+    deliver(t, ep);
+    ep_pump_inbox(t, ep);
+    return;
+  }
+  case CMD_CLOSE: {
+    dp_endpoint_t *ep = c->ep;
+    ep_close_now(t, ep);
+    ep->next = t->closing;
+    t->closing = ep;
+    cmd_finish(t, c, 0);
+    return;
+  }
+  case CMD_STOP:
+    t->stop = 1;
+    cmd_finish(t, c, 0);
+    return;
+  }
+}
+
+static int drain_cmds(dp_transport_t *t) {
+  pthread_mutex_lock(&t->mu);
+  cmd_t *c = t->c_head;
+  t->c_head = t->c_tail = NULL;
+  pthread_mutex_unlock(&t->mu);
+  int n = 0;
+  while (c) {
+    cmd_t *next = c->next;
+    handle_cmd(t, c);
+    c = next;
+    n++;
+  }
+  return n;
+}
+
+/* Frees closed endpoints once UCX is done with them. */
+static void reap(dp_transport_t *t) {
+  for (dp_endpoint_t **p = &t->closing; *p;) {
+    dp_endpoint_t *ep = *p;
+    if (ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS) {
+      p = &ep->next;
+      continue;
+    }
+    if (ep->close_req) ucp_request_free(ep->close_req);
+    *p = ep->next;
+    dp__free(ep, sizeof *ep);
+  }
+}
+
+static void check_timeouts(dp_transport_t *t) {
+  int64_t now = now_ns();
+  for (dp_endpoint_t *ep = t->eps, *n; ep; ep = n) {
+    n = ep->next;
+    for (sop_t *s = ep->posted; s; s = s->next)
+      if (s->deadline && now > s->deadline && !ep->dead) {
+        char d[64];
+        snprintf(d, sizeof d, "%lld ms", (long long)(t->timeout_ns / 1000000));
+        ep_failf(ep, DP_ETIMEDOUT, "a send was not complete after %s", d);
+        break;
+      }
+  }
+}
+
+#define DP__SPIN_NS 200000
+
+static void *progress_main(void *arg) {
+  dp_transport_t *t = arg;
+  int64_t idle_since = 0; /* 0: busy */
+  int64_t last_check = now_ns();
+  while (!t->stop) {
+    int work = drain_cmds(t);
+    if (t->stop) break;
+    while (ucp_worker_progress(t->worker)) work++;
+    int polling = 0;
+    for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
+      if (ep->need_close) ep_force_close(ep), work++;
+      if (ep->sq_head) polling |= ep_pump_sends(t, ep);
+      if (ep->in_head && !ep->dead) ep_pump_inbox(t, ep);
+    }
+    if (t->closing) reap(t);
+    if (t->timeout_ns > 0 && now_ns() - last_check > 1000000) {
+      check_timeouts(t);
+      last_check = now_ns();
+    }
+    if (work) {
+      idle_since = 0;
+      continue;
+    }
+    if (polling || t->closing) {
+      sched_yield();
+      continue;
+    }
+    /* spin a while after the last work (a reply often follows at once),
+     * then sleep on the worker's and the command queue's descriptors */
+    if (!idle_since) idle_since = now_ns();
+    if (now_ns() - idle_since < DP__SPIN_NS) {
+      sched_yield(); /* the threads this one waits for may need the core */
+      continue;
+    }
+    if (ucp_worker_arm(t->worker) == UCS_ERR_BUSY) continue;
+    pthread_mutex_lock(&t->mu);
+    int queued = t->c_head != NULL;
+    t->sleeping = !queued;
+    pthread_mutex_unlock(&t->mu);
+    if (queued) continue;
+    struct pollfd fds[2] = {{t->worker_fd, POLLIN, 0}, {t->wake_fd, POLLIN, 0}};
+    poll(fds, 2, t->timeout_ns > 0 ? 10 : 100);
+    pthread_mutex_lock(&t->mu);
+    t->sleeping = 0;
+    pthread_mutex_unlock(&t->mu);
+    if (fds[1].revents & POLLIN) {
+      uint64_t v;
+      ssize_t r = read(t->wake_fd, &v, sizeof v);
+      (void)r;
+    }
+    idle_since = 0;
+  }
+  /* closes in progress finish (bounded: a flush to a dead peer fails) */
+  for (int64_t until = now_ns() + 2000000000; (t->closing || t->nreq) && now_ns() < until;) {
+    ucp_worker_progress(t->worker);
+    reap(t);
+  }
+  for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++)
+    if (t->streams[i]) dp_reset_current_stream(t->host, dp_stream_device(t->streams[i]));
+  return NULL;
+}
+
+/* ---- the API ---- */
+
+int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_error_t *err) {
+  if (!out) return dp__err(err, DP_EINVAL, "dp_transport_new: out is NULL");
+  *out = NULL;
+  dp_transport_t *t = dp__alloc(sizeof *t);
+  if (!t) return dp__err(err, DP_ENOMEM, "dp_transport_new: out of memory");
+  memset(t, 0, sizeof *t);
+  t->wake_fd = -1;
+  t->max_inflight = opts && opts->max_inflight_bytes ? opts->max_inflight_bytes : DP_TRANSPORT_DEFAULT_INFLIGHT;
+  t->timeout_ns = opts ? opts->timeout_ns : 0;
+  if (opts && opts->unpickle) {
+    t->uopts = *opts->unpickle;
+    if (opts->unpickle->resolver) {
+      t->resolver = *opts->unpickle->resolver;
+      t->uopts.resolver = &t->resolver;
+    }
+  }
+  t->uopts.bind = NULL;
+  t->uopts.bind_ud = NULL;
+  int rc = dp_backend_get(DP_DEVICE_HOST, &t->host, err);
+  if (!rc && opts && opts->cache) t->cache = opts->cache;
+  else if (!rc) rc = dp_cache_default(t->host, &t->cache, err);
+  if (rc) {
+    dp__free(t, sizeof *t);
+    return rc;
+  }
+  ucp_params_t up;
+  memset(&up, 0, sizeof up);
+  up.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  up.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  up.mt_workers_shared = 0;
+  ucp_config_t *cfg = NULL;
+  ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
+  if (st == UCS_OK) {
+    st = ucp_init(&up, cfg, &t->ctx);
+    ucp_config_release(cfg);
+  }
+  if (st != UCS_OK) {
+    dp__free(t, sizeof *t);
+    return dp__err(err, DP_ENODEV, "dp_transport_new: UCX did not start: %s", ucs_status_string(st));
+  }
+  ucp_worker_params_t wp;
+  memset(&wp, 0, sizeof wp);
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  st = ucp_worker_create(t->ctx, &wp, &t->worker);
+  if (st == UCS_OK) st = ucp_worker_get_efd(t->worker, &t->worker_fd);
+  if (st == UCS_OK) {
+    ucp_am_handler_param_t hp;
+    memset(&hp, 0, sizeof hp);
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
+    hp.arg = t;
+    hp.id = DP__AM_FRAME;
+    hp.cb = am_frame_cb;
+    st = ucp_worker_set_am_recv_handler(t->worker, &hp);
+    hp.id = DP__AM_BUFS;
+    hp.cb = am_bufs_cb;
+    if (st == UCS_OK) st = ucp_worker_set_am_recv_handler(t->worker, &hp);
+  }
+  if (st != UCS_OK) {
+    if (t->worker) ucp_worker_destroy(t->worker);
+    ucp_cleanup(t->ctx);
+    dp__free(t, sizeof *t);
+    return dp__err(err, DP_ENODEV, "dp_transport_new: UCX worker: %s", ucs_status_string(st));
+  }
+  t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  pthread_mutex_init(&t->mu, NULL);
+  pthread_cond_init(&t->cv, NULL);
+  if (t->wake_fd < 0 || pthread_create(&t->thread, NULL, progress_main, t) != 0) {
+    if (t->wake_fd >= 0) close(t->wake_fd);
+    pthread_mutex_destroy(&t->mu);
+    pthread_cond_destroy(&t->cv);
+    ucp_worker_destroy(t->worker);
+    ucp_cleanup(t->ctx);
+    dp__free(t, sizeof *t);
+    return dp__err(err, DP_ENOMEM, "dp_transport_new: cannot start the progress thread");
+  }
+  *out = t;
+  return 0;
+}
+
+void dp_transport_free(dp_transport_t *t) {
+  if (!t) return;
+  cmd_t c;
+  memset(&c, 0, sizeof c);
+  /* endpoints and listeners still open */
+  for (;;) {
+    pthread_mutex_lock(&t->mu);
+    dp_listener_t *l = t->lsts;
+    pthread_mutex_unlock(&t->mu);
+    if (!l) break;
+    dp_listener_free(l);
+  }
+  for (;;) {
+    dp_endpoint_t *ep = NULL;
+    pthread_mutex_lock(&t->mu);
+    ep = t->eps;
+    pthread_mutex_unlock(&t->mu);
+    if (!ep) break;
+    dp_endpoint_free(ep);
+  }
+  c.type = CMD_STOP;
+  submit(t, &c, 1);
+  pthread_join(t->thread, NULL);
+  ucp_worker_destroy(t->worker);
+  ucp_cleanup(t->ctx);
+  for (dp_endpoint_t *ep = t->closing, *n; ep; ep = n) {
+    n = ep->next;
+    dp__free(ep, sizeof *ep);  /* their close requests went with the worker */
+  }
+  for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++) dp_stream_free(t->streams[i]);
+  close(t->wake_fd);
+  pthread_mutex_destroy(&t->mu);
+  pthread_cond_destroy(&t->cv);
+  dp__free(t, sizeof *t);
+}
+
+int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err) {
+  if (!t || !out) return dp__err(err, DP_EINVAL, "dp_listener_new: %s is NULL", t ? "out" : "t");
+  *out = NULL;
+  cmd_t c;
+  memset(&c, 0, sizeof c);
+  int rc = parse_addr(host_port, 1, &c.addr, &c.addrlen, err);
+  if (rc) return rc;
+  dp_listener_t *l = dp__alloc(sizeof *l);
+  if (!l) return dp__err(err, DP_ENOMEM, "dp_listener_new: out of memory");
+  memset(l, 0, sizeof *l);
+  l->t = t;
+  c.type = CMD_LISTEN;
+  c.lst = l;
+  dp_error_clear(&c.err);
+  if ((rc = submit(t, &c, 1))) {
+    if (err) *err = c.err;
+    dp__free(l, sizeof *l);
+    return rc;
+  }
+  *out = l;
+  return 0;
+}
+
+int dp_listener_port(const dp_listener_t *l) { return l ? l->port : 0; }
+
+int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err) {
+  if (!l || !out) return dp__err(err, DP_EINVAL, "dp_listener_accept: %s is NULL", l ? "out" : "l");
+  *out = NULL;
+  dp_transport_t *t = l->t;
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  if (timeout_ns >= 0) {
+    int64_t ns = dl.tv_nsec + timeout_ns % 1000000000;
+    dl.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
+    dl.tv_nsec = (long)(ns % 1000000000);
+  }
+  pthread_mutex_lock(&t->mu);
+  int timed_out = 0;
+  while (!l->acc_head && !timed_out) {
+    if (timeout_ns < 0) pthread_cond_wait(&t->cv, &t->mu);
+    else timed_out = pthread_cond_timedwait(&t->cv, &t->mu, &dl) == ETIMEDOUT;
+  }
+  dp_endpoint_t *ep = l->acc_head;
+  if (ep) {
+    l->acc_head = ep->acc_next;
+    if (!l->acc_head) l->acc_tail = NULL;
+    ep->acc_next = NULL;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (!ep) return dp__err(err, DP_ETIMEDOUT, "dp_listener_accept: no connection on port %d in time", l->port);
+  *out = ep;
+  return 0;
+}
+
+void dp_listener_free(dp_listener_t *l) {
+  if (!l) return;
+  cmd_t c;
+  memset(&c, 0, sizeof c);
+  c.type = CMD_UNLISTEN;
+  c.lst = l;
+  submit(l->t, &c, 1);
+  dp__free(l, sizeof *l);
+}
+
+int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err) {
+  if (!t || !out) return dp__err(err, DP_EINVAL, "dp_endpoint_connect: %s is NULL", t ? "out" : "t");
+  *out = NULL;
+  cmd_t *c = dp__alloc(sizeof *c);
+  if (!c) return dp__err(err, DP_ENOMEM, "dp_endpoint_connect: out of memory");
+  memset(c, 0, sizeof *c);
+  int rc = parse_addr(host_port, 0, &c->addr, &c->addrlen, err);
+  char name[96];
+  snprintf(name, sizeof name, "endpoint to %.80s", host_port ? host_port : "");
+  dp_endpoint_t *ep = NULL;
+  if (!rc) rc = ep_alloc(t, name, &ep, err);
+  if (rc) {
+    dp__free(c, sizeof *c);
+    return rc;
+  }
+  c->type = CMD_CONNECT;
+  c->ep = ep;
+  submit(t, c, 0);
+  *out = ep;
+  return 0;
+}
+
+void dp_endpoint_free(dp_endpoint_t *ep) {
+  if (!ep) return;
+  cmd_t c;
+  memset(&c, 0, sizeof c);
+  c.type = CMD_CLOSE;
+  c.ep = ep;
+  submit(ep->t, &c, 1);
+}
+
+int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err) {
+  if (!ep) return dp__err(err, DP_EINVAL, "dp_endpoint_error: ep is NULL");
+  dp_transport_t *t = ep->t;
+  pthread_mutex_lock(&t->mu);
+  int rc = ep->error;
+  if (rc && err) *err = ep->errinfo;
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
+static int queue_send(dp_endpoint_t *ep, sop_t *s, dp_future_t **done, dp_error_t *err) {
+  dp_transport_t *t = ep->t;
+  int rc = dp_endpoint_error(ep, err);
+  if (!rc && done) rc = host_future(t, &s->done, err);
+  cmd_t *c = rc ? NULL : dp__alloc(sizeof *c);
+  if (!rc && !c) rc = dp__err(err, DP_ENOMEM, "transport: out of memory");
+  if (rc) {
+    sop_free(s);
+    return rc;
+  }
+  memset(c, 0, sizeof *c);
+  c->type = CMD_SEND;
+  c->ep = ep;
+  c->sop = s;
+  if (done) *done = dp_future_retain(s->done);
+  submit(t, c, 0);
+  return 0;
+}
+
+static sop_t *sop_new(int kind) {
+  sop_t *s = dp__alloc(sizeof *s);
+  if (s) {
+    memset(s, 0, sizeof *s);
+    s->kind = kind;
+    s->value = dp_none();
+  }
+  return s;
+}
+
+int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done, dp_error_t *err) {
+  if (!ep || !done) return dp__err(err, DP_EINVAL, "dp_endpoint_send: %s is NULL", ep ? "done" : "ep");
+  *done = NULL;
+  sop_t *s = sop_new(SOP_VALUE);
+  if (!s) return dp__err(err, DP_ENOMEM, "dp_endpoint_send: out of memory");
+  int rc = dp_frame_new(&s->frame, err);
+  if (!rc) rc = dp_pickle(v, NULL, s->frame, err);
+  if (!rc) rc = sop_plan(ep->t, s, err);
+  if (rc) {
+    sop_free(s);
+    return rc;
+  }
+  s->value = dp_value_retain(v);
+  return queue_send(ep, s, done, err);
+}
+
+int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **done, dp_error_t *err) {
+  if (!ep || !f || !done)
+    return dp__err(err, DP_EINVAL, "dp_endpoint_send_future: %s is NULL", !ep ? "ep" : !f ? "f" : "done");
+  *done = NULL;
+  sop_t *s = sop_new(SOP_FUTURE);
+  if (!s) return dp__err(err, DP_ENOMEM, "dp_endpoint_send_future: out of memory");
+  s->src = dp_future_retain(f);
+  return queue_send(ep, s, done, err);
+}
+
+int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_future_t **done, dp_error_t *err) {
+  if (!ep || !bytes || !done)
+    return dp__err(err, DP_EINVAL, "dp_endpoint_send_frame: %s is NULL", !ep ? "ep" : !bytes ? "bytes" : "done");
+  *done = NULL;
+  dp_frame_info_t info;
+  int rc = dp_frame_check(bytes, n, &info, err);
+  if (rc) return rc;
+  if (info.nbuffers && !(info.flags & 1u))
+    return dp__err(err, DP_EINVAL, "dp_endpoint_send_frame: the frame's %u buffers are not inline", info.nbuffers);
+  sop_t *s = sop_new(SOP_FRAME);
+  if (!s || !(s->bytes = dp__alloc(n ? n : 1))) {
+    if (s) dp__free(s, sizeof *s);
+    return dp__err(err, DP_ENOMEM, "dp_endpoint_send_frame: out of memory");
+  }
+  memcpy(s->bytes, bytes, n);
+  s->bytes_cap = n ? n : 1;
+  s->nbytes = n;
+  return queue_send(ep, s, done, err);
+}
+
+static int recv_common(dp_endpoint_t *ep, int frame, dp_future_t **out, dp_error_t *err) {
+  if (!ep || !out) return dp__err(err, DP_EINVAL, "dp_endpoint_recv: %s is NULL", ep ? "out" : "ep");
+  *out = NULL;
+  dp_transport_t *t = ep->t;
+  rwait_t *w = dp__alloc(sizeof *w);
+  cmd_t *c = dp__alloc(sizeof *c);
+  int rc = (!w || !c) ? dp__err(err, DP_ENOMEM, "dp_endpoint_recv: out of memory") : 0;
+  if (!rc) {
+    memset(w, 0, sizeof *w);
+    w->frame = frame;
+    rc = host_future(t, &w->f, err);
+  }
+  if (rc) {
+    if (w) dp__free(w, sizeof *w);
+    if (c) dp__free(c, sizeof *c);
+    return rc;
+  }
+  memset(c, 0, sizeof *c);
+  c->type = CMD_RECV;
+  c->ep = ep;
+  c->rw = w;
+  *out = dp_future_retain(w->f);
+  submit(t, c, 0);
+  return 0;
+}
+
+int dp_endpoint_recv(dp_endpoint_t *ep, dp_future_t **out, dp_error_t *err) { return recv_common(ep, 0, out, err); }
+
+int dp_endpoint_recv_frame(dp_endpoint_t *ep, dp_future_t **out, dp_error_t *err) {
+  return recv_common(ep, 1, out, err);
+}
+
+int dp__endpoint_send_raw(dp_endpoint_t *ep, unsigned am_id, const void *hdr, size_t hlen, const void *data,
+                          size_t n, dp_error_t *err) {
+  sop_t *s = sop_new(SOP_RAW);
+  if (!s) return dp__err(err, DP_ENOMEM, "out of memory");
+  s->raw_id = am_id;
+  s->raw_hdr = dp__alloc(hlen ? hlen : 1);
+  s->raw_hlen = hlen ? hlen : 1;
+  s->bytes = dp__alloc(n ? n : 1);
+  s->bytes_cap = n ? n : 1;
+  s->nbytes = n;
+  if (!s->raw_hdr || !s->bytes) {
+    sop_free(s);
+    return dp__err(err, DP_ENOMEM, "out of memory");
+  }
+  if (hlen) memcpy(s->raw_hdr, hdr, hlen);
+  s->raw_len_hdr = hlen;
+  s->raw_hlen = hlen ? hlen : 1;
+  if (n) memcpy(s->bytes, data, n);
+  return queue_send(ep, s, NULL, err);
+}
