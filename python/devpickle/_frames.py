@@ -135,7 +135,7 @@ def _numpy_scalar(dtype, data):
 
     try:
         dt = np.dtype(dtype)
-    except TypeError as e:
+    except Exception as e:  # numpy parses some dtype strings as Python literals (SyntaxError, ValueError)
         raise TypeError(f"loads: a numpy.generic of unknown dtype {dtype!r}") from e
     if dt.hasobject or dt.itemsize != len(data):
         raise TypeError(f"loads: a numpy.generic of dtype {dtype!r} with {len(data)} bytes of data")
@@ -176,13 +176,21 @@ _TORCH_DTYPES = {"bool": "bool", "int8": "int8", "int16": "int16", "int32": "int
 
 def _flat(kind, device, source, cache, key, nbytes):
     """The whole buffer as a flat uint8 array of the kind wanted, made once
-    per buffer so that views of one storage share it."""
-    flat = cache.get(key)
+    per buffer and kind so that views of one storage share it (cache[key]:
+    the buffer's source; cache[key, kind]: its flat array of that kind)."""
+    flat = cache.get((key, kind))  # a tensor and a numpy array over one buffer each get their own kind of view
     if flat is not None:
         return flat
+    if source is None:  # the buffer was met before, as another kind: its source is kept
+        source = cache[key]
+    else:
+        cache[key] = source
+    torch = sys.modules.get("torch")
+    if kind != "torch.Tensor" and torch is not None and isinstance(source, torch.Tensor):
+        if source.device.type != "cpu":
+            raise TypeError(f"loads: a {kind} over a torch tensor on {source.device}")
+        source = source.detach().reshape(-1).view(torch.uint8).numpy()  # the same memory, as numpy sees it
     if kind == "torch.Tensor":
-        import torch  # noqa: F811 - present: checked by the caller
-
         if isinstance(source, torch.Tensor):
             flat = source.reshape(-1).view(torch.uint8)
         else:
@@ -203,7 +211,7 @@ def _flat(kind, device, source, cache, key, nbytes):
     if size < nbytes:
         # the frame checked every view against nbytes: a smaller buffer would be read past its end
         raise ValueError(f"loads: buffer {key} holds {size} bytes; the frame describes {nbytes}")
-    cache[key] = flat
+    cache[(key, kind)] = flat
     return flat
 
 

@@ -26,6 +26,13 @@ static PyObject *helper(const char *name) {
 
 /* Inline frames read device memory on this thread's current stream (torch's,
  * where torch is in use): the data the caller's queued work writes. */
+/* 1 when some allocation found is not cpu memory. */
+static int on_device(const dp_ptrset_t *set) {
+  for (size_t j = 0; j < dp_ptrset_ndevices(set); j++)
+    if (dp_ptrset_device(set, j).type != DP_DEVICE_CPU) return 1;
+  return 0;
+}
+
 static int read_device(void *ud, dp_device_t device, const void *src, size_t n, void *dst, dp_error_t *err) {
   (void)ud;
   if (device.type == DP_DEVICE_CPU) {
@@ -73,10 +80,15 @@ PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw) {
   dp_error_t e;
   int rc = dp_frame_new(&frame, &e);
   dp_pickle_opts_t po = {.flags = inl ? DP_PICKLE_INLINE : 0, .read = read_device};
-  if (!rc) {
-    Py_BEGIN_ALLOW_THREADS; /* an inline frame may wait for device work */
+  if (!rc && inl && on_device(dpy_scanner_ptrs(s))) {
+    /* an inline frame of device memory may wait for device work: without
+     * the GIL. cpu memory is copied with it held, so that no other thread
+     * resizes or frees a storage under the copy (as pickle does). */
+    Py_BEGIN_ALLOW_THREADS;
     rc = dp_pickle(dpy_scanner_root(s), &po, frame, &e);
     Py_END_ALLOW_THREADS;
+  } else if (!rc) {
+    rc = dp_pickle(dpy_scanner_root(s), &po, frame, &e);
   }
   if (rc) {
     if (rc == DP_ENOMEM) PyErr_NoMemory();

@@ -1340,6 +1340,14 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
     dp_ptrset_get(s->found, at, &p, NULL);
     if ((rc = dp_storage_new(dev, base, p.nbytes, NULL, NULL, &s->stor[at], &e))) return dp_fail(s, o, rc, &e);
     s->stor_obj[at] = Py_NewRef(o); /* for buffer_callback, whatever Python code does meanwhile */
+    /* A tensor holds its storage only while nothing changes it: a reduce run
+     * later in the walk may t.set_() it away and free the memory the frame
+     * will read. The storage itself is kept until dumps ends. */
+    if (is_torch(o)) {
+      PyObject *st = PyObject_HasAttrString(o, "untyped_storage") ? PyObject_CallMethod(o, "untyped_storage", NULL)
+                                                                    : PyObject_CallMethod(o, "storage", NULL);
+      if (!keep(s, st)) return walk_error(s, o, "its storage cannot be held");
+    }
   }
   dp_dtype_t dt;
   if (dp_dtype_parse(dtype, &dt, &e)) {

@@ -224,3 +224,41 @@ def test_classes_may_be_one_class_or_a_sequence():
     assert type(devpickle.loads(frame, classes=[Node])) is Node
     with pytest.raises(TypeError, match="classes= takes classes"):
         devpickle.loads(frame, classes="Node")
+
+
+def test_a_tensor_and_a_numpy_view_of_it_come_back_sharing_one_buffer():
+    t = torch.arange(4, dtype=torch.float32)
+    out = devpickle.loads(devpickle.dumps([t, t.numpy()], inline=True))
+    assert torch.equal(out[0], t) and np.array_equal(out[1], t.numpy())
+    out[1][0] = 7  # one buffer, two kinds of view
+    assert out[0][0].item() == 7
+    got = []
+    frame = devpickle.dumps([t, t.numpy()[1:]], buffer_callback=got.append)
+    back = devpickle.loads(frame, buffers=[b.raw() for b in got])
+    assert back[1].tolist() == [1.0, 2.0, 3.0]
+    back = devpickle.loads(frame, buffers=[t])  # a torch tensor serves a numpy array's buffer too
+    assert back[1].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_reduce_that_frees_a_walked_tensors_storage_cannot_make_dumps_read_freed_memory():
+    t = torch.full((1 << 16,), 3.0)
+
+    class Evil:
+        def __reduce__(self):
+            t.set_(torch.empty(0))  # t's old storage has no other owner now
+            Evil.z = torch.full((1 << 16,), 7.0)
+            return (int, ())
+
+    out = devpickle.loads(devpickle.dumps([t, Evil()], inline=True))
+    assert out[0].shape == (1 << 16,) and bool((out[0] == 3.0).all())
+
+
+def test_a_numpy_scalar_whose_dtype_numpy_cannot_parse_is_a_type_error():
+    class Spoof:
+        pass
+
+    Spoof.__module__, Spoof.__qualname__ = "numpy", "generic"
+    s = Spoof()
+    s.dtype, s.data = "(2,", b""
+    with pytest.raises(TypeError, match="loads: a numpy.generic of unknown dtype"):
+        devpickle.loads(devpickle.dumps([s], inline=True))
