@@ -145,6 +145,8 @@ def _numpy_scalar(dtype, data):
 def reduced(cls, parts):
     """An allowed class from its reduce parts: the callable must be the class
     itself or copyreg.__newobj__ of it (nothing else is called)."""
+    if parts.get("<state_setter>") is not None:
+        raise TypeError(f"loads: {class_label(cls)} was reduced with a state_setter, which loads does not call")
     fn, args = parts.get("<callable>"), parts.get("<args>", ())
     if fn is cls:
         obj = cls(*args)

@@ -196,7 +196,8 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
   dpy.object_getstate = PyObject_GetAttrString(obj, "__getstate__");
   if (!dpy.object_reduce_ex || !dpy.object_reduce) goto fail;
   if (!dpy.object_getstate) PyErr_Clear(); /* before 3.11 */
-  if (intern(&dpy.str_reduce_ex, "__reduce_ex__") || intern(&dpy.str_getstate, "__getstate__") ||
+  if (intern(&dpy.str_reduce_ex, "__reduce_ex__") || intern(&dpy.str_reduce, "__reduce__") ||
+      intern(&dpy.str_getstate, "__getstate__") ||
       intern(&dpy.str_fields, "_fields") || intern(&dpy.str_dict, "__dict__") ||
       intern(&dpy.str_cai, "__cuda_array_interface__") || intern(&dpy.str_dlpack, "__dlpack__") ||
       intern(&dpy.str_dlpack_device, "__dlpack_device__") || intern(&dpy.str_getnewargs, "__getnewargs__") ||

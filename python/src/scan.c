@@ -108,7 +108,7 @@ static uint8_t kind_of(PyTypeObject *t) {
   if (has_attr(type, dpy.str_dlpack) && has_attr(type, dpy.str_dlpack_device)) return K_DLPACK;
   if (PyType_IsSubtype(t, &PyTuple_Type) && t->tp_dictoffset == 0 && has_attr(type, dpy.str_fields) &&
       is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex) &&
-      is_default(type, dpy.str_getstate, dpy.object_getstate))
+      is_default(type, dpy.str_getstate, dpy.object_getstate) && is_default(type, dpy.str_reduce, dpy.object_reduce))
     return K_NAMEDTUPLE;
   /* classes of Python code only: a C type's instances may hold state that
    * its (inherited) reduce refuses or that __dict__ does not show */
@@ -420,7 +420,7 @@ static int put_step(buf_t *b, const frame_t *f) {
     if (!f->label) return put_index(b, f->idx);
     return put_key(b, f->label);
   case FR_REDUCE: {
-    static const char *const part[] = {".callable", ".args", ".state", ".listitems", ".dictitems"};
+    static const char *const part[] = {".callable", ".args", ".state", ".listitems", ".dictitems", ".state_setter"};
     char tbuf[256];
     const char *tn = type_name(f->type, tbuf, sizeof tbuf);
     int cut;
@@ -428,7 +428,7 @@ static int put_step(buf_t *b, const frame_t *f) {
     if (buf_put(b, "<reduce ", 8) || buf_put(b, tn, k) || (cut && buf_put(b, "\xe2\x80\xa6", 3)) ||
         buf_put(b, ">", 1))
       return -1;
-    return f->idx >= 0 && f->idx < 5 ? buf_put(b, part[f->idx], strlen(part[f->idx])) : 0;
+    return f->idx >= 0 && f->idx < 6 ? buf_put(b, part[f->idx], strlen(part[f->idx])) : 0;
   }
   }
   return 0;
@@ -1071,6 +1071,8 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   case K_TUPLE:
     return push(s, FR_SEQ, o);
   case K_NAMEDTUPLE: {
+    PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
+    if (fn || PyErr_Occurred()) return fn ? enter_reduce(s, o) : -1; /* copyreg.pickle(NT, ...) */
     PyObject *names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
     if (!names) return -1;
     if (PyTuple_GET_SIZE(o) == 0) return 0;
@@ -1155,7 +1157,8 @@ static int memo_store(dpy_scanner_t *s, size_t at, dp_value_t v) {
   return 0;
 }
 
-static const char *const reduce_part[] = {"<callable>", "<args>", "<state>", "<listitems>", "<dictitems>"};
+static const char *const reduce_part[] = {"<callable>", "<args>",      "<state>",
+                                          "<listitems>", "<dictitems>", "<state_setter>"};
 
 /* A leaf key of a dict, as a devpickle key. */
 static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out);
@@ -1586,14 +1589,14 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   case K_NAMEDTUPLE:
   case K_OBJECT: {
     PyObject *iter = NULL, *names = NULL;
+    PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
+    if (fn || PyErr_Occurred()) break; /* reduced below */
     if (k == K_NAMEDTUPLE) {
       names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
       if (!names) return -1;
       if (!PyTuple_Check(names)) names = NULL;
       iter = PyTuple_GET_SIZE(o) ? o : NULL;
     } else {
-      PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
-      if (fn || PyErr_Occurred()) break; /* reduced below */
       PyObject *d = PyObject_GenericGetDict(o, NULL);
       if (!d || !keep(s, d)) return walk_error(s, o, "its __dict__ cannot be read");
       iter = PyDict_Check(d) && PyDict_GET_SIZE(d) ? d : NULL;
@@ -1717,7 +1720,7 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
   }
   case FR_REDUCE: {
     Py_ssize_t n = PyTuple_GET_SIZE(f->obj);
-    while (++f->idx < n && f->idx < 5) {
+    while (++f->idx < n && f->idx < 6) {
       PyObject *part = PyTuple_GET_ITEM(f->obj, f->idx);
       if (part == Py_None) continue;
       if (!s->build && f->idx == 0 && (PyType_Check(part) || PyCFunction_Check(part) || PyFunction_Check(part)))

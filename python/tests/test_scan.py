@@ -283,3 +283,39 @@ def test_a_reduce_whose_parts_cannot_be_read_names_the_reduced_type():
         devpickle.scan([BadListItems()])
     assert e.value.type_name.endswith("BadListItems"), e.value
     assert "listitems" in e.value.path
+
+
+class NTReduced(collections.namedtuple("NTReduced", "a")):
+    def __reduce__(self):
+        return (NTReduced, (self.a,), None, None, None)
+
+
+NTDispatched = collections.namedtuple("NTDispatched", "a")
+
+
+def test_a_namedtuple_with_its_own_reduce_or_a_dispatch_entry_is_walked_through_it():
+    import copyreg
+
+    t = torch.ones(2)
+    hidden = torch.zeros(2)
+    got = devpickle.scan(NTReduced(t))
+    assert [a.path for a in got] == ["$<reduce test_scan.NTReduced>.args[0]"]
+    copyreg.pickle(NTDispatched, lambda nt: (NTDispatched, (hidden,)))
+    try:
+        got = devpickle.scan(NTDispatched(t))
+    finally:
+        del copyreg.dispatch_table[NTDispatched]
+    assert [a.ptr for a in got] == [storage_ptr(hidden)[0]]
+
+
+def test_a_reduces_state_setter_is_walked():
+    import functools
+
+    t = torch.ones(2)
+
+    class S:
+        def __reduce__(self):
+            return (S, (), {}, None, None, functools.partial(setattr, t))
+
+    got = devpickle.scan(S())
+    assert len(got) == 1 and ".state_setter" in got[0].path
