@@ -597,7 +597,9 @@ static PyObject *fut_add_done_callback(pyfut_t *self, PyObject *cb) {
 
 /* ---- collect_all, wait_all ---- */
 
-static PyObject *as_futures(PyObject *arg, dp_future_t ***out, Py_ssize_t *n) {
+/* arg as a list of Futures and their C futures; who names the caller in
+ * errors. */
+static PyObject *as_futures(const char *who, PyObject *arg, dp_future_t ***out, Py_ssize_t *n) {
   PyObject *list = PySequence_List(arg);
   if (!list) return NULL;
   *n = PyList_GET_SIZE(list);
@@ -609,7 +611,7 @@ static PyObject *as_futures(PyObject *arg, dp_future_t ***out, Py_ssize_t *n) {
   for (Py_ssize_t i = 0; i < *n; i++) {
     PyObject *x = PyList_GET_ITEM(list, i);
     if (!PyObject_TypeCheck(x, &fut_type)) {
-      PyErr_Format(PyExc_TypeError, "collect_all takes devpickle.Future objects; item %zd is a '%s'", i,
+      PyErr_Format(PyExc_TypeError, "%s takes devpickle.Future objects; item %zd is a '%s'", who, i,
                    Py_TYPE(x)->tp_name);
       PyMem_Free(*out);
       Py_DECREF(list);
@@ -624,7 +626,7 @@ PyObject *dpy_collect_all(PyObject *self, PyObject *arg) {
   (void)self;
   dp_future_t **in;
   Py_ssize_t n;
-  PyObject *list = as_futures(arg, &in, &n);
+  PyObject *list = as_futures("collect_all", arg, &in, &n);
   if (!list) return NULL;
   pyfut_t *out = fut_alloc(&fut_type);
   if (!out) goto fail;
@@ -650,7 +652,7 @@ PyObject *dpy_wait_all(PyObject *self, PyObject *arg) {
   (void)self;
   dp_future_t **in;
   Py_ssize_t n;
-  PyObject *list = as_futures(arg, &in, &n);
+  PyObject *list = as_futures("wait_all", arg, &in, &n);
   if (!list) return NULL;
   PyMem_Free(in);
   PyObject *values = PyList_New(n);

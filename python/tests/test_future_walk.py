@@ -113,3 +113,10 @@ def test_a_subclass_of_future_is_made_as_itself_with_its_own_init():
     assert r() is None
     with pytest.raises(TypeError):
         devpickle.Future("positional")
+
+
+def test_collect_all_and_wait_all_name_themselves_refusing_what_is_not_a_future():
+    with pytest.raises(TypeError, match="^wait_all takes devpickle.Future objects; item 0 is a 'int'"):
+        devpickle.wait_all([3])
+    with pytest.raises(TypeError, match="^collect_all takes devpickle.Future objects; item 1 is a 'str'"):
+        devpickle.collect_all([devpickle.Future(), "x"])
