@@ -219,7 +219,16 @@ def _flat(kind, device, source, cache, key, nbytes):
 
 def array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes):
     """A tensor or array over buffer `key`: source is bytes-like (an inline
-    copy or a cpu buffer), a torch tensor or a cupy array holding the bytes."""
+    copy or a cpu buffer), a torch tensor or a cupy array holding the bytes.
+    What the framework refuses (a view it cannot make — negative strides for
+    torch —, a device it was built without) is a ValueError naming the buffer."""
+    try:
+        return _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes)
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"loads: a {kind or 'tensor'} over buffer {key} ({device}) cannot be made here: {e}") from e
+
+
+def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes):
     torch = sys.modules.get("torch")
     if kind is None:  # a bare tensor: torch if imported, else numpy on cpu
         kind = "torch.Tensor" if torch is not None else "numpy.ndarray"

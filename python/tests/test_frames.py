@@ -262,3 +262,14 @@ def test_a_numpy_scalar_whose_dtype_numpy_cannot_parse_is_a_type_error():
     s.dtype, s.data = "(2,", b""
     with pytest.raises(TypeError, match="loads: a numpy.generic of unknown dtype"):
         devpickle.loads(devpickle.dumps([s], inline=True))
+
+
+def test_a_view_torch_cannot_make_is_a_value_error_naming_the_buffer():
+    a = np.arange(4, dtype=np.float32)[::-1]  # negative strides: numpy has them, torch does not
+    frame = devpickle.dumps([a], inline=True)
+    assert devpickle.loads(frame)[0].tolist() == [3.0, 2.0, 1.0, 0.0]
+    # the same frame with its array read as a bare tensor: torch refuses negative strides
+    import devpickle._frames as fr
+
+    with pytest.raises(ValueError, match=r"loads: a torch.Tensor over buffer 0 \(cpu\) cannot be made here"):
+        fr.array("torch.Tensor", "cpu", bytearray(16), "float32", [4], [-1], 3, {}, 0, 16)
