@@ -87,6 +87,8 @@ def new(name, classes):
     cls = classes.get(name)
     if cls is None:
         return Object(name)
+    if issubclass(cls, tuple):
+        return None  # a namedtuple is made from its fields, at the end (finish)
     return cls.__new__(cls)
 
 
@@ -123,6 +125,12 @@ def finish(name, attrs, classes):
         cls = classes.get(attrs.get("name"))
         return cls if cls is not None else Object(name, attrs)
     cls = classes.get(name)
+    if cls is not None and issubclass(cls, tuple) and not any(k.startswith("<") for k in attrs):
+        fields = getattr(cls, "_fields", None)
+        if not isinstance(fields, tuple) or set(attrs) != set(fields):
+            raise TypeError(f"loads: {name} is a tuple class; the frame's attributes {sorted(attrs)!r} "
+                            f"are not its fields {fields!r}")
+        return cls(**attrs)
     if cls is None or not any(k.startswith("<") for k in attrs):
         return Object(name, attrs) if cls is None else fill(cls.__new__(cls), attrs)
     return reduced(cls, attrs)

@@ -328,6 +328,7 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
     if (!is_reserved(cname) && !dp_object_is_reduced(v) && !(first && first[0] == '<')) {
       f.placeholder = PyObject_CallFunction(l->fn_new, "sO", cname, l->classes);
       if (!f.placeholder) return NULL;
+      if (f.placeholder == Py_None) Py_CLEAR(f.placeholder); /* made at the end, from its attributes */
     }
     f.py = PyDict_New();
     break;

@@ -273,3 +273,14 @@ def test_a_view_torch_cannot_make_is_a_value_error_naming_the_buffer():
 
     with pytest.raises(ValueError, match=r"loads: a torch.Tensor over buffer 0 \(cpu\) cannot be made here"):
         fr.array("torch.Tensor", "cpu", bytearray(16), "float32", [4], [-1], 3, {}, 0, 16)
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def test_a_namedtuple_listed_in_classes_comes_back_as_itself():
+    t = torch.ones(2)
+    frame = devpickle.dumps({"p": Point(1, t)}, inline=True)
+    back = devpickle.loads(frame, classes=Point)["p"]
+    assert type(back) is Point and back.x == 1 and torch.equal(back.y, t)
+    assert isinstance(devpickle.loads(frame)["p"], devpickle.Object)  # not listed: nothing is made
