@@ -182,23 +182,17 @@ int dp__ptrs_freeze(dp__ptrs_t *out, dp_ptrset_t *set, int take, size_t extra, d
     else
       for (uint32_t i = set->groups[g].head + 1; i; i = set->next_on[i - 1]) out->by_dev[pos++] = set->bases[i - 1];
   }
-  if (out->block == set->block) {  /* taken: the set starts again, empty */
-    set->block = NULL;
-    set->block_size = 0;
-    set->bases = NULL;
-    set->rest = NULL;
-    dp_ptrset_clear(set);
-    set->cap = 0;
-    rearm(set, n);
-  } else if (take && !set->sized && n >= set->cap / 2) {
-    /* Copied, the set's block being too large for a record (it grew by
-     * doubling): the set, now empty, gets one of just this size, which the
-     * next completion of a value of this shape takes. Much smaller values
-     * leave the set as it is, and so does a set that outgrew a block of
-     * the size it was given (a scan may reserve room for storages it then
-     * finds in the set already): it keeps its larger block, and its
-     * completions copy, rather than growing and shrinking every time. */
-    dp__free(set->block, set->block_size);
+  /* Taken: the set starts again, empty. Copied, the set's block being too
+   * large for a record (it grew by doubling): the set, now empty, gets one
+   * of just this size, which the next completion of a value of this shape
+   * takes. Much smaller values leave the set as it is, and so does a set
+   * that outgrew a block of the size it was given (a scan may reserve room
+   * for storages it then finds in the set already): it keeps its larger
+   * block, and its completions copy, rather than growing and shrinking
+   * every time. */
+  int taken = out->block == set->block;
+  if (taken || (take && !set->sized && n >= set->cap / 2)) {
+    if (!taken) dp__free(set->block, set->block_size);
     set->block = NULL;
     set->block_size = 0;
     set->bases = NULL;

@@ -654,6 +654,49 @@ Test(transport, a_peer_killed_while_receiving_fails_the_pending_sends) {
 }
 
 /* peer: sends a frame whose bytes were damaged on the way, then a good value */
+/* peer: after its bad message, a good value; then it stays until the
+ * receiver is done (its own receive ends when the other side closes).
+ * 0, or `code` when the good value could not be sent. */
+static int send_good_and_stay(dp_endpoint_t *ep, int64_t value, int code) {
+  dp_error_t e;
+  dp_future_t *d, *f;
+  if (dp_endpoint_send(ep, dp_int(value), &d, &e) || wait_f(d, &e)) return code;
+  if (dp_endpoint_recv(ep, &f, &e)) return code + 1;
+  wait_f(f, &e);
+  dp_future_release(f);
+  dp_future_release(d);
+  return 0;
+}
+
+/* The receiving side of a peer that sends a bad message and then `value`:
+ * the first receive fails with `code` and a message holding `needle`, the
+ * second gets the value, and the endpoint (with `endpoint_ok`) still works. */
+static void bad_then_good(peer_fn fn, int code, const char *needle, int64_t value, int endpoint_ok) {
+  t_track();
+  peer_t p = spawn_peer(fn, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r1, *r2, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer's first message goes to a known endpoint */
+  OK(dp_endpoint_recv(ep, &r1, T_ERR));
+  OK(dp_endpoint_recv(ep, &r2, T_ERR));
+  cr_assert_eq(wait_f(r1, &e), code, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, needle), "%s", e.message);
+  OK_WITH(&e, wait_f(r2, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r2)), value);
+  if (endpoint_ok) cr_assert_eq(dp_endpoint_error(ep, NULL), 0, "the endpoint failed");
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(r1);
+  dp_future_release(r2);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 static int send_corrupt_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;
   dp_frame_t *fr;
@@ -668,43 +711,14 @@ static int send_corrupt_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *ar
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0, 0, n, 0};
   if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, bad, n, &e)) return 11;
   free(bad);
-  dp_future_t *d;
-  if (dp_endpoint_send(ep, dp_int(7), &d, &e) || wait_f(d, &e)) return 12;
-  /* stay until the receiver is done */
-  dp_future_t *f;
-  if (dp_endpoint_recv(ep, &f, &e)) return 13;
-  wait_f(f, &e);
-  dp_future_release(f);
-  dp_future_release(d);
+  int rc = send_good_and_stay(ep, 7, 12);
   dp_value_release(s);
   dp_frame_free(fr);
-  return 0;
+  return rc;
 }
 
 Test(transport, a_corrupt_frame_fails_its_receive_with_the_unpicklers_error_and_the_next_value_arrives) {
-  t_track();
-  peer_t p = spawn_peer(send_corrupt_then_good, NULL, NULL);
-  dp_transport_t *t = new_transport(NULL);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  dp_future_t *r1, *r2, *d;
-  dp_error_t e;
-  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer's first message goes to a known endpoint */
-  OK(dp_endpoint_recv(ep, &r1, T_ERR));
-  OK(dp_endpoint_recv(ep, &r2, T_ERR));
-  cr_assert_eq(wait_f(r1, &e), DP_ECHECKSUM, "%s: %s", dp_err_name(e.code), e.message);
-  cr_assert(strstr(e.message, "checksum"), "%s", e.message);
-  OK_WITH(&e, wait_f(r2, &e));
-  cr_assert_eq(dp_value_as_int(dp_future_value(r2)), 7);
-  cr_assert_eq(dp_endpoint_error(ep, NULL), 0, "the endpoint failed");
-  OK_WITH(&e, wait_f(d, &e));
-  dp_future_release(r1);
-  dp_future_release(r2);
-  dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  bad_then_good(send_corrupt_then_good, DP_ECHECKSUM, "checksum", 7, 1);
 }
 
 /* peer: sends an active message with a header no devpickle peer writes */
@@ -903,40 +917,14 @@ static int send_cuda_frame_then_good(dp_transport_t *t, dp_endpoint_t *ep, void 
   dp__am_bufs_hdr_t bh = {DP__WIRE_MAGIC, 1, 0, 0, 16};
   if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) return 12;
   if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &bh, sizeof bh, bytes, sizeof bytes, &e)) return 13;
-  dp_future_t *d, *f;
-  if (dp_endpoint_send(ep, dp_int(8), &d, &e) || wait_f(d, &e)) return 14;
-  if (dp_endpoint_recv(ep, &f, &e)) return 15;
-  wait_f(f, &e);
-  dp_future_release(f);
-  dp_future_release(d);
+  int rc = send_good_and_stay(ep, 8, 14);
   dp_frame_free(fr);
   dp_value_release(v);
-  return 0;
+  return rc;
 }
 
 Test(transport, a_received_frame_naming_a_device_buffer_fails_its_receive_and_the_next_value_arrives) {
-  t_track();
-  peer_t p = spawn_peer(send_cuda_frame_then_good, NULL, NULL);
-  dp_transport_t *t = new_transport(NULL);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  dp_future_t *r1, *r2, *d;
-  dp_error_t e;
-  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
-  OK(dp_endpoint_recv(ep, &r1, T_ERR));
-  OK(dp_endpoint_recv(ep, &r2, T_ERR));
-  cr_assert_eq(wait_f(r1, &e), DP_ENODEV, "%s: %s", dp_err_name(e.code), e.message);
-  cr_assert(strstr(e.message, "is on cuda:0"), "%s", e.message);
-  OK_WITH(&e, wait_f(r2, &e));
-  cr_assert_eq(dp_value_as_int(dp_future_value(r2)), 8);
-  OK_WITH(&e, wait_f(d, &e));
-  dp_future_release(r1);
-  dp_future_release(r2);
-  dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  bad_then_good(send_cuda_frame_then_good, DP_ENODEV, "is on cuda:0", 8, 0);
 }
 
 /* owned_tensor without assertions: allocation failures come back as codes */

@@ -219,6 +219,17 @@ static int submit(dp_transport_t *t, cmd_t *c, int wait_done) {
   return c->rc;
 }
 
+/* Runs a command that carries only a listener or an endpoint, and waits
+ * until the progress thread handled it. */
+static void run_cmd(dp_transport_t *t, int type, dp_listener_t *lst, dp_endpoint_t *ep) {
+  cmd_t c;
+  memset(&c, 0, sizeof c);
+  c.type = type;
+  c.lst = lst;
+  c.ep = ep;
+  submit(t, &c, 1);
+}
+
 static void cmd_finish(dp_transport_t *t, cmd_t *c, int rc) {
   pthread_mutex_lock(&t->mu);
   c->rc = rc;
@@ -1522,8 +1533,6 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
 
 void dp_transport_free(dp_transport_t *t) {
   if (!t) return;
-  cmd_t c;
-  memset(&c, 0, sizeof c);
   /* endpoints and listeners still open */
   for (;;) {
     pthread_mutex_lock(&t->mu);
@@ -1540,8 +1549,7 @@ void dp_transport_free(dp_transport_t *t) {
     if (!ep) break;
     dp_endpoint_free(ep);
   }
-  c.type = CMD_STOP;
-  submit(t, &c, 1);
+  run_cmd(t, CMD_STOP, NULL, NULL);
   pthread_join(t->thread, NULL);
   ucp_worker_destroy(t->worker);
   ucp_cleanup(t->ctx);
@@ -1612,11 +1620,7 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
 
 void dp_listener_free(dp_listener_t *l) {
   if (!l) return;
-  cmd_t c;
-  memset(&c, 0, sizeof c);
-  c.type = CMD_UNLISTEN;
-  c.lst = l;
-  submit(l->t, &c, 1);
+  run_cmd(l->t, CMD_UNLISTEN, l, NULL);
   dp__free(l, sizeof *l);
 }
 
@@ -1644,11 +1648,7 @@ int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t 
 
 void dp_endpoint_free(dp_endpoint_t *ep) {
   if (!ep) return;
-  cmd_t c;
-  memset(&c, 0, sizeof c);
-  c.type = CMD_CLOSE;
-  c.ep = ep;
-  submit(ep->t, &c, 1);
+  run_cmd(ep->t, CMD_CLOSE, NULL, ep);
 }
 
 int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err) {
