@@ -907,6 +907,8 @@ void dp__cache_shutdown(void) {
   }
 }
 
+dp_backend_t *dp__cache_backend(const dp_cache_t *c) { return c->b; }
+
 int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_default: NULL argument");
   pthread_mutex_lock(&defaults_mu);

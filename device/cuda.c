@@ -229,11 +229,26 @@ static int c_memcpy_async(dp_backend_t *b, void *sh, void *dst, const void *src,
   return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaMemcpyAsync");
 }
 
+static int c_pinned_alloc(dp_backend_t *b, size_t n, void **out, dp_error_t *err) {
+  (void)b;
+  cudaError_t e = cudaHostAlloc(out, n, cudaHostAllocPortable);
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return dp__err(err, DP_ENOMEM, "out of page-locked host memory allocating %zu bytes", n);
+  }
+  return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaHostAlloc");
+}
+
+static void c_pinned_free(dp_backend_t *b, void *p, size_t n) {
+  (void)b, (void)n;
+  cudaFreeHost(p);
+}
+
 const dp__backend_ops_t dp__cuda_ops = {
     c_init,        c_shutdown,     c_stream_create, c_stream_destroy, c_stream_wrap,   c_stream_native,
     c_stream_sync, c_stream_query, c_stream_wait,   c_event_create,   c_event_destroy,
     NULL,          c_event_record, c_event_query,   c_event_sync,     c_device_sync,
-    c_malloc,      c_free,         c_pointer_device, c_memcpy_async,
+    c_malloc,      c_free,         c_pointer_device, c_memcpy_async, c_pinned_alloc, c_pinned_free,
 };
 
 #else /* no CUDA toolkit at build time */
@@ -243,6 +258,6 @@ static int c_init(dp_backend_t *b, dp_error_t *err) {
   return dp__err(err, DP_ENODEV, "this devpickle was built without CUDA (no toolkit under CUDA_HOME)");
 }
 
-const dp__backend_ops_t dp__cuda_ops = {c_init, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                                        NULL,   NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+const dp__backend_ops_t dp__cuda_ops = {c_init, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                        NULL,   NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 #endif

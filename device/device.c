@@ -584,6 +584,15 @@ int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out, dp_error
   return 0;
 }
 
+int dp__pinned_alloc(dp_backend_t *b, size_t n, void **out, dp_error_t *err) {
+  if (!b || !out || !n) return dp__err(err, DP_EINVAL, "pinned allocation: NULL backend or out, or 0 bytes");
+  return b->ops->pinned_alloc(b, n, out, err);
+}
+
+void dp__pinned_free(dp_backend_t *b, void *p, size_t n) {
+  if (b && p) b->ops->pinned_free(b, p, n);
+}
+
 int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_error_t *err) {
   if (!s || (n && (!dst || !src))) return dp__err(err, DP_EINVAL, "dp_memcpy_async: NULL argument");
   if (n == 0) return 0;  /* nothing to order: no work is queued (and no memmove sees NULL) */

@@ -456,6 +456,19 @@ static int h_memcpy_async(dp_backend_t *b, void *sh, void *dst, const void *src,
   return enqueue(sh, &t, err);
 }
 
+/* The host backend's "devices" are host memory already: any memory is as
+ * fast to copy as page-locked memory would be. */
+static int h_pinned_alloc(dp_backend_t *b, size_t n, void **out, dp_error_t *err) {
+  (void)b;
+  if (!(*out = dp__alloc(n))) return dp__err(err, DP_ENOMEM, "out of memory allocating %zu bytes of staging memory", n);
+  return 0;
+}
+
+static void h_pinned_free(dp_backend_t *b, void *p, size_t n) {
+  (void)b;
+  dp__free(p, n);
+}
+
 int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err) {
   if (!s || !fn) return dp__err(err, DP_EINVAL, "dp_host_launch: NULL argument");
   if (s->b->type != DP_DEVICE_HOST) return dp__err(err, DP_EINVAL, "dp_host_launch needs a host stream, got %s", s->b->name);
@@ -523,5 +536,5 @@ const dp__backend_ops_t dp__host_ops = {
     h_init,        h_shutdown,     h_stream_create, h_stream_destroy, h_stream_wrap,   h_stream_native,
     h_stream_sync, h_stream_query, h_stream_wait,   h_event_create,   h_event_destroy,
     h_event_reset, h_event_record, h_event_query,   h_event_sync,     h_device_sync,
-    h_malloc,      h_free,         h_pointer_device, h_memcpy_async,
+    h_malloc,      h_free,         h_pointer_device, h_memcpy_async, h_pinned_alloc, h_pinned_free,
 };

@@ -34,6 +34,10 @@ typedef struct dp__backend_ops {
   int (*free)(dp_backend_t *b, int dev, void *p, dp_error_t *err);  /* DP_EINVAL: not this backend's */
   int (*pointer_device)(dp_backend_t *b, const void *p, int *dev);
   int (*memcpy_async)(dp_backend_t *b, void *sh, void *dst, const void *src, size_t n, dp_error_t *err);
+  /* Page-locked host memory, for staging copies (cudaHostAlloc; plain
+   * memory for `host`). n > 0. */
+  int (*pinned_alloc)(dp_backend_t *b, size_t n, void **out, dp_error_t *err);
+  void (*pinned_free)(dp_backend_t *b, void *p, size_t n);
 } dp__backend_ops_t;
 
 /* Who owns a dp_stream_t, and with it its handle. */
@@ -124,6 +128,12 @@ void dp__device_shutdown(void);
 
 /* dp_stream_device, inline: the cache's allocation path reads it. */
 static inline dp_device_t dp__stream_dev(const dp_stream_t *s) { return s->dev; }
+
+/* Host memory the backend copies to and from its devices at full speed
+ * (page-locked for cuda), for staging buffers: n bytes, n > 0. Freed with
+ * dp__pinned_free(b, p, n) before dp_shutdown. */
+int dp__pinned_alloc(dp_backend_t *b, size_t n, void **out, dp_error_t *err);
+void dp__pinned_free(dp_backend_t *b, void *p, size_t n);
 
 /* Checks that dev belongs to b; fills err. */
 int dp__check_device(const dp_backend_t *b, dp_device_t dev, dp_error_t *err);

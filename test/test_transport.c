@@ -20,6 +20,7 @@ static void t_env(void) {
   /* tcp on lo and shared memory: what a container without a network has */
   setenv("UCX_TLS", "tcp,posix,sysv,self", 0);
   setenv("UCX_NET_DEVICES", "lo", 0);
+  setenv("DEVPICKLE_BACKEND", "host", 1); /* the transports move host:N memory */
   signal(SIGPIPE, SIG_IGN);
 }
 
@@ -413,6 +414,7 @@ static int recv_filled(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
     fprintf(stderr, "recv_filled: %s\n", e.message);
     return 10;
   }
+  if (dp_future_synchronize(f, 60 * SEC, &e)) return 12; /* staged: the copies out of the slots */
   dp_storage_t *s = dp_tensor_storage(dp_future_value(f));
   if (!s || dp_storage_device(s).type != DP_DEVICE_HOST) return 11;
   const uint8_t *p = dp_storage_base(s);
@@ -480,6 +482,132 @@ Test(transport, negative_control_a_sender_that_skips_the_events_sends_stale_byte
   cr_assert_eq(send_after_slow_fill(), 20, "skipping the events went unnoticed: the ordering test is blind");
 }
 
+/* ---- staging: host:N memory staged as cuda memory is ---- */
+
+/* n bytes on host:dev (dev < 0: cpu), filled from seed */
+static dp_value_t dev_tensor(int dev, size_t nbytes, unsigned seed) {
+  if (dev < 0) return owned_tensor(nbytes, seed);
+  dp_backend_t *b;
+  OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));
+  dp_device_t d = t_dev(DP_DEVICE_HOST, dev);
+  uint8_t *p;
+  OK(dp_device_alloc(b, d, nbytes, (void **)&p, T_ERR));
+  for (size_t i = 0; i < nbytes; i++) p[i] = (uint8_t)(seed * 31 + i * 7);
+  dp_storage_t *s;
+  OK(dp_storage_new(d, p, nbytes, release_dev, b, &s, T_ERR));
+  dp_value_t t;
+  int64_t shape[1] = {(int64_t)nbytes};
+  OK(dp_tensor_new(s, DP_UINT8, 1, shape, NULL, 0, &t, T_ERR));
+  return t;
+}
+
+/* Runs of small buffers broken by device changes, an empty buffer, buffers
+ * of one chunk and of many (more chunks than the sender has slots), and
+ * direct (cpu) buffers after staged ones. */
+typedef struct spec {
+  int dev;
+  size_t n;
+} spec_t;
+
+static size_t staged_specs(spec_t *sp) {
+  size_t k = 0;
+  for (size_t i = 0; i < 100; i++) sp[k++] = (spec_t){0, size_of(i)};
+  for (size_t i = 0; i < 50; i++) sp[k++] = (spec_t){1, size_of(i) * 100};
+  for (size_t i = 0; i < 20; i++) sp[k++] = (spec_t){-1, size_of(i)};
+  sp[k++] = (spec_t){0, 0};
+  sp[k++] = (spec_t){0, (64 << 10) + 1};
+  sp[k++] = (spec_t){1, 4 << 20};
+  sp[k++] = (spec_t){0, (9 << 20) + 123};
+  sp[k++] = (spec_t){0, (100 << 20) + 7};
+  for (size_t i = 0; i < 30; i++) sp[k++] = (spec_t){0, size_of(i)};
+  sp[k++] = (spec_t){-1, 1 << 20};
+  return k;
+}
+
+Test(transport, device_buffers_are_staged_in_chunks_and_packs_and_arrive_byte_for_byte_on_their_devices) {
+  t_track();
+  dp__transport_stage_host = 1; /* both ends: the peer is forked after */
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  spec_t sp[300];
+  size_t n = staged_specs(sp);
+  dp_value_t v;
+  OK(dp_list_new(n, &v, T_ERR));
+  for (size_t i = 0; i < n; i++) OK(dp_list_append(v, dev_tensor(sp[i].dev, sp[i].n, (unsigned)i), T_ERR));
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK_WITH(&e, wait_f(d, &e));
+  OK_WITH(&e, wait_f(r, &e));
+  OK(dp_future_synchronize(r, 60 * SEC, T_ERR)); /* the copies out of the slots */
+  dp_value_t back = dp_future_value(r);
+  cr_assert_eq(dp_seq_len(back), n);
+  for (size_t i = 0; i < n; i++) {
+    dp_value_t x = dp_seq_get(back, i);
+    dp_device_t dv = dp_storage_device(dp_tensor_storage(x));
+    cr_assert(sp[i].dev < 0 ? dv.type == DP_DEVICE_CPU : dv.type == DP_DEVICE_HOST && dv.index == sp[i].dev,
+              "tensor %zu arrived on the wrong device", i);
+    cr_assert(tensor_ok(x, sp[i].n, (unsigned)i), "tensor %zu (%zu bytes) differs", i, sp[i].n);
+  }
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* Sends a host:0 buffer (staged) right after queueing a slow fill of it on
+ * the calling thread's current stream, with dp_endpoint_send (no future);
+ * returns the peer's verdict. */
+static int send_value_after_slow_fill(void) {
+  dp__transport_stage_host = 1;
+  peer_t p = spawn_peer(recv_filled, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_backend_t *b;
+  OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));
+  dp_device_t dev = t_dev(DP_DEVICE_HOST, 0);
+  dp_stream_t *s;
+  OK(dp_stream_new(b, dev, &s, T_ERR));
+  size_t n = (6 << 20) + 5; /* two chunks */
+  dp_value_t v = dev_tensor(0, n, 1);
+  fill_t fill = {dp_storage_base(dp_tensor_storage(v)), n};
+  OK(dp_set_current_stream(s, NULL, T_ERR));
+  OK(dp_host_launch(s, slow_fill, &fill, T_ERR));
+  dp_future_t *d;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR)); /* ordered after the fill on s */
+  dp_reset_current_stream(b, dev);
+  dp_error_t e;
+  OK_WITH(&e, wait_f(d, &e));
+  OK(dp_stream_synchronize(s, T_ERR));
+  dp_future_release(d);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  int verdict = peer_wait(p);
+  dp_stream_free(s);
+  return verdict;
+}
+
+Test(transport, a_staged_send_copies_after_the_work_queued_on_the_callers_current_stream) {
+  cr_assert_eq(send_value_after_slow_fill(), 0, "the receiver saw bytes written before the caller's work");
+}
+
+Test(transport, negative_control_staging_copies_that_skip_the_callers_stream_send_stale_bytes) {
+  dp__transport_skip_events = 1;
+  cr_assert_eq(send_value_after_slow_fill(), 20, "skipping the wait went unnoticed: the ordering test is blind");
+}
+
+Test(transport, a_staged_future_is_sent_only_after_its_events) {
+  dp__transport_stage_host = 1;
+  cr_assert_eq(send_after_slow_fill(), 0, "the receiver saw bytes written before the producer's work");
+}
+
 /* ---- failures ---- */
 
 /* a port on lo where nobody listens (bound, so nobody else takes it) */
@@ -538,7 +666,7 @@ Test(transport, a_device_buffer_is_refused_before_anything_is_sent) {
   cr_assert_eq(dp_endpoint_send(ep, v, &d, &e), DP_ENODEV);
   cr_assert_null(d);
   cr_assert(strstr(e.message, "buffer 0 is on cuda:1"), "%s", e.message);
-  cr_assert(strstr(e.message, "no device path yet"), "%s", e.message);
+  cr_assert(strstr(e.message, "this transport moves cpu and host memory"), "%s", e.message);
   dp_value_release(v);
   dp_endpoint_free(ep);
   dp_transport_free(t);
@@ -622,13 +750,15 @@ static int die_at_once(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   return 0;
 }
 
-Test(transport, a_peer_killed_while_receiving_fails_the_pending_sends) {
+/* dev < 0: cpu buffers; else host:dev, staged */
+static void killed_while_receiving(int dev) {
   t_track();
+  dp__transport_stage_host = dev >= 0;
   peer_t p = spawn_peer(die_at_once, NULL, NULL);
   dp_transport_t *t = new_transport(NULL);
   dp_endpoint_t *ep = connect_to(t, p.port);
   dp_value_t v[6];
-  for (int i = 0; i < 6; i++) v[i] = owned_tensor(32 << 20, (unsigned)i);
+  for (int i = 0; i < 6; i++) v[i] = dev_tensor(dev, 32 << 20, (unsigned)i);
   dp_future_t *d[6] = {0};
   dp_error_t e;
   int failed = 0;
@@ -651,6 +781,12 @@ Test(transport, a_peer_killed_while_receiving_fails_the_pending_sends) {
   dp_transport_free(t);
   dp_shutdown();
   ASSERT_NO_LEAK();
+}
+
+Test(transport, a_peer_killed_while_receiving_fails_the_pending_sends) { killed_while_receiving(-1); }
+
+Test(transport, a_peer_killed_while_receiving_staged_buffers_fails_the_pending_sends_and_frees_every_slot) {
+  killed_while_receiving(0);
 }
 
 /* peer: sends a frame whose bytes were damaged on the way, then a good value */
@@ -914,7 +1050,7 @@ static int send_cuda_frame_then_good(dp_transport_t *t, dp_endpoint_t *ep, void 
   const uint8_t *b = dp_frame_data(fr, &n);
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, 16};
   uint8_t bytes[16] = {0};
-  dp__am_bufs_hdr_t bh = {DP__WIRE_MAGIC, 1, 0, 0, 16};
+  dp__am_bufs_hdr_t bh = {DP__WIRE_MAGIC, 1, 0, 0, 16, 0, 16};
   if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) return 12;
   if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &bh, sizeof bh, bytes, sizeof bytes, &e)) return 13;
   int rc = send_good_and_stay(ep, 8, 14);

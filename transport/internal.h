@@ -1,4 +1,4 @@
-/* transport/internal.h — the transport's private interface (movers, test hooks). */
+/* transport/internal.h — the transport's private interface (the wire, test hooks). */
 #ifndef DP_TRANSPORT_INTERNAL_H
 #define DP_TRANSPORT_INTERNAL_H
 
@@ -24,6 +24,8 @@ typedef struct dp__am_bufs_hdr {
   uint64_t seq;
   uint64_t first;
   uint64_t total;      /* bytes of the message's data */
+  uint64_t offset;     /* count == 1: where in buffer `first` the data goes; else 0 */
+  uint64_t size;       /* count == 1: buffer `first`'s size (its last chunk ends there); else 0 */
 } dp__am_bufs_hdr_t;
 
 /* Buffers up to this size are packed into one message of up to
@@ -32,26 +34,28 @@ typedef struct dp__am_bufs_hdr {
 #define DP__SMALL_BUFFER (64u << 10)
 #define DP__BATCH_BYTES (256u << 10)
 
-/* How one kind of device's buffers move. The transport looks the mover up
- * by the buffer's device type; a type without one (cuda today) is refused
- * with DP_ENODEV on both ends. A device path (NCCL, pinned staging) slots in
- * here: `source` gives what UCX reads on the sender (a device path would
- * post its own transfer instead), `alloc` the receive storage. */
-typedef struct dp__mover {
-  const char *name;
-  /** The host address the sender reads buffer d from. */
-  int (*source)(dp_transport_t *t, const dp_buffer_desc_t *d, const void **src, dp_error_t *err);
-  /** A new storage of nbytes on dev for receiving (*dst: where the bytes go). */
-  int (*alloc)(dp_transport_t *t, dp_device_t dev, uint64_t nbytes, dp_storage_t **out, void **dst,
-               dp_error_t *err);
-} dp__mover_t;
-
-const dp__mover_t *dp__mover_for(dp_device_type_t type);
+/* STAGING. Device memory the host cannot address (cuda) moves through
+ * page-locked host buffers ("slots") of DP__STAGE_CHUNK bytes: the sender
+ * copies a chunk of a buffer (or a packed run of small buffers of one
+ * device) into a slot on its send stream of that device, polls the copy's
+ * event and sends the slot; the receiver receives into a slot of its own
+ * and copies it to the buffer on its receive stream. Chunk k + 1 is copied
+ * while chunk k is on the wire, on both sides. The sender holds at most
+ * DP__STAGE_SLOTS slots (copies ahead of the wire); the receiver's slots
+ * come back as their copies complete. */
+#define DP__STAGE_CHUNK (4u << 20)
+#define DP__STAGE_SLOTS 16u
 
 /* ---- test hooks (never set in production) ---- */
 /** 1: send_future reads the buffers as soon as the future completes,
- *  WITHOUT waiting for its events (the ordering test's negative control). */
+ *  WITHOUT waiting for its events, and dp_endpoint_send's staging copies
+ *  do not wait for the caller's streams (the ordering tests' negative
+ *  controls). */
 extern int dp__transport_skip_events;
+/** 1: host:N memory is staged as cuda memory is (it is host memory, read
+ *  and written directly otherwise), so that the staging path runs on a
+ *  machine without a GPU. Set it on both ends. */
+extern int dp__transport_stage_host;
 /** Queues one raw active message (id, header, data as given) on ep, for
  *  tests that put garbage on the wire. A frame header (DP__AM_FRAME, of its
  *  size) gets the endpoint's next sequence number, as a real send would. */

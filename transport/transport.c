@@ -22,10 +22,13 @@
 #include <ucp/api/ucp.h>
 
 #include "../core/internal.h"
+#include "../cache/internal.h"
+#include "../device/internal.h"
 #include "devpickle/transport.h"
 #include "internal.h"
 
 int dp__transport_skip_events;
+int dp__transport_stage_host;
 
 /* ---- objects ---- */
 
@@ -33,6 +36,31 @@ typedef struct sop sop_t;        /* one send */
 typedef struct rmsg rmsg_t;      /* one message being received */
 typedef struct inbox inbox_t;    /* an active message not yet processed */
 typedef struct cmd cmd_t;
+typedef struct slot slot_t;      /* a staging buffer */
+typedef struct piece piece_t;    /* a staged message of a send */
+
+/* How a buffer moves (buf_mode). */
+enum { MODE_REFUSED, MODE_DIRECT, MODE_STAGED };
+
+struct slot {
+  slot_t *next;
+  uint8_t *p;
+  size_t cap;
+  dp_event_t *ev;           /* after the copies from or into it */
+  int pooled;               /* DP__STAGE_CHUNK bytes, back to its pool; else freed */
+};
+
+typedef struct pool {
+  slot_t *free;
+  unsigned made;            /* pooled slots in existence */
+} pool_t;
+
+struct piece {
+  piece_t *next;
+  sop_t *s;
+  slot_t *slot;
+  dp__am_bufs_hdr_t h;
+};
 
 enum { SOP_VALUE, SOP_FUTURE, SOP_FRAME, SOP_RAW };
 
@@ -62,13 +90,23 @@ struct sop {
   int posted;
   int failed;
   int64_t deadline;         /* CLOCK_MONOTONIC ns, 0: none */
+  /* posting, resumed while staged pieces wait for slots and copies */
+  size_t cur;               /* next buffer to post */
+  uint64_t cur_off;         /* next byte of it (staged chunks) */
+  size_t nh;                /* bh used */
+  piece_t *pq_head, *pq_tail;  /* staged pieces copying, not yet posted, in order */
+  dp_event_t **after;       /* dp_endpoint_send: the callers' streams, one event a device */
+  size_t nafter;
+  int waited;               /* the send streams wait on `after` */
 };
 
 typedef struct rbuf {
   dp_storage_t *storage;    /* borrowed from the value */
   void *dst;
   uint64_t nbytes;
+  dp_device_t dev;
   int bound;
+  int staged;               /* dst is device memory: bytes go through a slot */
 } rbuf_t;
 
 struct rmsg {
@@ -76,6 +114,7 @@ struct rmsg {
   uint64_t seq;
   uint32_t nbuf;
   uint64_t next_index;      /* next buffer index expected on the wire */
+  uint64_t next_off;        /* and its next byte (chunked buffers) */
   uint64_t buf_bytes;
   rbuf_t *bufs;
   dp_value_t value;
@@ -115,6 +154,7 @@ struct dp_endpoint {
   /* the progress thread's */
   sop_t *sq_head, *sq_tail; /* sends, in order: unposted ones wait here */
   sop_t *posted;            /* posted and not complete */
+  sop_t *posting;           /* on `posted`, its buffers not all posted yet */
   uint64_t send_seq;
   uint64_t inflight;
   size_t nsends;
@@ -172,9 +212,13 @@ struct dp_transport {
   int64_t timeout_ns;
   dp_unpickle_opts_t uopts;
   dp_resolver_t resolver;
-  dp_backend_t *host;
-  dp_cache_t *cache;
-  dp_stream_t *streams[DP_DEVICE_INDEX_MAX + 1];
+  dp_backend_t *backend;        /* whose devices' memory moves besides cpu */
+  dp_cache_t *cache;            /* on backend */
+  dp_stream_t *streams[DP_DEVICE_INDEX_MAX + 1];   /* receive streams */
+  dp_stream_t *sstreams[DP_DEVICE_INDEX_MAX + 1];  /* send streams (staging copies) */
+  pool_t tx, rx;                /* staging slots */
+  slot_t *rx_busy;              /* received slots whose copies run */
+  piece_t *orphans;             /* pieces of failed sends whose copies run */
   size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
   int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
@@ -194,9 +238,9 @@ static void wake(dp_transport_t *t) {
   (void)w;
 }
 
-static int host_future(dp_transport_t *t, dp_future_t **out, dp_error_t *err) {
+static int new_future(dp_transport_t *t, dp_future_t **out, dp_error_t *err) {
   dp_future_opts_t o = {0};
-  o.backend = t->host;
+  o.backend = t->backend;
   dp_cache_hooks_t hooks = dp_cache_hooks(t->cache);
   o.hooks = &hooks;
   return dp_future_new(&o, out, err);
@@ -268,12 +312,23 @@ static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, 
   return 0;
 }
 
-/* ---- movers ---- */
+/* ---- where buffers go ---- */
 
-static int cpu_source(dp_transport_t *t, const dp_buffer_desc_t *d, const void **src, dp_error_t *err) {
-  (void)t, (void)err;
-  *src = (const void *)(uintptr_t)d->base;
-  return 0;
+/* cpu memory is read and written where it is; memory of the transport's
+ * backend is too when the host can address it (host:N), else it is staged
+ * (cuda); any other device is refused. */
+static int buf_mode(const dp_transport_t *t, dp_device_t dev) {
+  if (dev.type == DP_DEVICE_CPU) return MODE_DIRECT;
+  if (dev.type != (uint8_t)dp_backend_type(t->backend)) return MODE_REFUSED;
+  return dev.type == DP_DEVICE_HOST && !dp__transport_stage_host ? MODE_DIRECT : MODE_STAGED;
+}
+
+static int refused(const dp_transport_t *t, dp_device_t dev, uint64_t i, dp_error_t *err) {
+  char d[16];
+  return dp__err(err, DP_ENODEV,
+                 "transport: buffer %llu is on %s: this transport moves cpu and %s memory "
+                 "(dp_transport_opts_t.backend)",
+                 (unsigned long long)i, dp_device_format(dev, d, sizeof d), dp_backend_name(t->backend));
 }
 
 static void cpu_release(void *ud, dp_device_t dev, void *base, size_t n) {
@@ -281,9 +336,7 @@ static void cpu_release(void *ud, dp_device_t dev, void *base, size_t n) {
   if (base) dp__free(base, n);
 }
 
-static int cpu_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage_t **out, void **dst,
-                     dp_error_t *err) {
-  (void)t;
+static int cpu_alloc(dp_device_t dev, uint64_t n, dp_storage_t **out, void **dst, dp_error_t *err) {
   void *p = NULL;
   if (n > SIZE_MAX) return dp__err(err, DP_ENOMEM, "transport: buffer of %llu bytes", (unsigned long long)n);
   if (n && !(p = dp__alloc((size_t)n)))
@@ -298,39 +351,42 @@ static int cpu_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage_
   return 0;
 }
 
-static void host_release(void *ud, dp_device_t dev, void *base, size_t n) {
+static void dev_release(void *ud, dp_device_t dev, void *base, size_t n) {
   (void)dev, (void)n;
   if (base) dp_cache_dealloc((dp_cache_t *)ud, base, NULL);
 }
 
-/* The transport's receive stream of dev: created on first use and made
- * current on the progress thread, so that completed receives record their
- * events there. The transport queues no work on it: a block the cache hands
- * out on it is free of earlier work on it, and the host may write it. */
-static int recv_stream(dp_transport_t *t, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
-  if (!t->streams[dev.index]) {
-    int rc = dp_stream_new(t->host, dev, &t->streams[dev.index], err);
+/* A stream of the transport's on dev (receive or send), made on first use
+ * on the progress thread. A receive stream is made current there, so that
+ * completed receives record their events on it. */
+static int own_stream(dp_transport_t *t, dp_stream_t **tab, dp_device_t dev, int current, dp_stream_t **out,
+                      dp_error_t *err) {
+  if (!tab[dev.index]) {
+    int rc = dp_stream_new(t->backend, dev, &tab[dev.index], err);
     if (rc) return rc;
-    rc = dp_set_current_stream(t->streams[dev.index], NULL, err);
-    if (rc) {
-      dp_stream_free(t->streams[dev.index]);
-      t->streams[dev.index] = NULL;
+    if (current && (rc = dp_set_current_stream(tab[dev.index], NULL, err))) {
+      dp_stream_free(tab[dev.index]);
+      tab[dev.index] = NULL;
       return rc;
     }
   }
-  *out = t->streams[dev.index];
+  *out = tab[dev.index];
   return 0;
 }
 
-static int host_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage_t **out, void **dst,
-                      dp_error_t *err) {
+/* The receive storage: from the caching allocator on the receive stream.
+ * A block handed out on it is free of earlier work there; the host writes
+ * direct blocks itself, staged ones are written by copies queued on that
+ * stream, after everything before them. */
+static int dev_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage_t **out, void **dst,
+                     dp_error_t *err) {
   dp_stream_t *s;
   void *p = NULL;
-  int rc = recv_stream(t, dev, &s, err);
+  int rc = own_stream(t, t->streams, dev, 1, &s, err);
   if (rc) return rc;
   if (n > SIZE_MAX) return dp__err(err, DP_ENOMEM, "transport: buffer of %llu bytes", (unsigned long long)n);
   if (n && (rc = dp_cache_alloc(t->cache, dev, (size_t)n, s, &p, err))) return rc;
-  rc = dp_storage_new(dev, p, (size_t)n, host_release, t->cache, out, err);
+  rc = dp_storage_new(dev, p, (size_t)n, dev_release, t->cache, out, err);
   if (rc) {
     if (p) dp_cache_dealloc(t->cache, p, NULL);
     return rc;
@@ -339,21 +395,62 @@ static int host_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage
   return 0;
 }
 
-static const dp__mover_t movers[DP_DEVICE_TYPE_COUNT] = {
-    [DP_DEVICE_CPU] = {"cpu", cpu_source, cpu_alloc},
-    [DP_DEVICE_HOST] = {"host", cpu_source, host_alloc},
-};
+/* ---- staging slots ---- */
 
-const dp__mover_t *dp__mover_for(dp_device_type_t type) {
-  return (unsigned)type < DP_DEVICE_TYPE_COUNT && movers[type].name ? &movers[type] : NULL;
+/* A slot for n bytes. The send pool makes at most DP__STAGE_SLOTS and then
+ * answers NULL (the send waits for one to come back); the receive pool
+ * never refuses — it holds only what senders put on the wire, each of whom
+ * holds a slot of their own for it — but beyond DP__STAGE_SLOTS, and for
+ * more than a chunk, its slots are made for the occasion and freed after. */
+static int slot_get(dp_transport_t *t, pool_t *pool, size_t n, slot_t **out, dp_error_t *err) {
+  *out = NULL;
+  if (n <= DP__STAGE_CHUNK && pool->free) {
+    *out = pool->free;
+    pool->free = (*out)->next;
+    (*out)->next = NULL;
+    return 0;
+  }
+  int pooled = n <= DP__STAGE_CHUNK && pool->made < DP__STAGE_SLOTS;
+  if (pool == &t->tx && !pooled) return 0;
+  slot_t *sl = dp__alloc(sizeof *sl);
+  if (!sl) return dp__err(err, DP_ENOMEM, "transport: out of memory");
+  memset(sl, 0, sizeof *sl);
+  sl->cap = pooled ? DP__STAGE_CHUNK : (n ? n : 1);
+  sl->pooled = pooled;
+  void *p;
+  int rc = dp__pinned_alloc(t->backend, sl->cap, &p, err);
+  if (rc) {
+    dp__free(sl, sizeof *sl);
+    return rc;
+  }
+  sl->p = p;
+  pool->made += (unsigned)pooled;
+  *out = sl;
+  return 0;
 }
 
-static int no_mover(dp_device_t dev, uint64_t i, dp_error_t *err) {
-  char d[16];
-  return dp__err(err, DP_ENODEV,
-                 "transport: buffer %llu is on %s: the transport moves cpu and host:N memory only "
-                 "(no device path yet)",
-                 (unsigned long long)i, dp_device_format(dev, d, sizeof d));
+static void slot_destroy(dp_transport_t *t, slot_t *sl) {
+  dp_event_free(sl->ev);
+  dp__pinned_free(t->backend, sl->p, sl->cap);
+  dp__free(sl, sizeof *sl);
+}
+
+/* Back to its pool, its copies complete. */
+static void slot_put(dp_transport_t *t, pool_t *pool, slot_t *sl) {
+  dp_event_free(sl->ev);
+  sl->ev = NULL;
+  if (!sl->pooled) {
+    slot_destroy(t, sl);
+    return;
+  }
+  sl->next = pool->free;
+  pool->free = sl;
+}
+
+/* Marks the copies queued on s so far with the slot's event. */
+static int slot_mark(dp_transport_t *t, slot_t *sl, dp_stream_t *s, dp_error_t *err) {
+  int rc = sl->ev ? 0 : dp_event_new(t->backend, dp_stream_device(s), &sl->ev, err);
+  return rc ? rc : dp_event_record(sl->ev, s, err);
 }
 
 /* ---- endpoint failure ---- */
@@ -369,6 +466,8 @@ static void sop_free(sop_t *s) {
   if (s->stage) dp__free(s->stage, s->nstage * sizeof *s->stage);
   if (s->stage_len) dp__free(s->stage_len, s->nstage * sizeof *s->stage_len);
   if (s->bh) dp__free(s->bh, s->nbh * sizeof *s->bh);
+  for (size_t i = 0; i < s->nafter; i++) dp_event_free(s->after[i]);
+  if (s->after) dp__free(s->after, s->nafter * sizeof *s->after);
   dp__free(s, sizeof *s);
 }
 
@@ -424,9 +523,18 @@ static void ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
     n = s->next;
     sop_fail(s, &ee);
     s->ep = NULL;
+    /* staged pieces not posted: their slots come back when their copies
+       are done (the loop polls them), and then the send goes */
+    while (s->pq_head) {
+      piece_t *pc = s->pq_head;
+      s->pq_head = pc->next;
+      pc->next = t->orphans;
+      t->orphans = pc;
+    }
+    s->pq_tail = NULL;
     if (!s->outstanding) sop_free(s);
   }
-  ep->posted = NULL;
+  ep->posted = ep->posting = NULL;
   for (rmsg_t *m = ep->rq_head, *n; m; m = n) {
     n = m->next;
     m->detached = 1;
@@ -558,8 +666,6 @@ static void on_conn(ucp_conn_request_h req, void *arg) {
 
 /* ---- sending ---- */
 
-static void send_cb(void *req, ucs_status_t st, void *ud);
-
 static void sop_complete(sop_t *s) {
   dp_endpoint_t *ep = s->ep;
   if (ep) {
@@ -575,52 +681,73 @@ static void sop_complete(sop_t *s) {
   sop_free(s);
 }
 
-static void send_cb(void *req, ucs_status_t st, void *ud) {
-  sop_t *s = ud;
-  s->t->nreq--;
+/* One of s's messages went (or failed): s completes with its last one,
+ * once every buffer was posted. */
+static void sent(sop_t *s, ucs_status_t st) {
   if (st != UCS_OK && s->ep && !s->failed) ep_fail_status(s->ep, st);
   if (st == UCS_OK && s->ep) s->ep->established = 1;
-  ucp_request_free(req);
   if (--s->outstanding == 0 && (s->posted || s->failed)) {
     if (s->ep || !s->failed) sop_complete(s);
     else sop_free(s);
   }
 }
 
-/* Posts one active message; counts it on s unless it completed at once. */
-static int post_am(sop_t *s, unsigned id, const void *hdr, size_t hlen, const void *data, size_t n, uint32_t flags) {
+static void send_cb(void *req, ucs_status_t st, void *ud) {
+  sop_t *s = ud;
+  s->t->nreq--;
+  ucp_request_free(req);
+  sent(s, st);
+}
+
+/* A staged piece went: its slot goes back to the send pool. */
+static void piece_cb(void *req, ucs_status_t st, void *ud) {
+  piece_t *pc = ud;
+  sop_t *s = pc->s;
+  s->t->nreq--;
+  ucp_request_free(req);
+  slot_put(s->t, &s->t->tx, pc->slot);
+  dp__free(pc, sizeof *pc);
+  sent(s, st);
+}
+
+/* Posts one active message of s (of piece pc, which it then owns, if not
+ * NULL); counts it on s unless it completed at once. */
+static int post_msg(sop_t *s, piece_t *pc, unsigned id, const void *hdr, size_t hlen, const void *data, size_t n,
+                    uint32_t flags) {
   dp_endpoint_t *ep = s->ep;
   ucp_request_param_t p;
   memset(&p, 0, sizeof p);
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.cb.send = send_cb;
-  p.user_data = s;
+  p.cb.send = pc ? piece_cb : send_cb;
+  p.user_data = pc ? (void *)pc : (void *)s;
   p.flags = UCP_AM_SEND_FLAG_REPLY | flags;
   ucs_status_ptr_t r = ucp_am_send_nbx(ep->ep, id, hdr, hlen, data, n, &p);
-  if (r == NULL) return 0;
-  if (UCS_PTR_IS_ERR(r)) {
-    s->outstanding++; /* held across the failure: ep_fail must not free s under its poster */
-    ep_fail_status(ep, UCS_PTR_STATUS(r));
-    s->outstanding--;
-    return DP_EIO;
+  if (UCS_PTR_IS_PTR(r)) {
+    s->outstanding++;
+    ep->t->nreq++;
+    return 0;
   }
-  s->outstanding++;
-  ep->t->nreq++;
-  return 0;
+  if (pc) {
+    slot_put(s->t, &s->t->tx, pc->slot);
+    dp__free(pc, sizeof *pc);
+  }
+  if (r == NULL) return 0;
+  s->outstanding++; /* held across the failure: ep_fail must not free s under its poster */
+  ep_fail_status(ep, UCS_PTR_STATUS(r));
+  s->outstanding--;
+  return DP_EIO;
 }
 
-/* The buffers' bytes as UCX reads them: batches of small buffers packed,
- * large buffers from the storage itself. */
+/* Checks that every buffer can move and sizes the headers (at worst one a
+ * buffer). */
 static int sop_plan(dp_transport_t *t, sop_t *s, dp_error_t *err) {
   size_t nb = dp_frame_nbuffers(s->frame);
   dp_buffer_desc_t d;
   for (size_t i = 0; i < nb; i++) {
     dp_frame_buffer(s->frame, i, &d, NULL);
-    if (!dp__mover_for((dp_device_type_t)d.device.type)) return no_mover(d.device, i, err);
+    if (buf_mode(t, d.device) == MODE_REFUSED) return refused(t, d.device, i, err);
     s->buf_bytes += d.nbytes;
   }
-  (void)t;
-  /* worst case one header per buffer */
   if (nb && !(s->bh = dp__alloc_array(nb, sizeof *s->bh))) return dp__err(err, DP_ENOMEM, "transport: out of memory");
   if (nb && !(s->stage = dp__alloc_array(nb, sizeof *s->stage))) return dp__err(err, DP_ENOMEM, "transport: out of memory");
   if (nb && !(s->stage_len = dp__alloc_array(nb, sizeof *s->stage_len)))
@@ -629,88 +756,249 @@ static int sop_plan(dp_transport_t *t, sop_t *s, dp_error_t *err) {
   return 0;
 }
 
-static int sop_post(dp_transport_t *t, sop_t *s) {
+/* dp_endpoint_send: one event a device of the staged buffers, on the
+ * caller's current stream there, which the staging copies wait for. */
+static int sop_after(dp_transport_t *t, sop_t *s, dp_error_t *err) {
+  size_t nb = dp_frame_nbuffers(s->frame), n = 0;
+  uint8_t seen[(DP_DEVICE_INDEX_MAX + 1) / 8];
+  dp_buffer_desc_t d;
+  for (int pass = 0; pass < 2; pass++) {
+    memset(seen, 0, sizeof seen);
+    for (size_t i = 0; i < nb; i++) {
+      dp_frame_buffer(s->frame, i, &d, NULL);
+      if (buf_mode(t, d.device) != MODE_STAGED || (seen[d.device.index / 8] & (1u << d.device.index % 8))) continue;
+      seen[d.device.index / 8] |= (uint8_t)(1u << d.device.index % 8);
+      if (!pass) {
+        n++;
+        continue;
+      }
+      dp_stream_t *cs;
+      dp_event_t **ev = &s->after[s->nafter++];
+      int rc = dp_current_stream(t->backend, d.device, &cs, err);
+      if (!rc) rc = dp_event_new(t->backend, d.device, ev, err);
+      if (!rc) rc = dp_event_record(*ev, cs, err);
+      if (rc) return rc;
+    }
+    if (!pass && n && !(s->after = dp__alloc_array(n, sizeof *s->after)))
+      return dp__err(err, DP_ENOMEM, "transport: out of memory");
+    if (!pass && n) memset(s->after, 0, n * sizeof *s->after);
+    if (!n) break;
+  }
+  return 0;
+}
+
+/* Posts the frame message. */
+static int sop_start(dp_transport_t *t, sop_t *s) {
   dp_endpoint_t *ep = s->ep;
-  const uint8_t *fb;
-  size_t flen;
-  size_t nb = 0;
   if (s->kind == SOP_RAW) {
-    s->posted = 1;
     if (s->raw_id == DP__AM_FRAME && s->raw_len_hdr == sizeof(dp__am_frame_hdr_t))
       ((dp__am_frame_hdr_t *)s->raw_hdr)->seq = ep->send_seq++;
-    return post_am(s, s->raw_id, s->raw_hdr, s->raw_len_hdr, s->bytes, s->nbytes, 0);
+    return post_msg(s, NULL, s->raw_id, s->raw_hdr, s->raw_len_hdr, s->bytes, s->nbytes, 0);
   }
-  if (s->frame) {
-    fb = dp_frame_data(s->frame, &flen);
-    nb = dp_frame_nbuffers(s->frame);
-  } else {
-    fb = s->bytes;
-    flen = s->nbytes;
-  }
+  const uint8_t *fb = s->bytes;
+  size_t flen = s->nbytes;
+  if (s->frame) fb = dp_frame_data(s->frame, &flen);
   s->seq = ep->send_seq++;
   s->fh.magic = DP__WIRE_MAGIC;
-  s->fh.nbuffers = (uint32_t)nb;
+  s->fh.nbuffers = s->frame ? (uint32_t)dp_frame_nbuffers(s->frame) : 0;
   s->fh.seq = s->seq;
   s->fh.frame_len = flen;
   s->fh.buf_bytes = s->buf_bytes;
-  s->posted = 1;
   ep->inflight += s->buf_bytes;
   if (t->timeout_ns > 0) s->deadline = now_ns() + t->timeout_ns;
-  int rc = post_am(s, DP__AM_FRAME, &s->fh, sizeof s->fh, fb, flen, UCP_AM_SEND_FLAG_EAGER);
-  dp_buffer_desc_t d;
-  size_t nh = 0;
-  for (size_t i = 0; i < nb && !rc && !s->failed;) {
-    dp_frame_buffer(s->frame, i, &d, NULL);
-    const dp__mover_t *mv = dp__mover_for((dp_device_type_t)d.device.type);
-    dp__am_bufs_hdr_t *h = &s->bh[nh++];
-    h->magic = DP__WIRE_MAGIC;
-    h->seq = s->seq;
-    h->first = i;
-    if (d.nbytes > DP__SMALL_BUFFER) {
-      const void *src;
-      if ((rc = mv->source(t, &d, &src, NULL))) break;
-      h->count = 1;
-      h->total = d.nbytes;
-      rc = post_am(s, DP__AM_BUFS, h, sizeof *h, src, (size_t)d.nbytes, UCP_AM_SEND_FLAG_RNDV);
-      i++;
-      continue;
-    }
-    /* a run of small buffers, packed */
-    size_t j = i, total = 0;
-    dp_buffer_desc_t e;
-    while (j < nb) {
-      dp_frame_buffer(s->frame, j, &e, NULL);
-      if (e.nbytes > DP__SMALL_BUFFER || (j > i && total + e.nbytes > DP__BATCH_BYTES)) break;
-      total += (size_t)e.nbytes;
-      j++;
-    }
-    uint8_t *pk = total ? dp__alloc(total) : NULL;
-    if (total && !pk) {
-      ep_failf(ep, DP_ENOMEM, "%s", "out of memory packing buffers");
-      rc = DP_ENOMEM;
+  return post_msg(s, NULL, DP__AM_FRAME, &s->fh, sizeof s->fh, fb, flen, UCP_AM_SEND_FLAG_EAGER);
+}
+
+/* Posts the next direct message: one large buffer from its storage, or a
+ * run of small direct buffers packed. */
+static int post_direct(dp_transport_t *t, sop_t *s, size_t nb) {
+  dp_buffer_desc_t d, e;
+  size_t i = s->cur;
+  dp_frame_buffer(s->frame, i, &d, NULL);
+  dp__am_bufs_hdr_t *h = &s->bh[s->nh++];
+  memset(h, 0, sizeof *h);
+  h->magic = DP__WIRE_MAGIC;
+  h->seq = s->seq;
+  h->first = i;
+  if (d.nbytes > DP__SMALL_BUFFER) {
+    h->count = 1;
+    h->total = h->size = d.nbytes;
+    s->cur++;
+    return post_msg(s, NULL, DP__AM_BUFS, h, sizeof *h, (const void *)(uintptr_t)d.base, (size_t)d.nbytes,
+                    UCP_AM_SEND_FLAG_RNDV);
+  }
+  size_t j = i, total = 0;
+  while (j < nb) {
+    dp_frame_buffer(s->frame, j, &e, NULL);
+    if (e.nbytes > DP__SMALL_BUFFER || buf_mode(t, e.device) != MODE_DIRECT ||
+        (j > i && total + e.nbytes > DP__BATCH_BYTES))
       break;
+    total += (size_t)e.nbytes;
+    j++;
+  }
+  uint8_t *pk = total ? dp__alloc(total) : NULL;
+  if (total && !pk) {
+    ep_failf(s->ep, DP_ENOMEM, "%s", "out of memory packing buffers");
+    return DP_ENOMEM;
+  }
+  size_t off = 0;
+  for (size_t k = i; k < j; k++) {
+    dp_frame_buffer(s->frame, k, &e, NULL);
+    if (e.nbytes) memcpy(pk + off, (const void *)(uintptr_t)e.base, (size_t)e.nbytes);
+    off += (size_t)e.nbytes;
+  }
+  s->stage[s->nstage] = pk;
+  s->stage_len[s->nstage++] = total;
+  h->count = (uint32_t)(j - i);
+  h->total = total;
+  if (j - i == 1) h->size = total; /* one buffer: the whole of it */
+  s->cur = j;
+  return post_msg(s, NULL, DP__AM_BUFS, h, sizeof *h, pk, total, 0);
+}
+
+/* Fails s's endpoint with e; the caller stops posting. */
+static int sop_failed(sop_t *s, const dp_error_t *e) {
+  if (s->ep) ep_fail(s->ep, e);
+  return e->code ? e->code : DP_EIO;
+}
+
+/* Copies the next staged piece — a chunk of a large buffer, or a run of
+ * small buffers of one device — into a send slot on the device's send
+ * stream. 1: no slot free (the piece waits). */
+static int stage_next(dp_transport_t *t, sop_t *s, size_t nb) {
+  dp_buffer_desc_t d, e;
+  dp_error_t err;
+  size_t i = s->cur, j = i + 1;
+  dp_frame_buffer(s->frame, i, &d, NULL);
+  uint64_t n;
+  if (d.nbytes > DP__SMALL_BUFFER) {
+    n = d.nbytes - s->cur_off < DP__STAGE_CHUNK ? d.nbytes - s->cur_off : DP__STAGE_CHUNK;
+  } else {
+    for (n = d.nbytes; j < nb; j++) {
+      dp_frame_buffer(s->frame, j, &e, NULL);
+      if (e.nbytes > DP__SMALL_BUFFER || e.device.type != d.device.type || e.device.index != d.device.index ||
+          n + e.nbytes > DP__BATCH_BYTES)
+        break;
+      n += e.nbytes;
     }
+  }
+  slot_t *sl;
+  int rc = slot_get(t, &t->tx, (size_t)n, &sl, &err);
+  if (rc) return sop_failed(s, &err);
+  if (!sl) return 1;
+  dp_stream_t *st = NULL;
+  rc = own_stream(t, t->sstreams, d.device, 0, &st, &err);
+  for (size_t k = 0; !rc && !s->waited && !dp__transport_skip_events && k < s->nafter; k++) {
+    dp_stream_t *ws;
+    rc = own_stream(t, t->sstreams, dp_event_device(s->after[k]), 0, &ws, &err);
+    if (!rc) rc = dp_stream_wait_event(ws, s->after[k], &err);
+  }
+  if (!rc) s->waited = 1;
+  if (dp__transport_skip_events) s->waited = 1; /* the ordering test's negative control */
+  if (!rc && d.nbytes > DP__SMALL_BUFFER) {
+    rc = dp_memcpy_async(st, sl->p, (const uint8_t *)(uintptr_t)d.base + s->cur_off, (size_t)n, &err);
+  } else {
     size_t off = 0;
-    for (size_t k = i; k < j; k++) {
+    for (size_t k = i; !rc && k < j; k++) {
       dp_frame_buffer(s->frame, k, &e, NULL);
-      const void *src;
-      dp__mover_for((dp_device_type_t)e.device.type)->source(t, &e, &src, NULL);
-      if (e.nbytes) memcpy(pk + off, src, (size_t)e.nbytes);
+      rc = dp_memcpy_async(st, sl->p + off, (const void *)(uintptr_t)e.base, (size_t)e.nbytes, &err);
       off += (size_t)e.nbytes;
     }
-    s->stage[s->nstage] = pk;
-    s->stage_len[s->nstage++] = total;
-    h->count = (uint32_t)(j - i);
-    h->total = total;
-    rc = post_am(s, DP__AM_BUFS, h, sizeof *h, pk, total, 0);
-    i = j;
+  }
+  if (!rc) rc = slot_mark(t, sl, st, &err);
+  piece_t *pc = rc ? NULL : dp__alloc(sizeof *pc);
+  if (!rc && !pc) rc = dp__err(&err, DP_ENOMEM, "transport: out of memory");
+  if (rc) {
+    if (st) dp_stream_synchronize(st, NULL); /* the copies queued read into the slot */
+    slot_put(t, &t->tx, sl);
+    return sop_failed(s, &err);
+  }
+  memset(pc, 0, sizeof *pc);
+  pc->s = s;
+  pc->slot = sl;
+  pc->h.magic = DP__WIRE_MAGIC;
+  pc->h.seq = s->seq;
+  pc->h.first = i;
+  pc->h.total = n;
+  if (d.nbytes > DP__SMALL_BUFFER) {
+    pc->h.count = 1;
+    pc->h.offset = s->cur_off;
+    pc->h.size = d.nbytes;
+    s->cur_off += n;
+    if (s->cur_off == d.nbytes) s->cur++, s->cur_off = 0;
+  } else {
+    pc->h.count = (uint32_t)(j - i);
+    if (j - i == 1) pc->h.size = d.nbytes;
+    s->cur = j;
+  }
+  if (s->pq_tail) s->pq_tail->next = pc;
+  else s->pq_head = pc;
+  s->pq_tail = pc;
+  s->outstanding++; /* the piece's, until it is posted */
+  return 0;
+}
+
+/* Posts what can go now, in buffer order: staged pieces whose copies are
+ * done, new copies while slots are free, direct buffers once every staged
+ * piece before them went. 0: every buffer posted; 1: waiting for copies or
+ * slots; <0: the endpoint failed. */
+static int sop_more(dp_transport_t *t, sop_t *s) {
+  size_t nb = s->frame ? dp_frame_nbuffers(s->frame) : 0;
+  dp_buffer_desc_t d;
+  for (;;) {
+    if (s->failed || !s->ep) return DP_EIO;
+    while (s->pq_head) {
+      piece_t *pc = s->pq_head;
+      dp_error_t e;
+      int q = dp_event_query(pc->slot->ev, &e);
+      if (q == 0) break;
+      if (q < 0) return sop_failed(s, &e);
+      s->pq_head = pc->next;
+      if (!s->pq_head) s->pq_tail = NULL;
+      s->outstanding--; /* the request's now (the poster holds s) */
+      int rc = post_msg(s, pc, DP__AM_BUFS, &pc->h, sizeof pc->h, pc->slot->p, (size_t)pc->h.total,
+                        pc->h.total > DP__SMALL_BUFFER ? UCP_AM_SEND_FLAG_RNDV : 0);
+      if (rc) return rc;
+    }
+    if (s->cur == nb) return s->pq_head ? 1 : 0;
+    dp_frame_buffer(s->frame, s->cur, &d, NULL);
+    int rc;
+    if (buf_mode(t, d.device) == MODE_STAGED) rc = stage_next(t, s, nb);
+    else if (s->pq_head) return 1;
+    else rc = post_direct(t, s, nb);
+    if (rc) return rc;
+  }
+}
+
+/* Starts (start) or resumes posting s. Returns 1 when s waits (it is the
+ * endpoint's `posting` then), 0 when all of it is posted, <0 on failure. */
+static int sop_go(dp_transport_t *t, sop_t *s, int start) {
+  dp_endpoint_t *ep = s->ep;
+  s->outstanding++; /* held while posting (see post_msg) */
+  int rc = start ? sop_start(t, s) : 0;
+  if (!rc) rc = sop_more(t, s);
+  if (rc == 1) {
+    ep->posting = s;
+    s->outstanding--;
+    return 1;
+  }
+  if (ep->posting == s) ep->posting = NULL;
+  if (!rc) s->posted = 1;
+  if (--s->outstanding == 0) {
+    if (!rc && s->ep) sop_complete(s);
+    else if (!s->ep) sop_free(s); /* detached by the endpoint's failure */
   }
   return rc;
 }
 
 /* Moves sends from the queue to UCX while the in-flight bound allows.
- * Returns 1 when a send waits on its future (the loop must keep polling). */
+ * Returns 1 when a send waits on its future or its copies (the loop must
+ * keep polling). */
 static int ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
+  if (ep->posting && !ep->dead) {
+    int rc = sop_go(t, ep->posting, 0);
+    if (rc) return rc == 1;
+  }
   while (ep->sq_head && !ep->dead) {
     sop_t *s = ep->sq_head;
     if (s->kind == SOP_FUTURE && !s->frame) {
@@ -741,13 +1029,8 @@ static int ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
     if (!ep->sq_head) ep->sq_tail = NULL;
     s->next = ep->posted;
     ep->posted = s;
-    s->outstanding++; /* held while posting (see post_am) */
-    int rc = sop_post(t, s);
-    if (--s->outstanding == 0) {
-      if (!rc && s->ep) sop_complete(s);
-      else if (!s->ep) sop_free(s); /* detached by the endpoint's failure */
-    }
-    if (rc) return 0;
+    int rc = sop_go(t, s, 1);
+    if (rc) return rc == 1;
   }
   return 0;
 }
@@ -760,13 +1043,16 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
   rmsg_t *m = ctx[1];
   if (d->id >= m->nbuf || m->bufs[d->id].bound)
     return dp__err(err, DP_EFORMAT, "transport: buffer id %u out of the message's %u", d->id, m->nbuf);
-  const dp__mover_t *mv = dp__mover_for((dp_device_type_t)d->device.type);
-  if (!mv) return no_mover(d->device, d->id, err);
+  int mode = buf_mode(t, d->device);
+  if (mode == MODE_REFUSED) return refused(t, d->device, d->id, err);
   rbuf_t *b = &m->bufs[d->id];
-  int rc = mv->alloc(t, d->device, d->nbytes, out, &b->dst, err);
+  int rc = d->device.type == DP_DEVICE_CPU ? cpu_alloc(d->device, d->nbytes, out, &b->dst, err)
+                                           : dev_alloc(t, d->device, d->nbytes, out, &b->dst, err);
   if (rc) return rc;
   b->storage = *out;
   b->nbytes = d->nbytes;
+  b->dev = d->device;
+  b->staged = mode == MODE_STAGED;
   b->bound = 1;
   return 0;
 }
@@ -845,10 +1131,10 @@ typedef struct rctx {
   dp_transport_t *t;
   dp_endpoint_t *ep;
   rmsg_t *m;
-  uint64_t first;
-  uint32_t count;
-  uint8_t *tmp;
+  dp__am_bufs_hdr_t h;
+  uint8_t *tmp;             /* packed direct buffers land here */
   size_t tmplen;
+  slot_t *slot;             /* staged ones here */
 } rctx_t;
 
 static void scatter(rmsg_t *m, uint64_t first, uint32_t count, const uint8_t *src) {
@@ -859,17 +1145,48 @@ static void scatter(rmsg_t *m, uint64_t first, uint32_t count, const uint8_t *sr
   }
 }
 
+/* Copies a received slot to its buffers on the receive stream of their
+ * device; the slot comes back once the copies are done (poll_slots). A
+ * failure fails the endpoint. */
+static int stage_in(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m, const dp__am_bufs_hdr_t *h, slot_t *sl) {
+  dp_error_t e;
+  dp_stream_t *st = NULL;
+  int rc = own_stream(t, t->streams, m->bufs[h->first].dev, 1, &st, &e);
+  size_t off = 0;
+  for (uint32_t k = 0; !rc && k < h->count; k++) {
+    rbuf_t *b = &m->bufs[h->first + k];
+    size_t n = h->count == 1 ? (size_t)h->total : (size_t)b->nbytes;
+    rc = dp_memcpy_async(st, (uint8_t *)b->dst + (h->count == 1 ? h->offset : 0), sl->p + off, n, &e);
+    off += n;
+  }
+  if (!rc) rc = slot_mark(t, sl, st, &e);
+  if (rc) {
+    if (st) dp_stream_synchronize(st, NULL); /* the copies queued read the slot */
+    slot_put(t, &t->rx, sl);
+    ep_fail(ep, &e);
+    return rc;
+  }
+  sl->next = t->rx_busy;
+  t->rx_busy = sl;
+  return 0;
+}
+
 static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   rctx_t *c = ud;
   rmsg_t *m = c->m;
+  dp_transport_t *t = c->t;
   (void)len;
   ucp_request_free(req);
-  c->t->nreq--;
-  if (st == UCS_OK && c->tmp && !m->detached && !m->failed) scatter(m, c->first, c->count, c->tmp);
+  t->nreq--;
+  int live = st == UCS_OK && !m->detached && !m->failed;
+  if (live && c->tmp) scatter(m, c->h.first, c->h.count, c->tmp);
   if (c->tmp) dp__free(c->tmp, c->tmplen);
   m->pending--;
   dp_endpoint_t *ep = c->ep;
+  slot_t *sl = c->slot;
+  dp__am_bufs_hdr_t h = c->h;
   dp__free(c, sizeof *c);
+  if (sl && !live) slot_put(t, &t->rx, sl);
   if (m->detached) {
     if (!m->pending) rmsg_free(m);
     return;
@@ -878,7 +1195,8 @@ static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
     ep_failf(ep, DP_EIO, "receiving a buffer failed (%s)", ucs_status_string(st));
     return;
   }
-  deliver(ep->t, ep);
+  if (sl && live && stage_in(t, ep, m, &h, sl)) return;
+  deliver(t, ep);
 }
 
 typedef struct drain {
@@ -926,36 +1244,78 @@ static void drain_rndv(dp_transport_t *t, void *data, size_t n) {
   }
 }
 
-/* A buffers message. Returns 1 when the inbox must wait (none here). */
+/* A buffers message: checked against the frame's table (the next buffer,
+ * the next chunk of it), then received where its buffers are (direct) or
+ * into a slot copied to them (staged). */
 static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t *h, void *data, size_t len,
                    int rndv) {
   rmsg_t *m = ep->cur;
-  if (!m || h->seq != m->seq || h->first != m->next_index || h->count == 0 || h->count > m->nbuf ||
-      h->first > m->nbuf - h->count || (!rndv && len != h->total)) {
+  int ok = m && h->seq == m->seq && h->first == m->next_index && h->count != 0 && h->count <= m->nbuf &&
+           h->first <= m->nbuf - h->count && (rndv || len == h->total);
+  if (ok && h->count == 1)
+    ok = h->offset == m->next_off && h->total <= h->size && h->offset <= h->size - h->total &&
+         (h->total || !h->size);
+  else if (ok)
+    ok = !h->offset && !h->size && !m->next_off;
+  if (!ok) {
     if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
     return -1;
   }
-  m->next_index += h->count;
+  if (h->count > 1 || h->offset + h->total == h->size) {
+    m->next_index += h->count;
+    m->next_off = 0;
+  } else {
+    m->next_off += h->total;
+  }
   if (m->failed) {
     if (rndv) drain_rndv(t, data, (size_t)h->total);
     deliver(t, ep);
     return 0;
   }
+  rbuf_t *b = &m->bufs[h->first];
   uint64_t sum = 0;
-  for (uint32_t k = 0; k < h->count; k++) sum += m->bufs[h->first + k].nbytes;
-  if (sum != h->total) {
+  int staged = 0, spans = 0;
+  for (uint32_t k = 0; k < h->count; k++) {
+    rbuf_t *bk = &m->bufs[h->first + k];
+    sum += bk->nbytes;
+    staged |= bk->staged;
+    spans |= bk->dev.type != b->dev.type || bk->dev.index != b->dev.index;
+  }
+  if (h->count == 1 ? h->size != b->nbytes : sum != h->total) {
     ep_failf(ep, DP_EFORMAT, "%s", "a buffers message's size differs from its frame's table");
     if (rndv) ucp_am_data_release(t->worker, data);
     return -1;
   }
+  if (staged && spans) {
+    ep_failf(ep, DP_EFORMAT, "%s", "a packed message of device buffers spans devices");
+    if (rndv) ucp_am_data_release(t->worker, data);
+    return -1;
+  }
+  slot_t *sl = NULL;
+  if (staged) {
+    dp_error_t e;
+    if (slot_get(t, &t->rx, (size_t)h->total, &sl, &e)) {
+      if (rndv) ucp_am_data_release(t->worker, data);
+      ep_fail(ep, &e);
+      return -1;
+    }
+  }
   if (!rndv) {
-    scatter(m, h->first, h->count, data);
+    if (sl) {
+      if (h->total) memcpy(sl->p, data, (size_t)h->total);
+      if (stage_in(t, ep, m, h, sl)) return -1;
+    } else if (h->count == 1) {
+      if (h->total) memcpy((uint8_t *)b->dst + h->offset, data, (size_t)h->total);
+    } else {
+      scatter(m, h->first, h->count, data);
+    }
     deliver(t, ep);
     return 0;
   }
   rctx_t *c = dp__alloc(sizeof *c);
   if (!c) {
+    if (sl) slot_put(t, &t->rx, sl);
     ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving a buffer");
     return -1;
@@ -964,10 +1324,10 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   c->t = t;
   c->ep = ep;
   c->m = m;
-  c->first = h->first;
-  c->count = h->count;
-  void *dst = m->bufs[h->first].dst;
-  if (h->count > 1) {
+  c->h = *h;
+  c->slot = sl;
+  void *dst = sl ? (void *)sl->p : (uint8_t *)b->dst + h->offset;
+  if (!sl && h->count > 1) {
     if (!(c->tmp = dp__alloc(h->total ? (size_t)h->total : 1))) {
       dp__free(c, sizeof *c);
       ucp_am_data_release(t->worker, data);
@@ -990,14 +1350,16 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   }
   /* done at once (or failed): the callback is not called */
   ucs_status_t st = UCS_PTR_STATUS(r);
-  if (st == UCS_OK && c->tmp) scatter(m, c->first, c->count, c->tmp);
+  if (st == UCS_OK && c->tmp) scatter(m, h->first, h->count, c->tmp);
   if (c->tmp) dp__free(c->tmp, c->tmplen);
   dp__free(c, sizeof *c);
   m->pending--;
   if (st != UCS_OK) {
+    if (sl) slot_put(t, &t->rx, sl);
     ep_failf(ep, DP_EIO, "receiving a buffer failed (%s)", ucs_status_string(st));
     return -1;
   }
+  if (sl && stage_in(t, ep, m, h, sl)) return -1;
   deliver(t, ep);
   return 0;
 }
@@ -1042,17 +1404,17 @@ static void deliver(dp_transport_t *t, dp_endpoint_t *ep) {
  * taken when its turn comes. A frame also waits while the endpoint holds
  * more than the bound of received bytes nobody took (backpressure). */
 typedef struct key {
-  uint64_t seq, kind, first;
+  uint64_t seq, kind, first, off;
 } key_t;
 
 static key_t key_of(unsigned id, const void *hdr) {
   key_t k;
   if (id == DP__AM_FRAME) {
     const dp__am_frame_hdr_t *h = hdr;
-    k.seq = h->seq, k.kind = 0, k.first = 0;
+    k.seq = h->seq, k.kind = 0, k.first = 0, k.off = 0;
   } else {
     const dp__am_bufs_hdr_t *h = hdr;
-    k.seq = h->seq, k.kind = 1, k.first = h->first;
+    k.seq = h->seq, k.kind = 1, k.first = h->first, k.off = h->offset;
   }
   return k;
 }
@@ -1061,13 +1423,16 @@ static int key_cmp(key_t a, key_t b) {
   if (a.seq != b.seq) return a.seq < b.seq ? -1 : 1;
   if (a.kind != b.kind) return a.kind < b.kind ? -1 : 1;
   if (a.first != b.first) return a.first < b.first ? -1 : 1;
+  if (a.off != b.off) return a.off < b.off ? -1 : 1;
   return 0;
 }
 
 static key_t expected(const dp_endpoint_t *ep) {
   key_t k;
-  if (ep->cur && ep->cur->next_index < ep->cur->nbuf) k.seq = ep->cur->seq, k.kind = 1, k.first = ep->cur->next_index;
-  else k.seq = ep->recv_seq, k.kind = 0, k.first = 0;
+  if (ep->cur && ep->cur->next_index < ep->cur->nbuf)
+    k.seq = ep->cur->seq, k.kind = 1, k.first = ep->cur->next_index, k.off = ep->cur->next_off;
+  else
+    k.seq = ep->recv_seq, k.kind = 0, k.first = 0, k.off = 0;
   return k;
 }
 
@@ -1383,6 +1748,33 @@ static void check_timeouts(dp_transport_t *t) {
   }
 }
 
+/* Slots whose copies completed go back to their pools (an orphan's send,
+ * failed, is freed with its last piece). 1 while some copies still run. */
+static int poll_slots(dp_transport_t *t) {
+  for (slot_t **p = &t->rx_busy; *p;) {
+    slot_t *sl = *p;
+    if (dp_event_query(sl->ev, NULL) == 0) {
+      p = &sl->next;
+      continue;
+    }
+    *p = sl->next;
+    slot_put(t, &t->rx, sl);
+  }
+  for (piece_t **p = &t->orphans; *p;) {
+    piece_t *pc = *p;
+    if (dp_event_query(pc->slot->ev, NULL) == 0) {
+      p = &pc->next;
+      continue;
+    }
+    *p = pc->next;
+    sop_t *s = pc->s;
+    slot_put(t, &t->tx, pc->slot);
+    dp__free(pc, sizeof *pc);
+    if (--s->outstanding == 0) sop_free(s);
+  }
+  return t->rx_busy || t->orphans;
+}
+
 #define DP__SPIN_NS 200000
 
 static void *progress_main(void *arg) {
@@ -1396,9 +1788,10 @@ static void *progress_main(void *arg) {
     int polling = 0;
     for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
       if (ep->need_close) ep_force_close(ep), work++;
-      if (ep->sq_head) polling |= ep_pump_sends(t, ep);
+      if (ep->sq_head || ep->posting) polling |= ep_pump_sends(t, ep);
       if (ep->in_head && !ep->dead) ep_pump_inbox(t, ep);
     }
+    if (t->rx_busy || t->orphans) polling |= poll_slots(t);
     if (t->closing) reap(t);
     if (t->timeout_ns > 0 && now_ns() - last_check > 1000000) {
       check_timeouts(t);
@@ -1442,8 +1835,9 @@ static void *progress_main(void *arg) {
     ucp_worker_progress(t->worker);
     reap(t);
   }
+  while (poll_slots(t)) sched_yield(); /* copies into and out of slots finish */
   for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++)
-    if (t->streams[i]) dp_reset_current_stream(t->host, dp_stream_device(t->streams[i]));
+    if (t->streams[i]) dp_reset_current_stream(t->backend, dp_stream_device(t->streams[i]));
   return NULL;
 }
 
@@ -1467,9 +1861,15 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
   }
   t->uopts.bind = NULL;
   t->uopts.bind_ud = NULL;
-  int rc = dp_backend_get(DP_DEVICE_HOST, &t->host, err);
+  int rc = 0;
+  if (opts && opts->backend) t->backend = opts->backend;
+  else if (opts && opts->cache) t->backend = dp__cache_backend(opts->cache);
+  else rc = dp_backend_default(&t->backend, err);
+  if (!rc && opts && opts->cache && dp__cache_backend(opts->cache) != t->backend)
+    rc = dp__err(err, DP_EINVAL, "dp_transport_new: opts.cache allocates on %s, opts.backend is %s",
+                 dp_backend_name(dp__cache_backend(opts->cache)), dp_backend_name(t->backend));
   if (!rc && opts && opts->cache) t->cache = opts->cache;
-  else if (!rc) rc = dp_cache_default(t->host, &t->cache, err);
+  else if (!rc) rc = dp_cache_default(t->backend, &t->cache, err);
   if (rc) {
     dp__free(t, sizeof *t);
     return rc;
@@ -1557,7 +1957,12 @@ void dp_transport_free(dp_transport_t *t) {
     n = ep->next;
     dp__free(ep, sizeof *ep);  /* their close requests went with the worker */
   }
-  for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++) dp_stream_free(t->streams[i]);
+  for (slot_t *sl = t->tx.free, *n; sl; sl = n) n = sl->next, slot_destroy(t, sl);
+  for (slot_t *sl = t->rx.free, *n; sl; sl = n) n = sl->next, slot_destroy(t, sl);
+  for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++) {
+    dp_stream_free(t->streams[i]);
+    dp_stream_free(t->sstreams[i]);
+  }
   close(t->wake_fd);
   pthread_mutex_destroy(&t->mu);
   pthread_cond_destroy(&t->cv);
@@ -1664,7 +2069,7 @@ int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err) {
 static int queue_send(dp_endpoint_t *ep, sop_t *s, dp_future_t **done, dp_error_t *err) {
   dp_transport_t *t = ep->t;
   int rc = dp_endpoint_error(ep, err);
-  if (!rc && done) rc = host_future(t, &s->done, err);
+  if (!rc && done) rc = new_future(t, &s->done, err);
   cmd_t *c = rc ? NULL : dp__alloc(sizeof *c);
   if (!rc && !c) rc = dp__err(err, DP_ENOMEM, "transport: out of memory");
   if (rc) {
@@ -1698,6 +2103,7 @@ int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done, dp_err
   int rc = dp_frame_new(&s->frame, err);
   if (!rc) rc = dp_pickle(v, NULL, s->frame, err);
   if (!rc) rc = sop_plan(ep->t, s, err);
+  if (!rc) rc = sop_after(ep->t, s, err);
   if (rc) {
     sop_free(s);
     return rc;
@@ -1746,7 +2152,7 @@ static int recv_common(dp_endpoint_t *ep, int frame, dp_future_t **out, dp_error
   if (!rc) {
     memset(w, 0, sizeof *w);
     w->frame = frame;
-    rc = host_future(t, &w->f, err);
+    rc = new_future(t, &w->f, err);
   }
   if (rc) {
     if (w) dp__free(w, sizeof *w);

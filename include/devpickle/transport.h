@@ -94,10 +94,16 @@ typedef struct dp_transport_opts {
    *  its types must outlive the transport). bind is ignored: the
    *  transport binds buffers itself. NULL: dp_unpickle's defaults. */
   const dp_unpickle_opts_t *unpickle;
-  /** Where host:N receive buffers are allocated. NULL: the host
-   *  backend's default caching allocator. Must outlive the transport and
-   *  every value and future received through it. */
+  /** Where received device buffers are allocated: an allocator of
+   *  `backend`. NULL: the backend's default caching allocator. Must
+   *  outlive the transport and every value and future received through
+   *  it. */
   dp_cache_t *cache;
+  /** The device backend whose memory the transport moves besides cpu
+   *  memory (`host` or `cuda`), and the backend of the futures it returns.
+   *  NULL: cache's backend when cache is set, else dp_backend_default()
+   *  (cuda when a GPU is usable; DEVPICKLE_BACKEND forces one). */
+  dp_backend_t *backend;
 } dp_transport_opts_t;
 
 /** A transport and its progress thread. opts may be NULL. UCX reads its
