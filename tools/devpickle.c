@@ -679,7 +679,10 @@ static int cmd_send(int argc, char **argv) {
   dp_endpoint_t *ep = NULL;
   dp_future_t *done = NULL, *ans = NULL;
   const char *where = a.pos[1];
-  rc = dp_transport_new(NULL, &t, &e);
+  dp_transport_opts_t to;
+  memset(&to, 0, sizeof to);
+  rc = dp_backend_get(DP_DEVICE_HOST, &to.backend, &e); /* frames only: no GPU to wake */
+  if (!rc) rc = dp_transport_new(&to, &t, &e);
   if (!rc) rc = dp_endpoint_connect(t, a.pos[1], &ep, &e);
   if (!rc) where = display(a.pos[0]), rc = dp_endpoint_send_frame(ep, bytes, n, &done, &e);
   if (!rc) where = a.pos[1], rc = dp_endpoint_recv(ep, &ans, &e);
@@ -729,7 +732,8 @@ static int cmd_recv(int argc, char **argv) {
   dp_endpoint_t *ep = NULL;
   dp_future_t *f = NULL, *d = NULL;
   int status = 0;
-  rc = dp_transport_new(&to, &t, &e);
+  rc = dp_backend_get(DP_DEVICE_HOST, &to.backend, &e); /* frames only: no GPU to wake */
+  if (!rc) rc = dp_transport_new(&to, &t, &e);
   if (!rc) rc = dp_listener_new(t, addr, &l, &e);
   if (rc) {
     status = data_error(addr, e.message, -1);

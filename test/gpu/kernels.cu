@@ -30,6 +30,16 @@ __global__ void k_fill(unsigned char *p, int n, unsigned char v) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = v;
 }
 
+__global__ void k_spin_fill(unsigned char *p, size_t n, unsigned char v, long long cycles) {
+  spin(cycles);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
+}
+
+extern "C" int gpu_spin_fill(void *stream, void *p, size_t n, unsigned char v, double ms) {
+  k_spin_fill<<<264, 256, 0, (cudaStream_t)stream>>>((unsigned char *)p, n, v, cycles_for(ms));
+  return (int)cudaGetLastError();
+}
+
 extern "C" int gpu_spin_write(void *stream, int *p, int value, double ms) {
   k_spin_write<<<1, 1, 0, (cudaStream_t)stream>>>(p, value, cycles_for(ms));
   return (int)cudaGetLastError();

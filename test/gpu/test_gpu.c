@@ -4,14 +4,20 @@
  * that leaves the synchronization out and observes the race. Every test
  * skips, saying why, where no CUDA device is usable. */
 #include <criterion/criterion.h>
+#include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "devpickle.h"
+#include "../../transport/internal.h"
 
 int gpu_spin_write(void *stream, int *p, int value, double ms);
 int gpu_spin_check(void *stream, const void *p, int n, unsigned char expect, double ms, int *ok);
 int gpu_fill(void *stream, void *p, int n, unsigned char v);
+int gpu_spin_fill(void *stream, void *p, size_t n, unsigned char v, double ms);
 void *gpu_stream_create(void);
 void gpu_stream_destroy(void *s);
 
@@ -480,4 +486,160 @@ Test(gpu, a_future_between_wrapped_framework_streams_orders_the_consumer_after_t
 
 Test(gpu, negative_control_a_consumer_on_a_wrapped_stream_that_does_not_wait_reads_stale_data) {
   cr_assert_eq(wrapped_future_consumer_reads(0), 0);
+}
+
+/* ---- the transport's staging path: two processes on one GPU ---- */
+
+#define SEC 1000000000ll
+#define STAGED_BYTES (((size_t)64 << 20) + 3) /* 17 chunks: more than the sender's slots */
+
+static void ucx_env(void) {
+  setenv("UCX_TLS", "tcp,posix,sysv,self", 0);
+  setenv("UCX_NET_DEVICES", "lo", 0);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+/* The receiver, forked before either process touches CUDA: receives one
+ * value on cuda:0 and checks every byte is 0xab. Exit 0: the producer's
+ * bytes; 20: stale bytes; 77: no GPU (its port is then -1). */
+static void staged_receiver(int wfd) {
+  alarm(120);
+  ucx_env();
+  dp_error_t e;
+  dp_backend_t *b;
+  int port = -1;
+  if (dp_backend_get(DP_DEVICE_CUDA, &b, &e)) {
+    if (write(wfd, &port, sizeof port) != sizeof port) _exit(91);
+    _exit(77);
+  }
+  dp_transport_opts_t o = {0};
+  o.backend = b;
+  dp_transport_t *t;
+  dp_listener_t *l;
+  dp_endpoint_t *ep;
+  dp_future_t *f;
+  if (dp_transport_new(&o, &t, &e) || dp_listener_new(t, "127.0.0.1:0", &l, &e)) _exit(90);
+  port = dp_listener_port(l);
+  if (write(wfd, &port, sizeof port) != sizeof port) _exit(91);
+  if (dp_listener_accept(l, 30 * SEC, &ep, &e)) _exit(92);
+  if (dp_endpoint_recv(ep, &f, &e) || dp_future_wait(f, 60 * SEC, &e) || dp_future_synchronize(f, 60 * SEC, &e)) {
+    fprintf(stderr, "staged receiver: %s\n", e.message);
+    _exit(93);
+  }
+  dp_storage_t *st = dp_tensor_storage(dp_future_value(f));
+  if (!st || dp_storage_device(st).type != DP_DEVICE_CUDA || dp_storage_nbytes(st) != STAGED_BYTES) _exit(94);
+  unsigned char *host = malloc(STAGED_BYTES);
+  dp_stream_t *s;
+  if (!host || dp_stream_new(b, G0, &s, &e) ||
+      dp_memcpy_async(s, host, dp_storage_base(st), STAGED_BYTES, &e) || dp_stream_synchronize(s, &e))
+    _exit(95);
+  int rc = 0;
+  for (size_t i = 0; i < STAGED_BYTES; i++)
+    if (host[i] != 0xab) rc = 20;
+  /* stay until the sender closes (its close ends this receive) */
+  dp_future_t *bye;
+  if (dp_endpoint_recv(ep, &bye, &e) == 0) {
+    dp_future_wait(bye, 30 * SEC, NULL);
+    dp_future_release(bye);
+  }
+  free(host);
+  dp_stream_free(s);
+  dp_future_release(f);
+  dp_endpoint_free(ep);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  dp_shutdown();
+  _exit(rc);
+}
+
+/* Sends a cuda:0 buffer that a kernel fills after spinning 200 ms on a
+ * stream of the sender's: as a future completed on that stream
+ * (as_future), or as a value sent with that stream current. skip: the
+ * transport does not wait for the events (the negative control). Returns
+ * the receiver's verdict. */
+static int staged_send(int as_future, int skip) {
+  ucx_env();
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    close(fds[0]);
+    staged_receiver(fds[1]);
+  }
+  close(fds[1]);
+  int port;
+  cr_assert_eq(read(fds[0], &port, sizeof port), (ssize_t)sizeof port, "the receiver did not start");
+  close(fds[0]);
+  if (port < 0) {
+    waitpid(pid, NULL, 0);
+    cr_skip_test("no usable CUDA device");
+  }
+  dp_error_t e;
+  OK(dp_backend_get(DP_DEVICE_CUDA, &B, &e));
+  dp_transport_opts_t o = {0};
+  o.backend = B;
+  dp_transport_t *t;
+  dp_endpoint_t *ep;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  OK(dp_transport_new(&o, &t, &e));
+  OK(dp_endpoint_connect(t, addr, &ep, &e));
+  dp_stream_t *s;
+  OK(dp_stream_new(B, G0, &s, &e));
+  void *mem;
+  OK(dp_device_alloc(B, G0, STAGED_BYTES, &mem, &e));
+  cr_assert_eq(gpu_spin_fill(dp_stream_native(s), mem, STAGED_BYTES, 0, 0.0), 0);
+  OK(dp_stream_synchronize(s, &e));
+  cr_assert_eq(gpu_spin_fill(dp_stream_native(s), mem, STAGED_BYTES, 0xab, 200.0), 0);
+  dp_storage_t *st;
+  dp_value_t v;
+  int64_t shape[1] = {(int64_t)STAGED_BYTES};
+  OK(dp_storage_new(G0, mem, STAGED_BYTES, NULL, NULL, &st, &e));
+  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e));
+  dp__transport_skip_events = skip;
+  OK(dp_set_current_stream(s, NULL, &e));
+  dp_future_t *d, *f = NULL;
+  if (as_future) {
+    dp_future_opts_t fo = {0};
+    fo.backend = B;
+    fo.no_hooks = 1;
+    OK(dp_future_new(&fo, &f, &e));
+    OK(dp_future_mark_completed(f, dp_value_retain(v), &e)); /* its event follows the kernel */
+    OK(dp_endpoint_send_future(ep, f, &d, &e));
+  } else {
+    OK(dp_endpoint_send(ep, v, &d, &e)); /* the copies follow the kernel on s */
+  }
+  dp_reset_current_stream(B, G0);
+  dp_error_clear(&e);
+  cr_assert_eq(dp_future_wait(d, 60 * SEC, &e), 0, "%s", e.message);
+  OK(dp_stream_synchronize(s, &e));
+  dp_future_release(d);
+  dp_future_release(f);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  dp_device_dealloc(B, G0, mem, NULL);
+  dp_stream_free(s);
+  int status;
+  cr_assert_eq(waitpid(pid, &status, 0), pid);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+TestSuite(gpu_transport, .fini = teardown);
+
+Test(gpu_transport, a_staged_future_of_a_cuda_buffer_arrives_with_the_kernels_bytes_on_the_other_process) {
+  cr_assert_eq(staged_send(1, 0), 0, "the receiver saw bytes from before the kernel");
+}
+
+Test(gpu_transport, negative_control_a_staged_future_sent_without_its_events_carries_stale_bytes) {
+  cr_assert_eq(staged_send(1, 1), 20, "skipping the events went unnoticed: the test is blind");
+}
+
+Test(gpu_transport, a_staged_cuda_value_is_copied_after_the_senders_current_stream) {
+  cr_assert_eq(staged_send(0, 0), 0, "the receiver saw bytes from before the kernel");
+}
+
+Test(gpu_transport, negative_control_staging_copies_that_skip_the_senders_stream_carry_stale_bytes) {
+  cr_assert_eq(staged_send(0, 1), 20, "skipping the wait went unnoticed: the test is blind");
 }
