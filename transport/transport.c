@@ -400,8 +400,9 @@ static int dev_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage_
 /* A slot for n bytes. The send pool makes at most DP__STAGE_SLOTS and then
  * answers NULL (the send waits for one to come back); the receive pool
  * never refuses — it holds only what senders put on the wire, each of whom
- * holds a slot of their own for it — but beyond DP__STAGE_SLOTS, and for
- * more than a chunk, its slots are made for the occasion and freed after. */
+ * holds a slot of their own for it — but beyond 2 * DP__STAGE_SLOTS, and
+ * for more than a chunk, its slots are made for the occasion and freed
+ * after. */
 static int slot_get(dp_transport_t *t, pool_t *pool, size_t n, slot_t **out, dp_error_t *err) {
   *out = NULL;
   if (n <= DP__STAGE_CHUNK && pool->free) {
@@ -410,7 +411,10 @@ static int slot_get(dp_transport_t *t, pool_t *pool, size_t n, slot_t **out, dp_
     (*out)->next = NULL;
     return 0;
   }
-  int pooled = n <= DP__STAGE_CHUNK && pool->made < DP__STAGE_SLOTS;
+  /* a receiver has a slot posted for each piece on the wire, and some
+     whose copies run: twice a sender's */
+  unsigned max = pool == &t->tx ? DP__STAGE_SLOTS : 2 * DP__STAGE_SLOTS;
+  int pooled = n <= DP__STAGE_CHUNK && pool->made < max;
   if (pool == &t->tx && !pooled) return 0;
   slot_t *sl = dp__alloc(sizeof *sl);
   if (!sl) return dp__err(err, DP_ENOMEM, "transport: out of memory");
