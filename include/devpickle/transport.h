@@ -18,25 +18,33 @@
  * dp_endpoint_recv() gives a future of the next value from an endpoint, in
  * the order the peer sent them: the frame is checked as dp_unpickle checks
  * any input (it is hostile: checksum, limits, layout), each out-of-band
- * buffer is received into memory allocated on the receiver — host:N from the
- * transport's caching allocator on the transport's receive stream of that
- * device, cpu from the allocator hook — and the future completes once every
- * byte has arrived, its events recorded on that stream. Consumers use the
- * ordinary dp_future_wait/then.
+ * buffer is received into memory allocated on the receiver — device
+ * buffers from the transport's caching allocator on the transport's receive
+ * stream of that device, cpu from the allocator hook — and the future
+ * completes once every byte has arrived (or, for staged buffers, its copy
+ * to the device is queued), its events recorded on that stream. Consumers
+ * use the ordinary dp_future_wait/then; the host reads device bytes after
+ * dp_future_synchronize.
  *
  * Wire protocol, matching, validation and failures: docs/TRANSPORT.md.
  *
- * WHAT MOVES. Memory on `cpu` and on the host backend's devices (`host:N`):
- * a storage's base must be readable host memory of its nbytes (so not the
+ * WHAT MOVES. cpu memory and the memory of one device backend, the
+ * transport's (opts.backend: host or cuda). A buffer on another backend's
+ * device is refused by send (DP_ENODEV naming the buffer and the device,
+ * before anything is sent), and a frame that names one fails its receive
+ * the same way. cpu and host:N memory is read and written where it is: a
+ * storage's base must be readable host memory of its nbytes (so not the
  * storages of a value read back from an inline frame without a bind
  * callback, whose base is the writer's address and whose bytes are host
- * data: send such a frame as it is, with dp_endpoint_send_frame). Device
- * memory (`cuda:N`) is NOT moved yet: a value holding a cuda storage is
- * refused by send (DP_ENODEV naming the buffer and the device, before
- * anything is sent), and a frame that names one fails its receive the same
- * way. Buffers move through a per-device-type "mover" (transport/internal.h)
- * so a device path (NCCL, pinned staging) can be added without changing the
- * protocol.
+ * data: send such a frame as it is, with dp_endpoint_send_frame). cuda
+ * memory is STAGED: copied in 4 MiB chunks (small buffers packed) into
+ * page-locked host buffers on the transport's send stream of the device,
+ * sent, received into page-locked buffers and copied to the device on the
+ * receive stream, chunk k + 1 copied while chunk k is on the wire. Staged
+ * buffers sent with dp_endpoint_send are read after the work queued on the
+ * calling thread's current stream of their device when send was called
+ * (an event the send stream waits on, on the device); with
+ * dp_endpoint_send_future, after the future's events.
  *
  * FAILURES are errors, never hangs: connection refused or reset, peer death,
  * a corrupt or unexpected message, a timeout (opts.timeout_ns), closing an
@@ -55,7 +63,7 @@
  * _free function; an endpoint or listener must be freed before its
  * transport (dp_transport_free fails the pending futures of endpoints still
  * open and frees them). Returned futures are new references. Free every
- * transport before dp_shutdown(): it stands on the host backend, its
+ * transport before dp_shutdown(): it stands on its backend, its
  * caching allocator and its streams.
  *
  * THREAD SAFETY: every function may be called from any thread, except that
@@ -145,10 +153,13 @@ DP_API void dp_endpoint_free(dp_endpoint_t *ep);
 DP_API int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err);
 
 /** Sends v (retained until the send completes; do not mutate it meanwhile).
- *  *done completes when every buffer may be reused. Errors returned at
- *  once (and *done then NULL): DP_EINVAL, the pickler's (DP_ETYPE,
- *  DP_ELIMIT, ...), DP_ENODEV for a buffer the transport cannot move (a
- *  cuda storage), the endpoint's error. Later failures fail *done. */
+ *  Host memory is read as it is then; staged (cuda) buffers after the work
+ *  queued on this thread's current stream of their device so far. *done
+ *  completes when every buffer may be reused. Errors returned at once (and
+ *  *done then NULL): DP_EINVAL, the pickler's (DP_ETYPE, DP_ELIMIT, ...),
+ *  DP_ENODEV for a buffer the transport cannot move (a device of another
+ *  backend), the backend's (recording on the current stream), the
+ *  endpoint's error. Later failures fail *done. */
 DP_API int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done, dp_error_t *err);
 /** Sends f's value once f has completed and its events have (polled by the
  *  progress thread: no host thread blocks, no device is synchronized). f is
