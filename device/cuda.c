@@ -244,11 +244,23 @@ static void c_pinned_free(dp_backend_t *b, void *p, size_t n) {
   cudaFreeHost(p);
 }
 
+static int c_pinned_register(dp_backend_t *b, void *p, size_t n, int readonly, dp_error_t *err) {
+  (void)b;
+  cudaError_t e = cudaHostRegister(p, n, cudaHostRegisterPortable | (readonly ? cudaHostRegisterReadOnly : 0));
+  return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaHostRegister");
+}
+
+static void c_pinned_unregister(dp_backend_t *b, void *p) {
+  (void)b;
+  cudaHostUnregister(p);
+}
+
 const dp__backend_ops_t dp__cuda_ops = {
     c_init,        c_shutdown,     c_stream_create, c_stream_destroy, c_stream_wrap,   c_stream_native,
     c_stream_sync, c_stream_query, c_stream_wait,   c_event_create,   c_event_destroy,
     NULL,          c_event_record, c_event_query,   c_event_sync,     c_device_sync,
     c_malloc,      c_free,         c_pointer_device, c_memcpy_async, c_pinned_alloc, c_pinned_free,
+    c_pinned_register, c_pinned_unregister,
 };
 
 #else /* no CUDA toolkit at build time */
@@ -258,6 +270,6 @@ static int c_init(dp_backend_t *b, dp_error_t *err) {
   return dp__err(err, DP_ENODEV, "this devpickle was built without CUDA (no toolkit under CUDA_HOME)");
 }
 
-const dp__backend_ops_t dp__cuda_ops = {c_init, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                                        NULL,   NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+const dp__backend_ops_t dp__cuda_ops = {c_init, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                        NULL,   NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 #endif

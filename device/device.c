@@ -593,6 +593,15 @@ void dp__pinned_free(dp_backend_t *b, void *p, size_t n) {
   if (b && p) b->ops->pinned_free(b, p, n);
 }
 
+int dp__pinned_register(dp_backend_t *b, void *p, size_t n, int readonly, dp_error_t *err) {
+  if (!b || !p || !n) return dp__err(err, DP_EINVAL, "pinned register: NULL backend or memory, or 0 bytes");
+  return b->ops->pinned_register(b, p, n, readonly, err);
+}
+
+void dp__pinned_unregister(dp_backend_t *b, void *p) {
+  if (b && p) b->ops->pinned_unregister(b, p);
+}
+
 int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_error_t *err) {
   if (!s || (n && (!dst || !src))) return dp__err(err, DP_EINVAL, "dp_memcpy_async: NULL argument");
   if (n == 0) return 0;  /* nothing to order: no work is queued (and no memmove sees NULL) */

@@ -469,6 +469,13 @@ static void h_pinned_free(dp_backend_t *b, void *p, size_t n) {
   dp__free(p, n);
 }
 
+static int h_pinned_register(dp_backend_t *b, void *p, size_t n, int readonly, dp_error_t *err) {
+  (void)b, (void)p, (void)n, (void)readonly, (void)err;
+  return 0;
+}
+
+static void h_pinned_unregister(dp_backend_t *b, void *p) { (void)b, (void)p; }
+
 int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err) {
   if (!s || !fn) return dp__err(err, DP_EINVAL, "dp_host_launch: NULL argument");
   if (s->b->type != DP_DEVICE_HOST) return dp__err(err, DP_EINVAL, "dp_host_launch needs a host stream, got %s", s->b->name);
@@ -537,4 +544,5 @@ const dp__backend_ops_t dp__host_ops = {
     h_stream_sync, h_stream_query, h_stream_wait,   h_event_create,   h_event_destroy,
     h_event_reset, h_event_record, h_event_query,   h_event_sync,     h_device_sync,
     h_malloc,      h_free,         h_pointer_device, h_memcpy_async, h_pinned_alloc, h_pinned_free,
+    h_pinned_register, h_pinned_unregister,
 };

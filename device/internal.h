@@ -38,6 +38,10 @@ typedef struct dp__backend_ops {
    * memory for `host`). n > 0. */
   int (*pinned_alloc)(dp_backend_t *b, size_t n, void **out, dp_error_t *err);
   void (*pinned_free)(dp_backend_t *b, void *p, size_t n);
+  /* Page-locks memory mapped elsewhere (a shared segment): cudaHostRegister;
+   * nothing for `host`. */
+  int (*pinned_register)(dp_backend_t *b, void *p, size_t n, int readonly, dp_error_t *err);
+  void (*pinned_unregister)(dp_backend_t *b, void *p);
 } dp__backend_ops_t;
 
 /* Who owns a dp_stream_t, and with it its handle. */
@@ -134,6 +138,11 @@ static inline dp_device_t dp__stream_dev(const dp_stream_t *s) { return s->dev; 
  * dp__pinned_free(b, p, n) before dp_shutdown. */
 int dp__pinned_alloc(dp_backend_t *b, size_t n, void **out, dp_error_t *err);
 void dp__pinned_free(dp_backend_t *b, void *p, size_t n);
+/* The same for memory mapped by the caller (a shared-memory segment):
+ * registered in place (readonly: the device only reads it), unregistered
+ * before it is unmapped. */
+int dp__pinned_register(dp_backend_t *b, void *p, size_t n, int readonly, dp_error_t *err);
+void dp__pinned_unregister(dp_backend_t *b, void *p);
 
 /* Checks that dev belongs to b; fills err. */
 int dp__check_device(const dp_backend_t *b, dp_device_t dev, dp_error_t *err);

@@ -49,8 +49,10 @@ static inline void t_track(void) {
 #define ASSERT_NO_LEAK()                                                              \
   do {                                                                                \
     dp_value_collect();                                                               \
-    cr_assert_eq(atomic_load(&t_live_blocks), 0, "%ld blocks (%ld bytes) still live", \
-                 atomic_load(&t_live_blocks), atomic_load(&t_live_bytes));            \
+    cr_assert(atomic_load(&t_live_blocks) == 0 && atomic_load(&t_live_bytes) == 0,   \
+              "%ld blocks (%ld bytes) still live (a block freed with another size " \
+              "than it was allocated with shows as bytes)",                         \
+              atomic_load(&t_live_blocks), atomic_load(&t_live_bytes));             \
   } while (0)
 
 /* Assert that a fallible call succeeds; on failure, show the call, the code

@@ -608,6 +608,130 @@ Test(transport, a_staged_future_is_sent_only_after_its_events) {
   cr_assert_eq(send_after_slow_fill(), 0, "the receiver saw bytes written before the producer's work");
 }
 
+/* peer: takes nothing (its transport pulls one value past its in-flight
+ * bound, then no more); killed by the test, or by its alarm */
+static int never_take(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)ep, (void)arg;
+  for (;;) pause();
+  return 0;
+}
+
+Test(transport, a_peer_that_never_pulls_holds_back_its_own_staged_sends_only) {
+  dp__transport_stage_host = 1;
+  dp_transport_opts_t po = {0};
+  po.max_inflight_bytes = 1 << 20;
+  peer_t stuck = spawn_peer(never_take, NULL, &po);
+  peer_t good = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep1 = connect_to(t, stuck.port), *ep2 = connect_to(t, good.port);
+  dp_future_t *d0, *d1, *d2, *r2;
+  dp_error_t e;
+  dp_value_t big = dev_tensor(0, 100 << 20, 1), small = dev_tensor(0, 5 << 20, 2);
+  OK(dp_endpoint_send(ep1, big, &d0, T_ERR)); /* pulled whole: the bound stops the next frame */
+  OK_WITH(&e, wait_f(d0, &e));
+  OK(dp_endpoint_send(ep1, big, &d1, T_ERR)); /* 25 chunks, never pulled: the endpoint's slots stay taken */
+  sleep_ms(200);
+  OK(dp_endpoint_send(ep2, small, &d2, T_ERR));
+  OK(dp_endpoint_recv(ep2, &r2, T_ERR));
+  dp_error_clear(&e);
+  int rc = dp_future_wait(r2, 20 * SEC, &e);
+  kill(stuck.pid, SIGKILL);
+  cr_assert_eq(rc, 0, "the other endpoint's staged send was held back: %s", e.message);
+  OK(dp_future_synchronize(r2, 20 * SEC, T_ERR));
+  cr_assert(tensor_ok(dp_future_value(r2), 5 << 20, 2));
+  OK_WITH(&e, wait_f(d2, &e));
+  cr_assert_neq(wait_f(d1, &e), 0, "a send to a peer that never pulled it, then died, completed");
+  dp_future_release(d0);
+  dp_future_release(d1);
+  dp_future_release(d2);
+  dp_future_release(r2);
+  dp_value_release(big);
+  dp_value_release(small);
+  dp_endpoint_free(ep1);
+  dp_endpoint_free(ep2);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(stuck), 128 + SIGKILL);
+  cr_assert_eq(peer_wait(good), 0);
+}
+
+/* peer: a frame naming one host:0 buffer of `size` bytes, then one BUFS
+ * message as crafted (data: that many zero bytes) */
+typedef struct crafted {
+  uint64_t size;
+  dp__am_bufs_hdr_t h;
+  size_t data;
+} crafted_t;
+
+static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  crafted_t *c = arg;
+  dp_error_t e;
+  dp_storage_t *st;
+  dp_value_t v;
+  int64_t shape[1] = {(int64_t)c->size};
+  if (dp_storage_new(t_dev(DP_DEVICE_HOST, 0), (void *)0x1000, c->size, NULL, NULL, &st, &e) ||
+      dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e))
+    return 10;
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(v, NULL, fr, &e)) return 11;
+  size_t n;
+  const uint8_t *b = dp_frame_data(fr, &n);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, c->size};
+  uint8_t *data = calloc(1, c->data ? c->data : 1);
+  dp__am_bufs_hdr_t bh = c->h;
+  bh.magic = DP__WIRE_MAGIC;
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) return 12;
+  if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &bh, sizeof bh, data, c->data, &e)) return 13;
+  free(data);
+  dp_frame_free(fr);
+  dp_value_release(v);
+  dp_future_t *f; /* stays until the receiver closes */
+  if (dp_endpoint_recv(ep, &f, &e) == 0) {
+    dp_future_wait(f, 30 * SEC, NULL);
+    dp_future_release(f);
+  }
+  return 0;
+}
+
+/* The receiver (staging) of a crafted message: its receive fails with
+ * DP_EFORMAT naming `needle`, at once (never a hang), and nothing leaks. */
+static void crafted_fails(crafted_t c, const char *needle) {
+  t_track();
+  dp__transport_stage_host = 1;
+  peer_t p = spawn_peer(send_crafted, &c, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  dp_error_clear(&e);
+  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, needle), "%s", e.message);
+  dp_future_wait(d, 20 * SEC, NULL);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  peer_wait(p);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_buffers_message_shorter_than_its_header_says_is_refused_not_padded_with_old_bytes) {
+  /* rendezvous: 2 MiB of data under a header that says 4 MiB */
+  crafted_fails((crafted_t){4 << 20, {0, 1, 0, 0, 4 << 20, 0, 4 << 20}, 2 << 20}, "does not follow its frame's table");
+}
+
+Test(transport, a_staged_buffer_cut_into_one_byte_pieces_is_refused) {
+  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 1, 0, 100 << 10}, 1}, "does not follow its frame's table");
+}
+
+Test(transport, a_piece_that_can_never_be_next_is_refused_at_once_not_parked_forever) {
+  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 10, 10, 100 << 10}, 10}, "malformed message header");
+  crafted_fails((crafted_t){100 << 10, {0, 2, 0, 0, 2, 1, 0}, 2}, "malformed message header");
+}
+
 /* ---- failures ---- */
 
 /* a port on lo where nobody listens (bound, so nobody else takes it) */

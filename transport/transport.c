@@ -96,7 +96,7 @@ struct sop {
   size_t nh;                /* bh used */
   piece_t *pq_head, *pq_tail;  /* staged pieces copying, not yet posted, in order */
   dp_event_t **after;       /* dp_endpoint_send: the callers' streams, one event a device */
-  size_t nafter;
+  size_t nafter, after_cap;
   int waited;               /* the send streams wait on `after` */
 };
 
@@ -166,6 +166,7 @@ struct dp_endpoint {
   size_t nparked;
   rwait_t *w_head, *w_tail;
   void *close_req;
+  unsigned tx_used;         /* send slots its pieces hold */
   dp_endpoint_t *acc_next;  /* a listener's queue of accepted endpoints */
   int dead;                 /* failed: UCX ep closed or closing */
   int need_close;           /* failed inside a UCX callback: close from the loop */
@@ -218,6 +219,7 @@ struct dp_transport {
   dp_stream_t *sstreams[DP_DEVICE_INDEX_MAX + 1];  /* send streams (staging copies) */
   pool_t tx, rx;                /* staging slots */
   slot_t *rx_busy;              /* received slots whose copies run */
+  struct rctx *rx_wait_head, *rx_wait_tail;  /* rendezvous pieces waiting for a receive slot */
   piece_t *orphans;             /* pieces of failed sends whose copies run */
   size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
@@ -397,32 +399,31 @@ static int dev_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage_
 
 /* ---- staging slots ---- */
 
-/* A slot for n bytes. The send pool makes at most DP__STAGE_SLOTS and then
- * answers NULL (the send waits for one to come back); the receive pool
- * never refuses — it holds only what senders put on the wire, each of whom
- * holds a slot of their own for it — but beyond 2 * DP__STAGE_SLOTS, and
- * for more than a chunk, its slots are made for the occasion and freed
- * after. */
-static int slot_get(dp_transport_t *t, pool_t *pool, size_t n, slot_t **out, dp_error_t *err) {
+/* A slot for n <= DP__STAGE_CHUNK bytes, or NULL when the caller must
+ * wait for one. Sending: each endpoint holds at most DP__STAGE_SLOTS (so a
+ * slow peer holds back its own sends only); the pool keeps every slot made.
+ * Receiving: at most 2 * DP__STAGE_SLOTS page-locked slots (one for each
+ * piece a sender has on the wire, and more while their copies run);
+ * beyond that a rendezvous piece waits (rx_wait) and an eager one, already
+ * here and small, takes a slot of ordinary memory made for it (heap). */
+static int slot_get(dp_transport_t *t, pool_t *pool, size_t n, int heap_ok, slot_t **out, dp_error_t *err) {
   *out = NULL;
-  if (n <= DP__STAGE_CHUNK && pool->free) {
+  if (pool->free) {
     *out = pool->free;
     pool->free = (*out)->next;
     (*out)->next = NULL;
     return 0;
   }
-  /* a receiver has a slot posted for each piece on the wire, and some
-     whose copies run: twice a sender's */
-  unsigned max = pool == &t->tx ? DP__STAGE_SLOTS : 2 * DP__STAGE_SLOTS;
-  int pooled = n <= DP__STAGE_CHUNK && pool->made < max;
-  if (pool == &t->tx && !pooled) return 0;
+  int pooled = pool == &t->tx || pool->made < 2 * DP__STAGE_SLOTS;
+  if (!pooled && !heap_ok) return 0;
   slot_t *sl = dp__alloc(sizeof *sl);
   if (!sl) return dp__err(err, DP_ENOMEM, "transport: out of memory");
   memset(sl, 0, sizeof *sl);
   sl->cap = pooled ? DP__STAGE_CHUNK : (n ? n : 1);
   sl->pooled = pooled;
-  void *p;
-  int rc = dp__pinned_alloc(t->backend, sl->cap, &p, err);
+  void *p = NULL;
+  int rc = pooled ? dp__pinned_alloc(t->backend, sl->cap, &p, err) : 0;
+  if (!pooled && !(p = dp__alloc(sl->cap))) rc = dp__err(err, DP_ENOMEM, "transport: out of memory");
   if (rc) {
     dp__free(sl, sizeof *sl);
     return rc;
@@ -435,7 +436,8 @@ static int slot_get(dp_transport_t *t, pool_t *pool, size_t n, slot_t **out, dp_
 
 static void slot_destroy(dp_transport_t *t, slot_t *sl) {
   dp_event_free(sl->ev);
-  dp__pinned_free(t->backend, sl->p, sl->cap);
+  if (sl->pooled) dp__pinned_free(t->backend, sl->p, sl->cap);
+  else dp__free(sl->p, sl->cap);
   dp__free(sl, sizeof *sl);
 }
 
@@ -467,11 +469,11 @@ static void sop_free(sop_t *s) {
   if (s->bytes) dp__free(s->bytes, s->bytes_cap);
   if (s->raw_hdr) dp__free(s->raw_hdr, s->raw_hlen);
   for (size_t i = 0; i < s->nstage; i++) dp__free(s->stage[i], s->stage_len[i]);
-  if (s->stage) dp__free(s->stage, s->nstage * sizeof *s->stage);
-  if (s->stage_len) dp__free(s->stage_len, s->nstage * sizeof *s->stage_len);
+  if (s->stage) dp__free(s->stage, s->nbh * sizeof *s->stage);
+  if (s->stage_len) dp__free(s->stage_len, s->nbh * sizeof *s->stage_len);
   if (s->bh) dp__free(s->bh, s->nbh * sizeof *s->bh);
   for (size_t i = 0; i < s->nafter; i++) dp_event_free(s->after[i]);
-  if (s->after) dp__free(s->after, s->nafter * sizeof *s->after);
+  if (s->after) dp__free(s->after, s->after_cap * sizeof *s->after);
   dp__free(s, sizeof *s);
 }
 
@@ -539,6 +541,7 @@ static void ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
     if (!s->outstanding) sop_free(s);
   }
   ep->posted = ep->posting = NULL;
+  ep->tx_used = 0; /* its pieces' slots come back without it */
   for (rmsg_t *m = ep->rq_head, *n; m; m = n) {
     n = m->next;
     m->detached = 1;
@@ -703,13 +706,19 @@ static void send_cb(void *req, ucs_status_t st, void *ud) {
   sent(s, st);
 }
 
+/* A send slot of s's back to the pool (its endpoint's count, while s has one). */
+static void tx_put(sop_t *s, slot_t *sl) {
+  if (s->ep) s->ep->tx_used--;
+  slot_put(s->t, &s->t->tx, sl);
+}
+
 /* A staged piece went: its slot goes back to the send pool. */
 static void piece_cb(void *req, ucs_status_t st, void *ud) {
   piece_t *pc = ud;
   sop_t *s = pc->s;
   s->t->nreq--;
   ucp_request_free(req);
-  slot_put(s->t, &s->t->tx, pc->slot);
+  tx_put(s, pc->slot);
   dp__free(pc, sizeof *pc);
   sent(s, st);
 }
@@ -732,7 +741,7 @@ static int post_msg(sop_t *s, piece_t *pc, unsigned id, const void *hdr, size_t 
     return 0;
   }
   if (pc) {
-    slot_put(s->t, &s->t->tx, pc->slot);
+    tx_put(s, pc->slot);
     dp__free(pc, sizeof *pc);
   }
   if (r == NULL) return 0;
@@ -752,11 +761,11 @@ static int sop_plan(dp_transport_t *t, sop_t *s, dp_error_t *err) {
     if (buf_mode(t, d.device) == MODE_REFUSED) return refused(t, d.device, i, err);
     s->buf_bytes += d.nbytes;
   }
+  s->nbh = nb; /* the size of the three arrays, allocated or not */
   if (nb && !(s->bh = dp__alloc_array(nb, sizeof *s->bh))) return dp__err(err, DP_ENOMEM, "transport: out of memory");
   if (nb && !(s->stage = dp__alloc_array(nb, sizeof *s->stage))) return dp__err(err, DP_ENOMEM, "transport: out of memory");
   if (nb && !(s->stage_len = dp__alloc_array(nb, sizeof *s->stage_len)))
     return dp__err(err, DP_ENOMEM, "transport: out of memory");
-  s->nbh = nb;
   return 0;
 }
 
@@ -785,7 +794,10 @@ static int sop_after(dp_transport_t *t, sop_t *s, dp_error_t *err) {
     }
     if (!pass && n && !(s->after = dp__alloc_array(n, sizeof *s->after)))
       return dp__err(err, DP_ENOMEM, "transport: out of memory");
-    if (!pass && n) memset(s->after, 0, n * sizeof *s->after);
+    if (!pass && n) {
+      memset(s->after, 0, n * sizeof *s->after);
+      s->after_cap = n;
+    }
     if (!n) break;
   }
   return 0;
@@ -887,9 +899,10 @@ static int stage_next(dp_transport_t *t, sop_t *s, size_t nb) {
     }
   }
   slot_t *sl;
-  int rc = slot_get(t, &t->tx, (size_t)n, &sl, &err);
+  if (s->ep->tx_used >= DP__STAGE_SLOTS) return 1;
+  int rc = slot_get(t, &t->tx, (size_t)n, 0, &sl, &err);
   if (rc) return sop_failed(s, &err);
-  if (!sl) return 1;
+  s->ep->tx_used++;
   dp_stream_t *st = NULL;
   rc = own_stream(t, t->sstreams, d.device, 0, &st, &err);
   for (size_t k = 0; !rc && !s->waited && !dp__transport_skip_events && k < s->nafter; k++) {
@@ -914,7 +927,7 @@ static int stage_next(dp_transport_t *t, sop_t *s, size_t nb) {
   if (!rc && !pc) rc = dp__err(&err, DP_ENOMEM, "transport: out of memory");
   if (rc) {
     if (st) dp_stream_synchronize(st, NULL); /* the copies queued read into the slot */
-    slot_put(t, &t->tx, sl);
+    tx_put(s, sl);
     return sop_failed(s, &err);
   }
   memset(pc, 0, sizeof *pc);
@@ -1132,6 +1145,7 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
 }
 
 typedef struct rctx {
+  struct rctx *next;        /* rx_wait */
   dp_transport_t *t;
   dp_endpoint_t *ep;
   rmsg_t *m;
@@ -1139,6 +1153,7 @@ typedef struct rctx {
   uint8_t *tmp;             /* packed direct buffers land here */
   size_t tmplen;
   slot_t *slot;             /* staged ones here */
+  void *data;               /* rx_wait: UCX's descriptor, not yet pulled */
 } rctx_t;
 
 static void scatter(rmsg_t *m, uint64_t first, uint32_t count, const uint8_t *src) {
@@ -1248,6 +1263,53 @@ static void drain_rndv(dp_transport_t *t, void *data, size_t n) {
   }
 }
 
+/* Pulls a rendezvous piece (c, counted in its message's pending) into its
+ * slot, its buffer, or packed scratch memory. 0, or -1 when the endpoint
+ * failed. */
+static int post_recv(dp_transport_t *t, rctx_t *c, void *data) {
+  rmsg_t *m = c->m;
+  dp_endpoint_t *ep = c->ep;
+  const dp__am_bufs_hdr_t *h = &c->h;
+  void *dst = c->slot ? (void *)c->slot->p : (uint8_t *)m->bufs[h->first].dst + h->offset;
+  if (!c->slot && h->count > 1) {
+    if (!(c->tmp = dp__alloc(h->total ? (size_t)h->total : 1))) {
+      dp__free(c, sizeof *c);
+      m->pending--;
+      ucp_am_data_release(t->worker, data);
+      ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving packed buffers");
+      return -1;
+    }
+    c->tmplen = h->total ? (size_t)h->total : 1;
+    dst = c->tmp;
+  }
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = recv_cb;
+  p.user_data = c;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, (size_t)h->total, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    t->nreq++;
+    return 0;
+  }
+  /* done at once (or failed): the callback is not called */
+  ucs_status_t st = UCS_PTR_STATUS(r);
+  dp__am_bufs_hdr_t hh = *h;
+  slot_t *sl = c->slot;
+  if (st == UCS_OK && c->tmp) scatter(m, hh.first, hh.count, c->tmp);
+  if (c->tmp) dp__free(c->tmp, c->tmplen);
+  dp__free(c, sizeof *c);
+  m->pending--;
+  if (st != UCS_OK) {
+    if (sl) slot_put(t, &t->rx, sl);
+    ep_failf(ep, DP_EIO, "receiving a buffer failed (%s)", ucs_status_string(st));
+    return -1;
+  }
+  if (sl && stage_in(t, ep, m, &hh, sl)) return -1;
+  deliver(t, ep);
+  return 0;
+}
+
 /* A buffers message: checked against the frame's table (the next buffer,
  * the next chunk of it), then received where its buffers are (direct) or
  * into a slot copied to them (staged). */
@@ -1255,12 +1317,11 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
                    int rndv) {
   rmsg_t *m = ep->cur;
   int ok = m && h->seq == m->seq && h->first == m->next_index && h->count != 0 && h->count <= m->nbuf &&
-           h->first <= m->nbuf - h->count && (rndv || len == h->total);
-  if (ok && h->count == 1)
-    ok = h->offset == m->next_off && h->total <= h->size && h->offset <= h->size - h->total &&
-         (h->total || !h->size);
+           h->first <= m->nbuf - h->count && len == h->total;
+  if (ok && h->count == 1) /* the next chunk, a whole one or the rest (headers_ok checked the rest) */
+    ok = h->offset == m->next_off && (h->total == DP__STAGE_CHUNK || h->total == h->size - h->offset);
   else if (ok)
-    ok = !h->offset && !h->size && !m->next_off;
+    ok = !m->next_off;
   if (!ok) {
     if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
@@ -1273,7 +1334,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
     m->next_off += h->total;
   }
   if (m->failed) {
-    if (rndv) drain_rndv(t, data, (size_t)h->total);
+    if (rndv) drain_rndv(t, data, len);
     deliver(t, ep);
     return 0;
   }
@@ -1291,6 +1352,13 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
     if (rndv) ucp_am_data_release(t->worker, data);
     return -1;
   }
+  /* a direct buffer comes whole; a staged one in chunks of DP__STAGE_CHUNK
+     (the last shorter), so that a receive slot holds any piece */
+  if (h->count == 1 && (staged ? h->total > DP__STAGE_CHUNK : h->total != h->size)) {
+    ep_failf(ep, DP_EFORMAT, "%s", "a buffer is cut into pieces other than the protocol's");
+    if (rndv) ucp_am_data_release(t->worker, data);
+    return -1;
+  }
   if (staged && spans) {
     ep_failf(ep, DP_EFORMAT, "%s", "a packed message of device buffers spans devices");
     if (rndv) ucp_am_data_release(t->worker, data);
@@ -1299,7 +1367,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   slot_t *sl = NULL;
   if (staged) {
     dp_error_t e;
-    if (slot_get(t, &t->rx, (size_t)h->total, &sl, &e)) {
+    if (slot_get(t, &t->rx, (size_t)h->total, !rndv, &sl, &e)) {
       if (rndv) ucp_am_data_release(t->worker, data);
       ep_fail(ep, &e);
       return -1;
@@ -1330,42 +1398,15 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   c->m = m;
   c->h = *h;
   c->slot = sl;
-  void *dst = sl ? (void *)sl->p : (uint8_t *)b->dst + h->offset;
-  if (!sl && h->count > 1) {
-    if (!(c->tmp = dp__alloc(h->total ? (size_t)h->total : 1))) {
-      dp__free(c, sizeof *c);
-      ucp_am_data_release(t->worker, data);
-      ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving packed buffers");
-      return -1;
-    }
-    c->tmplen = h->total ? (size_t)h->total : 1;
-    dst = c->tmp;
-  }
-  ucp_request_param_t p;
-  memset(&p, 0, sizeof p);
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.recv_am = recv_cb;
-  p.user_data = c;
   m->pending++;
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, (size_t)h->total, &p);
-  if (UCS_PTR_IS_PTR(r)) {
-    t->nreq++;
+  if (staged && !sl) { /* every receive slot is taken: wait for one (poll_slots) */
+    c->data = data;
+    if (t->rx_wait_tail) t->rx_wait_tail->next = c;
+    else t->rx_wait_head = c;
+    t->rx_wait_tail = c;
     return 0;
   }
-  /* done at once (or failed): the callback is not called */
-  ucs_status_t st = UCS_PTR_STATUS(r);
-  if (st == UCS_OK && c->tmp) scatter(m, h->first, h->count, c->tmp);
-  if (c->tmp) dp__free(c->tmp, c->tmplen);
-  dp__free(c, sizeof *c);
-  m->pending--;
-  if (st != UCS_OK) {
-    if (sl) slot_put(t, &t->rx, sl);
-    ep_failf(ep, DP_EIO, "receiving a buffer failed (%s)", ucs_status_string(st));
-    return -1;
-  }
-  if (sl && stage_in(t, ep, m, h, sl)) return -1;
-  deliver(t, ep);
-  return 0;
+  return post_recv(t, c, data);
 }
 
 /* Hands complete messages, in order, to the waiting receives. */
@@ -1469,6 +1510,21 @@ static void ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
 
 #define DP__MAX_PARKED 1000000
 
+/* What a buffers header must be whatever the table says (checked before a
+ * message is parked, so that one that can never be next is refused now):
+ * a pack starts at byte 0 of its first buffer; a single buffer's piece
+ * starts at a chunk boundary inside it (or is the empty buffer) and ends
+ * within it. */
+static int bufs_hdr_ok(const void *hdr) {
+  dp__am_bufs_hdr_t h;
+  memcpy(&h, hdr, sizeof h);
+  if (h.count == 0) return 0;
+  if (h.count > 1) return !h.offset && !h.size;
+  if (h.offset % DP__STAGE_CHUNK) return 0;
+  if (!h.size) return !h.offset && !h.total;
+  return h.offset < h.size && h.total <= h.size - h.offset;
+}
+
 static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size_t hlen, void *data, size_t len,
                            const ucp_am_recv_param_t *param) {
   int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
@@ -1484,7 +1540,8 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   size_t want = id == DP__AM_FRAME ? sizeof(dp__am_frame_hdr_t) : sizeof(dp__am_bufs_hdr_t);
   uint32_t magic = 0;
   if (hlen >= 4) memcpy(&magic, hdr, 4);
-  if (hlen != want || magic != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv)) {
+  if (hlen != want || magic != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv) ||
+      (id == DP__AM_BUFS && !bufs_hdr_ok(hdr))) {
     if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
@@ -1776,7 +1833,31 @@ static int poll_slots(dp_transport_t *t) {
     dp__free(pc, sizeof *pc);
     if (--s->outstanding == 0) sop_free(s);
   }
-  return t->rx_busy || t->orphans;
+  while (t->rx_wait_head) { /* rendezvous pieces that waited for a slot */
+    rctx_t *c = t->rx_wait_head;
+    rmsg_t *m = c->m;
+    slot_t *sl = NULL;
+    dp_error_t e;
+    int rc = (m->detached || m->failed) ? 0 : slot_get(t, &t->rx, DP__STAGE_CHUNK, 0, &sl, &e);
+    if (!rc && !sl && !m->detached && !m->failed) break;
+    t->rx_wait_head = c->next;
+    if (!t->rx_wait_head) t->rx_wait_tail = NULL;
+    c->next = NULL;
+    if (rc || m->detached || m->failed) { /* its endpoint failed meanwhile, or no memory */
+      dp_endpoint_t *ep = c->ep;
+      int detached = m->detached;
+      ucp_am_data_release(t->worker, c->data);
+      dp__free(c, sizeof *c);
+      if (--m->pending == 0 && detached) rmsg_free(m);
+      if (rc && !detached) ep_fail(ep, &e);
+      continue;
+    }
+    c->slot = sl;
+    void *data = c->data;
+    c->data = NULL;
+    post_recv(t, c, data);
+  }
+  return t->rx_busy || t->orphans || t->rx_wait_head;
 }
 
 #define DP__SPIN_NS 200000
@@ -1795,7 +1876,7 @@ static void *progress_main(void *arg) {
       if (ep->sq_head || ep->posting) polling |= ep_pump_sends(t, ep);
       if (ep->in_head && !ep->dead) ep_pump_inbox(t, ep);
     }
-    if (t->rx_busy || t->orphans) polling |= poll_slots(t);
+    if (t->rx_busy || t->orphans || t->rx_wait_head) polling |= poll_slots(t);
     if (t->closing) reap(t);
     if (t->timeout_ns > 0 && now_ns() - last_check > 1000000) {
       check_timeouts(t);
