@@ -524,9 +524,11 @@ static size_t staged_specs(spec_t *sp) {
   return k;
 }
 
-Test(transport, device_buffers_are_staged_in_chunks_and_packs_and_arrive_byte_for_byte_on_their_devices) {
+/* shm: same-host slots (the default) or UCX carrying the bytes */
+static void staged_round_trip(int shm) {
   t_track();
   dp__transport_stage_host = 1; /* both ends: the peer is forked after */
+  if (!shm) setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
   peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
   dp_transport_t *t = new_transport(NULL);
   dp_endpoint_t *ep = connect_to(t, p.port);
@@ -551,6 +553,9 @@ Test(transport, device_buffers_are_staged_in_chunks_and_packs_and_arrive_byte_fo
               "tensor %zu arrived on the wrong device", i);
     cr_assert(tensor_ok(x, sp[i].n, (unsigned)i), "tensor %zu (%zu bytes) differs", i, sp[i].n);
   }
+  unsigned long via_shm = atomic_load(&dp__transport_shm_pieces);
+  if (shm) cr_assert(via_shm > 0, "no piece came through the same-host slots");
+  else cr_assert_eq(via_shm, 0, "pieces came through same-host slots with DEVPICKLE_TRANSPORT_SHM=0");
   dp_future_release(d);
   dp_future_release(r);
   dp_value_release(v);
@@ -559,6 +564,14 @@ Test(transport, device_buffers_are_staged_in_chunks_and_packs_and_arrive_byte_fo
   cr_assert_eq(peer_wait(p), 0);
   dp_shutdown();
   ASSERT_NO_LEAK();
+}
+
+Test(transport, device_buffers_are_staged_in_chunks_and_packs_and_arrive_byte_for_byte_on_their_devices) {
+  staged_round_trip(1);
+}
+
+Test(transport, without_same_host_slots_staged_pieces_travel_through_ucx_and_arrive_byte_for_byte) {
+  staged_round_trip(0);
 }
 
 /* Sends a host:0 buffer (staged) right after queueing a slow fill of it on
@@ -660,6 +673,7 @@ typedef struct crafted {
   uint64_t size;
   dp__am_bufs_hdr_t h;
   size_t data;
+  unsigned id; /* 0: BUFS; DP__AM_SHM_PIECE: h announced in slot 0; DP__AM_SHM_DONE: that alone */
 } crafted_t;
 
 static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
@@ -678,10 +692,17 @@ static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   const uint8_t *b = dp_frame_data(fr, &n);
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, c->size};
   uint8_t *data = calloc(1, c->data ? c->data : 1);
-  dp__am_bufs_hdr_t bh = c->h;
-  bh.magic = DP__WIRE_MAGIC;
-  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) return 12;
-  if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &bh, sizeof bh, data, c->data, &e)) return 13;
+  dp__am_shm_piece_t ph = {c->h, 0};
+  ph.b.magic = DP__WIRE_MAGIC;
+  dp__am_shm_ctl_t done = {DP__WIRE_MAGIC, 3, 0};
+  if (c->id == DP__AM_SHM_DONE) {
+    if (dp__endpoint_send_raw(ep, DP__AM_SHM_DONE, &done, sizeof done, NULL, 0, &e)) return 14;
+  } else if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) {
+    return 12;
+  } else if (c->id == DP__AM_SHM_PIECE ? dp__endpoint_send_raw(ep, DP__AM_SHM_PIECE, &ph, sizeof ph, NULL, 0, &e)
+                                       : dp__endpoint_send_raw(ep, DP__AM_BUFS, &ph.b, sizeof ph.b, data, c->data, &e)) {
+    return 13;
+  }
   free(data);
   dp_frame_free(fr);
   dp_value_release(v);
@@ -720,16 +741,25 @@ static void crafted_fails(crafted_t c, const char *needle) {
 
 Test(transport, a_buffers_message_shorter_than_its_header_says_is_refused_not_padded_with_old_bytes) {
   /* rendezvous: 2 MiB of data under a header that says 4 MiB */
-  crafted_fails((crafted_t){4 << 20, {0, 1, 0, 0, 4 << 20, 0, 4 << 20}, 2 << 20}, "does not follow its frame's table");
+  crafted_fails((crafted_t){4 << 20, {0, 1, 0, 0, 4 << 20, 0, 4 << 20}, 2 << 20, 0}, "does not follow its frame's table");
 }
 
 Test(transport, a_staged_buffer_cut_into_one_byte_pieces_is_refused) {
-  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 1, 0, 100 << 10}, 1}, "does not follow its frame's table");
+  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 1, 0, 100 << 10}, 1, 0}, "does not follow its frame's table");
+}
+
+Test(transport, a_piece_announced_in_shared_slots_never_offered_is_refused) {
+  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 100 << 10, 0, 100 << 10}, 0, DP__AM_SHM_PIECE},
+                "does not follow its frame's table");
+}
+
+Test(transport, a_slot_given_back_that_was_never_lent_fails_the_endpoint) {
+  crafted_fails((crafted_t){0, {0, 0, 0, 0, 0, 0, 0}, 0, DP__AM_SHM_DONE}, "a slot given back that was not lent");
 }
 
 Test(transport, a_piece_that_can_never_be_next_is_refused_at_once_not_parked_forever) {
-  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 10, 10, 100 << 10}, 10}, "malformed message header");
-  crafted_fails((crafted_t){100 << 10, {0, 2, 0, 0, 2, 1, 0}, 2}, "malformed message header");
+  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 10, 10, 100 << 10}, 10, 0}, "malformed message header");
+  crafted_fails((crafted_t){100 << 10, {0, 2, 0, 0, 2, 1, 0}, 2, 0}, "malformed message header");
 }
 
 /* ---- failures ---- */

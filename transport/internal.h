@@ -2,6 +2,8 @@
 #ifndef DP_TRANSPORT_INTERNAL_H
 #define DP_TRANSPORT_INTERNAL_H
 
+#include <stdatomic.h>
+
 #include "devpickle/transport.h"
 
 /* The wire (docs/TRANSPORT.md). Active-message ids and headers, written in
@@ -46,6 +48,38 @@ typedef struct dp__am_bufs_hdr {
 #define DP__STAGE_CHUNK (4u << 20)
 #define DP__STAGE_SLOTS 16u
 
+/* SAME-HOST SLOTS. A sender offers its peer a shared-memory segment of
+ * DP__STAGE_SLOTS slots (OFFER); a peer that maps it answers REPLY 1, else
+ * 0. From then on the sender's pieces are copied into that segment and only
+ * announced (SHM_PIECE: a buffers header and the slot; no data); the
+ * receiver copies them to the device straight out of its mapping and gives
+ * each slot back (DONE) once that copy has completed. Control messages
+ * (OFFER, REPLY, DONE) are handled on arrival, outside the ordered stream;
+ * SHM_PIECE is ordered as BUFS is. */
+#define DP__AM_SHM_OFFER 0x44502u
+#define DP__AM_SHM_REPLY 0x44503u
+#define DP__AM_SHM_PIECE 0x44504u
+#define DP__AM_SHM_DONE 0x44505u
+
+typedef struct dp__am_shm_offer {
+  uint32_t magic;
+  uint32_t nslots;
+  uint64_t slot_bytes;  /* DP__STAGE_CHUNK */
+  uint64_t token;       /* also in the segment's header */
+  char name[64];        /* NUL-terminated */
+} dp__am_shm_offer_t;
+
+typedef struct dp__am_shm_ctl {
+  uint32_t magic;
+  uint32_t value;       /* REPLY: 1 mapped, 0 not; DONE: the slot */
+  uint64_t token;       /* REPLY: the offer's */
+} dp__am_shm_ctl_t;
+
+typedef struct dp__am_shm_piece {
+  dp__am_bufs_hdr_t b;  /* as BUFS; the data is in the slot */
+  uint64_t slot;
+} dp__am_shm_piece_t;
+
 /* ---- test hooks (never set in production) ---- */
 /** 1: send_future reads the buffers as soon as the future completes,
  *  WITHOUT waiting for its events, and dp_endpoint_send's staging copies
@@ -56,6 +90,8 @@ extern int dp__transport_skip_events;
  *  and written directly otherwise), so that the staging path runs on a
  *  machine without a GPU. Set it on both ends. */
 extern int dp__transport_stage_host;
+/** Pieces this process received through same-host slots (tests read it). */
+extern _Atomic unsigned long dp__transport_shm_pieces;
 /** Queues one raw active message (id, header, data as given) on ep, for
  *  tests that put garbage on the wire. A frame header (DP__AM_FRAME, of its
  *  size) gets the endpoint's next sequence number, as a real send would. */

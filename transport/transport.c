@@ -26,9 +26,11 @@
 #include "../device/internal.h"
 #include "devpickle/transport.h"
 #include "internal.h"
+#include "shm.h"
 
 int dp__transport_skip_events;
 int dp__transport_stage_host;
+_Atomic unsigned long dp__transport_shm_pieces;
 
 /* ---- objects ---- */
 
@@ -38,6 +40,9 @@ typedef struct inbox inbox_t;    /* an active message not yet processed */
 typedef struct cmd cmd_t;
 typedef struct slot slot_t;      /* a staging buffer */
 typedef struct piece piece_t;    /* a staged message of a send */
+typedef struct seg seg_t;        /* a sender's same-host segment of slots */
+typedef struct ctl ctl_t;        /* a control message to send */
+typedef struct rdone rdone_t;    /* a receiver's copy out of a peer's slot */
 
 /* How a buffer moves (buf_mode). */
 enum { MODE_REFUSED, MODE_DIRECT, MODE_STAGED };
@@ -48,7 +53,34 @@ struct slot {
   size_t cap;
   dp_event_t *ev;           /* after the copies from or into it */
   int pooled;               /* DP__STAGE_CHUNK bytes, back to its pool; else freed */
+  seg_t *seg;               /* a slot of a same-host segment (index) */
+  unsigned index;
 };
+
+struct seg {
+  dp__shm_t *shm;
+  slot_t slots[DP__STAGE_SLOTS];
+  slot_t *free;
+  piece_t *lent[DP__STAGE_SLOTS]; /* announced, not yet given back */
+  int refs;                 /* the endpoint's, and one a slot out of `free` */
+};
+
+struct ctl {
+  ctl_t *next;
+  unsigned id;
+  size_t hlen;
+  uint64_t hdr[(sizeof(dp__am_shm_offer_t) + 7) / 8];
+};
+
+struct rdone {
+  rdone_t *next;
+  dp_endpoint_t *ep;        /* NULL once it went */
+  dp__shm_t *shm;           /* a reference */
+  uint32_t slot;
+  dp_event_t *ev;
+};
+
+enum { SHM_NONE, SHM_OFFERED, SHM_YES, SHM_NO };
 
 typedef struct pool {
   slot_t *free;
@@ -59,7 +91,7 @@ struct piece {
   piece_t *next;
   sop_t *s;
   slot_t *slot;
-  dp__am_bufs_hdr_t h;
+  dp__am_shm_piece_t sh;    /* sh.b: the BUFS header */
 };
 
 enum { SOP_VALUE, SOP_FUTURE, SOP_FRAME, SOP_RAW };
@@ -129,8 +161,8 @@ struct rmsg {
 struct inbox {
   inbox_t *next, *prev;
   unsigned id;
-  uint64_t hdr[(sizeof(dp__am_bufs_hdr_t) > sizeof(dp__am_frame_hdr_t) ? sizeof(dp__am_bufs_hdr_t)
-                                                                          : sizeof(dp__am_frame_hdr_t)) / 8];
+  uint64_t hdr[(sizeof(dp__am_shm_piece_t) > sizeof(dp__am_frame_hdr_t) ? sizeof(dp__am_shm_piece_t)
+                                                                           : sizeof(dp__am_frame_hdr_t)) / 8];
   size_t hlen;
   void *data;               /* a UCX data descriptor (persistent or rendezvous) */
   size_t len;
@@ -167,6 +199,11 @@ struct dp_endpoint {
   rwait_t *w_head, *w_tail;
   void *close_req;
   unsigned tx_used;         /* send slots its pieces hold */
+  int shm_state;            /* SHM_*: this side's offer of a segment */
+  seg_t *seg;               /* offered, then used (SHM_YES) */
+  dp__shm_t *rshm;          /* the peer's segment, mapped */
+  int peer_offered;         /* the peer made its offer (once) */
+  ctl_t *ctl_head, *ctl_tail;  /* control messages to send */
   dp_endpoint_t *acc_next;  /* a listener's queue of accepted endpoints */
   int dead;                 /* failed: UCX ep closed or closing */
   int need_close;           /* failed inside a UCX callback: close from the loop */
@@ -220,6 +257,8 @@ struct dp_transport {
   pool_t tx, rx;                /* staging slots */
   slot_t *rx_busy;              /* received slots whose copies run */
   struct rctx *rx_wait_head, *rx_wait_tail;  /* rendezvous pieces waiting for a receive slot */
+  rdone_t *rdone;               /* copies out of peers' slots */
+  int shm_on;                   /* offer same-host slots (DEVPICKLE_TRANSPORT_SHM) */
   piece_t *orphans;             /* pieces of failed sends whose copies run */
   size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
@@ -441,8 +480,23 @@ static void slot_destroy(dp_transport_t *t, slot_t *sl) {
   dp__free(sl, sizeof *sl);
 }
 
-/* Back to its pool, its copies complete. */
+static void seg_unref(seg_t *g) {
+  if (--g->refs) return;
+  for (unsigned i = 0; i < DP__STAGE_SLOTS; i++) dp_event_free(g->slots[i].ev);
+  dp__shm_release(g->shm);
+  dp__free(g, sizeof *g);
+}
+
+/* Back to its pool (or segment), its copies complete. */
 static void slot_put(dp_transport_t *t, pool_t *pool, slot_t *sl) {
+  if (sl->seg) {
+    dp_event_free(sl->ev); /* its next copy may be on another device */
+    sl->ev = NULL;
+    sl->next = sl->seg->free;
+    sl->seg->free = sl;
+    seg_unref(sl->seg);
+    return;
+  }
   dp_event_free(sl->ev);
   sl->ev = NULL;
   if (!sl->pooled) {
@@ -457,6 +511,130 @@ static void slot_put(dp_transport_t *t, pool_t *pool, slot_t *sl) {
 static int slot_mark(dp_transport_t *t, slot_t *sl, dp_stream_t *s, dp_error_t *err) {
   int rc = sl->ev ? 0 : dp_event_new(t->backend, dp_stream_device(s), &sl->ev, err);
   return rc ? rc : dp_event_record(sl->ev, s, err);
+}
+
+/* ---- same-host slots: control messages ---- */
+
+static void sop_free(sop_t *s);
+
+static void ep_failf(dp_endpoint_t *ep, int code, const char *fmt, const char *detail);
+
+/* Queues a control message; the loop sends it (never from a UCX callback). */
+static void ctl_queue(dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen) {
+  ctl_t *c = dp__alloc(sizeof *c);
+  if (!c) {
+    ep_failf(ep, DP_ENOMEM, "%s", "out of memory for a control message");
+    return;
+  }
+  memset(c, 0, sizeof *c);
+  c->id = id;
+  c->hlen = hlen;
+  memcpy(c->hdr, hdr, hlen);
+  if (ep->ctl_tail) ep->ctl_tail->next = c;
+  else ep->ctl_head = c;
+  ep->ctl_tail = c;
+}
+
+static void ctl_free_all(dp_endpoint_t *ep) {
+  for (ctl_t *c = ep->ctl_head, *n; c; c = n) {
+    n = c->next;
+    dp__free(c, sizeof *c);
+  }
+  ep->ctl_head = ep->ctl_tail = NULL;
+}
+
+static void ctl_cb(void *req, ucs_status_t st, void *ud) {
+  ctl_t *c = ud;
+  (void)st; /* a lost control message is the endpoint's failure, reported on its own */
+  dp_transport_t *t = (dp_transport_t *)c->next;
+  t->nreq--;
+  ucp_request_free(req);
+  dp__free(c, sizeof *c);
+}
+
+static void ep_fail_status(dp_endpoint_t *ep, ucs_status_t st);
+
+static void ctl_flush(dp_transport_t *t, dp_endpoint_t *ep) {
+  while (ep->ctl_head && !ep->dead) {
+    ctl_t *c = ep->ctl_head;
+    ep->ctl_head = c->next;
+    if (!ep->ctl_head) ep->ctl_tail = NULL;
+    c->next = (ctl_t *)t; /* the callback's way back */
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof p);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send = ctl_cb;
+    p.user_data = c;
+    p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep->ep, c->id, c->hdr, c->hlen, NULL, 0, &p);
+    if (UCS_PTR_IS_PTR(r)) {
+      t->nreq++;
+      continue;
+    }
+    dp__free(c, sizeof *c);
+    if (r != NULL) ep_fail_status(ep, UCS_PTR_STATUS(r));
+  }
+}
+
+/* The sender's offer: a segment of slots and its name. A segment that
+ * cannot be made (no /dev/shm) leaves the endpoint on the UCX path. */
+static void shm_offer(dp_transport_t *t, dp_endpoint_t *ep) {
+  ep->shm_state = SHM_NO;
+  seg_t *g = dp__alloc(sizeof *g);
+  if (!g) return;
+  memset(g, 0, sizeof *g);
+  if (dp__shm_create(t->backend, DP__STAGE_SLOTS, DP__STAGE_CHUNK, &g->shm, NULL)) {
+    dp__free(g, sizeof *g);
+    return;
+  }
+  g->refs = 1;
+  for (unsigned i = DP__STAGE_SLOTS; i-- > 0;) {
+    slot_t *sl = &g->slots[i];
+    sl->p = dp__shm_slot(g->shm, i);
+    sl->cap = DP__STAGE_CHUNK;
+    sl->seg = g;
+    sl->index = i;
+    sl->next = g->free;
+    g->free = sl;
+  }
+  dp__am_shm_offer_t o;
+  memset(&o, 0, sizeof o);
+  o.magic = DP__WIRE_MAGIC;
+  o.nslots = DP__STAGE_SLOTS;
+  o.slot_bytes = DP__STAGE_CHUNK;
+  o.token = dp__shm_token(g->shm);
+  snprintf(o.name, sizeof o.name, "%s", dp__shm_name(g->shm));
+  ep->seg = g;
+  ep->shm_state = SHM_OFFERED;
+  ctl_queue(ep, DP__AM_SHM_OFFER, &o, sizeof o);
+}
+
+/* An endpoint that fails or closes lets go of its segments: pieces the
+ * peer still holds are dropped with their slots (the peer may still read
+ * them: they are never reused), and copies out of the peer's slots finish
+ * without it. */
+static void ep_drop_shm(dp_transport_t *t, dp_endpoint_t *ep) {
+  seg_t *g = ep->seg;
+  if (g) {
+    dp__shm_unlink(g->shm);
+    for (unsigned i = 0; i < DP__STAGE_SLOTS; i++) {
+      piece_t *pc = g->lent[i];
+      if (!pc) continue;
+      g->lent[i] = NULL;
+      sop_t *s = pc->s;
+      dp__free(pc, sizeof *pc);
+      g->refs--; /* the slot's; never back to `free` */
+      if (--s->outstanding == 0) sop_free(s);
+    }
+    ep->seg = NULL;
+    seg_unref(g);
+  }
+  ep->shm_state = SHM_NO;
+  for (rdone_t *r = t->rdone; r; r = r->next)
+    if (r->ep == ep) r->ep = NULL;
+  dp__shm_release(ep->rshm);
+  ep->rshm = NULL;
+  ctl_free_all(ep);
 }
 
 /* ---- endpoint failure ---- */
@@ -542,6 +720,7 @@ static void ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
   }
   ep->posted = ep->posting = NULL;
   ep->tx_used = 0; /* its pieces' slots come back without it */
+  ep_drop_shm(t, ep);
   for (rmsg_t *m = ep->rq_head, *n; m; m = n) {
     n = m->next;
     m->detached = 1;
@@ -708,7 +887,7 @@ static void send_cb(void *req, ucs_status_t st, void *ud) {
 
 /* A send slot of s's back to the pool (its endpoint's count, while s has one). */
 static void tx_put(sop_t *s, slot_t *sl) {
-  if (s->ep) s->ep->tx_used--;
+  if (s->ep && !sl->seg) s->ep->tx_used--;
   slot_put(s->t, &s->t->tx, sl);
 }
 
@@ -899,10 +1078,19 @@ static int stage_next(dp_transport_t *t, sop_t *s, size_t nb) {
     }
   }
   slot_t *sl;
-  if (s->ep->tx_used >= DP__STAGE_SLOTS) return 1;
-  int rc = slot_get(t, &t->tx, (size_t)n, 0, &sl, &err);
-  if (rc) return sop_failed(s, &err);
-  s->ep->tx_used++;
+  dp_endpoint_t *ep = s->ep;
+  if (ep->shm_state == SHM_NONE && t->shm_on) shm_offer(t, ep);
+  int rc = 0;
+  if (ep->shm_state == SHM_YES) {
+    if (!(sl = ep->seg->free)) return 1;
+    ep->seg->free = sl->next;
+    sl->next = NULL;
+    ep->seg->refs++;
+  } else {
+    if (ep->tx_used >= DP__STAGE_SLOTS) return 1;
+    if ((rc = slot_get(t, &t->tx, (size_t)n, 0, &sl, &err))) return sop_failed(s, &err);
+    ep->tx_used++;
+  }
   dp_stream_t *st = NULL;
   rc = own_stream(t, t->sstreams, d.device, 0, &st, &err);
   for (size_t k = 0; !rc && !s->waited && !dp__transport_skip_events && k < s->nafter; k++) {
@@ -933,19 +1121,19 @@ static int stage_next(dp_transport_t *t, sop_t *s, size_t nb) {
   memset(pc, 0, sizeof *pc);
   pc->s = s;
   pc->slot = sl;
-  pc->h.magic = DP__WIRE_MAGIC;
-  pc->h.seq = s->seq;
-  pc->h.first = i;
-  pc->h.total = n;
+  pc->sh.b.magic = DP__WIRE_MAGIC;
+  pc->sh.b.seq = s->seq;
+  pc->sh.b.first = i;
+  pc->sh.b.total = n;
   if (d.nbytes > DP__SMALL_BUFFER) {
-    pc->h.count = 1;
-    pc->h.offset = s->cur_off;
-    pc->h.size = d.nbytes;
+    pc->sh.b.count = 1;
+    pc->sh.b.offset = s->cur_off;
+    pc->sh.b.size = d.nbytes;
     s->cur_off += n;
     if (s->cur_off == d.nbytes) s->cur++, s->cur_off = 0;
   } else {
-    pc->h.count = (uint32_t)(j - i);
-    if (j - i == 1) pc->h.size = d.nbytes;
+    pc->sh.b.count = (uint32_t)(j - i);
+    if (j - i == 1) pc->sh.b.size = d.nbytes;
     s->cur = j;
   }
   if (s->pq_tail) s->pq_tail->next = pc;
@@ -973,8 +1161,16 @@ static int sop_more(dp_transport_t *t, sop_t *s) {
       s->pq_head = pc->next;
       if (!s->pq_head) s->pq_tail = NULL;
       s->outstanding--; /* the request's now (the poster holds s) */
-      int rc = post_msg(s, pc, DP__AM_BUFS, &pc->h, sizeof pc->h, pc->slot->p, (size_t)pc->h.total,
-                        pc->h.total > DP__SMALL_BUFFER ? UCP_AM_SEND_FLAG_RNDV : 0);
+      int rc;
+      if (pc->slot->seg) { /* announced; the peer gives the slot back (DONE) */
+        pc->sh.slot = pc->slot->index;
+        pc->slot->seg->lent[pc->slot->index] = pc;
+        s->outstanding++; /* the piece keeps its hold until then */
+        rc = post_msg(s, NULL, DP__AM_SHM_PIECE, &pc->sh, sizeof pc->sh, NULL, 0, UCP_AM_SEND_FLAG_EAGER);
+      } else {
+        rc = post_msg(s, pc, DP__AM_BUFS, &pc->sh.b, sizeof pc->sh.b, pc->slot->p, (size_t)pc->sh.b.total,
+                      pc->sh.b.total > DP__SMALL_BUFFER ? UCP_AM_SEND_FLAG_RNDV : 0);
+      }
       if (rc) return rc;
     }
     if (s->cur == nb) return s->pq_head ? 1 : 0;
@@ -1164,20 +1360,28 @@ static void scatter(rmsg_t *m, uint64_t first, uint32_t count, const uint8_t *sr
   }
 }
 
-/* Copies a received slot to its buffers on the receive stream of their
- * device; the slot comes back once the copies are done (poll_slots). A
- * failure fails the endpoint. */
-static int stage_in(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m, const dp__am_bufs_hdr_t *h, slot_t *sl) {
-  dp_error_t e;
-  dp_stream_t *st = NULL;
-  int rc = own_stream(t, t->streams, m->bufs[h->first].dev, 1, &st, &e);
+/* Queues the copies of a received piece (its bytes at src) to its buffers
+ * on the receive stream of their device (*st). */
+static int copy_in(dp_transport_t *t, rmsg_t *m, const dp__am_bufs_hdr_t *h, const uint8_t *src, dp_stream_t **st,
+                   dp_error_t *e) {
+  *st = NULL;
+  int rc = own_stream(t, t->streams, m->bufs[h->first].dev, 1, st, e);
   size_t off = 0;
   for (uint32_t k = 0; !rc && k < h->count; k++) {
     rbuf_t *b = &m->bufs[h->first + k];
     size_t n = h->count == 1 ? (size_t)h->total : (size_t)b->nbytes;
-    rc = dp_memcpy_async(st, (uint8_t *)b->dst + (h->count == 1 ? h->offset : 0), sl->p + off, n, &e);
+    rc = dp_memcpy_async(*st, (uint8_t *)b->dst + (h->count == 1 ? h->offset : 0), src + off, n, e);
     off += n;
   }
+  return rc;
+}
+
+/* Copies a received slot to its buffers; the slot comes back once the
+ * copies are done (poll_slots). A failure fails the endpoint. */
+static int stage_in(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m, const dp__am_bufs_hdr_t *h, slot_t *sl) {
+  dp_error_t e;
+  dp_stream_t *st;
+  int rc = copy_in(t, m, h, sl->p, &st, &e);
   if (!rc) rc = slot_mark(t, sl, st, &e);
   if (rc) {
     if (st) dp_stream_synchronize(st, NULL); /* the copies queued read the slot */
@@ -1187,6 +1391,49 @@ static int stage_in(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m, const dp__a
   }
   sl->next = t->rx_busy;
   t->rx_busy = sl;
+  return 0;
+}
+
+/* A peer's slot is the peer's again. */
+static void shm_done(dp_endpoint_t *ep, uint64_t slot) {
+  dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, (uint32_t)slot, 0};
+  ctl_queue(ep, DP__AM_SHM_DONE, &c, sizeof c);
+}
+
+/* A piece in the peer's slot: copied to its buffers straight from the
+ * mapping (staged: on the receive stream, the slot given back once the
+ * copies are done; direct: by the host, at once). */
+static int shm_in(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m, const dp__am_bufs_hdr_t *h, uint64_t slot,
+                  int staged) {
+  const uint8_t *src = dp__shm_slot(ep->rshm, (unsigned)slot);
+  atomic_fetch_add(&dp__transport_shm_pieces, 1);
+  if (!staged) {
+    if (h->count > 1) scatter(m, h->first, h->count, src);
+    else if (h->total) memcpy((uint8_t *)m->bufs[h->first].dst + h->offset, src, (size_t)h->total);
+    shm_done(ep, slot);
+    deliver(t, ep);
+    return 0;
+  }
+  dp_error_t e;
+  dp_stream_t *st;
+  rdone_t *r = dp__alloc(sizeof *r);
+  int rc = r ? copy_in(t, m, h, src, &st, &e) : dp__err(&e, DP_ENOMEM, "transport: out of memory");
+  if (r) memset(r, 0, sizeof *r);
+  if (!rc) rc = dp_event_new(t->backend, dp_stream_device(st), &r->ev, &e);
+  if (!rc) rc = dp_event_record(r->ev, st, &e);
+  if (rc) {
+    if (r && st) dp_stream_synchronize(st, NULL); /* the copies queued read the mapping */
+    if (r) dp_event_free(r->ev);
+    if (r) dp__free(r, sizeof *r);
+    ep_fail(ep, &e);
+    return rc;
+  }
+  r->ep = ep;
+  r->shm = dp__shm_retain(ep->rshm);
+  r->slot = (uint32_t)slot;
+  r->next = t->rdone;
+  t->rdone = r;
+  deliver(t, ep);
   return 0;
 }
 
@@ -1314,10 +1561,12 @@ static int post_recv(dp_transport_t *t, rctx_t *c, void *data) {
  * the next chunk of it), then received where its buffers are (direct) or
  * into a slot copied to them (staged). */
 static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t *h, void *data, size_t len,
-                   int rndv) {
+                   int rndv, int shm, uint64_t slot) {
   rmsg_t *m = ep->cur;
   int ok = m && h->seq == m->seq && h->first == m->next_index && h->count != 0 && h->count <= m->nbuf &&
-           h->first <= m->nbuf - h->count && len == h->total;
+           h->first <= m->nbuf - h->count &&
+           (shm ? !rndv && !len && ep->rshm && slot < DP__STAGE_SLOTS && h->total <= DP__STAGE_CHUNK
+                : len == h->total);
   if (ok && h->count == 1) /* the next chunk, a whole one or the rest (headers_ok checked the rest) */
     ok = h->offset == m->next_off && (h->total == DP__STAGE_CHUNK || h->total == h->size - h->offset);
   else if (ok)
@@ -1334,7 +1583,8 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
     m->next_off += h->total;
   }
   if (m->failed) {
-    if (rndv) drain_rndv(t, data, len);
+    if (shm) shm_done(ep, slot);
+    else if (rndv) drain_rndv(t, data, len);
     deliver(t, ep);
     return 0;
   }
@@ -1364,6 +1614,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
     if (rndv) ucp_am_data_release(t->worker, data);
     return -1;
   }
+  if (shm) return shm_in(t, ep, m, h, slot, staged);
   slot_t *sl = NULL;
   if (staged) {
     dp_error_t e;
@@ -1488,7 +1739,8 @@ static int blocked(const dp_transport_t *t, const dp_endpoint_t *ep, unsigned id
 static void process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, void *data, size_t len,
                     int rndv) {
   if (id == DP__AM_FRAME) on_frame(t, ep, hdr, data, len);
-  else on_bufs(t, ep, hdr, data, len, rndv);
+  else if (id == DP__AM_SHM_PIECE) on_bufs(t, ep, hdr, data, len, rndv, 1, ((const dp__am_shm_piece_t *)hdr)->slot);
+  else on_bufs(t, ep, hdr, data, len, rndv, 0, 0);
 }
 
 /* Processes parked messages whose turn has come. */
@@ -1503,7 +1755,7 @@ static void ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
     void *data = b->data;
     b->data = NULL;
     process(t, ep, b->id, b->hdr, data, b->len, b->rndv);
-    if (!b->rndv) ucp_am_data_release(t->worker, data); /* rendezvous data went to on_bufs */
+    if (!b->rndv && data) ucp_am_data_release(t->worker, data); /* rendezvous data went to on_bufs */
     dp__free(b, sizeof *b);
   }
 }
@@ -1537,11 +1789,13 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
     if (rndv) ucp_am_data_release(t->worker, data);
     return UCS_OK;
   }
-  size_t want = id == DP__AM_FRAME ? sizeof(dp__am_frame_hdr_t) : sizeof(dp__am_bufs_hdr_t);
+  size_t want = id == DP__AM_FRAME   ? sizeof(dp__am_frame_hdr_t)
+                : id == DP__AM_BUFS ? sizeof(dp__am_bufs_hdr_t)
+                                    : sizeof(dp__am_shm_piece_t);
   uint32_t magic = 0;
   if (hlen >= 4) memcpy(&magic, hdr, 4);
   if (hlen != want || magic != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv) ||
-      (id == DP__AM_BUFS && !bufs_hdr_ok(hdr))) {
+      (id != DP__AM_FRAME && !bufs_hdr_ok(hdr))) {
     if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
@@ -1562,7 +1816,7 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   }
   /* not its turn: park it, in order */
   inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
-  if (!b || !persistent) {
+  if (!b || (!persistent && len)) {
     if (b) dp__free(b, sizeof *b);
     if (rndv) ucp_am_data_release(t->worker, data);
     ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
@@ -1573,7 +1827,7 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   b->id = id;
   memcpy(b->hdr, hdr, hlen);
   b->hlen = hlen;
-  b->data = data;
+  b->data = persistent ? data : NULL; /* no data: nothing to keep */
   b->len = len;
   b->rndv = rndv;
   inbox_t *at = ep->in_tail;
@@ -1604,6 +1858,84 @@ static ucs_status_t am_bufs_cb(void *arg, const void *hdr, size_t hlen, void *da
   return am_any(arg, DP__AM_BUFS, hdr, hlen, data, len, param);
 }
 
+static ucs_status_t am_piece_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                                const ucp_am_recv_param_t *param) {
+  return am_any(arg, DP__AM_SHM_PIECE, hdr, hlen, data, len, param);
+}
+
+/* The peer's offer of its segment: mapped if it is on this host and is
+ * what the offer says; answered either way. */
+static void on_offer(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_shm_offer_t *o) {
+  dp__am_shm_ctl_t r = {DP__WIRE_MAGIC, 0, o->token};
+  if (o->name[sizeof o->name - 1] == 0 && o->nslots == DP__STAGE_SLOTS && o->slot_bytes == DP__STAGE_CHUNK &&
+      dp__shm_map(t->backend, o->name, o->nslots, (size_t)o->slot_bytes, o->token, &ep->rshm, NULL) == 0)
+    r.value = 1;
+  ctl_queue(ep, DP__AM_SHM_REPLY, &r, sizeof r);
+}
+
+/* A slot the peer gives back: its piece's send is done with it. */
+static void on_done(dp_transport_t *t, dp_endpoint_t *ep, uint32_t i) {
+  seg_t *g = ep->seg;
+  if (!g || i >= DP__STAGE_SLOTS || !g->lent[i]) {
+    ep_failf(ep, DP_EFORMAT, "%s", "a slot given back that was not lent");
+    return;
+  }
+  piece_t *pc = g->lent[i];
+  g->lent[i] = NULL;
+  sop_t *s = pc->s;
+  slot_put(t, NULL, pc->slot);
+  dp__free(pc, sizeof *pc);
+  sent(s, UCS_OK);
+}
+
+/* OFFER, REPLY, DONE: handled on arrival. */
+static ucs_status_t am_ctl(dp_transport_t *t, unsigned id, const void *hdr, size_t hlen, void *data, size_t len,
+                           const ucp_am_recv_param_t *param) {
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ucp_am_data_release(t->worker, data);
+  dp_endpoint_t *ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? ep_find(t, param->reply_ep) : NULL;
+  if (!ep || ep->dead) return UCS_OK;
+  ep->established = 1;
+  size_t want = id == DP__AM_SHM_OFFER ? sizeof(dp__am_shm_offer_t) : sizeof(dp__am_shm_ctl_t);
+  uint64_t h[(sizeof(dp__am_shm_offer_t) + 7) / 8];
+  uint32_t magic = 0;
+  if (hlen == want) memcpy(h, hdr, hlen), memcpy(&magic, h, 4);
+  if (hlen != want || magic != DP__WIRE_MAGIC || len) {
+    ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
+    return UCS_OK;
+  }
+  const dp__am_shm_ctl_t *c = (const dp__am_shm_ctl_t *)h;
+  if (id == DP__AM_SHM_OFFER) {
+    if (ep->peer_offered) ep_failf(ep, DP_EFORMAT, "%s", "a second offer of shared slots");
+    else ep->peer_offered = 1, on_offer(t, ep, (const dp__am_shm_offer_t *)h);
+  } else if (id == DP__AM_SHM_REPLY) {
+    if (ep->shm_state != SHM_OFFERED || c->token != dp__shm_token(ep->seg->shm)) {
+      ep_failf(ep, DP_EFORMAT, "%s", "a reply to no offer of shared slots");
+    } else {
+      dp__shm_unlink(ep->seg->shm); /* mapped there, or never will be */
+      ep->shm_state = c->value == 1 ? SHM_YES : SHM_NO;
+      if (ep->shm_state == SHM_NO) seg_unref(ep->seg), ep->seg = NULL;
+    }
+  } else {
+    on_done(t, ep, c->value);
+  }
+  return UCS_OK;
+}
+
+static ucs_status_t am_offer_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                                const ucp_am_recv_param_t *param) {
+  return am_ctl(arg, DP__AM_SHM_OFFER, hdr, hlen, data, len, param);
+}
+
+static ucs_status_t am_reply_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                                const ucp_am_recv_param_t *param) {
+  return am_ctl(arg, DP__AM_SHM_REPLY, hdr, hlen, data, len, param);
+}
+
+static ucs_status_t am_done_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                               const ucp_am_recv_param_t *param) {
+  return am_ctl(arg, DP__AM_SHM_DONE, hdr, hlen, data, len, param);
+}
+
 /* ---- the progress thread ---- */
 
 static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
@@ -1626,6 +1958,7 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
         inbox_drop(t, b);
       }
       ep->in_head = ep->in_tail = NULL;
+      ep_drop_shm(t, ep);
       if (ep->ep) {
         /* flush: eager messages whose sends completed may not have left yet */
         ucp_request_param_t p = {0};
@@ -1857,7 +2190,19 @@ static int poll_slots(dp_transport_t *t) {
     c->data = NULL;
     post_recv(t, c, data);
   }
-  return t->rx_busy || t->orphans || t->rx_wait_head;
+  for (rdone_t **p = &t->rdone; *p;) { /* copies out of peers' slots */
+    rdone_t *r = *p;
+    if (dp_event_query(r->ev, NULL) == 0) {
+      p = &r->next;
+      continue;
+    }
+    *p = r->next;
+    if (r->ep && !r->ep->dead) shm_done(r->ep, r->slot);
+    dp__shm_release(r->shm);
+    dp_event_free(r->ev);
+    dp__free(r, sizeof *r);
+  }
+  return t->rx_busy || t->orphans || t->rx_wait_head || t->rdone;
 }
 
 #define DP__SPIN_NS 200000
@@ -1873,10 +2218,11 @@ static void *progress_main(void *arg) {
     int polling = 0;
     for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
       if (ep->need_close) ep_force_close(ep), work++;
+      if (ep->ctl_head && !ep->dead) ctl_flush(t, ep), work++;
       if (ep->sq_head || ep->posting) polling |= ep_pump_sends(t, ep);
       if (ep->in_head && !ep->dead) ep_pump_inbox(t, ep);
     }
-    if (t->rx_busy || t->orphans || t->rx_wait_head) polling |= poll_slots(t);
+    if (t->rx_busy || t->orphans || t->rx_wait_head || t->rdone) polling |= poll_slots(t);
     if (t->closing) reap(t);
     if (t->timeout_ns > 0 && now_ns() - last_check > 1000000) {
       check_timeouts(t);
@@ -1946,6 +2292,8 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
   }
   t->uopts.bind = NULL;
   t->uopts.bind_ud = NULL;
+  const char *shm = getenv("DEVPICKLE_TRANSPORT_SHM");
+  t->shm_on = !(shm && !strcmp(shm, "0"));
   int rc = 0;
   if (opts && opts->backend) t->backend = opts->backend;
   else if (opts && opts->cache) t->backend = dp__cache_backend(opts->cache);
@@ -1990,9 +2338,19 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
     hp.id = DP__AM_FRAME;
     hp.cb = am_frame_cb;
     st = ucp_worker_set_am_recv_handler(t->worker, &hp);
-    hp.id = DP__AM_BUFS;
-    hp.cb = am_bufs_cb;
-    if (st == UCS_OK) st = ucp_worker_set_am_recv_handler(t->worker, &hp);
+    const struct {
+      unsigned id;
+      ucp_am_recv_callback_t cb;
+    } more[] = {{DP__AM_BUFS, am_bufs_cb},
+                {DP__AM_SHM_PIECE, am_piece_cb},
+                {DP__AM_SHM_OFFER, am_offer_cb},
+                {DP__AM_SHM_REPLY, am_reply_cb},
+                {DP__AM_SHM_DONE, am_done_cb}};
+    for (size_t i = 0; i < sizeof more / sizeof *more && st == UCS_OK; i++) {
+      hp.id = more[i].id;
+      hp.cb = more[i].cb;
+      st = ucp_worker_set_am_recv_handler(t->worker, &hp);
+    }
   }
   if (st != UCS_OK) {
     if (t->worker) ucp_worker_destroy(t->worker);
