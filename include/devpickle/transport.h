@@ -40,7 +40,11 @@
  * memory is STAGED: copied in 4 MiB chunks (small buffers packed) into
  * page-locked host buffers on the transport's send stream of the device,
  * sent, received into page-locked buffers and copied to the device on the
- * receive stream, chunk k + 1 copied while chunk k is on the wire. Staged
+ * receive stream, chunk k + 1 copied while chunk k is on the wire. Between
+ * processes of one host the page-locked buffers are a shared-memory
+ * segment the sender offers and the receiver maps: the bytes cross on the
+ * copy engines only, no CPU copy (DEVPICKLE_TRANSPORT_SHM=0 turns this
+ * off; docs/TRANSPORT.md, "Same-host slots"). Staged
  * buffers sent with dp_endpoint_send are read after the work queued on the
  * calling thread's current stream of their device when send was called
  * (an event the send stream waits on, on the device); with
