@@ -62,13 +62,15 @@ static peer_t spawn_peer(peer_fn fn, void *arg, const dp_transport_opts_t *opts)
     }
     int rc = fn(t, ep, arg);
     /* stay until the test closes its side: a peer that closed at once
-       could race its last messages (docs/TRANSPORT.md, "Closing") */
+       could race its last messages (docs/TRANSPORT.md, "Closing");
+       -1: fn closed the endpoint itself */
     dp_future_t *bye;
-    if (dp_endpoint_recv(ep, &bye, &e) == 0) {
+    if (rc != -1 && dp_endpoint_recv(ep, &bye, &e) == 0) {
       dp_future_wait(bye, 60 * SEC, NULL);
       dp_future_release(bye);
     }
-    dp_endpoint_free(ep);
+    if (rc != -1) dp_endpoint_free(ep);
+    else rc = 0;
     dp_listener_free(l);
     dp_transport_free(t);
     dp_value_collect();
@@ -619,6 +621,34 @@ Test(transport, negative_control_staging_copies_that_skip_the_callers_stream_sen
 Test(transport, a_staged_future_is_sent_only_after_its_events) {
   dp__transport_stage_host = 1;
   cr_assert_eq(send_after_slow_fill(), 0, "the receiver saw bytes written before the producer's work");
+}
+
+/* peer: receives one value, and closes its endpoint at once (-1) */
+static int recv_and_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
+  dp_future_release(f);
+  dp_endpoint_free(ep);
+  return -1;
+}
+
+Test(transport, a_receiver_that_closes_right_after_its_receive_lets_the_staged_send_complete) {
+  dp__transport_stage_host = 1;
+  peer_t p = spawn_peer(recv_and_close, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t v = dev_tensor(0, 200 << 20, 1);
+  dp_future_t *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  OK_WITH(&e, wait_f(d, &e)); /* every slot came back before the peer's close */
+  cr_assert_eq(peer_wait(p), 0);
+  dp_future_release(d);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
 }
 
 /* peer: takes nothing (its transport pulls one value past its in-flight

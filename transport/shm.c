@@ -74,7 +74,10 @@ int dp__shm_create(dp_backend_t *b, unsigned nslots, size_t slot_bytes, dp__shm_
   }
   s->linked = 1;
   int rc = 0;
-  if (ftruncate(fd, (off_t)s->len) != 0) rc = sys_err(err, "ftruncate", s->name);
+  /* reserved now: tmpfs gives pages on first touch, and a full /dev/shm
+     would then kill the process with SIGBUS under a copy */
+  int fe = posix_fallocate(fd, 0, (off_t)s->len);
+  if (fe) errno = fe, rc = sys_err(err, "posix_fallocate", s->name);
   if (!rc) {
     void *p = mmap(NULL, s->len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) rc = sys_err(err, "mmap", s->name);
@@ -117,6 +120,12 @@ int dp__shm_map(dp_backend_t *b, const char *name, unsigned nslots, size_t slot_
   if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != len) {
     close(fd);
     return dp__err(err, DP_EFORMAT, "transport: shared segment %s is not of the size its offer says", name);
+  }
+  /* only a peer of this user (who could touch this process anyway) may
+     have this process map its file: one that could shrink it under a copy */
+  if (st.st_uid != geteuid() || (st.st_mode & 077)) {
+    close(fd);
+    return dp__err(err, DP_EFORMAT, "transport: shared segment %s is not this user's alone", name);
   }
   void *p = mmap(NULL, len, PROT_READ, MAP_SHARED, fd, 0);
   close(fd);

@@ -1,8 +1,9 @@
 /* transport/shm.h — shared-memory segments of staging slots, for peers on
  * one host (docs/TRANSPORT.md, "Same-host slots"). A segment is one page of
  * header (magic, token) and nslots slots of slot_bytes, named
- * "/devpickle-PID-N-RANDOM", mode 0600, page-locked by the backend in each
- * process that maps it. Reference-counted: the last release unregisters and
+ * "/devpickle-PID-N-RANDOM", mode 0600, its pages reserved at creation
+ * (posix_fallocate), page-locked by the backend in each process that maps
+ * it. A process maps only a segment of its own user with mode 0600. Reference-counted: the last release unregisters and
  * unmaps it (and removes the name, if its creator has not yet). Not
  * thread-safe: the transport's progress thread owns its segments. */
 #ifndef DP_TRANSPORT_SHM_H

@@ -203,6 +203,8 @@ struct dp_endpoint {
   seg_t *seg;               /* offered, then used (SHM_YES) */
   dp__shm_t *rshm;          /* the peer's segment, mapped */
   int peer_offered;         /* the peer made its offer (once) */
+  int64_t offer_deadline;   /* SHM_OFFERED: withdrawn unanswered after it */
+  uint64_t offer_token;     /* a late answer to a withdrawn offer is ignored */
   ctl_t *ctl_head, *ctl_tail;  /* control messages to send */
   dp_endpoint_t *acc_next;  /* a listener's queue of accepted endpoints */
   int dead;                 /* failed: UCX ep closed or closing */
@@ -576,6 +578,8 @@ static void ctl_flush(dp_transport_t *t, dp_endpoint_t *ep) {
   }
 }
 
+#define DP__OFFER_NS 2000000000ll
+
 /* The sender's offer: a segment of slots and its name. A segment that
  * cannot be made (no /dev/shm) leaves the endpoint on the UCX path. */
 static void shm_offer(dp_transport_t *t, dp_endpoint_t *ep) {
@@ -606,7 +610,18 @@ static void shm_offer(dp_transport_t *t, dp_endpoint_t *ep) {
   snprintf(o.name, sizeof o.name, "%s", dp__shm_name(g->shm));
   ep->seg = g;
   ep->shm_state = SHM_OFFERED;
+  ep->offer_deadline = now_ns() + DP__OFFER_NS;
+  ep->offer_token = o.token;
   ctl_queue(ep, DP__AM_SHM_OFFER, &o, sizeof o);
+}
+
+/* An offer unanswered in time (a peer stopped, or one that does not know
+ * it) is withdrawn: its name would outlive this process if it were killed. */
+static void shm_withdraw(dp_endpoint_t *ep) {
+  dp__shm_unlink(ep->seg->shm);
+  seg_unref(ep->seg); /* no slot of it was used yet */
+  ep->seg = NULL;
+  ep->shm_state = SHM_NO;
 }
 
 /* An endpoint that fails or closes lets go of its segments: pieces the
@@ -1655,7 +1670,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
     if (t->rx_wait_tail) t->rx_wait_tail->next = c;
     else t->rx_wait_head = c;
     t->rx_wait_tail = c;
-    return 0;
+    return 2;
   }
   return post_recv(t, c, data);
 }
@@ -1736,11 +1751,13 @@ static int blocked(const dp_transport_t *t, const dp_endpoint_t *ep, unsigned id
   return id == DP__AM_FRAME && ep->held && ep->held > t->max_inflight;
 }
 
-static void process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, void *data, size_t len,
-                    int rndv) {
-  if (id == DP__AM_FRAME) on_frame(t, ep, hdr, data, len);
-  else if (id == DP__AM_SHM_PIECE) on_bufs(t, ep, hdr, data, len, rndv, 1, ((const dp__am_shm_piece_t *)hdr)->slot);
-  else on_bufs(t, ep, hdr, data, len, rndv, 0, 0);
+/* 2 when a rendezvous descriptor was kept for later (rx_wait): UCX must
+ * then be told UCS_INPROGRESS. */
+static int process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, void *data, size_t len,
+                   int rndv) {
+  if (id == DP__AM_FRAME) return on_frame(t, ep, hdr, data, len);
+  if (id == DP__AM_SHM_PIECE) return on_bufs(t, ep, hdr, data, len, rndv, 1, ((const dp__am_shm_piece_t *)hdr)->slot);
+  return on_bufs(t, ep, hdr, data, len, rndv, 0, 0);
 }
 
 /* Processes parked messages whose turn has come. */
@@ -1810,9 +1827,9 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
     return UCS_OK;
   }
   if (c == 0 && !blocked(t, ep, id)) {
-    process(t, ep, id, h, data, len, rndv);
+    int kept = process(t, ep, id, h, data, len, rndv) == 2;
     if (ep->in_head) ep_pump_inbox(t, ep);
-    return UCS_OK;
+    return kept ? UCS_INPROGRESS : UCS_OK;
   }
   /* not its turn: park it, in order */
   inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
@@ -1908,10 +1925,13 @@ static ucs_status_t am_ctl(dp_transport_t *t, unsigned id, const void *hdr, size
     if (ep->peer_offered) ep_failf(ep, DP_EFORMAT, "%s", "a second offer of shared slots");
     else ep->peer_offered = 1, on_offer(t, ep, (const dp__am_shm_offer_t *)h);
   } else if (id == DP__AM_SHM_REPLY) {
-    if (ep->shm_state != SHM_OFFERED || c->token != dp__shm_token(ep->seg->shm)) {
+    if (ep->shm_state == SHM_NO && ep->offer_token && c->token == ep->offer_token) {
+      ep->offer_token = 0; /* the answer to an offer withdrawn meanwhile */
+    } else if (ep->shm_state != SHM_OFFERED || c->token != dp__shm_token(ep->seg->shm)) {
       ep_failf(ep, DP_EFORMAT, "%s", "a reply to no offer of shared slots");
     } else {
       dp__shm_unlink(ep->seg->shm); /* mapped there, or never will be */
+      ep->offer_token = 0;
       ep->shm_state = c->value == 1 ? SHM_YES : SHM_NO;
       if (ep->shm_state == SHM_NO) seg_unref(ep->seg), ep->seg = NULL;
     }
@@ -1958,6 +1978,15 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
         inbox_drop(t, b);
       }
       ep->in_head = ep->in_tail = NULL;
+      /* the peer's slots whose copies run here go back before the close,
+         or its sends would fail with the connection */
+      for (rdone_t *r = t->rdone; r; r = r->next)
+        if (r->ep == ep) {
+          dp_event_synchronize(r->ev, NULL);
+          shm_done(ep, r->slot);
+          r->ep = NULL;
+        }
+      ctl_flush(t, ep);
       ep_drop_shm(t, ep);
       if (ep->ep) {
         /* flush: eager messages whose sends completed may not have left yet */
@@ -2219,6 +2248,7 @@ static void *progress_main(void *arg) {
     for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
       if (ep->need_close) ep_force_close(ep), work++;
       if (ep->ctl_head && !ep->dead) ctl_flush(t, ep), work++;
+      if (ep->shm_state == SHM_OFFERED && now_ns() > ep->offer_deadline) shm_withdraw(ep);
       if (ep->sq_head || ep->posting) polling |= ep_pump_sends(t, ep);
       if (ep->in_head && !ep->dead) ep_pump_inbox(t, ep);
     }
