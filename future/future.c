@@ -493,6 +493,10 @@ static int get_error(const dp_future_t *f, dp_error_t *err) {
   return dp__err(err, f->error_code, "%s (its detail was lost: out of memory)", dp_strerror(f->error_code));
 }
 
+#ifndef WAIT_SPIN_NS
+#define WAIT_SPIN_NS 100000
+#endif
+
 static int wait_done(dp_future_t *f, int64_t timeout_ns) {
   /* In a callback, f may be waiting on work queued on this very thread:
    * run it first (the queue keeps its order; nothing runs under a lock). */
@@ -500,6 +504,20 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
   if (t->depth)
     while (!dp_future_is_done(f) && tramp_step(t)) {
     }
+  /* A completion often follows soon (a reply, a short kernel): look for it
+   * a while before sleeping, which costs a wake-up (a futex and a
+   * reschedule) worth more than a short wait. */
+  if (dp__load_acquire(&f->state) == PENDING && timeout_ns != 0) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int64_t spin = timeout_ns > 0 && timeout_ns < WAIT_SPIN_NS ? timeout_ns : WAIT_SPIN_NS;
+    for (unsigned i = 1; dp__load_acquire(&f->state) == PENDING; i++) {
+      if (i % 16) continue;
+      clock_gettime(CLOCK_MONOTONIC, &t1);
+      if ((t1.tv_sec - t0.tv_sec) * 1000000000ll + (t1.tv_nsec - t0.tv_nsec) > spin) break;
+      sched_yield(); /* the thread that completes it may need this core */
+    }
+  }
   pthread_mutex_lock(&f->mu);
   if (timeout_ns < 0) {
     while (dp__load_relaxed(&f->state) == PENDING) pthread_cond_wait(&f->cv, &f->mu);
