@@ -105,7 +105,8 @@ DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error
 
 /** Blocks the host until f completes or timeout_ns passes (<0: no limit;
  *  measured on CLOCK_MONOTONIC, so a step of the wall clock does not change
- *  it), then makes this thread's current streams wait on f's events and records
+ *  it; the thread looks for the completion for up to 100 µs, yielding the
+ *  core, before it sleeps), then makes this thread's current streams wait on f's events and records
  *  f's allocations on those streams. Returns 0, DP_ETIMEDOUT, or f's own
  *  error (copied into err). */
 DP_API int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
