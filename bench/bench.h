@@ -6,12 +6,36 @@
 #include <string.h>
 #include <time.h>
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include "devpickle.h"
 
 static inline double bench_now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Forks a peer process running peer(wfd), which writes one int (its port,
+ * or what it has to say instead) to wfd; returns that int, *pid the peer.
+ * Exits when the peer never says. */
+static inline int bench_spawn(void (*peer)(int wfd), pid_t *pid) {
+  int fds[2], port;
+  if (pipe(fds)) exit(1);
+  *pid = fork();
+  if (*pid == 0) {
+    close(fds[0]);
+    peer(fds[1]);
+    _exit(0);
+  }
+  close(fds[1]);
+  if (read(fds[0], &port, sizeof port) != sizeof port) {
+    fprintf(stderr, "the peer process did not start\n");
+    exit(1);
+  }
+  close(fds[0]);
+  return port;
 }
 
 static int bench_cmp(const void *a, const void *b) {

@@ -78,16 +78,8 @@ int main(int argc, char **argv) {
   printf("bench_staging: built without CUDA: skipped\n");
   return 0;
 #else
-  int fds[2];
-  if (pipe(fds)) return 1;
-  pid_t pid = fork(); /* before this process touches CUDA */
-  if (pid == 0) {
-    close(fds[0]);
-    receiver(fds[1]);
-  }
-  close(fds[1]);
-  int port;
-  if (read(fds[0], &port, sizeof port) != sizeof port) die("the receiver did not start", NULL);
+  pid_t pid;
+  int port = bench_spawn(receiver, &pid); /* before this process touches CUDA */
   if (port < 0) {
     waitpid(pid, NULL, 0);
     printf("bench_staging: no usable GPU: skipped\n");

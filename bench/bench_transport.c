@@ -187,16 +187,8 @@ static double perftest(const char *args, int col) {
 int main(int argc, char **argv) {
   const char *out = argc > 1 ? argv[1] : "build/bench.json";
   env();
-  int fds[2];
-  if (pipe(fds)) return 1;
-  pid_t pid = fork();
-  if (pid == 0) {
-    close(fds[0]);
-    peer(fds[1]);
-  }
-  close(fds[1]);
-  int port;
-  if (read(fds[0], &port, sizeof port) != sizeof port) die("the peer did not start", NULL);
+  pid_t pid;
+  int port = bench_spawn(peer, &pid);
   dp_transport_t *t;
   dp_endpoint_t *ep;
   dp_error_t e;

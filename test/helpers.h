@@ -7,9 +7,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "devpickle.h"
 #include "mem_reader.h"
+
+/* Sleeps ms milliseconds (the whole of them, signals or not). */
+static inline void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0) {
+  }
+}
 
 /* ---- a counting allocator that can fail the Nth allocation ---- */
 static _Atomic long t_live_blocks;

@@ -24,10 +24,6 @@ static void teardown(void) {
 }
 TestSuite(allocator, .init = setup, .fini = teardown);
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
 
 static dp_stream_t *stream(dp_device_t d) {
   dp_stream_t *s;

@@ -44,10 +44,6 @@ static dp_stream_t *current(dp_backend_t *b, dp_device_t d) {
   return s;
 }
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
 
 /* ---- slow producer, consumer on another stream ---- */
 

@@ -25,10 +25,6 @@ static void teardown(void) {
 }
 TestSuite(future, .init = setup, .fini = teardown);
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
 
 static dp_future_t *future(void) {
   dp_future_t *f;

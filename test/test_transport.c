@@ -389,11 +389,6 @@ Test(transport, user_objects_and_customs_round_trip_with_their_buffers) {
 
 /* ---- ordering against the host backend's streams ---- */
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-  while (nanosleep(&ts, &ts) != 0) {
-  }
-}
 
 typedef struct fill {
   uint8_t *p;
@@ -432,59 +427,6 @@ static void release_dev(void *ud, dp_device_t d, void *base, size_t n) {
   dp_device_dealloc(ud, d, base, NULL);
 }
 
-/* Sends a host:0 buffer that a slow host-stream task fills, as a future
- * completed on that stream; returns the peer's verdict. */
-static int send_after_slow_fill(void) {
-  peer_t p = spawn_peer(recv_filled, NULL, NULL);
-  dp_transport_t *t = new_transport(NULL);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  dp_backend_t *b;
-  OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));
-  dp_device_t dev = t_dev(DP_DEVICE_HOST, 0);
-  dp_stream_t *s;
-  OK(dp_stream_new(b, dev, &s, T_ERR));
-  size_t n = 1 << 20;
-  void *mem;
-  OK(dp_device_alloc(b, dev, n, &mem, T_ERR));
-  memset(mem, 0, n);
-  fill_t fill = {mem, n};
-  OK(dp_host_launch(s, slow_fill, &fill, T_ERR));
-  dp_storage_t *st;
-  OK(dp_storage_new(dev, mem, n, release_dev, b, &st, T_ERR));
-  dp_value_t v;
-  int64_t shape[1] = {(int64_t)n};
-  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, T_ERR));
-  dp_future_opts_t fo = {0};
-  fo.backend = b;
-  fo.no_hooks = 1;
-  dp_future_t *f, *d;
-  OK(dp_future_new(&fo, &f, T_ERR));
-  OK(dp_set_current_stream(s, NULL, T_ERR));
-  OK(dp_future_mark_completed(f, v, T_ERR));  /* its event follows the fill on s */
-  dp_reset_current_stream(b, dev);
-  OK(dp_endpoint_send_future(ep, f, &d, T_ERR));
-  dp_error_t e;
-  OK_WITH(&e, wait_f(d, &e));
-  OK(dp_stream_synchronize(s, T_ERR));
-  dp_future_release(d);
-  dp_future_release(f);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  int verdict = peer_wait(p);
-  dp_stream_free(s);
-  return verdict;
-}
-
-Test(transport, a_future_is_sent_only_after_its_events_so_the_bytes_are_the_producers) {
-  cr_assert_eq(send_after_slow_fill(), 0, "the receiver saw bytes written before the producer's work");
-}
-
-Test(transport, negative_control_a_sender_that_skips_the_events_sends_stale_bytes) {
-  dp__transport_skip_events = 1;
-  cr_assert_eq(send_after_slow_fill(), 20, "skipping the events went unnoticed: the ordering test is blind");
-}
-
-/* ---- staging: host:N memory staged as cuda memory is ---- */
 
 /* n bytes on host:dev (dev < 0: cpu), filled from seed */
 static dp_value_t dev_tensor(int dev, size_t nbytes, unsigned seed) {
@@ -502,6 +444,61 @@ static dp_value_t dev_tensor(int dev, size_t nbytes, unsigned seed) {
   OK(dp_tensor_new(s, DP_UINT8, 1, shape, NULL, 0, &t, T_ERR));
   return t;
 }
+
+/* Sends a host:0 buffer right after queueing a slow fill of it on a host
+ * stream: as a future completed on that stream (as_future), or with
+ * dp_endpoint_send while that stream is current. Returns the peer's
+ * verdict. */
+static int send_after_slow_fill(int as_future) {
+  peer_t p = spawn_peer(recv_filled, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_backend_t *b;
+  OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));
+  dp_device_t dev = t_dev(DP_DEVICE_HOST, 0);
+  dp_stream_t *s;
+  OK(dp_stream_new(b, dev, &s, T_ERR));
+  size_t n = (6 << 20) + 5; /* staged: two chunks */
+  dp_value_t v = dev_tensor(0, n, 1);
+  fill_t fill = {dp_storage_base(dp_tensor_storage(v)), n};
+  OK(dp_set_current_stream(s, NULL, T_ERR));
+  OK(dp_host_launch(s, slow_fill, &fill, T_ERR));
+  dp_future_t *f = NULL, *d;
+  if (as_future) {
+    dp_future_opts_t fo = {0};
+    fo.backend = b;
+    fo.no_hooks = 1;
+    OK(dp_future_new(&fo, &f, T_ERR));
+    OK(dp_future_mark_completed(f, dp_value_retain(v), T_ERR)); /* its event follows the fill on s */
+    OK(dp_endpoint_send_future(ep, f, &d, T_ERR));
+  } else {
+    OK(dp_endpoint_send(ep, v, &d, T_ERR)); /* ordered after the fill on s */
+  }
+  dp_reset_current_stream(b, dev);
+  dp_error_t e;
+  OK_WITH(&e, wait_f(d, &e));
+  OK(dp_stream_synchronize(s, T_ERR));
+  dp_future_release(d);
+  dp_future_release(f);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  int verdict = peer_wait(p);
+  dp_stream_free(s);
+  return verdict;
+}
+
+Test(transport, a_future_is_sent_only_after_its_events_so_the_bytes_are_the_producers) {
+  cr_assert_eq(send_after_slow_fill(1), 0, "the receiver saw bytes written before the producer's work");
+}
+
+Test(transport, negative_control_a_sender_that_skips_the_events_sends_stale_bytes) {
+  dp__transport_skip_events = 1;
+  cr_assert_eq(send_after_slow_fill(1), 20, "skipping the events went unnoticed: the ordering test is blind");
+}
+
+/* ---- staging: host:N memory staged as cuda memory is ---- */
+
 
 /* Runs of small buffers broken by device changes, an empty buffer, buffers
  * of one chunk and of many (more chunks than the sender has slots), and
@@ -576,51 +573,21 @@ Test(transport, without_same_host_slots_staged_pieces_travel_through_ucx_and_arr
   staged_round_trip(0);
 }
 
-/* Sends a host:0 buffer (staged) right after queueing a slow fill of it on
- * the calling thread's current stream, with dp_endpoint_send (no future);
- * returns the peer's verdict. */
-static int send_value_after_slow_fill(void) {
-  dp__transport_stage_host = 1;
-  peer_t p = spawn_peer(recv_filled, NULL, NULL);
-  dp_transport_t *t = new_transport(NULL);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  dp_backend_t *b;
-  OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));
-  dp_device_t dev = t_dev(DP_DEVICE_HOST, 0);
-  dp_stream_t *s;
-  OK(dp_stream_new(b, dev, &s, T_ERR));
-  size_t n = (6 << 20) + 5; /* two chunks */
-  dp_value_t v = dev_tensor(0, n, 1);
-  fill_t fill = {dp_storage_base(dp_tensor_storage(v)), n};
-  OK(dp_set_current_stream(s, NULL, T_ERR));
-  OK(dp_host_launch(s, slow_fill, &fill, T_ERR));
-  dp_future_t *d;
-  OK(dp_endpoint_send(ep, v, &d, T_ERR)); /* ordered after the fill on s */
-  dp_reset_current_stream(b, dev);
-  dp_error_t e;
-  OK_WITH(&e, wait_f(d, &e));
-  OK(dp_stream_synchronize(s, T_ERR));
-  dp_future_release(d);
-  dp_value_release(v);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  int verdict = peer_wait(p);
-  dp_stream_free(s);
-  return verdict;
-}
 
 Test(transport, a_staged_send_copies_after_the_work_queued_on_the_callers_current_stream) {
-  cr_assert_eq(send_value_after_slow_fill(), 0, "the receiver saw bytes written before the caller's work");
+  dp__transport_stage_host = 1;
+  cr_assert_eq(send_after_slow_fill(0), 0, "the receiver saw bytes written before the caller's work");
 }
 
 Test(transport, negative_control_staging_copies_that_skip_the_callers_stream_send_stale_bytes) {
+  dp__transport_stage_host = 1;
   dp__transport_skip_events = 1;
-  cr_assert_eq(send_value_after_slow_fill(), 20, "skipping the wait went unnoticed: the ordering test is blind");
+  cr_assert_eq(send_after_slow_fill(0), 20, "skipping the wait went unnoticed: the ordering test is blind");
 }
 
 Test(transport, a_staged_future_is_sent_only_after_its_events) {
   dp__transport_stage_host = 1;
-  cr_assert_eq(send_after_slow_fill(), 0, "the receiver saw bytes written before the producer's work");
+  cr_assert_eq(send_after_slow_fill(1), 0, "the receiver saw bytes written before the producer's work");
 }
 
 /* peer: receives one value, and closes its endpoint at once (-1) */

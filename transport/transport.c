@@ -67,6 +67,7 @@ struct seg {
 
 struct ctl {
   ctl_t *next;
+  dp_transport_t *t;        /* for the send's callback */
   unsigned id;
   size_t hlen;
   uint64_t hdr[(sizeof(dp__am_shm_offer_t) + 7) / 8];
@@ -81,6 +82,13 @@ struct rdone {
 };
 
 enum { SHM_NONE, SHM_OFFERED, SHM_YES, SHM_NO };
+
+/* A message id and its transport: the argument of UCX's handler for it. */
+#define AM_IDS 6
+typedef struct amh {
+  dp_transport_t *t;
+  unsigned id;
+} amh_t;
 
 typedef struct pool {
   slot_t *free;
@@ -261,6 +269,7 @@ struct dp_transport {
   struct rctx *rx_wait_head, *rx_wait_tail;  /* rendezvous pieces waiting for a receive slot */
   rdone_t *rdone;               /* copies out of peers' slots */
   int shm_on;                   /* offer same-host slots (DEVPICKLE_TRANSPORT_SHM) */
+  amh_t amh[AM_IDS];            /* the active-message handlers' arguments */
   piece_t *orphans;             /* pieces of failed sends whose copies run */
   size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
@@ -548,7 +557,7 @@ static void ctl_free_all(dp_endpoint_t *ep) {
 static void ctl_cb(void *req, ucs_status_t st, void *ud) {
   ctl_t *c = ud;
   (void)st; /* a lost control message is the endpoint's failure, reported on its own */
-  dp_transport_t *t = (dp_transport_t *)c->next;
+  dp_transport_t *t = c->t;
   t->nreq--;
   ucp_request_free(req);
   dp__free(c, sizeof *c);
@@ -561,7 +570,7 @@ static void ctl_flush(dp_transport_t *t, dp_endpoint_t *ep) {
     ctl_t *c = ep->ctl_head;
     ep->ctl_head = c->next;
     if (!ep->ctl_head) ep->ctl_tail = NULL;
-    c->next = (ctl_t *)t; /* the callback's way back */
+    c->t = t;
     ucp_request_param_t p;
     memset(&p, 0, sizeof p);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -615,8 +624,9 @@ static void shm_offer(dp_transport_t *t, dp_endpoint_t *ep) {
   ctl_queue(ep, DP__AM_SHM_OFFER, &o, sizeof o);
 }
 
-/* An offer unanswered in time (a peer stopped, or one that does not know
- * it) is withdrawn: its name would outlive this process if it were killed. */
+/* An offer refused, or unanswered in time (a peer stopped, or one that does
+ * not know it), is withdrawn: its name would outlive this process if it
+ * were killed. */
 static void shm_withdraw(dp_endpoint_t *ep) {
   dp__shm_unlink(ep->seg->shm);
   seg_unref(ep->seg); /* no slot of it was used yet */
@@ -1452,13 +1462,12 @@ static int shm_in(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m, const dp__am_
   return 0;
 }
 
-static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
-  rctx_t *c = ud;
+/* A pulled piece (c) arrived, or failed: its bytes go to their buffers
+ * (scattered, or staged out of its slot), and the message may be complete.
+ * -1 when the endpoint failed. */
+static int recv_done(rctx_t *c, ucs_status_t st) {
   rmsg_t *m = c->m;
   dp_transport_t *t = c->t;
-  (void)len;
-  ucp_request_free(req);
-  t->nreq--;
   int live = st == UCS_OK && !m->detached && !m->failed;
   if (live && c->tmp) scatter(m, c->h.first, c->h.count, c->tmp);
   if (c->tmp) dp__free(c->tmp, c->tmplen);
@@ -1470,14 +1479,23 @@ static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   if (sl && !live) slot_put(t, &t->rx, sl);
   if (m->detached) {
     if (!m->pending) rmsg_free(m);
-    return;
+    return 0;
   }
   if (st != UCS_OK) {
     ep_failf(ep, DP_EIO, "receiving a buffer failed (%s)", ucs_status_string(st));
-    return;
+    return -1;
   }
-  if (sl && live && stage_in(t, ep, m, &h, sl)) return;
+  if (sl && live && stage_in(t, ep, m, &h, sl)) return -1;
   deliver(t, ep);
+  return 0;
+}
+
+static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
+  rctx_t *c = ud;
+  (void)len;
+  ucp_request_free(req);
+  c->t->nreq--;
+  recv_done(c, st);
 }
 
 typedef struct drain {
@@ -1554,22 +1572,7 @@ static int post_recv(dp_transport_t *t, rctx_t *c, void *data) {
     t->nreq++;
     return 0;
   }
-  /* done at once (or failed): the callback is not called */
-  ucs_status_t st = UCS_PTR_STATUS(r);
-  dp__am_bufs_hdr_t hh = *h;
-  slot_t *sl = c->slot;
-  if (st == UCS_OK && c->tmp) scatter(m, hh.first, hh.count, c->tmp);
-  if (c->tmp) dp__free(c->tmp, c->tmplen);
-  dp__free(c, sizeof *c);
-  m->pending--;
-  if (st != UCS_OK) {
-    if (sl) slot_put(t, &t->rx, sl);
-    ep_failf(ep, DP_EIO, "receiving a buffer failed (%s)", ucs_status_string(st));
-    return -1;
-  }
-  if (sl && stage_in(t, ep, m, &hh, sl)) return -1;
-  deliver(t, ep);
-  return 0;
+  return recv_done(c, UCS_PTR_STATUS(r)); /* done at once, or failed: no callback comes */
 }
 
 /* A buffers message: checked against the frame's table (the next buffer,
@@ -1865,21 +1868,6 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   return UCS_INPROGRESS;
 }
 
-static ucs_status_t am_frame_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
-                                const ucp_am_recv_param_t *param) {
-  return am_any(arg, DP__AM_FRAME, hdr, hlen, data, len, param);
-}
-
-static ucs_status_t am_bufs_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
-                               const ucp_am_recv_param_t *param) {
-  return am_any(arg, DP__AM_BUFS, hdr, hlen, data, len, param);
-}
-
-static ucs_status_t am_piece_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
-                                const ucp_am_recv_param_t *param) {
-  return am_any(arg, DP__AM_SHM_PIECE, hdr, hlen, data, len, param);
-}
-
 /* The peer's offer of its segment: mapped if it is on this host and is
  * what the offer says; answered either way. */
 static void on_offer(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_shm_offer_t *o) {
@@ -1930,10 +1918,13 @@ static ucs_status_t am_ctl(dp_transport_t *t, unsigned id, const void *hdr, size
     } else if (ep->shm_state != SHM_OFFERED || c->token != dp__shm_token(ep->seg->shm)) {
       ep_failf(ep, DP_EFORMAT, "%s", "a reply to no offer of shared slots");
     } else {
-      dp__shm_unlink(ep->seg->shm); /* mapped there, or never will be */
       ep->offer_token = 0;
-      ep->shm_state = c->value == 1 ? SHM_YES : SHM_NO;
-      if (ep->shm_state == SHM_NO) seg_unref(ep->seg), ep->seg = NULL;
+      if (c->value != 1) {
+        shm_withdraw(ep);
+      } else {
+        dp__shm_unlink(ep->seg->shm); /* mapped there: the name is done with */
+        ep->shm_state = SHM_YES;
+      }
     }
   } else {
     on_done(t, ep, c->value);
@@ -1941,19 +1932,13 @@ static ucs_status_t am_ctl(dp_transport_t *t, unsigned id, const void *hdr, size
   return UCS_OK;
 }
 
-static ucs_status_t am_offer_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
-                                const ucp_am_recv_param_t *param) {
-  return am_ctl(arg, DP__AM_SHM_OFFER, hdr, hlen, data, len, param);
-}
-
-static ucs_status_t am_reply_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
-                                const ucp_am_recv_param_t *param) {
-  return am_ctl(arg, DP__AM_SHM_REPLY, hdr, hlen, data, len, param);
-}
-
-static ucs_status_t am_done_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
-                               const ucp_am_recv_param_t *param) {
-  return am_ctl(arg, DP__AM_SHM_DONE, hdr, hlen, data, len, param);
+/* Every active message: its id is the handler's (amh_t, one a message id). */
+static ucs_status_t am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                          const ucp_am_recv_param_t *param) {
+  const amh_t *h = arg;
+  if (h->id == DP__AM_FRAME || h->id == DP__AM_BUFS || h->id == DP__AM_SHM_PIECE)
+    return am_any(h->t, h->id, hdr, hlen, data, len, param);
+  return am_ctl(h->t, h->id, hdr, hlen, data, len, param);
 }
 
 /* ---- the progress thread ---- */
@@ -2364,21 +2349,13 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                     UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
     hp.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
-    hp.arg = t;
-    hp.id = DP__AM_FRAME;
-    hp.cb = am_frame_cb;
-    st = ucp_worker_set_am_recv_handler(t->worker, &hp);
-    const struct {
-      unsigned id;
-      ucp_am_recv_callback_t cb;
-    } more[] = {{DP__AM_BUFS, am_bufs_cb},
-                {DP__AM_SHM_PIECE, am_piece_cb},
-                {DP__AM_SHM_OFFER, am_offer_cb},
-                {DP__AM_SHM_REPLY, am_reply_cb},
-                {DP__AM_SHM_DONE, am_done_cb}};
-    for (size_t i = 0; i < sizeof more / sizeof *more && st == UCS_OK; i++) {
-      hp.id = more[i].id;
-      hp.cb = more[i].cb;
+    hp.cb = am_cb;
+    static const unsigned ids[AM_IDS] = {DP__AM_FRAME,     DP__AM_BUFS,      DP__AM_SHM_PIECE,
+                                         DP__AM_SHM_OFFER, DP__AM_SHM_REPLY, DP__AM_SHM_DONE};
+    for (size_t i = 0; i < AM_IDS && st == UCS_OK; i++) {
+      t->amh[i] = (amh_t){t, ids[i]};
+      hp.id = ids[i];
+      hp.arg = &t->amh[i];
       st = ucp_worker_set_am_recv_handler(t->worker, &hp);
     }
   }

@@ -15,25 +15,9 @@
 #include <time.h>
 
 #include "devpickle.h"
+#include "check.h"
 
-static int failures, passes;
 
-#define CHECK(cond, ...)                                    \
-  do {                                                      \
-    if (!(cond)) {                                          \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);  \
-      fprintf(stderr, __VA_ARGS__);                         \
-      fputc('\n', stderr);                                  \
-      return 1;                                             \
-    }                                                       \
-  } while (0)
-
-static void run(const char *name, int (*fn)(void)) {
-  int rc = fn();
-  if (rc) failures++; else passes++;
-  printf("%s %s\n", rc ? "FAIL" : "ok  ", name);
-  dp_shutdown();
-}
 
 /* A pool stream of d (NULL when none can be had: the scenario then fails). */
 static dp_stream_t *pool(dp_backend_t *b, dp_device_t d) {

@@ -10,21 +10,11 @@
 #include <string.h>
 
 #include "devpickle.h"
+#include "check.h"
 
 #define SEC 1000000000ll
 #define PER_THREAD 300
 
-static int failures, passes;
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fputc('\n', stderr);                                 \
-      return 1;                                            \
-    }                                                      \
-  } while (0)
 
 static void free_cb(void *ud, dp_device_t d, void *base, size_t n) {
   (void)ud, (void)d, (void)n;
@@ -126,14 +116,6 @@ static int scenario_refused(void) {
   return 0;
 }
 
-static void run(const char *name, int (*fn)(void)) {
-  int rc = fn();
-  if (rc) failures++;
-  else passes++;
-  printf("%s %s\n", rc ? "FAIL" : "ok  ", name);
-  dp_value_collect();
-  dp_shutdown();
-}
 
 int main(void) {
   setenv("UCX_TLS", "tcp,posix,sysv,self", 0);
