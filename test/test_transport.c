@@ -316,6 +316,51 @@ Test(transport, ten_thousand_small_messages_in_flight_arrive_complete_and_in_ord
   cr_assert_eq(peer_wait(p), 0);
 }
 
+/* ---- the same-host lane ---- */
+
+/* Round trips n small values with an echoing peer; returns how many
+ * messages this process received on same-host lanes meanwhile. */
+static unsigned long lane_round_trips(long n) {
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)n, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  unsigned long before = atomic_load(&dp__transport_lane_msgs);
+  dp_error_t e;
+  for (long i = 0; i < n; i++) {
+    dp_future_t *d, *r;
+    OK(dp_endpoint_send(ep, dp_int(i), &d, T_ERR));
+    OK(dp_endpoint_recv(ep, &r, T_ERR));
+    OK_WITH(&e, wait_f(r, &e));
+    cr_assert_eq(dp_value_as_int(dp_future_value(r)), i);
+    OK_WITH(&e, wait_f(d, &e));
+    dp_future_release(d);
+    dp_future_release(r);
+  }
+  unsigned long got = atomic_load(&dp__transport_lane_msgs) - before;
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  return got;
+}
+
+Test(transport, small_messages_between_processes_on_one_host_travel_on_the_same_host_lane) {
+  /* the lane is made during the first round trips: every echo after them comes on it */
+  unsigned long got = lane_round_trips(200);
+  cr_assert_geq(got, 190, "%lu of 200 echoes came on the lane", got);
+}
+
+Test(transport, without_shared_memory_in_ucx_tls_there_is_no_lane_and_values_still_arrive) {
+  setenv("UCX_TLS", "tcp,self", 1);
+  unsigned long got = lane_round_trips(50);
+  cr_assert_eq(got, 0, "%lu messages came on a lane", got);
+}
+
+Test(transport, devpickle_transport_shm_0_turns_the_lane_off) {
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  unsigned long got = lane_round_trips(50);
+  cr_assert_eq(got, 0, "%lu messages came on a lane", got);
+}
+
 /* ---- user objects and customs ---- */
 
 typedef struct point {
@@ -692,8 +737,9 @@ static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   dp__am_shm_piece_t ph = {c->h, 0};
   ph.b.magic = DP__WIRE_MAGIC;
   dp__am_shm_ctl_t done = {DP__WIRE_MAGIC, 3, 0};
-  if (c->id == DP__AM_SHM_DONE) {
-    if (dp__endpoint_send_raw(ep, DP__AM_SHM_DONE, &done, sizeof done, NULL, 0, &e)) return 14;
+  if (c->id == DP__AM_SHM_DONE || c->id == DP__AM_LANE_HELLO) {
+    done.value = c->id == DP__AM_LANE_HELLO ? 1 : done.value;
+    if (dp__endpoint_send_raw(ep, c->id, &done, sizeof done, NULL, 0, &e)) return 14;
   } else if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) {
     return 12;
   } else if (c->id == DP__AM_SHM_PIECE ? dp__endpoint_send_raw(ep, DP__AM_SHM_PIECE, &ph, sizeof ph, NULL, 0, &e)
@@ -752,6 +798,12 @@ Test(transport, a_piece_announced_in_shared_slots_never_offered_is_refused) {
 
 Test(transport, a_slot_given_back_that_was_never_lent_fails_the_endpoint) {
   crafted_fails((crafted_t){0, {0, 0, 0, 0, 0, 0, 0}, 0, DP__AM_SHM_DONE}, "a slot given back that was not lent");
+}
+
+Test(transport, a_same_host_lane_message_the_protocol_does_not_expect_fails_the_endpoint) {
+  /* a HELLO is the connector's answer: an acceptor never sends one */
+  crafted_fails((crafted_t){0, {0, 0, 0, 0, 0, 0, 0}, 0, DP__AM_LANE_HELLO},
+                "a same-host lane message the protocol does not expect");
 }
 
 Test(transport, a_piece_that_can_never_be_next_is_refused_at_once_not_parked_forever) {

@@ -80,6 +80,24 @@ typedef struct dp__am_shm_piece {
   uint64_t slot;
 } dp__am_shm_piece_t;
 
+/* SAME-HOST LANE. UCX 1.13 puts no shared-memory transport on an endpoint
+ * that asks for the peer's failure to be reported (UCP_ERR_HANDLING_MODE_PEER),
+ * and the connection-manager endpoint must ask for it. So each endpoint of a
+ * pair on one host also gets a worker of its own on a context limited to
+ * shared memory (posix, sysv) and an endpoint without error handling
+ * between those two workers (the lane). The acceptor sends its lane
+ * worker's address (LANE_ADDR: a ctl header, value = the address's length,
+ * the address as data); the connector makes an endpoint to it and sends
+ * LANE_HELLO value 1 on it, or value 0 on the connection (no lane: another
+ * host, or no shared memory). Messages of at most DP__LANE_MAX bytes
+ * (header and data) then go on the lane, eagerly; larger ones, and every
+ * rendezvous, on the connection, whose failure stays the endpoint's
+ * failure. The receiver orders both by sequence, as it does anyway. */
+#define DP__AM_LANE_ADDR 0x44506u
+#define DP__AM_LANE_HELLO 0x44507u
+#define DP__LANE_MAX 8192u
+#define DP__LANE_ADDR_MAX 4096u
+
 /* ---- test hooks (never set in production) ---- */
 /** 1: send_future reads the buffers as soon as the future completes,
  *  WITHOUT waiting for its events, and dp_endpoint_send's staging copies
@@ -92,6 +110,8 @@ extern int dp__transport_skip_events;
 extern int dp__transport_stage_host;
 /** Pieces this process received through same-host slots (tests read it). */
 extern _Atomic unsigned long dp__transport_shm_pieces;
+/** Messages this process received on same-host lanes (tests read it). */
+extern _Atomic unsigned long dp__transport_lane_msgs;
 /** Queues one raw active message (id, header, data as given) on ep, for
  *  tests that put garbage on the wire. A frame header (DP__AM_FRAME, of its
  *  size) gets the endpoint's next sequence number, as a real send would. */

@@ -31,6 +31,7 @@
 int dp__transport_skip_events;
 int dp__transport_stage_host;
 _Atomic unsigned long dp__transport_shm_pieces;
+_Atomic unsigned long dp__transport_lane_msgs;
 
 /* ---- objects ---- */
 
@@ -71,6 +72,8 @@ struct ctl {
   unsigned id;
   size_t hlen;
   uint64_t hdr[(sizeof(dp__am_shm_offer_t) + 7) / 8];
+  void *data;               /* LANE_ADDR: the address (owned) */
+  size_t dlen;
 };
 
 struct rdone {
@@ -83,12 +86,16 @@ struct rdone {
 
 enum { SHM_NONE, SHM_OFFERED, SHM_YES, SHM_NO };
 
-/* A message id and its transport: the argument of UCX's handler for it. */
-#define AM_IDS 6
+/* A message id and its transport: the argument of UCX's handler for it;
+ * on a lane's worker, also the endpoint (the lane's messages are its). */
+#define AM_IDS 8
 typedef struct amh {
   dp_transport_t *t;
   unsigned id;
+  dp_endpoint_t *ep;
 } amh_t;
+
+enum { LANE_NONE, LANE_WAIT, LANE_ON };
 
 typedef struct pool {
   slot_t *free;
@@ -173,6 +180,7 @@ struct inbox {
                                                                            : sizeof(dp__am_frame_hdr_t)) / 8];
   size_t hlen;
   void *data;               /* a UCX data descriptor (persistent or rendezvous) */
+  ucp_worker_h w;           /* the worker it came from (the lane's, or the transport's) */
   size_t len;
   int rndv;
 };
@@ -218,6 +226,18 @@ struct dp_endpoint {
   int dead;                 /* failed: UCX ep closed or closing */
   int need_close;           /* failed inside a UCX callback: close from the loop */
   int established;          /* the peer answered once */
+  int acceptor;             /* accepted on a listener (else connected) */
+  /* the same-host lane (internal.h): a worker of its own and an endpoint
+     without error handling; the connection reports the peer's failure */
+  int lane;                 /* LANE_*: WAIT, the acceptor's address sent, no answer yet */
+  ucp_worker_h dw;
+  int dw_fd;
+  ucp_ep_h dep;             /* the connector's own; the acceptor's is UCX's reply endpoint */
+  void *dclose_req;
+  void *lane_addr;          /* the connector: the peer's lane address, to connect from the loop */
+  size_t lane_addr_len;
+  int lane_drop;            /* the acceptor: refused; its worker goes from the loop */
+  amh_t lamh[AM_IDS];
 };
 
 struct dp_listener {
@@ -270,6 +290,9 @@ struct dp_transport {
   rdone_t *rdone;               /* copies out of peers' slots */
   int shm_on;                   /* offer same-host slots (DEVPICKLE_TRANSPORT_SHM) */
   amh_t amh[AM_IDS];            /* the active-message handlers' arguments */
+  ucp_context_h lctx;           /* same-host lanes' (shared memory only); NULL: no lanes */
+  struct pollfd *pfd;           /* the loop's descriptors while it sleeps */
+  size_t pfd_cap;
   piece_t *orphans;             /* pieces of failed sends whose copies run */
   size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
@@ -529,27 +552,45 @@ static int slot_mark(dp_transport_t *t, slot_t *sl, dp_stream_t *s, dp_error_t *
 static void sop_free(sop_t *s);
 
 static void ep_failf(dp_endpoint_t *ep, int code, const char *fmt, const char *detail);
+static void lane_close(dp_endpoint_t *ep, int force);
 
-/* Queues a control message; the loop sends it (never from a UCX callback). */
-static void ctl_queue(dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen) {
+static void ctl_free(ctl_t *c) {
+  if (c->data) dp__free(c->data, c->dlen);
+  dp__free(c, sizeof *c);
+}
+
+/* Queues a control message (its header, and data copied when n > 0); the
+ * loop sends it (never from a UCX callback). */
+static void ctl_queue_data(dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen, const void *data,
+                           size_t n) {
   ctl_t *c = dp__alloc(sizeof *c);
+  if (c) {
+    memset(c, 0, sizeof *c);
+    c->data = n ? dp__alloc(n) : NULL;
+    if (n && !c->data) dp__free(c, sizeof *c), c = NULL;
+  }
   if (!c) {
     ep_failf(ep, DP_ENOMEM, "%s", "out of memory for a control message");
     return;
   }
-  memset(c, 0, sizeof *c);
   c->id = id;
   c->hlen = hlen;
   memcpy(c->hdr, hdr, hlen);
+  if (n) memcpy(c->data, data, n);
+  c->dlen = n;
   if (ep->ctl_tail) ep->ctl_tail->next = c;
   else ep->ctl_head = c;
   ep->ctl_tail = c;
 }
 
+static void ctl_queue(dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen) {
+  ctl_queue_data(ep, id, hdr, hlen, NULL, 0);
+}
+
 static void ctl_free_all(dp_endpoint_t *ep) {
   for (ctl_t *c = ep->ctl_head, *n; c; c = n) {
     n = c->next;
-    dp__free(c, sizeof *c);
+    ctl_free(c);
   }
   ep->ctl_head = ep->ctl_tail = NULL;
 }
@@ -560,7 +601,18 @@ static void ctl_cb(void *req, ucs_status_t st, void *ud) {
   dp_transport_t *t = c->t;
   t->nreq--;
   ucp_request_free(req);
-  dp__free(c, sizeof *c);
+  ctl_free(c);
+}
+
+/* Where a message of n bytes (header and data) goes: on the same-host lane,
+ * eagerly, when there is one and the message is small; else on the
+ * connection. */
+static ucp_ep_h route(const dp_endpoint_t *ep, size_t n, uint32_t *flags) {
+  if (ep->lane == LANE_ON && n <= DP__LANE_MAX && !(*flags & UCP_AM_SEND_FLAG_RNDV)) {
+    *flags |= UCP_AM_SEND_FLAG_EAGER;
+    return ep->dep;
+  }
+  return ep->ep;
 }
 
 static void ep_fail_status(dp_endpoint_t *ep, ucs_status_t st);
@@ -577,12 +629,13 @@ static void ctl_flush(dp_transport_t *t, dp_endpoint_t *ep) {
     p.cb.send = ctl_cb;
     p.user_data = c;
     p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t r = ucp_am_send_nbx(ep->ep, c->id, c->hdr, c->hlen, NULL, 0, &p);
+    ucp_ep_h to = route(ep, c->hlen + c->dlen, &p.flags);
+    ucs_status_ptr_t r = ucp_am_send_nbx(to, c->id, c->hdr, c->hlen, c->data, c->dlen, &p);
     if (UCS_PTR_IS_PTR(r)) {
       t->nreq++;
       continue;
     }
-    dp__free(c, sizeof *c);
+    ctl_free(c);
     if (r != NULL) ep_fail_status(ep, UCS_PTR_STATUS(r));
   }
 }
@@ -697,7 +750,8 @@ static void rmsg_free(rmsg_t *m) {
  * endpoint being closed outlives it in UCX 1.13, which then asserts when the
  * worker goes; UCX's descriptor is reclaimed with the worker.) */
 static void inbox_drop(dp_transport_t *t, inbox_t *b) {
-  if (b->data) ucp_am_data_release(t->worker, b->data);
+  (void)t;
+  if (b->data) ucp_am_data_release(b->w, b->data);
   dp__free(b, sizeof *b);
 }
 
@@ -767,12 +821,13 @@ static void ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
   ep->nparked = 0;
   ep->held = ep->inflight = 0;
   /* UCX is not re-entered from its own callbacks: the loop closes it */
-  if (ep->ep && !ep->dead) ep->need_close = 1;
+  if ((ep->ep || ep->dep) && !ep->dead) ep->need_close = 1;
   ep->dead = 1;
 }
 
 static void ep_force_close(dp_endpoint_t *ep) {
   ep->need_close = 0;
+  lane_close(ep, 1);
   if (!ep->ep) return;
   ucp_request_param_t p = {0};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -800,7 +855,12 @@ static void ep_fail_status(dp_endpoint_t *ep, ucs_status_t st) {
 
 static void ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t st) {
   (void)uep;
-  ep_fail_status(arg, st);
+  dp_endpoint_t *ep = arg;
+  /* what the peer put on the lane before it went is read first */
+  if (ep->dw && !ep->dead)
+    while (ucp_worker_progress(ep->dw) && !ep->dead) {
+    }
+  ep_fail_status(ep, st);
 }
 
 /* ---- endpoints ---- */
@@ -843,6 +903,120 @@ static dp_endpoint_t *ep_find(dp_transport_t *t, ucp_ep_h uep) {
   return NULL;
 }
 
+/* ---- the same-host lane (internal.h) ---- */
+
+static const unsigned am_ids[AM_IDS] = {DP__AM_FRAME,     DP__AM_BUFS,      DP__AM_SHM_PIECE, DP__AM_SHM_OFFER,
+                                        DP__AM_SHM_REPLY, DP__AM_SHM_DONE,  DP__AM_LANE_ADDR, DP__AM_LANE_HELLO};
+
+static ucs_status_t am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                          const ucp_am_recv_param_t *param);
+
+/* Sets every message's handler on w; amh[i] is its argument. */
+static ucs_status_t set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep) {
+  ucp_am_handler_param_t hp;
+  memset(&hp, 0, sizeof hp);
+  hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  hp.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
+  hp.cb = am_cb;
+  ucs_status_t st = UCS_OK;
+  for (size_t i = 0; i < AM_IDS && st == UCS_OK; i++) {
+    amh[i] = (amh_t){t, am_ids[i], ep};
+    hp.id = am_ids[i];
+    hp.arg = &amh[i];
+    st = ucp_worker_set_am_recv_handler(w, &hp);
+  }
+  return st;
+}
+
+static ucs_status_t new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd) {
+  ucp_worker_params_t wp;
+  memset(&wp, 0, sizeof wp);
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucs_status_t st = ucp_worker_create(ctx, &wp, w);
+  if (st != UCS_OK) *w = NULL;
+  else if ((st = ucp_worker_get_efd(*w, fd)) != UCS_OK) ucp_worker_destroy(*w), *w = NULL;
+  return st;
+}
+
+/* The endpoint's lane worker; 0 when made. */
+static int lane_worker(dp_transport_t *t, dp_endpoint_t *ep) {
+  if (new_worker(t->lctx, &ep->dw, &ep->dw_fd) != UCS_OK) return -1;
+  if (set_handlers(ep->dw, ep->lamh, t, ep) == UCS_OK) return 0;
+  ucp_worker_destroy(ep->dw);
+  ep->dw = NULL;
+  return -1;
+}
+
+/* The acceptor's side: its lane worker's address goes to the connector.
+ * Without one (no lanes here, or UCX refused) nothing is sent, and the
+ * endpoint stays on its connection. */
+static void lane_offer(dp_transport_t *t, dp_endpoint_t *ep) {
+  if (!t->lctx || lane_worker(t, ep)) return;
+  ucp_address_t *a = NULL;
+  size_t n = 0;
+  if (ucp_worker_get_address(ep->dw, &a, &n) != UCS_OK || n > DP__LANE_ADDR_MAX) {
+    if (a) ucp_worker_release_address(ep->dw, a);
+    ucp_worker_destroy(ep->dw);
+    ep->dw = NULL;
+    return;
+  }
+  dp__am_shm_ctl_t h = {DP__WIRE_MAGIC, (uint32_t)n, 0};
+  ctl_queue_data(ep, DP__AM_LANE_ADDR, &h, sizeof h, a, n);
+  ucp_worker_release_address(ep->dw, a);
+  ep->lane = LANE_WAIT;
+}
+
+/* The connector's side, from the loop: an endpoint to the acceptor's lane
+ * worker (UCX refuses one to another host), and the answer: HELLO 1 on
+ * the lane, else HELLO 0 on the connection. */
+static void lane_connect(dp_transport_t *t, dp_endpoint_t *ep) {
+  void *a = ep->lane_addr;
+  ep->lane_addr = NULL;
+  int ok = lane_worker(t, ep) == 0;
+  if (ok) {
+    ucp_ep_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    p.address = a;
+    p.err_mode = UCP_ERR_HANDLING_MODE_NONE; /* shared memory has no other in UCX 1.13 */
+    if (ucp_ep_create(ep->dw, &p, &ep->dep) != UCS_OK) {
+      ep->dep = NULL;
+      ucp_worker_destroy(ep->dw);
+      ep->dw = NULL;
+      ok = 0;
+    }
+  }
+  dp__free(a, ep->lane_addr_len);
+  if (ok) ep->lane = LANE_ON;
+  dp__am_shm_ctl_t h = {DP__WIRE_MAGIC, (uint32_t)ok, 0};
+  ctl_queue(ep, DP__AM_LANE_HELLO, &h, sizeof h);
+}
+
+/* Closes the lane's endpoint (force: its requests fail; else flushed);
+ * the worker goes when the endpoint is freed. */
+static void lane_close(dp_endpoint_t *ep, int force) {
+  ep->lane = LANE_NONE;
+  if (!ep->dep) return;
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  if (force) {
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  }
+  void *r = ucp_ep_close_nbx(ep->dep, &p);
+  ep->dep = NULL;
+  if (UCS_PTR_IS_PTR(r)) ep->dclose_req = r;
+}
+
+/* An endpoint's memory, once UCX let go of it. */
+static void ep_free_mem(dp_endpoint_t *ep) {
+  if (ep->lane_addr) dp__free(ep->lane_addr, ep->lane_addr_len);
+  if (ep->dw) ucp_worker_destroy(ep->dw);
+  dp__free(ep, sizeof *ep);
+}
+
 static void on_conn(ucp_conn_request_h req, void *arg) {
   dp_listener_t *l = arg;
   dp_transport_t *t = l->t;
@@ -866,6 +1040,8 @@ static void on_conn(ucp_conn_request_h req, void *arg) {
     return;
   }
   ep->established = 1; /* the peer asked for it */
+  ep->acceptor = 1;
+  lane_offer(t, ep);
   ep_link(t, ep);
   pthread_mutex_lock(&t->mu);
   if (l->acc_tail) l->acc_tail->acc_next = ep;
@@ -938,7 +1114,8 @@ static int post_msg(sop_t *s, piece_t *pc, unsigned id, const void *hdr, size_t 
   p.cb.send = pc ? piece_cb : send_cb;
   p.user_data = pc ? (void *)pc : (void *)s;
   p.flags = UCP_AM_SEND_FLAG_REPLY | flags;
-  ucs_status_ptr_t r = ucp_am_send_nbx(ep->ep, id, hdr, hlen, data, n, &p);
+  ucp_ep_h to = route(ep, hlen + n, &p.flags);
+  ucs_status_ptr_t r = ucp_am_send_nbx(to, id, hdr, hlen, data, n, &p);
   if (UCS_PTR_IS_PTR(r)) {
     s->outstanding++;
     ep->t->nreq++;
@@ -1775,7 +1952,7 @@ static void ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
     void *data = b->data;
     b->data = NULL;
     process(t, ep, b->id, b->hdr, data, b->len, b->rndv);
-    if (!b->rndv && data) ucp_am_data_release(t->worker, data); /* rendezvous data went to on_bufs */
+    if (!b->rndv && data) ucp_am_data_release(b->w, data); /* rendezvous data went to on_bufs */
     dp__free(b, sizeof *b);
   }
 }
@@ -1797,18 +1974,10 @@ static int bufs_hdr_ok(const void *hdr) {
   return h.offset < h.size && h.total <= h.size - h.offset;
 }
 
-static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size_t hlen, void *data, size_t len,
-                           const ucp_am_recv_param_t *param) {
+static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w, unsigned id, const void *hdr,
+                           size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
   int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   int persistent = rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
-  dp_endpoint_t *ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? ep_find(t, param->reply_ep) : NULL;
-  if (ep) ep->established = 1;
-  if (!ep) {
-    /* from an endpoint failed or closed here (UCX still has it, as it
-       names it): dropped */
-    if (rndv) ucp_am_data_release(t->worker, data);
-    return UCS_OK;
-  }
   size_t want = id == DP__AM_FRAME   ? sizeof(dp__am_frame_hdr_t)
                 : id == DP__AM_BUFS ? sizeof(dp__am_bufs_hdr_t)
                                     : sizeof(dp__am_shm_piece_t);
@@ -1848,6 +2017,7 @@ static ucs_status_t am_any(dp_transport_t *t, unsigned id, const void *hdr, size
   memcpy(b->hdr, hdr, hlen);
   b->hlen = hlen;
   b->data = persistent ? data : NULL; /* no data: nothing to keep */
+  b->w = w;
   b->len = len;
   b->rndv = rndv;
   inbox_t *at = ep->in_tail;
@@ -1893,23 +2063,56 @@ static void on_done(dp_transport_t *t, dp_endpoint_t *ep, uint32_t i) {
   sent(s, UCS_OK);
 }
 
-/* OFFER, REPLY, DONE: handled on arrival. */
-static ucs_status_t am_ctl(dp_transport_t *t, unsigned id, const void *hdr, size_t hlen, void *data, size_t len,
-                           const ucp_am_recv_param_t *param) {
-  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ucp_am_data_release(t->worker, data);
-  dp_endpoint_t *ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? ep_find(t, param->reply_ep) : NULL;
-  if (!ep || ep->dead) return UCS_OK;
-  ep->established = 1;
+/* The lane's messages: the acceptor's address (to the connector, on the
+ * connection) and the connector's answer (on the lane, or "no" on the
+ * connection). */
+static void on_lane(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const dp__am_shm_ctl_t *c, const void *data,
+                    size_t len, const ucp_am_recv_param_t *param, int on_lane_worker) {
+  if (id == DP__AM_LANE_ADDR && !on_lane_worker && !ep->acceptor && ep->lane == LANE_NONE && !ep->dw &&
+      !ep->lane_addr && data && len == c->value && len > 0 && len <= DP__LANE_ADDR_MAX) {
+    if (!t->lctx) { /* no lanes here */
+      dp__am_shm_ctl_t no = {DP__WIRE_MAGIC, 0, 0};
+      ctl_queue(ep, DP__AM_LANE_HELLO, &no, sizeof no);
+      return;
+    }
+    ep->lane_addr = dp__alloc(len);
+    if (!ep->lane_addr) {
+      ep_failf(ep, DP_ENOMEM, "%s", "out of memory for the peer's lane address");
+      return;
+    }
+    memcpy(ep->lane_addr, data, len);
+    ep->lane_addr_len = len;
+    return;
+  }
+  if (id == DP__AM_LANE_HELLO && ep->acceptor && ep->lane == LANE_WAIT && !len && c->value == (unsigned)on_lane_worker &&
+      (!on_lane_worker || (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))) {
+    if (on_lane_worker) {
+      ep->dep = param->reply_ep; /* UCX's endpoint answering the connector's */
+      ep->lane = LANE_ON;
+    } else {
+      ep->lane = LANE_NONE;
+      ep->lane_drop = 1;
+    }
+    return;
+  }
+  ep_failf(ep, DP_EFORMAT, "%s", "a same-host lane message the protocol does not expect");
+}
+
+/* OFFER, REPLY, DONE and the lane's: handled on arrival. */
+static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen,
+                           const void *data, size_t len, const ucp_am_recv_param_t *param, int on_lane_worker) {
   size_t want = id == DP__AM_SHM_OFFER ? sizeof(dp__am_shm_offer_t) : sizeof(dp__am_shm_ctl_t);
   uint64_t h[(sizeof(dp__am_shm_offer_t) + 7) / 8];
   uint32_t magic = 0;
   if (hlen == want) memcpy(h, hdr, hlen), memcpy(&magic, h, 4);
-  if (hlen != want || magic != DP__WIRE_MAGIC || len) {
+  if (hlen != want || magic != DP__WIRE_MAGIC || (len && id != DP__AM_LANE_ADDR)) {
     ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
   }
   const dp__am_shm_ctl_t *c = (const dp__am_shm_ctl_t *)h;
-  if (id == DP__AM_SHM_OFFER) {
+  if (id == DP__AM_LANE_ADDR || id == DP__AM_LANE_HELLO) {
+    on_lane(t, ep, id, c, data, len, param, on_lane_worker);
+  } else if (id == DP__AM_SHM_OFFER) {
     if (ep->peer_offered) ep_failf(ep, DP_EFORMAT, "%s", "a second offer of shared slots");
     else ep->peer_offered = 1, on_offer(t, ep, (const dp__am_shm_offer_t *)h);
   } else if (id == DP__AM_SHM_REPLY) {
@@ -1932,13 +2135,36 @@ static ucs_status_t am_ctl(dp_transport_t *t, unsigned id, const void *hdr, size
   return UCS_OK;
 }
 
-/* Every active message: its id is the handler's (amh_t, one a message id). */
+/* Every active message: its id is the handler's (amh_t, one a message id).
+ * On a lane's worker the endpoint is the handler's; on the transport's, the
+ * one UCX names as the message's reply endpoint. */
 static ucs_status_t am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
                           const ucp_am_recv_param_t *param) {
   const amh_t *h = arg;
+  dp_transport_t *t = h->t;
+  dp_endpoint_t *ep = h->ep;
+  ucp_worker_h w = ep ? ep->dw : t->worker;
+  int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  if (!ep && (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) ep = ep_find(t, param->reply_ep);
+  if (!ep || ep->dead) {
+    /* from an endpoint failed or closed here (UCX still has it, as it
+       names it): dropped */
+    if (rndv) ucp_am_data_release(w, data);
+    return UCS_OK;
+  }
+  ep->established = 1;
+  if (h->ep) {
+    atomic_fetch_add(&dp__transport_lane_msgs, 1);
+    if (rndv) { /* never sent so: the lane carries small messages, eagerly */
+      ucp_am_data_release(w, data);
+      ep_failf(ep, DP_EFORMAT, "%s", "a rendezvous on the same-host lane");
+      return UCS_OK;
+    }
+  }
   if (h->id == DP__AM_FRAME || h->id == DP__AM_BUFS || h->id == DP__AM_SHM_PIECE)
-    return am_any(h->t, h->id, hdr, hlen, data, len, param);
-  return am_ctl(h->t, h->id, hdr, hlen, data, len, param);
+    return am_any(t, ep, w, h->id, hdr, hlen, data, len, param);
+  if (rndv) ucp_am_data_release(w, data), data = NULL;
+  return am_ctl(t, ep, h->id, hdr, hlen, data, len, param, h->ep != NULL);
 }
 
 /* ---- the progress thread ---- */
@@ -1973,6 +2199,7 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
         }
       ctl_flush(t, ep);
       ep_drop_shm(t, ep);
+      lane_close(ep, 0);
       if (ep->ep) {
         /* flush: eager messages whose sends completed may not have left yet */
         ucp_request_param_t p = {0};
@@ -2132,13 +2359,18 @@ static int drain_cmds(dp_transport_t *t) {
 static void reap(dp_transport_t *t) {
   for (dp_endpoint_t **p = &t->closing; *p;) {
     dp_endpoint_t *ep = *p;
-    if (ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS) {
+    if (ep->dw) ucp_worker_progress(ep->dw);
+    if (ep->dclose_req && ucp_request_check_status(ep->dclose_req) != UCS_INPROGRESS) {
+      ucp_request_free(ep->dclose_req);
+      ep->dclose_req = NULL;
+    }
+    if ((ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS) || ep->dclose_req) {
       p = &ep->next;
       continue;
     }
     if (ep->close_req) ucp_request_free(ep->close_req);
     *p = ep->next;
-    dp__free(ep, sizeof *ep);
+    ep_free_mem(ep);
   }
 }
 
@@ -2221,6 +2453,32 @@ static int poll_slots(dp_transport_t *t) {
 
 #define DP__SPIN_NS 200000
 
+/* Arms the workers (the transport's and the lanes') and lists their
+ * descriptors and the command queue's in t->pfd, the queue's first; 0 when
+ * a worker has events already (or no memory for the list: poll again). */
+static size_t arm_all(dp_transport_t *t) {
+  size_t n = 2;
+  for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) n += ep->dw != NULL;
+  if (n > t->pfd_cap) {
+    size_t cap = n * 2;
+    struct pollfd *p = dp__alloc(cap * sizeof *p);
+    if (!p) return 0;
+    if (t->pfd) dp__free(t->pfd, t->pfd_cap * sizeof *t->pfd);
+    t->pfd = p;
+    t->pfd_cap = cap;
+  }
+  if (ucp_worker_arm(t->worker) == UCS_ERR_BUSY) return 0;
+  t->pfd[0] = (struct pollfd){t->wake_fd, POLLIN, 0};
+  t->pfd[1] = (struct pollfd){t->worker_fd, POLLIN, 0};
+  n = 2;
+  for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
+    if (!ep->dw) continue;
+    if (ucp_worker_arm(ep->dw) == UCS_ERR_BUSY) return 0;
+    t->pfd[n++] = (struct pollfd){ep->dw_fd, POLLIN, 0};
+  }
+  return n;
+}
+
 static void *progress_main(void *arg) {
   dp_transport_t *t = arg;
   int64_t idle_since = 0; /* 0: busy */
@@ -2231,6 +2489,14 @@ static void *progress_main(void *arg) {
     while (ucp_worker_progress(t->worker)) work++;
     int polling = 0;
     for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
+      if (ep->dw)
+        while (ucp_worker_progress(ep->dw)) work++;
+      if (ep->lane_addr && !ep->dead) lane_connect(t, ep), work++;
+      if (ep->lane_drop) { /* the connector has no lane: the worker goes */
+        ep->lane_drop = 0;
+        ucp_worker_destroy(ep->dw);
+        ep->dw = NULL;
+      }
       if (ep->need_close) ep_force_close(ep), work++;
       if (ep->ctl_head && !ep->dead) ctl_flush(t, ep), work++;
       if (ep->shm_state == SHM_OFFERED && now_ns() > ep->offer_deadline) shm_withdraw(ep);
@@ -2258,18 +2524,18 @@ static void *progress_main(void *arg) {
       sched_yield(); /* the threads this one waits for may need the core */
       continue;
     }
-    if (ucp_worker_arm(t->worker) == UCS_ERR_BUSY) continue;
+    size_t nfd = arm_all(t);
+    if (!nfd) continue;
     pthread_mutex_lock(&t->mu);
     int queued = t->c_head != NULL;
     t->sleeping = !queued;
     pthread_mutex_unlock(&t->mu);
     if (queued) continue;
-    struct pollfd fds[2] = {{t->worker_fd, POLLIN, 0}, {t->wake_fd, POLLIN, 0}};
-    poll(fds, 2, t->timeout_ns > 0 ? 10 : 100);
+    poll(t->pfd, nfd, t->timeout_ns > 0 ? 10 : 100);
     pthread_mutex_lock(&t->mu);
     t->sleeping = 0;
     pthread_mutex_unlock(&t->mu);
-    if (fds[1].revents & POLLIN) {
+    if (t->pfd[0].revents & POLLIN) {
       uint64_t v;
       ssize_t r = read(t->wake_fd, &v, sizeof v);
       (void)r;
@@ -2288,6 +2554,33 @@ static void *progress_main(void *arg) {
 }
 
 /* ---- the API ---- */
+
+/* The lanes' context: the shared-memory transports among those UCX_TLS
+ * allows (all when it is unset; "^a,b" excludes). NULL: none, or UCX
+ * refused: endpoints stay on their connections. */
+static ucp_context_h lane_context(const ucp_params_t *up) {
+  const char *tls = getenv("UCX_TLS");
+  int excl = tls && tls[0] == '^';
+  int want[2] = {1, 1}; /* posix, sysv */
+  if (tls && *tls && strcmp(tls, "all")) {
+    if (!excl) want[0] = want[1] = 0;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", tls + excl);
+    for (char *sv = NULL, *tok = strtok_r(buf, ",", &sv); tok; tok = strtok_r(NULL, ",", &sv)) {
+      int all = !strcmp(tok, "sm") || !strcmp(tok, "shm") || !strcmp(tok, "mm") || !strcmp(tok, "all");
+      if (all || !strcmp(tok, "posix")) want[0] = !excl;
+      if (all || !strcmp(tok, "sysv")) want[1] = !excl;
+    }
+  }
+  if (!want[0] && !want[1]) return NULL;
+  ucp_config_t *cfg = NULL;
+  ucp_context_h ctx = NULL;
+  if (ucp_config_read(NULL, NULL, &cfg) != UCS_OK) return NULL;
+  ucs_status_t st = ucp_config_modify(cfg, "TLS", want[0] && want[1] ? "posix,sysv" : want[0] ? "posix" : "sysv");
+  if (st == UCS_OK) st = ucp_init(up, cfg, &ctx);
+  ucp_config_release(cfg);
+  return st == UCS_OK ? ctx : NULL;
+}
 
 int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_transport_new: out is NULL");
@@ -2337,34 +2630,15 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
     dp__free(t, sizeof *t);
     return dp__err(err, DP_ENODEV, "dp_transport_new: UCX did not start: %s", ucs_status_string(st));
   }
-  ucp_worker_params_t wp;
-  memset(&wp, 0, sizeof wp);
-  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-  st = ucp_worker_create(t->ctx, &wp, &t->worker);
-  if (st == UCS_OK) st = ucp_worker_get_efd(t->worker, &t->worker_fd);
-  if (st == UCS_OK) {
-    ucp_am_handler_param_t hp;
-    memset(&hp, 0, sizeof hp);
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
-    hp.cb = am_cb;
-    static const unsigned ids[AM_IDS] = {DP__AM_FRAME,     DP__AM_BUFS,      DP__AM_SHM_PIECE,
-                                         DP__AM_SHM_OFFER, DP__AM_SHM_REPLY, DP__AM_SHM_DONE};
-    for (size_t i = 0; i < AM_IDS && st == UCS_OK; i++) {
-      t->amh[i] = (amh_t){t, ids[i]};
-      hp.id = ids[i];
-      hp.arg = &t->amh[i];
-      st = ucp_worker_set_am_recv_handler(t->worker, &hp);
-    }
-  }
+  st = new_worker(t->ctx, &t->worker, &t->worker_fd);
+  if (st == UCS_OK) st = set_handlers(t->worker, t->amh, t, NULL);
   if (st != UCS_OK) {
     if (t->worker) ucp_worker_destroy(t->worker);
     ucp_cleanup(t->ctx);
     dp__free(t, sizeof *t);
     return dp__err(err, DP_ENODEV, "dp_transport_new: UCX worker: %s", ucs_status_string(st));
   }
+  if (t->shm_on) t->lctx = lane_context(&up);
   t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   pthread_mutex_init(&t->mu, NULL);
   pthread_cond_init(&t->cv, NULL);
@@ -2374,6 +2648,7 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
     pthread_cond_destroy(&t->cv);
     ucp_worker_destroy(t->worker);
     ucp_cleanup(t->ctx);
+    if (t->lctx) ucp_cleanup(t->lctx);
     dp__free(t, sizeof *t);
     return dp__err(err, DP_ENOMEM, "dp_transport_new: cannot start the progress thread");
   }
@@ -2405,8 +2680,10 @@ void dp_transport_free(dp_transport_t *t) {
   ucp_cleanup(t->ctx);
   for (dp_endpoint_t *ep = t->closing, *n; ep; ep = n) {
     n = ep->next;
-    dp__free(ep, sizeof *ep);  /* their close requests went with the worker */
+    ep_free_mem(ep);  /* their close requests went with the worker */
   }
+  if (t->lctx) ucp_cleanup(t->lctx);
+  if (t->pfd) dp__free(t->pfd, t->pfd_cap * sizeof *t->pfd);
   for (slot_t *sl = t->tx.free, *n; sl; sl = n) n = sl->next, slot_destroy(t, sl);
   for (slot_t *sl = t->rx.free, *n; sl; sl = n) n = sl->next, slot_destroy(t, sl);
   for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++) {
