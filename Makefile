@@ -124,7 +124,8 @@ test-asan: deps ## Run every suite under ASan + UBSan + LeakSanitizer; any repor
 	@set -e; log=$(ASAN_BUILD)/test-asan.log; : > $$log; \
 	for t in $(TEST_SRC:test/%.c=$(ASAN_BUILD)/%) $(ASAN_BUILD)/embed; do \
 	  echo "== $$t (asan)"; \
-	  ASAN_OPTIONS=detect_leaks=1:exitcode=23 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ASAN_OPTIONS=detect_leaks=1:exitcode=23 LSAN_OPTIONS=suppressions=$(CURDIR)/test/lsan.supp:print_suppressions=0 \
+	    UBSAN_OPTIONS=print_stacktrace=1 \
 	    DEVPICKLE=$(ASAN_BUILD)/devpickle $$t --jobs 2 2>&1 | tee -a $$log | grep -E 'Synthesis|^cuda|^frame' || true; \
 	done; \
 	if grep -qE 'Sanitizer|runtime error:|Synthesis: .*(Failing: [1-9]|Crashing: [1-9])' $$log; then \
