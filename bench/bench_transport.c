@@ -12,7 +12,10 @@
  *   ucx_perftest -t ucp_am_bw -s 64MiB (the same unit: MB there is MiB).
  * transport_lat_frame: one-way latency (half a round trip) of a value whose
  *   frame is under 256 bytes, sent and echoed; ratio over ucx_perftest -t
- *   ucp_am_lat -s 256 (lower is better). */
+ *   ucp_am_lat -s 256 (lower is better).
+ * transport_lat_frame_caller: the same with both transports driven by the
+ *   caller (DP_TRANSPORT_PROGRESS_CALLER, waits by dp_transport_wait), as
+ *   ucx_perftest drives its worker. */
 #define _DEFAULT_SOURCE
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -42,21 +45,33 @@ static void die(const char *what, const dp_error_t *e) {
   exit(1);
 }
 
+/* the next transport made: driven by the caller */
+static int g_caller;
+
+static dp_transport_t *new_transport(void) {
+  dp_transport_opts_t o = {0};
+  o.progress = g_caller ? DP_TRANSPORT_PROGRESS_CALLER : DP_TRANSPORT_PROGRESS_THREAD;
+  dp_transport_t *t;
+  dp_error_t e;
+  if (dp_transport_new(&o, &t, &e)) die("transport", &e);
+  return t;
+}
+
 /* The peer: tensors are counted and dropped; an int asks for the count;
  * anything else is echoed; none ends it. */
 static void peer(int wfd) {
-  dp_transport_t *t;
+  dp_transport_t *t = new_transport();
   dp_listener_t *l;
   dp_endpoint_t *ep;
   dp_error_t e;
-  if (dp_transport_new(NULL, &t, &e) || dp_listener_new(t, "127.0.0.1:0", &l, &e)) die("peer", &e);
+  if ( dp_listener_new(t, "127.0.0.1:0", &l, &e)) die("peer", &e);
   int port = dp_listener_port(l);
   if (write(wfd, &port, sizeof port) != sizeof port) _exit(2);
   if (dp_listener_accept(l, 60 * SEC, &ep, &e)) die("accept", &e);
   int64_t count = 0;
   for (;;) {
     dp_future_t *f, *d = NULL;
-    if (dp_endpoint_recv(ep, &f, &e) || dp_future_wait(f, 120 * SEC, &e)) die("peer recv", &e);
+    if (dp_endpoint_recv(ep, &f, &e) || dp_transport_wait(t, f, 120 * SEC, &e)) die("peer recv", &e);
     dp_value_t v = dp_future_value(f);
     int rc = 0;
     if (dp_value_kind(v) == DP_NONE) {
@@ -76,10 +91,10 @@ static void peer(int wfd) {
   _exit(0);
 }
 
-static dp_value_t recv_one(dp_endpoint_t *ep) {
+static dp_value_t recv_one(dp_transport_t *t, dp_endpoint_t *ep) {
   dp_future_t *f;
   dp_error_t e;
-  if (dp_endpoint_recv(ep, &f, &e) || dp_future_wait(f, 120 * SEC, &e)) die("recv", &e);
+  if (dp_endpoint_recv(ep, &f, &e) || dp_transport_wait(t, f, 120 * SEC, &e)) die("recv", &e);
   dp_value_t v = dp_value_retain(dp_future_value(f));
   dp_future_release(f);
   return v;
@@ -90,7 +105,7 @@ static void send_one(dp_endpoint_t *ep, dp_value_t v, dp_future_t **d) {
   if (dp_endpoint_send(ep, v, d, &e)) die("send", &e);
 }
 
-static double our_bw(dp_endpoint_t *ep, dp_value_t tensor) {
+static double our_bw(dp_transport_t *t, dp_endpoint_t *ep, dp_value_t tensor) {
   double best = 0;
   for (int round = 0; round < 2; round++) {
     dp_future_t *d[BW_COUNT];
@@ -98,7 +113,7 @@ static double our_bw(dp_endpoint_t *ep, dp_value_t tensor) {
     for (int i = 0; i < BW_COUNT; i++) send_one(ep, tensor, &d[i]);
     dp_future_t *ask;
     send_one(ep, dp_int(0), &ask);
-    dp_value_t n = recv_one(ep);
+    dp_value_t n = recv_one(t, ep);
     double dt = bench_now() - t0;
     for (int i = 0; i < BW_COUNT; i++) {
       dp_future_wait(d[i], 60 * SEC, NULL);
@@ -112,7 +127,7 @@ static double our_bw(dp_endpoint_t *ep, dp_value_t tensor) {
   return best;
 }
 
-static double our_lat(dp_endpoint_t *ep) {
+static double our_lat(dp_transport_t *t, dp_endpoint_t *ep) {
   dp_value_t b;
   uint8_t payload[100] = {0};
   dp_error_t e;
@@ -130,8 +145,9 @@ static double our_lat(dp_endpoint_t *ep) {
     for (int i = 0; i < LAT_ITERS / 4; i++) {
       dp_future_t *d;
       send_one(ep, b, &d);
-      dp_value_t v = recv_one(ep);
+      dp_value_t v = recv_one(t, ep);
       dp_value_release(v);
+      dp_transport_wait(t, d, 60 * SEC, NULL);
       dp_future_release(d);
     }
     double us = (bench_now() - t0) / (LAT_ITERS / 4) / 2 * 1e6;
@@ -187,14 +203,20 @@ static double perftest(const char *args, int col) {
 int main(int argc, char **argv) {
   const char *out = argc > 1 ? argv[1] : "build/bench.json";
   env();
-  pid_t pid;
+  pid_t pid, cpid;
   int port = bench_spawn(peer, &pid);
-  dp_transport_t *t;
-  dp_endpoint_t *ep;
+  g_caller = 1;
+  int cport = bench_spawn(peer, &cpid);
+  dp_transport_t *tc = new_transport();
+  g_caller = 0;
+  dp_transport_t *t = new_transport();
+  dp_endpoint_t *ep, *cep;
   dp_error_t e;
   char addr[64];
   snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-  if (dp_transport_new(NULL, &t, &e) || dp_endpoint_connect(t, addr, &ep, &e)) die("connect", &e);
+  if (dp_endpoint_connect(t, addr, &ep, &e)) die("connect", &e);
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", cport);
+  if (dp_endpoint_connect(tc, addr, &cep, &e)) die("connect", &e);
 
   dp_backend_t *host;
   if (dp_backend_get(DP_DEVICE_HOST, &host, &e)) die("host backend", &e);
@@ -212,11 +234,13 @@ int main(int argc, char **argv) {
   /* ours and ucx_perftest's alternate, three rounds each; the best of each */
   char args[128];
   snprintf(args, sizeof args, "-t ucp_am_bw -s %zu -n 20 -w 2", BW_SIZE);
-  double lat = 1e30, bw = 0, base_bw = -1, base_lat = 1e30;
+  double lat = 1e30, clat = 1e30, bw = 0, base_bw = -1, base_lat = 1e30;
   for (int round = 0; round < 3; round++) {
-    double x = our_lat(ep);
+    double x = our_lat(t, ep);
     if (x < lat) lat = x;
-    x = our_bw(ep, tensor);
+    x = our_lat(tc, cep);
+    if (x < clat) clat = x;
+    x = our_bw(t, ep, tensor);
     if (x > bw) bw = x;
     x = perftest(args, 5);
     if (x > base_bw) base_bw = x;
@@ -228,9 +252,15 @@ int main(int argc, char **argv) {
   send_one(ep, dp_none(), &d);
   dp_future_wait(d, 10 * SEC, NULL);
   dp_future_release(d);
+  send_one(cep, dp_none(), &d);
+  dp_transport_wait(tc, d, 10 * SEC, NULL);
+  dp_future_release(d);
   dp_endpoint_free(ep);
+  dp_endpoint_free(cep);
   dp_transport_free(t);
+  dp_transport_free(tc);
   waitpid(pid, NULL, 0);
+  waitpid(cpid, NULL, 0);
   dp_value_release(tensor);
   dp_device_dealloc(host, dev, mem, NULL);
 
@@ -238,6 +268,8 @@ int main(int argc, char **argv) {
   bench_row(out, "transport_bw_64MiB", "host", bw, "MiB/s", base_bw > 0 ? bw / base_bw : 0,
             "ucx_perftest ucp_am_bw 64 MiB, same UCX_TLS (higher is better)");
   bench_row(out, "transport_lat_frame", "host", lat, "us", base_lat > 0 ? lat / base_lat : 0,
+            "ucx_perftest ucp_am_lat 256 B, same UCX_TLS (lower is better)");
+  bench_row(out, "transport_lat_frame_caller", "host", clat, "us", base_lat > 0 ? clat / base_lat : 0,
             "ucx_perftest ucp_am_lat 256 B, same UCX_TLS (lower is better)");
   return 0;
 }

@@ -24,6 +24,10 @@ static void t_env(void) {
   signal(SIGPIPE, SIG_IGN);
 }
 
+/* the transport this process made last: waits drive it when its progress
+ * is the caller's (dp_transport_wait is dp_future_wait otherwise) */
+static dp_transport_t *cur_t;
+
 /* ---- the peer process ---- */
 
 typedef int (*peer_fn)(dp_transport_t *t, dp_endpoint_t *ep, void *arg);
@@ -53,6 +57,7 @@ static peer_t spawn_peer(peer_fn fn, void *arg, const dp_transport_opts_t *opts)
       fprintf(stderr, "peer: %s\n", e.message);
       _exit(90);
     }
+    cur_t = t;
     int port = dp_listener_port(l);
     if (write(fds[1], &port, sizeof port) != sizeof port) _exit(91);
     close(fds[1]);
@@ -66,7 +71,7 @@ static peer_t spawn_peer(peer_fn fn, void *arg, const dp_transport_opts_t *opts)
        -1: fn closed the endpoint itself */
     dp_future_t *bye;
     if (rc != -1 && dp_endpoint_recv(ep, &bye, &e) == 0) {
-      dp_future_wait(bye, 60 * SEC, NULL);
+      dp_transport_wait(t, bye, 60 * SEC, NULL);
       dp_future_release(bye);
     }
     if (rc != -1) dp_endpoint_free(ep);
@@ -101,13 +106,13 @@ static dp_transport_t *new_transport(const dp_transport_opts_t *o) {
   t_env();
   dp_transport_t *t;
   OK(dp_transport_new(o, &t, T_ERR));
-  return t;
+  return cur_t = t;
 }
 
 /* waits on f; returns its code, the error in *e */
 static int wait_f(dp_future_t *f, dp_error_t *e) {
   dp_error_clear(e);
-  return dp_future_wait(f, 60 * SEC, e);
+  return cur_t ? dp_transport_wait(cur_t, f, 60 * SEC, e) : dp_future_wait(f, 60 * SEC, e);
 }
 
 /* peer: receives values and sends each back, until n were echoed */
@@ -359,6 +364,129 @@ Test(transport, devpickle_transport_shm_0_turns_the_lane_off) {
   setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
   unsigned long got = lane_round_trips(50);
   cr_assert_eq(got, 0, "%lu messages came on a lane", got);
+}
+
+/* ---- progress driven by the caller ---- */
+
+static const dp_transport_opts_t caller_opts = {.progress = DP_TRANSPORT_PROGRESS_CALLER};
+
+Test(transport, caller_driven_transports_round_trip_values_small_and_large_on_the_lane_and_the_connection) {
+  t_track();
+  long n = 40;
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)n, &caller_opts);
+  dp_transport_t *t = new_transport(&caller_opts);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  unsigned long before = atomic_load(&dp__transport_lane_msgs);
+  dp_error_t e;
+  for (long i = 0; i < n; i++) {
+    /* every 10th: 8 MiB (rendezvous on the connection); else small */
+    size_t size = i % 10 == 9 ? (size_t)8 << 20 : (size_t)(1 + i * 37);
+    dp_value_t v = owned_tensor(size, (unsigned)i);
+    dp_future_t *d, *r;
+    OK(dp_endpoint_send(ep, v, &d, T_ERR));
+    OK(dp_endpoint_recv(ep, &r, T_ERR));
+    OK_WITH(&e, dp_transport_wait(t, r, 60 * SEC, &e));
+    cr_assert(tensor_ok(dp_future_value(r), size, (unsigned)i), "value %ld came back wrong", i);
+    OK_WITH(&e, dp_transport_wait(t, d, 60 * SEC, &e));
+    dp_future_release(d);
+    dp_future_release(r);
+    dp_value_release(v);
+  }
+  cr_assert_gt(atomic_load(&dp__transport_lane_msgs) - before, (unsigned long)n / 2, "the lane carried too little");
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* peer: echoes one value, then waits to be killed */
+static int echo_then_hang(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  int rc = echo_n(t, ep, (void *)(intptr_t)1);
+  (void)arg;
+  for (;;) pause();
+  return rc;
+}
+
+Test(transport, a_caller_driven_wait_on_a_killed_peer_fails_with_connection_lost) {
+  t_track();
+  peer_t p = spawn_peer(echo_then_hang, NULL, NULL);
+  dp_transport_t *t = new_transport(&caller_opts);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_int(7), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK_WITH(&e, dp_transport_wait(t, r, 60 * SEC, &e));
+  dp_future_release(r);
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  kill(p.pid, SIGKILL);
+  int rc = dp_transport_wait(t, r, 60 * SEC, &e);
+  cr_assert(rc == DP_EIO || rc == DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "lost"), "%s", e.message);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_transport_wait(t, d, 60 * SEC, NULL);
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+static int reentered = -1;
+static int progress_from_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)err;
+  reentered = dp_transport_progress(ud);
+  *result = dp_none();
+  return 0;
+}
+
+Test(transport, caller_driven_progress_returns_at_once_from_a_callback_and_accept_times_out) {
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL); /* before UCX starts here */
+  dp_transport_t *t = new_transport(&caller_opts);
+  /* accept drives the transport itself, and gives up in time */
+  dp_listener_t *l;
+  dp_endpoint_t *none;
+  dp_error_t e;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  cr_assert_eq(dp_listener_accept(l, 50000000, &none, &e), DP_ETIMEDOUT, "%s", e.message);
+  dp_listener_free(l);
+  /* a then() callback run by a pass that calls progress gets 0, no deadlock */
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d, *r, *child;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK(dp_future_then(r, progress_from_callback, t, &child, T_ERR));
+  OK(dp_endpoint_send(ep, dp_int(5), &d, T_ERR));
+  OK_WITH(&e, dp_transport_wait(t, child, 60 * SEC, &e));
+  cr_assert_eq(reentered, 0);
+  OK_WITH(&e, dp_transport_wait(t, d, 60 * SEC, &e));
+  dp_future_release(child);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+}
+
+Test(transport, progress_and_wait_on_a_threaded_or_null_transport) {
+  cr_assert_eq(dp_transport_progress(NULL), 0);
+  dp_error_t e;
+  cr_assert_eq(dp_transport_wait(NULL, NULL, 0, &e), DP_EINVAL);
+  cr_assert(strstr(e.message, "dp_transport_wait"), "%s", e.message);
+  dp_transport_t *t = new_transport(NULL);
+  cr_assert_eq(dp_transport_progress(t), 0);
+  dp_future_t *f;
+  OK(dp_future_new(NULL, &f, T_ERR));
+  cr_assert_eq(dp_transport_wait(t, f, 1000000, &e), DP_ETIMEDOUT);
+  OK(dp_future_mark_completed(f, dp_int(3), T_ERR));
+  OK_WITH(&e, dp_transport_wait(t, f, 0, &e));
+  dp_future_release(f);
+  dp_transport_free(t);
+  cur_t = NULL;
 }
 
 /* ---- user objects and customs ---- */

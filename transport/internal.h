@@ -89,14 +89,19 @@ typedef struct dp__am_shm_piece {
  * worker's address (LANE_ADDR: a ctl header, value = the address's length,
  * the address as data); the connector makes an endpoint to it and sends
  * LANE_HELLO value 1 on it, or value 0 on the connection (no lane: another
- * host, or no shared memory). Messages of at most DP__LANE_MAX bytes
- * (header and data) then go on the lane, eagerly; larger ones, and every
- * rendezvous, on the connection, whose failure stays the endpoint's
- * failure. The receiver orders both by sequence, as it does anyway. */
+ * host, or no shared memory), as soon as the lane is wired. A message of at
+ * most DP__LANE_MAX bytes (header and data) then goes on the lane when UCX
+ * takes it at once (one element of the peer's queue, which has room); any
+ * other on the connection, whose failure stays the endpoint's failure. The
+ * receiver orders both by sequence, as it does anyway. The lane never
+ * holds a request: UCX 1.13 cannot fail the requests of an endpoint
+ * without error handling, nor close one by force, when its peer dies. */
 #define DP__AM_LANE_ADDR 0x44506u
 #define DP__AM_LANE_HELLO 0x44507u
-#define DP__LANE_MAX 8192u
+#define DP__LANE_MAX 1024u
+#define DP__LANE_ELEM "1152" /* bytes of a lane queue's element (UCX's FIFO_ELEM_SIZE) */
 #define DP__LANE_ADDR_MAX 4096u
+#define DP__HELLO_NS 1000000000ll /* a lane not wired in 1 s is given up */
 
 /* ---- test hooks (never set in production) ---- */
 /** 1: send_future reads the buffers as soon as the future completes,

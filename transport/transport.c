@@ -95,7 +95,9 @@ typedef struct amh {
   dp_endpoint_t *ep;
 } amh_t;
 
-enum { LANE_NONE, LANE_WAIT, LANE_ON };
+/* A lane's state: none; the acceptor's address sent (WAIT); the connector's
+ * endpoint made, its HELLO not yet gone (HELLO); in use (ON). */
+enum { LANE_NONE, LANE_WAIT, LANE_HELLO, LANE_ON };
 
 typedef struct pool {
   slot_t *free;
@@ -233,7 +235,7 @@ struct dp_endpoint {
   ucp_worker_h dw;
   int dw_fd;
   ucp_ep_h dep;             /* the connector's own; the acceptor's is UCX's reply endpoint */
-  void *dclose_req;
+  int64_t hello_deadline;   /* LANE_HELLO: given up after it */
   void *lane_addr;          /* the connector: the peer's lane address, to connect from the loop */
   size_t lane_addr_len;
   int lane_drop;            /* the acceptor: refused; its worker goes from the loop */
@@ -297,6 +299,10 @@ struct dp_transport {
   size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
   int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
+  int64_t last_check;           /* timeouts last checked */
+  _Atomic int queued;           /* commands may be queued (set under mu; read without) */
+  int caller;                   /* DP_TRANSPORT_PROGRESS_CALLER: no thread; passes under pmu */
+  pthread_mutex_t pmu;
 };
 
 /* ---- small things ---- */
@@ -321,16 +327,33 @@ static int new_future(dp_transport_t *t, dp_future_t **out, dp_error_t *err) {
   return dp_future_new(&o, out, err);
 }
 
-/* Runs c on the progress thread; with wait, blocks until it was handled. */
+static int caller_pass(dp_transport_t *t);
+static int drain_cmds(dp_transport_t *t);
+/* The transport whose pass this thread runs (caller-driven progress). */
+static _Thread_local dp_transport_t *tl_pass;
+
+/* Runs c on the progress thread; with wait, blocks until it was handled.
+ * Caller-driven: a pass runs it at once (a wait inside this thread's own
+ * pass handles the queue there and then). */
 static int submit(dp_transport_t *t, cmd_t *c, int wait_done) {
   pthread_mutex_lock(&t->mu);
   c->next = NULL;
   if (t->c_tail) t->c_tail->next = c;
   else t->c_head = c;
   t->c_tail = c;
+  atomic_store_explicit(&t->queued, 1, memory_order_release);
   int asleep = t->sleeping; /* a thread still spinning sees the queue itself */
   pthread_mutex_unlock(&t->mu);
   if (asleep) wake(t);
+  if (t->caller) {
+    if (tl_pass == t) {
+      if (wait_done) drain_cmds(t);
+    } else {
+      do caller_pass(t);
+      while (wait_done && !c->done);
+    }
+    return wait_done ? c->rc : 0;
+  }
   if (!wait_done) return 0;
   pthread_mutex_lock(&t->mu);
   while (!c->done) pthread_cond_wait(&t->cv, &t->mu);
@@ -552,7 +575,7 @@ static int slot_mark(dp_transport_t *t, slot_t *sl, dp_stream_t *s, dp_error_t *
 static void sop_free(sop_t *s);
 
 static void ep_failf(dp_endpoint_t *ep, int code, const char *fmt, const char *detail);
-static void lane_close(dp_endpoint_t *ep, int force);
+static void lane_close(dp_endpoint_t *ep);
 
 static void ctl_free(ctl_t *c) {
   if (c->data) dp__free(c->data, c->dlen);
@@ -604,15 +627,27 @@ static void ctl_cb(void *req, ucs_status_t st, void *ud) {
   ctl_free(c);
 }
 
-/* Where a message of n bytes (header and data) goes: on the same-host lane,
- * eagerly, when there is one and the message is small; else on the
- * connection. */
-static ucp_ep_h route(const dp_endpoint_t *ep, size_t n, uint32_t *flags) {
-  if (ep->lane == LANE_ON && n <= DP__LANE_MAX && !(*flags & UCP_AM_SEND_FLAG_RNDV)) {
-    *flags |= UCP_AM_SEND_FLAG_EAGER;
-    return ep->dep;
+/* Tries one active message on the lane, eagerly and only if UCX takes it at
+ * once (a lane never holds a request: its endpoints have no error handling,
+ * so UCX could not fail one when the peer dies). An error: not taken. */
+static ucs_status_ptr_t lane_send(dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen, const void *data,
+                                  size_t n, const ucp_request_param_t *p) {
+  ucp_request_param_t q = *p;
+  q.op_attr_mask |= UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL;
+  q.flags |= UCP_AM_SEND_FLAG_EAGER;
+  return ucp_am_send_nbx(ep->dep, id, hdr, hlen, data, n, &q);
+}
+
+/* Sends one active message: on the same-host lane when there is one, the
+ * message is small and the lane takes it at once; else on the connection
+ * (the receiver orders both by sequence). */
+static ucs_status_ptr_t am_send(dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen, const void *data,
+                                size_t n, const ucp_request_param_t *p) {
+  if (ep->lane == LANE_ON && hlen + n <= DP__LANE_MAX && !(p->flags & UCP_AM_SEND_FLAG_RNDV)) {
+    ucs_status_ptr_t r = lane_send(ep, id, hdr, hlen, data, n, p);
+    if (!UCS_PTR_IS_ERR(r)) return r;
   }
-  return ep->ep;
+  return ucp_am_send_nbx(ep->ep, id, hdr, hlen, data, n, p);
 }
 
 static void ep_fail_status(dp_endpoint_t *ep, ucs_status_t st);
@@ -620,17 +655,16 @@ static void ep_fail_status(dp_endpoint_t *ep, ucs_status_t st);
 static void ctl_flush(dp_transport_t *t, dp_endpoint_t *ep) {
   while (ep->ctl_head && !ep->dead) {
     ctl_t *c = ep->ctl_head;
+    c->t = t;
     ep->ctl_head = c->next;
     if (!ep->ctl_head) ep->ctl_tail = NULL;
-    c->t = t;
     ucp_request_param_t p;
     memset(&p, 0, sizeof p);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     p.cb.send = ctl_cb;
     p.user_data = c;
     p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-    ucp_ep_h to = route(ep, c->hlen + c->dlen, &p.flags);
-    ucs_status_ptr_t r = ucp_am_send_nbx(to, c->id, c->hdr, c->hlen, c->data, c->dlen, &p);
+    ucs_status_ptr_t r = am_send(ep, c->id, c->hdr, c->hlen, c->data, c->dlen, &p);
     if (UCS_PTR_IS_PTR(r)) {
       t->nreq++;
       continue;
@@ -821,13 +855,14 @@ static void ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
   ep->nparked = 0;
   ep->held = ep->inflight = 0;
   /* UCX is not re-entered from its own callbacks: the loop closes it */
-  if ((ep->ep || ep->dep) && !ep->dead) ep->need_close = 1;
+  if (ep->ep && !ep->dead) ep->need_close = 1;
+  lane_close(ep);
   ep->dead = 1;
 }
 
 static void ep_force_close(dp_endpoint_t *ep) {
   ep->need_close = 0;
-  lane_close(ep, 1);
+  lane_close(ep);
   if (!ep->ep) return;
   ucp_request_param_t p = {0};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -855,12 +890,7 @@ static void ep_fail_status(dp_endpoint_t *ep, ucs_status_t st) {
 
 static void ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t st) {
   (void)uep;
-  dp_endpoint_t *ep = arg;
-  /* what the peer put on the lane before it went is read first */
-  if (ep->dw && !ep->dead)
-    while (ucp_worker_progress(ep->dw) && !ep->dead) {
-    }
-  ep_fail_status(ep, st);
+  ep_fail_status(arg, st);
 }
 
 /* ---- endpoints ---- */
@@ -989,25 +1019,41 @@ static void lane_connect(dp_transport_t *t, dp_endpoint_t *ep) {
     }
   }
   dp__free(a, ep->lane_addr_len);
-  if (ok) ep->lane = LANE_ON;
-  dp__am_shm_ctl_t h = {DP__WIRE_MAGIC, (uint32_t)ok, 0};
+  if (ok) {
+    ep->lane = LANE_HELLO; /* lane_hello sends it */
+    ep->hello_deadline = now_ns() + DP__HELLO_NS;
+    return;
+  }
+  dp__am_shm_ctl_t h = {DP__WIRE_MAGIC, 0, 0};
   ctl_queue(ep, DP__AM_LANE_HELLO, &h, sizeof h);
 }
 
-/* Closes the lane's endpoint (force: its requests fail; else flushed);
- * the worker goes when the endpoint is freed. */
-static void lane_close(dp_endpoint_t *ep, int force) {
-  ep->lane = LANE_NONE;
-  if (!ep->dep) return;
+/* The connector's HELLO opens the lane: sent on it once UCX has wired it
+ * (tried every pass). A lane not wired in DP__HELLO_NS is given up: HELLO 0
+ * on the connection. */
+static void lane_hello(dp_endpoint_t *ep) {
+  dp__am_shm_ctl_t h = {DP__WIRE_MAGIC, 1, 0};
   ucp_request_param_t p;
   memset(&p, 0, sizeof p);
-  if (force) {
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  if (!UCS_PTR_IS_ERR(lane_send(ep, DP__AM_LANE_HELLO, &h, sizeof h, NULL, 0, &p))) {
+    ep->lane = LANE_ON;
+    return;
   }
-  void *r = ucp_ep_close_nbx(ep->dep, &p);
+  if (now_ns() < ep->hello_deadline) return;
+  lane_close(ep);
+  h.value = 0;
+  ctl_queue(ep, DP__AM_LANE_HELLO, &h, sizeof h);
+}
+
+/* The lane is no longer used. Its endpoint is not closed (UCX 1.13 cannot
+ * close one without error handling by force, nor flush one to a dead
+ * peer): it goes with the lane's worker when the endpoint is freed, and
+ * holds no request meanwhile (lane_send). */
+static void lane_close(dp_endpoint_t *ep) {
+  ep->lane = LANE_NONE;
   ep->dep = NULL;
-  if (UCS_PTR_IS_PTR(r)) ep->dclose_req = r;
 }
 
 /* An endpoint's memory, once UCX let go of it. */
@@ -1114,8 +1160,7 @@ static int post_msg(sop_t *s, piece_t *pc, unsigned id, const void *hdr, size_t 
   p.cb.send = pc ? piece_cb : send_cb;
   p.user_data = pc ? (void *)pc : (void *)s;
   p.flags = UCP_AM_SEND_FLAG_REPLY | flags;
-  ucp_ep_h to = route(ep, hlen + n, &p.flags);
-  ucs_status_ptr_t r = ucp_am_send_nbx(to, id, hdr, hlen, data, n, &p);
+  ucs_status_ptr_t r = am_send(ep, id, hdr, hlen, data, n, &p);
   if (UCS_PTR_IS_PTR(r)) {
     s->outstanding++;
     ep->t->nreq++;
@@ -2199,7 +2244,7 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
         }
       ctl_flush(t, ep);
       ep_drop_shm(t, ep);
-      lane_close(ep, 0);
+      lane_close(ep);
       if (ep->ep) {
         /* flush: eager messages whose sends completed may not have left yet */
         ucp_request_param_t p = {0};
@@ -2341,7 +2386,9 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
 }
 
 static int drain_cmds(dp_transport_t *t) {
+  if (!atomic_load_explicit(&t->queued, memory_order_acquire)) return 0;
   pthread_mutex_lock(&t->mu);
+  atomic_store_explicit(&t->queued, 0, memory_order_relaxed);
   cmd_t *c = t->c_head;
   t->c_head = t->c_tail = NULL;
   pthread_mutex_unlock(&t->mu);
@@ -2359,12 +2406,7 @@ static int drain_cmds(dp_transport_t *t) {
 static void reap(dp_transport_t *t) {
   for (dp_endpoint_t **p = &t->closing; *p;) {
     dp_endpoint_t *ep = *p;
-    if (ep->dw) ucp_worker_progress(ep->dw);
-    if (ep->dclose_req && ucp_request_check_status(ep->dclose_req) != UCS_INPROGRESS) {
-      ucp_request_free(ep->dclose_req);
-      ep->dclose_req = NULL;
-    }
-    if ((ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS) || ep->dclose_req) {
+    if (ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS) {
       p = &ep->next;
       continue;
     }
@@ -2479,41 +2521,139 @@ static size_t arm_all(dp_transport_t *t) {
   return n;
 }
 
+/* One pass of the progress loop: commands, UCX's workers, each endpoint's
+ * queues, slots, closes, timeouts. Returns the work done; *polling when
+ * copies or events are polled (work to come without UCX's wake-up). */
+static int pass(dp_transport_t *t, int *polling_out) {
+  int work = drain_cmds(t);
+  if (t->stop) return work;
+  /* every pass (looking at the transport's worker less often, while lanes
+     carry the small messages, left UCX 1.13 destroying endpoints that
+     still held requests: assertions in ucp_ep_destroy_base) */
+  while (ucp_worker_progress(t->worker)) work++;
+  int polling = 0;
+  for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
+    if (ep->dw)
+      while (ucp_worker_progress(ep->dw)) work++;
+    if (ep->lane_addr && !ep->dead) lane_connect(t, ep), work++;
+    if (ep->lane == LANE_HELLO && !ep->dead) lane_hello(ep);
+    if (ep->lane_drop) { /* the connector has no lane: the worker goes */
+      ep->lane_drop = 0;
+      ucp_worker_destroy(ep->dw);
+      ep->dw = NULL;
+    }
+    if (ep->need_close) ep_force_close(ep), work++;
+    if (ep->ctl_head && !ep->dead) ctl_flush(t, ep), work++;
+    if (ep->shm_state == SHM_OFFERED && now_ns() > ep->offer_deadline) shm_withdraw(ep);
+    if (ep->sq_head || ep->posting) polling |= ep_pump_sends(t, ep);
+    if (ep->in_head && !ep->dead) ep_pump_inbox(t, ep);
+  }
+  if (t->rx_busy || t->orphans || t->rx_wait_head || t->rdone) polling |= poll_slots(t);
+  if (t->closing) reap(t);
+  if (t->timeout_ns > 0 && now_ns() - t->last_check > 1000000) {
+    check_timeouts(t);
+    t->last_check = now_ns();
+  }
+  *polling_out = polling || t->closing;
+  return work;
+}
+
+/* ---- caller-driven progress ---- */
+
+/* One pass on the calling thread (under pmu: one thread at a time); 0 from
+ * inside this thread's own pass (a callback it runs). Returns the work
+ * done, or 1 while copies are polled. */
+static int caller_pass(dp_transport_t *t) {
+  if (tl_pass == t) return 0;
+  pthread_mutex_lock(&t->pmu);
+  dp_transport_t *outer = tl_pass;
+  tl_pass = t;
+  int polling = 0;
+  int work = t->stop ? 0 : pass(t, &polling);
+  tl_pass = outer;
+  pthread_mutex_unlock(&t->pmu);
+  return work || polling;
+}
+
+#define CALLER_FDS 64
+
+/* Nothing to do for a while (*idle_since: since when; now: the time): spin
+ * on (yielding the core now and then) up to DP__SPIN_NS, then sleep on the
+ * workers' descriptors, at most until deadline (< 0: none) and 10 ms. */
+static void caller_idle(dp_transport_t *t, int64_t *idle_since, int64_t deadline, int64_t now) {
+  if (!*idle_since) *idle_since = now;
+  if (now - *idle_since < DP__SPIN_NS) {
+    sched_yield(); /* the peer may need this core */
+    return;
+  }
+  if (tl_pass == t) return;
+  struct pollfd fds[CALLER_FDS];
+  pthread_mutex_lock(&t->pmu);
+  size_t n = arm_all(t);
+  if (n > CALLER_FDS) n = CALLER_FDS; /* the others are seen at the next pass */
+  if (n) memcpy(fds, t->pfd, n * sizeof *fds);
+  pthread_mutex_unlock(&t->pmu);
+  if (!n) return;
+  pthread_mutex_lock(&t->mu);
+  int queued = t->c_head != NULL;
+  t->sleeping = !queued;
+  pthread_mutex_unlock(&t->mu);
+  if (!queued) {
+    int64_t ms = 10;
+    if (deadline >= 0 && (deadline - now) / 1000000 < ms) ms = (deadline - now) / 1000000;
+    poll(fds, n, ms > 0 ? (int)ms : 0);
+  }
+  pthread_mutex_lock(&t->mu);
+  t->sleeping = 0;
+  pthread_mutex_unlock(&t->mu);
+  if (fds[0].revents & POLLIN) {
+    uint64_t v;
+    ssize_t r = read(t->wake_fd, &v, sizeof v);
+    (void)r;
+  }
+  *idle_since = 0;
+}
+
+/* Caller-driven: runs passes until done(arg) or the deadline (< 0: none);
+ * 1 when done. */
+static int caller_until(dp_transport_t *t, int (*done)(void *), void *arg, int64_t timeout_ns) {
+  int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
+  int64_t idle_since = 0;
+  for (unsigned i = 1;; i++) {
+    if (done(arg)) return 1;
+    int busy = caller_pass(t);
+    if (busy) idle_since = 0;
+    if (i % 32) continue; /* the clock is read every 32 passes */
+    int64_t now = now_ns();
+    if (deadline >= 0 && now >= deadline) return done(arg);
+    if (!busy) caller_idle(t, &idle_since, deadline, now);
+  }
+}
+
+/* After CMD_STOP: closes in progress finish (bounded: a flush to a dead
+ * peer fails), then the copies into and out of slots. */
+static void drain_stopped(dp_transport_t *t) {
+  for (int64_t until = now_ns() + 2000000000; (t->closing || t->nreq) && now_ns() < until;) {
+    ucp_worker_progress(t->worker);
+    reap(t);
+  }
+  while (poll_slots(t)) sched_yield();
+  for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++)
+    if (t->streams[i]) dp_reset_current_stream(t->backend, dp_stream_device(t->streams[i]));
+}
+
 static void *progress_main(void *arg) {
   dp_transport_t *t = arg;
   int64_t idle_since = 0; /* 0: busy */
-  int64_t last_check = now_ns();
   while (!t->stop) {
-    int work = drain_cmds(t);
-    if (t->stop) break;
-    while (ucp_worker_progress(t->worker)) work++;
     int polling = 0;
-    for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
-      if (ep->dw)
-        while (ucp_worker_progress(ep->dw)) work++;
-      if (ep->lane_addr && !ep->dead) lane_connect(t, ep), work++;
-      if (ep->lane_drop) { /* the connector has no lane: the worker goes */
-        ep->lane_drop = 0;
-        ucp_worker_destroy(ep->dw);
-        ep->dw = NULL;
-      }
-      if (ep->need_close) ep_force_close(ep), work++;
-      if (ep->ctl_head && !ep->dead) ctl_flush(t, ep), work++;
-      if (ep->shm_state == SHM_OFFERED && now_ns() > ep->offer_deadline) shm_withdraw(ep);
-      if (ep->sq_head || ep->posting) polling |= ep_pump_sends(t, ep);
-      if (ep->in_head && !ep->dead) ep_pump_inbox(t, ep);
-    }
-    if (t->rx_busy || t->orphans || t->rx_wait_head || t->rdone) polling |= poll_slots(t);
-    if (t->closing) reap(t);
-    if (t->timeout_ns > 0 && now_ns() - last_check > 1000000) {
-      check_timeouts(t);
-      last_check = now_ns();
-    }
+    int work = pass(t, &polling);
+    if (t->stop) break;
     if (work) {
       idle_since = 0;
       continue;
     }
-    if (polling || t->closing) {
+    if (polling) {
       sched_yield();
       continue;
     }
@@ -2542,14 +2682,7 @@ static void *progress_main(void *arg) {
     }
     idle_since = 0;
   }
-  /* closes in progress finish (bounded: a flush to a dead peer fails) */
-  for (int64_t until = now_ns() + 2000000000; (t->closing || t->nreq) && now_ns() < until;) {
-    ucp_worker_progress(t->worker);
-    reap(t);
-  }
-  while (poll_slots(t)) sched_yield(); /* copies into and out of slots finish */
-  for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++)
-    if (t->streams[i]) dp_reset_current_stream(t->backend, dp_stream_device(t->streams[i]));
+  drain_stopped(t);
   return NULL;
 }
 
@@ -2577,6 +2710,8 @@ static ucp_context_h lane_context(const ucp_params_t *up) {
   ucp_context_h ctx = NULL;
   if (ucp_config_read(NULL, NULL, &cfg) != UCS_OK) return NULL;
   ucs_status_t st = ucp_config_modify(cfg, "TLS", want[0] && want[1] ? "posix,sysv" : want[0] ? "posix" : "sysv");
+  /* a message sent in one piece of the queue completes at once (lane_send) */
+  if (st == UCS_OK) st = ucp_config_modify(cfg, "MM_FIFO_ELEM_SIZE", DP__LANE_ELEM); /* posix's and sysv's */
   if (st == UCS_OK) st = ucp_init(up, cfg, &ctx);
   ucp_config_release(cfg);
   return st == UCS_OK ? ctx : NULL;
@@ -2641,10 +2776,18 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
   if (t->shm_on) t->lctx = lane_context(&up);
   t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   pthread_mutex_init(&t->mu, NULL);
-  pthread_cond_init(&t->cv, NULL);
-  if (t->wake_fd < 0 || pthread_create(&t->thread, NULL, progress_main, t) != 0) {
+  pthread_mutex_init(&t->pmu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&t->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  t->caller = opts && opts->progress == DP_TRANSPORT_PROGRESS_CALLER;
+  t->last_check = now_ns();
+  if (t->wake_fd < 0 || (!t->caller && pthread_create(&t->thread, NULL, progress_main, t) != 0)) {
     if (t->wake_fd >= 0) close(t->wake_fd);
     pthread_mutex_destroy(&t->mu);
+    pthread_mutex_destroy(&t->pmu);
     pthread_cond_destroy(&t->cv);
     ucp_worker_destroy(t->worker);
     ucp_cleanup(t->ctx);
@@ -2675,7 +2818,8 @@ void dp_transport_free(dp_transport_t *t) {
     dp_endpoint_free(ep);
   }
   run_cmd(t, CMD_STOP, NULL, NULL);
-  pthread_join(t->thread, NULL);
+  if (t->caller) drain_stopped(t);
+  else pthread_join(t->thread, NULL);
   ucp_worker_destroy(t->worker);
   ucp_cleanup(t->ctx);
   for (dp_endpoint_t *ep = t->closing, *n; ep; ep = n) {
@@ -2692,8 +2836,21 @@ void dp_transport_free(dp_transport_t *t) {
   }
   close(t->wake_fd);
   pthread_mutex_destroy(&t->mu);
+  pthread_mutex_destroy(&t->pmu);
   pthread_cond_destroy(&t->cv);
   dp__free(t, sizeof *t);
+}
+
+int dp_transport_progress(dp_transport_t *t) { return t && t->caller ? caller_pass(t) : 0; }
+
+static int future_done(void *f) { return dp_future_is_done(f); }
+
+int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
+  if (!t || !f) return dp__err(err, DP_EINVAL, "dp_transport_wait: %s is NULL", t ? "f" : "t");
+  if (!t->caller) return dp_future_wait(f, timeout_ns, err);
+  if (!caller_until(t, future_done, f, timeout_ns))
+    return dp__err(err, DP_ETIMEDOUT, "the future did not complete within %lld ns", (long long)timeout_ns);
+  return dp_future_wait(f, 0, err);
 }
 
 int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err) {
@@ -2721,19 +2878,28 @@ int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **ou
 
 int dp_listener_port(const dp_listener_t *l) { return l ? l->port : 0; }
 
+static int accepted(void *arg) {
+  dp_listener_t *l = arg;
+  pthread_mutex_lock(&l->t->mu);
+  int yes = l->acc_head != NULL;
+  pthread_mutex_unlock(&l->t->mu);
+  return yes;
+}
+
 int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err) {
   if (!l || !out) return dp__err(err, DP_EINVAL, "dp_listener_accept: %s is NULL", l ? "out" : "l");
   *out = NULL;
   dp_transport_t *t = l->t;
+  if (t->caller) caller_until(t, accepted, l, timeout_ns);
   struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
+  clock_gettime(CLOCK_MONOTONIC, &dl); /* t->cv's clock */
   if (timeout_ns >= 0) {
     int64_t ns = dl.tv_nsec + timeout_ns % 1000000000;
     dl.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
     dl.tv_nsec = (long)(ns % 1000000000);
   }
   pthread_mutex_lock(&t->mu);
-  int timed_out = 0;
+  int timed_out = t->caller; /* caller-driven: the passes above waited */
   while (!l->acc_head && !timed_out) {
     if (timeout_ns < 0) pthread_cond_wait(&t->cv, &t->mu);
     else timed_out = pthread_cond_timedwait(&t->cv, &t->mu, &dl) == ETIMEDOUT;

@@ -5,7 +5,15 @@
  * THREAD OF ITS OWN, started by dp_transport_new and joined by
  * dp_transport_free: every UCX call is made on that thread, and the calls
  * below only queue work for it (they never progress UCX on the caller's
- * thread). Listeners bind HOST:PORT; endpoints connect or are accepted.
+ * thread). Or, with opts.progress = DP_TRANSPORT_PROGRESS_CALLER, BY THE
+ * CALLER: no thread; the work runs in passes on the threads that call
+ * dp_transport_progress, dp_transport_wait, dp_listener_accept and the
+ * calls that queue work (a send is posted by the call that makes it), one
+ * thread at a time (a lock). This is the mode for the lowest latency (no
+ * hand-off between threads); its futures only complete while some thread
+ * drives the transport: wait for them with dp_transport_wait, not
+ * dp_future_wait. Listeners bind HOST:PORT; endpoints connect or are
+ * accepted.
  *
  * dp_endpoint_send() pickles a value (or, with dp_endpoint_send_future, the
  * value of a future once the future's events have completed: the progress
@@ -72,8 +80,10 @@
  *
  * THREAD SAFETY: every function may be called from any thread, except that
  * an object must not be freed while another thread uses it. Futures
- * complete on the progress thread (their then() callbacks run there: keep
- * them short and never wait in one on a later message of the transport).
+ * complete on the progress thread, or caller-driven on the thread running a
+ * pass (their then() callbacks run there: keep them short and never wait in
+ * one on a later message of the transport, nor call a _free function or
+ * dp_listener_new from one).
  */
 #ifndef DEVPICKLE_TRANSPORT_H
 #define DEVPICKLE_TRANSPORT_H
@@ -89,6 +99,12 @@ typedef struct dp_listener dp_listener_t;
 typedef struct dp_endpoint dp_endpoint_t;
 
 #define DP_TRANSPORT_DEFAULT_INFLIGHT (256ull << 20)
+
+/** Who drives the transport (dp_transport_opts_t.progress). */
+typedef enum dp_transport_progress_mode {
+  DP_TRANSPORT_PROGRESS_THREAD = 0, /**< a progress thread of its own (the default) */
+  DP_TRANSPORT_PROGRESS_CALLER = 1  /**< the caller: dp_transport_progress / dp_transport_wait */
+} dp_transport_progress_mode_t;
 
 typedef struct dp_transport_opts {
   /** Per endpoint, per direction: buffer bytes posted and not yet
@@ -116,6 +132,9 @@ typedef struct dp_transport_opts {
    *  NULL: cache's backend when cache is set, else dp_backend_default()
    *  (cuda when a GPU is usable; DEVPICKLE_BACKEND forces one). */
   dp_backend_t *backend;
+  /** DP_TRANSPORT_PROGRESS_THREAD (0, the default) or
+   *  DP_TRANSPORT_PROGRESS_CALLER (see the top of this file). */
+  dp_transport_progress_mode_t progress;
 } dp_transport_opts_t;
 
 /** A transport and its progress thread. opts may be NULL. UCX reads its
@@ -127,6 +146,18 @@ DP_API int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **ou
  *  the transport. NULL: nothing. Not from a transport's own callback. */
 DP_API void dp_transport_free(dp_transport_t *t);
 
+/** Caller-driven transports: one pass of the progress loop on this thread
+ *  (commands, UCX, sends, receives, slots, closes, timeouts); never blocks
+ *  for long (another thread's pass, at most). Returns 1 when it did work
+ *  (call again soon), 0 when idle — and 0 for a transport with a thread of
+ *  its own, for NULL, and from inside a pass of this thread (a callback). */
+DP_API int dp_transport_progress(dp_transport_t *t);
+/** Waits for f as dp_future_wait does (timeout_ns < 0: no limit; the same
+ *  result and errors), driving a caller-driven transport meanwhile: passes
+ *  while there is work, a spin of up to 200 us, then sleeps on UCX's and
+ *  the command queue's descriptors. With a thread of its own, it is
+ *  dp_future_wait. DP_EINVAL for NULL. */
+DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 /** Listens on "HOST:PORT" (PORT 0: an ephemeral port, see
  *  dp_listener_port; HOST may be an address or a name, "0.0.0.0" all
  *  interfaces). Returns once the socket is bound. Errors: DP_EINVAL for a

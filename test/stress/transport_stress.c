@@ -3,7 +3,8 @@
  * process over UCX (tcp on lo and shared memory), values with buffers sent
  * from two threads at once and received on a third, a future's value sent
  * after its host-stream work, an endpoint closed with sends pending, a
- * refused connection. Prints "N passed, M failed"; exit status 1 on failure. */
+ * refused connection; the same with progress driven by the callers' threads
+ * (DP_TRANSPORT_PROGRESS_CALLER: three threads run passes at once). Prints "N passed, M failed"; exit status 1 on failure. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,9 +34,12 @@ static dp_value_t tensor(size_t n, int fill) {
 }
 
 typedef struct sender {
+  dp_transport_t *t;
   dp_endpoint_t *ep;
   int id, failed;
 } sender_t;
+
+static dp_transport_opts_t opts; /* the scenario's: progress by a thread or the callers */
 
 static void *send_main(void *arg) {
   sender_t *s = arg;
@@ -46,7 +50,7 @@ static void *send_main(void *arg) {
     dp_seq_set(v, 1, tensor(i % 3 == 0 ? 100000 : 64, i & 0xff), NULL);
     dp_future_t *d;
     dp_error_t e;
-    if (dp_endpoint_send(s->ep, v, &d, &e) || dp_future_wait(d, 30 * SEC, &e)) s->failed = 1;
+    if (dp_endpoint_send(s->ep, v, &d, &e) || dp_transport_wait(s->t, d, 30 * SEC, &e)) s->failed = 1;
     dp_future_release(d);
     dp_value_release(v);
   }
@@ -58,20 +62,20 @@ static int scenario_two_senders_one_receiver(void) {
   dp_listener_t *l;
   dp_endpoint_t *ea, *eb;
   dp_error_t e;
-  CHECK(dp_transport_new(NULL, &a, &e) == 0, "%s", e.message);
-  CHECK(dp_transport_new(NULL, &b, &e) == 0, "%s", e.message);
+  CHECK(dp_transport_new(&opts, &a, &e) == 0, "%s", e.message);
+  CHECK(dp_transport_new(&opts, &b, &e) == 0, "%s", e.message);
   CHECK(dp_listener_new(a, "127.0.0.1:0", &l, &e) == 0, "%s", e.message);
   char addr[64];
   snprintf(addr, sizeof addr, "127.0.0.1:%d", dp_listener_port(l));
   CHECK(dp_endpoint_connect(b, addr, &eb, &e) == 0, "%s", e.message);
-  sender_t s[2] = {{eb, 0, 0}, {eb, 1, 0}};
+  sender_t s[2] = {{b, eb, 0, 0}, {b, eb, 1, 0}};
   pthread_t th[2];
   for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, send_main, &s[i]);
   CHECK(dp_listener_accept(l, 30 * SEC, &ea, &e) == 0, "%s", e.message);
   int got[2] = {0, 0};
   for (int i = 0; i < 2 * PER_THREAD; i++) {
     dp_future_t *f;
-    CHECK(dp_endpoint_recv(ea, &f, &e) == 0 && dp_future_wait(f, 30 * SEC, &e) == 0, "%s", e.message);
+    CHECK(dp_endpoint_recv(ea, &f, &e) == 0 && dp_transport_wait(a, f, 30 * SEC, &e) == 0, "%s", e.message);
     dp_value_t v = dp_future_value(f);
     int id = (int)dp_value_as_int(dp_seq_get(v, 0));
     const uint8_t *p = dp_storage_base(dp_tensor_storage(dp_seq_get(v, 1)));
@@ -90,7 +94,7 @@ static int scenario_two_senders_one_receiver(void) {
   }
   dp_endpoint_free(eb);
   for (int i = 0; i < 4; i++) {
-    int rc = dp_future_wait(d[i], 30 * SEC, &e);
+    int rc = dp_transport_wait(b, d[i], 30 * SEC, &e);
     CHECK(rc == 0 || rc == DP_ECANCELED, "%s", e.message);
     dp_future_release(d[i]);
   }
@@ -122,6 +126,9 @@ int main(void) {
   setenv("UCX_NET_DEVICES", "lo", 0);
   run("transport: two senders, one receiver, close with sends pending", scenario_two_senders_one_receiver);
   run("transport: a refused connection", scenario_refused);
+  opts.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  run("transport, driven by the callers: two senders, one receiver, close with sends pending",
+      scenario_two_senders_one_receiver);
   printf("%d passed, %d failed\n", passes, failures);
   return failures ? 1 : 0;
 }
