@@ -328,6 +328,7 @@ static int new_future(dp_transport_t *t, dp_future_t **out, dp_error_t *err) {
 }
 
 static int caller_pass(dp_transport_t *t);
+static void caller_commands(dp_transport_t *t);
 static int drain_cmds(dp_transport_t *t);
 /* The transport whose pass this thread runs (caller-driven progress). */
 static _Thread_local dp_transport_t *tl_pass;
@@ -348,9 +349,11 @@ static int submit(dp_transport_t *t, cmd_t *c, int wait_done) {
   if (t->caller) {
     if (tl_pass == t) {
       if (wait_done) drain_cmds(t);
+    } else if (!wait_done) {
+      caller_commands(t); /* a send is posted now; the workers wait for the next pass */
     } else {
       do caller_pass(t);
-      while (wait_done && !c->done);
+      while (!c->done);
     }
     return wait_done ? c->rc : 0;
   }
@@ -2527,9 +2530,6 @@ static size_t arm_all(dp_transport_t *t) {
 static int pass(dp_transport_t *t, int *polling_out) {
   int work = drain_cmds(t);
   if (t->stop) return work;
-  /* every pass (looking at the transport's worker less often, while lanes
-     carry the small messages, left UCX 1.13 destroying endpoints that
-     still held requests: assertions in ucp_ep_destroy_base) */
   while (ucp_worker_progress(t->worker)) work++;
   int polling = 0;
   for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
@@ -2573,6 +2573,17 @@ static int caller_pass(dp_transport_t *t) {
   tl_pass = outer;
   pthread_mutex_unlock(&t->pmu);
   return work || polling;
+}
+
+/* The queued commands only (a send posts what it can), on the calling
+ * thread under pmu. */
+static void caller_commands(dp_transport_t *t) {
+  pthread_mutex_lock(&t->pmu);
+  dp_transport_t *outer = tl_pass;
+  tl_pass = t;
+  if (!t->stop) drain_cmds(t);
+  tl_pass = outer;
+  pthread_mutex_unlock(&t->pmu);
 }
 
 #define CALLER_FDS 64
