@@ -184,6 +184,26 @@ _TORCH_DTYPES = {"bool": "bool", "int8": "int8", "int16": "int16", "int32": "int
                  "float64": "float64", "complex64": "complex64", "complex128": "complex128"}
 
 
+def _check_contiguous(source, key):
+    """A buffer is the bytes of one allocation, end to end: a strided view
+    (a slice with a step, a transposed array) is refused, never copied."""
+    torch = sys.modules.get("torch")
+    cupy = sys.modules.get("cupy")
+    if torch is not None and isinstance(source, torch.Tensor):
+        ok = source.is_contiguous()
+    elif cupy is not None and isinstance(source, cupy.ndarray):
+        ok = source.flags.c_contiguous
+    else:
+        try:
+            with memoryview(source) as m:
+                ok = m.c_contiguous
+        except TypeError:
+            raise TypeError(f"loads: buffers[{key}] is a {type(source).__name__}, not a buffer") from None
+    if not ok:
+        raise ValueError(f"loads: buffers[{key}] is not contiguous: a buffer must be its allocation's bytes "
+                         "end to end (numpy.ascontiguousarray or .contiguous() makes such a copy)")
+
+
 def _flat(kind, device, source, cache, key, nbytes):
     """The whole buffer as a flat uint8 array of the kind wanted, made once
     per buffer and kind so that views of one storage share it (cache[key]:
@@ -196,6 +216,7 @@ def _flat(kind, device, source, cache, key, nbytes):
     else:
         cache[key] = source
     torch = sys.modules.get("torch")
+    _check_contiguous(source, key)
     if kind != "torch.Tensor" and torch is not None and isinstance(source, torch.Tensor):
         if source.device.type != "cpu":
             raise TypeError(f"loads: a {kind} over a torch tensor on {source.device}")

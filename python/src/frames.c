@@ -206,6 +206,12 @@ static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
     source = PyByteArray_FromStringAndSize(host, (Py_ssize_t)dp_storage_nbytes(st));
   } else if (l->buffers && (Py_ssize_t)at < PySequence_Length(l->buffers)) {
     source = PySequence_GetItem(l->buffers, (Py_ssize_t)at);
+    if (source == Py_None) {
+      char dn[32];
+      Py_CLEAR(source);
+      PyErr_Format(PyExc_ValueError, "loads: buffers[%zu] is None: buffer %zu (%s, %zu bytes) needs its bytes", at,
+                   at, dp_device_format(dev, dn, sizeof dn), dp_storage_nbytes(st));
+    }
   } else {
     char dn[32];
     PyErr_Format(PyExc_ValueError,

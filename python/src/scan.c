@@ -901,7 +901,17 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   void *base;
   size_t ext;
   if (buffer_memory(s, o, &dev, &base, &ext)) return -1;
-  return ext ? add_alloc(s, dev, base, ext) : 0;
+  if (ext && add_alloc(s, dev, base, ext)) return -1;
+  /* a subclass written in Python (bytearray's, ndarray's) may hold more in
+     its instance __dict__, which pickle's reduce of it carries (bytearray's
+     does): walked as an object's attributes, never skipped */
+  PyTypeObject *t = Py_TYPE(o);
+  if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE) || t->tp_dictoffset == 0) return 0;
+  PyObject *d = PyObject_GenericGetDict(o, NULL);
+  if (!d) return walk_error(s, o, "its __dict__ cannot be read");
+  if (!keep(s, d)) return -1;
+  if (!PyDict_Check(d) || PyDict_GET_SIZE(d) == 0) return 0;
+  return push(s, FR_ATTRS, d);
 }
 
 /* DLPack producers (jax arrays): the view's data, from the capsule. */

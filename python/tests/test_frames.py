@@ -99,6 +99,20 @@ def test_an_out_of_band_frame_without_its_buffers_says_which_is_missing():
         devpickle.loads(frame)
 
 
+def test_a_buffer_given_as_none_or_strided_is_a_clear_error_never_a_copy():
+    frame = devpickle.dumps([np.arange(4, dtype=np.float32)], buffer_callback=lambda b: None)
+    with pytest.raises(ValueError, match=r"buffers\[0\] is None: buffer 0 \(cpu, 16 bytes\) needs its bytes"):
+        devpickle.loads(frame, buffers=[None])
+    with pytest.raises(ValueError, match=r"buffers\[0\] is not contiguous"):
+        devpickle.loads(frame, buffers=[np.arange(8, dtype=np.float32)[::2]])
+    with pytest.raises(ValueError, match=r"buffers\[0\] is not contiguous"):
+        devpickle.loads(frame, buffers=[torch.arange(8, dtype=torch.float32)[::2]])
+    with pytest.raises(TypeError, match=r"buffers\[0\] is a int, not a buffer"):
+        devpickle.loads(frame, buffers=[7])
+    out = devpickle.loads(frame, buffers=[np.arange(4, dtype=np.float32)])
+    assert out[0].tolist() == [0, 1, 2, 3]
+
+
 def test_a_damaged_frame_is_a_frame_error_with_code_and_offset():
     frame = devpickle.dumps({"x": [1, 2, 3]})
     with pytest.raises(devpickle.FrameError) as e:

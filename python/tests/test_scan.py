@@ -224,6 +224,29 @@ def test_a_tensor_subclass_and_a_tensor_with_attributes_have_their_dict_walked()
     assert [a.path for a in devpickle.scan({"x": t})] == ['$.x', '$.x.note']
 
 
+class Bytes(bytearray):
+    pass
+
+
+class Arr(np.ndarray):
+    pass
+
+
+def test_a_buffer_subclass_has_its_memory_and_its_dict_walked_never_skipped():
+    # pickle carries a bytearray subclass's __dict__; a tensor kept there is found
+    inner = torch.zeros(3)
+    b = Bytes(b"abc")
+    b.t = inner
+    got = devpickle.scan([b])
+    assert [a.path for a in got] == ['$[0]', '$[0].t']
+    assert got[1].ptr == storage_ptr(inner)[0]
+    n = np.zeros(4).view(Arr)
+    n.meta = {"t": inner}
+    assert [a.path for a in devpickle.scan(n)] == ['$', '$.meta.t']
+    plain = np.zeros(4).view(Arr)  # no attributes: the array alone
+    assert [a.path for a in devpickle.scan(plain)] == ['$']
+
+
 def test_object_arrays_walk_their_items_and_numpy_scalars_are_leaves():
     t = torch.ones(2)
     arr = np.empty(2, dtype=object)
