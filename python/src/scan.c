@@ -697,11 +697,37 @@ static int is_torch(PyObject *o) { return dpy.torch_tensor && PyObject_TypeCheck
 /* A tensor's state beyond its data — a subclass's or a tensor's own
  * attributes (nn.Parameter's, say), which pickle carries — is walked as the
  * attributes of an object. */
+/* A tensor subclass's __slots__ (instances larger than torch.Tensor's):
+ * *d becomes a new dict of __dict__'s items and the slots that are set, as
+ * torch's pickling carries them. 0, or -1 with a walk error. */
+static int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
+  PyTypeObject *t = Py_TYPE(o);
+  if (t->tp_basicsize <= ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize) return 0;
+  PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
+  if (!names) return walk_error(s, o, "its __slots__ cannot be read");
+  if (!keep(s, names)) return -1;
+  if (!PyList_Check(names) || PyList_GET_SIZE(names) == 0) return 0;
+  PyObject *all = *d ? PyDict_Copy(*d) : PyDict_New();
+  if (!keep(s, all)) return -1;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(names); i++) {
+    PyObject *name = PyList_GET_ITEM(names, i), *v = PyObject_GetAttr(o, name);
+    if (!v && !PyErr_ExceptionMatches(PyExc_AttributeError)) return walk_error(s, o, "a slot cannot be read");
+    PyErr_Clear(); /* a slot never set */
+    int rc = v ? PyDict_SetItem(all, name, v) : 0;
+    Py_XDECREF(v);
+    if (rc) return -1;
+  }
+  *d = all;
+  return 0;
+}
+
 static int visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
   PyObject **dp = _PyObject_GetDictPtr(o);
-  if (!dp) return PyErr_Occurred() ? walk_error(s, o, "its __dict__ cannot be read") : 0;
-  PyObject *d = *dp;
-  if (!d || !PyDict_Check(d) || !PyDict_GET_SIZE(d)) return 0;
+  if (!dp && PyErr_Occurred()) return walk_error(s, o, "its __dict__ cannot be read");
+  PyObject *d = dp ? *dp : NULL;
+  if (d && !PyDict_Check(d)) d = NULL;
+  if (tensor_slots(s, o, &d)) return -1;
+  if (!d || !PyDict_GET_SIZE(d)) return 0;
   if (!s->tensor_memo) { /* the memo was skipped: its attributes are entered once (t.me = t) */
     int sn = seen(s, o);
     if (sn) return sn < 0 ? -1 : 0;
@@ -1392,7 +1418,9 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   int n = torch_allocs(o, a);
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
   PyObject **dp = _PyObject_GetDictPtr(o);
-  if (dp && *dp && PyDict_Check(*dp) && PyDict_GET_SIZE(*dp)) {
+  PyObject *d = dp && *dp && PyDict_Check(*dp) ? *dp : NULL;
+  if (tensor_slots(s, o, &d)) return -1;
+  if (d && PyDict_GET_SIZE(d)) {
     PyErr_SetString(PyExc_TypeError, "a tensor's attributes (a subclass's state) are not carried in frames");
     return walk_error(s, o, "it cannot be carried in a frame");
   }

@@ -247,6 +247,22 @@ def test_a_buffer_subclass_has_its_memory_and_its_dict_walked_never_skipped():
     assert [a.path for a in devpickle.scan(plain)] == ['$']
 
 
+class SlottedTensor(torch.Tensor):
+    __slots__ = ("extra", "unset")
+
+
+def test_a_tensor_subclass_with_slots_has_them_walked_and_dumps_refuses_it():
+    s = torch.zeros(2).as_subclass(SlottedTensor)
+    s.extra = torch.ones(5)
+    got = devpickle.scan({"s": s})
+    assert [a.path for a in got] == ['$.s', '$.s.extra']
+    assert got[1].ptr == storage_ptr(s.extra)[0]
+    with pytest.raises(devpickle.WalkError, match=r"SlottedTensor' at \$: it cannot be carried in a frame"):
+        devpickle.dumps(s, inline=True)
+    bare = torch.zeros(2).as_subclass(SlottedTensor)  # no slot set: the storage alone
+    assert [a.path for a in devpickle.scan(bare)] == ['$']
+
+
 def test_object_arrays_walk_their_items_and_numpy_scalars_are_leaves():
     t = torch.ones(2)
     arr = np.empty(2, dtype=object)
