@@ -326,8 +326,26 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
     const char *first = NULL;
     dp_value_t data = dp_none();
     if (f.n) dp_object_attr(v, 0, &first, &data, NULL);
-    if (is_array_class(cname) && f.n == 1 && !strcmp(first, "data") && dp_value_kind(data) == DP_TENSOR) {
+    int grad = 0; /* torch.Tensor's second attribute: requires_grad, true */
+    if (f.n == 2 && !strcmp(cname, "torch.Tensor")) {
+      const char *name = NULL;
+      dp_value_t flag = dp_none();
+      dp_object_attr(v, 1, &name, &flag, NULL);
+      grad = name && !strcmp(name, "requires_grad") && dp_value_kind(flag) == DP_BOOL && dp_value_as_bool(flag);
+    }
+    if (is_array_class(cname) && (f.n == 1 || grad) && !strcmp(first, "data") && dp_value_kind(data) == DP_TENSOR) {
       PyObject *r = tensor_to_py(l, data, cname);
+      if (r && grad) {
+        PyObject *ok = PyObject_CallMethod(r, "requires_grad_", NULL);
+        if (!ok) {
+          PyObject *et, *ev, *tb;
+          PyErr_Fetch(&et, &ev, &tb);
+          PyErr_Format(PyExc_ValueError, "loads: a tensor that requires grad cannot be made here: %S", ev ? ev : Py_None);
+          Py_XDECREF(et), Py_XDECREF(ev), Py_XDECREF(tb);
+        }
+        Py_XDECREF(ok);
+        if (!ok) Py_CLEAR(r);
+      }
       if (r && memo_put(l, v, r, &at)) Py_CLEAR(r);
       return r;
     }

@@ -1413,6 +1413,20 @@ static int int64_seq(PyObject *seq, int64_t *out, int max) {
 
 #define MAX_DIMS 64
 
+/* A tensor that requires grad carries it (attribute requires_grad: true),
+ * as torch's pickling does; loads makes it a leaf that requires grad (its
+ * graph, like pickle's, is not carried). */
+static int carry_requires_grad(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
+  PyObject *rg = PyObject_GetAttrString(o, "requires_grad");
+  int yes = rg ? PyObject_IsTrue(rg) : -1;
+  Py_XDECREF(rg);
+  if (yes < 0) return walk_error(s, o, "its requires_grad cannot be read");
+  if (!yes) return 0;
+  dp_error_t e;
+  int rc = dp_object_set(obj, "requires_grad", dp_bool(1), &e);
+  return rc ? dp_fail(s, o, rc, &e) : 0;
+}
+
 static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
   int n = torch_allocs(o, a);
@@ -1450,6 +1464,7 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
     rc = build_tensor(s, o, (dp_device_t){(dp_device_type_t)a[0].device_type, (uint8_t)a[0].device_index},
                       a[0].base, a[0].nbytes, ds, nd, shape, strides, offset, &t);
     if (!rc) rc = wrap(s, o, "torch.Tensor", "data", t, out);
+    if (!rc) rc = carry_requires_grad(s, o, *out);
   }
   Py_XDECREF(dtype);
   Py_XDECREF(dstr);

@@ -113,6 +113,17 @@ def test_a_buffer_given_as_none_or_strided_is_a_clear_error_never_a_copy():
     assert out[0].tolist() == [0, 1, 2, 3]
 
 
+def test_requires_grad_travels_as_pickle_carries_it_and_comes_back_on_leaves():
+    g = torch.ones(3, requires_grad=True)
+    out = devpickle.loads(devpickle.dumps({"g": g, "v": g[1:], "n": torch.zeros(2)}, inline=True))
+    assert out["g"].requires_grad and out["g"].is_leaf
+    assert out["v"].requires_grad and out["v"].is_leaf  # a view's graph is not carried (nor by pickle)
+    assert out["v"].data_ptr() == out["g"].data_ptr() + 4  # still a view of the same buffer
+    assert not out["n"].requires_grad
+    out["g"].sum().backward()
+    assert out["g"].grad.tolist() == [1.0, 1.0, 1.0]
+
+
 def test_a_damaged_frame_is_a_frame_error_with_code_and_offset():
     frame = devpickle.dumps({"x": [1, 2, 3]})
     with pytest.raises(devpickle.FrameError) as e:
