@@ -300,6 +300,7 @@ struct dp_transport {
   int stop;
   int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
   int64_t last_check;           /* timeouts last checked */
+  unsigned yield_every;         /* idle passes between yields: 1 where cores are few */
   _Atomic int queued;           /* commands may be queued (set under mu; read without) */
   int caller;                   /* DP_TRANSPORT_PROGRESS_CALLER: no thread; passes under pmu */
   pthread_mutex_t pmu;
@@ -2656,6 +2657,7 @@ static void drain_stopped(dp_transport_t *t) {
 static void *progress_main(void *arg) {
   dp_transport_t *t = arg;
   int64_t idle_since = 0; /* 0: busy */
+  unsigned spins = 0;
   while (!t->stop) {
     int polling = 0;
     int work = pass(t, &polling);
@@ -2671,6 +2673,7 @@ static void *progress_main(void *arg) {
     /* spin a while after the last work (a reply often follows at once),
      * then sleep on the worker's and the command queue's descriptors */
     if (!idle_since) idle_since = now_ns();
+    if (++spins % t->yield_every) continue; /* the clock and the yield: every yield_every idle passes */
     if (now_ns() - idle_since < DP__SPIN_NS) {
       sched_yield(); /* the threads this one waits for may need the core */
       continue;
@@ -2794,6 +2797,9 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
   pthread_cond_init(&t->cv, &ca);
   pthread_condattr_destroy(&ca);
   t->caller = opts && opts->progress == DP_TRANSPORT_PROGRESS_CALLER;
+  /* a spinning thread yields its core every idle pass where the threads it
+     waits for may need it (a few cores), every 16th elsewhere */
+  t->yield_every = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 16 : 1;
   t->last_check = now_ns();
   if (t->wake_fd < 0 || (!t->caller && pthread_create(&t->thread, NULL, progress_main, t) != 0)) {
     if (t->wake_fd >= 0) close(t->wake_fd);
