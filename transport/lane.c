@@ -1,0 +1,165 @@
+/* transport/lane.c — same-host lanes (internal.h): a worker and an endpoint without error
+ * handling beside each connection between two processes of one host. */
+#include "tp.h"
+
+/* ---- the same-host lane (internal.h) ---- */
+
+static const unsigned am_ids[AM_IDS] = {DP__AM_FRAME,     DP__AM_BUFS,      DP__AM_SHM_PIECE, DP__AM_SHM_OFFER,
+                                        DP__AM_SHM_REPLY, DP__AM_SHM_DONE,  DP__AM_LANE_ADDR, DP__AM_LANE_HELLO};
+
+
+/* Sets every message's handler on w; amh[i] is its argument. */
+ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep) {
+  ucp_am_handler_param_t hp;
+  memset(&hp, 0, sizeof hp);
+  hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  hp.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
+  hp.cb = dp__tp_am_cb;
+  ucs_status_t st = UCS_OK;
+  for (size_t i = 0; i < AM_IDS && st == UCS_OK; i++) {
+    amh[i] = (amh_t){t, am_ids[i], ep};
+    hp.id = am_ids[i];
+    hp.arg = &amh[i];
+    st = ucp_worker_set_am_recv_handler(w, &hp);
+  }
+  return st;
+}
+
+ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd) {
+  ucp_worker_params_t wp;
+  memset(&wp, 0, sizeof wp);
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucs_status_t st = ucp_worker_create(ctx, &wp, w);
+  if (st != UCS_OK) *w = NULL;
+  else if ((st = ucp_worker_get_efd(*w, fd)) != UCS_OK) ucp_worker_destroy(*w), *w = NULL;
+  return st;
+}
+
+/* The endpoint's lane worker; 0 when made. */
+static int lane_worker(dp_transport_t *t, dp_endpoint_t *ep) {
+  if (dp__tp_new_worker(t->lctx, &ep->dw, &ep->dw_fd) != UCS_OK) return -1;
+  if (dp__tp_set_handlers(ep->dw, ep->lamh, t, ep) == UCS_OK) return 0;
+  ucp_worker_destroy(ep->dw);
+  ep->dw = NULL;
+  return -1;
+}
+
+/* The acceptor's side: its lane worker's address goes to the connector.
+ * Without one (no lanes here, or UCX refused) nothing is sent, and the
+ * endpoint stays on its connection. */
+static void lane_offer(dp_transport_t *t, dp_endpoint_t *ep) {
+  if (!t->lctx || lane_worker(t, ep)) return;
+  ucp_address_t *a = NULL;
+  size_t n = 0;
+  if (ucp_worker_get_address(ep->dw, &a, &n) != UCS_OK || n > DP__LANE_ADDR_MAX) {
+    if (a) ucp_worker_release_address(ep->dw, a);
+    ucp_worker_destroy(ep->dw);
+    ep->dw = NULL;
+    return;
+  }
+  dp__am_shm_ctl_t h = {DP__WIRE_MAGIC, (uint32_t)n, 0};
+  dp__tp_ctl_queue_data(ep, DP__AM_LANE_ADDR, &h, sizeof h, a, n);
+  ucp_worker_release_address(ep->dw, a);
+  ep->lane = LANE_WAIT;
+}
+
+/* The connector's side, from the loop: an endpoint to the acceptor's lane
+ * worker (UCX refuses one to another host), and the answer: HELLO 1 on
+ * the lane, else HELLO 0 on the connection. */
+void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep) {
+  void *a = ep->lane_addr;
+  ep->lane_addr = NULL;
+  int ok = lane_worker(t, ep) == 0;
+  if (ok) {
+    ucp_ep_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    p.address = a;
+    p.err_mode = UCP_ERR_HANDLING_MODE_NONE; /* shared memory has no other in UCX 1.13 */
+    if (ucp_ep_create(ep->dw, &p, &ep->dep) != UCS_OK) {
+      ep->dep = NULL;
+      ucp_worker_destroy(ep->dw);
+      ep->dw = NULL;
+      ok = 0;
+    }
+  }
+  dp__free(a, ep->lane_addr_len);
+  if (ok) {
+    ep->lane = LANE_HELLO; /* lane_hello sends it */
+    ep->hello_deadline = now_ns() + DP__HELLO_NS;
+    return;
+  }
+  dp__am_shm_ctl_t h = {DP__WIRE_MAGIC, 0, 0};
+  dp__tp_ctl_queue(ep, DP__AM_LANE_HELLO, &h, sizeof h);
+}
+
+/* The connector's HELLO opens the lane: sent on it once UCX has wired it
+ * (tried every pass). A lane not wired in DP__HELLO_NS is given up: HELLO 0
+ * on the connection. */
+void dp__tp_lane_hello(dp_endpoint_t *ep) {
+  dp__am_shm_ctl_t h = {DP__WIRE_MAGIC, 1, 0};
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  if (!UCS_PTR_IS_ERR(dp__tp_lane_send(ep, DP__AM_LANE_HELLO, &h, sizeof h, NULL, 0, &p))) {
+    ep->lane = LANE_ON;
+    return;
+  }
+  if (now_ns() < ep->hello_deadline) return;
+  dp__tp_lane_close(ep);
+  h.value = 0;
+  dp__tp_ctl_queue(ep, DP__AM_LANE_HELLO, &h, sizeof h);
+}
+
+/* The lane is no longer used. Its endpoint is not closed (UCX 1.13 cannot
+ * close one without error handling by force, nor flush one to a dead
+ * peer): it goes with the lane's worker when the endpoint is freed, and
+ * holds no request meanwhile (lane_send). */
+void dp__tp_lane_close(dp_endpoint_t *ep) {
+  ep->lane = LANE_NONE;
+  ep->dep = NULL;
+}
+
+/* An endpoint's memory, once UCX let go of it. */
+void dp__tp_ep_free_mem(dp_endpoint_t *ep) {
+  if (ep->lane_addr) dp__free(ep->lane_addr, ep->lane_addr_len);
+  if (ep->dw) ucp_worker_destroy(ep->dw);
+  dp__free(ep, sizeof *ep);
+}
+
+void dp__tp_on_conn(ucp_conn_request_h req, void *arg) {
+  dp_listener_t *l = arg;
+  dp_transport_t *t = l->t;
+  dp_endpoint_t *ep;
+  char name[96];
+  snprintf(name, sizeof name, "endpoint accepted on port %d", l->port);
+  if (l->closed || dp__tp_ep_alloc(t, name, &ep, NULL)) {
+    ucp_listener_reject(l->l, req);
+    return;
+  }
+  ucp_ep_params_t p;
+  memset(&p, 0, sizeof p);
+  p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                 UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.conn_request = req;
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = dp__tp_ep_err_cb;
+  p.err_handler.arg = ep;
+  if (ucp_ep_create(t->worker, &p, &ep->ep) != UCS_OK) {
+    dp__free(ep, sizeof *ep);
+    return;
+  }
+  ep->established = 1; /* the peer asked for it */
+  ep->acceptor = 1;
+  lane_offer(t, ep);
+  dp__tp_ep_link(t, ep);
+  pthread_mutex_lock(&t->mu);
+  if (l->acc_tail) l->acc_tail->acc_next = ep;
+  else l->acc_head = ep;
+  l->acc_tail = ep;
+  pthread_cond_broadcast(&t->cv);
+  pthread_mutex_unlock(&t->mu);
+}

@@ -1,0 +1,489 @@
+/* transport/loop.c — the progress loop: a pass, the progress thread,
+ * caller-driven progress. */
+#include "tp.h"
+
+_Thread_local dp_transport_t *dp__tp_in_pass;
+
+/* ---- the progress thread ---- */
+
+static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
+  size_t ns = ep->nsends, nr = 0;
+  for (rwait_t *w = ep->w_head; w; w = w->next) nr++;
+  if (!ep->dead) {
+    if (ns || nr) {
+      dp_error_t e;
+      dp__err(&e, DP_ECANCELED, "transport: %s closed with %zu sends and %zu receives pending", ep->name, ns, nr);
+      dp__tp_ep_fail(ep, &e);
+    } else {
+      for (rmsg_t *m = ep->rq_head, *n; m; m = n) {
+        n = m->next;
+        m->detached = 1;
+        if (!m->pending) dp__tp_rmsg_free(m);
+      }
+      ep->rq_head = ep->rq_tail = ep->cur = NULL;
+      for (inbox_t *b = ep->in_head, *n; b; b = n) {
+        n = b->next;
+        dp__tp_inbox_drop(t, b);
+      }
+      ep->in_head = ep->in_tail = NULL;
+      /* the peer's slots whose copies run here go back before the close,
+         or its sends would fail with the connection */
+      for (rdone_t *r = t->rdone; r; r = r->next)
+        if (r->ep == ep) {
+          dp_event_synchronize(r->ev, NULL);
+          dp__tp_shm_done(ep, r->slot);
+          r->ep = NULL;
+        }
+      dp__tp_ctl_flush(t, ep);
+      dp__tp_ep_drop_shm(t, ep);
+      dp__tp_lane_close(ep);
+      if (ep->ep) {
+        /* flush: eager messages whose sends completed may not have left yet */
+        ucp_request_param_t p = {0};
+        void *r = ucp_ep_close_nbx(ep->ep, &p);
+        if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
+      }
+      ep->dead = 1;
+    }
+  }
+  if (ep->need_close) dp__tp_ep_force_close(ep);
+  dp__tp_ep_unlink(t, ep);
+}
+
+static void handle_cmd(dp_transport_t *t, cmd_t *c) {
+  switch (c->type) {
+  case CMD_LISTEN: {
+    dp_listener_t *l = c->lst;
+    ucp_listener_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    p.sockaddr.addr = (const struct sockaddr *)&c->addr;
+    p.sockaddr.addrlen = c->addrlen;
+    p.conn_handler.cb = dp__tp_on_conn;
+    p.conn_handler.arg = l;
+    ucs_status_t st = ucp_listener_create(t->worker, &p, &l->l);
+    if (st != UCS_OK) {
+      dp__tp_cmd_finish(t, c, dp__err(&c->err, DP_EIO, "transport: cannot listen: %s", ucs_status_string(st)));
+      return;
+    }
+    ucp_listener_attr_t a;
+    a.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if (ucp_listener_query(l->l, &a) == UCS_OK) {
+      if (a.sockaddr.ss_family == AF_INET) l->port = ntohs(((struct sockaddr_in *)&a.sockaddr)->sin_port);
+      else if (a.sockaddr.ss_family == AF_INET6) l->port = ntohs(((struct sockaddr_in6 *)&a.sockaddr)->sin6_port);
+    }
+    pthread_mutex_lock(&t->mu); /* dp_transport_free reads the list */
+    l->next = t->lsts;
+    t->lsts = l;
+    pthread_mutex_unlock(&t->mu);
+    dp__tp_cmd_finish(t, c, 0);
+    return;
+  }
+  case CMD_UNLISTEN: {
+    dp_listener_t *l = c->lst;
+    if (l->l) ucp_listener_destroy(l->l);
+    pthread_mutex_lock(&t->mu);
+    for (dp_listener_t **p = &t->lsts; *p; p = &(*p)->next)
+      if (*p == l) {
+        *p = l->next;
+        break;
+      }
+    dp_endpoint_t *a = l->acc_head;
+    l->acc_head = l->acc_tail = NULL;
+    l->closed = 1;
+    pthread_mutex_unlock(&t->mu);
+    while (a) {
+      dp_endpoint_t *n = a->acc_next;
+      ep_close_now(t, a);
+      a->next = t->closing;
+      t->closing = a;
+      a = n;
+    }
+    dp__tp_cmd_finish(t, c, 0);
+    return;
+  }
+  case CMD_CONNECT: {
+    dp_endpoint_t *ep = c->ep;
+    ucp_ep_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    p.sockaddr.addr = (const struct sockaddr *)&c->addr;
+    p.sockaddr.addrlen = c->addrlen;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = dp__tp_ep_err_cb;
+    p.err_handler.arg = ep;
+    dp__tp_ep_link(t, ep);
+    ucs_status_t st = ucp_ep_create(t->worker, &p, &ep->ep);
+    if (st != UCS_OK) {
+      ep->ep = NULL;
+      dp__tp_ep_failf(ep, DP_EIO, "cannot connect (%s)", ucs_status_string(st));
+    }
+    dp__free(c, sizeof *c);
+    return;
+  }
+  case CMD_SEND: {
+    sop_t *s = c->sop;
+    dp_endpoint_t *ep = c->ep;
+    dp__free(c, sizeof *c);
+    if (ep->dead) {
+      dp_error_t e;
+      dp_endpoint_error(ep, &e);
+      dp__tp_sop_fail(s, &e);
+      dp__tp_sop_free(s);
+      return;
+    }
+    s->ep = ep;
+    s->t = t;
+    ep->nsends++;
+    if (ep->sq_tail) ep->sq_tail->next = s;
+    else ep->sq_head = s;
+    ep->sq_tail = s;
+    dp__tp_ep_pump_sends(t, ep);
+    return;
+  }
+  case CMD_RECV: {
+    rwait_t *w = c->rw;
+    dp_endpoint_t *ep = c->ep;
+    dp__free(c, sizeof *c);
+    if (ep->dead) {
+      dp_error_t e;
+      dp_endpoint_error(ep, &e);
+      dp_future_set_error(w->f, &e, NULL);
+      dp_future_release(w->f);
+      dp__free(w, sizeof *w);
+      return;
+    }
+    if (ep->w_tail) ep->w_tail->next = w;
+    else ep->w_head = w;
+    ep->w_tail = w;
+    dp__tp_deliver(t, ep);
+    dp__tp_ep_pump_inbox(t, ep);
+    return;
+  }
+  case CMD_CLOSE: {
+    dp_endpoint_t *ep = c->ep;
+    ep_close_now(t, ep);
+    ep->next = t->closing;
+    t->closing = ep;
+    dp__tp_cmd_finish(t, c, 0);
+    return;
+  }
+  case CMD_STOP:
+    t->stop = 1;
+    dp__tp_cmd_finish(t, c, 0);
+    return;
+  }
+}
+
+int dp__tp_drain_cmds(dp_transport_t *t) {
+  if (!atomic_load_explicit(&t->queued, memory_order_acquire)) return 0;
+  pthread_mutex_lock(&t->mu);
+  atomic_store_explicit(&t->queued, 0, memory_order_relaxed);
+  cmd_t *c = t->c_head;
+  t->c_head = t->c_tail = NULL;
+  pthread_mutex_unlock(&t->mu);
+  int n = 0;
+  while (c) {
+    cmd_t *next = c->next;
+    handle_cmd(t, c);
+    c = next;
+    n++;
+  }
+  return n;
+}
+
+/* Frees closed endpoints once UCX is done with them. */
+static void reap(dp_transport_t *t) {
+  for (dp_endpoint_t **p = &t->closing; *p;) {
+    dp_endpoint_t *ep = *p;
+    if (ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS) {
+      p = &ep->next;
+      continue;
+    }
+    if (ep->close_req) ucp_request_free(ep->close_req);
+    *p = ep->next;
+    dp__tp_ep_free_mem(ep);
+  }
+}
+
+static void check_timeouts(dp_transport_t *t) {
+  int64_t now = now_ns();
+  for (dp_endpoint_t *ep = t->eps, *n; ep; ep = n) {
+    n = ep->next;
+    for (sop_t *s = ep->posted; s; s = s->next)
+      if (s->deadline && now > s->deadline && !ep->dead) {
+        char d[64];
+        snprintf(d, sizeof d, "%lld ms", (long long)(t->timeout_ns / 1000000));
+        dp__tp_ep_failf(ep, DP_ETIMEDOUT, "a send was not complete after %s", d);
+        break;
+      }
+  }
+}
+
+/* Slots whose copies completed go back to their pools (an orphan's send,
+ * failed, is freed with its last piece). 1 while some copies still run. */
+static int poll_slots(dp_transport_t *t) {
+  for (slot_t **p = &t->rx_busy; *p;) {
+    slot_t *sl = *p;
+    if (dp_event_query(sl->ev, NULL) == 0) {
+      p = &sl->next;
+      continue;
+    }
+    *p = sl->next;
+    dp__tp_slot_put(t, &t->rx, sl);
+  }
+  for (piece_t **p = &t->orphans; *p;) {
+    piece_t *pc = *p;
+    if (dp_event_query(pc->slot->ev, NULL) == 0) {
+      p = &pc->next;
+      continue;
+    }
+    *p = pc->next;
+    sop_t *s = pc->s;
+    dp__tp_slot_put(t, &t->tx, pc->slot);
+    dp__free(pc, sizeof *pc);
+    if (--s->outstanding == 0) dp__tp_sop_free(s);
+  }
+  while (t->rx_wait_head) { /* rendezvous pieces that waited for a slot */
+    rctx_t *c = t->rx_wait_head;
+    rmsg_t *m = c->m;
+    slot_t *sl = NULL;
+    dp_error_t e;
+    int rc = (m->detached || m->failed) ? 0 : dp__tp_slot_get(t, &t->rx, DP__STAGE_CHUNK, 0, &sl, &e);
+    if (!rc && !sl && !m->detached && !m->failed) break;
+    t->rx_wait_head = c->next;
+    if (!t->rx_wait_head) t->rx_wait_tail = NULL;
+    c->next = NULL;
+    if (rc || m->detached || m->failed) { /* its endpoint failed meanwhile, or no memory */
+      dp_endpoint_t *ep = c->ep;
+      int detached = m->detached;
+      ucp_am_data_release(t->worker, c->data);
+      dp__free(c, sizeof *c);
+      if (--m->pending == 0 && detached) dp__tp_rmsg_free(m);
+      if (rc && !detached) dp__tp_ep_fail(ep, &e);
+      continue;
+    }
+    c->slot = sl;
+    void *data = c->data;
+    c->data = NULL;
+    dp__tp_post_recv(t, c, data);
+  }
+  for (rdone_t **p = &t->rdone; *p;) { /* copies out of peers' slots */
+    rdone_t *r = *p;
+    if (dp_event_query(r->ev, NULL) == 0) {
+      p = &r->next;
+      continue;
+    }
+    *p = r->next;
+    if (r->ep && !r->ep->dead) dp__tp_shm_done(r->ep, r->slot);
+    dp__shm_release(r->shm);
+    dp_event_free(r->ev);
+    dp__free(r, sizeof *r);
+  }
+  return t->rx_busy || t->orphans || t->rx_wait_head || t->rdone;
+}
+
+#define DP__SPIN_NS 200000
+
+/* Arms the workers (the transport's and the lanes') and lists their
+ * descriptors and the command queue's in t->pfd, the queue's first; 0 when
+ * a worker has events already (or no memory for the list: poll again). */
+static size_t arm_all(dp_transport_t *t) {
+  size_t n = 2;
+  for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) n += ep->dw != NULL;
+  if (n > t->pfd_cap) {
+    size_t cap = n * 2;
+    struct pollfd *p = dp__alloc(cap * sizeof *p);
+    if (!p) return 0;
+    if (t->pfd) dp__free(t->pfd, t->pfd_cap * sizeof *t->pfd);
+    t->pfd = p;
+    t->pfd_cap = cap;
+  }
+  if (ucp_worker_arm(t->worker) == UCS_ERR_BUSY) return 0;
+  t->pfd[0] = (struct pollfd){t->wake_fd, POLLIN, 0};
+  t->pfd[1] = (struct pollfd){t->worker_fd, POLLIN, 0};
+  n = 2;
+  for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
+    if (!ep->dw) continue;
+    if (ucp_worker_arm(ep->dw) == UCS_ERR_BUSY) return 0;
+    t->pfd[n++] = (struct pollfd){ep->dw_fd, POLLIN, 0};
+  }
+  return n;
+}
+
+/* One pass of the progress loop: commands, UCX's workers, each endpoint's
+ * queues, slots, closes, timeouts. Returns the work done; *polling when
+ * copies or events are polled (work to come without UCX's wake-up). */
+int dp__tp_pass(dp_transport_t *t, int *polling_out) {
+  int work = dp__tp_drain_cmds(t);
+  if (t->stop) return work;
+  while (ucp_worker_progress(t->worker)) work++;
+  int polling = 0;
+  for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
+    if (ep->dw)
+      while (ucp_worker_progress(ep->dw)) work++;
+    if (ep->lane_addr && !ep->dead) dp__tp_lane_connect(t, ep), work++;
+    if (ep->lane == LANE_HELLO && !ep->dead) dp__tp_lane_hello(ep);
+    if (ep->lane_drop) { /* the connector has no lane: the worker goes */
+      ep->lane_drop = 0;
+      ucp_worker_destroy(ep->dw);
+      ep->dw = NULL;
+    }
+    if (ep->need_close) dp__tp_ep_force_close(ep), work++;
+    if (ep->ctl_head && !ep->dead) dp__tp_ctl_flush(t, ep), work++;
+    if (ep->shm_state == SHM_OFFERED && now_ns() > ep->offer_deadline) dp__tp_shm_withdraw(ep);
+    if (ep->sq_head || ep->posting) polling |= dp__tp_ep_pump_sends(t, ep);
+    if (ep->in_head && !ep->dead) dp__tp_ep_pump_inbox(t, ep);
+  }
+  if (t->rx_busy || t->orphans || t->rx_wait_head || t->rdone) polling |= poll_slots(t);
+  if (t->closing) reap(t);
+  if (t->timeout_ns > 0 && now_ns() - t->last_check > 1000000) {
+    check_timeouts(t);
+    t->last_check = now_ns();
+  }
+  *polling_out = polling || t->closing;
+  return work;
+}
+
+/* ---- caller-driven progress ---- */
+
+/* One pass on the calling thread (under pmu: one thread at a time); 0 from
+ * inside this thread's own pass (a callback it runs). Returns the work
+ * done, or 1 while copies are polled. */
+int dp__tp_caller_pass(dp_transport_t *t) {
+  if (dp__tp_in_pass == t) return 0;
+  pthread_mutex_lock(&t->pmu);
+  dp_transport_t *outer = dp__tp_in_pass;
+  dp__tp_in_pass = t;
+  int polling = 0;
+  int work = t->stop ? 0 : dp__tp_pass(t, &polling);
+  dp__tp_in_pass = outer;
+  pthread_mutex_unlock(&t->pmu);
+  return work || polling;
+}
+
+/* The queued commands only (a send posts what it can), on the calling
+ * thread under pmu. */
+void dp__tp_caller_commands(dp_transport_t *t) {
+  pthread_mutex_lock(&t->pmu);
+  dp_transport_t *outer = dp__tp_in_pass;
+  dp__tp_in_pass = t;
+  if (!t->stop) dp__tp_drain_cmds(t);
+  dp__tp_in_pass = outer;
+  pthread_mutex_unlock(&t->pmu);
+}
+
+#define CALLER_FDS 64
+
+/* Nothing to do for a while (*idle_since: since when; now: the time): spin
+ * on (yielding the core now and then) up to DP__SPIN_NS, then sleep on the
+ * workers' descriptors, at most until deadline (< 0: none) and 10 ms. */
+static void caller_idle(dp_transport_t *t, int64_t *idle_since, int64_t deadline, int64_t now) {
+  if (!*idle_since) *idle_since = now;
+  if (now - *idle_since < DP__SPIN_NS) {
+    sched_yield(); /* the peer may need this core */
+    return;
+  }
+  if (dp__tp_in_pass == t) return;
+  struct pollfd fds[CALLER_FDS];
+  pthread_mutex_lock(&t->pmu);
+  size_t n = arm_all(t);
+  if (n > CALLER_FDS) n = CALLER_FDS; /* the others are seen at the next pass */
+  if (n) memcpy(fds, t->pfd, n * sizeof *fds);
+  pthread_mutex_unlock(&t->pmu);
+  if (!n) return;
+  pthread_mutex_lock(&t->mu);
+  int queued = t->c_head != NULL;
+  t->sleeping = !queued;
+  pthread_mutex_unlock(&t->mu);
+  if (!queued) {
+    int64_t ms = 10;
+    if (deadline >= 0 && (deadline - now) / 1000000 < ms) ms = (deadline - now) / 1000000;
+    poll(fds, n, ms > 0 ? (int)ms : 0);
+  }
+  pthread_mutex_lock(&t->mu);
+  t->sleeping = 0;
+  pthread_mutex_unlock(&t->mu);
+  if (fds[0].revents & POLLIN) {
+    uint64_t v;
+    ssize_t r = read(t->wake_fd, &v, sizeof v);
+    (void)r;
+  }
+  *idle_since = 0;
+}
+
+/* Caller-driven: runs passes until done(arg) or the deadline (< 0: none);
+ * 1 when done. */
+int dp__tp_caller_until(dp_transport_t *t, int (*done)(void *), void *arg, int64_t timeout_ns) {
+  int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
+  int64_t idle_since = 0;
+  for (unsigned i = 1;; i++) {
+    if (done(arg)) return 1;
+    int busy = dp__tp_caller_pass(t);
+    if (busy) idle_since = 0;
+    if (i % 32) continue; /* the clock is read every 32 passes */
+    int64_t now = now_ns();
+    if (deadline >= 0 && now >= deadline) return done(arg);
+    if (!busy) caller_idle(t, &idle_since, deadline, now);
+  }
+}
+
+/* After CMD_STOP: closes in progress finish (bounded: a flush to a dead
+ * peer fails), then the copies into and out of slots. */
+void dp__tp_drain_stopped(dp_transport_t *t) {
+  for (int64_t until = now_ns() + 2000000000; (t->closing || t->nreq) && now_ns() < until;) {
+    ucp_worker_progress(t->worker);
+    reap(t);
+  }
+  while (poll_slots(t)) sched_yield();
+  for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++)
+    if (t->streams[i]) dp_reset_current_stream(t->backend, dp_stream_device(t->streams[i]));
+}
+
+void *dp__tp_progress_main(void *arg) {
+  dp_transport_t *t = arg;
+  int64_t idle_since = 0; /* 0: busy */
+  unsigned spins = 0;
+  while (!t->stop) {
+    int polling = 0;
+    int work = dp__tp_pass(t, &polling);
+    if (t->stop) break;
+    if (work) {
+      idle_since = 0;
+      continue;
+    }
+    if (polling) {
+      sched_yield();
+      continue;
+    }
+    /* spin a while after the last work (a reply often follows at once),
+     * then sleep on the worker's and the command queue's descriptors */
+    if (!idle_since) idle_since = now_ns();
+    if (++spins % t->yield_every) continue; /* the clock and the yield: every yield_every idle passes */
+    if (now_ns() - idle_since < DP__SPIN_NS) {
+      sched_yield(); /* the threads this one waits for may need the core */
+      continue;
+    }
+    size_t nfd = arm_all(t);
+    if (!nfd) continue;
+    pthread_mutex_lock(&t->mu);
+    int queued = t->c_head != NULL;
+    t->sleeping = !queued;
+    pthread_mutex_unlock(&t->mu);
+    if (queued) continue;
+    poll(t->pfd, nfd, t->timeout_ns > 0 ? 10 : 100);
+    pthread_mutex_lock(&t->mu);
+    t->sleeping = 0;
+    pthread_mutex_unlock(&t->mu);
+    if (t->pfd[0].revents & POLLIN) {
+      uint64_t v;
+      ssize_t r = read(t->wake_fd, &v, sizeof v);
+      (void)r;
+    }
+    idle_since = 0;
+  }
+  dp__tp_drain_stopped(t);
+  return NULL;
+}

@@ -1,0 +1,707 @@
+/* transport/recv.c — receiving: frames, buffers, their order and checks, delivery. */
+#include "tp.h"
+
+/* ---- receiving ---- */
+
+static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
+  void **ctx = ud;
+  dp_transport_t *t = ctx[0];
+  rmsg_t *m = ctx[1];
+  if (d->id >= m->nbuf || m->bufs[d->id].bound)
+    return dp__err(err, DP_EFORMAT, "transport: buffer id %u out of the message's %u", d->id, m->nbuf);
+  int mode = dp__tp_buf_mode(t, d->device);
+  if (mode == MODE_REFUSED) return dp__tp_refused(t, d->device, d->id, err);
+  rbuf_t *b = &m->bufs[d->id];
+  int rc = d->device.type == DP_DEVICE_CPU ? dp__tp_cpu_alloc(d->device, d->nbytes, out, &b->dst, err)
+                                           : dp__tp_dev_alloc(t, d->device, d->nbytes, out, &b->dst, err);
+  if (rc) return rc;
+  b->storage = *out;
+  b->nbytes = d->nbytes;
+  b->dev = d->device;
+  b->staged = mode == MODE_STAGED;
+  b->bound = 1;
+  return 0;
+}
+
+
+/* A frame message: check and unpickle the frame, binding its buffers to new
+ * receive allocations. A frame the unpickler refuses fails this message
+ * only (its buffers are drained); bad framing fails the endpoint. */
+static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr_t *h, const void *data, size_t len) {
+  if (ep->cur && ep->cur->next_index < ep->cur->nbuf) {
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a frame arrived before the previous message's buffers");
+    return DP_EFORMAT;
+  }
+  if (h->seq != ep->recv_seq || h->frame_len != len) {
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "frame message out of sequence or of the wrong length");
+    return DP_EFORMAT;
+  }
+  rmsg_t *m = dp__alloc(sizeof *m);
+  if (!m) {
+    dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory for a received message");
+    return DP_ENOMEM;
+  }
+  memset(m, 0, sizeof *m);
+  dp_error_clear(&m->error);
+  m->seq = ep->recv_seq++;
+  m->nbuf = h->nbuffers;
+  dp_frame_info_t info;
+  int rc = dp_frame_check(data, len, &info, &m->error);
+  if (!rc && (info.flags & 1u) && h->nbuffers)
+    rc = dp__err(&m->error, DP_EFORMAT, "transport: an inline frame announced %u out-of-band buffers", h->nbuffers);
+  if (!rc && !(info.flags & 1u) && info.nbuffers != h->nbuffers)
+    rc = dp__err(&m->error, DP_EFORMAT, "transport: frame has %u buffers, its message announced %u",
+                 info.nbuffers, h->nbuffers);
+  if (!rc && m->nbuf && !(m->bufs = dp__alloc_array(m->nbuf, sizeof *m->bufs)))
+    rc = dp__err(&m->error, DP_ENOMEM, "transport: out of memory");
+  if (!rc) {
+    if (m->bufs) memset(m->bufs, 0, m->nbuf * sizeof *m->bufs);
+    dp_unpickle_opts_t o = t->uopts;
+    void *ctx[2] = {t, m};
+    if (m->nbuf) {
+      o.bind = bind_cb;
+      o.bind_ud = ctx;
+    }
+    rc = dp_unpickle(data, len, &o, &m->value, &m->error);
+  }
+  if (!rc && !m->nbuf) { /* a self-contained frame: kept for recv_frame */
+    if (!(m->frame_copy = dp__alloc(len ? len : 1)))
+      rc = dp__err(&m->error, DP_ENOMEM, "transport: out of memory");
+    else {
+      memcpy(m->frame_copy, data, len);
+      m->frame_len = len;
+    }
+  }
+  if (rc) m->failed = 1;
+  m->buf_bytes = h->buf_bytes;
+  if (!m->failed) {
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < m->nbuf; i++) sum += m->bufs[i].nbytes;
+    if (sum != h->buf_bytes) {
+      dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "the buffers' sizes differ from the frame message's total");
+      dp__tp_rmsg_free(m);
+      return DP_EFORMAT;
+    }
+  }
+  ep->held += m->buf_bytes;
+  if (ep->rq_tail) ep->rq_tail->next = m;
+  else ep->rq_head = m;
+  ep->rq_tail = m;
+  ep->cur = m;
+  dp__tp_deliver(t, ep);
+  return 0;
+}
+
+static void scatter(rmsg_t *m, uint64_t first, uint32_t count, const uint8_t *src) {
+  for (uint32_t k = 0; k < count; k++) {
+    rbuf_t *b = &m->bufs[first + k];
+    if (b->nbytes) memcpy(b->dst, src, (size_t)b->nbytes);
+    src += b->nbytes;
+  }
+}
+
+/* Queues the copies of a received piece (its bytes at src) to its buffers
+ * on the receive stream of their device (*st). */
+static int copy_in(dp_transport_t *t, rmsg_t *m, const dp__am_bufs_hdr_t *h, const uint8_t *src, dp_stream_t **st,
+                   dp_error_t *e) {
+  *st = NULL;
+  int rc = dp__tp_own_stream(t, t->streams, m->bufs[h->first].dev, 1, st, e);
+  size_t off = 0;
+  for (uint32_t k = 0; !rc && k < h->count; k++) {
+    rbuf_t *b = &m->bufs[h->first + k];
+    size_t n = h->count == 1 ? (size_t)h->total : (size_t)b->nbytes;
+    rc = dp_memcpy_async(*st, (uint8_t *)b->dst + (h->count == 1 ? h->offset : 0), src + off, n, e);
+    off += n;
+  }
+  return rc;
+}
+
+/* Copies a received slot to its buffers; the slot comes back once the
+ * copies are done (poll_slots). A failure fails the endpoint. */
+static int stage_in(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m, const dp__am_bufs_hdr_t *h, slot_t *sl) {
+  dp_error_t e;
+  dp_stream_t *st;
+  int rc = copy_in(t, m, h, sl->p, &st, &e);
+  if (!rc) rc = dp__tp_slot_mark(t, sl, st, &e);
+  if (rc) {
+    if (st) dp_stream_synchronize(st, NULL); /* the copies queued read the slot */
+    dp__tp_slot_put(t, &t->rx, sl);
+    dp__tp_ep_fail(ep, &e);
+    return rc;
+  }
+  sl->next = t->rx_busy;
+  t->rx_busy = sl;
+  return 0;
+}
+
+/* A peer's slot is the peer's again. */
+void dp__tp_shm_done(dp_endpoint_t *ep, uint64_t slot) {
+  dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, (uint32_t)slot, 0};
+  dp__tp_ctl_queue(ep, DP__AM_SHM_DONE, &c, sizeof c);
+}
+
+/* A piece in the peer's slot: copied to its buffers straight from the
+ * mapping (staged: on the receive stream, the slot given back once the
+ * copies are done; direct: by the host, at once). */
+static int shm_in(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m, const dp__am_bufs_hdr_t *h, uint64_t slot,
+                  int staged) {
+  const uint8_t *src = dp__shm_slot(ep->rshm, (unsigned)slot);
+  atomic_fetch_add(&dp__transport_shm_pieces, 1);
+  if (!staged) {
+    if (h->count > 1) scatter(m, h->first, h->count, src);
+    else if (h->total) memcpy((uint8_t *)m->bufs[h->first].dst + h->offset, src, (size_t)h->total);
+    dp__tp_shm_done(ep, slot);
+    dp__tp_deliver(t, ep);
+    return 0;
+  }
+  dp_error_t e;
+  dp_stream_t *st;
+  rdone_t *r = dp__alloc(sizeof *r);
+  int rc = r ? copy_in(t, m, h, src, &st, &e) : dp__err(&e, DP_ENOMEM, "transport: out of memory");
+  if (r) memset(r, 0, sizeof *r);
+  if (!rc) rc = dp_event_new(t->backend, dp_stream_device(st), &r->ev, &e);
+  if (!rc) rc = dp_event_record(r->ev, st, &e);
+  if (rc) {
+    if (r && st) dp_stream_synchronize(st, NULL); /* the copies queued read the mapping */
+    if (r) dp_event_free(r->ev);
+    if (r) dp__free(r, sizeof *r);
+    dp__tp_ep_fail(ep, &e);
+    return rc;
+  }
+  r->ep = ep;
+  r->shm = dp__shm_retain(ep->rshm);
+  r->slot = (uint32_t)slot;
+  r->next = t->rdone;
+  t->rdone = r;
+  dp__tp_deliver(t, ep);
+  return 0;
+}
+
+/* A pulled piece (c) arrived, or failed: its bytes go to their buffers
+ * (scattered, or staged out of its slot), and the message may be complete.
+ * -1 when the endpoint failed. */
+static int recv_done(rctx_t *c, ucs_status_t st) {
+  rmsg_t *m = c->m;
+  dp_transport_t *t = c->t;
+  int live = st == UCS_OK && !m->detached && !m->failed;
+  if (live && c->tmp) scatter(m, c->h.first, c->h.count, c->tmp);
+  if (c->tmp) dp__free(c->tmp, c->tmplen);
+  m->pending--;
+  dp_endpoint_t *ep = c->ep;
+  slot_t *sl = c->slot;
+  dp__am_bufs_hdr_t h = c->h;
+  dp__free(c, sizeof *c);
+  if (sl && !live) dp__tp_slot_put(t, &t->rx, sl);
+  if (m->detached) {
+    if (!m->pending) dp__tp_rmsg_free(m);
+    return 0;
+  }
+  if (st != UCS_OK) {
+    dp__tp_ep_failf(ep, DP_EIO, "receiving a buffer failed (%s)", ucs_status_string(st));
+    return -1;
+  }
+  if (sl && live && stage_in(t, ep, m, &h, sl)) return -1;
+  dp__tp_deliver(t, ep);
+  return 0;
+}
+
+static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
+  rctx_t *c = ud;
+  (void)len;
+  ucp_request_free(req);
+  c->t->nreq--;
+  recv_done(c, st);
+}
+
+typedef struct drain {
+  dp_transport_t *t;
+  void *scratch;
+  size_t n;
+} drain_t;
+
+static void drain_cb(void *req, ucs_status_t st, size_t len, void *ud) {
+  drain_t *d = ud;
+  (void)st, (void)len;
+  ucp_request_free(req);
+  d->t->nreq--;
+  dp__free(d->scratch, d->n);
+  dp__free(d, sizeof *d);
+}
+
+/* Pulls a rendezvous buffer of a refused message (its endpoint lives on)
+ * into scratch memory and drops it: the sender's send then completes as any
+ * other, and UCX's descriptor goes back (one released unread stays in its
+ * pool until the worker goes). Without memory for it, it is released. */
+static void drain_rndv(dp_transport_t *t, void *data, size_t n) {
+  drain_t *d = dp__alloc(sizeof *d);
+  if (d && !(d->scratch = dp__alloc(n ? n : 1))) {
+    dp__free(d, sizeof *d);
+    d = NULL;
+  }
+  if (!d) {
+    ucp_am_data_release(t->worker, data);
+    return;
+  }
+  d->n = n ? n : 1;
+  d->t = t;
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = drain_cb;
+  p.user_data = d;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, d->scratch, n, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    t->nreq++;
+  } else {
+    dp__free(d->scratch, d->n);
+    dp__free(d, sizeof *d);
+  }
+}
+
+/* Pulls a rendezvous piece (c, counted in its message's pending) into its
+ * slot, its buffer, or packed scratch memory. 0, or -1 when the endpoint
+ * failed. */
+int dp__tp_post_recv(dp_transport_t *t, rctx_t *c, void *data) {
+  rmsg_t *m = c->m;
+  dp_endpoint_t *ep = c->ep;
+  const dp__am_bufs_hdr_t *h = &c->h;
+  void *dst = c->slot ? (void *)c->slot->p : (uint8_t *)m->bufs[h->first].dst + h->offset;
+  if (!c->slot && h->count > 1) {
+    if (!(c->tmp = dp__alloc(h->total ? (size_t)h->total : 1))) {
+      dp__free(c, sizeof *c);
+      m->pending--;
+      ucp_am_data_release(t->worker, data);
+      dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving packed buffers");
+      return -1;
+    }
+    c->tmplen = h->total ? (size_t)h->total : 1;
+    dst = c->tmp;
+  }
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = recv_cb;
+  p.user_data = c;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, (size_t)h->total, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    t->nreq++;
+    return 0;
+  }
+  return recv_done(c, UCS_PTR_STATUS(r)); /* done at once, or failed: no callback comes */
+}
+
+/* A buffers message: checked against the frame's table (the next buffer,
+ * the next chunk of it), then received where its buffers are (direct) or
+ * into a slot copied to them (staged). */
+static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t *h, void *data, size_t len,
+                   int rndv, int shm, uint64_t slot) {
+  rmsg_t *m = ep->cur;
+  int ok = m && h->seq == m->seq && h->first == m->next_index && h->count != 0 && h->count <= m->nbuf &&
+           h->first <= m->nbuf - h->count &&
+           (shm ? !rndv && !len && ep->rshm && slot < DP__STAGE_SLOTS && h->total <= DP__STAGE_CHUNK
+                : len == h->total);
+  if (ok && h->count == 1) /* the next chunk, a whole one or the rest (headers_ok checked the rest) */
+    ok = h->offset == m->next_off && (h->total == DP__STAGE_CHUNK || h->total == h->size - h->offset);
+  else if (ok)
+    ok = !m->next_off;
+  if (!ok) {
+    if (rndv) ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
+    return -1;
+  }
+  if (h->count > 1 || h->offset + h->total == h->size) {
+    m->next_index += h->count;
+    m->next_off = 0;
+  } else {
+    m->next_off += h->total;
+  }
+  if (m->failed) {
+    if (shm) dp__tp_shm_done(ep, slot);
+    else if (rndv) drain_rndv(t, data, len);
+    dp__tp_deliver(t, ep);
+    return 0;
+  }
+  rbuf_t *b = &m->bufs[h->first];
+  uint64_t sum = 0;
+  int staged = 0, spans = 0;
+  for (uint32_t k = 0; k < h->count; k++) {
+    rbuf_t *bk = &m->bufs[h->first + k];
+    sum += bk->nbytes;
+    staged |= bk->staged;
+    spans |= bk->dev.type != b->dev.type || bk->dev.index != b->dev.index;
+  }
+  if (h->count == 1 ? h->size != b->nbytes : sum != h->total) {
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffers message's size differs from its frame's table");
+    if (rndv) ucp_am_data_release(t->worker, data);
+    return -1;
+  }
+  /* a direct buffer comes whole; a staged one in chunks of DP__STAGE_CHUNK
+     (the last shorter), so that a receive slot holds any piece */
+  if (h->count == 1 && (staged ? h->total > DP__STAGE_CHUNK : h->total != h->size)) {
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffer is cut into pieces other than the protocol's");
+    if (rndv) ucp_am_data_release(t->worker, data);
+    return -1;
+  }
+  if (staged && spans) {
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a packed message of device buffers spans devices");
+    if (rndv) ucp_am_data_release(t->worker, data);
+    return -1;
+  }
+  if (shm) return shm_in(t, ep, m, h, slot, staged);
+  slot_t *sl = NULL;
+  if (staged) {
+    dp_error_t e;
+    if (dp__tp_slot_get(t, &t->rx, (size_t)h->total, !rndv, &sl, &e)) {
+      if (rndv) ucp_am_data_release(t->worker, data);
+      dp__tp_ep_fail(ep, &e);
+      return -1;
+    }
+  }
+  if (!rndv) {
+    if (sl) {
+      if (h->total) memcpy(sl->p, data, (size_t)h->total);
+      if (stage_in(t, ep, m, h, sl)) return -1;
+    } else if (h->count == 1) {
+      if (h->total) memcpy((uint8_t *)b->dst + h->offset, data, (size_t)h->total);
+    } else {
+      scatter(m, h->first, h->count, data);
+    }
+    dp__tp_deliver(t, ep);
+    return 0;
+  }
+  rctx_t *c = dp__alloc(sizeof *c);
+  if (!c) {
+    if (sl) dp__tp_slot_put(t, &t->rx, sl);
+    ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving a buffer");
+    return -1;
+  }
+  memset(c, 0, sizeof *c);
+  c->t = t;
+  c->ep = ep;
+  c->m = m;
+  c->h = *h;
+  c->slot = sl;
+  m->pending++;
+  if (staged && !sl) { /* every receive slot is taken: wait for one (poll_slots) */
+    c->data = data;
+    if (t->rx_wait_tail) t->rx_wait_tail->next = c;
+    else t->rx_wait_head = c;
+    t->rx_wait_tail = c;
+    return 2;
+  }
+  return dp__tp_post_recv(t, c, data);
+}
+
+/* Hands complete messages, in order, to the waiting receives. */
+void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
+  while (ep->rq_head && ep->w_head && !ep->dead) {
+    rmsg_t *m = ep->rq_head;
+    if (m->next_index < m->nbuf || m->pending) return;
+    rwait_t *w = ep->w_head;
+    ep->rq_head = m->next;
+    if (!ep->rq_head) ep->rq_tail = NULL;
+    if (ep->cur == m) ep->cur = NULL;
+    ep->w_head = w->next;
+    if (!ep->w_head) ep->w_tail = NULL;
+    ep->held -= m->buf_bytes;
+    if (m->failed) {
+      dp_future_set_error(w->f, &m->error, NULL);
+    } else if (w->frame) {
+      dp_value_t b = dp_none();
+      dp_error_t e;
+      int rc = m->nbuf ? dp__err(&e, DP_EFORMAT, "transport: %s: the message carries %u out-of-band buffers, "
+                                                 "not a self-contained frame", ep->name, m->nbuf)
+                       : dp_bytes_new(m->frame_copy, m->frame_len, &b, &e);
+      if (rc) dp_future_set_error(w->f, &e, NULL);
+      else dp_future_mark_completed(w->f, b, NULL);
+    } else {
+      dp_future_mark_completed(w->f, m->value, NULL);
+      m->value = dp_none();
+    }
+    dp_future_release(w->f);
+    dp__free(w, sizeof *w);
+    dp__tp_rmsg_free(m);
+  }
+  (void)t;
+}
+
+/* Messages are processed in the sender's order: frame N, then its buffers
+ * by index, then frame N + 1. UCX may hand active messages over in another
+ * order (messages sent while the connection is wired up, rendezvous beside
+ * eager), so one that is not the next is parked, sorted by that order, and
+ * taken when its turn comes. A frame also waits while the endpoint holds
+ * more than the bound of received bytes nobody took (backpressure). */
+typedef struct key {
+  uint64_t seq, kind, first, off;
+} key_t;
+
+static key_t key_of(unsigned id, const void *hdr) {
+  key_t k;
+  if (id == DP__AM_FRAME) {
+    const dp__am_frame_hdr_t *h = hdr;
+    k.seq = h->seq, k.kind = 0, k.first = 0, k.off = 0;
+  } else {
+    const dp__am_bufs_hdr_t *h = hdr;
+    k.seq = h->seq, k.kind = 1, k.first = h->first, k.off = h->offset;
+  }
+  return k;
+}
+
+static int key_cmp(key_t a, key_t b) {
+  if (a.seq != b.seq) return a.seq < b.seq ? -1 : 1;
+  if (a.kind != b.kind) return a.kind < b.kind ? -1 : 1;
+  if (a.first != b.first) return a.first < b.first ? -1 : 1;
+  if (a.off != b.off) return a.off < b.off ? -1 : 1;
+  return 0;
+}
+
+static key_t expected(const dp_endpoint_t *ep) {
+  key_t k;
+  if (ep->cur && ep->cur->next_index < ep->cur->nbuf)
+    k.seq = ep->cur->seq, k.kind = 1, k.first = ep->cur->next_index, k.off = ep->cur->next_off;
+  else
+    k.seq = ep->recv_seq, k.kind = 0, k.first = 0, k.off = 0;
+  return k;
+}
+
+static int blocked(const dp_transport_t *t, const dp_endpoint_t *ep, unsigned id) {
+  return id == DP__AM_FRAME && ep->held && ep->held > t->max_inflight;
+}
+
+/* 2 when a rendezvous descriptor was kept for later (rx_wait): UCX must
+ * then be told UCS_INPROGRESS. */
+static int process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, void *data, size_t len,
+                   int rndv) {
+  if (id == DP__AM_FRAME) return on_frame(t, ep, hdr, data, len);
+  if (id == DP__AM_SHM_PIECE) return on_bufs(t, ep, hdr, data, len, rndv, 1, ((const dp__am_shm_piece_t *)hdr)->slot);
+  return on_bufs(t, ep, hdr, data, len, rndv, 0, 0);
+}
+
+/* Processes parked messages whose turn has come. */
+void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
+  while (ep->in_head && !ep->dead) {
+    inbox_t *b = ep->in_head;
+    if (key_cmp(key_of(b->id, b->hdr), expected(ep)) != 0 || blocked(t, ep, b->id)) return;
+    ep->in_head = b->next;
+    if (!ep->in_head) ep->in_tail = NULL;
+    else ep->in_head->prev = NULL;
+    ep->nparked--;
+    void *data = b->data;
+    b->data = NULL;
+    process(t, ep, b->id, b->hdr, data, b->len, b->rndv);
+    if (!b->rndv && data) ucp_am_data_release(b->w, data); /* rendezvous data went to on_bufs */
+    dp__free(b, sizeof *b);
+  }
+}
+
+#define DP__MAX_PARKED 1000000
+
+/* What a buffers header must be whatever the table says (checked before a
+ * message is parked, so that one that can never be next is refused now):
+ * a pack starts at byte 0 of its first buffer; a single buffer's piece
+ * starts at a chunk boundary inside it (or is the empty buffer) and ends
+ * within it. */
+static int bufs_hdr_ok(const void *hdr) {
+  dp__am_bufs_hdr_t h;
+  memcpy(&h, hdr, sizeof h);
+  if (h.count == 0) return 0;
+  if (h.count > 1) return !h.offset && !h.size;
+  if (h.offset % DP__STAGE_CHUNK) return 0;
+  if (!h.size) return !h.offset && !h.total;
+  return h.offset < h.size && h.total <= h.size - h.offset;
+}
+
+static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w, unsigned id, const void *hdr,
+                           size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
+  int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  int persistent = rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
+  size_t want = id == DP__AM_FRAME   ? sizeof(dp__am_frame_hdr_t)
+                : id == DP__AM_BUFS ? sizeof(dp__am_bufs_hdr_t)
+                                    : sizeof(dp__am_shm_piece_t);
+  uint32_t magic = 0;
+  if (hlen >= 4) memcpy(&magic, hdr, 4);
+  if (hlen != want || magic != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv) ||
+      (id != DP__AM_FRAME && !bufs_hdr_ok(hdr))) {
+    if (rndv) ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
+    return UCS_OK;
+  }
+  uint64_t h[sizeof ((inbox_t *)0)->hdr / 8];
+  memcpy(h, hdr, hlen); /* aligned */
+  key_t k = key_of(id, h);
+  int c = key_cmp(k, expected(ep));
+  if (c < 0) {
+    if (rndv) ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
+    return UCS_OK;
+  }
+  if (c == 0 && !blocked(t, ep, id)) {
+    int kept = process(t, ep, id, h, data, len, rndv) == 2;
+    if (ep->in_head) dp__tp_ep_pump_inbox(t, ep);
+    return kept ? UCS_INPROGRESS : UCS_OK;
+  }
+  /* not its turn: park it, in order */
+  inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
+  if (!b || (!persistent && len)) {
+    if (b) dp__free(b, sizeof *b);
+    if (rndv) ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
+             ep->nparked >= DP__MAX_PARKED ? "too many messages out of order" : "out of memory parking a message");
+    return UCS_OK;
+  }
+  memset(b, 0, sizeof *b);
+  b->id = id;
+  memcpy(b->hdr, hdr, hlen);
+  b->hlen = hlen;
+  b->data = persistent ? data : NULL; /* no data: nothing to keep */
+  b->w = w;
+  b->len = len;
+  b->rndv = rndv;
+  inbox_t *at = ep->in_tail;
+  while (at && key_cmp(key_of(at->id, at->hdr), k) > 0) at = at->prev;
+  if (at && key_cmp(key_of(at->id, at->hdr), k) == 0) {
+    dp__free(b, sizeof *b);
+    if (rndv) ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
+    return UCS_OK;
+  }
+  b->prev = at;
+  b->next = at ? at->next : ep->in_head;
+  if (b->next) b->next->prev = b;
+  else ep->in_tail = b;
+  if (at) at->next = b;
+  else ep->in_head = b;
+  ep->nparked++;
+  return UCS_INPROGRESS;
+}
+
+/* The peer's offer of its segment: mapped if it is on this host and is
+ * what the offer says; answered either way. */
+static void on_offer(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_shm_offer_t *o) {
+  dp__am_shm_ctl_t r = {DP__WIRE_MAGIC, 0, o->token};
+  if (o->name[sizeof o->name - 1] == 0 && o->nslots == DP__STAGE_SLOTS && o->slot_bytes == DP__STAGE_CHUNK &&
+      dp__shm_map(t->backend, o->name, o->nslots, (size_t)o->slot_bytes, o->token, &ep->rshm, NULL) == 0)
+    r.value = 1;
+  dp__tp_ctl_queue(ep, DP__AM_SHM_REPLY, &r, sizeof r);
+}
+
+/* A slot the peer gives back: its piece's send is done with it. */
+static void on_done(dp_transport_t *t, dp_endpoint_t *ep, uint32_t i) {
+  seg_t *g = ep->seg;
+  if (!g || i >= DP__STAGE_SLOTS || !g->lent[i]) {
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a slot given back that was not lent");
+    return;
+  }
+  piece_t *pc = g->lent[i];
+  g->lent[i] = NULL;
+  sop_t *s = pc->s;
+  dp__tp_slot_put(t, NULL, pc->slot);
+  dp__free(pc, sizeof *pc);
+  dp__tp_sent(s, UCS_OK);
+}
+
+/* The lane's messages: the acceptor's address (to the connector, on the
+ * connection) and the connector's answer (on the lane, or "no" on the
+ * connection). */
+static void on_lane(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const dp__am_shm_ctl_t *c, const void *data,
+                    size_t len, const ucp_am_recv_param_t *param, int on_lane_worker) {
+  if (id == DP__AM_LANE_ADDR && !on_lane_worker && !ep->acceptor && ep->lane == LANE_NONE && !ep->dw &&
+      !ep->lane_addr && data && len == c->value && len > 0 && len <= DP__LANE_ADDR_MAX) {
+    if (!t->lctx) { /* no lanes here */
+      dp__am_shm_ctl_t no = {DP__WIRE_MAGIC, 0, 0};
+      dp__tp_ctl_queue(ep, DP__AM_LANE_HELLO, &no, sizeof no);
+      return;
+    }
+    ep->lane_addr = dp__alloc(len);
+    if (!ep->lane_addr) {
+      dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory for the peer's lane address");
+      return;
+    }
+    memcpy(ep->lane_addr, data, len);
+    ep->lane_addr_len = len;
+    return;
+  }
+  if (id == DP__AM_LANE_HELLO && ep->acceptor && ep->lane == LANE_WAIT && !len &&
+      c->value == (unsigned)on_lane_worker &&
+      (!on_lane_worker || (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))) {
+    if (on_lane_worker) {
+      ep->dep = param->reply_ep; /* UCX's endpoint answering the connector's */
+      ep->lane = LANE_ON;
+    } else {
+      ep->lane = LANE_NONE;
+      ep->lane_drop = 1;
+    }
+    return;
+  }
+  dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a same-host lane message the protocol does not expect");
+}
+
+/* OFFER, REPLY, DONE and the lane's: handled on arrival. */
+static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen,
+                           const void *data, size_t len, const ucp_am_recv_param_t *param, int on_lane_worker) {
+  size_t want = id == DP__AM_SHM_OFFER ? sizeof(dp__am_shm_offer_t) : sizeof(dp__am_shm_ctl_t);
+  uint64_t h[(sizeof(dp__am_shm_offer_t) + 7) / 8];
+  uint32_t magic = 0;
+  if (hlen == want) memcpy(h, hdr, hlen), memcpy(&magic, h, 4);
+  if (hlen != want || magic != DP__WIRE_MAGIC || (len && id != DP__AM_LANE_ADDR)) {
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
+    return UCS_OK;
+  }
+  const dp__am_shm_ctl_t *c = (const dp__am_shm_ctl_t *)h;
+  if (id == DP__AM_LANE_ADDR || id == DP__AM_LANE_HELLO) {
+    on_lane(t, ep, id, c, data, len, param, on_lane_worker);
+  } else if (id == DP__AM_SHM_OFFER) {
+    if (ep->peer_offered) dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a second offer of shared slots");
+    else ep->peer_offered = 1, on_offer(t, ep, (const dp__am_shm_offer_t *)h);
+  } else if (id == DP__AM_SHM_REPLY) {
+    if (ep->shm_state == SHM_NO && ep->offer_token && c->token == ep->offer_token) {
+      ep->offer_token = 0; /* the answer to an offer withdrawn meanwhile */
+    } else if (ep->shm_state != SHM_OFFERED || c->token != dp__shm_token(ep->seg->shm)) {
+      dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a reply to no offer of shared slots");
+    } else {
+      ep->offer_token = 0;
+      if (c->value != 1) {
+        dp__tp_shm_withdraw(ep);
+      } else {
+        dp__shm_unlink(ep->seg->shm); /* mapped there: the name is done with */
+        ep->shm_state = SHM_YES;
+      }
+    }
+  } else {
+    on_done(t, ep, c->value);
+  }
+  return UCS_OK;
+}
+
+/* Every active message: its id is the handler's (amh_t, one a message id).
+ * On a lane's worker the endpoint is the handler's; on the transport's, the
+ * one UCX names as the message's reply endpoint. */
+ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                          const ucp_am_recv_param_t *param) {
+  const amh_t *h = arg;
+  dp_transport_t *t = h->t;
+  dp_endpoint_t *ep = h->ep;
+  ucp_worker_h w = ep ? ep->dw : t->worker;
+  int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  if (!ep && (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) ep = dp__tp_ep_find(t, param->reply_ep);
+  if (!ep || ep->dead) {
+    /* from an endpoint failed or closed here (UCX still has it, as it
+       names it): dropped */
+    if (rndv) ucp_am_data_release(w, data);
+    return UCS_OK;
+  }
+  ep->established = 1;
+  if (h->ep) {
+    atomic_fetch_add(&dp__transport_lane_msgs, 1);
+    if (rndv) { /* never sent so: the lane carries small messages, eagerly */
+      ucp_am_data_release(w, data);
+      dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a rendezvous on the same-host lane");
+      return UCS_OK;
+    }
+  }
+  if (h->id == DP__AM_FRAME || h->id == DP__AM_BUFS || h->id == DP__AM_SHM_PIECE)
+    return am_any(t, ep, w, h->id, hdr, hlen, data, len, param);
+  if (rndv) ucp_am_data_release(w, data), data = NULL;
+  return am_ctl(t, ep, h->id, hdr, hlen, data, len, param, h->ep != NULL);
+}

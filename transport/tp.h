@@ -1,0 +1,392 @@
+/* transport/tp.h — the transport's objects and the functions its files
+ * share (transport.c: commands, endpoints, their failure, the API; slots.c:
+ * where buffers go, staging and same-host slots; lane.c: same-host lanes;
+ * send.c; recv.c; loop.c: the progress loop, by a thread or the caller).
+ * Private: not installed. The wire and the test hooks: internal.h. */
+#ifndef DP_TRANSPORT_TP_H
+#define DP_TRANSPORT_TP_H
+
+#include <errno.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <time.h>
+#include <unistd.h>
+#include <ucp/api/ucp.h>
+#include "../core/internal.h"
+#include "../cache/internal.h"
+#include "../device/internal.h"
+#include "devpickle/transport.h"
+#include "internal.h"
+#include "shm.h"
+
+/* ---- objects ---- */
+
+typedef struct sop sop_t;        /* one send */
+typedef struct rmsg rmsg_t;      /* one message being received */
+typedef struct inbox inbox_t;    /* an active message not yet processed */
+typedef struct cmd cmd_t;
+typedef struct slot slot_t;      /* a staging buffer */
+typedef struct piece piece_t;    /* a staged message of a send */
+typedef struct seg seg_t;        /* a sender's same-host segment of slots */
+typedef struct ctl ctl_t;        /* a control message to send */
+typedef struct rdone rdone_t;    /* a receiver's copy out of a peer's slot */
+
+/* How a buffer moves (buf_mode). */
+enum { MODE_REFUSED, MODE_DIRECT, MODE_STAGED };
+
+struct slot {
+  slot_t *next;
+  uint8_t *p;
+  size_t cap;
+  dp_event_t *ev;           /* after the copies from or into it */
+  int pooled;               /* DP__STAGE_CHUNK bytes, back to its pool; else freed */
+  seg_t *seg;               /* a slot of a same-host segment (index) */
+  unsigned index;
+};
+
+struct seg {
+  dp__shm_t *shm;
+  slot_t slots[DP__STAGE_SLOTS];
+  slot_t *free;
+  piece_t *lent[DP__STAGE_SLOTS]; /* announced, not yet given back */
+  int refs;                 /* the endpoint's, and one a slot out of `free` */
+};
+
+struct ctl {
+  ctl_t *next;
+  dp_transport_t *t;        /* for the send's callback */
+  unsigned id;
+  size_t hlen;
+  uint64_t hdr[(sizeof(dp__am_shm_offer_t) + 7) / 8];
+  void *data;               /* LANE_ADDR: the address (owned) */
+  size_t dlen;
+};
+
+struct rdone {
+  rdone_t *next;
+  dp_endpoint_t *ep;        /* NULL once it went */
+  dp__shm_t *shm;           /* a reference */
+  uint32_t slot;
+  dp_event_t *ev;
+};
+
+enum { SHM_NONE, SHM_OFFERED, SHM_YES, SHM_NO };
+
+/* A message id and its transport: the argument of UCX's handler for it;
+ * on a lane's worker, also the endpoint (the lane's messages are its). */
+#define AM_IDS 8
+typedef struct amh {
+  dp_transport_t *t;
+  unsigned id;
+  dp_endpoint_t *ep;
+} amh_t;
+
+/* A lane's state: none; the acceptor's address sent (WAIT); the connector's
+ * endpoint made, its HELLO not yet gone (HELLO); in use (ON). */
+enum { LANE_NONE, LANE_WAIT, LANE_HELLO, LANE_ON };
+
+typedef struct pool {
+  slot_t *free;
+  unsigned made;            /* pooled slots in existence */
+} pool_t;
+
+struct piece {
+  piece_t *next;
+  sop_t *s;
+  slot_t *slot;
+  dp__am_shm_piece_t sh;    /* sh.b: the BUFS header */
+};
+
+enum { SOP_VALUE, SOP_FUTURE, SOP_FRAME, SOP_RAW };
+
+struct sop {
+  sop_t *next;
+  dp_transport_t *t;
+  dp_endpoint_t *ep;        /* NULL once the endpoint let go of it */
+  int kind;
+  dp_value_t value;         /* retained (SOP_VALUE, SOP_FUTURE once ready) */
+  dp_future_t *src;         /* SOP_FUTURE */
+  dp_future_t *done;
+  dp_frame_t *frame;        /* SOP_VALUE / SOP_FUTURE */
+  uint8_t *bytes;           /* SOP_FRAME / SOP_RAW: our copy */
+  size_t nbytes, bytes_cap;
+  uint8_t *raw_hdr;         /* SOP_RAW */
+  size_t raw_hlen, raw_len_hdr;
+  unsigned raw_id;
+  uint64_t seq;
+  uint64_t buf_bytes;       /* what counts against the in-flight bound */
+  uint8_t **stage;          /* packed batches (owned) */
+  size_t *stage_len;
+  size_t nstage;
+  dp__am_frame_hdr_t fh;    /* headers must live until their sends complete */
+  dp__am_bufs_hdr_t *bh;
+  size_t nbh;
+  size_t outstanding;       /* UCX requests not yet complete */
+  int posted;
+  int failed;
+  int64_t deadline;         /* CLOCK_MONOTONIC ns, 0: none */
+  /* posting, resumed while staged pieces wait for slots and copies */
+  size_t cur;               /* next buffer to post */
+  uint64_t cur_off;         /* next byte of it (staged chunks) */
+  size_t nh;                /* bh used */
+  piece_t *pq_head, *pq_tail;  /* staged pieces copying, not yet posted, in order */
+  dp_event_t **after;       /* dp_endpoint_send: the callers' streams, one event a device */
+  size_t nafter, after_cap;
+  int waited;               /* the send streams wait on `after` */
+};
+
+typedef struct rbuf {
+  dp_storage_t *storage;    /* borrowed from the value */
+  void *dst;
+  uint64_t nbytes;
+  dp_device_t dev;
+  int bound;
+  int staged;               /* dst is device memory: bytes go through a slot */
+} rbuf_t;
+
+struct rmsg {
+  rmsg_t *next;
+  uint64_t seq;
+  uint32_t nbuf;
+  uint64_t next_index;      /* next buffer index expected on the wire */
+  uint64_t next_off;        /* and its next byte (chunked buffers) */
+  uint64_t buf_bytes;
+  rbuf_t *bufs;
+  dp_value_t value;
+  uint8_t *frame_copy;      /* for recv_frame */
+  size_t frame_len;
+  size_t pending;           /* rendezvous receives in flight */
+  int failed;               /* the message is refused: its buffers are drained */
+  dp_error_t error;
+  int detached;             /* the endpoint let go; free when pending == 0 */
+};
+
+struct inbox {
+  inbox_t *next, *prev;
+  unsigned id;
+  uint64_t hdr[(sizeof(dp__am_shm_piece_t) > sizeof(dp__am_frame_hdr_t) ? sizeof(dp__am_shm_piece_t)
+                                                                           : sizeof(dp__am_frame_hdr_t)) / 8];
+  size_t hlen;
+  void *data;               /* a UCX data descriptor (persistent or rendezvous) */
+  ucp_worker_h w;           /* the worker it came from (the lane's, or the transport's) */
+  size_t len;
+  int rndv;
+};
+
+typedef struct rwait {
+  struct rwait *next;
+  dp_future_t *f;
+  int frame;                /* recv_frame */
+} rwait_t;
+
+struct dp_endpoint {
+  dp_transport_t *t;
+  dp_endpoint_t *next;      /* the transport's list */
+  ucp_ep_h ep;
+  char name[96];
+  /* shared, under t->mu */
+  int error;
+  dp_error_t errinfo;
+  /* the progress thread's */
+  sop_t *sq_head, *sq_tail; /* sends, in order: unposted ones wait here */
+  sop_t *posted;            /* posted and not complete */
+  sop_t *posting;           /* on `posted`, its buffers not all posted yet */
+  uint64_t send_seq;
+  uint64_t inflight;
+  size_t nsends;
+  rmsg_t *rq_head, *rq_tail;/* messages being received, in order */
+  rmsg_t *cur;              /* the one whose buffers arrive now */
+  uint64_t recv_seq;
+  uint64_t held;            /* received buffer bytes not yet taken */
+  inbox_t *in_head, *in_tail;  /* parked messages, in the sender's order */
+  size_t nparked;
+  rwait_t *w_head, *w_tail;
+  void *close_req;
+  unsigned tx_used;         /* send slots its pieces hold */
+  int shm_state;            /* SHM_*: this side's offer of a segment */
+  seg_t *seg;               /* offered, then used (SHM_YES) */
+  dp__shm_t *rshm;          /* the peer's segment, mapped */
+  int peer_offered;         /* the peer made its offer (once) */
+  int64_t offer_deadline;   /* SHM_OFFERED: withdrawn unanswered after it */
+  uint64_t offer_token;     /* a late answer to a withdrawn offer is ignored */
+  ctl_t *ctl_head, *ctl_tail;  /* control messages to send */
+  dp_endpoint_t *acc_next;  /* a listener's queue of accepted endpoints */
+  int dead;                 /* failed: UCX ep closed or closing */
+  int need_close;           /* failed inside a UCX callback: close from the loop */
+  int established;          /* the peer answered once */
+  int acceptor;             /* accepted on a listener (else connected) */
+  /* the same-host lane (internal.h): a worker of its own and an endpoint
+     without error handling; the connection reports the peer's failure */
+  int lane;                 /* LANE_*: WAIT, the acceptor's address sent, no answer yet */
+  ucp_worker_h dw;
+  int dw_fd;
+  ucp_ep_h dep;             /* the connector's own; the acceptor's is UCX's reply endpoint */
+  int64_t hello_deadline;   /* LANE_HELLO: given up after it */
+  void *lane_addr;          /* the connector: the peer's lane address, to connect from the loop */
+  size_t lane_addr_len;
+  int lane_drop;            /* the acceptor: refused; its worker goes from the loop */
+  amh_t lamh[AM_IDS];
+};
+
+struct dp_listener {
+  dp_transport_t *t;
+  dp_listener_t *next;
+  ucp_listener_h l;
+  int port;
+  dp_endpoint_t *acc_head, *acc_tail; /* under t->mu */
+  int closed;
+};
+
+enum { CMD_LISTEN, CMD_UNLISTEN, CMD_CONNECT, CMD_SEND, CMD_RECV, CMD_CLOSE, CMD_STOP };
+
+struct cmd {
+  cmd_t *next;
+  int type;
+  dp_endpoint_t *ep;
+  dp_listener_t *lst;
+  sop_t *sop;
+  rwait_t *rw;
+  struct sockaddr_storage addr;
+  socklen_t addrlen;
+  int done, rc;
+  dp_error_t err;
+};
+
+struct dp_transport {
+  ucp_context_h ctx;
+  ucp_worker_h worker;
+  pthread_t thread;
+  int wake_fd, worker_fd;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  cmd_t *c_head, *c_tail;
+  dp_endpoint_t *eps;           /* the progress thread's */
+  dp_endpoint_t *closing;       /* closing: freed once UCX let go */
+  dp_listener_t *lsts;
+  dp_endpoint_t *last_ep;       /* reply_ep cache */
+  uint64_t max_inflight;
+  int64_t timeout_ns;
+  dp_unpickle_opts_t uopts;
+  dp_resolver_t resolver;
+  dp_backend_t *backend;        /* whose devices' memory moves besides cpu */
+  dp_cache_t *cache;            /* on backend */
+  dp_stream_t *streams[DP_DEVICE_INDEX_MAX + 1];   /* receive streams */
+  dp_stream_t *sstreams[DP_DEVICE_INDEX_MAX + 1];  /* send streams (staging copies) */
+  pool_t tx, rx;                /* staging slots */
+  slot_t *rx_busy;              /* received slots whose copies run */
+  struct rctx *rx_wait_head, *rx_wait_tail;  /* rendezvous pieces waiting for a receive slot */
+  rdone_t *rdone;               /* copies out of peers' slots */
+  int shm_on;                   /* offer same-host slots (DEVPICKLE_TRANSPORT_SHM) */
+  amh_t amh[AM_IDS];            /* the active-message handlers' arguments */
+  ucp_context_h lctx;           /* same-host lanes' (shared memory only); NULL: no lanes */
+  struct pollfd *pfd;           /* the loop's descriptors while it sleeps */
+  size_t pfd_cap;
+  piece_t *orphans;             /* pieces of failed sends whose copies run */
+  size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
+  int stop;
+  int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
+  int64_t last_check;           /* timeouts last checked */
+  unsigned yield_every;         /* idle passes between yields: 1 where cores are few */
+  _Atomic int queued;           /* commands may be queued (set under mu; read without) */
+  int caller;                   /* DP_TRANSPORT_PROGRESS_CALLER: no thread; passes under pmu */
+  pthread_mutex_t pmu;
+};
+
+typedef struct rctx {
+  struct rctx *next;        /* rx_wait */
+  dp_transport_t *t;
+  dp_endpoint_t *ep;
+  rmsg_t *m;
+  dp__am_bufs_hdr_t h;
+  uint8_t *tmp;             /* packed direct buffers land here */
+  size_t tmplen;
+  slot_t *slot;             /* staged ones here */
+  void *data;               /* rx_wait: UCX's descriptor, not yet pulled */
+} rctx_t;
+
+static inline int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* The transport whose pass this thread runs (caller-driven progress). */
+extern _Thread_local dp_transport_t *dp__tp_in_pass;
+
+/* What the files call of each other (each documented where it is defined). */
+
+/* transport.c */
+void dp__tp_cmd_finish(dp_transport_t *t, cmd_t *c, int rc);
+void dp__tp_sop_free(sop_t *s);
+void dp__tp_sop_fail(sop_t *s, const dp_error_t *e);
+void dp__tp_rmsg_free(rmsg_t *m);
+void dp__tp_inbox_drop(dp_transport_t *t, inbox_t *b);
+void dp__tp_ep_fail(dp_endpoint_t *ep, const dp_error_t *e);
+void dp__tp_ep_force_close(dp_endpoint_t *ep);
+void dp__tp_ep_failf(dp_endpoint_t *ep, int code, const char *fmt, const char *detail);
+void dp__tp_ep_fail_status(dp_endpoint_t *ep, ucs_status_t st);
+void dp__tp_ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t st);
+int dp__tp_ep_alloc(dp_transport_t *t, const char *name, dp_endpoint_t **out, dp_error_t *err);
+void dp__tp_ep_link(dp_transport_t *t, dp_endpoint_t *ep);
+void dp__tp_ep_unlink(dp_transport_t *t, dp_endpoint_t *ep);
+dp_endpoint_t *dp__tp_ep_find(dp_transport_t *t, ucp_ep_h uep);
+/* slots.c */
+int dp__tp_buf_mode(const dp_transport_t *t, dp_device_t dev);
+int dp__tp_refused(const dp_transport_t *t, dp_device_t dev, uint64_t i, dp_error_t *err);
+int dp__tp_cpu_alloc(dp_device_t dev, uint64_t n, dp_storage_t **out, void **dst, dp_error_t *err);
+int dp__tp_own_stream(dp_transport_t *t, dp_stream_t **tab, dp_device_t dev, int current, dp_stream_t **out,
+                      dp_error_t *err);
+int dp__tp_dev_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage_t **out, void **dst, dp_error_t *err);
+int dp__tp_slot_get(dp_transport_t *t, pool_t *pool, size_t n, int heap_ok, slot_t **out, dp_error_t *err);
+void dp__tp_slot_destroy(dp_transport_t *t, slot_t *sl);
+void dp__tp_slot_put(dp_transport_t *t, pool_t *pool, slot_t *sl);
+int dp__tp_slot_mark(dp_transport_t *t, slot_t *sl, dp_stream_t *s, dp_error_t *err);
+void dp__tp_ctl_queue_data(dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen, const void *data, size_t n);
+void dp__tp_ctl_queue(dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen);
+ucs_status_ptr_t dp__tp_lane_send(dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen, const void *data,
+                                  size_t n, const ucp_request_param_t *p);
+ucs_status_ptr_t dp__tp_am_send(dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen, const void *data,
+                                size_t n, const ucp_request_param_t *p);
+void dp__tp_ctl_flush(dp_transport_t *t, dp_endpoint_t *ep);
+void dp__tp_shm_offer(dp_transport_t *t, dp_endpoint_t *ep);
+void dp__tp_shm_withdraw(dp_endpoint_t *ep);
+void dp__tp_ep_drop_shm(dp_transport_t *t, dp_endpoint_t *ep);
+/* lane.c */
+ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep);
+ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd);
+void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep);
+void dp__tp_lane_hello(dp_endpoint_t *ep);
+void dp__tp_lane_close(dp_endpoint_t *ep);
+void dp__tp_ep_free_mem(dp_endpoint_t *ep);
+void dp__tp_on_conn(ucp_conn_request_h req, void *arg);
+/* send.c */
+void dp__tp_sent(sop_t *s, ucs_status_t st);
+int dp__tp_sop_plan(dp_transport_t *t, sop_t *s, dp_error_t *err);
+int dp__tp_sop_after(dp_transport_t *t, sop_t *s, dp_error_t *err);
+int dp__tp_ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep);
+/* recv.c */
+void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep);
+void dp__tp_shm_done(dp_endpoint_t *ep, uint64_t slot);
+int dp__tp_post_recv(dp_transport_t *t, rctx_t *c, void *data);
+void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep);
+ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                          const ucp_am_recv_param_t *param);
+/* loop.c */
+int dp__tp_drain_cmds(dp_transport_t *t);
+int dp__tp_pass(dp_transport_t *t, int *polling_out);
+int dp__tp_caller_pass(dp_transport_t *t);
+void dp__tp_caller_commands(dp_transport_t *t);
+int dp__tp_caller_until(dp_transport_t *t, int (*done)(void *), void *arg, int64_t timeout_ns);
+void dp__tp_drain_stopped(dp_transport_t *t);
+void *dp__tp_progress_main(void *arg);
+
+#endif
