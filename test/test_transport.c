@@ -1458,3 +1458,43 @@ Test(transport, a_round_trip_fails_cleanly_at_every_allocation) {
   }
   cr_assert(clean, "no round trip passed without a failed allocation");
 }
+
+/* peer: sends n values of 64 MiB, back to back, then waits for the close */
+static int send_big_values(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  long n = (long)(intptr_t)arg;
+  dp_error_t e;
+  dp_value_t v = owned_tensor((size_t)64 << 20, 5);
+  for (long i = 0; i < n; i++) {
+    dp_future_t *d;
+    if (dp_endpoint_send(ep, v, &d, &e)) return 10;
+    dp_future_release(d);
+  }
+  dp_value_release(v);
+  return 0;
+}
+
+Test(transport, closing_an_endpoint_while_large_buffers_arrive_fails_its_receives_and_frees_them) {
+  for (int round = 0; round < 3; round++) {
+    t_track();
+    peer_t p = spawn_peer(send_big_values, (void *)(intptr_t)4, NULL);
+    dp_transport_t *t = new_transport(NULL);
+    dp_endpoint_t *ep = connect_to(t, p.port);
+    dp_future_t *r[4];
+    for (int i = 0; i < 4; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
+    dp_error_t e;
+    OK_WITH(&e, wait_f(r[0], &e)); /* the first arrived: the others are on the wire */
+    sleep_ms(round); /* close at a different point of the next one */
+    dp_endpoint_free(ep);
+    for (int i = 1; i < 4; i++) {
+      int rc = wait_f(r[i], &e);
+      cr_assert(rc == 0 || rc == DP_ECANCELED, "%s: %s", dp_err_name(rc), e.message);
+    }
+    for (int i = 0; i < 4; i++) dp_future_release(r[i]);
+    dp_transport_free(t);
+    cur_t = NULL;
+    peer_wait(p);
+    dp_shutdown();
+    ASSERT_NO_LEAK();
+  }
+}
