@@ -15,7 +15,10 @@
  *   ucp_am_lat -s 256 (lower is better).
  * transport_lat_frame_caller: the same with both transports driven by the
  *   caller (DP_TRANSPORT_PROGRESS_CALLER, waits by dp_transport_wait), as
- *   ucx_perftest drives its worker. */
+ *   ucx_perftest drives its worker.
+ *
+ * BENCH_TRANSPORT_PROFILE=thread or =caller: only that latency loop, for
+ * LOOPS rounds (default 20), printed and not written (for perf record). */
 #define _DEFAULT_SOURCE
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -231,11 +234,17 @@ int main(int argc, char **argv) {
       dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &tensor, &e))
     die("tensor", &e);
 
+  const char *prof = getenv("BENCH_TRANSPORT_PROFILE");
+  if (prof) {
+    int loops = getenv("LOOPS") ? atoi(getenv("LOOPS")) : 20;
+    int caller = !strcmp(prof, "caller");
+    for (int i = 0; i < loops; i++) printf("%s latency %.3f us\n", prof, caller ? our_lat(tc, cep) : our_lat(t, ep));
+  }
   /* ours and ucx_perftest's alternate, three rounds each; the best of each */
   char args[128];
   snprintf(args, sizeof args, "-t ucp_am_bw -s %zu -n 20 -w 2", BW_SIZE);
   double lat = 1e30, clat = 1e30, bw = 0, base_bw = -1, base_lat = 1e30;
-  for (int round = 0; round < 3; round++) {
+  for (int round = 0; round < (prof ? 0 : 3); round++) {
     double x = our_lat(t, ep);
     if (x < lat) lat = x;
     x = our_lat(tc, cep);
@@ -264,6 +273,7 @@ int main(int argc, char **argv) {
   dp_value_release(tensor);
   dp_device_dealloc(host, dev, mem, NULL);
 
+  if (prof) return 0;
   if (base_bw <= 0 || base_lat <= 0) printf("(ucx_perftest did not run: the ratios are 0)\n");
   bench_row(out, "transport_bw_64MiB", "host", bw, "MiB/s", base_bw > 0 ? bw / base_bw : 0,
             "ucx_perftest ucp_am_bw 64 MiB, same UCX_TLS (higher is better)");

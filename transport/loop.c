@@ -37,7 +37,9 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
       dp__tp_ctl_flush(t, ep);
       dp__tp_ep_drop_shm(t, ep);
       dp__tp_lane_close(ep);
-      if (ep->ep) {
+      if (ep->ep && ep->rndv_inflight) {
+        ep->need_close = 1; /* the peer's buffers still arrive: by force once they have */
+      } else if (ep->ep) {
         /* flush: eager messages whose sends completed may not have left yet */
         ucp_request_param_t p = {0};
         void *r = ucp_ep_close_nbx(ep->ep, &p);
@@ -198,7 +200,9 @@ int dp__tp_drain_cmds(dp_transport_t *t) {
 static void reap(dp_transport_t *t) {
   for (dp_endpoint_t **p = &t->closing; *p;) {
     dp_endpoint_t *ep = *p;
-    if (ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS) {
+    if (ep->need_close) dp__tp_ep_force_close(ep);
+    if (ep->need_close || ep->rndv_inflight ||
+        (ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS)) {
       p = &ep->next;
       continue;
     }
@@ -319,7 +323,11 @@ static size_t arm_all(dp_transport_t *t) {
 int dp__tp_pass(dp_transport_t *t, int *polling_out) {
   int work = dp__tp_drain_cmds(t);
   if (t->stop) return work;
-  while (ucp_worker_progress(t->worker)) work++;
+  /* The transport's worker costs a system call a look (TCP's epoll): while
+     the loop spins idle and lanes carry the small messages, it is looked
+     at every 8th pass only. */
+  if (!t->idle || !t->lctx || (++t->npass & 7) == 0)
+    while (ucp_worker_progress(t->worker)) work++;
   int polling = 0;
   for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
     if (ep->dw)
@@ -344,6 +352,7 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
     t->last_check = now_ns();
   }
   *polling_out = polling || t->closing;
+  t->idle = !work && !*polling_out;
   return work;
 }
 

@@ -210,11 +210,13 @@ static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   (void)len;
   ucp_request_free(req);
   c->t->nreq--;
+  c->ep->rndv_inflight--; /* the endpoint outlives it (dp__tp_ep_force_close) */
   recv_done(c, st);
 }
 
 typedef struct drain {
   dp_transport_t *t;
+  dp_endpoint_t *ep;
   void *scratch;
   size_t n;
 } drain_t;
@@ -224,6 +226,7 @@ static void drain_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   (void)st, (void)len;
   ucp_request_free(req);
   d->t->nreq--;
+  d->ep->rndv_inflight--;
   dp__free(d->scratch, d->n);
   dp__free(d, sizeof *d);
 }
@@ -232,7 +235,7 @@ static void drain_cb(void *req, ucs_status_t st, size_t len, void *ud) {
  * into scratch memory and drops it: the sender's send then completes as any
  * other, and UCX's descriptor goes back (one released unread stays in its
  * pool until the worker goes). Without memory for it, it is released. */
-static void drain_rndv(dp_transport_t *t, void *data, size_t n) {
+static void drain_rndv(dp_transport_t *t, dp_endpoint_t *ep, void *data, size_t n) {
   drain_t *d = dp__alloc(sizeof *d);
   if (d && !(d->scratch = dp__alloc(n ? n : 1))) {
     dp__free(d, sizeof *d);
@@ -244,6 +247,7 @@ static void drain_rndv(dp_transport_t *t, void *data, size_t n) {
   }
   d->n = n ? n : 1;
   d->t = t;
+  d->ep = ep;
   ucp_request_param_t p;
   memset(&p, 0, sizeof p);
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -252,6 +256,7 @@ static void drain_rndv(dp_transport_t *t, void *data, size_t n) {
   ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, d->scratch, n, &p);
   if (UCS_PTR_IS_PTR(r)) {
     t->nreq++;
+    ep->rndv_inflight++;
   } else {
     dp__free(d->scratch, d->n);
     dp__free(d, sizeof *d);
@@ -285,6 +290,7 @@ int dp__tp_post_recv(dp_transport_t *t, rctx_t *c, void *data) {
   ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, (size_t)h->total, &p);
   if (UCS_PTR_IS_PTR(r)) {
     t->nreq++;
+    ep->rndv_inflight++;
     return 0;
   }
   return recv_done(c, UCS_PTR_STATUS(r)); /* done at once, or failed: no callback comes */
@@ -317,7 +323,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   }
   if (m->failed) {
     if (shm) dp__tp_shm_done(ep, slot);
-    else if (rndv) drain_rndv(t, data, len);
+    else if (rndv) drain_rndv(t, ep, data, len);
     dp__tp_deliver(t, ep);
     return 0;
   }

@@ -30,6 +30,8 @@
 
 /* ---- objects ---- */
 
+#define DP__CLOSE_WAIT_NS 1000000000ll
+
 typedef struct sop sop_t;        /* one send */
 typedef struct rmsg rmsg_t;      /* one message being received */
 typedef struct inbox inbox_t;    /* an active message not yet processed */
@@ -224,6 +226,8 @@ struct dp_endpoint {
   int need_close;           /* failed inside a UCX callback: close from the loop */
   int established;          /* the peer answered once */
   int acceptor;             /* accepted on a listener (else connected) */
+  unsigned rndv_inflight;   /* rendezvous receives posted on its connection, not yet done */
+  int64_t close_deadline;   /* need_close: closed then even with receives in flight */
   /* the same-host lane (internal.h): a worker of its own and an endpoint
      without error handling; the connection reports the peer's failure */
   int lane;                 /* LANE_*: WAIT, the acceptor's address sent, no answer yet */
@@ -296,6 +300,8 @@ struct dp_transport {
   int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
   int64_t last_check;           /* timeouts last checked */
   unsigned yield_every;         /* idle passes between yields: 1 where cores are few */
+  int idle;                     /* the loop found no work in its last pass */
+  unsigned npass;               /* idle passes */
   _Atomic int queued;           /* commands may be queued (set under mu; read without) */
   int caller;                   /* DP_TRANSPORT_PROGRESS_CALLER: no thread; passes under pmu */
   pthread_mutex_t pmu;

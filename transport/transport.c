@@ -223,9 +223,18 @@ void dp__tp_ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
   ep->dead = 1;
 }
 
+/* Closes the UCX endpoint by force, once the rendezvous receives posted on
+ * it are done (or after DP__CLOSE_WAIT_NS): UCX 1.13 asserts when it
+ * destroys an endpoint that still has one. Until then need_close stays
+ * set, and the loop (or reap) calls again. */
 void dp__tp_ep_force_close(dp_endpoint_t *ep) {
-  ep->need_close = 0;
   dp__tp_lane_close(ep);
+  if (ep->rndv_inflight) {
+    int64_t now = now_ns();
+    if (!ep->close_deadline) ep->close_deadline = now + DP__CLOSE_WAIT_NS;
+    if (now < ep->close_deadline) return;
+  }
+  ep->need_close = 0;
   if (!ep->ep) return;
   ucp_request_param_t p = {0};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
