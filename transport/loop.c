@@ -323,11 +323,7 @@ static size_t arm_all(dp_transport_t *t) {
 int dp__tp_pass(dp_transport_t *t, int *polling_out) {
   int work = dp__tp_drain_cmds(t);
   if (t->stop) return work;
-  /* The transport's worker costs a system call a look (TCP's epoll): while
-     the loop spins idle and lanes carry the small messages, it is looked
-     at every 8th pass only. */
-  if (!t->idle || !t->lctx || (++t->npass & 7) == 0)
-    while (ucp_worker_progress(t->worker)) work++;
+  while (ucp_worker_progress(t->worker)) work++;
   int polling = 0;
   for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
     if (ep->dw)
@@ -352,7 +348,6 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
     t->last_check = now_ns();
   }
   *polling_out = polling || t->closing;
-  t->idle = !work && !*polling_out;
   return work;
 }
 

@@ -300,8 +300,6 @@ struct dp_transport {
   int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
   int64_t last_check;           /* timeouts last checked */
   unsigned yield_every;         /* idle passes between yields: 1 where cores are few */
-  int idle;                     /* the loop found no work in its last pass */
-  unsigned npass;               /* idle passes */
   _Atomic int queued;           /* commands may be queued (set under mu; read without) */
   int caller;                   /* DP_TRANSPORT_PROGRESS_CALLER: no thread; passes under pmu */
   pthread_mutex_t pmu;
