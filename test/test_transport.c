@@ -3,7 +3,10 @@
  * Each test forks its peer before either side starts UCX; the peer reports
  * through its exit status (and a pipe), never through Criterion. UCX runs on
  * TCP over lo and shared memory (t_env), as CI has no other interface. */
+#include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <netinet/in.h>
@@ -865,9 +868,11 @@ static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   dp__am_shm_piece_t ph = {c->h, 0};
   ph.b.magic = DP__WIRE_MAGIC;
   dp__am_shm_ctl_t done = {DP__WIRE_MAGIC, 3, 0};
-  if (c->id == DP__AM_SHM_DONE || c->id == DP__AM_LANE_HELLO) {
-    done.value = c->id == DP__AM_LANE_HELLO ? 1 : done.value;
+  if (c->id == DP__AM_SHM_DONE) {
     if (dp__endpoint_send_raw(ep, c->id, &done, sizeof done, NULL, 0, &e)) return 14;
+  } else if (c->id == DP__AM_LANE_ADDR) { /* an offer, from an acceptor: never */
+    dp__am_shm_ctl_t offer = {DP__WIRE_MAGIC, 100, 7};
+    if (dp__endpoint_send_raw(ep, c->id, &offer, sizeof offer, "/devpickle-1-2-3", 16, &e)) return 14;
   } else if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) {
     return 12;
   } else if (c->id == DP__AM_SHM_PIECE ? dp__endpoint_send_raw(ep, DP__AM_SHM_PIECE, &ph, sizeof ph, NULL, 0, &e)
@@ -929,9 +934,54 @@ Test(transport, a_slot_given_back_that_was_never_lent_fails_the_endpoint) {
 }
 
 Test(transport, a_same_host_lane_message_the_protocol_does_not_expect_fails_the_endpoint) {
-  /* a HELLO is the connector's answer: an acceptor never sends one */
-  crafted_fails((crafted_t){0, {0, 0, 0, 0, 0, 0, 0}, 0, DP__AM_LANE_HELLO},
+  /* a lane offer is the connector's: an acceptor never sends one */
+  crafted_fails((crafted_t){0, {0, 0, 0, 0, 0, 0, 0}, 0, DP__AM_LANE_ADDR},
                 "a same-host lane message the protocol does not expect");
+}
+
+/* peer (the acceptor, lanes on): one receive; 0 when it ended in an error
+ * (the test's endpoint fails), 1 when a value came */
+static int recv_one_or_error(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e)) return 0;
+  int rc = wait_f(f, &e);
+  dp_future_release(f);
+  return rc ? 0 : 1;
+}
+
+Test(transport, a_lane_offer_naming_a_file_that_does_not_prove_the_same_user_is_refused_never_handed_to_ucx) {
+  /* UCX 1.13 unpacks a worker address without checks: an offer carries the
+     name of a file (this user's, 0600, its token) holding the address, never
+     the bytes. Here the file exists, holds garbage, and the token is wrong:
+     the acceptor must answer "no lane" and live on. */
+  peer_t p = spawn_peer(recv_one_or_error, NULL, NULL);
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* this side offers nothing itself */
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  char name[64];
+  snprintf(name, sizeof name, "/devpickle-%ld-0-00000000deadbeef", (long)getpid());
+  int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+  cr_assert_geq(fd, 0, "shm_open: %s", strerror(errno));
+  uint8_t junk[8192];
+  for (size_t i = 0; i < sizeof junk; i++) junk[i] = (uint8_t)(i * 197 + 11);
+  cr_assert_eq(write(fd, junk, sizeof junk), (ssize_t)sizeof junk);
+  close(fd);
+  dp__am_shm_ctl_t offer = {DP__WIRE_MAGIC, 200, 0x1234};
+  OK(dp__endpoint_send_raw(ep, DP__AM_LANE_ADDR, &offer, sizeof offer, name, strlen(name), T_ERR));
+  /* its answer, HELLO 0, is one this side (which offered nothing) does not expect */
+  dp_future_t *r;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(wait_f(r, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a same-host lane message the protocol does not expect"), "%s", e.message);
+  dp_future_release(r);
+  shm_unlink(name);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0, "the acceptor did not live on");
 }
 
 Test(transport, a_piece_that_can_never_be_next_is_refused_at_once_not_parked_forever) {
@@ -1497,4 +1547,27 @@ Test(transport, closing_an_endpoint_while_large_buffers_arrive_fails_its_receive
     dp_shutdown();
     ASSERT_NO_LEAK();
   }
+}
+
+Test(transport, a_new_transport_removes_the_names_that_dead_processes_of_this_user_left_in_dev_shm) {
+  pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  waitpid(dead, NULL, 0);
+  char stale[64], live[64];
+  snprintf(stale, sizeof stale, "/devpickle-%ld-0-0123456789abcdef", (long)dead);
+  snprintf(live, sizeof live, "/devpickle-%ld-9-0123456789abcdef", (long)getpid());
+  for (int i = 0; i < 2; i++) {
+    int fd = shm_open(i ? live : stale, O_RDWR | O_CREAT | O_TRUNC, 0600);
+    cr_assert_geq(fd, 0, "shm_open: %s", strerror(errno));
+    close(fd);
+  }
+  dp_transport_t *t = new_transport(NULL);
+  int fd = shm_open(stale, O_RDONLY, 0);
+  cr_assert_lt(fd, 0, "the name a dead process left is still there");
+  fd = shm_open(live, O_RDONLY, 0);
+  cr_assert_geq(fd, 0, "a live process's name was removed");
+  close(fd);
+  shm_unlink(live);
+  dp_transport_free(t);
+  cur_t = NULL;
 }

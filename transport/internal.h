@@ -82,15 +82,16 @@ typedef struct dp__am_shm_piece {
 
 /* SAME-HOST LANE. UCX 1.13 puts no shared-memory transport on an endpoint
  * that asks for the peer's failure to be reported (UCP_ERR_HANDLING_MODE_PEER),
- * and the connection-manager endpoint must ask for it. So each endpoint of a
+ * and the connection-manager endpoint must ask for it. So an endpoint of a
  * pair on one host also gets a worker of its own on a context limited to
- * shared memory (posix, sysv) and an endpoint without error handling
- * between those two workers (the lane). The acceptor sends its lane
- * worker's address (LANE_ADDR: a ctl header, value = the address's length,
- * the address as data); the connector makes an endpoint to it and sends
- * LANE_HELLO value 1 on it, or value 0 on the connection (no lane: another
- * host, or no shared memory), as soon as the lane is wired. A message of at
- * most DP__LANE_MAX bytes (header and data) then goes on the lane when UCX
+ * shared memory and an endpoint without error handling between those two
+ * workers (the lane). The connector writes its lane worker's address into a
+ * file of its own (shm.h) and offers it (LANE_ADDR: a ctl header, value =
+ * the address's length, token = the file's; the file's name as data); the
+ * acceptor reads the address from that file only if it is its own user's,
+ * 0600, with that token, makes an endpoint to it and sends LANE_HELLO value
+ * 1 on it once wired, or value 0 on the connection. A message of at most
+ * DP__LANE_MAX bytes (header and data) then goes on the lane when UCX
  * takes it at once (one element of the peer's queue, which has room); any
  * other on the connection, whose failure stays the endpoint's failure. The
  * receiver orders both by sequence, as it does anyway. The lane never
@@ -102,6 +103,7 @@ typedef struct dp__am_shm_piece {
 #define DP__LANE_ELEM "1152" /* bytes of a lane queue's element (UCX's FIFO_ELEM_SIZE) */
 #define DP__LANE_ADDR_MAX 4096u
 #define DP__HELLO_NS 1000000000ll /* a lane not wired in 1 s is given up */
+#define DP__LANES_MAX 32u         /* lanes a transport has at once; more endpoints stay on their connections */
 
 /* ---- test hooks (never set in production) ---- */
 /** 1: send_future reads the buffers as soon as the future completes,

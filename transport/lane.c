@@ -1,5 +1,9 @@
 /* transport/lane.c — same-host lanes (internal.h): a worker and an endpoint without error
  * handling beside each connection between two processes of one host. */
+#define _DEFAULT_SOURCE /* getifaddrs */
+#include <ifaddrs.h>
+#include <sys/mman.h>
+
 #include "tp.h"
 
 /* ---- the same-host lane (internal.h) ---- */
@@ -39,53 +43,111 @@ ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd) {
 
 /* The endpoint's lane worker; 0 when made. */
 static int lane_worker(dp_transport_t *t, dp_endpoint_t *ep) {
+  if (t->nlanes >= DP__LANES_MAX) return -1; /* a worker costs ~9 descriptors and ~0.7 MB */
   if (dp__tp_new_worker(t->lctx, &ep->dw, &ep->dw_fd) != UCS_OK) return -1;
-  if (dp__tp_set_handlers(ep->dw, ep->lamh, t, ep) == UCS_OK) return 0;
+  if (dp__tp_set_handlers(ep->dw, ep->lamh, t, ep) == UCS_OK) return t->nlanes++, 0;
   ucp_worker_destroy(ep->dw);
   ep->dw = NULL;
   return -1;
 }
 
-/* The acceptor's side: its lane worker's address goes to the connector.
- * Without one (no lanes here, or UCX refused) nothing is sent, and the
- * endpoint stays on its connection. */
-static void lane_offer(dp_transport_t *t, dp_endpoint_t *ep) {
-  if (!t->lctx || lane_worker(t, ep)) return;
+/* The lane's worker goes (its endpoints with it). */
+void dp__tp_lane_worker_free(dp_endpoint_t *ep) {
+  if (!ep->dw) return;
+  ucp_worker_destroy(ep->dw);
+  ep->dw = NULL;
+  ep->t->nlanes--;
+}
+
+/* 1 when addr is an address of this host: loopback, or one of its
+ * interfaces' (a peer there may share memory with this process). */
+static int addr_is_local(const struct sockaddr_storage *addr) {
+  if (addr->ss_family == AF_INET) {
+    const struct sockaddr_in *a = (const struct sockaddr_in *)addr;
+    if ((ntohl(a->sin_addr.s_addr) >> 24) == 127) return 1;
+  } else if (addr->ss_family == AF_INET6) {
+    const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)addr;
+    if (IN6_IS_ADDR_LOOPBACK(&a->sin6_addr)) return 1;
+  } else {
+    return 0;
+  }
+  struct ifaddrs *ifs = NULL;
+  if (getifaddrs(&ifs)) return 0;
+  int local = 0;
+  for (struct ifaddrs *i = ifs; i && !local; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != addr->ss_family) continue;
+    if (addr->ss_family == AF_INET)
+      local = ((const struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr ==
+              ((const struct sockaddr_in *)addr)->sin_addr.s_addr;
+    else
+      local = !memcmp(&((const struct sockaddr_in6 *)i->ifa_addr)->sin6_addr,
+                      &((const struct sockaddr_in6 *)addr)->sin6_addr, sizeof(struct in6_addr));
+  }
+  freeifaddrs(ifs);
+  return local;
+}
+
+/* The connector's side, when it connects to an address of this host: its
+ * lane worker's address goes into a file of its own (shm.h: 0600, a random
+ * token), and the offer names the file and the token — never the address
+ * itself, which UCX 1.13 unpacks without a check (a peer's bytes there
+ * could abort this process): only a process of the same user on the same
+ * host can read it. Without a lane (none here, another host, UCX or the
+ * file refused) nothing is sent, and the endpoint stays on its
+ * connection. */
+void dp__tp_lane_offer(dp_transport_t *t, dp_endpoint_t *ep, const struct sockaddr_storage *to) {
+  if (!t->lctx || !addr_is_local(to) || lane_worker(t, ep)) return;
   ucp_address_t *a = NULL;
   size_t n = 0;
-  if (ucp_worker_get_address(ep->dw, &a, &n) != UCS_OK || n > DP__LANE_ADDR_MAX) {
+  dp__shm_t *f = NULL;
+  if (ucp_worker_get_address(ep->dw, &a, &n) != UCS_OK || n > DP__LANE_ADDR_MAX ||
+      dp__shm_create(NULL, 1, DP__LANE_ADDR_MAX, &f, NULL)) {
     if (a) ucp_worker_release_address(ep->dw, a);
-    ucp_worker_destroy(ep->dw);
-    ep->dw = NULL;
+    dp__tp_lane_worker_free(ep);
     return;
   }
-  dp__am_shm_ctl_t h = {DP__WIRE_MAGIC, (uint32_t)n, 0};
-  dp__tp_ctl_queue_data(ep, DP__AM_LANE_ADDR, &h, sizeof h, a, n);
+  memcpy(dp__shm_slot(f, 0), a, n);
   ucp_worker_release_address(ep->dw, a);
+  dp__am_shm_ctl_t h = {DP__WIRE_MAGIC, (uint32_t)n, dp__shm_token(f)};
+  const char *name = dp__shm_name(f);
+  dp__tp_ctl_queue_data(ep, DP__AM_LANE_ADDR, &h, sizeof h, name, strlen(name));
+  ep->lane_file = f;
+  ep->lane_deadline = now_ns() + DP__OFFER_NS;
   ep->lane = LANE_WAIT;
 }
 
-/* The connector's side, from the loop: an endpoint to the acceptor's lane
- * worker (UCX refuses one to another host), and the answer: HELLO 1 on
- * the lane, else HELLO 0 on the connection. */
+/* The offer's file goes (its name at once; the mapping with it). */
+void dp__tp_lane_file_drop(dp_endpoint_t *ep) {
+  if (!ep->lane_file) return;
+  dp__shm_unlink(ep->lane_file);
+  dp__shm_release(ep->lane_file);
+  ep->lane_file = NULL;
+}
+
+/* The acceptor's side, from the loop: the connector's address, read from
+ * its file (of this user, 0600, the token the offer gave: else it is not a
+ * process of this host and user), an endpoint to it, and the answer: HELLO
+ * 1 on the lane once wired (dp__tp_lane_hello), else HELLO 0 on the
+ * connection. */
 void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep) {
-  void *a = ep->lane_addr;
-  ep->lane_addr = NULL;
-  int ok = lane_worker(t, ep) == 0;
+  dp__shm_t *f = NULL;
+  int ok = dp__shm_map(NULL, ep->lane_name, 1, DP__LANE_ADDR_MAX, ep->lane_token, &f, NULL) == 0;
+  if (ok) shm_unlink(ep->lane_name); /* read: it is done with (its creator unlinks it too) */
+  ep->lane_name[0] = 0;
+  if (ok) ok = lane_worker(t, ep) == 0;
   if (ok) {
     ucp_ep_params_t p;
     memset(&p, 0, sizeof p);
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    p.address = a;
+    p.address = (const ucp_address_t *)dp__shm_slot(f, 0);
     p.err_mode = UCP_ERR_HANDLING_MODE_NONE; /* shared memory has no other in UCX 1.13 */
     if (ucp_ep_create(ep->dw, &p, &ep->dep) != UCS_OK) {
       ep->dep = NULL;
-      ucp_worker_destroy(ep->dw);
-      ep->dw = NULL;
+      dp__tp_lane_worker_free(ep);
       ok = 0;
     }
   }
-  dp__free(a, ep->lane_addr_len);
+  if (f) dp__shm_release(f);
   if (ok) {
     ep->lane = LANE_HELLO; /* lane_hello sends it */
     ep->hello_deadline = now_ns() + DP__HELLO_NS;
@@ -95,7 +157,7 @@ void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep) {
   dp__tp_ctl_queue(ep, DP__AM_LANE_HELLO, &h, sizeof h);
 }
 
-/* The connector's HELLO opens the lane: sent on it once UCX has wired it
+/* The acceptor's HELLO opens the lane: sent on it once UCX has wired it
  * (tried every pass). A lane not wired in DP__HELLO_NS is given up: HELLO 0
  * on the connection. */
 void dp__tp_lane_hello(dp_endpoint_t *ep) {
@@ -125,8 +187,8 @@ void dp__tp_lane_close(dp_endpoint_t *ep) {
 
 /* An endpoint's memory, once UCX let go of it. */
 void dp__tp_ep_free_mem(dp_endpoint_t *ep) {
-  if (ep->lane_addr) dp__free(ep->lane_addr, ep->lane_addr_len);
-  if (ep->dw) ucp_worker_destroy(ep->dw);
+  dp__tp_lane_file_drop(ep);
+  dp__tp_lane_worker_free(ep);
   dp__free(ep, sizeof *ep);
 }
 
@@ -154,7 +216,6 @@ void dp__tp_on_conn(ucp_conn_request_h req, void *arg) {
   }
   ep->established = 1; /* the peer asked for it */
   ep->acceptor = 1;
-  lane_offer(t, ep);
   dp__tp_ep_link(t, ep);
   pthread_mutex_lock(&t->mu);
   if (l->acc_tail) l->acc_tail->acc_next = ep;

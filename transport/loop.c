@@ -121,6 +121,8 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
     if (st != UCS_OK) {
       ep->ep = NULL;
       dp__tp_ep_failf(ep, DP_EIO, "cannot connect (%s)", ucs_status_string(st));
+    } else {
+      dp__tp_lane_offer(t, ep, &c->addr);
     }
     dp__free(c, sizeof *c);
     return;
@@ -328,12 +330,12 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
   for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
     if (ep->dw)
       while (ucp_worker_progress(ep->dw)) work++;
-    if (ep->lane_addr && !ep->dead) dp__tp_lane_connect(t, ep), work++;
+    if (ep->lane_name[0] && !ep->dead) dp__tp_lane_connect(t, ep), work++;
+    if (ep->lane_file && now_ns() > ep->lane_deadline) dp__tp_lane_file_drop(ep); /* unanswered */
     if (ep->lane == LANE_HELLO && !ep->dead) dp__tp_lane_hello(ep);
     if (ep->lane_drop) { /* the connector has no lane: the worker goes */
       ep->lane_drop = 0;
-      ucp_worker_destroy(ep->dw);
-      ep->dw = NULL;
+      dp__tp_lane_worker_free(ep);
     }
     if (ep->need_close) dp__tp_ep_force_close(ep), work++;
     if (ep->ctl_head && !ep->dead) dp__tp_ctl_flush(t, ep), work++;
@@ -371,6 +373,12 @@ int dp__tp_caller_pass(dp_transport_t *t) {
 /* The queued commands only (a send posts what it can), on the calling
  * thread under pmu. */
 void dp__tp_caller_commands(dp_transport_t *t) {
+  /* every 16th, a whole pass: a thread that only sends still sees its
+     sends complete, its lanes come up and its peers fail */
+  if (++t->ncommands % 16 == 0) {
+    dp__tp_caller_pass(t);
+    return;
+  }
   pthread_mutex_lock(&t->pmu);
   dp_transport_t *outer = dp__tp_in_pass;
   dp__tp_in_pass = t;
@@ -380,6 +388,7 @@ void dp__tp_caller_commands(dp_transport_t *t) {
 }
 
 #define CALLER_FDS 64
+_Static_assert(DP__LANES_MAX + 2 <= CALLER_FDS, "a caller's poll sees every worker");
 
 /* Nothing to do for a while (*idle_since: since when; now: the time): spin
  * on (yielding the core now and then) up to DP__SPIN_NS, then sleep on the
@@ -421,7 +430,8 @@ static void caller_idle(dp_transport_t *t, int64_t *idle_since, int64_t deadline
 /* Caller-driven: runs passes until done(arg) or the deadline (< 0: none);
  * 1 when done. */
 int dp__tp_caller_until(dp_transport_t *t, int (*done)(void *), void *arg, int64_t timeout_ns) {
-  int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
+  int64_t now0 = now_ns();
+  int64_t deadline = timeout_ns < 0 || timeout_ns > INT64_MAX - now0 ? -1 : now0 + timeout_ns;
   int64_t idle_since = 0;
   for (unsigned i = 1;; i++) {
     if (done(arg)) return 1;

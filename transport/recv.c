@@ -607,37 +607,37 @@ static void on_done(dp_transport_t *t, dp_endpoint_t *ep, uint32_t i) {
   dp__tp_sent(s, UCS_OK);
 }
 
-/* The lane's messages: the acceptor's address (to the connector, on the
- * connection) and the connector's answer (on the lane, or "no" on the
- * connection). */
+/* The lane's messages: the connector's offer (to the acceptor, on the
+ * connection: the name of the file holding its lane worker's address, the
+ * address's length in value, the file's token) and the acceptor's answer
+ * (on the lane, or "no" on the connection). One offer an endpoint. */
 static void on_lane(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const dp__am_shm_ctl_t *c, const void *data,
                     size_t len, const ucp_am_recv_param_t *param, int on_lane_worker) {
-  if (id == DP__AM_LANE_ADDR && !on_lane_worker && !ep->acceptor && ep->lane == LANE_NONE && !ep->dw &&
-      !ep->lane_addr && data && len == c->value && len > 0 && len <= DP__LANE_ADDR_MAX) {
+  if (id == DP__AM_LANE_ADDR && !on_lane_worker && ep->acceptor && !ep->lane_tried && data && len > 0 &&
+      len < DP__SHM_NAME_MAX && !memchr(data, 0, len) && c->value > 0 && c->value <= DP__LANE_ADDR_MAX) {
+    ep->lane_tried = 1;
     if (!t->lctx) { /* no lanes here */
       dp__am_shm_ctl_t no = {DP__WIRE_MAGIC, 0, 0};
       dp__tp_ctl_queue(ep, DP__AM_LANE_HELLO, &no, sizeof no);
       return;
     }
-    ep->lane_addr = dp__alloc(len);
-    if (!ep->lane_addr) {
-      dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory for the peer's lane address");
-      return;
-    }
-    memcpy(ep->lane_addr, data, len);
-    ep->lane_addr_len = len;
+    memcpy(ep->lane_name, data, len); /* read from the loop (dp__tp_lane_connect) */
+    ep->lane_name[len] = 0;
+    ep->lane_token = c->token;
+    ep->lane_addr_len = c->value;
     return;
   }
-  if (id == DP__AM_LANE_HELLO && ep->acceptor && ep->lane == LANE_WAIT && !len &&
+  if (id == DP__AM_LANE_HELLO && !ep->acceptor && ep->lane == LANE_WAIT && !len &&
       c->value == (unsigned)on_lane_worker &&
       (!on_lane_worker || (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))) {
     if (on_lane_worker) {
-      ep->dep = param->reply_ep; /* UCX's endpoint answering the connector's */
+      ep->dep = param->reply_ep; /* UCX's endpoint answering the acceptor's */
       ep->lane = LANE_ON;
     } else {
       ep->lane = LANE_NONE;
       ep->lane_drop = 1;
     }
+    dp__tp_lane_file_drop(ep);
     return;
   }
   dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a same-host lane message the protocol does not expect");

@@ -5,6 +5,8 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <dirent.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -84,12 +86,12 @@ int dp__shm_create(dp_backend_t *b, unsigned nslots, size_t slot_bytes, dp__shm_
     else s->base = p;
   }
   close(fd);
-  if (!rc) rc = dp__pinned_register(b, s->base, s->len, 0, err);
+  if (!rc && b) rc = dp__pinned_register(b, s->base, s->len, 0, err);
   if (rc) {
     destroy(s);
     return rc;
   }
-  s->registered = 1;
+  s->registered = b != NULL;
   shm_hdr_t h = {SHM_MAGIC, nslots, slot_bytes, s->token};
   memcpy(s->base, &h, sizeof h);
   *out = s;
@@ -105,6 +107,29 @@ static int name_ok(const char *name) {
     if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-')) return 0;
   }
   return 1;
+}
+
+void dp__shm_sweep(void) {
+  DIR *d = opendir("/dev/shm");
+  if (!d) return;
+  uid_t me = geteuid();
+  for (struct dirent *e; (e = readdir(d));) {
+    long pid = 0;
+    unsigned n = 0;
+    unsigned long long r = 0;
+    char tail;
+    if (strlen(e->d_name) >= DP__SHM_NAME_MAX - 1 ||
+        sscanf(e->d_name, "devpickle-%ld-%u-%16llx%c", &pid, &n, &r, &tail) != 3 || pid <= 0)
+      continue;
+    struct stat st;
+    if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) || st.st_uid != me || !S_ISREG(st.st_mode)) continue;
+    if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* alive (or not ours to ask) */
+    char name[DP__SHM_NAME_MAX];
+    name[0] = '/';
+    memcpy(name + 1, e->d_name, strlen(e->d_name) + 1);
+    shm_unlink(name);
+  }
+  closedir(d);
 }
 
 int dp__shm_map(dp_backend_t *b, const char *name, unsigned nslots, size_t slot_bytes, uint64_t token,
@@ -150,12 +175,12 @@ int dp__shm_map(dp_backend_t *b, const char *name, unsigned nslots, size_t slot_
   s->slot_bytes = slot_bytes;
   s->token = token;
   snprintf(s->name, sizeof s->name, "%s", name);
-  int rc = dp__pinned_register(b, s->base, s->len, 1, err);
+  int rc = b ? dp__pinned_register(b, s->base, s->len, 1, err) : 0;
   if (rc) {
     destroy(s);
     return rc;
   }
-  s->registered = 1;
+  s->registered = b != NULL;
   *out = s;
   return 0;
 }

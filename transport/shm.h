@@ -3,7 +3,8 @@
  * header (magic, token) and nslots slots of slot_bytes, named
  * "/devpickle-PID-N-RANDOM", mode 0600, its pages reserved at creation
  * (posix_fallocate), page-locked by the backend in each process that maps
- * it. A process maps only a segment of its own user with mode 0600. Reference-counted: the last release unregisters and
+ * it (no backend, NULL: not page-locked; same-host lanes pass their
+ * address so). A process maps only a segment of its own user with mode 0600. Reference-counted: the last release unregisters and
  * unmaps it (and removes the name, if its creator has not yet). Not
  * thread-safe: the transport's progress thread owns its segments. */
 #ifndef DP_TRANSPORT_SHM_H
@@ -28,6 +29,10 @@ int dp__shm_create(dp_backend_t *b, unsigned nslots, size_t slot_bytes, dp__shm_
  *  when it cannot be opened (another host), the backend's errors. */
 int dp__shm_map(dp_backend_t *b, const char *name, unsigned nslots, size_t slot_bytes, uint64_t token,
                 dp__shm_t **out, dp_error_t *err);
+/** Removes the names this user's processes that died left in /dev/shm
+ *  (killed between an offer and its answer): "devpickle-PID-..." whose PID
+ *  no longer exists. */
+void dp__shm_sweep(void);
 const char *dp__shm_name(const dp__shm_t *s);
 uint64_t dp__shm_token(const dp__shm_t *s);
 /** Slot i's memory. */

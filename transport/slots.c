@@ -261,7 +261,6 @@ void dp__tp_ctl_flush(dp_transport_t *t, dp_endpoint_t *ep) {
   }
 }
 
-#define DP__OFFER_NS 2000000000ll
 
 /* The sender's offer: a segment of slots and its name. A segment that
  * cannot be made (no /dev/shm) leaves the endpoint on the UCX path. */

@@ -31,6 +31,7 @@
 /* ---- objects ---- */
 
 #define DP__CLOSE_WAIT_NS 1000000000ll
+#define DP__OFFER_NS 2000000000ll /* an offer's name (slots, lanes) goes unanswered after it */
 
 typedef struct sop sop_t;        /* one send */
 typedef struct rmsg rmsg_t;      /* one message being received */
@@ -92,7 +93,7 @@ typedef struct amh {
   dp_endpoint_t *ep;
 } amh_t;
 
-/* A lane's state: none; the acceptor's address sent (WAIT); the connector's
+/* A lane's state: none; the connector's offer sent (WAIT); the acceptor's
  * endpoint made, its HELLO not yet gone (HELLO); in use (ON). */
 enum { LANE_NONE, LANE_WAIT, LANE_HELLO, LANE_ON };
 
@@ -230,14 +231,18 @@ struct dp_endpoint {
   int64_t close_deadline;   /* need_close: closed then even with receives in flight */
   /* the same-host lane (internal.h): a worker of its own and an endpoint
      without error handling; the connection reports the peer's failure */
-  int lane;                 /* LANE_*: WAIT, the acceptor's address sent, no answer yet */
+  int lane;                 /* LANE_*: WAIT, the connector's offer sent, no answer yet */
   ucp_worker_h dw;
   int dw_fd;
   ucp_ep_h dep;             /* the connector's own; the acceptor's is UCX's reply endpoint */
   int64_t hello_deadline;   /* LANE_HELLO: given up after it */
-  void *lane_addr;          /* the connector: the peer's lane address, to connect from the loop */
-  size_t lane_addr_len;
-  int lane_drop;            /* the acceptor: refused; its worker goes from the loop */
+  char lane_name[DP__SHM_NAME_MAX]; /* the acceptor: the file of the connector's offer, to read from the loop */
+  uint64_t lane_token;
+  size_t lane_addr_len;     /* the address's length in it */
+  int lane_tried;           /* the acceptor: an offer came (one an endpoint) */
+  dp__shm_t *lane_file;     /* the connector: its offer's file, until answered */
+  int64_t lane_deadline;    /* the connector: its offer's name goes after it */
+  int lane_drop;            /* the connector: refused; its worker goes from the loop */
   amh_t lamh[AM_IDS];
 };
 
@@ -302,6 +307,8 @@ struct dp_transport {
   unsigned yield_every;         /* idle passes between yields: 1 where cores are few */
   _Atomic int queued;           /* commands may be queued (set under mu; read without) */
   int caller;                   /* DP_TRANSPORT_PROGRESS_CALLER: no thread; passes under pmu */
+  unsigned nlanes;              /* lane workers alive (DP__LANES_MAX at most) */
+  _Atomic unsigned ncommands;   /* caller-driven: commands queued (a whole pass every 16th) */
   pthread_mutex_t pmu;
 };
 
@@ -368,6 +375,9 @@ void dp__tp_ep_drop_shm(dp_transport_t *t, dp_endpoint_t *ep);
 ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep);
 ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd);
 void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep);
+void dp__tp_lane_offer(dp_transport_t *t, dp_endpoint_t *ep, const struct sockaddr_storage *to);
+void dp__tp_lane_file_drop(dp_endpoint_t *ep);
+void dp__tp_lane_worker_free(dp_endpoint_t *ep);
 void dp__tp_lane_hello(dp_endpoint_t *ep);
 void dp__tp_lane_close(dp_endpoint_t *ep);
 void dp__tp_ep_free_mem(dp_endpoint_t *ep);

@@ -328,9 +328,12 @@ static ucp_context_h lane_context(const ucp_params_t *up) {
   ucp_config_t *cfg = NULL;
   ucp_context_h ctx = NULL;
   if (ucp_config_read(NULL, NULL, &cfg) != UCS_OK) return NULL;
-  ucs_status_t st = ucp_config_modify(cfg, "TLS", want[0] && want[1] ? "posix,sysv" : want[0] ? "posix" : "sysv");
-  /* a message sent in one piece of the queue completes at once (lane_send) */
-  if (st == UCS_OK) st = ucp_config_modify(cfg, "MM_FIFO_ELEM_SIZE", DP__LANE_ELEM); /* posix's and sysv's */
+  /* one of them (posix where allowed: SysV segments are a scarce system
+     resource); a lane's messages go in one element of the queue (lane_send),
+     so its pool of larger receive buffers stays small */
+  ucs_status_t st = ucp_config_modify(cfg, "TLS", want[0] ? "posix" : "sysv");
+  if (st == UCS_OK) st = ucp_config_modify(cfg, "MM_FIFO_ELEM_SIZE", DP__LANE_ELEM);
+  if (st == UCS_OK) st = ucp_config_modify(cfg, "MM_RX_BUFS_GROW", "16");
   if (st == UCS_OK) st = ucp_init(up, cfg, &ctx);
   ucp_config_release(cfg);
   return st == UCS_OK ? ctx : NULL;
@@ -392,7 +395,10 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
     dp__free(t, sizeof *t);
     return dp__err(err, DP_ENODEV, "dp_transport_new: UCX worker: %s", ucs_status_string(st));
   }
-  if (t->shm_on) t->lctx = lane_context(&up);
+  if (t->shm_on) {
+    dp__shm_sweep(); /* what killed processes of this user left behind */
+    t->lctx = lane_context(&up);
+  }
   t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   pthread_mutex_init(&t->mu, NULL);
   pthread_mutex_init(&t->pmu, NULL);
