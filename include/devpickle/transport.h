@@ -34,6 +34,15 @@
  * use the ordinary dp_future_wait/then; the host reads device bytes after
  * dp_future_synchronize.
  *
+ * SAME-HOST LANES. An endpoint connected to an address of this host
+ * (loopback or a local interface) also gets a shared-memory lane to its
+ * peer when UCX_TLS allows posix or sysv: messages of up to 1 KiB that UCX
+ * takes at once go there (UCX 1.13 gives a connection that reports its
+ * peer's failure no shared memory); the rest, and every failure, stay on the
+ * connection. At most 32 lanes a transport (each a UCX worker: ~9 file
+ * descriptors, ~0.7 MB). DEVPICKLE_TRANSPORT_SHM=0 turns lanes (and
+ * same-host slots) off. docs/TRANSPORT.md, "Same-host lanes".
+ *
  * Wire protocol, matching, validation and failures: docs/TRANSPORT.md.
  *
  * WHAT MOVES. cpu memory and the memory of one device backend, the
