@@ -15,17 +15,7 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
       dp__err(&e, DP_ECANCELED, "transport: %s closed with %zu sends and %zu receives pending", ep->name, ns, nr);
       dp__tp_ep_fail(ep, &e);
     } else {
-      for (rmsg_t *m = ep->rq_head, *n; m; m = n) {
-        n = m->next;
-        m->detached = 1;
-        if (!m->pending) dp__tp_rmsg_free(m);
-      }
-      ep->rq_head = ep->rq_tail = ep->cur = NULL;
-      for (inbox_t *b = ep->in_head, *n; b; b = n) {
-        n = b->next;
-        dp__tp_inbox_drop(t, b);
-      }
-      ep->in_head = ep->in_tail = NULL;
+      dp__tp_ep_drop_received(t, ep);
       /* the peer's slots whose copies run here go back before the close,
          or its sends would fail with the connection */
       for (rdone_t *r = t->rdone; r; r = r->next)

@@ -341,6 +341,7 @@ void dp__tp_sop_free(sop_t *s);
 void dp__tp_sop_fail(sop_t *s, const dp_error_t *e);
 void dp__tp_rmsg_free(rmsg_t *m);
 void dp__tp_inbox_drop(dp_transport_t *t, inbox_t *b);
+void dp__tp_ep_drop_received(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_ep_fail(dp_endpoint_t *ep, const dp_error_t *e);
 void dp__tp_ep_force_close(dp_endpoint_t *ep);
 void dp__tp_ep_failf(dp_endpoint_t *ep, int code, const char *fmt, const char *detail);

@@ -162,6 +162,24 @@ static void ep_set_error(dp_endpoint_t *ep, const dp_error_t *e) {
   pthread_mutex_unlock(&t->mu);
 }
 
+/* What the endpoint received and nobody took goes: messages being
+ * received are detached (freed once no pull of theirs is in flight),
+ * parked ones dropped. */
+void dp__tp_ep_drop_received(dp_transport_t *t, dp_endpoint_t *ep) {
+  for (rmsg_t *m = ep->rq_head, *n; m; m = n) {
+    n = m->next;
+    m->detached = 1;
+    if (!m->pending) dp__tp_rmsg_free(m);
+  }
+  ep->rq_head = ep->rq_tail = ep->cur = NULL;
+  for (inbox_t *b = ep->in_head, *n; b; b = n) {
+    n = b->next;
+    dp__tp_inbox_drop(t, b);
+  }
+  ep->in_head = ep->in_tail = NULL;
+  ep->nparked = 0;
+}
+
 /* The endpoint fails: every pending future fails with e, what was received
  * and not taken is freed, the UCX endpoint is closed (force). Requests UCX
  * still holds finish through their callbacks, which find their send or
@@ -197,12 +215,7 @@ void dp__tp_ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
   ep->posted = ep->posting = NULL;
   ep->tx_used = 0; /* its pieces' slots come back without it */
   dp__tp_ep_drop_shm(t, ep);
-  for (rmsg_t *m = ep->rq_head, *n; m; m = n) {
-    n = m->next;
-    m->detached = 1;
-    if (!m->pending) dp__tp_rmsg_free(m);
-  }
-  ep->rq_head = ep->rq_tail = ep->cur = NULL;
+  dp__tp_ep_drop_received(t, ep);
   for (rwait_t *w = ep->w_head, *n; w; w = n) {
     n = w->next;
     dp_future_set_error(w->f, &ee, NULL);
@@ -210,12 +223,6 @@ void dp__tp_ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
     dp__free(w, sizeof *w);
   }
   ep->w_head = ep->w_tail = NULL;
-  for (inbox_t *b = ep->in_head, *n; b; b = n) {
-    n = b->next;
-    dp__tp_inbox_drop(t, b);
-  }
-  ep->in_head = ep->in_tail = NULL;
-  ep->nparked = 0;
   ep->held = ep->inflight = 0;
   /* UCX is not re-entered from its own callbacks: the loop closes it */
   if (ep->ep && !ep->dead) ep->need_close = 1;
