@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <netinet/in.h>
@@ -16,6 +17,7 @@
 
 #include "helpers.h"
 #include "../transport/internal.h"
+#include "../transport/shm.h"
 
 #define SEC 1000000000ll
 
@@ -1563,6 +1565,12 @@ Test(transport, a_new_transport_removes_the_names_that_dead_processes_of_this_us
   }
   dp_transport_t *t = new_transport(NULL);
   int fd = shm_open(stale, O_RDONLY, 0);
+  cr_assert_geq(fd, 0, "a name younger than 60 s was removed (it may be a live process's in another PID namespace)");
+  close(fd);
+  dp_transport_free(t);
+  dp__shm_stale_s = 0; /* as if it were old */
+  t = new_transport(NULL);
+  fd = shm_open(stale, O_RDONLY, 0);
   cr_assert_lt(fd, 0, "the name a dead process left is still there");
   fd = shm_open(live, O_RDONLY, 0);
   cr_assert_geq(fd, 0, "a live process's name was removed");
@@ -1570,4 +1578,32 @@ Test(transport, a_new_transport_removes_the_names_that_dead_processes_of_this_us
   shm_unlink(live);
   dp_transport_free(t);
   cur_t = NULL;
+}
+
+Test(transport, an_offer_naming_a_fifo_is_refused_at_once_and_never_blocks_the_loop) {
+  /* a FIFO of a devpickle name (anyone may make one in /dev/shm): opening
+     it to read would wait for a writer, with the whole progress loop */
+  peer_t p = spawn_peer(recv_one_or_error, NULL, NULL);
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* this side offers nothing itself */
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  char name[64], path[80];
+  snprintf(name, sizeof name, "/devpickle-%ld-1-00000000feedf00d", (long)getpid());
+  snprintf(path, sizeof path, "/dev/shm%s", name);
+  cr_assert_eq(mkfifo(path, 0600), 0, "mkfifo: %s", strerror(errno));
+  dp__am_shm_ctl_t offer = {DP__WIRE_MAGIC, 200, 0x1234};
+  OK(dp__endpoint_send_raw(ep, DP__AM_LANE_ADDR, &offer, sizeof offer, name, strlen(name), T_ERR));
+  dp_future_t *r;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  dp_error_clear(&e);
+  int rc = dp_future_wait(r, 20 * SEC, &e); /* the peer's answer, HELLO 0, comes at once */
+  unlink(path);
+  cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a same-host lane message the protocol does not expect"), "%s", e.message);
+  dp_future_release(r);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0, "the acceptor did not live on");
 }

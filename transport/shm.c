@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../core/internal.h"
@@ -17,6 +18,7 @@
 #include "shm.h"
 
 #define HDR_BYTES 4096u
+int dp__shm_stale_s = 60;
 #define SHM_MAGIC 0x4d485344u /* "DSHM" */
 
 struct dp__shm {
@@ -123,6 +125,9 @@ void dp__shm_sweep(void) {
       continue;
     struct stat st;
     if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) || st.st_uid != me || !S_ISREG(st.st_mode)) continue;
+    /* offers live 2 s: a younger name may be a live process's in another
+       PID namespace sharing /dev/shm, whose PID means nothing here */
+    if (time(NULL) - st.st_ctime < dp__shm_stale_s) continue;
     if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* alive (or not ours to ask) */
     char name[DP__SHM_NAME_MAX];
     name[0] = '/';
@@ -138,11 +143,17 @@ int dp__shm_map(dp_backend_t *b, const char *name, unsigned nslots, size_t slot_
   if (!name_ok(name)) return dp__err(err, DP_EFORMAT, "transport: a shared segment's name is malformed");
   if (!nslots || nslots > DP__SHM_MAX_SLOTS || !slot_bytes || slot_bytes > ((size_t)1 << 30))
     return dp__err(err, DP_EFORMAT, "transport: shared segment of %u slots of %zu bytes", nslots, slot_bytes);
-  int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
+  /* never blocks: a FIFO of that name (another user's) would hold the
+     loop in open until a writer came */
+  int fd = shm_open(name, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0);
   if (fd < 0) return sys_err(err, "shm_open", name);
   size_t len = HDR_BYTES + (size_t)nslots * slot_bytes;
   struct stat st;
-  if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != len) {
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return dp__err(err, DP_EFORMAT, "transport: shared segment %s is not a regular file", name);
+  }
+  if ((uint64_t)st.st_size != len) {
     close(fd);
     return dp__err(err, DP_EFORMAT, "transport: shared segment %s is not of the size its offer says", name);
   }

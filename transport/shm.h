@@ -31,8 +31,11 @@ int dp__shm_map(dp_backend_t *b, const char *name, unsigned nslots, size_t slot_
                 dp__shm_t **out, dp_error_t *err);
 /** Removes the names this user's processes that died left in /dev/shm
  *  (killed between an offer and its answer): "devpickle-PID-..." whose PID
- *  no longer exists. */
+ *  no longer exists and that are over 60 s old (offers live 2 s). */
 void dp__shm_sweep(void);
+/** The age in seconds from which sweep removes a dead process's name (60;
+ *  a test hook). */
+extern int dp__shm_stale_s;
 const char *dp__shm_name(const dp__shm_t *s);
 uint64_t dp__shm_token(const dp__shm_t *s);
 /** Slot i's memory. */
