@@ -61,7 +61,15 @@ void dp__tp_lane_worker_free(dp_endpoint_t *ep) {
 
 /* 1 when addr is an address of this host: loopback, or one of its
  * interfaces' (a peer there may share memory with this process). */
-static int addr_is_local(const struct sockaddr_storage *addr) {
+int dp__tp_addr_is_local(const struct sockaddr_storage *addr) {
+  if (addr->ss_family == AF_INET6 && IN6_IS_ADDR_V4MAPPED(&((const struct sockaddr_in6 *)addr)->sin6_addr)) {
+    /* an IPv4 client of a dual-stack listener */
+    struct sockaddr_storage v4;
+    memset(&v4, 0, sizeof v4);
+    v4.ss_family = AF_INET;
+    memcpy(&((struct sockaddr_in *)&v4)->sin_addr, ((const struct sockaddr_in6 *)addr)->sin6_addr.s6_addr + 12, 4);
+    return dp__tp_addr_is_local(&v4);
+  }
   if (addr->ss_family == AF_INET) {
     const struct sockaddr_in *a = (const struct sockaddr_in *)addr;
     if ((ntohl(a->sin_addr.s_addr) >> 24) == 127) return 1;
@@ -95,8 +103,8 @@ static int addr_is_local(const struct sockaddr_storage *addr) {
  * host can read it. Without a lane (none here, another host, UCX or the
  * file refused) nothing is sent, and the endpoint stays on its
  * connection. */
-void dp__tp_lane_offer(dp_transport_t *t, dp_endpoint_t *ep, const struct sockaddr_storage *to) {
-  if (!t->lctx || !addr_is_local(to) || lane_worker(t, ep)) return;
+void dp__tp_lane_offer(dp_transport_t *t, dp_endpoint_t *ep) {
+  if (!t->lctx || !ep->peer_local || lane_worker(t, ep)) return;
   ucp_address_t *a = NULL;
   size_t n = 0;
   dp__shm_t *f = NULL;
@@ -131,15 +139,21 @@ void dp__tp_lane_file_drop(dp_endpoint_t *ep) {
  * connection. */
 void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep) {
   dp__shm_t *f = NULL;
+  static _Thread_local uint64_t addr[DP__LANE_ADDR_MAX / 8]; /* the loop's own copy: the file stays writable by its creator */
   int ok = dp__shm_map(NULL, ep->lane_name, 1, DP__LANE_ADDR_MAX, ep->lane_token, &f, NULL) == 0;
-  if (ok) shm_unlink(ep->lane_name); /* read: it is done with (its creator unlinks it too) */
+  if (ok) {
+    shm_unlink(ep->lane_name); /* read: it is done with (its creator unlinks it too) */
+    memset(addr, 0, sizeof addr);
+    memcpy(addr, dp__shm_slot(f, 0), ep->lane_addr_len);
+    dp__shm_release(f);
+  }
   ep->lane_name[0] = 0;
   if (ok) ok = lane_worker(t, ep) == 0;
   if (ok) {
     ucp_ep_params_t p;
     memset(&p, 0, sizeof p);
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    p.address = (const ucp_address_t *)dp__shm_slot(f, 0);
+    p.address = (const ucp_address_t *)addr;
     p.err_mode = UCP_ERR_HANDLING_MODE_NONE; /* shared memory has no other in UCX 1.13 */
     if (ucp_ep_create(ep->dw, &p, &ep->dep) != UCS_OK) {
       ep->dep = NULL;
@@ -147,7 +161,6 @@ void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep) {
       ok = 0;
     }
   }
-  if (f) dp__shm_release(f);
   if (ok) {
     ep->lane = LANE_HELLO; /* lane_hello sends it */
     ep->hello_deadline = now_ns() + DP__HELLO_NS;
@@ -202,6 +215,10 @@ void dp__tp_on_conn(ucp_conn_request_h req, void *arg) {
     ucp_listener_reject(l->l, req);
     return;
   }
+  /* where the peer connects from, asked before the request is used up */
+  ucp_conn_request_attr_t ra;
+  ra.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  ep->peer_local = ucp_conn_request_query(req, &ra) == UCS_OK && dp__tp_addr_is_local(&ra.client_address);
   ucp_ep_params_t p;
   memset(&p, 0, sizeof p);
   p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |

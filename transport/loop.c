@@ -112,7 +112,8 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
       ep->ep = NULL;
       dp__tp_ep_failf(ep, DP_EIO, "cannot connect (%s)", ucs_status_string(st));
     } else {
-      dp__tp_lane_offer(t, ep, &c->addr);
+      ep->peer_local = dp__tp_addr_is_local(&c->addr);
+      dp__tp_lane_offer(t, ep);
     }
     dp__free(c, sizeof *c);
     return;
@@ -327,6 +328,7 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
       ep->lane_drop = 0;
       dp__tp_lane_worker_free(ep);
     }
+    if (ep->offer_pending && !ep->dead) dp__tp_shm_answer(t, ep), work++;
     if (ep->need_close) dp__tp_ep_force_close(ep), work++;
     if (ep->ctl_head && !ep->dead) dp__tp_ctl_flush(t, ep), work++;
     if (ep->shm_state == SHM_OFFERED && now_ns() > ep->offer_deadline) dp__tp_shm_withdraw(ep);

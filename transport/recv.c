@@ -582,16 +582,6 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   return UCS_INPROGRESS;
 }
 
-/* The peer's offer of its segment: mapped if it is on this host and is
- * what the offer says; answered either way. */
-static void on_offer(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_shm_offer_t *o) {
-  dp__am_shm_ctl_t r = {DP__WIRE_MAGIC, 0, o->token};
-  if (o->name[sizeof o->name - 1] == 0 && o->nslots == DP__STAGE_SLOTS && o->slot_bytes == DP__STAGE_CHUNK &&
-      dp__shm_map(t->backend, o->name, o->nslots, (size_t)o->slot_bytes, o->token, &ep->rshm, NULL) == 0)
-    r.value = 1;
-  dp__tp_ctl_queue(ep, DP__AM_SHM_REPLY, &r, sizeof r);
-}
-
 /* A slot the peer gives back: its piece's send is done with it. */
 static void on_done(dp_transport_t *t, dp_endpoint_t *ep, uint32_t i) {
   seg_t *g = ep->seg;
@@ -616,7 +606,7 @@ static void on_lane(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const dp_
   if (id == DP__AM_LANE_ADDR && !on_lane_worker && ep->acceptor && !ep->lane_tried && data && len > 0 &&
       len < DP__SHM_NAME_MAX && !memchr(data, 0, len) && c->value > 0 && c->value <= DP__LANE_ADDR_MAX) {
     ep->lane_tried = 1;
-    if (!t->lctx) { /* no lanes here */
+    if (!t->lctx || !ep->peer_local) { /* no lanes here, or a peer of another host */
       dp__am_shm_ctl_t no = {DP__WIRE_MAGIC, 0, 0};
       dp__tp_ctl_queue(ep, DP__AM_LANE_HELLO, &no, sizeof no);
       return;
@@ -659,7 +649,7 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
     on_lane(t, ep, id, c, data, len, param, on_lane_worker);
   } else if (id == DP__AM_SHM_OFFER) {
     if (ep->peer_offered) dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a second offer of shared slots");
-    else ep->peer_offered = 1, on_offer(t, ep, (const dp__am_shm_offer_t *)h);
+    else ep->peer_offered = ep->offer_pending = 1, memcpy(&ep->offer_in, h, sizeof ep->offer_in);
   } else if (id == DP__AM_SHM_REPLY) {
     if (ep->shm_state == SHM_NO && ep->offer_token && c->token == ep->offer_token) {
       ep->offer_token = 0; /* the answer to an offer withdrawn meanwhile */

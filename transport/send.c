@@ -232,7 +232,7 @@ static int stage_next(dp_transport_t *t, sop_t *s, size_t nb) {
   }
   slot_t *sl;
   dp_endpoint_t *ep = s->ep;
-  if (ep->shm_state == SHM_NONE && t->shm_on) dp__tp_shm_offer(t, ep);
+  if (ep->shm_state == SHM_NONE && t->shm_on && ep->peer_local) dp__tp_shm_offer(t, ep);
   int rc = 0;
   if (ep->shm_state == SHM_YES) {
     if (!(sl = ep->seg->free)) return 1;

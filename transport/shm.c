@@ -66,8 +66,12 @@ int dp__shm_create(dp_backend_t *b, unsigned nslots, size_t slot_bytes, dp__shm_
   s->slot_bytes = slot_bytes;
   s->len = HDR_BYTES + (size_t)nslots * slot_bytes;
   uint64_t r = 0;
-  if (getrandom(&s->token, sizeof s->token, 0) != sizeof s->token || getrandom(&r, sizeof r, 0) != sizeof r)
-    s->token ^= (uint64_t)(uintptr_t)s * 0x9e3779b97f4a7c15ull, r ^= (uint64_t)getpid() << 20;
+  /* the token is the segment's only secret: none without the kernel's randomness */
+  if (getrandom(&s->token, sizeof s->token, GRND_NONBLOCK) != sizeof s->token ||
+      getrandom(&r, sizeof r, GRND_NONBLOCK) != sizeof r) {
+    dp__free(s, sizeof *s);
+    return dp__err(err, DP_EIO, "transport: no random token for a shared segment (getrandom: %s)", strerror(errno));
+  }
   snprintf(s->name, sizeof s->name, "/devpickle-%ld-%u-%016llx", (long)getpid(), atomic_fetch_add(&counter, 1),
            (unsigned long long)r);
   int fd = shm_open(s->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);

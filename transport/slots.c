@@ -297,6 +297,21 @@ void dp__tp_shm_offer(dp_transport_t *t, dp_endpoint_t *ep) {
   dp__tp_ctl_queue(ep, DP__AM_SHM_OFFER, &o, sizeof o);
 }
 
+/* The peer's offer of its segment (kept by the message's handler: mapping
+ * and page-locking it takes long for a UCX callback), from the loop: mapped
+ * if the peer connected from an address of this host and the file is what
+ * the offer says; answered either way. */
+void dp__tp_shm_answer(dp_transport_t *t, dp_endpoint_t *ep) {
+  const dp__am_shm_offer_t *o = &ep->offer_in;
+  ep->offer_pending = 0;
+  dp__am_shm_ctl_t r = {DP__WIRE_MAGIC, 0, o->token};
+  if (ep->peer_local && o->name[sizeof o->name - 1] == 0 && o->nslots == DP__STAGE_SLOTS &&
+      o->slot_bytes == DP__STAGE_CHUNK &&
+      dp__shm_map(t->backend, o->name, o->nslots, (size_t)o->slot_bytes, o->token, &ep->rshm, NULL) == 0)
+    r.value = 1;
+  dp__tp_ctl_queue(ep, DP__AM_SHM_REPLY, &r, sizeof r);
+}
+
 /* An offer refused, or unanswered in time (a peer stopped, or one that does
  * not know it), is withdrawn: its name would outlive this process if it
  * were killed. */

@@ -219,6 +219,8 @@ struct dp_endpoint {
   seg_t *seg;               /* offered, then used (SHM_YES) */
   dp__shm_t *rshm;          /* the peer's segment, mapped */
   int peer_offered;         /* the peer made its offer (once) */
+  int offer_pending;        /* ... kept in offer_in, to be mapped and answered from the loop */
+  dp__am_shm_offer_t offer_in;
   int64_t offer_deadline;   /* SHM_OFFERED: withdrawn unanswered after it */
   uint64_t offer_token;     /* a late answer to a withdrawn offer is ignored */
   ctl_t *ctl_head, *ctl_tail;  /* control messages to send */
@@ -227,6 +229,8 @@ struct dp_endpoint {
   int need_close;           /* failed inside a UCX callback: close from the loop */
   int established;          /* the peer answered once */
   int acceptor;             /* accepted on a listener (else connected) */
+  int peer_local;           /* the peer's address is one of this host's: only then are
+                               shared-memory offers (slots, lane) made to it or taken from it */
   unsigned rndv_inflight;   /* rendezvous receives posted on its connection, not yet done */
   int64_t close_deadline;   /* need_close: closed then even with receives in flight */
   /* the same-host lane (internal.h): a worker of its own and an endpoint
@@ -370,13 +374,15 @@ ucs_status_ptr_t dp__tp_am_send(dp_endpoint_t *ep, unsigned id, const void *hdr,
                                 size_t n, const ucp_request_param_t *p);
 void dp__tp_ctl_flush(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_shm_offer(dp_transport_t *t, dp_endpoint_t *ep);
+void dp__tp_shm_answer(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_shm_withdraw(dp_endpoint_t *ep);
 void dp__tp_ep_drop_shm(dp_transport_t *t, dp_endpoint_t *ep);
 /* lane.c */
 ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep);
 ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd);
 void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep);
-void dp__tp_lane_offer(dp_transport_t *t, dp_endpoint_t *ep, const struct sockaddr_storage *to);
+void dp__tp_lane_offer(dp_transport_t *t, dp_endpoint_t *ep);
+int dp__tp_addr_is_local(const struct sockaddr_storage *addr);
 void dp__tp_lane_file_drop(dp_endpoint_t *ep);
 void dp__tp_lane_worker_free(dp_endpoint_t *ep);
 void dp__tp_lane_hello(dp_endpoint_t *ep);

@@ -35,8 +35,9 @@
  * dp_future_synchronize.
  *
  * SAME-HOST LANES. An endpoint connected to an address of this host
- * (loopback or a local interface) also gets a shared-memory lane to its
- * peer when UCX_TLS allows posix or sysv: messages of up to 1 KiB that UCX
+ * (loopback or a local interface), to a peer process of the same user,
+ * also gets a shared-memory lane to its peer when UCX_TLS allows posix or
+ * sysv (a peer of another user stays on the connection): messages of up to 1 KiB that UCX
  * takes at once go there (UCX 1.13 gives a connection that reports its
  * peer's failure no shared memory); the rest, and every failure, stay on the
  * connection. At most 32 lanes a transport (each a UCX worker: ~9 file
@@ -59,8 +60,9 @@
  * sent, received into page-locked buffers and copied to the device on the
  * receive stream, chunk k + 1 copied while chunk k is on the wire. Between
  * processes of one host the page-locked buffers are a shared-memory
- * segment the sender offers and the receiver maps: the bytes cross on the
- * copy engines only, no CPU copy (DEVPICKLE_TRANSPORT_SHM=0 turns this
+ * segment the sender offers and the receiver maps (only between processes
+ * of the same user whose connection runs between addresses of this host):
+ * the bytes cross on the copy engines only, no CPU copy (DEVPICKLE_TRANSPORT_SHM=0 turns this
  * off; docs/TRANSPORT.md, "Same-host slots"). Staged
  * buffers sent with dp_endpoint_send are read after the work queued on the
  * calling thread's current stream of their device when send was called
