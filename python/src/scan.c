@@ -49,6 +49,7 @@ typedef struct tcache_ent {
   PyTypeObject *type;   /* a strong reference */
   unsigned int version;
   uint8_t kind;
+  uint8_t no_slots;     /* K_TORCH: copyreg._slotnames(type) was [] (slots are fixed at class creation) */
 } tcache_ent_t;
 
 #define TCACHE_SIZE 512
@@ -124,28 +125,41 @@ static __attribute__((noinline)) uint8_t classify_slow(PyTypeObject *t, tcache_e
 
 /* The kind of t, cached per type and version tag (a class changed after it
  * was cached gets a new tag, so the cache never answers for a stale class). */
+/* t's cache entry, or NULL when it holds another type or a stale tag. */
+static inline tcache_ent_t *tcache_hit(PyTypeObject *t) {
+  tcache_ent_t *e = &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE];
+  return e->type == t && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && e->version == t->tp_version_tag ? e : NULL;
+}
+
 static inline uint8_t classify(PyTypeObject *t) {
   if (t == &PyList_Type) return K_LIST;
   if (t == &PyTuple_Type) return K_TUPLE;
   if (t == &PyDict_Type) return K_DICT;
   if (t == &PyLong_Type || t == &PyUnicode_Type || t == &PyFloat_Type || t == &_PyNone_Type || t == &PyBool_Type)
     return K_LEAF;
-  tcache_ent_t *e = &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE];
-  if (e->type == t && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && e->version == t->tp_version_tag)
-    return e->kind;
-  return classify_slow(t, e);
+  tcache_ent_t *e = tcache_hit(t);
+  return e ? e->kind : classify_slow(t, &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE]);
 }
 
 static uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
   if (t == &PySet_Type || t == &PyFrozenSet_Type) return K_SET;
   if (t == &PyComplex_Type || t == &PyBytes_Type) return K_LEAF;
   uint8_t k = kind_of(t);
+  if (!(t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
+    /* A class changed since its last lookup (copyreg._slotnames sets
+       torch.Tensor.__slotnames__) has no tag until something looks an
+       attribute up in it: do so, or no instance would ever hit the cache. */
+    PyObject *a = PyObject_GetAttr((PyObject *)t, dpy.str_reduce_ex);
+    if (!a) PyErr_Clear();
+    Py_XDECREF(a);
+  }
   if (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) {
     Py_INCREF(t);
     Py_XDECREF(e->type);
     e->type = t;
     e->version = t->tp_version_tag;
     e->kind = k;
+    e->no_slots = 0;
   }
   return k;
 }
@@ -703,10 +717,17 @@ static int is_torch(PyObject *o) { return dpy.torch_tensor && PyObject_TypeCheck
 static int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
   PyTypeObject *t = Py_TYPE(o);
   if (t->tp_basicsize <= ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize) return 0;
+  tcache_ent_t *e = tcache_hit(t); /* torch.Tensor itself is larger than its C base: asked once a type */
+  if (e && e->no_slots) return 0;
   PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
   if (!names) return walk_error(s, o, "its __slots__ cannot be read");
   if (!keep(s, names)) return -1;
-  if (!PyList_Check(names) || PyList_GET_SIZE(names) == 0) return 0;
+  if (!PyList_Check(names) || PyList_GET_SIZE(names) == 0) {
+    /* _slotnames may have set t.__slotnames__ (a new version tag): the
+       entry is made again, then marked */
+    if (classify(t) == K_TORCH && (e = tcache_hit(t))) e->no_slots = 1;
+    return 0;
+  }
   PyObject *all = *d ? PyDict_Copy(*d) : PyDict_New();
   if (!keep(s, all)) return -1;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(names); i++) {

@@ -358,3 +358,31 @@ def test_a_reduces_state_setter_is_walked():
 
     got = devpickle.scan(S())
     assert len(got) == 1 and ".state_setter" in got[0].path
+
+
+def test_a_tensor_type_is_asked_for_its_slots_once_not_once_a_tensor():
+    # torch.Tensor is larger than its C base, so the walk asks
+    # copyreg._slotnames whether it has __slots__; the answer is cached with
+    # the type's version tag. _slotnames itself sets __slotnames__, which
+    # clears the tag until something looks an attribute up in the class —
+    # the cache then never hit and every tensor paid a Python call.
+    import subprocess
+    import sys
+    code = (
+        "import copyreg\n"
+        "calls = []\n"
+        "orig = copyreg._slotnames\n"
+        "def counting(cls):\n"
+        "    calls.append(cls)\n"
+        "    return orig(cls)\n"
+        "copyreg._slotnames = counting\n"
+        "import torch, devpickle\n"
+        "v = [torch.zeros(2) for _ in range(1000)]\n"
+        "for _ in range(3):\n"
+        "    devpickle.scan(v)\n"
+        "    devpickle.Future().set_result(v)\n"
+        "print(sum(c is torch.Tensor for c in calls))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip().splitlines()[-1]) <= 2
