@@ -1,7 +1,8 @@
 /* bench/one_row.c — one completion row of bench_future, in a process of its
- * own: one_row KIND N [ROUNDS] prints the fastest round, in µs a completion
- * (KIND list, nested or objects; host backend; the same value, futures and
- * timing loop as bench_future's future_complete_KIND_N row).
+ * own: one_row KIND N [ROUNDS [BACKEND]] prints the fastest round, in µs a
+ * completion (KIND list, nested or objects; BACKEND host, the default, or
+ * cuda; the same value, futures and timing loop as bench_future's
+ * future_complete_KIND_N row).
  *
  * Why: on some hosts a binary's row lands in one of two modes from process
  * to process (the heap's and the code's placement), so that one run of each
@@ -16,7 +17,7 @@
 
 int main(int argc, char **argv) {
   if (argc < 3) {
-    fprintf(stderr, "usage: one_row list|nested|objects N [ROUNDS]\n");
+    fprintf(stderr, "usage: one_row list|nested|objects N [ROUNDS [host|cuda]]\n");
     return 2;
   }
   int n = atoi(argv[2]), rounds = argc > 3 ? atoi(argv[3]) : 20;
@@ -26,7 +27,16 @@ int main(int argc, char **argv) {
     return 2;
   }
   ctx_t c = {0};
-  if (dp_backend_get(DP_DEVICE_HOST, &c.b, NULL)) return 1;
+  const char *bk = argc > 4 ? argv[4] : "host";
+  if (strcmp(bk, "host") && strcmp(bk, "cuda")) {
+    fprintf(stderr, "one_row: BACKEND host or cuda\n");
+    return 2;
+  }
+  dp_error_t e;
+  if (dp_backend_get(bk[0] == 'c' ? DP_DEVICE_CUDA : DP_DEVICE_HOST, &c.b, &e)) {
+    fprintf(stderr, "one_row: %s\n", e.message);
+    return 1;
+  }
   c.dev = dp_backend_device(c.b, 0);
   c.blocks = malloc(sizeof(void *) * 200000);
   c.fs = malloc(sizeof(dp_future_t *) * 1000);

@@ -26,6 +26,7 @@ typedef struct pyfut {
   dp_future_t *f;
   PyObject *result;   /* set just before the C future completes */
   PyObject *exc;      /* the exception it failed with, when Python gave one */
+  PyObject *exc_tb;   /* its traceback then: each raise starts from it, not from the last raise's */
   PyObject *inputs;   /* collect_all: the input futures (its value) */
   dp_device_t *devices;
   size_t ndevices;
@@ -180,6 +181,7 @@ fail:
 static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
   Py_VISIT(f->result);
   Py_VISIT(f->exc);
+  Py_VISIT(f->exc_tb);
   Py_VISIT(f->inputs);
   return 0;
 }
@@ -187,6 +189,7 @@ static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
 static int fut_clear(pyfut_t *f) {
   Py_CLEAR(f->result);
   Py_CLEAR(f->exc);
+  Py_CLEAR(f->exc_tb);
   Py_CLEAR(f->inputs);
   return 0;
 }
@@ -306,13 +309,20 @@ static dp_error_t py_failure(const char *what) {
   return e;
 }
 
+/* f fails with exc (a new reference, stolen): kept with its traceback now. */
+static void set_exc(pyfut_t *f, PyObject *exc) {
+  PyObject *tb = PyExceptionInstance_Check(exc) ? PyException_GetTraceback(exc) : NULL;
+  Py_XSETREF(f->exc, exc);
+  Py_XSETREF(f->exc_tb, tb);
+}
+
 /* Moves the Python exception now raised into f->exc (cleared). */
 static void keep_raised(pyfut_t *f) {
   PyObject *t, *v, *tb;
   PyErr_Fetch(&t, &v, &tb);
   PyErr_NormalizeException(&t, &v, &tb);
   if (tb && v) PyException_SetTraceback(v, tb);
-  Py_XSETREF(f->exc, v ? v : Py_NewRef(Py_None));
+  set_exc(f, v ? v : Py_NewRef(Py_None));
   Py_XDECREF(t);
   Py_XDECREF(tb);
 }
@@ -377,7 +387,7 @@ static PyObject *fut_set_exception(pyfut_t *self, PyObject *exc) {
     return NULL;
   }
   self->completing = 1;
-  Py_XSETREF(self->exc, Py_NewRef(exc));
+  set_exc(self, Py_NewRef(exc));
   dp_error_t e = py_failure("the future failed with a Python exception"), out;
   if (dp_future_set_error(self->f, &e, &out)) {
     already_complete();
@@ -396,6 +406,7 @@ static PyObject *outcome(pyfut_t *self) {
     return Py_NewRef(self->result ? self->result : Py_None);
   }
   if (self->exc) {
+    if (PyExceptionInstance_Check(self->exc)) PyException_SetTraceback(self->exc, self->exc_tb ? self->exc_tb : Py_None);
     PyErr_SetObject((PyObject *)Py_TYPE(self->exc), self->exc);
     return NULL;
   }
@@ -494,10 +505,22 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
   streams_in(parent, &sw);
   int rc = 0;
   PyObject *r = PyObject_CallOneArg(u->callback, (PyObject *)u->parent);
-  if (!u->child) { /* add_done_callback: the result is dropped, an error reported */
+  if (u->child && (u->child->completing || (u->child->f && dp_future_is_done(u->child->f)))) {
+    /* The child was completed by its own set_result/set_exception (before,
+     * or from inside the callback): the first completion stands — the
+     * value waiters get is the one whose allocations its events cover. */
+    if (r) {
+      Py_DECREF(r);
+      PyErr_SetString(PyExc_RuntimeError, "a then() callback's result was dropped: its future had already been "
+                                          "completed (set_result or set_exception on it)");
+    }
+    PyErr_WriteUnraisable(u->callback);
+    rc = DP_ESTATE;
+  } else if (!u->child) { /* add_done_callback: the result is dropped, an error reported */
     if (!r) PyErr_WriteUnraisable(u->callback);
     Py_XDECREF(r);
   } else if (!r) {
+    u->child->completing = 1;
     /* as torch does: the child fails with a RuntimeError naming what the
      * callback raised (kept as its __cause__) */
     keep_raised(u->child);
@@ -508,13 +531,14 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
     Py_XDECREF(wrapped);
     if (exc) {
       PyException_SetCause(exc, Py_NewRef(cause));
-      Py_SETREF(u->child->exc, exc);
+      set_exc(u->child, exc);
     } else {
       PyErr_Clear();
     }
     rc = DP_ESTATE;
   } else {
     dpy_scanner_t *s;
+    u->child->completing = 1; /* a set_result on it meanwhile (the walk runs Python code) is refused */
     if (walk_value(u->child, r, &s, ptrs)) {
       keep_raised(u->child);
       rc = DP_ETYPE;

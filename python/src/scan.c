@@ -196,6 +196,8 @@ struct dpy_scanner {
   dp_ptrset_t *own;
   dp_ptrset_t *memo;     /* objects entered, by address */
   PyObject *keep;        /* a list: what the walk created, alive until it ends */
+  int pinned;            /* Python code of the value's ran: objects in the memo are kept alive
+                            too (one freed there and a new one at its address would be "seen") */
   frame_t *frames;
   size_t nframes, cap;
   /* first paths: offsets into text, one per allocation */
@@ -206,6 +208,7 @@ struct dpy_scanner {
   int want_paths;
   int tensor_memo;       /* tensors enter the memo (refs counted exactly) */
   PyObject *opaque;
+  int opaque_code;       /* one of opaque is not an exact type: isinstance may run Python code */
   uint32_t max_depth;
   /* building (dumps): the root, a value per memo entry, a storage per
    * allocation and the first object found on it */
@@ -215,6 +218,7 @@ struct dpy_scanner {
   size_t vals_cap;
   dp_storage_t **stor;
   PyObject **stor_obj;
+  PyObject **stor_st;   /* a torch tensor's storage object, held (the frame reads its memory) */
   size_t stor_cap;
   dp_value_t made;  /* the container build_pairs made for the frame pushed next */
   int saw_cupy;     /* a cupy array was found: its streams are cupy's */
@@ -260,6 +264,7 @@ void dpy_scanner_put(dpy_scanner_t *s) {
   s->build = 0;
   while (s->nframes) frame_drop(&s->frames[--s->nframes]);
   Py_CLEAR(s->keep);
+  s->pinned = 0;
   s->found = s->own;
   s->next_free = free_scanners;
   free_scanners = s;
@@ -597,6 +602,8 @@ static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbyte
   return add_alloc_at(s, dev, base, nbytes, NULL);
 }
 
+static PyObject *keep(dpy_scanner_t *s, PyObject *o);
+
 /* 1 when obj was entered before (a shared reference or a cycle), 0 the
  * first time. */
 static int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
@@ -608,7 +615,25 @@ static int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
     return -1;
   }
   *at = idx;
+  if (idx >= before && s->pinned && !keep(s, Py_NewRef(obj))) return -1;
   return idx < before;
+}
+
+/* Before the walk runs Python code of the value's (a reduce, a property,
+ * an __instancecheck__): that code may free objects the memo holds by
+ * address, and a new object at a freed one's address would pass for it.
+ * From here on every object in the memo is kept alive until the walk
+ * ends. Walks that run none pay nothing. 0, or -1 with an exception. */
+static int pin_memo(dpy_scanner_t *s) {
+  if (s->pinned) return 0;
+  s->pinned = 1;
+  size_t n = dp_ptrset_count(s->memo);
+  for (size_t i = 0; i < n; i++) {
+    dp_ptr_info_t p;
+    dp_ptrset_get(s->memo, i, &p, NULL);
+    if (!keep(s, Py_NewRef((PyObject *)p.base))) return -1;
+  }
+  return 0;
 }
 
 static int seen(dpy_scanner_t *s, PyObject *obj) {
@@ -831,6 +856,7 @@ static int view_extent(Py_ssize_t ndim, const Py_ssize_t *shape, const Py_ssize_
 /* __cuda_array_interface__: data pointer and extent of the view (no owner
  * is known, so views at different offsets are different entries). */
 static int visit_cai(dpy_scanner_t *s, PyObject *o) {
+  if (pin_memo(s)) return -1; /* __cuda_array_interface__ may be a property */
   PyObject *cai = PyObject_GetAttr(o, dpy.str_cai);
   if (!cai) return walk_error(s, o, "__cuda_array_interface__ failed");
   int rc = -1;
@@ -977,6 +1003,7 @@ typedef struct {
 } dl_tensor_t;
 
 static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
+  if (pin_memo(s)) return -1; /* __dlpack_device__ is the value's code */
   PyObject *devt = PyObject_CallMethodNoArgs(o, dpy.str_dlpack_device);
   if (!devt) return walk_error(s, o, "__dlpack_device__ failed");
   long dt = -1, di = 0;
@@ -1049,6 +1076,7 @@ static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj) {
 
 static int is_opaque(dpy_scanner_t *s, PyObject *o) {
   if (!s->opaque) return 0;
+  if (s->opaque_code && pin_memo(s)) return -1; /* a metaclass's __instancecheck__ */
   return PyObject_IsInstance(o, s->opaque);
 }
 
@@ -1056,6 +1084,7 @@ static int is_opaque(dpy_scanner_t *s, PyObject *o) {
  * its state is its __dict__, entered as attributes. */
 static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
   PyObject *r;
+  if (pin_memo(s)) return -1;
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
   if (fn) {
     r = PyObject_CallOneArg(fn, o);
@@ -1390,7 +1419,10 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
     PyObject **no = PyMem_Realloc(s->stor_obj, cap * sizeof *no);
     if (!no) return PyErr_NoMemory(), -1;
     s->stor_obj = no;
-    for (size_t i = s->stor_cap; i < cap; i++) s->stor[i] = NULL, s->stor_obj[i] = NULL;
+    PyObject **nt = PyMem_Realloc(s->stor_st, cap * sizeof *nt);
+    if (!nt) return PyErr_NoMemory(), -1;
+    s->stor_st = nt;
+    for (size_t i = s->stor_cap; i < cap; i++) s->stor[i] = NULL, s->stor_obj[i] = NULL, s->stor_st[i] = NULL;
     s->stor_cap = cap;
   }
   dp_error_t e;
@@ -1406,7 +1438,8 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
     if (is_torch(o)) {
       PyObject *st = PyObject_HasAttrString(o, "untyped_storage") ? PyObject_CallMethod(o, "untyped_storage", NULL)
                                                                     : PyObject_CallMethod(o, "storage", NULL);
-      if (!keep(s, st)) return walk_error(s, o, "its storage cannot be held");
+      if (!st) return walk_error(s, o, "its storage cannot be held");
+      s->stor_st[at] = st;
     }
   }
   dp_dtype_t dt;
@@ -1731,6 +1764,7 @@ static void build_reset(dpy_scanner_t *s) {
     dp_storage_release(s->stor[i]);
     s->stor[i] = NULL;
     Py_CLEAR(s->stor_obj[i]);
+    Py_CLEAR(s->stor_st[i]);
   }
   for (size_t i = 0; i < s->nframes; i++)
     if (s->frames[i].has_key) dp_value_release(s->frames[i].key);
@@ -1825,6 +1859,33 @@ dp_value_t dpy_scanner_root(const dpy_scanner_t *s) { return s->root; }
 
 PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i) { return i < s->stor_cap ? s->stor_obj[i] : NULL; }
 
+/* dumps, after a walk that ran Python code of the value's: every torch
+ * storage the frame will read must still be where, and as large as, the
+ * walk found it — a reduce may have resized a tensor walked before it
+ * (t.resize_() moves the data of the very storage the walk holds) or
+ * set_() it elsewhere. 0, or -1 with a WalkError. */
+static int check_storages(dpy_scanner_t *s) {
+  for (size_t i = 0; i < s->stor_cap; i++) {
+    PyObject *o = s->stor_obj[i], *st = s->stor_st[i];
+    if (!o || !st) continue;
+    dp_ptr_info_t p;
+    dp_ptrset_get(s->found, i, &p, NULL);
+    PyObject *ptr = PyObject_CallMethod(st, "data_ptr", NULL);
+    PyObject *nb = ptr ? PyObject_CallMethod(st, "nbytes", NULL) : NULL;
+    void *base = ptr ? PyLong_AsVoidPtr(ptr) : NULL;
+    size_t nbytes = nb ? PyLong_AsSize_t(nb) : 0;
+    Py_XDECREF(ptr);
+    Py_XDECREF(nb);
+    if (PyErr_Occurred()) return walk_error(s, o, "its storage cannot be described");
+    if (base != p.base || nbytes < p.nbytes) {
+      PyErr_SetString(PyExc_RuntimeError, "a tensor's storage was resized (its memory moved) while the walk ran the "
+                                          "value's Python code (a __reduce__?): the frame would read freed memory");
+      return walk_error(s, o, "it changed during the walk");
+    }
+  }
+  return 0;
+}
+
 int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
   if (dpy_resolve_frameworks()) return -1;
   s->build = opts->build;
@@ -1840,6 +1901,12 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   s->want_paths = opts->paths;
   s->tensor_memo = !opts->no_refs;
   s->opaque = opts->opaque;
+  s->opaque_code = 0;
+  if (s->opaque && PyTuple_Check(s->opaque))
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(s->opaque); i++)
+      s->opaque_code |= !PyType_CheckExact(PyTuple_GET_ITEM(s->opaque, i));
+  else if (s->opaque)
+    s->opaque_code = !PyType_CheckExact(s->opaque);
   s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
   if (visit(s, obj)) return -1;
   while (s->nframes) {
@@ -1858,7 +1925,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
     Py_DECREF(c);
     if (rc) return -1;
   }
-  return 0;
+  return s->build && s->pinned ? check_storages(s) : 0;
 }
 
 /* ---- devpickle.Allocation and the result of scan ---- */

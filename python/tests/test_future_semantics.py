@@ -1045,3 +1045,37 @@ def test_devpickle_then_child_walks_its_callbacks_result():
         bad.wait()
     with pytest.raises(Exception, match="generator"):
         grandchild.wait()
+
+
+def test_a_then_child_completed_by_hand_keeps_its_first_value_and_the_callbacks_is_reported(monkeypatch):
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(str(u.exc_value)))
+    t1, t2 = torch.ones(10), torch.ones(20)
+    f = devpickle.Future()
+    c = f.then(lambda p: t2)
+    c.set_result(t1)
+    f.set_result(0)
+    assert c.value() is t1
+    assert any("callback's result was dropped" in r for r in reported)
+
+    f = devpickle.Future()
+
+    def cb(p):
+        c2.set_result("inside")
+        return "returned"
+
+    c2 = f.then(cb)
+    f.set_result(1)
+    assert c2.value() == "inside"
+
+
+def test_waiting_again_on_a_failed_future_does_not_grow_its_traceback():
+    import traceback
+    f = devpickle.Future()
+    f.set_exception(ValueError("x"))
+    depths = []
+    for _ in range(5):
+        with pytest.raises(ValueError) as ei:
+            f.wait()
+        depths.append(len(traceback.extract_tb(ei.value.__traceback__)))
+    assert depths == [depths[0]] * 5

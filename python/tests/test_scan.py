@@ -386,3 +386,38 @@ def test_a_tensor_type_is_asked_for_its_slots_once_not_once_a_tensor():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip().splitlines()[-1]) <= 2
+
+
+def test_an_object_freed_by_a_reduce_does_not_hide_a_new_object_at_its_address():
+    # the memo is keyed by address: once the value's Python code runs, the
+    # walk keeps what it entered alive, so no address is reused meanwhile
+    missed = 0
+    for _ in range(20):
+        holder = {}
+
+        class Box:
+            def __init__(self, v):
+                self.v = v
+
+        class Evil:
+            def __reduce__(self):
+                del holder["first"]
+                return (Evil, (Box(torch.ones(1000)),))
+
+        holder["first"] = Box(None)
+        holder["evil"] = Evil()
+        found = devpickle.scan(holder)
+        missed += not any(a.nbytes == 4000 for a in found)
+    assert missed == 0
+
+
+def test_dumps_refuses_a_tensor_a_reduce_resized_after_the_walk_met_it():
+    t = torch.ones(1 << 16)
+
+    class Evil:
+        def __reduce__(self):
+            t.resize_(1 << 18)
+            return (Evil, ())
+
+    with pytest.raises(devpickle.WalkError, match="storage was resized"):
+        devpickle.dumps({"t": t, "e": Evil()}, inline=True)
