@@ -183,6 +183,7 @@ typedef struct frame {
   PyObject *label;      /* the current child's key or name (borrowed) */
   int key_part;         /* FR_DICT / FR_PAIRS: 1 while the key itself is walked */
   PyObject *value;      /* FR_DICT: the value of that key (held: no second lookup) */
+  Py_ssize_t dsize;     /* FR_DICT / FR_ATTRS: the dict's size when entered */
   /* building (dumps): the container being filled (borrowed: its parent or
    * the memo holds it) and a key built before its value */
   dp_value_t out;
@@ -1071,6 +1072,7 @@ static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj) {
   f->kind = kind;
   f->obj = Py_NewRef(obj); /* Python code run by the walk may drop the caller's references */
   f->idx = -1;
+  if (kind == FR_DICT || kind == FR_ATTRS) f->dsize = PyDict_GET_SIZE(obj);
   return 0;
 }
 
@@ -1793,6 +1795,11 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
     if (f->key_part) { /* the key was walked; now its value, as iteration gave it */
       f->key_part = 0;
       return f->value;
+    }
+    if (PyDict_GET_SIZE(f->obj) != f->dsize) { /* as pickle refuses it: iteration would skip items */
+      PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during the walk (Python code of the value's "
+                                          "changed it)");
+      return NULL;
     }
     if (!PyDict_Next(f->obj, &f->pos, &k, &v)) return NULL;
     f->idx++;

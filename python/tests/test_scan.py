@@ -421,3 +421,19 @@ def test_dumps_refuses_a_tensor_a_reduce_resized_after_the_walk_met_it():
 
     with pytest.raises(devpickle.WalkError, match="storage was resized"):
         devpickle.dumps({"t": t, "e": Evil()}, inline=True)
+
+
+def test_a_dict_changed_by_the_values_own_code_during_the_walk_is_an_error_not_a_silent_skip():
+    t = torch.ones(100)
+    d = {}
+
+    class Mut:
+        def __reduce__(self):
+            d.clear()
+            d["b"] = t
+            return (Mut, ())
+
+    d["a"] = Mut()
+    d["b"] = t
+    with pytest.raises(devpickle.WalkError, match="dictionary changed size during the walk"):
+        devpickle.scan(d)
