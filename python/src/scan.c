@@ -360,6 +360,24 @@ static int put_name(buf_t *b, PyObject *str, int attr_dot) {
 }
 
 /* A non-string key: [<json>] for None, bool, int, float; [<repr>] else. */
+/* Text outside quotes (FORMAT.md, "Paths"): control characters written
+ * \u00XX, and with `step` (a <reduce Name> step) `\` as `\\` and `>` as
+ * \u003e, so that the step ends at its first `>`; one line whatever the
+ * text holds. */
+static int put_bare(buf_t *b, const char *s, size_t n, int step) {
+  size_t from = 0;
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c >= 0x20 && !(step && (c == '>' || c == '\\'))) continue;
+    char esc[8];
+    if (c == '\\') memcpy(esc, "\\\\", 3);
+    else snprintf(esc, sizeof esc, "\\u%04x", c);
+    if (buf_put(b, s + from, i - from) || buf_put(b, esc, strlen(esc))) return -1;
+    from = i + 1;
+  }
+  return buf_put(b, s + from, n - from);
+}
+
 static int put_key(buf_t *b, PyObject *key) {
   if (PyUnicode_CheckExact(key)) return put_name(b, key, 1);
   char tmp[64];
@@ -381,7 +399,7 @@ static int put_key(buf_t *b, PyObject *key) {
   } else {
     int cut;
     size_t k = name_cut(s, (size_t)n, &cut);
-    rc = buf_put(b, "[", 1) || buf_put(b, s, k) || (cut && buf_put(b, "\xe2\x80\xa6", 3)) || buf_put(b, "]", 1);
+    rc = buf_put(b, "[", 1) || put_bare(b, s, k, 0) || (cut && buf_put(b, "\xe2\x80\xa6", 3)) || buf_put(b, "]", 1);
   }
   Py_DECREF(r);
   return rc ? -1 : 0;
@@ -445,7 +463,7 @@ static int put_step(buf_t *b, const frame_t *f) {
     const char *tn = type_name(f->type, tbuf, sizeof tbuf);
     int cut;
     size_t k = name_cut(tn, strlen(tn), &cut);
-    if (buf_put(b, "<reduce ", 8) || buf_put(b, tn, k) || (cut && buf_put(b, "\xe2\x80\xa6", 3)) ||
+    if (buf_put(b, "<reduce ", 8) || put_bare(b, tn, k, 1) || (cut && buf_put(b, "\xe2\x80\xa6", 3)) ||
         buf_put(b, ">", 1))
       return -1;
     return f->idx >= 0 && f->idx < 6 ? buf_put(b, part[f->idx], strlen(part[f->idx])) : 0;

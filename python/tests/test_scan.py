@@ -436,3 +436,30 @@ def test_a_dict_changed_by_the_values_own_code_during_the_walk_is_an_error_not_a
     d["b"] = t
     with pytest.raises(devpickle.WalkError, match="dictionary changed size during the walk"):
         devpickle.scan(d)
+
+
+def _mk():
+    class C:
+        def __init__(self):
+            self.t = torch.ones(3)
+
+        def __reduce__(self):
+            return (C, (), {"t": self.t})
+
+    return C()
+
+
+def test_a_path_escapes_what_would_end_its_step_or_break_its_line():
+    make = _mk
+
+    class K:
+        def __repr__(self):
+            return "line1\nline2"
+
+        def __hash__(self):
+            return 1
+
+    paths = [a.path for a in devpickle.scan({"x": make(), K(): torch.ones(5)})]
+    assert paths[0].endswith(".<locals\\u003e.C>.state.t"), paths[0]
+    assert paths[1] == "$[line1\\u000aline2]"
+    assert all("\n" not in p for p in paths)
