@@ -201,6 +201,13 @@ int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list
   return code;
 }
 
+int dp__cb_rc(int rc, dp_error_t *err, const char *what) {
+  if (rc == 0) return 0;
+  if (rc > 0) return dp__err(err, DP_EINVAL, "%s returned %d: a callback returns 0 or a negative DP_E* code", what, rc);
+  if (err && !err->code) dp__err(err, rc, "%s failed: %s", what, dp_strerror(rc));
+  return rc;
+}
+
 int dp__err(dp_error_t *err, int code, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);

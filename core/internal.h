@@ -43,6 +43,11 @@ static inline void dp__free_inl(void *arr, size_t cap, size_t size, const void *
 #define DP__EXISTS 1  /* an insert without replace met the key or name already there */
 
 int dp__err(dp_error_t *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* What a caller's callback returned, as the API returns it: 0, or a
+ * negative DP_E* code with err filled — a positive code (which no call
+ * returns, so `rc < 0` tests would take it for success) becomes DP_EINVAL,
+ * and a failure that left err empty gets a message naming `what`. */
+int dp__cb_rc(int rc, dp_error_t *err, const char *what);
 int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap);

@@ -619,9 +619,8 @@ static void run_then(dp_future_t *p, cbent_t *e) {
     dp_value_t result = dp_none();
     int owned;
     dp_ptrset_t *found = scratch_get(&owned, &err);
-    rc = found ? e->ptrs_cb(e->ud, p, &result, found, &err) : err.code;
+    rc = found ? dp__cb_rc(e->ptrs_cb(e->ud, p, &result, found, &err), &err, "the callback") : err.code;
     if (rc) {
-      if (!err.code) dp__err(&err, rc, "the callback failed: %s", dp_strerror(rc));
       dp_value_release(result);
     } else {
       dp_future_mark_completed_with_ptrs(child, result, found, NULL);
@@ -629,9 +628,8 @@ static void run_then(dp_future_t *p, cbent_t *e) {
     if (found) scratch_put(found, owned);
   } else if (rc == 0) {
     dp_value_t result = dp_none();
-    rc = e->cb(e->ud, p, &result, &err);
+    rc = dp__cb_rc(e->cb(e->ud, p, &result, &err), &err, "the callback");
     if (rc) {
-      if (!err.code) dp__err(&err, rc, "the callback failed: %s", dp_strerror(rc));
       dp_value_release(result);
     } else {
       /* The result is walked afresh; its events go on the callback's streams

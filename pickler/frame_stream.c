@@ -30,8 +30,14 @@ static int sread(sr_t *s, void *dst, size_t n, size_t *got) {
   *got = 0;
   while (*got < n) {
     size_t k = 0;
-    int rc = s->read(s->ud, (uint8_t *)dst + *got, n - *got, &k, s->err);
-    if (rc) return rc;
+    if (s->err) dp_error_clear(s->err); /* so that a callback failing without a word is seen */
+    int rc = dp__cb_rc(s->read(s->ud, (uint8_t *)dst + *got, n - *got, &k, s->err), s->err, "the read callback");
+    if (rc) {
+      if (s->err) s->err->offset = (int64_t)s->total;
+      return rc;
+    }
+    if (k > n - *got)
+      return dp__err_at(s->err, DP_EINVAL, (int64_t)s->total, "the read callback reported %zu bytes read where at most %zu were asked", k, n - *got);
     if (k == 0) break;
     *got += k;
     s->total += k;

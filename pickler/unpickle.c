@@ -656,9 +656,11 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
   dp_value_t made = dp_none();
   dp_error_t e;
   dp_error_clear(&e);
-  int rc = res->resolve(res->ud, name, dp__reduced_state(v), &made, &e);
-  if (rc) return rd_fail(&u->r, rc, at, "resolving custom '%s' failed: %s", name,
-                            e.message[0] ? e.message : dp_strerror(rc));
+  int rc = dp__cb_rc(res->resolve(res->ud, name, dp__reduced_state(v), &made, &e), &e, "the resolver");
+  if (rc) {
+    dp_value_release(made); /* what a failing resolver left there is the library's to release */
+    return rd_fail(&u->r, rc, at, "resolving custom '%s' failed: %s", name, e.message);
+  }
   /* The node table points into the stand-in's state (any node of it may be
    * referred to later): keep the stand-in, and so its state, until the end. */
   u->kept[u->nkept++] = v;
@@ -996,13 +998,14 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
     dp_error_t e;
     dp_error_clear(&e);
     if (u->opts->bind) {
-      rc = u->opts->bind(u->opts->bind_ud, &desc, &st, &e);
-      if (rc == 0 && (!st || st->nbytes < nbytes)) {
+      rc = dp__cb_rc(u->opts->bind(u->opts->bind_ud, &desc, &st, &e), &e, "bind");
+      if (rc) {
+        dp_storage_release(st); /* what a failing bind left there is the library's to release */
+      } else if (!st || st->nbytes < nbytes) {
         dp_storage_release(st);
         rc = dp__err(&e, DP_EINVAL, "bind returned %s", st ? "a storage smaller than the buffer" : "no storage");
       }
-      if (rc) return rd_fail(r, rc, at, "binding buffer %llu failed: %s", (unsigned long long)i,
-                                e.message[0] ? e.message : dp_strerror(rc));
+      if (rc) return rd_fail(r, rc, at, "binding buffer %llu failed: %s", (unsigned long long)i, e.message);
     } else {
       if ((rc = dp_storage_new(desc.device, (void *)(uintptr_t)base, nbytes, NULL, NULL, &st, &e)) != 0)
         return rd_pass(r, at, rc, &e);

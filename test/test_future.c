@@ -357,6 +357,22 @@ Test(future, a_child_whose_result_cannot_be_walked_fails_loudly_never_falls_back
   dp_future_release(child);
 }
 
+static int positive_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  return 7;
+}
+
+Test(future, a_callback_that_returns_a_positive_code_fails_its_child_with_einval_not_a_positive_code) {
+  dp_future_t *parent = future(), *child;
+  OK(dp_future_then(parent, positive_cb, NULL, &child, T_ERR));
+  OK(dp_future_mark_completed(parent, dp_none(), T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(child, -1, &e), DP_EINVAL, "a caller testing rc < 0 must see the failure");
+  cr_assert(strstr(e.message, "the callback returned 7"), "%s", e.message);
+  dp_future_release(parent);
+  dp_future_release(child);
+}
+
 /* ---- errors ---- */
 
 typedef struct waiter {

@@ -2705,3 +2705,82 @@ Test(pickler, an_empty_or_null_input_is_a_clear_error_from_the_function_called) 
   cr_assert_str_eq(e.message, "dp_unpickle: NULL bytes");
   ASSERT_NO_LEAK();
 }
+
+/* ---- callbacks that break their contract get an error, never corruption ---- */
+
+typedef struct bad_reader {
+  mem_reader_t m;
+  int mode; /* 1 reports 100 bytes more than asked; 2 fails with DP_EIO after 20 bytes, err untouched; 3 returns 5 */
+  size_t total;
+} bad_reader_t;
+
+static int bad_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  bad_reader_t *b = ud;
+  if (b->mode == 2 && b->total - b->m.left >= 20) return DP_EIO;
+  if (b->mode == 3) return 5;
+  int rc = mem_read(&b->m, dst, n, got, err);
+  if (b->mode == 1) *got = n + 100;
+  return rc;
+}
+
+Test(pickler, a_read_callback_that_reports_too_much_fails_silently_or_returns_a_positive_code_gets_a_clear_error) {
+  dp_value_t l;
+  OK(dp_list_new(2, &l, T_ERR));
+  OK(dp_list_append(l, dp_int(1), T_ERR));
+  OK(dp_list_append(l, dp_int(2), T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  OK(dp_pickle(l, NULL, f, T_ERR));
+  size_t n;
+  const uint8_t *p = dp_frame_data(f, &n);
+  dp_value_t out;
+  dp_error_t e;
+
+  bad_reader_t r1 = {{p, n, n}, 1, n};
+  cr_assert_eq(dp_unpickle_stream(bad_read, &r1, NULL, &out, NULL, NULL, &e), DP_EINVAL);
+  cr_assert(strstr(e.message, "the read callback reported"), "%s", e.message);
+
+  bad_reader_t r2 = {{p, n, 20}, 2, n};
+  cr_assert_eq(dp_unpickle_stream(bad_read, &r2, NULL, &out, NULL, NULL, &e), DP_EIO);
+  cr_assert_eq(e.code, DP_EIO);
+  cr_assert(strstr(e.message, "the read callback failed"), "%s", e.message);
+  cr_assert_geq(e.offset, 0, "where reading stopped");
+
+  bad_reader_t r3 = {{p, n, n}, 3, n};
+  cr_assert_eq(dp_unpickle_stream(bad_read, &r3, NULL, &out, NULL, NULL, &e), DP_EINVAL);
+  cr_assert(strstr(e.message, "returned 5"), "%s", e.message);
+  dp_frame_free(f);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+static int bind_positive(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
+  (void)ud, (void)d, (void)out, (void)err;
+  return 4;
+}
+
+static int bind_makes_then_fails(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
+  (void)ud;
+  int rc = dp_storage_new(d->device, (void *)(uintptr_t)d->base, d->nbytes, NULL, NULL, out, err);
+  return rc ? rc : DP_EIO;
+}
+
+Test(pickler, a_bind_that_returns_a_positive_code_or_fails_after_making_a_storage_is_an_error_without_a_leak) {
+  const uint8_t payload[] = {0xc0};
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
+  dp_value_t out;
+  dp_error_t e;
+  dp_unpickle_opts_t bo;
+  memset(&bo, 0, sizeof bo);
+  bo.bind = bind_positive;
+  cr_assert_eq(dp_unpickle(b, n, &bo, &out, &e), DP_EINVAL, "a positive code is no success");
+  cr_assert(strstr(e.message, "bind returned 4"), "%s", e.message);
+  bo.bind = bind_makes_then_fails;
+  cr_assert_eq(dp_unpickle(b, n, &bo, &out, &e), DP_EIO);
+  cr_assert(strstr(e.message, "binding buffer 0 failed: bind failed"), "%s", e.message);
+  free(b);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}

@@ -91,6 +91,12 @@ typedef struct dp_error {
  *     through, never relabelled (a reduce() that fails makes the value one
  *     that cannot be walked: DP_ETYPE, with reduce's message, unless it ran
  *     out of memory, which stays DP_ENOMEM; pickler.h).
+ *   - A callback of the caller's (bind, resolve, read, a then() callback)
+ *     returns 0 or a DP_E* code. A positive return, which no call of the
+ *     library ever makes (so a caller testing rc < 0 would take it for
+ *     success), becomes DP_EINVAL ("bind returned 4: ..."); a failure that
+ *     left err empty gets a message naming the callback ("the read
+ *     callback failed: i/o error").
  *   - A reader or writer keeps its first error: what it does after one
  *     returns that error and changes nothing.
  *   - A NULL handle, or a NULL for a pointer the call needs, is DP_EINVAL

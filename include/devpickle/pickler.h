@@ -126,7 +126,8 @@ DP_API int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *fra
 
 /* ---- unpickle ---- */
 
-/** Binds buffer `desc` to a local storage (*out, a new reference). */
+/** Binds buffer `desc` to a local storage (*out, a new reference). On
+ *  failure, what the callback left in *out is released by the library. */
 typedef int (*dp_bind_cb)(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err);
 
 /** Rebuilds an allowed custom from its state. The state is borrowed and must
@@ -136,7 +137,7 @@ typedef int (*dp_bind_cb)(void *ud, const dp_buffer_desc_t *desc, dp_storage_t *
  *  node or to a container around it (the custom would be in a cycle, which
  *  the collector cannot see through) is DP_EFORMAT without calling this.
  *  Returns 0 and a new reference in *out (usually dp_custom_new), or an
- *  error. */
+ *  error (what it left in *out is then released by the library). */
 typedef int (*dp_resolve_cb)(void *ud, const char *type_name, dp_value_t state, dp_value_t *out,
                              dp_error_t *err);
 
@@ -182,8 +183,9 @@ typedef struct dp_frame_info {
  *  Allocates nothing. */
 DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err);
 
-/** Reads up to n bytes into dst: 0 and *got (0 only at the end of the
- *  stream), or a DP_E* code (DP_EIO) with err filled in. */
+/** Reads up to n bytes into dst: 0 and *got (at most n; 0 only at the end
+ *  of the stream), or a DP_E* code (DP_EIO) with err filled in. A *got
+ *  above n is DP_EINVAL, never a write past dst or a hash of it. */
 typedef int (*dp_stream_read_cb)(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err);
 
 /** Reads a frame from a stream and rebuilds its value as dp_unpickle does,
