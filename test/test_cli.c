@@ -113,6 +113,25 @@ Test(cli, every_command_answers_help_with_its_usage) {
   res_free(r);
 }
 
+Test(cli, a_file_whose_name_starts_with_a_dash_is_named_after_a_double_dash) {
+  spit("-v.json", simple_json);
+  res_t r = run("pack -o -f.dpk -- -v.json");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("verify -- -f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "-f.dpk: ok"), "%s", r.out);
+  res_free(r);
+  r = run("verify -f.dpk");
+  cr_assert_eq(r.status, 2, "without -- it is an option");
+  cr_assert_not_null(strstr(r.err, "unknown option '-f.dpk'"), "%s", r.err);
+  res_free(r);
+  r = run("verify -- -f.dpk extra");
+  cr_assert_eq(r.status, 2);
+  cr_assert_not_null(strstr(r.err, "unexpected argument 'extra'"), "%s", r.err);
+  res_free(r);
+}
+
 Test(cli, usage_errors_exit_with_status_two) {
   res_t r = run("");
   cr_assert_eq(r.status, 2);

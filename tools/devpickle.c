@@ -33,7 +33,8 @@ static const char *const usage_main =
     "  recv PORT [-o FRAME.dpk]       receive one frame, verify it, write it\n"
     "  demo                           the future pipeline end to end, every byte checked\n"
     "\n"
-    "FILE may be '-' for stdin (and -o - for stdout).\n"
+    "FILE may be '-' for stdin (and -o - for stdout); after '--' every argument\n"
+    "is a file name, one starting with '-' too (devpickle verify -- -x.dpk).\n"
     "Run 'devpickle <command> --help' for a command's options.\n"
     "\n"
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
@@ -284,9 +285,15 @@ typedef struct args {
 static int parse_args(const char *cmd, const char *help, int argc, char **argv, args_t *a, int allow_o, int need_o,
                       int allow_json) {
   memset(a, 0, sizeof *a);
+  int opts = 1; /* until "--": after it every argument is a file name, "-f" too */
   for (int i = 1; i < argc; i++) {
     const char *s = argv[i];
-    if (strcmp(s, "--help") == 0 || strcmp(s, "-h") == 0) {
+    if (opts && strcmp(s, "--") == 0) {
+      opts = 0;
+    } else if (!opts) {
+      if (a->file) return usage_error(cmd, "unexpected argument '%s'", s);
+      a->file = s;
+    } else if (strcmp(s, "--help") == 0 || strcmp(s, "-h") == 0) {
       fputs(help, stdout);
       a->help = 1;
       return stdout_done(0) ? EXIT_DATA : -1;
@@ -625,9 +632,15 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
                       link_args_t *a) {
   memset(a, 0, sizeof *a);
   a->timeout = -1;
+  int opts = 1; /* until "--" */
   for (int i = 1; i < argc; i++) {
     const char *s = argv[i];
-    if (strcmp(s, "--help") == 0 || strcmp(s, "-h") == 0) {
+    if (opts && strcmp(s, "--") == 0) {
+      opts = 0;
+    } else if (!opts) {
+      if (a->npos == want_pos) return usage_error(cmd, "unexpected argument '%s'", s);
+      a->pos[a->npos++] = s;
+    } else if (strcmp(s, "--help") == 0 || strcmp(s, "-h") == 0) {
       fputs(help, stdout);
       return stdout_done(0) ? EXIT_DATA : -1;
     } else if ((allow_o && (strcmp(s, "-o") == 0 || strcmp(s, "--output") == 0)) || strcmp(s, "--host") == 0 ||
