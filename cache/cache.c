@@ -805,8 +805,10 @@ static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, v
       i++;
       continue;
     }
-    rc = record_slow(c, ptrs[i], at != DP_TABLE_NONE ? &mapped[at] : NULL, s, err);
+    dp_error_t e; /* a pointer not of this allocator is skipped: err is written only on failure */
+    rc = record_slow(c, ptrs[i], at != DP_TABLE_NONE ? &mapped[at] : NULL, s, &e);
     if (rc == DP_ENOTFOUND) rc = 0;
+    else if (rc && err) *err = e;
     else if (owned && rc == 0) owned[i] = 1;
     i++;
   }

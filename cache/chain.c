@@ -21,9 +21,13 @@ struct dp_cache_hooks_chain {
 /* Offers ptr to h alone: *owned says whether h's allocator owns it. */
 static int offer_one(const dp_cache_hooks_t *h, void *ptr, dp_stream_t *s, int *owned, dp_error_t *err) {
   if (h->record_stream) {
-    int rc = h->record_stream(h->ctx, ptr, s, err);
+    dp_error_t e; /* not owned is no failure: err is written only on one */
+    dp_error_clear(&e);
+    int rc = h->record_stream(h->ctx, ptr, s, &e);
     *owned = rc != DP_ENOTFOUND;
-    return rc == DP_ENOTFOUND ? 0 : rc;
+    if (rc == DP_ENOTFOUND) return 0;
+    if (rc && err) *err = e;
+    return rc;
   }
   unsigned char o = 0;
   void *one[1] = {ptr};

@@ -982,7 +982,14 @@ Test(allocator, a_chains_single_record_goes_to_the_owner_and_reports_a_pointer_n
   snprintf(want, sizeof want, "record_stream(%p): owned by none of the chain's 2 allocators", (void *)&nobody);
   cr_assert_str_eq(e.message, want);
   void *ptrs[1] = {&nobody};
-  OK(h.record_streams(h.ctx, ptrs, 1, u, T_ERR));  /* the batch skips it */
+  dp_error_clear(&e);
+  OK(h.record_streams(h.ctx, ptrs, 1, u, &e));  /* the batch skips it */
+  cr_assert_eq(e.code, 0, "a skipped pointer is no error: err untouched (%s)", e.message);
+  dp_cache_hooks_t own = dp_cache_hooks(C);
+  OK(own.record_streams(own.ctx, ptrs, 1, u, &e));
+  cr_assert_eq(e.code, 0, "nor from the cache's own batch (%s)", e.message);
+  OK(h.record_stream(h.ctx, (char *)p + 1, u, &e));
+  cr_assert_eq(e.code, 0, "nor when a chain's first allocator does not own it (%s)", e.message);
   OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
   OK(dp_cache_dealloc(C, p, T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 1, "the cache recorded its pointer");
