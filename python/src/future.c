@@ -326,10 +326,14 @@ static size_t future_devices(dp_future_t *f, dp_device_t *out, size_t max) {
 
 /* ---- completion ---- */
 
-static void already_complete(void) {
+static void already_complete_or_completing(const pyfut_t *f) {
   PyErr_SetString(PyExc_RuntimeError,
-                  "Future can only be marked completed once (it is already complete)");
+                  f && f->f && !dp_future_is_done(f->f)
+                      ? "Future can only be marked completed once (set_result or set_exception was already "
+                        "called: it is being completed)"
+                      : "Future can only be marked completed once (it is already complete)");
 }
+#define already_complete() already_complete_or_completing(self)
 
 /* The allocations of value, for a future that tracks devices. 0 and a
  * scanner holding them, or -1 with an exception. */

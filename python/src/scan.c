@@ -1148,7 +1148,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   }
   if (s->opaque) {
     int op = is_opaque(s, o);
-    if (op) return op < 0 ? -1 : 0;
+    if (op) return op < 0 ? walk_error(s, o, "isinstance against opaque= failed") : 0;
   }
   switch (k) {
   case K_LIST:

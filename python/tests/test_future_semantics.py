@@ -1100,3 +1100,21 @@ def test_a_pending_future_dropped_with_callbacks_on_it_is_collected_and_its_chil
     gc.collect()
     p.set_result(1)
     assert g.value() == 6
+
+
+def test_completing_a_future_from_inside_its_own_set_result_walk_says_it_is_being_completed():
+    f = devpickle.Future()
+    seen = []
+
+    class Probe:
+        def __reduce__(self):
+            try:
+                f.set_exception(ValueError("x"))
+            except RuntimeError as e:
+                seen.append(str(e))
+            return (Probe, ())
+
+    f.set_result([Probe()])
+    assert seen and "being completed" in seen[0], seen
+    with pytest.raises(RuntimeError, match="already complete"):
+        f.set_result(1)

@@ -463,3 +463,17 @@ def test_a_path_escapes_what_would_end_its_step_or_break_its_line():
     assert paths[0].endswith(".<locals\\u003e.C>.state.t"), paths[0]
     assert paths[1] == "$[line1\\u000aline2]"
     assert all("\n" not in p for p in paths)
+
+
+def test_an_opaque_type_whose_instancecheck_raises_gives_a_walk_error_naming_the_path():
+    class Meta(type):
+        def __instancecheck__(cls, obj):
+            raise ValueError("no")
+
+    class Odd(metaclass=Meta):
+        pass
+
+    with pytest.raises(devpickle.WalkError) as ei:
+        devpickle.scan({"a": [object()]}, opaque=(Odd,))
+    assert ei.value.path.startswith("$")
+    assert isinstance(ei.value.__cause__, ValueError)
