@@ -4,6 +4,7 @@ the C extension; nothing here imports a module or looks a class up by name
 from the frame."""
 
 import sys
+import types
 
 from ._object import Object
 
@@ -93,11 +94,36 @@ def new(name, classes):
 
 
 def fill(obj, attrs):
+    """A plain object's attributes: those its class keeps in slots set with
+    setattr, the others into its __dict__ (pickle's default __setstate__
+    for a (dict, slots) state)."""
     if isinstance(obj, Object):
         obj.__attrs__.update(attrs)
-    else:
-        obj.__dict__.update(attrs)
+        return obj
+    slots = _slot_names(type(obj))
+    _set_state(obj, {k: v for k, v in attrs.items() if k not in slots},
+               {k: v for k, v in attrs.items() if k in slots})
     return obj
+
+
+def _slot_names(cls):
+    """The attributes cls's instances keep in slots (member descriptors of
+    cls or a base; private names mangled, as a frame names them)."""
+    return {k for c in cls.__mro__ for k, v in vars(c).items() if isinstance(v, types.MemberDescriptorType)}
+
+
+def _set_state(obj, state, slots):
+    """pickle's default __setstate__: state into the instance's __dict__,
+    slots with setattr; an instance without a __dict__ is a TypeError
+    naming its class, never an AttributeError from inside loads."""
+    if state:
+        d = getattr(obj, "__dict__", None)
+        if not isinstance(d, dict):
+            raise TypeError(f"loads: {class_label(type(obj))} has no __dict__ for the attributes "
+                            f"{list(state)!r} (it keeps only {sorted(_slot_names(type(obj)))!r}, in slots)")
+        d.update(state)
+    for k, v in slots.items():
+        setattr(obj, k, v)
 
 
 def _reserved(name, attrs, attr, kind):
@@ -113,7 +139,10 @@ def finish(name, attrs, classes):
     """The reserved classes, and objects that were reduced."""
     if name in ("builtins.set", "builtins.frozenset"):
         items = _reserved(name, attrs, "items", list)
-        return set(items) if name == "builtins.set" else frozenset(items)
+        try:
+            return set(items) if name == "builtins.set" else frozenset(items)
+        except TypeError as e:  # an unhashable item (a list): no set holds one
+            raise TypeError(f"loads: a {name} object whose items cannot be a set's: {e}") from e
     if name == "builtins.complex":
         return complex(_reserved(name, attrs, "real", float), _reserved(name, attrs, "imag", float))
     if name == "builtins.bytearray":
@@ -122,7 +151,7 @@ def finish(name, attrs, classes):
     if name == "numpy.generic":
         return _numpy_scalar(_reserved(name, attrs, "dtype", str), _reserved(name, attrs, "data", bytes))
     if name == "devpickle.global":
-        cls = classes.get(attrs.get("name"))
+        cls = classes.get(_reserved(name, attrs, "name", str))
         return cls if cls is not None else Object(name, attrs)
     cls = classes.get(name)
     if cls is not None and issubclass(cls, tuple) and not any(k.startswith("<") for k in attrs):
@@ -147,35 +176,53 @@ def _numpy_scalar(dtype, data):
         raise TypeError(f"loads: a numpy.generic of unknown dtype {dtype!r}") from e
     if dt.hasobject or dt.itemsize != len(data):
         raise TypeError(f"loads: a numpy.generic of dtype {dtype!r} with {len(data)} bytes of data")
-    return np.frombuffer(data, dtype=dt)[0]
+    if dt.shape:  # a subarray dtype ("(2,)i4") makes an array, not a scalar
+        raise TypeError(f"loads: a numpy.generic of dtype {dtype!r}, which is not a scalar dtype "
+                        f"(its items have shape {dt.shape})")
+    return np.ndarray((), dtype=dt, buffer=data)[()]  # itemsize 0 too (numpy.void(b""))
 
 
 def reduced(cls, parts):
     """An allowed class from its reduce parts: the callable must be the class
     itself or copyreg.__newobj__ of it (nothing else is called)."""
+    label = class_label(cls)
     if parts.get("<state_setter>") is not None:
-        raise TypeError(f"loads: {class_label(cls)} was reduced with a state_setter, which loads does not call")
+        raise TypeError(f"loads: {label} was reduced with a state_setter, which loads does not call")
     fn, args = parts.get("<callable>"), parts.get("<args>", ())
+    if not isinstance(args, tuple):  # pickle's REDUCE and NEWOBJ take a tuple too
+        raise TypeError(f"loads: {label} was reduced with args that are a {type(args).__name__}, not a tuple")
     if fn is cls:
         obj = cls(*args)
-    elif isinstance(fn, Object) and fn.__attrs__.get("name") in ("copyreg.__newobj__",) and args and args[0] is cls:
+    elif (isinstance(fn, Object) and fn.__class_name__ == "devpickle.global"
+          and fn.__attrs__.get("name") == "copyreg.__newobj__" and args and args[0] is cls):
         obj = cls.__new__(cls, *args[1:])
     else:
-        raise TypeError(f"loads: {class_label(cls)} was reduced to a call of {fn!r}, which loads does not make")
+        raise TypeError(f"loads: {label} was reduced to a call of {fn!r}, which loads does not make")
     state = parts.get("<state>")
     if state is not None:
         if hasattr(obj, "__setstate__"):
             obj.__setstate__(state)
         else:
             d, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
-            if d:
-                obj.__dict__.update(d)
-            for k, v in (slots or {}).items():
-                setattr(obj, k, v)
-    for item in parts.get("<listitems>", ()) or ():
+            if not isinstance(d, (dict, type(None))) or not isinstance(slots, (dict, type(None))) or not all(
+                    isinstance(k, str) for k in slots or ()):
+                raise TypeError(f"loads: {label} has no __setstate__ and its state is not a dict or a "
+                                f"(dict, slots dict by name) pair: {type(state).__name__}")
+            _set_state(obj, d or {}, slots or {})
+    listitems, dictitems = parts.get("<listitems>") or [], parts.get("<dictitems>") or []
+    if not isinstance(listitems, list) or not isinstance(dictitems, list) or not all(
+            isinstance(p, tuple) and len(p) == 2 for p in dictitems):
+        raise TypeError(f"loads: {label} was reduced with listitems that are not a list or dictitems "
+                        "that are not a list of (key, value) pairs")
+    if listitems and not hasattr(obj, "append"):
+        raise TypeError(f"loads: {label} was reduced with listitems, and has no append")
+    for item in listitems:
         obj.append(item)
-    for k, v in parts.get("<dictitems>", ()) or ():
-        obj[k] = v
+    for k, v in dictitems:
+        try:
+            obj[k] = v
+        except TypeError as e:  # no __setitem__, or an unhashable key
+            raise TypeError(f"loads: {label} was reduced with dictitems it cannot take: {e}") from e
     return obj
 
 
@@ -250,11 +297,16 @@ def array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyte
     """A tensor or array over buffer `key`: source is bytes-like (an inline
     copy or a cpu buffer), a torch tensor or a cupy array holding the bytes.
     What the framework refuses (a view it cannot make — negative strides for
-    torch —, a device it was built without) is a ValueError naming the buffer."""
+    torch —, a dtype it lacks — bfloat16 for numpy —, a device it was built
+    without) is a ValueError naming the buffer."""
     try:
         return _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes)
     except (RuntimeError, AssertionError) as e:
-        raise ValueError(f"loads: a {kind or 'tensor'} over buffer {key} ({device}) cannot be made here: {e}") from e
+        raise _cannot(kind, device, key, e) from e
+
+
+def _cannot(kind, device, key, why):
+    return ValueError(f"loads: a {kind or 'tensor'} over buffer {key} ({device}) cannot be made here: {why}")
 
 
 def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes):
@@ -270,17 +322,26 @@ def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyt
     flat = _flat(kind, device, source, cache, key, nbytes)
     if kind == "torch.Tensor":
         if dtype not in _TORCH_DTYPES or not hasattr(torch, dtype):
-            raise TypeError(f"loads: dtype {dtype} has no torch equivalent here")
+            raise _cannot(kind, device, key, f"dtype {dtype} has no torch equivalent here")
         typed = flat.view(getattr(torch, dtype)) if len(flat) else flat.view(getattr(torch, dtype))
         return torch.as_strided(typed, shape, strides, offset)
     if kind == "numpy.ndarray":
         import numpy as np
 
-        dt = np.dtype(dtype)
+        dt = _dtype(np, kind, device, key, dtype)
         start = flat[offset * dt.itemsize:]
         usable = len(start) - len(start) % dt.itemsize
         return np.lib.stride_tricks.as_strided(start[:usable].view(dt), shape=shape,
                                                strides=[s * dt.itemsize for s in strides])
     cupy = sys.modules["cupy"]
-    dt = cupy.dtype(dtype)
+    dt = _dtype(cupy, kind, device, key, dtype)
     return cupy.ndarray(shape, dt, memptr=flat.data + offset * dt.itemsize, strides=[s * dt.itemsize for s in strides])
+
+
+def _dtype(xp, kind, device, key, dtype):
+    """numpy's (or cupy's) dtype for a frame's dtype name; one it lacks
+    (bfloat16) is refused naming the buffer, as torch's are."""
+    try:
+        return xp.dtype(dtype)
+    except TypeError as e:
+        raise _cannot(kind, device, key, f"dtype {dtype} has no {xp.__name__} equivalent here") from e

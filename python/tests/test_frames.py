@@ -309,3 +309,111 @@ def test_a_namedtuple_listed_in_classes_comes_back_as_itself():
     back = devpickle.loads(frame, classes=Point)["p"]
     assert type(back) is Point and back.x == 1 and torch.equal(back.y, t)
     assert isinstance(devpickle.loads(frame)["p"], devpickle.Object)  # not listed: nothing is made
+
+
+def spoof(label, **attrs):
+    """A plain object whose class is named `label` in the frame: a crafted
+    frame's object of that class."""
+    class Spoof:
+        pass
+
+    Spoof.__module__, Spoof.__qualname__ = "builtins", label  # named by its qualname alone
+    s = Spoof()
+    s.__dict__.update(attrs)
+    return s
+
+
+class Slotted:
+    __slots__ = ("a", "__b")
+
+
+class SlottedWithDict:
+    __slots__ = ("a", "__dict__")
+
+
+def test_an_allowed_class_with_slots_gets_its_attributes_set_as_pickle_sets_slots():
+    out = devpickle.loads(devpickle.dumps(spoof("test_frames.Slotted", a=1, _Slotted__b=[2])), classes=Slotted)
+    assert type(out) is Slotted and out.a == 1 and out._Slotted__b == [2]
+    out = devpickle.loads(devpickle.dumps(spoof("test_frames.SlottedWithDict", a=1, c=3)), classes=SlottedWithDict)
+    assert out.a == 1 and out.__dict__ == {"c": 3}  # a slot is set in its slot, not hidden in __dict__
+    with pytest.raises(TypeError, match=r"loads: test_frames.Slotted has no __dict__ for the attributes \['c'\]"):
+        devpickle.loads(devpickle.dumps(spoof("test_frames.Slotted", a=1, c=3)), classes=Slotted)
+
+
+def test_a_numpy_scalar_whose_dtype_is_not_a_scalar_dtype_is_refused_not_made_an_array():
+    frame = devpickle.dumps([spoof("numpy.generic", dtype="(1,)i4", data=b"\1\0\0\0")], inline=True)
+    with pytest.raises(TypeError, match=r"loads: a numpy.generic of dtype '\(1,\)i4', which is not a scalar dtype"):
+        devpickle.loads(frame)
+
+
+def test_a_numpy_scalar_of_zero_bytes_comes_back_instead_of_raising_numpys_error():
+    out = devpickle.loads(devpickle.dumps([np.void(b"")], inline=True))
+    assert type(out[0]) is np.void and out[0].tobytes() == b""
+
+
+# `devpickle pack` of [{"$object": "numpy.ndarray", "attrs": {"data": {"$tensor": {"device": "cpu",
+# "ptr": "0x1000", "nbytes": 4, "dtype": "bfloat16", "shape": [2], "data": "gD+APw=="}}}}]
+# (dumps never writes it: numpy has no bfloat16); the second frame is the same with
+# "$object": "torch.Tensor", dtype "uint16" and data "AQACAA==".
+BFLOAT16_NUMPY_FRAME = bytes.fromhex(
+    "44504b4c010001002300000000000000090000000000000004000000000000001a92c90a4caaa359"
+    "9194d40003ad6e756d70792e6e646172726179a46461746196d40002000a91029101009195000004cd100000803f803f")
+UINT16_TORCH_FRAME = bytes.fromhex(
+    "44504b4c010001002200000000000000090000000000000004000000000000003c34a312963f335e"
+    "9194d40003ac746f7263682e54656e736f72a46461746196d40002000691029101009195000004cd10000001000200")
+
+
+def test_an_array_of_a_dtype_the_framework_lacks_is_a_value_error_naming_the_buffer():
+    with pytest.raises(ValueError, match=r"loads: a numpy.ndarray over buffer 0 \(cpu\) cannot be made here: "
+                                         r"dtype bfloat16 has no numpy equivalent here"):
+        devpickle.loads(BFLOAT16_NUMPY_FRAME)
+    if not hasattr(torch, "uint16"):  # torch 2.3 has uint16
+        with pytest.raises(ValueError, match=r"loads: a torch.Tensor over buffer 0 \(cpu\) cannot be made here: "
+                                             r"dtype uint16 has no torch equivalent here"):
+            devpickle.loads(UINT16_TORCH_FRAME)
+
+
+def test_a_global_whose_name_is_not_a_str_is_a_type_error():
+    frame = devpickle.dumps([spoof("devpickle.global", name=[1])])
+    with pytest.raises(TypeError, match=r"loads: a devpickle.global object whose 'name' is not a str"):
+        devpickle.loads(frame, classes=Node)
+
+
+def test_a_set_of_unhashable_items_is_a_type_error_naming_the_set():
+    for label in ("builtins.set", "builtins.frozenset"):
+        frame = devpickle.dumps([spoof(label, items=[[1]])])
+        with pytest.raises(TypeError, match=f"loads: a {label} object whose items cannot be a set's"):
+            devpickle.loads(frame)
+
+
+class Reduced:
+    parts = None
+
+    def __reduce__(self):
+        return Reduced.parts
+
+
+class SlotsReduced:
+    __slots__ = ("a",)
+
+    def __reduce__(self):
+        return (SlotsReduced, (), {"a": 1})
+
+
+@pytest.mark.parametrize("parts,error", [
+    ((Reduced, [1]), "reduced with args that are a list, not a tuple"),
+    ((Reduced, (), [1, 2]), "its state is not a dict or a \\(dict, slots dict by name\\) pair: list"),
+    ((Reduced, (), ({"a": 1}, 3)), "its state is not a dict or a \\(dict, slots dict by name\\) pair: tuple"),
+    ((Reduced, (), (None, {1: 2})), "its state is not a dict or a \\(dict, slots dict by name\\) pair: tuple"),
+    ((Reduced, (), None, iter([1])), "reduced with listitems, and has no append"),
+    ((Reduced, (), None, None, iter([(1, 2)])), "reduced with dictitems it cannot take"),
+])
+def test_a_reduced_object_whose_parts_it_cannot_take_is_a_type_error_naming_its_class(parts, error):
+    Reduced.parts = parts
+    with pytest.raises(TypeError, match="loads: test_frames.Reduced .*" + error):
+        devpickle.loads(devpickle.dumps(Reduced()), classes=Reduced)
+
+
+def test_a_reduced_state_for_an_instance_without_a_dict_is_a_type_error_naming_its_class():
+    with pytest.raises(TypeError, match=r"loads: test_frames.SlotsReduced has no __dict__ for the attributes \['a'\]"):
+        devpickle.loads(devpickle.dumps(SlotsReduced()), classes=SlotsReduced)
