@@ -386,7 +386,9 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
   uint8_t *h = f->buf;
   memcpy(h, DP_FRAME_MAGIC, 4);
   dp__put_le16(h + 4, DP_FRAME_VERSION);
-  dp__put_le16(h + 6, f->is_inline ? DP_FRAME_FLAG_INLINE : 0);
+  /* one encoding a value: a frame without buffers is self-contained either
+     way, and never carries the flag (FORMAT.md) */
+  dp__put_le16(h + 6, f->is_inline && f->nstorages ? DP_FRAME_FLAG_INLINE : 0);
   dp__put_le64(h + 8, payload_end - DP_FRAME_HEADER);
   dp__put_le64(h + 16, table_end - payload_end);
   dp__put_le64(h + 24, f->len - table_end);

@@ -772,6 +772,8 @@ void dp__frame_header_parse(const uint8_t *h, dp_frame_info_t *fi) {
   fi->nbuffers = 0;
 }
 
+#define NO_BUFFERS_INLINE "inline flag on a frame without buffers (not canonical: a writer sets it only when it carries buffer bytes)"
+
 int dp__frame_header_check(const dp_frame_info_t *fi, uint64_t sum, dp_error_t *err) {
   if (sum != fi->checksum)
     return dp__err_at(err, DP_ECHECKSUM, 32, "checksum mismatch: header says %016llx, content hashes to %016llx",
@@ -821,6 +823,7 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
   uint64_t nb;
   rc = read_array(&r, &nb, "buffer table");
   if (rc) return rc;
+  if (nb == 0 && (fi.flags & DP_FRAME_FLAG_INLINE)) return dp__err_at(err, DP_EFORMAT, 6, "%s", NO_BUFFERS_INLINE);
   fi.nbuffers = (uint32_t)(nb > UINT32_MAX ? UINT32_MAX : nb);
   if (info) *info = fi;
   return 0;
@@ -912,6 +915,8 @@ static int read_table(up_t *u, const dp_frame_info_t *fi, const uint8_t *data) {
   const uint8_t *at = r->p;
   int rc = read_array(r, &n, "buffer table");
   if (rc) return rc;
+  if (n == 0 && (fi->flags & DP_FRAME_FLAG_INLINE))
+    return rd_fail(r, DP_EFORMAT, r->base + 6, "%s", NO_BUFFERS_INLINE);
   if (n > u->lim.max_buffers) return lim_err(u, at, "buffer count", u->lim.max_buffers);
   u->bufs = dp__alloc_array(n ? n : 1, sizeof(dp_storage_t *));
   if (!u->bufs) return oom_at(u, at, "the buffer list");

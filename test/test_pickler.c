@@ -2784,3 +2784,35 @@ Test(pickler, a_bind_that_returns_a_positive_code_or_fails_after_making_a_storag
   dp_value_collect();
   ASSERT_NO_LEAK();
 }
+
+Test(pickler, an_inline_frame_without_buffers_is_written_without_the_flag_and_refused_with_it) {
+  dp_value_t l;
+  OK(dp_list_new(1, &l, T_ERR));
+  OK(dp_list_append(l, dp_int(1), T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_pickle_opts_t po = {0};
+  po.flags = DP_PICKLE_INLINE;
+  OK(dp_pickle(l, &po, f, T_ERR));
+  size_t n;
+  const uint8_t *p = dp_frame_data(f, &n);
+  cr_assert_eq(p[6] | p[7], 0, "no buffers: the flag stays clear (one encoding a value)");
+  dp_frame_free(f);
+  dp_value_release(l);
+
+  const uint8_t payload[] = {0xc0}, table[] = {0x90};
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 1, &n);
+  cr_assert_eq(b[6], 1, "the hand-made frame has the flag");
+  dp_value_t out;
+  dp_error_t e;
+  for (int streamed = 0; streamed < 2; streamed++) {
+    int rc = streamed ? unpickle_streamed(b, n, NULL, &out, &e) : dp_unpickle(b, n, NULL, &out, &e);
+    cr_assert_eq(rc, DP_EFORMAT, "%s", streamed ? "streamed" : "whole");
+    cr_assert(strstr(e.message, "inline flag on a frame without buffers"), "%s", e.message);
+    cr_assert_eq(e.offset, 6, "the flags field");
+  }
+  cr_assert_eq(dp_frame_check(b, n, NULL, &e), DP_EFORMAT);
+  cr_assert_eq(e.offset, 6);
+  free(b);
+  ASSERT_NO_LEAK();
+}

@@ -90,7 +90,7 @@ typedef struct dp_buffer_desc {
 typedef int (*dp_read_cb)(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst,
                           dp_error_t *err);
 
-#define DP_PICKLE_INLINE 1u   /* copy buffer bytes into the frame */
+#define DP_PICKLE_INLINE 1u   /* copy buffer bytes into the frame (a value without buffers: no flag, FORMAT.md) */
 
 typedef struct dp_pickle_opts {
   uint32_t flags;       /* DP_PICKLE_* */
