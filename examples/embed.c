@@ -77,5 +77,6 @@ int main(void) {
   dp_frame_free(frame);
   dp_ptrset_free(set);
   dp_value_release(model);
+  dp_shutdown(); /* the library's threads and caches go; nothing of it is used after */
   return 0;
 }

@@ -1117,8 +1117,8 @@ Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_conne
   cr_assert_not_null(strstr(r.err, "connection refused"), "%s", r.err);
   res_free(r);
   r = run("send f.dpk nowhere");
-  cr_assert_eq(r.status, 1);
-  cr_assert_not_null(strstr(r.err, "is not HOST:PORT"), "%s", r.err);
+  cr_assert_eq(r.status, 2, "an address that is not HOST:PORT is a usage error, as recv's bad PORT is");
+  cr_assert_not_null(strstr(r.err, "devpickle send: 'nowhere' is not HOST:PORT"), "%s", r.err);
   res_free(r);
   r = run("recv 70000");
   cr_assert_eq(r.status, 2);

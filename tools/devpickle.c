@@ -38,7 +38,8 @@ static const char *const usage_main =
     "Run 'devpickle <command> --help' for a command's options.\n"
     "\n"
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
-    "'devpickle: FILE: what, at byte N'); 2 usage error.\n"
+    "'devpickle: FILE: what, at byte N' for a frame, 'at $.path' for value JSON);\n"
+    "2 usage error.\n"
     "Value JSON: docs/VALUE_JSON.md. Frame format: docs/FORMAT.md.\n";
 
 typedef struct cmd {
@@ -675,6 +676,11 @@ static int cmd_send(int argc, char **argv) {
   link_args_t a;
   int rc = parse_link("send", help_send, argc, argv, 2, 0, &a);
   if (rc) return rc < 0 ? 0 : rc;
+  const char *colon = strrchr(a.pos[1], ':');
+  char *pend = NULL;
+  long port = colon && colon != a.pos[1] && colon[1] ? strtol(colon + 1, &pend, 10) : -1;
+  if (port < 1 || port > 65535 || !pend || *pend || colon[1] < '0' || colon[1] > '9')
+    return usage_error("send", "'%s' is not HOST:PORT (PORT 1 to 65535)", a.pos[1]);
   if (a.timeout < 0) a.timeout = 60;
   uint8_t *bytes;
   size_t n;
