@@ -174,6 +174,8 @@ def _numpy_scalar(dtype, data):
         dt = np.dtype(dtype)
     except Exception as e:  # numpy parses some dtype strings as Python literals (SyntaxError, ValueError)
         raise TypeError(f"loads: a numpy.generic of unknown dtype {dtype!r}") from e
+    if dt.itemsize == 0 and dt.kind in "SU" and len(data) == (4 if dt.kind == "U" else 1) and not any(data):
+        return dt.type()  # numpy's empty str_/bytes_ ('<U0', '|S0') hold one NUL character
     if dt.hasobject or dt.itemsize != len(data):
         raise TypeError(f"loads: a numpy.generic of dtype {dtype!r} with {len(data)} bytes of data")
     if dt.shape:  # a subarray dtype ("(2,)i4") makes an array, not a scalar

@@ -417,3 +417,9 @@ def test_a_reduced_object_whose_parts_it_cannot_take_is_a_type_error_naming_its_
 def test_a_reduced_state_for_an_instance_without_a_dict_is_a_type_error_naming_its_class():
     with pytest.raises(TypeError, match=r"loads: test_frames.SlotsReduced has no __dict__ for the attributes \['a'\]"):
         devpickle.loads(devpickle.dumps(SlotsReduced()), classes=SlotsReduced)
+
+
+def test_numpy_empty_str_and_bytes_scalars_round_trip():
+    for v in (np.str_(""), np.bytes_(b""), np.str_("ab"), np.bytes_(b"x")):
+        back = devpickle.loads(devpickle.dumps(v))
+        assert type(back) is type(v) and back == v
