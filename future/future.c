@@ -396,7 +396,12 @@ static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const d
     dp__store_release(&f->state, DONE);
   } else {
     f->error_code = error->code ? error->code : DP_ESTATE;
-    if ((f->error = detail)) detail->code = f->error_code;
+    if ((f->error = detail)) {
+      detail->code = f->error_code;
+      if (!detail->message[0]) /* waiters get a message, whatever the producer gave */
+        snprintf(detail->message, sizeof detail->message, "the future failed: %s%s", dp_strerror(f->error_code),
+                 error->code ? "" : " (completed with error code 0)");
+    }
     dp_value_release(value);
     dp__store_release(&f->state, FAILED);
   }

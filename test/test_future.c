@@ -1220,3 +1220,22 @@ Test(future, consumers_only_records_on_the_consumers_streams_and_not_on_the_comp
     dp_stream_free(cons);
   }
 }
+
+Test(future, an_error_without_a_message_or_with_code_zero_reaches_waiters_with_one) {
+  dp_future_t *f = future();
+  dp_error_t none;
+  dp_error_clear(&none);
+  OK(dp_future_set_error(f, &none, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(f, -1, &e), DP_ESTATE);
+  cr_assert(strstr(e.message, "completed with error code 0"), "%s", e.message);
+  dp_future_release(f);
+  f = future();
+  dp_error_t io;
+  dp_error_clear(&io);
+  io.code = DP_EIO;
+  OK(dp_future_set_error(f, &io, T_ERR));
+  cr_assert_eq(dp_future_wait(f, -1, &e), DP_EIO);
+  cr_assert(e.message[0] != 0, "a message, not an empty string");
+  dp_future_release(f);
+}

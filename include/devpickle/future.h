@@ -99,7 +99,8 @@ DP_API int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t
  *  completes with that error. */
 DP_API int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const dp_ptrset_t *ptrs,
                                               dp_error_t *err);
-/** Completes f with an error (copied; a code of 0 becomes DP_ESTATE).
+/** Completes f with an error (copied; a code of 0 becomes DP_ESTATE; an
+ *  empty message becomes one naming the code).
  *  DP_ESTATE if f was already complete. */
 DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err);
 
