@@ -48,6 +48,9 @@ int dp__err(dp_error_t *err, int code, const char *fmt, ...) __attribute__((form
  * returns, so `rc < 0` tests would take it for success) becomes DP_EINVAL,
  * and a failure that left err empty gets a message naming `what`. */
 int dp__cb_rc(int rc, dp_error_t *err, const char *what);
+
+/* What a tuple dict key may hold (dp_value_is_hashable), said where one is refused. */
+#define DP__TUPLE_KEY_RULE " (a tuple key holds only scalars, str, bytes and tuples, at most 1024 of them, 32 levels deep)"
 int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap);

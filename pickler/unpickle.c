@@ -704,8 +704,8 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
         if (!dp_value_is_hashable(v)) {
           int k = (int)v.kind;
           dp_value_release(v);
-          return rd_fail(&u->r, DP_EFORMAT, at, "dict key of kind %s is not hashable",
-                            dp_kind_name((dp_kind_t)k));
+          return rd_fail(&u->r, DP_EFORMAT, at, "dict key of kind %s is not hashable%s",
+                            dp_kind_name((dp_kind_t)k), k == DP_TUPLE ? DP__TUPLE_KEY_RULE : "");
         }
         if (!key_finished(v)) {
           dp_value_release(v);

@@ -996,7 +996,9 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
       if (!dp_value_is_hashable(key)) {  /* bounded before any walk of it */
         int kind = (int)dp_value_kind(key);
         dp_value_release(key);
-        return fail(r, DP_ETYPE, "dict key of kind %s is not hashable", dp_kind_name((dp_kind_t)kind));
+        return fail(r, DP_ETYPE, "dict key of kind %s is not hashable%s", dp_kind_name((dp_kind_t)kind),
+                    kind == DP_TUPLE ? " (a tuple key holds only scalars, str, bytes and tuples, at most 1024 of "
+                                       "them, 32 levels deep)" : "");
       }
       if (key_is_open(r, key)) {
         dp_value_release(key);

@@ -387,8 +387,7 @@ int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int al
     dp_value_release(key);
     dp_value_release(val);
     return dp__err(err, DP_ETYPE, "dict key of kind %s is not hashable%s", dp_kind_name(kk),
-                   kk == DP_TUPLE ? " (a tuple key holds only scalars, str, bytes and tuples, at most 1024 "
-                                    "of them, 32 levels deep)" : "");
+                   kk == DP_TUPLE ? DP__TUPLE_KEY_RULE : "");
   }
   dp_dict_t *d = DP_DICT(dict);
   uint64_t h = key_hash(key);
