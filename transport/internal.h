@@ -104,7 +104,6 @@ typedef struct dp__am_shm_piece {
 #define DP__LANE_ADDR_MAX 4096u
 #define DP__HELLO_NS 1000000000ll /* a lane not wired in 1 s is given up */
 #define DP__LANES_MAX 32u         /* lanes a transport has at once; more endpoints stay on their connections */
-#define DP__MAIN_EVERY 8u         /* passes between progresses of the connections' worker while every endpoint is on its lane (loop.c) */
 
 /* ---- test hooks (never set in production) ---- */
 /** 1: send_future reads the buffers as soon as the future completes,

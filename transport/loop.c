@@ -316,23 +316,9 @@ static size_t arm_all(dp_transport_t *t) {
 int dp__tp_pass(dp_transport_t *t, int *polling_out) {
   int work = dp__tp_drain_cmds(t);
   if (t->stop) return work;
-  /* The connections' worker costs a system call a progress (UCX's TCP
-   * transport polls its sockets, found empty most passes). While every
-   * endpoint has its same-host lane and nothing runs on a connection, it
-   * carries only what may come unannounced there — a large message, a
-   * peer's failure — and is progressed every DP__MAIN_EVERY passes, and by
-   * every pass that finds something there; before the loop sleeps its
-   * descriptor is armed as always. */
-  if (!t->lanes_only || ++t->main_skipped >= DP__MAIN_EVERY) {
-    t->main_skipped = 0;
-    int got = 0;
-    while (ucp_worker_progress(t->worker)) work++, got = 1;
-    if (got) t->lanes_only = 0;
-  }
-  int polling = 0, lanes_only = t->eps != NULL;
+  while (ucp_worker_progress(t->worker)) work++;
+  int polling = 0;
   for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
-    lanes_only &= ep->lane == LANE_ON && !ep->dead && !ep->sq_head && !ep->posting && !ep->rndv_inflight &&
-                  !ep->ctl_head && !ep->cur && !ep->in_head && !ep->need_close;
     if (ep->dw)
       while (ucp_worker_progress(ep->dw)) work++;
     if (ep->lane_name[0] && !ep->dead) dp__tp_lane_connect(t, ep), work++;
@@ -349,7 +335,6 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
     if (ep->sq_head || ep->posting) polling |= dp__tp_ep_pump_sends(t, ep);
     if (ep->in_head && !ep->dead) dp__tp_ep_pump_inbox(t, ep);
   }
-  t->lanes_only = lanes_only && !t->closing;
   if (t->rx_busy || t->orphans || t->rx_wait_head || t->rdone) polling |= poll_slots(t);
   if (t->closing) reap(t);
   if (t->timeout_ns > 0 && now_ns() - t->last_check > 1000000) {

@@ -312,8 +312,6 @@ struct dp_transport {
   _Atomic int queued;           /* commands may be queued (set under mu; read without) */
   int caller;                   /* DP_TRANSPORT_PROGRESS_CALLER: no thread; passes under pmu */
   unsigned nlanes;              /* lane workers alive (DP__LANES_MAX at most) */
-  int lanes_only;               /* the last pass: every endpoint on its lane, nothing on the connections */
-  unsigned main_skipped;        /* passes since the connections' worker was last progressed */
   _Atomic unsigned ncommands;   /* caller-driven: commands queued (a whole pass every 16th) */
   pthread_mutex_t pmu;
 };
