@@ -165,6 +165,31 @@ def finish(name, attrs, classes):
     return reduced(cls, attrs)
 
 
+_TORCH_TENSOR_CLASSES = ("torch.nn.parameter.Parameter", "torch.nn.parameter.Buffer")
+
+
+def tensor_subclass(t, name, classes):
+    """A torch tensor that was of a subclass (the frame's subclass
+    attribute): made that class again when classes= allows it (torch's own
+    Parameter and Buffer always are); otherwise an Object of that class name
+    holding the plain tensor as data — what loads gives for any class it may
+    not make, never a silent change of class."""
+    import torch
+
+    cls = classes.get(name)
+    if cls is None and name in _TORCH_TENSOR_CLASSES:
+        cls = getattr(torch.nn.parameter, name.rsplit(".", 1)[1], None)
+    if cls is None:
+        return Object(name, {"data": t})
+    if not (isinstance(cls, type) and issubclass(cls, torch.Tensor)):
+        raise TypeError(f"loads: the frame holds a tensor of class {name}, which is not a torch.Tensor subclass")
+    grad = t.requires_grad
+    if issubclass(cls, torch.nn.Parameter):
+        return cls(t.detach(), requires_grad=grad)
+    out = t.detach().as_subclass(cls)
+    return out.requires_grad_() if grad else out
+
+
 def _numpy_scalar(dtype, data):
     """A numpy scalar from its dtype's str and its bytes: plain data only
     (a dtype holding objects would read pointers from the frame)."""

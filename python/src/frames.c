@@ -133,7 +133,7 @@ typedef struct loader {
   PyObject *cache;     /* per buffer: the flat array rebuilt over it */
   dp_ptrset_t *memo;   /* heap nodes converted, by identity */
   PyObject *memo_objs; /* their Python objects (NULL while being finished) */
-  PyObject *fn_array, *fn_new, *fn_fill, *fn_finish;
+  PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass;
 } loader_t;
 
 static int bind(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
@@ -326,14 +326,23 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
     const char *first = NULL;
     dp_value_t data = dp_none();
     if (f.n) dp_object_attr(v, 0, &first, &data, NULL);
-    int grad = 0; /* torch.Tensor's second attribute: requires_grad, true */
-    if (f.n == 2 && !strcmp(cname, "torch.Tensor")) {
-      const char *name = NULL;
-      dp_value_t flag = dp_none();
-      dp_object_attr(v, 1, &name, &flag, NULL);
-      grad = name && !strcmp(name, "requires_grad") && dp_value_kind(flag) == DP_BOOL && dp_value_as_bool(flag);
+    /* torch.Tensor's further attributes, in this order: requires_grad (true)
+       and subclass (the tensor's class, a str) */
+    int grad = 0, extra = 0;
+    const char *subclass = NULL;
+    if (f.n >= 2 && f.n <= 3 && !strcmp(cname, "torch.Tensor")) {
+      for (size_t i = 1; i < f.n; i++) {
+        const char *name = NULL;
+        dp_value_t x = dp_none();
+        dp_object_attr(v, i, &name, &x, NULL);
+        if (i == 1 && name && !strcmp(name, "requires_grad") && dp_value_kind(x) == DP_BOOL && dp_value_as_bool(x))
+          grad = 1, extra++;
+        else if (i == f.n - 1 && name && !strcmp(name, "subclass") && dp_value_kind(x) == DP_STR)
+          subclass = dp_str_data(x, NULL), extra++;
+      }
     }
-    if (is_array_class(cname) && (f.n == 1 || grad) && !strcmp(first, "data") && dp_value_kind(data) == DP_TENSOR) {
+    if (is_array_class(cname) && f.n == 1 + (size_t)extra && !strcmp(first, "data") &&
+        dp_value_kind(data) == DP_TENSOR) {
       PyObject *r = tensor_to_py(l, data, cname);
       if (r && grad) {
         PyObject *ok = PyObject_CallMethod(r, "requires_grad_", NULL);
@@ -346,6 +355,7 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
         Py_XDECREF(ok);
         if (!ok) Py_CLEAR(r);
       }
+      if (r && subclass) Py_SETREF(r, PyObject_CallFunction(l->fn_subclass, "OsO", r, subclass, l->classes));
       if (r && memo_put(l, v, r, &at)) Py_CLEAR(r);
       return r;
     }
@@ -489,7 +499,8 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
     l.buffers = buffers;
   }
   if (!(l.cache = PyDict_New()) || !(l.memo_objs = PyList_New(0)) || !(l.fn_array = helper("array")) ||
-      !(l.fn_new = helper("new")) || !(l.fn_fill = helper("fill")) || !(l.fn_finish = helper("finish")))
+      !(l.fn_new = helper("new")) || !(l.fn_fill = helper("fill")) || !(l.fn_finish = helper("finish")) ||
+      !(l.fn_subclass = helper("tensor_subclass")))
     goto done;
   int rc = dp_ptrset_new(&l.table, &e);
   if (!rc) rc = dp_ptrset_new(&l.memo, &e);
@@ -518,6 +529,7 @@ done:
   Py_XDECREF(l.fn_new);
   Py_XDECREF(l.fn_fill);
   Py_XDECREF(l.fn_finish);
+  Py_XDECREF(l.fn_subclass);
   return result;
 }
 

@@ -78,6 +78,8 @@ static void resolve_torch(PyObject *torch) {
     return; /* a module named torch that is not PyTorch: nothing to find */
   }
   dpy.torch_tensor = (PyTypeObject *)base;
+  dpy.torch_tensor_cls = PyObject_GetAttrString(torch, "Tensor");
+  if (!dpy.torch_tensor_cls) PyErr_Clear();
   const char *off = getenv("DEVPICKLE_NO_TORCH_ADAPTER");
   if (off && *off && strcmp(off, "0")) return;
   PyObject *ad = PyImport_ImportModule("devpickle._torch");

@@ -1501,6 +1501,19 @@ static int carry_requires_grad(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
   return rc ? dp_fail(s, o, rc, &e) : 0;
 }
 
+/* A tensor of a subclass (nn.Parameter, a user's) carries its class's name
+ * (attribute subclass: "module.qualname"); loads makes that class again
+ * where classes= allows it (docs/PYTHON.md). */
+static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
+  char buf[256];
+  const char *name = type_name(Py_TYPE(o), buf, sizeof buf);
+  dp_value_t v;
+  dp_error_t e;
+  int rc = dp_str_new(name, strlen(name), &v, &e);
+  if (!rc) rc = dp_object_set(obj, "subclass", v, &e);
+  return rc ? dp_fail(s, o, rc, &e) : 0;
+}
+
 static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
   int n = torch_allocs(o, a);
@@ -1539,6 +1552,7 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
                       a[0].base, a[0].nbytes, ds, nd, shape, strides, offset, &t);
     if (!rc) rc = wrap(s, o, "torch.Tensor", "data", t, out);
     if (!rc) rc = carry_requires_grad(s, o, *out);
+    if (!rc && (PyObject *)Py_TYPE(o) != dpy.torch_tensor_cls) rc = carry_subclass(s, o, *out);
   }
   Py_XDECREF(dtype);
   Py_XDECREF(dstr);

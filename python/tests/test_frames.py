@@ -423,3 +423,21 @@ def test_numpy_empty_str_and_bytes_scalars_round_trip():
     for v in (np.str_(""), np.bytes_(b""), np.str_("ab"), np.bytes_(b"x")):
         back = devpickle.loads(devpickle.dumps(v))
         assert type(back) is type(v) and back == v
+
+
+class _MyTensor(torch.Tensor):
+    pass
+
+
+def test_a_tensor_subclass_keeps_its_class_where_allowed_and_is_never_silently_a_plain_tensor():
+    t = torch.ones(3).as_subclass(_MyTensor)
+    p = torch.nn.Parameter(torch.ones(2))
+    b = devpickle.dumps({"t": t, "p": p, "plain": torch.ones(1)}, inline=True)
+    r = devpickle.loads(b)
+    assert type(r["plain"]) is torch.Tensor
+    assert type(r["p"]) is torch.nn.Parameter and r["p"].requires_grad, "torch's own Parameter is always made"
+    assert isinstance(r["t"], devpickle.Object), "a class classes= does not allow comes back generic"
+    assert r["t"].__class_name__ == "test_frames._MyTensor"
+    assert torch.equal(r["t"].data, torch.ones(3))
+    r = devpickle.loads(b, classes=[_MyTensor])
+    assert type(r["t"]) is _MyTensor and torch.equal(r["t"].as_subclass(torch.Tensor), torch.ones(3))
