@@ -1240,6 +1240,43 @@ Test(transport, a_corrupt_frame_fails_its_receive_with_the_unpicklers_error_and_
   bad_then_good(send_corrupt_then_good, DP_ECHECKSUM, "checksum", 7, 1);
 }
 
+/* peer: a corrupt frame whose message announces buffers that never come,
+ * then nothing: it stays until the receiver closes */
+static int send_corrupt_announcing_buffers(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  uint8_t junk[64];
+  memset(junk, 0x5a, sizeof junk);
+  memcpy(junk, "DPKL", 4);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0xffffffffu, 0, sizeof junk, 1u << 20};
+  dp_error_t e;
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 11;
+  dp_future_t *f;
+  if (dp_endpoint_recv(ep, &f, &e)) return 13;
+  wait_f(f, &e);
+  dp_future_release(f);
+  return 0;
+}
+
+Test(transport, a_corrupt_frame_announcing_buffers_that_never_come_fails_its_receive_at_once) {
+  t_track();
+  peer_t p = spawn_peer(send_corrupt_announcing_buffers, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), DP_ETRUNC, "%s: %s", dp_err_name(e.code), e.message);
+  wait_f(d, &e);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* peer: sends an active message with a header no devpickle peer writes */
 static int send_garbage_header(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;

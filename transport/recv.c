@@ -401,9 +401,31 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
 
 /* Hands complete messages, in order, to the waiting receives. */
 void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
-  while (ep->rq_head && ep->w_head && !ep->dead) {
+  while (ep->rq_head && !ep->dead) {
     rmsg_t *m = ep->rq_head;
+    if (m->failed && !m->answered) {
+      /* a refused frame fails its receive at once: its buffers (as many as
+         its message announced, which a corrupt frame cannot vouch for) are
+         then absorbed without a receive waiting on them */
+      rwait_t *w = ep->w_head;
+      if (!w) return;
+      ep->w_head = w->next;
+      if (!ep->w_head) ep->w_tail = NULL;
+      dp_future_set_error(w->f, &m->error, NULL);
+      dp_future_release(w->f);
+      dp__free(w, sizeof *w);
+      m->answered = 1;
+    }
     if (m->next_index < m->nbuf || m->pending) return;
+    if (m->answered) {
+      ep->rq_head = m->next;
+      if (!ep->rq_head) ep->rq_tail = NULL;
+      if (ep->cur == m) ep->cur = NULL;
+      ep->held -= m->buf_bytes;
+      dp__tp_rmsg_free(m);
+      continue;
+    }
+    if (!ep->w_head) return;
     rwait_t *w = ep->w_head;
     ep->rq_head = m->next;
     if (!ep->rq_head) ep->rq_tail = NULL;

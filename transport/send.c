@@ -153,7 +153,10 @@ static int sop_start(dp_transport_t *t, sop_t *s) {
   s->fh.frame_len = flen;
   s->fh.buf_bytes = s->buf_bytes;
   ep->inflight += s->buf_bytes;
-  if (t->timeout_ns > 0) s->deadline = now_ns() + t->timeout_ns;
+  if (t->timeout_ns > 0) { /* saturates: a huge timeout is no timeout, never a deadline in the past */
+    int64_t now = now_ns();
+    s->deadline = t->timeout_ns > INT64_MAX - now ? INT64_MAX : now + t->timeout_ns;
+  }
   return post_msg(s, NULL, DP__AM_FRAME, &s->fh, sizeof s->fh, fb, flen, UCP_AM_SEND_FLAG_EAGER);
 }
 

@@ -169,6 +169,7 @@ struct rmsg {
   size_t frame_len;
   size_t pending;           /* rendezvous receives in flight */
   int failed;               /* the message is refused: its buffers are drained */
+  int answered;             /* failed, and its receive already told so: kept only to absorb its buffers */
   dp_error_t error;
   int detached;             /* the endpoint let go; free when pending == 0 */
 };
