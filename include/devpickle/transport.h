@@ -80,7 +80,15 @@
  * (their futures pending) — send() itself never blocks. A receiver that
  * holds more than max_inflight_bytes of received values not yet taken by
  * dp_endpoint_recv stops fetching rendezvous buffers, which holds the
- * sender's sends pending in turn (backpressure).
+ * sender's sends pending in turn (backpressure). The bound covers
+ * out-of-band buffers, not frames: a frame (the pickled value, inline
+ * bytes included) always goes eagerly and is held by the receiver until
+ * taken (docs/TRANSPORT.md, "Flow control").
+ *
+ * TRUST: listeners must be reachable only by trusted peers — UCX 1.13's
+ * connection manager, which runs before devpickle sees a byte, aborts the
+ * process on some malformed handshakes (docs/TRANSPORT.md, "Not yet
+ * supported"). The transport does not authenticate peers.
  *
  * OWNERSHIP: transports, listeners and endpoints are freed with their
  * _free function; an endpoint or listener must be freed before its
