@@ -1644,3 +1644,51 @@ Test(transport, an_offer_naming_a_fifo_is_refused_at_once_and_never_blocks_the_l
   cur_t = NULL;
   cr_assert_eq(peer_wait(p), 0, "the acceptor did not live on");
 }
+
+/* ---- callbacks the loop runs may close endpoints; freeing their transport is refused ---- */
+
+typedef struct cb_free {
+  dp_endpoint_t *ep;
+  dp_transport_t *t;
+  int ran;
+} cb_free_t;
+
+static int close_from_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  cb_free_t *c = ud;
+  dp_endpoint_free(c->ep); /* handled here: waiting for the loop would wait for itself */
+  dp_transport_free(c->t); /* refused, with a message: the loop is running it */
+  c->ran = 1;
+  return 0;
+}
+
+static void closing_from_a_callback(int caller) {
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : 0;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d, *r, *c;
+  dp_error_t e;
+  cb_free_t cb = {ep, t, 0};
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK(dp_future_then(r, close_from_callback, &cb, &c, T_ERR)); /* before the send: it runs in the loop */
+  OK(dp_endpoint_send(ep, dp_int(3), &d, T_ERR));
+  OK_WITH(&e, wait_f(c, &e));
+  cr_assert(cb.ran);
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 3);
+  dp_future_release(c);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+}
+
+Test(transport, a_callback_run_by_the_thread_may_close_its_endpoint_and_is_refused_freeing_the_transport) {
+  closing_from_a_callback(0);
+}
+
+Test(transport, a_callback_run_by_a_callers_pass_may_close_its_endpoint_and_is_refused_freeing_the_transport) {
+  closing_from_a_callback(1);
+}

@@ -450,6 +450,7 @@ void dp__tp_drain_stopped(dp_transport_t *t) {
 
 void *dp__tp_progress_main(void *arg) {
   dp_transport_t *t = arg;
+  dp__tp_in_pass = t; /* this thread runs every pass: a callback's call that waits for one runs it here */
   int64_t idle_since = 0; /* 0: busy */
   unsigned spins = 0;
   while (!t->stop) {

@@ -44,11 +44,15 @@ static int submit(dp_transport_t *t, cmd_t *c, int wait_done) {
   atomic_store_explicit(&t->queued, 1, memory_order_release);
   int asleep = t->sleeping; /* a thread still spinning sees the queue itself */
   pthread_mutex_unlock(&t->mu);
+  if (dp__tp_in_pass == t) {
+    /* from a callback the loop runs (either mode): the command is handled
+       here and now, where waiting for the loop would wait for itself */
+    if (wait_done) dp__tp_drain_cmds(t);
+    return wait_done ? c->rc : 0;
+  }
   if (asleep) wake(t);
   if (t->caller) {
-    if (dp__tp_in_pass == t) {
-      if (wait_done) dp__tp_drain_cmds(t);
-    } else if (!wait_done) {
+    if (!wait_done) {
       dp__tp_caller_commands(t); /* a send is posted now; the workers wait for the next pass */
     } else {
       do dp__tp_caller_pass(t);
@@ -436,6 +440,11 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
 
 void dp_transport_free(dp_transport_t *t) {
   if (!t) return;
+  if (dp__tp_in_pass == t) { /* its worker would be destroyed under its own progress */
+    fprintf(stderr, "devpickle: dp_transport_free called from a callback of that transport's loop: not freed "
+                    "(free it after the loop returns; transport.h)\n");
+    return;
+  }
   /* endpoints and listeners still open */
   for (;;) {
     pthread_mutex_lock(&t->mu);

@@ -199,8 +199,11 @@ DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endp
 /** Closes the endpoint: pending sends and receives fail with DP_ECANCELED
  *  ("closed with N sends and M receives pending"), received buffers not
  *  taken are freed, and the connection is closed (flushed first when
- *  nothing is pending). Waits for the progress thread: never call it (nor
- *  any _free here) from a callback of the transport's futures. NULL:
+ *  nothing is pending). Waits for the loop to close it; called from a
+ *  callback the loop runs (a future of this transport completing on the
+ *  progress thread, or in a caller's pass), it closes it there and then.
+ *  dp_transport_free from such a callback is refused (a message on stderr,
+ *  nothing freed): free the transport after the loop returns. NULL:
  *  nothing. */
 DP_API void dp_endpoint_free(dp_endpoint_t *ep);
 /** 0 while the endpoint works; else its error (copied into err). */
