@@ -132,6 +132,18 @@ Test(cli, a_file_whose_name_starts_with_a_dash_is_named_after_a_double_dash) {
   res_free(r);
 }
 
+Test(cli, recv_gives_up_after_its_timeout_in_seconds_and_names_the_port_it_bound) {
+  res_t r = run("recv 0 --host 127.0.0.1 --timeout 0.3 -o never.dpk");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_not_null(strstr(r.err, "no frame within 0.3 s (--timeout)"), "%s", r.err);
+  cr_assert_null(strstr(r.err, "127.0.0.1:0:"), "the port bound, not 0: %s", r.err);
+  res_free(r);
+  r = run("recv 0 --host 127.0.0.1 --timeout 1e-12 -o never.dpk");
+  cr_assert_eq(r.status, 1, "a tiny timeout is a short one: %s", r.err);
+  cr_assert_not_null(strstr(r.err, "no frame within"), "%s", r.err);
+  res_free(r);
+}
+
 Test(cli, usage_errors_exit_with_status_two) {
   res_t r = run("");
   cr_assert_eq(r.status, 2);

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "demo.h"
@@ -609,7 +610,8 @@ static const char *const help_send =
     "receiver verifies the frame as 'verify' does and writes it. The frame is\n"
     "verified here first. Exits 0 when the receiver took it; otherwise the\n"
     "error line (the receiver's reason, or the connection's) and status 1.\n"
-    "--timeout: give up after SECONDS (default 60). UCX reads its own\n"
+    "--timeout: give up when the whole exchange (send and answer) has taken\n"
+    "SECONDS (default 60). UCX reads its own\n"
     "environment (UCX_TLS, UCX_NET_DEVICES).\n";
 
 static const char *const help_recv =
@@ -670,7 +672,29 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
   return 0;
 }
 
-static int64_t timeout_ns(double s) { return s < 0 ? -1 : (int64_t)(s * 1e9); }
+/* SECONDS as ns, at least 1 (a tiny --timeout is a short one, never 0). */
+static int64_t timeout_ns(double s) { return s < 0 ? -1 : s * 1e9 < 1 ? 1 : (int64_t)(s * 1e9); }
+
+/* What is left of a deadline, at least 1 ns (-1: none). */
+static int64_t left_ns(int64_t deadline) {
+  if (deadline < 0) return -1;
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  int64_t now = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec, left = deadline - now;
+  return left < 1 ? 1 : left;
+}
+
+static int64_t deadline_in(double s) {
+  if (s < 0) return -1;
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec + timeout_ns(s);
+}
+
+/* A wait that ran out reads in the command's unit (--timeout's seconds). */
+static void timeout_message(dp_error_t *e, double s, const char *what) {
+  if (e->code == DP_ETIMEDOUT) snprintf(e->message, sizeof e->message, "%s within %g s (--timeout)", what, s);
+}
 
 static int cmd_send(int argc, char **argv) {
   link_args_t a;
@@ -705,8 +729,10 @@ static int cmd_send(int argc, char **argv) {
   if (!rc) rc = dp_endpoint_connect(t, a.pos[1], &ep, &e);
   if (!rc) where = display(a.pos[0]), rc = dp_endpoint_send_frame(ep, bytes, n, &done, &e);
   if (!rc) where = a.pos[1], rc = dp_endpoint_recv(ep, &ans, &e);
-  if (!rc) rc = dp_future_wait(done, timeout_ns(a.timeout), &e);
-  if (!rc) rc = dp_future_wait(ans, timeout_ns(a.timeout), &e);
+  int64_t deadline = deadline_in(a.timeout); /* one limit for the whole exchange */
+  if (!rc) rc = dp_future_wait(done, left_ns(deadline), &e);
+  if (!rc) rc = dp_future_wait(ans, left_ns(deadline), &e);
+  if (rc) timeout_message(&e, a.timeout, "no answer from the receiver");
   free(bytes);
   int status = 0;
   if (rc) {
@@ -760,9 +786,12 @@ static int cmd_recv(int argc, char **argv) {
   }
   fprintf(stderr, "devpickle recv: listening on port %d\n", dp_listener_port(l));
   fflush(stderr);
-  rc = dp_listener_accept(l, timeout_ns(a.timeout), &ep, &e);
+  snprintf(addr, sizeof addr, "%s:%d", a.host ? a.host : "0.0.0.0", dp_listener_port(l)); /* the port bound */
+  int64_t deadline = deadline_in(a.timeout);
+  rc = dp_listener_accept(l, left_ns(deadline), &ep, &e);
   if (!rc) rc = dp_endpoint_recv_frame(ep, &f, &e);
-  if (!rc) rc = dp_future_wait(f, timeout_ns(a.timeout), &e);
+  if (!rc) rc = dp_future_wait(f, left_ns(deadline), &e);
+  if (rc) timeout_message(&e, a.timeout, "no frame");
   dp_value_t answer = dp_int(0);
   if (rc) {
     status = data_error(addr, e.message, e.offset);
