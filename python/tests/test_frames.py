@@ -373,7 +373,7 @@ def _numpy_has(dtype):
 
 def test_an_array_of_a_dtype_the_framework_lacks_is_a_value_error_naming_the_buffer():
     if _numpy_has("bfloat16"):
-        assert devpickle.loads(BFLOAT16_NUMPY_FRAME).dtype == np.dtype("bfloat16")
+        assert devpickle.loads(BFLOAT16_NUMPY_FRAME)[0].dtype == np.dtype("bfloat16")
     else:
         with pytest.raises(ValueError, match=r"loads: a numpy.ndarray over buffer 0 \(cpu\) cannot be made here: "
                                              r"dtype bfloat16 has no numpy equivalent here"):
