@@ -653,14 +653,19 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
       dp__grow((void **)&u->kept, &u->kept_cap, u->nkept + 1, sizeof *u->kept) != 0)
     return oom_at(u, at, "the list of resolved stand-ins");
   const dp_resolver_t *res = u->opts->resolver;
-  dp_value_t made = dp_none();
+  dp_value_t made;
+  made.u.h = NULL;
+  made.kind = DP_KIND_COUNT; /* no kind: a resolver that returns 0 without a value is seen */
   dp_error_t e;
   dp_error_clear(&e);
   int rc = dp__cb_rc(res->resolve(res->ud, name, dp__reduced_state(v), &made, &e), &e, "the resolver");
   if (rc) {
-    dp_value_release(made); /* what a failing resolver left there is the library's to release */
+    if (made.kind != DP_KIND_COUNT) dp_value_release(made); /* what a failing resolver left is the library's */
     return rd_fail(&u->r, rc, at, "resolving custom '%s' failed: %s", name, e.message);
   }
+  if (made.kind == DP_KIND_COUNT)
+    return rd_fail(&u->r, DP_EINVAL, at, "resolving custom '%s' failed: the resolver returned 0 without a value "
+                   "(dp_none() is one)", name);
   /* The node table points into the stand-in's state (any node of it may be
    * referred to later): keep the stand-in, and so its state, until the end. */
   u->kept[u->nkept++] = v;

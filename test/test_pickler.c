@@ -2819,3 +2819,34 @@ Test(pickler, an_inline_frame_without_buffers_is_written_without_the_flag_and_re
   free(b);
   ASSERT_NO_LEAK();
 }
+
+static int resolve_silently(void *ud, const char *type, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)ud, (void)type, (void)state, (void)out, (void)err;
+  return 0; /* "success", and *out never set */
+}
+
+static int resolve_positive(void *ud, const char *type, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)ud, (void)type, (void)state, (void)out, (void)err;
+  return 3;
+}
+
+Test(pickler, a_resolver_that_succeeds_without_a_value_or_returns_a_positive_code_is_an_error) {
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_silently, NULL};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.resolver = &res;
+  /* [reduce Holder [1]] */
+  const uint8_t p[] = {0x91, 0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r', 0x91, 0x01};
+  uint8_t frame[128];
+  size_t n = make_frame(frame, p, sizeof p);
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(frame, n, &o, &out, &e), DP_EINVAL, "never a silent none");
+  cr_assert(strstr(e.message, "the resolver returned 0 without a value"), "%s", e.message);
+  res.resolve = resolve_positive;
+  cr_assert_eq(dp_unpickle(frame, n, &o, &out, &e), DP_EINVAL);
+  cr_assert(strstr(e.message, "the resolver returned 3"), "%s", e.message);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}

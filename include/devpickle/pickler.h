@@ -136,7 +136,8 @@ typedef int (*dp_bind_cb)(void *ud, const dp_buffer_desc_t *desc, dp_storage_t *
  *  it), whatever the custom keeps. A state that refers to its own reduce
  *  node or to a container around it (the custom would be in a cycle, which
  *  the collector cannot see through) is DP_EFORMAT without calling this.
- *  Returns 0 and a new reference in *out (usually dp_custom_new), or an
+ *  Returns 0 and a new reference in *out (usually dp_custom_new; dp_none()
+ *  is a value too — returning 0 without setting *out is DP_EINVAL), or an
  *  error (what it left in *out is then released by the library). */
 typedef int (*dp_resolve_cb)(void *ud, const char *type_name, dp_value_t state, dp_value_t *out,
                              dp_error_t *err);
