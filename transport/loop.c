@@ -55,7 +55,9 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
     p.conn_handler.arg = l;
     ucs_status_t st = ucp_listener_create(t->worker, &p, &l->l);
     if (st != UCS_OK) {
-      dp__tp_cmd_finish(t, c, dp__err(&c->err, DP_EIO, "transport: cannot listen: %s", ucs_status_string(st)));
+      dp__tp_cmd_finish(t, c, dp__err(&c->err, DP_EIO, "transport: cannot listen: %s",
+                                      st == UCS_ERR_BUSY ? "the address is in use (UCX: Device is busy)"
+                                                         : ucs_status_string(st)));
       return;
     }
     ucp_listener_attr_t a;
