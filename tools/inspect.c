@@ -239,8 +239,10 @@ static void summary(FILE *out, dp_value_t v) {
       const char *cls = dp_object_class(v);
       char name[VJSON_NAME_TEXT_MAX];
       size_t k = vjson_name_text(cls, strlen(cls), name), count = dp_object_nattrs(v);
-      fprintf(out, "%s %.*s (%zu attribute%s)\n", dp_object_is_reduced(v) ? "reduced" : "object", (int)k, name, count,
-              count == 1 ? "" : "s");
+      if (dp_object_is_reduced(v)) /* its one child is its state, shown on the next line as <reduce T> */
+        fprintf(out, "reduced %.*s\n", (int)k, name);
+      else
+        fprintf(out, "object %.*s (%zu attribute%s)\n", (int)k, name, count, count == 1 ? "" : "s");
       return;
     }
     default: {
