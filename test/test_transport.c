@@ -1441,7 +1441,10 @@ Test(transport, a_send_the_peer_does_not_take_in_time_fails_with_a_timeout) {
   dp_error_t e;
   OK(dp_endpoint_send(ep, v, &d, T_ERR));
   cr_assert_eq(wait_f(d, &e), DP_ETIMEDOUT, "%s: %s", dp_err_name(e.code), e.message);
-  cr_assert(strstr(e.message, "a send was not complete after 200 ms"), "%s", e.message);
+  /* stopped before or after its loop sent ACCEPT */
+  cr_assert(strstr(e.message, "a send was not complete after 200 ms") ||
+                strstr(e.message, "the peer did not accept the connection within 200 ms"),
+            "%s", e.message);
   kill(p.pid, SIGKILL);
   cr_assert_eq(peer_wait(p), 128 + SIGKILL);
   dp_future_release(d);
@@ -1691,4 +1694,69 @@ Test(transport, a_callback_run_by_the_thread_may_close_its_endpoint_and_is_refus
 
 Test(transport, a_callback_run_by_a_callers_pass_may_close_its_endpoint_and_is_refused_freeing_the_transport) {
   closing_from_a_callback(1);
+}
+
+/* peer: accepts (the listener's loop answers ACCEPT) and then never sends */
+static int stay_silent(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e)) return 13;
+  wait_f(f, &e); /* until the receiver closes */
+  dp_future_release(f);
+  return 0;
+}
+
+Test(transport, a_connector_that_only_receives_fails_with_a_timeout_when_nobody_accepts) {
+  t_track();
+  /* a port that takes TCP connections and never answers UCX's handshake */
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  cr_assert_eq(listen(fd, 4), 0);
+  cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+  dp_transport_opts_t o = {0};
+  o.timeout_ns = SEC / 2;
+  dp_transport_t *t = new_transport(&o);
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", ntohs(a.sin_port));
+  dp_endpoint_t *ep;
+  OK(dp_endpoint_connect(t, addr, &ep, T_ERR));
+  dp_future_t *r;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), DP_ETIMEDOUT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "did not accept the connection within 500 ms"), "%s", e.message);
+  dp_future_release(r);
+  dp_endpoint_free(ep);
+  close(fd);
+  dp_transport_free(t);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, an_accepted_connection_that_stays_quiet_does_not_time_out) {
+  t_track();
+  /* a peer that accepts and stays silent: the receive just waits (forked
+     before this process has a transport) */
+  peer_t p = spawn_peer(stay_silent, NULL, NULL);
+  dp_transport_opts_t o = {0};
+  o.timeout_ns = SEC / 2;
+  dp_transport_t *t = new_transport(&o);
+  dp_future_t *r;
+  dp_error_t e;
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(dp_future_wait(r, 2 * SEC, &e), DP_ETIMEDOUT, "the wait's own timeout, not the endpoint's");
+  cr_assert_eq(dp_endpoint_error(ep, NULL), 0, "an accepted connection does not time out for being quiet");
+  dp_endpoint_free(ep);
+  dp_future_release(r);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
 }

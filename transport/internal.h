@@ -99,6 +99,11 @@ typedef struct dp__am_shm_piece {
  * without error handling, nor close one by force, when its peer dies. */
 #define DP__AM_LANE_ADDR 0x44506u
 #define DP__AM_LANE_HELLO 0x44507u
+/* ACCEPT (a control header, value 0): the acceptor's first message, sent as
+ * it accepts, so that a connector that only receives learns its connection
+ * was established — with opts.timeout_ns, one that hears nothing from its
+ * peer in that time fails (the peer never accepted). */
+#define DP__AM_ACCEPT 0x44508u
 #define DP__LANE_MAX 1024u
 #define DP__LANE_ELEM "1152" /* bytes of a lane queue's element (UCX's FIFO_ELEM_SIZE) */
 #define DP__LANE_ADDR_MAX 4096u

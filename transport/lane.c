@@ -9,7 +9,8 @@
 /* ---- the same-host lane (internal.h) ---- */
 
 static const unsigned am_ids[AM_IDS] = {DP__AM_FRAME,     DP__AM_BUFS,      DP__AM_SHM_PIECE, DP__AM_SHM_OFFER,
-                                        DP__AM_SHM_REPLY, DP__AM_SHM_DONE,  DP__AM_LANE_ADDR, DP__AM_LANE_HELLO};
+                                        DP__AM_SHM_REPLY, DP__AM_SHM_DONE,  DP__AM_LANE_ADDR, DP__AM_LANE_HELLO,
+                                        DP__AM_ACCEPT};
 
 
 /* Sets every message's handler on w; amh[i] is its argument. */
@@ -233,6 +234,8 @@ void dp__tp_on_conn(ucp_conn_request_h req, void *arg) {
   }
   ep->established = 1; /* the peer asked for it */
   ep->acceptor = 1;
+  dp__am_shm_ctl_t acc = {DP__WIRE_MAGIC, 0, 0};
+  dp__tp_ctl_queue(ep, DP__AM_ACCEPT, &acc, sizeof acc); /* sent by the loop: the connector knows it was accepted */
   dp__tp_ep_link(t, ep);
   pthread_mutex_lock(&t->mu);
   if (l->acc_tail) l->acc_tail->acc_next = ep;

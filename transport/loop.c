@@ -115,6 +115,7 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
       dp__tp_ep_failf(ep, DP_EIO, "cannot connect (%s)", ucs_status_string(st));
     } else {
       ep->peer_local = dp__tp_addr_is_local(&c->addr);
+      ep->born = now_ns();
       dp__tp_lane_offer(t, ep);
     }
     dp__free(c, sizeof *c);
@@ -211,6 +212,12 @@ static void check_timeouts(dp_transport_t *t) {
   int64_t now = now_ns();
   for (dp_endpoint_t *ep = t->eps, *n; ep; ep = n) {
     n = ep->next;
+    if (!ep->acceptor && !ep->established && !ep->dead && ep->born && now - ep->born > t->timeout_ns) {
+      char d[64];
+      snprintf(d, sizeof d, "%lld ms", (long long)(t->timeout_ns / 1000000));
+      dp__tp_ep_failf(ep, DP_ETIMEDOUT, "the peer did not accept the connection within %s", d);
+      continue;
+    }
     for (sop_t *s = ep->posted; s; s = s->next)
       if (s->deadline && now > s->deadline && !ep->dead) {
         char d[64];

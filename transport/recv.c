@@ -686,6 +686,10 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
         ep->shm_state = SHM_YES;
       }
     }
+  } else if (id == DP__AM_ACCEPT) {
+    if (ep->acceptor || ep->accepted || on_lane_worker || c->value)
+      dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "an accept message the protocol does not expect");
+    ep->accepted = 1; /* and established, as by any message */
   } else {
     on_done(t, ep, c->value);
   }

@@ -86,7 +86,7 @@ enum { SHM_NONE, SHM_OFFERED, SHM_YES, SHM_NO };
 
 /* A message id and its transport: the argument of UCX's handler for it;
  * on a lane's worker, also the endpoint (the lane's messages are its). */
-#define AM_IDS 8
+#define AM_IDS 9
 typedef struct amh {
   dp_transport_t *t;
   unsigned id;
@@ -230,6 +230,8 @@ struct dp_endpoint {
   int need_close;           /* failed inside a UCX callback: close from the loop */
   int established;          /* the peer answered once */
   int acceptor;             /* accepted on a listener (else connected) */
+  int accepted;             /* the connector: the peer's ACCEPT came */
+  int64_t born;             /* the connector: when it connected (timeout_ns counts from there) */
   int peer_local;           /* the peer's address is one of this host's: only then are
                                shared-memory offers (slots, lane) made to it or taken from it */
   unsigned rndv_inflight;   /* rendezvous receives posted on its connection, not yet done */

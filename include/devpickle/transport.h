@@ -132,8 +132,9 @@ typedef struct dp_transport_opts {
    *  the bound still goes, alone. */
   uint64_t max_inflight_bytes;
   /** A send posted to UCX and not complete after this long fails its
-   *  endpoint with DP_ETIMEDOUT (a connection never established fails the
-   *  first send so). Sends held back by the in-flight bound are not yet
+   *  endpoint with DP_ETIMEDOUT; so does a connected endpoint whose peer
+   *  has not accepted it after this long (its first message, ACCEPT, never
+   *  came), even one that only receives. Sends held back by the in-flight bound are not yet
    *  posted and not timed. 0: no limit (a dead peer is still detected by
    *  UCX's keepalive). */
   int64_t timeout_ns;
