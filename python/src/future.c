@@ -34,35 +34,7 @@ typedef struct pyfut {
   int cupy;           /* the value holds cupy arrays: cupy's current streams */
   int completing;     /* set_result/set_exception began: a second one is refused */
   PyObject *weakrefs;
-  int sole;           /* made by Future(): nothing else holds its C future (a then() child's is
-                         held by its parent, a collect_all's by its inputs) */
-  struct then_ud *uds; /* then()/add_done_callback registrations not yet run: what they hold is
-                          shown to the cycle collector (a pending future dropped with callbacks
-                          on it is a cycle through the C future) */
 } pyfut_t;
-
-typedef struct then_ud {
-  PyObject *callback;
-  pyfut_t *parent;  /* a reference: keeps the chain alive until it ran */
-  pyfut_t *child;   /* NULL for add_done_callback */
-  pyfut_t *owner;   /* borrowed: the future it is registered on, while in its uds list */
-  struct then_ud *next, **pprev;
-} then_ud_t;
-
-static void ud_link(pyfut_t *owner, then_ud_t *u) {
-  u->owner = owner;
-  u->next = owner->uds;
-  if (u->next) u->next->pprev = &u->next;
-  u->pprev = &owner->uds;
-  owner->uds = u;
-}
-
-static void ud_unlink(then_ud_t *u) {
-  if (!u->owner) return;
-  *u->pprev = u->next;
-  if (u->next) u->next->pprev = u->pprev;
-  u->owner = NULL;
-}
 
 static PyTypeObject fut_type;
 
@@ -200,22 +172,18 @@ static PyObject *fut_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (f->ndevices == 0) f->track = 0;
   }
   if (fut_make(f, NULL)) goto fail;
-  f->sole = 1;
   return (PyObject *)f;
 fail:
   Py_DECREF(f);
   return NULL;
 }
 
-static int uds_traverse(pyfut_t *f, visitproc visit, void *arg);
-static void uds_clear(pyfut_t *f);
-
 static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
   Py_VISIT(f->result);
   Py_VISIT(f->exc);
   Py_VISIT(f->exc_tb);
   Py_VISIT(f->inputs);
-  return uds_traverse(f, visit, arg);
+  return 0;
 }
 
 static int fut_clear(pyfut_t *f) {
@@ -223,7 +191,6 @@ static int fut_clear(pyfut_t *f) {
   Py_CLEAR(f->exc);
   Py_CLEAR(f->exc_tb);
   Py_CLEAR(f->inputs);
-  uds_clear(f);
   return 0;
 }
 
@@ -231,25 +198,12 @@ static void fut_dealloc(pyfut_t *f) {
   PyObject_GC_UnTrack(f);
   if (f->weakrefs) PyObject_ClearWeakRefs((PyObject *)f);
   fut_clear(f);
-  /* registrations left had their references cleared by the collector: the
-     C future, released below, cancels them (their callbacks never run); one
-     that still runs (the C future outlives this object as a pending then()
-     child of a live parent) finds nothing to call and frees itself */
-  then_ud_t *left = f->uds;
-  for (then_ud_t *u = left; u; u = u->next) u->owner = NULL;
-  f->uds = NULL;
   dp_future_t *c = f->f;
   f->f = NULL;
   if (c) {
     /* a release may cancel children, which never calls Python */
     dp_future_release(c);
   }
-  if (f->sole) /* its C future is gone: those callbacks will never run */
-    while (left) {
-      then_ud_t *u = left;
-      left = u->next;
-      PyMem_RawFree(u);
-    }
   PyMem_Free(f->devices);
   Py_TYPE(f)->tp_free((PyObject *)f);
 }
@@ -512,6 +466,11 @@ static PyObject *fut_done(pyfut_t *self, PyObject *unused) {
 
 /* ---- callbacks ---- */
 
+typedef struct then_ud {
+  PyObject *callback;
+  pyfut_t *parent;  /* a reference: keeps the chain alive until it ran */
+  pyfut_t *child;   /* NULL for add_done_callback */
+} then_ud_t;
 
 /* Makes the pool streams the library made current torch's current streams
  * too, so that the callback's kernels run on them. */
@@ -542,36 +501,10 @@ static void streams_out(const swap_t *sw) {
   for (int i = sw->n; i-- > 0;) dpy.torch->set_current_stream(sw->dev[i], sw->prev[i]);
 }
 
-static int uds_traverse(pyfut_t *f, visitproc visit, void *arg) {
-  for (then_ud_t *u = f->uds; u; u = u->next) {
-    Py_VISIT(u->callback);
-    Py_VISIT((PyObject *)u->parent);
-    Py_VISIT((PyObject *)u->child);
-  }
-  return 0;
-}
-
-static void uds_clear(pyfut_t *f) {
-  for (then_ud_t *u = f->uds; u; u = u->next) {
-    Py_CLEAR(u->callback);
-    Py_CLEAR(u->parent);
-    Py_CLEAR(u->child);
-  }
-}
-
 static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
   (void)result;
   then_ud_t *u = ud;
   PyGILState_STATE g = PyGILState_Ensure();
-  ud_unlink(u);
-  if (!u->callback) { /* cleared by the cycle collector: nobody can see its outcome */
-    PyMem_RawFree(u);
-    PyGILState_Release(g);
-    dp_error_clear(err);
-    err->code = DP_ECANCELED;
-    snprintf(err->message, sizeof err->message, "the then() callback was collected before its future completed");
-    return DP_ECANCELED;
-  }
   swap_t sw;
   streams_in(parent, &sw);
   int rc = 0;
@@ -662,14 +595,12 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
   u->callback = Py_NewRef(callback);
   u->parent = (pyfut_t *)Py_NewRef(self);
   u->child = child ? (pyfut_t *)Py_NewRef(child) : NULL;
-  ud_link(self, u); /* before: the callback may run (and unlink it) inside the call */
   dp_future_t *c;
   dp_error_t e;
   /* may run the callback at once (self already done): it takes the GIL we
    * hold, which is reentrant */
   int rc = dp_future_then_with_ptrs(self->f, then_cb, u, &c, &e);
   if (rc) {
-    ud_unlink(u);
     Py_DECREF(u->callback);
     Py_DECREF(u->parent);
     Py_XDECREF(u->child);

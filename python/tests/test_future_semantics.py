@@ -1081,27 +1081,6 @@ def test_waiting_again_on_a_failed_future_does_not_grow_its_traceback():
     assert depths == [depths[0]] * 5
 
 
-def test_a_pending_future_dropped_with_callbacks_on_it_is_collected_and_its_child_fails():
-    f = devpickle.Future()
-    held = torch.ones(10)
-    child = f.then(lambda p: held)
-    f.add_done_callback(lambda p: held)
-    w = weakref.ref(f)
-    del f
-    gc.collect()
-    assert w() is None, "the callbacks' references are shown to the cycle collector"
-    with pytest.raises(devpickle.Error, match="released before it completed"):
-        child.wait()
-    # a then() on a child whose own parent lives still runs
-    p = devpickle.Future()
-    c = p.then(lambda x: 5)
-    g = c.then(lambda x: x.value() + 1)
-    del c
-    gc.collect()
-    p.set_result(1)
-    assert g.value() == 6
-
-
 def test_completing_a_future_from_inside_its_own_set_result_walk_says_it_is_being_completed():
     f = devpickle.Future()
     seen = []
