@@ -1760,3 +1760,41 @@ Test(transport, an_accepted_connection_that_stays_quiet_does_not_time_out) {
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* A refused frame's receive whose callback closes the endpoint: the close
+ * waits for the loop, never frees the message under its delivery. */
+static int close_in_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs,
+                             dp_error_t *err) {
+  (void)parent, (void)result, (void)err, (void)ptrs;
+  dp_endpoint_free((dp_endpoint_t *)ud);
+  return 0;
+}
+
+static void refused_then_closed(int caller) {
+  t_track();
+  peer_t p = spawn_peer(send_corrupt_then_good, NULL, NULL);
+  dp_transport_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : 0;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d, *r, *c;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK(dp_future_then_with_ptrs(r, close_in_callback, ep, &c, T_ERR));
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  cr_assert_eq(wait_f(r, &e), DP_ECHECKSUM, "%s: %s", dp_err_name(e.code), e.message);
+  OK_WITH(&e, wait_f(c, &e));
+  wait_f(d, &e);
+  dp_future_release(c);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_transport_free(t);
+  peer_wait(p);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_refused_frames_receive_whose_callback_closes_the_endpoint_thread_driven) { refused_then_closed(0); }
+
+Test(transport, a_refused_frames_receive_whose_callback_closes_the_endpoint_caller_driven) { refused_then_closed(1); }

@@ -165,11 +165,15 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
     ep_close_now(t, ep);
     ep->next = t->closing;
     t->closing = ep;
-    dp__tp_cmd_finish(t, c, 0);
+    if (c->detached) dp__free(c, sizeof *c);
+    else dp__tp_cmd_finish(t, c, 0);
     return;
   }
   case CMD_STOP:
     t->stop = 1;
+    dp__tp_cmd_finish(t, c, 0);
+    return;
+  case CMD_SYNC: /* handled after every command queued before it */
     dp__tp_cmd_finish(t, c, 0);
     return;
   }

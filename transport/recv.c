@@ -411,10 +411,12 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
       if (!w) return;
       ep->w_head = w->next;
       if (!ep->w_head) ep->w_tail = NULL;
-      dp_future_set_error(w->f, &m->error, NULL);
+      m->answered = 1; /* before the future: its callbacks run now, and may close the endpoint */
+      dp_error_t err = m->error;
+      dp_future_set_error(w->f, &err, NULL);
       dp_future_release(w->f);
       dp__free(w, sizeof *w);
-      m->answered = 1;
+      continue; /* m is looked at again from the queue, if it is still there */
     }
     if (m->next_index < m->nbuf || m->pending) return;
     if (m->answered) {

@@ -262,7 +262,7 @@ struct dp_listener {
   int closed;
 };
 
-enum { CMD_LISTEN, CMD_UNLISTEN, CMD_CONNECT, CMD_SEND, CMD_RECV, CMD_CLOSE, CMD_STOP };
+enum { CMD_LISTEN, CMD_UNLISTEN, CMD_CONNECT, CMD_SEND, CMD_RECV, CMD_CLOSE, CMD_STOP, CMD_SYNC };
 
 struct cmd {
   cmd_t *next;
@@ -274,6 +274,7 @@ struct cmd {
   struct sockaddr_storage addr;
   socklen_t addrlen;
   int done, rc;
+  int detached;             /* nobody waits for it: the loop frees it once handled */
   dp_error_t err;
 };
 

@@ -44,15 +44,11 @@ static int submit(dp_transport_t *t, cmd_t *c, int wait_done) {
   atomic_store_explicit(&t->queued, 1, memory_order_release);
   int asleep = t->sleeping; /* a thread still spinning sees the queue itself */
   pthread_mutex_unlock(&t->mu);
-  if (dp__tp_in_pass == t) {
-    /* from a callback the loop runs (either mode): the command is handled
-       here and now, where waiting for the loop would wait for itself */
-    if (wait_done) dp__tp_drain_cmds(t);
-    return wait_done ? c->rc : 0;
-  }
   if (asleep) wake(t);
   if (t->caller) {
-    if (!wait_done) {
+    if (dp__tp_in_pass == t) {
+      if (wait_done) dp__tp_drain_cmds(t);
+    } else if (!wait_done) {
       dp__tp_caller_commands(t); /* a send is posted now; the workers wait for the next pass */
     } else {
       do dp__tp_caller_pass(t);
@@ -440,6 +436,7 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
 
 void dp_transport_free(dp_transport_t *t) {
   if (!t) return;
+  if (dp__tp_in_pass != t) run_cmd(t, CMD_SYNC, NULL, NULL); /* closes queued by callbacks are done first */
   if (dp__tp_in_pass == t) { /* its worker would be destroyed under its own progress */
     fprintf(stderr, "devpickle: dp_transport_free called from a callback of that transport's loop: not freed "
                     "(free it after the loop returns; transport.h)\n");
@@ -590,7 +587,23 @@ int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t 
 
 void dp_endpoint_free(dp_endpoint_t *ep) {
   if (!ep) return;
-  run_cmd(ep->t, CMD_CLOSE, NULL, ep);
+  dp_transport_t *t = ep->t;
+  if (dp__tp_in_pass == t) {
+    /* from a callback the loop runs (maybe inside UCX's own callback, with
+       the pass iterating the endpoints): the close is queued and done by the
+       loop's next command drain; waiting for it here would wait for itself */
+    cmd_t *c = dp__alloc(sizeof *c);
+    if (c) {
+      memset(c, 0, sizeof *c);
+      c->type = CMD_CLOSE;
+      c->ep = ep;
+      c->detached = 1;
+      submit(t, c, 0);
+      return;
+    }
+    /* out of memory: closed here and now, as a caller-driven pass would */
+  }
+  run_cmd(t, CMD_CLOSE, NULL, ep);
 }
 
 int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err) {

@@ -202,7 +202,8 @@ DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endp
  *  taken are freed, and the connection is closed (flushed first when
  *  nothing is pending). Waits for the loop to close it; called from a
  *  callback the loop runs (a future of this transport completing on the
- *  progress thread, or in a caller's pass), it closes it there and then.
+ *  progress thread, or in a caller's pass), it returns at once and the
+ *  loop closes the endpoint after the callback (do not use ep after).
  *  dp_transport_free from such a callback is refused (a message on stderr,
  *  nothing freed): free the transport after the loop returns. NULL:
  *  nothing. */

@@ -143,7 +143,7 @@ static int bind(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_e
     rc = dp_storage_new(desc->device, (void *)(uintptr_t)desc->base, desc->nbytes, NULL, NULL, out, err);
   if (!rc && desc->data) {
     rc = dp_storage_set_host_data(*out, desc->data, err);
-    if (rc) dp_storage_release(*out);
+    if (rc) dp_storage_release(*out), *out = NULL; /* what a failing bind leaves is released by the library */
   }
   return rc;
 }

@@ -1515,6 +1515,9 @@ static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
 }
 
 static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
+  /* a subclass's __torch_function__ runs the value's code on every attribute
+     read below (dtype, shape, stride(), ...) */
+  if ((PyObject *)Py_TYPE(o) != dpy.torch_tensor_cls && pin_memo(s)) return -1;
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
   int n = torch_allocs(o, a);
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");

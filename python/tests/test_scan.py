@@ -477,3 +477,21 @@ def test_an_opaque_type_whose_instancecheck_raises_gives_a_walk_error_naming_the
         devpickle.scan({"a": [object()]}, opaque=(Odd,))
     assert ei.value.path.startswith("$")
     assert isinstance(ei.value.__cause__, ValueError)
+
+
+def test_dumps_refuses_a_tensor_a_subclass_torch_function_resized_after_the_walk_met_it():
+    victim = torch.ones(1 << 16)
+    state = {"done": False}
+
+    class Evil(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if not state["done"]:
+                state["done"] = True
+                victim.resize_(1 << 18)  # moves the storage the walk met
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    e = torch.Tensor._make_subclass(Evil, torch.zeros(3))
+    with pytest.raises(devpickle.WalkError, match="storage was resized"):
+        devpickle.dumps([victim, e], inline=True)
+    assert state["done"]
