@@ -15,6 +15,7 @@
 #include <jansson.h>
 
 #include "helpers.h"
+#include "net.h"
 
 static char dir[64];
 static const char *cli;
@@ -115,21 +116,23 @@ Test(cli, every_command_answers_help_with_its_usage) {
 
 Test(cli, a_file_whose_name_starts_with_a_dash_is_named_after_a_double_dash) {
   spit("-v.json", simple_json);
-  res_t r = run("pack -o -f.dpk -- -v.json");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("verify -- -f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_not_null(strstr(r.out, "-f.dpk: ok"), "%s", r.out);
-  res_free(r);
-  r = run("verify -f.dpk");
-  cr_assert_eq(r.status, 2, "without -- it is an option");
-  cr_assert_not_null(strstr(r.err, "unknown option '-f.dpk'"), "%s", r.err);
-  res_free(r);
-  r = run("verify -- -f.dpk extra");
-  cr_assert_eq(r.status, 2);
-  cr_assert_not_null(strstr(r.err, "unexpected argument 'extra'"), "%s", r.err);
-  res_free(r);
+  static const struct {
+    const char *args;
+    int status;
+    int on_out; /* the text is on stdout, else on stderr */
+    const char *text;
+  } runs[] = {
+      {"pack -o -f.dpk -- -v.json", 0, 1, ""},
+      {"verify -- -f.dpk", 0, 1, "-f.dpk: ok"},
+      {"verify -f.dpk", 2, 0, "unknown option '-f.dpk'"}, /* without --, an option */
+      {"verify -- -f.dpk extra", 2, 0, "unexpected argument 'extra'"},
+  };
+  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) {
+    res_t r = run(runs[i].args);
+    cr_assert_eq(r.status, runs[i].status, "%s: %s", runs[i].args, r.err);
+    cr_assert_not_null(strstr(runs[i].on_out ? r.out : r.err, runs[i].text), "%s: %s%s", runs[i].args, r.out, r.err);
+    res_free(r);
+  }
 }
 
 Test(cli, recv_gives_up_after_its_timeout_in_seconds_and_names_the_port_it_bound) {
@@ -1114,16 +1117,9 @@ Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_conne
   cr_assert_eq(r.status, 0);
   res_free(r);
   /* a port where nobody listens: a bound socket that does not listen */
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-  cr_assert_eq(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
+  int port, fd = t_loopback_socket(0, &port);
   char args[128];
-  snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", ntohs(sa.sin_port));
+  snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", port);
   r = run(args);
   close(fd);
   cr_assert_eq(r.status, 1, "%s", r.err);

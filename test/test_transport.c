@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "helpers.h"
+#include "net.h"
 #include "../transport/internal.h"
 #include "../transport/shm.h"
 
@@ -1240,6 +1241,41 @@ Test(transport, a_corrupt_frame_fails_its_receive_with_the_unpicklers_error_and_
   bad_then_good(send_corrupt_then_good, DP_ECHECKSUM, "checksum", 7, 1);
 }
 
+/* peer side: receives until the other side closes (0), or 13 */
+static int stay_until_closed(dp_endpoint_t *ep) {
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e)) return 13;
+  wait_f(f, &e);
+  dp_future_release(f);
+  return 0;
+}
+
+/* The receiving side of a peer whose first message is bad: the first
+ * receive fails with `code` (and `needle` in its message, when given; the
+ * endpoint then fails with `ep_code` when not 0). */
+static void first_receive_fails(peer_fn fn, int code, const char *needle, int ep_code) {
+  t_track();
+  peer_t p = spawn_peer(fn, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), code, "%s: %s", dp_err_name(e.code), e.message);
+  if (needle) cr_assert(strstr(e.message, needle), "%s", e.message);
+  if (ep_code) cr_assert_eq(dp_endpoint_error(ep, NULL), ep_code);
+  wait_f(d, &e);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* peer: a corrupt frame whose message announces buffers that never come,
  * then nothing: it stays until the receiver closes */
 static int send_corrupt_announcing_buffers(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
@@ -1250,31 +1286,11 @@ static int send_corrupt_announcing_buffers(dp_transport_t *t, dp_endpoint_t *ep,
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0xffffffffu, 0, sizeof junk, 1u << 20};
   dp_error_t e;
   if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 11;
-  dp_future_t *f;
-  if (dp_endpoint_recv(ep, &f, &e)) return 13;
-  wait_f(f, &e);
-  dp_future_release(f);
-  return 0;
+  return stay_until_closed(ep);
 }
 
 Test(transport, a_corrupt_frame_announcing_buffers_that_never_come_fails_its_receive_at_once) {
-  t_track();
-  peer_t p = spawn_peer(send_corrupt_announcing_buffers, NULL, NULL);
-  dp_transport_t *t = new_transport(NULL);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  dp_future_t *r, *d;
-  dp_error_t e;
-  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
-  OK(dp_endpoint_recv(ep, &r, T_ERR));
-  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), DP_ETRUNC, "%s: %s", dp_err_name(e.code), e.message);
-  wait_f(d, &e);
-  dp_future_release(r);
-  dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  first_receive_fails(send_corrupt_announcing_buffers, DP_ETRUNC, NULL, 0);
 }
 
 /* peer: sends an active message with a header no devpickle peer writes */
@@ -1283,33 +1299,11 @@ static int send_garbage_header(dp_transport_t *t, dp_endpoint_t *ep, void *arg) 
   dp_error_t e;
   char junk[13] = "not a header";
   if (dp__endpoint_send_raw(ep, DP__AM_BUFS, junk, sizeof junk, junk, sizeof junk, &e)) return 11;
-  dp_future_t *f;
-  if (dp_endpoint_recv(ep, &f, &e)) return 13;
-  wait_f(f, &e); /* until the receiver closes */
-  dp_future_release(f);
-  return 0;
+  return stay_until_closed(ep);
 }
 
 Test(transport, garbage_on_the_wire_fails_the_endpoint_with_a_format_error) {
-  t_track();
-  peer_t p = spawn_peer(send_garbage_header, NULL, NULL);
-  dp_transport_t *t = new_transport(NULL);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  dp_future_t *r, *d;
-  dp_error_t e;
-  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
-  OK(dp_endpoint_recv(ep, &r, T_ERR));
-  cr_assert_eq(wait_f(r, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
-  cr_assert(strstr(e.message, "malformed message header"), "%s", e.message);
-  cr_assert_eq(dp_endpoint_error(ep, NULL), DP_EFORMAT);
-  wait_f(d, &e);
-  dp_future_release(r);
-  dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  first_receive_fails(send_garbage_header, DP_EFORMAT, "malformed message header", DP_EFORMAT);
 }
 
 /* peer: connects with a raw socket, writes garbage, then connects properly */
@@ -1665,12 +1659,17 @@ static int close_from_callback(void *ud, dp_future_t *parent, dp_value_t *result
   return 0;
 }
 
-static void closing_from_a_callback(int caller) {
-  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+/* A transport driven by a thread (caller 0) or by its callers (1). */
+static dp_transport_t *new_transport_driven(int caller) {
   dp_transport_opts_t o;
   memset(&o, 0, sizeof o);
   o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : 0;
-  dp_transport_t *t = new_transport(&o);
+  return new_transport(&o);
+}
+
+static void closing_from_a_callback(int caller) {
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_t *t = new_transport_driven(caller);
   dp_endpoint_t *ep = connect_to(t, p.port);
   dp_future_t *d, *r, *c;
   dp_error_t e;
@@ -1699,33 +1698,17 @@ Test(transport, a_callback_run_by_a_callers_pass_may_close_its_endpoint_and_is_r
 /* peer: accepts (the listener's loop answers ACCEPT) and then never sends */
 static int stay_silent(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;
-  dp_future_t *f;
-  dp_error_t e;
-  if (dp_endpoint_recv(ep, &f, &e)) return 13;
-  wait_f(f, &e); /* until the receiver closes */
-  dp_future_release(f);
-  return 0;
+  return stay_until_closed(ep);
 }
 
 Test(transport, a_connector_that_only_receives_fails_with_a_timeout_when_nobody_accepts) {
   t_track();
   /* a port that takes TCP connections and never answers UCX's handshake */
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a;
-  memset(&a, 0, sizeof a);
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-  cr_assert_eq(listen(fd, 4), 0);
-  cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+  int port, fd = t_loopback_socket(1, &port);
   dp_transport_opts_t o = {0};
   o.timeout_ns = SEC / 2;
   dp_transport_t *t = new_transport(&o);
-  char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", ntohs(a.sin_port));
-  dp_endpoint_t *ep;
-  OK(dp_endpoint_connect(t, addr, &ep, T_ERR));
+  dp_endpoint_t *ep = connect_to(t, port);
   dp_future_t *r;
   dp_error_t e;
   OK(dp_endpoint_recv(ep, &r, T_ERR));
@@ -1773,10 +1756,7 @@ static int close_in_callback(void *ud, dp_future_t *parent, dp_value_t *result, 
 static void refused_then_closed(int caller) {
   t_track();
   peer_t p = spawn_peer(send_corrupt_then_good, NULL, NULL);
-  dp_transport_opts_t o;
-  memset(&o, 0, sizeof o);
-  o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : 0;
-  dp_transport_t *t = new_transport(&o);
+  dp_transport_t *t = new_transport_driven(caller);
   dp_endpoint_t *ep = connect_to(t, p.port);
   dp_future_t *d, *r, *c;
   dp_error_t e;

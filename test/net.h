@@ -1,0 +1,27 @@
+/* test/net.h — a TCP socket on 127.0.0.1 with a port of the kernel's
+ * choosing, for tests that need a port where UCX finds nobody (bound, not
+ * listening: connections are refused) or a listener that never answers
+ * UCX's handshake (listening, never accepting). */
+#ifndef DP_TEST_NET_H
+#define DP_TEST_NET_H
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include <criterion/criterion.h>
+
+static inline int t_loopback_socket(int do_listen, int *port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  if (do_listen) cr_assert_eq(listen(fd, 4), 0);
+  cr_assert_eq(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
+  *port = ntohs(sa.sin_port);
+  return fd;
+}
+#endif
