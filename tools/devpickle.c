@@ -675,21 +675,20 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
 /* SECONDS as ns, at least 1 (a tiny --timeout is a short one, never 0). */
 static int64_t timeout_ns(double s) { return s < 0 ? -1 : s * 1e9 < 1 ? 1 : (int64_t)(s * 1e9); }
 
+static int64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 /* What is left of a deadline, at least 1 ns (-1: none). */
 static int64_t left_ns(int64_t deadline) {
   if (deadline < 0) return -1;
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  int64_t now = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec, left = deadline - now;
+  int64_t left = deadline - mono_ns();
   return left < 1 ? 1 : left;
 }
 
-static int64_t deadline_in(double s) {
-  if (s < 0) return -1;
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec + timeout_ns(s);
-}
+static int64_t deadline_in(double s) { return s < 0 ? -1 : mono_ns() + timeout_ns(s); }
 
 /* A wait that ran out reads in the command's unit (--timeout's seconds). */
 static void timeout_message(dp_error_t *e, double s, const char *what) {

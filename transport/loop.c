@@ -165,8 +165,7 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
     ep_close_now(t, ep);
     ep->next = t->closing;
     t->closing = ep;
-    if (c->detached) dp__free(c, sizeof *c);
-    else dp__tp_cmd_finish(t, c, 0);
+    if (!c->detached) dp__tp_cmd_finish(t, c, 0); /* a detached one is the endpoint's own: nobody waits */
     return;
   }
   case CMD_STOP:
@@ -214,19 +213,17 @@ static void reap(dp_transport_t *t) {
 
 static void check_timeouts(dp_transport_t *t) {
   int64_t now = now_ns();
+  char ms[32]; /* the timeout, as both messages say it */
+  snprintf(ms, sizeof ms, "%lld ms", (long long)(t->timeout_ns / 1000000));
   for (dp_endpoint_t *ep = t->eps, *n; ep; ep = n) {
     n = ep->next;
     if (!ep->acceptor && !ep->established && !ep->dead && ep->born && now - ep->born > t->timeout_ns) {
-      char d[64];
-      snprintf(d, sizeof d, "%lld ms", (long long)(t->timeout_ns / 1000000));
-      dp__tp_ep_failf(ep, DP_ETIMEDOUT, "the peer did not accept the connection within %s", d);
+      dp__tp_ep_failf(ep, DP_ETIMEDOUT, "the peer did not accept the connection within %s", ms);
       continue;
     }
     for (sop_t *s = ep->posted; s; s = s->next)
       if (s->deadline && now > s->deadline && !ep->dead) {
-        char d[64];
-        snprintf(d, sizeof d, "%lld ms", (long long)(t->timeout_ns / 1000000));
-        dp__tp_ep_failf(ep, DP_ETIMEDOUT, "a send was not complete after %s", d);
+        dp__tp_ep_failf(ep, DP_ETIMEDOUT, "a send was not complete after %s", ms);
         break;
       }
   }

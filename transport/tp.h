@@ -192,6 +192,20 @@ typedef struct rwait {
   int frame;                /* recv_frame */
 } rwait_t;
 
+struct cmd {
+  cmd_t *next;
+  int type;
+  dp_endpoint_t *ep;
+  dp_listener_t *lst;
+  sop_t *sop;
+  rwait_t *rw;
+  struct sockaddr_storage addr;
+  socklen_t addrlen;
+  int done, rc;
+  int detached;             /* nobody waits for it (an endpoint's close_cmd, from a callback) */
+  dp_error_t err;
+};
+
 struct dp_endpoint {
   dp_transport_t *t;
   dp_endpoint_t *next;      /* the transport's list */
@@ -231,6 +245,7 @@ struct dp_endpoint {
   int established;          /* the peer answered once */
   int acceptor;             /* accepted on a listener (else connected) */
   int accepted;             /* the connector: the peer's ACCEPT came */
+  cmd_t close_cmd;          /* dp_endpoint_free from a callback the loop runs queues this one */
   int64_t born;             /* the connector: when it connected (timeout_ns counts from there) */
   int peer_local;           /* the peer's address is one of this host's: only then are
                                shared-memory offers (slots, lane) made to it or taken from it */
@@ -264,19 +279,6 @@ struct dp_listener {
 
 enum { CMD_LISTEN, CMD_UNLISTEN, CMD_CONNECT, CMD_SEND, CMD_RECV, CMD_CLOSE, CMD_STOP, CMD_SYNC };
 
-struct cmd {
-  cmd_t *next;
-  int type;
-  dp_endpoint_t *ep;
-  dp_listener_t *lst;
-  sop_t *sop;
-  rwait_t *rw;
-  struct sockaddr_storage addr;
-  socklen_t addrlen;
-  int done, rc;
-  int detached;             /* nobody waits for it: the loop frees it once handled */
-  dp_error_t err;
-};
 
 struct dp_transport {
   ucp_context_h ctx;

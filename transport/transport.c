@@ -436,12 +436,12 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
 
 void dp_transport_free(dp_transport_t *t) {
   if (!t) return;
-  if (dp__tp_in_pass != t) run_cmd(t, CMD_SYNC, NULL, NULL); /* closes queued by callbacks are done first */
   if (dp__tp_in_pass == t) { /* its worker would be destroyed under its own progress */
     fprintf(stderr, "devpickle: dp_transport_free called from a callback of that transport's loop: not freed "
                     "(free it after the loop returns; transport.h)\n");
     return;
   }
+  run_cmd(t, CMD_SYNC, NULL, NULL); /* closes queued by callbacks are done first */
   /* endpoints and listeners still open */
   for (;;) {
     pthread_mutex_lock(&t->mu);
@@ -590,18 +590,16 @@ void dp_endpoint_free(dp_endpoint_t *ep) {
   dp_transport_t *t = ep->t;
   if (dp__tp_in_pass == t) {
     /* from a callback the loop runs (maybe inside UCX's own callback, with
-       the pass iterating the endpoints): the close is queued and done by the
-       loop's next command drain; waiting for it here would wait for itself */
-    cmd_t *c = dp__alloc(sizeof *c);
-    if (c) {
-      memset(c, 0, sizeof *c);
-      c->type = CMD_CLOSE;
-      c->ep = ep;
-      c->detached = 1;
-      submit(t, c, 0);
-      return;
-    }
-    /* out of memory: closed here and now, as a caller-driven pass would */
+       the pass iterating the endpoints): the close is queued — the
+       endpoint's own command, which lives as long as it does — and done by
+       the loop's next command drain; waiting here would wait for itself */
+    cmd_t *c = &ep->close_cmd;
+    memset(c, 0, sizeof *c);
+    c->type = CMD_CLOSE;
+    c->ep = ep;
+    c->detached = 1;
+    submit(t, c, 0);
+    return;
   }
   run_cmd(t, CMD_CLOSE, NULL, ep);
 }

@@ -280,14 +280,13 @@ static size_t future_devices(dp_future_t *f, dp_device_t *out, size_t max) {
 
 /* ---- completion ---- */
 
-static void already_complete_or_completing(const pyfut_t *f) {
+static void already_complete(const pyfut_t *f) {
   PyErr_SetString(PyExc_RuntimeError,
                   f && f->f && !dp_future_is_done(f->f)
                       ? "Future can only be marked completed once (set_result or set_exception was already "
                         "called: it is being completed)"
                       : "Future can only be marked completed once (it is already complete)");
 }
-#define already_complete() already_complete_or_completing(self)
 
 /* The allocations of value, for a future that tracks devices. 0 and a
  * scanner holding them, or -1 with an exception. */
@@ -344,7 +343,7 @@ static PyObject *fut_set_result(pyfut_t *self, PyObject *value) {
   /* claimed before the walk (which may run Python code, or let another
    * thread in): the loser must not replace the winner's result */
   if (self->completing || dp_future_is_done(self->f)) {
-    already_complete();
+    already_complete(self);
     return NULL;
   }
   self->completing = 1;
@@ -374,7 +373,7 @@ static PyObject *fut_set_result(pyfut_t *self, PyObject *value) {
   cupy_out(&sw);
   dpy_scanner_put(s);
   if (rc == DP_ESTATE && !e.message[0]) {
-    already_complete();
+    already_complete(self);
     return NULL;
   }
   if (rc) return dpy_raise(rc, &e);
@@ -387,14 +386,14 @@ static PyObject *fut_set_exception(pyfut_t *self, PyObject *exc) {
     return NULL;
   }
   if (self->completing || dp_future_is_done(self->f)) {
-    already_complete();
+    already_complete(self);
     return NULL;
   }
   self->completing = 1;
   set_exc(self, Py_NewRef(exc));
   dp_error_t e = py_failure("the future failed with a Python exception"), out;
   if (dp_future_set_error(self->f, &e, &out)) {
-    already_complete();
+    already_complete(self);
     return NULL;
   }
   Py_RETURN_NONE;
