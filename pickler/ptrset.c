@@ -263,6 +263,45 @@ int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbyte
   return 0;
 }
 
+int dp_ptrset_add_many(dp_ptrset_t *set, const dp_ptr_info_t *items, size_t n, size_t *indices, dp_error_t *err) {
+  if (!set) return dp__err(err, DP_EINVAL, "dp_ptrset_add_many: NULL set");
+  if (!n) return 0;
+  if (!items) return dp__err(err, DP_EINVAL, "dp_ptrset_add_many: NULL items");
+  for (size_t i = 0; i < n; i++)
+    if (items[i].device.type >= DP_DEVICE_TYPE_COUNT)
+      return dp__err(err, DP_EINVAL, "dp_ptrset_add_many: item %zu: invalid device", i);
+  int rc = dp__ptrset_reserve(set, n);
+  if (rc == DP_ELIMIT) return too_many(err);
+  if (rc) return dp__err(err, rc, "out of memory growing a pointer set");
+  /* In runs of RUN: the hashes (the key derived once per device), each
+   * slot fetched ahead, then the inserts, in order. */
+  enum { RUN = 16 };
+  uint64_t h[RUN], key = 0;
+  uint16_t key_dev = 0;
+  int have_key = 0;
+  for (size_t at = 0; at < n; at += RUN) {
+    size_t m = n - at < RUN ? n - at : RUN;
+    for (size_t i = 0; i < m; i++) {
+      dp_device_t d = items[at + i].device;
+      if (!have_key || dp__dev_bits(d) != key_dev) {
+        key = dp__ptr_key(d);
+        key_dev = dp__dev_bits(d);
+        have_key = 1;
+      }
+      h[i] = dp__ptr_hash_keyed(items[at + i].base, key);
+      dp__ptrset_prefetch(set, h[i]);
+    }
+    for (size_t i = 0; i < m; i++) {
+      const dp_ptr_info_t *it = &items[at + i];
+      size_t idx;
+      int is_new;
+      if ((rc = dp__ptrset_add_hashed(set, it->device, it->base, it->nbytes, h[i], &idx, &is_new, err)) != 0) return rc;
+      if (indices) indices[at + i] = idx;
+    }
+  }
+  return 0;
+}
+
 int dp__ptrset_set_path(dp_ptrset_t *s, size_t index, const char *path) {
   if (dp__grow((void **)&s->paths, &s->paths_cap, index + 1, sizeof *s->paths) != 0) return DP_ENOMEM;
   char *p = dp__arena_strdup(&s->paths_arena, path, strlen(path));

@@ -145,6 +145,79 @@ Test(ptrset, a_failed_add_leaves_the_set_as_it_was) {
   ASSERT_NO_LEAK();
 }
 
+/* dp_ptrset_add_many is n dp_ptrset_add calls: the same entries, order,
+ * counts, sizes, device groups and indices, over runs longer than its
+ * internal run, devices alternating and bases met again. */
+Test(ptrset, adding_many_at_once_gives_what_adding_each_in_turn_gives) {
+  enum { N = 1000 };
+  dp_ptr_info_t *items = calloc(N, sizeof *items);
+  size_t *got = calloc(N, sizeof *got), want;
+  for (size_t k = 0; k < N; k++) {
+    size_t b = k % 7 == 3 ? k / 2 : k; /* every 7th a base met before (or next) */
+    items[k] = (dp_ptr_info_t){t_dev(k % 50 < 45 ? DP_DEVICE_CUDA : DP_DEVICE_HOST, (int)(k / 400)),
+                               (void *)(0x1000 + b * 64), 16 + k % 5, 99, "ignored"};
+  }
+  dp_ptrset_t *a, *b;
+  OK(dp_ptrset_new(&a, T_ERR));
+  OK(dp_ptrset_new(&b, T_ERR));
+  OK(dp_ptrset_add(a, t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 8, NULL, T_ERR)); /* both hold one already */
+  OK(dp_ptrset_add(b, t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 8, NULL, T_ERR));
+  OK(dp_ptrset_add_many(a, items, 300, got, T_ERR));
+  OK(dp_ptrset_add_many(a, items + 300, N - 300, got + 300, T_ERR));
+  for (size_t k = 0; k < N; k++) {
+    OK(dp_ptrset_add(b, items[k].device, items[k].base, items[k].nbytes, &want, T_ERR));
+    cr_assert_eq(got[k], want, "item %zu: index %zu, one by one %zu", k, got[k], want);
+  }
+  cr_assert_eq(dp_ptrset_count(a), dp_ptrset_count(b));
+  for (size_t i = 0; i < dp_ptrset_count(a); i++) {
+    dp_ptr_info_t x, y;
+    OK(dp_ptrset_get(a, i, &x, T_ERR));
+    OK(dp_ptrset_get(b, i, &y, T_ERR));
+    cr_assert(x.base == y.base && x.nbytes == y.nbytes && x.refs == y.refs &&
+                  x.device.type == y.device.type && x.device.index == y.device.index && !x.path,
+              "entry %zu differs", i);
+  }
+  cr_assert_eq(dp_ptrset_ndevices(a), dp_ptrset_ndevices(b));
+  for (size_t j = 0; j < dp_ptrset_ndevices(a); j++) {
+    cr_assert_eq(dp_ptrset_device_count(a, j), dp_ptrset_device_count(b, j));
+    for (size_t i = dp_ptrset_first_on(a, j), k = dp_ptrset_first_on(b, j); i != SIZE_MAX || k != SIZE_MAX;
+         i = dp_ptrset_next_on(a, i), k = dp_ptrset_next_on(b, k))
+      cr_assert_eq(i, k, "device %zu's chain differs", j);
+  }
+  OK(dp_ptrset_add_many(a, NULL, 0, NULL, T_ERR)); /* nothing to add */
+  dp_ptrset_free(a);
+  dp_ptrset_free(b);
+  free(items);
+  free(got);
+  ASSERT_NO_LEAK();
+}
+
+Test(ptrset, adding_many_refuses_a_bad_item_or_no_memory_and_changes_nothing) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_ptr_info_t items[3] = {{t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, 0, NULL},
+                            {t_dev(DP_DEVICE_CUDA, 0), (void *)0x80, 8, 0, NULL},
+                            {{DP_DEVICE_TYPE_COUNT, 0}, (void *)0xc0, 8, 0, NULL}};
+  dp_error_t e;
+  cr_assert_eq(dp_ptrset_add_many(s, items, 3, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_add_many: item 2: invalid device");
+  cr_assert_eq(dp_ptrset_count(s), 0);
+  cr_assert_eq(dp_ptrset_add_many(s, NULL, 2, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_add_many: NULL items");
+  cr_assert_eq(dp_ptrset_add_many(NULL, items, 2, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_add_many: NULL set");
+  t_fail_at = t_alloc_count + 1;
+  int rc = dp_ptrset_add_many(s, items, 2, NULL, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM);
+  cr_assert(strncmp(e.message, "out of memory growing a pointer set", 35) == 0, "%s", e.message);
+  cr_assert_eq(dp_ptrset_count(s), 0);
+  OK(dp_ptrset_add_many(s, items, 2, NULL, T_ERR));
+  cr_assert_eq(dp_ptrset_count(s), 2);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
 Test(ptrset, a_null_set_is_einval_with_a_message_and_a_miss_says_what_was_missed) {
   dp_error_t e;
   size_t i;

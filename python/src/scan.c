@@ -211,6 +211,10 @@ struct dpy_scanner {
   PyObject *opaque;
   int opaque_code;       /* one of opaque is not an exact type: isinstance may run Python code */
   uint32_t max_depth;
+  /* allocations found and not yet in `found`, when no path or index is asked
+   * for them: added in batches (dp_ptrset_add_many), in order */
+  dp_ptr_info_t pend[32];
+  int npend;
   /* building (dumps): the root, a value per memo entry, a storage per
    * allocation and the first object found on it */
   int build;
@@ -579,7 +583,7 @@ static int walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
 /* ---- allocations ---- */
 
 static int note_path(dpy_scanner_t *s, size_t index) {
-  if (index < s->npaths) return 0;
+  if (!s->want_paths || index < s->npaths) return 0;
   if (s->npaths == s->paths_cap) {
     size_t cap = s->paths_cap ? 2 * s->paths_cap : 64;
     size_t *pa = PyMem_Realloc(s->path_at, cap * sizeof *pa);
@@ -587,23 +591,35 @@ static int note_path(dpy_scanner_t *s, size_t index) {
     s->path_at = pa;
     s->paths_cap = cap;
   }
-  if (s->want_paths) {
-    buf_t b = {s->text, s->text_len, s->text_cap};
-    size_t at = b.n;
-    int rc = render_path(s, &b);
-    s->text = b.p;
-    s->text_cap = b.cap;
-    if (rc) return -1;
-    s->text_len = b.n + 1; /* keep the NUL */
-    s->path_at[s->npaths] = at;
-  }
+  buf_t b = {s->text, s->text_len, s->text_cap};
+  size_t at = b.n;
+  int rc = render_path(s, &b);
+  s->text = b.p;
+  s->text_cap = b.cap;
+  if (rc) return -1;
+  s->text_len = b.n + 1; /* keep the NUL */
+  s->path_at[s->npaths] = at;
   s->npaths++;
+  return 0;
+}
+
+static int flush_pending(dpy_scanner_t *s) {
+  int n = s->npend;
+  if (!n) return 0;
+  s->npend = 0;
+  dp_error_t e;
+  int rc = dp_ptrset_add_many(s->found, s->pend, (size_t)n, NULL, &e);
+  if (rc) {
+    dpy_raise(rc, &e);
+    return -1;
+  }
   return 0;
 }
 
 static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, size_t *at) {
   size_t idx;
   dp_error_t e;
+  if (flush_pending(s)) return -1;
   int rc = dp_ptrset_add(s->found, dev, base, nbytes, &idx, &e);
   if (rc) {
     dpy_raise(rc, &e);
@@ -618,7 +634,10 @@ static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nb
 }
 
 static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes) {
-  return add_alloc_at(s, dev, base, nbytes, NULL);
+  if (s->want_paths || s->build) return add_alloc_at(s, dev, base, nbytes, NULL);
+  if (s->npend == (int)(sizeof s->pend / sizeof s->pend[0]) && flush_pending(s)) return -1;
+  s->pend[s->npend++] = (dp_ptr_info_t){dev, base, nbytes, 0, NULL};
+  return 0;
 }
 
 static PyObject *keep(dpy_scanner_t *s, PyObject *o);
@@ -1928,6 +1947,48 @@ static int check_storages(dpy_scanner_t *s) {
   return 0;
 }
 
+/* The Future's walk (no paths, no refs, no opaque types, not building)
+ * over a list or tuple: a run of items that are leaves, or tensors of a
+ * class with no slots and holding no attributes, is read here, as visit()
+ * would read each (the same allocations, in the same order), without the
+ * loop's per-child dispatch. No Python code runs, so the sequence cannot
+ * change under it. Stops at the first other item, which the loop visits. */
+static int seq_run(dpy_scanner_t *s, frame_t *f) {
+  PyObject *seq = f->obj;
+  Py_ssize_t n = PyList_Check(seq) ? PyList_GET_SIZE(seq) : PyTuple_GET_SIZE(seq);
+  PyObject **items = PyList_Check(seq) ? ((PyListObject *)seq)->ob_item : ((PyTupleObject *)seq)->ob_item;
+  PyTypeObject *ok = NULL; /* a tensor class found plain */
+  while (f->pos < n) {
+    PyObject *o = items[f->pos];
+    PyTypeObject *t = Py_TYPE(o);
+    if (t != ok) {
+      if (t == &PyLong_Type || t == &PyFloat_Type || t == &PyUnicode_Type || t == &_PyNone_Type || t == &PyBool_Type) {
+        f->idx = f->pos++;
+        continue;
+      }
+      if (classify(t) != K_TORCH) return 0;
+      tcache_ent_t *e;
+      if (t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && !((e = tcache_hit(t)) && e->no_slots))
+        return 0; /* slots, or not yet asked: visit() */
+      ok = t;
+    }
+    PyObject **dp = _PyObject_GetDictPtr(o);
+    if (dp && *dp) return 0; /* attributes (or a dict once made): visit() */
+    dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
+    int na = dpy.torch->tensor_allocs(o, a);
+    if (na < 0) {
+      PyErr_Clear();
+      return 0; /* visit() reports it */
+    }
+    for (int i = 0; i < na; i++)
+      if ((a[i].base || a[i].nbytes) &&
+          add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes))
+        return -1;
+    f->idx = f->pos++;
+  }
+  return 0;
+}
+
 int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
   if (dpy_resolve_frameworks()) return -1;
   s->build = opts->build;
@@ -1938,6 +1999,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   if (!into) dp_ptrset_clear(s->found);
   dp_ptrset_clear(s->memo);
   s->nframes = 0;
+  s->npend = 0;
   s->npaths = 0;
   s->text_len = 0;
   s->want_paths = opts->paths;
@@ -1950,10 +2012,12 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   else if (s->opaque)
     s->opaque_code = !PyType_CheckExact(s->opaque);
   s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
+  int runs = !s->build && !s->want_paths && !s->tensor_memo && !s->opaque && dpy.torch && dpy.torch_tensor;
   if (visit(s, obj)) return -1;
   while (s->nframes) {
     frame_t *f = &s->frames[s->nframes - 1];
     size_t before = s->nframes;
+    if (runs && f->kind == FR_SEQ && seq_run(s, f)) return -1;
     PyObject *c = next_child(s, f);
     if (!c) {
       if (PyErr_Occurred()) /* a reduce's parts are the reduced object's */
@@ -1967,6 +2031,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
     Py_DECREF(c);
     if (rc) return -1;
   }
+  if (flush_pending(s)) return -1;
   return s->build && s->pinned ? check_storages(s) : 0;
 }
 

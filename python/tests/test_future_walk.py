@@ -120,3 +120,46 @@ def test_collect_all_and_wait_all_name_themselves_refusing_what_is_not_a_future(
         devpickle.wait_all([3])
     with pytest.raises(TypeError, match="^collect_all takes devpickle.Future objects; item 1 is a 'str'"):
         devpickle.collect_all([devpickle.Future(), "x"])
+
+
+class _Slotted(torch.Tensor):
+    __slots__ = ("extra",)
+
+
+def test_set_result_finds_what_scan_finds_in_runs_of_tensors_leaves_and_the_rest():
+    """A list or tuple of plain tensors and leaves is read in one run by the
+    Future's walk; anything else in it (a tensor holding attributes, a
+    subclass with slots, a view, a container) goes through the general walk.
+    The allocations are scan()'s, in scan()'s order."""
+    base = torch.arange(64, dtype=torch.float32)
+    held = torch.ones(3)
+    with_attr = torch.zeros(2)
+    with_attr.note = held  # its attribute holds another allocation
+    slotted = torch.ones(5).as_subclass(_Slotted)
+    slotted.extra = torch.ones(7)
+    empty = torch.empty(0)
+    inner = [torch.ones(2) for _ in range(40)]
+    values = [
+        [torch.ones(4) for _ in range(100)],
+        (1, "a", None, 2.5, True, base, base[1:], base[::2]) * 3,
+        [torch.ones(1), with_attr, torch.ones(1), slotted, empty, torch.ones(2)],
+        [inner, (inner[3], [inner[5]], 7), inner[::-1], {"k": torch.ones(9)}],
+        [torch.ones(2).to_sparse(), torch.ones(3)],
+    ]
+    for v in values:
+        want = [(a.device, a.ptr, a.nbytes) for a in devpickle.scan(v, paths=False)]
+        f = devpickle.Future()
+        f.set_result(v)
+        assert f._allocations() == want
+        assert f.wait() is v
+
+
+def test_a_tensor_that_cannot_be_described_in_a_run_fails_set_result_naming_its_path():
+    v = [torch.ones(2), torch.ones(2), torch.empty(3, device="meta"), torch.ones(2)]
+    with pytest.raises(devpickle.WalkError) as scanned:
+        devpickle.scan(v)
+    f = devpickle.Future()
+    with pytest.raises(devpickle.WalkError) as completed:
+        f.set_result(v)
+    assert "$[2]" in str(completed.value)
+    assert str(completed.value) == str(scanned.value)
