@@ -215,6 +215,13 @@ struct dpy_scanner {
    * for them: added in batches (dp_ptrset_add_many), in order */
   dp_ptr_info_t pend[32];
   int npend;
+  /* objects entered but not put in the memo: their container held the only
+   * reference, so the walk cannot meet them again unless Python code makes
+   * another — and before any runs (pin_memo) they go into the memo */
+  PyObject **lone;
+  size_t nlone, lone_cap;
+  Py_ssize_t lone_refs; /* an object with at most this many references is lone: 2 for a child (its
+                           container's and the walk's), 0 for the root */
   /* building (dumps): the root, a value per memo entry, a storage per
    * allocation and the first object found on it */
   int build;
@@ -644,7 +651,29 @@ static PyObject *keep(dpy_scanner_t *s, PyObject *o);
 
 /* 1 when obj was entered before (a shared reference or a cycle), 0 the
  * first time. */
+static int memo_add(dpy_scanner_t *s, PyObject *obj, size_t *idx) {
+  dp_error_t e;
+  int rc = dp_ptrset_add(s->memo, (dp_device_t){DP_DEVICE_CPU, 0}, obj, 0, idx, &e);
+  if (rc) dpy_raise(rc, &e);
+  return rc ? -1 : 0;
+}
+
 static int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
+  if (Py_REFCNT(obj) <= s->lone_refs && !s->pinned && !s->build) {
+    if (s->nlone == s->lone_cap) {
+      size_t cap = s->lone_cap ? 2 * s->lone_cap : 64;
+      PyObject **l = PyMem_Realloc(s->lone, cap * sizeof *l);
+      if (!l) {
+        PyErr_NoMemory();
+        return -1;
+      }
+      s->lone = l;
+      s->lone_cap = cap;
+    }
+    s->lone[s->nlone++] = obj;
+    *at = SIZE_MAX;
+    return 0;
+  }
   size_t before = dp_ptrset_count(s->memo), idx;
   dp_error_t e;
   int rc = dp_ptrset_add(s->memo, (dp_device_t){DP_DEVICE_CPU, 0}, obj, 0, &idx, &e);
@@ -664,6 +693,11 @@ static int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
  * ends. Walks that run none pay nothing. 0, or -1 with an exception. */
 static int pin_memo(dpy_scanner_t *s) {
   if (s->pinned) return 0;
+  for (size_t i = 0; i < s->nlone; i++) { /* still alive: no Python code ran since they were met */
+    size_t idx;
+    if (memo_add(s, s->lone[i], &idx)) return -1;
+  }
+  s->nlone = 0;
   s->pinned = 1;
   size_t n = dp_ptrset_count(s->memo);
   for (size_t i = 0; i < n; i++) {
@@ -2000,6 +2034,8 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   dp_ptrset_clear(s->memo);
   s->nframes = 0;
   s->npend = 0;
+  s->nlone = 0;
+  s->lone_refs = 0;
   s->npaths = 0;
   s->text_len = 0;
   s->want_paths = opts->paths;
@@ -2014,6 +2050,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
   int runs = !s->build && !s->want_paths && !s->tensor_memo && !s->opaque && dpy.torch && dpy.torch_tensor;
   if (visit(s, obj)) return -1;
+  s->lone_refs = 2;
   while (s->nframes) {
     frame_t *f = &s->frames[s->nframes - 1];
     size_t before = s->nframes;

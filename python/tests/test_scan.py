@@ -495,3 +495,23 @@ def test_dumps_refuses_a_tensor_a_subclass_torch_function_resized_after_the_walk
     with pytest.raises(devpickle.WalkError, match="storage was resized"):
         devpickle.dumps([victim, e], inline=True)
     assert state["done"]
+
+
+class _HandsBack:
+    """Its reduce hands back a tensor the walk already entered through a
+    list that held the only reference to it."""
+
+    def __init__(self, box):
+        self.box = box
+
+    def __reduce__(self):
+        return (_HandsBack, (self.box[0],))
+
+
+def test_a_tensor_met_again_through_what_a_reduce_returns_counts_once():
+    box = [torch.ones(3)]          # the tensor's only holder
+    v = [box, _HandsBack(box)]     # the reduce returns box[0]: a second reference, made during the walk
+    (a,) = devpickle.scan(v)
+    assert a.refs == 1 and a.path == "$[0][0]"
+    w = [[torch.ones(3)], (lambda t: [t, t[1:]])(torch.ones(4))]
+    assert [x.refs for x in devpickle.scan(w)] == [1, 2]  # a view is another tensor on the storage
