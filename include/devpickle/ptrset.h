@@ -63,10 +63,12 @@ DP_API int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_
 /** Adds n allocations in order, with the result of n dp_ptrset_add calls
  *  (items[i].refs and .path are ignored), at less cost a pointer: each
  *  device's hash key is derived once and the table's slots are fetched
- *  ahead. indices (may be NULL) receives each item's position. DP_EINVAL
- *  (an invalid device, naming the item), DP_ENOMEM or DP_ELIMIT change
- *  nothing; DP_ENOMEM for the first item of a new device leaves the items
- *  before it added. */
+ *  ahead. indices (may be NULL) receives each item's position. Room for n
+ *  new entries is made first, so DP_ELIMIT comes when the count plus n
+ *  would pass the set's limit, even if some items are in the set already.
+ *  DP_EINVAL (an invalid device, naming the item), DP_ENOMEM or DP_ELIMIT
+ *  change nothing; DP_ENOMEM for the first item of a new device leaves the
+ *  items before it added. */
 DP_API int dp_ptrset_add_many(dp_ptrset_t *set, const dp_ptr_info_t *items, size_t n, size_t *indices,
                               dp_error_t *err);
 /** Position of (device, base), or DP_ENOTFOUND. */

@@ -195,10 +195,9 @@ struct dpy_scanner {
   dpy_scanner_t *next_free;
   dp_ptrset_t *found;    /* the allocations: own, or the caller's */
   dp_ptrset_t *own;
-  dp_ptrset_t *memo;     /* objects entered, by address */
-  PyObject *keep;        /* a list: what the walk created, alive until it ends */
-  int pinned;            /* Python code of the value's ran: objects in the memo are kept alive
-                            too (one freed there and a new one at its address would be "seen") */
+  dp_ptrset_t *memo;     /* objects entered, by address (each also in keep: see pin_memo) */
+  PyObject *keep;        /* a list: what the walk created or entered, alive until it ends */
+  int pinned;            /* Python code of the value's ran (dumps then checks its storages) */
   frame_t *frames;
   size_t nframes, cap;
   /* first paths: offsets into text, one per allocation */
@@ -215,13 +214,6 @@ struct dpy_scanner {
    * for them: added in batches (dp_ptrset_add_many), in order */
   dp_ptr_info_t pend[32];
   int npend;
-  /* objects entered but not put in the memo: their container held the only
-   * reference, so the walk cannot meet them again unless Python code makes
-   * another — and before any runs (pin_memo) they go into the memo */
-  PyObject **lone;
-  size_t nlone, lone_cap;
-  Py_ssize_t lone_refs; /* an object with at most this many references is lone: 2 for a child (its
-                           container's and the walk's), 0 for the root */
   /* building (dumps): the root, a value per memo entry, a storage per
    * allocation and the first object found on it */
   int build;
@@ -651,29 +643,7 @@ static PyObject *keep(dpy_scanner_t *s, PyObject *o);
 
 /* 1 when obj was entered before (a shared reference or a cycle), 0 the
  * first time. */
-static int memo_add(dpy_scanner_t *s, PyObject *obj, size_t *idx) {
-  dp_error_t e;
-  int rc = dp_ptrset_add(s->memo, (dp_device_t){DP_DEVICE_CPU, 0}, obj, 0, idx, &e);
-  if (rc) dpy_raise(rc, &e);
-  return rc ? -1 : 0;
-}
-
 static int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
-  if (Py_REFCNT(obj) <= s->lone_refs && !s->pinned && !s->build) {
-    if (s->nlone == s->lone_cap) {
-      size_t cap = s->lone_cap ? 2 * s->lone_cap : 64;
-      PyObject **l = PyMem_Realloc(s->lone, cap * sizeof *l);
-      if (!l) {
-        PyErr_NoMemory();
-        return -1;
-      }
-      s->lone = l;
-      s->lone_cap = cap;
-    }
-    s->lone[s->nlone++] = obj;
-    *at = SIZE_MAX;
-    return 0;
-  }
   size_t before = dp_ptrset_count(s->memo), idx;
   dp_error_t e;
   int rc = dp_ptrset_add(s->memo, (dp_device_t){DP_DEVICE_CPU, 0}, obj, 0, &idx, &e);
@@ -682,29 +652,20 @@ static int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
     return -1;
   }
   *at = idx;
-  if (idx >= before && s->pinned && !keep(s, Py_NewRef(obj))) return -1;
+  if (idx >= before && !keep(s, Py_NewRef(obj))) return -1; /* see pin_memo */
   return idx < before;
 }
 
-/* Before the walk runs Python code of the value's (a reduce, a property,
- * an __instancecheck__): that code may free objects the memo holds by
- * address, and a new object at a freed one's address would pass for it.
- * From here on every object in the memo is kept alive until the walk
- * ends. Walks that run none pay nothing. 0, or -1 with an exception. */
+/* Python code run during the walk — the value's own (a reduce, a property,
+ * an __instancecheck__, a metaclass's __getattr__) or any other (a garbage
+ * collection's finalizers, run by an allocation anywhere) — may free
+ * objects the memo holds by address, and a new object at a freed one's
+ * address would pass for it. So every object entered in the memo is kept
+ * alive until the walk ends (seen_at), whatever code runs. pin_memo marks
+ * the points where the value's own code is about to run, after which
+ * dumps checks that no storage it read moved (check_storages). */
 static int pin_memo(dpy_scanner_t *s) {
-  if (s->pinned) return 0;
-  for (size_t i = 0; i < s->nlone; i++) { /* still alive: no Python code ran since they were met */
-    size_t idx;
-    if (memo_add(s, s->lone[i], &idx)) return -1;
-  }
-  s->nlone = 0;
   s->pinned = 1;
-  size_t n = dp_ptrset_count(s->memo);
-  for (size_t i = 0; i < n; i++) {
-    dp_ptr_info_t p;
-    dp_ptrset_get(s->memo, i, &p, NULL);
-    if (!keep(s, Py_NewRef((PyObject *)p.base))) return -1;
-  }
   return 0;
 }
 
@@ -1983,44 +1944,51 @@ static int check_storages(dpy_scanner_t *s) {
 
 /* The Future's walk (no paths, no refs, no opaque types, not building)
  * over a list or tuple: a run of items that are leaves, or tensors of a
- * class with no slots and holding no attributes, is read here, as visit()
- * would read each (the same allocations, in the same order), without the
- * loop's per-child dispatch. No Python code runs, so the sequence cannot
- * change under it. Stops at the first other item, which the loop visits. */
+ * class already classified as a tensor class with no slots and holding no
+ * attributes, is read here, as visit() would read each (the same
+ * allocations, in the same order), without the loop's per-child dispatch.
+ * Python code can still run under it (a garbage collection's finalizers, a
+ * tensor subclass's dispatch in the adapter), so the sequence is read
+ * afresh for every item and the item held while it is read, as the loop
+ * does. Stops at the first other item, which the loop visits. */
 static int seq_run(dpy_scanner_t *s, frame_t *f) {
   PyObject *seq = f->obj;
-  Py_ssize_t n = PyList_Check(seq) ? PyList_GET_SIZE(seq) : PyTuple_GET_SIZE(seq);
-  PyObject **items = PyList_Check(seq) ? ((PyListObject *)seq)->ob_item : ((PyTupleObject *)seq)->ob_item;
+  int list = PyList_Check(seq);
   PyTypeObject *ok = NULL; /* a tensor class found plain */
-  while (f->pos < n) {
-    PyObject *o = items[f->pos];
+  for (;;) {
+    Py_ssize_t n = list ? PyList_GET_SIZE(seq) : PyTuple_GET_SIZE(seq);
+    if (f->pos >= n) return 0;
+    PyObject *o = list ? PyList_GET_ITEM(seq, f->pos) : PyTuple_GET_ITEM(seq, f->pos);
     PyTypeObject *t = Py_TYPE(o);
     if (t != ok) {
       if (t == &PyLong_Type || t == &PyFloat_Type || t == &PyUnicode_Type || t == &_PyNone_Type || t == &PyBool_Type) {
         f->idx = f->pos++;
         continue;
       }
-      if (classify(t) != K_TORCH) return 0;
-      tcache_ent_t *e;
-      if (t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && !((e = tcache_hit(t)) && e->no_slots))
+      tcache_ent_t *e = tcache_hit(t); /* a kind not yet cached: classifying may run Python code */
+      if (!e || e->kind != K_TORCH) return 0;
+      if (t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && !e->no_slots)
         return 0; /* slots, or not yet asked: visit() */
       ok = t;
     }
+    Py_INCREF(o);
     PyObject **dp = _PyObject_GetDictPtr(o);
-    if (dp && *dp) return 0; /* attributes (or a dict once made): visit() */
     dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
-    int na = dpy.torch->tensor_allocs(o, a);
+    int na = dp && *dp ? -2 : dpy.torch->tensor_allocs(o, a); /* attributes (or a dict once made): visit() */
     if (na < 0) {
-      PyErr_Clear();
-      return 0; /* visit() reports it */
+      Py_DECREF(o);
+      if (na == -1) PyErr_Clear(); /* visit() reports it */
+      return 0;
     }
     for (int i = 0; i < na; i++)
       if ((a[i].base || a[i].nbytes) &&
-          add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes))
+          add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes)) {
+        Py_DECREF(o);
         return -1;
+      }
+    Py_DECREF(o);
     f->idx = f->pos++;
   }
-  return 0;
 }
 
 int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
@@ -2034,8 +2002,6 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   dp_ptrset_clear(s->memo);
   s->nframes = 0;
   s->npend = 0;
-  s->nlone = 0;
-  s->lone_refs = 0;
   s->npaths = 0;
   s->text_len = 0;
   s->want_paths = opts->paths;
@@ -2050,7 +2016,6 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
   int runs = !s->build && !s->want_paths && !s->tensor_memo && !s->opaque && dpy.torch && dpy.torch_tensor;
   if (visit(s, obj)) return -1;
-  s->lone_refs = 2;
   while (s->nframes) {
     frame_t *f = &s->frames[s->nframes - 1];
     size_t before = s->nframes;

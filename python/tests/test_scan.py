@@ -2,6 +2,7 @@
 import collections
 import dataclasses
 import enum
+import weakref
 
 import numpy as np
 import pytest
@@ -515,3 +516,64 @@ def test_a_tensor_met_again_through_what_a_reduce_returns_counts_once():
     assert a.refs == 1 and a.path == "$[0][0]"
     w = [[torch.ones(3)], (lambda t: [t, t[1:]])(torch.ones(4))]
     assert [x.refs for x in devpickle.scan(w)] == [1, 2]  # a view is another tensor on the storage
+
+
+def test_objects_sharing_one_dict_have_its_values_walked_once():
+    class Borg:  # the shared-state idiom: every instance has the same __dict__
+        shared = {}
+
+        def __init__(self):
+            self.__dict__ = Borg.shared
+
+    a = Borg()
+    a.weights = [torch.zeros(4)]
+    got = devpickle.scan([a, Borg()])
+    assert [(x.refs, x.path) for x in got] == [(1, "$[0].weights[0]")]
+
+    class A:
+        pass
+
+    bottom = [torch.zeros(4)]
+    for _ in range(18):  # each level: two objects sharing one dict that holds the level below
+        x, y = A(), A()
+        y.__dict__ = x.__dict__
+        x.below = bottom
+        bottom = [x, y]
+    (only,) = devpickle.scan(bottom, paths=False)
+    assert only.refs == 1
+    f = devpickle.Future()
+    f.set_result(bottom)
+    assert len(f._allocations()) == 1
+
+
+def test_what_the_walk_entered_stays_alive_while_code_it_runs_drops_it():
+    """Code the walk runs without calling the value's own methods — here a
+    metaclass __getattr__ met while the walk classifies a type — may drop
+    objects the walk already entered; they stay alive until the walk ends,
+    so no new object can take a freed one's address and pass as seen."""
+    class Box:
+        pass
+
+    box = Box()
+    box.t = torch.ones(2)
+    alive_during = []
+
+    class Meta(type):
+        def __getattr__(cls, name):
+            if root[0] is not None:
+                ref = weakref.ref(root[0])
+                root[0] = root[1] = None
+                alive_during.append(ref() is not None)
+            raise AttributeError(name)
+
+    class Late(metaclass=Meta):
+        pass
+
+    root = [box, box, Late()]
+    ref = weakref.ref(box)
+    del box
+    got = devpickle.scan(root)
+    assert alive_during and all(alive_during)
+    assert [a.nbytes for a in got] == [8]
+    del got
+    assert ref() is None  # let go once the walk ended
