@@ -30,10 +30,11 @@ static int sread(sr_t *s, void *dst, size_t n, size_t *got) {
   *got = 0;
   while (*got < n) {
     size_t k = 0;
-    if (s->err) dp_error_clear(s->err); /* so that a callback failing without a word is seen */
-    int rc = dp__cb_rc(s->read(s->ud, (uint8_t *)dst + *got, n - *got, &k, s->err), s->err, "the read callback");
+    dp_error_t own, *e = s->err ? s->err : &own; /* the callback always gets an error to fill */
+    dp_error_clear(e); /* so that a callback failing without a word is seen */
+    int rc = dp__cb_rc(s->read(s->ud, (uint8_t *)dst + *got, n - *got, &k, e), e, "the read callback");
     if (rc) {
-      if (s->err) s->err->offset = (int64_t)s->total;
+      e->offset = (int64_t)s->total;
       return rc;
     }
     if (k > n - *got)

@@ -329,7 +329,11 @@ static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst
     memcpy(dst, st->host_data, st->nbytes);
     return 0;
   }
-  if (opts && opts->read) return opts->read(opts->read_ud, st->device, st->base, st->nbytes, dst, err);
+  if (opts && opts->read) { /* the callback always gets an error to fill, cleared so that silence shows */
+    dp_error_t own, *e = err ? err : &own;
+    dp_error_clear(e);
+    return dp__cb_rc(opts->read(opts->read_ud, st->device, st->base, st->nbytes, dst, e), e, "the read callback");
+  }
   if (st->device.type == DP_DEVICE_CPU) {
     if (st->nbytes) memcpy(dst, st->base, st->nbytes);
     return 0;

@@ -128,6 +128,11 @@ static size_t group_of(dp_ptrset_t *s, dp_device_t d) {
   return SIZE_MAX;
 }
 
+/* A device a storage could have: a known type, and index 0 for cpu. */
+static int device_ok(dp_device_t d) {
+  return d.type < DP_DEVICE_TYPE_COUNT && (d.type != DP_DEVICE_CPU || d.index == 0);
+}
+
 /* Errors are written where they happen, and passed through by every caller. */
 static int too_many(dp_error_t *err) {
   return dp__err(err, DP_ELIMIT, "a pointer set holds at most %u entries", UINT32_MAX - 2);
@@ -254,7 +259,8 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
 int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbytes, size_t *index,
                   dp_error_t *err) {
   if (!set) return dp__err(err, DP_EINVAL, "dp_ptrset_add: NULL set");
-  if (device.type >= DP_DEVICE_TYPE_COUNT) return dp__err(err, DP_EINVAL, "dp_ptrset_add: invalid device");
+  if (!device_ok(device))
+    return dp__err(err, DP_EINVAL, "dp_ptrset_add: invalid device (type %u, index %u)", device.type, device.index);
   size_t i;
   int is_new;
   int rc = dp__ptrset_add_hashed(set, device, base, nbytes, dp__ptr_hash(device, base), &i, &is_new, err);
@@ -268,8 +274,9 @@ int dp_ptrset_add_many(dp_ptrset_t *set, const dp_ptr_info_t *items, size_t n, s
   if (!n) return 0;
   if (!items) return dp__err(err, DP_EINVAL, "dp_ptrset_add_many: NULL items");
   for (size_t i = 0; i < n; i++)
-    if (items[i].device.type >= DP_DEVICE_TYPE_COUNT)
-      return dp__err(err, DP_EINVAL, "dp_ptrset_add_many: item %zu: invalid device", i);
+    if (!device_ok(items[i].device))
+      return dp__err(err, DP_EINVAL, "dp_ptrset_add_many: item %zu: invalid device (type %u, index %u)", i,
+                     items[i].device.type, items[i].device.index);
   int rc = dp__ptrset_reserve(set, n);
   if (rc == DP_ELIMIT) return too_many(err);
   if (rc) return dp__err(err, rc, "out of memory growing a pointer set");

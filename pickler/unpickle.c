@@ -1062,6 +1062,9 @@ static void up_cleanup(up_t *u, int failed) {
 int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_t *data,
                          const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err) {
   static const dp_unpickle_opts_t no_opts;
+  const dp_resolver_t *res = opts ? opts->resolver : NULL;
+  if (res && (!res->resolve || (!res->types && res->ntypes)))
+    return dp__err(err, DP_EINVAL, "dp_unpickle: the resolver has a NULL %s", res->resolve ? "types" : "resolve");
   up_t u;
   memset(&u, 0, sizeof u);
   u.opts = opts ? opts : &no_opts;

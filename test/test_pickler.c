@@ -2757,6 +2757,82 @@ Test(pickler, a_read_callback_that_reports_too_much_fails_silently_or_returns_a_
   ASSERT_NO_LEAK();
 }
 
+/* An inline read callback: mode 0 copies zeros, 1 returns 4, 2 fails with
+ * DP_EIO and says nothing; each checks that it has an error to fill. */
+static int inline_read(void *ud, dp_device_t d, const void *src, size_t n, void *dst, dp_error_t *err) {
+  (void)d;
+  (void)src;
+  cr_assert_not_null(err, "a read callback always gets an error to fill");
+  cr_assert_eq(err->code, 0, "and it is clear");
+  int mode = *(int *)ud;
+  memset(dst, 0, n);
+  return mode == 1 ? 4 : mode == 2 ? DP_EIO : 0;
+}
+
+Test(pickler, an_inline_read_callback_breaking_its_contract_gets_the_error_rules_of_every_callback) {
+  dp_value_t t = t_tensor(CUDA0, 0x1000, 4);
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  int mode = 1;
+  dp_pickle_opts_t o = {DP_PICKLE_INLINE, 0, inline_read, &mode};
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(t, &o, f, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "the read callback returned 4: a callback returns 0 or a negative DP_E* code");
+  mode = 2;
+  cr_assert_eq(dp_pickle(t, &o, f, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "the read callback failed: i/o error");
+  cr_assert_eq(dp_pickle(t, &o, f, NULL), DP_EIO, "the caller's NULL err: the callback still gets one");
+  mode = 0;
+  OK(dp_pickle(t, &o, f, NULL));
+  dp_frame_free(f);
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
+static int stream_read_checks_err(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  cr_assert_not_null(err, "a stream read callback always gets an error to fill");
+  return mem_read(ud, dst, n, got, err);
+}
+
+Test(pickler, a_stream_read_callback_gets_an_error_to_fill_when_the_caller_passed_none) {
+  dp_value_t l = t_list();
+  dp_frame_t *f = pickle_ok(l, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  mem_reader_t m = {b, n, n};
+  dp_value_t out;
+  OK(dp_unpickle_stream(stream_read_checks_err, &m, NULL, &out, NULL, NULL, NULL));
+  dp_value_release(out);
+  dp_frame_free(f);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_resolver_without_its_callback_or_with_a_null_list_of_types_is_einval) {
+  dp_value_t root = t_list();
+  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
+  dp_frame_t *f = pickle_ok(root, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  int calls = 0;
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t no_types = {NULL, 3, resolve_holder, &calls}, no_cb = {allowed, 1, NULL, NULL};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  dp_value_t back;
+  dp_error_t e;
+  o.resolver = &no_types;
+  cr_assert_eq(dp_unpickle(b, n, &o, &back, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_unpickle: the resolver has a NULL types");
+  o.resolver = &no_cb;
+  cr_assert_eq(dp_unpickle(b, n, &o, &back, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_unpickle: the resolver has a NULL resolve");
+  cr_assert_eq(calls, 0);
+  dp_frame_free(f);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 static int bind_positive(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
   (void)ud, (void)d, (void)out, (void)err;
   return 4;

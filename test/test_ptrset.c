@@ -200,8 +200,10 @@ Test(ptrset, adding_many_refuses_a_bad_item_or_no_memory_and_changes_nothing) {
                             {{DP_DEVICE_TYPE_COUNT, 0}, (void *)0xc0, 8, 0, NULL}};
   dp_error_t e;
   cr_assert_eq(dp_ptrset_add_many(s, items, 3, NULL, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_ptrset_add_many: item 2: invalid device");
+  cr_assert_str_eq(e.message, "dp_ptrset_add_many: item 2: invalid device (type 3, index 0)");
   cr_assert_eq(dp_ptrset_count(s), 0);
+  cr_assert_eq(dp_ptrset_add(s, t_dev(DP_DEVICE_CPU, 3), (void *)0x40, 8, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_add: invalid device (type 0, index 3)", "cpu has index 0 only");
   cr_assert_eq(dp_ptrset_add_many(s, NULL, 2, NULL, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_ptrset_add_many: NULL items");
   cr_assert_eq(dp_ptrset_add_many(NULL, items, 2, NULL, &e), DP_EINVAL);

@@ -10,8 +10,11 @@
  *   - per-device pools of blocks carved from segments obtained from the
  *     backend: requests up to 1 MiB come from 2 MiB segments, larger ones get
  *     a segment of their size rounded up to 2 MiB; sizes round up to 512
- *     bytes; blocks split on allocation and merge with free neighbours on
- *     free;
+ *     bytes; a block larger than asked is split on allocation (a small
+ *     block when 512 bytes or more are left, a large one when more than
+ *     1 MiB is left: a 1 MiB + 1 request served from a 2 MiB segment holds
+ *     the whole segment, and `allocated` counts it) and blocks merge with
+ *     free neighbours on free;
  *   - stream-ordered reuse: a block remembers the stream it was allocated on
  *     and a block freed there is reusable at once by allocations on that
  *     stream. An allocation on another stream takes it only by making its

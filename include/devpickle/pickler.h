@@ -143,9 +143,9 @@ typedef int (*dp_resolve_cb)(void *ud, const char *type_name, dp_value_t state, 
                              dp_error_t *err);
 
 typedef struct dp_resolver {
-  const char *const *types;   /* allow-list of type names */
+  const char *const *types;   /* allow-list of type names (NULL only with ntypes 0) */
   size_t ntypes;
-  dp_resolve_cb resolve;
+  dp_resolve_cb resolve;      /* required: a resolver without it is DP_EINVAL */
   void *ud;
 } dp_resolver_t;
 
@@ -199,7 +199,9 @@ typedef int (*dp_stream_read_cb)(void *ud, void *dst, size_t n, size_t *got, dp_
  *  NULL; use dp_unpickle when the bytes are wanted.
  *  On success *out is a new reference, *info (may be NULL) the frame's
  *  header facts and *size (may be NULL) its length. read is called from this
- *  thread only; the call is thread-safe as dp_unpickle is. Errors: those of
+ *  thread only; the call is thread-safe as dp_unpickle is. The stream holds
+ *  one frame: it is read to its end, and bytes after the frame are
+ *  DP_EFORMAT ("N bytes after the end of the frame"). Errors: those of
  *  dp_unpickle, and read's. */
 DP_API int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_t *opts, dp_value_t *out,
                               dp_frame_info_t *info, uint64_t *size, dp_error_t *err);

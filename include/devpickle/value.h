@@ -208,8 +208,9 @@ DP_API const char *dp_dtype_name(dp_dtype_t d);       /* "float32"; NULL if unkn
 DP_API int dp_dtype_parse(const char *name, dp_dtype_t *out, dp_error_t *err);  /* DP_EINVAL if unknown */
 DP_API size_t dp_dtype_size(dp_dtype_t d);             /* bytes per element; 0 if unknown */
 
-/** A view (steals storage). strides NULL means contiguous; strides and offset
- *  count elements. DP_EINVAL unless every addressed element lies inside the
+/** A view (steals storage). strides NULL means contiguous (DP_EINVAL when
+ *  those strides overflow int64, even for a view with a 0 dimension: give
+ *  strides then); strides and offset count elements. DP_EINVAL unless every addressed element lies inside the
  *  storage (negative strides allowed when they stay inside): with lo and hi
  *  the lowest and highest element index addressed, lo >= 0 and
  *  (hi + 1) * itemsize <= nbytes, computed exactly (a view whose extent
