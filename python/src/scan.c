@@ -1139,6 +1139,22 @@ static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
     return walk_error(s, o, "its reduce is malformed");
   }
   if (!keep(s, r)) return -1;
+  /* what pickle refuses in a reduce's result, refused as pickle words it */
+  Py_ssize_t n = PyTuple_GET_SIZE(r);
+  static const char *const nth[] = {"first", "second", "third", "fourth", "fifth", "sixth"};
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *part = PyTuple_GET_ITEM(r, i);
+    const char *want = NULL;
+    if (i == 0 && !PyCallable_Check(part)) want = "callable";
+    else if (i == 1 && !PyTuple_Check(part)) want = "a tuple";
+    else if ((i == 3 || i == 4) && part != Py_None && !PyIter_Check(part)) want = "an iterator";
+    else if (i == 5 && part != Py_None && !PyCallable_Check(part)) want = "a function";
+    if (want) {
+      PyErr_Format(PyExc_TypeError, "%s element of the tuple returned by __reduce__ must be %s, not %.200s", nth[i],
+                   want, Py_TYPE(part)->tp_name);
+      return walk_error(s, o, "its reduce is malformed");
+    }
+  }
   if (push(s, FR_REDUCE, r)) return -1;
   s->frames[s->nframes - 1].type = (PyTypeObject *)Py_NewRef((PyObject *)Py_TYPE(o));
   return 0;

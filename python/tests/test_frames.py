@@ -412,7 +412,6 @@ class SlotsReduced:
 
 
 @pytest.mark.parametrize("parts,error", [
-    ((Reduced, [1]), "reduced with args that are a list, not a tuple"),
     ((Reduced, (), [1, 2]), "its state is not a dict or a \\(dict, slots dict by name\\) pair: list"),
     ((Reduced, (), ({"a": 1}, 3)), "its state is not a dict or a \\(dict, slots dict by name\\) pair: tuple"),
     ((Reduced, (), (None, {1: 2})), "its state is not a dict or a \\(dict, slots dict by name\\) pair: tuple"),

@@ -2,6 +2,7 @@
 import collections
 import dataclasses
 import enum
+import pickle
 import weakref
 
 import numpy as np
@@ -313,9 +314,14 @@ def test_a_numpy_view_of_a_torch_tensor_is_the_tensors_allocation():
     assert got[0].refs == 3
 
 
+def _raises_when_iterated():
+    raise ValueError("no items")
+    yield
+
+
 class BadListItems:
     def __reduce__(self):
-        return (list, (), None, 5)
+        return (list, (), None, _raises_when_iterated())
 
 
 def test_a_reduce_whose_parts_cannot_be_read_names_the_reduced_type():
@@ -577,3 +583,27 @@ def test_what_the_walk_entered_stays_alive_while_code_it_runs_drops_it():
     assert [a.nbytes for a in got] == [8]
     del got
     assert ref() is None  # let go once the walk ended
+
+
+class _Reduces:
+    parts = None
+
+    def __reduce__(self):
+        return _Reduces.parts
+
+
+@pytest.mark.parametrize("parts,error", [
+    ((1, 2), "first element of the tuple returned by __reduce__ must be callable, not int"),
+    ((print, [1]), "second element of the tuple returned by __reduce__ must be a tuple, not list"),
+    ((print, (), None, [1]), "fourth element of the tuple returned by __reduce__ must be an iterator, not list"),
+    ((print, (), None, None, {1: 2}), "fifth element of the tuple returned by __reduce__ must be an iterator, not dict"),
+    ((print, (), None, None, None, 7), "sixth element of the tuple returned by __reduce__ must be a function, not int"),
+])
+def test_a_reduce_result_pickle_refuses_is_a_walk_error_in_scan_dumps_and_set_result(parts, error):
+    _Reduces.parts = parts
+    with pytest.raises(pickle.PicklingError):
+        pickle.dumps(_Reduces(), protocol=5)
+    for walk in (devpickle.scan, devpickle.dumps, devpickle.Future().set_result):
+        with pytest.raises(devpickle.WalkError, match=r"_Reduces' at \$\[0\]: its reduce is malformed") as e:
+            walk([_Reduces()])
+        assert str(e.value.__cause__) == error
