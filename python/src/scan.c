@@ -2038,8 +2038,16 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
     if (runs && f->kind == FR_SEQ && seq_run(s, f)) return -1;
     PyObject *c = next_child(s, f);
     if (!c) {
-      if (PyErr_Occurred()) /* a reduce's parts are the reduced object's */
-        return walk_error_type(s, f->type ? f->type : Py_TYPE(f->obj), "its items cannot be read");
+      if (PyErr_Occurred()) { /* a reduce's parts are the reduced object's */
+        if (f->kind != FR_DICT && f->kind != FR_ATTRS)
+          return walk_error_type(s, f->type ? f->type : Py_TYPE(f->obj), "its items cannot be read");
+        /* a dict that changed: the path is the dict's, not its last item's */
+        size_t n = s->nframes;
+        s->nframes = n - 1;
+        int rc = walk_error_type(s, Py_TYPE(f->obj), "its items cannot be read");
+        s->nframes = n;
+        return rc;
+      }
       frame_drop(&s->frames[--s->nframes]);
       continue;
     }

@@ -441,8 +441,9 @@ def test_a_dict_changed_by_the_values_own_code_during_the_walk_is_an_error_not_a
 
     d["a"] = Mut()
     d["b"] = t
-    with pytest.raises(devpickle.WalkError, match="dictionary changed size during the walk"):
-        devpickle.scan(d)
+    with pytest.raises(devpickle.WalkError, match="dictionary changed size during the walk") as e:
+        devpickle.scan({"outer": d})
+    assert (e.value.type_name, e.value.path) == ("dict", "$.outer")  # the dict's path, not its last item's
 
 
 def _mk():
