@@ -162,7 +162,8 @@ def finish(name, attrs, classes):
         return cls(**attrs)
     if cls is None or not any(k.startswith("<") for k in attrs):
         return Object(name, attrs) if cls is None else fill(cls.__new__(cls), attrs)
-    return reduced(cls, attrs)
+    obj = reduced(cls, attrs)
+    return Object(name, attrs) if obj is None else obj
 
 
 _TORCH_TENSOR_CLASSES = ("torch.nn.parameter.Parameter", "torch.nn.parameter.Buffer")
@@ -210,8 +211,9 @@ def _numpy_scalar(dtype, data):
 
 
 def reduced(cls, parts):
-    """An allowed class from its reduce parts: the callable must be the class
-    itself or copyreg.__newobj__ of it (nothing else is called)."""
+    """An allowed class from its reduce parts, when the callable is the class
+    itself or copyreg.__newobj__ of it; None for any other callable (nothing
+    else is called)."""
     label = class_label(cls)
     if parts.get("<state_setter>") is not None:
         raise TypeError(f"loads: {label} was reduced with a state_setter, which loads does not call")
@@ -224,7 +226,7 @@ def reduced(cls, parts):
           and fn.__attrs__.get("name") == "copyreg.__newobj__" and args and args[0] is cls):
         obj = cls.__new__(cls, *args[1:])
     else:
-        raise TypeError(f"loads: {label} was reduced to a call of {fn!r}, which loads does not make")
+        return None  # not a call loads makes: the caller gives a devpickle.Object
     state = parts.get("<state>")
     if state is not None:
         if hasattr(obj, "__setstate__"):
