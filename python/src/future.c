@@ -142,11 +142,6 @@ static int fut_make(pyfut_t *self, dp_future_t *from) {
   dp_future_opts_t o;
   same_devices(self, &o, b);
   o.hooks = &owner_hooks;
-  /* Only cpu devices listed: the C future tracks every device of the
-   * backend for an empty list, so name none and walk nothing. */
-  size_t gpu = 0;
-  for (size_t i = 0; i < self->ndevices; i++) gpu += self->devices[i].type != DP_DEVICE_CPU;
-  if (self->ndevices && !gpu) self->track = 0, o.no_hooks = 1, o.ndevices = 0, o.devices = NULL;
   dp_error_t e;
   int rc = dp_future_new(&o, &self->f, &e);
   if (rc) dpy_raise(rc, &e);

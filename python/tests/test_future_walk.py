@@ -163,3 +163,12 @@ def test_a_tensor_that_cannot_be_described_in_a_run_fails_set_result_naming_its_
         f.set_result(v)
     assert "$[2]" in str(completed.value)
     assert str(completed.value) == str(scanned.value)
+
+
+def test_devices_cpu_walks_the_value_and_refuses_what_cannot_be_walked():
+    t = torch.ones(2)
+    f = devpickle.Future(devices=["cpu"])
+    f.set_result([t])
+    assert [a[0] for a in f._allocations()] == ["cpu"] and f._devices() == []
+    with pytest.raises(devpickle.WalkError, match="generator"):
+        devpickle.Future(devices=["cpu"]).set_result(gen())
