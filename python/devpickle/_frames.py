@@ -15,8 +15,8 @@ class Buffer:
 
     device: "cuda:0", "cpu", ...; ptr: its address; nbytes: its size;
     obj: the first tensor or array found on it (its memory is the buffer's).
-    raw(): the buffer as bytes (cpu) or, for torch, as a flat uint8 tensor on
-    its device.
+    raw(): the whole buffer, without a copy: a flat uint8 torch tensor on its
+    device (torch), a uint8 numpy array (cpu memory) or a uint8 cupy array.
     """
 
     __slots__ = ("device", "ptr", "nbytes", "obj")

@@ -1414,7 +1414,7 @@ static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
     int over;
     long long x = PyLong_AsLongLongAndOverflow(o, &over);
     if (over) {
-      PyErr_SetString(PyExc_OverflowError, "an int beyond 64 bits");
+      PyErr_SetString(PyExc_OverflowError, "an int outside int64 (a frame's integers are 64-bit signed)");
       return walk_error(s, o, "it cannot be carried in a frame");
     }
     *out = dp_int(x);

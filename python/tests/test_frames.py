@@ -144,7 +144,7 @@ def test_what_a_frame_cannot_carry_is_a_walk_error_with_the_path():
 
     with pytest.raises(devpickle.WalkError) as e:
         devpickle.dumps({"big": [2**70]})
-    assert e.value.path == "$.big[0]" and "64 bits" in str(e.value)
+    assert e.value.path == "$.big[0]" and "outside int64" in str(e.value)
     with pytest.raises(devpickle.WalkError) as e:
         devpickle.dumps({"g": gen()})
     assert e.value.path == "$.g"
@@ -452,3 +452,15 @@ def test_a_tensor_subclass_keeps_its_class_where_allowed_and_is_never_silently_a
     assert torch.equal(r["t"].data, torch.ones(3))
     r = devpickle.loads(b, classes=[_MyTensor])
     assert type(r["t"]) is _MyTensor and torch.equal(r["t"].as_subclass(torch.Tensor), torch.ones(3))
+
+
+def test_dumps_refuses_what_a_frame_cannot_carry_naming_it():
+    class Sub(np.ndarray):
+        pass
+
+    for v, words in [(memoryview(b"ab"), "memoryview"), (np.ones(2).view(Sub), "Sub"),
+                     (np.ones(2, dtype=">i4"), "dtype >i4"), (np.zeros(2, dtype="U2"), "dtype <U2"),
+                     (2**63, "outside int64"), (-2**63 - 1, "outside int64")]:
+        with pytest.raises(devpickle.WalkError, match=words):
+            devpickle.dumps([v])
+    assert devpickle.loads(devpickle.dumps([2**63 - 1, -2**63])) == [2**63 - 1, -2**63]
