@@ -206,6 +206,7 @@ struct dpy_scanner {
   size_t *path_at;
   size_t npaths, paths_cap;
   int want_paths;
+  const char *error_path; /* set: the path a walk error names (an allocation's, after the walk) */
   int tensor_memo;       /* tensors enter the memo (refs counted exactly) */
   PyObject *opaque;
   int opaque_code;       /* one of opaque is not an exact type: isinstance may run Python code */
@@ -540,7 +541,7 @@ static int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *wha
   PyErr_Fetch(&et, &ev, &tb);
   PyErr_NormalizeException(&et, &ev, &tb);
   buf_t path = {0};
-  if (render_path(s, &path)) {
+  if (s->error_path ? buf_put(&path, s->error_path, strlen(s->error_path)) : render_path(s, &path)) {
     Py_XDECREF(et);
     Py_XDECREF(ev);
     Py_XDECREF(tb);
@@ -1936,12 +1937,34 @@ PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i) { return i < 
  * walk found it — a reduce may have resized a tensor walked before it
  * (t.resize_() moves the data of the very storage the walk holds) or
  * set_() it elsewhere. 0, or -1 with a WalkError. */
+/* The walk error for o, found first at allocation i's path, that changed
+ * under the walk (reported once the walk is over: its own path then). */
+static int changed(dpy_scanner_t *s, PyObject *o, size_t i) {
+  s->error_path = dpy_scanner_path(s, i);
+  int rc = walk_error(s, o, "it changed during the walk");
+  s->error_path = NULL;
+  return rc;
+}
+
 static int check_storages(dpy_scanner_t *s) {
   for (size_t i = 0; i < s->stor_cap; i++) {
     PyObject *o = s->stor_obj[i], *st = s->stor_st[i];
-    if (!o || !st) continue;
+    if (!o) continue;
     dp_ptr_info_t p;
     dp_ptrset_get(s->found, i, &p, NULL);
+    if (!st) { /* cpu memory read through the buffer protocol (numpy): read again */
+      dp_device_t dev;
+      void *now;
+      size_t ext;
+      if (p.device.type != DP_DEVICE_CPU || is_torch(o)) continue;
+      if (buffer_memory(s, o, &dev, &now, &ext)) return -1;
+      if (now != p.base || ext < p.nbytes) {
+        PyErr_SetString(PyExc_RuntimeError, "an array's memory moved (it was resized) while the walk ran the value's "
+                                            "Python code (a __reduce__?): the frame would read freed memory");
+        return changed(s, o, i);
+      }
+      continue;
+    }
     PyObject *ptr = PyObject_CallMethod(st, "data_ptr", NULL);
     PyObject *nb = ptr ? PyObject_CallMethod(st, "nbytes", NULL) : NULL;
     void *base = ptr ? PyLong_AsVoidPtr(ptr) : NULL;
@@ -1952,7 +1975,7 @@ static int check_storages(dpy_scanner_t *s) {
     if (base != p.base || nbytes < p.nbytes) {
       PyErr_SetString(PyExc_RuntimeError, "a tensor's storage was resized (its memory moved) while the walk ran the "
                                           "value's Python code (a __reduce__?): the frame would read freed memory");
-      return walk_error(s, o, "it changed during the walk");
+      return changed(s, o, i);
     }
   }
   return 0;
@@ -2021,6 +2044,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   s->npaths = 0;
   s->text_len = 0;
   s->want_paths = opts->paths;
+  s->error_path = NULL;
   s->tensor_memo = !opts->no_refs;
   s->opaque = opts->opaque;
   s->opaque_code = 0;

@@ -464,3 +464,16 @@ def test_dumps_refuses_what_a_frame_cannot_carry_naming_it():
         with pytest.raises(devpickle.WalkError, match=words):
             devpickle.dumps([v])
     assert devpickle.loads(devpickle.dumps([2**63 - 1, -2**63])) == [2**63 - 1, -2**63]
+
+
+def test_an_array_resized_by_the_values_code_during_dumps_is_a_walk_error_not_a_read_of_freed_memory():
+    a = np.ones(1_000_000)
+
+    class Shrinks:
+        def __reduce__(self):
+            a.resize(10, refcheck=False)  # frees the memory the walk found
+            return (list, ())
+
+    with pytest.raises(devpickle.WalkError, match="memory moved") as e:
+        devpickle.dumps([a, Shrinks()], inline=True)
+    assert e.value.path == "$[0]"

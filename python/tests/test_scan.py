@@ -425,8 +425,9 @@ def test_dumps_refuses_a_tensor_a_reduce_resized_after_the_walk_met_it():
             t.resize_(1 << 18)
             return (Evil, ())
 
-    with pytest.raises(devpickle.WalkError, match="storage was resized"):
+    with pytest.raises(devpickle.WalkError, match="storage was resized") as e:
         devpickle.dumps({"t": t, "e": Evil()}, inline=True)
+    assert e.value.path == "$.t"  # where the walk found it
 
 
 def test_a_dict_changed_by_the_values_own_code_during_the_walk_is_an_error_not_a_silent_skip():
