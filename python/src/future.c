@@ -376,8 +376,8 @@ static PyObject *fut_set_result(pyfut_t *self, PyObject *value) {
 }
 
 static PyObject *fut_set_exception(pyfut_t *self, PyObject *exc) {
-  if (!PyExceptionInstance_Check(exc)) {
-    PyErr_Format(PyExc_TypeError, "set_exception() takes an exception instance, not '%s'", Py_TYPE(exc)->tp_name);
+  if (!PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_Exception)) { /* as torch: an Exception, not a BaseException */
+    PyErr_Format(PyExc_TypeError, "set_exception() takes an Exception instance, not '%s'", Py_TYPE(exc)->tp_name);
     return NULL;
   }
   if (self->completing || dp_future_is_done(self->f)) {

@@ -224,6 +224,8 @@ def test_set_exception_refuses_what_is_not_an_exception(Future):
         f.set_exception("not an exception")
     with pytest.raises(expected):
         f.set_exception(ValueError)  # the class, not an instance
+    with pytest.raises(expected):
+        f.set_exception(KeyboardInterrupt())  # a BaseException, not an Exception
     assert not f.done()
     f.set_result(1)
     assert f.wait() == 1
