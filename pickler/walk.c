@@ -217,10 +217,9 @@ static void pb_name_step(pbuf_t *b, const char *s, size_t n) {
 /* `<reduce Name>`: the name outside quotes, so its control characters and
  * `\` are escaped as in a JSON string (\u00XX, \\) and `>` as \u003e: the
  * step is one line and ends at its first `>`. */
-static void pb_reduce_step(pbuf_t *b, const char *s, size_t n) {
+static void pb_bare_name(pbuf_t *b, const char *s, size_t n) {
   size_t k = name_shown(s, n), run = 0;
   char tmp[8];
-  pb_put(b, "<reduce ", 8);
   for (size_t i = 0; i < k; i++) {
     unsigned char c = (unsigned char)s[i];
     if (c >= 0x20 && c != '\\' && c != '>') continue;
@@ -231,7 +230,21 @@ static void pb_reduce_step(pbuf_t *b, const char *s, size_t n) {
   }
   pb_put(b, s + run, k - run);
   if (k < n) pb_put(b, ELLIPSIS, 3);
+}
+
+static void pb_reduce_step(pbuf_t *b, const char *s, size_t n) {
+  pb_put(b, "<reduce ", 8);
+  pb_bare_name(b, s, n);
   pb_put(b, ">", 1);
+}
+
+/* A custom type's name as a message shows it: cut and escaped as in a
+ * path's <reduce T> step, so a message is one line. */
+static const char *shown_name(const char *name, char out[DP_STEP_MAX]) {
+  pbuf_t b = {out, 0, DP_STEP_MAX - 1, 0};
+  pb_bare_name(&b, name, strlen(name));
+  out[b.len] = 0;
+  return out;
 }
 
 /* The step of frame f (the child being visited) into out[DP_STEP_MAX];
@@ -435,9 +448,10 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
 
 static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const int S) {
   const dp_type_t *t = DP_CUSTOM(v)->type;
+  char name[DP_STEP_MAX];
   if (!t->reduce)
     return dp__err(w->err, DP_ETYPE, "cannot walk a value of type '%s' at %s: its type has no reduce",
-                   t->name, dp__walker_path(w));
+                   shown_name(t->name, name), dp__walker_path(w));
   int rc;
   if (w->memo_rc && (rc = memo_everything(w, v.u.h, S)) != 0) return rc;
   if (w->nstates == w->states_cap &&
@@ -451,8 +465,8 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
     dp_value_release(*state);
     /* Out of memory stays out of memory; any other failure means the value
      * cannot be walked. */
-    return dp__err(w->err, rc == DP_ENOMEM ? DP_ENOMEM : DP_ETYPE, "reduce of type '%s' failed at %s: %s", t->name,
-                   dp__walker_path(w), inner.message[0] ? inner.message : dp_strerror(rc));
+    return dp__err(w->err, rc == DP_ENOMEM ? DP_ENOMEM : DP_ETYPE, "reduce of type '%s' failed at %s: %s",
+                   shown_name(t->name, name), dp__walker_path(w), inner.message[0] ? inner.message : dp_strerror(rc));
   }
   w->states[w->nstates++] = *state;
   return 0;

@@ -525,6 +525,12 @@ Test(pickler, a_failing_reduce_is_an_error_naming_the_type_and_path) {
   cr_assert_eq(dp_scan(c, NULL, set, &e), DP_ETYPE);
   cr_assert_str_eq(e.message, "cannot walk a value of type 'Opaque' at $: its type has no reduce");
   dp_value_release(c);
+  /* a type's name is shown as a path shows it: one line, at most 64 bytes */
+  static const dp_type_t odd_type = {"Odd\nName\\x", NULL, NULL};
+  OK(dp_custom_new(&odd_type, NULL, &c, T_ERR));
+  cr_assert_eq(dp_scan(c, NULL, set, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, "cannot walk a value of type 'Odd\\u000aName\\\\x' at $: its type has no reduce");
+  dp_value_release(c);
   dp_frame_free(f);
   dp_ptrset_free(set);
   ASSERT_NO_LEAK();
