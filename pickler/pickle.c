@@ -143,6 +143,10 @@ const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len) {
 
 size_t dp_frame_nbuffers(const dp_frame_t *f) { return f && f->len ? dp_ptrset_count(f->set) : 0; }
 
+int dp__frame_buffer_has_host_data(const dp_frame_t *f, size_t i) {
+  return i < f->nstorages && f->storages[i] && dp_storage_host_data(f->storages[i]) != NULL;
+}
+
 int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out, dp_error_t *err) {
   dp_ptr_info_t info;
   if (!f || !out) return dp__err(err, DP_EINVAL, "dp_frame_buffer: NULL %s", f ? "out" : "frame");

@@ -1057,6 +1057,27 @@ Test(transport, a_device_buffer_is_refused_before_anything_is_sent) {
   close(fd);
 }
 
+Test(transport, a_storage_carrying_host_data_is_refused_never_read_at_its_base) {
+  int fd, port = closed_port(&fd);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, port);
+  dp_storage_t *st; /* as a value read from an inline frame: the writer's address, the bytes beside it */
+  OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)0x10, 4, NULL, NULL, &st, T_ERR));
+  OK(dp_storage_set_host_data(st, "abcd", T_ERR));
+  dp_value_t v;
+  int64_t shape[1] = {4};
+  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, T_ERR));
+  dp_future_t *d = (dp_future_t *)1;
+  dp_error_t e;
+  cr_assert_eq(dp_endpoint_send(ep, v, &d, &e), DP_EINVAL);
+  cr_assert_null(d);
+  cr_assert(strstr(e.message, "buffer 0 is a storage that carries host data"), "%s", e.message);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  close(fd);
+}
+
 /* peer: sends n values of 4 MiB, then dies (SIGKILL) after the k-th send
  * call, while the rest are on the wire */
 typedef struct killer {

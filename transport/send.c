@@ -1,5 +1,6 @@
 /* transport/send.c — sending a value: its frame, its buffers (direct, packed or staged). */
 #include "tp.h"
+#include "../pickler/frame.h"
 
 /* ---- sending ---- */
 
@@ -89,6 +90,11 @@ int dp__tp_sop_plan(dp_transport_t *t, sop_t *s, dp_error_t *err) {
   for (size_t i = 0; i < nb; i++) {
     dp_frame_buffer(s->frame, i, &d, NULL);
     if (dp__tp_buf_mode(t, d.device) == MODE_REFUSED) return dp__tp_refused(t, d.device, i, err);
+    if (dp__frame_buffer_has_host_data(s->frame, i))
+      return dp__err(err, DP_EINVAL,
+                     "transport: buffer %zu is a storage that carries host data (a value read from an inline "
+                     "frame): its base is the writer's address, not this process's memory; send the frame itself "
+                     "(dp_endpoint_send_frame)", i);
     s->buf_bytes += d.nbytes;
   }
   s->nbh = nb; /* the size of the three arrays, allocated or not */
