@@ -1027,6 +1027,10 @@ Test(transport, a_refused_connection_fails_every_pending_future_with_a_clear_err
   cr_assert_eq(dp_endpoint_error(ep, &e), DP_EIO);
   /* later calls fail with the same error */
   cr_assert_eq(dp_endpoint_send(ep, v, &d, &e), DP_EIO);
+  dp_future_t *r2 = (dp_future_t *)1;
+  cr_assert_eq(dp_endpoint_recv(ep, &r2, &e), DP_EIO, "a receive too");
+  cr_assert_null(r2);
+  cr_assert(strstr(e.message, "connection refused"), "%s", e.message);
   dp_future_release(r);
   dp_value_release(v);
   dp_endpoint_free(ep);
@@ -1799,3 +1803,24 @@ static void refused_then_closed(int caller) {
 Test(transport, a_refused_frames_receive_whose_callback_closes_the_endpoint_thread_driven) { refused_then_closed(0); }
 
 Test(transport, a_refused_frames_receive_whose_callback_closes_the_endpoint_caller_driven) { refused_then_closed(1); }
+
+/* A transport freed with an endpoint connected to its own listener (the
+ * connection not yet taken) fails the endpoint's receive with DP_ECANCELED,
+ * every time: the endpoint is cancelled before the listener's side of the
+ * connection goes. */
+Test(transport, freeing_a_transport_cancels_an_endpoint_to_its_own_listener_before_closing_the_listener) {
+  for (int round = 0; round < 8; round++) {
+    dp_transport_t *t = new_transport(NULL);
+    dp_listener_t *l;
+    OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+    dp_endpoint_t *ep = connect_to(t, dp_listener_port(l));
+    dp_future_t *r;
+    OK(dp_endpoint_recv(ep, &r, T_ERR));
+    dp_transport_free(t);
+    cur_t = NULL;
+    dp_error_t e;
+    cr_assert_eq(dp_future_wait(r, 10 * SEC, &e), DP_ECANCELED, "round %d: %s: %s", round, dp_err_name(e.code),
+                 e.message);
+    dp_future_release(r);
+  }
+}

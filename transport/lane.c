@@ -236,6 +236,7 @@ void dp__tp_on_conn(ucp_conn_request_h req, void *arg) {
   ep->acceptor = 1;
   dp__am_shm_ctl_t acc = {DP__WIRE_MAGIC, 0, 0};
   dp__tp_ctl_queue(ep, DP__AM_ACCEPT, &acc, sizeof acc); /* sent by the loop: the connector knows it was accepted */
+  ep->queued = 1; /* before it is in the list dp_transport_free reads */
   dp__tp_ep_link(t, ep);
   pthread_mutex_lock(&t->mu);
   if (l->acc_tail) l->acc_tail->acc_next = ep;

@@ -240,6 +240,7 @@ struct dp_endpoint {
   uint64_t offer_token;     /* a late answer to a withdrawn offer is ignored */
   ctl_t *ctl_head, *ctl_tail;  /* control messages to send */
   dp_endpoint_t *acc_next;  /* a listener's queue of accepted endpoints */
+  int queued;               /* in that queue (not taken by dp_listener_accept): under mu */
   int dead;                 /* failed: UCX ep closed or closing */
   int need_close;           /* failed inside a UCX callback: close from the loop */
   int established;          /* the peer answered once */

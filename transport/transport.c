@@ -442,21 +442,25 @@ void dp_transport_free(dp_transport_t *t) {
     return;
   }
   run_cmd(t, CMD_SYNC, NULL, NULL); /* closes queued by callbacks are done first */
-  /* endpoints and listeners still open */
+  /* the caller's endpoints still open, then listeners (with the
+   * connections they accepted that nobody took: their listener closes
+   * them): an endpoint connected to one of this transport's listeners has
+   * its futures failed with DP_ECANCELED before the listener's side of the
+   * connection goes, which would fail them with a connection reset */
+  for (;;) {
+    pthread_mutex_lock(&t->mu);
+    dp_endpoint_t *ep = t->eps;
+    while (ep && ep->queued) ep = ep->next;
+    pthread_mutex_unlock(&t->mu);
+    if (!ep) break;
+    dp_endpoint_free(ep);
+  }
   for (;;) {
     pthread_mutex_lock(&t->mu);
     dp_listener_t *l = t->lsts;
     pthread_mutex_unlock(&t->mu);
     if (!l) break;
     dp_listener_free(l);
-  }
-  for (;;) {
-    dp_endpoint_t *ep = NULL;
-    pthread_mutex_lock(&t->mu);
-    ep = t->eps;
-    pthread_mutex_unlock(&t->mu);
-    if (!ep) break;
-    dp_endpoint_free(ep);
   }
   run_cmd(t, CMD_STOP, NULL, NULL);
   if (t->caller) dp__tp_drain_stopped(t);
@@ -550,6 +554,7 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
     l->acc_head = ep->acc_next;
     if (!l->acc_head) l->acc_tail = NULL;
     ep->acc_next = NULL;
+    ep->queued = 0;
   }
   pthread_mutex_unlock(&t->mu);
   if (!ep) return dp__err(err, DP_ETIMEDOUT, "dp_listener_accept: no connection on port %d in time", l->port);
@@ -693,10 +698,12 @@ int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_fu
 static int recv_common(dp_endpoint_t *ep, int frame, dp_future_t **out, dp_error_t *err) {
   if (!ep || !out) return dp__err(err, DP_EINVAL, "dp_endpoint_recv: %s is NULL", ep ? "out" : "ep");
   *out = NULL;
+  int rc = dp_endpoint_error(ep, err); /* a failed endpoint's error, as every later call returns it */
+  if (rc) return rc;
   dp_transport_t *t = ep->t;
   rwait_t *w = dp__alloc(sizeof *w);
   cmd_t *c = dp__alloc(sizeof *c);
-  int rc = (!w || !c) ? dp__err(err, DP_ENOMEM, "dp_endpoint_recv: out of memory") : 0;
+  rc = (!w || !c) ? dp__err(err, DP_ENOMEM, "dp_endpoint_recv: out of memory") : 0;
   if (!rc) {
     memset(w, 0, sizeof *w);
     w->frame = frame;
