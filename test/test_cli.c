@@ -257,6 +257,17 @@ Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
   cr_assert_eq(r.status, 1);
   cr_assert_str_eq(r.err, "devpickle: missing.dpk: No such file or directory\n");
   res_free(r);
+  /* a file that cannot be read says why, for every command */
+  r = run("--version >/dev/null && mkdir -p d.dpk");
+  res_free(r);
+  r = run("unpack d.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: d.dpk: read error: Is a directory\n");
+  res_free(r);
+  r = run("pack d.dpk -o x.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: d.dpk: read error: Is a directory\n");
+  res_free(r);
 }
 
 Test(cli, bad_value_json_names_the_problem_and_where) {

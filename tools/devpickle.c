@@ -102,12 +102,14 @@ static int read_all(const char *path, uint8_t **out, size_t *n) {
     buf = nb;
     cap *= 2;
   }
-  int err = ferror(f);
+  int err = ferror(f), why = errno; /* fread's reason (a directory: EISDIR) */
   if (f != stdin) fclose(f);
   if (!buf) return data_error(display(path), "out of memory reading the file", -1);
   if (err) {
     free(buf);
-    return data_error(display(path), "read error", -1);
+    char msg[128];
+    snprintf(msg, sizeof msg, "read error: %s", strerror(why));
+    return data_error(display(path), msg, -1);
   }
   *out = buf;
   *n = len;

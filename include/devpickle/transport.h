@@ -227,8 +227,11 @@ DP_API int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done,
  *  retained. If f fails, *done fails with its error and nothing is sent. */
 DP_API int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **done, dp_error_t *err);
 /** Sends a frame as it is (the bytes are copied): it must pass
- *  dp_frame_check and carry its buffers inline, or have none (DP_EINVAL
- *  otherwise). The peer receives it as any value. */
+ *  dp_frame_check (its error otherwise: DP_ETRUNC, DP_EFORMAT, ...) and
+ *  carry its buffers inline, or have none (DP_EINVAL otherwise). The peer
+ *  receives it as any value: dp_endpoint_recv gives a value whose storages
+ *  carry the frame's bytes as host data (their base is the sender's
+ *  address, never read), dp_endpoint_recv_frame the frame itself. */
 DP_API int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_future_t **done,
                                   dp_error_t *err);
 
