@@ -391,7 +391,10 @@ static const char *const help_pack =
 
 static int inline_reader(void *ud, dp_device_t d, const void *src, size_t n, void *dst, dp_error_t *err) {
   (void)ud; (void)d; (void)src; (void)n; (void)dst;
-  if (err) snprintf(err->message, sizeof err->message, "a tensor without \"data\" in an inline frame");
+  if (err) {
+    err->code = DP_EINVAL;
+    snprintf(err->message, sizeof err->message, "a tensor without \"data\" in an inline frame");
+  }
   return DP_EINVAL;
 }
 
