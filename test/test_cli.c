@@ -186,6 +186,23 @@ Test(cli, pack_then_unpack_then_pack_gives_the_same_bytes_through_stdin_and_stdo
   char *a = slurp(pa, &na), *b = slurp(pb, &nb);
   cr_assert_gt(na, 40);
   cr_assert(na == nb && memcmp(a, b, na) == 0, "frames differ (%zu vs %zu bytes)", na, nb);
+  free(b);
+  /* --compact: one line, and the same frame back */
+  r = run("unpack a.dpk --compact -o c.json");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  char pc[128];
+  snprintf(pc, sizeof pc, "%s/c.json", dir);
+  size_t nc;
+  char *c = slurp(pc, &nc);
+  cr_assert(nc > 2 && c[nc - 1] == '\n' && !memchr(c, '\n', nc - 1) && !strstr(c, ": "), "not compact: %s", c);
+  free(c);
+  r = run("pack c.json -o c.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  snprintf(pb, sizeof pb, "%s/c.dpk", dir);
+  b = slurp(pb, &nb);
+  cr_assert(na == nb && memcmp(a, b, na) == 0, "compact JSON packs to another frame");
   free(a);
   free(b);
 }

@@ -26,7 +26,7 @@ static const char *const usage_main =
     "\n"
     "commands:\n"
     "  pack VALUE.json -o FRAME.dpk   value JSON to a frame\n"
-    "  unpack FRAME.dpk [-o V.json]   a frame to value JSON (on stdout)\n"
+    "  unpack FRAME.dpk [-o V.json]   a frame to value JSON (on stdout; --compact: one line)\n"
     "  dump FRAME.dpk [--json]        the device pointers a frame's value holds\n"
     "  inspect FRAME.dpk              the value as a tree, one node a line, with paths\n"
     "  verify FRAME.dpk               check a frame completely; print a summary\n"
@@ -282,12 +282,12 @@ static int stdout_done(int rc) {
 typedef struct args {
   const char *file;
   const char *out;
-  int json;
+  int flag;  /* the command's own flag was given (dump --json, unpack --compact) */
   int help;
 } args_t;
 
 static int parse_args(const char *cmd, const char *help, int argc, char **argv, args_t *a, int allow_o, int need_o,
-                      int allow_json) {
+                      const char *flag) {
   memset(a, 0, sizeof *a);
   int opts = 1; /* until "--": after it every argument is a file name, "-f" too */
   for (int i = 1; i < argc; i++) {
@@ -304,8 +304,8 @@ static int parse_args(const char *cmd, const char *help, int argc, char **argv, 
     } else if (allow_o && (strcmp(s, "-o") == 0 || strcmp(s, "--output") == 0)) {
       if (++i == argc) return usage_error(cmd, "%s needs a file name", s);
       a->out = argv[i];
-    } else if (allow_json && strcmp(s, "--json") == 0) {
-      a->json = 1;
+    } else if (flag && strcmp(s, flag) == 0) {
+      a->flag = 1;
     } else if (s[0] == '-' && s[1] != '\0') {
       return usage_error(cmd, "unknown option '%s'", s);
     } else if (a->file) {
@@ -353,9 +353,9 @@ static int file_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err
   return 0;
 }
 
-static int load_command(const char *cmd, const char *help, int argc, char **argv, int allow_o, int allow_json,
+static int load_command(const char *cmd, const char *help, int argc, char **argv, int allow_o, const char *flag,
                         int whole, loaded_t *l) {
-  int rc = parse_args(cmd, help, argc, argv, &l->a, allow_o, 0, allow_json);
+  int rc = parse_args(cmd, help, argc, argv, &l->a, allow_o, 0, flag);
   if (rc) return rc;
   dp_error_t e;
   dp_error_clear(&e);
@@ -400,7 +400,7 @@ static int inline_reader(void *ud, dp_device_t d, const void *src, size_t n, voi
 
 static int cmd_pack(int argc, char **argv) {
   args_t a;
-  int rc = parse_args("pack", help_pack, argc, argv, &a, 1, 1, 0);
+  int rc = parse_args("pack", help_pack, argc, argv, &a, 1, 1, NULL);
   if (rc) return rc < 0 ? 0 : rc;
   uint8_t *text;
   size_t len;
@@ -450,16 +450,18 @@ static int cmd_pack(int argc, char **argv) {
 /* ---- unpack ---- */
 
 static const char *const help_unpack =
-    "usage: devpickle unpack FRAME.dpk [-o VALUE.json]\n"
+    "usage: devpickle unpack FRAME.dpk [-o VALUE.json] [--compact]\n"
     "\n"
     "Checks a frame and prints its value as value JSON (on stdout, or into\n"
     "VALUE.json, written whole or not at all). 'devpickle pack' turns that JSON\n"
     "back into the same bytes. Shared nodes and cycles appear as\n"
-    "{\"$id\": ..., \"$value\": ...} and {\"$ref\": ...}.\n";
+    "{\"$id\": ..., \"$value\": ...} and {\"$ref\": ...}.\n"
+    "The JSON is indented two spaces a level; --compact writes it without\n"
+    "spaces or newlines (a deeply nested value is then far smaller).\n";
 
 static int cmd_unpack(int argc, char **argv) {
   loaded_t l;
-  int rc = load_command("unpack", help_unpack, argc, argv, 1, 0, 1, &l);
+  int rc = load_command("unpack", help_unpack, argc, argv, 1, "--compact", 1, &l);
   if (rc) return rc < 0 ? 0 : rc;
   sink_t s;
   if ((rc = sink_open(&s, l.a.out)) != 0) {
@@ -467,7 +469,7 @@ static int cmd_unpack(int argc, char **argv) {
     return rc;
   }
   char msg[256];
-  rc = vjson_write(s.f, l.v, 2, msg, sizeof msg);
+  rc = vjson_write(s.f, l.v, l.a.flag ? 0 : 2, msg, sizeof msg);
   dp_value_release(l.v);
   if (rc && rc != DP_EIO) {
     sink_close(&s, 0);
@@ -509,7 +511,7 @@ static void json_str(const char *s) {
 
 static int cmd_dump(int argc, char **argv) {
   loaded_t l;
-  int rc = load_command("dump", help_dump, argc, argv, 0, 1, 0, &l);
+  int rc = load_command("dump", help_dump, argc, argv, 0, "--json", 0, &l);
   if (rc) return rc < 0 ? 0 : rc;
   dp_ptrset_t *set;
   rc = scan_value(l.a.file, l.v, &set);
@@ -517,7 +519,7 @@ static int cmd_dump(int argc, char **argv) {
   if (rc) return rc;
   char dev[16];
   size_t count = dp_ptrset_count(set);
-  if (l.a.json) {
+  if (l.a.flag) {
     /* printed as it goes: no document tree */
     printf("{\n  \"count\": %zu,\n  \"devices\": [", count);
     for (size_t j = 0; j < dp_ptrset_ndevices(set); j++) {
@@ -561,7 +563,7 @@ static const char *const help_inspect =
 
 static int cmd_inspect(int argc, char **argv) {
   loaded_t l;
-  int rc = load_command("inspect", help_inspect, argc, argv, 0, 0, 0, &l);
+  int rc = load_command("inspect", help_inspect, argc, argv, 0, NULL, 0, &l);
   if (rc) return rc < 0 ? 0 : rc;
   const dp_frame_info_t fi = l.info;
   printf("frame: %zu bytes, version %u, %s, payload %" PRIu64 ", table %" PRIu64 ", data %" PRIu64
@@ -588,7 +590,7 @@ static const char *const help_verify =
 
 static int cmd_verify(int argc, char **argv) {
   loaded_t l;
-  int rc = load_command("verify", help_verify, argc, argv, 0, 0, 0, &l);
+  int rc = load_command("verify", help_verify, argc, argv, 0, NULL, 0, &l);
   if (rc) return rc < 0 ? 0 : rc;
   dp_ptrset_t *set;
   rc = scan_value(l.a.file, l.v, &set);
