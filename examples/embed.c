@@ -1,6 +1,8 @@
 /* examples/embed.c — embedding devpickle: a user-defined C type, a scan with
  * paths, a frame for transport and the receiving side.
- * Build: cc -std=c11 embed.c $(pkg-config --cflags --libs --static devpickle) */
+ * Build: cc -std=c11 embed.c $(pkg-config --cflags --libs devpickle)
+ * or, static: cc -std=c11 embed.c $(pkg-config --cflags devpickle) $(pkg-config --variable=staticlibs devpickle)
+ * (README, "Embedding": --static --libs would still link libdevpickle.so). */
 #include <devpickle.h>
 #include <stdio.h>
 #include <stdlib.h>
