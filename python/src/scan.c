@@ -131,12 +131,16 @@ static inline tcache_ent_t *tcache_hit(PyTypeObject *t) {
   return e->type == t && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && e->version == t->tp_version_tag ? e : NULL;
 }
 
+/* The exact types that are leaves without a cache lookup. */
+static inline int plain_leaf(PyTypeObject *t) {
+  return t == &PyLong_Type || t == &PyUnicode_Type || t == &PyFloat_Type || t == &_PyNone_Type || t == &PyBool_Type;
+}
+
 static inline uint8_t classify(PyTypeObject *t) {
   if (t == &PyList_Type) return K_LIST;
   if (t == &PyTuple_Type) return K_TUPLE;
   if (t == &PyDict_Type) return K_DICT;
-  if (t == &PyLong_Type || t == &PyUnicode_Type || t == &PyFloat_Type || t == &_PyNone_Type || t == &PyBool_Type)
-    return K_LEAF;
+  if (plain_leaf(t)) return K_LEAF;
   tcache_ent_t *e = tcache_hit(t);
   return e ? e->kind : classify_slow(t, &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE]);
 }
@@ -195,9 +199,9 @@ struct dpy_scanner {
   dpy_scanner_t *next_free;
   dp_ptrset_t *found;    /* the allocations: own, or the caller's */
   dp_ptrset_t *own;
-  dp_ptrset_t *memo;     /* objects entered, by address (each also in keep: see pin_memo) */
+  dp_ptrset_t *memo;     /* objects entered, by address (each also in keep: see seen_at) */
   PyObject *keep;        /* a list: what the walk created or entered, alive until it ends */
-  int pinned;            /* Python code of the value's ran (dumps then checks its storages) */
+  int value_code_ran;    /* Python code of the value's ran (dumps then checks its storages) */
   frame_t *frames;
   size_t nframes, cap;
   /* first paths: offsets into text, one per allocation */
@@ -269,7 +273,7 @@ void dpy_scanner_put(dpy_scanner_t *s) {
   s->build = 0;
   while (s->nframes) frame_drop(&s->frames[--s->nframes]);
   Py_CLEAR(s->keep);
-  s->pinned = 0;
+  s->value_code_ran = 0;
   s->found = s->own;
   s->next_free = free_scanners;
   free_scanners = s;
@@ -653,22 +657,18 @@ static int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
     return -1;
   }
   *at = idx;
-  if (idx >= before && !keep(s, Py_NewRef(obj))) return -1; /* see pin_memo */
+  /* Python code run during the walk — the value's own or any other (a
+   * garbage collection's finalizers) — may free an entered object, and a
+   * new one at its address would pass for it: every entered object is kept
+   * alive until the walk ends. */
+  if (idx >= before && !keep(s, Py_NewRef(obj))) return -1;
   return idx < before;
 }
 
-/* Python code run during the walk — the value's own (a reduce, a property,
- * an __instancecheck__, a metaclass's __getattr__) or any other (a garbage
- * collection's finalizers, run by an allocation anywhere) — may free
- * objects the memo holds by address, and a new object at a freed one's
- * address would pass for it. So every object entered in the memo is kept
- * alive until the walk ends (seen_at), whatever code runs. pin_memo marks
- * the points where the value's own code is about to run, after which
- * dumps checks that no storage it read moved (check_storages). */
-static int pin_memo(dpy_scanner_t *s) {
-  s->pinned = 1;
-  return 0;
-}
+/* Marks that the value's own Python code is about to run (a reduce, a
+ * property, an __instancecheck__, a tensor subclass's __torch_function__):
+ * dumps then checks that no storage it read moved (check_storages). */
+static void value_code_runs(dpy_scanner_t *s) { s->value_code_ran = 1; }
 
 static int seen(dpy_scanner_t *s, PyObject *obj) {
   size_t at;
@@ -890,7 +890,7 @@ static int view_extent(Py_ssize_t ndim, const Py_ssize_t *shape, const Py_ssize_
 /* __cuda_array_interface__: data pointer and extent of the view (no owner
  * is known, so views at different offsets are different entries). */
 static int visit_cai(dpy_scanner_t *s, PyObject *o) {
-  if (pin_memo(s)) return -1; /* __cuda_array_interface__ may be a property */
+  value_code_runs(s); /* __cuda_array_interface__ may be a property */
   PyObject *cai = PyObject_GetAttr(o, dpy.str_cai);
   if (!cai) return walk_error(s, o, "__cuda_array_interface__ failed");
   int rc = -1;
@@ -1037,7 +1037,7 @@ typedef struct {
 } dl_tensor_t;
 
 static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
-  if (pin_memo(s)) return -1; /* __dlpack_device__ is the value's code */
+  value_code_runs(s); /* __dlpack_device__ is the value's code */
   PyObject *devt = PyObject_CallMethodNoArgs(o, dpy.str_dlpack_device);
   if (!devt) return walk_error(s, o, "__dlpack_device__ failed");
   long dt = -1, di = 0;
@@ -1111,7 +1111,7 @@ static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj) {
 
 static int is_opaque(dpy_scanner_t *s, PyObject *o) {
   if (!s->opaque) return 0;
-  if (s->opaque_code && pin_memo(s)) return -1; /* a metaclass's __instancecheck__ */
+  if (s->opaque_code) value_code_runs(s); /* a metaclass's __instancecheck__ */
   return PyObject_IsInstance(o, s->opaque);
 }
 
@@ -1119,7 +1119,7 @@ static int is_opaque(dpy_scanner_t *s, PyObject *o) {
  * its state is its __dict__, entered as attributes. */
 static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
   PyObject *r;
-  if (pin_memo(s)) return -1;
+  value_code_runs(s);
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
   if (fn) {
     r = PyObject_CallOneArg(fn, o);
@@ -1548,7 +1548,7 @@ static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
 static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   /* a subclass's __torch_function__ runs the value's code on every attribute
      read below (dtype, shape, stride(), ...) */
-  if ((PyObject *)Py_TYPE(o) != dpy.torch_tensor_cls && pin_memo(s)) return -1;
+  if ((PyObject *)Py_TYPE(o) != dpy.torch_tensor_cls) value_code_runs(s);
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
   int n = torch_allocs(o, a);
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
@@ -1932,11 +1932,6 @@ dp_value_t dpy_scanner_root(const dpy_scanner_t *s) { return s->root; }
 
 PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i) { return i < s->stor_cap ? s->stor_obj[i] : NULL; }
 
-/* dumps, after a walk that ran Python code of the value's: every torch
- * storage the frame will read must still be where, and as large as, the
- * walk found it — a reduce may have resized a tensor walked before it
- * (t.resize_() moves the data of the very storage the walk holds) or
- * set_() it elsewhere. 0, or -1 with a WalkError. */
 /* The walk error for o, found first at allocation i's path, that changed
  * under the walk (reported once the walk is over: its own path then). */
 static int changed(dpy_scanner_t *s, PyObject *o, size_t i) {
@@ -1946,6 +1941,11 @@ static int changed(dpy_scanner_t *s, PyObject *o, size_t i) {
   return rc;
 }
 
+/* dumps, after a walk that ran Python code of the value's: every torch
+ * storage (or numpy array's memory) the frame will read must still be where,
+ * and as large as, the walk found it — a reduce may have resized a tensor walked before it
+ * (t.resize_() moves the data of the very storage the walk holds) or
+ * set_() it elsewhere. 0, or -1 with a WalkError. */
 static int check_storages(dpy_scanner_t *s) {
   for (size_t i = 0; i < s->stor_cap; i++) {
     PyObject *o = s->stor_obj[i], *st = s->stor_st[i];
@@ -2000,7 +2000,7 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     PyObject *o = list ? PyList_GET_ITEM(seq, f->pos) : PyTuple_GET_ITEM(seq, f->pos);
     PyTypeObject *t = Py_TYPE(o);
     if (t != ok) {
-      if (t == &PyLong_Type || t == &PyFloat_Type || t == &PyUnicode_Type || t == &_PyNone_Type || t == &PyBool_Type) {
+      if (plain_leaf(t)) {
         f->idx = f->pos++;
         continue;
       }
@@ -2082,7 +2082,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
     if (rc) return -1;
   }
   if (flush_pending(s)) return -1;
-  return s->build && s->pinned ? check_storages(s) : 0;
+  return s->build && s->value_code_ran ? check_storages(s) : 0;
 }
 
 /* ---- devpickle.Allocation and the result of scan ---- */
