@@ -50,8 +50,8 @@ typedef struct dpy_scan_opts {
   PyObject *opaque;     /* a tuple of types treated as leaves, or NULL */
   uint32_t max_depth;   /* 0: DP_DEFAULT_MAX_DEPTH */
   int build;            /* also make the devpickle value (dumps): dpy_scanner_root */
-  int no_refs;          /* the allocations only: a tensor met twice may count twice in refs
-                         * (tensors skip the memo; the set of allocations is the same) */
+  int no_refs;          /* the allocations only: a tensor met twice counts twice in the set's
+                         * refs (refs are counted exactly only without `into`) */
 } dpy_scan_opts_t;
 
 /* A scanner from the module's cache (or a new one). */

@@ -211,13 +211,22 @@ struct dpy_scanner {
   size_t npaths, paths_cap;
   int want_paths;
   const char *error_path; /* set: the path a walk error names (an allocation's, after the walk) */
-  int tensor_memo;       /* tensors enter the memo (refs counted exactly) */
+  /* refs (scan): tensors skip the memo, so the set counts every visit of
+   * one; the scanner counts distinct objects instead (account()). first[i]
+   * is the first object found on allocation i (held until it is entered in
+   * `counted`, the objects counted on an allocation met again). */
+  int count_refs;
+  uint32_t *refs;
+  PyObject **first;
+  size_t nfirst, first_cap;
+  dp_ptrset_t *counted;
   PyObject *opaque;
   int opaque_code;       /* one of opaque is not an exact type: isinstance may run Python code */
   uint32_t max_depth;
   /* allocations found and not yet in `found`, when no path or index is asked
    * for them: added in batches (dp_ptrset_add_many), in order */
   dp_ptr_info_t pend[32];
+  PyObject *pend_obj[32]; /* count_refs: the object each was found on (held) */
   int npend;
   /* building (dumps): the root, a value per memo entry, a storage per
    * allocation and the first object found on it */
@@ -235,6 +244,7 @@ struct dpy_scanner {
 
 static dpy_scanner_t *free_scanners;
 static void build_reset(dpy_scanner_t *s);
+static void refs_reset(dpy_scanner_t *s);
 static void frame_drop(frame_t *f);
 
 const dp_ptrset_t *dpy_scanner_ptrs(const dpy_scanner_t *s) { return s->found; }
@@ -259,7 +269,9 @@ dpy_scanner_t *dpy_scanner_get(void) {
   int rc = dp_ptrset_new(&s->found, &e);
   s->own = s->found;
   if (!rc) rc = dp_ptrset_new(&s->memo, &e);
+  if (!rc) rc = dp_ptrset_new(&s->counted, &e);
   if (rc) {
+    dp_ptrset_free(s->memo);
     dp_ptrset_free(s->found);
     PyMem_Free(s);
     return (dpy_scanner_t *)dpy_raise(rc, &e);
@@ -269,6 +281,7 @@ dpy_scanner_t *dpy_scanner_get(void) {
 
 void dpy_scanner_put(dpy_scanner_t *s) {
   if (!s) return;
+  refs_reset(s);
   if (s->build) build_reset(s);
   s->build = 0;
   while (s->nframes) frame_drop(&s->frames[--s->nframes]);
@@ -607,20 +620,92 @@ static int note_path(dpy_scanner_t *s, size_t index) {
   return 0;
 }
 
-static int flush_pending(dpy_scanner_t *s) {
-  int n = s->npend;
-  if (!n) return 0;
-  s->npend = 0;
+static PyObject *keep(dpy_scanner_t *s, PyObject *o);
+
+/* Enters o (a new reference, stolen) in `counted`: 1 when it was there. */
+static int counted_before(dpy_scanner_t *s, PyObject *o) {
+  size_t before = dp_ptrset_count(s->counted), idx;
   dp_error_t e;
-  int rc = dp_ptrset_add_many(s->found, s->pend, (size_t)n, NULL, &e);
+  int rc = dp_ptrset_add(s->counted, (dp_device_t){DP_DEVICE_CPU, 0}, o, 0, &idx, &e);
   if (rc) {
+    Py_DECREF(o);
     dpy_raise(rc, &e);
     return -1;
   }
+  if (idx < before) {
+    Py_DECREF(o);
+    return 1;
+  }
+  return keep(s, o) ? 0 : -1; /* alive until the walk ends: its address stays its own */
+}
+
+/* Counts obj on allocation idx (count_refs). A tensor skips the memo, so
+ * one met again reaches here again; but it then finds its allocation in the
+ * set already. So a new allocation just holds its first object and counts
+ * one, and only an allocation met again asks `counted` — with its first
+ * object entered first, since obj may be that one again. */
+static int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
+  if (idx >= s->nfirst) { /* new: allocations are numbered in discovery order */
+    if (idx >= s->first_cap) {
+      size_t cap = s->first_cap ? 2 * s->first_cap : 64;
+      while (cap <= idx) cap *= 2;
+      PyObject **f = PyMem_Realloc(s->first, cap * sizeof *f);
+      if (f) s->first = f;
+      uint32_t *r = f ? PyMem_Realloc(s->refs, cap * sizeof *r) : NULL;
+      if (!r) {
+        PyErr_NoMemory();
+        return -1;
+      }
+      s->refs = r;
+      s->first_cap = cap;
+    }
+    while (s->nfirst < idx) { /* not reached: every allocation is accounted in order */
+      s->first[s->nfirst] = NULL;
+      s->refs[s->nfirst++] = 0;
+    }
+    s->first[idx] = Py_NewRef(obj);
+    s->refs[idx] = 1;
+    s->nfirst = idx + 1;
+    return 0;
+  }
+  PyObject *f = s->first[idx];
+  if (f) {
+    s->first[idx] = NULL;
+    if (counted_before(s, f) < 0) return -1;
+  }
+  int c = counted_before(s, Py_NewRef(obj));
+  if (c < 0) return -1;
+  if (!c) s->refs[idx]++;
   return 0;
 }
 
-static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, size_t *at) {
+static void refs_reset(dpy_scanner_t *s) {
+  for (int i = 0; i < s->npend; i++) Py_CLEAR(s->pend_obj[i]);
+  s->npend = 0;
+  size_t n = s->nfirst;
+  s->nfirst = 0;
+  for (size_t i = 0; i < n; i++) Py_CLEAR(s->first[i]);
+  dp_ptrset_clear(s->counted);
+}
+
+static int flush_pending(dpy_scanner_t *s) {
+  int n = s->npend, rc = 0;
+  if (!n) return 0;
+  dp_error_t e;
+  size_t idx[sizeof s->pend / sizeof s->pend[0]];
+  rc = dp_ptrset_add_many(s->found, s->pend, (size_t)n, s->count_refs ? idx : NULL, &e);
+  if (rc) dpy_raise(rc, &e);
+  for (int i = 0; i < n && s->count_refs; i++) {
+    if (!rc) rc = account(s, idx[i], s->pend_obj[i]);
+    Py_CLEAR(s->pend_obj[i]);
+  }
+  s->npend = 0;
+  return rc ? -1 : 0;
+}
+
+/* Adds an allocation found on obj, at once: *at (may be NULL) gets its
+ * index, and its first path is rendered. */
+static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, size_t *at) {
   size_t idx;
   dp_error_t e;
   if (flush_pending(s)) return -1;
@@ -633,18 +718,20 @@ static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nb
     PyErr_NoMemory();
     return -1;
   }
+  if (s->count_refs && account(s, idx, obj)) return -1;
   if (at) *at = idx;
   return 0;
 }
 
-static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes) {
-  if (s->want_paths || s->build) return add_alloc_at(s, dev, base, nbytes, NULL);
+/* Adds an allocation found on obj: in a batch when no path or index is
+ * asked for it. */
+static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj) {
+  if (s->want_paths || s->build) return add_alloc_at(s, dev, base, nbytes, obj, NULL);
   if (s->npend == (int)(sizeof s->pend / sizeof s->pend[0]) && flush_pending(s)) return -1;
+  if (s->count_refs) s->pend_obj[s->npend] = Py_NewRef(obj);
   s->pend[s->npend++] = (dp_ptr_info_t){dev, base, nbytes, 0, NULL};
   return 0;
 }
-
-static PyObject *keep(dpy_scanner_t *s, PyObject *o);
 
 /* 1 when obj was entered before (a shared reference or a cycle), 0 the
  * first time. */
@@ -808,10 +895,8 @@ static int visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
   if (d && !PyDict_Check(d)) d = NULL;
   if (tensor_slots(s, o, &d)) return -1;
   if (!d || !PyDict_GET_SIZE(d)) return 0;
-  if (!s->tensor_memo) { /* the memo was skipped: its attributes are entered once (t.me = t) */
-    int sn = seen(s, o);
-    if (sn) return sn < 0 ? -1 : 0;
-  }
+  int sn = seen(s, o); /* the tensor skipped the memo: its attributes are entered once (t.me = t) */
+  if (sn) return sn < 0 ? -1 : 0;
   return push(s, FR_ATTRS, d);
 }
 
@@ -821,7 +906,7 @@ static int visit_torch(dpy_scanner_t *s, PyObject *o) {
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
   for (int i = 0; i < n; i++) {
     if (!a[i].base && !a[i].nbytes) continue; /* an empty storage holds no memory */
-    if (add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes))
+    if (add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o))
       return -1;
   }
   return visit_tensor_attrs(s, o);
@@ -857,7 +942,7 @@ static int visit_cupy(dpy_scanner_t *s, PyObject *o) {
   void *base;
   size_t size;
   if (cupy_memory(o, &dev, &base, &size)) return walk_error(s, o, "a cupy array without its memory");
-  return add_alloc(s, dev, base, size);
+  return add_alloc(s, dev, base, size, o);
 }
 
 /* The extent in bytes of a strided view: from its lowest to its highest
@@ -933,7 +1018,7 @@ static int visit_cai(dpy_scanner_t *s, PyObject *o) {
   dp_device_t dev = {DP_DEVICE_CUDA, 0};
   dp_backend_t *cuda;
   if (ext && !dp_backend_get(DP_DEVICE_CUDA, &cuda, NULL)) dp_pointer_device(cuda, ptr, &dev, NULL);
-  rc = ext ? add_alloc(s, dev, (char *)ptr + lo, ext) : 0;
+  rc = ext ? add_alloc(s, dev, (char *)ptr + lo, ext, o) : 0;
 out:
   Py_DECREF(cai);
   if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "a malformed __cuda_array_interface__");
@@ -1008,7 +1093,7 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   void *base;
   size_t ext;
   if (buffer_memory(s, o, &dev, &base, &ext)) return -1;
-  if (ext && add_alloc(s, dev, base, ext)) return -1;
+  if (ext && add_alloc(s, dev, base, ext, o)) return -1;
   /* a subclass written in Python (bytearray's, ndarray's) may hold more in
      its instance __dict__, which pickle's reduce of it carries (bytearray's
      does): walked as an object's attributes, never skipped */
@@ -1080,7 +1165,7 @@ static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
     PyErr_SetString(PyExc_ValueError, "a DLPack tensor with a bad shape or dtype");
     return walk_error(s, o, "memory devpickle cannot describe");
   }
-  return ext ? add_alloc(s, dev, base, ext) : 0;
+  return ext ? add_alloc(s, dev, base, ext, o) : 0;
 }
 
 /* ---- the walk ---- */
@@ -1197,10 +1282,10 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   default:
     break;
   }
-  /* A tensor without the memo: met twice, its allocation is found again
-   * (the same one) and counted twice in refs; its attributes are still
-   * entered once (visit_tensor_attrs). */
-  if (k == K_TORCH && !s->tensor_memo) return visit_torch(s, o);
+  /* A tensor skips the memo: met twice, its allocation is found again (the
+   * same one; account() counts the tensor once in refs) and its attributes
+   * are entered once (visit_tensor_attrs). */
+  if (k == K_TORCH) return visit_torch(s, o);
   int sn = seen(s, o);
   if (sn) return sn < 0 ? -1 : 0;
   switch (k) {
@@ -1236,8 +1321,6 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     if (!PyDict_Check(d) || PyDict_GET_SIZE(d) == 0) return 0;
     return push(s, FR_ATTRS, d);
   }
-  case K_TORCH:
-    return visit_torch(s, o);
   case K_CUPY:
     return visit_cupy(s, o);
   case K_CAI:
@@ -1460,7 +1543,7 @@ static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
 static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *base, size_t nbytes, const char *dtype,
                         int ndim, const int64_t *shape, const int64_t *strides, int64_t offset, dp_value_t *out) {
   size_t at;
-  if (add_alloc_at(s, dev, base, nbytes, &at)) return -1;
+  if (add_alloc_at(s, dev, base, nbytes, o, &at)) return -1;
   if (at >= s->stor_cap) {
     size_t cap = s->stor_cap ? s->stor_cap : 16;
     while (cap <= at) cap *= 2;
@@ -1981,8 +2064,8 @@ static int check_storages(dpy_scanner_t *s) {
   return 0;
 }
 
-/* The Future's walk (no paths, no refs, no opaque types, not building)
- * over a list or tuple: a run of items that are leaves, or tensors of a
+/* The walk of scan and of the Future (not building, no opaque types) over
+ * a list or tuple: a run of items that are leaves, or tensors of a
  * class already classified as a tensor class with no slots and holding no
  * attributes, is read here, as visit() would read each (the same
  * allocations, in the same order), without the loop's per-child dispatch.
@@ -2011,6 +2094,7 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
       ok = t;
     }
     Py_INCREF(o);
+    f->idx = f->pos; /* the item's path */
     PyObject **dp = _PyObject_GetDictPtr(o);
     dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
     int na = dp && *dp ? -2 : dpy.torch->tensor_allocs(o, a); /* attributes (or a dict once made): visit() */
@@ -2021,7 +2105,7 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     }
     for (int i = 0; i < na; i++)
       if ((a[i].base || a[i].nbytes) &&
-          add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes)) {
+          add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o)) {
         Py_DECREF(o);
         return -1;
       }
@@ -2040,12 +2124,12 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   if (!into) dp_ptrset_clear(s->found);
   dp_ptrset_clear(s->memo);
   s->nframes = 0;
-  s->npend = 0;
+  refs_reset(s);
   s->npaths = 0;
   s->text_len = 0;
   s->want_paths = opts->paths;
   s->error_path = NULL;
-  s->tensor_memo = !opts->no_refs;
+  s->count_refs = !opts->no_refs && !opts->build && !into; /* refs are of a set of its own */
   s->opaque = opts->opaque;
   s->opaque_code = 0;
   if (s->opaque && PyTuple_Check(s->opaque))
@@ -2054,7 +2138,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   else if (s->opaque)
     s->opaque_code = !PyType_CheckExact(s->opaque);
   s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
-  int runs = !s->build && !s->want_paths && !s->tensor_memo && !s->opaque && dpy.torch && dpy.torch_tensor;
+  int runs = !s->build && !s->opaque && dpy.torch && dpy.torch_tensor;
   if (visit(s, obj)) return -1;
   while (s->nframes) {
     frame_t *f = &s->frames[s->nframes - 1];
@@ -2227,7 +2311,7 @@ static PyObject *result_list(const dpy_scanner_t *s) {
     a->device = p.device;
     a->ptr = p.base;
     a->nbytes = p.nbytes;
-    a->refs = p.refs;
+    a->refs = s->count_refs ? s->refs[i] : p.refs;
     a->path = path ? PyUnicode_FromString(path) : Py_NewRef(Py_None);
     PyList_SET_ITEM(list, (Py_ssize_t)i, (PyObject *)a);
     if (!a->path) Py_CLEAR(list);

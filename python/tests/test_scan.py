@@ -64,6 +64,30 @@ def test_views_of_one_storage_are_one_allocation_with_a_count_of_distinct_tensor
     assert a["ptr"] == a.ptr and a._asdict()["refs"] == 3
 
 
+def test_refs_count_each_distinct_tensor_once_however_often_and_in_whatever_order_it_is_met():
+    ts = [torch.ones(2) for _ in range(100)]
+    for paths in (True, False):
+        # more tensors than a batch of the walk; every one met again, and a view of each
+        got = devpickle.scan(ts + [None, "x"] + ts[::-1] + [t[1:] for t in ts] + ts, paths=paths)
+        assert [x.ptr for x in got] == [storage_ptr(t)[0] for t in ts]
+        assert [x.refs for x in got] == [2] * 100
+        assert [x.path for x in got] == ([f"$[{i}]" for i in range(100)] if paths else [None] * 100)
+    t = torch.arange(6.0)
+    v = t[2:]
+    # the view first, then the tensor, each twice; a numpy array over the same memory
+    got = devpickle.scan([v, (1, t), [v, t], t.numpy(), t])
+    assert [(x.refs, x.path) for x in got] == [(3, "$[0]")]
+    sp = torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))
+    assert [x.refs for x in devpickle.scan([sp, sp, [sp]])] == [1, 1]
+
+
+def test_a_tensor_with_attributes_met_after_a_view_of_it_has_them_walked():
+    t = torch.ones(4)
+    t.extra = torch.zeros(2)
+    got = devpickle.scan([t[1:], "leaf", t, t])
+    assert [(x.refs, x.path) for x in got] == [(2, "$[0]"), (1, "$[2].extra")]
+
+
 def test_allocations_come_in_discovery_order_with_their_first_path():
     a, b, c = torch.ones(2), torch.ones(3), torch.ones(4)
     value = {"blocks": [Block(a, bias=b)], "x y": Holder(c), 7: a}
