@@ -2073,6 +2073,16 @@ static int check_storages(dpy_scanner_t *s) {
  * tensor subclass's dispatch in the adapter), so the sequence is read
  * afresh for every item and the item held while it is read, as the loop
  * does. Stops at the first other item, which the loop visits. */
+/* _PyObject_GetDictPtr without its call where the dict is at a fixed
+ * offset (torch.Tensor's). */
+static inline PyObject **dict_ptr(PyObject *o, PyTypeObject *t) {
+  Py_ssize_t off = t->tp_dictoffset;
+#ifdef Py_TPFLAGS_MANAGED_DICT
+  if (t->tp_flags & Py_TPFLAGS_MANAGED_DICT) off = 0;
+#endif
+  return off > 0 ? (PyObject **)((char *)o + off) : _PyObject_GetDictPtr(o);
+}
+
 static int seq_run(dpy_scanner_t *s, frame_t *f) {
   PyObject *seq = f->obj;
   int list = PyList_Check(seq);
@@ -2095,7 +2105,7 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     }
     Py_INCREF(o);
     f->idx = f->pos; /* the item's path */
-    PyObject **dp = _PyObject_GetDictPtr(o);
+    PyObject **dp = dict_ptr(o, t);
     dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
     int na = dp && *dp ? -2 : dpy.torch->tensor_allocs(o, a); /* attributes (or a dict once made): visit() */
     if (na < 0) {
