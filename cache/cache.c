@@ -323,6 +323,9 @@ static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small
  * records an event on each of their blocks' streams; free_dropped(),
  * without the lock, waits on those events, frees the memory, and retakes
  * the lock to recycle the blocks. A segment whose event cannot be had
+ * stays in the pool. A host function (dp__host_fn_stream) must not wait:
+ * a block of its own stream needs no event (the stream's earlier work is
+ * done), and a segment with work still queued on another block's stream
  * stays in the pool. */
 static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p) {
   segment_t *dropped = NULL;
@@ -335,8 +338,10 @@ static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p) {
      * hold several: mark where each one's stream is. */
     for (block_t *b = seg->first; b && all_free; b = b->next) {
       b->drop_ev = NULL;
-      if (b->stream && (dp_event_new(c->b, dp__stream_dev(b->stream), &b->drop_ev, NULL) != 0 ||
-                        dp_event_record(b->drop_ev, b->stream, NULL) != 0)) {
+      if (!b->stream || (dp__host_fn_stream && b->stream->h == dp__host_fn_stream)) continue;
+      if (dp_event_new(c->b, dp__stream_dev(b->stream), &b->drop_ev, NULL) != 0 ||
+          dp_event_record(b->drop_ev, b->stream, NULL) != 0 ||
+          (dp__host_fn_stream && dp_event_query(b->drop_ev, NULL) != 1)) {
         if (b->drop_ev) dp_event_free(b->drop_ev);
         b->drop_ev = NULL;
         for (block_t *u = seg->first; u != b; u = u->next)
@@ -753,6 +758,7 @@ static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *
 static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, void *const *ptrs, size_t n,
                                                                 dp_stream_t *s, unsigned char *owned, dp_error_t *err) {
   if (!c || !s) return dp__err(err, DP_EINVAL, "record_streams: NULL argument");
+  if (n && !ptrs) return dp__err(err, DP_EINVAL, "record_streams: NULL ptrs with n = %zu", n);
   int rc = 0;
   uint64_t ring[RECORD_RING];
   size_t ring_at[RECORD_RING];  /* the index whose hash ring[] holds (prefetch only) */

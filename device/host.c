@@ -111,6 +111,8 @@ static void progress_wait(progress_t *p, uint64_t target) {
 
 /* ---- streams ---- */
 
+_Thread_local const void *dp__host_fn_stream;
+
 static void *worker(void *arg) {
   hstream_t *s = arg;
   pthread_mutex_lock(&s->mu);
@@ -123,7 +125,9 @@ static void *worker(void *arg) {
     pthread_mutex_unlock(&s->mu);
     switch (t.kind) {
       case T_FN:
+        dp__host_fn_stream = s;
         t.fn(t.arg);
+        dp__host_fn_stream = NULL;
         break;
       case T_WAIT:
         progress_wait(t.wait_on, t.wait_for);

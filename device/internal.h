@@ -129,6 +129,11 @@ void dp__stream_unlisten(dp__stream_listener_t *l);
  * and the calling thread's current streams. Everything above that holds
  * backend objects (caches, futures) must be gone first. */
 void dp__device_shutdown(void);
+/* On a host stream's worker thread while it runs a host function
+ * (dp_host_launch): that stream's handle (dp_stream's h), else NULL. Such
+ * code must not block on a stream's events: its own stream's, recorded
+ * after it, would never complete (its earlier work has). */
+extern _Thread_local const void *dp__host_fn_stream;
 
 /* dp_stream_device, inline: the cache's allocation path reads it. */
 static inline dp_device_t dp__stream_dev(const dp_stream_t *s) { return s->dev; }

@@ -461,6 +461,61 @@ Test(allocator, emptying_the_cache_waits_for_a_stream_without_holding_the_lock_i
   dp_stream_free(s);
 }
 
+/* A host function that allocates when the backend is out of memory: the
+ * retry frees the cached segments of its own stream without waiting (the
+ * stream's earlier work is done; an event recorded on it now would wait
+ * for the function itself), and does not wait for another stream still
+ * busy — its segment stays, and the allocation fails with DP_ENOMEM. */
+typedef struct {
+  dp_stream_t *s;
+  int rc;
+  char msg[DP_ERROR_MSG_MAX];
+} oom_fn_t;
+
+static void gate_wait(void *arg);
+
+static void allocate_2mib(void *arg) {
+  oom_fn_t *a = arg;
+  void *p;
+  dp_error_t e = {0};
+  a->rc = dp_cache_alloc(C, H1, 2u << 20, a->s, &p, &e);
+  snprintf(a->msg, sizeof a->msg, "%s", e.message);
+  if (a->rc == 0) dp_cache_dealloc(C, p, NULL);
+}
+
+Test(allocator, a_host_function_out_of_memory_frees_its_own_streams_segments_and_never_waits_on_a_busy_one,
+     .timeout = 20) {
+  dp_stream_t *s = stream(H1), *busy = stream(H1);
+  void *p;
+  OK(dp_cache_alloc(C, H1, 4096, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR)); /* one free 2 MiB segment, last used on s */
+  OK(dp_host_set_memory_limit(H1, 3u << 20, T_ERR)); /* a second segment does not fit beside it */
+  oom_fn_t a = {.s = s, .rc = 1};
+  OK(dp_host_launch(s, allocate_2mib, &a, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(a.rc, 0, "its own stream's segment was freed: %s", a.msg);
+  cr_assert_eq(stats(H1).segment_frees, 1);
+
+  /* now the cached segment is busy's, whose stream is held at a gate */
+  OK(dp_host_set_memory_limit(H1, 0, T_ERR));
+  OK(dp_cache_empty(C, T_ERR));
+  OK(dp_cache_alloc(C, H1, 4096, busy, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_host_set_memory_limit(H1, 3u << 20, T_ERR));
+  _Atomic int gate = 0;
+  OK(dp_host_launch(busy, gate_wait, &gate, T_ERR));
+  a.rc = 1;
+  OK(dp_host_launch(s, allocate_2mib, &a, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR)); /* returns: the function did not wait for busy */
+  cr_assert_eq(a.rc, DP_ENOMEM, "%d %s", a.rc, a.msg);
+  cr_assert(strstr(a.msg, "out of memory allocating 2097152 bytes on host:1"), "%s", a.msg);
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(busy, T_ERR));
+  dp_stream_free(busy);
+  dp_stream_free(s);
+  OK(dp_host_set_memory_limit(H1, 0, T_ERR));
+}
+
 /* ---- teardown and the device layer's seams ---- */
 
 static void gate_wait(void *arg) {
@@ -624,6 +679,9 @@ Test(allocator, the_hooks_refuse_null_ptrs_for_a_nonzero_count) {
   cr_assert_eq(dp_cache_hooks_record(&h, NULL, 2, s, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_cache_hooks_record: NULL ptrs with n = 2");
   OK(dp_cache_hooks_record(&h, NULL, 0, s, T_ERR));
+  cr_assert_eq(h.record_streams(h.ctx, NULL, 3, s, &e), DP_EINVAL, "the hook itself, called directly");
+  cr_assert_str_eq(e.message, "record_streams: NULL ptrs with n = 3");
+  OK(h.record_streams(h.ctx, NULL, 0, s, T_ERR));
   h.record_streams = NULL;
   cr_assert_eq(dp_cache_hooks_record(&h, NULL, 1, s, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_cache_hooks_record: NULL ptrs with n = 1");
