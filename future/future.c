@@ -395,12 +395,16 @@ static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const d
     f->rec = *rec;
     dp__store_release(&f->state, DONE);
   } else {
-    f->error_code = error->code ? error->code : DP_ESTATE;
+    /* codes are negative: 0 and a positive one would read as success or
+       as no code of the library's */
+    f->error_code = error->code < 0 ? error->code : error->code ? DP_EINVAL : DP_ESTATE;
     if ((f->error = detail)) {
       detail->code = f->error_code;
-      if (!detail->message[0]) /* waiters get a message, whatever the producer gave */
-        snprintf(detail->message, sizeof detail->message, "the future failed: %s%s", dp_strerror(f->error_code),
-                 error->code ? "" : " (completed with error code 0)");
+      if (!detail->message[0]) { /* waiters get a message, whatever the producer gave */
+        char why[48] = "";
+        if (error->code >= 0) snprintf(why, sizeof why, " (completed with error code %d)", error->code);
+        snprintf(detail->message, sizeof detail->message, "the future failed: %s%s", dp_strerror(f->error_code), why);
+      }
     }
     dp_value_release(value);
     dp__store_release(&f->state, FAILED);
@@ -453,8 +457,10 @@ int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) 
   if (rc) {
     if (set) scratch_put(set, owned);
     if (err) *err = e;
-    /* The walk failed: so does the future, so that nobody waits forever. */
-    return publish(f, value, NULL, &e, NULL) == 0 ? rc : DP_ESTATE;
+    /* The walk failed: so does the future, so that nobody waits forever
+     * (unless it completed meanwhile: DP_ESTATE, and err says so). */
+    int prc = publish(f, value, NULL, &e, err);
+    return prc ? prc : rc;
   }
   cbent_t *cbs;
   rc = complete_with_set(f, value, set, 1, NULL, err, &cbs);
@@ -472,7 +478,8 @@ int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const d
     dp_error_t e;
     dp__err(&e, DP_EINVAL, "dp_future_mark_completed_with_ptrs: NULL ptrs");
     if (err) *err = e;
-    return publish(f, value, NULL, &e, NULL) == 0 ? DP_EINVAL : DP_ESTATE;
+    int prc = publish(f, value, NULL, &e, err); /* already complete: DP_ESTATE, and err says so */
+    return prc ? prc : DP_EINVAL;
   }
   cbent_t *cbs;
   /* the caller's set: copied, never changed (take 0) */
@@ -563,10 +570,36 @@ int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   return 0;
 }
 
+static int64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (!f) return dp__err(err, DP_EINVAL, "dp_future_synchronize: NULL future");
+  int64_t start = timeout_ns >= 0 ? mono_ns() : 0;
   int rc = dp_future_wait(f, timeout_ns, err);
-  for (size_t i = 0; rc == 0 && i < f->rec.ndevs; i++) rc = dp_event_synchronize(f->rec.devs[i].ev, err);
+  for (size_t i = 0; rc == 0 && i < f->rec.ndevs; i++) {
+    dp_event_t *ev = f->rec.devs[i].ev;
+    if (timeout_ns < 0) {
+      rc = dp_event_synchronize(ev, err);
+      continue;
+    }
+    /* within the same limit: no event call waits a given time, so poll,
+       sleeping 1 µs, doubling up to 1 ms */
+    for (int64_t nap = 1000;; nap = nap < 1000000 ? 2 * nap : nap) {
+      int q = dp_event_query(ev, err);
+      if (q == 1) break;
+      if (q < 0) return q;
+      int64_t left = timeout_ns - (mono_ns() - start);
+      if (left <= 0)
+        return dp__err(err, DP_ETIMEDOUT, "the future's events did not complete within %lld ns",
+                       (long long)timeout_ns);
+      struct timespec ts = {0, (long)(nap < left ? nap : left)};
+      nanosleep(&ts, NULL);
+    }
+  }
   return rc;
 }
 
@@ -677,10 +710,14 @@ static void dispatch(dp_future_t *f, cbent_t *list) {
     return;
   }
   t->depth = 1;
+  /* A callback may release f's last reference and then wait, which runs
+   * the queued free: f is held until its callbacks have run. */
+  dp_future_retain(f);
   for (cbent_t *e = list, *n; e; e = n) {
     n = e->next;
     run_entry(f, e);
   }
+  dp_future_release(f); /* queued (depth 1): freed by the drain if it was the last */
   tramp_drain(t);
   t->depth = 0;
 }

@@ -440,6 +440,119 @@ Test(future, completing_twice_is_an_error_and_changes_nothing) {
   dp_future_release(f);
 }
 
+static int failing_then_never_runs(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  cr_assert_fail("a failed parent's callback ran");
+  return 0;
+}
+
+Test(future, an_error_code_that_is_not_negative_is_never_handed_back_as_it_was) {
+  int codes[] = {4, 0}, want[] = {DP_EINVAL, DP_ESTATE};
+  for (int i = 0; i < 2; i++) {
+    dp_future_t *f = future(), *child;
+    dp_error_t why, e;
+    dp_error_clear(&why);
+    why.code = codes[i];
+    OK(dp_future_set_error(f, &why, T_ERR));
+    cr_assert_eq(dp_future_wait(f, -1, &e), want[i]);
+    cr_assert_eq(e.code, want[i]);
+    char msg[96];
+    snprintf(msg, sizeof msg, "the future failed: %s (completed with error code %d)", dp_strerror(want[i]), codes[i]);
+    cr_assert_str_eq(e.message, msg);
+    cr_assert_eq(dp_future_error(f, NULL), want[i]);
+    OK(dp_future_then(f, failing_then_never_runs, NULL, &child, T_ERR));
+    cr_assert_eq(dp_future_wait(child, -1, NULL), want[i], "the code travels down the chain as it was stored");
+    dp_future_release(child);
+    dp_future_release(f);
+  }
+}
+
+Test(future, a_failed_completion_of_a_complete_future_returns_the_code_err_holds) {
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  dp_error_t e;
+  int rc = dp_future_mark_completed_with_ptrs(f, dp_int(2), NULL, &e);
+  cr_assert_eq(rc, DP_ESTATE);
+  cr_assert_eq(e.code, rc);
+  cr_assert_str_eq(e.message, "the future is already complete");
+  cr_assert_eq(dp_value_as_int(dp_future_value(f)), 1);
+  dp_future_release(f);
+  f = future(); /* pending: the NULL ptrs is the error, and f fails with it */
+  cr_assert_eq(dp_future_mark_completed_with_ptrs(f, dp_none(), NULL, &e), DP_EINVAL);
+  cr_assert_eq(e.code, DP_EINVAL);
+  cr_assert_eq(dp_future_wait(f, -1, NULL), DP_EINVAL);
+  dp_future_release(f);
+}
+
+/* A callback that releases its parent's last reference and then waits (the
+ * wait runs this thread's queued work, the parent's free among it): the
+ * parent stays alive until its callbacks have run (ASan saw the free). */
+static dp_future_t *never_done;
+static int release_parent_then_wait(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)result, (void)err;
+  dp_future_release(parent);
+  cr_assert_eq(dp_future_wait(never_done, 0, NULL), DP_ETIMEDOUT);
+  return 0;
+}
+static int copy_parent_value(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)err;
+  *result = dp_value_retain(dp_future_value(parent));
+  return 0;
+}
+
+Test(future, a_callback_may_release_its_parent_and_wait_while_the_parents_other_callbacks_are_due) {
+  dp_future_t *f = future(), *c1, *c2;
+  never_done = future();
+  OK(dp_future_then(f, release_parent_then_wait, NULL, &c1, T_ERR));
+  OK(dp_future_then(f, copy_parent_value, NULL, &c2, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(7), T_ERR)); /* f's reference is the first callback's now */
+  OK(dp_future_wait(c1, -1, T_ERR));
+  OK(dp_future_wait(c2, -1, T_ERR));
+  cr_assert_eq(dp_value_as_int(dp_future_value(c2)), 7);
+  dp_future_release(c1);
+  dp_future_release(c2);
+  dp_future_release(never_done);
+}
+
+static void gate_spin(void *arg) {
+  while (!atomic_load((_Atomic int *)arg)) sleep_ms(1);
+}
+
+static void *open_gate_later(void *arg) {
+  sleep_ms(150);
+  atomic_store((_Atomic int *)arg, 1);
+  return NULL;
+}
+
+Test(future, synchronize_keeps_to_its_timeout_while_the_events_are_behind_other_work, .timeout = 20) {
+  dp_stream_t *s;
+  OK(dp_stream_new(B, H0, &s, T_ERR));
+  _Atomic int gate = 0;
+  OK(dp_set_current_stream(s, NULL, T_ERR));
+  OK(dp_host_launch(s, gate_spin, &gate, T_ERR)); /* the producer's work, still running */
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, device_ints(H0, 4), T_ERR)); /* its event follows that work */
+  dp_reset_current_stream(B, H0);
+  dp_error_t e;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  cr_assert_eq(dp_future_synchronize(f, 20 * 1000000, &e), DP_ETIMEDOUT);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
+  cr_assert(ms >= 19 && ms < 2000, "returned after %.1f ms", ms);
+  cr_assert_str_eq(e.message, "the future's events did not complete within 20000000 ns");
+  /* negative control: without a limit it waits for the work */
+  pthread_t th;
+  pthread_create(&th, NULL, open_gate_later, &gate);
+  OK(dp_future_synchronize(f, -1, T_ERR));
+  cr_assert_eq(atomic_load(&gate), 1, "synchronize returned before the events completed");
+  pthread_join(th, NULL);
+  OK(dp_future_synchronize(f, 0, T_ERR)); /* complete: a zero limit is enough */
+  free_ints(dp_future_value(f));
+  dp_future_release(f);
+  dp_stream_free(s);
+}
+
 Test(future, a_failure_whose_detail_cannot_be_copied_keeps_its_code) {
   dp_future_t *f = future();
   dp_error_t boom, e;

@@ -96,12 +96,13 @@ DP_API void dp_future_release(dp_future_t *f);
 DP_API int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err);
 /** As dp_future_mark_completed, without the walk: the producer gives the
  *  allocations (copied from ptrs). A NULL ptrs is DP_EINVAL, and f
- *  completes with that error. */
+ *  completes with that error (DP_ESTATE, as err says, if f was complete
+ *  already). */
 DP_API int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const dp_ptrset_t *ptrs,
                                               dp_error_t *err);
-/** Completes f with an error (copied; a code of 0 becomes DP_ESTATE; an
- *  empty message becomes one naming the code).
- *  DP_ESTATE if f was already complete. */
+/** Completes f with an error (copied; a code of 0 becomes DP_ESTATE and a
+ *  positive one DP_EINVAL — codes are negative; an empty message becomes
+ *  one naming the code). DP_ESTATE if f was already complete. */
 DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err);
 
 /** Blocks the host until f completes or timeout_ns passes (<0: no limit;
@@ -111,7 +112,9 @@ DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error
  *  f's allocations on those streams. Returns 0, DP_ETIMEDOUT, or f's own
  *  error (copied into err). */
 DP_API int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
-/** dp_future_wait, then blocks the host until f's events complete too. */
+/** dp_future_wait, then blocks the host until f's events complete too,
+ *  all within timeout_ns (<0: no limit; the events are polled, sleeping up
+ *  to 1 ms between looks): DP_ETIMEDOUT when they have not. */
 DP_API int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 
 /** The value, borrowed, without any synchronization: device memory it
