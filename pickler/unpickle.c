@@ -385,6 +385,7 @@ typedef struct up {
   dp_value_t *kept;      /* replaced reduce stand-ins, released at the end */
   size_t nkept, kept_cap;
   uint64_t items, bytes;
+  size_t owed;           /* items the open containers still need (each a byte at least), the one being read excepted */
   dp_value_t root;
   int have_root;
 } up_t;
@@ -418,6 +419,22 @@ static int grow_bounded(void **arr, size_t *cap, size_t len, size_t bound, size_
 
 /* Payload bytes not read yet: an upper bound on the nodes still to come. */
 static size_t bytes_left(const up_t *u) { return (size_t)(u->r.end - u->r.p); }
+
+/* A container about to be made for `items` items (each a byte at least):
+ * they must fit in the bytes left beside those the open containers still
+ * need, so that the containers open at any moment never claim more items
+ * than the input holds — each is made at its full size, and the sum of
+ * their sizes stays within the memory bound (a count checked only against
+ * the bytes left would let every open container claim them all). */
+static int claim(up_t *u, const uint8_t *at, uint64_t items, const char *what) {
+  size_t left = bytes_left(u), room = left > u->owed ? left - u->owed : 0;
+  if (items > room)
+    return rd_fail(&u->r, DP_EFORMAT, at,
+                   "%s claims %llu items but only %zu bytes are left beside the %zu its enclosing containers still need",
+                   what, (unsigned long long)items, left, u->owed);
+  u->owed += (size_t)items;
+  return 0;
+}
 
 /* Preorder numbers are 32 bits on the wire (back-references) and here: the
  * table never grows past MAX_NODES, so the check costs nothing until then. */
@@ -574,6 +591,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
     }
     case T_MAP: {
       /* exact sizes: counts were checked against the bytes left */
+      if ((rc = claim(u, at, 2 * t.len, "map")) != 0) return rc;
       if ((rc = dp_dict_new(t.len, out, &e)) != 0) return rd_pass(r, at, rc, &e);
       return open_container(u, *out, 'd', t.len, at, done);
     }
@@ -587,6 +605,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
     uint64_t n = t.len - 1;
     switch (tag) {
       case DP_TAG_TUPLE:
+        if ((rc = claim(u, at, n, "tuple")) != 0) return rc;
         if ((rc = dp_tuple_new(n, out, &e)) != 0) return rd_pass(r, at, rc, &e);
         return open_container(u, *out, DP_TAG_TUPLE, n, at, done);
       case DP_TAG_TENSOR:
@@ -604,6 +623,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
                             tag == DP_TAG_OBJECT ? "object" : "reduce", (unsigned long long)n);
         if ((rc = read_name(r, &cls, &cls_len, tag == DP_TAG_OBJECT ? "object class" : "reduce type")) != 0)
           return rc;
+        if ((rc = claim(u, at, n - 1, tag == DP_TAG_OBJECT ? "object" : "reduce node")) != 0) return rc;
         rc = tag == DP_TAG_OBJECT ? dp__object_new_n(cls, cls_len, (n - 1) / 2, out, &e)
                                   : dp__object_new_reduced_n(cls, cls_len, out, &e);
         if (rc) return rd_pass(r, at, rc, &e);
@@ -613,6 +633,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
         return rd_fail(r, DP_EFORMAT, at, "unknown node tag %u", tag);
     }
   }
+  if ((rc = claim(u, at, t.len, "array")) != 0) return rc;
   if ((rc = dp_list_new(t.len, out, &e)) != 0) return rd_pass(r, at, rc, &e);
   return open_container(u, *out, 0, t.len, at, done);
 }
@@ -755,8 +776,10 @@ static int parse_payload(up_t *u) {
       continue;
     }
     if (f->tag == DP_TAG_OBJECT && f->u.name.s == NULL) {
+      u->owed--; /* claimed with the object (claim) */
       if ((rc = read_name(r, &f->u.name.s, &f->u.name.n, "attribute name")) != 0) return rc;
     }
+    u->owed--;
     const uint8_t *vstart = r->p;
     if ((rc = read_value(u, &v, &done)) != 0) return rc;
     if (!done) continue;  /* a new frame: its value arrives when it closes */

@@ -963,6 +963,27 @@ Test(pickler, a_nesting_bomb_hits_the_depth_limit) {
   ASSERT_NO_LEAK();
 }
 
+/* Each container's count fits the bytes left, but not beside the items its
+ * enclosing containers still need: every open container was made at its
+ * full size, so k of them held k times the input (a 100 kB frame took 1.5
+ * GB). The second is refused before it is made. */
+Test(pickler, open_containers_never_claim_more_items_together_than_the_input_holds) {
+  enum { LAYERS = 1000, FILL = 20000, P = 3 * LAYERS + FILL }; /* array 16 headers: counts under 65536 */
+  uint8_t *p = malloc(P);
+  for (int i = 0; i < LAYERS; i++) {
+    unsigned left = (unsigned)(P - 3 * (i + 1));
+    p[3 * i] = 0xdc;
+    p[3 * i + 1] = (uint8_t)(left >> 8), p[3 * i + 2] = (uint8_t)left;
+  }
+  memset(p + 3 * LAYERS, 0xc0, FILL);
+  char msg[160];
+  snprintf(msg, sizeof msg, "array claims %d items but only %d bytes are left beside the %d its enclosing containers still need",
+           P - 6, P - 6, P - 4);
+  expect_bad(p, P, DP_EFORMAT, 40 + 3, msg, NULL);
+  free(p);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, a_container_count_larger_than_the_bytes_left_is_rejected_before_allocating) {
   const uint8_t arr[] = {0xdd, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02};
   expect_bad(arr, sizeof arr, DP_EFORMAT, 40, "array claims 4294967295 items but only 2 bytes are left", NULL);
