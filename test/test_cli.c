@@ -915,6 +915,55 @@ Test(cli, unpack_writes_a_shared_storages_data_once_and_pack_takes_it_from_the_t
              "storage do: an inline frame needs each storage's data (on one of its tensors), at $\n");
 }
 
+/* A path step shows the first 64 bytes of a name or key: rendering one
+ * costs that, not the name's length. inspect renders a path for every
+ * back-reference; with a 4 MiB attribute name over 200,000 of them, or a 4
+ * MiB str inside a tuple key over 50,000 dicts, it read the whole name each
+ * time (800 GB and 200 GB scanned: minutes); now each step reads 65 bytes
+ * (about a second for the whole test). The limit is a hang guard, not a
+ * measurement. */
+Test(cli, inspect_and_pack_render_a_step_at_the_cost_of_what_it_shows_not_of_the_names_length, .timeout = 60) {
+  size_t L = 4 << 20;
+  char *big = malloc(L + 1);
+  memset(big, 'n', L);
+  big[L] = 0;
+  dp_value_t obj, a = t_str("a"), l = t_list();
+  OK(dp_object_new("C", &obj, T_ERR));
+  OK(dp_object_set(obj, big, dp_value_retain(a), T_ERR));
+  OK(dp_list_append(l, obj, T_ERR));
+  for (int i = 0; i < 200000; i++) OK(dp_list_append(l, dp_value_retain(a), T_ERR));
+  dp_value_release(a);
+  write_frame("names.dpk", l, 0);
+  res_t r = run_sh("$D inspect names.dpk | tail -n 1");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "-> $[0].nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn\xe2\x80\xa6"), "%s", r.out);
+  res_free(r);
+
+  dp_value_t s, key, l2 = t_list();
+  OK(dp_str_new(big, L, &s, T_ERR));
+  OK(dp_tuple_new(1, &key, T_ERR));
+  OK(dp_seq_set(key, 0, dp_value_retain(s), T_ERR));
+  OK(dp_list_append(l2, s, T_ERR));
+  for (int i = 0; i < 50000; i++) {
+    dp_value_t d;
+    OK(dp_dict_new(1, &d, T_ERR));
+    OK(dp_dict_set(d, dp_value_retain(key), t_str("v"), T_ERR));
+    OK(dp_list_append(l2, d, T_ERR));
+  }
+  dp_value_release(key);
+  write_frame("keys.dpk", l2, 0);
+  r = run_sh("$D inspect keys.dpk | tail -n 1");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  char want[160]; /* the key's JSON cut at 64 bytes: its 12-byte head and 52 of the str's */
+  snprintf(want, sizeof want, "$[50000][{\"$tuple\":[\"%.52s\xe2\x80\xa6]  str (1 bytes) \"v\"", big);
+  cr_assert_not_null(strstr(r.out, want), "%s", r.out);
+  res_free(r);
+  r = run_sh("$D unpack keys.dpk > keys.json && $D pack keys.json -o again.dpk && cmp keys.dpk again.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  free(big);
+}
+
 Test(cli, dict_keys_show_their_value_json_alike_in_dump_inspect_and_pack_errors) {
   dp_value_t d;
   OK(dp_dict_new(0, &d, T_ERR));

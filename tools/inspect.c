@@ -76,11 +76,11 @@ static size_t render_step(dp_value_t c, size_t i, char *out) {
     case DP_OBJECT:
       if (dp_object_is_reduced(c)) {
         const char *cls = dp_object_class(c);
-        return vjson_step_reduce(cls, strlen(cls), out);
+        return vjson_step_reduce(cls, strnlen(cls, VJSON_NAME_MAX + 1), out);
       } else {
         const char *name;
         dp_object_attr(c, i, &name, NULL, NULL);
-        return vjson_step_name(name, strlen(name), out);
+        return vjson_step_name(name, strnlen(name, VJSON_NAME_MAX + 1), out);
       }
     default: return 0;
   }
@@ -238,7 +238,7 @@ static void summary(FILE *out, dp_value_t v) {
     case DP_OBJECT: {
       const char *cls = dp_object_class(v);
       char name[VJSON_NAME_TEXT_MAX];
-      size_t k = vjson_name_text(cls, strlen(cls), name), count = dp_object_nattrs(v);
+      size_t k = vjson_name_text(cls, strnlen(cls, VJSON_NAME_MAX + 1), name), count = dp_object_nattrs(v);
       if (dp_object_is_reduced(v)) /* its one child is its state, shown on the next line as <reduce T> */
         fprintf(out, "reduced %.*s\n", (int)k, name);
       else

@@ -111,7 +111,9 @@ static int is_ident(const char *s, size_t n) {
 static void sb_escaped(sb_t *b, const char *s, size_t n, int quoted, int cut) {
   char tmp[8];
   size_t run = 0;
-  for (size_t i = 0; i < n && !b->full; i++) {
+  /* stops once what is pending fills b: the rest is never shown (a long
+     string costs what is kept of it, not its length) */
+  for (size_t i = 0; i < n && !b->full && i - run <= b->cap - b->len; i++) {
     unsigned char c = (unsigned char)s[i];
     if (c >= 0x20 && c != '\\' && c != (quoted ? '"' : '>')) continue;
     sb_put(b, s + run, i - run);
