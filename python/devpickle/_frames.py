@@ -301,6 +301,10 @@ def _flat(kind, device, source, cache, key, nbytes):
         if isinstance(source, torch.Tensor):
             flat = source.reshape(-1).view(torch.uint8)
         else:
+            if memoryview(source).readonly:
+                # a torch tensor is always writable: it gets a copy, never a
+                # writable view of immutable memory (bytes)
+                source = bytearray(source)
             flat = torch.frombuffer(source, dtype=torch.uint8) if len(source) else torch.empty(0, dtype=torch.uint8)
             if device != "cpu":
                 flat = flat.to(device)
@@ -353,7 +357,9 @@ def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyt
         if dtype not in _TORCH_DTYPES or not hasattr(torch, dtype):
             raise _cannot(kind, device, key, f"dtype {dtype} has no torch equivalent here")
         typed = flat.view(getattr(torch, dtype)) if len(flat) else flat.view(getattr(torch, dtype))
-        return torch.as_strided(typed, shape, strides, offset)
+        # as_strided counts the offset from the storage's start: a buffer
+        # given as a view of a larger tensor starts further in
+        return torch.as_strided(typed, shape, strides, offset + typed.storage_offset())
     if kind == "numpy.ndarray":
         import numpy as np
 

@@ -148,7 +148,27 @@ static int bind(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_e
   return rc;
 }
 
-static PyObject *key_to_py(dp_value_t k, int depth) {
+static int memo_put(loader_t *l, dp_value_t v, PyObject *obj, size_t *at);
+static PyObject *key_to_py(loader_t *l, dp_value_t k, int depth);
+
+/* A str, bytes or key tuple the frame refers to more than once is converted
+ * once, as containers are (by identity): a 1 MB str referred to 2,000
+ * times is one object, not 2,000 copies. */
+static PyObject *leaf_to_py(loader_t *l, dp_value_t v, int depth) {
+  if (!dp_value_is_heap(v) || dp_value_refcount(v) < 2) return key_to_py(l, v, depth);
+  size_t at;
+  if (!dp_ptrset_find(l->memo, (dp_device_t){DP_DEVICE_CPU, 0}, dp_value_id(v), &at, NULL)) {
+    PyObject *o = PyList_GET_ITEM(l->memo_objs, (Py_ssize_t)at);
+    /* a key is never a tuple still being made (the reader refuses it);
+       should one be, it is made afresh */
+    return o != Py_None ? Py_NewRef(o) : key_to_py(l, v, depth);
+  }
+  PyObject *r = key_to_py(l, v, depth);
+  if (r && memo_put(l, v, r, &at)) Py_CLEAR(r);
+  return r;
+}
+
+static PyObject *key_to_py(loader_t *l, dp_value_t k, int depth) {
   switch (dp_value_kind(k)) {
   case DP_NONE:
     Py_RETURN_NONE;
@@ -173,7 +193,7 @@ static PyObject *key_to_py(dp_value_t k, int depth) {
     size_t n = dp_seq_len(k);
     PyObject *t = PyTuple_New((Py_ssize_t)n);
     for (size_t i = 0; t && i < n; i++) {
-      PyObject *x = key_to_py(dp_seq_get(k, i), depth + 1);
+      PyObject *x = leaf_to_py(l, dp_seq_get(k, i), depth + 1);
       if (!x) Py_CLEAR(t);
       else PyTuple_SET_ITEM(t, (Py_ssize_t)i, x);
     }
@@ -286,7 +306,7 @@ static int memo_put(loader_t *l, dp_value_t v, PyObject *obj, size_t *at) {
  * pushed for a container. */
 static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
   dp_kind_t k = dp_value_kind(v);
-  if (k <= DP_BYTES) return key_to_py(v, 0);
+  if (k <= DP_BYTES) return leaf_to_py(l, v, 0);
   size_t at;
   if (!dp_ptrset_find(l->memo, (dp_device_t){DP_DEVICE_CPU, 0}, dp_value_id(v), &at, NULL)) {
     PyObject *o = PyList_GET_ITEM(l->memo_objs, (Py_ssize_t)at);
@@ -417,10 +437,20 @@ static int deliver(cframe_t *f, PyObject *r) {
   case CF_TUPLE:
     rc = PyList_Append(f->py, r);
     break;
-  default:
+  default: {
+    Py_ssize_t before = PyDict_GET_SIZE(f->py);
     rc = PyDict_SetItem(f->py, f->key, r);
+    if (!rc && f->kind == CF_DICT && PyDict_GET_SIZE(f->py) == before) {
+      /* never a silent merge: the frame's keys are distinct, Python's equal */
+      PyErr_Format(PyExc_ValueError,
+                   "loads: a dict whose keys are distinct in the frame but equal in Python (1, 1.0 and True; "
+                   "0.0 and -0.0): key %R",
+                   f->key);
+      rc = -1;
+    }
     Py_CLEAR(f->key);
     break;
+  }
   }
   Py_DECREF(r);
   return rc;
@@ -458,7 +488,7 @@ static PyObject *to_python(loader_t *l, dp_value_t root) {
     } else if (f->kind == CF_DICT) {
       dp_value_t k;
       dp_dict_item(f->v, i, &k, &child, NULL);
-      if (!(f->key = key_to_py(k, 0))) goto fail;
+      if (!(f->key = leaf_to_py(l, k, 0))) goto fail;
     } else {
       const char *name;
       dp_object_attr(f->v, i, &name, &child, NULL);

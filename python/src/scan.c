@@ -201,7 +201,6 @@ struct dpy_scanner {
   dp_ptrset_t *own;
   dp_ptrset_t *memo;     /* objects entered, by address (each also in keep: see seen_at) */
   PyObject *keep;        /* a list: what the walk created or entered, alive until it ends */
-  int value_code_ran;    /* Python code of the value's ran (dumps then checks its storages) */
   frame_t *frames;
   size_t nframes, cap;
   /* first paths: offsets into text, one per allocation */
@@ -221,7 +220,6 @@ struct dpy_scanner {
   size_t nfirst, first_cap;
   dp_ptrset_t *counted;
   PyObject *opaque;
-  int opaque_code;       /* one of opaque is not an exact type: isinstance may run Python code */
   uint32_t max_depth;
   /* allocations found and not yet in `found`, when no path or index is asked
    * for them: added in batches (dp_ptrset_add_many), in order */
@@ -286,7 +284,6 @@ void dpy_scanner_put(dpy_scanner_t *s) {
   s->build = 0;
   while (s->nframes) frame_drop(&s->frames[--s->nframes]);
   Py_CLEAR(s->keep);
-  s->value_code_ran = 0;
   s->found = s->own;
   s->next_free = free_scanners;
   free_scanners = s;
@@ -752,11 +749,6 @@ static int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
   return idx < before;
 }
 
-/* Marks that the value's own Python code is about to run (a reduce, a
- * property, an __instancecheck__, a tensor subclass's __torch_function__):
- * dumps then checks that no storage it read moved (check_storages). */
-static void value_code_runs(dpy_scanner_t *s) { s->value_code_ran = 1; }
-
 static int seen(dpy_scanner_t *s, PyObject *obj) {
   size_t at;
   return seen_at(s, obj, &at);
@@ -975,7 +967,6 @@ static int view_extent(Py_ssize_t ndim, const Py_ssize_t *shape, const Py_ssize_
 /* __cuda_array_interface__: data pointer and extent of the view (no owner
  * is known, so views at different offsets are different entries). */
 static int visit_cai(dpy_scanner_t *s, PyObject *o) {
-  value_code_runs(s); /* __cuda_array_interface__ may be a property */
   PyObject *cai = PyObject_GetAttr(o, dpy.str_cai);
   if (!cai) return walk_error(s, o, "__cuda_array_interface__ failed");
   int rc = -1;
@@ -1122,7 +1113,6 @@ typedef struct {
 } dl_tensor_t;
 
 static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
-  value_code_runs(s); /* __dlpack_device__ is the value's code */
   PyObject *devt = PyObject_CallMethodNoArgs(o, dpy.str_dlpack_device);
   if (!devt) return walk_error(s, o, "__dlpack_device__ failed");
   long dt = -1, di = 0;
@@ -1196,7 +1186,6 @@ static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj) {
 
 static int is_opaque(dpy_scanner_t *s, PyObject *o) {
   if (!s->opaque) return 0;
-  if (s->opaque_code) value_code_runs(s); /* a metaclass's __instancecheck__ */
   return PyObject_IsInstance(o, s->opaque);
 }
 
@@ -1204,7 +1193,6 @@ static int is_opaque(dpy_scanner_t *s, PyObject *o) {
  * its state is its __dict__, entered as attributes. */
 static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
   PyObject *r;
-  value_code_runs(s);
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
   if (fn) {
     r = PyObject_CallOneArg(fn, o);
@@ -1631,7 +1619,6 @@ static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
 static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   /* a subclass's __torch_function__ runs the value's code on every attribute
      read below (dtype, shape, stride(), ...) */
-  if ((PyObject *)Py_TYPE(o) != dpy.torch_tensor_cls) value_code_runs(s);
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
   int n = torch_allocs(o, a);
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
@@ -1812,6 +1799,23 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   dp_error_t e;
   int rc;
   if (k == K_CFUNC && (!PyCFunction_GET_SELF(o) || PyModule_Check(PyCFunction_GET_SELF(o)))) k = K_LEAF;
+  if (k == K_LEAF && (PyUnicode_CheckExact(o) ? PyUnicode_GET_LENGTH(o) >= 32
+                                               : PyBytes_CheckExact(o) && PyBytes_GET_SIZE(o) >= 32)) {
+    /* a long str or bytes is written once, as pickle's memo does: met
+     * again, it is a back-reference (a 1 MB str in a list 300 times made a
+     * 300 MB frame) */
+    size_t at;
+    int sn = seen_at(s, o, &at);
+    if (sn < 0) return -1;
+    if (sn && at < s->vals_cap && dp_value_kind(s->vals[at]) != DP_NONE)
+      return attach(s, o, dp_value_retain(s->vals[at]));
+    if (build_leaf(s, o, &v)) return -1;
+    if (memo_store(s, at, v)) {
+      dp_value_release(v);
+      return -1;
+    }
+    return attach(s, o, v);
+  }
   if (k == K_LEAF) return build_leaf(s, o, &v) ? -1 : attach(s, o, v);
   if (k == K_NPSCALAR) return build_npscalar(s, o, &v) ? -1 : attach(s, o, v);
   size_t at;
@@ -2024,11 +2028,14 @@ static int changed(dpy_scanner_t *s, PyObject *o, size_t i) {
   return rc;
 }
 
-/* dumps, after a walk that ran Python code of the value's: every torch
- * storage (or numpy array's memory) the frame will read must still be where,
- * and as large as, the walk found it — a reduce may have resized a tensor walked before it
- * (t.resize_() moves the data of the very storage the walk holds) or
- * set_() it elsewhere. 0, or -1 with a WalkError. */
+/* dumps, after its walk: every torch storage (or numpy array's memory) the
+ * frame will read must still be where, and as large as, the walk found it.
+ * Python code may have run under the walk — the value's (a reduce may have
+ * resized a tensor walked before it: t.resize_() moves the data of the very
+ * storage the walk holds, or set_() it elsewhere), a metaclass's met while
+ * a type is classified or named, a garbage collection's finalizers at any
+ * allocation — so the check is made after every walk. 0, or -1 with a
+ * WalkError. */
 static int check_storages(dpy_scanner_t *s) {
   for (size_t i = 0; i < s->stor_cap; i++) {
     PyObject *o = s->stor_obj[i], *st = s->stor_st[i];
@@ -2141,12 +2148,6 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   s->error_path = NULL;
   s->count_refs = !opts->no_refs && !opts->build && !into; /* refs are of a set of its own */
   s->opaque = opts->opaque;
-  s->opaque_code = 0;
-  if (s->opaque && PyTuple_Check(s->opaque))
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(s->opaque); i++)
-      s->opaque_code |= !PyType_CheckExact(PyTuple_GET_ITEM(s->opaque, i));
-  else if (s->opaque)
-    s->opaque_code = !PyType_CheckExact(s->opaque);
   s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
   int runs = !s->build && !s->opaque && dpy.torch && dpy.torch_tensor;
   if (visit(s, obj)) return -1;
@@ -2176,7 +2177,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
     if (rc) return -1;
   }
   if (flush_pending(s)) return -1;
-  return s->build && s->value_code_ran ? check_storages(s) : 0;
+  return s->build ? check_storages(s) : 0;
 }
 
 /* ---- devpickle.Allocation and the result of scan ---- */

@@ -477,3 +477,67 @@ def test_an_array_resized_by_the_values_code_during_dumps_is_a_walk_error_not_a_
     with pytest.raises(devpickle.WalkError, match="memory moved") as e:
         devpickle.dumps([a, Shrinks()], inline=True)
     assert e.value.path == "$[0]"
+
+
+def test_memory_freed_by_code_that_is_not_a_reduce_during_dumps_is_a_walk_error_too():
+    """A metaclass met while the walk names a class runs no __reduce__, yet
+    may free memory the walk found: dumps checks after every walk."""
+    a = np.ones(1 << 22, dtype=np.uint8)
+
+    class Meta(type):
+        def __getattribute__(cls, name):
+            if name == "__module__":
+                a.resize(16, refcheck=False)
+            return type.__getattribute__(cls, name)
+
+    class C(metaclass=Meta):
+        pass
+
+    with pytest.raises(devpickle.WalkError, match="memory moved") as e:
+        devpickle.dumps([a, C], inline=True)
+    assert e.value.path == "$[0]"
+
+
+def test_a_str_the_frame_refers_to_many_times_comes_back_as_one_object():
+    s = "x" * 100_000
+    key = (s, b"k" * 1000)
+    frame = devpickle.dumps([s] * 500 + [{key: 1}, {key: 2}])
+    assert len(frame) < 120_000  # written once, referred to by back-references
+    v = devpickle.loads(frame)
+    assert v[0] == s and all(x is v[0] for x in v[:500])
+    (k1,), (k2,) = v[500], v[501]
+    assert k1 is k2 and k1[0] is v[0]
+
+
+def test_keys_distinct_in_the_frame_but_equal_in_python_are_refused_not_merged(tmp_path):
+    src = tmp_path / "k.json"
+    src.write_text('{"$dict": [[1, "a"], [1.0, "b"], [true, "c"]]}')
+    subprocess.run([os.environ.get("DEVPICKLE", "build/devpickle"), "pack", str(src), "-o", str(tmp_path / "k.dpk")],
+                   check=True)
+    with pytest.raises(ValueError, match=r"distinct in the frame but equal in Python .*: key 1.0"):
+        devpickle.loads((tmp_path / "k.dpk").read_bytes())
+
+
+def test_a_buffer_given_as_a_view_of_a_larger_tensor_is_read_from_the_views_start():
+    x = torch.arange(8, dtype=torch.int32)
+    bufs = []
+    frame = devpickle.dumps(x[2:], buffer_callback=bufs.append)
+    raw = bytes(bufs[0].raw())
+    arena = torch.zeros(64 + len(raw), dtype=torch.uint8)
+    arena[64:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    y = devpickle.loads(frame, buffers=[arena[64:]])
+    assert y.tolist() == [2, 3, 4, 5, 6, 7]
+    y[0] = 99
+    assert arena[64:].view(torch.int32)[2] == 99  # a view of the buffer given, not a copy
+
+
+def test_a_read_only_buffer_under_a_torch_tensor_is_copied_never_written_through():
+    x = torch.arange(4, dtype=torch.uint8)
+    bufs = []
+    frame = devpickle.dumps(x, buffer_callback=bufs.append)
+    data = bytes(bufs[0].raw())
+    y = devpickle.loads(frame, buffers=[data])
+    y += 100
+    assert data == bytes([0, 1, 2, 3]) and y.tolist() == [100, 101, 102, 103]
+    n = devpickle.loads(devpickle.dumps(np.arange(4, dtype=np.uint8), buffer_callback=bufs.append), buffers=[data])
+    assert not n.flags.writeable  # numpy keeps a read-only view
