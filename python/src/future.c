@@ -397,24 +397,26 @@ static PyObject *fut_set_exception(pyfut_t *self, PyObject *exc) {
 /* The outcome of a complete future: its value (new reference), or NULL with
  * its exception raised. */
 static PyObject *outcome(pyfut_t *self) {
-  dp_error_t e;
-  int code = dp_future_error(self->f, &e);
-  if (!code) {
-    if (self->inputs) return Py_NewRef(self->inputs);
-    return Py_NewRef(self->result ? self->result : Py_None);
-  }
-  if (self->exc) {
-    if (PyExceptionInstance_Check(self->exc)) PyException_SetTraceback(self->exc, self->exc_tb ? self->exc_tb : Py_None);
-    PyErr_SetObject((PyObject *)Py_TYPE(self->exc), self->exc);
-    return NULL;
-  }
-  if (self->inputs) { /* collect_all: the first failed input's exception */
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->inputs); i++) {
-      pyfut_t *in = (pyfut_t *)PyList_GET_ITEM(self->inputs, i);
-      if (dp_future_error(in->f, NULL)) return outcome(in);
+  for (;;) { /* a loop, not recursion: collect_all futures nest without bound */
+    dp_error_t e;
+    int code = dp_future_error(self->f, &e);
+    if (!code) {
+      if (self->inputs) return Py_NewRef(self->inputs);
+      return Py_NewRef(self->result ? self->result : Py_None);
     }
+    if (self->exc) {
+      if (PyExceptionInstance_Check(self->exc)) PyException_SetTraceback(self->exc, self->exc_tb ? self->exc_tb : Py_None);
+      PyErr_SetObject((PyObject *)Py_TYPE(self->exc), self->exc);
+      return NULL;
+    }
+    pyfut_t *failed = NULL; /* collect_all: the first failed input's exception */
+    for (Py_ssize_t i = 0; self->inputs && !failed && i < PyList_GET_SIZE(self->inputs); i++) {
+      pyfut_t *in = (pyfut_t *)PyList_GET_ITEM(self->inputs, i);
+      if (dp_future_error(in->f, NULL)) failed = in;
+    }
+    if (!failed) return dpy_raise(code, &e);
+    self = failed; /* held by the list, which self (held by the caller) holds */
   }
-  return dpy_raise(code, &e);
 }
 
 static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {

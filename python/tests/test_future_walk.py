@@ -172,3 +172,15 @@ def test_devices_cpu_walks_the_value_and_refuses_what_cannot_be_walked():
     assert [a[0] for a in f._allocations()] == ["cpu"] and f._devices() == []
     with pytest.raises(devpickle.WalkError, match="generator"):
         devpickle.Future(devices=["cpu"]).set_result(gen())
+
+
+def test_a_failure_under_20000_nested_collect_all_futures_is_raised_without_recursion():
+    f = devpickle.Future(devices=[])
+    c = f
+    for _ in range(20000):
+        c = devpickle.collect_all([c])
+    f.set_exception(ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        c.wait()
+    with pytest.raises(ValueError, match="boom"):
+        c.value()
