@@ -55,10 +55,34 @@ typedef struct tcache_ent {
 #define TCACHE_SIZE 512
 static tcache_ent_t tcache[TCACHE_SIZE];
 
+/* What the walk's helpers swallow (a failed lookup of an attribute, a repr
+ * that raised) is an error of the value's, shown as a placeholder or read
+ * as "not pickle's default"; an interrupt (KeyboardInterrupt, SystemExit:
+ * not an Exception) or MemoryError is not: the first is kept aside, the
+ * walk stops at its next step, and dpy_scan raises it as it is (as it would
+ * pass through pickle). */
+static PyObject *held_exc[3];
+
+static void clear_error(void) {
+  if (!PyErr_Occurred()) return;
+  if (!held_exc[0] && (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))) {
+    PyErr_Fetch(&held_exc[0], &held_exc[1], &held_exc[2]);
+    return;
+  }
+  PyErr_Clear();
+}
+
+static int raise_held(void) {
+  if (!held_exc[0]) return 0;
+  PyErr_Restore(held_exc[0], held_exc[1], held_exc[2]); /* in place of any error the walk raised since */
+  held_exc[0] = held_exc[1] = held_exc[2] = NULL;
+  return -1;
+}
+
 static int is_default(PyObject *type, PyObject *name, PyObject *base_attr) {
   PyObject *a = PyObject_GetAttr(type, name);
   if (!a) {
-    PyErr_Clear();
+    clear_error();
     return 0;
   }
   int same = a == base_attr;
@@ -78,7 +102,7 @@ static int plain_instance(PyTypeObject *t) {
   if (!is_default(type, dpy.str_getstate, dpy.object_getstate)) return 0;
   PyObject *r = PyObject_GetAttrString(type, "__reduce__");
   if (!r) {
-    PyErr_Clear();
+    clear_error();
     return 0;
   }
   int same = r == dpy.object_reduce;
@@ -87,7 +111,7 @@ static int plain_instance(PyTypeObject *t) {
   if (has_attr(type, dpy.str_getnewargs_ex) || has_attr(type, dpy.str_getnewargs)) return 0;
   PyObject *slots = PyObject_CallOneArg(dpy.slotnames, type);
   if (!slots) {
-    PyErr_Clear();
+    clear_error();
     return 0;
   }
   Py_ssize_t n = PyList_Check(slots) ? PyList_GET_SIZE(slots) : -1;
@@ -154,7 +178,7 @@ static uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
        torch.Tensor.__slotnames__) has no tag until something looks an
        attribute up in it: do so, or no instance would ever hit the cache. */
     PyObject *a = PyObject_GetAttr((PyObject *)t, dpy.str_reduce_ex);
-    if (!a) PyErr_Clear();
+    if (!a) clear_error();
     Py_XDECREF(a);
   }
   if (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) {
@@ -188,6 +212,9 @@ typedef struct frame {
   int key_part;         /* FR_DICT / FR_PAIRS: 1 while the key itself is walked */
   PyObject *value;      /* FR_DICT: the value of that key (held: no second lookup) */
   Py_ssize_t dsize;     /* FR_DICT / FR_ATTRS: the dict's size when entered */
+  PyObject *key_for;    /* the non-str key whose step key_text holds (held) */
+  char *key_text;
+  size_t key_len, key_cap;
   /* building (dumps): the container being filled (borrowed: its parent or
    * the memo holds it) and a key built before its value */
   dp_value_t out;
@@ -353,7 +380,7 @@ static int put_name(buf_t *b, PyObject *str, int attr_dot) {
   Py_ssize_t n;
   const char *s = PyUnicode_AsUTF8AndSize(str, &n);
   if (!s) {
-    PyErr_Clear();
+    clear_error();
     return buf_put(b, "[<str>]", 7);
   }
   int cut;
@@ -404,7 +431,7 @@ static int put_key(buf_t *b, PyObject *key) {
   if (key == Py_False) return buf_put(b, "[false]", 7);
   PyObject *r = PyObject_Repr(key);
   if (!r) {
-    PyErr_Clear();
+    clear_error();
     snprintf(tmp, sizeof tmp, "[<%s>]", Py_TYPE(key)->tp_name);
     return buf_put(b, tmp, strlen(tmp));
   }
@@ -412,7 +439,7 @@ static int put_key(buf_t *b, PyObject *key) {
   const char *s = PyUnicode_AsUTF8AndSize(r, &n);
   int rc;
   if (!s) {
-    PyErr_Clear();
+    clear_error();
     rc = buf_put(b, "[?]", 3);
   } else {
     int cut;
@@ -437,7 +464,7 @@ static const char *type_name(PyTypeObject *t, char *buf, size_t size) {
   else snprintf(buf, size, "%s", q);
   Py_XDECREF(mod);
   Py_XDECREF(qual);
-  PyErr_Clear();
+  clear_error();
   return buf;
 }
 
@@ -456,7 +483,24 @@ static int put_index(buf_t *b, Py_ssize_t i) {
 }
 
 /* The step from frame f to its current child. */
-static int put_step(buf_t *b, const frame_t *f) {
+/* A non-str key's step, rendered once per key and kept while the walk is
+ * under it: a repr costs the key's size (a 1 MB bytes key over 2,000
+ * allocations took seconds), a path is rendered per allocation. */
+static int put_key_once(buf_t *b, frame_t *f) {
+  if (f->key_for != f->label) {
+    Py_CLEAR(f->key_for);
+    buf_t kb = {f->key_text, 0, f->key_cap};
+    int rc = put_key(&kb, f->label);
+    f->key_text = kb.p;
+    f->key_cap = kb.cap;
+    if (rc) return -1;
+    f->key_len = kb.n;
+    f->key_for = Py_NewRef(f->label);
+  }
+  return buf_put(b, f->key_text, f->key_len);
+}
+
+static int put_step(buf_t *b, frame_t *f) {
   char tmp[48];
   switch (f->kind) {
   case FR_SEQ:
@@ -466,7 +510,7 @@ static int put_step(buf_t *b, const frame_t *f) {
     return put_index(b, f->idx);
   case FR_ATTRS:
     if (!f->label) return put_index(b, f->idx);
-    return PyUnicode_Check(f->label) ? put_name(b, f->label, 1) : put_key(b, f->label);
+    return PyUnicode_Check(f->label) ? put_name(b, f->label, 1) : put_key_once(b, f);
   case FR_DICT:
   case FR_PAIRS:
     if (f->key_part) {
@@ -474,7 +518,7 @@ static int put_step(buf_t *b, const frame_t *f) {
       return buf_put(b, tmp, strlen(tmp));
     }
     if (!f->label) return put_index(b, f->idx);
-    return put_key(b, f->label);
+    return put_key_once(b, f);
   case FR_REDUCE: {
     static const char *const part[] = {".callable", ".args", ".state", ".listitems", ".dictitems", ".state_setter"};
     char tbuf[256];
@@ -495,7 +539,7 @@ static int put_step(buf_t *b, const frame_t *f) {
  * that fit in DP_PATH_HEAD bytes, "<…N steps…>", and the last steps that fit
  * in DP_PATH_TAIL bytes. Rendered straight into out; the tail (rare) is
  * rendered backwards into a scratch buffer. */
-static int render_path(const dpy_scanner_t *s, buf_t *out) {
+static int render_path(dpy_scanner_t *s, buf_t *out) {
   size_t start = out->n, n = s->nframes, head_end, head_steps = 0, i;
   if (buf_put(out, "$", 1)) return -1;
   head_end = out->n;
@@ -1030,7 +1074,7 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
       Py_XINCREF(next);
     } else if (dpy.numpy_ndarray && PyObject_TypeCheck(owner, dpy.numpy_ndarray)) {
       next = PyObject_GetAttrString(owner, "base");
-      if (!next) PyErr_Clear();
+      if (!next) clear_error();
       else if (is_torch(next)) {
         dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
         int n = torch_allocs(next, a);
@@ -1050,7 +1094,7 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
     owner = next;
   }
   Py_buffer v;
-  if (PyObject_GetBuffer(owner, &v, PyBUF_RECORDS_RO) && (PyErr_Clear(), PyObject_GetBuffer(owner, &v, PyBUF_SIMPLE))) {
+  if (PyObject_GetBuffer(owner, &v, PyBUF_RECORDS_RO) && (clear_error(), PyObject_GetBuffer(owner, &v, PyBUF_SIMPLE))) {
     Py_DECREF(owner);
     return walk_error(s, o, "its buffer cannot be read");
   }
@@ -1461,10 +1505,10 @@ static int wrap(dpy_scanner_t *s, PyObject *o, const char *cls, const char *attr
 
 static int global_name(PyObject *o, char *buf, size_t size) {
   PyObject *mod = PyObject_GetAttrString(o, "__module__");
-  if (!mod) PyErr_Clear();
+  if (!mod) clear_error();
   PyObject *qual = PyObject_GetAttrString(o, "__qualname__");
   if (!qual) {
-    PyErr_Clear();
+    clear_error();
     qual = PyObject_GetAttrString(o, "__name__");
   }
   const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8(mod) : NULL;
@@ -1473,7 +1517,7 @@ static int global_name(PyObject *o, char *buf, size_t size) {
   if (ok) snprintf(buf, size, "%s%s%s", m ? m : "", m ? "." : "", q);
   Py_XDECREF(mod);
   Py_XDECREF(qual);
-  PyErr_Clear();
+  clear_error();
   return ok ? 0 : -1;
 }
 
@@ -1926,6 +1970,10 @@ static void build_reset(dpy_scanner_t *s) {
 }
 
 static void frame_drop(frame_t *f) {
+  Py_CLEAR(f->key_for);
+  PyMem_Free(f->key_text);
+  f->key_text = NULL;
+  f->key_cap = 0;
   Py_CLEAR(f->obj);
   Py_CLEAR(f->type);
   Py_CLEAR(f->label);
@@ -2117,7 +2165,7 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     int na = dp && *dp ? -2 : dpy.torch->tensor_allocs(o, a); /* attributes (or a dict once made): visit() */
     if (na < 0) {
       Py_DECREF(o);
-      if (na == -1) PyErr_Clear(); /* visit() reports it */
+      if (na == -1) clear_error(); /* visit() reports it */
       return 0;
     }
     for (int i = 0; i < na; i++)
@@ -2131,7 +2179,7 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
   }
 }
 
-int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
+static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
   if (dpy_resolve_frameworks()) return -1;
   s->build = opts->build;
   s->root = dp_none();
@@ -2174,10 +2222,15 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
     Py_INCREF(c); /* a reduce it calls may drop its container's reference */
     int rc = visit(s, c);
     Py_DECREF(c);
-    if (rc) return -1;
+    if (rc || held_exc[0]) return -1;
   }
   if (flush_pending(s)) return -1;
   return s->build ? check_storages(s) : 0;
+}
+
+int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
+  int rc = scan_walk(s, obj, opts, into);
+  return raise_held() ? -1 : rc;
 }
 
 /* ---- devpickle.Allocation and the result of scan ---- */

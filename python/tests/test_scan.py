@@ -633,3 +633,46 @@ def test_a_reduce_result_pickle_refuses_is_a_walk_error_in_scan_dumps_and_set_re
         with pytest.raises(devpickle.WalkError, match=r"_Reduces' at \$\[0\]: its reduce is malformed") as e:
             walk([_Reduces()])
         assert str(e.value.__cause__) == error
+
+
+def test_a_key_is_rendered_once_however_many_allocations_lie_under_it():
+    class Key:
+        reprs = 0
+
+        def __repr__(self):
+            Key.reprs += 1
+            return "K" * 1000
+
+    k = Key()
+    got = devpickle.scan({k: [bytearray(1) for _ in range(300)], (k,): [bytearray(1)]})
+    assert len(got) == 301 and Key.reprs == 2  # once as a key, once inside the tuple key
+    assert got[0].path == "$[" + "K" * 64 + "\u2026][0]" and got[299].path.endswith("\u2026][299]")
+    assert got[300].path.startswith("$[(KKKK")
+
+
+def test_an_interrupt_raised_by_code_the_walk_calls_for_a_path_or_a_type_passes_through():
+    class Key:
+        def __repr__(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        devpickle.scan({Key(): bytearray(4)})
+
+    class Meta(type):
+        def __getattribute__(cls, name):
+            if name == "__reduce_ex__":
+                raise KeyboardInterrupt
+            return type.__getattribute__(cls, name)
+
+    class C(metaclass=Meta):
+        pass
+
+    with pytest.raises(KeyboardInterrupt):
+        devpickle.scan([C()])
+
+    class Fails:
+        def __repr__(self):
+            raise ValueError("no repr")
+
+    assert devpickle.scan({Fails(): bytearray(4)})[0].path.endswith("[<Fails>]")  # an error of the value's: a placeholder
+    assert devpickle.scan([bytearray(2)])[0].nbytes == 2  # nothing left over for the next walk
