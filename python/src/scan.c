@@ -1235,28 +1235,27 @@ static int is_opaque(dpy_scanner_t *s, PyObject *o) {
 
 /* The reduce of an object that keeps pickle's defaults differs only in form:
  * its state is its __dict__, entered as attributes. */
-static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
+/* o's reduce — copyreg.dispatch_table's, else __reduce_ex__(5) — checked
+ * as pickle checks it: a str (a global), or a tuple of 2 to 6 parts, kept
+ * alive by the walk (borrowed); NULL with a walk error. */
+static PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
   PyObject *r;
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
   if (fn) {
     r = PyObject_CallOneArg(fn, o);
   } else {
-    if (PyErr_Occurred()) return -1;
+    if (PyErr_Occurred()) return NULL;
     PyObject *five = PyLong_FromLong(5);
     r = five ? PyObject_CallMethodOneArg(o, dpy.str_reduce_ex, five) : NULL;
     Py_XDECREF(five);
   }
-  if (!r) return walk_error(s, o, "it cannot be reduced");
-  if (PyUnicode_Check(r)) { /* a global, pickled by name */
-    Py_DECREF(r);
-    return 0;
-  }
+  if (!r) return walk_error(s, o, "it cannot be reduced"), NULL;
+  if (!keep(s, r)) return NULL;
+  if (PyUnicode_Check(r)) return r; /* a global, pickled by name */
   if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 2 || PyTuple_GET_SIZE(r) > 6) {
-    Py_DECREF(r);
     PyErr_SetString(PyExc_TypeError, "__reduce_ex__ must return a string or a tuple of 2 to 6 items");
-    return walk_error(s, o, "its reduce is malformed");
+    return walk_error(s, o, "its reduce is malformed"), NULL;
   }
-  if (!keep(s, r)) return -1;
   /* what pickle refuses in a reduce's result, refused as pickle words it */
   Py_ssize_t n = PyTuple_GET_SIZE(r);
   static const char *const nth[] = {"first", "second", "third", "fourth", "fifth", "sixth"};
@@ -1270,12 +1269,23 @@ static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
     if (want) {
       PyErr_Format(PyExc_TypeError, "%s element of the tuple returned by __reduce__ must be %s, not %.200s", nth[i],
                    want, Py_TYPE(part)->tp_name);
-      return walk_error(s, o, "its reduce is malformed");
+      return walk_error(s, o, "its reduce is malformed"), NULL;
     }
   }
+  return r;
+}
+
+/* Walks the parts of o's reduce r (a tuple; a str, a global, has none). */
+static int push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r) {
+  if (PyUnicode_Check(r)) return 0;
   if (push(s, FR_REDUCE, r)) return -1;
   s->frames[s->nframes - 1].type = (PyTypeObject *)Py_NewRef((PyObject *)Py_TYPE(o));
   return 0;
+}
+
+static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
+  PyObject *r = reduce_of(s, o);
+  return r ? push_reduce(s, o, r) : -1;
 }
 
 /* Turns a listitems/dictitems iterator into a list the walk can index. */
@@ -1415,6 +1425,30 @@ static const char *const reduce_part[] = {"<callable>", "<args>",      "<state>"
 /* A leaf key of a dict, as a devpickle key. */
 static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out);
 
+/* Sets attribute `name` (a str) of obj to v (stolen): a name that is not
+ * a str, holds a NUL, or is already set (two namedtuple fields of one name)
+ * is a walk error — a frame's names are C strings, and one attribute never
+ * silently replaces another. */
+static int set_attr(dpy_scanner_t *s, PyObject *o, dp_value_t obj, PyObject *name, dp_value_t v) {
+  Py_ssize_t n;
+  const char *c = PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &n) : NULL;
+  const char *why = NULL;
+  if (!c) why = "an attribute name that is not a str (or not UTF-8)";
+  else if ((size_t)n != strlen(c)) why = "an attribute name that holds a NUL";
+  else if (dp_object_get(obj, c, NULL, NULL) == 0) why = "two attributes of one name";
+  if (why) {
+    dp_value_release(v);
+    if (c || !PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_Exception)) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_ValueError, "%s: %R", why, name);
+    }
+    return walk_error(s, o, "it cannot be carried in a frame");
+  }
+  dp_error_t e;
+  int rc = dp_object_set(obj, c, v, &e);
+  return rc ? dp_fail(s, o, rc, &e) : 0;
+}
+
 /* Puts v (stolen) in the slot of the top frame, or makes it the root. */
 static int attach(dpy_scanner_t *s, PyObject *o, dp_value_t v) {
   dp_error_t e;
@@ -1428,26 +1462,15 @@ static int attach(dpy_scanner_t *s, PyObject *o, dp_value_t v) {
   case FR_SEQ:
   case FR_SET:
     if (f->names && f->idx < PyTuple_GET_SIZE(f->names)) {
-      const char *n = PyUnicode_AsUTF8(PyTuple_GET_ITEM(f->names, f->idx));
-      if (!n) return -1;
-      rc = dp_object_set(f->out, n, v, &e);
+      return set_attr(s, o, f->out, PyTuple_GET_ITEM(f->names, f->idx), v);
     } else if (dp_value_kind(f->out) == DP_TUPLE) {
       rc = dp_seq_set(f->out, (size_t)f->idx, v, &e);
     } else {
       rc = dp_list_append(f->out, v, &e);
     }
     break;
-  case FR_ATTRS: {
-    const char *n = PyUnicode_Check(f->label) ? PyUnicode_AsUTF8(f->label) : NULL;
-    if (!n) {
-      dp_value_release(v);
-      PyErr_Clear();
-      PyErr_SetString(PyExc_TypeError, "an attribute name that is not a str");
-      return walk_error(s, o, "it cannot be carried in a frame");
-    }
-    rc = dp_object_set(f->out, n, v, &e);
-    break;
-  }
+  case FR_ATTRS:
+    return set_attr(s, o, f->out, f->label, v);
   case FR_DICT:
   case FR_PAIRS:
     if (f->key_part) { /* the key itself, walked: kept for its value */
@@ -1519,6 +1542,29 @@ static int global_name(PyObject *o, char *buf, size_t size) {
   Py_XDECREF(qual);
   clear_error();
   return ok ? 0 : -1;
+}
+
+/* An object whose reduce is a str: a global, pickle's module.name — the
+ * module from pickle.whichmodule, as pickle finds it — as devpickle.global
+ * {name}. */
+static int global_of(dpy_scanner_t *s, PyObject *o, PyObject *name, dp_value_t *out) {
+  PyObject *pickle = PyImport_ImportModule("pickle");
+  PyObject *mod = pickle ? PyObject_CallMethod(pickle, "whichmodule", "OO", o, name) : NULL;
+  Py_XDECREF(pickle);
+  PyObject *full = mod && PyUnicode_Check(mod) ? PyUnicode_FromFormat("%U.%U", mod, name) : NULL;
+  Py_XDECREF(mod);
+  Py_ssize_t n;
+  const char *c = full ? PyUnicode_AsUTF8AndSize(full, &n) : NULL;
+  if (!c) {
+    Py_XDECREF(full);
+    return walk_error(s, o, "its global name cannot be found");
+  }
+  dp_value_t str;
+  dp_error_t e;
+  int rc = dp_str_new(c, (size_t)n, &str, &e);
+  Py_DECREF(full);
+  if (rc) return dp_fail(s, o, rc, &e);
+  return wrap(s, o, "devpickle.global", "name", str, out);
 }
 
 static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
@@ -1935,10 +1981,16 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
     break;
   }
   /* everything else: reduced; the object exists once its parts are made */
-  if ((rc = dp_object_new(type_name(t, name, sizeof name), &v, &e))) return dp_fail(s, o, rc, &e);
+  PyObject *r = reduce_of(s, o);
+  if (!r) return -1;
+  if (PyUnicode_Check(r)) { /* a global by its reduce (torch.float16, numpy.add): by name, as pickle saves it */
+    if (global_of(s, o, r, &v)) return -1;
+  } else if ((rc = dp_object_new(type_name(t, name, sizeof name), &v, &e))) {
+    return dp_fail(s, o, rc, &e);
+  }
   if (memo_store(s, at, v) || attach(s, o, v)) return -1;
   size_t depth = s->nframes;
-  if (enter_reduce(s, o)) return -1;
+  if (push_reduce(s, o, r)) return -1;
   if (s->nframes > depth) s->frames[s->nframes - 1].out = v;
   return 0;
 }

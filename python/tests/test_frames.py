@@ -541,3 +541,37 @@ def test_a_read_only_buffer_under_a_torch_tensor_is_copied_never_written_through
     assert data == bytes([0, 1, 2, 3]) and y.tolist() == [100, 101, 102, 103]
     n = devpickle.loads(devpickle.dumps(np.arange(4, dtype=np.uint8), buffer_callback=bufs.append), buffers=[data])
     assert not n.flags.writeable  # numpy keeps a read-only view
+
+
+def test_an_object_whose_reduce_is_a_name_travels_as_that_global():
+    a = devpickle.dumps({"dtype": torch.float16, "u": np.add})
+    b = devpickle.dumps({"dtype": torch.float64, "u": np.multiply})
+    assert a != b
+    v = devpickle.loads(a)
+    assert v["dtype"].__class_name__ == "devpickle.global" and v["dtype"].name == "torch.float16"
+    assert v["u"].name.endswith(".add")
+
+
+def test_attribute_names_a_frame_cannot_hold_apart_are_refused_never_merged():
+    class P:
+        pass
+
+    p = P()
+    setattr(p, "a\x00x", 1)
+    setattr(p, "a\x00y", 2)
+    with pytest.raises(devpickle.WalkError, match="an attribute name that holds a NUL"):
+        devpickle.dumps(p)
+
+    class Pair(tuple):
+        __slots__ = ()
+        _fields = ("a", "a")
+
+    with pytest.raises(devpickle.WalkError, match="two attributes of one name: 'a'"):
+        devpickle.dumps(Pair((1, 2)))
+
+    class Odd(tuple):
+        __slots__ = ()
+        _fields = ("a", 3)
+
+    with pytest.raises(devpickle.WalkError, match="an attribute name that is not a str"):
+        devpickle.dumps(Odd((1, 2)))
