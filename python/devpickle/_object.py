@@ -1,6 +1,8 @@
 """devpickle.Object: an instance of a class that loads() was not allowed to
 rebuild — its class name and its attributes, nothing imported or called."""
 
+import reprlib
+
 
 class Object:
     """A class name and attributes, as they came in a frame.
@@ -19,13 +21,21 @@ class Object:
     def __getattr__(self, name):
         try:
             return object.__getattribute__(self, "__attrs__")[name]
-        except KeyError:
+        except (KeyError, AttributeError):  # AttributeError: not made yet (copy, pickle)
             raise AttributeError(
                 f"devpickle.Object of class {self.__class_name__!r} has no attribute {name!r}"
             ) from None
 
     def __setattr__(self, name, value):
         self.__attrs__[name] = value
+
+    # copy, deepcopy and pickle: made first, then its attributes set (a
+    # cycle through its attributes comes back as one)
+    def __reduce__(self):
+        return (Object, (self.__class_name__,), self.__attrs__)
+
+    def __setstate__(self, attrs):
+        object.__setattr__(self, "__attrs__", dict(attrs))
 
     def __eq__(self, other):
         if not isinstance(other, Object):
@@ -34,6 +44,7 @@ class Object:
 
     __hash__ = None
 
+    @reprlib.recursive_repr("devpickle.Object(...)")
     def __repr__(self):
         attrs = ", ".join(f"{k}={v!r}" for k, v in self.__attrs__.items())
         return f"devpickle.Object({self.__class_name__!r}, {attrs})" if attrs else f"devpickle.Object({self.__class_name__!r})"

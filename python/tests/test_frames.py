@@ -575,3 +575,19 @@ def test_attribute_names_a_frame_cannot_hold_apart_are_refused_never_merged():
 
     with pytest.raises(devpickle.WalkError, match="an attribute name that is not a str"):
         devpickle.dumps(Odd((1, 2)))
+
+
+def test_an_object_copies_deep_copies_pickles_and_prints_with_its_cycles():
+    import copy
+    import pickle
+
+    n = Node("n")
+    n.me = n
+    o = devpickle.loads(devpickle.dumps(n))
+    c = copy.copy(o)
+    assert c.me is o and c.children is o.children and c == o
+    d = copy.deepcopy(o)
+    assert d.me is d and d.children == [] and d.children is not o.children
+    p = pickle.loads(pickle.dumps(o))
+    assert p.me is p and p.__class_name__ == o.__class_name__
+    assert repr(o).startswith("devpickle.Object('test_frames.Node', name='n'") and "me=devpickle.Object(...)" in repr(o)
