@@ -245,8 +245,10 @@ static int hs_io(dp_transport_t *t, hs_t *h) {
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) break;
     int ok = r > 0 && dst != spill;
     if (ok && h->inlen < DP__HS_HDR) {
+      static const uint8_t lead[8] = {'D', 'P', 'H', 'S', DP__HS_VERSION, 0, 0, 0}; /* magic, version, flags */
       h->inlen += (size_t)r;
-      if (h->inlen == DP__HS_HDR) {
+      ok = !memcmp(h->in, lead, h->inlen < 8 ? h->inlen : 8); /* a stranger is told apart at once */
+      if (ok && h->inlen == DP__HS_HDR) {
         ok = header_ok(h);
         if (ok) {
           h->alen = get32(h->in + 8);
