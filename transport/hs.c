@@ -419,6 +419,14 @@ void dp__tp_ep_sock_close(dp_endpoint_t *ep) {
   unwatch_close(ep->t, &ep->sock);
 }
 
+/* 1 when the peer closed its side of the connection (or reset it). */
+int dp__tp_ep_peer_gone(const dp_endpoint_t *ep) {
+  if (ep->sock < 0) return 0;
+  uint8_t b;
+  ssize_t r = recv(ep->sock, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+  return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 /* The peer's side of the connection ended (or sent what it must not): the
  * endpoint fails, once what UCX already holds of the peer's messages was
  * taken (they were sent before the close). */

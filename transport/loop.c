@@ -31,10 +31,14 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
       if (ep->ep && ep->rndv_inflight) {
         ep->need_close = 1; /* the peer's buffers still arrive: by force once they have */
       } else if (ep->ep) {
-        /* flush: eager messages whose sends completed may not have left yet */
+        /* flush: eager messages whose sends completed may not have left
+           yet; then closed by force (reap). An endpoint made from an
+           address tells its peer nothing when it closes (the connection's
+           end does), and its flush waits for a peer that closed first. */
         ucp_request_param_t p = {0};
-        void *r = ucp_ep_close_nbx(ep->ep, &p);
-        if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
+        void *r = ucp_ep_flush_nbx(ep->ep, &p);
+        if (UCS_PTR_IS_PTR(r)) ep->flush_req = r, ep->close_deadline = now_ns() + DP__CLOSE_WAIT_NS;
+        else ep->need_close = 1;
       }
       ep->dead = 1;
     }
@@ -167,6 +171,17 @@ int dp__tp_drain_cmds(dp_transport_t *t) {
 static void reap(dp_transport_t *t) {
   for (dp_endpoint_t **p = &t->closing; *p;) {
     dp_endpoint_t *ep = *p;
+    if (ep->flush_req && (ucp_request_check_status(ep->flush_req) != UCS_INPROGRESS ||
+                          now_ns() > ep->close_deadline || dp__tp_ep_peer_gone(ep))) {
+      ucp_request_free(ep->flush_req); /* released: UCX completes it when the close purges it */
+      ep->flush_req = NULL;
+      ep->close_deadline = 0;
+      ep->need_close = 1;
+    }
+    if (ep->flush_req) {
+      p = &ep->next;
+      continue;
+    }
     if (ep->need_close) dp__tp_ep_force_close(ep);
     if (ep->need_close || ep->rndv_inflight ||
         (ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS)) {
@@ -438,6 +453,11 @@ void dp__tp_drain_stopped(dp_transport_t *t) {
     ucp_worker_progress(t->worker);
     if (t->lworker) ucp_worker_progress(t->lworker);
     reap(t);
+  }
+  for (dp_endpoint_t *ep = t->closing; ep; ep = ep->next) { /* the workers go with them: released first */
+    if (ep->flush_req) ucp_request_free(ep->flush_req);
+    if (ep->close_req) ucp_request_free(ep->close_req);
+    ep->flush_req = ep->close_req = NULL;
   }
   while (poll_slots(t)) sched_yield();
   for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++)

@@ -245,6 +245,7 @@ struct dp_endpoint {
   size_t nparked;
   rwait_t *w_head, *w_tail;
   void *close_req;
+  void *flush_req;          /* a graceful close's flush; closed by force once done (or after DP__CLOSE_WAIT_NS) */
   unsigned tx_used;         /* send slots its pieces hold */
   int shm_state;            /* SHM_*: this side's offer of a segment */
   seg_t *seg;               /* offered, then used (SHM_YES) */
@@ -441,6 +442,7 @@ void dp__tp_connect(dp_transport_t *t, dp_endpoint_t *ep, const struct sockaddr_
 int dp__tp_socks(dp_transport_t *t);
 void dp__tp_ep_sock_close(dp_endpoint_t *ep);
 void dp__tp_ep_hs_drop(dp_endpoint_t *ep);
+int dp__tp_ep_peer_gone(const dp_endpoint_t *ep);
 void dp__tp_ident(dp_transport_t *t, const void *hdr, size_t hlen, const ucp_am_recv_param_t *param);
 void dp__tp_lworker_err_cb(void *arg, ucp_ep_h uep, ucs_status_t st);
 void dp__tp_socks_free(dp_transport_t *t);
