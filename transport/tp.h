@@ -1,7 +1,8 @@
 /* transport/tp.h — the transport's objects and the functions its files
  * share (transport.c: commands, endpoints, their failure, the API; slots.c:
  * where buffers go, staging and same-host slots; lane.c: same-host lanes;
- * send.c; recv.c; loop.c: the progress loop, by a thread or the caller).
+ * hs.c: listeners, connections and devpickle's handshake; send.c; recv.c;
+ * loop.c: the progress loop, by a thread or the caller).
  * Private: not installed. The wire and the test hooks: internal.h. */
 #ifndef DP_TRANSPORT_TP_H
 #define DP_TRANSPORT_TP_H
