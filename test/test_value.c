@@ -245,7 +245,14 @@ Test(value, tensor_extents_are_computed_exactly_at_the_edges_of_64_bits) {
   cr_assert_not_null(view_check(SIZE_MAX, DP_INT8, 1, (int64_t[]){3}, (int64_t[]){INT64_MIN}, max));
   cr_assert_not_null(view_check(SIZE_MAX, DP_INT8, 2, (int64_t[]){2, 2}, (int64_t[]){-max, -max}, max));
   /* a 0 dimension addresses nothing, whatever the rest */
-  cr_assert_null(view_check(0, DP_COMPLEX128, 3, (int64_t[]){p62, 0, p62}, (int64_t[]){max, max, INT64_MIN}, max));
+  cr_assert_null(view_check(0, DP_COMPLEX128, 3, (int64_t[]){p62, 0, p62}, (int64_t[]){max, max, -max}, max));
+  /* but a stride of -2^63, which the format cannot carry, is refused even there (and
+     on a dimension of 1, where it multiplies 0): dp_pickle would write a frame the
+     reader refuses */
+  cr_assert_str_eq(view_check(0, DP_COMPLEX128, 3, (int64_t[]){p62, 0, p62}, (int64_t[]){max, max, INT64_MIN}, max),
+                   "tensor stride -2^63 (strides lie in -(2^63-1)..2^63-1)");
+  cr_assert_str_eq(view_check(SIZE_MAX, DP_INT8, 1, (int64_t[]){1}, (int64_t[]){INT64_MIN}, 0),
+                   "tensor stride -2^63 (strides lie in -(2^63-1)..2^63-1)");
   /* contiguous strides of an empty view of a huge shape do not fit int64 */
   cr_assert_str_eq(view_check(0, DP_INT8, 3, (int64_t[]){2, p62, p62}, NULL, 0),
                    "tensor has too many elements (at most 2^62)");
@@ -334,6 +341,77 @@ Test(value, a_cycle_of_objects_is_freed_when_the_last_outside_reference_goes) {
   OK(dp_object_get(n, "next", &n, T_ERR));
   cr_assert_eq(n.u.h, b.u.h);
   dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
+
+/* A chain whose links are freed by the user's code — a custom's destroy
+ * releasing the next custom, a storage's release callback releasing a
+ * tensor on the next storage — frees in constant stack: a release inside
+ * such a callback is queued for the outermost one (a million links
+ * overflowed the stack). */
+static long links_freed;
+static void free_link(void *obj) {
+  dp_value_t *next = obj;
+  dp_value_release(*next);
+  free(next);
+  links_freed++;
+}
+static const dp_type_t link_type = {"Link", NULL, free_link};
+
+static void release_next_tensor(void *ud, dp_device_t device, void *base, size_t nbytes) {
+  (void)device, (void)base, (void)nbytes;
+  free_link(ud);
+}
+
+Test(value, a_million_links_freed_by_their_own_destroy_or_release_callbacks_free_without_recursion) {
+  enum { N = 1000000 };
+  links_freed = 0;
+  dp_value_t head = dp_none();
+  for (int i = 0; i < N; i++) {
+    dp_value_t *next = malloc(sizeof *next);
+    *next = head;
+    OK(dp_custom_new(&link_type, next, &head, T_ERR));
+  }
+  dp_value_release(head);
+  cr_assert_eq(links_freed, N);
+  links_freed = 0;
+  head = dp_none();
+  for (int i = 0; i < N; i++) {
+    dp_value_t *next = malloc(sizeof *next);
+    *next = head;
+    dp_storage_t *s;
+    OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 0), (void *)(uintptr_t)(0x1000 + 64 * (uintptr_t)i), 64,
+                      release_next_tensor, next, &s, T_ERR));
+    head = t_view(s, 4, 0);
+    dp_storage_release(s);
+  }
+  dp_value_release(head);
+  cr_assert_eq(links_freed, N);
+  ASSERT_NO_LEAK();
+}
+
+static int reduce_to_none(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj, (void)err;
+  *state = dp_none();
+  return 0;
+}
+
+Test(value, a_custom_type_name_a_frame_cannot_carry_and_extra_attributes_of_a_stand_in_are_refused) {
+  destroyed = 0;
+  static const dp_type_t empty = {"", reduce_to_none, destroy_count}, bad = {"\xff\xfe", reduce_to_none, destroy_count};
+  dp_value_t c;
+  dp_error_t e;
+  cr_assert_eq(dp_custom_new(&empty, NULL, &c, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_custom_new: a type name must be non-empty UTF-8");
+  cr_assert_eq(dp_custom_new(&bad, NULL, &c, &e), DP_EINVAL);
+  cr_assert_eq(destroyed, 2, "its obj is the library's even when the call fails");
+  dp_value_t o;
+  OK(dp_object_new_reduced("T", dp_int(5), &o, T_ERR));
+  cr_assert_eq(dp_object_set(o, "extra", dp_int(7), &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_set: a reduced stand-in has one attribute, \"__reduce__\" (its state), not 'extra'");
+  OK(dp_object_set(o, "__reduce__", dp_int(6), T_ERR)); /* its state may be replaced */
+  cr_assert_eq(dp_object_nattrs(o), 1);
+  dp_value_release(o);
   ASSERT_NO_LEAK();
 }
 

@@ -55,13 +55,62 @@
 
 #include "gc.h"
 
-/* ---- leaves: freed at once when their count reaches zero ---- */
+/* ---- leaves: freed at once when their count reaches zero ----
+ *
+ * A custom's destroy and a storage's release callback are the user's code,
+ * which may release further values — the next link of a chain of customs,
+ * a tensor held by the storage's owner. Called from inside one another they
+ * would recurse once a link (a chain of a million customs overflowed the
+ * stack), so each thread queues them while one runs and the outermost runs
+ * the queue. */
 
-void dp_storage_release(dp_storage_t *s) {
-  if (!s || !dp__ref_dec(&s->rc)) return;
+static _Thread_local struct {
+  int running;              /* a destroy or release callback is running on this thread */
+  dp_custom_t *customs;     /* via next_dead: count zero, destroy to run */
+  dp_storage_t *storages;   /* via next_dead: count zero, release to run */
+} leaf_q;
+
+static void storage_free(dp_storage_t *s) {
   if (s->release) s->release(s->ud, s->device, s->base, s->nbytes);
   dp__free(s->host_data, s->nbytes ? s->nbytes : 1);
   dp__free(s, sizeof *s);
+}
+
+static void custom_free(dp_custom_t *c) {
+  const dp_type_t *type = c->type;
+  void *obj = c->obj;
+  dp__free(c, sizeof *c);
+  if (type->destroy) type->destroy(obj);
+}
+
+static void run_leaf_queue(void) {
+  if (leaf_q.running) return; /* the outermost runs it */
+  leaf_q.running = 1;
+  for (;;) {
+    if (leaf_q.customs) {
+      dp_custom_t *c = leaf_q.customs;
+      leaf_q.customs = c->next_dead;
+      custom_free(c);
+    } else if (leaf_q.storages) {
+      dp_storage_t *s = leaf_q.storages;
+      leaf_q.storages = s->next_dead;
+      storage_free(s);
+    } else {
+      break;
+    }
+  }
+  leaf_q.running = 0;
+}
+
+void dp_storage_release(dp_storage_t *s) {
+  if (!s || !dp__ref_dec(&s->rc)) return;
+  if (!s->release) { /* no user code: nothing can recurse */
+    storage_free(s);
+    return;
+  }
+  s->next_dead = leaf_q.storages;
+  leaf_q.storages = s;
+  run_leaf_queue();
 }
 
 /* Frees a non-container heap value whose count reached zero. */
@@ -82,10 +131,13 @@ static void free_leaf(dp_heap_t *h) {
     }
     case DP_CUSTOM: {
       dp_custom_t *c = (dp_custom_t *)h;
-      const dp_type_t *type = c->type;
-      void *obj = c->obj;
-      dp__free(c, sizeof *c);
-      if (type->destroy) type->destroy(obj);
+      if (!c->type->destroy) {
+        dp__free(c, sizeof *c);
+        break;
+      }
+      c->next_dead = leaf_q.customs;
+      leaf_q.customs = c;
+      run_leaf_queue();
       break;
     }
     default:

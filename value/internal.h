@@ -119,6 +119,7 @@ typedef struct dp_custom {
   dp_heap_t h;
   const dp_type_t *type;
   void *obj;
+  struct dp_custom *next_dead;  /* gc.c: queued for its destroy */
 } dp_custom_t;
 
 struct dp_storage {
@@ -129,6 +130,7 @@ struct dp_storage {
   dp_storage_release_cb release;
   void *ud;
   void *host_data;
+  struct dp_storage *next_dead;  /* gc.c: queued for its release callback */
 };
 
 #define DP_H(v) ((v).u.h)

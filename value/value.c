@@ -572,6 +572,12 @@ int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *
     dp_value_release(val);
     return dp__err(err, DP_EINVAL, "attribute name must be non-empty UTF-8 without NUL");
   }
+  if (obj.kind == DP_OBJECT && (DP_OBJ(obj)->c.h.flags & DP_HEAP_REDUCED) && strcmp(name, "__reduce__") != 0) {
+    /* a frame carries a stand-in's state only: another attribute would be lost */
+    dp_value_release(val);
+    return dp__err(err, DP_EINVAL, "dp_object_set: a reduced stand-in has one attribute, \"__reduce__\" (its state), "
+                   "not '%.64s'", name);
+  }
   return dp__object_set_n(obj, name, n, val, 1, err);
 }
 
@@ -709,6 +715,8 @@ int dp__tensor_check(size_t nbytes, dp_dtype_t dtype, int ndim, const int64_t *s
   if (ndim < 0 || ndim > DP_TENSOR_MAX_DIMS)
     return dp__err(err, DP_EINVAL, "tensor has %d dimensions (0..%d allowed)", ndim, DP_TENSOR_MAX_DIMS);
   if (offset < 0) return dp__err(err, DP_EINVAL, "negative tensor offset %lld", (long long)offset);
+  for (int d = 0; d < ndim; d++) /* the format's range (FORMAT.md): -(2^63-1) .. 2^63-1 */
+    if (strides[d] == INT64_MIN) return dp__err(err, DP_EINVAL, "tensor stride -2^63 (strides lie in -(2^63-1)..2^63-1)");
   int empty = 0;
   for (int d = 0; d < ndim; d++) {
     if (shape[d] < 0) return dp__err(err, DP_EINVAL, "negative tensor dimension %lld", (long long)shape[d]);
@@ -797,6 +805,10 @@ int dp_custom_new(const dp_type_t *type, void *obj, dp_value_t *out, dp_error_t 
   if (!type || !type->name || !out) {
     if (type && type->destroy) type->destroy(obj);
     return dp__err(err, DP_EINVAL, "dp_custom_new: type, type->name and out are required");
+  }
+  if (!dp__name_valid(type->name, strlen(type->name))) { /* a frame names it: the reader would refuse it */
+    if (type->destroy) type->destroy(obj);
+    return dp__err(err, DP_EINVAL, "dp_custom_new: a type name must be non-empty UTF-8");
   }
   dp_custom_t *c = dp__alloc(sizeof *c);
   if (!c) {

@@ -152,7 +152,11 @@ DP_API int dp_tuple_new(size_t n, dp_value_t *out, dp_error_t *err);
 DP_API size_t dp_seq_len(dp_value_t seq);
 /** Borrowed item i of a list or tuple; none when out of range. */
 DP_API dp_value_t dp_seq_get(dp_value_t seq, size_t i);
-/** Replaces item i of a list or tuple (steals item; releases the old one). */
+/** Replaces item i of a list or tuple (steals item; releases the old one).
+ *  A tuple is filled this way while it is built: one already used as a dict
+ *  key (or inside one) must not change — the dict keeps its hash and its
+ *  uniqueness, and a frame written from it could hold a key the reader
+ *  refuses (unhashable, or a duplicate). */
 DP_API int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err);
 
 /* ---- dict: insertion-ordered; keys none/bool/int/float/str/bytes or tuples
@@ -179,7 +183,9 @@ typedef struct dp_storage dp_storage_t;
 typedef void (*dp_storage_release_cb)(void *ud, dp_device_t device, void *base, size_t nbytes);
 
 /** A storage of nbytes at base on device. base may be any address: devpickle
- *  never dereferences it. release (may be NULL) runs when the storage dies. */
+ *  never dereferences it. release (may be NULL) runs when the storage dies
+ *  (queued, as a custom's destroy is, when one of them is already running on
+ *  this thread: see dp_type_t). */
 DP_API int dp_storage_new(dp_device_t device, void *base, size_t nbytes,
                           dp_storage_release_cb release, void *ud,
                           dp_storage_t **out, dp_error_t *err);
@@ -257,9 +263,17 @@ typedef struct dp_type {
   /** Reduces obj to a state value: any value, which may hold tensors and
    *  other customs (Python's __reduce__ contract). Returns 0 and a new
    *  reference in *state, or a DP_E* code (details in err). NULL: the type
-   *  cannot be walked, which is DP_ETYPE with the type name and path. */
+   *  cannot be walked, which is DP_ETYPE with the type name and path.
+   *  It runs during a walk (scan, pickle, a future's completion), which
+   *  reads the walked value without holding references to its nodes: it
+   *  may make and retain values, but must not change, release or add to any
+   *  container of the value being walked (as a container must not change
+   *  while it is iterated) — the walk would read freed memory. */
   int (*reduce)(void *obj, dp_value_t *state, dp_error_t *err);
-  /** Frees obj when the custom dies. May be NULL. */
+  /** Frees obj when the custom dies. May be NULL. It may release values;
+   *  a custom (or a storage with a release callback) that dies meanwhile on
+   *  this thread has its destroy run after this one returns, not inside it,
+   *  so that a chain of any length is freed in constant stack. */
   void (*destroy)(void *obj);
 } dp_type_t;
 
