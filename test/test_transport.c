@@ -1332,15 +1332,27 @@ Test(transport, garbage_on_the_wire_fails_the_endpoint_with_a_format_error) {
   first_receive_fails(send_garbage_header, DP_EFORMAT, "malformed message header", DP_EFORMAT);
 }
 
-/* peer: connects with a raw socket, writes garbage, then connects properly */
-static void garbage_then_value(int port) {
+/* A raw TCP connection to 127.0.0.1:port (blocking): its fd, or -1. */
+static int tcp_to(int port) {
   struct sockaddr_in a;
   memset(&a, 0, sizeof a);
   a.sin_family = AF_INET;
   a.sin_port = htons((uint16_t)port);
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) _exit(20);
+  if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    int keep = errno;
+    close(fd);
+    errno = keep;
+    fd = -1;
+  }
+  return fd;
+}
+
+/* peer: connects with a raw socket, writes garbage, then connects properly */
+static void garbage_then_value(int port) {
+  int fd = tcp_to(port);
+  if (fd < 0) _exit(20);
   char junk[4096];
   for (size_t i = 0; i < sizeof junk; i++) junk[i] = (char)(i * 131 + 7);
   if (write(fd, junk, sizeof junk) < 0) _exit(21);
@@ -1396,14 +1408,8 @@ Test(transport, garbage_sent_to_a_listener_does_not_stop_it_accepting) {
 
 /* A raw TCP connection to 127.0.0.1:port (blocking). */
 static int raw_connect(int port) {
-  struct sockaddr_in a;
-  memset(&a, 0, sizeof a);
-  a.sin_family = AF_INET;
-  a.sin_port = htons((uint16_t)port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  cr_assert_geq(fd, 0);
-  cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0, "connect: %s", strerror(errno));
+  int fd = tcp_to(port);
+  cr_assert_geq(fd, 0, "connect: %s", strerror(errno));
   return fd;
 }
 
