@@ -323,10 +323,10 @@ static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small
  * records an event on each of their blocks' streams; free_dropped(),
  * without the lock, waits on those events, frees the memory, and retakes
  * the lock to recycle the blocks. A segment whose event cannot be had
- * stays in the pool. A host function (dp__host_fn_stream) must not wait:
- * a block of its own stream needs no event (the stream's earlier work is
- * done), and a segment with work still queued on another block's stream
- * stays in the pool. */
+ * stays in the pool. A host function (dp__host_fn_stream) must not wait: a
+ * segment with work still queued on a block's stream stays in the pool —
+ * its own stream's too, since a block freed in stream order may be used by
+ * work queued on that stream after the function. */
 static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p) {
   segment_t *dropped = NULL;
   size_t keep = 0;
@@ -338,7 +338,7 @@ static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p) {
      * hold several: mark where each one's stream is. */
     for (block_t *b = seg->first; b && all_free; b = b->next) {
       b->drop_ev = NULL;
-      if (!b->stream || (dp__host_fn_stream && b->stream->h == dp__host_fn_stream)) continue;
+      if (!b->stream) continue;
       if (dp_event_new(c->b, dp__stream_dev(b->stream), &b->drop_ev, NULL) != 0 ||
           dp_event_record(b->drop_ev, b->stream, NULL) != 0 ||
           (dp__host_fn_stream && dp_event_query(b->drop_ev, NULL) != 1)) {

@@ -132,7 +132,7 @@ void dp__device_shutdown(void);
 /* On a host stream's worker thread while it runs a host function
  * (dp_host_launch): that stream's handle (dp_stream's h), else NULL. Such
  * code must not block on a stream's events: its own stream's, recorded
- * after it, would never complete (its earlier work has). */
+ * after it, would never complete. */
 extern _Thread_local const void *dp__host_fn_stream;
 
 /* dp_stream_device, inline: the cache's allocation path reads it. */

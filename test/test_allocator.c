@@ -461,11 +461,12 @@ Test(allocator, emptying_the_cache_waits_for_a_stream_without_holding_the_lock_i
   dp_stream_free(s);
 }
 
-/* A host function that allocates when the backend is out of memory: the
- * retry frees the cached segments of its own stream without waiting (the
- * stream's earlier work is done; an event recorded on it now would wait
- * for the function itself), and does not wait for another stream still
- * busy — its segment stays, and the allocation fails with DP_ENOMEM. */
+/* A host function that allocates when the backend is out of memory never
+ * waits for a stream (an event recorded on its own stream, behind it, would
+ * never complete: it deadlocked): a segment whose stream still has work
+ * queued stays, and the allocation fails with DP_ENOMEM. That includes its
+ * own stream: a block freed in stream order may be used by work queued on
+ * that stream after the function (ASan saw such work write freed memory). */
 typedef struct {
   dp_stream_t *s;
   int rc;
@@ -483,34 +484,45 @@ static void allocate_2mib(void *arg) {
   if (a->rc == 0) dp_cache_dealloc(C, p, NULL);
 }
 
-Test(allocator, a_host_function_out_of_memory_frees_its_own_streams_segments_and_never_waits_on_a_busy_one,
+static void fill_4k(void *arg) { memset(arg, 0x5a, 4096); }
+
+Test(allocator, a_host_function_out_of_memory_never_waits_and_never_frees_a_block_work_behind_it_uses,
      .timeout = 20) {
   dp_stream_t *s = stream(H1), *busy = stream(H1);
-  void *p;
-  OK(dp_cache_alloc(C, H1, 4096, s, &p, T_ERR));
-  OK(dp_cache_dealloc(C, p, T_ERR)); /* one free 2 MiB segment, last used on s */
-  OK(dp_host_set_memory_limit(H1, 3u << 20, T_ERR)); /* a second segment does not fit beside it */
+  _Atomic int gate = 0;
+  OK(dp_host_launch(s, gate_wait, &gate, T_ERR)); /* s held: what follows is queued */
   oom_fn_t a = {.s = s, .rc = 1};
   OK(dp_host_launch(s, allocate_2mib, &a, T_ERR));
-  OK(dp_stream_synchronize(s, T_ERR));
-  cr_assert_eq(a.rc, 0, "its own stream's segment was freed: %s", a.msg);
-  cr_assert_eq(stats(H1).segment_frees, 1);
+  void *p;
+  OK(dp_cache_alloc(C, H1, 4096, s, &p, T_ERR));
+  OK(dp_host_launch(s, fill_4k, p, T_ERR)); /* uses p after the function */
+  OK(dp_cache_dealloc(C, p, T_ERR));        /* freed in stream order: its segment is free, and still used */
+  OK(dp_host_set_memory_limit(H1, 3u << 20, T_ERR)); /* a second segment does not fit beside it */
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(s, T_ERR)); /* returns: the function did not wait on its own stream */
+  cr_assert_eq(a.rc, DP_ENOMEM, "%d %s", a.rc, a.msg);
+  cr_assert(strstr(a.msg, "out of memory allocating 2097152 bytes on host:1"), "%s", a.msg);
+  cr_assert_eq(stats(H1).segment_frees, 0, "the segment the later work used was kept");
 
-  /* now the cached segment is busy's, whose stream is held at a gate */
+  /* a cached segment of another stream, held at a gate: kept as well */
   OK(dp_host_set_memory_limit(H1, 0, T_ERR));
   OK(dp_cache_empty(C, T_ERR));
   OK(dp_cache_alloc(C, H1, 4096, busy, &p, T_ERR));
   OK(dp_cache_dealloc(C, p, T_ERR));
   OK(dp_host_set_memory_limit(H1, 3u << 20, T_ERR));
-  _Atomic int gate = 0;
+  atomic_store(&gate, 0);
   OK(dp_host_launch(busy, gate_wait, &gate, T_ERR));
   a.rc = 1;
   OK(dp_host_launch(s, allocate_2mib, &a, T_ERR));
-  OK(dp_stream_synchronize(s, T_ERR)); /* returns: the function did not wait for busy */
+  OK(dp_stream_synchronize(s, T_ERR));
   cr_assert_eq(a.rc, DP_ENOMEM, "%d %s", a.rc, a.msg);
-  cr_assert(strstr(a.msg, "out of memory allocating 2097152 bytes on host:1"), "%s", a.msg);
   atomic_store(&gate, 1);
   OK(dp_stream_synchronize(busy, T_ERR));
+  /* and one whose stream is idle is freed: the function's allocation succeeds */
+  a.rc = 1;
+  OK(dp_host_launch(s, allocate_2mib, &a, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(a.rc, 0, "%s", a.msg);
   dp_stream_free(busy);
   dp_stream_free(s);
   OK(dp_host_set_memory_limit(H1, 0, T_ERR));
