@@ -61,7 +61,7 @@ static tcache_ent_t tcache[TCACHE_SIZE];
  * not an Exception) or MemoryError is not: the first is kept aside, the
  * walk stops at its next step, and dpy_scan raises it as it is (as it would
  * pass through pickle). */
-static PyObject *held_exc[3];
+static _Thread_local PyObject *held_exc[3]; /* this thread's walk's (a nested walk saves the outer's) */
 
 static void clear_error(void) {
   if (!PyErr_Occurred()) return;
@@ -1488,7 +1488,16 @@ static int attach(dpy_scanner_t *s, PyObject *o, dp_value_t v) {
         return -1;
       }
       if (f->kind == FR_DICT) {
+        size_t before = dp_dict_len(f->out);
         rc = dp_dict_set(f->out, k, v, &e);
+        if (!rc && dp_dict_len(f->out) == before) {
+          /* never a silent merge: keys Python keeps apart (two NaN objects,
+             tuples holding them) that a frame's keys would make one */
+          PyErr_SetString(PyExc_ValueError, "two keys of this dict are one key in a frame (floats compare by their "
+                                            "bits there: two NaN objects, or tuples holding them, are one key)");
+          return walk_error(s, (PyObject *)Py_TYPE(f->obj) == (PyObject *)&PyDict_Type ? f->obj : o,
+                            "it cannot be carried in a frame");
+        }
       } else {
         dp_value_t pair;
         rc = dp_tuple_new(2, &pair, &e);
@@ -1544,14 +1553,38 @@ static int global_name(PyObject *o, char *buf, size_t size) {
   return ok ? 0 : -1;
 }
 
+/* 1 when importing module `mod` and looking up the dotted `name` in it
+ * gives o (pickle's check of a global), 0 when not, -1 with an exception
+ * that is not an import's or a lookup's. */
+static int resolves_to(PyObject *mod, PyObject *name, PyObject *o) {
+  static PyObject *dot;
+  if (!dot && !(dot = PyUnicode_InternFromString("."))) return -1;
+  PyObject *x = PyImport_Import(mod), *parts = x ? PyUnicode_Split(name, dot, -1) : NULL;
+  for (Py_ssize_t i = 0; x && parts && i < PyList_GET_SIZE(parts); i++)
+    Py_SETREF(x, PyObject_GetAttr(x, PyList_GET_ITEM(parts, i)));
+  int same = x && parts ? x == o : -1;
+  Py_XDECREF(x);
+  Py_XDECREF(parts);
+  if (same < 0 && (PyErr_ExceptionMatches(PyExc_ImportError) || PyErr_ExceptionMatches(PyExc_AttributeError))) {
+    PyErr_Clear();
+    same = 0;
+  }
+  return same;
+}
+
 /* An object whose reduce is a str: a global, pickle's module.name — the
- * module from pickle.whichmodule, as pickle finds it — as devpickle.global
+ * module from pickle.whichmodule, as pickle finds it, and refused as pickle
+ * refuses it when that name is not the object — as devpickle.global
  * {name}. */
 static int global_of(dpy_scanner_t *s, PyObject *o, PyObject *name, dp_value_t *out) {
   PyObject *pickle = PyImport_ImportModule("pickle");
   PyObject *mod = pickle ? PyObject_CallMethod(pickle, "whichmodule", "OO", o, name) : NULL;
   Py_XDECREF(pickle);
-  PyObject *full = mod && PyUnicode_Check(mod) ? PyUnicode_FromFormat("%U.%U", mod, name) : NULL;
+  int same = mod && PyUnicode_Check(mod) ? resolves_to(mod, name, o) : -1;
+  if (same == 0)
+    PyErr_Format(PyExc_TypeError, "its reduce names the global %U.%U, which is not it (pickle refuses it too)", mod,
+                 name);
+  PyObject *full = same == 1 ? PyUnicode_FromFormat("%U.%U", mod, name) : NULL;
   Py_XDECREF(mod);
   Py_ssize_t n;
   const char *c = full ? PyUnicode_AsUTF8AndSize(full, &n) : NULL;
@@ -2281,8 +2314,14 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
 }
 
 int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
+  /* Python code under a walk may walk again (a repr that scans): the outer
+     walk's held interrupt waits for it, untouched */
+  PyObject *outer[3] = {held_exc[0], held_exc[1], held_exc[2]};
+  held_exc[0] = held_exc[1] = held_exc[2] = NULL;
   int rc = scan_walk(s, obj, opts, into);
-  return raise_held() ? -1 : rc;
+  if (raise_held()) rc = -1;
+  held_exc[0] = outer[0], held_exc[1] = outer[1], held_exc[2] = outer[2];
+  return rc;
 }
 
 /* ---- devpickle.Allocation and the result of scan ---- */

@@ -591,3 +591,21 @@ def test_an_object_copies_deep_copies_pickles_and_prints_with_its_cycles():
     p = pickle.loads(pickle.dumps(o))
     assert p.me is p and p.__class_name__ == o.__class_name__
     assert repr(o).startswith("devpickle.Object('test_frames.Node', name='n'") and "me=devpickle.Object(...)" in repr(o)
+
+
+def test_keys_python_keeps_apart_but_a_frame_would_merge_are_refused_by_dumps():
+    a, b = float("nan"), float("nan")
+    with pytest.raises(devpickle.WalkError, match="two keys of this dict are one key in a frame"):
+        devpickle.dumps({a: 1, b: 2})
+    with pytest.raises(devpickle.WalkError, match="one key in a frame"):
+        devpickle.dumps({(a,): "x", (b,): "y"})
+    assert list(devpickle.loads(devpickle.dumps({a: 1})).values()) == [1]
+
+
+def test_a_reduce_naming_a_global_that_is_not_the_object_is_refused_as_pickle_refuses_it():
+    class R:
+        def __reduce__(self):
+            return "nowhere_name"
+
+    with pytest.raises(devpickle.WalkError, match="names the global .*nowhere_name, which is not it"):
+        devpickle.dumps(R())

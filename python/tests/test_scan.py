@@ -676,3 +676,46 @@ def test_an_interrupt_raised_by_code_the_walk_calls_for_a_path_or_a_type_passes_
 
     assert devpickle.scan({Fails(): bytearray(4)})[0].path.endswith("[<Fails>]")  # an error of the value's: a placeholder
     assert devpickle.scan([bytearray(2)])[0].nbytes == 2  # nothing left over for the next walk
+
+
+def test_an_interrupt_held_by_one_walk_is_raised_by_that_walk_not_by_another():
+    import threading
+
+    class Key:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __repr__(self):
+            return self.fn()
+
+    def interrupt():
+        raise SystemExit("held by the outer walk")
+
+    def walks_again():
+        assert devpickle.scan([]) == []  # a walk inside the walk: it finishes clean
+        return "K2"
+
+    # nested on one thread: the outer walk raises its own interrupt
+    with pytest.raises(SystemExit, match="outer walk"):
+        devpickle.scan({Key(interrupt): {Key(walks_again): bytearray(2)}})
+
+    # another thread walking while this one's walk holds an interrupt
+    started, other = threading.Event(), {}
+
+    def sleeps_then_interrupts():
+        started.set()
+        import time
+
+        time.sleep(0.05)  # releases the GIL while the other thread walks
+        raise SystemExit("mine")
+
+    def other_thread():
+        started.wait()
+        other["got"] = devpickle.scan([bytearray(3)])
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    with pytest.raises(SystemExit, match="mine"):
+        devpickle.scan({Key(sleeps_then_interrupts): bytearray(1), "x": bytearray(5)})
+    t.join()
+    assert [a.nbytes for a in other["got"]] == [3]
