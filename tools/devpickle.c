@@ -698,8 +698,12 @@ static int64_t left_ns(int64_t deadline) {
 static int64_t deadline_in(double s) { return s < 0 ? -1 : mono_ns() + timeout_ns(s); }
 
 /* A wait that ran out reads in the command's unit (--timeout's seconds). */
-static void timeout_message(dp_error_t *e, double s, const char *what) {
-  if (e->code == DP_ETIMEDOUT) snprintf(e->message, sizeof e->message, "%s within %g s (--timeout)", what, s);
+/* The message for --timeout running out (waited_out: the command's own wait
+ * ended with its future still pending); a timeout the endpoint failed with
+ * (its handshake's deadline, a dead peer) keeps its own message. */
+static void timeout_message(dp_error_t *e, int waited_out, double s, const char *what) {
+  if (e->code == DP_ETIMEDOUT && waited_out)
+    snprintf(e->message, sizeof e->message, "%s within %g s (--timeout)", what, s);
 }
 
 static int cmd_send(int argc, char **argv) {
@@ -738,7 +742,9 @@ static int cmd_send(int argc, char **argv) {
   int64_t deadline = deadline_in(a.timeout); /* one limit for the whole exchange */
   if (!rc) rc = dp_future_wait(done, left_ns(deadline), &e);
   if (!rc) rc = dp_future_wait(ans, left_ns(deadline), &e);
-  if (rc) timeout_message(&e, a.timeout, "no answer from the receiver");
+  if (rc)
+    timeout_message(&e, (done && !dp_future_is_done(done)) || (ans && !dp_future_is_done(ans)), a.timeout,
+                    "no answer from the receiver");
   free(bytes);
   int status = 0;
   if (rc) {
@@ -797,7 +803,7 @@ static int cmd_recv(int argc, char **argv) {
   rc = dp_listener_accept(l, left_ns(deadline), &ep, &e);
   if (!rc) rc = dp_endpoint_recv_frame(ep, &f, &e);
   if (!rc) rc = dp_future_wait(f, left_ns(deadline), &e);
-  if (rc) timeout_message(&e, a.timeout, "no frame");
+  if (rc) timeout_message(&e, !ep || (f && !dp_future_is_done(f)), a.timeout, "no frame");
   dp_value_t answer = dp_int(0);
   if (rc) {
     status = data_error(addr, e.message, e.offset);

@@ -71,7 +71,8 @@ struct lpend {
 };
 
 #define EVENTS_MAX 64
-#define MATCH_MAX 64        /* endpoints made to find one connection's (a bound on what a peer costs) */
+#define MATCH_MAX 16        /* endpoints made to find one connection's (a bound on what a peer costs) */
+#define LPEND_MAX 64        /* unclaimed endpoints kept at once, all peers together */
 
 /* ---- the epoll set ---- */
 
@@ -502,8 +503,11 @@ static int claim(dp_transport_t *t, ucp_ep_h r, const uint8_t *addr) {
   p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   p.err_handler.cb = dp__tp_lworker_err_cb;
   p.err_handler.arg = t;
+  size_t kept = 0;
+  for (lpend_t *e = t->lpend; e; e = e->next) kept++;
   for (int i = 0; i < MATCH_MAX; i++) {
     ucp_ep_h e;
+    if (kept++ >= LPEND_MAX) return 0; /* no more endpoints for strangers: this connection is dropped */
     lpend_t *pe = dp__alloc(sizeof *pe);
     if (!pe) return 0;
     if (ucp_ep_create(t->lworker, &p, &e) != UCS_OK) {
@@ -526,7 +530,9 @@ static int claim(dp_transport_t *t, ucp_ep_h r, const uint8_t *addr) {
 /* IDENT, in UCX's handler on the listen worker: the handshake it names
  * becomes an endpoint, queued for dp_listener_accept. An IDENT that names
  * no handshake waiting for one is ignored (UCX's endpoint is not
- * touched). */
+ * touched); one from an endpoint already claimed drops the handshake it
+ * names. What one costs is bounded: MATCH_MAX endpoints made, LPEND_MAX
+ * kept unclaimed for all peers together. */
 void dp__tp_ident(dp_transport_t *t, const void *hdr, size_t hlen, const ucp_am_recv_param_t *param) {
   dp__am_shm_ctl_t c;
   if (hlen != sizeof c || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return;
@@ -535,6 +541,13 @@ void dp__tp_ident(dp_transport_t *t, const void *hdr, size_t hlen, const ucp_am_
   hs_t *h = t->hs;
   while (h && (h->gone || !h->l || !h->ident || h->token != c.token)) h = h->next;
   if (!h) return;
+  /* one IDENT a connection: one arriving on an endpoint already claimed
+     names no new one (it would make endpoints for nothing) */
+  for (dp_endpoint_t *e = t->eps; e; e = e->next)
+    if (e->ep == param->reply_ep) {
+      hs_close(t, h);
+      return;
+    }
   dp_listener_t *l = h->l;
   dp_endpoint_t *ep = NULL;
   char name[96];
