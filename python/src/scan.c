@@ -212,9 +212,7 @@ typedef struct frame {
   int key_part;         /* FR_DICT / FR_PAIRS: 1 while the key itself is walked */
   PyObject *value;      /* FR_DICT: the value of that key (held: no second lookup) */
   Py_ssize_t dsize;     /* FR_DICT / FR_ATTRS: the dict's size when entered */
-  PyObject *key_for;    /* the non-str key whose step key_text holds (held) */
-  char *key_text;
-  size_t key_len, key_cap;
+  struct keystep *ks;   /* a non-str key's rendered step (put_key_once), or NULL */
   /* building (dumps): the container being filled (borrowed: its parent or
    * the memo holds it) and a key built before its value */
   dp_value_t out;
@@ -486,18 +484,21 @@ static int put_index(buf_t *b, Py_ssize_t i) {
 /* A non-str key's step, rendered once per key and kept while the walk is
  * under it: a repr costs the key's size (a 1 MB bytes key over 2,000
  * allocations took seconds), a path is rendered per allocation. */
+struct keystep {
+  PyObject *key; /* whose step text holds (held) */
+  buf_t text;
+};
+
 static int put_key_once(buf_t *b, frame_t *f) {
-  if (f->key_for != f->label) {
-    Py_CLEAR(f->key_for);
-    buf_t kb = {f->key_text, 0, f->key_cap};
-    int rc = put_key(&kb, f->label);
-    f->key_text = kb.p;
-    f->key_cap = kb.cap;
-    if (rc) return -1;
-    f->key_len = kb.n;
-    f->key_for = Py_NewRef(f->label);
+  struct keystep *k = f->ks;
+  if (!k && !(k = f->ks = PyMem_Calloc(1, sizeof *k))) return -1;
+  if (k->key != f->label) {
+    Py_CLEAR(k->key);
+    k->text.n = 0;
+    if (put_key(&k->text, f->label)) return -1;
+    k->key = Py_NewRef(f->label);
   }
-  return buf_put(b, f->key_text, f->key_len);
+  return buf_put(b, k->text.p, k->text.n);
 }
 
 static int put_step(buf_t *b, frame_t *f) {
@@ -2055,10 +2056,12 @@ static void build_reset(dpy_scanner_t *s) {
 }
 
 static void frame_drop(frame_t *f) {
-  Py_CLEAR(f->key_for);
-  PyMem_Free(f->key_text);
-  f->key_text = NULL;
-  f->key_cap = 0;
+  if (f->ks) { /* a key's step was rendered (rare) */
+    Py_CLEAR(f->ks->key);
+    PyMem_Free(f->ks->text.p);
+    PyMem_Free(f->ks);
+    f->ks = NULL;
+  }
   Py_CLEAR(f->obj);
   Py_CLEAR(f->type);
   Py_CLEAR(f->label);
@@ -2265,6 +2268,7 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
 }
 
 static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
+  PyObject *const *held = held_exc; /* the thread's slot, looked up once (a thread-local costs a call in a module) */
   if (dpy_resolve_frameworks()) return -1;
   s->build = opts->build;
   s->root = dp_none();
@@ -2307,7 +2311,7 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
     Py_INCREF(c); /* a reduce it calls may drop its container's reference */
     int rc = visit(s, c);
     Py_DECREF(c);
-    if (rc || held_exc[0]) return -1;
+    if (rc || held[0]) return -1;
   }
   if (flush_pending(s)) return -1;
   return s->build ? check_storages(s) : 0;
