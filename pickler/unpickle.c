@@ -430,7 +430,7 @@ static int claim(up_t *u, const uint8_t *at, uint64_t items, const char *what) {
   size_t left = bytes_left(u), room = left > u->owed ? left - u->owed : 0;
   if (items > room)
     return rd_fail(&u->r, DP_EFORMAT, at,
-                   "%s claims %llu items but only %zu bytes are left beside the %zu its enclosing containers still need",
+                   "%s claims %llu items, more than the %zu bytes left hold beside the %zu items its enclosing containers still need",
                    what, (unsigned long long)items, left, u->owed);
   u->owed += (size_t)items;
   return 0;

@@ -977,7 +977,7 @@ Test(pickler, open_containers_never_claim_more_items_together_than_the_input_hol
   }
   memset(p + 3 * LAYERS, 0xc0, FILL);
   char msg[160];
-  snprintf(msg, sizeof msg, "array claims %d items but only %d bytes are left beside the %d its enclosing containers still need",
+  snprintf(msg, sizeof msg, "array claims %d items, more than the %d bytes left hold beside the %d items its enclosing containers still need",
            P - 6, P - 6, P - 4);
   expect_bad(p, P, DP_EFORMAT, 40 + 3, msg, NULL);
   free(p);
