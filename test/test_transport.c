@@ -5,7 +5,6 @@
  * TCP over lo and shared memory (t_env), as CI has no other interface. */
 #include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -1332,27 +1331,15 @@ Test(transport, garbage_on_the_wire_fails_the_endpoint_with_a_format_error) {
   first_receive_fails(send_garbage_header, DP_EFORMAT, "malformed message header", DP_EFORMAT);
 }
 
-/* A raw TCP connection to 127.0.0.1:port (blocking): its fd, or -1. */
-static int tcp_to(int port) {
+/* peer: connects with a raw socket, writes garbage, then connects properly */
+static void garbage_then_value(int port) {
   struct sockaddr_in a;
   memset(&a, 0, sizeof a);
   a.sin_family = AF_INET;
   a.sin_port = htons((uint16_t)port);
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-    int keep = errno;
-    close(fd);
-    errno = keep;
-    fd = -1;
-  }
-  return fd;
-}
-
-/* peer: connects with a raw socket, writes garbage, then connects properly */
-static void garbage_then_value(int port) {
-  int fd = tcp_to(port);
-  if (fd < 0) _exit(20);
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) _exit(20);
   char junk[4096];
   for (size_t i = 0; i < sizeof junk; i++) junk[i] = (char)(i * 131 + 7);
   if (write(fd, junk, sizeof junk) < 0) _exit(21);
@@ -1402,260 +1389,6 @@ Test(transport, garbage_sent_to_a_listener_does_not_stop_it_accepting) {
   dp_transport_free(t);
   peer_t p = {pid, port};
   cr_assert_eq(peer_wait(p), 0);
-}
-
-/* ---- the listener's handshake (docs/TRANSPORT.md, "Connections") ---- */
-
-/* A raw TCP connection to 127.0.0.1:port (blocking). */
-static int raw_connect(int port) {
-  int fd = tcp_to(port);
-  cr_assert_geq(fd, 0, "connect: %s", strerror(errno));
-  return fd;
-}
-
-/* 1 when the listener closes fd (an end or a reset) within ns; what it
- * sent before (its header and address) is read and dropped. */
-static int closed_by_listener(int fd, int64_t ns) {
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  for (;;) {
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    int64_t left = ns - ((t1.tv_sec - t0.tv_sec) * SEC + (t1.tv_nsec - t0.tv_nsec));
-    if (left <= 0) return 0;
-    struct pollfd p = {fd, POLLIN, 0};
-    if (poll(&p, 1, (int)(left / 1000000) + 1) <= 0) continue;
-    char b[4096];
-    ssize_t r = read(fd, b, sizeof b);
-    if (r == 0 || (r < 0 && errno == ECONNRESET)) return 1;
-  }
-}
-
-/* The handshake header (internal.h): magic, version, flags, the address's
- * length, reserved, token. */
-static void hs_header(uint8_t h[24], uint32_t version, uint32_t len, uint64_t token) {
-  memset(h, 0, 24);
-  memcpy(h, "DPHS", 4);
-  for (int i = 0; i < 4; i++) h[4 + i] = (uint8_t)(version >> (8 * i)), h[8 + i] = (uint8_t)(len >> (8 * i));
-  for (int i = 0; i < 8; i++) h[16 + i] = (uint8_t)(token >> (8 * i));
-}
-
-/* Bad connection number i (of the kinds below) to port: what it sends,
- * and whether it stays open to be dropped by the deadline. */
-enum { BAD_ZEROS, BAD_RANDOM, BAD_OVERSIZED, BAD_PARTIAL, BAD_SILENT, BAD_VERSION, BAD_ADDRESS, BAD_KINDS };
-static int bad_connection(int port, int kind) {
-  int fd = raw_connect(port);
-  uint8_t b[4096];
-  size_t n = 0;
-  switch (kind) {
-  case BAD_ZEROS: /* what aborted the process in UCX 1.13's connection manager */
-    memset(b, 0, 17);
-    n = 17;
-    break;
-  case BAD_RANDOM:
-    for (size_t i = 0; i < sizeof b; i++) b[i] = (uint8_t)(rand() >> 7);
-    n = sizeof b;
-    break;
-  case BAD_OVERSIZED: /* the magic, and an address of 64 KiB + 1 */
-    hs_header(b, 1, (64u << 10) + 1, 0);
-    n = 24;
-    break;
-  case BAD_PARTIAL: /* 10 bytes of a good header, then nothing */
-    hs_header(b, 1, 100, 0);
-    n = 10;
-    break;
-  case BAD_SILENT:
-    break;
-  case BAD_VERSION:
-    hs_header(b, 2, 100, 0);
-    n = 24;
-    break;
-  case BAD_ADDRESS: /* a good header and garbage where the UCX address goes: never handed to UCX */
-    hs_header(b, 1, 200, 0);
-    for (size_t i = 24; i < 224; i++) b[i] = (uint8_t)(rand() >> 7);
-    n = 224;
-    break;
-  }
-  if (n) cr_assert_eq(write(fd, b, n), (ssize_t)n);
-  return fd;
-}
-
-/* A second transport of this process connects to port, sends v and
- * expects it back; the listener's side echoes it. */
-static void round_trip_through(dp_transport_t *lt, dp_listener_t *l, int64_t value) {
-  dp_transport_t *ct;
-  OK(dp_transport_new(NULL, &ct, T_ERR));
-  dp_endpoint_t *c = connect_to(ct, dp_listener_port(l)), *a;
-  dp_future_t *d, *r, *back, *d2;
-  dp_error_t e;
-  OK(dp_endpoint_send(c, dp_int(value), &d, T_ERR));
-  OK(dp_endpoint_recv(c, &back, T_ERR));
-  OK_WITH(&e, dp_listener_accept(l, 20 * SEC, &a, &e));
-  OK(dp_endpoint_recv(a, &r, T_ERR));
-  OK_WITH(&e, dp_future_wait(r, 20 * SEC, &e));
-  OK(dp_endpoint_send(a, dp_future_value(r), &d2, T_ERR));
-  OK_WITH(&e, dp_future_wait(back, 20 * SEC, &e));
-  cr_assert_eq(dp_value_as_int(dp_future_value(back)), value);
-  OK_WITH(&e, dp_future_wait(d, 20 * SEC, &e));
-  OK_WITH(&e, dp_future_wait(d2, 20 * SEC, &e));
-  dp_future_release(d);
-  dp_future_release(d2);
-  dp_future_release(r);
-  dp_future_release(back);
-  dp_endpoint_free(c);
-  dp_endpoint_free(a);
-  dp_transport_free(ct);
-  (void)lt;
-}
-
-/* Each bad connection is closed by the listener (at once, or at the
- * deadline), never becomes an endpoint, and the process lives on: a good
- * peer then connects and round-trips a value. n: connections of each
- * kind, all open at once. */
-static void listener_drops_bad_connections(int n) {
-  t_track();
-  setenv("DEVPICKLE_TRANSPORT_HANDSHAKE_MS", "300", 1);
-  dp_transport_t *t = new_transport(NULL);
-  unsetenv("DEVPICKLE_TRANSPORT_HANDSHAKE_MS");
-  dp_listener_t *l;
-  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
-  int port = dp_listener_port(l);
-  srand(7);
-  int *fds = malloc(sizeof *fds * (size_t)n * BAD_KINDS);
-  cr_assert(fds);
-  for (int i = 0; i < n * BAD_KINDS; i++) fds[i] = bad_connection(port, i % BAD_KINDS);
-  for (int i = 0; i < n * BAD_KINDS; i++) {
-    cr_assert(closed_by_listener(fds[i], 10 * SEC), "bad connection %d (kind %d) was not dropped", i, i % BAD_KINDS);
-    close(fds[i]);
-  }
-  free(fds);
-  dp_endpoint_t *none;
-  dp_error_t e;
-  cr_assert_eq(dp_listener_accept(l, SEC / 10, &none, &e), DP_ETIMEDOUT, "a bad connection became an endpoint");
-  round_trip_through(t, l, 4242);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
-}
-
-Test(transport, garbage_silence_and_bad_handshakes_sent_to_a_listener_are_dropped_and_a_good_peer_still_connects) {
-  listener_drops_bad_connections(1);
-}
-
-Test(transport, a_flood_of_two_hundred_bad_connections_never_stops_a_listener) {
-  listener_drops_bad_connections(200 / BAD_KINDS + 1);
-}
-
-Test(transport, a_caller_driven_listener_drops_bad_connections_while_accept_waits) {
-  t_track();
-  setenv("DEVPICKLE_TRANSPORT_HANDSHAKE_MS", "300", 1);
-  dp_transport_t *t = new_transport(&caller_opts);
-  unsetenv("DEVPICKLE_TRANSPORT_HANDSHAKE_MS");
-  dp_listener_t *l;
-  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
-  int fds[BAD_KINDS];
-  for (int i = 0; i < BAD_KINDS; i++) fds[i] = bad_connection(dp_listener_port(l), i);
-  dp_endpoint_t *none;
-  dp_error_t e;
-  /* accept drives the loop: the bad ones are read and dropped meanwhile */
-  cr_assert_eq(dp_listener_accept(l, SEC, &none, &e), DP_ETIMEDOUT, "a bad connection became an endpoint");
-  for (int i = 0; i < BAD_KINDS; i++) {
-    cr_assert(closed_by_listener(fds[i], SEC / 10), "bad connection of kind %d was not dropped", i);
-    close(fds[i]);
-  }
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
-}
-
-/* A server that is not a devpickle listener: it writes what it is given
- * (NULL: nothing) and keeps the connection open. */
-static void connect_to_impostor(const void *says, size_t n, int code, const char *needle) {
-  t_track();
-  int port, lfd = t_loopback_socket(1, &port);
-  setenv("DEVPICKLE_TRANSPORT_HANDSHAKE_MS", "300", 1);
-  dp_transport_t *t = new_transport(NULL);
-  unsetenv("DEVPICKLE_TRANSPORT_HANDSHAKE_MS");
-  dp_endpoint_t *ep = connect_to(t, port);
-  int fd = accept(lfd, NULL, NULL);
-  cr_assert_geq(fd, 0);
-  if (n) cr_assert_eq(write(fd, says, n), (ssize_t)n);
-  dp_future_t *r;
-  dp_error_t e;
-  OK(dp_endpoint_recv(ep, &r, T_ERR));
-  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), code, "%s: %s", dp_err_name(e.code), e.message);
-  cr_assert(strstr(e.message, needle), "%s", e.message);
-  cr_assert(strstr(e.message, "endpoint to 127.0.0.1:"), "%s", e.message);
-  dp_future_release(r);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  close(fd);
-  close(lfd);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
-}
-
-Test(transport, a_connector_to_a_server_that_is_not_devpickle_fails_with_a_format_error) {
-  static const uint8_t zeros[17];
-  connect_to_impostor(zeros, sizeof zeros, DP_EFORMAT, "the listener's handshake is not devpickle's");
-}
-
-Test(transport, a_connector_to_a_server_that_stays_silent_fails_at_the_handshake_deadline) {
-  connect_to_impostor(NULL, 0, DP_ETIMEDOUT, "the listener did not complete the handshake within 300 ms");
-}
-
-/* Connections made at once from one transport, one abandoned mid-way:
- * each connector's accepted endpoint is the one its messages reach and
- * the one that sees its close (UCX pairs endpoints made from addresses by
- * a creation count, crosswise under concurrency: hs.c). */
-Test(transport, connections_made_at_once_each_reach_their_own_accepted_endpoint) {
-  t_track();
-  dp_transport_t *lt = new_transport(NULL), *ct;
-  OK(dp_transport_new(NULL, &ct, T_ERR));
-  dp_listener_t *l;
-  OK(dp_listener_new(lt, "127.0.0.1:0", &l, T_ERR));
-  enum { N = 4 };
-  dp_endpoint_t *abandoned = connect_to(ct, dp_listener_port(l)), *c[N], *a[N];
-  dp_endpoint_free(abandoned);
-  for (int i = 0; i < N; i++) c[i] = connect_to(ct, dp_listener_port(l));
-  dp_future_t *f;
-  dp_error_t e;
-  for (int i = 0; i < N; i++) {
-    OK(dp_endpoint_send(c[i], dp_int(100 + i), &f, T_ERR));
-    dp_future_release(f);
-  }
-  int of[N]; /* which connector each accepted endpoint hears */
-  for (int i = 0; i < N; i++) {
-    OK_WITH(&e, dp_listener_accept(l, 20 * SEC, &a[i], &e));
-    OK(dp_endpoint_recv(a[i], &f, T_ERR));
-    OK_WITH(&e, dp_future_wait(f, 20 * SEC, &e));
-    of[i] = (int)dp_value_as_int(dp_future_value(f)) - 100;
-    cr_assert(of[i] >= 0 && of[i] < N);
-    dp_future_release(f);
-  }
-  cr_assert_eq(dp_listener_accept(l, SEC / 10, &abandoned, &e), DP_ETIMEDOUT, "one too many accepted");
-  /* each connector's close fails the accepted endpoint that heard it, and only that one */
-  for (int k = 0; k < N; k++) {
-    int i = 0;
-    while (of[i] != k) i++;
-    OK(dp_endpoint_recv(a[i], &f, T_ERR));
-    dp_endpoint_free(c[k]);
-    cr_assert_eq(dp_future_wait(f, 20 * SEC, &e), DP_EIO, "%s", e.message);
-    cr_assert(strstr(e.message, "connection lost"), "%s", e.message);
-    for (int j = 0; j < N; j++)
-      if (of[j] > k) cr_assert_eq(dp_endpoint_error(a[j], &e), 0, "another endpoint failed: %s", e.message);
-    dp_future_release(f);
-  }
-  for (int i = 0; i < N; i++) dp_endpoint_free(a[i]);
-  dp_listener_free(l);
-  dp_transport_free(ct);
-  dp_transport_free(lt);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
 }
 
 /* peer: takes nothing until told (its pipe closes), then everything */

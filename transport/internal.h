@@ -104,33 +104,11 @@ typedef struct dp__am_shm_piece {
  * was established — with opts.timeout_ns, one that hears nothing from its
  * peer in that time fails (the peer never accepted). */
 #define DP__AM_ACCEPT 0x44508u
-/* IDENT (a control header, value 0, token = the acceptor's handshake
- * token): the connector's first message on its new endpoint, the only one
- * it sends before ACCEPT comes. UCX names, in the acceptor's handler, the
- * endpoint it arrived on; the token names the handshake (hs.c). */
-#define DP__AM_IDENT 0x44509u
 #define DP__LANE_MAX 1024u
 #define DP__LANE_ELEM "1152" /* bytes of a lane queue's element (UCX's FIFO_ELEM_SIZE) */
 #define DP__LANE_ADDR_MAX 4096u
 #define DP__HELLO_NS 1000000000ll /* a lane not wired in 1 s is given up */
 #define DP__LANES_MAX 32u         /* lanes a transport has at once; more endpoints stay on their connections */
-
-/* THE HANDSHAKE (hs.c). A listener is a TCP socket of devpickle's own;
- * UCX never reads from it. On a connection each side sends a header and its
- * UCX worker's address; the header is DP__HS_HDR bytes, little-endian:
- * magic "DPHS", version u16 (1), flags u16 (0), the address's length u32
- * (1 .. DP__HS_ADDR_MAX), reserved u32 (0), token u64 (the acceptor's:
- * random, not 0; the connector's: 0). A side that reads anything else, an
- * end of stream, or nothing complete within the deadline
- * (DEVPICKLE_TRANSPORT_HANDSHAKE_MS, default DP__HS_MS) closes the socket:
- * the listener goes on accepting. The connector then makes its UCX endpoint
- * to the listener's address and sends IDENT; the acceptor never unpacks a
- * peer's address before UCX itself has wired that peer's endpoint to it. */
-#define DP__HS_HDR 24u
-#define DP__HS_VERSION 1u
-#define DP__HS_ADDR_MAX (64u << 10)
-#define DP__HS_MS 5000
-#define DP__HS_MAX 256u  /* accepted handshakes at once; the oldest goes for a new one */
 
 /* ---- test hooks (never set in production) ---- */
 /** 1: send_future reads the buffers as soon as the future completes,

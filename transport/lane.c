@@ -10,7 +10,7 @@
 
 static const unsigned am_ids[AM_IDS] = {DP__AM_FRAME,     DP__AM_BUFS,      DP__AM_SHM_PIECE, DP__AM_SHM_OFFER,
                                         DP__AM_SHM_REPLY, DP__AM_SHM_DONE,  DP__AM_LANE_ADDR, DP__AM_LANE_HELLO,
-                                        DP__AM_ACCEPT,    DP__AM_IDENT};
+                                        DP__AM_ACCEPT};
 
 
 /* Sets every message's handler on w; amh[i] is its argument. */
@@ -23,7 +23,7 @@ ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, 
   hp.cb = dp__tp_am_cb;
   ucs_status_t st = UCS_OK;
   for (size_t i = 0; i < AM_IDS && st == UCS_OK; i++) {
-    amh[i] = (amh_t){t, am_ids[i], ep, w};
+    amh[i] = (amh_t){t, am_ids[i], ep};
     hp.id = am_ids[i];
     hp.arg = &amh[i];
     st = ucp_worker_set_am_recv_handler(w, &hp);
@@ -199,11 +199,49 @@ void dp__tp_lane_close(dp_endpoint_t *ep) {
   ep->dep = NULL;
 }
 
-/* An endpoint's memory, once UCX let go of it (its connection closes now:
- * the peer learns of the close after what was flushed). */
+/* An endpoint's memory, once UCX let go of it. */
 void dp__tp_ep_free_mem(dp_endpoint_t *ep) {
-  dp__tp_ep_sock_close(ep);
   dp__tp_lane_file_drop(ep);
   dp__tp_lane_worker_free(ep);
   dp__free(ep, sizeof *ep);
+}
+
+void dp__tp_on_conn(ucp_conn_request_h req, void *arg) {
+  dp_listener_t *l = arg;
+  dp_transport_t *t = l->t;
+  dp_endpoint_t *ep;
+  char name[96];
+  snprintf(name, sizeof name, "endpoint accepted on port %d", l->port);
+  if (l->closed || dp__tp_ep_alloc(t, name, &ep, NULL)) {
+    ucp_listener_reject(l->l, req);
+    return;
+  }
+  /* where the peer connects from, asked before the request is used up */
+  ucp_conn_request_attr_t ra;
+  ra.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  ep->peer_local = ucp_conn_request_query(req, &ra) == UCS_OK && dp__tp_addr_is_local(&ra.client_address);
+  ucp_ep_params_t p;
+  memset(&p, 0, sizeof p);
+  p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                 UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.conn_request = req;
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = dp__tp_ep_err_cb;
+  p.err_handler.arg = ep;
+  if (ucp_ep_create(t->worker, &p, &ep->ep) != UCS_OK) {
+    dp__free(ep, sizeof *ep);
+    return;
+  }
+  ep->established = 1; /* the peer asked for it */
+  ep->acceptor = 1;
+  dp__am_shm_ctl_t acc = {DP__WIRE_MAGIC, 0, 0};
+  dp__tp_ctl_queue(ep, DP__AM_ACCEPT, &acc, sizeof acc); /* sent by the loop: the connector knows it was accepted */
+  ep->queued = 1; /* before it is in the list dp_transport_free reads */
+  dp__tp_ep_link(t, ep);
+  pthread_mutex_lock(&t->mu);
+  if (l->acc_tail) l->acc_tail->acc_next = ep;
+  else l->acc_head = ep;
+  l->acc_tail = ep;
+  pthread_cond_broadcast(&t->cv);
+  pthread_mutex_unlock(&t->mu);
 }

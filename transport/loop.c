@@ -9,7 +9,6 @@ _Thread_local dp_transport_t *dp__tp_in_pass;
 static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
   size_t ns = ep->nsends, nr = 0;
   for (rwait_t *w = ep->w_head; w; w = w->next) nr++;
-  dp__tp_ep_hs_drop(ep); /* a connector still in its handshake: never made */
   if (!ep->dead) {
     if (ns || nr) {
       dp_error_t e;
@@ -31,14 +30,10 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
       if (ep->ep && ep->rndv_inflight) {
         ep->need_close = 1; /* the peer's buffers still arrive: by force once they have */
       } else if (ep->ep) {
-        /* flush: eager messages whose sends completed may not have left
-           yet; then closed by force (reap). An endpoint made from an
-           address tells its peer nothing when it closes (the connection's
-           end does), and its flush waits for a peer that closed first. */
+        /* flush: eager messages whose sends completed may not have left yet */
         ucp_request_param_t p = {0};
-        void *r = ucp_ep_flush_nbx(ep->ep, &p);
-        if (UCS_PTR_IS_PTR(r)) ep->flush_req = r, ep->close_deadline = now_ns() + DP__CLOSE_WAIT_NS;
-        else ep->need_close = 1;
+        void *r = ucp_ep_close_nbx(ep->ep, &p);
+        if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
       }
       ep->dead = 1;
     }
@@ -51,10 +46,25 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
   switch (c->type) {
   case CMD_LISTEN: {
     dp_listener_t *l = c->lst;
-    int rc = dp__tp_listen(t, l, &c->addr, c->addrlen, &c->err);
-    if (rc) {
-      dp__tp_cmd_finish(t, c, rc);
+    ucp_listener_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    p.sockaddr.addr = (const struct sockaddr *)&c->addr;
+    p.sockaddr.addrlen = c->addrlen;
+    p.conn_handler.cb = dp__tp_on_conn;
+    p.conn_handler.arg = l;
+    ucs_status_t st = ucp_listener_create(t->worker, &p, &l->l);
+    if (st != UCS_OK) {
+      dp__tp_cmd_finish(t, c, dp__err(&c->err, DP_EIO, "transport: cannot listen: %s",
+                                      st == UCS_ERR_BUSY ? "the address is in use (UCX: Device is busy)"
+                                                         : ucs_status_string(st)));
       return;
+    }
+    ucp_listener_attr_t a;
+    a.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if (ucp_listener_query(l->l, &a) == UCS_OK) {
+      if (a.sockaddr.ss_family == AF_INET) l->port = ntohs(((struct sockaddr_in *)&a.sockaddr)->sin_port);
+      else if (a.sockaddr.ss_family == AF_INET6) l->port = ntohs(((struct sockaddr_in6 *)&a.sockaddr)->sin6_port);
     }
     pthread_mutex_lock(&t->mu); /* dp_transport_free reads the list */
     l->next = t->lsts;
@@ -65,7 +75,7 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
   }
   case CMD_UNLISTEN: {
     dp_listener_t *l = c->lst;
-    dp__tp_unlisten(t, l);
+    if (l->l) ucp_listener_destroy(l->l);
     pthread_mutex_lock(&t->mu);
     for (dp_listener_t **p = &t->lsts; *p; p = &(*p)->next)
       if (*p == l) {
@@ -88,8 +98,26 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
   }
   case CMD_CONNECT: {
     dp_endpoint_t *ep = c->ep;
+    ucp_ep_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    p.sockaddr.addr = (const struct sockaddr *)&c->addr;
+    p.sockaddr.addrlen = c->addrlen;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = dp__tp_ep_err_cb;
+    p.err_handler.arg = ep;
     dp__tp_ep_link(t, ep);
-    dp__tp_connect(t, ep, &c->addr, c->addrlen); /* the handshake goes on in the loop (hs.c) */
+    ucs_status_t st = ucp_ep_create(t->worker, &p, &ep->ep);
+    if (st != UCS_OK) {
+      ep->ep = NULL;
+      dp__tp_ep_failf(ep, DP_EIO, "cannot connect (%s)", ucs_status_string(st));
+    } else {
+      ep->peer_local = dp__tp_addr_is_local(&c->addr);
+      ep->born = now_ns();
+      dp__tp_lane_offer(t, ep);
+    }
     dp__free(c, sizeof *c);
     return;
   }
@@ -171,17 +199,6 @@ int dp__tp_drain_cmds(dp_transport_t *t) {
 static void reap(dp_transport_t *t) {
   for (dp_endpoint_t **p = &t->closing; *p;) {
     dp_endpoint_t *ep = *p;
-    if (ep->flush_req && (ucp_request_check_status(ep->flush_req) != UCS_INPROGRESS ||
-                          now_ns() > ep->close_deadline || dp__tp_ep_peer_gone(ep))) {
-      ucp_request_free(ep->flush_req); /* released: UCX completes it when the close purges it */
-      ep->flush_req = NULL;
-      ep->close_deadline = 0;
-      ep->need_close = 1;
-    }
-    if (ep->flush_req) {
-      p = &ep->next;
-      continue;
-    }
     if (ep->need_close) dp__tp_ep_force_close(ep);
     if (ep->need_close || ep->rndv_inflight ||
         (ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS)) {
@@ -249,7 +266,7 @@ static int poll_slots(dp_transport_t *t) {
     if (rc || m->detached || m->failed) { /* its endpoint failed meanwhile, or no memory */
       dp_endpoint_t *ep = c->ep;
       int detached = m->detached;
-      ucp_am_data_release(c->ep->uw, c->data);
+      ucp_am_data_release(t->worker, c->data);
       dp__free(c, sizeof *c);
       if (--m->pending == 0 && detached) dp__tp_rmsg_free(m);
       if (rc && !detached) dp__tp_ep_fail(ep, &e);
@@ -277,12 +294,11 @@ static int poll_slots(dp_transport_t *t) {
 
 #define DP__SPIN_NS 200000
 
-/* Arms the workers (the transport's, the listen worker, the lanes') and
- * lists their descriptors, the command queue's (first) and the sockets'
- * epoll set in t->pfd; 0 when a worker has events already (or no memory
- * for the list: poll again). */
+/* Arms the workers (the transport's and the lanes') and lists their
+ * descriptors and the command queue's in t->pfd, the queue's first; 0 when
+ * a worker has events already (or no memory for the list: poll again). */
 static size_t arm_all(dp_transport_t *t) {
-  size_t n = 4;
+  size_t n = 2;
   for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) n += ep->dw != NULL;
   if (n > t->pfd_cap) {
     size_t cap = n * 2;
@@ -295,12 +311,7 @@ static size_t arm_all(dp_transport_t *t) {
   if (ucp_worker_arm(t->worker) == UCS_ERR_BUSY) return 0;
   t->pfd[0] = (struct pollfd){t->wake_fd, POLLIN, 0};
   t->pfd[1] = (struct pollfd){t->worker_fd, POLLIN, 0};
-  t->pfd[2] = (struct pollfd){t->efd, POLLIN, 0};
-  n = 3;
-  if (t->lworker) {
-    if (ucp_worker_arm(t->lworker) == UCS_ERR_BUSY) return 0;
-    t->pfd[n++] = (struct pollfd){t->lworker_fd, POLLIN, 0};
-  }
+  n = 2;
   for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
     if (!ep->dw) continue;
     if (ucp_worker_arm(ep->dw) == UCS_ERR_BUSY) return 0;
@@ -316,15 +327,6 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
   int work = dp__tp_drain_cmds(t);
   if (t->stop) return work;
   while (ucp_worker_progress(t->worker)) work++;
-  if (t->lworker)
-    while (ucp_worker_progress(t->lworker)) work++;
-  /* sockets: after a sleep, and every 64th pass (a syscall; what they
-     carry — connections, handshakes, a peer's close — is not urgent to
-     the microsecond) */
-  if (t->nsocks && (++t->sock_tick % 64 == 0 || atomic_load_explicit(&t->sock_due, memory_order_relaxed))) {
-    atomic_store_explicit(&t->sock_due, 0, memory_order_relaxed);
-    work += dp__tp_socks(t);
-  }
   int polling = 0;
   for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
     if (ep->dw)
@@ -338,7 +340,7 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
     }
     if (ep->offer_pending && !ep->dead) dp__tp_shm_answer(t, ep), work++;
     if (ep->need_close) dp__tp_ep_force_close(ep), work++;
-    if (ep->ctl_head && !ep->dead && dp__tp_ctl_ready(ep)) dp__tp_ctl_flush(t, ep), work++;
+    if (ep->ctl_head && !ep->dead) dp__tp_ctl_flush(t, ep), work++;
     if (ep->shm_state == SHM_OFFERED && now_ns() > ep->offer_deadline) dp__tp_shm_withdraw(ep);
     if (ep->sq_head || ep->posting) polling |= dp__tp_ep_pump_sends(t, ep);
     if (ep->in_head && !ep->dead) dp__tp_ep_pump_inbox(t, ep);
@@ -388,7 +390,7 @@ void dp__tp_caller_commands(dp_transport_t *t) {
 }
 
 #define CALLER_FDS 64
-_Static_assert(DP__LANES_MAX + 4 <= CALLER_FDS, "a caller's poll sees every worker");
+_Static_assert(DP__LANES_MAX + 2 <= CALLER_FDS, "a caller's poll sees every worker");
 
 /* Nothing to do for a while (*idle_since: since when; now: the time): spin
  * on (yielding the core now and then) up to DP__SPIN_NS, then sleep on the
@@ -419,7 +421,6 @@ static void caller_idle(dp_transport_t *t, int64_t *idle_since, int64_t deadline
   pthread_mutex_lock(&t->mu);
   t->sleeping = 0;
   pthread_mutex_unlock(&t->mu);
-  atomic_store_explicit(&t->sock_due, 1, memory_order_relaxed);
   if (fds[0].revents & POLLIN) {
     uint64_t v;
     ssize_t r = read(t->wake_fd, &v, sizeof v);
@@ -448,16 +449,9 @@ int dp__tp_caller_until(dp_transport_t *t, int (*done)(void *), void *arg, int64
 /* After CMD_STOP: closes in progress finish (bounded: a flush to a dead
  * peer fails), then the copies into and out of slots. */
 void dp__tp_drain_stopped(dp_transport_t *t) {
-  dp__tp_socks_free(t);
   for (int64_t until = now_ns() + 2000000000; (t->closing || t->nreq) && now_ns() < until;) {
     ucp_worker_progress(t->worker);
-    if (t->lworker) ucp_worker_progress(t->lworker);
     reap(t);
-  }
-  for (dp_endpoint_t *ep = t->closing; ep; ep = ep->next) { /* the workers go with them: released first */
-    if (ep->flush_req) ucp_request_free(ep->flush_req);
-    if (ep->close_req) ucp_request_free(ep->close_req);
-    ep->flush_req = ep->close_req = NULL;
   }
   while (poll_slots(t)) sched_yield();
   for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++)
@@ -500,7 +494,6 @@ void *dp__tp_progress_main(void *arg) {
     pthread_mutex_lock(&t->mu);
     t->sleeping = 0;
     pthread_mutex_unlock(&t->mu);
-    atomic_store_explicit(&t->sock_due, 1, memory_order_relaxed);
     if (t->pfd[0].revents & POLLIN) {
       uint64_t v;
       ssize_t r = read(t->wake_fd, &v, sizeof v);

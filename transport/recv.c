@@ -242,7 +242,7 @@ static void drain_rndv(dp_transport_t *t, dp_endpoint_t *ep, void *data, size_t 
     d = NULL;
   }
   if (!d) {
-    ucp_am_data_release(ep->uw, data);
+    ucp_am_data_release(t->worker, data);
     return;
   }
   d->n = n ? n : 1;
@@ -253,7 +253,7 @@ static void drain_rndv(dp_transport_t *t, dp_endpoint_t *ep, void *data, size_t 
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = drain_cb;
   p.user_data = d;
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(ep->uw, data, d->scratch, n, &p);
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, d->scratch, n, &p);
   if (UCS_PTR_IS_PTR(r)) {
     t->nreq++;
     ep->rndv_inflight++;
@@ -275,7 +275,7 @@ int dp__tp_post_recv(dp_transport_t *t, rctx_t *c, void *data) {
     if (!(c->tmp = dp__alloc(h->total ? (size_t)h->total : 1))) {
       dp__free(c, sizeof *c);
       m->pending--;
-      ucp_am_data_release(ep->uw, data);
+      ucp_am_data_release(t->worker, data);
       dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving packed buffers");
       return -1;
     }
@@ -287,7 +287,7 @@ int dp__tp_post_recv(dp_transport_t *t, rctx_t *c, void *data) {
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = recv_cb;
   p.user_data = c;
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(ep->uw, data, dst, (size_t)h->total, &p);
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, (size_t)h->total, &p);
   if (UCS_PTR_IS_PTR(r)) {
     t->nreq++;
     ep->rndv_inflight++;
@@ -311,7 +311,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   else if (ok)
     ok = !m->next_off;
   if (!ok) {
-    if (rndv) ucp_am_data_release(ep->uw, data);
+    if (rndv) ucp_am_data_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
     return -1;
   }
@@ -338,19 +338,19 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   }
   if (h->count == 1 ? h->size != b->nbytes : sum != h->total) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffers message's size differs from its frame's table");
-    if (rndv) ucp_am_data_release(ep->uw, data);
+    if (rndv) ucp_am_data_release(t->worker, data);
     return -1;
   }
   /* a direct buffer comes whole; a staged one in chunks of DP__STAGE_CHUNK
      (the last shorter), so that a receive slot holds any piece */
   if (h->count == 1 && (staged ? h->total > DP__STAGE_CHUNK : h->total != h->size)) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffer is cut into pieces other than the protocol's");
-    if (rndv) ucp_am_data_release(ep->uw, data);
+    if (rndv) ucp_am_data_release(t->worker, data);
     return -1;
   }
   if (staged && spans) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a packed message of device buffers spans devices");
-    if (rndv) ucp_am_data_release(ep->uw, data);
+    if (rndv) ucp_am_data_release(t->worker, data);
     return -1;
   }
   if (shm) return shm_in(t, ep, m, h, slot, staged);
@@ -358,7 +358,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   if (staged) {
     dp_error_t e;
     if (dp__tp_slot_get(t, &t->rx, (size_t)h->total, !rndv, &sl, &e)) {
-      if (rndv) ucp_am_data_release(ep->uw, data);
+      if (rndv) ucp_am_data_release(t->worker, data);
       dp__tp_ep_fail(ep, &e);
       return -1;
     }
@@ -378,7 +378,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   rctx_t *c = dp__alloc(sizeof *c);
   if (!c) {
     if (sl) dp__tp_slot_put(t, &t->rx, sl);
-    ucp_am_data_release(ep->uw, data);
+    ucp_am_data_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving a buffer");
     return -1;
   }
@@ -553,7 +553,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   if (hlen >= 4) memcpy(&magic, hdr, 4);
   if (hlen != want || magic != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv) ||
       (id != DP__AM_FRAME && !bufs_hdr_ok(hdr))) {
-    if (rndv) ucp_am_data_release(ep->uw, data);
+    if (rndv) ucp_am_data_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
   }
@@ -562,7 +562,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   key_t k = key_of(id, h);
   int c = key_cmp(k, expected(ep));
   if (c < 0) {
-    if (rndv) ucp_am_data_release(ep->uw, data);
+    if (rndv) ucp_am_data_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
     return UCS_OK;
   }
@@ -575,7 +575,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
   if (!b || (!persistent && len)) {
     if (b) dp__free(b, sizeof *b);
-    if (rndv) ucp_am_data_release(ep->uw, data);
+    if (rndv) ucp_am_data_release(t->worker, data);
     dp__tp_ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
              ep->nparked >= DP__MAX_PARKED ? "too many messages out of order" : "out of memory parking a message");
     return UCS_OK;
@@ -592,7 +592,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   while (at && key_cmp(key_of(at->id, at->hdr), k) > 0) at = at->prev;
   if (at && key_cmp(key_of(at->id, at->hdr), k) == 0) {
     dp__free(b, sizeof *b);
-    if (rndv) ucp_am_data_release(ep->uw, data);
+    if (rndv) ucp_am_data_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
     return UCS_OK;
   }
@@ -688,8 +688,6 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
         ep->shm_state = SHM_YES;
       }
     }
-  } else if (id == DP__AM_IDENT) { /* only the listen worker takes one, before the endpoint exists */
-    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "an IDENT message the protocol does not expect");
   } else if (id == DP__AM_ACCEPT) {
     if (ep->acceptor || ep->accepted || on_lane_worker || c->value)
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "an accept message the protocol does not expect");
@@ -708,13 +706,8 @@ ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, s
   const amh_t *h = arg;
   dp_transport_t *t = h->t;
   dp_endpoint_t *ep = h->ep;
-  ucp_worker_h w = h->w;
+  ucp_worker_h w = ep ? ep->dw : t->worker;
   int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-  if (h->id == DP__AM_IDENT && !ep && w == t->lworker) {
-    if (rndv) ucp_am_data_release(w, data);
-    dp__tp_ident(t, hdr, hlen, param); /* the acceptor learns its endpoint (hs.c) */
-    return UCS_OK;
-  }
   if (!ep && (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) ep = dp__tp_ep_find(t, param->reply_ep);
   if (!ep || ep->dead) {
     /* from an endpoint failed or closed here (UCX still has it, as it

@@ -370,7 +370,6 @@ static int sop_go(dp_transport_t *t, sop_t *s, int start) {
  * Returns 1 when a send waits on its future or its copies (the loop must
  * keep polling). */
 int dp__tp_ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
-  if (!dp__tp_may_send(ep)) return 0; /* ACCEPT comes first; then the pass pumps again */
   if (ep->posting && !ep->dead) {
     int rc = sop_go(t, ep->posting, 0);
     if (rc) return rc == 1;

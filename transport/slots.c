@@ -240,7 +240,7 @@ ucs_status_ptr_t dp__tp_am_send(dp_endpoint_t *ep, unsigned id, const void *hdr,
 
 
 void dp__tp_ctl_flush(dp_transport_t *t, dp_endpoint_t *ep) {
-  while (ep->ctl_head && !ep->dead && dp__tp_ctl_ready(ep)) {
+  while (ep->ctl_head && !ep->dead) {
     ctl_t *c = ep->ctl_head;
     c->t = t;
     ep->ctl_head = c->next;

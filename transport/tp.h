@@ -1,8 +1,7 @@
 /* transport/tp.h — the transport's objects and the functions its files
  * share (transport.c: commands, endpoints, their failure, the API; slots.c:
  * where buffers go, staging and same-host slots; lane.c: same-host lanes;
- * hs.c: listeners, connections and devpickle's handshake; send.c; recv.c;
- * loop.c: the progress loop, by a thread or the caller).
+ * send.c; recv.c; loop.c: the progress loop, by a thread or the caller).
  * Private: not installed. The wire and the test hooks: internal.h. */
 #ifndef DP_TRANSPORT_TP_H
 #define DP_TRANSPORT_TP_H
@@ -16,7 +15,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <netinet/in.h>
@@ -44,16 +42,6 @@ typedef struct piece piece_t;    /* a staged message of a send */
 typedef struct seg seg_t;        /* a sender's same-host segment of slots */
 typedef struct ctl ctl_t;        /* a control message to send */
 typedef struct rdone rdone_t;    /* a receiver's copy out of a peer's slot */
-typedef struct hs hs_t;          /* a connection in devpickle's handshake (hs.c) */
-typedef struct lpend lpend_t;    /* a listen-worker endpoint no connection has claimed yet (hs.c) */
-
-/* What an event of the transport's epoll set names: a listening socket, a
- * handshake, or an endpoint's connection once its handshake is done. */
-enum { SOCK_LISTENER, SOCK_HS, SOCK_EP };
-typedef struct sock {
-  int kind;
-  void *obj;
-} sock_t;
 
 /* How a buffer moves (buf_mode). */
 enum { MODE_REFUSED, MODE_DIRECT, MODE_STAGED };
@@ -98,12 +86,11 @@ enum { SHM_NONE, SHM_OFFERED, SHM_YES, SHM_NO };
 
 /* A message id and its transport: the argument of UCX's handler for it;
  * on a lane's worker, also the endpoint (the lane's messages are its). */
-#define AM_IDS 10
+#define AM_IDS 9
 typedef struct amh {
   dp_transport_t *t;
   unsigned id;
   dp_endpoint_t *ep;
-  ucp_worker_h w;           /* the worker whose handler it is */
 } amh_t;
 
 /* A lane's state: none; the connector's offer sent (WAIT); the acceptor's
@@ -222,11 +209,7 @@ struct cmd {
 struct dp_endpoint {
   dp_transport_t *t;
   dp_endpoint_t *next;      /* the transport's list */
-  ucp_ep_h ep;              /* NULL until the handshake is done (connector) */
-  ucp_worker_h uw;          /* ep's worker: the transport's (connector) or the listen worker (acceptor) */
-  int sock;                 /* the TCP connection of the handshake, kept: its end is the peer's close (-1: none) */
-  sock_t ss;
-  hs_t *hs;                 /* the connector: its handshake, until done */
+  ucp_ep_h ep;
   char name[96];
   /* shared, under t->mu */
   int error;
@@ -246,7 +229,6 @@ struct dp_endpoint {
   size_t nparked;
   rwait_t *w_head, *w_tail;
   void *close_req;
-  void *flush_req;          /* a graceful close's flush; closed by force once done (or after DP__CLOSE_WAIT_NS) */
   unsigned tx_used;         /* send slots its pieces hold */
   int shm_state;            /* SHM_*: this side's offer of a segment */
   seg_t *seg;               /* offered, then used (SHM_YES) */
@@ -290,8 +272,7 @@ struct dp_endpoint {
 struct dp_listener {
   dp_transport_t *t;
   dp_listener_t *next;
-  int fd;                   /* devpickle's listening socket (hs.c) */
-  sock_t ss;
+  ucp_listener_h l;
   int port;
   dp_endpoint_t *acc_head, *acc_tail; /* under t->mu */
   int closed;
@@ -340,20 +321,6 @@ struct dp_transport {
   unsigned nlanes;              /* lane workers alive (DP__LANES_MAX at most) */
   _Atomic unsigned ncommands;   /* caller-driven: commands queued (a whole pass every 16th) */
   pthread_mutex_t pmu;
-  /* sockets (hs.c): listeners, handshakes, endpoints' connections */
-  int efd;                      /* epoll set of them all */
-  unsigned nsocks;              /* descriptors in it */
-  unsigned sock_tick;           /* passes since the set was last read */
-  _Atomic int sock_due;         /* read it at the next pass (the loop slept) */
-  hs_t *hs;                     /* handshakes in progress */
-  unsigned nhs;                 /* ... of them accepted ones (at most DP__HS_MAX) */
-  int64_t hs_ns;                /* a handshake's deadline (DEVPICKLE_TRANSPORT_HANDSHAKE_MS) */
-  ucp_worker_h lworker;         /* the listen worker: accepted connections' endpoints (made by the first listener) */
-  int lworker_fd;
-  amh_t lamh[AM_IDS];
-  ucp_address_t *laddr, *caddr; /* the listen worker's and the transport's worker's addresses */
-  size_t laddr_len, caddr_len;
-  lpend_t *lpend;               /* listen-worker endpoints made while matching, not yet claimed */
 };
 
 typedef struct rctx {
@@ -372,13 +339,6 @@ static inline int64_t now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-/* A connector sends nothing but IDENT until its peer's ACCEPT came: the
- * acceptor knows the endpoint only from IDENT on (hs.c). */
-static inline int dp__tp_may_send(const dp_endpoint_t *ep) { return ep->ep && (ep->acceptor || ep->accepted); }
-static inline int dp__tp_ctl_ready(const dp_endpoint_t *ep) {
-  return dp__tp_may_send(ep) || (ep->ep && ep->ctl_head && ep->ctl_head->id == DP__AM_IDENT);
 }
 
 /* The transport whose pass this thread runs (caller-driven progress). */
@@ -425,6 +385,7 @@ void dp__tp_shm_answer(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_shm_withdraw(dp_endpoint_t *ep);
 void dp__tp_ep_drop_shm(dp_transport_t *t, dp_endpoint_t *ep);
 /* lane.c */
+ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep);
 ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd);
 void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_lane_offer(dp_transport_t *t, dp_endpoint_t *ep);
@@ -434,19 +395,7 @@ void dp__tp_lane_worker_free(dp_endpoint_t *ep);
 void dp__tp_lane_hello(dp_endpoint_t *ep);
 void dp__tp_lane_close(dp_endpoint_t *ep);
 void dp__tp_ep_free_mem(dp_endpoint_t *ep);
-ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep);
-/* hs.c */
-int dp__tp_listen(dp_transport_t *t, dp_listener_t *l, const struct sockaddr_storage *a, socklen_t len,
-                  dp_error_t *err);
-void dp__tp_unlisten(dp_transport_t *t, dp_listener_t *l);
-void dp__tp_connect(dp_transport_t *t, dp_endpoint_t *ep, const struct sockaddr_storage *a, socklen_t len);
-int dp__tp_socks(dp_transport_t *t);
-void dp__tp_ep_sock_close(dp_endpoint_t *ep);
-void dp__tp_ep_hs_drop(dp_endpoint_t *ep);
-int dp__tp_ep_peer_gone(const dp_endpoint_t *ep);
-void dp__tp_ident(dp_transport_t *t, const void *hdr, size_t hlen, const ucp_am_recv_param_t *param);
-void dp__tp_lworker_err_cb(void *arg, ucp_ep_h uep, ucs_status_t st);
-void dp__tp_socks_free(dp_transport_t *t);
+void dp__tp_on_conn(ucp_conn_request_h req, void *arg);
 /* send.c */
 void dp__tp_sent(sop_t *s, ucs_status_t st);
 int dp__tp_sop_plan(dp_transport_t *t, sop_t *s, dp_error_t *err);

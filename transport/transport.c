@@ -224,7 +224,6 @@ void dp__tp_ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
   }
   ep->w_head = ep->w_tail = NULL;
   ep->held = ep->inflight = 0;
-  dp__tp_ep_sock_close(ep); /* the peer learns of it there */
   /* UCX is not re-entered from its own callbacks: the loop closes it */
   if (ep->ep && !ep->dead) ep->need_close = 1;
   dp__tp_lane_close(ep);
@@ -280,7 +279,6 @@ int dp__tp_ep_alloc(dp_transport_t *t, const char *name, dp_endpoint_t **out, dp
   if (!ep) return dp__err(err, DP_ENOMEM, "transport: out of memory");
   memset(ep, 0, sizeof *ep);
   ep->t = t;
-  ep->sock = -1;
   snprintf(ep->name, sizeof ep->name, "%s", name);
   dp_error_clear(&ep->errinfo);
   *out = ep;
@@ -409,10 +407,6 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
     t->lctx = lane_context(&up);
   }
   t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  t->efd = epoll_create1(EPOLL_CLOEXEC);
-  const char *hms = getenv("DEVPICKLE_TRANSPORT_HANDSHAKE_MS");
-  long long ms = hms && *hms ? strtoll(hms, NULL, 10) : DP__HS_MS;
-  t->hs_ns = (ms > 0 && ms < 3600000 ? ms : DP__HS_MS) * 1000000ll;
   pthread_mutex_init(&t->mu, NULL);
   pthread_mutex_init(&t->pmu, NULL);
   pthread_condattr_t ca;
@@ -425,10 +419,8 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
      waits for may need it (a few cores), every 16th elsewhere */
   t->yield_every = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 16 : 1;
   t->last_check = now_ns();
-  if (t->wake_fd < 0 || t->efd < 0 ||
-      (!t->caller && pthread_create(&t->thread, NULL, dp__tp_progress_main, t) != 0)) {
+  if (t->wake_fd < 0 || (!t->caller && pthread_create(&t->thread, NULL, dp__tp_progress_main, t) != 0)) {
     if (t->wake_fd >= 0) close(t->wake_fd);
-    if (t->efd >= 0) close(t->efd);
     pthread_mutex_destroy(&t->mu);
     pthread_mutex_destroy(&t->pmu);
     pthread_cond_destroy(&t->cv);
@@ -473,16 +465,12 @@ void dp_transport_free(dp_transport_t *t) {
   run_cmd(t, CMD_STOP, NULL, NULL);
   if (t->caller) dp__tp_drain_stopped(t);
   else pthread_join(t->thread, NULL);
-  if (t->caddr) ucp_worker_release_address(t->worker, t->caddr);
-  if (t->laddr) ucp_worker_release_address(t->lworker, t->laddr);
-  if (t->lworker) ucp_worker_destroy(t->lworker);
   ucp_worker_destroy(t->worker);
   ucp_cleanup(t->ctx);
   for (dp_endpoint_t *ep = t->closing, *n; ep; ep = n) {
     n = ep->next;
     dp__tp_ep_free_mem(ep);  /* their close requests went with the worker */
   }
-  close(t->efd);
   if (t->lctx) ucp_cleanup(t->lctx);
   if (t->pfd) dp__free(t->pfd, t->pfd_cap * sizeof *t->pfd);
   for (slot_t *sl = t->tx.free, *n; sl; sl = n) n = sl->next, dp__tp_slot_destroy(t, sl);

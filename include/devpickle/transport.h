@@ -85,13 +85,10 @@
  * bytes included) always goes eagerly and is held by the receiver until
  * taken (docs/TRANSPORT.md, "Flow control").
  *
- * CONNECTIONS: a listener is a TCP socket of devpickle's own; each
- * connection does devpickle's handshake (a header and the UCX worker's
- * address each way, validated, with a deadline of 5 s:
- * DEVPICKLE_TRANSPORT_HANDSHAKE_MS) before it becomes an endpoint, and one
- * that fails is closed without touching the listener. The connection is
- * kept: its end is how a peer's close is known. The transport does not
- * authenticate peers. docs/TRANSPORT.md, "Connections".
+ * TRUST: listeners must be reachable only by trusted peers — UCX 1.13's
+ * connection manager, which runs before devpickle sees a byte, aborts the
+ * process on some malformed handshakes (docs/TRANSPORT.md, "Not yet
+ * supported"). The transport does not authenticate peers.
  *
  * OWNERSHIP: transports, listeners and endpoints are freed with their
  * _free function; an endpoint or listener must be freed before its
@@ -184,8 +181,8 @@ DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_
 /** Listens on "HOST:PORT" (PORT 0: an ephemeral port, see
  *  dp_listener_port; HOST may be an address or a name, "0.0.0.0" all
  *  interfaces). Returns once the socket is bound. Errors: DP_EINVAL for a
- *  malformed address, DP_EIO when it cannot listen ("the address is in
- *  use", the system's message) or UCX cannot make the listen worker. */
+ *  malformed address, DP_EIO when UCX cannot listen (port in use), with
+ *  UCX's message. */
 DP_API int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err);
 /** The bound port (0 for NULL). */
 DP_API int dp_listener_port(const dp_listener_t *l);
@@ -197,10 +194,8 @@ DP_API void dp_listener_free(dp_listener_t *l);
 
 /** An endpoint connecting to "HOST:PORT". Returns at once: a refused or
  *  failed connection fails the endpoint (its futures fail with DP_EIO,
- *  "connection refused" and the reason; DP_EFORMAT for a server that is
- *  not a devpickle listener; DP_ETIMEDOUT for one that does not complete
- *  the handshake in time). Sends wait until the listener accepted.
- *  DP_EINVAL for a malformed address. */
+ *  "connection refused" or UCX's reason). DP_EINVAL for a malformed
+ *  address. */
 DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err);
 /** Closes the endpoint: pending sends and receives fail with DP_ECANCELED
  *  ("closed with N sends and M receives pending"), received buffers not
