@@ -524,7 +524,7 @@ static void *open_gate_later(void *arg) {
   return NULL;
 }
 
-Test(future, synchronize_keeps_to_its_timeout_while_the_events_are_behind_other_work, .timeout = 20) {
+Test(future, synchronize_keeps_to_its_timeout_while_the_events_are_behind_other_work) {
   dp_stream_t *s;
   OK(dp_stream_new(B, H0, &s, T_ERR));
   _Atomic int gate = 0;
