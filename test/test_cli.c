@@ -287,6 +287,17 @@ Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
   res_free(r);
 }
 
+Test(cli, base64_with_bits_past_its_last_byte_and_a_name_given_twice_are_refused_never_changed) {
+  pack_fails("pad.json", "x.dpk", "[{\"$bytes\": \"AA==\"}, {\"$bytes\": \"AB==\"}]",
+             "devpickle: pad.json: $bytes must be a canonical base64 string (RFC 4648, padded, unused bits zero), "
+             "at $[1]\n");
+  pack_fails("pad2.json", "x.dpk", "{\"$bytes\": \"AAF=\"}",
+             "devpickle: pad2.json: $bytes must be a canonical base64 string (RFC 4648, padded, unused bits zero), "
+             "at $\n");
+  pack_fails("ids.json", "x.dpk", "{\"$id\": \"a\", \"$value\": {\"$id\": \"b\", \"$value\": [{\"$ref\": \"a\"}]}}",
+             "devpickle: ids.json: $id \"a\" names an $id: a node has one name, at $\n");
+}
+
 Test(cli, bad_value_json_names_the_problem_and_where) {
   pack_fails("bad.json", "x.dpk", "{\"a\": [1, 2,, 3]}",
              "devpickle: bad.json: invalid JSON: unexpected ',' (line 1, column 13), at byte 12\n");

@@ -558,8 +558,10 @@ static const char *const help_inspect =
     "\n"
     "Prints the frame's header and its value as a tree, one node a line: the\n"
     "path, the kind and a summary. A node met again is shown as '-> PATH' of\n"
-    "its first appearance. Levels deeper than 64 are summarized; long names\n"
-    "and paths are shortened (docs/VALUE_JSON.md, \"Paths\").\n";
+    "its first line. Levels deeper than 64 are summarized, and dict keys are\n"
+    "shown only in paths: a node first met there is shown in full at its\n"
+    "first line. Long names and paths are shortened (docs/VALUE_JSON.md,\n"
+    "\"Paths\").\n";
 
 static int cmd_inspect(int argc, char **argv) {
   loaded_t l;

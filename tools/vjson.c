@@ -61,6 +61,10 @@ int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n) {
         return -1;
       }
     }
+    if ((pad == 1 && (v & 0xff)) || (pad == 2 && (v & 0xffff))) { /* bits past the last byte: not canonical */
+      free(p);
+      return -1;
+    }
     p[k++] = (uint8_t)(v >> 16);
     if (pad < 2) p[k++] = (uint8_t)(v >> 8);
     if (pad < 1) p[k++] = (uint8_t)v;
@@ -835,7 +839,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   size_t n = 0;
   if (data) {
     if (vjson_b64_decode(json_string_value(data), json_string_length(data), &bytes, &n) != 0)
-      return fail(r, DP_EINVAL, "tensor data is not valid base64");
+      return fail(r, DP_EINVAL, "tensor data is not canonical base64 (RFC 4648, padded, unused bits zero)");
     if (n != nbytes) {
       free(bytes);
       return fail(r, DP_EINVAL, "tensor data has %zu bytes, nbytes says %zu", n, nbytes);
@@ -1105,6 +1109,8 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
         return fail(r, DP_EINVAL, "$id needs a string name and a \"$value\"");
       if (find_id(r, json_string_value(x), json_string_length(x)))
         return fail(r, DP_EINVAL, "$id %s is defined twice", shown(x, 1, r->scratch));
+      if (json_is_object(val) && json_object_get(val, "$id"))
+        return fail(r, DP_EINVAL, "$id %s names an $id: a node has one name", shown(x, 1, r->scratch));
       size_t mine;
       if (is_container_json(val)) {
         if ((rc = make_shell(r, val, out)) != 0) return rc;
@@ -1141,7 +1147,7 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
       size_t n;
       if (json_object_size(j) != 1 || !json_is_string(x) ||
           vjson_b64_decode(json_string_value(x), json_string_length(x), &p, &n) != 0)
-        return fail(r, DP_EINVAL, "$bytes must be a base64 string");
+        return fail(r, DP_EINVAL, "$bytes must be a canonical base64 string (RFC 4648, padded, unused bits zero)");
       rc = dp_bytes_new(p, n, out, &r->e);
       free(p);
       return check_err(r, rc, &r->e);
