@@ -699,10 +699,10 @@ static int64_t left_ns(int64_t deadline) {
 
 static int64_t deadline_in(double s) { return s < 0 ? -1 : mono_ns() + timeout_ns(s); }
 
-/* A wait that ran out reads in the command's unit (--timeout's seconds). */
-/* The message for --timeout running out (waited_out: the command's own wait
- * ended with its future still pending); a timeout the endpoint failed with
- * (a dead peer's) keeps its own message. */
+/* A wait that ran out reads in the command's unit (--timeout's seconds) —
+ * only when the command's own wait ended with its future still pending
+ * (waited_out); a timeout the endpoint failed with (a dead peer's) keeps
+ * its own message. */
 static void timeout_message(dp_error_t *e, int waited_out, double s, const char *what) {
   if (e->code == DP_ETIMEDOUT && waited_out)
     snprintf(e->message, sizeof e->message, "%s within %g s (--timeout)", what, s);

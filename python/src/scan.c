@@ -480,7 +480,6 @@ static int put_index(buf_t *b, Py_ssize_t i) {
   return buf_put(b, tmp + k, sizeof tmp - k);
 }
 
-/* The step from frame f to its current child. */
 /* A non-str key's step, rendered once per key and kept while the walk is
  * under it: a repr costs the key's size (a 1 MB bytes key over 2,000
  * allocations took seconds), a path is rendered per allocation. */
@@ -501,6 +500,7 @@ static int put_key_once(buf_t *b, frame_t *f) {
   return buf_put(b, k->text.p, k->text.n);
 }
 
+/* The step from frame f to its current child. */
 static int put_step(buf_t *b, frame_t *f) {
   char tmp[48];
   switch (f->kind) {
@@ -687,7 +687,7 @@ static int counted_before(dpy_scanner_t *s, PyObject *o) {
  * one, and only an allocation met again asks `counted` — with its first
  * object entered first, since obj may be that one again. */
 static int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
-  if (idx >= s->nfirst) { /* new: allocations are numbered in discovery order */
+  if (idx == s->nfirst) { /* new: allocations are numbered in discovery order, each accounted */
     if (idx >= s->first_cap) {
       size_t cap = s->first_cap ? 2 * s->first_cap : 64;
       while (cap <= idx) cap *= 2;
@@ -701,14 +701,14 @@ static int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
       s->refs = r;
       s->first_cap = cap;
     }
-    while (s->nfirst < idx) { /* not reached: every allocation is accounted in order */
-      s->first[s->nfirst] = NULL;
-      s->refs[s->nfirst++] = 0;
-    }
     s->first[idx] = Py_NewRef(obj);
     s->refs[idx] = 1;
     s->nfirst = idx + 1;
     return 0;
+  }
+  if (idx > s->nfirst) { /* an allocation not accounted: a bug of this file's, never the value's */
+    PyErr_Format(PyExc_SystemError, "devpickle: allocation %zu counted before allocation %zu", idx, s->nfirst);
+    return -1;
   }
   PyObject *f = s->first[idx];
   if (f) {
@@ -1496,8 +1496,7 @@ static int attach(dpy_scanner_t *s, PyObject *o, dp_value_t v) {
              tuples holding them) that a frame's keys would make one */
           PyErr_SetString(PyExc_ValueError, "two keys of this dict are one key in a frame (floats compare by their "
                                             "bits there: two NaN objects, or tuples holding them, are one key)");
-          return walk_error(s, (PyObject *)Py_TYPE(f->obj) == (PyObject *)&PyDict_Type ? f->obj : o,
-                            "it cannot be carried in a frame");
+          return walk_error(s, f->obj, "it cannot be carried in a frame"); /* the dict */
         }
       } else {
         dp_value_t pair;
@@ -1742,7 +1741,7 @@ static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
 
 static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   /* a subclass's __torch_function__ runs the value's code on every attribute
-     read below (dtype, shape, stride(), ...) */
+     read below (dtype, shape, stride(), ...): check_storages looks again */
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
   int n = torch_allocs(o, a);
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
@@ -1923,24 +1922,12 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   dp_error_t e;
   int rc;
   if (k == K_CFUNC && (!PyCFunction_GET_SELF(o) || PyModule_Check(PyCFunction_GET_SELF(o)))) k = K_LEAF;
-  if (k == K_LEAF && (PyUnicode_CheckExact(o) ? PyUnicode_GET_LENGTH(o) >= 32
-                                               : PyBytes_CheckExact(o) && PyBytes_GET_SIZE(o) >= 32)) {
-    /* a long str or bytes is written once, as pickle's memo does: met
-     * again, it is a back-reference (a 1 MB str in a list 300 times made a
-     * 300 MB frame) */
-    size_t at;
-    int sn = seen_at(s, o, &at);
-    if (sn < 0) return -1;
-    if (sn && at < s->vals_cap && dp_value_kind(s->vals[at]) != DP_NONE)
-      return attach(s, o, dp_value_retain(s->vals[at]));
-    if (build_leaf(s, o, &v)) return -1;
-    if (memo_store(s, at, v)) {
-      dp_value_release(v);
-      return -1;
-    }
-    return attach(s, o, v);
-  }
-  if (k == K_LEAF) return build_leaf(s, o, &v) ? -1 : attach(s, o, v);
+  /* a long str or bytes enters the memo, as in pickle's: written once, met
+     again it is a back-reference (a 1 MB str in a list 300 times made a
+     300 MB frame) */
+  int long_leaf = k == K_LEAF && (PyUnicode_CheckExact(o) ? PyUnicode_GET_LENGTH(o) >= 32
+                                                          : PyBytes_CheckExact(o) && PyBytes_GET_SIZE(o) >= 32);
+  if (k == K_LEAF && !long_leaf) return build_leaf(s, o, &v) ? -1 : attach(s, o, v);
   if (k == K_NPSCALAR) return build_npscalar(s, o, &v) ? -1 : attach(s, o, v);
   size_t at;
   int sn = seen_at(s, o, &at);
@@ -1952,6 +1939,14 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
       return walk_error(s, o, "it cannot be carried in a frame");
     }
     return attach(s, o, dp_value_retain(s->vals[at]));
+  }
+  if (long_leaf) {
+    if (build_leaf(s, o, &v)) return -1;
+    if (memo_store(s, at, v)) {
+      dp_value_release(v);
+      return -1;
+    }
+    return attach(s, o, v);
   }
   char name[256];
   PyTypeObject *t = Py_TYPE(o);
@@ -2207,15 +2202,6 @@ static int check_storages(dpy_scanner_t *s) {
   return 0;
 }
 
-/* The walk of scan and of the Future (not building, no opaque types) over
- * a list or tuple: a run of items that are leaves, or tensors of a
- * class already classified as a tensor class with no slots and holding no
- * attributes, is read here, as visit() would read each (the same
- * allocations, in the same order), without the loop's per-child dispatch.
- * Python code can still run under it (a garbage collection's finalizers, a
- * tensor subclass's dispatch in the adapter), so the sequence is read
- * afresh for every item and the item held while it is read, as the loop
- * does. Stops at the first other item, which the loop visits. */
 /* _PyObject_GetDictPtr without its call where the dict is at a fixed
  * offset (torch.Tensor's). */
 static inline PyObject **dict_ptr(PyObject *o, PyTypeObject *t) {
@@ -2226,6 +2212,15 @@ static inline PyObject **dict_ptr(PyObject *o, PyTypeObject *t) {
   return off > 0 ? (PyObject **)((char *)o + off) : _PyObject_GetDictPtr(o);
 }
 
+/* The walk of scan and of the Future (not building, no opaque types) over
+ * a list or tuple: a run of items that are leaves, or tensors of a
+ * class already classified as a tensor class with no slots and holding no
+ * attributes, is read here, as visit() would read each (the same
+ * allocations, in the same order), without the loop's per-child dispatch.
+ * Python code can still run under it (a garbage collection's finalizers, a
+ * tensor subclass's dispatch in the adapter), so the sequence is read
+ * afresh for every item and the item held while it is read, as the loop
+ * does. Stops at the first other item, which the loop visits. */
 static int seq_run(dpy_scanner_t *s, frame_t *f) {
   PyObject *seq = f->obj;
   int list = PyList_Check(seq);
