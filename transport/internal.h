@@ -36,6 +36,11 @@ typedef struct dp__am_bufs_hdr {
 #define DP__SMALL_BUFFER (64u << 10)
 #define DP__BATCH_BYTES (256u << 10)
 
+/* A FRAME message of up to this many bytes goes eagerly; a larger one by
+ * rendezvous, so that its bytes stay with the sender until the receiver,
+ * under its in-flight bound, pulls them. */
+#define DP__FRAME_EAGER_MAX DP__SMALL_BUFFER
+
 /* STAGING. Device memory the host cannot address (cuda) moves through
  * page-locked host buffers ("slots") of DP__STAGE_CHUNK bytes: the sender
  * copies a chunk of a buffer (or a packed run of small buffers of one

@@ -83,7 +83,8 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
       return DP_EFORMAT;
     }
   }
-  ep->held += m->buf_bytes;
+  m->held = m->buf_bytes + len;
+  ep->held += m->held;
   if (ep->rq_tail) ep->rq_tail->next = m;
   else ep->rq_head = m;
   ep->rq_tail = m;
@@ -423,7 +424,7 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
       ep->rq_head = m->next;
       if (!ep->rq_head) ep->rq_tail = NULL;
       if (ep->cur == m) ep->cur = NULL;
-      ep->held -= m->buf_bytes;
+      ep->held -= m->held;
       dp__tp_rmsg_free(m);
       continue;
     }
@@ -434,7 +435,7 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
     if (ep->cur == m) ep->cur = NULL;
     ep->w_head = w->next;
     if (!ep->w_head) ep->w_tail = NULL;
-    ep->held -= m->buf_bytes;
+    ep->held -= m->held;
     if (m->failed) {
       dp_future_set_error(w->f, &m->error, NULL);
     } else if (w->frame) {
@@ -495,15 +496,85 @@ static key_t expected(const dp_endpoint_t *ep) {
   return k;
 }
 
+/* A frame waits while one before it is being pulled, or while the
+ * endpoint holds more than the bound of received bytes nobody took. */
 static int blocked(const dp_transport_t *t, const dp_endpoint_t *ep, unsigned id) {
-  return id == DP__AM_FRAME && ep->held && ep->held > t->max_inflight;
+  return id == DP__AM_FRAME && (ep->fpull || (ep->held && ep->held > t->max_inflight));
+}
+
+/* A frame that came by rendezvous (larger than DP__FRAME_EAGER_MAX): pulled
+ * into memory of ours, then read as an eager one is. Messages behind it
+ * (its own buffers included) wait, parked, until it is read. */
+typedef struct fpull {
+  dp_transport_t *t;
+  dp_endpoint_t *ep;
+  dp__am_frame_hdr_t h;
+  uint8_t *buf;
+  size_t len;
+} fpull_t;
+
+static void pull_done(fpull_t *p, ucs_status_t st) {
+  dp_transport_t *t = p->t;
+  dp_endpoint_t *ep = p->ep;
+  ep->fpull = NULL;
+  if (!ep->dead && st != UCS_OK) dp__tp_ep_failf(ep, DP_EIO, "receiving a frame failed (%s)", ucs_status_string(st));
+  if (!ep->dead) { /* a failed endpoint dropped what it had: the frame goes too */
+    on_frame(t, ep, &p->h, p->buf, p->len);
+    if (ep->in_head) dp__tp_ep_pump_inbox(t, ep);
+  }
+  dp__free(p->buf, p->len ? p->len : 1);
+  dp__free(p, sizeof *p);
+}
+
+static void pull_cb(void *req, ucs_status_t st, size_t len, void *ud) {
+  fpull_t *p = ud;
+  (void)len;
+  ucp_request_free(req);
+  p->t->nreq--;
+  p->ep->rndv_inflight--; /* the endpoint outlives it (dp__tp_ep_force_close) */
+  pull_done(p, st);
+}
+
+static int pull_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr_t *h, void *data, size_t len) {
+  if (h->seq != ep->recv_seq || h->frame_len != len) {
+    ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "frame message out of sequence or of the wrong length");
+    return DP_EFORMAT;
+  }
+  fpull_t *p = dp__alloc(sizeof *p);
+  uint8_t *buf = p ? dp__alloc(len ? len : 1) : NULL;
+  if (!buf) {
+    if (p) dp__free(p, sizeof *p);
+    ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory for a frame sent by rendezvous");
+    return DP_ENOMEM;
+  }
+  p->t = t;
+  p->ep = ep;
+  p->h = *h;
+  p->buf = buf;
+  p->len = len;
+  ep->fpull = p;
+  ucp_request_param_t prm;
+  memset(&prm, 0, sizeof prm);
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  prm.cb.recv_am = pull_cb;
+  prm.user_data = p;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, buf, len, &prm);
+  if (UCS_PTR_IS_PTR(r)) {
+    t->nreq++;
+    ep->rndv_inflight++;
+    return 0;
+  }
+  pull_done(p, UCS_PTR_STATUS(r)); /* done at once, or failed: no callback comes */
+  return 0;
 }
 
 /* 2 when a rendezvous descriptor was kept for later (rx_wait): UCX must
  * then be told UCS_INPROGRESS. */
 static int process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, void *data, size_t len,
                    int rndv) {
-  if (id == DP__AM_FRAME) return on_frame(t, ep, hdr, data, len);
+  if (id == DP__AM_FRAME) return rndv ? pull_frame(t, ep, hdr, data, len) : on_frame(t, ep, hdr, data, len);
   if (id == DP__AM_SHM_PIECE) return on_bufs(t, ep, hdr, data, len, rndv, 1, ((const dp__am_shm_piece_t *)hdr)->slot);
   return on_bufs(t, ep, hdr, data, len, rndv, 0, 0);
 }
@@ -512,11 +583,17 @@ static int process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void
 void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
   while (ep->in_head && !ep->dead) {
     inbox_t *b = ep->in_head;
-    if (key_cmp(key_of(b->id, b->hdr), expected(ep)) != 0 || blocked(t, ep, b->id)) return;
+    int c = key_cmp(key_of(b->id, b->hdr), expected(ep));
+    if (c < 0) { /* a repeat, parked while the one it repeats was being pulled */
+      dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
+      return;
+    }
+    if (c > 0 || blocked(t, ep, b->id)) return;
     ep->in_head = b->next;
     if (!ep->in_head) ep->in_tail = NULL;
     else ep->in_head->prev = NULL;
     ep->nparked--;
+    if (!b->rndv) ep->parked_bytes -= b->len;
     void *data = b->data;
     b->data = NULL;
     process(t, ep, b->id, b->hdr, data, b->len, b->rndv);
@@ -526,6 +603,11 @@ void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
 }
 
 #define DP__MAX_PARKED 1000000
+
+/* The most eager data an endpoint holds parked. */
+static uint64_t parked_cap(const dp_transport_t *t) {
+  return t->max_inflight > ((uint64_t)64 << 20) ? t->max_inflight : (uint64_t)64 << 20;
+}
 
 /* What a buffers header must be whatever the table says (checked before a
  * message is parked, so that one that can never be next is refused now):
@@ -551,8 +633,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
                                     : sizeof(dp__am_shm_piece_t);
   uint32_t magic = 0;
   if (hlen >= 4) memcpy(&magic, hdr, 4);
-  if (hlen != want || magic != DP__WIRE_MAGIC || (id == DP__AM_FRAME && rndv) ||
-      (id != DP__AM_FRAME && !bufs_hdr_ok(hdr))) {
+  if (hlen != want || magic != DP__WIRE_MAGIC || (id != DP__AM_FRAME && !bufs_hdr_ok(hdr))) {
     if (rndv) ucp_am_data_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
@@ -571,13 +652,18 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
     if (ep->in_head) dp__tp_ep_pump_inbox(t, ep);
     return kept ? UCS_INPROGRESS : UCS_OK;
   }
-  /* not its turn: park it, in order */
-  inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
+  /* not its turn: park it, in order (an eager one's data is UCX's memory,
+     held: capped by bytes as well as by count) */
+  const char *why = ep->nparked >= DP__MAX_PARKED ? "too many messages out of order or held back"
+                    : !rndv && ep->parked_bytes + len > parked_cap(t)
+                        ? "more than max(max_inflight_bytes, 64 MiB) of eagerly sent messages held back (frames of "
+                          "up to 64 KiB that nobody took with dp_endpoint_recv, or out of order)"
+                        : NULL;
+  inbox_t *b = why ? NULL : dp__alloc(sizeof *b);
   if (!b || (!persistent && len)) {
     if (b) dp__free(b, sizeof *b);
     if (rndv) ucp_am_data_release(t->worker, data);
-    dp__tp_ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
-             ep->nparked >= DP__MAX_PARKED ? "too many messages out of order" : "out of memory parking a message");
+    dp__tp_ep_failf(ep, why ? DP_ELIMIT : DP_ENOMEM, "%s", why ? why : "out of memory parking a message");
     return UCS_OK;
   }
   memset(b, 0, sizeof *b);
@@ -603,6 +689,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   if (at) at->next = b;
   else ep->in_head = b;
   ep->nparked++;
+  if (!rndv) ep->parked_bytes += len;
   return UCS_INPROGRESS;
 }
 

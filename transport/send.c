@@ -12,7 +12,7 @@ static void sop_complete(sop_t *s) {
         *p = s->next;
         break;
       }
-    ep->inflight -= s->buf_bytes;
+    ep->inflight -= s->cost;
     ep->nsends--;
   }
   if (!s->failed && s->done) dp_future_mark_completed(s->done, dp_none(), NULL);
@@ -158,12 +158,23 @@ static int sop_start(dp_transport_t *t, sop_t *s) {
   s->fh.seq = s->seq;
   s->fh.frame_len = flen;
   s->fh.buf_bytes = s->buf_bytes;
-  ep->inflight += s->buf_bytes;
+  ep->inflight += s->cost;
   if (t->timeout_ns > 0) { /* saturates: a huge timeout is no timeout, never a deadline in the past */
     int64_t now = now_ns();
     s->deadline = t->timeout_ns > INT64_MAX - now ? INT64_MAX : now + t->timeout_ns;
   }
-  return post_msg(s, NULL, DP__AM_FRAME, &s->fh, sizeof s->fh, fb, flen, UCP_AM_SEND_FLAG_EAGER);
+  return post_msg(s, NULL, DP__AM_FRAME, &s->fh, sizeof s->fh, fb, flen,
+                  flen > DP__FRAME_EAGER_MAX ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
+}
+
+/* What s counts against its endpoint's in-flight bound: its buffers, and
+ * its frame when that goes by rendezvous (held by the sender until the
+ * receiver pulls it). */
+static uint64_t sop_cost(const sop_t *s) {
+  size_t flen = s->nbytes;
+  if (s->kind == SOP_RAW) return 0;
+  if (s->frame) dp_frame_data(s->frame, &flen);
+  return s->buf_bytes + (flen > DP__FRAME_EAGER_MAX ? flen : 0);
 }
 
 /* Posts the next direct message: one large buffer from its storage, or a
@@ -399,7 +410,8 @@ int dp__tp_ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
         continue;
       }
     }
-    if (ep->inflight && ep->inflight + s->buf_bytes > t->max_inflight) return 0;
+    s->cost = sop_cost(s);
+    if (ep->inflight && ep->inflight + s->cost > t->max_inflight) return 0;
     ep->sq_head = s->next;
     if (!ep->sq_head) ep->sq_tail = NULL;
     s->next = ep->posted;
