@@ -1480,6 +1480,45 @@ Test(transport, a_receiver_that_takes_nothing_holds_large_frames_back_at_the_sen
   ASSERT_NO_LEAK();
 }
 
+/* peer: sends n values whose frames go eagerly (a 60 KiB bytes each) */
+static int send_small_frames(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  long n = (long)(intptr_t)arg;
+  static uint8_t p[60 << 10];
+  dp_error_t e;
+  dp_value_t v;
+  if (dp_bytes_new(p, sizeof p, &v, &e)) return 10;
+  for (long i = 0; i < n; i++) {
+    dp_future_t *d;
+    if (dp_endpoint_send(ep, v, &d, &e)) break; /* failed by the receiver's limit: fine */
+    dp_future_release(d);
+  }
+  dp_value_release(v);
+  return 0;
+}
+
+Test(transport, eager_frames_held_back_past_the_cap_fail_the_endpoint_with_a_limit_error) {
+  t_track();
+  peer_t p = spawn_peer(send_small_frames, (void *)(intptr_t)1400, NULL); /* 82 MiB */
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 1 << 20; /* the cap: 64 MiB */
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_error_t e;
+  dp_error_clear(&e);
+  for (int i = 0; i < 200 && !dp_endpoint_error(ep, &e); i++) sleep_ms(50);
+  cr_assert_eq(e.code, DP_ELIMIT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "of eagerly sent messages held back"), "%s", e.message);
+  cr_assert_lt(atomic_load(&t_live_bytes), 8l << 20, "what was received stays after the failure");
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  kill(p.pid, SIGKILL);
+  peer_wait(p);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 static int stop_self(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)ep, (void)arg;
   raise(SIGSTOP);

@@ -982,6 +982,43 @@ Test(value, lookups_and_items_report_through_err) {
   ASSERT_NO_LEAK();
 }
 
+static dp_value_t t_dict(void) {
+  dp_value_t d;
+  OK(dp_dict_new(0, &d, T_ERR));
+  return d;
+}
+
+static dp_value_t t_tuple7(void) {
+  dp_value_t t;
+  OK(dp_tuple_new(1, &t, T_ERR));
+  OK(dp_seq_set(t, 0, dp_int(7), T_ERR));
+  return t;
+}
+
+Test(value, dicts_equal_in_any_insertion_order_compare_equal_with_sharing_too) {
+  /* a = {"x": k, k: 1, "y": 2}, b the same inserted in another order, k a
+     tuple key also used as a value (shared in both) */
+  dp_value_t ta = t_tuple7(), tb = t_tuple7(), a = t_dict(), b = t_dict();
+  OK(dp_dict_set(a, t_str("x"), dp_value_retain(ta), T_ERR));
+  OK(dp_dict_set(a, dp_value_retain(ta), dp_int(1), T_ERR));
+  OK(dp_dict_set(a, t_str("y"), dp_int(2), T_ERR));
+  OK(dp_dict_set(b, t_str("y"), dp_int(2), T_ERR));
+  OK(dp_dict_set(b, dp_value_retain(tb), dp_int(1), T_ERR));
+  OK(dp_dict_set(b, t_str("x"), dp_value_retain(tb), T_ERR));
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 1);
+  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING, NULL), 1, "insertion order counted under DP_EQ_SHARING");
+  /* the same tree, the key no longer the value's node */
+  dp_value_t tc = t_tuple7(), c = t_dict();
+  OK(dp_dict_set(c, t_str("y"), dp_int(2), T_ERR));
+  OK(dp_dict_set(c, dp_value_retain(tb), dp_int(1), T_ERR));
+  OK(dp_dict_set(c, t_str("x"), dp_value_retain(tc), T_ERR));
+  cr_assert_eq(dp_value_equal(a, c, 0, NULL), 1);
+  cr_assert_eq(dp_value_equal(a, c, DP_EQ_SHARING, NULL), 0, "a key shared with a value in one dict only");
+  dp_value_t vals[] = {ta, tb, tc, a, b, c};
+  for (size_t i = 0; i < sizeof vals / sizeof *vals; i++) dp_value_release(vals[i]);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, an_equality_that_runs_out_of_memory_says_so_through_err) {
   dp_value_t a = t_list(), b = t_list(), s = t_list();
   for (int i = 0; i < 40; i++) {

@@ -3,6 +3,7 @@
 
 #include "internal.h"
 #include "../core/table.h"
+#include "gc.h"
 
 /* A set of node pairs, or a map from node to node when keyed on a only: a
  * tagged table (table.h) over the pairs in the order met. */
@@ -133,11 +134,11 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
       dp_dict_t *x = DP_DICT(a);
       if (x->len != DP_DICT(b)->len) return 2;
       for (size_t i = 0; i < x->len; i++) {
-        dp_value_t other;
-        if (dp_dict_get(b, x->entries[i].key, &other, NULL) != 0) return 2;
-        if ((e->flags & DP_EQ_SHARING) && eq_push(e, x->entries[i].key, DP_DICT(b)->entries[i].key) != 0)
-          return DP_ENOMEM;
-        if (eq_push(e, x->entries[i].val, other) != 0) return DP_ENOMEM;
+        size_t at = dp__dict_find(b, x->entries[i].key); /* whatever the order of insertion */
+        if (at == SIZE_MAX) return 2;
+        const dp_entry_t *o = &DP_DICT(b)->entries[at];
+        if ((e->flags & DP_EQ_SHARING) && eq_push(e, x->entries[i].key, o->key) != 0) return DP_ENOMEM;
+        if (eq_push(e, x->entries[i].val, o->val) != 0) return DP_ENOMEM;
       }
       return 0;
     }

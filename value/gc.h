@@ -19,6 +19,8 @@ int dp__strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_e
  * released); any failure is a DP_E* code with its message in err. */
 int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int allow_replace,
                          dp_error_t *err);
+/* The index of key's entry in dict (a dict; key hashable), or SIZE_MAX. */
+size_t dp__dict_find(dp_value_t dict, dp_value_t key);
 int dp__object_new_n(const char *cls, size_t len, size_t nattrs, dp_value_t *out, dp_error_t *err);
 int dp__object_new_reduced_n(const char *type, size_t len, dp_value_t *out, dp_error_t *err);
 int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val, int allow_replace,

@@ -430,11 +430,16 @@ int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error_t *err
   return dp__dict_set_checked(dict, key, val, 1, err);
 }
 
+size_t dp__dict_find(dp_value_t dict, dp_value_t key) {
+  dp_dict_t *d = DP_DICT(dict);
+  return index_find(d->index, d->index_cap, d->len, d->entries, &key, key_hash(key), dict_match);
+}
+
 int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val, dp_error_t *err) {
   if (dict.kind != DP_DICT) return kind_mismatch(err, "dp_dict_get", dict, "dict");
   if (!dp_value_is_hashable(key)) return dp__err(err, DP_ENOTFOUND, "dp_dict_get: no such key (a key of kind %s is not hashable)", dp_kind_name(dp_value_kind(key)));
   dp_dict_t *d = DP_DICT(dict);
-  size_t at = index_find(d->index, d->index_cap, d->len, d->entries, &key, key_hash(key), dict_match);
+  size_t at = dp__dict_find(dict, key);
   if (at == SIZE_MAX) return dp__err(err, DP_ENOTFOUND, "dp_dict_get: no such key");
   if (val) *val = d->entries[at].val;
   return 0;
