@@ -496,10 +496,11 @@ static int push_frame(up_t *u, dp_value_t v, uint8_t tag, uint64_t remaining, co
   return 0;
 }
 
+/* A str, bytes or name (class, attribute, reduce type) of len bytes. */
 static int check_len(up_t *u, const uint8_t *at, uint64_t len) {
-  if (len > u->lim.max_str) return lim_err(u, at, "str or bytes length", u->lim.max_str);
+  if (len > u->lim.max_str) return lim_err(u, at, "str, bytes or name length", u->lim.max_str);
   if (dp__add_ovf(u->bytes, len, &u->bytes) || u->bytes > u->lim.max_bytes)
-    return lim_err(u, at, "total str and bytes size", u->lim.max_bytes);
+    return lim_err(u, at, "total str, bytes and name size", u->lim.max_bytes);
   return 0;
 }
 
@@ -621,7 +622,9 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
         if (n < 1 || (tag == DP_TAG_OBJECT ? (n - 1) % 2 != 0 : n != 2))
           return rd_fail(r, DP_EFORMAT, at, "%s node has %llu fields",
                             tag == DP_TAG_OBJECT ? "object" : "reduce", (unsigned long long)n);
-        if ((rc = read_name(r, &cls, &cls_len, tag == DP_TAG_OBJECT ? "object class" : "reduce type")) != 0)
+        const uint8_t *nat = r->p;
+        if ((rc = read_name(r, &cls, &cls_len, tag == DP_TAG_OBJECT ? "object class" : "reduce type")) != 0 ||
+            (rc = check_len(u, nat, cls_len)) != 0)
           return rc;
         if ((rc = claim(u, at, n - 1, tag == DP_TAG_OBJECT ? "object" : "reduce node")) != 0) return rc;
         rc = tag == DP_TAG_OBJECT ? dp__object_new_n(cls, cls_len, (n - 1) / 2, out, &e)
@@ -777,7 +780,10 @@ static int parse_payload(up_t *u) {
     }
     if (f->tag == DP_TAG_OBJECT && f->u.name.s == NULL) {
       u->owed--; /* claimed with the object (claim) */
-      if ((rc = read_name(r, &f->u.name.s, &f->u.name.n, "attribute name")) != 0) return rc;
+      const uint8_t *nat = r->p;
+      if ((rc = read_name(r, &f->u.name.s, &f->u.name.n, "attribute name")) != 0 ||
+          (rc = check_len(u, nat, f->u.name.n)) != 0)
+        return rc;
     }
     u->owed--;
     const uint8_t *vstart = r->p;

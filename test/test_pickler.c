@@ -1001,7 +1001,41 @@ Test(pickler, a_huge_string_length_is_rejected) {
   dp_unpickle_opts_t o;
   memset(&o, 0, sizeof o);
   o.limits.max_str = 4;
-  expect_bad(ok_len, sizeof ok_len, DP_ELIMIT, 40, "str or bytes length exceeds the limit of 4", &o);
+  expect_bad(ok_len, sizeof ok_len, DP_ELIMIT, 40, "str, bytes or name length exceeds the limit of 4", &o);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, class_attribute_and_reduce_type_names_count_against_the_string_limits) {
+  char name[101];
+  memset(name, 'n', 100);
+  name[100] = 0;
+  dp_value_t obj, red, pair;
+  OK(dp_object_new(name, &obj, T_ERR));
+  OK(dp_object_set(obj, name, dp_int(1), T_ERR));
+  OK(dp_object_new_reduced(name, dp_int(2), &red, T_ERR));
+  OK(dp_tuple_new(2, &pair, T_ERR));
+  OK(dp_seq_set(pair, 0, obj, T_ERR));
+  OK(dp_seq_set(pair, 1, red, T_ERR));
+  dp_frame_t *fr = pickle_ok(pair, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(fr, &n);
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  dp_value_t v;
+  dp_error_t e;
+  o.limits.max_str = 99; /* each name is 100 bytes */
+  cr_assert_eq(dp_unpickle(b, n, &o, &v, &e), DP_ELIMIT, "a 100-byte class name passed max_str 99");
+  cr_assert(strstr(e.message, "str, bytes or name length exceeds the limit of 99"), "%s", e.message);
+  o.limits.max_str = 100;
+  o.limits.max_bytes = 250; /* three names: 300 bytes */
+  cr_assert_eq(dp_unpickle(b, n, &o, &v, &e), DP_ELIMIT, "300 bytes of names passed max_bytes 250");
+  cr_assert(strstr(e.message, "total str, bytes and name size exceeds the limit of 250"), "%s", e.message);
+  o.limits.max_bytes = 300;
+  OK_WITH(&e, dp_unpickle(b, n, &o, &v, &e));
+  cr_assert(dp_value_equal(v, pair, 0, NULL));
+  dp_value_release(v);
+  dp_value_release(pair);
+  dp_frame_free(fr);
   ASSERT_NO_LEAK();
 }
 
@@ -2405,7 +2439,7 @@ Test(pickler, both_readers_agree_on_max_bytes_with_inline_data_at_the_edge) {
       cr_assert_eq(streamed, whole, "str of %d, limit %llu: streamed %s, whole %s", len, (unsigned long long)limit,
                    dp_err_name(streamed), dp_err_name(whole));
       if (!fits) cr_assert_str_eq(e.message, limit < 100 ? "total str, bytes and inline size exceeds the limit of 99"
-                                                         : "total str and bytes size exceeds the limit of 100");
+                                                         : "total str, bytes and name size exceeds the limit of 100");
     }
     free(b);
   }

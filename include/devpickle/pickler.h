@@ -33,8 +33,9 @@ extern "C" {
  * (below) whatever they are, and the reader reads every frame the writer
  * writes. Set them to refuse large frames outright. */
 #define DP_DEFAULT_MAX_ITEMS UINT64_MAX               /* values in one frame */
-#define DP_DEFAULT_MAX_BYTES UINT64_MAX               /* str + bytes + inline data */
-#define DP_DEFAULT_MAX_STR 0xffffffffull              /* one str or bytes: 32-bit lengths */
+#define DP_DEFAULT_MAX_BYTES UINT64_MAX               /* str + bytes + names + inline data */
+#define DP_DEFAULT_MAX_STR 0xffffffffull              /* one str, bytes or name (class, attribute,
+                                                         reduce type): 32-bit lengths */
 #define DP_DEFAULT_MAX_BUFFERS UINT32_MAX             /* buffer descriptors */
 
 /* Memory, the reader's bound. dp_unpickle of an n-byte frame holds at most
