@@ -811,13 +811,24 @@ static void collect_finish(collect_t *c) {
   int rc = dp_list_new(c->n, &list, &err);
   for (size_t i = 0; rc == 0 && i < c->n; i++) rc = dp_list_append(list, dp_value_retain(c->in[i]->value), &err);
   if (rc == 0) rc = dp_ptrset_new(&set, &err);
-  /* The inputs' allocations pass through: no walk. */
-  for (size_t i = 0; rc == 0 && i < c->n; i++)
+  /* The inputs' allocations pass through: no walk. An allocation's refs is
+     the sum of its refs in the distinct inputs (an input given twice counts
+     once; a tensor two inputs hold counts in each). */
+  dp_ptrset_t *seen = NULL; /* the inputs met, when more than one */
+  if (rc == 0 && c->n > 1) rc = dp_ptrset_new(&seen, &err);
+  for (size_t i = 0; rc == 0 && i < c->n; i++) {
+    size_t before = dp_ptrset_count(seen);
+    if (seen && (rc = dp_ptrset_add(seen, (dp_device_t){DP_DEVICE_CPU, 0}, c->in[i], 1, NULL, &err)) != 0) break;
+    if (seen && dp_ptrset_count(seen) == before) continue;
     for (size_t k = 0; rc == 0 && k < c->in[i]->rec.ptrs.n; k++) {
       dp_ptr_info_t p;
+      size_t at;
       dp__ptrs_get(&c->in[i]->rec.ptrs, k, &p);
-      rc = dp_ptrset_add(set, p.device, p.base, p.nbytes, NULL, &err);
+      rc = dp_ptrset_add(set, p.device, p.base, p.nbytes, &at, &err);
+      if (rc == 0 && p.refs > 1) dp__ptrset_add_refs(set, at, p.refs - 1);
     }
+  }
+  dp_ptrset_free(seen);
   /* One stream per used device joins every input's event there. */
   size_t ngroups = rc == 0 ? dp_ptrset_ndevices(set) : 0, nd = 0;
   dp_stream_t *inl[STREAMS_INLINE], **streams = inl;

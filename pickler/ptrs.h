@@ -69,6 +69,8 @@ int dp__ptrs_freeze(dp__ptrs_t *out, dp_ptrset_t *set, int take, size_t extra, d
 /* Frees the blocks (an empty or zeroed record is fine): the calling thread
  * keeps them for a later freeze or set (see ptrs.c), within a bound. */
 void dp__ptrs_free(dp__ptrs_t *p);
+/* Counts extra more tensors on allocation i of s (saturating). */
+void dp__ptrset_add_refs(dp_ptrset_t *s, size_t i, uint32_t extra);
 /* Frees the blocks the calling thread keeps (its exit does it too). */
 void dp__ptrs_recycle_drain(void);
 

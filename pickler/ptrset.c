@@ -334,6 +334,11 @@ int dp_ptrset_find(const dp_ptrset_t *s, dp_device_t device, const void *base, s
 
 size_t dp_ptrset_count(const dp_ptrset_t *s) { return s ? s->count : 0; }
 
+void dp__ptrset_add_refs(dp_ptrset_t *s, size_t i, uint32_t extra) {
+  dp__pentry_t *e = &s->rest[i];
+  e->refs = extra > UINT32_MAX - e->refs ? UINT32_MAX : e->refs + extra;
+}
+
 int dp_ptrset_get(const dp_ptrset_t *s, size_t i, dp_ptr_info_t *out, dp_error_t *err) {
   if (!s || !out) return dp__err(err, DP_EINVAL, "dp_ptrset_get: NULL %s", s ? "out" : "set");
   if (i >= s->count) return dp__err(err, DP_EINVAL, "dp_ptrset_get: index %zu out of range (the set holds %zu)", i, s->count);

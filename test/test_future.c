@@ -896,6 +896,40 @@ Test(future, collect_all_gathers_values_and_passes_pointers_through) {
   dp_future_release(all);
 }
 
+Test(future, collect_all_counts_refs_over_its_distinct_inputs) {
+  /* f: one tensor; g: a list of three views of one storage */
+  dp_value_t t = device_ints(H0, 8), u = device_ints(H0, 8), views;
+  OK(dp_list_new(3, &views, T_ERR));
+  for (int i = 0; i < 3; i++) {
+    dp_value_t w;
+    int64_t shape[1] = {4};
+    OK(dp_tensor_new(dp_storage_retain(dp_tensor_storage(u)), DP_INT32, 1, shape, NULL, i, &w, T_ERR));
+    OK(dp_list_append(views, w, T_ERR));
+  }
+  dp_future_t *f = future(), *g = future(), *all;
+  OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR));
+  OK(dp_future_mark_completed(g, dp_value_retain(views), T_ERR));
+  dp_future_t *in[4] = {f, f, g, f};
+  OK(dp_future_collect_all(in, 4, NULL, &all, T_ERR));
+  OK(dp_future_wait(all, -1, T_ERR));
+  cr_assert_eq(dp_future_nptrs(all), 2);
+  dp_ptr_info_t p;
+  OK(dp_future_ptr(all, 0, &p, T_ERR));
+  cr_assert_eq(p.base, data_of(t));
+  cr_assert_eq(p.refs, 1, "a tensor of an input given three times counted %u times", p.refs);
+  OK(dp_future_ptr(all, 1, &p, T_ERR));
+  cr_assert_eq(p.base, data_of(u));
+  cr_assert_eq(p.refs, 3, "three views of one storage in one input counted as %u", p.refs);
+  dp_future_release(all);
+  free_ints(t);
+  free_ints(u);
+  dp_value_release(t);
+  dp_value_release(u);
+  dp_value_release(views);
+  dp_future_release(f);
+  dp_future_release(g);
+}
+
 Test(future, collect_all_fails_with_the_first_failed_input) {
   dp_future_t *in[2] = {future(), future()}, *all;
   OK(dp_future_collect_all(in, 2, NULL, &all, T_ERR));
