@@ -465,7 +465,7 @@ static void stream_gone(void *ctx, dp_stream_t *s) {
 }
 
 int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
-  if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_new: NULL argument");
+  if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_new: NULL %s", !b ? "backend" : "out");
   dp_cache_t *c = dp__alloc(sizeof *c);
   if (!c) return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
   memset(c, 0, sizeof *c);
@@ -529,8 +529,8 @@ static void cache_destroy(dp_cache_t *c) {
 }
 
 HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out, dp_error_t *err) {
-  if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_alloc: NULL argument");
-  int rc = dp__check_device(c->b, dev, err);
+  if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_alloc: NULL %s", !c ? "cache" : "out");
+  int rc = dp__check_device(__func__, c->b, dev, err);
   if (rc) return rc;
   if (!s && (rc = dp_current_stream(c->b, dev, &s, err)) != 0) return rc;
   if (!dp_device_equal(dp__stream_dev(s), dev))
@@ -716,7 +716,7 @@ static inline __attribute__((always_inline)) int ents_eq(const void *ctx, size_t
 }
 
 int dp_cache_record_stream(dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *err) {
-  if (!c || !s) return dp__err(err, DP_EINVAL, "dp_cache_record_stream: NULL argument");
+  if (!c || !s) return dp__err(err, DP_EINVAL, "dp_cache_record_stream: NULL %s", !c ? "cache" : "stream");
   pthread_mutex_lock(&c->mu);
   int rc = record_hashed(c, ptr, dp__hash_ptr(ptr), s, err);
   pthread_mutex_unlock(&c->mu);
@@ -757,7 +757,7 @@ static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *
  * other allocator's. Inlined twice, so that the plain batch pays nothing. */
 static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, void *const *ptrs, size_t n,
                                                                 dp_stream_t *s, unsigned char *owned, dp_error_t *err) {
-  if (!c || !s) return dp__err(err, DP_EINVAL, "record_streams: NULL argument");
+  if (!c || !s) return dp__err(err, DP_EINVAL, "the cache's record_streams hook: NULL %s", !c ? "cache" : "stream");
   if (n && !ptrs) return dp__err(err, DP_EINVAL, "record_streams: NULL ptrs with n = %zu", n);
   int rc = 0;
   uint64_t ring[RECORD_RING];
@@ -879,8 +879,8 @@ int dp_cache_lookup(dp_cache_t *c, const void *ptr, void **base, size_t *size, d
 }
 
 int dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out, dp_error_t *err) {
-  if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_stats: NULL argument");
-  int rc = dp__check_device(c->b, dev, err);
+  if (!c || !out) return dp__err(err, DP_EINVAL, "dp_cache_stats: NULL %s", !c ? "cache" : "out");
+  int rc = dp__check_device(__func__, c->b, dev, err);
   if (rc) return rc;
   pthread_mutex_lock(&c->mu);
   poll_pending(c, 1);
@@ -918,7 +918,7 @@ void dp__cache_shutdown(void) {
 dp_backend_t *dp__cache_backend(const dp_cache_t *c) { return c->b; }
 
 int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
-  if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_default: NULL argument");
+  if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_default: NULL %s", !b ? "backend" : "out");
   pthread_mutex_lock(&defaults_mu);
   int rc = 0;
   dp_device_type_t t = dp_backend_type(b);

@@ -112,7 +112,7 @@ static int chain_record_streams_owned(void *ctx, void *const *ptrs, size_t n, dp
 }
 
 int dp_cache_hooks_chain_new(const dp_cache_hooks_t *list, size_t n, dp_cache_hooks_chain_t **out, dp_error_t *err) {
-  if (!list || !out) return dp__err(err, DP_EINVAL, "dp_cache_hooks_chain_new: NULL argument");
+  if (!list || !out) return dp__err(err, DP_EINVAL, "dp_cache_hooks_chain_new: NULL %s", !list ? "list" : "out");
   if (n == 0) return dp__err(err, DP_EINVAL, "dp_cache_hooks_chain_new: an empty chain");
   for (size_t i = 0; i < n; i++)
     if (!list[i].record_stream && !list[i].record_streams_owned)

@@ -96,11 +96,11 @@ dp_device_t dp_backend_device(const dp_backend_t *b, int index) {
   return d;
 }
 
-int dp__check_device(const dp_backend_t *b, dp_device_t dev, dp_error_t *err) {
-  if (!b) return dp__err(err, DP_EINVAL, "NULL backend");
+int dp__check_device(const char *fn, const dp_backend_t *b, dp_device_t dev, dp_error_t *err) {
+  if (!b) return dp__err(err, DP_EINVAL, "%s: NULL backend", fn);
   if (dev.type != b->type || dev.index >= b->ndev) {
     char buf[16];
-    return dp__err(err, DP_EINVAL, "device %s does not belong to the %s backend (%d devices)",
+    return dp__err(err, DP_EINVAL, "%s: device %s does not belong to the %s backend (%d devices)", fn,
                    dp_device_format(dev, buf, sizeof buf), b->name, b->ndev);
   }
   return 0;
@@ -211,7 +211,7 @@ out:
 }
 
 int dp_stream_wrap(dp_backend_t *b, dp_device_t dev, void *native, dp_stream_t **out, dp_error_t *err) {
-  int rc = dp__check_device(b, dev, err);
+  int rc = dp__check_device("dp_stream_wrap", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_stream_wrap: NULL out");
   /* host streams have no native default stream: NULL names the device's
@@ -339,7 +339,7 @@ static int stream_new(dp_backend_t *b, dp_device_t dev, int owned, dp_stream_t *
 }
 
 int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
-  int rc = dp__check_device(b, dev, err);
+  int rc = dp__check_device("dp_stream_new", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_stream_new: NULL out");
   return stream_new(b, dev, DP__STREAM_CALLER, out, err);
@@ -389,14 +389,14 @@ static inline int stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t *
 }
 
 int dp_stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
-  int rc = dp__check_device(b, dev, err);
+  int rc = dp__check_device("dp_stream_default", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_stream_default: NULL out");
   return stream_default(b, dev, out, err);
 }
 
 int dp_stream_pool_next(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
-  int rc = dp__check_device(b, dev, err);
+  int rc = dp__check_device("dp_stream_pool_next", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_stream_pool_next: NULL out");
   dp__devstate_t *ds = &b->devs[dev.index];
@@ -424,7 +424,7 @@ int dp_stream_query(dp_stream_t *s, dp_error_t *err) {
 }
 
 int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err) {
-  if (!s || !e) return dp__err(err, DP_EINVAL, "dp_stream_wait_event: NULL argument");
+  if (!s || !e) return dp__err(err, DP_EINVAL, "dp_stream_wait_event: NULL %s", !s ? "stream" : "event");
   if (s->b != e->b) return dp__err(err, DP_EINVAL, "stream and event belong to different backends");
   return s->b->ops->stream_wait(s->b, s->h, e->h, err);
 }
@@ -442,14 +442,14 @@ int dp_stream_wait_stream(dp_stream_t *s, dp_stream_t *t, dp_error_t *err) {
 }
 
 int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *err) {
-  int rc = dp__check_device(b, dev, err);
+  int rc = dp__check_device("dp_device_synchronize", b, dev, err);
   return rc ? rc : b->ops->device_sync(b, dev.index, err);
 }
 
 /* ---- current stream ---- */
 
 int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
-  int rc = dp__check_device(b, dev, err);
+  int rc = dp__check_device("dp_current_stream", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_current_stream: NULL out");
   uint16_t key = slot_key(dev);
@@ -508,7 +508,7 @@ void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud) {
 /* ---- events ---- */
 
 int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t *err) {
-  int rc = dp__check_device(b, dev, err);
+  int rc = dp__check_device("dp_event_new", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_event_new: NULL out");
   dp__devstate_t *ds = &b->devs[dev.index];
@@ -542,7 +542,7 @@ void dp_event_free(dp_event_t *e) {
 }
 
 int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err) {
-  if (!e || !s) return dp__err(err, DP_EINVAL, "dp_event_record: NULL argument");
+  if (!e || !s) return dp__err(err, DP_EINVAL, "dp_event_record: NULL %s", !e ? "event" : "stream");
   if (s->b != e->b || !dp_device_equal(s->dev, e->dev))
     return dp__err(err, DP_EINVAL, "an event is recorded on a stream of its own device");
   return e->b->ops->event_record(e->b, e->h, s->h, err);
@@ -563,14 +563,14 @@ dp_device_t dp_event_device(const dp_event_t *e) { return e ? e->dev : no_device
 /* ---- memory ---- */
 
 int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err) {
-  int rc = dp__check_device(b, dev, err);
+  int rc = dp__check_device("dp_device_alloc", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_device_alloc: NULL out");
   return b->ops->malloc(b, dev.index, nbytes, out, err);
 }
 
 int dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p, dp_error_t *err) {
-  int rc = dp__check_device(b, dev, err);
+  int rc = dp__check_device("dp_device_dealloc", b, dev, err);
   if (rc == 0 && p) rc = b->ops->free(b, dev.index, p, err);
   return rc;
 }
@@ -603,7 +603,8 @@ void dp__pinned_unregister(dp_backend_t *b, void *p) {
 }
 
 int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_error_t *err) {
-  if (!s || (n && (!dst || !src))) return dp__err(err, DP_EINVAL, "dp_memcpy_async: NULL argument");
+  if (!s || (n && (!dst || !src)))
+    return dp__err(err, DP_EINVAL, "dp_memcpy_async: NULL %s", !s ? "stream" : !dst ? "dst" : "src");
   if (n == 0) return 0;  /* nothing to order: no work is queued (and no memmove sees NULL) */
   return s->b->ops->memcpy_async(s->b, s->h, dst, src, n, err);
 }

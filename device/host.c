@@ -481,7 +481,7 @@ static int h_pinned_register(dp_backend_t *b, void *p, size_t n, int readonly, d
 static void h_pinned_unregister(dp_backend_t *b, void *p) { (void)b, (void)p; }
 
 int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err) {
-  if (!s || !fn) return dp__err(err, DP_EINVAL, "dp_host_launch: NULL argument");
+  if (!s || !fn) return dp__err(err, DP_EINVAL, "dp_host_launch: NULL %s", !s ? "stream" : "fn");
   if (s->b->type != DP_DEVICE_HOST) return dp__err(err, DP_EINVAL, "dp_host_launch needs a host stream, got %s", s->b->name);
   task_t t = {T_FN, fn, arg, NULL, 0, NULL, NULL, 0};
   return enqueue(s->h, &t, err);

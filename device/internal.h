@@ -150,5 +150,5 @@ int dp__pinned_register(dp_backend_t *b, void *p, size_t n, int readonly, dp_err
 void dp__pinned_unregister(dp_backend_t *b, void *p);
 
 /* Checks that dev belongs to b; fills err. */
-int dp__check_device(const dp_backend_t *b, dp_device_t dev, dp_error_t *err);
+int dp__check_device(const char *fn, const dp_backend_t *b, dp_device_t dev, dp_error_t *err);
 #endif

@@ -170,7 +170,7 @@ static int init_opts(dp_future_t *f, const dp_future_opts_t *o, dp_error_t *err)
     if (!f->allowed) return dp__err(err, DP_ENOMEM, "out of memory creating a future");
     for (size_t i = 0; i < o->ndevices; i++) {
       /* cpu is always allowed; any other device must be the backend's */
-      if (o->devices[i].type != DP_DEVICE_CPU && (rc = dp__check_device(f->b, o->devices[i], err)) != 0) return rc;
+      if (o->devices[i].type != DP_DEVICE_CPU && (rc = dp__check_device("dp_future_new", f->b, o->devices[i], err)) != 0) return rc;
       f->allowed[i] = o->devices[i];
     }
     f->nallowed = o->ndevices;

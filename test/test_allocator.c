@@ -622,7 +622,7 @@ Test(allocator, a_null_allocator_is_einval_everywhere_and_free_takes_it) {
   cr_assert_eq(dp_cache_lookup(NULL, &e, &base, &size, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_cache_lookup: NULL allocator");
   cr_assert_eq(dp_cache_stats(NULL, H0, &st, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_cache_stats: NULL argument");
+  cr_assert_str_eq(e.message, "dp_cache_stats: NULL cache");
   cr_assert_eq(dp_cache_dealloc(NULL, &e, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_cache_dealloc: NULL allocator");
   cr_assert_eq(dp_cache_alloc(NULL, H0, 64, s, &p, &e), DP_EINVAL);
@@ -637,7 +637,7 @@ Test(allocator, a_null_allocator_is_einval_everywhere_and_free_takes_it) {
   cr_assert_str_eq(e.message, "dp_cache_hooks_record: no hooks");
   dp_cache_free(NULL);
   cr_assert_eq(dp_cache_stats(C, t_dev(DP_DEVICE_CUDA, 0), &st, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "device cuda:0 does not belong to the host backend (2 devices)");
+  cr_assert_str_eq(e.message, "dp_cache_stats: device cuda:0 does not belong to the host backend (2 devices)");
   int local;
   cr_assert_eq(dp_cache_lookup(C, &local, &base, &size, &e), DP_ENOTFOUND);
   cr_assert(strstr(e.message, "not in a block allocated by this allocator") != NULL, "%s", e.message);
@@ -1154,7 +1154,7 @@ Test(allocator, a_chain_refuses_hooks_that_cannot_say_what_they_own) {
   cr_assert_str_eq(e.message, "dp_cache_hooks_chain_new: an empty chain");
   cr_assert_eq(dp_cache_hooks_chain_new(NULL, 1, &ch, &e), DP_EINVAL);
   cr_assert_eq(dp_cache_hooks_chain_new(list, 1, NULL, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_cache_hooks_chain_new: NULL argument");
+  cr_assert_str_eq(e.message, "dp_cache_hooks_chain_new: NULL out");
   cr_assert_null(ch);
   t_fail_at = t_alloc_count + 1;
   cr_assert_eq(dp_cache_hooks_chain_new(list, 1, &ch, &e), DP_ENOMEM);
