@@ -1106,6 +1106,24 @@ Test(cli, an_output_through_dangling_relative_or_chained_links_writes_their_targ
   cr_assert_eq(count_entries(), 7, "a temporary file was left behind");
 }
 
+Test(cli, an_output_naming_an_open_descriptor_writes_that_descriptor_as_the_shell_opened_it) {
+  spit("v.json", simple_json);
+  /* a pipe; a file opened for appending; a file the shell writes around the
+     output; /dev/fd/N; a descriptor not open */
+  res_t r = run_sh("$D pack v.json -o f.dpk && $D unpack f.dpk -o /dev/stdout | cat > piped.json && "
+                   "echo old > log && $D unpack f.dpk -o /dev/stdout >> log && "
+                   "{ echo header; $D unpack f.dpk -o /proc/self/fd/1; echo footer; } > around.txt && "
+                   "$D unpack f.dpk -o /dev/fd/9 9> fd9.json && "
+                   "$D unpack f.dpk -o plain.json; $D unpack f.dpk -o /dev/fd/7 7>&-");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_str_eq(r.err, "devpickle: /dev/fd/7: Bad file descriptor\n");
+  res_free(r);
+  r = run_sh("cmp piped.json plain.json && cmp fd9.json plain.json && { echo old; cat plain.json; } | cmp - log && "
+             "{ echo header; cat plain.json; echo footer; } | cmp - around.txt");
+  cr_assert_eq(r.status, 0, "an output through a descriptor's name was not written in place: %s", r.err);
+  res_free(r);
+}
+
 Test(cli, an_output_named_with_the_longest_legal_file_name_is_written) {
   spit("v.json", simple_json);
   char name[256], args[1024];

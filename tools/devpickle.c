@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -122,7 +123,10 @@ static int read_all(const char *path, uint8_t **out, size_t *n) {
  * it is the input, `pack v.json -o v.json`). A symbolic link (or a chain of
  * them, relative or absolute, dangling or not) keeps pointing where it did:
  * the file it ends at is the one written. stdout and other files (a device,
- * a pipe) are written in place. */
+ * a pipe) are written in place, and so is a name of one of this process's
+ * open descriptors (/dev/stdout, /dev/fd/N, /proc/self/fd/N): its
+ * descriptor is written as the shell opened it (a pipe, a file opened for
+ * appending, a file the shell is writing into). */
 typedef struct sink {
   FILE *f;
   const char *path;   /* as the user named it */
@@ -134,12 +138,37 @@ static const char *out_display(const char *path) { return strcmp(path, "-") == 0
 
 #define MAX_LINKS 40  /* as the kernel's own limit (ELOOP) */
 
+/* N when name is one of the names of this process's descriptor N
+ * (/dev/fd/N, /proc/self/fd/N, /proc/thread-self/fd/N, /proc/PID/fd/N with
+ * our PID), else -1. */
+static int fd_name(const char *name) {
+  char self[40];
+  snprintf(self, sizeof self, "/proc/%ld/fd/", (long)getpid());
+  const char *prefixes[] = {"/dev/fd/", "/proc/self/fd/", "/proc/thread-self/fd/", self};
+  for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes; i++) {
+    size_t n = strlen(prefixes[i]);
+    if (strncmp(name, prefixes[i], n) != 0) continue;
+    const char *d = name + n;
+    long v = 0;
+    for (; *d >= '0' && *d <= '9' && v <= INT_MAX / 10; d++) v = v * 10 + (*d - '0');
+    return d > name + n && !*d && v <= INT_MAX ? (int)v : -1;
+  }
+  return -1;
+}
+
 /* The name that path ends at once its symbolic links are followed; that
- * name may not exist yet. A new string, or NULL with errno. */
-static char *follow_links(const char *path) {
+ * name may not exist yet. A new string, or NULL with errno. *fd: -1, or the
+ * descriptor whose name the chain reached (then NULL is returned, errno 0). */
+static char *follow_links(const char *path, int *fd) {
   char *cur = strdup(path);
+  *fd = -1;
   for (int hops = 0; cur; hops++) {
     struct stat st;
+    if ((*fd = fd_name(cur)) >= 0) { /* a magic link: not to be followed by name */
+      free(cur);
+      errno = 0;
+      return NULL;
+    }
     if (lstat(cur, &st) != 0 || !S_ISLNK(st.st_mode)) return cur;  /* not a link: the name itself */
     if (hops == MAX_LINKS) {
       free(cur);
@@ -197,7 +226,14 @@ static int sink_open(sink_t *s, const char *path) {
     s->f = stdout;
     return 0;
   }
-  char *target = follow_links(path);
+  int fd = -1;
+  char *target = follow_links(path, &fd);
+  if (fd >= 0) { /* this process's descriptor: written as it is */
+    int d = dup(fd);
+    s->f = d >= 0 ? fdopen(d, "wb") : NULL;
+    if (!s->f && d >= 0) close(d);
+    return s->f ? 0 : data_error(path, strerror(errno), -1);
+  }
   if (!target) return data_error(path, strerror(errno), -1);
   int exists = stat(target, &st) == 0;
   if (exists && !S_ISREG(st.st_mode)) {
@@ -216,7 +252,7 @@ static int sink_open(sink_t *s, const char *path) {
   }
   memcpy(s->tmp, target, dirlen);
   memcpy(s->tmp + dirlen, TMP_NAME, sizeof TMP_NAME);
-  int fd = mkstemp(s->tmp);
+  fd = mkstemp(s->tmp);
   if (fd < 0) {
     int e = errno;
     free(s->tmp);
