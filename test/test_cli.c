@@ -1231,6 +1231,39 @@ Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_conne
   cr_assert_eq(r.status, 1, "%s", r.err);
   cr_assert_not_null(strstr(r.err, "connection refused"), "%s", r.err);
   res_free(r);
+  /* a frame over 64 KiB (it goes by rendezvous): the refusal is still the address's, not the file's */
+  {
+    char bp[256];
+    path_in(bp, sizeof bp, "big.json");
+    FILE *big = fopen(bp, "w");
+    cr_assert_not_null(big);
+    fputc('"', big);
+    for (int i = 0; i < 200000; i++) fputc('x', big);
+    fputs("\"\n", big);
+    fclose(big);
+  }
+  r = run("pack big.json -o big.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  fd = t_loopback_socket(0, &port);
+  snprintf(args, sizeof args, "send big.dpk 127.0.0.1:%d --timeout 20", port);
+  r = run(args);
+  close(fd);
+  char want[64];
+  snprintf(want, sizeof want, "devpickle: 127.0.0.1:%d: ", port);
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_not_null(strstr(r.err, want), "a connection's error blamed on the file: %s", r.err);
+  res_free(r);
+  /* out-of-band buffers: refused before connecting (a receiver would be left without a frame) */
+  spit("oob.json", simple_json);
+  r = run("pack oob.json -o oob.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("send oob.dpk 127.0.0.1:1");
+  cr_assert_eq(r.status, 1);
+  cr_assert_not_null(strstr(r.err, "devpickle: oob.dpk: the frame's 2 buffers are out-of-band: send moves "
+                                   "self-contained frames"), "%s", r.err);
+  res_free(r);
   r = run("send f.dpk nowhere");
   cr_assert_eq(r.status, 2, "an address that is not HOST:PORT is a usage error, as recv's bad PORT is");
   cr_assert_not_null(strstr(r.err, "devpickle send: 'nowhere' is not HOST:PORT"), "%s", r.err);

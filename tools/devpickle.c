@@ -606,7 +606,7 @@ static int cmd_inspect(int argc, char **argv) {
   const dp_frame_info_t fi = l.info;
   printf("frame: %zu bytes, version %u, %s, payload %" PRIu64 ", table %" PRIu64 ", data %" PRIu64
          ", %u buffer%s, checksum %016" PRIx64 "\n",
-         l.size, fi.version, (fi.flags & 1) ? "inline" : "buffers out-of-band", fi.payload_len, fi.table_len, fi.data_len,
+         l.size, fi.version, (fi.flags & 1) ? "inline" : fi.nbuffers ? "buffers out-of-band" : "self-contained", fi.payload_len, fi.table_len, fi.data_len,
          fi.nbuffers, fi.nbuffers == 1 ? "" : "s", fi.checksum);
   rc = inspect_print(stdout, l.v);
   dp_value_release(l.v);
@@ -637,7 +637,7 @@ static int cmd_verify(int argc, char **argv) {
   const dp_frame_info_t fi = l.info;
   printf("%s: ok, %zu bytes, version %u, %u buffer%s, %zu device pointer%s, %s\n", display(l.a.file), l.size, fi.version,
          fi.nbuffers, fi.nbuffers == 1 ? "" : "s", dp_ptrset_count(set), dp_ptrset_count(set) == 1 ? "" : "s",
-         (fi.flags & 1) ? "inline" : "out-of-band");
+         (fi.flags & 1) ? "inline" : fi.nbuffers ? "out-of-band" : "self-contained");
   dp_ptrset_free(set);
   return stdout_done(0);
 }
@@ -766,6 +766,15 @@ static int cmd_send(int argc, char **argv) {
     return data_error(display(a.pos[0]), e.message, e.offset);
   }
   dp_value_release(v);
+  dp_frame_info_t info;
+  if (dp_frame_check(bytes, n, &info, &e) == 0 && !(info.flags & 1u) && info.nbuffers) {
+    /* refused before connecting: a receiver is never left without its frame */
+    char what[160];
+    snprintf(what, sizeof what, "the frame's %u buffers are out-of-band: send moves self-contained frames "
+             "(inline: pack writes one when the tensors carry \"data\")", info.nbuffers);
+    free(bytes);
+    return data_error(display(a.pos[0]), what, -1);
+  }
   dp_transport_t *t = NULL;
   dp_endpoint_t *ep = NULL;
   dp_future_t *done = NULL, *ans = NULL;
@@ -776,6 +785,7 @@ static int cmd_send(int argc, char **argv) {
   if (!rc) rc = dp_transport_new(&to, &t, &e);
   if (!rc) rc = dp_endpoint_connect(t, a.pos[1], &ep, &e);
   if (!rc) where = display(a.pos[0]), rc = dp_endpoint_send_frame(ep, bytes, n, &done, &e);
+  if (rc && ep && dp_endpoint_error(ep, NULL)) where = a.pos[1]; /* the connection's error, not the file's */
   if (!rc) where = a.pos[1], rc = dp_endpoint_recv(ep, &ans, &e);
   int64_t deadline = deadline_in(a.timeout); /* one limit for the whole exchange */
   if (!rc) rc = dp_future_wait(done, left_ns(deadline), &e);
