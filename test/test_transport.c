@@ -1519,6 +1519,53 @@ Test(transport, eager_frames_held_back_past_the_cap_fail_the_endpoint_with_a_lim
   ASSERT_NO_LEAK();
 }
 
+/* peer: sends n values, alternating a 100 kB bytes (a frame by rendezvous)
+ * and the int i (a small frame, on the same-host lane) */
+static int send_mixed_frames(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  long n = (long)(intptr_t)arg;
+  static uint8_t p[100000];
+  dp_error_t e;
+  for (long i = 0; i < n; i++) {
+    dp_value_t v = dp_int(i);
+    dp_future_t *d;
+    p[0] = (uint8_t)i;
+    if (i % 2 == 0 && dp_bytes_new(p, sizeof p, &v, &e)) return 10;
+    if (dp_endpoint_send(ep, v, &d, &e)) return 11;
+    dp_value_release(v);
+    dp_future_release(d);
+  }
+  return 0;
+}
+
+Test(transport, large_and_small_frames_interleaved_arrive_in_order) {
+  t_track();
+  peer_t p = spawn_peer(send_mixed_frames, (void *)(intptr_t)400, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  for (int i = 0; i < 400; i++) {
+    dp_future_t *f;
+    dp_error_t e;
+    OK(dp_endpoint_recv(ep, &f, T_ERR));
+    OK_WITH(&e, wait_f(f, &e));
+    dp_value_t v = dp_future_value(f);
+    if (i % 2 == 0) {
+      size_t n;
+      const uint8_t *b = dp_bytes_data(v, &n);
+      cr_assert(b && n == 100000 && b[0] == (uint8_t)i, "value %d is not its bytes", i);
+    } else {
+      cr_assert(dp_value_kind(v) == DP_INT && dp_value_as_int(v) == i, "value %d is not its int", i);
+    }
+    dp_future_release(f);
+  }
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 static int stop_self(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)ep, (void)arg;
   raise(SIGSTOP);
