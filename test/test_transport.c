@@ -121,6 +121,25 @@ static int wait_f(dp_future_t *f, dp_error_t *e) {
   return cur_t ? dp_transport_wait(cur_t, f, 60 * SEC, e) : dp_future_wait(f, 60 * SEC, e);
 }
 
+/* The next value on ep: its future, completed with a value. */
+static dp_future_t *recv_ok(dp_endpoint_t *ep) {
+  dp_future_t *f;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &f, T_ERR));
+  OK_WITH(&e, wait_f(f, &e));
+  return f;
+}
+
+/* Frees ep and t, then checks that the peer exited 0 and nothing leaked. */
+static void close_clean(dp_endpoint_t *ep, dp_transport_t *t, peer_t p) {
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* peer: receives values and sends each back, until n were echoed */
 static int echo_n(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t;
@@ -399,12 +418,7 @@ Test(transport, caller_driven_transports_round_trip_values_small_and_large_on_th
     dp_value_release(v);
   }
   cr_assert_gt(atomic_load(&dp__transport_lane_msgs) - before, (unsigned long)n / 2, "the lane carried too little");
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 /* peer: echoes one value, then waits to be killed */
@@ -1463,21 +1477,13 @@ Test(transport, a_receiver_that_takes_nothing_holds_large_frames_back_at_the_sen
   long held = atomic_load(&t_live_bytes);
   cr_assert_lt(held, 16l << 20, "the receiver holds %ld bytes of 16 frames of 4 MiB nobody took", held);
   for (int i = 0; i < 16; i++) {
-    dp_future_t *f;
-    dp_error_t e;
-    OK(dp_endpoint_recv(ep, &f, T_ERR));
-    OK_WITH(&e, wait_f(f, &e));
+    dp_future_t *f = recv_ok(ep);
     size_t n;
     const uint8_t *b = dp_bytes_data(dp_future_value(f), &n);
     cr_assert(b && n == (size_t)4 << 20 && b[0] == i && b[n - 1] == i, "value %d came wrong", i);
     dp_future_release(f);
   }
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 /* peer: sends n values whose frames go eagerly (a 60 KiB bytes each) */
@@ -1544,10 +1550,7 @@ Test(transport, large_and_small_frames_interleaved_arrive_in_order) {
   dp_transport_t *t = new_transport(NULL);
   dp_endpoint_t *ep = connect_to(t, p.port);
   for (int i = 0; i < 400; i++) {
-    dp_future_t *f;
-    dp_error_t e;
-    OK(dp_endpoint_recv(ep, &f, T_ERR));
-    OK_WITH(&e, wait_f(f, &e));
+    dp_future_t *f = recv_ok(ep);
     dp_value_t v = dp_future_value(f);
     if (i % 2 == 0) {
       size_t n;
@@ -1558,12 +1561,7 @@ Test(transport, large_and_small_frames_interleaved_arrive_in_order) {
     }
     dp_future_release(f);
   }
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 static int stop_self(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {

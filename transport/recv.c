@@ -206,12 +206,36 @@ static int recv_done(rctx_t *c, ucs_status_t st) {
   return 0;
 }
 
+/* Pulls rendezvous data into dst: a request counted on the transport and
+ * on the endpoint's connection (which is not closed while it is in flight:
+ * dp__tp_ep_force_close), cb(ud) called when it completes; or, not a
+ * pointer, the status of a pull done (or failed) at once, with no callback. */
+static ucs_status_ptr_t pull(dp_transport_t *t, dp_endpoint_t *ep, void *data, void *dst, size_t n,
+                             ucp_am_recv_data_nbx_callback_t cb, void *ud) {
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = cb;
+  p.user_data = ud;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, n, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    t->nreq++;
+    ep->rndv_inflight++;
+  }
+  return r;
+}
+
+/* A pull's request completed: uncounted and freed. */
+static void pulled(void *req, dp_transport_t *t, dp_endpoint_t *ep) {
+  ucp_request_free(req);
+  t->nreq--;
+  ep->rndv_inflight--; /* the endpoint outlives it (dp__tp_ep_force_close) */
+}
+
 static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   rctx_t *c = ud;
   (void)len;
-  ucp_request_free(req);
-  c->t->nreq--;
-  c->ep->rndv_inflight--; /* the endpoint outlives it (dp__tp_ep_force_close) */
+  pulled(req, c->t, c->ep);
   recv_done(c, st);
 }
 
@@ -225,9 +249,7 @@ typedef struct drain {
 static void drain_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   drain_t *d = ud;
   (void)st, (void)len;
-  ucp_request_free(req);
-  d->t->nreq--;
-  d->ep->rndv_inflight--;
+  pulled(req, d->t, d->ep);
   dp__free(d->scratch, d->n);
   dp__free(d, sizeof *d);
 }
@@ -249,16 +271,7 @@ static void drain_rndv(dp_transport_t *t, dp_endpoint_t *ep, void *data, size_t 
   d->n = n ? n : 1;
   d->t = t;
   d->ep = ep;
-  ucp_request_param_t p;
-  memset(&p, 0, sizeof p);
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.recv_am = drain_cb;
-  p.user_data = d;
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, d->scratch, n, &p);
-  if (UCS_PTR_IS_PTR(r)) {
-    t->nreq++;
-    ep->rndv_inflight++;
-  } else {
+  if (!UCS_PTR_IS_PTR(pull(t, ep, data, d->scratch, n, drain_cb, d))) {
     dp__free(d->scratch, d->n);
     dp__free(d, sizeof *d);
   }
@@ -283,17 +296,8 @@ int dp__tp_post_recv(dp_transport_t *t, rctx_t *c, void *data) {
     c->tmplen = h->total ? (size_t)h->total : 1;
     dst = c->tmp;
   }
-  ucp_request_param_t p;
-  memset(&p, 0, sizeof p);
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.recv_am = recv_cb;
-  p.user_data = c;
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, (size_t)h->total, &p);
-  if (UCS_PTR_IS_PTR(r)) {
-    t->nreq++;
-    ep->rndv_inflight++;
-    return 0;
-  }
+  ucs_status_ptr_t r = pull(t, ep, data, dst, (size_t)h->total, recv_cb, c);
+  if (UCS_PTR_IS_PTR(r)) return 0;
   return recv_done(c, UCS_PTR_STATUS(r)); /* done at once, or failed: no callback comes */
 }
 
@@ -529,9 +533,7 @@ static void pull_done(fpull_t *p, ucs_status_t st) {
 static void pull_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   fpull_t *p = ud;
   (void)len;
-  ucp_request_free(req);
-  p->t->nreq--;
-  p->ep->rndv_inflight--; /* the endpoint outlives it (dp__tp_ep_force_close) */
+  pulled(req, p->t, p->ep);
   pull_done(p, st);
 }
 
@@ -555,17 +557,8 @@ static int pull_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_h
   p->buf = buf;
   p->len = len;
   ep->fpull = p;
-  ucp_request_param_t prm;
-  memset(&prm, 0, sizeof prm);
-  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  prm.cb.recv_am = pull_cb;
-  prm.user_data = p;
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, buf, len, &prm);
-  if (UCS_PTR_IS_PTR(r)) {
-    t->nreq++;
-    ep->rndv_inflight++;
-    return 0;
-  }
+  ucs_status_ptr_t r = pull(t, ep, data, buf, len, pull_cb, p);
+  if (UCS_PTR_IS_PTR(r)) return 0;
   pull_done(p, UCS_PTR_STATUS(r)); /* done at once, or failed: no callback comes */
   return 0;
 }
