@@ -40,3 +40,9 @@ __all__ = [
     "scan",
     "wait_all",
 ]
+
+# An Allocation reads as a read-only mapping of its fields (keys, items, get,
+# in, len, dict(a)): isinstance(a, Mapping) says so.
+import collections.abc as _abc  # noqa: E402
+
+_abc.Mapping.register(Allocation)

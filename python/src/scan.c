@@ -90,9 +90,17 @@ static int is_default(PyObject *type, PyObject *name, PyObject *base_attr) {
   return same;
 }
 
+/* Whether type has the attribute: a lookup that raised reads as "no", as
+ * PyObject_HasAttr would read it, but an interrupt raised by a metaclass's
+ * __getattr__ is held for the walk to raise (clear_error), never lost. */
 static int has_attr(PyObject *type, PyObject *name) {
-  int r = PyObject_HasAttr(type, name);
-  return r;
+  PyObject *a = PyObject_GetAttr(type, name);
+  if (!a) {
+    clear_error();
+    return 0;
+  }
+  Py_DECREF(a);
+  return 1;
 }
 
 /* Pickle's defaults, so that the state is exactly the instance __dict__. */
@@ -173,6 +181,7 @@ static uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
   if (t == &PySet_Type || t == &PyFrozenSet_Type) return K_SET;
   if (t == &PyComplex_Type || t == &PyBytes_Type) return K_LEAF;
   uint8_t k = kind_of(t);
+  if (held_exc[0]) return k; /* classified while an interrupt was held: not an answer to keep */
   if (!(t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
     /* A class changed since its last lookup (copyreg._slotnames sets
        torch.Tensor.__slotnames__) has no tag until something looks an
@@ -811,7 +820,7 @@ static PyObject *keep(dpy_scanner_t *s, PyObject *o) {
 }
 
 static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth);
-static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj);
+static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner);
 static int enter_reduce(dpy_scanner_t *s, PyObject *o);
 
 static int device_from_torch(PyObject *t, dp_torch_alloc_t *a) {
@@ -934,7 +943,7 @@ static int visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
   if (!d || !PyDict_GET_SIZE(d)) return 0;
   int sn = seen(s, o); /* the tensor skipped the memo: its attributes are entered once (t.me = t) */
   if (sn) return sn < 0 ? -1 : 0;
-  return push(s, FR_ATTRS, d);
+  return push(s, FR_ATTRS, d, Py_TYPE(o));
 }
 
 static int visit_torch(dpy_scanner_t *s, PyObject *o) {
@@ -1139,7 +1148,7 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   if (!d) return walk_error(s, o, "its __dict__ cannot be read");
   if (!keep(s, d)) return -1;
   if (!PyDict_Check(d) || PyDict_GET_SIZE(d) == 0) return 0;
-  return push(s, FR_ATTRS, d);
+  return push(s, FR_ATTRS, d, Py_TYPE(o));
 }
 
 /* DLPack producers (jax arrays): the view's data, from the capsule. */
@@ -1205,10 +1214,12 @@ static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
 
 /* ---- the walk ---- */
 
-static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj) {
+/* Pushes a frame iterating obj: the parts of an object of type owner (its
+ * __dict__, its reduce, its set's items), which a too-deep error names. */
+static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner) {
   if (s->nframes >= s->max_depth) {
     PyErr_Format(PyExc_RecursionError, "nesting deeper than %u levels", s->max_depth);
-    return walk_error(s, obj, "too deep");
+    return walk_error_type(s, owner, "too deep");
   }
   if (s->nframes == s->cap) {
     size_t cap = s->cap ? 2 * s->cap : 64;
@@ -1279,7 +1290,7 @@ static PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
 /* Walks the parts of o's reduce r (a tuple; a str, a global, has none). */
 static int push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r) {
   if (PyUnicode_Check(r)) return 0;
-  if (push(s, FR_REDUCE, r)) return -1;
+  if (push(s, FR_REDUCE, r, Py_TYPE(o))) return -1;
   s->frames[s->nframes - 1].type = (PyTypeObject *)Py_NewRef((PyObject *)Py_TYPE(o));
   return 0;
 }
@@ -1334,22 +1345,22 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   switch (k) {
   case K_LIST:
   case K_TUPLE:
-    return push(s, FR_SEQ, o);
+    return push(s, FR_SEQ, o, t);
   case K_NAMEDTUPLE: {
     PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
     if (fn || PyErr_Occurred()) return fn ? enter_reduce(s, o) : -1; /* copyreg.pickle(NT, ...) */
     PyObject *names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
     if (!names) return -1;
     if (PyTuple_GET_SIZE(o) == 0) return 0;
-    if (push(s, FR_SEQ, o)) return -1;
+    if (push(s, FR_SEQ, o, t)) return -1;
     if (PyTuple_Check(names)) s->frames[s->nframes - 1].names = names;
     return 0;
   }
   case K_DICT:
-    return push(s, FR_DICT, o);
+    return push(s, FR_DICT, o, t);
   case K_SET: {
     PyObject *items = keep(s, PySequence_List(o));
-    return items ? push(s, FR_SET, items) : -1;
+    return items ? push(s, FR_SET, items, t) : -1;
   }
   case K_OBJECT: {
     PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
@@ -1362,7 +1373,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
       if (!keep(s, d)) return -1;
     }
     if (!PyDict_Check(d) || PyDict_GET_SIZE(d) == 0) return 0;
-    return push(s, FR_ATTRS, d);
+    return push(s, FR_ATTRS, d, Py_TYPE(o));
   }
   case K_CUPY:
     return visit_cupy(s, o);
@@ -1876,7 +1887,7 @@ static int build_container(dpy_scanner_t *s, PyObject *o, size_t at, uint8_t fr,
     dp_object_get(made, "items", &into, NULL);
   }
   if (!iter) return 0;
-  if (push(s, fr, iter)) return -1;
+  if (push(s, fr, iter, Py_TYPE(o))) return -1;
   frame_t *f = &s->frames[s->nframes - 1];
   f->out = into;
   f->names = names;
@@ -2131,7 +2142,7 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
           if (PyList_GET_SIZE(l) == 0) continue;
           PyTypeObject *reduced = f->type; /* push may move the frames */
           if (s->build && build_pairs(s)) return NULL;
-          if (push(s, FR_PAIRS, l)) return NULL;
+          if (push(s, FR_PAIRS, l, reduced)) return NULL;
           s->frames[s->nframes - 1].type = (PyTypeObject *)Py_XNewRef((PyObject *)reduced);
           if (s->build) s->frames[s->nframes - 1].out = s->made;
           return Py_None; /* the pushed frame is the child */
@@ -2353,7 +2364,12 @@ static void alloc_dealloc(PyObject *o) {
   Py_TYPE(o)->tp_free(o);
 }
 
+/* An Allocation reads as a read-only mapping of these keys, in this order
+ * (keys, values, items, get, in, len, iter, dict(a), **a), as well as by
+ * attribute. */
 static const char *const alloc_fields[] = {"device", "ptr", "nbytes", "refs", "path"};
+#define ALLOC_NFIELDS 5
+static PyObject *alloc_keys_tuple; /* the keys as str, made once (also Allocation._fields) */
 
 static PyObject *alloc_field(alloc_obj_t *a, Py_ssize_t i) {
   switch (i) {
@@ -2372,23 +2388,77 @@ static PyObject *alloc_field(alloc_obj_t *a, Py_ssize_t i) {
 
 static PyObject *alloc_get(PyObject *o, void *i) { return alloc_field((alloc_obj_t *)o, (Py_ssize_t)(intptr_t)i); }
 
-static PyObject *alloc_getitem(PyObject *o, PyObject *key) {
+/* The index of key among the fields, or -1 (a key that is not a field's
+ * name, of any type). */
+static Py_ssize_t alloc_index(PyObject *key) {
   const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
-  for (Py_ssize_t i = 0; k && i < 5; i++)
-    if (!strcmp(k, alloc_fields[i])) return alloc_field((alloc_obj_t *)o, i);
-  PyErr_Clear();
+  if (!k) PyErr_Clear();
+  for (Py_ssize_t i = 0; k && i < ALLOC_NFIELDS; i++)
+    if (!strcmp(k, alloc_fields[i])) return i;
+  return -1;
+}
+
+static PyObject *alloc_getitem(PyObject *o, PyObject *key) {
+  Py_ssize_t i = alloc_index(key);
+  if (i >= 0) return alloc_field((alloc_obj_t *)o, i);
   PyErr_SetObject(PyExc_KeyError, key);
   return NULL;
 }
 
+static PyObject *alloc_get_method(PyObject *o, PyObject *const *args, Py_ssize_t n) {
+  if (!_PyArg_CheckPositional("get", n, 1, 2)) return NULL;
+  Py_ssize_t i = alloc_index(args[0]);
+  return i >= 0 ? alloc_field((alloc_obj_t *)o, i) : Py_NewRef(n > 1 ? args[1] : Py_None);
+}
+
+static int alloc_contains(PyObject *o, PyObject *key) {
+  (void)o;
+  return alloc_index(key) >= 0;
+}
+
+static Py_ssize_t alloc_len(PyObject *o) {
+  (void)o;
+  return ALLOC_NFIELDS;
+}
+
+static PyObject *alloc_iter(PyObject *o) {
+  (void)o;
+  return PyObject_GetIter(alloc_keys_tuple);
+}
+
+static PyObject *alloc_keys(PyObject *o, PyObject *unused) {
+  (void)o, (void)unused;
+  return Py_NewRef(alloc_keys_tuple);
+}
+
+/* The values (items: 1, (key, value) pairs) as a tuple in field order. */
+static PyObject *alloc_tuple(PyObject *o, int items) {
+  PyObject *t = PyTuple_New(ALLOC_NFIELDS);
+  for (Py_ssize_t i = 0; t && i < ALLOC_NFIELDS; i++) {
+    PyObject *v = alloc_field((alloc_obj_t *)o, i);
+    if (v && items) Py_SETREF(v, PyTuple_Pack(2, PyTuple_GET_ITEM(alloc_keys_tuple, i), v));
+    if (!v) Py_CLEAR(t);
+    else PyTuple_SET_ITEM(t, i, v);
+  }
+  return t;
+}
+
+static PyObject *alloc_values(PyObject *o, PyObject *unused) {
+  (void)unused;
+  return alloc_tuple(o, 0);
+}
+
+static PyObject *alloc_items(PyObject *o, PyObject *unused) {
+  (void)unused;
+  return alloc_tuple(o, 1);
+}
+
 static PyObject *alloc_asdict(PyObject *o, PyObject *unused) {
   (void)unused;
-  PyObject *d = PyDict_New();
-  for (Py_ssize_t i = 0; d && i < 5; i++) {
-    PyObject *v = alloc_field((alloc_obj_t *)o, i);
-    if (!v || PyDict_SetItemString(d, alloc_fields[i], v)) Py_CLEAR(d);
-    Py_XDECREF(v);
-  }
+  PyObject *items = alloc_tuple(o, 1);
+  PyObject *d = items ? PyDict_New() : NULL;
+  if (d && PyDict_MergeFromSeq2(d, items, 1)) Py_CLEAR(d);
+  Py_XDECREF(items);
   return d;
 }
 
@@ -2424,10 +2494,16 @@ static PyGetSetDef alloc_getset[] = {
 
 static PyMethodDef alloc_methods[] = {
     {"_asdict", alloc_asdict, METH_NOARGS, "The allocation as a dict."},
+    {"keys", alloc_keys, METH_NOARGS, "The field names: device, ptr, nbytes, refs, path."},
+    {"values", alloc_values, METH_NOARGS, "The fields' values, in keys() order."},
+    {"items", alloc_items, METH_NOARGS, "(name, value) pairs, in keys() order."},
+    {"get", (PyCFunction)(void (*)(void))alloc_get_method, METH_FASTCALL,
+     "get(key, default=None): the field named key, else default."},
     {NULL},
 };
 
-static PyMappingMethods alloc_mapping = {.mp_subscript = alloc_getitem};
+static PyMappingMethods alloc_mapping = {.mp_length = alloc_len, .mp_subscript = alloc_getitem};
+static PySequenceMethods alloc_sequence = {.sq_contains = alloc_contains};
 
 static PyTypeObject alloc_type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "devpickle.Allocation",
@@ -2435,10 +2511,12 @@ static PyTypeObject alloc_type = {
     .tp_dealloc = alloc_dealloc,
     .tp_repr = alloc_repr,
     .tp_as_mapping = &alloc_mapping,
+    .tp_as_sequence = &alloc_sequence,
+    .tp_iter = alloc_iter,
     .tp_richcompare = alloc_richcompare,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One allocation found by devpickle.scan: device, ptr, nbytes, refs, path "
-              "(attributes, or a[\"ptr\"]).",
+              "(attributes, or a read-only mapping of those keys: a[\"ptr\"], dict(a)).",
     .tp_getset = alloc_getset,
     .tp_methods = alloc_methods,
 };
@@ -2507,7 +2585,16 @@ PyObject *dpy_scan_py(PyObject *self, PyObject *args, PyObject *kw) {
 }
 
 int dpy_scan_types_init(PyObject *m) {
-  if (PyType_Ready(&alloc_type)) return -1;
+  alloc_keys_tuple = PyTuple_New(ALLOC_NFIELDS);
+  for (Py_ssize_t i = 0; alloc_keys_tuple && i < ALLOC_NFIELDS; i++) {
+    PyObject *k = PyUnicode_InternFromString(alloc_fields[i]);
+    if (!k) return -1;
+    PyTuple_SET_ITEM(alloc_keys_tuple, i, k);
+  }
+  if (!alloc_keys_tuple || PyType_Ready(&alloc_type) ||
+      PyDict_SetItemString(alloc_type.tp_dict, "_fields", alloc_keys_tuple))
+    return -1;
+  PyType_Modified(&alloc_type);
   Py_INCREF(&alloc_type);
   if (PyModule_AddObject(m, "Allocation", (PyObject *)&alloc_type)) return -1;
   return 0;

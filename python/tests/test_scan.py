@@ -719,3 +719,74 @@ def test_an_interrupt_held_by_one_walk_is_raised_by_that_walk_not_by_another():
         devpickle.scan({Key(sleeps_then_interrupts): bytearray(1), "x": bytearray(5)})
     t.join()
     assert [a.nbytes for a in other["got"]] == [3]
+
+
+@pytest.mark.parametrize("attr", ["__cuda_array_interface__", "__dlpack__", "__getnewargs__"])
+def test_an_interrupt_raised_by_a_metaclass_asked_whether_a_type_has_an_attribute_passes_through(attr):
+    raised = []
+
+    class Meta(type):
+        def __getattr__(cls, name):
+            if name == attr:
+                raised.append(name)
+                raise KeyboardInterrupt(f"from the metaclass: {name}")
+            raise AttributeError(name)
+
+    class C(metaclass=Meta):
+        pass
+
+    c = C()
+    c.x = np.ones(3)
+    with pytest.raises(KeyboardInterrupt, match=f"from the metaclass: {attr}"):
+        devpickle.scan([c])
+    assert raised == [attr]
+    raised.clear()
+    with pytest.raises(KeyboardInterrupt):  # classified afresh, not from a cache filled while it was held
+        devpickle.scan([c])
+    assert raised == [attr]
+
+
+def test_an_allocation_reads_as_a_read_only_mapping_of_its_fields():
+    a = devpickle.scan({"x": np.ones(3)})[0]
+    keys = ("device", "ptr", "nbytes", "refs", "path")
+    assert a._fields == keys and a.keys() == keys and tuple(a) == keys and len(a) == 5
+    assert dict(a) == dict(**a) == a._asdict() == {"device": "cpu", "ptr": a.ptr, "nbytes": 24, "refs": 1, "path": "$.x"}
+    assert a.values() == ("cpu", a.ptr, 24, 1, "$.x") and a.items() == tuple(zip(keys, a.values()))
+    assert "ptr" in a and "nope" not in a and 0 not in a
+    assert a.get("nbytes") == 24 and a.get("nope") is None and a.get("nope", 7) == 7
+    with pytest.raises(KeyError):
+        a["nope"]
+    with pytest.raises(TypeError):
+        a["ptr"] = 1
+    assert isinstance(a, collections.abc.Mapping)
+
+
+def test_the_depth_limit_on_a_chain_of_objects_names_the_objects_class_not_its_dict():
+    class Node:
+        pass
+
+    x = torch.zeros(1)
+    for _ in range(262_145):
+        n = Node()
+        n.a = x
+        x = n
+    with pytest.raises(devpickle.WalkError, match=r"cannot walk a '[\w.<>]*Node' at \$.*: too deep") as e:
+        devpickle.scan(x)
+    assert e.value.type_name.endswith("Node") and isinstance(e.value.__cause__, RecursionError)
+
+
+class Reduced:
+    def __init__(self, child):
+        self.child = child
+
+    def __reduce__(self):
+        return (Reduced, (self.child,))
+
+
+def test_the_depth_limit_on_a_chain_of_reduced_objects_names_their_class_not_the_reduce_tuple():
+    x = torch.zeros(1)
+    for _ in range(131_073):  # two levels each: the reduce, its args
+        x = Reduced(x)
+    with pytest.raises(devpickle.WalkError, match="too deep") as e:
+        devpickle.scan(x)
+    assert e.value.type_name.endswith("Reduced")
