@@ -28,6 +28,7 @@ typedef struct dpy_state {
   int torch_resolved;
   PyTypeObject *torch_tensor;  /* torch.Tensor's C base, or NULL */
   PyObject *torch_tensor_cls;  /* torch.Tensor itself (a tensor of another class carries its class), or NULL */
+  PyTypeObject *torch_storage[2]; /* torch.TypedStorage, torch.UntypedStorage (or NULL) */
   const dp_torch_api_t *torch; /* the adapter, or NULL: Python-level calls */
   PyObject *cupy_ndarray;      /* cupy.ndarray once cupy is imported, else NULL */
   PyTypeObject *numpy_ndarray; /* numpy.ndarray and numpy.generic (its scalars) once numpy is */

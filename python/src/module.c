@@ -80,6 +80,13 @@ static void resolve_torch(PyObject *torch) {
   dpy.torch_tensor = (PyTypeObject *)base;
   dpy.torch_tensor_cls = PyObject_GetAttrString(torch, "Tensor");
   if (!dpy.torch_tensor_cls) PyErr_Clear();
+  static const char *const storages[2] = {"TypedStorage", "UntypedStorage"};
+  for (int i = 0; i < 2; i++) {
+    PyObject *st = PyObject_GetAttrString(torch, storages[i]);
+    if (st && PyType_Check(st)) dpy.torch_storage[i] = (PyTypeObject *)st;
+    else Py_XDECREF(st);
+    PyErr_Clear();
+  }
   const char *off = getenv("DEVPICKLE_NO_TORCH_ADAPTER");
   if (off && *off && strcmp(off, "0")) return;
   PyObject *ad = PyImport_ImportModule("devpickle._torch");

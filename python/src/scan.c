@@ -43,6 +43,7 @@ enum {
   K_REDUCE,
   K_CFUNC,       /* a builtin function or method: a global, or its __self__'s method */
   K_NPSCALAR,    /* a numpy scalar: a value, not memory (a leaf to the walk) */
+  K_STORAGE,     /* a torch storage (typed or untyped): memory, as a tensor's */
 };
 
 typedef struct tcache_ent {
@@ -134,6 +135,8 @@ static uint8_t kind_of(PyTypeObject *t) {
   if (PyType_IsSubtype(t, &PyModule_Type)) return K_REDUCE; /* which refuses it, as pickle does */
   if (dpy.numpy_generic && PyType_IsSubtype(t, dpy.numpy_generic)) return K_NPSCALAR;
   if (dpy.torch_tensor && PyType_IsSubtype(t, dpy.torch_tensor)) return K_TORCH;
+  for (int i = 0; i < 2; i++)
+    if (dpy.torch_storage[i] && PyType_IsSubtype(t, dpy.torch_storage[i])) return K_STORAGE;
   if (dpy.cupy_ndarray && dpy.cupy_ndarray != Py_None && PyType_IsSubtype(t, (PyTypeObject *)dpy.cupy_ndarray))
     return K_CUPY;
   if (has_attr(type, dpy.str_cai)) return K_CAI;
@@ -823,6 +826,12 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth);
 static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner);
 static int enter_reduce(dpy_scanner_t *s, PyObject *o);
 
+static int is_storage(PyObject *o) {
+  for (int i = 0; i < 2; i++)
+    if (dpy.torch_storage[i] && PyObject_TypeCheck(o, dpy.torch_storage[i])) return 1;
+  return 0;
+}
+
 static int device_from_torch(PyObject *t, dp_torch_alloc_t *a) {
   PyObject *dev = PyObject_GetAttrString(t, "device");
   if (!dev) return -1;
@@ -842,12 +851,44 @@ static int device_from_torch(PyObject *t, dp_torch_alloc_t *a) {
     a->device_type = DP_DEVICE_CUDA;
     a->device_index = index == Py_None ? 0 : (int)PyLong_AsLong(index);
   } else {
-    if (ts) PyErr_Format(PyExc_TypeError, "a tensor on device type '%s' has no memory devpickle can track", ts);
+    if (ts) PyErr_Format(PyExc_TypeError, "a %s on device type '%s' has no memory devpickle can track",
+                         is_storage(t) ? "storage" : "tensor", ts);
     rc = -1;
   }
   Py_DECREF(type);
   Py_DECREF(index);
   return rc;
+}
+
+/* The UntypedStorage under tensor or TypedStorage o (new reference): torch
+ * 2's o.untyped_storage(), torch 1.13's o.storage()._storage. A C type's
+ * methods (its data_ptr and nbytes run no Python code). Which torch this is
+ * is asked of torch's tensor class, never of o: a subclass's __getattr__ is
+ * not run for it. */
+static PyObject *untyped_storage(PyObject *o) {
+  static int torch2 = -1;
+  if (torch2 < 0) torch2 = PyObject_HasAttrString((PyObject *)dpy.torch_tensor, "untyped_storage");
+  if (dpy.torch_storage[1] && PyObject_TypeCheck(o, dpy.torch_storage[1])) return Py_NewRef(o);
+  if (dpy.torch_storage[0] && PyObject_TypeCheck(o, dpy.torch_storage[0]))
+    return PyObject_GetAttrString(o, torch2 ? "_untyped_storage" : "_storage");
+  if (torch2) return PyObject_CallMethod(o, "untyped_storage", NULL);
+  PyObject *st = PyObject_CallMethod(o, "storage", NULL);
+  PyObject *u = st ? PyObject_GetAttrString(st, "_storage") : NULL;
+  Py_XDECREF(st);
+  return u;
+}
+
+/* An UntypedStorage's base and size. 0, or -1 with an exception. */
+static int storage_extent(PyObject *st, dp_torch_alloc_t *out) {
+  PyObject *ptr = PyObject_CallMethod(st, "data_ptr", NULL);
+  PyObject *nb = ptr ? PyObject_CallMethod(st, "nbytes", NULL) : NULL;
+  if (nb) {
+    out->base = PyLong_AsVoidPtr(ptr);
+    out->nbytes = PyLong_AsSize_t(nb);
+  }
+  Py_XDECREF(ptr);
+  Py_XDECREF(nb);
+  return PyErr_Occurred() ? -1 : 0;
 }
 
 /* Without the C++ adapter: the same answers through torch's Python API. */
@@ -869,26 +910,11 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
     }
     return n;
   }
-  PyObject *st = PyObject_HasAttrString(t, "untyped_storage") ? PyObject_CallMethod(t, "untyped_storage", NULL)
-                                                                : PyObject_CallMethod(t, "storage", NULL);
+  PyObject *st = untyped_storage(t);
   if (!st) return -1;
-  if (!PyObject_HasAttrString(t, "untyped_storage")) {
-    PyObject *u = PyObject_GetAttrString(st, "_storage");
-    Py_DECREF(st);
-    if (!(st = u)) return -1;
-  }
-  PyObject *ptr = PyObject_CallMethod(st, "data_ptr", NULL);
-  PyObject *nb = ptr ? PyObject_CallMethod(st, "nbytes", NULL) : NULL;
+  int rc = storage_extent(st, out);
   Py_DECREF(st);
-  if (!nb) {
-    Py_XDECREF(ptr);
-    return -1;
-  }
-  out->base = PyLong_AsVoidPtr(ptr);
-  out->nbytes = PyLong_AsSize_t(nb);
-  Py_DECREF(ptr);
-  Py_DECREF(nb);
-  if (PyErr_Occurred()) return -1;
+  if (rc) return -1;
   return device_from_torch(t, out) ? -1 : 1;
 }
 
@@ -956,6 +982,19 @@ static int visit_torch(dpy_scanner_t *s, PyObject *o) {
       return -1;
   }
   return visit_tensor_attrs(s, o);
+}
+
+/* A torch storage, typed or untyped (t.storage(), t.untyped_storage()):
+ * its memory, as a tensor's, read without its __reduce__ (which would copy
+ * it through torch.save). */
+static int visit_storage(dpy_scanner_t *s, PyObject *o) {
+  dp_torch_alloc_t a;
+  PyObject *st = untyped_storage(o);
+  int rc = st ? storage_extent(st, &a) : -1;
+  Py_XDECREF(st);
+  if (rc || device_from_torch(o, &a)) return walk_error(s, o, "a storage whose memory cannot be described");
+  if (!a.base && !a.nbytes) return 0; /* an empty storage holds no memory */
+  return add_alloc(s, (dp_device_t){(dp_device_type_t)a.device_type, a.device_index}, a.base, a.nbytes, o);
 }
 
 /* cupy: the allocation behind the view (arr.data.mem: ptr, size, and the
@@ -1377,6 +1416,8 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   }
   case K_CUPY:
     return visit_cupy(s, o);
+  case K_STORAGE:
+    return visit_storage(s, o);
   case K_CAI:
     return visit_cai(s, o);
   case K_BUFFER:
@@ -1692,8 +1733,7 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
      * later in the walk may t.set_() it away and free the memory the frame
      * will read. The storage itself is kept until dumps ends. */
     if (is_torch(o)) {
-      PyObject *st = PyObject_HasAttrString(o, "untyped_storage") ? PyObject_CallMethod(o, "untyped_storage", NULL)
-                                                                    : PyObject_CallMethod(o, "storage", NULL);
+      PyObject *st = untyped_storage(o);
       if (!st) return walk_error(s, o, "its storage cannot be held");
       s->stor_st[at] = st;
     }
@@ -2016,6 +2056,10 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   case K_CAI:
   case K_DLPACK:
     PyErr_SetString(PyExc_TypeError, "frames carry torch tensors, numpy and cupy arrays and bytearrays");
+    return walk_error(s, o, "memory that cannot be carried in a frame");
+  case K_STORAGE:
+    PyErr_SetString(PyExc_TypeError, "frames carry tensors, not bare storages: carry a tensor over it "
+                                     "(torch.tensor([], dtype=...).set_(storage))");
     return walk_error(s, o, "memory that cannot be carried in a frame");
   default:
     break;

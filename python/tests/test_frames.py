@@ -611,3 +611,11 @@ def test_a_reduce_naming_a_global_that_is_not_the_object_is_refused_as_pickle_re
 
     with pytest.raises(devpickle.WalkError, match="names the global .*nowhere_name, which is not it"):
         devpickle.dumps(R())
+
+
+def test_dumps_refuses_a_bare_torch_storage_naming_it():
+    t = torch.ones(4)
+    for st in (t.storage(), t.storage()._storage if not hasattr(t, "untyped_storage") else t.untyped_storage()):
+        with pytest.raises(devpickle.WalkError, match="not bare storages") as e:
+            devpickle.dumps({"s": st})
+        assert e.value.path == "$.s" and e.value.type_name.endswith("Storage")

@@ -184,3 +184,12 @@ def test_a_failure_under_20000_nested_collect_all_futures_is_raised_without_recu
         c.wait()
     with pytest.raises(ValueError, match="boom"):
         c.value()
+
+
+def test_set_result_of_a_torch_storage_tracks_its_memory_without_reducing_it(monkeypatch):
+    t = torch.ones(1000)
+    st = t.storage()
+    monkeypatch.setattr(type(st), "__reduce_ex__", lambda self, proto: pytest.fail("the storage was reduced"))
+    f = devpickle.Future()
+    f.set_result({"s": st})
+    assert f.wait()["s"] is st

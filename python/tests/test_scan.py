@@ -721,6 +721,29 @@ def test_an_interrupt_held_by_one_walk_is_raised_by_that_walk_not_by_another():
     assert [a.nbytes for a in other["got"]] == [3]
 
 
+def torch_storages(t):
+    """t's storage as each kind torch has: typed (t.storage()) and untyped."""
+    return [t.storage(), t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()._storage]
+
+
+@pytest.mark.parametrize("kind", ["typed", "untyped"])
+def test_a_torch_storage_is_its_allocation_read_without_its_reduce(kind, monkeypatch):
+    t = torch.arange(1000, dtype=torch.float32)
+    st = torch_storages(t)[kind == "untyped"]
+    monkeypatch.setattr(type(st), "__reduce_ex__", lambda self, proto: pytest.fail("the storage was reduced"))
+    got = devpickle.scan({"s": st})
+    assert [(a.device, a.ptr, a.nbytes, a.path) for a in got] == [("cpu", *storage_ptr(t), "$.s")]
+    both = devpickle.scan({"t": t, "s": st})
+    assert len(both) == 1 and both[0].path == "$.t" and both[0].refs == 2
+    assert devpickle.scan(torch_storages(torch.ones(0))) == []  # an empty storage holds no memory
+
+
+def test_a_storage_without_memory_is_a_walk_error_as_a_meta_tensor_is():
+    with pytest.raises(devpickle.WalkError, match="a storage on device type 'meta' has no memory") as e:
+        devpickle.scan([torch.ones(3, device="meta").storage()])
+    assert e.value.path == "$[0]"
+
+
 @pytest.mark.parametrize("attr", ["__cuda_array_interface__", "__dlpack__", "__getnewargs__"])
 def test_an_interrupt_raised_by_a_metaclass_asked_whether_a_type_has_an_attribute_passes_through(attr):
     raised = []
