@@ -69,6 +69,10 @@ const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i);
  * back), and the first Python object found on allocation i. */
 dp_value_t dpy_scanner_root(const dpy_scanner_t *s);
 PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i);
+/* After a build: whether the memory the frame will read at (device, base)
+ * is still where, and as large as, the walk found it (Python code run
+ * since may have resized it). 0, or -1 with a WalkError. */
+int dpy_scanner_recheck(dpy_scanner_t *s, dp_device_t device, const void *base);
 /* 1 when the walk met a cupy array. */
 int dpy_scanner_saw_cupy(const dpy_scanner_t *s);
 

@@ -24,27 +24,39 @@ static PyObject *helper(const char *name) {
 
 /* ---- dumps ---- */
 
-/* Inline frames read device memory on this thread's current stream (torch's,
- * where torch is in use): the data the caller's queued work writes. */
-/* 1 when some allocation found is not cpu memory. */
-static int on_device(const dp_ptrset_t *set) {
-  for (size_t j = 0; j < dp_ptrset_ndevices(set); j++)
-    if (dp_ptrset_device(set, j).type != DP_DEVICE_CPU) return 1;
-  return 0;
-}
+/* Inline frames: dp_pickle runs with the GIL held, so that no other thread
+ * resizes or frees cpu memory (a numpy array, a cpu tensor's storage) under
+ * the copy, as pickle copies it. Device memory is read on this thread's
+ * current stream (torch's, where torch is in use: the data the caller's
+ * queued work writes), without the GIL while the copy waits for that work;
+ * other threads run meanwhile, so cpu memory read after such a wait is
+ * checked again first (the walk's check_storages no longer answers for it). */
+typedef struct reader {
+  dpy_scanner_t *scanner;
+  int gil_dropped; /* the GIL was released since the walk checked the storages */
+} reader_t;
 
-static int read_device(void *ud, dp_device_t device, const void *src, size_t n, void *dst, dp_error_t *err) {
-  (void)ud;
+static int read_memory(void *ud, dp_device_t device, const void *src, size_t n, void *dst, dp_error_t *err) {
+  reader_t *r = ud;
   if (device.type == DP_DEVICE_CPU) {
+    if (r->gil_dropped && dpy_scanner_recheck(r->scanner, device, src)) {
+      err->code = DP_ESTATE;
+      snprintf(err->message, sizeof err->message, "cpu memory changed while a device copy waited");
+      return DP_ESTATE; /* the WalkError raised stands */
+    }
     memcpy(dst, src, n);
     return 0;
   }
   dp_backend_t *b;
   dp_stream_t *s;
-  int rc = dp_backend_get(device.type, &b, err);
+  int rc;
+  r->gil_dropped = 1;
+  Py_BEGIN_ALLOW_THREADS;
+  rc = dp_backend_get(device.type, &b, err);
   if (!rc) rc = dp_current_stream(b, device, &s, err);
   if (!rc) rc = dp_memcpy_async(s, dst, src, n, err);
   if (!rc) rc = dp_stream_synchronize(s, err);
+  Py_END_ALLOW_THREADS;
   return rc;
 }
 
@@ -79,18 +91,11 @@ PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw) {
   if (dpy_scan(s, obj, &o, NULL)) goto done;
   dp_error_t e;
   int rc = dp_frame_new(&frame, &e);
-  dp_pickle_opts_t po = {.flags = inl ? DP_PICKLE_INLINE : 0, .read = read_device};
-  if (!rc && inl && on_device(dpy_scanner_ptrs(s))) {
-    /* an inline frame of device memory may wait for device work: without
-     * the GIL. cpu memory is copied with it held, so that no other thread
-     * resizes or frees a storage under the copy (as pickle does). */
-    Py_BEGIN_ALLOW_THREADS;
-    rc = dp_pickle(dpy_scanner_root(s), &po, frame, &e);
-    Py_END_ALLOW_THREADS;
-  } else if (!rc) {
-    rc = dp_pickle(dpy_scanner_root(s), &po, frame, &e);
-  }
+  reader_t rd = {.scanner = s};
+  dp_pickle_opts_t po = {.flags = inl ? DP_PICKLE_INLINE : 0, .read = read_memory, .read_ud = &rd};
+  if (!rc) rc = dp_pickle(dpy_scanner_root(s), &po, frame, &e);
   if (rc) {
+    if (PyErr_Occurred()) goto done; /* read_memory's WalkError */
     if (rc == DP_ENOMEM) PyErr_NoMemory();
     else PyErr_SetString(PyExc_ValueError, e.message);
     goto done;
@@ -539,9 +544,18 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
     goto done;
   }
   dp_unpickle_opts_t uo = {.bind = bind, .bind_ud = &l};
-  Py_BEGIN_ALLOW_THREADS;
-  rc = dp_unpickle(view.buf, (size_t)view.len, &uo, &root, &e);
-  Py_END_ALLOW_THREADS;
+  if (PyBytes_CheckExact(data)) {
+    /* bytes are immutable and held by the caller's reference: no other
+     * thread can free them, so the GIL is free while the frame is read */
+    Py_BEGIN_ALLOW_THREADS;
+    rc = dp_unpickle(view.buf, (size_t)view.len, &uo, &root, &e);
+    Py_END_ALLOW_THREADS;
+  } else {
+    /* any other buffer's memory may be freed under a buffer export by
+     * another thread (numpy's a.resize(..., refcheck=False)): read with
+     * the GIL held, as the unpickled value keeps no pointer into it */
+    rc = dp_unpickle(view.buf, (size_t)view.len, &uo, &root, &e);
+  }
   if (rc) {
     frame_fail(rc, &e);
     goto done;

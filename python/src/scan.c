@@ -2222,39 +2222,44 @@ static int changed(dpy_scanner_t *s, PyObject *o, size_t i) {
  * a type is classified or named, a garbage collection's finalizers at any
  * allocation — so the check is made after every walk. 0, or -1 with a
  * WalkError. */
-static int check_storages(dpy_scanner_t *s) {
-  for (size_t i = 0; i < s->stor_cap; i++) {
-    PyObject *o = s->stor_obj[i], *st = s->stor_st[i];
-    if (!o) continue;
-    dp_ptr_info_t p;
-    dp_ptrset_get(s->found, i, &p, NULL);
-    if (!st) { /* cpu memory read through the buffer protocol (numpy): read again */
-      dp_device_t dev;
-      void *now;
-      size_t ext;
-      if (p.device.type != DP_DEVICE_CPU || is_torch(o)) continue;
-      if (buffer_memory(s, o, &dev, &now, &ext)) return -1;
-      if (now != p.base || ext < p.nbytes) {
-        PyErr_SetString(PyExc_RuntimeError, "an array's memory moved (it was resized) while the walk ran the value's "
-                                            "Python code (a __reduce__?): the frame would read freed memory");
-        return changed(s, o, i);
-      }
-      continue;
-    }
-    PyObject *ptr = PyObject_CallMethod(st, "data_ptr", NULL);
-    PyObject *nb = ptr ? PyObject_CallMethod(st, "nbytes", NULL) : NULL;
-    void *base = ptr ? PyLong_AsVoidPtr(ptr) : NULL;
-    size_t nbytes = nb ? PyLong_AsSize_t(nb) : 0;
-    Py_XDECREF(ptr);
-    Py_XDECREF(nb);
-    if (PyErr_Occurred()) return walk_error(s, o, "its storage cannot be described");
-    if (base != p.base || nbytes < p.nbytes) {
-      PyErr_SetString(PyExc_RuntimeError, "a tensor's storage was resized (its memory moved) while the walk ran the "
-                                          "value's Python code (a __reduce__?): the frame would read freed memory");
+static int check_storage(dpy_scanner_t *s, size_t i) {
+  PyObject *o = s->stor_obj[i], *st = s->stor_st[i];
+  if (!o) return 0;
+  dp_ptr_info_t p;
+  dp_ptrset_get(s->found, i, &p, NULL);
+  if (!st) { /* cpu memory read through the buffer protocol (numpy): read again */
+    dp_device_t dev;
+    void *now;
+    size_t ext;
+    if (p.device.type != DP_DEVICE_CPU || is_torch(o)) return 0;
+    if (buffer_memory(s, o, &dev, &now, &ext)) return -1;
+    if (now != p.base || ext < p.nbytes) {
+      PyErr_SetString(PyExc_RuntimeError, "an array's memory moved (it was resized) while the walk ran the value's "
+                                          "Python code (a __reduce__?): the frame would read freed memory");
       return changed(s, o, i);
     }
+    return 0;
+  }
+  dp_torch_alloc_t now;
+  if (storage_extent(st, &now)) return walk_error(s, o, "its storage cannot be described");
+  if (now.base != p.base || now.nbytes < p.nbytes) {
+    PyErr_SetString(PyExc_RuntimeError, "a tensor's storage was resized (its memory moved) while the walk ran the "
+                                        "value's Python code (a __reduce__?): the frame would read freed memory");
+    return changed(s, o, i);
   }
   return 0;
+}
+
+static int check_storages(dpy_scanner_t *s) {
+  for (size_t i = 0; i < s->stor_cap; i++)
+    if (check_storage(s, i)) return -1;
+  return 0;
+}
+
+int dpy_scanner_recheck(dpy_scanner_t *s, dp_device_t device, const void *base) {
+  size_t at;
+  if (dp_ptrset_find(s->found, device, (void *)base, &at, NULL) || at >= s->stor_cap) return 0;
+  return check_storage(s, at);
 }
 
 /* _PyObject_GetDictPtr without its call where the dict is at a fixed

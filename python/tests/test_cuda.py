@@ -217,3 +217,31 @@ def test_cupy_and_jax_arrays_are_found():
     j = jnp.ones(256, dtype=jnp.float32)
     got = devpickle.scan([j])
     assert len(got) == 1 and got[0].device.startswith("cuda:") and got[0].nbytes == 1024
+
+
+def test_dumps_inline_of_cuda_and_cpu_memory_rechecks_cpu_memory_another_thread_freed_during_the_device_copy():
+    """The device copy waits without the GIL; a thread that frees a numpy
+    array meanwhile makes dumps refuse it, never read its freed memory."""
+    import threading
+    import time
+
+    import numpy as np
+
+    s = torch.cuda.Stream()
+    t = torch.zeros(1 << 20, device="cuda")
+    a = np.ones(1 << 22, dtype=np.uint8)
+    torch.cuda.synchronize()
+
+    def shrink():
+        time.sleep(0.005)  # the walk is over: dumps waits on the slow fill
+        a.resize(16, refcheck=False)
+
+    th = threading.Thread(target=shrink)
+    with torch.cuda.stream(s):
+        slow_fill(t, 2.0, s)
+        torch.cuda._sleep(SPIN * 10)
+        th.start()
+        with pytest.raises(devpickle.WalkError, match="memory moved") as e:
+            devpickle.dumps({"t": t, "a": a}, inline=True)
+    th.join()
+    assert e.value.path == "$.a"

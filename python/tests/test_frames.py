@@ -3,6 +3,7 @@ classes only through classes=, hostile input refused with the byte offset."""
 import collections
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -611,6 +612,35 @@ def test_a_reduce_naming_a_global_that_is_not_the_object_is_refused_as_pickle_re
 
     with pytest.raises(devpickle.WalkError, match="names the global .*nowhere_name, which is not it"):
         devpickle.dumps(R())
+
+
+LOADS_WHILE_ANOTHER_THREAD_FREES_THE_INPUT = r'''
+import threading, time
+import numpy as np
+import devpickle
+frame = devpickle.dumps({"x": np.zeros(40_000_000, np.uint8), "l": list(range(200_000))}, inline=True)
+for trial in range(3):
+    arr = np.frombuffer(frame, dtype=np.uint8).copy()
+    def shrink():
+        time.sleep(0.01 * (trial + 1))
+        arr.resize(16, refcheck=False)  # frees the memory loads was given
+        junk = [bytearray(b"\xab" * 1_000_000) for _ in range(60)]
+    th = threading.Thread(target=shrink)
+    th.start()
+    out = devpickle.loads(arr)
+    th.join()
+    assert len(out["l"]) == 200_000 and out["x"].nbytes == 40_000_000
+print("ok")
+'''
+
+
+def test_loads_of_an_array_another_thread_frees_reads_it_with_the_gil_held_never_freed_memory():
+    """loads reads any input but bytes with the GIL held: numpy frees an
+    array's memory under a buffer export (resize(refcheck=False)), so
+    another thread must not run while the frame is read (it crashed)."""
+    r = subprocess.run([sys.executable, "-c", LOADS_WHILE_ANOTHER_THREAD_FREES_THE_INPUT],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-2000:]
 
 
 def test_dumps_refuses_a_bare_torch_storage_naming_it():
