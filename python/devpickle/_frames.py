@@ -126,6 +126,42 @@ def _set_state(obj, state, slots):
         setattr(obj, k, v)
 
 
+class Copies:
+    """What one loads() call copies out of nodes the frame may share, bounded.
+
+    A frame stores a node once and may refer to it from many objects: a
+    bytearray, a set or frozenset, a numpy scalar, a reduced object's
+    listitems, dictitems or state dict copies the node it refers to, so
+    1,000 bytearrays over one 1 MiB bytes node would make 1,000 MiB out of a
+    1 MiB frame. An immutable result (frozenset, numpy scalar) is made once
+    per node and shared, as the node is; a mutable one (bytearray, set, a
+    reduced object filled from its parts) must be an object of its own, so
+    the items and bytes such copies take are counted: at most PER_BYTE per
+    byte of the frame plus FIXED. A frame dumps() wrote stores each copied
+    node once, so it copies at most one item or byte per frame byte."""
+
+    __slots__ = ("size", "left", "shared")
+    PER_BYTE, FIXED = 4, 65536
+
+    def __init__(self, size):
+        self.size = size
+        self.left = self.PER_BYTE * size + self.FIXED
+        self.shared = {}  # (kind, id(node's object)) -> (that object, what was made of it)
+
+    def charge(self, what, n):
+        self.left -= n
+        if self.left < 0:
+            raise ValueError(f"loads: the frame's {what} would copy more items and bytes than "
+                             f"{self.PER_BYTE} per byte of the frame's {self.size} (plus {self.FIXED}): "
+                             "many objects share one node (dumps writes each once)")
+
+    def share(self, kind, source, make):
+        hit = self.shared.get((kind, id(source)))
+        if hit is None:
+            hit = self.shared[kind, id(source)] = (source, make())  # source kept: its id is not reused
+        return hit[1]
+
+
 def _reserved(name, attrs, attr, kind):
     """An attribute of a reserved class, checked: a frame is hostile."""
     v = attrs.get(attr)
@@ -135,21 +171,28 @@ def _reserved(name, attrs, attr, kind):
     return v
 
 
-def finish(name, attrs, classes):
-    """The reserved classes, and objects that were reduced."""
+def finish(name, attrs, classes, copies):
+    """The reserved classes, and objects that were reduced; copies: what
+    this loads() has copied out of shared nodes (Copies)."""
     if name in ("builtins.set", "builtins.frozenset"):
         items = _reserved(name, attrs, "items", list)
         try:
-            return set(items) if name == "builtins.set" else frozenset(items)
+            if name == "builtins.frozenset":
+                return copies.share(name, items, lambda: frozenset(items))
+            copies.charge("sets", len(items))
+            return set(items)
         except TypeError as e:  # an unhashable item (a list): no set holds one
             raise TypeError(f"loads: a {name} object whose items cannot be a set's: {e}") from e
     if name == "builtins.complex":
         return complex(_reserved(name, attrs, "real", float), _reserved(name, attrs, "imag", float))
     if name == "builtins.bytearray":
         # bytes only: bytearray(an int) would allocate that many bytes
-        return bytearray(_reserved(name, attrs, "data", bytes))
+        data = _reserved(name, attrs, "data", bytes)
+        copies.charge("bytearrays", len(data))
+        return bytearray(data)
     if name == "numpy.generic":
-        return _numpy_scalar(_reserved(name, attrs, "dtype", str), _reserved(name, attrs, "data", bytes))
+        dtype, data = _reserved(name, attrs, "dtype", str), _reserved(name, attrs, "data", bytes)
+        return copies.share((name, dtype), data, lambda: _numpy_scalar(dtype, data))
     if name == "devpickle.global":
         cls = classes.get(_reserved(name, attrs, "name", str))
         return cls if cls is not None else Object(name, attrs)
@@ -162,8 +205,7 @@ def finish(name, attrs, classes):
         return cls(**attrs)
     if cls is None or not any(k.startswith("<") for k in attrs):
         return Object(name, attrs) if cls is None else fill(cls.__new__(cls), attrs)
-    obj = reduced(cls, attrs)
-    return Object(name, attrs) if obj is None else obj
+    return reduced(cls, attrs, copies)
 
 
 _TORCH_TENSOR_CLASSES = ("torch.nn.parameter.Parameter", "torch.nn.parameter.Buffer")
@@ -210,10 +252,10 @@ def _numpy_scalar(dtype, data):
     return np.ndarray((), dtype=dt, buffer=data)[()]  # itemsize 0 too (numpy.void(b""))
 
 
-def reduced(cls, parts):
+def reduced(cls, parts, copies):
     """An allowed class from its reduce parts, when the callable is the class
-    itself or copyreg.__newobj__ of it; None for any other callable (nothing
-    else is called)."""
+    itself or copyreg.__newobj__ of it; for any other callable, nothing is
+    called: a devpickle.Object of the class name holding the parts."""
     label = class_label(cls)
     if parts.get("<state_setter>") is not None:
         raise TypeError(f"loads: {label} was reduced with a state_setter, which loads does not call")
@@ -226,7 +268,7 @@ def reduced(cls, parts):
           and fn.__attrs__.get("name") == "copyreg.__newobj__" and args and args[0] is cls):
         obj = cls.__new__(cls, *args[1:])
     else:
-        return None  # not a call loads makes: the caller gives a devpickle.Object
+        return Object(label, parts)  # not a call loads makes
     state = parts.get("<state>")
     if state is not None:
         if hasattr(obj, "__setstate__"):
@@ -237,12 +279,14 @@ def reduced(cls, parts):
                     isinstance(k, str) for k in slots or ()):
                 raise TypeError(f"loads: {label} has no __setstate__ and its state is not a dict or a "
                                 f"(dict, slots dict by name) pair: {type(state).__name__}")
+            copies.charge("reduced objects' state", len(d or ()) + len(slots or ()))
             _set_state(obj, d or {}, slots or {})
     listitems, dictitems = parts.get("<listitems>") or [], parts.get("<dictitems>") or []
     if not isinstance(listitems, list) or not isinstance(dictitems, list) or not all(
             isinstance(p, tuple) and len(p) == 2 for p in dictitems):
         raise TypeError(f"loads: {label} was reduced with listitems that are not a list or dictitems "
                         "that are not a list of (key, value) pairs")
+    copies.charge("reduced objects' listitems and dictitems", len(listitems) + len(dictitems))
     if listitems and not hasattr(obj, "append"):
         raise TypeError(f"loads: {label} was reduced with listitems, and has no append")
     for item in listitems:

@@ -138,6 +138,7 @@ typedef struct loader {
   PyObject *cache;     /* per buffer: the flat array rebuilt over it */
   dp_ptrset_t *memo;   /* heap nodes converted, by identity */
   PyObject *memo_objs; /* their Python objects (NULL while being finished) */
+  PyObject *copies;    /* what finish copies out of shared nodes, bounded (_frames.Copies) */
   PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass;
 } loader_t;
 
@@ -428,7 +429,7 @@ static PyObject *finish(loader_t *l, cframe_t *f) {
     break;
   case CF_OBJECT:
     if (f->placeholder) r = PyObject_CallFunctionObjArgs(l->fn_fill, f->placeholder, f->py, NULL);
-    else r = PyObject_CallFunction(l->fn_finish, "sOO", dp_object_class(f->v), f->py, l->classes);
+    else r = PyObject_CallFunction(l->fn_finish, "sOOO", dp_object_class(f->v), f->py, l->classes, l->copies);
     break;
   }
   if (r && PyList_SetItem(l->memo_objs, (Py_ssize_t)f->memo_at, Py_NewRef(r))) Py_CLEAR(r);
@@ -560,7 +561,11 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
     frame_fail(rc, &e);
     goto done;
   }
-  result = to_python(&l, root);
+  PyObject *mk_copies = helper("Copies");
+  if (!mk_copies) goto done;
+  l.copies = PyObject_CallFunction(mk_copies, "n", view.len);
+  Py_DECREF(mk_copies);
+  if (l.copies) result = to_python(&l, root);
 done:
   dp_value_release(root);
   PyBuffer_Release(&view);
@@ -569,6 +574,7 @@ done:
   Py_XDECREF(l.classes);
   Py_XDECREF(l.cache);
   Py_XDECREF(l.memo_objs);
+  Py_XDECREF(l.copies);
   Py_XDECREF(l.fn_array);
   Py_XDECREF(l.fn_new);
   Py_XDECREF(l.fn_fill);

@@ -643,6 +643,57 @@ def test_loads_of_an_array_another_thread_frees_reads_it_with_the_gil_held_never
     assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-2000:]
 
 
+def spoof(label, **attrs):
+    cls = type("Spoof", (), {"__module__": "builtins", "__qualname__": label})
+    o = cls()
+    o.__dict__.update(attrs)
+    return o
+
+
+def test_many_bytearrays_or_sets_sharing_one_node_are_refused_past_the_frames_size_not_copied_each():
+    big = b"x" * (1 << 20)
+    frame = devpickle.dumps([spoof("builtins.bytearray", data=big) for _ in range(100)])
+    assert len(frame) < 2 << 20  # the 1 MiB node is written once
+    with pytest.raises(ValueError, match="bytearrays would copy more items and bytes than 4 per byte of the frame.s"):
+        devpickle.loads(frame)
+    items = list(range(10_000))
+    with pytest.raises(ValueError, match="sets would copy more"):
+        devpickle.loads(devpickle.dumps([spoof("builtins.set", items=items) for _ in range(100)]))
+
+
+def test_a_few_objects_sharing_a_node_and_every_frame_dumps_writes_load_as_distinct_mutable_objects():
+    data = b"y" * 1000
+    out = devpickle.loads(devpickle.dumps([spoof("builtins.bytearray", data=data) for _ in range(2)]))
+    assert out == [bytearray(data)] * 2 and out[0] is not out[1]
+    v = [bytearray(b"z" * 100_000), {1, 2, 3}, bytearray(b"z" * 100_000), {1, 2, 3}]
+    back = devpickle.loads(devpickle.dumps(v))
+    assert back == v and back[0] is not back[2] and back[1] is not back[3]
+
+
+def test_frozensets_and_numpy_scalars_sharing_one_node_are_one_object_not_a_copy_each():
+    items = list(range(100_000))
+    out = devpickle.loads(devpickle.dumps([spoof("builtins.frozenset", items=items) for _ in range(1000)]))
+    assert out[0] == frozenset(items) and all(x is out[0] for x in out)
+    data = b"\x01" * (1 << 16)
+    out = devpickle.loads(devpickle.dumps([spoof("numpy.generic", dtype=f"|V{1 << 16}", data=data)
+                                           for _ in range(300)]))
+    assert out[0].tobytes() == data and all(x is out[0] for x in out)
+
+
+class Appends(list):
+    pass
+
+
+def test_reduced_objects_sharing_one_listitems_node_are_refused_past_the_frames_size():
+    items = list(range(10_000))
+    label = f"{Appends.__module__}.{Appends.__qualname__}"
+    v = [spoof(label, **{"<callable>": Appends, "<args>": (), "<listitems>": items}) for _ in range(100)]
+    frame = devpickle.dumps(v)
+    with pytest.raises(ValueError, match="listitems and dictitems would copy more"):
+        devpickle.loads(frame, classes=(Appends,))
+    assert devpickle.loads(devpickle.dumps(v[:1]), classes=(Appends,)) == [items]
+
+
 def test_dumps_refuses_a_bare_torch_storage_naming_it():
     t = torch.ones(4)
     for st in (t.storage(), t.storage()._storage if not hasattr(t, "untyped_storage") else t.untyped_storage()):
