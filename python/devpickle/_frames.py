@@ -233,10 +233,18 @@ def tensor_subclass(t, name, classes):
     return out.requires_grad_() if grad else out
 
 
+def _numpy():
+    """numpy, if the process imported it: loads never imports a module."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        raise TypeError("loads: the frame holds numpy arrays or scalars; import numpy first")
+    return np
+
+
 def _numpy_scalar(dtype, data):
     """A numpy scalar from its dtype's str and its bytes: plain data only
     (a dtype holding objects would read pointers from the frame)."""
-    import numpy as np
+    np = _numpy()
 
     try:
         dt = np.dtype(dtype)
@@ -349,12 +357,13 @@ def _flat(kind, device, source, cache, key, nbytes):
                 # a torch tensor is always writable: it gets a copy, never a
                 # writable view of immutable memory (bytes)
                 source = bytearray(source)
-            flat = torch.frombuffer(source, dtype=torch.uint8) if len(source) else torch.empty(0, dtype=torch.uint8)
+            with memoryview(source) as m:  # nbytes, not len(): a 0-d array has no len
+                empty = m.nbytes == 0
+            flat = torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(source, dtype=torch.uint8)
             if device != "cpu":
                 flat = flat.to(device)
     elif kind == "numpy.ndarray":
-        import numpy as np
-
+        np = _numpy()
         if device != "cpu":
             raise TypeError(f"loads: a numpy array on {device}")
         flat = np.frombuffer(source, dtype=np.uint8)
@@ -389,6 +398,8 @@ def _cannot(kind, device, key, why):
 def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes):
     torch = sys.modules.get("torch")
     if kind is None:  # a bare tensor: torch if imported, else numpy on cpu
+        if torch is None and "numpy" not in sys.modules:
+            raise TypeError("loads: the frame holds tensors; import torch (or numpy, for cpu ones) first")
         kind = "torch.Tensor" if torch is not None else "numpy.ndarray"
     if kind == "torch.Tensor" and torch is None:
         raise TypeError("loads: the frame holds torch tensors; import torch first")
@@ -405,8 +416,7 @@ def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyt
         # given as a view of a larger tensor starts further in
         return torch.as_strided(typed, shape, strides, offset + typed.storage_offset())
     if kind == "numpy.ndarray":
-        import numpy as np
-
+        np = _numpy()
         dt = _dtype(np, kind, device, key, dtype)
         start = flat[offset * dt.itemsize:]
         usable = len(start) - len(start) % dt.itemsize

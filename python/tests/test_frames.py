@@ -694,6 +694,51 @@ def test_reduced_objects_sharing_one_listitems_node_are_refused_past_the_frames_
     assert devpickle.loads(devpickle.dumps(v[:1]), classes=(Appends,)) == [items]
 
 
+LOADS_WITHOUT_NUMPY = r'''
+import sys
+import devpickle
+frame = sys.stdin.buffer.read()
+try:
+    devpickle.loads(frame)
+except TypeError as e:
+    print(e)
+print("numpy" in sys.modules)
+'''
+
+
+@pytest.mark.parametrize("value", [np.float64(1.5), np.zeros(3)], ids=["scalar", "array"])
+def test_loads_refuses_numpy_objects_in_a_process_without_numpy_rather_than_import_it(value):
+    frame = devpickle.dumps([value], inline=True)
+    r = subprocess.run([sys.executable, "-c", LOADS_WITHOUT_NUMPY], input=frame, capture_output=True)
+    assert r.stdout.decode().splitlines() == [
+        "loads: the frame holds numpy arrays or scalars; import numpy first", "False"], r.stderr
+
+
+def test_a_0d_array_is_a_buffer_of_its_nbytes():
+    bufs = []
+    frame = devpickle.dumps(torch.zeros(1, dtype=torch.float64), buffer_callback=bufs.append)
+    out = devpickle.loads(frame, buffers=[np.full((), 2.5, np.float64)])
+    assert out.tolist() == [2.5]
+    out = devpickle.loads(devpickle.dumps(np.zeros(1), buffer_callback=bufs.append),
+                          buffers=[np.full((), 3.5, np.float64)])
+    assert out.tolist() == [3.5]
+
+
+def make_c2(x):
+    return C2Reduced()
+
+
+class C2Reduced:
+    def __reduce__(self):
+        return (make_c2, (1,))
+
+
+def test_an_allowed_class_reduced_by_another_callable_comes_back_as_a_devpickle_object_nothing_called():
+    out = devpickle.loads(devpickle.dumps(C2Reduced()), classes=(C2Reduced,))
+    assert isinstance(out, devpickle.Object) and out.__class_name__.endswith("C2Reduced")
+    assert out.__attrs__["<args>"] == (1,) and out.__attrs__["<callable>"].__attrs__["name"].endswith("make_c2")
+
+
 def test_dumps_refuses_a_bare_torch_storage_naming_it():
     t = torch.ones(4)
     for st in (t.storage(), t.storage()._storage if not hasattr(t, "untyped_storage") else t.untyped_storage()):
