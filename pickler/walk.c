@@ -159,6 +159,17 @@ static void pb_quote(pbuf_t *b, const char *s, size_t n, int cut) {
   pb_put(b, "\"", 1);
 }
 
+/* bytes as base64 (RFC 4648, padded), as unpack writes them; stops once b
+ * is full (a path shows at most DP_PATH_NAME_MAX bytes of a key). */
+static void pb_base64(pbuf_t *b, const uint8_t *p, size_t n) {
+  static const char d[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  for (size_t i = 0; i < n && !b->full; i += 3) {
+    uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
+    char o[4] = {d[v >> 18], d[v >> 12 & 63], i + 1 < n ? d[v >> 6 & 63] : '=', i + 2 < n ? d[v & 63] : '='};
+    pb_put(b, o, 4);
+  }
+}
+
 /* A dict key as its value JSON (docs/VALUE_JSON.md, compact, as unpack
  * writes it: a float always with a fraction or exponent, inf and NaNs as
  * {"$float":...}), for `[<json>]` path steps; stops once b is full. */
@@ -186,7 +197,11 @@ static void pb_key_json(pbuf_t *b, dp_value_t k, int depth) {
       break;
     }
     case DP_STR: pb_quote(b, DP_STROBJ(k)->data, DP_STROBJ(k)->len, 0); break;
-    case DP_BYTES: pb_put(b, "{\"$bytes\":" ELLIPSIS "}", strlen("{\"$bytes\":" ELLIPSIS "}")); break;
+    case DP_BYTES:
+      pb_put(b, "{\"$bytes\":\"", 11);
+      pb_base64(b, (const uint8_t *)DP_STROBJ(k)->data, DP_STROBJ(k)->len);
+      pb_put(b, "\"}", 2);
+      break;
     case DP_TUPLE: {
       pb_put(b, "{\"$tuple\":[", 11);
       for (size_t i = 0; i < DP_SEQ(k)->len && depth < 8 && !b->full; i++) {

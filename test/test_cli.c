@@ -248,6 +248,21 @@ Test(cli, inspect_prints_paths_and_marks_shared_nodes) {
   res_free(r);
 }
 
+Test(cli, inspect_and_dump_tell_bytes_keys_apart_by_their_base64) {
+  spit("k.json", "{\"$dict\": [[{\"$bytes\": \"AA==\"}, {\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", "
+                 "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4]}}], [{\"$bytes\": \"AQ==\"}, 1]]}");
+  res_free(run("pack k.json -o k.dpk"));
+  res_t r = run("inspect k.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "$[{\"$bytes\":\"AA==\"}]   "), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "$[{\"$bytes\":\"AQ==\"}]   "), "%s", r.out);
+  res_free(r);
+  r = run("dump k.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "$[{\"$bytes\":\"AA==\"}]\n"), "%s", r.out);
+  res_free(r);
+}
+
 Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
   spit("v.json", simple_json);
   res_free(run("pack v.json -o a.dpk"));

@@ -1488,6 +1488,29 @@ Test(pickler, a_message_too_long_for_its_buffer_loses_its_middle_not_its_end) {
   ASSERT_NO_LEAK();
 }
 
+Test(pickler, a_bytes_key_shows_its_base64_in_paths_cut_as_other_keys) {
+  static const uint8_t one[] = {0}, two[] = {1};
+  uint8_t long_key[100];
+  memset(long_key, 'A', sizeof long_key);
+  dp_value_t root, k1, k2, k3;
+  OK(dp_dict_new(0, &root, T_ERR));
+  OK(dp_bytes_new(one, 1, &k1, T_ERR));
+  OK(dp_bytes_new(two, 1, &k2, T_ERR));
+  OK(dp_bytes_new(long_key, sizeof long_key, &k3, T_ERR));
+  OK(dp_dict_set(root, k1, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_dict_set(root, k2, t_tensor(CUDA0, 0x2000, 4), T_ERR));
+  OK(dp_dict_set(root, k3, t_tensor(CUDA0, 0x3000, 4), T_ERR));
+  dp_ptrset_t *set = scan_paths(root);
+  expect_ptr(set, 0, 0x1000, "$[{\"$bytes\":\"AA==\"}]", 1);
+  expect_ptr(set, 1, 0x2000, "$[{\"$bytes\":\"AQ==\"}]", 1);
+  /* 64 bytes of {"$bytes":"QUFB...: 11 of the tag, 53 of base64 */
+  expect_ptr(set, 2, 0x3000,
+             "$[{\"$bytes\":\"QUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQ\u2026]", 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, long_names_and_keys_are_cut_at_a_character_boundary_in_paths) {
   char name[200], want[400];
   memset(name, 'a', 63);

@@ -181,7 +181,17 @@ static void sb_key_json(sb_t *b, dp_value_t k, int depth) {
       sb_quote(b, s, n, 0);
       break;
     }
-    case DP_BYTES: sb_put(b, "{\"$bytes\":" ELLIPSIS "}", strlen("{\"$bytes\":" ELLIPSIS "}")); break;
+    case DP_BYTES: { /* base64 block by block, until b is full (a path shows 64 bytes of a key) */
+      const uint8_t *p = dp_bytes_data(k, &n);
+      sb_put(b, "{\"$bytes\":\"", 11);
+      for (size_t i = 0; i < n && !b->full; i += 3) {
+        char o[4];
+        b64_block(p + i, n - i, o);
+        sb_put(b, o, 4);
+      }
+      sb_put(b, "\"}", 2);
+      break;
+    }
     case DP_TUPLE:
       sb_put(b, "{\"$tuple\":[", 11);
       for (size_t i = 0; i < dp_seq_len(k) && depth < 8 && !b->full; i++) {
