@@ -300,6 +300,13 @@ Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
   cr_assert_eq(r.status, 1);
   cr_assert_str_eq(r.err, "devpickle: d.dpk: read error: Is a directory\n");
   res_free(r);
+  static const char *const streamed[] = {"verify d.dpk", "inspect d.dpk", "dump d.dpk"};
+  for (int i = 0; i < 3; i++) { /* the commands that stream the frame say it alike, with no offset */
+    r = run(streamed[i]);
+    cr_assert_eq(r.status, 1);
+    cr_assert_str_eq(r.err, "devpickle: d.dpk: read error: Is a directory\n", "%s", streamed[i]);
+    res_free(r);
+  }
 }
 
 Test(cli, base64_with_bits_past_its_last_byte_and_a_name_given_twice_are_refused_never_changed) {

@@ -40,8 +40,8 @@ static const char *const usage_main =
     "Run 'devpickle <command> --help' for a command's options.\n"
     "\n"
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
-    "'devpickle: FILE: what, at byte N' for a frame, 'at $.path' for value JSON);\n"
-    "2 usage error.\n"
+    "'devpickle: FILE: what, at byte N' for a frame or for text that is not JSON,\n"
+    "'at $.path' for JSON that is not a value); 2 usage error.\n"
     "Value JSON: docs/VALUE_JSON.md. Frame format: docs/FORMAT.md.\n";
 
 typedef struct cmd {
@@ -410,7 +410,8 @@ static int load_command(const char *cmd, const char *help, int argc, char **argv
     l->size = (size_t)size;
     if (f != stdin) fclose(f);
   }
-  return rc ? data_error(display(l->a.file), e.message, e.offset) : 0;
+  /* a read error is the system's message, as read_all gives it: no offset */
+  return rc ? data_error(display(l->a.file), e.message, rc == DP_EIO ? -1 : e.offset) : 0;
 }
 
 /* ---- pack ---- */
@@ -423,7 +424,11 @@ static const char *const help_pack =
     "carry \"data\" (base64) the frame is inline: it holds the buffer bytes.\n"
     "The frame is checked as 'verify' would before it is written, and written\n"
     "to a temporary file renamed over FRAME.dpk when complete.\n"
-    "Use - for stdin, -o - for stdout.\n";
+    "Use - for stdin, -o - for stdout.\n"
+    "Exit status: 0 written; 1 on bad input, one line on stderr: 'devpickle:\n"
+    "FILE: what, at byte N' for text that is not JSON (a syntax error, a\n"
+    "duplicate key), 'at $.path' for JSON that is not a value; 2 usage.\n"
+    "Example: devpickle pack examples/model.json -o model.dpk\n";
 
 static int inline_reader(void *ud, dp_device_t d, const void *src, size_t n, void *dst, dp_error_t *err) {
   (void)ud; (void)d; (void)src; (void)n; (void)dst;
@@ -493,7 +498,12 @@ static const char *const help_unpack =
     "back into the same bytes. Shared nodes and cycles appear as\n"
     "{\"$id\": ..., \"$value\": ...} and {\"$ref\": ...}.\n"
     "The JSON is indented two spaces a level; --compact writes it without\n"
-    "spaces or newlines (a deeply nested value is then far smaller).\n";
+    "spaces or newlines (a deeply nested value is then far smaller).\n"
+    "Use - for stdin, -o - for stdout.\n"
+    "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
+    "at byte N'), a file that cannot be read or a failed write (one line on\n"
+    "stderr); 2 usage.\n"
+    "Example: devpickle unpack model.dpk -o model.json\n";
 
 static int cmd_unpack(int argc, char **argv) {
   loaded_t l;
@@ -524,7 +534,12 @@ static const char *const help_dump =
     "storage) and the first path. CPU storages are listed with device cpu.\n"
     "--json prints one object:\n"
     "  {\"count\": N, \"devices\": [...], \"pointers\": [{\"device\": \"cuda:0\",\n"
-    "   \"ptr\": \"0x...\", \"nbytes\": N, \"path\": \"$...\", \"refs\": K}, ...]}\n";
+    "   \"ptr\": \"0x...\", \"nbytes\": N, \"path\": \"$...\", \"refs\": K}, ...]}\n"
+    "Use - for stdin.\n"
+    "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
+    "at byte N'), a file that cannot be read or a failed write (one line on\n"
+    "stderr); 2 usage.\n"
+    "Example: devpickle dump model.dpk --json\n";
 
 static int scan_value(const char *file, dp_value_t v, dp_ptrset_t **set) {
   dp_error_t e;
@@ -597,7 +612,12 @@ static const char *const help_inspect =
     "its first line. Levels deeper than 64 are summarized, and dict keys are\n"
     "shown only in paths: a node first met there is shown in full at its\n"
     "first line. Long names and paths are shortened (docs/VALUE_JSON.md,\n"
-    "\"Paths\").\n";
+    "\"Paths\").\n"
+    "Use - for stdin.\n"
+    "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
+    "at byte N'), a file that cannot be read or a failed write (one line on\n"
+    "stderr); 2 usage.\n"
+    "Example: devpickle inspect model.dpk\n";
 
 static int cmd_inspect(int argc, char **argv) {
   loaded_t l;
@@ -624,7 +644,9 @@ static const char *const help_verify =
     "value JSON's nesting limit of 2,000 levels, so that 'unpack' can write\n"
     "whatever passes. An inline frame's data is checked as it streams by, not\n"
     "held. Prints one line, 'FILE: ok, ...', and exits 0; otherwise the error\n"
-    "line and exit status 1.\n";
+    "line ('devpickle: FILE: what, at byte N') and exit status 1; 2 usage.\n"
+    "Use - for stdin.\n"
+    "Example: devpickle verify model.dpk\n";
 
 static int cmd_verify(int argc, char **argv) {
   loaded_t l;
@@ -657,7 +679,8 @@ static const char *const help_send =
     "error line (the receiver's reason, or the connection's) and status 1.\n"
     "--timeout: give up when the whole exchange (send and answer) has taken\n"
     "SECONDS (default 60). UCX reads its own\n"
-    "environment (UCX_TLS, UCX_NET_DEVICES).\n";
+    "environment (UCX_TLS, UCX_NET_DEVICES). Use - for stdin; 2 usage.\n"
+    "Example: devpickle recv 5000 -o got.dpk & devpickle send f.dpk 127.0.0.1:5000\n";
 
 static const char *const help_recv =
     "usage: devpickle recv PORT [-o FRAME.dpk] [--host HOST] [--timeout SECONDS]\n"
@@ -667,7 +690,11 @@ static const char *const help_recv =
     "from 'devpickle send', verifies it as 'verify' does, writes it to\n"
     "FRAME.dpk (or stdout) — a file is written whole under a temporary name\n"
     "and renamed, so a failure leaves no partial file — and answers the\n"
-    "sender. --timeout: give up after SECONDS without a frame (default: wait).\n";
+    "sender. --timeout: give up after SECONDS without a frame (default: wait).\n"
+    "Exit status: 0 a frame received and written; 1 a frame refused (the\n"
+    "sender is told why), a connection that failed, a timeout or a failed\n"
+    "write (one line on stderr); 2 usage.\n"
+    "Example: devpickle recv 0 -o got.dpk (then send to the port it names)\n";
 
 typedef struct link_args {
   const char *pos[2];

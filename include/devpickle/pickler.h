@@ -121,7 +121,7 @@ DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out,
  *  buffer in the frame — differ in size or, in an inline frame, in their
  *  host bytes (or only one has host bytes); DP_ELIMIT for a storage over
  *  2^62 bytes, a str, bytes or container longer than 2^32 - 1, or a value
- *  of more than 2^32 heap nodes. Messages name the path. On error the frame
+ *  of more than 2^32 - 2 heap nodes (32-bit back-references). Messages name the path. On error the frame
  *  is empty. */
 DP_API int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *frame, dp_error_t *err);
 
