@@ -27,7 +27,8 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
 /* A frame message: check and unpickle the frame, binding its buffers to new
  * receive allocations. A frame the unpickler refuses fails this message
  * only (its buffers are drained); bad framing fails the endpoint. */
-static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr_t *h, const void *data, size_t len) {
+static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr_t *h, const void *data, size_t len,
+                    int rndv) {
   if (ep->cur && ep->cur->next_index < ep->cur->nbuf) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a frame arrived before the previous message's buffers");
     return DP_EFORMAT;
@@ -83,7 +84,7 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
       return DP_EFORMAT;
     }
   }
-  m->held = m->buf_bytes + len;
+  m->held = m->buf_bytes + (rndv ? len : 0); /* an eager frame was never the sender's to hold back */
   ep->held += m->held;
   if (ep->rq_tail) ep->rq_tail->next = m;
   else ep->rq_head = m;
@@ -523,7 +524,7 @@ static void pull_done(fpull_t *p, ucs_status_t st) {
   ep->fpull = NULL;
   if (!ep->dead && st != UCS_OK) dp__tp_ep_failf(ep, DP_EIO, "receiving a frame failed (%s)", ucs_status_string(st));
   if (!ep->dead) { /* a failed endpoint dropped what it had: the frame goes too */
-    on_frame(t, ep, &p->h, p->buf, p->len);
+    on_frame(t, ep, &p->h, p->buf, p->len, 1);
     if (ep->in_head) dp__tp_ep_pump_inbox(t, ep);
   }
   dp__free(p->buf, p->len ? p->len : 1);
@@ -567,7 +568,7 @@ static int pull_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_h
  * then be told UCS_INPROGRESS. */
 static int process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, void *data, size_t len,
                    int rndv) {
-  if (id == DP__AM_FRAME) return rndv ? pull_frame(t, ep, hdr, data, len) : on_frame(t, ep, hdr, data, len);
+  if (id == DP__AM_FRAME) return rndv ? pull_frame(t, ep, hdr, data, len) : on_frame(t, ep, hdr, data, len, 0);
   if (id == DP__AM_SHM_PIECE) return on_bufs(t, ep, hdr, data, len, rndv, 1, ((const dp__am_shm_piece_t *)hdr)->slot);
   return on_bufs(t, ep, hdr, data, len, rndv, 0, 0);
 }
@@ -586,7 +587,6 @@ void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
     if (!ep->in_head) ep->in_tail = NULL;
     else ep->in_head->prev = NULL;
     ep->nparked--;
-    if (!b->rndv) ep->parked_bytes -= b->len;
     void *data = b->data;
     b->data = NULL;
     process(t, ep, b->id, b->hdr, data, b->len, b->rndv);
@@ -596,11 +596,6 @@ void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
 }
 
 #define DP__MAX_PARKED 1000000
-
-/* The most eager data an endpoint holds parked. */
-static uint64_t parked_cap(const dp_transport_t *t) {
-  return t->max_inflight > ((uint64_t)64 << 20) ? t->max_inflight : (uint64_t)64 << 20;
-}
 
 /* What a buffers header must be whatever the table says (checked before a
  * message is parked, so that one that can never be next is refused now):
@@ -645,18 +640,14 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
     if (ep->in_head) dp__tp_ep_pump_inbox(t, ep);
     return kept ? UCS_INPROGRESS : UCS_OK;
   }
-  /* not its turn: park it, in order (an eager one's data is UCX's memory,
-     held: capped by bytes as well as by count) */
-  const char *why = ep->nparked >= DP__MAX_PARKED ? "too many messages out of order or held back"
-                    : !rndv && ep->parked_bytes + len > parked_cap(t)
-                        ? "more than max(max_inflight_bytes, 64 MiB) of eagerly sent messages held back (frames of "
-                          "up to 64 KiB that nobody took with dp_endpoint_recv, or out of order)"
-                        : NULL;
-  inbox_t *b = why ? NULL : dp__alloc(sizeof *b);
+  /* not its turn: park it, in order */
+  inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
   if (!b || (!persistent && len)) {
     if (b) dp__free(b, sizeof *b);
     if (rndv) ucp_am_data_release(t->worker, data);
-    dp__tp_ep_failf(ep, why ? DP_ELIMIT : DP_ENOMEM, "%s", why ? why : "out of memory parking a message");
+    dp__tp_ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
+                    ep->nparked >= DP__MAX_PARKED ? "too many messages out of order or held back"
+                                                  : "out of memory parking a message");
     return UCS_OK;
   }
   memset(b, 0, sizeof *b);
@@ -682,7 +673,6 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   if (at) at->next = b;
   else ep->in_head = b;
   ep->nparked++;
-  if (!rndv) ep->parked_bytes += len;
   return UCS_INPROGRESS;
 }
 

@@ -165,7 +165,8 @@ struct rmsg {
   uint64_t next_index;      /* next buffer index expected on the wire */
   uint64_t next_off;        /* and its next byte (chunked buffers) */
   uint64_t buf_bytes;
-  uint64_t held;            /* what it counts in its endpoint's held: buffers and frame */
+  uint64_t held;            /* what it counts in its endpoint's held: buffers, and the
+                               frame when it came by rendezvous */
   rbuf_t *bufs;
   dp_value_t value;
   uint8_t *frame_copy;      /* for recv_frame */
@@ -227,10 +228,9 @@ struct dp_endpoint {
   rmsg_t *rq_head, *rq_tail;/* messages being received, in order */
   rmsg_t *cur;              /* the one whose buffers arrive now */
   uint64_t recv_seq;
-  uint64_t held;            /* received frame and buffer bytes not yet taken */
+  uint64_t held;            /* received bytes not yet taken: buffers, rendezvous frames */
   inbox_t *in_head, *in_tail;  /* parked messages, in the sender's order */
   size_t nparked;
-  uint64_t parked_bytes;    /* the eager data of the parked ones (UCX's memory, held) */
   struct fpull *fpull;      /* a rendezvous frame being pulled (one at a time) */
   rwait_t *w_head, *w_tail;
   void *close_req;

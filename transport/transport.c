@@ -178,7 +178,6 @@ void dp__tp_ep_drop_received(dp_transport_t *t, dp_endpoint_t *ep) {
   }
   ep->in_head = ep->in_tail = NULL;
   ep->nparked = 0;
-  ep->parked_bytes = 0;
 }
 
 /* The endpoint fails: every pending future fails with e, what was received

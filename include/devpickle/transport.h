@@ -79,12 +79,11 @@
  * of buffers (and frames over 64 KiB) not yet taken by the peer; more sends
  * wait in the transport (their futures pending) — send() itself never
  * blocks. A receiver that holds more than max_inflight_bytes of received
- * values not yet taken by dp_endpoint_recv (frames and buffers) stops
- * fetching frames and buffers sent by rendezvous (frames over 64 KiB,
- * buffers over 64 KiB), which holds the sender's sends pending in turn
- * (backpressure); smaller frames, sent eagerly, are held parked up to
- * max(max_inflight_bytes, 64 MiB), past which the endpoint fails with
- * DP_ELIMIT (docs/TRANSPORT.md, "Flow control").
+ * values not yet taken by dp_endpoint_recv stops fetching what was sent by
+ * rendezvous (frames and buffers over 64 KiB), which holds the sender's
+ * sends pending in turn (backpressure). Frames of up to 64 KiB go eagerly
+ * and are not bounded: a receiver holds those it has not taken
+ * (docs/TRANSPORT.md, "Flow control").
  *
  * TRUST: listeners must be reachable only by trusted peers — UCX 1.13's
  * connection manager, which runs before devpickle sees a byte, aborts the
@@ -127,9 +126,9 @@ typedef enum dp_transport_progress_mode {
 } dp_transport_progress_mode_t;
 
 typedef struct dp_transport_opts {
-  /** Per endpoint, per direction: buffer bytes (and bytes of frames over
-   *  64 KiB) posted and not yet complete (sender), or frame and buffer
-   *  bytes received and not yet taken by dp_endpoint_recv (receiver). 0:
+  /** Per endpoint, per direction: bytes of buffers and of frames over
+   *  64 KiB posted and not yet complete (sender), or received and not yet
+   *  taken by dp_endpoint_recv (receiver). 0:
    *  DP_TRANSPORT_DEFAULT_INFLIGHT. One value larger than the bound still
    *  goes, alone. */
   uint64_t max_inflight_bytes;
