@@ -40,6 +40,7 @@ typedef struct sender {
 } sender_t;
 
 static dp_transport_opts_t opts; /* the scenario's: progress by a thread or the callers */
+static int big_frames;           /* values whose frames go by rendezvous (over 64 KiB) */
 
 static void *send_main(void *arg) {
   sender_t *s = arg;
@@ -48,6 +49,21 @@ static void *send_main(void *arg) {
     dp_tuple_new(2, &v, NULL);
     dp_seq_set(v, 0, dp_int(s->id), NULL);
     dp_seq_set(v, 1, tensor(i % 3 == 0 ? 100000 : 64, i & 0xff), NULL);
+    if (big_frames) { /* a frame over 64 KiB (rendezvous) every other value */
+      dp_value_t w;
+      dp_tuple_new(3, &w, NULL);
+      dp_seq_set(w, 0, dp_int(s->id), NULL);
+      dp_seq_set(w, 1, dp_value_retain(dp_seq_get(v, 1)), NULL);
+      size_t n = i % 2 ? 70000 + i : 100;
+      uint8_t *b = malloc(n);
+      memset(b, i, n);
+      dp_value_t bv;
+      dp_bytes_new(b, n, &bv, NULL);
+      free(b);
+      dp_seq_set(w, 2, bv, NULL);
+      dp_value_release(v);
+      v = w;
+    }
     dp_future_t *d;
     dp_error_t e;
     if (dp_endpoint_send(s->ep, v, &d, &e) || dp_transport_wait(s->t, d, 30 * SEC, &e)) s->failed = 1;
@@ -89,6 +105,12 @@ static int scenario_two_senders_one_receiver(void) {
   dp_future_t *d[4];
   for (int i = 0; i < 4; i++) {
     dp_value_t v = tensor(1 << 20, i);
+    if (big_frames) {
+      dp_value_release(v);
+      uint8_t *b = calloc(1, 1 << 20);
+      dp_bytes_new(b, 1 << 20, &v, NULL);
+      free(b);
+    }
     CHECK(dp_endpoint_send(eb, v, &d[i], &e) == 0, "%s", e.message);
     dp_value_release(v);
   }
@@ -129,6 +151,12 @@ int main(void) {
   opts.progress = DP_TRANSPORT_PROGRESS_CALLER;
   run("transport, driven by the callers: two senders, one receiver, close with sends pending",
       scenario_two_senders_one_receiver);
+  big_frames = 1;
+  opts.max_inflight_bytes = 64 << 10;
+  opts.progress = 0;
+  run("transport: frames over 64 KiB, a 64 KiB bound, a progress thread", scenario_two_senders_one_receiver);
+  opts.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  run("transport: frames over 64 KiB, a 64 KiB bound, driven by the callers", scenario_two_senders_one_receiver);
   printf("%d passed, %d failed\n", passes, failures);
   return failures ? 1 : 0;
 }
