@@ -393,9 +393,14 @@ static void release_free_segments(dp_cache_t *c, devpool_t *p) { free_dropped(c,
 
 /* ---- pending blocks ---- */
 
+/* A pending block is free once its events completed and the streams it
+ * kept (no event could be made for them) are idle (or gone: stream_gone
+ * drops them). */
 static int pending_done(block_t *b) {
   for (uint32_t i = 0; i < b->nevents; i++)
     if (dp_event_query(b->events[i], NULL) == 0) return 0;
+  for (uint32_t i = 0; i < b->nuses; i++)
+    if (dp_stream_query(b->uses[i], NULL) == 0) return 0;
   return 1;
 }
 
@@ -405,6 +410,7 @@ static void pending_finish(dp_cache_t *c, block_t *b) {
   devpool_t *p = pool_of(c, b);
   for (uint32_t i = 0; i < b->nevents; i++) dp_event_free(b->events[i]);
   b->nevents = 0;
+  b->nuses = 0;
   p->st.pending_blocks--;
   p->st.pending_bytes -= b->size;
   free_block(c, p, b);
@@ -625,6 +631,7 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
   p->st.allocated -= b->size;
   p->st.frees++;
   /* One event on each stream that used the block besides its own. */
+  uint32_t kept = 0;
   for (uint32_t i = 0; i < b->nuses; i++) {
     dp_stream_t *u = b->uses[i];
     dp_event_t *ev = NULL;
@@ -637,12 +644,14 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
       b->events[b->nevents++] = ev;
       continue;
     }
-    /* No event to be had: wait for the stream instead of risking reuse. */
+    /* No event to be had (out of memory): the block waits until the stream
+       is idle, never by waiting here (under the lock, perhaps on a host
+       function of that very stream) */
     if (ev) dp_event_free(ev);
-    dp_stream_synchronize(u, NULL);
+    b->uses[kept++] = u;
   }
-  b->nuses = 0;
-  if (b->nevents) {
+  b->nuses = kept;
+  if (b->nevents || b->nuses) {
     b->state = B_PENDING;
     b->pnext = NULL;
     if (c->pending_tail) c->pending_tail->pnext = b; else c->pending_head = b;

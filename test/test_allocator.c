@@ -528,6 +528,49 @@ Test(allocator, a_host_function_out_of_memory_never_waits_and_never_frees_a_bloc
   OK(dp_host_set_memory_limit(H1, 0, T_ERR));
 }
 
+/* A free that cannot make an event for a stream the block was used on (out
+ * of memory) never waits for that stream — under the allocator's lock, or
+ * from a host function on that very stream, it hung: the block waits,
+ * pending, until the stream is idle. */
+static void *freed_in_fn;
+
+static void free_out_of_memory(void *arg) {
+  (void)arg;
+  t_fail_at = t_alloc_count + 1; /* the block's event array */
+  dp_cache_dealloc(C, freed_in_fn, NULL);
+  t_fail_at = 0;
+}
+
+Test(allocator, a_free_that_cannot_make_an_event_never_waits_and_keeps_the_block_until_the_stream_is_idle,
+     .timeout = 20) {
+  dp_stream_t *a = stream(H0), *u = stream(H0);
+  void *p, *q;
+  OK(dp_cache_alloc(C, H0, 4096, a, &p, T_ERR));
+  OK(dp_cache_record_stream(C, p, u, T_ERR));
+  _Atomic int gate = 0;
+  OK(dp_host_launch(u, gate_wait, &gate, T_ERR)); /* u busy until the gate opens */
+  t_fail_at = t_alloc_count + 1;
+  OK(dp_cache_dealloc(C, p, T_ERR)); /* returns at once */
+  t_fail_at = 0;
+  cr_assert_eq(stats(H0).pending_blocks, 1, "the block was not kept for its busy stream");
+  OK(dp_cache_alloc(C, H0, 4096, a, &q, T_ERR));
+  cr_assert_neq(q, p, "a block handed out while a stream it was used on is busy");
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  OK(dp_cache_dealloc(C, q, T_ERR)); /* polls the pending blocks */
+  cr_assert_eq(stats(H0).pending_blocks, 0, "the block stayed pending once its stream was idle");
+  /* from a host function on the stream the block was used on */
+  OK(dp_cache_alloc(C, H0, 4096, a, &freed_in_fn, T_ERR));
+  OK(dp_cache_record_stream(C, freed_in_fn, u, T_ERR));
+  OK(dp_host_launch(u, free_out_of_memory, NULL, T_ERR));
+  OK(dp_stream_synchronize(u, T_ERR)); /* returns: the free did not wait on its own stream */
+  OK(dp_cache_alloc(C, H0, 4096, a, &q, T_ERR)); /* u is idle now: the block comes back */
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  dp_stream_free(u);
+  dp_stream_free(a);
+}
+
 /* ---- teardown and the device layer's seams ---- */
 
 static void gate_wait(void *arg) {
