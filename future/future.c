@@ -519,9 +519,9 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
   /* A completion often follows soon (a reply, a short kernel): look for it
    * a while before sleeping, which costs a wake-up (a futex and a
    * reschedule) worth more than a short wait. */
+  struct timespec t0, t1; /* the deadline counts from here: the spin is part of the wait */
+  clock_gettime(CLOCK_MONOTONIC, &t0);
   if (dp__load_acquire(&f->state) == PENDING && timeout_ns != 0) {
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
     int64_t spin = timeout_ns > 0 && timeout_ns < WAIT_SPIN_NS ? timeout_ns : WAIT_SPIN_NS;
     for (unsigned i = 1; dp__load_acquire(&f->state) == PENDING; i++) {
       if (i % 16) continue;
@@ -534,8 +534,7 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
   if (timeout_ns < 0) {
     while (dp__load_relaxed(&f->state) == PENDING) pthread_cond_wait(&f->cv, &f->mu);
   } else {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    struct timespec ts = t0;
     int64_t ns = ts.tv_nsec + timeout_ns % 1000000000;
     ts.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
     ts.tv_nsec = (long)(ns % 1000000000);
@@ -786,7 +785,7 @@ static void collect_drop(void *p) {
   if (!dp__ref_dec(&c->refs)) return;
   for (size_t i = 0; i < c->n; i++)
     if (c->in[i]) dp_future_release(c->in[i]);
-  dp__free(c->in, c->n * sizeof *c->in);
+  dp__free(c->in, (c->n ? c->n : 1) * sizeof *c->in); /* as allocated: one slot at least */
   dp_future_release(c->out);
   dp__free(c, sizeof *c);
 }
@@ -806,7 +805,7 @@ static void collect_finish(collect_t *c) {
       return;
     }
   }
-  dp_value_t list;
+  dp_value_t list = dp_none(); /* released on every failure, the list's own included */
   dp_ptrset_t *set = NULL;
   int rc = dp_list_new(c->n, &list, &err);
   for (size_t i = 0; rc == 0 && i < c->n; i++) rc = dp_list_append(list, dp_value_retain(c->in[i]->value), &err);
@@ -893,9 +892,11 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
   dp__atomic_init(&c->remaining, n);
   for (size_t i = 0; i < n; i++) c->in[i] = NULL;
   *out = o;
-  if (n == 0) {
+  if (n == 0) { /* complete at once: with [], or failed (out of memory), never left pending */
     dp_value_t empty;
-    if (dp_list_new(0, &empty, err) == 0) dp_future_mark_completed(o, empty, NULL);
+    dp_error_t e;
+    if (dp_list_new(0, &empty, &e) == 0) dp_future_mark_completed(o, empty, NULL);
+    else dp_future_set_error(o, &e, NULL);
   }
   for (size_t i = 0; i < n; i++) {
     memset(es[i], 0, sizeof(cbent_t));

@@ -27,7 +27,10 @@ extern "C" {
  *  futures, caches from dp_cache_new, streams from dp_stream_new; other
  *  threads that set current streams reset them or exit), and
  *  release your values and call dp_value_collect() if their release
- *  callbacks give device memory back. Afterwards no backend, stream, event
+ *  callbacks give device memory back — on every thread that released such
+ *  values (a cycle released on a thread waits in that thread's candidates,
+ *  which only that thread's dp_value_collect(), or its exit, frees: collect
+ *  there, or let those threads exit, first). Afterwards no backend, stream, event
  *  or cache pointer may be used; a later dp_backend_get() starts afresh.
  *  The allocator hook (dp_set_allocator) is left as it is. Not thread-safe:
  *  call it when no other thread uses devpickle. */

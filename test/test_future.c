@@ -1036,6 +1036,56 @@ static int hop_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t 
   return 0;
 }
 
+/* collect_all out of memory: its future fails, never hangs, and releases
+ * only what it made (the aggregate list's failure released an unset value:
+ * under ASan a use-after-free of an earlier aggregate's list; over no
+ * futures it returned 0 and a future that never completed). */
+static int collect_strs(int n, long fail_after) {
+  dp_future_t *in[64], *all;
+  for (int i = 0; i < n; i++) OK(dp_future_new(NULL, &in[i], T_ERR));
+  OK(dp_future_collect_all(in, (size_t)n, NULL, &all, T_ERR));
+  for (int i = 0; i < n; i++) {
+    dp_value_t x = t_str("x");
+    if (i == n - 1 && fail_after) t_fail_at = t_alloc_count + fail_after; /* the last runs the aggregate */
+    int rc = dp_future_mark_completed(in[i], x, NULL);
+    t_fail_at = 0;
+    cr_assert(rc == 0 || rc == DP_ENOMEM);
+  }
+  dp_error_t e;
+  int rc = dp_future_wait(all, 1000000000ll, &e);
+  cr_assert(rc == 0 || rc == DP_ENOMEM, "%s: %s", dp_err_name(rc), e.message);
+  if (rc == 0) cr_assert_eq(dp_seq_len(dp_future_value(all)), (size_t)n);
+  for (int i = 0; i < n; i++) dp_future_release(in[i]);
+  dp_future_release(all);
+  return rc;
+}
+
+Test(future, collect_all_out_of_memory_fails_its_future_and_releases_only_what_it_made) {
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 200);
+    OK(collect_strs(64, 0)); /* an aggregate freed: its list's address left behind */
+    if (collect_strs(64, k) == 0) break;
+  }
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 200);
+    dp_future_t *all = NULL;
+    dp_error_t e;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_future_collect_all(NULL, 0, NULL, &all, &e);
+    t_fail_at = 0;
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "%s", e.message);
+      continue;
+    }
+    rc = dp_future_wait(all, 1000000000ll, &e);
+    cr_assert(rc == 0 || rc == DP_ENOMEM, "collect_all over no futures: %s: %s", dp_err_name(rc), e.message);
+    dp_future_release(all);
+    if (rc == 0) break;
+  }
+  dp_shutdown(); /* the backend's streams and the thread's kept blocks go too */
+  ASSERT_NO_LEAK();
+}
+
 Test(future, every_allocation_failure_is_an_error_and_leaks_nothing) {
   dp_shutdown();
   for (long k = 1;; k++) {
