@@ -51,6 +51,8 @@ typedef struct dpy_scan_opts {
   PyObject *opaque;     /* a tuple of types treated as leaves, or NULL */
   uint32_t max_depth;   /* 0: DP_DEFAULT_MAX_DEPTH */
   int build;            /* also make the devpickle value (dumps): dpy_scanner_root */
+  int inline_data;      /* build for an inline frame: borrowed cpu memory (torch_api.h) is copied
+                         * when found (dp_storage_set_host_data) */
   int no_refs;          /* the allocations only: a tensor met twice counts twice in the set's
                          * refs (refs are counted exactly only without `into`) */
 } dpy_scan_opts_t;

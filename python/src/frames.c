@@ -87,7 +87,7 @@ PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw) {
   if (!s) return NULL;
   PyObject *out = NULL, *mk = NULL;
   dp_frame_t *frame = NULL;
-  dpy_scan_opts_t o = {.build = 1, .paths = 1}; /* a storage that changed is named by its path */
+  dpy_scan_opts_t o = {.build = 1, .paths = 1, .inline_data = inl}; /* a storage that changed is named by its path */
   if (dpy_scan(s, obj, &o, NULL)) goto done;
   dp_error_t e;
   int rc = dp_frame_new(&frame, &e);

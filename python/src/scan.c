@@ -266,6 +266,7 @@ struct dpy_scanner {
   /* building (dumps): the root, a value per memo entry, a storage per
    * allocation and the first object found on it */
   int build;
+  int copy_borrowed; /* opts->inline_data */
   dp_value_t root;
   dp_value_t *vals;
   size_t vals_cap;
@@ -914,8 +915,9 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
   if (!st) return -1;
   int rc = storage_extent(st, out);
   Py_DECREF(st);
-  if (rc) return -1;
-  return device_from_torch(t, out) ? -1 : 1;
+  if (rc || device_from_torch(t, out)) return -1;
+  out->borrowed = out->device_type == DP_DEVICE_CPU; /* torch's Python API does not say whose memory it is */
+  return 1;
 }
 
 /* The allocations of tensor t (the adapter's answer, or torch's Python
@@ -1112,10 +1114,12 @@ out:
 /* Buffer-protocol objects: cpu memory, owner first (numpy views and
  * memoryviews report the array they view; an array over a torch tensor —
  * Tensor.numpy() — is the tensor's allocation), never copied. */
-static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp) {
+static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp,
+                         int *borrowedp) {
   PyObject *owner = o;
   Py_INCREF(owner);
   *devp = (dp_device_t){DP_DEVICE_CPU, 0};
+  *borrowedp = 0;
   for (int hops = 0; hops < 64; hops++) {
     PyObject *next = NULL;
     if (PyMemoryView_Check(owner)) {
@@ -1133,6 +1137,7 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
         *devp = (dp_device_t){(dp_device_type_t)a[0].device_type, a[0].device_index};
         *basep = a[0].base;
         *extp = a[0].nbytes;
+        *borrowedp = a[0].borrowed;
         return 0;
       } else if (next == Py_None || !PyObject_CheckBuffer(next)) {
         Py_CLEAR(next);
@@ -1176,7 +1181,8 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   dp_device_t dev;
   void *base;
   size_t ext;
-  if (buffer_memory(s, o, &dev, &base, &ext)) return -1;
+  int borrowed;
+  if (buffer_memory(s, o, &dev, &base, &ext, &borrowed)) return -1;
   if (ext && add_alloc(s, dev, base, ext, o)) return -1;
   /* a subclass written in Python (bytearray's, ndarray's) may hold more in
      its instance __dict__, which pickle's reduce of it carries (bytearray's
@@ -1701,10 +1707,16 @@ static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   return rc ? dp_fail(s, o, rc, &e) : 0;
 }
 
+static int check_storage(dpy_scanner_t *s, size_t i);
+
 /* A tensor over allocation (dev, base, nbytes): one storage per allocation,
- * shared by every view of it. */
-static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *base, size_t nbytes, const char *dtype,
-                        int ndim, const int64_t *shape, const int64_t *strides, int64_t offset, dp_value_t *out) {
+ * shared by every view of it. Borrowed cpu memory (torch_api.h) in an inline
+ * frame is copied here, when the walk meets it, as pickle reads it: its
+ * owner (the ndarray of torch.from_numpy) may free it under the Python code
+ * the rest of the walk runs while torch's storage still reports it, so no
+ * later check could see that it went. */
+static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *base, size_t nbytes, int borrowed,
+                        const char *dtype, int ndim, const int64_t *shape, const int64_t *strides, int64_t offset, dp_value_t *out) {
   size_t at;
   if (add_alloc_at(s, dev, base, nbytes, o, &at)) return -1;
   if (at >= s->stor_cap) {
@@ -1736,6 +1748,12 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
       PyObject *st = untyped_storage(o);
       if (!st) return walk_error(s, o, "its storage cannot be held");
       s->stor_st[at] = st;
+    }
+    /* the attribute reads since the memory was found may have run a
+       subclass's code: checked again, then read with no Python code between */
+    if (borrowed && s->copy_borrowed && dev.type == DP_DEVICE_CPU && p.nbytes) {
+      if (check_storage(s, at)) return -1;
+      if ((rc = dp_storage_set_host_data(s->stor[at], p.base, &e))) return dp_fail(s, o, rc, &e);
     }
   }
   dp_dtype_t dt;
@@ -1827,7 +1845,7 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
     if (!strncmp(ds, "torch.", 6)) ds += 6;
     dp_value_t t;
     rc = build_tensor(s, o, (dp_device_t){(dp_device_type_t)a[0].device_type, (uint8_t)a[0].device_index},
-                      a[0].base, a[0].nbytes, ds, nd, shape, strides, offset, &t);
+                      a[0].base, a[0].nbytes, a[0].borrowed, ds, nd, shape, strides, offset, &t);
     if (!rc) rc = wrap(s, o, "torch.Tensor", "data", t, out);
     if (!rc) rc = carry_requires_grad(s, o, *out);
     if (!rc && (PyObject *)Py_TYPE(o) != dpy.torch_tensor_cls) rc = carry_subclass(s, o, *out);
@@ -1893,9 +1911,10 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   void *base;
   size_t ext;
   dp_device_t dev = {DP_DEVICE_CPU, 0};
+  int borrowed = 0;
   if (cupy) {
     if (cupy_memory(o, &dev, &base, &ext)) goto out;
-  } else if (buffer_memory(s, o, &dev, &base, &ext)) {
+  } else if (buffer_memory(s, o, &dev, &base, &ext, &borrowed)) {
     goto out;
   }
   if (PyErr_Occurred()) goto out;
@@ -1905,7 +1924,7 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
     goto out;
   }
   dp_value_t t;
-  rc = build_tensor(s, o, dev, base, ext, dt, nd, shape, strides, delta / isz, &t);
+  rc = build_tensor(s, o, dev, base, ext, borrowed, dt, nd, shape, strides, delta / isz, &t);
   if (!rc) rc = wrap(s, o, cupy ? "cupy.ndarray" : "numpy.ndarray", "data", t, out);
 out:
   Py_DECREF(ai);
@@ -2224,7 +2243,7 @@ static int changed(dpy_scanner_t *s, PyObject *o, size_t i) {
  * WalkError. */
 static int check_storage(dpy_scanner_t *s, size_t i) {
   PyObject *o = s->stor_obj[i], *st = s->stor_st[i];
-  if (!o) return 0;
+  if (!o || dp_storage_host_data(s->stor[i])) return 0; /* copied when found: the frame reads the copy */
   dp_ptr_info_t p;
   dp_ptrset_get(s->found, i, &p, NULL);
   if (!st) { /* cpu memory read through the buffer protocol (numpy): read again */
@@ -2232,7 +2251,8 @@ static int check_storage(dpy_scanner_t *s, size_t i) {
     void *now;
     size_t ext;
     if (p.device.type != DP_DEVICE_CPU || is_torch(o)) return 0;
-    if (buffer_memory(s, o, &dev, &now, &ext)) return -1;
+    int borrowed;
+    if (buffer_memory(s, o, &dev, &now, &ext, &borrowed)) return -1;
     if (now != p.base || ext < p.nbytes) {
       PyErr_SetString(PyExc_RuntimeError, "an array's memory moved (it was resized) while the walk ran the value's "
                                           "Python code (a __reduce__?): the frame would read freed memory");
@@ -2326,6 +2346,7 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
   PyObject *const *held = held_exc; /* the thread's slot, looked up once (a thread-local costs a call in a module) */
   if (dpy_resolve_frameworks()) return -1;
   s->build = opts->build;
+  s->copy_borrowed = opts->build && opts->inline_data;
   s->root = dp_none();
   s->saw_cupy = 0;
   if (!s->own) s->own = s->found;

@@ -13,6 +13,7 @@
 
 #include "torch_api.h"
 
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/Layout.h>
 #include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>
@@ -124,6 +125,13 @@ inline int dense_alloc(const at::Tensor &t, const at::Tensor &whole, dp_torch_al
                        "subclass keeps its data in other tensors)");
   out->base = const_cast<void *>(data);
   out->nbytes = nbytes;
+  /* Memory from torch's cpu allocator is freed only with its storage (or
+   * moved by resize_/set_, which the storage shows); any other deleter (the
+   * context of from_blob, which from_numpy and frombuffer use) frees
+   * memory whose owner torch does not hold to account. */
+  out->borrowed = dt == c10::DeviceType::CPU && nbytes != 0 &&
+                  s.data_ptr().get_deleter() != c10::GetDefaultCPUAllocator()->raw_deleter() &&
+                  s.data_ptr().get_deleter() != c10::GetCPUAllocator()->raw_deleter();
   return 0;
 }
 

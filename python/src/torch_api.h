@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define DP_TORCH_API_VERSION 1
+#define DP_TORCH_API_VERSION 2
 #define DP_TORCH_API_CAPSULE "devpickle._torch._api"
 
 /* One allocation a tensor holds. device_type uses devpickle's numbering
@@ -28,6 +28,11 @@ typedef struct dp_torch_alloc {
   int device_index;   /* 0 for cpu */
   void *base;         /* the storage's data pointer (NULL for an empty storage) */
   size_t nbytes;      /* the storage's size in bytes */
+  /* 1: cpu memory torch did not allocate (torch.from_numpy, torch.frombuffer,
+   * from_dlpack, pinned or shared memory; the Python path, which cannot
+   * tell, says 1 for all cpu memory). Its owner may free it while the
+   * storage still reports it (numpy's resize(refcheck=False)). */
+  int borrowed;
 } dp_torch_alloc_t;
 
 #define DP_TORCH_MAX_ALLOCS 4

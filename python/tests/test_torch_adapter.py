@@ -16,7 +16,7 @@ if os.environ.get("DEVPICKLE_REQUIRE_TORCH_ADAPTER") == "1":
 else:
     adapter = pytest.importorskip("devpickle._torch")
 
-API_VERSION = 1
+API_VERSION = 2
 CAPSULE = b"devpickle._torch._api"
 MAX_ALLOCS = 4
 CPU, CUDA = 0, 1
@@ -24,7 +24,7 @@ CPU, CUDA = 0, 1
 
 class Alloc(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int), ("device_index", ctypes.c_int),
-                ("base", ctypes.c_void_p), ("nbytes", ctypes.c_size_t)]
+                ("base", ctypes.c_void_p), ("nbytes", ctypes.c_size_t), ("borrowed", ctypes.c_int)]
 
 
 class Api(ctypes.Structure):
@@ -59,13 +59,29 @@ def allocs(obj):
     return n, [(a.device_type, a.device_index, a.base or 0, a.nbytes) for a in out[:max(n, 0)]]
 
 
+def test_cpu_memory_torch_did_not_allocate_is_borrowed_and_its_own_is_not():
+    """What dumps(inline=True) copies when the walk meets it (docs/PYTHON.md)."""
+    np = pytest.importorskip("numpy")
+    out = (Alloc * MAX_ALLOCS)()
+
+    def borrowed(t):
+        assert _tensor_allocs(t, out) == 1
+        return out[0].borrowed
+
+    assert borrowed(torch.from_numpy(np.ones(4))) == 1
+    assert borrowed(torch.from_numpy(np.ones(4))[1:].t()) == 1  # a view: its storage's
+    assert borrowed(torch.frombuffer(bytearray(8), dtype=torch.uint8)) == 1
+    assert borrowed(torch.ones(4)) == 0 and borrowed(torch.ones(4)[2:]) == 0
+    assert borrowed(torch.ones(0)) == 0  # no memory to borrow
+
+
 def storage(t):
     """(base, nbytes) of t's storage, through torch's Python API."""
     s = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
     return s.data_ptr(), s.nbytes()
 
 
-def test_capsule_publishes_version_1_of_the_table():
+def test_capsule_publishes_version_2_of_the_table():
     assert API.version == API_VERSION
     assert API.tensor_allocs
     cuda_fns = [API.current_stream, API.set_current_stream, API.pool_stream, API.record_stream]
