@@ -127,39 +127,62 @@ def _set_state(obj, state, slots):
 
 
 class Copies:
-    """What one loads() call copies out of nodes the frame may share, bounded.
+    """What one loads() call hands out of nodes the frame may share, bounded.
 
     A frame stores a node once and may refer to it from many objects: a
-    bytearray, a set or frozenset, a numpy scalar, a reduced object's
-    listitems, dictitems or state dict copies the node it refers to, so
-    1,000 bytearrays over one 1 MiB bytes node would make 1,000 MiB out of a
-    1 MiB frame. An immutable result (frozenset, numpy scalar) is made once
-    per node and shared, as the node is; a mutable one (bytearray, set, a
-    reduced object filled from its parts) must be an object of its own, so
-    the items and bytes such copies take are counted: at most PER_BYTE per
-    byte of the frame plus FIXED. A frame dumps() wrote stores each copied
-    node once, so it copies at most one item or byte per frame byte."""
+    bytearray, a set, a reduced object's <args>, state, <listitems> or
+    <dictitems> is filled from the node it refers to, so 1,000 bytearrays
+    over one 1 MiB bytes node would make 1,000 MiB out of a 1 MiB frame. An
+    immutable result (frozenset, numpy scalar) is made once per node and
+    shared, as the node is; a mutable one must be an object of its own, so
+    the items and bytes each object is filled from are charged, once per
+    object (whether or not an allowed class's code copies them: loads cannot
+    tell): at most `max_copies`, by default PER_BYTE per byte of the frame
+    plus FIXED. A frame whose objects each have nodes of their own stays
+    within that; one where many objects share one node may not, though
+    dumps wrote it (1,000 objects whose __getstate__ returns one 1,000-item
+    dict: 140 KB of frame, 1,000,000 items made — pickle makes them too):
+    no bound on the frame's size alone tells that from a hostile frame, so
+    the caller who trusts the sender raises max_copies."""
 
-    __slots__ = ("size", "left", "shared")
+    __slots__ = ("size", "left", "limit", "shared")
     PER_BYTE, FIXED = 4, 65536
 
-    def __init__(self, size):
+    def __init__(self, size, max_copies=None):
+        if max_copies is None:
+            max_copies = self.PER_BYTE * size + self.FIXED
+        elif type(max_copies) is not int or max_copies < 0:
+            raise ValueError(f"loads: max_copies must be None or an int >= 0, not {max_copies!r}")
         self.size = size
-        self.left = self.PER_BYTE * size + self.FIXED
+        self.left = self.limit = max_copies
         self.shared = {}  # (kind, id(node's object)) -> (that object, what was made of it)
 
     def charge(self, what, n):
         self.left -= n
         if self.left < 0:
-            raise ValueError(f"loads: the frame's {what} would copy more items and bytes than "
-                             f"{self.PER_BYTE} per byte of the frame's {self.size} (plus {self.FIXED}): "
-                             "many objects share one node (dumps writes each once)")
+            raise ValueError(f"loads: the frame's {what} would copy more than max_copies={self.limit} items and "
+                             f"bytes (default: {self.PER_BYTE} per byte of the frame's {self.size}, plus "
+                             f"{self.FIXED}): many objects share one node; pass a larger max_copies for a "
+                             "frame you trust")
 
     def share(self, kind, source, make):
         hit = self.shared.get((kind, id(source)))
         if hit is None:
             hit = self.shared[kind, id(source)] = (source, make())  # source kept: its id is not reused
         return hit[1]
+
+
+_SIZED = (list, dict, set, frozenset, bytes, bytearray, str)
+
+
+def _fill_size(x):
+    """What handing x to an allowed class's code (its __init__, __new__ or
+    __setstate__) may make it copy: a container's items or a str's or
+    bytes' length, and a tuple's items' one level down (pickle's args and
+    (dict, slots) states are tuples)."""
+    if isinstance(x, tuple):
+        return len(x) + sum(len(i) for i in x if isinstance(i, _SIZED))
+    return len(x) if isinstance(x, _SIZED) else 0
 
 
 def _reserved(name, attrs, attr, kind):
@@ -271,15 +294,18 @@ def reduced(cls, parts, copies):
     if not isinstance(args, tuple):  # pickle's REDUCE and NEWOBJ take a tuple too
         raise TypeError(f"loads: {label} was reduced with args that are a {type(args).__name__}, not a tuple")
     if fn is cls:
-        obj = cls(*args)
+        new_args = args
     elif (isinstance(fn, Object) and fn.__class_name__ == "devpickle.global"
           and fn.__attrs__.get("name") == "copyreg.__newobj__" and args and args[0] is cls):
-        obj = cls.__new__(cls, *args[1:])
+        new_args = args[1:]
     else:
         return Object(label, parts)  # not a call loads makes
+    copies.charge("reduced objects' args", _fill_size(new_args))  # cls(a_list) copies it: a list subclass
+    obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args)
     state = parts.get("<state>")
     if state is not None:
         if hasattr(obj, "__setstate__"):
+            copies.charge("reduced objects' state", _fill_size(state))  # self.__dict__.update(state)
             obj.__setstate__(state)
         else:
             d, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)

@@ -514,9 +514,10 @@ fail:
 
 PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   (void)self;
-  static char *kwlist[] = {"", "buffers", "classes", NULL};
-  PyObject *data, *buffers = Py_None, *classes = NULL, *result = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OO:loads", kwlist, &data, &buffers, &classes)) return NULL;
+  static char *kwlist[] = {"", "buffers", "classes", "max_copies", NULL};
+  PyObject *data, *buffers = Py_None, *classes = NULL, *max_copies = Py_None, *result = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOO:loads", kwlist, &data, &buffers, &classes, &max_copies))
+    return NULL;
   Py_buffer view;
   if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)) return NULL;
   loader_t l = {0};
@@ -527,6 +528,11 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   l.classes = PyObject_CallOneArg(mk, classes ? classes : Py_None);
   Py_DECREF(mk);
   if (!l.classes) goto done;
+  PyObject *mk_copies = helper("Copies"); /* before the frame is read: a bad max_copies fails first */
+  if (!mk_copies) goto done;
+  l.copies = PyObject_CallFunction(mk_copies, "nO", view.len, max_copies);
+  Py_DECREF(mk_copies);
+  if (!l.copies) goto done;
   if (buffers != Py_None) {
     if (!PySequence_Check(buffers)) {
       PyErr_SetString(PyExc_TypeError, "buffers= must be a sequence");
@@ -561,11 +567,7 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
     frame_fail(rc, &e);
     goto done;
   }
-  PyObject *mk_copies = helper("Copies");
-  if (!mk_copies) goto done;
-  l.copies = PyObject_CallFunction(mk_copies, "n", view.len);
-  Py_DECREF(mk_copies);
-  if (l.copies) result = to_python(&l, root);
+  result = to_python(&l, root);
 done:
   dp_value_release(root);
   PyBuffer_Release(&view);

@@ -165,7 +165,7 @@ static PyMethodDef methods[] = {
     {"dumps", (PyCFunction)(void (*)(void))dpy_dumps, METH_VARARGS | METH_KEYWORDS,
      "dumps(obj, *, inline=False, buffer_callback=None) -> bytes (a devpickle frame)"},
     {"loads", (PyCFunction)(void (*)(void))dpy_loads, METH_VARARGS | METH_KEYWORDS,
-     "loads(data, *, buffers=None, classes=()) -> object"},
+     "loads(data, *, buffers=None, classes=(), max_copies=None) -> object"},
     {"_torch_adapter", torch_adapter, METH_NOARGS,
      "How torch tensors are read: 'c++' (the adapter), 'python', or None (torch not imported)."},
     {NULL},

@@ -654,7 +654,7 @@ def test_many_bytearrays_or_sets_sharing_one_node_are_refused_past_the_frames_si
     big = b"x" * (1 << 20)
     frame = devpickle.dumps([spoof("builtins.bytearray", data=big) for _ in range(100)])
     assert len(frame) < 2 << 20  # the 1 MiB node is written once
-    with pytest.raises(ValueError, match="bytearrays would copy more items and bytes than 4 per byte of the frame.s"):
+    with pytest.raises(ValueError, match=r"bytearrays would copy more than max_copies=\d+ items and bytes \(default: 4 per byte of the frame.s"):
         devpickle.loads(frame)
     items = list(range(10_000))
     with pytest.raises(ValueError, match="sets would copy more"):
@@ -692,6 +692,53 @@ def test_reduced_objects_sharing_one_listitems_node_are_refused_past_the_frames_
     with pytest.raises(ValueError, match="listitems and dictitems would copy more"):
         devpickle.loads(frame, classes=(Appends,))
     assert devpickle.loads(devpickle.dumps(v[:1]), classes=(Appends,)) == [items]
+
+
+class SharedState:
+    """pickle's own shape of sharing: every instance's state is one dict."""
+    cfg = {f"k{i}": i for i in range(1000)}
+
+    def __getstate__(self):
+        return SharedState.cfg
+
+
+def test_objects_sharing_one_state_dict_load_under_a_max_copies_the_caller_raises_and_are_refused_by_default():
+    """dumps writes the shared dict once (140 KB) but each object's __dict__
+    is a copy of it (1,000,000 items, as pickle makes): past the default
+    bound, so loads says how to take a frame the caller trusts."""
+    frame = devpickle.dumps([SharedState() for _ in range(1000)])
+    with pytest.raises(ValueError, match="state would copy more than max_copies=.*pass a larger max_copies"):
+        devpickle.loads(frame, classes=(SharedState,))
+    out = devpickle.loads(frame, classes=(SharedState,), max_copies=1_000_000)
+    assert len(out) == 1000 and all(vars(o) == SharedState.cfg for o in out) and vars(out[0]) is not vars(out[1])
+    with pytest.raises(ValueError, match="state would copy more than max_copies=999999 "):
+        devpickle.loads(frame, classes=(SharedState,), max_copies=999_999)
+    for bad in (-1, 1.5, True, "9"):
+        with pytest.raises(ValueError, match="max_copies must be None or an int"):
+            devpickle.loads(frame, max_copies=bad)
+
+
+class StateUpdates:
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
+def test_reduced_objects_sharing_one_args_or_setstate_node_are_refused_past_the_frames_size():
+    """cls(shared_list) and __setstate__(shared_dict) copy the node per
+    object as listitems do (460 KB made 100,000,000 items before)."""
+    items = list(range(10_000))
+    label = f"{Appends.__module__}.{Appends.__qualname__}"
+    frame = devpickle.dumps([spoof(label, **{"<callable>": Appends, "<args>": (items,)}) for _ in range(100)])
+    with pytest.raises(ValueError, match="args would copy more"):
+        devpickle.loads(frame, classes=(Appends,))
+    assert devpickle.loads(frame, classes=(Appends,), max_copies=1 << 20)[99] == items
+    d = {f"k{i}": i for i in range(10_000)}
+    label = f"{StateUpdates.__module__}.{StateUpdates.__qualname__}"
+    frame = devpickle.dumps([spoof(label, **{"<callable>": StateUpdates, "<args>": (), "<state>": d})
+                             for _ in range(100)])
+    with pytest.raises(ValueError, match="state would copy more"):
+        devpickle.loads(frame, classes=(StateUpdates,))
+    assert vars(devpickle.loads(frame, classes=(StateUpdates,), max_copies=1 << 20)[99]) == d
 
 
 LOADS_WITHOUT_NUMPY = r'''
