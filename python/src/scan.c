@@ -2542,8 +2542,29 @@ static PyObject *alloc_repr(PyObject *o) {
   return r;
 }
 
+/* An Allocation equals any mapping of the same items, as a Mapping does
+ * (Mapping.__eq__ compares dict(self.items()) with dict(other.items())). */
+static PyObject *alloc_eq_mapping(PyObject *a, PyObject *b, int op) {
+  static PyObject *mapping_abc;
+  if (!mapping_abc) {
+    PyObject *abc = PyImport_ImportModule("collections.abc");
+    mapping_abc = abc ? PyObject_GetAttrString(abc, "Mapping") : NULL;
+    Py_XDECREF(abc);
+    if (!mapping_abc) return NULL;
+  }
+  int is = PyDict_Check(b) ? 1 : PyObject_IsInstance(b, mapping_abc);
+  if (is <= 0) return is < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+  PyObject *mine = alloc_asdict(a, NULL), *theirs = mine ? PyDict_New() : NULL;
+  PyObject *r = NULL;
+  if (theirs && !PyDict_Merge(theirs, b, 1)) r = PyObject_RichCompare(mine, theirs, op);
+  Py_XDECREF(mine);
+  Py_XDECREF(theirs);
+  return r;
+}
+
 static PyObject *alloc_richcompare(PyObject *a, PyObject *b, int op) {
-  if (!PyObject_TypeCheck(b, &alloc_type) || (op != Py_EQ && op != Py_NE)) Py_RETURN_NOTIMPLEMENTED;
+  if (op != Py_EQ && op != Py_NE) Py_RETURN_NOTIMPLEMENTED;
+  if (!PyObject_TypeCheck(b, &alloc_type)) return alloc_eq_mapping(a, b, op);
   const alloc_obj_t *x = (alloc_obj_t *)a, *y = (alloc_obj_t *)b;
   int eq = dp_device_equal(x->device, y->device) && x->ptr == y->ptr && x->nbytes == y->nbytes && x->refs == y->refs;
   if (eq) {
@@ -2584,7 +2605,9 @@ static PyTypeObject alloc_type = {
     .tp_as_sequence = &alloc_sequence,
     .tp_iter = alloc_iter,
     .tp_richcompare = alloc_richcompare,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    /* registered as a Mapping (devpickle/__init__.py), which sets this flag
+       only on heap types: match's mapping patterns read the flag */
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_MAPPING,
     .tp_doc = "One allocation found by devpickle.scan: device, ptr, nbytes, refs, path "
               "(attributes, or a read-only mapping of those keys: a[\"ptr\"], dict(a)).",
     .tp_getset = alloc_getset,

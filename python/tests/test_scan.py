@@ -822,6 +822,33 @@ def test_an_allocation_reads_as_a_read_only_mapping_of_its_fields():
     assert isinstance(a, collections.abc.Mapping)
 
 
+def test_an_allocation_matches_mapping_patterns_and_equals_mappings_of_its_items():
+    a = devpickle.scan({"x": np.ones(3)})[0]
+    match a:
+        case {"ptr": p, "nbytes": 24}:
+            assert p == a.ptr
+        case _:
+            pytest.fail("a mapping pattern did not match an Allocation")
+
+    class M(collections.abc.Mapping):
+        def __init__(self, d):
+            self.d = d
+
+        def __getitem__(self, k):
+            return self.d[k]
+
+        def __iter__(self):
+            return iter(self.d)
+
+        def __len__(self):
+            return len(self.d)
+
+    d = dict(a)
+    assert a == d and d == a and a == M(d) and M(d) == a and not a != d
+    assert a != {**d, "refs": 2} and a != {k: d[k] for k in list(d)[:4]} and a != [*a] and a != 1
+    assert set(a.keys()) == d.keys()  # keys() is a tuple (documented), not a view
+
+
 def test_the_depth_limit_on_a_chain_of_objects_names_the_objects_class_not_its_dict():
     class Node:
         pass
