@@ -6,7 +6,7 @@ frames with out-of-band buffers.
     Future(*, devices=None)                  torch.futures.Future's interface
     collect_all(futures), wait_all(futures)
     dumps(obj, *, inline=False, buffer_callback=None) -> bytes
-    loads(data, *, buffers=None, classes=())          -> object
+    loads(data, *, buffers=None, classes=(), max_copies=None) -> object
 
 See docs/PYTHON.md for the walk rules, the streams and the GIL.
 """
