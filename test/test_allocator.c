@@ -571,6 +571,36 @@ Test(allocator, a_free_that_cannot_make_an_event_never_waits_and_keeps_the_block
   dp_stream_free(a);
 }
 
+/* Freeing a cache waits for the streams its pending blocks were kept on
+ * (a block freed without an event, used on another device's stream): the
+ * segment is not given back under that stream's work. */
+static _Atomic int late_wrote;
+
+static void late_write(void *arg) {
+  sleep_ms(100); /* dp_cache_free is called meanwhile */
+  memset(arg, 0xab, 4096);
+  atomic_store(&late_wrote, 1);
+}
+
+Test(allocator, freeing_a_cache_waits_for_the_streams_its_blocks_without_events_were_kept_on, .timeout = 20) {
+  dp_cache_t *own;
+  OK(dp_cache_new(B, &own, T_ERR));
+  dp_stream_t *a = stream(H0), *u = stream(H1);
+  void *p;
+  OK(dp_cache_alloc(own, H0, 4096, a, &p, T_ERR));
+  OK(dp_cache_record_stream(own, p, u, T_ERR));
+  late_wrote = 0;
+  OK(dp_host_launch(u, late_write, p, T_ERR));
+  t_fail_at = t_alloc_count + 1; /* the block's event array: kept on u instead */
+  OK(dp_cache_dealloc(own, p, T_ERR));
+  t_fail_at = 0;
+  dp_cache_free(own);
+  cr_assert_eq(atomic_load(&late_wrote), 1, "the cache gave its segment back while u's work still used it");
+  OK(dp_stream_synchronize(u, T_ERR));
+  dp_stream_free(u);
+  dp_stream_free(a);
+}
+
 /* ---- teardown and the device layer's seams ---- */
 
 static void gate_wait(void *arg) {
