@@ -1136,11 +1136,14 @@ Test(cli, an_output_naming_an_open_descriptor_writes_that_descriptor_as_the_shel
                    "echo old > log && $D unpack f.dpk -o /dev/stdout >> log && "
                    "{ echo header; $D unpack f.dpk -o /proc/self/fd/1; echo footer; } > around.txt && "
                    "$D unpack f.dpk -o /dev/fd/9 9> fd9.json && "
+                   "$D unpack f.dpk -o //dev/./fd/8 8> fd8.json && ln -s ../../../../../../../../dev/fd/7 fd7 && "
+                   "$D unpack f.dpk -o fd7 7> fd7.json && "
                    "$D unpack f.dpk -o plain.json; $D unpack f.dpk -o /dev/fd/7 7>&-");
   cr_assert_eq(r.status, 1, "%s", r.err);
   cr_assert_str_eq(r.err, "devpickle: /dev/fd/7: Bad file descriptor\n");
   res_free(r);
-  r = run_sh("cmp piped.json plain.json && cmp fd9.json plain.json && { echo old; cat plain.json; } | cmp - log && "
+  r = run_sh("cmp piped.json plain.json && cmp fd9.json plain.json && cmp fd8.json plain.json && "
+             "cmp fd7.json plain.json && { echo old; cat plain.json; } | cmp - log && "
              "{ echo header; cat plain.json; echo footer; } | cmp - around.txt");
   cr_assert_eq(r.status, 0, "an output through a descriptor's name was not written in place: %s", r.err);
   res_free(r);

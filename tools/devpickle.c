@@ -138,22 +138,29 @@ static const char *out_display(const char *path) { return strcmp(path, "-") == 0
 
 #define MAX_LINKS 40  /* as the kernel's own limit (ELOOP) */
 
-/* N when name is one of the names of this process's descriptor N
- * (/dev/fd/N, /proc/self/fd/N, /proc/thread-self/fd/N, /proc/PID/fd/N with
- * our PID), else -1. */
+/* N when name is a name of this process's descriptor N: an entry N (digits,
+ * no leading zero) of a directory that is this process's fd directory
+ * however it is spelled (/dev/fd, /proc/self/fd, /proc/thread-self/fd,
+ * //dev/./fd, a relative path to one of them), else -1. */
 static int fd_name(const char *name) {
-  char self[40];
-  snprintf(self, sizeof self, "/proc/%ld/fd/", (long)getpid());
-  const char *prefixes[] = {"/dev/fd/", "/proc/self/fd/", "/proc/thread-self/fd/", self};
-  for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes; i++) {
-    size_t n = strlen(prefixes[i]);
-    if (strncmp(name, prefixes[i], n) != 0) continue;
-    const char *d = name + n;
-    long v = 0;
-    for (; *d >= '0' && *d <= '9' && v <= INT_MAX / 10; d++) v = v * 10 + (*d - '0');
-    return d > name + n && !*d && v <= INT_MAX ? (int)v : -1;
-  }
-  return -1;
+  const char *slash = strrchr(name, '/'), *d = slash ? slash + 1 : name;
+  long v = 0;
+  if (!*d || (d[0] == '0' && d[1])) return -1;
+  for (; *d >= '0' && *d <= '9' && v <= INT_MAX / 10; d++) v = v * 10 + (*d - '0');
+  if (*d || v > INT_MAX) return -1;
+  char *dir = slash ? strndup(name, slash == name ? 1 : (size_t)(slash - name)) : strdup(".");
+  char *real = dir ? realpath(dir, NULL) : NULL;
+  free(dir);
+  if (!real) return -1;
+  char fd_dir[48], task[48];
+  snprintf(fd_dir, sizeof fd_dir, "/proc/%ld/fd", (long)getpid());
+  snprintf(task, sizeof task, "/proc/%ld/task/", (long)getpid());
+  size_t n = strlen(real), tn = strlen(task);
+  int ours = strcmp(real, fd_dir) == 0 ||
+             (strncmp(real, task, tn) == 0 && n > tn + 3 && strcmp(real + n - 3, "/fd") == 0 &&
+              strspn(real + tn, "0123456789") == n - tn - 3);
+  free(real);
+  return ours ? (int)v : -1;
 }
 
 /* The name that path ends at once its symbolic links are followed; that
