@@ -3,6 +3,7 @@ and of allowed classes, and the arrays it rebuilds over buffers. Called by
 the C extension; nothing here imports a module or looks a class up by name
 from the frame."""
 
+import operator
 import sys
 import types
 
@@ -151,8 +152,12 @@ class Copies:
     def __init__(self, size, max_copies=None):
         if max_copies is None:
             max_copies = self.PER_BYTE * size + self.FIXED
-        elif type(max_copies) is not int or max_copies < 0:
-            raise ValueError(f"loads: max_copies must be None or an int >= 0, not {max_copies!r}")
+        elif isinstance(max_copies, bool) or not hasattr(type(max_copies), "__index__"):
+            raise TypeError(f"loads: max_copies must be None or an int, not {type(max_copies).__name__}")
+        elif operator.index(max_copies) < 0:
+            raise ValueError(f"loads: max_copies must be >= 0, not {max_copies!r}")
+        else:
+            max_copies = operator.index(max_copies)
         self.size = size
         self.left = self.limit = max_copies
         self.shared = {}  # (kind, id(node's object)) -> (that object, what was made of it)
@@ -161,9 +166,16 @@ class Copies:
         self.left -= n
         if self.left < 0:
             raise ValueError(f"loads: the frame's {what} would copy more than max_copies={self.limit} items and "
-                             f"bytes (default: {self.PER_BYTE} per byte of the frame's {self.size}, plus "
-                             f"{self.FIXED}): many objects share one node; pass a larger max_copies for a "
-                             "frame you trust")
+                             f"bytes (the default is {self.PER_BYTE} per byte of the frame's {self.size}, plus "
+                             f"{self.FIXED}): objects that share nodes copy them each; pass a larger max_copies "
+                             "for a frame you trust")
+
+    def once(self, node):
+        """node's size the first time it is charged this way, then 0."""
+        if ("charged", id(node)) in self.shared:
+            return 0
+        self.shared["charged", id(node)] = (node, None)  # node kept: its id is not reused
+        return len(node)
 
     def share(self, kind, source, make):
         hit = self.shared.get((kind, id(source)))
@@ -173,6 +185,25 @@ class Copies:
 
 
 _SIZED = (list, dict, set, frozenset, bytes, bytearray, str)
+_IMMUTABLE = (str, bytes, frozenset)
+_COPYING = (list, dict, set, frozenset, bytearray)  # constructors that copy an iterable they are given
+
+
+def _args_size(copies, cls, args):
+    """What cls(*args) may copy: for a subclass of a builtin container
+    (whose constructor copies an iterable argument), every argument's items
+    each time; for any other class, a str, bytes or frozenset argument
+    only once per node — an immutable node handed to many objects is
+    shared by them, not copied (1,000 requests holding one prompt) — and
+    a mutable one each time (the class may copy it)."""
+    if isinstance(cls, type) and issubclass(cls, _COPYING):
+        return _fill_size(args)
+    n = 0
+    for x in args:
+        for y in (x if isinstance(x, tuple) else (x,)):
+            n += copies.once(y) if isinstance(y, _IMMUTABLE) else len(y) if isinstance(y, _SIZED) else 0
+        n += len(x) if isinstance(x, tuple) else 0
+    return n
 
 
 def _fill_size(x):
@@ -300,7 +331,7 @@ def reduced(cls, parts, copies):
         new_args = args[1:]
     else:
         return Object(label, parts)  # not a call loads makes
-    copies.charge("reduced objects' args", _fill_size(new_args))  # cls(a_list) copies it: a list subclass
+    copies.charge("reduced objects' args", _args_size(copies, cls, new_args))
     obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args)
     state = parts.get("<state>")
     if state is not None:

@@ -1140,6 +1140,10 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
         *borrowedp = a[0].borrowed;
         return 0;
       } else if (next == Py_None || !PyObject_CheckBuffer(next)) {
+        /* an array over memory of an owner that is no buffer (a DLPack
+           capsule, an __array_interface__ object): that owner may free it
+           while the array still points at it (borrowed: copied when met) */
+        if (next != Py_None) *borrowedp = 1;
         Py_CLEAR(next);
       }
     }

@@ -654,7 +654,7 @@ def test_many_bytearrays_or_sets_sharing_one_node_are_refused_past_the_frames_si
     big = b"x" * (1 << 20)
     frame = devpickle.dumps([spoof("builtins.bytearray", data=big) for _ in range(100)])
     assert len(frame) < 2 << 20  # the 1 MiB node is written once
-    with pytest.raises(ValueError, match=r"bytearrays would copy more than max_copies=\d+ items and bytes \(default: 4 per byte of the frame.s"):
+    with pytest.raises(ValueError, match=r"bytearrays would copy more than max_copies=\d+ items and bytes \(the default is 4 per byte of the frame.s"):
         devpickle.loads(frame)
     items = list(range(10_000))
     with pytest.raises(ValueError, match="sets would copy more"):
@@ -713,9 +713,41 @@ def test_objects_sharing_one_state_dict_load_under_a_max_copies_the_caller_raise
     assert len(out) == 1000 and all(vars(o) == SharedState.cfg for o in out) and vars(out[0]) is not vars(out[1])
     with pytest.raises(ValueError, match="state would copy more than max_copies=999999 "):
         devpickle.loads(frame, classes=(SharedState,), max_copies=999_999)
-    for bad in (-1, 1.5, True, "9"):
-        with pytest.raises(ValueError, match="max_copies must be None or an int"):
+    for bad in (1.5, True, "9"):
+        with pytest.raises(TypeError, match="max_copies must be None or an int, not "):
             devpickle.loads(frame, max_copies=bad)
+    with pytest.raises(ValueError, match="max_copies must be >= 0, not -1"):
+        devpickle.loads(frame, max_copies=-1)
+    assert len(devpickle.loads(frame, classes=(SharedState,), max_copies=np.int64(1_000_000))) == 1000
+
+
+class Req:
+    """A request holding a shared prompt: reduced with it as an argument."""
+
+    def __init__(self, prompt, i):
+        self.prompt, self.i = prompt, i
+
+    def __reduce__(self):
+        return (Req, (self.prompt, self.i))
+
+
+class Chars(list):
+    """A list subclass: its constructor copies the str it is given."""
+
+    def __reduce__(self):
+        return (Chars, (SHARED_STR,))
+
+
+SHARED_STR = "p" * 200_000
+
+
+def test_a_shared_immutable_argument_is_charged_once_unless_a_builtin_container_copies_it():
+    prompt = "x" * 2048
+    out = devpickle.loads(devpickle.dumps([Req(prompt, i) for i in range(10_000)]), classes=(Req,))
+    assert len(out) == 10_000 and out[9_999].prompt == prompt and out[0].prompt is out[1].prompt
+    frame = devpickle.dumps([Chars() for _ in range(100)])  # one 200 kB str node, 100 lists of its chars
+    with pytest.raises(ValueError, match="args would copy more than max_copies"):
+        devpickle.loads(frame, classes=(Chars,))
 
 
 class StateUpdates:

@@ -458,14 +458,28 @@ def test_dumps_refuses_a_tensor_a_reduce_resized_after_the_walk_met_it():
     assert e.value.path == "$.t"  # where the walk found it
 
 
-@pytest.mark.parametrize("view", ["tensor", "numpy_over_it"])
+class _Iface:
+    """Any object exposing numpy's array interface over another's memory."""
+
+    def __init__(self, a):
+        self.__array_interface__ = a.__array_interface__
+
+
+@pytest.mark.parametrize("view", ["tensor", "numpy_over_it", "np_from_dlpack", "np_from_dlpack_of_tensor",
+                                  "np_over_an_interface"])
 def test_dumps_copies_borrowed_cpu_memory_when_met_so_its_owner_freeing_it_later_is_never_read(view):
     """torch.from_numpy(a)'s storage still reports a's memory after numpy
     frees it (a.resize(refcheck=False)): no later check could see it go, so
-    an inline dumps copies it when the walk meets it, as pickle reads it."""
+    an inline dumps copies it when the walk meets it, as pickle reads it.
+    So is a numpy array whose owner is no buffer (a DLPack capsule, an
+    __array_interface__ object): the walk cannot follow it to the memory's
+    owner."""
     a = np.full(1 << 22, 7.0)  # 32 MiB: its own mapping, unmapped when freed
     t = torch.from_numpy(a)
-    v = t if view == "tensor" else t.numpy()[2:]
+    if view.startswith("np_from_dlpack") and not hasattr(np, "from_dlpack"):
+        pytest.skip("this numpy has no from_dlpack")
+    v = {"tensor": lambda: t, "numpy_over_it": lambda: t.numpy()[2:], "np_from_dlpack": lambda: np.from_dlpack(a),
+         "np_from_dlpack_of_tensor": lambda: np.from_dlpack(t), "np_over_an_interface": lambda: np.asarray(_Iface(a))}[view]()
 
     class Shrink:
         def __reduce__(self):
