@@ -1147,6 +1147,10 @@ Test(cli, an_output_naming_an_open_descriptor_writes_that_descriptor_as_the_shel
              "{ echo header; cat plain.json; echo footer; } | cmp - around.txt");
   cr_assert_eq(r.status, 0, "an output through a descriptor's name was not written in place: %s", r.err);
   res_free(r);
+  r = run_sh("$D unpack f.dpk -o /dev/fd/6 6< plain.json");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: /dev/fd/6: descriptor 6 is open for reading only\n");
+  res_free(r);
 }
 
 Test(cli, an_output_named_with_the_longest_legal_file_name_is_written) {

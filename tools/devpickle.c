@@ -235,7 +235,16 @@ static int sink_open(sink_t *s, const char *path) {
   }
   int fd = -1;
   char *target = follow_links(path, &fd);
-  if (fd >= 0) { /* this process's descriptor: written as it is */
+  if (fd >= 0) { /* this process's descriptor: written as it is (at its offset, as >&N would) */
+    struct stat fst;
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fstat(fd, &fst) != 0) return data_error(path, strerror(errno), -1);
+    if (S_ISDIR(fst.st_mode)) return data_error(path, strerror(EISDIR), -1);
+    if ((fl & O_ACCMODE) == O_RDONLY) {
+      char what[64];
+      snprintf(what, sizeof what, "descriptor %d is open for reading only", fd);
+      return data_error(path, what, -1);
+    }
     int d = dup(fd);
     s->f = d >= 0 ? fdopen(d, "wb") : NULL;
     if (!s->f && d >= 0) close(d);

@@ -3,6 +3,7 @@ and of allowed classes, and the arrays it rebuilds over buffers. Called by
 the C extension; nothing here imports a module or looks a class up by name
 from the frame."""
 
+import collections
 import operator
 import sys
 import types
@@ -170,13 +171,6 @@ class Copies:
                              f"{self.FIXED}): objects that share nodes copy them each; pass a larger max_copies "
                              "for a frame you trust")
 
-    def once(self, node):
-        """node's size the first time it is charged this way, then 0."""
-        if ("charged", id(node)) in self.shared:
-            return 0
-        self.shared["charged", id(node)] = (node, None)  # node kept: its id is not reused
-        return len(node)
-
     def share(self, kind, source, make):
         hit = self.shared.get((kind, id(source)))
         if hit is None:
@@ -185,25 +179,21 @@ class Copies:
 
 
 _SIZED = (list, dict, set, frozenset, bytes, bytearray, str)
-_IMMUTABLE = (str, bytes, frozenset)
-_COPYING = (list, dict, set, frozenset, bytearray)  # constructors that copy an iterable they are given
+_COPYING = (list, tuple, dict, set, frozenset, bytearray, bytes, str, collections.deque)
 
 
-def _args_size(copies, cls, args):
-    """What cls(*args) may copy: for a subclass of a builtin container
-    (whose constructor copies an iterable argument), every argument's items
-    each time; for any other class, a str, bytes or frozenset argument
-    only once per node — an immutable node handed to many objects is
-    shared by them, not copied (1,000 requests holding one prompt) — and
-    a mutable one each time (the class may copy it)."""
-    if isinstance(cls, type) and issubclass(cls, _COPYING):
-        return _fill_size(args)
-    n = 0
-    for x in args:
-        for y in (x if isinstance(x, tuple) else (x,)):
-            n += copies.once(y) if isinstance(y, _IMMUTABLE) else len(y) if isinstance(y, _SIZED) else 0
-        n += len(x) if isinstance(x, tuple) else 0
-    return n
+def _args_size(cls, args):
+    """What cls(*args) copies that loads can know of: a subclass of a
+    builtin container or string (list, tuple, dict, set, frozenset,
+    bytearray, bytes, str, deque) copies the items of an iterable argument
+    each time it is made, so each argument's length is charged per object;
+    any other class's __init__ or __new__ is its own code, which copies
+    only what it copies (nothing is charged for it: an allowed class is
+    trusted code — 10,000 requests holding one shared prompt, str or
+    tuple, load as they are)."""
+    if not (isinstance(cls, type) and issubclass(cls, _COPYING)):
+        return 0
+    return len(args) + sum(len(x) for x in args if isinstance(x, _COPYING))
 
 
 def _fill_size(x):
@@ -331,7 +321,7 @@ def reduced(cls, parts, copies):
         new_args = args[1:]
     else:
         return Object(label, parts)  # not a call loads makes
-    copies.charge("reduced objects' args", _args_size(copies, cls, new_args))
+    copies.charge("reduced objects' args", _args_size(cls, new_args))
     obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args)
     state = parts.get("<state>")
     if state is not None:

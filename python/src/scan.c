@@ -1120,7 +1120,8 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
   Py_INCREF(owner);
   *devp = (dp_device_t){DP_DEVICE_CPU, 0};
   *borrowedp = 0;
-  for (int hops = 0; hops < 64; hops++) {
+  int hops = 0;
+  for (; hops < 64; hops++) {
     PyObject *next = NULL;
     if (PyMemoryView_Check(owner)) {
       next = PyMemoryView_GET_BASE(owner);
@@ -1151,6 +1152,7 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
     Py_DECREF(owner);
     owner = next;
   }
+  if (hops == 64) *borrowedp = 1; /* a chain followed no further: its owner unknown, as above */
   Py_buffer v;
   if (PyObject_GetBuffer(owner, &v, PyBUF_RECORDS_RO) && (clear_error(), PyObject_GetBuffer(owner, &v, PyBUF_SIMPLE))) {
     Py_DECREF(owner);

@@ -741,13 +741,28 @@ class Chars(list):
 SHARED_STR = "p" * 200_000
 
 
-def test_a_shared_immutable_argument_is_charged_once_unless_a_builtin_container_copies_it():
-    prompt = "x" * 2048
-    out = devpickle.loads(devpickle.dumps([Req(prompt, i) for i in range(10_000)]), classes=(Req,))
-    assert len(out) == 10_000 and out[9_999].prompt == prompt and out[0].prompt is out[1].prompt
-    frame = devpickle.dumps([Chars() for _ in range(100)])  # one 200 kB str node, 100 lists of its chars
-    with pytest.raises(ValueError, match="args would copy more than max_copies"):
-        devpickle.loads(frame, classes=(Chars,))
+class Chars2(tuple):
+    """A tuple subclass: its constructor copies the str it is given too."""
+
+    def __new__(cls, s=None):
+        return super().__new__(cls, SHARED_STR if s is None else s)
+
+    def __reduce__(self):
+        return (Chars2, (SHARED_STR,))
+
+
+def test_a_shared_argument_is_charged_per_object_only_where_a_builtin_container_copies_it():
+    """A class's own __init__ copies what it copies (an allowed class is
+    trusted code): 10,000 requests sharing one prompt, a str or a tuple,
+    load; a list or tuple subclass made from one shared 200 kB str copies
+    it per object, past the default bound."""
+    for prompt in ("x" * 2048, tuple(range(1000))):
+        out = devpickle.loads(devpickle.dumps([Req(prompt, i) for i in range(10_000)]), classes=(Req,))
+        assert len(out) == 10_000 and out[9_999].prompt == prompt and out[0].prompt is out[1].prompt
+    for cls in (Chars, Chars2):
+        frame = devpickle.dumps([cls() for _ in range(100)])  # one str node, 100 copies of its chars
+        with pytest.raises(ValueError, match="args would copy more than max_copies"):
+            devpickle.loads(frame, classes=(cls,))
 
 
 class StateUpdates:

@@ -465,21 +465,29 @@ class _Iface:
         self.__array_interface__ = a.__array_interface__
 
 
+def _long_chain(x, pairs=40):
+    """x seen through 80 more views: ndarray -> memoryview -> ndarray ..."""
+    for _ in range(pairs):
+        x = np.frombuffer(memoryview(x), dtype=x.dtype)
+    return x
+
+
 @pytest.mark.parametrize("view", ["tensor", "numpy_over_it", "np_from_dlpack", "np_from_dlpack_of_tensor",
-                                  "np_over_an_interface"])
+                                  "np_over_an_interface", "a_chain_of_80_views_over_an_interface"])
 def test_dumps_copies_borrowed_cpu_memory_when_met_so_its_owner_freeing_it_later_is_never_read(view):
     """torch.from_numpy(a)'s storage still reports a's memory after numpy
     frees it (a.resize(refcheck=False)): no later check could see it go, so
     an inline dumps copies it when the walk meets it, as pickle reads it.
     So is a numpy array whose owner is no buffer (a DLPack capsule, an
-    __array_interface__ object): the walk cannot follow it to the memory's
-    owner."""
+    __array_interface__ object), or is further than the walk follows (64
+    views): the walk cannot follow it to the memory's owner."""
     a = np.full(1 << 22, 7.0)  # 32 MiB: its own mapping, unmapped when freed
     t = torch.from_numpy(a)
     if view.startswith("np_from_dlpack") and not hasattr(np, "from_dlpack"):
         pytest.skip("this numpy has no from_dlpack")
     v = {"tensor": lambda: t, "numpy_over_it": lambda: t.numpy()[2:], "np_from_dlpack": lambda: np.from_dlpack(a),
-         "np_from_dlpack_of_tensor": lambda: np.from_dlpack(t), "np_over_an_interface": lambda: np.asarray(_Iface(a))}[view]()
+         "np_from_dlpack_of_tensor": lambda: np.from_dlpack(t), "np_over_an_interface": lambda: np.asarray(_Iface(a)),
+         "a_chain_of_80_views_over_an_interface": lambda: _long_chain(np.asarray(_Iface(a)))}[view]()
 
     class Shrink:
         def __reduce__(self):
