@@ -26,9 +26,12 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
 
 /* A frame message: check and unpickle the frame, binding its buffers to new
  * receive allocations. A frame the unpickler refuses fails this message
- * only (its buffers are drained); bad framing fails the endpoint. */
+ * only (its buffers are drained); bad framing fails the endpoint. pulled:
+ * NULL for an eager frame (data is UCX's); for one that came by rendezvous,
+ * the memory it was pulled into (data), which a self-contained frame keeps
+ * instead of a copy (*pulled is then NULL). */
 static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr_t *h, const void *data, size_t len,
-                    int rndv) {
+                    uint8_t **pulled) {
   if (ep->cur && ep->cur->next_index < ep->cur->nbuf) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a frame arrived before the previous message's buffers");
     return DP_EFORMAT;
@@ -65,7 +68,11 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
     }
     rc = dp_unpickle(data, len, &o, &m->value, &m->error);
   }
-  if (!rc && !m->nbuf) { /* a self-contained frame: kept for recv_frame */
+  if (!rc && !m->nbuf && pulled) { /* a self-contained frame: kept for recv_frame */
+    m->frame_copy = *pulled; /* allocated as frame_copy is, len ? len : 1 */
+    m->frame_len = len;
+    *pulled = NULL;
+  } else if (!rc && !m->nbuf) {
     if (!(m->frame_copy = dp__alloc(len ? len : 1)))
       rc = dp__err(&m->error, DP_ENOMEM, "transport: out of memory");
     else {
@@ -84,7 +91,7 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
       return DP_EFORMAT;
     }
   }
-  m->held = m->buf_bytes + (rndv ? len : 0); /* an eager frame was never the sender's to hold back */
+  m->held = m->buf_bytes + (pulled ? len : 0); /* an eager frame was never the sender's to hold back */
   ep->held += m->held;
   if (ep->rq_tail) ep->rq_tail->next = m;
   else ep->rq_head = m;
@@ -524,10 +531,10 @@ static void pull_done(fpull_t *p, ucs_status_t st) {
   ep->fpull = NULL;
   if (!ep->dead && st != UCS_OK) dp__tp_ep_failf(ep, DP_EIO, "receiving a frame failed (%s)", ucs_status_string(st));
   if (!ep->dead) { /* a failed endpoint dropped what it had: the frame goes too */
-    on_frame(t, ep, &p->h, p->buf, p->len, 1);
+    on_frame(t, ep, &p->h, p->buf, p->len, &p->buf);
     if (ep->in_head) dp__tp_ep_pump_inbox(t, ep);
   }
-  dp__free(p->buf, p->len ? p->len : 1);
+  if (p->buf) dp__free(p->buf, p->len ? p->len : 1);
   dp__free(p, sizeof *p);
 }
 
@@ -568,7 +575,7 @@ static int pull_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_h
  * then be told UCS_INPROGRESS. */
 static int process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, void *data, size_t len,
                    int rndv) {
-  if (id == DP__AM_FRAME) return rndv ? pull_frame(t, ep, hdr, data, len) : on_frame(t, ep, hdr, data, len, 0);
+  if (id == DP__AM_FRAME) return rndv ? pull_frame(t, ep, hdr, data, len) : on_frame(t, ep, hdr, data, len, NULL);
   if (id == DP__AM_SHM_PIECE) return on_bufs(t, ep, hdr, data, len, rndv, 1, ((const dp__am_shm_piece_t *)hdr)->slot);
   return on_bufs(t, ep, hdr, data, len, rndv, 0, 0);
 }
