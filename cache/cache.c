@@ -502,9 +502,9 @@ void dp_cache_free(dp_cache_t *c) {
 static void cache_destroy(dp_cache_t *c) {
   dp__stream_unlisten(&c->gone);
   pthread_mutex_lock(&c->mu);
-  for (block_t *b = c->pending_head; b; b = b->pnext) {
+  for (block_t *b = c->pending_head; b; b = b->pnext) { /* its events, and the streams kept without one */
     for (uint32_t i = 0; i < b->nevents; i++) dp_event_synchronize(b->events[i], NULL);
-    for (uint32_t i = 0; i < b->nuses; i++) dp_stream_synchronize(b->uses[i], NULL); /* kept without an event */
+    for (uint32_t i = 0; i < b->nuses; i++) dp_stream_synchronize(b->uses[i], NULL);
   }
   poll_pending(c, 1);
   for (int d = 0; d < c->ndev; d++) {

@@ -519,9 +519,10 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
   /* A completion often follows soon (a reply, a short kernel): look for it
    * a while before sleeping, which costs a wake-up (a futex and a
    * reschedule) worth more than a short wait. */
+  int timed = dp__load_acquire(&f->state) == PENDING && timeout_ns != 0; /* a complete future reads no clock */
   struct timespec t0, t1; /* the deadline counts from here: the spin is part of the wait */
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  if (dp__load_acquire(&f->state) == PENDING && timeout_ns != 0) {
+  if (timed) {
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     int64_t spin = timeout_ns > 0 && timeout_ns < WAIT_SPIN_NS ? timeout_ns : WAIT_SPIN_NS;
     for (unsigned i = 1; dp__load_acquire(&f->state) == PENDING; i++) {
       if (i % 16) continue;
@@ -533,8 +534,10 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
   pthread_mutex_lock(&f->mu);
   if (timeout_ns < 0) {
     while (dp__load_relaxed(&f->state) == PENDING) pthread_cond_wait(&f->cv, &f->mu);
-  } else {
-    struct timespec ts = t0;
+  } else if (dp__load_relaxed(&f->state) == PENDING) {
+    struct timespec ts;
+    if (timed) ts = t0;
+    else clock_gettime(CLOCK_MONOTONIC, &ts); /* a zero timeout: no spin above */
     int64_t ns = ts.tv_nsec + timeout_ns % 1000000000;
     ts.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
     ts.tv_nsec = (long)(ns % 1000000000);

@@ -529,8 +529,11 @@ static void pull_done(fpull_t *p, ucs_status_t st) {
   dp_transport_t *t = p->t;
   dp_endpoint_t *ep = p->ep;
   ep->fpull = NULL;
-  if (!ep->dead && st != UCS_OK) dp__tp_ep_failf(ep, DP_EIO, "receiving a frame failed (%s)", ucs_status_string(st));
-  if (!ep->dead) { /* a failed endpoint dropped what it had: the frame goes too */
+  if (ep->dead) {
+    /* a failed endpoint dropped what it had: the frame goes too */
+  } else if (st != UCS_OK) {
+    dp__tp_ep_failf(ep, DP_EIO, "receiving a frame failed (%s)", ucs_status_string(st));
+  } else {
     on_frame(t, ep, &p->h, p->buf, p->len, &p->buf);
     if (ep->in_head) dp__tp_ep_pump_inbox(t, ep);
   }

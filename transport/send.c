@@ -163,16 +163,17 @@ static int sop_start(dp_transport_t *t, sop_t *s) {
     int64_t now = now_ns();
     s->deadline = t->timeout_ns > INT64_MAX - now ? INT64_MAX : now + t->timeout_ns;
   }
+  /* cost > buf_bytes: the frame counts, so it goes by rendezvous (sop_cost) */
   return post_msg(s, NULL, DP__AM_FRAME, &s->fh, sizeof s->fh, fb, flen,
-                  flen > DP__FRAME_EAGER_MAX ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
+                  s->cost > s->buf_bytes ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
 }
 
 /* What s counts against its endpoint's in-flight bound: its buffers, and
- * its frame when that goes by rendezvous (held by the sender until the
- * receiver pulls it). */
+ * its frame when that goes by rendezvous (over DP__FRAME_EAGER_MAX: held by
+ * the sender until the receiver pulls it). */
 static uint64_t sop_cost(const sop_t *s) {
-  size_t flen = s->nbytes;
   if (s->kind == SOP_RAW) return 0;
+  size_t flen = s->nbytes;
   if (s->frame) dp_frame_data(s->frame, &flen);
   return s->buf_bytes + (flen > DP__FRAME_EAGER_MAX ? flen : 0);
 }
