@@ -1485,6 +1485,77 @@ Test(transport, a_receiver_that_takes_nothing_holds_large_frames_back_at_the_sen
   close_clean(ep, t, p);
 }
 
+/* peer: sends n values whose frames are small (an 8 KiB bytes each, byte 0
+ * and the last byte i % 256 for the i-th), back to back, then waits for the
+ * close */
+static int send_small_frames(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  long n = (long)(intptr_t)arg;
+  static uint8_t p[8 << 10];
+  dp_error_t e;
+  for (long i = 0; i < n; i++) {
+    dp_value_t v;
+    dp_future_t *d;
+    p[0] = p[sizeof p - 1] = (uint8_t)i;
+    if (dp_bytes_new(p, sizeof p, &v, &e) || dp_endpoint_send(ep, v, &d, &e)) return 10;
+    dp_value_release(v);
+    dp_future_release(d);
+  }
+  return 0;
+}
+
+Test(transport, a_receiver_that_takes_nothing_holds_small_frames_back_at_the_sender) {
+  /* 20,000 frames of 8 KiB (160 MB, each eager) to an endpoint nobody
+     receives from, bound 1 MiB: the receiver's credit stops the sender */
+  t_track();
+  long n = 20000;
+  peer_t p = spawn_peer(send_small_frames, (void *)(intptr_t)n, NULL);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 1 << 20;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  sleep_ms(500);
+  long held = atomic_load(&t_live_bytes);
+  cr_assert_lt(held, 8l << 20, "the receiver holds %ld bytes of %ld small frames nobody took", held, n);
+  for (long i = 0; i < n; i++) {
+    dp_future_t *f = recv_ok(ep);
+    size_t len;
+    const uint8_t *b = dp_bytes_data(dp_future_value(f), &len);
+    cr_assert(b && len == 8 << 10 && b[0] == (uint8_t)i && b[len - 1] == (uint8_t)i, "value %ld came wrong", i);
+    dp_future_release(f);
+  }
+  close_clean(ep, t, p);
+}
+
+/* peer: sends small frames past the receiver's credit, as a peer that
+ * ignores it would */
+static int send_small_frames_past_credit(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  dp__transport_skip_credit = 1;
+  return send_small_frames(t, ep, arg);
+}
+
+Test(transport, a_peer_that_sends_small_frames_past_its_credit_fails_the_endpoint) {
+  t_track();
+  peer_t p = spawn_peer(send_small_frames_past_credit, (void *)(intptr_t)400, NULL);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 64 << 10; /* a window of 1 MiB: 128 of the 400 frames */
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  sleep_ms(500); /* nobody takes */
+  dp_error_t e;
+  int code = 0;
+  for (int i = 0; i <= 128 && !code; i++) {
+    dp_future_t *f;
+    if ((code = dp_endpoint_recv(ep, &f, &e))) break; /* the endpoint failed already */
+    OK(dp_transport_wait(t, f, 30 * SEC, T_ERR));
+    code = dp_future_error(f, &e);
+    dp_future_release(f);
+  }
+  cr_assert_eq(code, DP_EFORMAT, "got %s", dp_err_name(code));
+  cr_assert(strstr(e.message, "beyond the credit"), "%s", e.message);
+  close_clean(ep, t, p);
+}
+
 /* peer: takes n values of len bytes (byte 0 the value's index) one at a
  * time, as fast as it can, then answers n */
 typedef struct take_args {

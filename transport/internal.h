@@ -109,6 +109,17 @@ typedef struct dp__am_shm_piece {
  * was established — with opts.timeout_ns, one that hears nothing from its
  * peer in that time fails (the peer never accepted). */
 #define DP__AM_ACCEPT 0x44508u
+/* CREDIT (a control header, value 0, token = the limit): the receiver's
+ * grant for frames that go eagerly (of at most DP__FRAME_EAGER_MAX bytes,
+ * by their size, whatever protocol UCX used): the sender may have sent
+ * frames of that kind totalling `token` bytes since the connection began.
+ * Both ends start from DP__CREDIT_INITIAL without a message; a receiver
+ * grants again, up to what it took plus its window (its in-flight bound,
+ * at least DP__CREDIT_INITIAL), once half its window is used. A limit below
+ * one already granted is ignored; small frames beyond the grant fail the
+ * endpoint. */
+#define DP__AM_CREDIT 0x44509u
+#define DP__CREDIT_INITIAL (1ull << 20)
 #define DP__LANE_MAX 1024u
 #define DP__LANE_ELEM "1152" /* bytes of a lane queue's element (UCX's FIFO_ELEM_SIZE) */
 #define DP__LANE_ADDR_MAX 4096u
@@ -121,6 +132,9 @@ typedef struct dp__am_shm_piece {
  *  do not wait for the caller's streams (the ordering tests' negative
  *  controls). */
 extern int dp__transport_skip_events;
+/** 1: the sender ignores its peer's credit for small frames (the
+ *  receiver's check of it is then tested). */
+extern int dp__transport_skip_credit;
 /** 1: host:N memory is staged as cuda memory is (it is host memory, read
  *  and written directly otherwise), so that the staging path runs on a
  *  machine without a GPU. Set it on both ends. */

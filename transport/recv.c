@@ -93,6 +93,7 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
   }
   m->held = m->buf_bytes + (pulled ? len : 0); /* an eager frame was never the sender's to hold back */
   ep->held += m->held;
+  m->eager = len <= DP__FRAME_EAGER_MAX ? len : 0;
   if (ep->rq_tail) ep->rq_tail->next = m;
   else ep->rq_head = m;
   ep->rq_tail = m;
@@ -412,6 +413,20 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   return dp__tp_post_recv(t, c, data);
 }
 
+/* A received message leaves its endpoint (taken, or refused and drained):
+ * the credit its frame took goes back to the sender, in a CREDIT once half
+ * the window is used (internal.h). */
+static void taken(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m) {
+  ep->held -= m->held;
+  if (!m->eager) return;
+  ep->eager_taken += m->eager;
+  uint64_t window = t->max_inflight > DP__CREDIT_INITIAL ? t->max_inflight : DP__CREDIT_INITIAL;
+  if (ep->eager_granted - ep->eager_taken > window / 2) return;
+  ep->eager_granted = ep->eager_taken + window;
+  dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, 0, ep->eager_granted};
+  dp__tp_ctl_queue(ep, DP__AM_CREDIT, &c, sizeof c);
+}
+
 /* Hands complete messages, in order, to the waiting receives. */
 void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
   while (ep->rq_head && !ep->dead) {
@@ -436,7 +451,7 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
       ep->rq_head = m->next;
       if (!ep->rq_head) ep->rq_tail = NULL;
       if (ep->cur == m) ep->cur = NULL;
-      ep->held -= m->held;
+      taken(t, ep, m);
       dp__tp_rmsg_free(m);
       continue;
     }
@@ -447,7 +462,7 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
     if (ep->cur == m) ep->cur = NULL;
     ep->w_head = w->next;
     if (!ep->w_head) ep->w_tail = NULL;
-    ep->held -= m->held;
+    taken(t, ep, m);
     if (m->failed) {
       dp_future_set_error(w->f, &m->error, NULL);
     } else if (w->frame) {
@@ -466,7 +481,6 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
     dp__free(w, sizeof *w);
     dp__tp_rmsg_free(m);
   }
-  (void)t;
 }
 
 /* Messages are processed in the sender's order: frame N, then its buffers
@@ -636,6 +650,11 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
   }
+  if (id == DP__AM_FRAME && len <= DP__FRAME_EAGER_MAX && (ep->eager_in += len) > ep->eager_granted) {
+    if (rndv) ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "small frames beyond the credit granted to the peer");
+    return UCS_OK;
+  }
   uint64_t h[sizeof ((inbox_t *)0)->hdr / 8];
   memcpy(h, hdr, hlen); /* aligned */
   key_t k = key_of(id, h);
@@ -737,7 +756,7 @@ static void on_lane(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const dp_
   dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a same-host lane message the protocol does not expect");
 }
 
-/* OFFER, REPLY, DONE and the lane's: handled on arrival. */
+/* OFFER, REPLY, DONE, ACCEPT, CREDIT and the lane's: handled on arrival. */
 static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void *hdr, size_t hlen,
                            const void *data, size_t len, const ucp_am_recv_param_t *param, int on_lane_worker) {
   size_t want = id == DP__AM_SHM_OFFER ? sizeof(dp__am_shm_offer_t) : sizeof(dp__am_shm_ctl_t);
@@ -768,6 +787,9 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
         ep->shm_state = SHM_YES;
       }
     }
+  } else if (id == DP__AM_CREDIT) {
+    if (c->value) dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a credit message the protocol does not expect");
+    else if (c->token > ep->eager_limit) ep->eager_limit = c->token; /* the loop's next pass sends what waits */
   } else if (id == DP__AM_ACCEPT) {
     if (ep->acceptor || ep->accepted || on_lane_worker || c->value)
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "an accept message the protocol does not expect");

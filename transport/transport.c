@@ -10,6 +10,7 @@
 #include "tp.h"
 
 int dp__transport_skip_events;
+int dp__transport_skip_credit;
 int dp__transport_stage_host;
 _Atomic unsigned long dp__transport_shm_pieces;
 _Atomic unsigned long dp__transport_lane_msgs;
@@ -281,6 +282,7 @@ int dp__tp_ep_alloc(dp_transport_t *t, const char *name, dp_endpoint_t **out, dp
   ep->t = t;
   snprintf(ep->name, sizeof ep->name, "%s", name);
   dp_error_clear(&ep->errinfo);
+  ep->eager_limit = ep->eager_granted = DP__CREDIT_INITIAL;
   *out = ep;
   return 0;
 }
