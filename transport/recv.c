@@ -422,7 +422,7 @@ static void taken(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m) {
   ep->eager_taken += m->eager;
   uint64_t window = t->max_inflight > DP__CREDIT_INITIAL ? t->max_inflight : DP__CREDIT_INITIAL;
   if (ep->eager_granted - ep->eager_taken > window / 2) return;
-  ep->eager_granted = ep->eager_taken + window;
+  ep->eager_granted = ep->eager_taken > UINT64_MAX - window ? UINT64_MAX : ep->eager_taken + window;
   dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, 0, ep->eager_granted};
   dp__tp_ctl_queue(ep, DP__AM_CREDIT, &c, sizeof c);
 }
