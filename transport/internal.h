@@ -110,14 +110,16 @@ typedef struct dp__am_shm_piece {
  * peer in that time fails (the peer never accepted). */
 #define DP__AM_ACCEPT 0x44508u
 /* CREDIT (a control header, value 0, token = the limit): the receiver's
- * grant for frames that go eagerly (of at most DP__FRAME_EAGER_MAX bytes,
- * by their size, whatever protocol UCX used): the sender may have sent
- * frames of that kind totalling `token` bytes since the connection began.
- * Both ends start from DP__CREDIT_INITIAL without a message; a receiver
- * grants again, up to what it took plus its window (its in-flight bound,
- * at least DP__CREDIT_INITIAL), once half its window is used. A limit below
- * one already granted is ignored; small frames beyond the grant fail the
- * endpoint. */
+ * grant. A value costs its frame's bytes plus its buffers' (its FRAME
+ * header's frame length and buf_bytes), counted from the connection's
+ * start; the sender posts a value only while the values it sent before it
+ * stay below the grant's limit (so the last one may cross it: one value
+ * larger than the window still goes). Both ends start from
+ * DP__CREDIT_INITIAL without a message; a receiver grants — limit = what it
+ * took plus its window, max(its in-flight bound, DP__CREDIT_INITIAL) — as
+ * the first value arrives, and again whenever at most half the window is
+ * left. A grant below one already had is ignored; value other than 0 fails
+ * the endpoint, as does a value that arrives past the limit. */
 #define DP__AM_CREDIT 0x44509u
 #define DP__CREDIT_INITIAL (1ull << 20)
 #define DP__LANE_MAX 1024u

@@ -24,6 +24,12 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
 }
 
 
+/* What a value costs of its sender's credit: its frame and its buffers
+ * (internal.h, CREDIT), saturated (a header may say anything). */
+static uint64_t credit_of(const dp__am_frame_hdr_t *h, size_t len) {
+  return h->buf_bytes > UINT64_MAX - len ? UINT64_MAX : len + h->buf_bytes;
+}
+
 /* A frame message: check and unpickle the frame, binding its buffers to new
  * receive allocations. A frame the unpickler refuses fails this message
  * only (its buffers are drained); bad framing fails the endpoint. pulled:
@@ -93,7 +99,7 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
   }
   m->held = m->buf_bytes + (pulled ? len : 0); /* an eager frame was never the sender's to hold back */
   ep->held += m->held;
-  m->eager = len <= DP__FRAME_EAGER_MAX ? len : 0;
+  m->charge = credit_of(h, len);
   if (ep->rq_tail) ep->rq_tail->next = m;
   else ep->rq_head = m;
   ep->rq_tail = m;
@@ -413,18 +419,22 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   return dp__tp_post_recv(t, c, data);
 }
 
+/* Grants the peer credit again (internal.h, CREDIT) when at most half the
+ * window is left of the last grant (or the last value crossed it). */
+static void grant(dp_transport_t *t, dp_endpoint_t *ep) {
+  uint64_t window = t->max_inflight > DP__CREDIT_INITIAL ? t->max_inflight : DP__CREDIT_INITIAL;
+  if (ep->credit_taken < ep->credit_granted && ep->credit_granted - ep->credit_taken > window / 2) return;
+  ep->credit_granted = ep->credit_taken > UINT64_MAX - window ? UINT64_MAX : ep->credit_taken + window;
+  dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, 0, ep->credit_granted};
+  dp__tp_ctl_queue(ep, DP__AM_CREDIT, &c, sizeof c);
+}
+
 /* A received message leaves its endpoint (taken, or refused and drained):
- * the credit its frame took goes back to the sender, in a CREDIT once half
- * the window is used (internal.h). */
+ * the credit its value took goes back to the sender. */
 static void taken(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m) {
   ep->held -= m->held;
-  if (!m->eager) return;
-  ep->eager_taken += m->eager;
-  uint64_t window = t->max_inflight > DP__CREDIT_INITIAL ? t->max_inflight : DP__CREDIT_INITIAL;
-  if (ep->eager_granted - ep->eager_taken > window / 2) return;
-  ep->eager_granted = ep->eager_taken > UINT64_MAX - window ? UINT64_MAX : ep->eager_taken + window;
-  dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, 0, ep->eager_granted};
-  dp__tp_ctl_queue(ep, DP__AM_CREDIT, &c, sizeof c);
+  ep->credit_taken = m->charge > UINT64_MAX - ep->credit_taken ? UINT64_MAX : ep->credit_taken + m->charge;
+  grant(t, ep);
 }
 
 /* Hands complete messages, in order, to the waiting receives. */
@@ -650,13 +660,22 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
   }
-  if (id == DP__AM_FRAME && len <= DP__FRAME_EAGER_MAX && (ep->eager_in += len) > ep->eager_granted) {
-    if (rndv) ucp_am_data_release(t->worker, data);
-    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "small frames beyond the credit granted to the peer");
-    return UCS_OK;
-  }
   uint64_t h[sizeof ((inbox_t *)0)->hdr / 8];
   memcpy(h, hdr, hlen); /* aligned */
+  if (id == DP__AM_FRAME) { /* sent while the values before it were below the grant (internal.h, CREDIT) */
+    if (ep->credit_in >= ep->credit_granted) {
+      if (rndv) ucp_am_data_release(t->worker, data);
+      dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "values beyond the credit granted to the peer");
+      return UCS_OK;
+    }
+    uint64_t charge = credit_of((const dp__am_frame_hdr_t *)h, len);
+    ep->credit_in = charge > UINT64_MAX - ep->credit_in ? UINT64_MAX : ep->credit_in + charge;
+    grant(t, ep); /* the first value: the whole window at once */
+    if (ep->dead) { /* no memory for the grant */
+      if (rndv) ucp_am_data_release(t->worker, data);
+      return UCS_OK;
+    }
+  }
   key_t k = key_of(id, h);
   int c = key_cmp(k, expected(ep));
   if (c < 0) {
@@ -789,7 +808,7 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
     }
   } else if (id == DP__AM_CREDIT) {
     if (c->value) dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a credit message the protocol does not expect");
-    else if (c->token > ep->eager_limit) ep->eager_limit = c->token; /* the loop's next pass sends what waits */
+    else if (c->token > ep->credit_limit) ep->credit_limit = c->token; /* the loop's next pass posts what waited */
   } else if (id == DP__AM_ACCEPT) {
     if (ep->acceptor || ep->accepted || on_lane_worker || c->value)
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "an accept message the protocol does not expect");

@@ -147,7 +147,6 @@ static int sop_start(dp_transport_t *t, sop_t *s) {
   if (s->kind == SOP_RAW) {
     if (s->raw_id == DP__AM_FRAME && s->raw_len_hdr == sizeof(dp__am_frame_hdr_t))
       ((dp__am_frame_hdr_t *)s->raw_hdr)->seq = ep->send_seq++;
-    ep->eager_sent += s->eager;
     return post_msg(s, NULL, s->raw_id, s->raw_hdr, s->raw_len_hdr, s->bytes, s->nbytes, 0);
   }
   const uint8_t *fb = s->bytes;
@@ -160,7 +159,7 @@ static int sop_start(dp_transport_t *t, sop_t *s) {
   s->fh.frame_len = flen;
   s->fh.buf_bytes = s->buf_bytes;
   ep->inflight += s->cost;
-  ep->eager_sent += s->eager;
+  ep->credit_sent += s->charge;
   if (t->timeout_ns > 0) { /* saturates: a huge timeout is no timeout, never a deadline in the past */
     int64_t now = now_ns();
     s->deadline = t->timeout_ns > INT64_MAX - now ? INT64_MAX : now + t->timeout_ns;
@@ -180,15 +179,16 @@ static uint64_t sop_cost(const sop_t *s) {
   return s->buf_bytes + (flen > DP__FRAME_EAGER_MAX ? flen : 0);
 }
 
-/* What s's frame takes of the peer's credit (internal.h, CREDIT): its
- * bytes when it goes eagerly; a raw frame message (tests) counts as the
- * receiver counts it, by its size. */
-static uint64_t sop_eager(const sop_t *s) {
-  if (s->kind == SOP_RAW && s->raw_id != DP__AM_FRAME) return 0;
+/* What s takes of the peer's credit (internal.h, CREDIT): its frame and
+ * its buffers, as its FRAME header gives them (a raw message, of tests:
+ * nothing; its receiver counts what its header says). */
+static uint64_t sop_charge(const sop_t *s) {
+  if (s->kind == SOP_RAW) return 0;
   size_t flen = s->nbytes;
   if (s->frame) dp_frame_data(s->frame, &flen);
-  return flen <= DP__FRAME_EAGER_MAX ? flen : 0;
+  return flen + s->buf_bytes;
 }
+
 
 /* Posts the next direct message: one large buffer from its storage, or a
  * run of small direct buffers packed. */
@@ -426,9 +426,9 @@ int dp__tp_ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
     }
     s->cost = sop_cost(s);
     if (ep->inflight && ep->inflight + s->cost > t->max_inflight) return 0;
-    s->eager = sop_eager(s);
-    if (ep->eager_sent + s->eager > ep->eager_limit && !dp__transport_skip_credit)
-      return 0; /* the peer's credit: CREDIT resumes it */
+    s->charge = sop_charge(s);
+    if (ep->credit_sent >= ep->credit_limit && !dp__transport_skip_credit)
+      return 0; /* the peer's credit is used: its CREDIT resumes the queue */
     ep->sq_head = s->next;
     if (!ep->sq_head) ep->sq_tail = NULL;
     s->next = ep->posted;

@@ -129,7 +129,7 @@ struct sop {
   uint64_t buf_bytes;       /* its buffers' bytes (the frame message says so) */
   uint64_t cost;            /* what counts against the in-flight bound: buf_bytes, and
                                the frame when it goes by rendezvous */
-  uint64_t eager;           /* the frame's bytes when it goes eagerly: against the peer's credit */
+  uint64_t charge;          /* against the peer's credit: its frame's bytes and its buffers' */
   uint8_t **stage;          /* packed batches (owned) */
   size_t *stage_len;
   size_t nstage;
@@ -168,8 +168,8 @@ struct rmsg {
   uint64_t buf_bytes;
   uint64_t held;            /* what it counts in its endpoint's held: buffers, and the
                                frame when it came by rendezvous */
-  uint64_t eager;           /* the frame's bytes when of a size that goes eagerly: credit
-                               given back once it is taken */
+  uint64_t charge;          /* its frame's bytes and its buffers', as the FRAME header
+                               says: credit given back once it is taken */
   rbuf_t *bufs;
   dp_value_t value;
   uint8_t *frame_copy;      /* for recv_frame */
@@ -232,12 +232,12 @@ struct dp_endpoint {
   rmsg_t *cur;              /* the one whose buffers arrive now */
   uint64_t recv_seq;
   uint64_t held;            /* received bytes not yet taken: buffers, rendezvous frames */
-  /* credit for small frames (internal.h, CREDIT): cumulative byte counts */
-  uint64_t eager_sent;      /* sent: posted */
-  uint64_t eager_limit;     /* sent: the peer's grant */
-  uint64_t eager_in;        /* received: arrived */
-  uint64_t eager_taken;     /* received: taken (delivered or refused) */
-  uint64_t eager_granted;   /* received: the grant last sent */
+  /* credit (internal.h, CREDIT): bytes of values since the connection began */
+  uint64_t credit_sent;     /* sending: posted */
+  uint64_t credit_limit;    /* sending: the peer's last grant */
+  uint64_t credit_in;       /* receiving: arrived (their FRAME messages) */
+  uint64_t credit_taken;    /* receiving: taken (delivered, or refused and drained) */
+  uint64_t credit_granted;  /* receiving: the grant last sent */
   inbox_t *in_head, *in_tail;  /* parked messages, in the sender's order */
   size_t nparked;
   struct fpull *fpull;      /* a rendezvous frame being pulled (one at a time) */

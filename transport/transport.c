@@ -282,7 +282,7 @@ int dp__tp_ep_alloc(dp_transport_t *t, const char *name, dp_endpoint_t **out, dp
   ep->t = t;
   snprintf(ep->name, sizeof ep->name, "%s", name);
   dp_error_clear(&ep->errinfo);
-  ep->eager_limit = ep->eager_granted = DP__CREDIT_INITIAL;
+  ep->credit_limit = ep->credit_granted = DP__CREDIT_INITIAL;
   *out = ep;
   return 0;
 }

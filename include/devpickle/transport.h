@@ -81,10 +81,11 @@
  * blocks. A receiver that holds more than max_inflight_bytes of received
  * values not yet taken by dp_endpoint_recv stops fetching what was sent by
  * rendezvous (frames and buffers over 64 KiB), which holds the sender's
- * sends pending in turn (backpressure). Frames of up to 64 KiB go eagerly,
- * within a credit the receiver grants: at most max(its max_inflight_bytes,
- * 1 MiB) of them sent and not yet taken by its dp_endpoint_recv; more
- * sends wait at the sender (docs/TRANSPORT.md, "Flow control").
+ * sends pending in turn (backpressure). And a receiver grants its peer a
+ * credit: values (their frames' and buffers' bytes) sent and not yet taken
+ * by its dp_endpoint_recv stay within max(its max_inflight_bytes, 1 MiB)
+ * plus one value; further sends wait at the sender, small ones included
+ * (docs/TRANSPORT.md, "Flow control").
  *
  * TRUST: listeners must be reachable only by trusted peers — UCX 1.13's
  * connection manager, which runs before devpickle sees a byte, aborts the
@@ -131,9 +132,9 @@ typedef struct dp_transport_opts {
    *  64 KiB posted and not yet complete (sender), or received and not yet
    *  taken by dp_endpoint_recv (receiver). 0:
    *  DP_TRANSPORT_DEFAULT_INFLIGHT. One value larger than the bound still
-   *  goes, alone. As a receiver, also the credit it grants its peers for
-   *  frames of up to 64 KiB (at least 1 MiB): bytes of them sent and not
-   *  yet taken. */
+   *  goes, alone. As a receiver, also the credit it grants its peers (at
+   *  least 1 MiB): bytes of values (frames and buffers) sent and not yet
+   *  taken, which the last value sent may cross. */
   uint64_t max_inflight_bytes;
   /** A send posted to UCX and not complete after this long fails its
    *  endpoint with DP_ETIMEDOUT; so does a connected endpoint whose peer
