@@ -12,10 +12,13 @@
  * outermost completion (or release) on the thread runs its own callbacks,
  * and any completion or release nested under it only queues its work there
  * (the callbacks, each with a reference to its parent; the futures to free),
- * which the outermost frame drains in FIFO order. A chain of any length thus
- * completes and is released in constant stack, in chain order; the callbacks
- * of one future stay in registration order. A wait nested in a callback runs
- * the queue first, so that a callback may wait on what it completed.
+ * which the outermost frame drains. Callbacks run depth first, the order
+ * recursion would give (and torch gives): what a callback queues runs once it
+ * returns, before the callbacks that were queued before it ran. A chain of
+ * any length thus completes and is released in constant stack, in chain
+ * order; the callbacks of one future stay in registration order. A wait
+ * nested in a callback runs the queue first, so that a callback may wait on
+ * what it completed.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -80,9 +83,17 @@ struct dp_future {
 
 /* ---- the trampoline: one per thread ---- */
 
+/* Callbacks to run, each holding its parent: one level per callback running
+ * on the thread (what it queues), the outermost frame's at the bottom. */
+typedef struct level {
+  cbent_t *head, *tail;
+  struct level *outer;
+} level_t;
+
 typedef struct tramp {
-  int depth;                      /* 1 while the outermost frame runs */
-  cbent_t *run_head, *run_tail;   /* callbacks to run, each holding its parent */
+  int depth;      /* 1 while the outermost frame runs */
+  level_t base;   /* the outermost frame's queue */
+  level_t *top;   /* the running callback's queue; NULL: base */
   dp_future_t *free_head, *free_tail;  /* futures whose last reference went */
 } tramp_t;
 
@@ -91,8 +102,12 @@ static _Thread_local tramp_t tramp;
 static void future_free(dp_future_t *f);
 static void run_entry(dp_future_t *f, cbent_t *e);
 
+static level_t *tramp_top(tramp_t *t) { return t->top ? t->top : &t->base; }
+
 /* Runs one queued item; 0 when the queue is empty. Frees go first: they
- * keep memory low, and a free only queues (never runs) callbacks. */
+ * keep memory low, and a free only queues (never runs) callbacks. A
+ * callback runs with a level of its own, whose entries then go in front of
+ * the level it was called from: depth first, without recursion. */
 static int tramp_step(tramp_t *t) {
   if (t->free_head) {
     dp_future_t *f = t->free_head;
@@ -100,15 +115,23 @@ static int tramp_step(tramp_t *t) {
     future_free(f);
     return 1;
   }
-  if (t->run_head) {
-    cbent_t *e = t->run_head;
-    if (!(t->run_head = e->next)) t->run_tail = NULL;
-    dp_future_t *p = e->parent;
-    run_entry(p, e);
-    dp_future_release(p);
-    return 1;
+  level_t *from = tramp_top(t), *lv = from;
+  while (lv && !lv->head) lv = lv->outer; /* a wait in a callback also runs what outer levels queued */
+  if (!lv) return 0;
+  cbent_t *e = lv->head;
+  if (!(lv->head = e->next)) lv->tail = NULL;
+  level_t mine = {NULL, NULL, from};
+  t->top = &mine;
+  dp_future_t *p = e->parent;
+  run_entry(p, e);
+  dp_future_release(p);
+  t->top = from == &t->base ? NULL : from;
+  if (mine.head) {
+    mine.tail->next = from->head;
+    from->head = mine.head;
+    if (!from->tail) from->tail = mine.tail;
   }
-  return 0;
+  return 1;
 }
 
 static void tramp_drain(tramp_t *t) {
@@ -692,34 +715,28 @@ static void run_entry(dp_future_t *f, cbent_t *e) {
 }
 
 /* Runs the callbacks of a completed f (newest first in list), in registered
- * order: here when this is the thread's outermost frame, else queued for it
- * (each with a reference to f, which the queue holds until the entry ran). */
+ * order: queued on the running callback's level (each with a reference to
+ * f, which the queue holds until the entry ran), and run here when this is
+ * the thread's outermost frame. The reference also lets a callback release
+ * f's last one and then wait, which runs the queued free. */
 static void dispatch(dp_future_t *f, cbent_t *list) {
   if (!list) return;
   list = reverse(list);
   tramp_t *t = &tramp;
-  if (t->depth) {
-    uint32_t n = 0;
-    for (cbent_t *e = list; e; e = e->next) {
-      e->parent = f;
-      n++;
-    }
-    dp__fetch_add_relaxed(&f->refs, n);
-    if (t->run_tail) t->run_tail->next = list;
-    else t->run_head = list;
-    while (list->next) list = list->next;
-    t->run_tail = list;
-    return;
+  uint32_t n = 0;
+  cbent_t *last = list;
+  for (cbent_t *e = list; e; e = e->next) {
+    e->parent = f;
+    last = e;
+    n++;
   }
+  dp__fetch_add_relaxed(&f->refs, n);
+  level_t *lv = tramp_top(t);
+  if (lv->tail) lv->tail->next = list;
+  else lv->head = list;
+  lv->tail = last;
+  if (t->depth) return;
   t->depth = 1;
-  /* A callback may release f's last reference and then wait, which runs
-   * the queued free: f is held until its callbacks have run. */
-  dp_future_retain(f);
-  for (cbent_t *e = list, *n; e; e = n) {
-    n = e->next;
-    run_entry(f, e);
-  }
-  dp_future_release(f); /* queued (depth 1): freed by the drain if it was the last */
   tramp_drain(t);
   t->depth = 0;
 }

@@ -825,6 +825,23 @@ Test(future, callbacks_run_in_registration_order_also_when_completed_from_a_call
   dp_future_release(s.inner);
 }
 
+/* Depth first, as recursion would run them (and torch does): a child's
+ * callbacks run when its callback returns, before its parent's next one. */
+Test(future, a_childs_callbacks_run_before_its_parents_later_callbacks) {
+  seq_t s = {{0}, 0, NULL};
+  tag_t tags[4] = {{&s, 1}, {&s, 2}, {&s, 3}, {&s, 4}};
+  dp_future_t *f = future(), *c[4];
+  OK(dp_future_then(f, log_tag, &tags[0], &c[0], T_ERR));
+  OK(dp_future_then(c[0], log_tag, &tags[1], &c[1], T_ERR));
+  OK(dp_future_then(c[1], log_tag, &tags[2], &c[2], T_ERR));
+  OK(dp_future_then(f, log_tag, &tags[3], &c[3], T_ERR));
+  OK(dp_future_mark_completed(f, dp_none(), T_ERR));
+  cr_assert_eq(s.n, 4);
+  for (int i = 0; i < 4; i++) cr_assert_eq(s.log[i], i + 1, "log[%d] is %d", i, s.log[i]);
+  for (int i = 0; i < 4; i++) dp_future_release(c[i]);
+  dp_future_release(f);
+}
+
 /* ---- memory held while a consumer still uses it ---- */
 
 static int reused_under_consumer(int with_hooks) {

@@ -31,10 +31,11 @@
  * the child that a callback's result completes, a future the callback
  * completes, one it chains on when already complete — does not run its
  * callbacks there: they are queued on the thread and run, in order, once the
- * running callback returns, before the outermost call returns. So a chain of
- * a million then() links completes, or is released, in constant stack and in
- * chain order, and the callbacks of one future run in the order they were
- * registered. A dp_future_wait() in a callback first runs what is queued on
+ * running callback returns, before any callback that was queued ahead of it
+ * (depth first, the order recursion would give), and before the outermost
+ * call returns. So a chain of a million then() links completes, or is
+ * released, in constant stack and in chain order, and the callbacks of one
+ * future run in the order they were registered. A dp_future_wait() in a callback first runs what is queued on
  * its thread, so a callback may wait on what it completed.
  *
  * CANCELLATION: when the last reference to a pending future is dropped, its

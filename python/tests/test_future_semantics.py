@@ -416,6 +416,49 @@ def test_callbacks_run_in_the_order_they_were_added(Future):
     assert order == [0, 1, 2, 3, 4]
 
 
+def test_a_childs_callbacks_run_before_its_parents_later_ones(Future):
+    # torch runs callbacks depth first: a then() child completes when its
+    # callback returns, and its own callbacks run then, before the parent's
+    # next callback.
+    order = []
+    f = Future()
+    f.add_done_callback(lambda fut: order.append("a"))
+    first = f.then(lambda fut: order.append("then 1"))
+    first.then(lambda fut: order.append("then 1, its child"))
+    f.add_done_callback(lambda fut: order.append("b"))
+    second = f.then(lambda fut: order.append("then 2"))
+    second.then(lambda fut: order.append("then 2, its child")).then(lambda fut: order.append("grandchild"))
+    f.add_done_callback(lambda fut: order.append("c"))
+    f.set_result(0)
+    assert order == ["a", "then 1", "then 1, its child", "b", "then 2", "then 2, its child", "grandchild", "c"]
+
+
+def test_a_callback_added_from_a_callback_runs_before_the_next_callback(Future):
+    order = []
+    f, other = Future(), Future()
+    other.set_result(1)
+
+    def first(fut):
+        order.append("first")
+        fut.add_done_callback(lambda g: order.append("added to itself"))
+        other.add_done_callback(lambda g: order.append("added to another"))
+
+    f.add_done_callback(first)
+    f.add_done_callback(lambda fut: order.append("second"))
+    f.set_result(0)
+    assert order == ["first", "added to itself", "added to another", "second"]
+
+
+def test_callbacks_of_a_future_completed_in_a_callback_run_before_the_next_callback(Future):
+    order = []
+    f, other = Future(), Future()
+    other.add_done_callback(lambda g: order.append("other's"))
+    f.add_done_callback(lambda fut: order.append("first") or other.set_result(1))
+    f.add_done_callback(lambda fut: order.append("second"))
+    f.set_result(0)
+    assert order == ["first", "other's", "second"]
+
+
 def test_then_and_add_done_callback_interleaved_keep_their_order(Future):
     state = {"v": 0}
 
