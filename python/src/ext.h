@@ -84,8 +84,8 @@ int dpy_scan_types_init(PyObject *m);
 
 /* ---- future (future.c) ---- */
 int dpy_future_types_init(PyObject *m);
-PyObject *dpy_collect_all(PyObject *self, PyObject *arg);
-PyObject *dpy_wait_all(PyObject *self, PyObject *arg);
+PyObject *dpy_collect_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *dpy_wait_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
 /* ---- frames (frames.c) ---- */
 int dpy_frames_init(PyObject *m);

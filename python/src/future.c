@@ -33,7 +33,9 @@ typedef struct pyfut {
   int track;          /* 0 for devices=[]: nothing is walked */
   int cupy;           /* the value holds cupy arrays: cupy's current streams */
   int completing;     /* set_result/set_exception began: a second one is refused */
+  int used;           /* waited on, chained or collected: __init__ may no longer remake it */
   PyObject *weakrefs;
+  PyObject *dict;     /* attributes, as on torch.futures.Future */
 } pyfut_t;
 
 static PyTypeObject fut_type;
@@ -173,7 +175,59 @@ fail:
   return NULL;
 }
 
+static int same_list(const dp_device_t *a, size_t na, const dp_device_t *b, size_t nb) {
+  if (na != nb) return 0;
+  for (size_t i = 0; i < na; i++)
+    if (!dp_device_equal(a[i], b[i])) return 0;
+  return 1;
+}
+
+/* Future.__init__(*, devices=None). tp_new made the C future from the same
+ * arguments already; a subclass's __init__ may hand other devices to
+ * super().__init__() (torch.futures.Future itself is built that way), which
+ * remakes it while nobody can hold it yet: not completed, waited on, chained
+ * or collected. */
+static int fut_init(pyfut_t *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"devices", NULL};
+  PyObject *devices = Py_None;
+  if ((PyTuple_GET_SIZE(args) || kw) && !PyArg_ParseTupleAndKeywords(args, kw, "|$O:Future", kwlist, &devices))
+    return -1;
+  dp_device_t *d = NULL;
+  size_t n = 0;
+  if (devices != Py_None && parse_devices(devices, &d, &n)) return -1;
+  int track = devices == Py_None || n > 0;
+  if (track == self->track && same_list(d, n, self->devices, self->ndevices)) {
+    PyMem_Free(d);
+    return 0;
+  }
+  if (self->used || self->completing || dp_future_is_done(self->f)) {
+    PyMem_Free(d);
+    PyErr_SetString(PyExc_RuntimeError, "Future.__init__() cannot change the devices of a future already completed, "
+                                        "waited on, chained or collected");
+    return -1;
+  }
+  dp_device_t *old_d = self->devices;
+  size_t old_n = self->ndevices;
+  int old_track = self->track;
+  dp_future_t *old = self->f;
+  self->devices = d;
+  self->ndevices = n;
+  self->track = track;
+  if (fut_make(self, NULL)) {
+    self->devices = old_d;
+    self->ndevices = old_n;
+    self->track = old_track;
+    self->f = old;
+    PyMem_Free(d);
+    return -1;
+  }
+  dp_future_release(old);
+  PyMem_Free(old_d);
+  return 0;
+}
+
 static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
+  Py_VISIT(f->dict);
   Py_VISIT(f->result);
   Py_VISIT(f->exc);
   Py_VISIT(f->exc_tb);
@@ -182,6 +236,7 @@ static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
 }
 
 static int fut_clear(pyfut_t *f) {
+  Py_CLEAR(f->dict);
   Py_CLEAR(f->result);
   Py_CLEAR(f->exc);
   Py_CLEAR(f->exc_tb);
@@ -334,7 +389,35 @@ static PyObject *empty_ptrs_complete(pyfut_t *self) {
   Py_RETURN_NONE;
 }
 
-static PyObject *fut_set_result(pyfut_t *self, PyObject *value) {
+/* The one argument of a method of torch's (then's `callback`, set_result's
+ * `result`, collect_all's `futures`), given by position or by its name as in
+ * torch; Python's own messages for one missing, doubled, unknown or extra.
+ * A borrowed reference, or NULL with TypeError. */
+static PyObject *one_arg(const char *fn, const char *name, PyObject *const *args, Py_ssize_t nargs,
+                         PyObject *kwnames) {
+  Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (nargs == 1 && nkw == 0) return args[0];
+  if (nargs > 1) {
+    PyErr_Format(PyExc_TypeError, "%s() takes 1 positional argument but %zd were given", fn, nargs);
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < nkw; i++) {
+    PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+    if (PyUnicode_CompareWithASCIIString(k, name) != 0) {
+      PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fn, k);
+      return NULL;
+    }
+    if (nargs) {
+      PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fn, name);
+      return NULL;
+    }
+  }
+  if (nkw) return args[0];
+  PyErr_Format(PyExc_TypeError, "%s() missing 1 required positional argument: '%s'", fn, name);
+  return NULL;
+}
+
+static PyObject *set_result(pyfut_t *self, PyObject *value) {
   /* claimed before the walk (which may run Python code, or let another
    * thread in): the loser must not replace the winner's result */
   if (self->completing || dp_future_is_done(self->f)) {
@@ -375,7 +458,12 @@ static PyObject *fut_set_result(pyfut_t *self, PyObject *value) {
   Py_RETURN_NONE;
 }
 
-static PyObject *fut_set_exception(pyfut_t *self, PyObject *exc) {
+static PyObject *fut_set_result(pyfut_t *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+  PyObject *value = one_arg("Future.set_result", "result", args, nargs, kwnames);
+  return value ? set_result(self, value) : NULL;
+}
+
+static PyObject *set_exception(pyfut_t *self, PyObject *exc) {
   if (!PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_Exception)) { /* as torch: an Exception, not a BaseException */
     PyErr_Format(PyExc_TypeError, "set_exception() takes an Exception instance, not '%s'", Py_TYPE(exc)->tp_name);
     return NULL;
@@ -392,6 +480,11 @@ static PyObject *fut_set_exception(pyfut_t *self, PyObject *exc) {
     return NULL;
   }
   Py_RETURN_NONE;
+}
+
+static PyObject *fut_set_exception(pyfut_t *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+  PyObject *exc = one_arg("Future.set_exception", "result", args, nargs, kwnames);
+  return exc ? set_exception(self, exc) : NULL;
 }
 
 /* The outcome of a complete future: its value (new reference), or NULL with
@@ -423,6 +516,7 @@ static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
   (void)unused;
   dp_error_t e;
   int rc, joined = 0;
+  self->used = 1;
   if (!dp_future_is_done(self->f)) {
     /* blocks without the GIL; joins the (torch) current streams */
     Py_BEGIN_ALLOW_THREADS;
@@ -525,8 +619,15 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
      * callback raised (kept as its __cause__) */
     keep_raised(u->child);
     PyObject *cause = u->child->exc;
-    PyObject *wrapped = PyUnicode_FromFormat("Got the following error when running the callback: %s: %S",
-                                             _PyType_Name(Py_TYPE(cause)), cause);
+    PyObject *text = PyObject_Str(cause);
+    if (!text) { /* a RuntimeError still, as torch's, whatever its __str__ does */
+      PyErr_Clear();
+      text = PyUnicode_FromString("<exception str() failed>");
+    }
+    PyObject *wrapped = text ? PyUnicode_FromFormat("Got the following error when running the callback: %s: %U",
+                                                    _PyType_Name(Py_TYPE(cause)), text)
+                             : NULL;
+    Py_XDECREF(text);
     PyObject *exc = wrapped ? PyObject_CallOneArg(PyExc_RuntimeError, wrapped) : NULL;
     Py_XDECREF(wrapped);
     if (exc) {
@@ -568,6 +669,7 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
     PyErr_Format(PyExc_TypeError, "the callback must be callable, not '%s'", Py_TYPE(callback)->tp_name);
     return NULL;
   }
+  self->used = 1;
   then_ud_t *u = PyMem_RawMalloc(sizeof *u);
   pyfut_t *child = with_child ? fut_alloc(&fut_type) : NULL;
   if (!u || (with_child && !child)) {
@@ -612,11 +714,14 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
   return (PyObject *)child;
 }
 
-static PyObject *fut_then(pyfut_t *self, PyObject *cb) { return chain(self, cb, 1); }
+static PyObject *fut_then(pyfut_t *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+  PyObject *cb = one_arg("Future.then", "callback", args, nargs, kwnames);
+  return cb ? chain(self, cb, 1) : NULL;
+}
 
-static PyObject *fut_add_done_callback(pyfut_t *self, PyObject *cb) {
-  PyObject *r = chain(self, cb, 0);
-  return r;
+static PyObject *fut_add_done_callback(pyfut_t *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+  PyObject *cb = one_arg("Future.add_done_callback", "callback", args, nargs, kwnames);
+  return cb ? chain(self, cb, 0) : NULL;
 }
 
 /* ---- collect_all, wait_all ---- */
@@ -641,13 +746,16 @@ static PyObject *as_futures(const char *who, PyObject *arg, dp_future_t ***out, 
       Py_DECREF(list);
       return NULL;
     }
+    ((pyfut_t *)x)->used = 1;
     (*out)[i] = ((pyfut_t *)x)->f;
   }
   return list;
 }
 
-PyObject *dpy_collect_all(PyObject *self, PyObject *arg) {
+PyObject *dpy_collect_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
   (void)self;
+  PyObject *arg = one_arg("collect_all", "futures", args, nargs, kwnames);
+  if (!arg) return NULL;
   dp_future_t **in;
   Py_ssize_t n;
   PyObject *list = as_futures("collect_all", arg, &in, &n);
@@ -672,8 +780,10 @@ fail:
   return NULL;
 }
 
-PyObject *dpy_wait_all(PyObject *self, PyObject *arg) {
+PyObject *dpy_wait_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
   (void)self;
+  PyObject *arg = one_arg("wait_all", "futures", args, nargs, kwnames);
+  if (!arg) return NULL;
   dp_future_t **in;
   Py_ssize_t n;
   PyObject *list = as_futures("wait_all", arg, &in, &n);
@@ -718,28 +828,33 @@ static PyObject *fut_devices_used(pyfut_t *self, PyObject *unused) {
 }
 
 static PyMethodDef fut_methods[] = {
-    {"set_result", (PyCFunction)fut_set_result, METH_O,
+    {"set_result", (PyCFunction)(void (*)(void))fut_set_result, METH_FASTCALL | METH_KEYWORDS,
      "set_result(result): completes the future. The result is walked (unless devices=[]): one event per device it "
      "uses, on that device's current stream. A result that cannot be walked raises WalkError and fails the future "
      "with it. RuntimeError if already complete."},
-    {"set_exception", (PyCFunction)fut_set_exception, METH_O,
-     "set_exception(exc): completes the future with an exception; wait() and value() raise it."},
+    {"set_exception", (PyCFunction)(void (*)(void))fut_set_exception, METH_FASTCALL | METH_KEYWORDS,
+     "set_exception(result): completes the future with the exception result; wait() and value() raise it."},
     {"wait", (PyCFunction)fut_wait, METH_NOARGS,
      "wait() -> result: blocks (without the GIL) until complete, makes the current streams wait on the result's "
      "events and records its allocations on them; raises the future's exception."},
     {"value", (PyCFunction)fut_value, METH_NOARGS,
      "value() -> result of a complete future, without any synchronization; raises its exception."},
     {"done", (PyCFunction)fut_done, METH_NOARGS, "done() -> True once complete (with a result or an exception)."},
-    {"then", (PyCFunction)fut_then, METH_O,
+    {"then", (PyCFunction)(void (*)(void))fut_then, METH_FASTCALL | METH_KEYWORDS,
      "then(callback) -> Future: callback(self) runs once self is complete, with pool streams current (waiting on "
      "self's events); the new future completes with its result, walked afresh, or fails with what it raises."},
-    {"add_done_callback", (PyCFunction)fut_add_done_callback, METH_O,
+    {"add_done_callback", (PyCFunction)(void (*)(void))fut_add_done_callback, METH_FASTCALL | METH_KEYWORDS,
      "add_done_callback(callback): callback(self) runs once self is complete; its result is ignored and an "
      "exception it raises goes to sys.unraisablehook."},
     {"_allocations", (PyCFunction)fut_allocations, METH_NOARGS,
      "The (device, ptr, nbytes) the completed result holds (devices with streams only)."},
     {"_devices", (PyCFunction)fut_devices_used, METH_NOARGS, "The devices that have an event."},
     {"__class_getitem__", Py_GenericAlias, METH_O | METH_CLASS, "Future[T]"},
+    {NULL},
+};
+
+static PyGetSetDef fut_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };
 
@@ -755,6 +870,9 @@ static PyTypeObject fut_type = {
     .tp_clear = (inquiry)fut_clear,
     .tp_weaklistoffset = offsetof(pyfut_t, weakrefs),
     .tp_methods = fut_methods,
+    .tp_getset = fut_getset,
+    .tp_dictoffset = offsetof(pyfut_t, dict),
+    .tp_init = (initproc)fut_init,
     .tp_new = fut_new,
 };
 

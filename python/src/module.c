@@ -160,8 +160,10 @@ static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))dpy_scan_py, METH_VARARGS | METH_KEYWORDS,
      "scan(obj, *, paths=True, opaque=()) -> list of Allocation\n\n"
      "The memory obj references, deduplicated by (device, base), in discovery order."},
-    {"collect_all", dpy_collect_all, METH_O, "collect_all(futures) -> Future of the list of futures"},
-    {"wait_all", dpy_wait_all, METH_O, "wait_all(futures) -> list of their values"},
+    {"collect_all", (PyCFunction)(void (*)(void))dpy_collect_all, METH_FASTCALL | METH_KEYWORDS,
+     "collect_all(futures) -> Future of the list of futures"},
+    {"wait_all", (PyCFunction)(void (*)(void))dpy_wait_all, METH_FASTCALL | METH_KEYWORDS,
+     "wait_all(futures) -> list of their values"},
     {"dumps", (PyCFunction)(void (*)(void))dpy_dumps, METH_VARARGS | METH_KEYWORDS,
      "dumps(obj, *, inline=False, buffer_callback=None) -> bytes (a devpickle frame)"},
     {"loads", (PyCFunction)(void (*)(void))dpy_loads, METH_VARARGS | METH_KEYWORDS,

@@ -334,6 +334,76 @@ def test_a_future_can_be_weakly_referenced(Future):
     assert weakref.ref(f)() is f
 
 
+def test_arguments_may_be_passed_by_their_names_as_in_torch(Future, collect_all, wait_all):
+    f = Future()
+    child = f.then(callback=add_one)
+    ran = []
+    assert f.add_done_callback(callback=lambda fut: ran.append(fut.value())) is None
+    assert f.set_result(result=1) is None
+    assert child.wait() == 2 and ran == [1]
+    g = Future()
+    g.set_exception(result=KeyError("by name"))
+    with pytest.raises(KeyError, match="by name"):
+        g.wait()
+    assert [x.wait() for x in collect_all(futures=[f]).wait()] == [1]
+    assert wait_all(futures=[f]) == [1]
+
+
+def test_arguments_missing_doubled_or_unknown_are_type_errors_naming_them(Future):
+    f = Future()
+    with pytest.raises(TypeError, match=r"then\(\) missing 1 required positional argument: 'callback'"):
+        f.then()
+    with pytest.raises(TypeError, match=r"set_result\(\) missing 1 required positional argument: 'result'"):
+        f.set_result()
+    with pytest.raises(TypeError, match="multiple values for argument 'callback'"):
+        f.add_done_callback(add_one, callback=add_one)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fn'"):
+        f.then(fn=add_one)
+    with pytest.raises(TypeError, match="positional argument"):
+        f.set_exception(ValueError(), ValueError())
+    assert not f.done()
+
+
+def test_a_future_takes_attributes(Future):
+    f = Future()
+    f.request_id = 7
+    assert f.request_id == 7
+    assert vars(f) == {"request_id": 7}
+    del f.request_id
+    with pytest.raises(AttributeError):
+        f.request_id
+
+
+def test_a_subclass_init_may_hand_devices_to_the_futures_init(Future):
+    # torch.futures.Future is itself built this way: its __init__ passes the
+    # devices on to the C future's.
+    class Tagged(Future):
+        def __init__(self, tag, *, devices=None):
+            super().__init__(devices=devices)
+            self.tag = tag
+
+    f = Tagged("t", devices=[])
+    assert f.tag == "t"
+    child = f.then(add_one)
+    f.set_result(1)
+    assert f.wait() == 1 and child.wait() == 2
+    g = Tagged("u")
+    g.set_exception(ValueError("sub"))
+    with pytest.raises(ValueError, match="sub"):
+        g.value()
+
+
+def test_a_subclass_without_its_own_init_refuses_arguments_the_future_does_not_take(Future):
+    class Plain(Future):
+        pass
+
+    with pytest.raises(TypeError):
+        Plain(3)
+    with pytest.raises(TypeError):
+        Plain(device=[])
+    assert not Plain(devices=[]).done()
+
+
 # ---------------------------------------------------------------------------
 # then and add_done_callback
 
@@ -647,6 +717,22 @@ def test_an_error_in_a_then_callback_is_a_runtime_error_naming_it(Future, case):
         child.value()
 
 
+class UnprintableError(Exception):
+    def __str__(self):
+        raise RuntimeError("str() of it fails")
+
+
+def test_an_error_in_a_then_callback_that_cannot_be_printed_is_still_a_runtime_error(Future):
+    def callback(fut):
+        raise UnprintableError()
+
+    f = Future()
+    child = f.then(callback)
+    f.set_result(1)
+    with pytest.raises(RuntimeError, match="Got the following error when running the callback: UnprintableError"):
+        child.wait()
+
+
 def test_a_then_callback_that_reraises_its_failed_parents_error_gives_a_runtime_error(Future):
     f = Future()
     child = f.then(lambda fut: fut.wait())
@@ -818,6 +904,16 @@ def test_collect_all_of_nothing_is_done_at_once(Future, collect_all):
 def test_collect_all_refuses_what_is_not_a_future(Future, collect_all):
     with pytest.raises(TypeError):
         collect_all([Future(), 1])
+
+
+def test_collect_all_and_wait_all_refuse_none_among_the_futures(Future, collect_all, wait_all):
+    # Deliberate difference in the type, as for set_exception: torch raises
+    # RuntimeError("Future can't be None"); devpickle TypeError naming the item.
+    expected = RuntimeError if Future is torch.futures.Future else TypeError
+    with pytest.raises(expected, match="(?i)none"):
+        collect_all([Future(), None])
+    with pytest.raises(expected, match="(?i)none"):
+        wait_all([None])
 
 
 # ---------------------------------------------------------------------------
@@ -1142,3 +1238,24 @@ def test_completing_a_future_from_inside_its_own_set_result_walk_says_it_is_bein
     assert seen and "being completed" in seen[0], seen
     with pytest.raises(RuntimeError, match="already complete"):
         f.set_result(1)
+
+
+def test_a_subclass_init_may_choose_the_devices_until_the_future_is_used():
+    class Cpu(devpickle.Future):
+        def __init__(self):
+            super().__init__(devices=[])
+
+    f = Cpu()
+    g = a_generator()
+    f.set_result(g)  # devices=[]: walks nothing, as its __init__ said
+    assert f.wait() is g
+    with pytest.raises(RuntimeError, match="already completed"):
+        devpickle.Future.__init__(f, devices=None)
+    assert f.wait() is g
+    h = devpickle.Future()
+    child = h.then(add_one)
+    with pytest.raises(RuntimeError, match="chained"):
+        h.__init__(devices=[])
+    h.__init__()  # the devices it has: nothing to change
+    h.set_result(1)
+    assert child.wait() == 2
