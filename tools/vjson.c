@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -608,13 +609,23 @@ typedef struct rd {
   char scratch[VJSON_STEP_MAX];  /* a rendered step or name, for the same reason */
 } rd_t;
 
+/* The secret the reader's tables hash with ($id names, nodes): from
+ * getrandom(2), as the library's; where that fails, from the clocks, the
+ * process id and an address ASLR randomises (docs/SECURITY.md). The CLI is
+ * one thread. */
 static uint64_t process_seed(void) {
   static uint64_t seed;
   if (!seed) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    uint64_t mix[4] = {(uint64_t)ts.tv_nsec, (uint64_t)ts.tv_sec, (uint64_t)getpid(), (uint64_t)(uintptr_t)&ts};
-    seed = XXH3_64bits(mix, sizeof mix) | 1;
+    uint64_t s = 0;
+    if (getrandom(&s, sizeof s, GRND_NONBLOCK) != (ssize_t)sizeof s) {
+      struct timespec rt = {0, 0}, mt = {0, 0};
+      clock_gettime(CLOCK_REALTIME, &rt);
+      clock_gettime(CLOCK_MONOTONIC, &mt);
+      uint64_t mix[5] = {(uint64_t)rt.tv_nsec, (uint64_t)rt.tv_sec, (uint64_t)mt.tv_nsec, (uint64_t)getpid(),
+                         (uint64_t)(uintptr_t)&rt};
+      s = XXH3_64bits(mix, sizeof mix);
+    }
+    seed = s | 1;
   }
   return seed;
 }
