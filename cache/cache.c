@@ -847,16 +847,32 @@ dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c) {
   return h;
 }
 
+/* The hooks are the caller's callbacks (base.h): a positive return would
+ * read as success to a caller testing rc < 0, and a failure that left err
+ * empty would complete a future with code 0 (DP_ESTATE) instead of the
+ * hook's. So each runs with an error of its own, and its answer is made
+ * one of the library's (dp__cb_rc) before it goes further. */
 int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
   if (!h || (!h->record_streams && !h->record_stream))
     return dp__err(err, DP_EINVAL, "dp_cache_hooks_record: no hooks");
   if (n && !ptrs) return dp__err(err, DP_EINVAL, "dp_cache_hooks_record: NULL ptrs with n = %zu", n);
-  if (h->record_streams) return h->record_streams(h->ctx, ptrs, n, s, err);
-  for (size_t i = 0; i < n; i++) {
-    int rc = h->record_stream(h->ctx, ptrs[i], s, err);
-    if (rc && rc != DP_ENOTFOUND) return rc;
+  dp_error_t e;
+  dp_error_clear(&e);
+  int rc = 0;
+  if (h->record_streams) {
+    rc = dp__cb_rc(h->record_streams(h->ctx, ptrs, n, s, &e), &e, "the record_streams hook");
+  } else {
+    for (size_t i = 0; i < n && rc == 0; i++) {
+      rc = h->record_stream(h->ctx, ptrs[i], s, &e);
+      if (rc == DP_ENOTFOUND) { /* not the allocator's: skipped, and its message with it */
+        rc = 0;
+        dp_error_clear(&e);
+      }
+      rc = dp__cb_rc(rc, &e, "the record_stream hook");
+    }
   }
-  return 0;
+  if (rc && err) *err = e;
+  return rc;
 }
 
 int dp_cache_poll(dp_cache_t *c, dp_error_t *err) {

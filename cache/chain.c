@@ -18,22 +18,31 @@ struct dp_cache_hooks_chain {
   dp_cache_hooks_t hooks[];
 };
 
+/* The hooks in the chain are the caller's callbacks (base.h): each runs
+ * with an error of its own (clear), and a failure is passed on as one of
+ * the library's — a positive return becomes DP_EINVAL, an empty message
+ * one naming the hook — so that no caller takes it for success. */
+static int hook_rc(int rc, dp_error_t *e, const char *what, dp_error_t *err) {
+  if (rc == 0) return 0;
+  rc = dp__cb_rc(rc, e, what);
+  if (err) *err = *e;
+  return rc;
+}
+
 /* Offers ptr to h alone: *owned says whether h's allocator owns it. */
 static int offer_one(const dp_cache_hooks_t *h, void *ptr, dp_stream_t *s, int *owned, dp_error_t *err) {
+  dp_error_t e; /* not owned is no failure: err is written only on one */
+  dp_error_clear(&e);
   if (h->record_stream) {
-    dp_error_t e; /* not owned is no failure: err is written only on one */
-    dp_error_clear(&e);
     int rc = h->record_stream(h->ctx, ptr, s, &e);
     *owned = rc != DP_ENOTFOUND;
-    if (rc == DP_ENOTFOUND) return 0;
-    if (rc && err) *err = e;
-    return rc;
+    return rc == DP_ENOTFOUND ? 0 : hook_rc(rc, &e, "the record_stream hook", err);
   }
   unsigned char o = 0;
   void *one[1] = {ptr};
-  int rc = h->record_streams_owned(h->ctx, one, 1, s, &o, err);
+  int rc = h->record_streams_owned(h->ctx, one, 1, s, &o, &e);
   *owned = o;
-  return rc;
+  return hook_rc(rc, &e, "the record_streams_owned hook", err);
 }
 
 static int chain_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
@@ -58,11 +67,13 @@ static int chain_chunk(const dp_cache_hooks_chain_t *c, void *const *ptrs, size_
   for (size_t i = 0; i < c->n && ncur; i++) {
     const dp_cache_hooks_t *h = &c->hooks[i];
     int rc = 0;
+    dp_error_t e;
+    dp_error_clear(&e);
     if (i + 1 == c->n && !marks && h->record_streams)  /* the last: nobody asks what it owned */
-      return h->record_streams(h->ctx, cur, ncur, s, err);
+      return hook_rc(h->record_streams(h->ctx, cur, ncur, s, &e), &e, "the record_streams hook", err);
     memset(own, 0, ncur);
     if (h->record_streams_owned) {
-      rc = h->record_streams_owned(h->ctx, cur, ncur, s, own, err);
+      rc = hook_rc(h->record_streams_owned(h->ctx, cur, ncur, s, own, &e), &e, "the record_streams_owned hook", err);
     } else {
       for (size_t k = 0; k < ncur && rc == 0; k++) {
         int o;

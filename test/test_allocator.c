@@ -1242,3 +1242,43 @@ Test(allocator, a_chain_refuses_hooks_that_cannot_say_what_they_own) {
   cr_assert_str_eq(e.message, "record_streams: NULL hooks chain");
   dp_cache_hooks_chain_free(NULL);
 }
+
+/* A hook is the caller's callback (base.h): a positive return would read as
+ * success to a caller testing rc < 0, and an error without a message would
+ * reach the caller as code 0. Both come out as the library's own errors,
+ * through the plain record and through a chain. */
+static int hook_rc_ret;
+static int hook_one_rc(void *ctx, void *p, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx, (void)p, (void)s, (void)err;
+  return hook_rc_ret;
+}
+static int hook_many_rc(void *ctx, void *const *p, size_t n, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx, (void)p, (void)n, (void)s, (void)err;
+  return hook_rc_ret;
+}
+
+Test(allocator, a_hook_that_returns_a_positive_code_or_fails_without_a_message_gets_the_librarys_error) {
+  dp_stream_t *u = stream(H0);
+  void *ptrs[1] = {(void *)0x1000};
+  dp_cache_hooks_t one = {NULL, hook_one_rc, NULL, NULL}, many = {NULL, NULL, hook_many_rc, NULL};
+  dp_cache_hooks_chain_t *ch;
+  OK(dp_cache_hooks_chain_new(&one, 1, &ch, T_ERR));
+  dp_cache_hooks_t chained = dp_cache_hooks_chain_hooks(ch);
+  dp_error_t e;
+  hook_rc_ret = 7;
+  cr_assert_eq(dp_cache_hooks_record(&one, ptrs, 1, u, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "the record_stream hook returned 7: a callback returns 0 or a negative DP_E* code");
+  cr_assert_eq(dp_cache_hooks_record(&many, ptrs, 1, u, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "the record_streams hook returned 7: a callback returns 0 or a negative DP_E* code");
+  cr_assert_eq(chained.record_streams(chained.ctx, ptrs, 1, u, &e), DP_EINVAL);
+  cr_assert_eq(chained.record_stream(chained.ctx, ptrs[0], u, &e), DP_EINVAL);
+  cr_assert_eq(e.code, DP_EINVAL);
+  hook_rc_ret = DP_EIO;
+  cr_assert_eq(dp_cache_hooks_record(&many, ptrs, 1, u, &e), DP_EIO);
+  cr_assert_eq(e.code, DP_EIO);
+  cr_assert_str_eq(e.message, "the record_streams hook failed: i/o error");
+  cr_assert_eq(chained.record_streams(chained.ctx, ptrs, 1, u, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "the record_stream hook failed: i/o error");
+  dp_cache_hooks_chain_free(ch);
+  dp_stream_free(u);
+}

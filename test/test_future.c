@@ -373,6 +373,32 @@ Test(future, a_callback_that_returns_a_positive_code_fails_its_child_with_einval
   dp_future_release(child);
 }
 
+/* A hook that fails without a message: the future fails with the hook's
+ * code (not DP_ESTATE, which a failure with code 0 became), and
+ * mark_completed returns that same code. */
+static int silent_failing_hook(void *ctx, void *const *p, size_t n, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx, (void)p, (void)n, (void)s, (void)err;
+  return DP_EIO;
+}
+
+Test(future, a_hook_that_fails_without_a_message_fails_the_future_with_its_code) {
+  dp_cache_hooks_t hooks = {NULL, NULL, silent_failing_hook, NULL};
+  dp_future_opts_t o = {B, NULL, 0, &hooks, 0, 0};
+  dp_future_t *f;
+  OK(dp_future_new(&o, &f, T_ERR));
+  dp_value_t t = device_ints(H0, 4);
+  void *p = data_of(t);
+  dp_error_t e;
+  cr_assert_eq(dp_future_mark_completed(f, t, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "the record_streams hook failed: i/o error");
+  cr_assert_eq(dp_future_wait(f, 0, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "the record_streams hook failed: i/o error");
+  dp_future_release(f);
+  dp_cache_t *c;
+  OK(dp_cache_default(B, &c, T_ERR));
+  OK(dp_cache_dealloc(c, p, T_ERR));
+}
+
 /* ---- errors ---- */
 
 typedef struct waiter {

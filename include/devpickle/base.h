@@ -91,7 +91,8 @@ typedef struct dp_error {
  *     through, never relabelled (a reduce() that fails makes the value one
  *     that cannot be walked: DP_ETYPE, with reduce's message, unless it ran
  *     out of memory, which stays DP_ENOMEM; pickler.h).
- *   - A callback of the caller's (bind, resolve, read, a then() callback)
+ *   - A callback of the caller's (bind, resolve, read, a then() callback,
+ *     a cache hook: cache.h)
  *     returns 0 or a DP_E* code. A positive return, which no call of the
  *     library ever makes (so a caller testing rc < 0 would take it for
  *     success), becomes DP_EINVAL ("bind returned 4: ..."); a failure that
