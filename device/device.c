@@ -514,7 +514,10 @@ int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t 
   dp__devstate_t *ds = &b->devs[dev.index];
   pthread_mutex_lock(&ds->mu);
   dp_event_t *e = ds->free_events;
-  if (e) ds->free_events = e->next_free;
+  if (e) {
+    ds->free_events = e->next_free;
+    dp__store_relaxed(&e->pooled, 0);  /* handed out: the owner frees it once */
+  }
   pthread_mutex_unlock(&ds->mu);
   if (!e) {
     e = dp__alloc(sizeof *e);
@@ -525,6 +528,7 @@ int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t 
     }
     e->b = b;
     e->dev = dev;
+    dp__atomic_init(&e->pooled, 0);
   }
   e->next_free = NULL;
   *out = e;
@@ -532,7 +536,12 @@ int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t 
 }
 
 void dp_event_free(dp_event_t *e) {
-  if (!e) return;
+  /* Freed twice, it would be on the list twice: dp_event_new would hand it
+   * to two owners (whose records replace each other's), and shutdown would
+   * destroy it twice. The flag catches a second free until the pool hands
+   * the event out again, from any thread (an atomic exchange, not the
+   * lock: the reset must come before the event is on the list). */
+  if (!e || dp__fetch_or_acq_rel(&e->pooled, 1)) return;
   if (e->b->ops->event_reset) e->b->ops->event_reset(e->b, e->h);
   dp__devstate_t *ds = &e->b->devs[e->dev.index];
   pthread_mutex_lock(&ds->mu);

@@ -64,6 +64,7 @@ struct dp_event {
   dp_device_t dev;
   void *h;
   dp_event_t *next_free;  /* the pool's free list */
+  _Atomic int pooled;     /* on the free list: a second dp_event_free does nothing */
 };
 
 #define DP_POOL_STREAMS 4

@@ -868,3 +868,19 @@ Test(device, threads_wrapping_the_same_handles_at_once_all_get_one_wrapper_per_h
     dp_stream_free(s[i]);
   }
 }
+
+/* A second free of an event put it on the pool's list twice: the next two
+ * dp_event_new handed the same event to two owners, and shutdown destroyed
+ * it twice (a use after free under ASan). */
+Test(device, freeing_an_event_twice_hands_it_to_one_owner_only) {
+  dp_backend_t *b = host();
+  dp_event_t *e, *x, *y;
+  OK(dp_event_new(b, H0, &e, T_ERR));
+  dp_event_free(e);
+  dp_event_free(e);
+  OK(dp_event_new(b, H0, &x, T_ERR));
+  OK(dp_event_new(b, H0, &y, T_ERR));
+  cr_assert_neq(x, y, "two owners were given one event");
+  dp_event_free(x);
+  dp_event_free(y);
+}

@@ -182,7 +182,9 @@ DP_API void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud);
 /** An event for dev from the backend's pool (created when the pool is
  *  empty). Timing is disabled. Give it back with dp_event_free. */
 DP_API int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t *err);
-/** Returns e to its pool. Its recorded state is dropped. */
+/** Returns e to its pool. Its recorded state is dropped. Freeing it again
+ *  before dp_event_new hands it out again does nothing; a free after that
+ *  frees the new owner's event (use after free, as for any handle). */
 DP_API void dp_event_free(dp_event_t *e);
 /** Captures the work queued on s so far. Re-recording replaces the capture. */
 DP_API int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err);
