@@ -462,6 +462,15 @@ int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_er
   if (fn) {
     dp_stream_t *s = fn(dp__load_acquire(&provider_ud), b, dev);
     if (s) {
+      /* Checked here, where the provider can be named: a stream of another
+       * device failed later as an event "recorded on a stream of another
+       * device" or a cache's refusal, naming neither. */
+      if (DP_UNLIKELY(s->b != b || !dp_device_equal(s->dev, dev))) {
+        char want[16], got[16];
+        return dp__err(err, DP_EINVAL, "dp_current_stream(%s): the stream provider returned a stream of %s%s",
+                       dp_device_format(dev, want, sizeof want), dp_device_format(s->dev, got, sizeof got),
+                       s->b != b ? " of another backend" : "");
+      }
       *out = s;
       return 0;
     }

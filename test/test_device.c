@@ -884,3 +884,25 @@ Test(device, freeing_an_event_twice_hands_it_to_one_owner_only) {
   dp_event_free(x);
   dp_event_free(y);
 }
+
+/* A provider that answers with a stream of another device: its stream was
+ * taken as the device's current stream, and what used it failed far away
+ * ("an event is recorded on a stream of its own device"). */
+static dp_stream_t *wrong_device_provider(void *ud, dp_backend_t *b, dp_device_t dev) {
+  (void)b, (void)dev;
+  return ud;
+}
+
+Test(device, a_provider_stream_of_another_device_is_einval_naming_both_devices) {
+  dp_backend_t *b = host();
+  dp_stream_t *on1, *s;
+  OK(dp_stream_new(b, H1, &on1, T_ERR));
+  dp_set_stream_provider(wrong_device_provider, on1);
+  dp_error_t e;
+  cr_assert_eq(dp_current_stream(b, H0, &s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_current_stream(host:0): the stream provider returned a stream of host:1");
+  OK(dp_current_stream(b, H1, &s, T_ERR));
+  cr_assert_eq(s, on1);
+  dp_set_stream_provider(NULL, NULL);
+  dp_stream_free(on1);
+}

@@ -168,7 +168,9 @@ DP_API int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t 
 DP_API void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev);
 
 /** An embedder's source of current streams, asked when a thread has set
- *  none. Return NULL to fall back to the default stream. */
+ *  none. Return NULL to fall back to the default stream. A stream of
+ *  another device or backend than asked is an error of dp_current_stream
+ *  (DP_EINVAL naming both devices). */
 typedef dp_stream_t *(*dp_stream_provider_cb)(void *ud, dp_backend_t *b, dp_device_t dev);
 /** Installs a provider for every thread (NULL removes it; dp_shutdown
  *  removes it too). fn and ud are stored one after the other, not as one
