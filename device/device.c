@@ -425,7 +425,9 @@ int dp_stream_query(dp_stream_t *s, dp_error_t *err) {
 
 int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err) {
   if (!s || !e) return dp__err(err, DP_EINVAL, "dp_stream_wait_event: NULL %s", !s ? "stream" : "event");
-  if (s->b != e->b) return dp__err(err, DP_EINVAL, "stream and event belong to different backends");
+  if (s->b != e->b)
+    return dp__err(err, DP_EINVAL, "dp_stream_wait_event: the stream (%s) and the event (%s) belong to different backends",
+                   s->b->name, e->b->name);
   return s->b->ops->stream_wait(s->b, s->h, e->h, err);
 }
 
@@ -561,8 +563,12 @@ void dp_event_free(dp_event_t *e) {
 
 int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err) {
   if (!e || !s) return dp__err(err, DP_EINVAL, "dp_event_record: NULL %s", !e ? "event" : "stream");
-  if (s->b != e->b || !dp_device_equal(s->dev, e->dev))
-    return dp__err(err, DP_EINVAL, "an event is recorded on a stream of its own device");
+  if (s->b != e->b || !dp_device_equal(s->dev, e->dev)) {
+    char ed[16], sd[16];
+    return dp__err(err, DP_EINVAL, "dp_event_record: an event of %s is recorded on a stream of %s%s (of its own device only)",
+                   dp_device_format(e->dev, ed, sizeof ed), dp_device_format(s->dev, sd, sizeof sd),
+                   s->b != e->b ? " of another backend" : "");
+  }
   return e->b->ops->event_record(e->b, e->h, s->h, err);
 }
 

@@ -887,7 +887,7 @@ Test(device, freeing_an_event_twice_hands_it_to_one_owner_only) {
 
 /* A provider that answers with a stream of another device: its stream was
  * taken as the device's current stream, and what used it failed far away
- * ("an event is recorded on a stream of its own device"). */
+ * (dp_event_record refused it, naming neither the provider nor a device). */
 static dp_stream_t *wrong_device_provider(void *ud, dp_backend_t *b, dp_device_t dev) {
   (void)b, (void)dev;
   return ud;
@@ -904,5 +904,20 @@ Test(device, a_provider_stream_of_another_device_is_einval_naming_both_devices) 
   OK(dp_current_stream(b, H1, &s, T_ERR));
   cr_assert_eq(s, on1);
   dp_set_stream_provider(NULL, NULL);
+  dp_stream_free(on1);
+}
+
+/* The refusals of a stream and an event that do not go together named
+ * neither the function nor the devices. */
+Test(device, recording_an_event_on_another_devices_stream_names_the_function_and_both_devices) {
+  dp_backend_t *b = host();
+  dp_event_t *e;
+  dp_stream_t *on1;
+  OK(dp_event_new(b, H0, &e, T_ERR));
+  OK(dp_stream_new(b, H1, &on1, T_ERR));
+  dp_error_t err;
+  cr_assert_eq(dp_event_record(e, on1, &err), DP_EINVAL);
+  cr_assert_str_eq(err.message, "dp_event_record: an event of host:0 is recorded on a stream of host:1 (of its own device only)");
+  dp_event_free(e);
   dp_stream_free(on1);
 }
