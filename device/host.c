@@ -399,7 +399,8 @@ static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
   if (n == 0) n = 1;
   if (n > SIZE_MAX - HOST_ALIGN) return dp__err(err, DP_ENOMEM, "host device allocation of %zu bytes", n);
   pthread_mutex_lock(&im->mu);
-  if (im->limit[dev] && im->used[dev] + n > im->limit[dev]) {
+  /* not used + n > limit: a size near SIZE_MAX wraps the sum below the cap */
+  if (im->limit[dev] && (im->used[dev] > im->limit[dev] || n > im->limit[dev] - im->used[dev])) {
     size_t used = im->used[dev], limit = im->limit[dev];
     pthread_mutex_unlock(&im->mu);
     return dp__err(err, DP_ENOMEM, "host:%d is out of memory: %zu bytes asked, %zu of %zu in use", dev, n, used, limit);

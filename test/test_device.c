@@ -921,3 +921,20 @@ Test(device, recording_an_event_on_another_devices_stream_names_the_function_and
   dp_event_free(e);
   dp_stream_free(on1);
 }
+
+/* used + n wrapped for a size near SIZE_MAX, so the cap let it through to
+ * the allocator hook (which failed it with another message, or, given the
+ * memory, would have handed out more than the cap). */
+Test(device, a_size_near_size_max_is_refused_by_the_memory_cap_without_reaching_the_allocator) {
+  dp_backend_t *b = host();
+  OK(dp_host_set_memory_limit(H0, 1 << 20, T_ERR));
+  void *p, *q;
+  OK(dp_device_alloc(b, H0, 1000, &p, T_ERR));
+  long asked = atomic_load(&t_alloc_count);
+  dp_error_t e;
+  cr_assert_eq(dp_device_alloc(b, H0, SIZE_MAX - 300, &q, &e), DP_ENOMEM);
+  cr_assert(strstr(e.message, "host:0 is out of memory"), "%s", e.message);
+  cr_assert_eq(atomic_load(&t_alloc_count), asked, "the allocator was asked for the size");
+  OK(dp_device_dealloc(b, H0, p, T_ERR));
+  OK(dp_host_set_memory_limit(H0, 0, T_ERR));
+}
