@@ -402,7 +402,12 @@ static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const d
   /* The error is kept out of line (most futures never fail): copied before
    * the lock; without memory for it only its code is kept. */
   dp_error_t *detail = rec ? NULL : dp__alloc(sizeof *detail);
-  if (detail) *detail = *error;
+  if (detail) {
+    *detail = *error;
+    /* the producer's record may lack a NUL (filled by hand): every waiter
+     * would read past the message */
+    detail->message[sizeof detail->message - 1] = '\0';
+  }
   pthread_mutex_lock(&f->mu);
   if (dp__load_relaxed(&f->state) != PENDING) {
     pthread_mutex_unlock(&f->mu);

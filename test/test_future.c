@@ -399,6 +399,21 @@ Test(future, a_hook_that_fails_without_a_message_fails_the_future_with_its_code)
   OK(dp_cache_dealloc(c, p, T_ERR));
 }
 
+/* An error record filled by hand, its message without a NUL: the future
+ * kept it as it came, and every waiter's copy ran past its end. */
+Test(future, an_error_message_without_a_nul_reaches_waiters_terminated) {
+  dp_future_t *f = future();
+  dp_error_t bad;
+  memset(&bad, 'A', sizeof bad);
+  bad.code = DP_EIO;
+  OK(dp_future_set_error(f, &bad, T_ERR));
+  dp_error_t e;
+  memset(&e, 'B', sizeof e);
+  cr_assert_eq(dp_future_wait(f, 0, &e), DP_EIO);
+  cr_assert_eq(strnlen(e.message, sizeof e.message), sizeof e.message - 1);
+  dp_future_release(f);
+}
+
 /* ---- errors ---- */
 
 typedef struct waiter {
