@@ -248,11 +248,23 @@ static uint64_t enqueued_now(hstream_t *s) {
   return n;
 }
 
+/* A host function that waits for work of its own stream queued from itself
+ * on (itself included) waits for itself: its worker never returns, and the
+ * stream, and whatever synchronizes with it, hangs. CUDA refuses a
+ * synchronizing call from a host function (cudaErrorNotPermitted); here it
+ * is DP_EMISUSE. Work queued before the function has completed already. */
+static int waits_for_itself(const progress_t *p, uint64_t target) {
+  const hstream_t *me = dp__host_fn_stream;
+  return me && me->prog == p && dp__load_acquire(&p->completed) < target;
+}
+
 static int h_stream_sync(dp_backend_t *b, void *h, dp_error_t *err) {
   (void)b;
-  (void)err;
   hstream_t *s = h;
-  progress_wait(s->prog, enqueued_now(s));
+  uint64_t target = enqueued_now(s);
+  if (waits_for_itself(s->prog, target))
+    return dp__err(err, DP_EMISUSE, "dp_stream_synchronize: called from a host function on that stream, which would wait for itself");
+  progress_wait(s->prog, target);
   return 0;
 }
 
@@ -298,17 +310,23 @@ static int h_device_sync(dp_backend_t *b, int dev, dp_error_t *err) {
     return dp__err(err, DP_ENOMEM, "out of memory synchronizing a device");
   }
   size_t i = 0;
+  int self = 0;
   for (hstream_t *s = im->streams[dev]; s; s = s->next, i++) {
     p[i] = progress_retain(s->prog);
     target[i] = enqueued_now(s);
+    self |= waits_for_itself(p[i], target[i]);
   }
   pthread_mutex_unlock(&im->mu);
-  for (i = 0; i < n; i++) {
+  for (i = 0; i < n && self; i++) progress_release(p[i]);
+  for (i = 0; i < n && !self; i++) {
     progress_wait(p[i], target[i]);
     progress_release(p[i]);
   }
   dp__free(p, (n ? n : 1) * sizeof *p);
   dp__free(target, (n ? n : 1) * sizeof *target);
+  if (self)
+    return dp__err(err, DP_EMISUSE,
+                   "dp_device_synchronize: called from a host function on a stream of host:%d, which would wait for itself", dev);
   return 0;
 }
 
@@ -371,13 +389,18 @@ static int h_event_query(dp_backend_t *b, void *eh, dp_error_t *err) {
 
 static int h_event_sync(dp_backend_t *b, void *eh, dp_error_t *err) {
   (void)b;
-  (void)err;
   hevent_t *e = eh;
   pthread_mutex_lock(&e->mu);
   progress_t *p = e->prog ? progress_retain(e->prog) : NULL;
   uint64_t target = e->target;
   pthread_mutex_unlock(&e->mu);
   if (!p) return 0;
+  if (waits_for_itself(p, target)) {
+    progress_release(p);
+    return dp__err(err, DP_EMISUSE,
+                   "dp_event_synchronize: called from a host function on the event's stream, recorded after the function was "
+                   "queued: it would wait for itself");
+  }
   progress_wait(p, target);
   progress_release(p);
   return 0;

@@ -938,3 +938,41 @@ Test(device, a_size_near_size_max_is_refused_by_the_memory_cap_without_reaching_
   OK(dp_device_dealloc(b, H0, p, T_ERR));
   OK(dp_host_set_memory_limit(H0, 0, T_ERR));
 }
+
+/* A host function that synchronized its own stream (or its device, or an
+ * event recorded there after it) waited for itself: the worker never
+ * returned and everything that synchronized with the stream hung. */
+typedef struct self_sync {
+  dp_stream_t *s;
+  dp_event_t *e;
+  int how, rc;
+  dp_error_t err;
+} self_sync_t;
+static void sync_self(void *arg) {
+  self_sync_t *x = arg;
+  if (x->how == 0) x->rc = dp_stream_synchronize(x->s, &x->err);
+  if (x->how == 1) x->rc = dp_device_synchronize(dp_stream_backend(x->s), dp_stream_device(x->s), &x->err);
+  if (x->how == 2) {
+    dp_event_record(x->e, x->s, NULL);
+    x->rc = dp_event_synchronize(x->e, &x->err);
+  }
+}
+
+Test(device, a_host_function_that_would_wait_for_itself_is_emisuse_not_a_hang, .timeout = 20) {
+  dp_backend_t *b = host();
+  const char *want[3] = {"dp_stream_synchronize: called from a host function on that stream, which would wait for itself",
+                         "dp_device_synchronize: called from a host function on a stream of host:0, which would wait for itself",
+                         "dp_event_synchronize: called from a host function on the event's stream, recorded after the function "
+                         "was queued: it would wait for itself"};
+  for (int how = 0; how < 3; how++) {
+    self_sync_t x = {NULL, NULL, how, 1, {0}};
+    OK(dp_stream_new(b, H0, &x.s, T_ERR));
+    OK(dp_event_new(b, H0, &x.e, T_ERR));
+    OK(dp_host_launch(x.s, sync_self, &x, T_ERR));
+    OK(dp_stream_synchronize(x.s, T_ERR));
+    cr_assert_eq(x.rc, DP_EMISUSE, "how %d", how);
+    cr_assert_str_eq(x.err.message, want[how]);
+    dp_event_free(x.e);
+    dp_stream_free(x.s);
+  }
+}

@@ -214,7 +214,12 @@ DP_API int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n,
 
 typedef void (*dp_host_fn)(void *arg);
 /** Queues fn(arg) on a host stream: it runs on the stream's worker thread,
- *  after the work queued before it. DP_EINVAL for a non-host stream. */
+ *  after the work queued before it. DP_EINVAL for a non-host stream.
+ *  fn may call devpickle (allocate, record, queue work) but must not wait
+ *  for itself: dp_stream_synchronize of its own stream, dp_event_synchronize
+ *  of an event recorded there after fn was queued and dp_device_synchronize
+ *  of its device are DP_EMISUSE from fn (as CUDA refuses them in a host
+ *  function), and dp_stream_free of its own stream is undefined. */
 DP_API int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err);
 /** Caps the memory dp_device_alloc hands out on a host device (0: no cap),
  *  so that out-of-memory paths can be exercised. */
