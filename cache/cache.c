@@ -543,7 +543,8 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
   if (!s && (rc = dp_current_stream(c->b, dev, &s, err)) != 0) return rc;
   if (!dp_device_equal(dp__stream_dev(s), dev))
     return dp__err(err, DP_EINVAL, "dp_cache_alloc: the stream must be on the device allocated from");
-  if (nbytes > SIZE_MAX - LARGE_ROUND) return dp__err(err, DP_ENOMEM, "allocation of %zu bytes", nbytes);
+  if (nbytes > SIZE_MAX - LARGE_ROUND)
+    return dp__err(err, DP_ENOMEM, "dp_cache_alloc: %zu bytes cannot be rounded up to a 2 MiB segment", nbytes);
   size_t size = nbytes ? (nbytes + ROUND - 1) / ROUND * ROUND : ROUND;
   int small = size <= SMALL_MAX;
   devpool_t *p = &c->pools[dev.index];

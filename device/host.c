@@ -420,7 +420,9 @@ static size_t rec_find(host_impl_t *im, uintptr_t p) {  /* last rec with base <=
 static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *err) {
   host_impl_t *im = b->impl;
   if (n == 0) n = 1;
-  if (n > SIZE_MAX - HOST_ALIGN) return dp__err(err, DP_ENOMEM, "host device allocation of %zu bytes", n);
+  if (n > SIZE_MAX - HOST_ALIGN)
+    return dp__err(err, DP_ENOMEM, "dp_device_alloc: %zu bytes on host:%d cannot be allocated with its %d-byte alignment", n,
+                   dev, HOST_ALIGN);
   pthread_mutex_lock(&im->mu);
   /* not used + n > limit: a size near SIZE_MAX wraps the sum below the cap */
   if (im->limit[dev] && (im->used[dev] > im->limit[dev] || n > im->limit[dev] - im->used[dev])) {

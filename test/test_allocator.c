@@ -1282,3 +1282,16 @@ Test(allocator, a_hook_that_returns_a_positive_code_or_fails_without_a_message_g
   dp_cache_hooks_chain_free(ch);
   dp_stream_free(u);
 }
+
+/* The refusals of sizes too large to round named neither the function nor
+ * the reason ("allocation of 18446744073709551615 bytes"). */
+Test(allocator, a_size_too_large_to_round_is_enomem_naming_the_function_and_the_reason) {
+  dp_stream_t *u = stream(H0);
+  void *p;
+  dp_error_t e;
+  cr_assert_eq(dp_cache_alloc(C, H0, SIZE_MAX, u, &p, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "dp_cache_alloc: 18446744073709551615 bytes cannot be rounded up to a 2 MiB segment");
+  cr_assert_eq(dp_device_alloc(B, H0, SIZE_MAX, &p, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "dp_device_alloc: 18446744073709551615 bytes on host:0 cannot be allocated with its 256-byte alignment");
+  dp_stream_free(u);
+}
