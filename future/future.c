@@ -396,7 +396,7 @@ static void dispatch(dp_future_t *f, cbent_t *list);
 
 /* Publishes a record (or an error when rec is NULL) and hands back the
  * callbacks to dispatch (in *cbs, newest first). Steals value. */
-static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const dp_error_t *error, dp_error_t *err,
+static int publish_only(const char *fn, dp_future_t *f, dp_value_t value, record_t *rec, const dp_error_t *error, dp_error_t *err,
                         cbent_t **cbs) {
   *cbs = NULL;
   /* The error is kept out of line (most futures never fail): copied before
@@ -414,7 +414,7 @@ static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const d
     dp_value_release(value);
     if (rec) record_free(rec);
     dp__free(detail, detail ? sizeof *detail : 0);
-    return dp__err(err, DP_ESTATE, "the future is already complete");
+    return dp__err(err, DP_ESTATE, "%s: the future is already complete", fn);
   }
   /* The state is stored last, with release: readers that see it without
    * the lock (dp_future_value, dp_future_is_done) see what it publishes. */
@@ -444,9 +444,9 @@ static int publish_only(dp_future_t *f, dp_value_t value, record_t *rec, const d
   return 0;
 }
 
-static int publish(dp_future_t *f, dp_value_t value, record_t *rec, const dp_error_t *error, dp_error_t *err) {
+static int publish(const char *fn, dp_future_t *f, dp_value_t value, record_t *rec, const dp_error_t *error, dp_error_t *err) {
   cbent_t *cbs;
-  int rc = publish_only(f, value, rec, error, err, &cbs);
+  int rc = publish_only(fn, f, value, rec, error, err, &cbs);
   dispatch(f, cbs);
   return rc;
 }
@@ -454,7 +454,7 @@ static int publish(dp_future_t *f, dp_value_t value, record_t *rec, const dp_err
 /* Completes f from a filled set on the given streams (NULL: current); take:
  * the set is scratch (see prepare). A failure completes f with that
  * failure. The callbacks to dispatch are handed back in *cbs. */
-static int complete_with_set(dp_future_t *f, dp_value_t value, dp_ptrset_t *set, int take, dp_stream_t *const *streams,
+static int complete_with_set(const char *fn, dp_future_t *f, dp_value_t value, dp_ptrset_t *set, int take, dp_stream_t *const *streams,
                              dp_error_t *err, cbent_t **cbs) {
   record_t rec;
   dp_error_t e;
@@ -462,10 +462,10 @@ static int complete_with_set(dp_future_t *f, dp_value_t value, dp_ptrset_t *set,
   int rc = prepare(f, set, take, streams, &rec, &e);
   if (rc) {
     if (err) *err = e;
-    int prc = publish_only(f, value, NULL, &e, err, cbs);  /* already complete: says so */
+    int prc = publish_only(fn, f, value, NULL, &e, err, cbs);  /* already complete: says so */
     return prc ? prc : rc;
   }
-  return publish_only(f, value, &rec, NULL, err, cbs);
+  return publish_only(fn, f, value, &rec, NULL, err, cbs);
 }
 
 int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) {
@@ -475,7 +475,7 @@ int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) 
   }
   if (dp_future_is_done(f)) {
     dp_value_release(value);
-    return dp__err(err, DP_ESTATE, "the future is already complete");
+    return dp__err(err, DP_ESTATE, "dp_future_mark_completed: the future is already complete");
   }
   int owned;
   dp_error_t e;
@@ -487,11 +487,11 @@ int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) 
     if (err) *err = e;
     /* The walk failed: so does the future, so that nobody waits forever
      * (unless it completed meanwhile: DP_ESTATE, and err says so). */
-    int prc = publish(f, value, NULL, &e, err);
+    int prc = publish("dp_future_mark_completed", f, value, NULL, &e, err);
     return prc ? prc : rc;
   }
   cbent_t *cbs;
-  rc = complete_with_set(f, value, set, 1, NULL, err, &cbs);
+  rc = complete_with_set("dp_future_mark_completed", f, value, set, 1, NULL, err, &cbs);
   scratch_put(set, owned);  /* free for the callbacks */
   dispatch(f, cbs);
   return rc;
@@ -506,19 +506,19 @@ int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const d
     dp_error_t e;
     dp__err(&e, DP_EINVAL, "dp_future_mark_completed_with_ptrs: NULL ptrs");
     if (err) *err = e;
-    int prc = publish(f, value, NULL, &e, err); /* already complete: DP_ESTATE, and err says so */
+    int prc = publish("dp_future_mark_completed_with_ptrs", f, value, NULL, &e, err); /* already complete: DP_ESTATE, and err says so */
     return prc ? prc : DP_EINVAL;
   }
   cbent_t *cbs;
   /* the caller's set: copied, never changed (take 0) */
-  int rc = complete_with_set(f, value, (dp_ptrset_t *)ptrs, 0, NULL, err, &cbs);
+  int rc = complete_with_set("dp_future_mark_completed_with_ptrs", f, value, (dp_ptrset_t *)ptrs, 0, NULL, err, &cbs);
   dispatch(f, cbs);
   return rc;
 }
 
 int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err) {
   if (!f || !error) return dp__err(err, DP_EINVAL, "dp_future_set_error: NULL %s", f ? "error" : "future");
-  return publish(f, dp_none(), NULL, error, err);
+  return publish("dp_future_set_error", f, dp_none(), NULL, error, err);
 }
 
 /* ---- waiting ---- */
@@ -869,7 +869,7 @@ static void collect_finish(collect_t *c) {
     streams[nd++] = s;
   }
   cbent_t *cbs = NULL;
-  if (rc == 0) rc = complete_with_set(c->out, list, set, 0, streams, &err, &cbs);
+  if (rc == 0) rc = complete_with_set("dp_future_collect_all", c->out, list, set, 0, streams, &err, &cbs);
   else {
     dp_value_release(list);
     dp_future_set_error(c->out, &err, NULL);

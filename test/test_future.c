@@ -471,11 +471,12 @@ Test(future, completing_twice_is_an_error_and_changes_nothing) {
   OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_future_mark_completed(f, dp_int(2), &e), DP_ESTATE);
-  cr_assert_str_eq(e.message, "the future is already complete");
+  cr_assert_str_eq(e.message, "dp_future_mark_completed: the future is already complete");
   dp_error_t boom;
   dp_error_clear(&boom);
   boom.code = DP_EINVAL;
   cr_assert_eq(dp_future_set_error(f, &boom, &e), DP_ESTATE);
+  cr_assert_str_eq(e.message, "dp_future_set_error: the future is already complete", "the message names the call");
   cr_assert_eq(dp_value_as_int(dp_future_value(f)), 1);
   OK(dp_future_error(f, T_ERR));
   dp_future_release(f);
@@ -515,7 +516,7 @@ Test(future, a_failed_completion_of_a_complete_future_returns_the_code_err_holds
   int rc = dp_future_mark_completed_with_ptrs(f, dp_int(2), NULL, &e);
   cr_assert_eq(rc, DP_ESTATE);
   cr_assert_eq(e.code, rc);
-  cr_assert_str_eq(e.message, "the future is already complete");
+  cr_assert_str_eq(e.message, "dp_future_mark_completed_with_ptrs: the future is already complete");
   cr_assert_eq(dp_value_as_int(dp_future_value(f)), 1);
   dp_future_release(f);
   f = future(); /* pending: the NULL ptrs is the error, and f fails with it */
