@@ -79,7 +79,9 @@ DP_API int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp
 /** Waits for the stream's work, then destroys it. Streams the backend owns
  *  (default, pool and wrapped streams) are left alone. The calling thread stops
  *  using s as its current stream (dp_set_current_stream); another thread
- *  that made s current must reset it (dp_reset_current_stream) first. */
+ *  that made s current must reset it (dp_reset_current_stream) first. Call
+ *  it once per stream from dp_stream_new: s is gone after it, and a second
+ *  call reads freed memory (undetected), as free(3) does. NULL: nothing. */
 DP_API void dp_stream_free(dp_stream_t *s);
 /** The device's default stream, owned by the backend (made on first use:
  *  the backend's error when that fails). DP_EINVAL for a device of another
