@@ -1601,6 +1601,56 @@ Test(transport, a_peer_that_sends_small_frames_past_its_credit_fails_the_endpoin
   close_clean(ep, t, p);
 }
 
+/* peer: sends n pairs: the int i (a small frame, on the same-host lane),
+ * then a bytes of len, byte 0 i (on the connection), back to back */
+typedef struct pair_args {
+  long n;
+  size_t len;
+} pair_args_t;
+
+static int send_small_then_large(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  pair_args_t *a = arg;
+  uint8_t *p = calloc(1, a->len);
+  dp_error_t e;
+  int rc = 0;
+  for (long i = 0; i < a->n && !rc; i++) {
+    dp_value_t v;
+    dp_future_t *d;
+    p[0] = (uint8_t)i;
+    if (dp_endpoint_send(ep, dp_int(i), &d, &e)) rc = 10;
+    else dp_future_release(d);
+    if (!rc && (dp_bytes_new(p, a->len, &v, &e) || dp_endpoint_send(ep, v, &d, &e))) rc = 11;
+    if (!rc) dp_value_release(v), dp_future_release(d);
+  }
+  free(p);
+  return rc;
+}
+
+Test(transport, a_large_value_that_overtakes_a_small_one_on_the_lane_stays_within_the_credit) {
+  /* the int goes on the lane, the 2 MiB bytes (past the 1 MiB window) on
+     the connection, and arrives first: the values arrived then exceed the
+     grant though the sender sent each one below it */
+  t_track();
+  pair_args_t a = {100, 2 << 20};
+  peer_t p = spawn_peer(send_small_then_large, &a, NULL);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 1 << 20;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  for (long i = 0; i < a.n; i++) {
+    dp_future_t *f = recv_ok(ep);
+    cr_assert_eq(dp_value_as_int(dp_future_value(f)), i);
+    dp_future_release(f);
+    f = recv_ok(ep);
+    size_t n;
+    const uint8_t *b = dp_bytes_data(dp_future_value(f), &n);
+    cr_assert(b && n == a.len && b[0] == (uint8_t)i, "value %ld came wrong", i);
+    dp_future_release(f);
+  }
+  close_clean(ep, t, p);
+}
+
 /* peer: takes n values of len bytes (byte 0 the value's index) one at a
  * time, as fast as it can, then answers n */
 typedef struct take_args {

@@ -119,7 +119,11 @@ typedef struct dp__am_shm_piece {
  * took plus its window, max(its in-flight bound, DP__CREDIT_INITIAL) — as
  * the first value arrives, and again whenever at most half the window is
  * left. A grant below one already had is ignored; value other than 0 fails
- * the endpoint, as does a value that arrives past the limit. */
+ * the endpoint, as does a value that arrives past the limit: the values
+ * arrived, less the one latest in the sender's order, reach it (frames
+ * arrive out of order, a small one on the same-host lane beside a large
+ * one on the connection: the values before the latest are all the sender
+ * counted when it posted that one). */
 #define DP__AM_CREDIT 0x44509u
 #define DP__CREDIT_INITIAL (1ull << 20)
 #define DP__LANE_MAX 1024u

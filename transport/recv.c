@@ -663,13 +663,22 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   uint64_t h[sizeof ((inbox_t *)0)->hdr / 8];
   memcpy(h, hdr, hlen); /* aligned */
   if (id == DP__AM_FRAME) { /* sent while the values before it were below the grant (internal.h, CREDIT) */
-    if (ep->credit_in >= ep->credit_granted) {
+    /* Frames arrive out of order (a small one on the same-host lane
+       overtakes a large one on the connection, and the other way round),
+       so the check cannot be "the values arrived before this one": it is
+       "the values arrived, less the latest in the sender's order", all of
+       them before that one, which the sender posted below its grant. */
+    const dp__am_frame_hdr_t *fh = (const dp__am_frame_hdr_t *)h;
+    uint64_t charge = credit_of(fh, len);
+    uint64_t in = charge > UINT64_MAX - ep->credit_in ? UINT64_MAX : ep->credit_in + charge;
+    int top = fh->seq >= ep->credit_top;
+    if (in - (top ? charge : ep->credit_top_charge) >= ep->credit_granted) {
       if (rndv) ucp_am_data_release(t->worker, data);
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "values beyond the credit granted to the peer");
       return UCS_OK;
     }
-    uint64_t charge = credit_of((const dp__am_frame_hdr_t *)h, len);
-    ep->credit_in = charge > UINT64_MAX - ep->credit_in ? UINT64_MAX : ep->credit_in + charge;
+    ep->credit_in = in;
+    if (top) ep->credit_top = fh->seq == UINT64_MAX ? UINT64_MAX : fh->seq + 1, ep->credit_top_charge = charge;
     grant(t, ep); /* the first value: the whole window at once */
     if (ep->dead) { /* no memory for the grant */
       if (rndv) ucp_am_data_release(t->worker, data);

@@ -236,6 +236,8 @@ struct dp_endpoint {
   uint64_t credit_sent;     /* sending: posted */
   uint64_t credit_limit;    /* sending: the peer's last grant */
   uint64_t credit_in;       /* receiving: arrived (their FRAME messages) */
+  uint64_t credit_top;      /* receiving: 1 + the highest sequence number arrived (0: none) */
+  uint64_t credit_top_charge; /* receiving: that value's charge */
   uint64_t credit_taken;    /* receiving: taken (delivered, or refused and drained) */
   uint64_t credit_granted;  /* receiving: the grant last sent */
   inbox_t *in_head, *in_tail;  /* parked messages, in the sender's order */
