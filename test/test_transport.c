@@ -1796,6 +1796,59 @@ Test(transport, a_send_the_peer_does_not_take_in_time_fails_with_a_timeout) {
   ASSERT_NO_LEAK();
 }
 
+/* peer: takes one value (the connection is established), then stops */
+static int take_one_then_stop(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
+  dp_future_release(f);
+  raise(SIGSTOP);
+  return 0;
+}
+
+Test(transport, small_values_sent_to_a_peer_that_stopped_taking_fail_with_a_timeout) {
+  /* 2,000 values of 8 KiB: those within the peer's credit complete as they
+     go (eager), the others wait for a grant that never comes */
+  t_track();
+  peer_t p = spawn_peer(take_one_then_stop, NULL, NULL);
+  dp_transport_opts_t o = {0};
+  o.timeout_ns = SEC / 5;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_int(0), &d, T_ERR));
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  int st;
+  cr_assert_eq(waitpid(p.pid, &st, WUNTRACED), p.pid);
+  cr_assert(WIFSTOPPED(st));
+  static uint8_t buf[8 << 10];
+  int rc = 0;
+  d = NULL;
+  for (int i = 0; i < 2000 && !rc; i++) {
+    dp_value_t v;
+    OK(dp_bytes_new(buf, sizeof buf, &v, T_ERR));
+    if (d) dp_future_release(d);
+    d = NULL;
+    rc = dp_endpoint_send(ep, v, &d, &e);
+    dp_value_release(v);
+  }
+  if (!rc) rc = dp_future_wait(d, 10 * SEC, &e); /* not wait_f: its limit would hide a hang */
+  cr_assert_eq(rc, DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "a send waited for the peer's credit for over 200 ms") ||
+                strstr(e.message, "a send was not complete after 200 ms"),
+            "%s", e.message);
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  if (d) dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* peer: sends a frame whose table names a cuda buffer (with its bytes), then
  * a good value */
 static int send_cuda_frame_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {

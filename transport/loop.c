@@ -221,6 +221,13 @@ static void check_timeouts(dp_transport_t *t) {
       dp__tp_ep_failf(ep, DP_ETIMEDOUT, "the peer did not accept the connection within %s", ms);
       continue;
     }
+    /* a peer that stopped taking leaves no posted send once its credit is
+       used (small values complete as they go): the wait for its grant is
+       timed as a posted send is */
+    if (ep->credit_wait && ep->sq_head && !ep->dead && now - ep->credit_wait > t->timeout_ns) {
+      dp__tp_ep_failf(ep, DP_ETIMEDOUT, "a send waited for the peer's credit for over %s", ms);
+      continue;
+    }
     for (sop_t *s = ep->posted; s; s = s->next)
       if (s->deadline && now > s->deadline && !ep->dead) {
         dp__tp_ep_failf(ep, DP_ETIMEDOUT, "a send was not complete after %s", ms);

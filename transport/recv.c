@@ -817,7 +817,8 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
     }
   } else if (id == DP__AM_CREDIT) {
     if (c->value) dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a credit message the protocol does not expect");
-    else if (c->token > ep->credit_limit) ep->credit_limit = c->token; /* the loop's next pass posts what waited */
+    else if (c->token > ep->credit_limit) /* the loop's next pass posts what waited */
+      ep->credit_limit = c->token, ep->credit_wait = 0; /* the peer took values: its clock restarts */
   } else if (id == DP__AM_ACCEPT) {
     if (ep->acceptor || ep->accepted || on_lane_worker || c->value)
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "an accept message the protocol does not expect");

@@ -427,8 +427,11 @@ int dp__tp_ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
     s->cost = sop_cost(s);
     if (ep->inflight && ep->inflight + s->cost > t->max_inflight) return 0;
     s->charge = sop_charge(s);
-    if (ep->credit_sent >= ep->credit_limit && !dp__transport_skip_credit)
+    if (ep->credit_sent >= ep->credit_limit && !dp__transport_skip_credit) {
+      if (!ep->credit_wait) ep->credit_wait = now_ns(); /* timed from now (check_timeouts) */
       return 0; /* the peer's credit is used: its CREDIT resumes the queue */
+    }
+    ep->credit_wait = 0;
     ep->sq_head = s->next;
     if (!ep->sq_head) ep->sq_tail = NULL;
     s->next = ep->posted;

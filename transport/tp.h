@@ -235,6 +235,8 @@ struct dp_endpoint {
   /* credit (internal.h, CREDIT): bytes of values since the connection began */
   uint64_t credit_sent;     /* sending: posted */
   uint64_t credit_limit;    /* sending: the peer's last grant */
+  int64_t credit_wait;      /* sending: since when the queue's head waits for a grant
+                               (0: it does not; a grant restarts the clock) */
   uint64_t credit_in;       /* receiving: arrived (their FRAME messages) */
   uint64_t credit_top;      /* receiving: 1 + the highest sequence number arrived (0: none) */
   uint64_t credit_top_charge; /* receiving: that value's charge */

@@ -139,9 +139,12 @@ typedef struct dp_transport_opts {
   /** A send posted to UCX and not complete after this long fails its
    *  endpoint with DP_ETIMEDOUT; so does a connected endpoint whose peer
    *  has not accepted it after this long (its first message, ACCEPT, never
-   *  came), even one that only receives. Sends held back by the in-flight bound or the
-   *  peer's credit are not yet posted and not timed. 0: no limit (a dead peer is still detected by
-   *  UCX's keepalive). */
+   *  came), even one that only receives, and one whose sends have waited
+   *  this long for the peer's credit with no grant meanwhile (a peer that
+   *  stopped taking values: the small ones it was sent completed as they
+   *  went, so no posted send is left to time). Sends held back by the
+   *  in-flight bound are not yet posted and not timed. 0: no limit (a dead
+   *  peer is still detected by UCX's keepalive). */
   int64_t timeout_ns;
   /** Limits and resolver for received frames (copied; the resolver and
    *  its types must outlive the transport). bind is ignored: the
