@@ -342,7 +342,7 @@ typedef struct uframe {
     } name;
   } u;
   const uint8_t *start;  /* where the container began */
-  const uint8_t *key_at; /* dict: where the pending key began */
+  const uint8_t *key_at; /* dict: where the pending key began; object: the pending attribute's name */
 } uframe_t;
 
 #define NO_LOW UINT32_MAX
@@ -752,7 +752,7 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
     case DP_TAG_OBJECT:
       rc = dp__object_set_n(hval(f->h), f->u.name.s, f->u.name.n, v, 0, &e);
       f->u.name.s = NULL;
-      if (rc == DP__EXISTS) return rd_fail(&u->r, DP_EFORMAT, at, "duplicate attribute");
+      if (rc == DP__EXISTS) return rd_fail(&u->r, DP_EFORMAT, f->key_at, "duplicate attribute");
       break;
     case DP_TAG_REDUCE:
       rc = dp__object_set_n(hval(f->h), "__reduce__", 10, v, 0, &e);
@@ -784,6 +784,7 @@ static int parse_payload(up_t *u) {
       if ((rc = read_name(r, &f->u.name.s, &f->u.name.n, "attribute name")) != 0 ||
           (rc = check_len(u, nat, f->u.name.n)) != 0)
         return rc;
+      f->key_at = nat;
     }
     u->owed--;
     const uint8_t *vstart = r->p;

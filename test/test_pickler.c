@@ -1048,6 +1048,10 @@ Test(pickler, malformed_payloads_get_precise_errors) {
   expect_bad(fwd_ref, sizeof fwd_ref, DP_EFORMAT, 41, "back-reference to node 5, only 1 exist", NULL);
   const uint8_t dup[] = {0x82, 0x01, 0xc0, 0x01, 0xc0};
   expect_bad(dup, sizeof dup, DP_EFORMAT, 43, "duplicate dict key", NULL);
+  /* object A with attribute x twice: the offset of the second name, as a
+     duplicate dict key's is the key's */
+  const uint8_t dup_attr[] = {0x96, 0xd4, 0x00, 0x03, 0xa1, 0x41, 0xa1, 0x78, 0x01, 0xa1, 0x78, 0x02};
+  expect_bad(dup_attr, sizeof dup_attr, DP_EFORMAT, 49, "duplicate attribute", NULL);
   const uint8_t list_key[] = {0x81, 0x90, 0xc0};
   expect_bad(list_key, sizeof list_key, DP_EFORMAT, 41, "dict key of kind list is not hashable", NULL);
   const uint8_t trailing[] = {0xc0, 0xc0};
