@@ -1814,6 +1814,38 @@ static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
   return rc ? dp_fail(s, o, rc, &e) : 0;
 }
 
+/* 1 when torch's method `name` (is_conj, is_neg) says yes, 0 when it says
+ * no or this torch has no such method, -1 with an exception. */
+static int tensor_bit(PyObject *o, const char *name) {
+  PyObject *r = PyObject_CallMethod(o, name, NULL);
+  if (!r) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+    PyErr_Clear();
+    return 0;
+  }
+  int yes = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  return yes;
+}
+
+/* A conjugate or negative view (t.conj() of a complex tensor,
+ * torch._neg_view) keeps the other values in memory and a bit that says so;
+ * a frame carries dtype, shape, strides and offset, not that bit, so the
+ * tensor would come back holding the values its memory holds, silently
+ * different. Resolving it would copy the buffer, which a frame never does:
+ * it is refused, as sparse tensors are. */
+static int refuse_lazy_view(dpy_scanner_t *s, PyObject *o) {
+  int conj = tensor_bit(o, "is_conj");
+  int neg = conj ? 0 : tensor_bit(o, "is_neg");
+  if (conj < 0 || neg < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
+  if (!conj && !neg) return 0;
+  PyErr_Format(PyExc_TypeError,
+               "a %s view is not carried in frames: its memory holds other values than it reads "
+               "(call %s() first)",
+               conj ? "conjugate" : "negative", conj ? "resolve_conj" : "resolve_neg");
+  return walk_error(s, o, "it cannot be carried in a frame");
+}
+
 static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   /* a subclass's __torch_function__ runs the value's code on every attribute
      read below (dtype, shape, stride(), ...): check_storages looks again */
@@ -1832,6 +1864,7 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
                                      "their indices and values)");
     return walk_error(s, o, "it cannot be carried in a frame");
   }
+  if (refuse_lazy_view(s, o)) return -1;
   int64_t shape[MAX_DIMS], strides[MAX_DIMS];
   PyObject *dtype = PyObject_GetAttrString(o, "dtype");
   PyObject *dstr = dtype ? PyObject_Str(dtype) : NULL;

@@ -228,6 +228,18 @@ def test_what_pickle_carries_but_a_frame_cannot_is_refused_by_name():
         devpickle.dumps([np.empty(2, dtype=object)])
 
 
+def test_a_conjugate_or_negative_view_is_refused_never_carried_with_other_values():
+    # the frame has no field for torch's conj/neg bits: carried, the view
+    # would come back reading its memory's values, silently different
+    c = torch.tensor([1 + 2j, 3 - 1j])
+    with pytest.raises(devpickle.WalkError, match=r"at \$\.c: .*conjugate view.*resolve_conj"):
+        devpickle.dumps({"c": c.conj()}, inline=True)
+    with pytest.raises(devpickle.WalkError, match=r"at \$\[0\]: .*negative view.*resolve_neg"):
+        devpickle.dumps([torch._neg_view(torch.ones(2))], buffer_callback=lambda b: None)
+    out = devpickle.loads(devpickle.dumps(c.conj().resolve_conj(), inline=True))
+    assert torch.equal(out, c.conj())
+
+
 def test_raw_is_the_whole_buffer_whatever_view_was_found_first():
     base = np.arange(8, dtype=np.uint8)
     got = []
