@@ -2084,7 +2084,17 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
     if (k == K_NAMEDTUPLE) {
       names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
       if (!names) return -1;
-      if (!PyTuple_Check(names)) names = NULL;
+      /* each item becomes the attribute its field names: a _fields that is
+         not a tuple, or names more or fewer fields than there are items,
+         has no such object (pickle carries the items through the class's
+         __getnewargs__, never through _fields) */
+      if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(o)) {
+        if (PyTuple_Check(names))
+          PyErr_Format(PyExc_TypeError, "its _fields names %zd fields for its %zd items", PyTuple_GET_SIZE(names),
+                       PyTuple_GET_SIZE(o));
+        else PyErr_Format(PyExc_TypeError, "its _fields is a '%s', not a tuple of names", Py_TYPE(names)->tp_name);
+        return walk_error(s, o, "it cannot be carried in a frame");
+      }
       iter = PyTuple_GET_SIZE(o) ? o : NULL;
     } else {
       PyObject *d = PyObject_GenericGetDict(o, NULL);

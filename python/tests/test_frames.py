@@ -240,6 +240,18 @@ def test_a_conjugate_or_negative_view_is_refused_never_carried_with_other_values
     assert torch.equal(out, c.conj())
 
 
+@pytest.mark.parametrize("fields, why", [(("x",), "_fields names 1 fields for its 2 items"),
+                                         (("x", "y", "z"), "_fields names 3 fields for its 2 items"),
+                                         (5, "_fields is a 'int'")])
+def test_a_namedtuple_whose_fields_do_not_name_its_items_is_refused_by_name(fields, why):
+    # before: an internal message ("dp_list_append: expected list, got
+    # object") for a short _fields, a silently shorter object for a long one
+    NT = collections.namedtuple("NT", "x y")
+    NT._fields = fields
+    with pytest.raises(devpickle.WalkError, match=r"at \$\[0\]: it cannot be carried in a frame: its " + why):
+        devpickle.dumps([NT(1, 2)])
+
+
 def test_raw_is_the_whole_buffer_whatever_view_was_found_first():
     base = np.arange(8, dtype=np.uint8)
     got = []
