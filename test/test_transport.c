@@ -1601,16 +1601,18 @@ Test(transport, a_peer_that_sends_small_frames_past_its_credit_fails_the_endpoin
   close_clean(ep, t, p);
 }
 
-/* peer: sends n pairs: the int i (a small frame, on the same-host lane),
- * then a bytes of len, byte 0 i (on the connection), back to back */
-typedef struct pair_args {
+/* n values of len bytes: what a peer sends or takes */
+typedef struct take_args {
   long n;
   size_t len;
-} pair_args_t;
+} take_args_t;
+
+/* peer: sends n pairs: the int i (a small frame, on the same-host lane),
+ * then a bytes of len, byte 0 i (on the connection), back to back */
 
 static int send_small_then_large(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t;
-  pair_args_t *a = arg;
+  take_args_t *a = arg;
   uint8_t *p = calloc(1, a->len);
   dp_error_t e;
   int rc = 0;
@@ -1632,7 +1634,7 @@ Test(transport, a_large_value_that_overtakes_a_small_one_on_the_lane_stays_withi
      the connection, and arrives first: the values arrived then exceed the
      grant though the sender sent each one below it */
   t_track();
-  pair_args_t a = {100, 2 << 20};
+  take_args_t a = {100, 2 << 20};
   peer_t p = spawn_peer(send_small_then_large, &a, NULL);
   dp_transport_opts_t o = {0};
   o.max_inflight_bytes = 1 << 20;
@@ -1653,10 +1655,6 @@ Test(transport, a_large_value_that_overtakes_a_small_one_on_the_lane_stays_withi
 
 /* peer: takes n values of len bytes (byte 0 the value's index) one at a
  * time, as fast as it can, then answers n */
-typedef struct take_args {
-  long n;
-  size_t len;
-} take_args_t;
 
 static int take_one_by_one(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t;
