@@ -1240,6 +1240,25 @@ Test(cli, send_and_recv_move_an_inline_frame_that_arrives_verified_and_written_w
   res_free(r);
 }
 
+Test(cli, a_file_name_holding_a_newline_cannot_forge_a_line_of_verify_or_send_output) {
+  spit("v.json", "[1]");
+  /* both summaries go to stdout: a name ending in a forged summary must stay on one line */
+  res_t r = run_sh("$D pack v.json -o \"$(printf 'x\\ny.dpk: ok')\" && $D verify \"$(printf 'x\\ny.dpk: ok')\"");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_str_eq(r.out, "x\\u000ay.dpk: ok: ok, 43 bytes, version 1, 0 buffers, 0 device pointers, self-contained\n");
+  res_free(r);
+  int port;
+  pid_t pid = start_recv("got.dpk", &port);
+  char args[160];
+  snprintf(args, sizeof args, "send \"$(printf 'x\\ny.dpk: ok')\" 127.0.0.1:%d", port);
+  r = run(args);
+  cr_assert_eq(r.status, 0, "send: %s", r.err);
+  cr_assert_eq(wait_status(pid), 0);
+  snprintf(args, sizeof args, "x\\u000ay.dpk: ok: sent 43 bytes to 127.0.0.1:%d\n", port);
+  cr_assert_str_eq(r.out, args);
+  res_free(r);
+}
+
 Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_connection) {
   ucx_env();
   spit("bad.dpk", "DPKL this is no frame");

@@ -35,8 +35,9 @@ static const char *const usage_main =
     "  recv PORT [-o FRAME.dpk]       receive one frame, verify it, write it\n"
     "  demo                           the future pipeline end to end, every byte checked\n"
     "\n"
-    "FILE may be '-' for stdin (and -o - for stdout); after '--' every argument\n"
-    "is a file name, one starting with '-' too (devpickle verify -- -x.dpk).\n"
+    "FILE may be '-' for stdin (and -o - for stdout), named <stdin> and <stdout>\n"
+    "in messages; after '--' every argument is a file name, one starting with\n"
+    "'-' too (devpickle verify -- -x.dpk).\n"
     "Run 'devpickle <command> --help' for a command's options.\n"
     "\n"
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
@@ -50,14 +51,14 @@ typedef struct cmd {
 } cmd_t;
 
 /* Text from outside (a file name, an argument, a message quoting the input)
- * on stderr: control characters as \u00XX, so that an error stays one line
- * (names in messages are escaped already, docs/FORMAT.md "Paths"; this is
- * for everything else). */
-static void put_err(const char *s) {
+ * on stdout or stderr: control characters as \u00XX, so that a summary or an
+ * error stays one line and no file name can forge one (names in messages are
+ * escaped already, docs/FORMAT.md "Paths"; this is for everything else). */
+static void put_text(FILE *f, const char *s) {
   for (; *s; s++) {
     unsigned char c = (unsigned char)*s;
-    if (c < 0x20 || c == 0x7f) fprintf(stderr, "\\u%04x", c);
-    else fputc(c, stderr);
+    if (c < 0x20 || c == 0x7f) fprintf(f, "\\u%04x", c);
+    else fputc(c, f);
   }
 }
 
@@ -65,7 +66,7 @@ static int usage_error(const char *cmd, const char *fmt, const char *arg) {
   char what[512];
   snprintf(what, sizeof what, fmt, arg);
   fprintf(stderr, "devpickle %s: ", cmd);
-  put_err(what);
+  put_text(stderr, what);
   fprintf(stderr, "\nTry 'devpickle %s --help'.\n", cmd);
   return EXIT_USAGE;
 }
@@ -73,9 +74,9 @@ static int usage_error(const char *cmd, const char *fmt, const char *arg) {
 /* One line on stderr: devpickle: FILE: what[, at byte N] */
 static int data_error(const char *file, const char *what, int64_t offset) {
   fputs("devpickle: ", stderr);
-  put_err(file);
+  put_text(stderr, file);
   fputs(": ", stderr);
-  put_err(what);
+  put_text(stderr, what);
   if (offset >= 0) fprintf(stderr, ", at byte %lld", (long long)offset);
   fputc('\n', stderr);
   return EXIT_DATA;
@@ -673,7 +674,8 @@ static int cmd_verify(int argc, char **argv) {
   dp_value_release(l.v);
   if (rc) return rc;
   const dp_frame_info_t fi = l.info;
-  printf("%s: ok, %zu bytes, version %u, %u buffer%s, %zu device pointer%s, %s\n", display(l.a.file), l.size, fi.version,
+  put_text(stdout, display(l.a.file));
+  printf(": ok, %zu bytes, version %u, %u buffer%s, %zu device pointer%s, %s\n", l.size, fi.version,
          fi.nbuffers, fi.nbuffers == 1 ? "" : "s", dp_ptrset_count(set), dp_ptrset_count(set) == 1 ? "" : "s",
          (fi.flags & 1) ? "inline" : fi.nbuffers ? "out-of-band" : "self-contained");
   dp_ptrset_free(set);
@@ -849,7 +851,10 @@ static int cmd_send(int argc, char **argv) {
     } else if (dp_value_kind(r) != DP_INT || dp_value_as_int(r) != 0) {
       status = data_error(a.pos[1], "the receiver gave no answer devpickle knows", -1);
     } else {
-      printf("%s: sent %zu bytes to %s\n", display(a.pos[0]), n, a.pos[1]);
+      put_text(stdout, display(a.pos[0]));
+      printf(": sent %zu bytes to ", n);
+      put_text(stdout, a.pos[1]);
+      putchar('\n');
     }
   }
   dp_future_release(done);
@@ -952,7 +957,7 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     if (strcmp(argv[1], commands[i].name) == 0) return commands[i].run(argc - 1, argv + 1);
   fputs("devpickle: unknown command '", stderr);
-  put_err(argv[1]);
+  put_text(stderr, argv[1]);
   fprintf(stderr, "'\n\n%s", usage_main);
   return EXIT_USAGE;
 }
