@@ -1035,6 +1035,13 @@ Test(cli, dict_keys_show_their_value_json_alike_in_dump_inspect_and_pack_errors)
              "devpickle: pp.json: $dict item 1 is not a [key, value] pair, at $[\"a b\"]\n");
 }
 
+Test(cli, a_duplicate_json_key_is_reported_at_the_byte_where_the_repeated_key_starts) {
+  pack_fails("dup.json", "dup.dpk", "{\"a\": 1,\n \"a\": 2}",
+             "devpickle: dup.json: invalid JSON: duplicate object key (line 2, column 2), at byte 10\n");
+  pack_fails("dupn.json", "dupn.dpk", "[{\"x\": 1, \"x\" : 2}]",
+             "devpickle: dupn.json: invalid JSON: duplicate object key (line 1, column 11), at byte 10\n");
+}
+
 Test(cli, names_holding_control_characters_are_escaped_so_that_every_line_stays_one_line) {
   /* a type name that would forge a second line */
   pack_fails("nl.json", "nl.dpk",

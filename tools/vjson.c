@@ -263,6 +263,7 @@ typedef struct ps {
   size_t cap, len;
   char *key;      /* the member key being read */
   size_t keycap, keylen;
+  const char *key_at; /* where that key starts: a duplicate is reported there */
 } ps_t;
 
 static int perr(ps_t *ps, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -470,6 +471,7 @@ static json_t *parse_token(ps_t *ps) {
 static int parse_key(ps_t *ps) {
   skip_ws(ps);
   if (ps->p >= ps->end || *ps->p != '"') return perr(ps, "%s", ps->p < ps->end ? "string or '}' expected" : "premature end of input");
+  ps->key_at = ps->p;
   if (parse_string(ps)) return -1;
   if (ps->len + 1 > ps->keycap) {
     char *k = realloc(ps->key, ps->len + 1);
@@ -487,7 +489,7 @@ static int parse_key(ps_t *ps) {
 }
 
 json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_t *errpos) {
-  ps_t ps = {text, text + n, text, msg, msgsize, NULL, 0, 0, NULL, 0, 0};
+  ps_t ps = {text, text + n, text, msg, msgsize, NULL, 0, 0, NULL, 0, 0, NULL};
   json_t **stack = malloc(sizeof *stack * (VJSON_MAX_JSON_DEPTH + 1));
   size_t top = 0;
   json_t *root = NULL;
@@ -544,6 +546,7 @@ json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_
             break;
           }
           if (json_object_getn(c, ps.key, ps.keylen)) {
+            ps.p = ps.key_at;
             bad = perr(&ps, "duplicate object key");
             break;
           }
