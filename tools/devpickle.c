@@ -37,7 +37,8 @@ static const char *const usage_main =
     "\n"
     "FILE may be '-' for stdin (and -o - for stdout), named <stdin> and <stdout>\n"
     "in messages; after '--' every argument is a file name, one starting with\n"
-    "'-' too (devpickle verify -- -x.dpk).\n"
+    "'-' too (devpickle verify -- -x.dpk), but '-' alone is still stdin (./- is\n"
+    "a file named -). An option given twice is a usage error.\n"
     "Run 'devpickle <command> --help' for a command's options.\n"
     "\n"
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
@@ -356,6 +357,7 @@ static int parse_args(const char *cmd, const char *help, int argc, char **argv, 
       return stdout_done(0) ? EXIT_DATA : -1;
     } else if (allow_o && (strcmp(s, "-o") == 0 || strcmp(s, "--output") == 0)) {
       if (++i == argc) return usage_error(cmd, "%s needs a file name", s);
+      if (a->out) return usage_error(cmd, "%s", "-o given twice");
       a->out = argv[i];
     } else if (flag && strcmp(s, flag) == 0) {
       a->flag = 1;
@@ -740,13 +742,16 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
                strcmp(s, "--timeout") == 0) {
       if (++i == argc) return usage_error(cmd, "%s needs a value", s);
       if (strcmp(s, "--host") == 0) {
-        if (allow_o) a->host = argv[i];
-        else return usage_error(cmd, "unknown option '%s'", s);
+        if (!allow_o) return usage_error(cmd, "unknown option '%s'", s);
+        if (a->host) return usage_error(cmd, "%s", "--host given twice");
+        a->host = argv[i];
       } else if (strcmp(s, "--timeout") == 0) {
+        if (a->timeout >= 0) return usage_error(cmd, "%s", "--timeout given twice");
         char *end;
         a->timeout = strtod(argv[i], &end);
         if (*end || !(a->timeout > 0) || a->timeout > 1e6) return usage_error(cmd, "bad --timeout '%s'", argv[i]);
       } else {
+        if (a->out) return usage_error(cmd, "%s", "-o given twice");
         a->out = argv[i];
       }
     } else if (s[0] == '-' && s[1] != '\0') {
