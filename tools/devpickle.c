@@ -38,7 +38,7 @@ static const char *const usage_main =
     "FILE may be '-' for stdin (and -o - for stdout), named <stdin> and <stdout>\n"
     "in messages; after '--' every argument is a file name, one starting with\n"
     "'-' too (devpickle verify -- -x.dpk), but '-' alone is still stdin (./- is\n"
-    "a file named -). An option given twice is a usage error.\n"
+    "a file named -). -o, --host or --timeout given twice is a usage error.\n"
     "Run 'devpickle <command> --help' for a command's options.\n"
     "\n"
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
