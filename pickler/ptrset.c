@@ -135,12 +135,12 @@ static int device_ok(dp_device_t d) {
 
 /* Errors are written where they happen, and passed through by every caller. */
 static int too_many(dp_error_t *err) {
-  return dp__err(err, DP_ELIMIT, "a pointer set holds at most %u entries", UINT32_MAX - 2);
+  return dp__err(err, DP_ELIMIT, "a pointer set holds at most %u entries", DP_PTRSET_MAX_ENTRIES);
 }
 
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
                           size_t slot, size_t *index, dp_error_t *err) {
-  if (s->count >= UINT32_MAX - 1) return too_many(err);
+  if (s->count >= DP_PTRSET_MAX_ENTRIES) return too_many(err);
   if (dp__table_full(&s->tab)) {
     int rc = dp__table_grow(&s->tab, DP_TABLE_TAGGED, s->count, 64, entry_hash, s);
     if (rc == DP_ELIMIT) return too_many(err);
@@ -177,8 +177,8 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
 }
 
 int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
-  size_t need = s->count + n;  /* both bounded by memory held */
-  if (need >= UINT32_MAX - 1) return DP_ELIMIT;
+  if (n > DP_PTRSET_MAX_ENTRIES - s->count) return DP_ELIMIT;
+  size_t need = s->count + n;
   if (need * 2 > s->tab.nslots) {
     size_t slots = s->tab.nslots > 64 ? s->tab.nslots : 64;  /* a power of two */
     while (slots < need * 2) slots *= 2;

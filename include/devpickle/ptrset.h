@@ -37,6 +37,9 @@ typedef struct dp_ptrset dp_ptrset_t;
 #define DP_PATH_MAX 1024      /* bytes of a whole path */
 #define DP_PATH_HEAD 256      /* an elided path: bytes of its head ("$" included) */
 #define DP_PATH_TAIL 704      /* an elided path: bytes of its tail */
+/* Entries in one set (2^32 - 3; positions are 32-bit). One more is DP_ELIMIT,
+ * by whichever call (add, add_many, scan) it would be added. */
+#define DP_PTRSET_MAX_ENTRIES 4294967293u
 
 typedef struct dp_ptr_info {
   dp_device_t device;
@@ -57,7 +60,8 @@ DP_API void dp_ptrset_clear(dp_ptrset_t *set);
 
 /** Adds an allocation (or finds it) and counts one more tensor on it.
  *  *index (may be NULL) receives its position in discovery order. When the
- *  same base is met with another size the larger size is kept. */
+ *  same base is met with another size the larger size is kept. DP_ELIMIT
+ *  when a new entry would pass DP_PTRSET_MAX_ENTRIES. */
 DP_API int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbytes,
                          size_t *index, dp_error_t *err);
 /** Adds n allocations in order, with the result of n dp_ptrset_add calls
@@ -65,7 +69,8 @@ DP_API int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_
  *  device's hash key is derived once and the table's slots are fetched
  *  ahead. indices (may be NULL) receives each item's position. Room for n
  *  new entries is made first, so DP_ELIMIT comes when the count plus n
- *  would pass the set's limit, even if some items are in the set already.
+ *  would pass DP_PTRSET_MAX_ENTRIES, even if some items are in the set
+ *  already.
  *  DP_EINVAL (an invalid device, naming the item), DP_ENOMEM or DP_ELIMIT
  *  change nothing; DP_ENOMEM for the first item of a new device leaves the
  *  items before it added. */
