@@ -127,8 +127,10 @@ DP_API int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *fra
 
 /* ---- unpickle ---- */
 
-/** Binds buffer `desc` to a local storage (*out, a new reference). On
- *  failure, what the callback left in *out is released by the library. */
+/** Binds buffer `desc` to a local storage (*out, a new reference) of at
+ *  least desc->nbytes bytes, on any device; no storage, or a smaller one, is
+ *  DP_EINVAL. On failure, what the callback left in *out is released by the
+ *  library, and err->offset is that of the buffer's descriptor. */
 typedef int (*dp_bind_cb)(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err);
 
 /** Rebuilds an allowed custom from its state. The state is borrowed and must

@@ -135,7 +135,8 @@ DP_API void dp_value_collect(void);
 DP_API uint32_t dp_value_refcount(dp_value_t v);
 
 /* ---- str and bytes: immutable, length-counted ---- */
-/** Copies n bytes of UTF-8 (validated: DP_EINVAL if malformed). */
+/** Copies n bytes of UTF-8 (validated: DP_EINVAL if malformed). The text
+ *  (bytes_new: p) may be NULL only when n is 0. */
 DP_API int dp_str_new(const char *s, size_t n, dp_value_t *out, dp_error_t *err);
 DP_API int dp_bytes_new(const void *p, size_t n, dp_value_t *out, dp_error_t *err);
 /** Borrowed pointer and length. The str data is NUL-terminated too. */
@@ -144,7 +145,8 @@ DP_API const uint8_t *dp_bytes_data(dp_value_t b, size_t *len);
 
 /* ---- list and tuple ---- */
 DP_API int dp_list_new(size_t capacity, dp_value_t *out, dp_error_t *err);
-/** Appends (steals item). */
+/** Appends (steals item). DP_EINVAL when list is not a list (a tuple has
+ *  a fixed length). */
 DP_API int dp_list_append(dp_value_t list, dp_value_t item, dp_error_t *err);
 /** A tuple of n items, each none until set. Tuples are fixed-length. */
 DP_API int dp_tuple_new(size_t n, dp_value_t *out, dp_error_t *err);
@@ -156,7 +158,8 @@ DP_API dp_value_t dp_seq_get(dp_value_t seq, size_t i);
  *  A tuple is filled this way while it is built: one already used as a dict
  *  key (or inside one) must not change — the dict keeps its hash and its
  *  uniqueness, and a frame written from it could hold a key the reader
- *  refuses (unhashable, or a duplicate). */
+ *  refuses (unhashable, or a duplicate). DP_EINVAL when seq is not a list
+ *  or tuple or i is out of range. */
 DP_API int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err);
 
 /* ---- dict: insertion-ordered; keys none/bool/int/float/str/bytes or tuples
@@ -164,7 +167,9 @@ DP_API int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err
  * (docs/FORMAT.md: a key is walked when hashed and compared). Keys compare by kind and content: int 1 and float 1.0 are
  * different keys; floats compare bitwise (a NaN key finds itself). ---- */
 DP_API int dp_dict_new(size_t capacity, dp_value_t *out, dp_error_t *err);
-/** Inserts or replaces (steals key and val). DP_ETYPE for an unhashable key. */
+/** Inserts or replaces (steals key and val); a replaced entry keeps its
+ *  position. DP_ETYPE for an unhashable key, DP_EINVAL when dict is not a
+ *  dict. */
 DP_API int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error_t *err);
 /** Looks key up (borrowed key). 0 and *val borrowed, or DP_ENOTFOUND
  *  (also for an unhashable key); DP_EINVAL when dict is not a dict. */
@@ -216,9 +221,12 @@ DP_API size_t dp_dtype_size(dp_dtype_t d);             /* bytes per element; 0 i
 
 /** A view (steals storage). strides NULL means contiguous (DP_EINVAL when
  *  those strides overflow int64, even for a view with a 0 dimension: give
- *  strides then); strides and offset count elements. DP_EINVAL unless every addressed element lies inside the
- *  storage (negative strides allowed when they stay inside): with lo and hi
- *  the lowest and highest element index addressed, lo >= 0 and
+ *  strides then); strides and offset count elements. Shape entries and the
+ *  offset lie in 0..2^63-1, strides in -(2^63-1)..2^63-1 (INT64_MIN is
+ *  DP_EINVAL: the format cannot carry it), ndim in 0..DP_TENSOR_MAX_DIMS.
+ *  DP_EINVAL unless every addressed element lies inside the storage
+ *  (negative strides allowed when they stay inside): with lo and hi the
+ *  lowest and highest element index addressed, lo >= 0 and
  *  (hi + 1) * itemsize <= nbytes, computed exactly (a view whose extent
  *  overflows 64 bits is refused). A view with a 0 dimension addresses
  *  nothing and always fits; any other has at most DP_TENSOR_MAX_ELEMENTS
@@ -238,7 +246,7 @@ DP_API int64_t dp_tensor_offset(dp_value_t t);
  * out as C strings); DP_EINVAL otherwise. */
 DP_API int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err);
 /** Sets an attribute (steals val). A new name is appended; an existing one
- *  keeps its position. */
+ *  keeps its position. DP_EINVAL when obj is not an object. */
 DP_API int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *err);
 /** Borrowed attribute, or DP_ENOTFOUND; DP_EINVAL when obj is not an
  *  object. */
@@ -290,7 +298,9 @@ DP_API void *dp_custom_data(dp_value_t c);
  *  compare equal when their unrollings do). With DP_EQ_SHARING: also the
  *  same pattern of shared nodes and cycles, as a round trip preserves.
  *  Tensors compare storage device, base and nbytes, dtype, shape, strides and
- *  offset; customs compare by identity; floats bitwise.
+ *  offset; customs compare by identity; floats bitwise. Dicts and objects
+ *  compare as mappings, their order aside (with DP_EQ_SHARING too): two
+ *  equal dicts filled in different orders pickle to different bytes.
  *  Returns 1 equal, 0 not, or a negative DP_E* (DP_ENOMEM, with err). */
 DP_API int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t *err);
 
