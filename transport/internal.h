@@ -138,8 +138,8 @@ typedef struct dp__am_shm_piece {
  *  do not wait for the caller's streams (the ordering tests' negative
  *  controls). */
 extern int dp__transport_skip_events;
-/** 1: the sender ignores its peer's credit for small frames (the
- *  receiver's check of it is then tested). */
+/** 1: the sender ignores its peer's credit (the receiver's check of it is
+ *  then tested). */
 extern int dp__transport_skip_credit;
 /** 1: host:N memory is staged as cuda memory is (it is host memory, read
  *  and written directly otherwise), so that the staging path runs on a

@@ -26,9 +26,12 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
 
 /* What a value costs of its sender's credit: its frame and its buffers
  * (internal.h, CREDIT), saturated (a header may say anything). */
-static uint64_t credit_of(const dp__am_frame_hdr_t *h, size_t len) {
-  return h->buf_bytes > UINT64_MAX - len ? UINT64_MAX : len + h->buf_bytes;
+static uint64_t sat_add(uint64_t a, uint64_t b) {
+  uint64_t r;
+  return dp__add_ovf(a, b, &r) ? UINT64_MAX : r;
 }
+
+static uint64_t credit_of(const dp__am_frame_hdr_t *h, size_t len) { return sat_add(len, h->buf_bytes); }
 
 /* A frame message: check and unpickle the frame, binding its buffers to new
  * receive allocations. A frame the unpickler refuses fails this message
@@ -424,7 +427,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
 static void grant(dp_transport_t *t, dp_endpoint_t *ep) {
   uint64_t window = t->max_inflight > DP__CREDIT_INITIAL ? t->max_inflight : DP__CREDIT_INITIAL;
   if (ep->credit_taken < ep->credit_granted && ep->credit_granted - ep->credit_taken > window / 2) return;
-  ep->credit_granted = ep->credit_taken > UINT64_MAX - window ? UINT64_MAX : ep->credit_taken + window;
+  ep->credit_granted = sat_add(ep->credit_taken, window);
   dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, 0, ep->credit_granted};
   dp__tp_ctl_queue(ep, DP__AM_CREDIT, &c, sizeof c);
 }
@@ -433,7 +436,7 @@ static void grant(dp_transport_t *t, dp_endpoint_t *ep) {
  * the credit its value took goes back to the sender. */
 static void taken(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m) {
   ep->held -= m->held;
-  ep->credit_taken = m->charge > UINT64_MAX - ep->credit_taken ? UINT64_MAX : ep->credit_taken + m->charge;
+  ep->credit_taken = sat_add(ep->credit_taken, m->charge);
   grant(t, ep);
 }
 
@@ -670,7 +673,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
        them before that one, which the sender posted below its grant. */
     const dp__am_frame_hdr_t *fh = (const dp__am_frame_hdr_t *)h;
     uint64_t charge = credit_of(fh, len);
-    uint64_t in = charge > UINT64_MAX - ep->credit_in ? UINT64_MAX : ep->credit_in + charge;
+    uint64_t in = sat_add(ep->credit_in, charge);
     int top = fh->seq >= ep->credit_top;
     if (in - (top ? charge : ep->credit_top_charge) >= ep->credit_granted) {
       if (rndv) ucp_am_data_release(t->worker, data);

@@ -164,29 +164,24 @@ static int sop_start(dp_transport_t *t, sop_t *s) {
     int64_t now = now_ns();
     s->deadline = t->timeout_ns > INT64_MAX - now ? INT64_MAX : now + t->timeout_ns;
   }
-  /* cost > buf_bytes: the frame counts, so it goes by rendezvous (sop_cost) */
+  /* cost > buf_bytes: the frame counts, so it goes by rendezvous (sop_measure) */
   return post_msg(s, NULL, DP__AM_FRAME, &s->fh, sizeof s->fh, fb, flen,
                   s->cost > s->buf_bytes ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
 }
 
-/* What s counts against its endpoint's in-flight bound: its buffers, and
- * its frame when that goes by rendezvous (over DP__FRAME_EAGER_MAX: held by
- * the sender until the receiver pulls it). */
-static uint64_t sop_cost(const sop_t *s) {
-  if (s->kind == SOP_RAW) return 0;
+/* Sets what s counts against its endpoint's in-flight bound (cost: its
+ * buffers, and its frame when that goes by rendezvous — over
+ * DP__FRAME_EAGER_MAX, held by the sender until the receiver pulls it) and
+ * what it takes of the peer's credit (charge: its frame and its buffers, as
+ * its FRAME header gives them; internal.h, CREDIT). A raw message (tests)
+ * counts for neither; its receiver counts what its header says. */
+static void sop_measure(sop_t *s) {
+  s->cost = s->charge = 0;
+  if (s->kind == SOP_RAW) return;
   size_t flen = s->nbytes;
   if (s->frame) dp_frame_data(s->frame, &flen);
-  return s->buf_bytes + (flen > DP__FRAME_EAGER_MAX ? flen : 0);
-}
-
-/* What s takes of the peer's credit (internal.h, CREDIT): its frame and
- * its buffers, as its FRAME header gives them (a raw message, of tests:
- * nothing; its receiver counts what its header says). */
-static uint64_t sop_charge(const sop_t *s) {
-  if (s->kind == SOP_RAW) return 0;
-  size_t flen = s->nbytes;
-  if (s->frame) dp_frame_data(s->frame, &flen);
-  return flen + s->buf_bytes;
+  s->cost = s->buf_bytes + (flen > DP__FRAME_EAGER_MAX ? flen : 0);
+  s->charge = flen + s->buf_bytes;
 }
 
 
@@ -424,9 +419,8 @@ int dp__tp_ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
         continue;
       }
     }
-    s->cost = sop_cost(s);
+    sop_measure(s);
     if (ep->inflight && ep->inflight + s->cost > t->max_inflight) return 0;
-    s->charge = sop_charge(s);
     if (ep->credit_sent >= ep->credit_limit && !dp__transport_skip_credit) {
       if (!ep->credit_wait) ep->credit_wait = now_ns(); /* timed from now (check_timeouts) */
       return 0; /* the peer's credit is used: its CREDIT resumes the queue */
