@@ -10,6 +10,12 @@
  * device type, as the CUDA runtime is one per process. */
 static pthread_mutex_t registry_mu = PTHREAD_MUTEX_INITIALIZER;
 static dp_backend_t *registry[DP_DEVICE_TYPE_COUNT];
+/* A backend whose devices are unavailable (DP_ENODEV at init) stays so until
+ * dp_shutdown: its error is kept and returned, not found again at each call
+ * (without a GPU, each future with the default backend asked the CUDA
+ * runtime anew). */
+static dp_error_t unavailable[DP_DEVICE_TYPE_COUNT];
+_Atomic unsigned dp__backend_inits[DP_DEVICE_TYPE_COUNT];
 
 /* Stream-destroy listeners (internal.h). */
 static pthread_mutex_t listeners_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -40,7 +46,10 @@ int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err) {
   pthread_mutex_lock(&registry_mu);
   dp_backend_t *b = registry[type];
   int rc = 0;
-  if (!b) {
+  if (!b && unavailable[type].code) {
+    rc = unavailable[type].code;
+    if (err) *err = unavailable[type];
+  } else if (!b) {
     b = dp__alloc(sizeof *b);
     if (!b) {
       rc = dp__err(err, DP_ENOMEM, "out of memory creating a backend");
@@ -50,8 +59,12 @@ int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err) {
     b->type = type;
     b->name = type == DP_DEVICE_HOST ? "host" : "cuda";
     b->ops = ops;
-    if ((rc = ops->init(b, err)) != 0) {
+    dp_error_t why = {0};
+    dp__backend_inits[type]++;
+    if ((rc = ops->init(b, &why)) != 0) {
       dp__free(b, sizeof *b);
+      if (rc == DP_ENODEV) unavailable[type] = why;
+      if (err) *err = why;
       goto out;
     }
     b->devs = dp__alloc_array((size_t)b->ndev, sizeof(dp__devstate_t));
@@ -295,6 +308,7 @@ void dp__device_shutdown(void) {
   for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
     gone[t] = registry[t];
     registry[t] = NULL;
+    unavailable[t].code = 0;
   }
   pthread_mutex_unlock(&registry_mu);
   for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {

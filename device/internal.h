@@ -107,6 +107,8 @@ struct dp_backend {
 };
 
 extern const dp__backend_ops_t dp__host_ops;
+/* Calls of each type's init (tests: an unavailable backend is asked once). */
+extern _Atomic unsigned dp__backend_inits[DP_DEVICE_TYPE_COUNT];
 extern const dp__backend_ops_t dp__cuda_ops;
 
 /* Stream-destroy notices. A module above that keeps stream pointers (the

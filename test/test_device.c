@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "helpers.h"
+#include "../device/internal.h" /* dp__backend_inits */
 
 static void setup(void) {
   unsetenv("DEVPICKLE_BACKEND");
@@ -366,6 +367,25 @@ Test(device, forcing_cuda_without_a_gpu_is_an_error_not_a_fallback) {
   setenv("DEVPICKLE_BACKEND", "tpu", 1);
   cr_assert_eq(dp_backend_default(&b, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND=tpu: expected host or cuda");
+}
+
+Test(device, an_unavailable_cuda_is_asked_once_until_shutdown) {
+  dp_backend_t *b;
+  dp_error_t e, again;
+  if (dp_backend_get(DP_DEVICE_CUDA, &b, NULL) == 0) cr_skip_test("a CUDA device is usable here");
+  dp_shutdown();
+  unsigned before = dp__backend_inits[DP_DEVICE_CUDA];
+  cr_assert_eq(dp_backend_get(DP_DEVICE_CUDA, &b, &e), DP_ENODEV);
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(dp_backend_get(DP_DEVICE_CUDA, &b, &again), DP_ENODEV);
+    cr_assert_str_eq(again.message, e.message, "the same reason each time");
+    OK_WITH(&again, dp_backend_default(&b, &again));
+    cr_assert_str_eq(dp_backend_name(b), "host");
+  }
+  cr_assert_eq(dp__backend_inits[DP_DEVICE_CUDA] - before, 1, "the driver was asked once, not at each call");
+  dp_shutdown();
+  cr_assert_eq(dp_backend_get(DP_DEVICE_CUDA, &b, NULL), DP_ENODEV);
+  cr_assert_eq(dp__backend_inits[DP_DEVICE_CUDA] - before, 2, "dp_shutdown forgets the answer");
 }
 
 Test(device, devices_are_checked_against_the_backend) {

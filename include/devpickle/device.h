@@ -55,7 +55,9 @@ typedef struct dp_event dp_event_t;
 
 /** The backend for DP_DEVICE_CUDA or DP_DEVICE_HOST. CUDA without a usable
  *  driver or device (or in a build without CUDA) is DP_ENODEV, with the
- *  reason in err; any other type (DP_DEVICE_CPU included) is DP_EINVAL. */
+ *  reason in err; that answer is kept: later calls return it without asking
+ *  the driver again, until dp_shutdown(). Any other type (DP_DEVICE_CPU
+ *  included) is DP_EINVAL. */
 DP_API int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err);
 
 /** The default backend: `cuda` when a GPU is usable, else `host`. The
