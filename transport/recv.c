@@ -1,5 +1,6 @@
 /* transport/recv.c — receiving: frames, buffers, their order and checks, delivery. */
 #include "tp.h"
+#include "../pickler/frame.h" /* dp__unpickle_checked */
 
 /* ---- receiving ---- */
 
@@ -75,9 +76,16 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
       o.bind = bind_cb;
       o.bind_ud = ctx;
     }
-    rc = dp_unpickle(data, len, &o, &m->value, &m->error);
+    const uint8_t *b = data; /* checked above: its checksum is not computed twice */
+    rc = dp__unpickle_checked(b, &info, b + DP_FRAME_HEADER + info.payload_len + info.table_len, &o, &m->value,
+                              &m->error);
   }
-  if (!rc && !m->nbuf && pulled) { /* a self-contained frame: kept for recv_frame */
+  /* a self-contained frame is kept for a recv_frame, unless a value
+     receive takes it at once (nothing queued before it) */
+  int taken_now = !ep->rq_head && ep->w_head && !ep->w_head->frame;
+  if (!rc && !m->nbuf && taken_now) {
+    /* nothing to keep */
+  } else if (!rc && !m->nbuf && pulled) { /* a self-contained frame: kept for recv_frame */
     m->frame_copy = *pulled; /* allocated as frame_copy is, len ? len : 1 */
     m->frame_len = len;
     *pulled = NULL;
