@@ -586,10 +586,18 @@ static int join_device(dp_future_t *f, size_t i, dp_stream_t *s, dp_error_t *err
   return rc;
 }
 
+static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
+
 int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (!f) return dp__err(err, DP_EINVAL, "dp_future_wait: NULL future");
+  return wait_as("dp_future_wait", f, timeout_ns, err);
+}
+
+/* dp_future_wait, its timeout named as fn's */
+static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   int state = wait_done(f, timeout_ns);
-  if (state == PENDING) return dp__err(err, DP_ETIMEDOUT, "the future did not complete within %lld ns", (long long)timeout_ns);
+  if (state == PENDING)
+    return dp__err(err, DP_ETIMEDOUT, "%s: the future did not complete within %lld ns", fn, (long long)timeout_ns);
   if (state == FAILED) return get_error(f, err);
   for (size_t i = 0; i < f->rec.ndevs; i++) {
     dp_stream_t *s;
@@ -609,7 +617,7 @@ static int64_t mono_ns(void) {
 int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (!f) return dp__err(err, DP_EINVAL, "dp_future_synchronize: NULL future");
   int64_t start = timeout_ns >= 0 ? mono_ns() : 0;
-  int rc = dp_future_wait(f, timeout_ns, err);
+  int rc = wait_as("dp_future_synchronize", f, timeout_ns, err);
   for (size_t i = 0; rc == 0 && i < f->rec.ndevs; i++) {
     dp_event_t *ev = f->rec.devs[i].ev;
     if (timeout_ns < 0) {
@@ -624,7 +632,7 @@ int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
       if (q < 0) return q;
       int64_t left = timeout_ns - (mono_ns() - start);
       if (left <= 0)
-        return dp__err(err, DP_ETIMEDOUT, "the future's events did not complete within %lld ns",
+        return dp__err(err, DP_ETIMEDOUT, "dp_future_synchronize: the future's events did not complete within %lld ns",
                        (long long)timeout_ns);
       struct timespec ts = {0, (long)(nap < left ? nap : left)};
       nanosleep(&ts, NULL);

@@ -582,7 +582,7 @@ Test(future, synchronize_keeps_to_its_timeout_while_the_events_are_behind_other_
   clock_gettime(CLOCK_MONOTONIC, &t1);
   double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
   cr_assert(ms >= 19 && ms < 2000, "returned after %.1f ms", ms);
-  cr_assert_str_eq(e.message, "the future's events did not complete within 20000000 ns");
+  cr_assert_str_eq(e.message, "dp_future_synchronize: the future's events did not complete within 20000000 ns");
   /* negative control: without a limit it waits for the work */
   pthread_t th;
   pthread_create(&th, NULL, open_gate_later, &gate);
@@ -662,7 +662,7 @@ Test(future, a_timed_wait_is_not_stretched_when_the_wall_clock_steps_forward, .t
   int rc = dp_future_wait(f, 20 * 1000000, &e);
   atomic_store(&wall_clock_step_s, 0);
   cr_assert_eq(rc, DP_ETIMEDOUT);
-  cr_assert_str_eq(e.message, "the future did not complete within 20000000 ns");
+  cr_assert_str_eq(e.message, "dp_future_wait: the future did not complete within 20000000 ns");
   dp_future_release(f);
 }
 
@@ -670,7 +670,7 @@ Test(future, wait_times_out_on_a_pending_future) {
   dp_future_t *f = future();
   dp_error_t e;
   cr_assert_eq(dp_future_wait(f, 20 * 1000000, &e), DP_ETIMEDOUT);
-  cr_assert_str_eq(e.message, "the future did not complete within 20000000 ns");
+  cr_assert_str_eq(e.message, "dp_future_wait: the future did not complete within 20000000 ns");
   cr_assert_not(dp_future_is_done(f));
   dp_future_release(f);
 }

@@ -514,8 +514,18 @@ Test(transport, progress_and_wait_on_a_threaded_or_null_transport) {
   dp_future_t *f;
   OK(dp_future_new(NULL, &f, T_ERR));
   cr_assert_eq(dp_transport_wait(t, f, 1000000, &e), DP_ETIMEDOUT);
+  cr_assert_str_eq(e.message, "dp_transport_wait: the future did not complete within 1000000 ns");
   OK(dp_future_mark_completed(f, dp_int(3), T_ERR));
   OK_WITH(&e, dp_transport_wait(t, f, 0, &e));
+  dp_future_release(f);
+  dp_transport_free(t);
+  /* caller-driven: the same message */
+  dp_transport_opts_t o = {0};
+  o.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  t = new_transport(&o);
+  OK(dp_future_new(NULL, &f, T_ERR));
+  cr_assert_eq(dp_transport_wait(t, f, 1000000, &e), DP_ETIMEDOUT);
+  cr_assert_str_eq(e.message, "dp_transport_wait: the future did not complete within 1000000 ns");
   dp_future_release(f);
   dp_transport_free(t);
   cur_t = NULL;
