@@ -72,6 +72,14 @@ static res_t run(const char *args) {
   return r;
 }
 
+/* Runs a shell script in the temp dir, with $D the CLI. */
+static res_t run_sh(const char *script) {
+  char abs[512], args[8192];
+  cr_assert_not_null(realpath(cli, abs));
+  snprintf(args, sizeof args, "--version >/dev/null; D='%s'; %s", abs, script);
+  return run(args);
+}
+
 static void res_free(res_t r) {
   free(r.out);
   free(r.err);
@@ -310,6 +318,52 @@ Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
     cr_assert_str_eq(r.err, "devpickle: d.dpk: read error: Is a directory\n", "%s", streamed[i]);
     res_free(r);
   }
+}
+
+/* The frame commands read a pipe up to the frame's end and at most 64 KiB
+ * past it: an endless pipe behind a frame is refused, never read to its end. */
+Test(cli, a_frame_followed_by_an_endless_pipe_is_refused_once_64_kib_follow_it_by_every_frame_command,
+     .timeout = 60) {
+  spit("v.json", "[1]");
+  res_free(run("pack v.json -o f.dpk"));
+  static const char *const cmds[] = {"verify", "dump", "inspect", "unpack", "send"};
+  for (int i = 0; i < 5; i++) {
+    char script[160];
+    /* timeout: a command that reads on to the pipe's end exits 124, not hangs the test */
+    snprintf(script, sizeof script, "cat f.dpk /dev/zero | timeout 20 \"$D\" %s -%s", cmds[i],
+             i == 4 ? " 127.0.0.1:1" : "");
+    res_t r = run_sh(script);
+    cr_assert_eq(r.status, 1, "%s: %s", cmds[i], r.err);
+    cr_assert_str_eq(r.err, "devpickle: <stdin>: more than 65536 bytes after the end of the frame (a stream holds "
+                            "one frame; the rest was not read), at byte 43\n", "%s", cmds[i]);
+    res_free(r);
+  }
+  /* up to 64 KiB are read and counted, as a file's are */
+  res_t r = run_sh("(cat f.dpk; head -c 65536 /dev/zero) | \"$D\" verify -");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: <stdin>: 65536 bytes after the end of the frame, at byte 43\n");
+  res_free(r);
+  r = run_sh("cat f.dpk | \"$D\" verify -");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_str_eq(r.out, "<stdin>: ok, 43 bytes, version 1, 0 buffers, 0 device pointers, self-contained\n");
+  res_free(r);
+}
+
+/* A terminal on stdin would wait, silently, for a frame no one types. */
+Test(cli, a_frame_command_refuses_a_terminal_on_stdin_instead_of_waiting_on_it) {
+  int m = posix_openpt(O_RDWR | O_NOCTTY);
+  cr_assert_geq(m, 0);
+  cr_assert_eq(grantpt(m), 0);
+  cr_assert_eq(unlockpt(m), 0);
+  char *slave = ptsname(m);
+  cr_assert_not_null(slave);
+  char script[512];
+  snprintf(script, sizeof script, "timeout 20 \"$D\" verify - < %s", slave);
+  res_t r = run_sh(script);
+  close(m);
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: <stdin>: is a terminal: a frame is binary (name a file, or pipe a frame in)\n");
+  res_free(r);
 }
 
 Test(cli, base64_with_bits_past_its_last_byte_and_a_name_given_twice_are_refused_never_changed) {
@@ -901,13 +955,6 @@ Test(cli, the_streamed_reader_fails_cleanly_at_every_allocation_and_matches_the_
 /* ---- output linear in the frame; paths and names as docs/FORMAT.md ("Paths") says ---- */
 
 /* Runs a shell script in the temp dir, with $D the CLI. */
-static res_t run_sh(const char *script) {
-  char abs[512], args[8192];
-  cr_assert_not_null(realpath(cli, abs));
-  snprintf(args, sizeof args, "--version >/dev/null; D='%s'; %s", abs, script);
-  return run(args);
-}
-
 static size_t count_of(const char *hay, const char *needle) {
   size_t n = 0;
   for (const char *p = hay; (p = strstr(p, needle)) != NULL; p += strlen(needle)) n++;

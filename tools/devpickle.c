@@ -39,6 +39,8 @@ static const char *const usage_main =
     "in messages; after '--' every argument is a file name, one starting with\n"
     "'-' too (devpickle verify -- -x.dpk), but '-' alone is still stdin (./- is\n"
     "a file named -). -o, --host or --timeout given twice is a usage error.\n"
+    "A frame on stdin is read up to its end and at most 64 KiB past it (more is\n"
+    "an error, so an endless pipe never holds a command); a terminal is refused.\n"
     "Run 'devpickle <command> --help' for a command's options.\n"
     "\n"
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
@@ -396,15 +398,125 @@ typedef struct loaded {
   size_t size;
 } loaded_t;
 
-static int file_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
-  FILE *f = ud;
-  *got = fread(dst, 1, n, f);
-  if (*got == 0 && ferror(f)) {
+/* A frame read from a file or a pipe. Its header gives its length; the
+ * stream is read up to that end and at most TRAIL_MAX bytes past it, to say
+ * that nothing follows (or how much does): an endless pipe behind a frame is
+ * refused once that much has come ("more than 65536 bytes after the end of
+ * the frame"), never read to its end. */
+#define FRAME_HEADER 40 /* docs/FORMAT.md, "Layout" */
+#define TRAIL_MAX 65536
+
+typedef struct src {
+  FILE *f;
+  uint64_t total;            /* bytes handed out */
+  uint64_t limit;            /* the frame's end plus TRAIL_MAX (UINT64_MAX until the header says) */
+  uint64_t end;              /* the frame's end, once known */
+  uint8_t hdr[FRAME_HEADER];
+  size_t hdr_len;
+  int over;                  /* more than TRAIL_MAX bytes followed the frame */
+} src_t;
+
+static uint64_t le64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+  return v;
+}
+
+/* The frame's end once its header is in: 40 + payload + table + data,
+ * saturating (a header announcing more than 2^64 bytes is read as the
+ * library reads it, to the stream's end or its own). */
+static void src_header(src_t *s) {
+  if (memcmp(s->hdr, "DPKL", 4) != 0) return;
+  uint64_t end = FRAME_HEADER, len[3] = {le64(s->hdr + 8), le64(s->hdr + 16), le64(s->hdr + 24)};
+  for (int i = 0; i < 3; i++) end = len[i] > UINT64_MAX - end ? UINT64_MAX : end + len[i];
+  s->end = end;
+  s->limit = end > UINT64_MAX - TRAIL_MAX ? UINT64_MAX : end + TRAIL_MAX;
+}
+
+static int src_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  src_t *s = ud;
+  *got = 0;
+  if (s->total >= s->limit) { /* the frame and TRAIL_MAX bytes are in: one more byte says it all */
+    int c = fgetc(s->f);
+    if (c != EOF) {
+      s->over = 1;
+      snprintf(err->message, sizeof err->message,
+               "more than %d bytes after the end of the frame (a stream holds one frame; the rest was not read)",
+               TRAIL_MAX);
+      err->code = DP_EFORMAT;
+      return DP_EFORMAT;
+    }
+  } else {
+    if (n > s->limit - s->total) n = (size_t)(s->limit - s->total);
+    *got = fread(dst, 1, n, s->f);
+  }
+  if (*got == 0 && ferror(s->f)) {
     snprintf(err->message, sizeof err->message, "read error: %s", strerror(errno));
     err->code = DP_EIO;
     err->offset = -1;
     return DP_EIO;
   }
+  if (s->hdr_len < FRAME_HEADER) {
+    size_t k = *got < FRAME_HEADER - s->hdr_len ? *got : FRAME_HEADER - s->hdr_len;
+    memcpy(s->hdr + s->hdr_len, dst, k);
+    if ((s->hdr_len += k) == FRAME_HEADER) src_header(s);
+  }
+  s->total += *got;
+  return 0;
+}
+
+/* Opens FILE (or stdin) to read a frame. A terminal is refused: a frame is
+ * binary, and waiting there for one would look like a hang. */
+static int src_open(src_t *s, const char *path) {
+  memset(s, 0, sizeof *s);
+  s->limit = UINT64_MAX;
+  if (strcmp(path, "-") == 0 && isatty(STDIN_FILENO))
+    return data_error(display(path), "is a terminal: a frame is binary (name a file, or pipe a frame in)", -1);
+  s->f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
+  return s->f ? 0 : data_error(display(path), strerror(errno), -1);
+}
+
+static void src_close(src_t *s) {
+  if (s->f && s->f != stdin) fclose(s->f);
+}
+
+/* The error of a frame read through src: a read error is the system's
+ * message, without an offset; bytes past TRAIL_MAX are reported where the
+ * frame ended. */
+static int src_error(const src_t *s, const char *path, int rc, const dp_error_t *e) {
+  return data_error(display(path), e->message, rc == DP_EIO ? -1 : s->over ? (int64_t)s->end : e->offset);
+}
+
+/* Reads a whole frame (or stdin) into memory, as src_read bounds it. */
+static int read_frame(const char *path, uint8_t **out, size_t *n) {
+  src_t s;
+  int rc = src_open(&s, path);
+  if (rc) return rc;
+  size_t cap = 1 << 16, len = 0;
+  uint8_t *buf = malloc(cap);
+  dp_error_t e;
+  dp_error_clear(&e);
+  while (buf) {
+    size_t got;
+    if ((rc = src_read(&s, buf + len, cap - len, &got, &e)) != 0 || got == 0) break;
+    if ((len += got) < cap) continue;
+    uint8_t *nb = realloc(buf, cap * 2);
+    if (!nb) {
+      free(buf);
+      buf = NULL;
+      break;
+    }
+    buf = nb;
+    cap *= 2;
+  }
+  src_close(&s);
+  if (!buf) return data_error(display(path), "out of memory reading the file", -1);
+  if (rc) {
+    free(buf);
+    return src_error(&s, path, rc, &e);
+  }
+  *out = buf;
+  *n = len;
   return 0;
 }
 
@@ -417,21 +529,28 @@ static int load_command(const char *cmd, const char *help, int argc, char **argv
   dp_unpickle_opts_t o = cli_unpickle_opts();
   if (whole) {
     uint8_t *bytes;
-    if ((rc = read_all(l->a.file, &bytes, &l->size)) != 0) return rc;
+    if ((rc = read_frame(l->a.file, &bytes, &l->size)) != 0) return rc;
     rc = dp_unpickle(bytes, l->size, &o, &l->v, &e);
     if (rc == 0) dp_frame_check(bytes, l->size, &l->info, NULL);
     free(bytes);
-  } else {
-    FILE *f = strcmp(l->a.file, "-") == 0 ? stdin : fopen(l->a.file, "rb");
-    if (!f) return data_error(display(l->a.file), strerror(errno), -1);
-    uint64_t size = 0;
-    rc = dp_unpickle_stream(file_read, f, &o, &l->v, &l->info, &size, &e);
-    l->size = (size_t)size;
-    if (f != stdin) fclose(f);
+    return rc ? data_error(display(l->a.file), e.message, e.offset) : 0;
   }
-  /* a read error is the system's message, as read_all gives it: no offset */
-  return rc ? data_error(display(l->a.file), e.message, rc == DP_EIO ? -1 : e.offset) : 0;
+  src_t s;
+  if ((rc = src_open(&s, l->a.file)) != 0) return rc;
+  uint64_t size = 0;
+  rc = dp_unpickle_stream(src_read, &s, &o, &l->v, &l->info, &size, &e);
+  l->size = (size_t)size;
+  src_close(&s);
+  return rc ? src_error(&s, l->a.file, rc, &e) : 0;
 }
+
+/* How a frame is read from stdin, in every --help that reads one. */
+#define STDIN_FRAME                                                              \
+  "A pipe is read as it comes, up to the\n"                                     \
+  "frame's end (the header gives its length) and at most 64 KiB past it, to\n" \
+  "see that nothing follows: the command ends when the pipe closes, or with\n"  \
+  "an error as soon as more than 64 KiB follow the frame. A terminal is\n"      \
+  "refused.\n"
 
 /* ---- pack ---- */
 
@@ -462,8 +581,8 @@ static int cmd_pack(int argc, char **argv) {
   args_t a;
   int rc = parse_args("pack", help_pack, argc, argv, &a, 1, 1, NULL);
   if (rc) return rc < 0 ? 0 : rc;
-  uint8_t *text;
-  size_t len;
+  uint8_t *text = NULL;
+  size_t len = 0;
   if ((rc = read_all(a.file, &text, &len)) != 0) return rc;
   char msg[2048];
   size_t pos = 0;
@@ -518,7 +637,8 @@ static const char *const help_unpack =
     "{\"$id\": ..., \"$value\": ...} and {\"$ref\": ...}.\n"
     "The JSON is indented two spaces a level; --compact writes it without\n"
     "spaces or newlines (a deeply nested value is then far smaller).\n"
-    "Use - for stdin, -o - for stdout.\n"
+    "Use - for stdin, -o - for stdout. " STDIN_FRAME
+
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
     "at byte N'), a file that cannot be read or a failed write (one line on\n"
     "stderr); 2 usage.\n"
@@ -554,7 +674,8 @@ static const char *const help_dump =
     "--json prints one object:\n"
     "  {\"count\": N, \"devices\": [...], \"pointers\": [{\"device\": \"cuda:0\",\n"
     "   \"ptr\": \"0x...\", \"nbytes\": N, \"path\": \"$...\", \"refs\": K}, ...]}\n"
-    "Use - for stdin.\n"
+    "Use - for stdin. " STDIN_FRAME
+
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
     "at byte N'), a file that cannot be read or a failed write (one line on\n"
     "stderr); 2 usage.\n"
@@ -632,7 +753,8 @@ static const char *const help_inspect =
     "shown only in paths: a node first met there is shown in full at its\n"
     "first line. Long names and paths are shortened (docs/VALUE_JSON.md,\n"
     "\"Paths\").\n"
-    "Use - for stdin.\n"
+    "Use - for stdin. " STDIN_FRAME
+
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
     "at byte N'), a file that cannot be read or a failed write (one line on\n"
     "stderr); 2 usage.\n"
@@ -664,7 +786,8 @@ static const char *const help_verify =
     "whatever passes. An inline frame's data is checked as it streams by, not\n"
     "held. Prints one line, 'FILE: ok, ...', and exits 0; otherwise the error\n"
     "line ('devpickle: FILE: what, at byte N') and exit status 1; 2 usage.\n"
-    "Use - for stdin.\n"
+    "Use - for stdin. " STDIN_FRAME
+
     "Example: devpickle verify model.dpk\n";
 
 static int cmd_verify(int argc, char **argv) {
@@ -699,7 +822,9 @@ static const char *const help_send =
     "error line (the receiver's reason, or the connection's) and status 1.\n"
     "--timeout: give up when the whole exchange (send and answer) has taken\n"
     "SECONDS (default 60). UCX reads its own\n"
-    "environment (UCX_TLS, UCX_NET_DEVICES). Use - for stdin; 2 usage.\n"
+    "environment (UCX_TLS, UCX_NET_DEVICES). 2 usage.\n"
+    "Use - for stdin. " STDIN_FRAME
+
     "Example: devpickle recv 5000 -o got.dpk & devpickle send f.dpk 127.0.0.1:5000\n";
 
 static const char *const help_recv =
@@ -806,7 +931,7 @@ static int cmd_send(int argc, char **argv) {
   if (a.timeout < 0) a.timeout = 60;
   uint8_t *bytes;
   size_t n;
-  if ((rc = read_all(a.pos[0], &bytes, &n)) != 0) return rc;
+  if ((rc = read_frame(a.pos[0], &bytes, &n)) != 0) return rc;
   dp_error_t e;
   dp_error_clear(&e);
   dp_unpickle_opts_t o = cli_unpickle_opts();
