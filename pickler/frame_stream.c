@@ -126,8 +126,8 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
     goto done;
   }
   if (s.total != framed) {
-    rc = dp__err_at(err, DP_EFORMAT, (int64_t)framed, "%llu bytes after the end of the frame",
-                    (unsigned long long)(s.total - framed));
+    rc = dp__err_at(err, DP_EFORMAT, (int64_t)framed, "%llu byte%s after the end of the frame",
+                    (unsigned long long)(s.total - framed), s.total - framed == 1 ? "" : "s");
     goto done;
   }
   if ((rc = dp__frame_header_check(&fi, XXH3_64bits_digest(xs), err)) != 0) goto done;

@@ -828,13 +828,13 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
   if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_frame_check: NULL bytes");
   if (n < 4 || memcmp(b, DP_FRAME_MAGIC, 4) != 0) {
     if (n < 4 && (n == 0 || memcmp(b, DP_FRAME_MAGIC, n) == 0))
-      return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu bytes, the header needs %d", n,
-                        DP_FRAME_HEADER);
+      return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu byte%s, the header needs %d", n,
+                        n == 1 ? "" : "s", DP_FRAME_HEADER);
     return dp__err_at(err, DP_EFORMAT, 0, "not a devpickle frame (bad magic)");
   }
   if (n < DP_FRAME_HEADER)
-    return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu bytes, the header needs %d", n,
-                      DP_FRAME_HEADER);
+    return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu byte%s, the header needs %d", n,
+                      n == 1 ? "" : "s", DP_FRAME_HEADER);
   dp_frame_info_t fi;
   dp__frame_header_parse(b, &fi);
   uint64_t body = n - DP_FRAME_HEADER;
@@ -849,8 +849,9 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
   }
   if (fi.payload_len + fi.table_len + fi.data_len != body)
     return dp__err_at(err, DP_EFORMAT, (int64_t)(DP_FRAME_HEADER + fi.payload_len + fi.table_len + fi.data_len),
-                      "%llu bytes after the end of the frame",
-                      (unsigned long long)(body - fi.payload_len - fi.table_len - fi.data_len));
+                      "%llu byte%s after the end of the frame",
+                      (unsigned long long)(body - fi.payload_len - fi.table_len - fi.data_len),
+                      body - fi.payload_len - fi.table_len - fi.data_len == 1 ? "" : "s");
   int rc = dp__frame_header_check(&fi, dp__frame_checksum(b, n), err);
   if (rc) return rc;
   /* Count the buffers: the table opens with an array header. */

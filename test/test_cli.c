@@ -255,7 +255,7 @@ Test(cli, inspect_prints_paths_and_marks_shared_nodes) {
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_not_null(strstr(r.out, "$                                         list (3 items)"), "%s", r.out);
   cr_assert_not_null(strstr(r.out, "$[1]                                      -> $"), "%s", r.out);
-  cr_assert_not_null(strstr(r.out, "$[2]                                      str (1 bytes) \"s\""), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "$[2]                                      str (1 byte) \"s\""), "%s", r.out);
   res_free(r);
 }
 
@@ -363,6 +363,50 @@ Test(cli, a_frame_command_refuses_a_terminal_on_stdin_instead_of_waiting_on_it) 
   close(m);
   cr_assert_eq(r.status, 1);
   cr_assert_str_eq(r.err, "devpickle: <stdin>: is a terminal: a frame is binary (name a file, or pipe a frame in)\n");
+  res_free(r);
+}
+
+/* A count of one reads "1 byte", "1 buffer", never "1 bytes". */
+Test(cli, a_count_of_one_is_written_in_the_singular_in_output_and_messages) {
+  spit("one.json", "{\"s\": \"x\", \"t\": {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 1,"
+                   " \"dtype\": \"int8\", \"shape\": [1]}}}");
+  res_t r = run("pack one.json -o one.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("inspect one.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, ", 1 buffer, checksum "), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "$.s                                       str (1 byte) \"x\"\n"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "$.t                                       tensor int8[1] cpu 0x10 (1 byte) offset 0\n"),
+                     "%s", r.out);
+  res_free(r);
+  r = run("verify one.dpk");
+  cr_assert_str_eq(r.out, "one.dpk: ok, 64 bytes, version 1, 1 buffer, 1 device pointer, out-of-band\n");
+  res_free(r);
+  r = run("send one.dpk 127.0.0.1:1");
+  cr_assert_eq(r.status, 1);
+  cr_assert_not_null(strstr(r.err, "devpickle: one.dpk: the frame's 1 buffer is out-of-band: "), "%s", r.err);
+  res_free(r);
+  r = run_sh("printf D | \"$D\" verify -");
+  cr_assert_str_eq(r.err, "devpickle: <stdin>: truncated frame: 1 byte, the header needs 40, at byte 1\n");
+  res_free(r);
+  r = run_sh("(cat one.dpk; printf x) | \"$D\" dump -");
+  cr_assert_str_eq(r.err, "devpickle: <stdin>: 1 byte after the end of the frame, at byte 64\n");
+  res_free(r);
+  r = run_sh("(cat one.dpk; printf x) > two.dpk; \"$D\" unpack two.dpk");
+  cr_assert_str_eq(r.err, "devpickle: two.dpk: 1 byte after the end of the frame, at byte 64\n");
+  res_free(r);
+  pack_fails("s.json", "s.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, \"dtype\": \"int8\","
+             " \"shape\": [2, 1], \"strides\": [1]}}",
+             "devpickle: s.json: tensor has 1 stride for 2 dimensions, at $\n");
+  pack_fails("d.json", "d.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, \"dtype\": \"int8\","
+             " \"shape\": [2], \"data\": \"AA==\"}}",
+             "devpickle: d.json: tensor data has 1 byte, nbytes says 2, at $\n");
+  r = run("demo");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_null(strstr(r.out, "(s)"), "%s", r.out);
   res_free(r);
 }
 
@@ -1038,7 +1082,7 @@ Test(cli, inspect_and_pack_render_a_step_at_the_cost_of_what_it_shows_not_of_the
   r = run_sh("$D inspect keys.dpk | tail -n 1");
   cr_assert_eq(r.status, 0, "%s", r.err);
   char want[160]; /* the key's JSON cut at 64 bytes: its 12-byte head and 52 of the str's */
-  snprintf(want, sizeof want, "$[50000][{\"$tuple\":[\"%.52s\xe2\x80\xa6]  str (1 bytes) \"v\"", big);
+  snprintf(want, sizeof want, "$[50000][{\"$tuple\":[\"%.52s\xe2\x80\xa6]  str (1 byte) \"v\"", big);
   cr_assert_not_null(strstr(r.out, want), "%s", r.out);
   res_free(r);
   r = run_sh("$D unpack keys.dpk > keys.json && $D pack keys.json -o again.dpk && cmp keys.dpk again.dpk");

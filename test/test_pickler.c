@@ -1087,7 +1087,7 @@ Test(pickler, header_errors_name_what_is_wrong) {
   memcpy(b, b0, n);
   b[n] = 0;
   cr_assert_eq(dp_unpickle(b, n + 1, NULL, &out, &e), DP_EFORMAT);
-  cr_assert_str_eq(e.message, "1 bytes after the end of the frame");
+  cr_assert_str_eq(e.message, "1 byte after the end of the frame");
   b[n - 1] ^= 1;
   cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_ECHECKSUM);
   cr_assert_eq(e.offset, 32);

@@ -149,15 +149,16 @@ static void print_ptrs(const char *title, dp_value_t v) {
   for (size_t i = 0; i < dp_ptrset_count(set); i++) {
     dp_ptr_info_t p;
     dp_ptrset_get(set, i, &p, NULL);
-    printf("  %-7s %p %8zu bytes  refs %u  %s\n", dp_device_format(p.device, dev, sizeof dev), p.base, p.nbytes, p.refs,
-           p.path);
+    printf("  %-7s %p %8zu byte%s  refs %u  %s\n", dp_device_format(p.device, dev, sizeof dev), p.base, p.nbytes,
+           p.nbytes == 1 ? " " : "s", p.refs, p.path);
   }
   dp_ptrset_free(set);
 }
 
 static void print_events(const char *who, dp_future_t *f) {
   char dev[16];
-  printf("%s: %zu allocation(s), events on", who, dp_future_nptrs(f));
+  size_t n = dp_future_nptrs(f);
+  printf("%s: %zu allocation%s, events on", who, n, n == 1 ? "" : "s");
   for (size_t i = 0; i < dp_future_ndevices(f); i++)
     printf(" %s", dp_device_format(dp_future_device(f, i), dev, sizeof dev));
   printf("\n");
@@ -306,11 +307,13 @@ int demo_run(int argc, char **argv) {
     CHECK(0, "the unpickled value has no tensor 'out'");
   }
 
-  printf("record_stream: %ld call(s) covering %ld allocation(s)\n", record_calls, record_ptrs);
+  printf("record_stream: %ld call%s covering %ld allocation%s\n", record_calls, record_calls == 1 ? "" : "s",
+         record_ptrs, record_ptrs == 1 ? "" : "s");
   dp_cache_stats_t st;
   CHECK(dp_cache_stats(C, D, &st, &e) == 0, "stats: %s", e.message);
-  printf("allocator: %zu bytes allocated, %zu reserved, peak %zu, %llu hits, %zu pending block(s)\n", st.allocated,
-         st.reserved, st.peak_allocated, (unsigned long long)st.cache_hits, st.pending_blocks);
+  printf("allocator: %zu byte%s allocated, %zu reserved, peak %zu, %llu hit%s, %zu pending block%s\n", st.allocated,
+         st.allocated == 1 ? "" : "s", st.reserved, st.peak_allocated, (unsigned long long)st.cache_hits,
+         st.cache_hits == 1 ? "" : "s", st.pending_blocks, st.pending_blocks == 1 ? "" : "s");
 
   dp_value_release(back);
   dp_frame_free(frame);

@@ -945,8 +945,9 @@ static int cmd_send(int argc, char **argv) {
   if (dp_frame_check(bytes, n, &info, &e) == 0 && !(info.flags & 1u) && info.nbuffers) {
     /* refused before connecting: a receiver is never left without its frame */
     char what[160];
-    snprintf(what, sizeof what, "the frame's %u buffers are out-of-band: send moves self-contained frames "
-             "(inline: pack writes one when the tensors carry \"data\")", info.nbuffers);
+    snprintf(what, sizeof what, "the frame's %u buffer%s out-of-band: send moves self-contained frames "
+             "(inline: pack writes one when the tensors carry \"data\")", info.nbuffers,
+             info.nbuffers == 1 ? " is" : "s are");
     free(bytes);
     return data_error(display(a.pos[0]), what, -1);
   }

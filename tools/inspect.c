@@ -216,7 +216,7 @@ static void summary(FILE *out, dp_value_t v) {
     case DP_STR: {
       const char *s = dp_str_data(v, &n);
       size_t k = utf8_cut(s, n, 40);
-      fprintf(out, "str (%zu bytes) \"", n);
+      fprintf(out, "str (%zu byte%s) \"", n, n == 1 ? "" : "s");
       for (size_t i = 0; i < k; i++) {
         unsigned char c = (unsigned char)s[i];
         if (c < 0x20 || c == '"' || c == '\\') fprintf(out, c < 0x20 ? "\\u%04x" : "\\%c", c);
@@ -230,9 +230,10 @@ static void summary(FILE *out, dp_value_t v) {
       dp_storage_t *st = dp_tensor_storage(v);
       fprintf(out, "tensor %s[", dp_dtype_name(dp_tensor_dtype(v)));
       for (int d = 0; d < dp_tensor_ndim(v); d++) fprintf(out, "%s%" PRId64, d ? ", " : "", dp_tensor_shape(v)[d]);
-      fprintf(out, "] %s 0x%" PRIxPTR " (%zu bytes) offset %" PRId64 "\n",
-              dp_device_format(dp_storage_device(st), dev, sizeof dev), (uintptr_t)dp_storage_base(st),
-              dp_storage_nbytes(st), dp_tensor_offset(v));
+      n = dp_storage_nbytes(st);
+      fprintf(out, "] %s 0x%" PRIxPTR " (%zu byte%s) offset %" PRId64 "\n",
+              dp_device_format(dp_storage_device(st), dev, sizeof dev), (uintptr_t)dp_storage_base(st), n,
+              n == 1 ? "" : "s", dp_tensor_offset(v));
       return;
     }
     case DP_OBJECT: {

@@ -852,7 +852,9 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   json_t *sj = json_object_get(t, "strides");
   if (sj) {
     if ((rc = read_i64_array(r, sj, strides, DP_TENSOR_MAX_DIMS, &ns, "strides")) != 0) return rc;
-    if (ns != nd) return fail(r, DP_EINVAL, "tensor has %d strides for %d dimensions", ns, nd);
+    if (ns != nd)
+      return fail(r, DP_EINVAL, "tensor has %d stride%s for %d dimension%s", ns, ns == 1 ? "" : "s", nd,
+                  nd == 1 ? "" : "s");
   }
   json_t *oj = json_object_get(t, "offset");
   if (oj && !json_is_integer(oj)) return fail(r, DP_EINVAL, "tensor offset must be an integer");
@@ -866,7 +868,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
       return fail(r, DP_EINVAL, "tensor data is not canonical base64 (RFC 4648, padded, unused bits zero)");
     if (n != nbytes) {
       free(bytes);
-      return fail(r, DP_EINVAL, "tensor data has %zu bytes, nbytes says %zu", n, nbytes);
+      return fail(r, DP_EINVAL, "tensor data has %zu byte%s, nbytes says %zu", n, n == 1 ? "" : "s", nbytes);
     }
   }
 
