@@ -441,6 +441,30 @@ Test(cli, bad_value_json_names_the_problem_and_where) {
              "devpickle: view.json: tensor view exceeds its storage of 8 bytes, at $\n");
 }
 
+/* Editors on some systems start UTF-8 with a byte order mark: it is
+ * skipped (offsets count it, columns do not); UTF-16 is named as such. */
+Test(cli, pack_skips_a_utf8_byte_order_mark_and_names_a_utf16_one_and_any_byte_it_cannot_show) {
+  spit("plain.json", "{\"a\": [1, \"\xC3\xA9\"]}");
+  spit("bom.json", "\xEF\xBB\xBF{\"a\": [1, \"\xC3\xA9\"]}");
+  res_t r = run_sh("\"$D\" pack plain.json -o plain.dpk && \"$D\" pack bom.json -o bom.dpk && cmp plain.dpk bom.dpk");
+  cr_assert_eq(r.status, 0, "a byte order mark changes nothing: %s", r.err);
+  res_free(r);
+  pack_fails("bad.json", "x.dpk", "\xEF\xBB\xBF[1,]",
+             "devpickle: bad.json: invalid JSON: unexpected ']' (line 1, column 4), at byte 6\n");
+  pack_fails("u16.json", "x.dpk", "\xFF\xFE[",
+             "devpickle: u16.json: invalid JSON: a UTF-16 or UTF-32 byte order mark: value JSON is UTF-8 "
+             "(line 1, column 1), at byte 0\n");
+  pack_fails("e.json", "x.dpk", "[\xC3\xA9]",
+             "devpickle: e.json: invalid JSON: unexpected '\xC3\xA9' (line 1, column 2), at byte 1\n");
+  pack_fails("c3.json", "x.dpk", "[\xC3]",
+             "devpickle: c3.json: invalid JSON: unexpected byte 0xC3 (line 1, column 2), at byte 1\n");
+  r = run_sh("printf '[1]\\000' > nul.json; \"$D\" pack nul.json -o x.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: nul.json: invalid JSON: end of input expected, not byte 0x00 "
+                          "(line 1, column 4), at byte 3\n");
+  res_free(r);
+}
+
 Test(cli, the_examples_round_trip_and_the_demo_passes) {
   static const char *const ex[] = {"model", "shared_cycle", "mixed", "inline"};
   char cwd[512], abs[512];

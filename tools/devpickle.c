@@ -557,7 +557,8 @@ static int load_command(const char *cmd, const char *help, int argc, char **argv
 static const char *const help_pack =
     "usage: devpickle pack VALUE.json -o FRAME.dpk\n"
     "\n"
-    "Reads a value in value JSON (docs/VALUE_JSON.md) and writes it as a frame.\n"
+    "Reads a value in value JSON (docs/VALUE_JSON.md; UTF-8, a byte order mark\n"
+    "skipped) and writes it as a frame.\n"
     "Tensors naming the same device and ptr share one storage. When the tensors\n"
     "carry \"data\" (base64) the frame is inline: it holds the buffer bytes.\n"
     "The frame is checked as 'verify' would before it is written, and written\n"

@@ -324,6 +324,17 @@ static size_t utf8_seq(const unsigned char *p, const unsigned char *end) {
   return n;
 }
 
+/* The character at ps->p as a message shows it: 'c' for printable ASCII or
+ * a whole UTF-8 character, else its byte in hex (a NUL, a control
+ * character, a byte that starts no UTF-8 character). */
+static const char *char_at(const ps_t *ps, char *out, size_t size) {
+  unsigned char c = (unsigned char)*ps->p;
+  size_t n = utf8_seq((const unsigned char *)ps->p, (const unsigned char *)ps->end);
+  if ((c >= 0x20 && c < 0x7f) || (c >= 0x80 && n)) snprintf(out, size, "'%.*s'", (int)n, ps->p);
+  else snprintf(out, size, "byte 0x%02X", c);
+  return out;
+}
+
 static int hex4(ps_t *ps, uint32_t *out) {
   if (ps->end - ps->p < 4) return perr(ps, "invalid \\u escape");
   uint32_t v = 0;
@@ -461,7 +472,10 @@ static json_t *parse_token(ps_t *ps) {
     }
     default:
       if (*ps->p == '-' || (*ps->p >= '0' && *ps->p <= '9')) return parse_number(ps);
-      return perr(ps, "unexpected '%c'", *ps->p), NULL;
+      {
+        char ch[16];
+        return perr(ps, "unexpected %s", char_at(ps, ch, sizeof ch)), NULL;
+      }
   }
   if (!j) perr(ps, "out of memory");
   return j;
@@ -495,6 +509,15 @@ json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_
   json_t *root = NULL;
   int bad = !stack;
   if (bad) perr(&ps, "out of memory");
+  /* A UTF-8 byte order mark is skipped (RFC 8259 lets a parser ignore it);
+   * offsets still count it, columns do not. One of UTF-16 or UTF-32 says
+   * what the text is. */
+  if (!bad && n >= 3 && memcmp(text, "\xEF\xBB\xBF", 3) == 0) {
+    ps.s = ps.p = text + 3;
+  } else if (!bad && n >= 2 && (memcmp(text, "\xFF\xFE", 2) == 0 || memcmp(text, "\xFE\xFF", 2) == 0 ||
+                                (n >= 4 && memcmp(text, "\0\0\xFE\xFF", 4) == 0))) {
+    bad = perr(&ps, "a UTF-16 or UTF-32 byte order mark: value JSON is UTF-8");
+  }
   while (!bad) {
     /* ps.buf holds the key when the open container is an object */
     json_t *v = parse_token(&ps);
@@ -558,14 +581,16 @@ json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_
         top--;
         continue;
       }
-      bad = ps.p < ps.end ? perr(&ps, "unexpected '%c'", *ps.p) : perr(&ps, "premature end of input");
+      char ch[16];
+      bad = ps.p < ps.end ? perr(&ps, "unexpected %s", char_at(&ps, ch, sizeof ch)) : perr(&ps, "premature end of input");
       break;
     }
     if (bad || top == 0) break;
   }
   if (!bad) {
     skip_ws(&ps);
-    if (ps.p != ps.end) bad = perr(&ps, "end of input expected, not '%c'", *ps.p);
+    char ch[16];
+    if (ps.p != ps.end) bad = perr(&ps, "end of input expected, not %s", char_at(&ps, ch, sizeof ch));
   }
   free(stack);
   free(ps.buf);
