@@ -1301,30 +1301,31 @@ static void ucx_env(void) {
   setenv("UCX_NET_DEVICES", "lo", 0);
 }
 
-/* Starts `devpickle recv 0 ARGS...` in dir; returns its pid and the port it
- * says it listens on (read from its stderr, which then goes to dir/.recv). */
+/* Starts `devpickle recv 0 ... -o OUT` in dir; returns its pid and the port
+ * it says it listens on (read from its stderr, which goes to dir/.recv). */
 static pid_t start_recv(const char *out, int *port) {
   ucx_env();
-  int fds[2];
-  cr_assert_eq(pipe(fds), 0);
-  char abs[512];
+  char abs[512], errpath[128];
   cr_assert_not_null(realpath(cli, abs));
+  path_in(errpath, sizeof errpath, ".recv");
+  unlink(errpath); /* never the last receiver's port */
   pid_t pid = fork();
   cr_assert_neq(pid, -1);
   if (pid == 0) {
-    if (chdir(dir) != 0) _exit(99);
-    close(fds[0]);
-    dup2(fds[1], 2);
+    int fd = open(errpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0 || dup2(fd, 2) < 0 || chdir(dir) != 0) _exit(99);
     execl(abs, abs, "recv", "0", "--host", "127.0.0.1", "--timeout", "60", "-o", out, (char *)NULL);
     _exit(98);
   }
-  close(fds[1]);
-  char line[256];
-  size_t n = 0;
-  while (n < sizeof line - 1 && read(fds[0], line + n, 1) == 1 && line[n] != '\n') n++;
-  line[n] = 0;
-  close(fds[0]);
+  char *line = NULL;
+  for (int i = 0; i < 2000; i++) { /* up to 20 s for its first line */
+    free(line);
+    line = slurp(errpath, NULL);
+    if (strchr(line, '\n')) break;
+    usleep(10000);
+  }
   cr_assert_eq(sscanf(line, "devpickle recv: listening on port %d", port), 1, "recv said: %s", line);
+  free(line);
   return pid;
 }
 
@@ -1362,6 +1363,65 @@ Test(cli, send_and_recv_move_an_inline_frame_that_arrives_verified_and_written_w
   free(y);
   r = run("verify got.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+}
+
+/* A receiver that cannot write the frame says why, with the system's
+ * reason, and tells the sender, which fails with the same reason. */
+Test(cli, a_write_that_fails_on_the_receiver_is_an_error_with_its_reason_on_both_sides) {
+  spit("v.json", "[1, {\"$bytes\": \"AAE=\"}]");
+  res_t r = run("pack v.json -o f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  static const struct { const char *out, *why; } cases[] = {
+      {"/dev/full", "/dev/full: write failed: No space left on device"},
+      {"no/such/dir/got.dpk", "no/such/dir/got.dpk: No such file or directory"},
+  };
+  for (int i = 0; i < 2; i++) {
+    int port;
+    pid_t pid = start_recv(cases[i].out, &port);
+    char args[128], want[256];
+    snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 30", port);
+    r = run(args);
+    cr_assert_eq(wait_status(pid), 1, "recv exits 1 when it cannot write");
+    cr_assert_eq(r.status, 1, "send: %s", r.err);
+    snprintf(want, sizeof want, "devpickle: 127.0.0.1:%d: the receiver could not write the frame: %s\n", port,
+             cases[i].why);
+    cr_assert_str_eq(r.err, want);
+    res_free(r);
+    char path[128];
+    path_in(path, sizeof path, ".recv");
+    char *err = slurp(path, NULL);
+    snprintf(want, sizeof want, "devpickle recv: listening on port %d\ndevpickle: %s\n", port, cases[i].why);
+    cr_assert_str_eq(err, want);
+    free(err);
+  }
+}
+
+/* Every timeout names the command that timed out and its limit. */
+Test(cli, a_timeout_names_the_command_that_timed_out_what_it_waited_for_and_the_limit) {
+  ucx_env();
+  spit("v.json", "[1]");
+  res_t r = run("pack v.json -o f.dpk");
+  res_free(r);
+  /* a listener that never answers UCX's handshake */
+  int port, fd = t_loopback_socket(1, &port);
+  char args[128], want[160];
+  snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 0.5", port);
+  r = run(args);
+  close(fd);
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  snprintf(want, sizeof want,
+           "devpickle: 127.0.0.1:%d: send timed out: no answer from the receiver within 0.5 s (--timeout)\n", port);
+  cr_assert_str_eq(r.err, want);
+  res_free(r);
+  r = run("recv 0 --host 127.0.0.1 --timeout 0.25 -o never.dpk");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_eq(sscanf(r.err, "devpickle recv: listening on port %d", &port), 1, "%s", r.err);
+  snprintf(want, sizeof want,
+           "devpickle recv: listening on port %d\ndevpickle: 127.0.0.1:%d: recv timed out: no frame within 0.25 s "
+           "(--timeout)\n", port, port);
+  cr_assert_str_eq(r.err, want);
   res_free(r);
 }
 

@@ -74,8 +74,14 @@ static int usage_error(const char *cmd, const char *fmt, const char *arg) {
   return EXIT_USAGE;
 }
 
+/* The last error line, less its "devpickle: " (recv passes it on). */
+static char last_error[1400];
+
 /* One line on stderr: devpickle: FILE: what[, at byte N] */
 static int data_error(const char *file, const char *what, int64_t offset) {
+  int k = snprintf(last_error, sizeof last_error, "%.256s: %.1100s", file, what);
+  if (offset >= 0 && k >= 0 && (size_t)k < sizeof last_error)
+    snprintf(last_error + k, sizeof last_error - (size_t)k, ", at byte %lld", (long long)offset);
   fputs("devpickle: ", stderr);
   put_text(stderr, file);
   fputs(": ", stderr);
@@ -811,7 +817,10 @@ static int cmd_verify(int argc, char **argv) {
 /* ---- send / recv: a link tested with the tool alone (docs/TRANSPORT.md) ---- */
 
 /* The receiver answers each frame with one value: 0 when the frame verified
- * and was written, else the reason as a str. */
+ * and was written, else what failed as a str that follows "the receiver ":
+ * "refused the frame: WHY" or "could not write the frame: FILE: WHY". */
+#define ANSWER_REFUSED "refused the frame: "
+#define ANSWER_UNWRITTEN "could not write the frame: "
 
 static const char *const help_send =
     "usage: devpickle send FRAME.dpk HOST:PORT [--timeout SECONDS]\n"
@@ -819,13 +828,16 @@ static const char *const help_send =
     "Sends a self-contained frame (inline, or without buffers) over UCX to\n"
     "'devpickle recv' listening on HOST:PORT, and waits for its answer: the\n"
     "receiver verifies the frame as 'verify' does and writes it. The frame is\n"
-    "verified here first. Exits 0 when the receiver took it; otherwise the\n"
-    "error line (the receiver's reason, or the connection's) and status 1.\n"
+    "verified here first. Prints 'FRAME.dpk: sent N bytes to HOST:PORT' and\n"
+    "exits 0 once the receiver has written it; otherwise one line on stderr\n"
+    "and status 1: 'devpickle: HOST:PORT: the receiver refused the frame: WHY',\n"
+    "'... the receiver could not write the frame: FILE: WHY' (the system's\n"
+    "reason there), or the connection's error.\n"
     "--timeout: give up when the whole exchange (send and answer) has taken\n"
-    "SECONDS (default 60). UCX reads its own\n"
-    "environment (UCX_TLS, UCX_NET_DEVICES). 2 usage.\n"
+    "SECONDS (default 60): 'send timed out: no answer from the receiver within\n"
+    "SECONDS s (--timeout)'. UCX reads its own environment (UCX_TLS,\n"
+    "UCX_NET_DEVICES). Exit status 2: usage.\n"
     "Use - for stdin. " STDIN_FRAME
-
     "Example: devpickle recv 5000 -o got.dpk & devpickle send f.dpk 127.0.0.1:5000\n";
 
 static const char *const help_recv =
@@ -836,10 +848,14 @@ static const char *const help_recv =
     "from 'devpickle send', verifies it as 'verify' does, writes it to\n"
     "FRAME.dpk (or stdout) — a file is written whole under a temporary name\n"
     "and renamed, so a failure leaves no partial file — and answers the\n"
-    "sender. --timeout: give up after SECONDS without a frame (default: wait).\n"
-    "Exit status: 0 a frame received and written; 1 a frame refused (the\n"
-    "sender is told why), a connection that failed, a timeout or a failed\n"
-    "write (one line on stderr); 2 usage.\n"
+    "sender. --timeout: give up after SECONDS without a frame (default: wait):\n"
+    "'recv timed out: no frame within SECONDS s (--timeout)'.\n"
+    "Exit status: 0 a frame received and written; 1 a frame refused, a\n"
+    "connection that failed, a timeout or a failed write ('devpickle: FILE:\n"
+    "write failed: WHY', or the system's reason FILE cannot be made), one line\n"
+    "on stderr; the sender is told why a frame was refused or not written.\n"
+    "The answer then has 10 s to leave ('recv timed out: the answer to the\n"
+    "sender was not sent within 10 s', the status unchanged); 2 usage.\n"
     "Example: devpickle recv 0 -o got.dpk (then send to the port it names)\n";
 
 typedef struct link_args {
@@ -911,13 +927,34 @@ static int64_t left_ns(int64_t deadline) {
 
 static int64_t deadline_in(double s) { return s < 0 ? -1 : mono_ns() + timeout_ns(s); }
 
-/* A wait that ran out reads in the command's unit (--timeout's seconds) —
- * only when the command's own wait ended with its future still pending
- * (waited_out); a timeout the endpoint failed with (a dead peer's) keeps
- * its own message. */
-static void timeout_message(dp_error_t *e, int waited_out, double s, const char *what) {
-  if (e->code == DP_ETIMEDOUT && waited_out)
-    snprintf(e->message, sizeof e->message, "%s within %g s (--timeout)", what, s);
+/* Waits for f until the deadline. *ran_out: the wait ended with f still
+ * pending (the command's own --timeout); a future that completed just as
+ * the wait ran out gives its own outcome. */
+static int wait_until(dp_future_t *f, int64_t deadline, int *ran_out, dp_error_t *e) {
+  int rc = dp_future_wait(f, left_ns(deadline), e);
+  if (rc == DP_ETIMEDOUT) {
+    if (!dp_future_is_done(f)) {
+      *ran_out = 1;
+      return rc;
+    }
+    rc = dp_future_wait(f, 0, e);
+  }
+  return rc;
+}
+
+/* Every timeout names the command and its limit: the command's own
+ * (--timeout, in its seconds), or the connection's (UCX's keepalive found
+ * the peer gone). */
+static void timeout_message(dp_error_t *e, int ran_out, double s, const char *limit, const char *cmd,
+                            const char *what) {
+  if (e->code != DP_ETIMEDOUT) return;
+  char was[sizeof e->message];
+  snprintf(was, sizeof was, "%s", e->message);
+  if (ran_out)
+    snprintf(e->message, sizeof e->message, "%s timed out: %s within %g s (%s)", cmd, what, s, limit);
+  else
+    snprintf(e->message, sizeof e->message, "%s timed out: %.1900s (the connection's limit: UCX's keepalive)", cmd,
+             was);
 }
 
 static int cmd_send(int argc, char **argv) {
@@ -965,20 +1002,22 @@ static int cmd_send(int argc, char **argv) {
   if (rc && ep && dp_endpoint_error(ep, NULL)) where = a.pos[1]; /* the connection's error, not the file's */
   if (!rc) where = a.pos[1], rc = dp_endpoint_recv(ep, &ans, &e);
   int64_t deadline = deadline_in(a.timeout); /* one limit for the whole exchange */
-  if (!rc) rc = dp_future_wait(done, left_ns(deadline), &e);
-  if (!rc) rc = dp_future_wait(ans, left_ns(deadline), &e);
-  if (rc)
-    timeout_message(&e, (done && !dp_future_is_done(done)) || (ans && !dp_future_is_done(ans)), a.timeout,
-                    "no answer from the receiver");
+  int ran_out = 0;
+  if (!rc) rc = wait_until(done, deadline, &ran_out, &e);
+  if (!rc) rc = wait_until(ans, deadline, &ran_out, &e);
+  if (rc) timeout_message(&e, ran_out, a.timeout, "--timeout", "send", "no answer from the receiver");
   free(bytes);
   int status = 0;
   if (rc) {
     status = data_error(where, e.message, -1);
   } else {
     dp_value_t r = dp_future_value(ans);
-    if (dp_value_kind(r) == DP_STR) {
-      char what[1200];
-      snprintf(what, sizeof what, "the receiver refused the frame: %.1100s", dp_str_data(r, NULL));
+    if (dp_value_kind(r) == DP_STR) { /* what failed there: a refusal, or a write that failed */
+      char what[1600];
+      const char *why = dp_str_data(r, NULL);
+      int says = strncmp(why, ANSWER_REFUSED, strlen(ANSWER_REFUSED)) == 0 ||
+                 strncmp(why, ANSWER_UNWRITTEN, strlen(ANSWER_UNWRITTEN)) == 0;
+      snprintf(what, sizeof what, "the receiver %s%.1500s", says ? "" : ANSWER_REFUSED, why);
       status = data_error(a.pos[1], what, -1);
     } else if (dp_value_kind(r) != DP_INT || dp_value_as_int(r) != 0) {
       status = data_error(a.pos[1], "the receiver gave no answer devpickle knows", -1);
@@ -995,6 +1034,8 @@ static int cmd_send(int argc, char **argv) {
   dp_transport_free(t);
   return stdout_done(status);
 }
+
+#define ANSWER_WAIT_S 10 /* recv's limit for its answer to leave, and for the sender to close */
 
 static int cmd_recv(int argc, char **argv) {
   link_args_t a;
@@ -1028,26 +1069,37 @@ static int cmd_recv(int argc, char **argv) {
   fflush(stderr);
   snprintf(addr, sizeof addr, "%s:%d", a.host ? a.host : "0.0.0.0", dp_listener_port(l)); /* the port bound */
   int64_t deadline = deadline_in(a.timeout);
+  int ran_out = 0;
   rc = dp_listener_accept(l, left_ns(deadline), &ep, &e);
+  if (rc) ran_out = 1;
   if (!rc) rc = dp_endpoint_recv_frame(ep, &f, &e);
-  if (!rc) rc = dp_future_wait(f, left_ns(deadline), &e);
-  if (rc) timeout_message(&e, !ep || (f && !dp_future_is_done(f)), a.timeout, "no frame");
+  if (!rc) rc = wait_until(f, deadline, &ran_out, &e);
+  if (rc) timeout_message(&e, ran_out, a.timeout, "--timeout", "recv", "no frame");
   dp_value_t answer = dp_int(0);
+  char why[sizeof last_error + 64];
   if (rc) {
     status = data_error(addr, e.message, e.offset);
-    if (ep && !dp_endpoint_error(ep, NULL)) dp_str_new(e.message, strlen(e.message), &answer, NULL);
+    snprintf(why, sizeof why, ANSWER_REFUSED "%.1300s", e.message);
   } else {
     size_t n;
     const uint8_t *b = dp_bytes_data(dp_future_value(f), &n);
-    status = write_all(a.out, b, n);
-    if (status) dp_str_new("the frame could not be written", 30, &answer, NULL);
+    status = write_all(a.out, b, n); /* says why on stderr, with the system's reason */
+    snprintf(why, sizeof why, ANSWER_UNWRITTEN "%s", last_error);
   }
+  if (status && ep && !dp_endpoint_error(ep, NULL)) dp_str_new(why, strlen(why), &answer, NULL);
   /* answer the sender, then stay until it closes: closing first could
    * overtake the answer (docs/TRANSPORT.md, "Closing") */
   if (ep && !dp_endpoint_error(ep, NULL) && dp_endpoint_send(ep, answer, &d, &e) == 0) {
     dp_future_t *bye = NULL;
-    dp_future_wait(d, 10 * (int64_t)1000000000, NULL);
-    if (dp_endpoint_recv(ep, &bye, NULL) == 0) dp_future_wait(bye, 10 * (int64_t)1000000000, NULL);
+    if (dp_future_wait(d, ANSWER_WAIT_S * (int64_t)1000000000, &e) != 0) {
+      /* the frame's fate stands (status); the sender will time out or see the connection go */
+      ran_out = e.code == DP_ETIMEDOUT && !dp_future_is_done(d);
+      timeout_message(&e, ran_out, ANSWER_WAIT_S, "recv's limit for its answer", "recv",
+                      "the answer to the sender was not sent");
+      data_error(addr, e.message, -1);
+    } else if (dp_endpoint_recv(ep, &bye, NULL) == 0) {
+      dp_future_wait(bye, ANSWER_WAIT_S * (int64_t)1000000000, NULL); /* the sender closing: no error either way */
+    }
     dp_future_release(bye);
   }
   dp_value_release(answer);
