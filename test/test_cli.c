@@ -177,6 +177,15 @@ Test(cli, usage_errors_exit_with_status_two) {
   r = run("verify");
   cr_assert_eq(r.status, 2);
   res_free(r);
+  /* demo's usage errors read as every command's, and cannot forge a line */
+  r = run("demo --yaml");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle demo: unknown option '--yaml'\nTry 'devpickle demo --help'.\n");
+  res_free(r);
+  r = run("demo \"$(printf 'x\\nfake')\"");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle demo: unexpected argument 'x\\u000afake'\nTry 'devpickle demo --help'.\n");
+  res_free(r);
 }
 
 Test(cli, pack_then_unpack_then_pack_gives_the_same_bytes_through_stdin_and_stdout) {

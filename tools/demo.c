@@ -222,10 +222,16 @@ int demo_run(int argc, char **argv) {
            "stream checks every byte; the result goes through an inline frame and back.\n"
            "Prints the allocations with their paths, the events per device, the\n"
            "record_stream calls and the allocator's statistics. Exit status 0 when every\n"
-           "check passes, 1 otherwise.");
+           "check passes, 1 otherwise; 2 usage.");
       return 0;
     }
-    fprintf(stderr, "devpickle demo: unexpected argument '%s'\nTry 'devpickle demo --help'.\n", argv[i]);
+    /* as every usage error: an option or an argument, control characters escaped */
+    fprintf(stderr, "devpickle demo: %s '", argv[i][0] == '-' && argv[i][1] ? "unknown option" : "unexpected argument");
+    for (const char *c = argv[i]; *c; c++) {
+      if ((unsigned char)*c < 0x20 || *c == 0x7f) fprintf(stderr, "\\u%04x", (unsigned char)*c);
+      else fputc(*c, stderr);
+    }
+    fputs("'\nTry 'devpickle demo --help'.\n", stderr);
     return 2;
   }
   dp_error_t e;
