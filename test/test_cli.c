@@ -444,6 +444,10 @@ Test(cli, bad_value_json_names_the_problem_and_where) {
              "at $.x.y\n");
   pack_fails("ref.json", "x.dpk", "[{\"$ref\": \"nope\"}]",
              "devpickle: ref.json: $ref \"nope\" names no earlier $id, at $[0]\n");
+  pack_fails("dev.json", "x.dpk",
+             "{\"$tensor\": {\"device\": \"cuda:256\", \"ptr\": \"0x1\", \"nbytes\": 1, \"dtype\": \"int8\", "
+             "\"shape\": [1]}}",
+             "devpickle: dev.json: tensor device must be \"cpu\", \"cuda:N\" or \"host:N\" (N 0..255), at $\n");
   pack_fails("view.json", "x.dpk",
              "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"float64\", "
              "\"shape\": [2]}}",

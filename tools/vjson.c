@@ -807,7 +807,7 @@ static int check_err(rd_t *r, int rc, dp_error_t *e) {
 
 static int parse_device(rd_t *r, json_t *dj, dp_device_t *d) {
   if (!json_is_string(dj) || dp_device_parse(json_string_value(dj), d, NULL) != 0)
-    return fail(r, DP_EINVAL, "tensor device must be \"cpu\", \"cuda:N\" or \"host:N\"");
+    return fail(r, DP_EINVAL, "tensor device must be \"cpu\", \"cuda:N\" or \"host:N\" (N 0..255)");
   return 0;
 }
 
