@@ -337,8 +337,8 @@ const char *dp__walker_path(dp__walker_t *w) {
       t--;
     }
     len = head_len;
-    len += (size_t)snprintf(out + len, DP_PATH_MAX + 1 - len, "<" ELLIPSIS "%zu steps" ELLIPSIS ">",
-                            t - head_steps);
+    len += (size_t)snprintf(out + len, DP_PATH_MAX + 1 - len, "<" ELLIPSIS "%zu step%s" ELLIPSIS ">",
+                            t - head_steps, t - head_steps == 1 ? "" : "s");
     for (d = t; d < top; d++) {
       n = render_step(&w->stack[d], step);
       memcpy(out + len, step, n);

@@ -845,6 +845,46 @@ Test(cli, inspect_paths_follow_the_documented_bounds) {
   res_free(r);
 }
 
+Test(cli, inspect_names_one_left_out_step_in_the_singular) {
+  /* keys of control characters escape to 6 bytes a character: steps of 388,
+     388 and 304 bytes, a path of 1,081; the tail keeps the last two */
+  size_t lens[3] = {64, 64, 50};
+  dp_value_t v = dp_int(7);
+  dp_error_t e;
+  for (int i = 2; i >= 0; i--) {
+    char key[64];
+    memset(key, 1, lens[i]);
+    dp_value_t d, k;
+    cr_assert_eq(dp_dict_new(1, &d, &e), 0);
+    cr_assert_eq(dp_str_new(key, lens[i], &k, &e), 0);
+    cr_assert_eq(dp_dict_set(d, k, v, &e), 0);
+    v = d;
+  }
+  write_frame("p.dpk", v, 0);
+  res_t r = run("inspect p.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  char want[1024];
+  size_t n = (size_t)snprintf(want, sizeof want, "\n$<…1 step…>[\"");
+  for (int i = 0; i < 64; i++) n += (size_t)snprintf(want + n, sizeof want - n, "\\u0001");
+  n += (size_t)snprintf(want + n, sizeof want - n, "\"][\"");
+  for (int i = 0; i < 50; i++) n += (size_t)snprintf(want + n, sizeof want - n, "\\u0001");
+  snprintf(want + n, sizeof want - n, "\"]  int 7\n");
+  cr_assert_not_null(strstr(r.out, want), "%s", r.out);
+  res_free(r);
+}
+
+Test(cli, pack_names_one_left_out_step_in_the_singular) {
+  char k64[400] = "", k50[400] = "", json[2048], want[2048];
+  for (int i = 0; i < 64; i++) strcat(k64, "\\u0001");
+  for (int i = 0; i < 50; i++) strcat(k50, "\\u0001");
+  snprintf(json, sizeof json, "{\"%s\": {\"%s\": {\"%s\": {\"$float\": \"x\"}}}}", k64, k64, k50);
+  snprintf(want, sizeof want,
+           "devpickle: d.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 "
+           "bits, at $<…1 step…>[\"%s\"][\"%s\"]\n",
+           k64, k50);
+  pack_fails("d.json", "d.dpk", json, want);
+}
+
 static int build_long_path(void) {
   /* 15 dicts nested under 500-byte keys above 25,000 distinct strs: a copy of
    * the 7.5 kB path for each is 190 MB */

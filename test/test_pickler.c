@@ -1811,6 +1811,42 @@ static const dp_type_t box_type = {"Box", box_reduce, holder_destroy};
 
 /* n non-empty containers of one kind nested, the innermost holding an empty
  * one: the writer's walk counts n levels. */
+/* Keys of control characters escape to 6 bytes each: steps of 388, 388 and
+ * 304 bytes make a path of 1,081 bytes, whose tail (the last two, 692
+ * bytes) leaves out one step. */
+static dp_value_t ctl_key(size_t n) {
+  char k[64];
+  memset(k, 1, n);
+  dp_value_t v;
+  OK(dp_str_new(k, n, &v, T_ERR));
+  return v;
+}
+
+Test(pickler, a_path_that_leaves_out_one_step_says_step) {
+  dp_value_t leaf = t_tensor((dp_device_t){DP_DEVICE_HOST, 0}, 0x1000, 4);
+  size_t lens[3] = {64, 64, 50};
+  dp_value_t v = leaf;
+  for (int i = 2; i >= 0; i--) {
+    dp_value_t d;
+    OK(dp_dict_new(1, &d, T_ERR));
+    OK(dp_dict_set(d, ctl_key(lens[i]), v, T_ERR));
+    v = d;
+  }
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, T_ERR));
+  dp_scan_opts_t o = {DP_SCAN_PATHS, 0};
+  OK(dp_scan(v, &o, set, T_ERR));
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(set, 0, &p, T_ERR));
+  char *k64 = repeat("", "\\u0001", 64), *k50 = repeat("", "\\u0001", 50), want[1024];
+  snprintf(want, sizeof want, "$<\u20261 step\u2026>[\"%s\"][\"%s\"]", k64, k50);
+  cr_assert_str_eq(p.path, want);
+  free(k64);
+  free(k50);
+  dp_ptrset_free(set);
+  dp_value_release(v);
+}
+
 static dp_value_t nest(char kind, int n) {
   dp_value_t v;
   if (kind == 'd') OK(dp_dict_new(0, &v, T_ERR));

@@ -107,7 +107,7 @@ static const char *join_steps(ins_t *s, const stepbuf_t *b, size_t n) {
     len += b->len[k];
   }
   if (head < tail) {
-    len += (size_t)snprintf(p + len, 48, "<…%zu steps…>", tail - head);
+    len += (size_t)snprintf(p + len, 48, "<…%zu step%s…>", tail - head, tail - head == 1 ? "" : "s");
     for (size_t k = tail; k < n; k++) {
       memcpy(p + len, b->text + k * STEP_MAX, b->len[k]);
       len += b->len[k];

@@ -718,8 +718,8 @@ static void render_path(rd_t *r, char *out, size_t cap) {
 #define STEP_LEN(k) (((k) + 1 < n ? r->marks[(k) + 1] : r->plen) - r->marks[k])
   for (size_t used = 0; head < n && used + STEP_LEN(head) <= 256; head++) used += STEP_LEN(head);  /* step 0 is "$" */
   for (size_t used = 0; tail > head && used + STEP_LEN(tail - 1) <= 704; tail--) used += STEP_LEN(tail - 1);
-  len = (size_t)snprintf(out, cap, "%.*s<…%zu steps…>", (int)(head < n ? r->marks[head] : r->plen), r->path,
-                         tail - head);
+  len = (size_t)snprintf(out, cap, "%.*s<…%zu step%s…>", (int)(head < n ? r->marks[head] : r->plen), r->path,
+                         tail - head, tail - head == 1 ? "" : "s");
   if (len < cap && tail < n) snprintf(out + len, cap - len, "%s", r->path + r->marks[tail]);
 #undef STEP_LEN
 }

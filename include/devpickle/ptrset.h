@@ -16,7 +16,8 @@
  *     the notation (.name or ["name"]) is chosen from the part shown;
  *   - a path longer than DP_PATH_MAX bytes keeps "$" and the leading steps
  *     that fit in DP_PATH_HEAD bytes, then "<…N steps…>" (N the steps left
- *     out), then the trailing steps that fit in DP_PATH_TAIL bytes.
+ *     out; "<…1 step…>" for one), then the trailing steps that fit in
+ *     DP_PATH_TAIL bytes.
  * A path is therefore at most DP_PATH_MAX bytes, and rendering it costs time
  * bounded by its length, not by the depth or the names' lengths.
  *
