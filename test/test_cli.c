@@ -375,6 +375,30 @@ Test(cli, a_frame_command_refuses_a_terminal_on_stdin_instead_of_waiting_on_it) 
   res_free(r);
 }
 
+/* A binary frame is not written to a terminal unless asked for (-o -). */
+Test(cli, recv_refuses_a_terminal_on_stdout_unless_told_with_dash_o_dash) {
+  int m = posix_openpt(O_RDWR | O_NOCTTY);
+  cr_assert_geq(m, 0);
+  cr_assert_eq(grantpt(m), 0);
+  cr_assert_eq(unlockpt(m), 0);
+  char *slave = ptsname(m);
+  cr_assert_not_null(slave);
+  char script[512];
+  snprintf(script, sizeof script, "timeout 20 \"$D\" recv 0 > %s", slave);
+  res_t r = run_sh(script);
+  cr_assert_eq(r.status, 2, "%s", r.err);
+  cr_assert(strstr(r.err, "devpickle recv: stdout is a terminal: a frame is binary (-o FRAME.dpk, or -o - to write it "
+                          "there)\n") == r.err, "%s", r.err);
+  res_free(r);
+  /* with -o -, it listens (and times out, no sender here) */
+  snprintf(script, sizeof script, "timeout 20 \"$D\" recv 0 -o - --timeout 0.2 > %s", slave);
+  r = run_sh(script);
+  close(m);
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert(strstr(r.err, "listening on port"), "%s", r.err);
+  res_free(r);
+}
+
 /* A count of one reads "1 byte", "1 buffer", never "1 bytes". */
 Test(cli, a_count_of_one_is_written_in_the_singular_in_output_and_messages) {
   spit("one.json", "{\"s\": \"x\", \"t\": {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 1,"

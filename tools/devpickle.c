@@ -846,9 +846,10 @@ static const char *const help_recv =
     "Listens on HOST:PORT (default host 0.0.0.0; PORT 0 takes a free port),\n"
     "says 'devpickle recv: listening on port N' on stderr, receives one frame\n"
     "from 'devpickle send', verifies it as 'verify' does, writes it to\n"
-    "FRAME.dpk (or stdout) — a file is written whole under a temporary name\n"
-    "and renamed, so a failure leaves no partial file — and answers the\n"
-    "sender. --timeout: give up after SECONDS without a frame (default: wait):\n"
+    "FRAME.dpk (or stdout; a terminal only with -o -) — a file is written\n"
+    "whole under a temporary name and renamed, so a failure leaves no\n"
+    "partial file — and answers the sender. --timeout: give up after SECONDS\n"
+    "without a frame (default: wait):\n"
     "'recv timed out: no frame within SECONDS s (--timeout)'.\n"
     "Exit status: 0 a frame received and written; 1 a frame refused, a\n"
     "connection that failed, a timeout or a failed write ('devpickle: FILE:\n"
@@ -1044,6 +1045,8 @@ static int cmd_recv(int argc, char **argv) {
   const char *port = a.pos[0];
   if (!*port || strspn(port, "0123456789") != strlen(port) || strlen(port) > 5 || atoi(port) > 65535)
     return usage_error("recv", "bad PORT '%s'", port);
+  if (!a.out && isatty(STDOUT_FILENO)) /* before listening: no sender is left without an answer */
+    return usage_error("recv", "%s", "stdout is a terminal: a frame is binary (-o FRAME.dpk, or -o - to write it there)");
   if (!a.out) a.out = "-";
   char addr[320];
   snprintf(addr, sizeof addr, "%s:%s", a.host ? a.host : "0.0.0.0", port);
