@@ -9,7 +9,10 @@
  * completing thread, or at once when the future is already done — with no
  * lock of its own held and with pool streams current; the callback takes the
  * GIL, makes those streams torch's current streams too, calls Python, walks
- * the result into the child's pointer set and puts the streams back.
+ * the result and completes the child — a future of its own, made by then()
+ * before the callback can run, so that whoever completes it first (its own
+ * set_result on any thread, or the callback) wins — and puts the streams
+ * back.
  *
  * GIL rules: every call into the C future that can block (wait) releases the
  * GIL first; the C future never holds its lock while a callback runs, so a
@@ -380,10 +383,15 @@ static void keep_raised(pyfut_t *f) {
   Py_XDECREF(tb);
 }
 
+/* Completes self with no allocations (devices=[]). On failure self has
+ * failed too (nobody waits forever): NULL with the exception. */
 static PyObject *empty_ptrs_complete(pyfut_t *self) {
   static dp_ptrset_t *empty;
   dp_error_t e;
-  if (!empty && dp_ptrset_new(&empty, &e)) return dpy_raise(e.code, &e);
+  if (!empty && dp_ptrset_new(&empty, &e)) {
+    dp_future_set_error(self->f, &e, NULL);
+    return dpy_raise(e.code, &e);
+  }
   int rc = dp_future_mark_completed_with_ptrs(self->f, dp_none(), empty, &e);
   if (rc) return dpy_raise(rc, &e);
   Py_RETURN_NONE;
@@ -591,34 +599,17 @@ static void streams_out(const swap_t *sw) {
   for (int i = sw->n; i-- > 0;) dpy.torch->set_current_stream(sw->dev[i], sw->prev[i]);
 }
 
-static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
-  (void)result;
-  then_ud_t *u = ud;
-  PyGILState_STATE g = PyGILState_Ensure();
-  swap_t sw;
-  streams_in(parent, &sw);
-  int rc = 0;
-  PyObject *r = PyObject_CallOneArg(u->callback, (PyObject *)u->parent);
-  if (u->child && (u->child->completing || (u->child->f && dp_future_is_done(u->child->f)))) {
-    /* The child was completed by its own set_result/set_exception (before,
-     * or from inside the callback): the first completion stands — the
-     * value waiters get is the one whose allocations its events cover. */
-    if (r) {
-      Py_DECREF(r);
-      PyErr_SetString(PyExc_RuntimeError, "a then() callback's result was dropped: its future had already been "
-                                          "completed (set_result or set_exception on it)");
-    }
-    PyErr_WriteUnraisable(u->callback);
-    rc = DP_ESTATE;
-  } else if (!u->child) { /* add_done_callback: the result is dropped, an error reported */
-    if (!r) PyErr_WriteUnraisable(u->callback);
-    Py_XDECREF(r);
-  } else if (!r) {
-    u->child->completing = 1;
+/* Completes a then() child (claimed: completing set) from inside its
+ * callback, with the pool streams still current: with the callback's
+ * result r (stolen), walked afresh, or, r NULL, with the exception raised
+ * (cleared). No Python exception is left set. */
+static void complete_child(pyfut_t *child, PyObject *r) {
+  dp_error_t e;
+  if (!r) {
     /* as torch does: the child fails with a RuntimeError naming what the
      * callback raised (kept as its __cause__) */
-    keep_raised(u->child);
-    PyObject *cause = u->child->exc;
+    keep_raised(child);
+    PyObject *cause = child->exc;
     PyObject *text = PyObject_Str(cause);
     if (!text) { /* a RuntimeError still, as torch's, whatever its __str__ does */
       PyErr_Clear();
@@ -632,28 +623,66 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
     Py_XDECREF(wrapped);
     if (exc) {
       PyException_SetCause(exc, Py_NewRef(cause));
-      set_exc(u->child, exc);
+      set_exc(child, exc);
     } else {
       PyErr_Clear();
     }
-    rc = DP_ESTATE;
-  } else {
-    dpy_scanner_t *s;
-    u->child->completing = 1; /* a set_result on it meanwhile (the walk runs Python code) is refused */
-    if (walk_value(u->child, r, &s, ptrs)) {
-      keep_raised(u->child);
-      rc = DP_ETYPE;
-      Py_DECREF(r);
-    } else {
-      Py_XSETREF(u->child->result, r);
-      if (s) u->child->cupy = dpy_scanner_saw_cupy(s);
-      dpy_scanner_put(s);
-    }
+    e = py_failure("the then() callback failed with a Python exception");
+    dp_future_set_error(child->f, &e, NULL);
+    return;
   }
-  if (rc) {
-    dp_error_clear(err);
-    err->code = rc;
-    snprintf(err->message, sizeof err->message, "the then() callback failed with a Python exception");
+  dpy_scanner_t *s;
+  if (walk_value(child, r, &s, NULL)) {
+    keep_raised(child);
+    Py_DECREF(r);
+    e = py_failure("the then() callback's result cannot be walked (WalkError)");
+    dp_future_set_error(child->f, &e, NULL);
+    return;
+  }
+  Py_XSETREF(child->result, r);
+  if (!s) {
+    PyObject *ok = empty_ptrs_complete(child);
+    if (!ok) PyErr_Clear(); /* it failed the child */
+    Py_XDECREF(ok);
+    return;
+  }
+  child->cupy = dpy_scanner_saw_cupy(s);
+  /* the events go on the pool streams, current for the callback; a
+   * failure (a device outside the child's list) fails the child with it */
+  dp_future_mark_completed_with_ptrs(child->f, dp_none(), dpy_scanner_ptrs(s), &e);
+  dpy_scanner_put(s);
+}
+
+/* Runs a then() or add_done_callback() callback. The then() child is a
+ * future of its own (made by chain(), never NULL while anyone can see it),
+ * which this completes itself, unless it was claimed first — by its own
+ * set_result or set_exception, on any thread, finished or still walking:
+ * the first completion stands, and the callback's outcome is reported.
+ * The library's own child of the parent is a placeholder that completes
+ * with nothing. */
+static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)result;
+  (void)ptrs;
+  (void)err;
+  then_ud_t *u = ud;
+  PyGILState_STATE g = PyGILState_Ensure();
+  swap_t sw;
+  streams_in(parent, &sw);
+  PyObject *r = PyObject_CallOneArg(u->callback, (PyObject *)u->parent);
+  pyfut_t *child = u->child;
+  if (child && (child->completing || dp_future_is_done(child->f))) {
+    if (r) {
+      Py_DECREF(r);
+      PyErr_SetString(PyExc_RuntimeError, "a then() callback's result was dropped: its future had already been "
+                                          "completed (set_result or set_exception on it)");
+    }
+    PyErr_WriteUnraisable(u->callback);
+  } else if (!child) { /* add_done_callback: the result is dropped, an error reported */
+    if (!r) PyErr_WriteUnraisable(u->callback);
+    Py_XDECREF(r);
+  } else {
+    child->completing = 1; /* a set_result on it meanwhile (the walk runs Python code) is refused */
+    complete_child(child, r);
   }
   if (sw.n) streams_out(&sw);
   Py_DECREF(u->callback);
@@ -661,7 +690,7 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
   Py_XDECREF(u->child);
   PyMem_RawFree(u);
   PyGILState_Release(g);
-  return rc;
+  return 0;
 }
 
 static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
@@ -678,6 +707,8 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
     return PyErr_NoMemory();
   }
   if (child) {
+    /* the parent's devices, and a C future of its own, made before the
+     * callback can run (at once, when the parent is done) */
     child->track = self->track;
     if (self->ndevices) {
       child->devices = PyMem_Calloc(self->ndevices, sizeof *child->devices);
@@ -688,6 +719,11 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
       }
       memcpy(child->devices, self->devices, self->ndevices * sizeof *child->devices);
       child->ndevices = self->ndevices;
+    }
+    if (fut_make(child, NULL)) {
+      PyMem_RawFree(u);
+      Py_DECREF(child);
+      return NULL;
     }
   }
   u->callback = Py_NewRef(callback);
@@ -706,11 +742,8 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
     Py_XDECREF(child);
     return dpy_raise(rc, &e);
   }
-  if (!child) {
-    dp_future_release(c);
-    Py_RETURN_NONE;
-  }
-  child->f = c;
+  dp_future_release(c); /* the placeholder: the callback completes our child */
+  if (!child) Py_RETURN_NONE;
   return (PyObject *)child;
 }
 

@@ -1259,3 +1259,78 @@ def test_a_subclass_init_may_choose_the_devices_until_the_future_is_used():
     h.__init__()  # the devices it has: nothing to change
     h.set_result(1)
     assert child.wait() == 2
+
+
+def test_a_then_child_another_thread_is_still_completing_keeps_that_completion():
+    # The child's set_result claims it, then walks its value (Python code:
+    # other threads run meanwhile). The parent completes on this thread in
+    # that window and its callback returns: the claimed completion stands —
+    # the callback's result is reported, set_result does not fail, and the
+    # child is not failed with a library error.
+    walking, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def __reduce__(self):
+            walking.set()
+            release.wait(30)
+            return (Slow, ())
+
+    parent = devpickle.Future()
+    child = parent.then(lambda p: "from the callback")
+    value, errors = Slow(), []
+
+    def by_hand():
+        try:
+            child.set_result(value)
+        except Exception as e:  # noqa: BLE001 - recorded and asserted below
+            errors.append(e)
+
+    t = threading.Thread(target=by_hand)
+    t.start()
+    assert walking.wait(30)
+    with catch_unraisable() as seen:
+        parent.set_result(1)  # the callback runs here, while by_hand walks
+    release.set()
+    t.join(30)
+    assert errors == []
+    assert child.wait() is value
+    assert any("callback's result was dropped" in str(u.exc_value) for u in seen)
+
+
+def test_a_then_child_whose_own_set_result_walk_completes_the_parent_keeps_that_completion():
+    parent = devpickle.Future()
+    child = parent.then(lambda p: "from the callback")
+
+    class CompletesParent:
+        def __reduce__(self):
+            parent.set_result(1)  # the callback runs inside this walk
+            return (CompletesParent, ())
+
+    value = CompletesParent()
+    with catch_unraisable() as seen:
+        child.set_result(value)
+    assert child.wait() is value
+    assert any("callback's result was dropped" in str(u.exc_value) for u in seen)
+
+
+def test_a_then_child_found_by_its_callback_before_then_returned_is_a_whole_future():
+    # A parent already done runs the callback inside then(): the child exists
+    # (gc.get_objects() finds it) before then() returns. Completing it there
+    # is a completion like any other: it stands, and nothing is lost.
+    parent = devpickle.Future()
+    parent.set_result(1)
+    found, before = [], {id(o) for o in gc.get_objects() if type(o) is devpickle.Future}
+
+    def callback(p):
+        for o in gc.get_objects():
+            if type(o) is devpickle.Future and id(o) not in before and o is not p and not o.done():
+                found.append(o)
+                o.set_result("by hand")
+        return "from the callback"
+
+    with catch_unraisable() as seen:
+        child = parent.then(callback)
+    assert child in found
+    assert child.wait() == "by hand"
+    assert any("callback's result was dropped" in str(u.exc_value) for u in seen)
+
