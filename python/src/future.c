@@ -438,8 +438,13 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
     /* the future fails with the WalkError too, so that no waiter hangs */
     keep_raised(self);
     dp_error_t e = py_failure("the result cannot be walked (WalkError)");
-    dp_future_set_error(self->f, &e, NULL);
-    PyErr_SetObject((PyObject *)Py_TYPE(self->exc), self->exc);
+    PyObject *exc = Py_NewRef(self->exc);
+    if (dp_future_set_error(self->f, &e, NULL)) { /* a collect_all future completed meanwhile: that stands */
+      Py_CLEAR(self->exc);
+      Py_CLEAR(self->exc_tb);
+    }
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
     return NULL;
   }
   Py_XSETREF(self->result, Py_NewRef(value));
@@ -458,7 +463,10 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
   int rc = dp_future_mark_completed_with_ptrs(self->f, dp_none(), dpy_scanner_ptrs(s), &e);
   cupy_out(&sw);
   dpy_scanner_put(s);
-  if (rc == DP_ESTATE && !e.message[0]) {
+  if (rc == DP_ESTATE) {
+    /* completed meanwhile by the library itself (a collect_all future's
+     * inputs, done while this walk ran): its outcome stands, not this one */
+    Py_CLEAR(self->result);
     already_complete(self);
     return NULL;
   }
@@ -484,6 +492,9 @@ static PyObject *set_exception(pyfut_t *self, PyObject *exc) {
   set_exc(self, Py_NewRef(exc));
   dp_error_t e = py_failure("the future failed with a Python exception"), out;
   if (dp_future_set_error(self->f, &e, &out)) {
+    /* completed by the library first (a collect_all future): that outcome stands */
+    Py_CLEAR(self->exc);
+    Py_CLEAR(self->exc_tb);
     already_complete(self);
     return NULL;
   }
@@ -501,8 +512,8 @@ static PyObject *outcome(pyfut_t *self) {
   for (;;) { /* a loop, not recursion: collect_all futures nest without bound */
     dp_error_t e;
     int code = dp_future_error(self->f, &e);
-    if (!code) {
-      if (self->inputs) return Py_NewRef(self->inputs);
+    if (!code) { /* a collect_all future completed by hand (set_result) has that result */
+      if (self->inputs && !self->result) return Py_NewRef(self->inputs);
       return Py_NewRef(self->result ? self->result : Py_None);
     }
     if (self->exc) {

@@ -1334,3 +1334,57 @@ def test_a_then_child_found_by_its_callback_before_then_returned_is_a_whole_futu
     assert child.wait() == "by hand"
     assert any("callback's result was dropped" in str(u.exc_value) for u in seen)
 
+
+def test_a_collect_all_future_completed_by_hand_keeps_that_result():
+    # The first completion stands: its value is the result given, not the
+    # list of (still pending) inputs.
+    a, b = devpickle.Future(), devpickle.Future()
+    both = devpickle.collect_all([a, b])
+    both.set_result(5)
+    assert both.wait() == 5 and both.value() == 5
+    a.set_result(1)
+    b.set_result(2)
+    assert both.wait() == 5
+    failed = devpickle.collect_all([devpickle.Future()])
+    failed.set_exception(KeyError("k"))
+    with pytest.raises(KeyError):
+        failed.wait()
+
+
+def test_a_collect_all_future_whose_inputs_complete_while_its_set_result_walks_keeps_theirs():
+    a = devpickle.Future()
+    both = devpickle.collect_all([a])
+
+    class CompletesInput:
+        def __reduce__(self):
+            a.set_result(1)  # completes `both` while its set_result walks
+            return (CompletesInput, ())
+
+    with pytest.raises(RuntimeError, match="already complete"):
+        both.set_result(CompletesInput())
+    assert both.wait() == [a]
+
+    b = devpickle.Future()
+    failing = devpickle.collect_all([b])
+
+    class FailsInput:
+        def __reduce__(self):
+            b.set_exception(KeyError("the input's"))
+            return (FailsInput, ())
+
+    with pytest.raises(RuntimeError, match="already complete"):
+        failing.set_result(FailsInput())
+    with pytest.raises(KeyError, match="the input's"):
+        failing.wait()
+
+    c = devpickle.Future()
+    walk_fails = devpickle.collect_all([c])
+
+    class CompletesThenFails:
+        def __reduce__(self):
+            c.set_result(1)
+            raise ValueError("not walkable")
+
+    with pytest.raises(devpickle.WalkError):
+        walk_fails.set_result(CompletesThenFails())
+    assert walk_fails.wait() == [c]  # the inputs' completion came first
