@@ -456,6 +456,11 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
     if (cupy_in(devs, set_devices(dpy_scanner_ptrs(s), devs, DP_CURRENT_STREAM_SLOTS), &sw)) {
       cupy_out(&sw);
       dpy_scanner_put(s);
+      /* claimed and never to be completed otherwise: it fails with this */
+      keep_raised(self);
+      dp_error_t e = py_failure("the result's cupy streams could not be read");
+      dp_future_set_error(self->f, &e, NULL);
+      PyErr_SetObject((PyObject *)Py_TYPE(self->exc), self->exc);
       return NULL;
     }
   }

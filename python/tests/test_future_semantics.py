@@ -1388,3 +1388,39 @@ def test_a_collect_all_future_whose_inputs_complete_while_its_set_result_walks_k
     with pytest.raises(devpickle.WalkError):
         walk_fails.set_result(CompletesThenFails())
     assert walk_fails.wait() == [c]  # the inputs' completion came first
+
+
+CUPY_STREAMS_FAIL = r"""
+import sys, types, devpickle
+cupy, cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
+class ndarray:
+    def __init__(self):
+        self.data = types.SimpleNamespace(mem=types.SimpleNamespace(ptr=0x1000, size=64), device_id=0)
+def Device(i):
+    raise RuntimeError("no cupy device here")
+cupy.ndarray, cuda.Device, cupy.cuda = ndarray, Device, cuda
+sys.modules["cupy"], sys.modules["cupy.cuda"] = cupy, cuda
+f = devpickle.Future()
+try:
+    f.set_result(ndarray())
+except Exception as e:
+    first = e
+else:
+    sys.exit("set_result succeeded")
+assert f.done(), "a failed set_result left the future pending: waiters would hang"
+try:
+    f.wait()
+except Exception as e:
+    assert e is first, (e, first)
+print("ok")
+"""
+
+
+def test_a_set_result_whose_cupy_streams_cannot_be_read_fails_the_future():
+    # A stand-in cupy (a subprocess: the module keeps the class it found):
+    # on a machine without CUDA the backend is refused, on one with it
+    # cupy's Device() raises; either way the claimed future must fail, not
+    # stay pending for ever.
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", CUPY_STREAMS_FAIL], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
