@@ -536,18 +536,29 @@ static PyObject *outcome(pyfut_t *self) {
   }
 }
 
+/* How long wait() blocks between two looks at the signal handlers. */
+#define WAIT_SLICE_NS 50000000 /* 50 ms */
+
 static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
   (void)unused;
   dp_error_t e;
   int rc, joined = 0;
   self->used = 1;
   if (!dp_future_is_done(self->f)) {
-    /* blocks without the GIL; joins the (torch) current streams */
-    Py_BEGIN_ALLOW_THREADS;
-    rc = dp_future_wait(self->f, -1, &e);
-    Py_END_ALLOW_THREADS;
+    /* blocks without the GIL; joins the (torch) current streams. In
+     * slices, taking the GIL between them to run the signal handlers (the
+     * main thread's): a Ctrl-C raises KeyboardInterrupt from wait() instead
+     * of waiting for a completion that may never come. */
+    for (;;) {
+      dp_future_t *f = self->f;
+      Py_BEGIN_ALLOW_THREADS;
+      rc = dp_future_wait(f, WAIT_SLICE_NS, &e);
+      Py_END_ALLOW_THREADS;
+      if (rc != DP_ETIMEDOUT || dp_future_is_done(self->f)) break;
+      if (PyErr_CheckSignals()) return NULL;
+    }
     if (rc && !dp_future_is_done(self->f)) return dpy_raise(rc, &e);
-    joined = 1;
+    joined = rc != DP_ETIMEDOUT; /* else it completed just after the slice ran out: join below */
   }
   if (joined && !self->cupy) return outcome(self);
   cupy_swap_t sw = {0};

@@ -1424,3 +1424,36 @@ def test_a_set_result_whose_cupy_streams_cannot_be_read_fails_the_future():
     import subprocess
     r = subprocess.run([sys.executable, "-c", CUPY_STREAMS_FAIL], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_a_signal_handler_raising_interrupts_wait():
+    # Ctrl-C during wait() on a future nobody completes must not hang: the
+    # handler's exception comes out of wait() (a timer stands for Ctrl-C; a
+    # watchdog completes the future late, so a wait() deaf to signals fails
+    # this test instead of hanging it).
+    import signal
+    import time
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Interrupted()
+
+    f = devpickle.Future()
+    watchdog = threading.Timer(10, lambda: f.set_result("too late"))
+    old = signal.signal(signal.SIGALRM, handler)
+    watchdog.start()
+    start = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Interrupted):
+            f.wait()
+        elapsed = time.monotonic() - start
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        watchdog.cancel()
+    assert not f.done() and elapsed < 5, elapsed
+    f.set_result(1)  # the future is intact: waiting again works
+    assert f.wait() == 1
