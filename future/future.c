@@ -537,13 +537,30 @@ static int get_error(const dp_future_t *f, dp_error_t *err) {
 #define WAIT_SPIN_NS 100000
 #endif
 
+/* 1 when the running callback has queued a callback of f (f completed, or
+ * chained on when complete, inside it): t's top level only — what outer
+ * levels hold (f's own later callbacks, when the running one is f's) runs
+ * after the running callback, as always. */
+static int queued_by_running(tramp_t *t, const dp_future_t *f) {
+  if (!t->top) return 0;
+  for (const cbent_t *e = t->top->head; e; e = e->next)
+    if (e->parent == f) return 1;
+  return 0;
+}
+
 static int wait_done(dp_future_t *f, int64_t timeout_ns) {
   /* In a callback, f may be waiting on work queued on this very thread:
-   * run it first (the queue keeps its order; nothing runs under a lock). */
+   * run it first (the queue keeps its order; nothing runs under a lock).
+   * So do the callbacks the running callback queued for f itself (it
+   * completed f): the wait returns once they ran, as recursion would have
+   * run them inside the completion. */
   tramp_t *t = &tramp;
-  if (t->depth)
+  if (t->depth) {
     while (!dp_future_is_done(f) && tramp_step(t)) {
     }
+    while (queued_by_running(t, f) && tramp_step(t)) {
+    }
+  }
   /* A completion often follows soon (a reply, a short kernel): look for it
    * a while before sleeping, which costs a wake-up (a futex and a
    * reschedule) worth more than a short wait. */

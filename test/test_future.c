@@ -1495,3 +1495,44 @@ Test(future, an_error_without_a_message_or_with_code_zero_reaches_waiters_with_o
   cr_assert(e.message[0] != 0, "a message, not an empty string");
   dp_future_release(f);
 }
+
+/* A callback that completes another future and waits on it: the wait
+ * returns once that future's callbacks (queued by this callback) ran; the
+ * callbacks its own parent has left wait until it returns. */
+static dp_future_t *other;
+static _Atomic int other_cb_ran, second_ran;
+static int mark_other(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  atomic_store(&other_cb_ran, 1);
+  return 0;
+}
+static int mark_second(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  atomic_store(&second_ran, 1);
+  return 0;
+}
+static int complete_other_then_wait(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)err;
+  OK(dp_future_mark_completed(other, dp_int(1), T_ERR)); /* other's callback: queued, not run here */
+  OK(dp_future_wait(other, -1, T_ERR));
+  int ran = atomic_load(&other_cb_ran);
+  OK(dp_future_wait(parent, -1, T_ERR)); /* its own parent: done, its next callback still due */
+  *result = dp_int(ran * 10 + atomic_load(&second_ran));
+  return 0;
+}
+
+Test(future, a_callback_waiting_on_a_future_it_completed_returns_after_that_futures_callbacks) {
+  dp_future_t *f = future(), *c1, *c2, *oc;
+  other = future();
+  OK(dp_future_then(other, mark_other, NULL, &oc, T_ERR));
+  OK(dp_future_then(f, complete_other_then_wait, NULL, &c1, T_ERR));
+  OK(dp_future_then(f, mark_second, NULL, &c2, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(7), T_ERR));
+  OK(dp_future_wait(c1, -1, T_ERR));
+  cr_assert_eq(dp_value_as_int(dp_future_value(c1)), 10, "other's callback ran in the wait, f's second did not");
+  dp_future_release(c1);
+  dp_future_release(c2);
+  dp_future_release(oc);
+  dp_future_release(other);
+  dp_future_release(f);
+}

@@ -36,7 +36,9 @@
  * call returns. So a chain of a million then() links completes, or is
  * released, in constant stack and in chain order, and the callbacks of one
  * future run in the order they were registered. A dp_future_wait() in a callback first runs what is queued on
- * its thread, so a callback may wait on what it completed.
+ * its thread, so a callback may wait on what it completed; waiting on a future it completed (or chained on)
+ * also returns only once the callbacks it queued for that future ran. The running callback's own future's
+ * later callbacks still run after it returns.
  *
  * CANCELLATION: when the last reference to a pending future is dropped, its
  * callbacks never run; its then() children fail with DP_ECANCELED ("the

@@ -1457,3 +1457,25 @@ def test_a_signal_handler_raising_interrupts_wait():
     assert not f.done() and elapsed < 5, elapsed
     f.set_result(1)  # the future is intact: waiting again works
     assert f.wait() == 1
+
+
+def test_wait_in_a_callback_on_a_future_it_completed_runs_that_futures_callbacks_first():
+    # PYTHON.md: a future completed inside a callback runs its callbacks once
+    # that callback returns, and wait() on it in the callback runs them
+    # first; the callback's own future's next callback still waits its turn.
+    order = []
+    f, other = devpickle.Future(), devpickle.Future()
+    other.add_done_callback(lambda g: order.append("other's"))
+
+    def first(fut):
+        other.set_result(1)
+        order.append("set")
+        other.wait()
+        order.append("waited")
+        fut.wait()
+        order.append("waited on its own")
+
+    f.add_done_callback(first)
+    f.add_done_callback(lambda fut: order.append("second"))
+    f.set_result(0)
+    assert order == ["set", "other's", "waited", "waited on its own", "second"]
