@@ -194,12 +194,12 @@ static uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
     Py_XDECREF(a);
   }
   if (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) {
-    Py_INCREF(t);
-    Py_XDECREF(e->type);
-    e->type = t;
+    PyTypeObject *old = e->type; /* released once the entry is whole: freeing it may run code that classifies */
+    e->type = (PyTypeObject *)Py_NewRef(t);
     e->version = t->tp_version_tag;
     e->kind = k;
     e->no_slots = 0;
+    Py_XDECREF(old);
   }
   return k;
 }
@@ -586,7 +586,8 @@ static int render_path(dpy_scanner_t *s, buf_t *out) {
   }
   if (!rc) {
     char mid[64];
-    snprintf(mid, sizeof mid, "<\xe2\x80\xa6%zu steps\xe2\x80\xa6>", tail - head_steps);
+    snprintf(mid, sizeof mid, "<\xe2\x80\xa6%zu step%s\xe2\x80\xa6>", tail - head_steps,
+             tail - head_steps == 1 ? "" : "s");
     rc = buf_put(out, mid, strlen(mid));
   }
   /* tb holds the tail steps last-first; put them back in order */

@@ -538,6 +538,15 @@ def _mk():
     return C()
 
 
+def test_a_path_that_leaves_out_one_step_says_step_as_the_c_library_does():
+    # keys of control characters escape to 6 bytes each: steps of 388, 388
+    # and 304 bytes, a path of 1,081 bytes whose tail keeps the last two
+    a = np.ones(4)
+    v = {"\x01" * 64: {"\x01" * 64: {"\x01" * 50: a}}}
+    k64, k50 = "\\u0001" * 64, "\\u0001" * 50
+    assert devpickle.scan(v)[0]["path"] == f'$<\u20261 step\u2026>["{k64}"]["{k50}"]'
+
+
 def test_a_path_escapes_what_would_end_its_step_or_break_its_line():
     make = _mk
 
