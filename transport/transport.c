@@ -497,6 +497,8 @@ int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_
   int rc = !t->caller                                      ? dp_future_wait(f, timeout_ns, err)
            : dp__tp_caller_until(t, future_done, f, timeout_ns) ? dp_future_wait(f, 0, err)
                                                                 : DP_ETIMEDOUT;
+  if (rc == DP_ETIMEDOUT && dp_future_is_done(f)) /* failed with a timeout of its own, or done just now */
+    return dp_future_wait(f, 0, err);
   if (rc == DP_ETIMEDOUT)
     return dp__err(err, DP_ETIMEDOUT, "dp_transport_wait: the future did not complete within %lld ns",
                    (long long)timeout_ns);
