@@ -404,9 +404,14 @@ def _flat(kind, device, source, cache, key, nbytes):
                 # a torch tensor is always writable: it gets a copy, never a
                 # writable view of immutable memory (bytes)
                 source = bytearray(source)
-            with memoryview(source) as m:  # nbytes, not len(): a 0-d array has no len
-                empty = m.nbytes == 0
-            flat = torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(source, dtype=torch.uint8)
+            # torch.frombuffer keeps a reference to what it is given but
+            # releases its buffer export, so a bytearray (array.array, mmap)
+            # given itself could be resized or closed under the tensor: it is
+            # given a memoryview, which holds the export as long as the tensor
+            # lives (BufferError on a resize), as numpy.frombuffer does
+            m = memoryview(source)
+            empty = m.nbytes == 0  # nbytes, not len(): a 0-d array has no len
+            flat = torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(m, dtype=torch.uint8)
             if device != "cpu":
                 flat = flat.to(device)
     elif kind == "numpy.ndarray":

@@ -863,3 +863,18 @@ def test_dumps_refuses_a_bare_torch_storage_naming_it():
         with pytest.raises(devpickle.WalkError, match="not bare storages") as e:
             devpickle.dumps({"s": st})
         assert e.value.path == "$.s" and e.value.type_name.endswith("Storage")
+
+
+def test_a_tensor_loaded_over_a_resizable_buffer_pins_it_so_it_cannot_move_under_the_tensor():
+    t = torch.arange(1000, dtype=torch.float32)
+    got = []
+    frame = devpickle.dumps(t, buffer_callback=got.append)
+    ba = bytearray(got[0].raw().numpy().tobytes())
+    out = devpickle.loads(frame, buffers=[ba])
+    with memoryview(ba) as m:
+        assert out.data_ptr() == np.frombuffer(m, np.uint8).ctypes.data  # over ba, not a copy
+    with pytest.raises(BufferError):
+        ba.extend(bytes(1 << 20))  # would move ba's memory under the tensor
+    assert out.tolist() == t.tolist()
+    del out
+    ba.extend(b"x")  # the tensor let go of it
