@@ -10,6 +10,12 @@ class Object:
     Attributes are readable as attributes (obj.w) and as a dict
     (obj.__attrs__). Two Objects are equal when their class names and
     attributes are.
+
+    A name of Python's protocols (__x__: __array_interface__, __deepcopy__,
+    __dict__, ...) is read only through __attrs__: numpy, copy, vars() and
+    others look such names up on the instance, and a frame's data must not
+    answer them (an __array_interface__ from the frame would have np.asarray
+    make an array over whatever address the frame names).
     """
 
     __slots__ = ("__class_name__", "__attrs__")
@@ -20,11 +26,17 @@ class Object:
 
     def __getattr__(self, name):
         try:
-            return object.__getattribute__(self, "__attrs__")[name]
-        except (KeyError, AttributeError):  # AttributeError: not made yet (copy, pickle)
-            raise AttributeError(
-                f"devpickle.Object of class {self.__class_name__!r} has no attribute {name!r}"
-            ) from None
+            attrs = object.__getattribute__(self, "__attrs__")
+            cls = object.__getattribute__(self, "__class_name__")
+        except AttributeError:  # not made yet (copy, pickle)
+            raise AttributeError(name) from None
+        if len(name) > 4 and name[:2] == name[-2:] == "__":  # a protocol name: never the frame's
+            raise AttributeError(f"devpickle.Object of class {cls!r} answers no protocol name ({name!r}) from "
+                                 "its attributes" + (": read it in __attrs__" if name in attrs else ""))
+        try:
+            return attrs[name]
+        except KeyError:
+            raise AttributeError(f"devpickle.Object of class {cls!r} has no attribute {name!r}") from None
 
     def __setattr__(self, name, value):
         self.__attrs__[name] = value

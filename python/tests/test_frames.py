@@ -1,6 +1,7 @@
 """devpickle.dumps / loads: frames of the C library, out-of-band buffers,
 classes only through classes=, hostile input refused with the byte offset."""
 import collections
+import copy
 import os
 import subprocess
 import sys
@@ -878,3 +879,25 @@ def test_a_tensor_loaded_over_a_resizable_buffer_pins_it_so_it_cannot_move_under
     assert out.tolist() == t.tolist()
     del out
     ba.extend(b"x")  # the tensor let go of it
+
+
+def test_a_frames_attribute_named_like_a_python_protocol_is_data_never_an_answer_to_that_protocol():
+    # numpy reads __array_interface__ off the instance: were a devpickle.Object
+    # to answer it from the frame, np.asarray would make an array over any
+    # address the frame names (run in a child: that read crashes)
+    iface = {"shape": (64,), "typestr": "|u1", "data": (4096, False), "version": 3}
+    frame = devpickle.dumps(spoof("Anything", __array_interface__=iface, __deepcopy__="x", __dict__=5, w=1))
+    out = devpickle.loads(frame)
+    assert out.w == 1 and out.__attrs__["__array_interface__"] == iface and out.__attrs__["__dict__"] == 5
+    for name in ("__array_interface__", "__deepcopy__", "__dict__"):
+        assert not hasattr(out, name)
+    r = subprocess.run([sys.executable, "-c", ARRAY_OF_AN_OBJECT], input=frame, capture_output=True)
+    assert r.returncode == 0 and r.stdout.strip() == b"object", r
+    assert copy.deepcopy(out) == out
+
+
+ARRAY_OF_AN_OBJECT = """
+import sys, numpy as np, devpickle
+a = np.asarray(devpickle.loads(sys.stdin.buffer.read()))
+print(a.dtype)
+"""
