@@ -463,7 +463,12 @@ def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyt
     if kind == "torch.Tensor":
         if dtype not in _TORCH_DTYPES or not hasattr(torch, dtype):
             raise _cannot(kind, device, key, f"dtype {dtype} has no torch equivalent here")
-        typed = flat.view(getattr(torch, dtype)) if len(flat) else flat.view(getattr(torch, dtype))
+        dt = getattr(torch, dtype)
+        # the whole items only: a storage may end in part of one (a packed
+        # 10-byte buffer under an int32 view of its first 8), which torch's
+        # view() refuses to reinterpret, as numpy's does (below)
+        itemsize = torch.empty(0, dtype=dt).element_size()
+        typed = flat[:len(flat) - len(flat) % itemsize].view(dt)
         # as_strided counts the offset from the storage's start: a buffer
         # given as a view of a larger tensor starts further in
         return torch.as_strided(typed, shape, strides, offset + typed.storage_offset())

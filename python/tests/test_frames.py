@@ -901,3 +901,16 @@ import sys, numpy as np, devpickle
 a = np.asarray(devpickle.loads(sys.stdin.buffer.read()))
 print(a.dtype)
 """
+
+
+def test_a_storage_whose_size_is_not_a_multiple_of_a_views_item_size_round_trips():
+    buf = torch.arange(10, dtype=torch.uint8)
+    value = {"buf": buf, "hdr": buf[:8].view(torch.int32)}  # a packed buffer with a typed header
+    out = devpickle.loads(devpickle.dumps(value, inline=True))
+    assert torch.equal(out["buf"], buf) and torch.equal(out["hdr"], value["hdr"])
+    assert out["hdr"].data_ptr() == out["buf"].data_ptr()
+    got = []
+    frame = devpickle.dumps(value, buffer_callback=got.append)
+    for given in (got[0].raw(), bytearray(bytes(got[0].raw().numpy()) + b"\0")):  # a larger buffer too
+        out = devpickle.loads(frame, buffers=[given])
+        assert torch.equal(out["buf"], buf) and torch.equal(out["hdr"], value["hdr"])
