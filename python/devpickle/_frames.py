@@ -439,7 +439,7 @@ def array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyte
     without) is a ValueError naming the buffer."""
     try:
         return _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes)
-    except (RuntimeError, AssertionError) as e:
+    except (RuntimeError, AssertionError, OverflowError) as e:
         raise _cannot(kind, device, key, e) from e
 
 
@@ -478,10 +478,22 @@ def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyt
         start = flat[offset * dt.itemsize:]
         usable = len(start) - len(start) % dt.itemsize
         return np.lib.stride_tricks.as_strided(start[:usable].view(dt), shape=shape,
-                                               strides=[s * dt.itemsize for s in strides])
+                                               strides=_byte_strides(kind, device, key, strides, dt.itemsize))
     cupy = sys.modules["cupy"]
     dt = _dtype(cupy, kind, device, key, dtype)
-    return cupy.ndarray(shape, dt, memptr=flat.data + offset * dt.itemsize, strides=[s * dt.itemsize for s in strides])
+    return cupy.ndarray(shape, dt, memptr=flat.data + offset * dt.itemsize,
+                        strides=_byte_strides(kind, device, key, strides, dt.itemsize))
+
+
+def _byte_strides(kind, device, key, strides, itemsize):
+    """numpy's (cupy's) strides, in bytes: a frame's, in items, may not fit
+    their int64 (a size-1 or empty dimension's stride addresses nothing, so
+    the format bounds it only by int64 items)."""
+    out = [s * itemsize for s in strides]
+    if any(not -(1 << 63) <= s < 1 << 63 for s in out):
+        raise _cannot(kind, device, key, f"strides {list(strides)} of {itemsize}-byte items are past "
+                      f"{kind.split('.')[0]}'s int64 bytes")
+    return out
 
 
 def _dtype(xp, kind, device, key, dtype):

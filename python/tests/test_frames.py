@@ -2,6 +2,7 @@
 classes only through classes=, hostile input refused with the byte offset."""
 import collections
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -914,3 +915,18 @@ def test_a_storage_whose_size_is_not_a_multiple_of_a_views_item_size_round_trips
     for given in (got[0].raw(), bytearray(bytes(got[0].raw().numpy()) + b"\0")):  # a larger buffer too
         out = devpickle.loads(frame, buffers=[given])
         assert torch.equal(out["buf"], buf) and torch.equal(out["hdr"], value["hdr"])
+
+
+@pytest.mark.parametrize("shape, strides", [([1, 3], [2**62, 1]), ([0, 3], [2**62, -(2**62)]), ([3, 0], [-(2**63 - 1), 1])])
+def test_a_view_whose_byte_strides_numpy_cannot_hold_is_a_value_error_naming_the_buffer(tmp_path, shape, strides):
+    # strides count items in a frame and bytes in numpy: a stride the frame
+    # holds (a size-1 or an empty dimension's) may not fit numpy's int64 bytes
+    cli = os.environ.get("DEVPICKLE")
+    if not cli:
+        pytest.skip("the devpickle CLI is not built (DEVPICKLE unset)")
+    tensor = {"device": "cpu", "ptr": "0x1000", "nbytes": 32, "dtype": "float64", "shape": shape, "strides": strides}
+    src = tmp_path / "v.json"
+    src.write_text(json.dumps({"$object": "numpy.ndarray", "attrs": {"data": {"$tensor": tensor}}}))
+    subprocess.run([cli, "pack", str(src), "-o", str(tmp_path / "v.dpk")], check=True)
+    with pytest.raises(ValueError, match=r"a numpy.ndarray over buffer 0 \(cpu\) cannot be made here"):
+        devpickle.loads((tmp_path / "v.dpk").read_bytes(), buffers=[bytearray(32)])
