@@ -80,7 +80,11 @@ def allowed(classes):
     for c in classes or ():
         if not isinstance(c, type):
             raise TypeError(f"classes= takes classes; got a {type(c).__name__!r}")
-        out[class_label(c)] = c
+        label = class_label(c)
+        if out.setdefault(label, c) is not c:
+            # a frame names a class by its label alone: it could mean either
+            raise ValueError(f"classes= names {label} twice, by two different classes ({out[label]!r} and {c!r}): "
+                             "a frame could not say which it means")
     return out
 
 

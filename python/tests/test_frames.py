@@ -930,3 +930,21 @@ def test_a_view_whose_byte_strides_numpy_cannot_hold_is_a_value_error_naming_the
     subprocess.run([cli, "pack", str(src), "-o", str(tmp_path / "v.dpk")], check=True)
     with pytest.raises(ValueError, match=r"a numpy.ndarray over buffer 0 \(cpu\) cannot be made here"):
         devpickle.loads((tmp_path / "v.dpk").read_bytes(), buffers=[bytearray(32)])
+
+
+def _local_class():
+    class Local:
+        pass
+
+    return Local
+
+
+def test_two_classes_of_one_name_in_classes_are_refused_never_one_picked_silently():
+    a, b = _local_class(), _local_class()  # both test_frames._local_class.<locals>.Local
+    obj = a()
+    obj.x = 1
+    frame = devpickle.dumps(obj)
+    with pytest.raises(ValueError, match=r"classes= names .*_local_class.<locals>.Local twice"):
+        devpickle.loads(frame, classes=(a, b))
+    out = devpickle.loads(frame, classes=(a, a))  # one class listed twice is one class
+    assert type(out) is a and out.x == 1
