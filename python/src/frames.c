@@ -223,14 +223,15 @@ static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
   PyObject *key = PyLong_FromSize_t(at), *source = NULL;
   if (!key) return NULL;
   const void *host = dp_storage_host_data(st);
+  Py_ssize_t given = 0; /* buffers= items: an error from the sequence's __len__ passes through */
   if (PyDict_GetItemWithError(l->cache, key)) {
     source = Py_NewRef(Py_None); /* rebuilt already: the helper has it */
-  } else if (PyErr_Occurred()) {
+  } else if (PyErr_Occurred() || (!host && l->buffers && (given = PySequence_Length(l->buffers)) < 0)) {
     Py_DECREF(key);
     return NULL;
   } else if (host) {
     source = PyByteArray_FromStringAndSize(host, (Py_ssize_t)dp_storage_nbytes(st));
-  } else if (l->buffers && (Py_ssize_t)at < PySequence_Length(l->buffers)) {
+  } else if (l->buffers && (Py_ssize_t)at < given) {
     source = PySequence_GetItem(l->buffers, (Py_ssize_t)at);
     if (source == Py_None) {
       char dn[32];

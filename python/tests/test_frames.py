@@ -1,6 +1,7 @@
 """devpickle.dumps / loads: frames of the C library, out-of-band buffers,
 classes only through classes=, hostile input refused with the byte offset."""
 import collections
+import collections.abc
 import copy
 import json
 import os
@@ -948,3 +949,21 @@ def test_two_classes_of_one_name_in_classes_are_refused_never_one_picked_silentl
         devpickle.loads(frame, classes=(a, b))
     out = devpickle.loads(frame, classes=(a, a))  # one class listed twice is one class
     assert type(out) is a and out.x == 1
+
+
+class LenFails(Exception):
+    pass
+
+
+class BuffersWhoseLenFails(collections.abc.Sequence):
+    def __len__(self):
+        raise LenFails("len")
+
+    def __getitem__(self, i):
+        return bytearray(16)
+
+
+def test_an_error_from_the_buffers_sequence_passes_through_not_replaced_by_a_missing_buffer():
+    frame = devpickle.dumps([np.arange(4, dtype=np.float32)], buffer_callback=lambda b: None)
+    with pytest.raises(LenFails):
+        devpickle.loads(frame, buffers=BuffersWhoseLenFails())
