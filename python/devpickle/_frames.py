@@ -369,6 +369,8 @@ def _check_contiguous(source, key):
     torch = sys.modules.get("torch")
     cupy = sys.modules.get("cupy")
     if torch is not None and isinstance(source, torch.Tensor):
+        if source.is_meta:  # a view over it would be a meta tensor: no values at all
+            raise ValueError(f"loads: buffers[{key}] is a torch tensor on meta, which holds no bytes")
         ok = source.is_contiguous()
     elif cupy is not None and isinstance(source, cupy.ndarray):
         ok = source.flags.c_contiguous

@@ -967,3 +967,12 @@ def test_an_error_from_the_buffers_sequence_passes_through_not_replaced_by_a_mis
     frame = devpickle.dumps([np.arange(4, dtype=np.float32)], buffer_callback=lambda b: None)
     with pytest.raises(LenFails):
         devpickle.loads(frame, buffers=BuffersWhoseLenFails())
+
+
+def test_a_meta_tensor_given_as_a_buffer_is_refused_it_holds_no_bytes():
+    frame = devpickle.dumps({"t": torch.ones(4), "a": np.ones(2)}, buffer_callback=lambda b: None)
+    meta = torch.empty(16, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match=r"buffers\[0\] is a torch tensor on meta, which holds no bytes"):
+        devpickle.loads(frame, buffers=[meta, np.ones(2)])
+    with pytest.raises(ValueError, match=r"buffers\[1\] is a torch tensor on meta"):
+        devpickle.loads(frame, buffers=[torch.ones(4), torch.empty(16, dtype=torch.uint8, device="meta")])
