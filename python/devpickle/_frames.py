@@ -33,6 +33,8 @@ class Buffer:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(o, torch.Tensor):
             s = o.untyped_storage() if hasattr(o, "untyped_storage") else o.storage()._storage
+            if s.data_ptr() != self.ptr:  # resized since (by a callback): other memory, another size
+                raise self._moved()
             return torch.empty(0, dtype=torch.uint8, device=o.device).set_(s)
         cupy = sys.modules.get("cupy")
         if cupy is not None and isinstance(o, cupy.ndarray):
@@ -42,7 +44,14 @@ class Buffer:
         # exactly [ptr, ptr + nbytes), whatever view of it was found first;
         # read-only when the memory's owner is (bytes, a read-only array)
         owner = o
-        while isinstance(owner, np.ndarray) and owner.base is not None:
+        while isinstance(owner, np.ndarray):
+            # every array on the way still in [ptr, ptr + nbytes): one resized
+            # since (a.resize(..., refcheck=False) from a callback) freed it
+            at = owner.__array_interface__["data"][0]
+            if owner.size and not self.ptr <= at < self.ptr + self.nbytes:
+                raise self._moved()
+            if owner.base is None:
+                break
             owner = owner.base
         try:
             with memoryview(owner) as m:
@@ -50,6 +59,10 @@ class Buffer:
         except TypeError:
             readonly = isinstance(o, np.ndarray) and not o.flags.writeable
         return np.asarray(_Memory(self.ptr, self.nbytes, readonly, o))
+
+    def _moved(self):
+        return ValueError(f"{self!r}: its memory moved since dumps found it (the array or tensor on it was "
+                          "resized): the frame's buffer is gone")
 
     def __repr__(self):
         return f"devpickle.Buffer(device={self.device!r}, ptr={self.ptr:#x}, nbytes={self.nbytes})"

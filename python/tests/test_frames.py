@@ -976,3 +976,20 @@ def test_a_meta_tensor_given_as_a_buffer_is_refused_it_holds_no_bytes():
         devpickle.loads(frame, buffers=[meta, np.ones(2)])
     with pytest.raises(ValueError, match=r"buffers\[1\] is a torch tensor on meta"):
         devpickle.loads(frame, buffers=[torch.ones(4), torch.empty(16, dtype=torch.uint8, device="meta")])
+
+
+def test_raw_of_a_buffer_whose_memory_moved_after_dumps_found_it_is_refused_never_read():
+    a, b, t = np.arange(1000.0), np.arange(10.0), torch.arange(10.0)
+    got = []
+
+    def cb(buf):
+        got.append(buf)
+        if len(got) == 1:
+            b.resize(1 << 20, refcheck=False)  # numpy's unchecked resize: b's old memory is freed
+            t.resize_(1 << 20)  # torch moves the storage's memory
+
+    devpickle.dumps([a, b, t], buffer_callback=cb)
+    assert got[0].raw().view(np.float64).tolist() == a.tolist()
+    for buf in got[1:]:
+        with pytest.raises(ValueError, match=r"its memory moved since dumps found it"):
+            buf.raw()
