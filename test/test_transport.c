@@ -2207,3 +2207,54 @@ Test(transport, freeing_a_transport_cancels_an_endpoint_to_its_own_listener_befo
     dp_future_release(r);
   }
 }
+
+static int64_t now_ns_t(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * SEC + ts.tv_nsec;
+}
+
+/* peer (caller-driven): echoes one value, then stops driving its
+ * transport — a hung process, which answers nothing more — for arg ms */
+static int echo_then_stall(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  int rc = echo_n(t, ep, (void *)(intptr_t)1);
+  sleep_ms((int)(intptr_t)arg);
+  return rc;
+}
+
+/* A peer that stops answering never completes UCX's disconnect of a
+ * graceful close: freeing the transport then must give the close up, not
+ * abort the process in UCX's worker teardown. */
+static void free_with_a_hung_peer(int caller) {
+  t_track();
+  dp_transport_opts_t po = {0};
+  po.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  peer_t p = spawn_peer(echo_then_stall, (void *)(intptr_t)20000, &po);
+  dp_transport_t *t = new_transport_driven(caller);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d, *back;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_int(5), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &back, T_ERR));
+  OK_WITH(&e, wait_f(back, &e));
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(back);
+  int64_t t0 = now_ns_t();
+  dp_endpoint_free(ep); /* nothing pending: a graceful close, which the peer never answers */
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_lt(now_ns_t() - t0, 10 * SEC, "the free waited for the hung peer");
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, freeing_a_transport_after_closing_an_endpoint_to_a_hung_peer_returns_thread_driven) {
+  free_with_a_hung_peer(0);
+}
+
+Test(transport, freeing_a_transport_after_closing_an_endpoint_to_a_hung_peer_returns_caller_driven) {
+  free_with_a_hung_peer(1);
+}

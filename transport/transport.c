@@ -467,11 +467,20 @@ void dp_transport_free(dp_transport_t *t) {
   run_cmd(t, CMD_STOP, NULL, NULL);
   if (t->caller) dp__tp_drain_stopped(t);
   else pthread_join(t->thread, NULL);
+  /* a graceful close still in progress (a peer that stopped answering never
+     completes UCX's disconnect) is let go of first: UCX 1.13 asserts, and
+     aborts the process, when it destroys an endpoint whose close request the
+     user still holds */
+  for (dp_endpoint_t *ep = t->closing; ep; ep = ep->next)
+    if (ep->close_req) {
+      ucp_request_free(ep->close_req);
+      ep->close_req = NULL;
+    }
   ucp_worker_destroy(t->worker);
   ucp_cleanup(t->ctx);
   for (dp_endpoint_t *ep = t->closing, *n; ep; ep = n) {
     n = ep->next;
-    dp__tp_ep_free_mem(ep);  /* their close requests went with the worker */
+    dp__tp_ep_free_mem(ep);  /* their endpoints went with the worker */
   }
   if (t->lctx) ucp_cleanup(t->lctx);
   if (t->pfd) dp__free(t->pfd, t->pfd_cap * sizeof *t->pfd);
