@@ -2258,3 +2258,63 @@ Test(transport, freeing_a_transport_after_closing_an_endpoint_to_a_hung_peer_ret
 Test(transport, freeing_a_transport_after_closing_an_endpoint_to_a_hung_peer_returns_caller_driven) {
   free_with_a_hung_peer(1);
 }
+
+/* A child forked from a process with a live transport: every call on the
+ * parent's transport and endpoint there is refused, and touches none of the
+ * parent's connection (a send from the child would go down the parent's
+ * socket; a free would close it, or wait forever for a progress thread the
+ * child does not have). */
+static int child_uses_the_parents_transport(dp_transport_t *t, dp_endpoint_t *ep) {
+  alarm(10); /* a call that waits for the parent's thread: the child dies, and the test fails */
+  dp_error_t e;
+  dp_future_t *f = NULL;
+  int bad = 0;
+  dp_error_clear(&e);
+  bad |= dp_endpoint_send(ep, dp_int(666), &f, &e) != DP_EINVAL || f || !strstr(e.message, "forked") ? 1 : 0;
+  bad |= dp_endpoint_send_frame(ep, "x", 1, &f, &e) != DP_EINVAL ? 2 : 0;
+  bad |= dp_endpoint_recv(ep, &f, &e) != DP_EINVAL || f ? 4 : 0;
+  bad |= dp_endpoint_error(ep, &e) != DP_EINVAL ? 8 : 0;
+  bad |= dp_transport_progress(t) != 0 ? 16 : 0;
+  dp_endpoint_t *other = NULL;
+  bad |= dp_endpoint_connect(t, "127.0.0.1:9", &other, &e) != DP_EINVAL || other ? 32 : 0;
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  return bad;
+}
+
+static void fork_with_a_live_transport(int caller) {
+  t_track();
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_t *t = new_transport_driven(caller);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_error_t e;
+  cr_assert_eq(dp_endpoint_error(ep, NULL), 0);
+  fflush(NULL);
+  pid_t c = fork();
+  cr_assert_neq(c, -1);
+  if (c == 0) _exit(child_uses_the_parents_transport(t, ep));
+  int st;
+  cr_assert_eq(waitpid(c, &st, 0), c);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child's calls were not all refused (status %d, bits %d)", st,
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  /* the parent's connection is untouched: the peer echoes the parent's
+     first value, not one of the child's */
+  dp_future_t *d, *back;
+  OK(dp_endpoint_send(ep, dp_int(1), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &back, T_ERR));
+  OK_WITH(&e, wait_f(back, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(back)), 1, "the peer echoed %lld",
+               (long long)dp_value_as_int(dp_future_value(back)));
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(back);
+  close_clean(ep, t, p);
+}
+
+Test(transport, a_forked_child_is_refused_the_parents_transport_which_keeps_working_thread_driven) {
+  fork_with_a_live_transport(0);
+}
+
+Test(transport, a_forked_child_is_refused_the_parents_transport_which_keeps_working_caller_driven) {
+  fork_with_a_live_transport(1);
+}

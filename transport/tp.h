@@ -339,6 +339,8 @@ struct dp_transport {
   unsigned nlanes;              /* lane workers alive (DP__LANES_MAX at most) */
   _Atomic unsigned ncommands;   /* caller-driven: commands queued (a whole pass every 16th) */
   pthread_mutex_t pmu;
+  unsigned forks;               /* dp__tp_forks when it was made: another value, a forked child */
+  long pid;                     /* the process that made it (for the child's error) */
 };
 
 typedef struct rctx {

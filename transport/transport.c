@@ -17,6 +17,33 @@ _Atomic unsigned long dp__transport_lane_msgs;
 
 /* ---- small things ---- */
 
+/* Forks this process went through, counted in each child (pthread_atfork):
+ * a transport made before one belongs to the parent. In the child its UCX
+ * sockets and shared memory are the parent's connections, its progress
+ * thread does not exist and its locks may be held forever (copied while a
+ * parent's thread held them): no call there may touch any of it. */
+static _Atomic unsigned dp__tp_forks;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void on_fork_child(void) { atomic_fetch_add_explicit(&dp__tp_forks, 1, memory_order_relaxed); }
+static void fork_hook(void) { pthread_atfork(NULL, NULL, on_fork_child); }
+
+/* 1 in a child forked after t was made: fills err. */
+static int forked(const dp_transport_t *t, const char *fn, dp_error_t *err) {
+  if (atomic_load_explicit(&dp__tp_forks, memory_order_relaxed) == t->forks) return 0;
+  dp__err(err, DP_EINVAL,
+          "%s: the transport belongs to process %ld, which forked this one: a child cannot use it (transport.h)", fn,
+          t->pid);
+  return 1;
+}
+
+/* forked(), for the calls that return nothing: a line on stderr. */
+static int forked_void(const dp_transport_t *t, const char *fn) {
+  dp_error_t e;
+  if (!forked(t, fn, &e)) return 0;
+  fprintf(stderr, "devpickle: %s: nothing done\n", e.message);
+  return 1;
+}
+
 
 static void wake(dp_transport_t *t) {
   uint64_t one = 1;
@@ -417,6 +444,9 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
   pthread_cond_init(&t->cv, &ca);
   pthread_condattr_destroy(&ca);
   t->caller = opts && opts->progress == DP_TRANSPORT_PROGRESS_CALLER;
+  pthread_once(&fork_once, fork_hook);
+  t->forks = atomic_load_explicit(&dp__tp_forks, memory_order_relaxed);
+  t->pid = (long)getpid();
   /* a spinning thread yields its core every idle pass where the threads it
      waits for may need it (a few cores), every 16th elsewhere */
   t->yield_every = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 16 : 1;
@@ -437,7 +467,7 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
 }
 
 void dp_transport_free(dp_transport_t *t) {
-  if (!t) return;
+  if (!t || forked_void(t, "dp_transport_free")) return;
   if (dp__tp_in_pass == t) { /* its worker would be destroyed under its own progress */
     fprintf(stderr, "devpickle: dp_transport_free called from a callback of that transport's loop: not freed "
                     "(free it after the loop returns; transport.h)\n");
@@ -497,12 +527,15 @@ void dp_transport_free(dp_transport_t *t) {
   dp__free(t, sizeof *t);
 }
 
-int dp_transport_progress(dp_transport_t *t) { return t && t->caller ? dp__tp_caller_pass(t) : 0; }
+int dp_transport_progress(dp_transport_t *t) {
+  return t && t->caller && !forked(t, "dp_transport_progress", NULL) ? dp__tp_caller_pass(t) : 0;
+}
 
 static int future_done(void *f) { return dp_future_is_done(f); }
 
 int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (!t || !f) return dp__err(err, DP_EINVAL, "dp_transport_wait: %s is NULL", t ? "f" : "t");
+  if (forked(t, "dp_transport_wait", err)) return DP_EINVAL;
   int rc = !t->caller                                      ? dp_future_wait(f, timeout_ns, err)
            : dp__tp_caller_until(t, future_done, f, timeout_ns) ? dp_future_wait(f, 0, err)
                                                                 : DP_ETIMEDOUT;
@@ -517,6 +550,7 @@ int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_
 int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err) {
   if (!t || !out) return dp__err(err, DP_EINVAL, "dp_listener_new: %s is NULL", t ? "out" : "t");
   *out = NULL;
+  if (forked(t, "dp_listener_new", err)) return DP_EINVAL;
   cmd_t c;
   memset(&c, 0, sizeof c);
   int rc = parse_addr(host_port, 1, &c.addr, &c.addrlen, err);
@@ -551,6 +585,7 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
   if (!l || !out) return dp__err(err, DP_EINVAL, "dp_listener_accept: %s is NULL", l ? "out" : "l");
   *out = NULL;
   dp_transport_t *t = l->t;
+  if (forked(t, "dp_listener_accept", err)) return DP_EINVAL;
   if (t->caller) dp__tp_caller_until(t, accepted, l, timeout_ns);
   struct timespec dl;
   clock_gettime(CLOCK_MONOTONIC, &dl); /* t->cv's clock */
@@ -579,7 +614,7 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
 }
 
 void dp_listener_free(dp_listener_t *l) {
-  if (!l) return;
+  if (!l || forked_void(l->t, "dp_listener_free")) return;
   run_cmd(l->t, CMD_UNLISTEN, l, NULL);
   dp__free(l, sizeof *l);
 }
@@ -587,6 +622,7 @@ void dp_listener_free(dp_listener_t *l) {
 int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err) {
   if (!t || !out) return dp__err(err, DP_EINVAL, "dp_endpoint_connect: %s is NULL", t ? "out" : "t");
   *out = NULL;
+  if (forked(t, "dp_endpoint_connect", err)) return DP_EINVAL;
   cmd_t *c = dp__alloc(sizeof *c);
   if (!c) return dp__err(err, DP_ENOMEM, "dp_endpoint_connect: out of memory");
   memset(c, 0, sizeof *c);
@@ -607,7 +643,7 @@ int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t 
 }
 
 void dp_endpoint_free(dp_endpoint_t *ep) {
-  if (!ep) return;
+  if (!ep || forked_void(ep->t, "dp_endpoint_free")) return;
   dp_transport_t *t = ep->t;
   if (dp__tp_in_pass == t) {
     /* from a callback the loop runs (maybe inside UCX's own callback, with
@@ -628,6 +664,7 @@ void dp_endpoint_free(dp_endpoint_t *ep) {
 int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err) {
   if (!ep) return dp__err(err, DP_EINVAL, "dp_endpoint_error: ep is NULL");
   dp_transport_t *t = ep->t;
+  if (forked(t, "dp_endpoint_error", err)) return DP_EINVAL;
   pthread_mutex_lock(&t->mu);
   int rc = ep->error;
   if (rc && err) *err = ep->errinfo;
@@ -637,7 +674,7 @@ int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err) {
 
 static int queue_send(dp_endpoint_t *ep, sop_t *s, dp_future_t **done, dp_error_t *err) {
   dp_transport_t *t = ep->t;
-  int rc = dp_endpoint_error(ep, err);
+  int rc = dp_endpoint_error(ep, err); /* DP_EINVAL in a forked child */
   if (!rc && done) rc = new_future(t, &s->done, err);
   cmd_t *c = rc ? NULL : dp__alloc(sizeof *c);
   if (!rc && !c) rc = dp__err(err, DP_ENOMEM, "transport: out of memory");
@@ -667,6 +704,7 @@ static sop_t *sop_new(int kind) {
 int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done, dp_error_t *err) {
   if (!ep || !done) return dp__err(err, DP_EINVAL, "dp_endpoint_send: %s is NULL", ep ? "done" : "ep");
   *done = NULL;
+  if (forked(ep->t, "dp_endpoint_send", err)) return DP_EINVAL;
   sop_t *s = sop_new(SOP_VALUE);
   if (!s) return dp__err(err, DP_ENOMEM, "dp_endpoint_send: out of memory");
   int rc = dp_frame_new(&s->frame, err);
@@ -685,6 +723,7 @@ int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **don
   if (!ep || !f || !done)
     return dp__err(err, DP_EINVAL, "dp_endpoint_send_future: %s is NULL", !ep ? "ep" : !f ? "f" : "done");
   *done = NULL;
+  if (forked(ep->t, "dp_endpoint_send_future", err)) return DP_EINVAL;
   sop_t *s = sop_new(SOP_FUTURE);
   if (!s) return dp__err(err, DP_ENOMEM, "dp_endpoint_send_future: out of memory");
   s->src = dp_future_retain(f);
@@ -695,6 +734,7 @@ int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_fu
   if (!ep || !bytes || !done)
     return dp__err(err, DP_EINVAL, "dp_endpoint_send_frame: %s is NULL", !ep ? "ep" : !bytes ? "bytes" : "done");
   *done = NULL;
+  if (forked(ep->t, "dp_endpoint_send_frame", err)) return DP_EINVAL;
   dp_frame_info_t info;
   int rc = dp_frame_check(bytes, n, &info, err);
   if (rc) return rc;
@@ -714,6 +754,7 @@ int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_fu
 static int recv_common(dp_endpoint_t *ep, int frame, dp_future_t **out, dp_error_t *err) {
   if (!ep || !out) return dp__err(err, DP_EINVAL, "dp_endpoint_recv: %s is NULL", ep ? "out" : "ep");
   *out = NULL;
+  if (forked(ep->t, frame ? "dp_endpoint_recv_frame" : "dp_endpoint_recv", err)) return DP_EINVAL;
   int rc = dp_endpoint_error(ep, err); /* a failed endpoint's error, as every later call returns it */
   if (rc) return rc;
   dp_transport_t *t = ep->t;

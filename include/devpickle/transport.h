@@ -105,6 +105,14 @@
  * pass (their then() callbacks run there: keep them short and never wait in
  * one on a later message of the transport, nor call a _free function or
  * dp_listener_new from one).
+ *
+ * FORK: a transport, its listeners and endpoints belong to the process that
+ * made them. In a child forked after dp_transport_new, every call on them
+ * is refused — DP_EINVAL ("... which forked this one: a child cannot use
+ * it"), dp_transport_progress 0, the _free functions a line on stderr and
+ * nothing freed — so the child never writes to the parent's connections nor
+ * waits for its progress thread; their futures never complete there. The
+ * child may exec or exit; a transport of its own it makes anew.
  */
 #ifndef DEVPICKLE_TRANSPORT_H
 #define DEVPICKLE_TRANSPORT_H
