@@ -2318,3 +2318,34 @@ Test(transport, a_forked_child_is_refused_the_parents_transport_which_keeps_work
 Test(transport, a_forked_child_is_refused_the_parents_transport_which_keeps_working_caller_driven) {
   fork_with_a_live_transport(1);
 }
+
+/* A future that failed with DP_ETIMEDOUT (an endpoint's timeout) keeps its
+ * own message through dp_transport_wait; only the wait's own timeout is
+ * reported as the wait's. */
+static void wait_keeps_a_timeout_failure(int caller) {
+  dp_transport_t *t = new_transport_driven(caller);
+  dp_future_opts_t fo = {0};
+  fo.backend = NULL;
+  dp_future_t *f;
+  OK(dp_future_new(&fo, &f, T_ERR));
+  dp_error_t e, why;
+  cr_assert_eq(dp_transport_wait(t, f, SEC / 100, &e), DP_ETIMEDOUT);
+  cr_assert(strstr(e.message, "dp_transport_wait: the future did not complete"), "%s", e.message);
+  dp_error_clear(&why);
+  why.code = DP_ETIMEDOUT;
+  snprintf(why.message, sizeof why.message, "transport: endpoint to x: a send was not complete after 200 ms");
+  OK(dp_future_set_error(f, &why, T_ERR));
+  cr_assert_eq(dp_transport_wait(t, f, 10 * SEC, &e), DP_ETIMEDOUT);
+  cr_assert_str_eq(e.message, why.message);
+  dp_future_release(f);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
+Test(transport, a_wait_on_a_future_failed_with_a_timeout_gives_the_futures_message_thread_driven) {
+  wait_keeps_a_timeout_failure(0);
+}
+
+Test(transport, a_wait_on_a_future_failed_with_a_timeout_gives_the_futures_message_caller_driven) {
+  wait_keeps_a_timeout_failure(1);
+}
