@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -54,6 +55,9 @@ static peer_t spawn_peer(peer_fn fn, void *arg, const dp_transport_opts_t *opts)
   if (pid == 0) {
     close(fds[0]);
     alarm(120); /* a peer never outlives a broken test for long */
+    /* nor a failed one, stopped (SIGSTOP holds SIGALRM back): it dies with the test */
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() == 1) _exit(93);
     t_env();
     dp_transport_t *t;
     dp_listener_t *l;
