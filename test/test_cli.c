@@ -359,13 +359,20 @@ Test(cli, a_frame_followed_by_an_endless_pipe_is_refused_once_64_kib_follow_it_b
 }
 
 /* A terminal on stdin would wait, silently, for a frame no one types. */
-Test(cli, a_frame_command_refuses_a_terminal_on_stdin_instead_of_waiting_on_it) {
-  int m = posix_openpt(O_RDWR | O_NOCTTY);
-  cr_assert_geq(m, 0);
-  cr_assert_eq(grantpt(m), 0);
-  cr_assert_eq(unlockpt(m), 0);
-  char *slave = ptsname(m);
+/* A pseudo-terminal: its master in *m, the name of its other end returned. */
+static const char *open_pty(int *m) {
+  *m = posix_openpt(O_RDWR | O_NOCTTY);
+  cr_assert_geq(*m, 0);
+  cr_assert_eq(grantpt(*m), 0);
+  cr_assert_eq(unlockpt(*m), 0);
+  const char *slave = ptsname(*m);
   cr_assert_not_null(slave);
+  return slave;
+}
+
+Test(cli, a_frame_command_refuses_a_terminal_on_stdin_instead_of_waiting_on_it) {
+  int m;
+  const char *slave = open_pty(&m);
   char script[512];
   snprintf(script, sizeof script, "timeout 20 \"$D\" verify - < %s", slave);
   res_t r = run_sh(script);
@@ -377,12 +384,8 @@ Test(cli, a_frame_command_refuses_a_terminal_on_stdin_instead_of_waiting_on_it) 
 
 /* A binary frame is not written to a terminal unless asked for (-o -). */
 Test(cli, recv_refuses_a_terminal_on_stdout_unless_told_with_dash_o_dash) {
-  int m = posix_openpt(O_RDWR | O_NOCTTY);
-  cr_assert_geq(m, 0);
-  cr_assert_eq(grantpt(m), 0);
-  cr_assert_eq(unlockpt(m), 0);
-  char *slave = ptsname(m);
-  cr_assert_not_null(slave);
+  int m;
+  const char *slave = open_pty(&m);
   char script[512];
   snprintf(script, sizeof script, "timeout 20 \"$D\" recv 0 > %s", slave);
   res_t r = run_sh(script);

@@ -94,6 +94,14 @@ static int data_error(const char *file, const char *what, int64_t offset) {
 static const char *display(const char *path) { return strcmp(path, "-") == 0 ? "<stdin>" : path; }
 
 /* Reads a whole file (or stdin). */
+/* Doubles a read buffer's capacity; out of memory, frees it (*buf NULL). */
+static void grow_or_drop(uint8_t **buf, size_t *cap) {
+  uint8_t *nb = realloc(*buf, *cap * 2);
+  if (!nb) free(*buf);
+  else *cap *= 2;
+  *buf = nb;
+}
+
 static int read_all(const char *path, uint8_t **out, size_t *n) {
   FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
   if (!f) return data_error(display(path), strerror(errno), -1);
@@ -104,14 +112,7 @@ static int read_all(const char *path, uint8_t **out, size_t *n) {
     size_t got = fread(buf + len, 1, cap - len, f);
     len += got;
     if (len < cap) break;
-    uint8_t *nb = realloc(buf, cap * 2);
-    if (!nb) {
-      free(buf);
-      buf = NULL;
-      break;
-    }
-    buf = nb;
-    cap *= 2;
+    grow_or_drop(&buf, &cap);
   }
   int err = ferror(f), why = errno; /* fread's reason (a directory: EISDIR) */
   if (f != stdin) fclose(f);
@@ -506,14 +507,7 @@ static int read_frame(const char *path, uint8_t **out, size_t *n) {
     size_t got;
     if ((rc = src_read(&s, buf + len, cap - len, &got, &e)) != 0 || got == 0) break;
     if ((len += got) < cap) continue;
-    uint8_t *nb = realloc(buf, cap * 2);
-    if (!nb) {
-      free(buf);
-      buf = NULL;
-      break;
-    }
-    buf = nb;
-    cap *= 2;
+    grow_or_drop(&buf, &cap);
   }
   src_close(&s);
   if (!buf) return data_error(display(path), "out of memory reading the file", -1);
