@@ -537,15 +537,16 @@ static int get_error(const dp_future_t *f, dp_error_t *err) {
 #define WAIT_SPIN_NS 100000
 #endif
 
-/* 1 when the running callback has queued a callback of f (f completed, or
- * chained on when complete, inside it): t's top level only — what outer
- * levels hold (f's own later callbacks, when the running one is f's) runs
- * after the running callback, as always. */
-static int queued_by_running(tramp_t *t, const dp_future_t *f) {
-  if (!t->top) return 0;
-  for (const cbent_t *e = t->top->head; e; e = e->next)
-    if (e->parent == f) return 1;
-  return 0;
+/* Where the first callback of f that the running callback queued (f
+ * completed, or chained on when complete, inside it) stands in t's top
+ * level, or -1: that level only — what outer levels hold (f's own later
+ * callbacks, when the running one is f's) runs after the running callback,
+ * as always. */
+static long queued_by_running(tramp_t *t, const dp_future_t *f) {
+  long i = 0;
+  for (const cbent_t *e = t->top ? t->top->head : NULL; e; e = e->next, i++)
+    if (e->parent == f) return i;
+  return -1;
 }
 
 static int wait_done(dp_future_t *f, int64_t timeout_ns) {
@@ -558,7 +559,12 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
   if (t->depth) {
     while (!dp_future_is_done(f) && tramp_step(t)) {
     }
-    while (queued_by_running(t, f) && tramp_step(t)) {
+    /* the entries up to f's first run before the level is looked at again:
+       each is passed over once, however many stand before f's */
+    for (long k; (k = queued_by_running(t, f)) >= 0;) {
+      int ran = 1;
+      for (long i = 0; i <= k && ran; i++) ran = tramp_step(t);
+      if (!ran) break;
     }
   }
   /* A completion often follows soon (a reply, a short kernel): look for it
@@ -603,13 +609,6 @@ static int join_device(dp_future_t *f, size_t i, dp_stream_t *s, dp_error_t *err
   return rc;
 }
 
-static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
-
-int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
-  if (!f) return dp__err(err, DP_EINVAL, "dp_future_wait: NULL future");
-  return wait_as("dp_future_wait", f, timeout_ns, err);
-}
-
 /* dp_future_wait, its timeout named as fn's */
 static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   int state = wait_done(f, timeout_ns);
@@ -623,6 +622,11 @@ static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_
     if (rc) return rc;
   }
   return 0;
+}
+
+int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
+  if (!f) return dp__err(err, DP_EINVAL, "dp_future_wait: NULL future");
+  return wait_as("dp_future_wait", f, timeout_ns, err);
 }
 
 static int64_t mono_ns(void) {

@@ -82,14 +82,12 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
   }
   /* a self-contained frame is kept for a recv_frame, unless a value
      receive takes it at once (nothing queued before it) */
-  int taken_now = !ep->rq_head && ep->w_head && !ep->w_head->frame;
-  if (!rc && !m->nbuf && taken_now) {
-    /* nothing to keep */
-  } else if (!rc && !m->nbuf && pulled) { /* a self-contained frame: kept for recv_frame */
+  int keep = !rc && !m->nbuf && !(!ep->rq_head && ep->w_head && !ep->w_head->frame);
+  if (keep && pulled) {
     m->frame_copy = *pulled; /* allocated as frame_copy is, len ? len : 1 */
     m->frame_len = len;
     *pulled = NULL;
-  } else if (!rc && !m->nbuf) {
+  } else if (keep) {
     if (!(m->frame_copy = dp__alloc(len ? len : 1)))
       rc = dp__err(&m->error, DP_ENOMEM, "transport: out of memory");
     else {

@@ -536,15 +536,12 @@ static int future_done(void *f) { return dp_future_is_done(f); }
 int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (!t || !f) return dp__err(err, DP_EINVAL, "dp_transport_wait: %s is NULL", t ? "f" : "t");
   if (forked(t, "dp_transport_wait", err)) return DP_EINVAL;
-  int rc = !t->caller                                      ? dp_future_wait(f, timeout_ns, err)
-           : dp__tp_caller_until(t, future_done, f, timeout_ns) ? dp_future_wait(f, 0, err)
-                                                                : DP_ETIMEDOUT;
-  if (rc == DP_ETIMEDOUT && dp_future_is_done(f)) /* failed with a timeout of its own, or done just now */
-    return dp_future_wait(f, 0, err);
-  if (rc == DP_ETIMEDOUT)
-    return dp__err(err, DP_ETIMEDOUT, "dp_transport_wait: the future did not complete within %lld ns",
-                   (long long)timeout_ns);
-  return rc;
+  int rc = t->caller ? (dp__tp_caller_until(t, future_done, f, timeout_ns) ? dp_future_wait(f, 0, err) : DP_ETIMEDOUT)
+                     : dp_future_wait(f, timeout_ns, err);
+  if (rc != DP_ETIMEDOUT) return rc;
+  if (dp_future_is_done(f)) return dp_future_wait(f, 0, err); /* failed with a timeout of its own, or done just now */
+  return dp__err(err, DP_ETIMEDOUT, "dp_transport_wait: the future did not complete within %lld ns",
+                 (long long)timeout_ns);
 }
 
 int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err) {
