@@ -188,12 +188,18 @@ int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
   return grow_entries(s, need);
 }
 
-/* The batch's loop keeps the table, the entries and the device's group in
- * locals (the table through its own functions, on a copy): stores into the
+/* The batch loop of both batch inserts: the walker's storages (st, with
+ * `again` bits) and dp_ptrset_add_many's items (with their indices asked
+ * back). Exactly one of st and items is given, a constant at each call:
+ * inlined, each caller gets its own loop.
+ *
+ * The loop keeps the table, the entries and the device's group in locals
+ * (the table through its own functions, on a copy): stores into the
  * entries then cannot force them to be reloaded. They are written back
  * before a new device takes the slow path, and at the end. */
-int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t *h, uint64_t again, int n,
-                         dp_error_t *err) {
+static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, dp_storage_t *const *st,
+                                                          const dp_ptr_info_t *items, const uint64_t *h, uint64_t again,
+                                                          int n, size_t *indices, dp_error_t *err) {
   dp__table_t tab = s->tab;
   void **bases = s->bases;
   dp__pentry_t *rest = s->rest;
@@ -210,28 +216,28 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
   if (!tab.nslots) __builtin_unreachable();  /* reserved */
   int rc = 0;
   for (int i = 0; i < n; i++) {
-    if (again >> i & 1) {
+    if (st && (again >> i & 1)) {
       rest[id].refs++;
       continue;
     }
-    const dp_storage_t *x = st[i];
-    dp__pkey_t key = {x->base, x->device};
+    void *base = st ? st[i]->base : items[i].base;
+    dp_device_t device = st ? st[i]->device : items[i].device;
+    size_t nbytes = st ? st[i]->nbytes : items[i].nbytes;
+    dp__pkey_t key = {base, device};
     size_t j, at = dp__table_find(&tab, DP_TABLE_TAGGED, h[i], dp__ptrset_eq, s, &key, &j);
     if (at != DP_TABLE_NONE) {
       dp__pentry_t *e = &rest[at];
       e->refs++;
-      if (x->nbytes > e->nbytes) e->nbytes = x->nbytes;
+      if (nbytes > e->nbytes) e->nbytes = nbytes;
       id = at;
-      continue;
-    }
-    if (DP_UNLIKELY(dp__dev_bits(x->device) != gdev)) {
+    } else if (DP_UNLIKELY(dp__dev_bits(device) != gdev)) {
       s->tab = tab;
       s->count = count;
       if (gdev != 0x10000u) {
         s->groups[g].count = gcount;
         s->groups[g].tail = gtail;
       }
-      if ((rc = dp__ptrset_insert_new(s, x->device, x->base, x->nbytes, h[i], j, &id, err)) != 0) return rc;
+      if ((rc = dp__ptrset_insert_new(s, device, base, nbytes, h[i], j, &id, err)) != 0) return rc;
       tab = s->tab;
       bases = s->bases;
       rest = s->rest;
@@ -242,10 +248,10 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
       gcount = s->groups[g].count;
       gtail = s->groups[g].tail;
       chained = s->ngroups > 1;
-      continue;
+    } else {
+      DP__PENTRY_PUSH(id, bases, rest, next_on, count, &tab, g, gcount, gtail, chained, device, base, nbytes, h[i], j);
     }
-    DP__PENTRY_PUSH(id, bases, rest, next_on, count, &tab, g, gcount, gtail, chained, x->device, x->base, x->nbytes, h[i],
-                    j);
+    if (indices) indices[i] = id;
   }
   s->tab = tab;
   s->count = count;
@@ -254,6 +260,11 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t
     s->groups[g].tail = gtail;
   }
   return rc;
+}
+
+int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t *h, uint64_t again, int n,
+                         dp_error_t *err) {
+  return add_run(s, st, NULL, h, again, n, NULL, err);
 }
 
 int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbytes, size_t *index,
@@ -287,8 +298,8 @@ int dp_ptrset_add_many(dp_ptrset_t *set, const dp_ptr_info_t *items, size_t n, s
   uint16_t key_dev = 0;
   int have_key = 0;
   for (size_t at = 0; at < n; at += RUN) {
-    size_t m = n - at < RUN ? n - at : RUN;
-    for (size_t i = 0; i < m; i++) {
+    int m = n - at < RUN ? (int)(n - at) : RUN;
+    for (int i = 0; i < m; i++) {
       dp_device_t d = items[at + i].device;
       if (!have_key || dp__dev_bits(d) != key_dev) {
         key = dp__ptr_key(d);
@@ -298,13 +309,9 @@ int dp_ptrset_add_many(dp_ptrset_t *set, const dp_ptr_info_t *items, size_t n, s
       h[i] = dp__ptr_hash_keyed(items[at + i].base, key);
       dp__ptrset_prefetch(set, h[i]);
     }
-    for (size_t i = 0; i < m; i++) {
-      const dp_ptr_info_t *it = &items[at + i];
-      size_t idx;
-      int is_new;
-      if ((rc = dp__ptrset_add_hashed(set, it->device, it->base, it->nbytes, h[i], &idx, &is_new, err)) != 0) return rc;
-      if (indices) indices[at + i] = idx;
-    }
+    if ((rc = indices ? add_run(set, NULL, items + at, h, 0, m, indices + at, err)
+                      : add_run(set, NULL, items + at, h, 0, m, NULL, err)) != 0)
+      return rc;
   }
   return 0;
 }
