@@ -366,6 +366,15 @@ static inline dp_value_t hval(dp_heap_t *h) {
  * lowest one reached is the last to close: while it is open, the node still
  * reaches an open container; once it is closed, nothing it reached is open. */
 
+/* A buffer of the table: its storage, and the size its descriptor gives,
+ * which bounds the views of it. A bind callback may hand back a larger
+ * storage; a tensor that fits that storage but not the buffer is still
+ * refused, so that whether a frame is read does not depend on the bind. */
+typedef struct ubuf {
+  dp_storage_t *st;
+  uint64_t nbytes;
+} ubuf_t;
+
 /* Ownership. The node table borrows: every node in it is owned by the tree
  * being built (its parent container, an open frame, or the root) or by
  * `kept`. The reader never releases a node before the end: a reduce node
@@ -379,7 +388,7 @@ typedef struct up {
   size_t nnodes, nodes_cap;
   uframe_t *stack;
   size_t top, stack_cap;
-  dp_storage_t **bufs;
+  ubuf_t *bufs;
   size_t nbufs, bufs_cap;
   size_t next_buf;       /* buffers 0..next_buf-1 have been referred to */
   dp_value_t *kept;      /* replaced reduce stand-ins, released at the end */
@@ -531,9 +540,9 @@ static int read_tensor(up_t *u, const uint8_t *at, dp_value_t *out) {
   for (uint64_t d = 0; !rc && d < ns; d++) rc = read_int(r, &strides[d], INT64_MIN + 1, INT64_MAX, "tensor stride");
   if (!rc) rc = read_int(r, &offset, 0, INT64_MAX, "tensor offset");
   if (rc) return rc;
-  dp_storage_t *st = u->bufs[id];
+  dp_storage_t *st = u->bufs[id].st;
   dp_error_t e;
-  if (dp__tensor_check(st->nbytes, (dp_dtype_t)dtype, (int)nd, shape, strides, offset, &e) != 0)
+  if (dp__tensor_check((size_t)u->bufs[id].nbytes, (dp_dtype_t)dtype, (int)nd, shape, strides, offset, &e) != 0)
     return rd_fail(r, DP_EFORMAT, at, "tensor: %s", e.message);
   rc = dp_tensor_new(dp_storage_retain(st), (dp_dtype_t)dtype, (int)nd, shape, strides, offset, out, &e);
   return rc ? rd_pass(r, at, rc, &e) : 0;
@@ -954,7 +963,7 @@ static int read_table(up_t *u, const dp_frame_info_t *fi, const uint8_t *data) {
   if (n == 0 && (fi->flags & DP_FRAME_FLAG_INLINE))
     return rd_fail(r, DP_EFORMAT, r->base + 6, "%s", NO_BUFFERS_INLINE);
   if (n > u->lim.max_buffers) return lim_err(u, at, "buffer count", u->lim.max_buffers);
-  u->bufs = dp__alloc_array(n ? n : 1, sizeof(dp_storage_t *));
+  u->bufs = dp__alloc_array(n ? n : 1, sizeof *u->bufs);
   if (!u->bufs) return oom_at(u, at, "the buffer list");
   u->bufs_cap = n ? n : 1;
   /* Every descriptor must name a distinct (device, base). Writers list
@@ -1055,7 +1064,8 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
         return rd_pass(r, at, rc, &e);
       }
     }
-    u->bufs[u->nbufs++] = st;
+    u->bufs[u->nbufs].st = st;
+    u->bufs[u->nbufs++].nbytes = nbytes;
   }
   if (pass != PASS_CHECK && pass != PASS_MAKE) return 0;
   if (r->p != r->end)
@@ -1084,8 +1094,8 @@ static void up_cleanup(up_t *u, int failed) {
   if (failed && u->have_root) dp_value_release(u->root);
   for (size_t i = 0; i < u->nkept; i++) dp_value_release(u->kept[i]);
   dp__free(u->kept, u->kept_cap * sizeof *u->kept);
-  for (size_t i = 0; i < u->nbufs; i++) dp_storage_release(u->bufs[i]);
-  dp__free(u->bufs, u->bufs_cap * sizeof(dp_storage_t *));
+  for (size_t i = 0; i < u->nbufs; i++) dp_storage_release(u->bufs[i].st);
+  dp__free(u->bufs, u->bufs_cap * sizeof *u->bufs);
   dp__free(u->nodes, u->nodes_cap * sizeof *u->nodes);
   dp__free(u->stack, u->stack_cap * sizeof(uframe_t));
 }

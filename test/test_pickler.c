@@ -3050,3 +3050,36 @@ Test(pickler, a_resolver_that_succeeds_without_a_value_or_returns_a_positive_cod
   dp_value_collect();
   ASSERT_NO_LEAK();
 }
+
+static int bind_larger_storage(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
+  (void)ud;
+  return dp_storage_new(desc->device, (void *)(uintptr_t)desc->base, 4096, NULL, NULL, out, err);
+}
+
+Test(pickler, a_tensor_past_its_buffer_is_refused_even_when_bind_returns_a_larger_storage) {
+  /* [tensor of buffer 0: float32, shape [100], strides [1], offset 0] over
+   * a buffer of 4 bytes: the frame is malformed whatever storage a bind
+   * makes for the buffer (the format bounds views by the descriptor). */
+  const uint8_t payload[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x64, 0x91, 0x01, 0x00};
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
+  dp_unpickle_opts_t bo;
+  memset(&bo, 0, sizeof bo);
+  bo.bind = bind_larger_storage;
+  for (int with_bind = 0; with_bind < 2; with_bind++) {
+    for (int streamed = 0; streamed < 2; streamed++) {
+      dp_value_t out;
+      dp_error_t e;
+      const dp_unpickle_opts_t *o = with_bind ? &bo : NULL;
+      int rc = streamed ? unpickle_streamed(b, n, o, &out, &e) : dp_unpickle(b, n, o, &out, &e);
+      cr_assert_eq(rc, DP_EFORMAT, "%s, %s: %s", with_bind ? "bind" : "no bind", streamed ? "streamed" : "whole",
+                   dp_err_name(rc));
+      cr_assert(strstr(e.message, "tensor view exceeds its storage of 4 bytes"), "%s", e.message);
+      cr_assert_eq(e.offset, 40, "the tensor's array");
+    }
+  }
+  free(b);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}

@@ -129,8 +129,10 @@ DP_API int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *fra
 
 /** Binds buffer `desc` to a local storage (*out, a new reference) of at
  *  least desc->nbytes bytes, on any device; no storage, or a smaller one, is
- *  DP_EINVAL. On failure, what the callback left in *out is released by the
- *  library, and err->offset is that of the buffer's descriptor. */
+ *  DP_EINVAL. A larger one changes nothing the reader checks: tensors are
+ *  bounded by desc->nbytes (FORMAT.md), whatever storage is bound. On
+ *  failure, what the callback left in *out is released by the library, and
+ *  err->offset is that of the buffer's descriptor. */
 typedef int (*dp_bind_cb)(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err);
 
 /** Rebuilds an allowed custom from its state. The state is borrowed and must
