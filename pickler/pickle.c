@@ -26,6 +26,7 @@ struct dp_frame {
   size_t nstorages, storages_cap;
   dp_storage_t *checked;   /* the last other storage found to match its buffer */
   int is_inline;
+  int busy;                /* a dp_pickle into it has not returned (reduce and read call back) */
   /* The writer's error discipline (mpack's): its first error is kept in
    * rc, with its message in err, and every later write is a no-op that
    * returns it. No code but a DP_E* one is ever returned. */
@@ -362,8 +363,7 @@ static int write_data(dp_frame_t *f, const dp_pickle_opts_t *opts, dp_error_t *e
   return 0;
 }
 
-int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_error_t *err) {
-  if (!f) return dp__err(err, DP_EINVAL, "dp_pickle: NULL frame");
+static int pickle_into(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_error_t *err) {
   f->len = 0;
   f->rc = 0;
   f->err = err;
@@ -405,5 +405,18 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
 fail:
   f->len = 0;
   dp_ptrset_clear(f->set);
+  return rc;
+}
+
+int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_error_t *err) {
+  if (!f) return dp__err(err, DP_EINVAL, "dp_pickle: NULL frame");
+  /* A reduce() or read callback that pickles into this frame would reset
+   * it under the running pickle: its walker, and the buffer read writes to. */
+  if (f->busy)
+    return dp__err(err, DP_ESTATE, "dp_pickle: the frame is being written by a pickle that has not returned "
+                   "(a reduce() or read callback pickling into the frame its own pickle writes)");
+  f->busy = 1;
+  int rc = pickle_into(v, opts, f, err);
+  f->busy = 0;
   return rc;
 }

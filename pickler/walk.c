@@ -936,6 +936,14 @@ int dp_scan(dp_value_t v, const dp_scan_opts_t *opts, dp_ptrset_t *set, dp_error
   dp__walker_t *w = NULL;
   int rc = scan_walker(set, &w, err);
   if (rc) return rc;
+  /* A reduce() that scans into this set would set the walker up again
+   * under the running scan (its stack, memo and states). */
+  if (w->busy)
+    return dp__err(err, DP_ESTATE, "dp_scan: the set is being filled by a scan that has not returned "
+                   "(a reduce() scanning into the set its own scan fills)");
   dp__walker_setup(w, set, NULL, NULL, opts ? opts->max_depth : 0, opts && (opts->flags & DP_SCAN_PATHS), err);
-  return dp__walk(w, v);
+  w->busy = 1;
+  rc = dp__walk(w, v);
+  w->busy = 0;
+  return rc;
 }

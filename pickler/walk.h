@@ -52,6 +52,7 @@ typedef struct dp__walker {
   size_t nstates, states_cap;
   uint64_t next_index;         /* preorder number of the next heap node */
   uint32_t max_depth;
+  int busy;                    /* a scan is running on it (dp_scan: a reduce() may call back in) */
   int want_paths;
   dp_ptrset_t *set;
   const dp__sink_t *sink;

@@ -3083,3 +3083,120 @@ Test(pickler, a_tensor_past_its_buffer_is_refused_even_when_bind_returns_a_large
   dp_value_collect();
   ASSERT_NO_LEAK();
 }
+
+/* A reduce() that walks a value into the set (or frame) of the walk that
+ * called it: the inner call is refused, the outer walk is unharmed. */
+static struct {
+  dp_ptrset_t *set;
+  dp_frame_t *frame;
+  dp_value_t inner;
+  int rc;
+  char message[DP_ERROR_MSG_MAX];
+} reenter;
+
+static int reduce_reentering(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj;
+  dp_error_t e;
+  dp_error_clear(&e);
+  reenter.rc = reenter.set ? dp_scan(reenter.inner, NULL, reenter.set, &e) : dp_pickle(reenter.inner, NULL, reenter.frame, &e);
+  snprintf(reenter.message, sizeof reenter.message, "%s", e.message);
+  return dp_str_new("state", 5, state, err);
+}
+
+static const dp_type_t reentering_type = {"Reentering", reduce_reentering, NULL};
+
+/* [[custom, tensor i], ...] for i in 0..2 */
+static dp_value_t reentering_value(void) {
+  dp_value_t l = t_list();
+  for (int i = 0; i < 3; i++) {
+    dp_value_t c, sub = t_list();
+    OK(dp_custom_new(&reentering_type, NULL, &c, T_ERR));
+    OK(dp_list_append(sub, c, T_ERR));
+    OK(dp_list_append(sub, t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 4096, 4), T_ERR));
+    OK(dp_list_append(l, sub, T_ERR));
+  }
+  return l;
+}
+
+Test(pickler, a_reduce_that_scans_into_the_set_being_filled_is_refused_and_the_scan_goes_on) {
+  dp_value_t v = reentering_value();
+  memset(&reenter, 0, sizeof reenter);
+  OK(dp_ptrset_new(&reenter.set, T_ERR));
+  reenter.inner = t_tensor(CUDA1, 0x900000, 4);
+  OK(dp_scan(v, NULL, reenter.set, T_ERR));
+  cr_assert_eq(reenter.rc, DP_ESTATE, "%s", dp_err_name(reenter.rc));
+  cr_assert(strstr(reenter.message, "dp_scan: the set is being filled by a scan that has not returned"), "%s",
+            reenter.message);
+  cr_assert_eq(dp_ptrset_count(reenter.set), 3, "every tensor of the outer value, and only those");
+  for (size_t i = 0; i < 3; i++) {
+    dp_ptr_info_t p;
+    OK(dp_ptrset_get(reenter.set, i, &p, T_ERR));
+    cr_assert_eq((uintptr_t)p.base, 0x100000 + i * 4096);
+  }
+  dp_ptrset_free(reenter.set);
+  dp_value_release(reenter.inner);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+Test(pickler, a_reduce_that_pickles_into_the_frame_being_written_is_refused_and_the_pickle_goes_on) {
+  dp_value_t v = reentering_value();
+  memset(&reenter, 0, sizeof reenter);
+  OK(dp_frame_new(&reenter.frame, T_ERR));
+  reenter.inner = t_tensor(CUDA1, 0x900000, 4);
+  OK(dp_pickle(v, NULL, reenter.frame, T_ERR));
+  cr_assert_eq(reenter.rc, DP_ESTATE, "%s", dp_err_name(reenter.rc));
+  cr_assert(strstr(reenter.message, "dp_pickle: the frame is being written by a pickle that has not returned"), "%s",
+            reenter.message);
+  size_t n;
+  const uint8_t *p = dp_frame_data(reenter.frame, &n);
+  cr_assert_eq(dp_frame_nbuffers(reenter.frame), 3);
+  dp_value_t back;
+  OK(dp_unpickle(p, n, NULL, &back, T_ERR));
+  cr_assert_eq(dp_seq_len(back), 3, "the whole value");
+  cr_assert(dp_object_is_reduced(dp_seq_get(dp_seq_get(back, 2), 0)));
+  dp_value_release(back);
+  dp_frame_free(reenter.frame);
+  dp_value_release(reenter.inner);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+static int read_reentering(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst, dp_error_t *err) {
+  (void)device, (void)src, (void)err;
+  dp_error_t e;
+  dp_error_clear(&e);
+  reenter.rc = dp_pickle(*(const dp_value_t *)ud, NULL, reenter.frame, &e);
+  snprintf(reenter.message, sizeof reenter.message, "%s", e.message);
+  memset(dst, 0x5a, nbytes);
+  return 0;
+}
+
+Test(pickler, a_read_callback_that_pickles_into_the_frame_being_written_is_refused_and_the_pickle_goes_on) {
+  /* The inner pickle would have grown the frame's buffer under the bytes
+   * the callback was writing (a use after free). */
+  dp_value_t v = t_list(), big = t_list();
+  OK(dp_list_append(v, t_tensor(CUDA0, 0x100000, 16), T_ERR));
+  for (int i = 0; i < 10000; i++) OK(dp_list_append(big, t_str("a string long enough to grow a frame"), T_ERR));
+  memset(&reenter, 0, sizeof reenter);
+  OK(dp_frame_new(&reenter.frame, T_ERR));
+  dp_pickle_opts_t po = {0};
+  po.flags = DP_PICKLE_INLINE;
+  po.read = read_reentering;
+  po.read_ud = &big;
+  OK(dp_pickle(v, &po, reenter.frame, T_ERR));
+  cr_assert_eq(reenter.rc, DP_ESTATE, "%s", dp_err_name(reenter.rc));
+  cr_assert(strstr(reenter.message, "the frame is being written by a pickle that has not returned"), "%s",
+            reenter.message);
+  size_t n;
+  const uint8_t *p = dp_frame_data(reenter.frame, &n);
+  dp_value_t back;
+  OK(dp_unpickle(p, n, NULL, &back, T_ERR));
+  const uint8_t *data = dp_storage_host_data(dp_tensor_storage(dp_seq_get(back, 0)));
+  cr_assert(data && data[0] == 0x5a && data[63] == 0x5a, "the bytes the callback read");
+  dp_value_release(back);
+  dp_frame_free(reenter.frame);
+  dp_value_release(big);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}

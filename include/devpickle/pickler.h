@@ -69,7 +69,9 @@ typedef struct dp_scan_opts {
  *  cleared first). opts may be NULL. Errors: DP_ETYPE (a custom without
  *  reduce, or whose reduce failed other than with DP_ENOMEM: the message names
  *  the type and the path),
- *  DP_ELIMIT (nesting deeper than max_depth), DP_ENOMEM. On error the set
+ *  DP_ELIMIT (nesting deeper than max_depth), DP_ENOMEM; DP_ESTATE when a
+ *  scan into set has not returned yet (a reduce() that scans into the set
+ *  its own scan fills: that scan goes on unharmed). On error the set
  *  holds what was found before it. */
 DP_API int dp_scan(dp_value_t v, const dp_scan_opts_t *opts, dp_ptrset_t *set, dp_error_t *err);
 
@@ -122,7 +124,9 @@ DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out,
  *  host bytes (or only one has host bytes); DP_ELIMIT for a storage over
  *  2^62 bytes, a str, bytes or container longer than 2^32 - 1, or a value
  *  of more than 2^32 - 2 heap nodes (32-bit back-references). Messages name the path. On error the frame
- *  is empty. */
+ *  is empty. DP_ESTATE, changing nothing, when a pickle into frame has not
+ *  returned yet (a reduce() or read callback that pickles into the frame
+ *  its own pickle writes: that pickle goes on unharmed). */
 DP_API int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *frame, dp_error_t *err);
 
 /* ---- unpickle ---- */
