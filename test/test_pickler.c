@@ -3200,3 +3200,32 @@ Test(pickler, a_read_callback_that_pickles_into_the_frame_being_written_is_refus
   dp_value_release(v);
   ASSERT_NO_LEAK();
 }
+
+static int reduce_positive(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj, (void)err;
+  *state = dp_int(1);
+  return 4; /* no DP_E* code: not a success either */
+}
+
+static const dp_type_t positive_type = {"Positive", reduce_positive, NULL};
+
+Test(pickler, a_reduce_that_returns_a_positive_code_cannot_be_walked_and_the_message_says_so) {
+  dp_value_t root = t_list(), c;
+  OK(dp_custom_new(&positive_type, NULL, &c, T_ERR));
+  OK(dp_list_append(root, c, T_ERR));
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_error_t e;
+  const char *want = "reduce of type 'Positive' failed at $[0]: reduce returned 4: a callback returns 0 or a "
+                     "negative DP_E* code";
+  cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(dp_pickle(root, NULL, f, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, want);
+  dp_frame_free(f);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}

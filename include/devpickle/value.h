@@ -270,7 +270,8 @@ typedef struct dp_type {
   const char *name;
   /** Reduces obj to a state value: any value, which may hold tensors and
    *  other customs (Python's __reduce__ contract). Returns 0 and a new
-   *  reference in *state, or a DP_E* code (details in err). NULL: the type
+   *  reference in *state, or a DP_E* code (details in err); a positive
+   *  return is a failure too (DP_ETYPE, "reduce returned N"). NULL: the type
    *  cannot be walked, which is DP_ETYPE with the type name and path.
    *  It runs during a walk (scan, pickle, a future's completion), which
    *  reads the walked value without holding references to its nodes: it
