@@ -330,10 +330,18 @@ static int write_table(dp_frame_t *f) {
 }
 
 static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst, dp_error_t *err) {
+  char dev[16];
   if (st->host_data) {
     memcpy(dst, st->host_data, st->nbytes);
     return 0;
   }
+  /* Its base is an address a frame named: reading through it (here, or in
+   * the read callback) would read whatever this process holds there. */
+  if (st->foreign)
+    return dp__err(err, DP_ENODEV, "cannot read %zu bytes of %s memory for an inline frame: the storage came from "
+                   "a frame without its bytes, and its base %p is the sender's address, not memory of this process "
+                   "(bind the buffers when reading the frame)", st->nbytes,
+                   dp_device_format(st->device, dev, sizeof dev), st->base);
   if (opts && opts->read) { /* the callback always gets an error to fill, cleared so that silence shows */
     dp_error_t own, *e = err ? err : &own;
     dp_error_clear(e);
@@ -343,7 +351,6 @@ static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst
     if (st->nbytes) memcpy(dst, st->base, st->nbytes);
     return 0;
   }
-  char dev[16];
   return dp__err(err, DP_ENODEV, "cannot read %zu bytes of %s memory for an inline frame: no reader given",
                  st->nbytes, dp_device_format(st->device, dev, sizeof dev));
 }

@@ -1059,6 +1059,7 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
     } else {
       if ((rc = dp_storage_new(desc.device, (void *)(uintptr_t)base, nbytes, NULL, NULL, &st, &e)) != 0)
         return rd_pass(r, at, rc, &e);
+      st->foreign = 1;
       if (desc.data && (rc = dp_storage_set_host_data(st, desc.data, &e)) != 0) {
         dp_storage_release(st);
         return rd_pass(r, at, rc, &e);

@@ -3229,3 +3229,44 @@ Test(pickler, a_reduce_that_returns_a_positive_code_cannot_be_walked_and_the_mes
   dp_value_release(root);
   ASSERT_NO_LEAK();
 }
+
+static int read_counted(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst, dp_error_t *err) {
+  (void)device, (void)src, (void)err;
+  ++*(int *)ud;
+  memset(dst, 0, nbytes);
+  return 0;
+}
+
+Test(pickler, a_storage_read_from_a_frame_without_its_bytes_is_never_read_through_by_an_inline_pickle) {
+  /* [tensor of buffer 0: float32 [4]] over cpu memory at 0x10 (the
+   * sender's address): an inline pickle of what was read must not copy
+   * 16 bytes from 0x10 of this process (a crash, or this process's memory
+   * sent away), nor hand that address to a read callback as memory. */
+  const uint8_t payload[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x04, 0x91, 0x01, 0x00};
+  const uint8_t table[] = {0x91, 0x94, 0x00, 0x00, 0x10, 0x10};
+  size_t n;
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
+  dp_value_t v;
+  OK(dp_unpickle(b, n, NULL, &v, T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  int reads = 0;
+  for (int with_read = 0; with_read < 2; with_read++) {
+    dp_pickle_opts_t po = {0};
+    po.flags = DP_PICKLE_INLINE;
+    if (with_read) {
+      po.read = read_counted;
+      po.read_ud = &reads;
+    }
+    dp_error_t e;
+    cr_assert_eq(dp_pickle(v, &po, f, &e), DP_ENODEV, "%s", with_read ? "with a read callback" : "without");
+    cr_assert(strstr(e.message, "cannot read 16 bytes of cpu memory for an inline frame: the storage came from a "
+                                "frame without its bytes"), "%s", e.message);
+    cr_assert_eq(reads, 0, "the sender's address never reaches the read callback");
+  }
+  OK(dp_pickle(v, NULL, f, T_ERR)); /* out of band, the address is only a descriptor's */
+  dp_frame_free(f);
+  dp_value_release(v);
+  free(b);
+  ASSERT_NO_LEAK();
+}

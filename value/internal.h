@@ -125,6 +125,10 @@ typedef struct dp_custom {
 struct dp_storage {
   _Atomic uint32_t rc;
   dp_device_t device;
+  /* Made by the reader from a frame's descriptor (no bind): base is the
+   * sender's address, never memory of this process, and is never read
+   * through (an inline pickle uses the host data, or refuses). */
+  uint8_t foreign;
   void *base;
   size_t nbytes;
   dp_storage_release_cb release;

@@ -663,6 +663,7 @@ int dp_storage_new(dp_device_t device, void *base, size_t nbytes, dp_storage_rel
   s->release = release;
   s->ud = ud;
   s->host_data = NULL;
+  s->foreign = 0;
   *out = s;
   return 0;
 }
