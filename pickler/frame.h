@@ -45,6 +45,8 @@ int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_
                          const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err);
 /* 1 when the storage behind buffer i of the last pickle carries host data
  * (dp_storage_host_data): a value read from an inline frame, whose base is
- * the writer's address, not memory of this process. */
+ * the writer's address, not memory of this process. Noted as the pickle met
+ * the storage, which may be gone once dp_pickle returned (a reduce state
+ * may have held the only reference to it). */
 int dp__frame_buffer_has_host_data(const dp_frame_t *f, size_t i);
 #endif

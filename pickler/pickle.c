@@ -14,6 +14,14 @@
 #include "frame.h"
 #include "walk.h"
 
+/* The storage first met for a buffer id, valid while dp_pickle runs (a
+ * reduce state may hold the only reference to it), and what callers ask of
+ * it after dp_pickle returned. */
+typedef struct frame_buf {
+  dp_storage_t *st;
+  int has_host_data;
+} frame_buf_t;
+
 struct dp_frame {
   uint8_t *buf;
   size_t len, cap;
@@ -22,7 +30,7 @@ struct dp_frame {
   dp__walker_t walker;   /* the frame's own, reused by each pickle */
   uint64_t *data_off;    /* inline: offset of each buffer's bytes in buf */
   size_t data_off_cap;
-  dp_storage_t **storages; /* the storage behind each buffer id, as first met */
+  frame_buf_t *storages;   /* the storage behind each buffer id, as first met */
   size_t nstorages, storages_cap;
   dp_storage_t *checked;   /* the last other storage found to match its buffer */
   int is_inline;
@@ -145,7 +153,7 @@ const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len) {
 size_t dp_frame_nbuffers(const dp_frame_t *f) { return f && f->len ? dp_ptrset_count(f->set) : 0; }
 
 int dp__frame_buffer_has_host_data(const dp_frame_t *f, size_t i) {
-  return i < f->nstorages && f->storages[i] && dp_storage_host_data(f->storages[i]) != NULL;
+  return f->len && i < f->nstorages && f->storages[i].has_host_data;
 }
 
 int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out, dp_error_t *err) {
@@ -281,9 +289,9 @@ static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
     }
     if (dp__grow((void **)&f->storages, &f->storages_cap, f->nstorages + 1, sizeof *f->storages) != 0)
       return writer_fail(f, DP_ENOMEM, "out of memory growing the frame's storage list");
-    f->storages[f->nstorages++] = t->storage;
-  } else if (DP_UNLIKELY(f->storages[buffer] != t->storage) && t->storage != f->checked) {
-    if ((rc = check_same_buffer(f, f->storages[buffer], t->storage)) != 0) return rc;
+    f->storages[f->nstorages++] = (frame_buf_t){t->storage, t->storage->host_data != NULL};
+  } else if (DP_UNLIKELY(f->storages[buffer].st != t->storage) && t->storage != f->checked) {
+    if ((rc = check_same_buffer(f, f->storages[buffer].st, t->storage)) != 0) return rc;
   }
   rc = fpk_array(pk, 6);
   rc = rc ? rc : put_tag(pk, DP_TAG_TENSOR);
@@ -360,11 +368,11 @@ static int write_data(dp_frame_t *f, const dp_pickle_opts_t *opts, dp_error_t *e
   if (dp__grow((void **)&f->data_off, &f->data_off_cap, n ? n : 1, sizeof(uint64_t)) != 0)
     return writer_fail(f, DP_ENOMEM, "out of memory laying out inline data");
   for (size_t i = 0; i < n; i++) {
-    size_t nb = f->storages[i]->nbytes;
+    size_t nb = f->storages[i].st->nbytes;
     int rc = frame_reserve(f, nb);
     if (rc) return rc;
     f->data_off[i] = f->len;
-    if ((rc = read_buffer(opts, f->storages[i], f->buf + f->len, err)) != 0) return rc;
+    if ((rc = read_buffer(opts, f->storages[i].st, f->buf + f->len, err)) != 0) return rc;
     f->len += nb;
   }
   return 0;
@@ -408,8 +416,10 @@ static int pickle_into(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f
   dp__put_le64(h + 16, table_end - payload_end);
   dp__put_le64(h + 24, f->len - table_end);
   dp__put_le64(h + 32, dp__frame_checksum(h, f->len));
+  dp__walker_release_states(w);
   return 0;
 fail:
+  dp__walker_release_states(frame_walker(f));
   f->len = 0;
   dp_ptrset_clear(f->set);
   return rc;

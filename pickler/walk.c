@@ -33,13 +33,13 @@ void dp__walker_setup(dp__walker_t *w, dp_ptrset_t *set, const dp__sink_t *sink,
   w->max_depth = max_depth ? max_depth : DP_DEFAULT_MAX_DEPTH;
 }
 
-static void release_states(dp__walker_t *w) {
+void dp__walker_release_states(dp__walker_t *w) {
   for (size_t i = 0; i < w->nstates; i++) dp_value_release(w->states[i]);
   w->nstates = 0;
 }
 
 void dp__walker_destroy(dp__walker_t *w) {
-  release_states(w);
+  dp__walker_release_states(w);
   dp__free(w->stack, w->stack_cap * sizeof(dp__wframe_t));
   dp__table_destroy(&w->memo, DP_TABLE_TAGGED);
   dp__free(w->memo_items, w->memo_items_cap * sizeof(dp__memo_item_t));
@@ -897,7 +897,8 @@ DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
     int frc = flush_pending(w);
     if (rc == 0) rc = frc;
   }
-  release_states(w);
+  /* A pickle's caller still reads what the states hold (dp__walker_release_states). */
+  if (!S) dp__walker_release_states(w);
   w->top = 0;
   w->root = dp_none();
   return rc;

@@ -69,7 +69,12 @@ void dp__walker_destroy(dp__walker_t *w);
  * DP_DEFAULT_MAX_DEPTH; errors go to err. */
 void dp__walker_setup(dp__walker_t *w, dp_ptrset_t *set, const dp__sink_t *sink, void *sink_ctx,
                       uint32_t max_depth, int want_paths, dp_error_t *err);
+/* Walks root. A scan releases the reduce states it made before returning;
+ * a pickle (a walk with a sink) keeps them, since a state may hold the only
+ * reference to a storage whose bytes an inline frame copies after the walk:
+ * its caller releases them with dp__walker_release_states once done. */
 int dp__walk(dp__walker_t *w, dp_value_t root);
+void dp__walker_release_states(dp__walker_t *w);
 /* Renders the path of the node being visited into w->path, bounded as
  * ptrset.h states, at a cost bounded by its length; returns it. */
 const char *dp__walker_path(dp__walker_t *w);
