@@ -43,10 +43,11 @@ int dp__frame_header_check(const dp_frame_info_t *fi, uint64_t sum, dp_error_t *
  * same frames under the same limits. Sets fi->nbuffers on success. */
 int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_t *data,
                          const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err);
-/* 1 when the storage behind buffer i of the last pickle carries host data
- * (dp_storage_host_data): a value read from an inline frame, whose base is
- * the writer's address, not memory of this process. Noted as the pickle met
- * the storage, which may be gone once dp_pickle returned (a reduce state
- * may have held the only reference to it). */
-int dp__frame_buffer_has_host_data(const dp_frame_t *f, size_t i);
+/* 1 when the base of the storage behind buffer i of the last pickle is not
+ * memory of this process: a storage dp_unpickle made for a buffer without a
+ * bind callback (the writer's address), or one carrying host data
+ * (dp_storage_host_data). Noted as the pickle met the storage, which may be
+ * gone once dp_pickle returned (a reduce state may have held the only
+ * reference to it). */
+int dp__frame_buffer_not_local(const dp_frame_t *f, size_t i);
 #endif

@@ -19,7 +19,7 @@
  * it after dp_pickle returned. */
 typedef struct frame_buf {
   dp_storage_t *st;
-  int has_host_data;
+  int not_local; /* its base is not memory of this process (read from a frame, or carrying host data) */
 } frame_buf_t;
 
 struct dp_frame {
@@ -152,8 +152,8 @@ const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len) {
 
 size_t dp_frame_nbuffers(const dp_frame_t *f) { return f && f->len ? dp_ptrset_count(f->set) : 0; }
 
-int dp__frame_buffer_has_host_data(const dp_frame_t *f, size_t i) {
-  return f->len && i < f->nstorages && f->storages[i].has_host_data;
+int dp__frame_buffer_not_local(const dp_frame_t *f, size_t i) {
+  return f->len && i < f->nstorages && f->storages[i].not_local;
 }
 
 int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out, dp_error_t *err) {
@@ -289,7 +289,7 @@ static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
     }
     if (dp__grow((void **)&f->storages, &f->storages_cap, f->nstorages + 1, sizeof *f->storages) != 0)
       return writer_fail(f, DP_ENOMEM, "out of memory growing the frame's storage list");
-    f->storages[f->nstorages++] = (frame_buf_t){t->storage, t->storage->host_data != NULL};
+    f->storages[f->nstorages++] = (frame_buf_t){t->storage, t->storage->host_data != NULL || t->storage->foreign};
   } else if (DP_UNLIKELY(f->storages[buffer].st != t->storage) && t->storage != f->checked) {
     if ((rc = check_same_buffer(f, f->storages[buffer].st, t->storage)) != 0) return rc;
   }

@@ -1111,7 +1111,28 @@ Test(transport, a_storage_carrying_host_data_is_refused_never_read_at_its_base) 
   dp_storage_t *st; /* as a value read from an inline frame: the writer's address, the bytes beside it */
   OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)0x10, 4, NULL, NULL, &st, T_ERR));
   OK(dp_storage_set_host_data(st, "abcd", T_ERR));
-  send_is_refused(st, 4, DP_EINVAL, "buffer 0 is a storage that carries host data", NULL);
+  send_is_refused(st, 4, DP_EINVAL, "buffer 0 is a storage read from a frame (or one that carries host data)",
+                  "send the frame itself");
+}
+
+Test(transport, a_storage_read_from_an_out_of_band_frame_is_refused_never_read_at_its_base) {
+  dp_storage_t *st; /* the writer's address: never memory of this process */
+  OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)0x10, 4, NULL, NULL, &st, T_ERR));
+  int64_t n = 4;
+  dp_value_t v, back;
+  OK(dp_tensor_new(st, DP_UINT8, 1, &n, NULL, 0, &v, T_ERR));
+  dp_frame_t *fr;
+  OK(dp_frame_new(&fr, T_ERR));
+  OK(dp_pickle(v, NULL, fr, T_ERR)); /* out of band: the base is written, not read */
+  size_t len;
+  const uint8_t *bytes = dp_frame_data(fr, &len);
+  OK(dp_unpickle(bytes, len, NULL, &back, T_ERR)); /* no bind: a storage at the writer's 0x10 */
+  cr_assert_eq(dp_storage_base(dp_tensor_storage(back)), (void *)0x10);
+  send_is_refused(dp_storage_retain(dp_tensor_storage(back)), 4, DP_EINVAL,
+                  "buffer 0 is a storage read from a frame", "with a bind callback");
+  dp_value_release(back);
+  dp_value_release(v);
+  dp_frame_free(fr);
 }
 
 /* peer: sends n values of 4 MiB, then dies (SIGKILL) after the k-th send

@@ -90,11 +90,12 @@ int dp__tp_sop_plan(dp_transport_t *t, sop_t *s, dp_error_t *err) {
   for (size_t i = 0; i < nb; i++) {
     dp_frame_buffer(s->frame, i, &d, NULL);
     if (dp__tp_buf_mode(t, d.device) == MODE_REFUSED) return dp__tp_refused(t, d.device, i, err);
-    if (dp__frame_buffer_has_host_data(s->frame, i))
+    if (dp__frame_buffer_not_local(s->frame, i))
       return dp__err(err, DP_EINVAL,
-                     "transport: buffer %zu is a storage that carries host data (a value read from an inline "
-                     "frame): its base is the writer's address, not this process's memory; send the frame itself "
-                     "(dp_endpoint_send_frame)", i);
+                     "transport: buffer %zu is a storage read from a frame (or one that carries host data): its "
+                     "base is the writer's address, not this process's memory; send the frame itself "
+                     "(dp_endpoint_send_frame), or read it with a bind callback that gives its buffers this "
+                     "process's memory", i);
     s->buf_bytes += d.nbytes;
   }
   s->nbh = nb; /* the size of the three arrays, allocated or not */

@@ -187,8 +187,10 @@ typedef struct dp_storage dp_storage_t;
 /** Called once when the last reference to a storage goes. */
 typedef void (*dp_storage_release_cb)(void *ud, dp_device_t device, void *base, size_t nbytes);
 
-/** A storage of nbytes at base on device. base may be any address: devpickle
- *  never dereferences it. release (may be NULL) runs when the storage dies
+/** A storage of nbytes at base on device. base may be any address: walking,
+ *  scanning and out-of-band pickling never dereference it; an inline pickle
+ *  (DP_PICKLE_INLINE, pickler.h) reads the bytes of a cpu storage at base
+ *  unless a read callback or host data is given. release (may be NULL) runs when the storage dies
  *  (queued, as a custom's destroy is, when one of them is already running on
  *  this thread: see dp_type_t). */
 DP_API int dp_storage_new(dp_device_t device, void *base, size_t nbytes,
