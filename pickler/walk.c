@@ -904,8 +904,20 @@ DP_WALK_INLINE int walk_impl(dp__walker_t *w, dp_value_t root, const int S) {
   return rc;
 }
 
+/* Walks running on this thread, one inside another's reduce() (a reduce
+ * that scans or pickles some other value): bounded, so that a reduce
+ * walking a value that holds its own type fails instead of overflowing the
+ * stack. The walk itself is iterative; only this nesting recurses. */
+static _Thread_local unsigned nested_walks;
+
 int dp__walk(dp__walker_t *w, dp_value_t root) {
-  return w->sink ? walk_impl(w, root, 1) : walk_impl(w, root, 0);
+  if (nested_walks >= DP_MAX_NESTED_WALKS)
+    return dp__err(w->err, DP_ELIMIT, "walks nested %u deep on this thread (a reduce() that scans or pickles a value "
+                   "holding its own type?)", DP_MAX_NESTED_WALKS);
+  nested_walks++;
+  int rc = w->sink ? walk_impl(w, root, 1) : walk_impl(w, root, 0);
+  nested_walks--;
+  return rc;
 }
 
 /* ---- scan ---- */

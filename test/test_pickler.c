@@ -3324,3 +3324,55 @@ Test(pickler, an_inline_pickle_copies_the_bytes_of_a_storage_only_a_reduce_state
   dp_value_release(c);
   ASSERT_NO_LEAK();
 }
+
+/* A reduce() that scans (or pickles) a fresh value holding its own type:
+ * each walk starts another inside its reduce, for ever. */
+static int recurse_as_pickle;
+
+static int reduce_recursing(void *obj, dp_value_t *state, dp_error_t *err);
+static const dp_type_t recursing_type = {"Recursing", reduce_recursing, NULL};
+
+static int reduce_recursing(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj;
+  dp_value_t again;
+  int rc = dp_custom_new(&recursing_type, NULL, &again, err);
+  if (rc) return rc;
+  if (recurse_as_pickle) {
+    dp_frame_t *f;
+    if (!(rc = dp_frame_new(&f, err))) rc = dp_pickle(again, NULL, f, err);
+    dp_frame_free(f);
+  } else {
+    dp_ptrset_t *s;
+    if (!(rc = dp_ptrset_new(&s, err))) rc = dp_scan(again, NULL, s, err);
+    dp_ptrset_free(s);
+  }
+  dp_value_release(again);
+  return rc ? rc : dp_str_new("state", 5, state, err);
+}
+
+Test(pickler, a_reduce_that_walks_a_value_holding_its_own_type_fails_instead_of_overflowing_the_stack) {
+  for (recurse_as_pickle = 0; recurse_as_pickle < 2; recurse_as_pickle++) {
+    dp_value_t v;
+    OK(dp_custom_new(&recursing_type, NULL, &v, T_ERR));
+    dp_error_t e;
+    int rc;
+    if (recurse_as_pickle) {
+      dp_frame_t *f;
+      OK(dp_frame_new(&f, T_ERR));
+      rc = dp_pickle(v, NULL, f, &e);
+      dp_frame_free(f);
+    } else {
+      dp_ptrset_t *s;
+      OK(dp_ptrset_new(&s, T_ERR));
+      rc = dp_scan(v, NULL, s, &e);
+      dp_ptrset_free(s);
+    }
+    cr_assert_eq(rc, DP_ETYPE, "%d: %s", rc, e.message); /* the outermost reduce failed */
+    cr_assert(strstr(e.message, "reduce of type 'Recursing' failed at $"), "%s", e.message);
+    /* the innermost walk's own error, kept at the end of the message */
+    cr_assert(strstr(e.message, "walks nested 64 deep on this thread"), "%s", e.message);
+    dp_value_release(v);
+  }
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}

@@ -29,6 +29,8 @@ extern "C" {
  * whatever dp_pickle writes under a depth limit, dp_unpickle reads under the
  * same limit. */
 #define DP_DEFAULT_MAX_DEPTH 262144u                 /* nesting levels */
+#define DP_MAX_NESTED_WALKS 64u                      /* scans and pickles running inside one another's reduce() on
+                                                        one thread; the innermost past it is DP_ELIMIT */
 /* The other defaults are the format's own: memory is bounded by the input
  * (below) whatever they are, and the reader reads every frame the writer
  * writes. Set them to refuse large frames outright. */
@@ -71,8 +73,11 @@ typedef struct dp_scan_opts {
  *  the type and the path),
  *  DP_ELIMIT (nesting deeper than max_depth), DP_ENOMEM; DP_ESTATE when a
  *  scan into set has not returned yet (a reduce() that scans into the set
- *  its own scan fills: that scan goes on unharmed). On error the set
- *  holds what was found before it. */
+ *  its own scan fills: that scan goes on unharmed). The set belongs to the
+ *  scan until it returns: a reduce() must not clear or free it. Walks
+ *  started inside reduce() callbacks nest at most DP_MAX_NESTED_WALKS deep
+ *  on a thread (DP_ELIMIT past it). On error the set holds what was found
+ *  before it. */
 DP_API int dp_scan(dp_value_t v, const dp_scan_opts_t *opts, dp_ptrset_t *set, dp_error_t *err);
 
 /* ---- frames ---- */
@@ -129,7 +134,8 @@ DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out,
  *  of more than 2^32 - 2 heap nodes (32-bit back-references). Messages name the path. On error the frame
  *  is empty. DP_ESTATE, changing nothing, when a pickle into frame has not
  *  returned yet (a reduce() or read callback that pickles into the frame
- *  its own pickle writes: that pickle goes on unharmed). */
+ *  its own pickle writes: that pickle goes on unharmed). The frame belongs
+ *  to the pickle until it returns: a callback must not free it. */
 DP_API int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *frame, dp_error_t *err);
 
 /* ---- unpickle ---- */
