@@ -2128,6 +2128,54 @@ Test(transport, a_callback_run_by_a_callers_pass_may_close_its_endpoint_and_is_r
   closing_from_a_callback(1);
 }
 
+/* A callback run by the progress thread that makes or frees a listener is
+ * refused: both wait for the loop, which is the thread running the
+ * callback, so they waited forever. */
+typedef struct cb_listen {
+  dp_transport_t *t;
+  dp_listener_t *l;
+  int rc;
+  dp_error_t e;
+} cb_listen_t;
+
+static int listen_from_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  cb_listen_t *c = ud;
+  dp_listener_t *l2 = NULL;
+  c->rc = dp_listener_new(c->t, "127.0.0.1:0", &l2, &c->e);
+  if (!c->rc) dp_listener_free(l2);
+  dp_listener_free(c->l); /* refused, with a line on stderr: nothing freed */
+  return 0;
+}
+
+Test(transport, a_callback_run_by_the_thread_is_refused_making_or_freeing_a_listener_instead_of_hanging,
+     .timeout = 60) {
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  dp_endpoint_t *a = connect_to(t, dp_listener_port(l)), *b;
+  OK(dp_listener_accept(l, 30 * SEC, &b, T_ERR));
+  cb_listen_t cb = {t, l, 1, {0}};
+  dp_future_t *d, *r, *c;
+  dp_error_t e;
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK(dp_future_then(r, listen_from_callback, &cb, &c, T_ERR));
+  OK(dp_endpoint_send(a, dp_int(3), &d, T_ERR));
+  OK_WITH(&e, wait_f(c, &e));
+  cr_assert_eq(cb.rc, DP_EINVAL, "%s: %s", dp_err_name(cb.rc), cb.e.message);
+  cr_assert(strstr(cb.e.message, "dp_listener_new: called from a callback run by the transport's progress thread"),
+            "%s", cb.e.message);
+  /* the listener the callback could not free still accepts */
+  dp_endpoint_t *a2 = connect_to(t, dp_listener_port(l)), *b2;
+  OK(dp_listener_accept(l, 30 * SEC, &b2, T_ERR));
+  dp_future_release(c);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_transport_free(t);
+  cur_t = NULL;
+  (void)a2;
+}
+
 /* peer: accepts (the listener's loop answers ACCEPT) and then never sends */
 static int stay_silent(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;

@@ -548,6 +548,10 @@ int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **ou
   if (!t || !out) return dp__err(err, DP_EINVAL, "dp_listener_new: %s is NULL", t ? "out" : "t");
   *out = NULL;
   if (forked(t, "dp_listener_new", err)) return DP_EINVAL;
+  if (!t->caller && dp__tp_in_pass == t) /* the progress thread: it would wait for itself */
+    return dp__err(err, DP_EINVAL,
+                   "dp_listener_new: called from a callback run by the transport's progress thread, which it "
+                   "waits for (transport.h)");
   cmd_t c;
   memset(&c, 0, sizeof c);
   int rc = parse_addr(host_port, 1, &c.addr, &c.addrlen, err);
@@ -612,6 +616,11 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
 
 void dp_listener_free(dp_listener_t *l) {
   if (!l || forked_void(l->t, "dp_listener_free")) return;
+  if (!l->t->caller && dp__tp_in_pass == l->t) { /* the progress thread: it would wait for itself */
+    fprintf(stderr, "devpickle: dp_listener_free called from a callback run by the transport's progress thread: "
+                    "not freed (free it after the callback, or with the transport; transport.h)\n");
+    return;
+  }
   run_cmd(l->t, CMD_UNLISTEN, l, NULL);
   dp__free(l, sizeof *l);
 }

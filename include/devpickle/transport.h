@@ -103,8 +103,13 @@
  * an object must not be freed while another thread uses it. Futures
  * complete on the progress thread, or caller-driven on the thread running a
  * pass (their then() callbacks run there: keep them short and never wait in
- * one on a later message of the transport, nor call a _free function or
- * dp_listener_new from one).
+ * one on a later message of the transport). From such a callback
+ * dp_endpoint_free returns at once (the loop closes the endpoint after it)
+ * and dp_endpoint_connect, send and recv only queue; dp_transport_free is
+ * refused (a line on stderr, nothing freed), and so, on a transport with a
+ * thread of its own, are dp_listener_new (DP_EINVAL) and dp_listener_free
+ * (a line on stderr, nothing freed): each would wait for the thread that
+ * runs the callback.
  *
  * FORK: a transport, its listeners and endpoints belong to the process that
  * made them. In a child forked after dp_transport_new, every call on them
@@ -197,15 +202,18 @@ DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_
 /** Listens on "HOST:PORT" (PORT 0: an ephemeral port, see
  *  dp_listener_port; HOST may be an address or a name, "0.0.0.0" all
  *  interfaces). Returns once the socket is bound. Errors: DP_EINVAL for a
- *  malformed address, DP_EIO when UCX cannot listen (port in use), with
- *  UCX's message. */
+ *  malformed address, or when called from a callback run by the
+ *  transport's own progress thread; DP_EIO when UCX cannot listen (port in
+ *  use), with UCX's message. */
 DP_API int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err);
 /** The bound port (0 for NULL). */
 DP_API int dp_listener_port(const dp_listener_t *l);
 /** The next connection made to l, as a new endpoint, waiting up to
  *  timeout_ns (<0: no limit). DP_ETIMEDOUT when none came. */
 DP_API int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err);
-/** Stops listening; connections accepted and not yet taken are closed. */
+/** Stops listening; connections accepted and not yet taken are closed.
+ *  Waits for the loop; from a callback run by the transport's own progress
+ *  thread it is refused (a line on stderr, nothing freed). */
 DP_API void dp_listener_free(dp_listener_t *l);
 
 /** An endpoint connecting to "HOST:PORT". Returns at once: a refused or
