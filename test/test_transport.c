@@ -2128,6 +2128,43 @@ Test(transport, a_callback_run_by_a_callers_pass_may_close_its_endpoint_and_is_r
   closing_from_a_callback(1);
 }
 
+/* peer: echoes one value, then its next receive must fail within 10 s, as
+ * the test closes its side (exit 0); 21 when nothing came */
+static int echo_then_see_the_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)arg;
+  int rc = echo_n(t, ep, (void *)(intptr_t)1);
+  if (rc) return rc;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e)) return 0;
+  rc = dp_transport_wait(t, f, 10 * SEC, &e);
+  if (rc == DP_ETIMEDOUT && !dp_future_is_done(f)) _exit(21); /* not the close: no goodbye wait either */
+  dp_future_release(f);
+  return rc && strstr(e.message, "connection lost") ? 0 : 22;
+}
+
+/* Caller-driven, nothing drives the transport after dp_endpoint_free: the
+ * free itself gets the close out, or the peer's receive waited for this
+ * process's next pass (forever, for a process that went on with other
+ * work). */
+Test(transport, a_caller_driven_endpoint_free_closes_the_connection_without_further_passes) {
+  peer_t p = spawn_peer(echo_then_see_the_close, NULL, NULL);
+  dp_transport_t *t = new_transport_driven(1);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d, *back;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_int(5), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &back, T_ERR));
+  OK_WITH(&e, wait_f(back, &e));
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(back);
+  dp_endpoint_free(ep); /* nothing pending: a graceful close */
+  cr_assert_eq(peer_wait(p), 0, "the peer did not see the close (21: its receive waited 10 s)");
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 /* A callback run by the progress thread that makes or frees a listener is
  * refused: both wait for the loop, which is the thread running the
  * callback, so they waited forever. */

@@ -648,6 +648,21 @@ int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t 
   return 0;
 }
 
+typedef struct closing_arg {
+  dp_transport_t *t;
+  dp_endpoint_t *ep;
+} closing_arg_t;
+
+/* 1 once the loop let go of a closed endpoint (reaped: its close done). */
+static int close_done(void *arg) {
+  closing_arg_t *a = arg;
+  pthread_mutex_lock(&a->t->pmu);
+  dp_endpoint_t *ep = a->t->closing;
+  while (ep && ep != a->ep) ep = ep->next;
+  pthread_mutex_unlock(&a->t->pmu);
+  return ep == NULL;
+}
+
 void dp_endpoint_free(dp_endpoint_t *ep) {
   if (!ep || forked_void(ep->t, "dp_endpoint_free")) return;
   dp_transport_t *t = ep->t;
@@ -665,6 +680,13 @@ void dp_endpoint_free(dp_endpoint_t *ep) {
     return;
   }
   run_cmd(t, CMD_CLOSE, NULL, ep);
+  /* caller-driven, nothing else drives the close: its flush and UCX's
+     disconnect would wait for this process's next pass, and the peer would
+     not learn of the close (its pending receive would hang) meanwhile */
+  if (t->caller) {
+    closing_arg_t a = {t, ep};
+    dp__tp_caller_until(t, close_done, &a, DP__CLOSE_WAIT_NS);
+  }
 }
 
 int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err) {

@@ -224,7 +224,10 @@ DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endp
 /** Closes the endpoint: pending sends and receives fail with DP_ECANCELED
  *  ("closed with N sends and M receives pending"), received buffers not
  *  taken are freed, and the connection is closed (flushed first when
- *  nothing is pending). Waits for the loop to close it; called from a
+ *  nothing is pending). Waits for the loop to close it (caller-driven: runs
+ *  passes until the close is done, at most 1 s, so the peer learns of it
+ *  without further passes; a peer that does not answer UCX's disconnect
+ *  meanwhile sees it at this process's later passes); called from a
  *  callback the loop runs (a future of this transport completing on the
  *  progress thread, or in a caller's pass), it returns at once and the
  *  loop closes the endpoint after the callback (do not use ep after).
