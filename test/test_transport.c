@@ -508,6 +508,27 @@ Test(transport, caller_driven_progress_returns_at_once_from_a_callback_and_accep
   cr_assert_eq(peer_wait(p), 0);
 }
 
+Test(transport, an_address_that_is_not_host_port_or_a_connection_to_port_0_is_refused_at_once) {
+  dp_transport_t *t = new_transport(NULL);
+  static const struct {
+    const char *addr, *says;
+  } bad[] = {{"127.0.0.1", "is not HOST:PORT"},         {"127.0.0.1:", "is not HOST:PORT"},
+             {"127.0.0.1:8x", "is not a number"},        {"127.0.0.1:65536", "port 65536 out of range"},
+             {"127.0.0.1:0", "port 0 in '127.0.0.1:0': a connection needs the listener's port"}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    dp_endpoint_t *ep = (dp_endpoint_t *)1;
+    dp_error_t e;
+    cr_assert_eq(dp_endpoint_connect(t, bad[i].addr, &ep, &e), DP_EINVAL, "%s", bad[i].addr);
+    cr_assert_null(ep);
+    cr_assert(strstr(e.message, bad[i].says), "%s: %s", bad[i].addr, e.message);
+  }
+  dp_listener_t *l; /* port 0 is a listener's: any free port */
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  cr_assert_gt(dp_listener_port(l), 0);
+  dp_listener_free(l);
+  dp_transport_free(t);
+}
+
 Test(transport, progress_and_wait_on_a_threaded_or_null_transport) {
   cr_assert_eq(dp_transport_progress(NULL), 0);
   dp_error_t e;

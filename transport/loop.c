@@ -12,7 +12,8 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
   if (!ep->dead) {
     if (ns || nr) {
       dp_error_t e;
-      dp__err(&e, DP_ECANCELED, "transport: %s closed with %zu sends and %zu receives pending", ep->name, ns, nr);
+      dp__err(&e, DP_ECANCELED, "transport: %s: closed with %zu send%s and %zu receive%s pending", ep->name, ns,
+              ns == 1 ? "" : "s", nr, nr == 1 ? "" : "s");
       dp__tp_ep_fail(ep, &e);
     } else {
       dp__tp_ep_drop_received(t, ep);

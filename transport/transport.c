@@ -120,6 +120,8 @@ static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, 
     if (*p < '0' || *p > '9') return dp__err(err, DP_EINVAL, "transport: port in '%.200s' is not a number", hp);
   long port = strtol(colon + 1, NULL, 10);
   if (port > 65535) return dp__err(err, DP_EINVAL, "transport: port %ld out of range", port);
+  if (!port && !passive)
+    return dp__err(err, DP_EINVAL, "transport: port 0 in '%.200s': a connection needs the listener's port", hp);
   char host[256];
   size_t hl = (size_t)(colon - hp);
   if (hl >= 2 && hp[0] == '[' && hp[hl - 1] == ']') hp++, hl -= 2;

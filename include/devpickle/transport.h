@@ -197,7 +197,8 @@ DP_API int dp_transport_progress(dp_transport_t *t);
  *  result and errors), driving a caller-driven transport meanwhile: passes
  *  while there is work, a spin of up to 200 us, then sleeps on UCX's and
  *  the command queue's descriptors. With a thread of its own, it is
- *  dp_future_wait. DP_EINVAL for NULL. */
+ *  dp_future_wait (a message of its own limit running out names
+ *  dp_transport_wait). DP_EINVAL for NULL. */
 DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 /** Listens on "HOST:PORT" (PORT 0: an ephemeral port, see
  *  dp_listener_port; HOST may be an address or a name, "0.0.0.0" all
