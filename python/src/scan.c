@@ -1125,7 +1125,9 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
   for (; hops < 64; hops++) {
     PyObject *next = NULL;
     if (PyMemoryView_Check(owner)) {
-      next = PyMemoryView_GET_BASE(owner);
+      /* a released view's base is a dangling pointer (its export, which
+         held the base, is gone): the view itself is asked, and refuses */
+      if (!(((PyMemoryViewObject *)owner)->flags & _Py_MEMORYVIEW_RELEASED)) next = PyMemoryView_GET_BASE(owner);
       Py_XINCREF(next);
     } else if (dpy.numpy_ndarray && PyObject_TypeCheck(owner, dpy.numpy_ndarray)) {
       next = PyObject_GetAttrString(owner, "base");

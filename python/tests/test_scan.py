@@ -134,6 +134,29 @@ def test_numpy_arrays_and_buffers_are_cpu_memory_owner_first_never_copied():
     assert got[0].ptr == a.__array_interface__["data"][0]
 
 
+def test_a_released_memoryview_is_a_walk_error_never_a_read_of_its_former_base():
+    b = bytearray(16)
+    m = memoryview(b)
+    m.release()
+    with pytest.raises(devpickle.WalkError, match="released memoryview") as e:
+        devpickle.scan({"m": m})
+    assert e.value.path == "$.m"
+
+    class Own(np.ndarray):  # weakly referenceable: its death can be checked
+        pass
+
+    for _ in range(3):  # the base freed by the release: its address is garbage
+        a = np.arange(4096.0).view(Own)
+        w = weakref.ref(a)
+        m = memoryview(a)
+        del a
+        m.release()
+        assert w() is None
+        junk = [np.ones(64) for _ in range(64)]  # noqa: F841 (reuses the freed memory)
+        with pytest.raises(devpickle.WalkError, match="released memoryview"):
+            devpickle.scan([m])
+
+
 def test_an_object_that_cannot_be_reduced_is_a_walk_error_naming_type_and_path():
     def gen():
         yield 1
