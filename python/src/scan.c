@@ -1226,41 +1226,65 @@ static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
   long dt = -1, di = 0;
   if (PyTuple_Check(devt) && PyTuple_GET_SIZE(devt) == 2) {
     dt = PyLong_AsLong(PyTuple_GET_ITEM(devt, 0));
-    di = PyLong_AsLong(PyTuple_GET_ITEM(devt, 1));
+    if (!PyErr_Occurred()) di = PyLong_AsLong(PyTuple_GET_ITEM(devt, 1));
+  } else {
+    PyErr_Format(PyExc_TypeError, "__dlpack_device__ must return a (device_type, device_id) tuple, not %.200s",
+                 Py_TYPE(devt)->tp_name);
   }
   Py_DECREF(devt);
   if (PyErr_Occurred()) return walk_error(s, o, "__dlpack_device__ returned a bad device");
   dp_device_t dev;
   if (dt == 1 || dt == 3) dev = (dp_device_t){DP_DEVICE_CPU, 0}; /* kDLCPU, kDLCUDAHost */
-  else if (dt == 2) dev = (dp_device_t){DP_DEVICE_CUDA, (int)di};
+  else if (dt == 2 && di >= 0 && di <= DP_DEVICE_INDEX_MAX) dev = (dp_device_t){DP_DEVICE_CUDA, (uint8_t)di};
   else {
-    PyErr_Format(PyExc_TypeError, "DLPack device type %ld is not cpu or cuda", dt);
+    if (dt == 2) PyErr_Format(PyExc_ValueError, "DLPack device id %ld is not a CUDA device's (0..%d)", di,
+                              DP_DEVICE_INDEX_MAX); /* never wrapped onto another device */
+    else PyErr_Format(PyExc_TypeError, "DLPack device type %ld is not cpu or cuda", dt);
     return walk_error(s, o, "memory devpickle cannot track");
   }
   PyObject *cap = PyObject_CallMethodNoArgs(o, dpy.str_dlpack);
   if (!cap) return walk_error(s, o, "__dlpack__ failed");
-  const char *name = PyCapsule_GetName(cap);
+  /* Only an unconsumed DLPack capsule is read: a "used_dltensor" one's
+   * tensor belongs to its consumer, which may have freed it, and any other
+   * capsule's pointer is not a DLManagedTensor at all. */
+  const char *name = PyCapsule_CheckExact(cap) ? PyCapsule_GetName(cap) : NULL;
   int versioned = name && !strcmp(name, "dltensor_versioned");
-  void *p = PyCapsule_GetPointer(cap, name);
+  void *p = name && (versioned || !strcmp(name, "dltensor")) ? PyCapsule_GetPointer(cap, name) : NULL;
   if (!p) {
+    if (!PyErr_Occurred()) {
+      if (PyCapsule_CheckExact(cap))
+        PyErr_Format(PyExc_TypeError, "__dlpack__ returned a capsule named '%s', not an unconsumed 'dltensor'",
+                     name ? name : "(null)");
+      else
+        PyErr_Format(PyExc_TypeError, "__dlpack__ returned a '%.200s', not a capsule", Py_TYPE(cap)->tp_name);
+    }
     Py_DECREF(cap);
     return walk_error(s, o, "__dlpack__ returned no capsule");
   }
   /* DLManagedTensor starts with its DLTensor; the versioned form with a
    * version (2 x uint32) and a manager pointer and deleter before flags. */
+  if (versioned && *(const uint32_t *)p != 1) {
+    PyErr_Format(PyExc_ValueError, "a DLPack %u.x capsule (devpickle reads 1.x)", *(const uint32_t *)p);
+    Py_DECREF(cap);
+    return walk_error(s, o, "memory devpickle cannot describe");
+  }
   const dl_tensor_t *t = versioned ? (const dl_tensor_t *)((char *)p + 8 + 2 * sizeof(void *) + 8) : p;
   Py_ssize_t shp[64], str[64], lo = 0;
   size_t ext = 0;
-  int nd = t->ndim, isz = (t->dtype.bits * t->dtype.lanes + 7) / 8, bad = nd < 0 || nd > 64 || isz <= 0;
+  int nd = t->ndim, isz = (t->dtype.bits * t->dtype.lanes + 7) / 8;
+  int bad = nd < 0 || nd > 64 || isz <= 0 || (nd > 0 && !t->shape);
   for (int i = nd; !bad && i-- > 0;) {
     shp[i] = (Py_ssize_t)t->shape[i];
-    str[i] = t->strides ? (Py_ssize_t)t->strides[i] * isz : (i == nd - 1 ? isz : str[i + 1] * shp[i + 1]);
+    if (shp[i] < 0) bad = 1;
+    else if (t->strides) bad = __builtin_mul_overflow((Py_ssize_t)t->strides[i], (Py_ssize_t)isz, &str[i]);
+    else if (i == nd - 1) str[i] = isz;
+    else bad = __builtin_mul_overflow(str[i + 1], shp[i + 1] ? shp[i + 1] : 1, &str[i]);
   }
   if (!bad) bad = view_extent(nd, shp, str, isz, &lo, &ext);
   void *base = (char *)t->data + t->byte_offset + lo;
   Py_DECREF(cap);
   if (bad) {
-    PyErr_SetString(PyExc_ValueError, "a DLPack tensor with a bad shape or dtype");
+    PyErr_SetString(PyExc_ValueError, "a DLPack tensor with a bad shape, strides or dtype");
     return walk_error(s, o, "memory devpickle cannot describe");
   }
   return ext ? add_alloc(s, dev, base, ext, o) : 0;

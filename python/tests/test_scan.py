@@ -932,3 +932,92 @@ def test_the_depth_limit_on_a_chain_of_reduced_objects_names_their_class_not_the
     with pytest.raises(devpickle.WalkError, match="too deep") as e:
         devpickle.scan(x)
     assert e.value.type_name.endswith("Reduced")
+
+
+class _DLProducer:
+    """A DLPack producer returning whatever it is given (a capsule, or a
+    function making one)."""
+
+    def __init__(self, device, capsule):
+        self.device, self.capsule = device, capsule
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, stream=None):
+        return self.capsule() if callable(self.capsule) else self.capsule
+
+
+def _dl_capsule(shape, strides=None, *, data=0x10000, bits=32, name=b"dltensor", version=None):
+    """A DLManagedTensor (or the versioned form) built by hand, in a capsule
+    without a destructor: (capsule, what keeps its memory alive)."""
+    import ctypes
+
+    n = len(shape)
+
+    class DLTensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                    ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                    ("lanes", ctypes.c_uint16), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+    shp = (ctypes.c_int64 * max(n, 1))(*shape)
+    st = (ctypes.c_int64 * max(n, 1))(*strides) if strides is not None else None
+    t = DLTensor(data, 1, 0, n, 2, bits, 1, shp, st, 0)
+    if version is None:
+        head = ctypes.create_string_buffer(bytes(t) + bytes(16))  # DLManagedTensor: the tensor, ctx, deleter
+    else:
+        head = ctypes.create_string_buffer(
+            version[0].to_bytes(4, "little") + version[1].to_bytes(4, "little") + bytes(24) + bytes(t))
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(head), name, None), (head, shp, st, name)
+
+
+def test_dlpack_a_consumed_or_foreign_capsule_is_a_walk_error_never_read():
+    import datetime
+
+    t = torch.arange(10, dtype=torch.float32)
+    used = torch.utils.dlpack.to_dlpack(t)
+    torch.utils.dlpack.from_dlpack(used)  # consumed: renamed "used_dltensor", its tensor its consumer's
+    with pytest.raises(devpickle.WalkError, match="named 'used_dltensor'") as e:
+        devpickle.scan({"x": _DLProducer((1, 0), used)})
+    assert e.value.path == "$.x"
+    with pytest.raises(devpickle.WalkError, match="named 'datetime.datetime_CAPI'"):  # not a DLManagedTensor
+        devpickle.scan(_DLProducer((1, 0), datetime.datetime_CAPI))
+    with pytest.raises(devpickle.WalkError, match="a 'NoneType', not a capsule"):
+        devpickle.scan(_DLProducer((1, 0), None))
+    ok = devpickle.scan(_DLProducer((1, 0), lambda: torch.utils.dlpack.to_dlpack(t)))
+    assert [(a.device, a.ptr, a.nbytes) for a in ok] == [("cpu", t.data_ptr(), 40)]
+
+
+@pytest.mark.parametrize("dev", [(2, 256), (2, 300), (2, -1)])
+def test_dlpack_a_cuda_device_id_out_of_range_is_a_walk_error_never_another_device(dev):
+    cap, _keep = _dl_capsule((4,))
+    with pytest.raises(devpickle.WalkError, match=f"DLPack device id {dev[1]} is not a CUDA device's"):
+        devpickle.scan(_DLProducer(dev, cap))
+
+
+def test_dlpack_a_device_that_is_not_a_pair_is_named_as_such():
+    cap, _keep = _dl_capsule((4,))
+    with pytest.raises(devpickle.WalkError, match=r"must return a \(device_type, device_id\) tuple, not list"):
+        devpickle.scan(_DLProducer([1, 0], cap))
+
+
+@pytest.mark.parametrize("shape, strides", [((-3,), None), ((2, -3), None), ((-3,), (1,)), ((2,), (2**62,))])
+def test_dlpack_a_negative_shape_or_overflowing_strides_is_a_walk_error(shape, strides):
+    cap, _keep = _dl_capsule(shape, strides)
+    with pytest.raises(devpickle.WalkError, match="bad shape, strides or dtype"):
+        devpickle.scan(_DLProducer((1, 0), cap))
+
+
+def test_dlpack_capsules_built_by_hand_describe_their_extent():
+    cap, _keep = _dl_capsule((2, 3), (1, 2), data=0x10000)  # a transposed view: items 0..5, 4 bytes each
+    assert [(a.ptr, a.nbytes) for a in devpickle.scan(_DLProducer((1, 0), cap))] == [(0x10000, 24)]
+    cap, _keep = _dl_capsule((0, 3), data=0x10000)
+    assert devpickle.scan(_DLProducer((1, 0), cap)) == []
+    cap, _keep = _dl_capsule((4,), name=b"dltensor_versioned", version=(1, 0))
+    assert [(a.ptr, a.nbytes) for a in devpickle.scan(_DLProducer((1, 0), cap))] == [(0x10000, 16)]
+    cap, _keep = _dl_capsule((4,), name=b"dltensor_versioned", version=(2, 0))
+    with pytest.raises(devpickle.WalkError, match=r"a DLPack 2\.x capsule"):
+        devpickle.scan(_DLProducer((1, 0), cap))
