@@ -1060,6 +1060,23 @@ static int view_extent(Py_ssize_t ndim, const Py_ssize_t *shape, const Py_ssize_
   return 0;
 }
 
+/* The item size in bytes of an array-interface typestr ("<f4", "|b1",
+ * "<M8[ns]", "<U10"): the digits after the kind, which count characters of
+ * 4 bytes for 'U' (as numpy reads it). 0 when it names none. */
+static Py_ssize_t typestr_itemsize(PyObject *typestr) {
+  const char *ts = PyUnicode_AsUTF8(typestr);
+  if (!ts) {
+    PyErr_Clear();
+    return 0;
+  }
+  if (strlen(ts) < 3 || ts[2] < '0' || ts[2] > '9') return 0;
+  Py_ssize_t n = 0;
+  for (const char *c = ts + 2; *c >= '0' && *c <= '9'; c++)
+    if (__builtin_mul_overflow(n, 10, &n) || __builtin_add_overflow(n, *c - '0', &n)) return 0;
+  if (ts[1] == 'U' && __builtin_mul_overflow(n, 4, &n)) return 0;
+  return n;
+}
+
 /* __cuda_array_interface__: data pointer and extent of the view (no owner
  * is known, so views at different offsets are different entries). */
 static int visit_cai(dpy_scanner_t *s, PyObject *o) {
@@ -1076,10 +1093,10 @@ static int visit_cai(dpy_scanner_t *s, PyObject *o) {
     PyErr_SetString(PyExc_ValueError, "__cuda_array_interface__ lacks data, shape or typestr");
     return walk_error(s, o, "a malformed __cuda_array_interface__");
   }
-  const char *ts = PyUnicode_AsUTF8(typestr);
-  Py_ssize_t isz = ts && strlen(ts) >= 3 ? atoi(ts + 2) : 0;
+  Py_ssize_t isz = typestr_itemsize(typestr);
   Py_ssize_t nd = PyTuple_GET_SIZE(shape), shp[64], str[64];
   void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
+  if (!ptr && PyErr_Occurred()) goto out;
   if (nd > 64 || isz <= 0) {
     PyErr_SetString(PyExc_ValueError, "unsupported shape or typestr");
     goto out;
@@ -1088,13 +1105,24 @@ static int visit_cai(dpy_scanner_t *s, PyObject *o) {
     PyErr_SetString(PyExc_ValueError, "strides must be None or a tuple as long as shape");
     goto out;
   }
+  /* strides in bytes, as given (a stride need not be a multiple of the
+     item size); without them, C-contiguous */
   for (Py_ssize_t i = nd; i-- > 0;) {
     shp[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
-    if (strides && strides != Py_None) str[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i)) / isz;
-    else str[i] = i == nd - 1 ? 1 : str[i + 1] * shp[i + 1];
+    if (shp[i] < 0) {
+      if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "a negative dimension (%zd) in shape", shp[i]);
+      goto out;
+    }
+    if (strides && strides != Py_None) {
+      str[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i));
+      if (str[i] == -1 && PyErr_Occurred()) goto out;
+    } else if (i == nd - 1) {
+      str[i] = isz;
+    } else if (__builtin_mul_overflow(str[i + 1], shp[i + 1] ? shp[i + 1] : 1, &str[i])) {
+      PyErr_SetString(PyExc_OverflowError, "the view's extent overflows");
+      goto out;
+    }
   }
-  if (PyErr_Occurred()) goto out;
-  for (Py_ssize_t i = 0; i < nd; i++) str[i] *= isz;
   Py_ssize_t lo;
   size_t ext;
   if (view_extent(nd, shp, str, isz, &lo, &ext)) {

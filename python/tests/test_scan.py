@@ -1021,3 +1021,50 @@ def test_dlpack_capsules_built_by_hand_describe_their_extent():
     cap, _keep = _dl_capsule((4,), name=b"dltensor_versioned", version=(2, 0))
     with pytest.raises(devpickle.WalkError, match=r"a DLPack 2\.x capsule"):
         devpickle.scan(_DLProducer((1, 0), cap))
+
+
+class _CAI:
+    def __init__(self, **cai):
+        self.cai = {"data": (0x100000, False), "typestr": "<f4", "version": 3, **cai}
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.cai
+
+
+@pytest.mark.parametrize("shape, strides, typestr, lo, extent", [
+    ((4, 4), None, "<f4", 0, 64),
+    ((2,), (6,), "<f4", 0, 10),      # a stride that is not a multiple of the item size: bytes 0..9
+    ((3,), (2,), "<f4", 0, 8),       # overlapping items: bytes 0..7
+    ((2,), (-6,), "<f4", -6, 10),    # backwards: bytes -6..3
+    ((3, 2), (2, 12), "<f4", 0, 20),
+    ((2,), None, "<U10", 0, 80),     # numpy reads <U10 as 10 characters of 4 bytes
+    ((2,), None, "<M8[ns]", 0, 16),
+    ((2, 0), None, "<f4", 0, 0),     # empty: no memory
+])
+def test_cuda_array_interface_extent_is_read_in_bytes_as_given(shape, strides, typestr, lo, extent):
+    got = devpickle.scan([_CAI(shape=shape, strides=strides, typestr=typestr)])
+    if not extent:
+        assert got == []
+        return
+    assert [(a.device, a.ptr, a.nbytes, a.path) for a in got] == [("cuda:0", 0x100000 + lo, extent, "$[0]")]
+
+
+@pytest.mark.parametrize("shape, strides, message", [
+    ((-3,), None, r"a negative dimension \(-3\) in shape"),
+    ((4, -3), None, r"a negative dimension \(-3\) in shape"),
+    ((-1,), (4,), r"a negative dimension \(-1\) in shape"),
+    ((2**40, 2**40, 2**40), None, "the view's extent overflows"),
+    ((3, 2), (2**62, 4), "the view's extent overflows"),
+    ((2,), (2**70,), "too large"),
+])
+def test_cuda_array_interface_a_negative_or_overflowing_shape_is_a_walk_error(shape, strides, message):
+    with pytest.raises(devpickle.WalkError, match=message) as e:
+        devpickle.scan({"x": _CAI(shape=shape, strides=strides)})
+    assert e.value.path == "$.x" and e.value.type_name.endswith("_CAI")
+
+
+@pytest.mark.parametrize("typestr", ["<f", "<f0", "<fx", "f4", "<f99999999999999999999999"])
+def test_cuda_array_interface_a_typestr_without_an_item_size_is_a_walk_error(typestr):
+    with pytest.raises(devpickle.WalkError, match="unsupported shape or typestr"):
+        devpickle.scan(_CAI(shape=(2,), typestr=typestr))
