@@ -1140,6 +1140,21 @@ out:
   return rc;
 }
 
+/* numpy.ndarray's own attribute `name` of array o (a new reference), read
+ * through ndarray's descriptor: a subclass's property of that name (a
+ * `base` that names other memory, a `dtype` that hides its objects) is not
+ * what the array holds. */
+static PyObject *ndarray_attr(PyObject *o, const char *name) {
+  static PyObject *descr[2];
+  int i = name[0] == 'b' ? 0 : 1; /* "base", "dtype" */
+  if (!descr[i]) {
+    PyObject *d = PyDict_GetItemString(dpy.numpy_ndarray->tp_dict, name);
+    if (d && Py_TYPE(d)->tp_descr_get) descr[i] = Py_NewRef(d); /* numpy.ndarray is never unloaded */
+  }
+  if (!descr[i] || !PyObject_TypeCheck(o, dpy.numpy_ndarray)) return PyObject_GetAttrString(o, name);
+  return Py_TYPE(descr[i])->tp_descr_get(descr[i], o, (PyObject *)Py_TYPE(o));
+}
+
 /* Buffer-protocol objects: cpu memory, owner first (numpy views and
  * memoryviews report the array they view; an array over a torch tensor —
  * Tensor.numpy() — is the tensor's allocation), never copied. */
@@ -1158,7 +1173,7 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
       if (!(((PyMemoryViewObject *)owner)->flags & _Py_MEMORYVIEW_RELEASED)) next = PyMemoryView_GET_BASE(owner);
       Py_XINCREF(next);
     } else if (dpy.numpy_ndarray && PyObject_TypeCheck(owner, dpy.numpy_ndarray)) {
-      next = PyObject_GetAttrString(owner, "base");
+      next = ndarray_attr(owner, "base");
       if (!next) clear_error();
       else if (is_torch(next)) {
         dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
@@ -1203,7 +1218,7 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
  * reduces it to a list of its items, and so does the walk. */
 static int object_array(PyObject *o) {
   if (!dpy.numpy_ndarray || !PyObject_TypeCheck(o, dpy.numpy_ndarray)) return 0;
-  PyObject *dt = PyObject_GetAttrString(o, "dtype");
+  PyObject *dt = ndarray_attr(o, "dtype");
   PyObject *has = dt ? PyObject_GetAttrString(dt, "hasobject") : NULL;
   Py_XDECREF(dt);
   if (!has) return -1;

@@ -1068,3 +1068,32 @@ def test_cuda_array_interface_a_negative_or_overflowing_shape_is_a_walk_error(sh
 def test_cuda_array_interface_a_typestr_without_an_item_size_is_a_walk_error(typestr):
     with pytest.raises(devpickle.WalkError, match="unsupported shape or typestr"):
         devpickle.scan(_CAI(shape=(2,), typestr=typestr))
+
+
+def test_an_ndarray_subclass_property_cannot_hide_what_the_array_holds():
+    class LyingBase(np.ndarray):
+        @property
+        def base(self):  # names other memory than the array's
+            return b"x" * 64
+
+    a = np.arange(10.0).view(LyingBase)
+    got = devpickle.scan(a)
+    assert [(x.ptr, x.nbytes) for x in got] == [(a.ctypes.data, 80)]
+
+    class LyingDtype(np.ndarray):
+        @property
+        def dtype(self):  # an object array that says it holds floats
+            return np.dtype("f8")
+
+    o = np.empty(2, dtype=object)
+    o[:] = [torch.ones(2), torch.ones(3)]
+    got = devpickle.scan(o.view(LyingDtype))
+    assert [x.nbytes for x in got] == [8, 12]  # the tensors, not the pointer block
+
+    class RaisingDtype(np.ndarray):
+        @property
+        def dtype(self):
+            raise RuntimeError("no dtype")
+
+    r = np.arange(3.0).view(RaisingDtype)
+    assert [(x.ptr, x.nbytes) for x in devpickle.scan(r)] == [(r.ctypes.data, 24)]
