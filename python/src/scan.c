@@ -895,22 +895,36 @@ static int storage_extent(PyObject *st, dp_torch_alloc_t *out) {
 
 /* Without the C++ adapter: the same answers through torch's Python API. */
 static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
-  PyObject *sparse = PyObject_GetAttrString(t, "is_sparse");
-  if (!sparse) return -1;
-  int is_sparse = PyObject_IsTrue(sparse);
-  Py_DECREF(sparse);
-  if (is_sparse && depth == 0) {
-    int n = 0;
-    const char *parts[] = {"_indices", "_values"};
-    for (int i = 0; i < 2; i++) {
-      PyObject *p = PyObject_CallMethod(t, parts[i], NULL);
-      if (!p) return -1;
-      int k = torch_python_allocs(p, out + n, 1);
-      Py_DECREF(p);
-      if (k < 0) return -1;
-      n += k;
+  if (depth == 0) {
+    /* sparse layouts: their member tensors, in the adapter's order */
+    static const char *const coo[] = {"_indices", "_values", NULL};
+    static const char *const csr[] = {"crow_indices", "col_indices", "values", NULL};
+    static const char *const csc[] = {"ccol_indices", "row_indices", "values", NULL};
+    PyObject *layout = PyObject_GetAttrString(t, "layout");
+    PyObject *ls = layout ? PyObject_Str(layout) : NULL;
+    Py_XDECREF(layout);
+    const char *l = ls ? PyUnicode_AsUTF8(ls) : NULL;
+    if (!l) {
+      Py_XDECREF(ls);
+      return -1;
     }
-    return n;
+    const char *const *parts = !strcmp(l, "torch.sparse_coo")                                   ? coo
+                               : !strcmp(l, "torch.sparse_csr") || !strcmp(l, "torch.sparse_bsr") ? csr
+                               : !strcmp(l, "torch.sparse_csc") || !strcmp(l, "torch.sparse_bsc") ? csc
+                                                                                                  : NULL;
+    Py_DECREF(ls);
+    if (parts) {
+      int n = 0;
+      for (int i = 0; parts[i]; i++) {
+        PyObject *p = PyObject_CallMethod(t, parts[i], NULL);
+        if (!p) return -1;
+        int k = torch_python_allocs(p, out + n, 1);
+        Py_DECREF(p);
+        if (k < 0) return -1;
+        n += k;
+      }
+      return n;
+    }
   }
   PyObject *st = untyped_storage(t);
   if (!st) return -1;
