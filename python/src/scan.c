@@ -1508,7 +1508,17 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
       if (!keep(s, d)) return -1;
     }
     if (!PyDict_Check(d) || PyDict_GET_SIZE(d) == 0) return 0;
-    return push(s, FR_ATTRS, d, Py_TYPE(o));
+    /* __cuda_array_interface__ set on the instance (its class has none):
+       cupy, numba and torch read it with getattr, so the object is device
+       memory to them, whatever its class says; its attributes are walked
+       too, as an object's */
+    Py_INCREF(d); /* borrowed from o, whose Python code may replace it (a __getattribute__) */
+    PyObject *cai = PyDict_GetItemWithError(d, dpy.str_cai);
+    int rc = !cai && PyErr_Occurred() ? walk_error(s, o, "its __dict__ cannot be read") : 0;
+    if (!rc && cai) rc = visit_cai(s, o);
+    if (!rc) rc = push(s, FR_ATTRS, d, Py_TYPE(o));
+    Py_DECREF(d);
+    return rc;
   }
   case K_CUPY:
     return visit_cupy(s, o);
@@ -2184,6 +2194,14 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
       PyObject *d = PyObject_GenericGetDict(o, NULL);
       if (!d || !keep(s, d)) return walk_error(s, o, "its __dict__ cannot be read");
       iter = PyDict_Check(d) && PyDict_GET_SIZE(d) ? d : NULL;
+      /* device memory by its instance's __cuda_array_interface__ (visit()):
+         refused as any such producer is, never carried as its address */
+      PyObject *cai = iter ? PyDict_GetItemWithError(d, dpy.str_cai) : NULL;
+      if (cai || PyErr_Occurred()) {
+        if (!PyErr_Occurred())
+          PyErr_SetString(PyExc_TypeError, "frames carry torch tensors, numpy and cupy arrays and bytearrays");
+        return walk_error(s, o, "memory that cannot be carried in a frame");
+      }
     }
     if ((rc = dp_object_new(type_name(t, name, sizeof name), &v, &e))) return dp_fail(s, o, rc, &e);
     return build_container(s, o, at, k == K_OBJECT ? FR_ATTRS : FR_SEQ, iter, NULL, v, names);

@@ -1137,3 +1137,41 @@ def test_sparse_compressed_tensors_are_walked_with_or_without_the_torch_adapter(
                          env=env)
     assert out.returncode == 0, out.stderr
     assert "csr" in out.stdout
+
+
+def test_a_cuda_array_interface_set_on_the_instance_is_device_memory_too():
+    # cupy.asarray, numba and torch.as_tensor read the interface with getattr,
+    # so an instance carrying it in its __dict__ is device memory to them
+    class Wrapper:
+        def __init__(self, cai, **attrs):
+            self.__cuda_array_interface__ = cai
+            self.__dict__.update(attrs)
+
+    cai = {"data": (0x200000, False), "shape": (8,), "typestr": "<f4", "version": 3}
+    w = Wrapper(cai, extra=torch.ones(3))
+    got = devpickle.scan({"w": w})
+    assert [(a.device, a.ptr, a.nbytes, a.path) for a in got] == [
+        ("cuda:0", 0x200000, 32, "$.w"), ("cpu", w.extra.data_ptr(), 12, "$.w.extra")]
+    with pytest.raises(devpickle.WalkError, match="a negative dimension"):
+        devpickle.scan(Wrapper(dict(cai, shape=(-1,))))
+    with pytest.raises(devpickle.WalkError, match="memory that cannot be carried in a frame") as e:
+        devpickle.dumps({"w": w})
+    assert e.value.path == "$.w"
+
+
+def test_an_instance_interface_read_by_code_that_replaces_the_instance_dict_is_walked_safely():
+    class Sneaky:
+        def __getattribute__(self, name):
+            if name == "__cuda_array_interface__":
+                d = object.__getattribute__(self, "__dict__")
+                object.__setattr__(self, "__dict__", {})  # frees the dict the walk entered
+                [{"k%d" % i: i} for i in range(1000)]  # reuses its memory
+                return d["__cuda_array_interface__"]
+            return object.__getattribute__(self, name)
+
+    for _ in range(10):
+        s = Sneaky()
+        s.__dict__["__cuda_array_interface__"] = {"data": (0x200000, False), "shape": (8,), "typestr": "<f4",
+                                                  "version": 3}
+        s.__dict__.update({"t%d" % j: torch.ones(1) for j in range(20)})
+        assert len(devpickle.scan(s)) == 21  # the interface and the tensors of the dict entered
