@@ -22,7 +22,7 @@ typedef struct dpy_state {
   PyObject *object_reduce;
   PyObject *object_getstate;
   PyObject *slotnames;         /* copyreg._slotnames */
-  PyObject *str_reduce_ex, *str_reduce, *str_getstate, *str_fields, *str_dict, *str_cai, *str_dlpack,
+  PyObject *str_reduce_ex, *str_reduce, *str_getstate, *str_fields, *str_dict, *str_cai, *str_aif, *str_dlpack,
       *str_dlpack_device, *str_getnewargs, *str_getnewargs_ex, *str_slots;
   /* torch, resolved on first need once torch is imported */
   int torch_resolved;

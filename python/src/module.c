@@ -210,7 +210,8 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
   if (intern(&dpy.str_reduce_ex, "__reduce_ex__") || intern(&dpy.str_reduce, "__reduce__") ||
       intern(&dpy.str_getstate, "__getstate__") ||
       intern(&dpy.str_fields, "_fields") || intern(&dpy.str_dict, "__dict__") ||
-      intern(&dpy.str_cai, "__cuda_array_interface__") || intern(&dpy.str_dlpack, "__dlpack__") ||
+      intern(&dpy.str_cai, "__cuda_array_interface__") || intern(&dpy.str_aif, "__array_interface__") ||
+      intern(&dpy.str_dlpack, "__dlpack__") ||
       intern(&dpy.str_dlpack_device, "__dlpack_device__") || intern(&dpy.str_getnewargs, "__getnewargs__") ||
       intern(&dpy.str_getnewargs_ex, "__getnewargs_ex__") || intern(&dpy.str_slots, "__slots__"))
     goto fail;

@@ -9,7 +9,8 @@
  * anything; every other object goes through copyreg.dispatch_table or
  * __reduce_ex__(5), whose parts (callable, args, state, listitems,
  * dictitems) are walked. Memory — torch tensors, cupy arrays, objects with
- * __cuda_array_interface__, buffer-protocol objects, DLPack producers — is
+ * __cuda_array_interface__, buffer-protocol objects, DLPack producers,
+ * __array_interface__ — is
  * added to a devpickle pointer set (deduplicated by device and base).
  *
  * The walk is iterative (an explicit stack of frames), so depth is bounded by
@@ -38,6 +39,8 @@ enum {
   K_TORCH,
   K_CUPY,
   K_CAI,         /* __cuda_array_interface__ */
+  K_AIF,         /* __array_interface__ without the buffer protocol: cpu memory, then reduced */
+  K_AIF_OBJECT,  /* the same, of a class that keeps pickle's defaults: then as K_OBJECT */
   K_BUFFER,      /* the buffer protocol: cpu memory */
   K_DLPACK,
   K_REDUCE,
@@ -142,16 +145,17 @@ static uint8_t kind_of(PyTypeObject *t) {
   if (has_attr(type, dpy.str_cai)) return K_CAI;
   if (t->tp_as_buffer && t->tp_as_buffer->bf_getbuffer && !PyType_IsSubtype(t, &PyBytes_Type)) return K_BUFFER;
   if (has_attr(type, dpy.str_dlpack) && has_attr(type, dpy.str_dlpack_device)) return K_DLPACK;
+  int aif = has_attr(type, dpy.str_aif); /* its memory first, then walked as it would be without */
   if (PyType_IsSubtype(t, &PyTuple_Type) && t->tp_dictoffset == 0 && has_attr(type, dpy.str_fields) &&
       is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex) &&
       is_default(type, dpy.str_getstate, dpy.object_getstate) && is_default(type, dpy.str_reduce, dpy.object_reduce))
-    return K_NAMEDTUPLE;
+    return aif ? K_AIF : K_NAMEDTUPLE;
   /* classes of Python code only: a C type's instances may hold state that
    * its (inherited) reduce refuses or that __dict__ does not show */
   if (t->tp_dictoffset != 0 && (t->tp_flags & Py_TPFLAGS_HEAPTYPE) && !PyType_IsSubtype(t, &PyTuple_Type) &&
       !PyType_IsSubtype(t, &PyList_Type) && !PyType_IsSubtype(t, &PyDict_Type) && plain_instance(t))
-    return K_OBJECT;
-  return K_REDUCE;
+    return aif ? K_AIF_OBJECT : K_OBJECT;
+  return aif ? K_AIF : K_REDUCE;
 }
 
 /* A type not in the cache: classified and cached (out of line, so that the
@@ -1091,21 +1095,31 @@ static Py_ssize_t typestr_itemsize(PyObject *typestr) {
   return n;
 }
 
-/* __cuda_array_interface__: data pointer and extent of the view (no owner
- * is known, so views at different offsets are different entries). */
-static int visit_cai(dpy_scanner_t *s, PyObject *o) {
-  PyObject *cai = PyObject_GetAttr(o, dpy.str_cai);
-  if (!cai) return walk_error(s, o, "__cuda_array_interface__ failed");
+/* __cuda_array_interface__ (cuda) or __array_interface__: data pointer and
+ * extent of the view (no owner is known, so views at different offsets are
+ * different entries). */
+static int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
+  const char *what = cuda ? "a malformed __cuda_array_interface__" : "a malformed __array_interface__";
+  PyObject *cai = PyObject_GetAttr(o, cuda ? dpy.str_cai : dpy.str_aif);
+  if (!cai) return walk_error(s, o, cuda ? "__cuda_array_interface__ failed" : "__array_interface__ failed");
   int rc = -1;
   PyObject *data = PyDict_Check(cai) ? PyDict_GetItemString(cai, "data") : NULL;
+  if (!cuda && data && !PyTuple_Check(data) && PyObject_CheckBuffer(data)) {
+    /* the memory of a buffer object, often a copy made by the property
+       (PIL's tobytes()): no address to report; the walk of the object
+       itself finds what it holds */
+    Py_DECREF(cai);
+    return 0;
+  }
   PyObject *shape = PyDict_Check(cai) ? PyDict_GetItemString(cai, "shape") : NULL;
   PyObject *strides = PyDict_Check(cai) ? PyDict_GetItemString(cai, "strides") : NULL;
   PyObject *typestr = PyDict_Check(cai) ? PyDict_GetItemString(cai, "typestr") : NULL;
   if (!data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1 || !shape || !PyTuple_Check(shape) || !typestr ||
       !PyUnicode_Check(typestr)) {
     Py_DECREF(cai);
-    PyErr_SetString(PyExc_ValueError, "__cuda_array_interface__ lacks data, shape or typestr");
-    return walk_error(s, o, "a malformed __cuda_array_interface__");
+    PyErr_Format(PyExc_ValueError, "%s lacks data, shape or typestr",
+                 cuda ? "__cuda_array_interface__" : "__array_interface__");
+    return walk_error(s, o, what);
   }
   Py_ssize_t isz = typestr_itemsize(typestr);
   Py_ssize_t nd = PyTuple_GET_SIZE(shape), shp[64], str[64];
@@ -1144,13 +1158,13 @@ static int visit_cai(dpy_scanner_t *s, PyObject *o) {
     goto out;
   }
   /* The interface names no device: the CUDA runtime knows the pointer's. */
-  dp_device_t dev = {DP_DEVICE_CUDA, 0};
-  dp_backend_t *cuda;
-  if (ext && !dp_backend_get(DP_DEVICE_CUDA, &cuda, NULL)) dp_pointer_device(cuda, ptr, &dev, NULL);
+  dp_device_t dev = {cuda ? DP_DEVICE_CUDA : DP_DEVICE_CPU, 0};
+  dp_backend_t *backend;
+  if (cuda && ext && !dp_backend_get(DP_DEVICE_CUDA, &backend, NULL)) dp_pointer_device(backend, ptr, &dev, NULL);
   rc = ext ? add_alloc(s, dev, (char *)ptr + lo, ext, o) : 0;
 out:
   Py_DECREF(cai);
-  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "a malformed __cuda_array_interface__");
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, what);
   return rc;
 }
 
@@ -1497,6 +1511,9 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     PyObject *items = keep(s, PySequence_List(o));
     return items ? push(s, FR_SET, items, t) : -1;
   }
+  case K_AIF_OBJECT:
+    if (visit_iface(s, o, 0)) return -1;
+    /* fall through */
   case K_OBJECT: {
     PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
     if (fn || PyErr_Occurred()) return fn ? enter_reduce(s, o) : -1;
@@ -1511,11 +1528,13 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     /* __cuda_array_interface__ set on the instance (its class has none):
        cupy, numba and torch read it with getattr, so the object is device
        memory to them, whatever its class says; its attributes are walked
-       too, as an object's */
+       too, as an object's. (One lookup a plain object: an
+       __array_interface__ set on an instance, cpu memory no future waits
+       on, is not looked for.) */
     Py_INCREF(d); /* borrowed from o, whose Python code may replace it (a __getattribute__) */
     PyObject *cai = PyDict_GetItemWithError(d, dpy.str_cai);
     int rc = !cai && PyErr_Occurred() ? walk_error(s, o, "its __dict__ cannot be read") : 0;
-    if (!rc && cai) rc = visit_cai(s, o);
+    if (!rc && cai) rc = visit_iface(s, o, 1);
     if (!rc) rc = push(s, FR_ATTRS, d, Py_TYPE(o));
     Py_DECREF(d);
     return rc;
@@ -1525,7 +1544,9 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   case K_STORAGE:
     return visit_storage(s, o);
   case K_CAI:
-    return visit_cai(s, o);
+    return visit_iface(s, o, 1);
+  case K_AIF: /* the memory it describes, then what pickle would walk of it */
+    return visit_iface(s, o, 0) ? -1 : enter_reduce(s, o);
   case K_BUFFER:
     return visit_buffer(s, o);
   case K_DLPACK:
@@ -2125,6 +2146,7 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   dp_error_t e;
   int rc;
   if (k == K_CFUNC && (!PyCFunction_GET_SELF(o) || PyModule_Check(PyCFunction_GET_SELF(o)))) k = K_LEAF;
+  if (k == K_AIF_OBJECT) k = K_OBJECT; /* carried as pickle carries it */
   /* a long str or bytes enters the memo, as in pickle's: written once, met
      again it is a back-reference (a 1 MB str in a list 300 times made a
      300 MB frame) */

@@ -1175,3 +1175,48 @@ def test_an_instance_interface_read_by_code_that_replaces_the_instance_dict_is_w
                                                   "version": 3}
         s.__dict__.update({"t%d" % j: torch.ones(1) for j in range(20)})
         assert len(devpickle.scan(s)) == 21  # the interface and the tensors of the dict entered
+
+
+def test_an_array_interface_without_the_buffer_protocol_is_the_cpu_memory_it_describes():
+    # np.asarray(x) makes an array over the memory x's class's
+    # __array_interface__ names: that memory is x's, reported at x's path,
+    # and what pickle would walk of x is walked too
+    a = np.arange(16.0)
+
+    class Prop:
+        def __init__(self, a, t):
+            self._iface = dict(a.__array_interface__)
+            self.t = t
+
+        @property
+        def __array_interface__(self):
+            return self._iface
+
+    t = torch.ones(3)
+    got = devpickle.scan({"p": Prop(a[4:], t), "q": Prop(a[::2], None)})
+    assert [(x.device, x.ptr, x.nbytes) for x in got] == [
+        ("cpu", a.ctypes.data + 32, 96), ("cpu", t.data_ptr(), 12), ("cpu", a.ctypes.data, 120)]
+    assert [x.path for x in got] == ["$.p", "$.p.t", "$.q"]  # a plain class's attributes, as without it
+    assert np.asarray(Prop(a[::2], None))[1] == 2.0  # what numpy makes of it: the same memory
+
+    class Copying:  # PIL's way: a fresh bytes object each time, no address of its own
+        @property
+        def __array_interface__(self):
+            return {"data": b"\0" * 8, "shape": (8,), "typestr": "|u1", "version": 3}
+
+    assert devpickle.scan(Copying()) == []
+
+    class Reduced(Prop):  # a class of its own reduce: reduced, as without it
+        def __reduce__(self):
+            return (Reduced, (None, self.t))
+
+    got = devpickle.scan(Reduced(a[4:], t))
+    assert [x.ptr for x in got] == [a.ctypes.data + 32, t.data_ptr()]
+    assert got[1].path.startswith("$<reduce ") and got[1].path.endswith(">.args[1]")
+    bad = Prop(a, None)
+    bad._iface = {"data": (4096, False), "shape": (-1,), "typestr": "<f8"}
+    with pytest.raises(devpickle.WalkError, match=r"a malformed __array_interface__: a negative dimension") as e:
+        devpickle.scan([bad])
+    assert e.value.path == "$[0]"
+    frame = devpickle.dumps(Prop(a, None))  # carried as pickle carries it: reduced
+    assert len(frame) > 0
