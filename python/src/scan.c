@@ -1361,6 +1361,18 @@ static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
   return ext ? add_alloc(s, dev, base, ext, o) : 0;
 }
 
+/* Whether o's own __dict__ holds a __cuda_array_interface__ (its class's
+ * kind did not say so): 1, 0, or -1 with an exception. */
+static int instance_cai(PyObject *o) {
+  if (PyType_Check(o)) return 0;
+  PyObject **dp = _PyObject_GetDictPtr(o);
+  if (!dp || !*dp || !PyDict_Check(*dp)) return PyErr_Occurred() ? -1 : 0;
+  PyObject *d = Py_NewRef(*dp); /* held: a key's __eq__ may replace it */
+  PyObject *cai = PyDict_GetItemWithError(d, dpy.str_cai);
+  Py_DECREF(d);
+  return cai ? 1 : PyErr_Occurred() ? -1 : 0;
+}
+
 /* ---- the walk ---- */
 
 /* Pushes a frame iterating obj: the parts of an object of type owner (its
@@ -1552,6 +1564,14 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   case K_DLPACK:
     return visit_dlpack(s, o);
   default:
+    /* an object reduced (types.SimpleNamespace, a class with a __reduce__)
+       may carry a __cuda_array_interface__ in its instance __dict__ too:
+       device memory to the libraries that read it, as for a plain object */
+    if (t->tp_dictoffset) {
+      int h = instance_cai(o);
+      if (h < 0) return walk_error(s, o, "its __dict__ cannot be read");
+      if (h && visit_iface(s, o, 1)) return -1;
+    }
     return enter_reduce(s, o);
   }
 }
@@ -2256,7 +2276,16 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   default:
     break;
   }
-  /* everything else: reduced; the object exists once its parts are made */
+  /* everything else: reduced; the object exists once its parts are made
+     (but for device memory named by its instance's
+     __cuda_array_interface__, refused as for a plain object) */
+  if (t->tp_dictoffset) {
+    int h = instance_cai(o);
+    if (h) {
+      if (h > 0) PyErr_SetString(PyExc_TypeError, "frames carry torch tensors, numpy and cupy arrays and bytearrays");
+      return walk_error(s, o, h > 0 ? "memory that cannot be carried in a frame" : "its __dict__ cannot be read");
+    }
+  }
   PyObject *r = reduce_of(s, o);
   if (!r) return -1;
   if (PyUnicode_Check(r)) { /* a global by its reduce (torch.float16, numpy.add): by name, as pickle saves it */

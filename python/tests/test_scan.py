@@ -1220,3 +1220,25 @@ def test_an_array_interface_without_the_buffer_protocol_is_the_cpu_memory_it_des
     assert e.value.path == "$[0]"
     frame = devpickle.dumps(Prop(a, None))  # carried as pickle carries it: reduced
     assert len(frame) > 0
+
+
+def test_a_cuda_array_interface_on_a_reduced_instance_is_device_memory_too():
+    import types
+
+    cai = {"data": (0x300000, False), "shape": (4,), "typestr": "<f4", "version": 3}
+    t = torch.ones(2)
+    got = devpickle.scan({"ns": types.SimpleNamespace(__cuda_array_interface__=cai, t=t)})
+    assert [(a.device, a.ptr, a.nbytes) for a in got] == [("cuda:0", 0x300000, 16), ("cpu", t.data_ptr(), 8)]
+    assert got[0].path == "$.ns" and got[1].path == "$.ns<reduce types.SimpleNamespace>.state.t"
+
+    class Reduced:
+        def __init__(self):
+            self.__cuda_array_interface__ = cai
+
+        def __reduce__(self):
+            return (Reduced, ())
+
+    assert [(a.device, a.path) for a in devpickle.scan([Reduced()])] == [("cuda:0", "$[0]")]
+    for v in (types.SimpleNamespace(__cuda_array_interface__=cai), Reduced()):
+        with pytest.raises(devpickle.WalkError, match="memory that cannot be carried in a frame"):
+            devpickle.dumps(v)
