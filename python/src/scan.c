@@ -1340,6 +1340,15 @@ static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
     return walk_error(s, o, "memory devpickle cannot describe");
   }
   const dl_tensor_t *t = versioned ? (const dl_tensor_t *)((char *)p + 8 + 2 * sizeof(void *) + 8) : p;
+  /* the capsule's device is the one its consumer uses: one that is not
+     what __dlpack_device__ said is refused, never reported on the wrong
+     device (a future would wait on the other one) */
+  if (t->device.device_type != dt || (dt == 2 && t->device.device_id != di)) {
+    PyErr_Format(PyExc_ValueError, "__dlpack_device__ says (%ld, %ld), its capsule (%d, %d)", dt, dt == 2 ? di : 0L,
+                 (int)t->device.device_type, (int)t->device.device_id);
+    Py_DECREF(cap);
+    return walk_error(s, o, "memory devpickle cannot describe");
+  }
   Py_ssize_t shp[64], str[64], lo = 0;
   size_t ext = 0;
   int nd = t->ndim, isz = (t->dtype.bits * t->dtype.lanes + 7) / 8;

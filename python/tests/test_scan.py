@@ -948,7 +948,7 @@ class _DLProducer:
         return self.capsule() if callable(self.capsule) else self.capsule
 
 
-def _dl_capsule(shape, strides=None, *, data=0x10000, bits=32, name=b"dltensor", version=None):
+def _dl_capsule(shape, strides=None, *, data=0x10000, bits=32, name=b"dltensor", version=None, device=(1, 0)):
     """A DLManagedTensor (or the versioned form) built by hand, in a capsule
     without a destructor: (capsule, what keeps its memory alive)."""
     import ctypes
@@ -963,7 +963,7 @@ def _dl_capsule(shape, strides=None, *, data=0x10000, bits=32, name=b"dltensor",
 
     shp = (ctypes.c_int64 * max(n, 1))(*shape)
     st = (ctypes.c_int64 * max(n, 1))(*strides) if strides is not None else None
-    t = DLTensor(data, 1, 0, n, 2, bits, 1, shp, st, 0)
+    t = DLTensor(data, device[0], device[1], n, 2, bits, 1, shp, st, 0)
     if version is None:
         head = ctypes.create_string_buffer(bytes(t) + bytes(16))  # DLManagedTensor: the tensor, ctx, deleter
     else:
@@ -1242,3 +1242,13 @@ def test_a_cuda_array_interface_on_a_reduced_instance_is_device_memory_too():
     for v in (types.SimpleNamespace(__cuda_array_interface__=cai), Reduced()):
         with pytest.raises(devpickle.WalkError, match="memory that cannot be carried in a frame"):
             devpickle.dumps(v)
+
+
+@pytest.mark.parametrize("said, capsule", [((1, 0), (2, 0)), ((2, 0), (1, 0)), ((2, 0), (2, 1))])
+def test_dlpack_a_capsule_on_another_device_than_dlpack_device_said_is_a_walk_error(said, capsule):
+    cap, _keep = _dl_capsule((4,), device=capsule)
+    with pytest.raises(devpickle.WalkError, match=r"__dlpack_device__ says \(%d, %d\), its capsule \(%d, %d\)"
+                       % (said + capsule)):
+        devpickle.scan(_DLProducer(said, cap))
+    cap, _keep = _dl_capsule((4,), device=said)
+    assert [a.device for a in devpickle.scan(_DLProducer(said, cap))] == ["cpu" if said[0] == 1 else "cuda:0"]
