@@ -349,8 +349,20 @@ static int refuse_device(const dp_future_t *f, const dp__ptrs_t *p, dp_device_t 
   for (size_t j = 0; j < p->ndevs && k < 64; j++) all[k++] = p->devs[j].device;
   put_devices(used, sizeof used, all, k, f->b);
   put_devices(ok, sizeof ok, f->allowed, f->nallowed, f->b);
-  return dp__err(err, DP_EDEVICE, "the value uses %s, which is not among the future's devices %s (the value's devices: %s)",
-                 dp_device_format(d, one, sizeof one), ok, used);
+  /* another backend's memory: say whether that backend could have had it */
+  char why[DP_ERROR_MSG_MAX / 2] = "";
+  if (d.type != dp_backend_type(f->b)) {
+    dp_backend_t *other;
+    dp_error_t e;
+    if (dp_backend_get(d.type, &other, &e) != 0)
+      snprintf(why, sizeof why, "; memory on %s cannot be tracked in this process: %.400s",
+               dp_device_format(d, one, sizeof one), e.message);
+    else
+      snprintf(why, sizeof why, "; the future is of the %s backend: a future of the %s backend tracks it",
+               dp_backend_name(f->b), dp_backend_name(other));
+  }
+  return dp__err(err, DP_EDEVICE, "the value uses %s, which is not among the future's devices %s (the value's devices: %s)%s",
+                 dp_device_format(d, one, sizeof one), ok, used, why);
 }
 
 /* Freezes the set into a record (take: the set is scratch, whose block the

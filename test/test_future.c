@@ -466,6 +466,25 @@ Test(future, a_device_outside_the_future_is_an_error_naming_both_lists) {
   dp_future_release(f);
 }
 
+Test(future, another_backends_memory_is_an_error_saying_whether_that_backend_is_there) {
+  dp_future_t *f;
+  dp_future_opts_t o = {B, NULL, 0, NULL, 0, 0}; /* the host backend, any of its devices */
+  OK(dp_future_new(&o, &f, T_ERR));
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x7f0000001000, 16), T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_future_mark_completed(f, l, &e), DP_EDEVICE);
+  cr_assert(strstr(e.message, "the value uses cuda:0, which is not among the future's devices [host:0, host:1]"),
+            "%s", e.message);
+  dp_backend_t *cuda;
+  if (dp_backend_get(DP_DEVICE_CUDA, &cuda, NULL) != 0) /* this machine: no GPU */
+    cr_assert(strstr(e.message, "; memory on cuda:0 cannot be tracked in this process: "), "%s", e.message);
+  else
+    cr_assert(strstr(e.message, "; the future is of the host backend: a future of the cuda backend tracks it"), "%s",
+              e.message);
+  dp_future_release(f);
+}
+
 Test(future, completing_twice_is_an_error_and_changes_nothing) {
   dp_future_t *f = future();
   OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
