@@ -191,12 +191,13 @@ static int init_opts(dp_future_t *f, const dp_future_opts_t *o, dp_error_t *err)
   if (o && o->ndevices) {
     f->allowed = dp__alloc_array(o->ndevices, sizeof(dp_device_t));
     if (!f->allowed) return dp__err(err, DP_ENOMEM, "out of memory creating a future");
+    /* set before the checks: a refused device frees the array with its size */
+    f->nallowed = o->ndevices;
     for (size_t i = 0; i < o->ndevices; i++) {
       /* cpu is always allowed; any other device must be the backend's */
       if (o->devices[i].type != DP_DEVICE_CPU && (rc = dp__check_device("dp_future_new", f->b, o->devices[i], err)) != 0) return rc;
       f->allowed[i] = o->devices[i];
     }
-    f->nallowed = o->ndevices;
   }
   if (o && o->no_hooks) return 0;
   f->consumers_only = o && o->consumers_only;

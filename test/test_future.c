@@ -1342,6 +1342,22 @@ Test(future, a_record_taken_from_the_scratch_set_is_never_written_by_later_compl
 }
 
 
+/* The allowed-devices array is given back with the size it was allocated
+ * with (the allocator hook's osize) also when a device in it is refused:
+ * it was freed as 0 bytes, which a hook that keeps accounts took for a leak
+ * of the whole array. */
+Test(future, a_future_refused_for_a_device_of_another_backend_gives_back_all_it_allocated) {
+  dp_error_t e;
+  dp_future_t *f = NULL;
+  dp_device_t devs[3] = {H0, t_dev(DP_DEVICE_CUDA, 0), H1};
+  dp_future_opts_t o = {B, devs, 3, NULL, 0, 0};
+  cr_assert_eq(dp_future_new(&o, &f, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_new: device cuda:0 does not belong to the host backend (2 devices)");
+  cr_assert_null(f, "no future is handed out");
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* Bad arguments are refused up front, each naming the function and what is
  * wrong, and a completion refused for its arguments still completes the
  * future (with the error), so that no waiter hangs. */
