@@ -499,17 +499,47 @@ void dp_cache_free(dp_cache_t *c) {
   cache_destroy(c);
 }
 
+/* Waits, without the lock, until the work queued on the devices the cache
+ * has memory on (and those of the streams its pending blocks wait for) has
+ * completed and no freed block is pending. Work queued on a stream (a host
+ * function) may itself allocate and free here, which takes the lock:
+ * waiting under it left such work, and the wait, blocked for good. A
+ * device that cannot be waited on (a host function waiting for its own
+ * stream: DP_EMISUSE) ends the wait. */
+static void cache_quiesce(dp_cache_t *c) {
+  unsigned char want[DP_DEVICE_INDEX_MAX + 1];
+  for (;;) {
+    memset(want, 0, sizeof want);
+    int any = 0;
+    pthread_mutex_lock(&c->mu);
+    poll_pending(c, 1);
+    for (int d = 0; d < c->ndev; d++) any |= want[d] = c->pools[d].nsegs != 0;
+    for (block_t *b = c->pending_head; b; b = b->pnext) {
+      for (uint32_t i = 0; i < b->nevents; i++) any |= want[dp_event_device(b->events[i]).index] = 1;
+      for (uint32_t i = 0; i < b->nuses; i++) any |= want[dp__stream_dev(b->uses[i]).index] = 1;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (!any) return;
+    int rc = 0;
+    for (int d = 0; d < c->ndev && rc == 0; d++)
+      if (want[d]) rc = dp_device_synchronize(c->b, dp_backend_device(c->b, d), NULL);
+    pthread_mutex_lock(&c->mu);
+    poll_pending(c, 1);
+    int pending = c->pending_head != NULL;
+    pthread_mutex_unlock(&c->mu);
+    if (!pending || rc) return;
+  }
+}
+
 static void cache_destroy(dp_cache_t *c) {
+  cache_quiesce(c);
   dp__stream_unlisten(&c->gone);
   pthread_mutex_lock(&c->mu);
-  for (block_t *b = c->pending_head; b; b = b->pnext) { /* its events, and the streams kept without one */
-    for (uint32_t i = 0; i < b->nevents; i++) dp_event_synchronize(b->events[i], NULL);
-    for (uint32_t i = 0; i < b->nuses; i++) dp_stream_synchronize(b->uses[i], NULL);
-  }
-  poll_pending(c, 1);
+  /* left pending only when a wait above was refused: the events go back */
+  for (block_t *b = c->pending_head; b; b = b->pnext)
+    for (uint32_t i = 0; i < b->nevents; i++) dp_event_free(b->events[i]);
   for (int d = 0; d < c->ndev; d++) {
     devpool_t *p = &c->pools[d];
-    if (p->nsegs) dp_device_synchronize(c->b, dp_backend_device(c->b, d), NULL);
     for (size_t i = 0; i < p->nsegs; i++) {
       segment_t *seg = p->segs[i];
       for (block_t *b = seg->first, *n; b; b = n) {

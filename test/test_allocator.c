@@ -800,6 +800,54 @@ Test(allocator, shutdown_returns_when_queued_host_work_asks_for_the_default_cach
   ASSERT_NO_LEAK();
 }
 
+/* Freeing a cache (dp_cache_free, or dp_shutdown for a default one) waits
+ * for the work queued on the backend's streams, and that work may free and
+ * allocate through the cache: the wait is made without the cache's lock
+ * (cache.h). It was made under it, and such work, blocked on the lock,
+ * never let the wait end. */
+typedef struct {
+  dp_cache_t *c;
+  void *p;
+  dp_stream_t *s;
+  _Atomic int rc;
+} late_free_t;
+
+static void late_free_and_alloc(void *arg) {
+  late_free_t *a = arg;
+  sleep_ms(100); /* the cache is being freed meanwhile */
+  int rc = dp_cache_dealloc(a->c, a->p, NULL);
+  void *q;
+  if (rc == 0 && (rc = dp_cache_alloc(a->c, H0, 4096, a->s, &q, NULL)) == 0) rc = dp_cache_dealloc(a->c, q, NULL);
+  atomic_store(&a->rc, rc);
+}
+
+Test(allocator, freeing_a_cache_lets_work_queued_before_free_and_allocate_through_it, .timeout = 20) {
+  dp_cache_t *own;
+  OK(dp_cache_new(B, &own, T_ERR));
+  dp_stream_t *s = stream(H0);
+  late_free_t a = {own, NULL, s, 1};
+  OK(dp_cache_alloc(own, H0, 4096, s, &a.p, T_ERR));
+  OK(dp_host_launch(s, late_free_and_alloc, &a, T_ERR));
+  dp_cache_free(own);
+  cr_assert_eq(atomic_load(&a.rc), 0, "the queued work freed and allocated through the cache before it went");
+  dp_stream_free(s);
+}
+
+Test(allocator, shutdown_lets_queued_host_work_free_through_the_default_cache, .timeout = 20) {
+  dp_cache_t *d;
+  OK(dp_cache_default(B, &d, T_ERR));
+  dp_stream_t *s;
+  OK(dp_stream_pool_next(B, H0, &s, T_ERR)); /* the backend's: dp_shutdown runs its queued work */
+  late_free_t a = {d, NULL, s, 1};
+  OK(dp_cache_alloc(d, H0, 4096, s, &a.p, T_ERR));
+  OK(dp_host_launch(s, late_free_and_alloc, &a, T_ERR));
+  dp_cache_free(C);
+  C = NULL;
+  dp_shutdown();
+  cr_assert_eq(atomic_load(&a.rc), 0, "the queued work freed and allocated through the default cache");
+  ASSERT_NO_LEAK();
+}
+
 /* A batch of records skips the lookup of pointers in a segment whose used
  * blocks were all allocated on the recording stream. It must still record
  * every pointer whose block is on another stream: one of a segment shared

@@ -131,8 +131,11 @@ typedef struct dp_cache_stats {
 
 /** A caching allocator over backend b (its own, independent of the default). */
 DP_API int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
-/** Waits for pending blocks, gives every segment back to the backend and
- *  frees the allocator. Pointers still allocated from it become invalid.
+/** Waits for pending blocks and for the work queued on the devices it
+ *  holds memory on (dp_device_synchronize, without the allocator's lock:
+ *  that work may still allocate and free here), gives every segment back
+ *  to the backend and frees the allocator. Pointers still allocated from
+ *  it become invalid.
  *  A backend's default allocator (dp_cache_default) is left alone:
  *  dp_shutdown frees it (as dp_stream_free leaves the backend's streams). */
 DP_API void dp_cache_free(dp_cache_t *c);
