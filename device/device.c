@@ -21,15 +21,27 @@ _Atomic unsigned dp__backend_inits[DP_DEVICE_TYPE_COUNT];
 static pthread_mutex_t listeners_mu = PTHREAD_MUTEX_INITIALIZER;
 static dp__stream_listener_t *listeners;
 
-/* This thread's current streams: a few slots searched linearly, no
- * allocation (a thread rarely drives more than a handful of devices). */
-typedef struct tls_slot {
-  uint16_t key;  /* type << 8 | index, + 1; 0 free */
-  dp_stream_t *s;
-} tls_slot_t;
-static _Thread_local tls_slot_t tls_current[DP_CURRENT_STREAM_SLOTS];
+/* This thread's current streams: one entry a device, found by index (no
+ * search, no allocation). The caller may hold DP_CURRENT_STREAM_SLOTS of
+ * them (device.h); the streams a then() callback runs with (future.h,
+ * dp__current_stream_enter) do not count, so that a callback over a value
+ * on more devices than that still gets its streams. */
+#define TLS_DEVICES (DP_DEVICE_TYPE_COUNT * (DP_DEVICE_INDEX_MAX + 1))
+enum { OWN_NONE = 0, OWN_CALLER, OWN_LIBRARY };
+static _Thread_local dp_stream_t *tls_current[TLS_DEVICES];
+static _Thread_local unsigned char tls_owner[TLS_DEVICES];
+static _Thread_local int tls_caller_count;  /* entries owned by the caller */
 
-static uint16_t slot_key(dp_device_t d) { return (uint16_t)(((d.type << 8) | d.index) + 1); }
+/* The entry of d, or -1 for a device type that does not exist. */
+static int slot_of(dp_device_t d) {
+  return d.type < DP_DEVICE_TYPE_COUNT ? (int)d.type * (DP_DEVICE_INDEX_MAX + 1) + d.index : -1;
+}
+
+static void slot_clear(int i) {
+  if (tls_owner[i] == OWN_CALLER) tls_caller_count--;
+  tls_current[i] = NULL;
+  tls_owner[i] = OWN_NONE;
+}
 static _Atomic(dp_stream_provider_cb) provider_fn;
 static void *_Atomic provider_ud;
 
@@ -332,6 +344,8 @@ void dp__device_shutdown(void) {
     dp__free(b, sizeof *b);
   }
   memset(tls_current, 0, sizeof tls_current);
+  memset(tls_owner, 0, sizeof tls_owner);
+  tls_caller_count = 0;
   dp_set_stream_provider(NULL, NULL);
 }
 
@@ -365,8 +379,8 @@ void dp_stream_free(dp_stream_t *s) {
   dp_stream_t *w = wrap_forget(s);
   /* this thread's current-stream slots forget them (other threads' cannot be
    * reached: they reset theirs first, device.h) */
-  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
-    if (tls_current[i].s == s || (w && tls_current[i].s == w)) tls_current[i] = (tls_slot_t){0, NULL};
+  for (int i = 0; i < TLS_DEVICES; i++)
+    if (tls_current[i] && (tls_current[i] == s || (w && tls_current[i] == w))) slot_clear(i);
   dp_stream_synchronize(s, NULL);
   pthread_mutex_lock(&listeners_mu);
   for (dp__stream_listener_t *l = listeners; l; l = l->next) {
@@ -468,12 +482,11 @@ int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_er
   int rc = dp__check_device("dp_current_stream", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_current_stream: NULL out");
-  uint16_t key = slot_key(dev);
-  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
-    if (tls_current[i].key == key) {
-      *out = tls_current[i].s;
-      return 0;
-    }
+  dp_stream_t *cur = tls_current[slot_of(dev)];  /* dev is b's: its type exists */
+  if (cur) {
+    *out = cur;
+    return 0;
+  }
   dp_stream_provider_cb fn = dp__load_acquire(&provider_fn);
   if (fn) {
     dp_stream_t *s = fn(dp__load_acquire(&provider_ud), b, dev);
@@ -497,31 +510,44 @@ int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_er
 int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t *err) {
   if (prev) *prev = NULL;
   if (!s) return dp__err(err, DP_EINVAL, "dp_set_current_stream: NULL stream");
-  uint16_t key = slot_key(s->dev);
-  int free_slot = -1;
-  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++) {
-    if (tls_current[i].key == key) {
-      if (prev) *prev = tls_current[i].s;
-      tls_current[i].s = s;
-      return 0;
+  int i = slot_of(s->dev);
+  if (!tls_current[i]) {
+    if (tls_caller_count == DP_CURRENT_STREAM_SLOTS) {
+      char buf[16];
+      return dp__err(err, DP_ELIMIT, "dp_set_current_stream(%s): this thread already holds current streams for %d devices",
+                     dp_device_format(s->dev, buf, sizeof buf), DP_CURRENT_STREAM_SLOTS);
     }
-    if (!tls_current[i].key && free_slot < 0) free_slot = i;
+    tls_owner[i] = OWN_CALLER;
+    tls_caller_count++;
   }
-  if (free_slot < 0) {
-    char buf[16];
-    return dp__err(err, DP_ELIMIT, "dp_set_current_stream(%s): this thread already holds current streams for %d devices",
-                   dp_device_format(s->dev, buf, sizeof buf), DP_CURRENT_STREAM_SLOTS);
-  }
-  tls_current[free_slot].key = key;
-  tls_current[free_slot].s = s;
+  /* replacing a then() callback's stream keeps it the library's: it goes
+     when the callback returns */
+  if (prev) *prev = tls_current[i];
+  tls_current[i] = s;
   return 0;
 }
 
 void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev) {
   (void)b;
-  uint16_t key = slot_key(dev);
-  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
-    if (tls_current[i].key == key) tls_current[i] = (tls_slot_t){0, NULL};
+  int i = slot_of(dev);
+  if (i >= 0 && tls_current[i]) slot_clear(i);
+}
+
+void dp__current_stream_enter(dp_stream_t *s, dp__current_saved_t *saved) {
+  int i = slot_of(s->dev);
+  saved->s = tls_current[i];
+  saved->owner = tls_owner[i];
+  if (!tls_current[i]) tls_owner[i] = OWN_LIBRARY;
+  tls_current[i] = s;
+}
+
+void dp__current_stream_leave(dp_device_t dev, const dp__current_saved_t *saved) {
+  int i = slot_of(dev);
+  /* the callback may have set or reset it meanwhile: counted as it was */
+  if (tls_owner[i] == OWN_CALLER) tls_caller_count--;
+  if (saved->owner == OWN_CALLER) tls_caller_count++;
+  tls_current[i] = saved->s;
+  tls_owner[i] = (unsigned char)saved->owner;
 }
 
 void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud) {

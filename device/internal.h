@@ -152,6 +152,18 @@ void dp__pinned_free(dp_backend_t *b, void *p, size_t n);
 int dp__pinned_register(dp_backend_t *b, void *p, size_t n, int readonly, dp_error_t *err);
 void dp__pinned_unregister(dp_backend_t *b, void *p);
 
+/* The streams a then() callback runs with (future.h): enter makes s
+ * current for its device on this thread, saving what was there; leave puts
+ * that back. Unlike dp_set_current_stream, they never fail: they do not
+ * count against the caller's DP_CURRENT_STREAM_SLOTS. Pairs nest (a wait in
+ * a callback runs other callbacks). */
+typedef struct dp__current_saved {
+  dp_stream_t *s;
+  int owner;
+} dp__current_saved_t;
+void dp__current_stream_enter(dp_stream_t *s, dp__current_saved_t *saved);
+void dp__current_stream_leave(dp_device_t dev, const dp__current_saved_t *saved);
+
 /* Checks that dev belongs to b; fills err. */
 int dp__check_device(const char *fn, const dp_backend_t *b, dp_device_t dev, dp_error_t *err);
 #endif

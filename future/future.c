@@ -706,23 +706,24 @@ static void run_then(dp_future_t *p, cbent_t *e) {
     return;
   }
   size_t n = failed ? 0 : p->rec.ndevs;
-  dp_stream_t *inl[2 * STREAMS_INLINE], **streams = inl;
-  if (n > STREAMS_INLINE && !(streams = dp__alloc_array(2 * n, sizeof *streams))) {
+  /* what each device's current stream was: put back after the callback */
+  dp__current_saved_t inl[STREAMS_INLINE], *prev = inl;
+  if (n > STREAMS_INLINE && !(prev = dp__alloc_array(n, sizeof *prev))) {
     dp__err(&err, DP_ENOMEM, "out of memory running a callback");
     dp_future_set_error(child, &err, NULL);
     return;
   }
-  dp_stream_t **prev = streams + n;
   size_t set = 0;
   int rc = 0;
-  /* Pool streams, current for the callback, wait on the parent's events. */
+  /* Pool streams, current for the callback (on as many devices as the
+   * parent used: they do not count against the thread's
+   * DP_CURRENT_STREAM_SLOTS), wait on the parent's events. */
   for (; set < n && rc == 0; set++) {
     dp_stream_t *s;
     rc = dp_stream_pool_next(p->b, p->rec.devs[set].dev, &s, &err);
     if (rc == 0) rc = join_device(p, set, s, &err);
-    if (rc == 0) rc = dp_set_current_stream(s, &prev[set], &err);
     if (rc) break;
-    streams[set] = s;
+    dp__current_stream_enter(s, &prev[set]);
   }
   if (rc == 0 && e->ptrs_cb) {
     /* The callback reports its result's allocations: no walk. */
@@ -747,12 +748,9 @@ static void run_then(dp_future_t *p, cbent_t *e) {
       dp_future_mark_completed(child, result, NULL);
     }
   }
-  for (size_t i = 0; i < set; i++) {
-    if (prev[i]) dp_set_current_stream(prev[i], NULL, NULL);
-    else dp_reset_current_stream(p->b, p->rec.devs[i].dev);
-  }
+  for (size_t i = set; i-- > 0;) dp__current_stream_leave(p->rec.devs[i].dev, &prev[i]);
   if (rc) dp_future_set_error(child, &err, NULL);
-  if (streams != inl) dp__free(streams, 2 * n * sizeof *streams);
+  if (prev != inl) dp__free(prev, n * sizeof *prev);
 }
 
 static void run_entry(dp_future_t *f, cbent_t *e) {

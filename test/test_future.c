@@ -1342,6 +1342,66 @@ Test(future, a_record_taken_from_the_scratch_set_is_never_written_by_later_compl
 }
 
 
+/* A then() callback runs with pool streams current on every device its
+ * parent's value uses, however many: they do not count against the
+ * thread's DP_CURRENT_STREAM_SLOTS, and the thread's own current streams
+ * come back afterwards. The callback's streams were set with
+ * dp_set_current_stream, so a parent on 17 devices, or one device beyond a
+ * thread's 16 own current streams, failed every child with DP_ELIMIT. */
+typedef struct {
+  int ndev, on_default;
+} many_t;
+
+static int count_default_streams(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  many_t *m = ud;
+  for (int i = 0; i < m->ndev; i++) {
+    dp_stream_t *cur, *dflt;
+    int rc = dp_current_stream(B, t_dev(DP_DEVICE_HOST, i), &cur, err);
+    if (rc == 0) rc = dp_stream_default(B, t_dev(DP_DEVICE_HOST, i), &dflt, err);
+    if (rc) return rc;
+    m->on_default += cur == dflt;
+  }
+  *result = dp_value_retain(dp_future_value(parent));
+  return 0;
+}
+
+Test(future, a_callback_gets_pool_streams_on_more_devices_than_a_thread_may_set_itself) {
+  dp_shutdown();
+  setenv("DEVPICKLE_HOST_DEVICES", "20", 1);
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+  dp_value_t l;
+  OK(dp_list_new(20, &l, T_ERR));
+  for (int i = 0; i < 20; i++) OK(dp_list_append(l, device_ints(t_dev(DP_DEVICE_HOST, i), 4), T_ERR));
+  /* the thread holds its own current streams on devices 0..15 */
+  dp_stream_t *own[DP_CURRENT_STREAM_SLOTS];
+  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++) {
+    OK(dp_stream_new(B, t_dev(DP_DEVICE_HOST, i), &own[i], T_ERR));
+    OK(dp_set_current_stream(own[i], NULL, T_ERR));
+  }
+  dp_future_t *f = future(), *c;
+  many_t m = {20, 0};
+  OK(dp_future_then(f, count_default_streams, &m, &c, T_ERR));
+  OK(dp_future_mark_completed(f, dp_value_retain(l), T_ERR));
+  OK(dp_future_wait(c, -1, T_ERR));
+  cr_assert_eq(dp_future_ndevices(c), 20, "the child records its events on the callback's 20 streams");
+  cr_assert_eq(m.on_default, 0, "every device had a pool stream current in the callback");
+  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++) {
+    dp_stream_t *cur;
+    OK(dp_current_stream(B, t_dev(DP_DEVICE_HOST, i), &cur, T_ERR));
+    cr_assert_eq(cur, own[i], "host:%d's own current stream is back after the callback", i);
+  }
+  dp_stream_t *dflt17;
+  OK(dp_stream_default(B, t_dev(DP_DEVICE_HOST, 17), &dflt17, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_set_current_stream(dflt17, NULL, &e), DP_ELIMIT, "the thread still holds its 16");
+  cr_assert_str_eq(e.message, "dp_set_current_stream(host:17): this thread already holds current streams for 16 devices");
+  dp_future_release(c);
+  dp_future_release(f);
+  for (int i = 0; i < 20; i++) free_ints(dp_seq_get(l, (size_t)i));
+  dp_value_release(l);
+  for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++) dp_stream_free(own[i]);
+}
+
 /* The allowed-devices array is given back with the size it was allocated
  * with (the allocator hook's osize) also when a device in it is refused:
  * it was freed as 0 bytes, which a hook that keeps accounts took for a leak

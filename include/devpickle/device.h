@@ -166,7 +166,9 @@ DP_API int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out
 /** Makes s the calling thread's current stream for s's device. *prev (may
  *  be NULL) receives the one it replaces (NULL when none was set). A thread
  *  holds current streams for up to DP_CURRENT_STREAM_SLOTS devices at once:
- *  one more is DP_ELIMIT. Use dp_reset_current_stream to clear one. */
+ *  one more is DP_ELIMIT. Use dp_reset_current_stream to clear one. The
+ *  pool streams a then() callback runs with (future.h) do not count, on
+ *  however many devices: the thread's own come back when it returns. */
 DP_API int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t *err);
 /** Forgets this thread's current stream for dev (back to provider/default). */
 DP_API void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev);
