@@ -2,7 +2,10 @@
  *
  * Layout. Per device: free blocks of small segments sit in exact-size bins
  * (multiples of 512 bytes up to 2 MiB, a bitmap finds the next non-empty
- * bin), free blocks of large segments in one list searched best-fit.
+ * bin), free blocks of large segments in a treap ordered by size and
+ * address, searched best-fit in logarithmic time (one list searched whole
+ * made n large allocations, each leaving a remainder too small for the
+ * next, take time quadratic in n).
  * Segments are kept sorted by address for interior-pointer lookups; blocks
  * are linked in address order within their segment for split and merge.
  * Allocated blocks are found by pointer through an open-addressing map.
@@ -50,11 +53,12 @@ typedef struct block {
   size_t size;
   segment_t *seg;
   struct block *prev, *next;     /* address order in the segment */
-  struct block *fprev, *fnext;   /* free list */
+  struct block *fprev, *fnext;   /* free list; large blocks: the treap's left and right */
   struct block *pnext;           /* pending list */
   dp_event_t **events;           /* pending: one per use stream */
   uint32_t nevents, events_cap;
   dp_event_t *drop_ev;           /* its stream's position when its segment was dropped */
+  uint32_t prio;                 /* large free block: its treap priority */
 } block_t;
 
 /* A segment knows the stream its used blocks were allocated on while they
@@ -82,7 +86,8 @@ typedef struct devpool {
   block_t *bins[NBINS];
   uint64_t bitmap[NBINS / 64];   /* non-empty bins */
   uint64_t summary;              /* non-zero bitmap words */
-  block_t *large;
+  block_t *large;                /* the treap's root */
+  uint32_t rng;                  /* the treap's priorities (xorshift) */
   segment_t **segs;              /* sorted by base */
   size_t nsegs, segs_cap;
   dp_cache_stats_t st;
@@ -185,24 +190,106 @@ static void map_remove_at(dp_cache_t *c, size_t j) {
 
 static size_t bin_of(size_t size) { return size / ROUND - 1; }
 
+/* ---- large free blocks: a treap keyed by (size, address) ----
+ * Split and merge are loops over pointers to links (no recursion); a
+ * block's left child is fprev, its right fnext. */
+
+/* a's key is before (size, ptr); or equal too, when incl */
+static inline int large_before(const block_t *a, size_t size, const char *ptr, int incl) {
+  return a->size < size || (a->size == size && (a->ptr < ptr || (incl && a->ptr == ptr)));
+}
+
+/* Splits t into the blocks before the key (*l) and the others (*r). */
+static void large_split(block_t *t, size_t size, const char *ptr, int incl, block_t **l, block_t **r) {
+  while (t) {
+    if (large_before(t, size, ptr, incl)) {
+      *l = t;
+      l = &t->fnext;
+      t = t->fnext;
+    } else {
+      *r = t;
+      r = &t->fprev;
+      t = t->fprev;
+    }
+  }
+  *l = *r = NULL;
+}
+
+/* Joins l and r, every key of l before every key of r. */
+static block_t *large_merge(block_t *l, block_t *r) {
+  block_t *root, **at = &root;
+  while (l && r) {
+    if (l->prio > r->prio) {
+      *at = l;
+      at = &l->fnext;
+      l = l->fnext;
+    } else {
+      *at = r;
+      at = &r->fprev;
+      r = r->fprev;
+    }
+  }
+  *at = l ? l : r;
+  return root;
+}
+
+static void large_insert(devpool_t *p, block_t *b) {
+  uint32_t x = p->rng ? p->rng : 2463534242u;
+  x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+  p->rng = x;
+  b->prio = x;
+  b->fprev = b->fnext = NULL;
+  block_t *l, *r;
+  large_split(p->large, b->size, b->ptr, 0, &l, &r);
+  p->large = large_merge(large_merge(l, b), r);
+}
+
+static void large_remove(devpool_t *p, block_t *b) {
+  block_t *l, *r, *mid, *rest;
+  large_split(p->large, b->size, b->ptr, 0, &l, &r);
+  large_split(r, b->size, b->ptr, 1, &mid, &rest); /* mid: b alone */
+  p->large = large_merge(l, rest);
+}
+
+/* The first block after (size, ptr) (incl: at it or after), or NULL. */
+static block_t *large_from(block_t *t, size_t size, const char *ptr, int incl) {
+  block_t *found = NULL;
+  while (t) {
+    if (large_before(t, size, ptr, !incl)) {
+      t = t->fnext;
+    } else {
+      found = t;
+      t = t->fprev;
+    }
+  }
+  return found;
+}
+
 HOT static void free_insert(devpool_t *p, block_t *b) {
-  block_t **head = b->seg->small ? &p->bins[bin_of(b->size)] : &p->large;
+  if (!b->seg->small) {
+    large_insert(p, b);
+    return;
+  }
+  block_t **head = &p->bins[bin_of(b->size)];
   b->fprev = NULL;
   b->fnext = *head;
   if (*head) (*head)->fprev = b;
   *head = b;
-  if (b->seg->small) {
-    size_t bin = bin_of(b->size);
-    p->bitmap[bin / 64] |= 1ull << (bin % 64);
-    p->summary |= 1ull << (bin / 64);
-  }
+  size_t bin = bin_of(b->size);
+  p->bitmap[bin / 64] |= 1ull << (bin % 64);
+  p->summary |= 1ull << (bin / 64);
 }
 
 HOT static void free_remove(devpool_t *p, block_t *b) {
-  block_t **head = b->seg->small ? &p->bins[bin_of(b->size)] : &p->large;
+  if (!b->seg->small) {
+    large_remove(p, b);
+    b->fprev = b->fnext = NULL;
+    return;
+  }
+  block_t **head = &p->bins[bin_of(b->size)];
   if (b->fprev) b->fprev->fnext = b->fnext; else *head = b->fnext;
   if (b->fnext) b->fnext->fprev = b->fprev;
-  if (b->seg->small && !*head) {
+  if (!*head) {
     size_t bin = bin_of(b->size);
     p->bitmap[bin / 64] &= ~(1ull << (bin % 64));
     if (!p->bitmap[bin / 64]) p->summary &= ~(1ull << (bin / 64));
@@ -229,10 +316,10 @@ HOT static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t 
     }
     return NULL;
   }
-  block_t *best = NULL;
-  for (block_t *b = p->large; b; b = b->fnext)
-    if (b->size >= size && (!s || b->stream == s || !b->stream) && (!best || b->size < best->size)) best = b;
-  return best;
+  /* the smallest that fits, then the next ones in order until one is s's */
+  for (block_t *b = large_from(p->large, size, NULL, 1); b; b = large_from(p->large, b->size, b->ptr, 0))
+    if (!s || b->stream == s || !b->stream) return b;
+  return NULL;
 }
 
 /* Returns a block to its free list, merged with free neighbours of its
