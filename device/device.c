@@ -624,6 +624,10 @@ int dp_event_synchronize(dp_event_t *e, dp_error_t *err) {
 
 dp_device_t dp_event_device(const dp_event_t *e) { return e ? e->dev : no_device; }
 
+int dp__event_waits_for_itself(const dp_event_t *e) {
+  return e && e->b->type == DP_DEVICE_HOST && dp__host_event_waits_for_itself(e->h);
+}
+
 /* ---- memory ---- */
 
 int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err) {

@@ -387,6 +387,15 @@ static int h_event_query(dp_backend_t *b, void *eh, dp_error_t *err) {
   return done;
 }
 
+int dp__host_event_waits_for_itself(void *eh) {
+  hevent_t *e = eh;
+  if (!dp__host_fn_stream) return 0;
+  pthread_mutex_lock(&e->mu);
+  int self = e->prog && waits_for_itself(e->prog, e->target);
+  pthread_mutex_unlock(&e->mu);
+  return self;
+}
+
 static int h_event_sync(dp_backend_t *b, void *eh, dp_error_t *err) {
   (void)b;
   hevent_t *e = eh;

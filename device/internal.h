@@ -138,6 +138,13 @@ void dp__device_shutdown(void);
  * after it, would never complete. */
 extern _Thread_local const void *dp__host_fn_stream;
 
+/* 1 when dp_event_synchronize(e) would wait for the host function that
+ * calls it (it is DP_EMISUSE there): a poll of e from that function would
+ * never see it complete, so a timed wait refuses at once as the untimed
+ * one does. */
+int dp__event_waits_for_itself(const dp_event_t *e);
+int dp__host_event_waits_for_itself(void *eh);
+
 /* dp_stream_device, inline: the cache's allocation path reads it. */
 static inline dp_device_t dp__stream_dev(const dp_stream_t *s) { return s->dev; }
 

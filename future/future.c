@@ -664,6 +664,9 @@ int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
       int q = dp_event_query(ev, err);
       if (q == 1) break;
       if (q < 0) return q;
+      /* a host function waiting for work behind itself: DP_EMISUSE at once,
+         as without a limit, not the whole limit spent polling */
+      if (dp__event_waits_for_itself(ev)) return dp_event_synchronize(ev, err);
       int64_t left = timeout_ns - (mono_ns() - start);
       if (left <= 0)
         return dp__err(err, DP_ETIMEDOUT, "dp_future_synchronize: the future's events did not complete within %lld ns",

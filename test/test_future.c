@@ -1402,6 +1402,50 @@ Test(future, a_callback_gets_pool_streams_on_more_devices_than_a_thread_may_set_
   for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++) dp_stream_free(own[i]);
 }
 
+/* A host function that completes a future on its own stream and then
+ * synchronizes it would wait for itself: DP_EMISUSE at once, with a time
+ * limit as without one. With a limit it polled the event, which could not
+ * complete before the function returned, for the whole limit and then
+ * reported DP_ETIMEDOUT. */
+typedef struct {
+  dp_future_t *f;
+  dp_value_t v;
+  int64_t timeout_ns;
+  int rc;
+  double took_s;
+  dp_error_t err;
+} self_sync_t;
+
+static void complete_and_synchronize(void *arg) {
+  self_sync_t *x = arg;
+  OK(dp_future_mark_completed(x->f, x->v, T_ERR));
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  x->rc = dp_future_synchronize(x->f, x->timeout_ns, &x->err);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  x->took_s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+}
+
+Test(future, synchronizing_from_a_host_function_on_the_events_stream_is_emisuse_with_or_without_a_limit, .timeout = 30) {
+  dp_stream_t *s;
+  OK(dp_stream_default(B, H0, &s, T_ERR)); /* the host function's thread records there */
+  int64_t limits[2] = {-1, 3000000000LL};
+  for (int i = 0; i < 2; i++) {
+    dp_value_t t = device_ints(H0, 4);
+    self_sync_t x = {future(), dp_value_retain(t), limits[i], 1, 0, {0}};
+    OK(dp_host_launch(s, complete_and_synchronize, &x, T_ERR));
+    OK(dp_stream_synchronize(s, T_ERR));
+    cr_assert_eq(x.rc, DP_EMISUSE, "limit %lld: %s", (long long)limits[i], x.err.message);
+    cr_assert_str_eq(x.err.message,
+                     "dp_event_synchronize: called from a host function on the event's stream, recorded after the "
+                     "function was queued: it would wait for itself");
+    cr_assert_lt(x.took_s, 1.0, "limit %lld: refused after %.2f s", (long long)limits[i], x.took_s);
+    dp_future_release(x.f);
+    free_ints(t);
+    dp_value_release(t);
+  }
+}
+
 /* The allowed-devices array is given back with the size it was allocated
  * with (the allocator hook's osize) also when a device in it is refused:
  * it was freed as 0 bytes, which a hook that keeps accounts took for a leak

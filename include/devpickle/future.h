@@ -117,7 +117,9 @@ DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error
 DP_API int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 /** dp_future_wait, then blocks the host until f's events complete too,
  *  all within timeout_ns (<0: no limit; the events are polled, sleeping up
- *  to 1 ms between looks): DP_ETIMEDOUT when they have not. */
+ *  to 1 ms between looks): DP_ETIMEDOUT when they have not. From a host
+ *  function (dp_host_launch) whose stream holds an event of f recorded
+ *  after it, DP_EMISUSE at once, with a limit or without (device.h). */
 DP_API int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 
 /** The value, borrowed, without any synchronization: device memory it
