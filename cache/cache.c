@@ -627,7 +627,10 @@ static void cache_destroy(dp_cache_t *c) {
     for (uint32_t i = 0; i < b->nevents; i++) dp_event_free(b->events[i]);
   for (int d = 0; d < c->ndev; d++) {
     devpool_t *p = &c->pools[d];
-    for (size_t i = 0; i < p->nsegs; i++) {
+    /* highest address first: a backend that keeps its allocations sorted
+       (the host's) then removes each at the end of its table, not the
+       front (quadratic in the segments) */
+    for (size_t i = p->nsegs; i-- > 0;) {
       segment_t *seg = p->segs[i];
       for (block_t *b = seg->first, *n; b; b = n) {
         n = b->next;
