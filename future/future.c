@@ -959,7 +959,6 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
   dp__atomic_init(&c->refs, (uint32_t)n + 1);
   dp__atomic_init(&c->remaining, n);
   for (size_t i = 0; i < n; i++) c->in[i] = NULL;
-  *out = o;
   if (n == 0) { /* complete at once: with [], or failed (out of memory), never left pending */
     dp_value_t empty;
     dp_error_t e;
@@ -975,6 +974,9 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
     add_callback(futures[i], es[i]);
   }
   dp__free(es, (n ? n : 1) * sizeof *es);
+  /* Written last: out may point into futures (a caller replacing its
+   * inputs by their aggregate), which must be read whole first. */
+  *out = o;
   collect_drop(c);
   return 0;
 }

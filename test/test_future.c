@@ -974,6 +974,29 @@ Test(future, collect_all_gathers_values_and_passes_pointers_through) {
   dp_future_release(all);
 }
 
+/* The aggregate may be written over one of its inputs in the caller's
+ * array (the inputs replaced by what gathers them). It was stored before
+ * the inputs were read, so the aggregate waited on itself and never
+ * completed, and the input it replaced was never waited on. */
+Test(future, collect_all_may_store_its_future_over_an_input_of_the_same_array) {
+  dp_future_t *in[2] = {future(), future()};
+  dp_future_t *a = in[0], *b = in[1];
+  OK(dp_future_collect_all(in, 2, NULL, &in[0], T_ERR));
+  cr_assert_neq(in[0], a, "the aggregate is in in[0]");
+  OK(dp_future_mark_completed(a, dp_int(1), T_ERR));
+  OK(dp_future_mark_completed(b, dp_int(2), T_ERR));
+  OK(dp_future_wait(in[0], 1000000000, T_ERR));
+  dp_value_t v = dp_future_value(in[0]);
+  cr_assert_eq(dp_seq_len(v), 2);
+  cr_assert_eq(dp_value_as_int(dp_seq_get(v, 0)), 1, "input 0 is the future that was in in[0]");
+  cr_assert_eq(dp_value_as_int(dp_seq_get(v, 1)), 2);
+  dp_future_release(in[0]);
+  dp_future_release(a);
+  dp_future_release(b);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(future, collect_all_counts_refs_over_its_distinct_inputs) {
   /* f: one tensor; g: a list of three views of one storage */
   dp_value_t t = device_ints(H0, 8), u = device_ints(H0, 8), views;
