@@ -503,10 +503,38 @@ static void pending_finish(dp_cache_t *c, block_t *b) {
   free_block(c, p, b);
 }
 
-/* Reclaims completed pending blocks: all of them, or (hot path) from the
- * head until the first one still in use. */
+/* Reclaims completed pending blocks: all of them, or (hot path: every
+ * malloc and free) from the head, passing over at most POLL_PASS blocks
+ * still in use, each moved to the tail. Stopping at the first one in use
+ * let a single slow stream hold back every block freed after its own,
+ * whatever streams those waited for. */
+#define POLL_PASS 4
+
+static void pending_unlink_head(dp_cache_t *c) {
+  block_t *b = c->pending_head;
+  if (!(c->pending_head = b->pnext)) c->pending_tail = NULL;
+  b->pnext = NULL;
+}
+
 static int poll_pending(dp_cache_t *c, int all) {
   int n = 0;
+  if (!all) {
+    for (unsigned passed = 0; c->pending_head && passed < POLL_PASS;) {
+      block_t *b = c->pending_head;
+      if (pending_done(b)) {
+        pending_unlink_head(c);
+        pending_finish(c, b);
+        n++;
+      } else {
+        if (b == c->pending_tail) break;
+        pending_unlink_head(c);
+        c->pending_tail->pnext = b;
+        c->pending_tail = b;
+        passed++;
+      }
+    }
+    return n;
+  }
   block_t *prev = NULL, *b = c->pending_head;
   while (b) {
     block_t *next = b->pnext;
@@ -516,7 +544,6 @@ static int poll_pending(dp_cache_t *c, int all) {
       pending_finish(c, b);
       n++;
     } else {
-      if (!all) break;
       prev = b;
     }
     b = next;

@@ -908,6 +908,34 @@ Test(allocator, many_large_blocks_are_found_and_given_back_in_time_that_grows_li
   cr_assert_lt(s, 0.3, "giving %d segments back took %.2f s", N, s);
 }
 
+/* The polls of malloc and free reclaim a pending block whose streams are
+ * done also while a block freed before it still waits for a slow stream.
+ * They stopped at the first block still in use, so one slow consumer held
+ * back every block freed after its own until dp_cache_poll. */
+Test(allocator, a_slow_stream_does_not_hold_back_blocks_freed_after_its_own, .timeout = 20) {
+  dp_stream_t *s = stream(H0), *slow = stream(H0), *quick = stream(H0);
+  _Atomic int open = 0;
+  OK(dp_host_launch(slow, gate_wait, &open, T_ERR));
+  void *a, *b;
+  OK(dp_cache_alloc(C, H0, 4096, s, &a, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, s, &b, T_ERR));
+  OK(dp_cache_record_stream(C, a, slow, T_ERR));
+  OK(dp_cache_record_stream(C, b, quick, T_ERR));
+  OK(dp_cache_dealloc(C, a, T_ERR)); /* waits for slow, held */
+  OK(dp_cache_dealloc(C, b, T_ERR)); /* waits for quick, idle */
+  OK(dp_stream_synchronize(quick, T_ERR));
+  void *q;
+  OK(dp_cache_alloc(C, H0, 4096, s, &q, T_ERR));
+  atomic_store(&open, 1); /* before asserting: a failure must not leave slow held */
+  OK(dp_stream_synchronize(slow, T_ERR));
+  cr_assert_eq(q, b, "the allocation reused b, whose stream is done (got %p, b %p)", q, b);
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+  dp_stream_free(quick);
+  dp_stream_free(slow);
+  dp_stream_free(s);
+}
+
 /* A batch of records skips the lookup of pointers in a segment whose used
  * blocks were all allocated on the recording stream. It must still record
  * every pointer whose block is on another stream: one of a segment shared

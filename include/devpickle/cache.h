@@ -25,8 +25,9 @@
  *     pool only when they have completed. A record on the block's own
  *     allocation stream is a no-op (stream order already covers it, as
  *     above) and stores nothing. Pending blocks are reclaimed by polling —
- *     in every malloc and free, and in dp_cache_poll — never by blocking
- *     the caller;
+ *     in every malloc and free (the oldest first, passing over a few still
+ *     in use: one slow stream does not hold back the others' blocks), and
+ *     in dp_cache_poll (all) — never by blocking the caller;
  *   - when the backend is out of memory: free the cached segments, retry,
  *     then DP_ENOMEM.
  *
