@@ -1067,7 +1067,11 @@ int dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out, dp_err
 /* ---- the backends' default allocators ---- */
 
 static pthread_mutex_t defaults_mu = PTHREAD_MUTEX_INITIALIZER;
-static dp_cache_t *defaults[DP_DEVICE_TYPE_COUNT];
+/* Made under the lock, then read without it: every future asks for its
+ * backend's (dp_future_new), and a lock there serialized threads that
+ * complete futures at once. Published with release, read with acquire; only
+ * dp_shutdown takes them back (no other call may run then). */
+static _Atomic(dp_cache_t *) defaults[DP_DEVICE_TYPE_COUNT];
 
 /* The caches come out under the lock and are freed after it is released:
  * freeing waits on streams, whose queued work may call dp_cache_default
@@ -1079,8 +1083,8 @@ void dp__cache_shutdown(void) {
     int any = 0;
     pthread_mutex_lock(&defaults_mu);
     for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
-      gone[t] = defaults[t];
-      defaults[t] = NULL;
+      gone[t] = dp__load_relaxed(&defaults[t]);
+      dp__store_relaxed(&defaults[t], NULL);
       any |= gone[t] != NULL;
     }
     pthread_mutex_unlock(&defaults_mu);
@@ -1094,11 +1098,19 @@ dp_backend_t *dp__cache_backend(const dp_cache_t *c) { return c->b; }
 
 int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_default: NULL %s", !b ? "backend" : "out");
+  dp_device_type_t t = dp_backend_type(b);
+  dp_cache_t *c = dp__load_acquire(&defaults[t]);
+  if (c) {
+    *out = c;
+    return 0;
+  }
   pthread_mutex_lock(&defaults_mu);
   int rc = 0;
-  dp_device_type_t t = dp_backend_type(b);
-  if (!defaults[t] && (rc = dp_cache_new(b, &defaults[t], err)) == 0) defaults[t]->is_default = 1;
-  *out = defaults[t];
+  if (!(c = dp__load_relaxed(&defaults[t])) && (rc = dp_cache_new(b, &c, err)) == 0) {
+    c->is_default = 1;
+    dp__store_release(&defaults[t], c);
+  }
+  *out = rc ? NULL : c;
   pthread_mutex_unlock(&defaults_mu);
   return rc;
 }
