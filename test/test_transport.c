@@ -134,6 +134,18 @@ static dp_future_t *recv_ok(dp_endpoint_t *ep) {
   return f;
 }
 
+/* Sends 5 on ep and takes its echo: both futures complete, and are released. */
+static void echo_once(dp_endpoint_t *ep) {
+  dp_future_t *d, *back;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_int(5), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &back, T_ERR));
+  OK_WITH(&e, wait_f(back, &e));
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(back);
+}
+
 /* Frees ep and t, then checks that the peer exited 0 and nothing leaked. */
 static void close_clean(dp_endpoint_t *ep, dp_transport_t *t, peer_t p) {
   dp_endpoint_free(ep);
@@ -2172,14 +2184,7 @@ Test(transport, a_caller_driven_endpoint_free_closes_the_connection_without_furt
   peer_t p = spawn_peer(echo_then_see_the_close, NULL, NULL);
   dp_transport_t *t = new_transport_driven(1);
   dp_endpoint_t *ep = connect_to(t, p.port);
-  dp_future_t *d, *back;
-  dp_error_t e;
-  OK(dp_endpoint_send(ep, dp_int(5), &d, T_ERR));
-  OK(dp_endpoint_recv(ep, &back, T_ERR));
-  OK_WITH(&e, wait_f(back, &e));
-  OK_WITH(&e, wait_f(d, &e));
-  dp_future_release(d);
-  dp_future_release(back);
+  echo_once(ep);
   dp_endpoint_free(ep); /* nothing pending: a graceful close */
   cr_assert_eq(peer_wait(p), 0, "the peer did not see the close (21: its receive waited 10 s)");
   dp_transport_free(t);
@@ -2363,14 +2368,7 @@ static void free_with_a_hung_peer(int caller) {
   peer_t p = spawn_peer(echo_then_stall, (void *)(intptr_t)20000, &po);
   dp_transport_t *t = new_transport_driven(caller);
   dp_endpoint_t *ep = connect_to(t, p.port);
-  dp_future_t *d, *back;
-  dp_error_t e;
-  OK(dp_endpoint_send(ep, dp_int(5), &d, T_ERR));
-  OK(dp_endpoint_recv(ep, &back, T_ERR));
-  OK_WITH(&e, wait_f(back, &e));
-  OK_WITH(&e, wait_f(d, &e));
-  dp_future_release(d);
-  dp_future_release(back);
+  echo_once(ep);
   int64_t t0 = now_ns_t();
   dp_endpoint_free(ep); /* nothing pending: a graceful close, which the peer never answers */
   dp_transport_free(t);
