@@ -1449,7 +1449,7 @@ static void complete_and_synchronize(void *arg) {
   x->took_s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
 }
 
-Test(future, synchronizing_from_a_host_function_on_the_events_stream_is_emisuse_with_or_without_a_limit, .timeout = 30) {
+Test(future, synchronizing_from_a_host_function_on_the_events_stream_is_emisuse_with_or_without_a_limit) {
   dp_stream_t *s;
   OK(dp_stream_default(B, H0, &s, T_ERR)); /* the host function's thread records there */
   int64_t limits[2] = {-1, 3000000000LL};
