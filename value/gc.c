@@ -12,7 +12,8 @@
  * Hot path: no lock, no shared write. A release by the only holder (count 1,
  * not a candidate) frees the container on this thread. A release that leaves
  * the count above zero records the container in this thread's candidate
- * buffer (GC_BUF entries, in thread-local storage: nothing allocated) and
+ * buffer (GC_BUF entries in thread-local storage; more, allocated, only
+ * after a trial that met many live containers: see buffer_full) and
  * decrements. A candidate released to zero by the thread that buffered it
  * leaves the buffer and is freed at once: the usual "held by a future and by
  * the caller, both let go" costs no collection at all. Frees cascade through
@@ -23,7 +24,8 @@
  * Collection: when a thread's buffer is full, when it calls
  * dp_value_collect(), or when it exits (a thread-specific destructor), its
  * candidates are tried together, under the one collector lock. Collections
- * are thus serialized, but run once per GC_BUF candidates, off the hot path.
+ * are thus serialized, but run once per GC_BUF candidates at most, off the
+ * hot path.
  *
  * Soundness against concurrent releases. A trial reads reference counts one
  * by one while other threads retain and release. Two rules keep it sound:
@@ -52,6 +54,7 @@
  * cycle whose candidates sit in several buffers is still found.
  */
 #include <pthread.h>
+#include <string.h>
 
 #include "gc.h"
 
@@ -149,16 +152,26 @@ void dp__release_leaf(dp_heap_t *h) {
   if (dp__ref_dec(&h->rc)) free_leaf(h);
 }
 
+/* Candidates held in thread-local storage. A buffer whose last trial met many
+ * live containers grows before it is collected again (see buffer_full). */
 #define GC_BUF 256
+/* The most candidates one buffer holds: a slot index fits in gc_state. */
+#define GC_BUF_MAX ((size_t)1 << 24)
+#define NO_SLOT SIZE_MAX
 
 enum {
   GCS_BUFFERED = 1u,  /* in some thread's candidate buffer (gc_owner) */
   GCS_ROOT = 4u,      /* a candidate of the running trial */
   GCS_GARBAGE = 8u,   /* trial garbage: children being released */
+  GCS_FLAGS = 0xffu,  /* the bits above hold the slot, while GCS_BUFFERED */
+  GCS_SLOT_SHIFT = 8,
 };
 
 typedef struct gc_tls {
-  dp_cont_t *buf[GC_BUF];  /* candidates; no reference held */
+  dp_cont_t *inl[GC_BUF];  /* candidates (no reference held), while big is NULL */
+  dp_cont_t **big;         /* a larger array of big_cap candidates, or NULL */
+  size_t big_cap;
+  size_t threshold;        /* collect once this many are buffered (0: GC_BUF) */
   _Atomic size_t n;        /* relaxed: changed under buf_lock, read anywhere by
                               the owner (a removal may shrink it meanwhile) */
   dp__spin_t buf_lock;     /* buf and n: the owner's changes, and another
@@ -172,6 +185,9 @@ typedef struct gc_tls {
 static _Thread_local gc_tls_t tls;
 
 static size_t len_of(gc_tls_t *t) { return dp__load_relaxed(&t->n); }
+/* The candidates: under buf_lock, or by the owner (only it swaps arrays). */
+static dp_cont_t **buf_of(gc_tls_t *t) { return t->big ? t->big : t->inl; }
+static size_t cap_of(const gc_tls_t *t) { return t->big ? t->big_cap : GC_BUF; }
 static void set_len(gc_tls_t *t, size_t n) { dp__store_relaxed(&t->n, n); }
 static pthread_mutex_t gc_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int collecting;
@@ -184,6 +200,7 @@ static uint32_t state_of(dp_cont_t *c) { return dp__load_acquire(&c->gc_state); 
 static void release_ref(gc_tls_t *t, dp_cont_t *c);
 static void drain(gc_tls_t *t);
 static void collect_locked(gc_tls_t *t);
+static void shrink_if_empty(gc_tls_t *t);
 
 void (*dp__gc_pause_hook)(int where);
 
@@ -201,6 +218,7 @@ static void collect_all_mine(gc_tls_t *t) {
     }
     if (t->depth == 1) drain(t);
   } while (len_of(t) && t->depth == 1);
+  shrink_if_empty(t);
   t->depth--;
 }
 
@@ -306,17 +324,31 @@ static void drain(gc_tls_t *t) {
 
 /* ---- the candidate buffer ---- */
 
-/* Index of c in this thread's buffer, or GC_BUF. Most recent first: a
- * candidate is usually released again soon after it was buffered. */
+/* Records slot i in c's state (its flags kept). Under the buffer's lock. */
+static void set_slot(dp_cont_t *c, size_t i) {
+  uint32_t st = state_of(c);
+  while (!dp__cas_acq_rel(&c->gc_state, &st, (st & GCS_FLAGS) | (uint32_t)(i << GCS_SLOT_SHIFT))) {
+  }
+}
+
+/* Index of c in t's buffer, or NO_SLOT; under the buffer's lock. Its state
+ * names its slot, so this costs the same whatever the buffer holds (a scan
+ * of a grown buffer on every release of a candidate would be quadratic);
+ * the scan below is only a safety net. */
 static size_t own_slot(gc_tls_t *t, const dp_cont_t *c) {
-  for (size_t i = len_of(t); i-- > 0;)
-    if (t->buf[i] == c) return i;
-  return GC_BUF;
+  dp_cont_t **b = buf_of(t);
+  size_t i = state_of((dp_cont_t *)c) >> GCS_SLOT_SHIFT, n = len_of(t);
+  if (i < n && b[i] == c) return i;
+  for (i = n; i-- > 0;)
+    if (b[i] == c) return i;
+  return NO_SLOT;
 }
 
 static void unbuffer_at(gc_tls_t *t, size_t i) {
+  dp_cont_t **b = buf_of(t);
   size_t n = len_of(t) - 1;
-  t->buf[i] = t->buf[n];
+  b[i] = b[n];
+  if (i != n) set_slot(b[i], i);
   set_len(t, n);
 }
 
@@ -334,10 +366,51 @@ static void buffer(gc_tls_t *t, dp_cont_t *c) {
   c->gc_owner = t;
   buf_lock(t);
   size_t n = len_of(t);
-  t->buf[n] = c;
+  buf_of(t)[n] = c;
+  set_slot(c, n);
   set_len(t, n + 1);
   buf_unlock(t);
   arm_exit(t);
+}
+
+/* Whether the buffer must be collected before it takes one more candidate.
+ * A trial visits everything the candidates reach: were it run every GC_BUF
+ * candidates, candidates that reach one large live value (the items of a
+ * list shared by a million others, let go one by one) would walk that value
+ * again and again, time quadratic in its size. So a buffer holds, before
+ * its next trial, as many candidates as its last trial found live
+ * containers: the live part of each trial is paid for by the releases that
+ * buffered the candidates since the one before, and the garbage by its
+ * freeing. The larger array is allocated here (failing that, the buffer is
+ * collected as it is) and freed by the next collection. */
+static bool buffer_full(gc_tls_t *t) {
+  size_t n = len_of(t), cap = cap_of(t);
+  if (n < cap) return false;
+  if (cap >= (t->threshold > GC_BUF ? t->threshold : GC_BUF) || cap >= GC_BUF_MAX) return true;
+  size_t ncap = cap * 2 < GC_BUF_MAX ? cap * 2 : GC_BUF_MAX;
+  dp_cont_t **nb = dp__alloc(ncap * sizeof *nb), **old = t->big;
+  if (!nb) return true;
+  buf_lock(t);  /* another thread may remove an entry meanwhile */
+  memcpy(nb, buf_of(t), len_of(t) * sizeof *nb);
+  t->big = nb;
+  t->big_cap = ncap;
+  buf_unlock(t);
+  if (old) dp__free(old, cap * sizeof *old);
+  return false;
+}
+
+/* The grown array goes back once the buffer is empty (its candidates
+ * died or were tried). Only the owner swaps arrays; another thread that
+ * removes an entry does so under the lock, so it never holds the old one. */
+static void shrink_if_empty(gc_tls_t *t) {
+  if (!t->big || len_of(t)) return;
+  dp_cont_t **old = t->big;
+  size_t cap = t->big_cap;
+  buf_lock(t);
+  t->big = NULL;
+  t->big_cap = 0;
+  buf_unlock(t);
+  dp__free(old, cap * sizeof *old);
 }
 
 /* This thread's candidate c, released to zero here, leaves the buffer (its
@@ -345,9 +418,10 @@ static void buffer(gc_tls_t *t, dp_cont_t *c) {
 static void unbuffer_own(gc_tls_t *t, dp_cont_t *c) {
   buf_lock(t);
   size_t i = own_slot(t, c);
-  if (i != GC_BUF) unbuffer_at(t, i);
+  if (i != NO_SLOT) unbuffer_at(t, i);
   buf_unlock(t);
   dp__store_relaxed(&c->gc_state, 0);
+  shrink_if_empty(t);
 }
 
 /* A dead container still buffered by another thread leaves that buffer, so
@@ -358,9 +432,9 @@ static void unbuffer_foreign(dp_cont_t *c) {
   gc_tls_t *o = c->gc_owner;
   buf_lock(o);
   size_t i = own_slot(o, c);
-  if (i != GC_BUF) unbuffer_at(o, i);
+  if (i != NO_SLOT) unbuffer_at(o, i);
   buf_unlock(o);
-  dp__fetch_and_acq_rel(&c->gc_state, ~(uint32_t)GCS_BUFFERED);
+  dp__fetch_and_acq_rel(&c->gc_state, (uint32_t)GCS_FLAGS & ~(uint32_t)GCS_BUFFERED);
 }
 
 /* Waits while a collection runs (see the header comment). */
@@ -393,14 +467,14 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
   /* The count first: a thread that buffered c did so before its decrement,
    * so a count of 1 read here (acquire) comes with that thread's state. */
   uint32_t rc = rc_of(c), st = state_of(c);
-  if (st == 0) {
+  if ((st & GCS_FLAGS) == 0) {
     /* The only holder: nobody else can reach it, no trial counts it. */
     if (rc == 1) {
       push_dead(t, c);
       return;
     }
     wait_not_collecting();
-    if (len_of(t) == GC_BUF) {
+    if (buffer_full(t)) {
       pthread_mutex_lock(&gc_lock);
       collect_locked(t);
       pthread_mutex_unlock(&gc_lock);
@@ -412,12 +486,13 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
   }
   buf_lock(t);
   size_t i = own_slot(t, c);
-  if (i != GC_BUF) {
+  if (i != NO_SLOT) {
     /* In this thread's buffer: its next collection comes after this. */
     if (dp__ref_dec(&c->h.rc)) {
       unbuffer_at(t, i);
       buf_unlock(t);
       dp__store_relaxed(&c->gc_state, 0);
+      shrink_if_empty(t);
       push_dead(t, c);
       return;
     }
@@ -436,7 +511,7 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
      * the flag is claimed by a CAS, as there, so that a container is never in
      * two buffers; on failure it is buffered elsewhere after all. */
     if (dp__gc_pause_hook) dp__gc_pause_hook(DP_GC_PAUSE_OWNER_LET_GO);
-    if (len_of(t) == GC_BUF) collect_locked(t);
+    if (buffer_full(t)) collect_locked(t);
     if (claim_and_release(t, c)) {
       pthread_mutex_unlock(&gc_lock);
       return;
@@ -501,8 +576,9 @@ static void collect_locked(gc_tls_t *t) {
    * reference counts. All are alive: a candidate that dies (released to
    * zero, or garbage of another thread's trial) leaves the buffer then. */
   dp_cont_t *visit = NULL, *tail = NULL;
+  dp_cont_t **buf = buf_of(t);
   for (size_t i = 0; i < n; i++) {
-    dp_cont_t *c = t->buf[i];
+    dp_cont_t *c = buf[i];
     dp__fetch_or_acq_rel(&c->gc_state, GCS_ROOT);
     c->h.color = DP_GC_GRAY;
     c->gc_refs = rc_of(c);
@@ -528,6 +604,7 @@ static void collect_locked(gc_tls_t *t) {
   }
 
   /* Held from outside: black, and everything it reaches (stack via gc_next). */
+  size_t live = 0;
   for (dp_cont_t *p = visit; p; p = p->gc_next2) {
     if (p->h.color != DP_GC_GRAY || p->gc_refs == 0) continue;
     p->h.color = DP_GC_BLACK;
@@ -536,6 +613,7 @@ static void collect_locked(gc_tls_t *t) {
     while (stack) {
       dp_cont_t *q = stack;
       stack = q->gc_next;
+      live++;
       FOR_EACH_CONTAINER_CHILD(q, k, {
         if (k->h.color == DP_GC_GRAY) {
           k->h.color = DP_GC_BLACK;
@@ -572,9 +650,14 @@ static void collect_locked(gc_tls_t *t) {
    * live one may be freed by another thread from here on: not touched
    * again. */
   for (size_t i = 0; i < n; i++) {
-    dp_cont_t *c = t->buf[i];
+    dp_cont_t *c = buf[i];
     dp__store_release(&c->gc_state, c->h.color == DP_GC_DEAD ? GCS_GARBAGE : 0);
   }
+
+  /* The next trial waits for as many candidates as this one met live
+   * containers (buffer_full); the grown array goes back now. */
+  t->threshold = live < GC_BUF_MAX ? live : GC_BUF_MAX;
+  shrink_if_empty(t);
 }
 
 /* ---- entry points ---- */

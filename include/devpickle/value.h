@@ -34,7 +34,9 @@
  * or not. A thread that keeps releasing extra references to the root of a
  * large live graph (retain/release pairs around it, futures holding it)
  * makes it a candidate again and again, and pays a walk of the whole graph
- * per collection (every 256 such releases, or each dp_value_collect());
+ * per collection (each dp_value_collect(), or once a thread has buffered at
+ * least 256 candidates and as many as the live containers its previous
+ * collection walked, so that the walks cost at most one step per release);
  * and while any collection runs, other threads' releases that leave a count
  * above zero wait for it. Hold one reference to such a graph and borrow
  * from it rather than retaining it in hot loops.
