@@ -943,6 +943,49 @@ Test(cli, inspect_memory_does_not_grow_with_path_length_times_nodes) {
   cr_assert_lt(rss, T_MEM_SCALE * 64 * 1024, "inspect of a 140 kB frame peaked at %ld KiB", rss);
 }
 
+static int build_deep_shared(void) {
+  /* a str 62 dicts down, under keys of 64 control characters (each shown
+   * as \u0001), then 160,000 references to it: 964 kB */
+  char key[64];
+  memset(key, 1, sizeof key);
+  dp_value_t x, v, refs, root;
+  if (dp_str_new("", 0, &x, NULL) != 0) return 1;
+  v = dp_value_retain(x);
+  for (int i = 0; i < 62; i++) {
+    dp_value_t d, k;
+    key[63] = (char)('0' + i % 10);
+    if (dp_dict_new(1, &d, NULL) != 0 || dp_str_new(key, sizeof key, &k, NULL) != 0 || dp_dict_set(d, k, v, NULL) != 0)
+      return 1;
+    v = d;
+  }
+  if (dp_list_new(0, &refs, NULL) != 0 || dp_list_new(0, &root, NULL) != 0) return 1;
+  for (int i = 0; i < 160000; i++)
+    if (dp_list_append(refs, dp_value_retain(x), NULL) != 0) return 1;
+  if (dp_list_append(root, v, NULL) != 0 || dp_list_append(root, refs, NULL) != 0) return 1;
+  return write_frame_raw("s.dpk", root, 0, NULL);
+}
+
+/* Each "-> PATH" rendered every step of the node's path, 62 names of 384
+ * escaped bytes, to print the 1 kB that a cut path shows: 15 s for this
+ * 964 kB frame. Only the steps shown are rendered now (0.4 s). */
+Test(cli, inspect_renders_only_the_steps_a_back_reference_path_shows) {
+  build_in_child(build_deep_shared);
+  struct rusage r0, r1;
+  getrusage(RUSAGE_CHILDREN, &r0);
+  char err[512];
+  const char *const argv[] = {"devpickle", "inspect", "s.dpk", NULL};
+  cr_assert_eq(run_child(argv, 0, NULL, err, sizeof err), 0, "%s", err);
+  getrusage(RUSAGE_CHILDREN, &r1);
+  double cpu = (r1.ru_utime.tv_sec - r0.ru_utime.tv_sec) + (r1.ru_utime.tv_usec - r0.ru_utime.tv_usec) / 1e6;
+  cr_assert_lt(cpu, T_MEM_SCALE * 4.0, "inspect of 160,000 references to a node 62 levels down took %.1f s of CPU",
+               cpu);
+  res_t r = run("inspect s.dpk | tail -n 1");
+  cr_assert_eq(r.status, 0);
+  cr_assert(strncmp(r.out, "$[1][159999]", 12) == 0 && strstr(r.out, "-> $[0]<…61 steps…>[\"\\u0001") != NULL,
+            "%.300s", r.out);
+  res_free(r);
+}
+
 /* The documented bound (docs/SECURITY.md, "The CLI"): peak memory at most
  * 200 x the input + 16 MiB for every command that reads a frame. */
 static int build_empty_dicts(void) {

@@ -121,15 +121,31 @@ static void set_step(stepbuf_t *b, size_t k, dp_value_t c, size_t i) {
   b->len[k] = render_step(c, i, b->text + k * STEP_MAX);
 }
 
-/* The path where record r was first met: its chain of parents. */
+/* The path where record r was first met: its chain of parents. Only the
+ * steps the path can show are rendered: from the root until the path is
+ * longer than PATH_MAX_BYTES, then from the leaf until the tail is longer
+ * than PATH_TAIL_BYTES (a step left out counts 0 bytes: the path is already
+ * known to be cut). Rendering every step of a 64-level chain of long
+ * escaped names cost 25 kB of work for each "-> PATH" of 1 kB. */
 static const char *rec_path(ins_t *s, uint32_t r) {
+  uint32_t chain[INSPECT_DEPTH + 2];
   size_t n = 0;
-  for (uint32_t q = r; s->recs[q].parent != NO_REC; q = s->recs[q].parent) n++;
-  size_t k = n;
-  for (uint32_t q = r; s->recs[q].parent != NO_REC; q = s->recs[q].parent) {
-    k--;
-    set_step(&s->rec, k, s->recs[q].container, s->recs[q].index);
+  for (uint32_t q = r; s->recs[q].parent != NO_REC; q = s->recs[q].parent) chain[n++] = q;
+#define REC_STEP(k) set_step(&s->rec, (k), s->recs[chain[n - 1 - (k)]].container, s->recs[chain[n - 1 - (k)]].index)
+  size_t total = 1, k = 0;
+  for (; k < n && total <= PATH_MAX_BYTES; k++) {
+    REC_STEP(k);
+    total += s->rec.len[k];
   }
+  if (total > PATH_MAX_BYTES) {
+    size_t tail = 0, j = n;
+    for (; j > k && tail <= PATH_TAIL_BYTES; j--) {
+      REC_STEP(j - 1);
+      tail += s->rec.len[j - 1];
+    }
+    for (size_t m = k; m < j; m++) s->rec.len[m] = 0;
+  }
+#undef REC_STEP
   return join_steps(s, &s->rec, n);
 }
 

@@ -127,8 +127,11 @@ static void sb_escaped(sb_t *b, const char *s, size_t n, int quoted, int cut) {
       tmp[0] = '\\';
       tmp[1] = (char)c;
       sb_put(b, tmp, 2);
-    } else {
-      snprintf(tmp, sizeof tmp, "\\u%04x", c);
+    } else {  /* \u00XX, without snprintf: a name may be 64 of them */
+      static const char hex[] = "0123456789abcdef";
+      memcpy(tmp, "\\u00", 4);
+      tmp[4] = hex[c >> 4];
+      tmp[5] = hex[c & 15];
       sb_put(b, tmp, 6);
     }
   }
