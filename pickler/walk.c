@@ -148,8 +148,11 @@ static void pb_quote(pbuf_t *b, const char *s, size_t n, int cut) {
       tmp[0] = '\\';
       tmp[1] = (char)c;
       pb_put(b, tmp, 2);
-    } else if (c < 0x20) {
-      snprintf(tmp, sizeof tmp, "\\u%04x", c);
+    } else if (c < 0x20) {  /* \u00XX, without snprintf: a path may hold hundreds */
+      static const char hex[] = "0123456789abcdef";
+      memcpy(tmp, "\\u00", 4);
+      tmp[4] = hex[c >> 4];
+      tmp[5] = hex[c & 15];
       pb_put(b, tmp, 6);
     } else {
       pb_put(b, (const char *)&c, 1);
@@ -241,7 +244,13 @@ static void pb_bare_name(pbuf_t *b, const char *s, size_t n) {
     pb_put(b, s + run, i - run);
     run = i + 1;
     if (c == '\\') pb_put(b, "\\\\", 2);
-    else pb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "\\u%04x", c));
+    else {
+      static const char hex[] = "0123456789abcdef";
+      memcpy(tmp, "\\u00", 4);
+      tmp[4] = hex[c >> 4];
+      tmp[5] = hex[c & 15];
+      pb_put(b, tmp, 6);
+    }
   }
   pb_put(b, s + run, k - run);
   if (k < n) pb_put(b, ELLIPSIS, 3);
