@@ -21,8 +21,10 @@ typedef struct dp_heap {
   uint16_t flags;
 } dp_heap_t;
 
-/* Containers carry the collector's bookkeeping: no allocation at release.
- * gc_state (candidate buffered, trial garbage, ...) and gc_owner are shared between
+/* Containers carry the collector's bookkeeping: a release needs no
+ * allocation (a candidate buffer may grow, but one that cannot is collected
+ * as it is). gc_state (candidate buffered, trial garbage, ...; above its low
+ * byte, the candidate's slot in its buffer) and gc_owner are shared between
  * threads; the other fields belong to the running trial (under the gc lock)
  * or to the thread freeing the container. See gc.c. */
 typedef struct dp_cont {
