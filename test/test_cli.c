@@ -912,6 +912,19 @@ Test(cli, pack_names_one_left_out_step_in_the_singular) {
   pack_fails("d.json", "d.dpk", json, want);
 }
 
+/* Wraps *v in `levels` dicts of one key each (n bytes of key; with `vary`,
+ * its last byte counts the level, '0'..'9'). 0, or 1 when a call failed. */
+static int nest_in_dicts(dp_value_t *v, char *key, size_t n, int levels, int vary) {
+  for (int i = 0; i < levels; i++) {
+    dp_value_t d, k;
+    if (vary) key[n - 1] = (char)('0' + i % 10);
+    if (dp_dict_new(1, &d, NULL) != 0 || dp_str_new(key, n, &k, NULL) != 0 || dp_dict_set(d, k, *v, NULL) != 0)
+      return 1;
+    *v = d;
+  }
+  return 0;
+}
+
 static int build_long_path(void) {
   /* 15 dicts nested under 500-byte keys above 25,000 distinct strs: a copy of
    * the 7.5 kB path for each is 190 MB */
@@ -925,12 +938,7 @@ static int build_long_path(void) {
     if (dp_str_new(num, (size_t)snprintf(num, sizeof num, "%d", i), &s, NULL) != 0 || dp_list_append(v, s, NULL) != 0)
       return 1;
   }
-  for (int i = 0; i < 15; i++) {
-    dp_value_t d, k;
-    if (dp_dict_new(1, &d, NULL) != 0 || dp_str_new(key, sizeof key, &k, NULL) != 0 || dp_dict_set(d, k, v, NULL) != 0)
-      return 1;
-    v = d;
-  }
+  if (nest_in_dicts(&v, key, sizeof key, 15, 0)) return 1;
   return write_frame_raw("k.dpk", v, 0, NULL);
 }
 
@@ -951,13 +959,7 @@ static int build_deep_shared(void) {
   dp_value_t x, v, refs, root;
   if (dp_str_new("", 0, &x, NULL) != 0) return 1;
   v = dp_value_retain(x);
-  for (int i = 0; i < 62; i++) {
-    dp_value_t d, k;
-    key[63] = (char)('0' + i % 10);
-    if (dp_dict_new(1, &d, NULL) != 0 || dp_str_new(key, sizeof key, &k, NULL) != 0 || dp_dict_set(d, k, v, NULL) != 0)
-      return 1;
-    v = d;
-  }
+  if (nest_in_dicts(&v, key, sizeof key, 62, 1)) return 1;
   if (dp_list_new(0, &refs, NULL) != 0 || dp_list_new(0, &root, NULL) != 0) return 1;
   for (int i = 0; i < 160000; i++)
     if (dp_list_append(refs, dp_value_retain(x), NULL) != 0) return 1;
@@ -1002,13 +1004,7 @@ static int build_deep_pointers(void) {
         dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &t, NULL) != 0 || dp_list_append(v, t, NULL) != 0)
       return 1;
   }
-  for (int i = 0; i < 62; i++) {
-    dp_value_t d, k;
-    key[63] = (char)('0' + i % 10);
-    if (dp_dict_new(1, &d, NULL) != 0 || dp_str_new(key, sizeof key, &k, NULL) != 0 || dp_dict_set(d, k, v, NULL) != 0)
-      return 1;
-    v = d;
-  }
+  if (nest_in_dicts(&v, key, sizeof key, 62, 1)) return 1;
   return write_frame_raw("p.dpk", v, 0, NULL);
 }
 
