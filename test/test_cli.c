@@ -1063,6 +1063,32 @@ Test(cli, every_reading_command_stays_within_the_memory_bound_on_a_megabyte_of_e
   }
 }
 
+/* pack holds the document's value and its $id index: the same bound as the
+ * frame readers, counted on its JSON (1 MB of empty dicts: about 120 MB,
+ * of empty lists 85 MB, on a 2-core VM). */
+Test(cli, pack_stays_within_the_memory_bound_on_a_megabyte_of_empty_containers) {
+  static const char *const items[] = {"{}", "[]"};
+  for (int i = 0; i < 2; i++) {
+    char path[256];
+    path_in(path, sizeof path, "c.json");
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputc('[', f);
+    for (int k = 0; k < (1 << 20) / 3; k++) fprintf(f, "%s%s", k ? "," : "", items[i]);
+    fputc(']', f);
+    cr_assert_eq(fclose(f), 0);
+    struct stat st;
+    cr_assert_eq(stat(path, &st), 0);
+    long bound_kb = T_MEM_SCALE * ((long)(200 * st.st_size / 1024) + 16 * 1024);
+    const char *const argv[] = {"devpickle", "pack", "c.json", "-o", "c.dpk", NULL};
+    long rss;
+    char err[512];
+    cr_assert_eq(run_child(argv, 0, &rss, err, sizeof err), 0, "pack %s: %s", items[i], err);
+    cr_assert_leq(rss, bound_kb, "pack of %lld bytes of %s peaked at %ld KiB (bound %ld KiB)", (long long)st.st_size,
+                  items[i], rss, bound_kb);
+  }
+}
+
 static int build_inline(void) {
   size_t n = 64u << 20;
   uint8_t *data = malloc(n);
