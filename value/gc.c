@@ -331,17 +331,15 @@ static void set_slot(dp_cont_t *c, size_t i) {
   }
 }
 
-/* Index of c in t's buffer, or NO_SLOT; under the buffer's lock. Its state
- * names its slot, so this costs the same whatever the buffer holds (a scan
- * of a grown buffer on every release of a candidate would be quadratic);
- * the scan below is only a safety net. */
+/* Index of c in t's buffer, or NO_SLOT (c is another thread's candidate, or
+ * none); under the buffer's lock. Its state names its slot — set under that
+ * lock by buffer() and unbuffer_at(), kept by every other change of the
+ * state while it is buffered — so this costs the same whatever the buffer
+ * holds: no scan (a grown buffer scanned at every release of another
+ * thread's candidate would make releases quadratic). */
 static size_t own_slot(gc_tls_t *t, const dp_cont_t *c) {
-  dp_cont_t **b = buf_of(t);
-  size_t i = state_of((dp_cont_t *)c) >> GCS_SLOT_SHIFT, n = len_of(t);
-  if (i < n && b[i] == c) return i;
-  for (i = n; i-- > 0;)
-    if (b[i] == c) return i;
-  return NO_SLOT;
+  size_t i = state_of((dp_cont_t *)c) >> GCS_SLOT_SHIFT;
+  return i < len_of(t) && buf_of(t)[i] == c ? i : NO_SLOT;
 }
 
 static void unbuffer_at(gc_tls_t *t, size_t i) {
