@@ -256,6 +256,10 @@ struct dpy_scanner {
    * is the first object found on allocation i (held until it is entered in
    * `counted`, the objects counted on an allocation met again). */
   int count_refs;
+  /* the walk of the next visit() (not building): `solo` — its only
+   * reference is its container's slot; `ran_code` — the walk has called
+   * Python code that may hand it new references (a reduce, a slot read) */
+  int solo, ran_code;
   uint32_t *refs;
   PyObject **first;
   size_t nfirst, first_cap;
@@ -969,6 +973,7 @@ static int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
   }
   PyObject *all = *d ? PyDict_Copy(*d) : PyDict_New();
   if (!keep(s, all)) return -1;
+  s->ran_code = 1; /* a slot's descriptor, or __getattribute__, is Python code */
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(names); i++) {
     PyObject *name = PyList_GET_ITEM(names, i), *v = PyObject_GetAttr(o, name);
     if (!v && !PyErr_ExceptionMatches(PyExc_AttributeError)) return walk_error(s, o, "a slot cannot be read");
@@ -1422,6 +1427,7 @@ static int is_opaque(dpy_scanner_t *s, PyObject *o) {
  * alive by the walk (borrowed); NULL with a walk error. */
 static PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
   PyObject *r;
+  s->ran_code = 1;
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
   if (fn) {
     r = PyObject_CallOneArg(fn, o);
@@ -1479,6 +1485,8 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k);
 
 static int visit(dpy_scanner_t *s, PyObject *o) {
   PyTypeObject *t = Py_TYPE(o);
+  int solo = s->solo;
+  s->solo = 0;
   uint8_t k = classify(t);
   if (s->build) return build_visit(s, o, k);
   if (k == K_LEAF || k == K_NPSCALAR) return 0;
@@ -1510,7 +1518,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
    * same one; account() counts the tensor once in refs) and its attributes
    * are entered once (visit_tensor_attrs). */
   if (k == K_TORCH) return visit_torch(s, o);
-  int sn = seen(s, o);
+  int sn = solo && !s->ran_code ? 0 : seen(s, o);
   if (sn) return sn < 0 ? -1 : 0;
   switch (k) {
   case K_LIST:
@@ -2571,6 +2579,7 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
   s->want_paths = opts->paths;
   s->error_path = NULL;
   s->count_refs = !opts->no_refs && !opts->build && !into; /* refs are of a set of its own */
+  s->solo = s->ran_code = 0;
   s->opaque = opts->opaque;
   s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
   int runs = !s->build && !s->opaque && dpy.torch && dpy.torch_tensor;
@@ -2595,6 +2604,16 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
       continue;
     }
     if (s->nframes != before) continue; /* next_child pushed the child's frame */
+    /* A child whose one reference is its container's slot (a list's item,
+       a dict's value, the walk holding neither) cannot be met again: its
+       container is entered once, and a cycle through it would be a second
+       reference. So it skips the memo — while no Python code the walk ran
+       could have made new references to what was walked (then every object
+       enters the memo, and one walked before is walked at most once more:
+       the walk stays linear). dumps keeps every object it makes in the
+       memo. */
+    s->solo = !s->build && !s->ran_code && Py_REFCNT(c) == 1 &&
+              (f->kind == FR_SEQ || ((f->kind == FR_DICT || f->kind == FR_ATTRS) && c != f->value));
     Py_INCREF(c); /* a reduce it calls may drop its container's reference */
     int rc = visit(s, c);
     Py_DECREF(c);

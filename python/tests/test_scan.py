@@ -1252,3 +1252,59 @@ def test_dlpack_a_capsule_on_another_device_than_dlpack_device_said_is_a_walk_er
         devpickle.scan(_DLProducer(said, cap))
     cap, _keep = _dl_capsule((4,), device=said)
     assert [a.device for a in devpickle.scan(_DLProducer(said, cap))] == ["cpu" if said[0] == 1 else "cuda:0"]
+
+
+class _Node:
+    def __init__(self, child):
+        self.child = child
+
+
+class _ReturnsLevel:
+    """Holds a level of a chain by weak reference only (no count), and its
+    reduce hands the walk a strong one: a new reference, made mid-walk, to
+    an object the walk entered without the memo."""
+
+    def __init__(self, node):
+        self.w = weakref.ref(node)
+
+    def __reduce__(self):
+        return (_ReturnsLevel, (), {"x": self.w()})
+
+
+def _chain_with_late_references(depth):
+    nodes = [_Node(torch.ones(1))]
+    for _ in range(depth - 1):
+        nodes.append(_Node(nodes[-1]))
+    nodes.reverse()  # nodes[0] is the top; each node's one reference is its parent's attribute
+    return [nodes[0]] + [_ReturnsLevel(n) for n in nodes]  # the list of nodes goes
+
+
+def test_objects_with_one_reference_met_again_through_reduces_keep_the_walk_linear():
+    """An object whose one reference is its container's slot is walked
+    without the memo; once the walk has run Python code (a reduce), every
+    object enters it, so a chain met again from every one of its levels,
+    through references the reduces make, is walked at most twice — not once
+    per level (quadratic)."""
+    import time
+
+    def cpu(depth):
+        value = _chain_with_late_references(depth)
+        best = 1e9
+        for _ in range(3):
+            t0 = time.thread_time()
+            got = devpickle.scan(value, paths=False)
+            best = min(best, time.thread_time() - t0)
+        assert [(a.nbytes, a.refs) for a in got] == [(4, 1)]
+        return best
+
+    small, large = cpu(300), cpu(2400)
+    assert large < 20 * small, (small, large)  # 8x the depth: linear ~8x, quadratic ~64x
+
+
+def test_a_chain_met_again_through_reduces_keeps_its_first_path_and_its_count():
+    value = _chain_with_late_references(5)
+    (a,) = devpickle.scan(value)
+    assert (a.refs, a.path) == (1, "$[0].child.child.child.child.child")
+    f = devpickle.Future()
+    f.set_result(value)
+    assert len(f._allocations()) == 1
