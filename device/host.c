@@ -56,19 +56,24 @@ typedef struct hevent {
   int dev;
 } hevent_t;
 
+/* An allocation: a node of a treap ordered by base (so that any interior
+ * pointer finds its allocation, and an allocation is added or removed in
+ * logarithmic time whatever the order of frees). */
 typedef struct alloc_rec {
   uintptr_t base;          /* aligned address handed out */
   size_t size;
   void *raw;               /* what the hook returned */
   size_t raw_size;
   int dev;
+  uint32_t prio;           /* the treap's heap order */
+  struct alloc_rec *left, *right;
 } alloc_rec_t;
 
 typedef struct host_impl {
   pthread_mutex_t mu;      /* streams lists, allocation registry */
   hstream_t *streams[HOST_MAX_DEVICES];
-  alloc_rec_t *recs;       /* sorted by base */
-  size_t nrecs, recs_cap;
+  alloc_rec_t *recs;       /* the treap's root */
+  uint32_t rng;            /* its priorities (xorshift) */
   size_t used[HOST_MAX_DEVICES];
   size_t limit[HOST_MAX_DEVICES];
 } host_impl_t;
@@ -417,13 +422,71 @@ static int h_event_sync(dp_backend_t *b, void *eh, dp_error_t *err) {
 
 /* ---- memory: tagged by device, found again by any interior pointer ---- */
 
-static size_t rec_find(host_impl_t *im, uintptr_t p) {  /* last rec with base <= p, or SIZE_MAX */
-  size_t lo = 0, hi = im->nrecs;
-  while (lo < hi) {
-    size_t mid = (lo + hi) / 2;
-    if (im->recs[mid].base <= p) lo = mid + 1; else hi = mid;
+/* Splits t into the records with base < key (*l), or <= key when incl, and
+ * the others (*r): loops over links, no recursion. */
+static void rec_split(alloc_rec_t *t, uintptr_t key, int incl, alloc_rec_t **l, alloc_rec_t **r) {
+  while (t) {
+    if (t->base < key || (incl && t->base == key)) {
+      *l = t;
+      l = &t->right;
+      t = t->right;
+    } else {
+      *r = t;
+      r = &t->left;
+      t = t->left;
+    }
   }
-  return lo ? lo - 1 : SIZE_MAX;
+  *l = *r = NULL;
+}
+
+/* Joins l and r, every base of l below every base of r. */
+static alloc_rec_t *rec_merge(alloc_rec_t *l, alloc_rec_t *r) {
+  alloc_rec_t *root, **at = &root;
+  while (l && r) {
+    if (l->prio > r->prio) {
+      *at = l;
+      at = &l->right;
+      l = l->right;
+    } else {
+      *at = r;
+      at = &r->left;
+      r = r->left;
+    }
+  }
+  *at = l ? l : r;
+  return root;
+}
+
+/* The record with the greatest base <= p, or NULL. */
+static alloc_rec_t *rec_find(host_impl_t *im, uintptr_t p) {
+  alloc_rec_t *t = im->recs, *found = NULL;
+  while (t) {
+    if (t->base <= p) {
+      found = t;
+      t = t->right;
+    } else {
+      t = t->left;
+    }
+  }
+  return found;
+}
+
+static void rec_insert(host_impl_t *im, alloc_rec_t *r) {
+  uint32_t x = im->rng ? im->rng : 2463534242u;
+  x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+  im->rng = x;
+  r->prio = x;
+  r->left = r->right = NULL;
+  alloc_rec_t *l, *rest;
+  rec_split(im->recs, r->base, 0, &l, &rest);
+  im->recs = rec_merge(rec_merge(l, r), rest);
+}
+
+static void rec_remove(host_impl_t *im, alloc_rec_t *r) {
+  alloc_rec_t *l, *rest, *mid, *after;
+  rec_split(im->recs, r->base, 0, &l, &rest);
+  rec_split(rest, r->base, 1, &mid, &after); /* mid: r alone (bases are distinct) */
+  im->recs = rec_merge(l, after);
 }
 
 static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *err) {
@@ -439,20 +502,20 @@ static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
     pthread_mutex_unlock(&im->mu);
     return dp__err(err, DP_ENOMEM, "host:%d is out of memory: %zu bytes asked, %zu of %zu in use", dev, n, used, limit);
   }
-  if (dp__grow((void **)&im->recs, &im->recs_cap, im->nrecs + 1, sizeof(alloc_rec_t)) != 0) {
+  alloc_rec_t *r = dp__alloc(sizeof *r);
+  if (!r) {
     pthread_mutex_unlock(&im->mu);
     return dp__err(err, DP_ENOMEM, "out of memory tracking host allocations");
   }
   void *raw = dp__alloc(n + HOST_ALIGN);
   if (!raw) {
     pthread_mutex_unlock(&im->mu);
+    dp__free(r, sizeof *r);
     return dp__err(err, DP_ENOMEM, "out of memory allocating %zu bytes on host:%d", n, dev);
   }
   uintptr_t base = ((uintptr_t)raw + HOST_ALIGN - 1) & ~(uintptr_t)(HOST_ALIGN - 1);
-  size_t at = rec_find(im, base) + 1;  /* SIZE_MAX + 1 == 0 */
-  memmove(&im->recs[at + 1], &im->recs[at], (im->nrecs - at) * sizeof(alloc_rec_t));
-  im->recs[at] = (alloc_rec_t){base, n, raw, n + HOST_ALIGN, dev};
-  im->nrecs++;
+  *r = (alloc_rec_t){.base = base, .size = n, .raw = raw, .raw_size = n + HOST_ALIGN, .dev = dev};
+  rec_insert(im, r);
   im->used[dev] += n;
   pthread_mutex_unlock(&im->mu);
   *out = (void *)base;
@@ -462,17 +525,16 @@ static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
 static int h_free(dp_backend_t *b, int dev, void *p, dp_error_t *err) {
   host_impl_t *im = b->impl;
   pthread_mutex_lock(&im->mu);
-  size_t at = rec_find(im, (uintptr_t)p);
-  if (at == SIZE_MAX || im->recs[at].base != (uintptr_t)p || im->recs[at].dev != dev) {
+  alloc_rec_t *r = rec_find(im, (uintptr_t)p);
+  if (!r || r->base != (uintptr_t)p || r->dev != dev) {
     pthread_mutex_unlock(&im->mu);
     return dp__err(err, DP_EINVAL, "dp_device_dealloc: %p is not an allocation of host:%d", p, dev);
   }
-  alloc_rec_t r = im->recs[at];
-  memmove(&im->recs[at], &im->recs[at + 1], (im->nrecs - at - 1) * sizeof(alloc_rec_t));
-  im->nrecs--;
-  im->used[r.dev] -= r.size;
-  dp__free(r.raw, r.raw_size);
+  rec_remove(im, r);
+  im->used[r->dev] -= r->size;
   pthread_mutex_unlock(&im->mu);
+  dp__free(r->raw, r->raw_size);
+  dp__free(r, sizeof *r);
   return 0;
 }
 
@@ -480,9 +542,9 @@ static int h_pointer_device(dp_backend_t *b, const void *p, int *dev) {
   host_impl_t *im = b->impl;
   int rc = DP_ENOTFOUND;
   pthread_mutex_lock(&im->mu);
-  size_t at = rec_find(im, (uintptr_t)p);
-  if (at != SIZE_MAX && (uintptr_t)p < im->recs[at].base + im->recs[at].size) {
-    *dev = im->recs[at].dev;
+  const alloc_rec_t *r = rec_find(im, (uintptr_t)p);
+  if (r && (uintptr_t)p - r->base < r->size) {
+    *dev = r->dev;
     rc = 0;
   }
   pthread_mutex_unlock(&im->mu);
@@ -569,8 +631,12 @@ static void h_shutdown(dp_backend_t *b) {
   /* Streams the caller still holds are stopped and freed too. */
   for (int d = 0; d < HOST_MAX_DEVICES; d++)
     while (im->streams[d]) h_stream_destroy(b, im->streams[d]);
-  for (size_t i = 0; i < im->nrecs; i++) dp__free(im->recs[i].raw, im->recs[i].raw_size);
-  dp__free(im->recs, im->recs_cap * sizeof(alloc_rec_t));
+  while (im->recs) { /* the root goes, its children joined in its place */
+    alloc_rec_t *r = im->recs;
+    im->recs = rec_merge(r->left, r->right);
+    dp__free(r->raw, r->raw_size);
+    dp__free(r, sizeof *r);
+  }
   pthread_mutex_lock(&limit_mu);
   if (live_impl == im) live_impl = NULL;  /* not one started since (device.c's shutdown) */
   pthread_mutex_unlock(&limit_mu);

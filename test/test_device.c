@@ -996,3 +996,32 @@ Test(device, a_host_function_that_would_wait_for_itself_is_emisuse_not_a_hang, .
     dp_stream_free(x.s);
   }
 }
+
+/* The host backend found an allocation in an array sorted by base, and
+ * moved the array's tail at every allocation and free: freeing 150,000
+ * allocations in the order they were made moved it all each time
+ * (quadratic: 15 s). Each is now a node of a balanced tree. */
+Test(device, host_allocations_freed_in_the_order_they_were_made_cost_linear_time) {
+  enum { N = 150000 };
+  dp_backend_t *b = host();
+  dp_device_t d = {DP_DEVICE_HOST, 0};
+  void **p = malloc(N * sizeof *p);
+  cr_assert(p);
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0); /* this thread's CPU time: the machine's load does not count */
+  for (int i = 0; i < N; i++) OK(dp_device_alloc(b, d, 16, &p[i], T_ERR));
+  for (int i = 0; i < N; i += 997) { /* any interior byte names its device; one past the end does not */
+    dp_device_t got;
+    OK(dp_pointer_device(b, (char *)p[i] + 15, &got, T_ERR));
+    cr_assert(got.type == DP_DEVICE_HOST && got.index == 0);
+    cr_assert_neq(dp_pointer_device(b, (char *)p[i] + 16, &got, NULL), 0);
+  }
+  for (int i = 0; i < N; i++) OK(dp_device_dealloc(b, d, p[i], T_ERR));
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+  double s = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+  cr_assert_lt(s, 3.0, "150,000 allocations and frees took %.2f s of CPU", s);
+  dp_error_t e;
+  cr_assert_eq(dp_device_dealloc(b, d, p[0], &e), DP_EINVAL, "a freed pointer is no allocation any more");
+  cr_assert(strstr(e.message, "is not an allocation of host:0"), "%s", e.message);
+  free(p);
+}
