@@ -1,11 +1,16 @@
 /* cache/cache.c — the stream-ordered caching allocator.
  *
- * Layout. Per device: free blocks of small segments sit in exact-size bins
- * (multiples of 512 bytes up to 2 MiB, a bitmap finds the next non-empty
- * bin), free blocks of large segments in a treap ordered by size and
- * address, searched best-fit in logarithmic time (one list searched whole
- * made n large allocations, each leaving a remainder too small for the
- * next, take time quadratic in n).
+ * Layout. Per device and per stream (a free set: the free blocks tied to
+ * that stream, or to none): free blocks of small segments sit in exact-size
+ * bins (multiples of 512 bytes up to 2 MiB, a bitmap finds the next
+ * non-empty bin), free blocks of large segments in a treap ordered by size
+ * and address, searched best-fit in logarithmic time (one list searched
+ * whole made n large allocations, each leaving a remainder too small for
+ * the next, take time quadratic in n). An allocation on a stream looks in
+ * that stream's set and in the stream-less one, never past the blocks of
+ * other streams (one set for all made n allocations on one stream, with n
+ * blocks of another free, take time quadratic in n); only when neither has
+ * a block does it look in every set.
  * Segments are kept sorted by address for interior-pointer lookups; blocks
  * are linked in address order within their segment for split and merge.
  * Allocated blocks are found by pointer through an open-addressing map.
@@ -82,12 +87,21 @@ struct segment {
 static char mixed_tag;
 #define MIXED ((dp_stream_t *)(void *)&mixed_tag)
 
-typedef struct devpool {
-  block_t *bins[NBINS];
-  uint64_t bitmap[NBINS / 64];   /* non-empty bins */
+/* The free blocks of one device tied to one stream (NULL: to none). */
+typedef struct freeset {
+  dp_stream_t *stream;
   uint64_t summary;              /* non-zero bitmap words */
+  uint64_t bitmap[NBINS / 64];   /* non-empty bins */
   block_t *large;                /* the treap's root */
   uint32_t rng;                  /* the treap's priorities (xorshift) */
+  block_t *bins[NBINS];
+} freeset_t;
+
+typedef struct devpool {
+  freeset_t **sets;              /* one per stream that allocated here (made by dp_cache_alloc), and none's */
+  size_t nsets, sets_cap;
+  freeset_t *none;               /* the set of blocks tied to no stream (also in sets) */
+  freeset_t *last;               /* the stream's set found last */
   segment_t **segs;              /* sorted by base */
   size_t nsegs, segs_cap;
   dp_cache_stats_t st;
@@ -233,7 +247,7 @@ static block_t *large_merge(block_t *l, block_t *r) {
   return root;
 }
 
-static void large_insert(devpool_t *p, block_t *b) {
+static void large_insert(freeset_t *p, block_t *b) {
   uint32_t x = p->rng ? p->rng : 2463534242u;
   x ^= x << 13, x ^= x >> 17, x ^= x << 5;
   p->rng = x;
@@ -244,7 +258,7 @@ static void large_insert(devpool_t *p, block_t *b) {
   p->large = large_merge(large_merge(l, b), r);
 }
 
-static void large_remove(devpool_t *p, block_t *b) {
+static void large_remove(freeset_t *p, block_t *b) {
   block_t *l, *r, *mid, *rest;
   large_split(p->large, b->size, b->ptr, 0, &l, &r);
   large_split(r, b->size, b->ptr, 1, &mid, &rest); /* mid: b alone */
@@ -265,7 +279,48 @@ static block_t *large_from(block_t *t, size_t size, const char *ptr, int incl) {
   return found;
 }
 
-HOT static void free_insert(devpool_t *p, block_t *b) {
+/* The free set of stream st on pool p; NULL if it has none (none is made). */
+static inline freeset_t *set_find(devpool_t *p, dp_stream_t *st) {
+  if (!st) return p->none;
+  if (p->last && p->last->stream == st) return p->last;
+  for (size_t i = 0; i < p->nsets; i++)
+    if (p->sets[i]->stream == st) return p->last = p->sets[i];
+  return NULL;
+}
+
+/* The free set of st, made if it has none: 0, or DP_ENOMEM. A block is
+ * tied to a stream only by an allocation, which makes the sets first, so
+ * that freeing a block never needs memory. */
+static int set_need(devpool_t *p, dp_stream_t *st) {
+  if (set_find(p, st)) return 0;
+  freeset_t *f = dp__alloc(sizeof *f);
+  if (!f || dp__grow((void **)&p->sets, &p->sets_cap, p->nsets + 1, sizeof *p->sets) != 0) {
+    dp__free(f, f ? sizeof *f : 0);
+    return DP_ENOMEM;
+  }
+  memset(f, 0, sizeof *f);
+  f->stream = st;
+  p->sets[p->nsets++] = f;
+  if (st) p->last = f;
+  else p->none = f;
+  return 0;
+}
+
+/* Drops st's free set (empty: its stream went away and its blocks were
+ * tied to none). */
+static void set_drop(devpool_t *p, dp_stream_t *st) {
+  for (size_t i = 0; i < p->nsets; i++)
+    if (p->sets[i]->stream == st) {
+      if (p->last == p->sets[i]) p->last = NULL;
+      if (p->none == p->sets[i]) p->none = NULL;
+      dp__free(p->sets[i], sizeof *p->sets[i]);
+      p->sets[i] = p->sets[--p->nsets];
+      return;
+    }
+}
+
+HOT static void free_insert(devpool_t *pool, block_t *b) {
+  freeset_t *p = set_find(pool, b->stream);
   if (!b->seg->small) {
     large_insert(p, b);
     return;
@@ -280,7 +335,8 @@ HOT static void free_insert(devpool_t *p, block_t *b) {
   p->summary |= 1ull << (bin / 64);
 }
 
-HOT static void free_remove(devpool_t *p, block_t *b) {
+HOT static void free_remove(devpool_t *pool, block_t *b) {
+  freeset_t *p = set_find(pool, b->stream);
   if (!b->seg->small) {
     large_remove(p, b);
     b->fprev = b->fnext = NULL;
@@ -297,29 +353,32 @@ HOT static void free_remove(devpool_t *p, block_t *b) {
   b->fprev = b->fnext = NULL;
 }
 
-/* A free block of at least size for stream s (any stream when s is NULL). */
-HOT static block_t *find_free(devpool_t *p, size_t size, int small, dp_stream_t *s) {
-  if (small) {
-    for (size_t bin = bin_of(size); bin < NBINS;) {
-      uint64_t word = p->bitmap[bin / 64] >> (bin % 64);
-      if (!word) {  /* jump to the next non-empty word through the summary */
-        size_t next = bin / 64 + 1;
-        uint64_t rest = next < 64 ? p->summary >> next : 0;
-        if (!rest) break;
-        bin = (next + (size_t)__builtin_ctzll(rest)) * 64;
-        continue;
-      }
-      bin += (size_t)__builtin_ctzll(word);
-      for (block_t *b = p->bins[bin]; b; b = b->fnext)
-        if (!s || b->stream == s || !b->stream) return b;
-      bin++;
-    }
-    return NULL;
+/* The smallest free block of set f of at least size, or NULL. */
+HOT static block_t *set_fit(const freeset_t *f, size_t size, int small) {
+  if (!small) return f ? large_from(f->large, size, NULL, 1) : NULL;
+  if (!f || !f->summary) return NULL; /* the stream-less set is mostly empty */
+  size_t bin = bin_of(size);
+  uint64_t word = f->bitmap[bin / 64] >> (bin % 64);
+  if (!word) { /* the next non-empty word, through the summary */
+    size_t next = bin / 64 + 1;
+    uint64_t rest = next < 64 ? f->summary >> next : 0;
+    if (!rest) return NULL;
+    bin = (next + (size_t)__builtin_ctzll(rest)) * 64;
+    word = f->bitmap[bin / 64];
   }
-  /* the smallest that fits, then the next ones in order until one is s's */
-  for (block_t *b = large_from(p->large, size, NULL, 1); b; b = large_from(p->large, b->size, b->ptr, 0))
-    if (!s || b->stream == s || !b->stream) return b;
-  return NULL;
+  return f->bins[bin + (size_t)__builtin_ctzll(word)];
+}
+
+static block_t *smaller(block_t *a, block_t *b) { return !a || (b && b->size < a->size) ? b : a; }
+
+/* A free block of at least size for the stream of set own — its own or
+ * one tied to no stream, the smaller — or, when own is NULL, of any
+ * stream. */
+HOT static block_t *find_free(devpool_t *p, size_t size, int small, const freeset_t *own) {
+  if (own) return smaller(set_fit(own, size, small), set_fit(p->none, size, small));
+  block_t *best = NULL;
+  for (size_t i = 0; i < p->nsets; i++) best = smaller(best, set_fit(p->sets[i], size, small));
+  return best;
 }
 
 /* Returns a block to its free list, merged with free neighbours of its
@@ -559,6 +618,10 @@ static int poll_pending(dp_cache_t *c, int all) {
 /* Unties block b of pool p from s; returns the block after it (after the
  * free block it merged into, if it merged). */
 static block_t *block_stream_gone(dp_cache_t *c, devpool_t *p, block_t *b, dp_stream_t *s) {
+  /* a free block leaves its set while its stream still names it: s's, or
+     none's, to merge with the blocks now tied to none */
+  int refree = b->state == B_FREE && (b->stream == s || !b->stream);
+  if (refree) free_remove(p, b);
   if (b->stream == s) {
     b->stream = NULL;
     mapent_t *e = b->state == B_USED ? map_entry(c, b->ptr, dp__hash_ptr(b->ptr), NULL) : NULL;
@@ -566,9 +629,8 @@ static block_t *block_stream_gone(dp_cache_t *c, devpool_t *p, block_t *b, dp_st
   }
   for (uint32_t k = 0; k < b->nuses; k++)
     if (b->uses[k] == s) b->uses[k--] = b->uses[--b->nuses];
-  if (b->state != B_FREE || b->stream) return b->next;
-  free_remove(p, b);  /* merge with free stream-less neighbours */
-  return free_block(c, p, b)->next;
+  if (!refree) return b->next;
+  return free_block(c, p, b)->next; /* merged with free stream-less neighbours */
 }
 
 static void stream_gone(void *ctx, dp_stream_t *s) {
@@ -581,6 +643,7 @@ static void stream_gone(void *ctx, dp_stream_t *s) {
       if (sg->one_stream == s) sg->one_stream = MIXED;  /* its blocks now have none */
       for (block_t *b = sg->first; b;) b = block_stream_gone(c, &c->pools[d], b, s);
     }
+  for (int d = 0; d < c->ndev; d++) set_drop(&c->pools[d], s); /* no block is tied to s now */
   pthread_mutex_unlock(&c->mu);
 }
 
@@ -669,6 +732,8 @@ static void cache_destroy(dp_cache_t *c) {
       dp__free(seg, sizeof *seg);
     }
     dp__free(p->segs, p->segs_cap * sizeof *p->segs);
+    for (size_t i = 0; i < p->nsets; i++) dp__free(p->sets[i], sizeof *p->sets[i]);
+    dp__free(p->sets, p->sets_cap * sizeof *p->sets);
   }
   while (c->spare) {
     block_t *b = c->spare;
@@ -697,8 +762,16 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
   devpool_t *p = &c->pools[dev.index];
 
   pthread_mutex_lock(&c->mu);
+  freeset_t *own = set_find(p, s);
+  if (DP_UNLIKELY(!own || !p->none)) {
+    if (set_need(p, s) || set_need(p, NULL)) {
+      rc = dp__err(err, DP_ENOMEM, "out of memory tracking the free blocks of a stream");
+      goto out;
+    }
+    own = set_find(p, s);
+  }
   if (c->pending_head) poll_pending(c, 0);
-  block_t *b = find_free(p, size, small, s);
+  block_t *b = find_free(p, size, small, own);
   if (b) {
     p->st.cache_hits++;
   } else if ((b = find_free(p, size, small, NULL)) != NULL) {
