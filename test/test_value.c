@@ -492,6 +492,37 @@ Test(value, releasing_many_holders_of_one_large_live_list_is_linear_not_quadrati
   ASSERT_NO_LEAK();
 }
 
+/* value.h: a candidate buffer starts at 256 entries, allocating nothing;
+ * once a collection has met more live containers it grows through the
+ * allocator hook, and one that cannot grow is collected as it is. */
+Test(value, a_candidate_buffer_grows_through_the_hook_and_one_that_cannot_grow_is_collected_as_it_is) {
+  enum { N = 2000, H = 1200 };
+  dp_value_t big = t_list(), root = t_list();
+  for (int i = 0; i < N; i++) OK(dp_list_append(big, t_list(), T_ERR));
+  dp_value_t *holders = malloc(H * sizeof *holders);
+  for (int i = 0; i < H; i++) {
+    holders[i] = t_list();
+    OK(dp_list_append(holders[i], dp_value_retain(big), T_ERR));
+    OK(dp_list_append(root, dp_value_retain(holders[i]), T_ERR)); /* holders[i] keeps the other reference */
+  }
+  dp_value_release(big);
+  long before = t_alloc_count;
+  /* 256 candidates, then a collection that meets big's N + 1 live containers */
+  for (int i = 0; i < 300; i++) dp_value_release(holders[i]);
+  cr_assert_eq(t_alloc_count, before, "the first 256 candidates need no allocation");
+  before = t_alloc_count;
+  for (int i = 300; i < 600; i++) dp_value_release(holders[i]);
+  cr_assert_gt(t_alloc_count, before, "a buffer whose last trial met %d live containers grows before the next", N);
+  t_fail_at = t_alloc_count + 1; /* its next growth fails: it is collected as it is */
+  for (int i = 600; i < H; i++) dp_value_release(holders[i]);
+  t_fail_at = 0;
+  free(holders);
+  cr_assert_eq(dp_seq_len(root), H, "every holder is still held by root");
+  for (int i = 0; i < H; i++) cr_assert_eq(dp_value_refcount(dp_seq_get(root, (size_t)i)), 1);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, cycles_are_collected_when_a_thread_has_buffered_enough_candidates) {
   for (int k = 0; k < 300; k++) {  /* more candidates than one buffer holds */
     dp_value_t head = t_obj("Node"), cur = head;

@@ -14,9 +14,12 @@
  * CYCLES. Containers (list, tuple, dict, object) may form cycles; devpickle
  * frees them by trial deletion (Bacon & Rajan's algorithm). A release that
  * leaves a container's count above zero records it as a candidate in the
- * releasing thread's buffer (256 entries, no allocation); a buffer is
- * collected — the containers reachable from its candidates are tried, and
- * those held only by each other freed — when it is full, when its thread
+ * releasing thread's buffer (256 entries, allocating nothing; a buffer whose
+ * previous collection met more live containers first grows, through the
+ * allocator hook, to hold as many — see COST — and one that cannot grow is
+ * collected as it is: a release never fails); a buffer is collected — the
+ * containers reachable from its candidates are tried, and those held only
+ * by each other freed — when it is full, when its thread
  * calls dp_value_collect(), and when its thread exits. A garbage cycle thus
  * outlives its last outside reference until one of those happens. Any
  * acyclic container released to zero is freed at once, memory and all, on
