@@ -997,6 +997,36 @@ Test(future, collect_all_may_store_its_future_over_an_input_of_the_same_array) {
   ASSERT_NO_LEAK();
 }
 
+/* future.h: without opts the aggregate takes its first input's backend,
+ * devices and hooks; an input on a device outside them fails it with
+ * DP_EDEVICE, naming the device, while opts that allow it let it through. */
+Test(future, collect_all_without_opts_takes_the_first_inputs_devices) {
+  dp_future_t *only0;
+  dp_device_t d0 = H0;
+  OK(dp_future_new(&(dp_future_opts_t){B, &d0, 1, NULL, 0, 0}, &only0, T_ERR));
+  dp_future_t *any = future();
+  OK(dp_future_mark_completed(only0, dp_int(0), T_ERR));
+  OK(dp_future_mark_completed(any, t_tensor(H1, 0x1000, 4), T_ERR));
+  dp_future_t *in[2] = {only0, any}, *all;
+  OK(dp_future_collect_all(in, 2, NULL, &all, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(all, 1000000000, &e), DP_EDEVICE, "%s", e.message);
+  cr_assert(strstr(e.message, "host:1"), "%s", e.message);
+  dp_future_release(all);
+  OK(dp_future_collect_all(in, 2, &(dp_future_opts_t){B, NULL, 0, NULL, 0, 0}, &all, T_ERR));
+  OK(dp_future_wait(all, 1000000000, T_ERR));
+  cr_assert_eq(dp_future_nptrs(all), 1);
+  dp_future_release(all);
+  OK(dp_future_collect_all(NULL, 0, NULL, &all, T_ERR)); /* no input: the defaults, done at once with [] */
+  OK(dp_future_wait(all, 0, T_ERR));
+  cr_assert_eq(dp_seq_len(dp_future_value(all)), 0);
+  dp_future_release(all);
+  dp_future_release(only0);
+  dp_future_release(any);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(future, collect_all_counts_refs_over_its_distinct_inputs) {
   /* f: one tensor; g: a list of three views of one storage */
   dp_value_t t = device_ints(H0, 8), u = device_ints(H0, 8), views;

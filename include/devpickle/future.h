@@ -164,8 +164,13 @@ DP_API int dp_future_then_with_ptrs(dp_future_t *f, dp_then_ptrs_cb cb, void *ud
  *  pending input. Allocations pass through without a new walk (an
  *  allocation's refs is the sum of its refs in the distinct inputs: an
  *  input given twice counts once, a tensor two inputs hold counts in each);
- *  one event per device joins the inputs' events. *out is written once
- *  the inputs are read: it may be a slot of futures. */
+ *  one event per device joins the inputs' events. opts NULL: futures[0]'s
+ *  backend, devices and hooks, as a then() child takes its parent's
+ *  (dp_future_new's defaults when n is 0); an input's allocation on a
+ *  device outside the aggregate's devices fails it with DP_EDEVICE, as
+ *  dp_future_mark_completed does, so pass opts to gather futures made with
+ *  different devices. *out is written once the inputs are read: it may be
+ *  a slot of futures. */
 DP_API int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future_opts_t *opts,
                                  dp_future_t **out, dp_error_t *err);
 
