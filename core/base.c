@@ -204,7 +204,12 @@ int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list
 int dp__cb_rc(int rc, dp_error_t *err, const char *what) {
   if (rc == 0) return 0;
   if (rc > 0) return dp__err(err, DP_EINVAL, "%s returned %d: a callback returns 0 or a negative DP_E* code", what, rc);
-  if (err && !err->code) dp__err(err, rc, "%s failed: %s", what, dp_strerror(rc));
+  if (!err) return rc;
+  /* Whether the callback set err->code or not (dp_error_t's fields are all
+   * it has to fill), its message is kept, and err carries the code it
+   * returned, as the call does; only an empty message is made here. */
+  if (!err->message[0]) return dp__err(err, rc, "%s failed: %s", what, dp_strerror(rc));
+  err->code = rc;
   return rc;
 }
 

@@ -46,7 +46,9 @@ int dp__err(dp_error_t *err, int code, const char *fmt, ...) __attribute__((form
 /* What a caller's callback returned, as the API returns it: 0, or a
  * negative DP_E* code with err filled — a positive code (which no call
  * returns, so `rc < 0` tests would take it for success) becomes DP_EINVAL,
- * and a failure that left err empty gets a message naming `what`. */
+ * a failure that left err's message empty gets one naming `what`, and a
+ * message the callback wrote is kept, with err->code set to the code it
+ * returned. err must be clear when the callback runs. */
 int dp__cb_rc(int rc, dp_error_t *err, const char *what);
 
 /* What a tuple dict key may hold (dp_value_is_hashable), said where one is refused. */

@@ -1475,6 +1475,43 @@ Test(allocator, a_hook_that_returns_a_positive_code_or_fails_without_a_message_g
   dp_stream_free(u);
 }
 
+/* A hook fills err by hand (base.h): the message it wrote is the error's,
+ * with the code it returned; a call before it that succeeded leaves nothing
+ * that passes for a failure's message. */
+static int hook_says_why(void *ctx, void *p, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx, (void)s;
+  if (p == (void *)0x1000) { /* recorded, with a note left behind */
+    snprintf(err->message, sizeof err->message, "recorded 0x1000");
+    return 0;
+  }
+  if (p == (void *)0x2000) return DP_EIO; /* fails without a word */
+  snprintf(err->message, sizeof err->message, "stream %p is being torn down", (void *)s);
+  return DP_ESTATE;
+}
+
+Test(allocator, a_hook_that_writes_its_message_without_its_code_keeps_the_message_with_the_code_it_returned) {
+  dp_stream_t *u = stream(H0);
+  dp_cache_hooks_t one = {NULL, hook_says_why, NULL, NULL};
+  dp_cache_hooks_chain_t *ch;
+  OK(dp_cache_hooks_chain_new(&one, 1, &ch, T_ERR));
+  dp_cache_hooks_t chained = dp_cache_hooks_chain_hooks(ch);
+  char want[128];
+  snprintf(want, sizeof want, "stream %p is being torn down", (void *)u);
+  void *ptrs[2] = {(void *)0x1000, (void *)0x3000};
+  dp_error_t e;
+  cr_assert_eq(dp_cache_hooks_record(&one, ptrs, 2, u, &e), DP_ESTATE);
+  cr_assert_eq(e.code, DP_ESTATE);
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(chained.record_streams(chained.ctx, ptrs, 2, u, &e), DP_ESTATE);
+  cr_assert_eq(e.code, DP_ESTATE);
+  cr_assert_str_eq(e.message, want);
+  ptrs[1] = (void *)0x2000;
+  cr_assert_eq(dp_cache_hooks_record(&one, ptrs, 2, u, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "the record_stream hook failed: i/o error");
+  dp_cache_hooks_chain_free(ch);
+  dp_stream_free(u);
+}
+
 /* The refusals of sizes too large to round named neither the function nor
  * the reason ("allocation of 18446744073709551615 bytes"). */
 Test(allocator, a_size_too_large_to_round_is_enomem_naming_the_function_and_the_reason) {

@@ -1027,6 +1027,38 @@ Test(future, collect_all_without_opts_takes_the_first_inputs_devices) {
   ASSERT_NO_LEAK();
 }
 
+/* A then() callback fills err by hand (base.h): its message reaches the
+ * child's waiters with the code it returned, whatever it put in err->code. */
+static int then_says_why(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result;
+  if (ud) err->code = DP_EIO;
+  snprintf(err->message, sizeof err->message, "the kernel launch failed: too many resources requested");
+  return DP_ECUDA;
+}
+static int then_ptrs_says_why(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)ptrs;
+  return then_says_why(ud, parent, result, err);
+}
+
+Test(future, a_callback_that_writes_its_message_without_its_code_fails_its_child_with_that_message) {
+  dp_future_t *f = future(), *c1, *c2, *c3;
+  OK(dp_future_then(f, then_says_why, NULL, &c1, T_ERR));
+  OK(dp_future_then(f, then_says_why, (void *)1, &c2, T_ERR));
+  OK(dp_future_then_with_ptrs(f, then_ptrs_says_why, NULL, &c3, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  dp_future_t *kids[3] = {c1, c2, c3};
+  for (int i = 0; i < 3; i++) {
+    dp_error_t e;
+    cr_assert_eq(dp_future_wait(kids[i], 1000000000, &e), DP_ECUDA, "child %d: %s", i, e.message);
+    cr_assert_eq(e.code, DP_ECUDA, "child %d", i);
+    cr_assert_str_eq(e.message, "the kernel launch failed: too many resources requested", "child %d", i);
+    dp_future_release(kids[i]);
+  }
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(future, collect_all_counts_refs_over_its_distinct_inputs) {
   /* f: one tensor; g: a list of three views of one storage */
   dp_value_t t = device_ints(H0, 8), u = device_ints(H0, 8), views;

@@ -2913,6 +2913,78 @@ Test(pickler, an_inline_read_callback_breaking_its_contract_gets_the_error_rules
   ASSERT_NO_LEAK();
 }
 
+/* Callbacks that fill err by hand, as a caller can (base.h): the message
+ * alone, or the message and a code other than the one returned. */
+static int read_says_why(void *ud, dp_device_t d, const void *src, size_t n, void *dst, dp_error_t *err) {
+  (void)ud, (void)d, (void)src, (void)n, (void)dst;
+  snprintf(err->message, sizeof err->message, "cudaMemcpy: an illegal memory access");
+  return DP_ECUDA;
+}
+static int read_says_why_with_another_code(void *ud, dp_device_t d, const void *src, size_t n, void *dst,
+                                           dp_error_t *err) {
+  (void)ud, (void)d, (void)src, (void)n, (void)dst;
+  err->code = DP_EIO;
+  snprintf(err->message, sizeof err->message, "the copy engine is gone");
+  return DP_ECUDA;
+}
+static int bind_says_why(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
+  (void)ud, (void)desc, (void)out;
+  snprintf(err->message, sizeof err->message, "no room for %llu bytes", (unsigned long long)desc->nbytes);
+  return DP_ENOMEM;
+}
+static int resolve_says_why(void *ud, const char *type, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)ud, (void)type, (void)state, (void)out;
+  snprintf(err->message, sizeof err->message, "Holder is retired");
+  return DP_EIO;
+}
+static int stream_read_says_why(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  (void)ud, (void)dst, (void)n, (void)got;
+  snprintf(err->message, sizeof err->message, "connection reset by peer");
+  return DP_EIO;
+}
+
+Test(pickler, a_callback_that_writes_its_message_without_its_code_keeps_the_message_with_the_code_it_returned) {
+  dp_value_t t = t_tensor(CUDA0, 0x1000, 4);
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_error_t e;
+  dp_pickle_opts_t o = {DP_PICKLE_INLINE, 0, read_says_why, NULL};
+  cr_assert_eq(dp_pickle(t, &o, f, &e), DP_ECUDA);
+  cr_assert_eq(e.code, DP_ECUDA);
+  cr_assert_str_eq(e.message, "cudaMemcpy: an illegal memory access");
+  o.read = read_says_why_with_another_code;
+  cr_assert_eq(dp_pickle(t, &o, f, &e), DP_ECUDA);
+  cr_assert_eq(e.code, DP_ECUDA, "err carries the code the call returns (%s)", dp_err_name(e.code));
+  cr_assert_str_eq(e.message, "the copy engine is gone");
+  dp_value_release(t);
+  dp_frame_free(f);
+
+  dp_value_t root = t_list();
+  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
+  f = pickle_ok(root, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_unpickle_opts_t uo;
+  memset(&uo, 0, sizeof uo);
+  uo.bind = bind_says_why;
+  dp_value_t out;
+  cr_assert_eq(dp_unpickle(b, n, &uo, &out, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "binding buffer 0 failed: no room for 16 bytes");
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_says_why, NULL};
+  memset(&uo, 0, sizeof uo);
+  uo.resolver = &res;
+  cr_assert_eq(dp_unpickle(b, n, &uo, &out, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "resolving custom 'Holder' failed: Holder is retired");
+  cr_assert_eq(dp_unpickle_stream(stream_read_says_why, NULL, NULL, &out, NULL, NULL, &e), DP_EIO);
+  cr_assert_eq(e.code, DP_EIO);
+  cr_assert_str_eq(e.message, "connection reset by peer");
+  cr_assert_eq(e.offset, 0);
+  dp_frame_free(f);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 static int stream_read_checks_err(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
   cr_assert_not_null(err, "a stream read callback always gets an error to fill");
   return mem_read(ud, dst, n, got, err);

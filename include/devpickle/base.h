@@ -96,8 +96,10 @@ typedef struct dp_error {
  *     returns 0 or a DP_E* code. A positive return, which no call of the
  *     library ever makes (so a caller testing rc < 0 would take it for
  *     success), becomes DP_EINVAL ("bind returned 4: ..."); a failure that
- *     left err empty gets a message naming the callback ("the read
- *     callback failed: i/o error").
+ *     left err's message empty gets a message naming the callback ("the
+ *     read callback failed: i/o error"). A callback fills err by hand: the
+ *     message it wrote is kept, and the code is the one it returned,
+ *     whatever it stored in err->code.
  *   - A reader or writer keeps its first error: what it does after one
  *     returns that error and changes nothing.
  *   - A NULL handle, or a NULL for a pointer the call needs, is DP_EINVAL
