@@ -1356,6 +1356,33 @@ Test(cli, a_duplicate_json_key_is_reported_at_the_byte_where_the_repeated_key_st
              "devpickle: dupn.json: invalid JSON: duplicate object key (line 1, column 11), at byte 10\n");
 }
 
+/* An escape that is not one (a bad \u, a lone surrogate, an unknown letter)
+ * is reported where the offending item starts: at its backslash, never past
+ * it at the closing quote; the character after a backslash is shown as a
+ * character or a byte, never as a raw byte of a broken UTF-8 sequence. */
+Test(cli, a_bad_escape_in_a_string_is_reported_at_the_byte_where_the_escape_starts) {
+  pack_fails("hi.json", "x.dpk", "[\"ab\\ud800\"]",
+             "devpickle: hi.json: invalid JSON: invalid \\u escape: a lone high surrogate (line 1, column 5), "
+             "at byte 4\n");
+  pack_fails("hi2.json", "x.dpk", "[\"\\ud800\\u0041\"]",
+             "devpickle: hi2.json: invalid JSON: invalid \\u escape: a lone high surrogate (line 1, column 3), "
+             "at byte 2\n");
+  pack_fails("lo.json", "x.dpk", "[\"\\udc00\"]",
+             "devpickle: lo.json: invalid JSON: invalid \\u escape: a lone low surrogate (line 1, column 3), "
+             "at byte 2\n");
+  pack_fails("hex.json", "x.dpk", "[\"\\u12G4\"]",
+             "devpickle: hex.json: invalid JSON: invalid \\u escape (line 1, column 3), at byte 2\n");
+  pack_fails("hex2.json", "x.dpk", "[\"\\ud800\\uZZZZ\"]",
+             "devpickle: hex2.json: invalid JSON: invalid \\u escape (line 1, column 9), at byte 8\n");
+  pack_fails("x.json", "x.dpk", "{\"k\": \"a\\x\"}",
+             "devpickle: x.json: invalid JSON: invalid escape '\\x' in a string (line 1, column 9), at byte 8\n");
+  pack_fails("e.json", "x.dpk", "[\"\\\xC3\xA9\"]",
+             "devpickle: e.json: invalid JSON: invalid escape '\\\xC3\xA9' in a string (line 1, column 3), at byte 2\n");
+  pack_fails("ff.json", "x.dpk", "[\"\\\xFF\"]",
+             "devpickle: ff.json: invalid JSON: invalid escape: '\\' before byte 0xFF in a string (line 1, column 3), "
+             "at byte 2\n");
+}
+
 Test(cli, names_holding_control_characters_are_escaped_so_that_every_line_stays_one_line) {
   /* a type name that would forge a second line */
   pack_fails("nl.json", "nl.dpk",

@@ -338,18 +338,27 @@ static const char *char_at(const ps_t *ps, char *out, size_t size) {
   return out;
 }
 
+/* The four hex digits of a \\u escape at ps->p; -1 when they are not (the
+ * caller reports it where the escape starts). */
 static int hex4(ps_t *ps, uint32_t *out) {
-  if (ps->end - ps->p < 4) return perr(ps, "invalid \\u escape");
+  if (ps->end - ps->p < 4) return -1;
   uint32_t v = 0;
   for (int i = 0; i < 4; i++) {
     char c = ps->p[i];
     int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-    if (d < 0) return perr(ps, "invalid \\u escape");
+    if (d < 0) return -1;
     v = v << 4 | (uint32_t)d;
   }
   ps->p += 4;
   *out = v;
   return 0;
+}
+
+/* An error in the escape that starts (its backslash) at esc: reported there,
+ * where the offending item starts, as every other error is. */
+static int esc_err(ps_t *ps, const char *esc, const char *what) {
+  ps->p = esc;
+  return perr(ps, "%s", what);
 }
 
 /* A string token into ps->buf/len (not terminated; may hold NUL bytes). */
@@ -371,6 +380,7 @@ static int parse_string(ps_t *ps) {
       ps->p += n;
       continue;
     }
+    const char *esc = ps->p;
     if (++ps->p >= ps->end) return perr(ps, "premature end of input in a string");
     char e = *ps->p++, one;
     switch (e) {
@@ -382,14 +392,15 @@ static int parse_string(ps_t *ps) {
       case 't': one = '\t'; break;
       case 'u': {
         uint32_t cp, lo;
-        if (hex4(ps, &cp)) return -1;
-        if (cp >= 0xDC00 && cp <= 0xDFFF) return perr(ps, "invalid \\u escape: a lone low surrogate");
+        if (hex4(ps, &cp)) return esc_err(ps, esc, "invalid \\u escape");
+        if (cp >= 0xDC00 && cp <= 0xDFFF) return esc_err(ps, esc, "invalid \\u escape: a lone low surrogate");
         if (cp >= 0xD800 && cp <= 0xDBFF) {
           if (ps->end - ps->p < 2 || ps->p[0] != '\\' || ps->p[1] != 'u')
-            return perr(ps, "invalid \\u escape: a lone high surrogate");
+            return esc_err(ps, esc, "invalid \\u escape: a lone high surrogate");
+          const char *esc2 = ps->p;
           ps->p += 2;
-          if (hex4(ps, &lo)) return -1;
-          if (lo < 0xDC00 || lo > 0xDFFF) return perr(ps, "invalid \\u escape: a lone high surrogate");
+          if (hex4(ps, &lo)) return esc_err(ps, esc2, "invalid \\u escape");
+          if (lo < 0xDC00 || lo > 0xDFFF) return esc_err(ps, esc, "invalid \\u escape: a lone high surrogate");
           cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
         }
         char u[4];
@@ -404,9 +415,14 @@ static int parse_string(ps_t *ps) {
         if (buf_put(ps, u, n)) return -1;
         continue;
       }
-      default:
-        ps->p--;
-        return perr(ps, "invalid escape '\\%c' in a string", e);
+      default: {  /* the character after the backslash as char_at shows it (a raw byte never) */
+        char ch[16], what[64];
+        ps->p = esc + 1;
+        char_at(ps, ch, sizeof ch);
+        if (ch[0] == '\'') snprintf(what, sizeof what, "invalid escape '\\%s in a string", ch + 1);
+        else snprintf(what, sizeof what, "invalid escape: '\\' before %s in a string", ch);
+        return esc_err(ps, esc, what);
+      }
     }
     if (buf_put(ps, &one, 1)) return -1;
   }
