@@ -1729,3 +1729,33 @@ Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_conne
   cr_assert_not_null(strstr(r.err, "devpickle recv: bad PORT '70000'"), "%s", r.err);
   res_free(r);
 }
+
+/* UCX logs its own errors, on stdout by default ("UCX ERROR bind(...)
+ * failed: Address already in use"), where recv may be writing its frame; the
+ * CLI's promise is one line on stderr per failure, so UCX's log is off unless
+ * UCX_LOG_LEVEL asks for it. */
+Test(cli, recv_on_a_port_in_use_says_so_in_one_line_with_no_log_of_ucx_beside_it) {
+  ucx_env();
+  unsetenv("UCX_LOG_LEVEL");
+  int port, fd = t_loopback_socket(1, &port);
+  char args[160], want[200];
+  snprintf(args, sizeof args, "recv %d --host 127.0.0.1 --timeout 1 -o never.dpk", port);
+  res_t r = run(args);
+  close(fd);
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_str_eq(r.out, "", "UCX's log on stdout: %s", r.out);
+  snprintf(want, sizeof want, "devpickle: 127.0.0.1:%d: transport: cannot listen: the address is in use", port);
+  cr_assert_eq(strncmp(r.err, want, strlen(want)), 0, "%s", r.err);
+  cr_assert_eq(strchr(r.err, '\n'), r.err + strlen(r.err) - 1, "more than one line on stderr: %s", r.err);
+  res_free(r);
+  /* asked for, UCX's log is there */
+  fd = t_loopback_socket(1, &port);
+  snprintf(args, sizeof args, "recv %d --host 127.0.0.1 --timeout 1 -o never.dpk", port);
+  setenv("UCX_LOG_LEVEL", "error", 1);
+  r = run(args);
+  unsetenv("UCX_LOG_LEVEL");
+  close(fd);
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert(strstr(r.out, "UCX  ERROR") || strstr(r.err, "UCX  ERROR"), "%s%s", r.out, r.err);
+  res_free(r);
+}

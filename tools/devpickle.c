@@ -12,6 +12,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <ucs/config/global_opts.h>
+
 #include "demo.h"
 #include "inspect.h"
 #include "vjson.h"
@@ -830,7 +832,8 @@ static const char *const help_send =
     "--timeout: give up when the whole exchange (send and answer) has taken\n"
     "SECONDS (default 60): 'send timed out: no answer from the receiver within\n"
     "SECONDS s (--timeout)'. UCX reads its own environment (UCX_TLS,\n"
-    "UCX_NET_DEVICES). Exit status 2: usage.\n"
+    "UCX_NET_DEVICES); its own log is off (UCX_LOG_LEVEL=fatal) unless\n"
+    "UCX_LOG_LEVEL is set. Exit status 2: usage.\n"
     "Use - for stdin. " STDIN_FRAME
     "Example: devpickle recv 5000 -o got.dpk & devpickle send f.dpk 127.0.0.1:5000\n";
 
@@ -851,6 +854,8 @@ static const char *const help_recv =
     "on stderr; the sender is told why a frame was refused or not written.\n"
     "The answer then has 10 s to leave ('recv timed out: the answer to the\n"
     "sender was not sent within 10 s', the status unchanged); 2 usage.\n"
+    "UCX reads its own environment (UCX_TLS, UCX_NET_DEVICES); its own log is\n"
+    "off (UCX_LOG_LEVEL=fatal) unless UCX_LOG_LEVEL is set.\n"
     "Example: devpickle recv 0 -o got.dpk (then send to the port it names)\n";
 
 typedef struct link_args {
@@ -902,6 +907,16 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
   if (a->npos < want_pos)
     return usage_error(cmd, "%s", want_pos == 2 ? "missing FRAME.dpk or HOST:PORT" : "missing PORT");
   return 0;
+}
+
+/* UCX logs its own errors, on stdout by default (a port in use: "UCX ERROR
+ * bind(...) failed"; a peer gone: its shared-memory errors): into the frame
+ * recv writes there, and beside the one line on stderr a failure gets here.
+ * Its log level is read from the environment when libucs is loaded, before
+ * main: so unless the user asked for a level (UCX_LOG_LEVEL), it is set to
+ * fatal here, before the transport starts. */
+static void quiet_ucx(void) {
+  if (!getenv("UCX_LOG_LEVEL")) ucs_global_opts_set_value("LOG_LEVEL", "fatal");
 }
 
 /* SECONDS as ns, at least 1 (a tiny --timeout is a short one, never 0). */
@@ -962,6 +977,7 @@ static int cmd_send(int argc, char **argv) {
   if (port < 1 || port > 65535 || !pend || *pend || colon[1] < '0' || colon[1] > '9')
     return usage_error("send", "'%s' is not HOST:PORT (PORT 1 to 65535)", a.pos[1]);
   if (a.timeout < 0) a.timeout = 60;
+  quiet_ucx();
   uint8_t *bytes;
   size_t n;
   if ((rc = read_frame(a.pos[0], &bytes, &n)) != 0) return rc;
@@ -1042,6 +1058,7 @@ static int cmd_recv(int argc, char **argv) {
   if (!a.out && isatty(STDOUT_FILENO)) /* before listening: no sender is left without an answer */
     return usage_error("recv", "%s", "stdout is a terminal: a frame is binary (-o FRAME.dpk, or -o - to write it there)");
   if (!a.out) a.out = "-";
+  quiet_ucx();
   char addr[320];
   snprintf(addr, sizeof addr, "%s:%s", a.host ? a.host : "0.0.0.0", port);
   dp_error_t e;
