@@ -1759,3 +1759,25 @@ Test(cli, recv_on_a_port_in_use_says_so_in_one_line_with_no_log_of_ucx_beside_it
   cr_assert(strstr(r.out, "UCX  ERROR") || strstr(r.err, "UCX  ERROR"), "%s%s", r.out, r.err);
   res_free(r);
 }
+
+/* A JSON number has no length limit (RFC 8259): a long decimal is the
+ * nearest double, as VALUE_JSON.md says of every number with a fraction,
+ * never "number too long"; a long integer that does not fit is named by its
+ * first digits and its length. */
+Test(cli, a_number_of_any_length_is_read_and_a_long_integer_out_of_range_is_named_briefly) {
+  char json[2048];
+  int k = snprintf(json, sizeof json, "[1.");
+  for (int i = 0; i < 700; i++) json[k++] = '0';
+  snprintf(json + k, sizeof json - (size_t)k, "1, 0.%0700d]", 5);
+  spit("long.json", json);
+  res_t r = run_sh("$D pack long.json -o long.dpk && $D unpack long.dpk --compact");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_str_eq(r.out, "[1.0,0.0]\n");
+  res_free(r);
+  k = snprintf(json, sizeof json, "[-");
+  for (int i = 0; i < 600; i++) json[k++] = (char)('1' + i % 9);
+  snprintf(json + k, sizeof json - (size_t)k, "]");
+  pack_fails("int.json", "x.dpk", json,
+             "devpickle: int.json: invalid JSON: integer -123456789123456789123456789123456789123\xE2\x80\xA6 "
+             "(600 digits) does not fit in 64 bits (line 1, column 2), at byte 1\n");
+}

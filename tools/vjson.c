@@ -447,22 +447,34 @@ static json_t *parse_number(ps_t *ps) {
     if (q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
     while (q < ps->end && *q >= '0' && *q <= '9') q++;
   }
-  char tmp[512];
+  /* Any length is a number (RFC 8259): a long one is copied to the heap
+   * (strtod reads a long mantissa in linear time). */
+  char small[512];
   size_t n = (size_t)(q - ps->p);
-  if (n >= sizeof tmp) return perr(ps, "number too long"), NULL;
+  char *tmp = n < sizeof small ? small : malloc(n + 1);
+  if (!tmp) return perr(ps, "out of memory"), NULL;
   memcpy(tmp, ps->p, n);
   tmp[n] = '\0';
   errno = 0;
   json_t *j;
+  const char *err = NULL;
   if (real) {
     double d = strtod(tmp, NULL);
-    if (errno == ERANGE && (d == HUGE_VAL || d == -HUGE_VAL)) return perr(ps, "real number overflow"), NULL;
-    j = json_real(d);
+    if (errno == ERANGE && (d == HUGE_VAL || d == -HUGE_VAL)) err = "real number overflow";
+    j = err ? NULL : json_real(d);
   } else {
     long long v = strtoll(tmp, NULL, 10);
-    if (errno == ERANGE) return perr(ps, "integer %s does not fit in 64 bits", tmp), NULL;
-    j = json_integer(v);
+    if (errno == ERANGE) err = "integer";
+    j = err ? NULL : json_integer(v);
   }
+  if (err && !real) { /* the integer as written, its first 40 digits when longer */
+    if (n > 41) perr(ps, "integer %.40s… (%zu digits) does not fit in 64 bits", tmp, n - (tmp[0] == '-'));
+    else perr(ps, "integer %s does not fit in 64 bits", tmp);
+  } else if (err) {
+    perr(ps, "%s", err);
+  }
+  if (tmp != small) free(tmp);
+  if (err) return NULL;
   if (!j) return perr(ps, "out of memory"), NULL;
   ps->p = q;
   return j;
