@@ -1781,3 +1781,15 @@ Test(cli, a_number_of_any_length_is_read_and_a_long_integer_out_of_range_is_name
              "devpickle: int.json: invalid JSON: integer -123456789123456789123456789123456789123\xE2\x80\xA6 "
              "(600 digits) does not fit in 64 bits (line 1, column 2), at byte 1\n");
 }
+
+/* A tag with a field too many says so: a $ref to an existing name is not
+ * reported as naming none, nor an $id with its "$value" as lacking one. */
+Test(cli, an_id_or_ref_with_a_field_too_many_is_named_as_such) {
+  pack_fails("ref.json", "x.dpk", "[{\"$id\": \"a\", \"$value\": []}, {\"$ref\": \"a\", \"x\": 1}]",
+             "devpickle: ref.json: $ref takes no other fields, at $[1]\n");
+  pack_fails("id.json", "x.dpk", "[{\"$id\": \"a\", \"$value\": [], \"$ref\": \"a\"}]",
+             "devpickle: id.json: $id takes one other field, \"$value\", at $[0]\n");
+  pack_fails("id2.json", "x.dpk", "[{\"$id\": \"a\"}]",
+             "devpickle: id2.json: $id needs a string name and a \"$value\", at $[0]\n");
+  pack_fails("ref2.json", "x.dpk", "[{\"$ref\": \"b\"}]", "devpickle: ref2.json: $ref \"b\" names no earlier $id, at $[0]\n");
+}

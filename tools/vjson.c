@@ -1187,8 +1187,8 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
   if (json_is_object(j)) {
     if ((x = json_object_get(j, "$id")) != NULL) {
       json_t *val = json_object_get(j, "$value");
-      if (!json_is_string(x) || !val || json_object_size(j) != 2)
-        return fail(r, DP_EINVAL, "$id needs a string name and a \"$value\"");
+      if (!json_is_string(x) || !val) return fail(r, DP_EINVAL, "$id needs a string name and a \"$value\"");
+      if (json_object_size(j) != 2) return fail(r, DP_EINVAL, "$id takes one other field, \"$value\"");
       if (find_id(r, json_string_value(x), json_string_length(x)))
         return fail(r, DP_EINVAL, "$id %s is defined twice", shown(x, 1, r->scratch));
       if (json_is_object(val) && json_object_get(val, "$id"))
@@ -1214,9 +1214,9 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
       return rc;
     }
     if ((x = json_object_get(j, "$ref")) != NULL) {
+      if (json_object_size(j) != 1) return fail(r, DP_EINVAL, "$ref takes no other fields");
       idnode_t *node = json_is_string(x) ? find_id(r, json_string_value(x), json_string_length(x)) : NULL;
-      if (!node || json_object_size(j) != 1)
-        return fail(r, DP_EINVAL, "$ref %s names no earlier $id", shown(x, 1, r->scratch));
+      if (!node) return fail(r, DP_EINVAL, "$ref %s names no earlier $id", shown(x, 1, r->scratch));
       *out = dp_value_retain(node->v);
       return 0;
     }
