@@ -3,6 +3,7 @@
 /* The devpickle CLI: subcommands, exit codes and messages. */
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <math.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -1792,4 +1793,69 @@ Test(cli, an_id_or_ref_with_a_field_too_many_is_named_as_such) {
   pack_fails("id2.json", "x.dpk", "[{\"$id\": \"a\"}]",
              "devpickle: id2.json: $id needs a string name and a \"$value\", at $[0]\n");
   pack_fails("ref2.json", "x.dpk", "[{\"$ref\": \"b\"}]", "devpickle: ref2.json: $ref \"b\" names no earlier $id, at $[0]\n");
+}
+
+/* The name of a temporary output file in dir (".devpickle-XXXXXX"), if any. */
+static int tmp_file_in_dir(void) {
+  DIR *d = opendir(dir);
+  cr_assert_not_null(d);
+  struct dirent *e;
+  int found = 0;
+  while ((e = readdir(d)) != NULL) found |= strncmp(e->d_name, ".devpickle-", 11) == 0;
+  closedir(d);
+  return found;
+}
+
+/* A command ended by a signal (Ctrl-C, kill, a hang-up) while it writes -o
+ * removes its temporary file: an interrupted unpack of a large frame would
+ * otherwise leave its gigabytes beside the target under a hidden name. The
+ * old file stays as it was. */
+Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file) {
+  /* 64 nests 2,000 levels deep: indented, about 8 MB of JSON each */
+  char path[128];
+  path_in(path, sizeof path, "deep.json");
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  fputc('[', f);
+  for (int k = 0; k < 64; k++) {
+    if (k) fputc(',', f);
+    for (int i = 0; i < 1999; i++) fputc('[', f);
+    fputc('1', f);
+    for (int i = 0; i < 1999; i++) fputc(']', f);
+  }
+  fputs("]\n", f);
+  fclose(f);
+  res_t r = run("pack deep.json -o deep.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  spit("out.json", "old\n");
+  static const int sigs[] = {SIGTERM, SIGINT, SIGHUP};
+  for (int s = 0; s < 3; s++) {
+    char abs[512];
+    cr_assert_not_null(realpath(cli, abs));
+    pid_t pid = fork();
+    cr_assert_neq(pid, -1);
+    if (pid == 0) {
+      if (chdir(dir) != 0) _exit(99);
+      signal(SIGINT, SIG_DFL); /* as an interactive shell starts it */
+      signal(SIGHUP, SIG_DFL);
+      execl(abs, abs, "unpack", "deep.dpk", "-o", "out.json", (char *)NULL);
+      _exit(98);
+    }
+    int st, seen = 0;
+    while (!seen && waitpid(pid, &st, WNOHANG) == 0) {
+      seen = tmp_file_in_dir();
+      if (!seen) usleep(1000);
+    }
+    cr_assert(seen, "unpack ended before its temporary file was seen");
+    kill(pid, sigs[s]);
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == sigs[s], "unpack did not end by signal %d (status %d)", sigs[s], st);
+    cr_assert_not(tmp_file_in_dir(), "signal %d left the temporary file", sigs[s]);
+    char op[128];
+    path_in(op, sizeof op, "out.json");
+    char *old = slurp(op, NULL);
+    cr_assert_str_eq(old, "old\n");
+    free(old);
+  }
 }

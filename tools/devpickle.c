@@ -238,6 +238,36 @@ static char *follow_links(const char *path, int *fd) {
  * it fits NAME_MAX whatever the target's own name is. */
 #define TMP_NAME ".devpickle-XXXXXX"
 
+/* The temporary file being written, for a signal that ends the command
+ * (Ctrl-C, kill, a hang-up) to remove: an interrupted `unpack -o` of a large
+ * frame would otherwise leave gigabytes under a hidden name. One output at a
+ * time; set once the name is complete, cleared before it is freed. */
+static char *volatile tmp_pending;
+
+static void on_fatal_signal(int sig) {
+  char *t = tmp_pending;
+  if (t) unlink(t); /* async-signal-safe */
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+static void watch_tmp(char *tmp) {
+  static int installed;
+  if (!installed) {
+    static const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+      struct sigaction sa, old;
+      memset(&sa, 0, sizeof sa);
+      sa.sa_handler = on_fatal_signal;
+      sigemptyset(&sa.sa_mask);
+      /* a signal the caller ignores (nohup, a shell's background job) stays ignored */
+      if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler != SIG_IGN) sigaction(sigs[i], &sa, NULL);
+    }
+    installed = 1;
+  }
+  tmp_pending = tmp;
+}
+
 static int sink_open(sink_t *s, const char *path) {
   memset(s, 0, sizeof *s);
   s->path = path;
@@ -282,6 +312,7 @@ static int sink_open(sink_t *s, const char *path) {
   memcpy(s->tmp, target, dirlen);
   memcpy(s->tmp + dirlen, TMP_NAME, sizeof TMP_NAME);
   fd = mkstemp(s->tmp);
+  if (fd >= 0) watch_tmp(s->tmp);
   if (fd < 0) {
     int e = errno;
     free(s->tmp);
@@ -296,6 +327,7 @@ static int sink_open(sink_t *s, const char *path) {
     int e = errno;
     close(fd);
     unlink(s->tmp);
+    tmp_pending = NULL;
     free(s->tmp);
     free(s->target);
     s->tmp = s->target = NULL;
@@ -314,6 +346,7 @@ static int sink_close(sink_t *s, int ok) {
   if (s->tmp) {
     if (!e && ok && rename(s->tmp, s->target ? s->target : s->path) != 0) e = errno;
     if (e || !ok) unlink(s->tmp);
+    tmp_pending = NULL;
     free(s->tmp);
   }
   free(s->target);
