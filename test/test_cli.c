@@ -1731,6 +1731,16 @@ Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_conne
   res_free(r);
 }
 
+/* An empty --host is a usage error (status 2, before listening), as a bad
+ * PORT is, not a runtime failure naming the address ':0'. */
+Test(cli, recv_refuses_an_empty_host_as_a_usage_error) {
+  res_t r = run("recv 0 --host '' -o x.dpk --timeout 1");
+  cr_assert_eq(r.status, 2, "%s", r.err);
+  cr_assert_str_eq(r.err, "devpickle recv: --host needs a host name or address, not ''\n"
+                          "Try 'devpickle recv --help'.\n");
+  res_free(r);
+}
+
 /* UCX logs its own errors, on stdout by default ("UCX ERROR bind(...)
  * failed: Address already in use"), where recv may be writing its frame; the
  * CLI's promise is one line on stderr per failure, so UCX's log is off unless

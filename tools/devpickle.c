@@ -919,6 +919,7 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
       if (strcmp(s, "--host") == 0) {
         if (!allow_o) return usage_error(cmd, "unknown option '%s'", s);
         if (a->host) return usage_error(cmd, "%s", "--host given twice");
+        if (!argv[i][0]) return usage_error(cmd, "%s", "--host needs a host name or address, not ''");
         a->host = argv[i];
       } else if (strcmp(s, "--timeout") == 0) {
         if (a->timeout >= 0) return usage_error(cmd, "%s", "--timeout given twice");
