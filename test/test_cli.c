@@ -1869,3 +1869,25 @@ Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file
     free(old);
   }
 }
+
+/* 'devpickle help COMMAND' is COMMAND --help, as a new user types it. */
+Test(cli, help_followed_by_a_command_prints_that_commands_help) {
+  static const char *const cmds[] = {"pack", "unpack", "dump", "inspect", "verify", "demo", "send", "recv"};
+  for (int i = 0; i < 8; i++) {
+    char args[64], want[64];
+    snprintf(args, sizeof args, "help %s", cmds[i]);
+    res_t r = run(args);
+    cr_assert_eq(r.status, 0, "%s: %s", args, r.err);
+    snprintf(want, sizeof want, "usage: devpickle %s", cmds[i]);
+    cr_assert_eq(strncmp(r.out, want, strlen(want)), 0, "%s says: %s", args, r.out);
+    res_free(r);
+  }
+  res_t r = run("help bogus");
+  cr_assert_eq(r.status, 2);
+  cr_assert_eq(strncmp(r.err, "devpickle: unknown command 'bogus'\n", 35), 0, "%s", r.err);
+  res_free(r);
+  r = run("help pack unpack");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle help: unexpected argument 'unpack'\nTry 'devpickle help COMMAND'.\n");
+  res_free(r);
+}

@@ -43,7 +43,8 @@ static const char *const usage_main =
     "a file named -). -o, --host or --timeout given twice is a usage error.\n"
     "A frame on stdin is read up to its end and at most 64 KiB past it (more is\n"
     "an error, so an endless pipe never holds a command); a terminal is refused.\n"
-    "Run 'devpickle <command> --help' for a command's options.\n"
+    "Run 'devpickle <command> --help' (or 'devpickle help <command>') for a\n"
+    "command's options.\n"
     "\n"
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
     "'devpickle: FILE: what, at byte N' for a frame or for text that is not JSON,\n"
@@ -1176,6 +1177,22 @@ int main(int argc, char **argv) {
   signal(SIGXFSZ, SIG_IGN);
   if (argc < 2) {
     fputs(usage_main, stderr);
+    return EXIT_USAGE;
+  }
+  if (strcmp(argv[1], "help") == 0 && argc > 2 && strcmp(argv[2], "--help") != 0 && strcmp(argv[2], "-h") != 0) {
+    /* help CMD: CMD --help */
+    char help_flag[] = "--help", *args[] = {argv[2], help_flag, NULL};
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0] && argc == 3; i++)
+      if (strcmp(argv[2], commands[i].name) == 0) return commands[i].run(2, args);
+    if (argc > 3) {
+      fputs("devpickle help: unexpected argument '", stderr);
+      put_text(stderr, argv[3]);
+      fputs("'\nTry 'devpickle help COMMAND'.\n", stderr);
+      return EXIT_USAGE;
+    }
+    fputs("devpickle: unknown command '", stderr);
+    put_text(stderr, argv[2]);
+    fprintf(stderr, "'\n\n%s", usage_main);
     return EXIT_USAGE;
   }
   if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
