@@ -318,6 +318,13 @@ def _numpy_scalar(dtype, data):
     if dt.shape:  # a subarray dtype ("(2,)i4") makes an array, not a scalar
         raise TypeError(f"loads: a numpy.generic of dtype {dtype!r}, which is not a scalar dtype "
                         f"(its items have shape {dt.shape})")
+    if dt.kind == "U":
+        # numpy makes a str_ of the code points as they are: one past U+10FFFF
+        # is CPython's SystemError, or a str no Python code could make
+        points = np.frombuffer(data, dtype=np.dtype("u4").newbyteorder(dt.byteorder))
+        if points.size and int(points.max()) > 0x10FFFF:
+            raise TypeError(f"loads: a numpy.generic of dtype {dtype!r} whose data holds a code point past "
+                            f"U+10FFFF ({int(points.max()):#x})")
     return np.ndarray((), dtype=dt, buffer=data)[()]  # itemsize 0 too (numpy.void(b""))
 
 

@@ -375,6 +375,21 @@ def test_a_numpy_scalar_whose_dtype_is_not_a_scalar_dtype_is_refused_not_made_an
         devpickle.loads(frame)
 
 
+@pytest.mark.parametrize("dtype, data", [("<U1", b"\xff\xff\xff\xff"), (">U1", b"\0\x11\0\0"),
+                                         ("<U2", b"x\0\0\0\0\0\x11\0")])
+def test_a_numpy_str_scalar_whose_code_point_is_past_unicode_is_a_type_error_not_a_system_error(dtype, data):
+    # numpy makes a str_ of the code points as given: 0xffffffff was CPython's
+    # SystemError, and 0x110000 after another character a str past U+10FFFF
+    frame = devpickle.dumps([spoof("numpy.generic", dtype=dtype, data=data)], inline=True)
+    with pytest.raises(TypeError, match=r"loads: a numpy.generic of dtype '.U\d' whose data holds a code point "
+                                        r"past U\+10FFFF \(0x"):
+        devpickle.loads(frame)
+    # what numpy itself makes still comes back, lone surrogates too
+    for v in (np.str_("h\u00e9llo\U0010ffff"), np.str_("\ud800"), np.str_("")):
+        out = devpickle.loads(devpickle.dumps(v))
+        assert type(out) is np.str_ and out == v
+
+
 def test_a_numpy_scalar_of_zero_bytes_comes_back_instead_of_raising_numpys_error():
     out = devpickle.loads(devpickle.dumps([np.void(b"")], inline=True))
     assert type(out[0]) is np.void and out[0].tobytes() == b""
