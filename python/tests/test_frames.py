@@ -1008,3 +1008,15 @@ def test_raw_of_a_buffer_whose_memory_moved_after_dumps_found_it_is_refused_neve
     for buf in got[1:]:
         with pytest.raises(ValueError, match=r"its memory moved since dumps found it"):
             buf.raw()
+
+
+def test_a_str_holding_a_lone_surrogate_is_a_walk_error_in_dumps_and_walked_as_any_str_elsewhere():
+    # a frame's str is valid UTF-8; pickle carries "\ud800", dumps refuses it by its path
+    for value, path in (("\ud800", "$"), ({"k": ["x", "\udc00"]}, "$.k[1]"), ({"\ud800": 1}, "$[")):
+        with pytest.raises(devpickle.WalkError, match=r"at \$.*not valid UTF-8") as e:
+            devpickle.dumps(value)
+        assert path in str(e.value)
+    assert devpickle.scan({"\ud800": "\udc00"}) == []
+    f = devpickle.Future()
+    f.set_result("\ud800")
+    assert f.wait() == "\ud800"
