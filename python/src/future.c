@@ -518,7 +518,9 @@ static PyObject *outcome(pyfut_t *self) {
     dp_error_t e;
     int code = dp_future_error(self->f, &e);
     if (!code) { /* a collect_all future completed by hand (set_result) has that result */
-      if (self->inputs && !self->result) return Py_NewRef(self->inputs);
+      /* a new list each time, as torch's: a caller that changes it changes
+       * its own copy, not what the future's other consumers get */
+      if (self->inputs && !self->result) return PyList_GetSlice(self->inputs, 0, PyList_GET_SIZE(self->inputs));
       return Py_NewRef(self->result ? self->result : Py_None);
     }
     if (self->exc) {

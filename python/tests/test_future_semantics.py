@@ -848,6 +848,22 @@ def test_collect_all_completes_with_its_inputs(Future, collect_all):
     assert [r.value() for r in both.value()] == [1, 2]
 
 
+def test_collect_all_hands_each_consumer_a_list_of_its_own(Future, collect_all):
+    # torch makes a new list at each wait() and value(): one consumer that
+    # changes its list (a then() callback, a caller) changes nobody else's
+    f1, f2 = Future(), Future()
+    both = collect_all([f1, f2])
+    changed = both.then(lambda f: f.value().clear())
+    f1.set_result(1)
+    f2.set_result(2)
+    changed.wait()
+    mine = both.wait()
+    mine.append("x")
+    mine[0] = None
+    assert [r.wait() for r in both.wait()] == [1, 2]
+    assert [r.value() for r in both.value()] == [1, 2]
+
+
 def test_collect_all_is_not_done_until_every_input_is_even_after_a_failure(Future, collect_all):
     ok, bad = Future(), Future()
     both = collect_all([ok, bad])
