@@ -643,6 +643,8 @@ static void complete_child(pyfut_t *child, PyObject *r) {
     if (!text) { /* a RuntimeError still, as torch's, whatever its __str__ does */
       PyErr_Clear();
       text = PyUnicode_FromString("<exception str() failed>");
+    } else if (PyUnicode_Check(text) && PyUnicode_GET_LENGTH(text) == 0) { /* as torch words it */
+      Py_SETREF(text, PyUnicode_FromString("<EMPTY MESSAGE>"));
     }
     PyObject *wrapped = text ? PyUnicode_FromFormat("Got the following error when running the callback: %s: %U",
                                                     _PyType_Name(Py_TYPE(cause)), text)

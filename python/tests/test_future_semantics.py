@@ -698,13 +698,6 @@ def test_an_error_in_a_then_callback_fails_the_child_only(Future, case):
         child.value()
 
 
-THEN_ERROR_IS_RUNTIME_ERROR = (
-    "torch fails the child of a then() whose callback raised with RuntimeError('Got the following error "
-    "when running the callback: <Type>: <message>' + a traceback), whatever the callback raised; "
-    "devpickle.Future fails it with the callback's own exception (its type and message unwrapped)"
-)
-
-
 @pytest.mark.parametrize("case", sorted(ERRORS_IN_THEN))
 def test_an_error_in_a_then_callback_is_a_runtime_error_naming_it(Future, case):
     callback, type_name, message = ERRORS_IN_THEN[case]
@@ -715,6 +708,19 @@ def test_an_error_in_a_then_callback_is_a_runtime_error_naming_it(Future, case):
         child.wait()
     with pytest.raises(RuntimeError, match=f"{type_name}: .*{message}"):
         child.value()
+
+
+@pytest.mark.parametrize("error", [KeyError(), ValueError(""), KeyboardInterrupt()])
+def test_an_error_with_an_empty_message_in_a_then_callback_says_so_as_torch_does(Future, error):
+    def callback(fut):
+        raise error
+
+    f = Future()
+    child = f.then(callback)
+    f.set_result(1)
+    with pytest.raises(RuntimeError, match=f"^Got the following error when running the callback: "
+                                           f"{type(error).__name__}: <EMPTY MESSAGE>"):
+        child.wait()
 
 
 class UnprintableError(Exception):
