@@ -697,6 +697,19 @@ int dp_future_error(const dp_future_t *f, dp_error_t *err) {
 
 #define STREAMS_INLINE 16
 
+/* The callback of e cannot run (its streams could not be set up: err says
+ * why): the child fails with err, and a dp_then_ptrs_cb is told so (ptrs
+ * NULL), so that it can complete what it owns and free its ud. */
+static void not_run(dp_future_t *p, cbent_t *e, dp_error_t *err) {
+  if (e->ptrs_cb) {
+    dp_value_t unused = dp_none();
+    dp_error_t copy = *err;
+    e->ptrs_cb(e->ud, p, &unused, NULL, &copy);
+    dp_value_release(unused);
+  }
+  dp_future_set_error(e->child, err, NULL);
+}
+
 /* Runs a then() callback for a completed parent. */
 static void run_then(dp_future_t *p, cbent_t *e) {
   dp_future_t *child = e->child;
@@ -713,7 +726,7 @@ static void run_then(dp_future_t *p, cbent_t *e) {
   dp__current_saved_t inl[STREAMS_INLINE], *prev = inl;
   if (n > STREAMS_INLINE && !(prev = dp__alloc_array(n, sizeof *prev))) {
     dp__err(&err, DP_ENOMEM, "out of memory running a callback");
-    dp_future_set_error(child, &err, NULL);
+    not_run(p, e, &err);
     return;
   }
   size_t set = 0;
@@ -728,11 +741,13 @@ static void run_then(dp_future_t *p, cbent_t *e) {
     if (rc) break;
     dp__current_stream_enter(s, &prev[set]);
   }
+  int ran = 0; /* the callback was called */
   if (rc == 0 && e->ptrs_cb) {
     /* The callback reports its result's allocations: no walk. */
     dp_value_t result = dp_none();
     int owned;
     dp_ptrset_t *found = scratch_get(&owned, &err);
+    ran = found != NULL;
     rc = found ? dp__cb_rc(e->ptrs_cb(e->ud, p, &result, found, &err), &err, "the callback") : err.code;
     if (rc) {
       dp_value_release(result);
@@ -742,6 +757,7 @@ static void run_then(dp_future_t *p, cbent_t *e) {
     if (found) scratch_put(found, owned);
   } else if (rc == 0) {
     dp_value_t result = dp_none();
+    ran = 1;
     rc = dp__cb_rc(e->cb(e->ud, p, &result, &err), &err, "the callback");
     if (rc) {
       dp_value_release(result);
@@ -752,7 +768,8 @@ static void run_then(dp_future_t *p, cbent_t *e) {
     }
   }
   for (size_t i = set; i-- > 0;) dp__current_stream_leave(p->rec.devs[i].dev, &prev[i]);
-  if (rc) dp_future_set_error(child, &err, NULL);
+  if (rc && !ran) not_run(p, e, &err);
+  else if (rc) dp_future_set_error(child, &err, NULL);
   if (prev != inl) dp__free(prev, n * sizeof *prev);
 }
 

@@ -1760,3 +1760,58 @@ Test(future, a_callback_waiting_on_a_future_it_completed_returns_after_that_futu
   dp_future_release(other);
   dp_future_release(f);
 }
+
+/* A then-with-pointers callback is told when it cannot run (its pool
+ * streams could not be set up: an allocation failed): called once with ptrs
+ * NULL and err saying why, so that a binding completes what it owns and
+ * frees ud — it was never called, and a Python then() child waited
+ * forever. Every allocation of the then() call and of running it is failed
+ * in turn. */
+typedef struct told {
+  int calls, not_run;
+} told_t;
+
+static int tell(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)parent;
+  told_t *t = ud;
+  t->calls++;
+  if (!ptrs) {
+    t->not_run++;
+    cr_assert(err->message[0], "err says why the callback could not run");
+    return err->code;
+  }
+  *result = dp_int(5);
+  return 0;
+}
+
+Test(future, a_then_with_pointers_callback_that_cannot_run_is_told_so_once) {
+  int told_not_run = 0;
+  for (long k = 1; k < 400; k++) {
+    dp_value_t t = device_ints(H0, 4); /* the parent's value holds host:0 memory: a stream to set up */
+    dp_future_t *parent = future(), *child = NULL;
+    OK(dp_future_mark_completed(parent, dp_value_retain(t), T_ERR));
+    told_t seen = {0, 0};
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_future_then_with_ptrs(parent, tell, &seen, &child, NULL);
+    t_fail_at = 0;
+    if (rc) {
+      cr_assert_eq(seen.calls, 0, "a refused then() never calls back");
+    } else {
+      cr_assert_eq(seen.calls, 1, "called once, however the run went (k %ld)", k);
+      dp_error_t e;
+      int w = dp_future_wait(child, -1, &e);
+      if (seen.not_run) {
+        told_not_run++;
+        cr_assert_neq(w, 0, "the child of a callback that could not run fails");
+      }
+      dp_future_release(child);
+    }
+    dp_future_release(parent);
+    free_ints(t);
+    dp_value_release(t);
+    dp_shutdown(); /* the next round makes its pool streams again */
+    OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+    if (!rc && !seen.not_run && told_not_run) break; /* past every allocation */
+  }
+  cr_assert(told_not_run > 0, "some failed allocation kept the streams from being set up");
+}

@@ -149,7 +149,12 @@ DP_API int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t *
  *  callbacks read the parent's outcome themselves needs. ptrs is an empty
  *  set: add the result's allocations to it (dp_ptrset_add, or dp_scan).
  *  Return 0 and a new reference in *result, or an error code with err
- *  filled: the child fails with it. */
+ *  filled: the child fails with it. When the callback cannot run — the
+ *  pool streams it would run on cannot be set up to wait on the parent's
+ *  events (out of memory, a stream or event the backend refuses) — it is
+ *  called once all the same with ptrs NULL and err saying why, so that it
+ *  can complete what it owns and free ud; its return and *result are then
+ *  ignored, and the child fails with that error. */
 typedef int (*dp_then_ptrs_cb)(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs,
                                dp_error_t *err);
 /** As dp_future_then, with a dp_then_ptrs_cb: the child completes with the

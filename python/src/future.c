@@ -697,9 +697,15 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
   (void)err;
   then_ud_t *u = ud;
   PyGILState_STATE g = PyGILState_Ensure();
-  swap_t sw;
-  streams_in(parent, &sw);
-  PyObject *r = PyObject_CallOneArg(u->callback, (PyObject *)u->parent);
+  swap_t sw = {0};
+  PyObject *r;
+  if (ptrs) {
+    streams_in(parent, &sw);
+    r = PyObject_CallOneArg(u->callback, (PyObject *)u->parent);
+  } else { /* the library could not set the callback's streams up: it does not run, the child fails */
+    PyErr_Format(PyExc_RuntimeError, "the callback could not run: %s", err->message);
+    r = NULL;
+  }
   pyfut_t *child = u->child;
   if (child && (child->completing || dp_future_is_done(child->f))) {
     if (r) {
