@@ -1404,6 +1404,59 @@ Test(transport, a_corrupt_frame_announcing_buffers_that_never_come_fails_its_rec
   first_receive_fails(send_corrupt_announcing_buffers, DP_ETRUNC, NULL, 0);
 }
 
+/* peer: a corrupt frame whose message announces `arg` buffers of 4 KiB
+ * each, then a good value (7), then — late, behind that value's frame —
+ * only the first of those buffers, then another good value (8) */
+static int send_corrupt_then_good_then_late_buffer(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  uint32_t nbuf = (uint32_t)(uintptr_t)arg;
+  uint8_t junk[64], data[4096];
+  memset(junk, 0x5a, sizeof junk);
+  memcpy(junk, "DPKL", 4);
+  memset(data, 0x33, sizeof data);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, nbuf, 0, sizeof junk, (uint64_t)nbuf * sizeof data};
+  dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 0, 0, sizeof data, 0, sizeof data};
+  dp_error_t e;
+  dp_future_t *d;
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 11;
+  if (dp_endpoint_send(ep, dp_int(7), &d, &e) || wait_f(d, &e)) return 12;
+  dp_future_release(d);
+  if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &b, sizeof b, data, sizeof data, &e)) return 13;
+  return send_good_and_stay(ep, 8, 14);
+}
+
+/* The receiving side: the refused frame's receive fails with the reader's
+ * error, the two values after it arrive, and the endpoint works on. */
+static void refused_frame_owing_buffers(uint32_t nbuf) {
+  t_track();
+  peer_t p = spawn_peer(send_corrupt_then_good_then_late_buffer, (void *)(uintptr_t)nbuf, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r[3], *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer's first message goes to a known endpoint */
+  for (int i = 0; i < 3; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
+  cr_assert_eq(wait_f(r[0], &e), DP_ETRUNC, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "truncated frame"), "%s", e.message);
+  OK_WITH(&e, wait_f(r[1], &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r[1])), 7);
+  OK_WITH(&e, wait_f(r[2], &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r[2])), 8);
+  cr_assert_eq(dp_endpoint_error(ep, &e), 0, "the endpoint failed: %s", e.message);
+  OK_WITH(&e, wait_f(d, &e));
+  for (int i = 0; i < 3; i++) dp_future_release(r[i]);
+  dp_future_release(d);
+  close_clean(ep, t, p);
+}
+
+Test(transport, a_refused_frame_whose_buffers_come_after_the_next_frame_lets_the_next_values_arrive) {
+  refused_frame_owing_buffers(1);
+}
+
+Test(transport, a_refused_frame_announcing_buffers_that_never_come_does_not_hold_back_the_next_values) {
+  refused_frame_owing_buffers(3); /* one of three comes, late; two never do */
+}
+
 /* peer: sends an active message with a header no devpickle peer writes */
 static int send_garbage_header(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;

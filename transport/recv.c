@@ -106,7 +106,9 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
       return DP_EFORMAT;
     }
   }
-  m->held = m->buf_bytes + (pulled ? len : 0); /* an eager frame was never the sender's to hold back */
+  /* an eager frame was never the sender's to hold back; a refused message
+     holds nothing (its buffers are dropped as they come, whatever it claims) */
+  m->held = m->failed ? 0 : m->buf_bytes + (pulled ? len : 0);
   ep->held += m->held;
   m->charge = credit_of(h, len);
   if (ep->rq_tail) ep->rq_tail->next = m;
@@ -344,6 +346,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
     return -1;
   }
+  m->got = sat_add(m->got, h->total);
   if (h->count > 1 || h->offset + h->total == h->size) {
     m->next_index += h->count;
     m->next_off = 0;
@@ -616,14 +619,149 @@ static int process(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, const void
   return on_bufs(t, ep, hdr, data, len, rndv, 0, 0);
 }
 
+/* A refused message's buffers are of no use: once its sender's next frame
+ * is due, that frame does not wait for them (a peer whose header announced
+ * buffers it never sends would hold every later value back). The message
+ * is complete then (its receive fails, as it did or will), and its pieces
+ * still to come are dropped as they arrive — rendezvous ones pulled into
+ * scratch memory, so that the sender's send completes — until its header's
+ * count of buffers and bytes has come. */
+typedef struct absorb {
+  struct absorb *next;
+  uint64_t seq, nbuf;
+  uint64_t bufs_left, bytes_left;
+} absorb_t;
+
+#define DP__MAX_ABSORB 1024 /* refused messages whose buffers are still owed */
+
+void dp__tp_absorb_free(dp_endpoint_t *ep) {
+  for (absorb_t *a = ep->absorb, *n; a; a = n) {
+    n = a->next;
+    dp__free(a, sizeof *a);
+  }
+  ep->absorb = NULL;
+  ep->nabsorb = 0;
+}
+
+static absorb_t *absorbing(const dp_endpoint_t *ep, unsigned id, uint64_t seq) {
+  if (id == DP__AM_FRAME) return NULL;
+  for (absorb_t *a = ep->absorb; a; a = a->next)
+    if (a->seq == seq) return a;
+  return NULL;
+}
+
+static void drain_rndv(dp_transport_t *t, dp_endpoint_t *ep, void *data, size_t n);
+
+/* A piece of a refused message passed by its next frame: dropped (a shared
+ * slot given back). The caller releases eager data. */
+static void absorb_piece(dp_transport_t *t, dp_endpoint_t *ep, absorb_t *a, unsigned id, const void *hdr, void *data,
+                         size_t len, int rndv) {
+  dp__am_bufs_hdr_t h;
+  memcpy(&h, hdr, sizeof h);
+  int shm = id == DP__AM_SHM_PIECE;
+  uint64_t slot = shm ? ((const dp__am_shm_piece_t *)hdr)->slot : 0;
+  int ok = h.count <= a->nbuf && h.first <= a->nbuf - h.count &&
+           (shm ? !rndv && !len && ep->rshm && slot < DP__STAGE_SLOTS && h.total <= DP__STAGE_CHUNK : len == h.total);
+  if (!ok) {
+    if (rndv) ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
+    return;
+  }
+  if (shm) dp__tp_shm_done(ep, slot);
+  else if (rndv) drain_rndv(t, ep, data, len);
+  a->bytes_left -= h.total < a->bytes_left ? h.total : a->bytes_left;
+  uint64_t bufs = h.count > 1 ? h.count : h.offset + h.total == h.size;
+  a->bufs_left -= bufs < a->bufs_left ? bufs : a->bufs_left;
+  if (a->bufs_left || a->bytes_left) return;
+  for (absorb_t **p = &ep->absorb; *p; p = &(*p)->next)
+    if (*p == a) {
+      *p = a->next;
+      break;
+    }
+  ep->nabsorb--;
+  dp__free(a, sizeof *a);
+}
+
+/* 1 when the current message is refused and still owed buffers. */
+static int refused_owed(const dp_endpoint_t *ep) {
+  return ep->cur && ep->cur->failed && ep->cur->next_index < ep->cur->nbuf;
+}
+
+/* The current message is refused and its sender's next frame is due: that
+ * frame goes on without its buffers (absorb_t). */
+static void pass_refused(dp_transport_t *t, dp_endpoint_t *ep) {
+  rmsg_t *m = ep->cur;
+  absorb_t *a = ep->nabsorb < DP__MAX_ABSORB ? dp__alloc(sizeof *a) : NULL;
+  if (!a) {
+    dp__tp_ep_failf(ep, ep->nabsorb < DP__MAX_ABSORB ? DP_ENOMEM : DP_ELIMIT, "%s",
+                    ep->nabsorb < DP__MAX_ABSORB ? "out of memory passing a refused frame"
+                                                 : "too many refused frames whose buffers never came");
+    return;
+  }
+  a->seq = m->seq;
+  a->nbuf = m->nbuf;
+  a->bufs_left = m->nbuf - m->next_index;
+  a->bytes_left = m->buf_bytes > m->got ? m->buf_bytes - m->got : 0;
+  a->next = ep->absorb;
+  ep->absorb = a;
+  ep->nabsorb++;
+  m->next_index = m->nbuf;
+  m->next_off = 0;
+  ep->cur = NULL;
+  /* its pieces parked so far lead the inbox (the sender's order) */
+  while (ep->in_head && !ep->dead && ep->in_head->id != DP__AM_FRAME && key_of(ep->in_head->id, ep->in_head->hdr).seq == m->seq) {
+    inbox_t *b = ep->in_head;
+    ep->in_head = b->next;
+    if (!ep->in_head) ep->in_tail = NULL;
+    else ep->in_head->prev = NULL;
+    ep->nparked--;
+    absorb_t *ab = absorbing(ep, b->id, m->seq);
+    if (ab) {
+      absorb_piece(t, ep, ab, b->id, b->hdr, b->data, b->len, b->rndv);
+      if (!b->rndv && b->data) ucp_am_data_release(b->w, b->data);
+    } else {
+      if (b->data) ucp_am_data_release(b->w, b->data);
+      dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
+    }
+    dp__free(b, sizeof *b);
+  }
+  dp__tp_deliver(t, ep);
+}
+
+/* 1 when the frame of the next value is parked. */
+static int next_frame_parked(const dp_endpoint_t *ep) {
+  for (const inbox_t *b = ep->in_head; b; b = b->next) {
+    key_t k = key_of(b->id, b->hdr);
+    if (k.seq > ep->recv_seq) return 0;
+    if (b->id == DP__AM_FRAME && k.seq == ep->recv_seq) return 1;
+  }
+  return 0;
+}
+
 /* Processes parked messages whose turn has come. */
 void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
   while (ep->in_head && !ep->dead) {
     inbox_t *b = ep->in_head;
-    int c = key_cmp(key_of(b->id, b->hdr), expected(ep));
+    key_t k = key_of(b->id, b->hdr);
+    int c = key_cmp(k, expected(ep));
+    absorb_t *a;
+    if (c < 0 && (a = absorbing(ep, b->id, k.seq))) { /* a refused message's, passed */
+      ep->in_head = b->next;
+      if (!ep->in_head) ep->in_tail = NULL;
+      else ep->in_head->prev = NULL;
+      ep->nparked--;
+      absorb_piece(t, ep, a, b->id, b->hdr, b->data, b->len, b->rndv);
+      if (!b->rndv && b->data) ucp_am_data_release(b->w, b->data);
+      dp__free(b, sizeof *b);
+      continue;
+    }
     if (c < 0) { /* a repeat, parked while the one it repeats was being pulled */
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
       return;
+    }
+    if (c > 0 && refused_owed(ep) && next_frame_parked(ep)) {
+      pass_refused(t, ep);
+      continue;
     }
     if (c > 0 || blocked(t, ep, b->id)) return;
     ep->in_head = b->next;
@@ -695,7 +833,19 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
     }
   }
   key_t k = key_of(id, h);
+  if (id == DP__AM_FRAME && k.seq == ep->recv_seq && refused_owed(ep)) {
+    pass_refused(t, ep);
+    if (ep->dead) {
+      if (rndv) ucp_am_data_release(t->worker, data);
+      return UCS_OK;
+    }
+  }
   int c = key_cmp(k, expected(ep));
+  absorb_t *a;
+  if (c < 0 && (a = absorbing(ep, id, k.seq))) {
+    absorb_piece(t, ep, a, id, h, data, len, rndv);
+    return UCS_OK;
+  }
   if (c < 0) {
     if (rndv) ucp_am_data_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");

@@ -177,6 +177,7 @@ struct rmsg {
   size_t pending;           /* rendezvous receives in flight */
   int failed;               /* the message is refused: its buffers are drained */
   int answered;             /* failed, and its receive already told so: kept only to absorb its buffers */
+  uint64_t got;             /* bytes of its buffers' messages received so far */
   dp_error_t error;
   int detached;             /* the endpoint let go; free when pending == 0 */
 };
@@ -245,6 +246,8 @@ struct dp_endpoint {
   inbox_t *in_head, *in_tail;  /* parked messages, in the sender's order */
   size_t nparked;
   struct fpull *fpull;      /* a rendezvous frame being pulled (one at a time) */
+  struct absorb *absorb;    /* refused messages passed by their next frame, whose buffers may still come */
+  size_t nabsorb;
   rwait_t *w_head, *w_tail;
   void *close_req;
   unsigned tx_used;         /* send slots its pieces hold */
@@ -426,6 +429,7 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_shm_done(dp_endpoint_t *ep, uint64_t slot);
 int dp__tp_post_recv(dp_transport_t *t, rctx_t *c, void *data);
 void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep);
+void dp__tp_absorb_free(dp_endpoint_t *ep);
 ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
                           const ucp_am_recv_param_t *param);
 /* loop.c */

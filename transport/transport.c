@@ -208,6 +208,7 @@ void dp__tp_ep_drop_received(dp_transport_t *t, dp_endpoint_t *ep) {
   }
   ep->in_head = ep->in_tail = NULL;
   ep->nparked = 0;
+  dp__tp_absorb_free(ep);
 }
 
 /* The endpoint fails: every pending future fails with e, what was received
