@@ -541,6 +541,53 @@ Test(transport, an_address_that_is_not_host_port_or_a_connection_to_port_0_is_re
   dp_transport_free(t);
 }
 
+/* e's message names fn and says what is NULL */
+static void null_refused(int rc, const dp_error_t *e, const char *fn, const char *what) {
+  char want[128];
+  snprintf(want, sizeof want, "%s: %s is NULL", fn, what);
+  cr_assert_eq(rc, DP_EINVAL, "%s: %s", fn, dp_err_name(rc));
+  cr_assert_str_eq(e->message, want);
+}
+
+Test(transport, every_call_refuses_a_null_argument_with_a_message_naming_the_call_and_its_out_set_to_null) {
+  dp_error_t e;
+  dp_future_t *f = (dp_future_t *)&e; /* set to NULL by the calls */
+  uint8_t b[1] = {0};
+  null_refused(dp_transport_new(NULL, NULL, &e), &e, "dp_transport_new", "out");
+  null_refused(dp_listener_new(NULL, "127.0.0.1:0", NULL, &e), &e, "dp_listener_new", "t");
+  null_refused(dp_listener_accept(NULL, 0, NULL, &e), &e, "dp_listener_accept", "l");
+  null_refused(dp_endpoint_connect(NULL, "127.0.0.1:1", NULL, &e), &e, "dp_endpoint_connect", "t");
+  null_refused(dp_endpoint_error(NULL, &e), &e, "dp_endpoint_error", "ep");
+  null_refused(dp_endpoint_send(NULL, dp_none(), &f, &e), &e, "dp_endpoint_send", "ep");
+  cr_assert_null(f);
+  f = (dp_future_t *)&e;
+  null_refused(dp_endpoint_send_future(NULL, NULL, &f, &e), &e, "dp_endpoint_send_future", "ep");
+  cr_assert_null(f);
+  f = (dp_future_t *)&e;
+  null_refused(dp_endpoint_send_frame(NULL, b, 1, &f, &e), &e, "dp_endpoint_send_frame", "ep");
+  cr_assert_null(f);
+  f = (dp_future_t *)&e;
+  null_refused(dp_endpoint_recv(NULL, &f, &e), &e, "dp_endpoint_recv", "ep");
+  cr_assert_null(f);
+  f = (dp_future_t *)&e;
+  null_refused(dp_endpoint_recv_frame(NULL, &f, &e), &e, "dp_endpoint_recv_frame", "ep");
+  cr_assert_null(f);
+  dp_listener_t *l = (dp_listener_t *)&e;
+  dp_endpoint_t *ep = (dp_endpoint_t *)&e;
+  null_refused(dp_listener_new(NULL, "127.0.0.1:0", &l, &e), &e, "dp_listener_new", "t");
+  cr_assert_null(l);
+  null_refused(dp_endpoint_connect(NULL, "127.0.0.1:1", &ep, &e), &e, "dp_endpoint_connect", "t");
+  cr_assert_null(ep);
+  ep = (dp_endpoint_t *)&e;
+  null_refused(dp_listener_accept(NULL, 0, &ep, &e), &e, "dp_listener_accept", "l");
+  cr_assert_null(ep);
+  null_refused(dp_transport_wait(NULL, NULL, 0, &e), &e, "dp_transport_wait", "t");
+  cr_assert_eq(dp_listener_port(NULL), 0);
+  dp_endpoint_free(NULL);
+  dp_listener_free(NULL);
+  dp_transport_free(NULL);
+}
+
 Test(transport, progress_and_wait_on_a_threaded_or_null_transport) {
   cr_assert_eq(dp_transport_progress(NULL), 0);
   dp_error_t e;

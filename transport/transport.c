@@ -548,8 +548,8 @@ int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_
 }
 
 int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err) {
+  if (out) *out = NULL;
   if (!t || !out) return dp__err(err, DP_EINVAL, "dp_listener_new: %s is NULL", t ? "out" : "t");
-  *out = NULL;
   if (forked(t, "dp_listener_new", err)) return DP_EINVAL;
   if (!t->caller && dp__tp_in_pass == t) /* the progress thread: it would wait for itself */
     return dp__err(err, DP_EINVAL,
@@ -586,8 +586,8 @@ static int accepted(void *arg) {
 }
 
 int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err) {
+  if (out) *out = NULL;
   if (!l || !out) return dp__err(err, DP_EINVAL, "dp_listener_accept: %s is NULL", l ? "out" : "l");
-  *out = NULL;
   dp_transport_t *t = l->t;
   if (forked(t, "dp_listener_accept", err)) return DP_EINVAL;
   if (t->caller) dp__tp_caller_until(t, accepted, l, timeout_ns);
@@ -629,8 +629,8 @@ void dp_listener_free(dp_listener_t *l) {
 }
 
 int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err) {
+  if (out) *out = NULL;
   if (!t || !out) return dp__err(err, DP_EINVAL, "dp_endpoint_connect: %s is NULL", t ? "out" : "t");
-  *out = NULL;
   if (forked(t, "dp_endpoint_connect", err)) return DP_EINVAL;
   cmd_t *c = dp__alloc(sizeof *c);
   if (!c) return dp__err(err, DP_ENOMEM, "dp_endpoint_connect: out of memory");
@@ -733,8 +733,8 @@ static sop_t *sop_new(int kind) {
 }
 
 int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done, dp_error_t *err) {
+  if (done) *done = NULL;
   if (!ep || !done) return dp__err(err, DP_EINVAL, "dp_endpoint_send: %s is NULL", ep ? "done" : "ep");
-  *done = NULL;
   if (forked(ep->t, "dp_endpoint_send", err)) return DP_EINVAL;
   sop_t *s = sop_new(SOP_VALUE);
   if (!s) return dp__err(err, DP_ENOMEM, "dp_endpoint_send: out of memory");
@@ -751,9 +751,9 @@ int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done, dp_err
 }
 
 int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **done, dp_error_t *err) {
+  if (done) *done = NULL;
   if (!ep || !f || !done)
     return dp__err(err, DP_EINVAL, "dp_endpoint_send_future: %s is NULL", !ep ? "ep" : !f ? "f" : "done");
-  *done = NULL;
   if (forked(ep->t, "dp_endpoint_send_future", err)) return DP_EINVAL;
   sop_t *s = sop_new(SOP_FUTURE);
   if (!s) return dp__err(err, DP_ENOMEM, "dp_endpoint_send_future: out of memory");
@@ -762,9 +762,9 @@ int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **don
 }
 
 int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_future_t **done, dp_error_t *err) {
+  if (done) *done = NULL;
   if (!ep || !bytes || !done)
     return dp__err(err, DP_EINVAL, "dp_endpoint_send_frame: %s is NULL", !ep ? "ep" : !bytes ? "bytes" : "done");
-  *done = NULL;
   if (forked(ep->t, "dp_endpoint_send_frame", err)) return DP_EINVAL;
   dp_frame_info_t info;
   int rc = dp_frame_check(bytes, n, &info, err);
@@ -783,15 +783,16 @@ int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_fu
 }
 
 static int recv_common(dp_endpoint_t *ep, int frame, dp_future_t **out, dp_error_t *err) {
-  if (!ep || !out) return dp__err(err, DP_EINVAL, "dp_endpoint_recv: %s is NULL", ep ? "out" : "ep");
-  *out = NULL;
-  if (forked(ep->t, frame ? "dp_endpoint_recv_frame" : "dp_endpoint_recv", err)) return DP_EINVAL;
+  const char *fn = frame ? "dp_endpoint_recv_frame" : "dp_endpoint_recv";
+  if (out) *out = NULL;
+  if (!ep || !out) return dp__err(err, DP_EINVAL, "%s: %s is NULL", fn, ep ? "out" : "ep");
+  if (forked(ep->t, fn, err)) return DP_EINVAL;
   int rc = dp_endpoint_error(ep, err); /* a failed endpoint's error, as every later call returns it */
   if (rc) return rc;
   dp_transport_t *t = ep->t;
   rwait_t *w = dp__alloc(sizeof *w);
   cmd_t *c = dp__alloc(sizeof *c);
-  rc = (!w || !c) ? dp__err(err, DP_ENOMEM, "dp_endpoint_recv: out of memory") : 0;
+  rc = (!w || !c) ? dp__err(err, DP_ENOMEM, "%s: out of memory", fn) : 0;
   if (!rc) {
     memset(w, 0, sizeof *w);
     w->frame = frame;
