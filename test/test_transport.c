@@ -1504,6 +1504,67 @@ Test(transport, a_refused_frame_announcing_buffers_that_never_come_does_not_hold
   refused_frame_owing_buffers(3); /* one of three comes, late; two never do */
 }
 
+/* peer: says hello (0), then waits until the other side closes (its
+ * receive then fails) */
+static int hello_then_wait_for_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *d;
+  dp_error_t e;
+  if (dp_endpoint_send(ep, dp_int(0), &d, &e) || wait_f(d, &e)) return 10;
+  dp_future_release(d);
+  stay_until_closed(ep);
+  return -1; /* the endpoint is failed: nothing to say goodbye on */
+}
+
+/* UCX may report a connection's failure from inside ucp_am_send_nbx (the
+ * peer died as the message went): the endpoint fails in the middle of a
+ * send's posting, which must stop there. */
+static void failed_inside_a_post(int stage, int nth) {
+  t_track();
+  dp__transport_stage_host = stage;
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* 16 send slots, no shared segment's besides */
+  peer_t p = spawn_peer(hello_then_wait_for_close, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *hello = recv_ok(ep); /* the connection is established */
+  dp_future_release(hello);
+  /* staged: 19 pieces, more than the 16 send slots, so that posting goes
+     on while buffers remain to be staged */
+  dp_value_t l;
+  OK(dp_list_new(4, &l, T_ERR));
+  for (int i = 0; i < 4; i++)
+    OK(dp_list_append(l, dev_tensor(stage ? 0 : -1, i == 1 ? 100 : (24u << 20) - 1, (unsigned)i), T_ERR));
+  dp_future_t *d, *d2;
+  dp_error_t e;
+  dp__transport_fail_in_post = nth;
+  OK(dp_endpoint_send(ep, l, &d, T_ERR));
+  cr_assert_eq(wait_f(d, &e), DP_EIO, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "connection lost (Connection reset by remote peer)"), "%s", e.message);
+  dp__transport_fail_in_post = 0;
+  /* every later call returns the endpoint's error */
+  cr_assert_eq(dp_endpoint_send(ep, dp_int(1), &d2, &e), DP_EIO);
+  cr_assert(strstr(e.message, "connection lost (Connection reset by remote peer)"), "%s", e.message);
+  cr_assert_null(d2);
+  dp_future_release(d);
+  dp_value_release(l);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp__transport_stage_host = 0;
+  unsetenv("DEVPICKLE_TRANSPORT_SHM");
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, an_endpoint_that_fails_inside_the_post_of_a_staged_piece_stops_posting_and_frees_the_send) {
+  for (int nth = 2; nth <= 4; nth++) failed_inside_a_post(1, nth);
+}
+
+Test(transport, an_endpoint_that_fails_inside_the_post_of_a_buffer_stops_posting_and_frees_the_send) {
+  failed_inside_a_post(0, 2);
+}
+
 /* peer: sends an active message with a header no devpickle peer writes */
 static int send_garbage_header(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;

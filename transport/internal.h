@@ -141,6 +141,11 @@ extern int dp__transport_skip_events;
 /** 1: the sender ignores its peer's credit (the receiver's check of it is
  *  then tested). */
 extern int dp__transport_skip_credit;
+/** N > 0: the Nth message the sender posts afterwards (counted down by each
+ *  post) fails its endpoint from inside the post, as UCX does when a
+ *  connection reports its failure within ucp_am_send_nbx (the peer died),
+ *  the post itself going through. */
+extern _Atomic int dp__transport_fail_in_post;
 /** 1: host:N memory is staged as cuda memory is (it is host memory, read
  *  and written directly otherwise), so that the staging path runs on a
  *  machine without a GPU. Set it on both ends. */

@@ -66,6 +66,9 @@ static int post_msg(sop_t *s, piece_t *pc, unsigned id, const void *hdr, size_t 
   p.user_data = pc ? (void *)pc : (void *)s;
   p.flags = UCP_AM_SEND_FLAG_REPLY | flags;
   ucs_status_ptr_t r = dp__tp_am_send(ep, id, hdr, hlen, data, n, &p);
+  if (atomic_load_explicit(&dp__transport_fail_in_post, memory_order_relaxed) > 0 &&
+      atomic_fetch_sub(&dp__transport_fail_in_post, 1) == 1)
+    dp__tp_ep_fail_status(ep, UCS_ERR_CONNECTION_RESET); /* the test hook (internal.h) */
   if (UCS_PTR_IS_PTR(r)) {
     s->outstanding++;
     ep->t->nreq++;
@@ -354,6 +357,10 @@ static int sop_more(dp_transport_t *t, sop_t *s) {
                       pc->sh.b.total > DP__SMALL_BUFFER ? UCP_AM_SEND_FLAG_RNDV : 0);
       }
       if (rc) return rc;
+      /* UCX may report the connection's failure from inside the send: the
+         endpoint failed then, let go of s (its pieces are orphans now) and
+         nothing more of s may be posted or staged */
+      if (s->failed || !s->ep) return DP_EIO;
     }
     if (s->cur == nb) return s->pq_head ? 1 : 0;
     dp_frame_buffer(s->frame, s->cur, &d, NULL);

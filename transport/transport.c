@@ -11,6 +11,7 @@
 
 int dp__transport_skip_events;
 int dp__transport_skip_credit;
+_Atomic int dp__transport_fail_in_post;
 int dp__transport_stage_host;
 _Atomic unsigned long dp__transport_shm_pieces;
 _Atomic unsigned long dp__transport_lane_msgs;
