@@ -2511,15 +2511,86 @@ static inline PyObject **dict_ptr(PyObject *o, PyTypeObject *t) {
   return off > 0 ? (PyObject **)((char *)o + off) : _PyObject_GetDictPtr(o);
 }
 
+/* A tensor met by a run (seq_run): one of a class already classified as a
+ * tensor class with no slots (*ok: the last class found so), holding no
+ * attributes, has its allocations added as visit() would add them, the
+ * tensor held while read (Python code can run under the adapter: a tensor
+ * subclass's dispatch). 1: done; 0: not such a tensor, or one whose memory
+ * the adapter could not read (visit() reads it, and reports); -1: error. */
+static int run_tensor(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
+  PyTypeObject *t = Py_TYPE(o);
+  if (t != *ok) {
+    tcache_ent_t *e = tcache_hit(t); /* a kind not yet cached: classifying may run Python code */
+    if (!e || e->kind != K_TORCH) return 0;
+    if (t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && !e->no_slots)
+      return 0; /* slots, or not yet asked: visit() */
+    *ok = t;
+  }
+  Py_INCREF(o);
+  PyObject **dp = dict_ptr(o, t);
+  dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
+  int na = dp && *dp ? -2 : dpy.torch->tensor_allocs(o, a); /* attributes (or a dict once made): visit() */
+  if (na < 0) {
+    Py_DECREF(o);
+    if (na == -1) clear_error(); /* visit() reports it */
+    return 0;
+  }
+  for (int i = 0; i < na; i++)
+    if ((a[i].base || a[i].nbytes) &&
+        add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o)) {
+      Py_DECREF(o);
+      return -1;
+    }
+  Py_DECREF(o);
+  return 1;
+}
+
+/* Takes back the allocations pending from mark on (not yet in the set). */
+static void unpend(dpy_scanner_t *s, int mark) {
+  for (int i = mark; i < s->npend; i++) Py_CLEAR(s->pend_obj[i]);
+  s->npend = mark;
+}
+
+#define INLINE_MAX 8 /* items of a container read in place */
+#define PEND_MAX ((int)(sizeof ((dpy_scanner_t *)0)->pend / sizeof ((dpy_scanner_t *)0)->pend[0]))
+
+/* A small list or tuple met by a run, held only by its slot there (solo:
+ * see scan_walk), before the walk ran any of the value's code and with no
+ * path asked for: if its items are leaves and tensors run_tensor reads, it
+ * is read in place — no frame, no memo, the same allocations in the same
+ * order as its frame would give. Nothing is added to the set before all its
+ * items were read (they wait in the batch), so that one the run cannot read
+ * takes them all back and visit() enters the container as before (paths
+ * and errors its own). 1: done; 0: not (nothing added); -1: error. */
+static int run_inline(dpy_scanner_t *s, PyObject *c, PyTypeObject **ok) {
+  int list = PyList_CheckExact(c);
+  Py_ssize_t n = list ? PyList_GET_SIZE(c) : PyTuple_GET_SIZE(c);
+  if (n > INLINE_MAX || s->nframes >= s->max_depth) return 0; /* too deep: visit() says so */
+  if (s->npend > PEND_MAX - (int)n * DP_TORCH_MAX_ALLOCS && flush_pending(s)) return -1;
+  int mark = s->npend, rc = 1;
+  Py_INCREF(c); /* a list's items are read afresh: Python code under the adapter may change it */
+  for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(c) : PyTuple_GET_SIZE(c)); i++) {
+    PyObject *o = list ? PyList_GET_ITEM(c, i) : PyTuple_GET_ITEM(c, i);
+    if (plain_leaf(Py_TYPE(o))) continue;
+    /* a list grown under the adapter: no batch flushed here, ever */
+    rc = s->npend <= PEND_MAX - DP_TORCH_MAX_ALLOCS ? run_tensor(s, o, ok) : 0;
+    if (rc != 1) {
+      unpend(s, mark);
+      break;
+    }
+  }
+  Py_DECREF(c);
+  return rc;
+}
+
 /* The walk of scan and of the Future (not building, no opaque types) over
- * a list or tuple: a run of items that are leaves, or tensors of a
- * class already classified as a tensor class with no slots and holding no
- * attributes, is read here, as visit() would read each (the same
- * allocations, in the same order), without the loop's per-child dispatch.
- * Python code can still run under it (a garbage collection's finalizers, a
- * tensor subclass's dispatch in the adapter), so the sequence is read
- * afresh for every item and the item held while it is read, as the loop
- * does. Stops at the first other item, which the loop visits. */
+ * a list or tuple: a run of items that are leaves, tensors run_tensor
+ * reads, or small containers run_inline reads, is read here, as visit()
+ * would read each (the same allocations, in the same order), without the
+ * loop's per-child dispatch. Python code can still run under it (a garbage
+ * collection's finalizers, a tensor subclass's dispatch in the adapter), so
+ * the sequence is read afresh for every item. Stops at the first other
+ * item, which the loop visits. */
 static int seq_run(dpy_scanner_t *s, frame_t *f) {
   PyObject *seq = f->obj;
   int list = PyList_Check(seq);
@@ -2529,34 +2600,17 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     if (f->pos >= n) return 0;
     PyObject *o = list ? PyList_GET_ITEM(seq, f->pos) : PyTuple_GET_ITEM(seq, f->pos);
     PyTypeObject *t = Py_TYPE(o);
-    if (t != ok) {
-      if (plain_leaf(t)) {
-        f->idx = f->pos++;
-        continue;
-      }
-      tcache_ent_t *e = tcache_hit(t); /* a kind not yet cached: classifying may run Python code */
-      if (!e || e->kind != K_TORCH) return 0;
-      if (t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && !e->no_slots)
-        return 0; /* slots, or not yet asked: visit() */
-      ok = t;
+    if (plain_leaf(t)) {
+      f->idx = f->pos++;
+      continue;
     }
-    Py_INCREF(o);
     f->idx = f->pos; /* the item's path */
-    PyObject **dp = dict_ptr(o, t);
-    dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
-    int na = dp && *dp ? -2 : dpy.torch->tensor_allocs(o, a); /* attributes (or a dict once made): visit() */
-    if (na < 0) {
-      Py_DECREF(o);
-      if (na == -1) clear_error(); /* visit() reports it */
-      return 0;
-    }
-    for (int i = 0; i < na; i++)
-      if ((a[i].base || a[i].nbytes) &&
-          add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o)) {
-        Py_DECREF(o);
-        return -1;
-      }
-    Py_DECREF(o);
+    int r;
+    if (t == &PyTuple_Type || t == &PyList_Type)
+      r = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, &ok) : 0;
+    else
+      r = run_tensor(s, o, &ok);
+    if (r <= 0) return r;
     f->idx = f->pos++;
   }
 }

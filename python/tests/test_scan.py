@@ -1308,3 +1308,34 @@ def test_a_chain_met_again_through_reduces_keeps_its_first_path_and_its_count():
     f = devpickle.Future()
     f.set_result(value)
     assert len(f._allocations()) == 1
+
+
+def _fields(allocs):
+    return [(a.device, a.ptr, a.nbytes, a.refs) for a in allocs]
+
+
+def test_small_containers_held_once_give_the_same_allocations_with_or_without_paths():
+    """Without paths, a small list or tuple held once is read in place (no
+    frame, no memo): the allocations, their order and their counts are those
+    the walk with paths finds."""
+    ts = [torch.ones(i + 1) for i in range(6)]
+    values = [
+        [(t, [t[:1]]) for t in ts],
+        [(t,) for t in ts] + [(ts[0], ts[0][1:], 3, "x")],
+        [[t, None, 1.5] for t in ts] + [[], ()],
+        [tuple(ts) + (1,) * 5, (ts[0],) * 9],  # past the size read in place
+        [(torch.ones(2), [torch.ones(3), (torch.ones(4),)])],
+    ]
+    for v in values:
+        assert _fields(devpickle.scan(v, paths=False)) == _fields(devpickle.scan(v)), v
+        f = devpickle.Future()
+        f.set_result(v)
+        assert sorted(f._allocations()) == sorted((d, p, n) for d, p, n, _ in _fields(devpickle.scan(v)))
+
+
+def test_a_tensor_without_memory_in_a_small_tuple_names_its_own_path_without_paths_too():
+    meta = torch.empty(2, device="meta")
+    for paths in (False, True):
+        with pytest.raises(devpickle.WalkError) as e:
+            devpickle.scan([(torch.ones(1),), (torch.ones(2), meta)], paths=paths)
+        assert "$[1][1]" in str(e.value), str(e.value)
