@@ -186,7 +186,7 @@ int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list
      * as much as its beginning, so the middle goes. A message longer than
      * DP_ERR_FULL_MAX (some caller formatted a huge string) is not copied
      * whole: its end goes instead. */
-    char *full = (size_t)n < DP_ERR_FULL_MAX ? dp__alloc((size_t)n + 1) : NULL;
+    char *full = (size_t)n <= DP_ERR_FULL_MAX ? dp__alloc((size_t)n + 1) : NULL;
     if (full) {
       vsnprintf(full, (size_t)n + 1, fmt, again);
       cut_middle(err->message, sizeof err->message, full, (size_t)n);

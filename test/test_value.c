@@ -1144,3 +1144,13 @@ Test(value, a_null_argument_is_named_in_the_message) {
   cr_assert_str_eq(e.message, "dp_object_new_reduced: NULL type_name");
   ASSERT_NO_LEAK();
 }
+
+Test(value, a_bad_reduce_type_name_is_named_as_a_reduce_type_not_an_object_class) {
+  dp_value_t o;
+  dp_error_t e;
+  cr_assert_eq(dp_object_new_reduced("", dp_int(1), &o, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "reduce type name must be non-empty UTF-8 without NUL");
+  cr_assert_eq(dp_object_new("", &o, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "object class name must be non-empty UTF-8 without NUL");
+  ASSERT_NO_LEAK();
+}

@@ -471,8 +471,9 @@ static int attr_match(const void *a, size_t i, const void *key, uint64_t hash) {
   return at->hash == hash && at->name_len == k->n && memcmp(dp__attr_name(at), k->s, k->n) == 0;
 }
 
-static int bad_class_name(dp_error_t *err) {
-  return dp__err(err, DP_EINVAL, "object class name must be non-empty UTF-8 without NUL");
+/* what: "object class" or "reduce type" */
+static int bad_class_name(const char *what, dp_error_t *err) {
+  return dp__err(err, DP_EINVAL, "%s name must be non-empty UTF-8 without NUL", what);
 }
 
 /* Names are checked once, where they come in: by the public constructors
@@ -512,7 +513,7 @@ int dp__object_new_n(const char *cls, size_t len, size_t nattrs, dp_value_t *out
 int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err) {
   if (!class_name || !out) return dp__err(err, DP_EINVAL, "dp_object_new: NULL %s", out ? "class_name" : "out");
   size_t len = strlen(class_name);
-  if (!dp__name_valid(class_name, len)) return bad_class_name(err);
+  if (!dp__name_valid(class_name, len)) return bad_class_name("object class", err);
   return object_alloc(class_name, len, OBJECT_DEFAULT_ATTRS, 0, out, err);
 }
 
@@ -630,7 +631,7 @@ int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_value_t *o
   }
   size_t len = strlen(type_name);
   int rc = dp__name_valid(type_name, len) ? object_alloc(type_name, len, 1, DP_HEAP_REDUCED, out, err)
-                                          : bad_class_name(err);
+                                          : bad_class_name("reduce type", err);
   if (rc) {
     dp_value_release(state);
     return rc;
