@@ -1020,3 +1020,18 @@ def test_a_str_holding_a_lone_surrogate_is_a_walk_error_in_dumps_and_walked_as_a
     f = devpickle.Future()
     f.set_result("\ud800")
     assert f.wait() == "\ud800"
+
+
+_LAMBDA = lambda: 1  # noqa: E731
+
+
+def _local_function():
+    def inner():
+        pass
+    return inner
+
+
+def test_a_class_or_function_travels_by_its_qualified_name_never_imported():
+    back = devpickle.loads(devpickle.dumps([len, _local_function, _local_function(), _LAMBDA]))
+    assert [g.name for g in back] == ["builtins.len", f"{__name__}._local_function",
+                                      f"{__name__}._local_function.<locals>.inner", f"{__name__}.<lambda>"]
