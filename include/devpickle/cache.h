@@ -20,7 +20,7 @@
  *     stream. An allocation on another stream takes it only by making its
  *     stream wait (device side) for an event recorded on the block's stream,
  *     so that the block's earlier work completes first. Each stream keeps
- *     its free blocks apart (a free set per device: about 33 KiB of
+ *     its free blocks apart (a free set per device: about 32 KiB of
  *     bookkeeping for each stream that allocated there, until the stream is
  *     destroyed), so an allocation never looks past other streams' blocks:
  *     its own stream's, then those tied to no stream, and another stream's
