@@ -272,12 +272,16 @@ install: all $(BUILD)/devpickle.pc ## Install headers, libraries, CLI and devpic
 	ln -sf libdevpickle.so.0 $(DESTDIR)$(PREFIX)/lib/libdevpickle.so
 	install -m 644 $(BUILD)/devpickle.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
 	install -m 755 $(BUILD)/devpickle $(DESTDIR)$(PREFIX)/bin/
+	@# The loader finds a new library in a directory it searches (/usr/local/lib)
+	@# only through its cache: refresh it, as root, for an install in place.
+	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; fi
 
 uninstall: ## Remove what install put in place
 	rm -f $(DESTDIR)$(PREFIX)/include/devpickle.h $(DESTDIR)$(PREFIX)/lib/libdevpickle.a \
 	  $(DESTDIR)$(PREFIX)/lib/libdevpickle.so $(DESTDIR)$(PREFIX)/lib/libdevpickle.so.0 \
 	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/devpickle.pc $(DESTDIR)$(PREFIX)/bin/devpickle
 	rm -rf $(DESTDIR)$(PREFIX)/include/devpickle
+	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; fi
 
 check-build: ## Check, on a copy of the tree, that a change (header, CFLAGS, PREFIX, version) rebuilds what it affects
 	@sh test/build/check.sh
