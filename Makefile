@@ -162,7 +162,7 @@ FUZZ_FLAGS   := -std=c11 -D_POSIX_C_SOURCE=200809L -g -O1 -Iinclude \
 FUZZ_SRC     := $(wildcard core/*.c value/*.c pickler/*.c) tools/vjson.c tools/inspect.c
 FUZZ_OBJ     := $(FUZZ_SRC:%.c=$(FUZZ_BUILD)/obj/%.o)
 
-deps-fuzz:
+deps-fuzz: ## Install clang and libFuzzer's runtime for `make fuzz` (make fuzz does it itself)
 	@command -v clang >/dev/null && ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || \
 	  { echo "devpickle: installing clang and libclang-rt-dev for libFuzzer"; \
 	    (apt-get install -y -q clang libclang-rt-dev || (apt-get update -q && apt-get install -y -q clang libclang-rt-dev)) >/dev/null || \
@@ -252,7 +252,7 @@ deps: ## Install the missing Debian packages (apt-get; needs root only when one 
 	(apt-get install -y -q $$missing || (apt-get update -q && apt-get install -y -q $$missing)) >/dev/null || \
 	  { echo "devpickle: apt-get failed; run: apt-get update && apt-get install -y$$missing" >&2; exit 1; }
 
-deps-check:
+deps-check: ## Check that the C library's headers are installed (every build does it first)
 	@printf '#include <msgpack.h>\n#include <xxhash.h>\n#include <ucp/api/ucp.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 || \
 	  { echo "devpickle: msgpack-c, xxHash or UCX headers missing: run 'make deps'" >&2; exit 1; }
 

@@ -34,7 +34,7 @@ test-python: python ## Run the Python suite (pytest) against the built package
 # Debian's interpreter and the packages the binding (Python.h; libtorch-dev
 # for the optional torch adapter) and its tests need.
 PY_DEB := python3-dev python3-pytest python3-numpy python3-torch libtorch-dev python3-pip python3-venv
-deps-python:
+deps-python: ## Install the Python suite's packages for /usr/bin/python3 (make python does it itself)
 	@$(PYTHON) -c 'import sysconfig, os; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null && \
 	  { [ "$(PYTHON)" != /usr/bin/python3 ] || /usr/bin/python3 -c 'import pytest, numpy, torch, pip, venv' 2>/dev/null && \
 	    test -f /usr/include/torch/csrc/autograd/python_variable.h; } && exit 0; \
