@@ -100,6 +100,7 @@ typedef struct freeset {
 typedef struct devpool {
   freeset_t **sets;              /* one per stream that allocated here (made by dp_cache_alloc), and none's */
   size_t nsets, sets_cap;
+  dp__table_t set_index;         /* sets[] by stream (table.h) */
   freeset_t *none;               /* the set of blocks tied to no stream (also in sets) */
   freeset_t *last;               /* the stream's set found last */
   segment_t **segs;              /* sorted by base */
@@ -279,13 +280,25 @@ static block_t *large_from(block_t *t, size_t size, const char *ptr, int incl) {
   return found;
 }
 
+/* The sets are found by stream through a table over sets[] (kept dense):
+ * a search of sets[] cost every allocation and free on a stream other than
+ * the one found last a pass over the sets of all streams — with a thousand
+ * streams allocating in turn, a free and an allocation took 1.3 us instead
+ * of 0.15. */
+static uint64_t set_hash_at(const void *ctx, size_t i) {
+  return dp__hash_ptr(((const devpool_t *)ctx)->sets[i]->stream);
+}
+
+static inline int set_eq(const void *ctx, size_t i, const void *key) {
+  return ((const devpool_t *)ctx)->sets[i]->stream == (const dp_stream_t *)key;
+}
+
 /* The free set of stream st on pool p; NULL if it has none (none is made). */
 static inline freeset_t *set_find(devpool_t *p, dp_stream_t *st) {
   if (!st) return p->none;
   if (p->last && p->last->stream == st) return p->last;
-  for (size_t i = 0; i < p->nsets; i++)
-    if (p->sets[i]->stream == st) return p->last = p->sets[i];
-  return NULL;
+  size_t slot, at = dp__table_find(&p->set_index, DP_TABLE_TAGGED, dp__hash_ptr(st), set_eq, p, st, &slot);
+  return at == DP_TABLE_NONE ? NULL : (p->last = p->sets[at]);
 }
 
 /* The free set of st, made if it has none: 0, or DP_ENOMEM. A block is
@@ -294,13 +307,18 @@ static inline freeset_t *set_find(devpool_t *p, dp_stream_t *st) {
 static int set_need(devpool_t *p, dp_stream_t *st) {
   if (set_find(p, st)) return 0;
   freeset_t *f = dp__alloc(sizeof *f);
-  if (!f || dp__grow((void **)&p->sets, &p->sets_cap, p->nsets + 1, sizeof *p->sets) != 0) {
+  if (!f || dp__grow((void **)&p->sets, &p->sets_cap, p->nsets + 1, sizeof *p->sets) != 0 ||
+      (dp__table_full(&p->set_index) &&
+       dp__table_grow(&p->set_index, DP_TABLE_TAGGED, p->nsets, 16, set_hash_at, p) != 0)) {
     dp__free(f, f ? sizeof *f : 0);
     return DP_ENOMEM;
   }
   memset(f, 0, sizeof *f);
   f->stream = st;
-  p->sets[p->nsets++] = f;
+  uint64_t h = dp__hash_ptr(st);
+  p->sets[p->nsets] = f;
+  dp__table_put(&p->set_index, DP_TABLE_TAGGED, dp__table_empty_slot(&p->set_index, DP_TABLE_TAGGED, h), h,
+                p->nsets++);
   if (st) p->last = f;
   else p->none = f;
   return 0;
@@ -309,14 +327,18 @@ static int set_need(devpool_t *p, dp_stream_t *st) {
 /* Drops st's free set (empty: its stream went away and its blocks were
  * tied to none). */
 static void set_drop(devpool_t *p, dp_stream_t *st) {
-  for (size_t i = 0; i < p->nsets; i++)
-    if (p->sets[i]->stream == st) {
-      if (p->last == p->sets[i]) p->last = NULL;
-      if (p->none == p->sets[i]) p->none = NULL;
-      dp__free(p->sets[i], sizeof *p->sets[i]);
-      p->sets[i] = p->sets[--p->nsets];
-      return;
-    }
+  size_t slot, at = dp__table_find(&p->set_index, DP_TABLE_TAGGED, dp__hash_ptr(st), set_eq, p, st, &slot);
+  if (at == DP_TABLE_NONE) return;
+  freeset_t *f = p->sets[at];
+  dp__table_remove(&p->set_index, DP_TABLE_TAGGED, slot, set_hash_at, p);
+  if (p->last == f) p->last = NULL;
+  if (p->none == f) p->none = NULL;
+  dp__free(f, sizeof *f);
+  size_t last = --p->nsets; /* the last set fills the hole: sets[] stays dense */
+  if (at != last) {
+    p->sets[at] = p->sets[last];
+    dp__table_move(&p->set_index, DP_TABLE_TAGGED, dp__hash_ptr(p->sets[at]->stream), last, at);
+  }
 }
 
 HOT static void free_insert(devpool_t *pool, block_t *b) {
@@ -659,6 +681,7 @@ int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
     return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
   }
   memset(c->pools, 0, (size_t)ndev * sizeof(devpool_t));
+  for (int d = 0; d < ndev; d++) dp__table_init(&c->pools[d].set_index);
   dp__table_init(&c->map);
   c->b = b;
   c->ndev = ndev;
@@ -734,6 +757,7 @@ static void cache_destroy(dp_cache_t *c) {
     dp__free(p->segs, p->segs_cap * sizeof *p->segs);
     for (size_t i = 0; i < p->nsets; i++) dp__free(p->sets[i], sizeof *p->sets[i]);
     dp__free(p->sets, p->sets_cap * sizeof *p->sets);
+    dp__table_destroy(&p->set_index, DP_TABLE_TAGGED);
   }
   while (c->spare) {
     block_t *b = c->spare;
