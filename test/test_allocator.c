@@ -193,11 +193,14 @@ static void sleep_40(void *arg) {
   sleep_ms(40);
 }
 
+static void gate_wait(void *arg);
+
 Test(allocator, pending_blocks_are_counted_and_come_back_by_polling_without_blocking) {
   dp_stream_t *s = stream(H0), *u = stream(H1);  /* a user stream on another device */
   void *p;
   OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
-  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  _Atomic int gate1 = 0; /* u held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(u, gate_wait, &gate1, T_ERR));
   OK(dp_cache_record_stream(C, p, u, T_ERR));
   OK(dp_cache_record_stream(C, p, u, T_ERR));  /* twice is once */
   OK(dp_cache_record_stream(C, p, s, T_ERR));  /* its own stream: nothing to do */
@@ -206,10 +209,12 @@ Test(allocator, pending_blocks_are_counted_and_come_back_by_polling_without_bloc
   OK(dp_cache_dealloc(C, p, T_ERR));
   cr_assert_eq(dp_cache_poll(C, NULL), 0);
   clock_gettime(CLOCK_MONOTONIC, &t1);
-  cr_assert_lt((t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6, 20, "free and poll never block");
+  cr_assert_lt((t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6, 2000,
+               "free and poll never block (u's work is held at its gate: a blocking call would never return)");
   dp_cache_stats_t st = stats(H0);
   cr_assert_eq(st.pending_blocks, 1);
   cr_assert_eq(st.pending_bytes, 4096);
+  atomic_store(&gate1, 1);
   OK(dp_stream_synchronize(u, T_ERR));
   void *other;  /* any allocation polls, whatever its size */
   OK(dp_cache_alloc(C, H0, 100000, s, &other, T_ERR));
@@ -308,9 +313,11 @@ Test(allocator, the_hooks_record_many_pointers_and_skip_foreign_ones) {
   OK(dp_cache_hooks_record(&h, ptrs, 4, u, T_ERR));
   h.record_streams = NULL;  /* the fallback path: one call per pointer */
   OK(dp_cache_hooks_record(&h, ptrs, 4, u, T_ERR));
-  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  _Atomic int gate2 = 0; /* u held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(u, gate_wait, &gate2, T_ERR));
   for (int i = 0; i < 3; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 3);
+  atomic_store(&gate2, 1);
   OK(dp_stream_synchronize(u, T_ERR));
   cr_assert_eq(dp_cache_poll(C, NULL), 3);
   dp_stream_free(s);
@@ -534,9 +541,11 @@ Test(allocator, a_record_on_the_allocation_stream_is_a_no_op_and_after_its_destr
   cr_log_info("the new stream %s the destroyed one's address", u == old ? "has" : "does not have");
   OK(dp_cache_hooks_record(&h, &q[0], 1, u, T_ERR));
   OK(dp_cache_record_stream(C, q[1], u, T_ERR));
-  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  _Atomic int gate3 = 0; /* u held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(u, gate_wait, &gate3, T_ERR));
   for (int i = 0; i < 2; i++) OK(dp_cache_dealloc(C, q[i], T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 2, "both blocks wait for the stream that recorded them");
+  atomic_store(&gate3, 1);
   OK(dp_stream_synchronize(u, T_ERR));
   cr_assert_eq(dp_cache_poll(C, NULL), 2);
   dp_stream_free(u);
@@ -710,8 +719,11 @@ Test(allocator, freeing_a_cache_waits_for_the_streams_its_blocks_without_events_
 
 /* ---- teardown and the device layer's seams ---- */
 
+/* Holds its stream until *arg is set — for 30 s at most, so that a test
+ * whose assertion fails before opening the gate ends (its teardown waits
+ * for the streams) instead of hanging. */
 static void gate_wait(void *arg) {
-  while (!atomic_load((_Atomic int *)arg)) sleep_ms(1);
+  for (int ms = 0; !atomic_load((_Atomic int *)arg) && ms < 30000; ms++) sleep_ms(1);
 }
 
 /* Taking another stream's block makes the new stream wait for the old one
@@ -1055,9 +1067,11 @@ Test(allocator, a_batch_record_skips_only_blocks_already_on_the_recording_stream
   OK(dp_cache_alloc(C, H0, 4096, s1, &q[1], T_ERR));
   cr_assert_eq(stats(H0).segment_allocs, 1, "one segment holds the three blocks");
   OK(dp_cache_hooks_record(&h, q, 3, s1, T_ERR));    /* q[2] must get s1 */
-  OK(dp_host_launch(s1, sleep_40, NULL, T_ERR));
+  _Atomic int gate4 = 0; /* s1 held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(s1, gate_wait, &gate4, T_ERR));
   for (int i = 0; i < 3; i++) OK(dp_cache_dealloc(C, q[i], T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 1, "the block of s2 waits for s1, which used it");
+  atomic_store(&gate4, 1);
   OK(dp_stream_synchronize(s1, T_ERR));
   cr_assert_eq(dp_cache_poll(C, NULL), 1);
   /* every block of a destroyed stream: a later stream records them all */
@@ -1067,9 +1081,11 @@ Test(allocator, a_batch_record_skips_only_blocks_already_on_the_recording_stream
   dp_stream_t *u = stream(H0);
   cr_log_info("the new stream %s the destroyed one's address", u == old ? "has" : "does not have");
   OK(dp_cache_hooks_record(&h, q, 4, u, T_ERR));
-  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  _Atomic int gate5 = 0; /* u held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(u, gate_wait, &gate5, T_ERR));
   for (int i = 0; i < 4; i++) OK(dp_cache_dealloc(C, q[i], T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 4, "all four wait for the stream that recorded them");
+  atomic_store(&gate5, 1);
   OK(dp_stream_synchronize(u, T_ERR));
   cr_assert_eq(dp_cache_poll(C, NULL), 4);
   /* and blocks all on the recording stream hold nothing */
@@ -1114,16 +1130,20 @@ Test(allocator, a_large_batch_record_skips_runs_and_records_every_block_of_anoth
   OK(h.record_streams_owned(h.ctx, batch, (size_t)k, s1, owned, T_ERR));
   for (int i = 0; i < k; i++)
     cr_assert_eq(owned[i], batch[i] != foreign, "pointer %d: %s", i, batch[i] == foreign ? "not the allocator's" : "owned");
-  OK(dp_host_launch(s1, sleep_40, NULL, T_ERR));
+  _Atomic int gate6 = 0; /* s1 held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(s1, gate_wait, &gate6, T_ERR));
   for (int i = 0; i < ODD; i++) OK(dp_cache_dealloc(C, odd[i], T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, ODD, "the blocks of s2 wait for s1, which used them");
+  atomic_store(&gate6, 1);
   OK(dp_stream_synchronize(s1, T_ERR));
   cr_assert_eq(dp_cache_poll(C, NULL), ODD);
   /* the s1 blocks on another stream: each one held */
   OK(dp_cache_hooks_record(&h, p, N, u, T_ERR));
-  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  _Atomic int gate7 = 0; /* u held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(u, gate_wait, &gate7, T_ERR));
   for (int i = 0; i < N; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, N, "every block waits for the stream that recorded it");
+  atomic_store(&gate7, 1);
   OK(dp_stream_synchronize(u, T_ERR));
   cr_assert_eq(dp_cache_poll(C, NULL), N);
   free(batch);
@@ -1322,7 +1342,8 @@ static void chain_records_each_pointer_with_its_owner(int batched) {
   } else {
     cr_assert_eq(x->single_calls, 4, "one call per pointer the caches left: its three and the stranger");
   }
-  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  _Atomic int gate8 = 0; /* u held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(u, gate_wait, &gate8, T_ERR));
   for (int i = 0; i < 3; i++) {
     OK(dp_cache_dealloc(C, a[i], T_ERR));
     OK(dp_cache_dealloc(c2, b[i], T_ERR));
@@ -1331,6 +1352,7 @@ static void chain_records_each_pointer_with_its_owner(int batched) {
   OK(dp_cache_stats(c2, H0, &st2, T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 3, "the first cache holds its blocks for u");
   cr_assert_eq(st2.pending_blocks, 3, "and so does the second");
+  atomic_store(&gate8, 1);
   OK(dp_stream_synchronize(u, T_ERR));
   dp_cache_hooks_chain_free(ch);
   dp_cache_free(c2);
@@ -1374,9 +1396,11 @@ Test(allocator, a_chains_single_record_goes_to_the_owner_and_reports_a_pointer_n
   cr_assert_eq(e.code, 0, "nor from the cache's own batch (%s)", e.message);
   OK(h.record_stream(h.ctx, (char *)p + 1, u, &e));
   cr_assert_eq(e.code, 0, "nor when a chain's first allocator does not own it (%s)", e.message);
-  OK(dp_host_launch(u, sleep_40, NULL, T_ERR));
+  _Atomic int gate9 = 0; /* u held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(u, gate_wait, &gate9, T_ERR));
   OK(dp_cache_dealloc(C, p, T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 1, "the cache recorded its pointer");
+  atomic_store(&gate9, 1);
   OK(dp_stream_synchronize(u, T_ERR));
   dp_cache_hooks_chain_free(ch);
   free(x);
