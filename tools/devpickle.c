@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -252,11 +253,16 @@ static void on_fatal_signal(int sig) {
   raise(sig);
 }
 
+static const int fatal_sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+
+/* Called with fatal_sigs blocked: a signal between the temporary file's
+ * creation and this call (the handler not yet there, or the name not yet
+ * published) would have left the file. */
 static void watch_tmp(char *tmp) {
   static int installed;
   if (!installed) {
-    static const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
-    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+    const int *sigs = fatal_sigs;
+    for (size_t i = 0; i < sizeof fatal_sigs / sizeof fatal_sigs[0]; i++) {
       struct sigaction sa, old;
       memset(&sa, 0, sizeof sa);
       sa.sa_handler = on_fatal_signal;
@@ -312,8 +318,13 @@ static int sink_open(sink_t *s, const char *path) {
   }
   memcpy(s->tmp, target, dirlen);
   memcpy(s->tmp + dirlen, TMP_NAME, sizeof TMP_NAME);
+  sigset_t fatal, was;
+  sigemptyset(&fatal);
+  for (size_t i = 0; i < sizeof fatal_sigs / sizeof fatal_sigs[0]; i++) sigaddset(&fatal, fatal_sigs[i]);
+  pthread_sigmask(SIG_BLOCK, &fatal, &was); /* made and watched at once: one arriving meanwhile waits */
   fd = mkstemp(s->tmp);
   if (fd >= 0) watch_tmp(s->tmp);
+  pthread_sigmask(SIG_SETMASK, &was, NULL);
   if (fd < 0) {
     int e = errno;
     free(s->tmp);
