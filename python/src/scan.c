@@ -1483,6 +1483,35 @@ static PyObject *drain(dpy_scanner_t *s, PyObject *it) { return keep(s, PySequen
  * object gets a frame. */
 static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k);
 
+/* 1 when visiting an object of kind k and type t may run the value's own
+ * Python code (a reduce, a property read for an array interface, a
+ * __dlpack__, a Python subclass's buffer or attributes): such an object is
+ * always entered in the memo, so that its code runs once a walk as pickle
+ * runs it, and it ends the walk without the memo (ran_code) — its code may
+ * hand the walk new references to objects walked so. A container, a plain
+ * object's __dict__, a C type's buffer are read without any. */
+static int runs_value_code(uint8_t k, PyTypeObject *t) {
+  switch (k) {
+  case K_LIST:
+  case K_TUPLE:
+  case K_DICT:
+  case K_SET:
+    return 0;
+  case K_NAMEDTUPLE: /* its _fields read from its class: code only under a metaclass */
+    if (Py_TYPE(t) != &PyType_Type) return 1;
+    /* fall through */
+  case K_OBJECT: { /* a dispatch-table entry is a reduce */
+    PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
+    if (!fn && PyErr_Occurred()) PyErr_Clear(); /* the same lookup in visit() reports it */
+    return fn != NULL;
+  }
+  case K_BUFFER:
+    return (t->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0;
+  default:
+    return 1;
+  }
+}
+
 static int visit(dpy_scanner_t *s, PyObject *o) {
   PyTypeObject *t = Py_TYPE(o);
   int solo = s->solo;
@@ -1518,6 +1547,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
    * same one; account() counts the tensor once in refs) and its attributes
    * are entered once (visit_tensor_attrs). */
   if (k == K_TORCH) return visit_torch(s, o);
+  if (!s->ran_code && runs_value_code(k, t)) s->ran_code = 1;
   int sn = solo && !s->ran_code ? 0 : seen(s, o);
   if (sn) return sn < 0 ? -1 : 0;
   switch (k) {
@@ -2633,8 +2663,11 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
   s->want_paths = opts->paths;
   s->error_path = NULL;
   s->count_refs = !opts->no_refs && !opts->build && !into; /* refs are of a set of its own */
-  s->solo = s->ran_code = 0;
+  s->solo = 0;
   s->opaque = opts->opaque;
+  /* opaque=: every object meets isinstance, which may run its code (a
+     metaclass's __instancecheck__, the object's __class__) */
+  s->ran_code = s->opaque != NULL;
   s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
   int runs = !s->build && !s->opaque && dpy.torch && dpy.torch_tensor;
   if (visit(s, obj)) return -1;

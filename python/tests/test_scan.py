@@ -1339,3 +1339,105 @@ def test_a_tensor_without_memory_in_a_small_tuple_names_its_own_path_without_pat
         with pytest.raises(devpickle.WalkError) as e:
             devpickle.scan([(torch.ones(1),), (torch.ones(2), meta)], paths=paths)
         assert "$[1][1]" in str(e.value), str(e.value)
+
+
+class _FreshTensorReduce:
+    """A reduce that makes a new tensor each call (a conversion in
+    __reduce__) and carries the object itself in its state, as pickle
+    allows (the object is memoized before its state)."""
+
+    calls = 0
+
+    def __reduce__(self):
+        type(self).calls += 1
+        return (_FreshTensorReduce, (), {"me": self, "t": torch.ones(3)})
+
+
+class _ParentByWeakref:
+    calls = 0
+
+    def __init__(self, parent):
+        self.w = weakref.ref(parent)
+
+    def __reduce__(self):
+        type(self).calls += 1
+        return (_ParentByWeakref, (), {"parent": self.w(), "t": torch.ones(2)})
+
+
+@pytest.mark.parametrize("how", ["scan", "paths", "future"])
+def test_an_object_held_once_runs_its_reduce_once_as_pickle_does(how):
+    """An object whose one reference is its container's slot skipped the
+    memo even when its walk ran its reduce: a reduce handing the object
+    back (in its state, or its parent's through a weak reference) had it
+    walked, and reduced, twice — two tensors where pickle (and dumps) make
+    one."""
+
+    def walk(value):
+        if how == "future":
+            f = devpickle.Future()
+            f.set_result(value)
+            return f._allocations()
+        return devpickle.scan(value, paths=how == "paths")
+
+    _FreshTensorReduce.calls = 0
+    assert len(walk([_FreshTensorReduce()])) == 1
+    assert _FreshTensorReduce.calls == 1
+    parent = _Node(None)
+    parent.child = _ParentByWeakref(parent)
+    value = [parent]
+    del parent
+    _ParentByWeakref.calls = 0
+    assert len(walk(value)) == 1
+    assert _ParentByWeakref.calls == 1
+    _ParentByWeakref.calls = 0
+    pickle.dumps(value)
+    assert _ParentByWeakref.calls == 1
+
+
+def test_code_run_by_an_array_interface_or_opaque_isinstance_cannot_loop_the_walk():
+    """A property read for __array_interface__, or an opaque type's
+    __instancecheck__, is the value's code too: one that re-attached the
+    parent walked without the memo (held once, by weak reference) had the
+    walk meet it again, held once again, and run the code again, forever.
+    Run at most 50 times here; once is right."""
+    held, runs = [], [0]
+
+    class Parent:
+        pass
+
+    class Iface:
+        @property
+        def __array_interface__(self):
+            runs[0] += 1
+            if runs[0] < 50:
+                held[:] = [None] * len(held) + [wparent()]
+            return {"shape": (0,), "typestr": "<f4", "data": (0, False), "version": 3}
+
+    p = Parent()
+    p.child = Iface()
+    wparent = weakref.ref(p)
+    held.append(p)
+    del p
+    devpickle.scan(held, paths=False)
+    assert runs[0] == 1
+
+    class Meta(type):
+        def __instancecheck__(cls, o):
+            if o is wchild():
+                runs[0] += 1
+                if runs[0] < 50:
+                    held[:] = [None] * len(held) + [wparent()]
+            return False
+
+    class Opaque(metaclass=Meta):
+        pass
+
+    p = Parent()
+    p.child = Parent()
+    p.child.x = 1
+    wparent, wchild = weakref.ref(p), weakref.ref(p.child)
+    held[:] = [p]
+    del p
+    runs[0] = 0
+    devpickle.scan(held, paths=False, opaque=(Opaque,))
+    assert runs[0] == 1
