@@ -167,6 +167,38 @@ static inline dp_value_t bench_thread_objects(int thread) {
   return l;
 }
 
+/* Anchors for the scaling factors: what the host gives work that shares
+ * nothing. threads_spin_T: pure register arithmetic (eight independent
+ * chains, about a row's iteration long) — the ceiling that the cores, their
+ * clocks under load and the hypervisor's placement set for any code.
+ * threads_malloc_T: the C library's malloc and free of 301 small blocks,
+ * the sizes a row's iteration builds its value from — the ceiling of any
+ * code that allocates as the rows do. */
+static _Thread_local volatile uint64_t bench_sink;  /* keeps the spin's result alive */
+
+static inline void bench_thread_spin(void *ctx, int thread) {
+  (void)ctx;
+  uint64_t a[8];
+  for (int j = 0; j < 8; j++) a[j] = (uint64_t)thread + (uint64_t)j;
+  for (int i = 0; i < 6000; i++)
+    for (int j = 0; j < 8; j++) a[j] = (a[j] ^ (a[j] >> 7)) + (a[j] << 3) + 0x9e3779b97f4a7c15ull;
+  uint64_t x = 0;
+  for (int j = 0; j < 8; j++) x ^= a[j];
+  bench_sink = x;
+}
+
+static inline void bench_thread_malloc(void *ctx, int thread) {
+  (void)ctx;
+  (void)thread;
+  void *p[301];
+  for (int i = 0; i < 301; i++) {
+    p[i] = malloc(48 + (size_t)(i % 3) * 40);
+    if (!p[i]) exit(1);
+    memset(p[i], 0, 48);
+  }
+  for (int i = 0; i < 301; i++) free(p[i]);
+}
+
 /* The rows PREFIX_T for T = 1, 2, 4, 16 threads running fn: thousands of
  * iterations per second, and the scaling factor over one thread. */
 static inline void bench_thread_scaling(const char *out, void (*fn)(void *, int), const char *prefix,
@@ -175,7 +207,7 @@ static inline void bench_thread_scaling(const char *out, void (*fn)(void *, int)
   double one = 0;
   char row[64];
   for (int k = 0; k < 4; k++) {
-    double rate = bench_threads(fn, NULL, threads[k], 2000, 3);
+    double rate = bench_threads(fn, NULL, threads[k], 2000, 5);
     if (k == 0) one = rate;
     snprintf(row, sizeof row, "%s_%d", prefix, threads[k]);
     bench_row(out, row, backend, rate / 1e3, "k/s", rate / one, "one thread (scaling factor)");

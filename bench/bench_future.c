@@ -14,6 +14,9 @@
  *   objects holding a tensor (CPU storages), completing a fresh future with
  *   it, waiting, releasing both; value: iterations per second over all
  *   threads; ratio: over one thread (the scaling factor).
+ * threads_spin_T, threads_malloc_T: the same harness over work that shares
+ *   nothing (register arithmetic; malloc/free of the blocks an iteration
+ *   builds): the host's own ceilings for the scaling factors (bench.h).
  * Ratios: against the scan alone (dp_scan of the same value), for completions;
  * against a bare dp_stream_wait_event for the wait; the then hop against
  * a completion of the same one-tensor value. */
@@ -200,6 +203,8 @@ static void thread_future(void *ctx, int thread) {
 static void bench_thread_rows(const char *out, dp_backend_t *b) {
   thread_backend = b;
   bench_thread_scaling(out, thread_future, "threads_future", dp_backend_name(b));
+  bench_thread_scaling(out, bench_thread_spin, "threads_spin", "cpu");
+  bench_thread_scaling(out, bench_thread_malloc, "threads_malloc", "cpu");
 }
 
 int main(int argc, char **argv) {
