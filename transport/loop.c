@@ -316,6 +316,7 @@ static size_t arm_all(dp_transport_t *t) {
     t->pfd = p;
     t->pfd_cap = cap;
   }
+  t->main_idle = 0; /* the pass after a sleep progresses every worker */
   if (ucp_worker_arm(t->worker) == UCS_ERR_BUSY) return 0;
   t->pfd[0] = (struct pollfd){t->wake_fd, POLLIN, 0};
   t->pfd[1] = (struct pollfd){t->worker_fd, POLLIN, 0};
@@ -334,9 +335,15 @@ static size_t arm_all(dp_transport_t *t) {
 int dp__tp_pass(dp_transport_t *t, int *polling_out) {
   int work = dp__tp_drain_cmds(t);
   if (t->stop) return work;
-  while (ucp_worker_progress(t->worker)) work++;
-  int polling = 0;
+  if (!t->lanes_all || !t->main_idle || ++t->main_skipped >= DP__MAIN_EVERY) {
+    int before = work;
+    while (ucp_worker_progress(t->worker)) work++;
+    t->main_idle = work == before;
+    t->main_skipped = 0;
+  }
+  int polling = 0, lanes_all = t->eps != NULL;
   for (dp_endpoint_t *ep = t->eps; ep; ep = ep->next) {
+    if (!ep->dead && ep->lane != LANE_ON) lanes_all = 0;
     if (ep->dw)
       while (ucp_worker_progress(ep->dw)) work++;
     if (ep->lane_name[0] && !ep->dead) dp__tp_lane_connect(t, ep), work++;
@@ -353,6 +360,7 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
     if (ep->sq_head || ep->posting) polling |= dp__tp_ep_pump_sends(t, ep);
     if (ep->in_head && !ep->dead) dp__tp_ep_pump_inbox(t, ep);
   }
+  t->lanes_all = lanes_all;
   if (t->rx_busy || t->orphans || t->rx_wait_head || t->rdone) polling |= poll_slots(t);
   if (t->closing) reap(t);
   if (t->timeout_ns > 0 && now_ns() - t->last_check > 1000000) {

@@ -340,6 +340,14 @@ struct dp_transport {
   _Atomic int queued;           /* commands may be queued (set under mu; read without) */
   int caller;                   /* DP_TRANSPORT_PROGRESS_CALLER: no thread; passes under pmu */
   unsigned nlanes;              /* lane workers alive (DP__LANES_MAX at most) */
+  /* The connections' worker's progress polls its TCP interface (a system
+   * call) however idle it is: while every live endpoint has its lane on
+   * (small messages go there) and that worker did nothing at its last
+   * progress, a pass progresses it only every DP__MAIN_EVERY passes. */
+#define DP__MAIN_EVERY 8u
+  int lanes_all;                /* every live endpoint had its lane on at the last pass */
+  int main_idle;                /* the last progress of the worker found nothing */
+  unsigned main_skipped;        /* passes since the worker's last progress */
   _Atomic unsigned ncommands;   /* caller-driven: commands queued (a whole pass every 16th) */
   pthread_mutex_t pmu;
   unsigned forks;               /* dp__tp_forks when it was made: another value, a forked child */
