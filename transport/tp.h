@@ -344,7 +344,7 @@ struct dp_transport {
    * call) however idle it is: while every live endpoint has its lane on
    * (small messages go there) and that worker did nothing at its last
    * progress, a pass progresses it only every DP__MAIN_EVERY passes. */
-#define DP__MAIN_EVERY 8u
+#define DP__MAIN_EVERY 32u
   int lanes_all;                /* every live endpoint had its lane on at the last pass */
   int main_idle;                /* the last progress of the worker found nothing */
   unsigned main_skipped;        /* passes since the worker's last progress */
