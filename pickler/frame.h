@@ -33,6 +33,11 @@ uint64_t dp__frame_checksum(const uint8_t *frame, size_t n);
  * version and flags. Shared by dp_frame_check and dp_unpickle_stream so that
  * both refuse the same headers with the same messages. */
 void dp__frame_header_parse(const uint8_t *h, dp_frame_info_t *fi);
+/* The frame's length, 40 + payload + table + data, must fit in 64 bits:
+ * DP_EFORMAT at 8 otherwise. No input holds such a frame, so both readers
+ * refuse it from the header alone — the stream reader without reading on
+ * to the end of a stream that may never end. */
+int dp__frame_lengths_check(const dp_frame_info_t *fi, dp_error_t *err);
 int dp__frame_header_check(const dp_frame_info_t *fi, uint64_t sum, dp_error_t *err);
 
 /* Reads a frame whose header dp_frame_check (or the stream reader) has

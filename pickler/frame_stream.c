@@ -70,6 +70,7 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
   if (got < sizeof hdr || memcmp(hdr, DP_FRAME_MAGIC, 4) != 0) return dp_frame_check(hdr, got, info, err);
   dp_frame_info_t fi;
   dp__frame_header_parse(hdr, &fi);
+  if ((rc = dp__frame_lengths_check(&fi, err)) != 0) return rc;
 
   chunk = dp__alloc(CHUNK);
   if (!chunk || XXH3_64bits_reset_withSeed(xs, XXH3_64bits(hdr, 32)) != XXH_OK) {
@@ -77,9 +78,8 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
     goto done;
   }
   /* payload and table, grown as bytes arrive (never beyond what the header claims) */
-  uint64_t want = fi.payload_len + fi.table_len;
-  int overflow = fi.payload_len > UINT64_MAX - fi.table_len || want > UINT64_MAX - fi.data_len ||
-                 want > SIZE_MAX - DP_FRAME_HEADER;
+  uint64_t want = fi.payload_len + fi.table_len;  /* the lengths' sum fits: checked above */
+  int overflow = want > SIZE_MAX - DP_FRAME_HEADER;  /* more than memory can address (32-bit) */
   size_t head_len = 0;
   uint8_t *head = NULL;
   while (!overflow && (head_len < want || !buf)) {

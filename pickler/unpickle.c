@@ -818,6 +818,18 @@ void dp__frame_header_parse(const uint8_t *h, dp_frame_info_t *fi) {
 
 #define NO_BUFFERS_INLINE "inline flag on a frame without buffers (not canonical: a writer sets it only when it carries buffer bytes)"
 
+int dp__frame_lengths_check(const dp_frame_info_t *fi, dp_error_t *err) {
+  uint64_t end;
+  if (dp__add_ovf(fi->payload_len, fi->table_len, &end) || dp__add_ovf(end, fi->data_len, &end) ||
+      dp__add_ovf(end, (uint64_t)DP_FRAME_HEADER, &end))
+    return dp__err_at(err, DP_EFORMAT, 8,
+                      "header announces %llu + %llu + %llu body bytes: more than a frame can hold (its length "
+                      "must fit in 64 bits)",
+                      (unsigned long long)fi->payload_len, (unsigned long long)fi->table_len,
+                      (unsigned long long)fi->data_len);
+  return 0;
+}
+
 int dp__frame_header_check(const dp_frame_info_t *fi, uint64_t sum, dp_error_t *err) {
   if (sum != fi->checksum)
     return dp__err_at(err, DP_ECHECKSUM, 32, "checksum mismatch: header says %016llx, content hashes to %016llx",
@@ -846,6 +858,8 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
                       n == 1 ? "" : "s", DP_FRAME_HEADER);
   dp_frame_info_t fi;
   dp__frame_header_parse(b, &fi);
+  int rc = dp__frame_lengths_check(&fi, err);
+  if (rc) return rc;
   uint64_t body = n - DP_FRAME_HEADER;
   if (fi.payload_len > body || fi.table_len > body - fi.payload_len ||
       fi.data_len > body - fi.payload_len - fi.table_len) {
@@ -861,7 +875,7 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
                       "%llu byte%s after the end of the frame",
                       (unsigned long long)(body - fi.payload_len - fi.table_len - fi.data_len),
                       body - fi.payload_len - fi.table_len - fi.data_len == 1 ? "" : "s");
-  int rc = dp__frame_header_check(&fi, dp__frame_checksum(b, n), err);
+  rc = dp__frame_header_check(&fi, dp__frame_checksum(b, n), err);
   if (rc) return rc;
   /* Count the buffers: the table opens with an array header. */
   rd_t r = {b, b + DP_FRAME_HEADER + fi.payload_len, b + DP_FRAME_HEADER + fi.payload_len + fi.table_len, err, 0};

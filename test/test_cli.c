@@ -359,6 +359,25 @@ Test(cli, a_frame_followed_by_an_endless_pipe_is_refused_once_64_kib_follow_it_b
   res_free(r);
 }
 
+/* A header announcing more than 2^64 bytes was read on to the pipe's end
+ * (to report the input's length as DP_ETRUNC's offset): behind /dev/zero
+ * no command ever returned. It is refused from the header. */
+Test(cli, a_header_announcing_more_than_2_64_bytes_before_an_endless_pipe_is_refused_at_once, .timeout = 60) {
+  static const char *const cmds[] = {"verify", "dump", "inspect", "unpack"};
+  for (int i = 0; i < 4; i++) {
+    char script[320];
+    snprintf(script, sizeof script,
+             "{ printf 'DPKL\\001\\000\\000\\000'; head -c 16 /dev/zero | tr '\\000' '\\377'; "
+             "head -c 16 /dev/zero; cat /dev/zero; } | timeout 20 \"$D\" %s -", cmds[i]);
+    res_t r = run_sh(script);
+    cr_assert_eq(r.status, 1, "%s: %s", cmds[i], r.err);
+    cr_assert_str_eq(r.err, "devpickle: <stdin>: header announces 18446744073709551615 + 18446744073709551615 + 0 "
+                            "body bytes: more than a frame can hold (its length must fit in 64 bits), at byte 8\n",
+                     "%s", cmds[i]);
+    res_free(r);
+  }
+}
+
 /* A terminal on stdin would wait, silently, for a frame no one types. */
 /* A pseudo-terminal: its master in *m, the name of its other end returned. */
 static const char *open_pty(int *m) {

@@ -1095,6 +1095,59 @@ Test(pickler, header_errors_name_what_is_wrong) {
   ASSERT_NO_LEAK();
 }
 
+/* A stream of a header and then zeros ("without end": 1 MiB of them), counting what it hands out. */
+typedef struct endless {
+  const uint8_t *hdr;
+  uint64_t given;
+} endless_t;
+
+static int endless_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  (void)err;
+  endless_t *s = ud;
+  if (s->given >= (1u << 20)) { /* a reader that reads on fails its test instead of hanging it */
+    *got = 0;
+    return 0;
+  }
+  for (size_t i = 0; i < n; i++) ((uint8_t *)dst)[i] = s->given + i < 40 ? s->hdr[s->given + i] : 0;
+  s->given += n;
+  *got = n;
+  return 0;
+}
+
+/* A header whose lengths add up past 2^64 announces a frame no input can
+ * hold. It was DP_ETRUNC at the input's length, so the stream reader read
+ * on to the end of the stream to say how long that was: behind an endless
+ * pipe (`devpickle verify -`) it never returned. It is refused from the
+ * header alone, by every reader alike. */
+Test(pickler, a_header_whose_lengths_add_up_past_64_bits_is_refused_at_once_by_every_reader) {
+  uint8_t h[40] = {'D', 'P', 'K', 'L', 1, 0, 0, 0};
+  uint64_t lens[3] = {UINT64_MAX - 100, 60, 1};  /* 2^64 - 39 with the header: one byte too many */
+  for (int k = 0; k < 3; k++)
+    for (int i = 0; i < 8; i++) h[8 + 8 * k + i] = (uint8_t)(lens[k] >> (8 * i));
+  const char *msg = "header announces 18446744073709551515 + 60 + 1 body bytes: more than a frame can hold "
+                    "(its length must fit in 64 bits)";
+  dp_value_t out;
+  dp_error_t e;
+  dp_frame_info_t fi;
+  cr_assert_eq(dp_frame_check(h, sizeof h, &fi, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_eq(e.offset, 8);
+  cr_assert_str_eq(e.message, msg);
+  cr_assert_eq(dp_unpickle(h, sizeof h, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_eq(e.offset, 8);
+  cr_assert_str_eq(e.message, msg);
+  endless_t s = {h, 0};
+  cr_assert_eq(dp_unpickle_stream(endless_read, &s, NULL, &out, NULL, NULL, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_eq(e.offset, 8);
+  cr_assert_str_eq(e.message, msg);
+  cr_assert_eq(s.given, 40, "the stream reader read %llu bytes", (unsigned long long)s.given);
+  /* one byte less is a length that fits: only short of bytes */
+  lens[2] = 0;
+  for (int i = 0; i < 8; i++) h[24 + i] = 0;
+  cr_assert_eq(dp_unpickle(h, sizeof h, NULL, &out, &e), DP_ETRUNC, "%s", e.message);
+  cr_assert_eq(e.offset, 40);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, pickle_and_unpickle_fail_cleanly_at_every_allocation) {
   dp_value_t v = sample_value();
   dp_frame_t *ref = pickle_ok(v, 0);

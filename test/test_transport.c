@@ -1439,7 +1439,10 @@ static void first_receive_fails(peer_fn fn, int code, const char *needle, int ep
 static int send_corrupt_announcing_buffers(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;
   uint8_t junk[64];
-  memset(junk, 0x5a, sizeof junk);
+  /* lengths of 0x3a3a...: more than the message holds but, added up, within
+     64 bits, so that the reader says "truncated" (0x5a5a... overflows, which
+     the reader refuses from the header as DP_EFORMAT) */
+  memset(junk, 0x3a, sizeof junk);
   memcpy(junk, "DPKL", 4);
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0xffffffffu, 0, sizeof junk, 1u << 20};
   dp_error_t e;
@@ -1458,7 +1461,7 @@ static int send_corrupt_then_good_then_late_buffer(dp_transport_t *t, dp_endpoin
   (void)t;
   uint32_t nbuf = (uint32_t)(uintptr_t)arg;
   uint8_t junk[64], data[4096];
-  memset(junk, 0x5a, sizeof junk);
+  memset(junk, 0x3a, sizeof junk); /* lengths within 64 bits: "truncated" (see above) */
   memcpy(junk, "DPKL", 4);
   memset(data, 0x33, sizeof data);
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, nbuf, 0, sizeof junk, (uint64_t)nbuf * sizeof data};

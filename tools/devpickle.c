@@ -42,8 +42,9 @@ static const char *const usage_main =
     "in messages; after '--' every argument is a file name, one starting with\n"
     "'-' too (devpickle verify -- -x.dpk), but '-' alone is still stdin (./- is\n"
     "a file named -). -o, --host or --timeout given twice is a usage error.\n"
-    "A frame on stdin is read up to its end and at most 64 KiB past it (more is\n"
-    "an error, so an endless pipe never holds a command); a terminal is refused.\n"
+    "A frame on stdin is read up to its end as its header gives it and at most\n"
+    "64 KiB past it (more is an error, so an endless pipe behind a frame never\n"
+    "holds a command); a terminal is refused.\n"
     "Run 'devpickle <command> --help' (or 'devpickle help <command>') for a\n"
     "command's options.\n"
     "\n"
@@ -468,6 +469,7 @@ typedef struct src {
   uint8_t hdr[FRAME_HEADER];
   size_t hdr_len;
   int over;                  /* more than TRAIL_MAX bytes followed the frame */
+  int endless;               /* the header announces more than 2^64 bytes: no input holds the frame */
 } src_t;
 
 static uint64_t le64(const uint8_t *p) {
@@ -477,12 +479,15 @@ static uint64_t le64(const uint8_t *p) {
 }
 
 /* The frame's end once its header is in: 40 + payload + table + data,
- * saturating (a header announcing more than 2^64 bytes is read as the
- * library reads it, to the stream's end or its own). */
+ * saturating (the library refuses a header announcing more than 2^64 bytes
+ * once it has read it, before asking for another byte). */
 static void src_header(src_t *s) {
   if (memcmp(s->hdr, "DPKL", 4) != 0) return;
   uint64_t end = FRAME_HEADER, len[3] = {le64(s->hdr + 8), le64(s->hdr + 16), le64(s->hdr + 24)};
-  for (int i = 0; i < 3; i++) end = len[i] > UINT64_MAX - end ? UINT64_MAX : end + len[i];
+  for (int i = 0; i < 3; i++) {
+    if (len[i] > UINT64_MAX - end) s->endless = 1;
+    end = len[i] > UINT64_MAX - end ? UINT64_MAX : end + len[i];
+  }
   s->end = end;
   s->limit = end > UINT64_MAX - TRAIL_MAX ? UINT64_MAX : end + TRAIL_MAX;
 }
@@ -550,7 +555,7 @@ static int read_frame(const char *path, uint8_t **out, size_t *n) {
   uint8_t *buf = malloc(cap);
   dp_error_t e;
   dp_error_clear(&e);
-  while (buf) {
+  while (buf && !s.endless) { /* the library refuses such a header by itself: no need to read on */
     size_t got;
     if ((rc = src_read(&s, buf + len, cap - len, &got, &e)) != 0 || got == 0) break;
     if ((len += got) < cap) continue;
