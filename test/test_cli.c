@@ -852,6 +852,41 @@ Test(cli, pack_refuses_a_ptr_or_nbytes_that_do_not_fit_and_writes_nothing) {
   cr_assert_eq(count_entries(), 2, "a frame was written");
 }
 
+/* Fields the library parses as C strings were read only up to a NUL byte
+ * (JSON strings may hold one): "nan\u0000junk" packed as a NaN,
+ * "cuda:0\u0000x" as cuda:0, "uint8\u0000x" as uint8, and a $tensor field
+ * "device\u0000x" passed for "device" and was ignored. None of them is what
+ * VALUE_JSON.md allows; each is refused, naming what is wrong. */
+Test(cli, pack_refuses_floats_devices_dtypes_and_tensor_fields_with_a_nul_byte_instead_of_cutting_them) {
+  pack_fails("f.json", "f.dpk", "[{\"$float\": \"nan\\u0000junk\"}]",
+             "devpickle: f.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 "
+             "bits, at $[0]\n");
+  pack_fails("d.json", "d.dpk",
+             "{\"$tensor\": {\"device\": \"cuda:0\\u0000x\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"uint8\", "
+             "\"shape\": [8]}}",
+             "devpickle: d.json: tensor device must be \"cpu\", \"cuda:N\" or \"host:N\" (N 0..255), at $\n");
+  pack_fails("t.json", "t.dpk",
+             "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"uint8\\u0000x\", "
+             "\"shape\": [8]}}",
+             "devpickle: t.json: unknown tensor dtype uint8\\u0000x, at $\n");
+  pack_fails("k.json", "k.dpk",
+             "{\"$tensor\": {\"device\": \"cuda:0\", \"device\\u0000x\": 1, \"ptr\": \"0x1000\", \"nbytes\": 8, "
+             "\"dtype\": \"uint8\", \"shape\": [8]}}",
+             "devpickle: k.json: unknown $tensor field \"device\\u0000x\", at $\n");
+  cr_assert_eq(count_entries(), 4, "a frame was written");
+}
+
+/* A tag with another field said that its own (valid) value was wrong:
+ * {"$bytes": "", "$tuple": []} was "$bytes must be a canonical base64
+ * string". It says what every other tag says. */
+Test(cli, a_bytes_or_float_tag_with_another_field_says_it_takes_no_other_fields) {
+  pack_fails("b.json", "b.dpk", "{\"$bytes\": \"\", \"$tuple\": []}",
+             "devpickle: b.json: $bytes takes no other fields, at $\n");
+  pack_fails("f.json", "f.dpk", "[{\"$float\": \"nan\", \"x\": 1}]",
+             "devpickle: f.json: $float takes no other fields, at $[0]\n");
+  cr_assert_eq(count_entries(), 2, "a frame was written");
+}
+
 Test(cli, tensors_sharing_a_storage_must_agree_on_its_data) {
   pack_fails("d.json", "d.dpk",
              "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "

@@ -836,8 +836,15 @@ static int check_err(rd_t *r, int rc, dp_error_t *e) {
   return rc ? fail(r, rc, "%s", e->message) : 0;
 }
 
+/* A JSON string the library parses as a C string: one holding a NUL byte
+ * would be read as its part before the NUL ("cuda:0\u0000junk" as "cuda:0"),
+ * so it is not one. */
+static int is_c_string(json_t *s) {
+  return json_is_string(s) && !memchr(json_string_value(s), 0, json_string_length(s));
+}
+
 static int parse_device(rd_t *r, json_t *dj, dp_device_t *d) {
-  if (!json_is_string(dj) || dp_device_parse(json_string_value(dj), d, NULL) != 0)
+  if (!is_c_string(dj) || dp_device_parse(json_string_value(dj), d, NULL) != 0)
     return fail(r, DP_EINVAL, "tensor device must be \"cpu\", \"cuda:N\" or \"host:N\" (N 0..255)");
   return 0;
 }
@@ -878,10 +885,11 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   const char *k;
   json_t *x;
   if (!json_is_object(t)) return fail(r, DP_EINVAL, "$tensor must be an object");
-  json_object_foreach(t, k, x) {
+  size_t klen;
+  json_object_keylen_foreach(t, k, klen, x) { /* by length: "device\u0000x" is not "device" */
     size_t i = 0;
-    while (i < 8 && strcmp(k, known[i]) != 0) i++;
-    if (i == 8) return fail(r, DP_EINVAL, "unknown $tensor field %s", shown_n(k, strlen(k), 1, r->scratch));
+    while (i < 8 && !(strlen(known[i]) == klen && memcmp(k, known[i], klen) == 0)) i++;
+    if (i == 8) return fail(r, DP_EINVAL, "unknown $tensor field %s", shown_n(k, klen, 1, r->scratch));
   }
   dp_device_t dev;
   int rc = parse_device(r, json_object_get(t, "device"), &dev);
@@ -900,7 +908,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   size_t nbytes = (size_t)json_integer_value(nj);
   dp_dtype_t dtype;
   json_t *dj = json_object_get(t, "dtype");
-  if (!json_is_string(dj) || dp_dtype_parse(json_string_value(dj), &dtype, NULL) != 0)
+  if (!is_c_string(dj) || dp_dtype_parse(json_string_value(dj), &dtype, NULL) != 0)
     return fail(r, DP_EINVAL, "unknown tensor dtype %s", dj ? shown(dj, 0, r->scratch) : "(missing)");
   int64_t shape[DP_TENSOR_MAX_DIMS], strides[DP_TENSOR_MAX_DIMS];
   int nd, ns;
@@ -1153,15 +1161,15 @@ static int add_id(rd_t *r, json_t *name, dp_value_t v, int open, size_t *at) {
   return 0;
 }
 
-static int read_float(rd_t *r, json_t *j, json_t *x, dp_value_t *out) {
-  const char *s = json_is_string(x) ? json_string_value(x) : "";
-  size_t n = json_is_string(x) ? json_string_length(x) : 0;
+static int read_float(rd_t *r, json_t *x, dp_value_t *out) {
+  const char *s = is_c_string(x) ? json_string_value(x) : "";
+  size_t n = is_c_string(x) ? json_string_length(x) : 0;
   uint64_t bits;
   double f;
-  if (json_object_size(j) == 1 && strcmp(s, "nan") == 0) f = NAN;
-  else if (json_object_size(j) == 1 && strcmp(s, "inf") == 0) f = INFINITY;
-  else if (json_object_size(j) == 1 && strcmp(s, "-inf") == 0) f = -INFINITY;
-  else if (json_object_size(j) == 1 && n == 18 && parse_hex64(s, n, &bits) == 0) memcpy(&f, &bits, sizeof f);
+  if (strcmp(s, "nan") == 0) f = NAN;
+  else if (strcmp(s, "inf") == 0) f = INFINITY;
+  else if (strcmp(s, "-inf") == 0) f = -INFINITY;
+  else if (n == 18 && parse_hex64(s, n, &bits) == 0) memcpy(&f, &bits, sizeof f);
   else return fail(r, DP_EINVAL, "$float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 bits");
   *out = dp_float(f);
   return 0;
@@ -1227,14 +1235,18 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
     if ((x = json_object_get(j, "$bytes")) != NULL) {
       uint8_t *p;
       size_t n;
-      if (json_object_size(j) != 1 || !json_is_string(x) ||
+      if (json_object_size(j) != 1) return fail(r, DP_EINVAL, "$bytes takes no other fields");
+      if (!json_is_string(x) ||
           vjson_b64_decode(json_string_value(x), json_string_length(x), &p, &n) != 0)
         return fail(r, DP_EINVAL, "$bytes must be a canonical base64 string (RFC 4648, padded, unused bits zero)");
       rc = dp_bytes_new(p, n, out, &r->e);
       free(p);
       return check_err(r, rc, &r->e);
     }
-    if ((x = json_object_get(j, "$float")) != NULL) return read_float(r, j, x, out);
+    if ((x = json_object_get(j, "$float")) != NULL) {
+      if (json_object_size(j) != 1) return fail(r, DP_EINVAL, "$float takes no other fields");
+      return read_float(r, x, out);
+    }
   }
   if ((rc = make_shell(r, j, out)) != 0) return rc;
   if ((rc = fill_container(r, j, *out, depth)) != 0) dp_value_release(*out);
