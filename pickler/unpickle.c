@@ -583,8 +583,9 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
                           (unsigned long long)t.len);
       uint64_t idx = be(t.data, 4);
       if (idx >= u->nnodes)
-        return rd_fail(r, DP_EFORMAT, at, "back-reference to node %llu, only %zu exist",
-                          (unsigned long long)idx, u->nnodes);
+        return rd_fail(r, DP_EFORMAT, at, "back-reference to node %llu, but only %zu node%s precede%s it (a "
+                       "back-reference names a node already started)", (unsigned long long)idx, u->nnodes,
+                       u->nnodes == 1 ? "" : "s", u->nnodes == 1 ? "s" : "");
       dp_value_t target = u->nodes[idx];
       if (u->top > 0) {
         /* the open container it is, or the lowest one it reaches */
@@ -629,8 +630,10 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
         const char *cls;
         size_t cls_len;
         if (n < 1 || (tag == DP_TAG_OBJECT ? (n - 1) % 2 != 0 : n != 2))
-          return rd_fail(r, DP_EFORMAT, at, "%s node has %llu fields",
-                            tag == DP_TAG_OBJECT ? "object" : "reduce", (unsigned long long)n);
+          return rd_fail(r, DP_EFORMAT, at, "%s node has %llu field%s, expected %s", tag == DP_TAG_OBJECT ? "object" : "reduce",
+                         (unsigned long long)n, n == 1 ? "" : "s",
+                         tag == DP_TAG_OBJECT ? "an odd number (its class name, then a name and a value for each attribute)"
+                                              : "2 (its type name and its state)");
         const uint8_t *nat = r->p;
         if ((rc = read_name(r, &cls, &cls_len, tag == DP_TAG_OBJECT ? "object class" : "reduce type")) != 0 ||
             (rc = check_len(u, nat, cls_len)) != 0)
@@ -1084,7 +1087,8 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
   }
   if (pass != PASS_CHECK && pass != PASS_MAKE) return 0;
   if (r->p != r->end)
-    return rd_fail(r, DP_EFORMAT, r->p, "%lld bytes after the buffer table", (long long)(r->end - r->p));
+    return rd_fail(r, DP_EFORMAT, r->p, "%lld byte%s after the buffer table", (long long)(r->end - r->p),
+                   r->end - r->p == 1 ? "" : "s");
   if (is_inline && data_off != fi->data_len)
     return rd_fail(r, DP_EFORMAT, r->end, "%llu bytes of the data section belong to no buffer",
                       (unsigned long long)(fi->data_len - data_off));
@@ -1133,8 +1137,8 @@ int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_
     u.r.end = u.r.p + fi->payload_len;
     rc = parse_payload(&u);
     if (rc == 0 && u.r.p != u.r.end)
-      rc = rd_fail(&u.r, DP_EFORMAT, u.r.p, "%lld bytes after the root value in the payload",
-                      (long long)(u.r.end - u.r.p));
+      rc = rd_fail(&u.r, DP_EFORMAT, u.r.p, "%lld byte%s after the root value in the payload",
+                   (long long)(u.r.end - u.r.p), u.r.end - u.r.p == 1 ? "" : "s");
     /* the writer lists only the buffers its walk met */
     if (rc == 0 && u.next_buf < u.nbufs)
       rc = rd_fail(&u.r, DP_EFORMAT, descriptor_at(&u, fi, (uint32_t)u.next_buf),

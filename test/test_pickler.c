@@ -1045,7 +1045,7 @@ Test(pickler, malformed_payloads_get_precise_errors) {
   const uint8_t bad_utf8[] = {0x91, 0xa2, 0xc3, 0x28};
   expect_bad(bad_utf8, sizeof bad_utf8, DP_EFORMAT, 41, "invalid UTF-8 in str", NULL);
   const uint8_t fwd_ref[] = {0x91, 0xd6, 0x01, 0, 0, 0, 5};
-  expect_bad(fwd_ref, sizeof fwd_ref, DP_EFORMAT, 41, "back-reference to node 5, only 1 exist", NULL);
+  expect_bad(fwd_ref, sizeof fwd_ref, DP_EFORMAT, 41, "back-reference to node 5, but only 1 node precedes it (a back-reference names a node already started)", NULL);
   const uint8_t dup[] = {0x82, 0x01, 0xc0, 0x01, 0xc0};
   expect_bad(dup, sizeof dup, DP_EFORMAT, 43, "duplicate dict key", NULL);
   /* object A with attribute x twice: the offset of the second name, as a
@@ -1055,7 +1055,7 @@ Test(pickler, malformed_payloads_get_precise_errors) {
   const uint8_t list_key[] = {0x81, 0x90, 0xc0};
   expect_bad(list_key, sizeof list_key, DP_EFORMAT, 41, "dict key of kind list is not hashable", NULL);
   const uint8_t trailing[] = {0xc0, 0xc0};
-  expect_bad(trailing, sizeof trailing, DP_EFORMAT, 41, "1 bytes after the root value in the payload", NULL);
+  expect_bad(trailing, sizeof trailing, DP_EFORMAT, 41, "1 byte after the root value in the payload", NULL);
   const uint8_t no_buffer[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x90, 0x90, 0x00};
   expect_bad(no_buffer, sizeof no_buffer, DP_EFORMAT, 44, "tensor buffer id out of range", NULL);
   const uint8_t tag[] = {0x91, 0xd4, 0x00, 0x09};
@@ -1065,6 +1065,17 @@ Test(pickler, malformed_payloads_get_precise_errors) {
   /* a back-reference to an unfinished tuple used as a dict key */
   const uint8_t open_key[] = {0x92, 0xd4, 0x00, 0x01, 0x81, 0xd6, 0x01, 0, 0, 0, 0, 0xc0};
   expect_bad(open_key, sizeof open_key, DP_EFORMAT, 45, "dict key refers to an unfinished tuple", NULL);
+  /* a wrong field count says what the node needs: an object of class A
+     with a name and no value, a reduce node with a type name and no state */
+  const uint8_t half_attr[] = {0x93, 0xd4, 0x00, 0x03, 0xa1, 0x41, 0xa1, 0x78};
+  expect_bad(half_attr, sizeof half_attr, DP_EFORMAT, 40, "object node has 2 fields, expected an odd number (its "
+             "class name, then a name and a value for each attribute)", NULL);
+  const uint8_t no_state[] = {0x92, 0xd4, 0x00, 0x04, 0xa1, 0x52};
+  expect_bad(no_state, sizeof no_state, DP_EFORMAT, 40, "reduce node has 1 field, expected 2 (its type name and "
+             "its state)", NULL);
+  const uint8_t two_refs[] = {0x92, 0x90, 0xd6, 0x01, 0, 0, 0, 2};
+  expect_bad(two_refs, sizeof two_refs, DP_EFORMAT, 42, "back-reference to node 2, but only 2 nodes precede it (a "
+             "back-reference names a node already started)", NULL);
   ASSERT_NO_LEAK();
 }
 
