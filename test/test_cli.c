@@ -887,6 +887,40 @@ Test(cli, a_bytes_or_float_tag_with_another_field_says_it_takes_no_other_fields)
   cr_assert_eq(count_entries(), 2, "a frame was written");
 }
 
+/* SECURITY.md bounds unpack's output: --compact, at most about 16 times the
+ * frame. It said 4, which a frame of `false` (6 bytes of JSON a byte) and one
+ * of zero-dimensional tensors on one buffer (9 bytes of frame, 146 of JSON)
+ * both exceed. */
+Test(cli, unpack_writes_at_most_sixteen_times_the_frame_compact_and_says_what_costs_most) {
+  enum { N = 2000 };
+  const char *t = "{\"$tensor\": {\"device\": \"cuda:255\", \"ptr\": \"0xffffffffffffffff\", \"nbytes\": "
+                  "4611686018427387904, \"dtype\": \"complex128\", \"shape\": []}}";
+  size_t tl = strlen(t);
+  char *json = malloc(N * (tl + 1) + 4), *p = json;
+  *p++ = '[';
+  for (int i = 0; i < N; i++, p += tl + 1) {
+    memcpy(p, t, tl);
+    p[tl] = i + 1 < N ? ',' : ']';
+  }
+  *p = '\0';
+  spit("t.json", json);
+  free(json);
+  res_t r = run("pack t.json -o t.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  size_t fn = 0, on = 0;
+  char path[160];
+  snprintf(path, sizeof path, "%s/t.dpk", dir);
+  free(slurp(path, &fn));
+  r = run("unpack t.dpk --compact -o t2.json");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  snprintf(path, sizeof path, "%s/t2.json", dir);
+  free(slurp(path, &on));
+  cr_assert_gt(on, 15 * fn, "the costliest item is no longer what SECURITY.md says: %zu bytes of JSON for %zu", on, fn);
+  cr_assert_leq(on, 16.5 * fn, "%zu bytes of JSON for a %zu-byte frame", on, fn);
+}
+
 Test(cli, tensors_sharing_a_storage_must_agree_on_its_data) {
   pack_fails("d.json", "d.dpk",
              "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
