@@ -31,6 +31,9 @@ enum { OWN_NONE = 0, OWN_CALLER, OWN_LIBRARY };
 static _Thread_local dp_stream_t *tls_current[TLS_DEVICES];
 static _Thread_local unsigned char tls_owner[TLS_DEVICES];
 static _Thread_local int tls_caller_count;  /* entries owned by the caller */
+/* What the running then() callbacks' streams replaced, innermost first
+ * (dp__current_stream_enter): current again once they return. */
+static _Thread_local dp__current_saved_t *tls_saved;
 
 /* The entry of d, or -1 for a device type that does not exist. */
 static int slot_of(dp_device_t d) {
@@ -381,6 +384,13 @@ void dp_stream_free(dp_stream_t *s) {
    * reached: they reset theirs first, device.h) */
   for (int i = 0; i < TLS_DEVICES; i++)
     if (tls_current[i] && (tls_current[i] == s || (w && tls_current[i] == w))) slot_clear(i);
+  /* nor when a then() callback running here returns: what its streams
+     replaced would be put back, s included (freed inside the callback) */
+  for (dp__current_saved_t *sv = tls_saved; sv; sv = sv->outer)
+    if (sv->s && (sv->s == s || (w && sv->s == w))) {
+      sv->s = NULL;
+      sv->owner = OWN_NONE;
+    }
   dp_stream_synchronize(s, NULL);
   pthread_mutex_lock(&listeners_mu);
   for (dp__stream_listener_t *l = listeners; l; l = l->next) {
@@ -537,6 +547,8 @@ void dp__current_stream_enter(dp_stream_t *s, dp__current_saved_t *saved) {
   int i = slot_of(s->dev);
   saved->s = tls_current[i];
   saved->owner = tls_owner[i];
+  saved->outer = tls_saved;
+  tls_saved = saved;
   if (!tls_current[i]) tls_owner[i] = OWN_LIBRARY;
   tls_current[i] = s;
 }
@@ -548,6 +560,7 @@ void dp__current_stream_leave(dp_device_t dev, const dp__current_saved_t *saved)
   if (saved->owner == OWN_CALLER) tls_caller_count++;
   tls_current[i] = saved->s;
   tls_owner[i] = (unsigned char)saved->owner;
+  tls_saved = saved->outer;  /* left in the reverse order of entering: saved is the innermost */
 }
 
 void dp_set_stream_provider(dp_stream_provider_cb fn, void *ud) {

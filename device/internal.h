@@ -163,10 +163,14 @@ void dp__pinned_unregister(dp_backend_t *b, void *p);
  * current for its device on this thread, saving what was there; leave puts
  * that back. Unlike dp_set_current_stream, they never fail: they do not
  * count against the caller's DP_CURRENT_STREAM_SLOTS. Pairs nest (a wait in
- * a callback runs other callbacks). */
+ * a callback runs other callbacks) and are left in the reverse order of
+ * entering. The saved records stay linked on the thread until left, so
+ * that dp_stream_free of a saved stream (from the callback) forgets it
+ * there too: leave must not put a freed stream back. */
 typedef struct dp__current_saved {
   dp_stream_t *s;
   int owner;
+  struct dp__current_saved *outer;  /* the record entered before this one */
 } dp__current_saved_t;
 void dp__current_stream_enter(dp_stream_t *s, dp__current_saved_t *saved);
 void dp__current_stream_leave(dp_device_t dev, const dp__current_saved_t *saved);

@@ -1487,6 +1487,35 @@ Test(future, a_callback_gets_pool_streams_on_more_devices_than_a_thread_may_set_
   for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++) dp_stream_free(own[i]);
 }
 
+/* dp_stream_free makes the calling thread stop using the stream as its
+ * current one (device.h). Freed inside a then() callback, while the
+ * callback's pool stream stood in for it, it was put back as current when
+ * the callback returned: the thread's next allocation or wait used freed
+ * memory. */
+static int free_the_threads_stream(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  dp_stream_free(ud);
+  return 0;
+}
+
+Test(future, a_stream_freed_in_a_callback_is_not_current_again_when_the_callback_returns) {
+  dp_stream_t *mine, *dflt, *cur;
+  OK(dp_stream_default(B, H0, &dflt, T_ERR)); /* made before mine is freed: never at its address */
+  OK(dp_stream_new(B, H0, &mine, T_ERR));
+  OK(dp_set_current_stream(mine, NULL, T_ERR));
+  dp_value_t t = device_ints(H0, 4); /* on mine */
+  dp_future_t *f = future(), *c;
+  OK(dp_future_then(f, free_the_threads_stream, mine, &c, T_ERR));
+  OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR)); /* the callback runs here */
+  OK(dp_future_wait(c, -1, T_ERR));
+  OK(dp_current_stream(B, H0, &cur, T_ERR));
+  cr_assert_eq(cur, dflt, "the freed stream is forgotten: the default stream is current again");
+  dp_future_release(c);
+  dp_future_release(f);
+  free_ints(t);
+  dp_value_release(t);
+}
+
 /* A host function that completes a future on its own stream and then
  * synchronizes it would wait for itself: DP_EMISUSE at once, with a time
  * limit as without one. With a limit it polled the event, which could not
