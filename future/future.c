@@ -88,6 +88,7 @@ struct dp_future {
 typedef struct level {
   cbent_t *head, *tail;
   struct level *outer;
+  const dp_future_t *child;  /* the running then() callback's child (NULL: none) */
 } level_t;
 
 typedef struct tramp {
@@ -120,7 +121,7 @@ static int tramp_step(tramp_t *t) {
   if (!lv) return 0;
   cbent_t *e = lv->head;
   if (!(lv->head = e->next)) lv->tail = NULL;
-  level_t mine = {NULL, NULL, from};
+  level_t mine = {NULL, NULL, from, e->child};
   t->top = &mine;
   dp_future_t *p = e->parent;
   run_entry(p, e);
@@ -562,6 +563,18 @@ static long queued_by_running(tramp_t *t, const dp_future_t *f) {
   return -1;
 }
 
+/* 1 when f is the child of a then() callback running on this thread: only
+ * that callback's return completes it, so a wait for it from there would
+ * never end. */
+static int completed_by_running(const tramp_t *t, const dp_future_t *f) {
+  for (const level_t *lv = t->top; lv; lv = lv->outer)
+    if (lv->child == f) return 1;
+  return 0;
+}
+
+#define WAITS_FOR_ITSELF (-1)
+
+/* f's state once complete or timed out, or WAITS_FOR_ITSELF. */
 static int wait_done(dp_future_t *f, int64_t timeout_ns) {
   /* In a callback, f may be waiting on work queued on this very thread:
    * run it first (the queue keeps its order; nothing runs under a lock).
@@ -579,6 +592,9 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
       for (long i = 0; i <= k && ran; i++) ran = tramp_step(t);
       if (!ran) break;
     }
+    /* refused at once, with a limit or without (as a host function that
+       would wait for itself is: device.h), not a hang or a spent limit */
+    if (dp__load_acquire(&f->state) == PENDING && completed_by_running(t, f)) return WAITS_FOR_ITSELF;
   }
   /* A completion often follows soon (a reply, a short kernel): look for it
    * a while before sleeping, which costs a wake-up (a futex and a
@@ -625,6 +641,9 @@ static int join_device(dp_future_t *f, size_t i, dp_stream_t *s, dp_error_t *err
 /* dp_future_wait, its timeout named as fn's */
 static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   int state = wait_done(f, timeout_ns);
+  if (state == WAITS_FOR_ITSELF)
+    return dp__err(err, DP_EMISUSE,
+                   "%s: called from the then() callback whose result completes the future: it would wait for itself", fn);
   if (state == PENDING)
     return dp__err(err, DP_ETIMEDOUT, "%s: the future did not complete within %lld ns", fn, (long long)timeout_ns);
   if (state == FAILED) return get_error(f, err);

@@ -1749,6 +1749,69 @@ Test(future, an_error_without_a_message_or_with_code_zero_reaches_waiters_with_o
   dp_future_release(f);
 }
 
+/* A callback that waits on its own child — the future its result
+ * completes, which only its return can complete — waited for itself: an
+ * untimed wait hung the thread for good, a timed one spent its whole
+ * limit. It is DP_EMISUSE at once, naming the function; so is a wait on it
+ * from a callback nested in it (run by a wait of its own). */
+typedef struct {
+  dp_future_t *child;  /* set before the parent completes */
+  int64_t timeout_ns;
+  int rc;
+  double took_s;
+  dp_error_t err;
+} self_wait_t;
+
+static int wait_on_own_child(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  self_wait_t *x = ud;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  x->rc = dp_future_synchronize(x->child, x->timeout_ns, &x->err);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  x->took_s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  return 0;
+}
+
+Test(future, a_callback_waiting_on_its_own_child_is_emisuse_at_once_not_a_hang, .timeout = 20) {
+  int64_t limits[2] = {-1, 5000000000ll};
+  for (int i = 0; i < 2; i++) {
+    self_wait_t x = {NULL, limits[i], 0, 0, {0}};
+    dp_future_t *f = future();
+    OK(dp_future_then(f, wait_on_own_child, &x, &x.child, T_ERR));
+    OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+    cr_assert_eq(x.rc, DP_EMISUSE, "limit %lld: %s: %s", (long long)limits[i], dp_err_name(x.rc), x.err.message);
+    cr_assert_str_eq(x.err.message,
+                     "dp_future_synchronize: called from the then() callback whose result completes the future: it would "
+                     "wait for itself");
+    cr_assert_lt(x.took_s, 1.0, "refused at once, not after the limit (%.3f s)", x.took_s);
+    OK(dp_future_wait(x.child, -1, T_ERR)); /* completed once the callback returned */
+    dp_future_release(x.child);
+    dp_future_release(f);
+  }
+}
+
+/* negative control: a callback may wait on a sibling's child, which a
+ * callback queued ahead of it completes */
+static int returns_two(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)err;
+  *result = dp_int(2);
+  return 0;
+}
+
+Test(future, a_callback_may_wait_on_the_child_of_a_callback_that_ran_before_it) {
+  self_wait_t x = {NULL, -1, 0, 0, {0}};
+  dp_future_t *f = future(), *own;
+  OK(dp_future_then(f, returns_two, NULL, &x.child, T_ERR));
+  OK(dp_future_then(f, wait_on_own_child, &x, &own, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  cr_assert_eq(x.rc, 0, "%s: %s", dp_err_name(x.rc), x.err.message);
+  cr_assert_eq(dp_value_as_int(dp_future_value(x.child)), 2);
+  dp_future_release(own);
+  dp_future_release(x.child);
+  dp_future_release(f);
+}
+
 /* A callback that completes another future and waits on it: the wait
  * returns once that future's callbacks (queued by this callback) ran; the
  * callbacks its own parent has left wait until it returns. */

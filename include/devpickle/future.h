@@ -38,7 +38,9 @@
  * future run in the order they were registered. A dp_future_wait() in a callback first runs what is queued on
  * its thread, so a callback may wait on what it completed; waiting on a future it completed (or chained on)
  * also returns only once the callbacks it queued for that future ran. The running callback's own future's
- * later callbacks still run after it returns.
+ * later callbacks still run after it returns. A wait (or synchronize) from a callback on the child its own
+ * result completes — or on that of a callback it is nested in — would wait for itself: it is DP_EMISUSE at
+ * once, with a limit or without.
  *
  * CANCELLATION: when the last reference to a pending future is dropped, its
  * callbacks never run; its then() children fail with DP_ECANCELED ("the
