@@ -777,8 +777,11 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
   int rc = dp__check_device(__func__, c->b, dev, err);
   if (rc) return rc;
   if (!s && (rc = dp_current_stream(c->b, dev, &s, err)) != 0) return rc;
-  if (!dp_device_equal(dp__stream_dev(s), dev))
-    return dp__err(err, DP_EINVAL, "dp_cache_alloc: the stream must be on the device allocated from");
+  if (DP_UNLIKELY(!dp_device_equal(dp__stream_dev(s), dev))) {
+    char want[16], got[16]; /* both named: a caller passing the wrong one of several streams sees which */
+    return dp__err(err, DP_EINVAL, "dp_cache_alloc(%s): the stream is on %s; it must be on the device allocated from",
+                   dp_device_format(dev, want, sizeof want), dp_device_format(dp__stream_dev(s), got, sizeof got));
+  }
   if (nbytes > SIZE_MAX - LARGE_ROUND)
     return dp__err(err, DP_ENOMEM, "dp_cache_alloc: %zu bytes cannot be rounded up to a 2 MiB segment", nbytes);
   size_t size = nbytes ? (nbytes + ROUND - 1) / ROUND * ROUND : ROUND;

@@ -298,7 +298,7 @@ Test(allocator, freeing_what_it_did_not_hand_out_is_an_error) {
   dp_stream_t *d1;
   OK(dp_stream_default(B, H1, &d1, T_ERR));
   cr_assert_eq(dp_cache_alloc(C, H0, 64, d1, &p, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_cache_alloc: the stream must be on the device allocated from");
+  cr_assert_str_eq(e.message, "dp_cache_alloc(host:0): the stream is on host:1; it must be on the device allocated from");
   OK(dp_cache_dealloc(C, NULL, T_ERR));
   dp_stream_free(s);
 }
