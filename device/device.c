@@ -107,7 +107,17 @@ int dp_backend_default(dp_backend_t **out, dp_error_t *err) {
     if (strcmp(env, "cuda") == 0) return dp_backend_get(DP_DEVICE_CUDA, out, err);
     return dp__err(err, DP_EINVAL, "DEVPICKLE_BACKEND=%s: expected host or cuda", env);
   }
-  if (dp_backend_get(DP_DEVICE_CUDA, out, NULL) == 0) return 0;
+  /* host stands in only where no GPU is usable (DP_ENODEV): any other
+     failure (out of memory starting the backend) is no sign that there is
+     none, and falling back then would give the caller the other backend,
+     whose futures refuse the GPU's memory, for the rest of the process */
+  dp_error_t why;
+  int rc = dp_backend_get(DP_DEVICE_CUDA, out, &why);
+  if (rc == 0) return 0;
+  if (rc != DP_ENODEV) {
+    if (err) *err = why;
+    return rc;
+  }
   return dp_backend_get(DP_DEVICE_HOST, out, err);
 }
 

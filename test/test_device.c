@@ -369,6 +369,24 @@ Test(device, forcing_cuda_without_a_gpu_is_an_error_not_a_fallback) {
   cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND=tpu: expected host or cuda");
 }
 
+/* The default backend falls back to host only where no GPU is usable:
+ * running out of memory while starting cuda made it host silently, for the
+ * rest of the process, on a machine whose GPU was there. */
+Test(device, running_out_of_memory_starting_cuda_is_enomem_not_a_fallback_to_host) {
+  dp_backend_t *b = NULL;
+  dp_error_t e;
+  dp_shutdown();
+  unsetenv("DEVPICKLE_BACKEND");
+  t_fail_at = t_alloc_count + 1; /* cuda's backend record, the first thing made */
+  int rc = dp_backend_default(&b, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM, "%s: %s (backend %s)", dp_err_name(rc), e.message, rc ? "-" : dp_backend_name(b));
+  cr_assert_str_eq(e.message, "out of memory creating a backend");
+  OK_WITH(&e, dp_backend_default(&b, &e)); /* not kept: the next call asks again */
+  dp_backend_t *cuda;
+  cr_assert_str_eq(dp_backend_name(b), dp_backend_get(DP_DEVICE_CUDA, &cuda, NULL) == 0 ? "cuda" : "host");
+}
+
 Test(device, an_unavailable_cuda_is_asked_once_until_shutdown) {
   dp_backend_t *b;
   dp_error_t e, again;

@@ -1258,20 +1258,24 @@ Test(future, every_allocation_failure_is_an_error_and_leaks_nothing) {
     dp_value_t a = device_ints(H0, 8), b = device_ints(H1, 8);
     OK(dp_object_set(o, "a", dp_value_retain(a), T_ERR));
     OK(dp_object_set(o, "b", dp_value_retain(b), T_ERR));
-    t_fail_at = t_alloc_count + k;
+    long want = t_alloc_count + k;
+    t_fail_at = want;
     dp_future_t *f = NULL, *child = NULL, *all = NULL;
     int rc = dp_future_new(NULL, &f, NULL);
     if (rc == 0) rc = dp_future_then(f, hop_cb, NULL, &child, NULL);
-    if (rc == 0) rc = dp_future_collect_all(&f, 1, NULL, &all, NULL);
-    dp_value_t given = o;
+    int rc_all = rc == 0 ? dp_future_collect_all(&f, 1, NULL, &all, NULL) : 0;
+    /* f is completed whatever failed after it was made: a child then never hangs */
+    int rc_mark = f ? dp_future_mark_completed(f, o, NULL) : (dp_value_release(o), 0);
     o = dp_none();
-    if (rc == 0) rc = dp_future_mark_completed(f, given, NULL);
-    else dp_value_release(given);
-    if (rc == 0) rc = dp_future_wait(child, -1, NULL);
-    if (rc == 0) rc = dp_future_wait(all, -1, NULL);
+    if (rc == 0) rc = rc_all ? rc_all : rc_mark;
+    int rc_child = child ? dp_future_wait(child, -1, NULL) : 0;
+    int rc_agg = all ? dp_future_wait(all, -1, NULL) : 0;
+    int hit = t_alloc_count >= want; /* the failure was injected: else the sweep is over */
     t_fail_at = 0;
     cr_assert(rc == 0 || rc == DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
-    if (child && rc == DP_ENOMEM) cr_assert(dp_future_is_done(child), "a failure never leaves a child hanging");
+    cr_assert(rc_child == 0 || rc_child == DP_ENOMEM, "allocation %ld: the child: %s", k, dp_err_name(rc_child));
+    cr_assert(rc_agg == 0 || rc_agg == DP_ENOMEM, "allocation %ld: the aggregate: %s", k, dp_err_name(rc_agg));
+    if (child) cr_assert(dp_future_is_done(child), "a failure never leaves a child hanging (allocation %ld)", k);
     dp_future_release(all);
     dp_future_release(child);
     dp_future_release(f);
@@ -1283,7 +1287,10 @@ Test(future, every_allocation_failure_is_an_error_and_leaks_nothing) {
     dp_value_release(b);
     dp_shutdown();
     cr_assert_eq(t_live_blocks, 0, "leak after failing allocation %ld", k);
-    if (rc == 0) break;
+    if (!hit) {
+      cr_assert(rc == 0 && rc_child == 0 && rc_agg == 0, "with no allocation failed, all succeeds");
+      break;
+    }
   }
 }
 

@@ -62,7 +62,9 @@ DP_API int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t 
 
 /** The default backend: `cuda` when a GPU is usable, else `host`. The
  *  environment variable DEVPICKLE_BACKEND=host|cuda forces one; forcing
- *  `cuda` without a GPU is DP_ENODEV, never a fallback. */
+ *  `cuda` without a GPU is DP_ENODEV, never a fallback. `host` stands in
+ *  only for DP_ENODEV: another failure of `cuda` (DP_ENOMEM starting it)
+ *  is returned as it is. */
 DP_API int dp_backend_default(dp_backend_t **out, dp_error_t *err);
 
 DP_API dp_device_type_t dp_backend_type(const dp_backend_t *b);
