@@ -740,9 +740,6 @@ static void cache_destroy(dp_cache_t *c) {
     for (uint32_t i = 0; i < b->nevents; i++) dp_event_free(b->events[i]);
   for (int d = 0; d < c->ndev; d++) {
     devpool_t *p = &c->pools[d];
-    /* highest address first: a backend that keeps its allocations sorted
-       (the host's) then removes each at the end of its table, not the
-       front (quadratic in the segments) */
     for (size_t i = p->nsegs; i-- > 0;) {
       segment_t *seg = p->segs[i];
       for (block_t *b = seg->first, *n; b; b = n) {
@@ -751,10 +748,8 @@ static void cache_destroy(dp_cache_t *c) {
         dp__free(b->events, b->events_cap * sizeof *b->events);
         dp__free(b, sizeof *b);
       }
-      dp_device_dealloc(c->b, dp_backend_device(c->b, d), seg->base, NULL);
-      dp__free(seg, sizeof *seg);
+      seg->first = NULL;
     }
-    dp__free(p->segs, p->segs_cap * sizeof *p->segs);
     for (size_t i = 0; i < p->nsets; i++) dp__free(p->sets[i], sizeof *p->sets[i]);
     dp__free(p->sets, p->sets_cap * sizeof *p->sets);
     dp__table_destroy(&p->set_index, DP_TABLE_TAGGED);
@@ -766,8 +761,22 @@ static void cache_destroy(dp_cache_t *c) {
   }
   dp__table_destroy(&c->map, DP_TABLE_TAGGED);
   dp__free(c->mapped, c->mapped_cap * sizeof *c->mapped);
-  dp__free(c->pools, (size_t)c->ndev * sizeof(devpool_t));
   pthread_mutex_unlock(&c->mu);
+  /* The memory goes back without the lock: a backend's free waits for the
+     device's queued work (cudaFree does, and the host backend as it), and
+     no function waits on a stream under the lock (cache.h). */
+  for (int d = 0; d < c->ndev; d++) {
+    devpool_t *p = &c->pools[d];
+    /* highest address first: a backend that keeps its allocations sorted
+       (the host's) then removes each at the end of its table, not the
+       front (quadratic in the segments) */
+    for (size_t i = p->nsegs; i-- > 0;) {
+      dp_device_dealloc(c->b, dp_backend_device(c->b, d), p->segs[i]->base, NULL);
+      dp__free(p->segs[i], sizeof *p->segs[i]);
+    }
+    dp__free(p->segs, p->segs_cap * sizeof *p->segs);
+  }
+  dp__free(c->pools, (size_t)c->ndev * sizeof(devpool_t));
   pthread_mutex_destroy(&c->mu);
   dp__free(c, sizeof *c);
 }

@@ -46,6 +46,7 @@ typedef struct hstream {
   int dev;
   progress_t *prog;
   pthread_t thread;
+  uint64_t seq;            /* creation order (host_impl.next_seq): which streams a free waits for */
   struct hstream *next, *prev;  /* the device's streams */
 } hstream_t;
 
@@ -76,6 +77,7 @@ typedef struct host_impl {
   uint32_t rng;            /* its priorities (xorshift) */
   size_t used[HOST_MAX_DEVICES];
   size_t limit[HOST_MAX_DEVICES];
+  uint64_t next_seq;       /* the last stream's seq */
 } host_impl_t;
 
 /* Limits set before the backend exists are kept here. */
@@ -195,6 +197,7 @@ static int h_stream_create(dp_backend_t *b, int dev, void **h, dp_error_t *err) 
     return dp__err(err, DP_ENOMEM, "cannot start a host stream thread");
   }
   pthread_mutex_lock(&im->mu);
+  s->seq = ++im->next_seq;
   s->next = im->streams[dev];
   if (s->next) s->next->prev = s;
   im->streams[dev] = s;
@@ -522,8 +525,45 @@ static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
   return 0;
 }
 
+/* Waits until the work queued on dev's streams before the call has
+ * completed, as cudaFree does before it frees: memory given back under
+ * queued work (a copy into it, a host function reading it) was used after
+ * it was freed, where the same code on a GPU is correct. Streams made
+ * after the call are passed over (all their work came after it); each
+ * older one is waited on once, for what it holds when it is looked at, so
+ * that streams other threads keep busy cannot hold the free forever. It
+ * allocates nothing: a free must not fail for want of memory. A host
+ * function does not wait (it would wait for itself, or for work behind
+ * it): what it frees, it frees at once. */
+static void drain_device(host_impl_t *im, int dev) {
+  if (dp__host_fn_stream) return;
+  pthread_mutex_lock(&im->mu);
+  uint64_t upto = im->next_seq, after = 0;
+  pthread_mutex_unlock(&im->mu);
+  for (;;) {
+    progress_t *p = NULL;
+    uint64_t target = 0, seq = UINT64_MAX;
+    pthread_mutex_lock(&im->mu);
+    for (hstream_t *s = im->streams[dev]; s; s = s->next) { /* the oldest not waited on yet with work pending */
+      if (s->seq <= after || s->seq > upto || s->seq >= seq) continue;
+      uint64_t t = enqueued_now(s);
+      if (dp__load_acquire(&s->prog->completed) >= t) continue;
+      p = s->prog;
+      target = t;
+      seq = s->seq;
+    }
+    if (p) progress_retain(p);
+    pthread_mutex_unlock(&im->mu);
+    if (!p) return;
+    progress_wait(p, target);
+    progress_release(p);
+    after = seq;
+  }
+}
+
 static int h_free(dp_backend_t *b, int dev, void *p, dp_error_t *err) {
   host_impl_t *im = b->impl;
+  drain_device(im, dev);
   pthread_mutex_lock(&im->mu);
   alloc_rec_t *r = rec_find(im, (uintptr_t)p);
   if (!r || r->base != (uintptr_t)p || r->dev != dev) {

@@ -655,6 +655,58 @@ Test(device, deallocating_memory_the_backend_did_not_hand_out_is_einval) {
   OK(dp_device_dealloc(b, H1, NULL, T_ERR));
 }
 
+/* Memory given back while work queued on the device still uses it: the
+ * host backend freed it at once, so the copy queued into it wrote freed
+ * memory — where the same code on a GPU is correct, since cudaFree first
+ * waits for the device's work. It waits too now: for every stream of the
+ * device, the backend's and the caller's. */
+static void nap_200ms(void *arg) {
+  (void)arg;
+  sleep_ms(200);
+}
+
+Test(device, deallocating_waits_for_the_work_queued_on_the_device_as_cudafree_does) {
+  dp_backend_t *b = host();
+  dp_stream_t *s, *d = dflt(b, H0);
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  static char src[4096];
+  void *p;
+  OK(dp_device_alloc(b, H0, sizeof src, &p, T_ERR));
+  OK(dp_host_launch(s, nap_200ms, NULL, T_ERR));
+  OK(dp_memcpy_async(s, p, src, sizeof src, T_ERR)); /* into p, once the nap is over */
+  OK(dp_host_launch(d, nap_200ms, NULL, T_ERR));
+  OK(dp_device_dealloc(b, H0, p, T_ERR));
+  cr_assert_eq(dp_stream_query(s, NULL), 1, "the copy into p ran before p was freed");
+  cr_assert_eq(dp_stream_query(d, NULL), 1, "the backend's streams are waited on too");
+  dp_stream_free(s);
+}
+
+/* A host function must not wait for itself: what it gives back, it gives
+ * back at once (the caller orders it), with work still queued behind it. */
+typedef struct {
+  dp_backend_t *b;
+  void *p;
+  int rc;
+} dealloc_in_fn_t;
+
+static void dealloc_in_fn(void *arg) {
+  dealloc_in_fn_t *x = arg;
+  x->rc = dp_device_dealloc(x->b, H0, x->p, NULL);
+}
+
+Test(device, a_host_function_deallocating_on_its_own_device_does_not_wait_for_itself, .timeout = 20) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  dealloc_in_fn_t x = {b, NULL, 1};
+  OK(dp_device_alloc(b, H0, 64, &x.p, T_ERR));
+  OK(dp_host_launch(s, dealloc_in_fn, &x, T_ERR));
+  OK(dp_host_launch(s, nap_200ms, NULL, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(x.rc, 0);
+  dp_stream_free(s);
+}
+
 /* ---- wrapped native streams (dp_stream_wrap) ---- */
 
 static dp_stream_t *wrapped(dp_backend_t *b, dp_device_t d, void *native) {
