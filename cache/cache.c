@@ -1110,8 +1110,9 @@ dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c) {
  * hook's. So each runs with an error of its own, and its answer is made
  * one of the library's (dp__cb_rc) before it goes further. */
 int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
-  if (!h || (!h->record_streams && !h->record_stream))
-    return dp__err(err, DP_EINVAL, "dp_cache_hooks_record: no hooks");
+  if (!h) return dp__err(err, DP_EINVAL, "dp_cache_hooks_record: NULL hooks");
+  if (!h->record_streams && !h->record_stream) /* record_streams_owned alone cannot record (cache.h) */
+    return dp__err(err, DP_EINVAL, "dp_cache_hooks_record: hooks with neither record_stream nor record_streams");
   if (n && !ptrs) return dp__err(err, DP_EINVAL, "dp_cache_hooks_record: NULL ptrs with n = %zu", n);
   dp_error_t e;
   dp_error_clear(&e);

@@ -835,7 +835,10 @@ Test(allocator, a_null_allocator_is_einval_everywhere_and_free_takes_it) {
   void *ptrs[1] = {&e};
   cr_assert_eq(dp_cache_hooks_record(&h, ptrs, 1, s, &e), DP_EINVAL, "the hooks of no allocator report it");
   cr_assert_eq(dp_cache_hooks_record(NULL, ptrs, 1, s, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_cache_hooks_record: no hooks");
+  cr_assert_str_eq(e.message, "dp_cache_hooks_record: NULL hooks");
+  dp_cache_hooks_t owned_only = {C, NULL, NULL, h.record_streams_owned};
+  cr_assert_eq(dp_cache_hooks_record(&owned_only, ptrs, 1, s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_hooks_record: hooks with neither record_stream nor record_streams");
   dp_cache_free(NULL);
   cr_assert_eq(dp_cache_stats(C, t_dev(DP_DEVICE_CUDA, 0), &st, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_cache_stats: device cuda:0 does not belong to the host backend (2 devices)");
