@@ -2411,10 +2411,21 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
     if (!PyDict_Next(f->obj, &f->pos, &k, &v)) return NULL;
     f->idx++;
     Py_XSETREF(f->label, Py_NewRef(k));
-    if (f->kind == FR_DICT && classify(Py_TYPE(k)) != K_LEAF) {
+    if (f->kind == FR_DICT && !plain_leaf(Py_TYPE(k))) {
+      /* classifying the key's type may run Python code (a metaclass's
+         __getattr__) that empties the dict: the value is held first, or it
+         could be freed under the walk */
       Py_XSETREF(f->value, Py_NewRef(v));
-      f->key_part = 1; /* a key that holds more than a leaf is walked too */
-      return k;
+      if (classify(Py_TYPE(k)) != K_LEAF) {
+        f->key_part = 1; /* a key that holds more than a leaf is walked too */
+        return k;
+      }
+      if (Py_REFCNT(v) == 1) { /* the dict let go of it meanwhile */
+        PyErr_SetString(PyExc_RuntimeError, "dictionary changed during the walk (Python code run while a key's "
+                                            "type was classified changed it)");
+        return NULL;
+      }
+      Py_CLEAR(f->value); /* still the dict's: a value of its slot, as without the key's classification */
     }
     return v;
   }

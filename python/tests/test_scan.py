@@ -1441,3 +1441,30 @@ def test_code_run_by_an_array_interface_or_opaque_isinstance_cannot_loop_the_wal
     runs[0] = 0
     devpickle.scan(held, paths=False, opaque=(Opaque,))
     assert runs[0] == 1
+
+
+def test_a_dict_emptied_while_its_keys_type_is_classified_never_walks_a_freed_value():
+    # Classifying a key's type reads attributes of the class, which a
+    # metaclass's __getattr__ answers with Python code: here it empties the
+    # dict whose item is being walked. The value, held only by that dict,
+    # was read after that code ran (freed: a crash); it is held first.
+    d = {}
+
+    class Meta(type):
+        def __getattr__(cls, name):
+            d.clear()
+            raise AttributeError(name)
+
+    class Key(metaclass=Meta):
+        pass
+
+    class Value:
+        pass
+
+    v = Value()
+    v.t = torch.ones(3)
+    d[Key()] = v
+    del v
+    with pytest.raises(devpickle.WalkError, match="dictionary changed size during the walk") as e:
+        devpickle.scan({"d": d})
+    assert (e.value.type_name, e.value.path) == ("dict", "$.d")
