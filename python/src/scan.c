@@ -1100,6 +1100,16 @@ static Py_ssize_t typestr_itemsize(PyObject *typestr) {
   return n;
 }
 
+/* The item `key` of an interface dict, as a new reference (NULL when it
+ * has none). 0, or -1 with the exception a key's comparison raised. */
+static int iface_part(PyObject *d, const char *key, PyObject **out) {
+  PyObject *k = PyUnicode_FromString(key);
+  PyObject *v = k ? PyDict_GetItemWithError(d, k) : NULL;
+  Py_XDECREF(k);
+  *out = Py_XNewRef(v);
+  return v || !PyErr_Occurred() ? 0 : -1;
+}
+
 /* __cuda_array_interface__ (cuda) or __array_interface__: data pointer and
  * extent of the view (no owner is known, so views at different offsets are
  * different entries). */
@@ -1108,23 +1118,26 @@ static int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   PyObject *cai = PyObject_GetAttr(o, cuda ? dpy.str_cai : dpy.str_aif);
   if (!cai) return walk_error(s, o, cuda ? "__cuda_array_interface__ failed" : "__array_interface__ failed");
   int rc = -1;
-  PyObject *data = PyDict_Check(cai) ? PyDict_GetItemString(cai, "data") : NULL;
+  /* each part held as soon as it is found: a lookup compares keys, and a
+     key's __eq__ (a str subclass's of the same hash) may empty the dict */
+  PyObject *data = NULL, *shape = NULL, *strides = NULL, *typestr = NULL;
+  if (PyDict_Check(cai) && iface_part(cai, "data", &data)) goto out;
   if (!cuda && data && !PyTuple_Check(data) && PyObject_CheckBuffer(data)) {
     /* the memory of a buffer object, often a copy made by the property
        (PIL's tobytes()): no address to report; the walk of the object
        itself finds what it holds */
+    Py_DECREF(data);
     Py_DECREF(cai);
     return 0;
   }
-  PyObject *shape = PyDict_Check(cai) ? PyDict_GetItemString(cai, "shape") : NULL;
-  PyObject *strides = PyDict_Check(cai) ? PyDict_GetItemString(cai, "strides") : NULL;
-  PyObject *typestr = PyDict_Check(cai) ? PyDict_GetItemString(cai, "typestr") : NULL;
+  if (PyDict_Check(cai) && (iface_part(cai, "shape", &shape) || iface_part(cai, "strides", &strides) ||
+                            iface_part(cai, "typestr", &typestr)))
+    goto out;
   if (!data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1 || !shape || !PyTuple_Check(shape) || !typestr ||
       !PyUnicode_Check(typestr)) {
-    Py_DECREF(cai);
     PyErr_Format(PyExc_ValueError, "%s lacks data, shape or typestr",
                  cuda ? "__cuda_array_interface__" : "__array_interface__");
-    return walk_error(s, o, what);
+    goto out;
   }
   Py_ssize_t isz = typestr_itemsize(typestr);
   Py_ssize_t nd = PyTuple_GET_SIZE(shape), shp[64], str[64];
@@ -1168,6 +1181,10 @@ static int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   if (cuda && ext && !dp_backend_get(DP_DEVICE_CUDA, &backend, NULL)) dp_pointer_device(backend, ptr, &dev, NULL);
   rc = ext ? add_alloc(s, dev, (char *)ptr + lo, ext, o) : 0;
 out:
+  Py_XDECREF(data);
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  Py_XDECREF(typestr);
   Py_DECREF(cai);
   if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, what);
   return rc;
@@ -2101,8 +2118,11 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "no array interface");
     return walk_error(s, o, "an array that cannot be described");
   }
-  PyObject *typestr = PyDict_GetItemString(ai, "typestr"), *shp = PyDict_GetItemString(ai, "shape");
-  PyObject *str = PyDict_GetItemString(ai, "strides"), *data = PyDict_GetItemString(ai, "data");
+  /* held, as visit_iface holds them (numpy's and cupy's own dicts: str keys) */
+  PyObject *typestr = NULL, *shp = NULL, *str = NULL, *data = NULL;
+  if (iface_part(ai, "typestr", &typestr) || iface_part(ai, "shape", &shp) || iface_part(ai, "strides", &str) ||
+      iface_part(ai, "data", &data))
+    PyErr_Clear(); /* what is missing is reported below */
   const char *ts = typestr && PyUnicode_Check(typestr) ? PyUnicode_AsUTF8(typestr) : NULL;
   const char *dt = ts ? typestr_dtype(ts) : NULL;
   int64_t shape[MAX_DIMS], strides[MAX_DIMS];
@@ -2148,6 +2168,10 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   rc = build_tensor(s, o, dev, base, ext, borrowed, dt, nd, shape, strides, delta / isz, &t);
   if (!rc) rc = wrap(s, o, cupy ? "cupy.ndarray" : "numpy.ndarray", "data", t, out);
 out:
+  Py_XDECREF(typestr);
+  Py_XDECREF(shp);
+  Py_XDECREF(str);
+  Py_XDECREF(data);
   Py_DECREF(ai);
   if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "an array that cannot be carried");
   return rc;

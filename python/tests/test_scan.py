@@ -1468,3 +1468,37 @@ def test_a_dict_emptied_while_its_keys_type_is_classified_never_walks_a_freed_va
     with pytest.raises(devpickle.WalkError, match="dictionary changed size during the walk") as e:
         devpickle.scan({"d": d})
     assert (e.value.type_name, e.value.path) == ("dict", "$.d")
+
+
+def test_an_array_interface_whose_dict_a_keys_eq_empties_is_read_from_parts_held():
+    # Looking "typestr" up compares it with a key of the same hash: a str
+    # subclass whose __eq__ empties the dict (and puts typestr back) freed
+    # data and shape, found before, under the walk that then read them.
+    box, junk = [], []
+
+    class Evil(str):
+        def __hash__(self):
+            return hash("typestr")
+
+        def __eq__(self, other):
+            if box:
+                d = box.pop()
+                d.clear()
+                d["typestr"] = "<f4"
+                # the freed blocks, made again with other contents
+                junk.extend(tuple([int("7")] * 42) for _ in range(8))
+            return False
+
+        __ne__ = object.__ne__
+
+    class Iface:
+        @property
+        def __array_interface__(self):
+            # tuples too long for CPython's free lists: freed memory is returned
+            d = {"data": tuple([int("4096"), False] + [0] * 40), "shape": tuple([4] + [1] * 40), Evil("x"): 1}
+            d["typestr"] = "<f4"
+            box[:] = [d]
+            return d
+
+    (a,) = devpickle.scan([Iface()])
+    assert (a.device, a.ptr, a.nbytes, a.path) == ("cpu", 4096, 16, "$[0]")
