@@ -632,9 +632,28 @@ static int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *wha
   }
   char tbuf[256];
   const char *tn = type_name(type, tbuf, sizeof tbuf);
-  PyObject *msg;
-  if (ev) msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s: %S", tn, path.p, what, ev);
-  else msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s", tn, path.p, what);
+  PyObject *msg = NULL;
+  if (ev) {
+    /* the cause's text is the value's code (its exception's __str__), which
+       may raise or return a non-str: the error is still a WalkError, with
+       a placeholder, as a then() callback's failure is worded */
+    PyObject *text = PyObject_Str(ev);
+    if (!text) {
+      if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        Py_XDECREF(et); /* an interrupt raised by that code passes through, as any other */
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+        PyMem_Free(path.p);
+        return -1;
+      }
+      PyErr_Clear();
+      text = PyUnicode_FromString("<exception str() failed>");
+    }
+    if (text) msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s: %U", tn, path.p, what, text);
+    Py_XDECREF(text);
+  } else {
+    msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s", tn, path.p, what);
+  }
   PyObject *exc = msg ? PyObject_CallOneArg(dpy.walk_error, msg) : NULL;
   Py_XDECREF(msg);
   if (exc) {

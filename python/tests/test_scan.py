@@ -1502,3 +1502,42 @@ def test_an_array_interface_whose_dict_a_keys_eq_empties_is_read_from_parts_held
 
     (a,) = devpickle.scan([Iface()])
     assert (a.device, a.ptr, a.nbytes, a.path) == ("cpu", 4096, 16, "$[0]")
+
+
+@pytest.mark.parametrize("bad_str", ["raises", "not a str"])
+def test_a_reduce_error_whose_str_fails_is_still_a_walk_error_naming_it(bad_str):
+    # The cause's text is the value's own code: an exception whose __str__
+    # raises (or returns a non-str) made scan raise that __str__'s error in
+    # place of the WalkError, which lost the type and the path.
+    class Unprintable(Exception):
+        def __str__(self):
+            if bad_str == "raises":
+                raise ValueError("no text")
+            return 5
+
+    class Refuses:
+        def __reduce__(self):
+            raise Unprintable()
+
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"x": [Refuses()]})
+    assert str(e.value).endswith("at $.x[0]: it cannot be reduced: <exception str() failed>")
+    assert e.value.path == "$.x[0]" and isinstance(e.value.__cause__, Unprintable)
+    f = devpickle.Future()
+    with pytest.raises(devpickle.WalkError, match="exception str"):
+        f.set_result([Refuses()])
+    with pytest.raises(devpickle.WalkError, match="exception str"):
+        f.wait()
+
+
+def test_an_interrupt_raised_by_a_reduce_errors_str_passes_through():
+    class Unprintable(Exception):
+        def __str__(self):
+            raise KeyboardInterrupt
+
+    class Refuses:
+        def __reduce__(self):
+            raise Unprintable()
+
+    with pytest.raises(KeyboardInterrupt):
+        devpickle.scan([Refuses()])
