@@ -209,6 +209,14 @@ static int fut_init(pyfut_t *self, PyObject *args, PyObject *kw) {
                                         "waited on, chained or collected");
     return -1;
   }
+  if (self->inputs) {
+    /* a collect_all future's C future is the library's, completed by its
+       inputs: a new one would never complete, and its waiters would hang */
+    PyMem_Free(d);
+    PyErr_SetString(PyExc_RuntimeError, "Future.__init__() cannot change the devices of a collect_all() future "
+                                        "(its inputs complete it)");
+    return -1;
+  }
   dp_device_t *old_d = self->devices;
   size_t old_n = self->ndevices;
   int old_track = self->track;

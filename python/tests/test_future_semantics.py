@@ -1501,3 +1501,15 @@ def test_wait_in_a_callback_on_a_future_it_completed_runs_that_futures_callbacks
     f.add_done_callback(lambda fut: order.append("second"))
     f.set_result(0)
     assert order == ["set", "other's", "waited", "waited on its own", "second"]
+
+
+def test_a_collect_all_future_cannot_be_remade_by_init():
+    # Future.__init__ with other devices makes a new C future: a collect_all
+    # future's is the library's, which its inputs complete, and a new one
+    # would never complete (wait() hung).
+    a = devpickle.Future()
+    c = devpickle.collect_all([a])
+    with pytest.raises(RuntimeError, match="collect_all"):
+        devpickle.Future.__init__(c, devices=[])
+    a.set_result(1)
+    assert c.done() and c.wait() == [a]
