@@ -37,6 +37,8 @@ typedef struct pyfut {
   int cupy;           /* the value holds cupy arrays: cupy's current streams */
   int completing;     /* set_result/set_exception began: a second one is refused */
   int used;           /* waited on, chained or collected: __init__ may no longer remake it */
+  unsigned long walker; /* the thread walking the result it will complete with (set_result, a then()
+                         * callback's), or 0: that thread's wait() on it could never return */
   PyObject *weakrefs;
   PyObject *dict;     /* attributes, as on torch.futures.Future */
 } pyfut_t;
@@ -357,7 +359,15 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_pt
   dpy_scanner_t *s = dpy_scanner_get();
   if (!s) return -1;
   dpy_scan_opts_t o = {.paths = 0, .no_refs = 1}; /* the future needs the allocations, not their refs */
-  if (dpy_scan(s, value, &o, into)) {
+  /* the value's code runs under the walk: a wait() on self from it (on
+     this thread) is refused, since self completes only once the walk
+     returns. A nested walk of the same future cannot begin (completing is
+     set), so the previous owner is 0. */
+  unsigned long prev = self->walker;
+  self->walker = PyThread_get_thread_ident();
+  int rc = dpy_scan(s, value, &o, into);
+  self->walker = prev;
+  if (rc) {
     dpy_scanner_put(s);
     return -1;
   }
@@ -554,6 +564,16 @@ static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
   dp_error_t e;
   int rc, joined = 0;
   self->used = 1;
+  if (self->walker && self->walker == PyThread_get_thread_ident() && !self->inputs && !dp_future_is_done(self->f)) {
+    /* called by the value's own code (a __reduce__) while this thread walks
+       the result self is to complete with: nothing else may complete it
+       meanwhile (it is claimed), so the wait would never return. A
+       collect_all future's inputs may still complete it: it waits. */
+    PyErr_SetString(PyExc_RuntimeError, "wait() on a Future from inside the walk of its own result (a __reduce__ or "
+                                        "other code of the value's, on the thread completing it): it would wait "
+                                        "forever");
+    return NULL;
+  }
   if (!dp_future_is_done(self->f)) {
     /* blocks without the GIL; joins the (torch) current streams. In
      * slices, taking the GIL between them to run the signal handlers (the

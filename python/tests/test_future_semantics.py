@@ -1513,3 +1513,75 @@ def test_a_collect_all_future_cannot_be_remade_by_init():
         devpickle.Future.__init__(c, devices=[])
     a.set_result(1)
     assert c.done() and c.wait() == [a]
+
+
+def test_waiting_on_a_future_from_the_walk_of_its_own_result_is_refused_not_a_hang():
+    # set_result claims the future, then walks the value: a __reduce__ that
+    # waits on that future (on the thread walking it) waited forever — no
+    # one else may complete it meanwhile. The wait raises instead, which
+    # fails the walk, and so the future, with a WalkError saying why.
+    f = devpickle.Future()
+    seen = []
+
+    class WaitsOnIt:
+        def __reduce__(self):
+            try:
+                f.wait()
+            except RuntimeError as e:
+                seen.append(str(e))
+            return (WaitsOnIt, ())
+
+    result = [WaitsOnIt()]
+    done = threading.Event()
+
+    def complete():
+        f.set_result(result)
+        done.set()
+
+    t = threading.Thread(target=complete, daemon=True)  # a hang must not hang the suite
+    t.start()
+    assert done.wait(10), "set_result hung: its result's __reduce__ waits on the future"
+    assert seen and "from inside the walk of its own result" in seen[0], seen
+    assert f.wait() is result
+
+    # a then() child: its callback's result is walked by the thread running the callback
+    parent = devpickle.Future()
+    box = []
+
+    class WaitsOnChild:
+        def __reduce__(self):
+            try:
+                box[0].wait()
+            except RuntimeError as e:
+                seen.append(str(e))
+            return (WaitsOnChild, ())
+
+    box.append(parent.then(lambda p: [WaitsOnChild()]))
+    t = threading.Thread(target=parent.set_result, args=(1,), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the then() child's walk hung waiting on the child"
+    assert len(seen) == 2 and "from inside the walk" in seen[1]
+    assert isinstance(box[0].wait()[0], WaitsOnChild)
+
+
+def test_another_thread_may_wait_on_a_future_whose_set_result_is_walking():
+    f = devpickle.Future()
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def __reduce__(self):
+            entered.set()
+            release.wait(10)
+            return (Slow, ())
+
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(f.wait()))
+    setter = threading.Thread(target=f.set_result, args=([Slow()],))
+    setter.start()
+    assert entered.wait(10)
+    waiter.start()
+    release.set()
+    setter.join(10)
+    waiter.join(10)
+    assert len(got) == 1 and isinstance(got[0][0], Slow)
