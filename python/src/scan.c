@@ -981,6 +981,10 @@ static int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
   if (t->tp_basicsize <= ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize) return 0;
   tcache_ent_t *e = tcache_hit(t); /* torch.Tensor itself is larger than its C base: asked once a type */
   if (e && e->no_slots) return 0;
+  /* *d is borrowed from o, and the class's code runs from here (_slotnames
+     reads cls.__dict__ through a metaclass's __getattribute__, classify):
+     it may replace o.__dict__, freeing the dict the caller then reads */
+  if (*d && !keep(s, Py_NewRef(*d))) return -1;
   PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
   if (!names) return walk_error(s, o, "its __slots__ cannot be read");
   if (!keep(s, names)) return -1;

@@ -1541,3 +1541,36 @@ def test_an_interrupt_raised_by_a_reduce_errors_str_passes_through():
 
     with pytest.raises(KeyboardInterrupt):
         devpickle.scan([Refuses()])
+
+
+def test_a_tensor_whose_class_code_replaces_its_dict_while_its_slots_are_read_never_walks_a_freed_dict():
+    # A tensor subclass with __slots__: the walk asks copyreg._slotnames for
+    # them, which reads cls.__dict__ through the metaclass. Its
+    # __getattribute__ here replaces the tensor's __dict__ — the dict the
+    # walk had borrowed and then copied (freed: a crash).
+    victim = []
+
+    class Meta(type(torch.Tensor)):
+        def __getattribute__(cls, name):
+            if name == "__dict__" and victim:
+                victim.pop().__dict__ = {"y": 1}
+            return super().__getattribute__(name)
+
+    class Slotted(torch.Tensor, metaclass=Meta):
+        __slots__ = ("s",)
+
+    class Box:
+        pass
+
+    t = torch.Tensor._make_subclass(Slotted, torch.zeros(3))
+    b = Box()
+    b.big = torch.ones(5)
+    t.x = b
+    t.s = 5
+    del b
+    victim.append(t)
+    assert [a.path for a in devpickle.scan([t])] == ["$[0]", "$[0].x.big"]  # the dict found, walked whole
+    t.x = Box()
+    victim.append(t)
+    with pytest.raises(devpickle.WalkError, match="a tensor's attributes"):
+        devpickle.dumps([t])
