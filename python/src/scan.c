@@ -188,7 +188,9 @@ static uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
   if (t == &PySet_Type || t == &PyFrozenSet_Type) return K_SET;
   if (t == &PyComplex_Type || t == &PyBytes_Type) return K_LEAF;
   uint8_t k = kind_of(t);
-  if (held_exc[0]) return k; /* classified while an interrupt was held: not an answer to keep */
+  /* classified while an interrupt was held: not an answer to keep, nor one
+     to act on — visit() stops there, before running any of the value's code */
+  if (held_exc[0]) return K_UNKNOWN;
   if (!(t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
     /* A class changed since its last lookup (copyreg._slotnames sets
        torch.Tensor.__slotnames__) has no tag until something looks an
@@ -1557,6 +1559,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   int solo = s->solo;
   s->solo = 0;
   uint8_t k = classify(t);
+  if (k == K_UNKNOWN) return -1; /* an interrupt held (classify_slow): dpy_scan raises it */
   if (s->build) return build_visit(s, o, k);
   if (k == K_LEAF || k == K_NPSCALAR) return 0;
   if (k == K_CFUNC) { /* len, print: globals; lst.append: getattr(lst, "append") */

@@ -836,6 +836,31 @@ def test_a_storage_without_memory_is_a_walk_error_as_a_meta_tensor_is():
     assert e.value.path == "$[0]"
 
 
+@pytest.mark.parametrize("attr", ["__reduce_ex__", "__reduce__", "__getstate__"])
+def test_an_interrupt_raised_by_a_metaclass_asked_about_a_types_reduce_passes_through(attr):
+    raised = []
+
+    class Meta(type):
+        def __getattribute__(cls, name):
+            if name == attr:
+                raised.append(name)
+                raise KeyboardInterrupt(f"from the metaclass: {name}")
+            return type.__getattribute__(cls, name)
+
+    class C(metaclass=Meta):
+        pass
+
+    c = C()
+    c.x = np.ones(3)
+    with pytest.raises(KeyboardInterrupt, match=f"from the metaclass: {attr}"):
+        devpickle.scan([c])
+    assert raised == [attr]
+    raised.clear()
+    with pytest.raises(KeyboardInterrupt):  # classified afresh, not from a cache filled while it was held
+        devpickle.scan([c])
+    assert raised == [attr]
+
+
 @pytest.mark.parametrize("attr", ["__cuda_array_interface__", "__dlpack__", "__getnewargs__"])
 def test_an_interrupt_raised_by_a_metaclass_asked_whether_a_type_has_an_attribute_passes_through(attr):
     raised = []
