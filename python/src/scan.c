@@ -94,18 +94,15 @@ static int is_default(PyObject *type, PyObject *name, PyObject *base_attr) {
   return same;
 }
 
-/* Whether type has the attribute: a lookup that raised reads as "no", as
- * PyObject_HasAttr would read it, but an interrupt raised by a metaclass's
- * __getattr__ is held for the walk to raise (clear_error), never lost. */
-static int has_attr(PyObject *type, PyObject *name) {
-  PyObject *a = PyObject_GetAttr(type, name);
-  if (!a) {
-    clear_error();
-    return 0;
-  }
-  Py_DECREF(a);
-  return 1;
-}
+/* Whether the instances of type have the attribute through their class:
+ * found in its MRO, as pickle looks __getnewargs__ up (a special lookup)
+ * and as cupy, numba and torch find __cuda_array_interface__ or __dlpack__
+ * on an instance (getattr: the instance, then its class's MRO). Never the
+ * metaclass: getattr(type, name) also asks it (a metaclass's attribute, its
+ * __getattr__), which answers for the class, not for its instances — a
+ * catch-all metaclass __getattr__ made every instance an array interface
+ * that its getattr then refused. Runs no Python code. */
+static int has_attr(PyObject *type, PyObject *name) { return _PyType_Lookup((PyTypeObject *)type, name) != NULL; }
 
 /* Pickle's defaults, so that the state is exactly the instance __dict__. */
 static int plain_instance(PyTypeObject *t) {
