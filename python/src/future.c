@@ -401,6 +401,48 @@ static void keep_raised(pyfut_t *f) {
   Py_XDECREF(tb);
 }
 
+/* The Python exception now raised, normalized, with its traceback (a new
+ * reference; cleared). */
+static PyObject *fetch_raised(void) {
+  PyObject *t, *v, *tb;
+  PyErr_Fetch(&t, &v, &tb);
+  PyErr_NormalizeException(&t, &v, &tb);
+  if (tb && v) PyException_SetTraceback(v, tb);
+  Py_XDECREF(t);
+  Py_XDECREF(tb);
+  return v ? v : Py_NewRef(Py_None);
+}
+
+/* What a future whose result's walk raised `raised` fails with (a new
+ * reference): that exception — a WalkError, a MemoryError — unless it is
+ * an interrupt (KeyboardInterrupt, SystemExit: not an Exception), which is
+ * the walking thread's, not the future's: set_result raises it, and the
+ * future fails with a RuntimeError naming it (its __cause__), so that no
+ * waiter on another thread is interrupted, and a future holds only what
+ * set_exception would take. */
+static PyObject *walk_failure(PyObject *raised) {
+  if (!PyExceptionInstance_Check(raised) || PyObject_TypeCheck(raised, (PyTypeObject *)PyExc_Exception))
+    return Py_NewRef(raised);
+  PyObject *text = PyObject_Str(raised);
+  if (!text) {
+    PyErr_Clear();
+    text = PyUnicode_FromString("<exception str() failed>");
+  }
+  PyObject *exc = text ? PyUnicode_FromFormat("the walk of the future's result was interrupted (%s: %U): it holds "
+                                              "no result",
+                                              _PyType_Name(Py_TYPE(raised)), text)
+                        : NULL;
+  Py_XDECREF(text);
+  PyObject *err = exc ? PyObject_CallOneArg(PyExc_RuntimeError, exc) : NULL;
+  Py_XDECREF(exc);
+  if (!err) { /* no memory for it: the interrupt itself, rather than no exception */
+    PyErr_Clear();
+    return Py_NewRef(raised);
+  }
+  PyException_SetCause(err, Py_NewRef(raised));
+  return err;
+}
+
 /* Completes self with no allocations (devices=[]). On failure self has
  * failed too (nobody waits forever): NULL with the exception. */
 static PyObject *empty_ptrs_complete(pyfut_t *self) {
@@ -454,9 +496,9 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
   dpy_scanner_t *s;
   if (walk_value(self, value, &s, NULL)) {
     /* the future fails with the WalkError too, so that no waiter hangs */
-    keep_raised(self);
+    PyObject *exc = fetch_raised();
+    set_exc(self, walk_failure(exc));
     dp_error_t e = py_failure("the result cannot be walked (WalkError)");
-    PyObject *exc = Py_NewRef(self->exc);
     if (dp_future_set_error(self->f, &e, NULL)) { /* a collect_all future completed meanwhile: that stands */
       Py_CLEAR(self->exc);
       Py_CLEAR(self->exc_tb);
@@ -475,10 +517,12 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
       cupy_out(&sw);
       dpy_scanner_put(s);
       /* claimed and never to be completed otherwise: it fails with this */
-      keep_raised(self);
+      PyObject *exc = fetch_raised();
+      set_exc(self, walk_failure(exc));
       dp_error_t e = py_failure("the result's cupy streams could not be read");
       dp_future_set_error(self->f, &e, NULL);
-      PyErr_SetObject((PyObject *)Py_TYPE(self->exc), self->exc);
+      PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+      Py_DECREF(exc);
       return NULL;
     }
   }
@@ -692,7 +736,9 @@ static void complete_child(pyfut_t *child, PyObject *r) {
   }
   dpy_scanner_t *s;
   if (walk_value(child, r, &s, NULL)) {
-    keep_raised(child);
+    PyObject *exc = fetch_raised();
+    set_exc(child, walk_failure(exc));
+    Py_DECREF(exc);
     Py_DECREF(r);
     e = py_failure("the then() callback's result cannot be walked (WalkError)");
     dp_future_set_error(child->f, &e, NULL);

@@ -1585,3 +1585,40 @@ def test_another_thread_may_wait_on_a_future_whose_set_result_is_walking():
     setter.join(10)
     waiter.join(10)
     assert len(got) == 1 and isinstance(got[0][0], Slow)
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_raised_by_the_walk_of_a_result_is_set_results_own_the_future_fails_with_a_runtime_error(interrupt):
+    # The interrupt passes through set_result, as through pickle; the future
+    # stored it as its failure, so every waiter — on threads nobody
+    # interrupted — raised a KeyboardInterrupt (which set_exception refuses
+    # to store). It now fails with a RuntimeError naming it, as a then()
+    # child whose callback raised one does.
+    class Stops:
+        def __reduce__(self):
+            raise interrupt("stop")
+
+    f = devpickle.Future()
+    got = []
+
+    def waiter():
+        try:
+            f.wait()
+        except BaseException as e:
+            got.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    with pytest.raises(interrupt, match="stop"):
+        f.set_result([Stops()])
+    t.join(10)
+    for e in got + [pytest.raises(RuntimeError, f.wait).value, pytest.raises(RuntimeError, f.value).value]:
+        assert type(e) is RuntimeError, repr(e)
+        assert str(e) == f"the walk of the future's result was interrupted ({interrupt.__name__}: stop): it holds no result"
+        assert type(e.__cause__) is interrupt
+    parent = devpickle.Future()
+    child = parent.then(lambda p: [Stops()])
+    parent.set_result(1)
+    with pytest.raises(RuntimeError, match="walk of the future's result was interrupted") as e:
+        child.wait()
+    assert type(e.value.__cause__) is interrupt
