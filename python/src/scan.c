@@ -1777,6 +1777,9 @@ static int attach(dpy_scanner_t *s, PyObject *o, dp_value_t v) {
       if (f->kind == FR_DICT) {
         size_t before = dp_dict_len(f->out);
         rc = dp_dict_set(f->out, k, v, &e);
+        /* what a frame's dict refuses is the key (a tuple nested too deep, a
+           kind a key cannot be): named by its type, not by the value's */
+        if (rc && rc != DP_ENOMEM && f->label) return dp_fail(s, f->label, rc, &e);
         if (!rc && dp_dict_len(f->out) == before) {
           /* never a silent merge: keys Python keeps apart (two NaN objects,
              tuples holding them) that a frame's keys would make one */

@@ -1035,3 +1035,18 @@ def test_a_class_or_function_travels_by_its_qualified_name_never_imported():
     back = devpickle.loads(devpickle.dumps([len, _local_function, _local_function(), _LAMBDA]))
     assert [g.name for g in back] == ["builtins.len", f"{__name__}._local_function",
                                       f"{__name__}._local_function.<locals>.inner", f"{__name__}.<lambda>"]
+
+
+@pytest.mark.parametrize("value", [1, [1], "v"])
+def test_a_dict_key_a_frame_cannot_hold_is_named_by_its_type_not_the_values(value):
+    # A frame's key is a scalar, str, bytes or a tuple of them, 32 levels
+    # deep at most: the dict refuses the key, but the WalkError named the
+    # type of the value stored under it ('int', 'list').
+    key = ()
+    for _ in range(40):
+        key = (key,)
+    with pytest.raises(devpickle.WalkError, match="dict key of kind tuple") as e:
+        devpickle.dumps({"a": {key: value}})
+    assert e.value.type_name == "tuple"
+    assert str(e.value).startswith("cannot walk a 'tuple' at $.a[(")
+    assert e.value.path.startswith("$.a[(")
