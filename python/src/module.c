@@ -57,6 +57,21 @@ static dp_stream_t *torch_current(void *ud, dp_backend_t *b, dp_device_t dev) {
   return dp_stream_wrap(b, dev, dpy.torch->current_stream(dev.index), &s, NULL) ? NULL : s;
 }
 
+/* Whether module m is still being imported (importlib's spec._initializing,
+ * as import itself asks): sys.modules holds a module from the start of its
+ * import, so another thread's walk may meet torch or cupy half made — no
+ * Tensor class yet — and must look again later rather than conclude that
+ * it is not the library. */
+static int initializing(PyObject *m) {
+  PyObject *spec = PyObject_GetAttrString(m, "__spec__");
+  PyObject *v = spec && spec != Py_None ? PyObject_GetAttrString(spec, "_initializing") : NULL;
+  int r = v ? PyObject_IsTrue(v) : 0;
+  Py_XDECREF(spec);
+  Py_XDECREF(v);
+  PyErr_Clear();
+  return r > 0;
+}
+
 static void resolve_torch(PyObject *torch) {
   PyObject *c = PyObject_GetAttrString(torch, "_C");
   PyObject *base = NULL;
@@ -108,7 +123,7 @@ int dpy_resolve_frameworks(void) {
   if (!dpy.torch_resolved) {
     static PyObject *key;
     PyObject *torch = sys_module(&key, "torch");
-    if (torch) {
+    if (torch && !initializing(torch)) {
       dpy.torch_resolved = 1;
       resolve_torch(torch);
       changed = 1;
@@ -117,7 +132,7 @@ int dpy_resolve_frameworks(void) {
   if (!dpy.cupy_ndarray) {
     static PyObject *key;
     PyObject *cupy = sys_module(&key, "cupy");
-    if (cupy) {
+    if (cupy && !initializing(cupy)) {
       dpy.cupy_ndarray = PyObject_GetAttrString(cupy, "ndarray");
       if (!dpy.cupy_ndarray || !PyType_Check(dpy.cupy_ndarray)) {
         PyErr_Clear();

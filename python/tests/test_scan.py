@@ -3,6 +3,8 @@ import collections
 import dataclasses
 import enum
 import pickle
+import subprocess
+import sys
 import weakref
 
 import numpy as np
@@ -1605,3 +1607,31 @@ def test_a_tensor_whose_class_code_replaces_its_dict_while_its_slots_are_read_ne
     victim.append(t)
     with pytest.raises(devpickle.WalkError, match="a tensor's attributes"):
         devpickle.dumps([t])
+
+
+_SCAN_WHILE_TORCH_IMPORTS = """
+import threading, devpickle
+stop = False
+def spin():
+    while not stop:
+        devpickle.scan([1, 2])
+        devpickle.Future().set_result([1])
+t = threading.Thread(target=spin)
+t.start()
+import torch
+stop = True
+t.join()
+print(devpickle._devpickle._torch_adapter(), [a.nbytes for a in devpickle.scan([torch.ones(3)])])
+"""
+
+
+def test_a_walk_on_another_thread_while_torch_is_imported_does_not_blind_devpickle_to_torch():
+    # sys.modules holds torch from the start of its import: a walk on
+    # another thread meanwhile found no Tensor class yet, concluded that
+    # this "torch" was not PyTorch, and never looked again — every tensor
+    # afterwards was a WalkError (or reduced, its memory missed). A module
+    # still being imported (spec._initializing) is now looked at again later.
+    out = subprocess.run([sys.executable, "-c", _SCAN_WHILE_TORCH_IMPORTS], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["c++" if devpickle._devpickle._torch_adapter() == "c++" else "python", "[12]"]
