@@ -1,6 +1,10 @@
 /* What `verify`, `dump`, `inspect` and `unpack` do with a frame: unpickle
  * (whole, and streamed as verify/dump/inspect read it: both must accept the
- * same frames), scan with paths, print the tree, write value JSON. */
+ * same frames), scan with paths, print the tree, write value JSON. And the
+ * CLI's round trip (docs/VALUE_JSON.md): a frame that verify accepts is
+ * unpacked, indented and compact, and each text must pack to the frame's
+ * own bytes. fuzz_value_json checks it from value JSON; this checks it from
+ * arbitrary frames. */
 #include <stdio.h>
 
 #include "../../tools/inspect.h"
@@ -8,6 +12,62 @@
 #include "fuzz.h"
 
 static FILE *sink;
+
+/* pack: value JSON to a frame as `devpickle pack` makes it (malloc'd), or NULL. */
+static uint8_t *pack(const char *text, size_t size, size_t *n) {
+  char msg[1024];
+  size_t pos;
+  json_t *j = vjson_parse(text, size, msg, sizeof msg, &pos);
+  if (!j) return NULL;
+  dp_value_t v;
+  int is_inline;
+  uint8_t *out = NULL;
+  if (vjson_to_value(j, &v, &is_inline, msg, sizeof msg) == 0) {
+    dp_frame_t *fr;
+    dp_pickle_opts_t po = {is_inline ? DP_PICKLE_INLINE : 0, 0, NULL, NULL};
+    if (dp_frame_new(&fr, NULL) == 0) {
+      if (dp_pickle(v, &po, fr, NULL) == 0) {
+        const uint8_t *b = dp_frame_data(fr, n);
+        out = malloc(*n);
+        memcpy(out, b, *n);
+      }
+      dp_frame_free(fr);
+    }
+    dp_value_release(v);
+  }
+  json_decref(j);
+  return out;
+}
+
+/* unpack | pack gives the frame back, for every frame verify accepts (read
+ * under value JSON's nesting limit, as the CLI reads frames). */
+static void expect_cli_round_trip(const uint8_t *f, size_t size) {
+  dp_unpickle_opts_t o = fuzz_opts();
+  o.limits.max_depth = VJSON_MAX_DEPTH;
+  dp_value_t v;
+  if (dp_unpickle(f, size, &o, &v, NULL) != 0) return;
+  for (int indent = 0; indent <= 2; indent += 2) {
+    char *text = NULL, msg[256];
+    size_t tn = 0, m = 0;
+    FILE *mf = open_memstream(&text, &tn);
+    int rc = vjson_write(mf, v, indent, msg, sizeof msg);
+    fclose(mf);
+    if (rc == DP_ENOMEM) {
+      free(text);
+      break;
+    }
+    if (rc != 0) abort(); /* whatever verify accepts, unpack writes */
+    uint8_t *back = pack(text, tn, &m);
+    if (!back || m != size || memcmp(back, f, size) != 0) {
+      fprintf(stderr, "unpack | pack of an accepted %zu-byte frame gives %s\n", size,
+              back ? "other bytes" : "nothing");
+      abort();
+    }
+    free(back);
+    free(text);
+  }
+  dp_value_release(v);
+}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (!sink) sink = fopen("/dev/null", "w");
@@ -38,6 +98,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char msg[256];
     vjson_write(sink, v, 2, msg, sizeof msg);
     dp_value_release(v);
+    expect_cli_round_trip(f, size);
   }
   free(f);
   dp_value_collect();
