@@ -170,6 +170,17 @@ static int c_event_record(dp_backend_t *b, void *eh, void *sh, dp_error_t *err) 
   return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaEventRecord");
 }
 
+/* CUDA has no reset: an event whose last record has not completed is
+ * replaced by a new one, so that the next owner's event reads as never
+ * recorded (complete), as device.h promises. A completed event already
+ * reads so everywhere (query, synchronize, a stream's wait). */
+static int c_event_reset(dp_backend_t *b, int dev, void **h) {
+  if (cudaEventQuery((cudaEvent_t)*h) == cudaSuccess) return 0;
+  cudaEventDestroy((cudaEvent_t)*h);
+  *h = NULL;
+  return c_event_create(b, dev, h, NULL) ? -1 : 0;
+}
+
 static int c_event_query(dp_backend_t *b, void *eh, dp_error_t *err) {
   (void)b;
   cudaError_t e = cudaEventQuery((cudaEvent_t)eh);
@@ -258,7 +269,7 @@ static void c_pinned_unregister(dp_backend_t *b, void *p) {
 const dp__backend_ops_t dp__cuda_ops = {
     c_init,        c_shutdown,     c_stream_create, c_stream_destroy, c_stream_wrap,   c_stream_native,
     c_stream_sync, c_stream_query, c_stream_wait,   c_event_create,   c_event_destroy,
-    NULL,          c_event_record, c_event_query,   c_event_sync,     c_device_sync,
+    c_event_reset, c_event_record, c_event_query,   c_event_sync,     c_device_sync,
     c_malloc,      c_free,         c_pointer_device, c_memcpy_async, c_pinned_alloc, c_pinned_free,
     c_pinned_register, c_pinned_unregister,
 };

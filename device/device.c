@@ -344,7 +344,7 @@ void dp__device_shutdown(void) {
       while (ds->free_events) {
         dp_event_t *e = ds->free_events;
         ds->free_events = e->next_free;
-        b->ops->event_destroy(b, e->h);
+        if (e->h) b->ops->event_destroy(b, e->h);
         dp__free(e, sizeof *e);
       }
       wraps_free(ds);
@@ -593,6 +593,15 @@ int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t 
     dp__store_relaxed(&e->pooled, 0);  /* handed out: the owner frees it once */
   }
   pthread_mutex_unlock(&ds->mu);
+  if (e && !e->h && (rc = b->ops->event_create(b, dev.index, &e->h, err)) != 0) {
+    e->h = NULL;
+    dp__store_relaxed(&e->pooled, 1); /* back in the pool, still without a handle */
+    pthread_mutex_lock(&ds->mu);
+    e->next_free = ds->free_events;
+    ds->free_events = e;
+    pthread_mutex_unlock(&ds->mu);
+    return rc;
+  }
   if (!e) {
     e = dp__alloc(sizeof *e);
     if (!e) return dp__err(err, DP_ENOMEM, "out of memory creating an event");
@@ -616,7 +625,9 @@ void dp_event_free(dp_event_t *e) {
    * the event out again, from any thread (an atomic exchange, not the
    * lock: the reset must come before the event is on the list). */
   if (!e || dp__fetch_or_acq_rel(&e->pooled, 1)) return;
-  if (e->b->ops->event_reset) e->b->ops->event_reset(e->b, e->h);
+  /* a handle that could not be made afresh is dropped (NULL): the pool
+     makes one when it hands the event out again */
+  if (e->b->ops->event_reset && e->b->ops->event_reset(e->b, e->dev.index, &e->h) != 0) e->h = NULL;
   dp__devstate_t *ds = &e->b->devs[e->dev.index];
   pthread_mutex_lock(&ds->mu);
   e->next_free = ds->free_events;

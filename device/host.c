@@ -362,6 +362,12 @@ static void h_event_reset(dp_backend_t *b, void *h) {
   progress_release(old);
 }
 
+static int h_event_reset_op(dp_backend_t *b, int dev, void **h) {
+  (void)dev;
+  h_event_reset(b, *h);
+  return 0;
+}
+
 static void h_event_destroy(dp_backend_t *b, void *h) {
   hevent_t *e = h;
   h_event_reset(b, h);
@@ -687,7 +693,7 @@ static void h_shutdown(dp_backend_t *b) {
 const dp__backend_ops_t dp__host_ops = {
     h_init,        h_shutdown,     h_stream_create, h_stream_destroy, h_stream_wrap,   h_stream_native,
     h_stream_sync, h_stream_query, h_stream_wait,   h_event_create,   h_event_destroy,
-    h_event_reset, h_event_record, h_event_query,   h_event_sync,     h_device_sync,
+    h_event_reset_op, h_event_record, h_event_query,   h_event_sync,     h_device_sync,
     h_malloc,      h_free,         h_pointer_device, h_memcpy_async, h_pinned_alloc, h_pinned_free,
     h_pinned_register, h_pinned_unregister,
 };

@@ -25,7 +25,9 @@ typedef struct dp__backend_ops {
   int (*stream_wait)(dp_backend_t *b, void *sh, void *eh, dp_error_t *err);
   int (*event_create)(dp_backend_t *b, int dev, void **h, dp_error_t *err);
   void (*event_destroy)(dp_backend_t *b, void *h);
-  void (*event_reset)(dp_backend_t *b, void *h);           /* back to never-recorded; may be NULL */
+  /* Back to never-recorded (may be NULL). <0: no handle could be made
+   * afresh; *h is then NULL (the old one destroyed). */
+  int (*event_reset)(dp_backend_t *b, int dev, void **h);
   int (*event_record)(dp_backend_t *b, void *eh, void *sh, dp_error_t *err);
   int (*event_query)(dp_backend_t *b, void *eh, dp_error_t *err);
   int (*event_sync)(dp_backend_t *b, void *eh, dp_error_t *err);

@@ -81,6 +81,27 @@ Test(gpu, negative_control_without_the_wait_the_copy_reads_stale_data) {
   cr_assert_eq(consumer_sees(0), 0, "without the wait the copy overtakes the spinning kernel");
 }
 
+Test(gpu, an_event_freed_while_its_record_runs_comes_back_from_the_pool_never_recorded) {
+  dp_stream_t *s;
+  OK(dp_stream_new(B, G0, &s, NULL));
+  int *dev;
+  OK(dp_device_alloc(B, G0, sizeof(int), (void **)&dev, NULL));
+  dp_event_t *ev, *again;
+  OK(dp_event_new(B, G0, &ev, NULL));
+  cr_assert_eq(gpu_spin_write(dp_stream_native(s), dev, 1, 200.0), 0);
+  OK(dp_event_record(ev, s, NULL));
+  cr_assert_eq(dp_event_query(ev, NULL), 0, "the kernel spins for 200 ms");
+  dp_event_free(ev);
+  OK(dp_event_new(B, G0, &again, NULL));
+  cr_assert_eq(again, ev, "the pool hands the same event out");
+  cr_assert_eq(dp_event_query(again, NULL), 1, "its previous owner's record is dropped (device.h)");
+  cr_assert_eq(dp_stream_query(s, NULL), 0, "while that kernel still runs");
+  dp_event_free(again);
+  OK(dp_device_synchronize(B, G0, NULL));
+  OK(dp_device_dealloc(B, G0, dev, NULL));
+  dp_stream_free(s);
+}
+
 Test(gpu, events_and_streams_answer_queries) {
   dp_stream_t *s;
   OK(dp_stream_new(B, G0, &s, NULL));
