@@ -860,8 +860,33 @@ static int is_storage(PyObject *o) {
   return 0;
 }
 
-static int device_from_torch(PyObject *t, dp_torch_alloc_t *a) {
-  PyObject *dev = PyObject_GetAttrString(t, "device");
+/* torch.UntypedStorage's own attribute `name` (its C base's descriptor),
+ * read from st: a Python subclass of the storage (or of the tensor that
+ * handed it out) may override data_ptr, nbytes or device to name any
+ * address, which an inline frame would then copy. Borrowed; NULL with an
+ * exception. */
+static PyObject *storage_descr(int i) {
+  static const char *const names[3] = {"data_ptr", "nbytes", "device"};
+  static PyObject *d[3]; /* torch is never unloaded */
+  if (!d[i] && dpy.torch_storage[1]) d[i] = PyObject_GetAttrString((PyObject *)dpy.torch_storage[1], names[i]);
+  if (!d[i] && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "torch.UntypedStorage was not found");
+  return d[i];
+}
+
+static PyObject *storage_get(PyObject *st, int i) {
+  PyObject *d = storage_descr(i);
+  if (!d) return NULL;
+  if (i == 2) { /* device: a getset */
+    descrgetfunc get = Py_TYPE(d)->tp_descr_get;
+    return get ? get(d, st, (PyObject *)Py_TYPE(st)) : PyObject_GetAttrString(st, "device");
+  }
+  return PyObject_CallOneArg(d, st);
+}
+
+/* The device of UntypedStorage st, found on t (a tensor, or a storage:
+ * how errors word it). */
+static int device_from_torch(PyObject *st, PyObject *t, dp_torch_alloc_t *a) {
+  PyObject *dev = storage_get(st, 2);
   if (!dev) return -1;
   PyObject *type = PyObject_GetAttrString(dev, "type");
   PyObject *index = type ? PyObject_GetAttrString(dev, "index") : NULL;
@@ -895,21 +920,37 @@ static int device_from_torch(PyObject *t, dp_torch_alloc_t *a) {
  * not run for it. */
 static PyObject *untyped_storage(PyObject *o) {
   static int torch2 = -1;
+  static PyObject *method; /* the tensor's C method: a subclass's override of storage() is not asked */
   if (torch2 < 0) torch2 = PyObject_HasAttrString((PyObject *)dpy.torch_tensor, "untyped_storage");
-  if (dpy.torch_storage[1] && PyObject_TypeCheck(o, dpy.torch_storage[1])) return Py_NewRef(o);
-  if (dpy.torch_storage[0] && PyObject_TypeCheck(o, dpy.torch_storage[0]))
-    return PyObject_GetAttrString(o, torch2 ? "_untyped_storage" : "_storage");
-  if (torch2) return PyObject_CallMethod(o, "untyped_storage", NULL);
-  PyObject *st = PyObject_CallMethod(o, "storage", NULL);
-  PyObject *u = st ? PyObject_GetAttrString(st, "_storage") : NULL;
-  Py_XDECREF(st);
+  if (!dpy.torch_storage[1]) {
+    PyErr_SetString(PyExc_TypeError, "torch.UntypedStorage was not found");
+    return NULL;
+  }
+  PyObject *u;
+  if (PyObject_TypeCheck(o, dpy.torch_storage[1])) return Py_NewRef(o);
+  if (dpy.torch_storage[0] && PyObject_TypeCheck(o, dpy.torch_storage[0])) {
+    u = Py_NewRef(o);
+  } else {
+    if (!method && !(method = PyObject_GetAttrString((PyObject *)dpy.torch_tensor,
+                                                     torch2 ? "untyped_storage" : "_storage")))
+      return NULL;
+    u = PyObject_CallOneArg(method, o); /* a subclass's __torch_function__ answers it: checked below */
+  }
+  /* a TypedStorage (what torch 1.13's dispatch gives for a subclass) wraps the untyped one */
+  if (u && dpy.torch_storage[0] && PyObject_TypeCheck(u, dpy.torch_storage[0]))
+    Py_SETREF(u, PyObject_GetAttrString(u, torch2 ? "_untyped_storage" : "_storage"));
+  if (u && !PyObject_TypeCheck(u, dpy.torch_storage[1])) {
+    PyErr_Format(PyExc_TypeError, "its storage is a '%.200s', not a torch.UntypedStorage", Py_TYPE(u)->tp_name);
+    Py_CLEAR(u);
+  }
   return u;
 }
 
-/* An UntypedStorage's base and size. 0, or -1 with an exception. */
+/* An UntypedStorage's base and size, read through torch's own methods. 0,
+ * or -1 with an exception. */
 static int storage_extent(PyObject *st, dp_torch_alloc_t *out) {
-  PyObject *ptr = PyObject_CallMethod(st, "data_ptr", NULL);
-  PyObject *nb = ptr ? PyObject_CallMethod(st, "nbytes", NULL) : NULL;
+  PyObject *ptr = storage_get(st, 0);
+  PyObject *nb = ptr ? storage_get(st, 1) : NULL;
   if (nb) {
     out->base = PyLong_AsVoidPtr(ptr);
     out->nbytes = PyLong_AsSize_t(nb);
@@ -954,9 +995,9 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
   }
   PyObject *st = untyped_storage(t);
   if (!st) return -1;
-  int rc = storage_extent(st, out);
+  int rc = storage_extent(st, out) || device_from_torch(st, t, out);
   Py_DECREF(st);
-  if (rc || device_from_torch(t, out)) return -1;
+  if (rc) return -1;
   out->borrowed = out->device_type == DP_DEVICE_CPU; /* torch's Python API does not say whose memory it is */
   return 1;
 }
@@ -1038,9 +1079,9 @@ static int visit_torch(dpy_scanner_t *s, PyObject *o) {
 static int visit_storage(dpy_scanner_t *s, PyObject *o) {
   dp_torch_alloc_t a;
   PyObject *st = untyped_storage(o);
-  int rc = st ? storage_extent(st, &a) : -1;
+  int rc = st ? storage_extent(st, &a) || device_from_torch(st, o, &a) : -1;
   Py_XDECREF(st);
-  if (rc || device_from_torch(o, &a)) return walk_error(s, o, "a storage whose memory cannot be described");
+  if (rc) return walk_error(s, o, "a storage whose memory cannot be described");
   if (!a.base && !a.nbytes) return 0; /* an empty storage holds no memory */
   return add_alloc(s, (dp_device_t){(dp_device_type_t)a.device_type, a.device_index}, a.base, a.nbytes, o);
 }

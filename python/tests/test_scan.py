@@ -1637,3 +1637,46 @@ def test_a_walk_on_another_thread_while_torch_is_imported_does_not_blind_devpick
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["c++" if devpickle._devpickle._torch_adapter() == "c++" else "python", "[12]"]
+
+
+_STORAGE_LIARS = """
+import devpickle, torch
+class FakeUntyped:
+    def data_ptr(self): return 16
+    def nbytes(self): return 1 << 20
+    device = torch.device("cpu")
+class FakeTyped:
+    _storage = _untyped_storage = FakeUntyped()
+class Liar(torch.Tensor):
+    def storage(self): return FakeTyped()
+    def untyped_storage(self): return FakeUntyped()
+class LyingStorage(torch.UntypedStorage):
+    def data_ptr(self): return 16
+    def nbytes(self): return 1 << 20
+t = torch.Tensor._make_subclass(Liar, torch.arange(3, dtype=torch.float32))
+(a,) = devpickle.scan([t])
+assert (a.nbytes, a.ptr) == (12, t.data_ptr()), a
+back = devpickle.loads(devpickle.dumps([t], inline=True), classes=(Liar,))[0]
+assert back.tolist() == [0.0, 1.0, 2.0], back
+s = LyingStorage(8)
+(a,) = devpickle.scan([s])
+assert (a.nbytes, a.ptr) == (8, torch.UntypedStorage.data_ptr(s)), a
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("no_adapter", ["0", "1"])
+def test_a_tensor_or_storage_whose_python_methods_lie_about_its_memory_is_read_through_torchs_own(no_adapter):
+    # Without the adapter the walk read a tensor's memory through its
+    # storage() / untyped_storage() and the storage's data_ptr() / nbytes()
+    # — methods a subclass overrides: an address of its choosing, which
+    # dumps(inline=True) then copied (a crash reading address 16). torch's
+    # own C methods are asked now, and what they give is type-checked.
+    import os
+    env = dict(os.environ)
+    env.pop("DEVPICKLE_NO_TORCH_ADAPTER", None)
+    if no_adapter == "1":
+        env["DEVPICKLE_NO_TORCH_ADAPTER"] = "1"
+    out = subprocess.run([sys.executable, "-c", _STORAGE_LIARS], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok"]
