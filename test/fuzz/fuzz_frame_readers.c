@@ -10,34 +10,10 @@
 #include "../../tools/inspect.h"
 #include "../../tools/vjson.h"
 #include "fuzz.h"
+#include "fuzz_pack.h"
 
 static FILE *sink;
 
-/* pack: value JSON to a frame as `devpickle pack` makes it (malloc'd), or NULL. */
-static uint8_t *pack(const char *text, size_t size, size_t *n) {
-  char msg[1024];
-  size_t pos;
-  json_t *j = vjson_parse(text, size, msg, sizeof msg, &pos);
-  if (!j) return NULL;
-  dp_value_t v;
-  int is_inline;
-  uint8_t *out = NULL;
-  if (vjson_to_value(j, &v, &is_inline, msg, sizeof msg) == 0) {
-    dp_frame_t *fr;
-    dp_pickle_opts_t po = {is_inline ? DP_PICKLE_INLINE : 0, 0, NULL, NULL};
-    if (dp_frame_new(&fr, NULL) == 0) {
-      if (dp_pickle(v, &po, fr, NULL) == 0) {
-        const uint8_t *b = dp_frame_data(fr, n);
-        out = malloc(*n);
-        memcpy(out, b, *n);
-      }
-      dp_frame_free(fr);
-    }
-    dp_value_release(v);
-  }
-  json_decref(j);
-  return out;
-}
 
 /* unpack | pack gives the frame back, for every frame verify accepts (read
  * under value JSON's nesting limit, as the CLI reads frames). */
@@ -57,7 +33,7 @@ static void expect_cli_round_trip(const uint8_t *f, size_t size) {
       break;
     }
     if (rc != 0) abort(); /* whatever verify accepts, unpack writes */
-    uint8_t *back = pack(text, tn, &m);
+    uint8_t *back = fuzz_pack(text, tn, &m);
     if (!back || m != size || memcmp(back, f, size) != 0) {
       fprintf(stderr, "unpack | pack of an accepted %zu-byte frame gives %s\n", size,
               back ? "other bytes" : "nothing");

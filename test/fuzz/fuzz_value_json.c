@@ -5,36 +5,12 @@
 
 #include "../../tools/vjson.h"
 #include "fuzz.h"
+#include "fuzz_pack.h"
 
-/* pack: JSON text -> frame bytes (malloc'd), or NULL. */
-static uint8_t *pack(const char *text, size_t size, size_t *n) {
-  char msg[1024];
-  size_t pos;
-  json_t *j = vjson_parse(text, size, msg, sizeof msg, &pos);
-  if (!j) return NULL;
-  dp_value_t v;
-  int is_inline;
-  uint8_t *out = NULL;
-  if (vjson_to_value(j, &v, &is_inline, msg, sizeof msg) == 0) {
-    dp_frame_t *f;
-    dp_pickle_opts_t po = {is_inline ? DP_PICKLE_INLINE : 0, 0, NULL, NULL};
-    if (dp_frame_new(&f, NULL) == 0) {
-      if (dp_pickle(v, &po, f, NULL) == 0) {
-        const uint8_t *b = dp_frame_data(f, n);
-        out = malloc(*n);
-        memcpy(out, b, *n);
-      }
-      dp_frame_free(f);
-    }
-    dp_value_release(v);
-  }
-  json_decref(j);
-  return out;
-}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   size_t n, m;
-  uint8_t *b = pack((const char *)data, size, &n);
+  uint8_t *b = fuzz_pack((const char *)data, size, &n);
   if (b) {
     dp_unpickle_opts_t o;
     memset(&o, 0, sizeof o);
@@ -47,7 +23,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int rc = vjson_write(mf, back, 1, msg, sizeof msg);
     fclose(mf);
     if (rc == 0) {
-      uint8_t *c = pack(text, tn, &m);
+      uint8_t *c = fuzz_pack(text, tn, &m);
       if (!c || m != n || memcmp(b, c, n) != 0) abort();  /* unpack | pack gives the same bytes */
       free(c);
     } else if (rc != DP_ENOMEM) {
