@@ -217,7 +217,7 @@ static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, dp_stor
   int rc = 0;
   for (int i = 0; i < n; i++) {
     if (st && (again >> i & 1)) {
-      rest[id].refs++;
+      dp__refs_inc(&rest[id].refs);
       continue;
     }
     void *base = st ? st[i]->base : items[i].base;
@@ -227,7 +227,7 @@ static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, dp_stor
     size_t j, at = dp__table_find(&tab, DP_TABLE_TAGGED, h[i], dp__ptrset_eq, s, &key, &j);
     if (at != DP_TABLE_NONE) {
       dp__pentry_t *e = &rest[at];
-      e->refs++;
+      dp__refs_inc(&e->refs);
       if (nbytes > e->nbytes) e->nbytes = nbytes;
       id = at;
     } else if (DP_UNLIKELY(dp__dev_bits(device) != gdev)) {

@@ -156,6 +156,10 @@ int dp__ptrset_set_path(dp_ptrset_t *set, size_t index, const char *path);
 int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_storage *const *st, const uint64_t *h, uint64_t again, int n,
                          dp_error_t *err);
 
+/* One more tensor on an entry: the count stays at UINT32_MAX once there
+ * (as dp__ptrset_add_refs does), never wraps to a small number. */
+static inline __attribute__((always_inline)) void dp__refs_inc(uint32_t *refs) { *refs += *refs != UINT32_MAX; }
+
 /* Finds (device, base) given its hash or adds it; counts one more tensor. */
 static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,
                                         uint64_t h, size_t *index, int *is_new, dp_error_t *err) {
@@ -163,7 +167,7 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
   size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
   if (at != DP_TABLE_NONE) {
     dp__pentry_t *e = &s->rest[at];
-    e->refs++;
+    dp__refs_inc(&e->refs);
     if (nbytes > e->nbytes) e->nbytes = nbytes;
     *index = at;
     *is_new = 0;

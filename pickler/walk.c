@@ -554,7 +554,7 @@ static int flush_pending(dp__walker_t *w) {
   size_t id = 0;
   for (int i = 0; i < n; i++) {
     if (again >> i & 1) {
-      s->rest[id].refs++;
+      dp__refs_inc(&s->rest[id].refs);
       continue;
     }
     int is_new;

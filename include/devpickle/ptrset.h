@@ -46,7 +46,7 @@ typedef struct dp_ptr_info {
   dp_device_t device;
   void *base;
   size_t nbytes;
-  uint32_t refs;      /* distinct tensors on this storage */
+  uint32_t refs;      /* distinct tensors on this storage (UINT32_MAX: that many or more) */
   const char *path;   /* first path, when the scan asked for paths; else NULL.
                          At most DP_PATH_MAX bytes (see above). Borrowed:
                          valid until the set is cleared or freed. */
