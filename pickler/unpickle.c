@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "frame.h"
+#include "walk.h"
 #include "../value/gc.h"
 
 /* ---- tokens ---- */
@@ -758,14 +759,27 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
         return 0;
       }
       f->have_key = 0;
-      rc = dp__dict_set_checked(hval(f->h), f->u.key, v, 0, &e);
-      if (rc == DP__EXISTS) return rd_fail(&u->r, DP_EFORMAT, f->key_at, "duplicate dict key");
+      rc = dp__dict_set_checked(hval(f->h), f->u.key, v, DP__KEEP_ON_EXISTS, &e);
+      if (rc == DP__EXISTS) {
+        char key[DP__STEP_MAX];
+        int n = (int)dp__key_text(f->u.key, key);
+        dp_value_release(f->u.key);
+        dp_value_release(v);
+        return rd_fail(&u->r, DP_EFORMAT, f->key_at, "duplicate dict key %.*s", n, key);
+      }
       break;
-    case DP_TAG_OBJECT:
-      rc = dp__object_set_n(hval(f->h), f->u.name.s, f->u.name.n, v, 0, &e);
+    case DP_TAG_OBJECT: {
+      const char *name = f->u.name.s;
+      size_t len = f->u.name.n;
+      rc = dp__object_set_n(hval(f->h), name, len, v, 0, &e);
       f->u.name.s = NULL;
-      if (rc == DP__EXISTS) return rd_fail(&u->r, DP_EFORMAT, f->key_at, "duplicate attribute");
+      if (rc == DP__EXISTS) {
+        char shown[DP__STEP_MAX];
+        int n = (int)dp__name_text(name, len, shown);
+        return rd_fail(&u->r, DP_EFORMAT, f->key_at, "duplicate attribute %.*s", n, shown);
+      }
       break;
+    }
     case DP_TAG_REDUCE:
       rc = dp__object_set_n(hval(f->h), "__reduce__", 10, v, 0, &e);
       break;

@@ -111,7 +111,7 @@ static void memo_reset(dp__walker_t *w) { dp__table_clear(&w->memo, DP_TABLE_TAG
 
 #define ELLIPSIS "\xe2\x80\xa6"  /* U+2026 */
 /* The longest step: <reduce <64 bytes, each escaped as \u00XX>…> */
-#define DP_STEP_MAX (8 + 6 * DP_PATH_NAME_MAX + 3 + 1)
+#define DP_STEP_MAX DP__STEP_MAX
 
 /* Appends to a fixed buffer; what does not fit is dropped and `full` set. */
 typedef struct pbuf {
@@ -271,6 +271,37 @@ static const char *shown_name(const char *name, char out[DP_STEP_MAX]) {
   return out;
 }
 
+size_t dp__key_text(dp_value_t key, char *out) {
+  /* rendered in place up to one byte past the limit, to see whether it is cut */
+  pbuf_t kb = {out, 0, DP_PATH_NAME_MAX + 1, 0};
+  pb_key_json(&kb, key, 0);
+  if (!kb.full && kb.len <= DP_PATH_NAME_MAX) return kb.len;
+  pbuf_t b = {out, name_shown(kb.s, kb.len), DP_STEP_MAX, 0};
+  pb_put(&b, ELLIPSIS, 3);
+  return b.len;
+}
+
+size_t dp__name_text(const char *name, size_t n, char *out) {
+  pbuf_t b = {out, 0, DP_STEP_MAX, 0};
+  size_t k = name_shown(name, n);
+  pb_quote(&b, name, k, k < n);
+  return b.len;
+}
+
+/* A dict's key as the step to its value: a str key as a name step (.name
+ * or ["name"]), any other as its JSON text in brackets. */
+static size_t key_step(dp_value_t key, char *out) {
+  pbuf_t b = {out, 0, DP_STEP_MAX, 0};
+  if (key.kind == DP_STR) {
+    pb_name_step(&b, DP_STROBJ(key)->data, DP_STROBJ(key)->len);
+    return b.len;
+  }
+  out[0] = '[';
+  size_t n = 1 + dp__key_text(key, out + 1);
+  out[n] = ']';
+  return n + 1;
+}
+
 /* The step of frame f (the child being visited) into out[DP_STEP_MAX];
  * returns its length. */
 static size_t render_step(const dp__wframe_t *f, char *out) {
@@ -285,21 +316,10 @@ static size_t render_step(const dp__wframe_t *f, char *out) {
       break;
     case DP_DICT: {
       dp_value_t key = DP_DICT(node)->entries[i / 2].key;
-      if (!(i & 1)) {  /* inside a key itself */
+      if (!(i & 1))  /* inside a key itself */
         pb_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "<key %zu>", i / 2));
-      } else if (key.kind == DP_STR) {
-        pb_name_step(&b, DP_STROBJ(key)->data, DP_STROBJ(key)->len);
-      } else {
-        /* its JSON text, rendered in place up to one byte past the limit
-         * to see whether it is cut */
-        pb_put(&b, "[", 1);
-        pbuf_t kb = {out + b.len, 0, DP_PATH_NAME_MAX + 1, 0};
-        pb_key_json(&kb, key, 0);
-        int cut = kb.full || kb.len > DP_PATH_NAME_MAX;  /* at most 64 bytes shown */
-        b.len += cut ? name_shown(kb.s, kb.len) : kb.len;
-        if (cut) pb_put(&b, ELLIPSIS, 3);
-        pb_put(&b, "]", 1);
-      }
+      else
+        b.len = key_step(key, out);
       break;
     }
     case DP_OBJECT:

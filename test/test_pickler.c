@@ -1048,11 +1048,26 @@ Test(pickler, malformed_payloads_get_precise_errors) {
   const uint8_t fwd_ref[] = {0x91, 0xd6, 0x01, 0, 0, 0, 5};
   expect_bad(fwd_ref, sizeof fwd_ref, DP_EFORMAT, 41, "back-reference to node 5, but only 1 node precedes it (a back-reference names a node already started)", NULL);
   const uint8_t dup[] = {0x82, 0x01, 0xc0, 0x01, 0xc0};
-  expect_bad(dup, sizeof dup, DP_EFORMAT, 43, "duplicate dict key", NULL);
+  expect_bad(dup, sizeof dup, DP_EFORMAT, 43, "duplicate dict key 1", NULL);
+  /* the key as paths show it: its value JSON, escaped, cut after 64 bytes */
+  const uint8_t dup_str[] = {0x82, 0xa3, 'a', '\n', 'b', 0xc0, 0xa3, 'a', '\n', 'b', 0xc0};
+  expect_bad(dup_str, sizeof dup_str, DP_EFORMAT, 46, "duplicate dict key \"a\\u000ab\"", NULL);
+  uint8_t dup_long[2 * 103 + 1];
+  dup_long[0] = 0x82;
+  for (int k = 0; k < 2; k++) {
+    uint8_t *at = dup_long + 1 + 103 * k;
+    at[0] = 0xd9, at[1] = 100;
+    memset(at + 2, 'k', 100);
+    at[102] = 0xc0;
+  }
+  char want[128] = "duplicate dict key \"";
+  memset(want + strlen(want), 'k', 63);
+  strcat(want, "\xe2\x80\xa6");
+  expect_bad(dup_long, sizeof dup_long, DP_EFORMAT, 144, want, NULL);
   /* object A with attribute x twice: the offset of the second name, as a
      duplicate dict key's is the key's */
   const uint8_t dup_attr[] = {0x96, 0xd4, 0x00, 0x03, 0xa1, 0x41, 0xa1, 0x78, 0x01, 0xa1, 0x78, 0x02};
-  expect_bad(dup_attr, sizeof dup_attr, DP_EFORMAT, 49, "duplicate attribute", NULL);
+  expect_bad(dup_attr, sizeof dup_attr, DP_EFORMAT, 49, "duplicate attribute \"x\"", NULL);
   const uint8_t list_key[] = {0x81, 0x90, 0xc0};
   expect_bad(list_key, sizeof list_key, DP_EFORMAT, 41, "dict key of kind list is not hashable", NULL);
   const uint8_t trailing[] = {0xc0, 0xc0};

@@ -16,7 +16,10 @@ int dp__strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_e
 
 /* Inserts (steals key and val). Without allow_replace a key or name already
  * there is DP__EXISTS (positive, internal: err untouched, key and val
- * released); any failure is a DP_E* code with its message in err. */
+ * released — or, for a dict with DP__KEEP_ON_EXISTS, handed back to the
+ * caller, who releases them once it has named the key); any failure is a
+ * DP_E* code with its message in err. */
+#define DP__KEEP_ON_EXISTS 2
 int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int allow_replace,
                          dp_error_t *err);
 /* The index of key's entry in dict (a dict; key hashable), or SIZE_MAX. */

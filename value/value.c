@@ -393,9 +393,11 @@ int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int al
   uint64_t h = key_hash(key);
   size_t at = index_find(d->index, d->index_cap, d->len, d->entries, &key, h, dict_match);
   if (at != SIZE_MAX) {
-    if (!allow_replace) {
-      dp_value_release(key);
-      dp_value_release(val);
+    if (allow_replace != 1) {
+      if (allow_replace != DP__KEEP_ON_EXISTS) {
+        dp_value_release(key);
+        dp_value_release(val);
+      }
       return DP__EXISTS;
     }
     dp_value_t old = d->entries[at].val;
