@@ -1434,6 +1434,8 @@ Test(cli, dict_keys_show_their_value_json_alike_in_dump_inspect_and_pack_errors)
   pack_fails("pk.json", "pk.dpk", "{\"$dict\": [[{\"$float\": \"nan\"}, {\"$dict\": [[{\"$tuple\": [[1]]}, 2]]}]]}",
              "devpickle: pk.json: dict key of kind tuple is not hashable (a tuple key holds only scalars, str, "
              "bytes and tuples, at most 1024 of them, 32 levels deep), at $[{\"$float\":\"nan\"}]<key 0>\n");
+  pack_fails("pd.json", "pd.dpk", "{\"a\": {\"$dict\": [[\"x\\n\", 1], [\"x\\n\", 2]]}}",
+             "devpickle: pd.json: duplicate dict key: the entry [\"x\\u000a\"] is given twice, at $.a<key 1>\n");
   pack_fails("pp.json", "pp.dpk", "{\"a b\": {\"$dict\": [[1, 2], 3]}}",
              "devpickle: pp.json: $dict item 1 is not a [key, value] pair, at $[\"a b\"]\n");
 }

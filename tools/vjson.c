@@ -1101,8 +1101,9 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
         return fail(r, DP_EINVAL, "dict key refers to a node that is still being built");
       }
       if (dp_dict_get(v, key, &dummy, NULL) == 0) {
+        size_t n = vjson_step_key(key, r->scratch);
         dp_value_release(key);
-        return fail(r, DP_EINVAL, "duplicate dict key");
+        return fail(r, DP_EINVAL, "duplicate dict key: the entry %.*s is given twice", (int)n, r->scratch);
       }
       path_pop(r);
       path_step(r, r->scratch, vjson_step_key(key, r->scratch));
