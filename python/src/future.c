@@ -766,9 +766,7 @@ static void complete_child(pyfut_t *child, PyObject *r) {
  * The library's own child of the parent is a placeholder that completes
  * with nothing. */
 static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
-  (void)result;
-  (void)ptrs;
-  (void)err;
+  (void)result; /* the library's placeholder child: the Python child is completed below */
   then_ud_t *u = ud;
   PyGILState_STATE g = PyGILState_Ensure();
   swap_t sw = {0};
