@@ -284,6 +284,16 @@ Test(cli, inspect_and_dump_tell_bytes_keys_apart_by_their_base64) {
   res_free(r);
 }
 
+Test(cli, inspect_cuts_a_long_str_after_forty_bytes_with_the_ellipsis_paths_use) {
+  spit("ls.json", "[\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\", \"short\"]");
+  res_free(run("pack ls.json -o ls.dpk"));
+  res_t r = run("inspect ls.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "str (60 bytes) \"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\xe2\x80\xa6\"\n"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "str (5 bytes) \"short\"\n"), "%s", r.out);
+  res_free(r);
+}
+
 Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
   spit("v.json", simple_json);
   res_free(run("pack v.json -o a.dpk"));

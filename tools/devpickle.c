@@ -805,7 +805,7 @@ static const char *const help_inspect =
     "its first line. Levels deeper than 64 are summarized, and dict keys are\n"
     "shown only in paths: a node first met there is shown in full at its\n"
     "first line. Long names and paths are shortened (docs/VALUE_JSON.md,\n"
-    "\"Paths\").\n"
+    "\"Paths\"); a str shows its first 40 bytes, then '\xe2\x80\xa6' when longer.\n"
     "Use - for stdin. " STDIN_FRAME
 
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"

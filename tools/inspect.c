@@ -238,7 +238,7 @@ static void summary(FILE *out, dp_value_t v) {
         if (c < 0x20 || c == '"' || c == '\\') fprintf(out, c < 0x20 ? "\\u%04x" : "\\%c", c);
         else fputc(c, out);
       }
-      fprintf(out, "%s\"\n", k < n ? "..." : "");
+      fprintf(out, "%s\"\n", k < n ? "\xe2\x80\xa6" : ""  /* … as paths cut names */);
       return;
     }
     case DP_BYTES: dp_bytes_data(v, &n); fprintf(out, "bytes (%zu)\n", n); return;
