@@ -878,7 +878,7 @@ Test(cli, pack_refuses_floats_devices_dtypes_and_tensor_fields_with_a_nul_byte_i
   pack_fails("t.json", "t.dpk",
              "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"uint8\\u0000x\", "
              "\"shape\": [8]}}",
-             "devpickle: t.json: unknown tensor dtype uint8\\u0000x, at $\n");
+             "devpickle: t.json: unknown tensor dtype \"uint8\\u0000x\", at $\n");
   pack_fails("k.json", "k.dpk",
              "{\"$tensor\": {\"device\": \"cuda:0\", \"device\\u0000x\": 1, \"ptr\": \"0x1000\", \"nbytes\": 8, "
              "\"dtype\": \"uint8\", \"shape\": [8]}}",

@@ -909,7 +909,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   dp_dtype_t dtype;
   json_t *dj = json_object_get(t, "dtype");
   if (!is_c_string(dj) || dp_dtype_parse(json_string_value(dj), &dtype, NULL) != 0)
-    return fail(r, DP_EINVAL, "unknown tensor dtype %s", dj ? shown(dj, 0, r->scratch) : "(missing)");
+    return fail(r, DP_EINVAL, "unknown tensor dtype %s", dj ? shown(dj, 1, r->scratch) : "(missing)");
   int64_t shape[DP_TENSOR_MAX_DIMS], strides[DP_TENSOR_MAX_DIMS];
   int nd, ns;
   if ((rc = read_i64_array(r, json_object_get(t, "shape"), shape, DP_TENSOR_MAX_DIMS, &nd, "shape")) != 0) return rc;
