@@ -244,9 +244,28 @@ char *dp_device_format(dp_device_t dev, char *buf, size_t size) {
   return buf;
 }
 
+const char *dp__shown(const char *s, char out[DP__SHOWN_MAX]) {
+  static const char hex[] = "0123456789abcdef";
+  size_t n = strlen(s), k = n <= 32 ? n : 32, o = 0;
+  while (k < n && k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--; /* a whole UTF-8 character */
+  for (size_t i = 0; i < k; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c < 0x20 || c == 0x7f || c == '\\' || c == '\'') {
+      if (c == '\\' || c == '\'') out[o++] = '\\', out[o++] = (char)c;
+      else memcpy(out + o, "\\u00", 4), out[o + 4] = hex[c >> 4], out[o + 5] = hex[c & 15], o += 6;
+    } else {
+      out[o++] = (char)c;
+    }
+  }
+  if (k < n) memcpy(out + o, "\xe2\x80\xa6", 3), o += 3;
+  out[o] = '\0';
+  return out;
+}
+
 static int bad_device(dp_error_t *err, const char *s) {
-  return dp__err(err, DP_EINVAL, "dp_device_parse: '%.32s' is not a device (cpu, cuda:N or host:N, N 0..%d)", s,
-                 DP_DEVICE_INDEX_MAX);
+  char shown[DP__SHOWN_MAX];
+  return dp__err(err, DP_EINVAL, "dp_device_parse: '%s' is not a device (cpu, cuda:N or host:N, N 0..%d)",
+                 dp__shown(s, shown), DP_DEVICE_INDEX_MAX);
 }
 
 int dp_device_parse(const char *s, dp_device_t *out, dp_error_t *err) {

@@ -1011,6 +1011,12 @@ Test(value, null_handles_and_other_kinds_follow_the_one_rule) {
   dp_dtype_t dt;
   cr_assert_eq(dp_dtype_parse("float8", &dt, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_dtype_parse: unknown dtype 'float8'");
+  /* what the caller gave, escaped and cut with an ellipsis, never silently */
+  cr_assert_eq(dp_device_parse("cuda:0\n<object object at 0x7f0000000000>", &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_parse: 'cuda:0\\u000a<object object at 0x7f000\xe2\x80\xa6' is not a device "
+                              "(cpu, cuda:N or host:N, N 0..255)");
+  cr_assert_eq(dp_dtype_parse("it's", &dt, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dtype_parse: unknown dtype 'it\\'s'");
   /* a value of another kind is misuse (DP_EINVAL), not a miss */
   dp_value_t v;
   cr_assert_eq(dp_dict_get(dp_int(1), dp_int(1), &v, &e), DP_EINVAL);

@@ -712,7 +712,8 @@ int dp_dtype_parse(const char *name, dp_dtype_t *out, dp_error_t *err) {
       *out = (dp_dtype_t)i;
       return 0;
     }
-  return dp__err(err, DP_EINVAL, "dp_dtype_parse: unknown dtype '%.32s'", name);
+  char shown[DP__SHOWN_MAX];
+  return dp__err(err, DP_EINVAL, "dp_dtype_parse: unknown dtype '%s'", dp__shown(name, shown));
 }
 
 /* Checks that every element the view addresses lies in [0, nbytes). Every
