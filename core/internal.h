@@ -57,11 +57,11 @@ int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap);
 
-/* UTF-8 validation (RFC 3629: no overlongs, no surrogates, <= U+10FFFF). */
 /* s for a message: its first 32 bytes (a whole UTF-8 character), control
  * characters as \u00XX, ' and \ escaped, an ellipsis when cut. */
 #define DP__SHOWN_MAX (32 * 6 + 3 + 1)
 const char *dp__shown(const char *s, char out[DP__SHOWN_MAX]);
+/* UTF-8 validation (RFC 3629: no overlongs, no surrogates, <= U+10FFFF). */
 int dp__utf8_valid(const char *s, size_t n);
 /* Whether s may name a class, type or attribute: non-empty UTF-8 without
  * NUL (names are also handed out as C strings, so a NUL would cut them). */

@@ -1569,8 +1569,9 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k);
  * always entered in the memo, so that its code runs once a walk as pickle
  * runs it, and it ends the walk without the memo (ran_code) — its code may
  * hand the walk new references to objects walked so. A container, a plain
- * object's __dict__, a C type's buffer are read without any. */
-static int runs_value_code(uint8_t k, PyTypeObject *t) {
+ * object's __dict__, a C type's buffer are read without any. dispatched:
+ * whether copyreg's dispatch table reduces t (looked up by visit). */
+static int runs_value_code(uint8_t k, PyTypeObject *t, int dispatched) {
   switch (k) {
   case K_LIST:
   case K_TUPLE:
@@ -1580,16 +1581,20 @@ static int runs_value_code(uint8_t k, PyTypeObject *t) {
   case K_NAMEDTUPLE: /* its _fields read from its class: code only under a metaclass */
     if (Py_TYPE(t) != &PyType_Type) return 1;
     /* fall through */
-  case K_OBJECT: { /* a dispatch-table entry is a reduce */
-    PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
-    if (!fn && PyErr_Occurred()) PyErr_Clear(); /* the same lookup in visit() reports it */
-    return fn != NULL;
-  }
+  case K_OBJECT: /* a dispatch-table entry is a reduce */
+    return dispatched;
   case K_BUFFER:
     return (t->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0;
   default:
     return 1;
   }
+}
+
+/* 1 when copyreg's dispatch table reduces t's instances, 0 when not, -1
+ * with the exception its lookup raised. */
+static int dispatched(PyTypeObject *t) {
+  PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
+  return fn ? 1 : PyErr_Occurred() ? -1 : 0;
 }
 
 static int visit(dpy_scanner_t *s, PyObject *o) {
@@ -1628,7 +1633,11 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
    * same one; account() counts the tensor once in refs) and its attributes
    * are entered once (visit_tensor_attrs). */
   if (k == K_TORCH) return visit_torch(s, o);
-  if (!s->ran_code && runs_value_code(k, t)) s->ran_code = 1;
+  /* a plain object's or namedtuple's dispatch-table entry, looked up once:
+     both the memo decision and the switch below need it */
+  int reduced = k == K_OBJECT || k == K_NAMEDTUPLE ? dispatched(t) : 0;
+  if (reduced < 0) return -1;
+  if (!s->ran_code && runs_value_code(k, t, reduced)) s->ran_code = 1;
   int sn = solo && !s->ran_code ? 0 : seen(s, o);
   if (sn) return sn < 0 ? -1 : 0;
   switch (k) {
@@ -1636,8 +1645,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   case K_TUPLE:
     return push(s, FR_SEQ, o, t);
   case K_NAMEDTUPLE: {
-    PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
-    if (fn || PyErr_Occurred()) return fn ? enter_reduce(s, o) : -1; /* copyreg.pickle(NT, ...) */
+    if (reduced) return enter_reduce(s, o); /* copyreg.pickle(NT, ...) */
     PyObject *names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
     if (!names) return -1;
     if (PyTuple_GET_SIZE(o) == 0) return 0;
@@ -1652,11 +1660,10 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     return items ? push(s, FR_SET, items, t) : -1;
   }
   case K_AIF_OBJECT:
-    if (visit_iface(s, o, 0)) return -1;
+    if (visit_iface(s, o, 0) || (reduced = dispatched(t)) < 0) return -1;
     /* fall through */
   case K_OBJECT: {
-    PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
-    if (fn || PyErr_Occurred()) return fn ? enter_reduce(s, o) : -1;
+    if (reduced) return enter_reduce(s, o);
     PyObject **dp = _PyObject_GetDictPtr(o);
     PyObject *d = dp ? *dp : NULL;
     if (!d) { /* a managed dict (3.11+): ask for it */
