@@ -1557,7 +1557,26 @@ static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
 }
 
 /* Turns a listitems/dictitems iterator into a list the walk can index. */
-static PyObject *drain(dpy_scanner_t *s, PyObject *it) { return keep(s, PySequence_List(it)); }
+/* A reduce's listitems or dictitems, drained into a list (as pickle reads
+ * them, once). An iterator runs C code that never returns to the
+ * interpreter's loop (itertools.count() never ends): signals are checked
+ * every DRAIN_CHECK items, so that an interrupt stops the walk, as it
+ * would stop a loop in Python, instead of leaving it running. */
+#define DRAIN_CHECK 4096
+static PyObject *drain(dpy_scanner_t *s, PyObject *it) {
+  if (PyList_CheckExact(it) || PyTuple_CheckExact(it)) return keep(s, PySequence_List(it));
+  PyObject *iter = PyObject_GetIter(it);
+  if (!iter) return NULL;
+  PyObject *l = PyList_New(0), *x = NULL;
+  for (size_t n = 1; l && (x = PyIter_Next(iter)) != NULL; n++) {
+    int rc = PyList_Append(l, x);
+    Py_DECREF(x);
+    if (rc || (n % DRAIN_CHECK == 0 && PyErr_CheckSignals())) Py_CLEAR(l);
+  }
+  Py_DECREF(iter);
+  if (l && PyErr_Occurred()) Py_CLEAR(l);
+  return keep(s, l);
+}
 
 /* Visits one value: a leaf returns, memory is added, a container or an
  * object gets a frame. */

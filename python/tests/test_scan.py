@@ -355,6 +355,30 @@ def test_an_interrupt_raised_by_a_reduce_passes_through_unwrapped(exc):
         devpickle.scan([Interrupting(exc())])
 
 
+_ENDLESS_LISTITEMS = """
+import itertools, signal, devpickle
+class Endless:
+    def __reduce__(self):
+        return (list, (), None, itertools.count())
+def stop(*a):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, stop)
+signal.setitimer(signal.ITIMER_REAL, 0.3)
+try:
+    devpickle.scan([Endless()])
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_a_signal_stops_a_walk_draining_endless_listitems():
+    # itertools.count() never returns to the interpreter's loop: without a
+    # check of signals while draining, the walk would run until memory ends
+    out = subprocess.run([sys.executable, "-c", _ENDLESS_LISTITEMS], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "interrupted"
+
+
 def test_a_numpy_view_of_a_torch_tensor_is_the_tensors_allocation():
     t = torch.arange(8, dtype=torch.float32)
     got = devpickle.scan([t, t.numpy()[2:], t[1:].numpy()])
