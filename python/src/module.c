@@ -228,7 +228,9 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
       intern(&dpy.str_cai, "__cuda_array_interface__") || intern(&dpy.str_aif, "__array_interface__") ||
       intern(&dpy.str_dlpack, "__dlpack__") ||
       intern(&dpy.str_dlpack_device, "__dlpack_device__") || intern(&dpy.str_getnewargs, "__getnewargs__") ||
-      intern(&dpy.str_getnewargs_ex, "__getnewargs_ex__") || intern(&dpy.str_slots, "__slots__"))
+      intern(&dpy.str_getnewargs_ex, "__getnewargs_ex__") || intern(&dpy.str_slots, "__slots__") ||
+      intern(&dpy.str_data, "data") || intern(&dpy.str_shape, "shape") || intern(&dpy.str_strides, "strides") ||
+      intern(&dpy.str_typestr, "typestr"))
     goto fail;
   if (dpy_scan_types_init(m) || dpy_future_types_init(m) || dpy_frames_init(m)) goto fail;
   return m;

@@ -1165,10 +1165,8 @@ static Py_ssize_t typestr_itemsize(PyObject *typestr) {
 
 /* The item `key` of an interface dict, as a new reference (NULL when it
  * has none). 0, or -1 with the exception a key's comparison raised. */
-static int iface_part(PyObject *d, const char *key, PyObject **out) {
-  PyObject *k = PyUnicode_FromString(key);
-  PyObject *v = k ? PyDict_GetItemWithError(d, k) : NULL;
-  Py_XDECREF(k);
+static int iface_part(PyObject *d, PyObject *key, PyObject **out) {
+  PyObject *v = PyDict_GetItemWithError(d, key);
   *out = Py_XNewRef(v);
   return v || !PyErr_Occurred() ? 0 : -1;
 }
@@ -1184,7 +1182,7 @@ static int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   /* each part held as soon as it is found: a lookup compares keys, and a
      key's __eq__ (a str subclass's of the same hash) may empty the dict */
   PyObject *data = NULL, *shape = NULL, *strides = NULL, *typestr = NULL;
-  if (PyDict_Check(cai) && iface_part(cai, "data", &data)) goto out;
+  if (PyDict_Check(cai) && iface_part(cai, dpy.str_data, &data)) goto out;
   if (!cuda && data && !PyTuple_Check(data) && PyObject_CheckBuffer(data)) {
     /* the memory of a buffer object, often a copy made by the property
        (PIL's tobytes()): no address to report; the walk of the object
@@ -1193,8 +1191,8 @@ static int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
     Py_DECREF(cai);
     return 0;
   }
-  if (PyDict_Check(cai) && (iface_part(cai, "shape", &shape) || iface_part(cai, "strides", &strides) ||
-                            iface_part(cai, "typestr", &typestr)))
+  if (PyDict_Check(cai) && (iface_part(cai, dpy.str_shape, &shape) || iface_part(cai, dpy.str_strides, &strides) ||
+                            iface_part(cai, dpy.str_typestr, &typestr)))
     goto out;
   if (!data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1 || !shape || !PyTuple_Check(shape) || !typestr ||
       !PyUnicode_Check(typestr)) {
@@ -2213,8 +2211,8 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   }
   /* held, as visit_iface holds them (numpy's and cupy's own dicts: str keys) */
   PyObject *typestr = NULL, *shp = NULL, *str = NULL, *data = NULL;
-  if (iface_part(ai, "typestr", &typestr) || iface_part(ai, "shape", &shp) || iface_part(ai, "strides", &str) ||
-      iface_part(ai, "data", &data))
+  if (iface_part(ai, dpy.str_typestr, &typestr) || iface_part(ai, dpy.str_shape, &shp) ||
+      iface_part(ai, dpy.str_strides, &str) || iface_part(ai, dpy.str_data, &data))
     PyErr_Clear(); /* what is missing is reported below */
   const char *ts = typestr && PyUnicode_Check(typestr) ? PyUnicode_AsUTF8(typestr) : NULL;
   const char *dt = ts ? typestr_dtype(ts) : NULL;
