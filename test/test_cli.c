@@ -878,7 +878,8 @@ Test(cli, pack_refuses_floats_devices_dtypes_and_tensor_fields_with_a_nul_byte_i
   pack_fails("t.json", "t.dpk",
              "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"uint8\\u0000x\", "
              "\"shape\": [8]}}",
-             "devpickle: t.json: unknown tensor dtype \"uint8\\u0000x\", at $\n");
+             "devpickle: t.json: unknown tensor dtype \"uint8\\u0000x\" (one of bool, int8, int16, int32, int64, "
+             "uint8, uint16, uint32, uint64, float16, bfloat16, float32, float64, complex64, complex128), at $\n");
   pack_fails("k.json", "k.dpk",
              "{\"$tensor\": {\"device\": \"cuda:0\", \"device\\u0000x\": 1, \"ptr\": \"0x1000\", \"nbytes\": 8, "
              "\"dtype\": \"uint8\", \"shape\": [8]}}",
@@ -1990,4 +1991,26 @@ Test(cli, help_followed_by_a_command_prints_that_commands_help) {
   cr_assert_eq(r.status, 2);
   cr_assert_str_eq(r.err, "devpickle help: unexpected argument 'unpack'\nTry 'devpickle help COMMAND'.\n");
   res_free(r);
+}
+
+/* A number past the largest double is refused; the message says how value
+ * JSON writes an infinity, as docs/VALUE_JSON.md does. */
+Test(cli, a_real_number_past_the_largest_double_says_how_to_write_an_infinity) {
+  pack_fails("big.json", "big.dpk", "[1e400]",
+             "devpickle: big.json: invalid JSON: real number overflow; write an infinity as {\"$float\": \"inf\"} "
+             "(line 1, column 2), at byte 1\n");
+}
+
+/* A dtype the reader does not know (or none) is answered with the list it
+ * knows, so the user need not look it up. */
+Test(cli, an_unknown_or_missing_tensor_dtype_lists_the_dtypes_pack_takes) {
+  pack_fails("t.json", "t.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"float8\", "
+             "\"shape\": [8]}}",
+             "devpickle: t.json: unknown tensor dtype \"float8\" (one of bool, int8, int16, int32, int64, uint8, "
+             "uint16, uint32, uint64, float16, bfloat16, float32, float64, complex64, complex128), at $\n");
+  pack_fails("m.json", "m.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"shape\": [8]}}",
+             "devpickle: m.json: tensor dtype missing (one of bool, int8, int16, int32, int64, uint8, uint16, "
+             "uint32, uint64, float16, bfloat16, float32, float64, complex64, complex128), at $\n");
 }

@@ -460,7 +460,8 @@ static json_t *parse_number(ps_t *ps) {
   const char *err = NULL;
   if (real) {
     double d = strtod(tmp, NULL);
-    if (errno == ERANGE && (d == HUGE_VAL || d == -HUGE_VAL)) err = "real number overflow";
+    if (errno == ERANGE && (d == HUGE_VAL || d == -HUGE_VAL))
+      err = "real number overflow; write an infinity as {\"$float\": \"inf\"}";
     j = err ? NULL : json_real(d);
   } else {
     long long v = strtoll(tmp, NULL, 10);
@@ -908,8 +909,14 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   size_t nbytes = (size_t)json_integer_value(nj);
   dp_dtype_t dtype;
   json_t *dj = json_object_get(t, "dtype");
-  if (!is_c_string(dj) || dp_dtype_parse(json_string_value(dj), &dtype, NULL) != 0)
-    return fail(r, DP_EINVAL, "unknown tensor dtype %s", dj ? shown(dj, 1, r->scratch) : "(missing)");
+  if (!is_c_string(dj) || dp_dtype_parse(json_string_value(dj), &dtype, NULL) != 0) {
+    char names[256] = ""; /* the library's own list, so that the message names what it takes */
+    size_t at = 0;
+    for (int i = 0; dp_dtype_name((dp_dtype_t)i) && at < sizeof names; i++)
+      at += (size_t)snprintf(names + at, sizeof names - at, "%s%s", i ? ", " : "", dp_dtype_name((dp_dtype_t)i));
+    if (!dj) return fail(r, DP_EINVAL, "tensor dtype missing (one of %s)", names);
+    return fail(r, DP_EINVAL, "unknown tensor dtype %s (one of %s)", shown(dj, 1, r->scratch), names);
+  }
   int64_t shape[DP_TENSOR_MAX_DIMS], strides[DP_TENSOR_MAX_DIMS];
   int nd, ns;
   if ((rc = read_i64_array(r, json_object_get(t, "shape"), shape, DP_TENSOR_MAX_DIMS, &nd, "shape")) != 0) return rc;
