@@ -1537,8 +1537,11 @@ Test(cli, inspect_puts_the_ellipsis_of_a_cut_quoted_name_inside_the_quotes_as_du
     char line[600];
     snprintf(line, sizeof line, "  %s\n", want[i]);
     cr_assert_not_null(strstr(r.out, line), "dump lacks %s:\n%s", want[i], r.out);
-    snprintf(line, sizeof line, "\n%s  tensor", want[i]);
-    cr_assert_not_null(strstr(ri.out, line), "inspect lacks %s:\n%s", want[i], ri.out);
+    snprintf(line, sizeof line, "\n%s ", want[i]);  /* then blanks up to column 42 (characters, not bytes) */
+    const char *at = strstr(ri.out, line);
+    cr_assert_not_null(at, "inspect lacks %s:\n%s", want[i], ri.out);
+    at += strspn(at + strlen(line), " ") + strlen(line);
+    cr_assert_eq(strncmp(at, "tensor", 6), 0, "inspect lacks %s:\n%s", want[i], ri.out);
   }
   res_free(r);
   res_free(ri);
@@ -2013,4 +2016,19 @@ Test(cli, an_unknown_or_missing_tensor_dtype_lists_the_dtypes_pack_takes) {
              "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"shape\": [8]}}",
              "devpickle: m.json: tensor dtype missing (one of bool, int8, int16, int32, int64, uint8, uint16, "
              "uint32, uint64, float16, bfloat16, float32, float64, complex64, complex128), at $\n");
+}
+
+/* inspect's path column is 40 characters wide: a path holding a multi-byte
+ * UTF-8 character is padded by characters, so its kind starts where every
+ * other line's does. */
+Test(cli, inspect_lines_up_a_path_with_a_non_ascii_key_by_characters_not_bytes) {
+  spit("u.json", "{\"\\u00e9\": 1, \"ab\": 2}");
+  res_t r = run("pack u.json -o u.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("inspect u.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "\n$[\"\xc3\xa9\"]                                    int 1\n"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "\n$.ab                                      int 2\n"), "%s", r.out);
+  res_free(r);
 }

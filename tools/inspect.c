@@ -284,9 +284,19 @@ static int frame_rec(ins_t *s, size_t k, uint32_t *out) {
   return 0;
 }
 
+/* The path column: 40 characters wide, counted as UTF-8 characters (not
+ * bytes), so that a path with "é" or "…" lines up with the others. */
+static void put_path(FILE *out, const char *path) {
+  size_t cols = 0;
+  for (const unsigned char *q = (const unsigned char *)path; *q; q++) cols += (*q & 0xC0) != 0x80;
+  fputs(path, out);
+  for (; cols < 40; cols++) fputc(' ', out);
+  fputs("  ", out);
+}
+
 /* Prints one node's line; pushes a container whose children are to be shown. */
 static int visit(ins_t *s, dp_value_t v) {
-  fprintf(s->out, "%-40s  ", join_steps(s, &s->cur, s->top));
+  put_path(s->out, join_steps(s, &s->cur, s->top));
   uint32_t r = NO_REC;
   /* A node held once is met once (the caller's reference aside, which only
    * adds): it needs no entry in `seen`. */
