@@ -2032,3 +2032,31 @@ Test(cli, inspect_lines_up_a_path_with_a_non_ascii_key_by_characters_not_bytes) 
   cr_assert_not_null(strstr(r.out, "\n$.ab                                      int 2\n"), "%s", r.out);
   res_free(r);
 }
+
+/* A usage error says what the command takes: recv's PORT range, the
+ * SECONDS --timeout takes; both helps say the latter too. */
+Test(cli, a_bad_port_or_timeout_is_answered_with_what_the_command_takes) {
+  static const struct {
+    const char *args, *err;
+  } runs[] = {
+      {"recv 70000", "devpickle recv: bad PORT '70000' (0 to 65535; 0: any free port)\n"
+                     "Try 'devpickle recv --help'.\n"},
+      {"recv 0 --timeout 0", "devpickle recv: bad --timeout '0' (SECONDS: a number over 0 and at most 1000000, "
+                             "as 30 or 0.5)\nTry 'devpickle recv --help'.\n"},
+      {"send f.dpk 127.0.0.1:1 --timeout soon", "devpickle send: bad --timeout 'soon' (SECONDS: a number over 0 and "
+                                                "at most 1000000, as 30 or 0.5)\nTry 'devpickle send --help'.\n"},
+  };
+  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) {
+    res_t r = run(runs[i].args);
+    cr_assert_eq(r.status, 2, "%s: %s", runs[i].args, r.err);
+    cr_assert_str_eq(r.err, runs[i].err, "%s", runs[i].args);
+    res_free(r);
+  }
+  res_t r = run("send --help");
+  cr_assert_not_null(strstr(r.out, "SECONDS (over 0, at most 1000000, fractions allowed; default 60)"), "%s", r.out);
+  res_free(r);
+  r = run("recv --help");
+  cr_assert_not_null(strstr(r.out, "without a frame (over 0, at most 1000000, fractions allowed; default:\nwait)"),
+                     "%s", r.out);
+  res_free(r);
+}

@@ -880,8 +880,9 @@ static const char *const help_send =
     "'... the receiver could not write the frame: FILE: WHY' (the system's\n"
     "reason there), or the connection's error.\n"
     "--timeout: give up when the whole exchange (send and answer) has taken\n"
-    "SECONDS (default 60): 'send timed out: no answer from the receiver within\n"
-    "SECONDS s (--timeout)'. UCX reads its own environment (UCX_TLS,\n"
+    "SECONDS (over 0, at most 1000000, fractions allowed; default 60): 'send\n"
+    "timed out: no answer from the receiver within SECONDS s (--timeout)'.\n"
+    "UCX reads its own environment (UCX_TLS,\n"
     "UCX_NET_DEVICES); its own log is off (UCX_LOG_LEVEL=fatal) unless\n"
     "UCX_LOG_LEVEL is set. Exit status 2: usage.\n"
     "Use - for stdin. " STDIN_FRAME
@@ -896,7 +897,8 @@ static const char *const help_recv =
     "FRAME.dpk (or stdout; a terminal only with -o -) — a file is written\n"
     "whole under a temporary name and renamed, so a failure leaves no\n"
     "partial file — and answers the sender. --timeout: give up after SECONDS\n"
-    "without a frame (default: wait):\n"
+    "without a frame (over 0, at most 1000000, fractions allowed; default:\n"
+    "wait):\n"
     "'recv timed out: no frame within SECONDS s (--timeout)'.\n"
     "Exit status: 0 a frame received and written; 1 a frame refused, a\n"
     "connection that failed, a timeout or a failed write ('devpickle: FILE:\n"
@@ -942,7 +944,9 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
         if (a->timeout >= 0) return usage_error(cmd, "%s", "--timeout given twice");
         char *end;
         a->timeout = strtod(argv[i], &end);
-        if (*end || !(a->timeout > 0) || a->timeout > 1e6) return usage_error(cmd, "bad --timeout '%s'", argv[i]);
+        if (*end || !(a->timeout > 0) || a->timeout > 1e6)
+          return usage_error(cmd, "bad --timeout '%s' (SECONDS: a number over 0 and at most 1000000, as 30 or 0.5)",
+                             argv[i]);
       } else {
         if (a->out) return usage_error(cmd, "%s", "-o given twice");
         a->out = argv[i];
@@ -1105,7 +1109,7 @@ static int cmd_recv(int argc, char **argv) {
   if (rc) return rc < 0 ? 0 : rc;
   const char *port = a.pos[0];
   if (!*port || strspn(port, "0123456789") != strlen(port) || strlen(port) > 5 || atoi(port) > 65535)
-    return usage_error("recv", "bad PORT '%s'", port);
+    return usage_error("recv", "bad PORT '%s' (0 to 65535; 0: any free port)", port);
   if (!a.out && isatty(STDOUT_FILENO)) /* before listening: no sender is left without an answer */
     return usage_error("recv", "%s", "stdout is a terminal: a frame is binary (-o FRAME.dpk, or -o - to write it there)");
   if (!a.out) a.out = "-";
