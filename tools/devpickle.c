@@ -79,6 +79,15 @@ static int usage_error(const char *cmd, const char *fmt, const char *arg) {
   return EXIT_USAGE;
 }
 
+/* An argument that starts with '-' and is no option: when a file of that
+ * name exists, say how to name it. */
+static int unknown_option(const char *cmd, const char *arg) {
+  if (access(arg, F_OK) != 0) return usage_error(cmd, "unknown option '%s'", arg);
+  char what[512];
+  snprintf(what, sizeof what, "unknown option '%.200s' (a file: devpickle %s -- %.200s)", arg, cmd, arg);
+  return usage_error(cmd, "%s", what);
+}
+
 /* The last error line, less its "devpickle: " (recv passes it on). */
 static char last_error[1400];
 
@@ -419,7 +428,7 @@ static int parse_args(const char *cmd, const char *help, int argc, char **argv, 
     } else if (flag && strcmp(s, flag) == 0) {
       a->flag = 1;
     } else if (s[0] == '-' && s[1] != '\0') {
-      return usage_error(cmd, "unknown option '%s'", s);
+      return unknown_option(cmd, s);
     } else if (a->file) {
       return usage_error(cmd, "unexpected argument '%s'", s);
     } else {
@@ -952,7 +961,7 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
         a->out = argv[i];
       }
     } else if (s[0] == '-' && s[1] != '\0') {
-      return usage_error(cmd, "unknown option '%s'", s);
+      return unknown_option(cmd, s);
     } else if (a->npos == want_pos) {
       return usage_error(cmd, "unexpected argument '%s'", s);
     } else {
