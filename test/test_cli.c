@@ -2082,3 +2082,26 @@ Test(cli, an_unknown_option_that_names_an_existing_file_shows_how_to_name_it_aft
   cr_assert_str_eq(r.err, "devpickle verify: unknown option '-g.dpk'\nTry 'devpickle verify --help'.\n");
   res_free(r);
 }
+
+/* Value JSON handed to a command that reads a frame (verify model.json) is
+ * refused at byte 0, as any non-frame is, and the message names the command
+ * that reads it; other bytes get the reader's message alone. */
+Test(cli, a_frame_command_given_value_json_says_that_pack_turns_it_into_a_frame) {
+  spit("v.json", "\n  {\"a\": 1}");
+  static const char *const cmds[] = {"verify v.json", "dump v.json", "inspect v.json", "unpack v.json",
+                                     "verify - < v.json", "unpack - < v.json", "send v.json 127.0.0.1:1"};
+  for (size_t i = 0; i < sizeof cmds / sizeof *cmds; i++) {
+    res_t r = run(cmds[i]);
+    cr_assert_eq(r.status, 1, "%s: %s", cmds[i], r.err);
+    const char *file = strstr(cmds[i], "- <") ? "<stdin>" : "v.json";
+    char want[256];
+    snprintf(want, sizeof want, "devpickle: %s: not a devpickle frame (bad magic): it starts like value JSON, "
+             "which 'devpickle pack' turns into a frame, at byte 0\n", file);
+    cr_assert_str_eq(r.err, want, "%s", cmds[i]);
+    res_free(r);
+  }
+  spit("t.txt", "hello\n");
+  res_t r = run("verify t.txt");
+  cr_assert_str_eq(r.err, "devpickle: t.txt: not a devpickle frame (bad magic), at byte 0\n");
+  res_free(r);
+}

@@ -548,11 +548,25 @@ static void src_close(src_t *s) {
   if (s->f && s->f != stdin) fclose(s->f);
 }
 
+/* A frame refused at byte 0 whose first bytes are no magic but the start of
+ * value JSON (after a byte order mark and blanks: '{', '[' or '"') was
+ * likely given to the wrong command: the message says which one reads it. */
+static int frame_error(const char *path, const uint8_t *head, size_t n, const char *what, int64_t offset) {
+  size_t i = n >= 3 && memcmp(head, "\xef\xbb\xbf", 3) == 0 ? 3 : 0;
+  while (i < n && (head[i] == ' ' || head[i] == '\t' || head[i] == '\n' || head[i] == '\r')) i++;
+  if (offset != 0 || i == n || head[i] == '\0' || !strchr("{[\"", head[i]))
+    return data_error(display(path), what, offset);
+  char hint[1200];
+  snprintf(hint, sizeof hint, "%.1000s: it starts like value JSON, which 'devpickle pack' turns into a frame", what);
+  return data_error(display(path), hint, offset);
+}
+
 /* The error of a frame read through src: a read error is the system's
  * message, without an offset; bytes past TRAIL_MAX are reported where the
  * frame ended. */
 static int src_error(const src_t *s, const char *path, int rc, const dp_error_t *e) {
-  return data_error(display(path), e->message, rc == DP_EIO ? -1 : s->over ? (int64_t)s->end : e->offset);
+  if (rc == DP_EIO) return data_error(display(path), e->message, -1);
+  return frame_error(path, s->hdr, s->hdr_len, e->message, s->over ? (int64_t)s->end : e->offset);
 }
 
 /* Reads a whole frame (or stdin) into memory, as src_read bounds it. */
@@ -593,8 +607,9 @@ static int load_command(const char *cmd, const char *help, int argc, char **argv
     if ((rc = read_frame(l->a.file, &bytes, &l->size)) != 0) return rc;
     rc = dp_unpickle(bytes, l->size, &o, &l->v, &e);
     if (rc == 0) dp_frame_check(bytes, l->size, &l->info, NULL);
+    if (rc) rc = frame_error(l->a.file, bytes, l->size, e.message, e.offset);
     free(bytes);
-    return rc ? data_error(display(l->a.file), e.message, e.offset) : 0;
+    return rc;
   }
   src_t s;
   if ((rc = src_open(&s, l->a.file)) != 0) return rc;
@@ -1050,8 +1065,9 @@ static int cmd_send(int argc, char **argv) {
   dp_unpickle_opts_t o = cli_unpickle_opts();
   dp_value_t v;
   if ((rc = dp_unpickle(bytes, n, &o, &v, &e)) != 0) {
+    rc = frame_error(a.pos[0], bytes, n, e.message, e.offset);
     free(bytes);
-    return data_error(display(a.pos[0]), e.message, e.offset);
+    return rc;
   }
   dp_value_release(v);
   dp_frame_info_t info;
