@@ -2105,3 +2105,25 @@ Test(cli, a_frame_command_given_value_json_says_that_pack_turns_it_into_a_frame)
   cr_assert_str_eq(r.err, "devpickle: t.txt: not a devpickle frame (bad magic), at byte 0\n");
   res_free(r);
 }
+
+/* The main help names --version and -o's long form, both of which work. */
+Test(cli, the_main_help_names_version_and_the_long_form_of_dash_o) {
+  res_t r = run("--help");
+  cr_assert_not_null(strstr(r.out, "'devpickle --version' prints the version"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "-o (or --output)"), "%s", r.out);
+  res_free(r);
+  r = run("--version");
+  cr_assert_eq(r.status, 0);
+  cr_assert_eq(strncmp(r.out, "devpickle ", 10), 0, "%s", r.out);
+  res_free(r);
+  spit("v.json", simple_json);
+  r = run("pack v.json --output v.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("verify v.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("pack --help");
+  cr_assert_not_null(strstr(r.out, "the system's message for a file that cannot be read\nor written"), "%s", r.out);
+  res_free(r);
+}
