@@ -1990,6 +1990,10 @@ Test(cli, help_followed_by_a_command_prints_that_commands_help) {
   cr_assert_eq(r.status, 2);
   cr_assert_eq(strncmp(r.err, "devpickle: unknown command 'bogus'\n", 35), 0, "%s", r.err);
   res_free(r);
+  r = run("help help"); /* help is a command too: its help is the main one */
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_eq(strncmp(r.out, "usage: devpickle <command>", 26), 0, "%s", r.out);
+  res_free(r);
   r = run("help pack unpack");
   cr_assert_eq(r.status, 2);
   cr_assert_str_eq(r.err, "devpickle help: unexpected argument 'unpack'\nTry 'devpickle help COMMAND'.\n");

@@ -1227,7 +1227,8 @@ int main(int argc, char **argv) {
     fputs(usage_main, stderr);
     return EXIT_USAGE;
   }
-  if (strcmp(argv[1], "help") == 0 && argc > 2 && strcmp(argv[2], "--help") != 0 && strcmp(argv[2], "-h") != 0) {
+  if (strcmp(argv[1], "help") == 0 && argc > 2 && strcmp(argv[2], "--help") != 0 && strcmp(argv[2], "-h") != 0 &&
+      !(strcmp(argv[2], "help") == 0 && argc == 3)) {
     /* help CMD: CMD --help */
     char help_flag[] = "--help", *args[] = {argv[2], help_flag, NULL};
     for (size_t i = 0; i < sizeof commands / sizeof commands[0] && argc == 3; i++)
