@@ -1,4 +1,5 @@
-/* tools/devpickle.c — the devpickle command-line tool (public API only). */
+/* tools/devpickle.c — the devpickle command-line tool (the library's public
+ * API only; of UCX, only its log level, set before send and recv start). */
 #define _XOPEN_SOURCE 700  /* lstat, readlink */
 #include <errno.h>
 #include <fcntl.h>
