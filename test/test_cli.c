@@ -2131,3 +2131,31 @@ Test(cli, the_main_help_names_version_and_the_long_form_of_dash_o) {
   cr_assert_not_null(strstr(r.out, "the system's message for a file that cannot be read\nor written"), "%s", r.out);
   res_free(r);
 }
+
+/* Each reading command's help says where its output goes, and dump's what
+ * its last line is, as the commands do. */
+Test(cli, dump_inspect_and_verify_helps_say_their_output_goes_to_stdout) {
+  static const struct {
+    const char *cmd, *says;
+  } helps[] = {
+      {"dump", "Lists on stdout the device allocations"},
+      {"dump", "then 'N\nallocations on M devices'"},
+      {"inspect", "Prints on stdout the frame's header"},
+      {"verify", "Prints one line on stdout, 'FILE: ok, ...'"},
+      {"verify", "the error line on stderr"},
+  };
+  for (size_t i = 0; i < sizeof helps / sizeof *helps; i++) {
+    char args[64];
+    snprintf(args, sizeof args, "%s --help", helps[i].cmd);
+    res_t r = run(args);
+    cr_assert_not_null(strstr(r.out, helps[i].says), "%s lacks \"%s\":\n%s", args, helps[i].says, r.out);
+    res_free(r);
+  }
+  spit("v.json", simple_json);
+  res_t r = run("pack v.json -o v.dpk");
+  res_free(r);
+  r = run("dump v.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "\n2 allocations on 2 devices\n"), "%s", r.out);
+  res_free(r);
+}

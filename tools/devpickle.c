@@ -749,10 +749,11 @@ static int cmd_unpack(int argc, char **argv) {
 static const char *const help_dump =
     "usage: devpickle dump FRAME.dpk [--json]\n"
     "\n"
-    "Lists the device allocations the frame's value references, in the order a\n"
-    "walk first meets them: device, pointer, size, refs (tensors on that\n"
-    "storage) and the first path. CPU storages are listed with device cpu.\n"
-    "--json prints one object:\n"
+    "Lists on stdout the device allocations the frame's value references, one\n"
+    "a line in the order a walk first meets them: device, pointer, size in\n"
+    "bytes, refs (tensors on that storage) and the first path; then 'N\n"
+    "allocations on M devices'. CPU storages are listed with device cpu.\n"
+    "--json prints one object instead:\n"
     "  {\"count\": N, \"devices\": [...], \"pointers\": [{\"device\": \"cuda:0\",\n"
     "   \"ptr\": \"0x...\", \"nbytes\": N, \"path\": \"$...\", \"refs\": K}, ...]}\n"
     "Use - for stdin. " STDIN_FRAME
@@ -828,11 +829,11 @@ static int cmd_dump(int argc, char **argv) {
 static const char *const help_inspect =
     "usage: devpickle inspect FRAME.dpk\n"
     "\n"
-    "Prints the frame's header and its value as a tree, one node a line: the\n"
-    "path, the kind and a summary. A node met again is shown as '-> PATH' of\n"
-    "its first line. Levels deeper than 64 are summarized, and dict keys are\n"
-    "shown only in paths: a node first met there is shown in full at its\n"
-    "first line. Long names and paths are shortened (docs/VALUE_JSON.md,\n"
+    "Prints on stdout the frame's header and its value as a tree, one node a\n"
+    "line: the path, the kind and a summary. A node met again is shown as\n"
+    "'-> PATH' of its first line. Levels deeper than 64 are summarized, and\n"
+    "dict keys are shown only in paths: a node first met there is shown in\n"
+    "full at its first line. Long names and paths are shortened (docs/VALUE_JSON.md,\n"
     "\"Paths\"); a str shows its first 40 bytes, then '\xe2\x80\xa6' when longer.\n"
     "Use - for stdin. " STDIN_FRAME
 
@@ -865,8 +866,9 @@ static const char *const help_verify =
     "every value in the payload, under the default limits (docs/FORMAT.md) and\n"
     "value JSON's nesting limit of 2,000 levels, so that 'unpack' can write\n"
     "whatever passes. An inline frame's data is checked as it streams by, not\n"
-    "held. Prints one line, 'FILE: ok, ...', and exits 0; otherwise the error\n"
-    "line ('devpickle: FILE: what, at byte N') and exit status 1; 2 usage.\n"
+    "held. Prints one line on stdout, 'FILE: ok, ...', and exits 0; otherwise\n"
+    "the error line on stderr ('devpickle: FILE: what, at byte N') and exit\n"
+    "status 1; 2 usage.\n"
     "Use - for stdin. " STDIN_FRAME
 
     "Example: devpickle verify model.dpk\n";
