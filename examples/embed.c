@@ -1,6 +1,9 @@
 /* examples/embed.c — embedding devpickle: a user-defined C type, a scan with
  * paths, a frame for transport and the receiving side.
  * Build: cc -std=c11 embed.c $(pkg-config --cflags --libs devpickle)
+ * (installed under a PREFIX the loader does not search, add
+ * -Wl,-rpath,$(pkg-config --variable=libdir devpickle): else ./a.out cannot
+ * find libdevpickle.so.0)
  * or, static: cc -std=c11 embed.c $(pkg-config --cflags devpickle) $(pkg-config --variable=staticlibs devpickle)
  * (README, "Embedding": --static --libs would still link libdevpickle.so). */
 #include <devpickle.h>
