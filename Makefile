@@ -134,7 +134,7 @@ test-asan: deps ## Run every suite under ASan + UBSan + LeakSanitizer; any repor
 	echo "test-asan: no sanitizer reports"
 
 # GPU suite: built here (nvcc and the CUDA headers), run on a GPU machine
-# (see ../shared/GPU.md); without a GPU every test skips with the reason.
+# (docs/PERFORMANCE.md says how); without a GPU every test skips with the reason.
 
 $(BUILD)/gpu/kernels.o: test/gpu/kernels.cu $(STAMPS)/nvcc
 	@mkdir -p $(dir $@)
