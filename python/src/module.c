@@ -24,12 +24,12 @@ PyObject *dpy_raise(int rc, const dp_error_t *e) {
   case DP_ETIMEDOUT:
     PyErr_SetString(PyExc_TimeoutError, msg);
     return NULL;
-  default: {
-    PyObject *args = Py_BuildValue("(si)", msg, rc);
-    if (args) {
-      PyErr_SetObject(dpy.dp_error, args);
-      Py_DECREF(args);
-    }
+  default: { /* str(e) is the message; e.code the code's name, as FrameError's */
+    PyObject *exc = PyObject_CallFunction(dpy.dp_error, "s", msg);
+    PyObject *code = exc ? PyUnicode_FromString(dp_err_name(rc)) : NULL;
+    if (code && PyObject_SetAttrString(exc, "code", code) == 0) PyErr_SetObject(dpy.dp_error, exc);
+    Py_XDECREF(code);
+    Py_XDECREF(exc);
     return NULL;
   }
   }
@@ -204,7 +204,8 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
       "(attributes type_name and path).",
       PyExc_TypeError, NULL);
   dpy.dp_error = PyErr_NewExceptionWithDoc("devpickle.Error",
-                                           "An error of the devpickle library: args are (message, code).",
+                                           "An error of the devpickle library: str() is its message; attribute code names "
+                                           "the library's code (\"DP_EDEVICE\", ...).",
                                            PyExc_RuntimeError, NULL);
   if (!dpy.walk_error || !dpy.dp_error) goto fail;
   Py_INCREF(dpy.walk_error);

@@ -303,6 +303,15 @@ def test_devices_naming_cuda_without_a_usable_gpu_are_refused(Future):
         Future(devices=[0])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a usable GPU is here")
+def test_devpickles_error_reads_as_its_message_and_names_its_code():
+    with pytest.raises(devpickle.Error) as e:
+        devpickle.Future(devices=["cuda:0"])
+    assert str(e.value).startswith("no usable CUDA device: ")
+    assert e.value.args == (str(e.value),)
+    assert e.value.code == "DP_ENODEV"
+
+
 # ---------------------------------------------------------------------------
 # typing
 
