@@ -27,6 +27,7 @@
 #include "devpickle/cache.h"
 #include "../device/internal.h"
 #include "../core/table.h"
+#include "../core/treap.h"
 #include "internal.h"
 
 #define ROUND 512u
@@ -58,12 +59,16 @@ typedef struct block {
   size_t size;
   segment_t *seg;
   struct block *prev, *next;     /* address order in the segment */
-  struct block *fprev, *fnext;   /* free list; large blocks: the treap's left and right */
+  union {
+    struct {
+      struct block *fprev, *fnext; /* small free block: its bin's list; spare struct: fnext */
+    };
+    dp__treap_node_t tn;           /* large free block: its set's treap */
+  };
   struct block *pnext;           /* pending list */
   dp_event_t **events;           /* pending: one per use stream */
   uint32_t nevents, events_cap;
   dp_event_t *drop_ev;           /* its stream's position when its segment was dropped */
-  uint32_t prio;                 /* large free block: its treap priority */
 } block_t;
 
 /* A segment knows the stream its used blocks were allocated on while they
@@ -92,8 +97,7 @@ typedef struct freeset {
   dp_stream_t *stream;
   uint64_t summary;              /* non-zero bitmap words */
   uint64_t bitmap[NBINS / 64];   /* non-empty bins */
-  block_t *large;                /* the treap's root */
-  uint32_t rng;                  /* the treap's priorities (xorshift) */
+  dp__treap_t large;             /* the free blocks of large segments */
   block_t *bins[NBINS];
 } freeset_t;
 
@@ -205,80 +209,13 @@ static void map_remove_at(dp_cache_t *c, size_t j) {
 
 static size_t bin_of(size_t size) { return size / ROUND - 1; }
 
-/* ---- large free blocks: a treap keyed by (size, address) ----
- * Split and merge are loops over pointers to links (no recursion); a
- * block's left child is fprev, its right fnext. */
+/* ---- large free blocks: a treap (core/treap.h) keyed by (size, address) ---- */
 
-/* a's key is before (size, ptr); or equal too, when incl */
-static inline int large_before(const block_t *a, size_t size, const char *ptr, int incl) {
-  return a->size < size || (a->size == size && (a->ptr < ptr || (incl && a->ptr == ptr)));
-}
+static inline block_t *large_block(dp__treap_node_t *n) { return n ? DP__TREAP_ENTRY(n, block_t, tn) : NULL; }
 
-/* Splits t into the blocks before the key (*l) and the others (*r). */
-static void large_split(block_t *t, size_t size, const char *ptr, int incl, block_t **l, block_t **r) {
-  while (t) {
-    if (large_before(t, size, ptr, incl)) {
-      *l = t;
-      l = &t->fnext;
-      t = t->fnext;
-    } else {
-      *r = t;
-      r = &t->fprev;
-      t = t->fprev;
-    }
-  }
-  *l = *r = NULL;
-}
+static void large_insert(freeset_t *p, block_t *b) { dp__treap_insert(&p->large, &b->tn, b->size, (uintptr_t)b->ptr); }
 
-/* Joins l and r, every key of l before every key of r. */
-static block_t *large_merge(block_t *l, block_t *r) {
-  block_t *root, **at = &root;
-  while (l && r) {
-    if (l->prio > r->prio) {
-      *at = l;
-      at = &l->fnext;
-      l = l->fnext;
-    } else {
-      *at = r;
-      at = &r->fprev;
-      r = r->fprev;
-    }
-  }
-  *at = l ? l : r;
-  return root;
-}
-
-static void large_insert(freeset_t *p, block_t *b) {
-  uint32_t x = p->rng ? p->rng : 2463534242u;
-  x ^= x << 13, x ^= x >> 17, x ^= x << 5;
-  p->rng = x;
-  b->prio = x;
-  b->fprev = b->fnext = NULL;
-  block_t *l, *r;
-  large_split(p->large, b->size, b->ptr, 0, &l, &r);
-  p->large = large_merge(large_merge(l, b), r);
-}
-
-static void large_remove(freeset_t *p, block_t *b) {
-  block_t *l, *r, *mid, *rest;
-  large_split(p->large, b->size, b->ptr, 0, &l, &r);
-  large_split(r, b->size, b->ptr, 1, &mid, &rest); /* mid: b alone */
-  p->large = large_merge(l, rest);
-}
-
-/* The first block after (size, ptr) (incl: at it or after), or NULL. */
-static block_t *large_from(block_t *t, size_t size, const char *ptr, int incl) {
-  block_t *found = NULL;
-  while (t) {
-    if (large_before(t, size, ptr, !incl)) {
-      t = t->fnext;
-    } else {
-      found = t;
-      t = t->fprev;
-    }
-  }
-  return found;
-}
+static void large_remove(freeset_t *p, block_t *b) { dp__treap_remove(&p->large, &b->tn); }
 
 /* The sets are found by stream through a table over sets[] (kept dense):
  * a search of sets[] cost every allocation and free on a stream other than
@@ -361,7 +298,6 @@ HOT static void free_remove(devpool_t *pool, block_t *b) {
   freeset_t *p = set_find(pool, b->stream);
   if (!b->seg->small) {
     large_remove(p, b);
-    b->fprev = b->fnext = NULL;
     return;
   }
   block_t **head = &p->bins[bin_of(b->size)];
@@ -377,7 +313,7 @@ HOT static void free_remove(devpool_t *pool, block_t *b) {
 
 /* The smallest free block of set f of at least size, or NULL. */
 HOT static block_t *set_fit(const freeset_t *f, size_t size, int small) {
-  if (!small) return f ? large_from(f->large, size, NULL, 1) : NULL;
+  if (!small) return f ? large_block(dp__treap_ceil(&f->large, size, 0)) : NULL;
   if (!f || !f->summary) return NULL; /* the stream-less set is mostly empty */
   size_t bin = bin_of(size);
   uint64_t word = f->bitmap[bin / 64] >> (bin % 64);

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "../core/treap.h"
 
 #define HOST_MAX_DEVICES 64
 #define HOST_ALIGN 256   /* as cudaMalloc's alignment */
@@ -57,24 +58,22 @@ typedef struct hevent {
   int dev;
 } hevent_t;
 
-/* An allocation: a node of a treap ordered by base (so that any interior
- * pointer finds its allocation, and an allocation is added or removed in
- * logarithmic time whatever the order of frees). */
+/* An allocation: a node of a treap (core/treap.h) ordered by base, so
+ * that any interior pointer finds its allocation, and an allocation is
+ * added or removed in logarithmic time whatever the order of frees. */
 typedef struct alloc_rec {
   uintptr_t base;          /* aligned address handed out */
   size_t size;
   void *raw;               /* what the hook returned */
   size_t raw_size;
   int dev;
-  uint32_t prio;           /* the treap's heap order */
-  struct alloc_rec *left, *right;
+  dp__treap_node_t tn;     /* keyed (base, 0) */
 } alloc_rec_t;
 
 typedef struct host_impl {
   pthread_mutex_t mu;      /* streams lists, allocation registry */
   hstream_t *streams[HOST_MAX_DEVICES];
-  alloc_rec_t *recs;       /* the treap's root */
-  uint32_t rng;            /* its priorities (xorshift) */
+  dp__treap_t recs;        /* the allocations */
   size_t used[HOST_MAX_DEVICES];
   size_t limit[HOST_MAX_DEVICES];
   uint64_t next_seq;       /* the last stream's seq */
@@ -431,72 +430,10 @@ static int h_event_sync(dp_backend_t *b, void *eh, dp_error_t *err) {
 
 /* ---- memory: tagged by device, found again by any interior pointer ---- */
 
-/* Splits t into the records with base < key (*l), or <= key when incl, and
- * the others (*r): loops over links, no recursion. */
-static void rec_split(alloc_rec_t *t, uintptr_t key, int incl, alloc_rec_t **l, alloc_rec_t **r) {
-  while (t) {
-    if (t->base < key || (incl && t->base == key)) {
-      *l = t;
-      l = &t->right;
-      t = t->right;
-    } else {
-      *r = t;
-      r = &t->left;
-      t = t->left;
-    }
-  }
-  *l = *r = NULL;
-}
-
-/* Joins l and r, every base of l below every base of r. */
-static alloc_rec_t *rec_merge(alloc_rec_t *l, alloc_rec_t *r) {
-  alloc_rec_t *root, **at = &root;
-  while (l && r) {
-    if (l->prio > r->prio) {
-      *at = l;
-      at = &l->right;
-      l = l->right;
-    } else {
-      *at = r;
-      at = &r->left;
-      r = r->left;
-    }
-  }
-  *at = l ? l : r;
-  return root;
-}
+static alloc_rec_t *rec_of(dp__treap_node_t *n) { return n ? DP__TREAP_ENTRY(n, alloc_rec_t, tn) : NULL; }
 
 /* The record with the greatest base <= p, or NULL. */
-static alloc_rec_t *rec_find(host_impl_t *im, uintptr_t p) {
-  alloc_rec_t *t = im->recs, *found = NULL;
-  while (t) {
-    if (t->base <= p) {
-      found = t;
-      t = t->right;
-    } else {
-      t = t->left;
-    }
-  }
-  return found;
-}
-
-static void rec_insert(host_impl_t *im, alloc_rec_t *r) {
-  uint32_t x = im->rng ? im->rng : 2463534242u;
-  x ^= x << 13, x ^= x >> 17, x ^= x << 5;
-  im->rng = x;
-  r->prio = x;
-  r->left = r->right = NULL;
-  alloc_rec_t *l, *rest;
-  rec_split(im->recs, r->base, 0, &l, &rest);
-  im->recs = rec_merge(rec_merge(l, r), rest);
-}
-
-static void rec_remove(host_impl_t *im, alloc_rec_t *r) {
-  alloc_rec_t *l, *rest, *mid, *after;
-  rec_split(im->recs, r->base, 0, &l, &rest);
-  rec_split(rest, r->base, 1, &mid, &after); /* mid: r alone (bases are distinct) */
-  im->recs = rec_merge(l, after);
-}
+static alloc_rec_t *rec_find(host_impl_t *im, uintptr_t p) { return rec_of(dp__treap_floor(&im->recs, p, 0)); }
 
 static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *err) {
   host_impl_t *im = b->impl;
@@ -524,7 +461,7 @@ static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
   }
   uintptr_t base = ((uintptr_t)raw + HOST_ALIGN - 1) & ~(uintptr_t)(HOST_ALIGN - 1);
   *r = (alloc_rec_t){.base = base, .size = n, .raw = raw, .raw_size = n + HOST_ALIGN, .dev = dev};
-  rec_insert(im, r);
+  dp__treap_insert(&im->recs, &r->tn, r->base, 0);
   im->used[dev] += n;
   pthread_mutex_unlock(&im->mu);
   *out = (void *)base;
@@ -576,7 +513,7 @@ static int h_free(dp_backend_t *b, int dev, void *p, dp_error_t *err) {
     pthread_mutex_unlock(&im->mu);
     return dp__err(err, DP_EINVAL, "dp_device_dealloc: %p is not an allocation of host:%d", p, dev);
   }
-  rec_remove(im, r);
+  dp__treap_remove(&im->recs, &r->tn);
   im->used[r->dev] -= r->size;
   pthread_mutex_unlock(&im->mu);
   dp__free(r->raw, r->raw_size);
@@ -677,9 +614,7 @@ static void h_shutdown(dp_backend_t *b) {
   /* Streams the caller still holds are stopped and freed too. */
   for (int d = 0; d < HOST_MAX_DEVICES; d++)
     while (im->streams[d]) h_stream_destroy(b, im->streams[d]);
-  while (im->recs) { /* the root goes, its children joined in its place */
-    alloc_rec_t *r = im->recs;
-    im->recs = rec_merge(r->left, r->right);
+  for (alloc_rec_t *r; (r = rec_of(dp__treap_take(&im->recs))) != NULL;) {
     dp__free(r->raw, r->raw_size);
     dp__free(r, sizeof *r);
   }
