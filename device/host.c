@@ -37,6 +37,16 @@ typedef struct task {
   size_t n;
 } task_t;
 
+/* A place in a device's list of streams, newest first: a stream's own, or
+ * the cursor of a free draining the device (s NULL), which holds the
+ * drain's place while it waits without the lock — the stream it waited on
+ * may go meanwhile, the cursor stays. Whoever walks the list passes over
+ * cursors. */
+typedef struct slink {
+  struct slink *next, *prev;
+  struct hstream *s;       /* NULL: a cursor */
+} slink_t;
+
 typedef struct hstream {
   pthread_mutex_t mu;
   pthread_cond_t work_cv;
@@ -47,8 +57,7 @@ typedef struct hstream {
   int dev;
   progress_t *prog;
   pthread_t thread;
-  uint64_t seq;            /* creation order (host_impl.next_seq): which streams a free waits for */
-  struct hstream *next, *prev;  /* the device's streams */
+  slink_t link;            /* in the device's streams */
 } hstream_t;
 
 typedef struct hevent {
@@ -72,11 +81,10 @@ typedef struct alloc_rec {
 
 typedef struct host_impl {
   pthread_mutex_t mu;      /* streams lists, allocation registry */
-  hstream_t *streams[HOST_MAX_DEVICES];
+  slink_t *streams[HOST_MAX_DEVICES];  /* newest first */
   dp__treap_t recs;        /* the allocations */
   size_t used[HOST_MAX_DEVICES];
   size_t limit[HOST_MAX_DEVICES];
-  uint64_t next_seq;       /* the last stream's seq */
 } host_impl_t;
 
 /* Limits set before the backend exists are kept here. */
@@ -116,6 +124,26 @@ static void progress_wait(progress_t *p, uint64_t target) {
 }
 
 /* ---- streams ---- */
+
+static void link_push(slink_t **head, slink_t *l) {
+  l->prev = NULL;
+  l->next = *head;
+  if (*head) (*head)->prev = l;
+  *head = l;
+}
+
+static void link_unlink(slink_t **head, slink_t *l) {
+  if (l->prev) l->prev->next = l->next; else *head = l->next;
+  if (l->next) l->next->prev = l->prev;
+  l->next = l->prev = NULL;
+}
+
+static void link_insert_after(slink_t *at, slink_t *l) {
+  l->prev = at;
+  l->next = at->next;
+  if (at->next) at->next->prev = l;
+  at->next = l;
+}
 
 _Thread_local const void *dp__host_fn_stream;
 
@@ -195,11 +223,9 @@ static int h_stream_create(dp_backend_t *b, int dev, void **h, dp_error_t *err) 
     dp__free(s, sizeof *s);
     return dp__err(err, DP_ENOMEM, "cannot start a host stream thread");
   }
+  s->link.s = s;
   pthread_mutex_lock(&im->mu);
-  s->seq = ++im->next_seq;
-  s->next = im->streams[dev];
-  if (s->next) s->next->prev = s;
-  im->streams[dev] = s;
+  link_push(&im->streams[dev], &s->link);
   pthread_mutex_unlock(&im->mu);
   *h = s;
   return 0;
@@ -214,8 +240,7 @@ static void h_stream_destroy(dp_backend_t *b, void *h) {
   pthread_mutex_unlock(&s->mu);
   pthread_join(s->thread, NULL);
   pthread_mutex_lock(&im->mu);
-  if (s->prev) s->prev->next = s->next; else im->streams[s->dev] = s->next;
-  if (s->next) s->next->prev = s->prev;
+  link_unlink(&im->streams[s->dev], &s->link);
   pthread_mutex_unlock(&im->mu);
   progress_release(s->prog);
   dp__free(s->ring, s->cap * sizeof(task_t));
@@ -236,8 +261,8 @@ static int h_stream_wrap(dp_backend_t *b, int dev, void *native, void **h, dp_er
   int on = -1;
   pthread_mutex_lock(&im->mu);
   for (int d = 0; d < b->ndev && on < 0; d++)
-    for (hstream_t *s = im->streams[d]; s; s = s->next)
-      if (s == native) {
+    for (slink_t *l = im->streams[d]; l; l = l->next)
+      if (l->s && l->s == native) {
         on = d;
         break;
       }
@@ -307,7 +332,7 @@ static int h_device_sync(dp_backend_t *b, int dev, dp_error_t *err) {
   /* Capture every stream's target under the lock, wait outside it. */
   pthread_mutex_lock(&im->mu);
   size_t n = 0;
-  for (hstream_t *s = im->streams[dev]; s; s = s->next) n++;
+  for (slink_t *l = im->streams[dev]; l; l = l->next) n += l->s != NULL;
   progress_t **p = dp__alloc_array(n ? n : 1, sizeof *p);
   uint64_t *target = dp__alloc_array(n ? n : 1, sizeof *target);
   if (!p || !target) {
@@ -318,10 +343,12 @@ static int h_device_sync(dp_backend_t *b, int dev, dp_error_t *err) {
   }
   size_t i = 0;
   int self = 0;
-  for (hstream_t *s = im->streams[dev]; s; s = s->next, i++) {
-    p[i] = progress_retain(s->prog);
-    target[i] = enqueued_now(s);
+  for (slink_t *l = im->streams[dev]; l; l = l->next) {
+    if (!l->s) continue;
+    p[i] = progress_retain(l->s->prog);
+    target[i] = enqueued_now(l->s);
     self |= waits_for_itself(p[i], target[i]);
+    i++;
   }
   pthread_mutex_unlock(&im->mu);
   for (i = 0; i < n && self; i++) progress_release(p[i]);
@@ -471,37 +498,44 @@ static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
 /* Waits until the work queued on dev's streams before the call has
  * completed, as cudaFree does before it frees: memory given back under
  * queued work (a copy into it, a host function reading it) was used after
- * it was freed, where the same code on a GPU is correct. Streams made
- * after the call are passed over (all their work came after it); each
- * older one is waited on once, for what it holds when it is looked at, so
- * that streams other threads keep busy cannot hold the free forever. It
- * allocates nothing: a free must not fail for want of memory. A host
- * function does not wait (it would wait for itself, or for work behind
- * it): what it frees, it frees at once. */
+ * it was freed, where the same code on a GPU is correct. The drain walks
+ * the device's list once, from a cursor put at its head: streams made
+ * after the call go before the cursor and are passed over (all their work
+ * came after it); each older one is waited on once, for what it holds when
+ * it is looked at, so that streams other threads keep busy cannot hold the
+ * free forever. While it waits, the cursor keeps its place after the
+ * stream waited on: looking again for "the oldest stream not waited on
+ * yet" after each wait stepped over the whole list each time, n * n steps
+ * under the lock for n busy streams. It allocates nothing: a free must not
+ * fail for want of memory. A host function does not wait (it would wait
+ * for itself, or for work behind it): what it frees, it frees at once. */
+_Atomic uint64_t dp__host_drain_steps;
+
 static void drain_device(host_impl_t *im, int dev) {
   if (dp__host_fn_stream) return;
+  slink_t cur = {NULL, NULL, NULL};
   pthread_mutex_lock(&im->mu);
-  uint64_t upto = im->next_seq, after = 0;
-  pthread_mutex_unlock(&im->mu);
+  link_push(&im->streams[dev], &cur);
   for (;;) {
-    progress_t *p = NULL;
-    uint64_t target = 0, seq = UINT64_MAX;
-    pthread_mutex_lock(&im->mu);
-    for (hstream_t *s = im->streams[dev]; s; s = s->next) { /* the oldest not waited on yet with work pending */
-      if (s->seq <= after || s->seq > upto || s->seq >= seq) continue;
-      uint64_t t = enqueued_now(s);
-      if (dp__load_acquire(&s->prog->completed) >= t) continue;
-      p = s->prog;
-      target = t;
-      seq = s->seq;
+    slink_t *l;
+    uint64_t target = 0;
+    for (l = cur.next; l; l = l->next) { /* the next stream with work pending */
+      dp__fetch_add_relaxed(&dp__host_drain_steps, 1);
+      if (!l->s) continue; /* another drain's cursor */
+      target = enqueued_now(l->s);
+      if (dp__load_acquire(&l->s->prog->completed) < target) break;
     }
-    if (p) progress_retain(p);
+    if (!l) break;
+    link_unlink(&im->streams[dev], &cur);
+    link_insert_after(l, &cur);
+    progress_t *p = progress_retain(l->s->prog);
     pthread_mutex_unlock(&im->mu);
-    if (!p) return;
     progress_wait(p, target);
     progress_release(p);
-    after = seq;
+    pthread_mutex_lock(&im->mu);
   }
+  link_unlink(&im->streams[dev], &cur);
+  pthread_mutex_unlock(&im->mu);
 }
 
 static int h_free(dp_backend_t *b, int dev, void *p, dp_error_t *err) {
@@ -613,7 +647,7 @@ static void h_shutdown(dp_backend_t *b) {
   host_impl_t *im = b->impl;
   /* Streams the caller still holds are stopped and freed too. */
   for (int d = 0; d < HOST_MAX_DEVICES; d++)
-    while (im->streams[d]) h_stream_destroy(b, im->streams[d]);
+    while (im->streams[d]) h_stream_destroy(b, im->streams[d]->s); /* no drain runs now: no cursor */
   for (alloc_rec_t *r; (r = rec_of(dp__treap_take(&im->recs))) != NULL;) {
     dp__free(r->raw, r->raw_size);
     dp__free(r, sizeof *r);

@@ -109,6 +109,10 @@ struct dp_backend {
 };
 
 extern const dp__backend_ops_t dp__host_ops;
+/* Tests: the places in a device's list of streams that the host backend's
+ * frees have stepped over while draining the device (host.c): linear in
+ * its streams, however many of them are busy. */
+extern _Atomic uint64_t dp__host_drain_steps;
 /* Calls of each type's init (tests: an unavailable backend is asked once). */
 extern _Atomic unsigned dp__backend_inits[DP_DEVICE_TYPE_COUNT];
 extern const dp__backend_ops_t dp__cuda_ops;

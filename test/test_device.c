@@ -707,6 +707,65 @@ Test(device, a_host_function_deallocating_on_its_own_device_does_not_wait_for_it
   dp_stream_free(s);
 }
 
+/* A free waits on each busy stream of the device once, and steps over each
+ * stream of the list once: finding "the oldest stream not waited on yet"
+ * afresh after every wait stepped over the whole list each time, so that
+ * freeing with n streams busy cost n * n steps under the backend's lock.
+ * The streams here are let go one at a time, oldest first, each a moment
+ * after the one before has finished: the order in which the old drain
+ * waited on them, so that every stream it looked at again was still busy. */
+#define DRAIN_STREAMS 48
+
+typedef struct gated {
+  _Atomic int open;
+  _Atomic int ran;
+} gated_t;
+
+static void wait_for_gate(void *arg) {
+  gated_t *g = arg;
+  while (!atomic_load(&g->open)) sleep_ms(1);
+  atomic_store(&g->ran, 1);
+}
+
+typedef struct opener {
+  dp_stream_t **s;
+  gated_t *g;
+} opener_t;
+
+static void *open_gates_in_order(void *arg) {
+  opener_t *o = arg;
+  sleep_ms(20); /* the free has started waiting */
+  for (int i = 0; i < DRAIN_STREAMS; i++) {
+    atomic_store(&o->g[i].open, 1);
+    dp_stream_synchronize(o->s[i], NULL);
+    sleep_ms(2);
+  }
+  return NULL;
+}
+
+Test(device, deallocating_steps_over_each_stream_once_however_many_are_busy, .timeout = 30) {
+  dp_backend_t *b = host();
+  static dp_stream_t *s[DRAIN_STREAMS];
+  static gated_t g[DRAIN_STREAMS];
+  for (int i = 0; i < DRAIN_STREAMS; i++) {
+    OK(dp_stream_new(b, H0, &s[i], T_ERR));
+    OK(dp_host_launch(s[i], wait_for_gate, &g[i], T_ERR));
+  }
+  void *p;
+  OK(dp_device_alloc(b, H0, 64, &p, T_ERR));
+  opener_t o = {s, g};
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, open_gates_in_order, &o), 0);
+  uint64_t before = atomic_load(&dp__host_drain_steps);
+  OK(dp_device_dealloc(b, H0, p, T_ERR));
+  uint64_t steps = atomic_load(&dp__host_drain_steps) - before;
+  pthread_join(th, NULL);
+  for (int i = 0; i < DRAIN_STREAMS; i++) cr_assert_eq(atomic_load(&g[i].ran), 1, "stream %d ran before the free", i);
+  cr_assert_leq(steps, 2 * DRAIN_STREAMS, "%lu steps over a list of %d busy streams", (unsigned long)steps,
+                DRAIN_STREAMS);
+  for (int i = 0; i < DRAIN_STREAMS; i++) dp_stream_free(s[i]);
+}
+
 /* ---- wrapped native streams (dp_stream_wrap) ---- */
 
 static dp_stream_t *wrapped(dp_backend_t *b, dp_device_t d, void *native) {
