@@ -202,6 +202,11 @@ static void produce(void *arg) {
   s->data = 7;
 }
 
+static void touch_later(void *arg) {
+  (void)arg;
+  spin(20);
+}
+
 static void consume(void *arg) {
   slot_t *s = arg;
   s->seen = s->data;
@@ -245,6 +250,47 @@ static int scenario_streams(void) {
   }
   for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
   for (int i = 0; i < 4; i++) CHECK(args[i].bad == 0, "thread %d saw %d stale reads", i, args[i].bad);
+  return 0;
+}
+
+/* ---- host memory freed by 4 threads while streams come and go ----
+ * Each free drains the device, walking its list of streams from a cursor
+ * that keeps its place while the drain waits without the lock; the other
+ * threads add and destroy streams, and drain, around it. */
+
+static void *drain_worker(void *p) {
+  worker_arg_t *a = p;
+  dp_device_t d0 = {DP_DEVICE_HOST, 0};
+  static const char src[4096];
+  for (int i = 0; i < 150; i++) {
+    dp_stream_t *s;
+    void *m;
+    if (dp_stream_new(a->b, d0, &s, NULL) != 0) {
+      a->bad++;
+      continue;
+    }
+    if (dp_device_alloc(a->b, d0, sizeof src, &m, NULL) == 0) {
+      dp_host_launch(s, touch_later, NULL, NULL);
+      dp_memcpy_async(s, m, src, sizeof src, NULL);
+      if (dp_device_dealloc(a->b, d0, m, NULL) != 0 || dp_stream_query(s, NULL) != 1) a->bad++;
+    }
+    dp_stream_free(s);
+  }
+  return NULL;
+}
+
+static int scenario_drains(void) {
+  dp_backend_t *b;
+  CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
+  pthread_t th[4];
+  worker_arg_t args[4];
+  for (int i = 0; i < 4; i++) {
+    args[i] = (worker_arg_t){b, i, 0};
+    pthread_create(&th[i], NULL, drain_worker, &args[i]);
+  }
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < 4; i++)
+    CHECK(args[i].bad == 0, "thread %d: %d frees failed or came before the work queued on their stream", i, args[i].bad);
   return 0;
 }
 
@@ -575,6 +621,7 @@ int main(int argc, char **argv) {
   run("values: candidates handed between 4 threads, released to zero by the next", scenario_handoff);
   run("streams: producer/consumer pairs from 4 threads", scenario_streams);
   run("streams: 8 threads wrap the same native streams while the table grows and wrappers retire", scenario_wraps);
+  run("host memory: 4 threads free while streams come and go", scenario_drains);
   run("allocator: 4 threads, record_stream, polling", scenario_allocator);
   run("futures: 8 threads, 100k futures, random completion order, then chains, collect_all", scenario_futures);
   run("futures: pending chains and collect_all inputs dropped while others complete and wait", scenario_dropped_futures);
