@@ -514,13 +514,14 @@ _Atomic uint64_t dp__host_drain_steps;
 static void drain_device(host_impl_t *im, int dev) {
   if (dp__host_fn_stream) return;
   slink_t cur = {NULL, NULL, NULL};
+  uint64_t steps = 0;
   pthread_mutex_lock(&im->mu);
   link_push(&im->streams[dev], &cur);
   for (;;) {
     slink_t *l;
     uint64_t target = 0;
     for (l = cur.next; l; l = l->next) { /* the next stream with work pending */
-      dp__fetch_add_relaxed(&dp__host_drain_steps, 1);
+      steps++;
       if (!l->s) continue; /* another drain's cursor */
       target = enqueued_now(l->s);
       if (dp__load_acquire(&l->s->prog->completed) < target) break;
@@ -536,6 +537,7 @@ static void drain_device(host_impl_t *im, int dev) {
   }
   link_unlink(&im->streams[dev], &cur);
   pthread_mutex_unlock(&im->mu);
+  dp__fetch_add_relaxed(&dp__host_drain_steps, steps);
 }
 
 static int h_free(dp_backend_t *b, int dev, void *p, dp_error_t *err) {
