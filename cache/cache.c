@@ -905,6 +905,18 @@ static int record_slow(dp_cache_t *c, void *ptr, mapent_t *e, dp_stream_t *s, dp
   } else if (b->stream == s) {
     return 0;
   }
+  /* Another backend's stream could be neither waited on by an event of
+   * this allocator's backend nor followed to its destruction (stream_gone
+   * hears of this backend's streams only): kept as a use, it held the
+   * block until it was idle and was queried after it was freed. */
+  if (DP_UNLIKELY(dp_stream_backend(s) != c->b)) {
+    char dev[16];
+    return dp__err(err, DP_EINVAL,
+                   "record_stream(%p): the stream is on %s, of the %s backend; this allocator's memory is the %s "
+                   "backend's, whose reuse only its own streams can order",
+                   ptr, dp_device_format(dp__stream_dev(s), dev, sizeof dev), dp_backend_name(dp_stream_backend(s)),
+                   dp_backend_name(c->b));
+  }
   return record_block(b, s, err);
 }
 
@@ -978,7 +990,7 @@ static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, v
   uintptr_t run_base = 0;
   size_t run_size = 0;
   size_t pf = 0;  /* the next index the pipeline has not looked at */
-  for (size_t i = 0; i < n && rc != DP_ENOMEM;) {
+  for (size_t i = 0; i < n && rc == 0;) {
     if (run_size) {
       size_t j = i;
       while (j < n && (uintptr_t)ptrs[j] - run_base < run_size) j++;

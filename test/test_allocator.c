@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "helpers.h"
+#include "../device/internal.h" /* a stream of another backend, made up (no GPU here) */
 
 static dp_backend_t *B;
 static dp_cache_t *C;
@@ -1608,4 +1609,41 @@ Test(allocator, a_size_too_large_to_round_is_enomem_naming_the_function_and_the_
   cr_assert_eq(dp_device_alloc(B, H0, SIZE_MAX, &p, &e), DP_ENOMEM);
   cr_assert_str_eq(e.message, "dp_device_alloc: 18446744073709551615 bytes on host:0 cannot be allocated with its 256-byte alignment");
   dp_stream_free(u);
+}
+
+/* A stream of another backend was stored as a use: no event of the host
+ * backend can be made on it, so the freed block waited for the stream to
+ * go idle — and the cache never heard of that stream's destruction (it
+ * follows its own backend's streams), so the poll after it queried freed
+ * memory. Such a record is refused, singly and in a batch, and stores
+ * nothing; the batch still skips pointers that are not the allocator's. */
+Test(allocator, a_record_on_a_stream_of_another_backend_is_einval_and_holds_nothing_back) {
+  dp_stream_t *s = stream(H0);
+  void *p, *q;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  struct dp_backend other = {.type = DP_DEVICE_CUDA, .name = "cuda", .ndev = 1};
+  struct dp_stream foreign = {.b = &other, .dev = {DP_DEVICE_CUDA, 0}};
+  dp_error_t e;
+  cr_assert_eq(dp_cache_record_stream(C, p, &foreign, &e), DP_EINVAL);
+  char want[200];
+  snprintf(want, sizeof want, "record_stream(%p): the stream is on cuda:0, of the cuda backend; this allocator's memory "
+           "is the host backend's, whose reuse only its own streams can order", p);
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(dp_cache_record_stream(C, (char *)p + 100, &foreign, &e), DP_EINVAL, "an interior pointer too");
+  dp_cache_hooks_t h = dp_cache_hooks(C);
+  static char elsewhere[64];
+  void *others[2] = {elsewhere, elsewhere + 8};
+  OK(h.record_streams(h.ctx, others, 2, &foreign, T_ERR)); /* not the allocator's: skipped */
+  /* the error stops the batch: a pointer skipped after it does not clear it */
+  void *mine[3] = {elsewhere, p, elsewhere + 8};
+  unsigned char owned[3] = {0};
+  cr_assert_eq(h.record_streams_owned(h.ctx, mine, 3, &foreign, owned, &e), DP_EINVAL);
+  cr_assert_eq(e.code, DP_EINVAL);
+  cr_assert_eq(dp_cache_hooks_record(&h, mine, 3, &foreign, &e), DP_EINVAL);
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0, "nothing was recorded: the block is free at once");
+  OK(dp_cache_alloc(C, H0, 4096, s, &q, T_ERR));
+  cr_assert_eq(q, p, "and reused at once on its stream");
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  dp_stream_free(s);
 }

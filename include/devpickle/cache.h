@@ -65,7 +65,8 @@ typedef struct dp_cache_hooks {
    *  DP_ENOTFOUND when the allocator does not own ptr. */
   int (*record_stream)(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err);
   /** The same for n pointers on one stream; pointers the allocator does not
-   *  own are skipped. May be NULL: record_stream is then called n times. */
+   *  own are skipped. The first error stops the batch (records already
+   *  made stay made). May be NULL: record_stream is then called n times. */
   int (*record_streams)(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err);
   /** record_streams that also says which pointers are the allocator's: it
    *  sets owned[i] to 1 for each such pointer and leaves the others' as
@@ -161,7 +162,9 @@ DP_API int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stre
  *  pointer this allocator did not hand out (or already freed). */
 DP_API int dp_cache_dealloc(dp_cache_t *c, void *p, dp_error_t *err);
 /** Marks the allocation holding p (interior pointers too) as used on s.
- *  DP_ENOTFOUND when p is not from this allocator. */
+ *  DP_ENOTFOUND when p is not from this allocator; DP_EINVAL for a stream
+ *  of another backend than the allocator's (its reuse could not be ordered
+ *  after that stream's work). */
 DP_API int dp_cache_record_stream(dp_cache_t *c, void *p, dp_stream_t *s, dp_error_t *err);
 /** Reclaims pending blocks whose streams have completed; never blocks.
  *  Returns how many came back (>= 0), or an error. */
