@@ -540,14 +540,32 @@ static void drain_device(host_impl_t *im, int dev) {
   dp__fetch_add_relaxed(&dp__host_drain_steps, steps);
 }
 
+/* The record of allocation p of dev, or NULL; under im->mu. */
+static alloc_rec_t *rec_of_alloc(host_impl_t *im, int dev, const void *p) {
+  alloc_rec_t *r = rec_find(im, (uintptr_t)p);
+  return r && r->base == (uintptr_t)p && r->dev == dev ? r : NULL;
+}
+
+static int not_an_alloc(dp_error_t *err, const void *p, int dev) {
+  return dp__err(err, DP_EINVAL, "dp_device_dealloc: %p is not an allocation of host:%d", p, dev);
+}
+
+/* A pointer that is not an allocation of dev (a double free, a foreign
+ * pointer) is refused before the drain, which would wait for every stream
+ * of the device to tell the caller so; it is looked up again after, since
+ * another thread may have freed it meanwhile. */
 static int h_free(dp_backend_t *b, int dev, void *p, dp_error_t *err) {
   host_impl_t *im = b->impl;
+  pthread_mutex_lock(&im->mu);
+  int known = rec_of_alloc(im, dev, p) != NULL;
+  pthread_mutex_unlock(&im->mu);
+  if (!known) return not_an_alloc(err, p, dev);
   drain_device(im, dev);
   pthread_mutex_lock(&im->mu);
-  alloc_rec_t *r = rec_find(im, (uintptr_t)p);
-  if (!r || r->base != (uintptr_t)p || r->dev != dev) {
+  alloc_rec_t *r = rec_of_alloc(im, dev, p);
+  if (!r) {
     pthread_mutex_unlock(&im->mu);
-    return dp__err(err, DP_EINVAL, "dp_device_dealloc: %p is not an allocation of host:%d", p, dev);
+    return not_an_alloc(err, p, dev);
   }
   dp__treap_remove(&im->recs, &r->tn);
   im->used[r->dev] -= r->size;

@@ -681,6 +681,49 @@ Test(device, deallocating_waits_for_the_work_queued_on_the_device_as_cudafree_do
   dp_stream_free(s);
 }
 
+/* A pointer the backend did not hand out (or took back already) is refused
+ * at once: the free first drained the device, so that a double free or a
+ * foreign pointer waited for every stream of the device — here, for work
+ * the caller lets go only after the call returns — before it was told
+ * DP_EINVAL. */
+typedef struct gate {
+  _Atomic int open;
+} gate_t;
+
+static void wait_gate(void *arg) {
+  while (!atomic_load(&((gate_t *)arg)->open)) sleep_ms(1);
+}
+
+static void *open_gate_later(void *arg) {
+  sleep_ms(1000);
+  atomic_store(&((gate_t *)arg)->open, 1);
+  return NULL;
+}
+
+Test(device, a_bad_pointer_is_refused_without_waiting_for_the_device, .timeout = 20) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  void *p;
+  OK(dp_device_alloc(b, H0, 64, &p, T_ERR));
+  OK(dp_device_dealloc(b, H0, p, T_ERR));
+  gate_t g = {0};
+  OK(dp_host_launch(s, wait_gate, &g, T_ERR));
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, open_gate_later, &g), 0);
+  static char local[64];
+  dp_error_t e;
+  cr_assert_eq(dp_device_dealloc(b, H0, p, &e), DP_EINVAL, "freed twice");
+  cr_assert_eq(dp_device_dealloc(b, H0, local, &e), DP_EINVAL, "never handed out");
+  int busy = dp_stream_query(s, NULL);
+  pthread_join(th, NULL);
+  cr_assert_eq(busy, 0, "the refusals came before the device's work was done: nothing was waited for");
+  char want[96];
+  snprintf(want, sizeof want, "dp_device_dealloc: %p is not an allocation of host:0", (void *)local);
+  cr_assert_str_eq(e.message, want);
+  dp_stream_free(s);
+}
+
 /* A host function must not wait for itself: what it gives back, it gives
  * back at once (the caller orders it), with work still queued behind it. */
 typedef struct {

@@ -212,8 +212,8 @@ DP_API int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void
  *  does (host: except in a host function, which must not wait for itself
  *  and frees at once). DP_EINVAL for a device of another backend, or a p
  *  that this backend did not hand out on dev (or already took back; the
- *  host backend checks, the CUDA runtime's error comes through from
- *  cudaFree). */
+ *  host backend checks, and refuses such a p at once, without
+ *  waiting; the CUDA runtime's error comes through from cudaFree). */
 DP_API int dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p, dp_error_t *err);
 /** The device holding p (interior pointers included), or DP_ENOTFOUND. */
 DP_API int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out, dp_error_t *err);
