@@ -427,11 +427,12 @@ static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small
  * records an event on each of their blocks' streams; free_dropped(),
  * without the lock, waits on those events, frees the memory, and retakes
  * the lock to recycle the blocks. A segment whose event cannot be had
- * stays in the pool. A host function (dp__host_fn_stream) must not wait: a
+ * stays in the pool (*failed gets the first such error, err its message).
+ * A host function (dp__host_fn_stream) must not wait: a
  * segment with work still queued on a block's stream stays in the pool —
  * its own stream's too, since a block freed in stream order may be used by
  * work queued on that stream after the function. */
-static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p) {
+static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p, int *failed, dp_error_t *err) {
   segment_t *dropped = NULL;
   size_t keep = 0;
   for (size_t i = 0; i < p->nsegs; i++) {
@@ -443,13 +444,18 @@ static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p) {
     for (block_t *b = seg->first; b && all_free; b = b->next) {
       b->drop_ev = NULL;
       if (!b->stream) continue;
-      if (dp_event_new(c->b, dp__stream_dev(b->stream), &b->drop_ev, NULL) != 0 ||
-          dp_event_record(b->drop_ev, b->stream, NULL) != 0 ||
-          (dp__host_fn_stream && dp_event_query(b->drop_ev, NULL) != 1)) {
-        if (b->drop_ev) dp_event_free(b->drop_ev);
-        b->drop_ev = NULL;
-        for (block_t *u = seg->first; u != b; u = u->next)
-          if (u->drop_ev) dp_event_free(u->drop_ev);
+      dp_error_t e;
+      int rc = dp_event_new(c->b, dp__stream_dev(b->stream), &b->drop_ev, &e);
+      if (rc == 0) rc = dp_event_record(b->drop_ev, b->stream, &e);
+      if (rc && !*failed) {
+        *failed = rc;
+        if (err) *err = e;
+      }
+      if (rc || (dp__host_fn_stream && dp_event_query(b->drop_ev, NULL) != 1)) {
+        for (block_t *u = seg->first; u != b->next; u = u->next) {
+          dp_event_free(u->drop_ev);
+          u->drop_ev = NULL;
+        }
         all_free = 0;
       }
     }
@@ -493,7 +499,13 @@ static void free_dropped(dp_cache_t *c, segment_t *dropped) {
   }
 }
 
-static void release_free_segments(dp_cache_t *c, devpool_t *p) { free_dropped(c, drop_free_segments(c, p)); }
+/* 0, or the first error that kept a free segment in the pool (err: its
+ * message). */
+static int release_free_segments(dp_cache_t *c, devpool_t *p, dp_error_t *err) {
+  int failed = 0;
+  free_dropped(c, drop_free_segments(c, p, &failed, err));
+  return failed;
+}
 
 /* ---- pending blocks ---- */
 
@@ -758,7 +770,7 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
     if (rc == DP_ENOMEM) {  /* free the cache and try once more */
       p->st.oom_retries++;
       poll_pending(c, 1);
-      release_free_segments(c, p);
+      release_free_segments(c, p, NULL); /* what stays cached shows in the OOM message's reserved */
       rc = segment_alloc(c, p, seg_size, small, s, &b, &first);
     }
     if (rc) {
@@ -1094,9 +1106,17 @@ int dp_cache_empty(dp_cache_t *c, dp_error_t *err) {
   if (!c) return dp__err(err, DP_EINVAL, "dp_cache_empty: NULL allocator");
   pthread_mutex_lock(&c->mu);
   poll_pending(c, 1);
-  for (int d = 0; d < c->ndev; d++) release_free_segments(c, &c->pools[d]);
+  int rc = 0;
+  dp_error_t e;
+  for (int d = 0; d < c->ndev; d++) {
+    int r = release_free_segments(c, &c->pools[d], &e);
+    if (r && !rc) {
+      rc = dp__err(err, r, "dp_cache_empty: a free segment of %s:%d stays cached: %s", dp_backend_name(c->b), d, e.message);
+      if (err) err->backend_code = e.backend_code;
+    }
+  }
   pthread_mutex_unlock(&c->mu);
-  return 0;
+  return rc;
 }
 
 int dp_cache_lookup(dp_cache_t *c, const void *ptr, void **base, size_t *size, dp_error_t *err) {

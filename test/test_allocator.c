@@ -1647,3 +1647,23 @@ Test(allocator, a_record_on_a_stream_of_another_backend_is_einval_and_holds_noth
   OK(dp_cache_dealloc(C, q, T_ERR));
   dp_stream_free(s);
 }
+
+/* An entirely free segment goes back only once an event marks where its
+ * stream is; when that event cannot be made (out of memory), the segment
+ * stays cached — and dp_cache_empty said 0, as if the cache were empty. */
+Test(allocator, emptying_the_cache_reports_a_segment_kept_for_want_of_memory) {
+  dp_stream_t *s = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  t_fail_at = t_alloc_count + 1; /* the event pool is empty: the event must be made, and that fails */
+  dp_error_t e;
+  int rc = dp_cache_empty(C, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM, "%s", dp_err_name(rc));
+  cr_assert(strstr(e.message, "dp_cache_empty: a free segment of host:0 stays cached: ") == e.message, "%s", e.message);
+  cr_assert_eq(stats(H0).reserved, 2 << 20, "the segment is still the cache's");
+  OK(dp_cache_empty(C, T_ERR));
+  cr_assert_eq(stats(H0).reserved, 0, "and goes back when memory allows");
+  dp_stream_free(s);
+}

@@ -171,7 +171,11 @@ DP_API int dp_cache_record_stream(dp_cache_t *c, void *p, dp_stream_t *s, dp_err
 DP_API int dp_cache_poll(dp_cache_t *c, dp_error_t *err);
 /** Gives every entirely free segment back to the backend, after the work
  *  already queued on the streams that last used them (waited on without
- *  the allocator's lock). */
+ *  the allocator's lock). A segment for whose stream no event can be made
+ *  (to wait on) stays cached: the first such error (DP_ENOMEM, a backend
+ *  error) is returned, naming the device; the other segments go back all
+ *  the same. From a host function, segments with work still queued on
+ *  their streams stay cached too (it must not wait), and that is no error. */
 DP_API int dp_cache_empty(dp_cache_t *c, dp_error_t *err);
 /** The allocated block holding p: its base and size (either may be NULL).
  *  DP_ENOTFOUND otherwise. */
