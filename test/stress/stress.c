@@ -239,16 +239,22 @@ static void *stream_worker(void *p) {
   return NULL;
 }
 
-static int scenario_streams(void) {
+/* Runs fn on 4 threads of the host backend, each with its args[i]. */
+static int four_workers(void *(*fn)(void *), worker_arg_t args[4]) {
   dp_backend_t *b;
   CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
   pthread_t th[4];
-  worker_arg_t args[4];
   for (int i = 0; i < 4; i++) {
     args[i] = (worker_arg_t){b, i, 0};
-    pthread_create(&th[i], NULL, stream_worker, &args[i]);
+    pthread_create(&th[i], NULL, fn, &args[i]);
   }
   for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  return 0;
+}
+
+static int scenario_streams(void) {
+  worker_arg_t args[4];
+  if (four_workers(stream_worker, args)) return 1;
   for (int i = 0; i < 4; i++) CHECK(args[i].bad == 0, "thread %d saw %d stale reads", i, args[i].bad);
   return 0;
 }
@@ -280,15 +286,8 @@ static void *drain_worker(void *p) {
 }
 
 static int scenario_drains(void) {
-  dp_backend_t *b;
-  CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
-  pthread_t th[4];
   worker_arg_t args[4];
-  for (int i = 0; i < 4; i++) {
-    args[i] = (worker_arg_t){b, i, 0};
-    pthread_create(&th[i], NULL, drain_worker, &args[i]);
-  }
-  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  if (four_workers(drain_worker, args)) return 1;
   for (int i = 0; i < 4; i++)
     CHECK(args[i].bad == 0, "thread %d: %d frees failed or came before the work queued on their stream", i, args[i].bad);
   return 0;
