@@ -775,7 +775,7 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
       f->u.name.s = NULL;
       if (rc == DP__EXISTS) {
         char shown[DP__STEP_MAX];
-        int n = (int)dp__name_text(name, len, shown);
+        int n = (int)dp__name_quoted(name, len, shown);
         return rd_fail(&u->r, DP_EFORMAT, f->key_at, "duplicate attribute %.*s", n, shown);
       }
       break;

@@ -14,8 +14,6 @@
 
 #include "walk.h"
 
-_Static_assert(DP_PATH_HEAD + 40 + DP_PATH_TAIL <= DP_PATH_MAX, "an elided path fits in DP_PATH_MAX");
-
 void dp__walker_init(dp__walker_t *w) {
   memset(w, 0, sizeof *w);
   dp__table_init(&w->memo);
@@ -107,81 +105,28 @@ static int memo_failed(dp__walker_t *w, int rc) {
 
 static void memo_reset(dp__walker_t *w) { dp__table_clear(&w->memo, DP_TABLE_TAGGED); }
 
-/* ---- paths: bounded, as ptrset.h states ---- */
-
-#define ELLIPSIS "\xe2\x80\xa6"  /* U+2026 */
-/* The longest step: <reduce <64 bytes, each escaped as \u00XX>…> */
-#define DP_STEP_MAX DP__STEP_MAX
-
-/* Appends to a fixed buffer; what does not fit is dropped and `full` set. */
-typedef struct pbuf {
-  char *s;
-  size_t len, cap;
-  int full;
-} pbuf_t;
-
-static void pb_put(pbuf_t *b, const char *s, size_t n) {
-  if (n > b->cap - b->len) {
-    n = b->cap - b->len;
-    b->full = 1;
-  }
-  memcpy(b->s + b->len, s, n);
-  b->len += n;
-}
-
-/* How many of a name's n bytes a path shows: at most DP_PATH_NAME_MAX, cut
- * back to the start of a UTF-8 character. */
-static size_t name_shown(const char *s, size_t n) {
-  if (n <= DP_PATH_NAME_MAX) return n;
-  size_t k = DP_PATH_NAME_MAX;
-  while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
-  return k;
-}
-
-/* A JSON string of s[0..n), with "…" before the closing quote when cut. */
-static void pb_quote(pbuf_t *b, const char *s, size_t n, int cut) {
-  char tmp[8];
-  pb_put(b, "\"", 1);
-  for (size_t i = 0; i < n && !b->full; i++) {
-    unsigned char c = (unsigned char)s[i];
-    if (c == '"' || c == '\\') {
-      tmp[0] = '\\';
-      tmp[1] = (char)c;
-      pb_put(b, tmp, 2);
-    } else if (c < 0x20) {  /* \u00XX, without snprintf: a path may hold hundreds */
-      static const char hex[] = "0123456789abcdef";
-      memcpy(tmp, "\\u00", 4);
-      tmp[4] = hex[c >> 4];
-      tmp[5] = hex[c & 15];
-      pb_put(b, tmp, 6);
-    } else {
-      pb_put(b, (const char *)&c, 1);
-    }
-  }
-  if (cut) pb_put(b, ELLIPSIS, 3);
-  pb_put(b, "\"", 1);
-}
+/* ---- paths: bounded, as ptrset.h states; rendered by core/path.h ---- */
 
 /* bytes as base64 (RFC 4648, padded), as unpack writes them; stops once b
  * is full (a path shows at most DP_PATH_NAME_MAX bytes of a key). */
-static void pb_base64(pbuf_t *b, const uint8_t *p, size_t n) {
+static void pb_base64(dp__sbuf_t *b, const uint8_t *p, size_t n) {
   static const char d[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
   for (size_t i = 0; i < n && !b->full; i += 3) {
     uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
     char o[4] = {d[v >> 18], d[v >> 12 & 63], i + 1 < n ? d[v >> 6 & 63] : '=', i + 2 < n ? d[v & 63] : '='};
-    pb_put(b, o, 4);
+    dp__sb_put(b, o, 4);
   }
 }
 
 /* A dict key as its value JSON (docs/VALUE_JSON.md, compact, as unpack
  * writes it: a float always with a fraction or exponent, inf and NaNs as
  * {"$float":...}), for `[<json>]` path steps; stops once b is full. */
-static void pb_key_json(pbuf_t *b, dp_value_t k, int depth) {
+static void pb_key_json(dp__sbuf_t *b, dp_value_t k, int depth) {
   char tmp[48];
   switch (k.kind) {
-    case DP_NONE: pb_put(b, "null", 4); break;
-    case DP_BOOL: k.u.i ? pb_put(b, "true", 4) : pb_put(b, "false", 5); break;
-    case DP_INT: pb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%lld", (long long)k.u.i)); break;
+    case DP_NONE: dp__sb_put(b, "null", 4); break;
+    case DP_BOOL: k.u.i ? dp__sb_put(b, "true", 4) : dp__sb_put(b, "false", 5); break;
+    case DP_INT: dp__sb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%lld", (long long)k.u.i)); break;
     case DP_FLOAT: {
       uint64_t bits;
       memcpy(&bits, &k.u.f, sizeof bits);
@@ -196,186 +141,83 @@ static void pb_key_json(pbuf_t *b, dp_value_t k, int depth) {
       } else {  /* any other NaN by its bits */
         n = (size_t)snprintf(tmp, sizeof tmp, "{\"$float\":\"0x%016llx\"}", (unsigned long long)bits);
       }
-      pb_put(b, tmp, n);
+      dp__sb_put(b, tmp, n);
       break;
     }
-    case DP_STR: pb_quote(b, DP_STROBJ(k)->data, DP_STROBJ(k)->len, 0); break;
+    case DP_STR: dp__sb_quote(b, DP_STROBJ(k)->data, DP_STROBJ(k)->len, 0); break;
     case DP_BYTES:
-      pb_put(b, "{\"$bytes\":\"", 11);
+      dp__sb_put(b, "{\"$bytes\":\"", 11);
       pb_base64(b, (const uint8_t *)DP_STROBJ(k)->data, DP_STROBJ(k)->len);
-      pb_put(b, "\"}", 2);
+      dp__sb_put(b, "\"}", 2);
       break;
     case DP_TUPLE: {
-      pb_put(b, "{\"$tuple\":[", 11);
+      dp__sb_put(b, "{\"$tuple\":[", 11);
       for (size_t i = 0; i < DP_SEQ(k)->len && depth < 8 && !b->full; i++) {
-        if (i) pb_put(b, ",", 1);
+        if (i) dp__sb_put(b, ",", 1);
         pb_key_json(b, DP_SEQ(k)->items[i], depth + 1);
       }
-      pb_put(b, "]}", 2);
+      dp__sb_put(b, "]}", 2);
       break;
     }
-    default: pb_put(b, "?", 1); break;
+    default: dp__sb_put(b, "?", 1); break;
   }
-}
-
-/* `.name` when the part shown is an identifier, else `["name"]`. */
-static void pb_name_step(pbuf_t *b, const char *s, size_t n) {
-  size_t k = name_shown(s, n);
-  if (dp__is_identifier(s, k)) {
-    pb_put(b, ".", 1);
-    pb_put(b, s, k);
-    if (k < n) pb_put(b, ELLIPSIS, 3);
-  } else {
-    pb_put(b, "[", 1);
-    pb_quote(b, s, k, k < n);
-    pb_put(b, "]", 1);
-  }
-}
-
-/* `<reduce Name>`: the name outside quotes, so its control characters and
- * `\` are escaped as in a JSON string (\u00XX, \\) and `>` as \u003e: the
- * step is one line and ends at its first `>`. */
-static void pb_bare_name(pbuf_t *b, const char *s, size_t n) {
-  size_t k = name_shown(s, n), run = 0;
-  char tmp[8];
-  for (size_t i = 0; i < k; i++) {
-    unsigned char c = (unsigned char)s[i];
-    if (c >= 0x20 && c != '\\' && c != '>') continue;
-    pb_put(b, s + run, i - run);
-    run = i + 1;
-    if (c == '\\') pb_put(b, "\\\\", 2);
-    else {
-      static const char hex[] = "0123456789abcdef";
-      memcpy(tmp, "\\u00", 4);
-      tmp[4] = hex[c >> 4];
-      tmp[5] = hex[c & 15];
-      pb_put(b, tmp, 6);
-    }
-  }
-  pb_put(b, s + run, k - run);
-  if (k < n) pb_put(b, ELLIPSIS, 3);
-}
-
-static void pb_reduce_step(pbuf_t *b, const char *s, size_t n) {
-  pb_put(b, "<reduce ", 8);
-  pb_bare_name(b, s, n);
-  pb_put(b, ">", 1);
 }
 
 /* A custom type's name as a message shows it: cut and escaped as in a
  * path's <reduce T> step, so a message is one line. */
-static const char *shown_name(const char *name, char out[DP_STEP_MAX]) {
-  pbuf_t b = {out, 0, DP_STEP_MAX - 1, 0};
-  pb_bare_name(&b, name, strlen(name));
-  out[b.len] = 0;
+static const char *shown_name(const char *name, char out[DP__STEP_MAX]) {
+  out[dp__name_bare(name, strlen(name), out)] = 0;
   return out;
 }
 
 size_t dp__key_text(dp_value_t key, char *out) {
   /* rendered in place up to one byte past the limit, to see whether it is cut */
-  pbuf_t kb = {out, 0, DP_PATH_NAME_MAX + 1, 0};
+  dp__sbuf_t kb = {out, 0, DP_PATH_NAME_MAX + 1, 0};
   pb_key_json(&kb, key, 0);
   if (!kb.full && kb.len <= DP_PATH_NAME_MAX) return kb.len;
-  pbuf_t b = {out, name_shown(kb.s, kb.len), DP_STEP_MAX, 0};
-  pb_put(&b, ELLIPSIS, 3);
-  return b.len;
-}
-
-size_t dp__name_text(const char *name, size_t n, char *out) {
-  pbuf_t b = {out, 0, DP_STEP_MAX, 0};
-  size_t k = name_shown(name, n);
-  pb_quote(&b, name, k, k < n);
+  dp__sbuf_t b = {out, dp__name_shown(kb.s, kb.len, DP_PATH_NAME_MAX), DP__STEP_MAX, 0};
+  dp__sb_put(&b, DP__ELLIPSIS, 3);
   return b.len;
 }
 
 /* A dict's key as the step to its value: a str key as a name step (.name
  * or ["name"]), any other as its JSON text in brackets. */
 static size_t key_step(dp_value_t key, char *out) {
-  pbuf_t b = {out, 0, DP_STEP_MAX, 0};
-  if (key.kind == DP_STR) {
-    pb_name_step(&b, DP_STROBJ(key)->data, DP_STROBJ(key)->len);
-    return b.len;
-  }
+  if (key.kind == DP_STR) return dp__step_name(DP_STROBJ(key)->data, DP_STROBJ(key)->len, out);
   out[0] = '[';
   size_t n = 1 + dp__key_text(key, out + 1);
   out[n] = ']';
   return n + 1;
 }
 
-/* The step of frame f (the child being visited) into out[DP_STEP_MAX];
- * returns its length. */
-static size_t render_step(const dp__wframe_t *f, char *out) {
-  pbuf_t b = {out, 0, DP_STEP_MAX, 0};
-  char tmp[48];
+/* The step of frame d of the walker (the child being visited) into
+ * out[DP__STEP_MAX]; returns its length. A dp__step_fn. */
+static size_t render_step(void *ctx, size_t d, char *out) {
+  const dp__wframe_t *f = &((dp__walker_t *)ctx)->stack[d];
   size_t i = f->i - 1;
   dp_value_t node = f->node;
   switch (node.kind) {
     case DP_LIST:
     case DP_TUPLE:
-      pb_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "[%zu]", i));
-      break;
-    case DP_DICT: {
-      dp_value_t key = DP_DICT(node)->entries[i / 2].key;
+      return dp__step_index(i, out);
+    case DP_DICT:
       if (!(i & 1))  /* inside a key itself */
-        pb_put(&b, tmp, (size_t)snprintf(tmp, sizeof tmp, "<key %zu>", i / 2));
-      else
-        b.len = key_step(key, out);
-      break;
-    }
+        return (size_t)snprintf(out, DP__STEP_MAX, "<key %zu>", i / 2);
+      return key_step(DP_DICT(node)->entries[i / 2].key, out);
     case DP_OBJECT:
-      if (DP_OBJ(node)->c.h.flags & DP_HEAP_REDUCED) {
-        pb_reduce_step(&b, DP_OBJ(node)->class_name, DP_OBJ(node)->class_len);
-      } else {
-        dp_attr_t *a = &DP_OBJ(node)->attrs[i];
-        pb_name_step(&b, dp__attr_name(a), a->name_len);
-      }
-      break;
+      if (DP_OBJ(node)->c.h.flags & DP_HEAP_REDUCED)
+        return dp__step_reduce(DP_OBJ(node)->class_name, DP_OBJ(node)->class_len, out);
+      dp_attr_t *a = &DP_OBJ(node)->attrs[i];
+      return dp__step_name(dp__attr_name(a), a->name_len, out);
     case DP_CUSTOM:
-      pb_reduce_step(&b, DP_CUSTOM(node)->type->name, strlen(DP_CUSTOM(node)->type->name));
-      break;
+      return dp__step_reduce(DP_CUSTOM(node)->type->name, strlen(DP_CUSTOM(node)->type->name), out);
   }
-  return b.len;
+  return 0;
 }
 
-/* Steps are rendered only while they fit: a path costs at most about
- * DP_PATH_MAX bytes of rendering (each step is at least 2 bytes), however
- * deep the walk and however long its names. */
 const char *dp__walker_path(dp__walker_t *w) {
-  char *out = w->path, step[DP_STEP_MAX];
-  size_t len = 1, top = w->top, d, n;
-  size_t head_steps = 0, head_len = 1;
-  out[0] = '$';
-  for (d = 0; d < top; d++) {
-    n = render_step(&w->stack[d], step);
-    if (len + n > DP_PATH_MAX) break;
-    memcpy(out + len, step, n);
-    len += n;
-    if (len <= DP_PATH_HEAD) {
-      head_steps = d + 1;
-      head_len = len;
-    }
-  }
-  if (d < top) {
-    /* Too long: the head, how many steps are left out, the tail. The head
-     * and the tail together are under DP_PATH_MAX bytes, so at least one
-     * step is left out; no step is longer than the tail's budget, so the
-     * last one is always shown. */
-    size_t tail_len = 0, t = top;
-    while (t > head_steps && tail_len + (n = render_step(&w->stack[t - 1], step)) <= DP_PATH_TAIL) {
-      tail_len += n;
-      t--;
-    }
-    len = head_len;
-    len += (size_t)snprintf(out + len, DP_PATH_MAX + 1 - len, "<" ELLIPSIS "%zu step%s" ELLIPSIS ">",
-                            t - head_steps, t - head_steps == 1 ? "" : "s");
-    for (d = t; d < top; d++) {
-      n = render_step(&w->stack[d], step);
-      memcpy(out + len, step, n);
-      len += n;
-    }
-  }
-  out[len] = '\0';
-  return out;
+  dp__path_render(w->path, w->top, render_step, w);
+  return w->path;
 }
 
 /* ---- the walk ---- */
@@ -492,7 +334,7 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
 
 static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const int S) {
   const dp_type_t *t = DP_CUSTOM(v)->type;
-  char name[DP_STEP_MAX];
+  char name[DP__STEP_MAX];
   if (!t->reduce)
     return dp__err(w->err, DP_ETYPE, "cannot walk a value of type '%s' at %s: its type has no reduce",
                    shown_name(t->name, name), dp__walker_path(w));

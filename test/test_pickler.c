@@ -2666,6 +2666,35 @@ Test(pickler, a_reduce_step_escapes_control_characters_backslashes_and_angle_bra
   ASSERT_NO_LEAK();
 }
 
+Test(pickler, a_path_escapes_delete_c1_controls_and_line_separators_in_keys_names_and_types) {
+  /* a terminal takes U+009B for CSI and U+0085 for a new line; JSON.parse
+   * and JS source take U+2028/U+2029 for line ends: shown raw, any of them
+   * could spoof what follows in a path. A neighbour (U+00A0, U+2027) is
+   * shown as it is. */
+  dp_value_t root = t_list(), d, tk, obj, red, state = t_list();
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_dict_set(d, t_str("a\x7f" "b\xc2\x85" "c\xc2\x9b" "d\xe2\x80\xa8" "e\xe2\x80\xa9" "f\xc2\xa0\xe2\x80\xa7"),
+                 t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_tuple_new(1, &tk, T_ERR));
+  OK(dp_seq_set(tk, 0, t_str("\xc2\x9b"), T_ERR));
+  OK(dp_dict_set(d, tk, t_tensor(CUDA0, 0x2000, 4), T_ERR));
+  OK(dp_object_new("Cls", &obj, T_ERR));
+  OK(dp_object_set(obj, "x\xe2\x80\xa8", t_tensor(CUDA0, 0x3000, 4), T_ERR));
+  OK(dp_list_append(state, t_tensor(CUDA0, 0x4000, 4), T_ERR));
+  OK(dp_object_new_reduced("R\x7f\xc2\x85", state, &red, T_ERR));
+  OK(dp_list_append(root, d, T_ERR));
+  OK(dp_list_append(root, obj, T_ERR));
+  OK(dp_list_append(root, red, T_ERR));
+  dp_ptrset_t *set = scan_paths(root);
+  expect_ptr(set, 0, 0x1000, "$[0][\"a\\u007fb\\u0085c\\u009bd\\u2028e\\u2029f\xc2\xa0\xe2\x80\xa7\"]", 1);
+  expect_ptr(set, 1, 0x2000, "$[0][{\"$tuple\":[\"\\u009b\"]}]", 1);
+  expect_ptr(set, 2, 0x3000, "$[1][\"x\\u2028\"]", 1);
+  expect_ptr(set, 3, 0x4000, "$[2]<reduce R\\u007f\\u0085>[0]", 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 /* ---- dict keys: a key's str is hashed once, however often it is used ---- */
 
 extern _Thread_local uint64_t dp__key_bytes_hashed;  /* value/internal.h */
