@@ -294,6 +294,38 @@ Test(cli, inspect_cuts_a_long_str_after_forty_bytes_with_the_ellipsis_paths_use)
   res_free(r);
 }
 
+/* U+009B is CSI to a terminal and U+0085 a new line; U+2028 and U+2029 end
+ * a line in JavaScript and in many JSON readers: written raw, a name could
+ * spoof what a printed path says. */
+Test(cli, pack_errors_escape_delete_c1_controls_and_line_separators_in_paths) {
+  pack_fails("p.json", "p.dpk", "{\"k\\u009b\\u2028\\u007f\\u2029\\u0085\": [{\"$float\": \"x\"}]}",
+             "devpickle: p.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 "
+             "bits, at $[\"k\\u009b\\u2028\\u007f\\u2029\\u0085\"][0]\n");
+  pack_fails("r.json", "r.dpk", "{\"$reduce\": \"T\\u009b\\u2028\", \"state\": [{\"$float\": \"x\"}]}",
+             "devpickle: r.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 "
+             "bits, at $<reduce T\\u009b\\u2028>[0]\n");
+}
+
+Test(cli, inspect_and_dump_escape_delete_c1_controls_and_line_separators) {
+  spit("e.json", "{\"k\\u0085\\u2029\": {\"$reduce\": \"C\\u007f\\u009b\", \"state\": ["
+                 "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
+                 "\"shape\": [4]}}, \"s\\u2028\\u009b\"]}}");
+  res_t r = run("pack e.json -o e.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("inspect e.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "$[\"k\\u0085\\u2029\"]  "), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "reduced C\\u007f\\u009b\n"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "$[\"k\\u0085\\u2029\"]<reduce C\\u007f\\u009b>[1]  str (6 bytes) \"s\\u2028\\u009b\"\n"),
+                     "%s", r.out);
+  res_free(r);
+  r = run("dump e.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "$[\"k\\u0085\\u2029\"]<reduce C\\u007f\\u009b>[0]\n"), "%s", r.out);
+  res_free(r);
+}
+
 Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
   spit("v.json", simple_json);
   res_free(run("pack v.json -o a.dpk"));

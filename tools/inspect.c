@@ -15,10 +15,7 @@
 
 #define INSPECT_DEPTH 64
 
-#define PATH_MAX_BYTES 1024   /* a longer path keeps its head and tail */
-#define PATH_HEAD_BYTES 256
-#define PATH_TAIL_BYTES 704
-#define STEP_MAX VJSON_STEP_MAX  /* an escaped, cut name and its brackets */
+#define STEP_MAX DP__STEP_MAX  /* an escaped, cut name and its brackets */
 #define NO_REC UINT32_MAX
 
 /* Where a node was first met: child `index` of `container`, below `parent`. */
@@ -49,25 +46,16 @@ typedef struct ins {
   frame_t stack[INSPECT_DEPTH + 1];
   size_t top;
   stepbuf_t cur;   /* the stack's steps, each rendered when its frame moves on */
-  stepbuf_t rec;   /* the steps of a "-> PATH" */
-  char path[PATH_MAX_BYTES + 64];
+  char path[DP_PATH_MAX + 1];
 } ins_t;
 
-/* ---- steps: rendered by vjson's renderers, which follow the library's ---- */
-
-/* The longest prefix of s (n bytes) of at most max bytes that ends on a
- * UTF-8 boundary. */
-static size_t utf8_cut(const char *s, size_t n, size_t max) {
-  if (n <= max) return n;
-  while (max > 0 && ((unsigned char)s[max] & 0xC0) == 0x80) max--;
-  return max;
-}
+/* ---- steps and paths: rendered by the library's renderer (core/path.h) ---- */
 
 /* The step from container to its child i, into out (STEP_MAX bytes). */
 static size_t render_step(dp_value_t c, size_t i, char *out) {
   switch (dp_value_kind(c)) {
     case DP_LIST:
-    case DP_TUPLE: return (size_t)snprintf(out, STEP_MAX, "[%zu]", i);
+    case DP_TUPLE: return dp__step_index(i, out);
     case DP_DICT: {
       dp_value_t k;
       dp_dict_item(c, i, &k, NULL, NULL);
@@ -76,77 +64,54 @@ static size_t render_step(dp_value_t c, size_t i, char *out) {
     case DP_OBJECT:
       if (dp_object_is_reduced(c)) {
         const char *cls = dp_object_class(c);
-        return vjson_step_reduce(cls, strnlen(cls, VJSON_NAME_MAX + 1), out);
+        return dp__step_reduce(cls, strnlen(cls, DP_PATH_NAME_MAX + 1), out);
       } else {
         const char *name;
         dp_object_attr(c, i, &name, NULL, NULL);
-        return vjson_step_name(name, strnlen(name, VJSON_NAME_MAX + 1), out);
+        return dp__step_name(name, strnlen(name, DP_PATH_NAME_MAX + 1), out);
       }
     default: return 0;
   }
-}
-
-/* Joins steps 0..n-1 of b after "$" into s->path: whole when the path is at
- * most PATH_MAX_BYTES, else the leading steps that fit in PATH_HEAD_BYTES,
- * "<…N steps…>", and the trailing steps that fit in PATH_TAIL_BYTES. */
-static const char *join_steps(ins_t *s, const stepbuf_t *b, size_t n) {
-  size_t total = 1;
-  for (size_t k = 0; k < n; k++) total += b->len[k];
-  char *p = s->path;
-  size_t len = 0;
-  p[len++] = '$';
-  size_t head = n, tail = n;
-  if (total > PATH_MAX_BYTES) {
-    size_t used = 1;
-    for (head = 0; head < n && used + b->len[head] <= PATH_HEAD_BYTES; head++) used += b->len[head];
-    used = 0;
-    for (tail = n; tail > head && used + b->len[tail - 1] <= PATH_TAIL_BYTES; tail--) used += b->len[tail - 1];
-  }
-  for (size_t k = 0; k < head; k++) {
-    memcpy(p + len, b->text + k * STEP_MAX, b->len[k]);
-    len += b->len[k];
-  }
-  if (head < tail) {
-    len += (size_t)snprintf(p + len, 48, "<…%zu step%s…>", tail - head, tail - head == 1 ? "" : "s");
-    for (size_t k = tail; k < n; k++) {
-      memcpy(p + len, b->text + k * STEP_MAX, b->len[k]);
-      len += b->len[k];
-    }
-  }
-  p[len] = '\0';
-  return p;
 }
 
 static void set_step(stepbuf_t *b, size_t k, dp_value_t c, size_t i) {
   b->len[k] = render_step(c, i, b->text + k * STEP_MAX);
 }
 
-/* The path where record r was first met: its chain of parents. Only the
- * steps the path can show are rendered: from the root until the path is
- * longer than PATH_MAX_BYTES, then from the leaf until the tail is longer
- * than PATH_TAIL_BYTES (a step left out counts 0 bytes: the path is already
- * known to be cut). Rendering every step of a 64-level chain of long
- * escaped names cost 25 kB of work for each "-> PATH" of 1 kB. */
+/* Step i of the stack's path, rendered already: a dp__step_fn. */
+static size_t cur_step(void *ctx, size_t i, char *buf) {
+  const stepbuf_t *b = &((const ins_t *)ctx)->cur;
+  memcpy(buf, b->text + i * STEP_MAX, b->len[i]);
+  return b->len[i];
+}
+
+static const char *cur_path(ins_t *s) {
+  dp__path_render(s->path, s->top, cur_step, s);
+  return s->path;
+}
+
+/* A record's chain of parents, root first, for rec_step. */
+typedef struct chain {
+  const ins_t *s;
+  uint32_t at[INSPECT_DEPTH + 2];
+  size_t n;
+} chain_t;
+
+/* Step i of a record's path, rendered when the path can show it: a
+ * dp__step_fn. Rendering every step of a 64-level chain of long escaped
+ * names cost 25 kB of work for each "-> PATH" of 1 kB. */
+static size_t rec_step(void *ctx, size_t i, char *buf) {
+  const chain_t *c = ctx;
+  const rec_t *r = &c->s->recs[c->at[c->n - 1 - i]];
+  return render_step(r->container, r->index, buf);
+}
+
+/* The path where record r was first met. */
 static const char *rec_path(ins_t *s, uint32_t r) {
-  uint32_t chain[INSPECT_DEPTH + 2];
-  size_t n = 0;
-  for (uint32_t q = r; s->recs[q].parent != NO_REC; q = s->recs[q].parent) chain[n++] = q;
-#define REC_STEP(k) set_step(&s->rec, (k), s->recs[chain[n - 1 - (k)]].container, s->recs[chain[n - 1 - (k)]].index)
-  size_t total = 1, k = 0;
-  for (; k < n && total <= PATH_MAX_BYTES; k++) {
-    REC_STEP(k);
-    total += s->rec.len[k];
-  }
-  if (total > PATH_MAX_BYTES) {
-    size_t tail = 0, j = n;
-    for (; j > k && tail <= PATH_TAIL_BYTES; j--) {
-      REC_STEP(j - 1);
-      tail += s->rec.len[j - 1];
-    }
-    for (size_t m = k; m < j; m++) s->rec.len[m] = 0;
-  }
-#undef REC_STEP
-  return join_steps(s, &s->rec, n);
+  chain_t c = {.s = s, .n = 0};
+  for (uint32_t q = r; s->recs[q].parent != NO_REC; q = s->recs[q].parent) c.at[c.n++] = q;
+  dp__path_render(s->path, c.n, rec_step, &c);
+  return s->path;
 }
 
 /* ---- seen: node identity -> record ---- */
@@ -231,14 +196,12 @@ static void summary(FILE *out, dp_value_t v) {
     case DP_FLOAT: fprintf(out, "float %.17g\n", dp_value_as_float(v)); return;
     case DP_STR: {
       const char *s = dp_str_data(v, &n);
-      size_t k = utf8_cut(s, n, 40);
-      fprintf(out, "str (%zu byte%s) \"", n, n == 1 ? "" : "s");
-      for (size_t i = 0; i < k; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (c < 0x20 || c == '"' || c == '\\') fprintf(out, c < 0x20 ? "\\u%04x" : "\\%c", c);
-        else fputc(c, out);
-      }
-      fprintf(out, "%s\"\n", k < n ? "\xe2\x80\xa6" : ""  /* … as paths cut names */);
+      /* its first 40 bytes, escaped as a path's names are: one line */
+      char text[2 + 6 * 40 + 3];
+      dp__sbuf_t b = {text, 0, sizeof text, 0};
+      size_t k = dp__name_shown(s, n, 40);
+      dp__sb_quote(&b, s, k, k < n);
+      fprintf(out, "str (%zu byte%s) %.*s\n", n, n == 1 ? "" : "s", (int)b.len, text);
       return;
     }
     case DP_BYTES: dp_bytes_data(v, &n); fprintf(out, "bytes (%zu)\n", n); return;
@@ -254,8 +217,8 @@ static void summary(FILE *out, dp_value_t v) {
     }
     case DP_OBJECT: {
       const char *cls = dp_object_class(v);
-      char name[VJSON_NAME_TEXT_MAX];
-      size_t k = vjson_name_text(cls, strnlen(cls, VJSON_NAME_MAX + 1), name), count = dp_object_nattrs(v);
+      char name[DP__STEP_MAX];
+      size_t k = dp__name_bare(cls, strnlen(cls, DP_PATH_NAME_MAX + 1), name), count = dp_object_nattrs(v);
       if (dp_object_is_reduced(v)) /* its one child is its state, shown on the next line as <reduce T> */
         fprintf(out, "reduced %.*s\n", (int)k, name);
       else
@@ -296,7 +259,7 @@ static void put_path(FILE *out, const char *path) {
 
 /* Prints one node's line; pushes a container whose children are to be shown. */
 static int visit(ins_t *s, dp_value_t v) {
-  put_path(s->out, join_steps(s, &s->cur, s->top));
+  put_path(s->out, cur_path(s));
   uint32_t r = NO_REC;
   /* A node held once is met once (the caller's reference aside, which only
    * adds): it needs no entry in `seen`. */

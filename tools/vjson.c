@@ -75,75 +75,8 @@ int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n) {
   return 0;
 }
 
-/* ---- path steps and names (docs/FORMAT.md, "Paths"), rendered as the
- * library renders them ---- */
-
-#define ELLIPSIS "\xe2\x80\xa6"  /* U+2026 */
-
-typedef struct sb {
-  char *s;
-  size_t len, cap;
-  int full;
-} sb_t;
-
-static void sb_put(sb_t *b, const char *s, size_t n) {
-  if (n > b->cap - b->len) {
-    n = b->cap - b->len;
-    b->full = 1;
-  }
-  memcpy(b->s + b->len, s, n);
-  b->len += n;
-}
-
-size_t vjson_name_shown(const char *s, size_t n) {
-  if (n <= VJSON_NAME_MAX) return n;
-  size_t k = VJSON_NAME_MAX;
-  while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
-  return k;
-}
-
-static int is_ident(const char *s, size_t n) {
-  if (n == 0 || (s[0] >= '0' && s[0] <= '9')) return 0;
-  for (size_t i = 0; i < n; i++)
-    if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || s[i] == '_' || (s[i] >= '0' && s[i] <= '9')))
-      return 0;
-  return 1;
-}
-
-/* s[0..n) with a name's escapes: a control character as \u00XX and `\` as
- * `\\`; inside quotes also `"` as `\"`, outside them `>` as \u003e (so that a
- * `<reduce Name>` step ends at its first `>`). "…" follows when cut. */
-static void sb_escaped(sb_t *b, const char *s, size_t n, int quoted, int cut) {
-  char tmp[8];
-  size_t run = 0;
-  /* stops once what is pending fills b: the rest is never shown (a long
-     string costs what is kept of it, not its length) */
-  for (size_t i = 0; i < n && !b->full && i - run <= b->cap - b->len; i++) {
-    unsigned char c = (unsigned char)s[i];
-    if (c >= 0x20 && c != '\\' && c != (quoted ? '"' : '>')) continue;
-    sb_put(b, s + run, i - run);
-    run = i + 1;
-    if (c == '\\' || c == '"') {
-      tmp[0] = '\\';
-      tmp[1] = (char)c;
-      sb_put(b, tmp, 2);
-    } else {  /* \u00XX, without snprintf: a name may be 64 of them */
-      static const char hex[] = "0123456789abcdef";
-      memcpy(tmp, "\\u00", 4);
-      tmp[4] = hex[c >> 4];
-      tmp[5] = hex[c & 15];
-      sb_put(b, tmp, 6);
-    }
-  }
-  sb_put(b, s + run, n - run);
-  if (cut) sb_put(b, ELLIPSIS, 3);
-}
-
-static void sb_quote(sb_t *b, const char *s, size_t n, int cut) {
-  sb_put(b, "\"", 1);
-  sb_escaped(b, s, n, 1, cut);
-  sb_put(b, "\"", 1);
-}
+/* ---- path steps (docs/FORMAT.md, "Paths"): names through core/path.h,
+ * keys' value JSON here, through the public API ---- */
 
 /* A float as unpack writes it: the number with 17 significant digits (and
  * ".0" when it would read as an int) and 1 returned, or the text of its
@@ -164,95 +97,66 @@ static int float_text(double f, char *b, size_t cap) {
 
 /* A non-str dict key as compact value JSON (bytes abbreviated); stops once b
  * is full. */
-static void sb_key_json(sb_t *b, dp_value_t k, int depth) {
+static void sb_key_json(dp__sbuf_t *b, dp_value_t k, int depth) {
   char tmp[48];
   size_t n;
   switch (dp_value_kind(k)) {
-    case DP_NONE: sb_put(b, "null", 4); break;
-    case DP_BOOL: dp_value_as_bool(k) ? sb_put(b, "true", 4) : sb_put(b, "false", 5); break;
-    case DP_INT: sb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%" PRId64, dp_value_as_int(k))); break;
+    case DP_NONE: dp__sb_put(b, "null", 4); break;
+    case DP_BOOL: dp_value_as_bool(k) ? dp__sb_put(b, "true", 4) : dp__sb_put(b, "false", 5); break;
+    case DP_INT: dp__sb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%" PRId64, dp_value_as_int(k))); break;
     case DP_FLOAT:
       if (float_text(dp_value_as_float(k), tmp, sizeof tmp)) {
-        sb_put(b, tmp, strlen(tmp));
+        dp__sb_put(b, tmp, strlen(tmp));
       } else {
-        sb_put(b, "{\"$float\":\"", 11);
-        sb_put(b, tmp, strlen(tmp));
-        sb_put(b, "\"}", 2);
+        dp__sb_put(b, "{\"$float\":\"", 11);
+        dp__sb_put(b, tmp, strlen(tmp));
+        dp__sb_put(b, "\"}", 2);
       }
       break;
     case DP_STR: {
       const char *s = dp_str_data(k, &n);
-      sb_quote(b, s, n, 0);
+      dp__sb_quote(b, s, n, 0);
       break;
     }
     case DP_BYTES: { /* base64 block by block, until b is full (a path shows 64 bytes of a key) */
       const uint8_t *p = dp_bytes_data(k, &n);
-      sb_put(b, "{\"$bytes\":\"", 11);
+      dp__sb_put(b, "{\"$bytes\":\"", 11);
       for (size_t i = 0; i < n && !b->full; i += 3) {
         char o[4];
         b64_block(p + i, n - i, o);
-        sb_put(b, o, 4);
+        dp__sb_put(b, o, 4);
       }
-      sb_put(b, "\"}", 2);
+      dp__sb_put(b, "\"}", 2);
       break;
     }
     case DP_TUPLE:
-      sb_put(b, "{\"$tuple\":[", 11);
+      dp__sb_put(b, "{\"$tuple\":[", 11);
       for (size_t i = 0; i < dp_seq_len(k) && depth < 8 && !b->full; i++) {
-        if (i) sb_put(b, ",", 1);
+        if (i) dp__sb_put(b, ",", 1);
         sb_key_json(b, dp_seq_get(k, i), depth + 1);
       }
-      sb_put(b, "]}", 2);
+      dp__sb_put(b, "]}", 2);
       break;
-    default: sb_put(b, "?", 1); break;
+    default: dp__sb_put(b, "?", 1); break;
   }
-}
-
-size_t vjson_step_name(const char *s, size_t n, char *out) {
-  sb_t b = {out, 0, VJSON_STEP_MAX, 0};
-  size_t k = vjson_name_shown(s, n);
-  if (is_ident(s, k)) {
-    sb_put(&b, ".", 1);
-    sb_escaped(&b, s, k, 0, k < n);
-  } else {
-    sb_put(&b, "[", 1);
-    sb_quote(&b, s, k, k < n);
-    sb_put(&b, "]", 1);
-  }
-  return b.len;
 }
 
 size_t vjson_step_key(dp_value_t key, char *out) {
   size_t n;
   if (dp_value_kind(key) == DP_STR) {
     const char *s = dp_str_data(key, &n);
-    return vjson_step_name(s, n, out);
+    return dp__step_name(s, n, out);
   }
   /* its JSON text, rendered up to one byte past the limit to see whether it is cut */
-  char kb[VJSON_NAME_MAX + 1];
-  sb_t k = {kb, 0, sizeof kb, 0};
+  char kb[DP_PATH_NAME_MAX + 1];
+  dp__sbuf_t k = {kb, 0, sizeof kb, 0};
   sb_key_json(&k, key, 0);
-  int cut = k.full || k.len > VJSON_NAME_MAX;
-  sb_t b = {out, 0, VJSON_STEP_MAX, 0};
-  sb_put(&b, "[", 1);
-  sb_put(&b, kb, cut ? vjson_name_shown(kb, k.len) : k.len);
-  if (cut) sb_put(&b, ELLIPSIS, 3);
-  sb_put(&b, "]", 1);
-  return b.len;
-}
-
-size_t vjson_name_text(const char *s, size_t n, char *out) {
-  sb_t b = {out, 0, VJSON_NAME_TEXT_MAX, 0};
-  size_t k = vjson_name_shown(s, n);
-  sb_escaped(&b, s, k, 0, k < n);
-  return b.len;
-}
-
-size_t vjson_step_reduce(const char *s, size_t n, char *out) {
-  sb_t b = {out, 0, VJSON_STEP_MAX, 0};
-  sb_put(&b, "<reduce ", 8);
-  b.len += vjson_name_text(s, n, out + b.len);
-  sb_put(&b, ">", 1);
+  int cut = k.full || k.len > DP_PATH_NAME_MAX;
+  dp__sbuf_t b = {out, 0, DP__STEP_MAX, 0};
+  dp__sb_put(&b, "[", 1);
+  dp__sb_put(&b, kb, cut ? dp__name_shown(kb, k.len, DP_PATH_NAME_MAX) : k.len);
+  if (cut) dp__sb_put(&b, DP__ELLIPSIS, 3);
+  dp__sb_put(&b, "]", 1);
   return b.len;
 }
 
@@ -666,7 +570,7 @@ typedef struct rd {
   unsigned char *has_data;  /* per storage: a tensor of it carried "data" */
   size_t nst, stcap;
   dp_error_t e;   /* one for every call: the reader recurses, its frames stay small */
-  char scratch[VJSON_STEP_MAX];  /* a rendered step or name, for the same reason */
+  char scratch[DP__STEP_MAX];  /* a rendered step or name, for the same reason */
 } rd_t;
 
 /* The secret the reader's tables hash with ($id names, nodes): from
@@ -734,36 +638,24 @@ static idnode_t *find_id(rd_t *r, const char *name, size_t len) {
   return *s ? &r->ids[*s - 1] : NULL;
 }
 
-/* The path for a message, by the rule of docs/VALUE_JSON.md ("Paths"):
- * whole up to 1,024 bytes, else the steps that fit in 256 bytes, <…N steps…>,
- * and the steps that fit in 704. */
-static void render_path(rd_t *r, char *out, size_t cap) {
-  if (!r->path) {
-    snprintf(out, cap, "$");
-    return;
-  }
-  if (r->plen <= 1024) {
-    snprintf(out, cap, "%.*s", (int)r->plen, r->path);
-    return;
-  }
-  size_t n = r->nmarks, head = 0, tail = n, len;
-#define STEP_LEN(k) (((k) + 1 < n ? r->marks[(k) + 1] : r->plen) - r->marks[k])
-  for (size_t used = 0; head < n && used + STEP_LEN(head) <= 256; head++) used += STEP_LEN(head);  /* step 0 is "$" */
-  for (size_t used = 0; tail > head && used + STEP_LEN(tail - 1) <= 704; tail--) used += STEP_LEN(tail - 1);
-  len = (size_t)snprintf(out, cap, "%.*s<…%zu step%s…>", (int)(head < n ? r->marks[head] : r->plen), r->path,
-                         tail - head, tail - head == 1 ? "" : "s");
-  if (len < cap && tail < n) snprintf(out + len, cap - len, "%s", r->path + r->marks[tail]);
-#undef STEP_LEN
+/* Step i after "$" of the JSON path being read (mark 0 is "$" itself): a
+ * dp__step_fn, for dp__path_render. */
+static size_t mark_step(void *ctx, size_t i, char *buf) {
+  const rd_t *r = ctx;
+  size_t from = r->marks[i + 1], to = i + 2 < r->nmarks ? r->marks[i + 2] : r->plen;
+  memcpy(buf, r->path + from, to - from);
+  return to - from;
 }
 
 static int fail(rd_t *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int fail(rd_t *r, int code, const char *fmt, ...) {
-  char what[512], where[1200];
+  char what[512], where[DP_PATH_MAX + 1];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(what, sizeof what, fmt, ap);
   va_end(ap);
-  render_path(r, where, sizeof where);
+  /* bounded as the library's paths are (docs/VALUE_JSON.md, "Paths") */
+  dp__path_render(where, r->path && r->nmarks ? r->nmarks - 1 : 0, mark_step, r);
   snprintf(r->msg, r->msgsize, "%s, at %s", what, where);
   return code;
 }
@@ -811,18 +703,13 @@ static void path_pop(rd_t *r) {
 static void path_step(rd_t *r, const char *step, size_t n) { path_push(r, "%.*s", (int)n, step); }
 
 static void path_key(rd_t *r, const char *key, size_t n) {
-  path_step(r, r->scratch, vjson_step_name(key, n, r->scratch));
+  path_step(r, r->scratch, dp__step_name(key, n, r->scratch));
 }
 
 /* A JSON string from the input, for a message: quoted, escaped and cut as a
  * name in a path is, so that a message stays one line. */
-_Static_assert(VJSON_NAME_TEXT_MAX + 3 <= VJSON_STEP_MAX, "a quoted name fits in rd_t.scratch");
 static const char *shown_n(const char *s, size_t n, int quoted, char *buf) {
-  sb_t b = {buf, 0, VJSON_STEP_MAX - 1, 0};
-  size_t k = vjson_name_shown(s, n);
-  if (quoted) sb_quote(&b, s, k, k < n);
-  else sb_escaped(&b, s, k, 0, k < n);
-  buf[b.len] = '\0';
+  buf[quoted ? dp__name_quoted(s, n, buf) : dp__name_bare(s, n, buf)] = '\0';
   return buf;
 }
 
@@ -1078,7 +965,7 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
   if ((x = json_object_get(j, "$reduce")) != NULL) {
     json_t *state = json_object_get(j, "state");
     if (json_object_size(j) != 2 || !state) return fail(r, DP_EINVAL, "$reduce takes one other field, \"state\"");
-    path_step(r, r->scratch, vjson_step_reduce(json_string_value(x), json_string_length(x), r->scratch));
+    path_step(r, r->scratch, dp__step_reduce(json_string_value(x), json_string_length(x), r->scratch));
     dp_value_t val;
     if ((rc = read_value(r, state, &val, depth + 1)) != 0) return rc;
     if ((rc = dp_object_set(v, "__reduce__", val, &r->e)) != 0) return check_err(r, rc, &r->e);
@@ -1399,9 +1286,9 @@ static int count_refs(wr_t *w, dp_value_t v, int depth) {
       }
       break;
     case DP_CUSTOM: {
-      char name[VJSON_NAME_TEXT_MAX];
+      char name[DP__STEP_MAX];
       const char *t = dp_custom_type(v)->name;
-      size_t n = vjson_name_text(t, strlen(t), name);
+      size_t n = dp__name_bare(t, strlen(t), name);
       return wfail(w, DP_ETYPE, "a custom of type '%.*s' has no value JSON form (pickle it first)", (int)n, name);
     }
     default:

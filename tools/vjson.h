@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <jansson.h>
 #include "devpickle.h"
+#include "../core/path.h"
 
 /* Containers nested at most this deep, in value JSON and in the frames the
  * CLI reads (the same number, so that every frame the CLI accepts has a value
@@ -36,22 +37,14 @@ int vjson_write(FILE *out, dp_value_t v, int indent, char *msg, size_t msgsize);
  * vjson_write gives, parsed back. For tests and fuzzers. */
 json_t *vjson_from_value(dp_value_t v, char *msg, size_t msgsize);
 
-/* Path steps and names, rendered by the rule of docs/FORMAT.md ("Paths") as
- * the library renders them: a name shows its first VJSON_NAME_MAX bytes (cut
- * on a UTF-8 boundary, then "…"); control characters and `\` are escaped
- * (\u00XX, \\), and `>` too outside quotes. Each writes into out, which holds
- * VJSON_STEP_MAX bytes (VJSON_NAME_TEXT_MAX for a name's text), and returns
- * the length (no terminating NUL). */
-#define VJSON_NAME_MAX 64
-#define VJSON_NAME_TEXT_MAX (6 * VJSON_NAME_MAX + 3)
-#define VJSON_STEP_MAX (8 + VJSON_NAME_TEXT_MAX + 1)
+/* Path steps and names are rendered by the library's implementation of
+ * docs/FORMAT.md ("Paths"), core/path.h: dp__step_name, dp__step_reduce,
+ * dp__name_bare, dp__name_quoted, dp__path_render. A dict value's step
+ * (its key's value JSON, through the public API) into out[DP__STEP_MAX];
+ * returns its length (no terminating NUL). */
+size_t vjson_step_key(dp_value_t key, char *out);
 /* The NaN that value JSON writes as {"$float": "nan"}; others go by their bits. */
 #define VJSON_DEFAULT_NAN_BITS 0x7ff8000000000000ull
-size_t vjson_name_shown(const char *s, size_t n);                  /* bytes of s a path shows */
-size_t vjson_name_text(const char *s, size_t n, char *out);        /* a name outside quotes */
-size_t vjson_step_name(const char *s, size_t n, char *out);        /* .name or ["name"] */
-size_t vjson_step_key(dp_value_t key, char *out);                  /* a dict value's step */
-size_t vjson_step_reduce(const char *s, size_t n, char *out);      /* <reduce Name> */
 
 /* base64 */
 char *vjson_b64_encode(const uint8_t *p, size_t n);
