@@ -187,6 +187,11 @@ Test(cli, usage_errors_exit_with_status_two) {
   cr_assert_eq(r.status, 2);
   cr_assert_str_eq(r.err, "devpickle demo: unexpected argument 'x\\u000afake'\nTry 'devpickle demo --help'.\n");
   res_free(r);
+  /* nor with a C1 control (CSI to a terminal), a line separator or a byte of no UTF-8 character */
+  r = run("demo \"$(printf 'x\\302\\233\\342\\200\\250\\377fake')\"");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle demo: unexpected argument 'x\\u009b\\u2028\\ufffdfake'\nTry 'devpickle demo --help'.\n");
+  res_free(r);
 }
 
 Test(cli, pack_then_unpack_then_pack_gives_the_same_bytes_through_stdin_and_stdout) {

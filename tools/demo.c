@@ -225,12 +225,9 @@ int demo_run(int argc, char **argv) {
            "check passes, 1 otherwise; 2 usage.");
       return 0;
     }
-    /* as every usage error: an option or an argument, control characters escaped */
+    /* as every usage error: an option or an argument, escaped (cli_put_text) */
     fprintf(stderr, "devpickle demo: %s '", argv[i][0] == '-' && argv[i][1] ? "unknown option" : "unexpected argument");
-    for (const char *c = argv[i]; *c; c++) {
-      if ((unsigned char)*c < 0x20 || *c == 0x7f) fprintf(stderr, "\\u%04x", (unsigned char)*c);
-      else fputc(*c, stderr);
-    }
+    cli_put_text(stderr, argv[i]);
     fputs("'\nTry 'devpickle demo --help'.\n", stderr);
     return 2;
   }

@@ -61,14 +61,20 @@ typedef struct cmd {
 } cmd_t;
 
 /* Text from outside (a file name, an argument, a message quoting the input)
- * on stdout or stderr: control characters as \u00XX, so that a summary or an
- * error stays one line and no file name can forge one (names in messages are
- * escaped already, docs/FORMAT.md "Paths"; this is for everything else). */
-static void put_text(FILE *f, const char *s) {
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c < 0x20 || c == 0x7f) fprintf(f, "\\u%04x", c);
-    else fputc(c, f);
+ * on stdout or stderr, escaped by the rule for names (docs/FORMAT.md,
+ * "Paths"; core/path.h): control characters (C0, DEL, C1) and U+2028/U+2029
+ * as \uXXXX, a byte of no UTF-8 character as \ufffd, so that a summary or
+ * an error stays one line and no file name can forge one. Text escaped
+ * already (a path, a name in a message) passes unchanged. */
+void cli_put_text(FILE *f, const char *s) {
+  char out[6 * 256];
+  for (size_t n = strlen(s), i = 0; i < n;) {
+    size_t k = dp__name_shown(s + i, n - i, 256);  /* whole characters a piece */
+    if (!k) k = n - i < 256 ? n - i : 256;
+    dp__sbuf_t b = {out, 0, sizeof out, 0};
+    dp__sb_escaped(&b, s + i, k, DP__ESC_CONTROLS, 0);
+    fwrite(out, 1, b.len, f);
+    i += k;
   }
 }
 
@@ -76,7 +82,7 @@ static int usage_error(const char *cmd, const char *fmt, const char *arg) {
   char what[512];
   snprintf(what, sizeof what, fmt, arg);
   fprintf(stderr, "devpickle %s: ", cmd);
-  put_text(stderr, what);
+  cli_put_text(stderr, what);
   fprintf(stderr, "\nTry 'devpickle %s --help'.\n", cmd);
   return EXIT_USAGE;
 }
@@ -99,9 +105,9 @@ static int data_error(const char *file, const char *what, int64_t offset) {
   if (offset >= 0 && k >= 0 && (size_t)k < sizeof last_error)
     snprintf(last_error + k, sizeof last_error - (size_t)k, ", at byte %lld", (long long)offset);
   fputs("devpickle: ", stderr);
-  put_text(stderr, file);
+  cli_put_text(stderr, file);
   fputs(": ", stderr);
-  put_text(stderr, what);
+  cli_put_text(stderr, what);
   if (offset >= 0) fprintf(stderr, ", at byte %lld", (long long)offset);
   fputc('\n', stderr);
   return EXIT_DATA;
@@ -882,7 +888,7 @@ static int cmd_verify(int argc, char **argv) {
   dp_value_release(l.v);
   if (rc) return rc;
   const dp_frame_info_t fi = l.info;
-  put_text(stdout, display(l.a.file));
+  cli_put_text(stdout, display(l.a.file));
   printf(": ok, %zu bytes, version %u, %u buffer%s, %zu device pointer%s, %s\n", l.size, fi.version,
          fi.nbuffers, fi.nbuffers == 1 ? "" : "s", dp_ptrset_count(set), dp_ptrset_count(set) == 1 ? "" : "s",
          (fi.flags & 1) ? "inline" : fi.nbuffers ? "out-of-band" : "self-contained");
@@ -1119,9 +1125,9 @@ static int cmd_send(int argc, char **argv) {
     } else if (dp_value_kind(r) != DP_INT || dp_value_as_int(r) != 0) {
       status = data_error(a.pos[1], "the receiver gave no answer devpickle knows", -1);
     } else {
-      put_text(stdout, display(a.pos[0]));
+      cli_put_text(stdout, display(a.pos[0]));
       printf(": sent %zu bytes to ", n);
-      put_text(stdout, a.pos[1]);
+      cli_put_text(stdout, a.pos[1]);
       putchar('\n');
     }
   }
@@ -1238,12 +1244,12 @@ int main(int argc, char **argv) {
       if (strcmp(argv[2], commands[i].name) == 0) return commands[i].run(2, args);
     if (argc > 3) {
       fputs("devpickle help: unexpected argument '", stderr);
-      put_text(stderr, argv[3]);
+      cli_put_text(stderr, argv[3]);
       fputs("'\nTry 'devpickle help COMMAND'.\n", stderr);
       return EXIT_USAGE;
     }
     fputs("devpickle: unknown command '", stderr);
-    put_text(stderr, argv[2]);
+    cli_put_text(stderr, argv[2]);
     fprintf(stderr, "'\n\n%s", usage_main);
     return EXIT_USAGE;
   }
@@ -1258,7 +1264,7 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     if (strcmp(argv[1], commands[i].name) == 0) return commands[i].run(argc - 1, argv + 1);
   fputs("devpickle: unknown command '", stderr);
-  put_text(stderr, argv[1]);
+  cli_put_text(stderr, argv[1]);
   fprintf(stderr, "'\n\n%s", usage_main);
   return EXIT_USAGE;
 }
