@@ -20,6 +20,7 @@
  * until the walk ends, so no address is reused while the memo holds it.
  */
 #include "ext.h"
+#include "../../core/path.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -356,116 +357,72 @@ static int buf_put(buf_t *b, const char *s, size_t n) {
   return 0;
 }
 
-/* At most DP_PATH_NAME_MAX bytes of s, cut at a character boundary. */
-static size_t name_cut(const char *s, size_t n, int *cut) {
-  *cut = n > DP_PATH_NAME_MAX;
-  if (!*cut) return n;
-  size_t k = DP_PATH_NAME_MAX;
-  while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
-  return k;
-}
+/* Paths are rendered by the library's renderer (core/path.h), the rule
+ * written once for C, the CLI and Python; here only what Python adds: how a
+ * step is found in a frame, repr for keys that are not str, None or bool. */
 
-static int put_json_str(buf_t *b, const char *s, size_t n) {
-  if (buf_put(b, "\"", 1)) return -1;
-  for (size_t i = 0; i < n; i++) {
-    unsigned char c = (unsigned char)s[i];
-    char esc[8];
-    if (c == '"' || c == '\\') {
-      esc[0] = '\\';
-      esc[1] = (char)c;
-      if (buf_put(b, esc, 2)) return -1;
-    } else if (c < 0x20) {
-      snprintf(esc, sizeof esc, "\\u%04x", c);
-      if (buf_put(b, esc, 6)) return -1;
-    } else if (buf_put(b, (const char *)&c, 1)) {
-      return -1;
+/* A str's UTF-8; for one holding a lone surrogate (it has none) its
+ * "surrogatepass" bytes, which the renderer writes \udXXX as JSON does
+ * (*hold then keeps them: release it). NULL, the error cleared, when
+ * neither can be had. */
+static const char *str_bytes(PyObject *str, size_t *n, PyObject **hold) {
+  Py_ssize_t len;
+  *hold = NULL;
+  const char *s = PyUnicode_AsUTF8AndSize(str, &len);
+  if (!s) {
+    clear_error();
+    if (!(*hold = PyUnicode_AsEncodedString(str, "utf-8", "surrogatepass"))) {
+      clear_error();
+      return NULL;
     }
+    len = PyBytes_GET_SIZE(*hold);
+    s = PyBytes_AS_STRING(*hold);
   }
-  return buf_put(b, "\"", 1);
-}
-
-static int is_ident(const char *s, size_t n) {
-  if (!n || !((s[0] >= 'a' && s[0] <= 'z') || (s[0] >= 'A' && s[0] <= 'Z') || s[0] == '_')) return 0;
-  for (size_t i = 1; i < n; i++) {
-    char c = s[i];
-    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_')) return 0;
-  }
-  return 1;
+  *n = (size_t)len;
+  return s;
 }
 
 /* A name or string key: .name when it is an identifier, else ["..."]. */
-static int put_name(buf_t *b, PyObject *str, int attr_dot) {
-  Py_ssize_t n;
-  const char *s = PyUnicode_AsUTF8AndSize(str, &n);
+static size_t put_name(PyObject *str, char *out) {
+  size_t n;
+  PyObject *hold;
+  const char *s = str_bytes(str, &n, &hold);
   if (!s) {
-    clear_error();
-    return buf_put(b, "[<str>]", 7);
+    memcpy(out, "[<str>]", 7);
+    return 7;
   }
-  int cut;
-  size_t k = name_cut(s, (size_t)n, &cut);
-  if (attr_dot && is_ident(s, k)) {
-    if (buf_put(b, ".", 1) || buf_put(b, s, k)) return -1;
-    return cut ? buf_put(b, "\xe2\x80\xa6", 3) : 0;
-  }
-  if (buf_put(b, "[", 1)) return -1;
-  if (cut) {
-    /* the escaped text, then the ellipsis inside the quotes */
-    if (buf_put(b, "\"", 1)) return -1;
-    buf_t t = {0};
-    if (put_json_str(&t, s, k)) return -1;
-    int rc = buf_put(b, t.p + 1, t.n - 2) || buf_put(b, "\xe2\x80\xa6\"", 4);
-    PyMem_Free(t.p);
-    if (rc) return -1;
-  } else if (put_json_str(b, s, k)) {
-    return -1;
-  }
-  return buf_put(b, "]", 1);
+  n = dp__step_name(s, n, out);
+  Py_XDECREF(hold);
+  return n;
 }
 
-/* A non-string key: [<json>] for None, bool, int, float; [<repr>] else. */
-/* Text outside quotes (FORMAT.md, "Paths"): control characters written
- * \u00XX, and with `step` (a <reduce Name> step) `\` as `\\` and `>` as
- * \u003e, so that the step ends at its first `>`; one line whatever the
- * text holds. */
-static int put_bare(buf_t *b, const char *s, size_t n, int step) {
-  size_t from = 0;
-  for (size_t i = 0; i < n; i++) {
-    unsigned char c = (unsigned char)s[i];
-    if (c >= 0x20 && !(step && (c == '>' || c == '\\'))) continue;
-    char esc[8];
-    if (c == '\\') memcpy(esc, "\\\\", 3);
-    else snprintf(esc, sizeof esc, "\\u%04x", c);
-    if (buf_put(b, s + from, i - from) || buf_put(b, esc, strlen(esc))) return -1;
-    from = i + 1;
-  }
-  return buf_put(b, s + from, n - from);
-}
-
-static int put_key(buf_t *b, PyObject *key) {
-  if (PyUnicode_CheckExact(key)) return put_name(b, key, 1);
-  char tmp[64];
-  if (key == Py_None) return buf_put(b, "[null]", 6);
-  if (key == Py_True) return buf_put(b, "[true]", 6);
-  if (key == Py_False) return buf_put(b, "[false]", 7);
+/* A key that is not a str: [null], [true], [false], else [repr] (repr
+ * escapes already: only control characters are escaped again). */
+static size_t put_key(PyObject *key, char *out) {
+  if (PyUnicode_CheckExact(key)) return put_name(key, out);
+  if (key == Py_None) return memcpy(out, "[null]", 6), 6;
+  if (key == Py_True) return memcpy(out, "[true]", 6), 6;
+  if (key == Py_False) return memcpy(out, "[false]", 7), 7;
   PyObject *r = PyObject_Repr(key);
   if (!r) {
     clear_error();
-    snprintf(tmp, sizeof tmp, "[<%s>]", Py_TYPE(key)->tp_name);
-    return buf_put(b, tmp, strlen(tmp));
+    return (size_t)snprintf(out, DP__STEP_MAX, "[<%.64s>]", Py_TYPE(key)->tp_name);
   }
-  Py_ssize_t n;
-  const char *s = PyUnicode_AsUTF8AndSize(r, &n);
-  int rc;
+  size_t n;
+  PyObject *hold;
+  const char *s = str_bytes(r, &n, &hold);
+  dp__sbuf_t b = {out, 0, DP__STEP_MAX, 0};
   if (!s) {
-    clear_error();
-    rc = buf_put(b, "[?]", 3);
+    dp__sb_put(&b, "[?]", 3);
   } else {
-    int cut;
-    size_t k = name_cut(s, (size_t)n, &cut);
-    rc = buf_put(b, "[", 1) || put_bare(b, s, k, 0) || (cut && buf_put(b, "\xe2\x80\xa6", 3)) || buf_put(b, "]", 1);
+    size_t k = dp__name_shown(s, n, DP_PATH_NAME_MAX);
+    dp__sb_put(&b, "[", 1);
+    dp__sb_escaped(&b, s, k, DP__ESC_CONTROLS, k < n);
+    dp__sb_put(&b, "]", 1);
   }
+  Py_XDECREF(hold);
   Py_DECREF(r);
-  return rc ? -1 : 0;
+  return b.len;
 }
 
 /* A type as paths and errors name it: module.qualname for classes defined
@@ -486,126 +443,81 @@ static const char *type_name(PyTypeObject *t, char *buf, size_t size) {
   return buf;
 }
 
-/* "[i]" without snprintf: paths are rendered for every allocation. */
-static int put_index(buf_t *b, Py_ssize_t i) {
-  char tmp[24];
-  size_t k = sizeof tmp;
-  tmp[--k] = ']';
-  size_t u = (size_t)i;
-  do {
-    tmp[--k] = (char)('0' + u % 10);
-    u /= 10;
-  } while (u);
-  tmp[--k] = '[';
-  return buf_put(b, tmp + k, sizeof tmp - k);
-}
-
 /* A non-str key's step, rendered once per key and kept while the walk is
  * under it: a repr costs the key's size (a 1 MB bytes key over 2,000
  * allocations took seconds), a path is rendered per allocation. */
 struct keystep {
   PyObject *key; /* whose step text holds (held) */
-  buf_t text;
+  size_t n;
+  char text[DP__STEP_MAX];
 };
 
-static int put_key_once(buf_t *b, frame_t *f) {
+static int put_key_once(frame_t *f, char *out, size_t *n) {
   struct keystep *k = f->ks;
   if (!k && !(k = f->ks = PyMem_Calloc(1, sizeof *k))) return -1;
   if (k->key != f->label) {
     Py_CLEAR(k->key);
-    k->text.n = 0;
-    if (put_key(&k->text, f->label)) return -1;
+    k->n = put_key(f->label, k->text);
     k->key = Py_NewRef(f->label);
   }
-  return buf_put(b, k->text.p, k->text.n);
+  memcpy(out, k->text, k->n);
+  *n = k->n;
+  return 0;
 }
 
-/* The step from frame f to its current child. */
-static int put_step(buf_t *b, frame_t *f) {
-  char tmp[48];
+/* What dp__path_render's steps need: the scanner, and whether a step
+ * failed (out of memory). */
+typedef struct path_ctx {
+  dpy_scanner_t *s;
+  int failed;
+} path_ctx_t;
+
+/* The step from frame i to its current child, into out[DP__STEP_BUF]: a
+ * dp__step_fn. */
+static size_t put_step(void *ctx, size_t i, char *out) {
+  path_ctx_t *c = ctx;
+  frame_t *f = &c->s->frames[i];
+  size_t n = 0;
   switch (f->kind) {
   case FR_SEQ:
-    if (f->names && f->idx < PyTuple_GET_SIZE(f->names)) return put_name(b, PyTuple_GET_ITEM(f->names, f->idx), 1);
+    if (f->names && f->idx < PyTuple_GET_SIZE(f->names)) return put_name(PyTuple_GET_ITEM(f->names, f->idx), out);
     /* fall through */
   case FR_SET:
-    return put_index(b, f->idx);
+    return dp__step_index((size_t)f->idx, out);
   case FR_ATTRS:
-    if (!f->label) return put_index(b, f->idx);
-    return PyUnicode_Check(f->label) ? put_name(b, f->label, 1) : put_key_once(b, f);
+    if (!f->label) return dp__step_index((size_t)f->idx, out);
+    if (PyUnicode_Check(f->label)) return put_name(f->label, out);
+    break;
   case FR_DICT:
   case FR_PAIRS:
-    if (f->key_part) {
-      snprintf(tmp, sizeof tmp, "<key %zd>", f->idx);
-      return buf_put(b, tmp, strlen(tmp));
-    }
-    if (!f->label) return put_index(b, f->idx);
-    return put_key_once(b, f);
+    if (f->key_part) return (size_t)snprintf(out, DP__STEP_BUF, "<key %zd>", f->idx);
+    if (!f->label) return dp__step_index((size_t)f->idx, out);
+    break;
   case FR_REDUCE: {
     static const char *const part[] = {".callable", ".args", ".state", ".listitems", ".dictitems", ".state_setter"};
     char tbuf[256];
     const char *tn = type_name(f->type, tbuf, sizeof tbuf);
-    int cut;
-    size_t k = name_cut(tn, strlen(tn), &cut);
-    if (buf_put(b, "<reduce ", 8) || put_bare(b, tn, k, 1) || (cut && buf_put(b, "\xe2\x80\xa6", 3)) ||
-        buf_put(b, ">", 1))
-      return -1;
-    return f->idx >= 0 && f->idx < 6 ? buf_put(b, part[f->idx], strlen(part[f->idx])) : 0;
+    n = dp__step_reduce(tn, strlen(tn), out);
+    if (f->idx >= 0 && f->idx < 6) {
+      memcpy(out + n, part[f->idx], strlen(part[f->idx]));
+      n += strlen(part[f->idx]);
+    }
+    return n;
   }
+  default:
+    return 0;
   }
-  return 0;
+  if (put_key_once(f, out, &n)) c->failed = 1;
+  return n;
 }
 
-/* The path to the value being visited: "$" and a step per open frame,
- * bounded as ptrset.h says: a path over DP_PATH_MAX bytes keeps the steps
- * that fit in DP_PATH_HEAD bytes, "<…N steps…>", and the last steps that fit
- * in DP_PATH_TAIL bytes. Rendered straight into out; the tail (rare) is
- * rendered backwards into a scratch buffer. */
+/* The path to the value being visited, bounded as ptrset.h says, appended
+ * to out. */
 static int render_path(dpy_scanner_t *s, buf_t *out) {
-  size_t start = out->n, n = s->nframes, head_end, head_steps = 0, i;
-  if (buf_put(out, "$", 1)) return -1;
-  head_end = out->n;
-  int in_head = 1;
-  for (i = 0; i < n; i++) {
-    if (put_step(out, &s->frames[i])) return -1;
-    if (in_head && out->n - start <= DP_PATH_HEAD) {
-      head_end = out->n;
-      head_steps = i + 1;
-    } else {
-      in_head = 0;
-    }
-    if (out->n - start > DP_PATH_MAX) break;
-  }
-  if (i == n) return 0;
-  out->n = head_end;
-  out->p[head_end] = 0;
-  buf_t step = {0}, tb = {0};
-  size_t *ends = PyMem_Malloc((n - head_steps + 1) * sizeof *ends);
-  size_t tail = n, tail_len = 0;
-  int rc = ends ? 0 : -1;
-  while (!rc && tail > head_steps) {
-    step.n = 0;
-    if ((rc = put_step(&step, &s->frames[tail - 1]))) break;
-    if (tail_len + step.n > DP_PATH_TAIL) break;
-    tail_len += step.n;
-    if ((rc = buf_put(&tb, step.p ? step.p : "", step.n))) break;
-    ends[n - tail] = tb.n;
-    tail--;
-  }
-  if (!rc) {
-    char mid[64];
-    snprintf(mid, sizeof mid, "<\xe2\x80\xa6%zu step%s\xe2\x80\xa6>", tail - head_steps,
-             tail - head_steps == 1 ? "" : "s");
-    rc = buf_put(out, mid, strlen(mid));
-  }
-  /* tb holds the tail steps last-first; put them back in order */
-  for (size_t j = n - tail; !rc && j-- > 0;) {
-    size_t end = ends[j], begin = j ? ends[j - 1] : 0;
-    rc = buf_put(out, tb.p + begin, end - begin);
-  }
-  PyMem_Free(ends);
-  PyMem_Free(tb.p);
-  PyMem_Free(step.p);
-  return rc ? -1 : 0;
+  char path[DP_PATH_MAX + 1];
+  path_ctx_t c = {s, 0};
+  size_t n = dp__path_render(path, s->nframes, put_step, &c);
+  return c.failed || buf_put(out, path, n) ? -1 : 0;
 }
 
 /* ---- errors ---- */
@@ -2491,7 +2403,6 @@ static void build_reset(dpy_scanner_t *s) {
 static void frame_drop(frame_t *f) {
   if (f->ks) { /* a key's step was rendered (rare) */
     Py_CLEAR(f->ks->key);
-    PyMem_Free(f->ks->text.p);
     PyMem_Free(f->ks);
     f->ks = NULL;
   }

@@ -612,6 +612,39 @@ def test_a_path_escapes_what_would_end_its_step_or_break_its_line():
     assert all("\n" not in p for p in paths)
 
 
+def test_a_path_escapes_delete_c1_controls_and_line_separators_as_the_c_library_does():
+    # U+009B is CSI to a terminal, U+0085 a new line; U+2028/U+2029 end a
+    # line in JavaScript and many JSON readers. Neighbours (U+00A0, U+2027)
+    # are shown as they are.
+    class K:
+        def __repr__(self):
+            return "k\x9b\u2028"
+
+        def __hash__(self):
+            return 1
+
+    obj = Holder(torch.ones(1))
+    obj.__dict__["a\x7f\u2029"] = obj.__dict__.pop("t")
+    R = type("R\x85\u2028", (), {"__reduce__": lambda self: (R, (), {"t": torch.ones(2)})})
+    R.__module__ = "m"
+    v = {"a\x7fb\x85c\x9bd\u2028e\u2029f\xa0\u2027": torch.ones(3), K(): torch.ones(4), "o": obj, "r": R()}
+    paths = [a.path for a in devpickle.scan(v)]
+    assert paths == [
+        '$["a\\u007fb\\u0085c\\u009bd\\u2028e\\u2029f\xa0\u2027"]',
+        "$[k\\u009b\\u2028]",
+        '$.o["a\\u007f\\u2029"]',
+        "$.r<reduce m.R\\u0085\\u2028>.state.t",
+    ], paths
+
+
+def test_a_str_key_holding_a_lone_surrogate_is_shown_by_its_json_escape():
+    # it has no UTF-8: the path wrote [<str>], hiding which key it was
+    assert devpickle.scan({"a\ud800": torch.ones(1)})[0].path == '$["a\\ud800"]'
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.dumps({"k": {"\udc00x": 1}})
+    assert e.value.path == '$.k["\\udc00x"]', e.value.path
+
+
 def test_an_opaque_type_whose_instancecheck_raises_gives_a_walk_error_naming_the_path():
     class Meta(type):
         def __instancecheck__(cls, obj):
