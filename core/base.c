@@ -9,6 +9,7 @@
 #include <sys/random.h>
 #endif
 
+#include "path.h"
 #include "table.h"
 
 static void *default_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
@@ -245,20 +246,10 @@ char *dp_device_format(dp_device_t dev, char *buf, size_t size) {
 }
 
 const char *dp__shown(const char *s, char out[DP__SHOWN_MAX]) {
-  static const char hex[] = "0123456789abcdef";
-  size_t n = strlen(s), k = n <= 32 ? n : 32, o = 0;
-  while (k < n && k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--; /* a whole UTF-8 character */
-  for (size_t i = 0; i < k; i++) {
-    unsigned char c = (unsigned char)s[i];
-    if (c < 0x20 || c == 0x7f || c == '\\' || c == '\'') {
-      if (c == '\\' || c == '\'') out[o++] = '\\', out[o++] = (char)c;
-      else memcpy(out + o, "\\u00", 4), out[o + 4] = hex[c >> 4], out[o + 5] = hex[c & 15], o += 6;
-    } else {
-      out[o++] = (char)c;
-    }
-  }
-  if (k < n) memcpy(out + o, "\xe2\x80\xa6", 3), o += 3;
-  out[o] = '\0';
+  size_t n = strlen(s), k = dp__name_shown(s, n, 32);
+  dp__sbuf_t b = {out, 0, DP__SHOWN_MAX - 1, 0};
+  dp__sb_escaped(&b, s, k, DP__ESC_SQUOTED, k < n);
+  out[b.len] = '\0';
   return out;
 }
 

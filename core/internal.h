@@ -57,8 +57,9 @@ int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap);
 
-/* s for a message: its first 32 bytes (a whole UTF-8 character), control
- * characters as \u00XX, ' and \ escaped, an ellipsis when cut. */
+/* s for a message, inside '...': its first 32 bytes (whole UTF-8
+ * characters), escaped by the rule for names (core/path.h: control
+ * characters, U+2028/U+2029, stray bytes; ' and \), an ellipsis when cut. */
 #define DP__SHOWN_MAX (32 * 6 + 3 + 1)
 const char *dp__shown(const char *s, char out[DP__SHOWN_MAX]);
 /* UTF-8 validation (RFC 3629: no overlongs, no surrogates, <= U+10FFFF). */
