@@ -541,8 +541,14 @@ static int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *wha
     PyErr_NoMemory();
     return -1;
   }
-  char tbuf[256];
+  char tbuf[256], shown[6 * 256 + 3 + 1];
   const char *tn = type_name(type, tbuf, sizeof tbuf);
+  /* the name as the message quotes it: one line, escaped by the rule for
+     names (only what a repr would escape: `<locals>` reads as it is) */
+  size_t tlen = strlen(tn), k = dp__name_shown(tn, tlen, 256);
+  dp__sbuf_t sb = {shown, 0, sizeof shown - 1, 0};
+  dp__sb_escaped(&sb, tn, k, DP__ESC_CONTROLS, k < tlen);
+  shown[sb.len] = '\0';
   PyObject *msg = NULL;
   if (ev) {
     /* the cause's text is the value's code (its exception's __str__), which
@@ -560,10 +566,10 @@ static int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *wha
       PyErr_Clear();
       text = PyUnicode_FromString("<exception str() failed>");
     }
-    if (text) msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s: %U", tn, path.p, what, text);
+    if (text) msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s: %U", shown, path.p, what, text);
     Py_XDECREF(text);
   } else {
-    msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s", tn, path.p, what);
+    msg = PyUnicode_FromFormat("cannot walk a '%s' at %s: %s", shown, path.p, what);
   }
   PyObject *exc = msg ? PyObject_CallOneArg(dpy.walk_error, msg) : NULL;
   Py_XDECREF(msg);

@@ -170,6 +170,15 @@ def test_an_object_that_cannot_be_reduced_is_a_walk_error_naming_type_and_path()
     assert str(e.value).startswith("cannot walk a 'generator' at $.blocks[0].t: it cannot be reduced")
 
 
+def test_a_walk_error_escapes_control_characters_and_line_separators_in_the_type_name_it_quotes():
+    U = type("U\n\x9b\u2028", (), {"__reduce__": lambda self: 1 / 0})
+    U.__module__ = "m"
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"x": U()})
+    assert str(e.value).startswith("cannot walk a 'm.U\\u000a\\u009b\\u2028' at $.x: "), str(e.value)
+    assert e.value.type_name == "m.U\n\x9b\u2028"  # the attribute holds the name itself
+
+
 def test_opaque_types_are_leaves():
     def gen():
         yield 1
