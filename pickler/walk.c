@@ -180,9 +180,7 @@ size_t dp__key_text(dp_value_t key, char *out) {
   return b.len;
 }
 
-/* A dict's key as the step to its value: a str key as a name step (.name
- * or ["name"]), any other as its JSON text in brackets. */
-static size_t key_step(dp_value_t key, char *out) {
+size_t dp__step_key(dp_value_t key, char *out) {
   if (key.kind == DP_STR) return dp__step_name(DP_STROBJ(key)->data, DP_STROBJ(key)->len, out);
   out[0] = '[';
   size_t n = 1 + dp__key_text(key, out + 1);
@@ -203,7 +201,7 @@ static size_t render_step(void *ctx, size_t d, char *out) {
     case DP_DICT:
       if (!(i & 1))  /* inside a key itself */
         return (size_t)snprintf(out, DP__STEP_MAX, "<key %zu>", i / 2);
-      return key_step(DP_DICT(node)->entries[i / 2].key, out);
+      return dp__step_key(DP_DICT(node)->entries[i / 2].key, out);
     case DP_OBJECT:
       if (DP_OBJ(node)->c.h.flags & DP_HEAP_REDUCED)
         return dp__step_reduce(DP_OBJ(node)->class_name, DP_OBJ(node)->class_len, out);

@@ -2,7 +2,7 @@
 #ifndef DP_PICKLER_WALK_H
 #define DP_PICKLER_WALK_H
 #include "ptrset_impl.h"
-#include "../core/path.h"
+#include "path.h"
 
 /* What a walk reports, for pickle. Scan passes no sink: the walker then only
  * feeds the pointer set. */
@@ -76,10 +76,6 @@ void dp__walker_setup(dp__walker_t *w, dp_ptrset_t *set, const dp__sink_t *sink,
  * its caller releases them with dp__walker_release_states once done. */
 int dp__walk(dp__walker_t *w, dp_value_t root);
 void dp__walker_release_states(dp__walker_t *w);
-/* A dict key as paths show it (its value JSON, compact), cut after
- * DP_PATH_NAME_MAX bytes (an ellipsis then), into out[DP__STEP_MAX]; returns
- * the length, no NUL. For messages that name a key (a name: dp__name_quoted). */
-size_t dp__key_text(dp_value_t key, char *out);
 /* Renders the path of the node being visited into w->path, bounded as
  * ptrset.h states, at a cost bounded by its length; returns it. */
 const char *dp__walker_path(dp__walker_t *w);

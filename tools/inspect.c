@@ -59,7 +59,7 @@ static size_t render_step(dp_value_t c, size_t i, char *out) {
     case DP_DICT: {
       dp_value_t k;
       dp_dict_item(c, i, &k, NULL, NULL);
-      return vjson_step_key(k, out);
+      return dp__step_key(k, out);
     }
     case DP_OBJECT:
       if (dp_object_is_reduced(c)) {

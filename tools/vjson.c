@@ -1,5 +1,6 @@
-/* tools/vjson.c — value JSON <-> values, through the public API. Reading
- * parses with our own iterative parser into a jansson tree (jansson's parser
+/* tools/vjson.c — value JSON <-> values, through the public API (paths and
+ * names through the library's renderer, core/path.h and pickler/path.h, so
+ * that they read as the library's own). Reading parses with our own iterative parser into a jansson tree (jansson's parser
  * stops at 2,048 levels and cannot take NUL in keys); writing streams the
  * text as it walks the value, building no tree. */
 #include "vjson.h"
@@ -75,8 +76,7 @@ int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n) {
   return 0;
 }
 
-/* ---- path steps (docs/FORMAT.md, "Paths"): names through core/path.h,
- * keys' value JSON here, through the public API ---- */
+/* ---- floats ---- */
 
 /* A float as unpack writes it: the number with 17 significant digits (and
  * ".0" when it would read as an int) and 1 returned, or the text of its
@@ -93,71 +93,6 @@ static int float_text(double f, char *b, size_t cap) {
   if (isnan(f) && bits != VJSON_DEFAULT_NAN_BITS) snprintf(b, cap, "0x%016" PRIx64, bits);
   else snprintf(b, cap, "%s", isnan(f) ? "nan" : f > 0 ? "inf" : "-inf");
   return 0;
-}
-
-/* A non-str dict key as compact value JSON (bytes abbreviated); stops once b
- * is full. */
-static void sb_key_json(dp__sbuf_t *b, dp_value_t k, int depth) {
-  char tmp[48];
-  size_t n;
-  switch (dp_value_kind(k)) {
-    case DP_NONE: dp__sb_put(b, "null", 4); break;
-    case DP_BOOL: dp_value_as_bool(k) ? dp__sb_put(b, "true", 4) : dp__sb_put(b, "false", 5); break;
-    case DP_INT: dp__sb_put(b, tmp, (size_t)snprintf(tmp, sizeof tmp, "%" PRId64, dp_value_as_int(k))); break;
-    case DP_FLOAT:
-      if (float_text(dp_value_as_float(k), tmp, sizeof tmp)) {
-        dp__sb_put(b, tmp, strlen(tmp));
-      } else {
-        dp__sb_put(b, "{\"$float\":\"", 11);
-        dp__sb_put(b, tmp, strlen(tmp));
-        dp__sb_put(b, "\"}", 2);
-      }
-      break;
-    case DP_STR: {
-      const char *s = dp_str_data(k, &n);
-      dp__sb_quote(b, s, n, 0);
-      break;
-    }
-    case DP_BYTES: { /* base64 block by block, until b is full (a path shows 64 bytes of a key) */
-      const uint8_t *p = dp_bytes_data(k, &n);
-      dp__sb_put(b, "{\"$bytes\":\"", 11);
-      for (size_t i = 0; i < n && !b->full; i += 3) {
-        char o[4];
-        b64_block(p + i, n - i, o);
-        dp__sb_put(b, o, 4);
-      }
-      dp__sb_put(b, "\"}", 2);
-      break;
-    }
-    case DP_TUPLE:
-      dp__sb_put(b, "{\"$tuple\":[", 11);
-      for (size_t i = 0; i < dp_seq_len(k) && depth < 8 && !b->full; i++) {
-        if (i) dp__sb_put(b, ",", 1);
-        sb_key_json(b, dp_seq_get(k, i), depth + 1);
-      }
-      dp__sb_put(b, "]}", 2);
-      break;
-    default: dp__sb_put(b, "?", 1); break;
-  }
-}
-
-size_t vjson_step_key(dp_value_t key, char *out) {
-  size_t n;
-  if (dp_value_kind(key) == DP_STR) {
-    const char *s = dp_str_data(key, &n);
-    return dp__step_name(s, n, out);
-  }
-  /* its JSON text, rendered up to one byte past the limit to see whether it is cut */
-  char kb[DP_PATH_NAME_MAX + 1];
-  dp__sbuf_t k = {kb, 0, sizeof kb, 0};
-  sb_key_json(&k, key, 0);
-  int cut = k.full || k.len > DP_PATH_NAME_MAX;
-  dp__sbuf_t b = {out, 0, DP__STEP_MAX, 0};
-  dp__sb_put(&b, "[", 1);
-  dp__sb_put(&b, kb, cut ? dp__name_shown(kb, k.len, DP_PATH_NAME_MAX) : k.len);
-  if (cut) dp__sb_put(&b, DP__ELLIPSIS, 3);
-  dp__sb_put(&b, "]", 1);
-  return b.len;
 }
 
 /* ---- parsing ---- */
@@ -995,12 +930,12 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
         return fail(r, DP_EINVAL, "dict key refers to a node that is still being built");
       }
       if (dp_dict_get(v, key, &dummy, NULL) == 0) {
-        size_t n = vjson_step_key(key, r->scratch);
+        size_t n = dp__step_key(key, r->scratch);
         dp_value_release(key);
         return fail(r, DP_EINVAL, "duplicate dict key: the entry %.*s is given twice", (int)n, r->scratch);
       }
       path_pop(r);
-      path_step(r, r->scratch, vjson_step_key(key, r->scratch));
+      path_step(r, r->scratch, dp__step_key(key, r->scratch));
       if ((rc = read_value(r, json_array_get(pair, 1), &val, depth + 1)) != 0) {
         dp_value_release(key);
         return rc;

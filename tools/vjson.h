@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <jansson.h>
 #include "devpickle.h"
-#include "../core/path.h"
+#include "../pickler/path.h"
 
 /* Containers nested at most this deep, in value JSON and in the frames the
  * CLI reads (the same number, so that every frame the CLI accepts has a value
@@ -38,11 +38,8 @@ int vjson_write(FILE *out, dp_value_t v, int indent, char *msg, size_t msgsize);
 json_t *vjson_from_value(dp_value_t v, char *msg, size_t msgsize);
 
 /* Path steps and names are rendered by the library's implementation of
- * docs/FORMAT.md ("Paths"), core/path.h: dp__step_name, dp__step_reduce,
- * dp__name_bare, dp__name_quoted, dp__path_render. A dict value's step
- * (its key's value JSON, through the public API) into out[DP__STEP_MAX];
- * returns its length (no terminating NUL). */
-size_t vjson_step_key(dp_value_t key, char *out);
+ * docs/FORMAT.md ("Paths"): core/path.h (names, steps, whole paths) and
+ * pickler/path.h (dict keys). */
 /* The NaN that value JSON writes as {"$float": "nan"}; others go by their bits. */
 #define VJSON_DEFAULT_NAN_BITS 0x7ff8000000000000ull
 
