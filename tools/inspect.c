@@ -90,7 +90,7 @@ static const char *cur_path(ins_t *s) {
   return s->path;
 }
 
-/* A record's chain of parents, root first, for rec_step. */
+/* A record's chain of records, itself first and the root's child last, for rec_step. */
 typedef struct chain {
   const ins_t *s;
   uint32_t at[INSPECT_DEPTH + 2];
