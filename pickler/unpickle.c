@@ -713,9 +713,10 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
 
 /* Whether a hashable key holds no tuple that is still being filled (its
  * hash would change under the dict). Hashable keys are bounded trees
- * (dp_value_is_hashable), so this walk is too. */
+ * (dp_value_is_hashable), so this walk is too; a tuple already part of a
+ * key (it keeps a key word) was finished then, and is not walked again. */
 static int key_finished(dp_value_t k) {
-  if (k.kind != DP_TUPLE) return 1;
+  if (k.kind != DP_TUPLE || dp__key_word(k)) return 1;
   if (k.u.h->flags & DP_HEAP_OPEN) return 0;
   for (size_t i = 0; i < DP_SEQ(k)->len; i++)
     if (!key_finished(DP_SEQ(k)->items[i])) return 0;

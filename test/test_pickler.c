@@ -2735,6 +2735,65 @@ Test(pickler, a_str_shared_by_many_keys_and_dicts_is_hashed_once_when_read) {
   ASSERT_NO_LEAK();
 }
 
+extern _Thread_local uint64_t dp__key_nodes_walked;  /* value/internal.h */
+
+static dp_value_t int_tuple(size_t n, int64_t first) {
+  dp_value_t t;
+  OK(dp_tuple_new(n, &t, T_ERR));
+  for (size_t i = 0; i < n; i++) OK(dp_seq_set(t, i, dp_int(first + (int64_t)i), T_ERR));
+  return t;
+}
+
+static dp_value_t dict_of(dp_value_t key, dp_value_t val) {
+  dp_value_t d;
+  OK(dp_dict_new(1, &d, T_ERR));
+  OK(dp_dict_set(d, key, val, T_ERR));
+  return d;
+}
+
+Test(pickler, a_tuple_shared_by_many_keys_and_dicts_is_walked_once_when_read) {
+  /* One tuple key of 1,000 nodes used by 300 dicts, and inside 300 other
+   * keys (i, T) and 300 keys ((i, T),): before, each use walked its whole
+   * tree again (hashable, finished, hashable, hash) — 2.7 million nodes for
+   * a 15 kB frame; now each tuple is walked when it first becomes part of a
+   * key, and each later use costs its direct items (9,900 nodes). */
+  enum { ITEMS = 999, DICTS = 300 };
+  dp_value_t t = int_tuple(ITEMS, 1000), list;
+  OK(dp_list_new(3 * DICTS, &list, T_ERR));
+  for (int i = 0; i < DICTS; i++) OK(dp_list_append(list, dict_of(dp_value_retain(t), dp_int(i)), T_ERR));
+  for (int i = 0; i < DICTS; i++) {
+    dp_value_t k = int_tuple(2, i), outer;
+    OK(dp_seq_set(k, 1, dp_value_retain(t), T_ERR));
+    OK(dp_list_append(list, dict_of(k, dp_none()), T_ERR));
+    k = int_tuple(2, i);
+    OK(dp_seq_set(k, 1, dp_value_retain(t), T_ERR));
+    OK(dp_tuple_new(1, &outer, T_ERR));
+    OK(dp_seq_set(outer, 0, k, T_ERR));
+    OK(dp_list_append(list, dict_of(outer, dp_none()), T_ERR));
+  }
+  dp_value_release(t);
+  dp_frame_t *f = pickle_ok(list, 0);
+  size_t n;
+  dp_frame_data(f, &n);
+  cr_assert_lt(n, 4 * ITEMS + 40 * DICTS, "the tuple is written once: %zu bytes", n);
+  dp__key_nodes_walked = 0;
+  dp_value_t back = unpickle_ok(f);
+  /* the tuple's tree a few times, then a handful of nodes a use */
+  uint64_t walked = dp__key_nodes_walked;
+  cr_assert_lt(walked, 8 * (ITEMS + 1) + 40 * 3 * DICTS, "%llu key nodes walked", (unsigned long long)walked);
+  cr_assert_eq(dp_value_equal(list, back, DP_EQ_SHARING, NULL), 1);
+  /* and the value read is the value: a fresh equal key finds each entry */
+  dp_value_t probe = int_tuple(ITEMS, 1000), v;
+  OK(dp_dict_get(dp_seq_get(back, DICTS - 1), probe, &v, T_ERR));
+  cr_assert_eq(dp_value_as_int(v), DICTS - 1);
+  dp_value_release(probe);
+  dp_value_release(back);
+  dp_value_release(list);
+  dp_frame_free(f);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
+
 /* ---- depth after a reduce(): scan without paths, with paths and pickle agree ---- */
 
 static dp_value_t depth_y;  /* the list a later reduce() reaches again */

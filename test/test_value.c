@@ -1086,6 +1086,76 @@ Test(value, dicts_equal_in_any_insertion_order_compare_equal_with_sharing_too) {
   ASSERT_NO_LEAK();
 }
 
+static dp_value_t t_pair(dp_value_t x, dp_value_t y) {
+  dp_value_t t;
+  OK(dp_tuple_new(2, &t, T_ERR));
+  OK(dp_seq_set(t, 0, x, T_ERR));
+  OK(dp_seq_set(t, 1, y, T_ERR));
+  return t;
+}
+
+Test(value, a_tuple_keeps_its_key_hash_only_once_it_is_in_a_dict_and_drops_it_when_set) {
+  dp_value_t d = t_dict(), v, list = t_list();
+  /* a tuple inside a key refused (it holds a list) may still change: the
+   * refusal left nothing behind that the changed key would be hashed by */
+  dp_value_t inner = t_pair(dp_int(1), dp_int(2));
+  dp_value_t outer = t_pair(dp_value_retain(inner), dp_value_retain(list));
+  cr_assert_eq(dp_dict_set(d, dp_value_retain(outer), dp_int(7), NULL), DP_ETYPE);
+  OK(dp_seq_set(outer, 1, dp_int(3), T_ERR));
+  OK(dp_seq_set(inner, 0, dp_int(5), T_ERR));
+  OK(dp_dict_set(d, dp_value_retain(outer), dp_int(7), T_ERR));
+  dp_value_t probe = t_pair(t_pair(dp_int(5), dp_int(2)), dp_int(3));
+  OK(dp_dict_get(d, probe, &v, T_ERR));
+  cr_assert_eq(dp_value_as_int(v), 7);
+  /* a tuple used for lookups only may change, and is then looked up anew */
+  OK(dp_seq_set(probe, 1, dp_int(4), T_ERR));
+  cr_assert_eq(dp_dict_get(d, probe, &v, NULL), DP_ENOTFOUND);
+  OK(dp_seq_set(probe, 1, dp_int(3), T_ERR));
+  OK(dp_dict_get(d, probe, &v, T_ERR));
+  /* a key's tuple set again (value.h forbids it for a tuple in a key) is
+   * hashed anew: its own key word does not outlive the change */
+  OK(dp_seq_set(inner, 1, dp_int(6), T_ERR));
+  dp_value_t d2 = t_dict();
+  OK(dp_dict_set(d2, dp_value_retain(inner), dp_int(8), T_ERR));
+  dp_value_t p2 = t_pair(dp_int(5), dp_int(6));
+  OK(dp_dict_get(d2, p2, &v, T_ERR));
+  cr_assert_eq(dp_value_as_int(v), 8);
+  dp_value_t vals[] = {d, list, inner, outer, probe, d2, p2};
+  for (size_t i = 0; i < sizeof vals / sizeof *vals; i++) dp_value_release(vals[i]);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, a_kept_key_hash_still_counts_its_tree_against_the_key_bounds) {
+  /* a 1,000-node tuple and a 32-level chain, both keys already: a key that
+   * holds one is bounded by its whole tree, as when nothing was kept */
+  dp_value_t big, chain = dp_int(0), d = t_dict();
+  OK(dp_tuple_new(999, &big, T_ERR));
+  for (int i = 0; i < 999; i++) OK(dp_seq_set(big, (size_t)i, dp_int(i), T_ERR));
+  for (int i = 0; i < 32; i++) {
+    dp_value_t t;
+    OK(dp_tuple_new(1, &t, T_ERR));
+    OK(dp_seq_set(t, 0, chain, T_ERR));
+    chain = t;
+  }
+  OK(dp_dict_set(d, dp_value_retain(big), dp_int(1), T_ERR));
+  OK(dp_dict_set(d, dp_value_retain(chain), dp_int(2), T_ERR));
+  cr_assert(dp_value_is_hashable(big) && dp_value_is_hashable(chain));
+  dp_value_t t24;  /* itself, big's 1,000 and 24 nones: one node too many */
+  OK(dp_tuple_new(25, &t24, T_ERR));
+  OK(dp_seq_set(t24, 0, dp_value_retain(big), T_ERR));
+  cr_assert(!dp_value_is_hashable(t24));
+  dp_value_t t23;  /* 1 + 1,000 + 23 = 1,024 nodes: hashable */
+  OK(dp_tuple_new(24, &t23, T_ERR));
+  OK(dp_seq_set(t23, 0, dp_value_retain(big), T_ERR));
+  cr_assert(dp_value_is_hashable(t23));
+  dp_value_t deeper = t_pair(dp_value_retain(chain), dp_int(1));  /* the int 0 is now 33 levels down */
+  cr_assert(!dp_value_is_hashable(deeper));
+  cr_assert_eq(dp_dict_set(d, dp_value_retain(deeper), dp_none(), NULL), DP_ETYPE);
+  dp_value_t vals[] = {big, chain, d, t24, t23, deeper};
+  for (size_t i = 0; i < sizeof vals / sizeof *vals; i++) dp_value_release(vals[i]);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, an_equality_that_runs_out_of_memory_says_so_through_err) {
   dp_value_t a = t_list(), b = t_list(), s = t_list();
   for (int i = 0; i < 40; i++) {

@@ -134,7 +134,7 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
       dp_dict_t *x = DP_DICT(a);
       if (x->len != DP_DICT(b)->len) return 2;
       for (size_t i = 0; i < x->len; i++) {
-        size_t at = dp__dict_find(b, x->entries[i].key); /* whatever the order of insertion */
+        size_t at = dp__dict_find_with(b, x->entries[i].key, NULL, NULL); /* whatever the order of insertion */
         if (at == SIZE_MAX) return 2;
         const dp_entry_t *o = &DP_DICT(b)->entries[at];
         if ((e->flags & DP_EQ_SHARING) && eq_push(e, x->entries[i].key, o->key) != 0) return DP_ENOMEM;

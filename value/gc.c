@@ -265,9 +265,12 @@ static void release_children(gc_tls_t *t, dp_cont_t *c) {
     case DP_TUPLE: {
       dp_seq_t *s = (dp_seq_t *)c;
       for (size_t i = 0; i < s->len; i++) drop_child(t, s->items[i]);
-      dp__free_inl(s->items, s->cap, sizeof(dp_value_t), s->inl);
+      if (c->h.kind == DP_LIST) { /* a tuple's items are inline; its cap is its key word */
+        dp__free_inl(s->items, s->cap, sizeof(dp_value_t), s->inl);
+        s->cap = 0;
+      }
       s->items = NULL;
-      s->len = s->cap = 0;
+      s->len = 0;
       break;
     }
     case DP_DICT: {

@@ -22,8 +22,11 @@ int dp__strobj_new(uint32_t kind, const void *p, size_t n, dp_value_t *out, dp_e
 #define DP__KEEP_ON_EXISTS 2
 int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int allow_replace,
                          dp_error_t *err);
-/* The index of key's entry in dict (a dict; key hashable), or SIZE_MAX. */
-size_t dp__dict_find(dp_value_t dict, dp_value_t key);
+/* The index of key's entry in dict (a dict), or SIZE_MAX (also for a key
+ * that is not hashable). Entries of key's hash are compared with same(ctx,
+ * entry key, key), or with the dict's own key equality when same is NULL. */
+typedef int (*dp__key_same_fn)(void *ctx, dp_value_t a, dp_value_t b);
+size_t dp__dict_find_with(dp_value_t dict, dp_value_t key, dp__key_same_fn same, void *ctx);
 int dp__object_new_n(const char *cls, size_t len, size_t nattrs, dp_value_t *out, dp_error_t *err);
 int dp__object_new_reduced_n(const char *type, size_t len, dp_value_t *out, dp_error_t *err);
 int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val, int allow_replace,

@@ -52,7 +52,15 @@ typedef struct dp_strobj {
  * it, when the elements move to a separate array. */
 typedef struct dp_seq {
   dp_cont_t c;
-  size_t len, cap;
+  size_t len;
+  union {
+    size_t cap;          /* list: room in items */
+    /* tuple (its items always inline, len of them): its key word once it
+     * is part of a dict key, 0 before (dp__key_word). A tuple in a key
+     * never changes (value.h), so a key used again costs its direct items,
+     * not its tree. Relaxed atomics: racing threads store the same word. */
+    _Atomic uint64_t key;
+  };
   dp_value_t *items;   /* inl, or a separate array once grown */
   size_t inl_cap;
   dp_value_t inl[];
@@ -156,6 +164,35 @@ static inline uint32_t dp__rc(const dp_heap_t *h) {
 
 /* Bytes of str/bytes dict keys hashed on this thread (a test counter). */
 extern _Thread_local uint64_t dp__key_bytes_hashed;
+/* Key nodes this thread has walked (hashing, checking, comparing keys) and
+ * key bytes it has compared: test counters, so that tests count work
+ * instead of timing it. */
+extern _Thread_local uint64_t dp__key_nodes_walked;
+extern _Thread_local uint64_t dp__key_bytes_compared;
+
+/* A tuple's key word: bits 0-10 its tree's nodes (itself included, at most
+ * 1,024), bits 11-16 its levels below it (at most 32), bits 17-63 the top 47
+ * bits of its keyed hash. Equal tuples have equal words; 0 means none kept. */
+#define DP__KEY_WORD_HASH_SHIFT 17
+static inline uint64_t dp__key_word(dp_value_t t) {
+  return dp__load_relaxed(&((dp_seq_t *)t.u.h)->key);
+}
+
+/* Whether two keys of one kind are known to differ by what they keep: a str
+ * or bytes its hash, a tuple its key word. 0: they may be equal. */
+static inline int dp__key_kept_differ(dp_value_t a, dp_value_t b) {
+  uint64_t x, y;
+  if (a.kind == DP_TUPLE) {
+    x = dp__key_word(a);
+    y = dp__key_word(b);
+  } else if (a.kind == DP_STR || a.kind == DP_BYTES) {
+    x = dp__load_relaxed(&((dp_strobj_t *)a.u.h)->hash);
+    y = dp__load_relaxed(&((dp_strobj_t *)b.u.h)->hash);
+  } else {
+    return 0;
+  }
+  return x && y && x != y;
+}
 
 /* The one hash of values (value.c): dict keys and dp_value_hash. Cut below
  * max_depth levels and after *budget container nodes. */

@@ -162,7 +162,8 @@ DP_API dp_value_t dp_seq_get(dp_value_t seq, size_t i);
 /** Replaces item i of a list or tuple (steals item; releases the old one).
  *  A tuple is filled this way while it is built: one already used as a dict
  *  key (or inside one) must not change — the dict keeps its hash and its
- *  uniqueness, and a frame written from it could hold a key the reader
+ *  uniqueness, every tuple of the key keeps its own hash for later keys
+ *  that hold it, and a frame written from it could hold a key the reader
  *  refuses (unhashable, or a duplicate). DP_EINVAL when seq is not a list
  *  or tuple or i is out of range. */
 DP_API int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err);
