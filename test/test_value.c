@@ -1086,6 +1086,71 @@ Test(value, dicts_equal_in_any_insertion_order_compare_equal_with_sharing_too) {
   ASSERT_NO_LEAK();
 }
 
+/* One side of the key-sharing comparisons below: `dicts` dicts keyed by one
+ * shared str, and as many keyed by (i, that str), all in one list. */
+static dp_value_t dicts_over_one_key(size_t strlen_, int dicts) {
+  char *text = malloc(strlen_);
+  memset(text, 'k', strlen_);
+  dp_value_t s, list = t_list();
+  OK(dp_str_new(text, strlen_, &s, T_ERR));
+  free(text);
+  for (int i = 0; i < dicts; i++) {
+    dp_value_t d = t_dict(), k;
+    OK(dp_dict_set(d, dp_value_retain(s), dp_int(i), T_ERR));
+    OK(dp_list_append(list, d, T_ERR));
+    OK(dp_tuple_new(2, &k, T_ERR));
+    OK(dp_seq_set(k, 0, dp_int(i), T_ERR));
+    OK(dp_seq_set(k, 1, dp_value_retain(s), T_ERR));
+    d = t_dict();
+    OK(dp_dict_set(d, k, dp_int(i), T_ERR));
+    OK(dp_list_append(list, d, T_ERR));
+  }
+  dp_value_release(s);
+  return list;
+}
+
+Test(value, a_dict_key_shared_by_many_dicts_is_compared_once_by_equality) {
+  /* Two equal values built apart, each 200 dicts keyed by its own 100 kB
+   * str and 200 keyed by (i, that str): matching each dict's entry compared
+   * the two strs in full, 40 MB for 200 kB of values (quadratic); now the
+   * pair, once found equal, is remembered. */
+  enum { LEN = 100000, DICTS = 200 };
+  dp_value_t a = dicts_over_one_key(LEN, DICTS), b = dicts_over_one_key(LEN, DICTS);
+  unsigned flags[] = {0, DP_EQ_SHARING};
+  for (int f = 0; f < 2; f++) {
+    dp__key_bytes_compared = 0;
+    cr_assert_eq(dp_value_equal(a, b, flags[f], NULL), 1);
+    cr_assert_leq(dp__key_bytes_compared, 2 * LEN, "flags %u: %llu key bytes compared", flags[f],
+                  (unsigned long long)dp__key_bytes_compared);
+  }
+  /* and a str that differs is still told apart */
+  dp_value_t c = dicts_over_one_key(LEN - 1, DICTS);
+  cr_assert_eq(dp_value_equal(a, c, 0, NULL), 0);
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_value_release(c);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, an_equality_that_runs_out_of_memory_remembering_equal_keys_says_so) {
+  dp_value_t a = dicts_over_one_key(100, 20), b = dicts_over_one_key(100, 20);
+  int keys_failed = 0;
+  for (long k = 1; k < 50; k++) {
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_value_equal(a, b, 0, &e);
+    t_fail_at = 0;
+    if (rc == 1) break;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %d", k, rc);
+    keys_failed += strcmp(e.message, "out of memory comparing values (the comparison's pairs of equal dict keys)") == 0;
+  }
+  cr_assert_gt(keys_failed, 0, "no failure in remembering a pair of keys");
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
+
 static dp_value_t t_pair(dp_value_t x, dp_value_t y) {
   dp_value_t t;
   OK(dp_tuple_new(2, &t, T_ERR));

@@ -65,6 +65,13 @@ static int ps_put(pairset_t *s, const void *a, const void *b, const void **bout)
   return 0;
 }
 
+/* Whether (a, b) — or, keyed on a only, a — is in the set. */
+static int ps_has(pairset_t *s, const void *a, const void *b) {
+  pair_t key = {a, b};
+  size_t j;
+  return dp__table_find(&s->t, DP_TABLE_TAGGED, pair_hash(s, a, b), ps_eq, s, &key, &j) != DP_TABLE_NONE;
+}
+
 static void ps_free(pairset_t *s) {
   dp__table_destroy(&s->t, DP_TABLE_TAGGED);
   dp__free(s->pairs, s->cap * sizeof(pair_t));
@@ -75,6 +82,8 @@ typedef struct eq {
   size_t top, cap;
   pairset_t seen;      /* without sharing: pairs assumed equal */
   pairset_t ab, ba;    /* with sharing: the node bijection */
+  pairset_t keys;      /* dict keys found equal (key_same) */
+  int keys_rc;         /* its failure, or 0 */
   unsigned flags;
 } eq_t;
 
@@ -109,6 +118,38 @@ static int tensor_equal(dp_tensor_t *x, dp_tensor_t *y) {
          x->offset == y->offset && memcmp(x->dims, y->dims, 2 * (size_t)x->ndim * sizeof(int64_t)) == 0;
 }
 
+/* Dict keys, compared while a dict's entries are matched with the other's:
+ * a pair of keys found equal is remembered when either is shared, so that
+ * keys shared by many dicts — a long str, a tuple, or a tuple holding one —
+ * are compared once, not once a dict (10,000 dicts keyed by one 100 kB str
+ * compared 1 GB). Keys are bounded, acyclic trees (value.h): a pair enters
+ * the set once found equal, with no assumption to undo. Hash-equal keys that
+ * differ are found by what they keep (dp__key_kept_differ) or compared. */
+static int key_same(void *ctx, dp_value_t a, dp_value_t b) {
+  eq_t *e = ctx;
+  if (e->keys_rc || a.kind != b.kind) return 0;
+  if (a.kind < DP_STR) return dp__leaf_equal(a, b);
+  if (a.u.h == b.u.h) return 1;
+  if (dp__key_kept_differ(a, b)) return 0;
+  int shared = dp__rc(a.u.h) > 1 || dp__rc(b.u.h) > 1;
+  if (shared && ps_has(&e->keys, a.u.h, b.u.h)) return 1;
+  dp__key_nodes_walked++;
+  int same;
+  if (a.kind == DP_TUPLE) {
+    dp_seq_t *x = DP_SEQ(a), *y = DP_SEQ(b);
+    same = x->len == y->len;
+    for (size_t i = 0; same && i < x->len; i++) same = key_same(e, x->items[i], y->items[i]);
+  } else {
+    dp__key_bytes_compared += DP_STROBJ(a)->len;
+    same = dp__leaf_equal(a, b);
+  }
+  if (same && shared) {
+    int rc = ps_put(&e->keys, a.u.h, b.u.h, NULL);
+    if (rc < 0) e->keys_rc = rc;
+  }
+  return same && !e->keys_rc;
+}
+
 static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
   if (a.kind != b.kind) return 2;
   if (a.kind < DP_STR) return dp__leaf_equal(a, b) ? 0 : 2;
@@ -134,7 +175,9 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
       dp_dict_t *x = DP_DICT(a);
       if (x->len != DP_DICT(b)->len) return 2;
       for (size_t i = 0; i < x->len; i++) {
-        size_t at = dp__dict_find_with(b, x->entries[i].key, NULL, NULL); /* whatever the order of insertion */
+        /* whatever the order of insertion */
+        size_t at = dp__dict_find_with(b, x->entries[i].key, key_same, e);
+        if (e->keys_rc) return e->keys_rc;
         if (at == SIZE_MAX) return 2;
         const dp_entry_t *o = &DP_DICT(b)->entries[at];
         if ((e->flags & DP_EQ_SHARING) && eq_push(e, x->entries[i].key, o->key) != 0) return DP_ENOMEM;
@@ -165,6 +208,7 @@ int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t *err) 
   ps_init(&e.seen, 0);
   ps_init(&e.ab, 1);
   ps_init(&e.ba, 1);
+  ps_init(&e.keys, 0);
   int rc = eq_step(&e, a, b);
   while (rc == 0 && e.top > 0) {
     dp_value_t y = e.stack[--e.top];
@@ -175,8 +219,10 @@ int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t *err) 
   ps_free(&e.seen);
   ps_free(&e.ab);
   ps_free(&e.ba);
+  ps_free(&e.keys);
   if (rc < 0) return dp__err(err, rc, "out of memory comparing values (the comparison's %s)",
-                             flags & DP_EQ_SHARING ? "node bijection" : "stack and pairs");
+                             e.keys_rc ? "pairs of equal dict keys" : flags & DP_EQ_SHARING ? "node bijection"
+                                                                                         : "stack and pairs");
   return rc == 0 ? 1 : 0;
 }
 
