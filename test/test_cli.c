@@ -1300,6 +1300,49 @@ Test(cli, reading_value_json_fails_cleanly_at_every_allocation) {
   json_decref(j);
 }
 
+static int pack_text(const char *text, dp_value_t *v, char *msg, size_t msgsize) {
+  size_t pos;
+  json_t *j = vjson_parse(text, strlen(text), msg, msgsize, &pos);
+  cr_assert_not_null(j, "%s", msg);
+  int is_inline;
+  int rc = vjson_to_value(j, v, &is_inline, msg, msgsize);
+  json_decref(j);
+  return rc;
+}
+
+Test(cli, a_tuple_key_used_by_many_refs_is_looked_into_once_by_pack) {
+  /* a key of 512 tuples ($id "t") used by $ref in 2,000 dicts: each use
+   * looked into its 512 tuples for one still being built (a million lookups
+   * for 70 kB of JSON; 80,000 uses, 2.6 MB, took 7.9 s to pack, 2.7 s now) */
+  enum { INNER = 511, USES = 2000 };
+  size_t cap = 64 + INNER * 24 + USES * 48, n = 0;
+  char *text = malloc(cap);
+  n += (size_t)sprintf(text + n, "[{\"$id\": \"t\", \"$value\": {\"$tuple\": [");
+  for (int i = 0; i < INNER; i++) n += (size_t)sprintf(text + n, "%s{\"$tuple\": [%d]}", i ? ", " : "", i);
+  n += (size_t)sprintf(text + n, "]}}");
+  for (int i = 0; i < USES; i++) n += (size_t)sprintf(text + n, ", {\"$dict\": [[{\"$ref\": \"t\"}, %d]]}", i);
+  sprintf(text + n, "]");
+  vjson_key_tuples_walked = 0;
+  dp_value_t v;
+  char msg[512];
+  cr_assert_eq(pack_text(text, &v, msg, sizeof msg), 0, "%s", msg);
+  cr_assert_leq(vjson_key_tuples_walked, INNER + 1, "%llu key tuples looked into", vjson_key_tuples_walked);
+  cr_assert_eq(dp_dict_len(dp_seq_get(v, USES)), 1);
+  dp_value_release(v);
+  free(text);
+  /* a key holding a tuple still being built is refused, before and after
+   * the same tuple is looked into closed */
+  const char *open_key =
+      "{\"$id\": \"o\", \"$value\": {\"$tuple\": [{\"$dict\": [[{\"$tuple\": [{\"$ref\": \"o\"}]}, 1]]}]}}";
+  cr_assert_eq(pack_text(open_key, &v, msg, sizeof msg), DP_EINVAL);
+  cr_assert(strstr(msg, "dict key refers to a node that is still being built, at $[0]<key 0>") != NULL, "%s", msg);
+  const char *closed_then_open =
+      "[{\"$id\": \"c\", \"$value\": {\"$tuple\": [1]}}, {\"$dict\": [[{\"$ref\": \"c\"}, 1]]},"
+      " {\"$id\": \"o\", \"$value\": {\"$tuple\": [{\"$dict\": [[{\"$tuple\": [{\"$ref\": \"c\"}, {\"$ref\": \"o\"}]}, 1]]}]}}]";
+  cr_assert_eq(pack_text(closed_then_open, &v, msg, sizeof msg), DP_EINVAL);
+  cr_assert(strstr(msg, "still being built") != NULL, "%s", msg);
+}
+
 /* ---- dp_unpickle_stream, what verify, dump and inspect read with ---- */
 
 Test(cli, the_streamed_reader_fails_cleanly_at_every_allocation_and_matches_the_whole_reader) {

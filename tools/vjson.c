@@ -500,6 +500,7 @@ typedef struct rd {
   idnode_t *ids;
   size_t nids, idcap;
   idx_t by_name, by_node;
+  struct { const void **slot; size_t cap, n; } closed;  /* tuple keys found closed (key_is_open) */
   dp_ptrset_t *stset;      /* (device, ptr) -> storage index */
   dp_storage_t **storages;
   unsigned char *has_data;  /* per storage: a tensor of it carried "data" */
@@ -860,16 +861,49 @@ static int fill_seq(rd_t *r, json_t *a, dp_value_t seq, int depth) {
   return 0;
 }
 
+/* The slot of tuple node k in r->closed: its own, or the empty one where it
+ * would go (the set has room). */
+static const void **closed_slot(rd_t *r, const void *k) {
+  for (size_t j = node_hash(k) & (r->closed.cap - 1);; j = (j + 1) & (r->closed.cap - 1))
+    if (!r->closed.slot[j] || r->closed.slot[j] == k) return &r->closed.slot[j];
+}
+
+/* Remembers tuple node k as closed; out of memory only forgets it. */
+static void closed_add(rd_t *r, const void *k) {
+  if ((r->closed.n + 1) * 2 > r->closed.cap) {
+    size_t ocap = r->closed.cap, ncap = ocap ? 2 * ocap : 64;
+    const void **old = r->closed.slot, **ns = calloc(ncap, sizeof *ns);
+    if (!ns) return;
+    r->closed.slot = ns;
+    r->closed.cap = ncap;
+    for (size_t j = 0; j < ocap; j++)
+      if (old[j]) *closed_slot(r, old[j]) = old[j];
+    free(old);
+  }
+  *closed_slot(r, k) = k;
+  r->closed.n++;
+}
+
 /* Whether a (hashable, hence bounded) key holds a tuple still being filled:
- * only $id-named containers can be, so one lookup a tuple. */
+ * only $id-named containers can be, so one lookup a tuple. A tuple found
+ * closed stays closed (an $id's container is open only until it is filled,
+ * and a tuple's items are set once), so it is remembered and never walked
+ * again: a key of 1,023 nodes used by $ref in 80,000 dicts (2.6 MB of JSON)
+ * walked 4 x 10^7 nodes, half the 7.9 s that `pack` took. */
+unsigned long long vjson_key_tuples_walked;
+
 static int key_is_open(rd_t *r, dp_value_t k) {
   if (dp_value_kind(k) != DP_TUPLE) return 0;
+  const void *id = dp_value_id(k);
+  if (r->closed.cap && *closed_slot(r, id)) return 0;
+  vjson_key_tuples_walked++;
   if (r->by_node.cap) {
-    size_t *s = idx_probe(r, &r->by_node, NULL, 0, dp_value_id(k));
+    size_t *s = idx_probe(r, &r->by_node, NULL, 0, id);
     if (*s && r->ids[*s - 1].open) return 1;
   }
   for (size_t i = 0; i < dp_seq_len(k); i++)
     if (key_is_open(r, dp_seq_get(k, i))) return 1;
+  closed_add(r, id);
   return 0;
 }
 
@@ -1119,6 +1153,7 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   free(r.ids);
   free(r.by_name.slot);
   free(r.by_node.slot);
+  free(r.closed.slot);
   free(r.path);
   free(r.marks);
   dp_ptrset_free(r.stset);

@@ -25,6 +25,9 @@ json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_
  * storages carry "data" (each on at least one of its tensors) — such values
  * make inline frames. */
 int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t msgsize);
+/* Tuples of dict keys vjson_to_value has looked into for one still being
+ * built: a test counter (the CLI is one thread). */
+extern unsigned long long vjson_key_tuples_walked;
 
 /* Writes v as value JSON to out as it walks (no tree is built), indented by
  * `indent` spaces a level (0: compact), and a final newline. Memory: one
