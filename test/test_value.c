@@ -638,6 +638,28 @@ Test(value, equality_is_structural_and_terminates_on_cycles) {
   ASSERT_NO_LEAK();
 }
 
+Test(value, the_hash_of_a_value_reads_a_bounded_number_of_nodes_however_they_are_shared) {
+  /* 255 references to one 100,000-item list: the hash read every item of
+   * each (25 million); now 256 nodes in all, so two such values that differ
+   * only past them hash alike (equal values still hash equal, above) */
+  enum { ITEMS = 100000, REFS = 255 };
+  dp_value_t big[2], v[2];
+  for (int k = 0; k < 2; k++) {
+    OK(dp_list_new(ITEMS, &big[k], T_ERR));
+    for (int i = 0; i < ITEMS; i++) OK(dp_list_append(big[k], dp_int(i == ITEMS - 1 ? k : 0), T_ERR));
+    v[k] = t_list();
+    for (int i = 0; i < REFS; i++) OK(dp_list_append(v[k], dp_value_retain(big[k]), T_ERR));
+  }
+  cr_assert_eq(dp_value_equal(v[0], v[1], 0, NULL), 0);
+  cr_assert_eq(dp_value_hash(v[0]), dp_value_hash(v[1]), "the hash read past its budget");
+  cr_assert_eq(dp_value_hash(big[0]), dp_value_hash(big[1]));
+  for (int k = 0; k < 2; k++) {
+    dp_value_release(big[k]);
+    dp_value_release(v[k]);
+  }
+  ASSERT_NO_LEAK();
+}
+
 Test(value, dicts_and_objects_compare_regardless_of_order) {
   dp_value_t a, b;
   OK(dp_dict_new(0, &a, T_ERR));

@@ -314,10 +314,12 @@ DP_API void *dp_custom_data(dp_value_t c);
 DP_API int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t *err);
 
 /** XXH3-based hash consistent with dp_value_equal(a, b, 0): equal values hash
- *  equal. Looks at a bounded prefix of very large or cyclic values. Keyed
- *  with a secret drawn once per process (so that values built to collide
- *  cannot flood a table using it): stable within a process, different in
- *  the next one — never store it or send it. */
+ *  equal. Looks at its first 256 nodes (leaves included; a str or bytes
+ *  reads all its bytes the first time any hash takes it, then keeps its
+ *  hash) within 12 levels: a bounded prefix of large, shared or cyclic
+ *  values. Keyed with a secret drawn once per process (so that values built
+ *  to collide cannot flood a table using it): stable within a process,
+ *  different in the next one — never store it or send it. */
 DP_API uint64_t dp_value_hash(dp_value_t v);
 
 #ifdef __cplusplus
