@@ -55,4 +55,7 @@ int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_
  * gone once dp_pickle returned (a reduce state may have held the only
  * reference to it). */
 int dp__frame_buffer_not_local(const dp_frame_t *f, size_t i);
+/* Host bytes this thread's pickles compared between storages at one
+ * (device, base): a test counter. */
+extern _Thread_local uint64_t dp__buffer_bytes_compared;
 #endif

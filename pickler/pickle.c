@@ -33,6 +33,15 @@ struct dp_frame {
   frame_buf_t *storages;   /* the storage behind each buffer id, as first met */
   size_t nstorages, storages_cap;
   dp_storage_t *checked;   /* the last other storage found to match its buffer */
+  /* Every other storage found to match its buffer in this pickle: each is
+   * compared once, not once a tensor (tensors alternating between two such
+   * storages of one 1 MB buffer compared 1 MB each). A cache: one that
+   * cannot grow only forgets. */
+  struct {
+    dp__table_t t;
+    dp_storage_t **st;
+    size_t cap;
+  } agreed;
   int is_inline;
   int busy;                /* a dp_pickle into it has not returned (reduce and read call back) */
   /* The writer's error discipline (mpack's): its first error is kept in
@@ -125,6 +134,7 @@ int dp_frame_new(dp_frame_t **out, dp_error_t *err) {
   dp_frame_t *f = dp__alloc(sizeof *f);
   if (!f) return dp__err(err, DP_ENOMEM, "out of memory allocating a frame");
   memset(f, 0, sizeof *f);
+  dp__table_init(&f->agreed.t);
   dp__walker_init(&f->walker);
   int rc = dp_ptrset_new(&f->set, err);
   if (rc) {
@@ -142,6 +152,8 @@ void dp_frame_free(dp_frame_t *f) {
   dp__free(f->buf, f->cap);
   dp__free(f->data_off, f->data_off_cap * sizeof(uint64_t));
   dp__free(f->storages, f->storages_cap * sizeof *f->storages);
+  dp__table_destroy(&f->agreed.t, DP_TABLE_TAGGED);
+  dp__free(f->agreed.st, f->agreed.cap * sizeof *f->agreed.st);
   dp__free(f, sizeof *f);
 }
 
@@ -247,6 +259,31 @@ static int sink_attr(void *ctx, const char *name, size_t n) {
   return put_str(ctx, name, n);
 }
 
+_Thread_local uint64_t dp__buffer_bytes_compared;
+
+static inline __attribute__((always_inline)) int agreed_eq(const void *ctx, size_t i, const void *key) {
+  return ((const dp_frame_t *)ctx)->agreed.st[i] == key;
+}
+static uint64_t agreed_hash_at(const void *ctx, size_t i) {
+  return dp__hash_ptr(((const dp_frame_t *)ctx)->agreed.st[i]);
+}
+
+/* Whether st was found to agree with its buffer in this pickle; if not and
+ * `add`, it is now (out of memory: not remembered). */
+static int agreed(dp_frame_t *f, dp_storage_t *st, int add) {
+  uint64_t h = dp__hash_ptr(st);
+  size_t j, n = f->agreed.t.count;
+  if (dp__table_find(&f->agreed.t, DP_TABLE_TAGGED, h, agreed_eq, f, st, &j) != DP_TABLE_NONE) return 1;
+  if (!add || dp__grow((void **)&f->agreed.st, &f->agreed.cap, n + 1, sizeof *f->agreed.st) != 0) return 0;
+  if (dp__table_full(&f->agreed.t)) {
+    if (dp__table_grow(&f->agreed.t, DP_TABLE_TAGGED, n, 16, agreed_hash_at, f) != 0) return 0;
+    j = dp__table_empty_slot(&f->agreed.t, DP_TABLE_TAGGED, h);
+  }
+  f->agreed.st[n] = st;
+  dp__table_put(&f->agreed.t, DP_TABLE_TAGGED, j, h, n);
+  return 0;
+}
+
 /* Two storages at one (device, base) become one buffer: they must agree on
  * its size and, in an inline frame, on its bytes (the frame carries those of
  * the first). Refused otherwise, whichever is met first. */
@@ -254,6 +291,10 @@ static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *s
   dp__walker_t *w = frame_walker(f);
   char dev[16];
   const char *why = NULL;
+  if (agreed(f, st, 0)) {
+    f->checked = st;
+    return 0;
+  }
   if (first->nbytes != st->nbytes) {
     return writer_fail(f, DP_EINVAL, "storages of %s %p differ in size (%zu and %zu bytes) at %s: a frame has "
                    "one buffer per (device, base)", dp_device_format(st->device, dev, sizeof dev), st->base,
@@ -262,7 +303,8 @@ static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *s
   if (f->is_inline) {
     if ((first->host_data == NULL) != (st->host_data == NULL))
       why = "only one carries host bytes";
-    else if (first->host_data && st->nbytes && memcmp(first->host_data, st->host_data, st->nbytes) != 0)
+    else if (first->host_data && st->nbytes && (dp__buffer_bytes_compared += st->nbytes,
+                                                 memcmp(first->host_data, st->host_data, st->nbytes) != 0))
       why = "their host bytes differ";
     if (why)
       return writer_fail(f, DP_EINVAL, "storages of %s %p (%zu bytes) disagree at %s: %s; a frame has one "
@@ -270,6 +312,7 @@ static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *s
                      st->nbytes, dp__walker_path(w), why);
   }
   f->checked = st;
+  agreed(f, st, 1);
   return 0;
 }
 
@@ -385,6 +428,7 @@ static int pickle_into(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f
   f->end = f->cap;
   f->nstorages = 0;
   f->checked = NULL;
+  dp__table_clear(&f->agreed.t, DP_TABLE_TAGGED);
   f->is_inline = opts && (opts->flags & DP_PICKLE_INLINE);
   dp_ptrset_clear(f->set);
   int rc = frame_reserve(f, DP_FRAME_HEADER);

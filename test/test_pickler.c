@@ -2077,6 +2077,50 @@ Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
   ASSERT_NO_LEAK();
 }
 
+extern _Thread_local uint64_t dp__buffer_bytes_compared;  /* pickler/frame.h */
+
+Test(pickler, a_storage_that_agrees_with_its_buffer_is_compared_once_a_pickle) {
+  /* three storages of one 64 kB allocation, the last two used by 200
+   * tensors in turn: each of those tensors compared 64 kB (13 MB for a
+   * value of 200 kB); now each storage is compared once a pickle */
+  enum { NB = 65536, TENSORS = 200 };
+  uint8_t *bytes = malloc(NB);
+  for (int i = 0; i < NB; i++) bytes[i] = (uint8_t)(i * 7);
+  dp_storage_t *st[3];
+  for (int k = 0; k < 3; k++) {
+    st[k] = t_storage(CUDA0, 0x100000, NB);
+    OK(dp_storage_set_host_data(st[k], bytes, T_ERR));
+  }
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_view(st[0], 4, 0), T_ERR));
+  for (int i = 0; i < TENSORS; i++) OK(dp_list_append(l, t_view(st[1 + i % 2], 4, i), T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_pickle_opts_t io = {DP_PICKLE_INLINE, 0, NULL, NULL};
+  for (int round = 0; round < 2; round++) {  /* a frame reused compares afresh */
+    dp__buffer_bytes_compared = 0;
+    OK(dp_pickle(l, &io, f, T_ERR));
+    cr_assert_eq(dp__buffer_bytes_compared, 2 * NB, "%llu bytes compared",
+                 (unsigned long long)dp__buffer_bytes_compared);
+    cr_assert_eq(dp_frame_nbuffers(f), 1);
+  }
+  /* one that disagrees is still refused, however many agreed before it */
+  dp_storage_t *odd = t_storage(CUDA0, 0x100000, NB);
+  bytes[NB - 1] ^= 1;
+  OK(dp_storage_set_host_data(odd, bytes, T_ERR));
+  OK(dp_list_append(l, t_view(odd, 4, 0), T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(l, &io, f, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "storages of cuda:0 0x100000 (65536 bytes) disagree at $[201]: their host bytes differ; "
+                              "a frame has one buffer per (device, base)");
+  dp_frame_free(f);
+  dp_value_release(l);
+  for (int k = 0; k < 3; k++) dp_storage_release(st[k]);
+  dp_storage_release(odd);
+  free(bytes);
+  ASSERT_NO_LEAK();
+}
+
 /* The writer: two storages at one (device, base) must agree, whichever
  * comes first. */
 Test(pickler, storages_that_disagree_about_one_allocation_are_not_pickled) {
