@@ -1343,6 +1343,44 @@ Test(cli, a_tuple_key_used_by_many_refs_is_looked_into_once_by_pack) {
   cr_assert(strstr(msg, "still being built") != NULL, "%s", msg);
 }
 
+Test(cli, a_long_str_keying_many_dicts_is_scanned_once_by_unpack) {
+  /* 500 dicts keyed by one 100 kB str: whether the key could be a plain
+   * JSON key was asked by scanning its bytes for a NUL before looking at its
+   * sharing, 50 MB for 100 kB of value; now a shared key is never scanned */
+  enum { LEN = 100000, DICTS = 500 };
+  char *text = malloc(LEN);
+  memset(text, 'k', LEN);
+  dp_value_t s, l, d;
+  cr_assert_eq(dp_str_new(text, LEN, &s, NULL), 0);
+  cr_assert_eq(dp_list_new(0, &l, NULL), 0);
+  for (int i = 0; i < DICTS; i++) {
+    cr_assert_eq(dp_dict_new(1, &d, NULL), 0);
+    cr_assert_eq(dp_dict_set(d, dp_value_retain(s), dp_int(i), NULL), 0);
+    cr_assert_eq(dp_list_append(l, d, NULL), 0);
+  }
+  /* and one dict keyed by a str of its own, which may be plain */
+  cr_assert_eq(dp_dict_new(1, &d, NULL), 0);
+  cr_assert_eq(dp_dict_set(d, t_str("own"), dp_int(0), NULL), 0);
+  cr_assert_eq(dp_list_append(l, d, NULL), 0);
+  dp_value_release(s);
+  free(text);
+  FILE *out = fopen("/dev/null", "w");
+  char msg[256];
+  vjson_key_bytes_scanned = 0;
+  cr_assert_eq(vjson_write(out, l, 0, msg, sizeof msg), 0, "%s", msg);
+  fclose(out);
+  cr_assert_leq(vjson_key_bytes_scanned, 3, "%llu key bytes scanned", vjson_key_bytes_scanned);
+  /* the shared key is written once, then referred to */
+  json_t *j = vjson_from_value(l, msg, sizeof msg);
+  cr_assert_not_null(j, "%s", msg);
+  json_t *pair = json_array_get(json_object_get(json_array_get(j, 1), "$dict"), 0);
+  const char *ref = json_string_value(json_object_get(json_array_get(pair, 0), "$ref"));
+  cr_assert(ref && strcmp(ref, "n0") == 0, "the second dict's key is not {\"$ref\": \"n0\"}");
+  cr_assert_not_null(json_object_get(json_array_get(j, DICTS), "own"), "a key of its own stays a plain key");
+  json_decref(j);
+  dp_value_release(l);
+}
+
 /* ---- dp_unpickle_stream, what verify, dump and inspect read with ---- */
 
 Test(cli, the_streamed_reader_fails_cleanly_at_every_allocation_and_matches_the_whole_reader) {

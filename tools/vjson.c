@@ -1448,12 +1448,21 @@ static void emit_tensor(wr_t *w, dp_value_t v) {
   close_(w, '}', outer);
 }
 
+unsigned long long vjson_key_bytes_scanned;
+
+/* Whether dict key k can be a plain JSON object key: a str met once (a
+ * shared one is written as an $id or $ref), not empty, not opening with '$',
+ * without NUL. Sharing is looked up before the bytes are scanned, so that a
+ * long str keying many dicts is scanned once at most, not once a dict (a
+ * 1 MB key of 80,000 dicts, a 1.8 MB frame, took 9.4 s to unpack). */
 static int plain_key(wr_t *w, dp_value_t k) {
   size_t n;
   const char *s = dp_str_data(k, &n);
-  if (!s || n == 0 || s[0] == '$' || memchr(s, 0, n)) return 0;
+  if (!s || n == 0 || s[0] == '$') return 0;
   wslot_t *sl = wslot(w, dp_value_id(k), 0);
-  return !sl || sl->count == 1;
+  if (sl && sl->count != 1) return 0;
+  vjson_key_bytes_scanned += n;
+  return !memchr(s, 0, n);
 }
 
 static void emit_seq(wr_t *w, dp_value_t v) {

@@ -35,6 +35,9 @@ extern unsigned long long vjson_key_tuples_walked;
  * code with msg (a custom, nesting deeper than VJSON_MAX_DEPTH, no memory, or
  * DP_EIO when a write failed: check ferror(out)). */
 int vjson_write(FILE *out, dp_value_t v, int indent, char *msg, size_t msgsize);
+/* Bytes of str dict keys vjson_write has scanned to tell whether they can be
+ * plain JSON keys: a test counter. */
+extern unsigned long long vjson_key_bytes_scanned;
 
 /* Renders a value as value JSON (new reference), or NULL with msg: the text
  * vjson_write gives, parsed back. For tests and fuzzers. */
