@@ -194,8 +194,9 @@ static inline int dp__key_kept_differ(dp_value_t a, dp_value_t b) {
   return x && y && x != y;
 }
 
-/* The one hash of values (value.c): dict keys and dp_value_hash. Cut below
- * max_depth levels and after *budget container nodes. */
+/* The hash of values behind dp_value_hash (value.c; dict keys hash with the
+ * same leaf hashes and mix, uncut, keeping tuple words). Cut below max_depth
+ * levels and after *budget nodes, leaves included. */
 uint64_t dp__hash_value(dp_value_t v, int depth, int max_depth, size_t *budget);
 
 /* The one equality of leaves (none, bool, int, float bitwise, str, bytes)
