@@ -19,6 +19,12 @@
  * order; the callbacks of one future stay in registration order. A wait
  * nested in a callback runs the queue first, so that a callback may wait on
  * what it completed.
+ *
+ * A pending future keeps links to what its completion waits for (a then()
+ * child's parent, a collect_all's pending inputs), without references, so
+ * that a wait from a callback can follow them up to the running callback's
+ * child and refuse to wait for itself (waits_on_running). A link is cut
+ * under its holder's lock before the future it names can go.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -79,6 +85,16 @@ struct dp_future {
   record_t rec;
   cbent_t *cbs;
   dp_future_t *free_next;  /* on a trampoline's free queue */
+  /* While pending, the futures whose completion its own waits for: a
+   * then() child's parent (dep), a collect_all's inputs (its collect's
+   * array), so that a wait from a callback can tell that it would wait for
+   * itself (waits_on_running). No references: an input's slot is cleared
+   * under mu when its callback runs or it is released pending, before its
+   * memory can go, and deps goes when f completes. ndeps is set before f is
+   * shared and never changes. */
+  dp_future_t **deps;
+  size_t ndeps;
+  dp_future_t *dep;
 };
 
 /* ---- the trampoline: one per thread ---- */
@@ -253,6 +269,15 @@ static int future_like(const dp_future_t *p, dp_future_t **out, dp_error_t *err)
 dp_future_t *dp_future_retain(dp_future_t *f) {
   if (f) dp__ref_inc(&f->refs);
   return f;
+}
+
+/* A reference to f unless its last one went already (its memory is then
+ * still there only while something holds back its free: see deps). */
+static int try_retain(dp_future_t *f) {
+  uint32_t n = dp__load_relaxed(&f->refs);
+  while (n)
+    if (dp__cas_acq_rel(&f->refs, &n, n + 1)) return 1;
+  return 0;
 }
 
 static void record_free(record_t *r) {
@@ -453,6 +478,7 @@ static int publish_only(const char *fn, dp_future_t *f, dp_value_t value, record
   }
   *cbs = f->cbs;
   f->cbs = NULL;
+  f->deps = NULL; /* it waits for nothing now */
   pthread_cond_broadcast(&f->cv);
   pthread_mutex_unlock(&f->mu);
   return 0;
@@ -572,10 +598,87 @@ static int completed_by_running(const tramp_t *t, const dp_future_t *f) {
   return 0;
 }
 
-#define WAITS_FOR_ITSELF (-1)
+/* 1 when a then() callback runs on this thread (its child in a level). */
+static int running_child(const tramp_t *t) {
+  for (const level_t *lv = t->top; lv; lv = lv->outer)
+    if (lv->child) return 1;
+  return 0;
+}
 
-/* f's state once complete or timed out, or WAITS_FOR_ITSELF. */
-static int wait_done(dp_future_t *f, int64_t timeout_ns) {
+/* A future reached from the one waited on: a reference, and its place in
+ * the set of those seen. */
+typedef struct reach {
+  dp_future_t *f;
+  size_t at;
+} reach_t;
+
+#define REACH_INLINE 32
+
+/* 1 when f (pending) completes only after the child of a then() callback
+ * running on this thread, which only that callback's return can complete:
+ * a chain of pending futures leads there from f through the links of deps
+ * (then() parents, collect_all inputs). 0 when none does; else an error
+ * (out of memory), in *e.
+ *
+ * Each future is visited once: the seen set's first k entries are the
+ * running children, so that one look-up both skips a future met before and
+ * finds a running child. One lock is held at a time and nothing is
+ * allocated or called under it. The links hold no references, so a future
+ * is followed under one taken while its dependant's lock holds back its
+ * free (see deps) — unless its last one went already: its release then
+ * completes the dependant (cancel), so it is no wait for itself. */
+static int waits_on_running(tramp_t *t, dp_future_t *f, dp_error_t *e) {
+  int owned, found = 0, rc;
+  dp_ptrset_t *seen = scratch_get(&owned, e);
+  if (!seen) return e->code;
+  const dp_device_t key = {DP_DEVICE_CPU, 0};
+  rc = 0;
+  for (const level_t *lv = t->top; lv && rc == 0; lv = lv->outer)
+    if (lv->child) rc = dp_ptrset_add(seen, key, (void *)lv->child, 1, NULL, e);
+  size_t k = dp_ptrset_count(seen), at, cap = REACH_INLINE, sp = 0;
+  reach_t inl[REACH_INLINE], *stack = inl;
+  if (rc == 0 && (rc = dp_ptrset_add(seen, key, f, 1, &at, e)) == 0) stack[sp++] = (reach_t){dp_future_retain(f), at};
+  while (rc == 0 && sp && !found) {
+    reach_t x = stack[--sp];
+    size_t from = sp, n = x.f->ndeps;
+    if ((rc = dp__grow_inl((void **)&stack, &cap, sp + n, sizeof *stack, inl)) != 0) {
+      dp_future_release(x.f);
+      dp__err(e, rc, "out of memory following what the future waits for");
+      break;
+    }
+    pthread_mutex_lock(&x.f->mu);
+    if (dp__load_relaxed(&x.f->state) == PENDING) {
+      if (x.at < k) found = 1;
+      else
+        for (size_t i = 0; i < n; i++)
+          if (x.f->deps[i] && try_retain(x.f->deps[i])) stack[sp++].f = x.f->deps[i];
+    }
+    pthread_mutex_unlock(&x.f->mu);
+    dp_future_release(x.f); /* in a callback: a last one only queues the free */
+    /* keep those not seen before, and running children (looked at when
+       taken: one completed by hand is no wait for itself) */
+    size_t keep = from;
+    for (size_t i = from; i < sp; i++) {
+      size_t before = dp_ptrset_count(seen);
+      if (rc == 0) rc = dp_ptrset_add(seen, key, stack[i].f, 1, &at, e);
+      if (rc == 0 && (at < k || dp_ptrset_count(seen) > before)) stack[keep++] = (reach_t){stack[i].f, at};
+      else dp_future_release(stack[i].f);
+    }
+    sp = keep;
+  }
+  while (sp) dp_future_release(stack[--sp].f);
+  dp__free_inl(stack, cap, sizeof *stack, inl);
+  scratch_put(seen, owned);
+  return rc ? rc : found;
+}
+
+/* past the states; errors are negative */
+#define WAITS_FOR_ITSELF 3
+#define WAITS_THROUGH 4
+
+/* f's state once complete or timed out; WAITS_FOR_ITSELF (f is a running
+ * callback's child), WAITS_THROUGH (f waits for one), or an error in *e. */
+static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
   /* In a callback, f may be waiting on work queued on this very thread:
    * run it first (the queue keeps its order; nothing runs under a lock).
    * So do the callbacks the running callback queued for f itself (it
@@ -595,6 +698,13 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns) {
     /* refused at once, with a limit or without (as a host function that
        would wait for itself is: device.h), not a hang or a spent limit */
     if (dp__load_acquire(&f->state) == PENDING && completed_by_running(t, f)) return WAITS_FOR_ITSELF;
+    if (dp__load_acquire(&f->state) == PENDING && running_child(t)) {
+      int rc = waits_on_running(t, f, e);
+      if (rc) return rc == 1 ? WAITS_THROUGH : rc;
+      /* frees its releases queued (what they cancel may complete f) */
+      while (!dp_future_is_done(f) && tramp_step(t)) {
+      }
+    }
   }
   /* A completion often follows soon (a reply, a short kernel): look for it
    * a while before sleeping, which costs a wake-up (a futex and a
@@ -640,10 +750,18 @@ static int join_device(dp_future_t *f, size_t i, dp_stream_t *s, dp_error_t *err
 
 /* dp_future_wait, its timeout named as fn's */
 static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
-  int state = wait_done(f, timeout_ns);
+  dp_error_t e;
+  int state = wait_done(f, timeout_ns, &e);
   if (state == WAITS_FOR_ITSELF)
     return dp__err(err, DP_EMISUSE,
                    "%s: called from the then() callback whose result completes the future: it would wait for itself", fn);
+  if (state == WAITS_THROUGH)
+    return dp__err(err, DP_EMISUSE,
+                   "%s: called from a then() callback, on a future that waits (through then() parents and collect_all "
+                   "inputs) for the child of a then() callback running on this thread, which only that callback's "
+                   "return completes: it would wait for itself",
+                   fn);
+  if (state < 0) return dp__err(err, state, "%s: %s", fn, e.message);
   if (state == PENDING)
     return dp__err(err, DP_ETIMEDOUT, "%s: the future did not complete within %lld ns", fn, (long long)timeout_ns);
   if (state == FAILED) return get_error(f, err);
@@ -854,6 +972,10 @@ static int then_entry(dp_future_t *f, dp_then_cb cb, dp_then_ptrs_cb ptrs_cb, vo
   e->ptrs_cb = ptrs_cb;
   e->ud = ud;
   e->child = dp_future_retain(c);
+  /* before c is shared: the link waits_on_running follows */
+  c->dep = f;
+  c->deps = &c->dep;
+  c->ndeps = 1;
   *child = c;
   add_callback(f, e);
   return 0;
@@ -881,15 +1003,19 @@ typedef struct collect {
   _Atomic size_t remaining;
   size_t n;
   dp_future_t **in;
+  dp_future_t **pending; /* out's deps: input i until its callback ran (in's second half) */
   dp_future_t *out;
 } collect_t;
+
+/* Room for in and pending: two slots an input, one at least. */
+static size_t collect_slots(size_t n) { return n ? 2 * n : 1; }
 
 static void collect_drop(void *p) {
   collect_t *c = p;
   if (!dp__ref_dec(&c->refs)) return;
   for (size_t i = 0; i < c->n; i++)
     if (c->in[i]) dp_future_release(c->in[i]);
-  dp__free(c->in, (c->n ? c->n : 1) * sizeof *c->in); /* as allocated: one slot at least */
+  dp__free(c->in, collect_slots(c->n) * sizeof *c->in);
   dp_future_release(c->out);
   dp__free(c, sizeof *c);
 }
@@ -960,6 +1086,11 @@ static void collect_finish(collect_t *c) {
 
 static void collect_one(void *p, dp_future_t *parent, size_t index) {
   collect_t *c = p;
+  /* out no longer waits for it; cleared before a released input's memory
+     goes (its cancel calls this) */
+  pthread_mutex_lock(&c->out->mu);
+  c->pending[index] = NULL;
+  pthread_mutex_unlock(&c->out->mu);
   c->in[index] = parent ? dp_future_retain(parent) : NULL;
   /* acq_rel: the last input sees every other input's store */
   if (dp__ref_dec(&c->remaining)) collect_finish(c);
@@ -976,7 +1107,7 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
   if (rc) return rc;
   collect_t *c = dp__alloc(sizeof *c);
   cbent_t **es = c ? dp__alloc_array(n ? n : 1, sizeof *es) : NULL;
-  dp_future_t **in = c ? dp__alloc_array(n ? n : 1, sizeof *in) : NULL;
+  dp_future_t **in = c ? dp__alloc_array(collect_slots(n), sizeof *in) : NULL;
   size_t made = 0;
   if (es && in)
     for (; made < n; made++)
@@ -984,17 +1115,25 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
   if (!c || !es || !in || made < n) {
     for (size_t i = 0; i < made; i++) dp__free(es[i], sizeof(cbent_t));
     dp__free(es, es ? (n ? n : 1) * sizeof *es : 0);
-    dp__free(in, in ? (n ? n : 1) * sizeof *in : 0);
+    dp__free(in, in ? collect_slots(n) * sizeof *in : 0);
     dp__free(c, c ? sizeof *c : 0);
     dp_future_release(o);
     return dp__err(err, DP_ENOMEM, "out of memory collecting futures");
   }
   c->n = n;
   c->in = in;
+  c->pending = in + n;
   c->out = dp_future_retain(o);
   dp__atomic_init(&c->refs, (uint32_t)n + 1);
   dp__atomic_init(&c->remaining, n);
-  for (size_t i = 0; i < n; i++) c->in[i] = NULL;
+  for (size_t i = 0; i < n; i++) {
+    c->in[i] = NULL;
+    c->pending[i] = futures[i];
+  }
+  /* before o is shared (an input's callback may run at once): the links
+     waits_on_running follows */
+  o->deps = c->pending;
+  o->ndeps = n;
   if (n == 0) { /* complete at once: with [], or failed (out of memory), never left pending */
     dp_value_t empty;
     dp_error_t e;

@@ -1917,3 +1917,293 @@ Test(future, a_then_with_pointers_callback_that_cannot_run_is_told_so_once) {
   }
   cr_assert(told_not_run > 0, "some failed allocation kept the streams from being set up");
 }
+
+/* A test that hung before its fix ends after `seconds` instead (SIGALRM
+ * kills its process: the test crashes, so it fails) rather than hang the
+ * suite. Not Criterion's .timeout: its runner leaks a record when timed
+ * tests overlap under --jobs 2, which fails test-asan. */
+static void watchdog(unsigned seconds) { alarm(seconds); }
+
+/* A callback that waits on a future which completes only after its own
+ * child — its grandchild (child.then()), a collect_all over its child, any
+ * chain of then() and collect_all links down from it — waited for itself
+ * as surely as one that waits on the child: an untimed wait hung the thread
+ * for good, a timed one spent its whole limit. DP_EMISUSE at once, saying
+ * why. (The callback is wait_on_own_child above, given the future to wait
+ * on in child.) */
+#define WAITS_THROUGH(fn)                                                                                      \
+  fn ": called from a then() callback, on a future that waits (through then() parents and collect_all inputs) " \
+     "for the child of a then() callback running on this thread, which only that callback's return completes: " \
+     "it would wait for itself"
+
+static void assert_refused_at_once(const self_wait_t *x, int64_t limit) {
+  cr_assert_eq(x->rc, DP_EMISUSE, "limit %lld: %s: %s", (long long)limit, dp_err_name(x->rc), x->err.message);
+  cr_assert_str_eq(x->err.message, WAITS_THROUGH("dp_future_synchronize"));
+  cr_assert_lt(x->took_s, 1.0, "refused at once, not after the limit (%.3f s)", x->took_s);
+}
+
+Test(future, a_callback_waiting_on_its_grandchild_is_emisuse_at_once_not_a_hang) {
+  watchdog(20);
+  int64_t limits[2] = {-1, 5000000000ll};
+  for (int i = 0; i < 2; i++) {
+    self_wait_t x = {NULL, limits[i], 0, 0, {0}};
+    dp_future_t *f = future(), *child;
+    OK(dp_future_then(f, wait_on_own_child, &x, &child, T_ERR));
+    OK(dp_future_then(child, returns_two, NULL, &x.child, T_ERR));
+    OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+    assert_refused_at_once(&x, limits[i]);
+    OK(dp_future_wait(x.child, -1, T_ERR)); /* completed once the callback returned */
+    cr_assert_eq(dp_value_as_int(dp_future_value(x.child)), 2);
+    dp_future_release(x.child);
+    dp_future_release(child);
+    dp_future_release(f);
+  }
+}
+
+Test(future, a_callback_waiting_on_a_collect_all_over_its_own_child_is_emisuse_at_once_not_a_hang) {
+  watchdog(20);
+  int64_t limits[2] = {-1, 5000000000ll};
+  for (int i = 0; i < 2; i++) {
+    self_wait_t x = {NULL, limits[i], 0, 0, {0}};
+    dp_future_t *f = future(), *done = future(), *child;
+    OK(dp_future_mark_completed(done, dp_int(3), T_ERR));
+    OK(dp_future_then(f, wait_on_own_child, &x, &child, T_ERR));
+    dp_future_t *in[2] = {done, child};
+    OK(dp_future_collect_all(in, 2, NULL, &x.child, T_ERR));
+    OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+    assert_refused_at_once(&x, limits[i]);
+    OK(dp_future_wait(x.child, -1, T_ERR));
+    cr_assert_eq(dp_seq_len(dp_future_value(x.child)), 2);
+    dp_future_release(x.child);
+    dp_future_release(child);
+    dp_future_release(done);
+    dp_future_release(f);
+  }
+}
+
+/* The links are followed however long the way: ten thousand then() links,
+ * a collect_all that also waits on a future another thread completes
+ * later, then ten thousand more. */
+Test(future, a_callback_waiting_on_a_long_chain_down_from_its_child_is_emisuse_at_once) {
+  watchdog(30);
+  enum { LINKS = 10000 };
+  self_wait_t x = {NULL, -1, 0, 0, {0}};
+  dp_future_t *f = future(), *later = future(), *child, *link;
+  OK(dp_future_then(f, wait_on_own_child, &x, &child, T_ERR));
+  link = dp_future_retain(child);
+  for (int half = 0; half < 2; half++) {
+    for (int i = 0; i < LINKS; i++) {
+      dp_future_t *next;
+      OK(dp_future_then(link, returns_two, NULL, &next, T_ERR));
+      dp_future_release(link);
+      link = next;
+    }
+    if (half == 0) { /* the unrelated input first: followed first, to its end */
+      dp_future_t *in[2] = {later, link}, *agg;
+      OK(dp_future_collect_all(in, 2, NULL, &agg, T_ERR));
+      dp_future_release(link);
+      link = agg;
+    }
+  }
+  x.child = link;
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  assert_refused_at_once(&x, -1);
+  OK(dp_future_mark_completed(later, dp_int(0), T_ERR));
+  OK(dp_future_wait(link, -1, T_ERR));
+  dp_future_release(link);
+  dp_future_release(child);
+  dp_future_release(later);
+  dp_future_release(f);
+}
+
+/* A callback nested in another (run by the outer one's wait) that waits on
+ * the outer callback's grandchild waits for the outer callback's return,
+ * which waits for it. */
+static self_wait_t nested_wait;
+static dp_future_t *nested_g, *nested_child;
+
+static int complete_g_and_wait_on_its_child(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  OK(dp_future_mark_completed(nested_g, dp_int(1), T_ERR)); /* queues g's callback: wait_on_own_child */
+  OK(dp_future_wait(nested_child, -1, T_ERR));              /* runs it, nested in this one */
+  return 0;
+}
+
+Test(future, a_nested_callback_waiting_on_the_grandchild_of_the_callback_it_runs_in_is_emisuse) {
+  watchdog(20);
+  dp_future_t *f = future(), *outer_child, *grandchild;
+  nested_g = future();
+  nested_wait = (self_wait_t){NULL, -1, 0, 0, {0}};
+  OK(dp_future_then(nested_g, wait_on_own_child, &nested_wait, &nested_child, T_ERR));
+  OK(dp_future_then(f, complete_g_and_wait_on_its_child, NULL, &outer_child, T_ERR));
+  OK(dp_future_then(outer_child, returns_two, NULL, &grandchild, T_ERR));
+  nested_wait.child = grandchild;
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  assert_refused_at_once(&nested_wait, -1);
+  OK(dp_future_wait(grandchild, -1, T_ERR));
+  dp_future_release(grandchild);
+  dp_future_release(outer_child);
+  dp_future_release(nested_child);
+  dp_future_release(nested_g);
+  dp_future_release(f);
+}
+
+/* Negative control: waits from a callback that wait for nothing of its own
+ * still work — on complete futures, and on a pending one (a then() child,
+ * an aggregate of a diamond 64 collect_alls deep: 2^64 ways up, each future
+ * looked at once) that another thread completes. */
+typedef struct {
+  dp_future_t *done, *done_child, *pending;
+  int rc[3];
+  dp_error_t err[3];
+} legit_t;
+
+static int waits_legitimately(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  legit_t *l = ud;
+  l->rc[0] = dp_future_wait(l->done, -1, &l->err[0]);
+  l->rc[1] = dp_future_synchronize(l->done_child, -1, &l->err[1]);
+  l->rc[2] = dp_future_wait(l->pending, 20000000000ll, &l->err[2]);
+  return 0;
+}
+
+static void *complete_later(void *p) {
+  struct timespec ts = {0, 50000000};
+  nanosleep(&ts, NULL);
+  OK(dp_future_mark_completed(p, dp_int(4), T_ERR));
+  return NULL;
+}
+
+Test(future, a_callback_may_still_wait_on_futures_that_do_not_wait_for_it) {
+  watchdog(30);
+  dp_future_t *f = future(), *root = future(), *child, *link;
+  legit_t l = {future(), NULL, NULL, {0}, {{0}}};
+  OK(dp_future_mark_completed(l.done, dp_int(1), T_ERR));
+  OK(dp_future_then(l.done, returns_two, NULL, &l.done_child, T_ERR));
+  OK(dp_future_then(root, returns_two, NULL, &link, T_ERR));
+  for (int i = 0; i < 64; i++) {
+    dp_future_t *in[2] = {link, link}, *agg;
+    OK(dp_future_collect_all(in, 2, NULL, &agg, T_ERR));
+    dp_future_release(link);
+    link = agg;
+  }
+  l.pending = link;
+  OK(dp_future_then(f, waits_legitimately, &l, &child, T_ERR));
+  pthread_t th;
+  pthread_create(&th, NULL, complete_later, root);
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  pthread_join(th, NULL);
+  for (int i = 0; i < 3; i++) cr_assert_eq(l.rc[i], 0, "wait %d: %s: %s", i, dp_err_name(l.rc[i]), l.err[i].message);
+  OK(dp_future_wait(child, -1, T_ERR));
+  dp_future_release(child);
+  dp_future_release(link);
+  dp_future_release(l.done_child);
+  dp_future_release(l.done);
+  dp_future_release(root);
+  dp_future_release(f);
+}
+
+/* The links are followed while other threads complete and release the
+ * futures on them: a callback polls a collect_all's then() child while
+ * another thread completes half its inputs and drops the last reference
+ * to the other half (cancelling them). No future is read after it went,
+ * no link is left dangling (the TSan build runs this too), and the wait
+ * ends with the cancellation. */
+enum { RACE_INPUTS = 64 };
+typedef struct {
+  dp_future_t *in[RACE_INPUTS]; /* the releasing thread's references */
+  dp_future_t *target;
+  int rc, polls;
+  dp_error_t err;
+} race_t;
+
+static void *complete_or_drop_inputs(void *p) {
+  race_t *r = p;
+  for (int i = 0; i < RACE_INPUTS; i++) {
+    if (i % 2 == 0) OK(dp_future_mark_completed(r->in[i], dp_int(i), T_ERR));
+    dp_future_release(r->in[i]);
+    sched_yield();
+  }
+  return NULL;
+}
+
+static int poll_target(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  race_t *r = ud;
+  pthread_t th;
+  pthread_create(&th, NULL, complete_or_drop_inputs, r);
+  while ((r->rc = dp_future_wait(r->target, 0, &r->err)) == DP_ETIMEDOUT) r->polls++;
+  pthread_join(th, NULL);
+  return 0;
+}
+
+Test(future, links_are_followed_safely_while_another_thread_completes_and_releases_their_futures) {
+  watchdog(60);
+  for (int round = 0; round < 20; round++) {
+    race_t r = {{NULL}, NULL, 0, 0, {0}};
+    dp_future_t *f = future(), *agg, *child;
+    for (int i = 0; i < RACE_INPUTS; i++) r.in[i] = future();
+    OK(dp_future_collect_all(r.in, RACE_INPUTS, NULL, &agg, T_ERR));
+    OK(dp_future_then(agg, returns_two, NULL, &r.target, T_ERR));
+    OK(dp_future_then(f, poll_target, &r, &child, T_ERR));
+    OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+    cr_assert_eq(r.rc, DP_ECANCELED, "round %d: %s: %s", round, dp_err_name(r.rc), r.err.message);
+    OK(dp_future_wait(child, -1, T_ERR));
+    dp_future_release(child);
+    dp_future_release(r.target);
+    dp_future_release(agg);
+    dp_future_release(f);
+  }
+}
+
+/* Following the links may need memory (a collect_all of many pending
+ * inputs): when it runs out, the wait says so — DP_ENOMEM — rather than
+ * wait for itself. Every allocation of the wait is failed in turn. */
+typedef struct {
+  dp_future_t *target;
+  long fail_after; /* the wait's allocation to fail (1-based) */
+  int rc;
+  dp_error_t err;
+} oom_wait_t;
+
+static int wait_failing_allocation(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  oom_wait_t *w = ud;
+  t_fail_at = t_alloc_count + w->fail_after;
+  w->rc = dp_future_wait(w->target, -1, &w->err);
+  t_fail_at = 0;
+  return 0;
+}
+
+Test(future, a_wait_that_runs_out_of_memory_following_the_links_is_enomem_not_a_hang) {
+  watchdog(60);
+  enum { INPUTS = 100 };
+  int enomem = 0, refused = 0;
+  for (long k = 1; k < 50 && !refused; k++) {
+    oom_wait_t w = {NULL, k, 0, {0}};
+    dp_future_t *f = future(), *child, *in[INPUTS + 1];
+    OK(dp_future_then(f, wait_failing_allocation, &w, &child, T_ERR));
+    for (int i = 0; i < INPUTS; i++) in[i] = future();
+    in[INPUTS] = child; /* with 100 others to take up: more than the inline room */
+    OK(dp_future_collect_all(in, INPUTS + 1, NULL, &w.target, T_ERR));
+    OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+    if (w.rc == DP_ENOMEM) {
+      enomem++;
+      cr_assert(strstr(w.err.message, "dp_future_wait: ") == w.err.message && strstr(w.err.message, "out of memory"),
+                "%s", w.err.message);
+    } else {
+      cr_assert_eq(w.rc, DP_EMISUSE, "allocation %ld: %s: %s", k, dp_err_name(w.rc), w.err.message);
+      refused = 1;
+    }
+    for (int i = 0; i < INPUTS; i++) {
+      OK(dp_future_mark_completed(in[i], dp_int(i), T_ERR));
+      dp_future_release(in[i]);
+    }
+    OK(dp_future_wait(w.target, -1, T_ERR));
+    dp_future_release(w.target);
+    dp_future_release(child);
+    dp_future_release(f);
+  }
+  cr_assert(enomem > 0, "some allocation of the wait was failed");
+  cr_assert(refused, "past its allocations, the wait is refused as misuse");
+}

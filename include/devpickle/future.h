@@ -38,9 +38,26 @@
  * future run in the order they were registered. A dp_future_wait() in a callback first runs what is queued on
  * its thread, so a callback may wait on what it completed; waiting on a future it completed (or chained on)
  * also returns only once the callbacks it queued for that future ran. The running callback's own future's
- * later callbacks still run after it returns. A wait (or synchronize) from a callback on the child its own
- * result completes — or on that of a callback it is nested in — would wait for itself: it is DP_EMISUSE at
- * once, with a limit or without.
+ * later callbacks still run after it returns.
+ *
+ * WAITING FOR ITSELF: a wait (or synchronize) from a then() callback on the
+ * child its own result completes — or on that of a callback it is nested
+ * in — would wait for itself: it is DP_EMISUSE at once, with a limit or
+ * without. So is a wait there on any pending future that completes only
+ * after such a child: its then() children (the callback's grandchildren),
+ * a collect_all over it, and so on down any chain of then() parents and
+ * collect_all inputs that are still pending. The wait follows those links
+ * itself, each future once, holding one future's lock at a time; only a
+ * wait on a pending future from a thread running a then() callback does,
+ * so other waits cost nothing more. The links are what the futures' own
+ * completions wait for: a then() child or a collect_all future that
+ * another thread might complete by hand (dp_future_mark_completed on it)
+ * is not counted on. Waits on futures that wait for nothing of the
+ * callback's — complete ones, ones another thread completes — work as
+ * anywhere. (Out of memory while following the links: DP_ENOMEM.) What no
+ * link shows is not seen: a wait on a future the callback itself means to
+ * complete after it, or one that waits for a callback running on another
+ * thread that waits for this one, still blocks.
  *
  * CANCELLATION: when the last reference to a pending future is dropped, its
  * callbacks never run; its then() children fail with DP_ECANCELED ("the
@@ -115,7 +132,9 @@ DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error
  *  it; the thread looks for the completion for up to 100 µs, yielding the
  *  core, before it sleeps), then makes this thread's current streams wait on f's events and records
  *  f's allocations on those streams. Returns 0, DP_ETIMEDOUT, or f's own
- *  error (copied into err). */
+ *  error (copied into err); from a then() callback, DP_EMISUSE at once
+ *  when f completes only after that callback returns (WAITING FOR ITSELF
+ *  above). */
 DP_API int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 /** dp_future_wait, then blocks the host until f's events complete too,
  *  all within timeout_ns (<0: no limit; the events are polled, sleeping up

@@ -585,6 +585,87 @@ static int scenario_dropped_futures(void) {
   return 0;
 }
 
+/* ---- waits from callbacks follow what a future waits for, while other
+ * threads complete and drop the futures on the way ----
+ * In each round a callback, while a thread of the round completes half of
+ * a collect_all's inputs and drops the last reference to the other half,
+ * waits on a future that also waits for the callback's own child (refused
+ * at once: DP_EMISUSE), then polls the collect_all's then() child until
+ * the cancellation reaches it. The links hold no references: following
+ * them must never read a future that went. */
+
+enum { LINK_ROUNDS = 150, LINK_INPUTS = 32, LINK_THREADS = 4 };
+
+typedef struct link_round {
+  dp_future_t *in[LINK_INPUTS];  /* the dropping thread's references */
+  dp_future_t *target, *self_wait;
+  int bad;
+} link_round_t;
+
+static void *link_dropper(void *p) {
+  link_round_t *r = p;
+  for (int i = 0; i < LINK_INPUTS; i++) {
+    if (i % 2 == 0) dp_future_mark_completed(r->in[i], dp_int(i), NULL);
+    dp_future_release(r->in[i]);
+    if (i % 4 == 0) sched_yield();
+  }
+  return NULL;
+}
+
+static int link_poll(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  link_round_t *r = ud;
+  pthread_t th;
+  pthread_create(&th, NULL, link_dropper, r);
+  dp_error_t e;
+  if (dp_future_wait(r->self_wait, -1, &e) != DP_EMISUSE) r->bad++;
+  int rc;
+  while ((rc = dp_future_wait(r->target, 0, &e)) == DP_ETIMEDOUT) {
+  }
+  if (rc != DP_ECANCELED) r->bad++;
+  pthread_join(th, NULL);
+  return 0;
+}
+
+static void *link_worker(void *p) {
+  int *bad = p;
+  dp_backend_t *b;
+  if (dp_backend_get(DP_DEVICE_HOST, &b, NULL)) return (void)++*bad, NULL;
+  dp_future_opts_t o = {b, NULL, 0, NULL, 0, 0};
+  for (int round = 0; round < LINK_ROUNDS; round++) {
+    link_round_t r = {{NULL}, NULL, NULL, 0};
+    dp_future_t *f, *agg, *child, *mixed, *two[2];
+    int ok = dp_future_new(&o, &f, NULL) == 0;
+    for (int i = 0; ok && i < LINK_INPUTS; i++) ok = dp_future_new(&o, &r.in[i], NULL) == 0;
+    ok = ok && dp_future_collect_all(r.in, LINK_INPUTS, NULL, &agg, NULL) == 0 &&
+         dp_future_then(agg, count_cb, NULL, &r.target, NULL) == 0 &&
+         dp_future_then(f, link_poll, &r, &child, NULL) == 0;
+    two[0] = agg;
+    two[1] = child;
+    ok = ok && dp_future_collect_all(two, 2, NULL, &mixed, NULL) == 0 &&
+         dp_future_then(mixed, count_cb, NULL, &r.self_wait, NULL) == 0;
+    if (!ok) return (void)++*bad, NULL;
+    dp_future_mark_completed(f, dp_int(1), NULL);
+    *bad += r.bad;
+    dp_future_release(r.self_wait);
+    dp_future_release(mixed);
+    dp_future_release(child);
+    dp_future_release(r.target);
+    dp_future_release(agg);
+    dp_future_release(f);
+  }
+  return NULL;
+}
+
+static int scenario_links(void) {
+  pthread_t th[LINK_THREADS];
+  int bad[LINK_THREADS] = {0};
+  for (int i = 0; i < LINK_THREADS; i++) pthread_create(&th[i], NULL, link_worker, &bad[i]);
+  for (int i = 0; i < LINK_THREADS; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < LINK_THREADS; i++) CHECK(bad[i] == 0, "thread %d: %d unexpected results", i, bad[i]);
+  return 0;
+}
+
 /* ---- the control: a consumer without the wait races with the producer ---- */
 
 static void *racy_worker(void *p) {
@@ -624,6 +705,8 @@ int main(int argc, char **argv) {
   run("allocator: 4 threads, record_stream, polling", scenario_allocator);
   run("futures: 8 threads, 100k futures, random completion order, then chains, collect_all", scenario_futures);
   run("futures: pending chains and collect_all inputs dropped while others complete and wait", scenario_dropped_futures);
+  run("futures: waits from callbacks follow collect_all and then() links while their futures complete and go",
+      scenario_links);
   printf("%d passed, %d failed\n", passes, failures);
   return failures ? 1 : 0;
 }
