@@ -39,6 +39,8 @@ typedef struct pyfut {
   int used;           /* waited on, chained or collected: __init__ may no longer remake it */
   unsigned long walker; /* the thread walking the result it will complete with (set_result, a then()
                          * callback's), or 0: that thread's wait() on it could never return */
+  struct pyfut *parent; /* a then() future's, until its callback ran (borrowed: the callback holds it):
+                         * with inputs, what its completion waits for (waits_for_running) */
   PyObject *weakrefs;
   PyObject *dict;     /* attributes, as on torch.futures.Future */
 } pyfut_t;
@@ -600,6 +602,82 @@ static PyObject *outcome(pyfut_t *self) {
   }
 }
 
+/* ---- a wait that would wait for itself ----
+ * A then() future completes once its callback returns (then_cb): a wait
+ * from that callback — or from one nested in it, run by a wait of its own —
+ * on that future, or on one that completes only after it (a then() future
+ * of it, a collect_all over it, any chain of those), would never return.
+ * The binding's futures are linked in Python (parent, inputs), not in the
+ * C library's futures (a then() future is a C future of its own), so the
+ * binding follows its own links, under the GIL: no Python code runs on the
+ * way, so nothing changes under it. */
+
+/* The then() futures whose callbacks run on this thread, innermost first. */
+typedef struct running {
+  pyfut_t *child;
+  struct running *outer;
+} running_t;
+
+static _Thread_local running_t *running;
+
+/* 0 when f is complete, or being completed by another thread (its
+ * set_result or set_exception claimed it): no callback of this thread
+ * stands in its way. */
+static int still_waits(const pyfut_t *f) {
+  return !dp_future_is_done(f->f) && !(f->completing && f->walker != PyThread_get_thread_ident());
+}
+
+typedef struct reach {
+  dp_ptrset_t *seen; /* the running futures first (k of them), then those met */
+  size_t k;
+  pyfut_t **stack;
+  size_t n, cap;
+  int found;
+} reach_t;
+
+/* Meets f: found when it is a running callback's future that still waits,
+ * else kept to follow when still waiting and met for the first time. 0, or
+ * -1 with an exception. */
+static int reach(reach_t *r, pyfut_t *f) {
+  if (!still_waits(f)) return 0;
+  dp_error_t e;
+  size_t before = dp_ptrset_count(r->seen), at;
+  if (dp_ptrset_add(r->seen, (dp_device_t){DP_DEVICE_CPU, 0}, f, 1, &at, &e)) return dpy_raise(e.code, &e), -1;
+  if (at < r->k) r->found = 1;
+  if (r->found || dp_ptrset_count(r->seen) == before) return 0;
+  if (r->n == r->cap) {
+    size_t cap = r->cap ? 2 * r->cap : 16;
+    pyfut_t **grown = PyMem_Realloc(r->stack, cap * sizeof *grown);
+    if (!grown) return PyErr_NoMemory(), -1;
+    r->stack = grown;
+    r->cap = cap;
+  }
+  r->stack[r->n++] = f;
+  return 0;
+}
+
+/* 1 when self completes only once a then() callback running on this thread
+ * returns; 0 when not; -1 with an exception. Each future is followed once. */
+static int waits_for_running(pyfut_t *self) {
+  reach_t r = {NULL, 0, NULL, 0, 0, 0};
+  dp_error_t e;
+  if (dp_ptrset_new(&r.seen, &e)) return dpy_raise(e.code, &e), -1;
+  int rc = 0;
+  for (running_t *x = running; x && !rc; x = x->outer)
+    if (dp_ptrset_add(r.seen, (dp_device_t){DP_DEVICE_CPU, 0}, x->child, 1, NULL, &e)) rc = (dpy_raise(e.code, &e), -1);
+  r.k = dp_ptrset_count(r.seen);
+  if (!rc) rc = reach(&r, self);
+  while (!rc && !r.found && r.n) {
+    pyfut_t *f = r.stack[--r.n];
+    if (f->parent) rc = reach(&r, f->parent);
+    for (Py_ssize_t i = 0; !rc && !r.found && f->inputs && i < PyList_GET_SIZE(f->inputs); i++)
+      rc = reach(&r, (pyfut_t *)PyList_GET_ITEM(f->inputs, i));
+  }
+  PyMem_Free(r.stack);
+  dp_ptrset_free(r.seen);
+  return rc ? rc : r.found;
+}
+
 /* How long wait() blocks between two looks at the signal handlers. */
 #define WAIT_SLICE_NS 50000000 /* 50 ms */
 
@@ -617,6 +695,20 @@ static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
                                         "other code of the value's, on the thread completing it): it would wait "
                                         "forever");
     return NULL;
+  }
+  if (running && !dp_future_is_done(self->f)) {
+    int w = waits_for_running(self);
+    if (w < 0) return NULL;
+    if (w) {
+      dp_error_t e;
+      dp_error_clear(&e);
+      e.code = DP_EMISUSE;
+      snprintf(e.message, sizeof e.message,
+               "wait() in a then() callback on a Future that completes only once a then() callback running on this "
+               "thread returns (that callback's own Future, or one that waits for it through then() parents and "
+               "collect_all inputs): it would wait forever");
+      return dpy_raise(DP_EMISUSE, &e);
+    }
   }
   if (!dp_future_is_done(self->f)) {
     /* blocks without the GIL; joins the (torch) current streams. In
@@ -769,6 +861,9 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
   (void)result; /* the library's placeholder child: the Python child is completed below */
   then_ud_t *u = ud;
   PyGILState_STATE g = PyGILState_Ensure();
+  /* until the child is complete, a wait on it here would wait for itself */
+  running_t me = {u->child, running};
+  if (u->child) running = &me;
   swap_t sw = {0};
   PyObject *r;
   if (ptrs) {
@@ -794,6 +889,10 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
     complete_child(child, r);
   }
   if (sw.n) streams_out(&sw);
+  if (u->child) {
+    running = me.outer;
+    u->child->parent = NULL; /* u's reference to it goes */
+  }
   Py_DECREF(u->callback);
   Py_DECREF(u->parent);
   Py_XDECREF(u->child);
@@ -838,12 +937,14 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
   u->callback = Py_NewRef(callback);
   u->parent = (pyfut_t *)Py_NewRef(self);
   u->child = child ? (pyfut_t *)Py_NewRef(child) : NULL;
+  if (child) child->parent = self; /* held by u until the callback ran */
   dp_future_t *c;
   dp_error_t e;
   /* may run the callback at once (self already done): it takes the GIL we
    * hold, which is reentrant */
   int rc = dp_future_then_with_ptrs(self->f, then_cb, u, &c, &e);
   if (rc) {
+    if (child) child->parent = NULL;
     Py_DECREF(u->callback);
     Py_DECREF(u->parent);
     Py_XDECREF(u->child);

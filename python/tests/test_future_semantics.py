@@ -1574,6 +1574,91 @@ def test_waiting_on_a_future_from_the_walk_of_its_own_result_is_refused_not_a_ha
     assert isinstance(box[0].wait()[0], WaitsOnChild)
 
 
+
+# A then() future completes once its callback returns: a wait from the
+# callback on a future that completes only after it — its grandchild, a
+# collect_all over it, the then() future itself — waited forever. It
+# raises instead (devpickle.Error, a RuntimeError, with the library's
+# DP_EMISUSE code), and the futures complete once the callback returns.
+# Each case runs on a thread of its own, so that a hang fails the test.
+WAITS_FOR_ITSELF = "it would wait forever"
+
+
+def run_then_callback(parent, value=1):
+    t = threading.Thread(target=parent.set_result, args=(value,), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the then() callback hung waiting for itself"
+
+
+def waits_on(box):
+    def callback(fut):
+        try:
+            return ("waited", box["target"].wait())
+        except RuntimeError as e:
+            box["error"] = e
+            return ("raised", fut.value())
+
+    return callback
+
+
+@pytest.mark.parametrize("target", ["grandchild", "collect_all", "itself", "nested"])
+def test_a_then_callback_waiting_on_a_future_that_waits_for_it_raises_instead_of_hanging(target):
+    f, done, box = devpickle.Future(), devpickle.Future(), {}
+    done.set_result(0)
+    if target == "nested":
+        # a callback run inside the outer one (by its wait) waits on the outer one's grandchild
+        g = devpickle.Future()
+        inner = g.then(waits_on(box))
+        child = f.then(lambda fut: (g.set_result(2), inner.wait())[1])
+    else:
+        child = f.then(waits_on(box))
+    box["target"] = {
+        "grandchild": lambda: child.then(identity),
+        "collect_all": lambda: devpickle.collect_all([done, child]),
+        "itself": lambda: child,
+        "nested": lambda: child.then(identity),
+    }[target]()
+    run_then_callback(f)
+    error = box["error"]
+    assert isinstance(error, devpickle.Error) and error.args[1] == -16  # DP_EMISUSE
+    assert "wait() in a then() callback" in str(error) and WAITS_FOR_ITSELF in str(error), error
+    assert box["target"].wait() is not None  # complete once the callback returned
+    if target == "nested":
+        assert inner.wait() == ("raised", 2)
+    else:
+        assert child.wait() == ("raised", 1)
+
+
+def identity(fut):
+    return fut.wait()
+
+
+def test_a_then_callback_may_still_wait_on_futures_that_do_not_wait_for_it():
+    # negative control: complete futures, and pending ones another thread
+    # completes — through a then() chain and a diamond of collect_alls 64
+    # deep (each future is followed once, not once a way)
+    f, done, other = devpickle.Future(), devpickle.Future(), devpickle.Future()
+    done.set_result(1)
+    link = other.then(add_one)
+    for _ in range(64):
+        link = devpickle.collect_all([link, link])
+    got = []
+
+    def callback(fut):
+        got.append(done.wait())
+        got.append(done.then(add_one).wait())
+        got.append(len(link.wait()))
+        return len(got)
+
+    child = f.then(callback)
+    t = threading.Timer(0.05, other.set_result, args=(5,))
+    t.start()
+    run_then_callback(f)
+    t.join()
+    assert got == [1, 2, 2] and child.wait() == 3
+
+
 def test_another_thread_may_wait_on_a_future_whose_set_result_is_walking():
     f = devpickle.Future()
     entered, release = threading.Event(), threading.Event()
