@@ -88,10 +88,11 @@ struct dp_future {
   /* While pending, the futures whose completion its own waits for: a
    * then() child's parent (dep), a collect_all's inputs (its collect's
    * array), so that a wait from a callback can tell that it would wait for
-   * itself (waits_on_running). No references: an input's slot is cleared
-   * under mu when its callback runs or it is released pending, before its
-   * memory can go, and deps goes when f completes. ndeps is set before f is
-   * shared and never changes. */
+   * itself (waits_on_running). No references: a collect_all input's slot
+   * is cleared under mu when the input is released pending, before its
+   * memory goes (a completed one is held by the collect until f
+   * completes; a then() parent's release completes f first), and deps goes
+   * when f completes. ndeps is set before f is shared and never changes. */
   dp_future_t **deps;
   size_t ndeps;
   dp_future_t *dep;
@@ -1003,7 +1004,7 @@ typedef struct collect {
   _Atomic size_t remaining;
   size_t n;
   dp_future_t **in;
-  dp_future_t **pending; /* out's deps: input i until its callback ran (in's second half) */
+  dp_future_t **pending; /* out's deps: input i, unless released pending (in's second half) */
   dp_future_t *out;
 } collect_t;
 
@@ -1086,11 +1087,15 @@ static void collect_finish(collect_t *c) {
 
 static void collect_one(void *p, dp_future_t *parent, size_t index) {
   collect_t *c = p;
-  /* out no longer waits for it; cleared before a released input's memory
-     goes (its cancel calls this) */
-  pthread_mutex_lock(&c->out->mu);
-  c->pending[index] = NULL;
-  pthread_mutex_unlock(&c->out->mu);
+  /* Released pending, its memory goes once this returns: out's link to it
+     is cut first, under out's lock (which a wait following it holds). A
+     completed input stays linked, held by in[] until out completes: the
+     wait stops at it (done), and completions take no second lock. */
+  if (!parent) {
+    pthread_mutex_lock(&c->out->mu);
+    c->pending[index] = NULL;
+    pthread_mutex_unlock(&c->out->mu);
+  }
   c->in[index] = parent ? dp_future_retain(parent) : NULL;
   /* acq_rel: the last input sees every other input's store */
   if (dp__ref_dec(&c->remaining)) collect_finish(c);
