@@ -1621,7 +1621,7 @@ def test_a_then_callback_waiting_on_a_future_that_waits_for_it_raises_instead_of
     }[target]()
     run_then_callback(f)
     error = box["error"]
-    assert isinstance(error, devpickle.Error) and error.args[1] == -16  # DP_EMISUSE
+    assert isinstance(error, devpickle.Error) and error.code == "DP_EMISUSE"
     assert "wait() in a then() callback" in str(error) and WAITS_FOR_ITSELF in str(error), error
     assert box["target"].wait() is not None  # complete once the callback returned
     if target == "nested":
