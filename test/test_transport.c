@@ -1112,6 +1112,142 @@ Test(transport, a_piece_that_can_never_be_next_is_refused_at_once_not_parked_for
   crafted_fails((crafted_t){100 << 10, {0, 2, 0, 0, 2, 1, 0}, 2, 0}, "malformed message header");
 }
 
+/* peer: a value of `arg` one-byte buffers whose BUFS messages all come
+ * first, in reverse order (buffer n-1 first), then its frame: every piece
+ * is parked behind the one before it in the sender's order */
+static int send_pieces_in_reverse(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  size_t n = (size_t)(uintptr_t)arg;
+  dp_value_t l = many_tensors(0);
+  dp_error_t e;
+  for (size_t i = 0; i < n; i++) {
+    dp_storage_t *st; /* never read: the pieces below carry the bytes */
+    dp_value_t v;
+    int64_t shape[1] = {1};
+    if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
+        dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
+      return 10;
+  }
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(l, NULL, fr, &e)) {
+    fprintf(stderr, "peer: %s\n", e.message);
+    return 11;
+  }
+  for (size_t i = n; i-- > 0;) {
+    uint8_t byte = (uint8_t)(i * 31);
+    dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 0, i, 1, 0, 1};
+    if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &b, sizeof b, &byte, 1, &e)) return 12;
+  }
+  size_t len;
+  const uint8_t *bytes = dp_frame_data(fr, &len);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, (uint32_t)n, 0, len, n};
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, bytes, len, &e)) return 13;
+  dp_frame_free(fr);
+  dp_value_release(l);
+  dp_future_t *f; /* the other side's first value; the close comes after it */
+  if (dp_endpoint_recv(ep, &f, &e) == 0) {
+    wait_f(f, &e);
+    dp_future_release(f);
+  }
+  return 0;
+}
+
+Test(transport, a_peer_sending_a_values_pieces_in_reverse_order_costs_log_n_steps_each_to_park_not_n) {
+  /* A sorted list walked from its tail took n steps to park each piece
+     here: 2^14 pieces cost 1.3e8 steps, and the 1,000,000 a peer may park
+     5e11. Now each is parked and taken in O(log n). */
+  t_track();
+  size_t n = 1u << 14;
+  peer_t p = spawn_peer(send_pieces_in_reverse, (void *)(uintptr_t)n, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer's first message goes to a known endpoint */
+  unsigned long before = atomic_load(&dp__transport_park_steps);
+  dp_future_t *r;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  dp_error_t e;
+  OK_WITH(&e, wait_f(r, &e));
+  unsigned long steps = atomic_load(&dp__transport_park_steps) - before;
+  dp_value_t v = dp_future_value(r);
+  cr_assert_eq(dp_seq_len(v), n);
+  for (size_t i = 0; i < n; i++) {
+    dp_storage_t *st = dp_tensor_storage(dp_seq_get(v, i));
+    cr_assert_eq(*(const uint8_t *)dp_storage_base(st), (uint8_t)(i * 31), "buffer %zu holds another's byte", i);
+  }
+  /* log2(n) = 14: at most 15 steps to park a piece and 15 to take it */
+  cr_assert_geq(steps, n, "the pieces were not parked");
+  cr_assert_lt(steps, 32 * n, "%lu steps for %zu pieces", steps, n);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(r);
+  dp_future_release(d);
+  close_clean(ep, t, p);
+}
+
+/* peer: once the other side's first value came, a value of two one-byte
+ * buffers whose second piece comes twice before its frame, then the
+ * frame and its first piece */
+static int send_a_piece_twice(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  dp_future_t *f;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
+  dp_future_release(f);
+  dp_value_t l = many_tensors(0);
+  for (size_t i = 0; i < 2; i++) {
+    dp_storage_t *st;
+    dp_value_t v;
+    int64_t shape[1] = {1};
+    if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
+        dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
+      return 11;
+  }
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(l, NULL, fr, &e)) return 12;
+  size_t len;
+  const uint8_t *bytes = dp_frame_data(fr, &len);
+  uint8_t byte = 7;
+  dp__am_bufs_hdr_t b1 = {DP__WIRE_MAGIC, 1, 0, 1, 1, 0, 1}, b0 = {DP__WIRE_MAGIC, 1, 0, 0, 1, 0, 1};
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 2, 0, len, 2};
+  if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &b1, sizeof b1, &byte, 1, &e) ||
+      dp__endpoint_send_raw(ep, DP__AM_BUFS, &b1, sizeof b1, &byte, 1, &e) ||
+      dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, bytes, len, &e) ||
+      dp__endpoint_send_raw(ep, DP__AM_BUFS, &b0, sizeof b0, &byte, 1, &e))
+    return 13;
+  dp_frame_free(fr);
+  dp_value_release(l);
+  return 0;
+}
+
+Test(transport, a_piece_parked_twice_fails_the_endpoint_when_the_copy_comes_after_the_piece_it_repeats) {
+  t_track();
+  peer_t p = spawn_peer(send_a_piece_twice, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r1, *r2, *d;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r1, T_ERR));
+  OK(dp_endpoint_recv(ep, &r2, T_ERR));
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer sends once this came */
+  /* the value is whole with the first copy (parked pieces are taken in
+     the sender's order); its repeat comes next, and is refused */
+  OK_WITH(&e, wait_f(r1, &e));
+  cr_assert_eq(dp_seq_len(dp_future_value(r1)), 2);
+  cr_assert_eq(wait_f(r2, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a message repeats one already received"), "%s", e.message);
+  cr_assert_eq(dp_endpoint_error(ep, &e), DP_EFORMAT);
+  wait_f(d, &e);
+  dp_future_release(r1);
+  dp_future_release(r2);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  peer_wait(p);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* ---- failures ---- */
 
 /* a port on lo where nobody listens (bound, so nobody else takes it) */

@@ -154,6 +154,9 @@ extern int dp__transport_stage_host;
 extern _Atomic unsigned long dp__transport_shm_pieces;
 /** Messages this process received on same-host lanes (tests read it). */
 extern _Atomic unsigned long dp__transport_lane_msgs;
+/** Steps the receivers of this process took parking messages that came
+ *  out of order and taking them back (tests read it: O(log n) each). */
+extern _Atomic unsigned long dp__transport_park_steps;
 /** Queues one raw active message (id, header, data as given) on ep, for
  *  tests that put garbage on the wire. A frame header (DP__AM_FRAME, of its
  *  size) gets the endpoint's next sequence number, as a real send would. */

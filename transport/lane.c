@@ -203,6 +203,7 @@ void dp__tp_lane_close(dp_endpoint_t *ep) {
 void dp__tp_ep_free_mem(dp_endpoint_t *ep) {
   dp__tp_lane_file_drop(ep);
   dp__tp_lane_worker_free(ep);
+  dp__tp_park_drop(ep->t, ep, 0); /* none left, but for one parked after the close: its worker may be gone */
   dp__free(ep, sizeof *ep);
 }
 

@@ -358,7 +358,7 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
     if (ep->ctl_head && !ep->dead) dp__tp_ctl_flush(t, ep), work++;
     if (ep->shm_state == SHM_OFFERED && now_ns() > ep->offer_deadline) dp__tp_shm_withdraw(ep);
     if (ep->sq_head || ep->posting) polling |= dp__tp_ep_pump_sends(t, ep);
-    if (ep->in_head && !ep->dead) dp__tp_ep_pump_inbox(t, ep);
+    if (ep->nparked && !ep->dead) dp__tp_ep_pump_inbox(t, ep);
   }
   t->lanes_all = lanes_all;
   if (t->rx_busy || t->orphans || t->rx_wait_head || t->rdone) polling |= poll_slots(t);

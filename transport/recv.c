@@ -544,6 +544,87 @@ static key_t expected(const dp_endpoint_t *ep) {
   return k;
 }
 
+/* ---- parked messages ----
+ * Two binary min-heaps in the sender's order (key_cmp): frames, and the
+ * buffers' pieces. A peer may park up to DP__MAX_PARKED messages in any
+ * order (a hostile one, in the worst): each costs O(log n) steps to park
+ * and to take, never a walk along the others (a sorted list made a peer
+ * sending in reverse order cost n steps a message, n^2 in all). Frames are
+ * kept apart so that "the next frame is parked" is a look at one top. A
+ * message parked twice is found when its copy's turn comes: it then
+ * repeats one already received. */
+_Atomic unsigned long dp__transport_park_steps;
+
+static int park_less(const inbox_t *a, const inbox_t *b) {
+  return key_cmp(key_of(a->id, a->hdr), key_of(b->id, b->hdr)) < 0;
+}
+
+static park_t *park_of(dp_endpoint_t *ep, unsigned id) {
+  return id == DP__AM_FRAME ? &ep->parked_frames : &ep->parked_pieces;
+}
+
+static int park_push(dp_endpoint_t *ep, inbox_t *b) {
+  park_t *q = park_of(ep, b->id);
+  if (dp__grow((void **)&q->v, &q->cap, q->n + 1, sizeof *q->v)) return DP_ENOMEM;
+  size_t i = q->n++;
+  unsigned long steps = 0;
+  for (; i > 0; steps++) {
+    size_t up = (i - 1) / 2;
+    if (!park_less(b, q->v[up])) break;
+    q->v[i] = q->v[up];
+    i = up;
+  }
+  q->v[i] = b;
+  ep->nparked++;
+  atomic_fetch_add_explicit(&dp__transport_park_steps, steps + 1, memory_order_relaxed);
+  return 0;
+}
+
+/* Takes the top of b's heap, which b is. */
+static void park_take(dp_endpoint_t *ep, inbox_t *b) {
+  park_t *q = park_of(ep, b->id);
+  inbox_t *last = q->v[--q->n];
+  size_t i = 0;
+  unsigned long steps = 0;
+  for (size_t c; (c = 2 * i + 1) < q->n; steps++) {
+    if (c + 1 < q->n && park_less(q->v[c + 1], q->v[c])) c++;
+    if (!park_less(q->v[c], last)) break;
+    q->v[i] = q->v[c];
+    i = c;
+  }
+  if (q->n) q->v[i] = last;
+  if (!q->n && q->cap > 1024) { /* a burst's array goes with it */
+    dp__free(q->v, q->cap * sizeof *q->v);
+    q->v = NULL;
+    q->cap = 0;
+  }
+  ep->nparked--;
+  atomic_fetch_add_explicit(&dp__transport_park_steps, steps + 1, memory_order_relaxed);
+}
+
+/* The parked message first in the sender's order (NULL: none). */
+static inbox_t *park_head(dp_endpoint_t *ep) {
+  park_t *f = &ep->parked_frames, *p = &ep->parked_pieces;
+  if (!f->n || !p->n) return f->n ? f->v[0] : p->n ? p->v[0] : NULL;
+  return park_less(p->v[0], f->v[0]) ? p->v[0] : f->v[0];
+}
+
+/* Every parked message goes (release: its UCX data too; not once the
+ * worker is gone), and the heaps' memory with them. */
+void dp__tp_park_drop(dp_transport_t *t, dp_endpoint_t *ep, int release) {
+  park_t *qs[2] = {&ep->parked_frames, &ep->parked_pieces};
+  for (int k = 0; k < 2; k++) {
+    park_t *q = qs[k];
+    for (size_t i = 0; i < q->n; i++) {
+      if (!release) q->v[i]->data = NULL;
+      dp__tp_inbox_drop(t, q->v[i]);
+    }
+    dp__free(q->v, q->cap * sizeof *q->v);
+    memset(q, 0, sizeof *q);
+  }
+  ep->nparked = 0;
+}
+
 /* A frame waits while one before it is being pulled, or while the
  * endpoint holds more than the bound of received bytes nobody took. */
 static int blocked(const dp_transport_t *t, const dp_endpoint_t *ep, unsigned id) {
@@ -571,7 +652,7 @@ static void pull_done(fpull_t *p, ucs_status_t st) {
     dp__tp_ep_failf(ep, DP_EIO, "receiving a frame failed (%s)", ucs_status_string(st));
   } else {
     on_frame(t, ep, &p->h, p->buf, p->len, &p->buf);
-    if (ep->in_head) dp__tp_ep_pump_inbox(t, ep);
+    if (ep->nparked) dp__tp_ep_pump_inbox(t, ep);
   }
   if (p->buf) dp__free(p->buf, p->len ? p->len : 1);
   dp__free(p, sizeof *p);
@@ -709,12 +790,10 @@ static void pass_refused(dp_transport_t *t, dp_endpoint_t *ep) {
   m->next_off = 0;
   ep->cur = NULL;
   /* its pieces parked so far lead the inbox (the sender's order) */
-  while (ep->in_head && !ep->dead && ep->in_head->id != DP__AM_FRAME && key_of(ep->in_head->id, ep->in_head->hdr).seq == m->seq) {
-    inbox_t *b = ep->in_head;
-    ep->in_head = b->next;
-    if (!ep->in_head) ep->in_tail = NULL;
-    else ep->in_head->prev = NULL;
-    ep->nparked--;
+  park_t *q = &ep->parked_pieces;
+  while (q->n && !ep->dead && key_of(q->v[0]->id, q->v[0]->hdr).seq == m->seq) {
+    inbox_t *b = q->v[0];
+    park_take(ep, b);
     absorb_t *ab = absorbing(ep, b->id, m->seq);
     if (ab) {
       absorb_piece(t, ep, ab, b->id, b->hdr, b->data, b->len, b->rndv);
@@ -730,26 +809,19 @@ static void pass_refused(dp_transport_t *t, dp_endpoint_t *ep) {
 
 /* 1 when the frame of the next value is parked. */
 static int next_frame_parked(const dp_endpoint_t *ep) {
-  for (const inbox_t *b = ep->in_head; b; b = b->next) {
-    key_t k = key_of(b->id, b->hdr);
-    if (k.seq > ep->recv_seq) return 0;
-    if (b->id == DP__AM_FRAME && k.seq == ep->recv_seq) return 1;
-  }
-  return 0;
+  const park_t *f = &ep->parked_frames;
+  return f->n && key_of(DP__AM_FRAME, f->v[0]->hdr).seq == ep->recv_seq;
 }
 
 /* Processes parked messages whose turn has come. */
 void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
-  while (ep->in_head && !ep->dead) {
-    inbox_t *b = ep->in_head;
+  inbox_t *b;
+  while (!ep->dead && (b = park_head(ep))) {
     key_t k = key_of(b->id, b->hdr);
     int c = key_cmp(k, expected(ep));
     absorb_t *a;
     if (c < 0 && (a = absorbing(ep, b->id, k.seq))) { /* a refused message's, passed */
-      ep->in_head = b->next;
-      if (!ep->in_head) ep->in_tail = NULL;
-      else ep->in_head->prev = NULL;
-      ep->nparked--;
+      park_take(ep, b);
       absorb_piece(t, ep, a, b->id, b->hdr, b->data, b->len, b->rndv);
       if (!b->rndv && b->data) ucp_am_data_release(b->w, b->data);
       dp__free(b, sizeof *b);
@@ -764,10 +836,7 @@ void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
       continue;
     }
     if (c > 0 || blocked(t, ep, b->id)) return;
-    ep->in_head = b->next;
-    if (!ep->in_head) ep->in_tail = NULL;
-    else ep->in_head->prev = NULL;
-    ep->nparked--;
+    park_take(ep, b);
     void *data = b->data;
     b->data = NULL;
     process(t, ep, b->id, b->hdr, data, b->len, b->rndv);
@@ -853,12 +922,14 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   }
   if (c == 0 && !blocked(t, ep, id)) {
     int kept = process(t, ep, id, h, data, len, rndv) == 2;
-    if (ep->in_head) dp__tp_ep_pump_inbox(t, ep);
+    if (ep->nparked) dp__tp_ep_pump_inbox(t, ep);
     return kept ? UCS_INPROGRESS : UCS_OK;
   }
-  /* not its turn: park it, in order */
+  /* not its turn: park it */
   inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
-  if (!b || (!persistent && len)) {
+  if (b) memset(b, 0, sizeof *b);
+  if (b) b->id = id, memcpy(b->hdr, hdr, hlen);
+  if (!b || (!persistent && len) || park_push(ep, b)) {
     if (b) dp__free(b, sizeof *b);
     if (rndv) ucp_am_data_release(t->worker, data);
     dp__tp_ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
@@ -866,29 +937,11 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
                                                   : "out of memory parking a message");
     return UCS_OK;
   }
-  memset(b, 0, sizeof *b);
-  b->id = id;
-  memcpy(b->hdr, hdr, hlen);
   b->hlen = hlen;
   b->data = persistent ? data : NULL; /* no data: nothing to keep */
   b->w = w;
   b->len = len;
   b->rndv = rndv;
-  inbox_t *at = ep->in_tail;
-  while (at && key_cmp(key_of(at->id, at->hdr), k) > 0) at = at->prev;
-  if (at && key_cmp(key_of(at->id, at->hdr), k) == 0) {
-    dp__free(b, sizeof *b);
-    if (rndv) ucp_am_data_release(t->worker, data);
-    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
-    return UCS_OK;
-  }
-  b->prev = at;
-  b->next = at ? at->next : ep->in_head;
-  if (b->next) b->next->prev = b;
-  else ep->in_tail = b;
-  if (at) at->next = b;
-  else ep->in_head = b;
-  ep->nparked++;
   return UCS_INPROGRESS;
 }
 

@@ -183,7 +183,6 @@ struct rmsg {
 };
 
 struct inbox {
-  inbox_t *next, *prev;
   unsigned id;
   uint64_t hdr[(sizeof(dp__am_shm_piece_t) > sizeof(dp__am_frame_hdr_t) ? sizeof(dp__am_shm_piece_t)
                                                                            : sizeof(dp__am_frame_hdr_t)) / 8];
@@ -193,6 +192,13 @@ struct inbox {
   size_t len;
   int rndv;
 };
+
+/* Parked messages of one kind: a binary min-heap in the sender's order
+ * (recv.c, "parked messages"). */
+typedef struct park {
+  inbox_t **v;
+  size_t n, cap;
+} park_t;
 
 typedef struct rwait {
   struct rwait *next;
@@ -243,8 +249,9 @@ struct dp_endpoint {
   uint64_t credit_top_charge; /* receiving: that value's charge */
   uint64_t credit_taken;    /* receiving: taken (delivered, or refused and drained) */
   uint64_t credit_granted;  /* receiving: the grant last sent */
-  inbox_t *in_head, *in_tail;  /* parked messages, in the sender's order */
-  size_t nparked;
+  park_t parked_frames;     /* parked messages: frames, */
+  park_t parked_pieces;     /* and buffers' pieces (BUFS, SHM_PIECE) */
+  size_t nparked;           /* in both */
   struct fpull *fpull;      /* a rendezvous frame being pulled (one at a time) */
   struct absorb *absorb;    /* refused messages passed by their next frame, whose buffers may still come */
   size_t nabsorb;
@@ -438,6 +445,7 @@ void dp__tp_shm_done(dp_endpoint_t *ep, uint64_t slot);
 int dp__tp_post_recv(dp_transport_t *t, rctx_t *c, void *data);
 void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_absorb_free(dp_endpoint_t *ep);
+void dp__tp_park_drop(dp_transport_t *t, dp_endpoint_t *ep, int release);
 ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
                           const ucp_am_recv_param_t *param);
 /* loop.c */

@@ -203,12 +203,7 @@ void dp__tp_ep_drop_received(dp_transport_t *t, dp_endpoint_t *ep) {
     if (!m->pending) dp__tp_rmsg_free(m);
   }
   ep->rq_head = ep->rq_tail = ep->cur = NULL;
-  for (inbox_t *b = ep->in_head, *n; b; b = n) {
-    n = b->next;
-    dp__tp_inbox_drop(t, b);
-  }
-  ep->in_head = ep->in_tail = NULL;
-  ep->nparked = 0;
+  dp__tp_park_drop(t, ep, 1);
   dp__tp_absorb_free(ep);
 }
 
