@@ -1953,6 +1953,26 @@ Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_conne
   res_free(r);
 }
 
+/* A stream whose first 40 bytes are no frame's header is refused from
+ * them: send (and unpack, which reads a frame whole as send does) stop
+ * reading there, so /dev/zero or an endless pipe never fills the memory.
+ * The stream here is a file of 1 MiB shared with `wc -c`, which counts
+ * what the command left unread. */
+Test(cli, send_stops_reading_a_stream_whose_header_is_no_frame_instead_of_reading_it_to_the_end) {
+  static const char *cmds[] = {"send - 127.0.0.1:1", "unpack -"};
+  for (int i = 0; i < 2; i++) {
+    char script[256];
+    snprintf(script, sizeof script, "head -c 1048576 /dev/zero > zeros.bin; { $D %s; wc -c; } < zeros.bin",
+             cmds[i]);
+    res_t r = run_sh(script);
+    cr_assert_str_eq(r.err, "devpickle: <stdin>: not a devpickle frame (bad magic), at byte 0\n", "%s", cmds[i]);
+    long left = strtol(r.out, NULL, 10);
+    cr_assert_geq(left, 1048576 - 131072, "%s read %ld bytes past a header that is no frame's", cmds[i],
+                  1048576 - left);
+    res_free(r);
+  }
+}
+
 /* An empty --host is a usage error (status 2, before listening), as a bad
  * PORT is, not a runtime failure naming the address ':0'. */
 Test(cli, recv_refuses_an_empty_host_as_a_usage_error) {

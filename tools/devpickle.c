@@ -46,7 +46,8 @@ static const char *const usage_main =
     "usage error.\n"
     "A frame on stdin is read up to its end as its header gives it and at most\n"
     "64 KiB past it (more is an error, so an endless pipe behind a frame never\n"
-    "holds a command); a terminal is refused.\n"
+    "holds a command), and not past a header that is no frame's; a terminal is\n"
+    "refused.\n"
     "Run 'devpickle <command> --help' (or 'devpickle help <command>') for a\n"
     "command's options; 'devpickle --version' prints the version.\n"
     "\n"
@@ -486,7 +487,8 @@ typedef struct src {
   uint8_t hdr[FRAME_HEADER];
   size_t hdr_len;
   int over;                  /* more than TRAIL_MAX bytes followed the frame */
-  int endless;               /* the header announces more than 2^64 bytes: no input holds the frame */
+  int refused;               /* the header is one the library refuses from its own bytes (not a frame's
+                                magic, or more than 2^64 bytes announced): nothing more need be read */
 } src_t;
 
 static uint64_t le64(const uint8_t *p) {
@@ -496,13 +498,17 @@ static uint64_t le64(const uint8_t *p) {
 }
 
 /* The frame's end once its header is in: 40 + payload + table + data,
- * saturating (the library refuses a header announcing more than 2^64 bytes
- * once it has read it, before asking for another byte). */
+ * saturating. A header the library refuses by itself (bad magic, more than
+ * 2^64 bytes announced) ends the reading: the stream behind it — /dev/zero,
+ * an endless pipe — is never read to its end (or to the memory's). */
 static void src_header(src_t *s) {
-  if (memcmp(s->hdr, "DPKL", 4) != 0) return;
+  if (memcmp(s->hdr, "DPKL", 4) != 0) {
+    s->refused = 1;
+    return;
+  }
   uint64_t end = FRAME_HEADER, len[3] = {le64(s->hdr + 8), le64(s->hdr + 16), le64(s->hdr + 24)};
   for (int i = 0; i < 3; i++) {
-    if (len[i] > UINT64_MAX - end) s->endless = 1;
+    if (len[i] > UINT64_MAX - end) s->refused = 1;
     end = len[i] > UINT64_MAX - end ? UINT64_MAX : end + len[i];
   }
   s->end = end;
@@ -586,7 +592,7 @@ static int read_frame(const char *path, uint8_t **out, size_t *n) {
   uint8_t *buf = malloc(cap);
   dp_error_t e;
   dp_error_clear(&e);
-  while (buf && !s.endless) { /* the library refuses such a header by itself: no need to read on */
+  while (buf && !s.refused) { /* the library refuses such a header by itself: no need to read on */
     size_t got;
     if ((rc = src_read(&s, buf + len, cap - len, &got, &e)) != 0 || got == 0) break;
     if ((len += got) < cap) continue;
