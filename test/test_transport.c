@@ -2410,6 +2410,8 @@ Test(transport, an_offer_naming_a_fifo_is_refused_at_once_and_never_blocks_the_l
 
 /* ---- callbacks the loop runs may close endpoints; freeing their transport is refused ---- */
 
+static int echo_then_see_the_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg);
+
 typedef struct cb_free {
   dp_endpoint_t *ep;
   dp_transport_t *t;
@@ -2459,6 +2461,85 @@ Test(transport, a_callback_run_by_the_thread_may_close_its_endpoint_and_is_refus
 
 Test(transport, a_callback_run_by_a_callers_pass_may_close_its_endpoint_and_is_refused_freeing_the_transport) {
   closing_from_a_callback(1);
+}
+
+/* runs whether its receive completed or failed */
+static int close_once_more(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)parent, (void)result, (void)ptrs, (void)err;
+  cb_free_t *c = ud;
+  dp_endpoint_free(c->ep);
+  c->ran++;
+  return 0;
+}
+
+/* Two receives whose callbacks each close their endpoint ("on error or
+ * done, close"): the first closes it, the second runs as that close
+ * cancels its receive — the endpoint is still there, its close queued or
+ * under way — and must change nothing. */
+static void closing_twice_from_callbacks(int caller) {
+  t_track();
+  peer_t p = spawn_peer(echo_then_see_the_close, NULL, NULL);
+  dp_transport_t *t = new_transport_driven(caller);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d, *r[2], *c[2];
+  dp_error_t e;
+  cb_free_t cb = {ep, t, 0};
+  for (int i = 0; i < 2; i++) {
+    OK(dp_endpoint_recv(ep, &r[i], T_ERR));
+    OK(dp_future_then_with_ptrs(r[i], close_once_more, &cb, &c[i], T_ERR));
+  }
+  OK(dp_endpoint_send(ep, dp_int(3), &d, T_ERR));
+  OK_WITH(&e, wait_f(c[0], &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r[0])), 3);
+  cr_assert_eq(wait_f(r[1], &e), DP_ECANCELED, "%s: %s", dp_err_name(e.code), e.message);
+  wait_f(c[1], &e);
+  cr_assert_eq(cb.ran, 2);
+  for (int i = 0; i < 2; i++) dp_future_release(r[i]), dp_future_release(c[i]);
+  dp_future_release(d);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0, "the peer did not see the close");
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, an_endpoint_closed_again_from_a_callback_its_close_runs_closes_once_thread_driven) {
+  closing_twice_from_callbacks(0);
+}
+
+Test(transport, an_endpoint_closed_again_from_a_callback_its_close_runs_closes_once_caller_driven) {
+  closing_twice_from_callbacks(1);
+}
+
+Test(transport, freeing_a_transport_whose_endpoint_a_callback_closed_closes_that_endpoint_once) {
+  /* b is closed by a callback that a's close runs (dp_transport_free
+     closes a first: the endpoint connected last); the transport then finds
+     b still open, its close queued, and must wait for that close rather
+     than close b a second time */
+  t_track();
+  peer_t pb = spawn_peer(hello_then_wait_for_close, NULL, NULL);
+  peer_t pa = spawn_peer(hello_then_wait_for_close, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *b = connect_to(t, pb.port), *a = connect_to(t, pa.port);
+  dp_future_t *h = recv_ok(b);
+  dp_future_release(h);
+  h = recv_ok(a);
+  dp_future_release(h);
+  cb_free_t cb = {b, t, 0};
+  dp_future_t *r, *c;
+  OK(dp_endpoint_recv(a, &r, T_ERR));
+  OK(dp_future_then_with_ptrs(r, close_once_more, &cb, &c, T_ERR));
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(cb.ran, 1);
+  dp_error_t e;
+  cr_assert_eq(dp_future_error(r, &e), DP_ECANCELED, "%s", e.message);
+  dp_future_release(r);
+  dp_future_release(c);
+  cr_assert_eq(peer_wait(pa), 0);
+  cr_assert_eq(peer_wait(pb), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
 }
 
 /* peer: echoes one value, then its next receive must fail within 10 s, as

@@ -228,6 +228,8 @@ struct dp_endpoint {
   /* shared, under t->mu */
   int error;
   dp_error_t errinfo;
+  int free_asked;           /* dp_endpoint_free was called: later calls, from callbacks its close
+                               runs (or ran), only wait for that close */
   /* the progress thread's */
   sop_t *sq_head, *sq_tail; /* sends, in order: unposted ones wait here */
   sop_t *posted;            /* posted and not complete */

@@ -665,7 +665,19 @@ static int close_done(void *arg) {
 void dp_endpoint_free(dp_endpoint_t *ep) {
   if (!ep || forked_void(ep->t, "dp_endpoint_free")) return;
   dp_transport_t *t = ep->t;
-  if (dp__tp_in_pass == t) {
+  /* A second call while the endpoint is still there — from a callback its
+     close runs (it fails the pending futures: "on error, close" in each of
+     their callbacks), or dp_transport_free after a callback queued its
+     close — must not close it again: the command is the endpoint's own, and
+     a second close put it twice on the closing list (a double free). */
+  pthread_mutex_lock(&t->mu);
+  int again = ep->free_asked;
+  ep->free_asked = 1;
+  pthread_mutex_unlock(&t->mu);
+  if (again && dp__tp_in_pass == t) return;
+  if (again) {
+    run_cmd(t, CMD_SYNC, NULL, NULL); /* the close queued before it is done then */
+  } else if (dp__tp_in_pass == t) {
     /* from a callback the loop runs (maybe inside UCX's own callback, with
        the pass iterating the endpoints): the close is queued — the
        endpoint's own command, which lives as long as it does — and done by
@@ -677,8 +689,9 @@ void dp_endpoint_free(dp_endpoint_t *ep) {
     c->detached = 1;
     submit(t, c, 0);
     return;
+  } else {
+    run_cmd(t, CMD_CLOSE, NULL, ep);
   }
-  run_cmd(t, CMD_CLOSE, NULL, ep);
   /* caller-driven, nothing else drives the close: its flush and UCX's
      disconnect would wait for this process's next pass, and the peer would
      not learn of the close (its pending receive would hang) meanwhile */

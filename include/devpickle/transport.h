@@ -231,7 +231,12 @@ DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endp
  *  meanwhile sees it at this process's later passes); called from a
  *  callback the loop runs (a future of this transport completing on the
  *  progress thread, or in a caller's pass), it returns at once and the
- *  loop closes the endpoint after the callback (do not use ep after).
+ *  loop closes the endpoint after the callback (do not use ep after,
+ *  except: a callback of another of its futures may call dp_endpoint_free
+ *  on it again while that close runs — the close fails the futures still
+ *  pending, so "on error, close" in each callback is safe: that call
+ *  returns at once; one from a thread before the loop has closed it waits
+ *  for that close; neither closes it twice).
  *  dp_transport_free from such a callback is refused (a message on stderr,
  *  nothing freed): free the transport after the loop returns. NULL:
  *  nothing. */
