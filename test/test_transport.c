@@ -1248,6 +1248,65 @@ Test(transport, a_piece_parked_twice_fails_the_endpoint_when_the_copy_comes_afte
   ASSERT_NO_LEAK();
 }
 
+/* peer: once the other side's first value came, a value of two one-byte
+ * buffers: its frame and its first piece only; the second never comes */
+static int send_a_value_short_of_its_last_piece(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  dp_future_t *f;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
+  dp_future_release(f);
+  dp_value_t l = many_tensors(0);
+  for (size_t i = 0; i < 2; i++) {
+    dp_storage_t *st;
+    dp_value_t v;
+    int64_t shape[1] = {1};
+    if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
+        dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
+      return 11;
+  }
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(l, NULL, fr, &e)) return 12;
+  size_t len;
+  const uint8_t *bytes = dp_frame_data(fr, &len);
+  uint8_t byte = 7;
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 2, 0, len, 2};
+  dp__am_bufs_hdr_t b0 = {DP__WIRE_MAGIC, 1, 0, 0, 1, 0, 1};
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, bytes, len, &e) ||
+      dp__endpoint_send_raw(ep, DP__AM_BUFS, &b0, sizeof b0, &byte, 1, &e))
+    return 13;
+  dp_frame_free(fr);
+  dp_value_release(l);
+  return 0;
+}
+
+Test(transport, a_value_whose_buffers_stop_arriving_fails_its_receive_with_a_timeout) {
+  /* with opts.timeout_ns, a receive waits for a silent peer as a posted
+     send does: no longer than that, measured from the last piece */
+  t_track();
+  peer_t p = spawn_peer(send_a_value_short_of_its_last_piece, NULL, NULL);
+  dp_transport_opts_t o = {0};
+  o.timeout_ns = 300000000;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer sends once this came */
+  cr_assert_eq(wait_f(r, &e), DP_ETIMEDOUT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a value's buffers stopped arriving: none for 300 ms"), "%s", e.message);
+  cr_assert_eq(dp_endpoint_error(ep, &e), DP_ETIMEDOUT);
+  wait_f(d, &e);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  peer_wait(p);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* ---- failures ---- */
 
 /* a port on lo where nobody listens (bound, so nobody else takes it) */

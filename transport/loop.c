@@ -229,6 +229,11 @@ static void check_timeouts(dp_transport_t *t) {
       dp__tp_ep_failf(ep, DP_ETIMEDOUT, "a send waited for the peer's credit for over %s", ms);
       continue;
     }
+    rmsg_t *m = ep->cur;
+    if (m && m->deadline && m->next_index < m->nbuf && !ep->dead && now > m->deadline) {
+      dp__tp_ep_failf(ep, DP_ETIMEDOUT, "a value's buffers stopped arriving: none for %s", ms);
+      continue;
+    }
     for (sop_t *s = ep->posted; s; s = s->next)
       if (s->deadline && now > s->deadline && !ep->dead) {
         dp__tp_ep_failf(ep, DP_ETIMEDOUT, "a send was not complete after %s", ms);

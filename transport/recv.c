@@ -109,6 +109,10 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
   /* an eager frame was never the sender's to hold back; a refused message
      holds nothing (its buffers are dropped as they come, whatever it claims) */
   m->held = m->failed ? 0 : m->buf_bytes + (pulled ? len : 0);
+  /* a peer that announced buffers and stopped sending them would hold this
+     receive, and every later one, forever: timed as a posted send is (a
+     refused message's buffers hold nothing back: pass_refused) */
+  if (!m->failed && m->nbuf) m->deadline = dp__tp_deadline(t);
   ep->held += m->held;
   m->charge = credit_of(h, len);
   if (ep->rq_tail) ep->rq_tail->next = m;
@@ -347,6 +351,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
     return -1;
   }
   m->got = sat_add(m->got, h->total);
+  if (m->deadline) m->deadline = dp__tp_deadline(t); /* it arrives: the clock restarts */
   if (h->count > 1 || h->offset + h->total == h->size) {
     m->next_index += h->count;
     m->next_off = 0;

@@ -164,10 +164,7 @@ static int sop_start(dp_transport_t *t, sop_t *s) {
   s->fh.buf_bytes = s->buf_bytes;
   ep->inflight += s->cost;
   ep->credit_sent += s->charge;
-  if (t->timeout_ns > 0) { /* saturates: a huge timeout is no timeout, never a deadline in the past */
-    int64_t now = now_ns();
-    s->deadline = t->timeout_ns > INT64_MAX - now ? INT64_MAX : now + t->timeout_ns;
-  }
+  s->deadline = dp__tp_deadline(t);
   /* cost > buf_bytes: the frame counts, so it goes by rendezvous (sop_measure) */
   return post_msg(s, NULL, DP__AM_FRAME, &s->fh, sizeof s->fh, fb, flen,
                   s->cost > s->buf_bytes ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);

@@ -180,6 +180,8 @@ struct rmsg {
   uint64_t got;             /* bytes of its buffers' messages received so far */
   dp_error_t error;
   int detached;             /* the endpoint let go; free when pending == 0 */
+  int64_t deadline;         /* opts.timeout_ns: its buffers owed and none arriving past it fails
+                               the endpoint (0: none); each piece that arrives restarts it */
 };
 
 struct inbox {
@@ -379,6 +381,14 @@ static inline int64_t now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* now + the transport's timeout_ns, saturated (a huge timeout is no
+ * timeout, never a deadline in the past); 0 without one. */
+static inline int64_t dp__tp_deadline(const dp_transport_t *t) {
+  if (t->timeout_ns <= 0) return 0;
+  int64_t now = now_ns();
+  return t->timeout_ns > INT64_MAX - now ? INT64_MAX : now + t->timeout_ns;
 }
 
 /* The transport whose pass this thread runs (caller-driven progress). */

@@ -155,9 +155,12 @@ typedef struct dp_transport_opts {
    *  came), even one that only receives, and one whose sends have waited
    *  this long for the peer's credit with no grant meanwhile (a peer that
    *  stopped taking values: the small ones it was sent completed as they
-   *  went, so no posted send is left to time). Sends held back by the
-   *  in-flight bound are not yet posted and not timed. 0: no limit (a dead
-   *  peer is still detected by UCX's keepalive). */
+   *  went, so no posted send is left to time). As a receiver, a value whose
+   *  frame came and whose buffers stop arriving (none for this long: a peer
+   *  that announced buffers and never sends them) fails its endpoint the
+   *  same way. Sends held back by the in-flight bound are not yet posted
+   *  and not timed. 0: no limit (a dead peer is still detected by UCX's
+   *  keepalive). */
   int64_t timeout_ns;
   /** Limits and resolver for received frames (copied; the resolver and
    *  its types must outlive the transport). bind is ignored: the
