@@ -1307,6 +1307,61 @@ Test(transport, a_value_whose_buffers_stop_arriving_fails_its_receive_with_a_tim
   ASSERT_NO_LEAK();
 }
 
+Test(transport, finding_the_endpoint_of_a_message_costs_the_same_however_many_endpoints_there_are) {
+  /* every message on the connections' worker names its endpoint by UCX's
+     endpoint; a walk of the transport's list cost each one a step per
+     endpoint (peers choose how many: connections not yet accepted count) */
+  t_track();
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* no lanes: every message is looked up */
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  enum { N = 64, M = 100 };
+  dp_endpoint_t *c[N], *a[N];
+  dp_error_t e;
+  for (int i = 0; i < N; i++) {
+    c[i] = connect_to(t, dp_listener_port(l));
+    OK(dp_listener_accept(l, 30 * SEC, &a[i], T_ERR));
+  }
+  for (int i = 0; i < N; i++) { /* each connection established, and quiet after */
+    dp_future_t *d, *r;
+    OK(dp_endpoint_send(c[i], dp_int(i), &d, T_ERR));
+    OK(dp_endpoint_recv(a[i], &r, T_ERR));
+    OK_WITH(&e, wait_f(r, &e));
+    OK_WITH(&e, wait_f(d, &e));
+    dp_future_release(d);
+    dp_future_release(r);
+  }
+  /* the first pair, furthest down the list, in turn each way: no message
+     finds its endpoint in the one-entry cache */
+  unsigned long before = atomic_load(&dp__transport_find_steps);
+  for (int k = 0; k < M; k++) {
+    for (int dir = 0; dir < 2; dir++) {
+      dp_future_t *d, *r;
+      OK(dp_endpoint_send(dir ? a[0] : c[0], dp_int(k), &d, T_ERR));
+      OK(dp_endpoint_recv(dir ? c[0] : a[0], &r, T_ERR));
+      OK_WITH(&e, wait_f(r, &e));
+      cr_assert_eq(dp_value_as_int(dp_future_value(r)), k);
+      OK_WITH(&e, wait_f(d, &e));
+      dp_future_release(d);
+      dp_future_release(r);
+    }
+  }
+  unsigned long steps = atomic_load(&dp__transport_find_steps) - before;
+  cr_assert_geq(steps, 2 * M, "the messages were not looked up");
+  cr_assert_lt(steps, 8 * M, "%lu steps for %d messages among %d endpoints", steps, 2 * M, 2 * N);
+  for (int i = 0; i < N; i++) {
+    dp_endpoint_free(c[i]);
+    dp_endpoint_free(a[i]);
+  }
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  unsetenv("DEVPICKLE_TRANSPORT_SHM");
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* ---- failures ---- */
 
 /* a port on lo where nobody listens (bound, so nobody else takes it) */

@@ -157,6 +157,9 @@ extern _Atomic unsigned long dp__transport_lane_msgs;
 /** Steps the receivers of this process took parking messages that came
  *  out of order and taking them back (tests read it: O(log n) each). */
 extern _Atomic unsigned long dp__transport_park_steps;
+/** Endpoints the receivers of this process compared looking up the
+ *  endpoint of a message (tests read it: O(1) each, whatever their number). */
+extern _Atomic unsigned long dp__transport_find_steps;
 /** Queues one raw active message (id, header, data as given) on ep, for
  *  tests that put garbage on the wire. A frame header (DP__AM_FRAME, of its
  *  size) gets the endpoint's next sequence number, as a real send would. */

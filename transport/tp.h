@@ -22,6 +22,7 @@
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 #include "../core/internal.h"
+#include "../core/table.h"
 #include "../cache/internal.h"
 #include "../device/internal.h"
 #include "devpickle/transport.h"
@@ -299,6 +300,8 @@ struct dp_endpoint {
   int64_t lane_deadline;    /* the connector: its offer's name goes after it */
   int lane_drop;            /* the connector: refused; its worker goes from the loop */
   amh_t lamh[AM_IDS];
+  size_t ep_item;           /* its item in t->ep_index, when indexed */
+  int indexed;
 };
 
 struct dp_listener {
@@ -325,6 +328,13 @@ struct dp_transport {
   dp_endpoint_t *closing;       /* closing: freed once UCX let go */
   dp_listener_t *lsts;
   dp_endpoint_t *last_ep;       /* reply_ep cache */
+  /* The endpoints whose UCX endpoint exists, found by it (dp__tp_ep_find):
+     every message names its endpoint so, and a peer controls how many there
+     are (connections accepted and not yet taken included): a walk of the
+     list cost each message one step per endpoint. The loop's only. */
+  dp__table_t ep_index;
+  dp_endpoint_t **ep_items;     /* the table's items */
+  size_t ep_items_cap;
   uint64_t max_inflight;
   int64_t timeout_ns;
   dp_unpickle_opts_t uopts;
@@ -412,6 +422,8 @@ int dp__tp_ep_alloc(dp_transport_t *t, const char *name, dp_endpoint_t **out, dp
 void dp__tp_ep_link(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_ep_unlink(dp_transport_t *t, dp_endpoint_t *ep);
 dp_endpoint_t *dp__tp_ep_find(dp_transport_t *t, ucp_ep_h uep);
+int dp__tp_ep_index(dp_transport_t *t, dp_endpoint_t *ep);
+
 /* slots.c */
 int dp__tp_buf_mode(const dp_transport_t *t, dp_device_t dev);
 int dp__tp_refused(const dp_transport_t *t, dp_device_t dev, uint64_t i, dp_error_t *err);

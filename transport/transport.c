@@ -322,7 +322,10 @@ void dp__tp_ep_link(dp_transport_t *t, dp_endpoint_t *ep) {
   pthread_mutex_unlock(&t->mu);
 }
 
+static void ep_unindex(dp_transport_t *t, dp_endpoint_t *ep);
+
 void dp__tp_ep_unlink(dp_transport_t *t, dp_endpoint_t *ep) {
+  ep_unindex(t, ep);
   pthread_mutex_lock(&t->mu);
   for (dp_endpoint_t **p = &t->eps; *p; p = &(*p)->next)
     if (*p == ep) {
@@ -333,11 +336,58 @@ void dp__tp_ep_unlink(dp_transport_t *t, dp_endpoint_t *ep) {
   if (t->last_ep == ep) t->last_ep = NULL;
 }
 
+/* The endpoint index (tp.h, ep_index): keyed by the UCX endpoint. UCX may
+ * give a new endpoint the address of one it freed while an endpoint of
+ * ours that failed still holds it: a lookup skips the dead. */
+_Atomic unsigned long dp__transport_find_steps;
+
+static int ep_live_is(const void *ctx, size_t i, const void *uep) {
+  const dp_endpoint_t *e = ((const dp_transport_t *)ctx)->ep_items[i];
+  atomic_fetch_add_explicit(&dp__transport_find_steps, 1, memory_order_relaxed);
+  return e->ep == uep && !e->dead;
+}
+
+static int ep_same(const void *ctx, size_t i, const void *ep) {
+  return ((const dp_transport_t *)ctx)->ep_items[i] == ep;
+}
+
+static uint64_t ep_hash_at(const void *ctx, size_t i) {
+  return dp__hash_ptr(((const dp_transport_t *)ctx)->ep_items[i]->ep);
+}
+
+/* Indexes ep by its UCX endpoint, just made. DP_ENOMEM. */
+int dp__tp_ep_index(dp_transport_t *t, dp_endpoint_t *ep) {
+  size_t n = t->ep_index.count;
+  uint64_t h = dp__hash_ptr(ep->ep);
+  if (dp__grow((void **)&t->ep_items, &t->ep_items_cap, n + 1, sizeof *t->ep_items) ||
+      (dp__table_full(&t->ep_index) && dp__table_grow(&t->ep_index, DP_TABLE_TAGGED, n, 16, ep_hash_at, t)))
+    return DP_ENOMEM;
+  t->ep_items[n] = ep;
+  dp__table_put(&t->ep_index, DP_TABLE_TAGGED, dp__table_empty_slot(&t->ep_index, DP_TABLE_TAGGED, h), h, n);
+  ep->ep_item = n;
+  ep->indexed = 1;
+  return 0;
+}
+
+static void ep_unindex(dp_transport_t *t, dp_endpoint_t *ep) {
+  if (!ep->indexed) return;
+  size_t slot;
+  size_t at = dp__table_find(&t->ep_index, DP_TABLE_TAGGED, dp__hash_ptr(ep->ep), ep_same, t, ep, &slot);
+  ep->indexed = 0;
+  if (at == DP_TABLE_NONE) return; /* never: it was put there */
+  dp__table_remove(&t->ep_index, DP_TABLE_TAGGED, slot, ep_hash_at, t);
+  size_t last = t->ep_index.count;
+  if (at != last) { /* the items stay dense: the last one fills the hole */
+    t->ep_items[at] = t->ep_items[last];
+    t->ep_items[at]->ep_item = at;
+    dp__table_move(&t->ep_index, DP_TABLE_TAGGED, dp__hash_ptr(t->ep_items[at]->ep), last, at);
+  }
+}
+
 dp_endpoint_t *dp__tp_ep_find(dp_transport_t *t, ucp_ep_h uep) {
   if (t->last_ep && t->last_ep->ep == uep && !t->last_ep->dead) return t->last_ep;
-  for (dp_endpoint_t *e = t->eps; e; e = e->next)
-    if (e->ep == uep && !e->dead) return t->last_ep = e;
-  return NULL;
+  size_t slot, at = dp__table_find(&t->ep_index, DP_TABLE_TAGGED, dp__hash_ptr(uep), ep_live_is, t, uep, &slot);
+  return at == DP_TABLE_NONE ? NULL : (t->last_ep = t->ep_items[at]);
 }
 
 /* ---- the API ---- */
@@ -380,6 +430,7 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
   dp_transport_t *t = dp__alloc(sizeof *t);
   if (!t) return dp__err(err, DP_ENOMEM, "dp_transport_new: out of memory");
   memset(t, 0, sizeof *t);
+  dp__table_init(&t->ep_index);
   t->wake_fd = -1;
   t->max_inflight = opts && opts->max_inflight_bytes ? opts->max_inflight_bytes : DP_TRANSPORT_DEFAULT_INFLIGHT;
   t->timeout_ns = opts ? opts->timeout_ns : 0;
@@ -513,6 +564,8 @@ void dp_transport_free(dp_transport_t *t) {
   }
   if (t->lctx) ucp_cleanup(t->lctx);
   if (t->pfd) dp__free(t->pfd, t->pfd_cap * sizeof *t->pfd);
+  dp__table_destroy(&t->ep_index, DP_TABLE_TAGGED);
+  if (t->ep_items) dp__free(t->ep_items, t->ep_items_cap * sizeof *t->ep_items);
   for (slot_t *sl = t->tx.free, *n; sl; sl = n) n = sl->next, dp__tp_slot_destroy(t, sl);
   for (slot_t *sl = t->rx.free, *n; sl; sl = n) n = sl->next, dp__tp_slot_destroy(t, sl);
   for (int i = 0; i <= DP_DEVICE_INDEX_MAX; i++) {
