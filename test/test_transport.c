@@ -1362,6 +1362,75 @@ Test(transport, finding_the_endpoint_of_a_message_costs_the_same_however_many_en
   ASSERT_NO_LEAK();
 }
 
+/* peer (a window of 1 GiB): answers its first value with 0 (its grant
+ * went before that answer), then takes `arg` values of 65 KiB, byte 0
+ * each's index, and answers their count */
+static int answer_then_take(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  long n = (long)(intptr_t)arg;
+  dp_error_t e;
+  dp_future_t *f, *d;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
+  dp_future_release(f);
+  if (dp_endpoint_send(ep, dp_int(0), &d, &e) || wait_f(d, &e)) return 11;
+  dp_future_release(d);
+  for (long i = 0; i < n; i++) {
+    if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 12;
+    size_t len;
+    const uint8_t *b = dp_bytes_data(dp_future_value(f), &len);
+    int ok = b && len == (65u << 10) && b[0] == (uint8_t)i;
+    dp_future_release(f);
+    if (!ok) return 13;
+  }
+  if (dp_endpoint_send(ep, dp_int(n), &d, &e) || wait_f(d, &e)) return 14;
+  dp_future_release(d);
+  return 0;
+}
+
+Test(transport, a_burst_of_sends_completing_oldest_first_costs_one_step_each_to_retire) {
+  /* caller-driven: the burst is posted before any completes (rendezvous
+     frames, pulled by the peer during later passes); a completion searched
+     the list of sends posted from its newest end, where the oldest is last */
+  t_track();
+  enum { N = 1024 };
+  dp_transport_opts_t po = {0};
+  po.max_inflight_bytes = 1ull << 30;
+  peer_t p = spawn_peer(answer_then_take, (void *)(intptr_t)N, &po);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 1ull << 30;
+  o.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_error_t e;
+  dp_future_t *d, *r;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  r = recv_ok(ep); /* the peer's grant came before this */
+  dp_future_release(r);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  static dp_future_t *done[N];
+  uint8_t *buf = malloc(65u << 10);
+  unsigned long before = atomic_load(&dp__transport_posted_steps);
+  for (int i = 0; i < N; i++) {
+    dp_value_t v;
+    memset(buf, i, 65u << 10);
+    OK(dp_bytes_new(buf, 65u << 10, &v, T_ERR));
+    OK(dp_endpoint_send(ep, v, &done[i], T_ERR));
+    dp_value_release(v);
+  }
+  for (int i = 0; i < N; i++) {
+    OK_WITH(&e, wait_f(done[i], &e));
+    dp_future_release(done[i]);
+  }
+  unsigned long steps = atomic_load(&dp__transport_posted_steps) - before;
+  free(buf);
+  r = recv_ok(ep);
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), N);
+  dp_future_release(r);
+  cr_assert_leq(steps, 2 * N, "%lu steps to retire %d sends", steps, N);
+  close_clean(ep, t, p);
+}
+
 /* ---- failures ---- */
 
 /* a port on lo where nobody listens (bound, so nobody else takes it) */

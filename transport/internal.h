@@ -160,6 +160,9 @@ extern _Atomic unsigned long dp__transport_park_steps;
 /** Endpoints the receivers of this process compared looking up the
  *  endpoint of a message (tests read it: O(1) each, whatever their number). */
 extern _Atomic unsigned long dp__transport_find_steps;
+/** Steps this process took unlinking completed sends from their
+ *  endpoints' lists of posted sends (tests read it: one each). */
+extern _Atomic unsigned long dp__transport_posted_steps;
 /** Queues one raw active message (id, header, data as given) on ep, for
  *  tests that put garbage on the wire. A frame header (DP__AM_FRAME, of its
  *  size) gets the endpoint's next sequence number, as a real send would. */

@@ -114,6 +114,7 @@ enum { SOP_VALUE, SOP_FUTURE, SOP_FRAME, SOP_RAW };
 
 struct sop {
   sop_t *next;
+  sop_t *prev;              /* on its endpoint's `posted` (doubly linked: a send leaves it in O(1)) */
   dp_transport_t *t;
   dp_endpoint_t *ep;        /* NULL once the endpoint let go of it */
   int kind;
