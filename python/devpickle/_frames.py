@@ -8,6 +8,7 @@ import operator
 import sys
 import types
 
+from ._devpickle import _hash_work
 from ._object import Object
 
 
@@ -162,9 +163,15 @@ class Copies:
     dumps wrote it (1,000 objects whose __getstate__ returns one 1,000-item
     dict: 140 KB of frame, 1,000,000 items made — pickle makes them too):
     no bound on the frame's size alone tells that from a hostile frame, so
-    the caller who trusts the sender raises max_copies."""
+    the caller who trusts the sender raises max_copies.
 
-    __slots__ = ("size", "left", "limit", "shared")
+    Hashing is charged to the same bound: CPython keeps no tuple's hash, so
+    each set item and dict key that is a tuple hashes its whole tree of
+    tuples, shared ones each time (1,000 items (i, T) over one 1,000-item T
+    hash 1,000,000 items); the tuple items each hash walks are charged before
+    Python hashes them (_hash_work, frames.c)."""
+
+    __slots__ = ("size", "left", "limit", "shared", "hashed")
     PER_BYTE, FIXED = 4, 65536
 
     def __init__(self, size, max_copies=None):
@@ -179,6 +186,7 @@ class Copies:
         self.size = size
         self.left = self.limit = max_copies
         self.shared = {}  # (kind, id(node's object)) -> (that object, what was made of it)
+        self.hashed = {}  # _hash_work's memo: id(tuple) -> (that tuple, its work and height)
 
     def charge(self, what, n):
         self.left -= n
@@ -187,6 +195,20 @@ class Copies:
                              f"bytes (the default is {self.PER_BYTE} per byte of the frame's {self.size}, plus "
                              f"{self.FIXED}): objects that share nodes copy them each; pass a larger max_copies "
                              "for a frame you trust")
+
+    def charge_hashing(self, what, n):
+        self.left -= n
+        if self.left < 0:
+            raise ValueError(f"loads: the frame's {what} would hash more than max_copies={self.limit} tuple items: "
+                             "CPython keeps no tuple's hash, so a set item or dict key that is a tuple hashes all "
+                             "the tuples in it each time, and items that share one large tuple hash it each (the "
+                             f"default is {self.PER_BYTE} per byte of the frame's {self.size}, plus {self.FIXED}); "
+                             "pass a larger max_copies for a frame you trust")
+
+    def hashes(self, what, items):
+        """items, once what hashing each of them costs is charged."""
+        self.charge_hashing(what, _hash_work(items, self.hashed, min(self.left, 1 << 62)))
+        return items
 
     def share(self, kind, source, make):
         hit = self.shared.get((kind, id(source)))
@@ -197,6 +219,7 @@ class Copies:
 
 _SIZED = (list, dict, set, frozenset, bytes, bytearray, str)
 _COPYING = (list, tuple, dict, set, frozenset, bytearray, bytes, str, collections.deque)
+_HASHING = (set, frozenset, dict)  # builtins whose constructor hashes an iterable argument's items
 
 
 def _args_size(cls, args):
@@ -239,9 +262,9 @@ def finish(name, attrs, classes, copies):
         items = _reserved(name, attrs, "items", list)
         try:
             if name == "builtins.frozenset":
-                return copies.share(name, items, lambda: frozenset(items))
+                return copies.share(name, items, lambda: frozenset(copies.hashes("frozenset items", items)))
             copies.charge("sets", len(items))
-            return set(items)
+            return set(copies.hashes("set items", items))
         except TypeError as e:  # an unhashable item (a list): no set holds one
             raise TypeError(f"loads: a {name} object whose items cannot be a set's: {e}") from e
     if name == "builtins.complex":
@@ -346,6 +369,10 @@ def reduced(cls, parts, copies):
     else:
         return Object(label, parts)  # not a call loads makes
     copies.charge("reduced objects' args", _args_size(cls, new_args))
+    if issubclass(cls, _HASHING):  # set(a list), dict(pairs), Counter(a list): hashes each item
+        for a in new_args:
+            if isinstance(a, (list, tuple)):
+                copies.hashes("reduced objects' args", a)
     obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args)
     state = parts.get("<state>")
     if state is not None:
@@ -366,6 +393,7 @@ def reduced(cls, parts, copies):
         raise TypeError(f"loads: {label} was reduced with listitems that are not a list or dictitems "
                         "that are not a list of (key, value) pairs")
     copies.charge("reduced objects' listitems and dictitems", len(listitems) + len(dictitems))
+    copies.hashes("reduced objects' dictitems", [k for k, _ in dictitems])
     if listitems and not hasattr(obj, "append"):
         raise TypeError(f"loads: {label} was reduced with listitems, and has no append")
     for item in listitems:

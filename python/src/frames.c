@@ -131,6 +131,162 @@ done:
 
 /* ---- loads ---- */
 
+/* Hashing. CPython keeps no tuple's hash: each time a tuple is a set's item
+ * or a dict's key, its items are hashed, and theirs, by C recursion without
+ * a depth guard. A frame shares a tuple by back-reference, so 1,000 items
+ * (i, T) over one 1,000-item T hash T's items 1,000,000 times (uses x size:
+ * quadratic in the frame), and 250,000 nested tuples overflow the C stack.
+ * hash_work says what one hash of x costs — the tuple items hashed: len(t)
+ * plus each tuple item's work — so that loads charges it (max_copies) before
+ * Python does it, and refuses a tree more than HASH_MAX_DEPTH tuples deep
+ * (pickle's own recursion stops at 1,000 levels too). Anything else is 0
+ * here: str, bytes and frozenset keep their hash once computed, a frame's
+ * ints are int64, and an allowed class's own __hash__ is its code. A tuple
+ * of tuples is walked once per loads: memo maps id -> (the tuple, kept so
+ * its id is not reused; work << 11 | height); a tuple of none is walked
+ * again each time (memory for the memo only where sharing can multiply the
+ * walk), and a walk stops once its steps pass the budget left, so the walk
+ * costs no more than what is charged. Not CPython's private known-hash
+ * inserts (_PyDict_SetItem_KnownHash): sets have none, and (i, T) is a new
+ * tuple whose hash CPython computes in full whatever T's. */
+#define HASH_MAX_DEPTH 1000
+#define HASH_WORK_MAX ((uint64_t)1 << 52) /* saturates: 2^52 is past any budget */
+
+typedef struct hframe {
+  PyObject *t; /* borrowed: the root is held by the caller, the rest by their tuples */
+  Py_ssize_t i;
+  uint64_t work;
+  unsigned height; /* of its tuple items, 0 for none */
+} hframe_t;
+
+static int hashed_in_full(PyObject *x) { return PyTuple_Check(x) && Py_TYPE(x)->tp_hash == PyTuple_Type.tp_hash; }
+
+static uint64_t work_add(uint64_t a, uint64_t b) { return a + b > HASH_WORK_MAX ? HASH_WORK_MAX : a + b; }
+
+/* 1 and *work, *height when t was walked; 0 when not; -1 on error. */
+static int hash_memo_get(PyObject *memo, PyObject *t, uint64_t *work, unsigned *height) {
+  PyObject *id = PyLong_FromVoidPtr(t);
+  if (!id) return -1;
+  PyObject *hit = PyDict_GetItemWithError(memo, id);
+  Py_DECREF(id);
+  if (!hit) return PyErr_Occurred() ? -1 : 0;
+  unsigned long long w = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(hit, 1));
+  if (w == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+  *work = w >> 11;
+  *height = (unsigned)(w & 0x7ff);
+  return 1;
+}
+
+static int hash_memo_put(PyObject *memo, PyObject *t, uint64_t work, unsigned height) {
+  PyObject *id = PyLong_FromVoidPtr(t);
+  PyObject *v = id ? Py_BuildValue("(OK)", t, (unsigned long long)(work << 11 | height)) : NULL;
+  int rc = v ? PyDict_SetItem(memo, id, v) : -1;
+  Py_XDECREF(id);
+  Py_XDECREF(v);
+  return rc;
+}
+
+static int too_deep(void) {
+  PyErr_Format(PyExc_ValueError,
+               "loads: a set item or dict key nested more than %d tuples deep: CPython hashes a tuple by C "
+               "recursion, which a tree that deep can overflow (a crash, not an exception)",
+               HASH_MAX_DEPTH);
+  return -1;
+}
+
+/* The tuple items one hash of x hashes, into *out; HASH_WORK_MAX once the
+ * walk took more than `left` steps (each step is at least one item of the
+ * work: the caller refuses it). 0, or -1 with an exception (too deep).
+ * Iterative: its depth is the frame's. */
+static int hash_work(PyObject *memo, PyObject *x, uint64_t left, uint64_t *out) {
+  uint64_t w, steps = 0;
+  unsigned h;
+  *out = 0;
+  if (!hashed_in_full(x)) return 0;
+  int found = hash_memo_get(memo, x, out, &h);
+  if (found) return found < 0 ? -1 : 0;
+  hframe_t *st = PyMem_Malloc(16 * sizeof *st);
+  size_t n = 0, cap = 16;
+  int rc = -1;
+  if (!st) return PyErr_NoMemory(), -1;
+  st[n++] = (hframe_t){.t = x};
+  while (n) {
+    hframe_t *f = &st[n - 1];
+    if (f->i == PyTuple_GET_SIZE(f->t)) {
+      uint64_t work = f->work;
+      unsigned height = f->height + 1;
+      if (height > 1 && hash_memo_put(memo, f->t, work, height)) goto done;
+      if (!--n) {
+        *out = work;
+        rc = 0;
+        break;
+      }
+      f = &st[n - 1];
+      f->work = work_add(f->work, work);
+      if (height > f->height) f->height = height;
+      continue;
+    }
+    PyObject *item = PyTuple_GET_ITEM(f->t, f->i++);
+    f->work = work_add(f->work, 1);
+    if (++steps > left) {
+      *out = HASH_WORK_MAX;
+      rc = 0;
+      goto done;
+    }
+    if (!hashed_in_full(item)) continue;
+    if ((found = hash_memo_get(memo, item, &w, &h)) < 0) goto done;
+    if (found) {
+      if (n + h > HASH_MAX_DEPTH) {
+        too_deep();
+        goto done;
+      }
+      f->work = work_add(f->work, w);
+      if (h > f->height) f->height = h;
+      continue;
+    }
+    if (n == HASH_MAX_DEPTH) {
+      too_deep();
+      goto done;
+    }
+    if (n == cap) {
+      hframe_t *ns = PyMem_Realloc(st, 2 * cap * sizeof *ns);
+      if (!ns) {
+        PyErr_NoMemory();
+        goto done;
+      }
+      st = ns;
+      cap *= 2;
+    }
+    st[n++] = (hframe_t){.t = item};
+  }
+done:
+  PyMem_Free(st);
+  return rc;
+}
+
+/* _hash_work(items, memo, left): the tuple items hashing each of items
+ * hashes (what set(items) costs), for devpickle/_frames.py; once past left
+ * (an int >= 0), some number past it. */
+PyObject *dpy_hash_work(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *items, *memo;
+  unsigned long long left;
+  if (!PyArg_ParseTuple(args, "OO!K:_hash_work", &items, &PyDict_Type, &memo, &left)) return NULL;
+  PyObject *it = PyObject_GetIter(items), *x;
+  if (!it) return NULL;
+  uint64_t total = 0, w;
+  while (total <= left && (x = PyIter_Next(it))) {
+    int rc = hash_work(memo, x, left - total, &w);
+    Py_DECREF(x);
+    if (rc) break;
+    total = work_add(total, w);
+  }
+  Py_DECREF(it);
+  if (PyErr_Occurred()) return NULL;
+  return PyLong_FromUnsignedLongLong(total);
+}
+
+
 typedef struct loader {
   dp_ptrset_t *table;  /* the frame's buffers by (device, base), in table order */
   PyObject *buffers;   /* a sequence, or NULL */
@@ -139,6 +295,8 @@ typedef struct loader {
   dp_ptrset_t *memo;   /* heap nodes converted, by identity */
   PyObject *memo_objs; /* their Python objects (NULL while being finished) */
   PyObject *copies;    /* what finish copies out of shared nodes, bounded (_frames.Copies) */
+  PyObject *hashed;    /* copies.hashed: hash_work's memo */
+  uint64_t hash_owed;  /* dict keys' hashing work not yet charged to copies */
   PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass;
 } loader_t;
 
@@ -463,6 +621,21 @@ static int deliver(cframe_t *f, PyObject *r) {
   return rc;
 }
 
+/* Charges a frame dict key's hashing work (a key is at most 1,024 nodes) to
+ * copies, in batches of HASH_BATCH, before Python hashes past it; `all`
+ * charges what is left. 0, or -1 with the ValueError. */
+#define HASH_BATCH 4096
+static int charge_key(loader_t *l, PyObject *key, int all) {
+  uint64_t w = 0;
+  if (key && hash_work(l->hashed, key, UINT64_MAX, &w)) return -1; /* at most 1,024 steps: a key's tree */
+  l->hash_owed = work_add(l->hash_owed, w);
+  if (!l->hash_owed || (!all && l->hash_owed < HASH_BATCH)) return 0;
+  PyObject *r = PyObject_CallMethod(l->copies, "charge_hashing", "sK", "dict keys", (unsigned long long)l->hash_owed);
+  l->hash_owed = 0;
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
 static void frame_drop(cframe_t *f) {
   Py_XDECREF(f->py);
   Py_XDECREF(f->placeholder);
@@ -482,6 +655,10 @@ static PyObject *to_python(loader_t *l, dp_value_t root) {
       st.n--;
       if (!r) goto fail;
       if (!st.n) {
+        if (charge_key(l, NULL, 1)) {
+          Py_DECREF(r);
+          goto fail;
+        }
         result = r;
         break;
       }
@@ -495,7 +672,7 @@ static PyObject *to_python(loader_t *l, dp_value_t root) {
     } else if (f->kind == CF_DICT) {
       dp_value_t k;
       dp_dict_item(f->v, i, &k, &child, NULL);
-      if (!(f->key = leaf_to_py(l, k, 0))) goto fail;
+      if (!(f->key = leaf_to_py(l, k, 0)) || charge_key(l, f->key, 0)) goto fail;
     } else {
       const char *name;
       dp_object_attr(f->v, i, &name, &child, NULL);
@@ -533,7 +710,11 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   if (!mk_copies) goto done;
   l.copies = PyObject_CallFunction(mk_copies, "nO", view.len, max_copies);
   Py_DECREF(mk_copies);
-  if (!l.copies) goto done;
+  if (!l.copies || !(l.hashed = PyObject_GetAttrString(l.copies, "hashed"))) goto done;
+  if (!PyDict_Check(l.hashed)) {
+    PyErr_SetString(PyExc_TypeError, "loads: Copies.hashed is not a dict");
+    goto done;
+  }
   if (buffers != Py_None) {
     if (!PySequence_Check(buffers)) {
       PyErr_SetString(PyExc_TypeError, "buffers= must be a sequence");
@@ -578,6 +759,7 @@ done:
   Py_XDECREF(l.cache);
   Py_XDECREF(l.memo_objs);
   Py_XDECREF(l.copies);
+  Py_XDECREF(l.hashed);
   Py_XDECREF(l.fn_array);
   Py_XDECREF(l.fn_new);
   Py_XDECREF(l.fn_fill);

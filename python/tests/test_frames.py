@@ -1050,3 +1050,91 @@ def test_a_dict_key_a_frame_cannot_hold_is_named_by_its_type_not_the_values(valu
     assert e.value.type_name == "tuple"
     assert str(e.value).startswith("cannot walk a 'tuple' at $.a[(")
     assert e.value.path.startswith("$.a[(")
+
+
+class Counted:
+    """Counts CPython's calls of its __hash__: the items loads hashes."""
+    calls = 0
+
+    def __hash__(self):
+        Counted.calls += 1
+        return 7
+
+
+class CountedDict(dict):
+    pass
+
+
+class CountedSet(set):
+    pass
+
+
+def _set_of_items_sharing(shared, n):
+    return [(i, shared) for i in range(n)]
+
+
+@pytest.mark.parametrize("how", ["set", "frozenset", "dictitems", "set subclass args"])
+def test_set_items_and_keys_that_share_a_large_tuple_are_refused_before_python_hashes_it_each_time(how):
+    # CPython keeps no tuple's hash: a set of 1,000 (i, T) over one
+    # 1,000-item T hashes T's items 1,000,000 times, from a 20 KB frame
+    shared = tuple(Counted() for _ in range(1000))
+    items = _set_of_items_sharing(shared, 1000)
+    classes = (Counted, CountedDict, CountedSet)
+    if how in ("set", "frozenset"):
+        value = spoof(f"builtins.{how}", items=items)
+    elif how == "dictitems":
+        label = f"{CountedDict.__module__}.{CountedDict.__qualname__}"
+        value = spoof(label, **{"<callable>": CountedDict, "<args>": (), "<dictitems>": [(k, 0) for k in items]})
+    else:
+        label = f"{CountedSet.__module__}.{CountedSet.__qualname__}"
+        value = spoof(label, **{"<callable>": CountedSet, "<args>": (items,)})
+    frame = devpickle.dumps(value)
+    assert len(frame) < 60_000
+    Counted.calls = 0
+    with pytest.raises(ValueError, match=r"would hash more than max_copies=\d+ tuple items: .*"
+                                         r"pass a larger max_copies"):
+        devpickle.loads(frame, classes=classes)
+    assert Counted.calls == 0  # refused before the first hash, not after a million
+    out = devpickle.loads(frame, classes=classes, max_copies=2_000_000)  # a frame the caller trusts
+    assert len(out) == 1000 and Counted.calls >= 1_000_000
+
+
+def test_dict_keys_that_share_a_large_tuple_are_refused_past_the_frames_size():
+    shared = tuple(range(1000))  # a key is at most 1,024 nodes: (i, shared) is one
+    frame = devpickle.dumps({(i, shared): i for i in range(2000)})
+    assert len(frame) < 40_000
+    with pytest.raises(ValueError, match=r"dict keys would hash more than max_copies="):
+        devpickle.loads(frame)
+    out = devpickle.loads(frame, max_copies=3_000_000)
+    assert out[(5, shared)] == 5
+
+
+def test_distinct_tuples_as_set_items_and_dict_keys_load_within_the_default_bound():
+    v = [{(i, i + 1, (i, "x")) for i in range(20_000)}, {(i, (i,)): i for i in range(20_000)},
+         frozenset((i, -i) for i in range(20_000))]
+    assert devpickle.loads(devpickle.dumps(v)) == v
+
+
+DEEP_SET_ITEM = """
+import sys, devpickle
+t = ()
+for _ in range(250_000):
+    t = (t,)
+cls = type("Spoof", (), {"__module__": "builtins", "__qualname__": "builtins." + sys.argv[1]})
+o = cls()
+o.items = [t]
+frame = devpickle.dumps(o)
+try:
+    devpickle.loads(frame, max_copies=10**9)
+except ValueError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("kind", ["set", "frozenset"])
+def test_a_set_item_nested_past_a_thousand_tuples_is_refused_not_hashed_by_cpythons_recursion(kind):
+    # CPython hashes a tuple by C recursion, unguarded: 250,000 levels (a
+    # 1 MB frame) overflowed the C stack (SIGSEGV) inside set()
+    r = subprocess.run([sys.executable, "-c", DEEP_SET_ITEM, kind], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "nested more than 1000 tuples deep" in r.stdout, r.stdout
