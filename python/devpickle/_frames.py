@@ -5,6 +5,7 @@ from the frame."""
 
 import collections
 import operator
+import reprlib
 import sys
 import types
 
@@ -255,6 +256,22 @@ def _reserved(name, attrs, attr, kind):
     return v
 
 
+def _no_merge(name, items, made):
+    """made, a set of items, unless two of them are one item in Python (1,
+    1.0 and True; 0.0 and -0.0; one node twice): a frame's set holds
+    distinct items, so that is a crafted frame — refused, as a dict's keys
+    are, never a silent merge."""
+    if len(made) == len(items):
+        return made
+    seen = set()
+    for x in items:
+        if x in seen:
+            raise ValueError(f"loads: a {name} whose items are not distinct in Python (1, 1.0 and True; 0.0 and "
+                             f"-0.0): item {reprlib.repr(x)}")
+        seen.add(x)
+    raise AssertionError("unreachable: a set shorter than its items holds a repeat")
+
+
 def finish(name, attrs, classes, copies):
     """The reserved classes, and objects that were reduced; copies: what
     this loads() has copied out of shared nodes (Copies)."""
@@ -262,9 +279,10 @@ def finish(name, attrs, classes, copies):
         items = _reserved(name, attrs, "items", list)
         try:
             if name == "builtins.frozenset":
-                return copies.share(name, items, lambda: frozenset(copies.hashes("frozenset items", items)))
+                return copies.share(name, items,
+                                    lambda: _no_merge(name, items, frozenset(copies.hashes("frozenset items", items))))
             copies.charge("sets", len(items))
-            return set(copies.hashes("set items", items))
+            return _no_merge(name, items, set(copies.hashes("set items", items)))
         except TypeError as e:  # an unhashable item (a list): no set holds one
             raise TypeError(f"loads: a {name} object whose items cannot be a set's: {e}") from e
     if name == "builtins.complex":

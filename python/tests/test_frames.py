@@ -1138,3 +1138,21 @@ def test_a_set_item_nested_past_a_thousand_tuples_is_refused_not_hashed_by_cpyth
     r = subprocess.run([sys.executable, "-c", DEEP_SET_ITEM, kind], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "nested more than 1000 tuples deep" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("kind", ["set", "frozenset"])
+@pytest.mark.parametrize("items, shown", [('[1, 1.0, true]', "1.0"), ('[0.0, -0.0]', "-0.0"),
+                                          ('[{"$id": "a", "$value": "x"}, {"$ref": "a"}]', "'x'")])
+def test_set_items_that_are_one_item_in_python_are_refused_not_merged(tmp_path, kind, items, shown):
+    # as a dict's keys are: a frame's set holds distinct items, dumps never
+    # writes such a set, and a silent merge would lose an item
+    cli = os.environ.get("DEVPICKLE")
+    if not cli:
+        pytest.skip("the devpickle CLI is not built (DEVPICKLE unset)")
+    src = tmp_path / "s.json"
+    src.write_text(f'{{"$object": "builtins.{kind}", "attrs": {{"items": {items}}}}}')
+    subprocess.run([cli, "pack", str(src), "-o", str(tmp_path / "s.dpk")], check=True)
+    with pytest.raises(ValueError, match=rf"a builtins.{kind} whose items are not distinct in Python .*: item {shown}$"):
+        devpickle.loads((tmp_path / "s.dpk").read_bytes())
+    assert devpickle.loads(devpickle.dumps([{1, 2.5, "x"}, frozenset({0.0, (1, 2)})])) == [{1, 2.5, "x"},
+                                                                                       frozenset({0.0, (1, 2)})]
