@@ -170,6 +170,11 @@ static int hash_memo_get(PyObject *memo, PyObject *t, uint64_t *work, unsigned *
   PyObject *hit = PyDict_GetItemWithError(memo, id);
   Py_DECREF(id);
   if (!hit) return PyErr_Occurred() ? -1 : 0;
+  if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 2 || PyTuple_GET_ITEM(hit, 0) != t) {
+    /* only _hash_work's caller can put anything else there */
+    PyErr_SetString(PyExc_TypeError, "_hash_work: memo holds an entry it did not make");
+    return -1;
+  }
   unsigned long long w = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(hit, 1));
   if (w == (unsigned long long)-1 && PyErr_Occurred()) return -1;
   *work = w >> 11;
