@@ -2013,6 +2013,23 @@ Test(cli, recv_on_a_port_in_use_says_so_in_one_line_with_no_log_of_ucx_beside_it
   res_free(r);
 }
 
+/* UCX says "Input/output error" when its bind() fails for an address that
+ * is not this machine's; recv says what it is. */
+Test(cli, recv_on_an_address_that_is_not_this_machines_says_so) {
+  ucx_env();
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  inet_pton(AF_INET, "192.0.2.1", &a.sin_addr);
+  int bound = bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
+  close(fd);
+  if (bound) cr_skip_test("192.0.2.1 is an address of this machine");
+  res_t r = run("recv 0 --host 192.0.2.1 -o x.dpk --timeout 5");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_str_eq(r.err, "devpickle: 192.0.2.1:0: transport: cannot listen on 192.0.2.1: it is not an address "
+                          "of this machine (Cannot assign requested address)\n");
+  res_free(r);
+}
+
 /* A JSON number has no length limit (RFC 8259): a long decimal is the
  * nearest double, as VALUE_JSON.md says of every number with a fraction,
  * never "number too long"; a long integer that does not fit is named by its

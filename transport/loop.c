@@ -1,5 +1,7 @@
 /* transport/loop.c — the progress loop: a pass, the progress thread,
  * caller-driven progress. */
+#include <arpa/inet.h>
+
 #include "tp.h"
 
 _Thread_local dp_transport_t *dp__tp_in_pass;
@@ -43,6 +45,32 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
   dp__tp_ep_unlink(t, ep);
 }
 
+/* Why UCX could not listen. It says "Input/output error" for most bind()
+ * failures, whatever the reason (an address not of this machine, a
+ * privileged port): a bind of our own to the same address, which UCX
+ * made with SO_REUSEADDR too, finds the system's reason. */
+static int listen_failed(cmd_t *c, ucs_status_t st) {
+  if (st == UCS_ERR_BUSY)
+    return dp__err(&c->err, DP_EIO, "transport: cannot listen: the address is in use (UCX: Device is busy)");
+  int fd = socket(c->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1, why = 0;
+  if (fd >= 0) {
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, (const struct sockaddr *)&c->addr, c->addrlen)) why = errno;
+    close(fd);
+  }
+  char host[INET_ADDRSTRLEN] = "?";
+  if (c->addr.ss_family == AF_INET)
+    inet_ntop(AF_INET, &((const struct sockaddr_in *)&c->addr)->sin_addr, host, sizeof host);
+  if (why == EADDRNOTAVAIL)
+    return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s: it is not an address of this machine (%s)", host,
+                   strerror(why));
+  if (why == EADDRINUSE)
+    return dp__err(&c->err, DP_EIO, "transport: cannot listen: the address is in use (%s)", strerror(why));
+  if (why)
+    return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s: %s", host, strerror(why));
+  return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s: %s", host, ucs_status_string(st));
+}
+
 static void handle_cmd(dp_transport_t *t, cmd_t *c) {
   switch (c->type) {
   case CMD_LISTEN: {
@@ -56,9 +84,7 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
     p.conn_handler.arg = l;
     ucs_status_t st = ucp_listener_create(t->worker, &p, &l->l);
     if (st != UCS_OK) {
-      dp__tp_cmd_finish(t, c, dp__err(&c->err, DP_EIO, "transport: cannot listen: %s",
-                                      st == UCS_ERR_BUSY ? "the address is in use (UCX: Device is busy)"
-                                                         : ucs_status_string(st)));
+      dp__tp_cmd_finish(t, c, listen_failed(c, st));
       return;
     }
     ucp_listener_attr_t a;

@@ -207,8 +207,9 @@ DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_
  *  dp_listener_port; HOST may be an address or a name, "0.0.0.0" all
  *  interfaces). Returns once the socket is bound. Errors: DP_EINVAL for a
  *  malformed address, or when called from a callback run by the
- *  transport's own progress thread; DP_EIO when UCX cannot listen (port in
- *  use), with UCX's message. */
+ *  transport's own progress thread; DP_EIO when UCX cannot listen, with
+ *  the reason: "the address is in use", "cannot listen on A: it is not an
+ *  address of this machine (...)", or the system's. */
 DP_API int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err);
 /** The bound port (0 for NULL). */
 DP_API int dp_listener_port(const dp_listener_t *l);
