@@ -2013,6 +2013,39 @@ Test(cli, recv_on_a_port_in_use_says_so_in_one_line_with_no_log_of_ucx_beside_it
   res_free(r);
 }
 
+/* UCX 1.13 cannot reach an IPv6 peer: a receiver on ::1 corrupted its heap
+ * on the first connection and aborted; one on "::" dropped IPv4 senders
+ * and said only "timed out". Both commands refuse IPv6 with the reason,
+ * at once, and show the address unambiguously: [::1]:PORT, never
+ * ::1:PORT (send takes either form). */
+Test(cli, send_and_recv_refuse_an_ipv6_address_at_once_saying_why_and_show_it_in_brackets) {
+  ucx_env();
+  spit("v.json", "{\"a\": 1}");
+  res_t r = run("pack v.json -o f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  static const char why[] = "is an IPv6 address, which the transport does not support (UCX 1.13's TCP transport "
+                            "corrupts its heap reaching an IPv6 peer): use an IPv4 address";
+  static const struct {
+    const char *args, *addr, *host, *tail;
+  } runs[] = {
+      {"recv 0 --host ::1 -o x.dpk --timeout 5", "[::1]:0", "::1", " (0.0.0.0: every interface)"},
+      {"recv 0 --host :: -o x.dpk --timeout 5", "[::]:0", "::", " (0.0.0.0: every interface)"},
+      {"recv 0 --host [::1] -o x.dpk --timeout 5", "[::1]:0", "::1", " (0.0.0.0: every interface)"},
+      {"send f.dpk [::1]:5000 --timeout 5", "[::1]:5000", "::1", ""},
+      {"send f.dpk ::1:5000 --timeout 5", "[::1]:5000", "::1", ""},
+  };
+  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) {
+    char want[512];
+    snprintf(want, sizeof want, "devpickle: %s: transport: '%s' %s%s\n", runs[i].addr, runs[i].host, why,
+             runs[i].tail);
+    r = run(runs[i].args);
+    cr_assert_eq(r.status, 1, "%s: %s", runs[i].args, r.err);
+    cr_assert_str_eq(r.err, want, "%s", runs[i].args);
+    res_free(r);
+  }
+}
+
 /* UCX says "Input/output error" when its bind() fails for an address that
  * is not this machine's; recv says what it is. */
 Test(cli, recv_on_an_address_that_is_not_this_machines_says_so) {

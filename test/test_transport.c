@@ -541,6 +541,39 @@ Test(transport, an_address_that_is_not_host_port_or_a_connection_to_port_0_is_re
   dp_transport_free(t);
 }
 
+/* UCX 1.13's TCP transport keeps a peer's address in a struct sockaddr_in:
+ * a listener on ::1 that accepted a connection wrote a sockaddr_in6 past
+ * the end of that endpoint's heap block (valgrind: an invalid write in
+ * uct_tcp_ep_set_dest_addr, under dp__tp_on_conn) and the receiver later
+ * aborted ("double free or corruption"), the sender refused; a listener on
+ * "::" dropped IPv4 connections without a word. IPv6 is refused before UCX
+ * sees it, with the reason. */
+Test(transport, an_ipv6_address_is_refused_at_listen_and_at_connect_with_the_reason_never_handed_to_ucx) {
+  dp_transport_t *t = new_transport(NULL);
+  static const char *listen_at[] = {"[::1]:0", "::1:0", ":::0", "[::]:0", "[::ffff:127.0.0.1]:0"};
+  for (size_t i = 0; i < sizeof listen_at / sizeof listen_at[0]; i++) {
+    dp_listener_t *l = (dp_listener_t *)1;
+    dp_error_t e;
+    cr_assert_eq(dp_listener_new(t, listen_at[i], &l, &e), DP_EINVAL, "%s: %s", listen_at[i], e.message);
+    cr_assert_null(l);
+    cr_assert(strstr(e.message, "is an IPv6 address, which the transport does not support (UCX 1.13's TCP "
+                                "transport corrupts its heap reaching an IPv6 peer): use an IPv4 address "
+                                "(0.0.0.0: every interface)"),
+              "%s: %s", listen_at[i], e.message);
+  }
+  dp_endpoint_t *ep = (dp_endpoint_t *)1;
+  dp_error_t e;
+  cr_assert_eq(dp_endpoint_connect(t, "[::1]:5000", &ep, &e), DP_EINVAL, "%s", e.message);
+  cr_assert_null(ep);
+  cr_assert_str_eq(e.message, "transport: '::1' is an IPv6 address, which the transport does not support (UCX "
+                              "1.13's TCP transport corrupts its heap reaching an IPv6 peer): use an IPv4 address");
+  dp_listener_t *l; /* IPv4 still listens */
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 /* UCX says "Input/output error" for an address its bind() cannot take; the
  * reason is the system's: 192.0.2.1 (TEST-NET-1) is no address here. */
 Test(transport, listening_on_an_address_that_is_not_this_machines_says_so) {

@@ -914,7 +914,8 @@ static const char *const help_send =
     "usage: devpickle send FRAME.dpk HOST:PORT [--timeout SECONDS]\n"
     "\n"
     "Sends a self-contained frame (inline, or without buffers) over UCX to\n"
-    "'devpickle recv' listening on HOST:PORT, and waits for its answer: the\n"
+    "'devpickle recv' listening on HOST:PORT (IPv4: UCX 1.13 cannot reach\n"
+    "IPv6 peers), and waits for its answer: the\n"
     "receiver verifies the frame as 'verify' does and writes it. The frame is\n"
     "verified here first. Prints 'FRAME.dpk: sent N bytes to HOST:PORT' and\n"
     "exits 0 once the receiver has written it; otherwise one line on stderr\n"
@@ -933,7 +934,8 @@ static const char *const help_send =
 static const char *const help_recv =
     "usage: devpickle recv PORT [-o FRAME.dpk] [--host HOST] [--timeout SECONDS]\n"
     "\n"
-    "Listens on HOST:PORT (default host 0.0.0.0; PORT 0 takes a free port),\n"
+    "Listens on HOST:PORT (HOST an IPv4 address or a name, default 0.0.0.0:\n"
+    "UCX 1.13 cannot serve IPv6 peers; PORT 0 takes a free port),\n"
     "says 'devpickle recv: listening on port N' on stderr, receives one frame\n"
     "from 'devpickle send', verifies it as 'verify' does, writes it to\n"
     "FRAME.dpk (or stdout; a terminal only with -o -) — a file is written\n"
@@ -1064,6 +1066,15 @@ static void timeout_message(dp_error_t *e, int ran_out, double s, const char *li
              was);
 }
 
+/* HOST:PORT as messages show it: an IPv6 host in brackets ("[::1]:5000",
+ * never the ambiguous "::1:5000"); the last colon splits, as the transport
+ * reads it. */
+static const char *show_addr(char *buf, size_t n, const char *host, const char *port) {
+  int wrap = strchr(host, ':') && host[0] != '[';
+  snprintf(buf, n, "%s%s%s:%s", wrap ? "[" : "", host, wrap ? "]" : "", port);
+  return buf;
+}
+
 static int cmd_send(int argc, char **argv) {
   link_args_t a;
   int rc = parse_link("send", help_send, argc, argv, 2, 0, &a);
@@ -1074,6 +1085,9 @@ static int cmd_send(int argc, char **argv) {
   if (port < 1 || port > 65535 || !pend || *pend || colon[1] < '0' || colon[1] > '9')
     return usage_error("send", "'%s' is not HOST:PORT (PORT 1 to 65535)", a.pos[1]);
   if (a.timeout < 0) a.timeout = 60;
+  char host[300], shown[320];
+  snprintf(host, sizeof host, "%.*s", (int)(colon - a.pos[1]), a.pos[1]);
+  const char *peer = show_addr(shown, sizeof shown, host, colon + 1);
   quiet_ucx();
   uint8_t *bytes;
   size_t n;
@@ -1101,15 +1115,15 @@ static int cmd_send(int argc, char **argv) {
   dp_transport_t *t = NULL;
   dp_endpoint_t *ep = NULL;
   dp_future_t *done = NULL, *ans = NULL;
-  const char *where = a.pos[1];
+  const char *where = peer;
   dp_transport_opts_t to;
   memset(&to, 0, sizeof to);
   rc = dp_backend_get(DP_DEVICE_HOST, &to.backend, &e); /* frames only: no GPU to wake */
   if (!rc) rc = dp_transport_new(&to, &t, &e);
   if (!rc) rc = dp_endpoint_connect(t, a.pos[1], &ep, &e);
   if (!rc) where = display(a.pos[0]), rc = dp_endpoint_send_frame(ep, bytes, n, &done, &e);
-  if (rc && ep && dp_endpoint_error(ep, NULL)) where = a.pos[1]; /* the connection's error, not the file's */
-  if (!rc) where = a.pos[1], rc = dp_endpoint_recv(ep, &ans, &e);
+  if (rc && ep && dp_endpoint_error(ep, NULL)) where = peer; /* the connection's error, not the file's */
+  if (!rc) where = peer, rc = dp_endpoint_recv(ep, &ans, &e);
   int64_t deadline = deadline_in(a.timeout); /* one limit for the whole exchange */
   int ran_out = 0;
   if (!rc) rc = wait_until(done, deadline, &ran_out, &e);
@@ -1127,13 +1141,13 @@ static int cmd_send(int argc, char **argv) {
       int says = strncmp(why, ANSWER_REFUSED, strlen(ANSWER_REFUSED)) == 0 ||
                  strncmp(why, ANSWER_UNWRITTEN, strlen(ANSWER_UNWRITTEN)) == 0;
       snprintf(what, sizeof what, "the receiver %s%.1500s", says ? "" : ANSWER_REFUSED, why);
-      status = data_error(a.pos[1], what, -1);
+      status = data_error(peer, what, -1);
     } else if (dp_value_kind(r) != DP_INT || dp_value_as_int(r) != 0) {
-      status = data_error(a.pos[1], "the receiver gave no answer devpickle knows", -1);
+      status = data_error(peer, "the receiver gave no answer devpickle knows", -1);
     } else {
       cli_put_text(stdout, display(a.pos[0]));
       printf(": sent %zu bytes to ", n);
-      cli_put_text(stdout, a.pos[1]);
+      cli_put_text(stdout, peer);
       putchar('\n');
     }
   }
@@ -1158,7 +1172,7 @@ static int cmd_recv(int argc, char **argv) {
   if (!a.out) a.out = "-";
   quiet_ucx();
   char addr[320];
-  snprintf(addr, sizeof addr, "%s:%s", a.host ? a.host : "0.0.0.0", port);
+  show_addr(addr, sizeof addr, a.host ? a.host : "0.0.0.0", port);
   dp_error_t e;
   dp_error_clear(&e);
   dp_transport_opts_t to;
@@ -1179,7 +1193,9 @@ static int cmd_recv(int argc, char **argv) {
   }
   fprintf(stderr, "devpickle recv: listening on port %d\n", dp_listener_port(l));
   fflush(stderr);
-  snprintf(addr, sizeof addr, "%s:%d", a.host ? a.host : "0.0.0.0", dp_listener_port(l)); /* the port bound */
+  char bound[8];
+  snprintf(bound, sizeof bound, "%d", dp_listener_port(l));
+  show_addr(addr, sizeof addr, a.host ? a.host : "0.0.0.0", bound); /* the port bound */
   int64_t deadline = deadline_in(a.timeout);
   int ran_out = 0;
   rc = dp_listener_accept(l, left_ns(deadline), &ep, &e);

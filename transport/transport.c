@@ -7,6 +7,8 @@
  * the transport's pass lock. API calls queue a command and wake the thread
  * through an eventfd; the few that must answer (listen, close) wait on the
  * transport's condition variable for it. The other files: tp.h. */
+#include <arpa/inet.h>
+
 #include "tp.h"
 
 int dp__transport_skip_events;
@@ -137,8 +139,29 @@ static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, 
   int g = getaddrinfo(host, colon + 1, &hints, &res);
   if (g != 0 || !res)
     return dp__err(err, DP_EINVAL, "transport: cannot resolve '%s': %s", host, gai_strerror(g));
-  memcpy(ss, res->ai_addr, res->ai_addrlen);
-  *len = (socklen_t)res->ai_addrlen;
+  /* IPv4 only: UCX 1.13's TCP transport keeps its peer's address in a
+     struct sockaddr_in, and an endpoint to an IPv6 peer (one accepted on an
+     IPv6 listener: the peer's address comes from that connection) writes a
+     sockaddr_in6 over the end of its heap block — the receiver's heap is
+     corrupted ("double free or corruption") and the connection refused.
+     A listener on "::" takes IPv4 connections no better: UCX drops them
+     before any callback (it finds no interface for ::ffff:a.b.c.d). */
+  const struct addrinfo *a = res;
+  while (a && a->ai_family != AF_INET) a = a->ai_next;
+  if (!a) {
+    char shown[INET6_ADDRSTRLEN] = "?";
+    if (res->ai_family == AF_INET6)
+      inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)res->ai_addr)->sin6_addr, shown, sizeof shown);
+    int literal = strcmp(shown, host) == 0 || res->ai_family != AF_INET6;
+    freeaddrinfo(res);
+    return dp__err(err, DP_EINVAL,
+                   "transport: '%s'%s%s%s is an IPv6 address, which the transport does not support (UCX 1.13's "
+                   "TCP transport corrupts its heap reaching an IPv6 peer): use an IPv4 address%s",
+                   host, literal ? "" : " (", literal ? "" : shown, literal ? "" : ")",
+                   passive ? " (0.0.0.0: every interface)" : "");
+  }
+  memcpy(ss, a->ai_addr, a->ai_addrlen);
+  *len = (socklen_t)a->ai_addrlen;
   freeaddrinfo(res);
   return 0;
 }

@@ -204,12 +204,15 @@ DP_API int dp_transport_progress(dp_transport_t *t);
  *  dp_transport_wait). DP_EINVAL for NULL. */
 DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 /** Listens on "HOST:PORT" (PORT 0: an ephemeral port, see
- *  dp_listener_port; HOST may be an address or a name, "0.0.0.0" all
- *  interfaces). Returns once the socket is bound. Errors: DP_EINVAL for a
- *  malformed address, or when called from a callback run by the
- *  transport's own progress thread; DP_EIO when UCX cannot listen, with
- *  the reason: "the address is in use", "cannot listen on A: it is not an
- *  address of this machine (...)", or the system's. */
+ *  dp_listener_port; HOST may be an IPv4 address or a name, "0.0.0.0" all
+ *  interfaces; a name's first IPv4 address is used). Returns once the
+ *  socket is bound. Errors: DP_EINVAL for a malformed address, an IPv6
+ *  address or a name with none but IPv6 ones (UCX 1.13's TCP transport
+ *  corrupts its heap reaching an IPv6 peer: "'::1' is an IPv6 address,
+ *  which the transport does not support ..."), or when called from a
+ *  callback run by the transport's own progress thread; DP_EIO when UCX
+ *  cannot listen, with the reason: "the address is in use", "cannot listen
+ *  on A: it is not an address of this machine (...)", or the system's. */
 DP_API int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err);
 /** The bound port (0 for NULL). */
 DP_API int dp_listener_port(const dp_listener_t *l);
@@ -221,10 +224,10 @@ DP_API int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_
  *  thread it is refused (a line on stderr, nothing freed). */
 DP_API void dp_listener_free(dp_listener_t *l);
 
-/** An endpoint connecting to "HOST:PORT". Returns at once: a refused or
- *  failed connection fails the endpoint (its futures fail with DP_EIO,
- *  "connection refused" or UCX's reason). DP_EINVAL for a malformed
- *  address. */
+/** An endpoint connecting to "HOST:PORT" (IPv4, as dp_listener_new).
+ *  Returns at once: a refused or failed connection fails the endpoint (its
+ *  futures fail with DP_EIO, "connection refused" or UCX's reason).
+ *  DP_EINVAL for a malformed address or an IPv6 one (as dp_listener_new). */
 DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err);
 /** Closes the endpoint: pending sends and receives fail with DP_ECANCELED
  *  ("closed with N sends and M receives pending"), received buffers not
