@@ -1237,6 +1237,57 @@ Test(transport, a_peer_sending_a_values_pieces_in_reverse_order_costs_log_n_step
   close_clean(ep, t, p);
 }
 
+/* peer: once the other side's first value came, `arg` pieces of 8,000
+ * bytes each for value 1, which it never frames, then value 0 (an int) */
+static int send_pieces_never_framed(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  size_t n = (size_t)(uintptr_t)arg;
+  dp_error_t e;
+  dp_future_t *f;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
+  dp_future_release(f);
+  static uint8_t junk[8000];
+  for (size_t i = 0; i < n; i++) {
+    dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 1, i, sizeof junk, 0, sizeof junk};
+    if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &b, sizeof b, junk, sizeof junk, &e)) return 11;
+  }
+  if (dp_endpoint_send(ep, dp_int(7), &f, &e)) return 12;
+  wait_f(f, &e);
+  dp_future_release(f);
+  return 0;
+}
+
+/* Parked messages were capped by count alone (1,000,000): pieces of values
+ * a peer never frames, up to 64 KiB each on the connection, could hold
+ * ~64 GB of the receiver. Their data is bounded too — the endpoint's credit
+ * window plus 64 MiB: 1 MiB + 64 MiB here, passed by 9,000 pieces of
+ * 8,000 bytes — and passing it fails the endpoint with the limit. */
+Test(transport, a_peer_that_parks_more_data_than_the_window_plus_64_mib_fails_the_endpoint_with_the_limit) {
+  t_track();
+  peer_t p = spawn_peer(send_pieces_never_framed, (void *)(uintptr_t)9000, NULL);
+  dp_transport_opts_t o = {.max_inflight_bytes = 1 << 20};
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(wait_f(r, &e), DP_ELIMIT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "messages out of order or held back would hold over 68157440 bytes (its credit "
+                              "window plus 64 MiB)"),
+            "%s", e.message);
+  cr_assert_eq(dp_endpoint_error(ep, NULL), DP_ELIMIT);
+  wait_f(d, &e);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  peer_wait(p);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* peer: once the other side's first value came, a value of two one-byte
  * buffers whose second piece comes twice before its frame, then the
  * frame and its first piece */

@@ -126,6 +126,12 @@ typedef struct dp__am_shm_piece {
  * counted when it posted that one). */
 #define DP__AM_CREDIT 0x44509u
 #define DP__CREDIT_INITIAL (1ull << 20)
+/* Parked messages (recv.c) hold at most an endpoint's window plus this
+ * much eager data: a cooperating peer parks at most its credit (the
+ * window) plus one value's eager messages; one that sends pieces of values
+ * it never frames, or frames far ahead, fails the endpoint (DP_ELIMIT)
+ * instead of growing the receiver by up to 64 KiB a message. */
+#define DP__PARKED_SLACK (64ull << 20)
 #define DP__LANE_MAX 1024u
 #define DP__LANE_ELEM "1152" /* bytes of a lane queue's element (UCX's FIFO_ELEM_SIZE) */
 #define DP__LANE_ADDR_MAX 4096u

@@ -568,6 +568,10 @@ static park_t *park_of(dp_endpoint_t *ep, unsigned id) {
   return id == DP__AM_FRAME ? &ep->parked_frames : &ep->parked_pieces;
 }
 
+/* What a parked message holds: its data, copied out of UCX (am_any); a
+ * rendezvous one only UCX's descriptor, its data still with the sender. */
+static uint64_t parked_cost(const inbox_t *b) { return b->rndv ? 0 : b->len; }
+
 static int park_push(dp_endpoint_t *ep, inbox_t *b) {
   park_t *q = park_of(ep, b->id);
   if (dp__grow((void **)&q->v, &q->cap, q->n + 1, sizeof *q->v)) return DP_ENOMEM;
@@ -581,6 +585,7 @@ static int park_push(dp_endpoint_t *ep, inbox_t *b) {
   }
   q->v[i] = b;
   ep->nparked++;
+  ep->parked_bytes += parked_cost(b);
   atomic_fetch_add_explicit(&dp__transport_park_steps, steps + 1, memory_order_relaxed);
   return 0;
 }
@@ -604,6 +609,7 @@ static void park_take(dp_endpoint_t *ep, inbox_t *b) {
     q->cap = 0;
   }
   ep->nparked--;
+  ep->parked_bytes -= parked_cost(b);
   atomic_fetch_add_explicit(&dp__transport_park_steps, steps + 1, memory_order_relaxed);
 }
 
@@ -621,13 +627,14 @@ void dp__tp_park_drop(dp_transport_t *t, dp_endpoint_t *ep, int release) {
   for (int k = 0; k < 2; k++) {
     park_t *q = qs[k];
     for (size_t i = 0; i < q->n; i++) {
-      if (!release) q->v[i]->data = NULL;
+      if (!release && q->v[i]->rndv) q->v[i]->data = NULL; /* UCX's: its worker may be gone */
       dp__tp_inbox_drop(t, q->v[i]);
     }
     dp__free(q->v, q->cap * sizeof *q->v);
     memset(q, 0, sizeof *q);
   }
   ep->nparked = 0;
+  ep->parked_bytes = 0;
 }
 
 /* A frame waits while one before it is being pulled, or while the
@@ -802,12 +809,11 @@ static void pass_refused(dp_transport_t *t, dp_endpoint_t *ep) {
     absorb_t *ab = absorbing(ep, b->id, m->seq);
     if (ab) {
       absorb_piece(t, ep, ab, b->id, b->hdr, b->data, b->len, b->rndv);
-      if (!b->rndv && b->data) ucp_am_data_release(b->w, b->data);
+      if (b->rndv) b->data = NULL; /* absorb_piece had it */
     } else {
-      if (b->data) ucp_am_data_release(b->w, b->data);
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
     }
-    dp__free(b, sizeof *b);
+    dp__tp_inbox_drop(t, b);
   }
   dp__tp_deliver(t, ep);
 }
@@ -828,8 +834,8 @@ void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
     if (c < 0 && (a = absorbing(ep, b->id, k.seq))) { /* a refused message's, passed */
       park_take(ep, b);
       absorb_piece(t, ep, a, b->id, b->hdr, b->data, b->len, b->rndv);
-      if (!b->rndv && b->data) ucp_am_data_release(b->w, b->data);
-      dp__free(b, sizeof *b);
+      if (b->rndv) b->data = NULL; /* absorb_piece had it */
+      dp__tp_inbox_drop(t, b);
       continue;
     }
     if (c < 0) { /* a repeat, parked while the one it repeats was being pulled */
@@ -842,11 +848,9 @@ void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
     }
     if (c > 0 || blocked(t, ep, b->id)) return;
     park_take(ep, b);
-    void *data = b->data;
-    b->data = NULL;
-    process(t, ep, b->id, b->hdr, data, b->len, b->rndv);
-    if (!b->rndv && data) ucp_am_data_release(b->w, data); /* rendezvous data went to on_bufs */
-    dp__free(b, sizeof *b);
+    process(t, ep, b->id, b->hdr, b->data, b->len, b->rndv);
+    if (b->rndv) b->data = NULL; /* rendezvous data went to on_bufs */
+    dp__tp_inbox_drop(t, b);
   }
 }
 
@@ -870,7 +874,6 @@ static int bufs_hdr_ok(const void *hdr) {
 static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w, unsigned id, const void *hdr,
                            size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
   int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-  int persistent = rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
   size_t want = id == DP__AM_FRAME   ? sizeof(dp__am_frame_hdr_t)
                 : id == DP__AM_BUFS ? sizeof(dp__am_bufs_hdr_t)
                                     : sizeof(dp__am_shm_piece_t);
@@ -930,24 +933,44 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
     if (ep->nparked) dp__tp_ep_pump_inbox(t, ep);
     return kept ? UCS_INPROGRESS : UCS_OK;
   }
-  /* not its turn: park it */
-  inbox_t *b = ep->nparked < DP__MAX_PARKED ? dp__alloc(sizeof *b) : NULL;
-  if (b) memset(b, 0, sizeof *b);
-  if (b) b->id = id, memcpy(b->hdr, hdr, hlen);
-  if (!b || (!persistent && len) || park_push(ep, b)) {
+  /* not its turn: park it. Eager data is copied out of UCX, which keeps a
+     message it is told to in a buffer of the message's size class (in
+     1.13, 64 KiB for any over 1 KiB): the bytes parked are then the bytes
+     held, and bounded (DP__PARKED_SLACK). */
+  uint64_t cost = rndv ? 0 : len;
+  int over = ep->nparked >= DP__MAX_PARKED || ep->parked_bytes + cost > t->max_parked;
+  inbox_t *b = over ? NULL : dp__alloc(sizeof *b);
+  void *copy = b && !rndv && len ? dp__alloc(len) : NULL;
+  if (!b || (!rndv && len && !copy)) {
     if (b) dp__free(b, sizeof *b);
     if (rndv) ucp_am_data_release(t->worker, data);
-    dp__tp_ep_failf(ep, b || ep->nparked < DP__MAX_PARKED ? DP_ENOMEM : DP_ELIMIT, "%s",
-                    ep->nparked >= DP__MAX_PARKED ? "too many messages out of order or held back"
-                                                  : "out of memory parking a message");
+    if (!over)
+      dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory parking a message");
+    else if (ep->nparked >= DP__MAX_PARKED)
+      dp__tp_ep_failf(ep, DP_ELIMIT, "%s", "too many messages out of order or held back (1,000,000)");
+    else {
+      char what[160];
+      snprintf(what, sizeof what, "%llu bytes (its credit window plus %llu MiB)",
+               (unsigned long long)t->max_parked, (unsigned long long)(DP__PARKED_SLACK >> 20));
+      dp__tp_ep_failf(ep, DP_ELIMIT, "messages out of order or held back would hold over %s", what);
+    }
     return UCS_OK;
   }
+  memset(b, 0, sizeof *b);
+  b->id = id;
+  memcpy(b->hdr, hdr, hlen);
   b->hlen = hlen;
-  b->data = persistent ? data : NULL; /* no data: nothing to keep */
+  b->data = rndv ? data : copy; /* none: nothing to keep */
+  if (copy) memcpy(copy, data, len);
   b->w = w;
   b->len = len;
   b->rndv = rndv;
-  return UCS_INPROGRESS;
+  if (park_push(ep, b)) {
+    dp__tp_inbox_drop(t, b);
+    dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory parking a message");
+    return UCS_OK;
+  }
+  return rndv ? UCS_INPROGRESS : UCS_OK;
 }
 
 /* A slot the peer gives back: its piece's send is done with it. */

@@ -191,7 +191,7 @@ struct inbox {
   uint64_t hdr[(sizeof(dp__am_shm_piece_t) > sizeof(dp__am_frame_hdr_t) ? sizeof(dp__am_shm_piece_t)
                                                                            : sizeof(dp__am_frame_hdr_t)) / 8];
   size_t hlen;
-  void *data;               /* a UCX data descriptor (persistent or rendezvous) */
+  void *data;               /* rendezvous: UCX's descriptor; eager: a copy of the data (len bytes) */
   ucp_worker_h w;           /* the worker it came from (the lane's, or the transport's) */
   size_t len;
   int rndv;
@@ -258,6 +258,7 @@ struct dp_endpoint {
   park_t parked_frames;     /* parked messages: frames, */
   park_t parked_pieces;     /* and buffers' pieces (BUFS, SHM_PIECE) */
   size_t nparked;           /* in both */
+  uint64_t parked_bytes;    /* the eager data they hold (at most t->max_parked) */
   struct fpull *fpull;      /* a rendezvous frame being pulled (one at a time) */
   struct absorb *absorb;    /* refused messages passed by their next frame, whose buffers may still come */
   size_t nabsorb;
@@ -337,6 +338,7 @@ struct dp_transport {
   dp_endpoint_t **ep_items;     /* the table's items */
   size_t ep_items_cap;
   uint64_t max_inflight;
+  uint64_t max_parked;          /* an endpoint's parked data: its credit window plus DP__PARKED_SLACK */
   int64_t timeout_ns;
   dp_unpickle_opts_t uopts;
   dp_resolver_t resolver;

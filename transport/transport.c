@@ -196,13 +196,15 @@ void dp__tp_rmsg_free(rmsg_t *m) {
   dp__free(m, sizeof *m);
 }
 
-/* A parked message that will not be processed: its endpoint failed or
- * closes. (Rendezvous data is released unread: a receive posted on an
- * endpoint being closed outlives it in UCX 1.13, which then asserts when the
- * worker goes; UCX's descriptor is reclaimed with the worker.) */
+/* A parked message goes, with what it still holds: eager data (a copy of
+ * our own) or a rendezvous descriptor. (Rendezvous data is released unread:
+ * a receive posted on an endpoint being closed outlives it in UCX 1.13,
+ * which then asserts when the worker goes; UCX's descriptor is reclaimed
+ * with the worker.) */
 void dp__tp_inbox_drop(dp_transport_t *t, inbox_t *b) {
   (void)t;
-  if (b->data) ucp_am_data_release(b->w, b->data);
+  if (b->data && b->rndv) ucp_am_data_release(b->w, b->data);
+  else if (b->data) dp__free(b->data, b->len);
   dp__free(b, sizeof *b);
 }
 
@@ -456,6 +458,8 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
   dp__table_init(&t->ep_index);
   t->wake_fd = -1;
   t->max_inflight = opts && opts->max_inflight_bytes ? opts->max_inflight_bytes : DP_TRANSPORT_DEFAULT_INFLIGHT;
+  uint64_t window = t->max_inflight > DP__CREDIT_INITIAL ? t->max_inflight : DP__CREDIT_INITIAL;
+  t->max_parked = window > UINT64_MAX - DP__PARKED_SLACK ? UINT64_MAX : window + DP__PARKED_SLACK;
   t->timeout_ns = opts ? opts->timeout_ns : 0;
   if (opts && opts->unpickle) {
     t->uopts = *opts->unpickle;
