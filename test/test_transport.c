@@ -1264,6 +1264,7 @@ static int send_pieces_never_framed(dp_transport_t *t, dp_endpoint_t *ep, void *
  * 8,000 bytes — and passing it fails the endpoint with the limit. */
 Test(transport, a_peer_that_parks_more_data_than_the_window_plus_64_mib_fails_the_endpoint_with_the_limit) {
   t_track();
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* one connection, in order: value 0 on a lane would overtake them */
   peer_t p = spawn_peer(send_pieces_never_framed, (void *)(uintptr_t)9000, NULL);
   dp_transport_opts_t o = {.max_inflight_bytes = 1 << 20};
   dp_transport_t *t = new_transport(&o);
