@@ -2417,6 +2417,59 @@ static int stop_self(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   return 0;
 }
 
+/* With opts.timeout_ns, the loop checks every millisecond for a send
+ * posted and not complete past its deadline: it walked every posted send
+ * of every endpoint each time (1,024 steps a check here). Deadlines are set
+ * as sends are posted, with one timeout, so the oldest posted send has the
+ * earliest: a check looks at that one only. */
+Test(transport, a_timeout_check_looks_at_one_posted_send_an_endpoint_however_many_are_posted) {
+  t_track();
+  enum { N = 1024 };
+  peer_t p = spawn_peer(stop_self, NULL, NULL); /* pulls nothing: every rendezvous send stays posted */
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 1ull << 30;
+  o.timeout_ns = 600 * SEC;
+  o.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  int st = 0; /* the peer stops once it accepted, which takes passes of ours */
+  for (int i = 0; i < 20000 && waitpid(p.pid, &st, WUNTRACED | WNOHANG) == 0; i++) {
+    dp_transport_progress(t);
+    sleep_ms(1);
+  }
+  cr_assert(WIFSTOPPED(st), "the peer did not accept");
+  dp__transport_skip_credit = 1; /* the stopped peer grants nothing: post past its first credit */
+  static dp_future_t *done[N];
+  uint8_t *buf = calloc(1, 65u << 10);
+  for (int i = 0; i < N; i++) { /* a frame over 64 KiB: by rendezvous */
+    dp_value_t v;
+    OK(dp_bytes_new(buf, 65u << 10, &v, T_ERR));
+    OK(dp_endpoint_send(ep, v, &done[i], T_ERR));
+    dp_value_release(v);
+  }
+  free(buf);
+  unsigned long steps0 = atomic_load(&dp__transport_timeout_steps);
+  unsigned long checks0 = atomic_load(&dp__transport_timeout_checks);
+  while (atomic_load(&dp__transport_timeout_checks) - checks0 < 20) {
+    dp_transport_progress(t);
+    sleep_ms(1);
+  }
+  unsigned long steps = atomic_load(&dp__transport_timeout_steps) - steps0;
+  unsigned long checks = atomic_load(&dp__transport_timeout_checks) - checks0;
+  for (int i = 0; i < N; i++) cr_assert_not(dp_future_is_done(done[i]), "send %d completed: nothing was pulled", i);
+  cr_assert_geq(steps, checks - 1, "no posted send was looked at: %lu steps in %lu checks", steps, checks);
+  cr_assert_leq(steps, checks, "%lu steps in %lu checks with %d sends posted", steps, checks, N);
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_endpoint_free(ep);
+  dp__transport_skip_credit = 0;
+  for (int i = 0; i < N; i++) dp_future_release(done[i]);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(transport, a_send_the_peer_does_not_take_in_time_fails_with_a_timeout) {
   t_track();
   peer_t p = spawn_peer(stop_self, NULL, NULL);

@@ -169,6 +169,10 @@ extern _Atomic unsigned long dp__transport_find_steps;
 /** Steps this process took unlinking completed sends from their
  *  endpoints' lists of posted sends (tests read it: one each). */
 extern _Atomic unsigned long dp__transport_posted_steps;
+/** Posted sends the timeout checks of this process looked at, and the
+ *  checks (tests read them: one send an endpoint a check, however many
+ *  are posted). */
+extern _Atomic unsigned long dp__transport_timeout_steps, dp__transport_timeout_checks;
 /** Queues one raw active message (id, header, data as given) on ep, for
  *  tests that put garbage on the wire. A frame header (DP__AM_FRAME, of its
  *  size) gets the endpoint's next sequence number, as a real send would. */

@@ -16,6 +16,7 @@ static void sop_complete(sop_t *s) {
     if (s->prev) s->prev->next = s->next;
     else ep->posted = s->next;
     if (s->next) s->next->prev = s->prev;
+    else ep->posted_tail = s->prev;
     s->next = s->prev = NULL;
     atomic_fetch_add_explicit(&dp__transport_posted_steps, 1, memory_order_relaxed);
     ep->inflight -= s->cost;
@@ -154,6 +155,7 @@ int dp__tp_sop_after(dp_transport_t *t, sop_t *s, dp_error_t *err) {
 /* Posts the frame message. */
 static int sop_start(dp_transport_t *t, sop_t *s) {
   dp_endpoint_t *ep = s->ep;
+  s->deadline = dp__tp_deadline(t); /* set as it is posted: the oldest has the earliest (check_timeouts) */
   if (s->kind == SOP_RAW) {
     if (s->raw_id == DP__AM_FRAME && s->raw_len_hdr == sizeof(dp__am_frame_hdr_t))
       ((dp__am_frame_hdr_t *)s->raw_hdr)->seq = ep->send_seq++;
@@ -170,7 +172,6 @@ static int sop_start(dp_transport_t *t, sop_t *s) {
   s->fh.buf_bytes = s->buf_bytes;
   ep->inflight += s->cost;
   ep->credit_sent += s->charge;
-  s->deadline = dp__tp_deadline(t);
   /* cost > buf_bytes: the frame counts, so it goes by rendezvous (sop_measure) */
   return post_msg(s, NULL, DP__AM_FRAME, &s->fh, sizeof s->fh, fb, flen,
                   s->cost > s->buf_bytes ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
@@ -442,6 +443,7 @@ int dp__tp_ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
     s->prev = NULL;
     s->next = ep->posted;
     if (ep->posted) ep->posted->prev = s;
+    else ep->posted_tail = s;
     ep->posted = s;
     int rc = sop_go(t, s, 1);
     if (rc) return rc == 1;

@@ -236,7 +236,8 @@ struct dp_endpoint {
                                runs (or ran), only wait for that close */
   /* the progress thread's */
   sop_t *sq_head, *sq_tail; /* sends, in order: unposted ones wait here */
-  sop_t *posted;            /* posted and not complete */
+  sop_t *posted;            /* posted and not complete, newest first; */
+  sop_t *posted_tail;       /* ... its oldest, whose deadline is the earliest (check_timeouts) */
   sop_t *posting;           /* on `posted`, its buffers not all posted yet */
   uint64_t send_seq;
   uint64_t inflight;

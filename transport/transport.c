@@ -264,7 +264,7 @@ void dp__tp_ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
     s->pq_tail = NULL;
     if (!s->outstanding) dp__tp_sop_free(s);
   }
-  ep->posted = ep->posting = NULL;
+  ep->posted = ep->posted_tail = ep->posting = NULL;
   ep->tx_used = 0; /* its pieces' slots come back without it */
   dp__tp_ep_drop_shm(t, ep);
   dp__tp_ep_drop_received(t, ep);
