@@ -1396,10 +1396,12 @@ def test_objects_with_one_reference_met_again_through_reduces_keep_the_walk_line
         assert [(a.nbytes, a.refs) for a in got] == [(4, 1)]
         return best
 
-    # 16x the depth: linear ~16x, quadratic ~256x. The bound sits 4x from
-    # both (a CI machine's load once took 20x against 8x the depth for 8x).
+    # 16x the depth: linear ~16x, quadratic ~256x — but a deep chain also
+    # leaves the caches, and the walk measures 35-45x here (the same before
+    # and after the memo rule); a machine under load once gave 66x. The bound
+    # sits 2x under quadratic, which with the caches' share comes to ~600x.
     small, large = cpu(400), cpu(6400)
-    assert large < 64 * small, (small, large)
+    assert large < 128 * small, (small, large)
 
 
 def test_a_chain_met_again_through_reduces_keeps_its_first_path_and_its_count():
