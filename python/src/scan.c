@@ -404,14 +404,21 @@ static size_t put_key(PyObject *key, char *out) {
   if (key == Py_True) return memcpy(out, "[true]", 6), 6;
   if (key == Py_False) return memcpy(out, "[false]", 7), 7;
   PyObject *r = PyObject_Repr(key);
+  dp__sbuf_t b = {out, 0, DP__STEP_MAX, 0};
   if (!r) {
+    /* its type's name instead, cut and escaped as in <reduce T>: a name
+       is any str (a newline, a `>`, 300 bytes cut mid-character) */
     clear_error();
-    return (size_t)snprintf(out, DP__STEP_MAX, "[<%.64s>]", Py_TYPE(key)->tp_name);
+    const char *tn = Py_TYPE(key)->tp_name;
+    size_t tl = strlen(tn), k = dp__name_shown(tn, tl, DP_PATH_NAME_MAX);
+    dp__sb_put(&b, "[<", 2);
+    dp__sb_escaped(&b, tn, k, DP__ESC_BARE, k < tl);
+    dp__sb_put(&b, ">]", 2);
+    return b.len;
   }
   size_t n;
   PyObject *hold;
   const char *s = str_bytes(r, &n, &hold);
-  dp__sbuf_t b = {out, 0, DP__STEP_MAX, 0};
   if (!s) {
     dp__sb_put(&b, "[?]", 3);
   } else {

@@ -646,6 +646,19 @@ def test_a_path_escapes_delete_c1_controls_and_line_separators_as_the_c_library_
     ], paths
 
 
+def test_a_key_whose_repr_raises_shows_its_type_name_cut_and_escaped_as_a_name():
+    # the type's name stood in raw: a newline or CSI in it broke the line,
+    # and one cut mid-character by its 64-byte limit made scan fail to
+    # decode its own path (UnicodeDecodeError)
+    def key_type(name):
+        return type(name, (), {"__repr__": lambda self: 1 / 0, "__hash__": lambda self: 1})
+
+    K = key_type("K\n\x9b>\\")
+    assert devpickle.scan({K(): torch.ones(1)})[0].path == "$[<K\\u000a\\u009b\\u003e\\\\>]"
+    L = key_type("L" + "\xe9" * 40)
+    assert devpickle.scan({L(): torch.ones(1)})[0].path == "$[<L" + "\xe9" * 31 + "\u2026>]"
+
+
 def test_a_str_key_holding_a_lone_surrogate_is_shown_by_its_json_escape():
     # it has no UTF-8: the path wrote [<str>], hiding which key it was
     assert devpickle.scan({"a\ud800": torch.ones(1)})[0].path == '$["a\\ud800"]'
