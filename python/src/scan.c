@@ -432,22 +432,34 @@ static size_t put_key(PyObject *key, char *out) {
   return b.len;
 }
 
-/* A type as paths and errors name it: module.qualname for classes defined
- * in Python (tp_name is only their name), tp_name (already qualified) for C
- * types. Written into buf. */
-static const char *type_name(PyTypeObject *t, char *buf, size_t size) {
+/* "m.q", or q alone when m is NULL or `builtins`, as a bytes object in
+ * *hold: a name has no length limit (a fixed buffer cut a 300-byte class
+ * name, and the frame carried the cut one). Returns its text, or fallback
+ * (*hold NULL) when memory runs out: the MemoryError is held for the walk
+ * (clear_error). */
+static const char *dotted(const char *m, const char *q, const char *fallback, PyObject **hold) {
+  *hold = m && strcmp(m, "builtins") ? PyBytes_FromFormat("%s.%s", m, q) : PyBytes_FromString(q);
+  if (*hold) return PyBytes_AS_STRING(*hold);
+  clear_error();
+  return fallback;
+}
+
+/* A type as paths, errors and frames name it: module.qualname for classes
+ * defined in Python (tp_name is only their name), tp_name (already
+ * qualified) for C types. *hold keeps the text (a new reference, or NULL:
+ * Py_XDECREF it once the text is used). */
+static const char *type_name(PyTypeObject *t, PyObject **hold) {
+  *hold = NULL;
   if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return t->tp_name;
   PyObject *mod = PyObject_GetAttrString((PyObject *)t, "__module__");
   PyObject *qual = PyObject_GetAttrString((PyObject *)t, "__qualname__");
   const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8(mod) : NULL;
   const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8(qual) : NULL;
-  if (!q) q = t->tp_name;
-  if (m && strcmp(m, "builtins")) snprintf(buf, size, "%s.%s", m, q);
-  else snprintf(buf, size, "%s", q);
+  clear_error();
+  const char *name = dotted(m, q ? q : t->tp_name, t->tp_name, hold);
   Py_XDECREF(mod);
   Py_XDECREF(qual);
-  clear_error();
-  return buf;
+  return name;
 }
 
 /* A non-str key's step, rendered once per key and kept while the walk is
@@ -502,9 +514,10 @@ static size_t put_step(void *ctx, size_t i, char *out) {
     break;
   case FR_REDUCE: {
     static const char *const part[] = {".callable", ".args", ".state", ".listitems", ".dictitems", ".state_setter"};
-    char tbuf[256];
-    const char *tn = type_name(f->type, tbuf, sizeof tbuf);
+    PyObject *hold;
+    const char *tn = type_name(f->type, &hold);
     n = dp__step_reduce(tn, strlen(tn), out);
+    Py_XDECREF(hold);
     if (f->idx >= 0 && f->idx < 6) {
       memcpy(out + n, part[f->idx], strlen(part[f->idx]));
       n += strlen(part[f->idx]);
@@ -548,8 +561,9 @@ static int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *wha
     PyErr_NoMemory();
     return -1;
   }
-  char tbuf[256], shown[6 * 256 + 3 + 1];
-  const char *tn = type_name(type, tbuf, sizeof tbuf);
+  char shown[6 * 256 + 3 + 1];
+  PyObject *hold;
+  const char *tn = type_name(type, &hold);
   /* the name as the message quotes it: one line, escaped by the rule for
      names (only what a repr would escape: `<locals>` reads as it is) */
   size_t tlen = strlen(tn), k = dp__name_shown(tn, tlen, 256);
@@ -567,6 +581,7 @@ static int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *wha
         Py_XDECREF(et); /* an interrupt raised by that code passes through, as any other */
         Py_XDECREF(ev);
         Py_XDECREF(tb);
+        Py_XDECREF(hold);
         PyMem_Free(path.p);
         return -1;
       }
@@ -596,6 +611,7 @@ static int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *wha
   Py_XDECREF(et);
   Py_XDECREF(ev);
   Py_XDECREF(tb);
+  Py_XDECREF(hold);
   PyMem_Free(path.p);
   return -1;
 }
@@ -1814,7 +1830,9 @@ static int wrap(dpy_scanner_t *s, PyObject *o, const char *cls, const char *attr
   return 0;
 }
 
-static int global_name(PyObject *o, char *buf, size_t size) {
+/* A class's or function's name as a global, module.qualname, kept in *hold
+ * (a new reference): NULL when it has none, or with a MemoryError. */
+static const char *global_name(PyObject *o, PyObject **hold) {
   PyObject *mod = PyObject_GetAttrString(o, "__module__");
   if (!mod) clear_error();
   PyObject *qual = PyObject_GetAttrString(o, "__qualname__");
@@ -1824,12 +1842,12 @@ static int global_name(PyObject *o, char *buf, size_t size) {
   }
   const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8(mod) : NULL;
   const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8(qual) : NULL;
-  int ok = q != NULL;
-  if (ok) snprintf(buf, size, "%s%s%s", m ? m : "", m ? "." : "", q);
+  clear_error();
+  /* whole, however long (a fixed buffer cut it) */
+  *hold = !q ? NULL : m ? PyBytes_FromFormat("%s.%s", m, q) : PyBytes_FromString(q);
   Py_XDECREF(mod);
   Py_XDECREF(qual);
-  clear_error();
-  return ok ? 0 : -1;
+  return *hold ? PyBytes_AS_STRING(*hold) : NULL;
 }
 
 /* 1 when importing module `mod` and looking up the dotted `name` in it
@@ -1916,13 +1934,16 @@ static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
       rc = dp_seq_set(*out, (size_t)i, it, &e);
     }
   } else {
-    char name[512];
-    if (global_name(o, name, sizeof name)) {
+    PyObject *hold;
+    const char *name = global_name(o, &hold);
+    if (!name) {
+      if (PyErr_Occurred()) return -1; /* out of memory */
       PyErr_SetString(PyExc_TypeError, "a class or function without a name");
       return walk_error(s, o, "it cannot be carried in a frame");
     }
     dp_value_t n;
     rc = dp_str_new(name, strlen(name), &n, &e);
+    Py_XDECREF(hold);
     if (!rc) return wrap(s, o, "devpickle.global", "name", n, out);
   }
   return rc ? dp_fail(s, o, rc, &e) : 0;
@@ -2020,11 +2041,12 @@ static int carry_requires_grad(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
  * (attribute subclass: "module.qualname"); loads makes that class again
  * where classes= allows it (docs/PYTHON.md). */
 static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
-  char buf[256];
-  const char *name = type_name(Py_TYPE(o), buf, sizeof buf);
+  PyObject *hold;
+  const char *name = type_name(Py_TYPE(o), &hold);
   dp_value_t v;
   dp_error_t e;
   int rc = dp_str_new(name, strlen(name), &v, &e);
+  Py_XDECREF(hold);
   if (!rc) rc = dp_object_set(obj, "subclass", v, &e);
   return rc ? dp_fail(s, o, rc, &e) : 0;
 }
@@ -2280,7 +2302,6 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
     }
     return attach(s, o, v);
   }
-  char name[256];
   PyTypeObject *t = Py_TYPE(o);
   switch (k) {
   case K_LIST:
@@ -2332,7 +2353,10 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
         return walk_error(s, o, "memory that cannot be carried in a frame");
       }
     }
-    if ((rc = dp_object_new(type_name(t, name, sizeof name), &v, &e))) return dp_fail(s, o, rc, &e);
+    PyObject *hold;
+    rc = dp_object_new(type_name(t, &hold), &v, &e);
+    Py_XDECREF(hold);
+    if (rc) return dp_fail(s, o, rc, &e);
     return build_container(s, o, at, k == K_OBJECT ? FR_ATTRS : FR_SEQ, iter, NULL, v, names);
   }
   case K_TORCH:
@@ -2377,8 +2401,11 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   if (!r) return -1;
   if (PyUnicode_Check(r)) { /* a global by its reduce (torch.float16, numpy.add): by name, as pickle saves it */
     if (global_of(s, o, r, &v)) return -1;
-  } else if ((rc = dp_object_new(type_name(t, name, sizeof name), &v, &e))) {
-    return dp_fail(s, o, rc, &e);
+  } else {
+    PyObject *hold;
+    rc = dp_object_new(type_name(t, &hold), &v, &e);
+    Py_XDECREF(hold);
+    if (rc) return dp_fail(s, o, rc, &e);
   }
   if (memo_store(s, at, v) || attach(s, o, v)) return -1;
   size_t depth = s->nframes;

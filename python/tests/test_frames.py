@@ -588,6 +588,20 @@ def test_a_read_only_buffer_under_a_torch_tensor_is_copied_never_written_through
     assert not n.flags.writeable  # numpy keeps a read-only view
 
 
+def test_a_class_name_of_any_length_travels_whole():
+    # module.qualname went through fixed buffers (256 bytes for an object's
+    # class, 512 for a global): a longer one was cut, and the frame named
+    # another class
+    C = type("C", (), {})
+    C.__qualname__ = "C" + "\xe9" * 300
+    C.__module__ = "m"
+    c = C()
+    c.x = 1
+    v = devpickle.loads(devpickle.dumps({"c": c, "g": C}))
+    assert v["c"].__class_name__ == "m.C" + "\xe9" * 300
+    assert v["g"].name == "m.C" + "\xe9" * 300
+
+
 def test_an_object_whose_reduce_is_a_name_travels_as_that_global():
     a = devpickle.dumps({"dtype": torch.float16, "u": np.add})
     b = devpickle.dumps({"dtype": torch.float64, "u": np.multiply})

@@ -179,6 +179,19 @@ def test_a_walk_error_escapes_control_characters_and_line_separators_in_the_type
     assert e.value.type_name == "m.U\n\x9b\u2028"  # the attribute holds the name itself
 
 
+def test_a_walk_error_quotes_a_long_type_name_cut_on_a_character_with_an_ellipsis():
+    # the name was cut at 255 bytes before the message's 256-byte cut: mid-
+    # character (shown as \ufffd) and without the ellipsis
+    Q = type("Q", (), {"__reduce__": lambda self: 1 / 0})
+    Q.__qualname__ = "Q" + "\xe9" * 300
+    Q.__module__ = "m"
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"x": Q()})
+    assert str(e.value).startswith("cannot walk a 'm.Q" + "\xe9" * 126 + "\u2026' at $.x: "), str(e.value)
+    assert e.value.type_name == "m.Q" + "\xe9" * 300
+    assert e.value.path == "$.x"
+
+
 def test_opaque_types_are_leaves():
     def gen():
         yield 1
