@@ -19,11 +19,16 @@ void dp__sb_put(dp__sbuf_t *b, const char *s, size_t n) {
   b->len += n;
 }
 
+/* A character is at most 4 bytes: the cut moves back over at most 3
+ * continuation bytes to the start of the one it splits. More of them
+ * belong to no character (invalid UTF-8, each shown as \ufffd): the cut
+ * stays where it is, between two of them — moving back over all of them
+ * showed "a…" for "a" and 70 stray bytes, or nothing at all. */
 size_t dp__name_shown(const char *s, size_t n, size_t max) {
   if (n <= max) return n;
-  size_t k = max;
-  while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
-  return k;
+  for (size_t k = max; k > 0 && max - k < 4; k--)
+    if (((unsigned char)s[k] & 0xC0) != 0x80) return k;
+  return max >= 4 ? max : 0;
 }
 
 /* The character that starts at p (c = p[0] >= 0x80, avail bytes there):

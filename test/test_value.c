@@ -1042,6 +1042,17 @@ Test(value, null_handles_and_other_kinds_follow_the_one_rule) {
   /* by the rule for names: C1 controls (U+009B is CSI to a terminal), line separators, stray bytes */
   cr_assert_eq(dp_device_parse("cuda:\xc2\x9b" "0\xe2\x80\xa8\xff", &d, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_device_parse: 'cuda:\\u009b0\\u2028\\ufffd' is not a device (cpu, cuda:N or host:N, N 0..255)");
+  /* stray bytes past the cut are no character to move back to: the cut
+     stays at 32 bytes (it moved back over all of them, showing nothing) */
+  cr_assert_eq(dp_device_parse("cuda:\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80"
+                               "\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80", &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_parse: 'cuda:\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd"
+                              "\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd"
+                              "\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\\ufffd\xe2\x80\xa6' is not a device (cpu, cuda:N or "
+                              "host:N, N 0..255)");
+  /* a character the cut splits is still left out whole: an e-acute at bytes 31-32 */
+  cr_assert_eq(dp_device_parse("cuda:aaaaaaaaaaaaaaaaaaaaaaaaaa\xc3\xa9" "bb", &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_parse: 'cuda:aaaaaaaaaaaaaaaaaaaaaaaaaa\xe2\x80\xa6' is not a device (cpu, cuda:N or host:N, N 0..255)");
   /* a value of another kind is misuse (DP_EINVAL), not a miss */
   dp_value_t v;
   cr_assert_eq(dp_dict_get(dp_int(1), dp_int(1), &v, &e), DP_EINVAL);
