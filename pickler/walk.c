@@ -170,12 +170,27 @@ static const char *shown_name(const char *name, char out[DP__STEP_MAX]) {
   return out;
 }
 
+/* Where the first n bytes of a key's JSON text end, moved back to the
+ * start of an escape they would split: `"a\u00…` or `"a\…` would read as
+ * an escape of the ellipsis or of nothing. A `\` there only ever starts an
+ * escape (a str's own is written `\\`): \uXXXX is 6 bytes, the others 2. */
+static size_t whole_escapes(const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (s[i] != '\\') continue;
+    size_t len = i + 1 < n && s[i + 1] == 'u' ? 6 : 2;
+    if (i + len > n) return i;
+    i += len - 1;
+  }
+  return n;
+}
+
 size_t dp__key_text(dp_value_t key, char *out) {
   /* rendered in place up to one byte past the limit, to see whether it is cut */
   dp__sbuf_t kb = {out, 0, DP_PATH_NAME_MAX + 1, 0};
   pb_key_json(&kb, key, 0);
   if (!kb.full && kb.len <= DP_PATH_NAME_MAX) return kb.len;
-  dp__sbuf_t b = {out, dp__name_shown(kb.s, kb.len, DP_PATH_NAME_MAX), DP__STEP_MAX, 0};
+  size_t k = whole_escapes(kb.s, dp__name_shown(kb.s, kb.len, DP_PATH_NAME_MAX));
+  dp__sbuf_t b = {out, k, DP__STEP_MAX, 0};
   dp__sb_put(&b, DP__ELLIPSIS, 3);
   return b.len;
 }

@@ -2710,6 +2710,33 @@ Test(pickler, a_reduce_step_escapes_control_characters_backslashes_and_angle_bra
   ASSERT_NO_LEAK();
 }
 
+/* A non-str key's JSON text is cut at 64 bytes, never inside an escape:
+ * `"aa\u…` and `"aa\…` read as an escape of the ellipsis. */
+Test(pickler, a_key_json_cut_at_its_limit_keeps_its_escapes_whole) {
+  dp_value_t root, k1, k2;
+  char a50[51], a51[52], want[200];
+  memset(a50, 'a', 50), a50[50] = '\0';
+  memset(a51, 'a', 51), a51[51] = '\0';
+  char s1[60], s2[60];
+  snprintf(s1, sizeof s1, "%s\n", a50); /* {"$tuple":[" + 50 bytes: \u000a at bytes 62-67 */
+  snprintf(s2, sizeof s2, "%s\\", a51); /* and \\ at bytes 63-64 */
+  OK(dp_dict_new(0, &root, T_ERR));
+  OK(dp_tuple_new(1, &k1, T_ERR));
+  OK(dp_seq_set(k1, 0, t_str(s1), T_ERR));
+  OK(dp_dict_set(root, k1, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_tuple_new(1, &k2, T_ERR));
+  OK(dp_seq_set(k2, 0, t_str(s2), T_ERR));
+  OK(dp_dict_set(root, k2, t_tensor(CUDA0, 0x2000, 4), T_ERR));
+  dp_ptrset_t *set = scan_paths(root);
+  snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\u2026]", a50);
+  expect_ptr(set, 0, 0x1000, want, 1);
+  snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\u2026]", a51);
+  expect_ptr(set, 1, 0x2000, want, 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, a_path_escapes_delete_c1_controls_and_line_separators_in_keys_names_and_types) {
   /* a terminal takes U+009B for CSI and U+0085 for a new line; JSON.parse
    * and JS source take U+2028/U+2029 for line ends: shown raw, any of them

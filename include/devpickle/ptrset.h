@@ -12,7 +12,8 @@
  *   - a dict key, attribute name or class/type name shows at most its first
  *     DP_PATH_NAME_MAX bytes (a str key or a name: of the text itself, before
  *     escaping; any other key: of its JSON text), cut back to a UTF-8
- *     character boundary and followed by "…" (U+2026) when anything was cut;
+ *     character boundary (and, in a key's JSON text, to the start of an
+ *     escape it splits) and followed by "…" (U+2026) when anything was cut;
  *     the notation (.name or ["name"]) is chosen from the part shown;
  *   - a path longer than DP_PATH_MAX bytes keeps "$" and the leading steps
  *     that fit in DP_PATH_HEAD bytes, then "<…N steps…>" (N the steps left
