@@ -1165,27 +1165,40 @@ Test(transport, a_piece_that_can_never_be_next_is_refused_at_once_not_parked_for
   crafted_fails((crafted_t){100 << 10, {0, 2, 0, 0, 2, 1, 0}, 2, 0}, "malformed message header");
 }
 
+/* A frame of a list of n one-byte cpu tensors, each on a storage of its
+ * own (never read: a crafted peer sends the pieces itself); NULL (and a
+ * message on stderr) on failure. */
+static dp_frame_t *one_byte_buffers_frame(size_t n) {
+  dp_value_t l = many_tensors(0);
+  dp_error_t e;
+  dp_frame_t *fr = NULL;
+  for (size_t i = 0; i < n; i++) {
+    dp_storage_t *st;
+    dp_value_t v;
+    int64_t shape[1] = {1};
+    if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
+        dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
+      goto fail;
+  }
+  if (dp_frame_new(&fr, &e) || dp_pickle(l, NULL, fr, &e)) goto fail;
+  dp_value_release(l);
+  return fr;
+fail:
+  fprintf(stderr, "peer: %s\n", e.message);
+  dp_frame_free(fr);
+  dp_value_release(l);
+  return NULL;
+}
+
 /* peer: a value of `arg` one-byte buffers whose BUFS messages all come
  * first, in reverse order (buffer n-1 first), then its frame: every piece
  * is parked behind the one before it in the sender's order */
 static int send_pieces_in_reverse(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t;
   size_t n = (size_t)(uintptr_t)arg;
-  dp_value_t l = many_tensors(0);
   dp_error_t e;
-  for (size_t i = 0; i < n; i++) {
-    dp_storage_t *st; /* never read: the pieces below carry the bytes */
-    dp_value_t v;
-    int64_t shape[1] = {1};
-    if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
-        dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
-      return 10;
-  }
-  dp_frame_t *fr;
-  if (dp_frame_new(&fr, &e) || dp_pickle(l, NULL, fr, &e)) {
-    fprintf(stderr, "peer: %s\n", e.message);
-    return 11;
-  }
+  dp_frame_t *fr = one_byte_buffers_frame(n);
+  if (!fr) return 11;
   for (size_t i = n; i-- > 0;) {
     uint8_t byte = (uint8_t)(i * 31);
     dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 0, i, 1, 0, 1};
@@ -1196,7 +1209,6 @@ static int send_pieces_in_reverse(dp_transport_t *t, dp_endpoint_t *ep, void *ar
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, (uint32_t)n, 0, len, n};
   if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, bytes, len, &e)) return 13;
   dp_frame_free(fr);
-  dp_value_release(l);
   dp_future_t *f; /* the other side's first value; the close comes after it */
   if (dp_endpoint_recv(ep, &f, &e) == 0) {
     wait_f(f, &e);
@@ -1298,17 +1310,8 @@ static int send_a_piece_twice(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   dp_future_t *f;
   if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
   dp_future_release(f);
-  dp_value_t l = many_tensors(0);
-  for (size_t i = 0; i < 2; i++) {
-    dp_storage_t *st;
-    dp_value_t v;
-    int64_t shape[1] = {1};
-    if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
-        dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
-      return 11;
-  }
-  dp_frame_t *fr;
-  if (dp_frame_new(&fr, &e) || dp_pickle(l, NULL, fr, &e)) return 12;
+  dp_frame_t *fr = one_byte_buffers_frame(2);
+  if (!fr) return 12;
   size_t len;
   const uint8_t *bytes = dp_frame_data(fr, &len);
   uint8_t byte = 7;
@@ -1320,7 +1323,6 @@ static int send_a_piece_twice(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
       dp__endpoint_send_raw(ep, DP__AM_BUFS, &b0, sizeof b0, &byte, 1, &e))
     return 13;
   dp_frame_free(fr);
-  dp_value_release(l);
   return 0;
 }
 
@@ -1361,17 +1363,8 @@ static int send_a_value_short_of_its_last_piece(dp_transport_t *t, dp_endpoint_t
   dp_future_t *f;
   if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
   dp_future_release(f);
-  dp_value_t l = many_tensors(0);
-  for (size_t i = 0; i < 2; i++) {
-    dp_storage_t *st;
-    dp_value_t v;
-    int64_t shape[1] = {1};
-    if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
-        dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
-      return 11;
-  }
-  dp_frame_t *fr;
-  if (dp_frame_new(&fr, &e) || dp_pickle(l, NULL, fr, &e)) return 12;
+  dp_frame_t *fr = one_byte_buffers_frame(2);
+  if (!fr) return 12;
   size_t len;
   const uint8_t *bytes = dp_frame_data(fr, &len);
   uint8_t byte = 7;
@@ -1381,7 +1374,6 @@ static int send_a_value_short_of_its_last_piece(dp_transport_t *t, dp_endpoint_t
       dp__endpoint_send_raw(ep, DP__AM_BUFS, &b0, sizeof b0, &byte, 1, &e))
     return 13;
   dp_frame_free(fr);
-  dp_value_release(l);
   return 0;
 }
 
