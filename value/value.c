@@ -526,9 +526,10 @@ size_t dp__dict_find_with(dp_value_t dict, dp_value_t key, dp__key_same_fn same,
 
 int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val, dp_error_t *err) {
   if (dict.kind != DP_DICT) return kind_mismatch(err, "dp_dict_get", dict, "dict");
-  if (!dp_value_is_hashable(key)) return dp__err(err, DP_ENOTFOUND, "dp_dict_get: no such key (a key of kind %s is not hashable)", dp_kind_name(dp_value_kind(key)));
+  uint64_t h; /* one walk of the key: whether it is hashable, and its hash */
+  if (!key_hash(key, &h)) return dp__err(err, DP_ENOTFOUND, "dp_dict_get: no such key (a key of kind %s is not hashable)", dp_kind_name(dp_value_kind(key)));
   dp_dict_t *d = DP_DICT(dict);
-  size_t at = dp__dict_find_with(dict, key, NULL, NULL);
+  size_t at = index_find(d->index, d->index_cap, d->len, d->entries, &key, h, dict_match);
   if (at == SIZE_MAX) return dp__err(err, DP_ENOTFOUND, "dp_dict_get: no such key");
   if (val) *val = d->entries[at].val;
   return 0;
