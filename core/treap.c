@@ -49,17 +49,18 @@ void dp__treap_insert(dp__treap_t *t, dp__treap_node_t *n, uint64_t key, uint64_
   n->prio = x;
   n->key = key;
   n->tie = tie;
-  n->left = n->right = NULL;
-  dp__treap_node_t *l, *r;
-  split(t->root, key, tie, 0, &l, &r);
-  t->root = merge(merge(l, n), r);
+  /* down to where n's priority puts it; the subtree there splits around n */
+  dp__treap_node_t **at = &t->root;
+  while (*at && (*at)->prio >= x) at = before(*at, key, tie, 0) ? &(*at)->right : &(*at)->left;
+  split(*at, key, tie, 0, &n->left, &n->right);
+  *at = n;
 }
 
+/* Down to the link to n; its children joined take its place. */
 void dp__treap_remove(dp__treap_t *t, dp__treap_node_t *n) {
-  dp__treap_node_t *l, *r, *mid, *rest;
-  split(t->root, n->key, n->tie, 0, &l, &r);
-  split(r, n->key, n->tie, 1, &mid, &rest); /* mid: n alone (the pairs are distinct) */
-  t->root = merge(l, rest);
+  dp__treap_node_t **at = &t->root;
+  while (*at && *at != n) at = before(*at, n->key, n->tie, 0) ? &(*at)->right : &(*at)->left;
+  if (*at) *at = merge(n->left, n->right);
   n->left = n->right = NULL;
 }
 
