@@ -409,10 +409,10 @@ static size_t put_key(PyObject *key, char *out) {
     /* its type's name instead, cut and escaped as in <reduce T>: a name
        is any str (a newline, a `>`, 300 bytes cut mid-character) */
     clear_error();
-    const char *tn = Py_TYPE(key)->tp_name;
-    size_t tl = strlen(tn), k = dp__name_shown(tn, tl, DP_PATH_NAME_MAX);
+    char tn[DP__STEP_MAX];
+    size_t tl = dp__name_bare(Py_TYPE(key)->tp_name, strlen(Py_TYPE(key)->tp_name), tn);
     dp__sb_put(&b, "[<", 2);
-    dp__sb_escaped(&b, tn, k, DP__ESC_BARE, k < tl);
+    dp__sb_put(&b, tn, tl);
     dp__sb_put(&b, ">]", 2);
     return b.len;
   }
