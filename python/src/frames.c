@@ -210,10 +210,10 @@ static int hash_work(PyObject *memo, PyObject *x, uint64_t left, uint64_t *out) 
   if (!hashed_in_full(x)) return 0;
   int found = hash_memo_get(memo, x, out, &h);
   if (found) return found < 0 ? -1 : 0;
-  hframe_t *st = PyMem_Malloc(16 * sizeof *st);
+  /* a key's tree is shallow: no allocation until it is 16 tuples deep */
+  hframe_t small[16], *st = small;
   size_t n = 0, cap = 16;
   int rc = -1;
-  if (!st) return PyErr_NoMemory(), -1;
   st[n++] = (hframe_t){.t = x};
   while (n) {
     hframe_t *f = &st[n - 1];
@@ -254,18 +254,19 @@ static int hash_work(PyObject *memo, PyObject *x, uint64_t left, uint64_t *out) 
       goto done;
     }
     if (n == cap) {
-      hframe_t *ns = PyMem_Realloc(st, 2 * cap * sizeof *ns);
+      hframe_t *ns = PyMem_Realloc(st == small ? NULL : st, 2 * cap * sizeof *ns);
       if (!ns) {
         PyErr_NoMemory();
         goto done;
       }
+      if (st == small) memcpy(ns, small, sizeof small);
       st = ns;
       cap *= 2;
     }
     st[n++] = (hframe_t){.t = item};
   }
 done:
-  PyMem_Free(st);
+  if (st != small) PyMem_Free(st);
   return rc;
 }
 
