@@ -303,8 +303,7 @@ struct dp_endpoint {
   int64_t lane_deadline;    /* the connector: its offer's name goes after it */
   int lane_drop;            /* the connector: refused; its worker goes from the loop */
   amh_t lamh[AM_IDS];
-  size_t ep_item;           /* its item in t->ep_index, when indexed */
-  int indexed;
+  int indexed;              /* in t->ep_index */
 };
 
 struct dp_listener {

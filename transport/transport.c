@@ -389,7 +389,6 @@ int dp__tp_ep_index(dp_transport_t *t, dp_endpoint_t *ep) {
     return DP_ENOMEM;
   t->ep_items[n] = ep;
   dp__table_put(&t->ep_index, DP_TABLE_TAGGED, dp__table_empty_slot(&t->ep_index, DP_TABLE_TAGGED, h), h, n);
-  ep->ep_item = n;
   ep->indexed = 1;
   return 0;
 }
@@ -404,7 +403,6 @@ static void ep_unindex(dp_transport_t *t, dp_endpoint_t *ep) {
   size_t last = t->ep_index.count;
   if (at != last) { /* the items stay dense: the last one fills the hole */
     t->ep_items[at] = t->ep_items[last];
-    t->ep_items[at]->ep_item = at;
     dp__table_move(&t->ep_index, DP_TABLE_TAGGED, dp__hash_ptr(t->ep_items[at]->ep), last, at);
   }
 }
