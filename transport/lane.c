@@ -63,35 +63,16 @@ void dp__tp_lane_worker_free(dp_endpoint_t *ep) {
 /* 1 when addr is an address of this host: loopback, or one of its
  * interfaces' (a peer there may share memory with this process). */
 int dp__tp_addr_is_local(const struct sockaddr_storage *addr) {
-  if (addr->ss_family == AF_INET6 && IN6_IS_ADDR_V4MAPPED(&((const struct sockaddr_in6 *)addr)->sin6_addr)) {
-    /* an IPv4 client of a dual-stack listener */
-    struct sockaddr_storage v4;
-    memset(&v4, 0, sizeof v4);
-    v4.ss_family = AF_INET;
-    memcpy(&((struct sockaddr_in *)&v4)->sin_addr, ((const struct sockaddr_in6 *)addr)->sin6_addr.s6_addr + 12, 4);
-    return dp__tp_addr_is_local(&v4);
-  }
-  if (addr->ss_family == AF_INET) {
-    const struct sockaddr_in *a = (const struct sockaddr_in *)addr;
-    if ((ntohl(a->sin_addr.s_addr) >> 24) == 127) return 1;
-  } else if (addr->ss_family == AF_INET6) {
-    const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)addr;
-    if (IN6_IS_ADDR_LOOPBACK(&a->sin6_addr)) return 1;
-  } else {
-    return 0;
-  }
+  /* IPv4 only: parse_addr refuses IPv6, so no listener or connection has it */
+  if (addr->ss_family != AF_INET) return 0;
+  in_addr_t ip = ((const struct sockaddr_in *)addr)->sin_addr.s_addr;
+  if ((ntohl(ip) >> 24) == 127) return 1;
   struct ifaddrs *ifs = NULL;
   if (getifaddrs(&ifs)) return 0;
   int local = 0;
-  for (struct ifaddrs *i = ifs; i && !local; i = i->ifa_next) {
-    if (!i->ifa_addr || i->ifa_addr->sa_family != addr->ss_family) continue;
-    if (addr->ss_family == AF_INET)
-      local = ((const struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr ==
-              ((const struct sockaddr_in *)addr)->sin_addr.s_addr;
-    else
-      local = !memcmp(&((const struct sockaddr_in6 *)i->ifa_addr)->sin6_addr,
-                      &((const struct sockaddr_in6 *)addr)->sin6_addr, sizeof(struct in6_addr));
-  }
+  for (struct ifaddrs *i = ifs; i && !local; i = i->ifa_next)
+    local = i->ifa_addr && i->ifa_addr->sa_family == AF_INET &&
+            ((const struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr == ip;
   freeifaddrs(ifs);
   return local;
 }
