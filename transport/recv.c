@@ -637,6 +637,13 @@ void dp__tp_park_drop(dp_transport_t *t, dp_endpoint_t *ep, int release) {
   ep->parked_bytes = 0;
 }
 
+/* A parked message taken and handed on (process, absorb_piece) goes: its
+ * rendezvous descriptor went with it; a copy of eager data is ours. */
+static void inbox_done(dp_transport_t *t, inbox_t *b) {
+  if (b->rndv) b->data = NULL;
+  dp__tp_inbox_drop(t, b);
+}
+
 /* A frame waits while one before it is being pulled, or while the
  * endpoint holds more than the bound of received bytes nobody took. */
 static int blocked(const dp_transport_t *t, const dp_endpoint_t *ep, unsigned id) {
@@ -809,11 +816,11 @@ static void pass_refused(dp_transport_t *t, dp_endpoint_t *ep) {
     absorb_t *ab = absorbing(ep, b->id, m->seq);
     if (ab) {
       absorb_piece(t, ep, ab, b->id, b->hdr, b->data, b->len, b->rndv);
-      if (b->rndv) b->data = NULL; /* absorb_piece had it */
+      inbox_done(t, b);
     } else {
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
+      dp__tp_inbox_drop(t, b);
     }
-    dp__tp_inbox_drop(t, b);
   }
   dp__tp_deliver(t, ep);
 }
@@ -834,8 +841,7 @@ void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
     if (c < 0 && (a = absorbing(ep, b->id, k.seq))) { /* a refused message's, passed */
       park_take(ep, b);
       absorb_piece(t, ep, a, b->id, b->hdr, b->data, b->len, b->rndv);
-      if (b->rndv) b->data = NULL; /* absorb_piece had it */
-      dp__tp_inbox_drop(t, b);
+      inbox_done(t, b);
       continue;
     }
     if (c < 0) { /* a repeat, parked while the one it repeats was being pulled */
@@ -849,8 +855,7 @@ void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
     if (c > 0 || blocked(t, ep, b->id)) return;
     park_take(ep, b);
     process(t, ep, b->id, b->hdr, b->data, b->len, b->rndv);
-    if (b->rndv) b->data = NULL; /* rendezvous data went to on_bufs */
-    dp__tp_inbox_drop(t, b);
+    inbox_done(t, b);
   }
 }
 
