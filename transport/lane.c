@@ -220,7 +220,7 @@ void dp__tp_on_conn(ucp_conn_request_h req, void *arg) {
   dp__tp_ctl_queue(ep, DP__AM_ACCEPT, &acc, sizeof acc); /* sent by the loop: the connector knows it was accepted */
   ep->queued = 1; /* before it is in the list dp_transport_free reads */
   dp__tp_ep_link(t, ep);
-  if (dp__tp_ep_index(t, ep)) dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory indexing the endpoint");
+  dp__tp_ep_index(t, ep); /* fails ep when it cannot */
   pthread_mutex_lock(&t->mu);
   if (l->acc_tail) l->acc_tail->acc_next = ep;
   else l->acc_head = ep;

@@ -140,9 +140,7 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
     if (st != UCS_OK) {
       ep->ep = NULL;
       dp__tp_ep_failf(ep, DP_EIO, "cannot connect (%s)", ucs_status_string(st));
-    } else if (dp__tp_ep_index(t, ep)) {
-      dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory indexing the endpoint");
-    } else {
+    } else if (!dp__tp_ep_index(t, ep)) {
       ep->peer_local = dp__tp_addr_is_local(&c->addr);
       ep->born = now_ns();
       dp__tp_lane_offer(t, ep);

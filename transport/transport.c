@@ -380,13 +380,16 @@ static uint64_t ep_hash_at(const void *ctx, size_t i) {
   return dp__hash_ptr(((const dp_transport_t *)ctx)->ep_items[i]->ep);
 }
 
-/* Indexes ep by its UCX endpoint, just made. DP_ENOMEM. */
+/* Indexes ep by its UCX endpoint, just made. DP_ENOMEM, having failed ep
+ * ("out of memory indexing the endpoint"). */
 int dp__tp_ep_index(dp_transport_t *t, dp_endpoint_t *ep) {
   size_t n = t->ep_index.count;
   uint64_t h = dp__hash_ptr(ep->ep);
   if (dp__grow((void **)&t->ep_items, &t->ep_items_cap, n + 1, sizeof *t->ep_items) ||
-      (dp__table_full(&t->ep_index) && dp__table_grow(&t->ep_index, DP_TABLE_TAGGED, n, 16, ep_hash_at, t)))
+      (dp__table_full(&t->ep_index) && dp__table_grow(&t->ep_index, DP_TABLE_TAGGED, n, 16, ep_hash_at, t))) {
+    dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory indexing the endpoint");
     return DP_ENOMEM;
+  }
   t->ep_items[n] = ep;
   dp__table_put(&t->ep_index, DP_TABLE_TAGGED, dp__table_empty_slot(&t->ep_index, DP_TABLE_TAGGED, h), h, n);
   ep->indexed = 1;
