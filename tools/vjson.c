@@ -585,7 +585,7 @@ static size_t mark_step(void *ctx, size_t i, char *buf) {
 
 static int fail(rd_t *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int fail(rd_t *r, int code, const char *fmt, ...) {
-  char what[512], where[DP_PATH_MAX + 1];
+  char what[DP_ERROR_MSG_MAX], where[DP_PATH_MAX + 1];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(what, sizeof what, fmt, ap);
