@@ -678,11 +678,11 @@ int dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p, dp_error_t *err
 }
 
 int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out, dp_error_t *err) {
-  if (!b) return dp__err(err, DP_EINVAL, "dp_pointer_device: NULL backend");
+  if (!b || !out) return dp__err(err, DP_EINVAL, "dp_pointer_device: NULL %s", !b ? "backend" : "out");
   int dev, rc = b->ops->pointer_device(b, p, &dev);
   if (rc == DP_ENOTFOUND) return dp__err(err, rc, "dp_pointer_device(%p): not memory of the %s backend", p, b->name);
   if (rc) return rc;
-  if (out) *out = dp_backend_device(b, dev);
+  *out = dp_backend_device(b, dev);
   return 0;
 }
 

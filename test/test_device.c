@@ -503,6 +503,11 @@ Test(device, null_arguments_are_einval_with_a_message_and_free_takes_null) {
   cr_assert_str_eq(e.message, "dp_event_new: NULL out");
   cr_assert_eq(dp_pointer_device(NULL, &local, &d, &e), DP_EINVAL, "a NULL backend is not a pointer not found");
   cr_assert_str_eq(e.message, "dp_pointer_device: NULL backend");
+  void *mine;
+  OK(dp_device_alloc(b, H0, 16, &mine, T_ERR));
+  cr_assert_eq(dp_pointer_device(b, mine, NULL, &e), DP_EINVAL, "a NULL out is refused, even for memory of the backend");
+  cr_assert_str_eq(e.message, "dp_pointer_device: NULL out");
+  OK(dp_device_dealloc(b, H0, mine, T_ERR));
   cr_assert_eq(dp_stream_wait_stream(NULL, NULL, &e), DP_EINVAL);
   dp_stream_free(NULL);
   dp_event_free(NULL);
