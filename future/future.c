@@ -1067,6 +1067,10 @@ static void collect_finish(collect_t *c) {
   for (size_t g = 0; rc == 0 && g < ngroups; g++) {
     dp_device_t d = dp_ptrset_device(set, g);
     if (d.type == DP_DEVICE_CPU) continue;
+    /* A device the aggregate does not allow gets no stream (one of another
+     * backend cannot have one): prepare() refuses the value before it uses
+     * any, with DP_EDEVICE naming the device, as a completion does. */
+    if (!allowed(c->out, d)) break;
     dp_stream_t *s;
     if ((rc = dp_stream_pool_next(c->out->b, d, &s, &err)) != 0) break;
     for (size_t i = 0; rc == 0 && i < c->n; i++)

@@ -293,6 +293,44 @@ Test(gpu, negative_control_the_parents_events_do_not_cover_the_callbacks_kernel)
   cr_assert_neq(v, 99, "waiting on the parent alone must not be enough (read %d)", v);
 }
 
+/* A tensor at a made-up address of dev: its future records no stream uses. */
+static dp_future_t *completed_with_tensor_on(dp_backend_t *b, dp_device_t dev) {
+  dp_storage_t *st;
+  dp_value_t t;
+  int64_t n = 4;
+  OK(dp_storage_new(dev, (void *)(uintptr_t)0x7f0000000000u, 16, NULL, NULL, &st, NULL));
+  OK(dp_tensor_new(st, DP_FLOAT32, 1, &n, NULL, 0, &t, NULL));
+  dp_future_t *f;
+  dp_future_opts_t o = {b, NULL, 0, NULL, 1, 0};
+  OK(dp_future_new(&o, &f, NULL));
+  OK(dp_future_mark_completed(f, t, NULL));
+  return f;
+}
+
+/* future.h: with opts NULL the aggregate takes futures[0]'s backend and
+ * devices, and an input's allocation outside them fails it with
+ * DP_EDEVICE, as dp_future_mark_completed does — a device of the other
+ * backend too, whichever backend comes first. */
+Test(gpu, collect_all_over_futures_of_two_backends_fails_with_edevice_naming_the_device) {
+  dp_backend_t *host;
+  OK(dp_backend_get(DP_DEVICE_HOST, &host, NULL));
+  dp_future_t *on_host = completed_with_tensor_on(host, (dp_device_t){DP_DEVICE_HOST, 0});
+  dp_future_t *on_gpu = completed_with_tensor_on(B, G0);
+  dp_future_t *orders[2][2] = {{on_host, on_gpu}, {on_gpu, on_host}};
+  const char *foreign[2] = {"the value uses cuda:0, which is not among the future's devices",
+                            "the value uses host:0, which is not among the future's devices"};
+  for (int k = 0; k < 2; k++) {
+    dp_future_t *all;
+    dp_error_t e;
+    OK(dp_future_collect_all(orders[k], 2, NULL, &all, NULL));
+    cr_assert_eq(dp_future_wait(all, -1, &e), DP_EDEVICE, "order %d: %s: %s", k, dp_err_name(e.code), e.message);
+    cr_assert(strstr(e.message, foreign[k]) == e.message, "order %d: %s", k, e.message);
+    dp_future_release(all);
+  }
+  dp_future_release(on_host);
+  dp_future_release(on_gpu);
+}
+
 static int gpu_future_consumer_reads(int wait) {
   dp_cache_t *c;
   OK(dp_cache_default(B, &c, NULL));
