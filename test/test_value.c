@@ -1082,6 +1082,33 @@ Test(value, lookups_and_items_report_through_err) {
   ASSERT_NO_LEAK();
 }
 
+/* value.h: the out-pointers of lookups are optional (a membership test, an
+ * item's key alone), as base.h lets a header document them. */
+Test(value, the_out_pointers_of_lookups_may_be_null) {
+  dp_value_t d, o, k;
+  dp_error_t e;
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_dict_set(d, t_str("a"), dp_int(1), T_ERR));
+  dp_value_t a = t_str("a");
+  OK(dp_dict_get(d, a, NULL, T_ERR));
+  dp_value_release(a);
+  cr_assert_eq(dp_dict_get(d, dp_int(2), NULL, &e), DP_ENOTFOUND);
+  OK(dp_dict_item(d, 0, &k, NULL, T_ERR));
+  cr_assert_str_eq(dp_str_data(k, NULL), "a");
+  OK(dp_dict_item(d, 0, NULL, NULL, T_ERR));
+  o = t_obj("M");
+  OK(dp_object_set(o, "w", dp_int(3), T_ERR));
+  OK(dp_object_get(o, "w", NULL, T_ERR));
+  const char *name = NULL;
+  OK(dp_object_attr(o, 0, &name, NULL, T_ERR));
+  cr_assert_str_eq(name, "w");
+  cr_assert_eq(dp_object_get(o, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_get: NULL name");
+  dp_value_release(d);
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
+
 static dp_value_t t_dict(void) {
   dp_value_t d;
   OK(dp_dict_new(0, &d, T_ERR));

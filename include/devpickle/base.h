@@ -138,7 +138,7 @@ typedef void *(*dp_alloc_fn)(void *ud, void *ptr, size_t osize, size_t nsize);
  *  alive: blocks are freed with the function that allocated them. */
 DP_API void dp_set_allocator(dp_alloc_fn fn, void *ud);
 
-/** Reads the installed allocator. */
+/** Reads the installed allocator, and its ud into *ud (ud may be NULL). */
 DP_API dp_alloc_fn dp_get_allocator(void **ud);
 
 /* Devices. `cpu` has no streams; `cuda` is a CUDA device; `host` is the

@@ -116,7 +116,8 @@ typedef struct dp_pickle_opts {
 /** A reusable output frame. */
 DP_API int dp_frame_new(dp_frame_t **out, dp_error_t *err);
 DP_API void dp_frame_free(dp_frame_t *f);
-/** The frame's bytes (borrowed; valid until the next pickle or free). */
+/** The frame's bytes (borrowed; valid until the next pickle or free) and
+ *  their number in *len (may be NULL). */
 DP_API const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len);
 DP_API size_t dp_frame_nbuffers(const dp_frame_t *f);
 /** Buffer i's descriptor. DP_EINVAL when out of range (an empty frame has
@@ -200,8 +201,8 @@ typedef struct dp_frame_info {
   uint32_t nbuffers;
 } dp_frame_info_t;
 
-/** Validates the header, lengths and checksum and counts the buffers.
- *  Allocates nothing. */
+/** Validates the header, lengths and checksum and counts the buffers;
+ *  *info (may be NULL) is written on success only. Allocates nothing. */
 DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err);
 
 /** Reads up to n bytes into dst: 0 and *got (at most n; 0 only at the end

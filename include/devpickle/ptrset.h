@@ -78,7 +78,7 @@ DP_API int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_
  *  items before it added. */
 DP_API int dp_ptrset_add_many(dp_ptrset_t *set, const dp_ptr_info_t *items, size_t n, size_t *indices,
                               dp_error_t *err);
-/** Position of (device, base), or DP_ENOTFOUND. */
+/** Position of (device, base) in *index (may be NULL), or DP_ENOTFOUND. */
 DP_API int dp_ptrset_find(const dp_ptrset_t *set, dp_device_t device, const void *base,
                           size_t *index, dp_error_t *err);
 

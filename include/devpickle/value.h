@@ -144,7 +144,8 @@ DP_API uint32_t dp_value_refcount(dp_value_t v);
  *  (bytes_new: p) may be NULL only when n is 0. */
 DP_API int dp_str_new(const char *s, size_t n, dp_value_t *out, dp_error_t *err);
 DP_API int dp_bytes_new(const void *p, size_t n, dp_value_t *out, dp_error_t *err);
-/** Borrowed pointer and length. The str data is NUL-terminated too. */
+/** Borrowed pointer and length (len may be NULL); NULL and 0 for a value
+ *  of another kind. The str data is NUL-terminated too. */
 DP_API const char *dp_str_data(dp_value_t s, size_t *len);
 DP_API const uint8_t *dp_bytes_data(dp_value_t b, size_t *len);
 
@@ -177,12 +178,13 @@ DP_API int dp_dict_new(size_t capacity, dp_value_t *out, dp_error_t *err);
  *  position. DP_ETYPE for an unhashable key, DP_EINVAL when dict is not a
  *  dict. */
 DP_API int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error_t *err);
-/** Looks key up (borrowed key). 0 and *val borrowed, or DP_ENOTFOUND
- *  (also for an unhashable key); DP_EINVAL when dict is not a dict. */
+/** Looks key up (borrowed key). 0 and *val borrowed (val may be NULL: a
+ *  membership test), or DP_ENOTFOUND (also for an unhashable key);
+ *  DP_EINVAL when dict is not a dict. */
 DP_API int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val, dp_error_t *err);
 DP_API size_t dp_dict_len(dp_value_t dict);
-/** Item i in insertion order (borrowed). DP_EINVAL when out of range or
- *  not a dict. */
+/** Item i in insertion order (borrowed; key and val may be NULL).
+ *  DP_EINVAL when out of range or not a dict. */
 DP_API int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val, dp_error_t *err);
 /** Whether a value may be a dict key: a scalar, str or bytes, or an acyclic
  *  tuple of those of at most 1,024 nodes with no node deeper than level 32. */
@@ -256,13 +258,13 @@ DP_API int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *er
 /** Sets an attribute (steals val). A new name is appended; an existing one
  *  keeps its position. DP_EINVAL when obj is not an object. */
 DP_API int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *err);
-/** Borrowed attribute, or DP_ENOTFOUND; DP_EINVAL when obj is not an
- *  object. */
+/** Borrowed attribute in *val (val may be NULL), or DP_ENOTFOUND;
+ *  DP_EINVAL when obj is not an object or name is NULL. */
 DP_API int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val, dp_error_t *err);
 DP_API const char *dp_object_class(dp_value_t obj);
 DP_API size_t dp_object_nattrs(dp_value_t obj);
-/** Attribute i in order (borrowed). DP_EINVAL when out of range or not an
- *  object. */
+/** Attribute i in order (borrowed; name and val may be NULL). DP_EINVAL
+ *  when out of range or not an object. */
 DP_API int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val, dp_error_t *err);
 /** True for the generic stand-in of a custom that came off the wire
  *  without a resolver: its class is the custom's type name and its one
