@@ -646,8 +646,10 @@ static int h_init(dp_backend_t *b, dp_error_t *err) {
   if (env && *env) {
     char *end;
     long v = strtol(env, &end, 10);
+    char shown[DP__SHOWN_MAX];
     if (*end || v < 1 || v > HOST_MAX_DEVICES)
-      return dp__err(err, DP_EINVAL, "DEVPICKLE_HOST_DEVICES=%s: expected 1..%d", env, HOST_MAX_DEVICES);
+      return dp__err(err, DP_EINVAL, "DEVPICKLE_HOST_DEVICES=%s: expected 1..%d", dp__shown(env, shown),
+                     HOST_MAX_DEVICES);
     n = (int)v;
   }
   host_impl_t *im = dp__alloc(sizeof *im);

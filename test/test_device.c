@@ -367,6 +367,12 @@ Test(device, forcing_cuda_without_a_gpu_is_an_error_not_a_fallback) {
   setenv("DEVPICKLE_BACKEND", "tpu", 1);
   cr_assert_eq(dp_backend_default(&b, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND=tpu: expected host or cuda");
+  /* the value is shown as a device name given to dp_device_parse is: one
+     line, control characters escaped, a long one cut */
+  setenv("DEVPICKLE_BACKEND", "cu\nda\x1b[2J0123456789012345678901234567890123456789", 1);
+  cr_assert_eq(dp_backend_default(&b, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND=cu\\u000ada\\u001b[2J01234567890123456789012\u2026: expected host or cuda");
+  unsetenv("DEVPICKLE_BACKEND");
 }
 
 /* The default backend falls back to host only where no GPU is usable:
