@@ -762,8 +762,12 @@ static int deliver(up_t *u, dp_value_t v, const uint8_t *at) {
       f->have_key = 0;
       rc = dp__dict_set_checked(hval(f->h), f->u.key, v, DP__KEEP_ON_EXISTS, &e);
       if (rc == DP__EXISTS) {
+        /* named as a path shows it: a str key by its text (cut after 64
+         * bytes of it, the quotes kept), any other by its value JSON */
         char key[DP__STEP_MAX];
-        int n = (int)dp__key_text(f->u.key, key);
+        int n = f->u.key.kind == DP_STR
+                    ? (int)dp__name_quoted(DP_STROBJ(f->u.key)->data, DP_STROBJ(f->u.key)->len, key)
+                    : (int)dp__key_text(f->u.key, key);
         dp_value_release(f->u.key);
         dp_value_release(v);
         return rd_fail(&u->r, DP_EFORMAT, f->key_at, "duplicate dict key %.*s", n, key);

@@ -1049,7 +1049,8 @@ Test(pickler, malformed_payloads_get_precise_errors) {
   expect_bad(fwd_ref, sizeof fwd_ref, DP_EFORMAT, 41, "back-reference to node 5, but only 1 node precedes it (a back-reference names a node already started)", NULL);
   const uint8_t dup[] = {0x82, 0x01, 0xc0, 0x01, 0xc0};
   expect_bad(dup, sizeof dup, DP_EFORMAT, 43, "duplicate dict key 1", NULL);
-  /* the key as paths show it: its value JSON, escaped, cut after 64 bytes */
+  /* the key as paths show it: a str key by its text, escaped, cut after 64
+     bytes of the text (not of its escaped form), the closing quote kept */
   const uint8_t dup_str[] = {0x82, 0xa3, 'a', '\n', 'b', 0xc0, 0xa3, 'a', '\n', 'b', 0xc0};
   expect_bad(dup_str, sizeof dup_str, DP_EFORMAT, 46, "duplicate dict key \"a\\u000ab\"", NULL);
   uint8_t dup_long[2 * 103 + 1];
@@ -1061,8 +1062,8 @@ Test(pickler, malformed_payloads_get_precise_errors) {
     at[102] = 0xc0;
   }
   char want[128] = "duplicate dict key \"";
-  memset(want + strlen(want), 'k', 63);
-  strcat(want, "\xe2\x80\xa6");
+  memset(want + strlen(want), 'k', 64);
+  strcat(want, "\xe2\x80\xa6\"");
   expect_bad(dup_long, sizeof dup_long, DP_EFORMAT, 144, want, NULL);
   /* object A with attribute x twice: the offset of the second name, as a
      duplicate dict key's is the key's */
@@ -1092,6 +1093,41 @@ Test(pickler, malformed_payloads_get_precise_errors) {
   const uint8_t two_refs[] = {0x92, 0x90, 0xd6, 0x01, 0, 0, 0, 2};
   expect_bad(two_refs, sizeof two_refs, DP_EFORMAT, 42, "back-reference to node 2, but only 2 nodes precede it (a "
              "back-reference names a node already started)", NULL);
+  ASSERT_NO_LEAK();
+}
+
+/* Builds {key: None, key: None} for a str key of n bytes. */
+static size_t dup_str_payload(uint8_t *p, const char *key, size_t n) {
+  size_t at = 0;
+  p[at++] = 0x82;
+  for (int k = 0; k < 2; k++) {
+    p[at++] = 0xd9, p[at++] = (uint8_t)n;
+    memcpy(p + at, key, n);
+    at += n;
+    p[at++] = 0xc0;
+  }
+  return at;
+}
+
+Test(pickler, a_duplicate_str_key_is_named_by_its_text_cut_after_64_bytes_inside_its_quotes) {
+  uint8_t p[2 * 200 + 1];
+  char key[128], want[256];
+  /* exactly 64 bytes: shown whole */
+  memset(key, 'k', 64);
+  size_t n = dup_str_payload(p, key, 64);
+  snprintf(want, sizeof want, "duplicate dict key \"%.64s\"", key);
+  expect_bad(p, n, DP_EFORMAT, 40 + 1 + 67, want, NULL);
+  /* 40 two-byte characters: the first 32 of them, then the ellipsis, then the quote */
+  for (int i = 0; i < 40; i++) memcpy(key + 2 * i, "\xc3\xa9", 2);
+  n = dup_str_payload(p, key, 80);
+  snprintf(want, sizeof want, "duplicate dict key \"%.64s\xe2\x80\xa6\"", key);
+  expect_bad(p, n, DP_EFORMAT, 40 + 1 + 83, want, NULL);
+  /* escapes do not count against the 64 bytes: 60 bytes then four new lines */
+  memset(key, 'k', 60);
+  memset(key + 60, '\n', 4);
+  n = dup_str_payload(p, key, 64);
+  snprintf(want, sizeof want, "duplicate dict key \"%.60s\\u000a\\u000a\\u000a\\u000a\"", key);
+  expect_bad(p, n, DP_EFORMAT, 40 + 1 + 67, want, NULL);
   ASSERT_NO_LEAK();
 }
 
