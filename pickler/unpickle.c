@@ -1109,8 +1109,9 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
     return rd_fail(r, DP_EFORMAT, r->p, "%lld byte%s after the buffer table", (long long)(r->end - r->p),
                    r->end - r->p == 1 ? "" : "s");
   if (is_inline && data_off != fi->data_len)
-    return rd_fail(r, DP_EFORMAT, r->end, "%llu bytes of the data section belong to no buffer",
-                      (unsigned long long)(fi->data_len - data_off));
+    return rd_fail(r, DP_EFORMAT, r->end, "%llu byte%s of the data section belong%s to no buffer",
+                   (unsigned long long)(fi->data_len - data_off), fi->data_len - data_off == 1 ? "" : "s",
+                   fi->data_len - data_off == 1 ? "s" : "");
   return 0;
 }
 

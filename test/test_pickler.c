@@ -804,6 +804,40 @@ Test(pickler, a_resolver_rebuilds_only_allowed_types) {
   ASSERT_NO_LEAK();
 }
 
+/* An inline frame with `extra` bytes more in its data section than its
+ * buffers cover, checksummed again. */
+static void check_stray_data(dp_frame_t *f, size_t extra, const char *want) {
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  uint8_t *c = calloc(1, n + extra);
+  memcpy(c, b, n);
+  uint64_t dlen = 0;
+  for (int i = 0; i < 8; i++) dlen |= (uint64_t)c[24 + i] << (8 * i);
+  dlen += extra;
+  for (int i = 0; i < 8; i++) c[24 + i] = (uint8_t)(dlen >> (8 * i));
+  uint64_t sum = XXH3_64bits_withSeed(c + 40, n + extra - 40, XXH3_64bits(c, 32));
+  for (int i = 0; i < 8; i++) c[32 + i] = (uint8_t)(sum >> (8 * i));
+  dp_value_t v;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(c, n + extra, NULL, &v, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(e.offset, (int64_t)(n - (dlen - extra)), "at the data section's start: %lld", (long long)e.offset);
+  free(c);
+}
+
+Test(pickler, data_no_buffer_covers_is_refused_and_counted_in_its_message) {
+  float host[4] = {1, 2, 3, 4};
+  dp_storage_t *s = t_storage(CPU, (uintptr_t)host, sizeof host);
+  dp_value_t t = t_view(s, 4, 0);
+  dp_storage_release(s);
+  dp_frame_t *f = pickle_ok(t, DP_PICKLE_INLINE);
+  check_stray_data(f, 1, "1 byte of the data section belongs to no buffer");
+  check_stray_data(f, 3, "3 bytes of the data section belong to no buffer");
+  dp_frame_free(f);
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, inline_frames_carry_the_buffer_bytes) {
   float host[4] = {1, 2, 3, 4};
   dp_storage_t *s = t_storage(CPU, (uintptr_t)host, sizeof host);

@@ -189,6 +189,11 @@ Test(value, tensor_views_must_fit_their_storage) {
   dp_value_release(t);
   cr_assert_eq(dp_storage_nbytes(s), 400);
   dp_storage_release(s);
+  s = t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 1);
+  int64_t two[1] = {2};
+  cr_assert_eq(dp_tensor_new(dp_storage_retain(s), DP_UINT8, 1, two, NULL, 0, &t, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "tensor view exceeds its storage of 1 byte");
+  dp_storage_release(s);
   ASSERT_NO_LEAK();
 }
 

@@ -837,7 +837,7 @@ int dp__tensor_check(size_t nbytes, dp_dtype_t dtype, int ndim, const int64_t *s
     goto outside;
   return 0;
 outside:
-  return dp__err(err, DP_EINVAL, "tensor view exceeds its storage of %zu bytes", nbytes);
+  return dp__err(err, DP_EINVAL, "tensor view exceeds its storage of %zu byte%s", nbytes, nbytes == 1 ? "" : "s");
 }
 
 int dp_tensor_new(dp_storage_t *storage, dp_dtype_t dtype, int ndim, const int64_t *shape,
