@@ -404,6 +404,11 @@ Test(cli, a_frame_followed_by_an_endless_pipe_is_refused_once_64_kib_follow_it_b
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_str_eq(r.out, "<stdin>: ok, 43 bytes, version 1, 0 buffers, 0 device pointers, self-contained\n");
   res_free(r);
+  /* a regular file says how much follows (its size), however much it is */
+  r = run_sh("{ cat f.dpk; head -c 1000000 /dev/zero; } > big.dpk && \"$D\" verify big.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: big.dpk: 1000000 bytes after the end of the frame, at byte 43\n");
+  res_free(r);
 }
 
 /* A header announcing more than 2^64 bytes was read on to the pipe's end

@@ -522,9 +522,16 @@ static int src_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err)
     int c = fgetc(s->f);
     if (c != EOF) {
       s->over = 1;
-      snprintf(err->message, sizeof err->message,
-               "more than %d bytes after the end of the frame (a stream holds one frame; the rest was not read)",
-               TRAIL_MAX);
+      /* a regular file's size says how many follow, without reading them */
+      struct stat st;
+      if (fstat(fileno(s->f), &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_size > s->end) {
+        uint64_t after = (uint64_t)st.st_size - s->end;
+        snprintf(err->message, sizeof err->message, "%" PRIu64 " bytes after the end of the frame", after);
+      } else {
+        snprintf(err->message, sizeof err->message,
+                 "more than %d bytes after the end of the frame (a stream holds one frame; the rest was not read)",
+                 TRAIL_MAX);
+      }
       err->code = DP_EFORMAT;
       return DP_EFORMAT;
     }
