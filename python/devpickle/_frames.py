@@ -53,8 +53,20 @@ class Buffer:
             if owner.size and not self.ptr <= at < self.ptr + self.nbytes:
                 raise self._moved()
             if owner.base is None:
+                # the array that owns the memory must still hold all of it: a
+                # resize to fewer bytes keeps its address (realloc shrinks in
+                # place) and frees the rest, which a view of nbytes would read
+                lo, hi = _array_bounds(owner)
+                if not lo <= self.ptr <= self.ptr + self.nbytes <= hi:
+                    raise self._moved()
                 break
             owner = owner.base
+        if torch is not None and isinstance(owner, torch.Tensor):
+            # an array over a tensor (t.numpy()): the tensor's storage, where
+            # dumps found the memory, must still hold it (t.resize_() moves it)
+            s = owner.untyped_storage() if hasattr(owner, "untyped_storage") else owner.storage()._storage
+            if not s.data_ptr() <= self.ptr <= self.ptr + self.nbytes <= s.data_ptr() + s.nbytes():
+                raise self._moved()
         try:
             with memoryview(owner) as m:
                 readonly = m.readonly
@@ -68,6 +80,23 @@ class Buffer:
 
     def __repr__(self):
         return f"devpickle.Buffer(device={self.device!r}, ptr={self.ptr:#x}, nbytes={self.nbytes})"
+
+
+def _array_bounds(a):
+    """[lo, hi): the bytes numpy array a addresses now (empty: (0, 0))."""
+    ai = a.__array_interface__
+    if a.size == 0:
+        return 0, 0
+    lo = hi = ai["data"][0]
+    strides = ai["strides"]
+    if strides is None:
+        return lo, lo + a.nbytes
+    for n, st in zip(ai["shape"], strides):
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return lo, hi + a.itemsize
 
 
 class _Memory:

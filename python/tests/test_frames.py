@@ -1170,3 +1170,26 @@ def test_set_items_that_are_one_item_in_python_are_refused_not_merged(tmp_path, 
         devpickle.loads((tmp_path / "s.dpk").read_bytes())
     assert devpickle.loads(devpickle.dumps([{1, 2.5, "x"}, frozenset({0.0, (1, 2)})])) == [{1, 2.5, "x"},
                                                                                        frozenset({0.0, (1, 2)})]
+
+
+def test_raw_of_a_buffer_whose_owner_shrank_in_place_or_whose_tensor_moved_is_refused_never_read():
+    # a.resize(fewer, refcheck=False) reallocs in place: the address stays,
+    # the bytes past the new size are freed; raw() must not view them
+    a = np.ones(4_000_000)
+    got = []
+    devpickle.dumps(a, buffer_callback=got.append)
+    a.resize(10, refcheck=False)
+    with pytest.raises(ValueError, match=r"its memory moved since dumps found it"):
+        got[0].raw()
+    # an array over a tensor (t.numpy()): the buffer is the storage of the
+    # tensor that is the array's base, which set_() frees while the array
+    # still points at it
+    t = torch.arange(10.0)
+    n = t.numpy()
+    del t
+    got = []
+    devpickle.dumps(n, buffer_callback=got.append)
+    assert got[0].raw().view(np.float32).tolist() == list(range(10))
+    n.base.set_(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"its memory moved since dumps found it"):
+        got[0].raw()
