@@ -353,6 +353,17 @@ static void already_complete(const pyfut_t *f) {
                       : "Future can only be marked completed once (it is already complete)");
 }
 
+/* The futures whose results this thread is walking (set_result, a then()
+ * callback's result), innermost first: each completes only once its walk
+ * returns, so the value's code must not wait on it, nor on a future that
+ * waits for it (waits_for_running). */
+typedef struct walking {
+  pyfut_t *f;
+  struct walking *outer;
+} walking_t;
+
+static _Thread_local walking_t *walking;
+
 /* The allocations of value, for a future that tracks devices. 0 and a
  * scanner holding them, or -1 with an exception. */
 static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_ptrset_t *into) {
@@ -367,7 +378,10 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_pt
      set), so the previous owner is 0. */
   unsigned long prev = self->walker;
   self->walker = PyThread_get_thread_ident();
+  walking_t me = {self, walking}; /* self is held by the caller until the walk returns */
+  walking = &me;
   int rc = dpy_scan(s, value, &o, into);
+  walking = me.outer;
   self->walker = prev;
   if (rc) {
     dpy_scanner_put(s);
@@ -628,8 +642,9 @@ static int still_waits(const pyfut_t *f) {
 }
 
 typedef struct reach {
-  dp_ptrset_t *seen; /* the running futures first (k of them), then those met */
-  size_t k;
+  dp_ptrset_t *seen; /* the running futures first (k of them: kcb callbacks' first), then those met */
+  size_t k, kcb;
+  size_t at;         /* found: the index of the running future met */
   pyfut_t **stack;
   size_t n, cap;
   int found;
@@ -643,7 +658,7 @@ static int reach(reach_t *r, pyfut_t *f) {
   dp_error_t e;
   size_t before = dp_ptrset_count(r->seen), at;
   if (dp_ptrset_add(r->seen, (dp_device_t){DP_DEVICE_CPU, 0}, f, 1, &at, &e)) return dpy_raise(e.code, &e), -1;
-  if (at < r->k) r->found = 1;
+  if (at < r->k) r->found = 1, r->at = at;
   if (r->found || dp_ptrset_count(r->seen) == before) return 0;
   if (r->n == r->cap) {
     size_t cap = r->cap ? 2 * r->cap : 16;
@@ -657,14 +672,23 @@ static int reach(reach_t *r, pyfut_t *f) {
 }
 
 /* 1 when self completes only once a then() callback running on this thread
- * returns; 0 when not; -1 with an exception. Each future is followed once. */
+ * returns, 2 when only once the walk of a result this thread is walking
+ * returns (a wait from the value's code: its set_result's future, or a
+ * then() or collect_all of it); 0 when not; -1 with an exception. Each
+ * future is followed once. */
 static int waits_for_running(pyfut_t *self) {
-  reach_t r = {NULL, 0, NULL, 0, 0, 0};
+  reach_t r = {0};
   dp_error_t e;
   if (dp_ptrset_new(&r.seen, &e)) return dpy_raise(e.code, &e), -1;
   int rc = 0;
   for (running_t *x = running; x && !rc; x = x->outer)
     if (dp_ptrset_add(r.seen, (dp_device_t){DP_DEVICE_CPU, 0}, x->child, 1, NULL, &e)) rc = (dpy_raise(e.code, &e), -1);
+  r.kcb = dp_ptrset_count(r.seen);
+  /* a collect_all future being walked may still be completed by its inputs
+     meanwhile: nothing waits for its walk */
+  for (walking_t *x = walking; x && !rc; x = x->outer)
+    if (!x->f->inputs && dp_ptrset_add(r.seen, (dp_device_t){DP_DEVICE_CPU, 0}, x->f, 1, NULL, &e))
+      rc = (dpy_raise(e.code, &e), -1);
   r.k = dp_ptrset_count(r.seen);
   if (!rc) rc = reach(&r, self);
   while (!rc && !r.found && r.n) {
@@ -675,7 +699,7 @@ static int waits_for_running(pyfut_t *self) {
   }
   PyMem_Free(r.stack);
   dp_ptrset_free(r.seen);
-  return rc ? rc : r.found;
+  return rc ? rc : !r.found ? 0 : r.at < r.kcb ? 1 : 2;
 }
 
 /* How long wait() blocks between two looks at the signal handlers. */
@@ -696,17 +720,21 @@ static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
                                         "forever");
     return NULL;
   }
-  if (running && !dp_future_is_done(self->f)) {
+  if ((running || walking) && !dp_future_is_done(self->f)) {
     int w = waits_for_running(self);
     if (w < 0) return NULL;
     if (w) {
       dp_error_t e;
       dp_error_clear(&e);
       e.code = DP_EMISUSE;
-      snprintf(e.message, sizeof e.message,
-               "wait() in a then() callback on a Future that completes only once a then() callback running on this "
-               "thread returns (that callback's own Future, or one that waits for it through then() parents and "
-               "collect_all inputs): it would wait forever");
+      snprintf(e.message, sizeof e.message, "%s",
+               w == 1 ? "wait() in a then() callback on a Future that completes only once a then() callback running "
+                        "on this thread returns (that callback's own Future, or one that waits for it through then() "
+                        "parents and collect_all inputs): it would wait forever"
+                      : "wait() from inside the walk of a Future's result (a __reduce__ or other code of the value's, "
+                        "on the thread completing it) on a Future that completes only once that walk returns (a "
+                        "then() of it, or one that waits for it through then() parents and collect_all inputs): it "
+                        "would wait forever");
       return dpy_raise(DP_EMISUSE, &e);
     }
   }

@@ -1574,6 +1574,53 @@ def test_waiting_on_a_future_from_the_walk_of_its_own_result_is_refused_not_a_ha
     assert isinstance(box[0].wait()[0], WaitsOnChild)
 
 
+@pytest.mark.parametrize("target", ["then", "collect_all", "chain"])
+def test_a_wait_from_the_walk_of_a_result_on_a_future_that_waits_for_that_future_raises_instead_of_hanging(target):
+    # The value's code (a __reduce__) waited, on the thread walking the
+    # result, on a then() of the future being completed, or a collect_all
+    # over it: those complete only once the walk returns, so the wait never
+    # returned. It raises (devpickle.Error, DP_EMISUSE), which fails the walk.
+    f = devpickle.Future()
+    box, seen = {}, []
+
+    class WaitsOnDependent:
+        def __reduce__(self):
+            try:
+                box["target"].wait()
+            except RuntimeError as e:
+                seen.append(e)
+            return (WaitsOnDependent, ())
+
+    box["target"] = {
+        "then": lambda: f.then(done_marker),
+        "collect_all": lambda: devpickle.collect_all([f]),
+        "chain": lambda: devpickle.collect_all([f.then(done_marker)]).then(done_marker),
+    }[target]()
+    result = [WaitsOnDependent()]
+    t = threading.Thread(target=f.set_result, args=(result,), daemon=True)  # a hang must not hang the suite
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "set_result hung: its result's __reduce__ waits on a future that waits for it"
+    assert len(seen) == 1 and isinstance(seen[0], devpickle.Error) and seen[0].code == "DP_EMISUSE"
+    assert "from inside the walk" in str(seen[0]) and WAITS_FOR_ITSELF in str(seen[0]), seen
+    assert f.wait() is result and box["target"].wait() is not None
+
+    # a collect_all future being walked may still be completed by its
+    # inputs: a wait from its walk on a then() of it is not refused
+    a = devpickle.Future()
+    c = devpickle.collect_all([a])
+    box["target"] = c.then(done_marker)
+    threading.Timer(0.05, a.set_result, args=(1,)).start()
+    with pytest.raises(RuntimeError, match="Future can only be marked completed once"):
+        c.set_result([WaitsOnDependent()])
+    assert len(seen) == 1 and box["target"].wait() == "done"
+
+
+def done_marker(fut):
+    fut.wait()
+    return "done"
+
+
 
 # A then() future completes once its callback returns: a wait from the
 # callback on a future that completes only after it — its grandchild, a
