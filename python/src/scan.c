@@ -794,6 +794,7 @@ static PyObject *keep(dpy_scanner_t *s, PyObject *o) {
 static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth);
 static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner);
 static int enter_reduce(dpy_scanner_t *s, PyObject *o);
+static int dispatch_error(dpy_scanner_t *s, PyObject *o);
 
 static int is_storage(PyObject *o) {
   for (int i = 0; i < 2; i++)
@@ -1451,7 +1452,7 @@ static PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
   if (fn) {
     r = PyObject_CallOneArg(fn, o);
   } else {
-    if (PyErr_Occurred()) return NULL;
+    if (PyErr_Occurred()) return dispatch_error(s, o), NULL;
     PyObject *five = PyLong_FromLong(5);
     r = five ? PyObject_CallMethodOneArg(o, dpy.str_reduce_ex, five) : NULL;
     Py_XDECREF(five);
@@ -1548,11 +1549,17 @@ static int runs_value_code(uint8_t k, PyTypeObject *t, int dispatched) {
   }
 }
 
-/* 1 when copyreg's dispatch table reduces t's instances, 0 when not, -1
- * with the exception its lookup raised. */
-static int dispatched(PyTypeObject *t) {
-  PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
-  return fn ? 1 : PyErr_Occurred() ? -1 : 0;
+/* The walk error for o, whose class's lookup in copyreg's dispatch table
+ * raised (its metaclass's __hash__ or __eq__ is the value's code). */
+static int dispatch_error(dpy_scanner_t *s, PyObject *o) {
+  return walk_error(s, o, "its class cannot be looked up in copyreg.dispatch_table");
+}
+
+/* 1 when copyreg's dispatch table reduces o's instances, 0 when not, -1
+ * with a walk error. */
+static int dispatched(dpy_scanner_t *s, PyObject *o) {
+  PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
+  return fn ? 1 : PyErr_Occurred() ? dispatch_error(s, o) : 0;
 }
 
 static int visit(dpy_scanner_t *s, PyObject *o) {
@@ -1593,7 +1600,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   if (k == K_TORCH) return visit_torch(s, o);
   /* a plain object's or namedtuple's dispatch-table entry, looked up once:
      both the memo decision and the switch below need it */
-  int reduced = k == K_OBJECT || k == K_NAMEDTUPLE ? dispatched(t) : 0;
+  int reduced = k == K_OBJECT || k == K_NAMEDTUPLE ? dispatched(s, o) : 0;
   if (reduced < 0) return -1;
   if (!s->ran_code && runs_value_code(k, t, reduced)) s->ran_code = 1;
   int sn = solo && !s->ran_code ? 0 : seen(s, o);
@@ -1618,7 +1625,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     return items ? push(s, FR_SET, items, t) : -1;
   }
   case K_AIF_OBJECT:
-    if (visit_iface(s, o, 0) || (reduced = dispatched(t)) < 0) return -1;
+    if (visit_iface(s, o, 0) || (reduced = dispatched(s, o)) < 0) return -1;
     /* fall through */
   case K_OBJECT: {
     if (reduced) return enter_reduce(s, o);
@@ -2323,8 +2330,11 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   case K_NAMEDTUPLE:
   case K_OBJECT: {
     PyObject *iter = NULL, *names = NULL;
-    PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
-    if (fn || PyErr_Occurred()) break; /* reduced below */
+    int reduced = dispatched(s, o);
+    if (reduced) { /* reduced below */
+      if (reduced < 0) return -1;
+      break;
+    }
     if (k == K_NAMEDTUPLE) {
       names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
       if (!names) return -1;

@@ -955,6 +955,28 @@ def test_an_interrupt_raised_by_a_metaclass_asked_about_a_types_reduce_passes_th
     assert raised == [attr]
 
 
+@pytest.mark.parametrize("reduce", [False, True])
+def test_a_metaclass_whose_hash_raises_is_a_walk_error_naming_the_object_an_interrupt_passes_through(reduce):
+    # The class is looked up in copyreg.dispatch_table, which hashes it: a
+    # metaclass's __hash__ is the value's code. What it raised escaped as
+    # itself (a bare ValueError, no path), or, in dumps, as a WalkError
+    # saying the __dict__ could not be read.
+    class Meta(type):
+        def __hash__(cls):
+            raise cls.error("from the metaclass's __hash__")
+
+    body = {"__reduce__": lambda self: (dict, ())} if reduce else {}
+    C = Meta("C", (), body)
+    C.error = ValueError
+    for walk in (devpickle.scan, devpickle.dumps, devpickle.Future().set_result):
+        with pytest.raises(devpickle.WalkError, match="cannot be looked up in copyreg.dispatch_table") as e:
+            walk({"k": [C()]})
+        assert e.value.path == "$.k[0]" and isinstance(e.value.__cause__, ValueError)
+    C.error = KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt, match="from the metaclass"):
+        devpickle.scan({"k": [C()]})
+
+
 @pytest.mark.parametrize("attr", ["__cuda_array_interface__", "__array_interface__", "__dlpack__", "__getnewargs__"])
 def test_a_metaclass_is_never_asked_whether_the_instances_of_its_classes_have_an_attribute(attr):
     # getattr(cls, name) asks the metaclass too (its attributes, its
