@@ -291,8 +291,14 @@ static int cupy_stream_of(int device, void **out) {
   PyObject *ent = dev ? PyObject_CallMethod(dev, "__enter__", NULL) : NULL;
   PyObject *st = ent ? PyObject_CallMethod(cuda, "get_current_stream", NULL) : NULL;
   PyObject *ptr = st ? PyObject_GetAttrString(st, "ptr") : NULL;
-  if (ent) {
+  if (ent) { /* never called under the exception a read after __enter__ raised: it is put back after */
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
     PyObject *r = PyObject_CallMethod(dev, "__exit__", "OOO", Py_None, Py_None, Py_None);
+    if (et) {
+      if (!r) PyErr_Clear();
+      PyErr_Restore(et, ev, tb);
+    }
     Py_XDECREF(r);
   }
   if (ptr) *out = PyLong_AsVoidPtr(ptr);

@@ -451,9 +451,12 @@ static const char *dotted(const char *m, const char *q, const char *fallback, Py
 static const char *type_name(PyTypeObject *t, PyObject **hold) {
   *hold = NULL;
   if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return t->tp_name;
+  /* each lookup may run a metaclass's code: an error it raised is cleared
+     (an interrupt held) before the next runs, never left pending under it */
   PyObject *mod = PyObject_GetAttrString((PyObject *)t, "__module__");
-  PyObject *qual = PyObject_GetAttrString((PyObject *)t, "__qualname__");
   const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8(mod) : NULL;
+  clear_error();
+  PyObject *qual = PyObject_GetAttrString((PyObject *)t, "__qualname__");
   const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8(qual) : NULL;
   clear_error();
   const char *name = dotted(m, q ? q : t->tp_name, t->tp_name, hold);
@@ -1038,8 +1041,8 @@ static int cupy_memory(PyObject *o, dp_device_t *dev, void **base, size_t *size)
   PyObject *d = sz ? PyObject_GetAttrString(data, "device_id") : NULL;
   if (d) {
     *base = PyLong_AsVoidPtr(ptr);
-    *size = PyLong_AsSize_t(sz);
-    long id = PyLong_AsLong(d);
+    *size = PyErr_Occurred() ? 0 : PyLong_AsSize_t(sz);
+    long id = PyErr_Occurred() ? 0 : PyLong_AsLong(d);
     if (!PyErr_Occurred() && (id < 0 || id > UINT8_MAX))
       PyErr_Format(PyExc_ValueError, "a cupy array on device %ld", id);
     *dev = (dp_device_t){DP_DEVICE_CUDA, (uint8_t)id};
@@ -2023,7 +2026,7 @@ static int int64_seq(PyObject *seq, int64_t *out, int max) {
     PyErr_SetString(PyExc_ValueError, "too many dimensions");
     return -1;
   }
-  for (Py_ssize_t i = 0; i < n; i++) out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(t, i));
+  for (Py_ssize_t i = 0; i < n && !PyErr_Occurred(); i++) out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(t, i));
   Py_DECREF(t);
   return PyErr_Occurred() ? -1 : (int)n;
 }
@@ -2110,17 +2113,20 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   }
   if (refuse_lazy_view(s, o)) return -1;
   int64_t shape[MAX_DIMS], strides[MAX_DIMS];
+  /* each read only once the one before it succeeded: a subclass's
+     __torch_function__ runs for each, and must not run under an exception
+     (an interrupt) the one before raised */
   PyObject *dtype = PyObject_GetAttrString(o, "dtype");
   PyObject *dstr = dtype ? PyObject_Str(dtype) : NULL;
-  PyObject *shp = PyObject_GetAttrString(o, "shape");
-  PyObject *str = PyObject_CallMethod(o, "stride", NULL);
-  PyObject *off = PyObject_CallMethod(o, "storage_offset", NULL);
+  PyObject *shp = dstr ? PyObject_GetAttrString(o, "shape") : NULL;
+  PyObject *str = shp ? PyObject_CallMethod(o, "stride", NULL) : NULL;
+  PyObject *off = str ? PyObject_CallMethod(o, "storage_offset", NULL) : NULL;
   int nd = -1, nd2 = -1;
   int64_t offset = 0;
-  if (dstr && shp && str && off) {
+  if (off) {
     nd = int64_seq(shp, shape, MAX_DIMS);
     nd2 = nd < 0 ? -1 : int64_seq(str, strides, MAX_DIMS);
-    offset = PyLong_AsLongLong(off);
+    if (nd2 == nd) offset = PyLong_AsLongLong(off);
   }
   const char *ds = dstr ? PyUnicode_AsUTF8(dstr) : NULL;
   int rc = -1;

@@ -1193,3 +1193,26 @@ def test_raw_of_a_buffer_whose_owner_shrank_in_place_or_whose_tensor_moved_is_re
     n.base.set_(torch.zeros(3))
     with pytest.raises(ValueError, match=r"its memory moved since dumps found it"):
         got[0].raw()
+
+
+@pytest.mark.parametrize("attr", ["dtype", "shape"])
+def test_an_interrupt_raised_by_a_tensor_subclass_read_by_dumps_passes_through(attr):
+    # dumps reads a tensor's dtype, shape, stride() and storage_offset(), each
+    # through a subclass's __torch_function__: the reads after one that
+    # raised ran anyway, under its KeyboardInterrupt, which was lost (a
+    # WalkError about an attribute the tensor has)
+    ran = []
+
+    class T(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            owner = getattr(getattr(func, "__self__", None), "__name__", None)
+            if ran or owner == attr:
+                ran.append(owner or func.__name__)
+                raise KeyboardInterrupt(f"reading {attr}")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    t = torch.zeros(3).as_subclass(T)
+    with pytest.raises(KeyboardInterrupt, match=f"reading {attr}"):
+        devpickle.dumps([t], inline=True)
+    assert ran == [attr]

@@ -955,6 +955,32 @@ def test_an_interrupt_raised_by_a_metaclass_asked_about_a_types_reduce_passes_th
     assert raised == [attr]
 
 
+def test_an_interrupt_raised_by_a_metaclass_asked_for_a_types_module_passes_through():
+    # A type is named module.qualname (a <reduce T> step, a WalkError's
+    # message, a frame's class): the __qualname__ lookup ran with the
+    # __module__ lookup's KeyboardInterrupt still pending, which CPython
+    # turned into a SystemError, then cleared: the interrupt was lost and the
+    # walk went on.
+    class Meta(type):
+        def __getattribute__(cls, name):
+            if name == "__module__":
+                raise KeyboardInterrupt("from the metaclass: __module__")
+            return type.__getattribute__(cls, name)
+
+    class C(metaclass=Meta):
+        def __reduce__(self):
+            return (dict, (), {"t": np.ones(2)})
+
+    class Fails(metaclass=Meta):
+        def __reduce__(self):
+            raise ValueError("cannot")
+
+    for walk in (devpickle.scan, devpickle.dumps):
+        for value in ([C()], [Fails()]):
+            with pytest.raises(KeyboardInterrupt, match="from the metaclass"):
+                walk(value)
+
+
 @pytest.mark.parametrize("reduce", [False, True])
 def test_a_metaclass_whose_hash_raises_is_a_walk_error_naming_the_object_an_interrupt_passes_through(reduce):
     # The class is looked up in copyreg.dispatch_table, which hashes it: a
