@@ -1064,6 +1064,12 @@ static int visit_cupy(dpy_scanner_t *s, PyObject *o) {
   return add_alloc(s, dev, base, size, o);
 }
 
+/* p + off as an address: the interfaces' pointers are numbers a producer
+ * gives, never dereferenced here, and one near the top of the address space
+ * would overflow pointer arithmetic (undefined); the address wraps as the
+ * number does. */
+static inline void *addr_at(const void *p, int64_t off) { return (void *)((uintptr_t)p + (uintptr_t)off); }
+
 /* The extent in bytes of a strided view: from its lowest to its highest
  * addressed byte. 0 when it addresses nothing. lo receives the lowest
  * element's byte offset (<= 0). */
@@ -1185,7 +1191,7 @@ static int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   dp_device_t dev = {cuda ? DP_DEVICE_CUDA : DP_DEVICE_CPU, 0};
   dp_backend_t *backend;
   if (cuda && ext && !dp_backend_get(DP_DEVICE_CUDA, &backend, NULL)) dp_pointer_device(backend, ptr, &dev, NULL);
-  rc = ext ? add_alloc(s, dev, (char *)ptr + lo, ext, o) : 0;
+  rc = ext ? add_alloc(s, dev, addr_at(ptr, lo), ext, o) : 0;
 out:
   Py_XDECREF(data);
   Py_XDECREF(shape);
@@ -1263,7 +1269,7 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
   Py_ssize_t lo = 0;
   size_t ext = (size_t)v.len;
   if (v.strides && view_extent(v.ndim, v.shape, v.strides, v.itemsize, &lo, &ext)) ext = (size_t)v.len;
-  *basep = (char *)v.buf + lo;
+  *basep = addr_at(v.buf, lo);
   *extp = ext;
   PyBuffer_Release(&v);
   Py_DECREF(owner);
@@ -1389,7 +1395,7 @@ static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
     else bad = __builtin_mul_overflow(str[i + 1], shp[i + 1] ? shp[i + 1] : 1, &str[i]);
   }
   if (!bad) bad = view_extent(nd, shp, str, isz, &lo, &ext);
-  void *base = (char *)t->data + t->byte_offset + lo;
+  void *base = addr_at(addr_at(t->data, (int64_t)t->byte_offset), lo);
   Py_DECREF(cap);
   if (bad) {
     PyErr_SetString(PyExc_ValueError, "a DLPack tensor with a bad shape, strides or dtype");
@@ -2210,7 +2216,7 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
     goto out;
   }
   if (PyErr_Occurred()) goto out;
-  ptrdiff_t delta = ptr - (char *)base;
+  ptrdiff_t delta = (ptrdiff_t)((uintptr_t)ptr - (uintptr_t)base); /* numbers: the two need not be one object's */
   if (delta % isz) {
     PyErr_SetString(PyExc_ValueError, "a view whose offset is not a multiple of the item size");
     goto out;
