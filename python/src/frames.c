@@ -75,7 +75,7 @@ static PyObject *frame_fail(int rc, const dp_error_t *e) {
 
 PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw) {
   (void)self;
-  static char *kwlist[] = {"", "inline", "buffer_callback", NULL};
+  static char *kwlist[] = {"obj", "inline", "buffer_callback", NULL};
   PyObject *obj, *cb = Py_None;
   int inl = 0;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$pO:dumps", kwlist, &obj, &inl, &cb)) return NULL;
@@ -698,7 +698,7 @@ fail:
 
 PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   (void)self;
-  static char *kwlist[] = {"", "buffers", "classes", "max_copies", NULL};
+  static char *kwlist[] = {"data", "buffers", "classes", "max_copies", NULL};
   PyObject *data, *buffers = Py_None, *classes = NULL, *max_copies = Py_None, *result = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOO:loads", kwlist, &data, &buffers, &classes, &max_copies))
     return NULL;

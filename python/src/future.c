@@ -1106,22 +1106,22 @@ static PyObject *fut_devices_used(pyfut_t *self, PyObject *unused) {
 
 static PyMethodDef fut_methods[] = {
     {"set_result", (PyCFunction)(void (*)(void))fut_set_result, METH_FASTCALL | METH_KEYWORDS,
-     "set_result(result): completes the future. The result is walked (unless devices=[]): one event per device it "
+     "set_result($self, /, result)\n--\n\nCompletes the future. The result is walked (unless devices=[]): one event per device it "
      "uses, on that device's current stream. A result that cannot be walked raises WalkError and fails the future "
      "with it. RuntimeError if already complete."},
     {"set_exception", (PyCFunction)(void (*)(void))fut_set_exception, METH_FASTCALL | METH_KEYWORDS,
-     "set_exception(result): completes the future with the exception result; wait() and value() raise it."},
+     "set_exception($self, /, result)\n--\n\nCompletes the future with the exception result; wait() and value() raise it."},
     {"wait", (PyCFunction)fut_wait, METH_NOARGS,
-     "wait() -> result: blocks (without the GIL) until complete, makes the current streams wait on the result's "
+     "wait($self, /)\n--\n\n-> result: blocks (without the GIL) until complete, makes the current streams wait on the result's "
      "events and records its allocations on them; raises the future's exception."},
     {"value", (PyCFunction)fut_value, METH_NOARGS,
-     "value() -> result of a complete future, without any synchronization; raises its exception."},
-    {"done", (PyCFunction)fut_done, METH_NOARGS, "done() -> True once complete (with a result or an exception)."},
+     "value($self, /)\n--\n\n-> result of a complete future, without any synchronization; raises its exception."},
+    {"done", (PyCFunction)fut_done, METH_NOARGS, "done($self, /)\n--\n\n-> True once complete (with a result or an exception)."},
     {"then", (PyCFunction)(void (*)(void))fut_then, METH_FASTCALL | METH_KEYWORDS,
-     "then(callback) -> Future: callback(self) runs once self is complete, with pool streams current (waiting on "
+     "then($self, /, callback)\n--\n\n-> Future: callback(self) runs once self is complete, with pool streams current (waiting on "
      "self's events); the new future completes with its result, walked afresh, or fails with what it raises."},
     {"add_done_callback", (PyCFunction)(void (*)(void))fut_add_done_callback, METH_FASTCALL | METH_KEYWORDS,
-     "add_done_callback(callback): callback(self) runs once self is complete; its result is ignored and an "
+     "add_done_callback($self, /, callback)\n--\n\ncallback(self) runs once self is complete; its result is ignored and an "
      "exception it raises goes to sys.unraisablehook."},
     {"_allocations", (PyCFunction)fut_allocations, METH_NOARGS,
      "The (device, ptr, nbytes) the completed result holds (devices with streams only)."},
@@ -1140,7 +1140,7 @@ static PyTypeObject fut_type = {
     .tp_basicsize = sizeof(pyfut_t),
     .tp_dealloc = (destructor)fut_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "Future(*, devices=None): torch.futures.Future's interface, stream-aware for every value.\n\n"
+    .tp_doc = "Future(*, devices=None)\n--\n\ntorch.futures.Future's interface, stream-aware for every value.\n\n"
               "devices=None walks each result and tracks every device it uses; devices=[...] also refuses others; "
               "devices=[] walks nothing (a CPU future).",
     .tp_traverse = (traverseproc)fut_traverse,

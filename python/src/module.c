@@ -173,16 +173,17 @@ static PyObject *torch_adapter(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))dpy_scan_py, METH_VARARGS | METH_KEYWORDS,
-     "scan(obj, *, paths=True, opaque=()) -> list of Allocation\n\n"
+     "scan($module, /, obj, *, paths=True, opaque=())\n--\n\n"
+     "-> list of Allocation. "
      "The memory obj references, deduplicated by (device, base), in discovery order."},
     {"collect_all", (PyCFunction)(void (*)(void))dpy_collect_all, METH_FASTCALL | METH_KEYWORDS,
-     "collect_all(futures) -> Future of the list of futures"},
+     "collect_all($module, /, futures)\n--\n\n-> Future of the list of futures"},
     {"wait_all", (PyCFunction)(void (*)(void))dpy_wait_all, METH_FASTCALL | METH_KEYWORDS,
-     "wait_all(futures) -> list of their values"},
+     "wait_all($module, /, futures)\n--\n\n-> list of their values"},
     {"dumps", (PyCFunction)(void (*)(void))dpy_dumps, METH_VARARGS | METH_KEYWORDS,
-     "dumps(obj, *, inline=False, buffer_callback=None) -> bytes (a devpickle frame)"},
+     "dumps($module, /, obj, *, inline=False, buffer_callback=None)\n--\n\n-> bytes (a devpickle frame)"},
     {"loads", (PyCFunction)(void (*)(void))dpy_loads, METH_VARARGS | METH_KEYWORDS,
-     "loads(data, *, buffers=None, classes=(), max_copies=None) -> object"},
+     "loads($module, /, data, *, buffers=None, classes=(), max_copies=None)\n--\n\n-> object"},
     {"_hash_work", dpy_hash_work, METH_VARARGS,
      "_hash_work(items, memo, left) -> the tuple items CPython hashes to hash each of items (loads' bound)"},
     {"_torch_adapter", torch_adapter, METH_NOARGS,

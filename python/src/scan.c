@@ -3079,7 +3079,7 @@ static int check_opaque(PyObject *opaque, PyObject **out) {
 
 PyObject *dpy_scan_py(PyObject *self, PyObject *args, PyObject *kw) {
   (void)self;
-  static char *kwlist[] = {"", "paths", "opaque", NULL};
+  static char *kwlist[] = {"obj", "paths", "opaque", NULL};
   PyObject *obj, *opaque = NULL;
   int paths = 1;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$pO:scan", kwlist, &obj, &paths, &opaque)) return NULL;

@@ -1216,3 +1216,14 @@ def test_an_interrupt_raised_by_a_tensor_subclass_read_by_dumps_passes_through(a
     with pytest.raises(KeyboardInterrupt, match=f"reading {attr}"):
         devpickle.dumps([t], inline=True)
     assert ran == [attr]
+
+
+def test_dumps_and_loads_state_their_documented_signatures_and_take_obj_and_data_by_keyword():
+    import inspect
+    assert str(inspect.signature(devpickle.dumps)) == "(obj, *, inline=False, buffer_callback=None)"
+    assert str(inspect.signature(devpickle.loads)) == "(data, *, buffers=None, classes=(), max_copies=None)"
+    frame = devpickle.dumps(obj={"a": [1, 2.5, "x"]}, inline=True)
+    assert frame == devpickle.dumps({"a": [1, 2.5, "x"]}, inline=True)
+    assert devpickle.loads(data=frame) == {"a": [1, 2.5, "x"]}
+    with pytest.raises(TypeError):
+        devpickle.dumps(1, True)  # inline is keyword-only

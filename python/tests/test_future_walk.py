@@ -193,3 +193,13 @@ def test_set_result_of_a_torch_storage_tracks_its_memory_without_reducing_it(mon
     f = devpickle.Future()
     f.set_result({"s": st})
     assert f.wait()["s"] is st
+
+
+def test_future_and_its_methods_state_their_signatures_by_torchs_argument_names():
+    import inspect
+    assert str(inspect.signature(devpickle.Future)) == "(*, devices=None)"
+    assert str(inspect.signature(devpickle.collect_all)) == "(futures)"
+    assert str(inspect.signature(devpickle.wait_all)) == "(futures)"
+    for name, params in [("set_result", "result"), ("set_exception", "result"), ("then", "callback"),
+                         ("add_done_callback", "callback"), ("wait", ""), ("value", ""), ("done", "")]:
+        assert str(inspect.signature(getattr(devpickle.Future, name))) == f"(self, /{', ' + params if params else ''})"

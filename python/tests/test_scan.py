@@ -1822,3 +1822,12 @@ def test_a_tensor_or_storage_whose_python_methods_lie_about_its_memory_is_read_t
     out = subprocess.run([sys.executable, "-c", _STORAGE_LIARS], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok"]
+
+
+def test_scan_states_its_documented_signature_and_takes_obj_by_keyword():
+    import inspect
+    assert str(inspect.signature(devpickle.scan)) == "(obj, *, paths=True, opaque=())"
+    t = torch.ones(2)
+    assert devpickle.scan(obj=[t]) == devpickle.scan([t])
+    with pytest.raises(TypeError):
+        devpickle.scan([t], True)  # paths is keyword-only
