@@ -228,7 +228,8 @@ DP_API void dp_listener_free(dp_listener_t *l);
 
 /** An endpoint connecting to "HOST:PORT" (IPv4, as dp_listener_new).
  *  Returns at once: a refused or failed connection fails the endpoint (its
- *  futures fail with DP_EIO, "connection refused" or UCX's reason).
+ *  futures fail with DP_EIO, "connection refused or lost before any reply
+ *  (UCX's reason)", or "connection lost (...)" once the peer answered).
  *  DP_EINVAL for a malformed address or an IPv6 one (as dp_listener_new). */
 DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err);
 /** Closes the endpoint: pending sends and receives fail with DP_ECANCELED
