@@ -711,10 +711,15 @@ static int waits_for_running(pyfut_t *self) {
 /* How long wait() blocks between two looks at the signal handlers. */
 #define WAIT_SLICE_NS 50000000 /* 50 ms */
 
-static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
-  (void)unused;
+/* Blocks (without the GIL, in slices that run the signal handlers) until
+ * self is complete, refusing a wait that could never return. 0 when
+ * complete (*joined: the wait that saw it complete also joined the current
+ * streams), or -1 with an exception (an interrupt, a refused wait): self's
+ * own outcome is not raised here. */
+static int wait_done(pyfut_t *self, int *joined) {
   dp_error_t e;
-  int rc, joined = 0;
+  int rc;
+  *joined = 0;
   self->used = 1;
   if (self->walker && self->walker == PyThread_get_thread_ident() && !self->inputs && !dp_future_is_done(self->f)) {
     /* called by the value's own code (a __reduce__) while this thread walks
@@ -724,11 +729,11 @@ static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
     PyErr_SetString(PyExc_RuntimeError, "wait() on a Future from inside the walk of its own result (a __reduce__ or "
                                         "other code of the value's, on the thread completing it): it would wait "
                                         "forever");
-    return NULL;
+    return -1;
   }
   if ((running || walking) && !dp_future_is_done(self->f)) {
     int w = waits_for_running(self);
-    if (w < 0) return NULL;
+    if (w < 0) return -1;
     if (w) {
       dp_error_t e;
       dp_error_clear(&e);
@@ -741,7 +746,8 @@ static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
                         "on the thread completing it) on a Future that completes only once that walk returns (a "
                         "then() of it, or one that waits for it through then() parents and collect_all inputs): it "
                         "would wait forever");
-      return dpy_raise(DP_EMISUSE, &e);
+      dpy_raise(DP_EMISUSE, &e);
+      return -1;
     }
   }
   if (!dp_future_is_done(self->f)) {
@@ -755,11 +761,22 @@ static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
       rc = dp_future_wait(f, WAIT_SLICE_NS, &e);
       Py_END_ALLOW_THREADS;
       if (rc != DP_ETIMEDOUT || dp_future_is_done(self->f)) break;
-      if (PyErr_CheckSignals()) return NULL;
+      if (PyErr_CheckSignals()) return -1;
     }
-    if (rc && !dp_future_is_done(self->f)) return dpy_raise(rc, &e);
-    joined = rc != DP_ETIMEDOUT; /* else it completed just after the slice ran out: join below */
+    if (rc && !dp_future_is_done(self->f)) {
+      dpy_raise(rc, &e);
+      return -1;
+    }
+    *joined = rc != DP_ETIMEDOUT; /* else it completed just after the slice ran out: join below */
   }
+  return 0;
+}
+
+static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
+  (void)unused;
+  dp_error_t e;
+  int rc, joined;
+  if (wait_done(self, &joined)) return NULL;
   if (joined && !self->cupy) return outcome(self);
   cupy_swap_t sw = {0};
   if (self->cupy) {
@@ -1066,6 +1083,17 @@ PyObject *dpy_wait_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs, 
   PyObject *list = as_futures("wait_all", arg, &in, &n);
   if (!list) return NULL;
   PyMem_Free(in);
+  /* every future completes first, as torch's wait_all waits on
+   * collect_all(futures) before it reads a value, and as collect_all here
+   * completes only once all its inputs have: a failure raises only then, the
+   * first in list order, whatever the order they completed in */
+  for (Py_ssize_t i = 0; i < n; i++) {
+    int joined;
+    if (wait_done((pyfut_t *)PyList_GET_ITEM(list, i), &joined)) {
+      Py_DECREF(list);
+      return NULL;
+    }
+  }
   PyObject *values = PyList_New(n);
   for (Py_ssize_t i = 0; values && i < n; i++) {
     PyObject *v = fut_wait((pyfut_t *)PyList_GET_ITEM(list, i), NULL);

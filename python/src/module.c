@@ -179,7 +179,8 @@ static PyMethodDef methods[] = {
     {"collect_all", (PyCFunction)(void (*)(void))dpy_collect_all, METH_FASTCALL | METH_KEYWORDS,
      "collect_all($module, /, futures)\n--\n\n-> Future of the list of futures"},
     {"wait_all", (PyCFunction)(void (*)(void))dpy_wait_all, METH_FASTCALL | METH_KEYWORDS,
-     "wait_all($module, /, futures)\n--\n\n-> list of their values"},
+     "wait_all($module, /, futures)\n--\n\n-> list of their values, once all are complete; else the first "
+     "failure in list order"},
     {"dumps", (PyCFunction)(void (*)(void))dpy_dumps, METH_VARARGS | METH_KEYWORDS,
      "dumps($module, /, obj, *, inline=False, buffer_callback=None)\n--\n\n-> bytes (a devpickle frame)"},
     {"loads", (PyCFunction)(void (*)(void))dpy_loads, METH_VARARGS | METH_KEYWORDS,

@@ -985,14 +985,19 @@ def test_wait_all_raises_a_then_callback_error_as_runtime_error(Future, wait_all
         wait_all([f.then(raise_value_error), f])
 
 
-def test_wait_all_waits_for_every_future_even_after_a_failure(Future, wait_all):
+@pytest.mark.parametrize("failed_first", [False, True], ids=["pending_first", "failed_first"])
+def test_wait_all_waits_for_every_future_even_after_a_failure(Future, wait_all, failed_first):
+    # torch's wait_all waits on collect_all(futures) before it reads any
+    # value: a future that failed (set_exception) is raised only once every
+    # other has completed, wherever it stands in the list.
     pending, failed = Future(), Future()
     failed.set_exception(KeyError("failed"))
+    futures = [failed, pending] if failed_first else [pending, failed]
     out = []
 
     def waiter():
         try:
-            out.append(wait_all([pending, failed]))
+            out.append(wait_all(futures))
         except KeyError as e:
             out.append(e)
 
