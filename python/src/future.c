@@ -1132,6 +1132,17 @@ static PyObject *fut_devices_used(pyfut_t *self, PyObject *unused) {
   return l;
 }
 
+/* Future[T]: one type parameter, as torch's Future (a typing.Generic[T]),
+ * which refuses Future[int, str] and Future[()]. */
+static PyObject *fut_class_getitem(PyObject *cls, PyObject *arg) {
+  Py_ssize_t n = PyTuple_Check(arg) ? PyTuple_GET_SIZE(arg) : 1;
+  if (n != 1) {
+    PyErr_Format(PyExc_TypeError, "Too %s arguments for %R; actual %zd, expected 1", n > 1 ? "many" : "few", cls, n);
+    return NULL;
+  }
+  return Py_GenericAlias(cls, arg);
+}
+
 static PyMethodDef fut_methods[] = {
     {"set_result", (PyCFunction)(void (*)(void))fut_set_result, METH_FASTCALL | METH_KEYWORDS,
      "set_result($self, /, result)\n--\n\nCompletes the future. The result is walked (unless devices=[]): one event per device it "
@@ -1154,7 +1165,7 @@ static PyMethodDef fut_methods[] = {
     {"_allocations", (PyCFunction)fut_allocations, METH_NOARGS,
      "The (device, ptr, nbytes) the completed result holds (devices with streams only)."},
     {"_devices", (PyCFunction)fut_devices_used, METH_NOARGS, "The devices that have an event."},
-    {"__class_getitem__", Py_GenericAlias, METH_O | METH_CLASS, "Future[T]"},
+    {"__class_getitem__", fut_class_getitem, METH_O | METH_CLASS, "Future[T]"},
     {NULL},
 };
 

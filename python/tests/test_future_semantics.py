@@ -326,6 +326,17 @@ def test_future_is_generic_as_in_future_of_int(Future):
     assert f.wait() == 3
 
 
+def test_future_takes_exactly_one_type_parameter(Future):
+    # Future is Generic[T]: Future[int, str] and Future[()] are typing errors
+    with pytest.raises(TypeError, match="Too many arguments.*actual 2, expected 1"):
+        Future[int, str]
+    with pytest.raises(TypeError, match="Too few arguments.*actual 0, expected 1"):
+        Future[()]
+    assert typing.get_args(Future[(int,)]) == (int,)
+    T = typing.TypeVar("T")
+    assert typing.get_args(Future[T][int]) == (int,)
+
+
 def test_a_subclass_of_future_of_int_is_a_future(Future):
     class IntFuture(Future[int]):
         pass
