@@ -1247,6 +1247,35 @@ def test_devpickle_future_with_no_devices_walks_nothing():
     assert next(child.wait()) == 1
 
 
+@pytest.mark.parametrize("devices", [None, []], ids=["default", "no_devices"])
+def test_a_future_as_a_result_is_stored_by_torch_and_refused_by_devpickles_walk(Future, devices):
+    # Deliberate difference, documented: torch stores any object, a future
+    # too, and never unwraps a future a then() callback returns; devpickle's
+    # default future walks its result, and a future cannot be walked
+    # (WalkError, for set_result and for a then() child); devices=[] walks
+    # nothing and stores it as torch does.
+    inner = Future()
+    inner.set_result(1)
+    f = Future(devices=devices) if devices is not None else Future()
+    if Future is devpickle.Future and devices is None:
+        with pytest.raises(devpickle.WalkError):
+            f.set_result(inner)
+        with pytest.raises(devpickle.WalkError):
+            f.wait()
+        g = Future()
+        child = g.then(lambda fut: inner)
+        g.set_result(0)
+        with pytest.raises(devpickle.WalkError):
+            child.wait()
+    else:
+        f.set_result(inner)
+        assert f.wait() is inner
+        g = Future(devices=devices) if devices is not None else Future()
+        child = g.then(lambda fut: inner)
+        g.set_result(0)
+        assert child.wait() is inner
+
+
 def test_devpickle_then_child_walks_its_callbacks_result():
     f = devpickle.Future()
     bad = f.then(lambda fut: [fut.value(), a_generator()])
