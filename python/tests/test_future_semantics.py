@@ -328,9 +328,10 @@ def test_future_is_generic_as_in_future_of_int(Future):
 
 def test_future_takes_exactly_one_type_parameter(Future):
     # Future is Generic[T]: Future[int, str] and Future[()] are typing errors
+    # (Python 3.12's typing says "expected at least 1" for too few)
     with pytest.raises(TypeError, match="Too many arguments.*actual 2, expected 1"):
         Future[int, str]
-    with pytest.raises(TypeError, match="Too few arguments.*actual 0, expected 1"):
+    with pytest.raises(TypeError, match="Too few arguments.*actual 0, expected (at least )?1"):
         Future[()]
     assert typing.get_args(Future[(int,)]) == (int,)
     T = typing.TypeVar("T")
