@@ -2882,7 +2882,7 @@ static int echo_then_see_the_close(dp_transport_t *t, dp_endpoint_t *ep, void *a
   rc = dp_transport_wait(t, f, 10 * SEC, &e);
   if (rc == DP_ETIMEDOUT && !dp_future_is_done(f)) _exit(21); /* not the close: no goodbye wait either */
   dp_future_release(f);
-  return rc && strstr(e.message, "connection lost") ? 0 : 22;
+  return rc == DP_ECANCELED && strstr(e.message, "the peer closed its endpoint") ? 0 : 22;
 }
 
 /* Caller-driven, nothing drives the transport after dp_endpoint_free: the

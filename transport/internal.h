@@ -126,6 +126,21 @@ typedef struct dp__am_shm_piece {
  * counted when it posted that one). */
 #define DP__AM_CREDIT 0x44509u
 #define DP__CREDIT_INITIAL (1ull << 20)
+/* CLOSE (a control header, on the connection): value 0, token = the values
+ * (FRAME messages) this side sent on the endpoint, is a graceful close's
+ * last message, sent before the UCX endpoint is flushed and closed; the
+ * peer, once it has received every value it counts (they may arrive after
+ * it: lanes, parking), fails its endpoint with DP_ECANCELED, "the peer
+ * closed its endpoint" — its pending receives and sends at once, later
+ * calls the same way, values it received first still taken in order — and
+ * answers value 1 (token: the values it received). The closer closes its
+ * UCX endpoint on that answer, or after DP__CLOSE_WAIT_NS without one, so
+ * that UCX's disconnect cannot overtake the values it sent. A CLOSE that
+ * reaches an endpoint closing itself is that endpoint's answer (both
+ * closed at once). A second CLOSE, one on a lane, one counting fewer values
+ * than arrived, an answer to a live endpoint, a value beyond the count or
+ * another `value` fails the endpoint (DP_EFORMAT). */
+#define DP__AM_CLOSE 0x4450Au
 /* Parked messages (recv.c) hold at most an endpoint's window plus this
  * much eager data: a cooperating peer parks at most its credit (the
  * window) plus one value's eager messages; one that sends pieces of values

@@ -10,7 +10,7 @@
 
 static const unsigned am_ids[AM_IDS] = {DP__AM_FRAME,     DP__AM_BUFS,      DP__AM_SHM_PIECE, DP__AM_SHM_OFFER,
                                         DP__AM_SHM_REPLY, DP__AM_SHM_DONE,  DP__AM_LANE_ADDR, DP__AM_LANE_HELLO,
-                                        DP__AM_ACCEPT,    DP__AM_CREDIT};
+                                        DP__AM_ACCEPT,    DP__AM_CREDIT,    DP__AM_CLOSE};
 
 
 /* Sets every message's handler on w; amh[i] is its argument. */

@@ -8,16 +8,26 @@ _Thread_local dp_transport_t *dp__tp_in_pass;
 
 /* ---- the progress thread ---- */
 
+static void close_flushed(dp_endpoint_t *ep);
+
 static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
   size_t ns = ep->nsends, nr = 0;
   for (rwait_t *w = ep->w_head; w; w = w->next) nr++;
   if (!ep->dead) {
-    if (ns || nr) {
-      dp_error_t e;
+    dp_error_t e;
+    if (ns || nr)
       dp__err(&e, DP_ECANCELED, "transport: %s: closed with %zu send%s and %zu receive%s pending", ep->name, ns,
               ns == 1 ? "" : "s", nr, nr == 1 ? "" : "s");
-      dp__tp_ep_fail(ep, &e);
+    /* a connector that never heard from its peer sends no CLOSE: its
+       connection may not be made yet (and a listener of this process may be
+       freed next, under the request: openucx/ucx#11087) */
+    int up = ep->ep && (ep->acceptor || ep->established);
+    if (ns || (nr && !up)) {
+      dp__tp_ep_fail(ep, &e); /* a value may be half sent: closed by force */
     } else {
+      /* receives only pending: they fail, and the close is graceful (the
+         peer needs nothing of them) */
+      if (nr) dp__tp_ep_cancel_recvs(ep, &e);
       dp__tp_ep_drop_received(t, ep);
       /* the peer's slots whose copies run here go back before the close,
          or its sends would fail with the connection */
@@ -27,22 +37,41 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
           dp__tp_shm_done(ep, r->slot);
           r->ep = NULL;
         }
+      /* the last message: CLOSE, counting the values sent, so that the
+         peer tells this close from a death (internal.h, CLOSE) */
+      if (up) {
+        dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, 0, ep->send_seq};
+        dp__tp_ctl_queue(ep, DP__AM_CLOSE, &c, sizeof c);
+      }
       dp__tp_ctl_flush(t, ep);
+      int failed = ep->dead; /* a send failed it: closed by force */
       dp__tp_ep_drop_shm(t, ep);
       dp__tp_lane_close(ep);
-      if (ep->ep && ep->rndv_inflight) {
-        ep->need_close = 1; /* the peer's buffers still arrive: by force once they have */
-      } else if (ep->ep) {
-        /* flush: eager messages whose sends completed may not have left yet */
-        ucp_request_param_t p = {0};
-        void *r = ucp_ep_close_nbx(ep->ep, &p);
-        if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
-      }
       ep->dead = 1;
+      /* the UCX endpoint is closed once the peer answers that it has
+         every value (reap), or after DP__CLOSE_WAIT_NS */
+      if (up && !failed) ep->answer_deadline = now_ns() + DP__CLOSE_WAIT_NS;
+      else if (ep->ep && !failed) close_flushed(ep);
     }
+  } else if (ep->rq_head) {
+    dp__tp_ep_drop_received(t, ep); /* values the peer's close left untaken */
   }
   if (ep->need_close) dp__tp_ep_force_close(ep);
   dp__tp_ep_unlink(t, ep);
+}
+
+/* A graceful close's UCX endpoint goes: flushed, or by force once the
+ * rendezvous receives posted on it are done. */
+static void close_flushed(dp_endpoint_t *ep) {
+  ep->answer_deadline = 0;
+  if (ep->rndv_inflight) {
+    ep->need_close = 1; /* the peer's buffers still arrive: by force once they have */
+  } else {
+    /* flush: eager messages whose sends completed may not have left yet */
+    ucp_request_param_t p = {0};
+    void *r = ucp_ep_close_nbx(ep->ep, &p);
+    if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
+  }
 }
 
 /* Why UCX could not listen. It says "Input/output error" for most bind()
@@ -172,7 +201,7 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
     rwait_t *w = c->rw;
     dp_endpoint_t *ep = c->ep;
     dp__free(c, sizeof *c);
-    if (ep->dead) {
+    if (ep->dead && !ep->rq_head) { /* (values the peer's close left are still taken) */
       dp_error_t e;
       dp_endpoint_error(ep, &e);
       dp_future_set_error(w->f, &e, NULL);
@@ -184,7 +213,7 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
     else ep->w_head = w;
     ep->w_tail = w;
     dp__tp_deliver(t, ep);
-    dp__tp_ep_pump_inbox(t, ep);
+    if (!ep->dead) dp__tp_ep_pump_inbox(t, ep);
     return;
   }
   case CMD_CLOSE: {
@@ -226,6 +255,11 @@ int dp__tp_drain_cmds(dp_transport_t *t) {
 static void reap(dp_transport_t *t) {
   for (dp_endpoint_t **p = &t->closing; *p;) {
     dp_endpoint_t *ep = *p;
+    if (ep->answer_deadline && !ep->answered && now_ns() < ep->answer_deadline) { /* the CLOSE's answer */
+      p = &ep->next;
+      continue;
+    }
+    if (ep->answer_deadline) close_flushed(ep);
     if (ep->need_close) dp__tp_ep_force_close(ep);
     if (ep->need_close || ep->rndv_inflight ||
         (ep->close_req && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS)) {
@@ -391,6 +425,7 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
       dp__tp_lane_worker_free(ep);
     }
     if (ep->offer_pending && !ep->dead) dp__tp_shm_answer(t, ep), work++;
+    if (ep->peer_closed && !ep->dead) dp__tp_peer_close_check(t, ep);
     if (ep->need_close) dp__tp_ep_force_close(ep), work++;
     if (ep->ctl_head && !ep->dead) dp__tp_ctl_flush(t, ep), work++;
     if (ep->shm_state == SHM_OFFERED && now_ns() > ep->offer_deadline) dp__tp_shm_withdraw(ep);

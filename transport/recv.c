@@ -449,14 +449,22 @@ static void grant(dp_transport_t *t, dp_endpoint_t *ep) {
 /* A received message leaves its endpoint (taken, or refused and drained):
  * the credit its value took goes back to the sender. */
 static void taken(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m) {
+  if (ep->dead) { /* a value the peer's close left: nothing to grant */
+    pthread_mutex_lock(&t->mu);
+    ep->kept--;
+    pthread_mutex_unlock(&t->mu);
+    return;
+  }
   ep->held -= m->held;
   ep->credit_taken = sat_add(ep->credit_taken, m->charge);
   grant(t, ep);
 }
 
+static void fail_waiters(dp_transport_t *t, dp_endpoint_t *ep);
+
 /* Hands complete messages, in order, to the waiting receives. */
 void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
-  while (ep->rq_head && !ep->dead) {
+  while (ep->rq_head && (!ep->dead || ep->keep_received)) {
     rmsg_t *m = ep->rq_head;
     if (m->failed && !m->answered) {
       /* a refused frame fails its receive at once: its buffers (as many as
@@ -508,6 +516,53 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
     dp__free(w, sizeof *w);
     dp__tp_rmsg_free(m);
   }
+  if (ep->dead && ep->keep_received && !ep->rq_head) fail_waiters(t, ep);
+}
+
+/* Receives waiting on an endpoint the peer's close failed, once the values
+ * it sent first are taken: they fail with its error. */
+static void fail_waiters(dp_transport_t *t, dp_endpoint_t *ep) {
+  dp_error_t e;
+  pthread_mutex_lock(&t->mu);
+  e = ep->errinfo;
+  pthread_mutex_unlock(&t->mu);
+  while (ep->w_head) {
+    rwait_t *w = ep->w_head;
+    ep->w_head = w->next;
+    if (!ep->w_head) ep->w_tail = NULL;
+    dp_future_set_error(w->f, &e, NULL);
+    dp_future_release(w->f);
+    dp__free(w, sizeof *w);
+  }
+}
+
+/* The peer closed its endpoint (internal.h, CLOSE): once every value its
+ * CLOSE counts has been received — its frame and all its buffers, nothing
+ * parked or being pulled — the answer goes and the endpoint fails with
+ * DP_ECANCELED, its pending receives and sends at once; the values
+ * received first stay to be taken. Checked by every pass while the CLOSE
+ * waits for values (they may come after it: lanes, parking). */
+void dp__tp_peer_close_check(dp_transport_t *t, dp_endpoint_t *ep) {
+  if (ep->recv_seq > ep->peer_sent) {
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a value beyond the count of the peer's close");
+    return;
+  }
+  if (ep->recv_seq < ep->peer_sent || (ep->cur && ep->cur->next_index < ep->cur->nbuf) || ep->fpull ||
+      ep->nparked || ep->nabsorb)
+    return;
+  for (rmsg_t *m = ep->rq_head; m; m = m->next)
+    if (m->pending) return;
+  dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, 1, ep->recv_seq};
+  dp__tp_ctl_queue(ep, DP__AM_CLOSE, &c, sizeof c);
+  dp__tp_ctl_flush(t, ep);
+  if (ep->dead) return; /* the answer could not go: the connection failed */
+  char what[160];
+  snprintf(what, sizeof what, "the peer closed its endpoint (after sending %llu value%s, all received)",
+           (unsigned long long)ep->peer_sent, ep->peer_sent == 1 ? "" : "s");
+  ep->keep_received = 1;
+  ep->close_gently = 1; /* flushed: the answer leaves before the connection goes */
+  dp__tp_ep_failf(ep, DP_ECANCELED, "%s", what);
+  dp__tp_deliver(t, ep);
 }
 
 /* Messages are processed in the sender's order: frame N, then its buffers
@@ -1064,6 +1119,11 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
     if (c->value) dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a credit message the protocol does not expect");
     else if (c->token > ep->credit_limit) /* the loop's next pass posts what waited */
       ep->credit_limit = c->token, ep->credit_wait = 0; /* the peer took values: its clock restarts */
+  } else if (id == DP__AM_CLOSE) {
+    if (c->value != 0 || on_lane_worker || ep->peer_closed || c->token < ep->recv_seq)
+      dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a close message the protocol does not expect");
+    else
+      ep->peer_closed = 1, ep->peer_sent = c->token; /* the loop's passes wait for its values */
   } else if (id == DP__AM_ACCEPT) {
     if (ep->acceptor || ep->accepted || on_lane_worker || c->value)
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "an accept message the protocol does not expect");
@@ -1085,6 +1145,12 @@ ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, s
   ucp_worker_h w = ep ? ep->dw : t->worker;
   int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   if (!ep && (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) ep = dp__tp_ep_find(t, param->reply_ep);
+  if (!ep && h->id == DP__AM_CLOSE && (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+    /* the answer to a CLOSE of ours, or the peer's own CLOSE (both closed
+       at once): the closing endpoint's UCX endpoint may go now (reap) */
+    for (dp_endpoint_t *c = t->closing; c; c = c->next)
+      if (c->ep == param->reply_ep && c->answer_deadline) c->answered = 1;
+  }
   if (!ep || ep->dead) {
     /* from an endpoint failed or closed here (UCX still has it, as it
        names it): dropped */

@@ -251,7 +251,10 @@ void dp__tp_ctl_flush(dp_transport_t *t, dp_endpoint_t *ep) {
     p.cb.send = ctl_cb;
     p.user_data = c;
     p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t r = dp__tp_am_send(ep, c->id, c->hdr, c->hlen, c->data, c->dlen, &p);
+    /* CLOSE goes on the connection: a closing endpoint's lane worker is
+       no longer progressed, and its answer must be seen there */
+    ucs_status_ptr_t r = c->id == DP__AM_CLOSE ? ucp_am_send_nbx(ep->ep, c->id, c->hdr, c->hlen, c->data, c->dlen, &p)
+                                               : dp__tp_am_send(ep, c->id, c->hdr, c->hlen, c->data, c->dlen, &p);
     if (UCS_PTR_IS_PTR(r)) {
       t->nreq++;
       continue;

@@ -87,7 +87,7 @@ enum { SHM_NONE, SHM_OFFERED, SHM_YES, SHM_NO };
 
 /* A message id and its transport: the argument of UCX's handler for it;
  * on a lane's worker, also the endpoint (the lane's messages are its). */
-#define AM_IDS 10
+#define AM_IDS 11
 typedef struct amh {
   dp_transport_t *t;
   unsigned id;
@@ -234,6 +234,7 @@ struct dp_endpoint {
   dp_error_t errinfo;
   int free_asked;           /* dp_endpoint_free was called: later calls, from callbacks its close
                                runs (or ran), only wait for that close */
+  size_t kept;              /* failed by the peer's close: values received first, not yet taken */
   /* the progress thread's */
   sop_t *sq_head, *sq_tail; /* sends, in order: unposted ones wait here */
   sop_t *posted;            /* posted and not complete, newest first; */
@@ -304,6 +305,13 @@ struct dp_endpoint {
   int lane_drop;            /* the connector: refused; its worker goes from the loop */
   amh_t lamh[AM_IDS];
   int indexed;              /* in t->ep_index */
+  /* graceful close (internal.h, CLOSE) */
+  int peer_closed;          /* the peer's CLOSE came: */
+  uint64_t peer_sent;       /* ... the values it counts */
+  int keep_received;        /* failed by the peer's close: the values it received first stay to be taken */
+  int close_gently;         /* its UCX endpoint is flushed, not forced, when it goes (the answer leaves) */
+  int64_t answer_deadline;  /* closing: its CLOSE sent, the UCX endpoint closed on the answer or then */
+  int answered;             /* closing: the answer came */
 };
 
 struct dp_listener {
@@ -417,6 +425,7 @@ void dp__tp_rmsg_free(rmsg_t *m);
 void dp__tp_inbox_drop(dp_transport_t *t, inbox_t *b);
 void dp__tp_ep_drop_received(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_ep_fail(dp_endpoint_t *ep, const dp_error_t *e);
+void dp__tp_ep_cancel_recvs(dp_endpoint_t *ep, const dp_error_t *e);
 void dp__tp_ep_force_close(dp_endpoint_t *ep);
 void dp__tp_ep_failf(dp_endpoint_t *ep, int code, const char *fmt, const char *detail);
 void dp__tp_ep_fail_status(dp_endpoint_t *ep, ucs_status_t st);
@@ -471,6 +480,7 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_shm_done(dp_endpoint_t *ep, uint64_t slot);
 int dp__tp_post_recv(dp_transport_t *t, rctx_t *c, void *data);
 void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep);
+void dp__tp_peer_close_check(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_absorb_free(dp_endpoint_t *ep);
 void dp__tp_park_drop(dp_transport_t *t, dp_endpoint_t *ep, int release);
 ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,

@@ -218,6 +218,19 @@ static void ep_set_error(dp_endpoint_t *ep, const dp_error_t *e) {
   pthread_mutex_unlock(&t->mu);
 }
 
+/* The endpoint's error is e and its pending receives fail with it (a
+ * close with receives only pending, which then goes on gracefully). */
+void dp__tp_ep_cancel_recvs(dp_endpoint_t *ep, const dp_error_t *e) {
+  ep_set_error(ep, e);
+  for (rwait_t *w = ep->w_head, *n; w; w = n) {
+    n = w->next;
+    dp_future_set_error(w->f, e, NULL);
+    dp_future_release(w->f);
+    dp__free(w, sizeof *w);
+  }
+  ep->w_head = ep->w_tail = NULL;
+}
+
 /* What the endpoint received and nobody took goes: messages being
  * received are detached (freed once no pull of theirs is in flight),
  * parked ones dropped. */
@@ -267,7 +280,17 @@ void dp__tp_ep_fail(dp_endpoint_t *ep, const dp_error_t *e) {
   ep->posted = ep->posted_tail = ep->posting = NULL;
   ep->tx_used = 0; /* its pieces' slots come back without it */
   dp__tp_ep_drop_shm(t, ep);
-  dp__tp_ep_drop_received(t, ep);
+  if (ep->keep_received) { /* the peer closed: what it sent first is still taken, in order */
+    size_t kept = 0;
+    for (rmsg_t *m = ep->rq_head; m; m = m->next) kept++;
+    pthread_mutex_lock(&t->mu);
+    ep->kept = kept;
+    pthread_mutex_unlock(&t->mu);
+    dp__tp_park_drop(t, ep, 1);
+    dp__tp_absorb_free(ep);
+  } else {
+    dp__tp_ep_drop_received(t, ep);
+  }
   for (rwait_t *w = ep->w_head, *n; w; w = n) {
     n = w->next;
     dp_future_set_error(w->f, &ee, NULL);
@@ -297,7 +320,7 @@ void dp__tp_ep_force_close(dp_endpoint_t *ep) {
   if (!ep->ep) return;
   ucp_request_param_t p = {0};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  p.flags = ep->close_gently ? 0 : UCP_EP_CLOSE_FLAG_FORCE; /* gently: the answer to a CLOSE leaves first */
   void *r = ucp_ep_close_nbx(ep->ep, &p);
   if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
 }
@@ -877,9 +900,14 @@ static int recv_common(dp_endpoint_t *ep, int frame, dp_future_t **out, dp_error
   if (out) *out = NULL;
   if (!ep || !out) return dp__err(err, DP_EINVAL, "%s: %s is NULL", fn, ep ? "out" : "ep");
   if (forked(ep->t, fn, err)) return DP_EINVAL;
-  int rc = dp_endpoint_error(ep, err); /* a failed endpoint's error, as every later call returns it */
-  if (rc) return rc;
   dp_transport_t *t = ep->t;
+  /* a failed endpoint's error, as every later call returns it — unless the
+     peer closed it and values it sent first are still to be taken */
+  pthread_mutex_lock(&t->mu);
+  int rc = ep->kept ? 0 : ep->error;
+  if (rc && err) *err = ep->errinfo;
+  pthread_mutex_unlock(&t->mu);
+  if (rc) return rc;
   rwait_t *w = dp__alloc(sizeof *w);
   cmd_t *c = dp__alloc(sizeof *c);
   rc = (!w || !c) ? dp__err(err, DP_ENOMEM, "%s: out of memory", fn) : 0;
