@@ -3187,3 +3187,159 @@ Test(transport, a_wait_on_a_future_failed_with_a_timeout_gives_the_futures_messa
 Test(transport, a_wait_on_a_future_failed_with_a_timeout_gives_the_futures_message_caller_driven) {
   wait_keeps_a_timeout_failure(1);
 }
+
+/* ---- a peer's graceful close (docs/TRANSPORT.md, CLOSE) ---- */
+
+/* peer: closes its endpoint as soon as it accepted it */
+static int close_at_once(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_endpoint_free(ep);
+  return -1;
+}
+
+/* UCX 1.13 reported such a close as a reset, or, about 1 round in 12,
+ * only when its keepalive gave up many seconds later: the CLOSE message
+ * says it at once, and distinctly. */
+Test(transport, a_peer_that_closes_right_after_accepting_fails_16_pending_receives_at_once_with_its_close) {
+  t_track();
+  for (int round = 0; round < 12; round++) {
+    peer_t p = spawn_peer(close_at_once, NULL, NULL);
+    dp_transport_t *t = new_transport(NULL);
+    dp_endpoint_t *ep = connect_to(t, p.port);
+    dp_future_t *r[16];
+    int64_t t0 = now_ns_t();
+    for (int i = 0; i < 16; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
+    dp_error_t e;
+    for (int i = 0; i < 16; i++) {
+      int rc = wait_f(r[i], &e);
+      cr_assert_eq(rc, DP_ECANCELED, "round %d, receive %d: %s: %s", round, i, dp_err_name(rc), e.message);
+      cr_assert(strstr(e.message, "the peer closed its endpoint (after sending 0 values, all received)"),
+                "round %d: %s", round, e.message);
+      cr_assert_null(strstr(e.message, "connection lost"), "%s", e.message);
+      dp_future_release(r[i]);
+    }
+    int64_t took = now_ns_t() - t0;
+    cr_assert_lt(took, 5 * SEC, "round %d: the receives failed after %lld ms (UCX's keepalive is far longer)", round,
+                 (long long)(took / 1000000));
+    /* later calls fail the same way, at once */
+    dp_future_t *f, *d;
+    cr_assert_eq(dp_endpoint_recv(ep, &f, &e), DP_ECANCELED);
+    cr_assert(strstr(e.message, "the peer closed its endpoint"), "%s", e.message);
+    cr_assert_null(f);
+    cr_assert_eq(dp_endpoint_send(ep, dp_int(1), &d, &e), DP_ECANCELED);
+    cr_assert(strstr(e.message, "the peer closed its endpoint"), "%s", e.message);
+    cr_assert_eq(dp_endpoint_error(ep, &e), DP_ECANCELED);
+    dp_endpoint_free(ep);
+    dp_transport_free(t);
+    cur_t = NULL;
+    cr_assert_eq(peer_wait(p), 0);
+  }
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+#define CLOSE_K 24
+
+/* peer: sends CLOSE_K values — small ones (the lane), and every 8th a
+ * tensor of 1 MiB (the connection, by rendezvous) — waits until each send
+ * completed (nothing pending: a graceful close) and closes at once */
+static int send_k_then_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *d[CLOSE_K];
+  dp_error_t e;
+  for (int i = 0; i < CLOSE_K; i++) {
+    dp_value_t v = i % 8 == 7 ? owned_tensor(1 << 20, (unsigned)i) : dp_int(i);
+    if (dp_endpoint_send(ep, v, &d[i], &e)) return 10;
+    dp_value_release(v);
+  }
+  for (int i = 0; i < CLOSE_K; i++) {
+    if (wait_f(d[i], &e)) {
+      fprintf(stderr, "send %d: %s\n", i, e.message);
+      return 11;
+    }
+    dp_future_release(d[i]);
+  }
+  dp_endpoint_free(ep);
+  return -1;
+}
+
+static void values_then_close(int late) {
+  t_track();
+  peer_t p = spawn_peer(send_k_then_close, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r[CLOSE_K + 2];
+  int first = late ? 4 : CLOSE_K + 2; /* late: the rest are asked for once the close came */
+  for (int i = 0; i < first; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
+  dp_error_t e;
+  if (late) {
+    cr_assert_eq(peer_wait(p), 0, "the peer's sends failed");
+    sleep_ms(300); /* its close has come */
+    cr_assert_eq(dp_endpoint_error(ep, &e), DP_ECANCELED, "%s", e.message);
+    for (int i = first; i < CLOSE_K + 2; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
+  }
+  for (int i = 0; i < CLOSE_K; i++) {
+    OK_WITH(&e, wait_f(r[i], &e));
+    dp_value_t v = dp_future_value(r[i]);
+    if (i % 8 == 7) cr_assert(tensor_ok(v, 1 << 20, (unsigned)i), "value %d", i);
+    else cr_assert(dp_value_kind(v) == DP_INT && dp_value_as_int(v) == i, "value %d", i);
+    dp_future_release(r[i]);
+  }
+  for (int i = CLOSE_K; i < CLOSE_K + 2; i++) {
+    cr_assert_eq(wait_f(r[i], &e), DP_ECANCELED, "%s: %s", dp_err_name(e.code), e.message);
+    cr_assert(strstr(e.message, "the peer closed its endpoint (after sending 24 values, all received)"), "%s",
+              e.message);
+    dp_future_release(r[i]);
+  }
+  dp_future_t *f;
+  cr_assert_eq(dp_endpoint_recv(ep, &f, &e), DP_ECANCELED);
+  cr_assert(strstr(e.message, "the peer closed its endpoint"), "%s", e.message);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  if (!late) cr_assert_eq(peer_wait(p), 0, "the peer's sends failed");
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, values_a_peer_sent_before_closing_at_once_complete_pending_receives_then_its_close_fails_the_next) {
+  values_then_close(0);
+}
+
+Test(transport, values_a_peer_sent_before_closing_are_still_taken_by_receives_made_after_the_close_came) {
+  values_then_close(1);
+}
+
+/* peer: sends one value and dies */
+static int send_one_then_die(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *d;
+  dp_error_t e;
+  if (dp_endpoint_send(ep, dp_int(7), &d, &e) || wait_f(d, &e)) return 10;
+  sleep_ms(100);
+  raise(SIGKILL);
+  return 0;
+}
+
+Test(transport, a_peer_killed_after_answering_still_reads_as_connection_lost_not_as_a_close) {
+  t_track();
+  peer_t p = spawn_peer(send_one_then_die, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *f = recv_ok(ep), *g;
+  cr_assert_eq(dp_value_as_int(dp_future_value(f)), 7);
+  dp_future_release(f);
+  OK(dp_endpoint_recv(ep, &g, T_ERR));
+  dp_error_t e;
+  int rc = wait_f(g, &e);
+  cr_assert(rc == DP_EIO || rc == DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "connection lost"), "%s", e.message);
+  cr_assert_null(strstr(e.message, "closed its endpoint"), "%s", e.message);
+  dp_future_release(g);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
