@@ -71,7 +71,9 @@
  *
  * FAILURES are errors, never hangs: connection refused or reset, peer death,
  * a corrupt or unexpected message, a timeout (opts.timeout_ns), closing an
- * endpoint with work pending. The endpoint fails: every pending send and
+ * endpoint with work pending, the peer closing its endpoint (DP_ECANCELED,
+ * "the peer closed its endpoint", once the values it sent first arrived;
+ * they are still taken, in order). The endpoint fails: every pending send and
  * receive future of it fails with the error (code and message naming the
  * endpoint), every buffer allocated for an unfinished receive is freed, and
  * later calls on it fail with the same error. Other endpoints keep working.
@@ -234,8 +236,14 @@ DP_API void dp_listener_free(dp_listener_t *l);
 DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err);
 /** Closes the endpoint: pending sends and receives fail with DP_ECANCELED
  *  ("closed with N sends and M receives pending"), received buffers not
- *  taken are freed, and the connection is closed (flushed first when
- *  nothing is pending). Waits for the loop to close it (caller-driven: runs
+ *  taken are freed, and the connection is closed. With no send pending
+ *  the close is graceful: a CLOSE message counting the values sent tells
+ *  the peer, whose endpoint fails with DP_ECANCELED ("the peer closed its
+ *  endpoint (after sending N values, all received)") once those values
+ *  arrived — they are still taken by its receives first — and the
+ *  connection is flushed and closed on its answer (or after 1 s without
+ *  one); with sends pending it is closed by force, and the peer reads
+ *  "connection lost" (docs/TRANSPORT.md, "Failures"). Waits for the loop to close it (caller-driven: runs
  *  passes until the close is done, at most 1 s, so the peer learns of it
  *  without further passes; a peer that does not answer UCX's disconnect
  *  meanwhile sees it at this process's later passes); called from a
