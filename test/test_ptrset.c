@@ -273,3 +273,192 @@ Test(ptrset, paths_belong_to_the_entries_a_scan_with_paths_added_and_to_no_other
   dp_ptrset_free(s);
   ASSERT_NO_LEAK();
 }
+
+/* Paths are copied into chunks that a clear keeps: 400 paths of 64
+ * bytes fill several, all kept, and a second scan after a clear reuses them
+ * without allocating and reads its own paths back. */
+Test(ptrset, paths_longer_than_one_chunk_are_all_kept_and_reused_after_a_clear) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_device_t d = t_dev(DP_DEVICE_HOST, 0);
+  enum { N = 400 };
+  char key[80];
+  dp_value_t dict;
+  OK(dp_dict_new(N, &dict, T_ERR));
+  for (int i = 0; i < N; i++) {
+    snprintf(key, sizeof key, "k%060d", i);
+    OK(dp_dict_set(dict, t_str(key), t_tensor(d, 0x1000 + 0x100 * (uintptr_t)i, 4), T_ERR));
+  }
+  dp_scan_opts_t o = {0};
+  o.flags = DP_SCAN_PATHS;
+  long before = 0;
+  for (int round = 0; round < 2; round++) {
+    dp_ptrset_clear(s);
+    if (round) before = t_alloc_count;
+    OK(dp_scan(dict, &o, s, T_ERR));
+    if (round) cr_assert_eq(t_alloc_count, before, "the second scan allocated %ld times", t_alloc_count - before);
+    cr_assert_eq(dp_ptrset_count(s), N);
+    for (int i = 0; i < N; i++) {
+      dp_ptr_info_t p;
+      OK(dp_ptrset_get(s, (size_t)i, &p, T_ERR));
+      char want[96];
+      snprintf(want, sizeof want, "$.k%060d", i);
+      cr_assert_str_eq(p.path, want, "round %d, entry %d: %s", round, i, p.path);
+    }
+  }
+  dp_value_release(dict);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* A second device met after a clear, with the first device's entries
+ * chained before the clear: the first device's chain ends at its last entry
+ * (what the earlier fill left in the chain is not followed). */
+Test(ptrset, a_device_chain_ends_at_its_last_entry_when_another_device_comes_after_a_clear) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0), b = t_dev(DP_DEVICE_CUDA, 1);
+  /* a, b, then a four times: entries 0 and 2..5 of a chained */
+  OK(dp_ptrset_add(s, a, (void *)0x100, 8, NULL, T_ERR));
+  OK(dp_ptrset_add(s, b, (void *)0x100, 8, NULL, T_ERR));
+  for (uintptr_t k = 0; k < 4; k++) OK(dp_ptrset_add(s, a, (void *)(0x200 + 0x100 * k), 8, NULL, T_ERR));
+  dp_ptrset_clear(s);
+  /* a three times, then b: a's chain is 0, 1, 2 and ends there */
+  for (uintptr_t k = 0; k < 3; k++) OK(dp_ptrset_add(s, a, (void *)(0x1000 + 0x100 * k), 8, NULL, T_ERR));
+  OK(dp_ptrset_add(s, b, (void *)0x1000, 8, NULL, T_ERR));
+  cr_assert_eq(dp_ptrset_ndevices(s), 2);
+  size_t want_a[] = {0, 1, 2}, want_b[] = {3};
+  expect_chain(s, 0, want_a, 3);
+  expect_chain(s, 1, want_b, 1);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* Out-of-range device and entry numbers read as nothing, a NULL set too. */
+Test(ptrset, a_device_or_entry_number_past_the_end_reads_as_nothing) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  for (uintptr_t k = 0; k < 3; k++) {
+    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)(0x100 * (k + 1)), 8, NULL, T_ERR));
+    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 1), (void *)(0x100 * (k + 1)), 8, NULL, T_ERR));
+  }
+  cr_assert_eq(dp_ptrset_ndevices(s), 2);
+  cr_assert_eq(dp_ptrset_device_count(s, 2), 0);
+  cr_assert_eq(dp_ptrset_device_count(s, 1000), 0);
+  cr_assert_eq(dp_ptrset_first_on(s, 2), SIZE_MAX);
+  cr_assert(dp_device_equal(dp_ptrset_device(s, 2), t_dev(DP_DEVICE_CPU, 0)));
+  cr_assert_eq(dp_ptrset_next_on(s, 5), SIZE_MAX, "entry 5 is the last");
+  cr_assert_eq(dp_ptrset_next_on(s, 6), SIZE_MAX, "there is no entry 6");
+  cr_assert_eq(dp_ptrset_next_on(s, 1000), SIZE_MAX);
+  cr_assert_eq(dp_ptrset_count(NULL), 0);
+  cr_assert_eq(dp_ptrset_ndevices(NULL), 0);
+  cr_assert_eq(dp_ptrset_device_count(NULL, 0), 0);
+  cr_assert_eq(dp_ptrset_first_on(NULL, 0), SIZE_MAX);
+  cr_assert_eq(dp_ptrset_next_on(NULL, 0), SIZE_MAX);
+  dp_ptrset_clear(NULL);
+  dp_ptrset_free(NULL);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* Adding many whose new device cannot get its group fails with ENOMEM;
+ * whenever it succeeds, every item is in the set. */
+Test(ptrset, adding_many_with_a_new_device_that_runs_out_of_memory_fails_and_a_success_holds_every_item) {
+  dp_ptr_info_t items[4] = {{t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, 0, NULL},
+                            {t_dev(DP_DEVICE_CUDA, 1), (void *)0x40, 8, 0, NULL},
+                            {t_dev(DP_DEVICE_CUDA, 2), (void *)0x80, 8, 0, NULL},
+                            {t_dev(DP_DEVICE_CUDA, 1), (void *)0x80, 8, 0, NULL}};
+  int failed = 0;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 100);
+    dp_ptrset_t *s;
+    OK(dp_ptrset_new(&s, T_ERR));
+    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, NULL, T_ERR));
+    dp_error_t e;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_ptrset_add_many(s, items, 4, NULL, &e);
+    t_fail_at = 0;
+    if (rc) {
+      failed++;
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, e.message);
+      cr_assert(strncmp(e.message, "out of memory growing a pointer set", 35) == 0, "%s", e.message);
+      dp_ptrset_free(s);
+      continue;
+    }
+    cr_assert_eq(dp_ptrset_count(s), 4, "allocation %ld failed and add_many returned 0", k);
+    cr_assert_eq(dp_ptrset_ndevices(s), 3);
+    for (int i = 0; i < 4; i++) OK(dp_ptrset_find(s, items[i].device, items[i].base, NULL, T_ERR));
+    dp_ptrset_free(s);
+    break;
+  }
+  cr_assert_geq(failed, 1, "no allocation could fail");
+  ASSERT_NO_LEAK();
+}
+
+/* A batch on one device goes in without a lookup of the device: the table
+ * must have been grown for the whole batch beforehand. 5000 items added at
+ * once, then 5000 tensors scanned, on one device: every one is found. */
+Test(ptrset, a_large_batch_on_one_device_is_added_whole_and_every_item_is_found) {
+  enum { N = 5000 };
+  dp_device_t d = t_dev(DP_DEVICE_CUDA, 0);
+  dp_ptr_info_t *items = calloc(N, sizeof *items);
+  for (size_t k = 0; k < N; k++) items[k] = (dp_ptr_info_t){d, (void *)(0x1000 + 64 * k), 64, 0, NULL};
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  OK(dp_ptrset_add_many(s, items, N, NULL, T_ERR));
+  cr_assert_eq(dp_ptrset_count(s), N);
+  for (size_t k = 0; k < N; k++) {
+    size_t i;
+    OK(dp_ptrset_find(s, d, items[k].base, &i, T_ERR));
+    cr_assert_eq(i, k);
+  }
+  dp_ptrset_clear(s);
+  dp_value_t l = t_list();
+  for (size_t k = 0; k < N; k++) OK(dp_list_append(l, t_tensor(d, 0x1000 + 64 * k, 16), T_ERR));
+  OK(dp_scan(l, NULL, s, T_ERR));
+  cr_assert_eq(dp_ptrset_count(s), N);
+  for (size_t k = 0; k < N; k++) {
+    size_t i;
+    OK(dp_ptrset_find(s, d, items[k].base, &i, T_ERR));
+    cr_assert_eq(i, k);
+  }
+  dp_value_release(l);
+  dp_ptrset_free(s);
+  free(items);
+  ASSERT_NO_LEAK();
+}
+
+/* A new device whose entry cannot be stored (the entries are full and
+ * cannot grow) is not left behind as an empty device group. */
+Test(ptrset, a_new_device_whose_entry_cannot_be_stored_leaves_no_empty_device) {
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0), b = t_dev(DP_DEVICE_CUDA, 1);
+  int failed = 0;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 100);
+    dp_ptrset_t *s;
+    OK(dp_ptrset_new(&s, T_ERR));
+    for (uintptr_t i = 0; i < 16; i++) OK(dp_ptrset_add(s, a, (void *)(0x100 * (i + 1)), 8, NULL, T_ERR));
+    dp_error_t e;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_ptrset_add(s, b, (void *)0x100, 8, NULL, &e);
+    t_fail_at = 0;
+    if (rc == 0) {
+      cr_assert_eq(dp_ptrset_ndevices(s), 2);
+      dp_ptrset_free(s);
+      break;
+    }
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, e.message);
+    cr_assert(strncmp(e.message, "out of memory growing a pointer set", 35) == 0, "%s", e.message);
+    cr_assert_eq(dp_ptrset_count(s), 16);
+    cr_assert_eq(dp_ptrset_ndevices(s), 1, "allocation %ld failed: %zu devices", k, dp_ptrset_ndevices(s));
+    /* and the set goes on: b comes as device 1 */
+    OK(dp_ptrset_add(s, b, (void *)0x100, 8, NULL, T_ERR));
+    cr_assert_eq(dp_ptrset_ndevices(s), 2);
+    cr_assert(dp_device_equal(dp_ptrset_device(s, 1), b));
+    cr_assert_eq(dp_ptrset_device_count(s, 1), 1);
+    dp_ptrset_free(s);
+  }
+  cr_assert_geq(failed, 2, "only %d allocations could fail", failed);
+  ASSERT_NO_LEAK();
+}
