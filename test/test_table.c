@@ -475,3 +475,75 @@ Test(table, a_set_reused_past_the_generation_counter_still_finds_and_counts_righ
   dp_value_release(other);
   ASSERT_NO_LEAK();
 }
+
+/* Growth leaves room for one more item at a load of at most one half, and
+ * refuses (before allocating anything) a table of 2^32 - 1 items, which
+ * item numbers + 1 in 32 bits cannot hold. */
+Test(table, growth_leaves_room_for_one_more_and_refuses_more_items_than_32_bits_number) {
+  for (int kind = DP_TABLE_PLAIN; kind <= DP_TABLE_TAGGED; kind++) {
+    for (size_t n = 0; n < 100; n++) {
+      dp__table_t t;
+      dp__table_init(&t);
+      keys_t s = {calloc(n + 1, sizeof(uint64_t)), n, n + 1, keyed};
+      for (size_t i = 0; i < n; i++) s.k[i] = i * 8;
+      OK(dp__table_grow(&t, kind, n, 0, keys_hash_at, &s));
+      cr_assert_eq(t.count, n);
+      cr_assert(!dp__table_full(&t), "%zu items in %zu slots: no room for one more", n, t.nslots);
+      cr_assert_eq(t.nslots & (t.nslots - 1), 0, "a power of two");
+      for (size_t i = 0; i < n; i++) cr_assert_eq(t_find(&t, kind, &s, i * 8), i);
+      dp__table_destroy(&t, kind);
+      free(s.k);
+    }
+    dp__table_t t;
+    dp__table_init(&t);
+    long before = t_alloc_count;
+    t_fail_at = t_alloc_count + 1; /* nothing may be allocated; if it is, it fails */
+    cr_assert_eq(dp__table_grow(&t, kind, (size_t)UINT32_MAX - 1, 0, keys_hash_at, NULL), DP_ELIMIT);
+    cr_assert_eq(t_alloc_count, before, "the refused growth allocated");
+    cr_assert_eq(dp__table_grow(&t, kind, (size_t)UINT32_MAX - 2, 0, keys_hash_at, NULL), DP_ENOMEM,
+                 "2^32 - 2 items are not refused as too many");
+    t_fail_at = 0;
+    cr_assert_eq(t.nslots, 0, "a failed growth leaves the table as it was");
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* Probes count each item's distance from its home slot, plus one: items at
+ * their homes take one each, a run of three on one home takes 1 + 2 + 3. */
+static uint64_t home_of(uint64_t k) { return k >> 8; }
+
+Test(table, probes_are_the_distance_from_home_plus_one_for_each_item) {
+  dp__table_t t;
+  dp__table_init(&t);
+  keys_t s = {NULL, 0, 0, home_of};
+  /* homes 1, 5, 9: one probe each */
+  t_add(&t, DP_TABLE_PLAIN, &s, 1 << 8);
+  t_add(&t, DP_TABLE_PLAIN, &s, 5 << 8);
+  t_add(&t, DP_TABLE_PLAIN, &s, 9 << 8);
+  cr_assert_eq(dp__table_probes(&t, DP_TABLE_PLAIN, keys_hash_at, &s), 3);
+  /* three more at home 12: 1 + 2 + 3 */
+  t_add(&t, DP_TABLE_PLAIN, &s, (12 << 8) | 1);
+  t_add(&t, DP_TABLE_PLAIN, &s, (12 << 8) | 2);
+  t_add(&t, DP_TABLE_PLAIN, &s, (12 << 8) | 3);
+  cr_assert_eq(t.nslots, 16);
+  cr_assert_eq(dp__table_probes(&t, DP_TABLE_PLAIN, keys_hash_at, &s), 3 + 6);
+  dp__table_destroy(&t, DP_TABLE_PLAIN);
+  free(s.k);
+  ASSERT_NO_LEAK();
+}
+
+/* Moving an item the table does not hold changes nothing (and returns). */
+Test(table, moving_an_item_the_table_does_not_hold_changes_nothing) {
+  for (int kind = DP_TABLE_PLAIN; kind <= DP_TABLE_TAGGED; kind++) {
+    dp__table_t t;
+    dp__table_init(&t);
+    keys_t s = {NULL, 0, 0, keyed};
+    for (uint64_t i = 0; i < 10; i++) t_add(&t, kind, &s, i * 64);
+    dp__table_move(&t, kind, keyed(12345), 20, 3);  /* item 20 does not exist */
+    for (uint64_t i = 0; i < 10; i++) cr_assert_eq(t_find(&t, kind, &s, i * 64), i);
+    cr_assert_eq(t.count, 10);
+    dp__table_destroy(&t, kind);
+    free(s.k);
+  }
+  ASSERT_NO_LEAK();
+}
