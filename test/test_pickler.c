@@ -3750,3 +3750,163 @@ Test(pickler, a_reduce_that_walks_a_value_holding_its_own_type_fails_instead_of_
   dp_value_collect();
   ASSERT_NO_LEAK();
 }
+
+/* A header or value cut short by the end of the payload section: the bytes
+ * after it (the buffer table) are never read as its continuation. */
+Test(pickler, a_value_cut_short_by_the_end_of_the_payload_is_refused_saying_what_ran_past) {
+  static const struct {
+    const char *what;
+    uint8_t p[8];
+    size_t n;
+    int64_t offset;
+    const char *msg;
+  } cut[] = {
+    {"uint 16 with one byte", {0xcd, 0x01}, 2, 40, "integer runs past the end of its section"},
+    {"uint 8 with none", {0x91, 0xcc}, 2, 41, "integer runs past the end of its section"},
+    {"int 16 with one byte", {0xd1, 0xff}, 2, 40, "integer runs past the end of its section"},
+    {"float 64 with seven bytes", {0xcb, 0x3f, 0xf0, 0, 0, 0, 0, 0}, 8, 40, "float runs past the end of its section"},
+    {"fixext 4 with three bytes", {0xd6, 0x01, 0, 0}, 4, 40, "ext runs past the end of its section"},
+    {"ext 8 without its type", {0xc7, 0x03}, 2, 40, "ext runs past the end of its section"},
+    {"str 8 without its length", {0xd9}, 1, 40, "length runs past the end of its section"},
+    {"array 16 with one length byte", {0xdc, 0x00}, 2, 40, "length runs past the end of its section"},
+    {"an empty payload", {0}, 0, 40, "value expected, section ended"},
+    {"a list whose last item is missing", {0x92, 0xa1, 'x'}, 3, 43, "value expected, section ended"},
+  };
+  for (size_t i = 0; i < sizeof cut / sizeof *cut; i++) {
+    uint8_t frame[64];
+    size_t n = make_frame(frame, cut[i].p, cut[i].n);
+    expect_refused(cut[i].what, frame, n, cut[i].offset, cut[i].msg);
+  }
+  /* the last field read, cut: a tensor's offset, a buffer's address, a class name */
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  const uint8_t cut_offset[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01, 0xcd};
+  size_t n;
+  uint8_t *b = frame_with_table(cut_offset, sizeof cut_offset, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("tensor offset cut", b, n, 50, "integer runs past the end of its section");
+  free(b);
+  const uint8_t tensor[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00};
+  b = frame_with_table(tensor, sizeof tensor, table, sizeof table - 1, NULL, 0, 0, &n);
+  expect_refused("buffer address cut", b, n, 40 + sizeof tensor + 5, "integer runs past the end of its section");
+  free(b);
+  const uint8_t cut_class[] = {0x92, 0xd4, 0x00, 0x03, 0xa5, 'A'};
+  uint8_t frame[64];
+  n = make_frame(frame, cut_class, sizeof cut_class);
+  expect_refused("class name cut", frame, n, 44, "str of 5 bytes is longer than the 1 bytes left");
+  ASSERT_NO_LEAK();
+}
+
+/* The node table grows as nodes are read: when that fails, the node being
+ * added (an empty container, an opened one, a str) is freed with the rest.
+ * Shifted by 0, 1 and 2 leading strs, the growths at nodes 8 and 16 fall on
+ * each of the three. */
+Test(pickler, a_read_that_runs_out_of_memory_growing_the_node_table_frees_the_node_it_was_adding) {
+  for (int shift = 0; shift < 3; shift++) {
+    uint8_t p[80];
+    size_t n = 0;
+    p[n++] = 0xdc, p[n++] = 0, p[n++] = (uint8_t)(shift + 18);
+    for (int i = 0; i < shift; i++) p[n++] = 0xa1, p[n++] = 'x';
+    for (int i = 0; i < 6; i++) p[n++] = 0x90, p[n++] = 0xa1, p[n++] = 'a', p[n++] = 0x91, p[n++] = 0x00;
+    uint8_t frame[128];
+    size_t fn = make_frame(frame, p, n);
+    long base_blocks = t_live_blocks;
+    int grew_failed = 0;
+    for (long k = 1;; k++) {
+      cr_assert_lt(k, 1000);
+      dp_value_t out;
+      dp_error_t e;
+      t_fail_at = t_alloc_count + k;
+      int rc = dp_unpickle(frame, fn, NULL, &out, &e);
+      t_fail_at = 0;
+      cr_assert(rc == 0 || rc == DP_ENOMEM, "shift %d, allocation %ld: %s: %s", shift, k, dp_err_name(rc), e.message);
+      if (rc == 0) {
+        dp_value_release(out);
+        break;
+      }
+      cr_assert_eq(t_live_blocks, base_blocks, "shift %d: the read leaked after failing allocation %ld (%s)", shift,
+                   k, e.message);
+      grew_failed += strcmp(e.message, "out of memory growing the node table") == 0;
+    }
+    cr_assert_geq(grew_failed, 2, "shift %d: the node table failed to grow %d times", shift, grew_failed);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* A field of the wrong MessagePack type is refused by name, where it is. */
+Test(pickler, a_tensor_table_or_name_field_of_the_wrong_type_is_refused_naming_the_field) {
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  /* [tensor] with its dtype nil, its buffer id a str */
+  const uint8_t nil_dtype[] = {0x91, 0x96, 0xd4, 0x00, 0x02, 0x00, 0xc0, 0x91, 0x01, 0x91, 0x01, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(nil_dtype, sizeof nil_dtype, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("nil dtype", b, n, 46, "tensor dtype: integer expected");
+  free(b);
+  const uint8_t str_id[] = {0x91, 0x96, 0xd4, 0x00, 0x02, 0xa1, '0', 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00};
+  b = frame_with_table(str_id, sizeof str_id, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("str buffer id", b, n, 45, "tensor buffer id: integer expected");
+  free(b);
+  /* a buffer size that is a str, or negative */
+  const uint8_t tensor[] = {0x91, 0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00};
+  const uint8_t str_size[] = {0x91, 0x94, 0x01, 0x00, 0xa1, '4', 0xcd, 0x10, 0x00};
+  b = frame_with_table(tensor, sizeof tensor, str_size, sizeof str_size, NULL, 0, 0, &n);
+  expect_refused("str size", b, n, 40 + sizeof tensor + 4, "buffer size: unsigned integer expected");
+  free(b);
+  const uint8_t neg_size[] = {0x91, 0x94, 0x01, 0x00, 0xff, 0xcd, 0x10, 0x00};
+  b = frame_with_table(tensor, sizeof tensor, neg_size, sizeof neg_size, NULL, 0, 0, &n);
+  expect_refused("negative size", b, n, 40 + sizeof tensor + 4, "buffer size: unsigned integer expected");
+  free(b);
+  /* an object whose class name is not UTF-8, a reduce node whose type name is an int */
+  const uint8_t bad_class[] = {0x92, 0xd4, 0x00, 0x03, 0xa1, 0xff};
+  uint8_t frame[64];
+  n = make_frame(frame, bad_class, sizeof bad_class);
+  expect_refused("class not UTF-8", frame, n, 44, "object class: invalid UTF-8");
+  const uint8_t int_type[] = {0x93, 0xd4, 0x00, 0x04, 0x01, 0xc0};
+  n = make_frame(frame, int_type, sizeof int_type);
+  expect_refused("int reduce type", frame, n, 44, "reduce type: non-empty str expected");
+  ASSERT_NO_LEAK();
+}
+
+/* max_items counts every value read, containers and scalars alike. */
+Test(pickler, a_frame_with_more_values_than_max_items_is_refused_at_the_first_one_over) {
+  const uint8_t list[] = {0x93, 0x01, 0x02, 0x03};  /* [1, 2, 3]: four values */
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.limits.max_items = 3;
+  expect_bad(list, sizeof list, DP_ELIMIT, 43, "value count exceeds the limit of 3", &o);
+  o.limits.max_items = 4;
+  uint8_t frame[64];
+  size_t n = make_frame(frame, list, sizeof list);
+  dp_value_t v;
+  dp_error_t e;
+  OK_WITH(&e, dp_unpickle(frame, n, &o, &v, &e));
+  cr_assert_eq(dp_seq_len(v), 3);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+/* The only extension value is a 4-byte back-reference (and a tag opening
+ * an array): any other type or size is refused, not read as one. */
+Test(pickler, an_extension_value_other_than_a_four_byte_back_reference_is_refused) {
+  const uint8_t other_type[] = {0x91, 0xd6, 0x05, 0, 0, 0, 0};
+  expect_bad(other_type, sizeof other_type, DP_EFORMAT, 41, "unexpected ext type 5 of 4 bytes", NULL);
+  const uint8_t long_ref[] = {0x91, 0xd7, 0x01, 0, 0, 0, 0, 0, 0, 0, 0};
+  expect_bad(long_ref, sizeof long_ref, DP_EFORMAT, 41, "unexpected ext type 1 of 8 bytes", NULL);
+  const uint8_t stray_tag[] = {0x92, 0x01, 0xd4, 0x00, 0x01};
+  expect_bad(stray_tag, sizeof stray_tag, DP_EFORMAT, 42, "unexpected ext type 0 of 1 bytes", NULL);
+  ASSERT_NO_LEAK();
+}
+
+/* A tensor node has exactly its five fields (buffer, dtype, shape, strides,
+ * offset): one fewer or one more is refused before any is read. */
+Test(pickler, a_tensor_node_with_other_than_five_fields_is_refused) {
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  const uint8_t four[] = {0x91, 0x95, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01};
+  size_t n;
+  uint8_t *b = frame_with_table(four, sizeof four, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("four fields", b, n, 41, "tensor node has 4 fields, expected 5");
+  free(b);
+  const uint8_t six[] = {0x91, 0x97, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00, 0x00};
+  b = frame_with_table(six, sizeof six, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("six fields", b, n, 41, "tensor node has 6 fields, expected 5");
+  free(b);
+  ASSERT_NO_LEAK();
+}
