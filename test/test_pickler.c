@@ -3910,3 +3910,74 @@ Test(pickler, a_tensor_node_with_other_than_five_fields_is_refused) {
   free(b);
   ASSERT_NO_LEAK();
 }
+
+/* A scan without paths stages tensors in batches and looks into them
+ * before a custom's first reduce(). With one allocation failed, wherever:
+ * either the scan fails with ENOMEM, or it found exactly what was there —
+ * a tensor and its view are one entry counted twice, the custom's tensor
+ * on another device one more. */
+Test(pickler, a_batched_scan_that_loses_an_allocation_fails_or_counts_exactly) {
+  dp_storage_t *st = t_storage(CUDA0, 0x1000, 64);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_view(st, 4, 0), T_ERR));
+  OK(dp_list_append(l, t_view(st, 4, 4), T_ERR));
+  OK(dp_list_append(l, t_holder(t_tensor(CUDA1, 0x2000, 8)), T_ERR));
+  dp_storage_release(st);
+  long base_blocks = t_live_blocks;
+  int absorbed = 0;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 1000);
+    dp_ptrset_t *set;
+    OK(dp_ptrset_new(&set, T_ERR));
+    long want = t_fail_at = t_alloc_count + k;
+    dp_error_t e;
+    int rc = dp_scan(l, NULL, set, &e);
+    int done = t_alloc_count < want; /* every allocation was failed once */
+    t_fail_at = 0;
+    if (rc == 0) {
+      absorbed += !done;
+      cr_assert_eq(dp_ptrset_count(set), 2, "allocation %ld failed: %zu entries", k, dp_ptrset_count(set));
+      dp_ptr_info_t p;
+      OK(dp_ptrset_get(set, 0, &p, T_ERR));
+      cr_assert(p.base == (void *)0x1000 && p.refs == 2, "allocation %ld failed: entry 0 is %p, %u refs", k, p.base,
+                p.refs);
+      OK(dp_ptrset_get(set, 1, &p, T_ERR));
+      cr_assert(p.base == (void *)0x2000 && p.refs == 1, "allocation %ld failed: entry 1 is %p, %u refs", k, p.base,
+                p.refs);
+    } else {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+    }
+    dp_ptrset_free(set);
+    cr_assert_eq(t_live_blocks, base_blocks, "scan leaked after failing allocation %ld", k);
+    if (done) break;
+  }
+  cr_assert_gt(absorbed, 0, "no failure was absorbed: the unreserved inserts were not reached");
+  dp_value_release(l);
+  /* more tensors than a batch, two devices: a batch is looked into while the
+   * list is entered; its failure fails the scan, never loses the batch */
+  enum { N = 40 }; /* a batch is 32 (pickler/walk.h) */
+  l = t_list();
+  for (int i = 0; i < N; i++) OK(dp_list_append(l, t_tensor(i % 2 ? CUDA1 : CUDA0, 0x1000 + 0x100 * (uintptr_t)i, 4), T_ERR));
+  int failed = 0;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 1000);
+    dp_ptrset_t *set;
+    OK(dp_ptrset_new(&set, T_ERR));
+    long want = t_fail_at = t_alloc_count + k;
+    dp_error_t e;
+    int rc = dp_scan(l, NULL, set, &e);
+    int done = t_alloc_count < want;
+    t_fail_at = 0;
+    if (rc == 0) cr_assert_eq(dp_ptrset_count(set), N, "allocation %ld failed: %zu entries", k, dp_ptrset_count(set));
+    else {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+      failed++;
+    }
+    dp_ptrset_free(set);
+    if (done) break;
+  }
+  cr_assert_gt(failed, 0);
+  dp_value_release(l);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
