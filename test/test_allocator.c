@@ -1066,6 +1066,35 @@ Test(allocator, a_slow_stream_does_not_hold_back_blocks_freed_after_its_own, .ti
   dp_stream_free(s);
 }
 
+/* A block used on two recorded streams: destroying either (the second
+ * recorded, or the first) drops that one from its uses and keeps the
+ * other, whose work the block's reuse still waits for. A use left behind
+ * would name a freed stream (ASan: the dealloc records on it). */
+static void drop_one_of_two_recorded_streams(int second) {
+  dp_stream_t *s = stream(H0), *u[2] = {stream(H0), stream(H0)};
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_record_stream(C, p, u[0], T_ERR));
+  OK(dp_cache_record_stream(C, p, u[1], T_ERR));
+  dp_stream_free(u[second]);
+  dp_stream_t *kept = u[!second];
+  _Atomic int gate = 0; /* the kept stream held until the gate opens */
+  OK(dp_host_launch(kept, gate_wait, &gate, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 1, "the block waits for the recorded stream still alive");
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(kept, T_ERR));
+  cr_assert_eq(dp_cache_poll(C, NULL), 1);
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+  dp_stream_free(kept);
+  dp_stream_free(s);
+}
+
+Test(allocator, destroying_either_of_two_recorded_streams_drops_that_use_and_keeps_the_other) {
+  drop_one_of_two_recorded_streams(1);
+  drop_one_of_two_recorded_streams(0);
+}
+
 /* A batch of records skips the lookup of pointers in a segment whose used
  * blocks were all allocated on the recording stream. It must still record
  * every pointer whose block is on another stream: one of a segment shared
