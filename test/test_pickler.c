@@ -3916,6 +3916,18 @@ Test(pickler, a_tensor_node_with_other_than_five_fields_is_refused) {
  * either the scan fails with ENOMEM, or it found exactly what was there —
  * a tensor and its view are one entry counted twice, the custom's tensor
  * on another device one more. */
+
+/* A scan of l into a new set (*set, the caller's to free) with its k-th
+ * allocation failed; *done: every allocation the scan makes was failed once. */
+static int scan_failing(dp_value_t l, long k, dp_ptrset_t **set, int *done, dp_error_t *e) {
+  OK(dp_ptrset_new(set, T_ERR));
+  long want = t_fail_at = t_alloc_count + k;
+  int rc = dp_scan(l, NULL, *set, e);
+  *done = t_alloc_count < want;
+  t_fail_at = 0;
+  return rc;
+}
+
 Test(pickler, a_batched_scan_that_loses_an_allocation_fails_or_counts_exactly) {
   dp_storage_t *st = t_storage(CUDA0, 0x1000, 64);
   dp_value_t l = t_list();
@@ -3928,12 +3940,8 @@ Test(pickler, a_batched_scan_that_loses_an_allocation_fails_or_counts_exactly) {
   for (long k = 1;; k++) {
     cr_assert_lt(k, 1000);
     dp_ptrset_t *set;
-    OK(dp_ptrset_new(&set, T_ERR));
-    long want = t_fail_at = t_alloc_count + k;
     dp_error_t e;
-    int rc = dp_scan(l, NULL, set, &e);
-    int done = t_alloc_count < want; /* every allocation was failed once */
-    t_fail_at = 0;
+    int done, rc = scan_failing(l, k, &set, &done, &e);
     if (rc == 0) {
       absorbed += !done;
       cr_assert_eq(dp_ptrset_count(set), 2, "allocation %ld failed: %zu entries", k, dp_ptrset_count(set));
@@ -3962,12 +3970,8 @@ Test(pickler, a_batched_scan_that_loses_an_allocation_fails_or_counts_exactly) {
   for (long k = 1;; k++) {
     cr_assert_lt(k, 1000);
     dp_ptrset_t *set;
-    OK(dp_ptrset_new(&set, T_ERR));
-    long want = t_fail_at = t_alloc_count + k;
     dp_error_t e;
-    int rc = dp_scan(l, NULL, set, &e);
-    int done = t_alloc_count < want;
-    t_fail_at = 0;
+    int done, rc = scan_failing(l, k, &set, &done, &e);
     if (rc == 0) cr_assert_eq(dp_ptrset_count(set), N, "allocation %ld failed: %zu entries", k, dp_ptrset_count(set));
     else {
       cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);

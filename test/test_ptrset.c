@@ -398,6 +398,17 @@ Test(ptrset, adding_many_with_a_new_device_that_runs_out_of_memory_fails_and_a_s
 /* A batch on one device goes in without a lookup of the device: the table
  * must have been grown for the whole batch beforehand. 5000 items added at
  * once, then 5000 tensors scanned, on one device: every one is found. */
+
+/* s holds items[0..n) at device d, numbered in their order. */
+static void holds_in_order(const dp_ptrset_t *s, dp_device_t d, const dp_ptr_info_t *items, size_t n) {
+  cr_assert_eq(dp_ptrset_count(s), n);
+  for (size_t k = 0; k < n; k++) {
+    size_t i;
+    OK(dp_ptrset_find(s, d, items[k].base, &i, T_ERR));
+    cr_assert_eq(i, k);
+  }
+}
+
 Test(ptrset, a_large_batch_on_one_device_is_added_whole_and_every_item_is_found) {
   enum { N = 5000 };
   dp_device_t d = t_dev(DP_DEVICE_CUDA, 0);
@@ -406,22 +417,12 @@ Test(ptrset, a_large_batch_on_one_device_is_added_whole_and_every_item_is_found)
   dp_ptrset_t *s;
   OK(dp_ptrset_new(&s, T_ERR));
   OK(dp_ptrset_add_many(s, items, N, NULL, T_ERR));
-  cr_assert_eq(dp_ptrset_count(s), N);
-  for (size_t k = 0; k < N; k++) {
-    size_t i;
-    OK(dp_ptrset_find(s, d, items[k].base, &i, T_ERR));
-    cr_assert_eq(i, k);
-  }
+  holds_in_order(s, d, items, N);
   dp_ptrset_clear(s);
   dp_value_t l = t_list();
   for (size_t k = 0; k < N; k++) OK(dp_list_append(l, t_tensor(d, 0x1000 + 64 * k, 16), T_ERR));
   OK(dp_scan(l, NULL, s, T_ERR));
-  cr_assert_eq(dp_ptrset_count(s), N);
-  for (size_t k = 0; k < N; k++) {
-    size_t i;
-    OK(dp_ptrset_find(s, d, items[k].base, &i, T_ERR));
-    cr_assert_eq(i, k);
-  }
+  holds_in_order(s, d, items, N);
   dp_value_release(l);
   dp_ptrset_free(s);
   free(items);
