@@ -3343,3 +3343,114 @@ Test(transport, a_peer_killed_after_answering_still_reads_as_connection_lost_not
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* ---- a hostile peer's CLOSE (docs/TRANSPORT.md, "On the wire") ---- */
+
+/* Polls ep until it fails, at most `ms` milliseconds; its code (0: still
+ * working), the error in *e. */
+static int ep_error_within(dp_endpoint_t *ep, int ms, dp_error_t *e) {
+  int rc = 0;
+  for (int i = 0; i < ms / 10 && !(rc = dp_endpoint_error(ep, e)); i++) sleep_ms(10);
+  return rc;
+}
+
+static void raw_close(dp_endpoint_t *ep, uint32_t value, uint64_t count, dp_error_t *e, int *rc) {
+  dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, value, count};
+  if (!*rc && dp__endpoint_send_raw(ep, DP__AM_CLOSE, &c, sizeof c, NULL, 0, e)) *rc = 20;
+}
+
+/* peer: a value whose 256 KiB buffer the receiver holds (over its 64 KiB
+ * bound: the next frame waits, parked), a small value, and CLOSE counting
+ * `arg` values — before the small one (1) or after it (its count, 1, then
+ * counts fewer than arrived) */
+static int send_held_then_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  int before = (int)(intptr_t)arg, rc = 0;
+  dp_error_t e;
+  dp_future_t *d[2] = {NULL, NULL};
+  dp_value_t big = owned_tensor(256 << 10, 3);
+  if (dp_endpoint_send(ep, big, &d[0], &e)) rc = 10;
+  dp_value_release(big);
+  if (before) raw_close(ep, 0, 1, &e, &rc);
+  if (!rc && dp_endpoint_send(ep, dp_int(2), &d[1], &e)) rc = 11;
+  if (!before) raw_close(ep, 0, 1, &e, &rc);
+  for (int i = 0; i < 2; i++)
+    if (d[i]) dp_future_wait(d[i], 20 * SEC, NULL), dp_future_release(d[i]);
+  return rc ? rc : stay_until_closed(ep);
+}
+
+static void close_against_a_parked_value(int before, const char *needle) {
+  t_track();
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* every message on the connection, in the order sent */
+  peer_t p = spawn_peer(send_held_then_close, (void *)(intptr_t)before, NULL);
+  dp_transport_opts_t o = {.max_inflight_bytes = 64 << 10};
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_error_t e;
+  int rc = ep_error_within(ep, 20000, &e);
+  cr_assert_eq(rc, DP_EFORMAT, "%s: %s (a CLOSE the values sent contradict left the endpoint waiting)",
+               dp_err_name(rc), rc ? e.message : "none");
+  cr_assert(strstr(e.message, needle), "%s", e.message);
+  /* no value reaches a receive past that: not the one the CLOSE left out */
+  dp_future_t *r;
+  cr_assert_eq(dp_endpoint_recv(ep, &r, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_null(r);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_close_counting_fewer_values_than_arrived_fails_the_endpoint_though_the_last_waits_parked) {
+  close_against_a_parked_value(0, "a close message the protocol does not expect");
+}
+
+Test(transport, a_value_arriving_after_the_close_that_leaves_it_out_fails_the_endpoint_at_once) {
+  close_against_a_parked_value(1, "a value beyond the count of the peer's close");
+}
+
+/* peer: a corrupt frame announcing a buffer it never sends, then CLOSE
+ * counting that one value */
+static int send_refused_owing_then_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  uint8_t junk[64];
+  memset(junk, 0x3a, sizeof junk);
+  memcpy(junk, "DPKL", 4);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, sizeof junk, 4096};
+  dp_error_t e;
+  int rc = 0;
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) rc = 11;
+  raw_close(ep, 0, 1, &e, &rc);
+  return rc ? rc : stay_until_closed(ep);
+}
+
+/* A refused frame's missing buffers hold no later value back; they hold
+ * the peer's close back no more (it left nothing to take). */
+Test(transport, a_close_after_a_refused_frame_whose_buffers_never_come_fails_the_next_receive_with_the_close) {
+  t_track();
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  peer_t p = spawn_peer(send_refused_owing_then_close, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r1, *r2;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r1, T_ERR));
+  OK(dp_endpoint_recv(ep, &r2, T_ERR));
+  dp_error_clear(&e);
+  cr_assert_eq(dp_future_wait(r1, 20 * SEC, &e), DP_ETRUNC, "%s: %s", dp_err_name(e.code), e.message);
+  dp_error_clear(&e);
+  int rc = dp_future_wait(r2, 20 * SEC, &e);
+  cr_assert_eq(rc, DP_ECANCELED, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "the peer closed its endpoint (after sending 1 value, all received)"), "%s",
+            e.message);
+  dp_future_release(r1);
+  dp_future_release(r2);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}

@@ -138,8 +138,9 @@ typedef struct dp__am_shm_piece {
  * that UCX's disconnect cannot overtake the values it sent. A CLOSE that
  * reaches an endpoint closing itself is that endpoint's answer (both
  * closed at once). A second CLOSE, one on a lane, one counting fewer values
- * than arrived, an answer to a live endpoint, a value beyond the count or
- * another `value` fails the endpoint (DP_EFORMAT). */
+ * than arrived (parked ones included), an answer to a live endpoint, a value
+ * beyond the count (as it arrives, or still parked once the counted ones
+ * are in) or another `value` fails the endpoint (DP_EFORMAT). */
 #define DP__AM_CLOSE 0x4450Au
 /* Parked messages (recv.c) hold at most an endpoint's window plus this
  * much eager data: a cooperating peer parks at most its credit (the

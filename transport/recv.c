@@ -461,6 +461,8 @@ static void taken(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m) {
 }
 
 static void fail_waiters(dp_transport_t *t, dp_endpoint_t *ep);
+static int refused_owed(const dp_endpoint_t *ep);
+static void pass_refused(dp_transport_t *t, dp_endpoint_t *ep);
 
 /* Hands complete messages, in order, to the waiting receives. */
 void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
@@ -543,13 +545,22 @@ static void fail_waiters(dp_transport_t *t, dp_endpoint_t *ep) {
  * received first stay to be taken. Checked by every pass while the CLOSE
  * waits for values (they may come after it: lanes, parking). */
 void dp__tp_peer_close_check(dp_transport_t *t, dp_endpoint_t *ep) {
+  if (ep->nparked) dp__tp_ep_pump_inbox(t, ep);
+  if (ep->dead) return;
   if (ep->recv_seq > ep->peer_sent) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a value beyond the count of the peer's close");
     return;
   }
-  if (ep->recv_seq < ep->peer_sent || (ep->cur && ep->cur->next_index < ep->cur->nbuf) || ep->fpull ||
-      ep->nparked || ep->nabsorb)
+  if (ep->recv_seq < ep->peer_sent || ep->fpull) return;
+  /* every value counted has come: a refused one's missing buffers hold the
+     close back no more than they hold a next value (pass_refused); what is
+     still parked now is past the count */
+  if (refused_owed(ep)) pass_refused(t, ep);
+  if (ep->dead || (ep->cur && ep->cur->next_index < ep->cur->nbuf)) return;
+  if (ep->nparked) {
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a value beyond the count of the peer's close");
     return;
+  }
   for (rmsg_t *m = ep->rq_head; m; m = m->next)
     if (m->pending) return;
   dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, 1, ep->recv_seq};
@@ -946,6 +957,11 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   }
   uint64_t h[sizeof ((inbox_t *)0)->hdr / 8];
   memcpy(h, hdr, hlen); /* aligned */
+  if (ep->peer_closed && key_of(id, h).seq >= ep->peer_sent) { /* its CLOSE counted the values it sent */
+    if (rndv) ucp_am_data_release(t->worker, data);
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a value beyond the count of the peer's close");
+    return UCS_OK;
+  }
   if (id == DP__AM_FRAME) { /* sent while the values before it were below the grant (internal.h, CREDIT) */
     /* Frames arrive out of order (a small one on the same-host lane
        overtakes a large one on the connection, and the other way round),
@@ -1120,7 +1136,8 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
     else if (c->token > ep->credit_limit) /* the loop's next pass posts what waited */
       ep->credit_limit = c->token, ep->credit_wait = 0; /* the peer took values: its clock restarts */
   } else if (id == DP__AM_CLOSE) {
-    if (c->value != 0 || on_lane_worker || ep->peer_closed || c->token < ep->recv_seq)
+    /* credit_top: the values arrived, those parked included */
+    if (c->value != 0 || on_lane_worker || ep->peer_closed || c->token < ep->credit_top)
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a close message the protocol does not expect");
     else
       ep->peer_closed = 1, ep->peer_sent = c->token; /* the loop's passes wait for its values */
