@@ -3454,3 +3454,76 @@ Test(transport, a_close_after_a_refused_frame_whose_buffers_never_come_fails_the
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* ---- many endpoints closing at once ---- */
+
+#define MANY_CLOSE 12
+
+/* Forks a peer (a thread of its own) that accepts n connections, echoes
+ * one value on each and then stops (SIGSTOP): a hung process, which
+ * answers nothing more. */
+static peer_t spawn_hung_after_echo(int n) {
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    close(fds[0]);
+    alarm(120);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    t_env();
+    dp_transport_t *t;
+    dp_listener_t *l;
+    dp_error_t e;
+    if (dp_transport_new(NULL, &t, &e) || dp_listener_new(t, "127.0.0.1:0", &l, &e)) _exit(90);
+    int port = dp_listener_port(l);
+    if (write(fds[1], &port, sizeof port) != sizeof port) _exit(91);
+    close(fds[1]);
+    for (int i = 0; i < n; i++) {
+      dp_endpoint_t *ep;
+      if (dp_listener_accept(l, 30 * SEC, &ep, &e) || echo_n(t, ep, (void *)(intptr_t)1)) _exit(92);
+    }
+    raise(SIGSTOP);
+    _exit(0);
+  }
+  close(fds[1]);
+  peer_t p = {pid, 0};
+  cr_assert_eq(read(fds[0], &p.port, sizeof p.port), (ssize_t)sizeof p.port, "the peer did not start");
+  close(fds[0]);
+  return p;
+}
+
+/* Each graceful close waits up to 1 s for the peer's answer; freeing the
+ * transport closes its endpoints together and gives every close up after
+ * 2 s (docs/TRANSPORT.md, "Closing"), however many there are. */
+static void free_many_to_a_hung_peer(int caller) {
+  t_track();
+  peer_t p = spawn_hung_after_echo(MANY_CLOSE);
+  dp_transport_t *t = new_transport_driven(caller);
+  dp_endpoint_t *ep[MANY_CLOSE];
+  for (int i = 0; i < MANY_CLOSE; i++) {
+    ep[i] = connect_to(t, p.port);
+    echo_once(ep[i]);
+  }
+  int st;
+  cr_assert_eq(waitpid(p.pid, &st, WUNTRACED), p.pid);
+  cr_assert(WIFSTOPPED(st), "the peer did not stop");
+  int64_t t0 = now_ns_t();
+  dp_transport_free(t); /* every endpoint open, nothing pending: graceful closes nobody answers */
+  cur_t = NULL;
+  int64_t took = now_ns_t() - t0;
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  cr_assert_lt(took, 6 * SEC, "freeing the transport with %d endpoints to a hung peer took %lld ms", MANY_CLOSE,
+               (long long)(took / 1000000));
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, freeing_a_transport_with_many_endpoints_to_a_hung_peer_gives_their_closes_up_together_thread_driven) {
+  free_many_to_a_hung_peer(0);
+}
+
+Test(transport, freeing_a_transport_with_many_endpoints_to_a_hung_peer_gives_their_closes_up_together_caller_driven) {
+  free_many_to_a_hung_peer(1);
+}

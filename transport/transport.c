@@ -567,6 +567,8 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
   return 0;
 }
 
+static void endpoint_close(dp_endpoint_t *ep, int wait);
+
 void dp_transport_free(dp_transport_t *t) {
   if (!t || forked_void(t, "dp_transport_free")) return;
   if (dp__tp_in_pass == t) { /* its worker would be destroyed under its own progress */
@@ -586,7 +588,7 @@ void dp_transport_free(dp_transport_t *t) {
     while (ep && ep->queued) ep = ep->next;
     pthread_mutex_unlock(&t->mu);
     if (!ep) break;
-    dp_endpoint_free(ep);
+    endpoint_close(ep, 0); /* their closes run together, bounded, below (a second each added up) */
   }
   for (;;) {
     pthread_mutex_lock(&t->mu);
@@ -766,8 +768,10 @@ static int close_done(void *arg) {
   return ep == NULL;
 }
 
-void dp_endpoint_free(dp_endpoint_t *ep) {
-  if (!ep || forked_void(ep->t, "dp_endpoint_free")) return;
+/* Closes ep (dp_endpoint_free); wait: caller-driven, runs passes until the
+ * close is done, at most DP__CLOSE_WAIT_NS (dp_transport_free, which closes
+ * every endpoint and then drives their closes together, does not). */
+static void endpoint_close(dp_endpoint_t *ep, int wait) {
   dp_transport_t *t = ep->t;
   /* A second call while the endpoint is still there — from a callback its
      close runs (it fails the pending futures: "on error, close" in each of
@@ -799,10 +803,15 @@ void dp_endpoint_free(dp_endpoint_t *ep) {
   /* caller-driven, nothing else drives the close: its flush and UCX's
      disconnect would wait for this process's next pass, and the peer would
      not learn of the close (its pending receive would hang) meanwhile */
-  if (t->caller) {
+  if (t->caller && wait) {
     closing_arg_t a = {t, ep};
     dp__tp_caller_until(t, close_done, &a, DP__CLOSE_WAIT_NS);
   }
+}
+
+void dp_endpoint_free(dp_endpoint_t *ep) {
+  if (!ep || forked_void(ep->t, "dp_endpoint_free")) return;
+  endpoint_close(ep, 1);
 }
 
 int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err) {
