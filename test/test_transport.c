@@ -3527,3 +3527,63 @@ Test(transport, freeing_a_transport_with_many_endpoints_to_a_hung_peer_gives_the
 Test(transport, freeing_a_transport_with_many_endpoints_to_a_hung_peer_gives_their_closes_up_together_caller_driven) {
   free_many_to_a_hung_peer(1);
 }
+
+/* ---- a frame receive and a message with out-of-band buffers ---- */
+
+/* peer: the frame of a tensor of one out-of-band buffer of `arg` bytes,
+ * announced in its message and never sent */
+static int send_announced_buffer_only(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  uint64_t size = (uint64_t)(uintptr_t)arg;
+  dp_error_t e;
+  dp_storage_t *st;
+  dp_value_t v;
+  int64_t shape[1] = {(int64_t)size};
+  if (dp_storage_new(t_dev(DP_DEVICE_HOST, 0), (void *)0x1000, size, NULL, NULL, &st, &e) ||
+      dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e))
+    return 10;
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(v, NULL, fr, &e)) return 11;
+  size_t n;
+  const uint8_t *b = dp_frame_data(fr, &n);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, size};
+  int rc = dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e) ? 12 : 0;
+  dp_frame_free(fr);
+  dp_value_release(v);
+  return rc ? rc : stay_until_closed(ep);
+}
+
+/* dp_endpoint_recv_frame refuses a message with out-of-band buffers
+ * (transport.h): at its frame, neither waiting for the buffers (a sender
+ * that never sends them held it forever: 'devpickle recv' without
+ * --timeout) nor allocating them (a header may announce any size). */
+static void frame_receive_refuses_buffers(uint64_t size) {
+  t_track();
+  peer_t p = spawn_peer(send_announced_buffer_only, (void *)(uintptr_t)size, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r;
+  dp_error_t e;
+  OK(dp_endpoint_recv_frame(ep, &r, T_ERR));
+  dp_error_clear(&e);
+  int rc = dp_future_wait(r, 20 * SEC, &e);
+  cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "the message carries 1 out-of-band buffers, not a self-contained frame"), "%s",
+            e.message);
+  cr_assert_eq(dp_endpoint_error(ep, NULL), 0, "the endpoint failed");
+  dp_future_release(r);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_frame_receive_refuses_a_message_with_buffers_at_its_frame_without_waiting_for_them) {
+  frame_receive_refuses_buffers(4096);
+}
+
+Test(transport, a_frame_receive_refuses_a_message_announcing_a_1_tib_buffer_without_allocating_it) {
+  frame_receive_refuses_buffers(1ull << 40);
+}

@@ -66,6 +66,13 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
   if (!rc && !(info.flags & 1u) && info.nbuffers != h->nbuffers)
     rc = dp__err(&m->error, DP_EFORMAT, "transport: frame has %u buffers, its message announced %u",
                  info.nbuffers, h->nbuffers);
+  /* the frame receive waiting for it refuses a message with buffers
+     (deliver): at its frame, so that its buffers are neither allocated (a
+     header may announce any size) nor waited for (a sender may never send
+     them); one queued behind others is refused as it is delivered */
+  if (!rc && m->nbuf && !ep->rq_head && ep->w_head && ep->w_head->frame)
+    rc = dp__err(&m->error, DP_EFORMAT, "transport: %s: the message carries %u out-of-band buffers, "
+                 "not a self-contained frame", ep->name, m->nbuf);
   if (!rc && m->nbuf && !(m->bufs = dp__alloc_array(m->nbuf, sizeof *m->bufs)))
     rc = dp__err(&m->error, DP_ENOMEM, "transport: out of memory");
   if (!rc) {
