@@ -1752,9 +1752,11 @@ static void ucx_env(void) {
   setenv("UCX_NET_DEVICES", "lo", 0);
 }
 
-/* Starts `devpickle recv 0 ... -o OUT` in dir; returns its pid and the port
- * it says it listens on (read from its stderr, which goes to dir/.recv). */
-static pid_t start_recv(const char *out, int *port) {
+/* Starts `devpickle recv 0 ... -o OUT` in dir, its stdout on out_fd (-1:
+ * this process's), SIGPIPE as a shell leaves it; returns its pid and the
+ * port it says it listens on (read from its stderr, which goes to
+ * dir/.recv). */
+static pid_t start_recv_to(const char *out, int out_fd, int *port) {
   ucx_env();
   char abs[512], errpath[128];
   cr_assert_not_null(realpath(cli, abs));
@@ -1764,7 +1766,8 @@ static pid_t start_recv(const char *out, int *port) {
   cr_assert_neq(pid, -1);
   if (pid == 0) {
     int fd = open(errpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0 || dup2(fd, 2) < 0 || chdir(dir) != 0) _exit(99);
+    if (fd < 0 || dup2(fd, 2) < 0 || chdir(dir) != 0 || (out_fd >= 0 && dup2(out_fd, 1) < 0)) _exit(99);
+    signal(SIGPIPE, SIG_DFL);
     execl(abs, abs, "recv", "0", "--host", "127.0.0.1", "--timeout", "60", "-o", out, (char *)NULL);
     _exit(98);
   }
@@ -1779,6 +1782,8 @@ static pid_t start_recv(const char *out, int *port) {
   free(line);
   return pid;
 }
+
+static pid_t start_recv(const char *out, int *port) { return start_recv_to(out, -1, port); }
 
 static int wait_status(pid_t pid) {
   int st;
@@ -1847,6 +1852,39 @@ Test(cli, a_write_that_fails_on_the_receiver_is_an_error_with_its_reason_on_both
     cr_assert_str_eq(err, want);
     free(err);
   }
+}
+
+/* recv -o - into a pipe nobody reads: the write fails (EPIPE), reported
+ * on both sides as any failed write is — never a receiver killed by
+ * SIGPIPE, silent, whose sender waits for UCX's keepalive. */
+Test(cli, a_receiver_writing_to_a_closed_pipe_reports_the_broken_pipe_and_tells_the_sender) {
+  spit("v.json", "[1, {\"$bytes\": \"AAE=\"}]");
+  res_t r = run("pack v.json -o f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  int fds[2], port;
+  cr_assert_eq(pipe(fds), 0);
+  cr_assert_eq(fcntl(fds[0], F_SETFD, FD_CLOEXEC), 0); /* recv holds no read end either */
+  pid_t pid = start_recv_to("-", fds[1], &port);
+  close(fds[0]); /* nobody reads */
+  close(fds[1]);
+  char args[128], want[256];
+  snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 30", port);
+  r = run(args);
+  cr_assert_eq(wait_status(pid), 1, "recv exits 1 when it cannot write (-1: killed by a signal)");
+  cr_assert_eq(r.status, 1, "send: %s", r.err);
+  snprintf(want, sizeof want,
+           "devpickle: 127.0.0.1:%d: the receiver could not write the frame: <stdout>: write failed: Broken pipe\n",
+           port);
+  cr_assert_str_eq(r.err, want);
+  res_free(r);
+  char path[128];
+  path_in(path, sizeof path, ".recv");
+  char *err = slurp(path, NULL);
+  snprintf(want, sizeof want, "devpickle recv: listening on port %d\ndevpickle: <stdout>: write failed: Broken pipe\n",
+           port);
+  cr_assert_str_eq(err, want);
+  free(err);
 }
 
 /* Every timeout names the command that timed out and its limit. */

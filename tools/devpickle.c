@@ -1177,6 +1177,9 @@ static int cmd_recv(int argc, char **argv) {
   if (!a.out && isatty(STDOUT_FILENO)) /* before listening: no sender is left without an answer */
     return usage_error("recv", "%s", "stdout is a terminal: a frame is binary (-o FRAME.dpk, or -o - to write it there)");
   if (!a.out) a.out = "-";
+  /* a stdout nobody reads fails the write (EPIPE), reported and answered
+     as any failed write: killed by SIGPIPE, recv told its sender nothing */
+  signal(SIGPIPE, SIG_IGN);
   quiet_ucx();
   char addr[320];
   show_addr(addr, sizeof addr, a.host ? a.host : "0.0.0.0", port);
