@@ -13,7 +13,7 @@
  * not a candidate) frees the container on this thread. A release that leaves
  * the count above zero records the container in this thread's candidate
  * buffer (GC_BUF entries in thread-local storage; more, allocated, only
- * after a trial that met many live containers: see buffer_full) and
+ * after a trial that walked much of a live value: see buffer_full) and
  * decrements. A candidate released to zero by the thread that buffered it
  * leaves the buffer and is freed at once: the usual "held by a future and by
  * the caller, both let go" costs no collection at all. Frees cascade through
@@ -203,6 +203,7 @@ static void collect_locked(gc_tls_t *t);
 static void shrink_if_empty(gc_tls_t *t);
 
 void (*dp__gc_pause_hook)(int where);
+_Thread_local uint64_t dp__gc_items_walked;
 
 /* ---- thread exit: the buffer is collected ---- */
 
@@ -379,10 +380,12 @@ static void buffer(gc_tls_t *t, dp_cont_t *c) {
  * candidates, candidates that reach one large live value (the items of a
  * list shared by a million others, let go one by one) would walk that value
  * again and again, time quadratic in its size. So a buffer holds, before
- * its next trial, as many candidates as its last trial found live
- * containers: the live part of each trial is paid for by the releases that
- * buffered the candidates since the one before, and the garbage by its
- * freeing. The larger array is allocated here (failing that, the buffer is
+ * its next trial, as many candidates as its last trial took steps over live
+ * containers — one per container and one per child, leaves included —: the
+ * live part of each trial is paid for by the releases that buffered the
+ * candidates since the one before, and the garbage by its freeing. Counting
+ * live containers alone left a live list of leaves unpaid: holders of a
+ * million-int list among garbage candidates had it walked every 256. The larger array is allocated here (failing that, the buffer is
  * collected as it is) and freed by the next collection. */
 static bool buffer_full(gc_tls_t *t) {
   size_t n = len_of(t), cap = cap_of(t);
@@ -531,8 +534,9 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
 
 /* ---- the trial ---- */
 
-/* For each container child K of c, runs BODY. */
-#define FOR_EACH_CONTAINER_CHILD(c, K, BODY)                                       \
+/* For each container child K of c, runs BODY; adds the children looked at
+ * (leaves too) to WALKED. */
+#define FOR_EACH_CONTAINER_CHILD(c, K, WALKED, BODY)                               \
   do {                                                                             \
     dp_value_t *vals_ = NULL;                                                      \
     size_t n_ = 0, stride_ = 1;                                                    \
@@ -551,6 +555,7 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
         stride_ = 2;                                                               \
         break;                                                                     \
     }                                                                              \
+    (WALKED) += n_;                                                                \
     for (size_t i_ = 0; i_ < n_; i_++) {                                           \
       dp_value_t v_;                                                               \
       if (stride_ == 1) v_ = vals_[i_];                                            \
@@ -578,6 +583,7 @@ static void collect_locked(gc_tls_t *t) {
    * zero, or garbage of another thread's trial) leaves the buffer then. */
   dp_cont_t *visit = NULL, *tail = NULL;
   dp_cont_t **buf = buf_of(t);
+  size_t walked = 0;
   for (size_t i = 0; i < n; i++) {
     dp_cont_t *c = buf[i];
     dp__fetch_or_acq_rel(&c->gc_state, GCS_ROOT);
@@ -592,7 +598,7 @@ static void collect_locked(gc_tls_t *t) {
    * racing decrement may go below the internal references: it wraps and
    * reads as held from outside, which only keeps nodes alive. */
   for (dp_cont_t *p = visit; p; p = p->gc_next2) {
-    FOR_EACH_CONTAINER_CHILD(p, k, {
+    FOR_EACH_CONTAINER_CHILD(p, k, walked, {
       if (k->h.color != DP_GC_GRAY) {
         k->h.color = DP_GC_GRAY;
         k->gc_refs = rc_of(k);
@@ -604,7 +610,10 @@ static void collect_locked(gc_tls_t *t) {
     });
   }
 
-  /* Held from outside: black, and everything it reaches (stack via gc_next). */
+  /* Held from outside: black, and everything it reaches (stack via gc_next).
+   * live: what walking them cost, each container and its children (leaves
+   * too: a live list of a million ints costs a million steps however few
+   * containers it holds). */
   size_t live = 0;
   for (dp_cont_t *p = visit; p; p = p->gc_next2) {
     if (p->h.color != DP_GC_GRAY || p->gc_refs == 0) continue;
@@ -614,14 +623,15 @@ static void collect_locked(gc_tls_t *t) {
     while (stack) {
       dp_cont_t *q = stack;
       stack = q->gc_next;
-      live++;
-      FOR_EACH_CONTAINER_CHILD(q, k, {
+      size_t before = walked;
+      FOR_EACH_CONTAINER_CHILD(q, k, walked, {
         if (k->h.color == DP_GC_GRAY) {
           k->h.color = DP_GC_BLACK;
           k->gc_next = stack;
           stack = k;
         }
       });
+      live += 1 + (walked - before);
     }
   }
 
@@ -655,9 +665,11 @@ static void collect_locked(gc_tls_t *t) {
     dp__store_release(&c->gc_state, c->h.color == DP_GC_DEAD ? GCS_GARBAGE : 0);
   }
 
-  /* The next trial waits for as many candidates as this one met live
-   * containers (buffer_full); the grown array goes back now. */
+  /* The next trial waits for as many candidates as this one took steps
+   * over live containers and their children (buffer_full); the grown array
+   * goes back now. */
   t->threshold = live < GC_BUF_MAX ? live : GC_BUF_MAX;
+  dp__gc_items_walked += walked;
   shrink_if_empty(t);
 }
 

@@ -15,7 +15,8 @@
  * frees them by trial deletion (Bacon & Rajan's algorithm). A release that
  * leaves a container's count above zero records it as a candidate in the
  * releasing thread's buffer (256 entries, allocating nothing; a buffer whose
- * previous collection met more live containers first grows, through the
+ * previous collection walked more live items (containers and their children)
+ * first grows, through the
  * allocator hook, to hold as many — see COST — and one that cannot grow is
  * collected as it is: a release never fails); a buffer is collected — the
  * containers reachable from its candidates are tried, and those held only
@@ -38,8 +39,9 @@
  * large live graph (retain/release pairs around it, futures holding it)
  * makes it a candidate again and again, and pays a walk of the whole graph
  * per collection (each dp_value_collect(), or once a thread has buffered at
- * least 256 candidates and as many as the live containers its previous
- * collection walked, so that the walks cost at most one step per release);
+ * least 256 candidates and as many as the live containers and children its
+ * previous collection walked, so that the walks cost at most one step per
+ * release);
  * and while any collection runs, other threads' releases that leave a count
  * above zero wait for it. Hold one reference to such a graph and borrow
  * from it rather than retaining it in hot loops.
