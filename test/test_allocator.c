@@ -1696,3 +1696,29 @@ Test(allocator, emptying_the_cache_reports_a_segment_kept_for_want_of_memory) {
   cr_assert_eq(stats(H0).reserved, 0, "and goes back when memory allows");
   dp_stream_free(s);
 }
+
+/* Free blocks of one size class share a bin, marked non-empty in its
+ * word of the bitmap and that word in the summary. A second block freed
+ * into a bin that already holds one must leave both marks set: the next
+ * allocation of that class, and of a smaller class whose own word is
+ * empty, take those blocks rather than split the segment's free remainder
+ * or make a new segment. */
+Test(allocator, a_second_block_freed_into_a_size_class_is_found_again_by_both_searches) {
+  dp_stream_t *s = stream(H0);
+  char *a, *x, *b, *y, *q, *r;
+  OK(dp_cache_alloc(C, H0, 40 << 10, s, (void **)&a, T_ERR));
+  OK(dp_cache_alloc(C, H0, 512, s, (void **)&x, T_ERR)); /* a and b never merge */
+  OK(dp_cache_alloc(C, H0, 40 << 10, s, (void **)&b, T_ERR));
+  OK(dp_cache_alloc(C, H0, 512, s, (void **)&y, T_ERR)); /* nor b with the free remainder */
+  OK(dp_cache_dealloc(C, a, T_ERR));
+  OK(dp_cache_dealloc(C, b, T_ERR)); /* into a's bin */
+  OK(dp_cache_alloc(C, H0, 512, s, (void **)&q, T_ERR));
+  cr_assert_eq(q, b, "512 bytes (no free block of 32 KiB or less) come from the smallest larger one, b freed last "
+               "(got %p; a %p, b %p)", (void *)q, (void *)a, (void *)b);
+  OK(dp_cache_alloc(C, H0, 40 << 10, s, (void **)&r, T_ERR));
+  cr_assert_eq(r, a, "40 KiB come from a, the block left in that bin (got %p, a %p)", (void *)r, (void *)a);
+  cr_assert_eq(stats(H0).segment_allocs, 1);
+  char *p[] = {q, r, x, y};
+  for (int i = 0; i < 4; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
+  dp_stream_free(s);
+}
