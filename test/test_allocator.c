@@ -1722,3 +1722,23 @@ Test(allocator, a_second_block_freed_into_a_size_class_is_found_again_by_both_se
   for (int i = 0; i < 4; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
   dp_stream_free(s);
 }
+
+/* The largest size that can be rounded up to a 2 MiB segment is asked of
+ * the device (and refused there, as memory); one byte more is refused
+ * before any rounding. */
+Test(allocator, the_largest_size_that_can_be_rounded_is_asked_of_the_device) {
+  OK(dp_host_set_memory_limit(H1, 5u << 20, T_ERR)); /* refused by the limit, never by malloc */
+  dp_stream_t *s = stream(H1);
+  void *p;
+  dp_error_t e;
+  size_t largest = SIZE_MAX - (2u << 20);
+  cr_assert_eq(dp_cache_alloc(C, H1, largest, s, &p, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory allocating 18446744073707454463 bytes on host:1 (0 allocated, 0 reserved, "
+                   "0 pending): host:1 is out of memory: 18446744073707454464 bytes asked, 0 of 5242880 in use");
+  cr_assert_eq(stats(H1).oom_retries, 1, "the device was asked, and asked again after the cache was freed");
+  cr_assert_eq(dp_cache_alloc(C, H1, largest + 1, s, &p, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "dp_cache_alloc: 18446744073707454464 bytes cannot be rounded up to a 2 MiB segment");
+  cr_assert_eq(stats(H1).oom_retries, 1);
+  dp_stream_free(s);
+  OK(dp_host_set_memory_limit(H1, 0, T_ERR));
+}
