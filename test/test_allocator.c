@@ -1742,3 +1742,100 @@ Test(allocator, the_largest_size_that_can_be_rounded_is_asked_of_the_device) {
   dp_stream_free(s);
   OK(dp_host_set_memory_limit(H1, 0, T_ERR));
 }
+
+/* A stream recorded again on a block is stored once, whether the record
+ * names the block or a pointer inside it: a caller that records on every
+ * use must not grow the block's list of uses. */
+Test(allocator, recording_a_stream_again_on_a_block_stores_nothing_more) {
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  char *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, T_ERR));
+  OK(dp_cache_record_stream(C, p, u, T_ERR));
+  long blocks = atomic_load(&t_live_blocks), bytes = atomic_load(&t_live_bytes);
+  for (int i = 0; i < 100; i++) OK(dp_cache_record_stream(C, p + (i % 2) * 64 * (i % 64), u, T_ERR));
+  cr_assert(atomic_load(&t_live_blocks) == blocks && atomic_load(&t_live_bytes) == bytes,
+            "100 records more of the same stream: %ld blocks, %ld bytes live (%ld, %ld before)",
+            atomic_load(&t_live_blocks), atomic_load(&t_live_bytes), blocks, bytes);
+  _Atomic int gate = 0; /* u held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(u, gate_wait, &gate, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_cache_stats_t st = stats(H0);
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  cr_assert_eq(st.pending_blocks, 1, "the block waits for u");
+  cr_assert_eq(dp_cache_poll(C, NULL), 1);
+  dp_stream_free(u);
+  dp_stream_free(s);
+}
+
+/* A block freed but waiting for a recorded stream is no allocation any
+ * more: a record on it, by its pointer or one inside it, is refused as one
+ * on memory the allocator never handed out, and holds the block for
+ * nothing more than what was recorded while it was allocated. */
+Test(allocator, a_record_on_a_freed_block_still_pending_is_refused_and_holds_nothing) {
+  dp_stream_t *s = stream(H0), *u = stream(H0), *t = stream(H0);
+  char *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, T_ERR));
+  _Atomic int gate_u = 0, gate_t = 0; /* each stream held until its gate opens */
+  OK(dp_host_launch(u, gate_wait, &gate_u, T_ERR));
+  OK(dp_host_launch(t, gate_wait, &gate_t, T_ERR));
+  OK(dp_cache_record_stream(C, p, u, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  int rc[2];
+  dp_error_t e[2];
+  for (int k = 0; k < 2; k++) rc[k] = dp_cache_record_stream(C, p + 100 * k, t, &e[k]);
+  atomic_store(&gate_u, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  int back = dp_cache_poll(C, NULL);
+  atomic_store(&gate_t, 1);
+  OK(dp_stream_synchronize(t, T_ERR));
+  for (int k = 0; k < 2; k++) {
+    char want[96];
+    snprintf(want, sizeof want, "record_stream(%p): not an allocation of this allocator", (void *)(p + 100 * k));
+    cr_assert_eq(rc[k], DP_ENOTFOUND, "%s", dp_err_name(rc[k]));
+    cr_assert_str_eq(e[k].message, want);
+  }
+  cr_assert_eq(back, 1, "the block came back once u was done, t still held");
+  dp_stream_free(t);
+  dp_stream_free(u);
+  dp_stream_free(s);
+}
+
+/* A record inside a block on the block's own allocation stream is a no-op,
+ * as one naming the block is: freed, the block is reusable at once on that
+ * stream, however much work the stream still has. */
+Test(allocator, a_record_inside_a_block_on_its_own_stream_holds_nothing) {
+  dp_stream_t *s = stream(H0);
+  char *p, *q;
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, T_ERR));
+  _Atomic int gate = 0; /* s held until the gate opens */
+  OK(dp_host_launch(s, gate_wait, &gate, T_ERR));
+  OK(dp_cache_record_stream(C, p + 100, s, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_cache_stats_t st = stats(H0);
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&q, T_ERR));
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(st.pending_blocks, 0, "a record on the allocation stream holds nothing");
+  cr_assert_eq(q, p, "reused at once on its stream");
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  dp_stream_free(s);
+}
+
+/* A batch passes the pointers inside a segment whose used blocks are all on
+ * the recording stream without a lookup, and marks them owned; the first
+ * byte past the segment is not in it, and is left for the next allocator
+ * of a chain. */
+Test(allocator, a_batch_marks_owned_nothing_past_the_end_of_a_segment) {
+  dp_cache_hooks_t h = dp_cache_hooks(C);
+  dp_stream_t *s = stream(H0);
+  char *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, T_ERR)); /* a new segment's first block: its base */
+  void *ptrs[2] = {p, p + (2 << 20)};
+  unsigned char owned[2] = {0};
+  OK(h.record_streams_owned(h.ctx, ptrs, 2, s, owned, T_ERR));
+  cr_assert(owned[0], "the block is the allocator's");
+  cr_assert_not(owned[1], "the byte past its segment is not");
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_stream_free(s);
+}
