@@ -1839,3 +1839,76 @@ Test(allocator, a_batch_marks_owned_nothing_past_the_end_of_a_segment) {
   OK(dp_cache_dealloc(C, p, T_ERR));
   dp_stream_free(s);
 }
+
+/* Free neighbours merge only when tied to the same stream: a block of t
+ * merged into s's would be handed to s without waiting for t's work. */
+Test(allocator, free_neighbours_of_two_streams_never_merge) {
+  dp_stream_t *s = stream(H0), *t = stream(H0);
+  char *a, *b, *q, *r;
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&a, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, t, (void **)&b, T_ERR)); /* from s's remainder: after a */
+  cr_assert_eq(b, a + 4096);
+  OK(dp_cache_dealloc(C, b, T_ERR)); /* before s's remainder */
+  OK(dp_cache_dealloc(C, a, T_ERR)); /* before b */
+  uint64_t cross = stats(H0).cross_stream;
+  OK(dp_cache_alloc(C, H0, 8192, s, (void **)&q, T_ERR));
+  cr_assert_eq(q, b + 4096, "s's 8 KiB come from its remainder, not a and b merged (got %p, a %p)", (void *)q, (void *)a);
+  OK(dp_cache_alloc(C, H0, 4096, t, (void **)&r, T_ERR));
+  cr_assert_eq(r, b, "t takes its own block back");
+  cr_assert_eq(stats(H0).cross_stream, cross, "no block changed streams");
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  OK(dp_cache_dealloc(C, r, T_ERR));
+  dp_stream_free(t);
+  dp_stream_free(s);
+}
+
+/* Emptying the cache gives back only segments whose blocks are all free: a
+ * block pending for a recorded stream keeps its segment, whose memory that
+ * stream may still use. */
+Test(allocator, emptying_the_cache_keeps_a_segment_with_a_pending_block) {
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  _Atomic int gate = 0; /* u held until the gate opens */
+  OK(dp_host_launch(u, gate_wait, &gate, T_ERR));
+  OK(dp_cache_record_stream(C, p, u, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  int rc = dp_cache_empty(C, NULL);
+  dp_cache_stats_t st = stats(H0);
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  cr_assert_eq(rc, 0);
+  cr_assert_eq(st.pending_blocks, 1);
+  cr_assert_eq(st.reserved, 2 << 20, "the segment stayed while its block was pending");
+  cr_assert_eq(st.segment_frees, 0);
+  OK(dp_cache_empty(C, T_ERR));
+  cr_assert_eq(stats(H0).reserved, 0, "and goes back once the block is free");
+  dp_stream_free(u);
+  dp_stream_free(s);
+}
+
+/* A pending block waits for the work its recorded streams had queued when
+ * it was freed, not for those streams to go idle: it comes back while work
+ * queued after its free still runs. */
+Test(allocator, a_pending_block_comes_back_once_the_work_before_its_free_is_done) {
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  _Atomic int before = 0, after = 0; /* u's work before the free, and after it */
+  OK(dp_host_launch(u, gate_wait, &before, T_ERR));
+  OK(dp_cache_record_stream(C, p, u, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_event_t *mark;
+  OK(dp_event_new(B, H0, &mark, T_ERR));
+  OK(dp_event_record(mark, u, T_ERR));
+  OK(dp_host_launch(u, gate_wait, &after, T_ERR));
+  atomic_store(&before, 1);
+  OK(dp_event_synchronize(mark, T_ERR)); /* u is past the free, held by `after` */
+  int back = dp_cache_poll(C, NULL);
+  atomic_store(&after, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  cr_assert_eq(back, 1, "the block waited for u's later work");
+  dp_event_free(mark);
+  dp_stream_free(u);
+  dp_stream_free(s);
+}
