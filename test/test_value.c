@@ -1401,3 +1401,32 @@ Test(value, a_bad_reduce_type_name_is_named_as_a_reduce_type_not_an_object_class
   cr_assert_str_eq(e.message, "object class name must be non-empty UTF-8 without NUL");
   ASSERT_NO_LEAK();
 }
+
+/* A type without a destroy callback leaves the library only the custom's
+ * own header to free: at once when its count reaches zero, whether the
+ * last reference was the caller's, a container's freed with a cycle, or
+ * one a destroy callback let go of while it ran. */
+static const dp_type_t plain_type = {"Plain", NULL, NULL};
+
+Test(value, a_custom_without_a_destroy_callback_is_freed_when_its_last_reference_goes) {
+  static int obj;
+  dp_value_t c;
+  OK(dp_custom_new(&plain_type, &obj, &c, T_ERR));
+  cr_assert_eq(dp_custom_data(c), &obj);
+  dp_value_release(c);
+  cr_assert_eq(atomic_load(&t_live_blocks), 0, "%ld blocks live after the only reference went",
+               (long)atomic_load(&t_live_blocks));
+  dp_value_t l = t_list();
+  OK(dp_custom_new(&plain_type, &obj, &c, T_ERR));
+  OK(dp_list_append(l, c, T_ERR));
+  OK(dp_list_append(l, dp_value_retain(l), T_ERR));
+  dp_value_release(l);
+  dp_value_collect();
+  cr_assert_eq(atomic_load(&t_live_blocks), 0, "%ld blocks live after its cycle was collected",
+               (long)atomic_load(&t_live_blocks));
+  dp_value_t *box = malloc(sizeof *box), h;
+  OK(dp_custom_new(&plain_type, &obj, box, T_ERR));
+  OK(dp_custom_new(&holder_type, box, &h, T_ERR));
+  dp_value_release(h);
+  ASSERT_NO_LEAK();
+}
