@@ -3985,3 +3985,53 @@ Test(pickler, a_batched_scan_that_loses_an_allocation_fails_or_counts_exactly) {
   dp_value_collect();
   ASSERT_NO_LEAK();
 }
+
+/* The header's flags: a bit this build does not know, or a data section in
+ * a frame whose inline flag is clear, is refused at its field by every
+ * reader of the header, however sound the rest of the frame. */
+Test(pickler, unknown_header_flags_and_a_data_section_without_the_inline_flag_are_refused) {
+  const uint8_t nil = 0xc0, table = 0x90, data = 0x00;
+  static const struct {
+    uint16_t flags;
+    size_t dlen;
+    int64_t offset;
+    const char *msg;
+  } bad[] = {
+      {0x02, 0, 6, "unknown frame flags 0x0002"},
+      {0x81, 0, 6, "unknown frame flags 0x0081"},
+      {0x00, 1, 24, "data section in a frame without the inline flag"},
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    size_t n;
+    uint8_t *f = frame_with_table(&nil, 1, &table, 1, &data, bad[k].dlen, bad[k].flags, &n);
+    dp_value_t out;
+    dp_frame_info_t fi;
+    dp_error_t e;
+    cr_assert_eq(dp_frame_check(f, n, &fi, &e), DP_EFORMAT, "case %zu: %s", k, e.message);
+    cr_assert_str_eq(e.message, bad[k].msg);
+    cr_assert_eq(e.offset, bad[k].offset);
+    cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EFORMAT, "case %zu: %s", k, e.message);
+    cr_assert_str_eq(e.message, bad[k].msg);
+    cr_assert_eq(e.offset, bad[k].offset);
+    free(f);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* A frame of an older version than this build reads is refused as a newer
+ * one is: versions are matched exactly, not bounded from above. */
+Test(pickler, a_frame_version_below_this_builds_is_refused) {
+  const uint8_t nil = 0xc0, table = 0x90;
+  size_t n;
+  uint8_t *f = frame_with_table(&nil, 1, &table, 1, NULL, 0, 0, &n);
+  f[4] = 0;
+  uint64_t sum = XXH3_64bits_withSeed(f + 40, n - 40, XXH3_64bits(f, 32));
+  for (int i = 0; i < 8; i++) f[32 + i] = (uint8_t)(sum >> (8 * i));
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EVERSION, "%s", e.message);
+  cr_assert_str_eq(e.message, "frame version 0, this build reads version 1");
+  cr_assert_eq(e.offset, 4);
+  free(f);
+  ASSERT_NO_LEAK();
+}
