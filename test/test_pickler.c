@@ -4035,3 +4035,46 @@ Test(pickler, a_frame_version_below_this_builds_is_refused) {
   free(f);
   ASSERT_NO_LEAK();
 }
+
+/* Each field of a buffer descriptor is checked at the descriptor: its field
+ * count, its device (a type this build knows, an index that fits a byte, the
+ * CPU only as index 0), its size, and in an inline frame where its bytes
+ * lie in the data section (right after the previous buffer's, within the
+ * section). */
+Test(pickler, each_buffer_descriptor_field_out_of_its_range_is_refused_at_the_descriptor) {
+  static const struct {
+    uint16_t flags;
+    uint8_t desc[16];
+    size_t dlen;
+    const char *msg;
+  } bad[] = {
+      {0, {0x95, 1, 0, 4, 0xcd, 0x10, 0x00, 0}, 8, "buffer descriptor 0 has 5 fields, expected 4"},
+      {0, {0x94, 3, 0, 4, 0xcd, 0x10, 0x00}, 7, "buffer 0: invalid device (type 3, index 0)"},
+      {0, {0x94, 1, 0xcd, 0x01, 0x00, 4, 0xcd, 0x10, 0x00}, 9, "buffer 0: invalid device (type 1, index 256)"},
+      {0, {0x94, 0, 1, 4, 0xcd, 0x10, 0x00}, 7, "buffer 0: invalid device (type 0, index 1)"},
+      {0, {0x94, 1, 0, 0xcf, 0x40, 0, 0, 0, 0, 0, 0, 1, 0xcd, 0x10, 0x00}, 15,
+       "buffer 0: size 4611686018427387905 is out of range"},
+      {1, {0x95, 2, 0, 4, 0xcd, 0x10, 0x00, 1}, 8,
+       "buffer 0: inline data at 1+4 does not follow the previous buffer within the 5-byte data section"},
+      {1, {0x95, 2, 0, 6, 0xcd, 0x10, 0x00, 0}, 8,
+       "buffer 0: inline data at 0+6 does not follow the previous buffer within the 5-byte data section"},
+  };
+  size_t plen;
+  uint8_t *payload = payload_using(1, &plen);
+  const uint8_t data[5] = {0};
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    uint8_t table[17] = {0x91};
+    memcpy(table + 1, bad[k].desc, bad[k].dlen);
+    size_t n;
+    uint8_t *f = frame_with_table(payload, plen, table, 1 + bad[k].dlen, data, bad[k].flags ? sizeof data : 0,
+                                  bad[k].flags, &n);
+    dp_value_t out;
+    dp_error_t e;
+    cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EFORMAT, "case %zu: %s", k, e.message);
+    cr_assert_str_eq(e.message, bad[k].msg, "case %zu", k);
+    cr_assert_eq(e.offset, (int64_t)(40 + plen + 1), "case %zu: at the descriptor, not %lld", k, (long long)e.offset);
+    free(f);
+  }
+  free(payload);
+  ASSERT_NO_LEAK();
+}
