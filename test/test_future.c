@@ -1607,6 +1607,10 @@ Test(future, bad_arguments_are_refused_with_what_is_wrong_and_never_strand_a_wai
   dp_future_t *ins[2] = {f, NULL};
   cr_assert_eq(dp_future_collect_all(ins, 2, NULL, &g, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_future_collect_all: futures[1] is NULL");
+  g = NULL;
+  cr_assert_eq(dp_future_collect_all(NULL, 2, NULL, &g, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_collect_all: NULL futures");
+  cr_assert_null(g, "nothing is written to out on a refusal");
   cr_assert_eq(dp_future_mark_completed_with_ptrs(f, dp_int(1), NULL, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_future_mark_completed_with_ptrs: NULL ptrs");
   cr_assert(dp_future_is_done(f), "the refused completion completed f");
@@ -2206,4 +2210,104 @@ Test(future, a_wait_that_runs_out_of_memory_following_the_links_is_enomem_not_a_
   }
   cr_assert(enomem > 0, "some allocation of the wait was failed");
   cr_assert(refused, "past its allocations, the wait is refused as misuse");
+}
+
+/* The host backend has two devices here: host:2 is past its last, not one
+ * of "every device of the backend" (opts.ndevices 0). */
+Test(future, memory_on_a_device_past_the_backends_last_is_refused_naming_it) {
+  dp_future_t *f = future();
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_HOST, 2), 0x7f0000001000, 16), T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_future_mark_completed(f, l, &e), DP_EDEVICE);
+  cr_assert_str_eq(e.message, "the value uses host:2, which is not among the future's devices [host:0, host:1] "
+                              "(the value's devices: [host:2])");
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* future.h: dp_future_device and dp_future_event answer cpu:0 and NULL out
+ * of range — at ndevices too (the value holds device memory only, so the
+ * record has no slot past its devices). */
+Test(future, device_and_event_just_past_the_last_device_are_cpu_and_null) {
+  dp_value_t l = t_list(), a = device_ints(H0, 4), b = device_ints(H1, 4);
+  OK(dp_list_append(l, dp_value_retain(a), T_ERR));
+  OK(dp_list_append(l, dp_value_retain(b), T_ERR));
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, l, T_ERR));
+  cr_assert_eq(dp_future_ndevices(f), 2);
+  cr_assert_not_null(dp_future_event(f, 1));
+  for (size_t i = 2; i < 4; i++) {
+    dp_device_t d = dp_future_device(f, i);
+    cr_assert(d.type == DP_DEVICE_CPU && d.index == 0, "device %zu: type %d index %d", i, (int)d.type, (int)d.index);
+    cr_assert_null(dp_future_event(f, i), "event %zu", i);
+  }
+  cr_assert_null(dp_future_event(f, SIZE_MAX));
+  OK(dp_future_wait(f, -1, T_ERR));
+  free_ints(a);
+  free_ints(b);
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+static int same_value(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)err;
+  *result = dp_value_retain(dp_future_value(parent));
+  return 0;
+}
+
+/* A then() child shares its parent's hooks — "none" included: a parent made
+ * with no_hooks gets a child that records no stream use either, so a block
+ * its consumer's busy stream waited for returns to the pool at its free. */
+Test(future, the_child_of_a_future_without_hooks_records_no_stream_use_either) {
+  for (int no_hooks = 1; no_hooks >= 0; no_hooks--) {
+    dp_future_opts_t o = {B, NULL, 0, NULL, no_hooks, 0};
+    dp_future_t *f, *child;
+    OK(dp_future_new(&o, &f, T_ERR));
+    OK(dp_future_then(f, same_value, NULL, &child, T_ERR));
+    dp_value_t t = device_ints(H0, 4);
+    OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR));
+    dp_stream_t *cons;
+    OK(dp_stream_new(B, H0, &cons, T_ERR));
+    _Atomic int gate = 0;
+    OK(dp_host_launch(cons, gate_spin, &gate, T_ERR)); /* the consumer's stream stays busy */
+    OK(dp_set_current_stream(cons, NULL, T_ERR));
+    OK(dp_future_wait(child, -1, T_ERR));
+    dp_reset_current_stream(B, H0);
+    dp_cache_t *c;
+    OK(dp_cache_default(B, &c, T_ERR));
+    dp_cache_stats_t before, after;
+    OK(dp_cache_stats(c, H0, &before, T_ERR));
+    free_ints(t);
+    OK(dp_cache_stats(c, H0, &after, T_ERR));
+    atomic_store(&gate, 1);
+    OK(dp_stream_synchronize(cons, T_ERR));
+    /* the control (hooks): the consumer's stream held the block until idle */
+    cr_assert_eq(after.pending_blocks - before.pending_blocks, no_hooks ? 0u : 1u, "no_hooks=%d: %zu blocks pending",
+                 no_hooks, after.pending_blocks - before.pending_blocks);
+    cr_assert_eq(dp_cache_poll(c, NULL), no_hooks ? 0 : 1, "the block comes back once the stream is idle");
+    dp_value_release(t);
+    dp_future_release(f);
+    dp_future_release(child);
+    dp_stream_free(cons);
+  }
+}
+
+/* A limit with a fraction of a second is kept whole: the deadline adds its
+ * nanoseconds, not their remainder below 0.1 s. */
+Test(future, a_wait_with_a_limit_of_a_quarter_second_waits_that_long) {
+  dp_future_t *f = future();
+  struct timespec t0, t1;
+  dp_error_t e;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  cr_assert_eq(dp_future_wait(f, 250 * 1000000ll, &e), DP_ETIMEDOUT);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
+  cr_assert(ms >= 249.9, "returned after %.1f ms", ms);
+  cr_assert_str_eq(e.message, "dp_future_wait: the future did not complete within 250000000 ns");
+  dp_future_release(f);
 }
