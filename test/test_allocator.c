@@ -1066,6 +1066,46 @@ Test(allocator, a_slow_stream_does_not_hold_back_blocks_freed_after_its_own, .ti
   dp_stream_free(s);
 }
 
+/* One poll passes over a few blocks still in use, not one only: with two
+ * blocks held by a slow stream ahead of a block whose stream is done, the
+ * next allocation reclaims that block. Passing over one a poll, the
+ * allocation found the held blocks at the head in turn and the done one
+ * stayed pending behind them. Both streams are held at gates while the
+ * blocks are freed, so the pending list's order does not depend on when a
+ * stream runs. */
+Test(allocator, one_poll_passes_over_two_blocks_held_by_a_slow_stream_to_reclaim_a_finished_one, .timeout = 20) {
+  dp_stream_t *s = stream(H0), *slow = stream(H0), *quick = stream(H0);
+  void *a1, *a2, *b, *q = NULL;
+  OK(dp_cache_alloc(C, H0, 4096, s, &a1, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, s, &a2, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, s, &b, T_ERR));
+  /* while a gate is shut nothing asserts: the first failure is kept for later */
+  _Atomic int slow_open = 0, quick_open = 0;
+  dp_error_t e;
+  dp_error_clear(&e);
+  int rc = dp_host_launch(slow, gate_wait, &slow_open, &e);
+  if (!rc) rc = dp_host_launch(quick, gate_wait, &quick_open, &e);
+  if (!rc) rc = dp_cache_record_stream(C, a1, slow, &e);
+  if (!rc) rc = dp_cache_record_stream(C, a2, slow, &e);
+  if (!rc) rc = dp_cache_record_stream(C, b, quick, &e);
+  if (!rc) rc = dp_cache_dealloc(C, a1, &e);
+  if (!rc) rc = dp_cache_dealloc(C, a2, &e);
+  if (!rc) rc = dp_cache_dealloc(C, b, &e);
+  atomic_store(&quick_open, 1);
+  if (!rc) rc = dp_stream_synchronize(quick, &e);
+  if (!rc) rc = dp_cache_alloc(C, H0, 4096, s, &q, &e); /* one poll (dp_cache_stats would poll them all) */
+  atomic_store(&slow_open, 1);
+  OK_WITH(&e, rc);
+  OK(dp_stream_synchronize(slow, T_ERR));
+  cr_assert_eq(q, b, "the allocation reused b, whose stream is done, past a1 and a2 (got %p; a1 %p, a2 %p, b %p)",
+               q, a1, a2, b);
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+  dp_stream_free(quick);
+  dp_stream_free(slow);
+  dp_stream_free(s);
+}
+
 /* A block used on two recorded streams: destroying either (the second
  * recorded, or the first) drops that one from its uses and keeps the
  * other, whose work the block's reuse still waits for. A use left behind
