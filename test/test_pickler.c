@@ -2658,6 +2658,41 @@ Test(pickler, buffers_listed_out_of_first_reference_order_or_never_referred_to_a
   ASSERT_NO_LEAK();
 }
 
+/* Of several repeated (device, base) pairs, the message names the first
+ * repeat in table order and the buffer it repeats: not the repeat whose
+ * address sorts first, and not one found by comparing bases alone (a run of
+ * one device's base right after another device's at that base is a run of
+ * its own). */
+Test(pickler, of_several_repeated_buffers_the_first_repeat_in_table_order_is_named) {
+  static const struct {
+    const char *what;
+    uint8_t table[40];
+    size_t tlen;
+    int64_t offset;
+    const char *msg;
+  } cases[] = {
+      {"a later repeat at a lower address",
+       {0x94, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x20, 0x00, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x20, 0x00,
+              0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00},
+       29, 41 + 1 + 7,
+       "buffer 1 describes cuda:0 0x2000 again (buffer 0 did): a frame has one buffer per (device, base)"},
+      {"a repeat after another device at the same base",
+       {0x95, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00, 0x94, 0x01, 0x01, 0x04, 0xcd, 0x10, 0x00,
+              0x94, 0x01, 0x01, 0x04, 0xcd, 0x10, 0x00, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x30, 0x00,
+              0x94, 0x01, 0x00, 0x04, 0xcd, 0x30, 0x00},
+       36, 41 + 1 + 14,
+       "buffer 2 describes cuda:1 0x1000 again (buffer 1 did): a frame has one buffer per (device, base)"},
+  };
+  const uint8_t payload[] = {0xc0};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    size_t n;
+    uint8_t *b = frame_with_table(payload, sizeof payload, cases[i].table, cases[i].tlen, NULL, 0, 0, &n);
+    expect_refused(cases[i].what, b, n, cases[i].offset, cases[i].msg);
+    free(b);
+  }
+  ASSERT_NO_LEAK();
+}
+
 /* The stream reader used to rewrite the inline table into a second frame
  * and lower max_bytes by the data section's size, turning 0 into 1: one
  * byte more of str than dp_unpickle allowed. Both readers count alike. */
