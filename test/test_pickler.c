@@ -1,4 +1,5 @@
 /* Pickler: walker paths, scan, pickle/unpickle, frames, hostile input. */
+#include <limits.h>
 #include <time.h>
 #include <xxhash.h>
 
@@ -3394,6 +3395,78 @@ Test(pickler, a_bind_that_returns_a_positive_code_or_fails_after_making_a_storag
   cr_assert(strstr(e.message, "binding buffer 0 failed: bind failed"), "%s", e.message);
   free(b);
   dp_value_collect();
+  ASSERT_NO_LEAK();
+}
+
+/* The table's length must end with its last descriptor: bytes left after
+ * it are refused where they start, in a frame with or without inline data. */
+Test(pickler, bytes_left_after_the_last_buffer_descriptor_are_refused_where_they_start) {
+  size_t plen, n;
+  uint8_t *p = payload_using(1, &plen);
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00, 0xc0, 0xc0};
+  uint8_t *b = frame_with_table(p, plen, table, 9, NULL, 0, 0, &n);
+  expect_refused("one byte", b, n, (int64_t)(40 + plen + 8), "1 byte after the buffer table");
+  free(b);
+  b = frame_with_table(p, plen, table, 10, NULL, 0, 0, &n);
+  expect_refused("two bytes", b, n, (int64_t)(40 + plen + 8), "2 bytes after the buffer table");
+  free(b);
+  const uint8_t itable[] = {0x91, 0x95, 0x00, 0x00, 0x04, 0xcd, 0x10, 0x00, 0x00, 0xc0};
+  b = frame_with_table(p, plen, itable, sizeof itable, (const uint8_t *)"AAAA", 4, 1, &n);
+  expect_refused("inline", b, n, (int64_t)(40 + plen + 9), "1 byte after the buffer table");
+  free(b);
+  b = frame_with_table(p, plen, table, 8, NULL, 0, 0, &n);
+  expect_same_bytes("the table without them", b, n);
+  free(b);
+  free(p);
+  ASSERT_NO_LEAK();
+}
+
+/* bind must return a storage of at least the buffer's size (larger is
+ * fine); a storage one byte short, or none, is the bind's error, named at
+ * the buffer's descriptor. */
+static int bind_by_size(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
+  long delta = *(const long *)ud;
+  if (delta == LONG_MIN) return 0;
+  return dp_storage_new(d->device, (void *)(uintptr_t)d->base, (size_t)((long)d->nbytes + delta), NULL, NULL, out,
+                        err);
+}
+
+Test(pickler, a_bind_that_returns_a_storage_smaller_than_its_buffer_or_none_is_refused) {
+  size_t plen, n;
+  uint8_t *p = payload_using(1, &plen);
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  uint8_t *b = frame_with_table(p, plen, table, sizeof table, NULL, 0, 0, &n);
+  long delta;
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.bind = bind_by_size;
+  o.bind_ud = &delta;
+  static const struct {
+    long delta;
+    int code;
+    const char *msg;
+  } cases[] = {
+      {0, 0, NULL},
+      {1, 0, NULL},
+      {-1, DP_EINVAL, "binding buffer 0 failed: bind returned a storage smaller than the buffer"},
+      {LONG_MIN, DP_EINVAL, "binding buffer 0 failed: bind returned no storage"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    delta = cases[i].delta;
+    dp_value_t out;
+    dp_error_t e;
+    int rc = dp_unpickle(b, n, &o, &out, &e);
+    cr_assert_eq(rc, cases[i].code, "size %+ld: %s: %s", delta, dp_err_name(rc), rc ? e.message : "accepted");
+    if (rc == 0) {
+      cr_assert_eq(dp_storage_nbytes(dp_tensor_storage(dp_seq_get(out, 0))), (size_t)(4 + delta));
+      dp_value_release(out);
+      continue;
+    }
+    cr_assert_str_eq(e.message, cases[i].msg);
+    cr_assert_eq(e.offset, (int64_t)(40 + plen + 1), "the buffer's descriptor");
+  }
+  free(b);
+  free(p);
   ASSERT_NO_LEAK();
 }
 
