@@ -2439,6 +2439,12 @@ Test(pickler, a_resolved_custom_whose_state_reaches_an_open_container_is_refused
                              0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r',
                              0x91, 0xd6, 0x01, 0, 0, 0, 1};
   expect_bad(through, sizeof through, DP_EFORMAT, 66, msg, &o);
+  /* reduce Holder [backref 0]: the state holds the stand-in itself (no open
+   * container below it is reached: only its count shows it) */
+  const uint8_t itself[] = {0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r',
+                            0x91, 0xd6, 0x01, 0, 0, 0, 0};
+  expect_bad(itself, sizeof itself, DP_EFORMAT, 58, msg, &o);
+  cr_assert_eq(calls, 0, "the resolver never saw a state that holds the stand-in");
   /* the same through a list that is closed by then: no cycle, resolved */
   const uint8_t closed[] = {0x92, 0x91, 0x91, 0xd6, 0x01, 0, 0, 0, 1,
                             0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r',
