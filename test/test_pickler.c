@@ -2460,6 +2460,39 @@ Test(pickler, a_resolved_custom_whose_state_reaches_an_open_container_is_refused
   ASSERT_NO_LEAK();
 }
 
+/* A streamed read reports the header facts dp_frame_check reports, the
+ * buffer count included (the header holds no count: it comes from the
+ * table the read went through), and the frame's length. */
+Test(pickler, a_streamed_read_reports_the_frame_info_and_buffer_count_that_dp_frame_check_reports) {
+  dp_value_t v = t_list();
+  OK(dp_list_append(v, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_list_append(v, t_tensor(CUDA1, 0x2000, 4), T_ERR));
+  OK(dp_list_append(v, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_frame_info_t want, got;
+  OK(dp_frame_check(b, n, &want, T_ERR));
+  cr_assert_eq(want.nbuffers, 2);
+  mem_reader_t c = {b, n, 7};
+  dp_value_t back;
+  uint64_t size = 0;
+  memset(&got, 0xa5, sizeof got);
+  OK(dp_unpickle_stream(mem_read, &c, NULL, &back, &got, &size, T_ERR));
+  cr_assert_eq(got.nbuffers, 2, "%u buffers reported", got.nbuffers);
+  cr_assert_eq(got.version, want.version);
+  cr_assert_eq(got.flags, want.flags);
+  cr_assert_eq(got.payload_len, want.payload_len);
+  cr_assert_eq(got.table_len, want.table_len);
+  cr_assert_eq(got.data_len, want.data_len);
+  cr_assert_eq(got.checksum, want.checksum);
+  cr_assert_eq(size, n);
+  dp_value_release(back);
+  dp_frame_free(f);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
 /* ---- canonical form: what the reader accepts, the writer writes back byte for byte ---- */
 
 /* Reads frame b whole and streamed; both must refuse it with DP_EFORMAT,
