@@ -3210,6 +3210,37 @@ Test(pickler, an_empty_or_null_input_is_a_clear_error_from_the_function_called) 
   ASSERT_NO_LEAK();
 }
 
+/* Fewer than 4 bytes are a truncated frame only while they begin the magic
+ * ("DPK" may be the start of one); any other start is no frame at all,
+ * however short. */
+Test(pickler, a_short_input_is_truncated_only_while_it_begins_the_magic) {
+  dp_error_t e;
+  dp_value_t v;
+  static const struct {
+    const char *bytes;
+    size_t n;
+    int code;
+    int64_t offset;
+    const char *msg;
+  } cases[] = {
+      {"D", 1, DP_ETRUNC, 1, "truncated frame: 1 byte, the header needs 40"},
+      {"DPK", 3, DP_ETRUNC, 3, "truncated frame: 3 bytes, the header needs 40"},
+      {"X", 1, DP_EFORMAT, 0, "not a devpickle frame (bad magic)"},
+      {"DPX", 3, DP_EFORMAT, 0, "not a devpickle frame (bad magic)"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    for (int check = 0; check < 2; check++) {
+      int rc = check ? dp_frame_check(cases[i].bytes, cases[i].n, NULL, &e)
+                     : dp_unpickle(cases[i].bytes, cases[i].n, NULL, &v, &e);
+      cr_assert_eq(rc, cases[i].code, "\"%s\" (%s): %s: %s", cases[i].bytes, check ? "check" : "unpickle",
+                   dp_err_name(rc), e.message);
+      cr_assert_str_eq(e.message, cases[i].msg, "\"%s\"", cases[i].bytes);
+      cr_assert_eq(e.offset, cases[i].offset, "\"%s\": offset %lld", cases[i].bytes, (long long)e.offset);
+    }
+  }
+  ASSERT_NO_LEAK();
+}
+
 /* ---- callbacks that break their contract get an error, never corruption ---- */
 
 typedef struct bad_reader {
