@@ -1055,6 +1055,67 @@ Test(value, a_container_buffered_by_an_idle_thread_is_freed_whole_when_released_
   ASSERT_NO_LEAK();
 }
 
+/* A trial empties its buffer but leaves the entries where they were: a
+ * container tried from slot 0 here, then buffered by another thread at its
+ * own slot 0, names slot 0 in its state while this buffer's slot 0 still
+ * points at it. Released to zero here, it is another thread's candidate:
+ * it leaves that buffer, and this one (empty) is not touched. */
+Test(value, a_container_tried_here_then_buffered_elsewhere_is_released_as_the_other_threads_candidate) {
+  worker_start(&w_owner);
+  dp_value_collect();  /* this thread's buffer empty: its next candidate takes slot 0 */
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_obj("Item"), T_ERR));
+  dp_value_retain(l);
+  dp_value_retain(l);
+  dp_value_release(l);  /* 3 -> 2: this thread's candidate, slot 0 */
+  dp_value_collect();   /* live: it leaves the buffer, its entry stays behind */
+  worker_run(&w_owner, job_release, l);  /* 2 -> 1: w_owner's candidate, slot 0 of its buffer */
+  dp_value_release(l);                   /* 1 -> 0 here */
+  long live = atomic_load(&t_live_blocks);
+  dp__gc_items_walked = 0;
+  dp_value_t again = t_list();
+  OK(dp_list_append(again, dp_value_retain(again), T_ERR));
+  dp_value_release(again);  /* a cycle buffered here: this buffer still works */
+  dp_value_collect();
+  uint64_t walked = dp__gc_items_walked;
+  worker_run(&w_owner, job_collect, dp_none());  /* its buffer no longer holds l */
+  worker_stop(&w_owner);
+  cr_assert_eq(live, 0, "%ld blocks live after the last release", live);
+  cr_assert_eq(walked, 1, "this thread's next trial walked %llu items: the cycle's one",
+               (unsigned long long)walked);
+  ASSERT_NO_LEAK();
+}
+
+/* A thread's buffer holds 256 candidates before its first trial: the
+ * 257th release tries the 256 before it (each a list holding itself: one
+ * item walked each). */
+static void *release_257_cycles(void *p) {
+  uint64_t *walked = p;
+  dp_value_t l[257];
+  for (int i = 0; i < 257; i++) {
+    l[i] = t_list();
+    dp_list_append(l[i], dp_value_retain(l[i]), NULL);
+  }
+  dp__gc_items_walked = 0;
+  for (int i = 0; i < 256; i++) dp_value_release(l[i]);
+  walked[0] = dp__gc_items_walked;
+  dp_value_release(l[256]);
+  walked[1] = dp__gc_items_walked;
+  return NULL;  /* its exit tries the last one */
+}
+
+Test(value, a_threads_first_trial_comes_with_its_257th_candidate_not_before) {
+  uint64_t walked[2] = {99, 99};
+  pthread_t th;
+  pthread_create(&th, NULL, release_257_cycles, walked);
+  pthread_join(th, NULL);
+  cr_assert_eq(walked[0], 0, "256 candidates were tried before the buffer was full (%llu items walked)",
+               (unsigned long long)walked[0]);
+  cr_assert_eq(walked[1], 256, "the 257th release tried %llu items, not the 256 buffered before it",
+               (unsigned long long)walked[1]);
+  ASSERT_NO_LEAK();
+}
+
 /* ---- one error discipline (base.h, ERRORS AND NULL) ---- */
 
 Test(value, null_handles_and_other_kinds_follow_the_one_rule) {
