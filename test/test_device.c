@@ -765,9 +765,8 @@ Test(device, a_host_function_deallocating_on_its_own_device_does_not_wait_for_it
  * stream of the list once: finding "the oldest stream not waited on yet"
  * afresh after every wait stepped over the whole list each time, so that
  * freeing with n streams busy cost n * n steps under the backend's lock.
- * The streams here are let go one at a time, oldest first, each a moment
- * after the one before has finished: the order in which the old drain
- * waited on them, so that every stream it looked at again was still busy. */
+ * The streams are let go one at a time, each a moment after the one before
+ * has finished. */
 #define DRAIN_STREAMS 48
 
 typedef struct gated {
@@ -784,12 +783,14 @@ static void wait_for_gate(void *arg) {
 typedef struct opener {
   dp_stream_t **s;
   gated_t *g;
+  int newest_first;
 } opener_t;
 
 static void *open_gates_in_order(void *arg) {
   opener_t *o = arg;
   sleep_ms(20); /* the free has started waiting */
-  for (int i = 0; i < DRAIN_STREAMS; i++) {
+  for (int k = 0; k < DRAIN_STREAMS; k++) {
+    int i = o->newest_first ? DRAIN_STREAMS - 1 - k : k;
     atomic_store(&o->g[i].open, 1);
     dp_stream_synchronize(o->s[i], NULL);
     sleep_ms(2);
@@ -797,7 +798,9 @@ static void *open_gates_in_order(void *arg) {
   return NULL;
 }
 
-Test(device, deallocating_steps_over_each_stream_once_however_many_are_busy, .timeout = 30) {
+/* Frees with DRAIN_STREAMS streams of the device busy, let go one at a
+ * time in the order asked; returns the steps the drain took. */
+static uint64_t drain_steps(int newest_first) {
   dp_backend_t *b = host();
   static dp_stream_t *s[DRAIN_STREAMS];
   static gated_t g[DRAIN_STREAMS];
@@ -807,7 +810,7 @@ Test(device, deallocating_steps_over_each_stream_once_however_many_are_busy, .ti
   }
   void *p;
   OK(dp_device_alloc(b, H0, 64, &p, T_ERR));
-  opener_t o = {s, g};
+  opener_t o = {s, g, newest_first};
   pthread_t th;
   cr_assert_eq(pthread_create(&th, NULL, open_gates_in_order, &o), 0);
   uint64_t before = atomic_load(&dp__host_drain_steps);
@@ -815,9 +818,26 @@ Test(device, deallocating_steps_over_each_stream_once_however_many_are_busy, .ti
   uint64_t steps = atomic_load(&dp__host_drain_steps) - before;
   pthread_join(th, NULL);
   for (int i = 0; i < DRAIN_STREAMS; i++) cr_assert_eq(atomic_load(&g[i].ran), 1, "stream %d ran before the free", i);
+  for (int i = 0; i < DRAIN_STREAMS; i++) dp_stream_free(s[i]);
+  return steps;
+}
+
+/* Oldest first: the order in which the old drain waited on them, so that
+ * every stream it looked at again was still busy. */
+Test(device, deallocating_steps_over_each_stream_once_however_many_are_busy, .timeout = 30) {
+  uint64_t steps = drain_steps(0);
   cr_assert_leq(steps, 2 * DRAIN_STREAMS, "%lu steps over a list of %d busy streams", (unsigned long)steps,
                 DRAIN_STREAMS);
-  for (int i = 0; i < DRAIN_STREAMS; i++) dp_stream_free(s[i]);
+}
+
+/* The list is newest first: streams let go newest first are each found
+ * busy right after the one before it. A drain that looked again from the
+ * head of the list after each wait stepped over every stream it had waited
+ * on already, n * n / 2 steps; the cursor goes on from where it was. */
+Test(device, deallocating_goes_on_from_its_place_when_the_newest_streams_finish_first, .timeout = 30) {
+  uint64_t steps = drain_steps(1);
+  cr_assert_leq(steps, 2 * DRAIN_STREAMS, "%lu steps over a list of %d busy streams", (unsigned long)steps,
+                DRAIN_STREAMS);
 }
 
 /* ---- wrapped native streams (dp_stream_wrap) ---- */
