@@ -1228,3 +1228,311 @@ Test(device, host_allocations_freed_in_the_order_they_were_made_cost_linear_time
   cr_assert(strstr(e.message, "is not an allocation of host:0"), "%s", e.message);
   free(p);
 }
+
+/* ---- the host backend's queues, waits and memory, at their edges ---- */
+
+typedef struct started_gate {
+  _Atomic int started, open;
+} started_gate_t;
+
+static void hold_until_open(void *arg) {
+  started_gate_t *g = arg;
+  atomic_store(&g->started, 1);
+  while (!atomic_load(&g->open)) sleep_ms(1);
+}
+
+/* Bounded: the stream's worker has taken the task (a few ms at most). */
+static void wait_started(started_gate_t *g) {
+  for (int i = 0; i < 5000 && !atomic_load(&g->started); i++) sleep_ms(1);
+  cr_assert(atomic_load(&g->started), "the gated task never started");
+}
+
+static void store_one(void *arg) { atomic_store((_Atomic int *)arg, 1); }
+
+/* A stream's queue is a ring: it grows when full, with its head wherever the
+ * worker left it. The tasks are copied out in queue order, not in the order
+ * of the ring's slots. */
+Test(device, a_queue_that_grows_after_its_head_has_moved_keeps_its_order, .timeout = 20) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  started_gate_t g;
+  atomic_init(&g.started, 0);
+  atomic_init(&g.open, 0);
+  OK(dp_host_launch(s, hold_until_open, &g, T_ERR));
+  wait_started(&g); /* taken off the ring: its head is at slot 1 */
+  static log_t log;
+  static entry_t es[200];
+  atomic_init(&log.n, 0);
+  for (int i = 0; i < 200; i++) {
+    es[i] = (entry_t){&log, i};
+    OK(dp_host_launch(s, append, &es[i], T_ERR));
+  }
+  atomic_store(&g.open, 1);
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(atomic_load(&log.n), 200, "every task ran once");
+  for (int i = 0; i < 200; i++) cr_assert_eq(log.order[i], i, "place %d", i);
+  dp_stream_free(s);
+}
+
+/* A queue that cannot grow refuses the task, and the stream goes on: the
+ * failure left the stream's lock held, and the next launch hung. */
+Test(device, a_launch_that_cannot_grow_the_queue_is_enomem_and_the_stream_goes_on, .timeout = 10) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  _Atomic int done = 0;
+  dp_error_t e;
+  t_fail_at = t_alloc_count + 1; /* the queue's first ring */
+  int rc = dp_host_launch(s, store_one, &done, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory queueing host work");
+  OK(dp_host_launch(s, store_one, &done, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(atomic_load(&done), 1);
+  dp_stream_free(s);
+}
+
+/* A wait on an event that has completed queues nothing; the stream's
+ * progress it looked at is let go (it outlived the stream, a leak). */
+Test(device, waiting_on_a_completed_event_queues_nothing_and_keeps_nothing) {
+  dp_backend_t *b = host();
+  dp_stream_t *a, *c;
+  OK(dp_stream_new(b, H0, &a, T_ERR));
+  OK(dp_stream_new(b, H1, &c, T_ERR));
+  _Atomic int done = 0;
+  OK(dp_host_launch(a, store_one, &done, T_ERR));
+  dp_event_t *ev;
+  OK(dp_event_new(b, H0, &ev, T_ERR));
+  OK(dp_event_record(ev, a, T_ERR));
+  OK(dp_event_synchronize(ev, T_ERR));
+  OK(dp_stream_wait_event(c, ev, T_ERR));
+  cr_assert_eq(dp_stream_query(c, NULL), 1, "nothing was queued");
+  dp_event_free(ev);
+  dp_stream_free(a);
+  dp_stream_free(c);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* A wait on a pending event that cannot be queued is an error and keeps
+ * nothing of the event's stream. */
+Test(device, a_wait_that_cannot_be_queued_is_enomem_and_keeps_nothing, .timeout = 10) {
+  dp_backend_t *b = host();
+  dp_stream_t *a, *c;
+  OK(dp_stream_new(b, H0, &a, T_ERR));
+  OK(dp_stream_new(b, H1, &c, T_ERR));
+  started_gate_t g;
+  atomic_init(&g.started, 0);
+  atomic_init(&g.open, 0);
+  OK(dp_host_launch(a, hold_until_open, &g, T_ERR));
+  dp_event_t *ev;
+  OK(dp_event_new(b, H0, &ev, T_ERR));
+  OK(dp_event_record(ev, a, T_ERR));
+  dp_error_t e;
+  t_fail_at = t_alloc_count + 1; /* c's first ring */
+  int rc = dp_stream_wait_event(c, ev, &e);
+  t_fail_at = 0;
+  atomic_store(&g.open, 1);
+  cr_assert_eq(rc, DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory queueing host work");
+  cr_assert_eq(dp_stream_query(c, NULL), 1, "nothing was queued");
+  OK(dp_event_synchronize(ev, T_ERR));
+  dp_event_free(ev);
+  dp_stream_free(a);
+  dp_stream_free(c);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* An event handed out again by the pool is never-recorded: complete, even
+ * while the work its last owner recorded is running. */
+Test(device, an_event_the_pool_hands_out_again_is_not_recorded, .timeout = 10) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  started_gate_t g;
+  atomic_init(&g.started, 0);
+  atomic_init(&g.open, 0);
+  OK(dp_host_launch(s, hold_until_open, &g, T_ERR));
+  dp_event_t *e1, *e2;
+  OK(dp_event_new(b, H0, &e1, T_ERR));
+  OK(dp_event_record(e1, s, T_ERR));
+  cr_assert_eq(dp_event_query(e1, NULL), 0);
+  dp_event_free(e1);
+  OK(dp_event_new(b, H0, &e2, T_ERR));
+  cr_assert_eq(e2, e1, "the pool's event");
+  int done = dp_event_query(e2, NULL);
+  atomic_store(&g.open, 1);
+  cr_assert_eq(done, 1, "the last owner's record is gone");
+  OK(dp_stream_synchronize(s, T_ERR));
+  dp_event_free(e2);
+  dp_stream_free(s);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(device, a_launch_names_the_null_argument) {
+  dp_backend_t *b = host();
+  dp_error_t e;
+  cr_assert_eq(dp_host_launch(NULL, store_one, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_host_launch: NULL stream");
+  cr_assert_eq(dp_host_launch(dflt(b, H0), NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_host_launch: NULL fn");
+}
+
+/* A host function may wait for another stream's work: only its own
+ * stream's later work is refused (it would wait for itself). */
+typedef struct other_sync {
+  dp_stream_t *other;
+  dp_event_t *e;
+  int rc_stream, rc_event;
+  _Atomic int *other_done;
+  int saw_done;
+} other_sync_t;
+
+static void sync_other(void *arg) {
+  other_sync_t *x = arg;
+  x->rc_event = dp_event_synchronize(x->e, NULL);
+  x->rc_stream = dp_stream_synchronize(x->other, NULL);
+  x->saw_done = atomic_load(x->other_done);
+}
+
+static void nap_then_store_one(void *arg) {
+  sleep_ms(30);
+  store_one(arg);
+}
+
+Test(device, a_host_function_may_wait_for_another_streams_work, .timeout = 10) {
+  dp_backend_t *b = host();
+  dp_stream_t *s, *other;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  OK(dp_stream_new(b, H0, &other, T_ERR));
+  _Atomic int done = 0;
+  other_sync_t x = {other, NULL, 1, 1, &done, 0};
+  OK(dp_host_launch(other, nap_then_store_one, &done, T_ERR));
+  OK(dp_event_new(b, H0, &x.e, T_ERR));
+  OK(dp_event_record(x.e, other, T_ERR));
+  OK(dp_host_launch(s, sync_other, &x, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(x.rc_event, 0, "%s", dp_err_name(x.rc_event));
+  cr_assert_eq(x.rc_stream, 0, "%s", dp_err_name(x.rc_stream));
+  cr_assert_eq(x.saw_done, 1, "the wait returned once the other stream's work was done");
+  dp_event_free(x.e);
+  dp_stream_free(s);
+  dp_stream_free(other);
+}
+
+/* The self-wait check of dp_device_synchronize looks at every stream of
+ * the device, whatever the place of the caller's own in the device's list
+ * (newest first); and the refusal keeps no stream's progress. */
+Test(device, a_host_function_synchronizing_its_device_is_emisuse_whatever_its_streams_age, .timeout = 10) {
+  dp_backend_t *b = host();
+  dp_stream_t *older;
+  OK(dp_stream_new(b, H0, &older, T_ERR)); /* after the caller's stream in the list */
+  self_sync_t x = {NULL, NULL, 1, 1, {0}};
+  OK(dp_stream_new(b, H0, &x.s, T_ERR));
+  OK(dp_host_launch(x.s, sync_self, &x, T_ERR));
+  OK(dp_stream_synchronize(x.s, T_ERR));
+  cr_assert_eq(x.rc, DP_EMISUSE, "%s", dp_err_name(x.rc));
+  cr_assert_str_eq(x.err.message,
+                   "dp_device_synchronize: called from a host function on a stream of host:0, which would wait for itself");
+  dp_stream_free(x.s);
+  dp_stream_free(older);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* The cap is a number of bytes that can all be used, and each free gives
+ * its bytes back. */
+Test(device, a_memory_limit_can_be_filled_exactly_and_each_free_gives_its_bytes_back) {
+  OK(dp_host_set_memory_limit(H1, 4096, T_ERR));
+  dp_backend_t *b = host();
+  void *p, *q;
+  dp_error_t e;
+  for (int round = 0; round < 3; round++) {
+    OK_WITH(&e, dp_device_alloc(b, H1, 4096, &p, &e));
+    cr_assert_eq(dp_device_alloc(b, H1, 1, &q, &e), DP_ENOMEM);
+    cr_assert_str_eq(e.message, "host:1 is out of memory: 1 bytes asked, 4096 of 4096 in use");
+    OK(dp_device_dealloc(b, H1, p, T_ERR));
+  }
+}
+
+/* Without a cap, a size whose alignment slack wraps size_t is refused
+ * before the allocator hook is asked: n + 256 wrapped to a few bytes, and
+ * the call handed out a block that small for a size near SIZE_MAX. */
+Test(device, a_size_that_cannot_take_its_alignment_is_enomem_without_a_cap) {
+  dp_backend_t *b = host();
+  void *p = NULL;
+  dp_error_t e;
+  long asked = atomic_load(&t_alloc_count);
+  cr_assert_eq(dp_device_alloc(b, H0, SIZE_MAX - 100, &p, &e), DP_ENOMEM);
+  char want[160];
+  snprintf(want, sizeof want, "dp_device_alloc: %zu bytes on host:0 cannot be allocated with its 256-byte alignment",
+           (size_t)SIZE_MAX - 100);
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(atomic_load(&t_alloc_count), asked, "the allocator was asked");
+  cr_assert_null(p);
+}
+
+/* Only the address an allocation was handed out at frees it: a pointer
+ * inside it, or past its end, is refused and the allocation stays. */
+Test(device, deallocating_a_pointer_inside_an_allocation_is_einval_and_frees_nothing) {
+  dp_backend_t *b = host();
+  char *p;
+  OK(dp_device_alloc(b, H0, 1000, (void **)&p, T_ERR));
+  dp_error_t e;
+  char want[96];
+  char *bad[2] = {p + 1, p + 5000};
+  for (int i = 0; i < 2; i++) {
+    cr_assert_eq(dp_device_dealloc(b, H0, bad[i], &e), DP_EINVAL);
+    snprintf(want, sizeof want, "dp_device_dealloc: %p is not an allocation of host:0", (void *)bad[i]);
+    cr_assert_str_eq(e.message, want);
+  }
+  dp_device_t d;
+  OK(dp_pointer_device(b, p + 999, &d, T_ERR));
+  cr_assert(dp_device_equal(d, H0), "the allocation is still there");
+  OK(dp_device_dealloc(b, H0, p, T_ERR));
+}
+
+/* host:63 is the last host device: host:64 was taken, and its limit
+ * written past the end of the table of limits. */
+Test(device, a_memory_limit_for_a_device_past_host_63_is_einval) {
+  dp_error_t e;
+  OK(dp_host_set_memory_limit(t_dev(DP_DEVICE_HOST, 63), 1, T_ERR));
+  OK(dp_host_set_memory_limit(t_dev(DP_DEVICE_HOST, 63), 0, T_ERR));
+  cr_assert_eq(dp_host_set_memory_limit(t_dev(DP_DEVICE_HOST, 64), 1, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_host_set_memory_limit: host:64 is not a host device (host:0..host:63)");
+}
+
+/* Between two backends the limit is kept for the next one, not written
+ * into the one that was shut down (ASan reports that write). */
+Test(device, a_memory_limit_set_after_shutdown_applies_to_the_next_backend) {
+  (void)host();
+  dp_shutdown();
+  OK(dp_host_set_memory_limit(H0, 100, T_ERR));
+  dp_backend_t *b = host();
+  void *p;
+  dp_error_t e;
+  cr_assert_eq(dp_device_alloc(b, H0, 101, &p, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "host:0 is out of memory: 101 bytes asked, 0 of 100 in use");
+  OK(dp_host_set_memory_limit(H0, 0, T_ERR));
+}
+
+Test(device, the_host_device_count_takes_1_to_64_and_nothing_else) {
+  setenv("DEVPICKLE_HOST_DEVICES", "64", 1);
+  cr_assert_eq(dp_backend_device_count(host()), 64);
+  dp_shutdown();
+  const char *bad[] = {"65", "3x", "-1"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    setenv("DEVPICKLE_HOST_DEVICES", bad[i], 1);
+    dp_backend_t *b;
+    dp_error_t e;
+    char want[64];
+    cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, &b, &e), DP_EINVAL, "%s", bad[i]);
+    snprintf(want, sizeof want, "DEVPICKLE_HOST_DEVICES=%s: expected 1..64", bad[i]);
+    cr_assert_str_eq(e.message, want);
+  }
+  unsetenv("DEVPICKLE_HOST_DEVICES");
+}
