@@ -1536,3 +1536,178 @@ Test(device, the_host_device_count_takes_1_to_64_and_nothing_else) {
   }
   unsetenv("DEVPICKLE_HOST_DEVICES");
 }
+
+/* ---- the device layer's bookkeeping: counts, pools, saved streams ---- */
+
+/* Setting the current stream of a device that has one replaces it: it
+ * takes no second slot of the thread's DP_CURRENT_STREAM_SLOTS. */
+Test(device, replacing_a_devices_current_stream_takes_no_more_slots) {
+  setenv("DEVPICKLE_HOST_DEVICES", "20", 1);
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  for (int i = 0; i < 2 * DP_CURRENT_STREAM_SLOTS; i++) OK(dp_set_current_stream(i % 2 ? s : dflt(b, H0), NULL, T_ERR));
+  for (int i = 1; i < DP_CURRENT_STREAM_SLOTS; i++) OK(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, i)), NULL, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, 17)), NULL, &e), DP_ELIMIT);
+  dp_stream_free(s);
+}
+
+/* dp_shutdown forgets this thread's current streams and their count: a
+ * thread that held all its slots holds them all again afterwards. */
+Test(device, after_shutdown_a_thread_has_all_its_current_stream_slots_again) {
+  setenv("DEVPICKLE_HOST_DEVICES", "20", 1);
+  for (int round = 0; round < 2; round++) {
+    dp_backend_t *b = host();
+    for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
+      OK(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, i)), NULL, T_ERR));
+    dp_shutdown();
+  }
+}
+
+/* A then() callback's stream (dp__current_stream_enter) replaces a
+ * caller's current stream for the callback's time: leaving it puts the
+ * caller's back, counted again as the caller's. */
+Test(device, leaving_a_callbacks_stream_gives_the_callers_stream_back_with_its_slot) {
+  setenv("DEVPICKLE_HOST_DEVICES", "20", 1);
+  dp_backend_t *b = host();
+  dp_stream_t *mine, *cb;
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  OK(dp_stream_new(b, H0, &cb, T_ERR));
+  OK(dp_set_current_stream(mine, NULL, T_ERR));
+  dp__current_saved_t saved;
+  dp__current_stream_enter(cb, &saved);
+  cr_assert_eq(current(b, H0), cb);
+  dp__current_stream_leave(H0, &saved);
+  cr_assert_eq(current(b, H0), mine);
+  for (int i = 1; i < DP_CURRENT_STREAM_SLOTS; i++) OK(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, i)), NULL, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, 17)), NULL, &e), DP_ELIMIT,
+               "host:0's stream still holds one of the caller's slots");
+  dp_stream_free(cb);
+  dp_stream_free(mine);
+}
+
+/* The caller's current stream freed inside a callback is not put back
+ * when the callback returns; and a record once left is no longer the
+ * thread's: a stream freed afterwards leaves it as it is. */
+Test(device, a_stream_freed_inside_a_callback_is_not_current_after_it) {
+  dp_backend_t *b = host();
+  dp_stream_t *mine, *cb, *later, *d0 = dflt(b, H0); /* made first: never at the address of the one freed */
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  OK(dp_stream_new(b, H0, &cb, T_ERR));
+  OK(dp_set_current_stream(mine, NULL, T_ERR));
+  dp__current_saved_t saved;
+  dp__current_stream_enter(cb, &saved);
+  dp_stream_free(mine);
+  dp__current_stream_leave(H0, &saved);
+  cr_assert_eq(current(b, H0), d0, "the freed stream came back as current");
+  OK(dp_stream_new(b, H0, &later, T_ERR));
+  OK(dp_set_current_stream(later, NULL, T_ERR));
+  dp__current_stream_enter(cb, &saved);
+  dp__current_stream_leave(H0, &saved);
+  cr_assert_eq(saved.s, later);
+  dp_stream_free(later);
+  cr_assert_eq(saved.s, later, "a record left is not the thread's any more");
+  dp_stream_free(cb);
+}
+
+/* The stream-destroy listeners hear of a freed stream and of the wrapper
+ * of its native handle, which goes with it. */
+typedef struct heard {
+  dp__stream_listener_t l;
+  dp_stream_t *s[4];
+  int n;
+} heard_t;
+
+static void hear(void *ctx, dp_stream_t *s) {
+  heard_t *h = ctx;
+  if (h->n < 4) h->s[h->n] = s;
+  h->n++;
+}
+
+Test(device, freeing_a_stream_tells_the_listeners_of_it_and_of_its_wrapper) {
+  dp_backend_t *b = host();
+  dp_stream_t *s, *w;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  OK(dp_stream_wrap(b, H0, dp_stream_native(s), &w, T_ERR));
+  heard_t h = {{hear, NULL, NULL}, {NULL}, 0};
+  h.l.ctx = &h;
+  dp__stream_listen(&h.l);
+  dp_stream_free(s);
+  dp__stream_unlisten(&h.l);
+  cr_assert_eq(h.n, 2);
+  cr_assert_eq(h.s[0], s);
+  cr_assert_eq(h.s[1], w);
+}
+
+/* An event the pool handed out is the new owner's to free: it goes back to
+ * the pool each time (a second free after a reuse was taken for a double
+ * free, and the event was lost to the pool and never freed). */
+Test(device, an_event_reused_from_the_pool_goes_back_to_it_when_freed) {
+  dp_backend_t *b = host();
+  dp_event_t *first, *e;
+  OK(dp_event_new(b, H0, &first, T_ERR));
+  dp_event_free(first);
+  long allocs = t_alloc_count;
+  for (int i = 0; i < 3; i++) {
+    OK(dp_event_new(b, H0, &e, T_ERR));
+    cr_assert_eq(e, first, "round %d: the pool's event", i);
+    dp_event_free(e);
+  }
+  cr_assert_eq(t_alloc_count, allocs, "no event was made");
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* dp_stream_wait_stream's event goes back to the pool; a wait of a stream
+ * for itself makes none. */
+Test(device, waiting_for_a_stream_keeps_no_event_and_for_itself_makes_none) {
+  dp_backend_t *b = host();
+  dp_stream_t *a, *c;
+  OK(dp_stream_new(b, H0, &a, T_ERR));
+  OK(dp_stream_new(b, H0, &c, T_ERR));
+  long allocs = t_alloc_count;
+  OK(dp_stream_wait_stream(c, c, T_ERR));
+  cr_assert_eq(t_alloc_count, allocs, "a stream waiting for itself made an event");
+  OK(dp_stream_wait_stream(c, a, T_ERR));
+  OK(dp_stream_synchronize(c, T_ERR));
+  dp_stream_free(a);
+  dp_stream_free(c);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(device, a_copy_names_the_null_pointer_and_a_zero_byte_copy_allocates_nothing) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  char buf[8] = {0};
+  dp_error_t e;
+  cr_assert_eq(dp_memcpy_async(s, NULL, buf, sizeof buf, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_memcpy_async: NULL dst");
+  cr_assert_eq(dp_memcpy_async(s, buf, NULL, sizeof buf, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_memcpy_async: NULL src");
+  cr_assert_eq(dp_memcpy_async(s, NULL, NULL, sizeof buf, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_memcpy_async: NULL dst", "the first NULL argument is named");
+  long allocs = t_alloc_count;
+  t_fail_at = t_alloc_count + 1; /* a queued task would need the stream's first ring */
+  int rc = dp_memcpy_async(s, buf, buf + 4, 0, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, 0, "%s", dp_err_name(rc));
+  cr_assert_eq(t_alloc_count, allocs, "nothing was queued");
+  dp_stream_free(s);
+}
+
+Test(device, pinned_memory_of_zero_bytes_or_without_a_backend_is_einval) {
+  dp_backend_t *b = host();
+  void *p = NULL;
+  dp_error_t e;
+  cr_assert_eq(dp__pinned_alloc(b, 0, &p, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "pinned allocation: NULL backend or out, or 0 bytes");
+  cr_assert_eq(dp__pinned_alloc(NULL, 16, &p, &e), DP_EINVAL);
+  cr_assert_null(p);
+  OK(dp__pinned_alloc(b, 16, &p, T_ERR));
+  memset(p, 1, 16);
+  dp__pinned_free(b, p, 16);
+}
