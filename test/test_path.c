@@ -1,0 +1,173 @@
+/* path: names and paths as docs/FORMAT.md ("Paths") renders them
+ * (core/path.h) — the cut of a name at a character boundary, the escapes of
+ * each mode, and the bounds of an elided path at their exact edges. The
+ * walker's and the CLI's paths are checked end to end in test_pickler and
+ * test_cli; here the renderer is driven directly, with names and step
+ * lengths no value makes easily. */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "helpers.h"
+
+#include "../core/path.h"
+
+/* s rendered by fn, NUL-terminated in a static buffer. */
+typedef size_t (*name_fn)(const char *s, size_t n, char *out);
+static const char *shown(name_fn fn, const char *s, size_t n) {
+  static char out[DP__STEP_MAX + 1];
+  out[fn(s, n, out)] = '\0';
+  return out;
+}
+
+static const char *escaped(const char *s, size_t n, dp__esc_t mode) {
+  static char out[DP__STEP_MAX + 1];
+  dp__sbuf_t b = {out, 0, DP__STEP_MAX, 0};
+  dp__sb_escaped(&b, s, n, mode, 0);
+  out[b.len] = '\0';
+  return out;
+}
+
+/* ---- names: cut, then escaped ---- */
+
+/* A 4-byte character that starts 3 bytes before the cut is split by it: the
+ * cut moves back over its three continuation bytes to its first byte, and
+ * the part shown is still an identifier. */
+Test(path, a_cut_through_a_four_byte_character_moves_back_to_its_first_byte) {
+  char name[70];
+  memset(name, 'a', 61);
+  memcpy(name + 61, "\xf0\x9f\x98\x80", 4); /* U+1F600, bytes 61..64 */
+  memset(name + 65, 'b', 5);
+  cr_assert_eq(dp__name_shown(name, sizeof name, DP_PATH_NAME_MAX), 61);
+  char want[80];
+  snprintf(want, sizeof want, ".%.61s\u2026", name);
+  cr_assert_str_eq(shown(dp__step_name, name, sizeof name), want, "no part of the character is shown");
+}
+
+Test(path, a_name_cut_to_64_bytes_ends_with_an_ellipsis_in_each_notation) {
+  char name[70], want[80];
+  memset(name, 'x', sizeof name);
+  snprintf(want, sizeof want, ".%.64s\u2026", name);
+  cr_assert_str_eq(shown(dp__step_name, name, sizeof name), want);
+  snprintf(want, sizeof want, ".%.64s", name);
+  cr_assert_str_eq(shown(dp__step_name, name, 64), want, "64 bytes are shown whole");
+  memset(name, '-', sizeof name);
+  snprintf(want, sizeof want, "[\"%.64s\u2026\"]", name);
+  cr_assert_str_eq(shown(dp__step_name, name, sizeof name), want, "inside quotes, before the closing one");
+  snprintf(want, sizeof want, "<reduce %.64s\u2026>", name);
+  cr_assert_str_eq(shown(dp__step_reduce, name, sizeof name), want);
+}
+
+/* A character whose bytes run past the end of the name is no character:
+ * each byte the name holds is \ufffd, and the byte after the name (which
+ * would complete it) is never read. */
+Test(path, a_character_cut_by_the_end_of_the_name_is_two_replacement_characters) {
+  static const char buf[] = "ab\xe2\x80\xa6"; /* "ab…"; the name is its first 4 bytes */
+  cr_assert_str_eq(shown(dp__name_bare, buf, 4), "ab\\ufffd\\ufffd");
+  cr_assert_str_eq(shown(dp__name_bare, buf, 5), "ab\u2026", "whole, it is shown as it is");
+}
+
+/* RFC 3629 ends at U+10FFFF: F4 90 80 80 would be U+110000. */
+Test(path, a_code_point_past_u10ffff_is_four_replacement_characters) {
+  cr_assert_str_eq(shown(dp__name_bare, "\xf4\x90\x80\x80", 4), "\\ufffd\\ufffd\\ufffd\\ufffd");
+  cr_assert_str_eq(shown(dp__name_bare, "\xf4\x8f\xbf\xbf", 4), "\xf4\x8f\xbf\xbf", "U+10FFFF is a character");
+}
+
+/* The edges of the escaped ranges: the last C1 control, DEL, the two
+ * separators, both ends of the surrogates, and the characters just outside
+ * them. */
+Test(path, the_edges_of_the_escaped_ranges_are_escaped_and_their_neighbours_shown) {
+  cr_assert_str_eq(shown(dp__name_bare, "\xc2\x9f|\xc2\xa0", 5), "\\u009f|\xc2\xa0", "U+009F escaped, U+00A0 shown");
+  cr_assert_str_eq(shown(dp__name_bare, "~\x7f", 2), "~\\u007f", "DEL escaped, ~ shown");
+  cr_assert_str_eq(shown(dp__name_bare, "\xe2\x80\xa7\xe2\x80\xa8\xe2\x80\xa9", 9), "\xe2\x80\xa7\\u2028\\u2029",
+                   "U+2027 shown, the separators escaped");
+  cr_assert_str_eq(shown(dp__name_bare, "\xed\xa0\x80|\xed\xbf\xbf", 7), "\\ud800|\\udfff");
+  cr_assert_str_eq(shown(dp__name_bare, "\xed\x9f\xbf|\xee\x80\x80", 7), "\xed\x9f\xbf|\xee\x80\x80",
+                   "U+D7FF and U+E000 are shown as they are");
+}
+
+/* Each mode escapes its own delimiter and the backslash, and nothing else
+ * of ASCII; text escaped already (a Python repr) keeps its backslashes. */
+Test(path, each_mode_escapes_its_delimiter_and_the_backslash_and_controls_mode_neither) {
+  static const char s[] = "a'b\"c>d\\e\x01";
+  size_t n = sizeof s - 1;
+  cr_assert_str_eq(escaped(s, n, DP__ESC_QUOTED), "a'b\\\"c>d\\\\e\\u0001");
+  cr_assert_str_eq(escaped(s, n, DP__ESC_SQUOTED), "a\\'b\"c>d\\\\e\\u0001");
+  cr_assert_str_eq(escaped(s, n, DP__ESC_BARE), "a'b\"c\\u003ed\\\\e\\u0001");
+  cr_assert_str_eq(escaped(s, n, DP__ESC_CONTROLS), "a'b\"c>d\\e\\u0001");
+  cr_assert_str_eq(shown(dp__step_reduce, "T>x", 3), "<reduce T\\u003ex>", "a step ends at its first >");
+}
+
+/* A text longer than the buffer costs what is kept of it: the scan stops
+ * once what it holds pending cannot fit. The text here runs up to a page
+ * that cannot be read, far past what the buffer holds. */
+Test(path, escaping_a_text_longer_than_the_buffer_reads_no_further_than_it_can_show) {
+  long page = sysconf(_SC_PAGESIZE);
+  size_t len = 16 * (size_t)page;
+  char *m = mmap(NULL, len + (size_t)page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  cr_assert_neq(m, MAP_FAILED);
+  cr_assert_eq(mprotect(m + len, (size_t)page, PROT_NONE), 0);
+  memset(m, 'a', len);
+  char out[100];
+  dp__sbuf_t b = {out, 0, sizeof out, 0};
+  dp__sb_escaped(&b, m, SIZE_MAX / 2, DP__ESC_QUOTED, 0); /* a length past the readable text */
+  cr_assert_eq(b.len, sizeof out);
+  cr_assert(b.full, "what did not fit is reported");
+  munmap(m, len + (size_t)page);
+}
+
+/* ---- whole paths: the edges of DP_PATH_MAX, DP_PATH_HEAD, DP_PATH_TAIL ---- */
+
+/* Step i is lens[i] bytes of one letter, 'A' + i. */
+typedef struct steps {
+  const size_t *lens;
+  int calls;
+} steps_t;
+
+static size_t letter_step(void *ctx, size_t i, char *buf) {
+  steps_t *s = ctx;
+  s->calls++;
+  memset(buf, 'A' + (int)i, s->lens[i]);
+  return s->lens[i];
+}
+
+/* The path expected: "$", steps [0, head), mid (or nothing), steps [tail, n). */
+static const char *want_path(const size_t *lens, size_t head, const char *mid, size_t tail, size_t n) {
+  static char w[DP_PATH_MAX * 2];
+  size_t k = 0;
+  w[k++] = '$';
+  for (size_t i = 0; i < head; i++) memset(w + k, 'A' + (int)i, lens[i]), k += lens[i];
+  k += (size_t)snprintf(w + k, sizeof w - k, "%s", mid);
+  for (size_t i = tail; i < n; i++) memset(w + k, 'A' + (int)i, lens[i]), k += lens[i];
+  w[k] = '\0';
+  return w;
+}
+
+static const char *render(const size_t *lens, size_t n) {
+  static char out[DP_PATH_MAX + 1];
+  steps_t s = {lens, 0};
+  size_t len = dp__path_render(out, n, letter_step, &s);
+  cr_assert_eq(len, strlen(out));
+  cr_assert_leq(len, DP_PATH_MAX);
+  return out;
+}
+
+Test(path, a_path_of_exactly_dp_path_max_bytes_is_shown_whole) {
+  static const size_t lens[3] = {341, 341, 341}; /* 1 + 1023 = 1024 */
+  cr_assert_str_eq(render(lens, 3), want_path(lens, 3, "", 3, 3));
+  static const size_t over[3] = {341, 341, 342};
+  cr_assert_str_eq(render(over, 3), want_path(over, 0, "<\u20261 step\u2026>", 1, 3),
+                   "one byte more is elided (no step fits in the head)");
+}
+
+/* The head keeps a step that ends exactly at DP_PATH_HEAD bytes; the tail
+ * keeps steps that fill DP_PATH_TAIL exactly; the count says "steps". */
+Test(path, an_elided_path_keeps_a_head_and_a_tail_that_fill_their_budgets_exactly) {
+  static const size_t lens[6] = {DP_PATH_HEAD - 1, 100, 100, 100, DP_PATH_TAIL / 2, DP_PATH_TAIL / 2};
+  cr_assert_str_eq(render(lens, 6), want_path(lens, 1, "<\u20263 steps\u2026>", 4, 6));
+}
+
+Test(path, one_step_left_out_is_counted_as_one_step) {
+  static const size_t lens[4] = {DP_PATH_HEAD - 1, 100, DP_PATH_TAIL / 2, DP_PATH_TAIL / 2};
+  cr_assert_str_eq(render(lens, 4), want_path(lens, 1, "<\u20261 step\u2026>", 2, 4));
+}
