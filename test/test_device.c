@@ -1277,7 +1277,7 @@ Test(device, a_queue_that_grows_after_its_head_has_moved_keeps_its_order, .timeo
 
 /* A queue that cannot grow refuses the task, and the stream goes on: the
  * failure left the stream's lock held, and the next launch hung. */
-Test(device, a_launch_that_cannot_grow_the_queue_is_enomem_and_the_stream_goes_on, .timeout = 10) {
+Test(device, a_launch_that_cannot_grow_the_queue_is_enomem_and_the_stream_goes_on, .timeout = 20) {
   dp_backend_t *b = host();
   dp_stream_t *s;
   OK(dp_stream_new(b, H0, &s, T_ERR));
@@ -1318,7 +1318,7 @@ Test(device, waiting_on_a_completed_event_queues_nothing_and_keeps_nothing) {
 
 /* A wait on a pending event that cannot be queued is an error and keeps
  * nothing of the event's stream. */
-Test(device, a_wait_that_cannot_be_queued_is_enomem_and_keeps_nothing, .timeout = 10) {
+Test(device, a_wait_that_cannot_be_queued_is_enomem_and_keeps_nothing, .timeout = 20) {
   dp_backend_t *b = host();
   dp_stream_t *a, *c;
   OK(dp_stream_new(b, H0, &a, T_ERR));
@@ -1348,7 +1348,7 @@ Test(device, a_wait_that_cannot_be_queued_is_enomem_and_keeps_nothing, .timeout 
 
 /* An event handed out again by the pool is never-recorded: complete, even
  * while the work its last owner recorded is running. */
-Test(device, an_event_the_pool_hands_out_again_is_not_recorded, .timeout = 10) {
+Test(device, an_event_the_pool_hands_out_again_is_not_recorded, .timeout = 20) {
   dp_backend_t *b = host();
   dp_stream_t *s;
   OK(dp_stream_new(b, H0, &s, T_ERR));
@@ -1404,7 +1404,7 @@ static void nap_then_store_one(void *arg) {
   store_one(arg);
 }
 
-Test(device, a_host_function_may_wait_for_another_streams_work, .timeout = 10) {
+Test(device, a_host_function_may_wait_for_another_streams_work, .timeout = 20) {
   dp_backend_t *b = host();
   dp_stream_t *s, *other;
   OK(dp_stream_new(b, H0, &s, T_ERR));
@@ -1427,7 +1427,7 @@ Test(device, a_host_function_may_wait_for_another_streams_work, .timeout = 10) {
 /* The self-wait check of dp_device_synchronize looks at every stream of
  * the device, whatever the place of the caller's own in the device's list
  * (newest first); and the refusal keeps no stream's progress. */
-Test(device, a_host_function_synchronizing_its_device_is_emisuse_whatever_its_streams_age, .timeout = 10) {
+Test(device, a_host_function_synchronizing_its_device_is_emisuse_whatever_its_streams_age, .timeout = 20) {
   dp_backend_t *b = host();
   dp_stream_t *older;
   OK(dp_stream_new(b, H0, &older, T_ERR)); /* after the caller's stream in the list */
