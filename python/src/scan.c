@@ -253,15 +253,16 @@ struct dpy_scanner {
   const char *error_path; /* set: the path a walk error names (an allocation's, after the walk) */
   /* refs (scan): tensors skip the memo, so the set counts every visit of
    * one; the scanner counts distinct objects instead (account()). first[i]
-   * is the first object found on allocation i (held until it is entered in
-   * `counted`, the objects counted on an allocation met again). */
+   * and second[i] are the first two distinct objects found on allocation i
+   * (held until a third comes: then all are entered in `counted`, the
+   * objects counted on allocations met with more than two). */
   int count_refs;
   /* the walk of the next visit() (not building): `solo` — its only
    * reference is its container's slot; `ran_code` — the walk has called
    * Python code that may hand it new references (a reduce, a slot read) */
   int solo, ran_code;
   uint32_t *refs;
-  PyObject **first;
+  PyObject **first, **second;
   size_t nfirst, first_cap;
   dp_ptrset_t *counted;
   PyObject *opaque;
@@ -668,8 +669,10 @@ static int counted_before(dpy_scanner_t *s, PyObject *o) {
 /* Counts obj on allocation idx (count_refs). A tensor skips the memo, so
  * one met again reaches here again; but it then finds its allocation in the
  * set already. So a new allocation just holds its first object and counts
- * one, and only an allocation met again asks `counted` — with its first
- * object entered first, since obj may be that one again. */
+ * one; one met again compares with the (at most two) objects it holds, and
+ * only a third distinct object moves them to `counted`, which every later
+ * object of that allocation asks. Held objects keep their addresses their
+ * own until the walk ends. */
 static int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
   if (idx == s->nfirst) { /* new: allocations are numbered in discovery order, each accounted */
     if (idx >= s->first_cap) {
@@ -677,7 +680,9 @@ static int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
       while (cap <= idx) cap *= 2;
       PyObject **f = PyMem_Realloc(s->first, cap * sizeof *f);
       if (f) s->first = f;
-      uint32_t *r = f ? PyMem_Realloc(s->refs, cap * sizeof *r) : NULL;
+      PyObject **f2 = f ? PyMem_Realloc(s->second, cap * sizeof *f2) : NULL;
+      if (f2) s->second = f2;
+      uint32_t *r = f2 ? PyMem_Realloc(s->refs, cap * sizeof *r) : NULL;
       if (!r) {
         PyErr_NoMemory();
         return -1;
@@ -686,6 +691,7 @@ static int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
       s->first_cap = cap;
     }
     s->first[idx] = Py_NewRef(obj);
+    s->second[idx] = NULL;
     s->refs[idx] = 1;
     s->nfirst = idx + 1;
     return 0;
@@ -695,9 +701,20 @@ static int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
     return -1;
   }
   PyObject *f = s->first[idx];
-  if (f) {
-    s->first[idx] = NULL;
-    if (counted_before(s, f) < 0) return -1;
+  if (f) { /* not yet in `counted`: it holds one or two objects */
+    if (f == obj || s->second[idx] == obj) return 0;
+    if (!s->second[idx]) {
+      s->second[idx] = Py_NewRef(obj);
+      s->refs[idx]++;
+      return 0;
+    }
+    PyObject *f2 = s->second[idx];
+    s->first[idx] = s->second[idx] = NULL;
+    if (counted_before(s, f) < 0) {
+      Py_DECREF(f2);
+      return -1;
+    }
+    if (counted_before(s, f2) < 0) return -1;
   }
   int c = counted_before(s, Py_NewRef(obj));
   if (c < 0) return -1;
@@ -710,7 +727,10 @@ static void refs_reset(dpy_scanner_t *s) {
   s->npend = 0;
   size_t n = s->nfirst;
   s->nfirst = 0;
-  for (size_t i = 0; i < n; i++) Py_CLEAR(s->first[i]);
+  for (size_t i = 0; i < n; i++) {
+    Py_CLEAR(s->first[i]);
+    Py_CLEAR(s->second[i]);
+  }
   dp_ptrset_clear(s->counted);
 }
 
@@ -2680,29 +2700,37 @@ static void unpend(dpy_scanner_t *s, int mark) {
   s->npend = mark;
 }
 
-#define INLINE_MAX 8 /* items of a container read in place */
+#define INLINE_MAX 8   /* items of a container read in place */
+#define INLINE_DEPTH 3 /* levels of such containers read in place, one in another */
 #define PEND_MAX ((int)(sizeof ((dpy_scanner_t *)0)->pend / sizeof ((dpy_scanner_t *)0)->pend[0]))
 
 /* A small list or tuple met by a run, held only by its slot there (solo:
  * see scan_walk), before the walk ran any of the value's code and with no
- * path asked for: if its items are leaves and tensors run_tensor reads, it
- * is read in place — no frame, no memo, the same allocations in the same
- * order as its frame would give. Nothing is added to the set before all its
- * items were read (they wait in the batch), so that one the run cannot read
- * takes them all back and visit() enters the container as before (paths
- * and errors its own). 1: done; 0: not (nothing added); -1: error. */
-static int run_inline(dpy_scanner_t *s, PyObject *c, PyTypeObject **ok) {
+ * path asked for: if its items are leaves, tensors run_tensor reads, or
+ * small containers read so in turn (level: how many hold it, up to
+ * INLINE_DEPTH), it is read in place — no frame, no memo, the same
+ * allocations in the same order as its frame would give. Nothing is added
+ * to the set before all its items were read (they wait in the batch), so
+ * that one the run cannot read takes them all back and visit() enters the
+ * container as before (paths and errors its own); the batch is flushed
+ * only before the outermost, never inside it. 1: done; 0: not (nothing
+ * added); -1: error. */
+static int run_inline(dpy_scanner_t *s, PyObject *c, PyTypeObject **ok, int level) {
   int list = PyList_CheckExact(c);
   Py_ssize_t n = list ? PyList_GET_SIZE(c) : PyTuple_GET_SIZE(c);
-  if (n > INLINE_MAX || s->nframes >= s->max_depth) return 0; /* too deep: visit() says so */
-  if (s->npend > PEND_MAX - (int)n * DP_TORCH_MAX_ALLOCS && flush_pending(s)) return -1;
+  if (n > INLINE_MAX || s->nframes + (size_t)level > s->max_depth) return 0; /* too deep: visit() says so */
+  if (level == 1 && s->npend > PEND_MAX - (int)n * DP_TORCH_MAX_ALLOCS && flush_pending(s)) return -1;
   int mark = s->npend, rc = 1;
   Py_INCREF(c); /* a list's items are read afresh: Python code under the adapter may change it */
   for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(c) : PyTuple_GET_SIZE(c)); i++) {
     PyObject *o = list ? PyList_GET_ITEM(c, i) : PyTuple_GET_ITEM(c, i);
-    if (plain_leaf(Py_TYPE(o))) continue;
+    PyTypeObject *t = Py_TYPE(o);
+    if (plain_leaf(t)) continue;
     /* a list grown under the adapter: no batch flushed here, ever */
-    rc = s->npend <= PEND_MAX - DP_TORCH_MAX_ALLOCS ? run_tensor(s, o, ok) : 0;
+    if (t == &PyTuple_Type || t == &PyList_Type)
+      rc = level < INLINE_DEPTH && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, ok, level + 1) : 0;
+    else
+      rc = s->npend <= PEND_MAX - DP_TORCH_MAX_ALLOCS ? run_tensor(s, o, ok) : 0;
     if (rc != 1) {
       unpend(s, mark);
       break;
@@ -2736,7 +2764,7 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     f->idx = f->pos; /* the item's path */
     int r;
     if (t == &PyTuple_Type || t == &PyList_Type)
-      r = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, &ok) : 0;
+      r = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, &ok, 1) : 0;
     else
       r = run_tensor(s, o, &ok);
     if (r <= 0) return r;

@@ -83,6 +83,60 @@ def test_refs_count_each_distinct_tensor_once_however_often_and_in_whatever_orde
     assert [x.refs for x in devpickle.scan([sp, sp, [sp]])] == [1, 1]
 
 
+def test_refs_match_the_distinct_objects_met_on_each_allocation_in_any_order_and_count():
+    import random
+
+    rng = random.Random(7)
+    bases = [torch.arange(8.0) for _ in range(3)]
+    # up to six distinct objects a storage: the tensor and views of it
+    objs = [[b] + [b[i:] for i in range(1, 6)] for b in bases]
+    for _ in range(200):
+        seq = [rng.choice(objs[rng.randrange(3)][: rng.randint(1, 6)]) for _ in range(rng.randint(1, 14))]
+        want = {}
+        for o in seq:
+            want.setdefault(storage_ptr(o)[0], set()).add(id(o))
+        # flat, and in small tuples and lists (read in place without paths)
+        for value in (seq, [tuple(seq[i:i + 3]) for i in range(0, len(seq), 3)],
+                      [(o, [o, (o,)]) for o in seq]):
+            for paths in (True, False):
+                got = devpickle.scan(value, paths=paths)
+                assert {x.ptr: x.refs for x in got} == {p: len(ids) for p, ids in want.items()}, (seq, paths)
+
+
+def test_small_containers_nested_in_each_other_give_the_allocations_paths_would_give():
+    ts = [torch.ones(i + 1) for i in range(12)]
+    shared = [ts[3]]
+
+    def deep(n, leaf):
+        for _ in range(n):
+            leaf = [leaf]
+        return leaf
+
+    values = [
+        [(t, [t[:1], (t[1:], [t])]) for t in ts],  # three levels in each item
+        [deep(n, t) for n, t in enumerate(ts)],  # 0 to 11 levels: past the levels read in place
+        [(t, shared, [shared]) for t in ts],  # a list held twice: entered once, by the memo
+        [(t, list(ts)) for t in ts[:3]],  # an inner list longer than those read in place
+        [(1, "x", None, (2.0, [b"y", (t, 3)])) for t in ts],
+        [((t, ts[0]), [ts[0], (t,)]) for t in ts[::-1]],
+    ]
+    for v in values:
+        with_paths = [(x.device, x.ptr, x.nbytes, x.refs) for x in devpickle.scan(v)]
+        assert [(x.device, x.ptr, x.nbytes, x.refs) for x in devpickle.scan(v, paths=False)] == with_paths
+        f = devpickle.Future(devices=None)
+        f.set_result(v)
+        assert f.done() and f.value() is v
+
+
+def test_nesting_past_the_depth_limit_in_small_lists_is_refused_without_paths_too():
+    x = torch.zeros(1)
+    for _ in range(262_145):
+        x = [x]
+    for paths in (True, False):
+        with pytest.raises(devpickle.WalkError, match="too deep"):
+            devpickle.scan([x], paths=paths)
+
+
 def test_a_tensor_with_attributes_met_after_a_view_of_it_has_them_walked():
     t = torch.ones(4)
     t.extra = torch.zeros(2)
