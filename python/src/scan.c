@@ -2850,13 +2850,22 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
 
 /* ---- devpickle.Allocation and the result of scan ---- */
 
+/* A scan's Allocations live in one block, made at once: a list of 1,000
+ * costs one allocation, not 1,000 (nor 1,000 strs: a path becomes a str
+ * when first read). The block goes when its last Allocation does. */
+typedef struct alloc_block {
+  Py_ssize_t live; /* its Allocations not yet deallocated */
+} alloc_block_t;
+
 typedef struct alloc_obj {
   PyObject_HEAD
   dp_device_t device;
   void *ptr;
   size_t nbytes;
   uint32_t refs;
-  PyObject *path; /* a str, or None */
+  const char *path_text; /* in the block; NULL: no path (paths=False) */
+  PyObject *path;        /* the str, once read */
+  alloc_block_t *block;
 } alloc_obj_t;
 
 static PyTypeObject alloc_type;
@@ -2874,8 +2883,20 @@ static PyObject *device_name(dp_device_t d) {
 }
 
 static void alloc_dealloc(PyObject *o) {
-  Py_XDECREF(((alloc_obj_t *)o)->path);
-  Py_TYPE(o)->tp_free(o);
+  alloc_obj_t *a = (alloc_obj_t *)o;
+  Py_XDECREF(a->path);
+#ifdef Py_GIL_DISABLED
+  if (__atomic_sub_fetch(&a->block->live, 1, __ATOMIC_ACQ_REL) == 0) PyMem_Free(a->block);
+#else
+  if (--a->block->live == 0) PyMem_Free(a->block); /* under the GIL, as every dealloc */
+#endif
+}
+
+/* The path, a str made on first read, or None. */
+static PyObject *alloc_path(alloc_obj_t *a) {
+  if (!a->path_text) return Py_NewRef(Py_None);
+  if (!a->path && !(a->path = PyUnicode_FromString(a->path_text))) return NULL;
+  return Py_NewRef(a->path);
 }
 
 /* An Allocation reads as a read-only mapping of these keys, in this order
@@ -2896,7 +2917,7 @@ static PyObject *alloc_field(alloc_obj_t *a, Py_ssize_t i) {
   case 3:
     return PyLong_FromUnsignedLong(a->refs);
   default:
-    return Py_NewRef(a->path);
+    return alloc_path(a);
   }
 }
 
@@ -2978,11 +2999,12 @@ static PyObject *alloc_asdict(PyObject *o, PyObject *unused) {
 
 static PyObject *alloc_repr(PyObject *o) {
   alloc_obj_t *a = (alloc_obj_t *)o;
-  PyObject *dev = device_name(a->device);
-  PyObject *r = dev ? PyUnicode_FromFormat("Allocation(device=%R, ptr=%p, nbytes=%zu, refs=%u, path=%R)", dev, a->ptr,
-                                           a->nbytes, (unsigned)a->refs, a->path)
-                    : NULL;
+  PyObject *dev = device_name(a->device), *path = dev ? alloc_path(a) : NULL;
+  PyObject *r = path ? PyUnicode_FromFormat("Allocation(device=%R, ptr=%p, nbytes=%zu, refs=%u, path=%R)", dev,
+                                            a->ptr, a->nbytes, (unsigned)a->refs, path)
+                     : NULL;
   Py_XDECREF(dev);
+  Py_XDECREF(path);
   return r;
 }
 
@@ -3011,10 +3033,8 @@ static PyObject *alloc_richcompare(PyObject *a, PyObject *b, int op) {
   if (!PyObject_TypeCheck(b, &alloc_type)) return alloc_eq_mapping(a, b, op);
   const alloc_obj_t *x = (alloc_obj_t *)a, *y = (alloc_obj_t *)b;
   int eq = dp_device_equal(x->device, y->device) && x->ptr == y->ptr && x->nbytes == y->nbytes && x->refs == y->refs;
-  if (eq) {
-    eq = PyObject_RichCompareBool(x->path, y->path, Py_EQ);
-    if (eq < 0) return NULL;
-  }
+  if (eq)
+    eq = x->path_text && y->path_text ? !strcmp(x->path_text, y->path_text) : x->path_text == y->path_text;
   return PyBool_FromLong(op == Py_EQ ? eq : !eq);
 }
 
@@ -3063,27 +3083,39 @@ PyObject *dpy_device_str(dp_device_t d) {
   return PyUnicode_FromString(dp_device_format(d, buf, sizeof buf));
 }
 
-/* The scan's allocations as a list of Allocation. */
+/* The scan's allocations as a list of Allocation, all in one block with
+ * their paths. */
 static PyObject *result_list(const dpy_scanner_t *s) {
   const dp_ptrset_t *set = s->found;
   size_t n = dp_ptrset_count(set);
+  size_t head = (sizeof(alloc_block_t) + _Alignof(alloc_obj_t) - 1) / _Alignof(alloc_obj_t) * _Alignof(alloc_obj_t);
+  size_t text = s->want_paths ? s->text_len : 0;
+  if (n > ((size_t)PY_SSIZE_T_MAX - head - text) / sizeof(alloc_obj_t)) return PyErr_NoMemory();
   PyObject *list = PyList_New((Py_ssize_t)n);
-  for (size_t i = 0; list && i < n; i++) {
+  if (!list || !n) return list;
+  alloc_block_t *b = PyMem_Malloc(head + n * sizeof(alloc_obj_t) + text);
+  if (!b) {
+    Py_DECREF(list);
+    return PyErr_NoMemory();
+  }
+  alloc_obj_t *objs = (alloc_obj_t *)((char *)b + head);
+  char *paths = (char *)(objs + n);
+  if (text) memcpy(paths, s->text, text);
+  b->live = (Py_ssize_t)n;
+  for (size_t i = 0; i < n; i++) {
     dp_ptr_info_t p;
     dp_ptrset_get(set, i, &p, NULL);
-    alloc_obj_t *a = PyObject_New(alloc_obj_t, &alloc_type);
-    if (!a) {
-      Py_CLEAR(list);
-      break;
-    }
-    const char *path = dpy_scanner_path(s, i);
+    alloc_obj_t *a = &objs[i];
+    PyObject_Init((PyObject *)a, &alloc_type);
     a->device = p.device;
     a->ptr = p.base;
     a->nbytes = p.nbytes;
     a->refs = s->count_refs ? s->refs[i] : p.refs;
-    a->path = path ? PyUnicode_FromString(path) : Py_NewRef(Py_None);
+    const char *path = dpy_scanner_path(s, i);
+    a->path_text = path ? paths + (path - s->text) : NULL;
+    a->path = NULL;
+    a->block = b;
     PyList_SET_ITEM(list, (Py_ssize_t)i, (PyObject *)a);
-    if (!a->path) Py_CLEAR(list);
   }
   return list;
 }

@@ -152,6 +152,36 @@ def test_allocations_come_in_discovery_order_with_their_first_path():
     assert [x.ptr for x in got] == [storage_ptr(t)[0] for t in (a, b, c)]
 
 
+def test_allocations_outlive_their_list_and_each_other_and_free_their_memory_with_the_last():
+    import gc
+    import tracemalloc
+
+    ts = [torch.ones(i + 1) for i in range(50)]
+    value = {f"k{i}": t for i, t in enumerate(ts)}
+    kept = devpickle.scan(value)[7::20]  # the list goes; three of its Allocations stay
+    gc.collect()
+    assert [(a.path, a.ptr, a.refs) for a in kept] == [(f'$.k{i}', storage_ptr(ts[i])[0], 1) for i in (7, 27, 47)]
+    assert kept[0].path is kept[0].path and repr(kept[1]).endswith("path='$.k27')")
+    assert kept[2] == dict(kept[2]) and kept[0] != kept[1]
+    assert devpickle.scan([ts[7]])[0] != kept[0]  # the same memory at another path
+    assert devpickle.scan([ts[7]], paths=False)[0] == devpickle.scan([ts[7]], paths=False)[0]
+    assert devpickle.scan([1, "x"]) == []
+    del kept
+    tracemalloc.start()
+    try:
+        devpickle.scan(value)
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(200):
+            got = devpickle.scan(value)
+            one = got[3]
+            del got
+            assert one.path == "$.k3"
+            del one
+        assert tracemalloc.get_traced_memory()[0] - before < 4096
+    finally:
+        tracemalloc.stop()
+
+
 def test_paths_false_gives_none_paths():
     got = devpickle.scan([torch.ones(1)], paths=False)
     assert got[0].path is None
