@@ -2740,6 +2740,56 @@ static int run_inline(dpy_scanner_t *s, PyObject *c, PyTypeObject **ok, int leve
   return rc;
 }
 
+/* An instance of a class that keeps pickle's defaults (K_OBJECT, of a
+ * plain metaclass, in no dispatch-table entry), met by a run, held only by
+ * its slot there, before the walk ran any of the value's code and with no
+ * path asked for: its __dict__, when small and made of str keys (none
+ * `__cuda_array_interface__`) and of values run_inline would read, is read
+ * in place — no frame, no memo, the same allocations in the same order as
+ * visit() would give. As run_inline: nothing is added to the set before
+ * all its values were read, and one the run cannot read takes them all
+ * back (visit() enters the object as before). 1: done; 0: not; -1: error. */
+static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
+  PyTypeObject *t = Py_TYPE(o);
+  if (Py_TYPE(t) != &PyType_Type || s->nframes + 1 > s->max_depth) return 0; /* too deep: visit() says so */
+  PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t); /* a type's hash: its address */
+  if (fn || PyErr_Occurred()) {
+    clear_error(); /* visit() looks it up again, and reports */
+    return 0;
+  }
+  PyObject **dp = _PyObject_GetDictPtr(o);
+  PyObject *d = dp ? *dp : NULL;
+  if (!d || !PyDict_CheckExact(d)) return 0; /* a managed dict not made yet, or a dict subclass: visit() */
+  Py_ssize_t n = PyDict_GET_SIZE(d);
+  if (n == 0) return 1;
+  if (n > INLINE_MAX) return 0;
+  if (s->npend > PEND_MAX - (int)n * DP_TORCH_MAX_ALLOCS && flush_pending(s)) return -1;
+  int mark = s->npend, rc = 1;
+  Py_INCREF(o);
+  Py_INCREF(d); /* Python code under the adapter may change the object or its dict: checked at every step */
+  Py_ssize_t pos = 0;
+  PyObject *k, *v;
+  while (rc == 1 && PyDict_GET_SIZE(d) == n && dp == _PyObject_GetDictPtr(o) && *dp == d &&
+         PyDict_Next(d, &pos, &k, &v)) {
+    if (!PyUnicode_CheckExact(k) || k == dpy.str_cai ||
+        (PyUnicode_GET_LENGTH(k) == PyUnicode_GET_LENGTH(dpy.str_cai) && PyUnicode_Compare(k, dpy.str_cai) == 0)) {
+      rc = 0;
+      break;
+    }
+    PyTypeObject *vt = Py_TYPE(v);
+    if (plain_leaf(vt)) continue;
+    if (vt == &PyTuple_Type || vt == &PyList_Type)
+      rc = !s->ran_code && Py_REFCNT(v) == 1 ? run_inline(s, v, ok, 2) : 0;
+    else
+      rc = s->npend <= PEND_MAX - DP_TORCH_MAX_ALLOCS ? run_tensor(s, v, ok) : 0;
+  }
+  if (rc == 1 && (PyDict_GET_SIZE(d) != n || dp != _PyObject_GetDictPtr(o) || *dp != d)) rc = 0; /* changed */
+  if (rc != 1) unpend(s, mark);
+  Py_DECREF(d);
+  Py_DECREF(o);
+  return rc;
+}
+
 /* The walk of scan and of the Future (not building, no opaque types) over
  * a list or tuple: a run of items that are leaves, tensors run_tensor
  * reads, or small containers run_inline reads, is read here, as visit()
@@ -2763,10 +2813,17 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     }
     f->idx = f->pos; /* the item's path */
     int r;
-    if (t == &PyTuple_Type || t == &PyList_Type)
+    if (t == &PyTuple_Type || t == &PyList_Type) {
       r = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, &ok, 1) : 0;
-    else
+    } else if (t == ok) {
       r = run_tensor(s, o, &ok);
+    } else {
+      tcache_ent_t *e = tcache_hit(t);
+      if (e && e->kind == K_OBJECT)
+        r = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1 ? run_object(s, o, &ok) : 0;
+      else
+        r = run_tensor(s, o, &ok);
+    }
     if (r <= 0) return r;
     f->idx = f->pos++;
   }

@@ -128,6 +128,69 @@ def test_small_containers_nested_in_each_other_give_the_allocations_paths_would_
         assert f.done() and f.value() is v
 
 
+def test_instances_in_a_list_give_the_allocations_paths_would_give_whatever_their_dict_holds():
+    import copyreg
+
+    class Plain:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    class Registered(Plain):
+        pass
+
+    class Meta(type):
+        pass
+
+    class WithMeta(Plain, metaclass=Meta):
+        pass
+
+    class Iface(Plain):
+        pass
+
+    ts = [torch.ones(i + 1) for i in range(12)]
+    hidden = torch.ones(99)
+    shared = Plain(t=ts[0])
+
+    def odd():
+        o = Plain(t=ts[5])
+        o.__dict__[7] = ts[6]  # a key that is not a str
+        return o
+
+    def iface():
+        o = Iface(t=ts[8])
+        o.__cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x1000, False), "version": 3}
+        return o
+
+    # each instance held by its list only (those read in place), but `shared`
+    values = [
+        [Plain(t=t, n=1, s="x", sub=[t[1:], (t,)]) for t in ts],
+        [Plain(a=t, b=Plain(c=t)) for t in ts],  # an instance in an instance: entered by visit()
+        [shared, shared, Plain(u=shared)],
+        [odd(), Plain(**{f"a{i}": ts[i] for i in range(10)}), Plain(), Plain(x=None)],  # 10: more than read in place
+        [iface(), Plain(t=ts[9])],
+        [WithMeta(t=ts[10]), Registered(t=ts[11])],
+    ]
+    copyreg.pickle(Registered, lambda o: (Registered, (), {"t": o.t, "extra": hidden}))
+    try:
+        for v in values:
+            with_paths = [(x.device, x.ptr, x.nbytes, x.refs) for x in devpickle.scan(v)]
+            assert [(x.device, x.ptr, x.nbytes, x.refs) for x in devpickle.scan(v, paths=False)] == with_paths, v
+        # the dispatch table's reduce is walked, not the instance's __dict__
+        assert storage_ptr(hidden)[0] in [x.ptr for x in devpickle.scan(values[5], paths=False)]
+        assert 0x1000 in [x.ptr for x in devpickle.scan(values[4], paths=False)]
+        # an interface set on the instance is read, malformed or not
+        def bad():
+            o = Iface(t=ts[0])
+            o.__cuda_array_interface__ = 5
+            return [o]  # the list's reference its only one
+
+        for paths in (True, False):
+            with pytest.raises(devpickle.WalkError, match="malformed __cuda_array_interface__"):
+                devpickle.scan(bad(), paths=paths)
+    finally:
+        del copyreg.dispatch_table[Registered]
+
+
 def test_nesting_past_the_depth_limit_in_small_lists_is_refused_without_paths_too():
     x = torch.zeros(1)
     for _ in range(262_145):
