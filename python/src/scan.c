@@ -771,7 +771,7 @@ static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nb
 
 /* Adds an allocation found on obj: in a batch when no path or index is
  * asked for it. */
-static int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj) {
+static inline __attribute__((always_inline)) int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj) {
   if (s->want_paths || s->build) return add_alloc_at(s, dev, base, nbytes, obj, NULL);
   if (s->npend == (int)(sizeof s->pend / sizeof s->pend[0]) && flush_pending(s)) return -1;
   if (s->count_refs) s->pend_obj[s->npend] = Py_NewRef(obj);
@@ -2666,7 +2666,7 @@ static inline PyObject **dict_ptr(PyObject *o, PyTypeObject *t) {
  * tensor held while read (Python code can run under the adapter: a tensor
  * subclass's dispatch). 1: done; 0: not such a tensor, or one whose memory
  * the adapter could not read (visit() reads it, and reports); -1: error. */
-static int run_tensor(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
+static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
   PyTypeObject *t = Py_TYPE(o);
   if (t != *ok) {
     tcache_ent_t *e = tcache_hit(t); /* a kind not yet cached: classifying may run Python code */
