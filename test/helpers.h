@@ -52,6 +52,41 @@ static inline void t_track(void) {
   dp_set_allocator(t_alloc, NULL);
 }
 
+/* Fails allocation 1, 2, 3, ... of run(ctx, err) (counted from its start)
+ * until a run has none failed, and returns how many runs failed one. Before
+ * each run, prepare(ctx) (may be NULL) makes what the call is given, with
+ * nothing failed; after it, check(ctx, rc, k) asserts the state the call left
+ * (rc its return, 0 when the failure was absorbed) and frees what it made.
+ * A failed run must return DP_ENOMEM with the code and a message in err. */
+typedef struct t_sweep {
+  void (*prepare)(void *ctx);
+  int (*run)(void *ctx, dp_error_t *err);
+  void (*check)(void *ctx, int rc, long k);
+} t_sweep_t;
+
+__attribute__((unused)) static long t_sweep(const t_sweep_t *s, void *ctx) {
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 10000, "the call never ran without a failed allocation");
+    if (s->prepare) s->prepare(ctx);
+    dp_error_t e;
+    dp_error_clear(&e);
+    long want = t_fail_at = atomic_load(&t_alloc_count) + k;
+    int rc = s->run(ctx, &e);
+    int hit = atomic_load(&t_alloc_count) >= want;
+    t_fail_at = 0;
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld failed: %s: %s", k, dp_err_name(rc), e.message);
+      cr_assert_eq(e.code, rc, "allocation %ld failed: err->code %d", k, e.code);
+      cr_assert(e.message[0], "allocation %ld failed: DP_ENOMEM without a message", k);
+    }
+    s->check(ctx, rc, k);
+    if (!hit) {
+      cr_assert_eq(rc, 0, "with no allocation failed, the call succeeds");
+      return k - 1;
+    }
+  }
+}
+
 /* Cycles released on this thread are collected first (dp_value_collect):
  * what is still live afterwards is a leak. */
 #define ASSERT_NO_LEAK()                                                              \

@@ -652,6 +652,140 @@ Test(value, construction_fails_cleanly_at_every_allocation) {
   }
 }
 
+/* The calls the sweep above does not make, each swept on its own: every
+ * failure is DP_ENOMEM with a message, what a call steals is released, the
+ * container it was given holds what it held, and the next call succeeds. */
+typedef struct vsweep {
+  dp_value_t c;       /* the container given (none for a constructor) */
+  dp_value_t made;    /* what the call made */
+  dp_value_t item;    /* what the call steals */
+  dp_value_t key;
+  dp_storage_t *st;
+  int op;
+} vsweep_t;
+
+enum { V_BYTES, V_LIST, V_TUPLE, V_DICT, V_STORAGE, V_OBJECT, V_APPEND, V_DICT_SET, V_OBJECT_SET, V_HOST_DATA, V_TENSOR,
+       V_REDUCED, V_COUNT };
+
+#define V_FILL 8 /* entries already there: the next one makes the index */
+static const char v_long_name[] = "an_attribute_name_longer_than_inline";
+
+static void vsweep_prepare(void *p) {
+  vsweep_t *s = p;
+  s->c = s->made = dp_none();
+  s->st = NULL;
+  s->item = t_str("new");
+  /* a tuple key, whose words are kept only once it is in */
+  OK(dp_tuple_new(1, &s->key, T_ERR));
+  OK(dp_seq_set(s->key, 0, t_str("k"), T_ERR));
+  switch (s->op) {
+    case V_APPEND:
+      OK(dp_list_new(2, &s->c, T_ERR));
+      for (int i = 0; i < 2; i++) OK(dp_list_append(s->c, t_str("item"), T_ERR));
+      break;
+    case V_DICT_SET:
+      OK(dp_dict_new(0, &s->c, T_ERR));
+      for (int i = 0; i < V_FILL; i++) OK(dp_dict_set(s->c, dp_int(i), t_str("v"), T_ERR));
+      break;
+    case V_OBJECT_SET:
+      s->c = t_obj("Box");
+      for (int i = 0; i < V_FILL; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "a%d", i);
+        OK(dp_object_set(s->c, name, dp_int(i), T_ERR));
+      }
+      break;
+    case V_HOST_DATA:
+      s->st = t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 4);
+      OK(dp_storage_set_host_data(s->st, "old!", T_ERR));
+      break;
+    case V_TENSOR:
+      s->st = t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 64);
+      break;
+  }
+}
+
+static int vsweep_run(void *p, dp_error_t *e) {
+  vsweep_t *s = p;
+  int64_t shape[2] = {4, 4};
+  switch (s->op) {
+    case V_BYTES: return dp_bytes_new("\0\1", 2, &s->made, e);
+    case V_LIST: return dp_list_new(100, &s->made, e);
+    case V_TUPLE: return dp_tuple_new(5, &s->made, e);
+    case V_DICT: return dp_dict_new(50, &s->made, e);
+    case V_STORAGE: return dp_storage_new(t_dev(DP_DEVICE_HOST, 1), (void *)0x2000, 8, NULL, NULL, &s->st, e);
+    case V_APPEND: return dp_list_append(s->c, s->item, e);
+    case V_DICT_SET: {
+      dp_value_t k = s->key;
+      s->key = dp_none();
+      return dp_dict_set(s->c, k, s->item, e);
+    }
+    case V_OBJECT_SET: return dp_object_set(s->c, v_long_name, s->item, e);
+    case V_HOST_DATA: return dp_storage_set_host_data(s->st, "new!", e);
+    case V_TENSOR: return dp_tensor_new(s->st, DP_FLOAT32, 2, shape, NULL, 0, &s->made, e);
+    case V_OBJECT: return dp_object_new(v_long_name, &s->made, e);
+    default: return dp_object_new_reduced("Reduced", s->item, &s->made, e);
+  }
+}
+
+/* The container holds what it held before a failed call (n items, the new
+ * one absent), and one more after a successful one; it takes one more. */
+static void vsweep_check_container(vsweep_t *s, int rc) {
+  size_t n = rc ? 2 : 3;
+  dp_value_t v;
+  switch (s->op) {
+    case V_APPEND:
+      cr_assert_eq(dp_seq_len(s->c), n);
+      cr_assert_str_eq(dp_str_data(dp_seq_get(s->c, 1), NULL), "item");
+      OK(dp_list_append(s->c, dp_int(1), T_ERR));
+      cr_assert_eq(dp_seq_len(s->c), n + 1);
+      break;
+    case V_DICT_SET:
+      cr_assert_eq(dp_dict_len(s->c), V_FILL + !rc);
+      for (int i = 0; i < V_FILL; i++) OK(dp_dict_get(s->c, dp_int(i), NULL, T_ERR));
+      OK(dp_dict_set(s->c, dp_int(100), dp_int(1), T_ERR));
+      OK(dp_dict_get(s->c, dp_int(100), NULL, T_ERR));
+      break;
+    case V_OBJECT_SET:
+      cr_assert_eq(dp_object_nattrs(s->c), V_FILL + !rc);
+      cr_assert_eq(dp_object_get(s->c, v_long_name, &v, NULL), rc ? DP_ENOTFOUND : 0);
+      OK(dp_object_set(s->c, "a0", dp_int(7), T_ERR));
+      OK(dp_object_set(s->c, "later", dp_int(1), T_ERR));
+      OK(dp_object_get(s->c, "later", NULL, T_ERR));
+      break;
+    case V_HOST_DATA:
+      cr_assert_eq(memcmp(dp_storage_host_data(s->st), rc ? "old!" : "new!", 4), 0);
+      break;
+  }
+}
+
+static void vsweep_check(void *p, int rc, long k) {
+  vsweep_t *s = p;
+  (void)k;
+  vsweep_check_container(s, rc);
+  if (rc == 0 && s->op == V_TENSOR) cr_assert_eq(dp_tensor_storage(s->made), s->st);
+  if (rc == 0 && s->op == V_REDUCED) cr_assert(dp_object_is_reduced(s->made));
+  /* the item, and the storage a tensor is given, were stolen even on failure */
+  if (s->op < V_APPEND || s->op == V_HOST_DATA || s->op == V_TENSOR) dp_value_release(s->item);
+  dp_value_release(s->key);
+  dp_value_release(s->c);
+  if (rc == 0) dp_value_release(s->made);
+  if (s->op != V_TENSOR) dp_storage_release(s->st);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, every_other_constructor_and_setter_fails_cleanly_at_every_allocation) {
+  static const t_sweep_t sw = {vsweep_prepare, vsweep_run, vsweep_check};
+  static const long least[V_COUNT] = {
+      [V_BYTES] = 1, [V_LIST] = 1, [V_TUPLE] = 1, [V_DICT] = 1, [V_STORAGE] = 1, [V_OBJECT] = 1, [V_APPEND] = 1,
+      [V_DICT_SET] = 2, [V_OBJECT_SET] = 3, [V_HOST_DATA] = 1, [V_TENSOR] = 1, [V_REDUCED] = 1};
+  for (int op = 0; op < V_COUNT; op++) {
+    vsweep_t s = {.op = op};
+    long failed = t_sweep(&sw, &s);
+    cr_assert_geq(failed, least[op], "call %d: %ld allocations failed", op, failed);
+  }
+}
+
 /* ---- equality and hash ---- */
 
 Test(value, equality_is_structural_and_terminates_on_cycles) {
