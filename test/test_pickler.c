@@ -4256,3 +4256,132 @@ Test(pickler, each_buffer_descriptor_field_out_of_its_range_is_refused_at_the_de
   free(payload);
   ASSERT_NO_LEAK();
 }
+
+/* ---- allocation failures of the calls the sweeps above do not make ---- */
+
+static uint8_t psweep_cpu_bytes[64];
+
+static int psweep_read(void *ud, dp_device_t d, const void *src, size_t n, void *dst, dp_error_t *err) {
+  (void)ud, (void)d, (void)src, (void)err;
+  memset(dst, 0x5a, n);
+  return 0;
+}
+
+/* A value with each kind of inline buffer (cpu memory read directly, device
+ * memory through the callback, host data) and customs to resolve. */
+static dp_value_t psweep_value(void) {
+  dp_value_t v = t_obj("Model");
+  dp_storage_t *cpu = t_storage(CPU, (uintptr_t)psweep_cpu_bytes, sizeof psweep_cpu_bytes);
+  dp_storage_t *hd = t_storage(CUDA1, 0x9000, 8);
+  OK(dp_storage_set_host_data(hd, "hostdata", T_ERR));
+  OK(dp_object_set(v, "cpu", t_view(cpu, 16, 0), T_ERR));
+  OK(dp_object_set(v, "gpu", t_holder(t_tensor(CUDA0, 0x1000, 32)), T_ERR));
+  OK(dp_object_set(v, "hd", t_view(hd, 2, 0), T_ERR));
+  OK(dp_object_set(v, "again", t_holder(t_view(cpu, 4, 8)), T_ERR));
+  dp_storage_release(cpu);
+  dp_storage_release(hd);
+  return v;
+}
+
+enum { P_PICKLE_INLINE, P_PICKLE_COLD, P_UNPICKLE_BOUND, P_UNPICKLE_STREAM, P_FRAME_CHECK, P_COUNT };
+
+typedef struct psweep {
+  int op;
+  dp_frame_t *warm;        /* reused by every pickle */
+  dp_frame_t *frame;       /* the one pickled into: warm, or new for P_PICKLE_COLD */
+  const uint8_t *ref;      /* the frame that pickle must give, of ref_n bytes */
+  size_t ref_n;
+  dp_value_t v, out;
+  int resolved;
+  long live;               /* blocks live before the call */
+} psweep_t;
+
+static void psweep_prepare(void *p) {
+  psweep_t *s = p;
+  s->live = atomic_load(&t_live_blocks);
+  s->frame = s->warm;
+  if (s->op == P_PICKLE_COLD) OK(dp_frame_new(&s->frame, T_ERR));
+}
+
+static int psweep_run(void *p, dp_error_t *e) {
+  psweep_t *s = p;
+  static const char *const allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_holder, &s->resolved};
+  dp_unpickle_opts_t uo;
+  memset(&uo, 0, sizeof uo);
+  uo.resolver = &res;
+  uo.bind = count_binds;
+  uo.bind_ud = &(int){0};
+  s->out = dp_none();
+  switch (s->op) {
+    case P_PICKLE_INLINE:
+    case P_PICKLE_COLD: {
+      dp_pickle_opts_t o = {DP_PICKLE_INLINE, 0, psweep_read, NULL};
+      return dp_pickle(s->v, &o, s->frame, e);
+    }
+    case P_UNPICKLE_BOUND: return dp_unpickle(s->ref, s->ref_n, &uo, &s->out, e);
+    case P_UNPICKLE_STREAM: {
+      mem_reader_t c = {s->ref, s->ref_n, 100};
+      return dp_unpickle_stream(mem_read, &c, &uo, &s->out, NULL, NULL, e);
+    }
+    default: return dp_frame_check(s->ref, s->ref_n, NULL, e);
+  }
+}
+
+static void psweep_check(void *p, int rc, long k) {
+  psweep_t *s = p;
+  if (s->op <= P_PICKLE_COLD) {
+    size_t n;
+    dp_buffer_desc_t d;
+    if (rc) { /* on error the frame is empty */
+      dp_frame_data(s->frame, &n);
+      cr_assert_eq(n, 0, "allocation %ld: the failed frame holds %zu bytes", k, n);
+      cr_assert_eq(dp_frame_nbuffers(s->frame), 0);
+      cr_assert_eq(dp_frame_buffer(s->frame, 0, &d, NULL), DP_EINVAL);
+    }
+    OK(dp_pickle(s->v, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, psweep_read, NULL}, s->frame, T_ERR));
+    const uint8_t *b = dp_frame_data(s->frame, &n);
+    cr_assert(n == s->ref_n && memcmp(b, s->ref, n) == 0, "allocation %ld: the frame pickled again differs", k);
+    OK(dp_frame_buffer(s->frame, 2, &d, T_ERR));
+    cr_assert_eq(memcmp(d.data, "hostdata", 8), 0);
+    if (s->frame != s->warm) dp_frame_free(s->frame);
+  } else if (rc == 0 && s->op != P_FRAME_CHECK) {
+    dp_value_t g;
+    OK(dp_object_get(s->out, "gpu", &g, T_ERR));
+    cr_assert_eq(dp_custom_type(g), &holder_type, "allocation %ld: the allowed custom was resolved", k);
+    cr_assert_eq(dp_value_equal(s->out, s->v, 0, NULL), 0, "customs compare by identity");
+    dp_value_release(s->out);
+  }
+  cr_assert_eq(atomic_load(&t_live_blocks), s->live, "allocation %ld failed: %ld blocks leaked", k,
+               atomic_load(&t_live_blocks) - s->live);
+}
+
+/* Pickling into a reused frame, reading with a resolver and a bind callback
+ * (whole and streamed) and checking a frame: every allocation failure is
+ * DP_ENOMEM with a message and leaks nothing (the sweep above read without
+ * either callback, into a fresh frame); a failed pickle leaves the frame
+ * empty, and the next one into it gives the same bytes. */
+Test(pickler, pickling_inline_into_a_reused_frame_and_reading_with_callbacks_fail_cleanly_at_every_allocation) {
+  psweep_t s = {0};
+  s.v = psweep_value();
+  dp_frame_t *ref = pickle_ok(s.v, 0), *inl;
+  OK(dp_frame_new(&inl, T_ERR));
+  OK(dp_pickle(s.v, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, psweep_read, NULL}, inl, T_ERR));
+  OK(dp_frame_new(&s.warm, T_ERR));
+  OK(dp_pickle(s.v, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, psweep_read, NULL}, s.warm, T_ERR)); /* grown once */
+  static const t_sweep_t sw = {psweep_prepare, psweep_run, psweep_check};
+  for (s.op = 0; s.op < P_COUNT; s.op++) {
+    s.ref = dp_frame_data(s.op == P_UNPICKLE_BOUND ? ref : inl, &s.ref_n);
+    long failed = t_sweep(&sw, &s);
+    if (s.op == P_FRAME_CHECK)
+      cr_assert_eq(failed, 0, "dp_frame_check allocates nothing");
+    else /* a warm frame's pickle allocates the two reduced states only */
+      cr_assert_geq(failed, s.op == P_PICKLE_INLINE ? 2 : 10, "op %d: %ld allocations failed", s.op, failed);
+  }
+  cr_assert_gt(s.resolved, 0);
+  dp_frame_free(s.warm);
+  dp_frame_free(inl);
+  dp_frame_free(ref);
+  dp_value_release(s.v);
+  ASSERT_NO_LEAK();
+}
