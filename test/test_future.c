@@ -1297,6 +1297,134 @@ Test(future, every_allocation_failure_is_an_error_and_leaks_nothing) {
   }
 }
 
+/* The calls the sweep above does not make: then_with_ptrs on a pending and
+ * on a complete parent, then() on a complete parent (its callback runs at
+ * once), completion from the producer's set, and a wait and a synchronize
+ * on a value over two devices. Every failure is DP_ENOMEM with a message;
+ * a then_with_ptrs callback runs exactly once (with ptrs NULL when it cannot
+ * run); the parent still completes and is waited on, and a child never hangs. */
+enum { FS_THEN_PTRS, FS_THEN_PTRS_DONE, FS_THEN_DONE, FS_MARK_PTRS, FS_WAIT, FS_SYNC, FS_COUNT };
+
+typedef struct fsweep {
+  int op;
+  dp_value_t o, a, b;   /* o holds a (host:0) and b (host:1) */
+  dp_ptrset_t *set;     /* FS_MARK_PTRS: the producer's */
+  dp_future_t *f, *child;
+  dp_stream_t *mine[2]; /* FS_WAIT, FS_SYNC: the waiting thread's streams, not the completing ones */
+  _Atomic int calls, calls_without_ptrs;
+} fsweep_t;
+
+static int fsweep_ptrs_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  fsweep_t *s = ud;
+  atomic_fetch_add(&s->calls, 1);
+  if (!ptrs) {
+    atomic_fetch_add(&s->calls_without_ptrs, 1);
+    cr_assert_eq(err->code, DP_ENOMEM, "told why it cannot run: %s", err->message);
+    return 0;
+  }
+  int rc = dp_future_error(parent, err); /* it runs for a failed parent too */
+  if (rc) return rc;
+  *result = dp_value_retain(dp_future_value(parent));
+  return dp_scan(*result, NULL, ptrs, err);
+}
+
+static void fsweep_prepare(void *p) {
+  fsweep_t *s = p;
+  s->child = NULL;
+  s->set = NULL;
+  atomic_store(&s->calls, 0);
+  atomic_store(&s->calls_without_ptrs, 0);
+  s->o = t_obj("Pair");
+  s->a = device_ints(H0, 8);
+  s->b = device_ints(H1, 8);
+  OK(dp_object_set(s->o, "a", dp_value_retain(s->a), T_ERR));
+  OK(dp_object_set(s->o, "b", dp_value_retain(s->b), T_ERR));
+  s->f = future();
+  if (s->op == FS_MARK_PTRS) {
+    OK(dp_ptrset_new(&s->set, T_ERR));
+    OK(dp_scan(s->o, NULL, s->set, T_ERR));
+  } else if (s->op != FS_THEN_PTRS) {
+    OK(dp_future_mark_completed(s->f, s->o, T_ERR));
+    s->o = dp_none();
+  }
+  for (int d = 0; d < 2 && s->op >= FS_WAIT; d++) {
+    OK(dp_stream_new(B, d ? H1 : H0, &s->mine[d], T_ERR));
+    OK(dp_set_current_stream(s->mine[d], NULL, T_ERR));
+  }
+}
+
+static int fsweep_run(void *p, dp_error_t *e) {
+  fsweep_t *s = p;
+  int rc = 0;
+  switch (s->op) {
+    case FS_THEN_PTRS:
+      rc = dp_future_then_with_ptrs(s->f, fsweep_ptrs_cb, s, &s->child, e);
+      break;
+    case FS_THEN_PTRS_DONE: return dp_future_then_with_ptrs(s->f, fsweep_ptrs_cb, s, &s->child, e);
+    case FS_THEN_DONE: return dp_future_then(s->f, hop_cb, NULL, &s->child, e);
+    case FS_MARK_PTRS: {
+      dp_value_t o = s->o;
+      s->o = dp_none();
+      return dp_future_mark_completed_with_ptrs(s->f, o, s->set, e);
+    }
+    case FS_WAIT: return dp_future_wait(s->f, -1, e);
+    default: return dp_future_synchronize(s->f, -1, e);
+  }
+  /* the parent completes after the callback was chained, or its chaining failed */
+  dp_value_t o = s->o;
+  s->o = dp_none();
+  int rc_mark = dp_future_mark_completed(s->f, o, rc ? NULL : e);
+  return rc ? rc : rc_mark;
+}
+
+static void fsweep_check(void *p, int rc, long k) {
+  fsweep_t *s = p;
+  dp_error_t e;
+  /* the parent is complete, with its value unless its own completion failed */
+  cr_assert(dp_future_is_done(s->f), "allocation %ld: the parent never completed", k);
+  int rc_f = dp_future_wait(s->f, -1, &e);
+  cr_assert(rc_f == 0 || (rc_f == DP_ENOMEM && rc == DP_ENOMEM), "allocation %ld: the parent: %s: %s", k,
+            dp_err_name(rc_f), e.message);
+  if (rc == 0 || s->op >= FS_WAIT) cr_assert_eq(rc_f, 0, "allocation %ld: a failed wait fails no future", k);
+  if (s->child) {
+    int rc_c = dp_future_wait(s->child, -1, &e);
+    /* a failure in the callback's run fails the child only */
+    cr_assert(rc_c == 0 || (rc_c == DP_ENOMEM && e.message[0]), "allocation %ld: the child: %s: %s", k,
+              dp_err_name(rc_c), e.message);
+    if (rc_c == 0) cr_assert_eq(dp_future_nptrs(s->child), 2, "op %d, allocation %ld: the child holds %zu allocations", s->op, k, dp_future_nptrs(s->child));
+    if (s->op != FS_THEN_DONE) cr_assert_eq(atomic_load(&s->calls), 1, "allocation %ld: the callback ran %d times", k,
+                                            atomic_load(&s->calls));
+    if (atomic_load(&s->calls_without_ptrs)) cr_assert_eq(rc_c, DP_ENOMEM);
+  } else if (s->op <= FS_THEN_DONE) {
+    cr_assert_neq(rc, 0, "allocation %ld: no child without an error", k);
+    cr_assert_eq(atomic_load(&s->calls), 0, "allocation %ld: a callback that was not chained never runs", k);
+  }
+  if (rc == 0 && s->op == FS_MARK_PTRS) cr_assert_eq(dp_future_nptrs(s->f), 2);
+  dp_future_release(s->child);
+  dp_future_release(s->f);
+  dp_ptrset_free(s->set);
+  for (int d = 0; d < 2 && s->op >= FS_WAIT; d++) dp_stream_free(s->mine[d]);
+  OK(dp_device_synchronize(B, H0, T_ERR));
+  OK(dp_device_synchronize(B, H1, T_ERR));
+  free_ints(s->a);
+  free_ints(s->b);
+  dp_value_release(s->a);
+  dp_value_release(s->b);
+  dp_value_release(s->o);
+  dp_shutdown(); /* the event pool and the thread's kept blocks go too */
+  cr_assert_eq(atomic_load(&t_live_blocks), 0, "op %d: leak after failing allocation %ld", s->op, k);
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+}
+
+Test(future, chaining_on_complete_parents_completing_from_a_set_and_waiting_fail_cleanly_at_every_allocation) {
+  static const t_sweep_t sw = {fsweep_prepare, fsweep_run, fsweep_check};
+  for (int op = 0; op < FS_COUNT; op++) {
+    fsweep_t s = {.op = op};
+    long failed = t_sweep(&sw, &s);
+    cr_assert_gt(failed, 0, "op %d: no allocation was failed", op);
+  }
+}
+
 /* ---- what a completion holds ---- */
 
 /* Completing and releasing futures in steady state allocates nothing: the
