@@ -1952,3 +1952,109 @@ Test(allocator, a_pending_block_comes_back_once_the_work_before_its_free_is_done
   dp_stream_free(u);
   dp_stream_free(s);
 }
+
+/* ---- allocation failures of the calls the sweep above does not make ---- */
+
+enum { AS_CROSS, AS_CHAIN, AS_DEFAULT, AS_EMPTY, AS_COUNT };
+
+typedef struct asweep {
+  int op;
+  dp_stream_t *s, *u;
+  void *p;                       /* AS_CHAIN: a block of C's, recorded through the chain */
+  dp_cache_hooks_chain_t *chain;
+  dp_cache_t *made;              /* AS_DEFAULT */
+} asweep_t;
+
+static void asweep_prepare(void *ctx) {
+  asweep_t *a = ctx;
+  a->chain = NULL;
+  a->made = NULL;
+  a->p = NULL;
+  if (a->op == AS_DEFAULT) { /* a backend that has made no default allocator yet */
+    dp_cache_free(C);
+    dp_shutdown();
+    OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+    OK(dp_cache_new(B, &C, T_ERR));
+  }
+  a->s = stream(H0);
+  a->u = stream(H0);
+  OK(dp_cache_alloc(C, H0, 4096, a->s, &a->p, T_ERR));
+  if (a->op != AS_CHAIN) { /* a free block of s's: u takes it by waiting for s, or it goes back */
+    OK(dp_cache_dealloc(C, a->p, T_ERR));
+    a->p = NULL;
+  }
+}
+
+static int asweep_run(void *ctx, dp_error_t *e) {
+  asweep_t *a = ctx;
+  switch (a->op) {
+    case AS_CROSS: return dp_cache_alloc(C, H0, 4096, a->u, &a->p, e);
+    case AS_CHAIN: {
+      dp_cache_hooks_t list[2] = {dp_cache_hooks(C), dp_cache_hooks(C)};
+      int rc = dp_cache_hooks_chain_new(list, 2, &a->chain, e);
+      if (rc) return rc;
+      dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(a->chain);
+      return dp_cache_hooks_record(&h, &a->p, 1, a->u, e);
+    }
+    case AS_DEFAULT: return dp_cache_default(B, &a->made, e);
+    default: return dp_cache_empty(C, e);
+  }
+}
+
+static void asweep_check(void *ctx, int rc, long k) {
+  asweep_t *a = ctx;
+  dp_cache_stats_t st = stats(H0);
+  switch (a->op) {
+    case AS_CROSS:
+      cr_assert_eq(st.allocated, rc ? 0 : 4096, "allocation %ld", k);
+      if (rc) OK(dp_cache_alloc(C, H0, 4096, a->u, &a->p, T_ERR));
+      cr_assert_eq(stats(H0).cross_stream, 1, "allocation %ld: u took s's block", k);
+      OK(dp_cache_dealloc(C, a->p, T_ERR));
+      break;
+    case AS_CHAIN:
+      if (!a->chain) /* chain_new failed: the record is made through a new one */ a->chain = chain_of((dp_cache_hooks_t[2]){dp_cache_hooks(C), dp_cache_hooks(C)}, 2);
+      dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(a->chain);
+      OK(dp_cache_hooks_record(&h, &a->p, 1, a->u, T_ERR));
+      _Atomic int gate = 0; /* u held until the gate opens */
+      OK(dp_host_launch(a->u, gate_wait, &gate, T_ERR));
+      OK(dp_cache_dealloc(C, a->p, T_ERR));
+      cr_assert_eq(stats(H0).pending_blocks, 1, "allocation %ld: the block is held for u", k);
+      atomic_store(&gate, 1);
+      OK(dp_stream_synchronize(a->u, T_ERR));
+      dp_cache_hooks_chain_free(a->chain);
+      break;
+    case AS_DEFAULT: {
+      dp_cache_t *again;
+      OK(dp_cache_default(B, &again, T_ERR));
+      if (rc == 0) cr_assert_eq(again, a->made, "allocation %ld: one default allocator", k);
+      break;
+    }
+    default:
+      cr_assert_eq(st.reserved, rc ? (size_t)2 << 20 : 0, "allocation %ld: a segment kept for want of memory", k);
+      OK(dp_cache_empty(C, T_ERR));
+      cr_assert_eq(stats(H0).reserved, 0);
+      break;
+  }
+  dp_stream_free(a->s);
+  dp_stream_free(a->u);
+  OK(dp_cache_empty(C, T_ERR));
+  dp_cache_free(C);
+  dp_shutdown(); /* the event pool too */
+  cr_assert_eq(atomic_load(&t_live_blocks), 0, "op %d: leak after failing allocation %ld", a->op, k);
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+  OK(dp_cache_new(B, &C, T_ERR));
+}
+
+/* Taking another stream's block, a chain's creation and a record through
+ * it, the first dp_cache_default and dp_cache_empty: each allocation failure
+ * is DP_ENOMEM with a message, leaks nothing and leaves the allocator as it
+ * was (the block still free, a segment still cached), ready for the call
+ * to succeed next. */
+Test(allocator, taking_another_streams_block_chaining_and_emptying_fail_cleanly_at_every_allocation) {
+  static const t_sweep_t sw = {asweep_prepare, asweep_run, asweep_check};
+  for (int op = 0; op < AS_COUNT; op++) {
+    asweep_t a = {.op = op};
+    long failed = t_sweep(&sw, &a);
+    cr_assert_gt(failed, 0, "op %d: no allocation was failed", op);
+  }
+}
