@@ -1711,3 +1711,122 @@ Test(device, pinned_memory_of_zero_bytes_or_without_a_backend_is_einval) {
   memset(p, 1, 16);
   dp__pinned_free(b, p, 16);
 }
+
+/* ---- allocation failures of the calls the sweeps above do not make ---- */
+
+enum { DS_BACKEND, DS_STREAM_NEW, DS_DEFAULT, DS_POOL, DS_EVENT, DS_WAIT_EVENT, DS_ALLOC, DS_SYNC, DS_COPY, DS_COUNT };
+
+typedef struct dsweep {
+  int op;
+  dp_backend_t *b;
+  dp_stream_t *s, *made, *t;
+  _Atomic int gate;     /* DS_WAIT_EVENT: t is held until it opens */
+  dp_event_t *ev;
+  void *p;
+  char src[64], dst[64];
+} dsweep_t;
+
+static void dsweep_gate(void *arg) {
+  for (int ms = 0; !atomic_load((_Atomic int *)arg) && ms < 30000; ms++) sleep_ms(1);
+}
+
+static void dsweep_prepare(void *ctx) {
+  dsweep_t *d = ctx;
+  d->b = NULL;
+  d->s = d->made = d->t = NULL;
+  atomic_store(&d->gate, 0);
+  d->ev = NULL;
+  d->p = NULL;
+  memset(d->dst, 0, sizeof d->dst);
+  if (d->op == DS_BACKEND) return;
+  d->b = host();
+  if (d->op == DS_SYNC || d->op == DS_COPY || d->op == DS_WAIT_EVENT) OK(dp_stream_new(d->b, H0, &d->s, T_ERR));
+  if (d->op == DS_WAIT_EVENT) {
+    OK(dp_stream_new(d->b, H1, &d->t, T_ERR));
+    OK(dp_host_launch(d->t, dsweep_gate, &d->gate, T_ERR));
+    OK(dp_event_new(d->b, H1, &d->ev, T_ERR));
+    OK(dp_event_record(d->ev, d->t, T_ERR));
+  }
+}
+
+static int dsweep_run(void *ctx, dp_error_t *e) {
+  dsweep_t *d = ctx;
+  switch (d->op) {
+    case DS_BACKEND: return dp_backend_get(DP_DEVICE_HOST, &d->b, e);
+    case DS_STREAM_NEW: return dp_stream_new(d->b, H1, &d->made, e);
+    case DS_DEFAULT: return dp_stream_default(d->b, H1, &d->made, e);
+    case DS_POOL: return dp_stream_pool_next(d->b, H1, &d->made, e);
+    case DS_EVENT: return dp_event_new(d->b, H1, &d->ev, e);
+    case DS_WAIT_EVENT: return dp_stream_wait_event(d->s, d->ev, e);
+    case DS_ALLOC: return dp_device_alloc(d->b, H1, 4096, &d->p, e);
+    case DS_SYNC: return dp_device_synchronize(d->b, H0, e);
+    default: return dp_memcpy_async(d->s, d->dst, d->src, sizeof d->src, e);
+  }
+}
+
+static void dsweep_ran(void *arg) { atomic_store((_Atomic int *)arg, 1); }
+
+static void dsweep_check(void *ctx, int rc, long k) {
+  dsweep_t *d = ctx;
+  if (rc) { /* the same call succeeds next */
+    cr_assert(d->made == NULL && d->p == NULL, "allocation %ld: a failed call hands out nothing", k);
+    if (d->op == DS_EVENT) cr_assert_null(d->ev, "allocation %ld: a failed call hands out nothing", k);
+    OK(dsweep_run(d, T_ERR));
+  }
+  switch (d->op) {
+    case DS_STREAM_NEW:
+    case DS_DEFAULT:
+    case DS_POOL: {
+      _Atomic int ran = 0;
+      OK(dp_host_launch(d->made, dsweep_ran, &ran, T_ERR));
+      OK(dp_stream_synchronize(d->made, T_ERR));
+      cr_assert(atomic_load(&ran), "allocation %ld: the stream runs work", k);
+      dp_stream_free(d->made);
+      break;
+    }
+    case DS_EVENT: {
+      dp_stream_t *t = pooled(d->b, H1);
+      OK(dp_event_record(d->ev, t, T_ERR));
+      OK(dp_event_synchronize(d->ev, T_ERR));
+      break;
+    }
+    case DS_ALLOC:
+      memset(d->p, 1, 4096);
+      OK(dp_device_dealloc(d->b, H1, d->p, T_ERR));
+      break;
+    case DS_WAIT_EVENT: {
+      _Atomic int ran = 0;
+      OK(dp_host_launch(d->s, dsweep_ran, &ran, T_ERR));
+      sleep_ms(2);
+      cr_assert(!atomic_load(&ran), "allocation %ld: s waits for t's work", k);
+      atomic_store(&d->gate, 1);
+      OK(dp_stream_synchronize(d->s, T_ERR));
+      cr_assert(atomic_load(&ran));
+      dp_stream_free(d->t);
+      break;
+    }
+    case DS_COPY:
+      OK(dp_stream_synchronize(d->s, T_ERR));
+      cr_assert_eq(memcmp(d->dst, d->src, sizeof d->src), 0, "allocation %ld: the copy was made once queued", k);
+      break;
+  }
+  dp_event_free(d->ev);
+  dp_stream_free(d->s);
+  dp_shutdown();
+  cr_assert_eq(atomic_load(&t_live_blocks), 0, "op %d: leak after failing allocation %ld", d->op, k);
+}
+
+/* Starting the host backend, making streams (new, default, pooled) and
+ * events, queueing a wait on an event, allocating device memory,
+ * synchronizing a device and queueing a copy: each allocation failure is
+ * DP_ENOMEM with a message, hands out nothing, leaks nothing, and the same
+ * call succeeds next, with what it made working. */
+Test(device, starting_making_streams_and_events_allocating_and_copying_fail_cleanly_at_every_allocation) {
+  static const t_sweep_t sw = {dsweep_prepare, dsweep_run, dsweep_check};
+  for (int op = 0; op < DS_COUNT; op++) {
+    dsweep_t d = {.op = op};
+    for (size_t i = 0; i < sizeof d.src; i++) d.src[i] = (char)i;
+    long failed = t_sweep(&sw, &d);
+    cr_assert_gt(failed, 0, "op %d: no allocation was failed", op);
+  }
+}
