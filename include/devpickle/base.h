@@ -129,7 +129,10 @@ DP_API const char *dp_err_name(int code);
  * NULL for nsize > 0 is an allocation failure; the block at ptr stays valid.
  *
  * Every allocation devpickle makes goes through this one function, so tests can
- * fail the Nth allocation. The default wraps realloc/free.
+ * fail the Nth allocation. The default wraps realloc/free. What the libraries
+ * below devpickle allocate for themselves does not: UCX inside a transport
+ * (its workers, endpoints and messages), the CUDA runtime, and the C
+ * library's thread stacks for host streams and a transport's progress thread.
  */
 typedef void *(*dp_alloc_fn)(void *ud, void *ptr, size_t osize, size_t nsize);
 
