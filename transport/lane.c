@@ -211,6 +211,8 @@ void dp__tp_on_conn(ucp_conn_request_h req, void *arg) {
   p.err_handler.cb = dp__tp_ep_err_cb;
   p.err_handler.arg = ep;
   if (ucp_ep_create(t->worker, &p, &ep->ep) != UCS_OK) {
+    /* not rejected here: a failed ucp_ep_create has used the request up
+       (UCX rejects and frees it on its failure paths) */
     dp__free(ep, sizeof *ep);
     return;
   }
