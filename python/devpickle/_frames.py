@@ -43,6 +43,11 @@ class Buffer:
             return cupy.ndarray((self.nbytes,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(o.data.mem, 0))
         import numpy as np
 
+        if self.nbytes == 0:
+            # no bytes to view, nor to have moved: an empty array's memory lies
+            # outside any bounds of its own, and an empty tensor's address is
+            # NULL, which numpy refuses in an __array_interface__
+            return np.empty(0, dtype=np.uint8)
         # exactly [ptr, ptr + nbytes), whatever view of it was found first;
         # read-only when the memory's owner is (bytes, a read-only array)
         owner = o

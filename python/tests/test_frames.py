@@ -1227,3 +1227,17 @@ def test_dumps_and_loads_state_their_documented_signatures_and_take_obj_and_data
     assert devpickle.loads(data=frame) == {"a": [1, 2.5, "x"]}
     with pytest.raises(TypeError):
         devpickle.dumps(1, True)  # inline is keyword-only
+
+
+@pytest.mark.parametrize("make", [lambda: np.arange(0), lambda: np.zeros((3, 0)), lambda: np.zeros((0, 3)).T,
+                                  lambda: torch.arange(0).numpy(), lambda: torch.arange(0)],
+                         ids=["numpy", "numpy 2-d", "numpy transposed", "numpy over a tensor", "torch"])
+def test_raw_of_an_empty_buffer_is_an_empty_array_and_loads_over_it(make):
+    value = make()
+    got = []
+    frame = devpickle.dumps(value, buffer_callback=got.append)
+    assert [b.nbytes for b in got] == [0]
+    raw = got[0].raw()
+    assert len(raw) == 0
+    back = devpickle.loads(frame, buffers=[raw])
+    assert type(back) is type(value) and tuple(back.shape) == tuple(value.shape)
