@@ -60,9 +60,14 @@ static int read_memory(void *ud, dp_device_t device, const void *src, size_t n, 
   return rc;
 }
 
+/* A FrameError whose message names the byte, as the CLI's does: a
+ * traceback shows the message, not the offset attribute. */
 static PyObject *frame_fail(int rc, const dp_error_t *e) {
   if (rc == DP_ENOMEM) return PyErr_NoMemory();
-  PyObject *exc = PyObject_CallFunction(frame_error, "s", e->message);
+  PyObject *text = e->offset >= 0 ? PyUnicode_FromFormat("%s, at byte %lld", e->message, (long long)e->offset)
+                                  : PyUnicode_FromFormat("%s", e->message);
+  PyObject *exc = text ? PyObject_CallOneArg(frame_error, text) : NULL;
+  Py_XDECREF(text);
   if (!exc) return NULL;
   PyObject *code = PyUnicode_FromString(dp_err_name(rc)), *off = PyLong_FromLongLong(e->offset);
   if (code && off && !PyObject_SetAttrString(exc, "code", code) && !PyObject_SetAttrString(exc, "offset", off))

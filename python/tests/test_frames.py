@@ -142,6 +142,15 @@ def test_a_damaged_frame_is_a_frame_error_with_code_and_offset():
     assert isinstance(e.value, ValueError)
 
 
+def test_a_frame_errors_message_names_the_byte_where_reading_stopped():
+    frame = devpickle.dumps({"x": [1, 2, 3]})
+    for damaged in (frame[:-2], frame[:10], b"DPKX" + frame[4:]):
+        with pytest.raises(devpickle.FrameError) as e:
+            devpickle.loads(damaged)
+        assert e.value.offset >= 0
+        assert str(e.value).endswith(f", at byte {e.value.offset}")
+
+
 def test_what_a_frame_cannot_carry_is_a_walk_error_with_the_path():
     def gen():
         yield 1
