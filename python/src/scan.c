@@ -1821,6 +1821,13 @@ static int attach(dpy_scanner_t *s, PyObject *o, dp_value_t v) {
         rc = dp_dict_set(f->out, k, v, &e);
         /* what a frame's dict refuses is the key (a tuple nested too deep, a
            kind a key cannot be): named by its type, not by the value's */
+        if (rc == DP_ETYPE && f->label) {
+          /* the library names its own kinds ("kind object": a frozenset,
+             a complex, a class): say which Python keys a frame holds */
+          PyErr_Format(PyExc_ValueError, "a frame's dict keys are None, bool, int, float, str, bytes and tuples of "
+                                         "those (%s)", e.message);
+          return walk_error(s, f->label, "it cannot be a frame's dict key");
+        }
         if (rc && rc != DP_ENOMEM && f->label) return dp_fail(s, f->label, rc, &e);
         if (!rc && dp_dict_len(f->out) == before) {
           /* never a silent merge: keys Python keeps apart (two NaN objects,

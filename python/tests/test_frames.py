@@ -1075,6 +1075,18 @@ def test_a_dict_key_a_frame_cannot_hold_is_named_by_its_type_not_the_values(valu
     assert e.value.path.startswith("$.a[(")
 
 
+@pytest.mark.parametrize("key", [frozenset({1}), 1 + 2j, np.float64(1.5), int, (frozenset(),)],
+                         ids=["frozenset", "complex", "numpy scalar", "class", "tuple holding a frozenset"])
+def test_a_python_key_a_frame_cannot_hold_is_refused_naming_the_keys_a_frame_holds(key):
+    # the library words it in its own kinds ("dict key of kind object is not
+    # hashable"), which says nothing to a Python caller whose key hashes
+    with pytest.raises(devpickle.WalkError, match=r"it cannot be a frame's dict key: a frame's dict keys are None, "
+                                                  r"bool, int, float, str, bytes and tuples of those \(") as e:
+        devpickle.dumps({"a": {key: 1}})
+    assert e.value.type_name == devpickle._frames.class_label(type(key))
+    assert e.value.path.startswith("$.a[")
+
+
 class Counted:
     """Counts CPython's calls of its __hash__: the items loads hashes."""
     calls = 0
