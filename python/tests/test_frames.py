@@ -1262,3 +1262,20 @@ def test_raw_of_an_empty_buffer_is_an_empty_array_and_loads_over_it(make):
     assert len(raw) == 0
     back = devpickle.loads(frame, buffers=[raw])
     assert type(back) is type(value) and tuple(back.shape) == tuple(value.shape)
+
+
+def test_a_module_comes_back_whole_when_its_classes_and_ordered_dict_are_listed():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+    got = []
+    frame = devpickle.dumps(model, buffer_callback=got.append)
+    back = devpickle.loads(frame, buffers=[b.raw() for b in got],
+                           classes=(torch.nn.Sequential, torch.nn.Linear, torch.nn.ReLU, collections.OrderedDict))
+    x = torch.ones(3)
+    assert torch.equal(back(x), model(x))
+    assert back[0].weight.data_ptr() == model[0].weight.data_ptr()  # over the buffer given, not a copy
+    assert isinstance(back[0].weight, torch.nn.Parameter) and back[0].weight.requires_grad
+    # with the outer class alone, the module's dicts are devpickle.Objects: it cannot run
+    bare = devpickle.loads(frame, buffers=[b.raw() for b in got], classes=(torch.nn.Sequential,))
+    assert isinstance(vars(bare)["_modules"], devpickle.Object)
+    with pytest.raises(AttributeError):
+        bare(x)
