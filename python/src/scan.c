@@ -2108,21 +2108,26 @@ static int tensor_bit(PyObject *o, const char *name) {
   return yes;
 }
 
-/* A conjugate or negative view (t.conj() of a complex tensor,
- * torch._neg_view) keeps the other values in memory and a bit that says so;
- * a frame carries dtype, shape, strides and offset, not that bit, so the
- * tensor would come back holding the values its memory holds, silently
- * different. Resolving it would copy the buffer, which a frame never does:
- * it is refused, as sparse tensors are. */
-static int refuse_lazy_view(dpy_scanner_t *s, PyObject *o) {
+/* What a frame has no field for, so that the tensor would come back silently
+ * different: a conjugate or negative view (t.conj() of a complex tensor,
+ * torch._neg_view) keeps the other values in memory and a bit that says so,
+ * and a named tensor its dimension names (pickle refuses it too). A frame
+ * carries dtype, shape, strides and offset; resolving a view would copy the
+ * buffer, which a frame never does: each is refused, as sparse tensors are. */
+static int refuse_unframed(dpy_scanner_t *s, PyObject *o) {
   int conj = tensor_bit(o, "is_conj");
   int neg = conj ? 0 : tensor_bit(o, "is_neg");
-  if (conj < 0 || neg < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
-  if (!conj && !neg) return 0;
-  PyErr_Format(PyExc_TypeError,
-               "a %s view is not carried in frames: its memory holds other values than it reads "
-               "(call %s() first)",
-               conj ? "conjugate" : "negative", conj ? "resolve_conj" : "resolve_neg");
+  int named = conj || neg ? 0 : tensor_bit(o, "has_names");
+  if (conj < 0 || neg < 0 || named < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
+  if (!conj && !neg && !named) return 0;
+  if (named)
+    PyErr_SetString(PyExc_TypeError, "a named tensor is not carried in frames: a frame has no field for its "
+                                     "dimension names (call rename(None) first)");
+  else
+    PyErr_Format(PyExc_TypeError,
+                 "a %s view is not carried in frames: its memory holds other values than it reads "
+                 "(call %s() first)",
+                 conj ? "conjugate" : "negative", conj ? "resolve_conj" : "resolve_neg");
   return walk_error(s, o, "it cannot be carried in a frame");
 }
 
@@ -2144,7 +2149,7 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
                                      "their indices and values)");
     return walk_error(s, o, "it cannot be carried in a frame");
   }
-  if (refuse_lazy_view(s, o)) return -1;
+  if (refuse_unframed(s, o)) return -1;
   int64_t shape[MAX_DIMS], strides[MAX_DIMS];
   /* each read only once the one before it succeeded: a subclass's
      __torch_function__ runs for each, and must not run under an exception

@@ -252,6 +252,19 @@ def test_a_conjugate_or_negative_view_is_refused_never_carried_with_other_values
     assert torch.equal(out, c.conj())
 
 
+@pytest.mark.filterwarnings("ignore:Named tensors")
+def test_a_named_tensor_is_refused_never_carried_without_its_names():
+    # pickle refuses it ("Named tensors don't support serialization"); a frame
+    # has no field for the names, which would come back silently dropped
+    t = torch.ones(2, 3, names=("batch", "feature"))
+    for how in ({"inline": True}, {"buffer_callback": lambda b: None}):
+        with pytest.raises(devpickle.WalkError, match=r"at \$\.t: .*named tensor.*rename\(None\)"):
+            devpickle.dumps({"t": t}, **how)
+    out = devpickle.loads(devpickle.dumps(t.rename(None), inline=True))
+    assert out.names == (None, None) and torch.equal(out, t.rename(None))
+    assert devpickle.scan(t)[0].nbytes == 24  # walked as any tensor, where nothing is carried
+
+
 @pytest.mark.parametrize("fields, why", [(("x",), "_fields names 1 fields for its 2 items"),
                                          (("x", "y", "z"), "_fields names 3 fields for its 2 items"),
                                          (5, "_fields is a 'int'")])
