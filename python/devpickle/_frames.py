@@ -403,29 +403,45 @@ def _numpy_scalar(dtype, data):
     return np.ndarray((), dtype=dt, buffer=data)[()]  # itemsize 0 too (numpy.void(b""))
 
 
+def _global_name(fn):
+    """The name a devpickle.global stands for, else None."""
+    if isinstance(fn, Object) and fn.__class_name__ == "devpickle.global":
+        return fn.__attrs__.get("name")
+    return None
+
+
 def reduced(cls, parts, copies):
     """An allowed class from its reduce parts, when the callable is the class
-    itself or copyreg.__newobj__ of it; for any other callable, nothing is
-    called: a devpickle.Object of the class name holding the parts."""
+    itself, copyreg.__newobj__ of it, or copyreg.__newobj_ex__ of it (what
+    pickle's default reduce gives a class with __getnewargs_ex__); for any
+    other callable, nothing is called: a devpickle.Object of the class name
+    holding the parts."""
     label = class_label(cls)
     if parts.get("<state_setter>") is not None:
         raise TypeError(f"loads: {label} was reduced with a state_setter, which loads does not call")
     fn, args = parts.get("<callable>"), parts.get("<args>", ())
     if not isinstance(args, tuple):  # pickle's REDUCE and NEWOBJ take a tuple too
         raise TypeError(f"loads: {label} was reduced with args that are a {type(args).__name__}, not a tuple")
+    new_kwargs = {}
     if fn is cls:
         new_args = args
-    elif (isinstance(fn, Object) and fn.__class_name__ == "devpickle.global"
-          and fn.__attrs__.get("name") == "copyreg.__newobj__" and args and args[0] is cls):
+    elif _global_name(fn) == "copyreg.__newobj__" and args and args[0] is cls:
         new_args = args[1:]
+    elif _global_name(fn) == "copyreg.__newobj_ex__" and args and args[0] is cls:
+        # (cls, args, kwargs), as pickle's NEWOBJ_EX takes them
+        if (len(args) != 3 or not isinstance(args[1], tuple) or not isinstance(args[2], dict)
+                or not all(isinstance(k, str) for k in args[2])):
+            raise TypeError(f"loads: {label} was reduced with copyreg.__newobj_ex__ and args that are not "
+                            "(cls, a tuple, a dict by name)")
+        new_args, new_kwargs = args[1], args[2]
     else:
         return Object(label, parts)  # not a call loads makes
-    copies.charge("reduced objects' args", _args_size(cls, new_args))
+    copies.charge("reduced objects' args", _args_size(cls, new_args + tuple(new_kwargs.values())))
     if issubclass(cls, _HASHING):  # set(a list), dict(pairs), Counter(a list): hashes each item
-        for a in new_args:
+        for a in new_args + tuple(new_kwargs.values()):
             if isinstance(a, (list, tuple)):
                 copies.hashes("reduced objects' args", a)
-    obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args)
+    obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args, **new_kwargs)
     state = parts.get("<state>")
     if state is not None:
         if hasattr(obj, "__setstate__"):

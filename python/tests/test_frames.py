@@ -3,6 +3,7 @@ classes only through classes=, hostile input refused with the byte offset."""
 import collections
 import collections.abc
 import copy
+import copyreg
 import json
 import os
 import subprocess
@@ -909,6 +910,43 @@ def test_an_allowed_class_reduced_by_another_callable_comes_back_as_a_devpickle_
     out = devpickle.loads(devpickle.dumps(C2Reduced()), classes=(C2Reduced,))
     assert isinstance(out, devpickle.Object) and out.__class_name__.endswith("C2Reduced")
     assert out.__attrs__["<args>"] == (1,) and out.__attrs__["<callable>"].__attrs__["name"].endswith("make_c2")
+
+
+class KeywordNew:
+    """Made by __new__ with a keyword: pickle's default reduce is
+    copyreg.__newobj_ex__(cls, args, kwargs)."""
+
+    def __new__(cls, a, *, scale):
+        self = super().__new__(cls)
+        self.a, self.scale = a, scale
+        return self
+
+    def __getnewargs_ex__(self):
+        return (self.a,), {"scale": self.scale}
+
+
+class BadNewobjEx:
+    def __init__(self, args):
+        self.args = args
+
+    def __reduce__(self):
+        return (copyreg.__newobj_ex__, self.args)
+
+
+def test_an_allowed_class_with_getnewargs_ex_comes_back_as_itself_as_pickle_makes_it():
+    value = KeywordNew([1, 2], scale=0.5)
+    assert value.__reduce_ex__(5)[0] is copyreg.__newobj_ex__
+    out = devpickle.loads(devpickle.dumps({"k": value}), classes=(KeywordNew,))["k"]
+    assert type(out) is KeywordNew and out.a == [1, 2] and out.scale == 0.5
+    assert isinstance(devpickle.loads(devpickle.dumps(value)), devpickle.Object)  # not allowed: nothing called
+
+
+@pytest.mark.parametrize("args", [(BadNewobjEx, (), {}, 1), (BadNewobjEx, [], {}), (BadNewobjEx, (), {1: 2})],
+                         ids=["four args", "args a list", "a key not a str"])
+def test_a_newobj_ex_reduce_whose_args_are_not_a_class_a_tuple_and_a_dict_is_a_type_error_naming_its_class(args):
+    frame = devpickle.dumps(BadNewobjEx(args))
+    with pytest.raises(TypeError, match=r"BadNewobjEx was reduced with copyreg.__newobj_ex__ and args that are not"):
+        devpickle.loads(frame, classes=(BadNewobjEx,))
 
 
 def test_dumps_refuses_a_bare_torch_storage_naming_it():
