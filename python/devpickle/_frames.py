@@ -124,9 +124,18 @@ def class_label(cls):
 def allowed(classes):
     """classes= as a dict label -> class."""
     out = {}
+    if classes is None:
+        return out
     if isinstance(classes, type):
         classes = (classes,)
-    for c in classes or ():
+    try:
+        if isinstance(classes, (str, bytes)):  # iterable, but of characters: a name is not a class
+            raise TypeError
+        classes = iter(classes)
+    except TypeError:
+        raise TypeError(f"classes= takes classes: a class or a sequence of classes, not a "
+                        f"{type(classes).__name__!r}") from None
+    for c in classes:
         if not isinstance(c, type):
             raise TypeError(f"classes= takes classes; got a {type(c).__name__!r}")
         label = class_label(c)

@@ -303,6 +303,16 @@ def test_classes_may_be_one_class_or_a_sequence():
         devpickle.loads(frame, classes="Node")
 
 
+@pytest.mark.parametrize("classes", [0, False, 5, "", b"Node", 1.5], ids=repr)
+def test_classes_that_are_neither_a_class_nor_a_sequence_are_a_type_error_never_read_as_none(classes):
+    frame = devpickle.dumps(Node("n"), inline=True)
+    with pytest.raises(TypeError, match=rf"classes= takes classes: a class or a sequence of classes, not a "
+                                        rf"'{type(classes).__name__}'"):
+        devpickle.loads(frame, classes=classes)
+    assert type(devpickle.loads(frame, classes=None)) is devpickle.Object
+    assert type(devpickle.loads(frame, classes=iter([Node]))) is Node
+
+
 def test_a_tensor_and_a_numpy_view_of_it_come_back_sharing_one_buffer():
     t = torch.arange(4, dtype=torch.float32)
     out = devpickle.loads(devpickle.dumps([t, t.numpy()], inline=True))
