@@ -6,6 +6,7 @@ from the frame."""
 import collections
 import operator
 import reprlib
+import re
 import sys
 import types
 
@@ -386,11 +387,19 @@ def _numpy():
     return np
 
 
+_DTYPE_STR = re.compile(r"[<>|=][A-Za-z][0-9]*(\[[0-9]*[A-Za-z]+\])?")
+
+
 def _numpy_scalar(dtype, data):
     """A numpy scalar from its dtype's str and its bytes: plain data only
     (a dtype holding objects would read pointers from the frame)."""
     np = _numpy()
-
+    # only the forms numpy's dtype.str takes ('<f8', '|b1', '<M8[10ms]'):
+    # numpy reads others as Python literals, some with a FutureWarning that
+    # a caller's -W error would raise in place of this TypeError
+    if not isinstance(dtype, str) or not _DTYPE_STR.fullmatch(dtype):
+        raise TypeError(f"loads: a numpy.generic of unknown dtype {dtype!r} (not a scalar dtype's str, as "
+                        f"'<f8', '|b1' or '<M8[ns]')")
     try:
         dt = np.dtype(dtype)
     except Exception as e:  # numpy parses some dtype strings as Python literals (SyntaxError, ValueError)
@@ -399,9 +408,6 @@ def _numpy_scalar(dtype, data):
         return dt.type()  # numpy's empty str_/bytes_ ('<U0', '|S0') hold one NUL character
     if dt.hasobject or dt.itemsize != len(data):
         raise TypeError(f"loads: a numpy.generic of dtype {dtype!r} with {len(data)} bytes of data")
-    if dt.shape:  # a subarray dtype ("(2,)i4") makes an array, not a scalar
-        raise TypeError(f"loads: a numpy.generic of dtype {dtype!r}, which is not a scalar dtype "
-                        f"(its items have shape {dt.shape})")
     if dt.kind == "U":
         # numpy makes a str_ of the code points as they are: one past U+10FFFF
         # is CPython's SystemError, or a str no Python code could make
