@@ -1768,6 +1768,7 @@ static pid_t start_recv_to(const char *out, int out_fd, int *port) {
     int fd = open(errpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd < 0 || dup2(fd, 2) < 0 || chdir(dir) != 0 || (out_fd >= 0 && dup2(out_fd, 1) < 0)) _exit(99);
     signal(SIGPIPE, SIG_DFL);
+    signal(SIGHUP, SIG_DFL); /* as a terminal's shell starts it */
     execl(abs, abs, "recv", "0", "--host", "127.0.0.1", "--timeout", "60", "-o", out, (char *)NULL);
     _exit(98);
   }
@@ -2198,6 +2199,28 @@ Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file
     cr_assert_str_eq(old, "old\n");
     free(old);
   }
+}
+
+/* libucs takes SIGHUP (UCX_DEBUG_SIGNO) when it is loaded, and its handler
+ * only raises UCX's log level: a hang-up left a receiver waiting for its
+ * frame (and any command not yet writing) running on. It must end it. */
+Test(cli, a_hang_up_ends_a_receiver_that_waits_for_its_frame) {
+  int port;
+  pid_t pid = start_recv("never.dpk", &port);
+  cr_assert_eq(kill(pid, SIGHUP), 0);
+  int st = 0;
+  pid_t got = 0;
+  for (int i = 0; i < 500 && (got = waitpid(pid, &st, WNOHANG)) == 0; i++) usleep(10000);
+  if (got == 0) { /* still running after 5 s: end it, then fail */
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+  }
+  cr_assert_eq(got, pid, "recv was still running 5 s after SIGHUP");
+  cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGHUP, "recv did not end by SIGHUP (status %d)", st);
+  char out[128];
+  path_in(out, sizeof out, "never.dpk");
+  cr_assert_neq(access(out, F_OK), 0, "a hang-up left an output file");
+  cr_assert_not(tmp_file_in_dir(), "a hang-up left a temporary file");
 }
 
 /* 'devpickle help COMMAND' is COMMAND --help, as a new user types it. */

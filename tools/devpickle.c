@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <ucs/config/global_opts.h>
+#include <ucs/debug/debug.h>
 
 #include "demo.h"
 #include "inspect.h"
@@ -1025,6 +1026,18 @@ static void quiet_ucx(void) {
   if (!getenv("UCX_LOG_LEVEL")) ucs_global_opts_set_value("LOG_LEVEL", "fatal");
 }
 
+/* libucs, loaded with the CLI, takes its debug signal when it is loaded,
+ * before main: SIGHUP unless UCX_DEBUG_SIGNO says otherwise. Its handler
+ * raises UCX's log level and returns, so a hang-up (a closed terminal, kill
+ * -HUP) left every command running: `recv` waiting for a frame forever.
+ * A signal that ends a command gets back the disposition it had when the
+ * command started (SIG_DFL, or SIG_IGN under nohup); another debug signal
+ * is left to UCX. */
+static void untake_fatal_signals(void) {
+  for (size_t i = 0; i < sizeof fatal_sigs / sizeof fatal_sigs[0]; i++)
+    if (ucs_global_opts.debug_signo == (unsigned)fatal_sigs[i]) ucs_debug_disable_signal(fatal_sigs[i]);
+}
+
 /* SECONDS as ns, at least 1 (a tiny --timeout is a short one, never 0). */
 static int64_t timeout_ns(double s) { return s < 0 ? -1 : s * 1e9 < 1 ? 1 : (int64_t)(s * 1e9); }
 
@@ -1264,6 +1277,7 @@ int main(int argc, char **argv) {
   /* A file-size limit makes write() fail with EFBIG, which is reported and
    * cleaned up, instead of killing the process mid-write. */
   signal(SIGXFSZ, SIG_IGN);
+  untake_fatal_signals();
   if (argc < 2) {
     fputs(usage_main, stderr);
     return EXIT_USAGE;
