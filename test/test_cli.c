@@ -2223,6 +2223,85 @@ Test(cli, a_hang_up_ends_a_receiver_that_waits_for_its_frame) {
   cr_assert_not(tmp_file_in_dir(), "a hang-up left a temporary file");
 }
 
+/* Feeds `pack - -o x.dpk` a pipe of `unit` repeated, up to max bytes or
+ * until pack closes it; returns the bytes written before it did. */
+static size_t pack_from_a_long_pipe(const char *unit, size_t unit_len, size_t max, int *status, char *err,
+                                    size_t errsize) {
+  char abs[512], errpath[256];
+  cr_assert_not_null(realpath(cli, abs));
+  path_in(errpath, sizeof errpath, ".childerr");
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    int dn = open("/dev/null", O_WRONLY), en = open(errpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (chdir(dir) != 0 || dup2(fds[0], 0) < 0 || dup2(dn, 1) < 0 || dup2(en, 2) < 0) _exit(126);
+    close(fds[1]);
+    execl(abs, abs, "pack", "-", "-o", "x.dpk", (char *)NULL);
+    _exit(127);
+  }
+  close(fds[0]);
+  void (*was)(int) = signal(SIGPIPE, SIG_IGN);
+  static char chunk[1 << 16];
+  for (size_t i = 0; i < sizeof chunk; i++) chunk[i] = unit[i % unit_len];
+  size_t sent = 0;
+  while (sent < max) {
+    ssize_t k = write(fds[1], chunk, sizeof chunk);
+    if (k <= 0) break;
+    sent += (size_t)k;
+  }
+  close(fds[1]);
+  signal(SIGPIPE, was);
+  int st;
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  *status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  char *e = slurp(errpath, NULL);
+  snprintf(err, errsize, "%s", e);
+  free(e);
+  return sent;
+}
+
+/* pack reads its JSON to the end of its input, but not past a byte that
+ * already makes it no JSON: /dev/zero, `yes` or any endless pipe of garbage
+ * was read to the memory's end (a frame command stops after a header that
+ * is no frame's; pack had no such stop). The message is the one the whole
+ * text would get, at the same byte. */
+Test(cli, pack_stops_reading_an_input_once_what_came_is_no_json_whatever_follows) {
+  static const struct {
+    const char *unit;
+    size_t len;
+    const char *err;
+  } runs[] = {
+      {"\0", 1, "devpickle: <stdin>: invalid JSON: unexpected byte 0x00 (line 1, column 1), at byte 0\n"},
+      {"[1]\n", 4, "devpickle: <stdin>: invalid JSON: end of input expected, not '[' (line 2, column 1), at byte 4\n"},
+      {"{\"a\": 1, \"a\": 2}", 17, "devpickle: <stdin>: invalid JSON: duplicate object key (line 1, column 10), at byte 9\n"},
+  };
+  const size_t max = 64 << 20;
+  for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+    int status;
+    char err[512];
+    size_t sent = pack_from_a_long_pipe(runs[i].unit, runs[i].len, max, &status, err, sizeof err);
+    cr_assert_eq(status, 1, "run %zu: %s", i, err);
+    cr_assert_str_eq(err, runs[i].err, "run %zu", i);
+    cr_assert_lt(sent, (size_t)1 << 20, "run %zu: pack read %zu bytes of a stream that was no JSON from its start", i,
+                 sent);
+  }
+  /* JSON so far is read on: a long valid text is packed whole */
+  char path[128];
+  path_in(path, sizeof path, "long.json");
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  fputc('[', f);
+  for (int i = 0; i < 300000; i++) fprintf(f, "%s\"s%d\"", i ? "," : "", i);
+  fputs("]\n", f);
+  fclose(f);
+  res_t r = run_sh("$D pack long.json -o long.dpk && $D unpack --compact long.dpk | $D pack - -o again.dpk && "
+                   "cmp long.dpk again.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+}
+
 /* 'devpickle help COMMAND' is COMMAND --help, as a new user types it. */
 Test(cli, help_followed_by_a_command_prints_that_commands_help) {
   static const char *const cmds[] = {"pack", "unpack", "dump", "inspect", "verify", "demo", "send", "recv"};

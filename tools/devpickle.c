@@ -117,7 +117,6 @@ static int data_error(const char *file, const char *what, int64_t offset) {
 
 static const char *display(const char *path) { return strcmp(path, "-") == 0 ? "<stdin>" : path; }
 
-/* Reads a whole file (or stdin). */
 /* Doubles a read buffer's capacity; out of memory, frees it (*buf NULL). */
 static void grow_or_drop(uint8_t **buf, size_t *cap) {
   uint8_t *nb = realloc(*buf, *cap * 2);
@@ -126,7 +125,13 @@ static void grow_or_drop(uint8_t **buf, size_t *cap) {
   *buf = nb;
 }
 
-static int read_all(const char *path, uint8_t **out, size_t *n) {
+/* Reads value JSON from a file (or stdin) to its end, or up to where what
+ * came already fails to parse whatever follows: checked each time the
+ * buffer fills (64 KiB, then each doubling, so the checks cost at most two
+ * parses), so that /dev/zero, an endless pipe or a huge file of garbage is
+ * refused once its first bad byte is in, not read to the memory's end. The
+ * parse of the bytes read then reports that byte as the whole text would. */
+static int read_json(const char *path, uint8_t **out, size_t *n) {
   FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
   if (!f) return data_error(display(path), strerror(errno), -1);
   size_t cap = 1 << 16, len = 0;
@@ -135,7 +140,7 @@ static int read_all(const char *path, uint8_t **out, size_t *n) {
     if (!buf) break;
     size_t got = fread(buf + len, 1, cap - len, f);
     len += got;
-    if (len < cap) break;
+    if (len < cap || vjson_prefix_fails((const char *)buf, len)) break;
     grow_or_drop(&buf, &cap);
   }
   int err = ferror(f), why = errno; /* fread's reason (a directory: EISDIR) */
@@ -661,7 +666,8 @@ static const char *const help_pack =
     "carry \"data\" (base64) the frame is inline: it holds the buffer bytes.\n"
     "The frame is checked as 'verify' would before it is written, and written\n"
     "to a temporary file renamed over FRAME.dpk when complete.\n"
-    "Use - for stdin, -o - for stdout.\n"
+    "Use - for stdin, -o - for stdout. The input is read to its end, or until\n"
+    "what came is no JSON whatever follows (pack /dev/zero reads 64 KiB).\n"
     "Exit status: 0 written; 1 on bad input or a failure, one line on stderr:\n"
     "'devpickle: FILE: what, at byte N' for text that is not JSON (a syntax\n"
     "error, a duplicate key, an integer out of range), 'at $.path' for JSON\n"
@@ -684,7 +690,7 @@ static int cmd_pack(int argc, char **argv) {
   if (rc) return rc < 0 ? 0 : rc;
   uint8_t *text = NULL;
   size_t len = 0;
-  if ((rc = read_all(a.file, &text, &len)) != 0) return rc;
+  if ((rc = read_json(a.file, &text, &len)) != 0) return rc;
   char msg[2048];
   size_t pos = 0;
   json_t *j = vjson_parse((const char *)text, len, msg, sizeof msg, &pos);

@@ -106,6 +106,8 @@ typedef struct ps {
   char *key;      /* the member key being read */
   size_t keycap, keylen;
   const char *key_at; /* where that key starts: a duplicate is reported there */
+  int prefix;     /* the text may go on past end (vjson_prefix_fails) */
+  int cut;        /* the error may be the end's doing: more text could mend it */
 } ps_t;
 
 static int perr(ps_t *ps, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -128,16 +130,25 @@ static int perr(ps_t *ps, const char *fmt, ...) {
   return -1;
 }
 
+/* An error met at the end of the text, or near enough that the bytes after
+ * it could change the verdict (a number or literal running into the end, a
+ * UTF-8 sequence or escape cut there): final only when the text is whole. */
+static int cut(ps_t *ps) {
+  ps->cut = 1;
+  return -1;
+}
+
 static void skip_ws(ps_t *ps) {
   while (ps->p < ps->end && (*ps->p == ' ' || *ps->p == '\t' || *ps->p == '\n' || *ps->p == '\r')) ps->p++;
 }
 
 static int buf_put(ps_t *ps, const char *c, size_t n) {
+  if (ps->prefix) return 0; /* it keeps no strings */
   if (ps->len + n > ps->cap) {
     size_t ncap = ps->cap ? ps->cap : 64;
     while (ncap < ps->len + n) ncap *= 2;
     char *b = realloc(ps->buf, ncap);
-    if (!b) return perr(ps, "out of memory");
+    if (!b) return perr(ps, "out of memory"), cut(ps);
     ps->buf = b;
     ps->cap = ncap;
   }
@@ -168,9 +179,12 @@ static size_t utf8_seq(const unsigned char *p, const unsigned char *end) {
 
 /* The character at ps->p as a message shows it: 'c' for printable ASCII or
  * a whole UTF-8 character, else its byte in hex (a NUL, a control
- * character, a byte that starts no UTF-8 character). */
-static const char *char_at(const ps_t *ps, char *out, size_t size) {
+ * character, a byte that starts no UTF-8 character). Near the end of a
+ * prefix the error is marked cut: the same byte may show otherwise once the
+ * text goes on. */
+static const char *char_at(ps_t *ps, char *out, size_t size) {
   unsigned char c = (unsigned char)*ps->p;
+  if (ps->end - ps->p < 4) ps->cut = 1; /* how it shows may depend on what follows */
   size_t n = utf8_seq((const unsigned char *)ps->p, (const unsigned char *)ps->end);
   if ((c >= 0x20 && c < 0x7f) || (c >= 0x80 && n)) snprintf(out, size, "'%.*s'", (int)n, ps->p);
   else snprintf(out, size, "byte 0x%02X", c);
@@ -205,7 +219,7 @@ static int parse_string(ps_t *ps) {
   ps->len = 0;
   ps->p++;  /* the opening quote */
   for (;;) {
-    if (ps->p >= ps->end) return perr(ps, "premature end of input in a string");
+    if (ps->p >= ps->end) return perr(ps, "premature end of input in a string"), cut(ps);
     unsigned char c = (unsigned char)*ps->p;
     if (c == '"') {
       ps->p++;
@@ -214,13 +228,13 @@ static int parse_string(ps_t *ps) {
     if (c < 0x20) return perr(ps, "control character 0x%02x in a string", c);
     if (c != '\\') {
       size_t n = utf8_seq((const unsigned char *)ps->p, (const unsigned char *)ps->end);
-      if (!n) return perr(ps, "invalid UTF-8 in a string");
+      if (!n) return perr(ps, "invalid UTF-8 in a string"), ps->end - ps->p < 4 ? cut(ps) : -1;
       if (buf_put(ps, ps->p, n)) return -1;
       ps->p += n;
       continue;
     }
     const char *esc = ps->p;
-    if (++ps->p >= ps->end) return perr(ps, "premature end of input in a string");
+    if (++ps->p >= ps->end) return perr(ps, "premature end of input in a string"), cut(ps);
     char e = *ps->p++, one;
     switch (e) {
       case '"': case '\\': case '/': one = e; break;
@@ -231,9 +245,11 @@ static int parse_string(ps_t *ps) {
       case 't': one = '\t'; break;
       case 'u': {
         uint32_t cp, lo;
+        if (ps->end - ps->p < 4) cut(ps);
         if (hex4(ps, &cp)) return esc_err(ps, esc, "invalid \\u escape");
         if (cp >= 0xDC00 && cp <= 0xDFFF) return esc_err(ps, esc, "invalid \\u escape: a lone low surrogate");
         if (cp >= 0xD800 && cp <= 0xDBFF) {
+          if (ps->end - ps->p < 6) cut(ps);
           if (ps->end - ps->p < 2 || ps->p[0] != '\\' || ps->p[1] != 'u')
             return esc_err(ps, esc, "invalid \\u escape: a lone high surrogate");
           const char *esc2 = ps->p;
@@ -271,27 +287,31 @@ static json_t *parse_number(ps_t *ps) {
   const char *q = ps->p;
   int real = 0;
   if (q < ps->end && *q == '-') q++;
+  if (q >= ps->end) cut(ps);
   if (q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid token"), NULL;
   if (*q == '0') q++;
   else while (q < ps->end && *q >= '0' && *q <= '9') q++;
   if (q < ps->end && *q == '.') {
     real = 1;
-    if (++q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
+    if (++q >= ps->end) cut(ps);
+    if (q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
     while (q < ps->end && *q >= '0' && *q <= '9') q++;
   }
   if (q < ps->end && (*q == 'e' || *q == 'E')) {
     real = 1;
     q++;
     if (q < ps->end && (*q == '+' || *q == '-')) q++;
+    if (q >= ps->end) cut(ps);
     if (q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
     while (q < ps->end && *q >= '0' && *q <= '9') q++;
   }
+  if (q == ps->end && ps->prefix) return perr(ps, "premature end of input in a number"), cut(ps), NULL;
   /* Any length is a number (RFC 8259): a long one is copied to the heap
    * (strtod reads a long mantissa in linear time). */
   char small[512];
   size_t n = (size_t)(q - ps->p);
   char *tmp = n < sizeof small ? small : malloc(n + 1);
-  if (!tmp) return perr(ps, "out of memory"), NULL;
+  if (!tmp) return perr(ps, "out of memory"), cut(ps), NULL;
   memcpy(tmp, ps->p, n);
   tmp[n] = '\0';
   errno = 0;
@@ -301,11 +321,11 @@ static json_t *parse_number(ps_t *ps) {
     double d = strtod(tmp, NULL);
     if (errno == ERANGE && (d == HUGE_VAL || d == -HUGE_VAL))
       err = "real number overflow; write an infinity as {\"$float\": \"inf\"}";
-    j = err ? NULL : json_real(d);
+    j = err ? NULL : ps->prefix ? json_null() : json_real(d);
   } else {
     long long v = strtoll(tmp, NULL, 10);
     if (errno == ERANGE) err = "integer";
-    j = err ? NULL : json_integer(v);
+    j = err ? NULL : ps->prefix ? json_null() : json_integer(v);
   }
   if (err && !real) { /* the integer as written, its first 40 digits when longer */
     if (n > 41) perr(ps, "integer %.40s… (%zu digits) does not fit in 64 bits", tmp, n - (tmp[0] == '-'));
@@ -315,27 +335,33 @@ static json_t *parse_number(ps_t *ps) {
   }
   if (tmp != small) free(tmp);
   if (err) return NULL;
-  if (!j) return perr(ps, "out of memory"), NULL;
+  if (!j) return perr(ps, "out of memory"), cut(ps), NULL;
   ps->p = q;
   return j;
 }
 
+/* A prefix's parse builds nothing (it only judges the text): its scalars
+ * are jansson's null, its containers these, which json_decref leaves alone
+ * as it does jansson's own singletons (refcount -1). */
+static json_t object_mark = {JSON_OBJECT, (size_t)-1}, array_mark = {JSON_ARRAY, (size_t)-1};
+
 /* A scalar token, or a new empty container (the caller fills it). */
 static json_t *parse_token(ps_t *ps) {
   skip_ws(ps);
-  if (ps->p >= ps->end) return perr(ps, "premature end of input"), NULL;
+  if (ps->p >= ps->end) return perr(ps, "premature end of input"), cut(ps), NULL;
   json_t *j = NULL;
   switch (*ps->p) {
-    case '{': j = json_object(); ps->p++; break;
-    case '[': j = json_array(); ps->p++; break;
+    case '{': j = ps->prefix ? &object_mark : json_object(); ps->p++; break;
+    case '[': j = ps->prefix ? &array_mark : json_array(); ps->p++; break;
     case '"':
       if (parse_string(ps)) return NULL;
-      j = json_stringn_nocheck(ps->len ? ps->buf : "", ps->len);
+      j = ps->prefix ? json_null() : json_stringn_nocheck(ps->len ? ps->buf : "", ps->len);
       break;
     case 't': case 'f': case 'n': {
       static const char *const lit[] = {"true", "false", "null"};
       int k = *ps->p == 't' ? 0 : *ps->p == 'f' ? 1 : 2;
       size_t n = strlen(lit[k]);
+      if ((size_t)(ps->end - ps->p) < n) cut(ps);
       if ((size_t)(ps->end - ps->p) < n || memcmp(ps->p, lit[k], n) != 0) return perr(ps, "invalid token"), NULL;
       ps->p += n;
       j = k == 0 ? json_true() : k == 1 ? json_false() : json_null();
@@ -348,19 +374,20 @@ static json_t *parse_token(ps_t *ps) {
         return perr(ps, "unexpected %s", char_at(ps, ch, sizeof ch)), NULL;
       }
   }
-  if (!j) perr(ps, "out of memory");
+  if (!j) perr(ps, "out of memory"), cut(ps);
   return j;
 }
 
 /* Reads `"key" :` into ps->buf/len. */
 static int parse_key(ps_t *ps) {
   skip_ws(ps);
-  if (ps->p >= ps->end || *ps->p != '"') return perr(ps, "%s", ps->p < ps->end ? "string or '}' expected" : "premature end of input");
+  if (ps->p >= ps->end) return perr(ps, "premature end of input"), cut(ps);
+  if (*ps->p != '"') return perr(ps, "string or '}' expected");
   ps->key_at = ps->p;
   if (parse_string(ps)) return -1;
   if (ps->len + 1 > ps->keycap) {
     char *k = realloc(ps->key, ps->len + 1);
-    if (!k) return perr(ps, "out of memory");
+    if (!k) return perr(ps, "out of memory"), cut(ps);
     ps->key = k;
     ps->keycap = ps->len + 1;
   }
@@ -368,18 +395,22 @@ static int parse_key(ps_t *ps) {
   ps->key[ps->len] = '\0';
   ps->keylen = ps->len;
   skip_ws(ps);
+  if (ps->p >= ps->end) cut(ps);
   if (ps->p >= ps->end || *ps->p != ':') return perr(ps, "':' expected");
   ps->p++;
   return 0;
 }
 
-json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_t *errpos) {
-  ps_t ps = {text, text + n, text, msg, msgsize, NULL, 0, 0, NULL, 0, 0, NULL};
+/* The parser of vjson_parse; with prefix, text may go on past n, and
+ * *was_cut tells whether a failure could be the end's doing. */
+static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, size_t msgsize, size_t *errpos,
+                          int *was_cut) {
+  ps_t ps = {text, text + n, text, msg, msgsize, NULL, 0, 0, NULL, 0, 0, NULL, prefix, 0};
   json_t **stack = malloc(sizeof *stack * (VJSON_MAX_JSON_DEPTH + 1));
   size_t top = 0;
   json_t *root = NULL;
   int bad = !stack;
-  if (bad) perr(&ps, "out of memory");
+  if (bad) perr(&ps, "out of memory"), cut(&ps);
   /* A UTF-8 byte order mark is skipped (RFC 8259 lets a parser ignore it);
    * offsets still count it, columns do not. One of UTF-16 or UTF-32 says
    * what the text is. */
@@ -398,11 +429,11 @@ json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_
     }
     if (!root) {
       root = v;
-    } else {
+    } else if (!prefix) {
       json_t *c = stack[top - 1];
       int rc = json_is_array(c) ? json_array_append_new(c, v) : json_object_setn_new_nocheck(c, ps.key, ps.keylen, v);
       if (rc) {
-        bad = perr(&ps, "out of memory");
+        bad = perr(&ps, "out of memory"), cut(&ps);
         break;
       }
     }
@@ -439,7 +470,7 @@ json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_
             bad = 1;
             break;
           }
-          if (json_object_getn(c, ps.key, ps.keylen)) {
+          if (!prefix && json_object_getn(c, ps.key, ps.keylen)) { /* a prefix keeps no keys */
             ps.p = ps.key_at;
             bad = perr(&ps, "duplicate object key");
             break;
@@ -453,7 +484,8 @@ json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_
         continue;
       }
       char ch[16];
-      bad = ps.p < ps.end ? perr(&ps, "unexpected %s", char_at(&ps, ch, sizeof ch)) : perr(&ps, "premature end of input");
+      bad = ps.p < ps.end ? perr(&ps, "unexpected %s", char_at(&ps, ch, sizeof ch))
+                          : (perr(&ps, "premature end of input"), cut(&ps));
       break;
     }
     if (bad || top == 0) break;
@@ -466,12 +498,27 @@ json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_
   free(stack);
   free(ps.buf);
   free(ps.key);
+  *was_cut = ps.cut;
   if (bad) {
     json_decref(root);
     if (errpos) *errpos = (size_t)(ps.p - text);
     return NULL;
   }
   return root;
+}
+
+json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_t *errpos) {
+  int was_cut;
+  return parse_text(text, n, 0, msg, msgsize, errpos, &was_cut);
+}
+
+int vjson_prefix_fails(const char *text, size_t n) {
+  if (n < 4) return 0; /* a byte order mark may be cut */
+  char msg[256];
+  int was_cut;
+  json_t *j = parse_text(text, n, 1, msg, sizeof msg, NULL, &was_cut);
+  json_decref(j);
+  return !j && !was_cut;
 }
 
 /* ---- reading ---- */

@@ -19,6 +19,11 @@
  * (\u0000), duplicate keys refused, integers outside int64 refused. NULL on
  * error with msg ("... (line L, column C)") and *errpos, the byte offset. */
 json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_t *errpos);
+/* 1 when the first n bytes of a text already fail vjson_parse whatever
+ * follows them (and so fail it with the same message, at the same byte): a
+ * reader of an endless or huge input can stop there. 0 while they may still
+ * begin JSON (or are JSON). Costs a parse of the n bytes. */
+int vjson_prefix_fails(const char *text, size_t n);
 
 /* Builds a value from parsed JSON. On error returns a DP_E* code and writes
  * a message naming the JSON path into msg. *is_inline tells whether the

@@ -8,7 +8,18 @@
 #include "fuzz_pack.h"
 
 
+/* A prefix that vjson_prefix_fails judges failing (pack stops reading
+ * there) must fail the whole text with the same message at the same byte. */
+static void check_prefix(const char *text, size_t size, size_t k) {
+  if (!vjson_prefix_fails(text, k)) return;
+  char m1[1024], m2[1024];
+  size_t p1 = 0, p2 = 0;
+  json_t *whole = vjson_parse(text, size, m1, sizeof m1, &p1), *part = vjson_parse(text, k, m2, sizeof m2, &p2);
+  if (whole || part || p1 != p2 || strcmp(m1, m2) != 0) abort();
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  for (size_t k = size / 4; k <= size; k += size / 4 ? size / 4 : 1) check_prefix((const char *)data, size, k);
   size_t n, m;
   uint8_t *b = fuzz_pack((const char *)data, size, &n);
   if (b) {
