@@ -2302,6 +2302,26 @@ Test(cli, pack_stops_reading_an_input_once_what_came_is_no_json_whatever_follows
   res_free(r);
 }
 
+/* An empty -o name is no file: it was taken as one, the whole output
+ * written to a temporary file and then "devpickle: : write failed: No such
+ * file or directory" (status 1) when the rename failed. */
+Test(cli, an_empty_output_name_is_a_usage_error_before_anything_is_done) {
+  spit("v.json", simple_json);
+  res_free(run("pack v.json -o a.dpk"));
+  static const char *const runs[][2] = {
+      {"pack v.json -o ''", "devpickle pack: -o needs a file name, not ''\n"},
+      {"unpack a.dpk --output ''", "devpickle unpack: --output needs a file name, not ''\n"},
+      {"recv 0 --timeout 0.1 -o ''", "devpickle recv: -o needs a file name, not ''\n"},
+  };
+  for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+    res_t r = run(runs[i][0]);
+    cr_assert_eq(r.status, 2, "%s: %s", runs[i][0], r.err);
+    cr_assert_eq(strncmp(r.err, runs[i][1], strlen(runs[i][1])), 0, "%s: %s", runs[i][0], r.err);
+    cr_assert_not(tmp_file_in_dir(), "%s left a temporary file", runs[i][0]);
+    res_free(r);
+  }
+}
+
 /* 'devpickle help COMMAND' is COMMAND --help, as a new user types it. */
 Test(cli, help_followed_by_a_command_prints_that_commands_help) {
   static const char *const cmds[] = {"pack", "unpack", "dump", "inspect", "verify", "demo", "send", "recv"};

@@ -43,8 +43,8 @@ static const char *const usage_main =
     "FILE may be '-' for stdin (and -o - for stdout), named <stdin> and <stdout>\n"
     "in messages; after '--' every argument is a file name, one starting with\n"
     "'-' too (devpickle verify -- -x.dpk), but '-' alone is still stdin (./- is\n"
-    "a file named -). -o (or --output), --host or --timeout given twice is a\n"
-    "usage error.\n"
+    "a file named -). -o (or --output), --host or --timeout given twice, or\n"
+    "given '', is a usage error.\n"
     "A frame on stdin is read up to its end as its header gives it and at most\n"
     "64 KiB past it (more is an error, so an endless pipe behind a frame never\n"
     "holds a command), and not past a header that is no frame's; a terminal is\n"
@@ -439,6 +439,7 @@ static int parse_args(const char *cmd, const char *help, int argc, char **argv, 
     } else if (allow_o && (strcmp(s, "-o") == 0 || strcmp(s, "--output") == 0)) {
       if (++i == argc) return usage_error(cmd, "%s needs a file name", s);
       if (a->out) return usage_error(cmd, "%s", "-o given twice");
+      if (!argv[i][0]) return usage_error(cmd, "%s needs a file name, not ''", s);
       a->out = argv[i];
     } else if (flag && strcmp(s, flag) == 0) {
       a->flag = 1;
@@ -1007,6 +1008,7 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
                              argv[i]);
       } else {
         if (a->out) return usage_error(cmd, "%s", "-o given twice");
+        if (!argv[i][0]) return usage_error(cmd, "%s needs a file name, not ''", s);
         a->out = argv[i];
       }
     } else if (s[0] == '-' && s[1] != '\0') {
