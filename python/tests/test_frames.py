@@ -1358,6 +1358,7 @@ def test_a_module_comes_back_whole_when_its_classes_and_ordered_dict_are_listed(
     assert isinstance(back[0].weight, torch.nn.Parameter) and back[0].weight.requires_grad
     # with the outer class alone, the module's dicts are devpickle.Objects: it cannot run
     bare = devpickle.loads(frame, buffers=[b.raw() for b in got], classes=(torch.nn.Sequential,))
-    assert isinstance(vars(bare)["_modules"], devpickle.Object)
-    with pytest.raises(AttributeError):
+    mods = vars(bare)["_modules"]  # an OrderedDict in torch 1.13 (not listed: an Object), a dict in torch 2
+    assert any(isinstance(m, devpickle.Object) for m in (mods.values() if isinstance(mods, dict) else [mods]))
+    with pytest.raises((AttributeError, TypeError)):
         bare(x)
