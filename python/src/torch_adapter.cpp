@@ -96,6 +96,15 @@ std::string layout_name(c10::Layout l) {
   return -1;
 }
 
+/* Whether memory with this deleter is torch's cpu allocator's: the default
+ * allocator's deleter (which never changes) asked first, held after the
+ * first call; the current allocator's (c10::SetCPUAllocator may replace
+ * it) asked each time the first does not match. */
+inline bool torch_cpu_deleter(c10::DeleterFnPtr d) {
+  static const c10::DeleterFnPtr default_deleter = c10::GetDefaultCPUAllocator()->raw_deleter();
+  return d == default_deleter || d == c10::GetCPUAllocator()->raw_deleter();
+}
+
 /* One dense tensor's storage into *out. Returns 0, or -1 with a TypeError
  * naming `whole` (t itself, or the sparse tensor t belongs to). No Python
  * object, no Tensor or Storage copy (no refcount traffic). */
@@ -129,9 +138,7 @@ inline int dense_alloc(const at::Tensor &t, const at::Tensor &whole, dp_torch_al
    * moved by resize_/set_, which the storage shows); any other deleter (the
    * context of from_blob, which from_numpy and frombuffer use) frees
    * memory whose owner torch does not hold to account. */
-  out->borrowed = dt == c10::DeviceType::CPU && nbytes != 0 &&
-                  s.data_ptr().get_deleter() != c10::GetDefaultCPUAllocator()->raw_deleter() &&
-                  s.data_ptr().get_deleter() != c10::GetCPUAllocator()->raw_deleter();
+  out->borrowed = dt == c10::DeviceType::CPU && nbytes != 0 && !torch_cpu_deleter(s.data_ptr().get_deleter());
   return 0;
 }
 
