@@ -261,6 +261,10 @@ struct dpy_scanner {
    * reference is its container's slot; `ran_code` — the walk has called
    * Python code that may hand it new references (a reduce, a slot read) */
   int solo, ran_code;
+  /* run_object looked o's class up in copyreg.dispatch_table (which may
+   * run a metaclass's code) and left o for visit(): the answer, for it */
+  PyObject *dispatch_obj; /* borrowed, compared only */
+  int dispatch_known;
   uint32_t *refs;
   PyObject **first, **second;
   size_t nfirst, first_cap;
@@ -1593,6 +1597,8 @@ static int dispatched(dpy_scanner_t *s, PyObject *o) {
 
 static int visit(dpy_scanner_t *s, PyObject *o) {
   PyTypeObject *t = Py_TYPE(o);
+  PyObject *known = s->dispatch_obj; /* run_object's lookup of o's class, when it left o to visit() */
+  s->dispatch_obj = NULL;
   int solo = s->solo;
   s->solo = 0;
   uint8_t k = classify(t);
@@ -1629,7 +1635,9 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   if (k == K_TORCH) return visit_torch(s, o);
   /* a plain object's or namedtuple's dispatch-table entry, looked up once:
      both the memo decision and the switch below need it */
-  int reduced = k == K_OBJECT || k == K_NAMEDTUPLE ? dispatched(s, o) : 0;
+  int reduced = k == K_OBJECT || k == K_NAMEDTUPLE
+                    ? o == known && k == K_OBJECT ? s->dispatch_known : dispatched(s, o)
+                    : 0;
   if (reduced < 0) return -1;
   if (!s->ran_code && runs_value_code(k, t, reduced)) s->ran_code = 1;
   int sn = solo && !s->ran_code ? 0 : seen(s, o);
@@ -2672,13 +2680,62 @@ static inline PyObject **dict_ptr(PyObject *o, PyTypeObject *t) {
   return off > 0 ? (PyObject **)((char *)o + off) : _PyObject_GetDictPtr(o);
 }
 
+#define INLINE_DEPTH 3 /* levels of containers read in place, one in another */
+
+/* A container read in place by a run (seq_run), and how far: the chain
+ * from the run's frame down to the item being read. A read in place that
+ * stops at an item — one it cannot read so, a tensor whose memory the
+ * adapter could not describe, one that gained attributes meanwhile —
+ * resumes there: the frames visit() and next_child would have left for
+ * these containers are pushed (resume()), and the walk goes on from that
+ * item. Nothing read is read again: reading a tensor can run Python code (a
+ * sparse tensor's parts go through torch's dispatcher: a dispatch mode, a
+ * subclass's __torch_dispatch__), which a second read would run twice. */
+typedef struct inl {
+  const struct inl *up; /* the container holding this one; NULL: an item of the run's frame */
+  PyObject *obj;        /* the list or tuple, or the object's __dict__ (held while read) */
+  PyTypeObject *owner;  /* the type a too-deep error names */
+  uint8_t kind;         /* FR_SEQ, or FR_ATTRS (an object's __dict__) */
+  Py_ssize_t pos, idx;  /* the frame's, as next_child leaves them */
+  PyObject *label;      /* FR_ATTRS: the current key (borrowed, held by the reader), or NULL */
+  Py_ssize_t dsize;     /* FR_ATTRS: the dict's size when entered */
+} inl_t;
+
+/* Pushes the frames of the chain ending at in (outermost first), after the
+ * run's frame (the top one), whose item they hold: that item is then done
+ * for it. 0, or -1 with an exception. */
+static int resume(dpy_scanner_t *s, const inl_t *in) {
+  frame_t *root = &s->frames[s->nframes - 1];
+  root->pos = root->idx + 1;
+  const inl_t *chain[INLINE_DEPTH + 1];
+  int n = 0;
+  for (; in && n < INLINE_DEPTH + 1; in = in->up) chain[n++] = in;
+  while (n--) {
+    const inl_t *c = chain[n];
+    if (push(s, c->kind, c->obj, c->owner)) return -1;
+    frame_t *f = &s->frames[s->nframes - 1];
+    f->pos = c->pos;
+    f->idx = c->idx;
+    if (c->kind == FR_ATTRS) {
+      f->dsize = c->dsize;
+      f->label = Py_XNewRef(c->label);
+    }
+  }
+  return 0;
+}
+
 /* A tensor met by a run (seq_run): one of a class already classified as a
  * tensor class with no slots (*ok: the last class found so), holding no
  * attributes, has its allocations added as visit() would add them, the
- * tensor held while read (Python code can run under the adapter: a tensor
- * subclass's dispatch). 1: done; 0: not such a tensor, or one whose memory
- * the adapter could not read (visit() reads it, and reports); -1: error. */
-static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
+ * tensor held while read (Python code can run under the adapter: a sparse
+ * tensor's dispatch). in: its container read in place (NULL: the run's
+ * frame), its pos and idx past o. 1: done; 0: not such a tensor (nothing
+ * read: visit() reads it); 2: read, and the frames to o's container
+ * resumed — its attributes, given meanwhile, entered as visit() enters
+ * them; -1: error (a WalkError at o's path where the adapter raised, as
+ * visit() words it). */
+static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok,
+                                                            const inl_t *in) {
   PyTypeObject *t = Py_TYPE(o);
   if (t != *ok) {
     tcache_ent_t *e = tcache_hit(t); /* a kind not yet cached: classifying may run Python code */
@@ -2687,65 +2744,67 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
       return 0; /* slots, or not yet asked: visit() */
     *ok = t;
   }
-  Py_INCREF(o);
   PyObject **dp = dict_ptr(o, t);
+  if (dp && *dp) return 0; /* attributes (or a dict once made): visit() */
+  Py_INCREF(o);
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
-  int na = dp && *dp ? -2 : dpy.torch->tensor_allocs(o, a); /* attributes (or a dict once made): visit() */
+  int na = dpy.torch->tensor_allocs(o, a), rc = 1;
   if (na < 0) {
-    Py_DECREF(o);
-    if (na == -1) clear_error(); /* visit() reports it */
-    return 0;
-  }
-  for (int i = 0; i < na; i++)
-    if ((a[i].base || a[i].nbytes) &&
-        add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o)) {
-      Py_DECREF(o);
-      return -1;
+    /* its error is the value's (its code may have raised it): reported
+       here, never swallowed for visit() to read the tensor again */
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (resume(s, in)) {
+      Py_XDECREF(et);
+      Py_XDECREF(ev);
+      Py_XDECREF(tb);
+    } else {
+      PyErr_Restore(et, ev, tb);
+      walk_error(s, o, "a tensor whose memory cannot be described");
     }
+    rc = -1;
+  }
+  for (int i = 0; i < na && rc == 1; i++)
+    if ((a[i].base || a[i].nbytes) &&
+        add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o))
+      rc = -1;
+  /* Python code under the adapter may have given it attributes: visit()
+     walks them after its memory */
+  if (rc == 1 && (dp = dict_ptr(o, t)) && *dp) rc = resume(s, in) || visit_tensor_attrs(s, o) ? -1 : 2;
   Py_DECREF(o);
-  return 1;
-}
-
-/* Takes back the allocations pending from mark on (not yet in the set). */
-static void unpend(dpy_scanner_t *s, int mark) {
-  for (int i = mark; i < s->npend; i++) Py_CLEAR(s->pend_obj[i]);
-  s->npend = mark;
+  return rc;
 }
 
 #define INLINE_MAX 8   /* items of a container read in place */
-#define INLINE_DEPTH 3 /* levels of such containers read in place, one in another */
-#define PEND_MAX ((int)(sizeof ((dpy_scanner_t *)0)->pend / sizeof ((dpy_scanner_t *)0)->pend[0]))
 
 /* A small list or tuple met by a run, held only by its slot there (solo:
  * see scan_walk), before the walk ran any of the value's code and with no
- * path asked for: if its items are leaves, tensors run_tensor reads, or
- * small containers read so in turn (level: how many hold it, up to
- * INLINE_DEPTH), it is read in place — no frame, no memo, the same
- * allocations in the same order as its frame would give. Nothing is added
- * to the set before all its items were read (they wait in the batch), so
- * that one the run cannot read takes them all back and visit() enters the
- * container as before (paths and errors its own); the batch is flushed
- * only before the outermost, never inside it. 1: done; 0: not (nothing
- * added); -1: error. */
-static int run_inline(dpy_scanner_t *s, PyObject *c, PyTypeObject **ok, int level) {
+ * path asked for: its items — leaves, tensors run_tensor reads, small
+ * containers read so in turn (level: how many hold it, up to INLINE_DEPTH)
+ * — are read in place, no frame, no memo, the same allocations in the same
+ * order as its frame would give. At an item it cannot read so, the frames
+ * are resumed (see inl_t) and the walk visits that item. up: the container
+ * holding c read in place (NULL: the run's frame). 1: done; 0: not started
+ * (nothing read: visit() enters c); 2: frames resumed; -1: error. */
+static int run_inline(dpy_scanner_t *s, PyObject *c, PyTypeObject **ok, int level, const inl_t *up) {
   int list = PyList_CheckExact(c);
   Py_ssize_t n = list ? PyList_GET_SIZE(c) : PyTuple_GET_SIZE(c);
   if (n > INLINE_MAX || s->nframes + (size_t)level > s->max_depth) return 0; /* too deep: visit() says so */
-  if (level == 1 && s->npend > PEND_MAX - (int)n * DP_TORCH_MAX_ALLOCS && flush_pending(s)) return -1;
-  int mark = s->npend, rc = 1;
+  inl_t me = {.up = up, .obj = c, .owner = Py_TYPE(c), .kind = FR_SEQ};
+  int rc = 1;
   Py_INCREF(c); /* a list's items are read afresh: Python code under the adapter may change it */
-  for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(c) : PyTuple_GET_SIZE(c)); i++) {
+  for (Py_ssize_t i = 0; rc == 1 && i < (list ? PyList_GET_SIZE(c) : PyTuple_GET_SIZE(c)); i++) {
     PyObject *o = list ? PyList_GET_ITEM(c, i) : PyTuple_GET_ITEM(c, i);
     PyTypeObject *t = Py_TYPE(o);
     if (plain_leaf(t)) continue;
-    /* a list grown under the adapter: no batch flushed here, ever */
+    me.pos = i + 1, me.idx = i;
     if (t == &PyTuple_Type || t == &PyList_Type)
-      rc = level < INLINE_DEPTH && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, ok, level + 1) : 0;
+      rc = level < INLINE_DEPTH && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, ok, level + 1, &me) : 0;
     else
-      rc = s->npend <= PEND_MAX - DP_TORCH_MAX_ALLOCS ? run_tensor(s, o, ok) : 0;
-    if (rc != 1) {
-      unpend(s, mark);
-      break;
+      rc = run_tensor(s, o, ok, &me);
+    if (rc == 0) { /* the walk visits item i next */
+      me.pos = i, me.idx = i - 1;
+      rc = resume(s, &me) ? -1 : 2;
     }
   }
   Py_DECREF(c);
@@ -2753,50 +2812,64 @@ static int run_inline(dpy_scanner_t *s, PyObject *c, PyTypeObject **ok, int leve
 }
 
 /* An instance of a class that keeps pickle's defaults (K_OBJECT, of a
- * plain metaclass, in no dispatch-table entry), met by a run, held only by
- * its slot there, before the walk ran any of the value's code and with no
- * path asked for: its __dict__, when small and made of str keys (none
- * `__cuda_array_interface__`) and of values run_inline would read, is read
- * in place — no frame, no memo, the same allocations in the same order as
- * visit() would give. As run_inline: nothing is added to the set before
- * all its values were read, and one the run cannot read takes them all
- * back (visit() enters the object as before). 1: done; 0: not; -1: error. */
+ * plain metaclass), met by a run, held only by its slot there, before the
+ * walk ran any of the value's code and with no path asked for: its
+ * __dict__, when small and made of str keys (none
+ * `__cuda_array_interface__`), is read in place as run_inline reads a
+ * container — no frame, no memo, the same allocations in the same order as
+ * visit() would give, frames resumed at a value it cannot read so. Its
+ * class is looked up in copyreg.dispatch_table once (the lookup may run a
+ * metaclass's __eq__): visit() takes the answer when it enters the object
+ * instead. 1: done; 0: not started (visit() enters o); 2: frames resumed;
+ * -1: error. */
 static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
   PyTypeObject *t = Py_TYPE(o);
   if (Py_TYPE(t) != &PyType_Type || s->nframes + 1 > s->max_depth) return 0; /* too deep: visit() says so */
-  PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t); /* a type's hash: its address */
-  if (fn || PyErr_Occurred()) {
-    clear_error(); /* visit() looks it up again, and reports */
-    return 0;
-  }
+  PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
+  if (!fn && PyErr_Occurred()) return dispatch_error(s, o); /* at o's path: the run's frame's item */
+  s->dispatch_obj = o, s->dispatch_known = fn != NULL; /* for visit(), when it enters o */
+  if (fn) return 0;
   PyObject **dp = _PyObject_GetDictPtr(o);
   PyObject *d = dp ? *dp : NULL;
   if (!d || !PyDict_CheckExact(d)) return 0; /* a managed dict not made yet, or a dict subclass: visit() */
-  Py_ssize_t n = PyDict_GET_SIZE(d);
-  if (n == 0) return 1;
+  Py_ssize_t n = PyDict_GET_SIZE(d), pos = 0, count = 0;
   if (n > INLINE_MAX) return 0;
-  if (s->npend > PEND_MAX - (int)n * DP_TORCH_MAX_ALLOCS && flush_pending(s)) return -1;
-  int mark = s->npend, rc = 1;
-  Py_INCREF(o);
-  Py_INCREF(d); /* Python code under the adapter may change the object or its dict: checked at every step */
-  Py_ssize_t pos = 0;
   PyObject *k, *v;
-  while (rc == 1 && PyDict_GET_SIZE(d) == n && dp == _PyObject_GetDictPtr(o) && *dp == d &&
-         PyDict_Next(d, &pos, &k, &v)) {
+  while (PyDict_Next(d, &pos, &k, &v)) /* visit() looks for an instance's array interface first */
     if (!PyUnicode_CheckExact(k) || k == dpy.str_cai ||
-        (PyUnicode_GET_LENGTH(k) == PyUnicode_GET_LENGTH(dpy.str_cai) && PyUnicode_Compare(k, dpy.str_cai) == 0)) {
-      rc = 0;
+        (PyUnicode_GET_LENGTH(k) == PyUnicode_GET_LENGTH(dpy.str_cai) && PyUnicode_Compare(k, dpy.str_cai) == 0))
+      return 0;
+  s->dispatch_obj = NULL;
+  inl_t me = {.obj = d, .owner = t, .kind = FR_ATTRS, .dsize = n};
+  int rc = 1;
+  Py_INCREF(o);
+  Py_INCREF(d); /* Python code under the adapter may replace the object's dict: this one is read, as a frame reads it */
+  for (pos = 0; rc == 1;) {
+    Py_ssize_t at = pos;
+    if (PyDict_GET_SIZE(d) != n) { /* the walk resumed reports it, as a frame's next step does */
+      me.pos = at, me.idx = count - 1, me.label = NULL;
+      rc = resume(s, &me) ? -1 : 2;
       break;
     }
+    if (!PyDict_Next(d, &pos, &k, &v)) break;
+    count++;
     PyTypeObject *vt = Py_TYPE(v);
     if (plain_leaf(vt)) continue;
+    int solo = Py_REFCNT(v) == 1;
+    Py_INCREF(k);
+    Py_INCREF(v);
+    me.pos = pos, me.idx = count - 1, me.label = k;
     if (vt == &PyTuple_Type || vt == &PyList_Type)
-      rc = !s->ran_code && Py_REFCNT(v) == 1 ? run_inline(s, v, ok, 2) : 0;
+      rc = !s->ran_code && solo ? run_inline(s, v, ok, 2, &me) : 0;
     else
-      rc = s->npend <= PEND_MAX - DP_TORCH_MAX_ALLOCS ? run_tensor(s, v, ok) : 0;
+      rc = run_tensor(s, v, ok, &me);
+    if (rc == 0) { /* the walk visits this value next */
+      me.pos = at, me.idx = count - 2, me.label = NULL;
+      rc = resume(s, &me) ? -1 : 2;
+    }
+    Py_DECREF(k);
+    Py_DECREF(v);
   }
-  if (rc == 1 && (PyDict_GET_SIZE(d) != n || dp != _PyObject_GetDictPtr(o) || *dp != d)) rc = 0; /* changed */
-  if (rc != 1) unpend(s, mark);
   Py_DECREF(d);
   Py_DECREF(o);
   return rc;
@@ -2804,12 +2877,13 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
 
 /* The walk of scan and of the Future (not building, no opaque types) over
  * a list or tuple: a run of items that are leaves, tensors run_tensor
- * reads, or small containers run_inline reads, is read here, as visit()
- * would read each (the same allocations, in the same order), without the
- * loop's per-child dispatch. Python code can still run under it (a garbage
- * collection's finalizers, a tensor subclass's dispatch in the adapter), so
- * the sequence is read afresh for every item. Stops at the first other
- * item, which the loop visits. */
+ * reads, or small containers and objects read in place, is read here, as
+ * visit() would read each (the same allocations, in the same order),
+ * without the loop's per-child dispatch. Python code can still run under
+ * it (a garbage collection's finalizers, a tensor's dispatch in the
+ * adapter), so the sequence is read afresh for every item. Stops at the
+ * first other item, which the loop visits, or where frames were resumed
+ * (the loop goes on with them). 0, or -1 with an exception. */
 static int seq_run(dpy_scanner_t *s, frame_t *f) {
   PyObject *seq = f->obj;
   int list = PyList_Check(seq);
@@ -2826,17 +2900,17 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     f->idx = f->pos; /* the item's path */
     int r;
     if (t == &PyTuple_Type || t == &PyList_Type) {
-      r = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, &ok, 1) : 0;
+      r = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, &ok, 1, NULL) : 0;
     } else if (t == ok) {
-      r = run_tensor(s, o, &ok);
+      r = run_tensor(s, o, &ok, NULL);
     } else {
       tcache_ent_t *e = tcache_hit(t);
       if (e && e->kind == K_OBJECT)
         r = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1 ? run_object(s, o, &ok) : 0;
       else
-        r = run_tensor(s, o, &ok);
+        r = run_tensor(s, o, &ok, NULL);
     }
-    if (r <= 0) return r;
+    if (r != 1) return r < 0 ? -1 : 0; /* 2: f may have moved (frames were pushed) */
     f->idx = f->pos++;
   }
 }
@@ -2860,6 +2934,7 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
   s->error_path = NULL;
   s->count_refs = !opts->no_refs && !opts->build && !into; /* refs are of a set of its own */
   s->solo = 0;
+  s->dispatch_obj = NULL;
   s->opaque = opts->opaque;
   /* opaque=: every object meets isinstance, which may run its code (a
      metaclass's __instancecheck__, the object's __class__) */
@@ -2870,7 +2945,10 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
   while (s->nframes) {
     frame_t *f = &s->frames[s->nframes - 1];
     size_t before = s->nframes;
-    if (runs && f->kind == FR_SEQ && seq_run(s, f)) return -1;
+    if (runs && f->kind == FR_SEQ) {
+      if (seq_run(s, f)) return -1;
+      if (s->nframes != before) continue; /* frames resumed over items read in place */
+    }
     PyObject *c = next_child(s, f);
     if (!c) {
       if (PyErr_Occurred()) { /* a reduce's parts are the reduced object's */

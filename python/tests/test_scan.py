@@ -1978,3 +1978,157 @@ def test_scan_states_its_documented_signature_and_takes_obj_by_keyword():
     assert devpickle.scan(obj=[t]) == devpickle.scan([t])
     with pytest.raises(TypeError):
         devpickle.scan([t], True)  # paths is keyword-only
+
+
+def _sparse():
+    return torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))
+
+
+class _SparseReads:
+    """A dispatch mode: a sparse tensor's parts go through torch's
+    dispatcher, so reading its memory runs this Python code (each read
+    counted, and whatever `act` does on the read it is given)."""
+
+    def __init__(self, act=None):
+        self.reads, self.act = 0, act
+
+    def mode(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if "_indices" in str(func):
+                    outer.reads += 1
+                    if outer.act:
+                        outer.act(outer.reads, args[0])
+                return func(*args, **(kwargs or {}))
+
+        return Mode()
+
+
+def _three_walks(make, act=None):
+    """scan(paths=True), scan(paths=False) and set_result of a fresh value
+    each, under a _SparseReads: (outcome, reads) each, the outcome the
+    allocations (device, nbytes, refs: each walk's value is its own) or the
+    WalkError's text."""
+    devpickle.scan([torch.ones(1), Holder(None)], paths=False)  # the classes known: the runs read them
+    out = []
+    for how in ("paths", "no paths", "future"):
+        r = _SparseReads(act)
+        v = make()
+        with r.mode():
+            try:
+                if how == "future":
+                    devpickle.Future().set_result(v)
+                    got = "set"
+                else:
+                    got = [(d, n, c) for d, _, n, c in _fields(devpickle.scan(v, paths=how == "paths"))]
+            except devpickle.WalkError as e:
+                got = str(e)
+        out.append((got, r.reads))
+    return out
+
+
+def test_a_container_read_in_place_up_to_an_item_it_cannot_read_so_reads_nothing_twice():
+    """Without paths, a small tuple is read in place until an item that
+    cannot be (a set); the walk went back and entered the tuple from its
+    first item, reading its sparse tensor again: the tensor's dispatch ran
+    twice, and what it did twice (a tensor appended to a list walked later)
+    was found twice."""
+    extra = []
+
+    def make():
+        extra.clear()
+        h = Holder(_sparse())
+        h.s = {1}
+        return [(torch.ones(2), (_sparse(), {1}), 3), h, extra]
+
+    paths, no_paths, future = _three_walks(make, lambda n, t: extra.append(torch.ones(n)))
+    assert no_paths == paths and len(paths[0]) == 7 and paths[1] == 2, (paths, no_paths)
+    assert future == ("set", 2)
+
+
+def test_an_error_a_tensors_dispatch_raises_is_a_walk_error_once_its_class_is_known_too():
+    """A sparse tensor whose read raised (its dispatch's code) was read
+    again by visit() once the run knew its class, and the second read
+    succeeded: the error was swallowed (with paths too), where dumps and a
+    first walk reported it."""
+
+    def fail_first(n, t):
+        if n == 1:
+            raise ValueError("the first read fails")
+
+    for make, path in [(lambda: [torch.ones(1), _sparse()], "$[1]"), (lambda: [(torch.ones(1), (1, _sparse()))], "$[0][1][1]")]:
+        for got, reads in _three_walks(make, fail_first):
+            assert reads == 1 and "the first read fails" in got, (got, reads)
+            assert got == "set" or f"at {path}:" in got, got
+
+
+def test_attributes_a_tensors_dispatch_gives_it_while_read_are_walked_as_visit_walks_them():
+    def give(n, t):
+        t.extra = torch.ones(7)
+
+    paths, no_paths, future = _three_walks(lambda: [torch.ones(1), (_sparse(), 2)], give)
+    assert no_paths == paths and [n for _, n, _ in paths[0]] == [4, 16, 8, 28], (paths, no_paths)
+
+
+def test_an_objects_dict_replaced_while_read_in_place_is_read_on_as_a_frame_reads_it():
+    """A frame over an object's __dict__ holds the dict it entered: code
+    that replaces the object's __dict__ meanwhile changes nothing of that
+    walk; the walk without paths went back and read the new dict."""
+    held = []
+
+    def swap(n, t):
+        h = held[0]()
+        if h is not None and n == 1:
+            h.__dict__ = {"new": torch.ones(5)}
+
+    def make():
+        h = Holder(_sparse())
+        h.later = torch.ones(3)
+        held[:] = [weakref.ref(h)]
+        return [h]
+
+    paths, no_paths, future = _three_walks(make, swap)
+    assert no_paths == paths and [n for _, n, _ in paths[0]] == [16, 8, 12], (paths, no_paths)
+
+
+def test_an_objects_class_is_looked_up_in_copyreg_once_without_paths_too():
+    """The lookup of a class in copyreg.dispatch_table compares it with a
+    key of the same hash (a metaclass's __eq__: the value's code); an
+    object that the walk without paths looked at but did not read in place
+    (more than 8 attributes) was looked up again by visit()."""
+    calls = []
+
+    class Meta(type):
+        def __hash__(cls):
+            return hash(Holder)
+
+        def __eq__(cls, other):
+            calls.append(other)
+            return False
+
+    class Twin(metaclass=Meta):
+        pass
+
+    def make():
+        h = Holder(torch.ones(3))
+        h.__dict__.update({f"k{i}": i for i in range(8)})
+        return [h]
+
+    devpickle.scan([Holder(None)], paths=False)
+    import copyreg
+
+    copyreg.dispatch_table[Twin] = lambda o: (Twin, ())
+    try:
+        seen = []
+        for walk in (lambda v: devpickle.scan(v), lambda v: devpickle.scan(v, paths=False),
+                     lambda v: devpickle.Future().set_result(v)):
+            calls.clear()
+            walk(make())
+            seen.append(len(calls))
+        assert seen[0] > 0 and seen == [seen[0]] * 3, seen
+    finally:
+        del copyreg.dispatch_table[Twin]
