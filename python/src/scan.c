@@ -2899,14 +2899,17 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     }
     f->idx = f->pos; /* the item's path */
     int r;
-    if (t == &PyTuple_Type || t == &PyList_Type) {
-      r = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, &ok, 1, NULL) : 0;
-    } else if (t == ok) {
+    if (t == ok) {
       r = run_tensor(s, o, &ok, NULL);
     } else {
-      tcache_ent_t *e = tcache_hit(t);
-      if (e && e->kind == K_OBJECT)
-        r = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1 ? run_object(s, o, &ok) : 0;
+      /* a container or object held only here, with no path asked for and no
+         value code run yet, is read in place */
+      int in_place = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1;
+      tcache_ent_t *e;
+      if (t == &PyTuple_Type || t == &PyList_Type)
+        r = in_place ? run_inline(s, o, &ok, 1, NULL) : 0;
+      else if ((e = tcache_hit(t)) && e->kind == K_OBJECT)
+        r = in_place ? run_object(s, o, &ok) : 0;
       else
         r = run_tensor(s, o, &ok, NULL);
     }
