@@ -2875,6 +2875,32 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
   return rc;
 }
 
+/* Items from items[0] on that are tensors of class ok (a plain tensor
+ * class: no slots) holding no attributes, read by the adapter at once into
+ * the pending batch (no paths asked for). dense_run runs no Python code, so
+ * the sequence cannot change under it, and what it read of an item found
+ * afterwards to hold attributes is dropped: that item is read again by
+ * run_tensor, which walks them. Returns how many items were read (0:
+ * items[0] is for run_tensor, which reads or reports it), or -1. */
+static Py_ssize_t tensor_run(dpy_scanner_t *s, PyObject *const *items, Py_ssize_t n, PyTypeObject *ok) {
+  enum { CAP = sizeof s->pend / sizeof s->pend[0] };
+  if (s->npend == CAP && flush_pending(s)) return -1;
+  if (n > CAP - s->npend) n = CAP - s->npend;
+  Py_ssize_t k = 0;
+  while (k < n && Py_TYPE(items[k]) == ok) k++;
+  dp_torch_alloc_t a[CAP];
+  Py_ssize_t got = k ? dpy.torch->dense_run(items, k, a) : 0;
+  for (Py_ssize_t i = 0; i < got; i++) {
+    PyObject **dp = dict_ptr(items[i], ok);
+    if (dp && *dp) return i; /* attributes: run_tensor */
+    if (!a[i].base && !a[i].nbytes) continue; /* an empty storage: nothing to add, as run_tensor */
+    if (s->count_refs) s->pend_obj[s->npend] = Py_NewRef(items[i]);
+    s->pend[s->npend++] = (dp_ptr_info_t){{(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base,
+                                          a[i].nbytes, 0, NULL};
+  }
+  return got;
+}
+
 /* The walk of scan and of the Future (not building, no opaque types) over
  * a list or tuple: a run of items that are leaves, tensors run_tensor
  * reads, or small containers and objects read in place, is read here, as
@@ -2900,6 +2926,16 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     f->idx = f->pos; /* the item's path */
     int r;
     if (t == ok) {
+      if (!s->want_paths) { /* a run of such tensors, read at once */
+        PyObject *const *items = list ? ((PyListObject *)seq)->ob_item : ((PyTupleObject *)seq)->ob_item;
+        Py_ssize_t got = tensor_run(s, items + f->pos, n - f->pos, ok);
+        if (got < 0) return -1;
+        if (got) {
+          f->pos += got;
+          f->idx = f->pos - 1;
+          continue;
+        }
+      }
       r = run_tensor(s, o, &ok, NULL);
     } else {
       /* a container or object held only here, with no path asked for and no

@@ -105,16 +105,16 @@ inline bool torch_cpu_deleter(c10::DeleterFnPtr d) {
   return d == default_deleter || d == c10::GetCPUAllocator()->raw_deleter();
 }
 
-/* One dense tensor's storage into *out. Returns 0, or -1 with a TypeError
- * naming `whole` (t itself, or the sparse tensor t belongs to). No Python
- * object, no Tensor or Storage copy (no refcount traffic). */
-inline int dense_alloc(const at::Tensor &t, const at::Tensor &whole, dp_torch_alloc_t *out) {
+/* One dense tensor's storage into *out. Returns NULL, or why its memory
+ * cannot be described (for fail() to report). No Python object, no Tensor
+ * or Storage copy (no refcount traffic), no Python code. */
+inline const char *dense_read(const at::Tensor &t, dp_torch_alloc_t *out) {
   const c10::TensorImpl *impl = t.unsafeGetTensorImpl();
   /* storage() throws where torch forbids access (functional and fake
    * tensors, wrapper subclasses) and is empty where there is none. */
   const c10::Storage &s = impl->storage();
   if (C10_UNLIKELY(!s))
-    return fail(whole, "it has no storage (a tensor subclass or a functional/fake tensor?)");
+    return "it has no storage (a tensor subclass or a functional/fake tensor?)";
   const c10::DeviceType dt = s.device_type();
   const void *data = s.data();
   const size_t nbytes = s.nbytes();
@@ -125,13 +125,13 @@ inline int dense_alloc(const at::Tensor &t, const at::Tensor &whole, dp_torch_al
     out->device_type = DP_DEVICE_CUDA;
     out->device_index = s.device().index();
   } else {
-    return fail(whole, dt == c10::DeviceType::Meta
-                       ? "its storage is on the meta device (a meta or fake tensor has no memory)"
-                       : "devpickle knows only cpu and cuda memory");
+    return dt == c10::DeviceType::Meta
+               ? "its storage is on the meta device (a meta or fake tensor has no memory)"
+               : "devpickle knows only cpu and cuda memory";
   }
   if (data == nullptr && nbytes != 0)
-    return fail(whole, "its storage has a size but no data pointer (a wrapper tensor "
-                       "subclass keeps its data in other tensors)");
+    return "its storage has a size but no data pointer (a wrapper tensor "
+           "subclass keeps its data in other tensors)";
   out->base = const_cast<void *>(data);
   out->nbytes = nbytes;
   /* Memory from torch's cpu allocator is freed only with its storage (or
@@ -139,7 +139,14 @@ inline int dense_alloc(const at::Tensor &t, const at::Tensor &whole, dp_torch_al
    * context of from_blob, which from_numpy and frombuffer use) frees
    * memory whose owner torch does not hold to account. */
   out->borrowed = dt == c10::DeviceType::CPU && nbytes != 0 && !torch_cpu_deleter(s.data_ptr().get_deleter());
-  return 0;
+  return nullptr;
+}
+
+/* dense_read, its refusal a TypeError naming `whole` (t itself, or the
+ * sparse tensor t belongs to). Returns 0 or -1. */
+inline int dense_alloc(const at::Tensor &t, const at::Tensor &whole, dp_torch_alloc_t *out) {
+  const char *why = dense_read(t, out);
+  return C10_LIKELY(why == nullptr) ? 0 : fail(whole, why);
 }
 
 /* torch's layout(), inlined here (an out-of-line call goes through the PLT,
@@ -215,6 +222,28 @@ extern "C" int dp_tensor_allocs(PyObject *o, dp_torch_alloc_t *out) {
                  "devpickle: cannot describe the memory of a torch tensor: %s", e.what());
     return -1;
   }
+}
+
+/* The run reader of torch_api.h. A tensor dispatched to Python (a
+ * __torch_dispatch__ subclass, whose layout or storage may be answered by
+ * Python code) ends the run before anything of it is read, so no Python
+ * code runs here; a c10 error (a storage torch forbids to read) ends it
+ * too, at that item, and tensor_allocs reports it when the caller asks. */
+extern "C" Py_ssize_t dp_dense_run(PyObject *const *items, Py_ssize_t n, dp_torch_alloc_t *out) {
+  Py_ssize_t i = 0;
+  try {
+    for (; i < n; i++) {
+      const at::Tensor &t = THPVariable_Unpack(items[i]);
+      if (C10_UNLIKELY(!t.defined()))
+        break;
+      const c10::TensorImpl *impl = t.unsafeGetTensorImpl();
+      if (C10_UNLIKELY(impl->is_python_dispatch()) || layout_of(impl) != c10::kStrided ||
+          dense_read(t, &out[i]) != nullptr)
+        break;
+    }
+  } catch (...) {
+  }
+  return i;
 }
 
 #if defined(DP_TORCH_CUDA)
@@ -342,6 +371,7 @@ dp_torch_api_t api_table = {
     dp_set_current_stream,
     dp_pool_stream,
     dp_record_stream,
+    dp_dense_run,
 #else
     0,
     dp_tensor_allocs,
@@ -349,6 +379,7 @@ dp_torch_api_t api_table = {
     nullptr,
     nullptr,
     nullptr,
+    dp_dense_run,
 #endif
 };
 

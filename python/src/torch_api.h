@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define DP_TORCH_API_VERSION 2
+#define DP_TORCH_API_VERSION 3
 #define DP_TORCH_API_CAPSULE "devpickle._torch._api"
 
 /* One allocation a tensor holds. device_type uses devpickle's numbering
@@ -61,6 +61,16 @@ typedef struct dp_torch_api {
    * `device` is used on `stream`. Returns 0 when recorded, 1 when the block is
    * not one of torch's allocator (nothing done). */
   int (*record_stream)(void *base, int device, void *stream);
+  /* --- with the GIL --- */
+  /* Reads a run of dense tensors at once: for items[0], items[1], ... in
+   * turn — each a torch tensor (the caller checked its class derives from
+   * torch's tensor base; not checked again) — while the item is a strided
+   * tensor not dispatched to Python whose storage is cpu or cuda memory,
+   * writes that storage, as tensor_allocs would, to out[i]. Stops at the
+   * first other item, leaving it for tensor_allocs, which reads or reports
+   * it. Returns how many items it read (0..n). Runs no Python code and
+   * raises nothing, so the caller's items cannot change under it. */
+  Py_ssize_t (*dense_run)(PyObject *const *items, Py_ssize_t n, dp_torch_alloc_t *out);
 } dp_torch_api_t;
 
 #ifdef __cplusplus

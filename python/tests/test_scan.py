@@ -103,6 +103,50 @@ def test_refs_match_the_distinct_objects_met_on_each_allocation_in_any_order_and
                 assert {x.ptr: x.refs for x in got} == {p: len(ids) for p, ids in want.items()}, (seq, paths)
 
 
+def test_runs_of_tensors_read_at_once_give_what_paths_give_wherever_the_run_stops():
+    """Without paths a run of plain tensors in a list is read by the adapter
+    at once; an item it cannot read so (sparse, attributes, a leaf, another
+    class) ends the run there and is walked as with paths, and the run goes
+    on after it — across the batch's size too."""
+    import random
+
+    class Sub(torch.Tensor):
+        pass
+
+    rng = random.Random(11)
+    bases = [torch.arange(16.0) for _ in range(5)]
+    with_attr = torch.ones(3)
+    with_attr.extra = torch.zeros(2)
+    kinds = [
+        lambda: rng.choice(bases),
+        lambda: rng.choice(bases)[rng.randrange(1, 8):],
+        lambda: torch.ones(rng.randrange(1, 4)),
+        lambda: torch.empty(0),
+        lambda: torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,)),
+        lambda: with_attr,
+        lambda: torch.ones(2).as_subclass(Sub),
+        lambda: rng.choice([1, "s", None, 2.5]),
+    ]
+    weights = [30, 20, 20, 3, 2, 2, 2, 5]
+    for _ in range(60):
+        seq = [rng.choices(kinds, weights)[0]() for _ in range(rng.randint(1, 120))]
+        for value in (seq, tuple(seq)):
+            with_paths = [(x.device, x.ptr, x.nbytes, x.refs) for x in devpickle.scan(value)]
+            assert [(x.device, x.ptr, x.nbytes, x.refs) for x in devpickle.scan(value, paths=False)] == with_paths
+            f = devpickle.Future()
+            f.set_result(value)
+            assert [(d, p, n) for d, p, n, _ in with_paths] == f._allocations()
+
+
+def test_a_tensor_that_cannot_be_described_ends_a_run_and_is_reported_at_its_path():
+    for at in (0, 1, 31, 32, 33, 70):
+        v = [torch.ones(2) for _ in range(80)]
+        v[at] = torch.empty(3, device="meta")
+        for paths in (True, False):
+            with pytest.raises(devpickle.WalkError, match=r"at \$\[%d\]: .*meta device" % at):
+                devpickle.scan(v, paths=paths)
+
+
 def test_small_containers_nested_in_each_other_give_the_allocations_paths_would_give():
     ts = [torch.ones(i + 1) for i in range(12)]
     shared = [ts[3]]

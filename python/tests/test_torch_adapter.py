@@ -16,7 +16,7 @@ if os.environ.get("DEVPICKLE_REQUIRE_TORCH_ADAPTER") == "1":
 else:
     adapter = pytest.importorskip("devpickle._torch")
 
-API_VERSION = 2
+API_VERSION = 3
 CAPSULE = b"devpickle._torch._api"
 MAX_ALLOCS = 4
 CPU, CUDA = 0, 1
@@ -33,7 +33,8 @@ class Api(ctypes.Structure):
                 ("current_stream", ctypes.c_void_p),
                 ("set_current_stream", ctypes.c_void_p),
                 ("pool_stream", ctypes.c_void_p),
-                ("record_stream", ctypes.c_void_p)]
+                ("record_stream", ctypes.c_void_p),
+                ("dense_run", ctypes.c_void_p)]
 
 
 def _table():
@@ -48,6 +49,8 @@ API = _table()
 # Python exception set comes back as that exception.
 _tensor_allocs = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object,
                                    ctypes.POINTER(Alloc))(API.tensor_allocs)
+_dense_run = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.POINTER(ctypes.py_object), ctypes.c_ssize_t,
+                               ctypes.POINTER(Alloc))(API.dense_run)
 
 
 def allocs(obj):
@@ -81,9 +84,9 @@ def storage(t):
     return s.data_ptr(), s.nbytes()
 
 
-def test_capsule_publishes_version_2_of_the_table():
+def test_capsule_publishes_version_3_of_the_table():
     assert API.version == API_VERSION
-    assert API.tensor_allocs
+    assert API.tensor_allocs and API.dense_run
     cuda_fns = [API.current_stream, API.set_current_stream, API.pool_stream, API.record_stream]
     if API.has_cuda:
         assert all(cuda_fns)
@@ -91,6 +94,58 @@ def test_capsule_publishes_version_2_of_the_table():
     else:
         assert not any(cuda_fns)
     assert adapter.has_cuda == API.has_cuda
+
+
+def dense_run(objs):
+    """(count read, [(device_type, device_index, base, nbytes), ...] of those)."""
+    items = (ctypes.py_object * max(len(objs), 1))(*objs)
+    out = (Alloc * max(len(objs), 1))()
+    n = _dense_run(items, len(objs), out)
+    return n, [(a.device_type, a.device_index, a.base or 0, a.nbytes) for a in out[:n]]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support")
+def test_a_run_of_dense_tensors_reads_each_as_tensor_allocs_does_and_stops_at_the_first_other():
+    class Sub(torch.Tensor):
+        pass
+
+    base = torch.randn(10, 10)
+    dense = [base, base[2:], base.T, torch.empty(0), torch.ones(3, dtype=torch.int8),
+             torch.ones(2).as_subclass(Sub), torch.nn.Parameter(torch.ones(2))]
+    assert dense_run(dense) == (len(dense), [allocs(t)[1][0] for t in dense])
+    assert dense_run([]) == (0, [])
+    sparse = torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))
+    meta = torch.empty(3, device="meta")
+    calls = []
+
+    class Wrapper(torch.Tensor):  # dispatched to Python: its layout, its storage may be Python's answer
+        @staticmethod
+        def __new__(cls, size):
+            return torch.Tensor._make_wrapper_subclass(cls, size)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            calls.append(func)
+            raise NotImplementedError(func)
+
+    class LayoutWrapper(Wrapper):  # torch 2: even its layout is asked of Python
+        @staticmethod
+        def __new__(cls, size):
+            return torch.Tensor._make_wrapper_subclass(cls, size, dispatch_layout=True)
+
+    stops = [sparse, meta, torch.ones(2, 2).to_sparse_csr(), Wrapper((2,))]
+    try:
+        stops.append(LayoutWrapper((2,)))
+    except TypeError:  # torch 1.13: no dispatch_layout
+        pass
+    for stop in stops:
+        for at in (0, 1, 4):
+            run = dense[:at] + [stop] + dense[:3]
+            assert dense_run(run) == (at, [allocs(t)[1][0] for t in dense[:at]])
+    assert calls == []  # no Python code ran
+    # the item it stopped at is tensor_allocs' to read or report
+    with pytest.raises(TypeError, match="meta device"):
+        allocs(meta)
 
 
 def test_dense_tensor_gives_its_storage():
