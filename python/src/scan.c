@@ -2878,21 +2878,19 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
 /* Items from items[0] on that are tensors of class ok (a plain tensor
  * class: no slots) holding no attributes, read by the adapter at once into
  * the pending batch (no paths asked for). dense_run runs no Python code, so
- * the sequence cannot change under it, and what it read of an item found
- * afterwards to hold attributes is dropped: that item is read again by
- * run_tensor, which walks them. Returns how many items were read (0:
- * items[0] is for run_tensor, which reads or reports it), or -1. */
+ * neither the sequence nor an item's attributes can change under it: each
+ * item's __dict__ is looked at once, before. Returns how many items were
+ * read (0: items[0] is for run_tensor, which reads or reports it), or -1. */
 static Py_ssize_t tensor_run(dpy_scanner_t *s, PyObject *const *items, Py_ssize_t n, PyTypeObject *ok) {
   enum { CAP = sizeof s->pend / sizeof s->pend[0] };
   if (s->npend == CAP && flush_pending(s)) return -1;
   if (n > CAP - s->npend) n = CAP - s->npend;
   Py_ssize_t k = 0;
-  while (k < n && Py_TYPE(items[k]) == ok) k++;
+  for (PyObject **dp; k < n && Py_TYPE(items[k]) == ok; k++)
+    if ((dp = dict_ptr(items[k], ok)) && *dp) break; /* attributes: run_tensor walks them */
   dp_torch_alloc_t a[CAP];
   Py_ssize_t got = k ? dpy.torch->dense_run(items, k, a) : 0;
   for (Py_ssize_t i = 0; i < got; i++) {
-    PyObject **dp = dict_ptr(items[i], ok);
-    if (dp && *dp) return i; /* attributes: run_tensor */
     if (!a[i].base && !a[i].nbytes) continue; /* an empty storage: nothing to add, as run_tensor */
     if (s->count_refs) s->pend_obj[s->npend] = Py_NewRef(items[i]);
     s->pend[s->npend++] = (dp_ptr_info_t){{(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base,
