@@ -746,7 +746,16 @@ static int flush_pending(dpy_scanner_t *s) {
   rc = dp_ptrset_add_many(s->found, s->pend, (size_t)n, s->count_refs ? idx : NULL, &e);
   if (rc) dpy_raise(rc, &e);
   for (int i = 0; i < n && s->count_refs; i++) {
-    if (!rc) rc = account(s, idx[i], s->pend_obj[i]);
+    size_t at = idx[i];
+    if (!rc && at == s->nfirst && at < s->first_cap) { /* new: it holds the batch's reference (account) */
+      s->first[at] = s->pend_obj[i];
+      s->pend_obj[i] = NULL;
+      s->second[at] = NULL;
+      s->refs[at] = 1;
+      s->nfirst = at + 1;
+      continue;
+    }
+    if (!rc) rc = account(s, at, s->pend_obj[i]);
     Py_CLEAR(s->pend_obj[i]);
   }
   s->npend = 0;
