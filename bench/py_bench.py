@@ -14,7 +14,10 @@ Rows:
                               CUDA future does at set_result less its events)
   py_then_hop                 one link of a 1,000-link then() chain, completed
                               by set_result, vs torch.futures.Future
-Each figure is the median of repeated runs (each run timed over enough calls).
+Each figure is the median of repeated runs (each run timed over enough calls);
+the two sides of a row run in turns, one run of each a pair, and the ratio is
+the median of the pairs' ratios: a host whose speed drifts during the bench
+(other tenants, clock) moves both sides of a pair alike.
 """
 
 import dataclasses
@@ -44,7 +47,8 @@ class Rec:
     step: int = 0
 
 
-def median_time(fn, min_time=0.05, repeats=7):
+def calls_per_run(fn, min_time, repeats):
+    """How many calls of fn make one run last min_time / repeats."""
     fn()
     n = 1
     while True:
@@ -53,15 +57,26 @@ def median_time(fn, min_time=0.05, repeats=7):
             fn()
         dt = time.perf_counter() - t0
         if dt >= min_time / repeats or n >= 1 << 20:
-            break
+            return n
         n *= 2
-    runs = []
+
+
+def one_run(fn, n):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def paired_time(ours, theirs, min_time=0.05, repeats=7):
+    """(our median, their median, median of the runs' ratios): a run of each
+    in turn, `repeats` pairs."""
+    n, m = calls_per_run(ours, min_time, repeats), calls_per_run(theirs, min_time, repeats)
+    a, b = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n)
-    return statistics.median(runs)
+        a.append(one_run(ours, n))
+        b.append(one_run(theirs, m))
+    return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b))
 
 
 def values(quick):
@@ -88,11 +103,13 @@ def values(quick):
     }
 
 
-def row(out, name, value_s, base_s, vs):
+def row(out, name, timed, vs, per=1):
+    """timed: paired_time's answer; per: calls of the timed functions a figure is."""
+    value_s, base_s, ratio = timed[0] / per, timed[1] / per, timed[2]
     r = {"name": name, "backend": BACKEND, "value": round(value_s * 1e6, 3), "unit": "us",
-         "ratio": round(value_s / base_s, 4), "ratio_vs": vs}
+         "ratio": round(ratio, 4), "ratio_vs": vs, "baseline_us": round(base_s * 1e6, 3)}
     out.write(json.dumps(r) + "\n")
-    print(f"{name:34s} {BACKEND:5s} {value_s * 1e6:12.2f} us   ratio {value_s / base_s:8.4f} vs {vs}")
+    print(f"{name:34s} {BACKEND:5s} {value_s * 1e6:12.2f} us   ratio {ratio:8.4f} vs {vs} ({base_s * 1e6:.2f} us)")
 
 
 def main():
@@ -103,12 +120,10 @@ def main():
     print(f"devpickle reads torch tensors through: {adapter}; torch {torch.__version__}, device {DEV}")
     with open(path, "a") as out:
         for name, v in vals.items():
-            ours = median_time(lambda: devpickle.scan(v, paths=False))
-            theirs = median_time(lambda: _extract_tensors(v))
-            row(out, f"py_scan_{name}", ours, theirs, "torch._jit_internal._extract_tensors")
+            timed = paired_time(lambda: devpickle.scan(v, paths=False), lambda: _extract_tensors(v))
+            row(out, f"py_scan_{name}", timed, "torch._jit_internal._extract_tensors")
         for name in ("list_1000", "objects_1000", "dataclass_1000", "big_bytes", "nested_1000"):
             v = vals[name]
-            ours = median_time(lambda: devpickle.Future().set_result(v))
             if CUDA:
                 def theirs_fn():
                     torch.futures.Future(devices=[DEV]).set_result(v)
@@ -118,7 +133,8 @@ def main():
                     _extract_tensors(v)
                     torch.futures.Future().set_result(v)
                 vs = "_extract_tensors + torch.futures.Future().set_result (no CUDA here)"
-            row(out, f"py_future_set_result_{name}", ours, median_time(theirs_fn), vs)
+            timed = paired_time(lambda: devpickle.Future().set_result(v), theirs_fn)
+            row(out, f"py_future_set_result_{name}", timed, vs)
 
         def chain(fut_cls, devices):
             f = fut_cls(devices=devices) if devices is not None else fut_cls()
@@ -128,9 +144,10 @@ def main():
             f.set_result(1)
             tail.wait()
 
-        ours = median_time(lambda: chain(devpickle.Future, None), min_time=0.5) / 1000
-        theirs = median_time(lambda: chain(torch.futures.Future, [DEV] if CUDA else None), min_time=0.5) / 1000
-        row(out, "py_then_hop", ours, theirs, "torch.futures.Future then() hop" + (" (devices=[cuda:0])" if CUDA else ""))
+        timed = paired_time(lambda: chain(devpickle.Future, None),
+                            lambda: chain(torch.futures.Future, [DEV] if CUDA else None), min_time=0.5)
+        row(out, "py_then_hop", timed, "torch.futures.Future then() hop" + (" (devices=[cuda:0])" if CUDA else ""),
+            per=1000)
 
 
 if __name__ == "__main__":
