@@ -670,45 +670,40 @@ static int counted_before(dpy_scanner_t *s, PyObject *o) {
   return keep(s, o) ? 0 : -1; /* alive until the walk ends: its address stays its own */
 }
 
-/* Counts obj on allocation idx (count_refs). A tensor skips the memo, so
- * one met again reaches here again; but it then finds its allocation in the
- * set already. So a new allocation just holds its first object and counts
- * one; one met again compares with the (at most two) objects it holds, and
- * only a third distinct object moves them to `counted`, which every later
- * object of that allocation asks. Held objects keep their addresses their
- * own until the walk ends. */
-static int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
-  if (idx == s->nfirst) { /* new: allocations are numbered in discovery order, each accounted */
-    if (idx >= s->first_cap) {
-      size_t cap = s->first_cap ? 2 * s->first_cap : 64;
-      while (cap <= idx) cap *= 2;
-      PyObject **f = PyMem_Realloc(s->first, cap * sizeof *f);
-      if (f) s->first = f;
-      PyObject **f2 = f ? PyMem_Realloc(s->second, cap * sizeof *f2) : NULL;
-      if (f2) s->second = f2;
-      uint32_t *r = f2 ? PyMem_Realloc(s->refs, cap * sizeof *r) : NULL;
-      if (!r) {
-        PyErr_NoMemory();
-        return -1;
-      }
-      s->refs = r;
-      s->first_cap = cap;
-    }
-    s->first[idx] = Py_NewRef(obj);
-    s->second[idx] = NULL;
-    s->refs[idx] = 1;
-    s->nfirst = idx + 1;
-    return 0;
+/* Room in first, second and refs for allocation idx. 0, or -1 with an
+ * exception. */
+static int first_grow(dpy_scanner_t *s, size_t idx) {
+  size_t cap = s->first_cap ? 2 * s->first_cap : 64;
+  while (cap <= idx) cap *= 2;
+  PyObject **f = PyMem_Realloc(s->first, cap * sizeof *f);
+  if (f) s->first = f;
+  PyObject **f2 = f ? PyMem_Realloc(s->second, cap * sizeof *f2) : NULL;
+  if (f2) s->second = f2;
+  uint32_t *r = f2 ? PyMem_Realloc(s->refs, cap * sizeof *r) : NULL;
+  if (!r) {
+    PyErr_NoMemory();
+    return -1;
   }
+  s->refs = r;
+  s->first_cap = cap;
+  return 0;
+}
+
+/* account() for an allocation met before (idx < nfirst). */
+static int account_again(dpy_scanner_t *s, size_t idx, PyObject *obj) {
   if (idx > s->nfirst) { /* an allocation not accounted: a bug of this file's, never the value's */
+    Py_DECREF(obj);
     PyErr_Format(PyExc_SystemError, "devpickle: allocation %zu counted before allocation %zu", idx, s->nfirst);
     return -1;
   }
   PyObject *f = s->first[idx];
   if (f) { /* not yet in `counted`: it holds one or two objects */
-    if (f == obj || s->second[idx] == obj) return 0;
+    if (f == obj || s->second[idx] == obj) {
+      Py_DECREF(obj);
+      return 0;
+    }
     if (!s->second[idx]) {
-      s->second[idx] = Py_NewRef(obj);
+      s->second[idx] = obj;
       s->refs[idx]++;
       return 0;
     }
@@ -716,13 +711,39 @@ static int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
     s->first[idx] = s->second[idx] = NULL;
     if (counted_before(s, f) < 0) {
       Py_DECREF(f2);
+      Py_DECREF(obj);
       return -1;
     }
-    if (counted_before(s, f2) < 0) return -1;
+    if (counted_before(s, f2) < 0) {
+      Py_DECREF(obj);
+      return -1;
+    }
   }
-  int c = counted_before(s, Py_NewRef(obj));
+  int c = counted_before(s, obj); /* takes it */
   if (c < 0) return -1;
   if (!c) s->refs[idx]++;
+  return 0;
+}
+
+/* Counts obj on allocation idx (count_refs), taking the reference to obj
+ * it is given (a batch's, or one made for the call). A tensor skips the
+ * memo, so one met again reaches here again; but it then finds its
+ * allocation in the set already. So a new allocation just holds its first
+ * object and counts one; one met again compares with the (at most two)
+ * objects it holds, and only a third distinct object moves them to
+ * `counted`, which every later object of that allocation asks. Held
+ * objects keep their addresses their own until the walk ends. 0, or -1
+ * with an exception. */
+static inline __attribute__((always_inline)) int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
+  if (idx != s->nfirst) return account_again(s, idx, obj); /* allocations are numbered in discovery order */
+  if (idx >= s->first_cap && first_grow(s, idx)) {
+    Py_DECREF(obj);
+    return -1;
+  }
+  s->first[idx] = obj;
+  s->second[idx] = NULL;
+  s->refs[idx] = 1;
+  s->nfirst = idx + 1;
   return 0;
 }
 
@@ -746,17 +767,10 @@ static int flush_pending(dpy_scanner_t *s) {
   rc = dp_ptrset_add_many(s->found, s->pend, (size_t)n, s->count_refs ? idx : NULL, &e);
   if (rc) dpy_raise(rc, &e);
   for (int i = 0; i < n && s->count_refs; i++) {
-    size_t at = idx[i];
-    if (!rc && at == s->nfirst && at < s->first_cap) { /* new: it holds the batch's reference (account) */
-      s->first[at] = s->pend_obj[i];
-      s->pend_obj[i] = NULL;
-      s->second[at] = NULL;
-      s->refs[at] = 1;
-      s->nfirst = at + 1;
-      continue;
-    }
-    if (!rc) rc = account(s, at, s->pend_obj[i]);
-    Py_CLEAR(s->pend_obj[i]);
+    PyObject *o = s->pend_obj[i];
+    s->pend_obj[i] = NULL;
+    if (rc) Py_DECREF(o);
+    else rc = account(s, idx[i], o); /* takes the batch's reference */
   }
   s->npend = 0;
   return rc ? -1 : 0;
@@ -777,7 +791,7 @@ static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nb
     PyErr_NoMemory();
     return -1;
   }
-  if (s->count_refs && account(s, idx, obj)) return -1;
+  if (s->count_refs && account(s, idx, Py_NewRef(obj))) return -1;
   if (at) *at = idx;
   return 0;
 }
@@ -2899,12 +2913,11 @@ static Py_ssize_t tensor_run(dpy_scanner_t *s, PyObject *const *items, Py_ssize_
     if ((dp = dict_ptr(items[k], ok)) && *dp) break; /* attributes: run_tensor walks them */
   dp_torch_alloc_t a[CAP];
   Py_ssize_t got = k ? dpy.torch->dense_run(items, k, a) : 0;
-  for (Py_ssize_t i = 0; i < got; i++) {
-    if (!a[i].base && !a[i].nbytes) continue; /* an empty storage: nothing to add, as run_tensor */
-    if (s->count_refs) s->pend_obj[s->npend] = Py_NewRef(items[i]);
-    s->pend[s->npend++] = (dp_ptr_info_t){{(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base,
-                                          a[i].nbytes, 0, NULL};
-  }
+  for (Py_ssize_t i = 0; i < got; i++) /* an empty storage adds nothing, as in run_tensor */
+    if ((a[i].base || a[i].nbytes) &&
+        add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes,
+                  items[i]))
+      return -1; /* not reached: the batch has room for the run */
   return got;
 }
 
@@ -2934,8 +2947,7 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
     int r;
     if (t == ok) {
       if (!s->want_paths) { /* a run of such tensors, read at once */
-        PyObject *const *items = list ? ((PyListObject *)seq)->ob_item : ((PyTupleObject *)seq)->ob_item;
-        Py_ssize_t got = tensor_run(s, items + f->pos, n - f->pos, ok);
+        Py_ssize_t got = tensor_run(s, PySequence_Fast_ITEMS(seq) + f->pos, n - f->pos, ok);
         if (got < 0) return -1;
         if (got) {
           f->pos += got;
