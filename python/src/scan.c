@@ -2693,14 +2693,81 @@ int dpy_scanner_recheck(dpy_scanner_t *s, dp_device_t device, const void *base) 
   return check_storage(s, at);
 }
 
+/* On CPython 3.11 and 3.12 an instance of a class with a managed dict
+ * (torch.Tensor, a Python subclass of torch's C type) keeps its attributes
+ * in words before its header: 3.11 a dict at word -3 and inline values at
+ * -4, 3.12 one word at -3 holding either (values tagged by bit 0). Reading
+ * them says whether the instance may hold attributes without
+ * _PyObject_GetDictPtr, which makes a dict from inline values — an
+ * allocation, in which 3.11 may run a garbage collection and so Python code
+ * (finalizers) in the middle of a run that must run none. The layout is
+ * checked against _PyObject_GetDictPtr at import (managed_layout_check);
+ * elsewhere, or when the check fails, the call is made. */
+#if defined(Py_TPFLAGS_MANAGED_DICT) && PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
+#define MANAGED_WORDS 1
+static int managed_layout_ok;
+
+static inline int managed_words_set(PyObject *o) {
+  PyObject **w = (PyObject **)o;
+#if PY_VERSION_HEX < 0x030C0000
+  return w[-3] != NULL || w[-4] != NULL;
+#else
+  return w[-3] != NULL;
+#endif
+}
+#endif
+
+/* Checks the words managed_words_set reads against _PyObject_GetDictPtr,
+ * on instances of a class made for it: one made by tp_alloc (as torch makes
+ * a tensor) holds nothing, and its dict pointer is word -3, empty; one
+ * given an attribute holds it, and the dict _PyObject_GetDictPtr then
+ * makes of it is at word -3. Any other answer, and the words are never
+ * read. 0, or -1 with an exception. */
+static int managed_layout_check(void) {
+#ifdef MANAGED_WORDS
+  managed_layout_ok = 0;
+  PyObject *cls = PyObject_CallFunction((PyObject *)&PyType_Type, "s(){}", "_devpickle_layout_probe");
+  if (!cls) return -1;
+  PyTypeObject *t = (PyTypeObject *)cls;
+  PyObject *bare = (t->tp_flags & Py_TPFLAGS_MANAGED_DICT) ? t->tp_alloc(t, 0) : NULL;
+  PyObject *full = bare ? PyObject_CallNoArgs(cls) : NULL;
+  int rc = 0;
+  if (full && !PyObject_SetAttrString(full, "a", Py_None)) {
+    int before = !managed_words_set(bare) && managed_words_set(full);
+    PyObject **bd = _PyObject_GetDictPtr(bare), **fd = _PyObject_GetDictPtr(full);
+    managed_layout_ok = before && bd == (PyObject **)bare - 3 && !*bd && fd == (PyObject **)full - 3 && *fd &&
+                        PyDict_CheckExact(*fd) && PyDict_GetItemString(*fd, "a") == Py_None &&
+                        managed_words_set(full);
+  } else if (PyErr_Occurred()) {
+    rc = -1;
+  }
+  Py_XDECREF(full);
+  Py_XDECREF(bare);
+  Py_DECREF(cls);
+  return rc;
+#else
+  return 0;
+#endif
+}
+
 /* _PyObject_GetDictPtr without its call where the dict is at a fixed
- * offset (torch.Tensor's). */
+ * offset. */
 static inline PyObject **dict_ptr(PyObject *o, PyTypeObject *t) {
   Py_ssize_t off = t->tp_dictoffset;
 #ifdef Py_TPFLAGS_MANAGED_DICT
   if (t->tp_flags & Py_TPFLAGS_MANAGED_DICT) off = 0;
 #endif
   return off > 0 ? (PyObject **)((char *)o + off) : _PyObject_GetDictPtr(o);
+}
+
+/* 1 when o (of type t) may hold instance attributes (a dict, empty or not,
+ * or inline values), 0 when it holds none. */
+static inline int may_hold_attrs(PyObject *o, PyTypeObject *t) {
+#ifdef MANAGED_WORDS
+  if ((t->tp_flags & Py_TPFLAGS_MANAGED_DICT) && managed_layout_ok) return managed_words_set(o);
+#endif
+  PyObject **dp = dict_ptr(o, t);
+  return dp && *dp;
 }
 
 #define INLINE_DEPTH 3 /* levels of containers read in place, one in another */
@@ -2767,8 +2834,7 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
       return 0; /* slots, or not yet asked: visit() */
     *ok = t;
   }
-  PyObject **dp = dict_ptr(o, t);
-  if (dp && *dp) return 0; /* attributes (or a dict once made): visit() */
+  if (may_hold_attrs(o, t)) return 0; /* attributes (or a dict once made): visit() */
   Py_INCREF(o);
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
   int na = dpy.torch->tensor_allocs(o, a), rc = 1;
@@ -2793,7 +2859,7 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
       rc = -1;
   /* Python code under the adapter may have given it attributes: visit()
      walks them after its memory */
-  if (rc == 1 && (dp = dict_ptr(o, t)) && *dp) rc = resume(s, in) || visit_tensor_attrs(s, o) ? -1 : 2;
+  if (rc == 1 && may_hold_attrs(o, t)) rc = resume(s, in) || visit_tensor_attrs(s, o) ? -1 : 2;
   Py_DECREF(o);
   return rc;
 }
@@ -2909,8 +2975,8 @@ static Py_ssize_t tensor_run(dpy_scanner_t *s, PyObject *const *items, Py_ssize_
   if (s->npend == CAP && flush_pending(s)) return -1;
   if (n > CAP - s->npend) n = CAP - s->npend;
   Py_ssize_t k = 0;
-  for (PyObject **dp; k < n && Py_TYPE(items[k]) == ok; k++)
-    if ((dp = dict_ptr(items[k], ok)) && *dp) break; /* attributes: run_tensor walks them */
+  for (; k < n && Py_TYPE(items[k]) == ok; k++)
+    if (may_hold_attrs(items[k], ok)) break; /* attributes: run_tensor walks them */
   dp_torch_alloc_t a[CAP];
   Py_ssize_t got = k ? dpy.torch->dense_run(items, k, a) : 0;
   for (Py_ssize_t i = 0; i < got; i++) /* an empty storage adds nothing, as in run_tensor */
@@ -3365,6 +3431,13 @@ int dpy_scan_types_init(PyObject *m) {
     if (!k) return -1;
     PyTuple_SET_ITEM(alloc_keys_tuple, i, k);
   }
+  if (managed_layout_check()) return -1;
+#ifdef MANAGED_WORDS
+  PyObject *words = managed_layout_ok ? Py_True : Py_False;
+#else
+  PyObject *words = Py_False;
+#endif
+  if (PyModule_AddObjectRef(m, "_managed_words", words)) return -1; /* tests read it */
   if (!alloc_keys_tuple || PyType_Ready(&alloc_type) ||
       PyDict_SetItemString(alloc_type.tp_dict, "_fields", alloc_keys_tuple))
     return -1;

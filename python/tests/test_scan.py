@@ -117,6 +117,22 @@ def test_runs_of_tensors_read_at_once_give_what_paths_give_wherever_the_run_stop
     bases = [torch.arange(16.0) for _ in range(5)]
     with_attr = torch.ones(3)
     with_attr.extra = torch.zeros(2)
+
+    def fresh_attr():  # its attribute in the words before the object, no dict made yet
+        t = torch.ones(2)
+        t.extra = torch.zeros(1)
+        return t
+
+    def emptied():  # an attribute set, then deleted: nothing held, the words not empty
+        t = torch.ones(2)
+        t.gone = torch.zeros(1)
+        del t.gone
+        return t
+
+    def dict_read():  # an empty dict made by reading it
+        t = torch.ones(2)
+        t.__dict__
+        return t
     kinds = [
         lambda: rng.choice(bases),
         lambda: rng.choice(bases)[rng.randrange(1, 8):],
@@ -126,8 +142,11 @@ def test_runs_of_tensors_read_at_once_give_what_paths_give_wherever_the_run_stop
         lambda: with_attr,
         lambda: torch.ones(2).as_subclass(Sub),
         lambda: rng.choice([1, "s", None, 2.5]),
+        fresh_attr,
+        emptied,
+        dict_read,
     ]
-    weights = [30, 20, 20, 3, 2, 2, 2, 5]
+    weights = [30, 20, 20, 3, 2, 2, 2, 5, 2, 2, 2]
     for _ in range(60):
         seq = [rng.choices(kinds, weights)[0]() for _ in range(rng.randint(1, 120))]
         for value in (seq, tuple(seq)):
@@ -136,6 +155,16 @@ def test_runs_of_tensors_read_at_once_give_what_paths_give_wherever_the_run_stop
             f = devpickle.Future()
             f.set_result(value)
             assert [(d, p, n) for d, p, n, _ in with_paths] == f._allocations()
+
+
+@pytest.mark.skipif(sys.version_info[:2] not in ((3, 11), (3, 12)), reason="the words are read on 3.11 and 3.12 only")
+def test_the_attribute_words_of_a_tensor_are_read_where_their_layout_was_checked():
+    """On 3.11 and 3.12 a run asks whether a tensor holds attributes by
+    reading the words before it, checked against CPython at import: a check
+    that failed would make every run ask CPython instead, which makes a dict
+    of a tensor's inline attributes (an allocation, and on 3.11 perhaps a
+    garbage collection in the middle of a run)."""
+    assert devpickle._devpickle._managed_words is True
 
 
 def test_a_tensor_that_cannot_be_described_ends_a_run_and_is_reported_at_its_path():
