@@ -161,7 +161,6 @@ void dp__release_leaf(dp_heap_t *h) {
 
 enum {
   GCS_BUFFERED = 1u,  /* in some thread's candidate buffer (gc_owner) */
-  GCS_ROOT = 4u,      /* a candidate of the running trial */
   GCS_GARBAGE = 8u,   /* trial garbage: children being released */
   GCS_FLAGS = 0xffu,  /* the bits above hold the slot, while GCS_BUFFERED */
   GCS_SLOT_SHIFT = 8,
@@ -586,7 +585,6 @@ static void collect_locked(gc_tls_t *t) {
   size_t walked = 0;
   for (size_t i = 0; i < n; i++) {
     dp_cont_t *c = buf[i];
-    dp__fetch_or_acq_rel(&c->gc_state, GCS_ROOT);
     c->h.color = DP_GC_GRAY;
     c->gc_refs = rc_of(c);
     c->gc_next2 = NULL;
