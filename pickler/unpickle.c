@@ -259,8 +259,10 @@ body_checked:
 check_count:
   if (t->len > (uint64_t)(r->end - r->p) / (t->type == T_MAP ? 2 : 1))
     return rd_fail(r, DP_EFORMAT, start,
-                      "%s claims %llu %s but only %lld bytes are left", t->type == T_MAP ? "map" : "array",
-                      (unsigned long long)t->len, t->type == T_MAP ? "pairs" : "items", (long long)(r->end - r->p));
+                      "%s claims %llu %s but only %lld %s left", t->type == T_MAP ? "map" : "array",
+                      (unsigned long long)t->len,
+                      t->type == T_MAP ? (t->len == 1 ? "pair" : "pairs") : (t->len == 1 ? "item" : "items"),
+                      (long long)(r->end - r->p), r->end - r->p == 1 ? "byte is" : "bytes are");
   return 0;
 }
 
@@ -440,8 +442,8 @@ static int claim(up_t *u, const uint8_t *at, uint64_t items, const char *what) {
   size_t left = bytes_left(u), room = left > u->owed ? left - u->owed : 0;
   if (items > room)
     return rd_fail(&u->r, DP_EFORMAT, at,
-                   "%s claims %llu items, more than the %zu bytes left hold beside the %zu items its enclosing containers still need",
-                   what, (unsigned long long)items, left, u->owed);
+                   "%s claims %llu %s, more than the %zu bytes left hold beside the %zu items its enclosing containers still need",
+                   what, (unsigned long long)items, items == 1 ? "item" : "items", left, u->owed);
   u->owed += (size_t)items;
   return 0;
 }

@@ -2507,3 +2507,97 @@ Test(cli, dump_inspect_and_verify_helps_say_their_output_goes_to_stdout) {
   cr_assert_not_null(strstr(r.out, "\n2 allocations on 2 devices\n"), "%s", r.out);
   res_free(r);
 }
+
+/* An option's value may come in its own argument (-o F, --output F) or in
+ * the option's (--output=F, -oF, --timeout=S), as getopt_long takes them. */
+Test(cli, an_option_takes_its_value_attached_as_well_as_in_the_next_argument) {
+  spit("v.json", simple_json);
+  static const char *const packs[] = {"pack v.json --output=a.dpk", "pack v.json -ob.dpk", "pack --output c.dpk v.json"};
+  static const char *const outs[] = {"a.dpk", "b.dpk", "c.dpk"};
+  for (int i = 0; i < 3; i++) {
+    res_t r = run(packs[i]);
+    cr_assert_eq(r.status, 0, "%s: %s", packs[i], r.err);
+    res_free(r);
+    char args[64];
+    snprintf(args, sizeof args, "verify %s", outs[i]);
+    r = run(args);
+    cr_assert_eq(r.status, 0, "%s: %s", args, r.err);
+    res_free(r);
+  }
+  res_t r = run("pack v.json --output=");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle pack: --output needs a file name, not ''\nTry 'devpickle pack --help'.\n");
+  res_free(r);
+  r = run("recv 0 --timeout=0.2");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_not_null(strstr(r.err, "no frame within 0.2 s (--timeout)"), "%s", r.err);
+  res_free(r);
+}
+
+/* SECONDS is a decimal number; strtod's other spellings (hex, words, a
+ * sign, leading space) are usage errors, not a time. */
+Test(cli, a_timeout_written_in_hex_or_as_a_word_is_refused) {
+  static const char *const bad[] = {"0x10", "inf", "nan", "+5", "-1", " 5", "1.2.3", ".", "1e", "1e+", "5s"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    char args[64], want[160];
+    snprintf(args, sizeof args, "recv 0 --timeout '%s'", bad[i]);
+    snprintf(want, sizeof want, "devpickle recv: bad --timeout '%s' (SECONDS", bad[i]);
+    res_t r = run(args);
+    cr_assert_eq(r.status, 2, "%s: %s", args, r.err);
+    cr_assert_eq(strncmp(r.err, want, strlen(want)), 0, "%s: %s", args, r.err);
+    res_free(r);
+  }
+}
+
+/* --help answers wherever it comes among a command's options, whatever
+ * else is there; before a command it is that command's help. */
+Test(cli, help_wins_wherever_it_comes_and_before_a_command_is_that_commands_help) {
+  static const char *const cmds[] = {"pack", "unpack", "dump", "inspect", "verify", "demo", "send", "recv"};
+  for (int i = 0; i < 8; i++) {
+    char args[64], want[64];
+    snprintf(want, sizeof want, "usage: devpickle %s", cmds[i]);
+    snprintf(args, sizeof args, "%s --bogus --help", cmds[i]);
+    res_t r = run(args);
+    cr_assert_eq(r.status, 0, "%s: %s", args, r.err);
+    cr_assert_eq(strncmp(r.out, want, strlen(want)), 0, "%s says: %s", args, r.out);
+    res_free(r);
+    snprintf(args, sizeof args, "--help %s", cmds[i]);
+    r = run(args);
+    cr_assert_eq(r.status, 0, "%s: %s", args, r.err);
+    cr_assert_eq(strncmp(r.out, want, strlen(want)), 0, "%s says: %s", args, r.out);
+    res_free(r);
+  }
+  res_t r = run("--help bogus");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle --help: unknown command 'bogus'\nTry 'devpickle help COMMAND'.\n");
+  res_free(r);
+  r = run("--version extra");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle --version: unexpected argument 'extra'\n");
+  cr_assert_str_eq(r.out, "");
+  res_free(r);
+}
+
+/* '' names no file: a usage error, as -o '' is, not "No such file". */
+Test(cli, an_empty_input_name_is_a_usage_error) {
+  static const char *const runs[] = {"verify ''", "dump ''", "unpack ''", "inspect ''", "pack '' -o x.dpk"};
+  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) {
+    res_t r = run(runs[i]);
+    cr_assert_eq(r.status, 2, "%s: %s", runs[i], r.err);
+    cr_assert_not_null(strstr(r.err, ": an input file name cannot be '' (use - for stdin)\n"), "%s: %s", runs[i], r.err);
+    res_free(r);
+  }
+}
+
+/* A negative overflow is told to write "-inf"; a character that would show
+ * as nothing (a second byte order mark, a non-breaking space) is named by
+ * its code point. */
+Test(cli, a_json_error_names_an_invisible_character_by_its_code_point_and_a_negative_overflow_minus_inf) {
+  pack_fails("n.json", "n.dpk", "[-1e400]",
+             "devpickle: n.json: invalid JSON: real number overflow; write an infinity as {\"$float\": \"-inf\"} "
+             "(line 1, column 2), at byte 1\n");
+  pack_fails("b.json", "b.dpk", "\xef\xbb\xbf\xef\xbb\xbf[1]",
+             "devpickle: b.json: invalid JSON: unexpected U+FEFF (line 1, column 1), at byte 3\n");
+  pack_fails("s.json", "s.dpk", "[\xc2\xa0]",
+             "devpickle: s.json: invalid JSON: unexpected U+00A0 (line 1, column 2), at byte 1\n");
+}

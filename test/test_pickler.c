@@ -1010,6 +1010,21 @@ Test(pickler, open_containers_never_claim_more_items_together_than_the_input_hol
   ASSERT_NO_LEAK();
 }
 
+Test(pickler, a_count_of_one_is_worded_in_the_singular) {
+  const uint8_t arr[] = {0x91};
+  expect_bad(arr, sizeof arr, DP_EFORMAT, 40, "array claims 1 item but only 0 bytes are left", NULL);
+  const uint8_t map[] = {0x81, 0xc0};
+  expect_bad(map, sizeof map, DP_EFORMAT, 40, "map claims 1 pair but only 1 byte is left", NULL);
+  const uint8_t tup[] = {0x92, 0xd4, 0x00, 0x01}; /* a tuple of one, its item missing */
+  dp_value_t out;
+  dp_error_t e;
+  uint8_t frame[128];
+  size_t n = make_frame(frame, tup, sizeof tup);
+  cr_assert_eq(dp_unpickle(frame, n, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert(strstr(e.message, "claims 1 item,") != NULL, "%s", e.message);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, a_container_count_larger_than_the_bytes_left_is_rejected_before_allocating) {
   const uint8_t arr[] = {0xdd, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02};
   expect_bad(arr, sizeof arr, DP_EFORMAT, 40, "array claims 4294967295 items but only 2 bytes are left", NULL);

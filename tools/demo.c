@@ -14,6 +14,7 @@
  *  5. The final value goes through an inline frame and back; its bytes are
  *     checked again.
  * Exits 1 if any check fails. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -211,7 +212,7 @@ int demo_err(dp_error_t *err, int code, const char *msg) {
 }
 
 int demo_run(int argc, char **argv) {
-  for (int i = 1; i < argc; i++) {
+  for (int i = 1; i < argc; i++) /* --help answers wherever it comes, as for every command */
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       puts("usage: devpickle demo\n\n"
            "Runs the future pipeline end to end on the default backend (CUDA when a GPU\n"
@@ -223,8 +224,11 @@ int demo_run(int argc, char **argv) {
            "Prints the allocations with their paths, the events per device, the\n"
            "record_stream calls and the allocator's statistics. Exit status 0 when every\n"
            "check passes, 1 otherwise; 2 usage.");
-      return 0;
+      if (fflush(stdout) == 0 && !ferror(stdout)) return 0;
+      fprintf(stderr, "devpickle: <stdout>: write failed: %s\n", strerror(errno ? errno : EIO));
+      return 1;
     }
+  for (int i = 1; i < argc; i++) {
     /* as every usage error: an option or an argument, escaped (cli_put_text) */
     fprintf(stderr, "devpickle demo: %s '", argv[i][0] == '-' && argv[i][1] ? "unknown option" : "unexpected argument");
     cli_put_text(stderr, argv[i]);

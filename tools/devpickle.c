@@ -43,14 +43,17 @@ static const char *const usage_main =
     "FILE may be '-' for stdin (and -o - for stdout), named <stdin> and <stdout>\n"
     "in messages; after '--' every argument is a file name, one starting with\n"
     "'-' too (devpickle verify -- -x.dpk), but '-' alone is still stdin (./- is\n"
-    "a file named -). -o (or --output), --host or --timeout given twice, or\n"
-    "given '', is a usage error.\n"
+    "a file named -). An option's value is the next argument or attached\n"
+    "(-o F, -oF, --output F, --output=F, --timeout=0.5). -o (or --output),\n"
+    "--host or --timeout given twice, or given '', is a usage error, as is\n"
+    "an input named ''.\n"
     "A frame on stdin is read up to its end as its header gives it and at most\n"
     "64 KiB past it (more is an error, so an endless pipe behind a frame never\n"
     "holds a command), and not past a header that is no frame's; a terminal is\n"
     "refused.\n"
     "Run 'devpickle <command> --help' (or 'devpickle help <command>') for a\n"
-    "command's options; 'devpickle --version' prints the version.\n"
+    "command's options (--help answers wherever it comes among them);\n"
+    "'devpickle --version' prints the version.\n"
     "\n"
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
     "'devpickle: FILE: what, at byte N' for a frame or for text that is not JSON,\n"
@@ -96,6 +99,33 @@ static int unknown_option(const char *cmd, const char *arg) {
   char what[512];
   snprintf(what, sizeof what, "unknown option '%.200s' (a file: devpickle %s -- %.200s)", arg, cmd, arg);
   return usage_error(cmd, "%s", what);
+}
+
+/* Whether s is the option named shrt or lng, and its value when given in
+ * the same argument: --output=FILE, -oFILE (*val: NULL when the value is
+ * the next argument). shrt may be NULL. */
+static int is_opt(const char *s, const char *shrt, const char *lng, const char **val) {
+  size_t n = strlen(lng);
+  *val = NULL;
+  if ((shrt && strcmp(s, shrt) == 0) || strcmp(s, lng) == 0) return 1;
+  if (strncmp(s, lng, n) == 0 && s[n] == '=') return *val = s + n + 1, 1;
+  if (shrt && strncmp(s, shrt, 2) == 0 && s[2]) return *val = s + 2, 1;
+  return 0;
+}
+
+/* An option's value: the one given in its argument, else the next
+ * argument (*i moves past it); NULL when there is none. */
+static const char *opt_value(const char *val, int argc, char **argv, int *i) {
+  if (val) return val;
+  return ++*i < argc ? argv[*i] : NULL;
+}
+
+/* Whether --help (or -h) comes among a command's options (before "--"),
+ * wherever: it answers, whatever else the line holds. */
+static int wants_help(int argc, char **argv) {
+  for (int i = 1; i < argc && strcmp(argv[i], "--") != 0; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) return 1;
+  return 0;
 }
 
 /* The last error line, less its "devpickle: " (recv passes it on). */
@@ -424,29 +454,35 @@ typedef struct args {
 static int parse_args(const char *cmd, const char *help, int argc, char **argv, args_t *a, int allow_o, int need_o,
                       const char *flag) {
   memset(a, 0, sizeof *a);
+  if (wants_help(argc, argv)) {
+    fputs(help, stdout);
+    a->help = 1;
+    return stdout_done(0) ? EXIT_DATA : -1;
+  }
   int opts = 1; /* until "--": after it every argument is a file name, "-f" too */
+  const char *val;
   for (int i = 1; i < argc; i++) {
     const char *s = argv[i];
     if (opts && strcmp(s, "--") == 0) {
       opts = 0;
     } else if (!opts) {
       if (a->file) return usage_error(cmd, "unexpected argument '%s'", s);
+      if (!s[0]) return usage_error(cmd, "%s", "an input file name cannot be '' (use - for stdin)");
       a->file = s;
-    } else if (strcmp(s, "--help") == 0 || strcmp(s, "-h") == 0) {
-      fputs(help, stdout);
-      a->help = 1;
-      return stdout_done(0) ? EXIT_DATA : -1;
-    } else if (allow_o && (strcmp(s, "-o") == 0 || strcmp(s, "--output") == 0)) {
-      if (++i == argc) return usage_error(cmd, "%s needs a file name", s);
+    } else if (allow_o && is_opt(s, "-o", "--output", &val)) {
+      const char *name = val ? (s[1] == '-' ? "--output" : "-o") : s;
+      if (!(val = opt_value(val, argc, argv, &i))) return usage_error(cmd, "%s needs a file name", name);
       if (a->out) return usage_error(cmd, "%s", "-o given twice");
-      if (!argv[i][0]) return usage_error(cmd, "%s needs a file name, not ''", s);
-      a->out = argv[i];
+      if (!val[0]) return usage_error(cmd, "%s needs a file name, not ''", name);
+      a->out = val;
     } else if (flag && strcmp(s, flag) == 0) {
       a->flag = 1;
     } else if (s[0] == '-' && s[1] != '\0') {
       return unknown_option(cmd, s);
     } else if (a->file) {
       return usage_error(cmd, "unexpected argument '%s'", s);
+    } else if (!s[0]) {
+      return usage_error(cmd, "%s", "an input file name cannot be '' (use - for stdin)");
     } else {
       a->file = s;
     }
@@ -972,6 +1008,26 @@ static const char *const help_recv =
     "off (UCX_LOG_LEVEL=fatal) unless UCX_LOG_LEVEL is set.\n"
     "Example: devpickle recv 0 -o got.dpk (then send to the port it names)\n";
 
+/* SECONDS: a decimal number (30, 0.5, .5, 1e-3), over 0 and at most
+ * 1,000,000 — not the other spellings strtod takes (a sign, leading space,
+ * hex, inf, nan). 0, or -1. */
+static int parse_seconds(const char *s, double *out) {
+  const char *p = s;
+  int digits = 0;
+  for (; *p >= '0' && *p <= '9'; p++) digits++;
+  if (*p == '.')
+    for (p++; *p >= '0' && *p <= '9'; p++) digits++;
+  if (!digits) return -1;
+  if (*p == 'e' || *p == 'E') {
+    p += p[1] == '+' || p[1] == '-' ? 2 : 1;
+    if (*p < '0' || *p > '9') return -1;
+    while (*p >= '0' && *p <= '9') p++;
+  }
+  if (*p) return -1;
+  *out = strtod(s, NULL);
+  return *out > 0 && *out <= 1e6 ? 0 : -1;
+}
+
 typedef struct link_args {
   const char *pos[2];
   int npos;
@@ -983,36 +1039,38 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
                       link_args_t *a) {
   memset(a, 0, sizeof *a);
   a->timeout = -1;
+  if (wants_help(argc, argv)) {
+    fputs(help, stdout);
+    return stdout_done(0) ? EXIT_DATA : -1;
+  }
   int opts = 1; /* until "--" */
+  const char *val;
   for (int i = 1; i < argc; i++) {
     const char *s = argv[i];
+    int is_o = 0, is_host = 0;
     if (opts && strcmp(s, "--") == 0) {
       opts = 0;
     } else if (!opts) {
       if (a->npos == want_pos) return usage_error(cmd, "unexpected argument '%s'", s);
       a->pos[a->npos++] = s;
-    } else if (strcmp(s, "--help") == 0 || strcmp(s, "-h") == 0) {
-      fputs(help, stdout);
-      return stdout_done(0) ? EXIT_DATA : -1;
-    } else if ((allow_o && (strcmp(s, "-o") == 0 || strcmp(s, "--output") == 0)) || strcmp(s, "--host") == 0 ||
-               strcmp(s, "--timeout") == 0) {
-      if (++i == argc) return usage_error(cmd, "%s needs a value", s);
-      if (strcmp(s, "--host") == 0) {
-        if (!allow_o) return usage_error(cmd, "unknown option '%s'", s);
+    } else if ((allow_o && (is_o = is_opt(s, "-o", "--output", &val))) || (is_host = is_opt(s, NULL, "--host", &val)) ||
+               is_opt(s, NULL, "--timeout", &val)) {
+      const char *name = is_o ? (val && s[1] != '-' ? "-o" : val ? "--output" : s) : is_host ? "--host" : "--timeout";
+      if (!(val = opt_value(val, argc, argv, &i))) return usage_error(cmd, "%s needs a value", name);
+      if (is_host) {
+        if (!allow_o) return usage_error(cmd, "unknown option '%s'", name);
         if (a->host) return usage_error(cmd, "%s", "--host given twice");
-        if (!argv[i][0]) return usage_error(cmd, "%s", "--host needs a host name or address, not ''");
-        a->host = argv[i];
-      } else if (strcmp(s, "--timeout") == 0) {
+        if (!val[0]) return usage_error(cmd, "%s", "--host needs a host name or address, not ''");
+        a->host = val;
+      } else if (!is_o) {
         if (a->timeout >= 0) return usage_error(cmd, "%s", "--timeout given twice");
-        char *end;
-        a->timeout = strtod(argv[i], &end);
-        if (*end || !(a->timeout > 0) || a->timeout > 1e6)
+        if (parse_seconds(val, &a->timeout))
           return usage_error(cmd, "bad --timeout '%s' (SECONDS: a number over 0 and at most 1000000, as 30 or 0.5)",
-                             argv[i]);
+                             val);
       } else {
         if (a->out) return usage_error(cmd, "%s", "-o given twice");
-        if (!argv[i][0]) return usage_error(cmd, "%s needs a file name, not ''", s);
-        a->out = argv[i];
+        if (!val[0]) return usage_error(cmd, "%s needs a file name, not ''", name);
+        a->out = val;
       }
     } else if (s[0] == '-' && s[1] != '\0') {
       return unknown_option(cmd, s);
@@ -1311,10 +1369,27 @@ int main(int argc, char **argv) {
     return EXIT_USAGE;
   }
   if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+    if (argc == 3 && strcmp(argv[1], "help") != 0) { /* --help CMD: as help CMD */
+      char help_flag[] = "--help", *args[] = {argv[2], help_flag, NULL};
+      for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        if (strcmp(argv[2], commands[i].name) == 0) return commands[i].run(2, args);
+    }
+    if (argc > 2 && !(argc == 3 && strcmp(argv[2], "help") == 0)) { /* help's help is this one */
+      fprintf(stderr, "devpickle %s: %s '", argv[1], argc == 3 ? "unknown command" : "unexpected argument");
+      cli_put_text(stderr, argv[argc == 3 ? 2 : 3]);
+      fputs("'\nTry 'devpickle help COMMAND'.\n", stderr);
+      return EXIT_USAGE;
+    }
     fputs(usage_main, stdout);
     return stdout_done(0);
   }
   if (strcmp(argv[1], "--version") == 0) {
+    if (argc > 2) {
+      fputs("devpickle --version: unexpected argument '", stderr);
+      cli_put_text(stderr, argv[2]);
+      fputs("'\n", stderr);
+      return EXIT_USAGE;
+    }
     printf("devpickle %s (frame format version 1)\n", DP_VERSION_STRING);
     return stdout_done(0);
   }

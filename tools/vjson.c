@@ -158,10 +158,28 @@ static int buf_put(ps_t *ps, const char *c, size_t n) {
 }
 
 /* Length of the well-formed UTF-8 sequence at p (RFC 3629), or 0. */
+static size_t utf8_seq_cp(const unsigned char *p, const unsigned char *end, uint32_t *cpp);
 static size_t utf8_seq(const unsigned char *p, const unsigned char *end) {
+  uint32_t cp;
+  return utf8_seq_cp(p, end, &cp);
+}
+
+/* A character a terminal shows as nothing, or as a space: control and
+ * format characters, spaces other than ' ', the byte order mark. */
+static int invisible(uint32_t cp) {
+  return cp <= 0xA0 || cp == 0xAD || cp == 0x34F || cp == 0x61C || cp == 0x115F || cp == 0x1160 ||
+         cp == 0x1680 || (cp >= 0x17B4 && cp <= 0x17B5) || (cp >= 0x180B && cp <= 0x180F) ||
+         (cp >= 0x2000 && cp <= 0x200F) || (cp >= 0x2028 && cp <= 0x202F) || (cp >= 0x205F && cp <= 0x206F) ||
+         cp == 0x3000 || cp == 0x3164 || (cp >= 0xFE00 && cp <= 0xFE0F) || cp == 0xFEFF || cp == 0xFFA0 ||
+         (cp >= 0xFFF0 && cp <= 0xFFFB) || (cp >= 0xE0000 && cp <= 0xE0FFF);
+}
+
+/* The length of the UTF-8 character at p (0: not one) and its code point. */
+static size_t utf8_seq_cp(const unsigned char *p, const unsigned char *end, uint32_t *cpp) {
   unsigned c = p[0];
   size_t n;
   uint32_t cp;
+  *cpp = c;
   if (c < 0x80) return 1;
   if (c >= 0xC2 && c <= 0xDF) n = 2, cp = c & 0x1F;
   else if (c >= 0xE0 && c <= 0xEF) n = 3, cp = c & 0x0F;
@@ -174,19 +192,24 @@ static size_t utf8_seq(const unsigned char *p, const unsigned char *end) {
   }
   if ((n == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (n == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
     return 0;
+  *cpp = cp;
   return n;
 }
 
 /* The character at ps->p as a message shows it: 'c' for printable ASCII or
- * a whole UTF-8 character, else its byte in hex (a NUL, a control
- * character, a byte that starts no UTF-8 character). Near the end of a
+ * a whole UTF-8 character, U+XXXX for one that would show as nothing or a
+ * space (a byte order mark, a zero-width or non-breaking space), else its
+ * byte in hex (a NUL, a control character, a byte that starts no UTF-8
+ * character). Near the end of a
  * prefix the error is marked cut: the same byte may show otherwise once the
  * text goes on. */
 static const char *char_at(ps_t *ps, char *out, size_t size) {
   unsigned char c = (unsigned char)*ps->p;
   if (ps->end - ps->p < 4) ps->cut = 1; /* how it shows may depend on what follows */
-  size_t n = utf8_seq((const unsigned char *)ps->p, (const unsigned char *)ps->end);
-  if ((c >= 0x20 && c < 0x7f) || (c >= 0x80 && n)) snprintf(out, size, "'%.*s'", (int)n, ps->p);
+  uint32_t cp;
+  size_t n = utf8_seq_cp((const unsigned char *)ps->p, (const unsigned char *)ps->end, &cp);
+  if ((c >= 0x20 && c < 0x7f) || (c >= 0x80 && n && !invisible(cp))) snprintf(out, size, "'%.*s'", (int)n, ps->p);
+  else if (c >= 0x80 && n) snprintf(out, size, "U+%04X", (unsigned)cp); /* shown, it would look like nothing */
   else snprintf(out, size, "byte 0x%02X", c);
   return out;
 }
@@ -320,7 +343,8 @@ static json_t *parse_number(ps_t *ps) {
   if (real) {
     double d = strtod(tmp, NULL);
     if (errno == ERANGE && (d == HUGE_VAL || d == -HUGE_VAL))
-      err = "real number overflow; write an infinity as {\"$float\": \"inf\"}";
+      err = d > 0 ? "real number overflow; write an infinity as {\"$float\": \"inf\"}"
+                  : "real number overflow; write an infinity as {\"$float\": \"-inf\"}";
     j = err ? NULL : ps->prefix ? json_null() : json_real(d);
   } else {
     long long v = strtoll(tmp, NULL, 10);
