@@ -2911,6 +2911,14 @@ static int run_inline(dpy_scanner_t *s, PyObject *c, PyTypeObject **ok, int leve
  * metaclass's __eq__): visit() takes the answer when it enters the object
  * instead. 1: done; 0: not started (visit() enters o); 2: frames resumed;
  * -1: error. */
+/* Drops run_object's hold on o, for visit() to enter what the slot holds
+ * now (0): an o freed meanwhile is no longer what dispatch_obj names. */
+static int let_go(dpy_scanner_t *s, PyObject *o) {
+  if (Py_REFCNT(o) == 1 && s->dispatch_obj == o) s->dispatch_obj = NULL;
+  Py_DECREF(o);
+  return 0;
+}
+
 static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
   PyTypeObject *t = Py_TYPE(o);
   if (Py_TYPE(t) != &PyType_Type || s->nframes + 1 > s->max_depth) return 0; /* too deep: visit() says so */
@@ -2918,20 +2926,23 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
   if (!fn && PyErr_Occurred()) return dispatch_error(s, o); /* at o's path: the run's frame's item */
   s->dispatch_obj = o, s->dispatch_known = fn != NULL; /* for visit(), when it enters o */
   if (fn) return 0;
+  /* o is held from here: making its dict from inline attributes (3.11,
+     3.12) allocates, and on 3.11 a garbage collection there may run code
+     that drops the reference its slot held */
+  Py_INCREF(o);
   PyObject **dp = _PyObject_GetDictPtr(o);
   PyObject *d = dp ? *dp : NULL;
-  if (!d || !PyDict_CheckExact(d)) return 0; /* a managed dict not made yet, or a dict subclass: visit() */
+  if (!d || !PyDict_CheckExact(d)) return let_go(s, o); /* a managed dict not made, or a dict subclass: visit() */
   Py_ssize_t n = PyDict_GET_SIZE(d), pos = 0, count = 0;
-  if (n > INLINE_MAX) return 0;
+  if (n > INLINE_MAX) return let_go(s, o);
   PyObject *k, *v;
   while (PyDict_Next(d, &pos, &k, &v)) /* visit() looks for an instance's array interface first */
     if (!PyUnicode_CheckExact(k) || k == dpy.str_cai ||
         (PyUnicode_GET_LENGTH(k) == PyUnicode_GET_LENGTH(dpy.str_cai) && PyUnicode_Compare(k, dpy.str_cai) == 0))
-      return 0;
+      return let_go(s, o);
   s->dispatch_obj = NULL;
   inl_t me = {.obj = d, .owner = t, .kind = FR_ATTRS, .dsize = n};
   int rc = 1;
-  Py_INCREF(o);
   Py_INCREF(d); /* Python code under the adapter may replace the object's dict: this one is read, as a frame reads it */
   for (pos = 0; rc == 1;) {
     Py_ssize_t at = pos;
