@@ -43,6 +43,9 @@ typedef struct rd {
 
 static int64_t off(const rd_t *r, const uint8_t *at) { return (int64_t)(at - r->base); }
 
+/* A count's noun, singular for one. */
+static const char *plural(uint64_t n, const char *one, const char *many) { return n == 1 ? one : many; }
+
 /* The reader fails at `at` (unless it failed already: then that error). */
 static __attribute__((format(printf, 4, 5), noinline)) int rd_fail(rd_t *r, int code, const uint8_t *at,
                                                                   const char *fmt, ...) {
@@ -251,8 +254,9 @@ body:
 body_checked:
   if ((uint64_t)(r->end - r->p) < t->len)
     return rd_fail(r, DP_EFORMAT, start,
-                      "%s of %llu bytes is longer than the %lld bytes left", t->type == T_STR ? "str" : t->type == T_BIN ? "bytes" : "ext",
-                      (unsigned long long)t->len, (long long)(r->end - r->p));
+                      "%s of %llu %s is longer than the %lld %s left", t->type == T_STR ? "str" : t->type == T_BIN ? "bytes" : "ext",
+                      (unsigned long long)t->len, plural(t->len, "byte", "bytes"), (long long)(r->end - r->p),
+                      plural((uint64_t)(r->end - r->p), "byte", "bytes"));
   t->data = r->p;
   r->p += t->len;
   return 0;
@@ -261,8 +265,8 @@ check_count:
     return rd_fail(r, DP_EFORMAT, start,
                       "%s claims %llu %s but only %lld %s left", t->type == T_MAP ? "map" : "array",
                       (unsigned long long)t->len,
-                      t->type == T_MAP ? (t->len == 1 ? "pair" : "pairs") : (t->len == 1 ? "item" : "items"),
-                      (long long)(r->end - r->p), r->end - r->p == 1 ? "byte is" : "bytes are");
+                      t->type == T_MAP ? plural(t->len, "pair", "pairs") : plural(t->len, "item", "items"),
+                      (long long)(r->end - r->p), plural((uint64_t)(r->end - r->p), "byte is", "bytes are"));
   return 0;
 }
 
@@ -442,8 +446,9 @@ static int claim(up_t *u, const uint8_t *at, uint64_t items, const char *what) {
   size_t left = bytes_left(u), room = left > u->owed ? left - u->owed : 0;
   if (items > room)
     return rd_fail(&u->r, DP_EFORMAT, at,
-                   "%s claims %llu %s, more than the %zu bytes left hold beside the %zu items its enclosing containers still need",
-                   what, (unsigned long long)items, items == 1 ? "item" : "items", left, u->owed);
+                   "%s claims %llu %s, more than the %zu %s left hold beside the %zu %s its enclosing containers still need",
+                   what, (unsigned long long)items, plural(items, "item", "items"), left, plural(left, "byte", "bytes"),
+                   u->owed, plural(u->owed, "item", "items"));
   u->owed += (size_t)items;
   return 0;
 }

@@ -2601,3 +2601,55 @@ Test(cli, a_json_error_names_an_invisible_character_by_its_code_point_and_a_nega
   pack_fails("s.json", "s.dpk", "[\xc2\xa0]",
              "devpickle: s.json: invalid JSON: unexpected U+00A0 (line 1, column 2), at byte 1\n");
 }
+
+/* --help is looked for as the parser reads the line: the value of -o is a
+ * file name, even '--help'; 'help --help' and '-h -h' are the main help. */
+Test(cli, help_is_found_as_the_options_are_read_and_the_main_help_answers_its_own_help) {
+  spit("v.json", simple_json);
+  res_t r = run("pack v.json -o --help");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("verify -- --help");
+  cr_assert_eq(r.status, 0, "a file named --help: %s", r.err);
+  res_free(r);
+  r = run("unpack v.json -o -- --help");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_eq(strncmp(r.out, "usage: devpickle unpack", 23), 0, "%s", r.out);
+  res_free(r);
+  static const char *const selfs[] = {"help --help", "help -h", "--help --help", "-h -h", "--help help"};
+  for (size_t i = 0; i < sizeof selfs / sizeof *selfs; i++) {
+    r = run(selfs[i]);
+    cr_assert_eq(r.status, 0, "%s: %s", selfs[i], r.err);
+    cr_assert_eq(strncmp(r.out, "usage: devpickle <command>", 26), 0, "%s: %s", selfs[i], r.out);
+    res_free(r);
+  }
+  static const struct {
+    const char *args, *err;
+  } bad[] = {
+      {"send '' 127.0.0.1:1", "devpickle send: an input file name cannot be '' (use - for stdin)\n"},
+      {"unpack x.dpk -oa --output=b", "devpickle unpack: --output given twice (-o and --output are one option)\n"},
+      {"send x.dpk 127.0.0.1:1 --host=h", "devpickle send: unknown option '--host=h'\n"},
+      {"send x.dpk 127.0.0.1:1 --host", "devpickle send: unknown option '--host'\n"},
+      {"recv 0 -o", "devpickle recv: -o needs a file name\n"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    r = run(bad[i].args);
+    cr_assert_eq(r.status, 2, "%s: %s", bad[i].args, r.err);
+    cr_assert_eq(strncmp(r.err, bad[i].err, strlen(bad[i].err)), 0, "%s: %s", bad[i].args, r.err);
+    res_free(r);
+  }
+}
+
+/* An object's key errors name what came instead, and a comma before '}'
+ * is called a trailing comma. */
+Test(cli, a_bad_object_key_names_what_came_and_a_trailing_comma_is_called_one) {
+  pack_fails("k.json", "k.dpk", "{\"a\":1,\xe2\x80\x8b\"b\":2}",
+             "devpickle: k.json: invalid JSON: a key (a string) expected, not U+200B (line 1, column 8), at byte 7\n");
+  pack_fails("c.json", "c.dpk", "{\"a\"\xe2\x80\x8b:1}",
+             "devpickle: c.json: invalid JSON: ':' expected, not U+200B (line 1, column 5), at byte 4\n");
+  pack_fails("t.json", "t.dpk", "{\"a\":1,}",
+             "devpickle: t.json: invalid JSON: a key expected after ',', not '}' (a trailing comma) (line 1, column 8), "
+             "at byte 7\n");
+  pack_fails("x.json", "x.dpk", "{x}",
+             "devpickle: x.json: invalid JSON: a key (a string) or '}' expected, not 'x' (line 1, column 2), at byte 1\n");
+}

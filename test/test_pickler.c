@@ -1022,6 +1022,12 @@ Test(pickler, a_count_of_one_is_worded_in_the_singular) {
   size_t n = make_frame(frame, tup, sizeof tup);
   cr_assert_eq(dp_unpickle(frame, n, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
   cr_assert(strstr(e.message, "claims 1 item,") != NULL, "%s", e.message);
+  const uint8_t str[] = {0xa1}; /* a str of one byte, none left */
+  expect_bad(str, sizeof str, DP_EFORMAT, 40, "str of 1 byte is longer than the 0 bytes left", NULL);
+  const uint8_t nest[] = {0x92, 0x92, 0xc0, 0xc0}; /* [[nil, nil], <missing>]: one item still owed */
+  n = make_frame(frame, nest, sizeof nest);
+  cr_assert_eq(dp_unpickle(frame, n, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert(strstr(e.message, "beside the 1 item its enclosing") != NULL, "%s", e.message);
   ASSERT_NO_LEAK();
 }
 
@@ -3984,7 +3990,7 @@ Test(pickler, a_value_cut_short_by_the_end_of_the_payload_is_refused_saying_what
   const uint8_t cut_class[] = {0x92, 0xd4, 0x00, 0x03, 0xa5, 'A'};
   uint8_t frame[64];
   n = make_frame(frame, cut_class, sizeof cut_class);
-  expect_refused("class name cut", frame, n, 44, "str of 5 bytes is longer than the 1 bytes left");
+  expect_refused("class name cut", frame, n, 44, "str of 5 bytes is longer than the 1 byte left");
   ASSERT_NO_LEAK();
 }
 

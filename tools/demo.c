@@ -212,7 +212,7 @@ int demo_err(dp_error_t *err, int code, const char *msg) {
 }
 
 int demo_run(int argc, char **argv) {
-  for (int i = 1; i < argc; i++) /* --help answers wherever it comes, as for every command */
+  for (int i = 1; i < argc && strcmp(argv[i], "--") != 0; i++) /* --help answers wherever it comes before '--' */
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       puts("usage: devpickle demo\n\n"
            "Runs the future pipeline end to end on the default backend (CUDA when a GPU\n"

@@ -44,15 +44,16 @@ static const char *const usage_main =
     "in messages; after '--' every argument is a file name, one starting with\n"
     "'-' too (devpickle verify -- -x.dpk), but '-' alone is still stdin (./- is\n"
     "a file named -). An option's value is the next argument or attached\n"
-    "(-o F, -oF, --output F, --output=F, --timeout=0.5). -o (or --output),\n"
+    "(-o F, -oF, --output F, --output=F, --host=H, --timeout=0.5). -o (or --output),\n"
     "--host or --timeout given twice, or given '', is a usage error, as is\n"
     "an input named ''.\n"
     "A frame on stdin is read up to its end as its header gives it and at most\n"
     "64 KiB past it (more is an error, so an endless pipe behind a frame never\n"
     "holds a command), and not past a header that is no frame's; a terminal is\n"
     "refused.\n"
-    "Run 'devpickle <command> --help' (or 'devpickle help <command>') for a\n"
-    "command's options (--help answers wherever it comes among them);\n"
+    "Run 'devpickle <command> --help' (or 'devpickle help <command>', 'devpickle\n"
+    "--help <command>') for a command's options (--help answers wherever it\n"
+    "comes among them, before '--');\n"
     "'devpickle --version' prints the version.\n"
     "\n"
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
@@ -121,10 +122,18 @@ static const char *opt_value(const char *val, int argc, char **argv, int *i) {
 }
 
 /* Whether --help (or -h) comes among a command's options (before "--"),
- * wherever: it answers, whatever else the line holds. */
-static int wants_help(int argc, char **argv) {
-  for (int i = 1; i < argc && strcmp(argv[i], "--") != 0; i++)
+ * wherever: it answers, whatever else the line holds. An option named in
+ * with_value (NULL-terminated) takes the next argument as its value, as
+ * the parser does: `-o --help` names a file, `-o -- --help` asks for help. */
+static int wants_help(int argc, char **argv, const char *const *with_value) {
+  for (int i = 1; i < argc && strcmp(argv[i], "--") != 0; i++) {
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) return 1;
+    for (const char *const *w = with_value; *w; w++)
+      if (strcmp(argv[i], *w) == 0) {
+        i++;
+        break;
+      }
+  }
   return 0;
 }
 
@@ -454,7 +463,8 @@ typedef struct args {
 static int parse_args(const char *cmd, const char *help, int argc, char **argv, args_t *a, int allow_o, int need_o,
                       const char *flag) {
   memset(a, 0, sizeof *a);
-  if (wants_help(argc, argv)) {
+  static const char *const with_o[] = {"-o", "--output", NULL};
+  if (wants_help(argc, argv, allow_o ? with_o : with_o + 2)) {
     fputs(help, stdout);
     a->help = 1;
     return stdout_done(0) ? EXIT_DATA : -1;
@@ -472,7 +482,7 @@ static int parse_args(const char *cmd, const char *help, int argc, char **argv, 
     } else if (allow_o && is_opt(s, "-o", "--output", &val)) {
       const char *name = val ? (s[1] == '-' ? "--output" : "-o") : s;
       if (!(val = opt_value(val, argc, argv, &i))) return usage_error(cmd, "%s needs a file name", name);
-      if (a->out) return usage_error(cmd, "%s", "-o given twice");
+      if (a->out) return usage_error(cmd, "%s given twice (-o and --output are one option)", name);
       if (!val[0]) return usage_error(cmd, "%s needs a file name, not ''", name);
       a->out = val;
     } else if (flag && strcmp(s, flag) == 0) {
@@ -1039,7 +1049,9 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
                       link_args_t *a) {
   memset(a, 0, sizeof *a);
   a->timeout = -1;
-  if (wants_help(argc, argv)) {
+  static const char *const with_value[] = {"--timeout", "--host", "-o", "--output", NULL};
+  static const char *const with_timeout[] = {"--timeout", NULL};
+  if (wants_help(argc, argv, allow_o ? with_value : with_timeout)) {
     fputs(help, stdout);
     return stdout_done(0) ? EXIT_DATA : -1;
   }
@@ -1052,13 +1064,15 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
       opts = 0;
     } else if (!opts) {
       if (a->npos == want_pos) return usage_error(cmd, "unexpected argument '%s'", s);
+      if (!s[0] && want_pos == 2 && a->npos == 0)
+        return usage_error(cmd, "%s", "an input file name cannot be '' (use - for stdin)");
       a->pos[a->npos++] = s;
-    } else if ((allow_o && (is_o = is_opt(s, "-o", "--output", &val))) || (is_host = is_opt(s, NULL, "--host", &val)) ||
-               is_opt(s, NULL, "--timeout", &val)) {
+    } else if ((allow_o && (is_o = is_opt(s, "-o", "--output", &val))) ||
+               (allow_o && (is_host = is_opt(s, NULL, "--host", &val))) || is_opt(s, NULL, "--timeout", &val)) {
       const char *name = is_o ? (val && s[1] != '-' ? "-o" : val ? "--output" : s) : is_host ? "--host" : "--timeout";
-      if (!(val = opt_value(val, argc, argv, &i))) return usage_error(cmd, "%s needs a value", name);
+      if (!(val = opt_value(val, argc, argv, &i)))
+        return usage_error(cmd, is_o ? "%s needs a file name" : "%s needs a value", name);
       if (is_host) {
-        if (!allow_o) return usage_error(cmd, "unknown option '%s'", name);
         if (a->host) return usage_error(cmd, "%s", "--host given twice");
         if (!val[0]) return usage_error(cmd, "%s", "--host needs a host name or address, not ''");
         a->host = val;
@@ -1068,7 +1082,7 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
           return usage_error(cmd, "bad --timeout '%s' (SECONDS: a number over 0 and at most 1000000, as 30 or 0.5)",
                              val);
       } else {
-        if (a->out) return usage_error(cmd, "%s", "-o given twice");
+        if (a->out) return usage_error(cmd, "%s given twice (-o and --output are one option)", name);
         if (!val[0]) return usage_error(cmd, "%s needs a file name, not ''", name);
         a->out = val;
       }
@@ -1076,6 +1090,8 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
       return unknown_option(cmd, s);
     } else if (a->npos == want_pos) {
       return usage_error(cmd, "unexpected argument '%s'", s);
+    } else if (!s[0] && want_pos == 2 && a->npos == 0) {
+      return usage_error(cmd, "%s", "an input file name cannot be '' (use - for stdin)");
     } else {
       a->pos[a->npos++] = s;
     }
@@ -1374,7 +1390,9 @@ int main(int argc, char **argv) {
       for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
         if (strcmp(argv[2], commands[i].name) == 0) return commands[i].run(2, args);
     }
-    if (argc > 2 && !(argc == 3 && strcmp(argv[2], "help") == 0)) { /* help's help is this one */
+    /* help's help, and --help's, is this one */
+    int self = argc == 3 && (strcmp(argv[2], "help") == 0 || strcmp(argv[2], "--help") == 0 || strcmp(argv[2], "-h") == 0);
+    if (argc > 2 && !self) {
       fprintf(stderr, "devpickle %s: %s '", argv[1], argc == 3 ? "unknown command" : "unexpected argument");
       cli_put_text(stderr, argv[argc == 3 ? 2 : 3]);
       fputs("'\nTry 'devpickle help COMMAND'.\n", stderr);

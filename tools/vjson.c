@@ -170,8 +170,9 @@ static int invisible(uint32_t cp) {
   return cp <= 0xA0 || cp == 0xAD || cp == 0x34F || cp == 0x61C || cp == 0x115F || cp == 0x1160 ||
          cp == 0x1680 || (cp >= 0x17B4 && cp <= 0x17B5) || (cp >= 0x180B && cp <= 0x180F) ||
          (cp >= 0x2000 && cp <= 0x200F) || (cp >= 0x2028 && cp <= 0x202F) || (cp >= 0x205F && cp <= 0x206F) ||
-         cp == 0x3000 || cp == 0x3164 || (cp >= 0xFE00 && cp <= 0xFE0F) || cp == 0xFEFF || cp == 0xFFA0 ||
-         (cp >= 0xFFF0 && cp <= 0xFFFB) || (cp >= 0xE0000 && cp <= 0xE0FFF);
+         cp == 0x2800 || cp == 0x3000 || cp == 0x3164 || (cp >= 0xFE00 && cp <= 0xFE0F) || cp == 0xFEFF ||
+         cp == 0xFFA0 || (cp >= 0xFFF0 && cp <= 0xFFFB) || (cp >= 0x13430 && cp <= 0x1343F) ||
+         (cp >= 0x1BCA0 && cp <= 0x1BCA3) || (cp >= 0x1D173 && cp <= 0x1D17A) || (cp >= 0xE0000 && cp <= 0xE0FFF);
 }
 
 /* The length of the UTF-8 character at p (0: not one) and its code point. */
@@ -403,10 +404,14 @@ static json_t *parse_token(ps_t *ps) {
 }
 
 /* Reads `"key" :` into ps->buf/len. */
-static int parse_key(ps_t *ps) {
+static int parse_key(ps_t *ps, int after_comma) {
   skip_ws(ps);
   if (ps->p >= ps->end) return perr(ps, "premature end of input"), cut(ps);
-  if (*ps->p != '"') return perr(ps, "string or '}' expected");
+  char ch[16];
+  if (*ps->p == '}' && after_comma) return perr(ps, "a key expected after ',', not '}' (a trailing comma)");
+  if (*ps->p != '"')
+    return perr(ps, after_comma ? "a key (a string) expected, not %s" : "a key (a string) or '}' expected, not %s",
+                char_at(ps, ch, sizeof ch));
   ps->key_at = ps->p;
   if (parse_string(ps)) return -1;
   if (ps->len + 1 > ps->keycap) {
@@ -420,7 +425,8 @@ static int parse_key(ps_t *ps) {
   ps->keylen = ps->len;
   skip_ws(ps);
   if (ps->p >= ps->end) cut(ps);
-  if (ps->p >= ps->end || *ps->p != ':') return perr(ps, "':' expected");
+  if (ps->p >= ps->end) return perr(ps, "':' expected");
+  if (*ps->p != ':') return perr(ps, "':' expected, not %s", char_at(ps, ch, sizeof ch));
   ps->p++;
   return 0;
 }
@@ -474,7 +480,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
         ps.p++;
         top--;
       } else {
-        if (json_is_object(v) && parse_key(&ps)) {
+        if (json_is_object(v) && parse_key(&ps, 0)) {
           bad = 1;
           break;
         }
@@ -490,7 +496,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
       if (ps.p < ps.end && *ps.p == ',') {
         ps.p++;
         if (json_is_object(c)) {
-          if (parse_key(&ps)) {
+          if (parse_key(&ps, 1)) {
             bad = 1;
             break;
           }
