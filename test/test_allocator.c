@@ -2058,3 +2058,158 @@ Test(allocator, taking_another_streams_block_chaining_and_emptying_fail_cleanly_
     cr_assert_gt(failed, 0, "op %d: no allocation was failed", op);
   }
 }
+
+/* A request for 0 bytes takes the smallest block, 512 bytes, as one for a
+ * single byte does — not a block of a larger class. */
+Test(allocator, a_zero_byte_allocation_takes_the_smallest_block_of_512_bytes) {
+  dp_stream_t *s = stream(H0);
+  char *p, *q;
+  OK(dp_cache_alloc(C, H0, 0, s, (void **)&p, T_ERR));
+  OK(dp_cache_alloc(C, H0, 1, s, (void **)&q, T_ERR));
+  void *base;
+  size_t size;
+  OK(dp_cache_lookup(C, p, &base, &size, T_ERR));
+  cr_assert_eq(size, 512, "a 0-byte request took %zu bytes", size);
+  cr_assert_eq(q, p + 512, "the next block follows the 512 bytes");
+  cr_assert_eq(stats(H0).allocated, 1024);
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  cr_assert_eq(stats(H0).allocated, 0);
+  dp_stream_free(s);
+}
+
+/* As above, the other way round: a block freed after its free neighbour
+ * before it, of another stream, stays apart from it too (the merge with
+ * the block before checks the stream as the one with the block after). */
+Test(allocator, a_block_freed_after_its_free_neighbour_of_another_stream_never_merges_into_it) {
+  dp_stream_t *s = stream(H0), *t = stream(H0);
+  char *a, *b, *q, *r;
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&a, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, t, (void **)&b, T_ERR)); /* from s's remainder: after a */
+  cr_assert_eq(b, a + 4096);
+  OK(dp_cache_dealloc(C, a, T_ERR)); /* a free block of s's ... */
+  OK(dp_cache_dealloc(C, b, T_ERR)); /* ... before b, freed on t */
+  uint64_t cross = stats(H0).cross_stream;
+  OK(dp_cache_alloc(C, H0, 4096, t, (void **)&r, T_ERR));
+  cr_assert_eq(r, b, "t takes its own block back (got %p, a %p, b %p)", (void *)r, (void *)a, (void *)b);
+  OK(dp_cache_alloc(C, H0, 8192, s, (void **)&q, T_ERR));
+  cr_assert_eq(q, b + 4096, "s's 8 KiB come from its remainder, not a and b merged (got %p, a %p)", (void *)q, (void *)a);
+  cr_assert_eq(stats(H0).cross_stream, cross, "no block changed streams");
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  OK(dp_cache_dealloc(C, r, T_ERR));
+  dp_stream_free(t);
+  dp_stream_free(s);
+}
+
+/* Bins of 64 size classes share a word of the bitmap, marked in the
+ * summary while any of them holds a block: taking the only block of one
+ * class leaves the word marked for the other's, which a smaller request
+ * (whose own word is empty) then finds through the summary, rather than
+ * split the segment's free remainder. */
+Test(allocator, taking_one_size_class_of_a_bitmap_word_leaves_its_other_classes_found) {
+  dp_stream_t *s = stream(H0);
+  char *x, *sep1, *y, *sep2, *again, *small;
+  OK(dp_cache_alloc(C, H0, 36 << 10, s, (void **)&x, T_ERR)); /* 36 and 40 KiB: the second word's classes */
+  OK(dp_cache_alloc(C, H0, 512, s, (void **)&sep1, T_ERR));    /* x and y never merge */
+  OK(dp_cache_alloc(C, H0, 40 << 10, s, (void **)&y, T_ERR));
+  OK(dp_cache_alloc(C, H0, 512, s, (void **)&sep2, T_ERR));    /* nor y with the free remainder */
+  OK(dp_cache_dealloc(C, x, T_ERR));
+  OK(dp_cache_dealloc(C, y, T_ERR));
+  OK(dp_cache_alloc(C, H0, 36 << 10, s, (void **)&again, T_ERR));
+  cr_assert_eq(again, x, "36 KiB take x back, its class's only block (got %p, x %p)", (void *)again, (void *)x);
+  OK(dp_cache_alloc(C, H0, 512, s, (void **)&small, T_ERR));
+  cr_assert_eq(small, y, "512 bytes come from y, the smallest free block, not the remainder (got %p; y %p, remainder %p)",
+               (void *)small, (void *)y, (void *)(sep2 + 512));
+  cr_assert_eq(stats(H0).segment_allocs, 1);
+  char *p[] = {again, sep1, small, sep2};
+  for (int i = 0; i < 4; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
+  dp_stream_free(s);
+}
+
+/* The pending bytes count a freed block only while it waits: reclaimed,
+ * by a poll or by an allocation's, its bytes leave the count with it. */
+Test(allocator, pending_bytes_go_back_to_zero_when_the_pending_blocks_are_reclaimed) {
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *p, *q, *r;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_alloc(C, H0, 10000, s, &q, T_ERR));
+  _Atomic int gate = 0; /* u held until the gate opens */
+  OK(dp_host_launch(u, gate_wait, &gate, T_ERR));
+  OK(dp_cache_record_stream(C, p, u, T_ERR));
+  OK(dp_cache_record_stream(C, q, u, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  dp_cache_stats_t held = stats(H0);
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  cr_assert_eq(held.pending_blocks, 2);
+  cr_assert_eq(held.pending_bytes, 4096 + 10240);
+  OK(dp_cache_alloc(C, H0, 512, s, &r, T_ERR)); /* its poll reclaims both */
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.pending_blocks, 0);
+  cr_assert_eq(st.pending_bytes, 0, "%zu bytes still counted pending", st.pending_bytes);
+  OK(dp_cache_dealloc(C, r, T_ERR));
+  dp_stream_free(u);
+  dp_stream_free(s);
+}
+
+/* A destroyed stream's segment no longer counts as all its own: a new
+ * stream — at the destroyed one's address too, as malloc tends to hand
+ * back — allocating in it shares it with the blocks now tied to no stream,
+ * and a batch record on it must record those blocks, not pass the
+ * segment as one whose used blocks are all on the recording stream. */
+Test(allocator, a_new_stream_allocating_beside_a_destroyed_streams_blocks_records_them_in_a_batch) {
+  dp_cache_hooks_t h = dp_cache_hooks(C);
+  dp_stream_t *s = stream(H0);
+  void *q[4];
+  for (int i = 1; i < 4; i++) OK(dp_cache_alloc(C, H0, 4096, s, &q[i], T_ERR));
+  uintptr_t old = (uintptr_t)s; /* its address, compared after it is freed */
+  dp_stream_free(s); /* q[1..3] now tied to no stream */
+  dp_stream_t *u = stream(H0);
+  cr_log_info("the new stream %s the destroyed one's address", (uintptr_t)u == old ? "has" : "does not have");
+  OK(dp_cache_alloc(C, H0, 4096, u, &q[0], T_ERR));
+  cr_assert_eq(stats(H0).segment_allocs, 1, "u's block shares the segment");
+  OK(dp_cache_hooks_record(&h, q, 4, u, T_ERR)); /* u's own block first */
+  _Atomic int gate = 0; /* u held until the gate opens */
+  OK(dp_host_launch(u, gate_wait, &gate, T_ERR));
+  for (int i = 0; i < 4; i++) OK(dp_cache_dealloc(C, q[i], T_ERR));
+  dp_cache_stats_t st = stats(H0);
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  cr_assert_eq(st.pending_blocks, 3, "the three blocks of the destroyed stream wait for u, which used them");
+  cr_assert_eq(dp_cache_poll(C, NULL), 3);
+  dp_stream_free(u);
+}
+
+/* cache.h: when free segments of several devices stay cached for want of
+ * memory, dp_cache_empty returns the first error, naming its device — not
+ * the last device's. */
+static _Atomic int fail_every_allocation;
+static void *failing_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  if (nsize && atomic_load(&fail_every_allocation)) return NULL;
+  return t_alloc(ud, ptr, osize, nsize);
+}
+
+Test(allocator, emptying_the_cache_names_the_first_device_whose_segment_stays_cached) {
+  dp_stream_t *s0 = stream(H0), *s1 = stream(H1);
+  void *p0, *p1;
+  OK(dp_cache_alloc(C, H0, 4096, s0, &p0, T_ERR));
+  OK(dp_cache_alloc(C, H1, 4096, s1, &p1, T_ERR));
+  OK(dp_cache_dealloc(C, p0, T_ERR));
+  OK(dp_cache_dealloc(C, p1, T_ERR));
+  dp_set_allocator(failing_alloc, NULL);
+  atomic_store(&fail_every_allocation, 1); /* no event can be made on either device */
+  dp_error_t e;
+  int rc = dp_cache_empty(C, &e);
+  atomic_store(&fail_every_allocation, 0);
+  dp_set_allocator(t_alloc, NULL);
+  cr_assert_eq(rc, DP_ENOMEM, "%s", dp_err_name(rc));
+  cr_assert_eq(e.code, rc);
+  cr_assert(strstr(e.message, "dp_cache_empty: a free segment of host:0 stays cached: ") == e.message, "%s", e.message);
+  cr_assert_eq(stats(H0).reserved, 2 << 20);
+  cr_assert_eq(stats(H1).reserved, 2 << 20, "host:1's segment stayed too");
+  OK(dp_cache_empty(C, T_ERR));
+  cr_assert_eq(stats(H0).reserved + stats(H1).reserved, 0, "both go back when memory allows");
+  dp_stream_free(s0);
+  dp_stream_free(s1);
+}

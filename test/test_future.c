@@ -2439,3 +2439,197 @@ Test(future, a_wait_with_a_limit_of_a_quarter_second_waits_that_long) {
   cr_assert_str_eq(e.message, "dp_future_wait: the future did not complete within 250000000 ns");
   dp_future_release(f);
 }
+
+/* A pending future released cancels its then() children in the order they
+ * were chained, as a completion would run their callbacks: the failure goes
+ * down each child's chain in turn (then-with-pointers callbacks run on a
+ * failed parent, so their order shows it). */
+static int log_canceled(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)result, (void)ptrs, (void)err;
+  tag_t *t = ud;
+  t->s->log[t->s->n++] = dp_future_error(parent, NULL) == DP_ECANCELED ? t->id : -t->id;
+  return 0;
+}
+
+Test(future, a_released_pending_future_cancels_its_children_in_the_order_they_were_chained) {
+  seq_t s = {{0}, 0, NULL};
+  tag_t tags[3] = {{&s, 1}, {&s, 2}, {&s, 3}};
+  dp_future_t *f = future(), *c[3], *g[3];
+  for (int i = 0; i < 3; i++) {
+    OK(dp_future_then(f, failing_then_never_runs, NULL, &c[i], T_ERR));
+    OK(dp_future_then_with_ptrs(c[i], log_canceled, &tags[i], &g[i], T_ERR));
+  }
+  dp_future_release(f);
+  cr_assert_eq(s.n, 3, "each canceled child's callback ran once");
+  for (int i = 0; i < 3; i++)
+    cr_assert_eq(s.log[i], i + 1, "callback %d saw child %d (negative: not canceled) where child %d was due", i,
+                 s.log[i], i + 1);
+  for (int i = 0; i < 3; i++) {
+    dp_error_t e;
+    cr_assert_eq(dp_future_wait(c[i], 0, &e), DP_ECANCELED);
+    cr_assert_str_eq(e.message, "the parent future was released before it completed");
+    OK(dp_future_wait(g[i], 0, T_ERR));
+    dp_future_release(c[i]);
+    dp_future_release(g[i]);
+  }
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* future.h: dp_future_error is 0 for a future completed with a value, and
+ * err is written only with a failure — not with a made-up "detail lost"
+ * message of code 0. */
+Test(future, the_error_of_a_future_completed_with_a_value_is_zero_and_leaves_err_as_it_was) {
+  dp_future_t *f = future();
+  dp_error_t e;
+  dp_error_clear(&e);
+  e.code = DP_EIO;
+  snprintf(e.message, sizeof e.message, "the caller's own");
+  cr_assert_eq(dp_future_error(f, &e), 0, "pending");
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  cr_assert_eq(dp_future_error(f, &e), 0, "completed with a value");
+  cr_assert_eq(e.code, DP_EIO, "err was written: code %d", e.code);
+  cr_assert_str_eq(e.message, "the caller's own");
+  cr_assert_eq(dp_future_error(f, NULL), 0);
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* Completing a complete future with pointers it would refuse (a device past
+ * the backend's last) is DP_ESTATE — the code err holds, naming the call —
+ * not the refusal of a completion that was never going to happen. */
+Test(future, completing_a_complete_future_with_pointers_it_would_refuse_is_estate) {
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, T_ERR));
+  OK(dp_ptrset_add(set, t_dev(DP_DEVICE_HOST, 2), (void *)0x7f0000001000, 64, NULL, T_ERR));
+  dp_error_t e;
+  int rc = dp_future_mark_completed_with_ptrs(f, dp_int(2), set, &e);
+  cr_assert_eq(rc, DP_ESTATE, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert_eq(e.code, rc);
+  cr_assert_str_eq(e.message, "dp_future_mark_completed_with_ptrs: the future is already complete");
+  cr_assert_eq(dp_value_as_int(dp_future_value(f)), 1, "the future is as it was");
+  cr_assert_eq(dp_ptrset_count(set), 1, "the caller's set is left as it was");
+  dp_ptrset_free(set);
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* A then-with-pointers callback runs while its scan set (the thread's
+ * scratch set) is in use: completions it makes take a set of their own,
+ * and the thread's set stays the thread's — freed at shutdown, not lost. */
+static int complete_two_others(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)parent;
+  dp_future_t **others = ud;
+  for (int i = 0; i < 2; i++) {
+    int rc = dp_future_mark_completed(others[i], t_tensor(t_dev(DP_DEVICE_CPU, 0), 0x1000 + 0x100 * (uintptr_t)i, 4), err);
+    if (rc) return rc;
+  }
+  *result = dp_int(9);
+  return dp_ptrset_add(ptrs, t_dev(DP_DEVICE_CPU, 0), (void *)0x2000, 16, NULL, err);
+}
+
+Test(future, completions_made_by_a_then_with_pointers_callback_keep_the_threads_scratch_set_and_leak_nothing) {
+  dp_future_t *f = future(), *child, *others[2] = {future(), future()};
+  OK(dp_future_then_with_ptrs(f, complete_two_others, others, &child, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  OK(dp_future_wait(child, 0, T_ERR));
+  cr_assert_eq(dp_value_as_int(dp_future_value(child)), 9);
+  cr_assert_eq(dp_future_nptrs(child), 1, "the callback's report, not the other completions' allocations");
+  for (int i = 0; i < 2; i++) {
+    dp_ptr_info_t p;
+    cr_assert_eq(dp_future_nptrs(others[i]), 1);
+    OK(dp_future_ptr(others[i], 0, &p, T_ERR));
+    cr_assert_eq(p.base, (void *)(0x1000 + 0x100 * (uintptr_t)i));
+    dp_future_release(others[i]);
+  }
+  dp_future_release(child);
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* A wait in a callback runs what is queued on its thread, the outer
+ * frames' callbacks included: a callback may wait on the child of a
+ * callback registered after it on the same parent (queued behind it). */
+Test(future, a_callback_may_wait_on_the_child_of_a_callback_queued_after_it) {
+  self_wait_t x = {NULL, 1000000000ll, 0, 0, {0}};
+  dp_future_t *f = future(), *own;
+  OK(dp_future_then(f, wait_on_own_child, &x, &own, T_ERR));
+  OK(dp_future_then(f, returns_two, NULL, &x.child, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  cr_assert_eq(x.rc, 0, "%s: %s", dp_err_name(x.rc), x.err.message);
+  cr_assert_lt(x.took_s, 0.5, "the queued callback ran in the wait, not after its limit (%.3f s)", x.took_s);
+  cr_assert_eq(dp_value_as_int(dp_future_value(x.child)), 2);
+  dp_future_release(own);
+  dp_future_release(x.child);
+  dp_future_release(f);
+}
+
+/* A wait in a callback runs what is queued on its thread before it decides
+ * that it would wait for itself: a callback queued behind it that completes
+ * its own child by hand makes that wait a legitimate one (future.h: one
+ * completed by hand is no wait for itself). */
+static dp_future_t *completed_by_hand;
+static int complete_by_hand(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result;
+  return dp_future_mark_completed(completed_by_hand, dp_int(5), err);
+}
+
+Test(future, a_callback_may_wait_on_its_own_child_that_a_callback_queued_behind_it_completes_by_hand) {
+  self_wait_t x = {NULL, -1, 0, 0, {0}};
+  dp_future_t *f = future(), *other_child;
+  OK(dp_future_then(f, wait_on_own_child, &x, &x.child, T_ERR));
+  completed_by_hand = x.child;
+  OK(dp_future_then(f, complete_by_hand, NULL, &other_child, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  cr_assert_eq(x.rc, 0, "%s: %s", dp_err_name(x.rc), x.err.message);
+  cr_assert_eq(dp_value_as_int(dp_future_value(x.child)), 5, "the child holds what it was completed with by hand");
+  OK(dp_future_wait(other_child, 0, T_ERR));
+  dp_future_release(other_child);
+  dp_future_release(x.child);
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* dp_future_device and dp_future_event answer cpu:0 and NULL at
+ * ndevices also when the value holds cpu memory besides (its record has
+ * room for a device more than it has events), and the record's block held
+ * another future's devices before (the thread keeps record blocks for
+ * later completions). */
+Test(future, device_and_event_just_past_the_last_device_are_cpu_and_null_whatever_the_block_held_before) {
+  dp_value_t a = device_ints(H0, 4), b = device_ints(H1, 4);
+  for (int round = 0; round < 4; round++) { /* records of host:0 and host:1, their blocks kept */
+    dp_value_t l = t_list();
+    OK(dp_list_append(l, dp_value_retain(a), T_ERR));
+    OK(dp_list_append(l, dp_value_retain(b), T_ERR));
+    dp_future_t *f = future();
+    OK(dp_future_mark_completed(f, l, T_ERR));
+    cr_assert_eq(dp_future_ndevices(f), 2);
+    OK(dp_future_wait(f, -1, T_ERR));
+    dp_future_release(f);
+  }
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_CPU, 0), 0x1000, 4), T_ERR));
+  OK(dp_list_append(l, dp_value_retain(b), T_ERR));
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, l, T_ERR));
+  cr_assert_eq(dp_future_nptrs(f), 2);
+  cr_assert_eq(dp_future_ndevices(f), 1, "host:1 only: cpu has no event");
+  cr_assert(dp_device_equal(dp_future_device(f, 0), H1));
+  dp_device_t d = dp_future_device(f, 1);
+  cr_assert(d.type == DP_DEVICE_CPU && d.index == 0, "device 1: type %d index %d", (int)d.type, (int)d.index);
+  cr_assert_null(dp_future_event(f, 1));
+  OK(dp_future_wait(f, -1, T_ERR));
+  dp_future_release(f);
+  free_ints(a);
+  free_ints(b);
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
