@@ -4406,3 +4406,230 @@ Test(pickler, pickling_inline_into_a_reused_frame_and_reading_with_callbacks_fai
   dp_value_release(s.v);
   ASSERT_NO_LEAK();
 }
+
+/* A stand-in for a custom (a reduced object, as unpickling without a
+ * resolver makes it) met before the walk's first reduce() is replayed
+ * through its state: the nodes in that state keep their numbers, and a
+ * later state reaching one of them again is a back-reference, in a pickle
+ * and in a scan with or without paths. */
+Test(pickler, a_stand_in_met_before_the_first_reduce_keeps_the_nodes_of_its_state_for_later_states) {
+  dp_value_t orig = t_list();
+  OK(dp_list_append(orig, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
+  dp_frame_t *f = pickle_ok(orig, 0);
+  dp_value_t back = unpickle_ok(f), g = dp_seq_get(back, 0), st;
+  dp_frame_free(f);
+  cr_assert(dp_object_is_reduced(g));
+  OK(dp_object_get(g, "__reduce__", &st, T_ERR)); /* [tensor] */
+  dp_value_t root = t_list();
+  OK(dp_list_append(root, dp_value_retain(g), T_ERR));
+  OK(dp_list_append(root, t_holder(dp_value_retain(st)), T_ERR)); /* its state: [[tensor]], the list again */
+  expect_one_storage(root, 0x1000, "$[0]<reduce Holder>[0]", 1, 1);
+  f = pickle_ok(root, 0);
+  dp_value_t again = unpickle_ok(f), st0, st1;
+  OK(dp_object_get(dp_seq_get(again, 0), "__reduce__", &st0, T_ERR));
+  OK(dp_object_get(dp_seq_get(again, 1), "__reduce__", &st1, T_ERR));
+  cr_assert_eq(dp_seq_get(st1, 0).u.h, st0.u.h, "the second state holds the first state's list, not a copy");
+  dp_frame_free(f);
+  dp_value_release(again);
+  dp_value_release(root);
+  dp_value_release(back);
+  dp_value_release(orig);
+  ASSERT_NO_LEAK();
+}
+
+/* A scan reserves room for the storages a batch can add, not for every
+ * tensor: into a set with room for exactly 32 entries, 32 storages each
+ * followed by a view (64 tensors, two batches) go without growing it. */
+Test(pickler, a_scan_of_tensors_and_their_views_into_a_set_with_room_for_its_storages_allocates_nothing) {
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, T_ERR));
+  dp_value_t warm = t_list(), l = t_list();
+  OK(dp_list_append(warm, t_tensor(CUDA0, 0x10, 4), T_ERR));
+  OK(dp_scan(warm, NULL, set, T_ERR)); /* the scan's walker, made once */
+  dp_ptrset_clear(set);
+  for (uintptr_t k = 0; k < 32; k++) OK(dp_ptrset_add(set, CUDA0, (void *)(0x1000 + 0x100 * k), 8, NULL, T_ERR));
+  dp_ptrset_clear(set); /* room for 32 entries, kept */
+  for (uintptr_t k = 0; k < 32; k++) {
+    dp_storage_t *s = t_storage(CUDA0, 0x100000 + 0x1000 * k, 64);
+    OK(dp_list_append(l, t_view(s, 16, 0), T_ERR));
+    OK(dp_list_append(l, t_view(s, 4, 4), T_ERR));
+    dp_storage_release(s);
+  }
+  long before = t_alloc_count;
+  OK(dp_scan(l, NULL, set, T_ERR));
+  cr_assert_eq(t_alloc_count, before, "the scan allocated %ld times", t_alloc_count - before);
+  cr_assert_eq(dp_ptrset_count(set), 32);
+  for (size_t i = 0; i < 32; i++) {
+    dp_ptr_info_t p;
+    OK(dp_ptrset_get(set, i, &p, T_ERR));
+    cr_assert(p.base == (void *)(0x100000 + 0x1000 * i) && p.refs == 2, "entry %zu: %p, %u refs", i, p.base, p.refs);
+  }
+  dp_ptrset_free(set);
+  dp_value_release(warm);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+/* A list of leaves held twice is never staged in place inside another
+ * container: [[s], [s]] with s = [t] and t held once counts t once. */
+Test(pickler, a_list_of_leaves_held_twice_inside_small_lists_counts_its_tensor_once) {
+  dp_value_t root = t_list(), s = t_list();
+  OK(dp_list_append(s, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  for (int i = 0; i < 2; i++) {
+    dp_value_t x = t_list();
+    OK(dp_list_append(x, dp_value_retain(s), T_ERR));
+    OK(dp_list_append(x, t_tensor(CUDA1, 0x2000 + 0x100 * (uintptr_t)i, 4), T_ERR));
+    OK(dp_list_append(root, x, T_ERR));
+  }
+  dp_value_release(s);
+  expect_one_storage(root, 0x1000, "$[0][0][0]", 1, 3);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+/* A tensor a list holds twice (its count two, and no one else's) is one
+ * tensor to a scan without paths, next to itself or apart. */
+Test(pickler, a_tensor_held_twice_by_one_list_is_one_tensor_to_a_scan_in_batches) {
+  dp_value_t root = t_list(), t = t_tensor(CUDA0, 0x1000, 4), u = t_tensor(CUDA0, 0x2000, 4);
+  OK(dp_list_append(root, dp_value_retain(t), T_ERR));
+  OK(dp_list_append(root, t, T_ERR));
+  OK(dp_list_append(root, dp_value_retain(u), T_ERR));
+  OK(dp_list_append(root, t_tensor(CUDA0, 0x3000, 4), T_ERR));
+  OK(dp_list_append(root, u, T_ERR));
+  expect_one_storage(root, 0x1000, "$[0]", 1, 3);
+  expect_one_storage(root, 0x2000, "$[2]", 1, 3);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+/* Walks nest inside one another's reduce() exactly DP_MAX_NESTED_WALKS
+ * deep: a scan whose reduce scans, 63 times over, succeeds; one more
+ * level is refused by the innermost walk. */
+static int nest_reduce(void *obj, dp_value_t *state, dp_error_t *err);
+static const dp_type_t nest_type = {"Nest", nest_reduce, NULL};
+static int nest_deepest;
+
+static int nest_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  uintptr_t left = (uintptr_t)obj;
+  nest_deepest++;
+  if (left) {
+    dp_value_t inner;
+    dp_ptrset_t *s;
+    int rc = dp_custom_new(&nest_type, (void *)(left - 1), &inner, err);
+    if (rc) return rc;
+    if (!(rc = dp_ptrset_new(&s, err))) rc = dp_scan(inner, NULL, s, err);
+    dp_ptrset_free(s);
+    dp_value_release(inner);
+    if (rc) return rc;
+  }
+  *state = dp_int((int64_t)left);
+  return 0;
+}
+
+Test(pickler, walks_nest_inside_reduce_exactly_the_most_deep_and_no_deeper) {
+  cr_assert_eq(DP_MAX_NESTED_WALKS, 64);
+  for (uintptr_t levels = 63; levels <= 64; levels++) {
+    dp_value_t v;
+    OK(dp_custom_new(&nest_type, (void *)levels, &v, T_ERR));
+    dp_ptrset_t *s;
+    OK(dp_ptrset_new(&s, T_ERR));
+    dp_error_t e;
+    nest_deepest = 0;
+    int rc = dp_scan(v, NULL, s, &e);
+    if (levels == 63) {
+      cr_assert_eq(rc, 0, "64 walks: %s", e.message);
+      cr_assert_eq(nest_deepest, 64, "%d reduce calls", nest_deepest);
+    } else {
+      cr_assert_eq(rc, DP_ETYPE, "65 walks: %s", dp_err_name(rc));
+      cr_assert(strstr(e.message, "reduce of type 'Nest' failed at $"), "%s", e.message);
+      cr_assert(strstr(e.message, "walks nested 64 deep on this thread"), "%s", e.message);
+      cr_assert_eq(nest_deepest, 64, "the 65th walk ran no reduce: %d calls", nest_deepest);
+    }
+    dp_ptrset_free(s);
+    dp_value_release(v);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* A key's JSON cut at 64 bytes keeps an escape that ends exactly there
+ * (6 bytes, \u000a, or 2, \\): only one the cut would split goes. */
+Test(pickler, a_key_json_cut_keeps_an_escape_that_ends_exactly_at_the_limit) {
+  dp_value_t root, k1, k2;
+  char a46[47], a50[51], s1[80], s2[80], want[200];
+  memset(a46, 'a', 46), a46[46] = '\0';
+  memset(a50, 'a', 50), a50[50] = '\0';
+  snprintf(s1, sizeof s1, "%s\nbbbbbbbb", a46); /* {"$tuple":[" + 46 bytes: \u000a at bytes 58-63 */
+  snprintf(s2, sizeof s2, "%s\\bbbbbbbb", a50); /* and \\ at bytes 62-63 */
+  OK(dp_dict_new(0, &root, T_ERR));
+  OK(dp_tuple_new(1, &k1, T_ERR));
+  OK(dp_seq_set(k1, 0, t_str(s1), T_ERR));
+  OK(dp_dict_set(root, k1, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_tuple_new(1, &k2, T_ERR));
+  OK(dp_seq_set(k2, 0, t_str(s2), T_ERR));
+  OK(dp_dict_set(root, k2, t_tensor(CUDA0, 0x2000, 4), T_ERR));
+  dp_ptrset_t *set = scan_paths(root);
+  snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\\u000a\u2026]", a46);
+  expect_ptr(set, 0, 0x1000, want, 1);
+  snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\\\\\u2026]", a50);
+  expect_ptr(set, 1, 0x2000, want, 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+/* Inside a dict's key the path names the entry: <key N>, N counting
+ * entries, not keys and values. */
+Test(pickler, a_path_inside_a_dict_key_names_the_entry_by_its_number) {
+  dp_value_t root, k, inner;
+  OK(dp_dict_new(0, &root, T_ERR));
+  OK(dp_dict_set(root, dp_int(1), dp_int(2), T_ERR));
+  OK(dp_dict_set(root, dp_int(3), dp_int(4), T_ERR));
+  OK(dp_tuple_new(1, &inner, T_ERR));
+  OK(dp_seq_set(inner, 0, dp_int(5), T_ERR));
+  OK(dp_tuple_new(1, &k, T_ERR));
+  OK(dp_seq_set(k, 0, inner, T_ERR));
+  OK(dp_dict_set(root, k, dp_int(6), T_ERR)); /* entry 2: {..., ((5,),): 6} */
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  for (int paths = 0; paths < 2; paths++) {
+    dp_scan_opts_t o = {paths ? DP_SCAN_PATHS : 0, 2};
+    dp_error_t e;
+    cr_assert_eq(dp_scan(root, &o, s, &e), DP_ELIMIT);
+    cr_assert_str_eq(e.message, "nesting deeper than 2 levels at $<key 2>[0]");
+  }
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_pickle_opts_t po = {0};
+  po.max_depth = 2;
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(root, &po, f, &e), DP_ELIMIT);
+  cr_assert_str_eq(e.message, "nesting deeper than 2 levels at $<key 2>[0]");
+  dp_frame_free(f);
+  dp_ptrset_free(s);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+/* A bytes key's base64 is padded as RFC 4648 pads it: one byte left over
+ * gives two '=', two bytes one, three none. */
+Test(pickler, a_bytes_key_of_any_length_shows_its_padded_base64) {
+  static const struct {
+    const char *key, *path;
+  } cases[] = {
+      {"a", "$[{\"$bytes\":\"YQ==\"}]"},       {"ab", "$[{\"$bytes\":\"YWI=\"}]"},
+      {"abc", "$[{\"$bytes\":\"YWJj\"}]"},     {"abcd", "$[{\"$bytes\":\"YWJjZA==\"}]"},
+      {"abcde", "$[{\"$bytes\":\"YWJjZGU=\"}]"},
+  };
+  dp_value_t root;
+  OK(dp_dict_new(0, &root, T_ERR));
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    dp_value_t k;
+    OK(dp_bytes_new(cases[i].key, strlen(cases[i].key), &k, T_ERR));
+    OK(dp_dict_set(root, k, t_tensor(CUDA0, 0x1000 * (i + 1), 4), T_ERR));
+  }
+  dp_ptrset_t *set = scan_paths(root);
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) expect_ptr(set, i, 0x1000 * (i + 1), cases[i].path, 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}

@@ -1,6 +1,10 @@
 /* ptrset: dedup by device + base, discovery order, device groups, reuse. */
 #include "helpers.h"
 
+/* The set's layout and its frozen records (pickler/ptrs.h): the hash a
+ * base gets, the table's size, dp__ptrset_add_refs and dp__ptrs_freeze. */
+#include "../pickler/ptrset_impl.h"
+
 static void setup(void) { t_track(); }
 static void teardown(void) { dp_set_allocator(NULL, NULL); }
 TestSuite(ptrset, .init = setup, .fini = teardown);
@@ -462,4 +466,412 @@ Test(ptrset, a_new_device_whose_entry_cannot_be_stored_leaves_no_empty_device) {
   }
   cr_assert_geq(failed, 2, "only %d allocations could fail", failed);
   ASSERT_NO_LEAK();
+}
+
+/* Two devices' entries for one base are told apart by their device, not by
+ * their hashes: a base whose hashes on cuda:0 and cuda:1 share their tag
+ * and their slot in a set's first table (64 slots), searched for under
+ * this process's secret, is still two entries. */
+Test(ptrset, the_same_base_on_two_devices_stays_two_entries_where_their_hashes_collide) {
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0), b = t_dev(DP_DEVICE_CUDA, 1);
+  uint64_t ka = dp__ptr_key(a), kb = dp__ptr_key(b);
+  uintptr_t base = 0;
+  for (uintptr_t x = 64; !base; x += 64) {
+    cr_assert_lt(x, (uintptr_t)64 << 28, "no colliding base found");
+    uint64_t ha = dp__ptr_hash_keyed((void *)x, ka), hb = dp__ptr_hash_keyed((void *)x, kb);
+    if (ha >> 48 == hb >> 48 && (ha & 63) == (hb & 63)) base = x;
+  }
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  size_t i;
+  OK(dp_ptrset_add(s, a, (void *)base, 8, &i, T_ERR));
+  cr_assert_eq(i, 0);
+  cr_assert_eq(s->tab.nslots, 64, "a set's first table has 64 slots");
+  dp_error_t e;
+  cr_assert_eq(dp_ptrset_find(s, b, (void *)base, &i, &e), DP_ENOTFOUND, "cuda:1 found as entry %zu", i);
+  char want[64];
+  snprintf(want, sizeof want, "dp_ptrset_find: cuda:1 %p is not in the set", (void *)base);
+  cr_assert_str_eq(e.message, want);
+  OK(dp_ptrset_add(s, b, (void *)base, 16, &i, T_ERR));
+  cr_assert_eq(i, 1, "another device is another entry");
+  cr_assert_eq(dp_ptrset_count(s), 2);
+  cr_assert_eq(dp_ptrset_ndevices(s), 2);
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(s, 0, &p, T_ERR));
+  cr_assert(p.nbytes == 8 && p.refs == 1 && dp_device_equal(p.device, a), "entry 0: %zu bytes, %u refs", p.nbytes, p.refs);
+  OK(dp_ptrset_get(s, 1, &p, T_ERR));
+  cr_assert(p.nbytes == 16 && p.refs == 1 && dp_device_equal(p.device, b), "entry 1: %zu bytes, %u refs", p.nbytes, p.refs);
+  dp_ptr_info_t items[2] = {{b, (void *)base, 4, 0, NULL}, {a, (void *)base, 4, 0, NULL}};
+  size_t got[2];
+  OK(dp_ptrset_add_many(s, items, 2, got, T_ERR));
+  cr_assert(got[0] == 1 && got[1] == 0, "add_many found %zu and %zu", got[0], got[1]);
+  cr_assert_eq(dp_ptrset_count(s), 2);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* An entry's count of tensors stays at UINT32_MAX once there, whichever
+ * way one more tensor comes: dp_ptrset_add, dp_ptrset_add_many, a scan's
+ * batch (a tensor found, and its view right after it), or extra refs. */
+Test(ptrset, a_count_of_tensors_stays_at_its_most_whichever_way_more_tensors_come) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_device_t d = t_dev(DP_DEVICE_CUDA, 0);
+  size_t i, j;
+  dp_ptr_info_t p;
+  OK(dp_ptrset_add(s, d, (void *)0x1000, 64, &i, T_ERR));
+  dp__ptrset_add_refs(s, i, UINT32_MAX);  /* 1 + (2^32 - 1): that many or more */
+  OK(dp_ptrset_get(s, i, &p, T_ERR));
+  cr_assert_eq(p.refs, UINT32_MAX, "extra refs: %u", p.refs);
+  OK(dp_ptrset_add(s, d, (void *)0x2000, 64, &j, T_ERR));
+  dp__ptrset_add_refs(s, j, UINT32_MAX - 3);  /* UINT32_MAX - 2 */
+  OK(dp_ptrset_add(s, d, (void *)0x2000, 64, NULL, T_ERR));
+  OK(dp_ptrset_get(s, j, &p, T_ERR));
+  cr_assert_eq(p.refs, UINT32_MAX - 1, "one below the most still counts: %u", p.refs);
+  OK(dp_ptrset_add(s, d, (void *)0x2000, 64, NULL, T_ERR));
+  dp_ptr_info_t item = {d, (void *)0x2000, 64, 0, NULL};
+  OK(dp_ptrset_add_many(s, &item, 1, NULL, T_ERR));
+  OK(dp_ptrset_get(s, j, &p, T_ERR));
+  cr_assert_eq(p.refs, UINT32_MAX, "add, then add_many: %u", p.refs);
+  OK(dp_ptrset_add(s, d, (void *)0x1000, 64, NULL, T_ERR));
+  item.base = (void *)0x1000;
+  OK(dp_ptrset_add_many(s, &item, 1, NULL, T_ERR));
+  OK(dp_ptrset_get(s, i, &p, T_ERR));
+  cr_assert_eq(p.refs, UINT32_MAX, "add and add_many at the most: %u", p.refs);
+  dp_storage_t *st = t_storage(d, 0x1000, 64);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_view(st, 16, 0), T_ERR));
+  OK(dp_list_append(l, t_view(st, 8, 8), T_ERR));  /* the same storage right after: no probe */
+  dp_storage_release(st);
+  OK(dp_scan(l, NULL, s, T_ERR));
+  OK(dp_ptrset_get(s, i, &p, T_ERR));
+  cr_assert_eq(p.refs, UINT32_MAX, "a scan's tensor and view at the most: %u", p.refs);
+  cr_assert_eq(dp_ptrset_count(s), 2);
+  dp_value_release(l);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* A scan without paths adds a tensor and the views after it on the same
+ * storage as one entry, counting each of them. */
+Test(ptrset, a_tensor_and_the_views_right_after_it_are_one_entry_counting_each) {
+  dp_device_t d = t_dev(DP_DEVICE_CUDA, 0), h = t_dev(DP_DEVICE_HOST, 0);
+  dp_storage_t *a = t_storage(d, 0x1000, 256), *b = t_storage(h, 0x1000, 128);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_view(a, 64, 0), T_ERR));
+  OK(dp_list_append(l, t_view(a, 16, 4), T_ERR));
+  OK(dp_list_append(l, t_view(a, 16, 8), T_ERR));
+  OK(dp_list_append(l, t_view(b, 32, 0), T_ERR));
+  OK(dp_list_append(l, t_view(b, 8, 0), T_ERR));
+  OK(dp_list_append(l, t_view(a, 4, 0), T_ERR));  /* a again, after b: found */
+  dp_storage_release(a);
+  dp_storage_release(b);
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  for (int round = 0; round < 2; round++) {
+    dp_ptrset_clear(s);
+    OK(dp_scan(l, NULL, s, T_ERR));
+    cr_assert_eq(dp_ptrset_count(s), 2);
+    dp_ptr_info_t p;
+    OK(dp_ptrset_get(s, 0, &p, T_ERR));
+    cr_assert(dp_device_equal(p.device, d) && p.nbytes == 256 && p.refs == 4, "round %d, entry 0: %zu bytes, %u refs",
+              round, p.nbytes, p.refs);
+    OK(dp_ptrset_get(s, 1, &p, T_ERR));
+    cr_assert(dp_device_equal(p.device, h) && p.nbytes == 128 && p.refs == 2, "round %d, entry 1: %zu bytes, %u refs",
+              round, p.nbytes, p.refs);
+  }
+  dp_value_release(l);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* Entries added one at a time while the table grows under them (the entry
+ * that makes it grow included) are all found where they were added: eight
+ * sets of 20,000 entries, ten growths each. */
+Test(ptrset, every_entry_added_as_the_table_grows_is_found_at_its_index) {
+  enum { N = 20000 };
+  dp_device_t d = t_dev(DP_DEVICE_CUDA, 0);
+  for (int round = 0; round < 8; round++) {
+    dp_ptrset_t *s;
+    OK(dp_ptrset_new(&s, T_ERR));
+    uintptr_t at = 0x100000 * (uintptr_t)(round + 1);
+    for (size_t k = 0; k < N; k++) {
+      size_t i;
+      OK(dp_ptrset_add(s, d, (void *)(at + 64 * k), 64, &i, T_ERR));
+      cr_assert_eq(i, k);
+    }
+    for (size_t k = 0; k < N; k++) {
+      size_t i = SIZE_MAX;
+      dp_error_t e;
+      int rc = dp_ptrset_find(s, d, (void *)(at + 64 * k), &i, &e);
+      cr_assert(rc == 0 && i == k, "round %d, entry %zu: %s, at %zu", round, k, rc ? e.message : "found", i);
+    }
+    cr_assert_eq(dp_ptrset_count(s), N);
+    dp_ptrset_free(s);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* Adding many makes room in the table for every item at once: filled to
+ * 64 entries by one add_many, the set still answers a miss (a table with no
+ * empty slot would probe forever) and takes more. */
+Test(ptrset, adding_many_up_to_the_tables_first_size_keeps_room_to_answer_a_miss, .timeout = 10) {
+  dp_device_t d = t_dev(DP_DEVICE_CUDA, 0);
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  OK(dp_ptrset_add(s, d, (void *)0x40, 8, NULL, T_ERR));
+  cr_assert_eq(s->tab.nslots, 64);
+  dp_ptr_info_t items[63];
+  for (size_t k = 0; k < 63; k++) items[k] = (dp_ptr_info_t){d, (void *)(0x80 + 0x40 * (uintptr_t)k), 8, 0, NULL};
+  OK(dp_ptrset_add_many(s, items, 63, NULL, T_ERR));
+  cr_assert_eq(dp_ptrset_count(s), 64);
+  cr_assert_geq(s->tab.nslots, 2 * dp_ptrset_count(s), "%zu slots for %zu entries", s->tab.nslots, dp_ptrset_count(s));
+  dp_error_t e;
+  cr_assert_eq(dp_ptrset_find(s, d, (void *)0x8, NULL, &e), DP_ENOTFOUND);
+  cr_assert_str_eq(e.message, "dp_ptrset_find: cuda:0 0x8 is not in the set");
+  size_t i;
+  OK(dp_ptrset_add(s, d, (void *)0x8, 8, &i, T_ERR));
+  cr_assert_eq(i, 64);
+  for (size_t k = 0; k < 63; k++) {
+    OK(dp_ptrset_find(s, d, items[k].base, &i, T_ERR));
+    cr_assert_eq(i, k + 1);
+  }
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* A clear drops the paths of the entries that had one: an entry added in
+ * their place after it has none. */
+Test(ptrset, a_clear_drops_the_paths_of_the_entries_that_had_one) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_device_t d = t_dev(DP_DEVICE_HOST, 0);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_tensor(d, 0x2000, 4), T_ERR));
+  OK(dp_list_append(l, t_tensor(d, 0x3000, 4), T_ERR));
+  dp_scan_opts_t o = {0};
+  o.flags = DP_SCAN_PATHS;
+  OK(dp_scan(l, &o, s, T_ERR));
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(s, 1, &p, T_ERR));
+  cr_assert_str_eq(p.path, "$[1]");
+  dp_ptrset_clear(s);
+  OK(dp_ptrset_add(s, d, (void *)0x5000, 64, NULL, T_ERR));
+  OK(dp_ptrset_add(s, d, (void *)0x6000, 64, NULL, T_ERR));
+  for (size_t i = 0; i < 2; i++) {
+    OK(dp_ptrset_get(s, i, &p, T_ERR));
+    cr_assert_null(p.path, "entry %zu, added after the clear, has the path %s", i, p.path);
+  }
+  OK(dp_scan(l, &o, s, T_ERR));  /* two new entries, with their paths */
+  static const char *const want[] = {NULL, NULL, "$[0]", "$[1]"};
+  cr_assert_eq(dp_ptrset_count(s), 4);
+  for (size_t i = 0; i < 4; i++) {
+    OK(dp_ptrset_get(s, i, &p, T_ERR));
+    if (want[i]) cr_assert_str_eq(p.path, want[i], "entry %zu", i);
+    else cr_assert_null(p.path, "entry %zu has the path %s", i, p.path);
+  }
+  dp_value_release(l);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* ---- frozen records (pickler/ptrs.h) ---- */
+
+/* Record r holds n entries, entry k at bases[k] with nbytes[k] and refs[k],
+ * all on device d[k]. */
+static void expect_record(const dp__ptrs_t *r, size_t n, const uintptr_t *bases, const size_t *nbytes,
+                          const uint32_t *refs, const dp_device_t *d) {
+  cr_assert_eq(r->n, n, "%zu entries, expected %zu", r->n, n);
+  for (size_t k = 0; k < n; k++) {
+    dp_ptr_info_t p;
+    dp__ptrs_get(r, k, &p);
+    cr_assert((uintptr_t)p.base == bases[k] && p.nbytes == nbytes[k] && p.refs == refs[k] && dp_device_equal(p.device, d[k]) &&
+                  !p.path,
+              "entry %zu: %p, %zu bytes, %u refs", k, p.base, p.nbytes, p.refs);
+  }
+}
+
+/* A frozen copy keeps the entries in discovery order, and each device's
+ * bases together in discovery order (by_dev), with where they start and
+ * how many; the caller's extra bytes are its own. The set is left as it
+ * was. */
+Test(ptrset, a_frozen_set_keeps_its_entries_and_each_devices_bases_in_discovery_order) {
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0), b = t_dev(DP_DEVICE_CUDA, 1);
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  /* one device */
+  OK(dp_ptrset_add(s, a, (void *)0x100, 8, NULL, T_ERR));
+  OK(dp_ptrset_add(s, a, (void *)0x200, 16, NULL, T_ERR));
+  OK(dp_ptrset_add(s, a, (void *)0x100, 8, NULL, T_ERR));
+  OK(dp_ptrset_add(s, a, (void *)0x300, 24, NULL, T_ERR));
+  dp__ptrs_t r;
+  OK(dp__ptrs_freeze(&r, s, 0, 0, T_ERR));
+  {
+    uintptr_t bases[] = {0x100, 0x200, 0x300};
+    size_t nbytes[] = {8, 16, 24};
+    uint32_t refs[] = {2, 1, 1};
+    dp_device_t d[] = {a, a, a};
+    expect_record(&r, 3, bases, nbytes, refs, d);
+    cr_assert_eq(r.ndevs, 1);
+    cr_assert(dp_device_equal(r.devs[0].device, a) && r.devs[0].first == 0 && r.devs[0].count == 3,
+              "device 0: first %zu, count %zu", r.devs[0].first, r.devs[0].count);
+    for (size_t k = 0; k < 3; k++) cr_assert_eq((uintptr_t)r.by_dev[k], bases[k], "by_dev[%zu]", k);
+  }
+  cr_assert_eq(dp_ptrset_count(s), 3, "a copy leaves the set as it was");
+  dp__ptrs_free(&r);
+  /* two devices, interleaved, with extra bytes */
+  dp_ptrset_clear(s);
+  for (uintptr_t k = 1; k <= 5; k++) OK(dp_ptrset_add(s, k & 1 ? a : b, (void *)(0x1000 * k), 8 * k, NULL, T_ERR));
+  OK(dp__ptrs_freeze(&r, s, 0, 40, T_ERR));
+  {
+    uintptr_t bases[] = {0x1000, 0x2000, 0x3000, 0x4000, 0x5000};
+    size_t nbytes[] = {8, 16, 24, 32, 40};
+    uint32_t refs[] = {1, 1, 1, 1, 1};
+    dp_device_t d[] = {a, b, a, b, a};
+    expect_record(&r, 5, bases, nbytes, refs, d);
+    cr_assert_eq(r.ndevs, 2);
+    cr_assert(dp_device_equal(r.devs[0].device, a) && r.devs[0].first == 0 && r.devs[0].count == 3,
+              "device 0: first %zu, count %zu", r.devs[0].first, r.devs[0].count);
+    cr_assert(dp_device_equal(r.devs[1].device, b) && r.devs[1].first == 3 && r.devs[1].count == 2,
+              "device 1: first %zu, count %zu", r.devs[1].first, r.devs[1].count);
+    uintptr_t grouped[] = {0x1000, 0x3000, 0x5000, 0x2000, 0x4000};
+    for (size_t k = 0; k < 5; k++)
+      cr_assert_eq((uintptr_t)r.by_dev[k], grouped[k], "by_dev[%zu]: %p", k, r.by_dev[k]);
+    cr_assert_not_null(r.extra);
+    cr_assert_eq((uintptr_t)r.extra % _Alignof(max_align_t), 0);
+    memset(r.extra, 0xab, 40);
+  }
+  cr_assert_eq(dp_ptrset_count(s), 5);
+  dp__ptrs_free(&r);
+  dp_ptrset_free(s);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* A set that is the caller's scratch, its block all but full, gives the
+ * block to the record and starts again empty, with a block of its own. */
+Test(ptrset, a_taken_set_gives_its_block_to_the_record_and_starts_again_empty) {
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0);
+  uintptr_t bases[16], more[16];
+  size_t nbytes[16];
+  uint32_t refs[16];
+  dp_device_t d[16];
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  for (size_t k = 0; k < 16; k++) {
+    bases[k] = 0x100 * (k + 1);
+    more[k] = 0x10000 + 0x100 * k;
+    nbytes[k] = 8;
+    refs[k] = 1;
+    d[k] = a;
+    OK(dp_ptrset_add(s, a, (void *)bases[k], 8, NULL, T_ERR));
+  }
+  void *block = s->block;
+  dp__ptrs_t r;
+  OK(dp__ptrs_freeze(&r, s, 1, 0, T_ERR));
+  cr_assert_eq(r.block, block, "the record took the set's block");
+  expect_record(&r, 16, bases, nbytes, refs, d);
+  cr_assert_eq(dp_ptrset_count(s), 0, "a taken set starts again empty");
+  cr_assert_eq(dp_ptrset_ndevices(s), 0);
+  cr_assert_eq(dp_ptrset_find(s, a, (void *)bases[0], NULL, NULL), DP_ENOTFOUND);
+  cr_assert_neq(s->block, block);
+  for (size_t k = 0; k < 16; k++) OK(dp_ptrset_add(s, a, (void *)more[k], 8, NULL, T_ERR));
+  expect_record(&r, 16, bases, nbytes, refs, d);  /* the set's new entries are not the record's */
+  for (size_t k = 0; k < 16; k++) {
+    size_t i;
+    OK(dp_ptrset_find(s, a, (void *)more[k], &i, T_ERR));
+    cr_assert_eq(i, k);
+  }
+  dp__ptrs_free(&r);
+  dp_ptrset_free(s);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* A scratch set that outgrew the block a record left it (it grew by
+ * doubling) is copied from, then emptied and given a block of the size it
+ * needed: the next value of that shape fills it and gives it up. */
+Test(ptrset, a_taken_set_that_outgrew_its_block_is_emptied_and_given_one_of_the_size_it_needed) {
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0);
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  for (uintptr_t k = 0; k < 16; k++) OK(dp_ptrset_add(s, a, (void *)(0x100 * (k + 1)), 8, NULL, T_ERR));
+  dp__ptrs_t r1, r2, r3;
+  OK(dp__ptrs_freeze(&r1, s, 1, 0, T_ERR));  /* taken: the set gets a block of 16 */
+  cr_assert_eq(s->cap, 16);
+  for (uintptr_t k = 0; k < 40; k++) OK(dp_ptrset_add(s, a, (void *)(0x10000 + 0x100 * k), 8, NULL, T_ERR));
+  cr_assert_eq(s->cap, 64, "grown by doubling");
+  void *grown = s->block;
+  OK(dp__ptrs_freeze(&r2, s, 1, 0, T_ERR));
+  cr_assert_neq(r2.block, grown, "a block a third unused is copied from, not taken");
+  cr_assert_eq(r2.n, 40);
+  cr_assert_eq(dp_ptrset_count(s), 0, "the set is emptied");
+  cr_assert_eq(s->cap, 40, "and given a block of 40 entries, not %zu", s->cap);
+  for (uintptr_t k = 0; k < 40; k++) OK(dp_ptrset_add(s, a, (void *)(0x20000 + 0x100 * k), 8, NULL, T_ERR));
+  void *fits = s->block;
+  OK(dp__ptrs_freeze(&r3, s, 1, 0, T_ERR));
+  cr_assert_eq(r3.block, fits, "the next value of that shape gives its block");
+  for (size_t k = 0; k < 40; k++) {
+    dp_ptr_info_t p;
+    dp__ptrs_get(&r2, k, &p);
+    cr_assert_eq((uintptr_t)p.base, 0x10000 + 0x100 * k);
+    dp__ptrs_get(&r3, k, &p);
+    cr_assert_eq((uintptr_t)p.base, 0x20000 + 0x100 * k);
+  }
+  dp__ptrs_free(&r1);
+  dp__ptrs_free(&r2);
+  dp__ptrs_free(&r3);
+  dp_ptrset_free(s);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* A freed record's block is kept by the thread and given to a later copy
+ * that needs at least half of it, never to a much smaller one. */
+Test(ptrset, a_kept_block_goes_to_a_copy_that_needs_at_least_half_of_it) {
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0);
+  dp_ptrset_t *big, *mid, *small;
+  OK(dp_ptrset_new(&big, T_ERR));
+  OK(dp_ptrset_new(&mid, T_ERR));
+  OK(dp_ptrset_new(&small, T_ERR));
+  for (uintptr_t k = 0; k < 1000; k++) {
+    OK(dp_ptrset_add(big, a, (void *)(0x100 * (k + 1)), 8, NULL, T_ERR));
+    if (k < 600) OK(dp_ptrset_add(mid, a, (void *)(0x100 * (k + 1)), 8, NULL, T_ERR));
+    if (k < 4) OK(dp_ptrset_add(small, a, (void *)(0x100 * (k + 1)), 8, NULL, T_ERR));
+  }
+  dp__ptrs_t r1, r2, r3;
+  OK(dp__ptrs_freeze(&r1, big, 0, 0, T_ERR));
+  size_t big_size = r1.block_size;
+  cr_assert_eq(big_size, dp__ptrs_block_size(1000));
+  dp__ptrs_free(&r1);  /* kept */
+  OK(dp__ptrs_freeze(&r2, small, 0, 0, T_ERR));
+  cr_assert_eq(r2.block_size, dp__ptrs_block_size(4), "4 entries took a block of %zu bytes", r2.block_size);
+  cr_assert_eq(r2.n, 4);
+  long before = t_alloc_count;
+  OK(dp__ptrs_freeze(&r3, mid, 0, 0, T_ERR));
+  cr_assert_eq(t_alloc_count, before, "600 entries take the kept block of 1000");
+  cr_assert_eq(r3.block_size, big_size);
+  for (size_t k = 0; k < 600; k++) {
+    dp_ptr_info_t p;
+    dp__ptrs_get(&r3, k, &p);
+    cr_assert_eq((uintptr_t)p.base, 0x100 * (k + 1));
+  }
+  dp__ptrs_free(&r2);
+  dp__ptrs_free(&r3);
+  dp_ptrset_free(big);
+  dp_ptrset_free(mid);
+  dp_ptrset_free(small);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* A block of any size (a kept one may be of any size) holds the entries its
+ * capacity says, and its tail, within its bytes; one more would not fit. */
+Test(ptrset, a_block_of_any_size_holds_the_entries_its_capacity_says_and_no_more) {
+  for (size_t size = 0; size < 4096; size++) {
+    size_t cap = dp__ptrs_block_cap(size);
+    if (cap) cr_assert_leq(dp__ptrs_block_size(cap), size, "%zu bytes: %zu entries need %zu", size, cap, dp__ptrs_block_size(cap));
+    cr_assert_gt(dp__ptrs_block_size(cap + 1), size, "%zu bytes hold more than %zu entries", size, cap);
+  }
+  for (size_t cap = 0; cap < 200; cap++) cr_assert_eq(dp__ptrs_block_cap(dp__ptrs_block_size(cap)), cap);
 }
