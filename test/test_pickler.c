@@ -2866,16 +2866,10 @@ Test(pickler, a_reduce_step_escapes_control_characters_backslashes_and_angle_bra
   ASSERT_NO_LEAK();
 }
 
-/* A non-str key's JSON text is cut at 64 bytes, never inside an escape:
- * `"aa\u…` and `"aa\…` read as an escape of the ellipsis. */
-Test(pickler, a_key_json_cut_at_its_limit_keeps_its_escapes_whole) {
+/* A dict keyed by the tuples (s1,) and (s2,), each holding a tensor: the
+ * paths a scan gives them are want1 and want2. */
+static void expect_tuple_key_paths(const char *s1, const char *s2, const char *want1, const char *want2) {
   dp_value_t root, k1, k2;
-  char a50[51], a51[52], want[200];
-  memset(a50, 'a', 50), a50[50] = '\0';
-  memset(a51, 'a', 51), a51[51] = '\0';
-  char s1[60], s2[60];
-  snprintf(s1, sizeof s1, "%s\n", a50); /* {"$tuple":[" + 50 bytes: \u000a at bytes 62-67 */
-  snprintf(s2, sizeof s2, "%s\\", a51); /* and \\ at bytes 63-64 */
   OK(dp_dict_new(0, &root, T_ERR));
   OK(dp_tuple_new(1, &k1, T_ERR));
   OK(dp_seq_set(k1, 0, t_str(s1), T_ERR));
@@ -2884,12 +2878,24 @@ Test(pickler, a_key_json_cut_at_its_limit_keeps_its_escapes_whole) {
   OK(dp_seq_set(k2, 0, t_str(s2), T_ERR));
   OK(dp_dict_set(root, k2, t_tensor(CUDA0, 0x2000, 4), T_ERR));
   dp_ptrset_t *set = scan_paths(root);
-  snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\u2026]", a50);
-  expect_ptr(set, 0, 0x1000, want, 1);
-  snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\u2026]", a51);
-  expect_ptr(set, 1, 0x2000, want, 1);
+  expect_ptr(set, 0, 0x1000, want1, 1);
+  expect_ptr(set, 1, 0x2000, want2, 1);
   dp_ptrset_free(set);
   dp_value_release(root);
+}
+
+/* A non-str key's JSON text is cut at 64 bytes, never inside an escape:
+ * `"aa\u…` and `"aa\…` read as an escape of the ellipsis. */
+Test(pickler, a_key_json_cut_at_its_limit_keeps_its_escapes_whole) {
+  char a50[51], a51[52], want1[200], want2[200];
+  memset(a50, 'a', 50), a50[50] = '\0';
+  memset(a51, 'a', 51), a51[51] = '\0';
+  char s1[60], s2[60];
+  snprintf(s1, sizeof s1, "%s\n", a50); /* {"$tuple":[" + 50 bytes: \u000a at bytes 62-67 */
+  snprintf(s2, sizeof s2, "%s\\", a51); /* and \\ at bytes 63-64 */
+  snprintf(want1, sizeof want1, "$[{\"$tuple\":[\"%s\u2026]", a50);
+  snprintf(want2, sizeof want2, "$[{\"$tuple\":[\"%s\u2026]", a51);
+  expect_tuple_key_paths(s1, s2, want1, want2);
   ASSERT_NO_LEAK();
 }
 
@@ -4554,26 +4560,14 @@ Test(pickler, walks_nest_inside_reduce_exactly_the_most_deep_and_no_deeper) {
 /* A key's JSON cut at 64 bytes keeps an escape that ends exactly there
  * (6 bytes, \u000a, or 2, \\): only one the cut would split goes. */
 Test(pickler, a_key_json_cut_keeps_an_escape_that_ends_exactly_at_the_limit) {
-  dp_value_t root, k1, k2;
-  char a46[47], a50[51], s1[80], s2[80], want[200];
+  char a46[47], a50[51], s1[80], s2[80], want1[200], want2[200];
   memset(a46, 'a', 46), a46[46] = '\0';
   memset(a50, 'a', 50), a50[50] = '\0';
   snprintf(s1, sizeof s1, "%s\nbbbbbbbb", a46); /* {"$tuple":[" + 46 bytes: \u000a at bytes 58-63 */
   snprintf(s2, sizeof s2, "%s\\bbbbbbbb", a50); /* and \\ at bytes 62-63 */
-  OK(dp_dict_new(0, &root, T_ERR));
-  OK(dp_tuple_new(1, &k1, T_ERR));
-  OK(dp_seq_set(k1, 0, t_str(s1), T_ERR));
-  OK(dp_dict_set(root, k1, t_tensor(CUDA0, 0x1000, 4), T_ERR));
-  OK(dp_tuple_new(1, &k2, T_ERR));
-  OK(dp_seq_set(k2, 0, t_str(s2), T_ERR));
-  OK(dp_dict_set(root, k2, t_tensor(CUDA0, 0x2000, 4), T_ERR));
-  dp_ptrset_t *set = scan_paths(root);
-  snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\\u000a\u2026]", a46);
-  expect_ptr(set, 0, 0x1000, want, 1);
-  snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\\\\\u2026]", a50);
-  expect_ptr(set, 1, 0x2000, want, 1);
-  dp_ptrset_free(set);
-  dp_value_release(root);
+  snprintf(want1, sizeof want1, "$[{\"$tuple\":[\"%s\\u000a\u2026]", a46);
+  snprintf(want2, sizeof want2, "$[{\"$tuple\":[\"%s\\\\\u2026]", a50);
+  expect_tuple_key_paths(s1, s2, want1, want2);
   ASSERT_NO_LEAK();
 }
 
