@@ -114,6 +114,12 @@ static int is_opt(const char *s, const char *shrt, const char *lng, const char *
   return 0;
 }
 
+/* The option's name as typed, without an attached value: "--output" for
+ * --output=FILE, "-o" for -oFILE (val: is_opt's). */
+static const char *opt_name(const char *s, const char *val, const char *shrt, const char *lng) {
+  return !val ? s : s[1] == '-' ? lng : shrt;
+}
+
 /* An option's value: the one given in its argument, else the next
  * argument (*i moves past it); NULL when there is none. */
 static const char *opt_value(const char *val, int argc, char **argv, int *i) {
@@ -480,7 +486,7 @@ static int parse_args(const char *cmd, const char *help, int argc, char **argv, 
       if (!s[0]) return usage_error(cmd, "%s", "an input file name cannot be '' (use - for stdin)");
       a->file = s;
     } else if (allow_o && is_opt(s, "-o", "--output", &val)) {
-      const char *name = val ? (s[1] == '-' ? "--output" : "-o") : s;
+      const char *name = opt_name(s, val, "-o", "--output");
       if (!(val = opt_value(val, argc, argv, &i))) return usage_error(cmd, "%s needs a file name", name);
       if (a->out) return usage_error(cmd, "%s given twice (-o and --output are one option)", name);
       if (!val[0]) return usage_error(cmd, "%s needs a file name, not ''", name);
@@ -1069,7 +1075,7 @@ static int parse_link(const char *cmd, const char *help, int argc, char **argv, 
       a->pos[a->npos++] = s;
     } else if ((allow_o && (is_o = is_opt(s, "-o", "--output", &val))) ||
                (allow_o && (is_host = is_opt(s, NULL, "--host", &val))) || is_opt(s, NULL, "--timeout", &val)) {
-      const char *name = is_o ? (val && s[1] != '-' ? "-o" : val ? "--output" : s) : is_host ? "--host" : "--timeout";
+      const char *name = is_o ? opt_name(s, val, "-o", "--output") : is_host ? "--host" : "--timeout";
       if (!(val = opt_value(val, argc, argv, &i)))
         return usage_error(cmd, is_o ? "%s needs a file name" : "%s needs a value", name);
       if (is_host) {

@@ -2750,23 +2750,18 @@ static int managed_layout_check(void) {
 #endif
 }
 
-/* _PyObject_GetDictPtr without its call where the dict is at a fixed
- * offset. */
-static inline PyObject **dict_ptr(PyObject *o, PyTypeObject *t) {
-  Py_ssize_t off = t->tp_dictoffset;
-#ifdef Py_TPFLAGS_MANAGED_DICT
-  if (t->tp_flags & Py_TPFLAGS_MANAGED_DICT) off = 0;
-#endif
-  return off > 0 ? (PyObject **)((char *)o + off) : _PyObject_GetDictPtr(o);
-}
-
 /* 1 when o (of type t) may hold instance attributes (a dict, empty or not,
- * or inline values), 0 when it holds none. */
+ * or inline values), 0 when it holds none. A dict at a fixed offset is read
+ * there, without _PyObject_GetDictPtr's call. */
 static inline int may_hold_attrs(PyObject *o, PyTypeObject *t) {
 #ifdef MANAGED_WORDS
   if ((t->tp_flags & Py_TPFLAGS_MANAGED_DICT) && managed_layout_ok) return managed_words_set(o);
 #endif
-  PyObject **dp = dict_ptr(o, t);
+  Py_ssize_t off = t->tp_dictoffset;
+#ifdef Py_TPFLAGS_MANAGED_DICT
+  if (t->tp_flags & Py_TPFLAGS_MANAGED_DICT) off = 0;
+#endif
+  PyObject **dp = off > 0 ? (PyObject **)((char *)o + off) : _PyObject_GetDictPtr(o);
   return dp && *dp;
 }
 
