@@ -278,7 +278,12 @@ def _args_size(cls, args):
     tuple, load as they are)."""
     if not (isinstance(cls, type) and issubclass(cls, _COPYING)):
         return 0
-    return len(args) + sum(len(x) for x in args if isinstance(x, _COPYING))
+    n = len(args) + sum(len(x) for x in args if isinstance(x, _COPYING))
+    if issubclass(cls, (bytes, bytearray)):
+        # bytes(n) and bytearray(n) allocate n zero bytes: an int argument
+        # (a frame's int64) is charged as the bytes it makes
+        n += sum(x for x in args if isinstance(x, int) and x > 0)
+    return n
 
 
 def _fill_size(x):
@@ -509,8 +514,15 @@ def _check_contiguous(source, key):
         try:
             with memoryview(source) as m:
                 ok = m.c_contiguous
+                fmt = m.format
         except TypeError:
             raise TypeError(f"loads: buffers[{key}] is a {type(source).__name__}, not a buffer") from None
+        # a buffer of Python objects (numpy dtype=object, struct format 'O',
+        # also inside a structured format; field names, between colons, aside)
+        # holds pointers: a tensor over it would read them, and writes through
+        # it would corrupt the objects' references
+        if "O" in re.sub(r":[^:]*:", "", fmt) or getattr(getattr(source, "dtype", None), "hasobject", False):
+            raise TypeError(f"loads: buffers[{key}] holds Python objects (format {fmt!r}), not bytes")
     if not ok:
         raise ValueError(f"loads: buffers[{key}] is not contiguous: a buffer must be its allocation's bytes "
                          "end to end (numpy.ascontiguousarray or .contiguous() makes such a copy)")

@@ -526,6 +526,7 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
        and subclass (the tensor's class, a str) */
     int grad = 0, extra = 0;
     const char *subclass = NULL;
+    size_t subclass_len = 0; /* a str value may hold NUL: passed with its length, never cut at one */
     if (f.n >= 2 && f.n <= 3 && !strcmp(cname, "torch.Tensor")) {
       for (size_t i = 1; i < f.n; i++) {
         const char *name = NULL;
@@ -534,7 +535,7 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
         if (i == 1 && name && !strcmp(name, "requires_grad") && dp_value_kind(x) == DP_BOOL && dp_value_as_bool(x))
           grad = 1, extra++;
         else if (i == f.n - 1 && name && !strcmp(name, "subclass") && dp_value_kind(x) == DP_STR)
-          subclass = dp_str_data(x, NULL), extra++;
+          subclass = dp_str_data(x, &subclass_len), extra++;
       }
     }
     if (is_array_class(cname) && f.n == 1 + (size_t)extra && !strcmp(first, "data") &&
@@ -551,7 +552,7 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
         Py_XDECREF(ok);
         if (!ok) Py_CLEAR(r);
       }
-      if (r && subclass) Py_SETREF(r, PyObject_CallFunction(l->fn_subclass, "OsO", r, subclass, l->classes));
+      if (r && subclass) Py_SETREF(r, PyObject_CallFunction(l->fn_subclass, "Os#O", r, subclass, (Py_ssize_t)subclass_len, l->classes));
       if (r && memo_put(l, v, r, &at)) Py_CLEAR(r);
       return r;
     }

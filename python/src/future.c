@@ -261,6 +261,9 @@ static int fut_clear(pyfut_t *f) {
 
 static void fut_dealloc(pyfut_t *f) {
   PyObject_GC_UnTrack(f);
+  /* a result may be a future whose result is a future, ... (devices=[]
+     stores any object): freed through the trashcan, not one C frame each */
+  Py_TRASHCAN_BEGIN(f, fut_dealloc);
   if (f->weakrefs) PyObject_ClearWeakRefs((PyObject *)f);
   fut_clear(f);
   dp_future_t *c = f->f;
@@ -271,6 +274,7 @@ static void fut_dealloc(pyfut_t *f) {
   }
   PyMem_Free(f->devices);
   Py_TYPE(f)->tp_free((PyObject *)f);
+  Py_TRASHCAN_END;
 }
 
 /* ---- cupy's current streams ----

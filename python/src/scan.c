@@ -51,7 +51,15 @@ enum {
 };
 
 typedef struct tcache_ent {
-  PyTypeObject *type;   /* a strong reference */
+  /* Borrowed, never dereferenced: only compared with a live type's address,
+   * beside its version tag. A type freed and another made at its address
+   * cannot answer for it: CPython 3.11+ never hands out a version tag twice
+   * (its specializing interpreter keeps tags in bytecode caches and relies
+   * on that; the counter, once spent, hands out none), and an entry matches only a
+   * type with a valid tag equal to the one kept. A strong reference kept a
+   * walked class — its class attributes, its methods' closures — alive
+   * until another type took its slot. */
+  PyTypeObject *type;
   unsigned int version;
   uint8_t kind;
   uint8_t no_slots;     /* K_TORCH: copyreg._slotnames(type) was [] (slots are fixed at class creation) */
@@ -198,12 +206,10 @@ static uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
     Py_XDECREF(a);
   }
   if (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) {
-    PyTypeObject *old = e->type; /* released once the entry is whole: freeing it may run code that classifies */
-    e->type = (PyTypeObject *)Py_NewRef(t);
+    e->type = t;
     e->version = t->tp_version_tag;
     e->kind = k;
     e->no_slots = 0;
-    Py_XDECREF(old);
   }
   return k;
 }
@@ -211,7 +217,7 @@ static uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
 /* Forgets every cached kind (torch or cupy appeared: tensor types change
  * kind). */
 static void tcache_clear(void) {
-  for (size_t i = 0; i < TCACHE_SIZE; i++) Py_CLEAR(tcache[i].type);
+  for (size_t i = 0; i < TCACHE_SIZE; i++) tcache[i].type = NULL;
 }
 
 /* ---- frames ---- */
@@ -452,23 +458,29 @@ static const char *dotted(const char *m, const char *q, const char *fallback, Py
 /* A type as paths, errors and frames name it: module.qualname for classes
  * defined in Python (tp_name is only their name), tp_name (already
  * qualified) for C types. *hold keeps the text (a new reference, or NULL:
- * Py_XDECREF it once the text is used). */
-static const char *type_name(PyTypeObject *t, PyObject **hold) {
+ * Py_XDECREF it once the text is used). *nul (when given) is set when the
+ * module or qualname holds a NUL byte: the text is then cut at it. */
+static const char *type_name_nul(PyTypeObject *t, PyObject **hold, int *nul) {
   *hold = NULL;
+  if (nul) *nul = 0;
   if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return t->tp_name;
   /* each lookup may run a metaclass's code: an error it raised is cleared
      (an interrupt held) before the next runs, never left pending under it */
+  Py_ssize_t mn = 0, qn = 0;
   PyObject *mod = PyObject_GetAttrString((PyObject *)t, "__module__");
-  const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8(mod) : NULL;
+  const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8AndSize(mod, &mn) : NULL;
   clear_error();
   PyObject *qual = PyObject_GetAttrString((PyObject *)t, "__qualname__");
-  const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8(qual) : NULL;
+  const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8AndSize(qual, &qn) : NULL;
   clear_error();
+  if (nul) *nul = (m && strlen(m) != (size_t)mn) || (q && strlen(q) != (size_t)qn);
   const char *name = dotted(m, q ? q : t->tp_name, t->tp_name, hold);
   Py_XDECREF(mod);
   Py_XDECREF(qual);
   return name;
 }
+
+static const char *type_name(PyTypeObject *t, PyObject **hold) { return type_name_nul(t, hold, NULL); }
 
 /* A non-str key's step, rendered once per key and kept while the walk is
  * under it: a repr costs the key's size (a 1 MB bytes key over 2,000
@@ -626,6 +638,20 @@ static int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *wha
 
 static int walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
   return walk_error_type(s, Py_TYPE(obj), what);
+}
+
+/* type_name for a frame's class (an object's, a tensor subclass's): a name
+ * holding a NUL byte — a __module__ or __qualname__ set so — is refused, as
+ * frames carry none in class names (docs/FORMAT.md), never cut to another
+ * class's name. NULL with the WalkError set. */
+static const char *frame_class(dpy_scanner_t *s, PyObject *o, PyTypeObject *t, PyObject **hold) {
+  int nul;
+  const char *name = type_name_nul(t, hold, &nul);
+  if (!nul) return name;
+  Py_CLEAR(*hold);
+  PyErr_SetString(PyExc_ValueError, "its class's __module__ or __qualname__ holds a NUL byte");
+  walk_error(s, o, "its class cannot be named in a frame");
+  return NULL;
 }
 
 /* ---- allocations ---- */
@@ -2116,7 +2142,8 @@ static int carry_requires_grad(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
  * where classes= allows it (docs/PYTHON.md). */
 static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
   PyObject *hold;
-  const char *name = type_name(Py_TYPE(o), &hold);
+  const char *name = frame_class(s, o, Py_TYPE(o), &hold);
+  if (!name) return -1;
   dp_value_t v;
   dp_error_t e;
   int rc = dp_str_new(name, strlen(name), &v, &e);
@@ -2439,7 +2466,9 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
       }
     }
     PyObject *hold;
-    rc = dp_object_new(type_name(t, &hold), &v, &e);
+    const char *cname = frame_class(s, o, t, &hold);
+    if (!cname) return -1;
+    rc = dp_object_new(cname, &v, &e);
     Py_XDECREF(hold);
     if (rc) return dp_fail(s, o, rc, &e);
     return build_container(s, o, at, k == K_OBJECT ? FR_ATTRS : FR_SEQ, iter, NULL, v, names);
@@ -2488,7 +2517,9 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
     if (global_of(s, o, r, &v)) return -1;
   } else {
     PyObject *hold;
-    rc = dp_object_new(type_name(t, &hold), &v, &e);
+    const char *cname = frame_class(s, o, t, &hold);
+    if (!cname) return -1;
+    rc = dp_object_new(cname, &v, &e);
     Py_XDECREF(hold);
     if (rc) return dp_fail(s, o, rc, &e);
   }

@@ -1362,3 +1362,79 @@ def test_a_module_comes_back_whole_when_its_classes_and_ordered_dict_are_listed(
     assert any(isinstance(m, devpickle.Object) for m in (mods.values() if isinstance(mods, dict) else [mods]))
     with pytest.raises((AttributeError, TypeError)):
         bare(x)
+
+
+def test_a_buffer_of_python_objects_is_refused_never_viewed_as_their_pointers():
+    objs = np.array([object() for _ in range(4)], dtype=object)
+    for value in (torch.zeros(4, dtype=torch.int64), np.zeros(4, dtype=np.int64)):
+        frame = devpickle.dumps(value, buffer_callback=lambda b: None)
+        for given in (objs, memoryview(objs), np.zeros(2, dtype=[("a", "i8"), ("o", "O")])):
+            with pytest.raises(TypeError, match=r"buffers\[0\] holds Python objects"):
+                devpickle.loads(frame, buffers=[given])
+    assert all(type(o) is object for o in objs)
+
+
+class Blob(bytes):
+    pass
+
+
+class BlobArray(bytearray):
+    pass
+
+
+@pytest.mark.parametrize("cls", [Blob, BlobArray])
+@pytest.mark.parametrize("via_newobj", [True, False])
+def test_an_allowed_bytes_subclass_reduced_with_an_int_is_charged_the_bytes_it_would_allocate(cls, via_newobj):
+    class Crafted:
+        def __reduce__(self):
+            return (copyreg.__newobj__, (cls, 10 ** 7)) if via_newobj else (cls, (10 ** 7,))
+
+    Crafted.__module__, Crafted.__qualname__ = cls.__module__, cls.__qualname__
+    frame = devpickle.dumps(Crafted())
+    assert len(frame) < 200
+    with pytest.raises(ValueError, match="would copy more than max_copies"):
+        devpickle.loads(frame, classes=cls)
+    # trusted: as asked (bytearray.__new__ ignores its arguments: its __init__ fills it)
+    made = devpickle.loads(frame, classes=cls, max_copies=10 ** 7 + 10)
+    assert type(made) is cls and len(made) == (0 if cls is BlobArray and via_newobj else 10 ** 7)
+
+
+def test_a_tensor_subclass_name_holding_nul_is_not_cut_to_another_class(tmp_path):
+    cli = os.environ.get("DEVPICKLE")
+    if not cli:
+        pytest.skip("the devpickle CLI is not built (DEVPICKLE unset)")
+    src = tmp_path / "t.json"
+    tensor = {"$tensor": {"device": "cpu", "ptr": "0x1000", "nbytes": 4, "dtype": "float32", "shape": [1],
+                          "data": "AACAPw=="}}
+    src.write_text(json.dumps({"$object": "torch.Tensor", "attrs": {
+        "data": tensor, "subclass": "torch.nn.parameter.Parameter\u0000x"}}))
+    subprocess.run([cli, "pack", str(src), "-o", str(tmp_path / "t.dpk")], check=True)
+    out = devpickle.loads((tmp_path / "t.dpk").read_bytes())
+    assert isinstance(out, devpickle.Object) and out.__class_name__ == "torch.nn.parameter.Parameter\x00x"
+    assert out.data.tolist() == [1.0]
+
+
+def test_a_class_named_with_nul_is_refused_by_dumps_never_cut_to_another_name():
+    class Evil:
+        pass
+
+    class EvilTensor(torch.Tensor):
+        pass
+
+    class EvilReduced:
+        def __reduce__(self):
+            return (EvilReduced, ())
+
+    for cls in (Evil, EvilTensor, EvilReduced):
+        cls.__qualname__ = "Evil\x00Good"
+    obj = Evil()
+    obj.x = 1
+    cases = [obj, torch.zeros(2).as_subclass(EvilTensor), EvilReduced()]
+    for value in cases:
+        with pytest.raises(devpickle.WalkError, match=r"class cannot be named in a frame") as info:
+            devpickle.dumps({"k": value})
+        assert "NUL" in str(info.value.__cause__ or info.value)
+    Evil.__qualname__, Evil.__module__ = "Evil", "mod\x00ule"
+    with pytest.raises(devpickle.WalkError, match=r"class cannot be named in a frame"):
+        devpickle.dumps(obj)
+    assert devpickle.scan([obj, cases[1]], paths=False)  # scanning names no class in a frame

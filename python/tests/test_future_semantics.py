@@ -1075,6 +1075,49 @@ def test_a_chain_of_1000_then_links_built_after_completion(Future):
     assert last.wait() == 1000
 
 
+DEEP_RESULTS = r"""
+import sys
+impl, how = sys.argv[1], sys.argv[2]
+if impl == "torch":
+    import torch
+    make = torch.futures.Future
+else:
+    import devpickle
+    make = lambda: devpickle.Future(devices=[])
+last = make()
+last.set_result(None)
+for _ in range(1_000_000):
+    if how == "set_result":
+        f = make()
+        f.set_result(last)  # stored as it is: a future whose result is a future, ...
+        last = f
+    else:
+        last = last.then(lambda parent: parent)  # each child's value is its parent
+f = None
+del last  # frees the million futures, each the last reference to the next
+print("freed")
+"""
+
+
+def free_a_million_futures_each_the_result_of_the_next(impl, how):
+    # Each future holds the only reference to the next one: freeing the
+    # first frees them all, which must not take one C stack frame a future
+    # (a subprocess: a stack overflow is a crash)
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", DEEP_RESULTS, impl.name, how], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "freed", (r.returncode, r.stderr[-2000:])
+
+
+def test_a_million_futures_each_set_as_the_result_of_the_next_are_freed_without_a_crash(impl):
+    free_a_million_futures_each_the_result_of_the_next(impl, "set_result")
+
+
+@fails_on(torch="torch 1.13 overflows the C stack freeing a million then() futures, each its child's value")
+def test_a_million_then_futures_each_the_value_of_its_child_are_freed_without_a_crash(impl):
+    free_a_million_futures_each_the_result_of_the_next(impl, "then")
+
+
 def test_a_failure_at_the_root_reaches_the_end_of_a_1000_link_chain(Future):
     root = Future()
     last = root

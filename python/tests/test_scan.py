@@ -2205,3 +2205,27 @@ def test_an_objects_class_is_looked_up_in_copyreg_once_without_paths_too():
         assert seen[0] > 0 and seen == [seen[0]] * 3, seen
     finally:
         del copyreg.dispatch_table[Twin]
+
+
+def test_a_walked_class_and_what_it_holds_are_freed_once_the_value_is_gone():
+    import gc
+    import weakref
+
+    class Big:
+        pass
+
+    def make():
+        class Msg:
+            payload = Big()  # a class attribute: freed with the class
+
+        m = Msg()
+        m.t = torch.zeros(1)
+        return m, weakref.ref(Msg), weakref.ref(Msg.payload)
+
+    m, cls, payload = make()
+    assert len(devpickle.scan(m)) == 1
+    devpickle.Future().set_result(m)
+    devpickle.dumps(m)
+    del m
+    gc.collect()
+    assert cls() is None and payload() is None
