@@ -275,6 +275,47 @@ done:
   return rc;
 }
 
+/* Keys of one hash in one dict or set. CPython's hashes of ints, floats,
+ * tuples and frozensets have no secret (only str and bytes hashes are
+ * keyed), and are easily inverted: a frame whose keys all share one hash
+ * makes building their dict or set quadratic (20,000 such tuple keys, a
+ * 347 kB frame: 2.3 s). Keys of distinct hashes part ways within a few
+ * probes, so counting equal hashes bounds the work: at most SAME_HASH_MAX
+ * comparisons a key. Honest data stays far below it (an int64 shares its
+ * hash with at most 8 others: hashes are taken modulo 2^61 - 1). */
+#define SAME_HASH_MAX 64
+
+/* Counts x's hash in *counts (a dict made on first use: hash -> keys);
+ * 0, or -1 with a ValueError past SAME_HASH_MAX (or the error of the hash).
+ * str and bytes, whose hashes are keyed, and other types (an allowed
+ * class's own __hash__, run once as Python runs it) are not counted. */
+static int same_hash_guard(PyObject **counts, PyObject *x, const char *what) {
+  PyTypeObject *t = Py_TYPE(x);
+  if (t != &PyLong_Type && t != &PyFloat_Type && t != &PyTuple_Type && t != &PyFrozenSet_Type) return 0;
+  Py_hash_t h = PyObject_Hash(x);
+  if (h == -1) return -1;
+  if (!*counts && !(*counts = PyDict_New())) return -1;
+  PyObject *k = PyLong_FromSsize_t(h);
+  if (!k) return -1;
+  PyObject *c = PyDict_GetItemWithError(*counts, k);
+  long n = c ? PyLong_AsLong(c) + 1 : 1;
+  int rc = -1;
+  if (PyErr_Occurred()) goto out;
+  if (n > SAME_HASH_MAX) {
+    PyErr_Format(PyExc_ValueError,
+                 "loads: the frame's %s hold more than %d keys of one hash (CPython's hashes of ints, floats and "
+                 "tuples have no secret: keys chosen to collide would make building them quadratic)",
+                 what, SAME_HASH_MAX);
+    goto out;
+  }
+  PyObject *nv = PyLong_FromLong(n);
+  rc = nv ? PyDict_SetItem(*counts, k, nv) : -1;
+  Py_XDECREF(nv);
+out:
+  Py_DECREF(k);
+  return rc;
+}
+
 /* _hash_work(items, memo, left): the tuple items hashing each of items
  * hashes (what set(items) costs), for devpickle/_frames.py; once past left
  * (an int >= 0), some number past it. */
@@ -293,6 +334,19 @@ PyObject *dpy_hash_work(PyObject *self, PyObject *args) {
     total = work_add(total, w);
   }
   Py_DECREF(it);
+  if (PyErr_Occurred()) return NULL;
+  /* within the budget: their keys counted by hash (hashing them is what was
+     charged), before Python builds anything of them */
+  if (total <= left && (it = PyObject_GetIter(items))) {
+    PyObject *counts = NULL;
+    while ((x = PyIter_Next(it))) {
+      int rc = same_hash_guard(&counts, x, "set items or keys");
+      Py_DECREF(x);
+      if (rc) break;
+    }
+    Py_XDECREF(counts);
+    Py_DECREF(it);
+  }
   if (PyErr_Occurred()) return NULL;
   return PyLong_FromUnsignedLongLong(total);
 }
@@ -447,6 +501,7 @@ typedef struct cframe {
   PyObject *py;          /* list, dict, items (tuple) or attrs (object) */
   PyObject *placeholder; /* a plain object made first (cycles), or NULL */
   PyObject *key;         /* the key of the value being converted */
+  PyObject *hcount;      /* a dict's keys counted by hash (same_hash_guard), or NULL */
   size_t memo_at;
 } cframe_t;
 
@@ -652,6 +707,7 @@ static void frame_drop(cframe_t *f) {
   Py_XDECREF(f->py);
   Py_XDECREF(f->placeholder);
   Py_XDECREF(f->key);
+  Py_XDECREF(f->hcount);
 }
 
 static PyObject *to_python(loader_t *l, dp_value_t root) {
@@ -684,7 +740,9 @@ static PyObject *to_python(loader_t *l, dp_value_t root) {
     } else if (f->kind == CF_DICT) {
       dp_value_t k;
       dp_dict_item(f->v, i, &k, &child, NULL);
-      if (!(f->key = leaf_to_py(l, k, 0)) || charge_key(l, f->key, 0)) goto fail;
+      if (!(f->key = leaf_to_py(l, k, 0)) || charge_key(l, f->key, 0) ||
+          same_hash_guard(&f->hcount, f->key, "dict keys"))
+        goto fail;
     } else {
       const char *name;
       dp_object_attr(f->v, i, &name, &child, NULL);

@@ -1438,3 +1438,41 @@ def test_a_class_named_with_nul_is_refused_by_dumps_never_cut_to_another_name():
     with pytest.raises(devpickle.WalkError, match=r"class cannot be named in a frame"):
         devpickle.dumps(obj)
     assert devpickle.scan([obj, cases[1]], paths=False)  # scanning names no class in a frame
+
+
+def colliding_pairs(n, target=0x1234567):
+    """n distinct (a, b) int tuples of one hash: CPython's tuple hash (an
+    xxHash round a item, no secret) inverted for b, its int hash being b
+    itself for |b| < 2**61 - 1."""
+    m = (1 << 64) - 1
+    p1, p2, p5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+    rotl = lambda x: ((x << 31) | (x >> 33)) & m
+    rotr = lambda x: ((x >> 31) | (x << 33)) & m
+    inv1, inv2 = pow(p1, -1, 1 << 64), pow(p2, -1, 1 << 64)
+    out, a = [], 1
+    while len(out) < n:
+        acc = (rotl((p5 + a * p2) & m) * p1) & m
+        x = ((target - (2 ^ (p5 ^ 3527539))) * inv1) & m
+        b = ((rotr(x) - acc) * inv2) & m
+        b = b - (1 << 64) if b >> 63 else b
+        if -(2**61 - 1) < b < 2**61 - 1 and b != -1:
+            out.append((a, b))
+        a += 1
+    assert len({hash(k) for k in out}) == 1 and len(set(out)) == n
+    return out
+
+
+def test_a_dict_or_set_of_keys_chosen_to_share_one_hash_is_refused_before_it_is_built():
+    keys = colliding_pairs(65)
+    for value, what in (({k: 0 for k in keys}, "dict keys"), (set(keys), "set items or keys"),
+                        (frozenset(keys), "set items or keys"), ([{"x": {k: 0 for k in keys}}], "dict keys")):
+        frame = devpickle.dumps(value)
+        with pytest.raises(ValueError, match=f"frame's {what} hold more than 64 keys of one hash"):
+            devpickle.loads(frame)
+    # 64 of one hash, and as many in each of two dicts, load as they are
+    ok = [{k: 0 for k in keys[:64]}, {k: 1 for k in keys[:64]}, set(keys[:64])]
+    assert devpickle.loads(devpickle.dumps(ok)) == ok
+    # honest int keys that share a hash (ints are hashed modulo 2**61 - 1)
+    ints = {5 + j * (2**61 - 1): j for j in range(4)} | {-5 - j * (2**61 - 1): j for j in range(4)} | {-1: 0, -2: 0}
+    assert devpickle.loads(devpickle.dumps(ints)) == ints
+
