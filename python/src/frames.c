@@ -358,11 +358,14 @@ typedef struct loader {
   PyObject *classes;   /* label -> class */
   PyObject *cache;     /* per buffer: the flat array rebuilt over it */
   dp_ptrset_t *memo;   /* heap nodes converted, by identity */
-  PyObject *memo_objs; /* their Python objects (NULL while being finished) */
+  PyObject *memo_objs; /* their Python objects (unfinished while being made) */
   PyObject *copies;    /* what finish copies out of shared nodes, bounded (_frames.Copies) */
   PyObject *hashed;    /* copies.hashed: hash_work's memo */
   uint64_t hash_owed;  /* dict keys' hashing work not yet charged to copies */
   PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass;
+  /* memo_objs' mark of a node being made: an object of its own, as a node
+     may well be made into None (a reduce whose callable returns it) */
+  PyObject *unfinished;
 } loader_t;
 
 static int bind(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
@@ -390,7 +393,7 @@ static PyObject *leaf_to_py(loader_t *l, dp_value_t v, int depth) {
     PyObject *o = PyList_GET_ITEM(l->memo_objs, (Py_ssize_t)at);
     /* a key is never a tuple still being made (the reader refuses it);
        should one be, it is made afresh */
-    return o != Py_None ? Py_NewRef(o) : key_to_py(l, v, depth);
+    return o != l->unfinished ? Py_NewRef(o) : key_to_py(l, v, depth);
   }
   PyObject *r = key_to_py(l, v, depth);
   if (r && memo_put(l, v, r, &at)) Py_CLEAR(r);
@@ -530,7 +533,7 @@ static int memo_put(loader_t *l, dp_value_t v, PyObject *obj, size_t *at) {
   dp_error_t e;
   int rc = dp_ptrset_add(l->memo, (dp_device_t){DP_DEVICE_CPU, 0}, (void *)dp_value_id(v), 0, at, &e);
   if (rc) return dpy_raise(rc, &e), -1;
-  return PyList_Append(l->memo_objs, obj ? obj : Py_None);
+  return PyList_Append(l->memo_objs, obj ? obj : l->unfinished);
 }
 
 /* One value: its Python object (new reference), or PENDING with a frame
@@ -541,7 +544,7 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
   size_t at;
   if (!dp_ptrset_find(l->memo, (dp_device_t){DP_DEVICE_CPU, 0}, dp_value_id(v), &at, NULL)) {
     PyObject *o = PyList_GET_ITEM(l->memo_objs, (Py_ssize_t)at);
-    if (o == Py_None) {
+    if (o == l->unfinished) {
       PyErr_SetString(PyExc_ValueError, "loads: a cycle through a tuple or a reduced object cannot be rebuilt");
       return NULL;
     }
@@ -792,7 +795,8 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
     }
     l.buffers = buffers;
   }
-  if (!(l.cache = PyDict_New()) || !(l.memo_objs = PyList_New(0)) || !(l.fn_array = helper("array")) ||
+  if (!(l.cache = PyDict_New()) || !(l.memo_objs = PyList_New(0)) ||
+      !(l.unfinished = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) || !(l.fn_array = helper("array")) ||
       !(l.fn_new = helper("new")) || !(l.fn_fill = helper("fill")) || !(l.fn_finish = helper("finish")) ||
       !(l.fn_subclass = helper("tensor_subclass")))
     goto done;
@@ -832,6 +836,7 @@ done:
   Py_XDECREF(l.hashed);
   Py_XDECREF(l.fn_array);
   Py_XDECREF(l.fn_new);
+  Py_XDECREF(l.unfinished);
   Py_XDECREF(l.fn_fill);
   Py_XDECREF(l.fn_finish);
   Py_XDECREF(l.fn_subclass);

@@ -1476,3 +1476,17 @@ def test_a_dict_or_set_of_keys_chosen_to_share_one_hash_is_refused_before_it_is_
     ints = {5 + j * (2**61 - 1): j for j in range(4)} | {-5 - j * (2**61 - 1): j for j in range(4)} | {-1: 0, -2: 0}
     assert devpickle.loads(devpickle.dumps(ints)) == ints
 
+
+
+class MadeIntoNone:
+    def __new__(cls, *args):
+        return None  # an allowed class's own code: loads takes what it makes
+
+    def __reduce__(self):
+        return (MadeIntoNone, ())
+
+
+def test_a_node_made_into_none_and_met_again_is_none_both_times_not_a_cycle():
+    x = object.__new__(MadeIntoNone)
+    frame = devpickle.dumps([x, x, {"again": x}])
+    assert devpickle.loads(frame, classes=MadeIntoNone) == [None, None, {"again": None}]
