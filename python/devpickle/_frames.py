@@ -282,7 +282,9 @@ def _args_size(cls, args):
     if issubclass(cls, (bytes, bytearray)):
         # bytes(n) and bytearray(n) allocate n zero bytes: an int argument
         # (a frame's int64) is charged as the bytes it makes
-        n += sum(x for x in args if isinstance(x, int) and x > 0)
+        # (a frame's int64, or a numpy integer: bytes() takes any __index__)
+        n += sum(max(operator.index(x), 0) for x in args
+                 if not isinstance(x, (str, bytes, bytearray)) and hasattr(type(x), "__index__"))
     return n
 
 

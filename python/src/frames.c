@@ -282,8 +282,9 @@ done:
  * 347 kB frame: 2.3 s). Keys of distinct hashes part ways within a few
  * probes, so counting equal hashes bounds the work: at most SAME_HASH_MAX
  * comparisons a key. Honest data stays far below it (an int64 shares its
- * hash with at most 8 others: hashes are taken modulo 2^61 - 1). */
-#define SAME_HASH_MAX 64
+ * hash with at most 9 others: hashes are taken modulo 2^61 - 1, and
+ * hash(-1) is hash(-2); the 128 7-tuples of -1 and -2 share one). */
+#define SAME_HASH_MAX 128
 
 /* Counts x's hash in *counts (a dict made on first use: hash -> keys);
  * 0, or -1 with a ValueError past SAME_HASH_MAX (or the error of the hash).
@@ -291,9 +292,21 @@ done:
  * class's own __hash__, run once as Python runs it) are not counted. */
 static int same_hash_guard(PyObject **counts, PyObject *x, const char *what) {
   PyTypeObject *t = Py_TYPE(x);
-  if (t != &PyLong_Type && t != &PyFloat_Type && t != &PyTuple_Type && t != &PyFrozenSet_Type) return 0;
+  /* complex's hash is its parts' (complex(C - 1000003 * b, b) all share one);
+     numpy's scalars (C types, subclasses of int, float or complex) hash as
+     those do */
+  int num = t == &PyComplex_Type ||
+            (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE) && (PyLong_Check(x) || PyFloat_Check(x) || PyComplex_Check(x)));
+  if (!num && t != &PyLong_Type && t != &PyFloat_Type && t != &PyTuple_Type && t != &PyFrozenSet_Type) return 0;
   Py_hash_t h = PyObject_Hash(x);
-  if (h == -1) return -1;
+  if (h == -1) {
+    /* an unhashable item (a pair (key, a list) of an allowed dict
+       subclass's argument): Python hashes it only where it must, and
+       refuses it there itself */
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
+    PyErr_Clear();
+    return 0;
+  }
   if (!*counts && !(*counts = PyDict_New())) return -1;
   PyObject *k = PyLong_FromSsize_t(h);
   if (!k) return -1;

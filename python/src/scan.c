@@ -56,7 +56,9 @@ typedef struct tcache_ent {
    * cannot answer for it: CPython 3.11+ never hands out a version tag twice
    * (its specializing interpreter keeps tags in bytecode caches and relies
    * on that; the counter, once spent, hands out none), and an entry matches only a
-   * type with a valid tag equal to the one kept. A strong reference kept a
+   * type with a valid tag equal to the one kept. From 3.12 each
+   * interpreter counts its own tags, from the same start: the cache holds
+   * one interpreter's types (tcache_enter). A strong reference kept a
    * walked class — its class attributes, its methods' closures — alive
    * until another type took its slot. */
   PyTypeObject *type;
@@ -218,6 +220,31 @@ static uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
  * kind). */
 static void tcache_clear(void) {
   for (size_t i = 0; i < TCACHE_SIZE; i++) tcache[i].type = NULL;
+}
+
+/* The interpreter whose types the cache holds (its id: an address may be
+ * reused by a later interpreter), -1 before the first walk. */
+static int64_t tcache_interp = -1;
+
+/* A walk begins: the cache is emptied when it holds another interpreter's
+ * types (two interpreters may give their classes the same tags). Returns
+ * what tcache_leave restores. */
+static int64_t tcache_enter(void) {
+  int64_t outer = tcache_interp, id = PyInterpreterState_GetID(PyInterpreterState_Get());
+  if (id != tcache_interp) {
+    tcache_clear();
+    tcache_interp = id;
+  }
+  return outer;
+}
+
+/* A walk ends: a walk nested in another interpreter's code (a reduce that
+ * runs a subinterpreter which walks) leaves the outer walk its own types. */
+static void tcache_leave(int64_t outer) {
+  if (outer != -1 && outer != tcache_interp) {
+    tcache_clear();
+    tcache_interp = outer;
+  }
 }
 
 /* ---- frames ---- */
@@ -3150,7 +3177,9 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
      walk's held interrupt waits for it, untouched */
   PyObject *outer[3] = {held_exc[0], held_exc[1], held_exc[2]};
   held_exc[0] = held_exc[1] = held_exc[2] = NULL;
+  int64_t interp = tcache_enter();
   int rc = scan_walk(s, obj, opts, into);
+  tcache_leave(interp);
   if (raise_held()) rc = -1;
   held_exc[0] = outer[0], held_exc[1] = outer[1], held_exc[2] = outer[2];
   return rc;

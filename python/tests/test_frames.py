@@ -1440,6 +1440,9 @@ def test_a_class_named_with_nul_is_refused_by_dumps_never_cut_to_another_name():
     assert devpickle.scan([obj, cases[1]], paths=False)  # scanning names no class in a frame
 
 
+SAME_HASH_MAX = 128  # keys of one hash a dict or set may hold (frames.c)
+
+
 def colliding_pairs(n, target=0x1234567):
     """n distinct (a, b) int tuples of one hash: CPython's tuple hash (an
     xxHash round a item, no secret) inverted for b, its int hash being b
@@ -1463,18 +1466,24 @@ def colliding_pairs(n, target=0x1234567):
 
 
 def test_a_dict_or_set_of_keys_chosen_to_share_one_hash_is_refused_before_it_is_built():
-    keys = colliding_pairs(65)
+    keys = colliding_pairs(SAME_HASH_MAX + 1)
     for value, what in (({k: 0 for k in keys}, "dict keys"), (set(keys), "set items or keys"),
                         (frozenset(keys), "set items or keys"), ([{"x": {k: 0 for k in keys}}], "dict keys")):
         frame = devpickle.dumps(value)
-        with pytest.raises(ValueError, match=f"frame's {what} hold more than 64 keys of one hash"):
+        with pytest.raises(ValueError, match=f"frame's {what} hold more than {SAME_HASH_MAX} keys of one hash"):
             devpickle.loads(frame)
-    # 64 of one hash, and as many in each of two dicts, load as they are
-    ok = [{k: 0 for k in keys[:64]}, {k: 1 for k in keys[:64]}, set(keys[:64])]
+    # as many as the bound in one dict, and in each of two dicts, load as they are
+    ok = [{k: 0 for k in keys[:SAME_HASH_MAX]}, {k: 1 for k in keys[:SAME_HASH_MAX]}, set(keys[:SAME_HASH_MAX])]
     assert devpickle.loads(devpickle.dumps(ok)) == ok
     # honest int keys that share a hash (ints are hashed modulo 2**61 - 1)
     ints = {5 + j * (2**61 - 1): j for j in range(4)} | {-5 - j * (2**61 - 1): j for j in range(4)} | {-1: 0, -2: 0}
     assert devpickle.loads(devpickle.dumps(ints)) == ints
+    # honest keys that share one hash by the same rule (hash(-1) == hash(-2)): all 7-tuples of -1 and -2, and
+    # the negative powers of two as floats
+    tuples = {tuple(-1 - (i >> b & 1) for b in range(7)): i for i in range(128)}
+    floats = {-(2.0**e) for e in range(-1074, 1024)}
+    assert len({hash(k) for k in tuples}) == 1 and devpickle.loads(devpickle.dumps(tuples)) == tuples
+    assert devpickle.loads(devpickle.dumps(floats)) == floats
 
 
 
@@ -1490,3 +1499,39 @@ def test_a_node_made_into_none_and_met_again_is_none_both_times_not_a_cycle():
     x = object.__new__(MadeIntoNone)
     frame = devpickle.dumps([x, x, {"again": x}])
     assert devpickle.loads(frame, classes=MadeIntoNone) == [None, None, {"again": None}]
+
+
+def test_complex_set_items_chosen_to_share_one_hash_are_refused_numpy_complex_too():
+    # complex's hash is hash(real) + 1000003 * hash(imag): no secret either
+    items = [complex(123456789 - 1000003 * b, b) for b in range(SAME_HASH_MAX + 1)]
+    assert len({hash(x) for x in items}) == 1
+    for value in (set(items), frozenset(items), {np.complex128(x) for x in items}):
+        with pytest.raises(ValueError, match=f"frame's set items or keys hold more than {SAME_HASH_MAX} keys of one hash"):
+            devpickle.loads(devpickle.dumps(value))
+    assert devpickle.loads(devpickle.dumps(set(items[:SAME_HASH_MAX]))) == set(items[:SAME_HASH_MAX])
+
+
+class PairsDict(dict):
+    def __reduce__(self):
+        return (PairsDict, (list(self.items()),))
+
+
+def test_an_allowed_dict_subclass_built_from_pairs_holding_lists_still_loads():
+    # the pairs are counted by hash; one that holds a list has none, and Python hashes only its key
+    value = PairsDict([("a", [1, 2]), ((1, 2), [3])])
+    out = devpickle.loads(devpickle.dumps(value), classes=PairsDict)
+    assert type(out) is PairsDict and out == value
+
+
+@pytest.mark.parametrize("cls", [Blob, BlobArray])
+def test_an_allowed_bytes_subclass_reduced_with_a_numpy_int_is_charged_the_bytes_it_would_allocate(cls):
+    class Crafted:
+        def __reduce__(self):
+            return (cls, (np.int64(10 ** 7),))
+
+    Crafted.__module__, Crafted.__qualname__ = cls.__module__, cls.__qualname__
+    frame = devpickle.dumps(Crafted())
+    assert len(frame) < 200
+    with pytest.raises(ValueError, match="would copy more than max_copies"):
+        devpickle.loads(frame, classes=cls)
+    assert len(devpickle.loads(frame, classes=cls, max_copies=10 ** 7 + 10)) == 10 ** 7

@@ -2229,3 +2229,61 @@ def test_a_walked_class_and_what_it_holds_are_freed_once_the_value_is_gone():
     del m
     gc.collect()
     assert cls() is None and payload() is None
+
+
+SUBINTERP_TAGS = r'''
+import ctypes, gc, sys
+import devpickle
+OFF_FLAGS, OFF_TAG = 168, 384  # PyTypeObject.tp_flags, tp_version_tag (CPython 3.12, 64-bit)
+def tag(c): return ctypes.c_uint.from_address(id(c) + OFF_TAG).value
+class Probe: pass
+assert ctypes.c_ulong.from_address(id(Probe) + OFF_FLAGS).value == Probe.__flags__, "layout"
+def bump(to):  # moves this interpreter's tag counter on to `to`
+    while True:
+        d = type("D", (), {}); getattr(d, "zz", None)
+        if tag(d) + 1 >= to: return
+'''
+SUBINTERP_FIRST = SUBINTERP_TAGS + r'''
+bump(131072 + 60000)
+ps = []
+for i in range(3000):  # plain classes, walked by their __dict__: cached so
+    P = type("P", (), {"__init__": lambda s: setattr(s, "a", 1)})
+    devpickle.dumps(P()); ps.append(P)
+cand = {id(P): tag(P) for P in ps}
+del ps, P; gc.collect()
+open(OUT, "w").write(repr(cand))
+'''
+SUBINTERP_SECOND = SUBINTERP_TAGS + r'''
+cand = eval(open(OUT).read())
+rs = [type("R", (), {"__reduce__": lambda s: (int, (7,))}) for i in range(6000)]
+met = wrong = 0
+for R in rs:
+    want = cand.get(id(R))
+    if want is None or tag(R) >= want: continue
+    R.x = 0; bump(want); getattr(R, "zz", None)  # R now has the tag the freed class had at its address
+    if tag(R) != want: continue
+    met += 1
+    v = devpickle.loads(devpickle.dumps(R()))
+    wrong += "<callable>" not in getattr(v, "__attrs__", {})  # walked by __dict__: its __reduce__ ignored
+open(OUT, "w").write(repr((met, wrong)))
+'''
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 12), reason="per-interpreter type tags from a shared start: 3.12")
+def test_a_class_of_another_interpreter_with_a_freed_class_s_address_and_tag_is_classified_afresh(tmp_path):
+    # From 3.12 each interpreter counts its classes' version tags from the
+    # same start: the walk's type cache must not answer for a class of one
+    # interpreter with what it learnt of another's freed class at that
+    # address with that tag (a subprocess: legacy subinterpreters)
+    out = tmp_path / "out"
+    first, second = (f"OUT = {str(out)!r}\n" + code for code in (SUBINTERP_FIRST, SUBINTERP_SECOND))
+    script = (f"import _testcapi\nassert _testcapi.run_in_subinterp({first!r}) == 0\n"
+              f"assert _testcapi.run_in_subinterp({second!r}) == 0\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    if "No module named '_testcapi'" in r.stderr:
+        pytest.skip("this CPython has no _testcapi")
+    assert r.returncode == 0, r.stderr[-2000:]
+    met, wrong = eval(out.read_text())
+    if not met:
+        pytest.skip("no class of the second interpreter took a freed class's address and tag this run")
+    assert wrong == 0, f"{wrong} of {met} classes classified by another interpreter's freed class"
