@@ -1019,7 +1019,8 @@ static const char *const help_recv =
     "write failed: WHY', or the system's reason FILE cannot be made), one line\n"
     "on stderr; the sender is told why a frame was refused or not written.\n"
     "The answer then has 10 s to leave ('recv timed out: the answer to the\n"
-    "sender was not sent within 10 s', the status unchanged); 2 usage.\n"
+    "sender was not sent within 10 s (recv's limit for its answer)', the\n"
+    "status unchanged); 2 usage.\n"
     "UCX reads its own environment (UCX_TLS, UCX_NET_DEVICES); its own log is\n"
     "off (UCX_LOG_LEVEL=fatal) unless UCX_LOG_LEVEL is set.\n"
     "Example: devpickle recv 0 -o got.dpk (then send to the port it names)\n";
