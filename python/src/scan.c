@@ -1909,7 +1909,8 @@ static int attach(dpy_scanner_t *s, PyObject *o, dp_value_t v) {
           /* the library names its own kinds ("kind object": a frozenset,
              a complex, a class): say which Python keys a frame holds */
           PyErr_Format(PyExc_ValueError, "a frame's dict keys are None, bool, int, float, str, bytes and tuples of "
-                                         "those (%s)", e.message);
+                                         "those (%s)",
+                       dp_value_kind(k) == DP_OBJECT ? "this one would be an object in the frame" : e.message);
           return walk_error(s, f->label, "it cannot be a frame's dict key");
         }
         if (rc && rc != DP_ENOMEM && f->label) return dp_fail(s, f->label, rc, &e);
