@@ -166,8 +166,17 @@ def fill(obj, attrs):
         obj.__attrs__.update(attrs)
         return obj
     slots = _slot_names(type(obj))
-    _set_state(obj, {k: v for k, v in attrs.items() if k not in slots},
-               {k: v for k, v in attrs.items() if k in slots})
+    state = {k: v for k, v in attrs.items() if k not in slots}
+    slot_state = {k: v for k, v in attrs.items() if k in slots}
+    setstate = getattr(type(obj), "__setstate__", None)
+    if setstate is not None:
+        # the class's own __setstate__, with the state pickle's default
+        # reduce gives it (the __dict__, or (__dict__ or None, slots)), as
+        # pickle.loads calls it: a class that rebuilds what it does not keep
+        # (a lock, a cache) comes back whole
+        setstate(obj, (state or None, slot_state) if slot_state else state)
+    else:
+        _set_state(obj, state, slot_state)
     return obj
 
 

@@ -813,6 +813,9 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
       !(l.fn_new = helper("new")) || !(l.fn_fill = helper("fill")) || !(l.fn_finish = helper("finish")) ||
       !(l.fn_subclass = helper("tensor_subclass")))
     goto done;
+  /* out of the collector's sight: convert() reads it by index, and
+     gc.get_referrers() would hand it to an allowed class's code */
+  PyObject_GC_UnTrack(l.memo_objs);
   int rc = dp_ptrset_new(&l.table, &e);
   if (!rc) rc = dp_ptrset_new(&l.memo, &e);
   if (rc) {

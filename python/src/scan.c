@@ -885,9 +885,17 @@ static int seen(dpy_scanner_t *s, PyObject *obj) {
 
 static PyObject *keep(dpy_scanner_t *s, PyObject *o) {
   if (!o) return NULL;
-  if (!s->keep && !(s->keep = PyList_New(0))) {
-    Py_DECREF(o);
-    return NULL;
+  if (!s->keep) {
+    if (!(s->keep = PyList_New(0))) {
+      Py_DECREF(o);
+      return NULL;
+    }
+    /* out of the collector's sight: gc.get_referrers() would hand it to the
+       value's code, which could empty it and free what the walk holds only
+       here (a namedtuple's _fields its frame reads, memo entries whose
+       addresses a new object could then take). Nothing refers to it but
+       the scanner, so it is never part of a cycle. */
+    PyObject_GC_UnTrack(s->keep);
   }
   int rc = PyList_Append(s->keep, o);
   Py_DECREF(o);
@@ -1612,11 +1620,18 @@ static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
  * every DRAIN_CHECK items, so that an interrupt stops the walk, as it
  * would stop a loop in Python, instead of leaving it running. */
 #define DRAIN_CHECK 4096
+static PyObject *private_list(PyObject *l) {
+  /* out of the collector's sight, as the keep list (keep()): frames read it
+     by index, and gc.get_referrers() would hand it to the value's code */
+  if (l) PyObject_GC_UnTrack(l);
+  return l;
+}
+
 static PyObject *drain(dpy_scanner_t *s, PyObject *it) {
-  if (PyList_CheckExact(it) || PyTuple_CheckExact(it)) return keep(s, PySequence_List(it));
+  if (PyList_CheckExact(it) || PyTuple_CheckExact(it)) return keep(s, private_list(PySequence_List(it)));
   PyObject *iter = PyObject_GetIter(it);
   if (!iter) return NULL;
-  PyObject *l = PyList_New(0), *x = NULL;
+  PyObject *l = private_list(PyList_New(0)), *x = NULL;
   for (size_t n = 1; l && (x = PyIter_Next(iter)) != NULL; n++) {
     int rc = PyList_Append(l, x);
     Py_DECREF(x);

@@ -4,6 +4,7 @@ import collections
 import collections.abc
 import copy
 import copyreg
+import gc
 import json
 import os
 import subprocess
@@ -1538,3 +1539,55 @@ def test_an_allowed_bytes_subclass_reduced_with_a_numpy_int_is_charged_the_bytes
     with pytest.raises(ValueError, match="would copy more than max_copies"):
         devpickle.loads(frame, classes=cls)
     assert len(devpickle.loads(frame, classes=cls, max_copies=10 ** 7 + 10)) == 10 ** 7
+
+
+class RebuildsOnLoad:
+    """Keeps pickle's defaults for dumping; rebuilds what it does not keep."""
+
+    def __init__(self):
+        self.x = 1
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.rebuilt = True
+
+
+class SlottedRebuilds:
+    __slots__ = ("a", "seen")
+
+    def __setstate__(self, state):
+        self.seen = state
+
+
+def test_a_plain_object_s_own_setstate_is_called_on_load_as_pickle_calls_it():
+    out = devpickle.loads(devpickle.dumps(RebuildsOnLoad()), classes=RebuildsOnLoad)
+    assert vars(out) == {"x": 1, "rebuilt": True} == vars(pickle_roundtrip(RebuildsOnLoad()))
+    s = SlottedRebuilds()
+    s.a = 5
+    out = devpickle.loads(devpickle.dumps(s), classes=SlottedRebuilds)
+    assert out.seen == (None, {"a": 5}) == pickle_roundtrip(s).seen
+
+
+def pickle_roundtrip(x):
+    import pickle
+
+    return pickle.loads(pickle.dumps(x))
+
+
+class ClearsWhatHoldsItsState:
+    def __setstate__(self, state):
+        # code of an allowed class that empties every list it can find
+        # holding what it was given: loads' own memo must be out of its reach
+        for r in gc.get_referrers(state["x"]):
+            if type(r) is list:
+                r.clear()
+        self.__dict__.update(state)
+
+
+def test_loads_memo_is_out_of_reach_of_an_allowed_class_s_code():
+    a = [1, 2]
+    e = ClearsWhatHoldsItsState.__new__(ClearsWhatHoldsItsState)
+    e.__dict__["x"] = a
+    out = devpickle.loads(devpickle.dumps([a, e, a, a]), classes=ClearsWhatHoldsItsState)
+    # the list being built was the class's to empty; the back-references after it are still a
+    assert out[-2] is out[-1] is out[0].x

@@ -2287,3 +2287,35 @@ def test_a_class_of_another_interpreter_with_a_freed_class_s_address_and_tag_is_
     if not met:
         pytest.skip("no class of the second interpreter took a freed class's address and tag this run")
     assert wrong == 0, f"{wrong} of {met} classes classified by another interpreter's freed class"
+
+
+def test_the_walks_own_holdings_are_out_of_reach_of_gc_get_referrers():
+    # Code the walk runs (a reduce) used to find the walker's keep list through
+    # gc.get_referrers and empty it: a namedtuple's _fields, held only there and
+    # read by its frame for the paths, was freed and its tuple reused by another.
+    import gc
+    import types
+
+    n = 12
+    NT = collections.namedtuple("NT", ["f%d" % i for i in range(n)])
+    emptied = []
+
+    class Thief:
+        def __reduce_ex__(self, proto):
+            old = NT._fields
+            new = tuple(str(x) for x in old)
+            for r in gc.get_referrers(old):
+                if type(r) is list:
+                    emptied.append(len(r))
+                    r.clear()
+                elif type(r) is types.CellType:
+                    r.cell_contents = new
+            NT._fields = NT.__match_args__ = new
+            del old, r
+            Thief.reuse = tuple([object()] * n)  # a tuple of the freed one's size
+            return (Thief, ())
+
+    v = [NT(Thief(), *[torch.randn(2) for _ in range(n - 1)])]
+    got = devpickle.scan(v, paths=True)
+    assert [a.path for a in got] == ["$[0].f%d" % i for i in range(1, n)]
+    assert emptied == []  # no list of the walker's was found
