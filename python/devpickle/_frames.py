@@ -169,7 +169,7 @@ def fill(obj, attrs):
     state = {k: v for k, v in attrs.items() if k not in slots}
     slot_state = {k: v for k, v in attrs.items() if k in slots}
     setstate = getattr(type(obj), "__setstate__", None)
-    if setstate is not None:
+    if setstate is not None and (state or slot_state):  # pickle calls it for a state other than None
         # the class's own __setstate__, with the state pickle's default
         # reduce gives it (the __dict__, or (__dict__ or None, slots)), as
         # pickle.loads calls it: a class that rebuilds what it does not keep

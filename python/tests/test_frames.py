@@ -1566,6 +1566,9 @@ def test_a_plain_object_s_own_setstate_is_called_on_load_as_pickle_calls_it():
     s.a = 5
     out = devpickle.loads(devpickle.dumps(s), classes=SlottedRebuilds)
     assert out.seen == (None, {"a": 5}) == pickle_roundtrip(s).seen
+    # nothing to set: pickle's state is None, and it does not call __setstate__
+    empty = devpickle.loads(devpickle.dumps(SlottedRebuilds()), classes=SlottedRebuilds)
+    assert not hasattr(empty, "seen") and not hasattr(pickle_roundtrip(SlottedRebuilds()), "seen")
 
 
 def pickle_roundtrip(x):
