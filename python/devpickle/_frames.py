@@ -140,10 +140,15 @@ def allowed(classes):
         if not isinstance(c, type):
             raise TypeError(f"classes= takes classes; got a {type(c).__name__!r}")
         label = class_label(c)
-        if out.setdefault(label, c) is not c:
-            # a frame names a class by its label alone: it could mean either
-            raise ValueError(f"classes= names {label} twice, by two different classes ({out[label]!r} and {c!r}): "
-                             "a frame could not say which it means")
+        # a builtin class is labelled by its qualname ("range", as a frame
+        # names an instance's class) and, as a devpickle.global (a class
+        # held as a value, a reduce's callable: pickle.whichmodule's name),
+        # "builtins.range": classes=(list,) makes both come back
+        for key in (label, f"builtins.{label}") if label != f"{c.__module__}.{c.__qualname__}" else (label,):
+            if out.setdefault(key, c) is not c:
+                # a frame names a class by its label alone: it could mean either
+                raise ValueError(f"classes= names {key} twice, by two different classes ({out[key]!r} and {c!r}): "
+                                 "a frame could not say which it means")
     return out
 
 
@@ -168,16 +173,30 @@ def fill(obj, attrs):
     slots = _slot_names(type(obj))
     state = {k: v for k, v in attrs.items() if k not in slots}
     slot_state = {k: v for k, v in attrs.items() if k in slots}
-    setstate = getattr(type(obj), "__setstate__", None)
+    setstate = _bound_setstate(obj)
     if setstate is not None and (state or slot_state):  # pickle calls it for a state other than None
         # the class's own __setstate__, with the state pickle's default
         # reduce gives it (the __dict__, or (__dict__ or None, slots)), as
         # pickle.loads calls it: a class that rebuilds what it does not keep
         # (a lock, a cache) comes back whole
-        setstate(obj, (state or None, slot_state) if slot_state else state)
+        setstate((state or None, slot_state) if slot_state else state)
     else:
         _set_state(obj, state, slot_state)
     return obj
+
+
+def _bound_setstate(obj):
+    """obj's __setstate__ as pickle.loads calls it (inst.__setstate__(state)),
+    looked up on its class as Python looks up special methods (no instance
+    __getattr__ runs), then bound through the descriptor protocol: a
+    staticmethod, classmethod or callable object there is called as pickle
+    calls it. None when the class has none."""
+    for c in type(obj).__mro__:
+        if "__setstate__" in vars(c):
+            raw = vars(c)["__setstate__"]
+            get = getattr(type(raw), "__get__", None)
+            return raw if get is None else get(raw, obj, type(obj))
+    return None
 
 
 def _slot_names(cls):
@@ -473,6 +492,32 @@ def reduced(cls, parts, copies):
             if isinstance(a, (list, tuple)):
                 copies.hashes("reduced objects' args", a)
     obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args, **new_kwargs)
+    listitems, dictitems = parts.get("<listitems>") or [], parts.get("<dictitems>") or []
+    if not isinstance(listitems, list) or not isinstance(dictitems, list) or not all(
+            isinstance(p, tuple) and len(p) == 2 for p in dictitems):
+        raise TypeError(f"loads: {label} was reduced with listitems that are not a list or dictitems "
+                        "that are not a list of (key, value) pairs")
+    copies.charge("reduced objects' listitems and dictitems", len(listitems) + len(dictitems))
+    copies.hashes("reduced objects' dictitems", [k for k, _ in dictitems])
+    if listitems:
+        # as pickle.loads's APPENDS: extend() with each batch of 1,000 (pickle.dumps's
+        # batches), else append() item by item
+        extend = getattr(obj, "extend", None)
+        if extend is None and not hasattr(obj, "append"):
+            raise TypeError(f"loads: {label} was reduced with listitems, and has neither extend nor append")
+        for i in range(0, len(listitems), 1000):
+            if extend is not None:
+                extend(listitems[i:i + 1000])
+            else:
+                for item in listitems[i:i + 1000]:
+                    obj.append(item)
+    for k, v in dictitems:
+        try:
+            obj[k] = v
+        except TypeError as e:  # no __setitem__, or an unhashable key
+            raise TypeError(f"loads: {label} was reduced with dictitems it cannot take: {e}") from e
+    # pickle saves a reduce's listitems and dictitems before its state (BUILD
+    # comes last): __setstate__ sees the container filled
     state = parts.get("<state>")
     if state is not None:
         if hasattr(obj, "__setstate__"):
@@ -486,22 +531,6 @@ def reduced(cls, parts, copies):
                                 f"(dict, slots dict by name) pair: {type(state).__name__}")
             copies.charge("reduced objects' state", len(d or ()) + len(slots or ()))
             _set_state(obj, d or {}, slots or {})
-    listitems, dictitems = parts.get("<listitems>") or [], parts.get("<dictitems>") or []
-    if not isinstance(listitems, list) or not isinstance(dictitems, list) or not all(
-            isinstance(p, tuple) and len(p) == 2 for p in dictitems):
-        raise TypeError(f"loads: {label} was reduced with listitems that are not a list or dictitems "
-                        "that are not a list of (key, value) pairs")
-    copies.charge("reduced objects' listitems and dictitems", len(listitems) + len(dictitems))
-    copies.hashes("reduced objects' dictitems", [k for k, _ in dictitems])
-    if listitems and not hasattr(obj, "append"):
-        raise TypeError(f"loads: {label} was reduced with listitems, and has no append")
-    for item in listitems:
-        obj.append(item)
-    for k, v in dictitems:
-        try:
-            obj[k] = v
-        except TypeError as e:  # no __setitem__, or an unhashable key
-            raise TypeError(f"loads: {label} was reduced with dictitems it cannot take: {e}") from e
     return obj
 
 

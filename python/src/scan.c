@@ -2521,6 +2521,9 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
     return attach(s, o, v);
   case K_CUPY:
   case K_BUFFER:
+    /* a bytearray subclass is reduced as pickle reduces it: (cls, (bytes,),
+       its __dict__), below; an allowed class comes back from loads */
+    if (k == K_BUFFER && PyByteArray_Check(o) && !PyByteArray_CheckExact(o)) break;
     if (k == K_BUFFER && PyByteArray_CheckExact(o)) {
       if ((rc = dp_bytes_new(PyByteArray_AS_STRING(o), (size_t)PyByteArray_GET_SIZE(o), &v, &e)))
         return dp_fail(s, o, rc, &e);
