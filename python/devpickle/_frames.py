@@ -234,7 +234,7 @@ class Copies:
     plus FIXED. A frame whose objects each have nodes of their own stays
     within that; one where many objects share one node may not, though
     dumps wrote it (1,000 objects whose __getstate__ returns one 1,000-item
-    dict: 140 KB of frame, 1,000,000 items made — pickle makes them too):
+    dict: 138 kB of frame, 1,000,000 items made — pickle makes them too):
     no bound on the frame's size alone tells that from a hostile frame, so
     the caller who trusts the sender raises max_copies.
 
@@ -308,12 +308,24 @@ def _args_size(cls, args):
         return 0
     n = len(args) + sum(len(x) for x in args if isinstance(x, _COPYING))
     if issubclass(cls, (bytes, bytearray)):
-        # bytes(n) and bytearray(n) allocate n zero bytes: an int argument
-        # (a frame's int64) is charged as the bytes it makes
-        # (a frame's int64, or a numpy integer: bytes() takes any __index__)
-        n += sum(max(operator.index(x), 0) for x in args
-                 if not isinstance(x, (str, bytes, bytearray)) and hasattr(type(x), "__index__"))
+        # bytes(n) and bytearray(n) allocate n zero bytes: an int argument (a
+        # frame's int64, a numpy integer: bytes() takes any __index__) is
+        # charged as the bytes it makes, a buffer (an array) as its bytes
+        n += sum(_bytes_made(x) for x in args if not isinstance(x, (str, bytes, bytearray)))
     return n
+
+
+def _bytes_made(x):
+    """The bytes bytes(x) makes of an argument that is not str or bytes."""
+    try:
+        return max(operator.index(x), 0)
+    except TypeError:
+        pass
+    try:
+        with memoryview(x) as m:
+            return m.nbytes
+    except TypeError:
+        return 0
 
 
 def _fill_size(x):
@@ -491,6 +503,8 @@ def reduced(cls, parts, copies):
         for a in new_args + tuple(new_kwargs.values()):
             if isinstance(a, (list, tuple)):
                 copies.hashes("reduced objects' args", a)
+                if issubclass(cls, dict):  # dict(pairs) hashes each pair's key
+                    copies.hashes("reduced objects' args", [p[0] for p in a if isinstance(p, tuple) and len(p) == 2])
     obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args, **new_kwargs)
     listitems, dictitems = parts.get("<listitems>") or [], parts.get("<dictitems>") or []
     if not isinstance(listitems, list) or not isinstance(dictitems, list) or not all(

@@ -1749,7 +1749,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   case K_DICT:
     return push(s, FR_DICT, o, t);
   case K_SET: {
-    PyObject *items = keep(s, PySequence_List(o));
+    PyObject *items = keep(s, private_list(PySequence_List(o)));
     return items ? push(s, FR_SET, items, t) : -1;
   }
   case K_AIF_OBJECT:
@@ -2468,7 +2468,7 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   case K_SET: {
     const char *cls = t == &PySet_Type ? "builtins.set" : "builtins.frozenset";
     if ((rc = dp_object_new(cls, &v, &e))) return dp_fail(s, o, rc, &e);
-    PyObject *items = keep(s, PySequence_List(o));
+    PyObject *items = keep(s, private_list(PySequence_List(o)));
     if (!items) return -1;
     return build_container(s, o, at, FR_SET, PyList_GET_SIZE(items) ? items : NULL, cls, v, NULL);
   }

@@ -1561,20 +1561,14 @@ class SlottedRebuilds:
 
 def test_a_plain_object_s_own_setstate_is_called_on_load_as_pickle_calls_it():
     out = devpickle.loads(devpickle.dumps(RebuildsOnLoad()), classes=RebuildsOnLoad)
-    assert vars(out) == {"x": 1, "rebuilt": True} == vars(pickle_roundtrip(RebuildsOnLoad()))
+    assert vars(out) == {"x": 1, "rebuilt": True} == vars(pickle_round_trip(RebuildsOnLoad()))
     s = SlottedRebuilds()
     s.a = 5
     out = devpickle.loads(devpickle.dumps(s), classes=SlottedRebuilds)
-    assert out.seen == (None, {"a": 5}) == pickle_roundtrip(s).seen
+    assert out.seen == (None, {"a": 5}) == pickle_round_trip(s).seen
     # nothing to set: pickle's state is None, and it does not call __setstate__
     empty = devpickle.loads(devpickle.dumps(SlottedRebuilds()), classes=SlottedRebuilds)
-    assert not hasattr(empty, "seen") and not hasattr(pickle_roundtrip(SlottedRebuilds()), "seen")
-
-
-def pickle_roundtrip(x):
-    import pickle
-
-    return pickle.loads(pickle.dumps(x))
+    assert not hasattr(empty, "seen") and not hasattr(pickle_round_trip(SlottedRebuilds()), "seen")
 
 
 class ClearsWhatHoldsItsState:
@@ -1724,3 +1718,45 @@ def test_a_bytearray_subclass_travels_as_pickle_reduces_it():
 def pickle_round_trip(v):
     import pickle
     return pickle.loads(pickle.dumps(v, protocol=5))
+
+
+def test_numpy_longdoubles_of_one_hash_are_counted_as_other_c_scalars_are():
+    big = np.longdouble(2) ** 1100  # past a double's range: hashed as inf
+    items = [big + k * np.longdouble(2) ** 1037 for k in range(SAME_HASH_MAX + 1)]
+    if len(set(items)) != len(items) or len({hash(x) for x in items}) != 1:
+        pytest.skip("this platform's longdouble is a double")
+    with pytest.raises(ValueError, match=f"hold more than {SAME_HASH_MAX} keys of one hash"):
+        devpickle.loads(devpickle.dumps(set(items)))
+
+
+class PairsFlood:
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+    def __reduce__(self):
+        return (collections.defaultdict, (None, self.pairs))
+
+
+PairsFlood.__module__, PairsFlood.__qualname__ = "collections", "defaultdict"  # a frame's defaultdict
+
+
+def test_an_allowed_dict_subclass_built_from_pairs_counts_their_keys_by_hash():
+    keys = colliding_pairs(SAME_HASH_MAX + 1)
+    frame = devpickle.dumps(PairsFlood([(k, i) for i, k in enumerate(keys)]))
+    with pytest.raises(ValueError, match=f"hold more than {SAME_HASH_MAX} keys of one hash"):
+        devpickle.loads(frame, classes=collections.defaultdict)
+    ok = devpickle.loads(devpickle.dumps(PairsFlood([(k, 0) for k in keys[:SAME_HASH_MAX]])),
+                         classes=collections.defaultdict)
+    assert type(ok) is collections.defaultdict and len(ok) == SAME_HASH_MAX
+
+
+def test_an_allowed_bytes_subclass_given_an_array_is_charged_its_bytes_not_a_bare_type_error():
+    class Crafted:
+        def __reduce__(self):
+            return (Blob, (np.zeros(10 ** 6, dtype=np.uint8),))
+
+    Crafted.__module__, Crafted.__qualname__ = Blob.__module__, Blob.__qualname__
+    frame = devpickle.dumps(Crafted(), inline=True)
+    with pytest.raises(ValueError, match="would copy more than max_copies"):
+        devpickle.loads(frame, classes=(Blob,), max_copies=10 ** 5)
+    assert len(devpickle.loads(frame, classes=(Blob,))) == 10 ** 6

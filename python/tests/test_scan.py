@@ -2,6 +2,7 @@
 import collections
 import dataclasses
 import enum
+import gc
 import pickle
 import subprocess
 import sys
@@ -2319,3 +2320,24 @@ def test_the_walks_own_holdings_are_out_of_reach_of_gc_get_referrers():
     got = devpickle.scan(v, paths=True)
     assert [a.path for a in got] == ["$[0].f%d" % i for i in range(1, n)]
     assert emptied == []  # no list of the walker's was found
+
+
+class LooksForListsHoldingIt:
+    found = None
+
+    def __reduce_ex__(self, proto):
+        # a value's code looking for the lists that hold it (and free to empty them)
+        type(self).found = [r for r in gc.get_referrers(self) if type(r) is list]
+        return (LooksForListsHoldingIt, ())
+
+
+@pytest.mark.parametrize("how", ["scan", "set_result", "dumps"])
+def test_the_lists_a_walk_makes_of_a_set_s_items_are_out_of_reach_of_the_value_s_code(how):
+    value = [{LooksForListsHoldingIt(), *range(100, 108)}, torch.zeros(1)]
+    if how == "scan":
+        assert len(devpickle.scan(value)) == 1
+    elif how == "set_result":
+        devpickle.Future().set_result(value)
+    else:
+        devpickle.dumps(value)
+    assert LooksForListsHoldingIt.found == []
