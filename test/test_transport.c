@@ -402,9 +402,12 @@ static unsigned long lane_round_trips(long n) {
 }
 
 Test(transport, small_messages_between_processes_on_one_host_travel_on_the_same_host_lane) {
-  /* the lane is made during the first round trips: every echo after them comes on it */
+  /* the lane is made during the first round trips: every echo after them
+     comes on it. How many round trips its making takes depends on the
+     machine's load (10 on a quiet one, 12 seen in a loaded CI run): three
+     in four on the lane says it carries them; without it none do (below) */
   unsigned long got = lane_round_trips(200);
-  cr_assert_geq(got, 190, "%lu of 200 echoes came on the lane", got);
+  cr_assert_geq(got, 150, "%lu of 200 echoes came on the lane", got);
 }
 
 Test(transport, without_shared_memory_in_ucx_tls_there_is_no_lane_and_values_still_arrive) {
