@@ -279,7 +279,8 @@ class Copies:
                              "pass a larger max_copies for a frame you trust")
 
     def hashes(self, what, items):
-        """items, once what hashing each of them costs is charged."""
+        """items (a list or a tuple: _hash_work reads them twice, and the
+        caller then builds of them), once what hashing each costs is charged."""
         self.charge_hashing(what, _hash_work(items, self.hashed, min(self.left, 1 << 62)))
         return items
 

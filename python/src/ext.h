@@ -92,7 +92,7 @@ PyObject *dpy_wait_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs, 
 int dpy_frames_init(PyObject *m);
 PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw);
 PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw);
-/* _hash_work(items, memo, left): what hashing each of items costs (frames.c). */
+/* _hash_work(items, memo, left): what hashing each of items (a list or tuple) costs (frames.c). */
 PyObject *dpy_hash_work(PyObject *self, PyObject *args);
 
 /* Device names as the C library writes them ("cuda:0", "cpu", "host:1"). */

@@ -331,39 +331,44 @@ out:
 
 /* _hash_work(items, memo, left): the tuple items hashing each of items
  * hashes (what set(items) costs), for devpickle/_frames.py; once past left
- * (an int >= 0), some number past it. */
+ * (an int >= 0), some number past it. items is a list or a tuple, taken
+ * once as a tuple: both passes below (the charge, then the hash count) see
+ * the same items, where a one-shot iterator would leave the second pass
+ * nothing and a list could be changed between them by Python code that a
+ * hash runs (an allowed class's __hash__ inside a tuple item). */
 PyObject *dpy_hash_work(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *items, *memo;
   unsigned long long left;
   if (!PyArg_ParseTuple(args, "OO!K:_hash_work", &items, &PyDict_Type, &memo, &left)) return NULL;
-  PyObject *it = PyObject_GetIter(items), *x;
-  if (!it) return NULL;
+  if (!PyList_Check(items) && !PyTuple_Check(items)) {
+    PyErr_Format(PyExc_TypeError, "_hash_work: items must be a list or a tuple (it is read twice), not %s",
+                 Py_TYPE(items)->tp_name);
+    return NULL;
+  }
+  PyObject *t = PySequence_Tuple(items); /* an exact tuple is itself */
+  if (!t) return NULL;
+  Py_ssize_t n = PyTuple_GET_SIZE(t), i;
   uint64_t total = 0, w;
-  while (total <= left && (x = PyIter_Next(it))) {
-    int rc = hash_work(memo, x, left - total, &w);
-    Py_DECREF(x);
-    if (rc) break;
+  for (i = 0; i < n && total <= left; i++) {
+    if (hash_work(memo, PyTuple_GET_ITEM(t, i), left - total, &w)) goto fail;
     total = work_add(total, w);
   }
-  Py_DECREF(it);
-  if (PyErr_Occurred()) return NULL;
-  /* within the budget: their keys counted by hash (hashing them is what was
-     charged), before Python builds anything of them */
-  if (total <= left && (it = PyObject_GetIter(items))) {
+  if (total <= left) {
+    /* within the budget: their keys counted by hash (hashing them is what
+       was charged), before Python builds anything of them */
     PyObject *counts = NULL;
-    while ((x = PyIter_Next(it))) {
-      int rc = same_hash_guard(&counts, x, "set items or keys");
-      Py_DECREF(x);
-      if (rc) break;
-    }
+    int rc = 0;
+    for (i = 0; i < n && !rc; i++) rc = same_hash_guard(&counts, PyTuple_GET_ITEM(t, i), "set items or keys");
     Py_XDECREF(counts);
-    Py_DECREF(it);
+    if (rc) goto fail;
   }
-  if (PyErr_Occurred()) return NULL;
+  Py_DECREF(t);
   return PyLong_FromUnsignedLongLong(total);
+fail:
+  Py_DECREF(t);
+  return NULL;
 }
-
 
 typedef struct loader {
   dp_ptrset_t *table;  /* the frame's buffers by (device, base), in table order */

@@ -1760,3 +1760,32 @@ def test_an_allowed_bytes_subclass_given_an_array_is_charged_its_bytes_not_a_bar
     with pytest.raises(ValueError, match="would copy more than max_copies"):
         devpickle.loads(frame, classes=(Blob,), max_copies=10 ** 5)
     assert len(devpickle.loads(frame, classes=(Blob,))) == 10 ** 6
+
+
+def test_hash_work_takes_a_list_or_tuple_since_a_one_shot_iterator_would_leave_its_hash_count_nothing():
+    from devpickle._devpickle import _hash_work
+
+    keys = colliding_pairs(SAME_HASH_MAX + 1)
+    for items in (keys, tuple(keys)):
+        with pytest.raises(ValueError, match=f"^loads: the frame's set items or keys hold more than {SAME_HASH_MAX} "
+                                             "keys of one hash"):
+            _hash_work(items, {}, 1 << 40)
+    with pytest.raises(TypeError, match=r"^_hash_work: items must be a list or a tuple \(it is read twice\), "
+                                        r"not list_iterator$"):
+        _hash_work(iter(keys), {}, 1 << 40)
+
+
+def test_hash_work_counts_by_hash_every_item_it_charged_even_when_a_hash_empties_the_list():
+    from devpickle._devpickle import _hash_work
+
+    items = []
+
+    class Clears:
+        def __hash__(self):  # an allowed class's own code, run by the hash of a tuple holding it
+            items.clear()
+            return 0
+
+    items += [(Clears(),)] + colliding_pairs(SAME_HASH_MAX + 1)
+    with pytest.raises(ValueError, match=f"^loads: the frame's set items or keys hold more than {SAME_HASH_MAX} "
+                                         "keys of one hash"):
+        _hash_work(items, {}, 1 << 40)
