@@ -781,6 +781,33 @@ fail:
   return NULL;
 }
 
+/* NULL, with loads' TypeError for a buffer that is not C-contiguous (a
+ * strided memoryview, a Fortran-ordered array) in place of the exporter's
+ * error (memoryview's BufferError, numpy's ValueError) when data is one; a
+ * frame is its bytes end to end, as for any other data that is not bytes-like
+ * (a TypeError), and is never copied to make it so. Any other error stands. */
+static PyObject *not_contiguous(PyObject *data) {
+  Py_buffer v;
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+  if (!PyObject_CheckBuffer(data) || PyObject_GetBuffer(data, &v, PyBUF_FULL_RO)) {
+    PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
+    return NULL;
+  }
+  int contiguous = PyBuffer_IsContiguous(&v, 'C');
+  PyBuffer_Release(&v);
+  if (contiguous) {
+    PyErr_Restore(et, ev, tb);
+    return NULL;
+  }
+  Py_XDECREF(et), Py_XDECREF(ev), Py_XDECREF(tb);
+  return PyErr_Format(PyExc_TypeError,
+                      "loads: data must be a C-contiguous bytes-like object (a frame's bytes end to end), not a "
+                      "non-contiguous %s (bytes(data) makes a contiguous copy)",
+                      Py_TYPE(data)->tp_name);
+}
+
 PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   (void)self;
   static char *kwlist[] = {"data", "buffers", "classes", "max_copies", NULL};
@@ -788,7 +815,7 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOO:loads", kwlist, &data, &buffers, &classes, &max_copies))
     return NULL;
   Py_buffer view;
-  if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)) return NULL;
+  if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)) return not_contiguous(data);
   loader_t l = {0};
   dp_error_t e;
   dp_value_t root = dp_none();

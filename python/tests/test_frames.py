@@ -1789,3 +1789,20 @@ def test_hash_work_counts_by_hash_every_item_it_charged_even_when_a_hash_empties
     with pytest.raises(ValueError, match=f"^loads: the frame's set items or keys hold more than {SAME_HASH_MAX} "
                                          "keys of one hash"):
         _hash_work(items, {}, 1 << 40)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda f: memoryview(f)[::2], "memoryview"),
+    (lambda f: np.frombuffer(f * 2, np.uint8)[::2], "numpy.ndarray"),
+    (lambda f: np.asfortranarray(np.frombuffer(f * 2, np.uint8).reshape(len(f), 2)), "numpy.ndarray"),
+], ids=["a strided memoryview", "a strided array", "a fortran-ordered array"])
+def test_a_frame_given_as_a_non_contiguous_buffer_is_a_type_error_saying_what_loads_wants(make, name):
+    frame = devpickle.dumps([1, "two", 3.0])
+    with pytest.raises(TypeError, match=r"^loads: data must be a C-contiguous bytes-like object \(a frame's bytes end "
+                                        rf"to end\), not a non-contiguous {name} \(bytes\(data\) makes a contiguous "
+                                        r"copy\)$"):
+        devpickle.loads(make(frame))
+    # as for data that is not bytes-like at all; a contiguous buffer of the frame loads
+    with pytest.raises(TypeError, match="^a bytes-like object is required, not 'int'$"):
+        devpickle.loads(5)
+    assert devpickle.loads(memoryview(frame)[::1]) == devpickle.loads(np.frombuffer(frame, np.uint8)) == [1, "two", 3.0]
