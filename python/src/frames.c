@@ -372,7 +372,7 @@ fail:
 
 typedef struct loader {
   dp_ptrset_t *table;  /* the frame's buffers by (device, base), in table order */
-  PyObject *buffers;   /* a sequence, or NULL */
+  PyObject *buffers;   /* buffers= as iterating it gave them, once (a tuple), or NULL */
   PyObject *classes;   /* label -> class */
   PyObject *cache;     /* per buffer: the flat array rebuilt over it */
   dp_ptrset_t *memo;   /* heap nodes converted, by identity */
@@ -467,16 +467,16 @@ static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
   PyObject *key = PyLong_FromSize_t(at), *source = NULL;
   if (!key) return NULL;
   const void *host = dp_storage_host_data(st);
-  Py_ssize_t given = 0; /* buffers= items: an error from the sequence's __len__ passes through */
+  Py_ssize_t given = l->buffers ? PyTuple_GET_SIZE(l->buffers) : 0;
   if (PyDict_GetItemWithError(l->cache, key)) {
     source = Py_NewRef(Py_None); /* rebuilt already: the helper has it */
-  } else if (PyErr_Occurred() || (!host && l->buffers && (given = PySequence_Length(l->buffers)) < 0)) {
+  } else if (PyErr_Occurred()) {
     Py_DECREF(key);
     return NULL;
   } else if (host) {
     source = PyByteArray_FromStringAndSize(host, (Py_ssize_t)dp_storage_nbytes(st));
-  } else if (l->buffers && (Py_ssize_t)at < given) {
-    source = PySequence_GetItem(l->buffers, (Py_ssize_t)at);
+  } else if ((Py_ssize_t)at < given) {
+    source = Py_NewRef(PyTuple_GET_ITEM(l->buffers, (Py_ssize_t)at));
     if (source == Py_None) {
       char dn[32];
       Py_CLEAR(source);
@@ -485,10 +485,13 @@ static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
     }
   } else {
     char dn[32];
-    PyErr_Format(PyExc_ValueError,
-                 "loads: buffer %zu (%s, %zu bytes) is out of band and buffers= %s", at,
-                 dp_device_format(dev, dn, sizeof dn), dp_storage_nbytes(st),
-                 l->buffers ? "has no such item" : "was not given");
+    if (l->buffers)
+      PyErr_Format(PyExc_ValueError,
+                   "loads: buffer %zu (%s, %zu bytes) is out of band and buffers= has no such item (it holds %zd)", at,
+                   dp_device_format(dev, dn, sizeof dn), dp_storage_nbytes(st), given);
+    else
+      PyErr_Format(PyExc_ValueError, "loads: buffer %zu (%s, %zu bytes) is out of band and buffers= was not given", at,
+                   dp_device_format(dev, dn, sizeof dn), dp_storage_nbytes(st));
   }
   PyObject *r = NULL;
   if (source) {
@@ -838,7 +841,10 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
       PyErr_SetString(PyExc_TypeError, "buffers= must be a sequence");
       goto done;
     }
-    l.buffers = buffers;
+    /* taken once, as list(buffers) takes them: a sequence whose __len__
+       disagrees with its items is read by its items, and one that Python
+       code run later (an allowed class's) changes is read as given */
+    if (!(l.buffers = PySequence_Tuple(buffers))) goto done;
   }
   if (!(l.cache = PyDict_New()) || !(l.memo_objs = PyList_New(0)) ||
       !(l.unfinished = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) || !(l.fn_array = helper("array")) ||
@@ -878,6 +884,7 @@ done:
   dp_ptrset_free(l.table);
   dp_ptrset_free(l.memo);
   Py_XDECREF(l.classes);
+  Py_XDECREF(l.buffers);
   Py_XDECREF(l.cache);
   Py_XDECREF(l.memo_objs);
   Py_XDECREF(l.copies);

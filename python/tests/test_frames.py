@@ -1806,3 +1806,53 @@ def test_a_frame_given_as_a_non_contiguous_buffer_is_a_type_error_saying_what_lo
     with pytest.raises(TypeError, match="^a bytes-like object is required, not 'int'$"):
         devpickle.loads(5)
     assert devpickle.loads(memoryview(frame)[::1]) == devpickle.loads(np.frombuffer(frame, np.uint8)) == [1, "two", 3.0]
+
+
+class LyingLength:
+    """A sequence whose len() is not the number of items it gives."""
+
+    def __init__(self, items, length):
+        self.items, self.length = items, length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return self.items[i]  # an IndexError past its items, as iteration expects
+
+
+def test_buffers_whose_len_says_more_than_they_hold_are_the_missing_buffer_error_not_a_bare_index_error():
+    t, u = torch.arange(4, dtype=torch.int32), torch.arange(3, dtype=torch.int64)
+    got = []
+    frame = devpickle.dumps([t, u], buffer_callback=got.append)
+    raw = [b.raw() for b in got]
+    with pytest.raises(ValueError, match=r"^loads: buffer 1 \(cpu, 24 bytes\) is out of band and buffers= has no "
+                                         r"such item \(it holds 1\)$"):
+        devpickle.loads(frame, buffers=LyingLength(raw[:1], 5))
+    with pytest.raises(ValueError, match=r"^loads: buffer 1 \(cpu, 24 bytes\) is out of band and buffers= has no "
+                                         r"such item \(it holds 1\)$"):
+        devpickle.loads(frame, buffers=raw[:1])
+    # one whose len() says fewer is read by its items, as list(buffers) reads it
+    out = devpickle.loads(frame, buffers=LyingLength(raw, 1))
+    assert torch.equal(out[0], t) and torch.equal(out[1], u)
+
+
+def test_buffers_are_read_once_so_code_run_by_loads_cannot_change_what_a_later_tensor_is_made_over():
+    t = torch.arange(4, dtype=torch.int32)
+    got = []
+    frame = devpickle.dumps([ClearsOnSetstate(), t], buffer_callback=got.append)
+    buffers = [got[0].raw()]
+    ClearsOnSetstate.target = buffers
+    out = devpickle.loads(frame, buffers=buffers, classes=ClearsOnSetstate)
+    assert buffers == [] and torch.equal(out[1], t)
+
+
+class ClearsOnSetstate:
+    target = None
+
+    def __init__(self):
+        self.x = 1
+
+    def __setstate__(self, state):  # an allowed class's own code, run before the tensor is made
+        type(self).target.clear()
+        self.__dict__.update(state)
