@@ -173,8 +173,8 @@ def fill(obj, attrs):
     slots = _slot_names(type(obj))
     state = {k: v for k, v in attrs.items() if k not in slots}
     slot_state = {k: v for k, v in attrs.items() if k in slots}
-    setstate = _bound_setstate(obj)
-    if setstate is not None and (state or slot_state):  # pickle calls it for a state other than None
+    setstate = _setstate(obj) if state or slot_state else None  # pickle calls it for a state other than None
+    if setstate is not None:
         # the class's own __setstate__, with the state pickle's default
         # reduce gives it (the __dict__, or (__dict__ or None, slots)), as
         # pickle.loads calls it: a class that rebuilds what it does not keep
@@ -185,18 +185,16 @@ def fill(obj, attrs):
     return obj
 
 
-def _bound_setstate(obj):
-    """obj's __setstate__ as pickle.loads calls it (inst.__setstate__(state)),
-    looked up on its class as Python looks up special methods (no instance
-    __getattr__ runs), then bound through the descriptor protocol: a
-    staticmethod, classmethod or callable object there is called as pickle
-    calls it. None when the class has none."""
-    for c in type(obj).__mro__:
-        if "__setstate__" in vars(c):
-            raw = vars(c)["__setstate__"]
-            get = getattr(type(raw), "__get__", None)
-            return raw if get is None else get(raw, obj, type(obj))
-    return None
+def _setstate(obj):
+    """obj's __setstate__, looked up as pickle.loads looks it up for BUILD,
+    once, on the instance (pickle.py: getattr(inst, "__setstate__", None);
+    _pickle.c: _PyObject_LookupAttr): a class __getattr__ that returns one
+    is honoured, a staticmethod, classmethod or callable object on the
+    class is bound as Python binds it; None when there is none (an
+    AttributeError, from a __getattr__ too); any other error the lookup
+    raises passes through, as through pickle. obj is the instance loads
+    made itself (cls.__new__, or the class's reduce), before its state."""
+    return getattr(obj, "__setstate__", None)
 
 
 def _slot_names(cls):
@@ -534,18 +532,18 @@ def reduced(cls, parts, copies):
     # pickle saves a reduce's listitems and dictitems before its state (BUILD
     # comes last): __setstate__ sees the container filled
     state = parts.get("<state>")
-    if state is not None:
-        if hasattr(obj, "__setstate__"):
-            copies.charge("reduced objects' state", _fill_size(state))  # self.__dict__.update(state)
-            obj.__setstate__(state)
-        else:
-            d, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
-            if not isinstance(d, (dict, type(None))) or not isinstance(slots, (dict, type(None))) or not all(
-                    isinstance(k, str) for k in slots or ()):
-                raise TypeError(f"loads: {label} has no __setstate__ and its state is not a dict or a "
-                                f"(dict, slots dict by name) pair: {type(state).__name__}")
-            copies.charge("reduced objects' state", len(d or ()) + len(slots or ()))
-            _set_state(obj, d or {}, slots or {})
+    setstate = _setstate(obj) if state is not None else None
+    if setstate is not None:
+        copies.charge("reduced objects' state", _fill_size(state))  # self.__dict__.update(state)
+        setstate(state)
+    elif state is not None:
+        d, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+        if not isinstance(d, (dict, type(None))) or not isinstance(slots, (dict, type(None))) or not all(
+                isinstance(k, str) for k in slots or ()):
+            raise TypeError(f"loads: {label} has no __setstate__ and its state is not a dict or a "
+                            f"(dict, slots dict by name) pair: {type(state).__name__}")
+        copies.charge("reduced objects' state", len(d or ()) + len(slots or ()))
+        _set_state(obj, d or {}, slots or {})
     return obj
 
 

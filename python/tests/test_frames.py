@@ -1856,3 +1856,49 @@ class ClearsOnSetstate:
     def __setstate__(self, state):  # an allowed class's own code, run before the tensor is made
         type(self).target.clear()
         self.__dict__.update(state)
+
+
+class SetstateFromGetattr:
+    """A class whose __setstate__ only its __getattr__ gives, as a proxy's may."""
+
+    def __getattr__(self, name):
+        if name == "__setstate__":
+            return lambda state: vars(self).update(restored=dict(state))
+        raise AttributeError(name)
+
+
+class GetattrRefusesAll:
+    def __getattr__(self, name):
+        raise AttributeError(f"no {name} here")
+
+
+class GetattrFailsForSetstate:
+    def __getattr__(self, name):
+        raise RuntimeError(f"{name} looked up on an unfinished instance")
+
+
+class ReducedFromGetattr(SetstateFromGetattr):
+    def __reduce__(self):
+        return (ReducedFromGetattr, (), {"a": 1})
+
+
+def test_setstate_is_looked_up_on_the_instance_as_pickle_does_so_a_class_getattr_can_give_it():
+    import pickle
+
+    for cls, want in ((SetstateFromGetattr, {"restored": {"a": 1}}), (ReducedFromGetattr, {"restored": {"a": 1}}),
+                      (GetattrRefusesAll, {"a": 1})):  # AttributeError for everything: no __setstate__
+        x = cls()
+        x.a = 1
+        got = devpickle.loads(devpickle.dumps(x), classes=cls)
+        assert type(got) is cls and vars(got) == vars(pickle.loads(pickle.dumps(x))) == want
+
+
+def test_an_error_other_than_attribute_error_from_the_setstate_lookup_passes_through_as_through_pickle():
+    import pickle
+
+    x = GetattrFailsForSetstate()
+    x.a = 1
+    for load in (pickle.loads, lambda f: devpickle.loads(f, classes=GetattrFailsForSetstate)):
+        dump = pickle.dumps if load is pickle.loads else devpickle.dumps
+        with pytest.raises(RuntimeError, match=r"^__setstate__ looked up on an unfinished instance$"):
+            load(dump(x))
