@@ -250,10 +250,10 @@ class Copies:
             max_copies = self.PER_BYTE * size + self.FIXED
         elif isinstance(max_copies, bool) or not hasattr(type(max_copies), "__index__"):
             raise TypeError(f"loads: max_copies must be None or an int, not {type(max_copies).__name__}")
-        elif operator.index(max_copies) < 0:
-            raise ValueError(f"loads: max_copies must be >= 0, not {max_copies!r}")
         else:
-            max_copies = operator.index(max_copies)
+            max_copies = operator.index(max_copies)  # once: an __index__ may not give the same int twice
+            if max_copies < 0:
+                raise ValueError(f"loads: max_copies must be >= 0, not {max_copies!r}")
         self.size = size
         self.left = self.limit = max_copies
         self.shared = {}  # (kind, id(node's object)) -> (that object, what was made of it)

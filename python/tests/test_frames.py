@@ -1902,3 +1902,21 @@ def test_an_error_other_than_attribute_error_from_the_setstate_lookup_passes_thr
         dump = pickle.dumps if load is pickle.loads else devpickle.dumps
         with pytest.raises(RuntimeError, match=r"^__setstate__ looked up on an unfinished instance$"):
             load(dump(x))
+
+
+class FiveThenNegative:
+    """An __index__ that gives 5 the first time it is read, -1 after."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def __index__(self):
+        self.reads += 1
+        return 5 if self.reads == 1 else -1
+
+
+def test_max_copies_is_read_once_so_an_index_that_changes_cannot_pass_the_check_with_one_int_and_bound_with_another():
+    n = FiveThenNegative()
+    assert devpickle.loads(devpickle.dumps(bytearray(4)), max_copies=n) == bytearray(4) and n.reads == 1
+    with pytest.raises(ValueError, match=r"^loads: the frame's bytearrays would copy more than max_copies=5 items"):
+        devpickle.loads(devpickle.dumps(bytearray(6)), max_copies=FiveThenNegative())
