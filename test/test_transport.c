@@ -23,6 +23,12 @@
 
 #define SEC 1000000000ll
 
+static int64_t now_ns_t(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * SEC + ts.tv_nsec;
+}
+
 static void t_env(void) {
   /* tcp on lo and shared memory: what a container without a network has */
   setenv("UCX_TLS", "tcp,posix,sysv,self", 0);
@@ -2682,6 +2688,55 @@ Test(transport, closing_an_endpoint_while_large_buffers_arrive_fails_its_receive
   }
 }
 
+/* peer: sends a value of 64 MiB and waits until it is taken, sends three
+ * more and stops itself (SIGSTOP) a little later: the receiver's pulls of
+ * those, and its CLOSE, get no answer */
+static int send_big_values_then_stop(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)arg;
+  dp_error_t e;
+  dp_value_t v = owned_tensor((size_t)64 << 20, 5);
+  for (int i = 0; i < 4; i++) {
+    dp_future_t *d;
+    if (dp_endpoint_send(ep, v, &d, &e)) return 10;
+    if (i == 0 && dp_transport_wait(t, d, 60 * SEC, &e)) return 11;
+    dp_future_release(d);
+  }
+  dp_value_release(v);
+  sleep_ms(30);
+  raise(SIGSTOP);
+  return 0;
+}
+
+Test(transport, freeing_a_transport_whose_peer_stopped_mid_transfer_closes_its_endpoint_by_force_in_time) {
+  /* dp_transport_free drives the closes for 2 s: a close that waited a
+     second for the peer's answer and a second more for its pulls was forced
+     at the drain's very end — or, a few milliseconds late, was still open
+     when the worker went, and UCX aborted the process (an endpoint
+     destroyed with requests in flight; seen in a loaded run). Over tcp
+     alone the pulls need the stopped peer, and hang. */
+  setenv("UCX_TLS", "tcp,self", 1);
+  t_track();
+  peer_t p = spawn_peer(send_big_values_then_stop, (void *)(intptr_t)4, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r[4];
+  for (int i = 0; i < 4; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
+  dp_error_t e;
+  OK_WITH(&e, wait_f(r[0], &e));
+  sleep_ms(100); /* the peer has stopped: the other values' pulls hang */
+  dp_endpoint_free(ep);
+  for (int i = 0; i < 4; i++) dp_future_release(r[i]);
+  int64_t t0 = now_ns_t();
+  dp_transport_free(t);
+  cur_t = NULL;
+  int64_t took = now_ns_t() - t0;
+  kill(p.pid, SIGKILL);
+  peer_wait(p);
+  cr_assert_lt(took, 18 * SEC / 10, "dp_transport_free took %.3f s: the close waited to the drain's end", took / 1e9);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(transport, a_new_transport_removes_the_names_that_dead_processes_of_this_user_left_in_dev_shm) {
   pid_t dead = fork();
   if (dead == 0) _exit(0);
@@ -3054,12 +3109,6 @@ Test(transport, freeing_a_transport_cancels_an_endpoint_to_its_own_listener_befo
                  e.message);
     dp_future_release(r);
   }
-}
-
-static int64_t now_ns_t(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * SEC + ts.tv_nsec;
 }
 
 /* peer (caller-driven): echoes one value, then stops driving its

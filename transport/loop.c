@@ -535,9 +535,25 @@ int dp__tp_caller_until(dp_transport_t *t, int (*done)(void *), void *arg, int64
 }
 
 /* After CMD_STOP: closes in progress finish (bounded: a flush to a dead
- * peer fails), then the copies into and out of slots. */
+ * peer fails), then the copies into and out of slots.
+ *
+ * The worker goes after DP__DRAIN_NS at most, and UCX 1.13 aborts the
+ * process when it destroys an endpoint that still holds a request (a pull
+ * of a peer that stopped answering). A close waits up to DP__CLOSE_WAIT_NS
+ * for its CLOSE's answer and as long again for its pulls, together as long
+ * as the drain: one that began just before it was forced just after the
+ * worker went. So the waits still running are cut to DP__HURRY_NS from
+ * here, and what is forced then has the rest of the drain to be purged. */
+#define DP__DRAIN_NS 2000000000ll
+#define DP__HURRY_NS (DP__CLOSE_WAIT_NS / 2)
 void dp__tp_drain_stopped(dp_transport_t *t) {
-  for (int64_t until = now_ns() + 2000000000; (t->closing || t->nreq) && now_ns() < until;) {
+  int64_t start = now_ns();
+  t->hurry = start + DP__HURRY_NS;
+  for (dp_endpoint_t *ep = t->closing; ep; ep = ep->next) {
+    if (ep->answer_deadline > t->hurry) ep->answer_deadline = t->hurry;
+    if (ep->close_deadline > t->hurry) ep->close_deadline = t->hurry;
+  }
+  for (int64_t until = start + DP__DRAIN_NS; (t->closing || t->nreq) && now_ns() < until;) {
     ucp_worker_progress(t->worker);
     reap(t);
   }

@@ -366,6 +366,7 @@ struct dp_transport {
   piece_t *orphans;             /* pieces of failed sends whose copies run */
   size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
+  int64_t hurry;                /* stopping: every close still waiting is forced by then (drain_stopped) */
   int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
   int64_t last_check;           /* timeouts last checked */
   unsigned yield_every;         /* idle passes between yields: 1 where cores are few */
