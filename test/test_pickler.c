@@ -2599,13 +2599,38 @@ static const canon_case_t non_canonical[] = {
   {"ext 16 of 3", {0xc8, 0x00, 0x03, 0x01, 0, 0, 0}, 7, 40, NC "ext of 3 bytes as ext 16 (canonical: ext 8)"},
 };
 
-Test(pickler, a_header_in_a_longer_form_than_the_writers_is_refused_with_its_canonical_form) {
-  for (size_t i = 0; i < sizeof non_canonical / sizeof *non_canonical; i++) {
-    const canon_case_t *c = &non_canonical[i];
+static void expect_cases_refused(const canon_case_t *cases, size_t ncases) {
+  for (size_t i = 0; i < ncases; i++) {
+    const canon_case_t *c = &cases[i];
     uint8_t frame[96];
     size_t n = make_frame(frame, c->payload, c->plen);
     expect_refused(c->what, frame, n, c->offset, c->msg);
   }
+}
+
+Test(pickler, a_header_in_a_longer_form_than_the_writers_is_refused_with_its_canonical_form) {
+  expect_cases_refused(non_canonical, sizeof non_canonical / sizeof *non_canonical);
+  ASSERT_NO_LEAK();
+}
+
+/* The long side of each length boundary: one less than the least length a
+ * form holds canonically is refused in it, naming the shorter form. The
+ * refusal comes from the header alone, before its body is looked for. */
+static const canon_case_t one_below_the_boundary[] = {
+  {"str 8 of 31", {0xd9, 0x1f}, 2, 40, NC "str of 31 bytes as str 8 (canonical: fixstr)"},
+  {"str 16 of 255", {0xda, 0x00, 0xff}, 3, 40, NC "str of 255 bytes as str 16 (canonical: str 8)"},
+  {"bin 16 of 255", {0xc5, 0x00, 0xff}, 3, 40, NC "bin of 255 bytes as bin 16 (canonical: bin 8)"},
+  {"bin 32 of 65535", {0xc6, 0, 0, 0xff, 0xff}, 5, 40, NC "bin of 65535 bytes as bin 32 (canonical: bin 16)"},
+  {"array 16 of 15", {0xdc, 0x00, 0x0f}, 3, 40, NC "array of 15 items as array 16 (canonical: fixarray)"},
+  {"map 16 of 15", {0xde, 0x00, 0x0f}, 3, 40, NC "map of 15 pairs as map 16 (canonical: fixmap)"},
+  {"array 32 of 65535", {0xdd, 0, 0, 0xff, 0xff}, 5, 40, NC "array of 65535 items as array 32 (canonical: array 16)"},
+  {"ext 8 of 16", {0xc7, 0x10, 0x01}, 3, 40, NC "ext of 16 bytes as ext 8 (canonical: fixext 16)"},
+  {"ext 16 of 255", {0xc8, 0x00, 0xff, 0x01}, 4, 40, NC "ext of 255 bytes as ext 16 (canonical: ext 8)"},
+  {"ext 32 of 65535", {0xc9, 0, 0, 0xff, 0xff, 0x01}, 6, 40, NC "ext of 65535 bytes as ext 32 (canonical: ext 16)"},
+};
+
+Test(pickler, a_length_one_below_the_least_its_form_holds_is_refused_naming_the_shorter_form) {
+  expect_cases_refused(one_below_the_boundary, sizeof one_below_the_boundary / sizeof *one_below_the_boundary);
   ASSERT_NO_LEAK();
 }
 
