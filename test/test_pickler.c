@@ -4652,3 +4652,211 @@ Test(pickler, a_bytes_key_of_any_length_shows_its_padded_base64) {
   dp_value_release(root);
   ASSERT_NO_LEAK();
 }
+
+/* DP_TENSOR_MAX_DIMS dimensions are the most a view has: a frame carries
+ * that many, and a tensor of one more is refused at its header. */
+Test(pickler, a_tensor_of_the_most_dimensions_round_trips_and_one_of_more_is_refused) {
+  int64_t shape[DP_TENSOR_MAX_DIMS];
+  for (int d = 0; d < DP_TENSOR_MAX_DIMS; d++) shape[d] = 1;
+  dp_value_t t;
+  OK(dp_tensor_new(t_storage(CUDA0, 0x1000, 4), DP_FLOAT32, DP_TENSOR_MAX_DIMS, shape, NULL, 0, &t, T_ERR));
+  dp_frame_t *f = pickle_ok(t, 0);
+  dp_value_t back = unpickle_ok(f);
+  cr_assert_eq(dp_tensor_ndim(back), DP_TENSOR_MAX_DIMS);
+  cr_assert_eq(dp_value_equal(back, t, 0, NULL), 1);
+  dp_value_release(back);
+  dp_value_release(t);
+  dp_frame_free(f);
+  /* 17 dimensions of 1, strides 1 */
+  uint8_t p[64], *o = p;
+  const uint8_t head[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b};
+  memcpy(o, head, sizeof head);
+  o += sizeof head;
+  for (int k = 0; k < 2; k++) {
+    *o++ = 0xdc, *o++ = 0x00, *o++ = DP_TENSOR_MAX_DIMS + 1;
+    memset(o, 0x01, DP_TENSOR_MAX_DIMS + 1);
+    o += DP_TENSOR_MAX_DIMS + 1;
+  }
+  *o++ = 0x00;
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(p, (size_t)(o - p), table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("17 dimensions", b, n, 40, "tensor has 17 dimensions (at most 16)");
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
+/* Strides lie in -(2^63-1)..2^63-1: -2^63 is out of range, refused at its
+ * own header as a dimension or an offset out of range is; -(2^63-1) over a
+ * dimension of 1 addresses one element and is read. */
+Test(pickler, a_tensor_stride_of_minus_two_to_the_63_is_refused_at_the_stride) {
+  uint8_t p[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0xd3, 0x80, 0, 0, 0, 0, 0, 0, 0, 0x00};
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(p, sizeof p, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("stride -2^63", b, n, 49, "tensor stride out of range");
+  free(b);
+  p[17] = 0x01; /* -(2^63-1) */
+  b = frame_with_table(p, sizeof p, table, sizeof table, NULL, 0, 0, &n);
+  expect_same_bytes("stride -(2^63-1)", b, n);
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
+/* A reduce node holds its type name and its state, nothing more or less. */
+Test(pickler, a_reduce_node_with_other_than_a_type_name_and_a_state_is_refused) {
+  const uint8_t three[] = {0x94, 0xd4, 0x00, 0x04, 0xa1, 'R', 0x01, 0x02};
+  expect_bad(three, sizeof three, DP_EFORMAT, 40, "reduce node has 3 fields, expected 2 (its type name and "
+             "its state)", NULL);
+  const uint8_t none[] = {0x91, 0xd4, 0x00, 0x04};
+  expect_bad(none, sizeof none, DP_EFORMAT, 40, "reduce node has 0 fields, expected 2 (its type name and "
+             "its state)", NULL);
+  ASSERT_NO_LEAK();
+}
+
+/* Names are non-empty (value.h): the reader refuses an empty class,
+ * attribute or reduce type name at the name. */
+Test(pickler, an_empty_class_attribute_or_reduce_type_name_is_refused) {
+  const uint8_t cls[] = {0x92, 0xd4, 0x00, 0x03, 0xa0};
+  expect_bad(cls, sizeof cls, DP_EFORMAT, 44, "object class: non-empty str expected", NULL);
+  const uint8_t attr[] = {0x94, 0xd4, 0x00, 0x03, 0xa1, 'A', 0xa0, 0x01};
+  expect_bad(attr, sizeof attr, DP_EFORMAT, 46, "attribute name: non-empty str expected", NULL);
+  const uint8_t red[] = {0x93, 0xd4, 0x00, 0x04, 0xa0, 0xc0};
+  expect_bad(red, sizeof red, DP_EFORMAT, 44, "reduce type: non-empty str expected", NULL);
+  ASSERT_NO_LEAK();
+}
+
+/* Resolves any allowed type to its state, counting the calls. */
+static int resolve_to_state(void *ud, const char *type, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)type, (void)err;
+  (*(int *)ud)++;
+  *out = dp_value_retain(state);
+  return 0;
+}
+
+/* The allow-list matches whole names: "Holder" allows neither "Hold" nor
+ * "HolderX", which come back as generic stand-ins. */
+Test(pickler, an_allowed_type_name_allows_neither_its_prefixes_nor_its_extensions) {
+  static const char *const names[] = {"Hold", "HolderX", "Holder"};
+  dp_value_t root = t_list();
+  for (int i = 0; i < 3; i++) {
+    dp_value_t r;
+    OK(dp_object_new_reduced(names[i], dp_int(i), &r, T_ERR));
+    OK(dp_list_append(root, r, T_ERR));
+  }
+  dp_frame_t *f = pickle_ok(root, 0);
+  int calls = 0;
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_to_state, &calls};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.resolver = &res;
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_value_t back;
+  OK(dp_unpickle(b, n, &o, &back, T_ERR));
+  cr_assert_eq(calls, 1, "only Holder is resolved");
+  for (int i = 0; i < 2; i++) {
+    dp_value_t it = dp_seq_get(back, (size_t)i);
+    cr_assert(dp_object_is_reduced(it), "%s comes back generic", names[i]);
+    cr_assert_str_eq(dp_object_class(it), names[i]);
+  }
+  cr_assert_eq(dp_value_kind(dp_seq_get(back, 2)), DP_INT, "Holder resolved to its state");
+  cr_assert_eq(dp_value_as_int(dp_seq_get(back, 2)), 2);
+  dp_value_release(back);
+  dp_value_release(root);
+  dp_frame_free(f);
+  ASSERT_NO_LEAK();
+}
+
+/* [L, Holder([L])] with L = [L]: the custom's state reaches a cycle, but a
+ * finished one beside it, not a container around it, so it is resolved. */
+Test(pickler, a_resolved_custom_whose_state_reaches_a_finished_cycle_beside_it_is_resolved) {
+  dp_value_t root = t_list(), l = t_list();
+  OK(dp_list_append(l, dp_value_retain(l), T_ERR));
+  OK(dp_list_append(root, l, T_ERR));
+  OK(dp_list_append(root, t_holder(dp_value_retain(l)), T_ERR));
+  dp_frame_t *f = pickle_ok(root, 0);
+  int calls = 0;
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_holder, &calls};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.resolver = &res;
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_value_t back;
+  dp_error_t e;
+  OK_WITH(&e, dp_unpickle(b, n, &o, &back, &e));
+  cr_assert_eq(calls, 1);
+  dp_value_t first = dp_seq_get(back, 0), custom = dp_seq_get(back, 1);
+  cr_assert_eq(dp_value_id(dp_seq_get(first, 0)), dp_value_id(first), "the list still holds itself");
+  cr_assert_eq(dp_custom_type(custom), &holder_type);
+  cr_assert_eq(dp_value_id(((holder_t *)dp_custom_data(custom))->held), dp_value_id(first),
+               "the custom holds that list");
+  dp_value_release(back);
+  dp_value_release(root);
+  dp_frame_free(f);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
+
+static int resolve_makes_then_fails(void *ud, const char *type, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)ud, (void)type, (void)state;
+  int rc = dp_list_new(4, out, err);
+  if (rc) return rc;
+  snprintf(err->message, sizeof err->message, "Holder is retired");
+  return DP_EIO;
+}
+
+/* What a failing resolver left in *out is released by the library
+ * (pickler.h), as what a failing bind left is. */
+Test(pickler, a_resolver_that_fails_after_making_a_value_is_an_error_without_a_leak) {
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_makes_then_fails, NULL};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.resolver = &res;
+  /* [reduce Holder [1]] */
+  const uint8_t p[] = {0x91, 0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r', 0x91, 0x01};
+  uint8_t frame[128];
+  size_t n = make_frame(frame, p, sizeof p);
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(frame, n, &o, &out, &e), DP_EIO, "%s", e.message);
+  cr_assert_str_eq(e.message, "resolving custom 'Holder' failed: Holder is retired");
+  cr_assert_eq(e.offset, 40 + (int64_t)sizeof p, "where reading stopped: %lld", (long long)e.offset);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
+
+/* max_buffers is the most buffers a frame may describe: as many are read,
+ * one more is refused at the table, by both readers. */
+Test(pickler, a_frame_of_exactly_max_buffers_is_read_and_one_more_is_refused_at_the_table) {
+  dp_value_t root = t_list();
+  OK(dp_list_append(root, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_list_append(root, t_tensor(CUDA0, 0x2000, 4), T_ERR));
+  dp_frame_t *f = pickle_ok(root, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  int64_t table_at = 40;
+  for (int i = 0; i < 8; i++) table_at += (int64_t)b[8 + i] << (8 * i);
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  dp_value_t back;
+  dp_error_t e;
+  o.limits.max_buffers = 2;
+  OK_WITH(&e, dp_unpickle(b, n, &o, &back, &e));
+  cr_assert_eq(dp_value_equal(back, root, 0, NULL), 1);
+  dp_value_release(back);
+  o.limits.max_buffers = 1;
+  for (int streamed = 0; streamed < 2; streamed++) {
+    int rc = streamed ? unpickle_streamed(b, n, &o, &back, &e) : dp_unpickle(b, n, &o, &back, &e);
+    cr_assert_eq(rc, DP_ELIMIT, "%s: %s", streamed ? "streamed" : "whole", dp_err_name(rc));
+    cr_assert_str_eq(e.message, "buffer count exceeds the limit of 1");
+    cr_assert_eq(e.offset, table_at, "at the table: %lld", (long long)e.offset);
+  }
+  dp_value_release(root);
+  dp_frame_free(f);
+  ASSERT_NO_LEAK();
+}
