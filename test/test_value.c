@@ -1625,3 +1625,353 @@ Test(value, a_custom_without_a_destroy_callback_is_freed_when_its_last_reference
   dp_value_release(h);
   ASSERT_NO_LEAK();
 }
+
+/* ---- edges a mutation run of value.c found unchecked ---- */
+
+Test(value, a_kind_past_the_last_is_named_invalid) {
+  cr_assert_str_eq(dp_kind_name(DP_CUSTOM), "custom");
+  cr_assert_str_eq(dp_kind_name((dp_kind_t)DP_KIND_COUNT), "invalid");
+  cr_assert_str_eq(dp_kind_name((dp_kind_t)-1), "invalid");
+}
+
+/* value.h: the text may be NULL only when its length is 0. */
+Test(value, str_and_bytes_take_a_null_pointer_only_with_a_length_of_zero) {
+  dp_value_t s, b;
+  dp_error_t e;
+  OK_WITH(&e, dp_str_new(NULL, 0, &s, &e));
+  size_t n = 99;
+  cr_assert_str_eq(dp_str_data(s, &n), "");
+  cr_assert_eq(n, 0);
+  OK_WITH(&e, dp_bytes_new(NULL, 0, &b, &e));
+  cr_assert_not_null(dp_bytes_data(b, &n));
+  cr_assert_eq(n, 0);
+  cr_assert_eq(dp_str_new(NULL, 1, &s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_str_new: NULL s");
+  cr_assert_eq(dp_bytes_new(NULL, 1, &b, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_bytes_new: NULL p");
+  dp_value_release(s);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
+
+/* value.h: NULL and 0 for a value of another kind, the length too. */
+Test(value, str_or_bytes_data_of_another_kind_is_null_with_a_length_of_zero) {
+  dp_value_t s = t_str("abc"), b;
+  OK(dp_bytes_new("abc", 3, &b, T_ERR));
+  size_t n = 99;
+  cr_assert_null(dp_str_data(b, &n));
+  cr_assert_eq(n, 0);
+  n = 99;
+  cr_assert_null(dp_str_data(dp_int(7), &n));
+  cr_assert_eq(n, 0);
+  n = 99;
+  cr_assert_null(dp_bytes_data(s, &n));
+  cr_assert_eq(n, 0);
+  dp_value_release(s);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
+
+/* value.h: a tuple has a fixed length; dp_list_append refuses it. */
+Test(value, a_tuple_is_not_appended_to_and_keeps_its_length) {
+  dp_value_t t;
+  dp_error_t e;
+  OK(dp_tuple_new(2, &t, T_ERR));
+  cr_assert_eq(dp_seq_len(t), 2);
+  cr_assert_eq(dp_list_append(t, t_str("x"), &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_list_append: expected list, got tuple");
+  cr_assert_eq(dp_seq_len(t), 2);
+  cr_assert_eq(dp_value_kind(dp_seq_get(t, 1)), DP_NONE);
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
+/* Fills every new block with 0xa5, so that a read past a container's items
+ * finds no zero that happens to read as none. */
+static void *poisoning_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  void *p = t_alloc(ud, ptr, osize, nsize);
+  if (p && nsize > osize) memset((char *)p + osize, 0xa5, nsize - osize);
+  return p;
+}
+
+Test(value, the_index_one_past_the_last_is_out_of_range_for_every_lookup) {
+  dp_set_allocator(poisoning_alloc, NULL);
+  dp_value_t l, d, o, v;
+  dp_error_t e;
+  OK(dp_list_new(4, &l, T_ERR));  /* room past its items */
+  OK(dp_list_append(l, dp_int(1), T_ERR));
+  OK(dp_list_append(l, dp_int(2), T_ERR));
+  cr_assert_eq(dp_value_kind(dp_seq_get(l, 2)), DP_NONE, "the slot past the last item is not an item");
+  cr_assert_eq(dp_seq_set(l, 2, t_str("x"), &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_seq_set: index 2 out of range (length 2)");
+  cr_assert_eq(dp_seq_len(l), 2);
+  OK(dp_dict_new(4, &d, T_ERR));
+  OK(dp_dict_set(d, dp_int(1), dp_int(2), T_ERR));
+  cr_assert_eq(dp_dict_item(d, 1, NULL, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dict_item: index 1 out of range (length 1)");
+  o = t_obj("M");
+  OK(dp_object_set(o, "x", dp_int(1), T_ERR));
+  cr_assert_eq(dp_object_attr(o, 1, NULL, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_attr: index 1 out of range (1 attributes)");
+  dp_value_release(l);
+  dp_value_release(d);
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
+
+/* n tuples of one item around `inner`. */
+static dp_value_t wrap_in_tuples(dp_value_t inner, int n) {
+  for (int i = 0; i < n; i++) {
+    dp_value_t t;
+    OK(dp_tuple_new(1, &t, T_ERR));
+    OK(dp_seq_set(t, 0, inner, T_ERR));
+    inner = t;
+  }
+  return inner;
+}
+
+/* value.h: no node of a key deeper than level 32 — an empty tuple is a
+ * node too, and may lie at level 32 itself. */
+Test(value, an_empty_tuple_at_level_32_of_a_key_is_hashable_and_one_level_deeper_is_not) {
+  dp_value_t empty;
+  OK(dp_tuple_new(0, &empty, T_ERR));
+  dp_value_t k = wrap_in_tuples(empty, 32);
+  cr_assert(dp_value_is_hashable(k), "an empty tuple at level 32");
+  dp_value_t deeper = wrap_in_tuples(dp_value_retain(k), 1);
+  cr_assert_not(dp_value_is_hashable(deeper), "an empty tuple at level 33");
+  dp_value_t d;
+  dp_error_t e;
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK_WITH(&e, dp_dict_set(d, k, dp_int(1), &e));
+  cr_assert_eq(dp_dict_set(d, deeper, dp_int(2), &e), DP_ETYPE);
+  cr_assert_eq(dp_dict_len(d), 1);
+  dp_value_release(d);
+  ASSERT_NO_LEAK();
+}
+
+/* value.h: a str or bytes reads all its bytes the first time any hash
+ * takes it, then keeps its hash. */
+Test(value, a_str_reads_its_bytes_for_the_first_hash_taken_of_it_only) {
+  char text[1000];
+  memset(text, 'q', sizeof text);
+  dp_value_t s, d, v;
+  OK(dp_str_new(text, sizeof text, &s, T_ERR));
+  uint64_t before = dp__key_bytes_hashed;
+  uint64_t h = dp_value_hash(s);
+  cr_assert_eq(dp_value_hash(s), h);
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_dict_set(d, dp_value_retain(s), dp_int(1), T_ERR));
+  OK(dp_dict_get(d, s, &v, T_ERR));
+  cr_assert_eq(dp__key_bytes_hashed - before, sizeof text, "%llu bytes read for hashes",
+               (unsigned long long)(dp__key_bytes_hashed - before));
+  dp_value_release(d);
+  dp_value_release(s);
+  ASSERT_NO_LEAK();
+}
+
+/* n nested lists around a list holding leaf: the leaf lies at level n + 1. */
+static dp_value_t nested_lists(dp_value_t leaf, int n) {
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, leaf, T_ERR));
+  for (int i = 0; i < n; i++) {
+    dp_value_t up = t_list();
+    OK(dp_list_append(up, l, T_ERR));
+    l = up;
+  }
+  return l;
+}
+
+/* value.h: the hash looks within 12 levels: values that differ only below
+ * them hash alike; a difference at level 12 still counts. */
+Test(value, two_values_that_differ_only_below_the_twelfth_level_hash_alike) {
+  dp_value_t a = nested_lists(dp_int(0), 12), b = nested_lists(dp_int(1), 12);
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 0);
+  cr_assert_eq(dp_value_hash(a), dp_value_hash(b), "the hash read level 13");
+  dp_value_t c = nested_lists(dp_int(0), 11), d = nested_lists(dp_int(1), 11);
+  cr_assert_neq(dp_value_hash(c), dp_value_hash(d), "the hash did not read level 12");
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_value_release(c);
+  dp_value_release(d);
+  ASSERT_NO_LEAK();
+}
+
+/* A tuple that keys a dict keeps what the walk of its tree found: keying
+ * more dicts with it walks its direct items no more (value.c, "keys"). */
+Test(value, a_tuple_key_is_walked_whole_once_however_many_dicts_it_keys) {
+  enum { ITEMS = 1000, DICTS = 100 };
+  dp_value_t k, d[DICTS];
+  OK(dp_tuple_new(ITEMS, &k, T_ERR));
+  for (int i = 0; i < ITEMS; i++) OK(dp_seq_set(k, (size_t)i, dp_int(i), T_ERR));
+  OK(dp_dict_new(0, &d[0], T_ERR));
+  OK(dp_dict_set(d[0], dp_value_retain(k), dp_int(0), T_ERR));
+  uint64_t before = dp__key_nodes_walked;
+  for (int i = 1; i < DICTS; i++) {
+    OK(dp_dict_new(0, &d[i], T_ERR));
+    OK(dp_dict_set(d[i], dp_value_retain(k), dp_int(i), T_ERR));
+  }
+  uint64_t walked = dp__key_nodes_walked - before;
+  cr_assert_leq(walked, 2 * DICTS, "%llu key nodes walked for %d more dicts", (unsigned long long)walked, DICTS - 1);
+  for (int i = 0; i < DICTS; i++) dp_value_release(d[i]);
+  dp_value_release(k);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, setting_into_a_value_that_is_not_a_dict_releases_the_key_and_the_value) {
+  dp_value_t l = t_list();
+  dp_error_t e;
+  cr_assert_eq(dp_dict_set(l, t_str("k"), t_str("v"), &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dict_set: expected dict, got list");
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+/* The reader's insert (DP__KEEP_ON_EXISTS) hands a duplicate's key and
+ * value back, to name the key before releasing them, and changes nothing. */
+Test(value, an_insert_that_keeps_a_duplicate_hands_its_key_and_value_back_and_changes_nothing) {
+  dp_value_t d, v;
+  dp_error_t e;
+  dp_error_clear(&e);
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_dict_set(d, t_str("a"), dp_int(1), T_ERR));
+  dp_value_t k = t_str("a"), val = t_str("x");
+  cr_assert_eq(dp__dict_set_checked(d, k, val, DP__KEEP_ON_EXISTS, &e), DP__EXISTS);
+  OK(dp_dict_get(d, k, &v, T_ERR));
+  cr_assert_eq(dp_value_kind(v), DP_INT, "the entry kept its value");
+  cr_assert_eq(dp_value_refcount(k), 1, "the key is the caller's");
+  cr_assert_eq(dp_value_refcount(val), 1, "the value is the caller's");
+  dp_value_release(k);
+  dp_value_release(val);
+  dp_value_release(d);
+  ASSERT_NO_LEAK();
+}
+
+/* value.h: DP_ENOTFOUND also for an unhashable key. */
+Test(value, looking_up_an_unhashable_key_is_not_found_and_says_why) {
+  dp_value_t d, v, l = t_list();
+  dp_error_t e;
+  OK(dp_dict_new(0, &d, T_ERR));
+  cr_assert_eq(dp_dict_get(d, l, &v, &e), DP_ENOTFOUND);
+  cr_assert_str_eq(e.message, "dp_dict_get: no such key (a key of kind list is not hashable)");
+  dp_value_release(l);
+  dp_value_release(d);
+  ASSERT_NO_LEAK();
+}
+
+/* Names shorter than 16 bytes are kept inline, longer ones on the heap:
+ * 15, 16 and 17 bytes are found, named and freed alike. */
+Test(value, attribute_names_at_the_inline_limit_are_found_named_and_freed) {
+  static const char *const names[] = {"abcdefghijklmno", "abcdefghijklmnop", "abcdefghijklmnopq"};
+  dp_value_t o = t_obj("M"), v;
+  for (int i = 0; i < 3; i++) OK(dp_object_set(o, names[i], dp_int(i), T_ERR));
+  for (int i = 0; i < 3; i++) {
+    const char *n;
+    OK(dp_object_get(o, names[i], &v, T_ERR));
+    cr_assert_eq(dp_value_as_int(v), i);
+    OK(dp_object_attr(o, (size_t)i, &n, NULL, T_ERR));
+    cr_assert_str_eq(n, names[i]);
+  }
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, a_storage_on_a_device_that_cannot_exist_is_refused_naming_it) {
+  dp_storage_t *s;
+  dp_error_t e;
+  cr_assert_eq(dp_storage_new(t_dev(DP_DEVICE_TYPE_COUNT, 0), (void *)0x1000, 4, NULL, NULL, &s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_storage_new: invalid device (type 3, index 0)");
+  cr_assert_eq(dp_storage_new(t_dev(DP_DEVICE_CPU, 1), (void *)0x1000, 4, NULL, NULL, &s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_storage_new: invalid device (type 0, index 1)");
+  OK_WITH(&e, dp_storage_new(t_dev(DP_DEVICE_HOST, 255), (void *)0x1000, 4, NULL, NULL, &s, &e));
+  dp_storage_release(s);
+  ASSERT_NO_LEAK();
+}
+
+/* A storage of 0 bytes takes host data of 0 bytes, which may be NULL;
+ * any other needs its bytes. */
+Test(value, host_data_may_be_null_only_for_a_storage_of_zero_bytes) {
+  dp_storage_t *z = t_storage(t_dev(DP_DEVICE_CPU, 0), 0x1000, 0), *s = t_storage(t_dev(DP_DEVICE_CPU, 0), 0x2000, 4);
+  dp_error_t e;
+  OK_WITH(&e, dp_storage_set_host_data(z, NULL, &e));
+  cr_assert_eq(dp_storage_set_host_data(s, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_storage_set_host_data: NULL data");
+  cr_assert_null(dp_storage_host_data(s));
+  dp_storage_release(z);
+  dp_storage_release(s);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, a_tensor_of_sixteen_dimensions_is_made_and_one_of_seventeen_is_refused) {
+  int64_t shape[DP_TENSOR_MAX_DIMS + 1];
+  for (int d = 0; d <= DP_TENSOR_MAX_DIMS; d++) shape[d] = 1;
+  dp_storage_t *s = t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 4);
+  dp_value_t t;
+  dp_error_t e;
+  OK_WITH(&e, dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, DP_TENSOR_MAX_DIMS, shape, NULL, 0, &t, &e));
+  cr_assert_eq(dp_tensor_ndim(t), DP_TENSOR_MAX_DIMS);
+  cr_assert_eq(dp_tensor_strides(t)[DP_TENSOR_MAX_DIMS - 1], 1);
+  dp_value_release(t);
+  cr_assert_eq(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, DP_TENSOR_MAX_DIMS + 1, shape, NULL, 0, &t, &e),
+               DP_EINVAL);
+  cr_assert_str_eq(e.message, "tensor has 17 dimensions (0..16 allowed)");
+  dp_storage_release(s);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, a_negative_offset_or_dimension_is_named_in_the_refusal) {
+  dp_storage_t *s = t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 64);
+  dp_value_t t;
+  dp_error_t e;
+  int64_t one[1] = {1}, neg[1] = {-1};
+  cr_assert_eq(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, one, NULL, -1, &t, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "negative tensor offset -1");
+  cr_assert_eq(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, neg, one, 0, &t, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "negative tensor dimension -1");
+  dp_storage_release(s);
+  ASSERT_NO_LEAK();
+}
+
+/* Contiguous strides step over a 0 dimension as over one of 1 (as
+ * PyTorch's do): shape [2, 0, 3] has strides [3, 3, 1]. */
+Test(value, contiguous_strides_step_over_a_zero_dimension_as_over_a_dimension_of_one) {
+  int64_t shape[3] = {2, 0, 3};
+  dp_value_t t;
+  OK(dp_tensor_new(t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 0), DP_FLOAT32, 3, shape, NULL, 0, &t, T_ERR));
+  const int64_t *st = dp_tensor_strides(t);
+  cr_assert(st[0] == 3 && st[1] == 3 && st[2] == 1, "strides [%lld, %lld, %lld]", (long long)st[0],
+            (long long)st[1], (long long)st[2]);
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
+/* A shape is required when there are dimensions (not for a 0-d view); the
+ * refused call still takes the storage. */
+Test(value, a_tensor_with_dimensions_and_no_shape_is_refused_and_its_storage_released) {
+  dp_value_t t;
+  dp_error_t e;
+  cr_assert_eq(dp_tensor_new(t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 4), DP_FLOAT32, 1, NULL, NULL, 0, &t, &e),
+               DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_tensor_new: NULL shape");
+  OK_WITH(&e, dp_tensor_new(t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 4), DP_FLOAT32, 0, NULL, NULL, 0, &t, &e));
+  cr_assert_eq(dp_tensor_ndim(t), 0);
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, tensor_and_custom_accessors_of_another_kind_give_null_and_zero) {
+  dp_value_t l = t_list();
+  cr_assert_null(dp_tensor_storage(l));
+  cr_assert_eq(dp_tensor_dtype(l), 0);
+  cr_assert_eq(dp_tensor_ndim(l), 0);
+  cr_assert_null(dp_tensor_shape(l));
+  cr_assert_null(dp_tensor_strides(l));
+  cr_assert_eq(dp_tensor_offset(l), 0);
+  cr_assert_null(dp_custom_type(l));
+  cr_assert_null(dp_custom_data(l));
+  cr_assert_null(dp_object_class(l));
+  cr_assert_eq(dp_object_nattrs(l), 0);
+  cr_assert_eq(dp_dict_len(l), 0);
+  cr_assert_eq(dp_seq_len(dp_int(3)), 0);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
