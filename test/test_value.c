@@ -1078,6 +1078,51 @@ Test(value, a_container_buffered_by_another_thread_frees_its_contents_when_relea
 
 /* ---- the collector across threads, step by step ---- */
 
+/* An allocator under which a freed block is never reused: it is zeroed and
+ * kept until quarantine_release() checks that nothing wrote to it after it
+ * was freed (the collector must not touch a dead container). Zero, not a
+ * pattern: a dead container then reads as one that is neither buffered nor
+ * garbage, which a stray release acts on (writes to) instead of skipping. */
+enum { QUARANTINE_MAX = 4096 };
+static struct {
+  void *p;
+  size_t n;
+} quarantine[QUARANTINE_MAX];
+static size_t nquarantined;
+static pthread_mutex_t quarantine_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void *quarantining_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  if (nsize || !ptr) return t_alloc(ud, ptr, osize, nsize);
+  pthread_mutex_lock(&quarantine_mu);
+  int room = nquarantined < QUARANTINE_MAX;
+  if (room) {
+    memset(ptr, 0, osize);
+    quarantine[nquarantined].p = ptr;
+    quarantine[nquarantined++].n = osize;
+    atomic_fetch_sub(&t_live_blocks, 1);
+    atomic_fetch_sub(&t_live_bytes, (long)osize);
+  }
+  pthread_mutex_unlock(&quarantine_mu);
+  return room ? NULL : t_alloc(ud, ptr, osize, 0);
+}
+
+/* Frees the kept blocks; returns how many were written to after their free. */
+static size_t quarantine_release(void) {
+  size_t touched = 0;
+  for (size_t i = 0; i < nquarantined; i++) {
+    const unsigned char *b = quarantine[i].p;
+    for (size_t k = 0; k < quarantine[i].n; k++)
+      if (b[k] != 0) {
+        touched++;
+        break;
+      }
+    free(quarantine[i].p);
+  }
+  nquarantined = 0;
+  return touched;
+}
+
+
 /* A thread that runs one job at a time when asked, and stays alive (a
  * thread's exit collects its buffer, which would change the scenario). */
 typedef struct worker {
@@ -1154,6 +1199,7 @@ static void pause_release(int where) {
 }
 
 Test(value, a_container_let_go_by_its_buffering_thread_is_buffered_by_one_other_thread_only) {
+  dp_set_allocator(quarantining_alloc, NULL);
   worker_start(&w_owner);
   worker_start(&w_other);
   w_shared = t_list();
@@ -1171,6 +1217,7 @@ Test(value, a_container_let_go_by_its_buffering_thread_is_buffered_by_one_other_
   worker_run(&w_other, job_collect, w_shared);
   worker_stop(&w_owner);
   worker_stop(&w_other);
+  cr_assert_eq(quarantine_release(), 0, "a freed block was written to");
   ASSERT_NO_LEAK();
 }
 
@@ -1178,6 +1225,7 @@ Test(value, a_container_let_go_by_its_buffering_thread_is_buffered_by_one_other_
  * another thread, is freed there, memory and all: nothing waits for the
  * idle thread's next collection. */
 Test(value, a_container_buffered_by_an_idle_thread_is_freed_whole_when_released_to_zero_elsewhere) {
+  dp_set_allocator(quarantining_alloc, NULL);  /* and then never touched by that thread's exit trial */
   worker_start(&w_owner);
   dp_value_t l = t_list();
   OK(dp_list_append(l, t_obj("Item"), T_ERR));
@@ -1186,6 +1234,7 @@ Test(value, a_container_buffered_by_an_idle_thread_is_freed_whole_when_released_
   long live = atomic_load(&t_live_blocks);
   worker_stop(&w_owner);
   cr_assert_eq(live, 0, "%ld blocks waited for the thread that buffered the container", live);
+  cr_assert_eq(quarantine_release(), 0, "a freed block was written to");
   ASSERT_NO_LEAK();
 }
 
@@ -1973,5 +2022,147 @@ Test(value, tensor_and_custom_accessors_of_another_kind_give_null_and_zero) {
   cr_assert_eq(dp_dict_len(l), 0);
   cr_assert_eq(dp_seq_len(dp_int(3)), 0);
   dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+/* ---- edges a mutation run of gc.c found unchecked ---- */
+
+/* Another thread's candidate names its slot in that thread's buffer: the
+ * slot of the same number here holds this thread's own candidate, which a
+ * release of the other's to zero must leave in place. */
+Test(value, releasing_another_threads_candidate_to_zero_leaves_this_threads_own_candidates_buffered) {
+  dp_set_allocator(quarantining_alloc, NULL);
+  worker_start(&w_owner);
+  dp_value_collect();  /* this thread's buffer empty: its next candidate takes slot 0 */
+  dp_value_t cycle = t_list();
+  OK(dp_list_append(cycle, dp_value_retain(cycle), T_ERR));
+  dp_value_release(cycle);  /* garbage, this thread's candidate at slot 0 */
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_obj("Item"), T_ERR));
+  worker_run(&w_owner, job_release, dp_value_retain(l));  /* w_owner's candidate at its slot 0 */
+  dp_value_release(l);                                    /* 1 -> 0 here */
+  dp_value_collect();  /* the cycle is still this thread's candidate: freed now */
+  long live = atomic_load(&t_live_blocks);
+  worker_run(&w_owner, job_collect, dp_none());
+  worker_stop(&w_owner);
+  cr_assert_eq(live, 0, "%ld blocks live: this thread's cycle left its buffer", live);
+  cr_assert_eq(quarantine_release(), 0, "a freed block was written to");
+  ASSERT_NO_LEAK();
+}
+
+enum { GROWN = 600 };
+static dp_value_t grown[GROWN];
+static void job_release_grown(dp_value_t v) {
+  (void)v;
+  for (int i = 0; i < GROWN; i++) dp_value_release(grown[i]);
+}
+
+/* A grown candidate array goes back when its buffer is empty, also when
+ * other threads emptied it (they remove entries, never arrays): at the
+ * latest when its thread exits. */
+Test(value, a_grown_buffer_that_other_threads_emptied_goes_back_when_its_thread_exits) {
+  worker_start(&w_owner);
+  for (int i = 0; i < GROWN; i++) {
+    grown[i] = t_list();
+    OK(dp_list_append(grown[i], t_list(), T_ERR));
+    dp_value_retain(grown[i]);
+  }
+  long before = t_alloc_count;
+  /* 256 candidates; the 257th release tries them and meets 768 live
+   * containers and children, so the buffer grows before its next trial */
+  worker_run(&w_owner, job_release_grown, dp_none());
+  cr_assert_gt(t_alloc_count, before, "w_owner's buffer grew");
+  for (int i = 0; i < GROWN; i++) dp_value_release(grown[i]);  /* to zero here: w_owner's buffer empties */
+  worker_stop(&w_owner);
+  ASSERT_NO_LEAK();
+}
+
+/* value.h: a buffer that cannot grow is collected as it is — by the release
+ * that found it full, not later. */
+Test(value, a_release_whose_buffer_cannot_grow_collects_the_buffer_then_and_there) {
+  enum { N = 1000, H = 1200 };
+  dp_value_t big = t_list(), root = t_list();
+  for (int i = 0; i < N; i++) OK(dp_list_append(big, t_list(), T_ERR));
+  dp_value_t *holders = malloc(H * sizeof *holders);
+  for (int i = 0; i < H; i++) {
+    holders[i] = t_list();
+    OK(dp_list_append(holders[i], dp_value_retain(big), T_ERR));
+    OK(dp_list_append(root, dp_value_retain(holders[i]), T_ERR));
+  }
+  dp_value_release(big);
+  for (int i = 0; i < 300; i++) dp_value_release(holders[i]);  /* a trial that meets big: the buffer will grow */
+  long fail = t_alloc_count + 1;
+  t_fail_at = fail;
+  int at = -1;
+  for (int i = 300; i < H && at < 0; i++) {
+    dp__gc_items_walked = 0;
+    dp_value_release(holders[i]);
+    if (t_alloc_count >= fail) at = i;
+  }
+  t_fail_at = 0;
+  cr_assert_geq(at, 0, "no growth was tried");
+  cr_assert_gt(dp__gc_items_walked, 0, "release %d could not grow the buffer and did not collect it", at);
+  for (int i = at + 1; i < H; i++) dp_value_release(holders[i]);
+  free(holders);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
+/* A custom's destroy that releases a container runs inside the drain that
+ * frees a garbage cycle: the release must not free the cycle's members
+ * already drained, whose state the rest of the drain still reads (B, below,
+ * while A's items are released). */
+Test(value, a_destroy_releasing_a_container_midway_through_a_cycles_drain_touches_no_freed_member) {
+  dp_set_allocator(quarantining_alloc, NULL);
+  dp_value_t x = t_list(), a = t_list(), b = t_list(), c;
+  dp_value_t *box = malloc(sizeof *box);
+  *box = dp_value_retain(x);  /* the custom's reference to x, let go in its destroy */
+  OK(dp_custom_new(&holder_type, box, &c, T_ERR));
+  OK(dp_list_append(a, c, T_ERR));  /* A = [C, B], B = [A] */
+  OK(dp_list_append(a, b, T_ERR));
+  OK(dp_list_append(b, dp_value_retain(a), T_ERR));
+  dp_value_release(a);  /* the cycle's candidate */
+  dp_value_collect();   /* B drains first, then A, whose C lets go of x */
+  cr_assert_eq(dp_value_refcount(x), 1);
+  dp_value_release(x);
+  dp_value_collect();
+  cr_assert_eq(quarantine_release(), 0, "a freed block was written to");
+  ASSERT_NO_LEAK();
+}
+
+static void pause_owner_collects(int where) {
+  if (pthread_equal(pthread_self(), w_paused) && where == DP_GC_PAUSE_FOREIGN)
+    worker_run(&w_owner, job_collect, dp_none());
+}
+
+/* A release that finds another thread's candidate let go by that thread
+ * buffers it here; with this thread's buffer full, it collects the buffer
+ * first, as any release into a full buffer does. */
+Test(value, a_release_that_takes_over_a_candidate_into_a_full_buffer_collects_the_buffer_first) {
+  worker_start(&w_owner);
+  dp_value_collect();  /* this thread's buffer empty */
+  dp_value_t keep = t_list();
+  for (int i = 0; i < 256; i++) {
+    dp_value_t l = t_list();
+    OK(dp_list_append(l, dp_int(i), T_ERR));
+    OK(dp_list_append(keep, dp_value_retain(l), T_ERR));
+    dp_value_release(l);  /* live candidates: the buffer is full */
+  }
+  w_shared = t_list();
+  OK(dp_list_append(w_shared, t_obj("Item"), T_ERR));
+  dp_value_retain(w_shared);
+  dp_value_retain(w_shared);
+  worker_run(&w_owner, job_release, w_shared);  /* 3 -> 2: w_owner's candidate */
+  w_paused = pthread_self();
+  dp__gc_pause_hook = pause_owner_collects;
+  dp__gc_items_walked = 0;
+  dp_value_release(w_shared);  /* w_owner's trial lets go of it first: 2 -> 1, buffered here */
+  dp__gc_pause_hook = NULL;
+  uint64_t walked = dp__gc_items_walked;
+  cr_assert_gt(walked, 0, "the full buffer was not collected before it took one more");
+  dp_value_release(w_shared);
+  dp_value_release(keep);
+  dp_value_collect();
+  worker_stop(&w_owner);
   ASSERT_NO_LEAK();
 }
