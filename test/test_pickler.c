@@ -598,15 +598,25 @@ static dp_frame_t *pickle_ok(dp_value_t v, uint32_t flags) {
   return f;
 }
 
-static dp_value_t unpickle_ok(dp_frame_t *f) {
+/* Reader options with only a resolver set. */
+static dp_unpickle_opts_t with_resolver(const dp_resolver_t *res) {
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.resolver = res;
+  return o;
+}
+
+static dp_value_t unpickle_with(dp_frame_t *f, const dp_unpickle_opts_t *o) {
   size_t n;
   const uint8_t *b = dp_frame_data(f, &n);
   dp_value_t v;
   dp_error_t e;
-  int rc = dp_unpickle(b, n, NULL, &v, &e);
+  int rc = dp_unpickle(b, n, o, &v, &e);
   cr_assert_eq(rc, 0, "unpickle: %s (at byte %lld)", e.message, (long long)e.offset);
   return v;
 }
+
+static dp_value_t unpickle_ok(dp_frame_t *f) { return unpickle_with(f, NULL); }
 
 Test(pickler, round_trip_preserves_sharing_and_cycles) {
   dp_value_t root = t_obj("Graph"), shared = t_list(), d;
@@ -783,13 +793,8 @@ Test(pickler, a_resolver_rebuilds_only_allowed_types) {
   int calls = 0;
   const char *allowed[] = {"Holder"};
   dp_resolver_t res = {allowed, 1, resolve_holder, &calls};
-  dp_unpickle_opts_t o;
-  memset(&o, 0, sizeof o);
-  o.resolver = &res;
-  size_t n;
-  const uint8_t *b = dp_frame_data(f, &n);
-  dp_value_t back;
-  OK(dp_unpickle(b, n, &o, &back, T_ERR));
+  dp_unpickle_opts_t o = with_resolver(&res);
+  dp_value_t back = unpickle_with(f, &o);
   cr_assert_eq(calls, 2);
   cr_assert_eq(dp_custom_type(dp_seq_get(back, 0)), &holder_type);
   dp_value_t o2 = dp_seq_get(back, 1), st, inner;
@@ -1934,9 +1939,7 @@ static void resolve_then_refer_back(uint8_t node) {
   int calls = 0;
   const char *allowed[] = {"Holder"};
   dp_resolver_t res = {allowed, 1, resolve_holder, &calls};
-  dp_unpickle_opts_t o;
-  memset(&o, 0, sizeof o);
-  o.resolver = &res;
+  dp_unpickle_opts_t o = with_resolver(&res);
   dp_value_t back;
   dp_error_t e;
   int rc = dp_unpickle(b, n, &o, &back, &e);
@@ -2446,9 +2449,7 @@ Test(pickler, a_resolved_custom_whose_state_reaches_an_open_container_is_refused
   int calls = 0;
   const char *allowed[] = {"Holder"};
   dp_resolver_t res = {allowed, 1, resolve_holder, &calls};
-  dp_unpickle_opts_t o;
-  memset(&o, 0, sizeof o);
-  o.resolver = &res;
+  dp_unpickle_opts_t o = with_resolver(&res);
   const char *msg = "reduced state of 'Holder' refers to it or to a container around it: a resolved custom "
                     "cannot be in a cycle";
   /* [reduce Holder [backref 0]]: the state holds the list around it */
@@ -3634,22 +3635,25 @@ static int resolve_positive(void *ud, const char *type, dp_value_t state, dp_val
   return 3;
 }
 
-Test(pickler, a_resolver_that_succeeds_without_a_value_or_returns_a_positive_code_is_an_error) {
+/* The payload of a frame of one custom, [reduce Holder [1]]. */
+static const uint8_t holder_of_one[] = {0x91, 0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r', 0x91, 0x01};
+
+/* Unpickles a frame of holder_of_one with `resolve` allowed to make Holder. */
+static int resolve_holder_of_one(dp_resolve_cb resolve, dp_value_t *out, dp_error_t *e) {
   const char *allowed[] = {"Holder"};
-  dp_resolver_t res = {allowed, 1, resolve_silently, NULL};
-  dp_unpickle_opts_t o;
-  memset(&o, 0, sizeof o);
-  o.resolver = &res;
-  /* [reduce Holder [1]] */
-  const uint8_t p[] = {0x91, 0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r', 0x91, 0x01};
+  dp_resolver_t res = {allowed, 1, resolve, NULL};
+  dp_unpickle_opts_t o = with_resolver(&res);
   uint8_t frame[128];
-  size_t n = make_frame(frame, p, sizeof p);
+  size_t n = make_frame(frame, holder_of_one, sizeof holder_of_one);
+  return dp_unpickle(frame, n, &o, out, e);
+}
+
+Test(pickler, a_resolver_that_succeeds_without_a_value_or_returns_a_positive_code_is_an_error) {
   dp_value_t out;
   dp_error_t e;
-  cr_assert_eq(dp_unpickle(frame, n, &o, &out, &e), DP_EINVAL, "never a silent none");
+  cr_assert_eq(resolve_holder_of_one(resolve_silently, &out, &e), DP_EINVAL, "never a silent none");
   cr_assert(strstr(e.message, "the resolver returned 0 without a value"), "%s", e.message);
-  res.resolve = resolve_positive;
-  cr_assert_eq(dp_unpickle(frame, n, &o, &out, &e), DP_EINVAL);
+  cr_assert_eq(resolve_holder_of_one(resolve_positive, &out, &e), DP_EINVAL);
   cr_assert(strstr(e.message, "the resolver returned 3"), "%s", e.message);
   dp_value_collect();
   ASSERT_NO_LEAK();
@@ -4748,13 +4752,8 @@ Test(pickler, an_allowed_type_name_allows_neither_its_prefixes_nor_its_extension
   int calls = 0;
   const char *allowed[] = {"Holder"};
   dp_resolver_t res = {allowed, 1, resolve_to_state, &calls};
-  dp_unpickle_opts_t o;
-  memset(&o, 0, sizeof o);
-  o.resolver = &res;
-  size_t n;
-  const uint8_t *b = dp_frame_data(f, &n);
-  dp_value_t back;
-  OK(dp_unpickle(b, n, &o, &back, T_ERR));
+  dp_unpickle_opts_t o = with_resolver(&res);
+  dp_value_t back = unpickle_with(f, &o);
   cr_assert_eq(calls, 1, "only Holder is resolved");
   for (int i = 0; i < 2; i++) {
     dp_value_t it = dp_seq_get(back, (size_t)i);
@@ -4780,14 +4779,8 @@ Test(pickler, a_resolved_custom_whose_state_reaches_a_finished_cycle_beside_it_i
   int calls = 0;
   const char *allowed[] = {"Holder"};
   dp_resolver_t res = {allowed, 1, resolve_holder, &calls};
-  dp_unpickle_opts_t o;
-  memset(&o, 0, sizeof o);
-  o.resolver = &res;
-  size_t n;
-  const uint8_t *b = dp_frame_data(f, &n);
-  dp_value_t back;
-  dp_error_t e;
-  OK_WITH(&e, dp_unpickle(b, n, &o, &back, &e));
+  dp_unpickle_opts_t o = with_resolver(&res);
+  dp_value_t back = unpickle_with(f, &o);
   cr_assert_eq(calls, 1);
   dp_value_t first = dp_seq_get(back, 0), custom = dp_seq_get(back, 1);
   cr_assert_eq(dp_value_id(dp_seq_get(first, 0)), dp_value_id(first), "the list still holds itself");
@@ -4812,20 +4805,11 @@ static int resolve_makes_then_fails(void *ud, const char *type, dp_value_t state
 /* What a failing resolver left in *out is released by the library
  * (pickler.h), as what a failing bind left is. */
 Test(pickler, a_resolver_that_fails_after_making_a_value_is_an_error_without_a_leak) {
-  const char *allowed[] = {"Holder"};
-  dp_resolver_t res = {allowed, 1, resolve_makes_then_fails, NULL};
-  dp_unpickle_opts_t o;
-  memset(&o, 0, sizeof o);
-  o.resolver = &res;
-  /* [reduce Holder [1]] */
-  const uint8_t p[] = {0x91, 0x93, 0xd4, 0x00, 0x04, 0xa6, 'H', 'o', 'l', 'd', 'e', 'r', 0x91, 0x01};
-  uint8_t frame[128];
-  size_t n = make_frame(frame, p, sizeof p);
   dp_value_t out;
   dp_error_t e;
-  cr_assert_eq(dp_unpickle(frame, n, &o, &out, &e), DP_EIO, "%s", e.message);
+  cr_assert_eq(resolve_holder_of_one(resolve_makes_then_fails, &out, &e), DP_EIO, "%s", e.message);
   cr_assert_str_eq(e.message, "resolving custom 'Holder' failed: Holder is retired");
-  cr_assert_eq(e.offset, 40 + (int64_t)sizeof p, "where reading stopped: %lld", (long long)e.offset);
+  cr_assert_eq(e.offset, 40 + (int64_t)sizeof holder_of_one, "where reading stopped: %lld", (long long)e.offset);
   dp_value_collect();
   ASSERT_NO_LEAK();
 }
