@@ -547,3 +547,108 @@ Test(table, moving_an_item_the_table_does_not_hold_changes_nothing) {
   }
   ASSERT_NO_LEAK();
 }
+
+/* Growth takes the fewest slots that keep the load at most one half with
+ * one more item (and at least 4), or min_slots when that is more: a table
+ * twice as large as needed would still find everything, so only the count
+ * of slots shows it. */
+static size_t fewest_slots(size_t n, size_t min_slots) {
+  size_t want = min_slots > 4 ? min_slots : 4;
+  while (want < 2 * (n + 1)) want *= 2;
+  return want;
+}
+
+Test(table, growth_takes_the_fewest_slots_for_a_load_of_one_half_or_min_slots_when_that_is_more) {
+  for (int kind = DP_TABLE_PLAIN; kind <= DP_TABLE_TAGGED; kind++) {
+    for (size_t n = 0; n < 70; n++) {
+      for (size_t min_slots = 0; min_slots <= 256; min_slots = min_slots ? min_slots * 4 : 1) {
+        dp__table_t t;
+        dp__table_init(&t);
+        keys_t s = {calloc(n + 1, sizeof(uint64_t)), n, n + 1, keyed};
+        for (size_t i = 0; i < n; i++) s.k[i] = i * 8;
+        OK(dp__table_grow(&t, kind, n, min_slots, keys_hash_at, &s));
+        cr_assert_eq(t.nslots, fewest_slots(n, min_slots), "%zu items, min_slots %zu: %zu slots, not %zu", n,
+                     min_slots, t.nslots, fewest_slots(n, min_slots));
+        dp__table_destroy(&t, kind);
+        free(s.k);
+      }
+    }
+  }
+  cr_assert_eq(fewest_slots(3, 0), 8);
+  cr_assert_eq(fewest_slots(3, 64), 64);
+  ASSERT_NO_LEAK();
+}
+
+/* An item whose run wraps past the last slot is as far from its home as
+ * the slots between, counted across the end: three items whose home is
+ * the last slot of 16 sit in slots 15, 0 and 1 and take 1 + 2 + 3. */
+Test(table, probes_count_the_distance_of_items_whose_run_wraps_around_the_end) {
+  for (int kind = DP_TABLE_PLAIN; kind <= DP_TABLE_TAGGED; kind++) {
+    dp__table_t t;
+    dp__table_init(&t);
+    keys_t s = {NULL, 0, 0, home_of};
+    for (uint64_t i = 1; i <= 3; i++) t_add(&t, kind, &s, (15 << 8) | i);
+    cr_assert_eq(t.nslots, 16);
+    cr_assert_eq(dp__table_ref(&t, kind, 15), 1, "the first item at its home, the last slot");
+    cr_assert_eq(dp__table_ref(&t, kind, 0), 2);
+    cr_assert_eq(dp__table_ref(&t, kind, 1), 3);
+    cr_assert_eq(dp__table_probes(&t, kind, keys_hash_at, &s), 1 + 2 + 3);
+    dp__table_destroy(&t, kind);
+    free(s.k);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* A destroyed table is empty as after dp__table_init: no slots, nothing
+ * found, and it can be grown (and destroyed) again. */
+Test(table, a_destroyed_table_is_as_after_init_and_can_be_grown_and_destroyed_again) {
+  for (int kind = DP_TABLE_PLAIN; kind <= DP_TABLE_TAGGED; kind++) {
+    dp__table_t t;
+    dp__table_init(&t);
+    keys_t s = {NULL, 0, 0, keyed};
+    for (uint64_t i = 0; i < 10; i++) t_add(&t, kind, &s, i * 64);
+    dp__table_destroy(&t, kind);
+    cr_assert_null(t.slots);
+    cr_assert_eq(t.nslots, 0);
+    cr_assert_eq(t.count, 0);
+    size_t j = 0;
+    uint64_t key = 64;
+    cr_assert_eq(dp__table_find(&t, kind, keyed(key), keys_eq, &s, &key, &j), DP_TABLE_NONE);
+    cr_assert_eq(j, SIZE_MAX, "a table without slots has no slot to fill");
+    OK(dp__table_grow(&t, kind, s.n, 16, keys_hash_at, &s));
+    for (uint64_t i = 0; i < 10; i++) cr_assert_eq(t_find(&t, kind, &s, i * 64), i);
+    dp__table_destroy(&t, kind);
+    dp__table_destroy(&t, kind);
+    free(s.k);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* Moving an item finds its slot from the item's home: an item sitting at
+ * its home, with the slot after it empty, is renamed there (removing item
+ * 0, then moving the last item into its place, as an owner does). */
+Test(table, moving_an_item_at_its_home_renames_it_in_its_slot) {
+  for (int kind = DP_TABLE_PLAIN; kind <= DP_TABLE_TAGGED; kind++) {
+    dp__table_t t;
+    dp__table_init(&t);
+    keys_t s = {NULL, 0, 0, home_of};
+    t_add(&t, kind, &s, 1 << 8);
+    t_add(&t, kind, &s, 5 << 8);
+    t_add(&t, kind, &s, 9 << 8);
+    uint64_t key = 1 << 8;
+    size_t j;
+    cr_assert_eq(dp__table_find(&t, kind, home_of(key), keys_eq, &s, &key, &j), 0);
+    dp__table_remove(&t, kind, j, keys_hash_at, &s);
+    s.k[0] = s.k[2];
+    s.n = 2;
+    dp__table_move(&t, kind, home_of(s.k[0]), 2, 0);
+    cr_assert_eq(dp__table_ref(&t, kind, 9), 1, "slot 9 holds item 0 now");
+    cr_assert_eq(t_find(&t, kind, &s, 9 << 8), 0);
+    cr_assert_eq(t_find(&t, kind, &s, 5 << 8), 1);
+    cr_assert_eq(t_find(&t, kind, &s, 1 << 8), DP_TABLE_NONE);
+    cr_assert_eq(t.count, 2);
+    dp__table_destroy(&t, kind);
+    free(s.k);
+  }
+  ASSERT_NO_LEAK();
+}
