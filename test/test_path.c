@@ -171,3 +171,76 @@ Test(path, one_step_left_out_is_counted_as_one_step) {
   static const size_t lens[4] = {DP_PATH_HEAD - 1, 100, DP_PATH_TAIL / 2, DP_PATH_TAIL / 2};
   cr_assert_str_eq(render(lens, 4), want_path(lens, 1, "<\u20261 step\u2026>", 2, 4));
 }
+
+/* ---- found unchecked by a mutation run of path.c ---- */
+
+/* A buffer filled exactly holds everything: `full` says something was
+ * dropped, and nothing was. */
+Test(path, a_text_that_fills_the_buffer_exactly_is_not_reported_as_cut) {
+  char out[4];
+  dp__sbuf_t b = {out, 0, sizeof out, 0};
+  dp__sb_put(&b, "ab", 2);
+  dp__sb_put(&b, "cd", 2);
+  cr_assert_eq(b.len, 4);
+  cr_assert_not(b.full, "4 bytes fit a buffer of 4");
+  dp__sb_put(&b, "e", 1);
+  cr_assert_eq(b.len, 4);
+  cr_assert(b.full, "a fifth does not");
+}
+
+/* A name of exactly DP_PATH_NAME_MAX bytes is shown whole, and the byte
+ * after it is never read: here it is the first byte of a page that cannot
+ * be read. */
+Test(path, a_name_of_exactly_64_bytes_is_shown_whole_without_reading_past_it) {
+  long page = sysconf(_SC_PAGESIZE);
+  char *m = mmap(NULL, 2 * (size_t)page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  cr_assert_neq(m, MAP_FAILED);
+  cr_assert_eq(mprotect(m + page, (size_t)page, PROT_NONE), 0);
+  char *name = m + page - DP_PATH_NAME_MAX;
+  memset(name, 'n', DP_PATH_NAME_MAX);
+  cr_assert_eq(dp__name_shown(name, DP_PATH_NAME_MAX, DP_PATH_NAME_MAX), DP_PATH_NAME_MAX);
+  char want[80];
+  snprintf(want, sizeof want, ".%.64s", name);
+  cr_assert_str_eq(shown(dp__step_name, name, DP_PATH_NAME_MAX), want, "no ellipsis: nothing is cut");
+  munmap(m, 2 * (size_t)page);
+}
+
+/* Four or more continuation bytes in a row at the cut belong to no
+ * character: the cut stays where it is, and a byte before them that could
+ * start one is not taken for their start. */
+Test(path, a_cut_through_four_stray_continuation_bytes_stays_where_it_is) {
+  char name[70];
+  memset(name, 'a', 61);
+  memset(name + 61, 0x80, 9); /* bytes 61..69: the cut at 64 has 61..64 around it */
+  cr_assert_eq(dp__name_shown(name, sizeof name, DP_PATH_NAME_MAX), 64);
+}
+
+/* With a limit under 4, a cut whose every byte down to the first is a
+ * continuation byte shows nothing: the character may start at byte 0. */
+Test(path, a_cut_under_four_bytes_through_one_character_shows_nothing_of_it) {
+  cr_assert_eq(dp__name_shown("\xf0\x9f\x98\x80x", 5, 3), 0, "U+1F600 cut at 3 bytes");
+  cr_assert_eq(dp__name_shown("\xe2\x80\xa6x", 4, 2), 0, "U+2026 cut at 2 bytes");
+  cr_assert_eq(dp__name_shown("a\xe2\x80\xa6", 4, 3), 1, "the character after 'a' starts at 1");
+}
+
+/* The last two-byte lead (DF) starts a character (U+07FF); a lead byte
+ * followed by no continuation byte is no character, and does not swallow
+ * what follows; an overlong encoding (E0 9F BF for U+07FF) is three stray
+ * bytes. */
+Test(path, two_byte_characters_up_to_u07ff_are_shown_and_malformed_leads_are_replaced) {
+  cr_assert_str_eq(shown(dp__name_bare, "\xdf\xbf|", 3), "\xdf\xbf|", "U+07FF is a character");
+  cr_assert_str_eq(shown(dp__name_bare, "\xc3(", 2), "\\ufffd(", "C3 then '(' is a stray byte, then '('");
+  cr_assert_str_eq(shown(dp__name_bare, "\xe0\x9f\xbf", 3), "\\ufffd\\ufffd\\ufffd", "overlong U+07FF");
+  cr_assert_str_eq(shown(dp__name_bare, "\xe0\xa0\x80", 3), "\xe0\xa0\x80", "U+0800, the least of three bytes");
+}
+
+/* A bare name (a class name in a message) cut to 64 bytes ends with an
+ * ellipsis too, and one of 64 bytes does not. */
+Test(path, a_bare_name_cut_to_64_bytes_ends_with_an_ellipsis) {
+  char name[70], want[80];
+  memset(name, 'C', sizeof name);
+  snprintf(want, sizeof want, "%.64s\u2026", name);
+  cr_assert_str_eq(shown(dp__name_bare, name, sizeof name), want);
+  snprintf(want, sizeof want, "%.64s", name);
+  cr_assert_str_eq(shown(dp__name_bare, name, 64), want, "64 bytes are shown whole");
+}
