@@ -231,6 +231,23 @@ def test_set_exception_refuses_what_is_not_an_exception(Future):
     assert f.wait() == 1
 
 
+def raise_where_it_began():
+    raise ValueError("began here")
+
+
+def test_set_exception_keeps_the_traceback_of_where_the_exception_was_raised(Future):
+    import traceback
+    f = Future()
+    try:
+        raise_where_it_began()
+    except ValueError as e:
+        f.set_exception(e)
+    for get in (f.wait, f.value):
+        with pytest.raises(ValueError, match="^began here$") as raised:
+            get()
+        assert "raise_where_it_began" in [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
+
+
 def test_set_result_twice_raises_and_keeps_the_first_result(Future):
     f = Future[int]()
     f.set_result(1)
@@ -491,6 +508,22 @@ def test_add_done_callback_runs_once_the_future_completes_not_before(Future):
     assert ran == [5]
 
 
+def test_then_and_add_done_callback_refuse_what_is_not_callable_at_once(Future):
+    # Both refuse at the call with TypeError, before anything is chained:
+    # torch through pybind11 ("incompatible function arguments"), devpickle
+    # naming the type given. Nothing runs, or is reported, once the future
+    # completes.
+    f = Future()
+    for method in (f.then, f.add_done_callback):
+        with pytest.raises(TypeError) as raised:
+            method(3)
+        if Future is devpickle.Future:
+            assert str(raised.value) == "the callback must be callable, not 'int'"
+    with catch_unraisable() as seen:
+        f.set_result(1)
+    assert seen == [] and f.wait() == 1
+
+
 def test_add_done_callback_returns_none(Future):
     f = Future()
     assert f.add_done_callback(lambda fut: 1) is None
@@ -729,6 +762,26 @@ def test_an_error_in_a_then_callback_is_a_runtime_error_naming_it(Future, case):
         child.wait()
     with pytest.raises(RuntimeError, match=f"{type_name}: .*{message}"):
         child.value()
+
+
+def raise_from_here(fut):
+    raise ValueError("raised here")
+
+
+def test_the_cause_of_a_then_childs_failure_keeps_the_callbacks_traceback():
+    # devpickle only: torch's RuntimeError has no __cause__ (it writes the
+    # callback's traceback into its message); devpickle's cause is what the
+    # callback raised, with the traceback of where it raised it
+    import traceback
+    f = devpickle.Future()
+    child = f.then(raise_from_here)
+    f.set_result(1)
+    with pytest.raises(RuntimeError, match="^Got the following error when running the callback: ValueError: raised "
+                                           "here$") as raised:
+        child.wait()
+    cause = raised.value.__cause__
+    assert type(cause) is ValueError and str(cause) == "raised here"
+    assert "raise_from_here" in [frame.name for frame in traceback.extract_tb(cause.__traceback__)]
 
 
 @pytest.mark.parametrize("error", [KeyError(), ValueError(""), KeyboardInterrupt()])
@@ -1387,6 +1440,31 @@ def test_completing_a_future_from_inside_its_own_set_result_walk_says_it_is_bein
         f.set_result(1)
 
 
+def test_a_then_childs_own_set_result_from_the_walk_of_its_callbacks_result_is_refused():
+    # The callback's result is walked before the child completes with it:
+    # the child is claimed first, so its set_result or set_exception from
+    # that walk (the result's __reduce__) is refused, and the child
+    # completes with the callback's result.
+    parent = devpickle.Future()
+    box, seen = [], []
+
+    class CompletesChild:
+        def __reduce__(self):
+            for complete in (lambda: box[0].set_result("by hand"), lambda: box[0].set_exception(KeyError("k"))):
+                try:
+                    complete()
+                except RuntimeError as e:
+                    seen.append(str(e))
+            return (CompletesChild, ())
+
+    result = [CompletesChild()]
+    box.append(parent.then(lambda p: result))
+    parent.set_result(1)
+    assert seen == ["Future can only be marked completed once (set_result or set_exception was already called: "
+                    "it is being completed)"] * 2
+    assert box[0].wait() is result
+
+
 def test_a_subclass_init_may_choose_the_devices_until_the_future_is_used():
     class Cpu(devpickle.Future):
         def __init__(self):
@@ -1406,6 +1484,21 @@ def test_a_subclass_init_may_choose_the_devices_until_the_future_is_used():
     h.__init__()  # the devices it has: nothing to change
     h.set_result(1)
     assert child.wait() == 2
+
+
+def test_a_subclass_whose_init_does_not_call_the_futures_init_takes_devices_from_the_constructor():
+    # PYTHON.md: devices= is still read as a keyword by Future.__new__, so a
+    # subclass's __init__ need not hand it on
+    class Own(devpickle.Future):
+        def __init__(self, tag, devices=None):
+            self.tag = tag
+
+    f = Own("t", devices=[])
+    g = a_generator()
+    f.set_result(g)  # devices=[]: walks nothing
+    assert f.wait() is g and f.tag == "t"
+    with pytest.raises(devpickle.WalkError, match="cannot walk a 'generator' at \\$"):
+        Own("u").set_result(a_generator())
 
 
 def test_a_then_child_another_thread_is_still_completing_keeps_that_completion():

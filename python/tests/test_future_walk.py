@@ -43,6 +43,20 @@ def test_a_then_child_whose_result_cannot_be_walked_fails_never_borrows_the_pare
         child.wait()
 
 
+class OnCuda0:
+    # memory on cuda:0, as a producer other than torch describes it
+    __cuda_array_interface__ = {"data": (0x10000, False), "shape": (4,), "typestr": "<f4", "version": 3}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
+def test_a_then_child_keeps_its_parents_devices_and_refuses_a_result_on_another():
+    parent = devpickle.Future(devices=["cpu"])
+    child = parent.then(lambda p: OnCuda0())
+    parent.set_result(1)
+    with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\] "):
+        child.wait()
+
+
 def test_a_long_then_chain_completes_in_order_without_recursion():
     f = devpickle.Future()
     order = []
