@@ -196,9 +196,10 @@ static int same_list(const dp_device_t *a, size_t na, const dp_device_t *b, size
  * or collected. */
 static int fut_init(pyfut_t *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"devices", NULL};
-  PyObject *devices = Py_None;
+  PyObject *devices = NULL;
   if ((PyTuple_GET_SIZE(args) || kw) && !PyArg_ParseTupleAndKeywords(args, kw, "|$O:Future", kwlist, &devices))
     return -1;
+  if (!devices) return 0; /* none given (a subclass's super().__init__()): those read at construction stand */
   dp_device_t *d = NULL;
   size_t n = 0;
   if (devices != Py_None && parse_devices(devices, &d, &n)) return -1;

@@ -1501,6 +1501,27 @@ def test_a_subclass_whose_init_does_not_call_the_futures_init_takes_devices_from
         Own("u").set_result(a_generator())
 
 
+def test_a_subclass_init_calling_the_futures_init_without_devices_keeps_those_it_was_made_with():
+    # PYTHON.md: devices given to super().__init__() replace those read at
+    # construction; none given change nothing (they were remade as
+    # devices=None, which walks every result)
+    class Tagged(devpickle.Future):
+        def __init__(self, tag, devices=None):
+            super().__init__()
+            self.tag = tag
+
+    plain = devpickle.Future(devices=[])
+    plain.__init__()
+    for f in (Tagged("t", devices=[]), plain):
+        g = a_generator()
+        f.set_result(g)  # devices=[]: walks nothing
+        assert f.wait() is g
+    f = devpickle.Future(devices=[])
+    f.__init__(devices=None)  # given: replaced
+    with pytest.raises(devpickle.WalkError, match="cannot walk a 'generator' at \\$"):
+        f.set_result(a_generator())
+
+
 def test_a_then_child_another_thread_is_still_completing_keeps_that_completion():
     # The child's set_result claims it, then walks its value (Python code:
     # other threads run meanwhile). The parent completes on this thread in
