@@ -26,6 +26,7 @@ it cannot walk is an error instead of a silent race.
 import faulthandler
 import gc
 import pickle
+import re
 import sys
 import threading
 import typing
@@ -1740,6 +1741,41 @@ def test_wait_in_a_callback_on_a_future_it_completed_runs_that_futures_callbacks
     f.add_done_callback(lambda fut: order.append("second"))
     f.set_result(0)
     assert order == ["set", "other's", "waited", "waited on its own", "second"]
+
+
+REMADE = ("^Future.__init__\\(\\) cannot change the devices of a future already completed, waited on, chained or "
+          "collected$")
+
+
+def test_a_future_collected_by_collect_all_cannot_be_remade_by_init():
+    # its C future is collect_all's input: a new one would leave the
+    # collect_all future waiting for ever
+    a = devpickle.Future()
+    both = devpickle.collect_all([a])
+    with pytest.raises(RuntimeError, match=REMADE):
+        a.__init__(devices=[])
+    a.set_result(1)
+    assert both.wait() == [a]
+
+
+def test_a_future_waited_on_cannot_be_remade_by_init_even_when_the_wait_was_refused():
+    # a then() callback's wait on its own future is refused (it would wait
+    # for itself), but it was a wait: the future may no longer be remade
+    parent, box, seen = devpickle.Future(), [], []
+
+    def callback(p):
+        with pytest.raises(devpickle.Error, match=WAITS_FOR_ITSELF):
+            box[0].wait()
+        try:
+            box[0].__init__(devices=[])
+        except RuntimeError as e:
+            seen.append(e)
+        return 1
+
+    box.append(parent.then(callback))
+    parent.set_result(0)
+    assert len(seen) == 1 and type(seen[0]) is RuntimeError and re.match(REMADE, str(seen[0]))
+    assert box[0].wait() == 1
 
 
 def test_a_collect_all_future_cannot_be_remade_by_init():
