@@ -4844,3 +4844,68 @@ Test(pickler, a_frame_of_exactly_max_buffers_is_read_and_one_more_is_refused_at_
   dp_frame_free(f);
   ASSERT_NO_LEAK();
 }
+
+int dp__frame_buffer_not_local(const dp_frame_t *f, size_t i); /* pickler/frame.h */
+
+/* Whether a buffer's base is memory of this process is answered for the
+ * last pickle's buffers only: not for an index past them (a longer earlier
+ * pickle's storage is still in the frame's list), not after a pickle that
+ * failed. */
+Test(pickler, a_buffer_is_known_not_local_only_among_the_last_pickles_buffers) {
+  uint8_t bytes[8] = "ABCDEFGH";
+  dp_storage_t *local = t_storage(CUDA0, 0x1000, 8), *host = t_storage(CUDA0, 0x2000, 8),
+               *smaller = t_storage(CUDA0, 0x2000, 4);
+  OK(dp_storage_set_host_data(host, bytes, T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_value_t two = t_list(), one = t_list(), bad = t_list();
+  OK(dp_list_append(two, t_view(local, 1, 0), T_ERR));
+  OK(dp_list_append(two, t_view(host, 1, 0), T_ERR));
+  OK(dp_list_append(one, t_view(local, 1, 0), T_ERR));
+  OK(dp_list_append(bad, t_view(host, 1, 0), T_ERR));
+  OK(dp_list_append(bad, t_view(smaller, 1, 0), T_ERR));
+  OK(dp_pickle(two, NULL, f, T_ERR));
+  cr_assert_eq(dp__frame_buffer_not_local(f, 0), 0, "this process's cuda:0 0x1000");
+  cr_assert_eq(dp__frame_buffer_not_local(f, 1), 1, "host data stands in for the writer's address");
+  OK(dp_pickle(one, NULL, f, T_ERR));
+  cr_assert_eq(dp_frame_nbuffers(f), 1);
+  cr_assert_eq(dp__frame_buffer_not_local(f, 1), 0, "buffer 1 was the earlier pickle's");
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(bad, NULL, f, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "storages of cuda:0 0x2000 differ in size (8 and 4 bytes) at $[1]: a frame has one "
+                              "buffer per (device, base)");
+  cr_assert_eq(dp_frame_nbuffers(f), 0);
+  cr_assert_eq(dp__frame_buffer_not_local(f, 0), 0, "a failed pickle has no buffers");
+  dp_frame_free(f);
+  dp_value_release(two);
+  dp_value_release(one);
+  dp_value_release(bad);
+  dp_storage_release(local);
+  dp_storage_release(host);
+  dp_storage_release(smaller);
+  ASSERT_NO_LEAK();
+}
+
+/* A back-reference carries its node's index in 4 big-endian bytes: one to
+ * a node past 2^16 (here node 70000, an empty list) reads back as that
+ * node, not as another. */
+Test(pickler, a_back_reference_to_a_node_past_65536_reads_back_as_that_node) {
+  enum { N = 70000 };
+  dp_value_t l = t_list(), last = dp_none();
+  for (int i = 0; i < N; i++) {
+    OK(dp_list_new(0, &last, T_ERR));
+    OK(dp_list_append(l, last, T_ERR));
+  }
+  OK(dp_list_append(l, dp_value_retain(last), T_ERR)); /* node N again: a back-reference */
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  OK(dp_pickle(l, NULL, f, T_ERR));
+  dp_value_t back = unpickle_ok(f);
+  cr_assert_eq(dp_seq_len(back), N + 1);
+  cr_assert_eq(dp_value_id(dp_seq_get(back, N)), dp_value_id(dp_seq_get(back, N - 1)), "the same list, node %d", N);
+  cr_assert_neq(dp_value_id(dp_seq_get(back, N)), dp_value_id(dp_seq_get(back, N - 1 - 65536)));
+  dp_value_release(back);
+  dp_value_release(l);
+  dp_frame_free(f);
+  ASSERT_NO_LEAK();
+}
