@@ -4909,3 +4909,29 @@ Test(pickler, a_back_reference_to_a_node_past_65536_reads_back_as_that_node) {
   dp_frame_free(f);
   ASSERT_NO_LEAK();
 }
+
+/* The reduce states a pickle made are released when it returns, failed or
+ * not: what a state holds is not kept alive by the frame until its next
+ * pickle or its free. */
+Test(pickler, a_failed_pickle_releases_the_reduce_states_it_made_before_returning) {
+  dp_value_t x = t_list();
+  dp_storage_t *s4 = t_storage(CUDA0, 0x1000, 4), *s8 = t_storage(CUDA0, 0x1000, 8);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_holder(dp_value_retain(x)), T_ERR));
+  OK(dp_list_append(l, t_view(s4, 1, 0), T_ERR));
+  OK(dp_list_append(l, t_view(s8, 1, 0), T_ERR));
+  cr_assert_eq(dp_value_refcount(x), 2, "the test's and the holder's");
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(l, NULL, f, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "storages of cuda:0 0x1000 differ in size (4 and 8 bytes) at $[2]: a frame has one "
+                              "buffer per (device, base)");
+  cr_assert_eq(dp_value_refcount(x), 2, "the holder's state [x] was released");
+  dp_frame_free(f);
+  dp_value_release(l);
+  dp_value_release(x);
+  dp_storage_release(s4);
+  dp_storage_release(s8);
+  ASSERT_NO_LEAK();
+}
