@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include "helpers.h"
+#include "../pickler/frame.h"
 
 static void setup(void) { t_track(); }
 static void teardown(void) { dp_set_allocator(NULL, NULL); }
@@ -4844,8 +4845,6 @@ Test(pickler, a_frame_of_exactly_max_buffers_is_read_and_one_more_is_refused_at_
   dp_frame_free(f);
   ASSERT_NO_LEAK();
 }
-
-int dp__frame_buffer_not_local(const dp_frame_t *f, size_t i); /* pickler/frame.h */
 
 /* Whether a buffer's base is memory of this process is answered for the
  * last pickle's buffers only: not for an index past them (a longer earlier
