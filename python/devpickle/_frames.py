@@ -277,8 +277,8 @@ class Copies:
                              "pass a larger max_copies for a frame you trust")
 
     def hashes(self, what, items):
-        """items (a list or a tuple: _hash_work reads them twice, and the
-        caller then builds of them), once what hashing each costs is charged."""
+        """items (a list or a tuple, as _hash_work takes them; the caller then
+        builds of them), once what hashing each costs is charged."""
         self.charge_hashing(what, _hash_work(items, self.hashed, min(self.left, 1 << 62)))
         return items
 
@@ -503,7 +503,7 @@ def reduced(cls, parts, copies):
             if isinstance(a, (list, tuple)):
                 copies.hashes("reduced objects' args", a)
                 if issubclass(cls, dict):  # dict(pairs) hashes each pair's key
-                    copies.hashes("reduced objects' args", [p[0] for p in a if isinstance(p, tuple) and len(p) == 2])
+                    copies.hashes("reduced objects' args", [p[0] for p in a if isinstance(p, (tuple, list)) and len(p) == 2])
     obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args, **new_kwargs)
     listitems, dictitems = parts.get("<listitems>") or [], parts.get("<dictitems>") or []
     if not isinstance(listitems, list) or not isinstance(dictitems, list) or not all(
