@@ -550,8 +550,8 @@ void dp__tp_drain_stopped(dp_transport_t *t) {
   int64_t start = now_ns();
   t->hurry = start + DP__HURRY_NS;
   for (dp_endpoint_t *ep = t->closing; ep; ep = ep->next) {
-    if (ep->answer_deadline > t->hurry) ep->answer_deadline = t->hurry;
-    if (ep->close_deadline > t->hurry) ep->close_deadline = t->hurry;
+    if (ep->answer_deadline) ep->answer_deadline = dp__tp_by_hurry(t, ep->answer_deadline);
+    if (ep->close_deadline) ep->close_deadline = dp__tp_by_hurry(t, ep->close_deadline);
   }
   for (int64_t until = start + DP__DRAIN_NS; (t->closing || t->nreq) && now_ns() < until;) {
     ucp_worker_progress(t->worker);

@@ -387,6 +387,12 @@ struct dp_transport {
   long pid;                     /* the process that made it (for the child's error) */
 };
 
+/* A close's deadline `at`, or the transport's hurry when that is sooner
+ * (dp__tp_drain_stopped: the worker is about to go). */
+static inline int64_t dp__tp_by_hurry(const dp_transport_t *t, int64_t at) {
+  return t->hurry && at > t->hurry ? t->hurry : at;
+}
+
 typedef struct rctx {
   struct rctx *next;        /* rx_wait */
   dp_transport_t *t;

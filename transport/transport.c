@@ -313,10 +313,7 @@ void dp__tp_ep_force_close(dp_endpoint_t *ep) {
   dp__tp_lane_close(ep);
   if (ep->rndv_inflight) {
     int64_t now = now_ns();
-    if (!ep->close_deadline) {
-      ep->close_deadline = now + DP__CLOSE_WAIT_NS;
-      if (ep->t->hurry && ep->close_deadline > ep->t->hurry) ep->close_deadline = ep->t->hurry;
-    }
+    if (!ep->close_deadline) ep->close_deadline = dp__tp_by_hurry(ep->t, now + DP__CLOSE_WAIT_NS);
     if (now < ep->close_deadline) return;
   }
   ep->need_close = 0;
