@@ -804,6 +804,8 @@ Test(value, equality_is_structural_and_terminates_on_cycles) {
   OK(dp_list_append(y, t_str("x"), T_ERR));
   cr_assert_eq(dp_value_equal(x, y, 0, NULL), 1);
   cr_assert_eq(dp_value_equal(x, y, DP_EQ_SHARING, NULL), 0);
+  /* the other way round: the second pair (s', s) meets s already matched */
+  cr_assert_eq(dp_value_equal(y, x, DP_EQ_SHARING, NULL), 0, "a node matched to two was taken for the same sharing");
   cr_assert_eq(dp_value_hash(x), dp_value_hash(y));
   OK(dp_list_append(y, dp_int(1), T_ERR));
   cr_assert_eq(dp_value_equal(x, y, 0, NULL), 0);
@@ -812,6 +814,127 @@ Test(value, equality_is_structural_and_terminates_on_cycles) {
   dp_value_release(b);
   dp_value_release(x);
   dp_value_release(y);
+  ASSERT_NO_LEAK();
+}
+
+/* A tensor of 2 x 2 float32 over 64 bytes at 0x1000 on cuda:0, with one
+ * of its descriptors changed by `change` (0: none). */
+static dp_value_t eq_tensor(int change) {
+  int64_t shape[2] = {2, 2}, strides[2] = {2, 1};
+  dp_device_t dev = t_dev(DP_DEVICE_CUDA, change == 2 ? 1 : 0);
+  uintptr_t base = change == 1 ? 0x2000 : 0x1000;
+  size_t nbytes = change == 3 ? 128 : 64;
+  dp_dtype_t dt = change == 4 ? DP_INT32 : DP_FLOAT32;
+  if (change == 5) shape[1] = 1;
+  if (change == 6) strides[0] = 3;
+  if (change == 7) strides[1] = 2, strides[0] = 4, shape[0] = 1;
+  dp_value_t t;
+  OK(dp_tensor_new(t_storage(dev, base, nbytes), dt, 2, shape, strides, change == 8 ? 2 : 0, &t, T_ERR));
+  return t;
+}
+
+Test(value, tensors_compare_unequal_when_their_storage_dtype_shape_strides_or_offset_differ) {
+  static const char *const what[] = {"", "base", "device", "nbytes", "dtype", "shape", "strides", "shape and strides",
+                                     "offset"};
+  dp_value_t same[2] = {eq_tensor(0), eq_tensor(0)};
+  for (unsigned flags = 0; flags <= DP_EQ_SHARING; flags++) {
+    cr_assert_eq(dp_value_equal(same[0], same[1], flags, NULL), 1, "two tensors of one description");
+    for (int c = 1; c <= 8; c++) {
+      dp_value_t other = eq_tensor(c);
+      cr_assert_eq(dp_value_equal(same[0], other, flags, NULL), 0, "tensors of different %s compared equal", what[c]);
+      cr_assert_eq(dp_value_equal(other, same[0], flags, NULL), 0, "tensors of different %s compared equal", what[c]);
+      dp_value_release(other);
+    }
+  }
+  dp_value_release(same[0]);
+  dp_value_release(same[1]);
+  ASSERT_NO_LEAK();
+}
+
+/* A one-entry dict {key: 1}. */
+static dp_value_t dict_of(dp_value_t key) {
+  dp_value_t d;
+  OK(dp_dict_new(1, &d, T_ERR));
+  OK(dp_dict_set(d, key, dp_int(1), T_ERR));
+  return d;
+}
+
+Test(value, values_of_different_kinds_compare_unequal_whatever_they_hold) {
+  dp_value_t list = t_list(), tuple, bytes, obj = t_obj("T");
+  OK(dp_list_append(list, dp_int(7), T_ERR));
+  OK(dp_tuple_new(1, &tuple, T_ERR));
+  OK(dp_seq_set(tuple, 0, dp_int(7), T_ERR));
+  OK(dp_bytes_new("x", 1, &bytes, T_ERR));
+  dp_value_t str = t_str("x");
+  dp_value_t by_str = dict_of(dp_value_retain(str)), by_bytes = dict_of(dp_value_retain(bytes));
+  OK(dp_object_set(obj, "x", dp_int(1), T_ERR));
+  dp_value_t pairs[][2] = {{list, tuple}, {str, bytes}, {by_str, by_bytes}, {by_str, obj}};
+  static const char *const what[] = {"a list and a tuple of one item", "a str and a bytes of one byte",
+                                     "dicts keyed by a str and by a bytes", "a dict and an object of one entry"};
+  for (unsigned flags = 0; flags <= DP_EQ_SHARING; flags++)
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
+      cr_assert_eq(dp_value_equal(pairs[i][0], pairs[i][1], flags, NULL), 0, "%s compared equal", what[i]);
+      cr_assert_eq(dp_value_equal(pairs[i][1], pairs[i][0], flags, NULL), 0, "%s compared equal", what[i]);
+    }
+  dp_value_t all[] = {list, tuple, bytes, obj, str, by_str, by_bytes};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) dp_value_release(all[i]);
+  ASSERT_NO_LEAK();
+}
+
+static const dp_type_t bare_type = {"Bare", NULL, NULL};
+
+Test(value, objects_compare_by_class_and_attributes_and_customs_by_identity) {
+  dp_value_t point = t_obj("Point"), again = t_obj("Point");
+  OK(dp_object_set(point, "x", dp_int(1), T_ERR));
+  OK(dp_object_set(point, "y", dp_int(2), T_ERR));
+  OK(dp_object_set(again, "y", dp_int(2), T_ERR));
+  OK(dp_object_set(again, "x", dp_int(1), T_ERR));
+  dp_value_t only_x = t_obj("Point"), only_z = t_obj("Point"), longer = t_obj("Points"), other = t_obj("Pnint");
+  OK(dp_object_set(only_x, "x", dp_int(1), T_ERR));
+  OK(dp_object_set(only_z, "z", dp_int(1), T_ERR));
+  OK(dp_object_set(longer, "x", dp_int(1), T_ERR));
+  OK(dp_object_set(other, "x", dp_int(1), T_ERR));
+  /* an object with an attribute named __reduce__ is not the stand-in of a
+     reduced custom, which has that one attribute too */
+  dp_value_t plain = t_obj("Holder"), reduced;
+  OK(dp_object_set(plain, "__reduce__", dp_int(5), T_ERR));
+  OK(dp_object_new_reduced("Holder", dp_int(5), &reduced, T_ERR));
+  dp_value_t c1, c2;
+  OK(dp_custom_new(&bare_type, (void *)1, &c1, T_ERR));
+  OK(dp_custom_new(&bare_type, (void *)1, &c2, T_ERR));
+  for (unsigned flags = 0; flags <= DP_EQ_SHARING; flags++) {
+    cr_assert_eq(dp_value_equal(point, again, flags, NULL), 1, "attributes set in another order");
+    cr_assert_eq(dp_value_equal(c1, c1, flags, NULL), 1, "a custom and itself");
+    dp_value_t pairs[][2] = {{only_x, point}, {only_x, only_z}, {only_x, longer}, {only_x, other}, {plain, reduced}, {c1, c2}};
+    static const char *const what[] = {"an object and one with an attribute more", "objects of different attributes",
+                                       "classes Point and Points", "classes Point and Pnint",
+                                       "an object and a reduced custom's stand-in", "two customs of one type"};
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
+      cr_assert_eq(dp_value_equal(pairs[i][0], pairs[i][1], flags, NULL), 0, "%s compared equal", what[i]);
+      cr_assert_eq(dp_value_equal(pairs[i][1], pairs[i][0], flags, NULL), 0, "%s compared equal", what[i]);
+    }
+  }
+  dp_value_t all[] = {point, again, only_x, only_z, longer, other, plain, reduced, c1, c2};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) dp_value_release(all[i]);
+  ASSERT_NO_LEAK();
+}
+
+/* A list of 300 zeros, item k 1 (none for k < 0). */
+static dp_value_t zeros_but(int k) {
+  dp_value_t l;
+  OK(dp_list_new(300, &l, T_ERR));
+  for (int i = 0; i < 300; i++) OK(dp_list_append(l, dp_int(i == k), T_ERR));
+  return l;
+}
+
+Test(value, the_hash_reads_the_first_256_nodes_of_a_value_leaves_included) {
+  /* the list is node 1, its items 0..254 nodes 2..256 */
+  dp_value_t zeros = zeros_but(-1), at254 = zeros_but(254), at255 = zeros_but(255);
+  cr_assert_neq(dp_value_hash(zeros), dp_value_hash(at254), "the 256th node was not read");
+  cr_assert_eq(dp_value_hash(zeros), dp_value_hash(at255), "the 257th node was read");
+  dp_value_release(zeros);
+  dp_value_release(at254);
+  dp_value_release(at255);
   ASSERT_NO_LEAK();
 }
 
