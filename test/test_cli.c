@@ -2653,3 +2653,282 @@ Test(cli, a_bad_object_key_names_what_came_and_a_trailing_comma_is_called_one) {
   pack_fails("x.json", "x.dpk", "{x}",
              "devpickle: x.json: invalid JSON: a key (a string) or '}' expected, not 'x' (line 1, column 2), at byte 1\n");
 }
+
+/* ---- value JSON as RFC 8259 and docs/VALUE_JSON.md define it ---- */
+
+/* Packs NAME (JSON), unpacks it --compact: the text must be exactly WANT,
+ * and packing that text again must give the same frame. */
+static void pack_unpack_gives(const char *name, const char *json, const char *want) {
+  char script[512];
+  spit(name, json);
+  snprintf(script, sizeof script,
+           "\"$D\" pack %s -o a.dpk && \"$D\" unpack a.dpk --compact > b.json && cat b.json && "
+           "\"$D\" pack b.json -o b.dpk && cmp a.dpk b.dpk",
+           name);
+  res_t r = run_sh(script);
+  cr_assert_eq(r.status, 0, "%s: %s", name, r.err);
+  cr_assert_str_eq(r.out, want, "%s", name);
+  res_free(r);
+}
+
+/* RFC 4648 pads only the last four characters, with one or two '=':
+ * "A===" and "AA==AAAA" are not base64, and reading them would give a
+ * second text for the byte 0. */
+Test(cli, pack_refuses_base64_padded_with_three_characters_or_anywhere_but_at_the_end) {
+  pack_fails("three.json", "x.dpk", "[{\"$bytes\": \"A===\"}]",
+             "devpickle: three.json: $bytes must be a canonical base64 string (RFC 4648, padded, unused bits zero), "
+             "at $[0]\n");
+  pack_fails("mid.json", "x.dpk", "{\"$bytes\": \"AA==AAAA\"}",
+             "devpickle: mid.json: $bytes must be a canonical base64 string (RFC 4648, padded, unused bits zero), "
+             "at $\n");
+  cr_assert_eq(count_entries(), 2, "a frame was written");
+}
+
+/* Bytes of each length modulo 3 end in "==", "=" or no padding. */
+Test(cli, unpack_writes_bytes_of_every_length_as_padded_base64_that_packs_back_to_the_same_bytes) {
+  pack_unpack_gives("b.json", "[{\"$bytes\": \"AA==\"}, {\"$bytes\": \"AAE=\"}, {\"$bytes\": \"AAEC\"}, {\"$bytes\": \"\"}]",
+                    "[{\"$bytes\":\"AA==\"},{\"$bytes\":\"AAE=\"},{\"$bytes\":\"AAEC\"},{\"$bytes\":\"\"}]\n");
+}
+
+/* 17 significant digits, ".0" only where the number would read as an int
+ * (never after an exponent), and an infinity by its sign. */
+Test(cli, unpack_writes_a_float_with_an_exponent_as_a_number_and_each_infinity_by_its_sign) {
+  pack_unpack_gives("f.json", "[1e20, -2.5e-10, 1E+2, 3, {\"$float\": \"inf\"}, {\"$float\": \"-inf\"}]",
+                    "[1e+20,-2.5000000000000002e-10,100.0,3,{\"$float\":\"inf\"},{\"$float\":\"-inf\"}]\n");
+}
+
+/* RFC 8259's whitespace: space, tab, line feed and carriage return. */
+Test(cli, pack_reads_tabs_and_crlf_line_ends_as_whitespace) {
+  pack_unpack_gives("crlf.json", "{\r\n\t\"a\": [1,\t2],\r\n\t\"b\"\t:\r\n{}\r\n}\r\n", "{\"a\":[1,2],\"b\":{}}\n");
+}
+
+/* RFC 8259: a string escapes U+0000 to U+001F; one written raw is refused. */
+Test(cli, pack_refuses_a_raw_control_character_in_a_string_up_to_0x1f) {
+  pack_fails("c1f.json", "x.dpk", "[\"a\x1f\"]",
+             "devpickle: c1f.json: invalid JSON: control character 0x1f in a string (line 1, column 4), at byte 3\n");
+  pack_fails("c01.json", "x.dpk", "{\"k\x01\": 1}",
+             "devpickle: c01.json: invalid JSON: control character 0x01 in a string (line 1, column 4), at byte 3\n");
+}
+
+/* Every escape of RFC 8259 reads as its character (a surrogate pair as the
+ * one character it encodes); unpack writes the short escapes back, \u00XX
+ * for the other control characters, everything else as it is. */
+Test(cli, pack_reads_every_json_escape_and_unpack_writes_the_short_ones_back) {
+  pack_unpack_gives("esc.json", "[\"\\\"\\\\\\/\\b\\f\\n\\r\\t \\u0001\\u007f\\u00e9\\u07ff\\u0800\\uffff\\ud83d\\ude00\"]",
+                    "[\"\\\"\\\\/\\b\\f\\n\\r\\t \\u0001\x7f\xc3\xa9\xdf\xbf\xe0\xa0\x80\xef\xbf\xbf\xf0\x9f\x98\x80\"]\n");
+  /* and the escapes are the same str as the characters written raw */
+  spit("raw.json", "[\"\\\"\\\\/\\b\\f\\n\\r\\t \\u0001\x7f\xc3\xa9\xdf\xbf\xe0\xa0\x80\xef\xbf\xbf\xf0\x9f\x98\x80\"]");
+  res_t r = run_sh("\"$D\" pack raw.json -o raw.dpk && cmp a.dpk raw.dpk");
+  cr_assert_eq(r.status, 0, "%s%s", r.out, r.err);
+  res_free(r);
+}
+
+/* A high surrogate escape needs a low one (DC00..DFFF) after it: \ue000 is
+ * past them. */
+Test(cli, pack_refuses_a_high_surrogate_escape_followed_by_an_escape_past_the_low_surrogates) {
+  pack_fails("hi.json", "x.dpk", "[\"\\ud800\\ue000\"]",
+             "devpickle: hi.json: invalid JSON: invalid \\u escape: a lone high surrogate (line 1, column 3), "
+             "at byte 2\n");
+}
+
+/* RFC 3629: no overlong form, no surrogate, nothing past U+10FFFF. */
+Test(cli, pack_refuses_utf8_that_is_overlong_a_surrogate_or_past_u10ffff) {
+  static const char *const bad[] = {"[\"\xc0\x80\"]", "[\"\xc1\xbf\"]", "[\"\xed\xa0\x80\"]", "[\"\xed\xbf\xbf\"]",
+                                    "[\"\xf4\x90\x80\x80\"]"};
+  for (int i = 0; i < 5; i++)
+    pack_fails("u.json", "x.dpk", bad[i],
+               "devpickle: u.json: invalid JSON: invalid UTF-8 in a string (line 1, column 3), at byte 2\n");
+  /* the last of each length is taken */
+  pack_unpack_gives("ok.json", "[\"\xc2\x80\xed\x9f\xbf\xee\x80\x80\xf4\x8f\xbf\xbf\"]",
+                    "[\"\xc2\x80\xed\x9f\xbf\xee\x80\x80\xf4\x8f\xbf\xbf\"]\n");
+}
+
+/* RFC 8259's number: no leading zero, a digit after '.' and after 'e'. */
+Test(cli, pack_refuses_a_number_with_a_leading_zero_or_without_digits_after_its_point) {
+  pack_fails("lz.json", "x.dpk", "[01]",
+             "devpickle: lz.json: invalid JSON: unexpected '1' (line 1, column 3), at byte 2\n");
+  pack_fails("pt.json", "x.dpk", "[1.]",
+             "devpickle: pt.json: invalid JSON: invalid number (line 1, column 2), at byte 1\n");
+  pack_fails("ex.json", "x.dpk", "[1e]",
+             "devpickle: ex.json: invalid JSON: invalid number (line 1, column 2), at byte 1\n");
+  pack_unpack_gives("ok.json", "[0, -0, 0.5, 1e+5, 1e-1, 2E3]", "[0,0,0.5,100000.0,0.10000000000000001,2000.0]\n");
+}
+
+/* true, false and null are spelled exactly: "trUe" is no token. */
+Test(cli, pack_refuses_a_literal_of_the_right_length_but_the_wrong_letters) {
+  pack_fails("t.json", "x.dpk", "[trUe]", "devpickle: t.json: invalid JSON: invalid token (line 1, column 2), at byte 1\n");
+  pack_fails("n.json", "x.dpk", "{\"a\": nulL}",
+             "devpickle: n.json: invalid JSON: invalid token (line 1, column 7), at byte 6\n");
+  pack_fails("f.json", "x.dpk", "[fa1se]", "devpickle: f.json: invalid JSON: invalid token (line 1, column 2), at byte 1\n");
+}
+
+/* VALUE_JSON.md: a UTF-16 or UTF-32 byte order mark (either byte order) is
+ * refused at byte 0; a UTF-8 one is skipped, even when nothing follows it. */
+Test(cli, pack_names_a_utf16_or_utf32_byte_order_mark_of_either_byte_order_and_skips_a_lone_utf8_one) {
+  static const char *const boms[] = {"\\376\\377", "\\000\\000\\376\\377"};
+  for (int i = 0; i < 2; i++) {
+    char script[256];
+    snprintf(script, sizeof script, "printf '%s[1]' > bom.json; \"$D\" pack bom.json -o x.dpk", boms[i]);
+    res_t r = run_sh(script);
+    cr_assert_eq(r.status, 1, "%s", r.err);
+    cr_assert_str_eq(r.err, "devpickle: bom.json: invalid JSON: a UTF-16 or UTF-32 byte order mark: value JSON is "
+                            "UTF-8 (line 1, column 1), at byte 0\n");
+    res_free(r);
+  }
+  pack_fails("only.json", "x.dpk", "\xEF\xBB\xBF",
+             "devpickle: only.json: invalid JSON: premature end of input (line 1, column 1), at byte 3\n");
+}
+
+/* VALUE_JSON.md: the JSON may nest up to 8,008 levels. 8,008 arrays are
+ * read as JSON (and refused as values nested past 2,000); one more is
+ * refused as JSON. */
+Test(cli, pack_reads_json_nested_8008_levels_and_refuses_8009) {
+  char *deep = malloc(2 * 8009 + 1);
+  for (int levels = 8008; levels <= 8009; levels++) {
+    memset(deep, '[', (size_t)levels);
+    memset(deep + levels, ']', (size_t)levels);
+    deep[2 * levels] = '\0';
+    spit("deep.json", deep);
+    res_t r = run("pack deep.json -o d.dpk");
+    cr_assert_eq(r.status, 1);
+    if (levels == 8008)
+      cr_assert_not_null(strstr(r.err, "devpickle: deep.json: containers nested deeper than 2000 levels, at $[0]"),
+                         "%s", r.err);
+    else
+      cr_assert_str_eq(r.err, "devpickle: deep.json: invalid JSON: nesting deeper than 8008 levels (line 1, column "
+                              "8009), at byte 8008\n");
+    res_free(r);
+  }
+  free(deep);
+}
+
+/* A hex string's digits may be upper case (ptr, $float bits): the same
+ * value as in lower case, which unpack writes. */
+Test(cli, pack_reads_upper_case_hex_digits_in_a_ptr_and_in_float_bits) {
+  static const char *const t =
+      "[{\"$float\": \"0x%sf8000000000001\"}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x%s\", \"nbytes\": 1, "
+      "\"dtype\": \"int8\", \"shape\": [1]}}]";
+  char json[512];
+  snprintf(json, sizeof json, t, "7F", "ABCDEF");
+  pack_unpack_gives("up.json", json,
+                    "[{\"$float\":\"0x7ff8000000000001\"},{\"$tensor\":{\"device\":\"cpu\",\"ptr\":\"0xabcdef\","
+                    "\"nbytes\":1,\"dtype\":\"int8\",\"shape\":[1],\"strides\":[1],\"offset\":0}}]\n");
+  snprintf(json, sizeof json, t, "7f", "abcdef");
+  spit("low.json", json);
+  res_t r = run_sh("\"$D\" pack low.json -o low.dpk && cmp a.dpk low.dpk");
+  cr_assert_eq(r.status, 0, "%s%s", r.out, r.err);
+  res_free(r);
+}
+
+/* VALUE_JSON.md: shape and strides hold at most 16 integers — 16 are taken. */
+Test(cli, pack_takes_a_tensor_of_sixteen_dimensions_and_refuses_seventeen) {
+  pack_unpack_gives("d16.json",
+                    "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, \"dtype\": \"int8\", "
+                    "\"shape\": [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2]}}",
+                    "{\"$tensor\":{\"device\":\"cpu\",\"ptr\":\"0x10\",\"nbytes\":2,\"dtype\":\"int8\","
+                    "\"shape\":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,2],\"strides\":[2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,1],"
+                    "\"offset\":0}}\n");
+  pack_fails("d17.json", "x.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 1, \"dtype\": \"int8\", "
+             "\"shape\": [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]}}",
+             "devpickle: d17.json: tensor shape must be an array of at most 16 integers, at $\n");
+}
+
+/* A negative nbytes is named as such, not as a size past 2^62. */
+Test(cli, pack_refuses_a_negative_nbytes_as_not_a_non_negative_integer) {
+  pack_fails("neg.json", "x.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": -1, \"dtype\": \"int8\", \"shape\": [1]}}",
+             "devpickle: neg.json: tensor nbytes must be a non-negative integer, at $\n");
+}
+
+/* offset is an integer: "1" or 1.0 is refused, never read as 0. */
+Test(cli, pack_refuses_a_tensor_offset_that_is_not_an_integer) {
+  static const char *const bad[] = {"\"1\"", "1.0", "null"};
+  for (int i = 0; i < 3; i++) {
+    char json[256];
+    snprintf(json, sizeof json,
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 4, \"dtype\": \"int8\", \"shape\": [1],"
+             " \"offset\": %s}}", bad[i]);
+    pack_fails("off.json", "x.dpk", json, "devpickle: off.json: tensor offset must be an integer, at $\n");
+  }
+}
+
+/* VALUE_JSON.md: a float by its bits is "0x" and 16 hex digits — no fewer,
+ * so that one text is one float. */
+Test(cli, pack_refuses_float_bits_with_fewer_than_sixteen_hex_digits) {
+  pack_fails("short.json", "x.dpk", "[{\"$float\": \"0x7ff8\"}]",
+             "devpickle: short.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 "
+             "bits, at $[0]\n");
+  pack_fails("one.json", "x.dpk", "[{\"$float\": \"0x1\"}]",
+             "devpickle: one.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 "
+             "bits, at $[0]\n");
+}
+
+/* VALUE_JSON.md: a tagged object has exactly the keys shown. $tuple, $dict
+ * and $reduce with another field, and $object with attrs that are no
+ * object, are refused, saying what the tag takes. */
+Test(cli, a_tuple_dict_reduce_or_object_tag_with_a_field_it_does_not_take_says_what_it_takes) {
+  pack_fails("t.json", "x.dpk", "[{\"$tuple\": [], \"x\": 1}]", "devpickle: t.json: $tuple takes no other fields, at $[0]\n");
+  pack_fails("d.json", "x.dpk", "{\"$dict\": [], \"x\": 1}",
+             "devpickle: d.json: $dict must be an array of [key, value] pairs, at $\n");
+  pack_fails("r.json", "x.dpk", "{\"$reduce\": \"T\", \"state\": 1, \"x\": 2}",
+             "devpickle: r.json: $reduce takes one other field, \"state\", at $\n");
+  pack_fails("o.json", "x.dpk", "{\"$object\": \"C\", \"attrs\": [1]}",
+             "devpickle: o.json: $object takes one other field, \"attrs\", an object, at $\n");
+  cr_assert_eq(count_entries(), 4, "a frame was written");
+}
+
+/* A $dict item is a pair: three items are refused, never the third ignored. */
+Test(cli, pack_refuses_a_dict_item_of_three_values) {
+  pack_fails("p.json", "x.dpk", "{\"$dict\": [[1, 2], [3, 4, 5]]}",
+             "devpickle: p.json: $dict item 1 is not a [key, value] pair, at $\n");
+}
+
+/* Only nodes with identity can be named. */
+Test(cli, pack_refuses_an_id_naming_a_scalar) {
+  pack_fails("s.json", "x.dpk", "[{\"$id\": \"a\", \"$value\": 1}]",
+             "devpickle: s.json: $id names a scalar; only str, bytes, containers and tensors have identity, at $[0]\n");
+}
+
+/* vjson.h: vjson_write refuses a value nested deeper than VJSON_MAX_DEPTH
+ * (the library's count: an empty container is no level), writing nothing,
+ * and writes one at the limit. */
+Test(cli, vjson_write_writes_a_value_nested_at_the_limit_and_refuses_one_level_more) {
+  for (int levels = 2001; levels <= 2002; levels++) {
+    dp_value_t v = nest(levels, 0);
+    char *text = NULL, msg[256] = "";
+    size_t n = 0;
+    FILE *out = open_memstream(&text, &n);
+    cr_assert_not_null(out);
+    int rc = vjson_write(out, v, 0, msg, sizeof msg);
+    cr_assert_eq(fclose(out), 0);
+    if (levels == 2001) {
+      cr_assert_eq(rc, 0, "%s", msg);
+      cr_assert_eq(n, 2 * 2001 + 1);
+    } else {
+      cr_assert_eq(rc, DP_ELIMIT, "%d: %s", rc, msg);
+      cr_assert_str_eq(msg, "containers nested deeper than 2000 levels, too deep for value JSON");
+      cr_assert_eq(n, 0, "%zu bytes written", n);
+    }
+    free(text);
+    dp_value_release(v);
+  }
+}
+
+/* pack stops reading once what came cannot begin JSON, judging it at each
+ * 64 KiB read; a character that a read cuts may still show otherwise: the
+ * error names the whole character, as when no read cuts it. */
+Test(cli, pack_names_an_unexpected_character_cut_by_the_end_of_a_read_as_the_whole_character) {
+  char *json = malloc(65540);
+  json[0] = '[';
+  memset(json + 1, ' ', 65533);
+  memcpy(json + 65534, "\xE2\x80\xA6]", 5); /* the 64 KiB read ends inside the U+2026 */
+  json[65539] = '\0';
+  spit("cut.json", json);
+  free(json);
+  res_t r = run("pack cut.json -o x.dpk");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_str_eq(r.err,
+                   "devpickle: cut.json: invalid JSON: unexpected '\xE2\x80\xA6' (line 1, column 65535), at byte 65534\n");
+  res_free(r);
+}
