@@ -888,20 +888,37 @@ static dp_value_t sample_value(void) {
   return root;
 }
 
-Test(pickler, truncation_at_every_offset_is_detected) {
-  dp_value_t v = sample_value();
-  dp_frame_t *f = pickle_ok(v, 0);
+/* Every cut of the frame of v (inline: with its data section) is refused
+ * as truncated where it was cut, by the whole reader and by the stream's. */
+static void expect_every_cut_refused(dp_value_t v, unsigned flags) {
+  dp_frame_t *f = pickle_ok(v, flags);
   size_t n;
   const uint8_t *b = dp_frame_data(f, &n);
-  for (size_t cut = 0; cut < n; cut++) {
-    dp_value_t out;
-    dp_error_t e;
-    int rc = dp_unpickle(b, cut, NULL, &out, &e);
-    cr_assert(rc == DP_ETRUNC, "cut at %zu: %s (%s)", cut, dp_err_name(rc), e.message);
-    cr_assert_eq(e.offset, (int64_t)cut, "cut at %zu: offset %lld", cut, (long long)e.offset);
-  }
+  for (size_t cut = 0; cut < n; cut++)
+    for (int streamed = 0; streamed < 2; streamed++) {
+      dp_value_t out;
+      dp_error_t e;
+      mem_reader_t c = {b, cut, 7};
+      int rc = streamed ? dp_unpickle_stream(mem_read, &c, NULL, &out, NULL, NULL, &e) : dp_unpickle(b, cut, NULL, &out, &e);
+      cr_assert(rc == DP_ETRUNC, "cut at %zu of %zu (%s): %s (%s)", cut, n, streamed ? "streamed" : "whole", dp_err_name(rc),
+                rc ? e.message : "accepted");
+      cr_assert_eq(e.offset, (int64_t)cut, "cut at %zu (%s): offset %lld", cut, streamed ? "streamed" : "whole",
+                   (long long)e.offset);
+    }
   dp_frame_free(f);
+}
+
+Test(pickler, truncation_at_every_offset_is_detected) {
+  dp_value_t v = sample_value();
+  expect_every_cut_refused(v, 0);
   dp_value_release(v);
+  /* and in an inline frame's data section */
+  float host[4] = {1, 2, 3, 4};
+  dp_storage_t *s = t_storage(CPU, (uintptr_t)host, sizeof host);
+  dp_value_t t = t_view(s, 4, 0);
+  dp_storage_release(s);
+  expect_every_cut_refused(t, DP_PICKLE_INLINE);
+  dp_value_release(t);
   ASSERT_NO_LEAK();
 }
 
@@ -1227,6 +1244,37 @@ static int endless_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *
   s->given += n;
   *got = n;
   return 0;
+}
+
+/* A stream whose first bytes are no frame's header (a whole header's worth
+ * of them) is refused as dp_frame_check and dp_unpickle refuse those bytes:
+ * same code, message and offset, without reading on. */
+Test(pickler, a_stream_that_is_no_frame_is_refused_as_the_whole_readers_refuse_it) {
+  uint8_t junk[100];
+  memset(junk, 'x', sizeof junk);
+  memcpy(junk, "DPKX", 4);
+  dp_error_t want, e;
+  dp_value_t out;
+  int rc = dp_frame_check(junk, sizeof junk, NULL, &want);
+  cr_assert_eq(rc, DP_EFORMAT, "%s", want.message);
+  cr_assert_eq(dp_unpickle(junk, sizeof junk, NULL, &out, &e), rc);
+  cr_assert_str_eq(e.message, want.message);
+  mem_reader_t c = {junk, sizeof junk, 7};
+  cr_assert_eq(dp_unpickle_stream(mem_read, &c, NULL, &out, NULL, NULL, &e), rc, "%s", e.message);
+  cr_assert_str_eq(e.message, want.message);
+  cr_assert_eq(e.offset, want.offset);
+  cr_assert_eq(c.left, sizeof junk - 40, "read %zu bytes past the header", sizeof junk - 40 - c.left);
+}
+
+Test(pickler, a_stream_read_without_a_callback_or_an_out_value_says_which_is_missing) {
+  uint8_t none[1] = {0};
+  mem_reader_t c = {none, 0, 7};
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle_stream(NULL, &c, NULL, &out, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_unpickle_stream: NULL read");
+  cr_assert_eq(dp_unpickle_stream(mem_read, &c, NULL, NULL, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_unpickle_stream: NULL out");
 }
 
 /* A header whose lengths add up past 2^64 announces a frame no input can
@@ -3299,16 +3347,23 @@ Test(pickler, a_short_input_is_truncated_only_while_it_begins_the_magic) {
 
 typedef struct bad_reader {
   mem_reader_t m;
-  int mode; /* 1 reports 100 bytes more than asked; 2 fails with DP_EIO after 20 bytes, err untouched; 3 returns 5 */
+  int mode; /* 1 reports 100 bytes more than asked; 2 fails with DP_EIO after fail_at bytes, err untouched (and
+               is at its end after that: a reader that asks again sees a short stream, not the failure); 3 returns 5;
+               4 reports one byte more than asked at its second call, within what the first call was asked */
   size_t total;
+  int calls;
+  size_t fail_at;
 } bad_reader_t;
 
 static int bad_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
   bad_reader_t *b = ud;
-  if (b->mode == 2 && b->total - b->m.left >= 20) return DP_EIO;
+  if (b->mode == 2 && b->total - b->m.left >= b->fail_at) {
+    *got = 0;
+    return b->calls++ ? 0 : DP_EIO;
+  }
   if (b->mode == 3) return 5;
   int rc = mem_read(&b->m, dst, n, got, err);
-  if (b->mode == 1) *got = n + 100;
+  if (b->mode == 1 || (b->mode == 4 && ++b->calls == 2)) *got = n + (b->mode == 1 ? 100 : 1);
   return rc;
 }
 
@@ -3325,19 +3380,42 @@ Test(pickler, a_read_callback_that_reports_too_much_fails_silently_or_returns_a_
   dp_value_t out;
   dp_error_t e;
 
-  bad_reader_t r1 = {{p, n, n}, 1, n};
+  bad_reader_t r1 = {{p, n, n}, 1, n, 0, 0};
   cr_assert_eq(dp_unpickle_stream(bad_read, &r1, NULL, &out, NULL, NULL, &e), DP_EINVAL);
   cr_assert(strstr(e.message, "the read callback reported"), "%s", e.message);
 
-  bad_reader_t r2 = {{p, n, 20}, 2, n};
-  cr_assert_eq(dp_unpickle_stream(bad_read, &r2, NULL, &out, NULL, NULL, &e), DP_EIO);
-  cr_assert_eq(e.code, DP_EIO);
-  cr_assert(strstr(e.message, "the read callback failed"), "%s", e.message);
-  cr_assert_geq(e.offset, 0, "where reading stopped");
+  /* failing in the header, in the payload, and in an inline frame's data section */
+  float host[4] = {1, 2, 3, 4};
+  dp_storage_t *hs = t_storage(CPU, (uintptr_t)host, sizeof host);
+  dp_value_t t = t_view(hs, 4, 0);
+  dp_storage_release(hs);
+  dp_frame_t *fi = pickle_ok(t, DP_PICKLE_INLINE);
+  size_t ni;
+  const uint8_t *pi = dp_frame_data(fi, &ni);
+  struct {
+    const uint8_t *p;
+    size_t n, at;
+  } fails[] = {{p, n, 20}, {p, n, 42}, {pi, ni, ni - 8}};
+  for (int k = 0; k < 3; k++) {
+    bad_reader_t r2 = {{fails[k].p, fails[k].n, 1}, 2, fails[k].n, 0, fails[k].at};
+    cr_assert_eq(dp_unpickle_stream(bad_read, &r2, NULL, &out, NULL, NULL, &e), DP_EIO, "failing at %zu: %s",
+                 fails[k].at, e.message);
+    cr_assert_eq(e.code, DP_EIO);
+    cr_assert_str_eq(e.message, "the read callback failed: i/o error", "failing at %zu: %s", fails[k].at, e.message);
+    cr_assert_eq(e.offset, (int64_t)fails[k].at, "where reading stopped: %lld", (long long)e.offset);
+  }
+  dp_frame_free(fi);
+  dp_value_release(t);
 
-  bad_reader_t r3 = {{p, n, n}, 3, n};
+  bad_reader_t r3 = {{p, n, n}, 3, n, 0, 0};
   cr_assert_eq(dp_unpickle_stream(bad_read, &r3, NULL, &out, NULL, NULL, &e), DP_EINVAL);
   cr_assert(strstr(e.message, "returned 5"), "%s", e.message);
+
+  /* a short read, then one byte more than the rest of the header asked */
+  bad_reader_t r4 = {{p, n, 7}, 4, n, 0, 0};
+  cr_assert_eq(dp_unpickle_stream(bad_read, &r4, NULL, &out, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "the read callback reported 34 bytes read where at most 33 were asked");
+  cr_assert_eq(e.offset, 7);
   dp_frame_free(f);
   dp_value_release(l);
   ASSERT_NO_LEAK();
