@@ -832,11 +832,18 @@ static void check_stray_data(dp_frame_t *f, size_t extra, const char *want) {
   free(c);
 }
 
-Test(pickler, inline_frames_carry_the_buffer_bytes) {
-  float host[4] = {1, 2, 3, 4};
-  dp_storage_t *s = t_storage(CPU, (uintptr_t)host, sizeof host);
+/* A tensor over four floats of host memory (a cpu storage): what an
+ * inline frame carries. */
+static dp_value_t host_floats(float host[4]) {
+  dp_storage_t *s = t_storage(CPU, (uintptr_t)host, 4 * sizeof(float));
   dp_value_t t = t_view(s, 4, 0);
   dp_storage_release(s);
+  return t;
+}
+
+Test(pickler, inline_frames_carry_the_buffer_bytes) {
+  float host[4] = {1, 2, 3, 4};
+  dp_value_t t = host_floats(host);
   dp_frame_t *f = pickle_ok(t, DP_PICKLE_INLINE);
   dp_buffer_desc_t b;
   OK(dp_frame_buffer(f, 0, &b, T_ERR));
@@ -914,9 +921,7 @@ Test(pickler, truncation_at_every_offset_is_detected) {
   dp_value_release(v);
   /* and in an inline frame's data section */
   float host[4] = {1, 2, 3, 4};
-  dp_storage_t *s = t_storage(CPU, (uintptr_t)host, sizeof host);
-  dp_value_t t = t_view(s, 4, 0);
-  dp_storage_release(s);
+  dp_value_t t = host_floats(host);
   expect_every_cut_refused(t, DP_PICKLE_INLINE);
   dp_value_release(t);
   ASSERT_NO_LEAK();
@@ -3386,9 +3391,7 @@ Test(pickler, a_read_callback_that_reports_too_much_fails_silently_or_returns_a_
 
   /* failing in the header, in the payload, and in an inline frame's data section */
   float host[4] = {1, 2, 3, 4};
-  dp_storage_t *hs = t_storage(CPU, (uintptr_t)host, sizeof host);
-  dp_value_t t = t_view(hs, 4, 0);
-  dp_storage_release(hs);
+  dp_value_t t = host_floats(host);
   dp_frame_t *fi = pickle_ok(t, DP_PICKLE_INLINE);
   size_t ni;
   const uint8_t *pi = dp_frame_data(fi, &ni);
