@@ -319,6 +319,21 @@ def test_allocations_outlive_their_list_and_each_other_and_free_their_memory_wit
         tracemalloc.stop()
 
 
+def test_an_allocations_repr_names_its_fields_and_allocations_compare_by_all_of_them():
+    t = torch.ones(3)
+    a = devpickle.scan({"x": t})[0]
+    assert repr(a) == f"Allocation(device='cpu', ptr={hex(a.ptr)}, nbytes=12, refs=1, path='$.x')"
+    b = devpickle.scan({"x": t}, paths=False)[0]
+    assert repr(b) == f"Allocation(device='cpu', ptr={hex(a.ptr)}, nbytes=12, refs=1, path=None)"
+    # the same allocation found with and without a path, or by another count of tensors
+    assert a != b and b != a and not a == b and not b == a
+    c = devpickle.scan({"x": t, "y": t[1:]})[0]
+    assert (c.path, c.refs) == ("$.x", 2) and a != c and not a == c
+    assert a == devpickle.scan({"x": t})[0] and not a != devpickle.scan({"x": t})[0]
+    with pytest.raises(TypeError):
+        a < b
+
+
 def test_paths_false_gives_none_paths():
     got = devpickle.scan([torch.ones(1)], paths=False)
     assert got[0].path is None
@@ -336,6 +351,46 @@ def test_namedtuples_slots_custom_reduce_and_dict_subclasses_are_walked():
         "$[3]<reduce collections.OrderedDict>.dictitems.k",
         "$[4]<reduce collections.defaultdict>.dictitems.d[0]",
     ]
+
+
+class _NewArgs:
+    held = None
+
+    def __new__(cls, *args):
+        return object.__new__(cls)
+
+    def __init__(self):
+        self.x = 1
+
+    def __getnewargs__(self):
+        return (_NewArgs.held,)
+
+
+class _GetState:
+    held = None
+
+    def __init__(self):
+        self.x = 1
+
+    def __getstate__(self):
+        return {"s": _GetState.held}
+
+
+class _SlotsAndDict:
+    __slots__ = ("w", "__dict__")
+
+    def __init__(self, w):
+        self.w = w
+        self.x = 1
+
+
+def test_a_class_with_getnewargs_getstate_or_slots_is_walked_through_its_reduce_not_its_dict():
+    t = torch.ones(1)
+    _NewArgs.held = _GetState.held = t
+    for obj, step in ((_NewArgs(), "args[1]"), (_GetState(), "state.s"), (_SlotsAndDict(t), "state[1].w")):
+        assert obj.__dict__ == {"x": 1}
+        got = devpickle.scan([obj])
+        assert [(a.ptr, a.path) for a in got] == [(storage_ptr(t)[0], f"$[0]<reduce {__name__}.{type(obj).__name__}>.{step}")]
 
 
 def test_shared_objects_and_cycles_are_walked_once():
@@ -422,8 +477,12 @@ def test_opaque_types_are_leaves():
             self.t = torch.ones(2)
 
     assert devpickle.scan([Secret(), gen()], opaque=(Secret, type(gen()))) == []
-    with pytest.raises(TypeError, match="opaque= takes types"):
+    with pytest.raises(TypeError) as e:
         devpickle.scan([], opaque=(1,))
+    assert str(e.value) == "opaque= takes types; got a 'int'"
+    with pytest.raises(TypeError) as e:
+        devpickle.scan([], opaque=[Secret, "x"])
+    assert str(e.value) == "opaque= takes types; got a 'str'"
 
 
 def test_a_deep_value_walks_without_recursion_and_a_limit_names_the_path():
@@ -433,6 +492,13 @@ def test_a_deep_value_walks_without_recursion_and_a_limit_names_the_path():
     got = devpickle.scan(deep)
     assert len(got) == 1 and got[0].ptr == storage_ptr(t)[0]
     assert "<\u2026" in got[0].path and len(got[0].path.encode()) <= 1024
+
+
+def test_keys_that_are_not_str_show_in_paths_as_json_words_reprs_or_the_key_itself():
+    ts = [torch.ones(1) for _ in range(8)]
+    value = {None: ts[0], True: ts[1], False: ts[2], 3: ts[3], (1, "x"): ts[4], b"ab": ts[5], (ts[6],): 1, "k y": ts[7]}
+    assert [a.path for a in devpickle.scan(value)] == [
+        "$[null]", "$[true]", "$[false]", "$[3]", "$[(1, 'x')]", "$[b'ab']", "$<key 6>[0]", '$["k y"]']
 
 
 def test_long_keys_are_cut_in_paths():
@@ -473,6 +539,38 @@ def test_dictitems_that_are_not_pairs_are_a_walk_error():
 
     with pytest.raises(devpickle.WalkError, match="dictitems must yield"):
         devpickle.scan(R())
+
+
+class _BadPairs:
+    items = None
+
+    def __reduce__(self):
+        return (_BadPairs, (), None, None, iter(_BadPairs.items))
+
+
+@pytest.mark.parametrize("items", [[(1, 2, 3)], [(1,)], [("k", 1), [1, 2]]])
+def test_dictitems_of_other_than_two_items_are_a_walk_error_at_the_item_naming_the_reduced_type(items):
+    _BadPairs.items = items
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan([_BadPairs()])
+    at = f"$[0]<reduce {__name__}._BadPairs>.dictitems[{len(items) - 1}]"
+    assert str(e.value) == (f"cannot walk a '{__name__}._BadPairs' at {at}: its items cannot be read: "
+                            "dictitems must yield (key, value) pairs")
+    assert e.value.path == at and isinstance(e.value.__cause__, TypeError)
+
+
+class _KeyedDict(dict):
+    pass
+
+
+def test_a_dict_subclass_s_keys_holding_memory_are_walked_through_its_dictitems():
+    t, u, w = torch.ones(1), torch.ones(2), torch.ones(3)
+    d = _KeyedDict()
+    d[(t,)], d["k"], d[w] = 1, u, 2
+    at = f"$[0]<reduce {__name__}._KeyedDict>.dictitems"
+    got = devpickle.scan([d])
+    assert [(a.ptr, a.path) for a in got] == [
+        (storage_ptr(t)[0], at + "<key 0>[0]"), (storage_ptr(u)[0], at + ".k"), (storage_ptr(w)[0], at + "<key 2>")]
 
 
 def test_a_malformed_cuda_array_interface_is_a_walk_error():
@@ -1042,6 +1140,18 @@ def test_a_reduce_result_pickle_refuses_is_a_walk_error_in_scan_dumps_and_set_re
         assert str(e.value.__cause__) == error
 
 
+@pytest.mark.parametrize("parts", [(print,), (print, (), None, None, None, None, None), [print, ()], 7])
+def test_a_reduce_returning_neither_a_str_nor_a_tuple_of_2_to_6_items_is_a_walk_error(parts):
+    _Reduces.parts = parts
+    with pytest.raises(pickle.PicklingError):
+        pickle.dumps(_Reduces(), protocol=5)
+    for walk in (devpickle.scan, devpickle.dumps, devpickle.Future().set_result):
+        with pytest.raises(devpickle.WalkError, match=r"_Reduces' at \$\[0\]: its reduce is malformed") as e:
+            walk([_Reduces()])
+        assert isinstance(e.value.__cause__, TypeError)
+        assert str(e.value.__cause__) == "__reduce_ex__ must return a string or a tuple of 2 to 6 items"
+
+
 def test_a_key_is_rendered_once_however_many_allocations_lie_under_it():
     class Key:
         reprs = 0
@@ -1268,6 +1378,74 @@ def test_an_allocation_reads_as_a_read_only_mapping_of_its_fields():
     with pytest.raises(TypeError):
         a["ptr"] = 1
     assert isinstance(a, collections.abc.Mapping)
+
+
+def test_an_allocation_finds_its_keys_given_as_a_str_subclass_and_takes_get_s_arguments_as_a_dict_does():
+    class Key(str):
+        pass
+
+    a = devpickle.scan({"x": np.ones(3)})[0]
+    assert a[Key("ptr")] == a.ptr and Key("refs") in a and a.get(Key("nbytes")) == 24
+    assert [k in a for k in ("device", "ptr", "nbytes", "refs", "path", "Device", "", None)] == [True] * 5 + [False] * 3
+    with pytest.raises(TypeError) as e:
+        a.get()
+    assert str(e.value) == "get expected at least 1 argument, got 0"
+    with pytest.raises(TypeError) as e:
+        a.get("ptr", 1, 2)
+    assert str(e.value) == "get expected at most 2 arguments, got 3"
+    with pytest.raises(KeyError) as e:
+        a[1]
+    assert type(e.value) is KeyError and e.value.args == (1,)
+
+
+def test_an_allocation_equals_a_mapping_only_registered_as_one_whose_own_eq_knows_nothing_of_mappings():
+    class Registered:  # not a Mapping subclass: object's __eq__, which answers NotImplemented
+        def __init__(self, d):
+            self.d = d
+
+        def keys(self):
+            return self.d.keys()
+
+        def __getitem__(self, k):
+            return self.d[k]
+
+        def __iter__(self):
+            return iter(self.d)
+
+        def __len__(self):
+            return len(self.d)
+
+    collections.abc.Mapping.register(Registered)
+    a = devpickle.scan({"x": np.ones(3)})[0]
+    d = dict(a)
+    assert a == Registered(d) and Registered(d) == a and not a != Registered(d)
+    assert a != Registered({**d, "path": None}) and not a == Registered({**d, "path": None})
+
+
+def test_reading_an_allocation_as_a_mapping_keeps_nothing_it_made():
+    import tracemalloc
+
+    a = devpickle.scan({"x": np.ones(3)})[0]
+    d = dict(a)
+
+    def read():
+        assert a._asdict() == d and a == d and not a != d and a.values() and a.items() and a.keys()
+        assert a.get("path") == a["path"] == a.path == "$.x" and a.get("device") == a.device == "cpu"
+        assert repr(a).endswith("path='$.x')")
+
+    read()
+    refs = sys.getrefcount(a.path), sys.getrefcount(a.device)
+    tracemalloc.start()
+    try:
+        for _ in range(100):  # the interpreter's own caches fill first
+            read()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(500):
+            read()
+        assert tracemalloc.get_traced_memory()[0] - before < 4096
+    finally:
+        tracemalloc.stop()
+    assert (sys.getrefcount(a.path), sys.getrefcount(a.device)) == refs
 
 
 def test_an_allocation_matches_mapping_patterns_and_equals_mappings_of_its_items():
