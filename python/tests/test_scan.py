@@ -1398,22 +1398,26 @@ def test_an_allocation_finds_its_keys_given_as_a_str_subclass_and_takes_get_s_ar
     assert type(e.value) is KeyError and e.value.args == (1,)
 
 
-def test_an_allocation_equals_a_mapping_only_registered_as_one_whose_own_eq_knows_nothing_of_mappings():
-    class Registered:  # not a Mapping subclass: object's __eq__, which answers NotImplemented
-        def __init__(self, d):
-            self.d = d
+class DictItems:
+    """The items of a dict, read as a Mapping reads them (no Mapping base)."""
 
+    def __init__(self, d):
+        self.d = d
+
+    def __getitem__(self, k):
+        return self.d[k]
+
+    def __iter__(self):
+        return iter(self.d)
+
+    def __len__(self):
+        return len(self.d)
+
+
+def test_an_allocation_equals_a_mapping_only_registered_as_one_whose_own_eq_knows_nothing_of_mappings():
+    class Registered(DictItems):  # not a Mapping subclass: object's __eq__, which answers NotImplemented
         def keys(self):
             return self.d.keys()
-
-        def __getitem__(self, k):
-            return self.d[k]
-
-        def __iter__(self):
-            return iter(self.d)
-
-        def __len__(self):
-            return len(self.d)
 
     collections.abc.Mapping.register(Registered)
     a = devpickle.scan({"x": np.ones(3)})[0]
@@ -1456,18 +1460,8 @@ def test_an_allocation_matches_mapping_patterns_and_equals_mappings_of_its_items
         case _:
             pytest.fail("a mapping pattern did not match an Allocation")
 
-    class M(collections.abc.Mapping):
-        def __init__(self, d):
-            self.d = d
-
-        def __getitem__(self, k):
-            return self.d[k]
-
-        def __iter__(self):
-            return iter(self.d)
-
-        def __len__(self):
-            return len(self.d)
+    class M(DictItems, collections.abc.Mapping):
+        pass
 
     d = dict(a)
     assert a == d and d == a and a == M(d) and M(d) == a and not a != d
