@@ -116,10 +116,12 @@ typedef struct dp_error {
 /** Clears an error record (code 0, offset -1, empty message). */
 DP_API void dp_error_clear(dp_error_t *err);
 
-/** Static description of a code ("out of memory"); "unknown error" otherwise. */
+/** Static description of a code ("out of memory"; "success" for 0);
+ *  "unknown error" otherwise. */
 DP_API const char *dp_strerror(int code);
 
-/** Static name of a code ("DP_ENOMEM"); "DP_UNKNOWN" otherwise. */
+/** Static name of a code ("DP_ENOMEM"; "DP_OK" for 0); "DP_UNKNOWN"
+ *  otherwise. */
 DP_API const char *dp_err_name(int code);
 
 /*
@@ -160,8 +162,10 @@ typedef struct dp_device {
   uint8_t index;  /* 0 for cpu */
 } dp_device_t;
 
-/** Formats "cuda:0", "host:1", "cpu" into buf (at least 16 bytes). Returns
- *  buf (NULL or size 0: nothing is written). */
+/** Formats "cuda:0", "host:1", "cpu" into buf (at least 16 bytes; a
+ *  smaller one gets the text cut, NUL-terminated, as snprintf does; a
+ *  cpu device is "cpu" whatever its index, a type past DP_DEVICE_HOST is
+ *  "unknownT:N"). Returns buf (NULL or size 0: nothing is written). */
 DP_API char *dp_device_format(dp_device_t dev, char *buf, size_t size);
 
 /** Parses "cpu", "cuda:N" or "host:N" (N 0..255). DP_EINVAL otherwise. */

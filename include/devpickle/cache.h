@@ -156,10 +156,11 @@ DP_API int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
  *  and retrying), backend errors. */
 DP_API int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out,
                            dp_error_t *err);
-/** Frees a pointer from dp_cache_alloc. It is reusable at once on its
- *  allocation stream; streams recorded with dp_cache_record_stream hold it
- *  until their work queued before this call completes. DP_EINVAL for a
- *  pointer this allocator did not hand out (or already freed). */
+/** Frees a pointer from dp_cache_alloc (NULL p does nothing). It is
+ *  reusable at once on its allocation stream; streams recorded with
+ *  dp_cache_record_stream hold it until their work queued before this call
+ *  completes. DP_EINVAL for a pointer this allocator did not hand out (or
+ *  already freed). */
 DP_API int dp_cache_dealloc(dp_cache_t *c, void *p, dp_error_t *err);
 /** Marks the allocation holding p (interior pointers too) as used on s.
  *  DP_ENOTFOUND when p is not from this allocator; DP_EINVAL for a stream

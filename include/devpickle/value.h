@@ -124,7 +124,8 @@ static inline bool dp_value_is_heap(dp_value_t v) { return v.kind >= DP_STR; }
 /** Identity of a heap value (NULL for scalars): equal pointers, same node. */
 static inline const void *dp_value_id(dp_value_t v) { return dp_value_is_heap(v) ? (const void *)v.u.h : (const void *)0; }
 
-/** Lower-case kind name: "none", "list", "tensor", ... */
+/** Lower-case kind name: "none", "list", "tensor", ...; "invalid" for a
+ *  number that is no dp_kind_t. */
 DP_API const char *dp_kind_name(dp_kind_t kind);
 
 /** New reference to the same value. Thread-safe. Returns v. */
