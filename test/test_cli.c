@@ -138,6 +138,9 @@ Test(cli, a_file_whose_name_starts_with_a_dash_is_named_after_a_double_dash) {
       {"pack -o a.dpk -o b.dpk -- -v.json", 2, 0, "-o given twice"}, /* which one was meant? */
       {"recv 0 --timeout 1 --timeout 2", 2, 0, "--timeout given twice"},
       {"recv 0 --host 127.0.0.1 --host ::1", 2, 0, "--host given twice"},
+      {"dump --json --json -- -f.dpk", 2, 0, "devpickle dump: --json given twice"}, /* README: any option */
+      {"unpack --compact -- -f.dpk --compact", 2, 0, "unexpected argument '--compact'"},
+      {"unpack --compact --compact -- -f.dpk", 2, 0, "devpickle unpack: --compact given twice"},
   };
   for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) {
     res_t r = run(runs[i].args);

@@ -46,7 +46,7 @@ static const char *const usage_main =
     "a file named -). An option's value is the next argument or attached\n"
     "(-o F, -oF, --output F, --output=F, --host=H, --timeout=0.5). -o (or --output),\n"
     "--host or --timeout given twice, or given '', is a usage error, as is\n"
-    "an input named ''.\n"
+    "--json or --compact given twice, or an input named ''.\n"
     "A frame on stdin is read up to its end as its header gives it and at most\n"
     "64 KiB past it (more is an error, so an endless pipe behind a frame never\n"
     "holds a command), and not past a header that is no frame's; a terminal is\n"
@@ -492,6 +492,7 @@ static int parse_args(const char *cmd, const char *help, int argc, char **argv, 
       if (!val[0]) return usage_error(cmd, "%s needs a file name, not ''", name);
       a->out = val;
     } else if (flag && strcmp(s, flag) == 0) {
+      if (a->flag) return usage_error(cmd, "%s given twice", flag);
       a->flag = 1;
     } else if (s[0] == '-' && s[1] != '\0') {
       return unknown_option(cmd, s);
