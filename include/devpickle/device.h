@@ -57,11 +57,15 @@ typedef struct dp_event dp_event_t;
  *  driver or device (or in a build without CUDA) is DP_ENODEV, with the
  *  reason in err; that answer is kept: later calls return it without asking
  *  the driver again, until dp_shutdown(). Any other type (DP_DEVICE_CPU
- *  included) is DP_EINVAL. */
+ *  included) is DP_EINVAL, and so is `host` when DEVPICKLE_HOST_DEVICES,
+ *  read as the host backend starts (its first dp_backend_get, or the first
+ *  after dp_shutdown), is set to anything but an integer in 1..64 (its
+ *  text in the message; set but empty counts as unset). */
 DP_API int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err);
 
 /** The default backend: `cuda` when a GPU is usable, else `host`. The
- *  environment variable DEVPICKLE_BACKEND=host|cuda forces one; forcing
+ *  environment variable DEVPICKLE_BACKEND=host|cuda forces one (lower
+ *  case; any other non-empty value is DP_EINVAL, naming it); forcing
  *  `cuda` without a GPU is DP_ENODEV, never a fallback. `host` stands in
  *  only for DP_ENODEV: another failure of `cuda` (DP_ENOMEM starting it)
  *  is returned as it is. */
