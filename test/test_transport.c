@@ -645,6 +645,21 @@ Test(transport, every_call_refuses_a_null_argument_with_a_message_naming_the_cal
   dp_transport_free(NULL);
 }
 
+Test(transport, a_progress_mode_that_is_neither_thread_nor_caller_is_refused) {
+  dp_error_t e;
+  dp_transport_t *t = (dp_transport_t *)&e;
+  dp_transport_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.progress = (dp_transport_progress_mode_t)2;
+  cr_assert_eq(dp_transport_new(&o, &t, &e), DP_EINVAL);
+  cr_assert_null(t);
+  cr_assert_str_eq(e.message, "dp_transport_new: progress 2 is neither DP_TRANSPORT_PROGRESS_THREAD (0) nor "
+                              "DP_TRANSPORT_PROGRESS_CALLER (1)");
+  o.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  cr_assert_eq(dp_transport_new(&o, &t, &e), 0, "%s", e.message);
+  dp_transport_free(t);
+}
+
 Test(transport, progress_and_wait_on_a_threaded_or_null_transport) {
   cr_assert_eq(dp_transport_progress(NULL), 0);
   dp_error_t e;

@@ -476,6 +476,11 @@ static ucp_context_h lane_context(const ucp_params_t *up) {
 int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_transport_new: out is NULL");
   *out = NULL;
+  if (opts && opts->progress != DP_TRANSPORT_PROGRESS_THREAD && opts->progress != DP_TRANSPORT_PROGRESS_CALLER)
+    return dp__err(err, DP_EINVAL,
+                   "dp_transport_new: progress %d is neither DP_TRANSPORT_PROGRESS_THREAD (0) nor "
+                   "DP_TRANSPORT_PROGRESS_CALLER (1)",
+                   (int)opts->progress);
   dp_transport_t *t = dp__alloc(sizeof *t);
   if (!t) return dp__err(err, DP_ENOMEM, "dp_transport_new: out of memory");
   memset(t, 0, sizeof *t);

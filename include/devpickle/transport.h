@@ -163,8 +163,8 @@ typedef struct dp_transport_opts {
    *  frame came and whose buffers stop arriving (none for this long: a peer
    *  that announced buffers and never sends them) fails its endpoint the
    *  same way. Sends held back by the in-flight bound are not yet posted
-   *  and not timed. 0: no limit (a dead peer is still detected by UCX's
-   *  keepalive). */
+   *  and not timed. 0 (or less): no limit (a dead peer is still detected
+   *  by UCX's keepalive). */
   int64_t timeout_ns;
   /** Limits and resolver for received frames (copied; the resolver and
    *  its types must outlive the transport). bind is ignored: the
@@ -186,8 +186,11 @@ typedef struct dp_transport_opts {
 } dp_transport_opts_t;
 
 /** A transport and its progress thread. opts may be NULL. UCX reads its
- *  own environment (UCX_TLS, UCX_NET_DEVICES, ...). Errors: DP_ENODEV when
- *  UCX cannot start (its message in err), DP_ENOMEM. */
+ *  own environment (UCX_TLS, UCX_NET_DEVICES, ...). Errors: DP_EINVAL for
+ *  a NULL out or an opts.progress that is neither mode, or as
+ *  dp_backend_default and dp_cache_default fail (an opts.cache of another
+ *  backend than opts.backend is DP_EINVAL); DP_ENODEV when UCX cannot start
+ *  (its message in err), DP_ENOMEM. */
 DP_API int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_error_t *err);
 /** Stops the progress thread after failing every pending future of the
  *  endpoints still open with DP_ECANCELED; frees them, the listeners and
