@@ -100,7 +100,11 @@ typedef struct dp_future_opts {
   int consumers_only;
 } dp_future_opts_t;
 
-/** A new pending future. opts may be NULL. */
+/** A new pending future. opts may be NULL. Errors: DP_EINVAL for a NULL
+ *  out, devices NULL with ndevices above 0, a listed device that is
+ *  neither cpu nor one of the backend's (its message names it), or hooks
+ *  with neither function; dp_backend_default's and dp_cache_default's
+ *  errors when they are asked; DP_ENOMEM. */
 DP_API int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *err);
 DP_API dp_future_t *dp_future_retain(dp_future_t *f);
 /** Drops a reference; the last one frees the future, its value and its
