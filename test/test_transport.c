@@ -639,6 +639,15 @@ Test(transport, every_call_refuses_a_null_argument_with_a_message_naming_the_cal
   null_refused(dp_listener_accept(NULL, 0, &ep, &e), &e, "dp_listener_accept", "l");
   cr_assert_null(ep);
   null_refused(dp_transport_wait(NULL, NULL, 0, &e), &e, "dp_transport_wait", "t");
+  dp_transport_t *t;
+  cr_assert_eq(dp_transport_new(NULL, &t, &e), 0, "%s", e.message);
+  l = (dp_listener_t *)&e;
+  null_refused(dp_listener_new(t, NULL, &l, &e), &e, "dp_listener_new", "host_port");
+  cr_assert_null(l);
+  ep = (dp_endpoint_t *)&e;
+  null_refused(dp_endpoint_connect(t, NULL, &ep, &e), &e, "dp_endpoint_connect", "host_port");
+  cr_assert_null(ep);
+  dp_transport_free(t);
   cr_assert_eq(dp_listener_port(NULL), 0);
   dp_endpoint_free(NULL);
   dp_listener_free(NULL);

@@ -656,7 +656,8 @@ int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_
 
 int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err) {
   if (out) *out = NULL;
-  if (!t || !out) return dp__err(err, DP_EINVAL, "dp_listener_new: %s is NULL", t ? "out" : "t");
+  if (!t || !out || !host_port)
+    return dp__err(err, DP_EINVAL, "dp_listener_new: %s is NULL", !t ? "t" : !out ? "out" : "host_port");
   if (forked(t, "dp_listener_new", err)) return DP_EINVAL;
   if (!t->caller && dp__tp_in_pass == t) /* the progress thread: it would wait for itself */
     return dp__err(err, DP_EINVAL,
@@ -737,7 +738,8 @@ void dp_listener_free(dp_listener_t *l) {
 
 int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err) {
   if (out) *out = NULL;
-  if (!t || !out) return dp__err(err, DP_EINVAL, "dp_endpoint_connect: %s is NULL", t ? "out" : "t");
+  if (!t || !out || !host_port)
+    return dp__err(err, DP_EINVAL, "dp_endpoint_connect: %s is NULL", !t ? "t" : !out ? "out" : "host_port");
   if (forked(t, "dp_endpoint_connect", err)) return DP_EINVAL;
   cmd_t *c = dp__alloc(sizeof *c);
   if (!c) return dp__err(err, DP_ENOMEM, "dp_endpoint_connect: out of memory");
