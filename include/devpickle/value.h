@@ -247,6 +247,10 @@ DP_API size_t dp_dtype_size(dp_dtype_t d);             /* bytes per element; 0 i
 DP_API int dp_tensor_new(dp_storage_t *storage, dp_dtype_t dtype, int ndim,
                          const int64_t *shape, const int64_t *strides,
                          int64_t offset, dp_value_t *out, dp_error_t *err);
+/* The accessors of a tensor. For a value of another kind they return
+ * base.h's neutral values: NULL storage, shape and strides, and 0 for the
+ * dtype, ndim and offset — 0 is also DP_BOOL8 and a zero-dimensional
+ * tensor's ndim, so check dp_value_kind first. */
 DP_API dp_storage_t *dp_tensor_storage(dp_value_t t);  /* borrowed */
 DP_API dp_dtype_t dp_tensor_dtype(dp_value_t t);
 DP_API int dp_tensor_ndim(dp_value_t t);
