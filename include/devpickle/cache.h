@@ -152,8 +152,9 @@ DP_API void dp_cache_free(dp_cache_t *c);
 DP_API int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
 
 /** Allocates nbytes on dev for use on stream s (NULL: this thread's current
- *  stream of dev). Errors: DP_EINVAL, DP_ENOMEM (after freeing the cache
- *  and retrying), backend errors. */
+ *  stream of dev); nbytes 0 gets a block of its own, of the smallest size
+ *  (512 bytes). Errors: DP_EINVAL, DP_ENOMEM (after freeing the cache and
+ *  retrying), backend errors. */
 DP_API int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out,
                            dp_error_t *err);
 /** Frees a pointer from dp_cache_alloc (NULL p does nothing). It is

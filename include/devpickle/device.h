@@ -210,6 +210,9 @@ DP_API dp_device_t dp_event_device(const dp_event_t *e);
 
 /* ---- device memory (raw, uncached: see cache.h for the caching allocator) ---- */
 
+/** nbytes of memory on dev, in *out; nbytes 0 gets a pointer of its own all
+ *  the same (a 1-byte allocation), given back with dp_device_dealloc like
+ *  any other. */
 DP_API int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err);
 /** Gives p (from dp_device_alloc on dev) back; NULL p does nothing.
  *  First it waits for the work queued on dev's streams so far, as cudaFree
