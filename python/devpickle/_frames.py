@@ -618,8 +618,8 @@ def _flat(kind, device, source, cache, key, nbytes):
                 flat = flat.to(device)
     elif kind == "numpy.ndarray":
         np = _numpy()
-        if device != "cpu":
-            raise TypeError(f"loads: a numpy array on {device}")
+        if device != "cpu":  # a frame dumps never writes: numpy arrays are cpu memory
+            raise _cannot(kind, device, key, "a numpy array is cpu memory")
         flat = np.frombuffer(source, dtype=np.uint8)
     else:
         cupy = sys.modules["cupy"]

@@ -1054,6 +1054,24 @@ def test_a_view_whose_byte_strides_numpy_cannot_hold_is_a_value_error_naming_the
         devpickle.loads((tmp_path / "v.dpk").read_bytes(), buffers=[bytearray(32)])
 
 
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_numpy_array_the_frame_puts_on_a_device_is_a_value_error_naming_the_buffer(tmp_path, inline):
+    # dumps never writes one; a frame that does is refused as a view numpy
+    # cannot make, whatever buffer is given, never built on cpu silently
+    cli = os.environ.get("DEVPICKLE")
+    if not cli:
+        pytest.skip("the devpickle CLI is not built (DEVPICKLE unset)")
+    tensor = {"device": "cuda:0", "ptr": "0x7f0000000000", "nbytes": 16, "dtype": "float32", "shape": [4]}
+    if inline:
+        tensor["data"] = "AAAAAAAAAAAAAAAAAAAAAA=="
+    src = tmp_path / "v.json"
+    src.write_text(json.dumps({"$object": "numpy.ndarray", "attrs": {"data": {"$tensor": tensor}}}))
+    subprocess.run([cli, "pack", str(src), "-o", str(tmp_path / "v.dpk")], check=True)
+    with pytest.raises(ValueError, match=r"a numpy.ndarray over buffer 0 \(cuda:0\) cannot be made here: "
+                                         r"a numpy array is cpu memory"):
+        devpickle.loads((tmp_path / "v.dpk").read_bytes(), buffers=None if inline else [bytearray(16)])
+
+
 def _local_class():
     class Local:
         pass
