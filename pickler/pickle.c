@@ -476,6 +476,12 @@ int dp_pickle(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f, dp_erro
   if (f->busy)
     return dp__err(err, DP_ESTATE, "dp_pickle: the frame is being written by a pickle that has not returned "
                    "(a reduce() or read callback pickling into the frame its own pickle writes)");
+  if (opts && (opts->flags & ~DP_PICKLE_INLINE)) {
+    f->len = 0; /* on error the frame is empty */
+    dp_ptrset_clear(f->set);
+    return dp__err(err, DP_EINVAL, "dp_pickle: unknown flags 0x%x (DP_PICKLE_INLINE is the only one, 0x%x)",
+                   opts->flags & ~DP_PICKLE_INLINE, DP_PICKLE_INLINE);
+  }
   f->busy = 1;
   int rc = pickle_into(v, opts, f, err);
   f->busy = 0;

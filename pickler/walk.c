@@ -832,6 +832,9 @@ static int scan_walker(dp_ptrset_t *set, dp__walker_t **out, dp_error_t *err) {
 
 int dp_scan(dp_value_t v, const dp_scan_opts_t *opts, dp_ptrset_t *set, dp_error_t *err) {
   if (!set) return dp__err(err, DP_EINVAL, "dp_scan: NULL set");
+  if (opts && (opts->flags & ~DP_SCAN_PATHS))
+    return dp__err(err, DP_EINVAL, "dp_scan: unknown flags 0x%x (DP_SCAN_PATHS is the only one, 0x%x)",
+                   opts->flags & ~DP_SCAN_PATHS, DP_SCAN_PATHS);
   dp__walker_t *w = NULL;
   int rc = scan_walker(set, &w, err);
   if (rc) return rc;

@@ -5015,3 +5015,30 @@ Test(pickler, a_failed_pickle_releases_the_reduce_states_it_made_before_returnin
   dp_storage_release(s8);
   ASSERT_NO_LEAK();
 }
+
+/* A flag this version does not know is refused, never ignored: a caller
+ * built against a later header (or passing garbage) hears of it before
+ * anything is walked or written. */
+Test(pickler, unknown_scan_and_pickle_flags_are_refused_naming_the_bits) {
+  dp_value_t root = every_kind_value();
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_scan(root, &(dp_scan_opts_t){.flags = DP_SCAN_PATHS | 4u}, set, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_scan: unknown flags 0x4 (DP_SCAN_PATHS is the only one, 0x1)");
+  cr_assert_eq(dp_ptrset_count(set), 0, "nothing was walked");
+  OK(dp_scan(root, &(dp_scan_opts_t){.flags = DP_SCAN_PATHS}, set, T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  OK(dp_pickle(root, NULL, f, T_ERR));
+  cr_assert_eq(dp_pickle(root, &(dp_pickle_opts_t){.flags = 2u}, f, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_pickle: unknown flags 0x2 (DP_PICKLE_INLINE is the only one, 0x1)");
+  size_t len = 1;
+  dp_frame_data(f, &len);
+  cr_assert_eq(len, 0, "on error the frame is empty");
+  cr_assert_eq(dp_frame_nbuffers(f), 0);
+  dp_frame_free(f);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}

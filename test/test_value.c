@@ -794,6 +794,9 @@ Test(value, equality_is_structural_and_terminates_on_cycles) {
   OK(dp_list_append(b, dp_value_retain(b), T_ERR));
   cr_assert_eq(dp_value_equal(a, b, 0, NULL), 1);
   cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING, NULL), 1);
+  dp_error_t e;
+  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING | 8u, &e), DP_EINVAL, "a flag it does not know is refused");
+  cr_assert_str_eq(e.message, "dp_value_equal: unknown flags 0x8 (DP_EQ_SHARING is the only one, 0x1)");
   cr_assert_eq(dp_value_hash(a), dp_value_hash(b));
   /* [s, s] and [s, s'] are equal as trees but differ in sharing */
   dp_value_t s = t_str("x");

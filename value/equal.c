@@ -202,6 +202,9 @@ static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
 }
 
 int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t *err) {
+  if (flags & ~DP_EQ_SHARING)
+    return dp__err(err, DP_EINVAL, "dp_value_equal: unknown flags 0x%x (DP_EQ_SHARING is the only one, 0x%x)",
+                   flags & ~DP_EQ_SHARING, DP_EQ_SHARING);
   eq_t e;
   memset(&e, 0, sizeof e);
   e.flags = flags;

@@ -71,7 +71,9 @@ typedef struct dp_scan_opts {
  *  cleared first). opts may be NULL. Errors: DP_ETYPE (a custom without
  *  reduce, or whose reduce failed other than with DP_ENOMEM: the message names
  *  the type and the path),
- *  DP_ELIMIT (nesting deeper than max_depth), DP_ENOMEM; DP_ESTATE when a
+ *  DP_ELIMIT (nesting deeper than max_depth), DP_ENOMEM; DP_EINVAL for a
+ *  NULL set or a flag other than DP_SCAN_PATHS (nothing is walked: a flag
+ *  this version does not know is never silently ignored); DP_ESTATE when a
  *  scan into set has not returned yet (a reduce() that scans into the set
  *  its own scan fills: that scan goes on unharmed). The set belongs to the
  *  scan until it returns: a reduce() must not clear or free it. Walks
@@ -127,7 +129,8 @@ DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out,
 /** Serializes v into frame (replacing its contents). The same value always
  *  gives the same bytes, and dp_unpickle reads them back (with the same
  *  max_depth): what the format cannot carry is an error, never a frame the
- *  reader refuses. Errors as dp_scan, plus DP_ENODEV when an inline buffer
+ *  reader refuses. Errors as dp_scan (a flag other than DP_PICKLE_INLINE is
+ *  DP_EINVAL, nothing written), plus DP_ENODEV when an inline buffer
  *  cannot be read; DP_EINVAL when two storages at one (device, base) — one
  *  buffer in the frame — differ in size or, in an inline frame, in their
  *  host bytes (or only one has host bytes); DP_ELIMIT for a storage over
