@@ -2124,7 +2124,10 @@ Test(cli, a_number_of_any_length_is_read_and_a_long_integer_out_of_range_is_name
   snprintf(json + k, sizeof json - (size_t)k, "]");
   pack_fails("int.json", "x.dpk", json,
              "devpickle: int.json: invalid JSON: integer -123456789123456789123456789123456789123\xE2\x80\xA6 "
-             "(600 digits) does not fit in 64 bits (line 1, column 2), at byte 1\n");
+             "(600 digits) is outside int64 (-2^63 .. 2^63-1) (line 1, column 2), at byte 1\n");
+  pack_fails("int.json", "x.dpk", "[9223372036854775807, 9223372036854775808]",
+             "devpickle: int.json: invalid JSON: integer 9223372036854775808 is outside int64 (-2^63 .. 2^63-1) "
+             "(line 1, column 23), at byte 22\n");
 }
 
 /* A tag with a field too many says so: a $ref to an existing name is not

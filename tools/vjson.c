@@ -353,8 +353,8 @@ static json_t *parse_number(ps_t *ps) {
     j = err ? NULL : ps->prefix ? json_null() : json_integer(v);
   }
   if (err && !real) { /* the integer as written, its first 40 digits when longer */
-    if (n > 41) perr(ps, "integer %.40s… (%zu digits) does not fit in 64 bits", tmp, n - (tmp[0] == '-'));
-    else perr(ps, "integer %s does not fit in 64 bits", tmp);
+    if (n > 41) perr(ps, "integer %.40s… (%zu digits) is outside int64 (-2^63 .. 2^63-1)", tmp, n - (tmp[0] == '-'));
+    else perr(ps, "integer %s is outside int64 (-2^63 .. 2^63-1)", tmp);
   } else if (err) {
     perr(ps, "%s", err);
   }

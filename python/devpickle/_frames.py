@@ -569,7 +569,7 @@ def _check_contiguous(source, key):
                 ok = m.c_contiguous
                 fmt = m.format
         except TypeError:
-            raise TypeError(f"loads: buffers[{key}] is a {type(source).__name__}, not a buffer") from None
+            raise TypeError(f"loads: buffers[{key}] is of type {type(source).__name__!r}, not a buffer") from None
         # a buffer of Python objects (numpy dtype=object, struct format 'O',
         # also inside a structured format; field names, between colons, aside)
         # holds pointers: a tensor over it would read them, and writes through

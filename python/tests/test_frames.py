@@ -114,7 +114,7 @@ def test_a_buffer_given_as_none_or_strided_is_a_clear_error_never_a_copy():
         devpickle.loads(frame, buffers=[np.arange(8, dtype=np.float32)[::2]])
     with pytest.raises(ValueError, match=r"buffers\[0\] is not contiguous"):
         devpickle.loads(frame, buffers=[torch.arange(8, dtype=torch.float32)[::2]])
-    with pytest.raises(TypeError, match=r"buffers\[0\] is a int, not a buffer"):
+    with pytest.raises(TypeError, match=r"buffers\[0\] is of type 'int', not a buffer"):
         devpickle.loads(frame, buffers=[7])
     out = devpickle.loads(frame, buffers=[np.arange(4, dtype=np.float32)])
     assert out[0].tolist() == [0, 1, 2, 3]
