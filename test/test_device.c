@@ -1830,3 +1830,180 @@ Test(device, starting_making_streams_and_events_allocating_and_copying_fail_clea
     cr_assert_gt(failed, 0, "op %d: no allocation was failed", op);
   }
 }
+
+Test(device, an_empty_devpickle_backend_chooses_as_an_unset_one_does) {
+  dp_backend_t *unset, *empty;
+  dp_error_t e;
+  OK_WITH(&e, dp_backend_default(&unset, &e));
+  setenv("DEVPICKLE_BACKEND", "", 1);
+  OK_WITH(&e, dp_backend_default(&empty, &e));
+  unsetenv("DEVPICKLE_BACKEND");
+  cr_assert_eq(empty, unset);
+}
+
+/* The first wrap of a handle is held up (the allocator sleeps under the
+ * device's lock) while a second thread wraps it too: the second finds no
+ * wrapper without the lock, waits for it, and must take the one the first
+ * made rather than make its own. */
+static _Atomic int wrap_stall_armed;
+static pthread_t wrap_stalled;
+static void *stalling_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  if (nsize && atomic_load(&wrap_stall_armed) && pthread_equal(pthread_self(), wrap_stalled) &&
+      atomic_exchange(&wrap_stall_armed, 0))
+    sleep_ms(150);  /* the other thread reaches the lock meanwhile */
+  return t_alloc(ud, ptr, osize, nsize);
+}
+
+typedef struct late_wrap {
+  dp_backend_t *b;
+  void *native;
+  _Atomic int *go;
+  dp_stream_t *got;
+} late_wrap_t;
+
+static void *wrap_when_told(void *arg) {
+  late_wrap_t *a = arg;
+  while (!atomic_load(a->go)) sleep_ms(1);
+  sleep_ms(30);  /* the first wrap holds the lock by now */
+  if (dp_stream_wrap(a->b, H0, a->native, &a->got, NULL) != 0) a->got = NULL;
+  return NULL;
+}
+
+Test(device, a_wrap_that_waited_for_another_threads_first_wrap_of_the_handle_takes_its_wrapper, .timeout = 20) {
+  dp_backend_t *b = host();
+  dp_stream_t *s, *w;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  _Atomic int go = 0;
+  late_wrap_t a = {b, dp_stream_native(s), &go, NULL};
+  pthread_t th;
+  pthread_create(&th, NULL, wrap_when_told, &a);
+  dp_set_allocator(stalling_alloc, NULL);
+  wrap_stalled = pthread_self();
+  atomic_store(&wrap_stall_armed, 1);
+  atomic_store(&go, 1);
+  OK(dp_stream_wrap(b, H0, a.native, &w, T_ERR));
+  pthread_join(th, NULL);
+  cr_assert_not_null(a.got);
+  cr_assert_eq(a.got, w, "two wrappers of one handle");
+  dp_stream_free(s);
+}
+
+/* A listener (a cache) that frees what the stream used must find its work
+ * done: dp_stream_free waits before it tells anyone. */
+static cell_t *heard_cell;
+static _Atomic int value_when_heard = -1;
+static void hear_value(void *ctx, dp_stream_t *s) {
+  (void)ctx, (void)s;
+  atomic_store(&value_when_heard, atomic_load(&heard_cell->value));
+}
+
+Test(device, the_listeners_of_a_freed_stream_are_told_once_its_work_has_completed) {
+  dp_backend_t *b = host();
+  dp_stream_t *s;
+  cell_t cell = {0, 0};
+  heard_cell = &cell;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  OK(dp_host_launch(s, slow_write, &cell, T_ERR));
+  dp__stream_listener_t l = {hear_value, NULL, NULL};
+  dp__stream_listen(&l);
+  dp_stream_free(s);
+  dp__stream_unlisten(&l);
+  cr_assert_eq(atomic_load(&value_when_heard), 42, "the listener was told while the stream's work ran");
+}
+
+/* Only one backend can be started without a GPU: the other backend here is
+ * a copy of the host backend's record, which the device layer tells apart
+ * by its address as it tells cuda from host. */
+Test(device, a_stream_and_an_event_or_provided_stream_of_different_backends_are_refused_naming_them) {
+  dp_backend_t *b = host();
+  dp_backend_t other = *b;
+  other.name = "other";
+  dp_stream_t *s, *got;
+  dp_event_t *e;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  OK(dp_event_new(b, H0, &e, T_ERR));
+  struct dp_stream their_stream = {&other, H0, s->h, DP__STREAM_BACKEND, NULL};
+  struct dp_event their_event = {&other, H0, e->h, NULL, 0};
+  dp_error_t err;
+  cr_assert_eq(dp_stream_wait_event(s, &their_event, &err), DP_EINVAL);
+  cr_assert_str_eq(err.message, "dp_stream_wait_event: the stream (host) and the event (other) belong to different backends");
+  cr_assert_eq(dp_event_record(e, &their_stream, &err), DP_EINVAL);
+  cr_assert_str_eq(err.message, "dp_event_record: an event of host:0 is recorded on a stream of host:0 of another backend "
+                                "(of its own device only)");
+  dp_set_stream_provider(wrong_device_provider, &their_stream);
+  cr_assert_eq(dp_current_stream(b, H0, &got, &err), DP_EINVAL);
+  cr_assert_str_eq(err.message, "dp_current_stream(host:0): the stream provider returned a stream of host:0 of another backend");
+  dp_set_stream_provider(NULL, NULL);
+  dp_event_free(e);
+  dp_stream_free(s);
+}
+
+Test(device, setting_a_current_stream_gives_back_the_one_it_replaces_and_null_when_refused) {
+  dp_backend_t *b = host();
+  dp_stream_t *mine, *other, *prev;
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  OK(dp_stream_new(b, H0, &other, T_ERR));
+  OK(dp_set_current_stream(mine, &prev, T_ERR));
+  cr_assert_null(prev);
+  OK(dp_set_current_stream(other, &prev, T_ERR));
+  cr_assert_eq(prev, mine);
+  OK(dp_set_current_stream(other, &prev, T_ERR));
+  cr_assert_eq(prev, other);
+  dp_error_t e;
+  prev = mine;
+  cr_assert_eq(dp_set_current_stream(NULL, &prev, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_set_current_stream: NULL stream");
+  cr_assert_null(prev, "a refused call gives back no stream");
+  dp_stream_free(mine);
+  dp_stream_free(other);
+}
+
+/* The host backend's reset never fails; CUDA's can, and leaves the pooled
+ * event without a handle (dp_event_free). Made so by hand here: the pool
+ * makes a handle when it hands such an event out, and when that fails the
+ * event stays in the pool for the next call. */
+Test(device, an_event_pooled_without_a_handle_gets_one_when_handed_out_again) {
+  dp_backend_t *b = host();
+  dp_event_t *e, *again;
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  OK(dp_event_new(b, H0, &e, T_ERR));
+  dp_event_free(e);
+  b->ops->event_destroy(b, e->h);
+  e->h = NULL;
+  dp_error_t err;
+  t_fail_at = t_alloc_count + 1;
+  int rc = dp_event_new(b, H0, &again, &err);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM, "%s", err.message);
+  cr_assert_str_eq(err.message, "out of memory creating a host event");
+  cr_assert_null(e->h);
+  OK(dp_event_new(b, H0, &again, T_ERR));
+  cr_assert_eq(again, e, "the event waited in the pool");
+  cr_assert_not_null(again->h);
+  OK(dp_event_record(again, s, T_ERR));
+  OK(dp_event_synchronize(again, T_ERR));
+  dp_event_free(again);
+  dp_stream_free(s);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(device, a_wait_or_a_record_names_which_of_its_two_handles_is_null) {
+  dp_backend_t *b = host();
+  dp_stream_t *s = dflt(b, H0);
+  dp_event_t *ev;
+  OK(dp_event_new(b, H0, &ev, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_stream_wait_event(s, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_stream_wait_event: NULL event");
+  cr_assert_eq(dp_stream_wait_event(NULL, ev, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_stream_wait_event: NULL stream");
+  cr_assert_eq(dp_event_record(ev, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_event_record: NULL stream");
+  cr_assert_eq(dp_event_record(NULL, s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_event_record: NULL event");
+  cr_assert_eq(dp_stream_wait_stream(s, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_stream_wait_stream: NULL stream");
+  dp_event_free(ev);
+}
