@@ -2292,3 +2292,289 @@ Test(value, a_release_that_takes_over_a_candidate_into_a_full_buffer_collects_th
   worker_stop(&w_owner);
   ASSERT_NO_LEAK();
 }
+
+/* ---- base: errors, the allocator hook, devices, text (core/base.c) ---- */
+
+TestSuite(base, .init = setup, .fini = teardown);
+
+static void *hook_with_ud(void *ud, void *ptr, size_t osize, size_t nsize) {
+  ++*(long *)ud;
+  return t_alloc(NULL, ptr, osize, nsize);
+}
+
+Test(base, the_allocator_hook_is_read_back_with_its_ud_and_null_restores_the_default_without_it) {
+  long calls = 0;
+  dp_set_allocator(hook_with_ud, &calls);
+  void *ud = NULL;
+  cr_assert_eq(dp_get_allocator(&ud), hook_with_ud);
+  cr_assert_eq(ud, &calls);
+  cr_assert_eq(dp_get_allocator(NULL), hook_with_ud, "ud may be NULL");
+  dp_value_release(t_list());
+  cr_assert_gt(calls, 0, "the hook installed is the one called");
+  dp_set_allocator(NULL, &calls);  /* the ud goes with the hook it was given for */
+  dp_alloc_fn fn = dp_get_allocator(&ud);
+  cr_assert_not_null(fn, "NULL restores the default, not no allocator");
+  cr_assert_null(ud);
+  long before = calls;
+  dp_value_release(t_list());
+  cr_assert_eq(calls, before);
+  void *p = fn(NULL, NULL, 0, 24);
+  cr_assert_not_null(p);
+  cr_assert_null(fn(NULL, p, 24, 0), "nsize 0 frees and returns NULL");
+}
+
+Test(base, an_array_whose_size_overflows_is_not_allocated) {
+  /* (2^60 + 2) * 16 wraps to 32 bytes: a product taken blindly would
+     hand out 32 bytes for an array of more than 2^60 items */
+  cr_assert_null(dp__alloc_array(SIZE_MAX / 16 + 2, 16));
+  void *p = dp__alloc_array(3, 16);
+  cr_assert_not_null(p);
+  dp__free(p, 48);
+  ASSERT_NO_LEAK();
+}
+
+Test(base, strndup_ends_the_copy_after_n_bytes_whatever_the_block_held) {
+  dp_set_allocator(poisoning_alloc, NULL);
+  char *s = dp__strndup("abcdef", 3);
+  cr_assert_str_eq(s, "abc");
+  dp__free(s, 4);
+  ASSERT_NO_LEAK();
+}
+
+Test(base, grow_doubles_from_four_only_when_the_need_passes_the_capacity) {
+  int *a = NULL;
+  size_t cap = 0;
+  OK(dp__grow((void **)&a, &cap, 1, sizeof *a));
+  cr_assert_eq(cap, 4);
+  for (int i = 0; i < 4; i++) a[i] = i;
+  int *before = a;
+  long calls = t_alloc_count;
+  OK(dp__grow((void **)&a, &cap, 4, sizeof *a));
+  cr_assert(cap == 4 && a == before, "a need of exactly the capacity changes nothing");
+  cr_assert_eq(t_alloc_count, calls, "nor asks the allocator for anything");
+  OK(dp__grow((void **)&a, &cap, 5, sizeof *a));
+  cr_assert_eq(cap, 8);
+  OK(dp__grow((void **)&a, &cap, 33, sizeof *a));
+  cr_assert_eq(cap, 64);
+  for (int i = 0; i < 4; i++) cr_assert_eq(a[i], i);
+  cr_assert_eq(dp__grow((void **)&a, &cap, SIZE_MAX / 2, sizeof *a), DP_ENOMEM);
+  cr_assert_eq(cap, 64, "a refused growth keeps the array");
+  dp__free(a, cap * sizeof *a);
+  ASSERT_NO_LEAK();  /* each block freed with the size it was given */
+}
+
+Test(base, grow_inl_copies_an_inline_array_out_and_leaves_it_as_it_was) {
+  int inl[4] = {10, 11, 12, 13};
+  int *a = inl;
+  size_t cap = 4;
+  OK(dp__grow_inl((void **)&a, &cap, 4, sizeof *a, inl));
+  cr_assert(a == inl && cap == 4);
+  OK(dp__grow_inl((void **)&a, &cap, 5, sizeof *a, inl));
+  cr_assert_neq(a, inl);
+  cr_assert_eq(cap, 8);
+  for (int i = 0; i < 4; i++) cr_assert(a[i] == 10 + i && inl[i] == 10 + i);
+  a[4] = 14;
+  OK(dp__grow_inl((void **)&a, &cap, 9, sizeof *a, inl));  /* separate now: grown in place */
+  cr_assert_eq(cap, 16);
+  for (int i = 0; i < 5; i++) cr_assert_eq(a[i], 10 + i);
+  dp__free(a, cap * sizeof *a);
+  ASSERT_NO_LEAK();
+}
+
+Test(base, a_cleared_error_has_no_code_no_backend_code_offset_minus_one_and_no_message) {
+  dp_error_t e;
+  cr_assert_eq(dp__err_at(&e, DP_EFORMAT, 42, "bad byte %d", 7), DP_EFORMAT);
+  e.backend_code = 3;
+  cr_assert(e.code == DP_EFORMAT && e.offset == 42);
+  cr_assert_str_eq(e.message, "bad byte 7");
+  dp_error_clear(&e);
+  cr_assert(e.code == 0 && e.backend_code == 0 && e.offset == -1);
+  cr_assert_str_eq(e.message, "");
+  dp_error_clear(NULL);
+}
+
+Test(base, an_error_resets_the_backend_code_and_takes_its_own_offset) {
+  dp_error_t e;
+  dp_error_clear(&e);
+  e.backend_code = 700;
+  e.offset = 9;
+  cr_assert_eq(dp__err(&e, DP_EINVAL, "x"), DP_EINVAL);
+  cr_assert(e.backend_code == 0 && e.offset == -1 && e.code == DP_EINVAL);
+  cr_assert_eq(dp__err_at(&e, DP_ETRUNC, 0, "y"), DP_ETRUNC);
+  cr_assert_eq(e.offset, 0);
+  cr_assert_eq(dp__err(NULL, DP_EIO, "nowhere"), DP_EIO, "a NULL err still returns the code");
+}
+
+Test(base, zero_and_every_code_have_their_name_and_description_and_others_none) {
+  cr_assert_str_eq(dp_strerror(0), "success");
+  cr_assert_str_eq(dp_err_name(0), "DP_OK");
+  cr_assert_str_eq(dp_strerror(DP_ECANCELED), "canceled");
+  cr_assert_str_eq(dp_err_name(DP_ECANCELED), "DP_ECANCELED");
+  cr_assert_str_eq(dp_strerror(DP_EINVAL), "invalid argument");
+  cr_assert_str_eq(dp_err_name(DP_EINVAL), "DP_EINVAL");
+  cr_assert_str_eq(dp_strerror(-18), "unknown error");
+  cr_assert_str_eq(dp_strerror(1), "unknown error");
+  cr_assert_str_eq(dp_err_name(-18), "DP_UNKNOWN");
+}
+
+/* n bytes of c, NUL-terminated, through the hook (freed with n + 1). */
+static char *repeated(const char *c, size_t times) {
+  size_t k = strlen(c);
+  char *s = dp__alloc(k * times + 1);
+  for (size_t i = 0; i < times; i++) memcpy(s + i * k, c, k);
+  s[k * times] = '\0';
+  return s;
+}
+
+Test(base, a_message_of_2047_bytes_is_kept_whole_and_one_of_2048_loses_its_middle) {
+  dp_error_t e;
+  char *m = repeated("x", 2047);
+  dp__err(&e, DP_EINVAL, "%s", m);
+  cr_assert_str_eq(e.message, m);
+  dp__free(m, 2048);
+  m = repeated("x", 2048);
+  m[0] = 'A';
+  m[2047] = 'Z';
+  dp__err(&e, DP_EINVAL, "%s", m);
+  cr_assert_eq(strlen(e.message), DP_ERROR_MSG_MAX - 1);
+  cr_assert_eq(e.message[0], 'A');
+  cr_assert_eq(e.message[DP_ERROR_MSG_MAX - 2], 'Z', "the end is kept");
+  cr_assert_eq(memcmp(e.message + 1022, "\xe2\x80\xa6", 3), 0, "the middle's 1,022nd byte is replaced by the ellipsis");
+  dp__free(m, 2049);
+  ASSERT_NO_LEAK();  /* the whole message formatted for the cut is freed */
+}
+
+Test(base, a_message_cut_in_its_middle_cuts_at_character_boundaries_on_both_sides) {
+  dp_error_t e;
+  /* "q", 1,499 e-acutes, "z": the cuts fall at byte 1,022 and from byte
+     3,000 - 1,022, each the second byte of an e-acute */
+  char *m = repeated("\xc3\xa9", 1500);
+  memmove(m + 1, m, 2998);
+  m[0] = 'q';
+  m[2999] = 'z';
+  dp__err(&e, DP_EINVAL, "%s", m);
+  size_t n = strlen(e.message);
+  cr_assert(dp__utf8_valid(e.message, n), "a cut split a character: %s", e.message);
+  cr_assert_eq(n, DP_ERROR_MSG_MAX - 1 - 2, "one byte less on each side than an ASCII message");
+  cr_assert_eq(strncmp(e.message, "q\xc3\xa9", 3), 0);
+  cr_assert_str_eq(e.message + n - 3, "\xc3\xa9z");
+  dp__free(m, 3001);
+  ASSERT_NO_LEAK();
+}
+
+Test(base, a_message_of_64_kib_keeps_its_end_and_a_longer_one_only_its_beginning) {
+  dp_error_t e;
+  char *m = repeated("y", 64 << 10);
+  m[(64 << 10) - 1] = 'Z';
+  dp__err(&e, DP_EINVAL, "%s", m);
+  cr_assert_eq(strlen(e.message), DP_ERROR_MSG_MAX - 1);
+  cr_assert_eq(e.message[DP_ERROR_MSG_MAX - 2], 'Z');
+  dp__free(m, (64 << 10) + 1);
+  m = repeated("y", (64 << 10) + 1);
+  dp__err(&e, DP_EINVAL, "%s", m);
+  cr_assert_eq(strlen(e.message), DP_ERROR_MSG_MAX - 1);
+  cr_assert_str_eq(e.message + DP_ERROR_MSG_MAX - 4, "\xe2\x80\xa6");
+  cr_assert_eq(e.message[DP_ERROR_MSG_MAX - 5], 'y');
+  dp__free(m, (64 << 10) + 2);
+  /* its beginning cut at a character boundary: byte 2,044 is an e-acute's second */
+  m = repeated("\xc3\xa9", 40000);
+  memmove(m + 1, m, 79998);
+  m[0] = 'a';
+  m[79999] = 'z';
+  dp__err(&e, DP_EINVAL, "%s", m);
+  size_t n = strlen(e.message);
+  cr_assert(dp__utf8_valid(e.message, n), "the cut split a character");
+  cr_assert_eq(n, DP_ERROR_MSG_MAX - 2);
+  cr_assert_str_eq(e.message + n - 5, "\xc3\xa9\xe2\x80\xa6");
+  dp__free(m, 80001);
+  ASSERT_NO_LEAK();
+}
+
+Test(base, a_callback_returning_one_is_refused_and_a_failure_keeps_its_message_with_the_code_returned) {
+  dp_error_t e;
+  dp_error_clear(&e);
+  cr_assert_eq(dp__cb_rc(1, &e, "bind"), DP_EINVAL);
+  cr_assert_str_eq(e.message, "bind returned 1: a callback returns 0 or a negative DP_E* code");
+  dp_error_clear(&e);
+  cr_assert_eq(dp__cb_rc(DP_EIO, &e, "the read callback"), DP_EIO);
+  cr_assert_eq(e.code, DP_EIO);
+  cr_assert_str_eq(e.message, "the read callback failed: i/o error");
+  dp_error_clear(&e);
+  snprintf(e.message, sizeof e.message, "disk on fire");
+  e.code = DP_EINVAL;  /* what the callback stored is not what it returned */
+  cr_assert_eq(dp__cb_rc(DP_EIO, &e, "the read callback"), DP_EIO);
+  cr_assert_eq(e.code, DP_EIO);
+  cr_assert_str_eq(e.message, "disk on fire");
+  cr_assert_eq(dp__cb_rc(0, &e, "bind"), 0);
+  cr_assert_eq(dp__cb_rc(DP_EIO, NULL, "bind"), DP_EIO);
+}
+
+Test(base, a_device_type_past_the_last_is_formatted_as_unknown_with_its_number_and_index) {
+  char buf[32];
+  cr_assert_str_eq(dp_device_format(t_dev(3, 1), buf, sizeof buf), "unknown3:1");
+  cr_assert_str_eq(dp_device_format(t_dev(200, 0), buf, sizeof buf), "unknown200:0");
+  cr_assert_str_eq(dp_device_format(t_dev(DP_DEVICE_HOST, 255), buf, sizeof buf), "host:255");
+  cr_assert_str_eq(dp_device_format(t_dev(DP_DEVICE_CPU, 0), buf, sizeof buf), "cpu");
+  buf[0] = 'k';
+  cr_assert_eq(dp_device_format(t_dev(DP_DEVICE_CUDA, 0), buf, 0), buf);
+  cr_assert_eq(buf[0], 'k', "size 0: nothing written");
+}
+
+Test(base, device_parse_reads_every_type_at_its_bounds_and_refuses_what_is_near) {
+  dp_device_t d = t_dev(DP_DEVICE_CUDA, 7);
+  dp_error_t e;
+  OK(dp_device_parse("cpu", &d, T_ERR));
+  cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_CPU, 0)), "cpu's index is 0, not what out held");
+  OK(dp_device_parse("host:3", &d, T_ERR));
+  cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_HOST, 3)));
+  OK(dp_device_parse("cuda:255", &d, T_ERR));
+  cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_CUDA, 255)));
+  OK(dp_device_parse("cuda:0", &d, T_ERR));
+  cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_CUDA, 0)));
+  const char *bad[] = {"cuda-5", "cuda5", "cuda:1x", "cuda:/", "host:", "host:256", "cpu:0", "Cuda:0", "cuda:-1"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    d = t_dev(DP_DEVICE_HOST, 9);
+    cr_assert_eq(dp_device_parse(bad[i], &d, &e), DP_EINVAL, "%s", bad[i]);
+    char want[160];
+    snprintf(want, sizeof want, "dp_device_parse: '%s' is not a device (cpu, cuda:N or host:N, N 0..255)", bad[i]);
+    cr_assert_str_eq(e.message, want);
+    cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_HOST, 9)), "%s: out is left alone", bad[i]);
+  }
+  cr_assert_eq(dp_device_parse(NULL, &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_parse: NULL s");
+}
+
+Test(base, utf8_validity_at_the_edges_of_each_rule) {
+  static const struct { const char *s; size_t n; int valid; } cases[] = {
+    {"abcdefg\xff", 8, 0},            /* the eighth byte of a word read at once */
+    {"abcdefghijklmno\x80", 16, 0},
+    {"abcdefg\xc3\xa9", 9, 1},
+    {"ab\xc3\xa9", 3, 0},             /* cut before its continuation, though one follows */
+    {"\xc0\x80", 2, 0},               /* overlong */
+    {"\xe0\x9f\xbf", 3, 0},
+    {"\xf0\x8f\xbf\xbf", 4, 0},
+    {"\xc2\x80", 2, 1},
+    {"\xf4\x8f\xbf\xbf", 4, 1},       /* U+10FFFF */
+    {"\xf4\x90\x80\x80", 4, 0},       /* U+110000 */
+    {"\xed\x9f\xbf", 3, 1},           /* U+D7FF */
+    {"\xed\xa0\x80", 3, 0},           /* U+D800 */
+    {"\xed\xbf\xbf", 3, 0},           /* U+DFFF */
+    {"\xee\x80\x80", 3, 1},           /* U+E000 */
+    {"\xf9\x90\x80\x80", 4, 0},       /* a five-byte lead is no four-byte one */
+    {"\xf8\x88\x80\x80\x80", 5, 0},
+    {"\xc3\x28", 2, 0},
+    {"", 0, 1},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+    cr_assert_eq(dp__utf8_valid(cases[i].s, cases[i].n), cases[i].valid, "case %zu", i);
+}
+
+Test(base, an_identifier_is_a_letter_or_underscore_then_letters_digits_or_underscores) {
+  cr_assert_not(dp__is_identifier("", 0));
+  cr_assert_not(dp__is_identifier("1a", 2));
+  cr_assert(dp__is_identifier("a1", 2));
+  cr_assert(dp__is_identifier("_", 1));
+  cr_assert(dp__is_identifier("_x_9Z", 5));
+  cr_assert_not(dp__is_identifier("a-b", 3));
+  cr_assert_not(dp__is_identifier("a b", 3));
+}
