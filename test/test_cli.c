@@ -2938,3 +2938,74 @@ Test(cli, pack_names_an_unexpected_character_cut_by_the_end_of_a_read_as_the_who
                    "devpickle: cut.json: invalid JSON: unexpected '\xE2\x80\xA6' (line 1, column 65535), at byte 65534\n");
   res_free(r);
 }
+
+/* "Levels deeper than 64 are summarized" (inspect --help): a node 64 levels
+ * below the root is shown; a container there has its children summarized in
+ * one line, and nothing below it is shown. */
+Test(cli, inspect_shows_sixty_four_levels_below_the_root_and_summarizes_the_next) {
+  for (int levels = 64; levels <= 65; levels++) {
+    char json[256];
+    int n = 0;
+    for (int i = 0; i < levels; i++) json[n++] = '[';
+    json[n++] = '7';
+    for (int i = 0; i < levels; i++) json[n++] = ']';
+    json[n] = '\0';
+    spit("d.json", json);
+    res_t r = run("pack d.json -o d.dpk");
+    cr_assert_eq(r.status, 0, "%s", r.err);
+    res_free(r);
+    r = run("inspect d.dpk");
+    cr_assert_eq(r.status, 0, "%s", r.err);
+    const char *tail = levels == 64 ? "  list (1 item)\n" : "  list (1 item)\n                                          "
+                                                          "(deeper levels not shown)\n";
+    size_t len = strlen(r.out), tl = strlen(tail);
+    if (levels == 64) {
+      cr_assert(len > 8 && strcmp(r.out + len - 8, "  int 7\n") == 0, "%d levels: %s", levels, r.out);
+      cr_assert_null(strstr(r.out, "deeper levels"), "%s", r.out);
+    } else {
+      cr_assert(len > tl && strcmp(r.out + len - tl, tail) == 0, "%d levels: %s", levels, r.out);
+      cr_assert_null(strstr(r.out, "int 7"), "a node 65 levels down was shown: %s", r.out);
+    }
+    res_free(r);
+  }
+}
+
+/* inspect shows a float as the 17 significant digits that name its double,
+ * not a rounding of it to another double. */
+Test(cli, inspect_shows_a_float_with_the_seventeen_digits_that_name_its_double) {
+  spit("f.json", "[0.30000000000000004, 0.3]");
+  res_t r = run("pack f.json -o f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("inspect f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "$[0]                                      float 0.30000000000000004\n"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "$[1]                                      float 0.29999999999999999\n"), "%s", r.out);
+  res_free(r);
+}
+
+static int build_many_shared(void) {
+  /* 100,000 strs, each in two lists: every one is met again */
+  dp_value_t a, b, root;
+  if (dp_list_new(0, &a, NULL) != 0 || dp_list_new(0, &b, NULL) != 0 || dp_list_new(0, &root, NULL) != 0) return 1;
+  for (int i = 0; i < 100000; i++) {
+    dp_value_t s;
+    char num[16];
+    if (dp_str_new(num, (size_t)snprintf(num, sizeof num, "%d", i), &s, NULL) != 0 ||
+        dp_list_append(b, dp_value_retain(s), NULL) != 0 || dp_list_append(a, s, NULL) != 0)
+      return 1;
+  }
+  if (dp_list_append(root, a, NULL) != 0 || dp_list_append(root, b, NULL) != 0) return 1;
+  return write_frame_raw("s.dpk", root, 0, NULL);
+}
+
+/* inspect's table of the nodes met so far grows as they come: 100,000
+ * shared nodes are each found again, in linear time (a full table, or one
+ * grown a slot at a time, would never finish). */
+Test(cli, inspect_finds_again_every_one_of_many_shared_nodes) {
+  build_in_child(build_many_shared);
+  res_t r = run_sh("timeout 20 \"$D\" inspect s.dpk > s.txt && grep -c -- '  -> \\$\\[0\\]\\[' s.txt && tail -n 1 s.txt");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_str_eq(r.out, "100000\n$[1][99999]                               -> $[0][99999]\n");
+  res_free(r);
+}
