@@ -730,8 +730,18 @@ static int count_entries(void) {
 Test(cli, every_write_to_stdout_is_checked_and_a_full_device_is_an_error) {
   spit("v.json", simple_json);
   res_free(run("pack v.json -o a.dpk"));
+  /* an output of many buffers whose failed write leaves nothing to flush at the end: the error is
+     the stream's, not the last flush's */
+  char *big = malloc(400000);
+  size_t k = (size_t)sprintf(big, "[");
+  for (int i = 0; i < 20000; i++) k += (size_t)sprintf(big + k, "%s\"%d%d%d\"", i ? ", " : "", i, i, i);
+  strcpy(big + k, "]");
+  spit("big.json", big);
+  free(big);
+  res_free(run("pack big.json -o big.dpk"));
   static const char *const cmds[] = {"verify a.dpk", "--help", "--version", "verify --help", "unpack a.dpk",
-                                     "dump a.dpk",   "dump a.dpk --json", "inspect a.dpk", "pack v.json -o -"};
+                                     "dump a.dpk",   "dump a.dpk --json", "inspect a.dpk", "pack v.json -o -",
+                                     "inspect big.dpk", "unpack big.dpk"};
   for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
     char args[128];
     snprintf(args, sizeof args, "%s > /dev/full", cmds[i]);
@@ -1707,6 +1717,23 @@ Test(cli, an_output_through_dangling_relative_or_chained_links_writes_their_targ
   cr_assert_eq(count_entries(), 7, "a temporary file was left behind");
 }
 
+/* A chain of symbolic links is followed as far as the kernel follows one
+ * (40 links, MAXSYMLINKS): the file it ends at is written; one link more is
+ * a loop, as open() would say. */
+Test(cli, an_output_through_a_chain_of_forty_links_writes_its_target_and_one_more_link_is_refused) {
+  spit("v.json", simple_json);
+  res_t r = run_sh("i=1; while [ $i -le 41 ]; do ln -s c$((i + 1)) c$i && ln -s d$((i + 1)) d$i; i=$((i + 1)); done; "
+                   "$D pack v.json -o c2 && $D verify c42");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_str_eq(r.out, "c42: ok, 113 bytes, version 1, 2 buffers, 2 device pointers, out-of-band\n");
+  res_free(r);
+  r = run("pack v.json -o d1");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_str_eq(r.err, "devpickle: d1: Too many levels of symbolic links\n");
+  res_free(r);
+  cr_assert_eq(count_entries(), 84, "a temporary file was left behind");
+}
+
 Test(cli, an_output_naming_an_open_descriptor_writes_that_descriptor_as_the_shell_opened_it) {
   spit("v.json", simple_json);
   /* a pipe; a file opened for appending; a file the shell writes around the
@@ -1729,6 +1756,12 @@ Test(cli, an_output_naming_an_open_descriptor_writes_that_descriptor_as_the_shel
   r = run_sh("$D unpack f.dpk -o /dev/fd/6 6< plain.json");
   cr_assert_eq(r.status, 1);
   cr_assert_str_eq(r.err, "devpickle: /dev/fd/6: descriptor 6 is open for reading only\n");
+  res_free(r);
+  /* a number with a leading zero names no descriptor, as the kernel reads /dev/fd */
+  r = run("unpack f.dpk -o /dev/fd/01");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_str_eq(r.err, "devpickle: /dev/fd/01: No such file or directory\n");
+  cr_assert_str_eq(r.out, "", "written to descriptor 1");
   res_free(r);
 }
 
@@ -2586,7 +2619,8 @@ Test(cli, help_wins_wherever_it_comes_and_before_a_command_is_that_commands_help
 
 /* '' names no file: a usage error, as -o '' is, not "No such file". */
 Test(cli, an_empty_input_name_is_a_usage_error) {
-  static const char *const runs[] = {"verify ''", "dump ''", "unpack ''", "inspect ''", "pack '' -o x.dpk"};
+  static const char *const runs[] = {"verify ''", "dump ''", "unpack ''", "inspect ''", "pack '' -o x.dpk",
+                                     "verify -- ''", "pack -o x.dpk -- ''"};
   for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) {
     res_t r = run(runs[i]);
     cr_assert_eq(r.status, 2, "%s: %s", runs[i], r.err);
@@ -2617,6 +2651,7 @@ Test(cli, help_is_found_as_the_options_are_read_and_the_main_help_answers_its_ow
   res_free(r);
   r = run("verify -- --help");
   cr_assert_eq(r.status, 0, "a file named --help: %s", r.err);
+  cr_assert_eq(strncmp(r.out, "--help: ok, ", 12), 0, "after --, --help is a file name: %s", r.out);
   res_free(r);
   r = run("unpack v.json -o -- --help");
   cr_assert_eq(r.status, 0, "%s", r.err);
@@ -2637,6 +2672,10 @@ Test(cli, help_is_found_as_the_options_are_read_and_the_main_help_answers_its_ow
       {"send x.dpk 127.0.0.1:1 --host=h", "devpickle send: unknown option '--host=h'\n"},
       {"send x.dpk 127.0.0.1:1 --host", "devpickle send: unknown option '--host'\n"},
       {"recv 0 -o", "devpickle recv: -o needs a file name\n"},
+      /* an option's name is whole: a longer word is another, unknown option */
+      {"pack v.json --outputs x.dpk", "devpickle pack: unknown option '--outputs'\n"},
+      {"recv 0 --hosts=h", "devpickle recv: unknown option '--hosts=h'\n"},
+      {"recv 0 --timeouts 1", "devpickle recv: unknown option '--timeouts'\n"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     r = run(bad[i].args);
