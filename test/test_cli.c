@@ -1741,6 +1741,7 @@ Test(cli, an_output_naming_an_open_descriptor_writes_that_descriptor_as_the_shel
   res_t r = run_sh("$D pack v.json -o f.dpk && $D unpack f.dpk -o /dev/stdout | cat > piped.json && "
                    "echo old > log && $D unpack f.dpk -o /dev/stdout >> log && "
                    "{ echo header; $D unpack f.dpk -o /proc/self/fd/1; echo footer; } > around.txt && "
+                   "{ echo header; $D unpack f.dpk -o /proc/thread-self/fd/1; echo footer; } > thread.txt && "
                    "$D unpack f.dpk -o /dev/fd/9 9> fd9.json && "
                    "$D unpack f.dpk -o //dev/./fd/8 8> fd8.json && ln -s ../../../../../../../../dev/fd/7 fd7 && "
                    "$D unpack f.dpk -o fd7 7> fd7.json && "
@@ -1750,12 +1751,18 @@ Test(cli, an_output_naming_an_open_descriptor_writes_that_descriptor_as_the_shel
   res_free(r);
   r = run_sh("cmp piped.json plain.json && cmp fd9.json plain.json && cmp fd8.json plain.json && "
              "cmp fd7.json plain.json && { echo old; cat plain.json; } | cmp - log && "
-             "{ echo header; cat plain.json; echo footer; } | cmp - around.txt");
+             "{ echo header; cat plain.json; echo footer; } | cmp - around.txt && "
+             "{ echo header; cat plain.json; echo footer; } | cmp - thread.txt");
   cr_assert_eq(r.status, 0, "an output through a descriptor's name was not written in place: %s", r.err);
   res_free(r);
   r = run_sh("$D unpack f.dpk -o /dev/fd/6 6< plain.json");
   cr_assert_eq(r.status, 1);
   cr_assert_str_eq(r.err, "devpickle: /dev/fd/6: descriptor 6 is open for reading only\n");
+  res_free(r);
+  /* a descriptor of a directory is refused as a directory, not for being open for reading */
+  r = run_sh("$D unpack f.dpk -o /dev/fd/9 9< .");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: /dev/fd/9: Is a directory\n");
   res_free(r);
   /* a number with a leading zero names no descriptor, as the kernel reads /dev/fd */
   r = run("unpack f.dpk -o /dev/fd/01");
@@ -2190,8 +2197,9 @@ static int tmp_file_in_dir(void) {
  * removes its temporary file: an interrupted unpack of a large frame would
  * otherwise leave its gigabytes beside the target under a hidden name. The
  * old file stays as it was. */
-Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file) {
-  /* 64 nests 2,000 levels deep: indented, about 8 MB of JSON each */
+/* deep.dpk: 64 nests 2,000 levels deep, which unpack writes indented as
+ * about 8 MB of JSON each: long enough to be signalled while it writes. */
+static void write_deep_frame(void) {
   char path[128];
   path_in(path, sizeof path, "deep.json");
   FILE *f = fopen(path, "w");
@@ -2208,6 +2216,10 @@ Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file
   res_t r = run("pack deep.json -o deep.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
+}
+
+Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file) {
+  write_deep_frame();
   spit("out.json", "old\n");
   static const int sigs[] = {SIGTERM, SIGINT, SIGHUP};
   for (int s = 0; s < 3; s++) {
@@ -2238,6 +2250,36 @@ Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file
     cr_assert_str_eq(old, "old\n");
     free(old);
   }
+}
+
+/* A signal ignored when the command starts (nohup, a shell's background
+ * job) stays ignored while the output is written: the command finishes. */
+Test(cli, a_command_started_with_a_hang_up_ignored_finishes_its_output_when_hung_up) {
+  write_deep_frame();
+  spit("out.json", "old\n");
+  char abs[512];
+  cr_assert_not_null(realpath(cli, abs));
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    if (chdir(dir) != 0) _exit(99);
+    signal(SIGHUP, SIG_IGN); /* as nohup starts it */
+    execl(abs, abs, "unpack", "deep.dpk", "-o", "out.json", (char *)NULL);
+    _exit(98);
+  }
+  int st, seen = 0;
+  while (!seen && waitpid(pid, &st, WNOHANG) == 0) {
+    seen = tmp_file_in_dir();
+    if (!seen) usleep(1000);
+  }
+  cr_assert(seen, "unpack ended before its temporary file was seen");
+  kill(pid, SIGHUP);
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "unpack did not finish (status %d)", st);
+  cr_assert_not(tmp_file_in_dir(), "the temporary file was left");
+  res_t r = run("unpack deep.dpk | cmp - out.json");
+  cr_assert_eq(r.status, 0, "out.json is not the whole output: %s%s", r.out, r.err);
+  res_free(r);
 }
 
 /* libucs takes SIGHUP (UCX_DEBUG_SIGNO) when it is loaded, and its handler
