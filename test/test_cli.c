@@ -236,6 +236,29 @@ Test(cli, pack_then_unpack_then_pack_gives_the_same_bytes_through_stdin_and_stdo
   free(b);
 }
 
+/* A path holding a quote or a backslash (a dict key) is a JSON string in
+ * dump --json, escaped as JSON escapes it. */
+Test(cli, dump_json_escapes_a_path_as_a_json_string) {
+  spit("q.json", "{\"a\\\"b\\\\\": {\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 4, "
+                 "\"dtype\": \"uint8\", \"shape\": [4]}}}");
+  res_t r = run("pack q.json -o q.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("dump q.dpk --json");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  json_error_t je;
+  json_t *j = json_loads(r.out, 0, &je);
+  cr_assert_not_null(j, "not JSON: %s", r.out);
+  const char *path = json_string_value(json_object_get(json_array_get(json_object_get(j, "pointers"), 0), "path"));
+  cr_assert_str_eq(path ? path : "", "$[\"a\\\"b\\\\\"]");
+  json_decref(j);
+  res_free(r);
+  r = run("dump q.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "  $[\"a\\\"b\\\\\"]\n1 allocation on 1 device\n"), "%s", r.out);
+  res_free(r);
+}
+
 Test(cli, dump_json_follows_the_documented_shape_exactly) {
   spit("v.json", simple_json);
   res_free(run("pack v.json -o a.dpk"));
@@ -263,6 +286,25 @@ Test(cli, plain_dump_is_a_readable_table) {
   cr_assert_not_null(strstr(r.out, "DEVICE    POINTER                    BYTES   REFS  FIRST PATH\n"), "%s", r.out);
   cr_assert_not_null(strstr(r.out, "cuda:0    0x00007f0000001000          4096      2  $.w\n"), "%s", r.out);
   cr_assert_not_null(strstr(r.out, "2 allocations on 2 devices"), "%s", r.out);
+  res_free(r);
+}
+
+/* inspect's first line says what verify's last word says: inline,
+ * buffers out-of-band, or self-contained. */
+Test(cli, inspect_names_an_inline_frame_inline_in_its_header) {
+  spit("i.json", "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 2, \"dtype\": \"uint8\", "
+                 "\"shape\": [2], \"data\": \"AAE=\"}}]");
+  res_t r = run("pack i.json -o i.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("inspect i.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert(strncmp(r.out, "frame: ", 7) == 0 && strstr(r.out, ", version 1, inline, payload ") != NULL &&
+            strstr(r.out, ", 1 buffer, checksum ") != NULL, "%s", r.out);
+  res_free(r);
+  r = run("verify i.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, ", 1 buffer, 1 device pointer, inline\n"), "%s", r.out);
   res_free(r);
 }
 
@@ -2478,6 +2520,15 @@ Test(cli, a_bad_port_or_timeout_is_answered_with_what_the_command_takes) {
                              "as 30 or 0.5)\nTry 'devpickle recv --help'.\n"},
       {"send f.dpk 127.0.0.1:1 --timeout soon", "devpickle send: bad --timeout 'soon' (SECONDS: a number over 0 and "
                                                 "at most 1000000, as 30 or 0.5)\nTry 'devpickle send --help'.\n"},
+      /* a PORT is digits, 1 to 65535 for send, at most five of them for recv */
+      {"send f.dpk 127.0.0.1:0", "devpickle send: '127.0.0.1:0' is not HOST:PORT (PORT 1 to 65535)\n"
+                                 "Try 'devpickle send --help'.\n"},
+      {"send f.dpk 127.0.0.1:+5000", "devpickle send: '127.0.0.1:+5000' is not HOST:PORT (PORT 1 to 65535)\n"
+                                     "Try 'devpickle send --help'.\n"},
+      {"send f.dpk '127.0.0.1: 5000'", "devpickle send: '127.0.0.1: 5000' is not HOST:PORT (PORT 1 to 65535)\n"
+                                       "Try 'devpickle send --help'.\n"},
+      {"recv 000005000 --timeout 0.2", "devpickle recv: bad PORT '000005000' (0 to 65535; 0: any free port)\n"
+                                       "Try 'devpickle recv --help'.\n"},
   };
   for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) {
     res_t r = run(runs[i].args);
@@ -2531,6 +2582,21 @@ Test(cli, a_frame_command_given_value_json_says_that_pack_turns_it_into_a_frame)
     snprintf(want, sizeof want, "devpickle: %s: not a devpickle frame (bad magic): it starts like value JSON, "
              "which 'devpickle pack' turns into a frame, at byte 0\n", file);
     cr_assert_str_eq(r.err, want, "%s", cmds[i]);
+    res_free(r);
+  }
+  /* after a UTF-8 byte order mark, tabs and CRs; a str is value JSON too */
+  static const struct {
+    const char *name, *text;
+  } others[] = {{"bom.json", "\xef\xbb\xbf[1]"}, {"tab.json", "\t\r\n\"s\""}};
+  for (size_t i = 0; i < sizeof others / sizeof *others; i++) {
+    spit(others[i].name, others[i].text);
+    char args[64], want[256];
+    snprintf(args, sizeof args, "verify %s", others[i].name);
+    res_t r = run(args);
+    cr_assert_eq(r.status, 1, "%s: %s", args, r.err);
+    snprintf(want, sizeof want, "devpickle: %s: not a devpickle frame (bad magic): it starts like value JSON, "
+             "which 'devpickle pack' turns into a frame, at byte 0\n", others[i].name);
+    cr_assert_str_eq(r.err, want, "%s", args);
     res_free(r);
   }
   spit("t.txt", "hello\n");
@@ -2710,6 +2776,7 @@ Test(cli, help_is_found_as_the_options_are_read_and_the_main_help_answers_its_ow
     const char *args, *err;
   } bad[] = {
       {"send '' 127.0.0.1:1", "devpickle send: an input file name cannot be '' (use - for stdin)\n"},
+      {"send -- '' 127.0.0.1:1", "devpickle send: an input file name cannot be '' (use - for stdin)\n"},
       {"unpack x.dpk -oa --output=b", "devpickle unpack: --output given twice (-o and --output are one option)\n"},
       {"send x.dpk 127.0.0.1:1 --host=h", "devpickle send: unknown option '--host=h'\n"},
       {"send x.dpk 127.0.0.1:1 --host", "devpickle send: unknown option '--host'\n"},
