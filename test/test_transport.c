@@ -1050,8 +1050,21 @@ typedef struct crafted {
   uint64_t size;
   dp__am_bufs_hdr_t h;
   size_t data;
-  unsigned id; /* 0: BUFS; DP__AM_SHM_PIECE: h announced in slot 0; DP__AM_SHM_DONE: that alone */
+  unsigned id; /* 0: BUFS; DP__AM_SHM_PIECE: h announced in slot 0; LANE_ADDR: an offer; another: ctl alone */
+  /* where not 0: the FRAME header's count of buffers, their total bytes
+     and the frame's length, as the header says them */
+  uint32_t nbuffers;
+  uint64_t buf_bytes, frame_len;
+  size_t hlen_extra;     /* zero bytes sent past the FRAME header */
+  size_t one_byte;       /* a frame of that many one-byte cpu buffers instead (one_byte_buffers_frame) */
+  int inline_frame;      /* an inline frame (DP_PICKLE_INLINE) of a 16-byte tensor instead */
+  dp__am_bufs_hdr_t h0;  /* where its count is not 0, a BUFS message sent before h (h0.total zero bytes) */
+  dp__am_shm_ctl_t ctl;  /* the control message sent alone (magic 0: DONE of slot 3; an OFFER: one of
+                            a file that is not there), `data` zero bytes with it, twice when */
+  int twice;             /* set */
 } crafted_t;
+
+static dp_frame_t *one_byte_buffers_frame(size_t n);
 
 static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t;
@@ -1063,27 +1076,47 @@ static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   if (dp_storage_new(t_dev(DP_DEVICE_HOST, 0), (void *)0x1000, c->size, NULL, NULL, &st, &e) ||
       dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e))
     return 10;
-  dp_frame_t *fr;
-  if (dp_frame_new(&fr, &e) || dp_pickle(v, NULL, fr, &e)) return 11;
+  dp_frame_t *fr = NULL;
+  dp_value_t w = c->inline_frame ? owned_tensor(16, 1) : dp_none();
+  dp_pickle_opts_t inl = {.flags = DP_PICKLE_INLINE};
+  if (c->one_byte ? !(fr = one_byte_buffers_frame(c->one_byte))
+                  : dp_frame_new(&fr, &e) || dp_pickle(c->inline_frame ? w : v, c->inline_frame ? &inl : NULL, fr, &e))
+    return 11;
+  dp_value_release(w);
   size_t n;
   const uint8_t *b = dp_frame_data(fr, &n);
-  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, c->size};
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, c->nbuffers ? c->nbuffers : c->one_byte ? (uint32_t)c->one_byte : 1, 0,
+                          c->frame_len ? c->frame_len : n,
+                          c->buf_bytes ? c->buf_bytes : c->one_byte ? c->one_byte : c->size};
+  uint8_t hb[sizeof h + 16] = {0};
+  memcpy(hb, &h, sizeof h);
   uint8_t *data = calloc(1, c->data ? c->data : 1);
+  uint8_t *data0 = calloc(1, c->h0.total ? (size_t)c->h0.total : 1);
   dp__am_shm_piece_t ph = {c->h, 0};
   ph.b.magic = DP__WIRE_MAGIC;
-  dp__am_shm_ctl_t done = {DP__WIRE_MAGIC, 3, 0};
-  if (c->id == DP__AM_SHM_DONE) {
-    if (dp__endpoint_send_raw(ep, c->id, &done, sizeof done, NULL, 0, &e)) return 14;
+  dp__am_bufs_hdr_t h0 = c->h0;
+  h0.magic = DP__WIRE_MAGIC;
+  dp__am_shm_ctl_t ctl = c->ctl.magic ? c->ctl : (dp__am_shm_ctl_t){DP__WIRE_MAGIC, 3, 0};
+  dp__am_shm_offer_t offer = {DP__WIRE_MAGIC, DP__STAGE_SLOTS, DP__STAGE_CHUNK, 1, "/devpickle-0-0-0"};
+  int is_offer = c->id == DP__AM_SHM_OFFER; /* its header is an offer's */
+  if (c->id && c->id != DP__AM_SHM_PIECE && c->id != DP__AM_LANE_ADDR) {
+    for (int k = 0; k <= c->twice; k++)
+      if (dp__endpoint_send_raw(ep, c->id, is_offer ? (void *)&offer : (void *)&ctl,
+                                is_offer ? sizeof offer : sizeof ctl, c->data ? data : NULL, c->data, &e))
+        return 14;
   } else if (c->id == DP__AM_LANE_ADDR) { /* an offer, from an acceptor: never */
     dp__am_shm_ctl_t offer = {DP__WIRE_MAGIC, 100, 7};
     if (dp__endpoint_send_raw(ep, c->id, &offer, sizeof offer, "/devpickle-1-2-3", 16, &e)) return 14;
-  } else if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) {
+  } else if (dp__endpoint_send_raw(ep, DP__AM_FRAME, hb, sizeof h + c->hlen_extra, b, n, &e)) {
     return 12;
+  } else if (c->h0.count && dp__endpoint_send_raw(ep, DP__AM_BUFS, &h0, sizeof h0, data0, (size_t)h0.total, &e)) {
+    return 13;
   } else if (c->id == DP__AM_SHM_PIECE ? dp__endpoint_send_raw(ep, DP__AM_SHM_PIECE, &ph, sizeof ph, NULL, 0, &e)
                                        : dp__endpoint_send_raw(ep, DP__AM_BUFS, &ph.b, sizeof ph.b, data, c->data, &e)) {
     return 13;
   }
   free(data);
+  free(data0);
   dp_frame_free(fr);
   dp_value_release(v);
   dp_future_t *f; /* stays until the receiver closes */
@@ -1121,25 +1154,26 @@ static void crafted_fails(crafted_t c, const char *needle) {
 
 Test(transport, a_buffers_message_shorter_than_its_header_says_is_refused_not_padded_with_old_bytes) {
   /* rendezvous: 2 MiB of data under a header that says 4 MiB */
-  crafted_fails((crafted_t){4 << 20, {0, 1, 0, 0, 4 << 20, 0, 4 << 20}, 2 << 20, 0}, "does not follow its frame's table");
+  crafted_fails((crafted_t){4 << 20, {0, 1, 0, 0, 4 << 20, 0, 4 << 20}, 2 << 20, .id = 0},
+                "does not follow its frame's table");
 }
 
 Test(transport, a_staged_buffer_cut_into_one_byte_pieces_is_refused) {
-  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 1, 0, 100 << 10}, 1, 0}, "does not follow its frame's table");
+  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 1, 0, 100 << 10}, 1, .id = 0}, "does not follow its frame's table");
 }
 
 Test(transport, a_piece_announced_in_shared_slots_never_offered_is_refused) {
-  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 100 << 10, 0, 100 << 10}, 0, DP__AM_SHM_PIECE},
+  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 100 << 10, 0, 100 << 10}, 0, .id = DP__AM_SHM_PIECE},
                 "does not follow its frame's table");
 }
 
 Test(transport, a_slot_given_back_that_was_never_lent_fails_the_endpoint) {
-  crafted_fails((crafted_t){0, {0, 0, 0, 0, 0, 0, 0}, 0, DP__AM_SHM_DONE}, "a slot given back that was not lent");
+  crafted_fails((crafted_t){0, {0, 0, 0, 0, 0, 0, 0}, 0, .id = DP__AM_SHM_DONE}, "a slot given back that was not lent");
 }
 
 Test(transport, a_same_host_lane_message_the_protocol_does_not_expect_fails_the_endpoint) {
   /* a lane offer is the connector's: an acceptor never sends one */
-  crafted_fails((crafted_t){0, {0, 0, 0, 0, 0, 0, 0}, 0, DP__AM_LANE_ADDR},
+  crafted_fails((crafted_t){0, {0, 0, 0, 0, 0, 0, 0}, 0, .id = DP__AM_LANE_ADDR},
                 "a same-host lane message the protocol does not expect");
 }
 
@@ -1189,8 +1223,191 @@ Test(transport, a_lane_offer_naming_a_file_that_does_not_prove_the_same_user_is_
 }
 
 Test(transport, a_piece_that_can_never_be_next_is_refused_at_once_not_parked_forever) {
-  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 10, 10, 100 << 10}, 10, 0}, "malformed message header");
-  crafted_fails((crafted_t){100 << 10, {0, 2, 0, 0, 2, 1, 0}, 2, 0}, "malformed message header");
+  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 10, 10, 100 << 10}, 10, .id = 0}, "malformed message header");
+  crafted_fails((crafted_t){100 << 10, {0, 2, 0, 0, 2, 1, 0}, 2, .id = 0}, "malformed message header");
+}
+
+/* The FRAME header's own claims, each checked against what came */
+
+Test(transport, a_frame_whose_header_gives_another_length_than_its_data_fails_the_endpoint) {
+  crafted_fails((crafted_t){100, {0, 1, 0, 0, 100, 0, 100}, 100, .frame_len = 1},
+                "frame message out of sequence or of the wrong length");
+}
+
+Test(transport, a_header_longer_than_its_kind_fails_the_endpoint) {
+  crafted_fails((crafted_t){100, {0, 1, 0, 0, 100, 0, 100}, 100, .hlen_extra = 8}, "malformed message header");
+}
+
+Test(transport, an_inline_frame_whose_header_announces_a_buffer_fails_its_receive) {
+  /* its tensor's bytes are in the frame: no buffer may follow it */
+  crafted_fails((crafted_t){0, {0, 1, 0, 0, 0, 0, 0}, 0, .inline_frame = 1},
+                "transport: an inline frame announced 1 out-of-band buffers");
+}
+
+Test(transport, a_frame_whose_header_announces_more_buffers_than_its_table_fails_its_receive) {
+  crafted_fails((crafted_t){100, {0, 1, 0, 0, 100, 0, 100}, 100, .nbuffers = 2},
+                "transport: frame has 1 buffers, its message announced 2");
+}
+
+Test(transport, a_frame_whose_header_totals_less_than_its_tables_sizes_fails_the_endpoint) {
+  /* the total is what the value costs of the sender's credit */
+  crafted_fails((crafted_t){100, {0, 1, 0, 0, 100, 0, 100}, 100, .buf_bytes = 50},
+                "the buffers' sizes differ from the frame message's total");
+}
+
+/* A BUFS message's claims: never a read or a write past the table's buffers */
+
+Test(transport, a_pack_naming_buffers_past_the_end_of_the_frames_table_is_refused) {
+  /* buffers 1 and 2 of two; buffers 0 to 2 of two */
+  crafted_fails((crafted_t){1, {0, 2, 0, 1, 2, 0, 0}, 2, .one_byte = 2, .h0 = {0, 1, 0, 0, 1, 0, 1}},
+                "a buffers message does not follow its frame's table");
+  crafted_fails((crafted_t){1, {0, 3, 0, 0, 3, 0, 0}, 3, .one_byte = 2},
+                "a buffers message does not follow its frame's table");
+}
+
+Test(transport, a_pack_whose_total_is_not_its_buffers_sizes_is_refused) {
+  crafted_fails((crafted_t){1, {0, 2, 0, 0, 3, 0, 0}, 3, .one_byte = 2},
+                "a buffers message's size differs from its frame's table");
+}
+
+Test(transport, a_buffers_message_longer_than_its_header_says_is_refused) {
+  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 100 << 10, 0, 100 << 10}, (100 << 10) + 1, .id = 0},
+                "a buffers message does not follow its frame's table");
+}
+
+Test(transport, a_piece_claiming_a_larger_buffer_than_the_table_is_refused_never_written_past_it) {
+  crafted_fails((crafted_t){100 << 10, {0, 1, 0, 0, 200 << 10, 0, 200 << 10}, 200 << 10, .id = 0},
+                "a buffers message's size differs from its frame's table");
+}
+
+Test(transport, a_staged_buffer_sent_whole_instead_of_in_chunks_is_refused) {
+  crafted_fails((crafted_t){5 << 20, {0, 1, 0, 0, 5 << 20, 0, 5 << 20}, 5 << 20, .id = 0},
+                "a buffer is cut into pieces other than the protocol's");
+}
+
+Test(transport, a_chunk_running_past_the_end_of_its_buffer_is_refused_never_written_past_it) {
+  /* 5 MiB: a first chunk of 4 MiB, then a second of 4 MiB, 3 past the end */
+  crafted_fails((crafted_t){5 << 20, {0, 1, 0, 0, 4 << 20, 4 << 20, 5 << 20}, 4 << 20,
+                            .h0 = {0, 1, 0, 0, 4 << 20, 0, 5 << 20}},
+                "malformed message header");
+}
+
+Test(transport, bytes_for_an_empty_buffer_are_refused_never_written_into_it) {
+  crafted_fails((crafted_t){0, {0, 1, 0, 0, 4 << 20, 0, 0}, 4 << 20, .id = 0}, "malformed message header");
+}
+
+/* Control messages the protocol does not expect */
+
+Test(transport, a_credit_message_with_a_value_fails_the_endpoint) {
+  crafted_fails((crafted_t){.id = DP__AM_CREDIT, .ctl = {DP__WIRE_MAGIC, 1, 1u << 30}},
+                "a credit message the protocol does not expect");
+}
+
+Test(transport, a_control_message_carrying_data_fails_the_endpoint) {
+  crafted_fails((crafted_t){.data = 8, .id = DP__AM_CREDIT, .ctl = {DP__WIRE_MAGIC, 0, 1u << 30}},
+                "malformed message header");
+}
+
+Test(transport, a_second_close_fails_the_endpoint) {
+  /* the first counts a value that never comes: the endpoint waits for it */
+  crafted_fails((crafted_t){.id = DP__AM_CLOSE, .ctl = {DP__WIRE_MAGIC, 0, 1}, .twice = 1},
+                "a close message the protocol does not expect");
+}
+
+/* peer: five staged values of 64 KiB, 200 ms apart (the first makes this
+ * side offer its same-host slots, the later ones travel in them), then a
+ * frame naming one buffer of `size` bytes (`dev`: -1 cpu, else host:dev)
+ * and an SHM_PIECE saying all of it is in slot `slot` */
+typedef struct shm_crafted {
+  int dev;
+  uint64_t size, slot;
+} shm_crafted_t;
+
+#define SHM_CRAFTED_VALUES 5
+
+static int send_shm_piece_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  shm_crafted_t *c = arg;
+  dp_error_t e;
+  for (int i = 0; i < SHM_CRAFTED_VALUES; i++) {
+    dp_value_t v = dev_tensor(0, 64 << 10, (unsigned)i);
+    dp_future_t *d;
+    if (dp_endpoint_send(ep, v, &d, &e) || wait_f(d, &e)) return 10;
+    dp_future_release(d);
+    dp_value_release(v);
+    sleep_ms(200);
+  }
+  dp_storage_t *st;
+  dp_value_t v;
+  int64_t shape[1] = {(int64_t)c->size};
+  dp_device_t dev = c->dev < 0 ? t_dev(DP_DEVICE_CPU, 0) : t_dev(DP_DEVICE_HOST, c->dev);
+  if (dp_storage_new(dev, (void *)0x1000, c->size, NULL, NULL, &st, &e) ||
+      dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e))
+    return 11;
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(v, NULL, fr, &e)) return 12;
+  size_t n;
+  const uint8_t *b = dp_frame_data(fr, &n);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, SHM_CRAFTED_VALUES, n, c->size};
+  dp__am_shm_piece_t ph = {{DP__WIRE_MAGIC, 1, SHM_CRAFTED_VALUES, 0, c->size, 0, c->size}, c->slot};
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e) ||
+      dp__endpoint_send_raw(ep, DP__AM_SHM_PIECE, &ph, sizeof ph, NULL, 0, &e))
+    return 13;
+  dp_frame_free(fr);
+  dp_value_release(v);
+  dp_future_t *f; /* stays until the receiver closes */
+  if (dp_endpoint_recv(ep, &f, &e) == 0) {
+    dp_future_wait(f, 30 * SEC, NULL);
+    dp_future_release(f);
+  }
+  return 0;
+}
+
+/* The receiver, which mapped the peer's slots (proved by the pieces that
+ * came through them): the crafted piece fails its receive with DP_EFORMAT,
+ * never read out of the mapping. */
+static void shm_piece_refused(shm_crafted_t c) {
+  t_track();
+  dp__transport_stage_host = 1; /* both ends: the peer is forked after */
+  unsigned long before = atomic_load(&dp__transport_shm_pieces);
+  peer_t p = spawn_peer(send_shm_piece_crafted, &c, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  for (int i = 0; i < SHM_CRAFTED_VALUES; i++) {
+    r = recv_ok(ep);
+    OK(dp_future_synchronize(r, 60 * SEC, T_ERR)); /* the copies out of the slots */
+    cr_assert(tensor_ok(dp_future_value(r), 64 << 10, (unsigned)i), "value %d came wrong", i);
+    dp_future_release(r);
+  }
+  cr_assert_gt(atomic_load(&dp__transport_shm_pieces), before, "no piece came through the peer's slots");
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  dp_error_clear(&e);
+  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a buffers message does not follow its frame's table"), "%s", e.message);
+  dp_future_wait(d, 20 * SEC, NULL);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_piece_naming_a_slot_past_the_peers_sixteen_is_refused_never_read) {
+  shm_piece_refused((shm_crafted_t){0, 100 << 10, DP__STAGE_SLOTS});
+}
+
+Test(transport, a_piece_larger_than_a_slot_is_refused_never_read_past_it) {
+  /* a cpu buffer, copied straight out of the mapping: 5 MiB from the last slot */
+  shm_piece_refused((shm_crafted_t){-1, 5 << 20, DP__STAGE_SLOTS - 1});
+}
+
+Test(transport, a_second_offer_of_shared_slots_fails_the_endpoint) {
+  crafted_fails((crafted_t){.id = DP__AM_SHM_OFFER, .twice = 1}, "a second offer of shared slots");
 }
 
 /* A frame of a list of n one-byte cpu tensors, each on a storage of its
