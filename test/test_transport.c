@@ -3752,6 +3752,269 @@ Test(transport, a_close_after_a_refused_frame_whose_buffers_never_come_fails_the
   ASSERT_NO_LEAK();
 }
 
+/* peer (the acceptor): one receive, which must fail with DP_EFORMAT and
+ * the message `arg` (its endpoint refused what the other side sent): 0
+ * then, else 1 */
+static int recv_fails_with(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e)) return strstr(e.message, arg) && e.code == DP_EFORMAT ? 0 : 1;
+  int rc = wait_f(f, &e);
+  dp_future_release(f);
+  if (rc != DP_EFORMAT || !strstr(e.message, arg)) {
+    fprintf(stderr, "peer: %s: %s\n", dp_err_name(rc), rc ? e.message : "a value");
+    return 1;
+  }
+  return 0;
+}
+
+/* This side (the connector, offering no lane) sends the acceptor a control
+ * message `id` (data: `data`'s bytes, no NUL): the acceptor's endpoint
+ * fails with `needle`. */
+static void acceptor_refuses(unsigned id, dp__am_shm_ctl_t c, const char *data, const char *needle) {
+  peer_t p = spawn_peer(recv_fails_with, (void *)needle, NULL);
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  OK(dp__endpoint_send_raw(ep, id, &c, sizeof c, data, data ? strlen(data) : 0, T_ERR));
+  dp_future_t *r;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  dp_future_wait(r, 20 * SEC, NULL); /* ends as the acceptor, its endpoint failed, goes */
+  dp_future_release(r);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0, "the acceptor did not fail its endpoint with \"%s\"", needle);
+}
+
+Test(transport, an_accept_message_sent_to_the_acceptor_fails_its_endpoint) {
+  acceptor_refuses(DP__AM_ACCEPT, (dp__am_shm_ctl_t){DP__WIRE_MAGIC, 0, 0}, NULL,
+                   "an accept message the protocol does not expect");
+}
+
+Test(transport, a_lane_offer_whose_file_name_is_64_bytes_fails_the_acceptors_endpoint) {
+  /* the name must be under 64 bytes: it is kept in 64 with its NUL */
+  char name[65];
+  memset(name, 'x', 64);
+  memcpy(name, "/devpickle-", 11);
+  name[64] = 0;
+  acceptor_refuses(DP__AM_LANE_ADDR, (dp__am_shm_ctl_t){DP__WIRE_MAGIC, 200, 0x1234}, name,
+                   "a same-host lane message the protocol does not expect");
+}
+
+/* peer: once the other side's first value came, CREDIT granting 1 byte
+ * (lower than the first grant), then the int 1; then takes two values (0
+ * when they are 2 and 3) */
+static int send_a_lower_credit(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, 0, 1};
+  dp_error_t e;
+  dp_future_t *d, *f;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 9;
+  dp_future_release(f);
+  if (dp__endpoint_send_raw(ep, DP__AM_CREDIT, &c, sizeof c, NULL, 0, &e)) return 10;
+  if (dp_endpoint_send(ep, dp_int(1), &d, &e) || wait_f(d, &e)) return 11;
+  dp_future_release(d);
+  for (int64_t want = 2; want <= 3; want++) {
+    if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 12;
+    int64_t got = dp_value_as_int(dp_future_value(f));
+    dp_future_release(f);
+    if (got != want) return 13;
+  }
+  return 0;
+}
+
+Test(transport, a_credit_grant_lower_than_one_already_had_is_ignored) {
+  t_track();
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* one connection: the CREDIT comes before the int */
+  peer_t p = spawn_peer(send_a_lower_credit, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d0;
+  OK(dp_endpoint_send(ep, dp_none(), &d0, T_ERR)); /* the peer's first message goes to a known endpoint */
+  dp_future_t *r = recv_ok(ep);
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 1);
+  dp_future_release(r);
+  dp_future_t *d[2];
+  dp_error_t e;
+  for (int i = 0; i < 2; i++) OK(dp_endpoint_send(ep, dp_int(2 + i), &d[i], T_ERR));
+  for (int i = 0; i < 2; i++) {
+    dp_error_clear(&e);
+    cr_assert_eq(dp_future_wait(d[i], 20 * SEC, &e), 0, "send %d: %s: %s", i, dp_err_name(e.code), e.message);
+    dp_future_release(d[i]);
+  }
+  dp_future_release(d0);
+  close_clean(ep, t, p);
+}
+
+/* peer: once the other side's first value came, refused frames of 32 KiB
+ * (their value's cost of credit) up to the whole first grant, 1 MiB; then,
+ * once its second came, one more */
+static int send_a_window_of_frames_then_one(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  size_t n = 32u << 10;
+  uint8_t *junk = malloc(n);
+  memset(junk, 0x3a, n); /* lengths within 64 bits: "truncated" (see above) */
+  memcpy(junk, "DPKL", 4);
+  dp_error_t e;
+  dp_future_t *f;
+  int rc = 0;
+  for (uint64_t i = 0; i <= DP__CREDIT_INITIAL / n && !rc; i++) {
+    dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0, i, n, 0};
+    if ((i == 0 || i == DP__CREDIT_INITIAL / n) && (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e))) rc = 10;
+    else if (i == 0 || i == DP__CREDIT_INITIAL / n) dp_future_release(f);
+    if (!rc && dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, n, &e)) rc = 11;
+  }
+  free(junk);
+  return rc ? rc : stay_until_closed(ep);
+}
+
+Test(transport, a_peer_may_send_values_up_to_its_credit_and_one_past_it_fails_the_endpoint) {
+  t_track();
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  peer_t p = spawn_peer(send_a_window_of_frames_then_one, NULL, NULL);
+  dp_transport_opts_t o = {.max_inflight_bytes = 64 << 10}; /* a window of 1 MiB: nobody takes */
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_error_t e;
+  dp_future_t *d0, *d;
+  OK(dp_endpoint_send(ep, dp_none(), &d0, T_ERR)); /* the peer's first message goes to a known endpoint */
+  cr_assert_eq(ep_error_within(ep, 1000, &e), 0, "%s", e.message);
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* now the one past it */
+  int rc = ep_error_within(ep, 20000, &e);
+  cr_assert_eq(rc, DP_EFORMAT, "%s", dp_err_name(rc));
+  cr_assert(strstr(e.message, "values beyond the credit granted to the peer"), "%s", e.message);
+  dp_future_wait(d, 20 * SEC, NULL);
+  dp_future_release(d0);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* peer: value 0's frame (one cpu buffer of 4 KiB), CLOSE counting that one
+ * value, value 1's frame (the int 7: past the count), then value 0's
+ * buffer; stays until the other side closes */
+static int send_a_value_past_the_close_while_the_last_owes_buffers(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  dp_storage_t *st;
+  dp_value_t v;
+  int64_t shape[1] = {4096};
+  dp_frame_t *f0, *f1;
+  if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)0x1000, 4096, NULL, NULL, &st, &e) ||
+      dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_frame_new(&f0, &e) ||
+      dp_pickle(v, NULL, f0, &e) || dp_frame_new(&f1, &e) || dp_pickle(dp_int(7), NULL, f1, &e))
+    return 10;
+  size_t n0, n1;
+  const uint8_t *b0 = dp_frame_data(f0, &n0), *b1 = dp_frame_data(f1, &n1);
+  dp__am_frame_hdr_t h0 = {DP__WIRE_MAGIC, 1, 0, n0, 4096}, h1 = {DP__WIRE_MAGIC, 0, 1, n1, 0};
+  dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 0, 0, 4096, 0, 4096};
+  static uint8_t data[4096];
+  int rc = 0;
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h0, sizeof h0, b0, n0, &e)) rc = 11;
+  raw_close(ep, 0, 1, &e, &rc);
+  if (!rc && (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h1, sizeof h1, b1, n1, &e) ||
+              dp__endpoint_send_raw(ep, DP__AM_BUFS, &b, sizeof b, data, sizeof data, &e)))
+    rc = 12;
+  dp_frame_free(f0);
+  dp_frame_free(f1);
+  dp_value_release(v);
+  return rc ? rc : stay_until_closed(ep);
+}
+
+Test(transport, a_value_past_the_close_fails_the_endpoint_as_it_arrives_while_the_last_counted_owes_buffers) {
+  /* not once its turn comes: the values before it would reach receives first */
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* one connection, in the order sent */
+  first_receive_fails(send_a_value_past_the_close_while_the_last_owes_buffers, DP_EFORMAT,
+                      "a value beyond the count of the peer's close", DP_EFORMAT);
+}
+
+/* peer: takes a value, then gives back slot 16 of the other side's (which
+ * has 0 to 15); stays until the other side closes */
+static int take_one_then_give_back_slot_16(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
+  dp_future_release(f);
+  dp__am_shm_ctl_t c = {DP__WIRE_MAGIC, DP__STAGE_SLOTS, 0};
+  if (dp__endpoint_send_raw(ep, DP__AM_SHM_DONE, &c, sizeof c, NULL, 0, &e)) return 11;
+  return stay_until_closed(ep);
+}
+
+Test(transport, a_slot_given_back_past_the_sixteen_it_could_be_lent_fails_the_endpoint) {
+  t_track();
+  dp__transport_stage_host = 1; /* the staged value makes this side offer its slots */
+  peer_t p = spawn_peer(take_one_then_give_back_slot_16, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t v = dev_tensor(0, 64 << 10, 1);
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  dp_value_release(v);
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  dp_error_clear(&e);
+  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a slot given back that was not lent"), "%s", e.message);
+  dp_future_wait(d, 20 * SEC, NULL);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* peer: once the other side's first value came, 1,100 corrupt frames, each announcing a buffer of one byte that
+ * never comes; stays until the other side closes */
+static int send_refused_frames_owing_buffers(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  uint8_t junk[64];
+  memset(junk, 0x3a, sizeof junk); /* lengths within 64 bits: "truncated" (see above) */
+  memcpy(junk, "DPKL", 4);
+  dp_error_t e;
+  dp_future_t *f;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
+  dp_future_release(f);
+  for (uint64_t i = 0; i < 1100; i++) {
+    dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, i, sizeof junk, 1};
+    if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 0; /* failed: seen */
+  }
+  return stay_until_closed(ep);
+}
+
+Test(transport, more_than_1024_refused_frames_owing_buffers_fail_the_endpoint_with_the_limit) {
+  /* each is passed by the next frame, its buffer still owed: what the
+     endpoint keeps of them is bounded */
+  t_track();
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  peer_t p = spawn_peer(send_refused_frames_owing_buffers, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer's first message goes to a known endpoint */
+  dp_error_t e;
+  int rc = ep_error_within(ep, 20000, &e);
+  cr_assert_eq(rc, DP_ELIMIT, "%s: %s", dp_err_name(rc), rc ? e.message : "none");
+  cr_assert(strstr(e.message, "too many refused frames whose buffers never came"), "%s", e.message);
+  dp_future_wait(d, 20 * SEC, NULL);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* ---- many endpoints closing at once ---- */
 
 #define MANY_CLOSE 12
