@@ -1123,6 +1123,20 @@ class _Reduces:
         return _Reduces.parts
 
 
+def _malformed_reduce_causes(parts):
+    """The causes of the WalkErrors scan, dumps and set_result raise for a
+    reduce returning parts, which pickle refuses too."""
+    _Reduces.parts = parts
+    with pytest.raises(pickle.PicklingError):
+        pickle.dumps(_Reduces(), protocol=5)
+    causes = []
+    for walk in (devpickle.scan, devpickle.dumps, devpickle.Future().set_result):
+        with pytest.raises(devpickle.WalkError, match=r"_Reduces' at \$\[0\]: its reduce is malformed") as e:
+            walk([_Reduces()])
+        causes.append(e.value.__cause__)
+    return causes
+
+
 @pytest.mark.parametrize("parts,error", [
     ((1, 2), "first element of the tuple returned by __reduce__ must be callable, not int"),
     ((print, [1]), "second element of the tuple returned by __reduce__ must be a tuple, not list"),
@@ -1131,25 +1145,15 @@ class _Reduces:
     ((print, (), None, None, None, 7), "sixth element of the tuple returned by __reduce__ must be a function, not int"),
 ])
 def test_a_reduce_result_pickle_refuses_is_a_walk_error_in_scan_dumps_and_set_result(parts, error):
-    _Reduces.parts = parts
-    with pytest.raises(pickle.PicklingError):
-        pickle.dumps(_Reduces(), protocol=5)
-    for walk in (devpickle.scan, devpickle.dumps, devpickle.Future().set_result):
-        with pytest.raises(devpickle.WalkError, match=r"_Reduces' at \$\[0\]: its reduce is malformed") as e:
-            walk([_Reduces()])
-        assert str(e.value.__cause__) == error
+    for cause in _malformed_reduce_causes(parts):
+        assert str(cause) == error
 
 
 @pytest.mark.parametrize("parts", [(print,), (print, (), None, None, None, None, None), [print, ()], 7])
 def test_a_reduce_returning_neither_a_str_nor_a_tuple_of_2_to_6_items_is_a_walk_error(parts):
-    _Reduces.parts = parts
-    with pytest.raises(pickle.PicklingError):
-        pickle.dumps(_Reduces(), protocol=5)
-    for walk in (devpickle.scan, devpickle.dumps, devpickle.Future().set_result):
-        with pytest.raises(devpickle.WalkError, match=r"_Reduces' at \$\[0\]: its reduce is malformed") as e:
-            walk([_Reduces()])
-        assert isinstance(e.value.__cause__, TypeError)
-        assert str(e.value.__cause__) == "__reduce_ex__ must return a string or a tuple of 2 to 6 items"
+    for cause in _malformed_reduce_causes(parts):
+        assert isinstance(cause, TypeError)
+        assert str(cause) == "__reduce_ex__ must return a string or a tuple of 2 to 6 items"
 
 
 def test_a_key_is_rendered_once_however_many_allocations_lie_under_it():
