@@ -2714,9 +2714,21 @@ Test(cli, help_wins_wherever_it_comes_and_before_a_command_is_that_commands_help
     cr_assert_eq(strncmp(r.out, want, strlen(want)), 0, "%s says: %s", args, r.out);
     res_free(r);
   }
-  res_t r = run("--help bogus");
+  /* a name that is no command: the error 'help bogus' and 'bogus' give,
+   * with the list of commands */
+  static const char *const unknown[] = {"--help bogus", "-h bogus", "help bogus", "bogus"};
+  res_t r;
+  for (int i = 0; i < 4; i++) {
+    r = run(unknown[i]);
+    cr_assert_eq(r.status, 2, "%s", unknown[i]);
+    cr_assert_eq(strncmp(r.err, "devpickle: unknown command 'bogus'\n\nusage: devpickle <command>", 62), 0, "%s: %s",
+                 unknown[i], r.err);
+    cr_assert_str_eq(r.out, "");
+    res_free(r);
+  }
+  r = run("-h pack unpack");
   cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle --help: unknown command 'bogus'\nTry 'devpickle help COMMAND'.\n");
+  cr_assert_str_eq(r.err, "devpickle -h: unexpected argument 'unpack'\nTry 'devpickle help COMMAND'.\n");
   res_free(r);
   r = run("--version extra");
   cr_assert_eq(r.status, 2);

@@ -1366,6 +1366,34 @@ static const cmd_t commands[] = {
     {"send", cmd_send},       {"recv", cmd_recv},
 };
 
+/* Names a command that is not one, with the list of those that are. */
+static int unknown_command(const char *name) {
+  fputs("devpickle: unknown command '", stderr);
+  cli_put_text(stderr, name);
+  fprintf(stderr, "'\n\n%s", usage_main);
+  return EXIT_USAGE;
+}
+
+/* 'help', '--help' and '-h' alike: alone (or given one of themselves) the
+ * main usage; given a command, that command's --help; given a name that is no
+ * command, the same error as running it. */
+static int cmd_help(int argc, char **argv) {
+  if (argc > 3) {
+    fprintf(stderr, "devpickle %s: unexpected argument '", argv[1]);
+    cli_put_text(stderr, argv[3]);
+    fputs("'\nTry 'devpickle help COMMAND'.\n", stderr);
+    return EXIT_USAGE;
+  }
+  if (argc == 3 && strcmp(argv[2], "help") != 0 && strcmp(argv[2], "--help") != 0 && strcmp(argv[2], "-h") != 0) {
+    char help_flag[] = "--help", *args[] = {argv[2], help_flag, NULL};
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+      if (strcmp(argv[2], commands[i].name) == 0) return commands[i].run(2, args);
+    return unknown_command(argv[2]);
+  }
+  fputs(usage_main, stdout);
+  return stdout_done(0);
+}
+
 int main(int argc, char **argv) {
   /* A file-size limit makes write() fail with EFBIG, which is reported and
    * cleaned up, instead of killing the process mid-write. */
@@ -1375,40 +1403,8 @@ int main(int argc, char **argv) {
     fputs(usage_main, stderr);
     return EXIT_USAGE;
   }
-  if (strcmp(argv[1], "help") == 0 && argc > 2 && strcmp(argv[2], "--help") != 0 && strcmp(argv[2], "-h") != 0 &&
-      !(strcmp(argv[2], "help") == 0 && argc == 3)) {
-    /* help CMD: CMD --help */
-    char help_flag[] = "--help", *args[] = {argv[2], help_flag, NULL};
-    for (size_t i = 0; i < sizeof commands / sizeof commands[0] && argc == 3; i++)
-      if (strcmp(argv[2], commands[i].name) == 0) return commands[i].run(2, args);
-    if (argc > 3) {
-      fputs("devpickle help: unexpected argument '", stderr);
-      cli_put_text(stderr, argv[3]);
-      fputs("'\nTry 'devpickle help COMMAND'.\n", stderr);
-      return EXIT_USAGE;
-    }
-    fputs("devpickle: unknown command '", stderr);
-    cli_put_text(stderr, argv[2]);
-    fprintf(stderr, "'\n\n%s", usage_main);
-    return EXIT_USAGE;
-  }
-  if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
-    if (argc == 3 && strcmp(argv[1], "help") != 0) { /* --help CMD: as help CMD */
-      char help_flag[] = "--help", *args[] = {argv[2], help_flag, NULL};
-      for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-        if (strcmp(argv[2], commands[i].name) == 0) return commands[i].run(2, args);
-    }
-    /* help's help, and --help's, is this one */
-    int self = argc == 3 && (strcmp(argv[2], "help") == 0 || strcmp(argv[2], "--help") == 0 || strcmp(argv[2], "-h") == 0);
-    if (argc > 2 && !self) {
-      fprintf(stderr, "devpickle %s: %s '", argv[1], argc == 3 ? "unknown command" : "unexpected argument");
-      cli_put_text(stderr, argv[argc == 3 ? 2 : 3]);
-      fputs("'\nTry 'devpickle help COMMAND'.\n", stderr);
-      return EXIT_USAGE;
-    }
-    fputs(usage_main, stdout);
-    return stdout_done(0);
-  }
+  if (strcmp(argv[1], "help") == 0 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)
+    return cmd_help(argc, argv);
   if (strcmp(argv[1], "--version") == 0) {
     if (argc > 2) {
       fputs("devpickle --version: unexpected argument '", stderr);
@@ -1421,8 +1417,5 @@ int main(int argc, char **argv) {
   }
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     if (strcmp(argv[1], commands[i].name) == 0) return commands[i].run(argc - 1, argv + 1);
-  fputs("devpickle: unknown command '", stderr);
-  cli_put_text(stderr, argv[1]);
-  fprintf(stderr, "'\n\n%s", usage_main);
-  return EXIT_USAGE;
+  return unknown_command(argv[1]);
 }
