@@ -139,6 +139,10 @@ void dp_error_clear(dp_error_t *err) {
   err->message[0] = '\0';
 }
 
+unsigned dp_version(void) { return DP_VERSION_NUMBER; }
+
+const char *dp_version_string(void) { return DP_VERSION_STRING; }
+
 const char *dp_strerror(int code) {
   switch (code) {
     case 0: return "success";

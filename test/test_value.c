@@ -2417,6 +2417,17 @@ Test(base, zero_and_every_code_have_their_name_and_description_and_others_none) 
   cr_assert_str_eq(dp_err_name(-18), "DP_UNKNOWN");
 }
 
+/* The linked library says which release it is, as the headers do. */
+Test(base, the_linked_version_is_the_headers_as_a_number_and_as_major_dot_minor_dot_patch) {
+  cr_assert_eq(dp_version(), DP_VERSION_NUMBER);
+  cr_assert_eq(dp_version(), (unsigned)(DP_VERSION_MAJOR * 10000 + DP_VERSION_MINOR * 100 + DP_VERSION_PATCH));
+  char want[32];
+  snprintf(want, sizeof want, "%d.%d.%d", DP_VERSION_MAJOR, DP_VERSION_MINOR, DP_VERSION_PATCH);
+  cr_assert_str_eq(dp_version_string(), want);
+  cr_assert_str_eq(DP_VERSION_STRING, want);
+  cr_assert_eq(dp_version_string(), dp_version_string(), "a static string, not a new one per call");
+}
+
 /* n bytes of c, NUL-terminated, through the hook (freed with n + 1). */
 static char *repeated(const char *c, size_t times) {
   size_t k = strlen(c);

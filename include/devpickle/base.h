@@ -3,7 +3,8 @@
  *
  * Every other public header includes this one. Nothing here allocates.
  *
- * Thread safety: dp_strerror() and dp_err_name() are thread-safe. The
+ * Thread safety: dp_version(), dp_version_string(), dp_strerror() and
+ * dp_err_name() are thread-safe. The
  * allocator hook must be installed before any other devpickle call and is not
  * changed afterwards (dp_set_allocator() is not thread-safe).
  */
@@ -23,9 +24,10 @@ extern "C" {
 #define DP_API
 #endif
 
-/* The library's version, written here only: the Makefile reads these three
- * lines (devpickle.pc, the shared library's soname) and the string is made
- * from them. */
+/* The version of these headers, written here only: the Makefile reads these
+ * three lines (devpickle.pc, the shared library's soname) and the string is
+ * made from them. dp_version() gives the version of the library actually
+ * linked, which a program loading libdevpickle.so may compare with them. */
 #define DP_VERSION_MAJOR 0
 #define DP_VERSION_MINOR 1
 #define DP_VERSION_PATCH 0
@@ -34,6 +36,7 @@ extern "C" {
 #define DP_VERSION_STRING                                                   \
   DP__VERSION_XSTR(DP_VERSION_MAJOR) "." DP__VERSION_XSTR(DP_VERSION_MINOR) \
   "." DP__VERSION_XSTR(DP_VERSION_PATCH)
+#define DP_VERSION_NUMBER (DP_VERSION_MAJOR * 10000 + DP_VERSION_MINOR * 100 + DP_VERSION_PATCH)
 
 /*
  * Error codes. A fallible call returns 0 or one of these (all negative).
@@ -112,6 +115,16 @@ typedef struct dp_error {
  *     false, none, or {DP_DEVICE_CPU, 0}.
  * Results that are not errors never leave the library as codes.
  */
+
+/** The linked library's version as MAJOR * 10000 + MINOR * 100 + PATCH
+ *  (DP_VERSION_NUMBER is the headers' own, computed the same way): a
+ *  program built against one release and run with another can tell.
+ *  Never fails. */
+DP_API unsigned dp_version(void);
+
+/** The linked library's version as a static string, "MAJOR.MINOR.PATCH"
+ *  (DP_VERSION_STRING is the headers'). Never fails. */
+DP_API const char *dp_version_string(void);
 
 /** Clears an error record (code 0, offset -1, empty message). */
 DP_API void dp_error_clear(dp_error_t *err);

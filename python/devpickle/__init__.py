@@ -9,9 +9,11 @@ frames with out-of-band buffers.
     loads(data, *, buffers=None, classes=(), max_copies=None) -> object
 
 See docs/PYTHON.md for the walk rules, the streams and the GIL.
+__version__ is the version of the devpickle library the module is built on.
 """
 
 from ._devpickle import (  # noqa: F401
+    __version__,
     Allocation,
     Error,
     FrameError,

@@ -216,6 +216,8 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
   Py_INCREF(dpy.walk_error);
   Py_INCREF(dpy.dp_error);
   if (PyModule_AddObject(m, "WalkError", dpy.walk_error) || PyModule_AddObject(m, "Error", dpy.dp_error)) goto fail;
+  /* the C library's version, as linked into this extension */
+  if (PyModule_AddStringConstant(m, "__version__", dp_version_string())) goto fail;
   PyObject *copyreg = PyImport_ImportModule("copyreg");
   if (!copyreg) goto fail;
   dpy.dispatch_table = PyObject_GetAttrString(copyreg, "dispatch_table");
