@@ -78,7 +78,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 
         suffix = sysconfig.get_config_var("EXT_SUFFIX")
         for f in sorted(os.listdir(pkg)):
-            if f.endswith(".py") or f.endswith(suffix):
+            if f.endswith((".py", ".pyi", suffix)) or f == "py.typed":
                 put(f"devpickle/{f}", open(os.path.join(pkg, f), "rb").read())
         put(f"{info}/METADATA", _metadata(version).encode())
         put(f"{info}/WHEEL", (f"Wheel-Version: 1.0\nGenerator: devpickle_build\nRoot-Is-Purelib: false\n"

@@ -9,7 +9,7 @@ out=${1:?OUTDIR}
 py=${PYTHON:-python3}
 pkg=build/gpu-python/devpickle
 mkdir -p "$pkg"
-cp python/devpickle/*.py "$pkg/"
+cp python/devpickle/*.py python/devpickle/*.pyi python/devpickle/py.typed "$pkg/"
 inc=$($py -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 suffix=$($py -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 gcc -std=c11 -O2 -g -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-missing-field-initializers \

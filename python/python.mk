@@ -6,7 +6,7 @@ PYTHON      ?= /usr/bin/python3
 PY_BUILD    := $(BUILD)/python
 PY_SRC      := $(wildcard python/src/*.c)
 PY_HDR      := $(wildcard python/src/*.h)
-PY_FILES    := $(wildcard python/devpickle/*.py)
+PY_FILES    := $(wildcard python/devpickle/*.py python/devpickle/*.pyi) python/devpickle/py.typed
 PY_CONF      = $(shell $(PYTHON) -c 'import sysconfig as s; print(s.get_paths()["include"], s.get_config_var("EXT_SUFFIX"))' 2>/dev/null)
 PY_INC       = $(word 1,$(PY_CONF))
 PY_SUFFIX    = $(word 2,$(PY_CONF))
@@ -18,12 +18,12 @@ python: lib deps-python ## Build the Python package into build/python/devpickle 
 	@$(MAKE) --no-print-directory PYTHON=$(PYTHON) $(PY_EXT) $(PY_FILES:python/%=$(PY_BUILD)/%)
 	@$(PYTHON) python/build_torch_adapter.py --out $(PY_BUILD)/devpickle --if-available
 
-$(PY_BUILD)/devpickle/_devpickle%: $(PY_SRC) $(PY_HDR) $(BUILD)/libdevpickle.a $(HEADERS)
+$(PY_BUILD)/devpickle/_devpickle%.so: $(PY_SRC) $(PY_HDR) $(BUILD)/libdevpickle.a $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CC) $(PY_CFLAGS) $(CUDA_CFLAGS) -I$(PY_INC) -shared -o $@ $(PY_SRC) $(BUILD)/libdevpickle.a \
 	  -Wl,--exclude-libs,ALL $(LDLIBS)
 
-$(PY_BUILD)/devpickle/%.py: python/devpickle/%.py
+$(PY_BUILD)/devpickle/%: python/devpickle/%
 	@mkdir -p $(dir $@)
 	cp $< $@
 
@@ -50,6 +50,8 @@ check-pip: deps-python ## Check that `pip install ./python` works offline (a ven
 	@rm -rf $(BUILD)/venv && /usr/bin/python3 -m venv --system-site-packages $(BUILD)/venv
 	$(BUILD)/venv/bin/pip install -q --no-index ./python
 	cd / && $(abspath $(BUILD))/venv/bin/python -c 'import devpickle, torch; \
-	  r = devpickle.scan({"t": torch.ones(2)}); assert r[0].path == "$$.t", r; print("check-pip: installed", devpickle.__file__)'
+	  r = devpickle.scan({"t": torch.ones(2)}); assert r[0].path == "$$.t", r; \
+	  import os; d = os.path.dirname(devpickle.__file__); assert {"py.typed", "_devpickle.pyi"} <= set(os.listdir(d)), d; \
+	  print("check-pip: installed", devpickle.__file__, "with its types")'
 
 .PHONY: python test-python deps-python check-pip

@@ -3404,12 +3404,12 @@ static PyGetSetDef alloc_getset[] = {
 };
 
 static PyMethodDef alloc_methods[] = {
-    {"_asdict", alloc_asdict, METH_NOARGS, "The allocation as a dict."},
-    {"keys", alloc_keys, METH_NOARGS, "The field names: device, ptr, nbytes, refs, path."},
-    {"values", alloc_values, METH_NOARGS, "The fields' values, in keys() order."},
-    {"items", alloc_items, METH_NOARGS, "(name, value) pairs, in keys() order."},
+    {"_asdict", alloc_asdict, METH_NOARGS, "_asdict($self, /)\n--\n\nThe allocation as a dict."},
+    {"keys", alloc_keys, METH_NOARGS, "keys($self, /)\n--\n\nThe field names: device, ptr, nbytes, refs, path."},
+    {"values", alloc_values, METH_NOARGS, "values($self, /)\n--\n\nThe fields' values, in keys() order."},
+    {"items", alloc_items, METH_NOARGS, "items($self, /)\n--\n\n(name, value) pairs, in keys() order."},
     {"get", (PyCFunction)(void (*)(void))alloc_get_method, METH_FASTCALL,
-     "get(key, default=None): the field named key, else default."},
+     "get($self, key, default=None, /)\n--\n\nThe field named key, else default."},
     {NULL},
 };
 

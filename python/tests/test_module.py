@@ -1,4 +1,6 @@
-"""The module itself: what it says of its version."""
+"""The module itself: its version, and the type stub of its extension."""
+import ast
+import inspect
 import os
 import re
 import subprocess
@@ -23,3 +25,82 @@ def test_version_is_the_one_the_cli_prints():
         pytest.skip("the devpickle CLI is not built (DEVPICKLE unset)")
     out = subprocess.run([cli, "--version"], capture_output=True, text=True, check=True).stdout
     assert out == f"devpickle {devpickle.__version__} (frame format version 1)\n"
+
+
+# ---- the type stub (_devpickle.pyi) says what the extension has ----
+
+STUB = os.path.join(REPO, "python", "devpickle", "_devpickle.pyi")
+KINDS = {
+    "posonly": inspect.Parameter.POSITIONAL_ONLY,
+    "args": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    "kwonly": inspect.Parameter.KEYWORD_ONLY,
+}
+
+
+def _stub():
+    return ast.parse(open(STUB).read())
+
+
+def _params(fn, drop_self):
+    """(name, kind, default) of a stub function's parameters."""
+    a = fn.args
+    out = []
+    positional = [(p, "posonly") for p in a.posonlyargs] + [(p, "args") for p in a.args]
+    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    for (p, kind), d in zip(positional, defaults):
+        out.append((p.arg, KINDS[kind], inspect.Parameter.empty if d is None else ast.literal_eval(d)))
+    for p, d in zip(a.kwonlyargs, a.kw_defaults):
+        out.append((p.arg, KINDS["kwonly"], inspect.Parameter.empty if d is None else ast.literal_eval(d)))
+    return out[1:] if drop_self else out
+
+
+def _runtime(obj):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(obj).parameters.values()]
+
+
+def test_the_stub_names_every_public_name_of_the_extension_and_nothing_else():
+    ext = devpickle._devpickle
+    stub = {n.name for n in _stub().body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    stub |= {n.target.id for n in _stub().body if isinstance(n, ast.AnnAssign)}
+    public = {n for n in dir(ext) if not n.startswith("_")} | {"__version__"}
+    assert stub == public
+    assert {n for n in devpickle.__all__ if hasattr(ext, n)} <= stub
+
+
+def test_every_function_of_the_stub_has_the_parameters_of_the_extensions():
+    for node in _stub().body:
+        if isinstance(node, ast.FunctionDef):
+            assert _params(node, False) == _runtime(getattr(devpickle, node.name)), node.name
+
+
+def test_every_method_and_property_of_the_stub_is_the_classs_own_with_its_parameters():
+    for cls in (n for n in _stub().body if isinstance(n, ast.ClassDef)):
+        runtime = getattr(devpickle, cls.name)
+        assert [ast.unparse(b) for b in cls.bases if not ast.unparse(b).startswith("Generic")] == [
+            b.__name__ for b in runtime.__bases__ if b is not object], cls.name
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+            assert fn.name in vars(runtime), f"{cls.name}.{fn.name}"
+            if any(ast.unparse(d) == "property" for d in fn.decorator_list):
+                assert inspect.isdatadescriptor(vars(runtime)[fn.name]), f"{cls.name}.{fn.name}"
+            elif fn.name == "__init__":  # the class's own signature (a C type's __init__ has none)
+                assert _params(fn, True) == _runtime(runtime), cls.name
+            else:
+                try:
+                    want = _runtime(getattr(runtime, fn.name))
+                except ValueError:  # a slot wrapper (__len__, ...): CPython gives it no signature
+                    assert fn.name.startswith("__"), f"{cls.name}.{fn.name} has no signature"
+                    continue
+                assert _params(fn, False) == want, f"{cls.name}.{fn.name}"
+
+
+def test_the_attributes_the_stub_gives_exceptions_are_on_the_exceptions_raised():
+    with pytest.raises(devpickle.WalkError) as walk:
+        devpickle.scan({"g": (i for i in ())})
+    assert (walk.value.type_name, walk.value.path) == ("generator", "$.g")
+    with pytest.raises(devpickle.FrameError) as frame:
+        devpickle.loads(b"not a frame")
+    assert isinstance(frame.value.code, str) and isinstance(frame.value.offset, int)
+    for cls in (n for n in _stub().body if isinstance(n, ast.ClassDef) and n.name in ("WalkError", "FrameError")):
+        raised = walk.value if cls.name == "WalkError" else frame.value
+        for a in (n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)):
+            assert hasattr(raised, a), f"{cls.name}.{a}"
