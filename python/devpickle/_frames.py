@@ -677,10 +677,16 @@ def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyt
     if kind == "numpy.ndarray":
         np = _numpy()
         dt = _dtype(np, kind, device, key, dtype)
-        start = flat[offset * dt.itemsize:]
-        usable = len(start) - len(start) % dt.itemsize
-        return np.lib.stride_tricks.as_strided(start[:usable].view(dt), shape=shape,
-                                               strides=_byte_strides(kind, device, key, strides, dt.itemsize))
+        byte_strides = _byte_strides(kind, device, key, strides, dt.itemsize)
+        # an empty view addresses nothing: the format lets its offset lie
+        # past the buffer's end, where numpy's bounds check would refuse it
+        at = 0 if 0 in shape else offset * dt.itemsize
+        try:
+            # the flat array as its base (as_strided's base is a wrapper that
+            # is no array): dumps of the loaded views finds them on one buffer
+            return np.ndarray(shape, dt, buffer=flat, offset=at, strides=byte_strides)
+        except ValueError as e:  # a shape numpy cannot hold ("array is too big"), empty or not
+            raise _cannot(kind, device, key, e) from e
     cupy = sys.modules["cupy"]
     dt = _dtype(cupy, kind, device, key, dtype)
     return cupy.ndarray(shape, dt, memptr=flat.data + offset * dt.itemsize,

@@ -1054,6 +1054,42 @@ def test_a_view_whose_byte_strides_numpy_cannot_hold_is_a_value_error_naming_the
         devpickle.loads((tmp_path / "v.dpk").read_bytes(), buffers=[bytearray(32)])
 
 
+def _packed(tmp_path, value):
+    """The frame `devpickle pack` makes of value JSON (docs/VALUE_JSON.md)."""
+    cli = os.environ.get("DEVPICKLE")
+    if not cli:
+        pytest.skip("the devpickle CLI is not built (DEVPICKLE unset)")
+    src = tmp_path / "v.json"
+    src.write_text(json.dumps(value))
+    subprocess.run([cli, "pack", str(src), "-o", str(tmp_path / "v.dpk")], check=True)
+    return (tmp_path / "v.dpk").read_bytes()
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63 - 1], [2**62, 0, 4], [0] + [2**62] * 15])
+def test_an_empty_view_whose_shape_numpy_cannot_hold_is_a_value_error_naming_the_buffer(tmp_path, shape):
+    # an empty view addresses nothing, so the format bounds its other
+    # dimensions only by int64: numpy's "array is too big" names the buffer
+    tensor = {"device": "cpu", "ptr": "0x1000", "nbytes": 8, "dtype": "float64", "shape": shape,
+              "strides": [1] * len(shape)}
+    frame = _packed(tmp_path, {"$object": "numpy.ndarray", "attrs": {"data": {"$tensor": tensor}}})
+    with pytest.raises(ValueError, match=r"^loads: a numpy.ndarray over buffer 0 \(cpu\) cannot be made here: "
+                                         r"array is too big"):
+        devpickle.loads(frame, buffers=[bytearray(8)])
+
+
+def test_numpy_views_of_one_buffer_loaded_are_dumped_again_on_that_one_buffer():
+    # each loaded view has the buffer's flat array as its numpy base, as the
+    # walk looks for it: a value loaded and sent on keeps its views' sharing
+    a = np.arange(4.0)
+    back = devpickle.loads(devpickle.dumps([a, a[1:], a.reshape(2, 2)], inline=True))
+    bufs = []
+    devpickle.dumps(back, buffer_callback=bufs.append)
+    assert [b.nbytes for b in bufs] == [32]
+    again = devpickle.loads(devpickle.dumps(back, inline=True))
+    again[0][1] = 99.0
+    assert again[1][0] == 99.0 and again[2][0, 1] == 99.0
+
+
 @pytest.mark.parametrize("inline", [False, True])
 def test_a_numpy_array_the_frame_puts_on_a_device_is_a_value_error_naming_the_buffer(tmp_path, inline):
     # dumps never writes one; a frame that does is refused as a view numpy
