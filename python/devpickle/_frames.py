@@ -666,6 +666,10 @@ def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyt
         if dtype not in _TORCH_DTYPES or not hasattr(torch, dtype):
             raise _cannot(kind, device, key, f"dtype {dtype} has no torch equivalent here")
         dt = getattr(torch, dtype)
+        if any(s < 0 for s in strides):
+            # torch makes no such view; and below -2**62 its argument parser
+            # takes a stride for a symbolic int, a TypeError naming no buffer
+            raise _cannot(kind, device, key, f"negative strides {list(strides)}: torch makes no view with them")
         # the whole items only: a storage may end in part of one (a packed
         # 10-byte buffer under an int32 view of its first 8), which torch's
         # view() refuses to reinterpret, as numpy's does (below)

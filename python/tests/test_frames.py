@@ -1077,6 +1077,18 @@ def test_an_empty_view_whose_shape_numpy_cannot_hold_is_a_value_error_naming_the
         devpickle.loads(frame, buffers=[bytearray(8)])
 
 
+@pytest.mark.parametrize("stride", [-1, -(2**62) - 1, -(2**63 - 1)])
+def test_a_torch_view_with_a_negative_stride_is_a_value_error_naming_the_buffer_however_large(tmp_path, stride):
+    # torch's parser read a stride below -2**62 as a symbolic int: a TypeError
+    # ("must be tuple of SymInts") that named no buffer
+    tensor = {"device": "cpu", "ptr": "0x1000", "nbytes": 8, "dtype": "float64", "shape": [1],
+              "strides": [stride]}
+    frame = _packed(tmp_path, {"$object": "torch.Tensor", "attrs": {"data": {"$tensor": tensor}}})
+    with pytest.raises(ValueError, match=r"^loads: a torch.Tensor over buffer 0 \(cpu\) cannot be made here: "
+                                         r"negative strides \[-\d+\]: torch makes no view with them$"):
+        devpickle.loads(frame, buffers=[bytearray(8)])
+
+
 def test_numpy_views_of_one_buffer_loaded_are_dumped_again_on_that_one_buffer():
     # each loaded view has the buffer's flat array as its numpy base, as the
     # walk looks for it: a value loaded and sent on keeps its views' sharing
