@@ -337,12 +337,22 @@ def _fill_size(x):
     return len(x) if isinstance(x, _SIZED) else 0
 
 
+# the attributes dumps writes for each reserved class, and only those
+_RESERVED_FORM = {"builtins.set": {"items"}, "builtins.frozenset": {"items"}, "builtins.complex": {"real", "imag"},
+                  "builtins.bytearray": {"data"}, "numpy.generic": {"dtype", "data"}, "devpickle.global": {"name"}}
+
+
 def _reserved(name, attrs, attr, kind):
-    """An attribute of a reserved class, checked: a frame is hostile."""
+    """An attribute of a reserved class, checked: a frame is hostile, and an
+    object of another form than dumps writes (an attribute more) is not
+    read as one of that form with the rest dropped."""
     v = attrs.get(attr)
-    if set(attrs) != {"items"} and name.endswith("set") or not isinstance(v, kind):
+    if not isinstance(v, kind):
         raise TypeError(f"loads: a {name} object whose {attr!r} is not a {kind.__name__} "
                         f"(attributes: {sorted(attrs)!r})")
+    if set(attrs) != _RESERVED_FORM[name]:
+        raise TypeError(f"loads: a {name} object whose attributes are {sorted(attrs)!r}, not "
+                        f"{sorted(_RESERVED_FORM[name])!r}")
     return v
 
 

@@ -489,6 +489,21 @@ def test_a_global_whose_name_is_not_a_str_is_a_type_error():
         devpickle.loads(frame, classes=Node)
 
 
+@pytest.mark.parametrize("label, attrs", [("builtins.complex", {"real": 1.0, "imag": 2.0}),
+                                          ("builtins.bytearray", {"data": b"ab"}),
+                                          ("numpy.generic", {"dtype": "<f8", "data": b"\0" * 8}),
+                                          ("devpickle.global", {"name": "test_frames.Node"}),
+                                          ("builtins.set", {"items": [1]}),
+                                          ("builtins.frozenset", {"items": [1]})])
+def test_a_reserved_class_with_an_attribute_more_than_dumps_writes_is_a_type_error_not_dropped(label, attrs):
+    devpickle.loads(devpickle.dumps([spoof(label, **attrs)]), classes=Node)  # the form dumps writes
+    frame = devpickle.dumps([spoof(label, **attrs, extra=[1])])
+    with pytest.raises(TypeError, match=rf"^loads: a {label} object whose attributes are "
+                                        rf"\[{', '.join(repr(k) for k in sorted([*attrs, 'extra']))}\], not "
+                                        rf"\[{', '.join(repr(k) for k in sorted(attrs))}\]$"):
+        devpickle.loads(frame, classes=Node)
+
+
 def test_a_set_of_unhashable_items_is_a_type_error_naming_the_set():
     for label in ("builtins.set", "builtins.frozenset"):
         frame = devpickle.dumps([spoof(label, items=[[1]])])
