@@ -2392,12 +2392,17 @@ static int build_container(dpy_scanner_t *s, PyObject *o, size_t at, uint8_t fr,
 static int build_npscalar(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   PyObject *dt = PyObject_GetAttrString(o, "dtype");
   PyObject *has = dt ? PyObject_GetAttrString(dt, "hasobject") : NULL;
-  PyObject *str = has ? PyObject_GetAttrString(dt, "str") : NULL;
+  PyObject *names = has ? PyObject_GetAttrString(dt, "names") : NULL;
+  PyObject *str = names ? PyObject_GetAttrString(dt, "str") : NULL;
   PyObject *data = str ? PyObject_CallMethod(o, "tobytes", NULL) : NULL;
   int objects = has ? PyObject_IsTrue(has) : -1, rc = -1;
   const char *u = NULL;
   Py_ssize_t n = 0;
   if (objects > 0) PyErr_SetString(PyExc_TypeError, "a numpy scalar holding Python objects is not carried in frames");
+  else if (names && names != Py_None)
+    /* its dtype.str ('|V8') names no fields: loads would make a plain void */
+    PyErr_SetString(PyExc_TypeError, "a structured numpy scalar is not carried in frames: its dtype's str names "
+                                     "no fields");
   else if (data && PyUnicode_Check(str) && PyBytes_Check(data)) u = PyUnicode_AsUTF8AndSize(str, &n);
   if (u) {
     dp_error_t e;
@@ -2416,6 +2421,7 @@ static int build_npscalar(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   }
   Py_XDECREF(dt);
   Py_XDECREF(has);
+  Py_XDECREF(names);
   Py_XDECREF(str);
   Py_XDECREF(data);
   if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "it cannot be carried in a frame");

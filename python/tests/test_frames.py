@@ -445,6 +445,18 @@ def test_a_numpy_str_scalar_whose_code_point_is_past_unicode_is_a_type_error_not
         assert type(out) is np.str_ and out == v
 
 
+@pytest.mark.parametrize("make", [lambda: np.zeros(1, dtype=[("a", "<i4"), ("b", "<f4")])[0],
+                                  lambda: np.rec.array([(1, 2.0)], dtype=[("a", "<i4"), ("b", "<f4")])[0]])
+def test_a_structured_numpy_scalar_is_a_walk_error_not_a_void_without_its_fields(make):
+    # its dtype.str is '|V8': loads made a plain numpy.void of it, fields gone
+    value = make()
+    with pytest.raises(devpickle.WalkError, match=r"at \$\.s: it cannot be carried in a frame: a structured numpy "
+                                                  r"scalar is not carried in frames") as e:
+        devpickle.dumps({"s": value})
+    assert e.value.path == "$.s"
+    assert devpickle.scan({"s": value}) == []  # a value, not memory: scan still takes it
+
+
 def test_a_numpy_scalar_of_zero_bytes_comes_back_instead_of_raising_numpys_error():
     out = devpickle.loads(devpickle.dumps([np.void(b"")], inline=True))
     assert type(out[0]) is np.void and out[0].tobytes() == b""
