@@ -380,7 +380,7 @@ typedef struct loader {
   PyObject *copies;    /* what finish copies out of shared nodes, bounded (_frames.Copies) */
   PyObject *hashed;    /* copies.hashed: hash_work's memo */
   uint64_t hash_owed;  /* dict keys' hashing work not yet charged to copies */
-  PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass;
+  PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass, *fn_object;
   /* memo_objs' mark of a node being made: an object of its own, as a node
      may well be made into None (a reduce whose callable returns it) */
   PyObject *unfinished;
@@ -635,7 +635,12 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
       if (r && memo_put(l, v, r, &at)) Py_CLEAR(r);
       return r;
     }
-    if (!is_reserved(cname) && !dp_object_is_reduced(v) && !(first && first[0] == '<')) {
+    if (dp_object_is_reduced(v)) {
+      /* a C custom's stand-in (FORMAT.md, "reduce"): its state is no Python
+         class's attributes, whatever classes= allows, and no reserved
+         class's form */
+      if (!(f.placeholder = PyObject_CallFunction(l->fn_object, "s", cname))) return NULL;
+    } else if (!is_reserved(cname) && !(first && first[0] == '<')) {
       f.placeholder = PyObject_CallFunction(l->fn_new, "sO", cname, l->classes);
       if (!f.placeholder) return NULL;
       if (f.placeholder == Py_None) Py_CLEAR(f.placeholder); /* made at the end, from its attributes */
@@ -849,7 +854,7 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   if (!(l.cache = PyDict_New()) || !(l.memo_objs = PyList_New(0)) ||
       !(l.unfinished = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) || !(l.fn_array = helper("array")) ||
       !(l.fn_new = helper("new")) || !(l.fn_fill = helper("fill")) || !(l.fn_finish = helper("finish")) ||
-      !(l.fn_subclass = helper("tensor_subclass")))
+      !(l.fn_subclass = helper("tensor_subclass")) || !(l.fn_object = helper("Object")))
     goto done;
   /* out of the collector's sight: convert() reads it by index, and
      gc.get_referrers() would hand it to an allowed class's code */
@@ -895,6 +900,7 @@ done:
   Py_XDECREF(l.fn_fill);
   Py_XDECREF(l.fn_finish);
   Py_XDECREF(l.fn_subclass);
+  Py_XDECREF(l.fn_object);
   return result;
 }
 

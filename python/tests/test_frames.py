@@ -1104,6 +1104,17 @@ def test_an_empty_view_whose_shape_numpy_cannot_hold_is_a_value_error_naming_the
         devpickle.loads(frame, buffers=[bytearray(8)])
 
 
+@pytest.mark.parametrize("name", ["test_frames.Node", "builtins.set", "devpickle.global"])
+def test_a_reduce_node_comes_back_as_an_object_holding_its_state_whatever_classes_allows(tmp_path, name):
+    # a C custom's stand-in: with Node allowed it was Node.__new__ with the
+    # state planted in its __dict__ as '__reduce__'; a reserved name's was a TypeError
+    frame = _packed(tmp_path, {"$id": "r", "$value": {"$reduce": name, "state": [1, {"$ref": "r"}]}})
+    out = devpickle.loads(frame, classes=(Node, set))
+    assert type(out) is devpickle.Object and out.__class_name__ == name
+    assert list(out.__attrs__) == ["__reduce__"] and out.__attrs__["__reduce__"] == [1, out]
+    assert out.__attrs__["__reduce__"][1] is out  # a cycle through it comes back
+
+
 @pytest.mark.parametrize("stride", [-1, -(2**62) - 1, -(2**63 - 1)])
 def test_a_torch_view_with_a_negative_stride_is_a_value_error_naming_the_buffer_however_large(tmp_path, stride):
     # torch's parser read a stride below -2**62 as a symbolic int: a TypeError
