@@ -7,7 +7,7 @@ import reprlib
 class Object:
     """A class name and attributes, as they came in a frame.
 
-    Attributes are readable as attributes (obj.w) and as a dict
+    Attributes are read, set and deleted as attributes (obj.w) and as a dict
     (obj.__attrs__). Two Objects are equal when their class names and
     attributes are.
 
@@ -40,6 +40,12 @@ class Object:
 
     def __setattr__(self, name, value):
         self.__attrs__[name] = value
+
+    def __delattr__(self, name):
+        try:
+            del self.__attrs__[name]
+        except KeyError:
+            raise AttributeError(f"devpickle.Object of class {self.__class_name__!r} has no attribute {name!r}") from None
 
     # copy, deepcopy and pickle: made first, then its attributes set (a
     # cycle through its attributes comes back as one)

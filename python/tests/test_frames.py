@@ -734,6 +734,17 @@ def test_an_object_copies_deep_copies_pickles_and_prints_with_its_cycles():
     assert repr(o).startswith("devpickle.Object('test_frames.Node', name='n'") and "me=devpickle.Object(...)" in repr(o)
 
 
+def test_an_objects_attribute_is_deleted_as_it_is_set_and_read():
+    # del o.name raised "'Object' object has no attribute 'name'" though o.name read it
+    o = devpickle.loads(devpickle.dumps(Node("n")))
+    o.extra = 1
+    del o.extra
+    del o.name
+    assert o.__attrs__ == {"t": None, "children": []}
+    with pytest.raises(AttributeError, match=r"^devpickle.Object of class 'test_frames.Node' has no attribute 'name'$"):
+        del o.name
+
+
 def test_keys_python_keeps_apart_but_a_frame_would_merge_are_refused_by_dumps():
     a, b = float("nan"), float("nan")
     with pytest.raises(devpickle.WalkError, match="two keys of this dict are one key in a frame"):
