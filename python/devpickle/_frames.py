@@ -152,10 +152,18 @@ def allowed(classes):
     return out
 
 
+# the array classes' names: a frame's object of one of these names that is
+# not in the array form (loads makes those in frames.c) is not an array, and
+# is never made by the class, whatever classes= lists (torch.Tensor.__new__
+# and its __setstate__ on a frame's attributes, np.ndarray(shape) over
+# memory nothing wrote)
+_ARRAY_NAMES = frozenset({"torch.Tensor", "numpy.ndarray", "cupy.ndarray"})
+
+
 def new(name, classes):
     """The object for a frame's plain object, made before its attributes so
     that cycles through it come back."""
-    cls = classes.get(name)
+    cls = None if name in _ARRAY_NAMES else classes.get(name)
     if cls is None:
         return Object(name)
     if issubclass(cls, tuple):
@@ -398,7 +406,7 @@ def finish(name, attrs, classes, copies):
     if name == "devpickle.global":
         cls = classes.get(_reserved(name, attrs, "name", str))
         return cls if cls is not None else Object(name, attrs)
-    cls = classes.get(name)
+    cls = None if name in _ARRAY_NAMES else classes.get(name)
     if cls is not None and issubclass(cls, tuple) and not any(k.startswith("<") for k in attrs):
         fields = getattr(cls, "_fields", None)
         if not isinstance(fields, tuple) or set(attrs) != set(fields):

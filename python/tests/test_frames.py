@@ -516,6 +516,25 @@ def test_a_reserved_class_with_an_attribute_more_than_dumps_writes_is_a_type_err
         devpickle.loads(frame, classes=Node)
 
 
+def test_an_array_named_object_not_in_the_array_form_is_an_object_even_with_its_class_listed():
+    # torch.Tensor listed: its __new__ then its __setstate__ on the frame's
+    # attributes ("not enough values to unpack"); numpy.ndarray listed: a
+    # reduce np.ndarray((n,)) made an array over memory nothing wrote
+    listed = (torch.Tensor, np.ndarray)
+    for label, attrs in (("torch.Tensor", {"data": torch.ones(2), "x": 1}), ("numpy.ndarray", {"x": 5})):
+        out = devpickle.loads(devpickle.dumps(spoof(label, **attrs), inline=True), classes=listed)
+        assert type(out) is devpickle.Object and out.__class_name__ == label and out.x == attrs["x"]
+
+    class Spoof:
+        def __reduce__(self):
+            return (np.ndarray, ((1 << 20,),))
+
+    Spoof.__module__, Spoof.__qualname__ = "numpy", "ndarray"
+    out = devpickle.loads(devpickle.dumps(Spoof()), classes=listed)
+    assert type(out) is devpickle.Object and out.__class_name__ == "numpy.ndarray"
+    assert out.__attrs__["<args>"] == ((1 << 20,),)
+
+
 def test_a_set_of_unhashable_items_is_a_type_error_naming_the_set():
     for label in ("builtins.set", "builtins.frozenset"):
         frame = devpickle.dumps([spoof(label, items=[[1]])])
