@@ -822,8 +822,15 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   PyObject *data, *buffers = Py_None, *classes = NULL, *max_copies = Py_None, *result = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOO:loads", kwlist, &data, &buffers, &classes, &max_copies))
     return NULL;
+  /* data is checked here, and its export taken again just before the frame
+   * is read: the Python code run meanwhile (a classes= generator, a buffers=
+   * sequence, max_copies' __index__) may free the memory under an export
+   * (numpy's a.resize(..., refcheck=False)), on this thread too */
   Py_buffer view;
   if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)) return not_contiguous(data);
+  Py_ssize_t size = view.len;
+  PyBuffer_Release(&view);
+  int viewing = 0;
   loader_t l = {0};
   dp_error_t e;
   dp_value_t root = dp_none();
@@ -834,7 +841,7 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   if (!l.classes) goto done;
   PyObject *mk_copies = helper("Copies"); /* before the frame is read: a bad max_copies fails first */
   if (!mk_copies) goto done;
-  l.copies = PyObject_CallFunction(mk_copies, "nO", view.len, max_copies);
+  l.copies = PyObject_CallFunction(mk_copies, "nO", size, max_copies);
   Py_DECREF(mk_copies);
   if (!l.copies || !(l.hashed = PyObject_GetAttrString(l.copies, "hashed"))) goto done;
   if (!PyDict_Check(l.hashed)) {
@@ -866,6 +873,11 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
     goto done;
   }
   dp_unpickle_opts_t uo = {.bind = bind, .bind_ud = &l};
+  if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)) { /* no Python code runs from here to the read */
+    not_contiguous(data);
+    goto done;
+  }
+  viewing = 1;
   if (PyBytes_CheckExact(data)) {
     /* bytes are immutable and held by the caller's reference: no other
      * thread can free them, so the GIL is free while the frame is read */
@@ -885,7 +897,7 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   result = to_python(&l, root);
 done:
   dp_value_release(root);
-  PyBuffer_Release(&view);
+  if (viewing) PyBuffer_Release(&view);
   dp_ptrset_free(l.table);
   dp_ptrset_free(l.memo);
   Py_XDECREF(l.classes);

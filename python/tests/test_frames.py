@@ -811,6 +811,55 @@ def test_loads_of_an_array_another_thread_frees_reads_it_with_the_gil_held_never
     assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-2000:]
 
 
+LOADS_OF_AN_ARRAY_ITS_OWN_ARGUMENTS_FREE = r'''
+import numpy as np
+import devpickle
+frame = devpickle.dumps({"x": np.zeros(40_000_000, np.uint8), "l": list(range(200_000))}, inline=True)
+
+
+def shrink():
+    arr.resize(16, refcheck=False)  # frees the memory of the frame loads was given
+    junk = [bytearray(b"\xab" * 1_000_000) for _ in range(60)]
+
+
+def classes():
+    shrink()
+    yield from ()
+
+
+class Buffers:
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        shrink()
+        raise IndexError(i)
+
+
+class MaxCopies:
+    def __index__(self):
+        shrink()
+        return 10**12
+
+
+for kw in ({"classes": classes()}, {"buffers": Buffers()}, {"max_copies": MaxCopies()}):
+    arr = np.frombuffer(frame, dtype=np.uint8).copy()
+    try:
+        devpickle.loads(arr, **kw)
+    except devpickle.FrameError as e:
+        print(e)
+'''
+
+
+def test_loads_reads_an_array_that_its_classes_buffers_or_max_copies_code_resized_as_it_is_then():
+    """The frame's export is taken once that code has run, just before the
+    read: taken before it, loads read the 40 MB the resize had freed (SIGSEGV)."""
+    r = subprocess.run([sys.executable, "-c", LOADS_OF_AN_ARRAY_ITS_OWN_ARGUMENTS_FREE],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == "truncated frame: 16 bytes, the header needs 40, at byte 16\n" * 3
+
+
 def spoof(label, **attrs):
     cls = type("Spoof", (), {"__module__": "builtins", "__qualname__": label})
     o = cls()
