@@ -587,7 +587,10 @@ def _check_contiguous(source, key):
                 ok = m.c_contiguous
                 fmt = m.format
         except TypeError:
-            raise TypeError(f"loads: buffers[{key}] is of type {type(source).__name__!r}, not a buffer") from None
+            # a Buffer is what buffer_callback received: pickle's PickleBuffer
+            # is a buffer itself, this one only describes its memory
+            hint = ": a devpickle.Buffer describes a buffer, its raw() is the memory" if isinstance(source, Buffer) else ""
+            raise TypeError(f"loads: buffers[{key}] is of type {type(source).__name__!r}, not a buffer{hint}") from None
         # a buffer of Python objects (numpy dtype=object, struct format 'O',
         # also inside a structured format; field names, between colons, aside)
         # holds pointers: a tensor over it would read them, and writes through

@@ -177,6 +177,17 @@ def test_frames_are_the_ones_the_cli_verifies(tmp_path):
     assert r.returncode == 0 and '"count": 2' in r.stdout.replace('"count":2', '"count": 2')
 
 
+def test_the_buffers_buffer_callback_received_given_back_as_they_are_are_refused_naming_raw():
+    # pickle's buffer_callback gets PickleBuffers, which loads takes as they
+    # are: a devpickle.Buffer only describes the memory, and the error says so
+    bufs = []
+    frame = devpickle.dumps([np.arange(3)], buffer_callback=bufs.append)
+    with pytest.raises(TypeError, match=r"^loads: buffers\[0\] is of type 'Buffer', not a buffer: a devpickle.Buffer "
+                                        r"describes a buffer, its raw\(\) is the memory$"):
+        devpickle.loads(frame, buffers=bufs)
+    assert devpickle.loads(frame, buffers=[b.raw() for b in bufs])[0].tolist() == [0, 1, 2]
+
+
 def test_a_buffer_smaller_than_the_frame_describes_is_refused_not_read_past():
     a = np.arange(100, dtype=np.float64)
     got = []
