@@ -1854,15 +1854,20 @@ static const char *const reduce_part[] = {"<callable>", "<args>",      "<state>"
 static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out);
 
 /* Sets attribute `name` (a str) of obj to v (stolen): a name that is not
- * a str, holds a NUL, or is already set (two namedtuple fields of one name)
- * is a walk error — a frame's names are C strings, and one attribute never
- * silently replaces another. */
+ * a str, holds a NUL, starts with '<' (a reduce part's name), or is already
+ * set (two namedtuple fields of one name) is a walk error — a frame's names
+ * are C strings, an object is never read back as another form, and one
+ * attribute never silently replaces another. */
 static int set_attr(dpy_scanner_t *s, PyObject *o, dp_value_t obj, PyObject *name, dp_value_t v) {
   Py_ssize_t n;
   const char *c = PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &n) : NULL;
   const char *why = NULL;
   if (!c) why = "an attribute name that is not a str (or not UTF-8)";
   else if ((size_t)n != strlen(c)) why = "an attribute name that holds a NUL";
+  else if (c[0] == '<')
+    /* loads reads an object holding one as a reduced object's parts */
+    why = "an attribute name that starts with '<', as a reduced object's parts are named in a frame (<callable>, "
+          "<args>, <state>, ...)";
   else if (dp_object_get(obj, c, NULL, NULL) == 0) why = "two attributes of one name";
   if (why) {
     dp_value_release(v);

@@ -54,6 +54,17 @@ def sample():
     }
 
 
+def _packed(tmp_path, value):
+    """The frame `devpickle pack` makes of value JSON (docs/VALUE_JSON.md)."""
+    cli = os.environ.get("DEVPICKLE")
+    if not cli:
+        pytest.skip("the devpickle CLI is not built (DEVPICKLE unset)")
+    src = tmp_path / "v.json"
+    src.write_text(json.dumps(value))
+    subprocess.run([cli, "pack", str(src), "-o", str(tmp_path / "v.dpk")], check=True)
+    return (tmp_path / "v.dpk").read_bytes()
+
+
 def test_an_inline_frame_round_trips_values_sharing_and_cycles():
     value = sample()
     out = devpickle.loads(devpickle.dumps(value, inline=True), classes=(Node, collections.OrderedDict))
@@ -764,6 +775,20 @@ def test_an_object_copies_deep_copies_pickles_and_prints_with_its_cycles():
     assert repr(o).startswith("devpickle.Object('test_frames.Node', name='n'") and "me=devpickle.Object(...)" in repr(o)
 
 
+def test_an_attribute_named_as_a_reduce_part_is_a_walk_error_not_read_back_as_a_reduced_object():
+    # a plain Node with an attribute "<callable>" came back as a reduced
+    # object's devpickle.Object, even with Node allowed
+    n = Node("n")
+    setattr(n, "<callable>", 2)
+    with pytest.raises(devpickle.WalkError, match=r"an attribute name that starts with '<', as a reduced object's "
+                                                  r"parts are named in a frame") as e:
+        devpickle.dumps({"n": n})
+    assert e.value.path == '$.n["<callable>"]'
+    setattr(n, "a<b", 2)
+    delattr(n, "<callable>")
+    assert getattr(devpickle.loads(devpickle.dumps(n), classes=Node), "a<b") == 2  # only the first character
+
+
 def test_an_objects_attribute_is_deleted_as_it_is_set_and_read():
     # del o.name raised "'Object' object has no attribute 'name'" though o.name read it
     o = devpickle.loads(devpickle.dumps(Node("n")))
@@ -878,6 +903,14 @@ def spoof(label, **attrs):
     return o
 
 
+def reducing(label, *parts):
+    """An object whose class is named `label` in the frame and whose reduce
+    is `parts` (callable, args, state, listitems, dictitems): a frame's
+    reduced object of that class, its parts as given."""
+    cls = type("Spoof", (), {"__module__": "builtins", "__qualname__": label, "__reduce__": lambda self: parts})
+    return cls()
+
+
 def test_many_bytearrays_or_sets_sharing_one_node_are_refused_past_the_frames_size_not_copied_each():
     big = b"x" * (1 << 20)
     frame = devpickle.dumps([spoof("builtins.bytearray", data=big) for _ in range(100)])
@@ -912,14 +945,17 @@ class Appends(list):
     pass
 
 
-def test_reduced_objects_sharing_one_listitems_node_are_refused_past_the_frames_size():
-    items = list(range(10_000))
+def test_reduced_objects_sharing_one_listitems_node_are_refused_past_the_frames_size(tmp_path):
+    # dumps drains each reduce's listitems into a list of its own: a frame
+    # whose objects share one is crafted
     label = f"{Appends.__module__}.{Appends.__qualname__}"
-    v = [spoof(label, **{"<callable>": Appends, "<args>": (), "<listitems>": items}) for _ in range(100)]
-    frame = devpickle.dumps(v)
+    parts = {"<callable>": {"$object": "devpickle.global", "attrs": {"name": label}}, "<args>": {"$tuple": []}}
+    v = [{"$object": label, "attrs": {**parts, "<listitems>": {"$id": "items", "$value": list(range(10_000))}}}]
+    v += [{"$object": label, "attrs": {**parts, "<listitems>": {"$ref": "items"}}} for _ in range(99)]
+    frame = _packed(tmp_path, v)
     with pytest.raises(ValueError, match="listitems and dictitems would copy more"):
         devpickle.loads(frame, classes=(Appends,))
-    assert devpickle.loads(devpickle.dumps(v[:1]), classes=(Appends,)) == [items]
+    assert devpickle.loads(frame, classes=(Appends,), max_copies=1 << 20)[99] == list(range(10_000))
 
 
 class SharedState:
@@ -1003,14 +1039,13 @@ def test_reduced_objects_sharing_one_args_or_setstate_node_are_refused_past_the_
     object as listitems do (460 KB made 100,000,000 items before)."""
     items = list(range(10_000))
     label = f"{Appends.__module__}.{Appends.__qualname__}"
-    frame = devpickle.dumps([spoof(label, **{"<callable>": Appends, "<args>": (items,)}) for _ in range(100)])
+    frame = devpickle.dumps([reducing(label, Appends, (items,)) for _ in range(100)])
     with pytest.raises(ValueError, match="args would copy more"):
         devpickle.loads(frame, classes=(Appends,))
     assert devpickle.loads(frame, classes=(Appends,), max_copies=1 << 20)[99] == items
     d = {f"k{i}": i for i in range(10_000)}
     label = f"{StateUpdates.__module__}.{StateUpdates.__qualname__}"
-    frame = devpickle.dumps([spoof(label, **{"<callable>": StateUpdates, "<args>": (), "<state>": d})
-                             for _ in range(100)])
+    frame = devpickle.dumps([reducing(label, StateUpdates, (), d) for _ in range(100)])
     with pytest.raises(ValueError, match="state would copy more"):
         devpickle.loads(frame, classes=(StateUpdates,))
     assert vars(devpickle.loads(frame, classes=(StateUpdates,), max_copies=1 << 20)[99]) == d
@@ -1169,17 +1204,6 @@ def test_a_view_whose_byte_strides_numpy_cannot_hold_is_a_value_error_naming_the
     subprocess.run([cli, "pack", str(src), "-o", str(tmp_path / "v.dpk")], check=True)
     with pytest.raises(ValueError, match=r"a numpy.ndarray over buffer 0 \(cpu\) cannot be made here"):
         devpickle.loads((tmp_path / "v.dpk").read_bytes(), buffers=[bytearray(32)])
-
-
-def _packed(tmp_path, value):
-    """The frame `devpickle pack` makes of value JSON (docs/VALUE_JSON.md)."""
-    cli = os.environ.get("DEVPICKLE")
-    if not cli:
-        pytest.skip("the devpickle CLI is not built (DEVPICKLE unset)")
-    src = tmp_path / "v.json"
-    src.write_text(json.dumps(value))
-    subprocess.run([cli, "pack", str(src), "-o", str(tmp_path / "v.dpk")], check=True)
-    return (tmp_path / "v.dpk").read_bytes()
 
 
 @pytest.mark.parametrize("shape", [[0, 2**63 - 1], [2**62, 0, 4], [0] + [2**62] * 15])
@@ -1399,10 +1423,10 @@ def test_set_items_and_keys_that_share_a_large_tuple_are_refused_before_python_h
         value = spoof(f"builtins.{how}", items=items)
     elif how == "dictitems":
         label = f"{CountedDict.__module__}.{CountedDict.__qualname__}"
-        value = spoof(label, **{"<callable>": CountedDict, "<args>": (), "<dictitems>": [(k, 0) for k in items]})
+        value = reducing(label, CountedDict, (), None, None, iter([(k, 0) for k in items]))
     else:
         label = f"{CountedSet.__module__}.{CountedSet.__qualname__}"
-        value = spoof(label, **{"<callable>": CountedSet, "<args>": (items,)})
+        value = reducing(label, CountedSet, (items,))
     frame = devpickle.dumps(value)
     assert len(frame) < 60_000
     Counted.calls = 0
