@@ -44,6 +44,12 @@ class Buffer:
             return cupy.ndarray((self.nbytes,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(o.data.mem, 0))
         import numpy as np
 
+        if not isinstance(o, np.ndarray):
+            # the memory is viewed only through the array or tensor found on
+            # it, which answers for it: an address alone (a Buffer made by
+            # hand) could name any memory
+            raise TypeError(f"{self!r}: its obj is a {type(o).__name__!r}, not the torch tensor, numpy or cupy "
+                            "array dumps found on the buffer")
         if self.nbytes == 0:
             # no bytes to view, nor to have moved: an empty array's memory lies
             # outside any bounds of its own, and an empty tensor's address is

@@ -317,6 +317,20 @@ def test_raw_is_the_whole_buffer_whatever_view_was_found_first():
     assert bytes(got[0].raw()) == t.numpy().tobytes()
 
 
+def test_raw_of_a_buffer_made_by_hand_without_its_array_is_refused_never_a_view_of_any_address():
+    # raw() viewed whatever address a Buffer named when its obj was no array
+    # (a Buffer made by hand): Buffer("cpu", 16, 4096, None).raw() was a
+    # SIGSEGV once read
+    for obj in (None, b"x" * 4096, bytearray(4096)):
+        with pytest.raises(TypeError, match=r"^devpickle.Buffer\(device='cpu', ptr=0x10, nbytes=4096\): its obj is a "
+                                            r"'(NoneType|bytes|bytearray)', not the torch tensor, numpy or cupy array "
+                                            r"dumps found on the buffer$"):
+            devpickle.Buffer("cpu", 16, 4096, obj).raw()
+    a = np.arange(4.0)
+    with pytest.raises(ValueError, match="its memory moved since dumps found it"):  # an array: checked against it
+        devpickle.Buffer("cpu", 16, 4096, a).raw()
+
+
 def test_classes_may_be_one_class_or_a_sequence():
     n = Node("n")
     frame = devpickle.dumps(n, inline=True)
