@@ -41,7 +41,10 @@ class Buffer:
             return torch.empty(0, dtype=torch.uint8, device=o.device).set_(s)
         cupy = sys.modules.get("cupy")
         if cupy is not None and isinstance(o, cupy.ndarray):
-            return cupy.ndarray((self.nbytes,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(o.data.mem, 0))
+            mem = o.data.mem  # the allocation dumps found: its base and size
+            if mem.ptr != self.ptr or self.nbytes > mem.size:
+                raise self._moved()
+            return cupy.ndarray((self.nbytes,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
         import numpy as np
 
         if not isinstance(o, np.ndarray):

@@ -219,6 +219,19 @@ def test_cupy_and_jax_arrays_are_found():
     assert len(got) == 1 and got[0].device.startswith("cuda:") and got[0].nbytes == 1024
 
 
+def test_a_cupy_buffers_raw_is_its_allocation_and_one_naming_other_memory_is_refused():
+    cupy = pytest.importorskip("cupy")
+    a = cupy.arange(64, dtype=cupy.uint8)
+    bufs = []
+    devpickle.dumps({"v": a[8:]}, buffer_callback=bufs.append)
+    (b,) = bufs
+    assert (b.ptr, b.nbytes) == (a.data.mem.ptr, a.data.mem.size)
+    assert int(b.raw()[8]) == 8 and b.raw().nbytes == b.nbytes
+    for ptr, nbytes in ((b.ptr, b.nbytes + 1), (b.ptr + 8, 8), (b.ptr, 1 << 40)):
+        with pytest.raises(ValueError, match="its memory moved since dumps found it"):
+            devpickle.Buffer(b.device, ptr, nbytes, a).raw()
+
+
 def test_dumps_inline_of_cuda_and_cpu_memory_rechecks_cpu_memory_another_thread_freed_during_the_device_copy():
     """The device copy waits without the GIL; a thread that frees a numpy
     array meanwhile makes dumps refuse it, never read its freed memory."""
