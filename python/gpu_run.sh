@@ -19,6 +19,6 @@ gcc -std=c11 -O2 -g -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-missing
 $py python/build_torch_adapter.py --out "$pkg" 2>&1 | tail -3
 export PYTHONPATH=$PWD/build/gpu-python
 $py -c 'import devpickle, torch; torch.ones(1); print("adapter:", devpickle._devpickle._torch_adapter(), torch.__version__)'
-$py -m pytest -q -p no:cacheprovider python/tests 2>&1 | tee "$out/pytest.log" | tail -25 ||
+$py -m pytest -q -rsx -p no:cacheprovider python/tests 2>&1 | tee "$out/pytest.log" | tail -25 ||
   echo "pytest failed: the benchmarks run all the same" # a failure is in pytest.log
 $py bench/py_bench.py "$out/py_bench.json" 2>&1 | tee "$out/py_bench.txt"
