@@ -18,6 +18,9 @@ gcc -std=c11 -O2 -g -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-missing
   -lpthread -lm -o "$pkg/_devpickle$suffix"
 $py python/build_torch_adapter.py --out "$pkg" 2>&1 | tail -3
 export PYTHONPATH=$PWD/build/gpu-python
+# the CLI carried with the binaries (run.sh sets LD_LIBRARY_PATH for it): the
+# tests that pack frames with it, or compare with it, run here too
+[ -n "${DEVPICKLE:-}" ] || [ ! -x build/gpu-bin/devpickle ] || export DEVPICKLE=$PWD/build/gpu-bin/devpickle
 $py -c 'import devpickle, torch; torch.ones(1); print("adapter:", devpickle._devpickle._torch_adapter(), torch.__version__)'
 $py -m pytest -q -rsx -p no:cacheprovider python/tests 2>&1 | tee "$out/pytest.log" | tail -25 ||
   echo "pytest failed: the benchmarks run all the same" # a failure is in pytest.log
