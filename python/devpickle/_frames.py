@@ -644,6 +644,12 @@ def _flat(kind, device, source, cache, key, nbytes):
             m = memoryview(source)
             empty = m.nbytes == 0  # nbytes, not len(): a 0-d array has no len
             flat = torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(m, dtype=torch.uint8)
+            if device.startswith("host:"):
+                # devpickle's host backend, simulated devices in host memory:
+                # torch has none, and moving the tensor to cpu on its own
+                # would change the device the frame names
+                raise _cannot(kind, device, key, "torch has no such device (devpickle's host backend); give a cpu "
+                              "tensor as this buffer to rebuild the tensor on cpu")
             if device != "cpu":
                 flat = flat.to(device)
     elif kind == "numpy.ndarray":

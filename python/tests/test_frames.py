@@ -2384,3 +2384,16 @@ def test_a_cycle_through_a_tuple_is_a_value_error_never_a_placeholder_in_the_val
     shared = (1, 2)  # met twice, but no cycle: one tuple
     out = devpickle.loads(devpickle.dumps([shared, [shared]]))
     assert out == [(1, 2), [(1, 2)]] and out[0] is out[1][0]
+
+
+def test_a_tensor_on_a_host_backend_device_is_refused_naming_the_buffer_and_a_cpu_tensor_given_rebuilds_it(tmp_path):
+    # host:N is the C library's host backend: a C sender's frame may hold it
+    tensor = {"device": "host:0", "ptr": "0x1000", "nbytes": 16, "dtype": "float32", "shape": [4]}
+    frame = _packed(tmp_path, {"t": {"$tensor": tensor}})
+    for given in (bytearray(16), bytes(16)):
+        with pytest.raises(ValueError, match=r"^loads: a torch.Tensor over buffer 0 \(host:0\) cannot be made here: torch "
+                                             r"has no such device \(devpickle's host backend\); give a cpu tensor"):
+            devpickle.loads(frame, buffers=[given])
+    cpu = torch.arange(4, dtype=torch.float32)
+    out = devpickle.loads(frame, buffers=[cpu])
+    assert out["t"].device.type == "cpu" and out["t"].data_ptr() == cpu.data_ptr()
