@@ -7,11 +7,11 @@
  * __reduce__ and __getstate__, no __slots__, no __getnewargs__, not in
  * copyreg.dispatch_table) are entered through their __dict__ without calling
  * anything; every other object goes through copyreg.dispatch_table or
- * __reduce_ex__(5), whose parts (callable, args, state, listitems,
- * dictitems) are walked. Memory — torch tensors, cupy arrays, objects with
- * __cuda_array_interface__, buffer-protocol objects, DLPack producers,
- * __array_interface__ — is
- * added to a devpickle pointer set (deduplicated by device and base).
+ * __reduce_ex__(5), whose parts (callable, args, listitems, dictitems,
+ * state: pickle's order) are walked. Memory — torch tensors, cupy arrays,
+ * objects with __cuda_array_interface__, buffer-protocol objects, DLPack
+ * producers, __array_interface__ — is added to a devpickle pointer set
+ * (deduplicated by device and base).
  *
  * The walk is iterative (an explicit stack of frames), so depth is bounded by
  * max_depth, never by the C stack. Shared objects and cycles are entered
@@ -2691,10 +2691,16 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
     }
   }
   case FR_REDUCE: {
+    /* the parts in pickle's order (save_reduce): callable, args, listitems,
+       dictitems, then the state — after its state_setter, which pickle
+       saves only with a state. f->pos counts the steps, f->idx is the part. */
+    static const int8_t order[] = {0, 1, 3, 4, 5, 2};
     Py_ssize_t n = PyTuple_GET_SIZE(f->obj);
-    while (++f->idx < n && f->idx < 6) {
+    while (f->pos < 6) {
+      f->idx = order[f->pos++];
+      if (f->idx >= n) continue;
       PyObject *part = PyTuple_GET_ITEM(f->obj, f->idx);
-      if (part == Py_None) continue;
+      if (part == Py_None || (f->idx == 5 && PyTuple_GET_ITEM(f->obj, 2) == Py_None)) continue;
       if (!s->build && f->idx == 0 && (PyType_Check(part) || PyCFunction_Check(part) || PyFunction_Check(part)))
         continue;
       if (f->idx == 3 || f->idx == 4) { /* iterators: drained into lists */

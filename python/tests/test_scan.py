@@ -2517,3 +2517,64 @@ def test_the_lists_a_walk_makes_of_a_set_s_items_are_out_of_reach_of_the_value_s
     else:
         devpickle.dumps(value)
     assert LooksForListsHoldingIt.found == []
+
+
+def pickles_order(value):
+    """The storages of the tensors pickle meets, in the order it meets them
+    (a persistent_id, as torch's _extract_tensors collects tensors)."""
+    import io
+
+    met = []
+
+    class Collect(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, torch.Tensor):
+                p = storage_ptr(obj)[0]
+                if p not in met:
+                    met.append(p)
+                return len(met)
+            return None
+
+    Collect(io.BytesIO(), protocol=5).dump(value)
+    return met
+
+
+class ReducedInParts:
+    def __init__(self, *parts):
+        self.parts = parts
+
+    def __reduce__(self):
+        callable_, args, state, listitems, dictitems, setter = self.parts
+        return (callable_, args, state, iter(listitems), iter(dictitems), setter)
+
+
+def test_a_reduces_parts_are_walked_in_pickles_order_listitems_dictitems_then_the_state():
+    import functools
+
+    state, item, value, setter = torch.ones(1), torch.ones(2), torch.ones(3), torch.ones(4)
+    r = ReducedInParts(ReducedInParts, (), {"s": state}, [item], [("k", value)],
+                       functools.partial(setattr, setter))
+    got = devpickle.scan(r)
+    assert [a.ptr for a in got] == pickles_order(r) == [storage_ptr(t)[0] for t in (item, value, setter, state)]
+    reduce = "$<reduce test_scan.ReducedInParts>"
+    assert [a.path for a in got] == [reduce + ".listitems[0]", reduce + ".dictitems.k",
+                                     reduce + ".state_setter<reduce functools.partial>.state[1][0]",
+                                     reduce + ".state.s"]
+    assert [a.ptr for a in devpickle.scan(r, paths=False)] == [a.ptr for a in got]
+
+
+def test_a_reduces_state_setter_is_not_walked_without_a_state_as_pickle_never_saves_it():
+    import functools
+
+    unpicklable = functools.partial(print, (x for x in ()))  # a generator: pickle refuses it
+    r = ReducedInParts(ReducedInParts, (), None, [], [], unpicklable)
+    assert pickles_order(r) == []  # pickle saves no state_setter where there is no state
+    assert devpickle.scan(r) == []
+    devpickle.Future().set_result(r)
+    r.parts = (ReducedInParts, (), {}, [], [], unpicklable)  # with a state, both refuse it
+    with pytest.raises(TypeError, match="cannot pickle 'generator' object"):
+        pickles_order(r)
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan(r)
+    assert e.value.path == "$<reduce test_scan.ReducedInParts>.state_setter<reduce functools.partial>.state[1][0]"
+
