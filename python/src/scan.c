@@ -64,7 +64,7 @@ typedef struct tcache_ent {
   PyTypeObject *type;
   unsigned int version;
   uint8_t kind;
-  uint8_t no_slots;     /* K_TORCH: copyreg._slotnames(type) was [] (slots are fixed at class creation) */
+  uint8_t no_slots;     /* K_TORCH, K_BUFFER: copyreg._slotnames(type) was [] (slots are fixed at class creation) */
 } tcache_ent_t;
 
 #define TCACHE_SIZE 512
@@ -1063,6 +1063,26 @@ static int torch_allocs(PyObject *t, dp_torch_alloc_t *out) {
 
 static int is_torch(PyObject *o) { return dpy.torch_tensor && PyObject_TypeCheck(o, dpy.torch_tensor); }
 
+/* *d (borrowed, or NULL) and the slots of o named in names (a non-empty
+ * list, copyreg._slotnames') that are set, as a new dict kept by the walk
+ * in *d: the state pickle carries of an instance with __slots__ (tensors',
+ * bytearrays'). 0, or -1 with a walk error. */
+static int with_slots(dpy_scanner_t *s, PyObject *o, PyObject *names, PyObject **d) {
+  PyObject *all = *d ? PyDict_Copy(*d) : PyDict_New();
+  if (!keep(s, all)) return -1;
+  s->ran_code = 1; /* a slot's descriptor, or __getattribute__, is Python code */
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(names); i++) {
+    PyObject *name = PyList_GET_ITEM(names, i), *v = PyObject_GetAttr(o, name);
+    if (!v && !PyErr_ExceptionMatches(PyExc_AttributeError)) return walk_error(s, o, "a slot cannot be read");
+    PyErr_Clear(); /* a slot never set */
+    int rc = v ? PyDict_SetItem(all, name, v) : 0;
+    Py_XDECREF(v);
+    if (rc) return -1;
+  }
+  *d = all;
+  return 0;
+}
+
 /* A tensor's state beyond its data — a subclass's or a tensor's own
  * attributes (nn.Parameter's, say), which pickle carries — is walked as the
  * attributes of an object. */
@@ -1087,19 +1107,7 @@ static int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
     if (classify(t) == K_TORCH && (e = tcache_hit(t))) e->no_slots = 1;
     return 0;
   }
-  PyObject *all = *d ? PyDict_Copy(*d) : PyDict_New();
-  if (!keep(s, all)) return -1;
-  s->ran_code = 1; /* a slot's descriptor, or __getattribute__, is Python code */
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(names); i++) {
-    PyObject *name = PyList_GET_ITEM(names, i), *v = PyObject_GetAttr(o, name);
-    if (!v && !PyErr_ExceptionMatches(PyExc_AttributeError)) return walk_error(s, o, "a slot cannot be read");
-    PyErr_Clear(); /* a slot never set */
-    int rc = v ? PyDict_SetItem(all, name, v) : 0;
-    Py_XDECREF(v);
-    if (rc) return -1;
-  }
-  *d = all;
-  return 0;
+  return with_slots(s, o, names, d);
 }
 
 static int visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
@@ -1407,14 +1415,29 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   if (buffer_memory(s, o, &dev, &base, &ext, &borrowed)) return -1;
   if (ext && add_alloc(s, dev, base, ext, o)) return -1;
   /* a subclass written in Python (bytearray's, ndarray's) may hold more in
-     its instance __dict__, which pickle's reduce of it carries (bytearray's
-     does): walked as an object's attributes, never skipped */
+     its instance __dict__ and its __slots__, which pickle's reduce of it
+     carries (bytearray's does: both): walked as an object's attributes,
+     never skipped */
   PyTypeObject *t = Py_TYPE(o);
-  if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE) || t->tp_dictoffset == 0) return 0;
-  PyObject *d = PyObject_GenericGetDict(o, NULL);
-  if (!d) return walk_error(s, o, "its __dict__ cannot be read");
-  if (!keep(s, d)) return -1;
-  if (!PyDict_Check(d) || PyDict_GET_SIZE(d) == 0) return 0;
+  if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return 0;
+  PyObject *d = NULL;
+  if (t->tp_dictoffset != 0) {
+    if (!(d = PyObject_GenericGetDict(o, NULL))) return walk_error(s, o, "its __dict__ cannot be read");
+    if (!keep(s, d)) return -1;
+    if (!PyDict_Check(d)) d = NULL;
+  }
+  tcache_ent_t *e = tcache_hit(t); /* asked once a type, as a tensor's */
+  if (!e || !e->no_slots) {
+    PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
+    if (!names) return walk_error(s, o, "its __slots__ cannot be read");
+    if (!keep(s, names)) return -1;
+    if (PyList_Check(names) && PyList_GET_SIZE(names)) {
+      if (with_slots(s, o, names, &d)) return -1;
+    } else if (classify(t) == K_BUFFER && (e = tcache_hit(t))) {
+      e->no_slots = 1; /* the entry made again: _slotnames may have set t.__slotnames__ */
+    }
+  }
+  if (!d || PyDict_GET_SIZE(d) == 0) return 0;
   return push(s, FR_ATTRS, d, Py_TYPE(o));
 }
 

@@ -2578,3 +2578,25 @@ def test_a_reduces_state_setter_is_not_walked_without_a_state_as_pickle_never_sa
         devpickle.scan(r)
     assert e.value.path == "$<reduce test_scan.ReducedInParts>.state_setter<reduce functools.partial>.state[1][0]"
 
+
+class SlottedBytes(bytearray):
+    __slots__ = ("t", "unset")
+
+
+class SlottedBytesWithDict(bytearray):
+    __slots__ = ("t", "__dict__")
+
+
+def test_a_bytearray_subclass_has_its_slots_walked_as_pickle_carries_them():
+    inner, attr = torch.zeros(3), torch.ones(2)
+    b = SlottedBytes(b"abc")
+    b.t = inner
+    assert pickles_order(b) == [storage_ptr(inner)[0]]  # bytearray's reduce carries (None, {'t': inner})
+    got = devpickle.scan([b])
+    assert [(a.path, a.ptr) for a in got] == [("$[0]", got[0].ptr), ("$[0].t", storage_ptr(inner)[0])]
+    assert [a.ptr for a in devpickle.scan([b], paths=False)] == [a.ptr for a in got]
+    both = SlottedBytesWithDict(b"xy")
+    both.t, both.d = inner, attr
+    assert pickles_order(both) == [storage_ptr(t)[0] for t in (attr, inner)]
+    assert [a.path for a in devpickle.scan(both)] == ["$", "$.d", "$.t"]
+    assert [a.path for a in devpickle.scan(SlottedBytes(b"q"))] == ["$"]  # no slot set: its memory alone
