@@ -1127,7 +1127,10 @@ static int visit_torch(dpy_scanner_t *s, PyObject *o) {
   int n = torch_allocs(o, a);
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
   for (int i = 0; i < n; i++) {
-    if (!a[i].base && !a[i].nbytes) continue; /* an empty storage holds no memory */
+    /* an empty storage holds no memory, wherever it points: torch.from_numpy
+       of an empty view points at the array's own memory, whose allocation
+       it would otherwise join (its path the first, one more in its refs) */
+    if (!a[i].nbytes) continue;
     if (add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o))
       return -1;
   }
@@ -1143,7 +1146,7 @@ static int visit_storage(dpy_scanner_t *s, PyObject *o) {
   int rc = st ? storage_extent(st, &a) || device_from_torch(st, o, &a) : -1;
   Py_XDECREF(st);
   if (rc) return walk_error(s, o, "a storage whose memory cannot be described");
-  if (!a.base && !a.nbytes) return 0; /* an empty storage holds no memory */
+  if (!a.nbytes) return 0; /* an empty storage holds no memory, wherever it points (visit_torch) */
   return add_alloc(s, (dp_device_t){(dp_device_type_t)a.device_type, a.device_index}, a.base, a.nbytes, o);
 }
 
@@ -2966,7 +2969,7 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
     rc = -1;
   }
   for (int i = 0; i < na && rc == 1; i++)
-    if ((a[i].base || a[i].nbytes) &&
+    if (a[i].nbytes &&
         add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o))
       rc = -1;
   /* Python code under the adapter may have given it attributes: visit()
@@ -3103,7 +3106,7 @@ static Py_ssize_t tensor_run(dpy_scanner_t *s, PyObject *const *items, Py_ssize_
   dp_torch_alloc_t a[CAP];
   Py_ssize_t got = k ? dpy.torch->dense_run(items, k, a) : 0;
   for (Py_ssize_t i = 0; i < got; i++) /* an empty storage adds nothing, as in run_tensor */
-    if ((a[i].base || a[i].nbytes) &&
+    if (a[i].nbytes &&
         add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes,
                   items[i]))
       return -1; /* not reached: the batch has room for the run */

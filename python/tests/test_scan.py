@@ -2600,3 +2600,16 @@ def test_a_bytearray_subclass_has_its_slots_walked_as_pickle_carries_them():
     assert pickles_order(both) == [storage_ptr(t)[0] for t in (attr, inner)]
     assert [a.path for a in devpickle.scan(both)] == ["$", "$.d", "$.t"]
     assert [a.path for a in devpickle.scan(SlottedBytes(b"q"))] == ["$"]  # no slot set: its memory alone
+
+
+def test_a_storage_of_no_bytes_is_no_allocation_wherever_it_points():
+    x = np.arange(4.0)
+    empty = torch.from_numpy(x[:0])  # a storage of 0 bytes at x's own address
+    assert storage_ptr(empty) == (x.ctypes.data, 0)
+    for paths in (True, False):
+        assert devpickle.scan(empty, paths=paths) == []
+        assert devpickle.scan(torch_storages(empty), paths=paths) == []
+        got = devpickle.scan({"empty": [empty, empty.storage()], "x": x}, paths=paths)
+        assert [(a.ptr, a.nbytes, a.refs, a.path) for a in got] == [(x.ctypes.data, 32, 1, "$.x" if paths else None)]
+        over = devpickle.scan([empty, torch.from_numpy(x)], paths=paths)  # a run of tensors read at once
+        assert [(a.ptr, a.nbytes, a.refs) for a in over] == [(x.ctypes.data, 32, 1)]
