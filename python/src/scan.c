@@ -1110,7 +1110,34 @@ static int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
   return with_slots(s, o, names, d);
 }
 
+/* Whether t has a __getstate__ of its own (not object's), found as pickle
+ * finds it, in the class's MRO (runs no Python code): torch's reduce of a
+ * tensor subclass and bytearray's reduce carry what it returns as the
+ * state, in place of __dict__ and __slots__. */
+static int own_getstate(PyTypeObject *t) {
+  PyObject *g = _PyType_Lookup(t, dpy.str_getstate);
+  return g && g != dpy.object_getstate;
+}
+
+static int push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r);
+
+/* The state o's own __getstate__ returns, walked as a reduce's state
+ * (<reduce T>.state), as pickle carries it. 0, or -1 with a walk error. */
+static int push_own_state(dpy_scanner_t *s, PyObject *o) {
+  s->ran_code = 1;
+  PyObject *st = PyObject_CallMethodNoArgs(o, dpy.str_getstate);
+  if (!st) return walk_error(s, o, "its __getstate__ failed");
+  if (!keep(s, st)) return -1;
+  if (st == Py_None) return 0;
+  PyObject *r = keep(s, PyTuple_Pack(3, Py_None, Py_None, st));
+  return r ? push_reduce(s, o, r) : -1;
+}
+
 static int visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
+  if (own_getstate(Py_TYPE(o))) {
+    int sn = seen(s, o); /* entered once, as its attributes below */
+    return sn ? (sn < 0 ? -1 : 0) : push_own_state(s, o);
+  }
   PyObject **dp = _PyObject_GetDictPtr(o);
   if (!dp && PyErr_Occurred()) return walk_error(s, o, "its __dict__ cannot be read");
   PyObject *d = dp ? *dp : NULL;
@@ -1423,6 +1450,7 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
      never skipped */
   PyTypeObject *t = Py_TYPE(o);
   if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return 0;
+  if (PyType_IsSubtype(t, &PyByteArray_Type) && own_getstate(t)) return push_own_state(s, o);
   PyObject *d = NULL;
   if (t->tp_dictoffset != 0) {
     if (!(d = PyObject_GenericGetDict(o, NULL))) return walk_error(s, o, "its __dict__ cannot be read");
@@ -2271,8 +2299,16 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
   PyObject **dp = _PyObject_GetDictPtr(o);
   PyObject *d = dp && *dp && PyDict_Check(*dp) ? *dp : NULL;
-  if (tensor_slots(s, o, &d)) return -1;
-  if (d && PyDict_GET_SIZE(d)) {
+  int state = 0; /* what its own __getstate__ returns, which torch's pickling carries */
+  if (own_getstate(Py_TYPE(o))) {
+    PyObject *st = PyObject_CallMethodNoArgs(o, dpy.str_getstate);
+    if (!st) return walk_error(s, o, "its __getstate__ failed");
+    state = st != Py_None;
+    Py_DECREF(st);
+  } else if (tensor_slots(s, o, &d)) {
+    return -1;
+  }
+  if (state || (d && PyDict_GET_SIZE(d))) {
     PyErr_SetString(PyExc_TypeError, "a tensor's attributes (a subclass's state) are not carried in frames");
     return walk_error(s, o, "it cannot be carried in a frame");
   }
@@ -2945,8 +2981,8 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
   if (t != *ok) {
     tcache_ent_t *e = tcache_hit(t); /* a kind not yet cached: classifying may run Python code */
     if (!e || e->kind != K_TORCH) return 0;
-    if (t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && !e->no_slots)
-      return 0; /* slots, or not yet asked: visit() */
+    if (t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && (!e->no_slots || own_getstate(t)))
+      return 0; /* slots, not yet asked, or a __getstate__ of its own: visit() */
     *ok = t;
   }
   if (may_hold_attrs(o, t)) return 0; /* attributes (or a dict once made): visit() */

@@ -2519,17 +2519,20 @@ def test_the_lists_a_walk_makes_of_a_set_s_items_are_out_of_reach_of_the_value_s
     assert LooksForListsHoldingIt.found == []
 
 
-def pickles_order(value):
+def pickles_order(value, storages=False):
     """The storages of the tensors pickle meets, in the order it meets them
-    (a persistent_id, as torch's _extract_tensors collects tensors)."""
+    (a persistent_id, as torch's _extract_tensors collects tensors; with
+    storages=True, the storages of the tensors pickle reduces, as torch.save
+    collects them)."""
     import io
 
     met = []
+    kinds = (torch.TypedStorage, torch.UntypedStorage) if storages else torch.Tensor
 
     class Collect(pickle.Pickler):
         def persistent_id(self, obj):
-            if isinstance(obj, torch.Tensor):
-                p = storage_ptr(obj)[0]
+            if isinstance(obj, kinds):
+                p = obj.data_ptr() if storages else storage_ptr(obj)[0]
                 if p not in met:
                     met.append(p)
                 return len(met)
@@ -2613,3 +2616,45 @@ def test_a_storage_of_no_bytes_is_no_allocation_wherever_it_points():
         assert [(a.ptr, a.nbytes, a.refs, a.path) for a in got] == [(x.ctypes.data, 32, 1, "$.x" if paths else None)]
         over = devpickle.scan([empty, torch.from_numpy(x)], paths=paths)  # a run of tensors read at once
         assert [(a.ptr, a.nbytes, a.refs) for a in over] == [(x.ctypes.data, 32, 1)]
+
+
+STATE_ONLY_GETSTATE_GIVES = []
+
+
+class TensorWithOwnState(torch.Tensor):
+    def __getstate__(self):
+        return {"kept": STATE_ONLY_GETSTATE_GIVES[0]}
+
+
+class BytesWithOwnState(bytearray):
+    def __getstate__(self):
+        return {"kept": STATE_ONLY_GETSTATE_GIVES[0]}
+
+
+def test_the_state_a_tensor_or_bytearray_subclass_s_own_getstate_returns_is_walked_as_pickle_carries_it():
+    kept = torch.ones(3)
+    STATE_ONLY_GETSTATE_GIVES[:] = [kept]
+    try:
+        t = torch.zeros(2).as_subclass(TensorWithOwnState)  # no attributes: read in a run without paths
+        b = BytesWithOwnState(b"abc")
+        # torch's reduce of a subclass and bytearray's carry what __getstate__ returns
+        assert pickles_order(t, storages=True) == [storage_ptr(t)[0], storage_ptr(kept)[0]]
+        assert pickles_order(b) == [storage_ptr(kept)[0]]
+        got = devpickle.scan([t, b])
+        assert [(a.path, a.ptr) for a in got] == [
+            ("$[0]", storage_ptr(t)[0]),
+            ("$[0]<reduce test_scan.TensorWithOwnState>.state.kept", storage_ptr(kept)[0]),
+            ("$[1]", got[2].ptr)]
+        assert got[1].refs == 1  # met twice, once through each __getstate__
+        assert [a.ptr for a in devpickle.scan([t, b], paths=False)] == [a.ptr for a in got]
+        assert devpickle.scan(b)[1].path == "$<reduce test_scan.BytesWithOwnState>.state.kept"
+        # a frame has no field for a tensor's state: refused, never dropped
+        with pytest.raises(devpickle.WalkError, match=r"TensorWithOwnState' at \$: it cannot be carried in a frame: "
+                                                      r"a tensor's attributes \(a subclass's state\) are not"):
+            devpickle.dumps(t, inline=True)
+        STATE_ONLY_GETSTATE_GIVES[:] = [(x for x in ())]  # a generator: pickle refuses it
+        with pytest.raises(devpickle.WalkError) as e:
+            devpickle.Future().set_result([t])
+        assert e.value.path == "$[0]<reduce test_scan.TensorWithOwnState>.state.kept"
+    finally:
+        STATE_ONLY_GETSTATE_GIVES.clear()
