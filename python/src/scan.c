@@ -1611,6 +1611,52 @@ static int is_opaque(dpy_scanner_t *s, PyObject *o) {
   return PyObject_IsInstance(o, s->opaque);
 }
 
+/* -1 with a walk error when pickle (protocol 2+, its C pickler) refuses
+ * the args of a reduce r of o whose callable is named __newobj__ or
+ * __newobj_ex__ (copyreg's, or any function of that name), worded as it
+ * words it (or when a lookup it makes raises); 0 when not. */
+static int newobj_refused(dpy_scanner_t *s, PyObject *o, PyObject *r) {
+  PyObject *name = PyObject_GetAttrString(PyTuple_GET_ITEM(r, 0), "__name__");
+  if (!name) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return walk_error(s, o, "it cannot be reduced");
+    PyErr_Clear();
+    return 0;
+  }
+  int ex = PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__newobj_ex__") == 0;
+  int plain = !ex && PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__newobj__") == 0;
+  Py_DECREF(name);
+  if (!ex && !plain) return 0;
+  PyObject *args = PyTuple_GET_ITEM(r, 1);
+  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  PyObject *cls = n ? PyTuple_GET_ITEM(args, 0) : NULL;
+  if (ex) {
+    if (n != 3)
+      PyErr_Format(PyExc_TypeError, "length of the NEWOBJ_EX argument tuple must be exactly 3, not %zd", n);
+    else if (!PyType_Check(cls))
+      PyErr_Format(PyExc_TypeError, "first item from NEWOBJ_EX argument tuple must be a class, not %.200s",
+                   Py_TYPE(cls)->tp_name);
+    else if (!PyTuple_Check(PyTuple_GET_ITEM(args, 1)))
+      PyErr_Format(PyExc_TypeError, "second item from NEWOBJ_EX argument tuple must be a tuple, not %.200s",
+                   Py_TYPE(PyTuple_GET_ITEM(args, 1))->tp_name);
+    else if (!PyDict_Check(PyTuple_GET_ITEM(args, 2)))
+      PyErr_Format(PyExc_TypeError, "third item from NEWOBJ_EX argument tuple must be a dict, not %.200s",
+                   Py_TYPE(PyTuple_GET_ITEM(args, 2))->tp_name);
+    else
+      return 0;
+  } else if (!n) {
+    PyErr_SetString(PyExc_TypeError, "__newobj__ arglist is empty");
+  } else if (!PyType_Check(cls)) {
+    PyErr_SetString(PyExc_TypeError, "args[0] from __newobj__ args is not a type");
+  } else {
+    PyObject *c = PyObject_GetAttrString(o, "__class__"); /* pickle asks the object, as isinstance does */
+    if (!c) return walk_error(s, o, "it cannot be reduced");
+    Py_DECREF(c);
+    if (c == cls) return 0;
+    PyErr_SetString(PyExc_TypeError, "args[0] from __newobj__ args has the wrong class");
+  }
+  return walk_error(s, o, "its reduce is malformed");
+}
+
 /* The reduce of an object that keeps pickle's defaults differs only in form:
  * its state is its __dict__, entered as attributes. */
 /* o's reduce — copyreg.dispatch_table's, else __reduce_ex__(5) — checked
@@ -1651,7 +1697,7 @@ static PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
       return walk_error(s, o, "its reduce is malformed"), NULL;
     }
   }
-  return r;
+  return newobj_refused(s, o, r) ? NULL : r;
 }
 
 /* Walks the parts of o's reduce r (a tuple; a str, a global, has none). */

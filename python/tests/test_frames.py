@@ -1123,12 +1123,25 @@ class KeywordNew:
         return (self.a,), {"scale": self.scale}
 
 
+def named_as(qualified):
+    """A callable dumps writes as the global `qualified` (module.qualname)
+    whose own __name__ is another: dumps refuses a __newobj__ or
+    __newobj_ex__ reduce that pickle refuses (known by __name__), so a
+    frame holding one, as a hostile sender's may, is crafted so."""
+    def crafted(*args):
+        raise AssertionError("loads called a frame's callable")
+
+    module, _, name = qualified.rpartition(".")
+    crafted.__module__, crafted.__qualname__ = module, name
+    return crafted
+
+
 class BadNewobjEx:
     def __init__(self, args):
         self.args = args
 
     def __reduce__(self):
-        return (copyreg.__newobj_ex__, self.args)
+        return (named_as("copyreg.__newobj_ex__"), self.args)
 
 
 def test_an_allowed_class_with_getnewargs_ex_comes_back_as_itself_as_pickle_makes_it():
@@ -1623,7 +1636,7 @@ class BlobArray(bytearray):
 def test_an_allowed_bytes_subclass_reduced_with_an_int_is_charged_the_bytes_it_would_allocate(cls, via_newobj):
     class Crafted:
         def __reduce__(self):
-            return (copyreg.__newobj__, (cls, 10 ** 7)) if via_newobj else (cls, (10 ** 7,))
+            return (named_as("copyreg.__newobj__"), (cls, 10 ** 7)) if via_newobj else (cls, (10 ** 7,))
 
     Crafted.__module__, Crafted.__qualname__ = cls.__module__, cls.__qualname__
     frame = devpickle.dumps(Crafted())

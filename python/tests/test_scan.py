@@ -1,5 +1,6 @@
 """devpickle.scan: what pickle would walk, memory found once, paths, errors."""
 import collections
+import copyreg
 import dataclasses
 import enum
 import gc
@@ -1147,6 +1148,34 @@ def _malformed_reduce_causes(parts):
 def test_a_reduce_result_pickle_refuses_is_a_walk_error_in_scan_dumps_and_set_result(parts, error):
     for cause in _malformed_reduce_causes(parts):
         assert str(cause) == error
+
+
+def __newobj__(cls, *args):  # pickle knows the callable by its name alone
+    return cls.__new__(cls, *args)
+
+
+@pytest.mark.parametrize("parts,error", [
+    ((copyreg.__newobj__, ()), "__newobj__ arglist is empty"),
+    ((copyreg.__newobj__, ("cls", 1)), "args[0] from __newobj__ args is not a type"),
+    ((copyreg.__newobj__, (Holder, torch.ones(1))), "args[0] from __newobj__ args has the wrong class"),
+    ((__newobj__, (Holder,)), "args[0] from __newobj__ args has the wrong class"),
+    ((copyreg.__newobj_ex__, (_Reduces, ())), "length of the NEWOBJ_EX argument tuple must be exactly 3, not 2"),
+    ((copyreg.__newobj_ex__, ("cls", (), {})), "first item from NEWOBJ_EX argument tuple must be a class, not str"),
+    ((copyreg.__newobj_ex__, (_Reduces, [], {})), "second item from NEWOBJ_EX argument tuple must be a tuple, not list"),
+    ((copyreg.__newobj_ex__, (_Reduces, (), [])), "third item from NEWOBJ_EX argument tuple must be a dict, not list"),
+])
+def test_a_newobj_reduce_pickle_refuses_is_a_walk_error_worded_as_pickle_words_it(parts, error):
+    for cause in _malformed_reduce_causes(parts):
+        assert isinstance(cause, TypeError)
+        assert str(cause) == error
+
+
+def test_a_newobj_reduce_pickle_takes_is_walked():
+    t = torch.ones(2)
+    for parts in [(copyreg.__newobj__, (_Reduces, t)), (copyreg.__newobj_ex__, (_Reduces, (t,), {"k": t}))]:
+        _Reduces.parts = parts
+        pickle.dumps(_Reduces(), protocol=5)
+        assert [a.ptr for a in devpickle.scan(_Reduces())] == [storage_ptr(t)[0]]
 
 
 @pytest.mark.parametrize("parts", [(print,), (print, (), None, None, None, None, None), [print, ()], 7])
