@@ -115,9 +115,28 @@ static int is_default(PyObject *type, PyObject *name, PyObject *base_attr) {
  * that its getattr then refused. Runs no Python code. */
 static int has_attr(PyObject *type, PyObject *name) { return _PyType_Lookup((PyTypeObject *)type, name) != NULL; }
 
-/* Pickle's defaults, so that the state is exactly the instance __dict__. */
+/* Whether the instances of t answer attribute `name` with a class's own
+ * code: the first class of t's MRO that holds it is written in Python (a C
+ * type's — object's, tuple's — is the generic one). Runs no Python code. */
+static int overrides_object(PyTypeObject *t, const char *name) {
+  PyObject *mro = t->tp_mro;
+  for (Py_ssize_t i = 0; mro && PyTuple_Check(mro) && i < PyTuple_GET_SIZE(mro); i++) {
+    PyTypeObject *b = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+    PyObject *v = b->tp_dict ? PyDict_GetItemString(b->tp_dict, name) : NULL;
+    if (v) return (b->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0;
+  }
+  return 0;
+}
+
+/* Pickle's defaults, so that the state is exactly the instance __dict__.
+ * Pickle looks them up on the instance (getattr(obj, "__reduce_ex__"),
+ * obj.__getstate__, and obj.__class__, which __newobj__ must be): a
+ * __getattribute__ or __class__ of the class's own may answer otherwise
+ * (another reduce, none at all, another class), so such a class is
+ * reduced as pickle reduces it. */
 static int plain_instance(PyTypeObject *t) {
   PyObject *type = (PyObject *)t;
+  if (overrides_object(t, "__getattribute__") || overrides_object(t, "__class__")) return 0;
   if (!is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex)) return 0;
   if (!is_default(type, dpy.str_getstate, dpy.object_getstate)) return 0;
   PyObject *r = PyObject_GetAttrString(type, "__reduce__");
@@ -155,6 +174,7 @@ static uint8_t kind_of(PyTypeObject *t) {
   if (has_attr(type, dpy.str_dlpack) && has_attr(type, dpy.str_dlpack_device)) return K_DLPACK;
   int aif = has_attr(type, dpy.str_aif); /* its memory first, then walked as it would be without */
   if (PyType_IsSubtype(t, &PyTuple_Type) && t->tp_dictoffset == 0 && has_attr(type, dpy.str_fields) &&
+      !overrides_object(t, "__getattribute__") && !overrides_object(t, "__class__") &&
       is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex) &&
       is_default(type, dpy.str_getstate, dpy.object_getstate) && is_default(type, dpy.str_reduce, dpy.object_reduce))
     return aif ? K_AIF : K_NAMEDTUPLE;
@@ -1871,7 +1891,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
        too, as an object's. (One lookup a plain object: an
        __array_interface__ set on an instance, cpu memory no future waits
        on, is not looked for.) */
-    Py_INCREF(d); /* borrowed from o, whose Python code may replace it (a __getattribute__) */
+    Py_INCREF(d); /* borrowed from o, which Python code may give another (a key's __eq__ in the lookup below) */
     PyObject *cai = PyDict_GetItemWithError(d, dpy.str_cai);
     int rc = !cai && PyErr_Occurred() ? walk_error(s, o, "its __dict__ cannot be read") : 0;
     if (!rc && cai) rc = visit_iface(s, o, 1);

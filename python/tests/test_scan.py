@@ -1759,21 +1759,37 @@ def test_a_cuda_array_interface_set_on_the_instance_is_device_memory_too():
 
 
 def test_an_instance_interface_read_by_code_that_replaces_the_instance_dict_is_walked_safely():
+    # Looking the interface up in a plain instance's dict compares it with a
+    # key of the same hash: a str subclass whose __eq__ replaces the
+    # instance's __dict__ frees the dict the walk entered, unless it holds it.
+    # (A class with a __getattribute__ of its own is reduced, as pickle
+    # reduces it, not entered so.)
+    cai = {"data": (0x200000, False), "shape": (8,), "typestr": "<f4", "version": 3}
+    box = []
+
+    class Evil(str):
+        def __hash__(self):
+            return hash("__cuda_array_interface__")
+
+        def __eq__(self, other):
+            if box:
+                object.__setattr__(box.pop(), "__dict__", {"__cuda_array_interface__": cai})
+                [{"k%d" % i: i} for i in range(1000)]  # reuses the freed dict's memory
+            return False
+
+        __ne__ = object.__ne__
+
     class Sneaky:
-        def __getattribute__(self, name):
-            if name == "__cuda_array_interface__":
-                d = object.__getattribute__(self, "__dict__")
-                object.__setattr__(self, "__dict__", {})  # frees the dict the walk entered
-                [{"k%d" % i: i} for i in range(1000)]  # reuses its memory
-                return d["__cuda_array_interface__"]
-            return object.__getattribute__(self, name)
+        pass
 
     for _ in range(10):
         s = Sneaky()
-        s.__dict__["__cuda_array_interface__"] = {"data": (0x200000, False), "shape": (8,), "typestr": "<f4",
-                                                  "version": 3}
+        s.__dict__[Evil("x")] = 0  # met first by the lookup of the interface
+        s.__dict__["__cuda_array_interface__"] = cai
         s.__dict__.update({"t%d" % j: torch.ones(1) for j in range(20)})
+        box[:] = [s]
         assert len(devpickle.scan(s)) == 21  # the interface and the tensors of the dict entered
+        assert box == []
 
 
 def test_an_array_interface_without_the_buffer_protocol_is_the_cpu_memory_it_describes():
@@ -2687,3 +2703,42 @@ def test_the_state_a_tensor_or_bytearray_subclass_s_own_getstate_returns_is_walk
         assert e.value.path == "$[0]<reduce test_scan.TensorWithOwnState>.state.kept"
     finally:
         STATE_ONLY_GETSTATE_GIVES.clear()
+
+
+class AnswersForItsReduce:
+    """pickle looks __reduce_ex__ up on the instance: this class's
+    __getattribute__ answers with a reduce of its own, holding memory its
+    __dict__ does not."""
+
+    hidden = None
+
+    def __getattribute__(self, name):
+        if name == "__reduce_ex__":
+            return lambda proto: (Holder, (AnswersForItsReduce.hidden,))
+        return object.__getattribute__(self, name)
+
+
+class ClaimsAnotherClass:
+    @property
+    def __class__(self):
+        return Holder
+
+
+def test_a_class_whose_getattribute_or_class_answers_for_pickle_is_reduced_as_pickle_reduces_it():
+    hidden, attr = torch.ones(2), torch.zeros(3)
+    AnswersForItsReduce.hidden = hidden
+    a = AnswersForItsReduce()
+    a.attr = attr
+    assert pickles_order([a]) == [storage_ptr(hidden)[0]]
+    for paths in (True, False):
+        got = devpickle.scan([a], paths=paths)
+        assert [(x.ptr, x.path) for x in got] == [
+            (storage_ptr(hidden)[0], "$[0]<reduce test_scan.AnswersForItsReduce>.args[0]" if paths else None)]
+    c = ClaimsAnotherClass()
+    c.t = torch.ones(1)
+    with pytest.raises(pickle.PicklingError, match=r"^args\[0\] from __newobj__ args has the wrong class$"):
+        pickles_order([c])
+    for walk in (devpickle.scan, lambda v: devpickle.scan(v, paths=False), devpickle.Future().set_result):
+        with pytest.raises(devpickle.WalkError, match=r"ClaimsAnotherClass' at \$\[0\]: its reduce is malformed: "
+                                                      r"args\[0\] from __newobj__ args has the wrong class$"):
+            walk([c])
