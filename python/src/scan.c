@@ -1631,6 +1631,33 @@ static int is_opaque(dpy_scanner_t *s, PyObject *o) {
   return PyObject_IsInstance(o, s->opaque);
 }
 
+/* o.__reduce_ex__(5), found as pickle finds it (on the instance: a class's
+ * __getattribute__ may answer), else o.__reduce__() as pickle falls back to
+ * it when there is no __reduce_ex__, else pickle's refusal. New reference,
+ * or NULL with an exception. */
+static PyObject *reduce_ex_5(PyObject *o) {
+  PyObject *m = PyObject_GetAttr(o, dpy.str_reduce_ex);
+  if (m) {
+    PyObject *five = PyLong_FromLong(5);
+    PyObject *r = five ? PyObject_CallOneArg(m, five) : NULL;
+    Py_XDECREF(five);
+    Py_DECREF(m);
+    return r;
+  }
+  if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+  PyErr_Clear();
+  if ((m = PyObject_GetAttr(o, dpy.str_reduce))) {
+    PyObject *r = PyObject_CallNoArgs(m);
+    Py_DECREF(m);
+    return r;
+  }
+  if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "can't pickle '%.200s' object", Py_TYPE(o)->tp_name);
+  }
+  return NULL;
+}
+
 /* -1 with a walk error when pickle (protocol 2+, its C pickler) refuses
  * the args of a reduce r of o whose callable is named __newobj__ or
  * __newobj_ex__ (copyreg's, or any function of that name), worded as it
@@ -1690,9 +1717,7 @@ static PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
     r = PyObject_CallOneArg(fn, o);
   } else {
     if (PyErr_Occurred()) return dispatch_error(s, o), NULL;
-    PyObject *five = PyLong_FromLong(5);
-    r = five ? PyObject_CallMethodOneArg(o, dpy.str_reduce_ex, five) : NULL;
-    Py_XDECREF(five);
+    r = reduce_ex_5(o);
   }
   if (!r) return walk_error(s, o, "it cannot be reduced"), NULL;
   if (!keep(s, r)) return NULL;

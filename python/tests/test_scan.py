@@ -2742,3 +2742,35 @@ def test_a_class_whose_getattribute_or_class_answers_for_pickle_is_reduced_as_pi
         with pytest.raises(devpickle.WalkError, match=r"ClaimsAnotherClass' at \$\[0\]: its reduce is malformed: "
                                                       r"args\[0\] from __newobj__ args has the wrong class$"):
             walk([c])
+
+
+class HidesItsReduceEx:
+    """A __getattribute__ that has no __reduce_ex__ to give: pickle falls
+    back to __reduce__ (here one of the class's own), else refuses."""
+
+    kept = None
+
+    def __getattribute__(self, name):
+        if name == "__reduce_ex__" or (name == "__reduce__" and HidesItsReduceEx.kept is None):
+            raise AttributeError(name)
+        return object.__getattribute__(self, name)
+
+    def __reduce__(self):
+        return (Holder, (HidesItsReduceEx.kept,))
+
+
+def test_an_object_without_a_reduce_ex_is_reduced_through_its_reduce_as_pickle_falls_back_to_it():
+    kept = torch.ones(2)
+    HidesItsReduceEx.kept = kept
+    try:
+        assert pickles_order([HidesItsReduceEx()]) == [storage_ptr(kept)[0]]
+        got = devpickle.scan([HidesItsReduceEx()])
+        assert [(a.ptr, a.path) for a in got] == [(storage_ptr(kept)[0], "$[0]<reduce test_scan.HidesItsReduceEx>.args[0]")]
+        HidesItsReduceEx.kept = None  # neither: both refuse
+        with pytest.raises(pickle.PicklingError, match="^can't pickle 'HidesItsReduceEx' object"):
+            pickles_order([HidesItsReduceEx()])
+        with pytest.raises(devpickle.WalkError, match=r"HidesItsReduceEx' at \$\[0\]: it cannot be reduced: can't "
+                                                      r"pickle 'HidesItsReduceEx' object$"):
+            devpickle.scan([HidesItsReduceEx()])
+    finally:
+        HidesItsReduceEx.kept = None
