@@ -2774,3 +2774,165 @@ def test_an_object_without_a_reduce_ex_is_reduced_through_its_reduce_as_pickle_f
             devpickle.scan([HidesItsReduceEx()])
     finally:
         HidesItsReduceEx.kept = None
+
+
+# ---- scan against pickle's own walk, over random values ----
+
+class _RPlain:
+    pass
+
+
+class _RSlots:
+    __slots__ = ("a", "b")
+
+
+class _RGetstate:
+    def __getstate__(self):
+        return {"s": self.__dict__.get("s")}
+
+
+class _RReduced:
+    def __reduce__(self):
+        callable_, args, state, listitems, dictitems = self.__dict__["parts"]
+        return (callable_, args, state, iter(listitems), iter(dictitems))
+
+
+class _RBytes(bytearray):
+    __slots__ = ("x",)
+
+
+class _RList(list):
+    pass
+
+
+class _RDict(dict):
+    pass
+
+
+class _RTensor(torch.Tensor):
+    pass
+
+
+_RPair = collections.namedtuple("_RPair", "a b")
+
+
+def _rebuilt(*args):
+    return None
+
+
+class _PicklesWalk(pickle.Pickler):
+    """What pickle meets, in its order: each tensor's storage, numpy array's
+    owner and bytearray (persistent_id sees every object pickle saves), and
+    a tensor's attributes as torch's reduce carries them (reducer_override)."""
+
+    def __init__(self):
+        import io
+
+        super().__init__(io.BytesIO(), protocol=5)
+        self.found, self.held = {}, []
+
+    def met(self, ptr, nbytes, obj):
+        if nbytes:
+            entry = self.found.setdefault(ptr, [nbytes, set()])
+            entry[0] = max(entry[0], nbytes)
+            entry[1].add(id(obj))
+            self.held.append(obj)
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            self.met(*storage_ptr(obj), obj)
+        elif isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            owner = obj
+            while isinstance(owner.base, np.ndarray):
+                owner = owner.base
+            self.met(owner.ctypes.data, owner.nbytes, obj)
+            return id(obj)
+        elif isinstance(obj, bytearray):
+            self.met(np.frombuffer(obj, np.uint8).ctypes.data if obj else 0, len(obj), obj)
+            return None if type(obj) is not bytearray else id(obj)
+        return None
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            return (_rebuilt, (), obj.__getstate__() if type(obj) is not torch.Tensor else obj.__dict__ or None)
+        return NotImplemented
+
+
+def _random_value(rng, depth, nodes, pool):
+    """A value of containers, shared references and cycles, objects of many
+    shapes, tensors (views of a few storages), numpy arrays and bytearrays."""
+    pick = rng.randrange(16 if depth < 4 else 3)
+    if pick == 0:
+        return rng.choice([None, 1, 2.5, "s", b"b", 1j, int, np.float32(1)])
+    if pick in (1, 2):
+        base = rng.choice(pool)
+        if isinstance(base, torch.Tensor):
+            return rng.choice([base, base[1:], base[::2], base[:0], torch.nn.Parameter(base.float()),
+                               base.as_subclass(_RTensor)])
+        if isinstance(base, np.ndarray):  # an empty tensor over it: a storage of no bytes at its address
+            return rng.choice([base, base[1:], base[::-1], torch.from_numpy(base[:0])])
+        return base
+    if pick == 3 and nodes:
+        return rng.choice(nodes)
+    kid = lambda: _random_value(rng, depth + 1, nodes, pool)  # noqa: E731
+    if pick in (4, 5):
+        made = [] if pick == 4 else {}
+        nodes.append(made)
+        for i in range(rng.randrange(4)):
+            if pick == 4:
+                made.append(kid())
+            else:
+                made[rng.choice([i, "k%d" % i, (i, "t"), rng.choice(pool[:2])])] = kid()
+        return made
+    if pick == 6:
+        return tuple(kid() for _ in range(rng.randrange(3)))
+    if pick == 7:
+        return frozenset([rng.choice(pool[:2]), rng.randrange(9)])
+    if pick == 8:
+        o = rng.choice([_RPlain, _RGetstate])()
+        nodes.append(o)
+        o.a, o.s = kid(), kid()
+        return o
+    if pick == 9:
+        o = _RSlots()
+        nodes.append(o)
+        o.a = kid()
+        return o
+    if pick == 10:
+        o = _RReduced()
+        o.parts = (rng.choice([_RPlain, _rebuilt]), (kid(),), rng.choice([None, kid()]), [kid()], [("k", kid())])
+        return o
+    if pick == 11:
+        b = _RBytes(b"ab")
+        b.x = kid()
+        return b
+    if pick == 12:
+        o = _RList([kid()])
+        o.attr = kid()
+        nodes.append(o)
+        return o
+    if pick == 13:
+        o = _RDict(k=kid())
+        nodes.append(o)
+        return o
+    if pick == 14:
+        t = rng.choice(pool[:2]).detach().clone()
+        t.extra = kid()
+        return t
+    return _RPair(kid(), kid())
+
+
+def test_scan_finds_what_pickles_walk_meets_in_its_order_over_random_values():
+    import random
+
+    rng = random.Random(20240613)
+    for _ in range(1500):
+        pool = [torch.arange(6.0), torch.arange(4), np.arange(5.0), bytearray(b"xyz"), torch.zeros(0)]
+        value = _random_value(rng, 0, [], pool)
+        walk = _PicklesWalk()
+        walk.dump(value)
+        want = [(ptr, nbytes, len(objs)) for ptr, (nbytes, objs) in walk.found.items()]
+        got = devpickle.scan(value)
+        assert [(a.ptr, a.nbytes, a.refs) for a in got] == want
+        assert [(a.ptr, a.nbytes, a.refs) for a in devpickle.scan(value, paths=False)] == want
+        devpickle.Future().set_result(value)
