@@ -1697,8 +1697,9 @@ static int newobj_refused(dpy_scanner_t *s, PyObject *o, PyObject *r) {
   } else {
     PyObject *c = PyObject_GetAttrString(o, "__class__"); /* pickle asks the object, as isinstance does */
     if (!c) return walk_error(s, o, "it cannot be reduced");
+    int same = c == cls;
     Py_DECREF(c);
-    if (c == cls) return 0;
+    if (same) return 0;
     PyErr_SetString(PyExc_TypeError, "args[0] from __newobj__ args has the wrong class");
   }
   return walk_error(s, o, "its reduce is malformed");
