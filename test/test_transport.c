@@ -233,6 +233,29 @@ static dp_value_t many_tensors(size_t n) {
   return l;
 }
 
+/* A bytes value whose frame is exactly n bytes (its overhead measured by
+ * pickling one first). */
+static dp_value_t bytes_of_frame_len(size_t n) {
+  size_t len = n - 64;
+  for (int round = 0; round < 2; round++) {
+    uint8_t *p = calloc(1, len);
+    dp_value_t v;
+    dp_frame_t *fr;
+    size_t flen;
+    OK(dp_bytes_new(p, len, &v, T_ERR));
+    free(p);
+    OK(dp_frame_new(&fr, T_ERR));
+    OK(dp_pickle(v, NULL, fr, T_ERR));
+    dp_frame_data(fr, &flen);
+    dp_frame_free(fr);
+    if (flen == n) return v;
+    dp_value_release(v);
+    len += n - flen;
+  }
+  cr_assert_fail("no bytes value pickles to a frame of %zu bytes", n);
+  return dp_none();
+}
+
 Test(transport, a_value_of_100000_small_buffers_round_trips_between_two_processes) {
   peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
   dp_transport_t *t = new_transport(NULL);
@@ -877,6 +900,32 @@ Test(transport, negative_control_a_sender_that_skips_the_events_sends_stale_byte
   cr_assert_eq(send_after_slow_fill(1), 20, "skipping the events went unnoticed: the ordering test is blind");
 }
 
+Test(transport, a_future_that_fails_fails_its_send_and_nothing_is_sent) {
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *f, *d, *d2;
+  OK(dp_future_new(NULL, &f, T_ERR));
+  OK(dp_endpoint_send_future(ep, f, &d, T_ERR));
+  dp_error_t bad, e;
+  dp_error_clear(&bad);
+  bad.code = DP_EIO;
+  snprintf(bad.message, sizeof bad.message, "the producer failed");
+  OK(dp_future_set_error(f, &bad, T_ERR));
+  cr_assert_eq(wait_f(d, &e), DP_EIO, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "the producer failed"), "%s", e.message);
+  OK(dp_endpoint_send(ep, dp_int(7), &d2, T_ERR));
+  dp_future_t *r = recv_ok(ep); /* the echo of the first value the peer received */
+  dp_value_t back = dp_future_value(r);
+  cr_assert(dp_value_kind(back) == DP_INT && dp_value_as_int(back) == 7, "the failed future's send sent a value");
+  OK_WITH(&e, wait_f(d2, &e));
+  dp_future_release(r);
+  dp_future_release(d2);
+  dp_future_release(d);
+  dp_future_release(f);
+  close_clean(ep, t, p);
+}
+
 /* ---- staging: host:N memory staged as cuda memory is ---- */
 
 
@@ -970,6 +1019,56 @@ Test(transport, a_staged_future_is_sent_only_after_its_events) {
   cr_assert_eq(send_after_slow_fill(1), 0, "the receiver saw bytes written before the producer's work");
 }
 
+/* peer: receives one value; 0 when none of its messages was parked on the
+ * way (they came in the order it takes them), 21 when some were */
+static int recv_unparked(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  unsigned long before = atomic_load(&dp__transport_park_steps);
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) {
+    fprintf(stderr, "recv_unparked: %s\n", e.message);
+    return 10;
+  }
+  dp_future_release(f);
+  return atomic_load(&dp__transport_park_steps) == before ? 0 : 21;
+}
+
+Test(transport, a_cpu_buffer_after_a_staged_one_leaves_after_it_while_its_copy_waits_for_the_callers_work) {
+  /* the staged buffer's copy waits for a slow fill queued on the caller's
+     stream; the cpu buffer behind it in the table waits with it, so the
+     receiver takes the value's pieces as they come and parks none */
+  dp__transport_stage_host = 1;
+  peer_t p = spawn_peer(recv_unparked, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_backend_t *b;
+  OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));
+  dp_device_t dev = t_dev(DP_DEVICE_HOST, 0);
+  dp_stream_t *s;
+  OK(dp_stream_new(b, dev, &s, T_ERR));
+  dp_value_t staged = dev_tensor(0, 8 << 10, 1), v;
+  fill_t fill = {dp_storage_base(dp_tensor_storage(staged)), 8 << 10};
+  OK(dp_list_new(2, &v, T_ERR));
+  OK(dp_list_append(v, staged, T_ERR));
+  OK(dp_list_append(v, owned_tensor(8 << 10, 2), T_ERR));
+  OK(dp_set_current_stream(s, NULL, T_ERR));
+  OK(dp_host_launch(s, slow_fill, &fill, T_ERR));
+  dp_future_t *d;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  dp_reset_current_stream(b, dev);
+  dp_error_t e;
+  OK_WITH(&e, wait_f(d, &e));
+  OK(dp_stream_synchronize(s, T_ERR));
+  dp_future_release(d);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0, "the receiver parked pieces of the value: they left out of the table's order");
+  dp_stream_free(s);
+}
+
 /* peer: receives one value, and closes its endpoint at once (-1) */
 static int recv_and_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;
@@ -1003,6 +1102,13 @@ Test(transport, a_receiver_that_closes_right_after_its_receive_lets_the_staged_s
 static int never_take(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)ep, (void)arg;
   for (;;) pause();
+  return 0;
+}
+
+/* peer: stops itself (SIGSTOP) once it accepted: pulls nothing, answers nothing */
+static int stop_self(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)ep, (void)arg;
+  raise(SIGSTOP);
   return 0;
 }
 
@@ -1042,6 +1148,55 @@ Test(transport, a_peer_that_never_pulls_holds_back_its_own_staged_sends_only) {
   dp_transport_free(t);
   cr_assert_eq(peer_wait(stuck), 128 + SIGKILL);
   cr_assert_eq(peer_wait(good), 0);
+}
+
+Test(transport, endpoints_whose_peers_pull_nothing_hold_sixteen_send_slots_each_and_hold_back_no_other) {
+  /* without same-host slots staged chunks go through the transport's pool
+     of page-locked slots, sixteen an endpoint at most: two stopped peers
+     pull none of a 68 MiB value's 17 chunks and hold 32 slots; a third
+     endpoint still gets slots of its own */
+  t_track();
+  dp__transport_stage_host = 1;
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  peer_t stuck[2] = {spawn_peer(stop_self, NULL, NULL), spawn_peer(stop_self, NULL, NULL)};
+  peer_t good = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep[2] = {connect_to(t, stuck[0].port), connect_to(t, stuck[1].port)};
+  dp_endpoint_t *ep2 = connect_to(t, good.port);
+  for (int i = 0; i < 2; i++) {
+    int st;
+    cr_assert_eq(waitpid(stuck[i].pid, &st, WUNTRACED), stuck[i].pid);
+    cr_assert(WIFSTOPPED(st));
+  }
+  dp_value_t v = dev_tensor(0, 68 << 20, 1), small = dev_tensor(0, 5 << 20, 2);
+  long before = atomic_load(&t_live_bytes), bound = 2l * DP__STAGE_SLOTS * DP__STAGE_CHUNK;
+  dp_future_t *d[2], *d2, *r2;
+  for (int i = 0; i < 2; i++) OK(dp_endpoint_send(ep[i], v, &d[i], T_ERR));
+  for (int i = 0; i < 2000 && atomic_load(&t_live_bytes) - before < bound; i++) sleep_ms(10);
+  cr_assert_geq(atomic_load(&t_live_bytes) - before, bound, "the senders did not fill sixteen slots each");
+  sleep_ms(100); /* time for more copies, were more slots given */
+  long held = atomic_load(&t_live_bytes) - before;
+  cr_assert_lt(held, bound + (1l << 20), "two endpoints hold %ld bytes of send slots", held);
+  OK(dp_endpoint_send(ep2, small, &d2, T_ERR));
+  OK(dp_endpoint_recv(ep2, &r2, T_ERR));
+  dp_error_t e;
+  dp_error_clear(&e);
+  cr_assert_eq(dp_future_wait(r2, 20 * SEC, &e), 0, "the third endpoint's staged send was held back: %s", e.message);
+  OK(dp_future_synchronize(r2, 20 * SEC, T_ERR));
+  cr_assert(tensor_ok(dp_future_value(r2), 5 << 20, 2));
+  OK_WITH(&e, wait_f(d2, &e));
+  for (int i = 0; i < 2; i++) {
+    kill(stuck[i].pid, SIGKILL);
+    cr_assert_neq(wait_f(d[i], &e), 0, "a send to a peer that never pulled it, then died, completed");
+    cr_assert_eq(peer_wait(stuck[i]), 128 + SIGKILL);
+    dp_future_release(d[i]);
+    dp_endpoint_free(ep[i]);
+  }
+  dp_future_release(d2);
+  dp_future_release(r2);
+  dp_value_release(v);
+  dp_value_release(small);
+  close_clean(ep2, t, good);
 }
 
 /* peer: a frame naming one host:0 buffer of `size` bytes, then one BUFS
@@ -2391,6 +2546,37 @@ Test(transport, a_receiver_that_takes_nothing_holds_large_frames_back_at_the_sen
   close_clean(ep, t, p);
 }
 
+Test(transport, a_frame_over_64_kib_stays_with_its_sender_until_the_receiver_pulls_it) {
+  /* by rendezvous: the receiver (bound 64 KiB, taking nothing) pulls the
+     first past its bound and no more, so the second's send stays pending
+     (an eager frame would complete as it went) */
+  dp_transport_opts_t po = {0};
+  po.max_inflight_bytes = 64 << 10;
+  peer_t p = spawn_peer(never_take, NULL, &po);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  uint8_t *buf = calloc(1, 100 << 10);
+  dp_value_t big;
+  OK(dp_bytes_new(buf, 100 << 10, &big, T_ERR));
+  free(buf);
+  dp_future_t *d[2];
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, big, &d[0], T_ERR)); /* pulled: the receiver holds nothing yet */
+  dp_error_clear(&e);
+  cr_assert_eq(dp_future_wait(d[0], 20 * SEC, &e), 0, "%s", e.message);
+  OK(dp_endpoint_send(ep, big, &d[1], T_ERR));
+  cr_assert_eq(dp_future_wait(d[1], SEC / 5, &e), DP_ETIMEDOUT,
+               "a frame over 64 KiB left its sender though the receiver pulls nothing more");
+  kill(p.pid, SIGKILL);
+  cr_assert_neq(wait_f(d[1], &e), 0, "a send to a peer that never pulled it, then died, completed");
+  for (int i = 0; i < 2; i++) dp_future_release(d[i]);
+  dp_value_release(big);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+}
+
 /* peer: sends n values whose frames are small (an 8 KiB bytes each, byte 0
  * and the last byte i % 256 for the i-th), back to back, then waits for the
  * close */
@@ -2571,27 +2757,34 @@ static int take_one_by_one(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   return 0;
 }
 
-/* Sends n values of an 8 KiB bytes (byte 0 the value's index) to a peer of
- * bound peer_bound that takes them one at a time, and checks its answer. */
-static void send_small_to_a_taker(long n, uint64_t peer_bound) {
+/* Sends n values of a bytes of len (byte 0 the value's index), from a
+ * transport of bound own_bound, to a peer of bound peer_bound that takes
+ * them one at a time, and checks its answer. */
+static void send_to_a_taker(long n, size_t len, uint64_t own_bound, uint64_t peer_bound) {
   t_track();
-  take_args_t a = {n, 8 << 10};
-  dp_transport_opts_t po = {0};
+  take_args_t a = {n, len};
+  dp_transport_opts_t po = {0}, o = {0};
   po.max_inflight_bytes = peer_bound;
+  o.max_inflight_bytes = own_bound;
   peer_t p = spawn_peer(take_one_by_one, &a, &po);
-  dp_transport_t *t = new_transport(NULL);
+  dp_transport_t *t = new_transport(&o);
   dp_endpoint_t *ep = connect_to(t, p.port);
-  static uint8_t buf[8 << 10];
+  uint8_t *buf = calloc(1, len);
   for (long i = 0; i < a.n; i++) {
     dp_value_t v;
     dp_future_t *d;
     buf[0] = (uint8_t)i;
-    OK(dp_bytes_new(buf, sizeof buf, &v, T_ERR));
+    OK(dp_bytes_new(buf, len, &v, T_ERR));
     OK(dp_endpoint_send(ep, v, &d, T_ERR));
     dp_value_release(v);
     dp_future_release(d);
   }
-  dp_future_t *r = recv_ok(ep);
+  free(buf);
+  dp_future_t *r;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  dp_error_clear(&e);
+  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), 0, "no answer: the peer did not get every value: %s", e.message);
   cr_assert_eq(dp_value_as_int(dp_future_value(r)), a.n);
   dp_future_release(r);
   close_clean(ep, t, p);
@@ -2600,13 +2793,20 @@ static void send_small_to_a_taker(long n, uint64_t peer_bound) {
 Test(transport, a_receiver_that_takes_every_small_value_keeps_up_whatever_its_bound) {
   /* 10,000 frames of 8 KiB (eager) sent at wire speed to a peer whose bound
      is 64 KiB, taken one at a time: a slow consumer is not a failure */
-  send_small_to_a_taker(10000, 64 << 10);
+  send_to_a_taker(10000, 8 << 10, 0, 64 << 10);
 }
 
 Test(transport, a_receiver_whose_bound_has_no_limit_grants_credit_without_overflow) {
   /* 400 frames of 8 KiB (3.2 MB, past the first grant of 1 MiB) to a peer
      whose bound is UINT64_MAX, taken one at a time */
-  send_small_to_a_taker(400, UINT64_MAX);
+  send_to_a_taker(400, 8 << 10, 0, UINT64_MAX);
+}
+
+Test(transport, a_sender_gives_its_in_flight_bytes_back_as_each_send_completes) {
+  /* four frames of 1 MiB (by rendezvous: each counts against the bound)
+     from a sender whose bound is 1 MiB: each goes once the one before it
+     was pulled and gave its bytes back */
+  send_to_a_taker(4, 1 << 20, 1 << 20, 0);
 }
 
 /* peer: sends n values, alternating a 100 kB bytes (a frame by rendezvous)
@@ -2646,12 +2846,6 @@ Test(transport, large_and_small_frames_interleaved_arrive_in_order) {
     dp_future_release(f);
   }
   close_clean(ep, t, p);
-}
-
-static int stop_self(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
-  (void)t, (void)ep, (void)arg;
-  raise(SIGSTOP);
-  return 0;
 }
 
 /* With opts.timeout_ns, the loop checks every millisecond for a send
@@ -3894,6 +4088,36 @@ Test(transport, a_peer_may_send_values_up_to_its_credit_and_one_past_it_fails_th
   cr_assert_eq(peer_wait(p), 0);
   dp_shutdown();
   ASSERT_NO_LEAK();
+}
+
+Test(transport, a_sender_that_used_its_credit_exactly_posts_nothing_more) {
+  /* 32 values whose frames are 32 KiB use the first grant, 1 MiB, exactly:
+     the 33rd waits for a grant the peer (taking nothing) never makes.
+     Posted, it would bring the values before it to the peer's limit, and
+     the peer would fail the endpoint */
+  dp_transport_opts_t po = {0};
+  po.max_inflight_bytes = 64 << 10; /* a window of 1 MiB */
+  peer_t p = spawn_peer(never_take, NULL, &po);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t v = bytes_of_frame_len(32 << 10);
+  dp_future_t *d[DP__CREDIT_INITIAL / (32 << 10) + 1];
+  size_t n = sizeof d / sizeof d[0];
+  dp_error_t e;
+  for (size_t i = 0; i < n; i++) OK(dp_endpoint_send(ep, v, &d[i], T_ERR));
+  for (size_t i = 0; i + 1 < n; i++) { /* eager: each completes as it goes */
+    dp_error_clear(&e);
+    cr_assert_eq(dp_future_wait(d[i], 20 * SEC, &e), 0, "value %zu: %s", i, e.message);
+  }
+  cr_assert_eq(dp_future_wait(d[n - 1], SEC / 5, &e), DP_ETIMEDOUT, "a value past the peer's credit was sent");
+  cr_assert_eq(dp_endpoint_error(ep, &e), 0, "%s", e.message);
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  for (size_t i = 0; i < n; i++) dp_future_release(d[i]);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
 }
 
 /* peer: value 0's frame (one cpu buffer of 4 KiB), CLOSE counting that one
