@@ -1,7 +1,9 @@
 /* future/future.c — the stream-aware future.
  *
  * Completing: walk the value into this thread's scratch pointer set (no lock
- * held), copy the allocations into one block owned by the future, record one
+ * held; a raw set, which lists an allocation met apart twice twice:
+ * dp_future_ptr's list is made from it when first asked, distinct_ptrs),
+ * copy the allocations into one block owned by the future, record one
  * event per used device on that device's current stream and record the
  * allocations on it, then take the lock only to publish. Everything published
  * is immutable afterwards, so waiters read it without the lock.
@@ -83,6 +85,9 @@ struct dp_future {
   int use_hooks;
   int consumers_only;  /* no record on the completing stream */
   record_t rec;
+  /* rec's allocations each once, made at the first ask (dp_future_ptr)
+   * when rec is raw: written once under mu, with release */
+  _Atomic(dp__ptrs_t *) distinct;
   cbent_t *cbs;
   dp_future_t *free_next;  /* on a trampoline's free queue */
   /* While pending, the futures whose completion its own waits for: a
@@ -178,8 +183,10 @@ void dp__future_shutdown(void) {
 }
 
 /* The thread's set, or a fresh one when it is in use further up the stack
- * (a reduce() that completes a future); *owned tells which. */
-static dp_ptrset_t *scratch_get(int *owned, dp_error_t *err) {
+ * (a reduce() that completes a future); *owned tells which. raw: for a
+ * completion's walk (ptrs.h: the record lists an allocation met twice
+ * twice, and dp_future_ptr lists them once). */
+static dp_ptrset_t *scratch_get(int *owned, int raw, dp_error_t *err) {
   pthread_once(&scratch_once, scratch_init);
   dp_ptrset_t *s = scratch_busy ? NULL : pthread_getspecific(scratch_key);
   *owned = 0;
@@ -189,7 +196,7 @@ static dp_ptrset_t *scratch_get(int *owned, dp_error_t *err) {
     *owned = scratch_busy || pthread_setspecific(scratch_key, s) != 0;
   }
   if (!*owned) scratch_busy = 1;
-  dp_ptrset_clear(s);
+  dp__ptrset_set_raw(s, raw); /* emptied */
   return s;
 }
 
@@ -325,6 +332,11 @@ static void future_free(dp_future_t *f) {
   dp_value_release(f->value);
   dp__free(f->error, f->error ? sizeof *f->error : 0);
   record_free(&f->rec);
+  dp__ptrs_t *d = dp__load_relaxed(&f->distinct);
+  if (d) {
+    dp__ptrs_free(d);
+    dp__free(d, sizeof *d);
+  }
   dp__free(f->allowed, f->nallowed * sizeof(dp_device_t));
   pthread_mutex_destroy(&f->mu);
   pthread_cond_destroy(&f->cv);
@@ -521,7 +533,7 @@ int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) 
   int owned;
   dp_error_t e;
   dp_error_clear(&e);
-  dp_ptrset_t *set = scratch_get(&owned, &e);
+  dp_ptrset_t *set = scratch_get(&owned, 1, &e);
   int rc = set ? dp_scan(value, NULL, set, &e) : e.code;
   if (rc) {
     if (set) scratch_put(set, owned);
@@ -630,7 +642,7 @@ typedef struct reach {
  * completes the dependant (cancel), so it is no wait for itself. */
 static int waits_on_running(tramp_t *t, dp_future_t *f, dp_error_t *e) {
   int owned, found = 0, rc;
-  dp_ptrset_t *seen = scratch_get(&owned, e);
+  dp_ptrset_t *seen = scratch_get(&owned, 0, e);
   if (!seen) return e->code;
   const dp_device_t key = {DP_DEVICE_CPU, 0};
   rc = 0;
@@ -884,7 +896,7 @@ static void run_then(dp_future_t *p, cbent_t *e) {
     /* The callback reports its result's allocations: no walk. */
     dp_value_t result = dp_none();
     int owned;
-    dp_ptrset_t *found = scratch_get(&owned, &err);
+    dp_ptrset_t *found = scratch_get(&owned, 0, &err);
     ran = found != NULL;
     rc = found ? dp__cb_rc(e->ptrs_cb(e->ud, p, &result, found, &err), &err, "the callback") : err.code;
     if (rc) {
@@ -1167,15 +1179,45 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
 
 /* ---- introspection ---- */
 
-size_t dp_future_nptrs(const dp_future_t *f) { return dp_future_is_done(f) ? f->rec.ptrs.n : 0; }
+/* The allocations of f (completed with a value) each once: its record, or
+ * when that is raw (a completion's walk lists an allocation as often as
+ * it meets it apart: ptrs.h) the list made from it at the first ask and
+ * kept. NULL with err when that list cannot be made. */
+static const dp__ptrs_t *distinct_ptrs(const dp_future_t *cf, dp_error_t *err) {
+  dp_future_t *f = (dp_future_t *)cf; /* the list is made once, under mu: the future reads the same */
+  if (!f->rec.ptrs.raw) return &f->rec.ptrs;
+  dp__ptrs_t *d = dp__load_acquire(&f->distinct);
+  if (d) return d;
+  pthread_mutex_lock(&f->mu);
+  if (!(d = dp__load_relaxed(&f->distinct))) {
+    if (!(d = dp__alloc(sizeof *d))) {
+      dp__err(err, DP_ENOMEM, "out of memory listing the future's allocations");
+    } else if (dp__ptrs_distinct(&f->rec.ptrs, d, err) != 0) {
+      dp__free(d, sizeof *d);
+      d = NULL;
+    } else {
+      dp__store_release(&f->distinct, d);
+    }
+  }
+  pthread_mutex_unlock(&f->mu);
+  return d;
+}
+
+size_t dp_future_nptrs(const dp_future_t *f) {
+  if (!f || dp__load_acquire(&f->state) != DONE) return 0;
+  dp_error_t e;
+  const dp__ptrs_t *d = distinct_ptrs(f, &e);
+  return d ? d->n : 0;
+}
 
 int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out, dp_error_t *err) {
   if (!f || !out) return dp__err(err, DP_EINVAL, "dp_future_ptr: NULL %s", f ? "out" : "future");
   if (dp__load_acquire(&f->state) != DONE)
     return dp__err(err, DP_ESTATE, "dp_future_ptr: the future is %s", dp_future_is_done(f) ? "failed" : "pending");
-  if (i >= f->rec.ptrs.n)
-    return dp__err(err, DP_EINVAL, "dp_future_ptr: allocation %zu of %zu", i, f->rec.ptrs.n);
-  dp__ptrs_get(&f->rec.ptrs, i, out);
+  const dp__ptrs_t *d = distinct_ptrs(f, err);
+  if (!d) return DP_ENOMEM;
+  if (i >= d->n) return dp__err(err, DP_EINVAL, "dp_future_ptr: allocation %zu of %zu", i, d->n);
+  dp__ptrs_get(d, i, out);
   return 0;
 }
 

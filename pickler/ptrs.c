@@ -164,6 +164,7 @@ int dp__ptrs_freeze(dp__ptrs_t *out, dp_ptrset_t *set, int take, size_t extra, d
   out->extra = extra ? m + head : NULL;
   out->n = n;
   out->ndevs = ng;
+  out->raw = set->raw;
   if (n && out->block != set->block) {
     if (n <= 8) {  /* a small value: no call */
       for (size_t i = 0; i < n; i++) {
@@ -212,4 +213,21 @@ void dp__ptrs_free(dp__ptrs_t *p) {
   if (p->block) block_put(p->block, p->block_size);
   if (p->meta) block_put(p->meta, p->meta_size);
   memset(p, 0, sizeof *p);
+}
+
+int dp__ptrs_distinct(const dp__ptrs_t *raw, dp__ptrs_t *out, dp_error_t *err) {
+  *out = (dp__ptrs_t){0};
+  dp_ptrset_t *set;
+  int rc = dp_ptrset_new(&set, err);
+  if (rc) return rc;
+  if (dp__ptrset_reserve(set, raw->n) != 0) rc = dp__err(err, DP_ENOMEM, "out of memory listing %zu allocations", raw->n);
+  for (size_t i = 0; rc == 0 && i < raw->n; i++) {
+    const dp__ptrs_rest_t *r = &raw->rest[i];
+    size_t at;
+    if ((rc = dp_ptrset_add(set, r->device, raw->bases[i], r->nbytes, &at, err)) == 0 && r->refs > 1)
+      dp__ptrset_add_refs(set, at, r->refs - 1);
+  }
+  if (rc == 0) rc = dp__ptrs_freeze(out, set, 0, 0, err);
+  dp_ptrset_free(set);
+  return rc;
 }

@@ -14,7 +14,8 @@
  * themselves. The devices and the caller's per-device data go in the
  * block's tail (DP__PTRS_TAIL bytes) when they fit, else in a second block
  * with the grouped bases. Immutable once made: threads read it without a
- * lock. */
+ * lock. A record frozen from a raw set (dp__ptrset_set_raw) may hold an
+ * allocation more than once: dp__ptrs_distinct makes the list. */
 #ifndef DP_PICKLER_PTRS_H
 #define DP_PICKLER_PTRS_H
 
@@ -33,6 +34,7 @@ typedef struct dp__ptrs_rest {
 } dp__ptrs_rest_t;
 
 typedef struct dp__ptrs {
+  int raw;                /* frozen from a raw set: an allocation may be there more than once */
   void *block;            /* bases, rest (and the tail): a set's block or a copy */
   size_t block_size;
   void *meta;             /* devs, grouped bases, extra, when not in the tail */
@@ -71,6 +73,18 @@ int dp__ptrs_freeze(dp__ptrs_t *out, dp_ptrset_t *set, int take, size_t extra, d
 void dp__ptrs_free(dp__ptrs_t *p);
 /* Counts extra more tensors on allocation i of s (saturating). */
 void dp__ptrset_add_refs(dp_ptrset_t *s, size_t i, uint32_t extra);
+/* Empties s and makes it raw or not (the default): a raw set appends
+ * what it is given without looking it up (an allocation right after
+ * itself still counts on its entry), which is what a completion needs: its
+ * record feeds the streams' records and the events, where an allocation
+ * met twice is recorded twice to the same effect. Raw sets are the future's
+ * and a binding's own: dp_ptrset_find and indices mean nothing in them,
+ * and no raw set is handed to a caller. */
+void dp__ptrset_set_raw(dp_ptrset_t *s, int raw);
+/* The allocations of a raw record each once, in the order first met, with
+ * refs summed and the largest nbytes (what a set that is not raw would
+ * have held), into *out (a record to dp__ptrs_free). DP_ENOMEM. */
+int dp__ptrs_distinct(const dp__ptrs_t *raw, dp__ptrs_t *out, dp_error_t *err);
 /* Frees the blocks the calling thread keeps (its exit does it too). */
 void dp__ptrs_recycle_drain(void);
 

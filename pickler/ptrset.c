@@ -141,7 +141,7 @@ static int too_many(dp_error_t *err) {
 int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes, uint64_t h,
                           size_t slot, size_t *index, dp_error_t *err) {
   if (s->count >= DP_PTRSET_MAX_ENTRIES) return too_many(err);
-  if (dp__table_full(&s->tab)) {
+  if (!s->raw && dp__table_full(&s->tab)) {
     int rc = dp__table_grow(&s->tab, DP_TABLE_TAGGED, s->count, 64, entry_hash, s);
     if (rc == DP_ELIMIT) return too_many(err);
     if (rc) return dp__err(err, rc, "out of memory growing a pointer set's table");
@@ -166,12 +166,12 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
     if (s->groups[g].count == 0) s->ngroups--;
     return dp__err(err, DP_ENOMEM, "out of memory growing a pointer set's entries");
   }
-  size_t j = slot != SIZE_MAX ? slot : dp__table_empty_slot(&s->tab, DP_TABLE_TAGGED, h);
+  size_t j = s->raw ? 0 : slot != SIZE_MAX ? slot : dp__table_empty_slot(&s->tab, DP_TABLE_TAGGED, h);
   dp__pgroup_t *gr = &s->groups[g];
   if (gr->count == 0) gr->head = (uint32_t)s->count;
   int chained = s->ngroups > 1 && gr->count > 0;
   if (s->ngroups > 1 && !chained) s->next_on[s->count] = 0;  /* a group's head: its chain ends here so far */
-  DP__PENTRY_PUSH(*index, s->bases, s->rest, s->next_on, s->count, &s->tab, g, gr->count, gr->tail, chained, device,
+  DP__PENTRY_PUSH(s->raw, *index, s->bases, s->rest, s->next_on, s->count, &s->tab, g, gr->count, gr->tail, chained, device,
                   base, nbytes, h, j);
   return 0;
 }
@@ -179,7 +179,7 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
 int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
   if (n > DP_PTRSET_MAX_ENTRIES - s->count) return DP_ELIMIT;
   size_t need = s->count + n;
-  if (need * 2 > s->tab.nslots) {
+  if (!s->raw && need * 2 > s->tab.nslots) {
     size_t slots = s->tab.nslots > 64 ? s->tab.nslots : 64;  /* a power of two */
     while (slots < need * 2) slots *= 2;
     int rc = dp__table_grow(&s->tab, DP_TABLE_TAGGED, s->count, slots, entry_hash, s);
@@ -191,13 +191,14 @@ int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
 /* The batch loop of both batch inserts: the walker's storages (st, with
  * `again` bits) and dp_ptrset_add_many's items (with their indices asked
  * back). Exactly one of st and items is given, a constant at each call:
- * inlined, each caller gets its own loop.
+ * inlined, each caller gets its own loop. raw (a constant too): the set is
+ * raw, h is not read and the table not touched.
  *
  * The loop keeps the table, the entries and the device's group in locals
  * (the table through its own functions, on a copy): stores into the
  * entries then cannot force them to be reloaded. They are written back
  * before a new device takes the slow path, and at the end. */
-static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, dp_storage_t *const *st,
+static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, const int raw, dp_storage_t *const *st,
                                                           const dp_ptr_info_t *items, const uint64_t *h, uint64_t again,
                                                           int n, size_t *indices, dp_error_t *err) {
   dp__table_t tab = s->tab;
@@ -213,7 +214,7 @@ static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, dp_stor
     gcount = s->groups[g].count;
     gtail = s->groups[g].tail;
   }
-  if (!tab.nslots) __builtin_unreachable();  /* reserved */
+  if (!raw && !tab.nslots) __builtin_unreachable();  /* reserved */
   int rc = 0;
   for (int i = 0; i < n; i++) {
     if (st && (again >> i & 1)) {
@@ -224,7 +225,13 @@ static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, dp_stor
     dp_device_t device = st ? st[i]->device : items[i].device;
     size_t nbytes = st ? st[i]->nbytes : items[i].nbytes;
     dp__pkey_t key = {base, device};
-    size_t j, at = dp__table_find(&tab, DP_TABLE_TAGGED, h[i], dp__ptrset_eq, s, &key, &j);
+    size_t j = 0, at;
+    if (raw) /* the last entry, when this is it again (dp__ptrset_raw_last, on the locals) */
+      at = count && bases[count - 1] == base && dp__dev_bits(rest[count - 1].device) == dp__dev_bits(device)
+               ? count - 1
+               : DP_TABLE_NONE;
+    else
+      at = dp__table_find(&tab, DP_TABLE_TAGGED, h[i], dp__ptrset_eq, s, &key, &j);
     if (at != DP_TABLE_NONE) {
       dp__pentry_t *e = &rest[at];
       dp__refs_inc(&e->refs);
@@ -237,7 +244,7 @@ static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, dp_stor
         s->groups[g].count = gcount;
         s->groups[g].tail = gtail;
       }
-      if ((rc = dp__ptrset_insert_new(s, device, base, nbytes, h[i], j, &id, err)) != 0) return rc;
+      if ((rc = dp__ptrset_insert_new(s, device, base, nbytes, raw ? 0 : h[i], j, &id, err)) != 0) return rc;
       tab = s->tab;
       bases = s->bases;
       rest = s->rest;
@@ -249,7 +256,7 @@ static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, dp_stor
       gtail = s->groups[g].tail;
       chained = s->ngroups > 1;
     } else {
-      DP__PENTRY_PUSH(id, bases, rest, next_on, count, &tab, g, gcount, gtail, chained, device, base, nbytes, h[i], j);
+      DP__PENTRY_PUSH(raw, id, bases, rest, next_on, count, &tab, g, gcount, gtail, chained, device, base, nbytes, raw ? 0 : h[i], j);
     }
     if (indices) indices[i] = id;
   }
@@ -264,7 +271,7 @@ static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, dp_stor
 
 int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t *h, uint64_t again, int n,
                          dp_error_t *err) {
-  return add_run(s, st, NULL, h, again, n, NULL, err);
+  return s->raw ? add_run(s, 1, st, NULL, h, again, n, NULL, err) : add_run(s, 0, st, NULL, h, again, n, NULL, err);
 }
 
 int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbytes, size_t *index,
@@ -291,6 +298,16 @@ int dp_ptrset_add_many(dp_ptrset_t *set, const dp_ptr_info_t *items, size_t n, s
   int rc = dp__ptrset_reserve(set, n);
   if (rc == DP_ELIMIT) return too_many(err);
   if (rc) return dp__err(err, rc, "out of memory growing a pointer set");
+  if (set->raw) { /* appended: no hashes */
+    enum { CHUNK = 1 << 20 };
+    for (size_t at = 0; at < n; at += CHUNK) {
+      int m = n - at < CHUNK ? (int)(n - at) : CHUNK;
+      if ((rc = indices ? add_run(set, 1, NULL, items + at, NULL, 0, m, indices + at, err)
+                        : add_run(set, 1, NULL, items + at, NULL, 0, m, NULL, err)) != 0)
+        return rc;
+    }
+    return 0;
+  }
   /* In runs of RUN: the hashes (the key derived once per device), each
    * slot fetched ahead, then the inserts, in order. */
   enum { RUN = 16 };
@@ -309,8 +326,8 @@ int dp_ptrset_add_many(dp_ptrset_t *set, const dp_ptr_info_t *items, size_t n, s
       h[i] = dp__ptr_hash_keyed(items[at + i].base, key);
       dp__ptrset_prefetch(set, h[i]);
     }
-    if ((rc = indices ? add_run(set, NULL, items + at, h, 0, m, indices + at, err)
-                      : add_run(set, NULL, items + at, h, 0, m, NULL, err)) != 0)
+    if ((rc = indices ? add_run(set, 0, NULL, items + at, h, 0, m, indices + at, err)
+                      : add_run(set, 0, NULL, items + at, h, 0, m, NULL, err)) != 0)
       return rc;
   }
   return 0;
@@ -378,4 +395,9 @@ size_t dp_ptrset_next_on(const dp_ptrset_t *s, size_t i) {
   if (s->ngroups == 1) return i + 1 < s->count ? i + 1 : SIZE_MAX;  /* not chained: see DP__PENTRY_PUSH */
   if (s->next_on[i] == 0) return SIZE_MAX;
   return s->next_on[i] - 1;
+}
+
+void dp__ptrset_set_raw(dp_ptrset_t *s, int raw) {
+  dp_ptrset_clear(s);
+  s->raw = raw;
 }

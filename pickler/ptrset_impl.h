@@ -41,7 +41,12 @@ struct dp_ptrset {
   void **bases;         /* count, discovery order */
   dp__pentry_t *rest;   /* count, discovery order */
   size_t count, cap;
-  int sized;            /* the block was sized for a record (ptrs.c), not grown */
+  int sized;
+  /* Raw (dp__ptrset_set_raw): entries are appended, never looked up in
+   * the table (left empty), so an allocation met again is a new entry
+   * unless it comes right after itself; only the walk of a completion
+   * fills a raw set, and only the future reads it (ptrs.h). */
+  int raw;            /* the block was sized for a record (ptrs.c), not grown */
   dp__table_t tab;      /* (device, base) -> entry; tagged, cleared by generation */
   /* next entry on the same device + 1, or 0: written only once the set has
    * met a second device (NULL before; next_cap entries) */
@@ -122,7 +127,7 @@ static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, 
  * (dp__ptrset_add_batch) passes locals that must stay in registers, and
  * pointers to them cost its loop 3 % (the compiler then keeps the table and
  * the entries in memory). */
-#define DP__PENTRY_PUSH(id, bases, rest, next_on, count, tab, g, gcount, gtail, chained, device_, base_, nbytes_, h, j) \
+#define DP__PENTRY_PUSH(raw_, id, bases, rest, next_on, count, tab, g, gcount, gtail, chained, device_, base_, nbytes_, h, j) \
   do {                                                                                                   \
     (id) = (count)++;                                                                                    \
     (bases)[id] = (base_);                                                                               \
@@ -133,7 +138,7 @@ static inline __attribute__((always_inline)) int dp__ptrset_eq(const void *ctx, 
     }                                                                                                    \
     (gtail) = (uint32_t)(id);                                                                            \
     (gcount)++;                                                                                          \
-    dp__table_put((tab), DP_TABLE_TAGGED, (j), (h), (id));                                               \
+    if (!raw_) dp__table_put((tab), DP_TABLE_TAGGED, (j), (h), (id));                                   \
   } while (0)
 
 /* Slow path: grow, add a device group, then DP__PENTRY_PUSH. `slot` is the
@@ -160,11 +165,19 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_storage *const *st, const uin
  * (as dp__ptrset_add_refs does), never wraps to a small number. */
 static inline __attribute__((always_inline)) void dp__refs_inc(uint32_t *refs) { *refs += *refs != UINT32_MAX; }
 
+/* In a raw set: the last entry when it is (device, base) (it then counts
+ * one more tensor), else DP_TABLE_NONE (a new entry, whatever came before). */
+static inline __attribute__((always_inline)) size_t dp__ptrset_raw_last(const dp_ptrset_t *s, size_t count,
+                                                                       const dp__pkey_t *key) {
+  return count && dp__ptrset_eq(s, count - 1, key) ? count - 1 : DP_TABLE_NONE;
+}
+
 /* Finds (device, base) given its hash or adds it; counts one more tensor. */
 static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset_t *s, dp_device_t device, void *base, size_t nbytes,
                                         uint64_t h, size_t *index, int *is_new, dp_error_t *err) {
   dp__pkey_t key = {base, device};
-  size_t j, at = dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
+  size_t j = SIZE_MAX,
+         at = s->raw ? dp__ptrset_raw_last(s, s->count, &key) : dp__table_find(&s->tab, DP_TABLE_TAGGED, h, dp__ptrset_eq, s, &key, &j);
   if (at != DP_TABLE_NONE) {
     dp__pentry_t *e = &s->rest[at];
     dp__refs_inc(&e->refs);
@@ -175,10 +188,10 @@ static inline __attribute__((always_inline)) int dp__ptrset_add_hashed(dp_ptrset
   }
   *is_new = 1;
   /* Fast path: room everywhere and the same device as the last insert. */
-  if (DP_LIKELY(j != SIZE_MAX && !dp__table_full(&s->tab) && s->count < s->cap &&
+  if (DP_LIKELY((s->raw || (j != SIZE_MAX && !dp__table_full(&s->tab))) && s->count < s->cap &&
                 s->last_group < s->ngroups && dp__dev_bits(s->groups[s->last_group].device) == dp__dev_bits(device))) {
     dp__pgroup_t *gr = &s->groups[s->last_group];
-    DP__PENTRY_PUSH(*index, s->bases, s->rest, s->next_on, s->count, &s->tab, s->last_group, gr->count, gr->tail,
+    DP__PENTRY_PUSH(s->raw, *index, s->bases, s->rest, s->next_on, s->count, &s->tab, s->last_group, gr->count, gr->tail,
                     s->ngroups > 1, device, base, nbytes, h, j);
     return 0;
   }

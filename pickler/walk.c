@@ -417,7 +417,7 @@ static int flush_pending(dp__walker_t *w) {
   uint64_t key = dp__ptr_key(kdev);
   const dp__tslot_t *slots = s->tab.slots;
   size_t mask = s->tab.nslots - 1;
-  for (int i = 0; i < n; i++) {
+  for (int i = 0; i < n && !s->raw; i++) {
     if (again >> i & 1) continue;
     if (DP_UNLIKELY(dp__dev_bits(st[i]->device) != dp__dev_bits(kdev))) key = dp__ptr_key(kdev = st[i]->device);
     h[i] = dp__ptr_hash_keyed(st[i]->base, key);
@@ -433,7 +433,7 @@ static int flush_pending(dp__walker_t *w) {
       continue;
     }
     int is_new;
-    if ((rc = dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, h[i], &id, &is_new, w->err)) != 0)
+    if ((rc = dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, s->raw ? 0 : h[i], &id, &is_new, w->err)) != 0)
       return rc;
   }
   return 0;

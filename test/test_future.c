@@ -160,6 +160,61 @@ Test(future, introspecting_a_pending_failed_or_null_future_reports_why) {
   ASSERT_NO_LEAK();
 }
 
+/* A completion lists what its walk meets without looking it up (the
+ * record feeds stream records and events, where twice is once): the
+ * introspection lists each allocation once all the same. */
+static void *count_ptrs(void *f) { return (void *)(uintptr_t)dp_future_nptrs(f); }
+
+Test(future, an_allocation_met_apart_more_than_once_is_listed_once_with_its_tensors_counted_and_its_largest_size) {
+  const dp_device_t cpu = t_dev(DP_DEVICE_CPU, 0);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_tensor(cpu, 0x1000, 4), T_ERR));  /* 16 bytes */
+  OK(dp_list_append(l, t_tensor(cpu, 0x2000, 4), T_ERR));
+  OK(dp_list_append(l, t_tensor(cpu, 0x1000, 16), T_ERR)); /* another storage, the same base: 64 bytes */
+  OK(dp_list_append(l, t_tensor(cpu, 0x3000, 4), T_ERR));
+  OK(dp_list_append(l, t_tensor(cpu, 0x2000, 4), T_ERR));
+  OK(dp_list_append(l, t_tensor(cpu, 0x1000, 2), T_ERR));
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, l, T_ERR));
+  pthread_t th[4];
+  for (int i = 0; i < 4; i++) pthread_create(&th[i], NULL, count_ptrs, f); /* the first asks race to make the list */
+  for (int i = 0; i < 4; i++) {
+    void *n;
+    pthread_join(th[i], &n);
+    cr_assert_eq((uintptr_t)n, 3, "thread %d counted %zu allocations", i, (size_t)(uintptr_t)n);
+  }
+  cr_assert_eq(dp_future_nptrs(f), 3);
+  const uintptr_t base[3] = {0x1000, 0x2000, 0x3000};
+  const uint32_t refs[3] = {3, 2, 1};
+  const size_t nbytes[3] = {64, 16, 16};
+  for (size_t i = 0; i < 3; i++) {
+    dp_ptr_info_t p;
+    OK(dp_future_ptr(f, i, &p, T_ERR));
+    cr_assert_eq(p.base, (void *)base[i], "allocation %zu in the order first met", i);
+    cr_assert_eq(p.refs, refs[i], "allocation %zu: %u tensors, not %u", i, refs[i], p.refs);
+    cr_assert_eq(p.nbytes, nbytes[i], "allocation %zu: the largest size met, %zu, not %zu", i, nbytes[i], p.nbytes);
+  }
+  dp_ptr_info_t p;
+  dp_error_t e;
+  cr_assert_eq(dp_future_ptr(f, 3, &p, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_ptr: allocation 3 of 3");
+  /* an aggregate sums each input's tensors on an allocation, once each */
+  dp_future_t *g = future(), *all;
+  OK(dp_future_mark_completed(g, t_tensor(cpu, 0x1000, 4), T_ERR));
+  dp_future_t *in[3] = {f, g, f};
+  OK(dp_future_collect_all(in, 3, NULL, &all, T_ERR));
+  OK(dp_future_wait(all, -1, T_ERR));
+  cr_assert_eq(dp_future_nptrs(all), 3);
+  OK(dp_future_ptr(all, 0, &p, T_ERR));
+  cr_assert_eq(p.base, (void *)0x1000);
+  cr_assert_eq(p.refs, 4, "3 in f (counted once), 1 in g: %u", p.refs);
+  dp_future_release(all);
+  dp_future_release(g);
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* Producer: fills a tensor slowly on its stream and completes the future.
  * Consumer: on another stream, reads it — after waiting on the future, or
  * (negative control) not. */

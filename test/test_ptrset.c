@@ -748,6 +748,83 @@ Test(ptrset, a_frozen_set_keeps_its_entries_and_each_devices_bases_in_discovery_
   ASSERT_NO_LEAK();
 }
 
+/* A raw set (a completion's) appends what it is given; its record's
+ * distinct list is what a set that is not raw holds. */
+Test(ptrset, a_raw_set_appends_and_its_records_distinct_list_is_what_a_plain_set_holds) {
+  dp_device_t dev[2] = {t_dev(DP_DEVICE_CUDA, 0), t_dev(DP_DEVICE_CUDA, 1)};
+  t_rng_t rng = {42};
+  dp_ptrset_t *raw, *plain;
+  OK(dp_ptrset_new(&raw, T_ERR));
+  OK(dp_ptrset_new(&plain, T_ERR));
+  for (int round = 0; round < 50; round++) {
+    /* first one device only, then two: the chain of the first is made late */
+    int ndev = round < 10 ? 1 : 2;
+    enum { N = 300 };
+    dp_ptr_info_t items[N];
+    size_t repeats = 0;
+    for (int i = 0; i < N; i++) {
+      if (i && (t_rand(&rng) % 4) == 0) { /* right after itself: its entry counts one more */
+        items[i] = items[i - 1];
+        items[i].nbytes = 8 * (1 + (t_rand(&rng) % 8));
+        continue;
+      }
+      items[i] = (dp_ptr_info_t){dev[(t_rand(&rng) % (uint64_t)ndev)], (void *)(uintptr_t)(0x1000 * (1 + (t_rand(&rng) % 40))),
+                                 8 * (1 + (t_rand(&rng) % 8)), 0, NULL};
+    }
+    for (int i = 0; i < N; i++) /* an entry each but for one right after itself */
+      repeats += i && items[i].base == items[i - 1].base && dp_device_equal(items[i].device, items[i - 1].device);
+    dp__ptrset_set_raw(raw, 1);
+    dp_ptrset_clear(plain);
+    /* in pieces, some one at a time, as a walk adds */
+    for (int i = 0; i < N;) {
+      int m = 1 + (int)(t_rand(&rng) % 20);
+      if (m > N - i) m = N - i;
+      if (m == 1) OK(dp_ptrset_add(raw, items[i].device, items[i].base, items[i].nbytes, NULL, T_ERR));
+      else OK(dp_ptrset_add_many(raw, items + i, (size_t)m, NULL, T_ERR));
+      i += m;
+    }
+    OK(dp_ptrset_add_many(plain, items, N, NULL, T_ERR));
+    cr_assert_eq(dp_ptrset_count(raw), N - repeats, "round %d: %zu entries, not %zu", round, dp_ptrset_count(raw),
+                 N - repeats);
+    dp__ptrs_t r, d;
+    OK(dp__ptrs_freeze(&r, raw, round & 1, 0, T_ERR));
+    cr_assert(r.raw, "a raw set's record says it may repeat");
+    size_t on_dev[2] = {0, 0};
+    for (size_t g = 0; g < r.ndevs; g++) on_dev[g] = r.devs[g].count;
+    cr_assert_eq(on_dev[0] + on_dev[1], r.n, "every entry is in its device's group");
+    OK(dp__ptrs_distinct(&r, &d, T_ERR));
+    cr_assert(!d.raw);
+    cr_assert_eq(d.n, dp_ptrset_count(plain), "round %d: %zu distinct, the plain set %zu", round, d.n,
+                 dp_ptrset_count(plain));
+    for (size_t i = 0; i < d.n; i++) {
+      dp_ptr_info_t got, want;
+      dp__ptrs_get(&d, i, &got);
+      OK(dp_ptrset_get(plain, i, &want, T_ERR));
+      cr_assert(got.base == want.base && dp_device_equal(got.device, want.device) && got.nbytes == want.nbytes &&
+                    got.refs == want.refs,
+                "round %d, entry %zu: %p %zu bytes %u refs, the plain set %p %zu bytes %u refs", round, i, got.base,
+                got.nbytes, got.refs, want.base, want.nbytes, want.refs);
+    }
+    cr_assert_eq(d.ndevs, dp_ptrset_ndevices(plain));
+    for (size_t g = 0; g < d.ndevs; g++)
+      cr_assert(dp_device_equal(d.devs[g].device, dp_ptrset_device(plain, g)) &&
+                d.devs[g].count == dp_ptrset_device_count(plain, g));
+    dp__ptrs_free(&d);
+    dp__ptrs_free(&r);
+  }
+  /* made plain again, the set finds what it holds */
+  dp__ptrset_set_raw(raw, 0);
+  OK(dp_ptrset_add(raw, dev[0], (void *)0x10, 8, NULL, T_ERR));
+  OK(dp_ptrset_add(raw, dev[0], (void *)0x20, 8, NULL, T_ERR));
+  OK(dp_ptrset_add(raw, dev[0], (void *)0x10, 8, NULL, T_ERR));
+  cr_assert_eq(dp_ptrset_count(raw), 2);
+  OK(dp_ptrset_find(raw, dev[0], (void *)0x10, NULL, T_ERR));
+  dp_ptrset_free(raw);
+  dp_ptrset_free(plain);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
 /* A set that is the caller's scratch, its block all but full, gives the
  * block to the record and starts again empty, with a block of its own. */
 Test(ptrset, a_taken_set_gives_its_block_to_the_record_and_starts_again_empty) {

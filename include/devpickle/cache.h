@@ -61,11 +61,13 @@ extern "C" {
  *  fewer fields leaves the later ones NULL, as C does. */
 typedef struct dp_cache_hooks {
   void *ctx;
-  /** The allocation holding ptr (any interior pointer) is used on s.
+  /** The allocation holding ptr (any interior pointer) is used on s; a
+   *  stream it has already is recorded once (the same call may come again).
    *  DP_ENOTFOUND when the allocator does not own ptr. */
   int (*record_stream)(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err);
   /** The same for n pointers on one stream; pointers the allocator does not
-   *  own are skipped. The first error stops the batch (records already
+   *  own are skipped. A pointer may come more than once (a future's value
+   *  holding two tensors over one allocation), as for record_stream. The first error stops the batch (records already
    *  made stay made). May be NULL: record_stream is then called n times. */
   int (*record_streams)(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err);
   /** record_streams that also says which pointers are the allocator's: it

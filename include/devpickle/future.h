@@ -206,11 +206,17 @@ DP_API int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp
 
 /* ---- introspection of a completed future ----
  * The counts are 0 for a NULL, pending or failed future. */
-/** Allocations the value holds, in discovery order. */
+/** Allocations the value holds, each once, in discovery order. A
+ *  completion's walk does not deduplicate (the streams' records and events
+ *  need no more); the list is made from its record at the first call of
+ *  this or dp_future_ptr and kept (thread-safe). 0 when that list cannot
+ *  have its memory (dp_future_ptr then says DP_ENOMEM). */
 DP_API size_t dp_future_nptrs(const dp_future_t *f);
-/** Allocation i (its path is NULL: completions scan without paths).
- *  DP_EINVAL for a NULL future or out, DP_ESTATE while it is not
- *  completed with a value, DP_EINVAL for i out of range. */
+/** Allocation i (its path is NULL: completions scan without paths; refs
+ *  counts the tensors on it, nbytes is the largest size a tensor's storage
+ *  gave it). DP_EINVAL for a NULL future or out, DP_ESTATE while it is not
+ *  completed with a value, DP_EINVAL for i out of range, DP_ENOMEM when the
+ *  list (dp_future_nptrs) cannot be made. */
 DP_API int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out, dp_error_t *err);
 /** Devices that have an event (the used non-cpu devices). */
 DP_API size_t dp_future_ndevices(const dp_future_t *f);

@@ -21,6 +21,7 @@
  */
 #include "ext.h"
 #include "../../core/path.h"
+#include "../../pickler/ptrs.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -3302,7 +3303,9 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
   s->saw_cupy = 0;
   if (!s->own) s->own = s->found;
   s->found = into ? into : s->own;
-  if (!into) dp_ptrset_clear(s->found);
+  /* A future's walk (no refs, no paths, into its own set) lists what it
+     meets without deduplicating: the future needs no more (ptrs.h) */
+  if (!into) dp__ptrset_set_raw(s->found, opts->no_refs && !opts->build && !opts->paths);
   dp_ptrset_clear(s->memo);
   s->nframes = 0;
   refs_reset(s);

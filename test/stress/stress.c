@@ -681,6 +681,52 @@ static void *racy_worker(void *p) {
   return NULL;
 }
 
+/* ---- a record's list of distinct allocations, first asked by several
+ * threads at once: one of them makes it, every one reads the same ---- */
+
+enum { NLIST = 2000, LIST_THREADS = 4 };
+static dp_future_t *list_futs[NLIST];
+
+static void *list_reader(void *p) {
+  int *bad = p;
+  for (int i = 0; i < NLIST; i++) {
+    if (dp_future_nptrs(list_futs[i]) != 2) ++*bad;
+    dp_ptr_info_t a, c;
+    if (dp_future_ptr(list_futs[i], 0, &a, NULL) || dp_future_ptr(list_futs[i], 1, &c, NULL) || a.refs != 2 ||
+        c.refs != 1 || a.base != (void *)0x1000 || c.base != (void *)0x2000)
+      ++*bad;
+  }
+  return NULL;
+}
+
+static int scenario_listing(void) {
+  dp_backend_t *b;
+  CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
+  dp_future_opts_t o = {b, NULL, 0, NULL, 0, 0};
+  const dp_device_t cpu = {DP_DEVICE_CPU, 0};
+  const int64_t shape[1] = {4};
+  for (int i = 0; i < NLIST; i++) {
+    dp_value_t l, t[3];
+    CHECK(dp_list_new(3, &l, NULL) == 0, "list");
+    const uintptr_t base[3] = {0x1000, 0x2000, 0x1000}; /* the first again, not right after itself */
+    for (int k = 0; k < 3; k++) {
+      dp_storage_t *st;
+      CHECK(dp_storage_new(cpu, (void *)base[k], 16, NULL, NULL, &st, NULL) == 0, "storage");
+      CHECK(dp_tensor_new(st, DP_FLOAT32, 1, shape, NULL, 0, &t[k], NULL) == 0, "tensor");
+      CHECK(dp_list_append(l, t[k], NULL) == 0, "append");
+    }
+    CHECK(dp_future_new(&o, &list_futs[i], NULL) == 0, "future");
+    CHECK(dp_future_mark_completed(list_futs[i], l, NULL) == 0, "completion");
+  }
+  pthread_t th[LIST_THREADS];
+  int bad[LIST_THREADS] = {0};
+  for (int i = 0; i < LIST_THREADS; i++) pthread_create(&th[i], NULL, list_reader, &bad[i]);
+  for (int i = 0; i < LIST_THREADS; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < NLIST; i++) dp_future_release(list_futs[i]);
+  for (int i = 0; i < LIST_THREADS; i++) CHECK(bad[i] == 0, "thread %d read %d wrong lists", i, bad[i]);
+  return 0;
+}
+
 /* Several rounds, so that one round whose threads happened to touch the slot
  * far apart in time cannot leave the control unreported. */
 static int scenario_racy_control(void) {
@@ -707,6 +753,7 @@ int main(int argc, char **argv) {
   run("futures: pending chains and collect_all inputs dropped while others complete and wait", scenario_dropped_futures);
   run("futures: waits from callbacks follow collect_all and then() links while their futures complete and go",
       scenario_links);
+  run("futures: 4 threads list the allocations of the same futures at once", scenario_listing);
   printf("%d passed, %d failed\n", passes, failures);
   return failures ? 1 : 0;
 }
