@@ -41,12 +41,12 @@ struct dp_ptrset {
   void **bases;         /* count, discovery order */
   dp__pentry_t *rest;   /* count, discovery order */
   size_t count, cap;
-  int sized;
+  int sized;            /* the block was sized for a record (ptrs.c), not grown */
   /* Raw (dp__ptrset_set_raw): entries are appended, never looked up in
    * the table (left empty), so an allocation met again is a new entry
    * unless it comes right after itself; only the walk of a completion
    * fills a raw set, and only the future reads it (ptrs.h). */
-  int raw;            /* the block was sized for a record (ptrs.c), not grown */
+  int raw;
   dp__table_t tab;      /* (device, base) -> entry; tagged, cleared by generation */
   /* next entry on the same device + 1, or 0: written only once the set has
    * met a second device (NULL before; next_cap entries) */
