@@ -215,6 +215,53 @@ Test(future, an_allocation_met_apart_more_than_once_is_listed_once_with_its_tens
   ASSERT_NO_LEAK();
 }
 
+/* The list of distinct allocations is made at the first ask: each of its
+ * allocations failing is DP_ENOMEM with a message (and a count of 0), and
+ * the next ask, with memory, makes it whole. */
+typedef struct listed {
+  dp_future_t *f;
+} listed_t;
+
+static void listed_prepare(void *ctx) {
+  listed_t *c = ctx;
+  const dp_device_t cpu = t_dev(DP_DEVICE_CPU, 0);
+  dp_value_t l = t_list();
+  for (uintptr_t k = 0; k < 40; k++) /* 20 allocations, each met twice apart */
+    OK(dp_list_append(l, t_tensor(cpu, 0x1000 * (1 + k % 20), 4), T_ERR));
+  c->f = future();
+  OK(dp_future_mark_completed(c->f, l, T_ERR));
+}
+
+static int listed_run(void *ctx, dp_error_t *err) {
+  listed_t *c = ctx;
+  dp_ptr_info_t p;
+  return dp_future_ptr(c->f, 19, &p, err);
+}
+
+static void listed_check(void *ctx, int rc, long k) {
+  listed_t *c = ctx;
+  (void)rc;
+  cr_assert_eq(dp_future_nptrs(c->f), 20, "allocation %ld failed: the next ask lists all 20", k);
+  dp_ptr_info_t p;
+  OK(dp_future_ptr(c->f, 19, &p, T_ERR));
+  cr_assert(p.base == (void *)0x14000 && p.refs == 2, "allocation %ld failed: %p, %u refs", k, p.base, p.refs);
+  dp_future_release(c->f);
+}
+
+Test(future, the_first_listing_of_the_allocations_that_runs_out_of_memory_fails_and_the_next_lists_them_all) {
+  listed_t c;
+  const t_sweep_t sw = {listed_prepare, listed_run, listed_check};
+  cr_assert_gt(t_sweep(&sw, &c), 0, "listing allocates");
+  listed_prepare(&c); /* a count without memory for the list is 0, and says nothing more */
+  t_fail_at = atomic_load(&t_alloc_count) + 1;
+  cr_assert_eq(dp_future_nptrs(c.f), 0);
+  t_fail_at = 0;
+  cr_assert_eq(dp_future_nptrs(c.f), 20);
+  dp_future_release(c.f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* Producer: fills a tensor slowly on its stream and completes the future.
  * Consumer: on another stream, reads it — after waiting on the future, or
  * (negative control) not. */
