@@ -104,3 +104,17 @@ def test_the_attributes_the_stub_gives_exceptions_are_on_the_exceptions_raised()
         raised = walk.value if cls.name == "WalkError" else frame.value
         for a in (n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)):
             assert hasattr(raised, a), f"{cls.name}.{a}"
+
+
+def test_the_stub_admits_None_wherever_the_extension_takes_it():
+    # docs/PYTHON.md: scan's opaque= and loads' classes= take None as (),
+    # buffers= and max_copies= default to None, buffer_callback= may be None
+    frame = devpickle.dumps(1, buffer_callback=None)
+    assert devpickle.loads(frame, buffers=None, classes=None, max_copies=None) == 1
+    assert devpickle.scan([], opaque=None) == []
+    takes_none = {"scan": {"opaque"}, "dumps": {"buffer_callback"}, "loads": {"buffers", "classes", "max_copies"}}
+    for fn in (n for n in _stub().body if isinstance(n, ast.FunctionDef) and n.name in takes_none):
+        for p in fn.args.args + fn.args.kwonlyargs:
+            if p.arg in takes_none[fn.name]:
+                text = ast.unparse(p.annotation)
+                assert text.startswith("Optional[") or "None" in text, f"{fn.name}({p.arg}: {text})"
