@@ -1440,6 +1440,78 @@ Test(transport, a_staged_buffer_sent_whole_instead_of_in_chunks_is_refused) {
                 "a buffer is cut into pieces other than the protocol's");
 }
 
+/* peer: a frame of `arg` host:0 buffers of 64 KiB, then all of them in one
+ * packed BUFS message (byte j of buffer i: i * 7 + j * 3) — larger than a
+ * receive slot when arg * 64 KiB is over 4 MiB */
+static int send_big_pack(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  size_t n = (size_t)(uintptr_t)arg, each = 64 << 10;
+  dp_error_t e;
+  dp_value_t l;
+  if (dp_list_new(n, &l, &e)) return 10;
+  for (size_t i = 0; i < n; i++) {
+    dp_storage_t *st;
+    dp_value_t v;
+    int64_t shape[1] = {(int64_t)each};
+    if (dp_storage_new(t_dev(DP_DEVICE_HOST, 0), (void *)(0x1000 + i * each), each, NULL, NULL, &st, &e) ||
+        dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
+      return 11;
+  }
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(l, NULL, fr, &e)) return 12;
+  size_t len;
+  const uint8_t *b = dp_frame_data(fr, &len);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, (uint32_t)n, 0, len, n * each};
+  dp__am_bufs_hdr_t bh = {DP__WIRE_MAGIC, (uint32_t)n, 0, 0, n * each, 0, 0};
+  uint8_t *data = malloc(n * each);
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = 0; j < each; j++) data[i * each + j] = (uint8_t)(i * 7 + j * 3);
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, len, &e) ||
+      dp__endpoint_send_raw(ep, DP__AM_BUFS, &bh, sizeof bh, data, n * each, &e))
+    return 13;
+  free(data);
+  dp_frame_free(fr);
+  dp_value_release(l);
+  dp_future_t *f; /* stays until the receiver closes */
+  if (dp_endpoint_recv(ep, &f, &e) == 0) {
+    dp_future_wait(f, 30 * SEC, NULL);
+    dp_future_release(f);
+  }
+  return 0;
+}
+
+Test(transport, a_packed_message_of_staged_buffers_larger_than_a_slot_arrives_in_a_slot_made_for_it) {
+  /* 128 buffers of 64 KiB: 8 MiB in one message, twice a receive slot */
+  t_track();
+  dp__transport_stage_host = 1;
+  size_t n = 128, each = 64 << 10;
+  peer_t p = spawn_peer(send_big_pack, (void *)(uintptr_t)n, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK(dp_future_synchronize(r, 20 * SEC, T_ERR));
+  dp_value_t v = dp_future_value(r);
+  cr_assert_eq(dp_seq_len(v), n);
+  for (size_t i = 0; i < n; i++) {
+    dp_storage_t *st = dp_tensor_storage(dp_seq_get(v, i));
+    cr_assert_eq(dp_storage_device(st).type, DP_DEVICE_HOST);
+    cr_assert_eq(dp_storage_nbytes(st), each);
+    const uint8_t *q = dp_storage_base(st);
+    for (size_t j = 0; j < each; j++)
+      if (q[j] != (uint8_t)(i * 7 + j * 3)) cr_assert_fail("buffer %zu, byte %zu: %u", i, j, q[j]);
+  }
+  OK(dp_future_wait(d, 20 * SEC, T_ERR));
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  peer_wait(p);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(transport, a_chunk_running_past_the_end_of_its_buffer_is_refused_never_written_past_it) {
   /* 5 MiB: a first chunk of 4 MiB, then a second of 4 MiB, 3 past the end */
   crafted_fails((crafted_t){5 << 20, {0, 1, 0, 0, 4 << 20, 4 << 20, 5 << 20}, 4 << 20,

@@ -86,22 +86,28 @@ int dp__tp_dev_alloc(dp_transport_t *t, dp_device_t dev, uint64_t n, dp_storage_
 
 /* ---- staging slots ---- */
 
-/* A slot for n <= DP__STAGE_CHUNK bytes, or NULL when the caller must
+/* A slot for n bytes, or NULL when the caller must
  * wait for one. Sending: each endpoint holds at most DP__STAGE_SLOTS (so a
  * slow peer holds back its own sends only); the pool keeps every slot made.
  * Receiving: at most 2 * DP__STAGE_SLOTS page-locked slots (one for each
  * piece a sender has on the wire, and more while their copies run);
  * beyond that a rendezvous piece waits (rx_wait) and an eager one, already
- * here and small, takes a slot of ordinary memory made for it (heap). */
+ * here and small, takes a slot of ordinary memory made for it (heap). A
+ * piece larger than a pooled slot (a peer may pack more than DP__STAGE_CHUNK
+ * of small staged buffers into one message) always gets a slot of its own
+ * size, made for it and freed after: a pooled slot would be written past
+ * its end. */
 int dp__tp_slot_get(dp_transport_t *t, pool_t *pool, size_t n, int heap_ok, slot_t **out, dp_error_t *err) {
   *out = NULL;
-  if (pool->free) {
+  int large = n > DP__STAGE_CHUNK;
+  if (large) heap_ok = 1;
+  else if (pool->free) {
     *out = pool->free;
     pool->free = (*out)->next;
     (*out)->next = NULL;
     return 0;
   }
-  int pooled = pool == &t->tx || pool->made < 2 * DP__STAGE_SLOTS;
+  int pooled = !large && (pool == &t->tx || pool->made < 2 * DP__STAGE_SLOTS);
   if (!pooled && !heap_ok) return 0;
   slot_t *sl = dp__alloc(sizeof *sl);
   if (!sl) return dp__err(err, DP_ENOMEM, "transport: out of memory");
