@@ -135,7 +135,10 @@ DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error
  *  measured on CLOCK_MONOTONIC, so a step of the wall clock does not change
  *  it; the thread looks for the completion for up to 100 µs, yielding the
  *  core, before it sleeps), then makes this thread's current streams wait on f's events and records
- *  f's allocations on those streams. Returns 0, DP_ETIMEDOUT, or f's own
+ *  f's allocations on those streams: one record a storage as the completion's walk met it, so an
+ *  allocation met apart more than once (views of one storage between other tensors) is recorded
+ *  that many times, to the same effect (a record is idempotent; a wait costs what the value's
+ *  tensors number, as the completion did). Returns 0, DP_ETIMEDOUT, or f's own
  *  error (copied into err); from a then() callback, DP_EMISUSE at once
  *  when f completes only after that callback returns (WAITING FOR ITSELF
  *  above). */
