@@ -1199,6 +1199,21 @@ Test(transport, endpoints_whose_peers_pull_nothing_hold_sixteen_send_slots_each_
   close_clean(ep2, t, good);
 }
 
+/* The end of a crafted peer: its frame and value go, and it holds a
+ * receive until the receiver closes (a peer that closed at once could race
+ * its crafted messages). 0. */
+static int peer_linger(dp_endpoint_t *ep, dp_frame_t *fr, dp_value_t v) {
+  dp_frame_free(fr);
+  dp_value_release(v);
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e) == 0) {
+    dp_future_wait(f, 30 * SEC, NULL);
+    dp_future_release(f);
+  }
+  return 0;
+}
+
 /* peer: a frame naming one host:0 buffer of `size` bytes, then one BUFS
  * message as crafted (data: that many zero bytes) */
 typedef struct crafted {
@@ -1272,14 +1287,7 @@ static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   }
   free(data);
   free(data0);
-  dp_frame_free(fr);
-  dp_value_release(v);
-  dp_future_t *f; /* stays until the receiver closes */
-  if (dp_endpoint_recv(ep, &f, &e) == 0) {
-    dp_future_wait(f, 30 * SEC, NULL);
-    dp_future_release(f);
-  }
-  return 0;
+  return peer_linger(ep, fr, v);
 }
 
 /* The receiver (staging) of a crafted message: its receive fails with
@@ -1470,14 +1478,7 @@ static int send_big_pack(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
       dp__endpoint_send_raw(ep, DP__AM_BUFS, &bh, sizeof bh, data, n * each, &e))
     return 13;
   free(data);
-  dp_frame_free(fr);
-  dp_value_release(l);
-  dp_future_t *f; /* stays until the receiver closes */
-  if (dp_endpoint_recv(ep, &f, &e) == 0) {
-    dp_future_wait(f, 30 * SEC, NULL);
-    dp_future_release(f);
-  }
-  return 0;
+  return peer_linger(ep, fr, l);
 }
 
 Test(transport, a_packed_message_of_staged_buffers_larger_than_a_slot_arrives_in_a_slot_made_for_it) {
@@ -1580,14 +1581,7 @@ static int send_shm_piece_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *ar
   if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e) ||
       dp__endpoint_send_raw(ep, DP__AM_SHM_PIECE, &ph, sizeof ph, NULL, 0, &e))
     return 13;
-  dp_frame_free(fr);
-  dp_value_release(v);
-  dp_future_t *f; /* stays until the receiver closes */
-  if (dp_endpoint_recv(ep, &f, &e) == 0) {
-    dp_future_wait(f, 30 * SEC, NULL);
-    dp_future_release(f);
-  }
-  return 0;
+  return peer_linger(ep, fr, v);
 }
 
 /* The receiver, which mapped the peer's slots (proved by the pieces that
