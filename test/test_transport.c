@@ -3267,6 +3267,167 @@ Test(transport, a_new_transport_removes_the_names_that_dead_processes_of_this_us
   cur_t = NULL;
 }
 
+/* ---- shared segments (shm.h): what a peer's offer claims, checked before a map ---- */
+
+/* dp__shm_map's code for the claim (no backend), its message in *e */
+static int shm_map_rc(const char *name, unsigned nslots, size_t slot_bytes, uint64_t token, dp_error_t *e) {
+  dp__shm_t *s = NULL;
+  dp_error_clear(e);
+  int rc = dp__shm_map(NULL, name, nslots, slot_bytes, token, &s, e);
+  cr_assert_eq(s == NULL, rc != 0, "a segment is given exactly when the map succeeds");
+  dp__shm_release(s);
+  return rc;
+}
+
+static void shm_map_refused(const char *name, unsigned nslots, size_t slot_bytes, uint64_t token,
+                            const char *needle) {
+  dp_error_t e;
+  int rc = shm_map_rc(name, nslots, slot_bytes, token, &e);
+  cr_assert_eq(rc, DP_EFORMAT, "'%s' (%u slots of %zu): %s: %s", name, nslots, slot_bytes, dp_err_name(rc),
+               e.message);
+  cr_assert(strstr(e.message, needle), "'%s': %s", name, e.message);
+}
+
+/* a claim that passes every check made before the file is opened: no such
+ * file, so DP_EIO from shm_open */
+static void shm_map_reaches_open(const char *name, unsigned nslots, size_t slot_bytes) {
+  dp_error_t e;
+  int rc = shm_map_rc(name, nslots, slot_bytes, 1, &e);
+  cr_assert_eq(rc, DP_EIO, "'%s' (%u slots of %zu): %s: %s", name, nslots, slot_bytes, dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "shm_open"), "%s", e.message);
+}
+
+Test(transport, a_segment_name_is_devpickle_dash_then_letters_digits_and_dashes_under_64_bytes) {
+  char name[80];
+  const char *bad[] = {"/devpickle-",   "devpickle-1-2",  "/devpicklX-1",  "/devpickle_1-2", "/devpickle-1.2",
+                       "/devpickle-1/2", "/devpickle-a b", "/devpickle-`",  "/devpickle-{",   "/devpickle-@",
+                       "/devpickle-[",   "/devpickle-/",   "/devpickle-:",  "/devpickle-1_"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+    shm_map_refused(bad[i], 1, 4096, 1, "a shared segment's name is malformed");
+  snprintf(name, sizeof name, "/devpickle-%ld-azAZ09-", (long)getpid()); /* each class's first and last */
+  shm_map_reaches_open(name, 1, 4096);
+  memset(name, 0, sizeof name);
+  memcpy(name, "/devpickle-", 11);
+  memset(name + 11, 'q', DP__SHM_NAME_MAX - 1 - 11); /* 63 bytes */
+  shm_map_reaches_open(name, 1, 4096);
+  name[DP__SHM_NAME_MAX - 1] = 'q'; /* 64: no room for its NUL */
+  shm_map_refused(name, 1, 4096, 1, "a shared segment's name is malformed");
+}
+
+Test(transport, a_segment_of_1_to_64_slots_of_1_byte_to_1_gib_each_is_made_and_mapped_and_no_other) {
+  char name[64];
+  snprintf(name, sizeof name, "/devpickle-%ld-0-0", (long)getpid());
+  shm_map_refused(name, 0, 4096, 1, "shared segment of 0 slots of 4096 bytes");
+  shm_map_refused(name, 65, 4096, 1, "shared segment of 65 slots of 4096 bytes");
+  shm_map_refused(name, 1, 0, 1, "shared segment of 1 slots of 0 bytes");
+  shm_map_refused(name, 1, ((size_t)1 << 30) + 1, 1, "shared segment of 1 slots of 1073741825 bytes");
+  shm_map_reaches_open(name, 64, (size_t)1 << 30);
+  shm_map_reaches_open(name, 1, 1);
+  dp__shm_t *s = NULL;
+  dp_error_t e;
+  const struct { unsigned n; size_t bytes; } no[] = {{0, 4096}, {65, 4096}, {1, 0}, {1, ((size_t)1 << 30) + 1}};
+  for (size_t i = 0; i < sizeof no / sizeof *no; i++) {
+    dp_error_clear(&e);
+    cr_assert_eq(dp__shm_create(NULL, no[i].n, no[i].bytes, &s, &e), DP_EINVAL, "%u slots of %zu", no[i].n,
+                 no[i].bytes);
+    cr_assert_null(s);
+    char want[96];
+    snprintf(want, sizeof want, "shared segment of %u slots of %zu bytes", no[i].n, no[i].bytes);
+    cr_assert(strstr(e.message, want), "%s", e.message);
+  }
+  OK(dp__shm_create(NULL, 64, 1, &s, T_ERR));
+  dp__shm_t *m = NULL;
+  OK(dp__shm_map(NULL, dp__shm_name(s), 64, 1, dp__shm_token(s), &m, T_ERR));
+  dp__shm_release(m);
+  dp__shm_release(s);
+  OK(dp__shm_create(NULL, 1, (size_t)1 << 30, &s, T_ERR)); /* reserved in /dev/shm, and gone at once */
+  dp__shm_release(s);
+}
+
+/* a segment's file in /dev/shm, for the test to change what a peer could */
+static int shm_file(const dp__shm_t *s) {
+  char path[96];
+  snprintf(path, sizeof path, "/dev/shm%s", dp__shm_name(s));
+  int fd = open(path, O_RDWR);
+  cr_assert_geq(fd, 0, "%s: %s", path, strerror(errno));
+  return fd;
+}
+
+/* writes v at offset `at` of the segment's header, and returns what was there */
+static uint64_t shm_poke(int fd, off_t at, uint64_t v, size_t n) {
+  uint64_t old = 0;
+  cr_assert_eq(pread(fd, &old, n, at), (ssize_t)n);
+  cr_assert_eq(pwrite(fd, &v, n, at), (ssize_t)n);
+  return old;
+}
+
+Test(transport, a_peers_segment_is_mapped_only_when_its_file_is_the_one_its_offer_describes) {
+  dp__shm_t *s, *m;
+  OK(dp__shm_create(NULL, 2, 4096, &s, T_ERR));
+  const char *name = dp__shm_name(s);
+  uint64_t tok = dp__shm_token(s);
+  memset(dp__shm_slot(s, 1), 0x5a, 4096);
+  OK(dp__shm_map(NULL, name, 2, 4096, tok, &m, T_ERR));
+  cr_assert_eq(dp__shm_slot(m, 1)[0], 0x5a, "the map reads the creator's bytes");
+  cr_assert_eq(dp__shm_slot(m, 1)[4095], 0x5a);
+  dp__shm_release(m);
+  /* the file's size: smaller and larger than the claim */
+  shm_map_refused(name, 1, 4096, tok, "is not of the size its offer says");
+  shm_map_refused(name, 3, 4096, tok, "is not of the size its offer says");
+  /* the header: its token, magic, slot count and slot size, each alone */
+  shm_map_refused(name, 2, 4096, tok + 1, "is not the one offered");
+  int fd = shm_file(s);
+  const struct { off_t at; size_t n; uint64_t v; } hdr[] = {{0, 4, 0}, {4, 4, 3}, {8, 8, 8192}};
+  for (size_t i = 0; i < sizeof hdr / sizeof *hdr; i++) {
+    uint64_t old = shm_poke(fd, hdr[i].at, hdr[i].v, hdr[i].n);
+    shm_map_refused(name, 2, 4096, tok, "is not the one offered");
+    shm_poke(fd, hdr[i].at, old, hdr[i].n);
+  }
+  /* whose it is: the mode, and (as root, who can give it away) the owner */
+  cr_assert_eq(fchmod(fd, 0640), 0);
+  shm_map_refused(name, 2, 4096, tok, "is not this user's alone");
+  cr_assert_eq(fchmod(fd, 0600), 0);
+  if (geteuid() == 0) {
+    cr_assert_eq(fchown(fd, 65534, (gid_t)-1), 0, "fchown: %s", strerror(errno));
+    shm_map_refused(name, 2, 4096, tok, "is not this user's alone");
+    cr_assert_eq(fchown(fd, 0, (gid_t)-1), 0);
+  }
+  close(fd);
+  OK(dp__shm_map(NULL, name, 2, 4096, tok, &m, T_ERR)); /* as it was: mapped again */
+  dp__shm_release(m);
+  dp__shm_release(s);
+}
+
+static int shm_name_exists(const char *name) {
+  char path[96];
+  snprintf(path, sizeof path, "/dev/shm%s", name);
+  return access(path, F_OK) == 0;
+}
+
+Test(transport, a_segments_name_goes_with_its_last_reference_or_when_unlinked_and_its_memory_with_the_last) {
+  dp__shm_t *s, *m;
+  char name[DP__SHM_NAME_MAX];
+  OK(dp__shm_create(NULL, 1, 4096, &s, T_ERR));
+  snprintf(name, sizeof name, "%s", dp__shm_name(s));
+  cr_assert(shm_name_exists(name));
+  cr_assert_eq(dp__shm_retain(s), s);
+  dp__shm_release(s);
+  cr_assert(shm_name_exists(name), "one reference is left: the segment stays");
+  dp__shm_slot(s, 0)[0] = 7;
+  OK(dp__shm_map(NULL, name, 1, 4096, dp__shm_token(s), &m, T_ERR));
+  dp__shm_release(s);
+  cr_assert_not(shm_name_exists(name), "the creator's last reference removes the name");
+  cr_assert_eq(dp__shm_slot(m, 0)[0], 7, "a map outlives the name");
+  dp__shm_release(m);
+  OK(dp__shm_create(NULL, 1, 4096, &s, T_ERR));
+  snprintf(name, sizeof name, "%s", dp__shm_name(s));
+  dp__shm_unlink(s);
+  cr_assert_not(shm_name_exists(name), "unlink removes the name at once");
+  dp__shm_slot(s, 0)[0] = 1; /* the memory stays */
+  dp__shm_release(s);
+  dp__shm_release(NULL);
+}
+
 Test(transport, an_offer_naming_a_fifo_is_refused_at_once_and_never_blocks_the_loop) {
   /* a FIFO of a devpickle name (anyone may make one in /dev/shm): opening
      it to read would wait for a writer, with the whole progress loop */
