@@ -558,14 +558,22 @@ Test(transport, an_address_that_is_not_host_port_or_a_connection_to_port_0_is_re
     const char *addr, *says;
   } bad[] = {{"127.0.0.1", "is not HOST:PORT"},         {"127.0.0.1:", "is not HOST:PORT"},
              {"127.0.0.1:8x", "is not a number"},        {"127.0.0.1:65536", "port 65536 out of range"},
-             {"127.0.0.1:0", "port 0 in '127.0.0.1:0': a connection needs the listener's port"}};
+             {"127.0.0.1:0", "port 0 in '127.0.0.1:0': a connection needs the listener's port"},
+             {"127.0.0.1:123456", "is not HOST:PORT"},   {NULL, "transport: host name too long"}};
+  char long_host[300]; /* 256 bytes of host: one more than its buffer holds with its NUL */
+  memset(long_host, 'h', 256);
+  snprintf(long_host + 256, sizeof long_host - 256, ":5000");
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    const char *addr = bad[i].addr ? bad[i].addr : long_host;
     dp_endpoint_t *ep = (dp_endpoint_t *)1;
     dp_error_t e;
-    cr_assert_eq(dp_endpoint_connect(t, bad[i].addr, &ep, &e), DP_EINVAL, "%s", bad[i].addr);
+    cr_assert_eq(dp_endpoint_connect(t, addr, &ep, &e), DP_EINVAL, "%s", addr);
     cr_assert_null(ep);
-    cr_assert(strstr(e.message, bad[i].says), "%s: %s", bad[i].addr, e.message);
+    cr_assert(strstr(e.message, bad[i].says), "%s: %s", addr, e.message);
   }
+  dp_endpoint_t *ep; /* the highest port is one (nothing listens there: the connection fails later) */
+  OK(dp_endpoint_connect(t, "127.0.0.1:65535", &ep, T_ERR));
+  dp_endpoint_free(ep);
   dp_listener_t *l; /* port 0 is a listener's: any free port */
   OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
   cr_assert_gt(dp_listener_port(l), 0);
