@@ -451,6 +451,62 @@ Test(transport, devpickle_transport_shm_0_turns_the_lane_off) {
   cr_assert_eq(got, 0, "%lu messages came on a lane", got);
 }
 
+/* Round trips of an int between c and a (one each way) until a message
+ * comes on a lane, at most n: the messages that came on lanes meanwhile. */
+static unsigned long echoes_until_lane(dp_endpoint_t *c, dp_endpoint_t *a, int n) {
+  unsigned long before = atomic_load(&dp__transport_lane_msgs);
+  dp_error_t e;
+  for (int k = 0; k < n && atomic_load(&dp__transport_lane_msgs) == before; k++)
+    for (int dir = 0; dir < 2; dir++) {
+      dp_future_t *d, *r;
+      OK(dp_endpoint_send(dir ? a : c, dp_int(k), &d, T_ERR));
+      OK(dp_endpoint_recv(dir ? c : a, &r, T_ERR));
+      OK_WITH(&e, wait_f(r, &e));
+      cr_assert_eq(dp_value_as_int(dp_future_value(r)), k);
+      OK_WITH(&e, wait_f(d, &e));
+      dp_future_release(d);
+      dp_future_release(r);
+    }
+  return atomic_load(&dp__transport_lane_msgs) - before;
+}
+
+Test(transport, a_transport_has_at_most_32_lanes_at_once_and_a_lane_freed_is_there_for_a_later_endpoint) {
+  /* both ends of each connection in this transport: a lane each, so the
+     17th pair finds none and stays on its connection */
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  enum { PAIRS = DP__LANES_MAX / 2 + 1 };
+  dp_endpoint_t *c[PAIRS], *a[PAIRS];
+  for (int i = 0; i < PAIRS; i++) {
+    c[i] = connect_to(t, dp_listener_port(l));
+    OK(dp_listener_accept(l, 30 * SEC, &a[i], T_ERR));
+    unsigned long got = echoes_until_lane(c[i], a[i], 200);
+    if (i < PAIRS - 1) cr_assert_gt(got, 0, "pair %d has no lane", i);
+    else cr_assert_eq(got, 0, "pair %d, past %u lanes, has one: %lu messages came on it", i, DP__LANES_MAX, got);
+  }
+  /* the first pair goes: its lanes are there for the next endpoints once its
+     closes are done (a pair made before then still finds none) */
+  dp_endpoint_free(c[0]);
+  dp_endpoint_free(a[0]);
+  int tries = 0;
+  for (unsigned long got = 0; !got; tries++) {
+    cr_assert_lt(tries, 100, "no pair made after the first went got a lane");
+    dp_endpoint_t *nc = connect_to(t, dp_listener_port(l)), *na;
+    OK(dp_listener_accept(l, 30 * SEC, &na, T_ERR));
+    got = echoes_until_lane(nc, na, 200);
+    dp_endpoint_free(nc);
+    dp_endpoint_free(na);
+  }
+  for (int i = 1; i < PAIRS; i++) {
+    dp_endpoint_free(c[i]);
+    dp_endpoint_free(a[i]);
+  }
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 /* ---- progress driven by the caller ---- */
 
 static const dp_transport_opts_t caller_opts = {.progress = DP_TRANSPORT_PROGRESS_CALLER};
