@@ -507,6 +507,37 @@ Test(transport, a_transport_has_at_most_32_lanes_at_once_and_a_lane_freed_is_the
   cur_t = NULL;
 }
 
+Test(transport, a_message_of_1024_bytes_goes_on_the_lane_and_one_of_1025_on_the_connection) {
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  dp_endpoint_t *c = connect_to(t, dp_listener_port(l)), *a;
+  OK(dp_listener_accept(l, 30 * SEC, &a, T_ERR));
+  cr_assert_gt(echoes_until_lane(c, a, 200), 0, "no lane");
+  for (size_t extra = 0; extra < 2; extra++) { /* a FRAME message: its header and the frame */
+    size_t n = DP__LANE_MAX + extra;
+    dp_value_t v = bytes_of_frame_len(n - sizeof(dp__am_frame_hdr_t));
+    unsigned long before = atomic_load(&dp__transport_lane_msgs);
+    dp_future_t *d, *r;
+    dp_error_t e;
+    OK(dp_endpoint_send(c, v, &d, T_ERR));
+    OK(dp_endpoint_recv(a, &r, T_ERR));
+    OK_WITH(&e, wait_f(r, &e));
+    OK_WITH(&e, wait_f(d, &e));
+    cr_assert_eq(dp_value_equal(dp_future_value(r), v, 0, NULL), 1);
+    unsigned long got = atomic_load(&dp__transport_lane_msgs) - before;
+    cr_assert_eq(got, extra ? 0 : 1, "a message of %zu bytes: %lu on the lane", n, got);
+    dp_future_release(d);
+    dp_future_release(r);
+    dp_value_release(v);
+  }
+  dp_endpoint_free(c);
+  dp_endpoint_free(a);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 /* ---- progress driven by the caller ---- */
 
 static const dp_transport_opts_t caller_opts = {.progress = DP_TRANSPORT_PROGRESS_CALLER};
