@@ -538,6 +538,23 @@ Test(transport, a_message_of_1024_bytes_goes_on_the_lane_and_one_of_1025_on_the_
   cur_t = NULL;
 }
 
+/* lane_round_trips(100) under UCX_TLS=tls: whether the lane carried them
+ * (it comes up within the first dozen round trips) or none came on one */
+static void lanes_under_tls(const char *tls, int lane) {
+  setenv("UCX_TLS", tls, 1);
+  unsigned long got = lane_round_trips(100);
+  if (lane) cr_assert_geq(got, 50, "UCX_TLS=%s: %lu of 100 echoes came on the lane", tls, got);
+  else cr_assert_eq(got, 0, "UCX_TLS=%s: %lu messages came on a lane", tls, got);
+}
+
+Test(transport, ucx_tls_naming_shm_allows_a_lane) { lanes_under_tls("tcp,shm,self", 1); }
+
+Test(transport, ucx_tls_excluding_sysv_leaves_the_lane_on_posix) { lanes_under_tls("^sysv", 1); }
+
+Test(transport, ucx_tls_excluding_posix_and_sysv_leaves_no_lane) { lanes_under_tls("^posix,sysv", 0); }
+
+Test(transport, ucx_tls_excluding_sm_leaves_no_lane) { lanes_under_tls("^sm", 0); }
+
 /* ---- progress driven by the caller ---- */
 
 static const dp_transport_opts_t caller_opts = {.progress = DP_TRANSPORT_PROGRESS_CALLER};
