@@ -3540,6 +3540,40 @@ Test(transport, a_segments_name_goes_with_its_last_reference_or_when_unlinked_an
   dp__shm_release(NULL);
 }
 
+Test(transport, a_new_transport_leaves_names_that_are_not_a_dead_processes_files_of_this_user) {
+  pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  waitpid(dead, NULL, 0);
+  char fifo[64], theirs[64], neg[64], tail[64], gone[64], path[96];
+  snprintf(fifo, sizeof fifo, "/devpickle-%ld-1-0123456789abcdef", (long)dead);   /* not a regular file */
+  snprintf(theirs, sizeof theirs, "/devpickle-%ld-2-0123456789abcdef", (long)dead); /* another user's */
+  snprintf(neg, sizeof neg, "/devpickle--%ld-3-0123456789abcdef", (long)dead);    /* no process's */
+  snprintf(tail, sizeof tail, "/devpickle-%ld-4-0123456789abcdefx", (long)dead);  /* not of its form */
+  snprintf(gone, sizeof gone, "/devpickle-%ld-5-0123456789abcdef", (long)dead);   /* the one to go */
+  snprintf(path, sizeof path, "/dev/shm%s", fifo);
+  cr_assert_eq(mkfifo(path, 0600), 0, "mkfifo: %s", strerror(errno));
+  const char *files[] = {theirs, neg, tail, gone};
+  for (size_t i = 0; i < 4; i++) {
+    int fd = shm_open(files[i], O_RDWR | O_CREAT | O_TRUNC, 0600);
+    cr_assert_geq(fd, 0, "shm_open: %s", strerror(errno));
+    if (files[i] == theirs && geteuid() == 0) cr_assert_eq(fchown(fd, 65534, (gid_t)-1), 0);
+    close(fd);
+  }
+  dp__shm_stale_s = 0; /* each as if it were old */
+  dp_transport_t *t = new_transport(NULL);
+  cr_assert_not(shm_name_exists(gone), "the name a dead process left is still there");
+  cr_assert(shm_name_exists(fifo), "a FIFO was removed");
+  if (geteuid() == 0) cr_assert(shm_name_exists(theirs), "another user's name was removed");
+  cr_assert(shm_name_exists(neg), "a name without a process's id was removed");
+  cr_assert(shm_name_exists(tail), "a name not of the form was removed");
+  unlink(path);
+  shm_unlink(theirs);
+  shm_unlink(neg);
+  shm_unlink(tail);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 Test(transport, an_offer_naming_a_fifo_is_refused_at_once_and_never_blocks_the_loop) {
   /* a FIFO of a devpickle name (anyone may make one in /dev/shm): opening
      it to read would wait for a writer, with the whole progress loop */
