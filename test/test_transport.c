@@ -451,12 +451,13 @@ Test(transport, devpickle_transport_shm_0_turns_the_lane_off) {
   cr_assert_eq(got, 0, "%lu messages came on a lane", got);
 }
 
-/* Round trips of an int between c and a (one each way) until a message
- * comes on a lane, at most n: the messages that came on lanes meanwhile. */
-static unsigned long echoes_until_lane(dp_endpoint_t *c, dp_endpoint_t *a, int n) {
+/* Round trips of an int between c and a (one each way), n of them or, with
+ * until_lane, until a message comes on a lane: the messages that came on
+ * lanes meanwhile. */
+static unsigned long lane_echoes(dp_endpoint_t *c, dp_endpoint_t *a, int n, int until_lane) {
   unsigned long before = atomic_load(&dp__transport_lane_msgs);
   dp_error_t e;
-  for (int k = 0; k < n && atomic_load(&dp__transport_lane_msgs) == before; k++)
+  for (int k = 0; k < n && !(until_lane && atomic_load(&dp__transport_lane_msgs) != before); k++)
     for (int dir = 0; dir < 2; dir++) {
       dp_future_t *d, *r;
       OK(dp_endpoint_send(dir ? a : c, dp_int(k), &d, T_ERR));
@@ -481,9 +482,13 @@ Test(transport, a_transport_has_at_most_32_lanes_at_once_and_a_lane_freed_is_the
   for (int i = 0; i < PAIRS; i++) {
     c[i] = connect_to(t, dp_listener_port(l));
     OK(dp_listener_accept(l, 30 * SEC, &a[i], T_ERR));
-    unsigned long got = echoes_until_lane(c[i], a[i], 200);
-    if (i < PAIRS - 1) cr_assert_gt(got, 0, "pair %d has no lane", i);
-    else cr_assert_eq(got, 0, "pair %d, past %u lanes, has one: %lu messages came on it", i, DP__LANES_MAX, got);
+    if (i < PAIRS - 1) {
+      cr_assert_gt(lane_echoes(c[i], a[i], 200, 1), 0, "pair %d has no lane", i);
+    } else { /* a late control message of another pair may come on its lane meanwhile, never 20 */
+      unsigned long got = lane_echoes(c[i], a[i], 100, 0);
+      cr_assert_lt(got, 20, "pair %d, past %u lanes, has one: %lu of 200 messages came on lanes", i, DP__LANES_MAX,
+                   got);
+    }
   }
   /* the first pair goes: its lanes are there for the next endpoints once its
      closes are done (a pair made before then still finds none) */
@@ -494,7 +499,7 @@ Test(transport, a_transport_has_at_most_32_lanes_at_once_and_a_lane_freed_is_the
     cr_assert_lt(tries, 100, "no pair made after the first went got a lane");
     dp_endpoint_t *nc = connect_to(t, dp_listener_port(l)), *na;
     OK(dp_listener_accept(l, 30 * SEC, &na, T_ERR));
-    got = echoes_until_lane(nc, na, 200);
+    got = lane_echoes(nc, na, 200, 1);
     dp_endpoint_free(nc);
     dp_endpoint_free(na);
   }
@@ -513,22 +518,28 @@ Test(transport, a_message_of_1024_bytes_goes_on_the_lane_and_one_of_1025_on_the_
   OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
   dp_endpoint_t *c = connect_to(t, dp_listener_port(l)), *a;
   OK(dp_listener_accept(l, 30 * SEC, &a, T_ERR));
-  cr_assert_gt(echoes_until_lane(c, a, 200), 0, "no lane");
+  cr_assert_gt(lane_echoes(c, a, 200, 1), 0, "no lane");
+  /* 20 values of each size, one at a time; a control message of the pair
+     may come on the lane meanwhile, but never 10 */
+  enum { K = 20 };
   for (size_t extra = 0; extra < 2; extra++) { /* a FRAME message: its header and the frame */
     size_t n = DP__LANE_MAX + extra;
     dp_value_t v = bytes_of_frame_len(n - sizeof(dp__am_frame_hdr_t));
     unsigned long before = atomic_load(&dp__transport_lane_msgs);
-    dp_future_t *d, *r;
-    dp_error_t e;
-    OK(dp_endpoint_send(c, v, &d, T_ERR));
-    OK(dp_endpoint_recv(a, &r, T_ERR));
-    OK_WITH(&e, wait_f(r, &e));
-    OK_WITH(&e, wait_f(d, &e));
-    cr_assert_eq(dp_value_equal(dp_future_value(r), v, 0, NULL), 1);
+    for (int k = 0; k < K; k++) {
+      dp_future_t *d, *r;
+      dp_error_t e;
+      OK(dp_endpoint_send(c, v, &d, T_ERR));
+      OK(dp_endpoint_recv(a, &r, T_ERR));
+      OK_WITH(&e, wait_f(r, &e));
+      OK_WITH(&e, wait_f(d, &e));
+      cr_assert_eq(dp_value_equal(dp_future_value(r), v, 0, NULL), 1);
+      dp_future_release(d);
+      dp_future_release(r);
+    }
     unsigned long got = atomic_load(&dp__transport_lane_msgs) - before;
-    cr_assert_eq(got, extra ? 0 : 1, "a message of %zu bytes: %lu on the lane", n, got);
-    dp_future_release(d);
-    dp_future_release(r);
+    if (extra) cr_assert_lt(got, K / 2, "%d messages of %zu bytes: %lu came on the lane", K, n, got);
+    else cr_assert_geq(got, K, "%d messages of %zu bytes: %lu came on the lane", K, n, got);
     dp_value_release(v);
   }
   dp_endpoint_free(c);
