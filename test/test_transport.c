@@ -744,6 +744,21 @@ Test(transport, listening_on_an_address_that_is_not_this_machines_says_so) {
   cur_t = NULL;
 }
 
+Test(transport, listening_on_a_port_another_listener_holds_says_the_address_is_in_use) {
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l, *l2 = (dp_listener_t *)1;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", dp_listener_port(l));
+  dp_error_t e;
+  cr_assert_eq(dp_listener_new(t, addr, &l2, &e), DP_EIO, "%s", e.message);
+  cr_assert_null(l2);
+  cr_assert_str_eq(e.message, "transport: cannot listen: the address is in use (UCX: Device is busy)");
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 /* e's message names fn and says what is NULL */
 static void null_refused(int rc, const dp_error_t *e, const char *fn, const char *what) {
   char want[128];
@@ -2693,6 +2708,39 @@ Test(transport, a_slow_receiver_holds_the_senders_back_and_closing_fails_the_pen
   cr_assert_eq(peer_wait(p), 0);
   dp_shutdown();
   ASSERT_NO_LEAK();
+}
+
+Test(transport, closing_with_one_send_and_one_receive_pending_says_so_in_the_singular) {
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 8 << 20;
+  peer_t p = spawn_peer(recv_when_told, fds, &o);
+  close(fds[0]);
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d[2], *r;
+  for (int i = 0; i < 2; i++) {
+    dp_value_t v = owned_tensor(8 << 20, (unsigned)i);
+    OK(dp_endpoint_send(ep, v, &d[i], T_ERR));
+    dp_value_release(v);
+  }
+  dp_error_t e;
+  OK_WITH(&e, wait_f(d[0], &e)); /* the second waits for the receiver's credit: pending */
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  dp_endpoint_free(ep);
+  dp_future_t *failed[2] = {d[1], r};
+  for (int i = 0; i < 2; i++) {
+    cr_assert_eq(wait_f(failed[i], &e), DP_ECANCELED, "%s", e.message);
+    cr_assert(strstr(e.message, "closed with 1 send and 1 receive pending"), "%s", e.message);
+  }
+  dp_future_release(d[0]);
+  dp_future_release(d[1]);
+  dp_future_release(r);
+  dp_transport_free(t);
+  cur_t = NULL;
+  close(fds[1]);
+  cr_assert_eq(peer_wait(p), 0);
 }
 
 /* peer: sends n values whose frames are large (a 4 MiB bytes each, byte i
