@@ -3567,6 +3567,13 @@ Test(transport, a_peers_segment_is_mapped_only_when_its_file_is_the_one_its_offe
   OK(dp__shm_map(NULL, name, 2, 4096, tok, &m, T_ERR)); /* as it was: mapped again */
   dp__shm_release(m);
   dp__shm_release(s);
+  /* a FIFO of a segment's name: opened without blocking, and refused */
+  char fifo[64], path[96];
+  snprintf(fifo, sizeof fifo, "/devpickle-%ld-7-0", (long)getpid());
+  snprintf(path, sizeof path, "/dev/shm%s", fifo);
+  cr_assert_eq(mkfifo(path, 0600), 0, "mkfifo: %s", strerror(errno));
+  shm_map_refused(fifo, 1, 4096, 1, "is not a regular file");
+  unlink(path);
 }
 
 static int shm_name_exists(const char *name) {
