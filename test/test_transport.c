@@ -472,12 +472,12 @@ static unsigned long lane_echoes(dp_endpoint_t *c, dp_endpoint_t *a, int n, int 
 }
 
 Test(transport, a_transport_has_at_most_32_lanes_at_once_and_a_lane_freed_is_there_for_a_later_endpoint) {
-  /* both ends of each connection in this transport: a lane each, so the
-     17th pair finds none and stays on its connection */
-  dp_transport_t *t = new_transport(NULL);
+  /* the connectors in one transport, the acceptors in another: the 33rd
+     pair finds no lane at either end and stays on its connection */
+  dp_transport_t *ta = new_transport(NULL), *t = new_transport(NULL);
   dp_listener_t *l;
-  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
-  enum { PAIRS = DP__LANES_MAX / 2 + 1 };
+  OK(dp_listener_new(ta, "127.0.0.1:0", &l, T_ERR));
+  enum { PAIRS = DP__LANES_MAX + 1 };
   dp_endpoint_t *c[PAIRS], *a[PAIRS];
   for (int i = 0; i < PAIRS; i++) {
     c[i] = connect_to(t, dp_listener_port(l));
@@ -509,6 +509,7 @@ Test(transport, a_transport_has_at_most_32_lanes_at_once_and_a_lane_freed_is_the
   }
   dp_listener_free(l);
   dp_transport_free(t);
+  dp_transport_free(ta);
   cur_t = NULL;
 }
 
