@@ -4271,6 +4271,61 @@ Test(transport, a_peer_killed_after_answering_still_reads_as_connection_lost_not
   ASSERT_NO_LEAK();
 }
 
+Test(transport, an_accepted_endpoint_whose_connector_dies_before_sending_anything_reads_connection_lost) {
+  /* the connector asked for the connection: it answered, though no message
+     of it came (no lane offered, no value sent) */
+  int port_fd[2], go[2];
+  cr_assert_eq(pipe(port_fd), 0);
+  cr_assert_eq(pipe(go), 0);
+  pid_t pid = fork(); /* before this process has a transport */
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    close(go[1]);
+    close(port_fd[1]);
+    alarm(60);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    t_env();
+    setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+    int port;
+    if (read(port_fd[0], &port, sizeof port) != sizeof port) _exit(90);
+    dp_transport_t *ct;
+    dp_endpoint_t *ep;
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    if (dp_transport_new(NULL, &ct, NULL) || dp_endpoint_connect(ct, addr, &ep, NULL)) _exit(91);
+    char c;
+    if (read(go[0], &c, 1) < 0) _exit(92); /* the test took the connection */
+    raise(SIGKILL);
+    _exit(93);
+  }
+  close(go[0]);
+  close(port_fd[0]);
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  int port = dp_listener_port(l);
+  cr_assert_eq(write(port_fd[1], &port, sizeof port), (ssize_t)sizeof port);
+  close(port_fd[1]);
+  dp_endpoint_t *a;
+  OK(dp_listener_accept(l, 30 * SEC, &a, T_ERR));
+  dp_future_t *r;
+  OK(dp_endpoint_recv(a, &r, T_ERR));
+  close(go[1]);
+  dp_error_t e;
+  int rc = wait_f(r, &e);
+  cr_assert(rc == DP_EIO || rc == DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "transport: endpoint accepted on port"), "%s", e.message);
+  cr_assert(strstr(e.message, ": connection lost ("), "%s", e.message);
+  int st;
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "the connector did not die as told");
+  dp_future_release(r);
+  dp_endpoint_free(a);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 /* ---- a hostile peer's CLOSE (docs/TRANSPORT.md, "On the wire") ---- */
 
 /* Polls ep until it fails, at most `ms` milliseconds; its code (0: still
