@@ -15,6 +15,7 @@
 #include <arpa/inet.h>
 #include <unistd.h>
 #include <time.h>
+#include <ucp/api/ucp.h>
 
 #include "helpers.h"
 #include "net.h"
@@ -404,6 +405,13 @@ Test(transport, ten_thousand_small_messages_in_flight_arrive_complete_and_in_ord
 }
 
 /* ---- the same-host lane ---- */
+
+/* 1 when a shared-memory name ("/devpickle-...") exists in /dev/shm */
+static int shm_name_exists(const char *name) {
+  char path[96];
+  snprintf(path, sizeof path, "/dev/shm%s", name);
+  return access(path, F_OK) == 0;
+}
 
 /* Round trips n small values with an echoing peer; returns how many
  * messages this process received on same-host lanes meanwhile. */
@@ -1521,6 +1529,49 @@ Test(transport, a_lane_offer_naming_a_file_that_does_not_prove_the_same_user_is_
   dp_endpoint_free(ep);
   dp_transport_free(t);
   cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0, "the acceptor did not live on");
+}
+
+Test(transport, the_acceptor_removes_the_lane_file_it_read_even_when_the_connector_never_does) {
+  /* a connector killed between its offer and the answer leaves its file:
+     the acceptor, which has read it, removes its name. Here the connector is
+     this test, its lane a UCX worker of its own whose address it offers in a
+     file it keeps (the transport's own offer is off) */
+  peer_t p = spawn_peer(recv_one_or_error, NULL, NULL);
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  ucp_config_t *cfg;
+  ucp_context_h ctx;
+  ucp_worker_h w;
+  ucp_params_t up = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_AM};
+  ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
+  cr_assert_eq(ucp_config_read(NULL, NULL, &cfg), UCS_OK);
+  cr_assert_eq(ucp_config_modify(cfg, "TLS", "posix"), UCS_OK);
+  cr_assert_eq(ucp_config_modify(cfg, "MM_FIFO_ELEM_SIZE", DP__LANE_ELEM), UCS_OK);
+  cr_assert_eq(ucp_init(&up, cfg, &ctx), UCS_OK);
+  ucp_config_release(cfg);
+  cr_assert_eq(ucp_worker_create(ctx, &wp, &w), UCS_OK);
+  ucp_address_t *addr;
+  size_t n;
+  cr_assert_eq(ucp_worker_get_address(w, &addr, &n), UCS_OK);
+  cr_assert_leq(n, DP__LANE_ADDR_MAX);
+  dp__shm_t *f;
+  OK(dp__shm_create(NULL, 1, DP__LANE_ADDR_MAX, &f, T_ERR));
+  memcpy(dp__shm_slot(f, 0), addr, n);
+  ucp_worker_release_address(w, addr);
+  char name[DP__SHM_NAME_MAX];
+  snprintf(name, sizeof name, "%s", dp__shm_name(f));
+  dp__am_shm_ctl_t offer = {DP__WIRE_MAGIC, (uint32_t)n, dp__shm_token(f)};
+  OK(dp__endpoint_send_raw(ep, DP__AM_LANE_ADDR, &offer, sizeof offer, name, strlen(name), T_ERR));
+  for (int i = 0; i < 1000 && shm_name_exists(name); i++) sleep_ms(10);
+  cr_assert_not(shm_name_exists(name), "the acceptor read the file and left its name");
+  dp__shm_release(f);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  ucp_worker_destroy(w);
+  ucp_cleanup(ctx);
   cr_assert_eq(peer_wait(p), 0, "the acceptor did not live on");
 }
 
@@ -3575,12 +3626,6 @@ Test(transport, a_peers_segment_is_mapped_only_when_its_file_is_the_one_its_offe
   cr_assert_eq(mkfifo(path, 0600), 0, "mkfifo: %s", strerror(errno));
   shm_map_refused(fifo, 1, 4096, 1, "is not a regular file");
   unlink(path);
-}
-
-static int shm_name_exists(const char *name) {
-  char path[96];
-  snprintf(path, sizeof path, "/dev/shm%s", name);
-  return access(path, F_OK) == 0;
 }
 
 Test(transport, a_segments_name_goes_with_its_last_reference_or_when_unlinked_and_its_memory_with_the_last) {
