@@ -5,6 +5,7 @@
  * TCP over lo and shared memory (t_env), as CI has no other interface. */
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -518,6 +519,37 @@ Test(transport, a_transport_has_at_most_32_lanes_at_once_and_a_lane_freed_is_the
   dp_listener_free(l);
   dp_transport_free(t);
   dp_transport_free(ta);
+  cur_t = NULL;
+}
+
+Test(transport, an_endpoint_to_an_address_of_one_of_this_hosts_interfaces_gets_a_lane) {
+  /* not loopback: this host's all the same (UCX reaches it only when it may
+     use that interface) */
+  struct ifaddrs *ifs, *i;
+  char ip[INET_ADDRSTRLEN] = "";
+  cr_assert_eq(getifaddrs(&ifs), 0);
+  for (i = ifs; i && !ip[0]; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+    struct in_addr a = ((const struct sockaddr_in *)i->ifa_addr)->sin_addr;
+    if ((ntohl(a.s_addr) >> 24) != 127) inet_ntop(AF_INET, &a, ip, sizeof ip);
+  }
+  freeifaddrs(ifs);
+  if (!ip[0]) cr_skip_test("this host has no IPv4 interface but loopback");
+  setenv("UCX_NET_DEVICES", "all", 1);
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  char addr[64];
+  snprintf(addr, sizeof addr, "%s:0", ip);
+  OK(dp_listener_new(t, addr, &l, T_ERR));
+  snprintf(addr, sizeof addr, "%s:%d", ip, dp_listener_port(l));
+  dp_endpoint_t *c, *a;
+  OK(dp_endpoint_connect(t, addr, &c, T_ERR));
+  OK(dp_listener_accept(l, 30 * SEC, &a, T_ERR));
+  cr_assert_gt(lane_echoes(c, a, 200, 1), 0, "an endpoint to %s has no lane", ip);
+  dp_endpoint_free(c);
+  dp_endpoint_free(a);
+  dp_listener_free(l);
+  dp_transport_free(t);
   cur_t = NULL;
 }
 
