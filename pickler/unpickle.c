@@ -587,8 +587,8 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
       return rc;
     case T_EXT: {
       if (t.ext != DP_EXT_REF || t.len != 4)
-        return rd_fail(r, DP_EFORMAT, at, "unexpected ext type %d of %llu bytes", t.ext,
-                          (unsigned long long)t.len);
+        return rd_fail(r, DP_EFORMAT, at, "unexpected ext type %d of %llu %s", t.ext,
+                          (unsigned long long)t.len, plural(t.len, "byte", "bytes"));
       uint64_t idx = be(t.data, 4);
       if (idx >= u->nnodes)
         return rd_fail(r, DP_EFORMAT, at, "back-reference to node %llu, but only %zu node%s precede%s it (a "

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <jansson.h>
+#include <xxhash.h>
 
 #include "helpers.h"
 #include "net.h"
@@ -3168,4 +3169,40 @@ Test(cli, inspect_finds_again_every_one_of_many_shared_nodes) {
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_str_eq(r.out, "100000\n$[1][99999]                               -> $[0][99999]\n");
   res_free(r);
+}
+
+/* Writes to dir/name a frame without buffers around a hand-made payload,
+ * checksummed as docs/FORMAT.md says: what a sender that computes checksums
+ * can send, however the payload breaks the rules. */
+static void spit_frame(const char *name, const void *payload, size_t n) {
+  uint8_t *f = calloc(1, 41 + n);
+  cr_assert_not_null(f);
+  memcpy(f, "DPKL\x01\x00\x00\x00", 8);
+  for (int i = 0; i < 8; i++) f[8 + i] = (uint8_t)((uint64_t)n >> (8 * i)); /* payload_len */
+  f[16] = 1;                                                                /* table_len */
+  memcpy(f + 40, payload, n);
+  f[40 + n] = 0x90; /* an empty buffer table */
+  uint64_t sum = XXH3_64bits_withSeed(f + 40, n + 1, XXH3_64bits(f, 32));
+  for (int i = 0; i < 8; i++) f[32 + i] = (uint8_t)(sum >> (8 * i));
+  char path[256];
+  path_in(path, sizeof path, name);
+  FILE *out = fopen(path, "wb");
+  cr_assert_not_null(out);
+  cr_assert_eq(fwrite(f, 1, 41 + n, out), 41 + n);
+  cr_assert_eq(fclose(out), 0);
+  free(f);
+}
+
+/* A stray tag (a dict key that is a bare ext type 0 of one data byte) is
+ * named with its one byte in the singular, as every count in a message is. */
+Test(cli, a_stray_tag_is_named_as_an_ext_of_one_byte_in_the_singular) {
+  static const uint8_t payload[] = {0x81, 0xd4, 0x00, 0x01, 0xc0}; /* {tag 1: None} */
+  spit_frame("t.dpk", payload, sizeof payload);
+  static const char *const cmds[] = {"verify t.dpk", "unpack t.dpk", "dump t.dpk", "inspect t.dpk"};
+  for (int i = 0; i < 4; i++) {
+    res_t r = run(cmds[i]);
+    cr_assert_eq(r.status, 1, "%s: %s", cmds[i], r.err);
+    cr_assert_str_eq(r.err, "devpickle: t.dpk: unexpected ext type 0 of 1 byte, at byte 41\n", "%s", cmds[i]);
+    res_free(r);
+  }
 }

@@ -4207,7 +4207,7 @@ Test(pickler, an_extension_value_other_than_a_four_byte_back_reference_is_refuse
   const uint8_t long_ref[] = {0x91, 0xd7, 0x01, 0, 0, 0, 0, 0, 0, 0, 0};
   expect_bad(long_ref, sizeof long_ref, DP_EFORMAT, 41, "unexpected ext type 1 of 8 bytes", NULL);
   const uint8_t stray_tag[] = {0x92, 0x01, 0xd4, 0x00, 0x01};
-  expect_bad(stray_tag, sizeof stray_tag, DP_EFORMAT, 42, "unexpected ext type 0 of 1 bytes", NULL);
+  expect_bad(stray_tag, sizeof stray_tag, DP_EFORMAT, 42, "unexpected ext type 0 of 1 byte", NULL);
   ASSERT_NO_LEAK();
 }
 
