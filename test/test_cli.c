@@ -3206,3 +3206,19 @@ Test(cli, a_stray_tag_is_named_as_an_ext_of_one_byte_in_the_singular) {
     res_free(r);
   }
 }
+
+/* stdin may be a regular file read from past its start (a caller that read
+ * a prefix of it first): the bytes after the frame are counted from where
+ * the frame started, not from the file's first byte. */
+Test(cli, bytes_after_a_frame_on_stdin_are_counted_from_where_stdin_stood) {
+  spit("v.json", simple_json);
+  res_t r = run_sh("\"$D\" pack v.json -o f.dpk && (head -c 100 /dev/zero; cat f.dpk; head -c 70000 /dev/zero) > p.dpk"
+                   " && for c in verify unpack dump inspect; do"
+                   " (dd of=/dev/null bs=100 count=1 status=none; \"$D\" $c - >/dev/null) < p.dpk; done");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  const char *line = "devpickle: <stdin>: 70000 bytes after the end of the frame, at byte 113\n";
+  char want[512];
+  snprintf(want, sizeof want, "%s%s%s%s", line, line, line, line);
+  cr_assert_str_eq(r.err, want);
+  res_free(r);
+}

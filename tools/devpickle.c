@@ -544,6 +544,7 @@ typedef struct src {
   uint64_t total;            /* bytes handed out */
   uint64_t limit;            /* the frame's end plus TRAIL_MAX (UINT64_MAX until the header says) */
   uint64_t end;              /* the frame's end, once known */
+  uint64_t start;            /* the file's offset where the frame starts (stdin need not be at 0) */
   uint8_t hdr[FRAME_HEADER];
   size_t hdr_len;
   int over;                  /* more than TRAIL_MAX bytes followed the frame */
@@ -584,8 +585,9 @@ static int src_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err)
       s->over = 1;
       /* a regular file's size says how many follow, without reading them */
       struct stat st;
-      if (fstat(fileno(s->f), &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_size > s->end) {
-        uint64_t after = (uint64_t)st.st_size - s->end;
+      if (fstat(fileno(s->f), &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_size > s->start &&
+          (uint64_t)st.st_size - s->start > s->end) {
+        uint64_t after = (uint64_t)st.st_size - s->start - s->end;
         snprintf(err->message, sizeof err->message, "%" PRIu64 " bytes after the end of the frame", after);
       } else {
         snprintf(err->message, sizeof err->message,
@@ -622,7 +624,10 @@ static int src_open(src_t *s, const char *path) {
   if (strcmp(path, "-") == 0 && isatty(STDIN_FILENO))
     return data_error(display(path), "is a terminal: a frame is binary (name a file, or pipe a frame in)", -1);
   s->f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
-  return s->f ? 0 : data_error(display(path), strerror(errno), -1);
+  if (!s->f) return data_error(display(path), strerror(errno), -1);
+  off_t at = ftello(s->f); /* `(read 100 bytes; devpickle verify -) < F`: the frame starts there */
+  s->start = at > 0 ? (uint64_t)at : 0;
+  return 0;
 }
 
 static void src_close(src_t *s) {
