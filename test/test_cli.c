@@ -2347,10 +2347,10 @@ Test(cli, a_hang_up_ends_a_receiver_that_waits_for_its_frame) {
   cr_assert_not(tmp_file_in_dir(), "a hang-up left a temporary file");
 }
 
-/* Feeds `pack - -o x.dpk` a pipe of `unit` repeated, up to max bytes or
- * until pack closes it; returns the bytes written before it did. */
-static size_t pack_from_a_long_pipe(const char *unit, size_t unit_len, size_t max, int *status, char *err,
-                                    size_t errsize) {
+/* Feeds `pack - -o x.dpk` a pipe of head then `unit` repeated, up to max
+ * bytes or until pack closes it; returns the bytes written before it did. */
+static size_t pack_from_a_long_pipe(const char *head, const char *unit, size_t unit_len, size_t max, int *status,
+                                    char *err, size_t errsize) {
   char abs[512], errpath[256];
   cr_assert_not_null(realpath(cli, abs));
   path_in(errpath, sizeof errpath, ".childerr");
@@ -2369,7 +2369,8 @@ static size_t pack_from_a_long_pipe(const char *unit, size_t unit_len, size_t ma
   void (*was)(int) = signal(SIGPIPE, SIG_IGN);
   static char chunk[1 << 16];
   for (size_t i = 0; i < sizeof chunk; i++) chunk[i] = unit[i % unit_len];
-  size_t sent = 0;
+  size_t sent = strlen(head);
+  cr_assert_eq(write(fds[1], head, sent), (ssize_t)sent);
   while (sent < max) {
     ssize_t k = write(fds[1], chunk, sizeof chunk);
     if (k <= 0) break;
@@ -2405,7 +2406,7 @@ Test(cli, pack_stops_reading_an_input_once_what_came_is_no_json_whatever_follows
   for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
     int status;
     char err[512];
-    size_t sent = pack_from_a_long_pipe(runs[i].unit, runs[i].len, max, &status, err, sizeof err);
+    size_t sent = pack_from_a_long_pipe("", runs[i].unit, runs[i].len, max, &status, err, sizeof err);
     cr_assert_eq(status, 1, "run %zu: %s", i, err);
     cr_assert_str_eq(err, runs[i].err, "run %zu", i);
     cr_assert_lt(sent, (size_t)1 << 20, "run %zu: pack read %zu bytes of a stream that was no JSON from its start", i,
@@ -2424,6 +2425,40 @@ Test(cli, pack_stops_reading_an_input_once_what_came_is_no_json_whatever_follows
                    "cmp long.dpk again.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
+}
+
+/* A duplicate key makes a text no JSON whatever follows, in an object still
+ * open too: pack stops reading there, as it does at any other such error,
+ * with the message the whole text gets. It read on to the stream's end (the
+ * memory's, for an endless one): the check of what came kept no keys. Keys
+ * are compared as decoded ("k\u0061" is "ka"), and only within one object. */
+Test(cli, pack_stops_reading_at_a_duplicate_key_of_an_object_still_open) {
+  static const struct {
+    const char *head;
+    const char *err;
+  } runs[] = {
+      {"{\"a\": 1, \"a\": [", "devpickle: <stdin>: invalid JSON: duplicate object key (line 1, column 10), at byte 9\n"},
+      {"[{\"x\": {\"k\\u0061\": 1, \"ka\": [",
+       "devpickle: <stdin>: invalid JSON: duplicate object key (line 1, column 23), at byte 22\n"},
+      {"{\"a\": {\"b\": 1}, \"b\": {\"b\": 2, \"c\": {}}, \"a\": [",
+       "devpickle: <stdin>: invalid JSON: duplicate object key (line 1, column 41), at byte 40\n"},
+  };
+  for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+    int status;
+    char err[512];
+    size_t sent = pack_from_a_long_pipe(runs[i].head, "1, ", 3, 64 << 20, &status, err, sizeof err);
+    cr_assert_eq(status, 1, "run %zu: %s", i, err);
+    cr_assert_str_eq(err, runs[i].err, "run %zu", i);
+    cr_assert_lt(sent, (size_t)1 << 20, "run %zu: pack read %zu bytes past a duplicate key", i, sent);
+  }
+  /* one key in two objects, open or closed, is no duplicate: read to the end */
+  int status;
+  char err[512];
+  size_t sent = pack_from_a_long_pipe("{\"a\": {\"a\": {}, \"b\": {\"a\": 1}}, \"b\": [", "1, ", 3, 4 << 20, &status,
+                                      err, sizeof err);
+  cr_assert_eq(status, 1, "%s", err);
+  cr_assert_geq(sent, (size_t)4 << 20, "pack stopped after %zu bytes of JSON so far", sent);
+  cr_assert_not_null(strstr(err, "premature end of input"), "%s", err);
 }
 
 /* An empty -o name is no file: it was taken as one, the whole output

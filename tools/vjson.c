@@ -107,6 +107,11 @@ typedef struct ps {
   size_t keycap, keylen;
   const char *key_at; /* where that key starts: a duplicate is reported there */
   int prefix;     /* the text may go on past end (vjson_prefix_fails) */
+  int keep;       /* a prefix's parse is reading a key: it keeps that string */
+  struct pkey { uint64_t h; size_t obj, at; } *pkeys; /* a prefix's keys of open objects (prefix_key_repeats) */
+  size_t npkeys, pkcap;
+  size_t *pslot;  /* their index: key numbers + 1, some stale */
+  size_t pscap, npslots;
   int cut;        /* the error may be the end's doing: more text could mend it */
 } ps_t;
 
@@ -143,7 +148,7 @@ static void skip_ws(ps_t *ps) {
 }
 
 static int buf_put(ps_t *ps, const char *c, size_t n) {
-  if (ps->prefix) return 0; /* it keeps no strings */
+  if (ps->prefix && !ps->keep) return 0; /* it keeps no strings but keys */
   if (ps->len + n > ps->cap) {
     size_t ncap = ps->cap ? ps->cap : 64;
     while (ncap < ps->len + n) ncap *= 2;
@@ -413,7 +418,10 @@ static int parse_key(ps_t *ps, int after_comma) {
     return perr(ps, after_comma ? "a key (a string) expected, not %s" : "a key (a string) or '}' expected, not %s",
                 char_at(ps, ch, sizeof ch));
   ps->key_at = ps->p;
-  if (parse_string(ps)) return -1;
+  ps->keep = 1;
+  int rc = parse_string(ps);
+  ps->keep = 0;
+  if (rc) return -1;
   if (ps->len + 1 > ps->keycap) {
     char *k = realloc(ps->key, ps->len + 1);
     if (!k) return perr(ps, "out of memory"), cut(ps);
@@ -431,15 +439,73 @@ static int parse_key(ps_t *ps, int after_comma) {
   return 0;
 }
 
+static uint64_t process_seed(void);
+
+/* Whether the key just read (ps->key) repeats one of object obj's (a
+ * number of its own among the objects a prefix opens). A prefix builds no
+ * objects; so that a duplicate key fails it as it fails the whole text (an
+ * endless stream behind one is not read on), it keeps the keys of the
+ * objects still open — each key's hash and where it starts, a stack that an
+ * object's closing cuts back — and decodes an earlier key again to compare
+ * only when the hashes agree. The index keeps the slots of keys cut away
+ * (a slot names a key's number: one past the stack is skipped, one taken
+ * again names a live key, compared as any) until they outnumber the live
+ * keys, then is made again from the stack: time and memory stay linear in
+ * the text. -1 when out of memory. */
+static int prefix_key_repeats(ps_t *ps, size_t obj) {
+  uint64_t h = XXH3_64bits_withSeed(ps->key, ps->keylen, process_seed() ^ obj);
+  if (ps->npkeys == ps->pkcap) {
+    size_t ncap = ps->pkcap ? ps->pkcap * 2 : 64;
+    struct pkey *nk = realloc(ps->pkeys, ncap * sizeof *nk);
+    if (!nk) return -1;
+    ps->pkeys = nk;
+    ps->pkcap = ncap;
+  }
+  if ((ps->npslots + 1) * 2 > ps->pscap || ps->npslots > 2 * ps->npkeys + 256) {
+    size_t ncap = 256;
+    while (ncap < 4 * (ps->npkeys + 1)) ncap *= 2;
+    size_t *ns = calloc(ncap, sizeof *ns);
+    if (!ns) return -1;
+    for (size_t i = 0; i < ps->npkeys; i++) {
+      size_t j = ps->pkeys[i].h & (ncap - 1);
+      while (ns[j]) j = (j + 1) & (ncap - 1);
+      ns[j] = i + 1;
+    }
+    free(ps->pslot);
+    ps->pslot = ns;
+    ps->pscap = ncap;
+    ps->npslots = ps->npkeys;
+  }
+  size_t j = h & (ps->pscap - 1);
+  for (; ps->pslot[j]; j = (j + 1) & (ps->pscap - 1)) {
+    size_t i = ps->pslot[j] - 1;
+    if (i >= ps->npkeys || ps->pkeys[i].obj != obj || ps->pkeys[i].h != h) continue;
+    ps_t q = *ps; /* the earlier key, decoded again: it parsed once, it parses alike */
+    q.p = ps->s + ps->pkeys[i].at;
+    q.buf = NULL;
+    q.cap = 0;
+    q.keep = 1;
+    int same = parse_string(&q) == 0 && q.len == ps->keylen && memcmp(q.buf ? q.buf : "", ps->key, q.len) == 0;
+    free(q.buf);
+    if (same) return 1;
+  }
+  ps->pkeys[ps->npkeys] = (struct pkey){h, obj, (size_t)(ps->key_at - ps->s)};
+  ps->pslot[j] = ++ps->npkeys;
+  ps->npslots++;
+  return 0;
+}
+
 /* The parser of vjson_parse; with prefix, text may go on past n, and
  * *was_cut tells whether a failure could be the end's doing. */
 static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, size_t msgsize, size_t *errpos,
                           int *was_cut) {
-  ps_t ps = {text, text + n, text, msg, msgsize, NULL, 0, 0, NULL, 0, 0, NULL, prefix, 0};
+  ps_t ps = {text, text + n, text, msg, msgsize, NULL, 0, 0, NULL, 0, 0, NULL, prefix, 0, NULL, 0, 0, NULL, 0, 0, 0};
   json_t **stack = malloc(sizeof *stack * (VJSON_MAX_JSON_DEPTH + 1));
-  size_t top = 0;
+  /* a prefix's open containers: a number each, and where their keys start */
+  struct pobj { size_t num, keys; } *objs = prefix ? malloc(sizeof *objs * (VJSON_MAX_JSON_DEPTH + 1)) : NULL;
+  size_t top = 0, nobjs = 0;
   json_t *root = NULL;
-  int bad = !stack;
+  int bad = !stack || (prefix && !objs);
   if (bad) perr(&ps, "out of memory"), cut(&ps);
   /* A UTF-8 byte order mark is skipped (RFC 8259 lets a parser ignore it);
    * offsets still count it, columns do not. One of UTF-16 or UTF-32 says
@@ -473,6 +539,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
         bad = perr(&ps, "nesting deeper than %d levels", VJSON_MAX_JSON_DEPTH);
         break;
       }
+      if (prefix) objs[top] = (struct pobj){++nobjs, ps.npkeys};
       stack[top++] = v;
       skip_ws(&ps);
       char close = json_is_array(v) ? ']' : '}';
@@ -482,6 +549,10 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
       } else {
         if (json_is_object(v) && parse_key(&ps, 0)) {
           bad = 1;
+          break;
+        }
+        if (json_is_object(v) && prefix && prefix_key_repeats(&ps, objs[top - 1].num) < 0) {
+          bad = perr(&ps, "out of memory"), cut(&ps);
           break;
         }
         continue;
@@ -500,7 +571,12 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
             bad = 1;
             break;
           }
-          if (!prefix && json_object_getn(c, ps.key, ps.keylen)) { /* a prefix keeps no keys */
+          int again = prefix ? prefix_key_repeats(&ps, objs[top - 1].num) : json_object_getn(c, ps.key, ps.keylen) != NULL;
+          if (again < 0) {
+            bad = perr(&ps, "out of memory"), cut(&ps);
+            break;
+          }
+          if (again) {
             ps.p = ps.key_at;
             bad = perr(&ps, "duplicate object key");
             break;
@@ -510,6 +586,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
       }
       if (ps.p < ps.end && *ps.p == close) {
         ps.p++;
+        if (prefix) ps.npkeys = objs[top - 1].keys; /* its keys go with it */
         top--;
         continue;
       }
@@ -526,6 +603,9 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
     if (ps.p != ps.end) bad = perr(&ps, "end of input expected, not %s", char_at(&ps, ch, sizeof ch));
   }
   free(stack);
+  free(objs);
+  free(ps.pkeys);
+  free(ps.pslot);
   free(ps.buf);
   free(ps.key);
   *was_cut = ps.cut;
