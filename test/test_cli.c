@@ -2964,6 +2964,24 @@ Test(cli, pack_refuses_a_literal_of_the_right_length_but_the_wrong_letters) {
   pack_fails("f.json", "x.dpk", "[fa1se]", "devpickle: f.json: invalid JSON: invalid token (line 1, column 2), at byte 1\n");
 }
 
+/* A number or literal the text ends in before it is whole is input that
+ * ends too soon: reported at the end, as an unclosed container is (README),
+ * where it was "invalid token" or "invalid number" where the token starts.
+ * A literal that is already wrong stays an invalid token where it starts. */
+Test(cli, a_number_or_literal_cut_by_the_end_of_the_text_is_reported_at_the_end) {
+  pack_fails("t.json", "x.dpk", "[tru",
+             "devpickle: t.json: invalid JSON: premature end of input (line 1, column 5), at byte 4\n");
+  pack_fails("n.json", "x.dpk", "{\"a\": n",
+             "devpickle: n.json: invalid JSON: premature end of input (line 1, column 8), at byte 7\n");
+  pack_fails("p.json", "x.dpk", "{\"a\": 1.",
+             "devpickle: p.json: invalid JSON: premature end of input in a number (line 1, column 9), at byte 8\n");
+  pack_fails("e.json", "x.dpk", "[2e+",
+             "devpickle: e.json: invalid JSON: premature end of input in a number (line 1, column 5), at byte 4\n");
+  pack_fails("m.json", "x.dpk", "[-",
+             "devpickle: m.json: invalid JSON: premature end of input in a number (line 1, column 3), at byte 2\n");
+  pack_fails("x.json", "x.dpk", "[trx", "devpickle: x.json: invalid JSON: invalid token (line 1, column 2), at byte 1\n");
+}
+
 /* VALUE_JSON.md: a UTF-16 or UTF-32 byte order mark (either byte order) is
  * refused at byte 0; a UTF-8 one is skipped, even when nothing follows it. */
 Test(cli, pack_names_a_utf16_or_utf32_byte_order_mark_of_either_byte_order_and_skips_a_lone_utf8_one) {

@@ -312,26 +312,36 @@ static int parse_string(ps_t *ps) {
   }
 }
 
+/* The text ends inside a number or literal that more text could complete:
+ * input that ends too soon, reported at its end as an unclosed container
+ * is (README, "The CLI"), not as a bad token where it starts. */
+static json_t *ends_too_soon(ps_t *ps, const char *what) {
+  ps->p = ps->end;
+  perr(ps, "%s", what);
+  cut(ps);
+  return NULL;
+}
+
 static json_t *parse_number(ps_t *ps) {
   const char *q = ps->p;
   int real = 0;
   if (q < ps->end && *q == '-') q++;
-  if (q >= ps->end) cut(ps);
-  if (q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid token"), NULL;
+  if (q >= ps->end) return ends_too_soon(ps, "premature end of input in a number");
+  if (*q < '0' || *q > '9') return perr(ps, "invalid token"), NULL;
   if (*q == '0') q++;
   else while (q < ps->end && *q >= '0' && *q <= '9') q++;
   if (q < ps->end && *q == '.') {
     real = 1;
-    if (++q >= ps->end) cut(ps);
-    if (q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
+    if (++q >= ps->end) return ends_too_soon(ps, "premature end of input in a number");
+    if (*q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
     while (q < ps->end && *q >= '0' && *q <= '9') q++;
   }
   if (q < ps->end && (*q == 'e' || *q == 'E')) {
     real = 1;
     q++;
     if (q < ps->end && (*q == '+' || *q == '-')) q++;
-    if (q >= ps->end) cut(ps);
-    if (q >= ps->end || *q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
+    if (q >= ps->end) return ends_too_soon(ps, "premature end of input in a number");
+    if (*q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
     while (q < ps->end && *q >= '0' && *q <= '9') q++;
   }
   if (q == ps->end && ps->prefix) return perr(ps, "premature end of input in a number"), cut(ps), NULL;
@@ -390,9 +400,9 @@ static json_t *parse_token(ps_t *ps) {
     case 't': case 'f': case 'n': {
       static const char *const lit[] = {"true", "false", "null"};
       int k = *ps->p == 't' ? 0 : *ps->p == 'f' ? 1 : 2;
-      size_t n = strlen(lit[k]);
-      if ((size_t)(ps->end - ps->p) < n) cut(ps);
-      if ((size_t)(ps->end - ps->p) < n || memcmp(ps->p, lit[k], n) != 0) return perr(ps, "invalid token"), NULL;
+      size_t n = strlen(lit[k]), left = (size_t)(ps->end - ps->p);
+      if (left < n && memcmp(ps->p, lit[k], left) == 0) return ends_too_soon(ps, "premature end of input");
+      if (left < n || memcmp(ps->p, lit[k], n) != 0) return perr(ps, "invalid token"), NULL;
       ps->p += n;
       j = k == 0 ? json_true() : k == 1 ? json_false() : json_null();
       break;
