@@ -2982,6 +2982,31 @@ Test(cli, a_number_or_literal_cut_by_the_end_of_the_text_is_reported_at_the_end)
   pack_fails("x.json", "x.dpk", "[trx", "devpickle: x.json: invalid JSON: invalid token (line 1, column 2), at byte 1\n");
 }
 
+/* Likewise a string the text ends in the middle of an escape, of a
+ * surrogate pair or of a UTF-8 character: "invalid \\u escape", "a lone high
+ * surrogate" or "invalid UTF-8" where they start, though more text would
+ * have completed them. What no more text could mend keeps its place. */
+Test(cli, a_string_cut_in_an_escape_or_a_character_by_the_end_of_the_text_is_reported_at_the_end) {
+  static const char *const cut[][2] = {
+      {"[\"a\\u00", "(line 1, column 8), at byte 7"},
+      {"[\"\\ud800", "(line 1, column 9), at byte 8"},
+      {"[\"\\ud800\\udc", "(line 1, column 13), at byte 12"},
+      {"[\"\xe2\x82", "(line 1, column 4), at byte 4"},
+      {"[\"\xf0\x9f\x98", "(line 1, column 4), at byte 5"},
+  };
+  for (int i = 0; i < 5; i++) {
+    char want[256];
+    snprintf(want, sizeof want, "devpickle: s.json: invalid JSON: premature end of input in a string %s\n", cut[i][1]);
+    pack_fails("s.json", "x.dpk", cut[i][0], want);
+  }
+  pack_fails("g.json", "x.dpk", "[\"a\\u0g",
+             "devpickle: g.json: invalid JSON: invalid \\u escape (line 1, column 4), at byte 3\n");
+  pack_fails("h.json", "x.dpk", "[\"\\ud800x",
+             "devpickle: h.json: invalid JSON: invalid \\u escape: a lone high surrogate (line 1, column 3), at byte 2\n");
+  pack_fails("u.json", "x.dpk", "[\"\xed\xa0",
+             "devpickle: u.json: invalid JSON: invalid UTF-8 in a string (line 1, column 3), at byte 2\n");
+}
+
 /* VALUE_JSON.md: a UTF-16 or UTF-32 byte order mark (either byte order) is
  * refused at byte 0; a UTF-8 one is skipped, even when nothing follows it. */
 Test(cli, pack_names_a_utf16_or_utf32_byte_order_mark_of_either_byte_order_and_skips_a_lone_utf8_one) {

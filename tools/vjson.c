@@ -243,6 +243,38 @@ static int esc_err(ps_t *ps, const char *esc, const char *what) {
   return perr(ps, "%s", what);
 }
 
+/* The text ends inside a string, in a character or an escape that more text
+ * could complete: input that ends too soon, reported at its end. */
+static int str_ends(ps_t *ps) {
+  ps->p = ps->end;
+  perr(ps, "premature end of input in a string");
+  return cut(ps);
+}
+
+/* Whether the bytes from p to the end start a UTF-8 character that more
+ * bytes would complete (any lead byte's constraints on the next byte are
+ * met by 0x80 or 0xBF). */
+static int utf8_cut(const char *p, const char *end) {
+  size_t k = (size_t)(end - p);
+  unsigned char b[4];
+  for (int f = 0; f < 2 && k < 4; f++) {
+    memcpy(b, p, k);
+    memset(b + k, f ? 0xBF : 0x80, 4 - k);
+    if (utf8_seq(b, b + 4) > k) return 1;
+  }
+  return 0;
+}
+
+/* Whether the text from p to the end is the start of a \u escape that
+ * more text would complete: "", "\", "\u", "\u0", ... "\u0a1". */
+static int escape_cut(const char *p, const char *end) {
+  size_t k = (size_t)(end - p);
+  if (k >= 6 || (k >= 1 && p[0] != '\\') || (k >= 2 && p[1] != 'u')) return 0;
+  for (size_t i = 2; i < k; i++)
+    if (!((p[i] >= '0' && p[i] <= '9') || (p[i] >= 'a' && p[i] <= 'f') || (p[i] >= 'A' && p[i] <= 'F'))) return 0;
+  return 1;
+}
+
 /* A string token into ps->buf/len (not terminated; may hold NUL bytes). */
 static int parse_string(ps_t *ps) {
   ps->len = 0;
@@ -257,7 +289,7 @@ static int parse_string(ps_t *ps) {
     if (c < 0x20) return perr(ps, "control character 0x%02x in a string", c);
     if (c != '\\') {
       size_t n = utf8_seq((const unsigned char *)ps->p, (const unsigned char *)ps->end);
-      if (!n) return perr(ps, "invalid UTF-8 in a string"), ps->end - ps->p < 4 ? cut(ps) : -1;
+      if (!n) return utf8_cut(ps->p, ps->end) ? str_ends(ps) : perr(ps, "invalid UTF-8 in a string");
       if (buf_put(ps, ps->p, n)) return -1;
       ps->p += n;
       continue;
@@ -274,11 +306,11 @@ static int parse_string(ps_t *ps) {
       case 't': one = '\t'; break;
       case 'u': {
         uint32_t cp, lo;
-        if (ps->end - ps->p < 4) cut(ps);
+        if (escape_cut(esc, ps->end)) return str_ends(ps);
         if (hex4(ps, &cp)) return esc_err(ps, esc, "invalid \\u escape");
         if (cp >= 0xDC00 && cp <= 0xDFFF) return esc_err(ps, esc, "invalid \\u escape: a lone low surrogate");
         if (cp >= 0xD800 && cp <= 0xDBFF) {
-          if (ps->end - ps->p < 6) cut(ps);
+          if (escape_cut(ps->p, ps->end)) return str_ends(ps); /* its low surrogate may follow */
           if (ps->end - ps->p < 2 || ps->p[0] != '\\' || ps->p[1] != 'u')
             return esc_err(ps, esc, "invalid \\u escape: a lone high surrogate");
           const char *esc2 = ps->p;
