@@ -500,6 +500,28 @@ Test(cli, a_frame_command_refuses_a_terminal_on_stdin_instead_of_waiting_on_it) 
   res_free(r);
 }
 
+/* A terminal named as the frame (/dev/stdin, the terminal's own name) is
+ * stdin's terminal all the same: refused, where every frame command waited
+ * on it for a frame that a user could not type. */
+Test(cli, a_frame_command_refuses_a_terminal_by_any_name) {
+  int m;
+  const char *slave = open_pty(&m);
+  char script[1024];
+  snprintf(script, sizeof script,
+           "for c in verify dump inspect unpack; do timeout 20 \"$D\" $c /dev/stdin < %s; echo $?; done;"
+           " timeout 20 \"$D\" verify %s; echo $?; timeout 20 \"$D\" send /dev/stdin 127.0.0.1:1 < %s; echo $?",
+           slave, slave, slave);
+  res_t r = run_sh(script);
+  close(m);
+  cr_assert_str_eq(r.out, "1\n1\n1\n1\n1\n1\n");
+  char want[1024];
+  const char *line = "devpickle: /dev/stdin: is a terminal: a frame is binary (name a file, or pipe a frame in)\n";
+  snprintf(want, sizeof want, "%s%s%s%sdevpickle: %s: is a terminal: a frame is binary (name a file, or pipe a frame in)\n%s",
+           line, line, line, line, slave, line);
+  cr_assert_str_eq(r.err, want);
+  res_free(r);
+}
+
 /* A binary frame is not written to a terminal unless asked for (-o -). */
 Test(cli, recv_refuses_a_terminal_on_stdout_unless_told_with_dash_o_dash) {
   int m;

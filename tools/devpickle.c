@@ -616,22 +616,25 @@ static int src_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err)
   return 0;
 }
 
-/* Opens FILE (or stdin) to read a frame. A terminal is refused: a frame is
- * binary, and waiting there for one would look like a hang. */
+static void src_close(src_t *s) {
+  if (s->f && s->f != stdin) fclose(s->f);
+}
+
+/* Opens FILE (or stdin) to read a frame. A terminal is refused, by any
+ * name (-, /dev/stdin, /dev/tty): a frame is binary, and waiting there for
+ * one would look like a hang. */
 static int src_open(src_t *s, const char *path) {
   memset(s, 0, sizeof *s);
   s->limit = UINT64_MAX;
-  if (strcmp(path, "-") == 0 && isatty(STDIN_FILENO))
-    return data_error(display(path), "is a terminal: a frame is binary (name a file, or pipe a frame in)", -1);
   s->f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
   if (!s->f) return data_error(display(path), strerror(errno), -1);
+  if (isatty(fileno(s->f))) {
+    src_close(s);
+    return data_error(display(path), "is a terminal: a frame is binary (name a file, or pipe a frame in)", -1);
+  }
   off_t at = ftello(s->f); /* `(read 100 bytes; devpickle verify -) < F`: the frame starts there */
   s->start = at > 0 ? (uint64_t)at : 0;
   return 0;
-}
-
-static void src_close(src_t *s) {
-  if (s->f && s->f != stdin) fclose(s->f);
 }
 
 /* A frame refused at byte 0 whose first bytes are no magic but the start of
