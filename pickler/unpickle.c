@@ -551,7 +551,7 @@ static int read_tensor(up_t *u, const uint8_t *at, dp_value_t *out) {
   dp_storage_t *st = u->bufs[id].st;
   dp_error_t e;
   if (dp__tensor_check((size_t)u->bufs[id].nbytes, (dp_dtype_t)dtype, (int)nd, shape, strides, offset, &e) != 0)
-    return rd_fail(r, DP_EFORMAT, at, "tensor: %s", e.message);
+    return rd_fail(r, DP_EFORMAT, at, "%s", e.message); /* each names the tensor already */
   rc = dp_tensor_new(dp_storage_retain(st), (dp_dtype_t)dtype, (int)nd, shape, strides, offset, out, &e);
   return rc ? rd_pass(r, at, rc, &e) : 0;
 }

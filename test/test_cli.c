@@ -3271,27 +3271,32 @@ Test(cli, inspect_finds_again_every_one_of_many_shared_nodes) {
   res_free(r);
 }
 
-/* Writes to dir/name a frame without buffers around a hand-made payload,
- * checksummed as docs/FORMAT.md says: what a sender that computes checksums
- * can send, however the payload breaks the rules. */
-static void spit_frame(const char *name, const void *payload, size_t n) {
-  uint8_t *f = calloc(1, 41 + n);
+/* Writes to dir/name an out-of-band frame of a hand-made payload and buffer
+ * table (NULL: an empty one), checksummed as docs/FORMAT.md says: what a
+ * sender that computes checksums can send, however they break the rules. */
+static void spit_frame_with(const char *name, const void *payload, size_t n, const void *table, size_t tn) {
+  if (!table) table = "\x90", tn = 1;
+  uint8_t *f = calloc(1, 40 + n + tn);
   cr_assert_not_null(f);
   memcpy(f, "DPKL\x01\x00\x00\x00", 8);
-  for (int i = 0; i < 8; i++) f[8 + i] = (uint8_t)((uint64_t)n >> (8 * i)); /* payload_len */
-  f[16] = 1;                                                                /* table_len */
+  for (int i = 0; i < 8; i++) {
+    f[8 + i] = (uint8_t)((uint64_t)n >> (8 * i));   /* payload_len */
+    f[16 + i] = (uint8_t)((uint64_t)tn >> (8 * i)); /* table_len */
+  }
   memcpy(f + 40, payload, n);
-  f[40 + n] = 0x90; /* an empty buffer table */
-  uint64_t sum = XXH3_64bits_withSeed(f + 40, n + 1, XXH3_64bits(f, 32));
+  memcpy(f + 40 + n, table, tn);
+  uint64_t sum = XXH3_64bits_withSeed(f + 40, n + tn, XXH3_64bits(f, 32));
   for (int i = 0; i < 8; i++) f[32 + i] = (uint8_t)(sum >> (8 * i));
   char path[256];
   path_in(path, sizeof path, name);
   FILE *out = fopen(path, "wb");
   cr_assert_not_null(out);
-  cr_assert_eq(fwrite(f, 1, 41 + n, out), 41 + n);
+  cr_assert_eq(fwrite(f, 1, 40 + n + tn, out), 40 + n + tn);
   cr_assert_eq(fclose(out), 0);
   free(f);
 }
+
+static void spit_frame(const char *name, const void *payload, size_t n) { spit_frame_with(name, payload, n, NULL, 0); }
 
 /* A stray tag (a dict key that is a bare ext type 0 of one data byte) is
  * named with its one byte in the singular, as every count in a message is. */
@@ -3321,4 +3326,20 @@ Test(cli, bytes_after_a_frame_on_stdin_are_counted_from_where_stdin_stood) {
   snprintf(want, sizeof want, "%s%s%s%s", line, line, line, line);
   cr_assert_str_eq(r.err, want);
   res_free(r);
+}
+
+/* A view past its storage is named once as a tensor's: the reader put
+ * "tensor: " before a message that starts with "tensor" itself. */
+Test(cli, a_view_past_its_storage_is_named_without_a_stutter) {
+  /* [tag 2, buffer 0, float32, [5], [1], 0] on a 16-byte cuda:0 buffer */
+  static const uint8_t payload[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x05, 0x91, 0x01, 0x00};
+  static const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x10, 0xcd, 0x10, 0x00};
+  spit_frame_with("v.dpk", payload, sizeof payload, table, sizeof table);
+  static const char *const cmds[] = {"verify v.dpk", "unpack v.dpk", "dump v.dpk", "inspect v.dpk"};
+  for (int i = 0; i < 4; i++) {
+    res_t r = run(cmds[i]);
+    cr_assert_eq(r.status, 1, "%s: %s", cmds[i], r.err);
+    cr_assert_str_eq(r.err, "devpickle: v.dpk: tensor view exceeds its storage of 16 bytes, at byte 40\n", "%s", cmds[i]);
+    res_free(r);
+  }
 }

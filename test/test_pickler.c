@@ -2335,7 +2335,7 @@ Test(pickler, a_tensor_whose_extent_overflows_is_refused_by_the_reader) {
   dp_value_t out;
   dp_error_t e;
   cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT);
-  cr_assert_str_eq(e.message, "tensor: tensor view exceeds its storage of 16 bytes");
+  cr_assert_str_eq(e.message, "tensor view exceeds its storage of 16 bytes");
   cr_assert_eq(e.offset, 40);
   free(b);
   ASSERT_NO_LEAK();
