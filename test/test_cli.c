@@ -3343,3 +3343,17 @@ Test(cli, a_view_past_its_storage_is_named_without_a_stutter) {
     res_free(r);
   }
 }
+
+/* '--' ends demo's options as it ends every command's: demo takes no
+ * argument, so '--' alone runs it and what follows is an unexpected
+ * argument, an option's spelling too. It was "unknown option '--'". */
+Test(cli, demo_takes_a_double_dash_as_the_end_of_its_options) {
+  res_t r = run("demo --");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "demo: all checks passed"), "%s", r.out);
+  res_free(r);
+  r = run("demo -- -x");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle demo: unexpected argument '-x'\nTry 'devpickle demo --help'.\n");
+  res_free(r);
+}

@@ -228,9 +228,14 @@ int demo_run(int argc, char **argv) {
       fprintf(stderr, "devpickle: <stdout>: write failed: %s\n", strerror(errno ? errno : EIO));
       return 1;
     }
-  for (int i = 1; i < argc; i++) {
+  for (int i = 1, opts = 1; i < argc; i++) {
+    if (opts && strcmp(argv[i], "--") == 0) { /* the end of the options, as for every command: none follow */
+      opts = 0;
+      continue;
+    }
     /* as every usage error: an option or an argument, escaped (cli_put_text) */
-    fprintf(stderr, "devpickle demo: %s '", argv[i][0] == '-' && argv[i][1] ? "unknown option" : "unexpected argument");
+    fprintf(stderr, "devpickle demo: %s '",
+            opts && argv[i][0] == '-' && argv[i][1] ? "unknown option" : "unexpected argument");
     cli_put_text(stderr, argv[i]);
     fputs("'\nTry 'devpickle demo --help'.\n", stderr);
     return 2;
