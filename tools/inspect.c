@@ -4,12 +4,14 @@
  * Memory and time are linear in the nodes printed: a path is rendered from
  * the stack of steps as the line is printed, never stored; a node that can be
  * met again keeps a 32-byte record (its container, its index, its parent's
- * record) from which a later "-> PATH" is rendered; `seen` is a hash. */
+ * record) from which a later "-> PATH" is rendered; `seen` is the library's
+ * table (core/table.h), keyed with its per-process secret. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/table.h"
 #include "inspect.h"
 #include "vjson.h"
 
@@ -41,8 +43,9 @@ typedef struct ins {
   FILE *out;
   rec_t *recs;
   size_t nrecs, reccap;
-  struct slot { const void *id; uint32_t rec; } *seen;
+  struct seen { const void *id; uint32_t rec; } *seen;  /* nodes met that can be met again, in order */
   size_t seencap, nseen;
+  dp__table_t seen_tab;  /* a node's identity -> its entry in seen */
   frame_t stack[INSPECT_DEPTH + 1];
   size_t top;
   stepbuf_t cur;   /* the stack's steps, each rendered when its frame moves on */
@@ -116,34 +119,29 @@ static const char *rec_path(ins_t *s, uint32_t r) {
 
 /* ---- seen: node identity -> record ---- */
 
-static size_t seen_hash(const void *id, size_t cap) {
-  return (size_t)(((uintptr_t)id >> 4) * 0x9E3779B97F4A7C15ull >> 17) & (cap - 1);
-}
+static int seen_eq(const void *ctx, size_t i, const void *key) { return ((const struct seen *)ctx)[i].id == key; }
+static uint64_t seen_hash_at(const void *ctx, size_t i) { return dp__hash_ptr(((const struct seen *)ctx)[i].id); }
 
-static struct slot *seen_slot(ins_t *s, const void *id) {
-  for (size_t j = seen_hash(id, s->seencap);; j = (j + 1) & (s->seencap - 1))
-    if (s->seen[j].id == id || !s->seen[j].id) return &s->seen[j];
+/* The record of the node with identity id, or NO_REC if it was not met. */
+static uint32_t seen_find(const ins_t *s, const void *id) {
+  size_t slot, at = dp__table_find(&s->seen_tab, DP_TABLE_PLAIN, dp__hash_ptr(id), seen_eq, s->seen, id, &slot);
+  return at == DP_TABLE_NONE ? NO_REC : s->seen[at].rec;
 }
 
 static int seen_add(ins_t *s, const void *id, uint32_t rec) {
-  if ((s->nseen + 1) * 2 > s->seencap) {
-    size_t ocap = s->seencap;
-    struct slot *old = s->seen;
-    s->seencap = ocap ? ocap * 2 : 256;
-    s->seen = calloc(s->seencap, sizeof *s->seen);
-    if (!s->seen) {
-      s->seen = old;
-      s->seencap = ocap;
-      return -1;
-    }
-    for (size_t j = 0; j < ocap; j++)
-      if (old[j].id) *seen_slot(s, old[j].id) = old[j];
-    free(old);
+  if (s->nseen == s->seencap) {
+    size_t ncap = s->seencap ? 2 * s->seencap : 256;
+    struct seen *n = realloc(s->seen, ncap * sizeof *n);
+    if (!n) return -1;
+    s->seen = n;
+    s->seencap = ncap;
   }
-  struct slot *sl = seen_slot(s, id);
-  sl->id = id;
-  sl->rec = rec;
-  s->nseen++;
+  if (dp__table_full(&s->seen_tab) &&
+      dp__table_grow(&s->seen_tab, DP_TABLE_PLAIN, s->nseen, 0, seen_hash_at, s->seen) != 0)
+    return -1;
+  uint64_t h = dp__hash_ptr(id);
+  s->seen[s->nseen] = (struct seen){id, rec};
+  dp__table_put(&s->seen_tab, DP_TABLE_PLAIN, dp__table_empty_slot(&s->seen_tab, DP_TABLE_PLAIN, h), h, s->nseen++);
   return 0;
 }
 
@@ -265,9 +263,9 @@ static int visit(ins_t *s, dp_value_t v) {
    * adds): it needs no entry in `seen`. */
   if (dp_value_is_heap(v) && dp_value_refcount(v) > 1) {
     const void *id = dp_value_id(v);
-    struct slot *sl = s->seencap ? seen_slot(s, id) : NULL;
-    if (sl && sl->id) {
-      fprintf(s->out, "-> %s\n", rec_path(s, sl->rec));
+    uint32_t met = seen_find(s, id);
+    if (met != NO_REC) {
+      fprintf(s->out, "-> %s\n", rec_path(s, met));
       return 0;
     }
     uint32_t parent = NO_REC;
@@ -291,6 +289,7 @@ int inspect_print(FILE *out, dp_value_t v) {
   ins_t *s = calloc(1, sizeof *s);
   if (!s) return -1;
   s->out = out;
+  dp__table_init(&s->seen_tab);
   int rc = visit(s, v);
   while (rc == 0 && s->top && !ferror(out)) {
     frame_t *f = &s->stack[s->top - 1];
@@ -304,6 +303,7 @@ int inspect_print(FILE *out, dp_value_t v) {
   }
   free(s->recs);
   free(s->seen);
+  dp__table_destroy(&s->seen_tab, DP_TABLE_PLAIN);
   free(s);
   return rc;
 }
