@@ -4,15 +4,15 @@
  * Memory and time are linear in the nodes printed: a path is rendered from
  * the stack of steps as the line is printed, never stored; a node that can be
  * met again keeps a 32-byte record (its container, its index, its parent's
- * record) from which a later "-> PATH" is rendered; `seen` is the library's
- * table (core/table.h), keyed with its per-process secret. */
+ * record) from which a later "-> PATH" is rendered; `seen` maps it to its
+ * record (tools/ptrmap.h). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "../core/table.h"
 #include "inspect.h"
+#include "ptrmap.h"
 #include "vjson.h"
 
 #define INSPECT_DEPTH 64
@@ -43,9 +43,9 @@ typedef struct ins {
   FILE *out;
   rec_t *recs;
   size_t nrecs, reccap;
-  struct seen { const void *id; uint32_t rec; } *seen;  /* nodes met that can be met again, in order */
-  size_t seencap, nseen;
-  dp__table_t seen_tab;  /* a node's identity -> its entry in seen */
+  ptrmap_t seen;         /* nodes met that can be met again: identity -> k */
+  uint32_t *seen_rec;    /* [k]: the record of node k of seen */
+  size_t seen_cap;
   frame_t stack[INSPECT_DEPTH + 1];
   size_t top;
   stepbuf_t cur;   /* the stack's steps, each rendered when its frame moves on */
@@ -119,29 +119,24 @@ static const char *rec_path(ins_t *s, uint32_t r) {
 
 /* ---- seen: node identity -> record ---- */
 
-static int seen_eq(const void *ctx, size_t i, const void *key) { return ((const struct seen *)ctx)[i].id == key; }
-static uint64_t seen_hash_at(const void *ctx, size_t i) { return dp__hash_ptr(((const struct seen *)ctx)[i].id); }
-
 /* The record of the node with identity id, or NO_REC if it was not met. */
 static uint32_t seen_find(const ins_t *s, const void *id) {
-  size_t slot, at = dp__table_find(&s->seen_tab, DP_TABLE_PLAIN, dp__hash_ptr(id), seen_eq, s->seen, id, &slot);
-  return at == DP_TABLE_NONE ? NO_REC : s->seen[at].rec;
+  size_t k = ptrmap_find(&s->seen, id);
+  return k == SIZE_MAX ? NO_REC : s->seen_rec[k];
 }
 
 static int seen_add(ins_t *s, const void *id, uint32_t rec) {
-  if (s->nseen == s->seencap) {
-    size_t ncap = s->seencap ? 2 * s->seencap : 256;
-    struct seen *n = realloc(s->seen, ncap * sizeof *n);
-    if (!n) return -1;
-    s->seen = n;
-    s->seencap = ncap;
+  size_t n = ptrmap_count(&s->seen);
+  if (n == s->seen_cap) {
+    size_t ncap = s->seen_cap ? 2 * s->seen_cap : 256;
+    uint32_t *nr = realloc(s->seen_rec, ncap * sizeof *nr);
+    if (!nr) return -1;
+    s->seen_rec = nr;
+    s->seen_cap = ncap;
   }
-  if (dp__table_full(&s->seen_tab) &&
-      dp__table_grow(&s->seen_tab, DP_TABLE_PLAIN, s->nseen, 0, seen_hash_at, s->seen) != 0)
-    return -1;
-  uint64_t h = dp__hash_ptr(id);
-  s->seen[s->nseen] = (struct seen){id, rec};
-  dp__table_put(&s->seen_tab, DP_TABLE_PLAIN, dp__table_empty_slot(&s->seen_tab, DP_TABLE_PLAIN, h), h, s->nseen++);
+  size_t k = ptrmap_add(&s->seen, id, NULL);
+  if (k == SIZE_MAX) return -1;
+  s->seen_rec[k] = rec;
   return 0;
 }
 
@@ -289,7 +284,7 @@ int inspect_print(FILE *out, dp_value_t v) {
   ins_t *s = calloc(1, sizeof *s);
   if (!s) return -1;
   s->out = out;
-  dp__table_init(&s->seen_tab);
+  ptrmap_init(&s->seen);
   int rc = visit(s, v);
   while (rc == 0 && s->top && !ferror(out)) {
     frame_t *f = &s->stack[s->top - 1];
@@ -302,8 +297,8 @@ int inspect_print(FILE *out, dp_value_t v) {
     rc = visit(s, child);
   }
   free(s->recs);
-  free(s->seen);
-  dp__table_destroy(&s->seen_tab, DP_TABLE_PLAIN);
+  ptrmap_free(&s->seen);
+  free(s->seen_rec);
   free(s);
   return rc;
 }

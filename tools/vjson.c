@@ -4,6 +4,7 @@
  * stops at 2,048 levels and cannot take NUL in keys); writing streams the
  * text as it walks the value, building no tree. */
 #include "vjson.h"
+#include "ptrmap.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -12,10 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 /* ---- base64 (RFC 4648, with padding) ---- */
 
@@ -108,10 +107,9 @@ typedef struct ps {
   const char *key_at; /* where that key starts: a duplicate is reported there */
   int prefix;     /* the text may go on past end (vjson_prefix_fails) */
   int keep;       /* a prefix's parse is reading a key: it keeps that string */
-  struct pkey { uint64_t h; size_t obj, at; } *pkeys; /* a prefix's keys of open objects (prefix_key_repeats) */
-  size_t npkeys, pkcap;
-  size_t *pslot;  /* their index: key numbers + 1, some stale */
-  size_t pscap, npslots;
+  struct pkey { uint64_t h; size_t obj, at; } *pkeys; /* a prefix's keys of open objects, a stack */
+  size_t pkcap;
+  dp__table_t ptab; /* their index (core/table.h): ptab.count keys are on the stack */
   int cut;        /* the error may be the end's doing: more text could mend it */
 } ps_t;
 
@@ -481,67 +479,74 @@ static int parse_key(ps_t *ps, int after_comma) {
   return 0;
 }
 
-static uint64_t process_seed(void);
-
 /* Whether the key just read (ps->key) repeats one of object obj's (a
  * number of its own among the objects a prefix opens). A prefix builds no
  * objects; so that a duplicate key fails it as it fails the whole text (an
  * endless stream behind one is not read on), it keeps the keys of the
  * objects still open — each key's hash and where it starts, a stack that an
- * object's closing cuts back — and decodes an earlier key again to compare
- * only when the hashes agree. The index keeps the slots of keys cut away
- * (a slot names a key's number: one past the stack is skipped, one taken
- * again names a live key, compared as any) until they outnumber the live
- * keys, then is made again from the stack: time and memory stay linear in
- * the text. -1 when out of memory. */
+ * object's closing cuts back (prefix_keys_cut) — in the library's table,
+ * and decodes an earlier key again to compare only when the hashes agree:
+ * time and memory stay linear in the text. -1 when out of memory. */
+typedef struct pkey_probe {
+  uint64_t h;
+  size_t obj;
+} pkey_probe_t;
+
+static int pkey_same(const void *ctx, size_t i, const void *key) {
+  const ps_t *ps = ctx;
+  const pkey_probe_t *k = key;
+  const struct pkey *e = &ps->pkeys[i];
+  if (e->obj != k->obj || e->h != k->h) return 0;
+  ps_t q = *ps; /* the earlier key, decoded again: it parsed once, it parses alike */
+  q.p = ps->s + e->at;
+  q.buf = NULL;
+  q.cap = 0;
+  q.keep = 1;
+  int same = parse_string(&q) == 0 && q.len == ps->keylen && memcmp(q.buf ? q.buf : "", ps->key, q.len) == 0;
+  free(q.buf);
+  return same;
+}
+
+static uint64_t pkey_hash_at(const void *ctx, size_t i) { return ((const ps_t *)ctx)->pkeys[i].h; }
+
 static int prefix_key_repeats(ps_t *ps, size_t obj) {
-  uint64_t h = XXH3_64bits_withSeed(ps->key, ps->keylen, process_seed() ^ obj);
-  if (ps->npkeys == ps->pkcap) {
+  pkey_probe_t k = {dp__hash_bytes(ps->key, ps->keylen, obj), obj};
+  size_t slot, n = ps->ptab.count;
+  if (dp__table_find(&ps->ptab, DP_TABLE_PLAIN, k.h, pkey_same, ps, &k, &slot) != DP_TABLE_NONE) return 1;
+  if (n == ps->pkcap) {
     size_t ncap = ps->pkcap ? ps->pkcap * 2 : 64;
     struct pkey *nk = realloc(ps->pkeys, ncap * sizeof *nk);
     if (!nk) return -1;
     ps->pkeys = nk;
     ps->pkcap = ncap;
   }
-  if ((ps->npslots + 1) * 2 > ps->pscap || ps->npslots > 2 * ps->npkeys + 256) {
-    size_t ncap = 256;
-    while (ncap < 4 * (ps->npkeys + 1)) ncap *= 2;
-    size_t *ns = calloc(ncap, sizeof *ns);
-    if (!ns) return -1;
-    for (size_t i = 0; i < ps->npkeys; i++) {
-      size_t j = ps->pkeys[i].h & (ncap - 1);
-      while (ns[j]) j = (j + 1) & (ncap - 1);
-      ns[j] = i + 1;
-    }
-    free(ps->pslot);
-    ps->pslot = ns;
-    ps->pscap = ncap;
-    ps->npslots = ps->npkeys;
+  ps->pkeys[n] = (struct pkey){k.h, obj, (size_t)(ps->key_at - ps->s)};
+  if (dp__table_full(&ps->ptab)) {
+    if (dp__table_grow(&ps->ptab, DP_TABLE_PLAIN, n, 0, pkey_hash_at, ps) != 0) return -1;
+    slot = dp__table_empty_slot(&ps->ptab, DP_TABLE_PLAIN, k.h);
   }
-  size_t j = h & (ps->pscap - 1);
-  for (; ps->pslot[j]; j = (j + 1) & (ps->pscap - 1)) {
-    size_t i = ps->pslot[j] - 1;
-    if (i >= ps->npkeys || ps->pkeys[i].obj != obj || ps->pkeys[i].h != h) continue;
-    ps_t q = *ps; /* the earlier key, decoded again: it parsed once, it parses alike */
-    q.p = ps->s + ps->pkeys[i].at;
-    q.buf = NULL;
-    q.cap = 0;
-    q.keep = 1;
-    int same = parse_string(&q) == 0 && q.len == ps->keylen && memcmp(q.buf ? q.buf : "", ps->key, q.len) == 0;
-    free(q.buf);
-    if (same) return 1;
-  }
-  ps->pkeys[ps->npkeys] = (struct pkey){h, obj, (size_t)(ps->key_at - ps->s)};
-  ps->pslot[j] = ++ps->npkeys;
-  ps->npslots++;
+  dp__table_put(&ps->ptab, DP_TABLE_PLAIN, slot, k.h, n);
   return 0;
+}
+
+/* Cuts the stack of a prefix's keys back to its first `keep` (an object
+ * closes: its keys go with it), the last first, so that the rest stay 0 ..
+ * keep-1 as the table wants them. */
+static void prefix_keys_cut(ps_t *ps, size_t keep) {
+  dp__table_t *t = &ps->ptab;
+  while (t->count > keep) {
+    size_t k = t->count - 1, mask = t->nslots - 1, j = ps->pkeys[k].h & mask;
+    while (dp__table_ref(t, DP_TABLE_PLAIN, j) != k + 1) j = (j + 1) & mask;
+    dp__table_remove(t, DP_TABLE_PLAIN, j, pkey_hash_at, ps);
+  }
 }
 
 /* The parser of vjson_parse; with prefix, text may go on past n, and
  * *was_cut tells whether a failure could be the end's doing. */
 static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, size_t msgsize, size_t *errpos,
                           int *was_cut) {
-  ps_t ps = {text, text + n, text, msg, msgsize, NULL, 0, 0, NULL, 0, 0, NULL, prefix, 0, NULL, 0, 0, NULL, 0, 0, 0};
+  ps_t ps = {.s = text, .end = text + n, .p = text, .msg = msg, .msgsize = msgsize, .prefix = prefix};
+  dp__table_init(&ps.ptab);
   json_t **stack = malloc(sizeof *stack * (VJSON_MAX_JSON_DEPTH + 1));
   /* a prefix's open containers: a number each, and where their keys start */
   struct pobj { size_t num, keys; } *objs = prefix ? malloc(sizeof *objs * (VJSON_MAX_JSON_DEPTH + 1)) : NULL;
@@ -581,7 +586,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
         bad = perr(&ps, "nesting deeper than %d levels", VJSON_MAX_JSON_DEPTH);
         break;
       }
-      if (prefix) objs[top] = (struct pobj){++nobjs, ps.npkeys};
+      if (prefix) objs[top] = (struct pobj){++nobjs, ps.ptab.count};
       stack[top++] = v;
       skip_ws(&ps);
       char close = json_is_array(v) ? ']' : '}';
@@ -628,7 +633,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
       }
       if (ps.p < ps.end && *ps.p == close) {
         ps.p++;
-        if (prefix) ps.npkeys = objs[top - 1].keys; /* its keys go with it */
+        if (prefix) prefix_keys_cut(&ps, objs[top - 1].keys); /* its keys go with it */
         top--;
         continue;
       }
@@ -647,7 +652,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
   free(stack);
   free(objs);
   free(ps.pkeys);
-  free(ps.pslot);
+  dp__table_destroy(&ps.ptab, DP_TABLE_PLAIN);
   free(ps.buf);
   free(ps.key);
   *was_cut = ps.cut;
@@ -682,11 +687,13 @@ typedef struct idnode {
   int open;       /* a container still being filled */
 } idnode_t;
 
-/* Open-addressing index of r->ids (slots hold index + 1), by name and by
- * node identity: lookups stay O(1) however many $ids a document has. */
+/* An index of r->ids by name or by node identity, in the library's table
+ * (core/table.h): item k is r->ids[at[k]]. Lookups stay O(1) however many
+ * $ids a document has. */
 typedef struct idx {
-  size_t *slot;
-  size_t cap, n;
+  dp__table_t t;
+  size_t *at;
+  size_t cap;
 } idx_t;
 
 typedef struct rd {
@@ -699,7 +706,7 @@ typedef struct rd {
   idnode_t *ids;
   size_t nids, idcap;
   idx_t by_name, by_node;
-  struct { const void **slot; size_t cap, n; } closed;  /* tuple keys found closed (key_is_open) */
+  ptrmap_t closed;  /* tuple keys found closed (key_is_open) */
   dp_ptrset_t *stset;      /* (device, ptr) -> storage index */
   dp_storage_t **storages;
   unsigned char *has_data;  /* per storage: a tensor of it carried "data" */
@@ -708,70 +715,73 @@ typedef struct rd {
   char scratch[DP__STEP_MAX];  /* a rendered step or name, for the same reason */
 } rd_t;
 
-/* The secret the reader's tables hash with ($id names, nodes): from
- * getrandom(2), as the library's; where that fails, from the clocks, the
- * process id and an address ASLR randomises (docs/SECURITY.md). The CLI is
- * one thread. */
-static uint64_t process_seed(void) {
-  static uint64_t seed;
-  if (!seed) {
-    uint64_t s = 0;
-    if (getrandom(&s, sizeof s, GRND_NONBLOCK) != (ssize_t)sizeof s) {
-      struct timespec rt = {0, 0}, mt = {0, 0};
-      clock_gettime(CLOCK_REALTIME, &rt);
-      clock_gettime(CLOCK_MONOTONIC, &mt);
-      uint64_t mix[5] = {(uint64_t)rt.tv_nsec, (uint64_t)rt.tv_sec, (uint64_t)mt.tv_nsec, (uint64_t)getpid(),
-                         (uint64_t)(uintptr_t)&rt};
-      s = XXH3_64bits(mix, sizeof mix);
-    }
-    seed = s | 1;
-  }
-  return seed;
+/* The reader's tables hash with the library's per-process secret
+ * (core/table.h): $id names keyed as strings, nodes by address. */
+static uint64_t name_hash(const char *s, size_t n) { return dp__hash_bytes(s, n, 0); }
+
+typedef struct name_key {
+  const char *name;
+  size_t len;
+} name_key_t;
+
+typedef struct idx_ctx {
+  const rd_t *r;
+  const idx_t *x;
+} idx_ctx_t;
+
+static const idnode_t *idx_item(const idx_ctx_t *c, size_t k) { return &c->r->ids[c->x->at[k]]; }
+static int name_eq(const void *ctx, size_t k, const void *key) {
+  const idnode_t *e = idx_item(ctx, k);
+  const name_key_t *n = key;
+  return e->len == n->len && memcmp(e->name, n->name, n->len) == 0;
+}
+static int node_eq(const void *ctx, size_t k, const void *key) { return dp_value_id(idx_item(ctx, k)->v) == key; }
+static uint64_t name_hash_at(const void *ctx, size_t k) {
+  const idnode_t *e = idx_item(ctx, k);
+  return name_hash(e->name, e->len);
+}
+static uint64_t node_hash_at(const void *ctx, size_t k) { return dp__hash_ptr(dp_value_id(idx_item(ctx, k)->v)); }
+
+/* The entry of r->ids that x holds for (name, len), or for node when it is
+ * not NULL; NULL if none. */
+static idnode_t *idx_find(rd_t *r, const idx_t *x, const char *name, size_t len, const void *node) {
+  idx_ctx_t c = {r, x};
+  name_key_t k = {name, len};
+  size_t slot, at = node ? dp__table_find(&x->t, DP_TABLE_PLAIN, dp__hash_ptr(node), node_eq, &c, node, &slot)
+                         : dp__table_find(&x->t, DP_TABLE_PLAIN, name_hash(name, len), name_eq, &c, &k, &slot);
+  return at == DP_TABLE_NONE ? NULL : &r->ids[x->at[at]];
 }
 
-static uint64_t name_hash(const char *s, size_t n) { return XXH3_64bits_withSeed(s, n, process_seed()); }
-static uint64_t node_hash(const void *p) { return XXH3_64bits_withSeed(&p, sizeof p, process_seed()); }
-
-/* Finds the slot for (name, len) or node in x: the matching entry's slot or
- * the empty one where it would go. */
-static size_t *idx_probe(rd_t *r, idx_t *x, const char *name, size_t len, const void *node) {
-  uint64_t h = node ? node_hash(node) : name_hash(name, len);
-  for (size_t j = h & (x->cap - 1);; j = (j + 1) & (x->cap - 1)) {
-    size_t *s = &x->slot[j];
-    if (!*s) return s;
-    idnode_t *e = &r->ids[*s - 1];
-    if (node ? dp_value_id(e->v) == node : (e->len == len && memcmp(e->name, name, len) == 0)) return s;
-  }
-}
-
+/* Adds r->ids[i] to x (by its node's identity when by_node, else by its
+ * name). A node named twice ($id of a $ref) keeps its first entry. */
 static int idx_add(rd_t *r, idx_t *x, size_t i, int by_node) {
-  if ((x->n + 1) * 2 > x->cap) {
-    size_t ncap = x->cap ? x->cap * 2 : 64;
-    size_t *ns = calloc(ncap, sizeof *ns), *old = x->slot, ocap = x->cap;
-    if (!ns) return -1;
-    x->slot = ns;
-    x->cap = ncap;
-    for (size_t j = 0; j < ocap; j++)
-      if (old[j]) {
-        idnode_t *e = &r->ids[old[j] - 1];
-        *idx_probe(r, x, e->name, e->len, by_node ? dp_value_id(e->v) : NULL) = old[j];
-      }
-    free(old);
-  }
   idnode_t *e = &r->ids[i];
-  size_t *s = idx_probe(r, x, e->name, e->len, by_node ? dp_value_id(e->v) : NULL);
-  if (!*s) {  /* a node named twice ($id of a $ref) keeps its first entry */
-    *s = i + 1;
-    x->n++;
+  const void *node = by_node ? dp_value_id(e->v) : NULL;
+  if (idx_find(r, x, e->name, e->len, node)) return 0;
+  size_t n = x->t.count;
+  if (n == x->cap) {
+    size_t ncap = x->cap ? 2 * x->cap : 64;
+    size_t *na = realloc(x->at, ncap * sizeof *na);
+    if (!na) return -1;
+    x->at = na;
+    x->cap = ncap;
   }
+  idx_ctx_t c = {r, x};
+  if (dp__table_full(&x->t) &&
+      dp__table_grow(&x->t, DP_TABLE_PLAIN, n, 0, by_node ? node_hash_at : name_hash_at, &c) != 0)
+    return -1;
+  uint64_t h = node ? dp__hash_ptr(node) : name_hash(e->name, e->len);
+  x->at[n] = i;
+  dp__table_put(&x->t, DP_TABLE_PLAIN, dp__table_empty_slot(&x->t, DP_TABLE_PLAIN, h), h, n);
   return 0;
 }
 
-static idnode_t *find_id(rd_t *r, const char *name, size_t len) {
-  if (!r->by_name.cap) return NULL;
-  size_t *s = idx_probe(r, &r->by_name, name, len, NULL);
-  return *s ? &r->ids[*s - 1] : NULL;
+static void idx_free(idx_t *x) {
+  dp__table_destroy(&x->t, DP_TABLE_PLAIN);
+  free(x->at);
 }
+
+static idnode_t *find_id(rd_t *r, const char *name, size_t len) { return idx_find(r, &r->by_name, name, len, NULL); }
 
 /* Step i after "$" of the JSON path being read (mark 0 is "$" itself): a
  * dp__step_fn, for dp__path_render. */
@@ -1060,29 +1070,6 @@ static int fill_seq(rd_t *r, json_t *a, dp_value_t seq, int depth) {
   return 0;
 }
 
-/* The slot of tuple node k in r->closed: its own, or the empty one where it
- * would go (the set has room). */
-static const void **closed_slot(rd_t *r, const void *k) {
-  for (size_t j = node_hash(k) & (r->closed.cap - 1);; j = (j + 1) & (r->closed.cap - 1))
-    if (!r->closed.slot[j] || r->closed.slot[j] == k) return &r->closed.slot[j];
-}
-
-/* Remembers tuple node k as closed; out of memory only forgets it. */
-static void closed_add(rd_t *r, const void *k) {
-  if ((r->closed.n + 1) * 2 > r->closed.cap) {
-    size_t ocap = r->closed.cap, ncap = ocap ? 2 * ocap : 64;
-    const void **old = r->closed.slot, **ns = calloc(ncap, sizeof *ns);
-    if (!ns) return;
-    r->closed.slot = ns;
-    r->closed.cap = ncap;
-    for (size_t j = 0; j < ocap; j++)
-      if (old[j]) *closed_slot(r, old[j]) = old[j];
-    free(old);
-  }
-  *closed_slot(r, k) = k;
-  r->closed.n++;
-}
-
 /* Whether a (hashable, hence bounded) key holds a tuple still being filled:
  * only $id-named containers can be, so one lookup a tuple. A tuple found
  * closed stays closed (an $id's container is open only until it is filled,
@@ -1094,15 +1081,13 @@ unsigned long long vjson_key_tuples_walked;
 static int key_is_open(rd_t *r, dp_value_t k) {
   if (dp_value_kind(k) != DP_TUPLE) return 0;
   const void *id = dp_value_id(k);
-  if (r->closed.cap && *closed_slot(r, id)) return 0;
+  if (ptrmap_find(&r->closed, id) != SIZE_MAX) return 0;
   vjson_key_tuples_walked++;
-  if (r->by_node.cap) {
-    size_t *s = idx_probe(r, &r->by_node, NULL, 0, id);
-    if (*s && r->ids[*s - 1].open) return 1;
-  }
+  const idnode_t *e = idx_find(r, &r->by_node, NULL, 0, id);
+  if (e && e->open) return 1;
   for (size_t i = 0; i < dp_seq_len(k); i++)
     if (key_is_open(r, dp_seq_get(k, i))) return 1;
-  closed_add(r, id);
+  ptrmap_add(&r->closed, id, NULL); /* out of memory, it is only forgotten */
   return 0;
 }
 
@@ -1350,9 +1335,9 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   free(r.has_data);
   for (size_t i = 0; i < r.nids; i++) free(r.ids[i].name);
   free(r.ids);
-  free(r.by_name.slot);
-  free(r.by_node.slot);
-  free(r.closed.slot);
+  idx_free(&r.by_name);
+  idx_free(&r.by_node);
+  ptrmap_free(&r.closed);
   free(r.path);
   free(r.marks);
   dp_ptrset_free(r.stset);
@@ -1365,22 +1350,21 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
  * once are met once and need no entry, which keeps the table to the shared
  * nodes: unpack's memory is the value's plus this. */
 typedef struct wslot {
-  const void *key;
   uint32_t count;
   int32_t id;   /* -1 until its first emission */
 } wslot_t;
 
 typedef struct wr {
-  wslot_t *slots;
-  size_t cap, n;
+  ptrmap_t shared;  /* nodes with more than one reference: identity -> k */
+  wslot_t *slots;   /* [k] */
+  size_t cap;
   int next_id;
   FILE *out;
   int indent, level;
   int rc;       /* first error: later output is skipped */
   char *msg;
   size_t msgsize;
-  const void **stores; /* storages whose "data" was written: each is written once */
-  size_t scap, sn;
+  ptrmap_t stores;     /* storages whose "data" was written: each is written once */
   char buf[1 << 16];   /* output gathered into large writes */
   size_t len;
 } wr_t;
@@ -1395,31 +1379,25 @@ static int wfail(wr_t *w, int code, const char *fmt, ...) {
   return w->rc = code;
 }
 
+/* The entry of node key; with insert, made ({0, -1}) when there is none.
+ * NULL when there is none, or out of memory. */
 static wslot_t *wslot(wr_t *w, const void *key, int insert) {
-  if (insert && (w->n + 1) * 2 > w->cap) {
-    size_t ncap = w->cap ? w->cap * 2 : 256;
-    wslot_t *ns = calloc(ncap, sizeof *ns);
+  if (!insert) {
+    size_t k = ptrmap_find(&w->shared, key);
+    return k == SIZE_MAX ? NULL : &w->slots[k];
+  }
+  if (ptrmap_count(&w->shared) == w->cap) {
+    size_t ncap = w->cap ? 2 * w->cap : 256;
+    wslot_t *ns = realloc(w->slots, ncap * sizeof *ns);
     if (!ns) return NULL;
-    for (size_t i = 0; i < w->cap; i++) {
-      if (!w->slots[i].key) continue;
-      size_t j = node_hash(w->slots[i].key) & (ncap - 1);
-      while (ns[j].key) j = (j + 1) & (ncap - 1);
-      ns[j] = w->slots[i];
-    }
-    free(w->slots);
     w->slots = ns;
     w->cap = ncap;
   }
-  if (!w->cap) return NULL;
-  for (size_t j = node_hash(key) & (w->cap - 1);; j = (j + 1) & (w->cap - 1)) {
-    if (w->slots[j].key == key) return &w->slots[j];
-    if (!w->slots[j].key) {
-      if (!insert) return NULL;
-      w->slots[j] = (wslot_t){key, 0, -1};
-      w->n++;
-      return &w->slots[j];
-    }
-  }
+  int added;
+  size_t k = ptrmap_add(&w->shared, key, &added);
+  if (k == SIZE_MAX) return NULL;
+  if (added) w->slots[k] = (wslot_t){0, -1};
+  return &w->slots[k];
 }
 
 /* Pass 1: how often is each shared node met? depth: containers above v (each
@@ -1589,26 +1567,9 @@ static void emit(wr_t *w, dp_value_t v);
  * "data" goes on its first tensor only, so that the text stays linear in the
  * frame however many tensors share a storage. */
 static int storage_first(wr_t *w, const void *st) {
-  if ((w->sn + 1) * 2 > w->scap) {
-    size_t ncap = w->scap ? w->scap * 2 : 64;
-    const void **ns = calloc(ncap, sizeof *ns);
-    if (!ns) return wfail(w, DP_ENOMEM, "out of memory"), 0;
-    for (size_t i = 0; i < w->scap; i++) {
-      if (!w->stores[i]) continue;
-      size_t j = node_hash(w->stores[i]) & (ncap - 1);
-      while (ns[j]) j = (j + 1) & (ncap - 1);
-      ns[j] = w->stores[i];
-    }
-    free(w->stores);
-    w->stores = ns;
-    w->scap = ncap;
-  }
-  size_t j = node_hash(st) & (w->scap - 1);
-  for (; w->stores[j]; j = (j + 1) & (w->scap - 1))
-    if (w->stores[j] == st) return 0;
-  w->stores[j] = st;
-  w->sn++;
-  return 1;
+  int added;
+  if (ptrmap_add(&w->stores, st, &added) == SIZE_MAX) return wfail(w, DP_ENOMEM, "out of memory"), 0;
+  return added;
 }
 
 static void emit_tensor(wr_t *w, dp_value_t v) {
@@ -1806,8 +1767,9 @@ int vjson_write(FILE *out, dp_value_t v, int indent, char *msg, size_t msgsize) 
     flush_out(w);
   }
   int rc = w->rc;
+  ptrmap_free(&w->shared);
   free(w->slots);
-  free(w->stores);
+  ptrmap_free(&w->stores);
   free(w);
   return rc;
 }
