@@ -3298,18 +3298,27 @@ static void spit_frame_with(const char *name, const void *payload, size_t n, con
 
 static void spit_frame(const char *name, const void *payload, size_t n) { spit_frame_with(name, payload, n, NULL, 0); }
 
+/* Every command that reads a frame refuses file with exit 1 and the one
+ * line "devpickle: FILE: message". */
+static void every_frame_reader_refuses(const char *file, const char *message) {
+  static const char *const verbs[] = {"verify", "unpack", "dump", "inspect"};
+  char cmd[256], want[512];
+  snprintf(want, sizeof want, "devpickle: %s: %s\n", file, message);
+  for (int i = 0; i < 4; i++) {
+    snprintf(cmd, sizeof cmd, "%s %s", verbs[i], file);
+    res_t r = run(cmd);
+    cr_assert_eq(r.status, 1, "%s: %s", cmd, r.err);
+    cr_assert_str_eq(r.err, want, "%s", cmd);
+    res_free(r);
+  }
+}
+
 /* A stray tag (a dict key that is a bare ext type 0 of one data byte) is
  * named with its one byte in the singular, as every count in a message is. */
 Test(cli, a_stray_tag_is_named_as_an_ext_of_one_byte_in_the_singular) {
   static const uint8_t payload[] = {0x81, 0xd4, 0x00, 0x01, 0xc0}; /* {tag 1: None} */
   spit_frame("t.dpk", payload, sizeof payload);
-  static const char *const cmds[] = {"verify t.dpk", "unpack t.dpk", "dump t.dpk", "inspect t.dpk"};
-  for (int i = 0; i < 4; i++) {
-    res_t r = run(cmds[i]);
-    cr_assert_eq(r.status, 1, "%s: %s", cmds[i], r.err);
-    cr_assert_str_eq(r.err, "devpickle: t.dpk: unexpected ext type 0 of 1 byte, at byte 41\n", "%s", cmds[i]);
-    res_free(r);
-  }
+  every_frame_reader_refuses("t.dpk", "unexpected ext type 0 of 1 byte, at byte 41");
 }
 
 /* stdin may be a regular file read from past its start (a caller that read
@@ -3335,13 +3344,7 @@ Test(cli, a_view_past_its_storage_is_named_without_a_stutter) {
   static const uint8_t payload[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x05, 0x91, 0x01, 0x00};
   static const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x10, 0xcd, 0x10, 0x00};
   spit_frame_with("v.dpk", payload, sizeof payload, table, sizeof table);
-  static const char *const cmds[] = {"verify v.dpk", "unpack v.dpk", "dump v.dpk", "inspect v.dpk"};
-  for (int i = 0; i < 4; i++) {
-    res_t r = run(cmds[i]);
-    cr_assert_eq(r.status, 1, "%s: %s", cmds[i], r.err);
-    cr_assert_str_eq(r.err, "devpickle: v.dpk: tensor view exceeds its storage of 16 bytes, at byte 40\n", "%s", cmds[i]);
-    res_free(r);
-  }
+  every_frame_reader_refuses("v.dpk", "tensor view exceeds its storage of 16 bytes, at byte 40");
 }
 
 /* '--' ends demo's options as it ends every command's: demo takes no

@@ -43,9 +43,7 @@ typedef struct ins {
   FILE *out;
   rec_t *recs;
   size_t nrecs, reccap;
-  ptrmap_t seen;         /* nodes met that can be met again: identity -> k */
-  uint32_t *seen_rec;    /* [k]: the record of node k of seen */
-  size_t seen_cap;
+  ptrmap_t seen;         /* nodes met that can be met again: identity -> their record (uint32_t) */
   frame_t stack[INSPECT_DEPTH + 1];
   size_t top;
   stepbuf_t cur;   /* the stack's steps, each rendered when its frame moves on */
@@ -122,21 +120,13 @@ static const char *rec_path(ins_t *s, uint32_t r) {
 /* The record of the node with identity id, or NO_REC if it was not met. */
 static uint32_t seen_find(const ins_t *s, const void *id) {
   size_t k = ptrmap_find(&s->seen, id);
-  return k == SIZE_MAX ? NO_REC : s->seen_rec[k];
+  return k == SIZE_MAX ? NO_REC : *(uint32_t *)ptrmap_val(&s->seen, k);
 }
 
 static int seen_add(ins_t *s, const void *id, uint32_t rec) {
-  size_t n = ptrmap_count(&s->seen);
-  if (n == s->seen_cap) {
-    size_t ncap = s->seen_cap ? 2 * s->seen_cap : 256;
-    uint32_t *nr = realloc(s->seen_rec, ncap * sizeof *nr);
-    if (!nr) return -1;
-    s->seen_rec = nr;
-    s->seen_cap = ncap;
-  }
   size_t k = ptrmap_add(&s->seen, id, NULL);
   if (k == SIZE_MAX) return -1;
-  s->seen_rec[k] = rec;
+  *(uint32_t *)ptrmap_val(&s->seen, k) = rec;
   return 0;
 }
 
@@ -284,7 +274,7 @@ int inspect_print(FILE *out, dp_value_t v) {
   ins_t *s = calloc(1, sizeof *s);
   if (!s) return -1;
   s->out = out;
-  ptrmap_init(&s->seen);
+  ptrmap_init(&s->seen, sizeof(uint32_t));
   int rc = visit(s, v);
   while (rc == 0 && s->top && !ferror(out)) {
     frame_t *f = &s->stack[s->top - 1];
@@ -298,7 +288,6 @@ int inspect_print(FILE *out, dp_value_t v) {
   }
   free(s->recs);
   ptrmap_free(&s->seen);
-  free(s->seen_rec);
   free(s);
   return rc;
 }

@@ -1,6 +1,6 @@
 /* tools/ptrmap.h — the CLI's map from an address (a node's, a storage's) to
- * a dense index: 0, 1, ... in the order the addresses were added, so that
- * an owner keeps what it needs of each in arrays of its own. It is the
+ * a dense index: 0, 1, ... in the order the addresses were added, with
+ * vsize bytes of the owner's beside each (ptrmap_val). It is the
  * library's table (core/table.h), hashing with its per-process secret: one
  * mechanism for every lookup, in the CLI as in the library. The addresses
  * are the library's allocations, which an input only steers. Not
@@ -16,14 +16,22 @@
 typedef struct ptrmap {
   dp__table_t t;
   const void **keys; /* keys[k]: the address of index k */
-  size_t cap;
+  char *vals;        /* the owner's vsize bytes of index k at vals + k * vsize */
+  size_t vsize, cap;
 } ptrmap_t;
 
-static inline void ptrmap_init(ptrmap_t *m) {
+/* An empty map whose entries carry vsize bytes each (0: a set). A map
+ * zeroed whole is an empty set too. */
+static inline void ptrmap_init(ptrmap_t *m, size_t vsize) {
   dp__table_init(&m->t);
   m->keys = NULL;
+  m->vals = NULL;
+  m->vsize = vsize;
   m->cap = 0;
 }
+
+/* Index k's bytes (k < ptrmap_count): valid until the next ptrmap_add. */
+static inline void *ptrmap_val(const ptrmap_t *m, size_t k) { return m->vals + k * m->vsize; }
 
 static inline size_t ptrmap_count(const ptrmap_t *m) { return m->t.count; }
 
@@ -41,8 +49,8 @@ static inline size_t ptrmap_find(const ptrmap_t *m, const void *key) {
 }
 
 /* The index of key, which gets the next one if it was not there (*added,
- * when not NULL, says whether it was added). SIZE_MAX when out of memory:
- * the map is as it was. */
+ * when not NULL, says whether it was added; a new entry's bytes are
+ * zero). SIZE_MAX when out of memory: the map is as it was. */
 static inline size_t ptrmap_add(ptrmap_t *m, const void *key, int *added) {
   uint64_t h = dp__hash_ptr(key);
   size_t slot, at = dp__table_find(&m->t, DP_TABLE_PLAIN, h, ptrmap_eq_, m->keys, key, &slot);
@@ -52,8 +60,10 @@ static inline size_t ptrmap_add(ptrmap_t *m, const void *key, int *added) {
   if (n == m->cap) {
     size_t ncap = m->cap ? 2 * m->cap : 64;
     const void **nk = realloc(m->keys, ncap * sizeof *nk);
-    if (!nk) return SIZE_MAX;
-    m->keys = nk;
+    if (nk) m->keys = nk;
+    char *nv = nk && m->vsize ? realloc(m->vals, ncap * m->vsize) : NULL;
+    if (nv) m->vals = nv;
+    if (!nk || (m->vsize && !nv)) return SIZE_MAX;
     m->cap = ncap;
   }
   if (dp__table_full(&m->t)) {
@@ -61,6 +71,7 @@ static inline size_t ptrmap_add(ptrmap_t *m, const void *key, int *added) {
     slot = dp__table_empty_slot(&m->t, DP_TABLE_PLAIN, h);
   }
   m->keys[n] = key;
+  if (m->vsize) memset(ptrmap_val(m, n), 0, m->vsize);
   dp__table_put(&m->t, DP_TABLE_PLAIN, slot, h, n);
   return n;
 }
@@ -68,7 +79,8 @@ static inline size_t ptrmap_add(ptrmap_t *m, const void *key, int *added) {
 static inline void ptrmap_free(ptrmap_t *m) {
   dp__table_destroy(&m->t, DP_TABLE_PLAIN);
   free(m->keys);
-  ptrmap_init(m);
+  free(m->vals);
+  ptrmap_init(m, m->vsize);
 }
 
 #endif

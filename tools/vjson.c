@@ -1351,13 +1351,11 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
  * nodes: unpack's memory is the value's plus this. */
 typedef struct wslot {
   uint32_t count;
-  int32_t id;   /* -1 until its first emission */
+  int32_t id;   /* its $id number + 1; 0 until its first emission */
 } wslot_t;
 
 typedef struct wr {
-  ptrmap_t shared;  /* nodes with more than one reference: identity -> k */
-  wslot_t *slots;   /* [k] */
-  size_t cap;
+  ptrmap_t shared;  /* nodes with more than one reference: identity -> wslot_t */
   int next_id;
   FILE *out;
   int indent, level;
@@ -1379,25 +1377,11 @@ static int wfail(wr_t *w, int code, const char *fmt, ...) {
   return w->rc = code;
 }
 
-/* The entry of node key; with insert, made ({0, -1}) when there is none.
+/* The entry of node key; with insert, made ({0, 0}) when there is none.
  * NULL when there is none, or out of memory. */
 static wslot_t *wslot(wr_t *w, const void *key, int insert) {
-  if (!insert) {
-    size_t k = ptrmap_find(&w->shared, key);
-    return k == SIZE_MAX ? NULL : &w->slots[k];
-  }
-  if (ptrmap_count(&w->shared) == w->cap) {
-    size_t ncap = w->cap ? 2 * w->cap : 256;
-    wslot_t *ns = realloc(w->slots, ncap * sizeof *ns);
-    if (!ns) return NULL;
-    w->slots = ns;
-    w->cap = ncap;
-  }
-  int added;
-  size_t k = ptrmap_add(&w->shared, key, &added);
-  if (k == SIZE_MAX) return NULL;
-  if (added) w->slots[k] = (wslot_t){0, -1};
-  return &w->slots[k];
+  size_t k = insert ? ptrmap_add(&w->shared, key, NULL) : ptrmap_find(&w->shared, key);
+  return k == SIZE_MAX ? NULL : ptrmap_val(&w->shared, k);
 }
 
 /* Pass 1: how often is each shared node met? depth: containers above v (each
@@ -1735,15 +1719,15 @@ static void emit(wr_t *w, dp_value_t v) {
   }
   char name[24];
   int first;
-  if (s->id >= 0) {
-    snprintf(name, sizeof name, "n%d", s->id);
+  if (s->id > 0) {
+    snprintf(name, sizeof name, "n%d", s->id - 1);
     first = tag_open(w, "$ref");
     put_string(w, name, strlen(name));
     close_(w, '}', first);
     return;
   }
-  s->id = w->next_id++;
-  snprintf(name, sizeof name, "n%d", s->id);
+  s->id = ++w->next_id;
+  snprintf(name, sizeof name, "n%d", s->id - 1);
   first = tag_open(w, "$id");
   put_string(w, name, strlen(name));
   key(w, "$value", 6, &first);
@@ -1757,6 +1741,8 @@ int vjson_write(FILE *out, dp_value_t v, int indent, char *msg, size_t msgsize) 
     snprintf(msg, msgsize, "out of memory");
     return DP_ENOMEM;
   }
+  ptrmap_init(&w->shared, sizeof(wslot_t));
+  ptrmap_init(&w->stores, 0);
   w->out = out;
   w->indent = indent;
   w->msg = msg;
@@ -1768,7 +1754,6 @@ int vjson_write(FILE *out, dp_value_t v, int indent, char *msg, size_t msgsize) 
   }
   int rc = w->rc;
   ptrmap_free(&w->shared);
-  free(w->slots);
   ptrmap_free(&w->stores);
   free(w);
   return rc;
