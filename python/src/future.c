@@ -92,6 +92,13 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
     PyErr_SetString(PyExc_TypeError, "devices must be a list of devices, not a str (devices=[\"cuda:0\"])");
     return -1;
   }
+  /* a sequence, as documented: PySequence_Fast alone would drain a
+   * generator or take a set's arbitrary order */
+  if (!PySequence_Check(devices)) {
+    PyErr_Format(PyExc_TypeError, "devices must be a list of devices, not a '%s' (devices=[\"cuda:0\"])",
+                 Py_TYPE(devices)->tp_name);
+    return -1;
+  }
   PyObject *seq = PySequence_Fast(devices, "devices must be a list of devices");
   if (!seq) return -1;
   Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
@@ -103,7 +110,9 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
   }
   for (Py_ssize_t i = 0; i < k; i++) {
     PyObject *x = PySequence_Fast_GET_ITEM(seq, i);
-    PyObject *s = PyLong_Check(x) ? PyUnicode_FromFormat("cuda:%S", x) : PyObject_Str(x);
+    /* an int is a CUDA index; a bool is not an int here (torch's reading):
+     * it is read by its str(), as any other item */
+    PyObject *s = PyLong_Check(x) && !PyBool_Check(x) ? PyUnicode_FromFormat("cuda:%S", x) : PyObject_Str(x);
     const char *txt = s ? PyUnicode_AsUTF8(s) : NULL;
     dp_error_t e;
     if (!txt || dp_device_parse(txt, &d[i], &e)) {

@@ -313,6 +313,22 @@ def test_devices_naming_no_device_are_refused(Future):
         Future(devices=["bogus"])
 
 
+@pytest.mark.parametrize("devices", [(d for d in ["cpu"]), {"cpu"}, {"cpu": 0}, iter(["cpu"])],
+                         ids=["a generator", "a set", "a dict", "an iterator"])
+def test_devices_that_are_not_a_sequence_are_a_type_error(devices):
+    # docs/PYTHON.md: "None or a sequence (a list, a tuple; a str or a
+    # non-sequence is a TypeError)"
+    with pytest.raises(TypeError, match="devices must be a list of devices"):
+        devpickle.Future(devices=devices)
+
+
+def test_a_bool_among_devices_is_read_by_its_str_not_as_a_cuda_index():
+    # "an int (not a bool) is a CUDA device index ... any other item is read
+    # as its str()": True is 'True', never 'cuda:True' (nor cuda:1)
+    with pytest.raises(ValueError, match="'True' is not a device"):
+        devpickle.Future(devices=[True])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a usable GPU is here")
 def test_devices_naming_cuda_without_a_usable_gpu_are_refused(Future):
     with pytest.raises(RuntimeError):
