@@ -23,6 +23,7 @@
 #include "../../core/path.h"
 #include "../../pickler/ptrs.h"
 
+#include <inttypes.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <structmember.h>
@@ -1320,7 +1321,17 @@ static int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   }
   Py_ssize_t isz = typestr_itemsize(typestr);
   Py_ssize_t nd = PyTuple_GET_SIZE(shape), shp[64], str[64];
-  void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
+  /* an address, so an int in [0, UINTPTR_MAX]: PyLong_AsVoidPtr would take
+     -1 for the last byte of the address space */
+  PyObject *addr = PyTuple_GET_ITEM(data, 0);
+  int below = 0;
+  long long as_ll = PyLong_Check(addr) ? PyLong_AsLongLongAndOverflow(addr, &below) : 0;
+  if (as_ll == -1 && PyErr_Occurred()) goto out;
+  if (below < 0 || (!below && as_ll < 0)) {
+    PyErr_SetString(PyExc_ValueError, "a negative address in data");
+    goto out;
+  }
+  void *ptr = PyLong_AsVoidPtr(addr);
   if (!ptr && PyErr_Occurred()) goto out;
   if (nd > 64 || isz <= 0) {
     PyErr_SetString(PyExc_ValueError, "unsupported shape or typestr");
@@ -1350,8 +1361,18 @@ static int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   }
   Py_ssize_t lo;
   size_t ext;
-  if (view_extent(nd, shp, str, isz, &lo, &ext)) {
+  /* the bytes it addresses, [ptr + lo, ptr + lo + ext), must be addresses:
+     a view below 0 or past the top of the address space overflows too */
+  uintptr_t first, end;
+  if (view_extent(nd, shp, str, isz, &lo, &ext) ||
+      (ext && (__builtin_add_overflow((uintptr_t)ptr, (uintptr_t)lo, &first) != (lo < 0) ||
+               __builtin_add_overflow(first, (uintptr_t)ext, &end)))) {
     PyErr_SetString(PyExc_OverflowError, "the view's extent overflows");
+    goto out;
+  }
+  if (ext && !ptr) {
+    /* the interfaces allow a NULL data pointer for an empty view only */
+    PyErr_SetString(PyExc_ValueError, "a NULL data pointer for a view that is not empty");
     goto out;
   }
   /* The interface names no device: the CUDA runtime knows the pointer's. */
@@ -3530,8 +3551,11 @@ static PyObject *alloc_asdict(PyObject *o, PyObject *unused) {
 static PyObject *alloc_repr(PyObject *o) {
   alloc_obj_t *a = (alloc_obj_t *)o;
   PyObject *dev = device_name(a->device), *path = dev ? alloc_path(a) : NULL;
-  PyObject *r = path ? PyUnicode_FromFormat("Allocation(device=%R, ptr=%p, nbytes=%zu, refs=%u, path=%R)", dev,
-                                            a->ptr, a->nbytes, (unsigned)a->refs, path)
+  /* the address as hex digits of our own: "%p" prints NULL as "0x(nil)" */
+  char ptr[2 + 2 * sizeof(uintptr_t) + 1];
+  PyOS_snprintf(ptr, sizeof ptr, "0x%" PRIxPTR, (uintptr_t)a->ptr);
+  PyObject *r = path ? PyUnicode_FromFormat("Allocation(device=%R, ptr=%s, nbytes=%zu, refs=%u, path=%R)", dev, ptr,
+                                            a->nbytes, (unsigned)a->refs, path)
                      : NULL;
   Py_XDECREF(dev);
   Py_XDECREF(path);

@@ -1663,6 +1663,31 @@ def test_cuda_array_interface_a_negative_or_overflowing_shape_is_a_walk_error(sh
     assert e.value.path == "$.x" and e.value.type_name.endswith("_CAI")
 
 
+@pytest.mark.parametrize("data, shape, strides, message", [
+    ((-1, False), (4,), None, "a negative address in data"),      # read as 0xffffffffffffffff
+    ((-2**70, False), (4,), None, "a negative address in data"),
+    ((8, False), (4,), (-4,), "the view's extent overflows"),      # bytes -4..11: below address 0
+    ((2**64 - 8, False), (4,), None, "the view's extent overflows"),  # past the top of the address space
+    ((0, False), (4,), None, "a NULL data pointer for a view that is not empty"),
+])
+def test_cuda_array_interface_an_address_range_outside_memory_is_a_walk_error(data, shape, strides, message):
+    # an extent that overflows is a WalkError (docs/PYTHON.md): the address
+    # with it, not only the shape; a negative address was taken as a huge one
+    with pytest.raises(devpickle.WalkError, match=message) as e:
+        devpickle.scan({"x": _CAI(data=data, shape=shape, strides=strides)})
+    assert e.value.path == "$.x"
+    assert devpickle.scan(_CAI(data=(0, False), shape=(0,))) == []  # NULL is an empty view's address
+
+
+def test_an_allocation_at_address_zero_reads_as_hex_in_its_repr():
+    # "%p" wrote NULL as "0x(nil)"; a backwards view from 12 starts at 0
+    got = devpickle.scan(_CAI(data=(12, False), shape=(4,), strides=(-4,)), paths=False)
+    assert [(a.ptr, a.nbytes) for a in got] == [(0, 16)]
+    assert repr(got[0]) == "Allocation(device='cuda:0', ptr=0x0, nbytes=16, refs=1, path=None)"
+    got = devpickle.scan(_CAI(data=(0x1000, False), shape=(4,)), paths=False)
+    assert repr(got[0]) == "Allocation(device='cuda:0', ptr=0x1000, nbytes=16, refs=1, path=None)"
+
+
 @pytest.mark.parametrize("typestr", ["<f", "<f0", "<fx", "f4", "<f99999999999999999999999"])
 def test_cuda_array_interface_a_typestr_without_an_item_size_is_a_walk_error(typestr):
     with pytest.raises(devpickle.WalkError, match="unsupported shape or typestr"):
