@@ -1849,9 +1849,36 @@ static int dispatch_error(dpy_scanner_t *s, PyObject *o) {
 
 /* 1 when copyreg's dispatch table reduces o's instances, 0 when not, -1
  * with a walk error. */
+/* Whether k names what pickle looks up on the instance (getattr) to reduce
+ * an object whose class keeps its defaults: __reduce_ex__ (pickle's own
+ * lookup) and __getstate__ (object.__reduce_ex__'s). An instance __reduce__
+ * is not one: object.__reduce_ex__ asks the class for it. */
+static int reduce_name(PyObject *k) {
+  return PyUnicode_Check(k) && (k == dpy.str_reduce_ex || k == dpy.str_getstate ||
+                                PyUnicode_Compare(k, dpy.str_reduce_ex) == 0 ||
+                                PyUnicode_Compare(k, dpy.str_getstate) == 0);
+}
+
+/* Whether o's own __dict__ holds one of those: then pickle reduces it
+ * through them, whatever its class keeps. 1, 0, or -1 with an exception. */
+static int instance_reduces(PyObject *o) {
+  PyObject **dp = _PyObject_GetDictPtr(o);
+  if (!dp || !*dp || !PyDict_Check(*dp)) return PyErr_Occurred() ? -1 : 0;
+  PyObject *d = Py_NewRef(*dp); /* held: a key's __eq__ may replace it */
+  int r = PyDict_GetItemWithError(d, dpy.str_reduce_ex) || PyDict_GetItemWithError(d, dpy.str_getstate);
+  Py_DECREF(d);
+  return r ? 1 : PyErr_Occurred() ? -1 : 0;
+}
+
+/* Whether an object of a class that keeps pickle's defaults is reduced
+ * all the same: its class in copyreg.dispatch_table, or its instance
+ * holding a __reduce_ex__ or __getstate__ of its own. */
 static int dispatched(dpy_scanner_t *s, PyObject *o) {
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
-  return fn ? 1 : PyErr_Occurred() ? dispatch_error(s, o) : 0;
+  if (fn) return 1;
+  if (PyErr_Occurred()) return dispatch_error(s, o);
+  int r = instance_reduces(o);
+  return r < 0 ? walk_error(s, o, "its __dict__ cannot be read") : r;
 }
 
 static int visit(dpy_scanner_t *s, PyObject *o) {
@@ -3201,10 +3228,15 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
   Py_ssize_t n = PyDict_GET_SIZE(d), pos = 0, count = 0;
   if (n > INLINE_MAX) return let_go(s, o);
   PyObject *k, *v;
-  while (PyDict_Next(d, &pos, &k, &v)) /* visit() looks for an instance's array interface first */
+  while (PyDict_Next(d, &pos, &k, &v)) { /* visit() looks for an instance's array interface first */
     if (!PyUnicode_CheckExact(k) || k == dpy.str_cai ||
         (PyUnicode_GET_LENGTH(k) == PyUnicode_GET_LENGTH(dpy.str_cai) && PyUnicode_Compare(k, dpy.str_cai) == 0))
       return let_go(s, o);
+    if (reduce_name(k)) { /* an instance's own __reduce_ex__ or __getstate__: visit() reduces it */
+      s->dispatch_known = 1;
+      return let_go(s, o);
+    }
+  }
   s->dispatch_obj = NULL;
   inl_t me = {.obj = d, .owner = t, .kind = FR_ATTRS, .dsize = n};
   int rc = 1;

@@ -7,6 +7,7 @@ import copyreg
 import gc
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -458,6 +459,25 @@ def test_an_allowed_class_with_slots_gets_its_attributes_set_as_pickle_sets_slot
     assert out.a == 1 and out.__dict__ == {"c": 3}  # a slot is set in its slot, not hidden in __dict__
     with pytest.raises(TypeError, match=r"loads: test_frames.Slotted has no __dict__ for the attributes \['c'\]"):
         devpickle.loads(devpickle.dumps(spoof("test_frames.Slotted", a=1, c=3)), classes=Slotted)
+
+
+class InstanceState:
+    pass
+
+
+def test_an_instances_own_getstate_or_reduce_ex_is_what_dumps_carries_as_pickle_does():
+    # pickle looks both up on the instance: dumps carried the __dict__
+    # (the function itself, by name) and lost what they return
+    t = torch.arange(3.0)
+    o = InstanceState()
+    o.__getstate__ = lambda: {"kept": t}
+    out = devpickle.loads(devpickle.dumps(o, inline=True), classes=InstanceState)
+    assert type(out) is InstanceState and list(vars(out)) == ["kept"] and torch.equal(out.kept, t)
+    o = InstanceState()
+    o.__reduce_ex__ = lambda proto: (InstanceState, (), {"made": [t]})
+    out = devpickle.loads(devpickle.dumps(o, inline=True), classes=InstanceState)
+    assert list(vars(out)) == ["made"] and torch.equal(out.made[0], t)
+    assert list(vars(pickle.loads(pickle.dumps(o)))) == ["made"]
 
 
 def test_a_numpy_scalar_whose_dtype_is_not_a_scalar_dtype_is_refused_not_made_an_array():

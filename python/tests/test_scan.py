@@ -266,6 +266,35 @@ def test_instances_in_a_list_give_the_allocations_paths_would_give_whatever_thei
         del copyreg.dispatch_table[Registered]
 
 
+class _PlainHolder:
+    pass
+
+
+def _held_by_instance_reduce(name, t):
+    o = _PlainHolder()
+    o.other = 1
+    if name == "__reduce_ex__":
+        setattr(o, name, lambda proto: (_PlainHolder, (), {"hidden": t}))
+    else:
+        setattr(o, name, lambda: {"hidden": t})
+    return o
+
+
+@pytest.mark.parametrize("name", ["__reduce_ex__", "__getstate__"])
+def test_an_instances_own_reduce_ex_or_getstate_is_walked_as_pickle_calls_it(name):
+    # pickle looks __reduce_ex__ up on the instance, and object.__reduce_ex__
+    # looks __getstate__ up there too: the memory they return is what pickle
+    # carries, and the walk read the instance's __dict__ instead (finding a
+    # function and missing the tensor)
+    t = torch.arange(4.0)
+    o = _held_by_instance_reduce(name, t)
+    assert list(pickle.loads(pickle.dumps(o)).__dict__) == ["hidden"]
+    got = devpickle.scan({"o": o})
+    assert [(a.ptr, a.path) for a in got] == [(t.data_ptr(), "$.o<reduce test_scan._PlainHolder>.state.hidden")]
+    for value in ([_held_by_instance_reduce(name, t)], [o, o]):  # a run's object, held by its slot alone too
+        assert [a.ptr for a in devpickle.scan(value, paths=False)] == [t.data_ptr()]
+
+
 def test_nesting_past_the_depth_limit_in_small_lists_is_refused_without_paths_too():
     x = torch.zeros(1)
     for _ in range(262_145):
