@@ -1854,9 +1854,14 @@ static int dispatch_error(dpy_scanner_t *s, PyObject *o) {
  * lookup) and __getstate__ (object.__reduce_ex__'s). An instance __reduce__
  * is not one: object.__reduce_ex__ asks the class for it. */
 static int reduce_name(PyObject *k) {
-  return PyUnicode_Check(k) && (k == dpy.str_reduce_ex || k == dpy.str_getstate ||
-                                PyUnicode_Compare(k, dpy.str_reduce_ex) == 0 ||
-                                PyUnicode_Compare(k, dpy.str_getstate) == 0);
+  if (k == dpy.str_reduce_ex || k == dpy.str_getstate) return 1;
+  if (!PyUnicode_Check(k)) return 0;
+  /* most names differ in length: no compare */
+  Py_ssize_t n = PyUnicode_GET_LENGTH(k);
+  PyObject *like = n == PyUnicode_GET_LENGTH(dpy.str_reduce_ex) ? dpy.str_reduce_ex
+                   : n == PyUnicode_GET_LENGTH(dpy.str_getstate) ? dpy.str_getstate
+                                                                  : NULL;
+  return like && PyUnicode_Compare(k, like) == 0;
 }
 
 /* Whether o's own __dict__ holds one of those: then pickle reduces it
