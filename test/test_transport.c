@@ -1957,27 +1957,32 @@ static int send_pieces_never_framed(dp_transport_t *t, dp_endpoint_t *ep, void *
   return 0;
 }
 
-/* Parked messages were capped by count alone (1,000,000): pieces of values
- * a peer never frames, up to 64 KiB each on the connection, could hold
- * ~64 GB of the receiver. Their data is bounded too — the endpoint's credit
- * window plus 64 MiB: 1 MiB + 64 MiB here, passed by 9,000 pieces of
- * 8,000 bytes — and passing it fails the endpoint with the limit. */
-Test(transport, a_peer_that_parks_more_data_than_the_window_plus_64_mib_fails_the_endpoint_with_the_limit) {
+/* The receiver (bound: its max_inflight_bytes) of `pieces` pieces of 8,000
+ * bytes of a value never framed, sent before the peer's first value: its
+ * receive fails with the limit, whose message says `over` (NULL: the
+ * pieces stay parked within it, and the value arrives). */
+static void park_pieces_past(uint64_t bound, size_t pieces, const char *over) {
   t_track();
   setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* one connection, in order: value 0 on a lane would overtake them */
-  peer_t p = spawn_peer(send_pieces_never_framed, (void *)(uintptr_t)9000, NULL);
-  dp_transport_opts_t o = {.max_inflight_bytes = 1 << 20};
+  peer_t p = spawn_peer(send_pieces_never_framed, (void *)(uintptr_t)pieces, NULL);
+  dp_transport_opts_t o = {.max_inflight_bytes = bound};
   dp_transport_t *t = new_transport(&o);
   dp_endpoint_t *ep = connect_to(t, p.port);
   dp_future_t *d, *r;
   dp_error_t e;
   OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
   OK(dp_endpoint_recv(ep, &r, T_ERR));
-  cr_assert_eq(wait_f(r, &e), DP_ELIMIT, "%s: %s", dp_err_name(e.code), e.message);
-  cr_assert(strstr(e.message, "messages out of order or held back would hold over 68157440 bytes (its credit "
-                              "window plus 64 MiB)"),
-            "%s", e.message);
-  cr_assert_eq(dp_endpoint_error(ep, NULL), DP_ELIMIT);
+  if (over) {
+    cr_assert_eq(wait_f(r, &e), DP_ELIMIT, "%s: %s", dp_err_name(e.code), e.message);
+    char want[160];
+    snprintf(want, sizeof want,
+             "messages out of order or held back would hold over %s bytes (its credit window plus 64 MiB)", over);
+    cr_assert(strstr(e.message, want), "%s", e.message);
+    cr_assert_eq(dp_endpoint_error(ep, NULL), DP_ELIMIT);
+  } else {
+    OK_WITH(&e, wait_f(r, &e));
+    cr_assert_eq(dp_value_as_int(dp_future_value(r)), 7);
+  }
   wait_f(d, &e);
   dp_future_release(r);
   dp_future_release(d);
@@ -1987,6 +1992,26 @@ Test(transport, a_peer_that_parks_more_data_than_the_window_plus_64_mib_fails_th
   peer_wait(p);
   dp_shutdown();
   ASSERT_NO_LEAK();
+}
+
+/* Parked messages were capped by count alone (1,000,000): pieces of values
+ * a peer never frames, up to 64 KiB each on the connection, could hold
+ * ~64 GB of the receiver. Their data is bounded too — the endpoint's credit
+ * window plus 64 MiB: 1 MiB + 64 MiB here, passed by 9,000 pieces of
+ * 8,000 bytes — and passing it fails the endpoint with the limit. */
+Test(transport, a_peer_that_parks_more_data_than_the_window_plus_64_mib_fails_the_endpoint_with_the_limit) {
+  park_pieces_past(1 << 20, 9000, "68157440");
+}
+
+/* the window is the bound when that is over 1 MiB: 4 MiB + 64 MiB, passed
+ * by 9,400 pieces */
+Test(transport, a_receiver_bound_over_1_mib_is_its_window_for_the_limit_on_parked_data) {
+  park_pieces_past(4 << 20, 9400, "71303168");
+}
+
+/* a bound without limit: the limit saturates, never wraps to a small one */
+Test(transport, a_receiver_bound_without_limit_parks_72_mb_and_takes_the_next_value) {
+  park_pieces_past(UINT64_MAX, 9000, NULL);
 }
 
 /* peer: once the other side's first value came, a value of two one-byte
