@@ -1849,6 +1849,80 @@ Test(transport, a_piece_larger_than_a_slot_is_refused_never_read_past_it) {
   shm_piece_refused((shm_crafted_t){-1, 5 << 20, DP__STAGE_SLOTS - 1});
 }
 
+/* peer (caller-driven: nothing of the answer is read until it runs a pass):
+ * once the other side's first value came, an offer of a segment of its own
+ * of nslots slots of slot_bytes, and, half a second later (the answer
+ * meanwhile unread), a value of one cpu buffer of `size` bytes announced
+ * in slot `slot` of it */
+typedef struct offer_crafted {
+  unsigned nslots;
+  uint64_t slot_bytes, slot, size;
+} offer_crafted_t;
+
+static int send_piece_in_a_crafted_offer(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  offer_crafted_t *c = arg;
+  dp_error_t e;
+  dp_future_t *f;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
+  dp_future_release(f);
+  dp__shm_t *seg;
+  if (dp__shm_create(NULL, c->nslots, c->slot_bytes, &seg, &e)) return 11;
+  memset(dp__shm_slot(seg, 0), 1, c->slot_bytes);
+  dp__am_shm_offer_t o = {DP__WIRE_MAGIC, c->nslots, c->slot_bytes, dp__shm_token(seg), ""};
+  snprintf(o.name, sizeof o.name, "%s", dp__shm_name(seg));
+  if (dp__endpoint_send_raw(ep, DP__AM_SHM_OFFER, &o, sizeof o, NULL, 0, &e)) return 12;
+  sleep_ms(500);
+  dp_storage_t *st;
+  dp_value_t v;
+  int64_t shape[1] = {(int64_t)c->size};
+  if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)0x1000, c->size, NULL, NULL, &st, &e) ||
+      dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e))
+    return 13;
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(v, NULL, fr, &e)) return 14;
+  size_t n;
+  const uint8_t *b = dp_frame_data(fr, &n);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, c->size};
+  dp__am_shm_piece_t ph = {{DP__WIRE_MAGIC, 1, 0, 0, c->size, 0, c->size}, c->slot};
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e) ||
+      dp__endpoint_send_raw(ep, DP__AM_SHM_PIECE, &ph, sizeof ph, NULL, 0, &e))
+    return 15;
+  dp__shm_release(seg);
+  return peer_linger(ep, fr, v);
+}
+
+/* The receiver of such an offer: it maps only a segment of the protocol's
+ * 16 slots of 4 MiB, so that a piece's slot index and size, checked
+ * against those, stay within its mapping; the piece is refused, never read */
+static void crafted_offer_refused(offer_crafted_t c) {
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* the peer offers nothing of its own */
+  peer_t p = spawn_peer(send_piece_in_a_crafted_offer, &c, &caller_opts);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(wait_f(r, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a buffers message does not follow its frame's table"), "%s", e.message);
+  wait_f(d, &e);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  peer_wait(p);
+}
+
+Test(transport, an_offer_of_8_slots_is_refused_and_a_piece_in_its_12th_never_read) {
+  crafted_offer_refused((offer_crafted_t){8, DP__STAGE_CHUNK, 12, 64 << 10});
+}
+
+Test(transport, an_offer_of_slots_of_1_mib_is_refused_and_a_4_mib_piece_in_its_last_never_read) {
+  crafted_offer_refused((offer_crafted_t){DP__STAGE_SLOTS, 1 << 20, DP__STAGE_SLOTS - 1, DP__STAGE_CHUNK});
+}
+
 Test(transport, a_second_offer_of_shared_slots_fails_the_endpoint) {
   crafted_fails((crafted_t){.id = DP__AM_SHM_OFFER, .twice = 1}, "a second offer of shared slots");
 }
