@@ -4057,6 +4057,64 @@ Test(transport, a_callback_run_by_the_thread_is_refused_making_or_freeing_a_list
   (void)a2;
 }
 
+Test(transport, a_callback_run_by_a_callers_pass_makes_and_frees_a_listener_at_once) {
+  /* caller-driven, the pass running the callback runs their commands */
+  dp_transport_t *t = new_transport(&caller_opts);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  dp_endpoint_t *a = connect_to(t, dp_listener_port(l)), *b;
+  OK(dp_listener_accept(l, 30 * SEC, &b, T_ERR));
+  cb_listen_t cb = {t, NULL, 1, {0}};
+  dp_future_t *d, *r, *c;
+  dp_error_t e;
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK(dp_future_then(r, listen_from_callback, &cb, &c, T_ERR));
+  OK(dp_endpoint_send(a, dp_int(3), &d, T_ERR));
+  OK_WITH(&e, wait_f(c, &e));
+  cr_assert_eq(cb.rc, 0, "%s: %s", dp_err_name(cb.rc), cb.e.message);
+  dp_future_release(c);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
+/* dp_endpoint_send_frame: a frame as it is, inline or without buffers */
+Test(transport, a_frame_without_buffers_is_sent_as_it_is_and_one_with_buffers_not_inline_is_refused) {
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  dp_endpoint_t *a = connect_to(t, dp_listener_port(l)), *b;
+  OK(dp_listener_accept(l, 30 * SEC, &b, T_ERR));
+  dp_frame_t *fr;
+  size_t n;
+  OK(dp_frame_new(&fr, T_ERR));
+  OK(dp_pickle(dp_int(41), NULL, fr, T_ERR)); /* not inline: it has no buffer to carry */
+  const uint8_t *bytes = dp_frame_data(fr, &n);
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send_frame(a, bytes, n, &d, T_ERR));
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 41);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_frame_free(fr);
+  dp_value_t v = owned_tensor(16, 1); /* out of band */
+  OK(dp_frame_new(&fr, T_ERR));
+  OK(dp_pickle(v, NULL, fr, T_ERR));
+  bytes = dp_frame_data(fr, &n);
+  d = (dp_future_t *)1;
+  cr_assert_eq(dp_endpoint_send_frame(a, bytes, n, &d, &e), DP_EINVAL, "%s", e.message);
+  cr_assert_null(d);
+  cr_assert_str_eq(e.message, "dp_endpoint_send_frame: the frame's 1 buffers are not inline");
+  dp_frame_free(fr);
+  dp_value_release(v);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 /* peer: accepts (the listener's loop answers ACCEPT) and then never sends */
 static int stay_silent(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;
