@@ -2246,6 +2246,46 @@ Test(transport, finding_the_endpoint_of_a_message_costs_the_same_however_many_en
   ASSERT_NO_LEAK();
 }
 
+Test(transport, endpoints_made_after_others_were_freed_and_those_still_open_each_find_their_messages) {
+  /* the index stays dense as endpoints go (the last item fills the hole):
+     each endpoint left, and each made since, is found by its messages */
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* no lanes: every message is looked up */
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  enum { N = 4 };
+  dp_endpoint_t *c[N], *a[N];
+  for (int i = 0; i < N; i++) {
+    if (i == N - 1) { /* the first pair goes before the last is made */
+      dp_endpoint_free(c[0]);
+      dp_endpoint_free(a[0]);
+    }
+    c[i] = connect_to(t, dp_listener_port(l));
+    OK(dp_listener_accept(l, 30 * SEC, &a[i], T_ERR));
+  }
+  dp_error_t e;
+  for (int k = 0; k < 2; k++)
+    for (int i = 1; i < N; i++) /* in turn: no message finds its endpoint in the one-entry cache */
+      for (int dir = 0; dir < 2; dir++) {
+        dp_future_t *d, *r;
+        OK(dp_endpoint_send(dir ? a[i] : c[i], dp_int(i), &d, T_ERR));
+        OK(dp_endpoint_recv(dir ? c[i] : a[i], &r, T_ERR));
+        cr_assert_eq(dp_transport_wait(t, r, 10 * SEC, &e), 0, "pair %d, %s: %s", i, dir ? "back" : "forth",
+                     e.message);
+        cr_assert_eq(dp_value_as_int(dp_future_value(r)), i);
+        OK_WITH(&e, wait_f(d, &e));
+        dp_future_release(d);
+        dp_future_release(r);
+      }
+  for (int i = 1; i < N; i++) {
+    dp_endpoint_free(c[i]);
+    dp_endpoint_free(a[i]);
+  }
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 /* peer (a window of 1 GiB): answers its first value with 0 (its grant
  * went before that answer), then takes `arg` values of 65 KiB, byte 0
  * each's index, and answers their count */
