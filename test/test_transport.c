@@ -3,6 +3,7 @@
  * Each test forks its peer before either side starts UCX; the peer reports
  * through its exit status (and a pipe), never through Criterion. UCX runs on
  * TCP over lo and shared memory (t_env), as CI has no other interface. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
@@ -1605,6 +1606,42 @@ Test(transport, the_acceptor_removes_the_lane_file_it_read_even_when_the_connect
   ucp_worker_destroy(w);
   ucp_cleanup(ctx);
   cr_assert_eq(peer_wait(p), 0, "the acceptor did not live on");
+}
+
+/* names in /dev/shm of this process ("devpickle-PID-...") */
+static int own_shm_names(void) {
+  char prefix[32];
+  snprintf(prefix, sizeof prefix, "devpickle-%ld-", (long)getpid());
+  DIR *d = opendir("/dev/shm");
+  cr_assert_not_null(d);
+  int n = 0;
+  for (struct dirent *de; (de = readdir(d));) n += strncmp(de->d_name, prefix, strlen(prefix)) == 0;
+  closedir(d);
+  return n;
+}
+
+Test(transport, offers_a_stopped_peer_never_answers_are_withdrawn_and_their_names_removed) {
+  /* the lane's file and the staged send's segment: both names go after 2 s
+     without an answer, though the endpoint stays */
+  dp__transport_stage_host = 1;
+  peer_t p = spawn_peer(stop_self, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t v = dev_tensor(0, 64 << 10, 1);
+  dp_future_t *d;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  dp_value_release(v);
+  for (int i = 0; i < 1000 && own_shm_names() < 2; i++) sleep_ms(10);
+  cr_assert_eq(own_shm_names(), 2, "the lane's file and the segment were not both offered");
+  for (int i = 0; i < 1000 && own_shm_names(); i++) sleep_ms(10);
+  cr_assert_eq(own_shm_names(), 0, "an offer nobody answered kept its name");
+  cr_assert_eq(dp_endpoint_error(ep, NULL), 0);
+  kill(p.pid, SIGKILL);
+  peer_wait(p);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
 }
 
 Test(transport, a_piece_that_can_never_be_next_is_refused_at_once_not_parked_forever) {
@@ -4462,6 +4499,24 @@ static int send_k_then_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   }
   dp_endpoint_free(ep);
   return -1;
+}
+
+Test(transport, values_a_closed_peer_sent_and_nobody_took_are_freed_with_the_endpoint) {
+  t_track();
+  peer_t p = spawn_peer(send_k_then_close, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_error_t e;
+  int rc = 0;
+  for (int i = 0; i < 6000 && !(rc = dp_endpoint_error(ep, &e)); i++) sleep_ms(10);
+  cr_assert_eq(rc, DP_ECANCELED, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "the peer closed its endpoint"), "%s", e.message);
+  dp_endpoint_free(ep); /* none of its values taken */
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
 }
 
 static void values_then_close(int late) {
