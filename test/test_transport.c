@@ -673,6 +673,26 @@ Test(transport, a_caller_driven_wait_on_a_killed_peer_fails_with_connection_lost
   ASSERT_NO_LEAK();
 }
 
+Test(transport, a_caller_driven_wait_without_a_limit_waits_for_the_value) {
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_t *t = new_transport(&caller_opts);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_int(9), &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  dp_error_clear(&e);
+  cr_assert_eq(dp_transport_wait(t, r, -1, &e), 0, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 9);
+  OK(dp_transport_wait(t, d, -1, T_ERR));
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+}
+
 static int reentered = -1;
 static int progress_from_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
   (void)parent, (void)err;
