@@ -128,6 +128,16 @@ static dp_transport_t *new_transport(const dp_transport_opts_t *o) {
   return cur_t = t;
 }
 
+/* A listener of t on a free loopback port, an endpoint connected to it
+ * (*connected) and the one it accepted (*accepted). */
+static dp_listener_t *listen_pair(dp_transport_t *t, dp_endpoint_t **connected, dp_endpoint_t **accepted) {
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  *connected = connect_to(t, dp_listener_port(l));
+  OK(dp_listener_accept(l, 30 * SEC, accepted, T_ERR));
+  return l;
+}
+
 /* waits on f; returns its code, the error in *e */
 static int wait_f(dp_future_t *f, dp_error_t *e) {
   dp_error_clear(e);
@@ -556,10 +566,8 @@ Test(transport, an_endpoint_to_an_address_of_one_of_this_hosts_interfaces_gets_a
 
 Test(transport, a_message_of_1024_bytes_goes_on_the_lane_and_one_of_1025_on_the_connection) {
   dp_transport_t *t = new_transport(NULL);
-  dp_listener_t *l;
-  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
-  dp_endpoint_t *c = connect_to(t, dp_listener_port(l)), *a;
-  OK(dp_listener_accept(l, 30 * SEC, &a, T_ERR));
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
   cr_assert_gt(lane_echoes(c, a, 200, 1), 0, "no lane");
   /* 20 values of each size, one at a time; a control message of the pair
      may come on the lane meanwhile, but never 10 */
@@ -4129,10 +4137,8 @@ static int listen_from_callback(void *ud, dp_future_t *parent, dp_value_t *resul
 Test(transport, a_callback_run_by_the_thread_is_refused_making_or_freeing_a_listener_instead_of_hanging,
      .timeout = 60) {
   dp_transport_t *t = new_transport(NULL);
-  dp_listener_t *l;
-  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
-  dp_endpoint_t *a = connect_to(t, dp_listener_port(l)), *b;
-  OK(dp_listener_accept(l, 30 * SEC, &b, T_ERR));
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
   cb_listen_t cb = {t, l, 1, {0}};
   dp_future_t *d, *r, *c;
   dp_error_t e;
@@ -4157,10 +4163,8 @@ Test(transport, a_callback_run_by_the_thread_is_refused_making_or_freeing_a_list
 Test(transport, a_callback_run_by_a_callers_pass_makes_and_frees_a_listener_at_once) {
   /* caller-driven, the pass running the callback runs their commands */
   dp_transport_t *t = new_transport(&caller_opts);
-  dp_listener_t *l;
-  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
-  dp_endpoint_t *a = connect_to(t, dp_listener_port(l)), *b;
-  OK(dp_listener_accept(l, 30 * SEC, &b, T_ERR));
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
   cb_listen_t cb = {t, NULL, 1, {0}};
   dp_future_t *d, *r, *c;
   dp_error_t e;
@@ -4172,6 +4176,7 @@ Test(transport, a_callback_run_by_a_callers_pass_makes_and_frees_a_listener_at_o
   dp_future_release(c);
   dp_future_release(r);
   dp_future_release(d);
+  dp_listener_free(l);
   dp_transport_free(t);
   cur_t = NULL;
 }
@@ -4179,10 +4184,8 @@ Test(transport, a_callback_run_by_a_callers_pass_makes_and_frees_a_listener_at_o
 /* dp_endpoint_send_frame: a frame as it is, inline or without buffers */
 Test(transport, a_frame_without_buffers_is_sent_as_it_is_and_one_with_buffers_not_inline_is_refused) {
   dp_transport_t *t = new_transport(NULL);
-  dp_listener_t *l;
-  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
-  dp_endpoint_t *a = connect_to(t, dp_listener_port(l)), *b;
-  OK(dp_listener_accept(l, 30 * SEC, &b, T_ERR));
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
   dp_frame_t *fr;
   size_t n;
   OK(dp_frame_new(&fr, T_ERR));
@@ -4205,9 +4208,10 @@ Test(transport, a_frame_without_buffers_is_sent_as_it_is_and_one_with_buffers_no
   d = (dp_future_t *)1;
   cr_assert_eq(dp_endpoint_send_frame(a, bytes, n, &d, &e), DP_EINVAL, "%s", e.message);
   cr_assert_null(d);
-  cr_assert_str_eq(e.message, "dp_endpoint_send_frame: the frame's 1 buffers are not inline");
+  cr_assert_str_eq(e.message, "dp_endpoint_send_frame: the frame's 1 buffer is not inline");
   dp_frame_free(fr);
   dp_value_release(v);
+  dp_listener_free(l);
   dp_transport_free(t);
   cur_t = NULL;
 }

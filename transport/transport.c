@@ -899,7 +899,8 @@ int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_fu
   int rc = dp_frame_check(bytes, n, &info, err);
   if (rc) return rc;
   if (info.nbuffers && !(info.flags & 1u))
-    return dp__err(err, DP_EINVAL, "dp_endpoint_send_frame: the frame's %u buffers are not inline", info.nbuffers);
+    return dp__err(err, DP_EINVAL, "dp_endpoint_send_frame: the frame's %u buffer%s not inline", info.nbuffers,
+                   info.nbuffers == 1 ? " is" : "s are");
   sop_t *s = sop_new(SOP_FRAME);
   if (!s || !(s->bytes = dp__alloc(n ? n : 1))) {
     if (s) dp__free(s, sizeof *s);
