@@ -38,7 +38,9 @@ static int sread(sr_t *s, void *dst, size_t n, size_t *got) {
       return rc;
     }
     if (k > n - *got)
-      return dp__err_at(s->err, DP_EINVAL, (int64_t)s->total, "the read callback reported %zu bytes read where at most %zu were asked", k, n - *got);
+      return dp__err_at(s->err, DP_EINVAL, (int64_t)s->total,
+                        "the read callback reported %zu byte%s read where at most %zu %s asked", k, k == 1 ? "" : "s",
+                        n - *got, n - *got == 1 ? "was" : "were");
     if (k == 0) break;
     *got += k;
     s->total += k;

@@ -543,8 +543,9 @@ static int read_tensor(up_t *u, const uint8_t *at, dp_value_t *out) {
                     (unsigned long long)nd, DP_TENSOR_MAX_DIMS);
   for (uint64_t d = 0; !rc && d < nd; d++) rc = read_int(r, &shape[d], 0, INT64_MAX, "tensor dimension");
   if (!rc) rc = read_array(r, &ns, "tensor strides");
-  if (!rc && ns != nd) rc = rd_fail(r, DP_EFORMAT, at, "tensor has %llu strides for %llu dimensions",
-                                       (unsigned long long)ns, (unsigned long long)nd);
+  if (!rc && ns != nd)
+    rc = rd_fail(r, DP_EFORMAT, at, "tensor has %llu stride%s for %llu dimension%s", (unsigned long long)ns,
+                 ns == 1 ? "" : "s", (unsigned long long)nd, nd == 1 ? "" : "s");
   for (uint64_t d = 0; !rc && d < ns; d++) rc = read_int(r, &strides[d], INT64_MIN + 1, INT64_MAX, "tensor stride");
   if (!rc) rc = read_int(r, &offset, 0, INT64_MAX, "tensor offset");
   if (rc) return rc;
@@ -628,8 +629,9 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
         if ((rc = dp_tuple_new(n, out, &e)) != 0) return rd_pass(r, at, rc, &e);
         return open_container(u, *out, DP_TAG_TUPLE, n, at, done);
       case DP_TAG_TENSOR:
-        if (n != 5) return rd_fail(r, DP_EFORMAT, at, "tensor node has %llu fields, expected 5",
-                                      (unsigned long long)n);
+        if (n != 5)
+          return rd_fail(r, DP_EFORMAT, at, "tensor node has %llu field%s, expected 5", (unsigned long long)n,
+                         n == 1 ? "" : "s");
         if ((rc = read_tensor(u, at, out)) != 0) return rc;
         if ((rc = add_node(u, *out, at)) != 0) dp_value_release(*out);
         return rc;
@@ -1053,8 +1055,8 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
     at = r->p;
     if ((rc = read_array(r, &fields, "buffer descriptor")) != 0) return rc;
     if (fields != (is_inline ? 5u : 4u))
-      return rd_fail(r, DP_EFORMAT, at, "buffer descriptor %llu has %llu fields, expected %d",
-                        (unsigned long long)i, (unsigned long long)fields, is_inline ? 5 : 4);
+      return rd_fail(r, DP_EFORMAT, at, "buffer descriptor %llu has %llu field%s, expected %d",
+                        (unsigned long long)i, (unsigned long long)fields, fields == 1 ? "" : "s", is_inline ? 5 : 4);
     if ((rc = read_uint(r, &dtype, "buffer device type")) || (rc = read_uint(r, &dindex, "buffer device index")) ||
         (rc = read_uint(r, &nbytes, "buffer size")) || (rc = read_uint(r, &base, "buffer address")))
       return rc;

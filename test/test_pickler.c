@@ -4224,6 +4224,10 @@ Test(pickler, a_tensor_node_with_other_than_five_fields_is_refused) {
   b = frame_with_table(six, sizeof six, table, sizeof table, NULL, 0, 0, &n);
   expect_refused("six fields", b, n, 41, "tensor node has 6 fields, expected 5");
   free(b);
+  const uint8_t one[] = {0x91, 0x92, 0xd4, 0x00, 0x02, 0x00}; /* one field: named in the singular */
+  b = frame_with_table(one, sizeof one, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("one field", b, n, 41, "tensor node has 1 field, expected 5");
+  free(b);
   ASSERT_NO_LEAK();
 }
 

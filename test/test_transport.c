@@ -1696,7 +1696,7 @@ Test(transport, an_inline_frame_whose_header_announces_a_buffer_fails_its_receiv
 
 Test(transport, a_frame_whose_header_announces_more_buffers_than_its_table_fails_its_receive) {
   crafted_fails((crafted_t){100, {0, 1, 0, 0, 100, 0, 100}, 100, .nbuffers = 2},
-                "transport: frame has 1 buffers, its message announced 2");
+                "transport: frame has 1 buffer, its message announced 2");
 }
 
 Test(transport, a_frame_whose_header_totals_less_than_its_tables_sizes_fails_the_endpoint) {

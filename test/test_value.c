@@ -1887,7 +1887,7 @@ Test(value, the_index_one_past_the_last_is_out_of_range_for_every_lookup) {
   o = t_obj("M");
   OK(dp_object_set(o, "x", dp_int(1), T_ERR));
   cr_assert_eq(dp_object_attr(o, 1, NULL, &v, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_object_attr: index 1 out of range (1 attributes)");
+  cr_assert_str_eq(e.message, "dp_object_attr: index 1 out of range (1 attribute)");
   dp_value_release(l);
   dp_value_release(d);
   dp_value_release(o);

@@ -64,8 +64,8 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
   if (!rc && (info.flags & 1u) && h->nbuffers)
     rc = dp__err(&m->error, DP_EFORMAT, "transport: an inline frame announced %u out-of-band buffers", h->nbuffers);
   if (!rc && !(info.flags & 1u) && info.nbuffers != h->nbuffers)
-    rc = dp__err(&m->error, DP_EFORMAT, "transport: frame has %u buffers, its message announced %u",
-                 info.nbuffers, h->nbuffers);
+    rc = dp__err(&m->error, DP_EFORMAT, "transport: frame has %u buffer%s, its message announced %u",
+                 info.nbuffers, info.nbuffers == 1 ? "" : "s", h->nbuffers);
   /* the frame receive waiting for it refuses a message with buffers
      (deliver): at its frame, so that its buffers are neither allocated (a
      header may announce any size) nor waited for (a sender may never send

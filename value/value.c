@@ -698,7 +698,8 @@ size_t dp_object_nattrs(dp_value_t obj) { return obj.kind == DP_OBJECT ? DP_OBJ(
 int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val, dp_error_t *err) {
   if (obj.kind != DP_OBJECT) return kind_mismatch(err, "dp_object_attr", obj, "object");
   if (i >= DP_OBJ(obj)->len)
-    return dp__err(err, DP_EINVAL, "dp_object_attr: index %zu out of range (%zu attributes)", i, DP_OBJ(obj)->len);
+    return dp__err(err, DP_EINVAL, "dp_object_attr: index %zu out of range (%zu attribute%s)", i, DP_OBJ(obj)->len,
+                   DP_OBJ(obj)->len == 1 ? "" : "s");
   if (name) *name = dp__attr_name(&DP_OBJ(obj)->attrs[i]);
   if (val) *val = DP_OBJ(obj)->attrs[i].val;
   return 0;
