@@ -263,7 +263,9 @@ DP_API int64_t dp_tensor_offset(dp_value_t t);
  * out as C strings); DP_EINVAL otherwise. */
 DP_API int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err);
 /** Sets an attribute (steals val). A new name is appended; an existing one
- *  keeps its position. DP_EINVAL when obj is not an object. */
+ *  keeps its position. DP_EINVAL when obj is not an object, and for any
+ *  name but "__reduce__" on a reduced stand-in (dp_object_is_reduced: a
+ *  frame carries only its state, so another attribute would be lost). */
 DP_API int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *err);
 /** Borrowed attribute in *val (val may be NULL), or DP_ENOTFOUND;
  *  DP_EINVAL when obj is not an object or name is NULL. */
