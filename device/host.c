@@ -647,7 +647,9 @@ static int h_init(dp_backend_t *b, dp_error_t *err) {
     char *end;
     long v = strtol(env, &end, 10);
     char shown[DP__SHOWN_MAX];
-    if (*end || v < 1 || v > HOST_MAX_DEVICES)
+    /* digits only, as dp_device_parse takes an index: strtol would skip
+     * leading blanks and a sign (" 3" but not "3 ") */
+    if (*env < '0' || *env > '9' || *end || v < 1 || v > HOST_MAX_DEVICES)
       return dp__err(err, DP_EINVAL, "DEVPICKLE_HOST_DEVICES=%s: expected 1..%d", dp__shown(env, shown),
                      HOST_MAX_DEVICES);
     n = (int)v;

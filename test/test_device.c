@@ -1524,7 +1524,7 @@ Test(device, the_host_device_count_takes_1_to_64_and_nothing_else) {
   setenv("DEVPICKLE_HOST_DEVICES", "64", 1);
   cr_assert_eq(dp_backend_device_count(host()), 64);
   dp_shutdown();
-  const char *bad[] = {"65", "3x", "-1"};
+  const char *bad[] = {"65", "3x", "-1", " 3", "+3"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     setenv("DEVPICKLE_HOST_DEVICES", bad[i], 1);
     dp_backend_t *b;
