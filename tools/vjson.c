@@ -687,9 +687,8 @@ typedef struct idnode {
   int open;       /* a container still being filled */
 } idnode_t;
 
-/* An index of r->ids by name or by node identity, in the library's table
- * (core/table.h): item k is r->ids[at[k]]. Lookups stay O(1) however many
- * $ids a document has. */
+/* An index of r->ids by name, in the library's table (core/table.h): item k
+ * is r->ids[at[k]]. Lookups stay O(1) however many $ids a document has. */
 typedef struct idx {
   dp__table_t t;
   size_t *at;
@@ -705,7 +704,8 @@ typedef struct rd {
   size_t nmarks, mcap;
   idnode_t *ids;
   size_t nids, idcap;
-  idx_t by_name, by_node;
+  idx_t by_name;
+  ptrmap_t by_node;  /* a named node's identity -> its index in ids (size_t); the first name kept */
   ptrmap_t closed;  /* tuple keys found closed (key_is_open) */
   dp_ptrset_t *stset;      /* (device, ptr) -> storage index */
   dp_storage_t **storages;
@@ -716,7 +716,7 @@ typedef struct rd {
 } rd_t;
 
 /* The reader's tables hash with the library's per-process secret
- * (core/table.h): $id names keyed as strings, nodes by address. */
+ * (core/table.h): $id names keyed as strings, nodes by address (ptrmap). */
 static uint64_t name_hash(const char *s, size_t n) { return dp__hash_bytes(s, n, 0); }
 
 typedef struct name_key {
@@ -735,29 +735,23 @@ static int name_eq(const void *ctx, size_t k, const void *key) {
   const name_key_t *n = key;
   return e->len == n->len && memcmp(e->name, n->name, n->len) == 0;
 }
-static int node_eq(const void *ctx, size_t k, const void *key) { return dp_value_id(idx_item(ctx, k)->v) == key; }
 static uint64_t name_hash_at(const void *ctx, size_t k) {
   const idnode_t *e = idx_item(ctx, k);
   return name_hash(e->name, e->len);
 }
-static uint64_t node_hash_at(const void *ctx, size_t k) { return dp__hash_ptr(dp_value_id(idx_item(ctx, k)->v)); }
 
-/* The entry of r->ids that x holds for (name, len), or for node when it is
- * not NULL; NULL if none. */
-static idnode_t *idx_find(rd_t *r, const idx_t *x, const char *name, size_t len, const void *node) {
+/* The entry of r->ids that x holds for (name, len); NULL if none. */
+static idnode_t *idx_find(rd_t *r, const idx_t *x, const char *name, size_t len) {
   idx_ctx_t c = {r, x};
   name_key_t k = {name, len};
-  size_t slot, at = node ? dp__table_find(&x->t, DP_TABLE_PLAIN, dp__hash_ptr(node), node_eq, &c, node, &slot)
-                         : dp__table_find(&x->t, DP_TABLE_PLAIN, name_hash(name, len), name_eq, &c, &k, &slot);
+  size_t slot, at = dp__table_find(&x->t, DP_TABLE_PLAIN, name_hash(name, len), name_eq, &c, &k, &slot);
   return at == DP_TABLE_NONE ? NULL : &r->ids[x->at[at]];
 }
 
-/* Adds r->ids[i] to x (by its node's identity when by_node, else by its
- * name). A node named twice ($id of a $ref) keeps its first entry. */
-static int idx_add(rd_t *r, idx_t *x, size_t i, int by_node) {
+/* Adds r->ids[i] to x by its name, unless the name is there. */
+static int idx_add(rd_t *r, idx_t *x, size_t i) {
   idnode_t *e = &r->ids[i];
-  const void *node = by_node ? dp_value_id(e->v) : NULL;
-  if (idx_find(r, x, e->name, e->len, node)) return 0;
+  if (idx_find(r, x, e->name, e->len)) return 0;
   size_t n = x->t.count;
   if (n == x->cap) {
     size_t ncap = x->cap ? 2 * x->cap : 64;
@@ -768,9 +762,9 @@ static int idx_add(rd_t *r, idx_t *x, size_t i, int by_node) {
   }
   idx_ctx_t c = {r, x};
   if (dp__table_full(&x->t) &&
-      dp__table_grow(&x->t, DP_TABLE_PLAIN, n, 0, by_node ? node_hash_at : name_hash_at, &c) != 0)
+      dp__table_grow(&x->t, DP_TABLE_PLAIN, n, 0, name_hash_at, &c) != 0)
     return -1;
-  uint64_t h = node ? dp__hash_ptr(node) : name_hash(e->name, e->len);
+  uint64_t h = name_hash(e->name, e->len);
   x->at[n] = i;
   dp__table_put(&x->t, DP_TABLE_PLAIN, dp__table_empty_slot(&x->t, DP_TABLE_PLAIN, h), h, n);
   return 0;
@@ -781,7 +775,17 @@ static void idx_free(idx_t *x) {
   free(x->at);
 }
 
-static idnode_t *find_id(rd_t *r, const char *name, size_t len) { return idx_find(r, &r->by_name, name, len, NULL); }
+static idnode_t *find_id(rd_t *r, const char *name, size_t len) { return idx_find(r, &r->by_name, name, len); }
+
+/* Indexes r->ids[i] by its node's identity; a node named twice ($id of a
+ * $ref) keeps its first entry. -1 out of memory. */
+static int node_add(rd_t *r, size_t i) {
+  int added;
+  size_t k = ptrmap_add(&r->by_node, dp_value_id(r->ids[i].v), &added);
+  if (k == SIZE_MAX) return -1;
+  if (added) *(size_t *)ptrmap_val(&r->by_node, k) = i;
+  return 0;
+}
 
 /* Step i after "$" of the JSON path being read (mark 0 is "$" itself): a
  * dp__step_fn, for dp__path_render. */
@@ -1083,8 +1087,8 @@ static int key_is_open(rd_t *r, dp_value_t k) {
   const void *id = dp_value_id(k);
   if (ptrmap_find(&r->closed, id) != SIZE_MAX) return 0;
   vjson_key_tuples_walked++;
-  const idnode_t *e = idx_find(r, &r->by_node, NULL, 0, id);
-  if (e && e->open) return 1;
+  size_t named = ptrmap_find(&r->by_node, id);
+  if (named != SIZE_MAX && r->ids[*(size_t *)ptrmap_val(&r->by_node, named)].open) return 1;
   for (size_t i = 0; i < dp_seq_len(k); i++)
     if (key_is_open(r, dp_seq_get(k, i))) return 1;
   ptrmap_add(&r->closed, id, NULL); /* out of memory, it is only forgotten */
@@ -1205,7 +1209,7 @@ static int add_id(rd_t *r, json_t *name, dp_value_t v, int open, size_t *at) {
   node->v = v;
   node->open = open;
   *at = r->nids++;
-  if (idx_add(r, &r->by_name, *at, 0) || idx_add(r, &r->by_node, *at, 1)) return fail(r, DP_ENOMEM, "out of memory");
+  if (idx_add(r, &r->by_name, *at) || node_add(r, *at)) return fail(r, DP_ENOMEM, "out of memory");
   return 0;
 }
 
@@ -1304,6 +1308,7 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
 int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t msgsize) {
   rd_t r;
   memset(&r, 0, sizeof r);
+  ptrmap_init(&r.by_node, sizeof(size_t));
   r.msg = msg;
   r.msgsize = msgsize;
   path_push(&r, "$");
@@ -1336,7 +1341,7 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   for (size_t i = 0; i < r.nids; i++) free(r.ids[i].name);
   free(r.ids);
   idx_free(&r.by_name);
-  idx_free(&r.by_node);
+  ptrmap_free(&r.by_node);
   ptrmap_free(&r.closed);
   free(r.path);
   free(r.marks);
