@@ -330,8 +330,11 @@ Test(device, a_thread_holds_current_streams_for_a_bounded_number_of_devices) {
   for (int i = 0; i < DP_CURRENT_STREAM_SLOTS; i++)
     OK(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, i)), NULL, T_ERR));
   dp_error_t e;
-  cr_assert_eq(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, 17)), NULL, &e), DP_ELIMIT);
+  dp_stream_t *prev = (dp_stream_t *)&e; /* not NULL: the refusal writes NULL there */
+  cr_assert_eq(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, 17)), &prev, &e), DP_ELIMIT);
   cr_assert_str_eq(e.message, "dp_set_current_stream(host:17): this thread already holds current streams for 16 devices");
+  cr_assert_null(prev, "a refused call gives back no stream it replaced");
+  cr_assert_eq(current(b, t_dev(DP_DEVICE_HOST, 17)), dflt(b, t_dev(DP_DEVICE_HOST, 17)), "and changes nothing");
   dp_reset_current_stream(b, t_dev(DP_DEVICE_HOST, 3));
   OK(dp_set_current_stream(dflt(b, t_dev(DP_DEVICE_HOST, 17)), NULL, T_ERR));
 }

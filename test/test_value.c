@@ -2053,8 +2053,11 @@ Test(value, attribute_names_at_the_inline_limit_are_found_named_and_freed) {
 Test(value, a_storage_on_a_device_that_cannot_exist_is_refused_naming_it) {
   dp_storage_t *s;
   dp_error_t e;
-  cr_assert_eq(dp_storage_new(t_dev(DP_DEVICE_TYPE_COUNT, 0), (void *)0x1000, 4, NULL, NULL, &s, &e), DP_EINVAL);
+  released_storages = 0;
+  cr_assert_eq(dp_storage_new(t_dev(DP_DEVICE_TYPE_COUNT, 0), (void *)0x1000, 4, count_release, NULL, &s, &e),
+               DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_storage_new: invalid device (type 3, index 0)");
+  cr_assert_eq(released_storages, 0, "a refused storage leaves its memory to the caller: release is not called");
   cr_assert_eq(dp_storage_new(t_dev(DP_DEVICE_CPU, 1), (void *)0x1000, 4, NULL, NULL, &s, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_storage_new: invalid device (type 0, index 1)");
   OK_WITH(&e, dp_storage_new(t_dev(DP_DEVICE_HOST, 255), (void *)0x1000, 4, NULL, NULL, &s, &e));

@@ -170,7 +170,8 @@ DP_API int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *e
 DP_API int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
 #define DP_CURRENT_STREAM_SLOTS 16
 /** Makes s the calling thread's current stream for s's device. *prev (may
- *  be NULL) receives the one it replaces (NULL when none was set). A thread
+ *  be NULL) receives the one it replaces (NULL when none was set; NULL too
+ *  when the call fails, which changes nothing). A thread
  *  holds current streams for up to DP_CURRENT_STREAM_SLOTS devices at once:
  *  one more is DP_ELIMIT. Use dp_reset_current_stream to clear one. The
  *  pool streams a then() callback runs with (future.h) do not count, on

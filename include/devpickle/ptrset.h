@@ -48,8 +48,10 @@ typedef struct dp_ptr_info {
   void *base;
   size_t nbytes;
   uint32_t refs;      /* distinct tensors on this storage (UINT32_MAX: that many or more) */
-  const char *path;   /* first path, when the scan asked for paths; else NULL.
-                         At most DP_PATH_MAX bytes (see above). Borrowed:
+  const char *path;   /* the path where the entry was added, when the scan
+                         that added it asked for paths; else NULL (a later
+                         scan with paths that meets the entry again leaves it
+                         so). At most DP_PATH_MAX bytes (see above). Borrowed:
                          valid until the set is cleared or freed. */
 } dp_ptr_info_t;
 
