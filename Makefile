@@ -118,7 +118,7 @@ test: deps all $(TEST_BIN) $(BUILD)/embed ## Run the Criterion suites, the embed
 ASAN_BUILD := $(BUILD)/asan
 ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-test-asan: deps ## Run every suite under ASan + UBSan + LeakSanitizer; any report fails
+test-asan: deps ## Run every suite under ASan + UBSan (+ LeakSanitizer, the Python suite aside); any report fails
 	@$(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) OPT="-O1 -g" SANFLAGS="$(ASAN_FLAGS)" all \
 	  $(TEST_SRC:test/%.c=$(ASAN_BUILD)/%) $(ASAN_BUILD)/embed >/dev/null
 	@set -e; log=$(ASAN_BUILD)/test-asan.log; : > $$log; \
@@ -131,7 +131,8 @@ test-asan: deps ## Run every suite under ASan + UBSan + LeakSanitizer; any repor
 	if grep -qE 'Sanitizer|runtime error:|Synthesis: .*(Failing: [1-9]|Crashing: [1-9])' $$log; then \
 	  grep -nE -A12 'ERROR: |runtime error:|SUMMARY:' $$log | head -80; \
 	  echo "test-asan: sanitizer reports or failures (full log: $$log)"; exit 1; fi; \
-	echo "test-asan: no sanitizer reports"
+	echo "test-asan: no sanitizer reports in the C suites"
+	@$(MAKE) --no-print-directory test-python-asan
 
 # GPU suite: built here (nvcc and the CUDA headers), run on a GPU machine
 # (docs/PERFORMANCE.md says how); without a GPU every test skips with the reason.
