@@ -44,7 +44,7 @@ static int read_memory(void *ud, dp_device_t device, const void *src, size_t n, 
       snprintf(err->message, sizeof err->message, "cpu memory changed while a device copy waited");
       return DP_ESTATE; /* the WalkError raised stands */
     }
-    memcpy(dst, src, n);
+    if (n) memcpy(dst, src, n); /* an empty storage's base may be NULL (torch.zeros(0)) */
     return 0;
   }
   dp_backend_t *b;
