@@ -212,7 +212,7 @@ $(BUILD)/stress $(BUILD)/transport_stress: $(BUILD)/%: test/stress/%.c $(BUILD)/
 # fails. It gets three runs: ThreadSanitizer from GCC 12 can fail to start
 # under some address-space layouts, and a run that did not start proves
 # nothing either way (its output is printed).
-test-tsan: deps ## Run the concurrency stress under ThreadSanitizer (and check that a racy control is caught)
+test-tsan: deps ## Run the concurrency stress and the Python suite under ThreadSanitizer (and check that racy controls are caught)
 	@$(MAKE) --no-print-directory BUILD=$(TSAN_BUILD) OPT="-O1 -g" SANFLAGS="-fsanitize=thread" $(TSAN_BUILD)/stress $(TSAN_BUILD)/transport_stress >/dev/null
 	@log=$(TSAN_BUILD)/test-tsan.log; \
 	TSAN_OPTIONS=halt_on_error=0 $(TSAN_BUILD)/stress > $$log 2>&1; rc=$$?; \
@@ -229,6 +229,7 @@ test-tsan: deps ## Run the concurrency stress under ThreadSanitizer (and check t
 	if ! grep -q 'WARNING: ThreadSanitizer: data race' $$log.control; then \
 	  echo "test-tsan: the racy control was NOT reported in 3 runs: the check is blind"; exit 1; fi; \
 	echo "test-tsan: no reports; the racy control was reported as it must be"
+	@$(MAKE) --no-print-directory test-python-tsan
 
 demo: deps all ## The future pipeline end to end (devpickle demo), then the examples packed, verified, dumped
 	@sh tools/demo.sh $(BUILD)/devpickle

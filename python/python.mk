@@ -52,6 +52,29 @@ test-python-asan: deps-python
 	  $(PYTHON) -m pytest -q -p no:cacheprovider python/tests && exit 0; \
 	rc=$$?; ls $$log.* >/dev/null 2>&1 && head -60 $$log.*; echo "test-python-asan: failed ($$rc)"; exit $$rc
 
+# The Python suite under ThreadSanitizer (test-tsan runs it after the C
+# stress): the extension and the library built with it, its runtime loaded
+# first into the interpreter, which is not (test/tsan-python.supp names
+# what that leaves unseen). Any report of a race — from the interpreter or
+# from a CLI a test runs — fails the run (a crash expected of torch's side
+# of a comparison is no race); then a racy control, two threads writing the
+# same bytes through ctypes, must be reported, or the check is blind.
+TSAN_PY_ENV = LD_PRELOAD="$$($(CC) -print-file-name=libtsan.so)" UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_MALLOC_HOOKS=no \
+  TSAN_OPTIONS="halt_on_error=0 log_path=$$log suppressions=$(abspath test/tsan-python.supp)"
+test-python-tsan: deps-python
+	@$(MAKE) --no-print-directory BUILD=$(TSAN_BUILD) OPT="-O1 -g" SANFLAGS="-fsanitize=thread" cli python >/dev/null
+	@echo "== python (pytest, tsan)"; log=$(abspath $(TSAN_BUILD))/python-tsan; rm -f $$log.*; \
+	$(TSAN_PY_ENV) PYTHONPATH=$(abspath $(TSAN_BUILD)/python) DEVPICKLE=$(abspath $(TSAN_BUILD)/devpickle) \
+	  $(PYTHON) -m pytest -q -p no:cacheprovider python/tests && rc=0 || rc=$$?; \
+	if grep -l 'WARNING: ThreadSanitizer' $$log.* >/dev/null 2>&1; then \
+	  grep -h -A30 'WARNING: ThreadSanitizer' $$log.* | head -80; rc=1; fi; \
+	[ $$rc -eq 0 ] || { echo "test-python-tsan: failed ($$rc; reports in $$log.*)"; exit 1; }; \
+	log=$(abspath $(TSAN_BUILD))/python-tsan-control; rm -f $$log.*; \
+	$(TSAN_PY_ENV) $(PYTHON) test/tsan_python_control.py >/dev/null; \
+	grep -q 'WARNING: ThreadSanitizer: data race' $$log.* 2>/dev/null || \
+	  { echo "test-python-tsan: the racy control was NOT reported: the check is blind"; exit 1; }; \
+	echo "test-python-tsan: no reports; the racy control was reported as it must be"
+
 # Debian's interpreter and the packages the binding (Python.h; libtorch-dev
 # for the optional torch adapter) and its tests need.
 PY_DEB := python3-dev python3-pytest python3-numpy python3-torch libtorch-dev python3-pip python3-venv
@@ -75,4 +98,4 @@ check-pip: deps-python ## Check that `pip install ./python` works offline (a ven
 	  import os; d = os.path.dirname(devpickle.__file__); assert {"py.typed", "_devpickle.pyi"} <= set(os.listdir(d)), d; \
 	  print("check-pip: installed", devpickle.__file__, "with its types")'
 
-.PHONY: python test-python test-python-asan deps-python check-pip
+.PHONY: python test-python test-python-asan test-python-tsan deps-python check-pip
