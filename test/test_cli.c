@@ -2125,6 +2125,43 @@ Test(cli, send_stops_reading_a_stream_whose_header_is_no_frame_instead_of_readin
   }
 }
 
+/* unpack and send read the frame whole: they asked the pipe for 64 KiB at
+ * once, so a header that is no frame's, followed by a pipe that stays open
+ * and sends nothing more, held them until the pipe closed, while verify,
+ * dump and inspect refused it from its 40 bytes. A FIFO that this process
+ * keeps open for writing is such a pipe: a command still waiting for it is
+ * ended by timeout (status 124). */
+#define HEADER_BYTES 40 /* docs/FORMAT.md, "Layout" */
+Test(cli, every_frame_command_refuses_a_header_that_is_no_frames_while_its_pipe_stays_open, .timeout = 120) {
+  char fifo[128];
+  snprintf(fifo, sizeof fifo, "%s/pipe", dir);
+  cr_assert_eq(mkfifo(fifo, 0600), 0);
+  int w = open(fifo, O_RDWR | O_CLOEXEC); /* read-write: the open does not wait for a reader */
+  cr_assert_geq(w, 0);
+  static const char *const cmds[] = {"verify -", "dump -", "inspect -", "unpack -", "send - 127.0.0.1:1"};
+  uint8_t huge[HEADER_BYTES];
+  memset(huge, 0, sizeof huge);
+  memcpy(huge, "DPKL\x01", 5);
+  memset(huge + 8, 0xff, 16); /* payload and table: more than 2^64 bytes together */
+  for (int h = 0; h < 2; h++) {
+    for (int i = 0; i < 5; i++) {
+      uint8_t zeros[HEADER_BYTES] = {0};
+      cr_assert_eq(write(w, h ? huge : zeros, HEADER_BYTES), HEADER_BYTES);
+      char script[160];
+      snprintf(script, sizeof script, "timeout 20 \"$D\" %s < pipe", cmds[i]);
+      res_t r = run_sh(script);
+      cr_assert_eq(r.status, 1, "%s waited for the pipe to close (status %d): %s", cmds[i], r.status, r.err);
+      cr_assert_str_eq(r.err,
+                       h ? "devpickle: <stdin>: header announces 18446744073709551615 + 18446744073709551615 + 0 "
+                           "body bytes: more than a frame can hold (its length must fit in 64 bits), at byte 8\n"
+                         : "devpickle: <stdin>: not a devpickle frame (bad magic), at byte 0\n",
+                       "%s", cmds[i]);
+      res_free(r);
+    }
+  }
+  close(w);
+}
+
 /* An empty --host is a usage error (status 2, before listening), as a bad
  * PORT is, not a runtime failure naming the address ':0'. */
 Test(cli, recv_refuses_an_empty_host_as_a_usage_error) {

@@ -668,8 +668,12 @@ static int read_frame(const char *path, uint8_t **out, size_t *n) {
   dp_error_t e;
   dp_error_clear(&e);
   while (buf && !s.refused) { /* the library refuses such a header by itself: no need to read on */
-    size_t got;
-    if ((rc = src_read(&s, buf + len, cap - len, &got, &e)) != 0 || got == 0) break;
+    /* The header first, alone: fread waits for all it is asked, and a pipe
+     * that stays open behind a header that is no frame's would hold the
+     * command until it closes (the header alone refuses it). */
+    size_t want = cap - len, got;
+    if (s.hdr_len < FRAME_HEADER && want > FRAME_HEADER - s.hdr_len) want = FRAME_HEADER - s.hdr_len;
+    if ((rc = src_read(&s, buf + len, want, &got, &e)) != 0 || got == 0) break;
     if ((len += got) < cap) continue;
     grow_or_drop(&buf, &cap);
   }
