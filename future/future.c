@@ -33,7 +33,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "devpickle.h"  /* the top layer: every public header */
+#include "devpickle/future.h"
 #include "../device/internal.h"
 #include "../pickler/ptrs.h"
 #include "internal.h"
