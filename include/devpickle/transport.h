@@ -77,6 +77,10 @@
  * receive future of it fails with the error (code and message naming the
  * endpoint), every buffer allocated for an unfinished receive is freed, and
  * later calls on it fail with the same error. Other endpoints keep working.
+ * A frame the reader refuses (checksum, limits, layout: dp_unpickle's
+ * checks, with opts.unpickle) is no failure of the endpoint: it fails the
+ * one receive it was for, with the reader's error, and the endpoint goes on
+ * with the next value (docs/TRANSPORT.md, "What the receiver checks").
  * Bounded in-flight bytes: an endpoint posts at most opts.max_inflight_bytes
  * of buffers (and frames over 64 KiB) not yet taken by the peer; more sends
  * wait in the transport (their futures pending) — send() itself never
