@@ -136,8 +136,9 @@ DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out,
  *  host bytes (or only one has host bytes); DP_ELIMIT for a storage over
  *  2^62 bytes, a str, bytes or container longer than 2^32 - 1, or a value
  *  of more than 2^32 - 2 heap nodes (32-bit back-references). Messages name the path — except
- *  those of an inline buffer's read, made after the walk (DP_ENODEV, or the read callback's own
- *  code and message), which name the buffer by its size and device. On error the frame
+ *  those of an inline buffer's read, made after the walk: DP_ENODEV names the buffer by its
+ *  size and device, and a read callback's failure is its own code and message (base.h's
+ *  "the read callback failed: ..." when it wrote none). On error the frame
  *  is empty. DP_ESTATE, changing nothing, when a pickle into frame has not
  *  returned yet (a reduce() or read callback that pickles into the frame
  *  its own pickle writes: that pickle goes on unharmed). The frame belongs
