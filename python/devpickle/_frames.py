@@ -322,13 +322,53 @@ def _args_size(cls, args):
     tuple, load as they are)."""
     if not (isinstance(cls, type) and issubclass(cls, _COPYING)):
         return 0
-    n = len(args) + sum(len(x) for x in args if isinstance(x, _COPYING))
+    n = len(args) + sum(_items_made(x) for x in args)
     if issubclass(cls, (bytes, bytearray)):
         # bytes(n) and bytearray(n) allocate n zero bytes: an int argument (a
         # frame's int64, a numpy integer: bytes() takes any __index__) is
         # charged as the bytes it makes, a buffer (an array) as its bytes
         n += sum(_bytes_made(x) for x in args if not isinstance(x, (str, bytes, bytearray)))
     return n
+
+
+def _items_made(x):
+    """The items a builtin container's constructor makes of argument x,
+    which it iterates whatever its type: len(x) for anything sized — a
+    builtin container or string, and as well an array or tensor (its first
+    dimension: a stride-0 view of 2**62 items is 16 bytes of frame) or a
+    range; none for an unsized one (an int, a 0-d array, which it refuses
+    to iterate)."""
+    try:
+        return len(x)
+    except TypeError:
+        return 0
+    except OverflowError:  # a range of more than sys.maxsize items
+        return 1 << 63
+
+
+def _hashed_items(x):
+    """The items a builtin set or dict constructor hashes of argument x, for
+    the count by hash, or None where that count was made when x was (a
+    frame's set, frozenset or dict) or cannot collide (str and bytes hash
+    with a secret; a range's ints are int64, at most 9 of one hash; a
+    tensor's items hash by identity). A numpy array's items are scalars
+    hashed by value, a deque's whatever it holds: listed, at the cost
+    already charged for them (_items_made)."""
+    if isinstance(x, (list, tuple)):
+        return x
+    np = sys.modules.get("numpy")
+    if isinstance(x, collections.deque) or (np is not None and isinstance(x, np.ndarray) and x.ndim > 0):
+        return list(x)
+    return None
+
+
+def _pair_key(p):
+    """The key dict(pairs) takes from item p (a pair: a 2-item tuple, list or
+    array row), else None."""
+    np = sys.modules.get("numpy")
+    if isinstance(p, (tuple, list)) or (np is not None and isinstance(p, np.ndarray) and p.ndim > 0):
+        return (p[0],) if len(p) == 2 else None
+    return None
 
 
 def _bytes_made(x):
@@ -525,12 +565,13 @@ def reduced(cls, parts, copies):
     else:
         return Object(label, parts)  # not a call loads makes
     copies.charge("reduced objects' args", _args_size(cls, new_args + tuple(new_kwargs.values())))
-    if issubclass(cls, _HASHING):  # set(a list), dict(pairs), Counter(a list): hashes each item
+    if issubclass(cls, _HASHING):  # set(a list), dict(pairs), Counter(an array): hashes each item
         for a in new_args + tuple(new_kwargs.values()):
-            if isinstance(a, (list, tuple)):
-                copies.hashes("reduced objects' args", a)
+            items = _hashed_items(a)
+            if items is not None:
+                copies.hashes("reduced objects' args", items)
                 if issubclass(cls, dict):  # dict(pairs) hashes each pair's key
-                    copies.hashes("reduced objects' args", [p[0] for p in a if isinstance(p, (tuple, list)) and len(p) == 2])
+                    copies.hashes("reduced objects' args", [k[0] for k in map(_pair_key, items) if k is not None])
     obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args, **new_kwargs)
     listitems, dictitems = parts.get("<listitems>") or [], parts.get("<dictitems>") or []
     if not isinstance(listitems, list) or not isinstance(dictitems, list) or not all(
