@@ -1052,6 +1052,103 @@ Test(cli, unpack_writes_at_most_sixteen_times_the_frame_compact_and_says_what_co
   cr_assert_leq(on, 16.5 * fn, "%zu bytes of JSON for a %zu-byte frame", on, fn);
 }
 
+static void spit_frame(const char *name, const void *payload, size_t n);
+
+/* The size of what `devpickle CMD FRAME -o OUT` (or `CMD FRAME > OUT`
+ * when to_stdout) writes. */
+static size_t output_of(const char *cmd, const char *frame, int to_stdout) {
+  char args[256], path[160];
+  snprintf(args, sizeof args, to_stdout ? "%s %s > o.txt" : "%s %s -o o.txt", cmd, frame);
+  res_t r = run(args);
+  cr_assert_eq(r.status, 0, "%s: %s", args, r.err);
+  res_free(r);
+  path_in(path, sizeof path, "o.txt");
+  struct stat st;
+  cr_assert_eq(stat(path, &st), 0);
+  unlink(path);
+  return (size_t)st.st_size;
+}
+
+/* A payload of `count` chains of `k` lists of one ending in a false, in a
+ * list nested so that each chain's false is 2,000 levels down (*n: its
+ * size). */
+static uint8_t *chains_at_the_depth_limit(size_t count, size_t k, size_t *n) {
+  size_t outer = 1999 - k, q = 0;
+  uint8_t *p = malloc(outer + 3 + count * (k + 1));
+  cr_assert_not_null(p);
+  memset(p, 0x91, outer);
+  q = outer;
+  p[q++] = 0xdc;
+  p[q++] = (uint8_t)(count >> 8);
+  p[q++] = (uint8_t)count;
+  for (size_t i = 0; i < count; i++, q += k + 1) {
+    memset(p + q, 0x91, k);
+    p[q + k] = 0xc2;
+  }
+  *n = q;
+  return p;
+}
+
+/* Indented, a list of one deep down is two lines of about 4,000 spaces for
+ * its one byte: chains of them at the depth limit are the costliest input,
+ * each byte about 7,800 bytes of JSON (SECURITY.md; a tensor there is 5,500
+ * a byte). Measured as what 200 more chains add, so that the nest above
+ * them, written once, does not count. */
+Test(cli, unpack_writes_at_most_about_7800_times_the_frame_indented_and_says_what_costs_most, .timeout = 60) {
+  size_t n1, n2, f1, f2;
+  uint8_t *p = chains_at_the_depth_limit(40, 40, &n1);
+  spit_frame("c1.dpk", p, n1);
+  free(p);
+  p = chains_at_the_depth_limit(240, 40, &n2);
+  spit_frame("c2.dpk", p, n2);
+  free(p);
+  f1 = output_of("unpack", "c1.dpk", 0);
+  f2 = output_of("unpack", "c2.dpk", 0);
+  double per_byte = (double)(f2 - f1) / (double)(n2 - n1);
+  cr_assert_gt(per_byte, 7700, "the costliest input is no longer what SECURITY.md says: %.0f bytes of JSON a byte",
+               per_byte);
+  cr_assert_leq(per_byte, 7900, "%.0f bytes of JSON a frame byte", per_byte);
+}
+
+/* A payload of `count` falses in a list under three dict keys of control
+ * characters: steps of 388, 388 and 238 bytes, a path of 1,015 bytes and
+ * the item's index (*n: its size). */
+static uint8_t *falses_under_long_keys(size_t count, size_t *n) {
+  uint8_t *p = malloc(3 * (3 + 64) + 3 + count), *q = p;
+  cr_assert_not_null(p);
+  for (int level = 0; level < 3; level++) {
+    size_t klen = level < 2 ? 64 : 39;
+    *q++ = 0x81;
+    *q++ = 0xd9;
+    *q++ = (uint8_t)klen;
+    memset(q, 0x01, klen);
+    q += klen;
+  }
+  *q++ = 0xdc;
+  *q++ = (uint8_t)(count >> 8);
+  *q++ = (uint8_t)count;
+  memset(q, 0xc2, count);
+  *n = (size_t)(q + count - p);
+  return p;
+}
+
+/* inspect's line for a one-byte item is its path, at most 1,024 bytes, and
+ * its summary: "bool false" under a path just short of the limit is about
+ * 1,035 bytes a byte (SECURITY.md), measured as what 3,000 more add. */
+Test(cli, inspect_writes_at_most_about_1040_times_the_frame_and_says_what_costs_most) {
+  size_t n1, n2;
+  uint8_t *p = falses_under_long_keys(1000, &n1);
+  spit_frame("i1.dpk", p, n1);
+  free(p);
+  p = falses_under_long_keys(4000, &n2);
+  spit_frame("i2.dpk", p, n2);
+  free(p);
+  size_t f1 = output_of("inspect", "i1.dpk", 1), f2 = output_of("inspect", "i2.dpk", 1);
+  double per_byte = (double)(f2 - f1) / (double)(n2 - n1);
+  cr_assert_gt(per_byte, 1030, "the costliest input is no longer what SECURITY.md says: %.0f bytes a byte", per_byte);
+  cr_assert_leq(per_byte, 1040, "%.0f bytes of output a frame byte", per_byte);
+}
+
 Test(cli, tensors_sharing_a_storage_must_agree_on_its_data) {
   pack_fails("d.json", "d.dpk",
              "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
