@@ -1740,6 +1740,63 @@ def test_a_dict_subclass_reduced_with_an_array_of_keys_of_one_hash_is_refused_be
         devpickle.loads(frame, classes=Tally, max_copies=10 ** 9)
 
 
+class Text(str):
+    pass
+
+
+class Tagged(str):
+    """A str subclass whose own __new__ takes a second argument (not an encoding)."""
+
+    def __new__(cls, value, tag):
+        made = super().__new__(cls, value)
+        made.tag = tag
+        return made
+
+    def __reduce__(self):
+        return (Tagged, (str(self), self.tag))
+
+
+def _made_with(cls, args, via_newobj):
+    class Crafted:
+        def __reduce__(self):
+            return (named_as("copyreg.__newobj__"), (cls,) + args) if via_newobj else (cls, args)
+
+    Crafted.__module__, Crafted.__qualname__ = cls.__module__, cls.__qualname__
+    return devpickle.dumps(Crafted())
+
+
+@pytest.mark.parametrize("cls, text", [(Blob, "abc"), (BlobArray, "abc"), (Text, b"abc")])
+@pytest.mark.parametrize("via_newobj", [True, False])
+def test_an_allowed_str_or_bytes_subclass_takes_no_codec_named_by_the_frame(cls, text, via_newobj):
+    """str(b, encoding) and bytes(s, encoding) look the codec up by name:
+    a frame naming cp875 had loads import encodings.cp875, and 'punycode'
+    encodes in quadratic time (10,000 characters, a 30 kB frame: 12 s).
+    Only the codecs CPython knows without a lookup are taken."""
+    if cls is BlobArray and via_newobj:
+        pytest.skip("bytearray.__new__ takes its arguments and ignores them: nothing is looked up")
+    mod = "encodings.cp875"
+    was = sys.modules.pop(mod, None)
+    try:
+        for codec in ("cp875", "punycode", "CP875"):
+            with pytest.raises(TypeError, match=f"with the encoding '{codec}': loads looks no codec up by a name "
+                                                "from the frame"):
+                devpickle.loads(_made_with(cls, (text, codec), via_newobj), classes=cls)
+        assert mod not in sys.modules
+        with pytest.raises(TypeError, match="with the error handler 'namereplace': loads looks no"):
+            devpickle.loads(_made_with(cls, (text, "utf-8", "namereplace"), via_newobj), classes=cls)
+    finally:
+        if was is not None:
+            sys.modules[mod] = was
+    for codec in ("utf-8", "UTF_8", "latin-1", "ascii"):
+        made = devpickle.loads(_made_with(cls, (text, codec, "strict"), via_newobj), classes=cls)
+        assert type(made) is cls and made in ("abc", b"abc", bytearray(b"abc"), b"")
+
+
+def test_a_str_subclass_with_a_new_of_its_own_takes_its_own_second_argument():
+    out = devpickle.loads(devpickle.dumps(Tagged("x", "some-tag")), classes=Tagged)
+    assert out == "x" and out.tag == "some-tag"
+
+
 def test_a_tensor_subclass_name_holding_nul_is_not_cut_to_another_class(tmp_path):
     cli = os.environ.get("DEVPICKLE")
     if not cli:
