@@ -413,6 +413,12 @@ def _reserved(name, attrs, attr, kind):
     return v
 
 
+def shown(x):
+    """x for a message, bounded (reprlib's cuts): a frame's key or item may
+    refer to one long str many times, whose full repr is that many copies."""
+    return reprlib.repr(x)
+
+
 def _no_merge(name, items, made):
     """made, a set of items, unless two of them are one item in Python (1,
     1.0 and True; 0.0 and -0.0; one node twice): a frame's set holds
@@ -424,7 +430,7 @@ def _no_merge(name, items, made):
     for x in items:
         if x in seen:
             raise ValueError(f"loads: a {name} whose items are not distinct in Python (1, 1.0 and True; 0.0 and "
-                             f"-0.0): item {reprlib.repr(x)}")
+                             f"-0.0): item {shown(x)}")
         seen.add(x)
     raise AssertionError("unreachable: a set shorter than its items holds a repeat")
 

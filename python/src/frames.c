@@ -702,11 +702,17 @@ static int deliver(cframe_t *f, PyObject *r) {
     Py_ssize_t before = PyDict_GET_SIZE(f->py);
     rc = PyDict_SetItem(f->py, f->key, r);
     if (!rc && f->kind == CF_DICT && PyDict_GET_SIZE(f->py) == before) {
-      /* never a silent merge: the frame's keys are distinct, Python's equal */
-      PyErr_Format(PyExc_ValueError,
-                   "loads: a dict whose keys are distinct in the frame but equal in Python (1, 1.0 and True; "
-                   "0.0 and -0.0): key %R",
-                   f->key);
+      /* never a silent merge: the frame's keys are distinct, Python's equal.
+         The key as reprlib shows it: its full repr grows with what it
+         shares (1,022 references to one 256 kB str: a 268 MB message). */
+      PyObject *shown = helper("shown"), *text = shown ? PyObject_CallOneArg(shown, f->key) : NULL;
+      Py_XDECREF(shown);
+      if (text)
+        PyErr_Format(PyExc_ValueError,
+                     "loads: a dict whose keys are distinct in the frame but equal in Python (1, 1.0 and True; "
+                     "0.0 and -0.0): key %U",
+                     text);
+      Py_XDECREF(text);
       rc = -1;
     }
     Py_CLEAR(f->key);
