@@ -555,14 +555,27 @@ _TEXT_CODECS = frozenset({"utf-8", "utf8", "latin-1", "latin1", "iso-8859-1", "i
 _ERROR_HANDLERS = frozenset({"strict", "ignore", "replace", "backslashreplace", "surrogateescape", "surrogatepass"})
 
 
-def _check_codec(label, cls, args, kwargs, via_new):
-    """Refuses an encoding or error handler that str's or bytes' __new__ or
-    bytearray's __init__ would look up by name (their second and third
-    arguments, or encoding= and errors=); a subclass with a __new__ (an
-    __init__, for bytearray) of its own takes them as its own code does."""
+# Arguments str() renders by their repr, which shows a node each time it is
+# referred to, not once: its length is not bounded by the items charged
+# (a str of 3,000 references to one 100 kB str, a 118 kB frame, made a
+# 300 MB str).
+_REPR_GROWS = (list, tuple, dict, set, frozenset, collections.deque, Object)
+
+
+def _check_text(label, cls, args, kwargs, via_new):
+    """Refuses what str's or bytes' __new__ or bytearray's __init__ would
+    look up by name (an encoding or error handler: their second and third
+    arguments, or encoding= and errors=), and a container str() would render
+    by its repr; a subclass with a __new__ (an __init__, for bytearray) of
+    its own takes them as its own code does."""
     if issubclass(cls, (str, bytes)):
         if cls.__new__ is not (str if issubclass(cls, str) else bytes).__new__:
             return
+        first = args[0] if args else kwargs.get("object")
+        if issubclass(cls, str) and len(args) < 2 and "encoding" not in kwargs and isinstance(first, _REPR_GROWS):
+            raise TypeError(f"loads: {label} was reduced with a {type(first).__name__} to render: str() of it is its "
+                            "repr, which shows a node as often as it is referred to (loads makes a str subclass "
+                            "of a str, bytes with an encoding, or a scalar)")
     elif not (issubclass(cls, bytearray) and not via_new and cls.__init__ is bytearray.__init__):
         return  # bytearray.__new__ ignores its arguments
     for what, at, allowed in (("encoding", 1, _TEXT_CODECS), ("error handler", 2, _ERROR_HANDLERS)):
@@ -598,7 +611,7 @@ def reduced(cls, parts, copies):
         new_args, new_kwargs = args[1], args[2]
     else:
         return Object(label, parts)  # not a call loads makes
-    _check_codec(label, cls, new_args, new_kwargs, fn is not cls)
+    _check_text(label, cls, new_args, new_kwargs, fn is not cls)
     copies.charge("reduced objects' args", _args_size(cls, new_args + tuple(new_kwargs.values())))
     if issubclass(cls, _HASHING):  # set(a list), dict(pairs), Counter(an array): hashes each item
         for a in new_args + tuple(new_kwargs.values()):

@@ -1808,6 +1808,25 @@ def test_an_allowed_str_or_bytes_subclass_takes_no_codec_named_by_the_frame(cls,
         assert type(made) is cls and made in ("abc", b"abc", bytearray(b"abc"), b"")
 
 
+class Unlisted:
+    pass
+
+
+@pytest.mark.parametrize("arg", [["s"] * 3, ("s",) * 3, {"k": "s"}, {"s"}, frozenset({"s"}),
+                                 collections.deque(["s"]), Unlisted()])
+@pytest.mark.parametrize("via_newobj", [True, False])
+def test_an_allowed_str_subclass_is_not_made_from_the_repr_of_a_container(arg, via_newobj):
+    """str(x) of a container is its repr, which shows a shared node each time
+    it is referred to: a str of a list of 3,000 references to one 100 kB str,
+    a 118 kB frame, made a 300 MB str."""
+    frame = _made_with(Text, (arg,), via_newobj)
+    with pytest.raises(TypeError, match=r"reduced with a \w+ to render: str\(\) of it is its repr"):
+        devpickle.loads(frame, classes=(Text, collections.deque))
+    for fine in ("abc", 5, 2.5, None, np.float64(1.5)):
+        made = devpickle.loads(_made_with(Text, (fine,), via_newobj), classes=Text)
+        assert type(made) is Text and made == str(fine)
+
+
 def test_a_str_subclass_with_a_new_of_its_own_takes_its_own_second_argument():
     out = devpickle.loads(devpickle.dumps(Tagged("x", "some-tag")), classes=Tagged)
     assert out == "x" and out.tag == "some-tag"
