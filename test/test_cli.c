@@ -1053,6 +1053,7 @@ Test(cli, unpack_writes_at_most_sixteen_times_the_frame_compact_and_says_what_co
 }
 
 static void spit_frame(const char *name, const void *payload, size_t n);
+static void spit_frame_with(const char *name, const void *payload, size_t n, const void *table, size_t tn);
 
 /* The size of what `devpickle CMD FRAME -o OUT` (or `CMD FRAME > OUT`
  * when to_stdout) writes. */
@@ -1147,6 +1148,57 @@ Test(cli, inspect_writes_at_most_about_1040_times_the_frame_and_says_what_costs_
   double per_byte = (double)(f2 - f1) / (double)(n2 - n1);
   cr_assert_gt(per_byte, 1030, "the costliest input is no longer what SECURITY.md says: %.0f bytes a byte", per_byte);
   cr_assert_leq(per_byte, 1040, "%.0f bytes of output a frame byte", per_byte);
+}
+
+/* A payload of `count` (at most 127) zero-dimensional tensors, each on a
+ * cpu buffer of its own, under the keys of falses_under_long_keys, and its
+ * buffer table (*n, *tn: their sizes): 14 bytes an allocation. */
+static uint8_t *tensors_under_long_keys(size_t count, size_t *n, uint8_t *table, size_t *tn) {
+  size_t plen;
+  uint8_t *p = falses_under_long_keys(0, &plen), *q;
+  p = realloc(p, plen + 9 * count);
+  cr_assert_not_null(p);
+  q = p + plen - 3;  /* the list's header, written again with its count */
+  *q++ = 0xdc;
+  *q++ = 0;
+  *q++ = (uint8_t)count;
+  uint8_t *t = table;
+  *t++ = 0xdc;
+  *t++ = 0;
+  *t++ = (uint8_t)count;
+  for (size_t i = 0; i < count; i++) {
+    const uint8_t tensor[] = {0x96, 0xd4, 0x00, 0x02, (uint8_t)i, 0x00, 0x90, 0x90, 0x00};
+    const uint8_t desc[] = {0x94, 0x00, 0x00, 0x01, (uint8_t)i};
+    memcpy(q, tensor, sizeof tensor);
+    q += sizeof tensor;
+    memcpy(t, desc, sizeof desc);
+    t += sizeof desc;
+  }
+  *n = (size_t)(q - p);
+  *tn = (size_t)(t - table);
+  return p;
+}
+
+/* dump's line for an allocation is its first path, at most 1,024 bytes: an
+ * allocation of 14 bytes (its descriptor and a zero-dimensional tensor)
+ * under a path just short of the limit is about 77 bytes a byte, 93 with
+ * --json, whose strings escape the path's backslashes again (SECURITY.md). */
+Test(cli, dump_writes_at_most_about_95_times_the_frame_and_says_what_costs_most) {
+  uint8_t t1[3 + 5 * 127], t2[3 + 5 * 127];
+  size_t n1, n2, tn1, tn2;
+  uint8_t *p1 = tensors_under_long_keys(40, &n1, t1, &tn1), *p2 = tensors_under_long_keys(120, &n2, t2, &tn2);
+  spit_frame_with("d1.dpk", p1, n1, t1, tn1);
+  spit_frame_with("d2.dpk", p2, n2, t2, tn2);
+  free(p1);
+  free(p2);
+  for (int json = 0; json <= 1; json++) {
+    size_t f1 = output_of(json ? "dump --json" : "dump", "d1.dpk", 1);
+    size_t f2 = output_of(json ? "dump --json" : "dump", "d2.dpk", 1);
+    double per_byte = (double)(f2 - f1) / (double)(n2 + tn2 - n1 - tn1);
+    cr_assert_gt(per_byte, json ? 90 : 75, "the costliest input is no longer what SECURITY.md says: %.0f bytes a byte",
+                 per_byte);
+    cr_assert_leq(per_byte, json ? 95 : 80, "%.0f bytes of output a frame byte", per_byte);
+  }
 }
 
 Test(cli, tensors_sharing_a_storage_must_agree_on_its_data) {
