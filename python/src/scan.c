@@ -214,26 +214,42 @@ static inline uint8_t classify(PyTypeObject *t) {
   return e ? e->kind : classify_slow(t, &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE]);
 }
 
+/* t's version tag, given one first when it has none (a class changed since
+ * its last lookup — copyreg._slotnames sets torch.Tensor.__slotnames__ — has
+ * none until something looks an attribute up in it; without one no instance
+ * would ever hit the cache): 1 and *tag, or 0 when it can have none. Runs no
+ * Python code (_PyType_Lookup assigns the tag). */
+static int version_tag(PyTypeObject *t, unsigned int *tag) {
+  if (!(t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) (void)_PyType_Lookup(t, dpy.str_reduce_ex);
+  *tag = t->tp_version_tag;
+  return (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) != 0;
+}
+
 static uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
   if (t == &PySet_Type || t == &PyFrozenSet_Type) return K_SET;
   if (t == &PyComplex_Type || t == &PyBytes_Type) return K_LEAF;
-  uint8_t k = kind_of(t);
-  /* classified while an interrupt was held: not an answer to keep, nor one
-     to act on — visit() stops there, before running any of the value's code */
-  if (held_exc[0]) return K_UNKNOWN;
-  if (!(t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
-    /* A class changed since its last lookup (copyreg._slotnames sets
-       torch.Tensor.__slotnames__) has no tag until something looks an
-       attribute up in it: do so, or no instance would ever hit the cache. */
-    PyObject *a = PyObject_GetAttr((PyObject *)t, dpy.str_reduce_ex);
-    if (!a) clear_error();
-    Py_XDECREF(a);
-  }
-  if (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) {
-    e->type = t;
-    e->version = t->tp_version_tag;
-    e->kind = k;
-    e->no_slots = 0;
+  /* kind_of runs Python code (copyreg._slotnames, which sets __slotnames__
+     on the class; a metaclass's __getattribute__), which may change the
+     class, or let another thread change it, after kind_of read what it
+     changed: a kind is kept only under the tag the class had before it was
+     read and still has, else it is read again. A class that keeps changing
+     is answered as last read, and not kept. */
+  uint8_t k = K_UNKNOWN;
+  for (int tries = 0; tries < 3; tries++) {
+    unsigned int before, after;
+    int tagged = version_tag(t, &before);
+    k = kind_of(t);
+    /* classified while an interrupt was held: not an answer to keep, nor one
+       to act on — visit() stops there, before running any of the value's code */
+    if (held_exc[0]) return K_UNKNOWN;
+    if (!version_tag(t, &after) || !tagged) return k; /* no tag to keep it under */
+    if (after == before) {
+      e->type = t;
+      e->version = after;
+      e->kind = k;
+      e->no_slots = 0;
+      return k;
+    }
   }
   return k;
 }

@@ -105,6 +105,42 @@ def test_a_second_set_result_from_a_reduce_does_not_replace_the_first():
     assert f.wait() is winner
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
+def test_a_class_another_thread_changes_while_the_walk_reads_it_is_walked_as_changed_not_remembered_as_it_was():
+    # The walk reads a class once and keeps what it found under the class's
+    # version tag. Reading it runs the class's code (here its metaclass's
+    # __getattribute__), and another thread gave the class an array
+    # interface meanwhile: what was read before must not be kept under the
+    # class's new tag, or no walk would ever find its instances' memory
+    # (and a future would not wait for it).
+    reading, changed = threading.Event(), threading.Event()
+
+    class Meta(type):
+        def __getattribute__(cls, name):
+            if name == "__reduce_ex__" and not reading.is_set():
+                reading.set()
+                assert changed.wait(10)
+            return type.__getattribute__(cls, name)
+
+    class Late(metaclass=Meta):
+        pass
+
+    def give_it_an_array_interface():
+        assert reading.wait(10)
+        Late.__cuda_array_interface__ = property(lambda self: dict(OnCuda0.__cuda_array_interface__))
+        changed.set()
+
+    t = threading.Thread(target=give_it_an_array_interface, daemon=True)
+    t.start()
+    first = devpickle.scan(Late())
+    t.join(10)
+    assert changed.is_set()
+    assert [(a.device, a.ptr) for a in first] == [("cuda:0", 0x10000)]
+    assert [(a.device, a.ptr) for a in devpickle.scan([Late(), Late()], paths=False)] == [("cuda:0", 0x10000)]
+    with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
+        devpickle.Future(devices=["cpu"]).set_result(Late())
+
+
 class Tagged(devpickle.Future):
     def __init__(self, tag, devices=None):
         super().__init__()
