@@ -777,7 +777,9 @@ static int wait_done(pyfut_t *self, int *joined) {
       if (rc != DP_ETIMEDOUT || dp_future_is_done(self->f)) break;
       if (PyErr_CheckSignals()) return -1;
     }
-    if (rc && !dp_future_is_done(self->f)) {
+    /* an error of a future that completed fine is the join's (a stream
+       that could not wait on its events): the value is not ready for them */
+    if (rc && (!dp_future_is_done(self->f) || (rc != DP_ETIMEDOUT && !dp_future_error(self->f, NULL)))) {
       dpy_raise(rc, &e);
       return -1;
     }
@@ -802,7 +804,8 @@ static PyObject *fut_wait(pyfut_t *self, PyObject *unused) {
   }
   rc = dp_future_wait(self->f, -1, &e); /* done: joins the current streams */
   cupy_out(&sw);
-  if (rc && !dp_future_is_done(self->f)) return dpy_raise(rc, &e);
+  /* a fine future's error is the join's: raised, not the value unordered */
+  if (rc && (!dp_future_is_done(self->f) || !dp_future_error(self->f, NULL))) return dpy_raise(rc, &e);
   return outcome(self);
 }
 
