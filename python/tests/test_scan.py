@@ -2990,3 +2990,179 @@ def test_scan_finds_what_pickles_walk_meets_in_its_order_over_random_values():
         assert [(a.ptr, a.nbytes, a.refs) for a in got] == want
         assert [(a.ptr, a.nbytes, a.refs) for a in devpickle.scan(value, paths=False)] == want
         devpickle.Future().set_result(value)
+
+
+def _lists_holding(x):
+    return [r for r in gc.get_referrers(x) if type(r) is list and any(i is x for i in r)]
+
+
+def test_a_list_read_in_place_that_a_tensors_dispatch_empties_is_read_afresh_never_past_its_end():
+    """Without paths a small list held once is read in place; the sparse
+    tensor's dispatch (Python code) empties it while it is read: the walk
+    reads its length afresh, as the frame with paths does, and finds only
+    what it read before."""
+
+    def empty(n, t):
+        for lst in _lists_holding(t):
+            lst.clear()
+
+    paths, no_paths, future = _three_walks(lambda: [[_sparse(), torch.ones(2), torch.ones(3)]], empty)
+    assert no_paths == paths and [n for _, n, _ in paths[0]] == [16, 8], (paths, no_paths)
+    assert future == ("set", 1)
+
+
+def test_a_list_read_in_place_that_a_tensors_dispatch_drops_from_its_container_is_read_to_its_end():
+    """The dispatch empties the list around the one being read in place,
+    whose only reference that was: the walk holds what it reads, as the
+    frame with paths holds its list, and reads it to its end."""
+
+    def drop(n, t):
+        for inner in _lists_holding(t):
+            for outer in _lists_holding(inner):
+                outer.clear()
+
+    paths, no_paths, future = _three_walks(lambda: [[_sparse(), torch.ones(2), torch.ones(3)]], drop)
+    assert no_paths == paths and [n for _, n, _ in paths[0]] == [16, 8, 8, 12], (paths, no_paths)
+    assert future == ("set", 1)
+
+
+def test_an_objects_dict_that_a_tensors_dispatch_grows_while_read_in_place_is_a_walk_error_as_with_paths():
+    """An object held once is read in place without paths; an attribute
+    given to it by code its tensor's dispatch runs changes the size of the
+    __dict__ being read: the walk reports it, as the frame with paths
+    does, never reads on over a changed dict."""
+    held = []
+
+    def grow(n, t):
+        h = held[0]()
+        if h is not None:
+            h.added = torch.ones(9)
+
+    def make():
+        h = Holder(_sparse())
+        h.later = torch.ones(3)
+        held[:] = [weakref.ref(h)]
+        return [h]
+
+    paths, no_paths, future = _three_walks(make, grow)
+    assert paths == ("cannot walk a 'dict' at $[0]: its items cannot be read: dictionary changed size during "
+                        "the walk (Python code of the value's changed it)", 1), paths
+    assert no_paths == paths and future == (paths[0], 1), (no_paths, future)
+
+
+def test_a_cuda_array_interface_set_under_a_key_not_interned_is_found_without_paths_too():
+    """An instance's __cuda_array_interface__ is found by its name's value,
+    not by the identity of the str: a key made at run time (not interned)
+    holds it as well."""
+    t = torch.ones(2)
+
+    def make():  # the object held by its list alone: read in place without paths
+        o = Holder(t)
+        name = "".join(["__cuda_array_", "interface__"])
+        assert name is not "__cuda_array_interface__"  # noqa: F632 (the point: another str object)
+        o.__dict__[name] = {"shape": (4,), "typestr": "<f4", "data": (0x1000, False), "version": 3}
+        return [o]
+
+    for paths in (True, False):
+        got = devpickle.scan(make(), paths=paths)
+        assert [(a.device, a.ptr, a.nbytes) for a in got] == [("cuda:0", 0x1000, 16), ("cpu", t.data_ptr(), 8)], paths
+
+
+@pytest.mark.parametrize("wrap", ["list", "object"])
+def test_the_depth_limit_is_the_same_with_or_without_paths_at_every_depth_around_it(wrap):
+    """Small lists and objects held once are read in place without paths,
+    up to three levels at a time: the nesting the limit refuses is the one
+    the walk with paths refuses, wherever in those levels the limit falls."""
+
+    class Node:
+        pass
+
+    def wrap_once(x, i):  # the value one frame deeper
+        if wrap == "object" and i % 2 == 0:  # the innermost an object holding the tensor itself
+            n = Node()
+            n.a = x
+            return n
+        return [x]
+
+    limit = 262_144
+    x = t = torch.ones(1)
+    for frames in range(limit + 2):
+        if frames >= limit - 3:  # the walk with paths needs `frames` frames
+            for paths in (True, False):
+                if frames <= limit:
+                    assert [a.ptr for a in devpickle.scan(x, paths=paths)] == [t.data_ptr()], (frames, paths)
+                else:
+                    with pytest.raises(devpickle.WalkError, match="too deep"):
+                        devpickle.scan(x, paths=paths)
+        x = wrap_once(x, frames)
+
+
+def test_an_object_held_once_after_the_walk_ran_value_code_is_entered_once_without_paths_too():
+    """Once the walk has run the value's code (a reduce), an object held
+    only by its list's slot may still be met again (a reduce hands it back
+    through a weak reference): it enters the memo, and without paths it
+    is not read in place either — its sparse tensor was read, and its
+    dispatch run, twice."""
+
+    def make():
+        p = _Node(None)  # its attributes: child, then s
+        p.s = _sparse()
+        p.child = _ParentByWeakref(p)  # its reduce: the state {"parent": p, "t": torch.ones(2)}
+        return [Custom(torch.ones(1)), p]
+
+    paths, no_paths, future = _three_walks(make)
+    assert no_paths == paths and paths[1] == 1 and [n for _, n, _ in paths[0]] == [4, 8, 16, 8], (paths, no_paths)
+    assert future == ("set", 1)
+
+
+def test_paths_name_each_item_of_small_containers_and_objects_held_once_their_class_known_or_not():
+    """Small lists, tuples and plain objects held by one slot are read in
+    place only when no path is asked for: with paths each allocation names
+    its own item, the second time a class is met (cached) as the first."""
+
+    class Fresh:
+        pass
+
+    def make():
+        o = Fresh()
+        o.t = torch.ones(3)
+        o.inner = (torch.ones(4),)
+        return [(torch.ones(1), [torch.ones(2)]), o]
+
+    for _ in range(2):
+        got = devpickle.scan(make())
+        assert [(a.nbytes, a.path) for a in got] == [(4, "$[0][0]"), (8, "$[0][1][0]"), (12, "$[1].t"),
+                                                     (16, "$[1].inner[0]")]
+
+
+def test_opaque_tensor_classes_are_leaves_in_a_list_of_tensors_with_or_without_paths():
+    """A list of tensors is read in runs, without a visit per item: a class
+    declared opaque is still a leaf there, known to the walk before or
+    not."""
+
+    class Opaque(torch.Tensor):
+        pass
+
+    hidden, shown = torch.ones(2).as_subclass(Opaque), torch.ones(3)
+    value = [hidden, shown, hidden, (hidden,), [shown]]
+    for paths in (True, False):
+        for _ in range(2):  # the second time its class is known
+            assert [a.nbytes for a in devpickle.scan(value, paths=paths)] == [8, 12]
+            assert [a.nbytes for a in devpickle.scan(value, paths=paths, opaque=(Opaque,))] == [12]
+            assert devpickle.scan(value, paths=paths, opaque=torch.Tensor) == []
+
+
+def test_a_run_of_plain_tensors_stops_at_a_tensor_of_another_class_whose_slots_or_state_it_walks():
+    """A run of plain tensors read at once ends at the first item of
+    another class, even a tensor class: the slots and the state of its own
+    __getstate__ that a subclass carries are walked, as with paths."""
+    slot, state = torch.ones(5), torch.ones(6)
+    STATE_ONLY_GETSTATE_GIVES[:] = [state]
+    slotted = torch.zeros(2).as_subclass(SlottedTensor)
+    slotted.extra = slot
+    own = torch.zeros(3).as_subclass(TensorWithOwnState)
+    for value, want in [([torch.ones(1), torch.ones(1), slotted], [4, 4, 8, 20]),
+                        ([torch.ones(1), torch.ones(1), own], [4, 4, 12, 24])]:
+        for _ in range(2):  # the second time the classes are known
+            for paths in (True, False):
+                assert [a.nbytes for a in devpickle.scan(value, paths=paths)] == want, paths
