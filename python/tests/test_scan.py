@@ -3059,7 +3059,7 @@ def test_a_cuda_array_interface_set_under_a_key_not_interned_is_found_without_pa
     def make():  # the object held by its list alone: read in place without paths
         o = Holder(t)
         name = "".join(["__cuda_array_", "interface__"])
-        assert name is not "__cuda_array_interface__"  # noqa: F632 (the point: another str object)
+        assert name == "__cuda_array_interface__" and name is not sys.intern(name)  # another str object
         o.__dict__[name] = {"shape": (4,), "typestr": "<f4", "data": (0x1000, False), "version": 3}
         return [o]
 
@@ -3166,3 +3166,47 @@ def test_a_run_of_plain_tensors_stops_at_a_tensor_of_another_class_whose_slots_o
         for _ in range(2):  # the second time the classes are known
             for paths in (True, False):
                 assert [a.nbytes for a in devpickle.scan(value, paths=paths)] == want, paths
+
+
+def test_a_tensor_given_attributes_while_read_in_a_run_is_read_once_wherever_it_lies():
+    """The attributes a tensor's dispatch gives it while a run reads it are
+    walked after its memory, and the run goes on past it: the tensor, and
+    its dispatch, are never read a second time — in the run's own list, in
+    a list or tuple read in place, or before more items."""
+
+    def give(n, t):
+        t.extra = torch.ones(7)
+
+    for make, sizes in [
+        (lambda: [torch.ones(1), _sparse(), torch.ones(3)], [4, 16, 8, 28, 12]),
+        (lambda: [torch.ones(1), (_sparse(), 2)], [4, 16, 8, 28]),
+        (lambda: [torch.ones(1), [_sparse(), torch.ones(5)], torch.ones(3)], [4, 16, 8, 28, 20, 12]),
+    ]:
+        paths, no_paths, future = _three_walks(make, give)
+        assert paths == no_paths == ([("cpu", n, 1) for n in sizes], 1), (paths, no_paths)
+        assert future == ("set", 1)
+
+
+class _DropsAView:
+    """A reduce that drops a view the walk counted (its list's slot its
+    only reference) and hands the walk new views of the same storage:
+    one of them may take the dropped view's address."""
+
+    def __init__(self, holder, at, base):
+        self.holder, self.at, self.base = holder, at, base
+
+    def __reduce__(self):
+        self.holder[self.at] = None
+        return (_DropsAView, (), {"views": [self.base[4:] for _ in range(5)]})
+
+
+def test_a_counted_view_freed_by_a_reduce_does_not_hide_a_new_view_at_its_address():
+    """refs counts distinct objects by address: every object counted is
+    held until the walk ends, so a new view made at the address of one
+    freed meanwhile is counted too."""
+    for paths in (True, False):
+        base = torch.arange(8.0)
+        value = [base[1:], base[2:], base[3:], None]
+        value[3] = _DropsAView(value, 2, base)
+        got = devpickle.scan(value, paths=paths)
+        assert [(a.ptr, a.refs) for a in got] == [(base.data_ptr(), 8)], paths
