@@ -3210,3 +3210,102 @@ def test_a_counted_view_freed_by_a_reduce_does_not_hide_a_new_view_at_its_addres
         value[3] = _DropsAView(value, 2, base)
         got = devpickle.scan(value, paths=paths)
         assert [(a.ptr, a.refs) for a in got] == [(base.data_ptr(), 8)], paths
+
+
+def test_a_tensor_without_memory_in_an_object_held_once_names_its_attribute_without_paths_too():
+    """An object held once is read in place without paths: a tensor in it
+    whose memory cannot be described is reported at its own attribute's
+    path, as with paths, the object's class known or not."""
+
+    def make(inner):
+        h = Holder(torch.ones(1))
+        h.m = (torch.ones(1), torch.empty(2, device="meta")) if inner else torch.empty(2, device="meta")
+        return [h]
+
+    for inner, path in [(False, "$[0].m"), (True, "$[0].m[1]")]:
+        for _ in range(2):
+            for paths in (True, False):
+                with pytest.raises(devpickle.WalkError) as e:
+                    devpickle.scan(make(inner), paths=paths)
+                assert (e.value.type_name, e.value.path) == ("torch.Tensor", path), paths
+                assert str(e.value).startswith(f"cannot walk a 'torch.Tensor' at {path}: a tensor whose memory "
+                                               "cannot be described: devpickle: cannot describe the memory"), paths
+
+
+def test_an_object_whose_metaclass_code_empties_its_list_during_the_copyreg_lookup_is_walked_whole():
+    """Looking an object's class up in copyreg.dispatch_table may run its
+    metaclass's __eq__ (a key of the same hash): code that empties the list
+    holding the object then. The walk holds the object first, with paths
+    or without (where objects held once are read in place): it is walked
+    whole, and nothing after it in the emptied list."""
+    held = []
+
+    class Meta(type):
+        def __hash__(cls):
+            return 12345
+
+        def __eq__(cls, other):
+            for lst in held:
+                lst.clear()
+            return cls is other
+
+    class Anchor(metaclass=Meta):
+        pass
+
+    class Victim(metaclass=Meta):
+        pass
+
+    def make():
+        v = Victim()
+        v.t = torch.ones(3)
+        v.u = (torch.ones(4), torch.ones(5))
+        return [v, torch.ones(6)]
+
+    copyreg.dispatch_table[Anchor] = lambda o: (Anchor, ())
+    try:
+        for paths in (True, False):
+            for _ in range(2):  # the second time the class is known
+                value = make()
+                held[:] = [value]
+                assert [a.nbytes for a in devpickle.scan(value, paths=paths)] == [12, 16, 20], paths
+                held.clear()
+    finally:
+        del copyreg.dispatch_table[Anchor]
+
+
+def test_a_small_tuple_shared_by_containers_read_in_place_is_entered_once():
+    """Containers held once are read in place without paths, but one they
+    share (more than one reference) is entered through the memo: its
+    sparse tensor is read, and its dispatch run, once, as with paths."""
+
+    def make():
+        shared = (_sparse(), torch.ones(2))
+        return [(shared, 1), [2, shared], ((shared,),)]
+
+    paths, no_paths, future = _three_walks(make)
+    assert paths == no_paths == ([("cpu", 16, 1), ("cpu", 8, 1), ("cpu", 8, 1)], 1), (paths, no_paths)
+    assert future == ("set", 1)
+
+
+def test_a_tensor_class_with_slots_cached_where_a_class_without_them_was_has_its_slots_walked():
+    """The type cache remembers that a tensor class has no slots; a class
+    that takes its entry afterwards (another type at an address of the
+    same cache slot) is asked for its own, and its slots are walked."""
+
+    def slot(c):  # the cache entry a class takes (its address, as scan.c hashes it)
+        return (id(c) >> 4) % 512
+
+    class NoSlots(torch.Tensor):
+        pass
+
+    plain = torch.ones(1).as_subclass(NoSlots)
+    plain.__dict__  # a dict made (empty): visited, and its class asked for its slots
+    assert [a.nbytes for a in devpickle.scan({"p": plain})] == [4]
+    made = []  # every class tried stays alive: none takes another's address
+    while not made or slot(made[-1]) != slot(NoSlots):
+        made.append(type(f"Slotted{len(made)}", (torch.Tensor,), {"__slots__": ("extra",)}))
+    s = torch.ones(2).as_subclass(made[-1])
+    s.extra = torch.ones(3)
+    for paths in (True, False):
+        assert [(a.nbytes, a.path) for a in devpickle.scan({"s": s}, paths=paths)] == [
+            (8, "$.s" if paths else None), (12, "$.s.extra" if paths else None)]
