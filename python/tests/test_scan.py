@@ -3068,7 +3068,7 @@ def test_a_cuda_array_interface_set_under_a_key_not_interned_is_found_without_pa
         assert [(a.device, a.ptr, a.nbytes) for a in got] == [("cuda:0", 0x1000, 16), ("cpu", t.data_ptr(), 8)], paths
 
 
-@pytest.mark.parametrize("wrap", ["list", "object"])
+@pytest.mark.parametrize("wrap", ["list", "object", "object over a list"])
 def test_the_depth_limit_is_the_same_with_or_without_paths_at_every_depth_around_it(wrap):
     """Small lists and objects held once are read in place without paths,
     up to three levels at a time: the nesting the limit refuses is the one
@@ -3078,7 +3078,7 @@ def test_the_depth_limit_is_the_same_with_or_without_paths_at_every_depth_around
         pass
 
     def wrap_once(x, i):  # the value one frame deeper
-        if wrap == "object" and i % 2 == 0:  # the innermost an object holding the tensor itself
+        if wrap != "list" and i % 2 == (wrap == "object over a list"):  # "object": the tensor its attribute
             n = Node()
             n.a = x
             return n
@@ -3274,17 +3274,25 @@ def test_an_object_whose_metaclass_code_empties_its_list_during_the_copyreg_look
 
 
 def test_a_small_tuple_shared_by_containers_read_in_place_is_entered_once():
-    """Containers held once are read in place without paths, but one they
-    share (more than one reference) is entered through the memo: its
-    sparse tensor is read, and its dispatch run, once, as with paths."""
+    """Containers and objects held once are read in place without paths,
+    but a tuple they share (more than one reference) is entered through
+    the memo: its sparse tensor is read, and its dispatch run, once, as
+    with paths."""
 
     def make():
         shared = (_sparse(), torch.ones(2))
         return [(shared, 1), [2, shared], ((shared,),)]
 
-    paths, no_paths, future = _three_walks(make)
-    assert paths == no_paths == ([("cpu", 16, 1), ("cpu", 8, 1), ("cpu", 8, 1)], 1), (paths, no_paths)
-    assert future == ("set", 1)
+    def make_objects():  # objects held once, read in place, sharing a tuple
+        shared = (_sparse(), torch.ones(2))
+        a, b = Holder(shared), Holder(None)
+        b.s = shared
+        return [a, b]
+
+    for mk in (make, make_objects):
+        paths, no_paths, future = _three_walks(mk)
+        assert paths == no_paths == ([("cpu", 16, 1), ("cpu", 8, 1), ("cpu", 8, 1)], 1), (mk, paths, no_paths)
+        assert future == ("set", 1)
 
 
 def test_a_tensor_class_with_slots_cached_where_a_class_without_them_was_has_its_slots_walked():
