@@ -292,7 +292,8 @@ typedef struct frame {
   uint8_t kind;
   PyObject *obj;        /* what is iterated (borrowed: held by its parent or the keep list) */
   PyObject *names;      /* FR_SEQ of a namedtuple: its _fields (kept) */
-  PyTypeObject *type;   /* FR_REDUCE, FR_PAIRS: the reduced object's type (held) */
+  PyTypeObject *type;   /* FR_REDUCE, FR_PAIRS: the reduced object's type; FR_ATTRS: the
+                           object's, whose __dict__ obj is (held) */
   Py_ssize_t pos;       /* iteration position */
   Py_ssize_t idx;       /* the current child's index */
   PyObject *label;      /* the current child's key or name (borrowed) */
@@ -1661,6 +1662,7 @@ static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *own
   f->obj = Py_NewRef(obj); /* Python code run by the walk may drop the caller's references */
   f->idx = -1;
   if (kind == FR_DICT || kind == FR_ATTRS) f->dsize = PyDict_GET_SIZE(obj);
+  if (kind == FR_ATTRS) f->type = (PyTypeObject *)Py_NewRef((PyObject *)owner); /* an error names it */
   return 0;
 }
 
@@ -3409,10 +3411,11 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
       if (PyErr_Occurred()) { /* a reduce's parts are the reduced object's */
         if (f->kind != FR_DICT && f->kind != FR_ATTRS)
           return walk_error_type(s, f->type ? f->type : Py_TYPE(f->obj), "its items cannot be read");
-        /* a dict that changed: the path is the dict's, not its last item's */
+        /* a dict that changed: the path is the dict's (an object's, for its
+           __dict__, named by its class), not its last item's */
         size_t n = s->nframes;
         s->nframes = n - 1;
-        int rc = walk_error_type(s, Py_TYPE(f->obj), "its items cannot be read");
+        int rc = walk_error_type(s, f->kind == FR_ATTRS ? f->type : Py_TYPE(f->obj), "its items cannot be read");
         s->nframes = n;
         return rc;
       }

@@ -3045,7 +3045,7 @@ def test_an_objects_dict_that_a_tensors_dispatch_grows_while_read_in_place_is_a_
         return [h]
 
     paths, no_paths, future = _three_walks(make, grow)
-    assert paths == ("cannot walk a 'dict' at $[0]: its items cannot be read: dictionary changed size during "
+    assert paths == (f"cannot walk a '{__name__}.Holder' at $[0]: its items cannot be read: dictionary changed size during "
                         "the walk (Python code of the value's changed it)", 1), paths
     assert no_paths == paths and future == (paths[0], 1), (no_paths, future)
 
