@@ -448,6 +448,8 @@ def finish(name, attrs, classes, copies):
             return _no_merge(name, items, set(copies.hashes("set items", items)))
         except TypeError as e:  # an unhashable item (a list): no set holds one
             raise TypeError(f"loads: a {name} object whose items cannot be a set's: {e}") from e
+        except RecursionError as e:  # equal items compared through frozensets nested past Python's limit
+            raise ValueError(f"loads: a {name} whose items are nested too deep to be told apart: {e}") from e
     if name == "builtins.complex":
         return complex(_reserved(name, attrs, "real", float), _reserved(name, attrs, "imag", float))
     if name == "builtins.bytearray":

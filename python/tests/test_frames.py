@@ -961,6 +961,25 @@ def reducing(label, *parts):
     return cls()
 
 
+def test_a_set_of_two_equal_frozensets_nested_past_pythons_recursion_limit_is_a_value_error():
+    # Python compares them by recursion in C: past its limit that is a
+    # RecursionError, which loads words as the ValueError of equal items
+    def chain(n):
+        x = frozenset()
+        for _ in range(n):
+            x = frozenset([x])
+        return x
+
+    frame = devpickle.dumps(spoof("builtins.set", items=[chain(3000), chain(3000)]))
+    with pytest.raises(ValueError, match=r"^loads: a builtins.set whose items are nested too deep to be told apart: "
+                                         r"maximum recursion depth exceeded") as e:
+        devpickle.loads(frame)
+    assert isinstance(e.value.__cause__, RecursionError)
+    shallow = devpickle.dumps(spoof("builtins.frozenset", items=[chain(10), chain(10)]))
+    with pytest.raises(ValueError, match=r"^loads: a builtins.frozenset whose items are not distinct in Python"):
+        devpickle.loads(shallow)
+
+
 def test_many_bytearrays_or_sets_sharing_one_node_are_refused_past_the_frames_size_not_copied_each():
     big = b"x" * (1 << 20)
     frame = devpickle.dumps([spoof("builtins.bytearray", data=big) for _ in range(100)])
