@@ -306,7 +306,7 @@ clean: ## Remove build/
 	rm -rf $(BUILD)
 
 help: ## List the targets
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-13s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-17s %s\n", $$1, $$2}'
 
 # ---- what a build depends on besides files ----
 # Each stamp holds the values of the variables a group of outputs is built

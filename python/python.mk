@@ -43,7 +43,7 @@ test-python: python ## Run the Python suite (pytest) against the built package
 # test runs, which fails that test — unless the test expects the child to
 # crash (torch's side of a comparison); the reports, written to files,
 # are shown when the run fails.
-test-python-asan: deps-python
+test-python-asan: deps-python ## The Python suite alone under ASan + UBSan (test-asan runs it)
 	@$(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) OPT="-O1 -g" SANFLAGS="$(ASAN_FLAGS)" cli python >/dev/null
 	@echo "== python (pytest, asan)"; log=$(abspath $(ASAN_BUILD))/python-asan; rm -f $$log.*; \
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
@@ -61,7 +61,7 @@ test-python-asan: deps-python
 # same bytes through ctypes, must be reported, or the check is blind.
 TSAN_PY_ENV = LD_PRELOAD="$$($(CC) -print-file-name=libtsan.so)" UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_MALLOC_HOOKS=no \
   TSAN_OPTIONS="halt_on_error=0 log_path=$$log suppressions=$(abspath test/tsan-python.supp)"
-test-python-tsan: deps-python
+test-python-tsan: deps-python ## The Python suite alone under ThreadSanitizer, with a racy control (test-tsan runs it)
 	@$(MAKE) --no-print-directory BUILD=$(TSAN_BUILD) OPT="-O1 -g" SANFLAGS="-fsanitize=thread" cli python >/dev/null
 	@echo "== python (pytest, tsan)"; log=$(abspath $(TSAN_BUILD))/python-tsan; rm -f $$log.*; \
 	$(TSAN_PY_ENV) PYTHONPATH=$(abspath $(TSAN_BUILD)/python) DEVPICKLE=$(abspath $(TSAN_BUILD)/devpickle) \
