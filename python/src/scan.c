@@ -3145,8 +3145,11 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
   if (t != *ok) {
     tcache_ent_t *e = tcache_hit(t); /* a kind not yet cached: classifying may run Python code */
     if (!e || e->kind != K_TORCH) return 0;
-    if (t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && (!e->no_slots || own_getstate(t)))
-      return 0; /* slots, not yet asked, or a __getstate__ of its own: visit() */
+    /* slots (instances larger than torch.Tensor's), not yet asked, or a
+       __getstate__ of its own, whatever the size (a subclass's dict and
+       weakref add nothing to it where CPython manages them): visit() */
+    if ((t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && !e->no_slots) || own_getstate(t))
+      return 0;
     *ok = t;
   }
   if (may_hold_attrs(o, t)) return 0; /* attributes (or a dict once made): visit() */
