@@ -48,6 +48,111 @@ static int sread(sr_t *s, void *dst, size_t n, size_t *got) {
   return 0;
 }
 
+/* ---- the framing of a section still arriving ---- */
+
+static uint64_t be_n(const uint8_t *p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; i++) v = (v << 8) | p[i];
+  return v;
+}
+
+/* Checks that the first `have` bytes of a section of `len` bytes (at s, at
+ * offset `at` in the frame) can still begin the one MessagePack value the
+ * section must hold, ending at its end. Only what every reader refuses is
+ * refused: a byte that is no MessagePack type, a header, length or count
+ * running past the section, more values still owed than bytes left (each
+ * value takes one at least), bytes after the value's end. Constant memory
+ * (a count of the values owed, not a stack), time linear in `have`. 0 while
+ * more bytes may complete it. */
+static int framing_check(const uint8_t *s, uint64_t have, uint64_t len, uint64_t at, const char *section,
+                         const char *after, dp_error_t *err) {
+  uint64_t pos = 0, owed = 1;
+  while (owed) {
+    if (owed > len - pos)
+      return dp__err_at(err, DP_EFORMAT, (int64_t)(at + pos),
+                        "the %s ends inside its value: %llu more value%s, %llu byte%s left", section,
+                        (unsigned long long)owed, owed == 1 ? "" : "s", (unsigned long long)(len - pos),
+                        len - pos == 1 ? "" : "s");
+    if (pos >= have) return 0;
+    uint8_t b = s[pos];
+    /* the header: the type byte, lb bytes of length or count, `fixed`
+       bytes more (an ext's type, a number's own bytes) */
+    int lb = 0, per = 0, fixed = 0; /* per: values an item of the count owes (array 1, map 2) */
+    uint64_t head, body = 0, count = 0;
+    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
+    } else if ((b & 0xf0) == 0x80 || (b & 0xf0) == 0x90) {
+      count = b & 0x0f, per = (b & 0xf0) == 0x80 ? 2 : 1;
+    } else if ((b & 0xe0) == 0xa0) {
+      body = b & 0x1f;
+    } else if (b >= 0xc4 && b <= 0xc6) {
+      lb = 1 << (b - 0xc4);
+    } else if (b >= 0xc7 && b <= 0xc9) {
+      lb = 1 << (b - 0xc7), fixed = 1;
+    } else if (b >= 0xca && b <= 0xd3) { /* float 32, 64; uint, int 8 to 64 */
+      fixed = b == 0xca ? 4 : b == 0xcb ? 8 : 1 << ((b - 0xcc) & 3);
+    } else if (b >= 0xd4 && b <= 0xd8) {
+      fixed = 1, body = 1u << (b - 0xd4);
+    } else if (b >= 0xd9 && b <= 0xdb) {
+      lb = 1 << (b - 0xd9);
+    } else if (b >= 0xdc) {
+      lb = b & 1 ? 4 : 2, per = b >= 0xde ? 2 : 1;
+    } else {
+      return dp__err_at(err, DP_EFORMAT, (int64_t)(at + pos), "invalid msgpack type byte 0x%02x", b);
+    }
+    head = 1 + (uint64_t)lb + (uint64_t)fixed;
+    if (head > len - pos)
+      return dp__err_at(err, DP_EFORMAT, (int64_t)(at + pos), "a %llu-byte header runs past the end of the %s",
+                        (unsigned long long)head, section);
+    if (head > have - pos) return 0;
+    if (lb) {
+      uint64_t n = be_n(s + pos + 1, lb);
+      if (per) count = n;
+      else body = n;
+    }
+    uint64_t start = pos;
+    pos += head;
+    owed--;
+    if (per && (count > (len - pos) / (uint64_t)per || owed > len - pos - count * (uint64_t)per))
+      return dp__err_at(err, DP_EFORMAT, (int64_t)(at + start),
+                        "the %s's %s of %llu claims more values than the %llu byte%s left", section,
+                        per == 2 ? "map" : "array", (unsigned long long)count, (unsigned long long)(len - pos),
+                        len - pos == 1 ? "" : "s");
+    owed += count * (uint64_t)per;
+    if (body > len - pos)
+      return dp__err_at(err, DP_EFORMAT, (int64_t)(at + start),
+                        "the %s's value of %llu byte%s is longer than the %llu byte%s left", section,
+                        (unsigned long long)body, body == 1 ? "" : "s", (unsigned long long)(len - pos),
+                        len - pos == 1 ? "" : "s");
+    pos += body;
+  }
+  if (pos < len)
+    return dp__err_at(err, DP_EFORMAT, (int64_t)(at + pos), "%llu byte%s %s", (unsigned long long)(len - pos),
+                      len - pos == 1 ? "" : "s", after);
+  return 0;
+}
+
+int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err) {
+  const uint8_t *b = bytes;
+  if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_frame_prefix_check: NULL bytes");
+  if (n && memcmp(b, DP_FRAME_MAGIC, n < 4 ? n : 4) != 0)
+    return dp__err_at(err, DP_EFORMAT, 0, "not a devpickle frame (bad magic)");
+  if (n < DP_FRAME_HEADER) return 0;
+  dp_frame_info_t fi;
+  dp__frame_header_parse(b, &fi);
+  int rc = dp__frame_lengths_check(&fi, err);
+  if (rc) return rc;
+  uint64_t body = n - DP_FRAME_HEADER;
+  /* an empty section holds no value: the readers say so */
+  if (fi.payload_len && (rc = framing_check(b + DP_FRAME_HEADER, body < fi.payload_len ? body : fi.payload_len,
+                                            fi.payload_len, DP_FRAME_HEADER, "payload",
+                                            "after the root value in the payload", err)) != 0)
+    return rc;
+  if (body <= fi.payload_len || !fi.table_len) return 0;
+  body -= fi.payload_len;
+  return framing_check(b + DP_FRAME_HEADER + fi.payload_len, body < fi.table_len ? body : fi.table_len, fi.table_len,
+                       DP_FRAME_HEADER + fi.payload_len, "buffer table", "after the buffer table", err);
+}
+
 /* The rest of the stream is counted (and dropped) to say how long it was. */
 static int drain(sr_t *s, uint8_t *buf) {
   size_t got;
@@ -82,7 +187,7 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
   /* payload and table, grown as bytes arrive (never beyond what the header claims) */
   uint64_t want = fi.payload_len + fi.table_len;  /* the lengths' sum fits: checked above */
   int overflow = want > SIZE_MAX - DP_FRAME_HEADER;  /* more than memory can address (32-bit) */
-  size_t head_len = 0;
+  size_t head_len = 0, check_at = CHUNK;
   uint8_t *head = NULL;
   while (!overflow && (head_len < want || !buf)) {
     size_t step = want - head_len < CHUNK ? (size_t)(want - head_len) : CHUNK;
@@ -106,6 +211,14 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
     XXH3_64bits_update(xs, head + head_len, got);
     head_len += got;
     if (got < step) break;
+    /* what is held is checked as it grows (at 64 KiB, then at each
+       doubling: twice its reading at most), so that bytes behind a long
+       header that can be no frame's are refused as they come, not held to
+       the header's end or the memory's */
+    if (head_len >= check_at && head_len < want) {
+      if ((rc = dp_frame_prefix_check(buf, DP_FRAME_HEADER + head_len, err)) != 0) goto done;
+      check_at = head_len * 2;
+    }
   }
   /* the data section: hashed, not kept */
   uint64_t data_seen = 0;

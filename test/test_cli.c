@@ -2274,6 +2274,28 @@ Test(cli, send_stops_reading_a_stream_whose_header_is_no_frame_instead_of_readin
   }
 }
 
+/* A header announcing 2^62 bytes of payload, then zeros: every frame
+ * command held what came until the memory ran out. What is held is
+ * checked as it grows, and a zero is a whole value: the rest of the 2^62
+ * bytes are after the root, refused once 64 KiB are in. */
+Test(cli, every_frame_command_refuses_zeros_behind_a_header_announcing_2_62_bytes_once_64_kib_are_in) {
+  static const char *cmds[] = {"verify -", "dump -", "inspect -", "unpack -", "send - 127.0.0.1:1"};
+  for (int i = 0; i < 5; i++) {
+    char script[400];
+    snprintf(script, sizeof script,
+             "printf 'DPKL\\001\\000\\000\\000\\000\\000\\000\\000\\000\\000\\000\\100' > big.bin;"
+             " head -c 28 /dev/zero >> big.bin; head -c 4194304 /dev/zero >> big.bin; { $D %s; wc -c; } < big.bin",
+             cmds[i]);
+    res_t r = run_sh(script);
+    cr_assert_str_eq(r.err, "devpickle: <stdin>: 4611686018427387903 bytes after the root value in the payload, at byte 41\n",
+                     "%s", cmds[i]);
+    long left = strtol(r.out, NULL, 10);
+    cr_assert_geq(left, 4194304 + 40 - 3 * 65536, "%s read %ld bytes of a stream refused from its 41st", cmds[i],
+                  4194304 + 40 - left);
+    res_free(r);
+  }
+}
+
 /* unpack and send read the frame whole: they asked the pipe for 64 KiB at
  * once, so a header that is no frame's, followed by a pipe that stays open
  * and sends nothing more, held them until the pipe closed, while verify,

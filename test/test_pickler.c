@@ -1316,6 +1316,121 @@ Test(pickler, a_header_whose_lengths_add_up_past_64_bits_is_refused_at_once_by_e
   ASSERT_NO_LEAK();
 }
 
+/* A header announcing a long payload (or table), then zeros: the reader
+ * held what came until the memory ran out (`cat header /dev/zero |
+ * devpickle verify -`). The bytes are checked as they are held — a zero is
+ * a whole value, so what follows it is after the root — and the stream is
+ * refused at 64 KiB, as dp_frame_prefix_check refuses those bytes. */
+Test(pickler, zeros_behind_a_header_announcing_2_62_bytes_are_refused_at_64_kib_not_held_to_the_headers_end) {
+  static const struct {
+    uint64_t payload, table;
+    uint8_t first; /* the payload's one byte, when the table is the long one */
+    int64_t at;
+    const char *msg;
+  } cases[] = {
+      {(uint64_t)1 << 62, 1, 0, 41, "4611686018427387903 bytes after the root value in the payload"},
+      {1, (uint64_t)1 << 62, 0xc0, 42, "4611686018427387903 bytes after the buffer table"},
+  };
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    uint8_t h[40] = {'D', 'P', 'K', 'L', 1, 0, 0, 0};
+    for (int i = 0; i < 8; i++) {
+      h[8 + i] = (uint8_t)(cases[k].payload >> (8 * i));
+      h[16 + i] = (uint8_t)(cases[k].table >> (8 * i));
+    }
+    uint8_t *mem = malloc(1u << 20);
+    memset(mem, 0, 1u << 20);
+    memcpy(mem, h, 40);
+    mem[40] = cases[k].first;
+    mem_reader_t c = {mem, 1u << 20, 4096};
+    dp_value_t out;
+    dp_error_t e, p;
+    cr_assert_eq(dp_unpickle_stream(mem_read, &c, NULL, &out, NULL, NULL, &e), DP_EFORMAT, "%s", e.message);
+    cr_assert_str_eq(e.message, cases[k].msg);
+    cr_assert_eq(e.offset, cases[k].at);
+    size_t read = (1u << 20) - c.left;
+    cr_assert_leq(read, 40 + (64u << 10) + 4096, "read %zu bytes of a stream refused from its 41st", read);
+    cr_assert_eq(dp_frame_prefix_check(mem, read, &p), DP_EFORMAT);
+    cr_assert_str_eq(p.message, e.message);
+    /* a whole value where a section of 2^62 bytes begins: refused from it */
+    cr_assert_eq(dp_frame_prefix_check(mem, 40 + (k ? 2 : 1), &p), DP_EFORMAT);
+    cr_assert_str_eq(p.message, e.message);
+    cr_assert_eq(dp_frame_prefix_check(mem, 40 + k, &p), 0, "%s", p.message);
+    free(mem);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* Frame bytes seen as they arrive: every prefix of a frame the writer
+ * wrote passes; each fault of a payload's or table's framing is refused
+ * with its offset as soon as its bytes are in, and the whole reader refuses
+ * the frame too (here with the checksum right, so it reaches the value). */
+Test(pickler, a_prefix_check_passes_every_prefix_of_a_written_frame_and_refuses_what_the_reader_refuses) {
+  float host[4] = {1, 2, 3, 4};
+  dp_value_t list, s, v;
+  OK(dp_list_new(4, &list, T_ERR));
+  OK(dp_str_new("a string of some length", 23, &s, T_ERR));
+  OK(dp_list_append(list, dp_int(-70000), T_ERR));
+  OK(dp_list_append(list, s, T_ERR));
+  OK(dp_list_append(list, dp_float(2.5), T_ERR));
+  OK(dp_list_append(list, dp_none(), T_ERR));
+  OK(dp_tuple_new(2, &v, T_ERR));
+  OK(dp_seq_set(v, 0, list, T_ERR));
+  OK(dp_seq_set(v, 1, host_floats(host), T_ERR));
+  for (int inl = 0; inl < 2; inl++) {
+    dp_frame_t *f = pickle_ok(v, inl ? DP_PICKLE_INLINE : 0);
+    size_t n;
+    const uint8_t *b = dp_frame_data(f, &n);
+    dp_error_t e;
+    for (size_t k = 0; k <= n; k++) cr_assert_eq(dp_frame_prefix_check(b, k, &e), 0, "%zu: %s", k, e.message);
+    dp_frame_free(f);
+  }
+  dp_value_release(v);
+
+  static const struct {
+    uint8_t payload[8];
+    size_t len;
+    int64_t at;
+    const char *msg;
+  } bad[] = {
+      {{0x92, 0xc1, 0xc0}, 3, 41, "invalid msgpack type byte 0xc1"},
+      {{0x93, 0xc0, 0xc0}, 3, 40, "the payload's array of 3 claims more values than the 2 bytes left"},
+      {{0x82, 0xc0, 0xc0}, 3, 40, "the payload's map of 2 claims more values than the 2 bytes left"},
+      {{0x91, 0x91, 0x92, 0xc0}, 4, 42, "the payload's array of 2 claims more values than the 1 byte left"},
+      {{0x92, 0xa1, 'x'}, 3, 43, "the payload ends inside its value: 1 more value, 0 bytes left"},
+      {{0xa5, 'a', 'b'}, 3, 40, "the payload's value of 5 bytes is longer than the 2 bytes left"},
+      {{0x92, 0xc0, 0xcd, 0x01}, 4, 42, "a 3-byte header runs past the end of the payload"},
+      {{0x91, 0xc0, 0xc0, 0xc0}, 4, 42, "2 bytes after the root value in the payload"},
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    uint8_t frame[64];
+    size_t n = make_frame(frame, bad[k].payload, bad[k].len);
+    dp_error_t e;
+    size_t first = 0; /* the shortest prefix refused */
+    while (first <= n && dp_frame_prefix_check(frame, first, &e) == 0) first++;
+    cr_assert_leq(first, n, "case %zu: never refused", k);
+    cr_assert_str_eq(e.message, bad[k].msg, "case %zu", k);
+    cr_assert_eq(e.offset, bad[k].at, "case %zu: at %lld", k, (long long)e.offset);
+    cr_assert_leq(first, 40 + bad[k].len, "case %zu: refused only once the table was in", k);
+    dp_value_t out;
+    cr_assert_neq(dp_unpickle(frame, n, NULL, &out, &e), 0, "case %zu: the reader took it", k);
+  }
+  uint8_t frame[64];
+  static const uint8_t nil = 0xc0;
+  size_t n = make_frame(frame, &nil, 1);
+  frame[n - 1] = 0xc1; /* the table's one byte */
+  dp_error_t e;
+  cr_assert_eq(dp_frame_prefix_check(frame, n, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "invalid msgpack type byte 0xc1");
+  cr_assert_eq(e.offset, 41);
+  cr_assert_eq(dp_frame_prefix_check("DPKX", 4, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "not a devpickle frame (bad magic)");
+  cr_assert_eq(dp_frame_prefix_check("DP", 2, &e), 0);
+  cr_assert_eq(dp_frame_prefix_check(NULL, 0, &e), 0);
+  cr_assert_eq(dp_frame_prefix_check(NULL, 1, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_prefix_check: NULL bytes");
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, pickle_and_unpickle_fail_cleanly_at_every_allocation) {
   dp_value_t v = sample_value();
   dp_frame_t *ref = pickle_ok(v, 0);

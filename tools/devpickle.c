@@ -675,6 +675,10 @@ static int read_frame(const char *path, uint8_t **out, size_t *n) {
     if (s.hdr_len < FRAME_HEADER && want > FRAME_HEADER - s.hdr_len) want = FRAME_HEADER - s.hdr_len;
     if ((rc = src_read(&s, buf + len, want, &got, &e)) != 0 || got == 0) break;
     if ((len += got) < cap) continue;
+    /* checked as it grows (twice its reading at most), as the library's
+       stream reader checks what it holds: garbage behind a long header is
+       refused as it comes, not held to the header's end */
+    if ((rc = dp_frame_prefix_check(buf, len, &e)) != 0) break;
     grow_or_drop(&buf, &cap);
   }
   src_close(&s);

@@ -209,6 +209,24 @@ typedef struct dp_frame_info {
  *  *info (may be NULL) is written on success only. Allocates nothing. */
 DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err);
 
+/** Checks the first n bytes of a frame still arriving, for readers that
+ *  gather a frame from a stream: the magic, the header's lengths (as
+ *  dp_frame_check checks them), and the framing of the payload and buffer
+ *  table bytes in so far — each is one MessagePack value filling its
+ *  section exactly, so a byte that is no MessagePack type, a length or
+ *  count running past the section, more values owed than bytes left, or
+ *  bytes after the value are refused. 0 while the bytes can still begin a
+ *  frame: the checksum, version, flags and the value itself are checked
+ *  once the frame is whole (dp_frame_check, dp_unpickle), and may still
+ *  refuse it. Otherwise DP_EFORMAT (DP_EINVAL for NULL bytes with n > 0)
+ *  and err->offset the offending byte's. Whatever it refuses, dp_unpickle
+ *  refuses too (its error may name another fault, or the checksum, first).
+ *  So garbage behind a long header (`cat header /dev/zero`) is refused as
+ *  it comes, not held to the header's end: dp_unpickle_stream checks so at
+ *  64 KiB of payload and table held and at each doubling (twice their
+ *  reading at most). Allocates nothing; time linear in n; thread-safe. */
+DP_API int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err);
+
 /** Reads up to n bytes into dst: 0 and *got (at most n; 0 only at the end
  *  of the stream), or a DP_E* code (DP_EIO) with err filled in. A *got
  *  above n is DP_EINVAL, never a write past dst or a hash of it. */
@@ -216,7 +234,11 @@ typedef int (*dp_stream_read_cb)(void *ud, void *dst, size_t n, size_t *got, dp_
 
 /** Reads a frame from a stream and rebuilds its value as dp_unpickle does,
  *  with the same checks, limits and errors (offsets count from the start of
- *  the stream), holding in memory only the header, payload and buffer table:
+ *  the stream) but one: payload and table bytes that dp_frame_prefix_check
+ *  refuses are refused as they arrive, from 64 KiB on, with its error,
+ *  before the checksum at the frame's end can be compared (dp_unpickle may
+ *  name the checksum first). It holds in memory only the header, payload
+ *  and buffer table:
  *  an inline frame's data section is hashed and its layout checked as it
  *  streams by, then dropped. So checking a frame costs memory independent
  *  of its data section. The price: inline storages come back WITHOUT host
