@@ -147,7 +147,11 @@ DP_API const char *dp_err_name(int code);
  * fail the Nth allocation. The default wraps realloc/free. What the libraries
  * below devpickle allocate for themselves does not: UCX inside a transport
  * (its workers, endpoints and messages), the CUDA runtime, and the C
- * library's thread stacks for host streams and a transport's progress thread.
+ * library's: thread stacks for host streams and a transport's progress
+ * thread, and what a transport asks of it — getaddrinfo's answer for a
+ * HOST:PORT, getifaddrs's interface list (is a peer on this host?) and the
+ * directory stream that sweeps /dev/shm — each freed before the call that
+ * asked returns.
  */
 typedef void *(*dp_alloc_fn)(void *ud, void *ptr, size_t osize, size_t nsize);
 
