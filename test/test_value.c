@@ -1495,6 +1495,34 @@ Test(value, lookups_and_items_report_through_err) {
   ASSERT_NO_LEAK();
 }
 
+/* The attribute name a miss or a stand-in's refusal quotes is any C string
+ * the caller gave: shown as every message shows one (dp_device_parse's,
+ * dp_dtype_parse's): whole UTF-8 characters of its first 32 bytes, escaped,
+ * "…" when cut — never a byte cut that leaves the message invalid UTF-8. */
+Test(value, an_attribute_name_quoted_in_an_error_is_cut_at_a_character_and_escaped) {
+  dp_value_t o, v;
+  dp_error_t e;
+  o = t_obj("M");
+  /* 30 euro signs (3 bytes each): the old 64-byte cut split the 22nd */
+  char euros[30 * 3 + 1] = "";
+  for (int i = 0; i < 30; i++) strcat(euros, "\xe2\x82\xac");
+  cr_assert_eq(dp_object_get(o, euros, &v, &e), DP_ENOTFOUND);
+  cr_assert_str_eq(e.message, "dp_object_get: no attribute '\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac"
+                              "\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x80\xa6'");
+  cr_assert_eq(e.code, DP_ENOTFOUND);
+  /* a name dp_object_get need not validate: stray bytes, controls, quotes */
+  cr_assert_eq(dp_object_get(o, "a\xff\n'b", &v, &e), DP_ENOTFOUND);
+  cr_assert_str_eq(e.message, "dp_object_get: no attribute 'a\\ufffd\\u000a\\'b'");
+  dp_value_release(o);
+  OK(dp_object_new_reduced("T", dp_int(5), &o, T_ERR));
+  cr_assert_eq(dp_object_set(o, euros, dp_int(7), &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_set: a reduced stand-in has one attribute, \"__reduce__\" (its state), not "
+                              "'\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac"
+                              "\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x80\xa6'");
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
+
 /* value.h: the out-pointers of lookups are optional (a membership test, an
  * item's key alone), as base.h lets a header document them. */
 Test(value, the_out_pointers_of_lookups_may_be_null) {

@@ -671,8 +671,9 @@ int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *
   if (obj.kind == DP_OBJECT && (DP_OBJ(obj)->c.h.flags & DP_HEAP_REDUCED) && strcmp(name, "__reduce__") != 0) {
     /* a frame carries a stand-in's state only: another attribute would be lost */
     dp_value_release(val);
+    char shown[DP__SHOWN_MAX];
     return dp__err(err, DP_EINVAL, "dp_object_set: a reduced stand-in has one attribute, \"__reduce__\" (its state), "
-                   "not '%.64s'", name);
+                   "not '%s'", dp__shown(name, shown));
   }
   return dp__object_set_n(obj, name, n, val, 1, err);
 }
@@ -684,7 +685,10 @@ int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val, dp_error_t 
   name_key_t key = {name, strlen(name)};
   size_t at = index_find(o->index, o->index_cap, o->len, o->attrs, &key, dp__hash_bytes(name, key.n, DP_OBJECT),
                          attr_match);
-  if (at == SIZE_MAX) return dp__err(err, DP_ENOTFOUND, "dp_object_get: no attribute '%.64s'", name);
+  if (at == SIZE_MAX) {
+    char shown[DP__SHOWN_MAX]; /* whole UTF-8 characters, escaped, "…" when cut: name is any C string */
+    return dp__err(err, DP_ENOTFOUND, "dp_object_get: no attribute '%s'", dp__shown(name, shown));
+  }
   if (val) *val = o->attrs[at].val;
   return 0;
 }
