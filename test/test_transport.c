@@ -766,6 +766,31 @@ Test(transport, an_address_that_is_not_host_port_or_a_connection_to_port_0_is_re
   dp_transport_free(t);
 }
 
+/* The address is the caller's text: a refusal quotes it as every message
+ * quotes such text (whole UTF-8 characters of its first 32 bytes, escaped,
+ * "…" when cut). A 200-byte cut split a multi-byte character, and control
+ * characters and stray bytes went into err->message as they were. */
+Test(transport, a_refused_address_is_quoted_cut_at_a_character_and_escaped) {
+  dp_transport_t *t = new_transport(NULL);
+  char euros[80 * 3 + 8] = ""; /* 80 euro signs (3 bytes each): byte 200 is inside the 67th */
+  for (int i = 0; i < 80; i++) strcat(euros, "\xe2\x82\xac");
+  strcat(euros, ":8x");
+  dp_endpoint_t *ep = (dp_endpoint_t *)1;
+  dp_error_t e;
+  cr_assert_eq(dp_endpoint_connect(t, euros, &ep, &e), DP_EINVAL);
+  cr_assert_null(ep);
+  cr_assert_str_eq(e.message, "transport: port in '\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac"
+                              "\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x80\xa6' is not a number");
+  dp_listener_t *l = (dp_listener_t *)1;
+  cr_assert_eq(dp_listener_new(t, "\x1b[2J\xff", &l, &e), DP_EINVAL);
+  cr_assert_null(l);
+  cr_assert_str_eq(e.message, "transport: address '\\u001b[2J\\ufffd' is not HOST:PORT");
+  cr_assert_eq(dp_endpoint_connect(t, "no\nsuch.invalid:5000", &ep, &e), DP_EINVAL);
+  static const char resolve[] = "transport: cannot resolve 'no\\u000asuch.invalid': ";
+  cr_assert(strncmp(e.message, resolve, sizeof resolve - 1) == 0, "%s", e.message);
+  dp_transport_free(t);
+}
+
 /* UCX 1.13's TCP transport keeps a peer's address in a struct sockaddr_in:
  * a listener on ::1 that accepted a connection wrote a sockaddr_in6 past
  * the end of that endpoint's heap block (valgrind: an invalid write in

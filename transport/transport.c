@@ -116,15 +116,18 @@ void dp__tp_cmd_finish(dp_transport_t *t, cmd_t *c, int rc) {
 /* "HOST:PORT" (the last colon splits; [v6] brackets allowed). */
 static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, socklen_t *len, dp_error_t *err) {
   if (!hp) return dp__err(err, DP_EINVAL, "transport: NULL address");
+  char quoted[DP__SHOWN_MAX]; /* the caller's text, as every message quotes it: cut at a character, escaped */
   const char *colon = strrchr(hp, ':');
   if (!colon || colon == hp || !colon[1] || strlen(colon + 1) > 5)
-    return dp__err(err, DP_EINVAL, "transport: address '%.200s' is not HOST:PORT", hp);
+    return dp__err(err, DP_EINVAL, "transport: address '%s' is not HOST:PORT", dp__shown(hp, quoted));
   for (const char *p = colon + 1; *p; p++)
-    if (*p < '0' || *p > '9') return dp__err(err, DP_EINVAL, "transport: port in '%.200s' is not a number", hp);
+    if (*p < '0' || *p > '9')
+      return dp__err(err, DP_EINVAL, "transport: port in '%s' is not a number", dp__shown(hp, quoted));
   long port = strtol(colon + 1, NULL, 10);
   if (port > 65535) return dp__err(err, DP_EINVAL, "transport: port %ld out of range", port);
   if (!port && !passive)
-    return dp__err(err, DP_EINVAL, "transport: port 0 in '%.200s': a connection needs the listener's port", hp);
+    return dp__err(err, DP_EINVAL, "transport: port 0 in '%s': a connection needs the listener's port",
+                   dp__shown(hp, quoted));
   char host[256];
   size_t hl = (size_t)(colon - hp);
   if (hl >= 2 && hp[0] == '[' && hp[hl - 1] == ']') hp++, hl -= 2;
@@ -138,7 +141,7 @@ static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, 
   hints.ai_flags = passive ? AI_PASSIVE : 0;
   int g = getaddrinfo(host, colon + 1, &hints, &res);
   if (g != 0 || !res)
-    return dp__err(err, DP_EINVAL, "transport: cannot resolve '%s': %s", host, gai_strerror(g));
+    return dp__err(err, DP_EINVAL, "transport: cannot resolve '%s': %s", dp__shown(host, quoted), gai_strerror(g));
   /* IPv4 only: UCX 1.13's TCP transport keeps its peer's address in a
      struct sockaddr_in, and an endpoint to an IPv6 peer (one accepted on an
      IPv6 listener: the peer's address comes from that connection) writes a
