@@ -670,6 +670,13 @@ static int allowed_type(const dp_resolver_t *res, const char *name, size_t n) {
   return 0;
 }
 
+/* A type name for a message, as the walker's messages show one (its first
+ * DP_PATH_NAME_MAX bytes, cut at a character, escaped, "…" when cut). */
+static const char *type_shown(const char *name, size_t n, char out[DP__STEP_MAX]) {
+  out[dp__name_bare(name, n, out)] = '\0';
+  return out;
+}
+
 /* A frame that has all its children: closes it and yields its value. */
 static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at) {
   f->h->flags &= (uint16_t)~DP_HEAP_OPEN;
@@ -688,10 +695,11 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
   if (!allowed_type(u->opts->resolver, name, name_len)) return 0;
   /* An allowed custom: rebuild it from its state, unless the state refers
    * to the stand-in itself or to a container around it. */
+  char shown[DP__STEP_MAX];
   if (dp_value_refcount(v) != 1 || f->low < f->node) {
     return rd_fail(&u->r, DP_EFORMAT, at,
-                      "reduced state of '%.*s' refers to it or to a container around it: a resolved custom "
-                      "cannot be in a cycle", (int)name_len, name);
+                      "reduced state of '%s' refers to it or to a container around it: a resolved custom "
+                      "cannot be in a cycle", type_shown(name, name_len, shown));
   }
   /* Room to keep the stand-in first: once the resolver has run, nothing
    * may fail before the stand-in is kept. */
@@ -707,11 +715,12 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
   int rc = dp__cb_rc(res->resolve(res->ud, name, dp__reduced_state(v), &made, &e), &e, "the resolver");
   if (rc) {
     if (made.kind != DP_KIND_COUNT) dp_value_release(made); /* what a failing resolver left is the library's */
-    return rd_fail(&u->r, rc, at, "resolving custom '%s' failed: %s", name, e.message);
+    return rd_fail(&u->r, rc, at, "resolving custom '%s' failed: %s", type_shown(name, name_len, shown),
+                   e.message);
   }
   if (made.kind == DP_KIND_COUNT)
     return rd_fail(&u->r, DP_EINVAL, at, "resolving custom '%s' failed: the resolver returned 0 without a value "
-                   "(dp_none() is one)", name);
+                   "(dp_none() is one)", type_shown(name, name_len, shown));
   /* The node table points into the stand-in's state (any node of it may be
    * referred to later): keep the stand-in, and so its state, until the end. */
   u->kept[u->nkept++] = v;

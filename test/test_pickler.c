@@ -3856,6 +3856,42 @@ Test(pickler, a_resolver_that_succeeds_without_a_value_or_returns_a_positive_cod
   ASSERT_NO_LEAK();
 }
 
+/* An allowed type name is shown in the resolver's messages as the walker's
+ * messages show one (its first 64 bytes, cut at a character, escaped, "…"
+ * when cut): whole, it put control characters into err->message as they
+ * were, and a name of any length in full. */
+Test(pickler, a_resolved_type_name_in_an_error_is_cut_at_a_character_and_escaped) {
+  char name[128] = "\x1b[31mRed\n"; /* 9 bytes, then 30 euro signs of 3 bytes */
+  for (int i = 0; i < 30; i++) strcat(name, "\xe2\x82\xac");
+  dp_value_t r;
+  OK(dp_object_new_reduced(name, dp_int(1), &r, T_ERR));
+  dp_frame_t *f = pickle_ok(r, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  const char *allowed[] = {name};
+  dp_resolver_t res = {allowed, 1, resolve_silently, NULL};
+  dp_unpickle_opts_t uo;
+  memset(&uo, 0, sizeof uo);
+  uo.resolver = &res;
+  char shown[128] = "\\u001b[31mRed\\u000a"; /* 63 bytes of the name: 18 euro signs; the 19th would pass 64 */
+  for (int i = 0; i < 18; i++) strcat(shown, "\xe2\x82\xac");
+  strcat(shown, "\xe2\x80\xa6");
+  char want[512];
+  snprintf(want, sizeof want, "resolving custom '%s' failed: the resolver returned 0 without a value (dp_none() is one)",
+           shown);
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(b, n, &uo, &out, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, want);
+  res.resolve = resolve_says_why;
+  snprintf(want, sizeof want, "resolving custom '%s' failed: Holder is retired", shown);
+  cr_assert_eq(dp_unpickle(b, n, &uo, &out, &e), DP_EIO);
+  cr_assert_str_eq(e.message, want);
+  dp_frame_free(f);
+  dp_value_release(r);
+  ASSERT_NO_LEAK();
+}
+
 static int bind_larger_storage(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
   (void)ud;
   return dp_storage_new(desc->device, (void *)(uintptr_t)desc->base, 4096, NULL, NULL, out, err);
