@@ -179,7 +179,8 @@ DP_API int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err
 DP_API int dp_dict_new(size_t capacity, dp_value_t *out, dp_error_t *err);
 /** Inserts or replaces (steals key and val); a replaced entry keeps its
  *  position. DP_ETYPE for an unhashable key, DP_EINVAL when dict is not a
- *  dict. */
+ *  dict, DP_ELIMIT for a new key past its 32-bit bound (about 2^32
+ *  entries). */
 DP_API int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error_t *err);
 /** Looks key up (borrowed key). 0 and *val borrowed (val may be NULL: a
  *  membership test), or DP_ENOTFOUND (also for an unhashable key);
@@ -264,7 +265,9 @@ DP_API int64_t dp_tensor_offset(dp_value_t t);
  * out as C strings); DP_EINVAL otherwise. */
 DP_API int dp_object_new(const char *class_name, dp_value_t *out, dp_error_t *err);
 /** Sets an attribute (steals val). A new name is appended; an existing one
- *  keeps its position. DP_EINVAL when obj is not an object, and for any
+ *  keeps its position (DP_ELIMIT for a new one past the 32-bit bound,
+ *  about 2^32 attributes).
+ *  DP_EINVAL when obj is not an object, and for any
  *  name but "__reduce__" on a reduced stand-in (dp_object_is_reduced: a
  *  frame carries only its state, so another attribute would be lost). */
 DP_API int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *err);
