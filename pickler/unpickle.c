@@ -59,10 +59,19 @@ static __attribute__((format(printf, 4, 5), noinline)) int rd_fail(rd_t *r, int 
   return code;
 }
 
+/* The first error, made by rd_fail just now from a failure below the
+ * reader (e): it keeps that failure's backend code (a bind's or a
+ * resolver's cudaError_t, say), as its code and message are kept. */
+static int rd_keep_backend(rd_t *r, int first, int rc, const dp_error_t *e) {
+  if (first && r->err) r->err->backend_code = e->backend_code;
+  return rc;
+}
+
 /* A failure of a call below the reader (a constructor, bind, resolve),
  * reported at `at` with its own code and message. */
 static int rd_pass(rd_t *r, const uint8_t *at, int code, const dp_error_t *e) {
-  return rd_fail(r, code, at, "%s", e->message[0] ? e->message : dp_strerror(code));
+  int first = !r->rc;
+  return rd_keep_backend(r, first, rd_fail(r, code, at, "%s", e->message[0] ? e->message : dp_strerror(code)), e);
 }
 
 static uint64_t be(const uint8_t *p, int n) {
@@ -715,8 +724,11 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
   int rc = dp__cb_rc(res->resolve(res->ud, name, dp__reduced_state(v), &made, &e), &e, "the resolver");
   if (rc) {
     if (made.kind != DP_KIND_COUNT) dp_value_release(made); /* what a failing resolver left is the library's */
-    return rd_fail(&u->r, rc, at, "resolving custom '%s' failed: %s", type_shown(name, name_len, shown),
-                   e.message);
+    int first = !u->r.rc;
+    return rd_keep_backend(&u->r, first,
+                           rd_fail(&u->r, rc, at, "resolving custom '%s' failed: %s",
+                                   type_shown(name, name_len, shown), e.message),
+                           &e);
   }
   if (made.kind == DP_KIND_COUNT)
     return rd_fail(&u->r, DP_EINVAL, at, "resolving custom '%s' failed: the resolver returned 0 without a value "
@@ -1109,7 +1121,12 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
         dp_storage_release(st);
         rc = dp__err(&e, DP_EINVAL, "bind returned %s", st ? "a storage smaller than the buffer" : "no storage");
       }
-      if (rc) return rd_fail(r, rc, at, "binding buffer %llu failed: %s", (unsigned long long)i, e.message);
+      if (rc) {
+        int first = !r->rc;
+        return rd_keep_backend(r, first,
+                               rd_fail(r, rc, at, "binding buffer %llu failed: %s", (unsigned long long)i, e.message),
+                               &e);
+      }
     } else {
       if ((rc = dp_storage_new(desc.device, (void *)(uintptr_t)base, nbytes, NULL, NULL, &st, &e)) != 0)
         return rd_pass(r, at, rc, &e);

@@ -3892,6 +3892,60 @@ Test(pickler, a_resolved_type_name_in_an_error_is_cut_at_a_character_and_escaped
   ASSERT_NO_LEAK();
 }
 
+static int bind_out_of_device_memory(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
+  (void)ud, (void)desc, (void)out;
+  err->backend_code = 2; /* cudaErrorMemoryAllocation */
+  snprintf(err->message, sizeof err->message, "cudaMalloc: out of memory");
+  return DP_ECUDA;
+}
+static int resolve_out_of_device_memory(void *ud, const char *type, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)ud, (void)type, (void)state, (void)out;
+  err->backend_code = 2;
+  snprintf(err->message, sizeof err->message, "cudaMalloc: out of memory");
+  return DP_ECUDA;
+}
+
+/* A bind or resolve failure is passed through (base.h) with its backend
+ * code too: a DP_ECUDA came back with err->backend_code 0, the cudaError_t
+ * the callback gave lost, where a read callback's, a then() callback's and
+ * a stream read's keep it. */
+Test(pickler, a_bind_or_resolve_failure_keeps_the_backend_code_it_gave) {
+  dp_value_t root = t_list();
+  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
+  dp_frame_t *f = pickle_ok(root, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_unpickle_opts_t uo;
+  memset(&uo, 0, sizeof uo);
+  uo.bind = bind_out_of_device_memory;
+  dp_value_t out;
+  dp_error_t e;
+  for (int streamed = 0; streamed < 2; streamed++) {
+    int rc = streamed ? unpickle_streamed(b, n, &uo, &out, &e) : dp_unpickle(b, n, &uo, &out, &e);
+    cr_assert_eq(rc, DP_ECUDA, "streamed %d", streamed);
+    cr_assert_eq(e.code, DP_ECUDA);
+    cr_assert_eq(e.backend_code, 2, "streamed %d: backend_code %d", streamed, e.backend_code);
+    cr_assert_str_eq(e.message, "binding buffer 0 failed: cudaMalloc: out of memory");
+  }
+  const char *allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_out_of_device_memory, NULL};
+  memset(&uo, 0, sizeof uo);
+  uo.resolver = &res;
+  for (int streamed = 0; streamed < 2; streamed++) {
+    int rc = streamed ? unpickle_streamed(b, n, &uo, &out, &e) : dp_unpickle(b, n, &uo, &out, &e);
+    cr_assert_eq(rc, DP_ECUDA, "streamed %d", streamed);
+    cr_assert_eq(e.backend_code, 2, "streamed %d: backend_code %d", streamed, e.backend_code);
+    cr_assert_str_eq(e.message, "resolving custom 'Holder' failed: cudaMalloc: out of memory");
+  }
+  /* an error of the reader's own carries none, whatever err held before */
+  e.backend_code = 2;
+  cr_assert_eq(dp_unpickle(b, n - 1, NULL, &out, &e), DP_ETRUNC);
+  cr_assert_eq(e.backend_code, 0);
+  dp_frame_free(f);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 static int bind_larger_storage(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
   (void)ud;
   return dp_storage_new(desc->device, (void *)(uintptr_t)desc->base, 4096, NULL, NULL, out, err);

@@ -90,7 +90,8 @@ typedef struct dp_error {
  *     message, and for readers the offset. err may always be NULL. A lookup
  *     that finds nothing (DP_ENOTFOUND) is such a failure too.
  *   - A failure below a call — the allocator, a constructor, a callback
- *     (bind, resolve, read) — keeps its code and message: they are passed
+ *     (bind, resolve, read) — keeps its code and message, and the
+ *     backend_code a callback gave: they are passed
  *     through, never relabelled (a reduce() that fails makes the value one
  *     that cannot be walked: DP_ETYPE, with reduce's message, unless it ran
  *     out of memory, which stays DP_ENOMEM; pickler.h).
