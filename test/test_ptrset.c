@@ -952,3 +952,30 @@ Test(ptrset, a_block_of_any_size_holds_the_entries_its_capacity_says_and_no_more
   }
   for (size_t cap = 0; cap < 200; cap++) cr_assert_eq(dp__ptrs_block_cap(dp__ptrs_block_size(cap)), cap);
 }
+
+/* refs counts the distinct tensors of each scan: a tensor met twice in one
+ * scan counts once, and the same value scanned again into the set before a
+ * dp_ptrset_clear counts again (ptrset.h). */
+Test(ptrset, a_scan_counts_each_tensor_once_and_a_second_scan_before_a_clear_counts_again) {
+  dp_value_t t = t_tensor(t_dev(DP_DEVICE_HOST, 0), 0x1000, 4);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, dp_value_retain(t), T_ERR));
+  OK(dp_list_append(l, t, T_ERR)); /* the same tensor twice */
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_ptr_info_t p;
+  OK(dp_scan(l, NULL, s, T_ERR));
+  OK(dp_ptrset_get(s, 0, &p, T_ERR));
+  cr_assert_eq(p.refs, 1, "one tensor, met twice in a scan");
+  OK(dp_scan(l, NULL, s, T_ERR));
+  cr_assert_eq(dp_ptrset_count(s), 1);
+  OK(dp_ptrset_get(s, 0, &p, T_ERR));
+  cr_assert_eq(p.refs, 2, "a second scan into the set counts it again");
+  dp_ptrset_clear(s);
+  OK(dp_scan(l, NULL, s, T_ERR));
+  OK(dp_ptrset_get(s, 0, &p, T_ERR));
+  cr_assert_eq(p.refs, 1, "after a clear, once again");
+  dp_ptrset_free(s);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}

@@ -3,7 +3,9 @@
  *
  * Entries are deduplicated by (device, base pointer), kept in the order they
  * were first met, and grouped by device. Each entry counts the distinct
- * tensors seen on it. A set is reused across scans: dp_ptrset_clear() keeps
+ * tensors seen on it by each scan (or add): a scan counts a tensor once,
+ * and a scan of the same value into a set not cleared meanwhile counts
+ * them again. A set is reused across scans: dp_ptrset_clear() keeps
  * its memory, paths included, and the set keeps what dp_scan works with
  * until it is freed, so a steady-state scan allocates nothing, with or
  * without DP_SCAN_PATHS.
@@ -47,7 +49,8 @@ typedef struct dp_ptr_info {
   dp_device_t device;
   void *base;
   size_t nbytes;
-  uint32_t refs;      /* distinct tensors on this storage (UINT32_MAX: that many or more) */
+  uint32_t refs;      /* distinct tensors on this storage, summed over the scans and adds
+                         since the set was cleared (UINT32_MAX: that many or more) */
   const char *path;   /* the path where the entry was added, when the scan
                          that added it asked for paths; else NULL (a later
                          scan with paths that meets the entry again leaves it
