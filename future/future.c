@@ -570,7 +570,14 @@ int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const d
 }
 
 int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err) {
-  if (!f || !error) return dp__err(err, DP_EINVAL, "dp_future_set_error: NULL %s", f ? "error" : "future");
+  if (!f) return dp__err(err, DP_EINVAL, "dp_future_set_error: NULL future");
+  if (!error) { /* a failed completion: f fails with it, so no waiter hangs */
+    dp_error_t e;
+    dp__err(&e, DP_EINVAL, "dp_future_set_error: NULL error");
+    if (err) *err = e;
+    int prc = publish("dp_future_set_error", f, dp_none(), NULL, &e, err); /* already complete: DP_ESTATE, and err says so */
+    return prc ? prc : DP_EINVAL;
+  }
   return publish("dp_future_set_error", f, dp_none(), NULL, error, err);
 }
 

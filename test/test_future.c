@@ -647,6 +647,28 @@ Test(future, a_failed_completion_of_a_complete_future_returns_the_code_err_holds
   dp_future_release(f);
 }
 
+/* dp_future_set_error with a NULL error is a failed completion as a NULL
+ * ptrs is: f fails with DP_EINVAL, so no waiter hangs (it stayed pending,
+ * and a wait without a limit blocked for good). */
+Test(future, a_null_error_given_to_set_error_fails_the_future_with_einval) {
+  dp_future_t *f = future();
+  dp_error_t e;
+  cr_assert_eq(dp_future_set_error(f, NULL, &e), DP_EINVAL);
+  cr_assert_eq(e.code, DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_set_error: NULL error");
+  cr_assert_eq(dp_future_is_done(f), 1);
+  cr_assert_eq(dp_future_wait(f, 0, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_set_error: NULL error");
+  /* complete already: DP_ESTATE, and err says so; f is left as it was */
+  cr_assert_eq(dp_future_set_error(f, NULL, &e), DP_ESTATE);
+  cr_assert_eq(e.code, DP_ESTATE);
+  cr_assert_str_eq(e.message, "dp_future_set_error: the future is already complete");
+  cr_assert_eq(dp_future_error(f, NULL), DP_EINVAL);
+  dp_future_release(f);
+  cr_assert_eq(dp_future_set_error(NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_set_error: NULL future");
+}
+
 /* A callback that releases its parent's last reference and then waits (the
  * wait runs this thread's queued work, the parent's free among it): the
  * parent stays alive until its callbacks have run (ASan saw the free). */

@@ -128,7 +128,9 @@ DP_API int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, 
                                               dp_error_t *err);
 /** Completes f with an error (copied; a code of 0 becomes DP_ESTATE and a
  *  positive one DP_EINVAL — codes are negative; an empty message becomes
- *  one naming the code). DP_ESTATE if f was already complete. */
+ *  one naming the code). DP_ESTATE if f was already complete. A NULL error
+ *  is DP_EINVAL, and f completes with that error (DP_ESTATE, as err says,
+ *  if f was complete already), as for a NULL ptrs above. */
 DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err);
 
 /** Blocks the host until f completes or timeout_ns passes (<0: no limit;
