@@ -1821,7 +1821,18 @@ static PyObject *drain(dpy_scanner_t *s, PyObject *it) {
   for (size_t n = 1; l && (x = PyIter_Next(iter)) != NULL; n++) {
     int rc = PyList_Append(l, x);
     Py_DECREF(x);
-    if (rc || (n % DRAIN_CHECK == 0 && PyErr_CheckSignals())) Py_CLEAR(l);
+    if (rc) Py_CLEAR(l);
+    else if (n % DRAIN_CHECK == 0 && PyErr_CheckSignals()) {
+      /* the handler's exception, whatever it is, is no error of the
+         value's: held, it passes through as it is (dpy_scan), as it
+         would from a loop in Python, in place of the walk error the
+         caller raises for the items that could not be read */
+      if (!held_exc[0]) {
+        PyErr_Fetch(&held_exc[0], &held_exc[1], &held_exc[2]);
+        PyErr_SetString(PyExc_RuntimeError, "a signal handler raised");
+      }
+      Py_CLEAR(l);
+    }
   }
   Py_DECREF(iter);
   if (l && PyErr_Occurred()) Py_CLEAR(l);

@@ -750,6 +750,37 @@ def test_a_signal_stops_a_walk_draining_endless_listitems():
     assert out.stdout.strip() == "interrupted"
 
 
+_ENDLESS_HANDLER = """
+import itertools, signal, devpickle
+class Endless:
+    def __reduce__(self):
+        return (list, (), None, itertools.count())
+class EndlessPairs:
+    def __reduce__(self):
+        return (dict, (), None, None, zip(itertools.count(), itertools.count()))
+def stop(*a):
+    raise TimeoutError("the handler's")
+signal.signal(signal.SIGALRM, stop)
+walks = [devpickle.scan, devpickle.dumps, lambda v: devpickle.Future().set_result(v)]
+for walk in walks:
+    for value in ([Endless()], [EndlessPairs()]):
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            walk(value)
+        except TimeoutError as e:
+            print(type(e).__name__, e)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+"""
+
+
+def test_a_signal_handlers_exception_stopping_a_drain_passes_through_as_it_is():
+    # not only an interrupt: whatever the handler raises is no error of the
+    # value's, and passes through as from a loop in Python (not a WalkError)
+    out = subprocess.run([sys.executable, "-c", _ENDLESS_HANDLER], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["TimeoutError the handler's"] * 6
+
+
 def test_a_numpy_view_of_a_torch_tensor_is_the_tensors_allocation():
     t = torch.arange(8, dtype=torch.float32)
     got = devpickle.scan([t, t.numpy()[2:], t[1:].numpy()])
