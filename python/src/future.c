@@ -1166,7 +1166,8 @@ static PyMethodDef fut_methods[] = {
      "uses, on that device's current stream. A result that cannot be walked raises WalkError and fails the future "
      "with it. RuntimeError if already complete."},
     {"set_exception", (PyCFunction)(void (*)(void))fut_set_exception, METH_FASTCALL | METH_KEYWORDS,
-     "set_exception($self, /, result)\n--\n\nCompletes the future with the exception result; wait() and value() raise it."},
+     "set_exception($self, /, result)\n--\n\nCompletes the future with the exception result (an Exception instance; "
+     "anything else is a TypeError); wait() and value() raise it."},
     {"wait", (PyCFunction)fut_wait, METH_NOARGS,
      "wait($self, /)\n--\n\n-> result: blocks (without the GIL) until complete, makes the current streams wait on the result's "
      "events and records its allocations on them; raises the future's exception."},
@@ -1175,7 +1176,9 @@ static PyMethodDef fut_methods[] = {
     {"done", (PyCFunction)fut_done, METH_NOARGS, "done($self, /)\n--\n\n-> True once complete (with a result or an exception)."},
     {"then", (PyCFunction)(void (*)(void))fut_then, METH_FASTCALL | METH_KEYWORDS,
      "then($self, /, callback)\n--\n\n-> Future: callback(self) runs once self is complete, with pool streams current (waiting on "
-     "self's events); the new future completes with its result, walked afresh, or fails with what it raises."},
+     "self's events); the new future completes with its result, walked afresh, or fails, as torch's does, with "
+     "RuntimeError(\"Got the following error when running the callback: ...\") whose __cause__ is what it raised "
+     "(with a WalkError if its result cannot be walked)."},
     {"add_done_callback", (PyCFunction)(void (*)(void))fut_add_done_callback, METH_FASTCALL | METH_KEYWORDS,
      "add_done_callback($self, /, callback)\n--\n\ncallback(self) runs once self is complete; its result is ignored and an "
      "exception it raises goes to sys.unraisablehook."},

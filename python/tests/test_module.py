@@ -118,3 +118,22 @@ def test_the_stub_admits_None_wherever_the_extension_takes_it():
             if p.arg in takes_none[fn.name]:
                 text = ast.unparse(p.annotation)
                 assert text.startswith("Optional[") or "None" in text, f"{fn.name}({p.arg}: {text})"
+
+
+def test_the_stub_and_docstrings_say_what_then_and_set_exception_do():
+    # docs/PYTHON.md: a then() child fails with torch's RuntimeError wrapping
+    # what the callback raised, and set_exception takes an Exception instance
+    # only (a KeyboardInterrupt is a TypeError): the stub and help() say so
+    fut = devpickle.Future()
+    with pytest.raises(TypeError):
+        fut.set_exception(KeyboardInterrupt())
+    fut.set_result(1)
+    with pytest.raises(RuntimeError, match="Got the following error when running the callback") as e:
+        fut.then(lambda f: 1 / 0).wait()
+    assert isinstance(e.value.__cause__, ZeroDivisionError)
+    assert "Got the following error when running the callback" in devpickle.Future.then.__doc__
+    assert "__cause__" in devpickle.Future.then.__doc__
+    assert "Exception instance" in devpickle.Future.set_exception.__doc__
+    cls = next(n for n in _stub().body if isinstance(n, ast.ClassDef) and n.name == "Future")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "set_exception")
+    assert ast.unparse(fn.args.args[-1].annotation) == "Exception"
