@@ -113,10 +113,15 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
     /* an int is a CUDA index; a bool is not an int here (torch's reading):
      * it is read by its str(), as any other item */
     PyObject *s = PyLong_Check(x) && !PyBool_Check(x) ? PyUnicode_FromFormat("cuda:%S", x) : PyObject_Str(x);
-    const char *txt = s ? PyUnicode_AsUTF8(s) : NULL;
+    Py_ssize_t len = 0;
+    const char *txt = s ? PyUnicode_AsUTF8AndSize(s, &len) : NULL;
     dp_error_t e;
-    if (!txt || dp_device_parse(txt, &d[i], &e)) {
-      if (txt) PyErr_Format(PyExc_ValueError, "devices: %s", e.message);
+    /* the whole text names the device: one holding a NUL ("cpu\0x") is
+       none, never the part before it */
+    int nul = txt && strlen(txt) != (size_t)len;
+    if (nul) PyErr_Format(PyExc_ValueError, "devices: %R is not a device (cpu, cuda:N or host:N, N 0..255)", s);
+    if (!txt || nul || dp_device_parse(txt, &d[i], &e)) {
+      if (txt && !nul) PyErr_Format(PyExc_ValueError, "devices: %s", e.message);
       Py_XDECREF(s);
       Py_DECREF(seq);
       PyMem_Free(d);

@@ -329,6 +329,21 @@ def test_a_bool_among_devices_is_read_by_its_str_not_as_a_cuda_index():
         devpickle.Future(devices=[True])
 
 
+@pytest.mark.parametrize("name", ["cpu\0garbage", "host:1\0", "cuda:0\0x"])
+def test_a_device_name_holding_a_nul_is_no_device_not_the_part_before_it(name):
+    # "any other item is read as its str(), which must name cpu, cuda:N or
+    # host:N, else a ValueError": the whole str, never cut at a NUL
+    with pytest.raises(ValueError, match="is not a device"):
+        devpickle.Future(devices=[name])
+
+    class Sub(devpickle.Future):
+        def __init__(self):
+            super().__init__(devices=[name])
+
+    with pytest.raises(ValueError, match="is not a device"):
+        Sub()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a usable GPU is here")
 def test_devices_naming_cuda_without_a_usable_gpu_are_refused(Future):
     with pytest.raises(RuntimeError):
