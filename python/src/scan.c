@@ -2208,8 +2208,9 @@ static int wrap(dpy_scanner_t *s, PyObject *o, const char *cls, const char *attr
 }
 
 /* A class's or function's name as a global, module.qualname, kept in *hold
- * (a new reference): NULL when it has none, or with a MemoryError. */
-static const char *global_name(PyObject *o, PyObject **hold) {
+ * (a new reference), *len bytes long: NULL when it has none, or with a
+ * MemoryError. */
+static const char *global_name(PyObject *o, PyObject **hold, Py_ssize_t *len) {
   PyObject *mod = PyObject_GetAttrString(o, "__module__");
   if (!mod) clear_error();
   PyObject *qual = PyObject_GetAttrString(o, "__qualname__");
@@ -2217,11 +2218,23 @@ static const char *global_name(PyObject *o, PyObject **hold) {
     clear_error();
     qual = PyObject_GetAttrString(o, "__name__");
   }
-  const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8(mod) : NULL;
-  const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8(qual) : NULL;
+  Py_ssize_t mn = 0, qn = 0;
+  const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8AndSize(mod, &mn) : NULL;
+  const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8AndSize(qual, &qn) : NULL;
   clear_error();
-  /* whole, however long (a fixed buffer cut it) */
-  *hold = !q ? NULL : m ? PyBytes_FromFormat("%s.%s", m, q) : PyBytes_FromString(q);
+  /* whole, however long (a fixed buffer cut it), and past a NUL byte (a
+     format's %s cut it there: another global's name) */
+  *hold = q ? PyBytes_FromStringAndSize(NULL, (m ? mn + 1 : 0) + qn) : NULL;
+  if (*hold) {
+    char *p = PyBytes_AS_STRING(*hold);
+    if (m) {
+      memcpy(p, m, (size_t)mn);
+      p[mn] = '.';
+      p += mn + 1;
+    }
+    memcpy(p, q, (size_t)qn);
+    *len = PyBytes_GET_SIZE(*hold);
+  }
   Py_XDECREF(mod);
   Py_XDECREF(qual);
   return *hold ? PyBytes_AS_STRING(*hold) : NULL;
@@ -2312,14 +2325,15 @@ static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
     }
   } else {
     PyObject *hold;
-    const char *name = global_name(o, &hold);
+    Py_ssize_t len = 0;
+    const char *name = global_name(o, &hold, &len);
     if (!name) {
       if (PyErr_Occurred()) return -1; /* out of memory */
       PyErr_SetString(PyExc_TypeError, "a class or function without a name");
       return walk_error(s, o, "it cannot be carried in a frame");
     }
     dp_value_t n;
-    rc = dp_str_new(name, strlen(name), &n, &e);
+    rc = dp_str_new(name, (size_t)len, &n, &e);
     Py_XDECREF(hold);
     if (!rc) return wrap(s, o, "devpickle.global", "name", n, out);
   }

@@ -775,6 +775,29 @@ def test_a_class_name_of_any_length_travels_whole():
     assert v["g"].name == "m.C" + "\xe9" * 300
 
 
+def test_a_global_whose_name_holds_a_nul_travels_whole_never_as_the_name_before_it():
+    # a class or function held as a value is its module.qualname, all of
+    # it: cut at a NUL, it named another global (a class allowed under the
+    # shorter name came back in its place)
+    class C:
+        pass
+
+    class Short:
+        pass
+
+    C.__qualname__, Short.__qualname__ = "C\x00x", "C"
+
+    def f():
+        pass
+
+    f.__qualname__ = "f\x00g"
+    frame = devpickle.dumps([C, f])
+    v = devpickle.loads(frame)
+    assert [g.name for g in v] == [f"{__name__}.C\x00x", f"{__name__}.f\x00g"]
+    assert devpickle.loads(frame, classes=(Short,))[0].name == f"{__name__}.C\x00x"
+    assert devpickle.loads(frame, classes=(C,))[0] is C
+
+
 def test_an_object_whose_reduce_is_a_name_travels_as_that_global():
     a = devpickle.dumps({"dtype": torch.float16, "u": np.add})
     b = devpickle.dumps({"dtype": torch.float64, "u": np.multiply})
