@@ -3561,10 +3561,12 @@ static PyObject *alloc_get(PyObject *o, void *i) { return alloc_field((alloc_obj
 /* The index of key among the fields, or -1 (a key that is not a field's
  * name, of any type). */
 static Py_ssize_t alloc_index(PyObject *key) {
-  const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
+  Py_ssize_t n = 0;
+  const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &n) : NULL;
   if (!k) PyErr_Clear();
+  /* the whole key: "ptr\0x" is no field's name, though strcmp stops at its NUL */
   for (Py_ssize_t i = 0; k && i < ALLOC_NFIELDS; i++)
-    if (!strcmp(k, alloc_fields[i])) return i;
+    if (strlen(alloc_fields[i]) == (size_t)n && !memcmp(k, alloc_fields[i], (size_t)n)) return i;
   return -1;
 }
 

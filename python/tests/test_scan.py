@@ -1491,6 +1491,15 @@ def test_an_allocation_finds_its_keys_given_as_a_str_subclass_and_takes_get_s_ar
     assert type(e.value) is KeyError and e.value.args == (1,)
 
 
+def test_an_allocation_key_is_its_whole_str_never_a_field_name_before_a_nul():
+    # as a dict's: "ptr\0x" is no key of it, though a C string of it reads "ptr"
+    a = devpickle.scan({"x": np.ones(3)})[0]
+    assert "ptr\x00x" not in a and "path\x00" not in a and a.get("nbytes\x00", 7) == 7
+    with pytest.raises(KeyError):
+        a["device\x00"]
+    assert all(k in a for k in a._fields)
+
+
 class DictItems:
     """The items of a dict, read as a Mapping reads them (no Mapping base)."""
 
