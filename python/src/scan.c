@@ -3764,7 +3764,12 @@ static int check_opaque(PyObject *opaque, PyObject **out) {
   *out = NULL;
   if (!opaque || opaque == Py_None) return 0;
   if (PyType_Check(opaque)) opaque = PyTuple_Pack(1, opaque);
-  else opaque = PySequence_Tuple(opaque);
+  else if (!Py_TYPE(opaque)->tp_iter && !PySequence_Check(opaque)) {
+    /* named, as classes= is: "'int' object is not iterable" says not which argument */
+    PyErr_Format(PyExc_TypeError, "opaque= takes types: a type or an iterable of types, not a '%s'",
+                 Py_TYPE(opaque)->tp_name);
+    return -1;
+  } else opaque = PySequence_Tuple(opaque);
   if (!opaque) return -1;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(opaque); i++)
     if (!PyType_Check(PyTuple_GET_ITEM(opaque, i))) {

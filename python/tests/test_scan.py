@@ -515,6 +515,16 @@ def test_opaque_types_are_leaves():
     assert str(e.value) == "opaque= takes types; got a 'str'"
 
 
+@pytest.mark.parametrize("opaque", [5, 1.5, object(), int | str], ids=["int", "float", "object", "a union"])
+def test_opaque_that_is_neither_a_type_nor_an_iterable_is_a_type_error_naming_opaque(opaque):
+    # "anything else ... is a TypeError", saying which argument (as classes=
+    # does), not Python's "'int' object is not iterable"
+    with pytest.raises(TypeError) as e:
+        devpickle.scan([], opaque=opaque)
+    assert str(e.value).startswith("opaque= takes types: a type or an iterable of types, not a '")
+    assert type(opaque).__name__ in str(e.value)
+
+
 def test_a_deep_value_walks_without_recursion_and_a_limit_names_the_path():
     deep = t = torch.ones(1)
     for _ in range(100_000):
