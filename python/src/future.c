@@ -1045,6 +1045,12 @@ static PyObject *fut_add_done_callback(pyfut_t *self, PyObject *const *args, Py_
 /* arg as a list of Futures and their C futures; who names the caller in
  * errors. */
 static PyObject *as_futures(const char *who, PyObject *arg, dp_future_t ***out, Py_ssize_t *n) {
+  if (!Py_TYPE(arg)->tp_iter && !PySequence_Check(arg)) {
+    /* named: "'devpickle.Future' object is not iterable" says not what was wanted */
+    PyErr_Format(PyExc_TypeError, "%s takes an iterable of devpickle.Future objects (a list), not a '%s'", who,
+                 Py_TYPE(arg)->tp_name);
+    return NULL;
+  }
   PyObject *list = PySequence_List(arg);
   if (!list) return NULL;
   *n = PyList_GET_SIZE(list);

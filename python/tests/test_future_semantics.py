@@ -1061,6 +1061,16 @@ def test_collect_all_refuses_what_is_not_a_future(Future, collect_all):
         collect_all([Future(), 1])
 
 
+@pytest.mark.parametrize("arg", ["a future", 5, None])
+def test_collect_all_and_wait_all_of_a_non_iterable_say_they_take_futures(arg):
+    # both TypeErrors, as torch's; devpickle's says what it takes, not
+    # Python's "'devpickle.Future' object is not iterable"
+    arg = devpickle.Future() if arg == "a future" else arg
+    for fn in (devpickle.collect_all, devpickle.wait_all):
+        with pytest.raises(TypeError, match=rf"^{fn.__name__} takes an iterable of devpickle.Future objects \(a list\), not a "):
+            fn(arg)
+
+
 def test_collect_all_and_wait_all_refuse_none_among_the_futures(Future, collect_all, wait_all):
     # Deliberate difference in the type, as for set_exception: torch raises
     # RuntimeError("Future can't be None"); devpickle TypeError naming the item.
