@@ -3002,6 +3002,11 @@ static int check_storage(dpy_scanner_t *s, size_t i) {
   if (!o || dp_storage_host_data(s->stor[i])) return 0; /* copied when found: the frame reads the copy */
   dp_ptr_info_t p;
   dp_ptrset_get(s->found, i, &p, NULL);
+  /* the bytes the frame reads: the storage made when the allocation was
+     first met. The allocation's size in the set may be larger: another
+     storage at its base met later (from_numpy of a and of a[:2]), which
+     moved nothing */
+  size_t need = dp_storage_nbytes(s->stor[i]);
   if (!st) { /* cpu memory read through the buffer protocol (numpy): read again */
     dp_device_t dev;
     void *now;
@@ -3009,7 +3014,7 @@ static int check_storage(dpy_scanner_t *s, size_t i) {
     if (p.device.type != DP_DEVICE_CPU || is_torch(o)) return 0;
     int borrowed;
     if (buffer_memory(s, o, &dev, &now, &ext, &borrowed)) return -1;
-    if (now != p.base || ext < p.nbytes) {
+    if (now != p.base || ext < need) {
       PyErr_SetString(PyExc_RuntimeError, "an array's memory moved (it was resized) while the walk ran the value's "
                                           "Python code (a __reduce__?): the frame would read freed memory");
       return changed(s, o, i);
@@ -3018,7 +3023,7 @@ static int check_storage(dpy_scanner_t *s, size_t i) {
   }
   dp_torch_alloc_t now;
   if (storage_extent(st, &now)) return walk_error(s, o, "its storage cannot be described");
-  if (now.base != p.base || now.nbytes < p.nbytes) {
+  if (now.base != p.base || now.nbytes < need) {
     PyErr_SetString(PyExc_RuntimeError, "a tensor's storage was resized (its memory moved) while the walk ran the "
                                         "value's Python code (a __reduce__?): the frame would read freed memory");
     return changed(s, o, i);

@@ -679,6 +679,21 @@ def test_an_array_resized_by_the_values_code_during_dumps_is_a_walk_error_not_a_
     assert e.value.path == "$[0]"
 
 
+def test_a_larger_storage_met_later_at_the_same_address_is_no_resize():
+    # torch.from_numpy of a[:2] and of a: two storages at one address; the
+    # frame carries the 16 bytes met first, which a view of the larger one
+    # that stays inside them reads: nothing moved, and dumps says nothing did
+    a = np.arange(4.0)
+    small, big = torch.from_numpy(a[:2]), torch.from_numpy(a)
+    value = {"small": small, "big": big[:1]}
+    for inline in (False, True):
+        bufs = []
+        frame = devpickle.dumps(value, inline=inline, buffer_callback=None if inline else bufs.append)
+        assert [b.nbytes for b in bufs] == ([] if inline else [16])
+        back = devpickle.loads(frame, buffers=[b.raw() for b in bufs])
+        assert back["small"].tolist() == [0.0, 1.0] and back["big"].tolist() == [0.0]
+
+
 def test_memory_freed_by_code_that_is_not_a_reduce_during_dumps_is_a_walk_error_too():
     """A metaclass met while the walk names a class runs no __reduce__, yet
     may free memory the walk found: dumps checks after every walk."""
