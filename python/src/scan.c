@@ -2394,7 +2394,20 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
     PyErr_Format(PyExc_TypeError, "dtype %s has no devpickle equivalent", dtype);
     return walk_error(s, o, "it cannot be carried in a frame");
   }
+  size_t had = dp_storage_nbytes(s->stor[at]);
   rc = dp_tensor_new(dp_storage_retain(s->stor[at]), dt, ndim, shape, strides, offset, out, &e);
+  if (rc && nbytes > had) {
+    /* two storages that start at one address (borrowed memory: from_numpy
+       of a[:2] and of a, an UntypedStorage and its slice u[:8]): a frame
+       carries one buffer there, the size of the first met, which this
+       view runs past. Said so, not as the library's bounds check. */
+    PyErr_Format(PyExc_ValueError,
+                 "its memory (%zu bytes) starts where the walk met %zu bytes of another tensor's or array's first "
+                 "(two storages at one address, as torch.from_numpy of a[:2] and of a): a frame carries one buffer "
+                 "an address, the size met first, and this view runs past its end (put the larger first)",
+                 nbytes, had);
+    return walk_error(s, o, "it cannot be carried in a frame");
+  }
   return rc ? dp_fail(s, o, rc, &e) : 0;
 }
 

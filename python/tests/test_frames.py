@@ -694,6 +694,20 @@ def test_a_larger_storage_met_later_at_the_same_address_is_no_resize():
         assert back["small"].tolist() == [0.0, 1.0] and back["big"].tolist() == [0.0]
 
 
+def test_a_view_past_the_storage_met_first_at_its_address_is_refused_saying_why():
+    # the frame's one buffer at that address is the 16 bytes met first: a
+    # view of the larger storage past them is a WalkError naming both sizes,
+    # not the library's "tensor view exceeds its storage"; larger first loads
+    a = np.arange(4.0)
+    small, big = torch.from_numpy(a[:2]), torch.from_numpy(a)
+    for value in ([small, big], [small, a], {"s": small, "b": big[1:]}):
+        for inline in (False, True):
+            with pytest.raises(devpickle.WalkError, match=r"its memory \(32 bytes\) starts where the walk met 16 bytes") as e:
+                devpickle.dumps(value, inline=inline, buffer_callback=None if inline else (lambda b: None))
+            assert e.value.path in ("$[1]", "$.b")
+    assert [t.tolist() for t in devpickle.loads(devpickle.dumps([big, small], inline=True))] == [a.tolist(), [0.0, 1.0]]
+
+
 def test_memory_freed_by_code_that_is_not_a_reduce_during_dumps_is_a_walk_error_too():
     """A metaclass met while the walk names a class runs no __reduce__, yet
     may free memory the walk found: dumps checks after every walk."""
