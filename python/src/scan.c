@@ -1494,22 +1494,45 @@ static int object_array(PyObject *o) {
   return r;
 }
 
+static int subclass_attrs(dpy_scanner_t *s, PyObject *o, PyObject **out);
+
 static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   int obj = object_array(o);
-  if (obj) return obj < 0 ? walk_error(s, o, "its dtype cannot be read") : enter_reduce(s, o);
+  if (obj) {
+    if (obj < 0) return walk_error(s, o, "its dtype cannot be read");
+    size_t before = s->nframes;
+    if (enter_reduce(s, o)) return -1;
+    /* a subclass's attributes, which numpy's reduce drops, as for an array
+       of another dtype: the reduce frame's last step, after the items */
+    PyObject *d;
+    if (subclass_attrs(s, o, &d)) return -1;
+    if (d && PyDict_GET_SIZE(d) && s->nframes == before + 1 && s->frames[before].kind == FR_REDUCE)
+      s->frames[before].value = Py_NewRef(d);
+    return 0;
+  }
   dp_device_t dev;
   void *base;
   size_t ext;
   int borrowed;
   if (buffer_memory(s, o, &dev, &base, &ext, &borrowed)) return -1;
   if (ext && add_alloc(s, dev, base, ext, o)) return -1;
-  /* a subclass written in Python (bytearray's, ndarray's) may hold more in
-     its instance __dict__ and its __slots__, which pickle's reduce of it
-     carries (bytearray's does: both): walked as an object's attributes,
-     never skipped */
   PyTypeObject *t = Py_TYPE(o);
   if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return 0;
   if (PyType_IsSubtype(t, &PyByteArray_Type) && own_getstate(t)) return push_own_state(s, o);
+  PyObject *d;
+  if (subclass_attrs(s, o, &d)) return -1;
+  if (!d || PyDict_GET_SIZE(d) == 0) return 0;
+  return push(s, FR_ATTRS, d, Py_TYPE(o));
+}
+
+/* A subclass written in Python (bytearray's, ndarray's) may hold more in
+ * its instance __dict__ and its __slots__, which pickle's reduce of it
+ * carries (bytearray's does: both): walked as an object's attributes,
+ * never skipped. *out: those (a dict the walk keeps), or NULL. */
+static int subclass_attrs(dpy_scanner_t *s, PyObject *o, PyObject **out) {
+  *out = NULL;
+  PyTypeObject *t = Py_TYPE(o);
+  if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return 0;
   PyObject *d = NULL;
   if (t->tp_dictoffset != 0) {
     if (!(d = PyObject_GenericGetDict(o, NULL))) return walk_error(s, o, "its __dict__ cannot be read");
@@ -1527,8 +1550,8 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
       e->no_slots = 1; /* the entry made again: _slotnames may have set t.__slotnames__ */
     }
   }
-  if (!d || PyDict_GET_SIZE(d) == 0) return 0;
-  return push(s, FR_ATTRS, d, Py_TYPE(o));
+  *out = d;
+  return 0;
 }
 
 /* DLPack producers (jax arrays): the view's data, from the capsule. */
@@ -2982,6 +3005,16 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
         return l;
       }
       return part;
+    }
+    if (f->pos == 6 && f->value) {
+      /* an object-dtype array subclass's attributes (visit_buffer): the
+         reduced object's own, at its path (`<reduce T>.name`) */
+      f->pos = 7;
+      f->idx = 6;
+      PyObject *d = f->value;
+      PyTypeObject *owner = f->type; /* push may move the frames */
+      if (push(s, FR_ATTRS, d, owner)) return NULL;
+      return Py_None; /* the pushed frame is the child */
     }
     return NULL;
   }

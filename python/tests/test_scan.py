@@ -705,6 +705,29 @@ def test_object_arrays_walk_their_items_and_numpy_scalars_are_leaves():
     assert devpickle.scan([np.float64(1.5), np.int32(3), np.bool_(True)]) == []
 
 
+def test_an_object_array_subclass_has_its_items_and_its_attributes_walked():
+    # "a numpy array subclass's __dict__ and slots, which numpy's reduce
+    # drops, are walked too": of dtype=object as well, after its items
+    t, extra, slot = torch.ones(2), torch.ones(3), torch.ones(4)
+    arr = np.empty(1, dtype=object).view(Arr)
+    arr[0] = t
+    arr.meta = {"t": extra}
+    got = devpickle.scan([arr])
+    assert [a.ptr for a in got] == [storage_ptr(x)[0] for x in (t, extra)]
+    assert [a.path for a in got] == ["$[0]<reduce test_scan.Arr>.state[4][0]", "$[0]<reduce test_scan.Arr>.meta.t"]
+    assert [a.ptr for a in devpickle.scan([arr], paths=False)] == [a.ptr for a in got]
+    fut = devpickle.Future()
+    fut.set_result(arr)
+    assert sorted(p for _, p, _ in fut._allocations()) == sorted(a.ptr for a in got)
+
+    class Slotted(np.ndarray):
+        __slots__ = ("s",)
+
+    s = np.empty(1, dtype=object).view(Slotted)
+    s.s = slot
+    assert [a.ptr for a in devpickle.scan(s)] == [storage_ptr(slot)[0]]
+
+
 def test_a_bound_builtin_method_walks_its_self_as_pickle_does():
     t = torch.ones(2)
     lst = [t]
