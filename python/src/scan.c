@@ -3733,7 +3733,7 @@ static PyGetSetDef alloc_getset[] = {
     {"device", alloc_get, NULL, "\"cuda:0\", \"cpu\" or \"host:0\"", (void *)0},
     {"ptr", alloc_get, NULL, "the allocation's base address (an int)", (void *)1},
     {"nbytes", alloc_get, NULL, "its size in bytes", (void *)2},
-    {"refs", alloc_get, NULL, "distinct tensors or arrays on it", (void *)3},
+    {"refs", alloc_get, NULL, "the distinct objects (tensors, arrays, storages) found on it, by identity", (void *)3},
     {"path", alloc_get, NULL, "the first path to it (None: paths=False)", (void *)4},
     {NULL},
 };

@@ -1533,6 +1533,14 @@ def test_an_allocation_key_is_its_whole_str_never_a_field_name_before_a_nul():
     assert all(k in a for k in a._fields)
 
 
+def test_refs_docstring_counts_storages_as_the_docs_do():
+    # PYTHON.md: refs counts the distinct Python objects -- tensors, arrays,
+    # storages -- found on the memory; help() says the same
+    t = torch.ones(2)
+    assert devpickle.scan([t, t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()._storage])[0].refs == 2
+    assert "storages" in devpickle.Allocation.refs.__doc__
+
+
 class DictItems:
     """The items of a dict, read as a Mapping reads them (no Mapping base)."""
 
