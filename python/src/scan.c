@@ -2642,6 +2642,12 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   }
   if (PyErr_Occurred()) goto out;
   ptrdiff_t delta = (ptrdiff_t)((uintptr_t)ptr - (uintptr_t)base); /* numbers: the two need not be one object's */
+  int empty = 0;
+  for (int i = 0; i < nd; i++) empty |= shape[i] == 0;
+  /* an empty view addresses nothing, and its data pointer may lie outside
+     the memory it is found on (numpy over an empty torch view, t[5:5].numpy(),
+     points at memory of numpy's own): any offset in the buffer serves */
+  if (empty && (delta < 0 || delta % isz || (size_t)delta > ext)) delta = 0;
   if (delta % isz) {
     PyErr_SetString(PyExc_ValueError, "a view whose offset is not a multiple of the item size");
     goto out;

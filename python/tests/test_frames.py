@@ -708,6 +708,22 @@ def test_a_view_past_the_storage_met_first_at_its_address_is_refused_saying_why(
     assert [t.tolist() for t in devpickle.loads(devpickle.dumps([big, small], inline=True))] == [a.tolist(), [0.0, 1.0]]
 
 
+def test_an_empty_numpy_view_of_a_torch_tensor_is_carried_wherever_numpy_points_it():
+    # t[5:5].numpy() is an empty array whose data pointer numpy may put
+    # outside the tensor's storage, where the walk finds it: it addresses
+    # nothing, so any offset serves (it was "negative tensor offset")
+    t = torch.arange(25.0)
+    for empty in (t[5:5].numpy(), t[25:].numpy(), t.as_strided([0, 3], [2, 1], 24).numpy()):
+        for value in ([empty], [empty, t], [t, empty]):
+            for inline in (False, True):
+                bufs = []
+                frame = devpickle.dumps(value, inline=inline, buffer_callback=None if inline else bufs.append)
+                back = devpickle.loads(frame, buffers=[b.raw() for b in bufs])
+                got = [x for x in back if isinstance(x, np.ndarray)]
+                assert [(g.shape, g.dtype) for g in got] == [(empty.shape, empty.dtype)]
+                assert all(torch.equal(x, t) for x in back if isinstance(x, torch.Tensor))
+
+
 def test_memory_freed_by_code_that_is_not_a_reduce_during_dumps_is_a_walk_error_too():
     """A metaclass met while the walk names a class runs no __reduce__, yet
     may free memory the walk found: dumps checks after every walk."""
