@@ -35,6 +35,11 @@ class Buffer:
         o = self.obj
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(o, torch.Tensor):
+            if self.nbytes == 0:
+                # no bytes to view, nor to have moved: an empty storage's
+                # buffer is at address 0 wherever the storage points
+                # (torch.from_numpy(a[10:]) points at a's memory)
+                return torch.empty(0, dtype=torch.uint8, device=o.device)
             s = o.untyped_storage() if hasattr(o, "untyped_storage") else o.storage()._storage
             if s.data_ptr() != self.ptr:  # resized since (by a callback): other memory, another size
                 raise self._moved()

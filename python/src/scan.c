@@ -2374,6 +2374,11 @@ static int check_storage(dpy_scanner_t *s, size_t i);
 static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *base, size_t nbytes, int borrowed,
                         const char *dtype, int ndim, const int64_t *shape, const int64_t *strides, int64_t offset, dp_value_t *out) {
   size_t at;
+  /* a storage of no bytes is none, wherever it points (from_numpy(a[10:])
+     points at a's memory): its buffer is the empty one at address 0, as
+     torch.zeros(0)'s, never one at an address that holds another's bytes,
+     which it would take for itself */
+  if (!nbytes) base = NULL;
   if (add_alloc_at(s, dev, base, nbytes, o, &at)) return -1;
   if (at >= s->stor_cap) {
     size_t cap = s->stor_cap ? s->stor_cap : 16;
@@ -3059,6 +3064,7 @@ static int check_storage(dpy_scanner_t *s, size_t i) {
      storage at its base met later (from_numpy of a and of a[:2]), which
      moved nothing */
   size_t need = dp_storage_nbytes(s->stor[i]);
+  if (!need) return 0; /* no bytes to read, nor to have moved */
   if (!st) { /* cpu memory read through the buffer protocol (numpy): read again */
     dp_device_t dev;
     void *now;

@@ -724,6 +724,22 @@ def test_an_empty_numpy_view_of_a_torch_tensor_is_carried_wherever_numpy_points_
                 assert all(torch.equal(x, t) for x in back if isinstance(x, torch.Tensor))
 
 
+def test_an_empty_storage_pointing_at_another_arrays_memory_takes_none_of_it():
+    # "a storage of no bytes is none, wherever it points": from_numpy(a[10:])
+    # points at a's memory with 0 bytes; met before a, it fixed the buffer
+    # there at 0 bytes, and a was refused (a "view exceeds its storage")
+    a = np.arange(10.0)
+    for empty in (torch.from_numpy(a[10:]), torch.from_numpy(a[3:3])):
+        for value in ([empty, a], [a, empty], [empty, torch.from_numpy(a)]):
+            for inline in (False, True):
+                bufs = []
+                frame = devpickle.dumps(value, inline=inline, buffer_callback=None if inline else bufs.append)
+                back = devpickle.loads(frame, buffers=[b.raw() for b in bufs])
+                assert [tuple(x.shape) for x in back] == [tuple(x.shape) for x in value]
+                assert all(np.array_equal(np.asarray(x), a) for x in back if len(x))
+                assert sorted(b.nbytes for b in bufs) == ([] if inline else [0, 80])
+
+
 def test_memory_freed_by_code_that_is_not_a_reduce_during_dumps_is_a_walk_error_too():
     """A metaclass met while the walk names a class runs no __reduce__, yet
     may free memory the walk found: dumps checks after every walk."""
