@@ -401,6 +401,11 @@ static int refuse_device(const dp_future_t *f, const dp__ptrs_t *p, dp_device_t 
       snprintf(why, sizeof why, "; the future is of the %s backend: a future of the %s backend tracks it",
                dp_backend_name(f->b), dp_backend_name(other));
   }
+  if (!f->nallowed) /* none named: the backend's, which the caller never listed */
+    return dp__err(err, DP_EDEVICE,
+                   "the value uses %s, which is not among the future's devices (none named: every device of its %s "
+                   "backend, %s; the value's devices: %s)%s",
+                   dp_device_format(d, one, sizeof one), dp_backend_name(f->b), ok, used, why);
   return dp__err(err, DP_EDEVICE, "the value uses %s, which is not among the future's devices %s (the value's devices: %s)%s",
                  dp_device_format(d, one, sizeof one), ok, used, why);
 }

@@ -119,9 +119,9 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
     /* the whole text names the device: one holding a NUL ("cpu\0x") is
        none, never the part before it */
     int nul = txt && strlen(txt) != (size_t)len;
-    if (nul) PyErr_Format(PyExc_ValueError, "devices: %R is not a device (cpu, cuda:N or host:N, N 0..255)", s);
     if (!txt || nul || dp_device_parse(txt, &d[i], &e)) {
-      if (txt && !nul) PyErr_Format(PyExc_ValueError, "devices: %s", e.message);
+      /* in Python's words (the library's message names its own function) */
+      if (txt) PyErr_Format(PyExc_ValueError, "devices: %R is not a device (cpu, cuda:N or host:N, N 0..255)", s);
       Py_XDECREF(s);
       Py_DECREF(seq);
       PyMem_Free(d);

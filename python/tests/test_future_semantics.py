@@ -329,6 +329,15 @@ def test_a_bool_among_devices_is_read_by_its_str_not_as_a_cuda_index():
         devpickle.Future(devices=[True])
 
 
+@pytest.mark.parametrize("name", ["cuda", "cuda:256", "gpu:0", "host:-1"])
+def test_a_name_that_is_no_device_is_a_value_error_in_pythons_words(name):
+    # the repr the caller can read, and the forms that are devices; not the
+    # C library's function name
+    with pytest.raises(ValueError) as e:
+        devpickle.Future(devices=[name])
+    assert str(e.value) == f"devices: {name!r} is not a device (cpu, cuda:N or host:N, N 0..255)"
+
+
 @pytest.mark.parametrize("name", ["cpu\0garbage", "host:1\0", "cuda:0\0x"])
 def test_a_device_name_holding_a_nul_is_no_device_not_the_part_before_it(name):
     # "any other item is read as its str(), which must name cpu, cuda:N or

@@ -57,6 +57,17 @@ def test_a_then_child_keeps_its_parents_devices_and_refuses_a_result_on_another(
         child.wait()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
+def test_cuda_memory_given_to_a_future_without_devices_where_cuda_is_unusable_says_no_devices_were_named():
+    # devices=None names none: the message must not read as if the caller
+    # had listed the backend's devices, and says why cuda:0 is out of reach
+    with pytest.raises(ValueError) as e:
+        devpickle.Future().set_result([OnCuda0()])
+    assert str(e.value).startswith("the value uses cuda:0, which is not among the future's devices (none named: "
+                                   "every device of its host backend, [host:0, host:1]; the value's devices: "
+                                   "[cuda:0]); memory on cuda:0 cannot be tracked in this process: "), str(e.value)
+
+
 def test_a_long_then_chain_completes_in_order_without_recursion():
     f = devpickle.Future()
     order = []
