@@ -1016,7 +1016,10 @@ static const char *const help_send =
     "UCX_NET_DEVICES); its own log is off (UCX_LOG_LEVEL=fatal) unless\n"
     "UCX_LOG_LEVEL is set. Exit status 2: usage.\n"
     "Use - for stdin. " STDIN_FRAME
-    "Example: devpickle recv 5000 -o got.dpk & devpickle send f.dpk 127.0.0.1:5000\n";
+    "send does not wait for recv to listen: a port nobody listens on yet is\n"
+    "'connection refused', at once.\n"
+    "Example: devpickle recv 5000 -o got.dpk &  then, once it says 'listening\n"
+    "on port 5000': devpickle send f.dpk 127.0.0.1:5000\n";
 
 static const char *const help_recv =
     "usage: devpickle recv PORT [-o FRAME.dpk] [--host HOST] [--timeout SECONDS]\n"
