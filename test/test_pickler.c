@@ -748,9 +748,16 @@ Test(pickler, for_a_thousand_random_values_scan_matches_the_buffer_table_and_rou
   ASSERT_NO_LEAK();
 }
 
-Test(pickler, customs_come_back_as_generic_objects_and_pickle_back_the_same) {
+/* [Holder(tensor)]: a custom the reader gives back as a generic object,
+ * or to a resolver that allows "Holder". */
+static dp_value_t list_of_a_holder(void) {
   dp_value_t root = t_list();
   OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
+  return root;
+}
+
+Test(pickler, customs_come_back_as_generic_objects_and_pickle_back_the_same) {
+  dp_value_t root = list_of_a_holder();
   dp_frame_t *f = pickle_ok(root, 0);
   dp_value_t back = unpickle_ok(f);
   dp_value_t g = dp_seq_get(back, 0);
@@ -783,8 +790,7 @@ static int resolve_holder(void *ud, const char *type, dp_value_t state, dp_value
 }
 
 Test(pickler, a_resolver_rebuilds_only_allowed_types) {
-  dp_value_t root = t_list();
-  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
+  dp_value_t root = list_of_a_holder();
   holder_t *h = malloc(sizeof *h);
   h->held = t_holder(t_tensor(CUDA0, 0x2000, 4));
   dp_value_t outer;
@@ -3617,8 +3623,7 @@ Test(pickler, a_callback_that_writes_its_message_without_its_code_keeps_the_mess
   dp_value_release(t);
   dp_frame_free(f);
 
-  dp_value_t root = t_list();
-  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
+  dp_value_t root = list_of_a_holder();
   f = pickle_ok(root, 0);
   size_t n;
   const uint8_t *b = dp_frame_data(f, &n);
@@ -3663,8 +3668,7 @@ Test(pickler, a_stream_read_callback_gets_an_error_to_fill_when_the_caller_passe
 }
 
 Test(pickler, a_resolver_without_its_callback_or_with_a_null_list_of_types_is_einval) {
-  dp_value_t root = t_list();
-  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
+  dp_value_t root = list_of_a_holder();
   dp_frame_t *f = pickle_ok(root, 0);
   size_t n;
   const uint8_t *b = dp_frame_data(f, &n);
@@ -3910,8 +3914,7 @@ static int resolve_out_of_device_memory(void *ud, const char *type, dp_value_t s
  * the callback gave lost, where a read callback's, a then() callback's and
  * a stream read's keep it. */
 Test(pickler, a_bind_or_resolve_failure_keeps_the_backend_code_it_gave) {
-  dp_value_t root = t_list();
-  OK(dp_list_append(root, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
+  dp_value_t root = list_of_a_holder();
   dp_frame_t *f = pickle_ok(root, 0);
   size_t n;
   const uint8_t *b = dp_frame_data(f, &n);
