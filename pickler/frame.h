@@ -39,6 +39,17 @@ void dp__frame_header_parse(const uint8_t *h, dp_frame_info_t *fi);
  * to the end of a stream that may never end. */
 int dp__frame_lengths_check(const dp_frame_info_t *fi, dp_error_t *err);
 int dp__frame_header_check(const dp_frame_info_t *fi, uint64_t sum, dp_error_t *err);
+/* dp__frame_header_check's checks that follow the checksum, which the header
+ * alone decides: version, flags, a data section without the inline flag. */
+int dp__frame_fields_check(const dp_frame_info_t *fi, dp_error_t *err);
+/* The buffer table of a frame whose header, payload and table are at
+ * `frame` (the lengths checked): an array of descriptors, each as the
+ * reader checks it (fields, device, size, the inline layout filling the
+ * data_len announced), nothing after it, and no inline flag on an empty
+ * table. What it refuses, the reader refuses under any options (it checks
+ * no limit, nor that allocations are distinct); it allocates nothing and
+ * needs neither the payload nor the data bytes. */
+int dp__frame_table_check(const uint8_t *frame, const dp_frame_info_t *fi, dp_error_t *err);
 
 /* Reads a frame whose header dp_frame_check (or the stream reader) has
  * checked: lengths, checksum, version and flags. frame holds the header,

@@ -139,8 +139,8 @@ int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err) {
   if (n < DP_FRAME_HEADER) return 0;
   dp_frame_info_t fi;
   dp__frame_header_parse(b, &fi);
-  int rc = dp__frame_lengths_check(&fi, err);
-  if (rc) return rc;
+  int rc;
+  if ((rc = dp__frame_lengths_check(&fi, err)) != 0 || (rc = dp__frame_fields_check(&fi, err)) != 0) return rc;
   uint64_t body = n - DP_FRAME_HEADER;
   /* an empty section holds no value: the readers say so */
   if (fi.payload_len && (rc = framing_check(b + DP_FRAME_HEADER, body < fi.payload_len ? body : fi.payload_len,
@@ -149,8 +149,13 @@ int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err) {
     return rc;
   if (body <= fi.payload_len || !fi.table_len) return 0;
   body -= fi.payload_len;
-  return framing_check(b + DP_FRAME_HEADER + fi.payload_len, body < fi.table_len ? body : fi.table_len, fi.table_len,
-                       DP_FRAME_HEADER + fi.payload_len, "buffer table", "after the buffer table", err);
+  if ((rc = framing_check(b + DP_FRAME_HEADER + fi.payload_len, body < fi.table_len ? body : fi.table_len,
+                          fi.table_len, DP_FRAME_HEADER + fi.payload_len, "buffer table", "after the buffer table",
+                          err)) != 0 ||
+      body < fi.table_len)
+    return rc;
+  /* the whole table: its descriptors say how long the data section is */
+  return dp__frame_table_check(b, &fi, err);
 }
 
 /* The rest of the stream is counted (and dropped) to say how long it was. */
@@ -228,6 +233,14 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
     XXH3_64bits_update(xs, chunk, got);
     data_seen += got;
     if (got < step) break;
+    /* once 64 KiB of it are in, and more is to come, what is held is
+       checked whole (the header's fields, the table's layout, which gives
+       the data section's length): a data section that no frame with this
+       header and table can have (`cat header /dev/zero` behind a header
+       announcing 2^62 bytes of data) is refused, not hashed to its end */
+    if (data_seen == CHUNK && data_seen < fi.data_len &&
+        (rc = dp_frame_prefix_check(buf, DP_FRAME_HEADER + head_len, err)) != 0)
+      goto done;
   }
   uint64_t framed = s.total;
   if ((rc = drain(&s, chunk)) != 0) goto done;

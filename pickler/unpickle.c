@@ -886,6 +886,10 @@ int dp__frame_header_check(const dp_frame_info_t *fi, uint64_t sum, dp_error_t *
   if (sum != fi->checksum)
     return dp__err_at(err, DP_ECHECKSUM, 32, "checksum mismatch: header says %016llx, content hashes to %016llx",
                       (unsigned long long)fi->checksum, (unsigned long long)sum);
+  return dp__frame_fields_check(fi, err);
+}
+
+int dp__frame_fields_check(const dp_frame_info_t *fi, dp_error_t *err) {
   if (fi->version != DP_FRAME_VERSION)
     return dp__err_at(err, DP_EVERSION, 4, "frame version %u, this build reads version %d", fi->version,
                       DP_FRAME_VERSION);
@@ -1148,6 +1152,24 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
                    (unsigned long long)(fi->data_len - data_off), fi->data_len - data_off == 1 ? "" : "s",
                    fi->data_len - data_off == 1 ? "s" : "");
   return 0;
+}
+
+static void resolve_limits(dp_limits_t *l, const dp_limits_t *in);
+
+int dp__frame_table_check(const uint8_t *frame, const dp_frame_info_t *fi, dp_error_t *err) {
+  up_t u;
+  memset(&u, 0, sizeof u);
+  resolve_limits(&u.lim, NULL); /* no limit is checked: max_bytes is UINT64_MAX, the buffer count is not looked at */
+  u.r.base = frame;
+  u.r.err = err;
+  u.r.p = frame + DP_FRAME_HEADER + fi->payload_len;
+  u.r.end = u.r.p + fi->table_len;
+  uint64_t n;
+  int rc = read_array(&u.r, &n, "buffer table"), sorted;
+  if (rc) return rc;
+  if (n == 0 && (fi->flags & DP_FRAME_FLAG_INLINE))
+    return rd_fail(&u.r, DP_EFORMAT, frame + 6, "%s", NO_BUFFERS_INLINE);
+  return read_descriptors(&u, fi, n, PASS_CHECK, NULL, NULL, &sorted);
 }
 
 static void resolve_limits(dp_limits_t *l, const dp_limits_t *in) {

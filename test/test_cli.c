@@ -2296,6 +2296,29 @@ Test(cli, every_frame_command_refuses_zeros_behind_a_header_announcing_2_62_byte
   }
 }
 
+/* A header announcing 2^62 bytes of inline data behind a one-byte payload
+ * and table, then zeros: verify, dump and inspect hashed the data section
+ * to its end (forever, from /dev/zero), unpack and send held it until the
+ * memory ran out, though a table that is no array (a zero) makes it no
+ * frame. What is held is checked whole once 64 KiB of data are in. */
+Test(cli, every_frame_command_refuses_zeros_behind_a_header_announcing_2_62_bytes_of_data_once_64_kib_are_in) {
+  static const char *cmds[] = {"verify -", "dump -", "inspect -", "unpack -", "send - 127.0.0.1:1"};
+  for (int i = 0; i < 5; i++) {
+    char script[400];
+    snprintf(script, sizeof script,
+             "printf 'DPKL\\001\\000\\001\\000\\001\\000\\000\\000\\000\\000\\000\\000\\001' > big.bin;"
+             " head -c 14 /dev/zero >> big.bin; printf '\\100' >> big.bin; head -c 8 /dev/zero >> big.bin;"
+             " head -c 4194304 /dev/zero >> big.bin; { $D %s; wc -c; } < big.bin",
+             cmds[i]);
+    res_t r = run_sh(script);
+    cr_assert_str_eq(r.err, "devpickle: <stdin>: buffer table: array expected, at byte 41\n", "%s", cmds[i]);
+    long left = strtol(r.out, NULL, 10);
+    cr_assert_geq(left, 4194304 + 40 - 3 * 65536, "%s read %ld bytes of a stream refused from its 42nd", cmds[i],
+                  4194304 + 40 - left);
+    res_free(r);
+  }
+}
+
 /* unpack and send read the frame whole: they asked the pipe for 64 KiB at
  * once, so a header that is no frame's, followed by a pipe that stays open
  * and sends nothing more, held them until the pipe closed, while verify,

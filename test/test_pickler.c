@@ -1366,6 +1366,86 @@ Test(pickler, zeros_behind_a_header_announcing_2_62_bytes_are_refused_at_64_kib_
   ASSERT_NO_LEAK();
 }
 
+/* A header whose payload and table are short, announcing 2^62 bytes of
+ * data, then zeros: the stream reader hashed the data section to its end
+ * (`verify` spun on /dev/zero), and `unpack`, holding the frame whole, held
+ * it until the memory ran out — though the header alone (version, flags, a
+ * data section without the inline flag), or the table that says how long
+ * the data section is, makes it no frame. Once 64 KiB of data are in, what
+ * is held is checked whole, and refused with the message and offset that
+ * dp_unpickle gives the same frame made whole (here with 2^17 bytes of
+ * data and its checksum right). */
+Test(pickler, a_data_section_that_the_header_or_the_table_rules_out_is_refused_once_64_kib_of_it_are_in) {
+  static const uint8_t tensor[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0x64, 0x91, 0x01, 0x00};
+  static const uint8_t one_buffer[] = {0x91, 0x95, 0x00, 0x00, 0x64, 0xcd, 0x10, 0x00, 0x00};
+  static const struct {
+    uint16_t version, flags;
+    const uint8_t *payload, *table;
+    size_t plen, tlen;
+    int code;
+    int64_t at;
+    const char *msg;
+  } cases[] = {
+      {1, 0, (const uint8_t *)"\xc0", (const uint8_t *)"\x90", 1, 1, DP_EFORMAT, 24,
+       "data section in a frame without the inline flag"},
+      {2, 1, tensor, one_buffer, sizeof tensor, sizeof one_buffer, DP_EVERSION, 4,
+       "frame version 2, this build reads version 1"},
+      {1, 3, tensor, one_buffer, sizeof tensor, sizeof one_buffer, DP_EFORMAT, 6, "unknown frame flags 0x0003"},
+      {1, 1, (const uint8_t *)"\xc0", (const uint8_t *)"\x90", 1, 1, DP_EFORMAT, 6,
+       "inline flag on a frame without buffers (not canonical: a writer sets it only when it carries buffer bytes)"},
+      {1, 1, (const uint8_t *)"\x00", (const uint8_t *)"\x00", 1, 1, DP_EFORMAT, 41, "buffer table: array expected"},
+      {1, 1, tensor, one_buffer, sizeof tensor, sizeof one_buffer, DP_EFORMAT, 60,
+       "4611686018427387804 bytes of the data section belong to no buffer"},
+  };
+  const size_t mem_n = 1u << 20;
+  uint8_t *mem = calloc(mem_n, 1);
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    for (int whole = 0; whole < 2; whole++) {
+      uint64_t data_len = whole ? (uint64_t)1 << 17 : (uint64_t)1 << 62;
+      uint64_t lens[3] = {cases[k].plen, cases[k].tlen, data_len};
+      memset(mem, 0, mem_n);
+      memcpy(mem, "DPKL", 4);
+      mem[4] = (uint8_t)cases[k].version;
+      mem[6] = (uint8_t)cases[k].flags;
+      for (int f = 0; f < 3; f++)
+        for (int i = 0; i < 8; i++) mem[8 + 8 * f + i] = (uint8_t)(lens[f] >> (8 * i));
+      memcpy(mem + 40, cases[k].payload, cases[k].plen);
+      memcpy(mem + 40 + cases[k].plen, cases[k].table, cases[k].tlen);
+      size_t n = mem_n;
+      char want[DP_ERROR_MSG_MAX];
+      snprintf(want, sizeof want, "%s", cases[k].msg);
+      if (whole) { /* the same frame, whole, its checksum right: dp_unpickle's word on it */
+        n = 40 + cases[k].plen + cases[k].tlen + (size_t)data_len;
+        uint64_t sum = XXH3_64bits_withSeed(mem + 40, n - 40, XXH3_64bits(mem, 32));
+        for (int i = 0; i < 8; i++) mem[32 + i] = (uint8_t)(sum >> (8 * i));
+        if (k == 5) snprintf(want, sizeof want, "130972 bytes of the data section belong to no buffer");
+        dp_value_t out;
+        dp_error_t e;
+        cr_assert_eq(dp_unpickle(mem, n, NULL, &out, &e), cases[k].code, "case %zu: %s", k, e.message);
+        cr_assert_str_eq(e.message, want, "case %zu", k);
+        cr_assert_eq(e.offset, cases[k].at, "case %zu", k);
+      }
+      mem_reader_t c = {mem, n, 4096};
+      dp_value_t out;
+      dp_error_t e, p;
+      cr_assert_eq(dp_unpickle_stream(mem_read, &c, NULL, &out, NULL, NULL, &e), cases[k].code, "case %zu/%d: %s",
+                   k, whole, e.message);
+      cr_assert_str_eq(e.message, want, "case %zu/%d", k, whole);
+      cr_assert_eq(e.offset, cases[k].at, "case %zu/%d", k, whole);
+      size_t read = n - c.left;
+      cr_assert_leq(read, 40 + 20 + (64u << 10) + 4096, "case %zu/%d: read %zu bytes", k, whole, read);
+      /* the prefix check refuses it alike, from the whole table on */
+      size_t head = 40 + cases[k].plen + cases[k].tlen;
+      cr_assert_eq(dp_frame_prefix_check(mem, head, &p), cases[k].code, "case %zu: %s", k, p.message);
+      cr_assert_str_eq(p.message, want, "case %zu/%d", k, whole);
+      cr_assert_eq(p.offset, cases[k].at);
+      cr_assert_eq(dp_frame_prefix_check(mem, read, &p), cases[k].code);
+    }
+  }
+  free(mem);
+  ASSERT_NO_LEAK();
+}
+
 /* Frame bytes seen as they arrive: every prefix of a frame the writer
  * wrote passes; each fault of a payload's or table's framing is refused
  * with its offset as soon as its bytes are in, and the whole reader refuses

@@ -210,21 +210,29 @@ typedef struct dp_frame_info {
 DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err);
 
 /** Checks the first n bytes of a frame still arriving, for readers that
- *  gather a frame from a stream: the magic, the header's lengths (as
- *  dp_frame_check checks them), and the framing of the payload and buffer
- *  table bytes in so far — each is one MessagePack value filling its
- *  section exactly, so a byte that is no MessagePack type, a length or
- *  count running past the section, more values owed than bytes left, or
- *  bytes after the value are refused. 0 while the bytes can still begin a
- *  frame: the checksum, version, flags and the value itself are checked
+ *  gather a frame from a stream: the magic; once the header is in, its
+ *  lengths (as dp_frame_check checks them), version, flags and a data
+ *  section without the inline flag (as dp_frame_check checks them after
+ *  the checksum); the framing of the payload and buffer table bytes in so
+ *  far — each is one MessagePack value filling its section exactly, so a
+ *  byte that is no MessagePack type, a length or count running past the
+ *  section, more values owed than bytes left, or bytes after the value are
+ *  refused; and once the whole table is in, its descriptors as the reader
+ *  checks them (fields, device, size, the inline layout, which must fill
+ *  the data section the header announces). 0 while the bytes can still
+ *  begin a frame: the checksum, the value itself and what is left of the
+ *  table's checks (a limit, an allocation described twice) are checked
  *  once the frame is whole (dp_frame_check, dp_unpickle), and may still
- *  refuse it. Otherwise DP_EFORMAT (DP_EINVAL for NULL bytes with n > 0)
- *  and err->offset the offending byte's. Whatever it refuses, dp_unpickle
- *  refuses too (its error may name another fault, or the checksum, first).
- *  So garbage behind a long header (`cat header /dev/zero`) is refused as
- *  it comes, not held to the header's end: dp_unpickle_stream checks so at
- *  64 KiB of payload and table held and at each doubling (twice their
- *  reading at most). Allocates nothing; time linear in n; thread-safe. */
+ *  refuse it. Otherwise DP_EFORMAT (DP_EVERSION for a version this build
+ *  does not read, DP_EINVAL for NULL bytes with n > 0) and err->offset the
+ *  offending byte's. Whatever it refuses, dp_unpickle refuses too (its
+ *  error may name another fault, or the checksum, first). So garbage
+ *  behind a long header (`cat header /dev/zero`) is refused as it comes,
+ *  not held to the header's end: dp_unpickle_stream checks so at 64 KiB of
+ *  payload and table held and at each doubling (twice their reading at
+ *  most), and once more, the payload and table whole, when 64 KiB of data
+ *  are in and more are announced. Allocates nothing; time linear in n;
+ *  thread-safe. */
 DP_API int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err);
 
 /** Reads up to n bytes into dst: 0 and *got (at most n; 0 only at the end
@@ -237,8 +245,10 @@ typedef int (*dp_stream_read_cb)(void *ud, void *dst, size_t n, size_t *got, dp_
  *  the stream) but one: payload and table bytes that dp_frame_prefix_check
  *  refuses are refused as they arrive, from 64 KiB on, with its error,
  *  before the checksum at the frame's end can be compared (dp_unpickle may
- *  name the checksum first). It holds in memory only the header, payload
- *  and buffer table:
+ *  name the checksum first) — and so is a frame whose header or table it
+ *  refuses once 64 KiB of a longer data section are in (a data section no
+ *  frame with that header and table can have is not hashed to its end).
+ *  It holds in memory only the header, payload and buffer table:
  *  an inline frame's data section is hashed and its layout checked as it
  *  streams by, then dropped. So checking a frame costs memory independent
  *  of its data section. The price: inline storages come back WITHOUT host
