@@ -1056,6 +1056,8 @@ static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream
 
 static int hook_record_streams_owned(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *owned,
                                      dp_error_t *err) {
+  /* as the chain's: without owned, a record would say nothing of what it owns */
+  if (n && !owned) return dp__err(err, DP_EINVAL, "record_streams_owned: NULL owned with n = %zu", n);
   return record_streams(ctx, ptrs, n, s, owned, err);
 }
 

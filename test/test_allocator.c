@@ -1590,6 +1590,35 @@ Test(allocator, a_chain_refuses_hooks_that_cannot_say_what_they_own) {
   dp_cache_hooks_chain_free(NULL);
 }
 
+/* record_streams_owned without the owned array: the cache's hook recorded
+ * the pointer and returned 0 where the chain's refuses (a caller would
+ * never learn what the allocator owns). Both refuse it alike, recording
+ * nothing. */
+Test(allocator, the_caches_record_streams_owned_refuses_a_null_owned_as_the_chains_does) {
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 64, s, &p, T_ERR));
+  dp_cache_hooks_chain_t *ch;
+  dp_cache_hooks_t one = dp_cache_hooks(C);
+  OK(dp_cache_hooks_chain_new(&one, 1, &ch, T_ERR));
+  dp_cache_hooks_t hooks[2] = {dp_cache_hooks(C), dp_cache_hooks_chain_hooks(ch)};
+  for (int i = 0; i < 2; i++) {
+    dp_error_t e;
+    cr_assert_eq(hooks[i].record_streams_owned(hooks[i].ctx, &p, 1, u, NULL, &e), DP_EINVAL, "%s", i ? "chain" : "cache");
+    cr_assert_str_eq(e.message, "record_streams_owned: NULL owned with n = 1");
+    OK(hooks[i].record_streams_owned(hooks[i].ctx, NULL, 0, u, NULL, T_ERR));
+  }
+  _Atomic int gate = 0; /* u held: a block recorded on it would wait for it */
+  OK(dp_host_launch(u, gate_wait, &gate, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0, "the refused record recorded nothing on u");
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  dp_cache_hooks_chain_free(ch);
+  dp_stream_free(u);
+  dp_stream_free(s);
+}
+
 /* A hook is the caller's callback (base.h): a positive return would read as
  * success to a caller testing rc < 0, and an error without a message would
  * reach the caller as code 0. Both come out as the library's own errors,

@@ -72,9 +72,10 @@ typedef struct dp_cache_hooks {
   int (*record_streams)(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err);
   /** record_streams that also says which pointers are the allocator's: it
    *  sets owned[i] to 1 for each such pointer and leaves the others' as
-   *  they were. May be NULL. A chain (dp_cache_hooks_chain_new) uses it to
-   *  hand the allocators after this one only the pointers it did not own,
-   *  in one call instead of one per pointer. Alone it is not enough for a
+   *  they were (owned NULL with n > 0 is DP_EINVAL, nothing recorded).
+   *  May be NULL. A chain (dp_cache_hooks_chain_new) uses it to hand the
+   *  allocators after this one only the pointers it did not own, in one
+   *  call instead of one per pointer. Alone it is not enough for a
    *  future or dp_cache_hooks_record, which call record_streams or
    *  record_stream. */
   int (*record_streams_owned)(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *owned,
