@@ -810,6 +810,15 @@ static int64_t mono_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* A host function on the stream of one of the future's events, queued
+ * before the event was recorded: waiting for the event would wait for
+ * itself. Said in the name of the function called, not the event's. */
+static int sync_waits_for_itself(dp_error_t *err) {
+  return dp__err(err, DP_EMISUSE,
+                 "dp_future_synchronize: called from a host function on the stream of the future's event, recorded "
+                 "after the function was queued: it would wait for itself");
+}
+
 int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (!f) return dp__err(err, DP_EINVAL, "dp_future_synchronize: NULL future");
   int64_t start = timeout_ns >= 0 ? mono_ns() : 0;
@@ -817,7 +826,7 @@ int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   for (size_t i = 0; rc == 0 && i < f->rec.ndevs; i++) {
     dp_event_t *ev = f->rec.devs[i].ev;
     if (timeout_ns < 0) {
-      rc = dp_event_synchronize(ev, err);
+      rc = dp__event_waits_for_itself(ev) ? sync_waits_for_itself(err) : dp_event_synchronize(ev, err);
       continue;
     }
     /* within the same limit: no event call waits a given time, so poll,
@@ -828,7 +837,7 @@ int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
       if (q < 0) return q;
       /* a host function waiting for work behind itself: DP_EMISUSE at once,
          as without a limit, not the whole limit spent polling */
-      if (dp__event_waits_for_itself(ev)) return dp_event_synchronize(ev, err);
+      if (dp__event_waits_for_itself(ev)) return sync_waits_for_itself(err);
       int64_t left = timeout_ns - (mono_ns() - start);
       if (left <= 0)
         return dp__err(err, DP_ETIMEDOUT, "dp_future_synchronize: the future's events did not complete within %lld ns",

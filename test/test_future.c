@@ -1781,7 +1781,8 @@ Test(future, a_stream_freed_in_a_callback_is_not_current_again_when_the_callback
 
 /* A host function that completes a future on its own stream and then
  * synchronizes it would wait for itself: DP_EMISUSE at once, with a time
- * limit as without one. With a limit it polled the event, which could not
+ * limit as without one, in the name of dp_future_synchronize (the message
+ * named dp_event_synchronize, which the caller never called). With a limit it polled the event, which could not
  * complete before the function returned, for the whole limit and then
  * reported DP_ETIMEDOUT. */
 typedef struct {
@@ -1814,8 +1815,8 @@ Test(future, synchronizing_from_a_host_function_on_the_events_stream_is_emisuse_
     OK(dp_stream_synchronize(s, T_ERR));
     cr_assert_eq(x.rc, DP_EMISUSE, "limit %lld: %s", (long long)limits[i], x.err.message);
     cr_assert_str_eq(x.err.message,
-                     "dp_event_synchronize: called from a host function on the event's stream, recorded after the "
-                     "function was queued: it would wait for itself");
+                     "dp_future_synchronize: called from a host function on the stream of the future's event, "
+                     "recorded after the function was queued: it would wait for itself");
     cr_assert_lt(x.took_s, 1.0, "limit %lld: refused after %.2f s", (long long)limits[i], x.took_s);
     dp_future_release(x.f);
     free_ints(t);
