@@ -1234,7 +1234,7 @@ size_t dp_future_nptrs(const dp_future_t *f) {
 int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out, dp_error_t *err) {
   if (!f || !out) return dp__err(err, DP_EINVAL, "dp_future_ptr: NULL %s", f ? "out" : "future");
   if (dp__load_acquire(&f->state) != DONE)
-    return dp__err(err, DP_ESTATE, "dp_future_ptr: the future is %s", dp_future_is_done(f) ? "failed" : "pending");
+    return dp__err(err, DP_ESTATE, "dp_future_ptr: the future %s", dp_future_is_done(f) ? "failed" : "is pending");
   const dp__ptrs_t *d = distinct_ptrs(f, err);
   if (!d) return DP_ENOMEM;
   if (i >= d->n) return dp__err(err, DP_EINVAL, "dp_future_ptr: allocation %zu of %zu", i, d->n);

@@ -144,7 +144,7 @@ Test(future, introspecting_a_pending_failed_or_null_future_reports_why) {
   why.code = DP_EDEVICE;
   OK(dp_future_set_error(g, &why, T_ERR));
   cr_assert_eq(dp_future_ptr(g, 0, &p, &e), DP_ESTATE);
-  cr_assert_str_eq(e.message, "dp_future_ptr: the future is failed");
+  cr_assert_str_eq(e.message, "dp_future_ptr: the future failed");
   cr_assert_eq(dp_future_nptrs(g), 0);
   cr_assert_eq(dp_future_ptr(NULL, 0, &p, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_future_ptr: NULL future");

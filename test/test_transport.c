@@ -1716,7 +1716,7 @@ Test(transport, a_header_longer_than_its_kind_fails_the_endpoint) {
 Test(transport, an_inline_frame_whose_header_announces_a_buffer_fails_its_receive) {
   /* its tensor's bytes are in the frame: no buffer may follow it */
   crafted_fails((crafted_t){0, {0, 1, 0, 0, 0, 0, 0}, 0, .inline_frame = 1},
-                "transport: an inline frame announced 1 out-of-band buffers");
+                "transport: an inline frame announced 1 out-of-band buffer");
 }
 
 Test(transport, a_frame_whose_header_announces_more_buffers_than_its_table_fails_its_receive) {
@@ -5232,7 +5232,7 @@ static void frame_receive_refuses_buffers(uint64_t size) {
   dp_error_clear(&e);
   int rc = dp_future_wait(r, 20 * SEC, &e);
   cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(rc), e.message);
-  cr_assert(strstr(e.message, "the message carries 1 out-of-band buffers, not a self-contained frame"), "%s",
+  cr_assert(strstr(e.message, "the message carries 1 out-of-band buffer, not a self-contained frame"), "%s",
             e.message);
   cr_assert_eq(dp_endpoint_error(ep, NULL), 0, "the endpoint failed");
   dp_future_release(r);

@@ -62,7 +62,8 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
   dp_frame_info_t info;
   int rc = dp_frame_check(data, len, &info, &m->error);
   if (!rc && (info.flags & 1u) && h->nbuffers)
-    rc = dp__err(&m->error, DP_EFORMAT, "transport: an inline frame announced %u out-of-band buffers", h->nbuffers);
+    rc = dp__err(&m->error, DP_EFORMAT, "transport: an inline frame announced %u out-of-band buffer%s", h->nbuffers,
+                 h->nbuffers == 1 ? "" : "s");
   if (!rc && !(info.flags & 1u) && info.nbuffers != h->nbuffers)
     rc = dp__err(&m->error, DP_EFORMAT, "transport: frame has %u buffer%s, its message announced %u",
                  info.nbuffers, info.nbuffers == 1 ? "" : "s", h->nbuffers);
@@ -71,8 +72,8 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
      header may announce any size) nor waited for (a sender may never send
      them); one queued behind others is refused as it is delivered */
   if (!rc && m->nbuf && !ep->rq_head && ep->w_head && ep->w_head->frame)
-    rc = dp__err(&m->error, DP_EFORMAT, "transport: %s: the message carries %u out-of-band buffers, "
-                 "not a self-contained frame", ep->name, m->nbuf);
+    rc = dp__err(&m->error, DP_EFORMAT, "transport: %s: the message carries %u out-of-band buffer%s, "
+                 "not a self-contained frame", ep->name, m->nbuf, m->nbuf == 1 ? "" : "s");
   if (!rc && m->nbuf && !(m->bufs = dp__alloc_array(m->nbuf, sizeof *m->bufs)))
     rc = dp__err(&m->error, DP_ENOMEM, "transport: out of memory");
   if (!rc) {
@@ -512,8 +513,8 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
     } else if (w->frame) {
       dp_value_t b = dp_none();
       dp_error_t e;
-      int rc = m->nbuf ? dp__err(&e, DP_EFORMAT, "transport: %s: the message carries %u out-of-band buffers, "
-                                                 "not a self-contained frame", ep->name, m->nbuf)
+      int rc = m->nbuf ? dp__err(&e, DP_EFORMAT, "transport: %s: the message carries %u out-of-band buffer%s, "
+                                                 "not a self-contained frame", ep->name, m->nbuf, m->nbuf == 1 ? "" : "s")
                        : dp_bytes_new(m->frame_copy, m->frame_len, &b, &e);
       if (rc) dp_future_set_error(w->f, &e, NULL);
       else dp_future_mark_completed(w->f, b, NULL);
