@@ -147,15 +147,18 @@ int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err) {
                                             fi.payload_len, DP_FRAME_HEADER, "payload",
                                             "after the root value in the payload", err)) != 0)
     return rc;
-  if (body <= fi.payload_len || !fi.table_len) return 0;
+  if (body < fi.payload_len) return 0;
   body -= fi.payload_len;
-  if ((rc = framing_check(b + DP_FRAME_HEADER + fi.payload_len, body < fi.table_len ? body : fi.table_len,
-                          fi.table_len, DP_FRAME_HEADER + fi.payload_len, "buffer table", "after the buffer table",
-                          err)) != 0 ||
-      body < fi.table_len)
+  if (fi.table_len && (rc = framing_check(b + DP_FRAME_HEADER + fi.payload_len, body < fi.table_len ? body : fi.table_len,
+                                          fi.table_len, DP_FRAME_HEADER + fi.payload_len, "buffer table",
+                                          "after the buffer table", err)) != 0)
     return rc;
-  /* the whole table: its descriptors say how long the data section is */
-  return dp__frame_table_check(b, &fi, err);
+  if (body < fi.table_len) return 0;
+  /* the whole table (an empty one too): its descriptors say how long the
+     data section is; then an empty payload, as the reader reads them */
+  if ((rc = dp__frame_table_check(b, &fi, err)) != 0) return rc;
+  if (!fi.payload_len) return dp__err_at(err, DP_EFORMAT, DP_FRAME_HEADER, "value expected, section ended");
+  return 0;
 }
 
 /* The rest of the stream is counted (and dropped) to say how long it was. */

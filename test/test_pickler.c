@@ -1396,6 +1396,9 @@ Test(pickler, a_data_section_that_the_header_or_the_table_rules_out_is_refused_o
       {1, 1, (const uint8_t *)"\x00", (const uint8_t *)"\x00", 1, 1, DP_EFORMAT, 41, "buffer table: array expected"},
       {1, 1, tensor, one_buffer, sizeof tensor, sizeof one_buffer, DP_EFORMAT, 60,
        "4611686018427387804 bytes of the data section belong to no buffer"},
+      /* sections of 0 bytes: no value where one must be */
+      {1, 1, (const uint8_t *)"", (const uint8_t *)"", 0, 0, DP_EFORMAT, 40, "value expected, section ended"},
+      {1, 1, (const uint8_t *)"\xc0", (const uint8_t *)"", 1, 0, DP_EFORMAT, 41, "value expected, section ended"},
   };
   const size_t mem_n = 1u << 20;
   uint8_t *mem = calloc(mem_n, 1);
@@ -1442,6 +1445,19 @@ Test(pickler, a_data_section_that_the_header_or_the_table_rules_out_is_refused_o
       cr_assert_eq(dp_frame_prefix_check(mem, read, &p), cases[k].code);
     }
   }
+  /* an empty payload before a whole table: refused once the table is in,
+     as the reader refuses it after the table */
+  uint8_t frame[64];
+  size_t n = make_frame(frame, (const uint8_t *)"", 0);
+  dp_error_t e;
+  dp_value_t out;
+  cr_assert_eq(dp_unpickle(frame, n, NULL, &out, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "value expected, section ended");
+  cr_assert_eq(e.offset, 40);
+  cr_assert_eq(dp_frame_prefix_check(frame, n - 1, &e), 0, "%s", e.message);
+  cr_assert_eq(dp_frame_prefix_check(frame, n, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "value expected, section ended");
+  cr_assert_eq(e.offset, 40);
   free(mem);
   ASSERT_NO_LEAK();
 }

@@ -219,7 +219,8 @@ DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp
  *  section, more values owed than bytes left, or bytes after the value are
  *  refused; and once the whole table is in, its descriptors as the reader
  *  checks them (fields, device, size, the inline layout, which must fill
- *  the data section the header announces). 0 while the bytes can still
+ *  the data section the header announces), then that the payload is not
+ *  empty (an empty section holds no value). 0 while the bytes can still
  *  begin a frame: the checksum, the value itself and what is left of the
  *  table's checks (a limit, an allocation described twice) are checked
  *  once the frame is whole (dp_frame_check, dp_unpickle), and may still
