@@ -243,12 +243,13 @@ typedef int (*dp_stream_read_cb)(void *ud, void *dst, size_t n, size_t *got, dp_
 
 /** Reads a frame from a stream and rebuilds its value as dp_unpickle does,
  *  with the same checks, limits and errors (offsets count from the start of
- *  the stream) but one: payload and table bytes that dp_frame_prefix_check
- *  refuses are refused as they arrive, from 64 KiB on, with its error,
- *  before the checksum at the frame's end can be compared (dp_unpickle may
- *  name the checksum first) — and so is a frame whose header or table it
- *  refuses once 64 KiB of a longer data section are in (a data section no
- *  frame with that header and table can have is not hashed to its end).
+ *  the stream) but one: a header, payload and table bytes that
+ *  dp_frame_prefix_check refuses are refused as they arrive, from 64 KiB
+ *  of payload and table on, with its error, before the checksum at the
+ *  frame's end can be compared (dp_unpickle may name the checksum first) —
+ *  and so is a frame whose header, payload or table it refuses once 64 KiB
+ *  of a longer data section are in (a data section no frame with that
+ *  header and table can have is not hashed to its end).
  *  It holds in memory only the header, payload and buffer table:
  *  an inline frame's data section is hashed and its layout checked as it
  *  streams by, then dropped. So checking a frame costs memory independent
