@@ -1462,6 +1462,49 @@ Test(pickler, a_data_section_that_the_header_or_the_table_rules_out_is_refused_o
   ASSERT_NO_LEAK();
 }
 
+/* Every MessagePack header form, framed by its length: a payload that is
+ * an array of one of each (their bytes 0xc1, no type, so that a form read
+ * at the wrong length stops on one) passes at every prefix, and one byte
+ * more after it is refused exactly there. Forms the writer never uses
+ * (float 32, the longer lengths) are framed too: the check refuses only
+ * what every reader refuses, and the reader says why it refuses those. */
+Test(pickler, a_prefix_check_frames_every_msgpack_header_form_at_its_length) {
+  static const uint8_t forms[] = {
+      0xca, 0xc1, 0xc1, 0xc1, 0xc1,                                     /* float 32 */
+      0xcb, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1,             /* float 64 */
+      0xcc, 0xc1, 0xcd, 0xc1, 0xc1, 0xce, 0xc1, 0xc1, 0xc1, 0xc1,       /* uint 8, 16, 32 */
+      0xcf, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1,             /* uint 64 */
+      0xd0, 0xc1, 0xd1, 0xc1, 0xc1, 0xd2, 0xc1, 0xc1, 0xc1, 0xc1,       /* int 8, 16, 32 */
+      0xd3, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1,             /* int 64 */
+      0xd4, 0, 0xc1, 0xd5, 0, 0xc1, 0xc1, 0xd6, 0, 0xc1, 0xc1, 0xc1, 0xc1, /* fixext 1, 2, 4 */
+      0xd7, 0, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1,          /* fixext 8 */
+      0xd8, 0, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1,          /* fixext 16 */
+      0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1,
+      0xc7, 2, 0, 0xc1, 0xc1, 0xc8, 0, 2, 0, 0xc1, 0xc1,                 /* ext 8, 16 */
+      0xc9, 0, 0, 0, 2, 0, 0xc1, 0xc1,                                  /* ext 32 */
+      0xc4, 2, 0xc1, 0xc1, 0xc5, 0, 2, 0xc1, 0xc1, 0xc6, 0, 0, 0, 2, 0xc1, 0xc1, /* bin 8, 16, 32 */
+      0xd9, 2, 0xc1, 0xc1, 0xda, 0, 2, 0xc1, 0xc1, 0xdb, 0, 0, 0, 2, 0xc1, 0xc1, /* str 8, 16, 32 */
+      0xa2, 0xc1, 0xc1,                                                 /* fixstr */
+      0xdc, 0, 2, 0xc0, 0xc0, 0xdd, 0, 0, 0, 2, 0xc0, 0xc0,             /* array 16, 32 */
+      0xde, 0, 1, 0xc0, 0xc0, 0xdf, 0, 0, 0, 1, 0xc0, 0xc0,             /* map 16, 32 */
+      0x81, 0xc0, 0xc0, 0x92, 0xc2, 0xc3, 0x7f, 0xe0,                   /* fixmap, fixarray, bools, fixints */
+  };
+  enum { NFORMS = 33 }; /* the items above, a fixarray and what it holds one */
+  uint8_t payload[sizeof forms + 4], frame[sizeof forms + 64];
+  payload[0] = 0xdc, payload[1] = 0, payload[2] = NFORMS;
+  memcpy(payload + 3, forms, sizeof forms);
+  dp_error_t e;
+  size_t n = make_frame(frame, payload, 3 + sizeof forms);
+  for (size_t k = 0; k <= n; k++) cr_assert_eq(dp_frame_prefix_check(frame, k, &e), 0, "%zu: %s", k, e.message);
+  payload[3 + sizeof forms] = 0xc0; /* one value more than the array holds */
+  n = make_frame(frame, payload, 4 + sizeof forms);
+  cr_assert_eq(dp_frame_prefix_check(frame, n, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "1 byte after the root value in the payload");
+  cr_assert_eq(e.offset, (int64_t)(40 + 3 + sizeof forms));
+  dp_value_t out;
+  cr_assert_eq(dp_unpickle(frame, n, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+}
+
 /* Frame bytes seen as they arrive: every prefix of a frame the writer
  * wrote passes; each fault of a payload's or table's framing is refused
  * with its offset as soon as its bytes are in, and the whole reader refuses
@@ -1499,7 +1542,9 @@ Test(pickler, a_prefix_check_passes_every_prefix_of_a_written_frame_and_refuses_
       {{0x82, 0xc0, 0xc0}, 3, 40, "the payload's map of 2 claims more values than the 2 bytes left"},
       {{0x91, 0x91, 0x92, 0xc0}, 4, 42, "the payload's array of 2 claims more values than the 1 byte left"},
       {{0x92, 0xa1, 'x'}, 3, 43, "the payload ends inside its value: 1 more value, 0 bytes left"},
-      {{0xa5, 'a', 'b'}, 3, 40, "the payload's value of 5 bytes is longer than the 2 bytes left"},
+      {{0xa3, 'a', 'b'}, 3, 40, "the payload's value of 3 bytes is longer than the 2 bytes left"},
+      {{0x92, 0x91, 0xc0}, 3, 41, "the payload's array of 1 claims more values than the 1 byte left"},
+      {{0x91, 0xc0, 0xc0}, 3, 42, "1 byte after the root value in the payload"},
       {{0x92, 0xc0, 0xcd, 0x01}, 4, 42, "a 3-byte header runs past the end of the payload"},
       {{0x91, 0xc0, 0xc0, 0xc0}, 4, 42, "2 bytes after the root value in the payload"},
   };
