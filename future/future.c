@@ -401,13 +401,14 @@ static int refuse_device(const dp_future_t *f, const dp__ptrs_t *p, dp_device_t 
       snprintf(why, sizeof why, "; the future is of the %s backend: a future of the %s backend tracks it",
                dp_backend_name(f->b), dp_backend_name(other));
   }
-  if (!f->nallowed) /* none named: the backend's, which the caller never listed */
-    return dp__err(err, DP_EDEVICE,
-                   "the value uses %s, which is not among the future's devices (none named: every device of its %s "
-                   "backend, %s; the value's devices: %s)%s",
-                   dp_device_format(d, one, sizeof one), dp_backend_name(f->b), ok, used, why);
-  return dp__err(err, DP_EDEVICE, "the value uses %s, which is not among the future's devices %s (the value's devices: %s)%s",
-                 dp_device_format(d, one, sizeof one), ok, used, why);
+  /* none named (ndevices 0): the backend's, which the caller never listed */
+  char list[600];
+  if (f->nallowed) snprintf(list, sizeof list, "%s (the value's devices: %s)", ok, used);
+  else
+    snprintf(list, sizeof list, "(none named: every device of its %s backend, %s; the value's devices: %s)",
+             dp_backend_name(f->b), ok, used);
+  return dp__err(err, DP_EDEVICE, "the value uses %s, which is not among the future's devices %s%s",
+                 dp_device_format(d, one, sizeof one), list, why);
 }
 
 /* Freezes the set into a record (take: the set is scratch, whose block the

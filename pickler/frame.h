@@ -23,6 +23,12 @@ static inline uint64_t dp__get_le64(const uint8_t *p) {
   for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
   return v;
 }
+/* n bytes (1..8) in MessagePack's order, most significant first */
+static inline uint64_t dp__get_be(const uint8_t *p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; i++) v = (v << 8) | p[i];
+  return v;
+}
 static inline void dp__put_le16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
 static inline uint16_t dp__get_le16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 

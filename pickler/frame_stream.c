@@ -50,12 +50,6 @@ static int sread(sr_t *s, void *dst, size_t n, size_t *got) {
 
 /* ---- the framing of a section still arriving ---- */
 
-static uint64_t be_n(const uint8_t *p, int n) {
-  uint64_t v = 0;
-  for (int i = 0; i < n; i++) v = (v << 8) | p[i];
-  return v;
-}
-
 /* Checks that the first `have` bytes of a section of `len` bytes (at s, at
  * offset `at` in the frame) can still begin the one MessagePack value the
  * section must hold, ending at its end. Only what every reader refuses is
@@ -105,7 +99,7 @@ static int framing_check(const uint8_t *s, uint64_t have, uint64_t len, uint64_t
                         (unsigned long long)head, section);
     if (head > have - pos) return 0;
     if (lb) {
-      uint64_t n = be_n(s + pos + 1, lb);
+      uint64_t n = dp__get_be(s + pos + 1, lb);
       if (per) count = n;
       else body = n;
     }

@@ -74,12 +74,6 @@ static int rd_pass(rd_t *r, const uint8_t *at, int code, const dp_error_t *e) {
   return rd_keep_backend(r, first, rd_fail(r, code, at, "%s", e->message[0] ? e->message : dp_strerror(code)), e);
 }
 
-static uint64_t be(const uint8_t *p, int n) {
-  uint64_t v = 0;
-  for (int i = 0; i < n; i++) v = (v << 8) | p[i];
-  return v;
-}
-
 static int need(rd_t *r, const uint8_t *start, uint64_t n, const char *what) {
   if ((uint64_t)(r->end - r->p) < n)
     return rd_fail(r, DP_EFORMAT, start, "%s runs past the end of its section", what);
@@ -183,7 +177,7 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
       int n = 1 << (b - 0xcc);
       if ((rc = need(r, start, (uint64_t)n, "integer")) != 0) return rc;
       t->type = T_UINT;
-      t->v.u = be(r->p, n);
+      t->v.u = dp__get_be(r->p, n);
       r->p += n;
       /* the shortest unsigned form: at least the previous one's limit */
       if (DP_UNLIKELY(t->v.u < (n == 1 ? 0x80u : (uint64_t)1 << (4 * n)))) {
@@ -195,7 +189,7 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
     case 0xd0: case 0xd1: case 0xd2: case 0xd3: {
       int n = 1 << (b - 0xd0);
       if ((rc = need(r, start, (uint64_t)n, "integer")) != 0) return rc;
-      uint64_t u = be(r->p, n);
+      uint64_t u = dp__get_be(r->p, n);
       r->p += n;
       t->type = T_INT;
       t->v.i = n == 8 ? (int64_t)u : (int64_t)(u << (64 - 8 * n)) >> (64 - 8 * n);
@@ -210,7 +204,7 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
       int n = b == 0xca ? 4 : 8;
       if ((rc = need(r, start, (uint64_t)n, "float")) != 0) return rc;
       if (n == 4) return noncanonical(r, start, "float", "float 64");
-      uint64_t u = be(r->p, n);
+      uint64_t u = dp__get_be(r->p, n);
       r->p += n;
       t->type = T_FLOAT;
       memcpy(&t->v.f, &u, 8);
@@ -228,7 +222,7 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
       int n = 1 << (b - 0xc7);
       if ((rc = need(r, start, (uint64_t)n + 1, "ext")) != 0) return rc;
       t->type = T_EXT;
-      t->len = be(r->p, n);
+      t->len = dp__get_be(r->p, n);
       /* 1, 2, 4, 8 and 16 bytes are fixext; otherwise the shortest length */
       int fix = t->len <= 16 && (t->len & (t->len - 1)) == 0 && t->len != 0;
       if (DP_UNLIKELY(fix || t->len < (n == 1 ? 0 : (uint64_t)1 << (4 * n)))) {
@@ -244,7 +238,7 @@ static int next_tok_slow(rd_t *r, tok_t *t) {
       return rd_fail(r, DP_EFORMAT, start, "invalid msgpack type byte 0x%02x", b);
   }
   if ((rc = need(r, start, (uint64_t)lenbytes, "length")) != 0) return rc;
-  t->len = be(r->p, lenbytes);
+  t->len = dp__get_be(r->p, lenbytes);
   r->p += lenbytes;
   /* the shortest length form: str 8 holds 32.., bin 8 0.., 16-bit forms
    * 256.. (arrays and maps: 16..), 32-bit forms 65536.. */
@@ -599,7 +593,7 @@ static int read_value(up_t *u, dp_value_t *out, int *done) {
       if (t.ext != DP_EXT_REF || t.len != 4)
         return rd_fail(r, DP_EFORMAT, at, "unexpected ext type %d of %llu %s", t.ext,
                           (unsigned long long)t.len, plural(t.len, "byte", "bytes"));
-      uint64_t idx = be(t.data, 4);
+      uint64_t idx = dp__get_be(t.data, 4);
       if (idx >= u->nnodes)
         return rd_fail(r, DP_EFORMAT, at, "back-reference to node %llu, but only %zu node%s precede%s it (a "
                        "back-reference names a node already started)", (unsigned long long)idx, u->nnodes,
