@@ -155,6 +155,23 @@ int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err) {
   return 0;
 }
 
+int dp_frame_value_check(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_error_t *err) {
+  int rc = dp_frame_prefix_check(bytes, n, err);
+  if (rc || n < DP_FRAME_HEADER || (opts && opts->resolver)) return rc;
+  dp_frame_info_t fi;
+  dp__frame_header_parse(bytes, &fi);
+  /* the lengths' sum fits: the prefix check checked it */
+  if (n - DP_FRAME_HEADER < fi.payload_len + fi.table_len) return 0;
+  /* the reader itself, on what is in: no callback runs (nothing is bound,
+     and no resolver is asked: see pickler.h), the value is dropped */
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  if (opts) o.limits = opts->limits;
+  dp_value_t v;
+  if ((rc = dp__unpickle_checked(bytes, &fi, NULL, &o, &v, err)) == 0) dp_value_release(v);
+  return rc;
+}
+
 /* The rest of the stream is counted (and dropped) to say how long it was. */
 static int drain(sr_t *s, uint8_t *buf) {
   size_t got;
@@ -231,12 +248,13 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
     data_seen += got;
     if (got < step) break;
     /* once 64 KiB of it are in, and more is to come, what is held is
-       checked whole (the header's fields, the table's layout, which gives
-       the data section's length): a data section that no frame with this
-       header and table can have (`cat header /dev/zero` behind a header
-       announcing 2^62 bytes of data) is refused, not hashed to its end */
+       read whole as the reader reads it (the header's fields, the table's
+       layout, which gives the data section's length, and the value): a
+       data section that no frame with this header, payload and table can
+       have (`cat header /dev/zero` behind a header announcing 2^62 bytes
+       of data) is refused, not hashed to its end */
     if (data_seen == CHUNK && data_seen < fi.data_len &&
-        (rc = dp_frame_prefix_check(buf, DP_FRAME_HEADER + head_len, err)) != 0)
+        (rc = dp_frame_value_check(buf, DP_FRAME_HEADER + head_len, opts, err)) != 0)
       goto done;
   }
   uint64_t framed = s.total;

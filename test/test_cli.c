@@ -2279,7 +2279,11 @@ Test(cli, send_stops_reading_a_stream_whose_header_is_no_frame_instead_of_readin
  * held it so (inline data behind a one-byte payload and table). What is
  * held is checked as it grows: a zero is a whole value, so the rest of a
  * 2^62-byte payload is after its root; a zero is no array, so no table,
- * which an inline frame must have. Refused once 64 KiB are in. */
+ * which an inline frame must have. Refused once 64 KiB are in. So is a
+ * payload and table well framed, the table's one buffer filling the 2^62
+ * bytes of data, but whose value (an int) uses no buffer: the reader refuses
+ * it whatever the data, and verify hashed the zeros forever, unpack and
+ * send held them until the memory ran out. */
 Test(cli, every_frame_command_refuses_zeros_behind_a_header_announcing_2_62_bytes_once_64_kib_are_in) {
   static const char *cmds[] = {"verify -", "dump -", "inspect -", "unpack -", "send - 127.0.0.1:1"};
   static const struct {
@@ -2291,6 +2295,10 @@ Test(cli, every_frame_command_refuses_zeros_behind_a_header_announcing_2_62_byte
       {"printf 'DPKL\\001\\000\\001\\000\\001\\000\\000\\000\\000\\000\\000\\000\\001' > big.bin;"
        " head -c 14 /dev/zero >> big.bin; printf '\\100' >> big.bin; head -c 8 /dev/zero >> big.bin",
        "buffer table: array expected, at byte 41"},
+      {"printf 'DPKL\\001\\000\\001\\000\\001\\000\\000\\000\\000\\000\\000\\000\\017' > big.bin;"
+       " head -c 14 /dev/zero >> big.bin; printf '\\100' >> big.bin; head -c 8 /dev/zero >> big.bin;"
+       " printf '\\000\\221\\225\\000\\000\\317\\100' >> big.bin; head -c 9 /dev/zero >> big.bin",
+       "buffer 0 is referred to by no tensor: a frame lists only the buffers its value uses, at byte 42"},
   };
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
     for (int i = 0; i < 5; i++) {

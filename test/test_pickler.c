@@ -2242,6 +2242,129 @@ static uint8_t *payload_using(size_t nbuf, size_t *plen) {
   return p;
 }
 
+/* The resolver of resolve-to-str: every allowed custom becomes the str "k",
+ * which (unlike the generic object a reduce node is without a resolver)
+ * can be a dict key. */
+static int resolve_to_str(void *ud, const char *type, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)ud; (void)type; (void)state;
+  return dp_str_new("k", 1, out, err);
+}
+
+/* A header announcing 2^62 bytes of inline data behind a payload and table
+ * that the reader refuses whatever the data (a buffer no tensor uses, a
+ * non-canonical int, one allocation described twice, a limit), then zeros:
+ * the table's layout fills the data section, so the prefix check passed
+ * them, and the stream reader hashed the data to its end (`verify` spun on
+ * /dev/zero) while `unpack` held it until the memory ran out. Once 64 KiB
+ * of data are in, the header, payload and table are read as the reader
+ * reads them, and refused with the message and offset dp_unpickle gives
+ * the same frame made whole (2^17 bytes of data, its checksum right). With
+ * a resolver the value is not read early (a resolver may make a dict key of
+ * a reduce node): such a frame is read whole. */
+Test(pickler, a_data_section_behind_a_value_the_reader_refuses_is_refused_once_64_kib_of_it_are_in) {
+  static const uint8_t tensor0[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0x01, 0x91, 0x01, 0x00};
+  static const uint8_t tensor1[] = {0x96, 0xd4, 0x00, 0x02, 0x01, 0x05, 0x91, 0x01, 0x91, 0x01, 0x00};
+  enum { UNUSED, NONCANONICAL, TWICE, LIMIT, RESOLVED };
+  static const struct {
+    int kind, code;
+    int64_t at;
+    const char *msg;
+  } cases[] = {
+      {UNUSED, DP_EFORMAT, 42, "buffer 0 is referred to by no tensor: a frame lists only the buffers its value uses"},
+      {NONCANONICAL, DP_EFORMAT, 41, "non-canonical encoding: integer 5 as int 8 (canonical: positive fixint)"},
+      {TWICE, DP_EFORMAT, 0, "buffer 1 describes cpu 0x1000 again (buffer 0 did): a frame has one buffer per "
+                             "(device, base)"},
+      {LIMIT, DP_ELIMIT, 41, "value count exceeds the limit of 1"},
+      {RESOLVED, 0, 0, NULL},
+  };
+  const size_t mem_n = 1u << 20;
+  uint8_t *mem = calloc(mem_n, 1);
+  const char *allowed[] = {"K"};
+  dp_resolver_t res = {allowed, 1, resolve_to_str, NULL};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    for (int whole = 0; whole < 2; whole++) {
+      uint64_t data_len = whole ? (uint64_t)1 << 17 : (uint64_t)1 << 62;
+      uint8_t p[64], t[64];
+      size_t pl = 0, tl = 0;
+      dp_unpickle_opts_t o;
+      memset(&o, 0, sizeof o);
+      /* the table: one inline cpu buffer at 0x1000 filling the data section, or two */
+      t[tl++] = cases[k].kind == TWICE ? 0x92 : 0x91;
+      uint64_t first = cases[k].kind == TWICE ? 1 : data_len;
+      t[tl++] = 0x95, t[tl++] = 0, t[tl++] = 0;
+      tl += put_uint(t + tl, first);
+      t[tl++] = 0xcd, t[tl++] = 0x10, t[tl++] = 0, t[tl++] = 0;
+      if (cases[k].kind == TWICE) {
+        t[tl++] = 0x95, t[tl++] = 0, t[tl++] = 0;
+        tl += put_uint(t + tl, data_len - 1);
+        t[tl++] = 0xcd, t[tl++] = 0x10, t[tl++] = 0, t[tl++] = 1;
+      }
+      switch (cases[k].kind) {
+        case UNUSED: p[pl++] = 0x00; break;
+        case NONCANONICAL: p[pl++] = 0x92, p[pl++] = 0xd0, p[pl++] = 0x05; break;
+        case TWICE: p[pl++] = 0x92; memcpy(p + pl, tensor0, sizeof tensor0), pl += sizeof tensor0;
+                    memcpy(p + pl, tensor1, sizeof tensor1), pl += sizeof tensor1; break;
+        case LIMIT: p[pl++] = 0x91; o.limits.max_items = 1; break;
+        case RESOLVED: /* {reduce K([tensor]): None} */
+          memcpy(p + pl, "\x81\x93\xd4\x00\x04\xa1K\x91", 8), pl += 8;
+          o.resolver = &res;
+          break;
+      }
+      if (cases[k].kind != UNUSED && cases[k].kind != TWICE)
+        memcpy(p + pl, tensor0, sizeof tensor0), pl += sizeof tensor0;
+      if (cases[k].kind == RESOLVED) p[pl++] = 0xc0;
+      uint64_t lens[3] = {pl, tl, data_len};
+      memset(mem, 0, mem_n);
+      memcpy(mem, "DPKL\x01\x00\x01\x00", 8);
+      for (int f = 0; f < 3; f++)
+        for (int i = 0; i < 8; i++) mem[8 + 8 * f + i] = (uint8_t)(lens[f] >> (8 * i));
+      memcpy(mem + 40, p, pl);
+      memcpy(mem + 40 + pl, t, tl);
+      size_t n = mem_n, head = 40 + pl + tl;
+      int64_t at = cases[k].kind == TWICE ? (int64_t)(40 + pl + 9) : cases[k].at; /* the second descriptor */
+      if (whole) { /* the same frame, whole, its checksum right: dp_unpickle's word on it */
+        n = head + (size_t)data_len;
+        uint64_t sum = XXH3_64bits_withSeed(mem + 40, n - 40, XXH3_64bits(mem, 32));
+        for (int i = 0; i < 8; i++) mem[32 + i] = (uint8_t)(sum >> (8 * i));
+        dp_value_t out;
+        dp_error_t e;
+        int rc = dp_unpickle(mem, n, &o, &out, &e);
+        cr_assert_eq(rc, cases[k].code, "case %zu: %s", k, e.message);
+        if (rc == 0) {
+          dp_value_release(out);
+        } else {
+          cr_assert_str_eq(e.message, cases[k].msg, "case %zu: %s", k, e.message);
+          cr_assert_eq(e.offset, at, "case %zu", k);
+        }
+      }
+      mem_reader_t c = {mem, n, 4096};
+      dp_value_t out;
+      dp_error_t e, p2;
+      int rc = dp_unpickle_stream(mem_read, &c, &o, &out, NULL, NULL, &e);
+      if (cases[k].kind == RESOLVED) { /* read whole when it is whole; else cut short at the 1 MiB held */
+        cr_assert_eq(rc, whole ? 0 : DP_ETRUNC, "case %zu/%d: %s", k, whole, e.message);
+        if (rc == 0) dp_value_release(out);
+        cr_assert_eq(dp_frame_value_check(mem, head, &o, &p2), 0, "%s", p2.message);
+        continue;
+      }
+      cr_assert_eq(rc, cases[k].code, "case %zu/%d: %s", k, whole, e.message);
+      cr_assert_str_eq(e.message, cases[k].msg, "case %zu/%d: %s", k, whole, e.message);
+      cr_assert_eq(e.offset, at, "case %zu/%d: at %lld", k, whole, (long long)e.offset);
+      size_t read = n - c.left;
+      cr_assert_leq(read, head + (64u << 10) + 4096, "case %zu/%d: read %zu bytes", k, whole, read);
+      /* the check of what is held refuses it alike, from the whole table on;
+         before it, and by the prefix check alone, it passes */
+      cr_assert_eq(dp_frame_value_check(mem, head, &o, &p2), cases[k].code, "case %zu: %s", k, p2.message);
+      cr_assert_str_eq(p2.message, cases[k].msg, "case %zu/%d", k, whole);
+      cr_assert_eq(p2.offset, at);
+      cr_assert_eq(dp_frame_value_check(mem, head - 1, &o, &p2), 0, "case %zu: %s", k, p2.message);
+      cr_assert_eq(dp_frame_prefix_check(mem, head, &p2), 0, "case %zu: %s", k, p2.message);
+    }
+  }
+  free(mem);
+  ASSERT_NO_LEAK();
+}
+
 /* [reduce "Holder" [tensor], backref(node)]: nodes are 0 the list, 1 the
  * reduce node, 2 its state list, 3 the tensor. */
 static void resolve_then_refer_back(uint8_t node) {

@@ -236,6 +236,26 @@ DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp
  *  thread-safe. */
 DP_API int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err);
 
+/** dp_frame_prefix_check, then, once the header, payload and buffer table
+ *  are all in (n >= 40 + payload_len + table_len), the value: they are
+ *  read as dp_unpickle reads them under opts' limits — everything but the
+ *  checksum and the data bytes, which need the frame whole — and the value
+ *  is dropped. So a frame that those bytes alone make no frame's (a value
+ *  the reader refuses, a buffer no tensor uses, a limit passed) is refused
+ *  before the rest of a long data section is read. No callback runs:
+ *  nothing is bound (opts->bind is not called; what it would refuse is
+ *  refused once the frame is whole), and with opts->resolver set the value
+ *  is not read (0 after the prefix check), since a resolver may make of a
+ *  reduce node what a generic object cannot be (a dict key). opts may be
+ *  NULL (the default limits). Whatever it refuses, dp_unpickle with the
+ *  same opts refuses too (its error may name another fault, or the
+ *  checksum, first). Memory as dp_unpickle of the header, payload and
+ *  table (DP_UNPICKLE_MEMORY_PER_BYTE), time linear in n; thread-safe.
+ *  dp_unpickle_stream runs it once 64 KiB of a longer data section are in;
+ *  the CLI's commands that read a frame whole (unpack, send), once the
+ *  header, payload and table are in. */
+DP_API int dp_frame_value_check(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_error_t *err);
+
 /** Reads up to n bytes into dst: 0 and *got (at most n; 0 only at the end
  *  of the stream), or a DP_E* code (DP_EIO) with err filled in. A *got
  *  above n is DP_EINVAL, never a write past dst or a hash of it. */
@@ -247,9 +267,10 @@ typedef int (*dp_stream_read_cb)(void *ud, void *dst, size_t n, size_t *got, dp_
  *  dp_frame_prefix_check refuses are refused as they arrive, from 64 KiB
  *  of payload and table on, with its error, before the checksum at the
  *  frame's end can be compared (dp_unpickle may name the checksum first) —
- *  and so is a frame whose header, payload or table it refuses once 64 KiB
- *  of a longer data section are in (a data section no frame with that
- *  header and table can have is not hashed to its end).
+ *  and so is a frame whose header, payload or table dp_frame_value_check
+ *  refuses (with opts) once 64 KiB of a longer data section are in (a data
+ *  section no frame with that header, payload and table can have is not
+ *  hashed to its end).
  *  It holds in memory only the header, payload and buffer table:
  *  an inline frame's data section is hashed and its layout checked as it
  *  streams by, then dropped. So checking a frame costs memory independent

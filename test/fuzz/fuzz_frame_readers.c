@@ -57,10 +57,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   mem_reader_t c = {f, size, 7}; /* at most 7 bytes a call */
   int streamed = dp_unpickle_stream(mem_read, &c, &o, &sv, NULL, NULL, NULL);
   if ((whole == 0) != (streamed == 0)) abort();  /* verify and unpack accept the same frames */
-  /* what the check of a frame still arriving refuses, the reader refuses:
+  /* what the checks of a frame still arriving refuse, the reader refuses:
      at its end, and at a cut chosen by the input */
   size_t cut = size > 41 ? 40 + data[size - 1] % (size - 40) : size;
-  if (whole == 0 && (dp_frame_prefix_check(f, size, NULL) != 0 || dp_frame_prefix_check(f, cut, NULL) != 0)) abort();
+  if (whole == 0 && (dp_frame_prefix_check(f, size, NULL) != 0 || dp_frame_prefix_check(f, cut, NULL) != 0 ||
+                     dp_frame_value_check(f, size, &o, NULL) != 0 || dp_frame_value_check(f, cut, &o, NULL) != 0))
+    abort();
   if (streamed == 0) dp_value_release(sv);
   if (whole == 0) {
     dp_ptrset_t *set;
