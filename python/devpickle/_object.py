@@ -9,7 +9,9 @@ class Object:
 
     Attributes are read, set and deleted as attributes (obj.w) and as a dict
     (obj.__attrs__). Two Objects are equal when their class names and
-    attributes are.
+    attributes are. obj.__class_name__ and obj.__attrs__ are the Object's
+    own: setting them replaces the class name (a str) and the attributes (a
+    dict made of what is given); they cannot be deleted.
 
     A name of Python's protocols (__x__: __array_interface__, __deepcopy__,
     __dict__, ...) is read only through __attrs__: numpy, copy, vars() and
@@ -39,9 +41,16 @@ class Object:
             raise AttributeError(f"devpickle.Object of class {cls!r} has no attribute {name!r}") from None
 
     def __setattr__(self, name, value):
-        self.__attrs__[name] = value
+        if name == "__class_name__":  # its own fields: set as __init__ sets them, read back as set
+            object.__setattr__(self, name, str(value))
+        elif name == "__attrs__":
+            object.__setattr__(self, name, dict(value))
+        else:
+            self.__attrs__[name] = value
 
     def __delattr__(self, name):
+        if name in ("__class_name__", "__attrs__"):
+            raise AttributeError(f"devpickle.Object's {name} cannot be deleted")
         try:
             del self.__attrs__[name]
         except KeyError:

@@ -934,6 +934,22 @@ def test_an_objects_attribute_is_deleted_as_it_is_set_and_read():
         del o.name
 
 
+def test_an_objects_class_name_and_attrs_set_as_attributes_are_read_back_as_set_and_not_stored_as_attributes():
+    # o.__class_name__ = "m.D" went into __attrs__, and o.__class_name__ still read "test_frames.Node"
+    o = devpickle.loads(devpickle.dumps(Node("n")))
+    o.__class_name__ = "m.D"
+    assert o.__class_name__ == "m.D" and "__class_name__" not in o.__attrs__
+    assert repr(o).startswith("devpickle.Object('m.D', name='n'")
+    o.__attrs__ = [("w", 1)]
+    assert o.__attrs__ == {"w": 1} and o.w == 1
+    carried = devpickle.loads(devpickle.dumps(o)).__attrs__  # dumps carries it by its reduce
+    assert carried["<args>"] == ("m.D",) and carried["<state>"] == {"w": 1}
+    for name in ("__class_name__", "__attrs__"):
+        with pytest.raises(AttributeError, match=rf"^devpickle.Object's {name} cannot be deleted$"):
+            delattr(o, name)
+    assert o == devpickle.Object("m.D", {"w": 1})
+
+
 def test_keys_python_keeps_apart_but_a_frame_would_merge_are_refused_by_dumps():
     a, b = float("nan"), float("nan")
     with pytest.raises(devpickle.WalkError, match="two keys of this dict are one key in a frame"):
