@@ -820,8 +820,9 @@ static const char *const help_unpack =
     "VALUE.json, written whole or not at all). 'devpickle pack' turns that JSON\n"
     "back into the same bytes. Shared nodes and cycles appear as\n"
     "{\"$id\": ..., \"$value\": ...} and {\"$ref\": ...}.\n"
-    "The JSON is indented two spaces a level; --compact writes it without\n"
-    "spaces or newlines (a deeply nested value is then far smaller).\n"
+    "The JSON is indented two spaces a level; --compact writes it on one\n"
+    "line, no space between tokens, a newline at its end (a deeply nested\n"
+    "value is then far smaller).\n"
     "Use - for stdin, -o - for stdout. " STDIN_FRAME
 
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
