@@ -10,7 +10,7 @@ import re
 import sys
 import types
 
-from ._devpickle import _hash_work
+from ._devpickle import _hash_work, scan as _scan
 from ._object import Object
 
 
@@ -80,6 +80,15 @@ class Buffer:
                 if not lo <= self.ptr <= self.ptr + self.nbytes <= hi:
                     raise self._moved()
                 break
+            if not isinstance(owner.base, np.ndarray) and not (torch is not None and isinstance(owner.base, torch.Tensor)):
+                # memory of another owner (bytes, a bytearray, a memoryview,
+                # an mmap): dumps took the buffer from that owner's extent,
+                # which the walk finds again; ptr and nbytes must lie in it
+                # (a Buffer's fields can be set: never a view past it)
+                found = _scan(o, paths=False)
+                if not found or not found[0].ptr <= self.ptr <= self.ptr + self.nbytes <= found[0].ptr + found[0].nbytes:
+                    raise self._moved()
+                break
             owner = owner.base
         if torch is not None and isinstance(owner, torch.Tensor):
             # an array over a tensor (t.numpy()): the tensor's storage, where
@@ -96,7 +105,8 @@ class Buffer:
 
     def _moved(self):
         return ValueError(f"{self!r}: its memory moved since dumps found it (the array or tensor on it was "
-                          "resized): the frame's buffer is gone")
+                          "resized, or its ptr or nbytes were changed to name other memory): the frame's buffer is "
+                          "gone")
 
     def __repr__(self):
         return f"devpickle.Buffer(device={self.device!r}, ptr={self.ptr:#x}, nbytes={self.nbytes})"

@@ -332,6 +332,33 @@ def test_raw_of_a_buffer_made_by_hand_without_its_array_is_refused_never_a_view_
         devpickle.Buffer("cpu", 16, 4096, a).raw()
 
 
+def test_raw_never_views_past_the_memory_of_the_object_an_array_was_made_over_whatever_nbytes_says():
+    # for an array over another owner's memory (np.frombuffer of bytes), raw()
+    # checked nothing against that owner: a Buffer whose nbytes was set larger
+    # viewed 64 KiB of whatever lay past the 16 bytes
+    import mmap
+
+    data = b"abcdefgh" * 2
+    a = np.frombuffer(data, dtype=np.uint8)
+    got = []
+    devpickle.dumps(a, buffer_callback=got.append)
+    assert bytes(got[0].raw()) == data
+    got[0].nbytes = 1 << 16
+    with pytest.raises(ValueError, match=r"its memory moved since dumps found it \(the array or tensor on it was "
+                                         r"resized, or its ptr or nbytes were changed to name other memory\)"):
+        got[0].raw()
+    by_hand = devpickle.Buffer("cpu", a.__array_interface__["data"][0] - 8, 16, a)
+    with pytest.raises(ValueError, match=r"its memory moved since dumps found it"):
+        by_hand.raw()
+    # the owner's whole extent, as dumps found it, is still viewed
+    for arr, n in ((np.frombuffer(b"x" * 64, np.uint8, offset=8)[4:], 64),
+                   (np.asarray(memoryview(bytearray(32))[8:]), 32),
+                   (np.frombuffer(mmap.mmap(-1, 4096), np.uint8, count=100, offset=50), 4096)):
+        got = []
+        devpickle.dumps(arr, buffer_callback=got.append)
+        assert got[0].nbytes == n and got[0].raw().nbytes == n
+
+
 def test_classes_may_be_one_class_or_a_sequence():
     n = Node("n")
     frame = devpickle.dumps(n, inline=True)
