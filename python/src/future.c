@@ -1194,9 +1194,10 @@ static PyMethodDef fut_methods[] = {
      "add_done_callback($self, /, callback)\n--\n\ncallback(self) runs once self is complete; its result is ignored and an "
      "exception it raises goes to sys.unraisablehook."},
     {"_allocations", (PyCFunction)fut_allocations, METH_NOARGS,
-     "The (device, ptr, nbytes) the completed result holds (devices with streams only)."},
-    {"_devices", (PyCFunction)fut_devices_used, METH_NOARGS, "The devices that have an event."},
-    {"__class_getitem__", fut_class_getitem, METH_O | METH_CLASS, "Future[T]"},
+     "_allocations($self, /)\n--\n\nThe (device, ptr, nbytes) the completed result holds (devices with streams "
+     "only)."},
+    {"_devices", (PyCFunction)fut_devices_used, METH_NOARGS, "_devices($self, /)\n--\n\nThe devices that have an event."},
+    {"__class_getitem__", fut_class_getitem, METH_O | METH_CLASS, "__class_getitem__($type, item, /)\n--\n\nFuture[T]"},
     {NULL},
 };
 

@@ -186,10 +186,11 @@ static PyMethodDef methods[] = {
     {"loads", (PyCFunction)(void (*)(void))dpy_loads, METH_VARARGS | METH_KEYWORDS,
      "loads($module, /, data, *, buffers=None, classes=(), max_copies=None)\n--\n\n-> object"},
     {"_hash_work", dpy_hash_work, METH_VARARGS,
-     "_hash_work(items, memo, left) -> the tuple items CPython hashes to hash each of items, a list or tuple "
-     "(loads' bound)"},
+     "_hash_work($module, items, memo, left, /)\n--\n\n-> the tuple items CPython hashes to hash each of items, "
+     "a list or tuple (loads' bound)"},
     {"_torch_adapter", torch_adapter, METH_NOARGS,
-     "How torch tensors are read: 'c++' (the adapter), 'python', or None (torch not imported)."},
+     "_torch_adapter($module, /)\n--\n\nHow torch tensors are read: 'c++' (the adapter), 'python', or None "
+     "(torch not imported)."},
     {NULL},
 };
 

@@ -93,6 +93,23 @@ def test_every_method_and_property_of_the_stub_is_the_classs_own_with_its_parame
                 assert _params(fn, False) == want, f"{cls.name}.{fn.name}"
 
 
+def test_every_function_of_the_extension_and_method_of_its_future_has_a_signature_private_ones_too():
+    # _torch_adapter, which PYTHON.md names, had none (help() showed "_torch_adapter(...)"), nor had
+    # _hash_work, Future._allocations, Future._devices and Future.__class_getitem__
+    ext = devpickle._devpickle
+    for name in dir(ext):
+        fn = getattr(ext, name)
+        if callable(fn) and not isinstance(fn, type):
+            inspect.signature(fn)  # ValueError without one
+    assert str(inspect.signature(ext._torch_adapter)) == "()"
+    assert str(inspect.signature(ext._hash_work)) == "(items, memo, left, /)"
+    for name, method in vars(devpickle.Future).items():
+        if callable(method) and not name.startswith("__") or name == "__class_getitem__":
+            inspect.signature(getattr(devpickle.Future, name))
+    assert str(inspect.signature(devpickle.Future._devices)) == "(self, /)"
+    assert str(inspect.signature(devpickle.Future.__class_getitem__)) == "(item, /)"
+
+
 def test_the_attributes_the_stub_gives_exceptions_are_on_the_exceptions_raised():
     with pytest.raises(devpickle.WalkError) as walk:
         devpickle.scan({"g": (i for i in ())})
