@@ -92,6 +92,13 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
     PyErr_SetString(PyExc_TypeError, "devices must be a list of devices, not a str (devices=[\"cuda:0\"])");
     return -1;
   }
+  /* a sequence of ints, but not a list of devices: b"cpu" would be cuda:99,
+   * cuda:112 and cuda:117 */
+  if (PyBytes_Check(devices) || PyByteArray_Check(devices)) {
+    PyErr_Format(PyExc_TypeError, "devices must be a list of devices, not a '%s' (devices=[\"cuda:0\"])",
+                 Py_TYPE(devices)->tp_name);
+    return -1;
+  }
   /* a sequence, as documented: PySequence_Fast alone would drain a
    * generator or take a set's arbitrary order */
   if (!PySequence_Check(devices)) {

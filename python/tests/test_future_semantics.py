@@ -322,6 +322,16 @@ def test_devices_that_are_not_a_sequence_are_a_type_error(devices):
         devpickle.Future(devices=devices)
 
 
+@pytest.mark.parametrize("devices", [b"cpu", bytearray(b"\x00")], ids=["bytes", "a bytearray"])
+def test_devices_given_as_bytes_are_a_type_error_not_read_as_cuda_indices(devices):
+    # bytes are a sequence of ints, as a str is one of strs: b"cpu" was read
+    # as cuda:99, cuda:112 and cuda:117 (DP_ENODEV without a GPU), and
+    # bytearray(b"\x00") as cuda:0
+    with pytest.raises(TypeError, match=rf"^devices must be a list of devices, not a '{type(devices).__name__}' "
+                                        r"\(devices=\[\"cuda:0\"\]\)$"):
+        devpickle.Future(devices=devices)
+
+
 def test_a_bool_among_devices_is_read_by_its_str_not_as_a_cuda_index():
     # "an int (not a bool) is a CUDA device index ... any other item is read
     # as its str()": True is 'True', never 'cuda:True' (nor cuda:1)
