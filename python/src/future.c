@@ -85,6 +85,25 @@ static const dp_cache_hooks_t owner_hooks = {NULL, record_stream, record_streams
 
 /* ---- construction ---- */
 
+/* 1 when x is a numpy integer scalar (numpy.integer: np.int64(0), not
+ * np.bool_), which torch reads as a CUDA index as it reads an int; 0 when it
+ * is not, or numpy was never imported; -1 with an exception set. */
+static int is_numpy_integer(PyObject *x) {
+  if (PyLong_Check(x) || PyUnicode_Check(x)) return 0;
+  if (dpy_resolve_frameworks()) return -1;
+  if (!dpy.numpy_generic || !PyObject_TypeCheck(x, dpy.numpy_generic)) return 0;
+  PyObject *name = PyUnicode_FromString("numpy");
+  PyObject *np = name ? PyImport_GetModule(name) : NULL;
+  Py_XDECREF(name);
+  if (!np) return PyErr_Occurred() ? -1 : 0;
+  PyObject *integer = PyObject_GetAttrString(np, "integer");
+  Py_DECREF(np);
+  if (!integer) return -1;
+  int r = PyObject_IsInstance(x, integer);
+  Py_DECREF(integer);
+  return r;
+}
+
 static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
   *out = NULL;
   *n = 0;
@@ -117,9 +136,17 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
   }
   for (Py_ssize_t i = 0; i < k; i++) {
     PyObject *x = PySequence_Fast_GET_ITEM(seq, i);
-    /* an int is a CUDA index; a bool is not an int here (torch's reading):
-     * it is read by its str(), as any other item */
-    PyObject *s = PyLong_Check(x) && !PyBool_Check(x) ? PyUnicode_FromFormat("cuda:%S", x) : PyObject_Str(x);
+    /* an int, or a numpy integer, is a CUDA index; a bool is not an int
+     * here (torch's reading): it is read by its str(), as any other item */
+    int npint = is_numpy_integer(x);
+    PyObject *s = NULL;
+    if (npint > 0 || (PyLong_Check(x) && !PyBool_Check(x))) {
+      PyObject *index = PyNumber_Index(x);
+      s = index ? PyUnicode_FromFormat("cuda:%S", index) : NULL;
+      Py_XDECREF(index);
+    } else if (npint == 0) {
+      s = PyObject_Str(x);
+    }
     Py_ssize_t len = 0;
     const char *txt = s ? PyUnicode_AsUTF8AndSize(s, &len) : NULL;
     dp_error_t e;

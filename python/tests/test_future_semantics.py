@@ -332,6 +332,25 @@ def test_devices_given_as_bytes_are_a_type_error_not_read_as_cuda_indices(device
         devpickle.Future(devices=devices)
 
 
+def test_a_numpy_integer_among_devices_is_a_cuda_index_as_torch_reads_it_and_a_numpy_bool_is_not():
+    # torch.device(np.int64(0)) is cuda:0; devpickle read the item by its
+    # str(), '0', and refused it: "devices: '0' is not a device"
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"^devices: 'cuda:256' is not a device"):
+        devpickle.Future(devices=[np.int64(256)])
+    with pytest.raises(ValueError, match=r"^devices: 'cuda:-1' is not a device"):
+        devpickle.Future(devices=[np.int8(-1)])
+    with pytest.raises(ValueError, match=r"^devices: 'True' is not a device"):
+        devpickle.Future(devices=[np.bool_(True)])
+    if not torch.cuda.is_available():
+        with pytest.raises(devpickle.Error, match="no usable CUDA device") as e:
+            devpickle.Future(devices=[np.uint8(0)])
+        assert e.value.code == "DP_ENODEV"
+    else:
+        devpickle.Future(devices=[np.uint8(0)])
+
+
 def test_a_bool_among_devices_is_read_by_its_str_not_as_a_cuda_index():
     # "an int (not a bool) is a CUDA device index ... any other item is read
     # as its str()": True is 'True', never 'cuda:True' (nor cuda:1)
