@@ -859,6 +859,15 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
       PyErr_SetString(PyExc_TypeError, "buffers= must be a sequence");
       goto done;
     }
+    /* one buffer given for the list (bytes: a sequence of ints) or a str:
+       its items are no buffers, and "buffers[0] is of type 'int'" would
+       not say why */
+    if (PyUnicode_Check(buffers) || PyBytes_Check(buffers) || PyByteArray_Check(buffers) ||
+        PyMemoryView_Check(buffers)) {
+      PyErr_Format(PyExc_TypeError, "buffers= must be a sequence of buffers, one per buffer of the frame's table "
+                   "(buffers=[b]), not a '%s'", Py_TYPE(buffers)->tp_name);
+      goto done;
+    }
     /* taken once, as list(buffers) takes them: a sequence whose __len__
        disagrees with its items is read by its items, and one that Python
        code run later (an allowed class's) changes is read as given */

@@ -359,6 +359,18 @@ def test_raw_never_views_past_the_memory_of_the_object_an_array_was_made_over_wh
         assert got[0].nbytes == n and got[0].raw().nbytes == n
 
 
+@pytest.mark.parametrize("one", [bytes(8), bytearray(8), memoryview(bytes(8)), "buffer"],
+                         ids=["bytes", "a bytearray", "a memoryview", "a str"])
+def test_one_buffer_given_for_the_list_of_buffers_is_a_type_error_saying_buffers_takes_a_sequence_of_them(one):
+    # loads(frame, buffers=b) for a one-buffer frame said "buffers[0] is of
+    # type 'int', not a buffer": bytes are a sequence, of ints
+    frame = devpickle.dumps(torch.ones(2))
+    with pytest.raises(TypeError, match=rf"^buffers= must be a sequence of buffers, one per buffer of the frame's "
+                                        rf"table \(buffers=\[b\]\), not a '{type(one).__name__}'$"):
+        devpickle.loads(frame, buffers=one)
+    assert devpickle.loads(frame, buffers=[one] if not isinstance(one, str) else [bytes(8)]).tolist() == [0.0, 0.0]
+
+
 def test_classes_may_be_one_class_or_a_sequence():
     n = Node("n")
     frame = devpickle.dumps(n, inline=True)
