@@ -75,7 +75,8 @@ def scan(obj: Any, *, paths: bool = True, opaque: Union[None, type, Iterable[typ
 def dumps(obj: Any, *, inline: bool = False, buffer_callback: Optional[Callable[[Buffer], Any]] = None) -> bytes: ...
 
 
-def loads(data: Any, *, buffers: Optional[Sequence[Any]] = None, classes: Union[None, type, Iterable[type]] = (),
+def loads(data: Any, *, buffers: Optional[Sequence[Any]] = None,
+          classes: Union[None, type, Iterable[Union[type, Callable[..., Any]]]] = (),
           max_copies: Optional[int] = None) -> Any: ...
 
 

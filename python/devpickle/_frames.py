@@ -4,6 +4,7 @@ the C extension; nothing here imports a module or looks a class up by name
 from the frame."""
 
 import collections
+import copyreg
 import operator
 import reprlib
 import re
@@ -146,9 +147,19 @@ def class_label(cls):
     return q if mod in (None, "builtins") else f"{mod}.{q}"
 
 
+class _Allowed(dict):
+    """classes= as a dict label -> class; .functions: the functions it
+    lists, by module.qualname, which come back only where the frame holds
+    them as a value (a devpickle.global: a model's activation, F.relu), never
+    called and never taken for a class."""
+
+    __slots__ = ("functions",)
+
+
 def allowed(classes):
-    """classes= as a dict label -> class."""
-    out = {}
+    """classes= as a dict label -> class (with .functions, above)."""
+    out = _Allowed()
+    out.functions = {}
     if classes is None:
         return out
     if isinstance(classes, type):
@@ -161,8 +172,17 @@ def allowed(classes):
         raise TypeError(f"classes= takes classes: a class or a sequence of classes, not a "
                         f"{type(classes).__name__!r}") from None
     for c in classes:
+        if isinstance(c, (types.FunctionType, types.BuiltinFunctionType)):
+            mod, q = getattr(c, "__module__", None), getattr(c, "__qualname__", None)
+            if not isinstance(mod, str) or not isinstance(q, str):
+                raise TypeError(f"classes= takes functions by their module and qualname; {c!r} has none")
+            key = f"{mod}.{q}"  # as dumps names a function
+            if out.functions.setdefault(key, c) is not c:
+                raise ValueError(f"classes= names {key} twice, by two different functions ({out.functions[key]!r} "
+                                 f"and {c!r}): a frame could not say which it means")
+            continue
         if not isinstance(c, type):
-            raise TypeError(f"classes= takes classes; got a {type(c).__name__!r}")
+            raise TypeError(f"classes= takes classes (and functions); got a {type(c).__name__!r}")
         label = class_label(c)
         # a builtin class is labelled by its qualname ("range", as a frame
         # names an instance's class) and, as a devpickle.global (a class
@@ -476,7 +496,10 @@ def finish(name, attrs, classes, copies):
         dtype, data = _reserved(name, attrs, "dtype", str), _reserved(name, attrs, "data", bytes)
         return copies.share((name, dtype), data, lambda: _numpy_scalar(dtype, data))
     if name == "devpickle.global":
-        cls = classes.get(_reserved(name, attrs, "name", str))
+        label = _reserved(name, attrs, "name", str)
+        cls = classes.get(label)
+        if cls is None:
+            cls = getattr(classes, "functions", {}).get(label)
         return cls if cls is not None else Object(name, attrs)
     cls = None if name in _ARRAY_NAMES else classes.get(name)
     if cls is not None and issubclass(cls, tuple) and not any(k.startswith("<") for k in attrs):
@@ -617,9 +640,9 @@ def reduced(cls, parts, copies):
     new_kwargs = {}
     if fn is cls:
         new_args = args
-    elif _global_name(fn) == "copyreg.__newobj__" and args and args[0] is cls:
+    elif (_global_name(fn) == "copyreg.__newobj__" or fn is copyreg.__newobj__) and args and args[0] is cls:
         new_args = args[1:]
-    elif _global_name(fn) == "copyreg.__newobj_ex__" and args and args[0] is cls:
+    elif (_global_name(fn) == "copyreg.__newobj_ex__" or fn is copyreg.__newobj_ex__) and args and args[0] is cls:
         # (cls, args, kwargs), as pickle's NEWOBJ_EX takes them
         if (len(args) != 3 or not isinstance(args[1], tuple) or not isinstance(args[2], dict)
                 or not all(isinstance(k, str) for k in args[2])):

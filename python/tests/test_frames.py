@@ -380,6 +380,43 @@ def test_classes_may_be_one_class_or_a_sequence():
         devpickle.loads(frame, classes="Node")
 
 
+def test_a_function_listed_in_classes_comes_back_where_the_frame_holds_it_as_a_value_and_is_never_called():
+    # a model holding a function (TransformerEncoderLayer's activation,
+    # F.relu) could not come back whole: classes= refused functions ("takes
+    # classes; got a 'function'") and the activation came back a
+    # devpickle.Object, "'Object' object is not callable" once the model ran
+    import collections
+    import math
+
+    import torch.nn.functional as F
+
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0)
+    frame = devpickle.dumps(layer, inline=True)
+    modules = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention, torch.nn.Linear, torch.nn.Dropout,
+               torch.nn.LayerNorm, torch.nn.modules.linear.NonDynamicallyQuantizableLinear, collections.OrderedDict)
+    assert type(devpickle.loads(frame, classes=modules).activation) is devpickle.Object
+    back = devpickle.loads(frame, classes=modules + (F.relu,))
+    assert back.activation is F.relu
+    x = torch.randn(3, 1, 8)
+    assert torch.equal(back.eval()(x), layer.eval()(x))
+    # builtins too, each by the name dumps writes; a listed function is a value only, never a class
+    assert devpickle.loads(devpickle.dumps({"f": len, "g": math.sqrt}), classes=[len, math.sqrt]) == {
+        "f": len, "g": math.sqrt}
+    called = []
+
+    def f(*a):
+        called.append(a)
+
+    class R:
+        def __reduce__(self):
+            return (f, (1,))
+
+    out = devpickle.loads(devpickle.dumps(R()), classes=[f, R])
+    assert type(out) is devpickle.Object and out.__attrs__["<callable>"] is f and called == []
+    with pytest.raises(TypeError, match=r"^classes= takes classes \(and functions\); got a 'int'$"):
+        devpickle.loads(frame, classes=[1])
+
+
 @pytest.mark.parametrize("classes", [0, False, 5, "", b"Node", 1.5], ids=repr)
 def test_classes_that_are_neither_a_class_nor_a_sequence_are_a_type_error_never_read_as_none(classes):
     frame = devpickle.dumps(Node("n"), inline=True)
