@@ -17,6 +17,24 @@ static inline double bench_now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* The output path of a bench binary: its one argument (default
+ * build/bench.json), to which it appends its rows. -h or --help prints the
+ * usage; any other argument starting with '-', or a second argument, is a
+ * usage error (exit 2) rather than a file name. */
+static inline const char *bench_out(int argc, char **argv) {
+  int help = argc == 2 && (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"));
+  if (argc > 2 || (argc == 2 && argv[1][0] == '-')) {
+    fprintf(help ? stdout : stderr,
+            "usage: %s [OUT.json]\n"
+            "Runs this benchmark and appends its rows to OUT.json (default build/bench.json),\n"
+            "one JSON object a line: name, backend, value, unit, ratio, ratio_vs\n"
+            "(docs/PERFORMANCE.md). 'make bench' runs every bench binary.\n",
+            argv[0]);
+    exit(help ? 0 : 2);
+  }
+  return argc > 1 ? argv[1] : "build/bench.json";
+}
+
 /* Forks a peer process running peer(wfd), which writes one int (its port,
  * or what it has to say instead) to wfd; returns that int, *pid the peer.
  * Exits when the peer never says. */

@@ -143,7 +143,7 @@ static void raw_wait(void *p) {
 #endif
 
 int main(int argc, char **argv) {
-  const char *out = argc > 1 ? argv[1] : "build/bench.json";
+  const char *out = bench_out(argc, argv);
   dp_backend_t *host;
   if (dp_backend_get(DP_DEVICE_HOST, &host, NULL) != 0) return 1;
   ctx_t c;

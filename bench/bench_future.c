@@ -229,7 +229,7 @@ static void bench_thread_rows(const char *out, dp_backend_t *b) {
 }
 
 int main(int argc, char **argv) {
-  const char *out = argc > 1 ? argv[1] : "build/bench.json";
+  const char *out = bench_out(argc, argv);
   dp_backend_t *b;
   if (dp_backend_get(DP_DEVICE_HOST, &b, NULL) != 0) return 1;
   bench_backend(out, b);

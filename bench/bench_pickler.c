@@ -476,7 +476,7 @@ static void bench_flood(const char *out) {
 }
 
 int main(int argc, char **argv) {
-  const char *out = argc > 1 ? argv[1] : "build/bench.json";
+  const char *out = bench_out(argc, argv);
   bench_scan(out, "scan_list_1000", make_list(1000), 1001, 0);
   bench_scan(out, "scan_nested_1000", make_nested(1000), 5001, 0);
   bench_scan(out, "scan_objects_1000", make_objects(1000), 2001, 0);

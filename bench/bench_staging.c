@@ -68,7 +68,7 @@ static void receiver(int wfd) {
 }
 
 int main(int argc, char **argv) {
-  const char *out = argc > 1 ? argv[1] : "build/bench.json";
+  const char *out = bench_out(argc, argv);
   setenv("UCX_TLS", "tcp,posix,sysv,self", 0);
   setenv("UCX_NET_DEVICES", "lo", 0);
   signal(SIGPIPE, SIG_IGN);

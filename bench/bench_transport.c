@@ -204,7 +204,7 @@ static double perftest(const char *args, int col) {
 }
 
 int main(int argc, char **argv) {
-  const char *out = argc > 1 ? argv[1] : "build/bench.json";
+  const char *out = bench_out(argc, argv);
   env();
   pid_t pid, cpid;
   int port = bench_spawn(peer, &pid);
