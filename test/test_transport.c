@@ -4268,6 +4268,33 @@ Test(transport, a_connector_that_only_receives_fails_with_a_timeout_when_nobody_
   ASSERT_NO_LEAK();
 }
 
+/* A timeout under a millisecond (or not a whole number of them) is named
+ * as it was given, never rounded down to "0 ms". */
+Test(transport, a_timeout_of_a_fraction_of_a_millisecond_is_named_as_given_not_as_0_ms) {
+  t_track();
+  int port, fd = t_loopback_socket(1, &port);
+  static const struct { int64_t ns; const char *says; } cases[] = {
+      {SEC / 2000, "within 0.5 ms"}, {1500000, "within 1.5 ms"}, {1, "within 0.000001 ms"}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    dp_transport_opts_t o = {0};
+    o.timeout_ns = cases[i].ns;
+    dp_transport_t *t = new_transport(&o);
+    dp_endpoint_t *ep = connect_to(t, port);
+    dp_future_t *r;
+    dp_error_t e;
+    OK(dp_endpoint_recv(ep, &r, T_ERR));
+    cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), DP_ETIMEDOUT, "%s: %s", dp_err_name(e.code), e.message);
+    cr_assert(strstr(e.message, cases[i].says), "wants '%s': %s", cases[i].says, e.message);
+    dp_future_release(r);
+    dp_endpoint_free(ep);
+    dp_transport_free(t);
+  }
+  close(fd);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(transport, an_accepted_connection_that_stays_quiet_does_not_time_out) {
   t_track();
   /* a peer that accepts and stays silent: the receive just waits (forked

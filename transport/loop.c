@@ -276,8 +276,14 @@ _Atomic unsigned long dp__transport_timeout_steps, dp__transport_timeout_checks;
 
 static void check_timeouts(dp_transport_t *t) {
   int64_t now = now_ns();
-  char ms[32]; /* the timeout, as both messages say it */
-  snprintf(ms, sizeof ms, "%lld ms", (long long)(t->timeout_ns / 1000000));
+  char ms[48]; /* the timeout, as every message says it: "200 ms", "1.5 ms", "0.000001 ms" */
+  long long whole = (long long)(t->timeout_ns / 1000000), frac = (long long)(t->timeout_ns % 1000000);
+  int k = snprintf(ms, sizeof ms, "%lld", whole);
+  if (frac) { /* a timeout under a millisecond, or not a whole number of them, is not rounded down */
+    k += snprintf(ms + k, sizeof ms - (size_t)k, ".%06lld", frac);
+    while (ms[k - 1] == '0') ms[--k] = '\0';
+  }
+  snprintf(ms + k, sizeof ms - (size_t)k, " ms");
   for (dp_endpoint_t *ep = t->eps, *n; ep; ep = n) {
     n = ep->next;
     if (!ep->acceptor && !ep->established && !ep->dead && ep->born && now - ep->born > t->timeout_ns) {
