@@ -1027,6 +1027,18 @@ int dp_future_then_with_ptrs(dp_future_t *f, dp_then_ptrs_cb cb, void *ud, dp_fu
   return then_entry(f, NULL, cb, ud, child, err);
 }
 
+int dp__future_notify(dp_future_t *f, void (*fn)(void *ctx, dp_future_t *f, size_t index), void (*drop)(void *ctx),
+                      void *ctx) {
+  cbent_t *e = dp__alloc(sizeof *e);
+  if (!e) return DP_ENOMEM;
+  memset(e, 0, sizeof *e);
+  e->internal = fn;
+  e->internal_drop = drop;
+  e->ctx = ctx;
+  add_callback(f, e);
+  return 0;
+}
+
 /* ---- collect_all ---- */
 
 /* The aggregate holds no reference to its inputs while they are pending (an

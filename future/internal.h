@@ -9,4 +9,13 @@
  * (other threads' are freed at their exit, by a thread-specific destructor). */
 void dp__future_shutdown(void);
 
+/* Calls fn(ctx, f, 0) once f completes, with a value or an error (on the
+ * thread that completes it; here, at once, when f is complete already), or
+ * fn(ctx, NULL, 0) when f's last reference goes while it is pending; then,
+ * either way, drop(ctx) (drop may be NULL). fn must not call back into f's
+ * completion (it runs on f's trampoline, as collect_all's inputs do). 0, or
+ * DP_ENOMEM (nothing registered, neither called). */
+int dp__future_notify(dp_future_t *f, void (*fn)(void *ctx, dp_future_t *f, size_t index), void (*drop)(void *ctx),
+                      void *ctx);
+
 #endif

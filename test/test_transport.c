@@ -4,6 +4,7 @@
  * through its exit status (and a pipe), never through Criterion. UCX runs on
  * TCP over lo and shared memory (t_env), as CI has no other interface. */
 #include <dirent.h>
+#include <pthread.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
@@ -1157,6 +1158,72 @@ Test(transport, a_future_that_fails_fails_its_send_and_nothing_is_sent) {
   dp_future_release(d);
   dp_future_release(f);
   close_clean(ep, t, p);
+}
+
+/* A send waiting for its future, pending, costs no core: the future's
+ * completion wakes the loop (the progress thread, or a caller's wait),
+ * which sleeps meanwhile — it polled the future instead, spinning a whole
+ * core for as long as the producer took. Then the value goes at once. */
+static double cpu_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void *complete_later(void *f) {
+  nanosleep(&(struct timespec){0, 50000000}, NULL);
+  dp_future_mark_completed(f, dp_int(42), NULL);
+  return NULL;
+}
+
+static void send_future_sleeps(int caller) {
+  t_track();
+  dp_transport_opts_t o = {0};
+  o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : DP_TRANSPORT_PROGRESS_THREAD;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
+  dp_future_t *f, *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(c, dp_int(1), &d, T_ERR)); /* connected, lanes up: nothing left to do but wait */
+  r = recv_ok(a);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(r);
+  OK(dp_future_new(NULL, &f, T_ERR));
+  OK(dp_endpoint_send_future(c, f, &d, T_ERR));
+  OK(dp_endpoint_recv(a, &r, T_ERR));
+  double cpu0 = cpu_s();
+  if (caller) cr_assert_eq(dp_transport_wait(t, d, SEC / 2, &e), DP_ETIMEDOUT, "%s", e.message);
+  else nanosleep(&(struct timespec){0, 500000000}, NULL);
+  double used = cpu_s() - cpu0;
+  cr_assert_lt(used, 0.2, "%.3f s of CPU in 0.5 s while the send waited for its future", used);
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, complete_later, f), 0);
+  int64_t t0 = now_ns_t();
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_lt(now_ns_t() - t0, 5 * SEC);
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 42);
+  OK_WITH(&e, wait_f(d, &e));
+  pthread_join(th, NULL);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_future_release(f);
+  dp_endpoint_free(c);
+  dp_endpoint_free(a);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_send_waiting_for_its_pending_future_sleeps_instead_of_spinning_thread_driven) {
+  send_future_sleeps(0);
+}
+
+Test(transport, a_send_waiting_for_its_pending_future_sleeps_instead_of_spinning_caller_driven) {
+  send_future_sleeps(1);
 }
 
 /* ---- staging: host:N memory staged as cuda memory is ---- */

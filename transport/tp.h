@@ -120,6 +120,7 @@ struct sop {
   int kind;
   dp_value_t value;         /* retained (SOP_VALUE, SOP_FUTURE once ready) */
   dp_future_t *src;         /* SOP_FUTURE */
+  int src_notifies;         /* SOP_FUTURE: src's completion wakes the loop (no polling for it) */
   dp_future_t *done;
   dp_frame_t *frame;        /* SOP_VALUE / SOP_FUTURE */
   uint8_t *bytes;           /* SOP_FRAME / SOP_RAW: our copy */
@@ -331,6 +332,10 @@ struct dp_transport {
   ucp_worker_h worker;
   pthread_t thread;
   int wake_fd, worker_fd;
+  /* what a future sent with dp_endpoint_send_future writes to as it
+     completes (a duplicate of wake_fd, held by the transport and by each
+     future's notification, which may outlive the transport) */
+  struct dp__waker *waker;
   pthread_mutex_t mu;
   pthread_cond_t cv;
   cmd_t *c_head, *c_tail;

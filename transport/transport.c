@@ -8,8 +8,10 @@
  * through an eventfd; the few that must answer (listen, close) wait on the
  * transport's condition variable for it. The other files: tp.h. */
 #include <arpa/inet.h>
+#include <fcntl.h>
 
 #include "tp.h"
+#include "../future/internal.h"
 
 int dp__transport_skip_events;
 int dp__transport_skip_credit;
@@ -52,6 +54,41 @@ static void wake(dp_transport_t *t) {
   uint64_t one = 1;
   ssize_t w = write(t->wake_fd, &one, sizeof one);
   (void)w;
+}
+
+/* The loop's wake-up as a future's completion rings it: a sender's future
+ * completing on any thread, while the loop sleeps, whether or not the
+ * transport is still there (the descriptor is a duplicate of its eventfd,
+ * closed with the last reference). */
+struct dp__waker {
+  _Atomic uint32_t refs;
+  int fd;
+};
+
+static struct dp__waker *waker_new(int fd) {
+  struct dp__waker *w = dp__alloc(sizeof *w);
+  if (!w) return NULL;
+  if ((w->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0) {
+    dp__free(w, sizeof *w);
+    return NULL;
+  }
+  atomic_init(&w->refs, 1);
+  return w;
+}
+
+static void waker_drop(void *ctx) {
+  struct dp__waker *w = ctx;
+  if (!w || atomic_fetch_sub_explicit(&w->refs, 1, memory_order_acq_rel) != 1) return;
+  close(w->fd);
+  dp__free(w, sizeof *w);
+}
+
+static void waker_ring(void *ctx, dp_future_t *f, size_t index) {
+  (void)f, (void)index;
+  struct dp__waker *w = ctx;
+  uint64_t one = 1;
+  ssize_t r = write(w->fd, &one, sizeof one);
+  (void)r;
 }
 
 static int new_future(dp_transport_t *t, dp_future_t **out, dp_error_t *err) {
@@ -560,7 +597,9 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
      waits for may need it (a few cores), every 16th elsewhere */
   t->yield_every = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 16 : 1;
   t->last_check = now_ns();
+  if (t->wake_fd >= 0) t->waker = waker_new(t->wake_fd); /* none: sent futures are polled */
   if (t->wake_fd < 0 || (!t->caller && pthread_create(&t->thread, NULL, dp__tp_progress_main, t) != 0)) {
+    waker_drop(t->waker);
     if (t->wake_fd >= 0) close(t->wake_fd);
     pthread_mutex_destroy(&t->mu);
     pthread_mutex_destroy(&t->pmu);
@@ -634,6 +673,7 @@ void dp_transport_free(dp_transport_t *t) {
     dp_stream_free(t->sstreams[i]);
   }
   close(t->wake_fd);
+  waker_drop(t->waker);
   pthread_mutex_destroy(&t->mu);
   pthread_mutex_destroy(&t->pmu);
   pthread_cond_destroy(&t->cv);
@@ -890,6 +930,15 @@ int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **don
   sop_t *s = sop_new(SOP_FUTURE);
   if (!s) return dp__err(err, DP_ENOMEM, "dp_endpoint_send_future: out of memory");
   s->src = dp_future_retain(f);
+  /* the loop sleeps while f is pending: f's completion wakes it (polling
+     f instead kept the progress thread, or a caller's wait, spinning on a
+     core for as long as f took) */
+  struct dp__waker *w = ep->t->waker;
+  if (w) {
+    atomic_fetch_add_explicit(&w->refs, 1, memory_order_relaxed);
+    if (dp__future_notify(f, waker_ring, waker_drop, w) == 0) s->src_notifies = 1;
+    else waker_drop(w);
+  }
   return queue_send(ep, s, done, err);
 }
 
