@@ -4477,6 +4477,30 @@ static void free_with_a_hung_peer(int caller) {
   ASSERT_NO_LEAK();
 }
 
+/* A close to a peer that stopped answering stays in progress until the
+ * transport is freed: meanwhile the progress thread sleeps between its
+ * deadlines and UCX's events instead of spinning a core all that time. */
+Test(transport, a_close_to_a_hung_peer_in_progress_costs_no_core_while_it_waits) {
+  t_track();
+  dp_transport_opts_t po = {0};
+  po.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  peer_t p = spawn_peer(echo_then_stall, (void *)(intptr_t)20000, &po);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  echo_once(ep);
+  dp_endpoint_free(ep); /* graceful: its CLOSE and UCX's disconnect are never answered */
+  double cpu0 = cpu_s();
+  nanosleep(&(struct timespec){1, 0}, NULL); /* past the 1 s wait for the answer, into UCX's disconnect */
+  double used = cpu_s() - cpu0;
+  cr_assert_lt(used, 0.3, "%.3f s of CPU in 1 s while a close waited for a hung peer", used);
+  dp_transport_free(t);
+  cur_t = NULL;
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(transport, freeing_a_transport_after_closing_an_endpoint_to_a_hung_peer_returns_thread_driven) {
   free_with_a_hung_peer(0);
 }

@@ -378,6 +378,7 @@ static int poll_slots(dp_transport_t *t) {
 }
 
 #define DP__SPIN_NS 200000
+#define DP__CLOSING_SLEEP_MS 10 /* the longest sleep while closes are in progress (their deadlines) */
 
 /* Arms the workers (the transport's and the lanes') and lists their
  * descriptors and the command queue's in t->pfd, the queue's first; 0 when
@@ -445,7 +446,11 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
     check_timeouts(t);
     t->last_check = now_ns();
   }
-  *polling_out = polling || t->closing;
+  /* closes in progress wait for UCX (its events wake a sleep) or for a
+     deadline (a sleep is cut to DP__CLOSING_SLEEP_MS for them): no polling,
+     which spun a core for as long as a close to a stopped peer lasted —
+     until dp_transport_free */
+  *polling_out = polling;
   return work;
 }
 
@@ -600,7 +605,7 @@ void *dp__tp_progress_main(void *arg) {
     t->sleeping = !queued;
     pthread_mutex_unlock(&t->mu);
     if (queued) continue;
-    poll(t->pfd, nfd, t->timeout_ns > 0 ? 10 : 100);
+    poll(t->pfd, nfd, t->timeout_ns > 0 || t->closing ? DP__CLOSING_SLEEP_MS : 100);
     pthread_mutex_lock(&t->mu);
     t->sleeping = 0;
     pthread_mutex_unlock(&t->mu);
