@@ -1412,6 +1412,51 @@ static int stop_self(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   return 0;
 }
 
+/* A staged send whose slots are all taken (its peer pulls nothing) waits
+ * for UCX or the peer to give one back, which wakes the loop: it costs no
+ * core meanwhile, where the loop polled it, spinning for as long as the
+ * peer held the slots. With same-host slots and without. */
+/* peer: takes one value (a staged one maps the sender's segment first),
+ * then stops itself: pulls nothing more, gives no slot back (below) */
+static int take_one_then_stop(dp_transport_t *t, dp_endpoint_t *ep, void *arg);
+
+static void staged_wait_sleeps(const char *shm) {
+  dp__transport_stage_host = 1;
+  setenv("DEVPICKLE_TRANSPORT_SHM", shm, 1);
+  peer_t stuck = spawn_peer(take_one_then_stop, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, stuck.port);
+  dp_future_t *d1;
+  dp_error_t e;
+  dp_value_t small = dev_tensor(0, 1 << 20, 2), big = dev_tensor(0, 100 << 20, 1);
+  OK(dp_endpoint_send(ep, small, &d1, T_ERR)); /* taken: with same-host slots on, the segment is in use */
+  OK_WITH(&e, wait_f(d1, &e));
+  dp_future_release(d1);
+  dp_value_release(small);
+  sleep_ms(200); /* the peer stops */
+  /* 25 chunks to a stopped peer: 16 take the slots, never pulled nor given
+     back, and the 17th waits for one */
+  OK(dp_endpoint_send(ep, big, &d1, T_ERR));
+  sleep_ms(300);
+  double cpu0 = cpu_s();
+  sleep_ms(500);
+  double used = cpu_s() - cpu0;
+  kill(stuck.pid, SIGKILL);
+  cr_assert_lt(used, 0.2, "%.3f s of CPU in 0.5 s while a staged send waited for a slot", used);
+  cr_assert_neq(wait_f(d1, &e), 0, "a send to a peer that never pulled it, then died, completed");
+  dp_future_release(d1);
+  dp_value_release(big);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  unsetenv("DEVPICKLE_TRANSPORT_SHM");
+  cr_assert_eq(peer_wait(stuck), 128 + SIGKILL);
+}
+
+Test(transport, a_staged_send_waiting_for_a_slot_costs_no_core_same_host_slots) { staged_wait_sleeps("1"); }
+
+Test(transport, a_staged_send_waiting_for_a_slot_costs_no_core_without_same_host_slots) { staged_wait_sleeps("0"); }
+
 Test(transport, a_peer_that_never_pulls_holds_back_its_own_staged_sends_only) {
   dp__transport_stage_host = 1;
   dp_transport_opts_t po = {0};

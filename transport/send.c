@@ -248,7 +248,7 @@ static int sop_failed(sop_t *s, const dp_error_t *e) {
 
 /* Copies the next staged piece — a chunk of a large buffer, or a run of
  * small buffers of one device — into a send slot on the device's send
- * stream. 1: no slot free (the piece waits). */
+ * stream. 1 or 2: no slot free, the piece waits (sop_more says which). */
 static int stage_next(dp_transport_t *t, sop_t *s, size_t nb) {
   dp_buffer_desc_t d, e;
   dp_error_t err;
@@ -270,13 +270,16 @@ static int stage_next(dp_transport_t *t, sop_t *s, size_t nb) {
   dp_endpoint_t *ep = s->ep;
   if (ep->shm_state == SHM_NONE && t->shm_on && ep->peer_local) dp__tp_shm_offer(t, ep);
   int rc = 0;
+  /* no slot free: one comes back as UCX completes a send or the peer gives
+     one back (DONE), which wakes the loop: 2, nothing to poll — unless
+     copies already queued wait for their events (1) */
   if (ep->shm_state == SHM_YES) {
-    if (!(sl = ep->seg->free)) return 1;
+    if (!(sl = ep->seg->free)) return s->pq_head ? 1 : 2;
     ep->seg->free = sl->next;
     sl->next = NULL;
     ep->seg->refs++;
   } else {
-    if (ep->tx_used >= DP__STAGE_SLOTS) return 1;
+    if (ep->tx_used >= DP__STAGE_SLOTS) return s->pq_head ? 1 : 2;
     if ((rc = dp__tp_slot_get(t, &t->tx, (size_t)n, 0, &sl, &err))) return sop_failed(s, &err);
     ep->tx_used++;
   }
@@ -334,8 +337,10 @@ static int stage_next(dp_transport_t *t, sop_t *s, size_t nb) {
 
 /* Posts what can go now, in buffer order: staged pieces whose copies are
  * done, new copies while slots are free, direct buffers once every staged
- * piece before them went. 0: every buffer posted; 1: waiting for copies or
- * slots; <0: the endpoint failed. */
+ * piece before them went. 0: every buffer posted; 1: waiting for copies
+ * (their events are polled); 2: waiting for a slot only (UCX's completion
+ * of a send, or the peer's DONE, frees one and wakes the loop); <0: the
+ * endpoint failed. */
 static int sop_more(dp_transport_t *t, sop_t *s) {
   size_t nb = s->frame ? dp_frame_nbuffers(s->frame) : 0;
   dp_buffer_desc_t d;
@@ -376,17 +381,18 @@ static int sop_more(dp_transport_t *t, sop_t *s) {
   }
 }
 
-/* Starts (start) or resumes posting s. Returns 1 when s waits (it is the
- * endpoint's `posting` then), 0 when all of it is posted, <0 on failure. */
+/* Starts (start) or resumes posting s. Returns 1 (copies to poll) or 2
+ * (a slot to wait for) when s waits (it is the endpoint's `posting` then),
+ * 0 when all of it is posted, <0 on failure. */
 static int sop_go(dp_transport_t *t, sop_t *s, int start) {
   dp_endpoint_t *ep = s->ep;
   s->outstanding++; /* held while posting (see post_msg) */
   int rc = start ? sop_start(t, s) : 0;
   if (!rc) rc = sop_more(t, s);
-  if (rc == 1) {
+  if (rc == 1 || rc == 2) {
     ep->posting = s;
     s->outstanding--;
-    return 1;
+    return rc;
   }
   if (ep->posting == s) ep->posting = NULL;
   if (!rc) s->posted = 1;
