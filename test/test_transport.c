@@ -4546,6 +4546,30 @@ Test(transport, a_close_to_a_hung_peer_in_progress_costs_no_core_while_it_waits)
   ASSERT_NO_LEAK();
 }
 
+/* Caller-driven, such a close is no work to do: dp_transport_progress
+ * answers 0 (idle) between its deadlines, so a loop that drives the
+ * transport until it is idle ends. It answered 1 for as long as the close
+ * lasted: forever, to a stopped peer. */
+Test(transport, a_close_to_a_hung_peer_in_progress_leaves_a_caller_driven_transport_idle) {
+  t_track();
+  dp_transport_opts_t po = {0};
+  po.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  peer_t p = spawn_peer(echo_then_stall, (void *)(intptr_t)20000, &po);
+  dp_transport_t *t = new_transport_driven(1);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  echo_once(ep);
+  dp_endpoint_free(ep); /* its passes give up waiting after 1 s; the close goes on */
+  int64_t t0 = now_ns_t();
+  while (dp_transport_progress(t) && now_ns_t() - t0 < 3 * SEC) continue;
+  cr_assert_lt(now_ns_t() - t0, 3 * SEC, "dp_transport_progress found work for 3 s while a close waited for a hung peer");
+  dp_transport_free(t);
+  cur_t = NULL;
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(transport, freeing_a_transport_after_closing_an_endpoint_to_a_hung_peer_returns_thread_driven) {
   free_with_a_hung_peer(0);
 }
