@@ -953,6 +953,66 @@ Test(transport, progress_and_wait_on_a_threaded_or_null_transport) {
   cur_t = NULL;
 }
 
+/* Two threads accepting on one listener of a caller-driven transport, with
+ * no limit: each gets a connection, though the other took the one the
+ * first thread's passes saw queued — the first drives on (it returned
+ * DP_ETIMEDOUT, "no connection in time", with no limit given). The first
+ * thread is held between its passes and taking the connection
+ * (dp__transport_accept_gap) until the second has taken it. */
+typedef struct {
+  dp_listener_t *l;
+  dp_endpoint_t *ep;
+  int rc;
+  dp_error_t e;
+} acceptor_t;
+
+static void *accept_unlimited(void *arg) {
+  acceptor_t *a = arg;
+  dp_error_clear(&a->e);
+  a->rc = dp_listener_accept(a->l, -1, &a->ep, &a->e);
+  return NULL;
+}
+
+static _Atomic int gap_calls, gap_second_took;
+
+static void hold_first_accept(void) {
+  if (atomic_fetch_add(&gap_calls, 1) != 0) return;
+  /* the first call: until the second thread has its connection */
+  for (int i = 0; i < 30000 && !atomic_load(&gap_second_took); i++) nanosleep(&(struct timespec){0, 100000}, NULL);
+}
+
+Test(transport, two_threads_accepting_without_a_limit_on_a_caller_driven_listener_each_get_a_connection) {
+  t_track();
+  dp_transport_t *c = new_transport(NULL);
+  dp_transport_t *t = new_transport(&caller_opts);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  dp__transport_accept_gap = hold_first_accept;
+  acceptor_t a[2] = {{.l = l}, {.l = l}};
+  pthread_t th[2];
+  cr_assert_eq(pthread_create(&th[0], NULL, accept_unlimited, &a[0]), 0);
+  dp_endpoint_t *out[2] = {connect_to(c, dp_listener_port(l)), NULL};
+  while (!atomic_load(&gap_calls)) nanosleep(&(struct timespec){0, 100000}, NULL); /* the first saw it queued */
+  accept_unlimited(&a[1]); /* this thread takes it */
+  atomic_store(&gap_second_took, 1);
+  cr_assert_eq(a[1].rc, 0, "%s: %s", dp_err_name(a[1].rc), a[1].e.message);
+  out[1] = connect_to(c, dp_listener_port(l)); /* the first thread's */
+  cr_assert_eq(pthread_join(th[0], NULL), 0);
+  dp__transport_accept_gap = NULL;
+  cr_assert_eq(a[0].rc, 0, "%s: %s", dp_err_name(a[0].rc), a[0].e.message);
+  cr_assert(a[0].ep && a[1].ep && a[0].ep != a[1].ep);
+  for (int i = 0; i < 2; i++) {
+    dp_endpoint_free(a[i].ep);
+    dp_endpoint_free(out[i]);
+  }
+  dp_listener_free(l);
+  dp_transport_free(t);
+  dp_transport_free(c);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* ---- user objects and customs ---- */
 
 typedef struct point {

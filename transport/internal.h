@@ -172,6 +172,10 @@ extern _Atomic int dp__transport_fail_in_post;
  *  and written directly otherwise), so that the staging path runs on a
  *  machine without a GPU. Set it on both ends. */
 extern int dp__transport_stage_host;
+/** Called (when set) by a caller-driven dp_listener_accept between the
+ *  passes that saw a connection queued and taking it: a test widens there
+ *  the window in which another accepting thread takes it first. */
+extern void (*dp__transport_accept_gap)(void);
 /** Pieces this process received through same-host slots (tests read it). */
 extern _Atomic unsigned long dp__transport_shm_pieces;
 /** Messages this process received on same-host lanes (tests read it). */

@@ -19,6 +19,7 @@ _Atomic int dp__transport_fail_in_post;
 int dp__transport_stage_host;
 _Atomic unsigned long dp__transport_shm_pieces;
 _Atomic unsigned long dp__transport_lane_msgs;
+void (*dp__transport_accept_gap)(void);
 
 /* ---- small things ---- */
 
@@ -736,25 +737,8 @@ static int accepted(void *arg) {
   return yes;
 }
 
-int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err) {
-  if (out) *out = NULL;
-  if (!l || !out) return dp__err(err, DP_EINVAL, "dp_listener_accept: %s is NULL", l ? "out" : "l");
-  dp_transport_t *t = l->t;
-  if (forked(t, "dp_listener_accept", err)) return DP_EINVAL;
-  if (t->caller) dp__tp_caller_until(t, accepted, l, timeout_ns);
-  struct timespec dl;
-  clock_gettime(CLOCK_MONOTONIC, &dl); /* t->cv's clock */
-  if (timeout_ns >= 0) {
-    int64_t ns = dl.tv_nsec + timeout_ns % 1000000000;
-    dl.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
-    dl.tv_nsec = (long)(ns % 1000000000);
-  }
-  pthread_mutex_lock(&t->mu);
-  int timed_out = t->caller; /* caller-driven: the passes above waited */
-  while (!l->acc_head && !timed_out) {
-    if (timeout_ns < 0) pthread_cond_wait(&t->cv, &t->mu);
-    else timed_out = pthread_cond_timedwait(&t->cv, &t->mu, &dl) == ETIMEDOUT;
-  }
+/* The first connection queued on l, taken (NULL: none); under t->mu. */
+static dp_endpoint_t *acc_take(dp_listener_t *l) {
   dp_endpoint_t *ep = l->acc_head;
   if (ep) {
     l->acc_head = ep->acc_next;
@@ -762,7 +746,46 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
     ep->acc_next = NULL;
     ep->queued = 0;
   }
-  pthread_mutex_unlock(&t->mu);
+  return ep;
+}
+
+int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err) {
+  if (out) *out = NULL;
+  if (!l || !out) return dp__err(err, DP_EINVAL, "dp_listener_accept: %s is NULL", l ? "out" : "l");
+  dp_transport_t *t = l->t;
+  if (forked(t, "dp_listener_accept", err)) return DP_EINVAL;
+  dp_endpoint_t *ep = NULL;
+  if (t->caller) {
+    /* passes until a connection is queued, then take it; another thread
+       accepting on l may take it first, so this goes on until the limit
+       (none for a negative one) has passed */
+    int64_t now = now_ns();
+    int64_t end = timeout_ns < 0 || timeout_ns > INT64_MAX - now ? -1 : now + timeout_ns;
+    for (;;) {
+      dp__tp_caller_until(t, accepted, l, end < 0 ? -1 : end > now ? end - now : 0);
+      if (dp__transport_accept_gap) dp__transport_accept_gap();
+      pthread_mutex_lock(&t->mu);
+      ep = acc_take(l);
+      pthread_mutex_unlock(&t->mu);
+      if (ep || (end >= 0 && (now = now_ns()) >= end)) break;
+    }
+  } else {
+    struct timespec dl;
+    clock_gettime(CLOCK_MONOTONIC, &dl); /* t->cv's clock */
+    if (timeout_ns >= 0) {
+      int64_t ns = dl.tv_nsec + timeout_ns % 1000000000;
+      dl.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
+      dl.tv_nsec = (long)(ns % 1000000000);
+    }
+    pthread_mutex_lock(&t->mu);
+    int timed_out = 0;
+    while (!l->acc_head && !timed_out) {
+      if (timeout_ns < 0) pthread_cond_wait(&t->cv, &t->mu);
+      else timed_out = pthread_cond_timedwait(&t->cv, &t->mu, &dl) == ETIMEDOUT;
+    }
+    ep = acc_take(l);
+    pthread_mutex_unlock(&t->mu);
+  }
   if (!ep) return dp__err(err, DP_ETIMEDOUT, "dp_listener_accept: no connection on port %d in time", l->port);
   *out = ep;
   return 0;

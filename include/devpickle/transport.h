@@ -228,7 +228,9 @@ DP_API int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener
 /** The bound port (0 for NULL). */
 DP_API int dp_listener_port(const dp_listener_t *l);
 /** The next connection made to l, as a new endpoint, waiting up to
- *  timeout_ns (<0: no limit). DP_ETIMEDOUT when none came. */
+ *  timeout_ns (<0: no limit). DP_ETIMEDOUT when none came. Several threads
+ *  may accept on one listener at once: each connection goes to one of them,
+ *  and one whose connection another took waits on for the next. */
 DP_API int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err);
 /** Stops listening; connections accepted and not yet taken are closed.
  *  Waits for the loop; from a callback run by the transport's own progress
