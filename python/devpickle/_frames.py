@@ -249,6 +249,31 @@ def _setstate(obj):
     return getattr(obj, "__setstate__", None)
 
 
+def _method(obj, name, found, classes, label):
+    """found (obj's `name`, looked up on the instance as pickle looks it up:
+    __setstate__, extend, append), unless it is a value the frame names — a
+    class or function listed in classes= — put where the lookup finds it by
+    the frame's own data: an instance attribute (a class whose __init__ does
+    self.__dict__ = self, an AttrDict) or an item a class __getattr__ returns
+    (__getattr__ = dict.__getitem__). loads would call it with the frame's
+    state or items; a listed function is never called, and a class is made
+    only through its __new__ or its reduce. One the class defines itself
+    (extend = len, a staticmethod) is its own code, as a method is."""
+    if found is None or not any(found is v for v in classes.values()) and not any(
+            found is f for f in getattr(classes, "functions", {}).values()):
+        return found
+    for c in type(obj).__mro__:
+        d = vars(c)
+        if name in d:
+            v = d[name]
+            if v is found or isinstance(v, staticmethod) and v.__func__ is found:
+                return found
+            break
+    raise TypeError(f"loads: {label}'s {name} is {found!r}, a class or function the frame names as a value "
+                    f"(its items or attributes put it where {name} is looked up), not the class's method: loads never "
+                    "calls a value of the frame")
+
+
 def _slot_names(cls):
     """The attributes cls's instances keep in slots (member descriptors of
     cls or a base; private names mangled, as a frame names them)."""
@@ -510,7 +535,7 @@ def finish(name, attrs, classes, copies):
         return cls(**attrs)
     if cls is None or not any(k.startswith("<") for k in attrs):
         return Object(name, attrs) if cls is None else fill(cls.__new__(cls), attrs)
-    return reduced(cls, attrs, copies)
+    return reduced(cls, attrs, classes, copies)
 
 
 _TORCH_TENSOR_CLASSES = ("torch.nn.parameter.Parameter", "torch.nn.parameter.Buffer")
@@ -625,7 +650,7 @@ def _check_text(label, cls, args, kwargs, via_new):
                             f"a name from the frame (it takes {', '.join(sorted(allowed))})")
 
 
-def reduced(cls, parts, copies):
+def reduced(cls, parts, classes, copies):
     """An allowed class from its reduce parts, when the callable is the class
     itself, copyreg.__newobj__ of it, or copyreg.__newobj_ex__ of it (what
     pickle's default reduce gives a class with __getnewargs_ex__); for any
@@ -671,15 +696,16 @@ def reduced(cls, parts, copies):
     if listitems:
         # as pickle.loads's APPENDS: extend() with each batch of 1,000 (pickle.dumps's
         # batches), else append() item by item
-        extend = getattr(obj, "extend", None)
-        if extend is None and not hasattr(obj, "append"):
+        extend = _method(obj, "extend", getattr(obj, "extend", None), classes, label)
+        append = None if extend is not None else _method(obj, "append", getattr(obj, "append", None), classes, label)
+        if extend is None and append is None:
             raise TypeError(f"loads: {label} was reduced with listitems, and has neither extend nor append")
         for i in range(0, len(listitems), 1000):
             if extend is not None:
                 extend(listitems[i:i + 1000])
             else:
                 for item in listitems[i:i + 1000]:
-                    obj.append(item)
+                    append(item)
     for k, v in dictitems:
         try:
             obj[k] = v
@@ -688,7 +714,7 @@ def reduced(cls, parts, copies):
     # pickle saves a reduce's listitems and dictitems before its state (BUILD
     # comes last): __setstate__ sees the container filled
     state = parts.get("<state>")
-    setstate = _setstate(obj) if state is not None else None
+    setstate = _method(obj, "__setstate__", _setstate(obj), classes, label) if state is not None else None
     if setstate is not None:
         copies.charge("reduced objects' state", _fill_size(state))  # self.__dict__.update(state)
         setstate(state)

@@ -417,6 +417,69 @@ def test_a_function_listed_in_classes_comes_back_where_the_frame_holds_it_as_a_v
         devpickle.loads(frame, classes=[1])
 
 
+class AttrDict(dict):
+    """A dict whose items are its attributes (self.__dict__ = self)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.__dict__ = self
+
+
+class ItemAttrs(dict):
+    """A dict whose missing attributes are its items."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _listed_value_called(*args):
+    _listed_value_called.calls.append(args)
+
+
+_listed_value_called.calls = []
+
+
+@pytest.mark.parametrize("cls", [AttrDict, ItemAttrs])
+def test_a_listed_function_or_class_a_frame_puts_where_extend_or_setstate_is_looked_up_is_never_called(tmp_path, cls):
+    # loads looks extend, append and __setstate__ up on the instance, as
+    # pickle does; an allowed class whose items are its attributes let a
+    # frame's item named extend or __setstate__ be a listed function, which
+    # loads then called with the frame's listitems or state
+    label, fname = f"{__name__}.{cls.__qualname__}", f"{__name__}._listed_value_called"
+
+    def glob(name):
+        return {"$object": "devpickle.global", "attrs": {"name": name}}
+
+    frames = {
+        "extend": {"$object": label, "attrs": {"<callable>": glob(label), "<args>": {"$tuple": [{"extend": glob(fname)}]},
+                                               "<listitems>": [1, 2]}},
+        "append": {"$object": label, "attrs": {"<callable>": glob(label), "<args>": {"$tuple": [{"append": glob(fname)}]},
+                                               "<listitems>": [1, 2]}},
+        "__setstate__": {"$object": label, "attrs": {"<callable>": glob(label), "<args>": {"$tuple": []},
+                                                     "<dictitems>": [{"$tuple": ["__setstate__", glob(fname)]}],
+                                                     "<state>": {"x": 1}}},
+    }
+    for name, value in frames.items():
+        frame = _packed(tmp_path, value)
+        with pytest.raises(TypeError, match=rf"^loads: {label}'s {name} is <function _listed_value_called at 0x[0-9a-f]+>, "
+                                            r"a class or function the frame names as a value \(its items or attributes "
+                                            rf"put it where {name} is looked up\), not the class's method: loads never "
+                                            r"calls a value of the frame$"):
+            devpickle.loads(frame, classes=[cls, _listed_value_called])
+        assert _listed_value_called.calls == []
+        # a listed class there is not called either (it is made only through its __new__ or reduce)
+        with pytest.raises(TypeError, match=rf"^loads: {label}'s {name} is <class '{__name__}.Node'>, a class"):
+            devpickle.loads(_packed(tmp_path, json.loads(json.dumps(value).replace("._listed_value_called", ".Node"))),
+                            classes=[cls, Node])
+    # the class's own methods are still called, and values it holds come back
+    back = devpickle.loads(_packed(tmp_path, {"$object": label, "attrs": {
+        "<callable>": glob(label), "<args>": {"$tuple": [{"f": glob(fname)}]}}}), classes=[cls, _listed_value_called])
+    assert type(back) is cls and back == {"f": _listed_value_called}
+
+
 @pytest.mark.parametrize("classes", [0, False, 5, "", b"Node", 1.5], ids=repr)
 def test_classes_that_are_neither_a_class_nor_a_sequence_are_a_type_error_never_read_as_none(classes):
     frame = devpickle.dumps(Node("n"), inline=True)
