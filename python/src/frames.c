@@ -855,17 +855,23 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
     goto done;
   }
   if (buffers != Py_None) {
-    if (!PySequence_Check(buffers)) {
-      PyErr_SetString(PyExc_TypeError, "buffers= must be a sequence");
-      goto done;
-    }
-    /* one buffer given for the list (bytes: a sequence of ints) or a str:
-       its items are no buffers, and "buffers[0] is of type 'int'" would
-       not say why */
-    if (PyUnicode_Check(buffers) || PyBytes_Check(buffers) || PyByteArray_Check(buffers) ||
-        PyMemoryView_Check(buffers)) {
+    /* one buffer given for the list or a str: its items are no buffers
+       (bytes, an array.array: ints, "buffers[0] is of type 'int'"), or
+       each is a byte of it (a numpy array, what raw() gives: "buffer 0
+       holds 0 bytes"; a tensor is no sequence at all), which would not say
+       why. Any object with the buffer protocol, a torch tensor or a cupy
+       array is one buffer, as buffers= takes each */
+    if (dpy_resolve_frameworks()) goto done;
+    if (PyUnicode_Check(buffers) || PyObject_CheckBuffer(buffers) ||
+        (dpy.torch_tensor && PyObject_TypeCheck(buffers, dpy.torch_tensor)) ||
+        (dpy.cupy_ndarray && PyType_Check(dpy.cupy_ndarray) &&
+         PyObject_TypeCheck(buffers, (PyTypeObject *)dpy.cupy_ndarray))) {
       PyErr_Format(PyExc_TypeError, "buffers= must be a sequence of buffers, one per buffer of the frame's table "
                    "(buffers=[b]), not a '%s'", Py_TYPE(buffers)->tp_name);
+      goto done;
+    }
+    if (!PySequence_Check(buffers)) {
+      PyErr_SetString(PyExc_TypeError, "buffers= must be a sequence");
       goto done;
     }
     /* taken once, as list(buffers) takes them: a sequence whose __len__

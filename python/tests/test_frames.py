@@ -371,6 +371,25 @@ def test_one_buffer_given_for_the_list_of_buffers_is_a_type_error_saying_buffers
     assert devpickle.loads(frame, buffers=[one] if not isinstance(one, str) else [bytes(8)]).tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("one, name", [
+    (lambda raw: raw, "Tensor"), (lambda raw: raw.numpy(), "numpy.ndarray"),
+    (lambda raw: __import__("array").array("B", raw.numpy().tobytes()), "array.array")],
+    ids=["a torch tensor", "a numpy array", "an array.array"])
+def test_one_buffer_given_for_the_list_as_raw_gives_it_or_as_an_array_is_a_type_error_saying_buffers_takes_a_sequence(
+        one, name):
+    # raw() gives a torch tensor or numpy array, and loads(frame, buffers=b.raw())
+    # said "buffers= must be a sequence" (a tensor), "buffer 0 holds 0 bytes;
+    # the frame describes 16" (a numpy array: its items, each a byte) or
+    # "buffers[0] is of type 'int', not a buffer" (an array.array)
+    got = []
+    frame = devpickle.dumps(torch.arange(4, dtype=torch.float32), buffer_callback=got.append)
+    b = one(got[0].raw())
+    with pytest.raises(TypeError, match=rf"^buffers= must be a sequence of buffers, one per buffer of the frame's "
+                                        rf"table \(buffers=\[b\]\), not a '{name}'$"):
+        devpickle.loads(frame, buffers=b)
+    assert devpickle.loads(frame, buffers=[b]).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_classes_may_be_one_class_or_a_sequence():
     n = Node("n")
     frame = devpickle.dumps(n, inline=True)
