@@ -112,8 +112,8 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
     return -1;
   }
   /* a sequence of ints, but not a list of devices: b"cpu" would be cuda:99,
-   * cuda:112 and cuda:117 */
-  if (PyBytes_Check(devices) || PyByteArray_Check(devices)) {
+   * cuda:112 and cuda:117 (memoryview(b"cpu") too) */
+  if (PyBytes_Check(devices) || PyByteArray_Check(devices) || PyMemoryView_Check(devices)) {
     PyErr_Format(PyExc_TypeError, "devices must be a list of devices, not a '%s' (devices=[\"cuda:0\"])",
                  Py_TYPE(devices)->tp_name);
     return -1;

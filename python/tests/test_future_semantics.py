@@ -322,7 +322,8 @@ def test_devices_that_are_not_a_sequence_are_a_type_error(devices):
         devpickle.Future(devices=devices)
 
 
-@pytest.mark.parametrize("devices", [b"cpu", bytearray(b"\x00")], ids=["bytes", "a bytearray"])
+@pytest.mark.parametrize("devices", [b"cpu", bytearray(b"\x00"), memoryview(b"cpu")],
+                         ids=["bytes", "a bytearray", "a memoryview"])
 def test_devices_given_as_bytes_are_a_type_error_not_read_as_cuda_indices(devices):
     # bytes are a sequence of ints, as a str is one of strs: b"cpu" was read
     # as cuda:99, cuda:112 and cuda:117 (DP_ENODEV without a GPU), and
