@@ -68,6 +68,8 @@ class Buffer:
         # read-only when the memory's owner is (bytes, a read-only array)
         owner = o
         while isinstance(owner, np.ndarray):
+            if owner.dtype.hasobject:
+                raise self._objects()
             # every array on the way still in [ptr, ptr + nbytes): one resized
             # since (a.resize(..., refcheck=False) from a callback) freed it
             at = owner.__array_interface__["data"][0]
@@ -86,6 +88,8 @@ class Buffer:
                 # an mmap): dumps took the buffer from that owner's extent,
                 # which the walk finds again; ptr and nbytes must lie in it
                 # (a Buffer's fields can be set: never a view past it)
+                if _format_holds_objects(owner.base):  # np.frombuffer(memoryview(an object array))
+                    raise self._objects()
                 found = _scan(o, paths=False)
                 if not found or not found[0].ptr <= self.ptr <= self.ptr + self.nbytes <= found[0].ptr + found[0].nbytes:
                     raise self._moved()
@@ -97,12 +101,20 @@ class Buffer:
             s = owner.untyped_storage() if hasattr(owner, "untyped_storage") else owner.storage()._storage
             if not s.data_ptr() <= self.ptr <= self.ptr + self.nbytes <= s.data_ptr() + s.nbytes():
                 raise self._moved()
+        if _format_holds_objects(owner):
+            raise self._objects()
         try:
             with memoryview(owner) as m:
                 readonly = m.readonly
         except TypeError:
             readonly = isinstance(o, np.ndarray) and not o.flags.writeable
         return np.asarray(_Memory(self.ptr, self.nbytes, readonly, o))
+
+    def _objects(self):
+        # what dumps refuses to carry (a WalkError): bytes that are pointers,
+        # which a writable uint8 view would let code overwrite
+        return TypeError(f"{self!r}: its memory holds Python objects (an object array, or a structured one with an "
+                         "object field): raw() gives no view of their pointers")
 
     def _moved(self):
         return ValueError(f"{self!r}: its memory moved since dumps found it (the array or tensor on it was "
@@ -111,6 +123,16 @@ class Buffer:
 
     def __repr__(self):
         return f"devpickle.Buffer(device={self.device!r}, ptr={self.ptr:#x}, nbytes={self.nbytes})"
+
+
+def _format_holds_objects(x):
+    """Whether buffer x's items hold Python objects (struct format 'O', also
+    inside a structured format; field names, between colons, aside)."""
+    try:
+        with memoryview(x) as m:
+            return "O" in re.sub(r":[^:]*:", "", m.format)
+    except TypeError:
+        return False
 
 
 def _array_bounds(a):

@@ -1422,18 +1422,40 @@ static PyObject *ndarray_attr(PyObject *o, const char *name) {
   return Py_TYPE(descr[i])->tp_descr_get(descr[i], o, (PyObject *)Py_TYPE(o));
 }
 
+static int object_array(PyObject *o);
+
+/* 1 when a buffer's struct format holds an 'O' item (a Python object's
+ * pointer), also inside a structured format; field names, between colons,
+ * aside. */
+static int format_holds_objects(const char *f) {
+  for (int in_name = 0; f && *f; f++) {
+    if (*f == ':') in_name = !in_name;
+    else if (!in_name && *f == 'O') return 1;
+  }
+  return 0;
+}
+
 /* Buffer-protocol objects: cpu memory, owner first (numpy views and
  * memoryviews report the array they view; an array over a torch tensor —
- * Tensor.numpy() — is the tensor's allocation), never copied. */
-static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp,
-                         int *borrowedp) {
+ * Tensor.numpy() — is the tensor's allocation), never copied. *objectsp
+ * (when not NULL): 1 when an array on the way or the owner's format holds
+ * Python objects (a field of a structured array with an object field: its
+ * allocation's bytes are pointers). */
+static int buffer_memory_objects(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp,
+                                 int *borrowedp, int *objectsp) {
   PyObject *owner = o;
   Py_INCREF(owner);
   *devp = (dp_device_t){DP_DEVICE_CPU, 0};
   *borrowedp = 0;
+  if (objectsp) *objectsp = 0;
   int hops = 0;
   for (; hops < 64; hops++) {
     PyObject *next = NULL;
+    if (objectsp && dpy.numpy_ndarray && PyObject_TypeCheck(owner, dpy.numpy_ndarray)) {
+      int ob = object_array(owner);
+      if (ob < 0) clear_error();
+      if (ob) *objectsp = 1; /* unreadable: taken as holding them */
+    }
     if (PyMemoryView_Check(owner)) {
       /* a released view's base is a dangling pointer (its export, which
          held the base, is gone): the view itself is asked, and refuses */
@@ -1474,11 +1496,17 @@ static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void 
   Py_ssize_t lo = 0;
   size_t ext = (size_t)v.len;
   if (v.strides && view_extent(v.ndim, v.shape, v.strides, v.itemsize, &lo, &ext)) ext = (size_t)v.len;
+  if (objectsp && format_holds_objects(v.format)) *objectsp = 1;
   *basep = addr_at(v.buf, lo);
   *extp = ext;
   PyBuffer_Release(&v);
   Py_DECREF(owner);
   return 0;
+}
+
+static int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp,
+                         int *borrowedp) {
+  return buffer_memory_objects(s, o, devp, basep, extp, borrowedp, NULL);
 }
 
 /* A numpy array of Python objects holds no data, only references: pickle
@@ -2642,8 +2670,19 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   int borrowed = 0;
   if (cupy) {
     if (cupy_memory(o, &dev, &base, &ext)) goto out;
-  } else if (buffer_memory(s, o, &dev, &base, &ext, &borrowed)) {
-    goto out;
+  } else {
+    int objects;
+    if (buffer_memory_objects(s, o, &dev, &base, &ext, &borrowed, &objects)) goto out;
+    if (objects) {
+      /* a view of plain items over memory that holds Python objects (a
+         structured array's int field beside an object field): the buffer is
+         the owner's whole allocation, pointers and all — the process's
+         addresses in the frame, and raw() a writable view of references */
+      PyErr_SetString(PyExc_TypeError, "an array over memory that holds Python objects (a structured array's "
+                                       "field beside an object field, np.frombuffer of an object array): its "
+                                       "buffer would carry their pointers");
+      goto out;
+    }
   }
   if (PyErr_Occurred()) goto out;
   ptrdiff_t delta = (ptrdiff_t)((uintptr_t)ptr - (uintptr_t)base); /* numbers: the two need not be one object's */

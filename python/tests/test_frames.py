@@ -265,6 +265,41 @@ def test_what_pickle_carries_but_a_frame_cannot_is_refused_by_name():
         devpickle.dumps([np.empty(2, dtype=object)])
 
 
+def _arrays_over_python_objects():
+    objects = np.array([object(), "x"], dtype=object)
+    record = np.zeros(2, dtype=[("o", "O"), ("i", "i8")])
+    record["o"][0] = object()
+    return {"a structured array's int field": record["i"], "np.frombuffer of an object array":
+            np.frombuffer(objects, np.uint8), "np.frombuffer of its memoryview": np.frombuffer(memoryview(objects), np.uint8)}
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "out of band"])
+def test_an_array_over_memory_that_holds_python_objects_is_refused_never_its_pointers_carried(inline):
+    # an object array is refused (its dtype |O), but a plain view over such
+    # memory was carried with its owner's whole allocation as the buffer: the
+    # frame held the process's object addresses, and raw() gave a writable
+    # view of the references
+    for what, a in _arrays_over_python_objects().items():
+        got = []
+        with pytest.raises(devpickle.WalkError, match=r"^cannot walk a 'numpy.ndarray' at \$\.x: an array that cannot "
+                                                      r"be carried: an array over memory that holds Python objects"):
+            devpickle.dumps({"x": a}, inline=inline, buffer_callback=None if inline else got.append)
+        assert got == [], what
+    # a structured array of plain fields is still carried
+    plain = np.zeros(2, dtype=[("a", "i8"), ("b", "f8")])["a"]
+    assert devpickle.loads(devpickle.dumps({"x": plain}, inline=True))["x"].tolist() == [0, 0]
+
+
+def test_raw_of_a_buffer_made_by_hand_over_python_objects_is_refused_never_a_view_of_their_pointers():
+    arrays = dict(_arrays_over_python_objects(), **{"an object array": np.array([object()], dtype=object)})
+    for what, a in arrays.items():
+        b = devpickle.Buffer("cpu", a.__array_interface__["data"][0], 8, a)
+        with pytest.raises(TypeError, match=r"^devpickle\.Buffer\(device='cpu', ptr=0x[0-9a-f]+, nbytes=8\): its memory "
+                                            r"holds Python objects \(an object array, or a structured one with an "
+                                            r"object field\): raw\(\) gives no view of their pointers$"):
+            b.raw()
+
+
 def test_a_conjugate_or_negative_view_is_refused_never_carried_with_other_values():
     # the frame has no field for torch's conj/neg bits: carried, the view
     # would come back reading its memory's values, silently different
