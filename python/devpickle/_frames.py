@@ -135,6 +135,24 @@ def _format_holds_objects(x):
         return False
 
 
+def _over_objects(x):
+    """Whether x is a view, through memoryviews and numpy arrays, over
+    memory that holds Python objects (their owner's dtype or format)."""
+    np = sys.modules.get("numpy")
+    for _ in range(64):  # numpy and memoryview chains are short; a longer one is not followed
+        if np is not None and isinstance(x, np.ndarray):
+            if x.dtype.hasobject:
+                return True
+            x = x.base
+        elif isinstance(x, memoryview):
+            x = x.obj
+        else:
+            return x is not None and _format_holds_objects(x)
+        if _format_holds_objects(x):
+            return True
+    return False
+
+
 def _array_bounds(a):
     """[lo, hi): the bytes numpy array a addresses now (empty: (0, 0))."""
     ai = a.__array_interface__
@@ -783,6 +801,11 @@ def _check_contiguous(source, key):
         # it would corrupt the objects' references
         if "O" in re.sub(r":[^:]*:", "", fmt) or getattr(getattr(source, "dtype", None), "hasobject", False):
             raise TypeError(f"loads: buffers[{key}] holds Python objects (format {fmt!r}), not bytes")
+        if _over_objects(source):
+            # bytes of its own format over such memory: np.frombuffer of an
+            # object array, a memoryview of that
+            raise TypeError(f"loads: buffers[{key}] is a view over memory that holds Python objects (an object "
+                            "array's, or a structured one's with an object field), not bytes")
     if not ok:
         raise ValueError(f"loads: buffers[{key}] is not contiguous: a buffer must be its allocation's bytes "
                          "end to end (numpy.ascontiguousarray or .contiguous() makes such a copy)")

@@ -300,6 +300,22 @@ def test_raw_of_a_buffer_made_by_hand_over_python_objects_is_refused_never_a_vie
             b.raw()
 
 
+def test_a_buffer_given_to_loads_that_views_memory_holding_python_objects_is_refused_never_a_tensor_over_pointers():
+    # buffers= refused an object array, but np.frombuffer of one (uint8) or a
+    # memoryview of that passed: the tensor read the objects' addresses, and
+    # a write through it corrupted their references
+    got = []
+    frame = devpickle.dumps(torch.zeros(2, dtype=torch.int64), buffer_callback=got.append)
+    objects = np.array([object(), "x"], dtype=object)
+    for b in (np.frombuffer(objects, np.uint8), np.frombuffer(memoryview(objects), np.uint8),
+              memoryview(np.frombuffer(objects, np.uint8))):
+        with pytest.raises(TypeError, match=r"^loads: buffers\[0\] is a view over memory that holds Python objects "
+                                            r"\(an object array's, or a structured one's with an object field\), "
+                                            r"not bytes$"):
+            devpickle.loads(frame, buffers=[b])
+    assert devpickle.loads(frame, buffers=[memoryview(bytearray(16))]).tolist() == [0, 0]
+
+
 def test_a_conjugate_or_negative_view_is_refused_never_carried_with_other_values():
     # the frame has no field for torch's conj/neg bits: carried, the view
     # would come back reading its memory's values, silently different
