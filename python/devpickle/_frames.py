@@ -233,6 +233,11 @@ def allowed(classes):
                 # a frame names a class by its label alone: it could mean either
                 raise ValueError(f"classes= names {key} twice, by two different classes ({out[key]!r} and {c!r}): "
                                  "a frame could not say which it means")
+    for key, f in out.functions.items():
+        if key in out:
+            # a devpickle.global names either by that one label
+            raise ValueError(f"classes= names {key} twice, by a class and a function ({out[key]!r} and {f!r}): a "
+                             "frame could not say which it means")
     return out
 
 

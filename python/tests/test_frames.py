@@ -550,6 +550,21 @@ def test_a_listed_function_or_class_a_frame_puts_where_extend_or_setstate_is_loo
     assert type(back) is cls and back == {"f": _listed_value_called}
 
 
+def test_a_class_and_a_function_listed_by_one_name_are_a_value_error_never_one_returned_for_the_other():
+    # classes= refused two classes of one name, but a class and a function of
+    # one name were both taken: the frame's function came back as the class
+    def f():
+        pass
+
+    f.__qualname__ = "Node"
+    frame = devpickle.dumps({"c": Node, "f": f})
+    for classes in ([Node, f], [f, Node]):
+        with pytest.raises(ValueError, match=rf"^classes= names {__name__}\.Node twice, by a class and a function "
+                                             r"\(<class '[\w.]+\.Node'> and <function Node at 0x[0-9a-f]+>\): a frame "
+                                             r"could not say which it means$"):
+            devpickle.loads(frame, classes=classes)
+
+
 @pytest.mark.parametrize("classes", [0, False, 5, "", b"Node", 1.5], ids=repr)
 def test_classes_that_are_neither_a_class_nor_a_sequence_are_a_type_error_never_read_as_none(classes):
     frame = devpickle.dumps(Node("n"), inline=True)
