@@ -296,16 +296,21 @@ def _setstate(obj):
 
 def _method(obj, name, found, classes, label):
     """found (obj's `name`, looked up on the instance as pickle looks it up:
-    __setstate__, extend, append), unless it is a value the frame names — a
-    class or function listed in classes= — put where the lookup finds it by
-    the frame's own data: an instance attribute (a class whose __init__ does
-    self.__dict__ = self, an AttrDict) or an item a class __getattr__ returns
-    (__getattr__ = dict.__getitem__). loads would call it with the frame's
-    state or items; a listed function is never called, and a class is made
-    only through its __new__ or its reduce. One the class defines itself
-    (extend = len, a staticmethod) is its own code, as a method is."""
-    if found is None or not any(found is v for v in classes.values()) and not any(
-            found is f for f in getattr(classes, "functions", {}).values()):
+    __setstate__, extend, append), unless it is a value of the frame — a
+    class or function listed in classes=, or an instance of a listed class —
+    put where the lookup finds it by the frame's own data: an instance
+    attribute (a class whose __init__ does self.__dict__ = self, an
+    AttrDict) or an item a class __getattr__ returns (self[name]). loads
+    would call it with the frame's state or items: a listed function is
+    never called, a class is made only through its __new__ or its reduce,
+    and an instance's __call__ is not the method pickle means. One the class
+    defines itself (extend = len, a staticmethod) is its own code, as a
+    method is."""
+    if found is None:
+        return found
+    listed = classes.values()
+    if not (any(found is v or type(found) is v for v in listed)
+            or any(found is f for f in getattr(classes, "functions", {}).values())):
         return found
     for c in type(obj).__mro__:
         d = vars(c)
@@ -314,9 +319,11 @@ def _method(obj, name, found, classes, label):
             if v is found or isinstance(v, staticmethod) and v.__func__ is found:
                 return found
             break
-    raise TypeError(f"loads: {label}'s {name} is {found!r}, a class or function the frame names as a value "
-                    f"(its items or attributes put it where {name} is looked up), not the class's method: loads never "
-                    "calls a value of the frame")
+    # a class or function by its repr; an instance by its class (its repr is its code, of the frame's data)
+    what = repr(found) if type(found) not in listed else f"an instance of {class_label(type(found))}"
+    raise TypeError(f"loads: {label}'s {name} is {what}, a value of the frame (a class or function listed in "
+                    f"classes=, or an instance of one) that its items or attributes put where {name} is looked up, "
+                    "not the class's method: loads never calls a value of the frame")
 
 
 def _slot_names(cls):

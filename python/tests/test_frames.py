@@ -512,6 +512,13 @@ def _listed_value_called(*args):
 _listed_value_called.calls = []
 
 
+class _Called:
+    calls = []
+
+    def __call__(self, *args):
+        _Called.calls.append(args)
+
+
 @pytest.mark.parametrize("cls", [AttrDict, ItemAttrs])
 def test_a_listed_function_or_class_a_frame_puts_where_extend_or_setstate_is_looked_up_is_never_called(tmp_path, cls):
     # loads looks extend, append and __setstate__ up on the instance, as
@@ -535,15 +542,21 @@ def test_a_listed_function_or_class_a_frame_puts_where_extend_or_setstate_is_loo
     for name, value in frames.items():
         frame = _packed(tmp_path, value)
         with pytest.raises(TypeError, match=rf"^loads: {label}'s {name} is <function _listed_value_called at 0x[0-9a-f]+>, "
-                                            r"a class or function the frame names as a value \(its items or attributes "
-                                            rf"put it where {name} is looked up\), not the class's method: loads never "
-                                            r"calls a value of the frame$"):
+                                            r"a value of the frame \(a class or function listed in classes=, or an "
+                                            rf"instance of one\) that its items or attributes put where {name} is looked "
+                                            r"up, not the class's method: loads never calls a value of the frame$"):
             devpickle.loads(frame, classes=[cls, _listed_value_called])
         assert _listed_value_called.calls == []
-        # a listed class there is not called either (it is made only through its __new__ or reduce)
-        with pytest.raises(TypeError, match=rf"^loads: {label}'s {name} is <class '{__name__}.Node'>, a class"):
+        # a listed class there is not called either (it is made only through
+        # its __new__ or reduce), nor an instance of one (its __call__)
+        with pytest.raises(TypeError, match=rf"^loads: {label}'s {name} is <class '{__name__}.Node'>, a value"):
             devpickle.loads(_packed(tmp_path, json.loads(json.dumps(value).replace("._listed_value_called", ".Node"))),
                             classes=[cls, Node])
+        instance = json.loads(json.dumps(value).replace(json.dumps(glob(fname)), json.dumps(
+            {"$object": f"{__name__}.{_Called.__qualname__}"})))
+        with pytest.raises(TypeError, match=rf"^loads: {label}'s {name} is an instance of {__name__}\._Called, a value"):
+            devpickle.loads(_packed(tmp_path, instance), classes=[cls, _Called])
+        assert _Called.calls == []
     # the class's own methods are still called, and values it holds come back
     back = devpickle.loads(_packed(tmp_path, {"$object": label, "attrs": {
         "<callable>": glob(label), "<args>": {"$tuple": [{"f": glob(fname)}]}}}), classes=[cls, _listed_value_called])
