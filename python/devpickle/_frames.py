@@ -188,18 +188,23 @@ def class_label(cls):
 
 
 class _Allowed(dict):
-    """classes= as a dict label -> class; .functions: the functions it
+    """classes= as a dict label -> class; .ids: the ids of the classes and
+    functions listed (named(x)); .functions: the functions it
     lists, by module.qualname, which come back only where the frame holds
     them as a value (a devpickle.global: a model's activation, F.relu), never
     called and never taken for a class."""
 
-    __slots__ = ("functions",)
+    __slots__ = ("functions", "ids")
+
+    def named(self, x):
+        """Whether x is one of the listed classes or functions (by identity)."""
+        return id(x) in self.ids
 
 
 def allowed(classes):
     """classes= as a dict label -> class (with .functions, above)."""
     out = _Allowed()
-    out.functions = {}
+    out.functions, out.ids = {}, frozenset()
     if classes is None:
         return out
     if isinstance(classes, type):
@@ -233,6 +238,7 @@ def allowed(classes):
                 # a frame names a class by its label alone: it could mean either
                 raise ValueError(f"classes= names {key} twice, by two different classes ({out[key]!r} and {c!r}): "
                                  "a frame could not say which it means")
+    out.ids = frozenset(map(id, list(out.values()) + list(out.functions.values())))  # both held by out
     for key, f in out.functions.items():
         if key in out:
             # a devpickle.global names either by that one label
@@ -308,9 +314,7 @@ def _method(obj, name, found, classes, label):
     method is."""
     if found is None:
         return found
-    listed = classes.values()
-    if not (any(found is v or type(found) is v for v in listed)
-            or any(found is f for f in getattr(classes, "functions", {}).values())):
+    if not classes.named(found) and not classes.named(type(found)):  # a type is never a listed function
         return found
     for c in type(obj).__mro__:
         d = vars(c)
@@ -320,7 +324,7 @@ def _method(obj, name, found, classes, label):
                 return found
             break
     # a class or function by its repr; an instance by its class (its repr is its code, of the frame's data)
-    what = repr(found) if type(found) not in listed else f"an instance of {class_label(type(found))}"
+    what = repr(found) if classes.named(found) else f"an instance of {class_label(type(found))}"
     raise TypeError(f"loads: {label}'s {name} is {what}, a value of the frame (a class or function listed in "
                     f"classes=, or an instance of one) that its items or attributes put where {name} is looked up, "
                     "not the class's method: loads never calls a value of the frame")
