@@ -42,9 +42,12 @@ class Buffer:
                 # (torch.from_numpy(a[10:]) points at a's memory)
                 return torch.empty(0, dtype=torch.uint8, device=o.device)
             s = o.untyped_storage() if hasattr(o, "untyped_storage") else o.storage()._storage
-            if s.data_ptr() != self.ptr:  # resized since (by a callback): other memory, another size
+            if s.data_ptr() != self.ptr or s.nbytes() < self.nbytes:
+                # resized since (by a callback): other memory, another size;
+                # or nbytes set to name more than the storage holds
                 raise self._moved()
-            return torch.empty(0, dtype=torch.uint8, device=o.device).set_(s)
+            # exactly [ptr, ptr + nbytes), as the numpy and cupy paths give it
+            return torch.empty(0, dtype=torch.uint8, device=o.device).set_(s)[:self.nbytes]
         cupy = sys.modules.get("cupy")
         if cupy is not None and isinstance(o, cupy.ndarray):
             mem = o.data.mem  # the allocation dumps found: its base and size

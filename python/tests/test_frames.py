@@ -383,6 +383,25 @@ def test_raw_of_a_buffer_made_by_hand_without_its_array_is_refused_never_a_view_
         devpickle.Buffer("cpu", 16, 4096, a).raw()
 
 
+def test_raw_of_a_tensor_buffer_whose_nbytes_was_set_past_its_storage_is_the_value_error_and_gives_exactly_nbytes():
+    # raw() of a torch buffer viewed the tensor's whole storage whatever
+    # nbytes said: set larger it raised nothing (PYTHON.md: a ValueError),
+    # set smaller it gave more bytes than the Buffer names
+    t = torch.arange(4, dtype=torch.float32)
+    got = []
+    devpickle.dumps(t, buffer_callback=got.append)
+    b = got[0]
+    assert b.raw().shape == (16,)
+    b.nbytes = 1 << 20
+    with pytest.raises(ValueError, match=r"^devpickle\.Buffer\(device='cpu', ptr=0x[0-9a-f]+, nbytes=1048576\): its "
+                                         r"memory moved since dumps found it \(the array or tensor on it was resized, "
+                                         r"or its ptr or nbytes were changed to name other memory\)"):
+        b.raw()
+    b.nbytes = 4
+    r = b.raw()
+    assert r.shape == (4,) and r.data_ptr() == t.data_ptr()
+
+
 def test_raw_never_views_past_the_memory_of_the_object_an_array_was_made_over_whatever_nbytes_says():
     # for an array over another owner's memory (np.frombuffer of bytes), raw()
     # checked nothing against that owner: a Buffer whose nbytes was set larger
