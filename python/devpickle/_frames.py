@@ -5,6 +5,7 @@ from the frame."""
 
 import collections
 import copyreg
+import enum
 import operator
 import reprlib
 import re
@@ -750,6 +751,14 @@ def reduced(cls, parts, classes, copies):
             isinstance(p, tuple) and len(p) == 2 for p in dictitems):
         raise TypeError(f"loads: {label} was reduced with listitems that are not a list or dictitems "
                         "that are not a list of (key, value) pairs")
+    state = parts.get("<state>")
+    if (listitems or dictitems or state is not None) and isinstance(obj, (type, enum.Enum)):
+        # the class called with a value gives an object the whole process
+        # holds (Mode("a") is the member Mode.A; type(x) a class): filling it
+        # would change it for every holder, never make an object of the frame
+        what = f"the class {obj!r}" if isinstance(obj, type) else f"the member {class_label(type(obj))}.{obj._name_}"
+        raise TypeError(f"loads: {label} was reduced to {what}, which the process already holds, with a state, "
+                        "listitems or dictitems: loads changes no object but those it makes")
     copies.charge("reduced objects' listitems and dictitems", len(listitems) + len(dictitems))
     copies.hashes("reduced objects' dictitems", [k for k, _ in dictitems])
     if listitems:
@@ -772,7 +781,6 @@ def reduced(cls, parts, classes, copies):
             raise TypeError(f"loads: {label} was reduced with dictitems it cannot take: {e}") from e
     # pickle saves a reduce's listitems and dictitems before its state (BUILD
     # comes last): __setstate__ sees the container filled
-    state = parts.get("<state>")
     setstate = _method(obj, "__setstate__", _setstate(obj), classes, label) if state is not None else None
     if setstate is not None:
         copies.charge("reduced objects' state", _fill_size(state))  # self.__dict__.update(state)

@@ -597,6 +597,40 @@ def test_a_class_and_a_function_listed_by_one_name_are_a_value_error_never_one_r
             devpickle.loads(frame, classes=classes)
 
 
+class _Mode(__import__("enum").Enum):
+    A = "a"
+    B = "b"
+
+
+def test_a_reduce_that_gives_an_enum_member_or_a_class_with_a_state_is_refused_never_changing_it_for_the_process(
+        tmp_path):
+    # an allowed Enum class called with a value (or its __new__, through
+    # copyreg.__newobj__) gives the member the whole process holds, and loads
+    # set the frame's state on it: after the loads, _Mode.A.value was "evil"
+    label = f"{__name__}._Mode"
+
+    def glob(name):
+        return {"$object": "devpickle.global", "attrs": {"name": name}}
+
+    for fn, args in ((glob(label), ["a"]), (glob("copyreg.__newobj__"), [glob(label), "a"])):
+        frame = _packed(tmp_path, {"$object": label, "attrs": {"<callable>": fn, "<args>": {"$tuple": args},
+                                                               "<state>": {"_value_": "evil", "_name_": "Z"}}})
+        with pytest.raises(TypeError, match=rf"^loads: {label} was reduced to the member {label}\.A, which the "
+                                            r"process already holds, with a state, listitems or dictitems: loads "
+                                            r"changes no object but those it makes$"):
+            devpickle.loads(frame, classes=[_Mode])
+        assert _Mode.A.value == "a" and _Mode.A.name == "A"
+    # a class that a listed class gives (type(x)) is not filled either
+    frame = _packed(tmp_path, {"$object": "type", "attrs": {"<callable>": glob("builtins.type"), "<args>": {"$tuple": [
+        {"$object": f"{__name__}.Node", "attrs": {"name": "n"}}]}, "<state>": {"$tuple": [None, {"planted": 1}]}}})
+    with pytest.raises(TypeError, match=rf"^loads: type was reduced to the class <class '{__name__}\.Node'>, which "):
+        devpickle.loads(frame, classes=[type, Node])
+    assert not hasattr(Node, "planted")
+    # without a state the member comes back, as getattr(_Mode, "A") would give it
+    frame = _packed(tmp_path, {"$object": label, "attrs": {"<callable>": glob(label), "<args>": {"$tuple": ["b"]}}})
+    assert devpickle.loads(frame, classes=[_Mode]) is _Mode.B
+
+
 @pytest.mark.parametrize("classes", [0, False, 5, "", b"Node", 1.5], ids=repr)
 def test_classes_that_are_neither_a_class_nor_a_sequence_are_a_type_error_never_read_as_none(classes):
     frame = devpickle.dumps(Node("n"), inline=True)
