@@ -340,10 +340,27 @@ def _slot_names(cls):
     return {k for c in cls.__mro__ for k, v in vars(c).items() if isinstance(v, types.MemberDescriptorType)}
 
 
+# Names that numpy, torch, copy and pickle look up on the instance, its
+# __dict__ first, and use: a frame's value there would answer for the object
+# once loaded (np.asarray over an __array_interface__ naming any address,
+# copy.deepcopy calling a listed function as __deepcopy__), as
+# devpickle.Object's __attrs__ never do.
+_INSTANCE_PROTOCOL = frozenset({
+    "__array_interface__", "__array_struct__", "__array__", "__array_wrap__", "__array_prepare__",
+    "__cuda_array_interface__", "__dlpack__", "__dlpack_device__", "__deepcopy__", "__copy__", "__reduce_ex__",
+    "__reduce__", "__getstate__", "__setstate__", "__getnewargs__", "__getnewargs_ex__"})
+
+
 def _set_state(obj, state, slots):
     """pickle's default __setstate__: state into the instance's __dict__,
     slots with setattr; an instance without a __dict__ is a TypeError
-    naming its class, never an AttributeError from inside loads."""
+    naming its class, never an AttributeError from inside loads; an
+    attribute of _INSTANCE_PROTOCOL's names is a TypeError too."""
+    protocol = sorted(k for k in state if k in _INSTANCE_PROTOCOL)
+    if protocol:
+        raise TypeError(f"loads: {class_label(type(obj))}'s attributes {protocol!r} are names numpy, torch, copy and "
+                        "pickle look up on the instance: a frame's value there would answer for the object (an "
+                        "__array_interface__ naming any address), so loads sets none")
     if state:
         d = getattr(obj, "__dict__", None)
         if not isinstance(d, dict):

@@ -631,6 +631,27 @@ def test_a_reduce_that_gives_an_enum_member_or_a_class_with_a_state_is_refused_n
     assert devpickle.loads(frame, classes=[_Mode]) is _Mode.B
 
 
+def test_an_allowed_object_takes_no_attribute_that_numpy_copy_or_pickle_look_up_on_the_instance(tmp_path):
+    # a plain object's attributes went into its __dict__ whatever their
+    # names: a frame's __array_interface__ had np.asarray(obj) make an array
+    # at address 0x1000, and its __deepcopy__ (a listed function) was called
+    # by copy.deepcopy(obj) — what devpickle.Object keeps its __attrs__ from
+    label = f"{__name__}.Node"
+    for name, value in (("__array_interface__", {"data": {"$tuple": [4096, False]}, "shape": {"$tuple": [8]},
+                                                 "typestr": "|u1", "version": 3}),
+                        ("__deepcopy__", {"$object": "devpickle.global", "attrs": {"name": f"{__name__}._listed_value_called"}})):
+        for frame in (_packed(tmp_path, {"$object": label, "attrs": {"name": "n", name: value}}),
+                      _packed(tmp_path, {"$object": label, "attrs": {
+                          "<callable>": {"$object": "devpickle.global", "attrs": {"name": label}},
+                          "<args>": {"$tuple": ["n"]}, "<state>": {name: value}}})):
+            with pytest.raises(TypeError, match=rf"^loads: {label}'s attributes \['{name}'\] are names numpy, torch, "
+                                                r"copy and pickle look up on the instance: a frame's value there would "
+                                                r"answer for the object \(an __array_interface__ naming any address\), "
+                                                r"so loads sets none$"):
+                devpickle.loads(frame, classes=[Node, _listed_value_called])
+    assert _listed_value_called.calls == []
+
+
 @pytest.mark.parametrize("classes", [0, False, 5, "", b"Node", 1.5], ids=repr)
 def test_classes_that_are_neither_a_class_nor_a_sequence_are_a_type_error_never_read_as_none(classes):
     frame = devpickle.dumps(Node("n"), inline=True)
