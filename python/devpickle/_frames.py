@@ -368,7 +368,10 @@ def _set_state(obj, state, slots):
                             f"{list(state)!r} (it keeps only {sorted(_slot_names(type(obj)))!r}, in slots)")
         d.update(state)
     for k, v in slots.items():
-        setattr(obj, k, v)
+        try:
+            setattr(obj, k, v)
+        except AttributeError as e:  # no such slot, and no __dict__; a read-only attribute
+            raise TypeError(f"loads: {class_label(type(obj))} cannot take the slot state {shown(k)}: {e}") from e
 
 
 class Copies:
@@ -794,7 +797,7 @@ def reduced(cls, parts, classes, copies):
     for k, v in dictitems:
         try:
             obj[k] = v
-        except TypeError as e:  # no __setitem__, or an unhashable key
+        except (TypeError, LookupError) as e:  # no __setitem__, an unhashable key; a list's index past its end
             raise TypeError(f"loads: {label} was reduced with dictitems it cannot take: {e}") from e
     # pickle saves a reduce's listitems and dictitems before its state (BUILD
     # comes last): __setstate__ sees the container filled

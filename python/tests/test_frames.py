@@ -652,6 +652,34 @@ def test_an_allowed_object_takes_no_attribute_that_numpy_copy_or_pickle_look_up_
     assert _listed_value_called.calls == []
 
 
+class _Items(list):
+    pass
+
+
+class _Slotted:
+    __slots__ = ("a",)
+
+
+def test_dictitems_a_list_cannot_take_and_slot_state_a_class_has_no_slot_for_are_type_errors_naming_the_class(tmp_path):
+    # they escaped from inside loads as the IndexError and AttributeError of
+    # the statement that failed, naming nothing of the frame
+    def glob(name):
+        return {"$object": "devpickle.global", "attrs": {"name": name}}
+
+    label = f"{__name__}._Items"
+    frame = _packed(tmp_path, {"$object": label, "attrs": {"<callable>": glob(label), "<args>": {"$tuple": []},
+                                                           "<dictitems>": [{"$tuple": [5, 1]}]}})
+    with pytest.raises(TypeError, match=rf"^loads: {label} was reduced with dictitems it cannot take: list assignment "
+                                        r"index out of range$"):
+        devpickle.loads(frame, classes=[_Items])
+    label = f"{__name__}._Slotted"
+    frame = _packed(tmp_path, {"$object": label, "attrs": {"<callable>": glob("copyreg.__newobj__"), "<args>": {
+        "$tuple": [glob(label)]}, "<state>": {"$tuple": [None, {"a": 1, "zz": 2}]}}})
+    with pytest.raises(TypeError, match=rf"^loads: {label} cannot take the slot state 'zz': '_Slotted' object has no "
+                                        r"attribute 'zz'$"):
+        devpickle.loads(frame, classes=[_Slotted])
+
+
 @pytest.mark.parametrize("classes", [0, False, 5, "", b"Node", 1.5], ids=repr)
 def test_classes_that_are_neither_a_class_nor_a_sequence_are_a_type_error_never_read_as_none(classes):
     frame = devpickle.dumps(Node("n"), inline=True)
