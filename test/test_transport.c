@@ -4560,50 +4560,53 @@ static int echo_then_stall(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   return rc;
 }
 
-/* A peer that stops answering never completes UCX's disconnect of a
- * graceful close: freeing the transport then must give the close up, not
- * abort the process in UCX's worker teardown. */
-static void free_with_a_hung_peer(int caller) {
+/* A peer that echoes one value and then stops answering (it never
+ * completes UCX's disconnect of a graceful close), and *t's endpoint to it,
+ * closed gracefully after the echo: its CLOSE is never answered. */
+static peer_t close_to_a_hung_peer(int caller, dp_transport_t **t) {
   t_track();
   dp_transport_opts_t po = {0};
   po.progress = DP_TRANSPORT_PROGRESS_CALLER;
   peer_t p = spawn_peer(echo_then_stall, (void *)(intptr_t)20000, &po);
-  dp_transport_t *t = new_transport_driven(caller);
-  dp_endpoint_t *ep = connect_to(t, p.port);
+  *t = new_transport_driven(caller);
+  dp_endpoint_t *ep = connect_to(*t, p.port);
   echo_once(ep);
-  int64_t t0 = now_ns_t();
-  dp_endpoint_free(ep); /* nothing pending: a graceful close, which the peer never answers */
+  dp_endpoint_free(ep); /* nothing pending: a graceful close */
+  return p;
+}
+
+/* Frees t (already freed when NULL), kills p, and checks that nothing leaked. */
+static void hung_peer_done(dp_transport_t *t, peer_t p) {
   dp_transport_free(t);
   cur_t = NULL;
-  cr_assert_lt(now_ns_t() - t0, 10 * SEC, "the free waited for the hung peer");
   kill(p.pid, SIGKILL);
   cr_assert_eq(peer_wait(p), 128 + SIGKILL);
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
 
+/* Freeing the transport then must give the close up, not abort the process
+ * in UCX's worker teardown. */
+static void free_with_a_hung_peer(int caller) {
+  dp_transport_t *t;
+  peer_t p = close_to_a_hung_peer(caller, &t);
+  int64_t t0 = now_ns_t();
+  dp_transport_free(t);
+  cr_assert_lt(now_ns_t() - t0, 10 * SEC, "the free waited for the hung peer");
+  hung_peer_done(NULL, p);
+}
+
 /* A close to a peer that stopped answering stays in progress until the
  * transport is freed: meanwhile the progress thread sleeps between its
  * deadlines and UCX's events instead of spinning a core all that time. */
 Test(transport, a_close_to_a_hung_peer_in_progress_costs_no_core_while_it_waits) {
-  t_track();
-  dp_transport_opts_t po = {0};
-  po.progress = DP_TRANSPORT_PROGRESS_CALLER;
-  peer_t p = spawn_peer(echo_then_stall, (void *)(intptr_t)20000, &po);
-  dp_transport_t *t = new_transport(NULL);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  echo_once(ep);
-  dp_endpoint_free(ep); /* graceful: its CLOSE and UCX's disconnect are never answered */
+  dp_transport_t *t;
+  peer_t p = close_to_a_hung_peer(0, &t);
   double cpu0 = cpu_s();
   nanosleep(&(struct timespec){1, 0}, NULL); /* past the 1 s wait for the answer, into UCX's disconnect */
   double used = cpu_s() - cpu0;
   cr_assert_lt(used, 0.3, "%.3f s of CPU in 1 s while a close waited for a hung peer", used);
-  dp_transport_free(t);
-  cur_t = NULL;
-  kill(p.pid, SIGKILL);
-  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  hung_peer_done(t, p);
 }
 
 /* Caller-driven, such a close is no work to do: dp_transport_progress
@@ -4611,23 +4614,12 @@ Test(transport, a_close_to_a_hung_peer_in_progress_costs_no_core_while_it_waits)
  * transport until it is idle ends. It answered 1 for as long as the close
  * lasted: forever, to a stopped peer. */
 Test(transport, a_close_to_a_hung_peer_in_progress_leaves_a_caller_driven_transport_idle) {
-  t_track();
-  dp_transport_opts_t po = {0};
-  po.progress = DP_TRANSPORT_PROGRESS_CALLER;
-  peer_t p = spawn_peer(echo_then_stall, (void *)(intptr_t)20000, &po);
-  dp_transport_t *t = new_transport_driven(1);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  echo_once(ep);
-  dp_endpoint_free(ep); /* its passes give up waiting after 1 s; the close goes on */
+  dp_transport_t *t;
+  peer_t p = close_to_a_hung_peer(1, &t); /* its passes give up waiting after 1 s; the close goes on */
   int64_t t0 = now_ns_t();
   while (dp_transport_progress(t) && now_ns_t() - t0 < 3 * SEC) continue;
   cr_assert_lt(now_ns_t() - t0, 3 * SEC, "dp_transport_progress found work for 3 s while a close waited for a hung peer");
-  dp_transport_free(t);
-  cur_t = NULL;
-  kill(p.pid, SIGKILL);
-  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  hung_peer_done(t, p);
 }
 
 Test(transport, freeing_a_transport_after_closing_an_endpoint_to_a_hung_peer_returns_thread_driven) {
