@@ -34,6 +34,12 @@ class Buffer:
     def raw(self):
         """The whole buffer: a flat uint8 torch tensor on its device (torch),
         a uint8 numpy array (cpu memory), or a uint8 cupy array (cupy)."""
+        for name in ("ptr", "nbytes"):  # settable fields: a view is sized by them
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"devpickle.Buffer.raw: {name} is a {type(v).__name__!r}, not an int")
+            if v < 0:
+                raise ValueError(f"{self!r}: {name} is negative")
         o = self.obj
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(o, torch.Tensor):
@@ -126,7 +132,8 @@ class Buffer:
                           "gone")
 
     def __repr__(self):
-        return f"devpickle.Buffer(device={self.device!r}, ptr={self.ptr:#x}, nbytes={self.nbytes})"
+        ptr = f"{self.ptr:#x}" if isinstance(self.ptr, int) and self.ptr >= 0 else repr(self.ptr)
+        return f"devpickle.Buffer(device={self.device!r}, ptr={ptr}, nbytes={self.nbytes!r})"
 
 
 def _format_holds_objects(x):

@@ -402,6 +402,30 @@ def test_raw_of_a_tensor_buffer_whose_nbytes_was_set_past_its_storage_is_the_val
     assert r.shape == (4,) and r.data_ptr() == t.data_ptr()
 
 
+def test_raw_of_a_buffer_whose_ptr_or_nbytes_was_set_to_no_size_is_refused_naming_the_field():
+    # a negative nbytes sliced a torch buffer's view from its end ([:-1]:
+    # all but a byte) and a str one failed inside raw() with an operand error
+    for obj in (torch.arange(4, dtype=torch.float32), np.arange(4.0)):
+        got = []
+        devpickle.dumps(obj, buffer_callback=got.append)
+        b = got[0]
+        whole = b.nbytes
+        for name, bad in (("nbytes", -1), ("ptr", -1), ("nbytes", "16"), ("ptr", 1.5), ("nbytes", True)):
+            kept = getattr(b, name)
+            setattr(b, name, bad)
+            if isinstance(bad, int) and not isinstance(bad, bool):
+                with pytest.raises(ValueError, match=rf"^devpickle\.Buffer\(device='cpu', ptr=.*, nbytes=.*\): {name} "
+                                                     r"is negative$"):
+                    b.raw()
+            else:
+                with pytest.raises(TypeError, match=rf"^devpickle\.Buffer\.raw: {name} is a '{type(bad).__name__}', "
+                                                    r"not an int$"):
+                    b.raw()
+            assert repr(b).startswith("devpickle.Buffer(device='cpu', ptr=")
+            setattr(b, name, kept)
+        assert b.raw().shape == (whole,)
+
+
 def test_raw_never_views_past_the_memory_of_the_object_an_array_was_made_over_whatever_nbytes_says():
     # for an array over another owner's memory (np.frombuffer of bytes), raw()
     # checked nothing against that owner: a Buffer whose nbytes was set larger
