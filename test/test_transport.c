@@ -1286,6 +1286,73 @@ Test(transport, a_send_waiting_for_its_pending_future_sleeps_instead_of_spinning
   send_future_sleeps(1);
 }
 
+/* then(): the value 7, whatever the parent's */
+static int seven(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)err;
+  *result = dp_int(7);
+  return 0;
+}
+
+/* Caller-driven: a future that a send waits for, completed during a pass
+ * after that send's endpoint was looked at (here by the completion of
+ * another send the same pass posted: f2 is a then() of d1), leaves work —
+ * that send goes now — and the pass says so (1). It answered 0 (idle), so
+ * a loop driving the transport until it is idle stopped with the send
+ * neither posted nor failed; the loop looked at the pending future on
+ * every pass before, and answered 1 while it was pending. */
+Test(transport, a_pass_that_completes_a_future_a_send_waits_for_is_not_idle_caller_driven) {
+  t_track();
+  dp_transport_opts_t o = {0};
+  o.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *c1, *a1, *c2, *a2;
+  dp_listener_t *l1 = listen_pair(t, &c1, &a1), *l2 = listen_pair(t, &c2, &a2);
+  /* connected, lanes up: c2 is looked at before c1 in a pass (the newer first) */
+  for (int i = 0; i < 3; i++) {
+    dp_future_t *d, *r;
+    dp_error_t e;
+    OK(dp_endpoint_send(i % 2 ? c2 : c1, dp_int(i), &d, T_ERR));
+    r = recv_ok(i % 2 ? a2 : a1);
+    OK_WITH(&e, wait_f(d, &e));
+    dp_future_release(d);
+    dp_future_release(r);
+  }
+  dp_future_t *f1, *d1, *f2, *d2, *r1, *r2;
+  OK(dp_future_new(NULL, &f1, T_ERR));
+  OK(dp_endpoint_send_future(c1, f1, &d1, T_ERR));
+  OK(dp_future_then(d1, seven, NULL, &f2, T_ERR));
+  OK(dp_endpoint_send_future(c2, f2, &d2, T_ERR));
+  int64_t t0 = now_ns_t();
+  while (dp_transport_progress(t) && now_ns_t() - t0 < 2 * SEC) continue; /* both wait */
+  cr_assert(!dp_future_is_done(d1) && !dp_future_is_done(f2));
+  OK(dp_future_mark_completed(f1, dp_int(1), T_ERR));
+  t0 = now_ns_t();
+  while (dp_transport_progress(t) && now_ns_t() - t0 < 2 * SEC) continue; /* until idle, as a caller drives */
+  cr_assert(dp_future_is_done(f2), "d1 did not complete the then() child");
+  cr_assert(dp_future_is_done(d2),
+            "dp_transport_progress answered idle with a send whose future completed in that pass neither posted nor failed");
+  dp_error_t e;
+  OK_WITH(&e, wait_f(d2, &e));
+  OK(dp_endpoint_recv(a1, &r1, T_ERR));
+  OK(dp_endpoint_recv(a2, &r2, T_ERR));
+  OK_WITH(&e, wait_f(r1, &e));
+  OK_WITH(&e, wait_f(r2, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r1)), 1);
+  cr_assert_eq(dp_value_as_int(dp_future_value(r2)), 7);
+  dp_future_t *all[] = {f1, d1, f2, d2, r1, r2};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
+  dp_endpoint_free(c1);
+  dp_endpoint_free(a1);
+  dp_endpoint_free(c2);
+  dp_endpoint_free(a2);
+  dp_listener_free(l1);
+  dp_listener_free(l2);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* ---- staging: host:N memory staged as cuda memory is ---- */
 
 

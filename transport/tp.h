@@ -327,6 +327,17 @@ struct dp_listener {
 enum { CMD_LISTEN, CMD_UNLISTEN, CMD_CONNECT, CMD_SEND, CMD_RECV, CMD_CLOSE, CMD_STOP, CMD_SYNC };
 
 
+/* The loop's wake-up as a future's completion rings it: a sender's future
+ * completing on any thread, while the loop sleeps, whether or not the
+ * transport is still there (fd is a duplicate of its eventfd, closed with
+ * the last reference). rings counts the rings, so that a pass can tell that
+ * a future completed while it ran (transport.c, loop.c). */
+struct dp__waker {
+  _Atomic uint32_t refs;
+  _Atomic unsigned long rings;
+  int fd;
+};
+
 struct dp_transport {
   ucp_context_h ctx;
   ucp_worker_h worker;
@@ -336,6 +347,7 @@ struct dp_transport {
      completes (a duplicate of wake_fd, held by the transport and by each
      future's notification, which may outlive the transport) */
   struct dp__waker *waker;
+  unsigned long rings_seen; /* waker->rings as a pass began (dp__tp_pass) */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   cmd_t *c_head, *c_tail;

@@ -57,15 +57,7 @@ static void wake(dp_transport_t *t) {
   (void)w;
 }
 
-/* The loop's wake-up as a future's completion rings it: a sender's future
- * completing on any thread, while the loop sleeps, whether or not the
- * transport is still there (the descriptor is a duplicate of its eventfd,
- * closed with the last reference). */
-struct dp__waker {
-  _Atomic uint32_t refs;
-  int fd;
-};
-
+/* struct dp__waker: tp.h */
 static struct dp__waker *waker_new(int fd) {
   struct dp__waker *w = dp__alloc(sizeof *w);
   if (!w) return NULL;
@@ -74,6 +66,7 @@ static struct dp__waker *waker_new(int fd) {
     return NULL;
   }
   atomic_init(&w->refs, 1);
+  atomic_init(&w->rings, 0);
   return w;
 }
 
@@ -88,6 +81,7 @@ static void waker_ring(void *ctx, dp_future_t *f, size_t index) {
   (void)f, (void)index;
   struct dp__waker *w = ctx;
   uint64_t one = 1;
+  atomic_fetch_add_explicit(&w->rings, 1, memory_order_release); /* before the wake: a pass that sees it sees this */
   ssize_t r = write(w->fd, &one, sizeof one);
   (void)r;
 }
