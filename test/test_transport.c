@@ -1286,6 +1286,49 @@ Test(transport, a_send_waiting_for_its_pending_future_sleeps_instead_of_spinning
   send_future_sleeps(1);
 }
 
+/* The descriptors this process has open. */
+static int open_fds(void) {
+  DIR *d = opendir("/proc/self/fd");
+  cr_assert(d != NULL);
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d));) n += e->d_name[0] != '.';
+  closedir(d);
+  return n - 1; /* opendir's own */
+}
+
+/* A future given to dp_endpoint_send_future that stays pending (its
+ * producer gave up; the caller keeps it) holds nothing of a transport that
+ * is freed: its descriptors are all closed. The future's notification held
+ * a duplicate of the loop's eventfd until the future completed or went, so
+ * each transport freed under such a future left a descriptor open. */
+Test(transport, a_future_sent_and_still_pending_keeps_no_descriptor_of_a_freed_transport) {
+  t_track();
+  int before = open_fds();
+  dp_future_t *f, *d[3];
+  OK(dp_future_new(NULL, &f, T_ERR));
+  for (int round = 0; round < 3; round++) {
+    dp_transport_t *t = new_transport(NULL);
+    dp_endpoint_t *c, *a;
+    dp_listener_t *l = listen_pair(t, &c, &a);
+    OK(dp_endpoint_send_future(c, f, &d[round], T_ERR));
+    dp_endpoint_free(c);
+    dp_endpoint_free(a);
+    dp_listener_free(l);
+    dp_transport_free(t);
+    cur_t = NULL;
+    dp_error_t e;
+    cr_assert_eq(dp_future_wait(d[round], 0, &e), DP_ECANCELED, "%s", e.message);
+    dp_future_release(d[round]);
+  }
+  cr_assert_eq(open_fds(), before, "%d descriptors open after 3 transports were freed under a pending future, %d before",
+               open_fds(), before);
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR)); /* the late completion wakes nothing, and is harmless */
+  dp_future_release(f);
+  cr_assert_eq(open_fds(), before);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* then(): the value 7, whatever the parent's */
 static int seven(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
   (void)ud, (void)parent, (void)err;

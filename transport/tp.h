@@ -120,7 +120,7 @@ struct sop {
   int kind;
   dp_value_t value;         /* retained (SOP_VALUE, SOP_FUTURE once ready) */
   dp_future_t *src;         /* SOP_FUTURE */
-  int src_notifies;         /* SOP_FUTURE: src's completion wakes the loop (no polling for it) */
+  struct dp__note *note;    /* SOP_FUTURE: src's completion wakes the loop (no polling for it) */
   dp_future_t *done;
   dp_frame_t *frame;        /* SOP_VALUE / SOP_FUTURE */
   uint8_t *bytes;           /* SOP_FRAME / SOP_RAW: our copy */

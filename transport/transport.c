@@ -77,13 +77,39 @@ static void waker_drop(void *ctx) {
   dp__free(w, sizeof *w);
 }
 
-static void waker_ring(void *ctx, dp_future_t *f, size_t index) {
+/* One send's hold on the waker, shared by the send and its future's
+ * notification (refs: one each). The waker goes with the first of the
+ * future's completion (its ring) and the send's end (dp__tp_sop_free):
+ * a future that stays pending after its send ended — its endpoint failed
+ * or closed, the transport freed — holds none of the transport's
+ * descriptors (it held the duplicate until it completed or went, one
+ * descriptor a transport freed under it). */
+struct dp__note {
+  _Atomic(struct dp__waker *) w;
+  _Atomic uint32_t refs;
+};
+
+static void note_unref(void *ctx) {
+  struct dp__note *n = ctx;
+  if (atomic_fetch_sub_explicit(&n->refs, 1, memory_order_acq_rel) == 1) dp__free(n, sizeof *n);
+}
+
+static void note_detach(struct dp__note *n) {
+  if (!n) return;
+  waker_drop(atomic_exchange_explicit(&n->w, NULL, memory_order_acq_rel)); /* NULL: the future rang it */
+  note_unref(n);
+}
+
+static void note_ring(void *ctx, dp_future_t *f, size_t index) {
   (void)f, (void)index;
-  struct dp__waker *w = ctx;
+  struct dp__note *n = ctx;
+  struct dp__waker *w = atomic_exchange_explicit(&n->w, NULL, memory_order_acq_rel);
+  if (!w) return; /* the send ended: nothing waits */
   uint64_t one = 1;
   atomic_fetch_add_explicit(&w->rings, 1, memory_order_release); /* before the wake: a pass that sees it sees this */
   ssize_t r = write(w->fd, &one, sizeof one);
   (void)r;
+  waker_drop(w);
 }
 
 static int new_future(dp_transport_t *t, dp_future_t **out, dp_error_t *err) {
@@ -204,6 +230,7 @@ static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, 
 /* ---- endpoint failure ---- */
 
 void dp__tp_sop_free(sop_t *s) {
+  note_detach(s->note);
   dp_value_release(s->value);
   dp_future_release(s->src);
   dp_future_release(s->done);
@@ -951,10 +978,17 @@ int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **don
      f instead kept the progress thread, or a caller's wait, spinning on a
      core for as long as f took) */
   struct dp__waker *w = ep->t->waker;
-  if (w) {
+  struct dp__note *n = w ? dp__alloc(sizeof *n) : NULL;
+  if (n) {
     atomic_fetch_add_explicit(&w->refs, 1, memory_order_relaxed);
-    if (dp__future_notify(f, waker_ring, waker_drop, w) == 0) s->src_notifies = 1;
-    else waker_drop(w);
+    atomic_init(&n->w, w);
+    atomic_init(&n->refs, 2);
+    if (dp__future_notify(f, note_ring, note_unref, n) == 0) {
+      s->note = n;
+    } else {
+      waker_drop(w);
+      dp__free(n, sizeof *n);
+    }
   }
   return queue_send(ep, s, done, err);
 }
