@@ -414,7 +414,7 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
   /* a future a send waits for that completes from here on may do so after
      its endpoint was looked at (a then() of a send this pass completes, a
      receive that a timeout fails): its send goes next pass, which is work */
-  if (t->waker) t->rings_seen = atomic_load_explicit(&t->waker->rings, memory_order_acquire);
+  t->rings_seen = atomic_load_explicit(&t->waker->rings, memory_order_acquire);
   int work = dp__tp_drain_cmds(t);
   if (t->stop) return work;
   if (!t->lanes_all || !t->main_idle || ++t->main_skipped >= DP__MAIN_EVERY) {
@@ -455,7 +455,7 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
      which spun a core for as long as a close to a stopped peer lasted —
      until dp_transport_free */
   *polling_out = polling;
-  if (t->waker && atomic_load_explicit(&t->waker->rings, memory_order_acquire) != t->rings_seen) work++;
+  if (atomic_load_explicit(&t->waker->rings, memory_order_acquire) != t->rings_seen) work++;
   return work;
 }
 

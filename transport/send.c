@@ -415,7 +415,7 @@ int dp__tp_ep_pump_sends(dp_transport_t *t, dp_endpoint_t *ep) {
   while (ep->sq_head && !ep->dead) {
     sop_t *s = ep->sq_head;
     if (s->kind == SOP_FUTURE && !s->frame) {
-      if (!dp_future_is_done(s->src)) return !s->note; /* its completion wakes the loop */
+      if (!dp_future_is_done(s->src)) return 0; /* its completion wakes the loop (s->note) */
       dp_error_t e;
       dp_error_clear(&e);
       if (dp_future_error(s->src, &e)) {

@@ -327,11 +327,12 @@ struct dp_listener {
 enum { CMD_LISTEN, CMD_UNLISTEN, CMD_CONNECT, CMD_SEND, CMD_RECV, CMD_CLOSE, CMD_STOP, CMD_SYNC };
 
 
-/* The loop's wake-up as a future's completion rings it: a sender's future
- * completing on any thread, while the loop sleeps, whether or not the
- * transport is still there (fd is a duplicate of its eventfd, closed with
- * the last reference). rings counts the rings, so that a pass can tell that
- * a future completed while it ran (transport.c, loop.c). */
+/* The loop's wake-up, the transport's eventfd (wake_fd), shared with the
+ * futures that sends wait for: a future completing on any thread rings it
+ * while the loop sleeps, whether or not the transport is still there (the
+ * eventfd closes with the last reference). rings counts the futures' rings,
+ * so that a pass can tell that one completed while it ran (transport.c,
+ * loop.c). */
 struct dp__waker {
   _Atomic uint32_t refs;
   _Atomic unsigned long rings;
@@ -342,10 +343,10 @@ struct dp_transport {
   ucp_context_h ctx;
   ucp_worker_h worker;
   pthread_t thread;
-  int wake_fd, worker_fd;
-  /* what a future sent with dp_endpoint_send_future writes to as it
-     completes (a duplicate of wake_fd, held by the transport and by each
-     future's notification, which may outlive the transport) */
+  int wake_fd, worker_fd; /* wake_fd: waker->fd */
+  /* the eventfd's owner: the transport holds a reference, and so does the
+     notification of each future a dp_endpoint_send_future waits for, until
+     that future completes or the send ends */
   struct dp__waker *waker;
   unsigned long rings_seen; /* waker->rings as a pass began (dp__tp_pass) */
   pthread_mutex_t mu;

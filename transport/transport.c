@@ -8,7 +8,6 @@
  * through an eventfd; the few that must answer (listen, close) wait on the
  * transport's condition variable for it. The other files: tp.h. */
 #include <arpa/inet.h>
-#include <fcntl.h>
 
 #include "tp.h"
 #include "../future/internal.h"
@@ -51,17 +50,20 @@ static int forked_void(const dp_transport_t *t, const char *fn) {
 }
 
 
-static void wake(dp_transport_t *t) {
+static void ring(int fd) {
   uint64_t one = 1;
-  ssize_t w = write(t->wake_fd, &one, sizeof one);
+  ssize_t w = write(fd, &one, sizeof one);
   (void)w;
 }
 
-/* struct dp__waker: tp.h */
-static struct dp__waker *waker_new(int fd) {
+static void wake(dp_transport_t *t) { ring(t->wake_fd); }
+
+/* struct dp__waker: tp.h. The transport's one reference; its eventfd is
+ * t->wake_fd. */
+static struct dp__waker *waker_new(void) {
   struct dp__waker *w = dp__alloc(sizeof *w);
   if (!w) return NULL;
-  if ((w->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0) {
+  if ((w->fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
     dp__free(w, sizeof *w);
     return NULL;
   }
@@ -81,9 +83,8 @@ static void waker_drop(void *ctx) {
  * notification (refs: one each). The waker goes with the first of the
  * future's completion (its ring) and the send's end (dp__tp_sop_free):
  * a future that stays pending after its send ended — its endpoint failed
- * or closed, the transport freed — holds none of the transport's
- * descriptors (it held the duplicate until it completed or went, one
- * descriptor a transport freed under it). */
+ * or closed, the transport freed — keeps no freed transport's eventfd
+ * open. */
 struct dp__note {
   _Atomic(struct dp__waker *) w;
   _Atomic uint32_t refs;
@@ -105,10 +106,8 @@ static void note_ring(void *ctx, dp_future_t *f, size_t index) {
   struct dp__note *n = ctx;
   struct dp__waker *w = atomic_exchange_explicit(&n->w, NULL, memory_order_acq_rel);
   if (!w) return; /* the send ended: nothing waits */
-  uint64_t one = 1;
   atomic_fetch_add_explicit(&w->rings, 1, memory_order_release); /* before the wake: a pass that sees it sees this */
-  ssize_t r = write(w->fd, &one, sizeof one);
-  (void)r;
+  ring(w->fd);
   waker_drop(w);
 }
 
@@ -603,7 +602,7 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
     dp__shm_sweep(); /* what killed processes of this user left behind */
     t->lctx = lane_context(&up);
   }
-  t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if ((t->waker = waker_new())) t->wake_fd = t->waker->fd;
   pthread_mutex_init(&t->mu, NULL);
   pthread_mutex_init(&t->pmu, NULL);
   pthread_condattr_t ca;
@@ -619,10 +618,8 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
      waits for may need it (a few cores), every 16th elsewhere */
   t->yield_every = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 16 : 1;
   t->last_check = now_ns();
-  if (t->wake_fd >= 0) t->waker = waker_new(t->wake_fd); /* none: sent futures are polled */
-  if (t->wake_fd < 0 || (!t->caller && pthread_create(&t->thread, NULL, dp__tp_progress_main, t) != 0)) {
+  if (!t->waker || (!t->caller && pthread_create(&t->thread, NULL, dp__tp_progress_main, t) != 0)) {
     waker_drop(t->waker);
-    if (t->wake_fd >= 0) close(t->wake_fd);
     pthread_mutex_destroy(&t->mu);
     pthread_mutex_destroy(&t->pmu);
     pthread_cond_destroy(&t->cv);
@@ -694,8 +691,7 @@ void dp_transport_free(dp_transport_t *t) {
     dp_stream_free(t->streams[i]);
     dp_stream_free(t->sstreams[i]);
   }
-  close(t->wake_fd);
-  waker_drop(t->waker);
+  waker_drop(t->waker); /* its eventfd, wake_fd, closes with the last reference */
   pthread_mutex_destroy(&t->mu);
   pthread_mutex_destroy(&t->pmu);
   pthread_cond_destroy(&t->cv);
@@ -978,17 +974,20 @@ int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **don
      f instead kept the progress thread, or a caller's wait, spinning on a
      core for as long as f took) */
   struct dp__waker *w = ep->t->waker;
-  struct dp__note *n = w ? dp__alloc(sizeof *n) : NULL;
+  struct dp__note *n = dp__alloc(sizeof *n);
   if (n) {
     atomic_fetch_add_explicit(&w->refs, 1, memory_order_relaxed);
     atomic_init(&n->w, w);
     atomic_init(&n->refs, 2);
-    if (dp__future_notify(f, note_ring, note_unref, n) == 0) {
-      s->note = n;
-    } else {
+    if (dp__future_notify(f, note_ring, note_unref, n) != 0) {
       waker_drop(w);
       dp__free(n, sizeof *n);
+      n = NULL;
     }
+  }
+  if (!(s->note = n)) {
+    dp__tp_sop_free(s);
+    return dp__err(err, DP_ENOMEM, "dp_endpoint_send_future: out of memory");
   }
   return queue_send(ep, s, done, err);
 }
