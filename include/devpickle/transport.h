@@ -16,8 +16,8 @@
  * accepted.
  *
  * dp_endpoint_send() pickles a value (or, with dp_endpoint_send_future, the
- * value of a future once the future's events have completed: the progress
- * thread polls them, nothing blocks a host thread or synchronizes a device)
+ * value of a future once the future's events have completed: the loop polls
+ * them, nothing blocks a host thread or synchronizes a device)
  * and sends its frame as one UCX active message, its out-of-band buffers in
  * messages of their own (rendezvous for large ones; small ones packed
  * together). The send's result is a future that completes (with none) when
@@ -282,9 +282,12 @@ DP_API int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err);
  *  backend), the backend's (recording on the current stream), the
  *  endpoint's error. Later failures fail *done. */
 DP_API int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done, dp_error_t *err);
-/** Sends f's value once f has completed and its events have (polled by the
- *  progress thread: no host thread blocks, no device is synchronized). f is
- *  retained. If f fails, *done fails with its error and nothing is sent. */
+/** Sends f's value once f has completed and its events have (f's
+ *  completion wakes the transport's loop, which then polls the events: no
+ *  host thread blocks, no device is synchronized, and nothing spins while
+ *  f is pending). f is retained. If f fails, *done fails with its error and
+ *  nothing is sent. Errors returned at once as dp_endpoint_send's, and
+ *  DP_ENOMEM. */
 DP_API int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **done, dp_error_t *err);
 /** Sends a frame as it is (the bytes are copied): it must pass
  *  dp_frame_check (its error otherwise: DP_ETRUNC, DP_EFORMAT, ...) and
