@@ -13,4 +13,10 @@ size_t dp__key_text(dp_value_t key, char *out);
 /* The step to a dict's value: `.name` or `["name"]` for a str key, else
  * `[<its JSON text>]`, into out[DP__STEP_MAX]; returns the length. */
 size_t dp__step_key(dp_value_t key, char *out);
+/* The step from container c (list, tuple, dict, object) to its child i (a
+ * dict's value i, an object's attribute i; a reduced stand-in's parts are
+ * all `<reduce Name>`) into out[DP__STEP_MAX]; returns the length, 0 for a
+ * value of another kind. For readers of a value that keep a stack of
+ * (container, index) and name a node only when something fails. */
+size_t dp__step_child(dp_value_t c, size_t i, char *out);
 #endif

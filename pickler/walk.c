@@ -203,6 +203,28 @@ size_t dp__step_key(dp_value_t key, char *out) {
   return n + 1;
 }
 
+size_t dp__step_child(dp_value_t c, size_t i, char *out) {
+  switch (dp_value_kind(c)) {
+    case DP_LIST:
+    case DP_TUPLE: return dp__step_index(i, out);
+    case DP_DICT: {
+      dp_value_t k;
+      dp_dict_item(c, i, &k, NULL, NULL);
+      return dp__step_key(k, out);
+    }
+    case DP_OBJECT:
+      if (dp_object_is_reduced(c)) {
+        const char *cls = dp_object_class(c);
+        return dp__step_reduce(cls, strnlen(cls, DP_PATH_NAME_MAX + 1), out);
+      } else {
+        const char *name;
+        dp_object_attr(c, i, &name, NULL, NULL);
+        return dp__step_name(name, strnlen(name, DP_PATH_NAME_MAX + 1), out);
+      }
+    default: return 0;
+  }
+}
+
 /* The step of frame d of the walker (the child being visited) into
  * out[DP__STEP_MAX]; returns its length. A dp__step_fn. */
 static size_t render_step(void *ctx, size_t d, char *out) {

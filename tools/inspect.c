@@ -52,31 +52,8 @@ typedef struct ins {
 
 /* ---- steps and paths: rendered by the library's renderer (core/path.h) ---- */
 
-/* The step from container to its child i, into out (STEP_MAX bytes). */
-static size_t render_step(dp_value_t c, size_t i, char *out) {
-  switch (dp_value_kind(c)) {
-    case DP_LIST:
-    case DP_TUPLE: return dp__step_index(i, out);
-    case DP_DICT: {
-      dp_value_t k;
-      dp_dict_item(c, i, &k, NULL, NULL);
-      return dp__step_key(k, out);
-    }
-    case DP_OBJECT:
-      if (dp_object_is_reduced(c)) {
-        const char *cls = dp_object_class(c);
-        return dp__step_reduce(cls, strnlen(cls, DP_PATH_NAME_MAX + 1), out);
-      } else {
-        const char *name;
-        dp_object_attr(c, i, &name, NULL, NULL);
-        return dp__step_name(name, strnlen(name, DP_PATH_NAME_MAX + 1), out);
-      }
-    default: return 0;
-  }
-}
-
 static void set_step(stepbuf_t *b, size_t k, dp_value_t c, size_t i) {
-  b->len[k] = render_step(c, i, b->text + k * STEP_MAX);
+  b->len[k] = dp__step_child(c, i, b->text + k * STEP_MAX);
 }
 
 /* Step i of the stack's path, rendered already: a dp__step_fn. */
@@ -104,7 +81,7 @@ typedef struct chain {
 static size_t rec_step(void *ctx, size_t i, char *buf) {
   const chain_t *c = ctx;
   const rec_t *r = &c->s->recs[c->at[c->n - 1 - i]];
-  return render_step(r->container, r->index, buf);
+  return dp__step_child(r->container, r->index, buf);
 }
 
 /* The path where record r was first met. */

@@ -11,6 +11,7 @@
  * over the inline bytes or the buffers given (devpickle/_frames.py).
  */
 #include "ext.h"
+#include "../../pickler/path.h"
 
 #include <string.h>
 
@@ -745,9 +746,64 @@ static void frame_drop(cframe_t *f) {
   Py_XDECREF(f->hcount);
 }
 
+/* Where a rebuild failed, for dp__path_render: each frame of the stack at
+ * the child it was making (i - 1), the last one inside its key `at_key`. */
+typedef struct {
+  const cstack_t *st;
+  int at_key;
+} fail_path_t;
+
+static size_t fail_step(void *ctx, size_t j, char *out) {
+  const fail_path_t *p = ctx;
+  const cframe_t *f = &p->st->f[j];
+  size_t i = f->i ? f->i - 1 : 0;
+  if (p->at_key && j + 1 == p->st->n) return (size_t)snprintf(out, DP__STEP_MAX, "<key %zu>", i);
+  return dp__step_child(f->v, i, out);
+}
+
+/* The error being raised names the node whose rebuild raised it, as a path
+ * (docs/FORMAT.md, "Paths"): loads' own ValueError or TypeError ("loads:
+ * ...") ends with ", at $.k[0]", as a FrameError ends with its byte; any
+ * other exception (an allowed class's own code raised it) keeps its message
+ * and gains a note (PEP 678) saying where. A MemoryError is left as it is. */
+static void name_failed_node(const cstack_t *st, int at_key) {
+  if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)) return;
+  char path[DP_PATH_MAX + 1];
+  fail_path_t p = {st, at_key};
+  dp__path_render(path, st->n, fail_step, &p);
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+  PyErr_NormalizeException(&et, &ev, &tb);
+  if (!ev) {
+    PyErr_Restore(et, ev, tb);
+    return;
+  }
+  PyObject *args = PyObject_GetAttrString(ev, "args"), *prefix = PyUnicode_FromString("loads: ");
+  PyObject *msg = args && PyTuple_Check(args) && PyTuple_GET_SIZE(args) == 1 ? PyTuple_GET_ITEM(args, 0) : NULL;
+  if ((et == PyExc_ValueError || et == PyExc_TypeError) && msg && prefix && PyUnicode_Check(msg) &&
+      PyUnicode_Tailmatch(msg, prefix, 0, PY_SSIZE_T_MAX, -1) == 1) {
+    PyObject *m = PyUnicode_FromFormat("%U, at %s", msg, path);
+    PyObject *a = m ? PyTuple_Pack(1, m) : NULL;
+    if (a) PyObject_SetAttrString(ev, "args", a);
+    Py_XDECREF(a);
+    Py_XDECREF(m);
+  } else {
+    PyObject *note = PyUnicode_FromFormat("raised while devpickle.loads rebuilt %s", path);
+    PyObject *r = note ? PyObject_CallMethod(ev, "add_note", "O", note) : NULL; /* Python 3.11 on */
+    Py_XDECREF(r);
+    Py_XDECREF(note);
+  }
+  Py_XDECREF(prefix);
+  Py_XDECREF(args);
+  PyErr_Clear(); /* naming the node is best effort: the error raised stands */
+  PyErr_Restore(et, ev, tb);
+}
+
 static PyObject *to_python(loader_t *l, dp_value_t root) {
   cstack_t st = {0};
+  int at_key = 0;
   PyObject *result = convert(l, &st, root);
+  if (!result) name_failed_node(&st, 0);
   if (result != PENDING) return result;
   result = NULL;
   while (st.n) {
@@ -776,8 +832,10 @@ static PyObject *to_python(loader_t *l, dp_value_t root) {
       dp_value_t k;
       dp_dict_item(f->v, i, &k, &child, NULL);
       if (!(f->key = leaf_to_py(l, k, 0)) || charge_key(l, f->key, 0) ||
-          same_hash_guard(&f->hcount, f->key, "dict keys"))
+          same_hash_guard(&f->hcount, f->key, "dict keys")) {
+        at_key = 1;
         goto fail;
+      }
     } else {
       const char *name;
       dp_object_attr(f->v, i, &name, &child, NULL);
@@ -790,6 +848,7 @@ static PyObject *to_python(loader_t *l, dp_value_t root) {
   PyMem_Free(st.f);
   return result;
 fail:
+  name_failed_node(&st, at_key);
   while (st.n) frame_drop(&st.f[--st.n]);
   PyMem_Free(st.f);
   return NULL;

@@ -195,7 +195,7 @@ def test_the_buffers_buffer_callback_received_given_back_as_they_are_are_refused
     bufs = []
     frame = devpickle.dumps([np.arange(3)], buffer_callback=bufs.append)
     with pytest.raises(TypeError, match=r"^loads: buffers\[0\] is of type 'Buffer', not a buffer: a devpickle.Buffer "
-                                        r"describes a buffer, its raw\(\) is the memory$"):
+                                        r"describes a buffer, its raw\(\) is the memory, at \$\[0\]$"):
         devpickle.loads(frame, buffers=bufs)
     assert devpickle.loads(frame, buffers=[b.raw() for b in bufs])[0].tolist() == [0, 1, 2]
 
@@ -311,7 +311,7 @@ def test_a_buffer_given_to_loads_that_views_memory_holding_python_objects_is_ref
               memoryview(np.frombuffer(objects, np.uint8))):
         with pytest.raises(TypeError, match=r"^loads: buffers\[0\] is a view over memory that holds Python objects "
                                             r"\(an object array's, or a structured one's with an object field\), "
-                                            r"not bytes$"):
+                                            r"not bytes, at \$$"):
             devpickle.loads(frame, buffers=[b])
     assert devpickle.loads(frame, buffers=[memoryview(bytearray(16))]).tolist() == [0, 0]
 
@@ -587,7 +587,7 @@ def test_a_listed_function_or_class_a_frame_puts_where_extend_or_setstate_is_loo
         with pytest.raises(TypeError, match=rf"^loads: {label}'s {name} is <function _listed_value_called at 0x[0-9a-f]+>, "
                                             r"a value of the frame \(a class or function listed in classes=, or an "
                                             rf"instance of one\) that its items or attributes put where {name} is looked "
-                                            r"up, not the class's method: loads never calls a value of the frame$"):
+                                            r"up, not the class's method: loads never calls a value of the frame, at \$$"):
             devpickle.loads(frame, classes=[cls, _listed_value_called])
         assert _listed_value_called.calls == []
         # a listed class there is not called either (it is made only through
@@ -641,7 +641,7 @@ def test_a_reduce_that_gives_an_enum_member_or_a_class_with_a_state_is_refused_n
                                                                "<state>": {"_value_": "evil", "_name_": "Z"}}})
         with pytest.raises(TypeError, match=rf"^loads: {label} was reduced to the member {label}\.A, which the "
                                             r"process already holds, with a state, listitems or dictitems: loads "
-                                            r"changes no object but those it makes$"):
+                                            r"changes no object but those it makes, at \$$"):
             devpickle.loads(frame, classes=[_Mode])
         assert _Mode.A.value == "a" and _Mode.A.name == "A"
     # a class that a listed class gives (type(x)) is not filled either
@@ -671,7 +671,7 @@ def test_an_allowed_object_takes_no_attribute_that_numpy_copy_or_pickle_look_up_
             with pytest.raises(TypeError, match=rf"^loads: {label}'s attributes \['{name}'\] are names numpy, torch, "
                                                 r"copy and pickle look up on the instance: a frame's value there would "
                                                 r"answer for the object \(an __array_interface__ naming any address\), "
-                                                r"so loads sets none$"):
+                                                r"so loads sets none, at \$$"):
                 devpickle.loads(frame, classes=[Node, _listed_value_called])
     assert _listed_value_called.calls == []
 
@@ -694,13 +694,13 @@ def test_dictitems_a_list_cannot_take_and_slot_state_a_class_has_no_slot_for_are
     frame = _packed(tmp_path, {"$object": label, "attrs": {"<callable>": glob(label), "<args>": {"$tuple": []},
                                                            "<dictitems>": [{"$tuple": [5, 1]}]}})
     with pytest.raises(TypeError, match=rf"^loads: {label} was reduced with dictitems it cannot take: list assignment "
-                                        r"index out of range$"):
+                                        r"index out of range, at \$$"):
         devpickle.loads(frame, classes=[_Items])
     label = f"{__name__}._Slotted"
     frame = _packed(tmp_path, {"$object": label, "attrs": {"<callable>": glob("copyreg.__newobj__"), "<args>": {
         "$tuple": [glob(label)]}, "<state>": {"$tuple": [None, {"a": 1, "zz": 2}]}}})
     with pytest.raises(TypeError, match=rf"^loads: {label} cannot take the slot state 'zz': '_Slotted' object has no "
-                                        r"attribute 'zz'$"):
+                                        r"attribute 'zz', at \$$"):
         devpickle.loads(frame, classes=[_Slotted])
 
 
@@ -931,7 +931,7 @@ def test_a_reserved_class_with_an_attribute_more_than_dumps_writes_is_a_type_err
     frame = devpickle.dumps([spoof(label, **attrs, extra=[1])])
     with pytest.raises(TypeError, match=rf"^loads: a {label} object whose attributes are "
                                         rf"\[{', '.join(repr(k) for k in sorted([*attrs, 'extra']))}\], not "
-                                        rf"\[{', '.join(repr(k) for k in sorted(attrs))}\]$"):
+                                        rf"\[{', '.join(repr(k) for k in sorted(attrs))}\], at \$\[0\]$"):
         devpickle.loads(frame, classes=Node)
 
 
@@ -1602,7 +1602,7 @@ def test_loads_refuses_numpy_objects_in_a_process_without_numpy_rather_than_impo
     frame = devpickle.dumps([value], inline=True)
     r = subprocess.run([sys.executable, "-c", LOADS_WITHOUT_NUMPY], input=frame, capture_output=True)
     assert r.stdout.decode().splitlines() == [
-        "loads: the frame holds numpy arrays or scalars; import numpy first", "False"], r.stderr
+        "loads: the frame holds numpy arrays or scalars; import numpy first, at $[0]", "False"], r.stderr
 
 
 def test_a_0d_array_is_a_buffer_of_its_nbytes():
@@ -1784,7 +1784,7 @@ def test_a_torch_view_with_a_negative_stride_is_a_value_error_naming_the_buffer_
               "strides": [stride]}
     frame = _packed(tmp_path, {"$object": "torch.Tensor", "attrs": {"data": {"$tensor": tensor}}})
     with pytest.raises(ValueError, match=r"^loads: a torch.Tensor over buffer 0 \(cpu\) cannot be made here: "
-                                         r"negative strides \[-\d+\]: torch makes no view with them$"):
+                                         r"negative strides \[-\d+\]: torch makes no view with them, at \$$"):
         devpickle.loads(frame, buffers=[bytearray(8)])
 
 
@@ -2038,7 +2038,7 @@ def test_set_items_that_are_one_item_in_python_are_refused_not_merged(tmp_path, 
     src = tmp_path / "s.json"
     src.write_text(f'{{"$object": "builtins.{kind}", "attrs": {{"items": {items}}}}}')
     subprocess.run([cli, "pack", str(src), "-o", str(tmp_path / "s.dpk")], check=True)
-    with pytest.raises(ValueError, match=rf"a builtins.{kind} whose items are not distinct in Python .*: item {shown}$"):
+    with pytest.raises(ValueError, match=rf"a builtins.{kind} whose items are not distinct in Python .*: item {shown}, at \$$"):
         devpickle.loads((tmp_path / "s.dpk").read_bytes())
     assert devpickle.loads(devpickle.dumps([{1, 2.5, "x"}, frozenset({0.0, (1, 2)})])) == [{1, 2.5, "x"},
                                                                                        frozenset({0.0, (1, 2)})]
@@ -2741,10 +2741,10 @@ def test_buffers_whose_len_says_more_than_they_hold_are_the_missing_buffer_error
     frame = devpickle.dumps([t, u], buffer_callback=got.append)
     raw = [b.raw() for b in got]
     with pytest.raises(ValueError, match=r"^loads: buffer 1 \(cpu, 24 bytes\) is out of band and buffers= has no "
-                                         r"such item \(it holds 1\)$"):
+                                         r"such item \(it holds 1\), at \$\[1\]$"):
         devpickle.loads(frame, buffers=LyingLength(raw[:1], 5))
     with pytest.raises(ValueError, match=r"^loads: buffer 1 \(cpu, 24 bytes\) is out of band and buffers= has no "
-                                         r"such item \(it holds 1\)$"):
+                                         r"such item \(it holds 1\), at \$\[1\]$"):
         devpickle.loads(frame, buffers=raw[:1])
     # one whose len() says fewer is read by its items, as list(buffers) reads it
     out = devpickle.loads(frame, buffers=LyingLength(raw, 1))
@@ -2999,7 +2999,7 @@ def test_loads_keeps_nothing_alive_after_it_returns_or_fails():
     gc.collect()
     assert len(Tracked.alive) == 0 and sys.getrefcount(buf) == before
     with pytest.raises(ValueError, match=r"^loads: buffer 1 \(cpu, 8 bytes\) is out of band and buffers= has no such "
-                                         r"item \(it holds 1\)$"):
+                                         r"item \(it holds 1\), at \$\[3\]$"):
         devpickle.loads(bad, buffers=[buf], classes=Tracked)
     gc.collect()
     assert len(Tracked.alive) == 0 and sys.getrefcount(buf) == before  # what was made before the error is freed
@@ -3060,7 +3060,7 @@ def test_a_cycle_through_a_tuple_is_a_value_error_never_a_placeholder_in_the_val
     t = (inner,)
     inner.append(t)
     frame = devpickle.dumps(t)
-    with pytest.raises(ValueError, match=r"^loads: a cycle through a tuple or a reduced object cannot be rebuilt$"):
+    with pytest.raises(ValueError, match=r"^loads: a cycle through a tuple or a reduced object cannot be rebuilt, at \$\[0\]\[0\]$"):
         devpickle.loads(frame)
     shared = (1, 2)  # met twice, but no cycle: one tuple
     out = devpickle.loads(devpickle.dumps([shared, [shared]]))
@@ -3078,3 +3078,47 @@ def test_a_tensor_on_a_host_backend_device_is_refused_naming_the_buffer_and_a_cp
     cpu = torch.arange(4, dtype=torch.float32)
     out = devpickle.loads(frame, buffers=[cpu])
     assert out["t"].device.type == "cpu" and out["t"].data_ptr() == cpu.data_ptr()
+
+
+class _RaisesOnSetstate:
+    def __setstate__(self, state):
+        raise RuntimeError("refused by the class")
+
+
+def test_a_loads_error_names_the_node_it_was_rebuilding_by_its_path():
+    # loads' own errors end with the path, as a FrameError ends with its byte
+    n = Node("n", torch.arange(3))
+    frame = devpickle.dumps({"model": [1, {"w": n, (2, "k"): (0, n)}]}, buffer_callback=lambda b: None)
+    with pytest.raises(ValueError, match=r"^loads: buffer 0 \(cpu, 24 bytes\) is out of band and buffers= was not "
+                                         r'given, at \$\.model\[1\]\.w\.t$'):
+        devpickle.loads(frame, classes=Node)
+    # a non-str key is its value JSON, as the C library and the CLI render it
+    frame = devpickle.dumps({"model": [1, {(2, "k"): (0, torch.arange(3))}]}, buffer_callback=lambda b: None)
+    with pytest.raises(ValueError, match=r'was not given, at \$\.model\[1\]\[\{"\$tuple":\[2,"k"\]\}\]\[1\]$'):
+        devpickle.loads(frame)
+    # a failure in a dict key itself is <key i>: here the key past the bound
+    # of keys of one hash
+    frame = devpickle.dumps([{"a": 1, **{k: 0 for k in colliding_pairs(SAME_HASH_MAX + 1)}}])
+    with pytest.raises(ValueError, match=rf"^loads: the frame's dict keys hold more than {SAME_HASH_MAX} keys of one "
+                                         rf"hash.*, at \$\[0\]<key {SAME_HASH_MAX + 1}>$"):
+        devpickle.loads(frame)
+    # an allowed class's own error keeps its message; a note says where
+    x = _RaisesOnSetstate()
+    x.a = 1
+    frame = devpickle.dumps({"xs": [0, x]})
+    with pytest.raises(RuntimeError, match=r"^refused by the class$") as e:
+        devpickle.loads(frame, classes=_RaisesOnSetstate)
+    assert e.value.__notes__ == ["raised while devpickle.loads rebuilt $.xs[1]"]
+
+
+def test_a_loads_error_path_at_depth_two_thousand_keeps_its_head_and_its_tail():
+    v = torch.arange(3)
+    for i in range(2000):
+        v = {"k": [v]}
+    frame = devpickle.dumps(v, buffer_callback=lambda b: None)
+    with pytest.raises(ValueError) as e:
+        devpickle.loads(frame)
+    msg = str(e.value)
+    path = msg[msg.index(", at $") + len(", at "):]
+    assert path.startswith("$.k[0].k[0]") and path.endswith(".k[0]") and "<…" in path and " steps…>" in path
+    assert len(path.encode()) <= 1024
