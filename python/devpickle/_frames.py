@@ -12,7 +12,7 @@ import re
 import sys
 import types
 
-from ._devpickle import _hash_work, scan as _scan
+from ._devpickle import _format_holds_objects as _holds_objects, _hash_work, scan as _scan
 from ._object import Object
 
 
@@ -138,10 +138,10 @@ class Buffer:
 
 def _format_holds_objects(x):
     """Whether buffer x's items hold Python objects (struct format 'O', also
-    inside a structured format; field names, between colons, aside)."""
+    inside a structured format; field names aside): the scanner's rule."""
     try:
         with memoryview(x) as m:
-            return "O" in re.sub(r":[^:]*:", "", m.format)
+            return _holds_objects(m.format)
     except TypeError:
         return False
 
@@ -850,10 +850,10 @@ def _check_contiguous(source, key):
             hint = ": a devpickle.Buffer describes a buffer, its raw() is the memory" if isinstance(source, Buffer) else ""
             raise TypeError(f"loads: buffers[{key}] is of type {type(source).__name__!r}, not a buffer{hint}") from None
         # a buffer of Python objects (numpy dtype=object, struct format 'O',
-        # also inside a structured format; field names, between colons, aside)
-        # holds pointers: a tensor over it would read them, and writes through
-        # it would corrupt the objects' references
-        if "O" in re.sub(r":[^:]*:", "", fmt) or getattr(getattr(source, "dtype", None), "hasobject", False):
+        # also inside a structured format) holds pointers: a tensor over it
+        # would read them, and writes through it would corrupt the objects'
+        # references
+        if _holds_objects(fmt) or getattr(getattr(source, "dtype", None), "hasobject", False):
             raise TypeError(f"loads: buffers[{key}] holds Python objects (format {fmt!r}), not bytes")
         if _over_objects(source):
             # bytes of its own format over such memory: np.frombuffer of an

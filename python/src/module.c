@@ -188,6 +188,9 @@ static PyMethodDef methods[] = {
     {"_hash_work", dpy_hash_work, METH_VARARGS,
      "_hash_work($module, items, memo, left, /)\n--\n\n-> the tuple items CPython hashes to hash each of items, "
      "a list or tuple (loads' bound)"},
+    {"_format_holds_objects", dpy_format_holds_objects, METH_O,
+     "_format_holds_objects($module, format, /)\n--\n\n-> whether a buffer of this struct format holds Python "
+     "objects ('O', also in a structured format; field names aside)"},
     {"_torch_adapter", torch_adapter, METH_NOARGS,
      "_torch_adapter($module, /)\n--\n\nHow torch tensors are read: 'c++' (the adapter), 'python', or None "
      "(torch not imported)."},

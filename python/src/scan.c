@@ -1435,6 +1435,14 @@ static int format_holds_objects(const char *f) {
   return 0;
 }
 
+/* The rule for _frames.py too (Buffer.raw, loads' buffers=): one rule for
+ * both languages. */
+PyObject *dpy_format_holds_objects(PyObject *self, PyObject *arg) {
+  (void)self;
+  const char *f = PyUnicode_AsUTF8(arg);
+  return f ? PyBool_FromLong(format_holds_objects(f)) : NULL;
+}
+
 /* Buffer-protocol objects: cpu memory, owner first (numpy views and
  * memoryviews report the array they view; an array over a torch tensor —
  * Tensor.numpy() — is the tensor's allocation), never copied. *objectsp
