@@ -2857,7 +2857,7 @@ Test(cli, a_bad_port_or_timeout_is_answered_with_what_the_command_takes) {
   cr_assert_not_null(strstr(r.out, "SECONDS (over 0, at most 1000000, fractions allowed; default 60)"), "%s", r.out);
   res_free(r);
   r = run("recv --help");
-  cr_assert_not_null(strstr(r.out, "without a frame (over 0, at most 1000000, fractions allowed; default:\nwait)"),
+  cr_assert_not_null(strstr(r.out, "without a frame (over 0, at most 1000000,\nfractions allowed; default: wait)"),
                      "%s", r.out);
   res_free(r);
 }
