@@ -4008,7 +4008,27 @@ Test(transport, freeing_a_transport_whose_peer_stopped_mid_transfer_closes_its_e
   ASSERT_NO_LEAK();
 }
 
+/* The two tests below make names of dead processes in /dev/shm and check
+ * which a new transport's sweep removes; each sets dp__shm_stale_s = 0 at
+ * some point, so its sweeps remove every dead process's name of this user,
+ * however young, the other test's included. Run side by side (--jobs 2, and
+ * they sort next to each other), the sweep of one removed the young name the
+ * other had just made and checks stays: "a name younger than 60 s was
+ * removed" (61 runs in 100 of the pair alone). Each holds this lock (a record
+ * lock on a file of this user's in /tmp, let go when the process exits) from
+ * its first name to its last check; no other test sweeps with an age of 0. */
+static int shm_sweep_lock(void) {
+  char path[64];
+  snprintf(path, sizeof path, "/tmp/devpickle-test-shm-sweep-%ld.lock", (long)geteuid());
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  cr_assert_geq(fd, 0, "%s: %s", path, strerror(errno));
+  struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET};
+  while (fcntl(fd, F_SETLKW, &fl) == -1) cr_assert_eq(errno, EINTR, "lock %s: %s", path, strerror(errno));
+  return fd;
+}
+
 Test(transport, a_new_transport_removes_the_names_that_dead_processes_of_this_user_left_in_dev_shm) {
+  int lock = shm_sweep_lock();
   pid_t dead = fork();
   if (dead == 0) _exit(0);
   waitpid(dead, NULL, 0);
@@ -4035,6 +4055,7 @@ Test(transport, a_new_transport_removes_the_names_that_dead_processes_of_this_us
   shm_unlink(live);
   dp_transport_free(t);
   cur_t = NULL;
+  close(lock);
 }
 
 /* ---- shared segments (shm.h): what a peer's offer claims, checked before a map ---- */
@@ -4200,6 +4221,7 @@ Test(transport, a_segments_name_goes_with_its_last_reference_or_when_unlinked_an
 }
 
 Test(transport, a_new_transport_leaves_names_that_are_not_a_dead_processes_files_of_this_user) {
+  int lock = shm_sweep_lock(); /* see shm_sweep_lock */
   pid_t dead = fork();
   if (dead == 0) _exit(0);
   waitpid(dead, NULL, 0);
@@ -4231,6 +4253,7 @@ Test(transport, a_new_transport_leaves_names_that_are_not_a_dead_processes_files
   shm_unlink(tail);
   dp_transport_free(t);
   cur_t = NULL;
+  close(lock);
 }
 
 Test(transport, an_offer_naming_a_fifo_is_refused_at_once_and_never_blocks_the_loop) {
