@@ -115,6 +115,7 @@ typedef struct level {
 
 typedef struct tramp {
   int depth;      /* 1 while the outermost frame runs */
+  int waits;      /* waits in callbacks running queued callbacks, nested (DP_FUTURE_WAIT_NESTING_MAX) */
   level_t base;   /* the outermost frame's queue */
   level_t *top;   /* the running callback's queue; NULL: base */
   dp_future_t *free_head, *free_tail;  /* futures whose last reference went */
@@ -702,16 +703,25 @@ static int waits_on_running(tramp_t *t, dp_future_t *f, dp_error_t *e) {
 #define WAITS_FOR_ITSELF 3
 #define WAITS_THROUGH 4
 
-/* f's state once complete or timed out; WAITS_FOR_ITSELF (f is a running
- * callback's child), WAITS_THROUGH (f waits for one), or an error in *e. */
-static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
-  /* In a callback, f may be waiting on work queued on this very thread:
-   * run it first (the queue keeps its order; nothing runs under a lock).
-   * So do the callbacks the running callback queued for f itself (it
-   * completed f): the wait returns once they ran, as recursion would have
-   * run them inside the completion. */
-  tramp_t *t = &tramp;
-  if (t->depth) {
+#define WAITS_TOO_DEEP 5
+
+/* 1 when a callback is queued on t, at any level. */
+static int callbacks_queued(const tramp_t *t) {
+  for (const level_t *lv = tramp_top((tramp_t *)t); lv; lv = lv->outer)
+    if (lv->head) return 1;
+  return 0;
+}
+
+/* The part of a wait that runs in a callback, before it blocks: 0 to go on
+ * waiting, else wait_done's answer. */
+static int wait_in_callback(tramp_t *t, dp_future_t *f, dp_error_t *e) {
+  /* Each callback run here that waits in turn runs the next one inside
+   * itself: past DP_FUTURE_WAIT_NESTING_MAX such waits (thousands of
+   * callbacks of one future, each polling a pending future, overflowed the
+   * stack) nothing more runs nested, and a wait for a pending future that
+   * the queued callbacks might have completed is refused, not a hang. */
+  int may_run = t->waits <= DP_FUTURE_WAIT_NESTING_MAX; /* this wait counted */
+  if (may_run) {
     while (!dp_future_is_done(f) && tramp_step(t)) {
     }
     /* the entries up to f's first run before the level is looked at again:
@@ -721,16 +731,36 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
       for (long i = 0; i <= k && ran; i++) ran = tramp_step(t);
       if (!ran) break;
     }
-    /* refused at once, with a limit or without (as a host function that
-       would wait for itself is: device.h), not a hang or a spent limit */
-    if (dp__load_acquire(&f->state) == PENDING && completed_by_running(t, f)) return WAITS_FOR_ITSELF;
-    if (dp__load_acquire(&f->state) == PENDING && running_child(t)) {
-      int rc = waits_on_running(t, f, e);
-      if (rc) return rc == 1 ? WAITS_THROUGH : rc;
-      /* frees its releases queued (what they cancel may complete f) */
-      while (!dp_future_is_done(f) && tramp_step(t)) {
-      }
+  }
+  /* refused at once, with a limit or without (as a host function that
+     would wait for itself is: device.h), not a hang or a spent limit */
+  if (dp__load_acquire(&f->state) == PENDING && completed_by_running(t, f)) return WAITS_FOR_ITSELF;
+  if (dp__load_acquire(&f->state) == PENDING && running_child(t)) {
+    int rc = waits_on_running(t, f, e);
+    if (rc) return rc == 1 ? WAITS_THROUGH : rc;
+    /* frees its releases queued (what they cancel may complete f) */
+    while (may_run && !dp_future_is_done(f) && tramp_step(t)) {
     }
+  }
+  if (!may_run && dp__load_acquire(&f->state) == PENDING && callbacks_queued(t)) return WAITS_TOO_DEEP;
+  return 0;
+}
+
+/* f's state once complete or timed out; WAITS_FOR_ITSELF (f is a running
+ * callback's child), WAITS_THROUGH (f waits for one), WAITS_TOO_DEEP, or an
+ * error in *e. */
+static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
+  /* In a callback, f may be waiting on work queued on this very thread:
+   * run it first (the queue keeps its order; nothing runs under a lock).
+   * So do the callbacks the running callback queued for f itself (it
+   * completed f): the wait returns once they ran, as recursion would have
+   * run them inside the completion. */
+  tramp_t *t = &tramp;
+  if (t->depth) {
+    t->waits++;
+    int rc = wait_in_callback(t, f, e);
+    t->waits--;
+    if (rc) return rc;
   }
   /* A completion often follows soon (a reply, a short kernel): look for it
    * a while before sleeping, which costs a wake-up (a futex and a
@@ -787,6 +817,12 @@ static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_
                    "inputs) for the child of a then() callback running on this thread, which only that callback's "
                    "return completes: it would wait for itself",
                    fn);
+  if (state == WAITS_TOO_DEEP)
+    return dp__err(err, DP_ELIMIT,
+                   "%s: called from a callback run inside %d waits nested in callbacks on this thread (each runs the "
+                   "callbacks queued here, which may wait in turn): the future is pending, and the queued callbacks that "
+                   "might complete it do not run nested deeper",
+                   fn, DP_FUTURE_WAIT_NESTING_MAX);
   if (state < 0) return dp__err(err, state, "%s: %s", fn, e.message);
   if (state == PENDING)
     return dp__err(err, DP_ETIMEDOUT, "%s: the future did not complete within %lld ns", fn, (long long)timeout_ns);

@@ -2759,3 +2759,56 @@ Test(future, device_and_event_just_past_the_last_device_are_cpu_and_null_whateve
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* Each wait in a callback runs the callbacks queued on its thread, and a
+ * callback it runs that waits runs the next one inside itself: thousands
+ * of callbacks of one future, each polling a pending future with a limit
+ * of 0, nested that deep and overflowed the stack (SIGSEGV at 10,000).
+ * Waits nest DP_FUTURE_WAIT_NESTING_MAX deep at most; one further in, with
+ * callbacks queued that it may not run, is DP_ELIMIT at once, and the
+ * last callback, with nothing queued behind it, waits as any wait does. */
+#define POLLERS 20000
+static _Atomic int poll_depth, poll_max_depth, poll_timed_out, poll_limited, poll_other;
+static dp_error_t poll_limit_err;
+
+static int poll_never(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  int d = atomic_fetch_add(&poll_depth, 1) + 1;
+  if (d > atomic_load(&poll_max_depth)) atomic_store(&poll_max_depth, d);
+  dp_error_t e;
+  int rc = dp_future_wait(never_done, 0, &e);
+  if (rc == DP_ETIMEDOUT) atomic_fetch_add(&poll_timed_out, 1);
+  else if (rc == DP_ELIMIT && atomic_fetch_add(&poll_limited, 1) == 0) poll_limit_err = e;
+  else if (rc != DP_ELIMIT) atomic_fetch_add(&poll_other, 1);
+  atomic_fetch_sub(&poll_depth, 1);
+  return 0;
+}
+
+Test(future, thousands_of_callbacks_polling_a_pending_future_nest_their_waits_only_so_deep) {
+  dp_future_t *f = future(), **kids = malloc(POLLERS * sizeof *kids);
+  cr_assert_not_null(kids);
+  never_done = future();
+  for (int i = 0; i < POLLERS; i++) OK(dp_future_then(f, poll_never, NULL, &kids[i], T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  cr_assert_eq(atomic_load(&poll_other), 0);
+  cr_assert_eq(atomic_load(&poll_max_depth), DP_FUTURE_WAIT_NESTING_MAX + 1,
+               "callbacks nest inside %d waits, not as deep as they are many (%d)", DP_FUTURE_WAIT_NESTING_MAX,
+               atomic_load(&poll_max_depth));
+  cr_assert_eq(atomic_load(&poll_timed_out), DP_FUTURE_WAIT_NESTING_MAX + 1,
+               "the waits that ran the queue, and the last one, with nothing queued, time out");
+  cr_assert_eq(atomic_load(&poll_limited), POLLERS - DP_FUTURE_WAIT_NESTING_MAX - 1);
+  cr_assert_eq(poll_limit_err.code, DP_ELIMIT);
+  cr_assert_str_eq(poll_limit_err.message,
+                   "dp_future_wait: called from a callback run inside 64 waits nested in callbacks on this thread (each "
+                   "runs the callbacks queued here, which may wait in turn): the future is pending, and the queued "
+                   "callbacks that might complete it do not run nested deeper");
+  for (int i = 0; i < POLLERS; i++) {
+    OK(dp_future_wait(kids[i], 0, T_ERR));
+    dp_future_release(kids[i]);
+  }
+  free(kids);
+  dp_future_release(never_done);
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}

@@ -40,6 +40,16 @@
  * also returns only once the callbacks it queued for that future ran. The running callback's own future's
  * later callbacks still run after it returns.
  *
+ * WAITS NEST: a callback that such a wait runs may wait in turn, and runs
+ * the next queued callback inside itself, and so on: waits nest as deep as
+ * the callbacks queued on the thread that wait (a future with thousands of
+ * then() callbacks, each polling a pending future with a limit of 0). At
+ * most DP_FUTURE_WAIT_NESTING_MAX waits nest so; a wait further in runs no
+ * queued callback, and if its future is pending while callbacks are queued
+ * on the thread (which might complete it) it is DP_ELIMIT at once, with a
+ * limit or without, naming the depth. It waits as any wait does when
+ * nothing is queued.
+ *
  * WAITING FOR ITSELF: a wait (or synchronize) from a then() callback on the
  * child its own result completes — or on that of a callback it is nested
  * in — would wait for itself: it is DP_EMISUSE at once, with a limit or
@@ -77,6 +87,10 @@ extern "C" {
 #endif
 
 typedef struct dp_future dp_future_t;
+
+/** How many waits in callbacks may run queued callbacks inside one another
+ *  on one thread (WAITS NEST above). */
+#define DP_FUTURE_WAIT_NESTING_MAX 64
 
 typedef struct dp_future_opts {
   /** NULL: dp_backend_default(). */
@@ -143,7 +157,8 @@ DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error
  *  tensors number, as the completion did). Returns 0, DP_ETIMEDOUT, or f's own
  *  error (copied into err); from a then() callback, DP_EMISUSE at once
  *  when f completes only after that callback returns (WAITING FOR ITSELF
- *  above). */
+ *  above), and DP_ELIMIT at once past DP_FUTURE_WAIT_NESTING_MAX nested
+ *  waits (WAITS NEST above). */
 DP_API int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 /** dp_future_wait, then blocks the host until f's events complete too,
  *  all within timeout_ns (<0: no limit; the events are polled, sleeping up
