@@ -208,6 +208,10 @@ int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list
 
 int dp__cb_rc(int rc, dp_error_t *err, const char *what) {
   if (rc == 0) return 0;
+  /* A message written by hand may fill the buffer without its NUL
+   * (strncpy does): ended here, where every callback's failure passes,
+   * before the library formats it into another or hands it back. */
+  if (err) err->message[sizeof err->message - 1] = '\0';
   if (rc > 0) return dp__err(err, DP_EINVAL, "%s returned %d: a callback returns 0 or a negative DP_E* code", what, rc);
   if (!err) return rc;
   /* Whether the callback set err->code or not (dp_error_t's fields are all

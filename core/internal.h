@@ -47,7 +47,8 @@ int dp__err(dp_error_t *err, int code, const char *fmt, ...) __attribute__((form
  * negative DP_E* code with err filled — a positive code (which no call
  * returns, so `rc < 0` tests would take it for success) becomes DP_EINVAL,
  * a failure that left err's message empty gets one naming `what`, and a
- * message the callback wrote is kept, with err->code set to the code it
+ * message the callback wrote is kept (its last byte made a NUL: one that
+ * fills the buffer may lack it), with err->code set to the code it
  * returned. err must be clear when the callback runs. */
 int dp__cb_rc(int rc, dp_error_t *err, const char *what);
 

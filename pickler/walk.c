@@ -382,8 +382,9 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
   dp_error_clear(&inner);
   *state = dp_none();
   rc = t->reduce(DP_CUSTOM(v)->obj, state, &inner);
-  /* a positive code is no success (base.h): it fails, and the message says why */
-  if (rc > 0) rc = dp__cb_rc(rc, &inner, "reduce");
+  /* a positive code is no success (base.h): it fails, and the message says
+     why; a message written without its NUL is ended before it is quoted */
+  if (rc > 0 || (rc < 0 && inner.message[0])) rc = dp__cb_rc(rc, &inner, "reduce");
   if (rc != 0) {
     dp_value_release(*state);
     /* Out of memory stays out of memory; any other failure means the value

@@ -516,6 +516,58 @@ Test(future, an_error_message_without_a_nul_reaches_waiters_terminated) {
   dp_future_release(f);
 }
 
+/* Callbacks that fill err->message by hand without a NUL (strncpy of a
+ * long message): a hook's came back in the completing caller's err (and a
+ * waiter's) as it was, and a reduce()'s was quoted with %s into the
+ * walk's message, reading past its record (ASan: stack-buffer-overflow).
+ * Each message is ended at its last byte where the callback returns. */
+static int fill_hook(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx, (void)ptr, (void)s;
+  memset(err->message, 'x', sizeof err->message);
+  return DP_EIO;
+}
+static int fill_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj, (void)state;
+  memset(err->message, 'y', sizeof err->message);
+  return DP_EIO;
+}
+static const dp_type_t filler_type = {"Filler", fill_reduce, NULL};
+
+static void assert_ends_within(const dp_error_t *e, char last) {
+  const char *nul = memchr(e->message, '\0', sizeof e->message);
+  cr_assert_not_null(nul, "the message ends within its record");
+  cr_assert_gt(nul - e->message, 3);
+  cr_assert_eq(nul[-1], last, "the message ends with what the callback wrote, not with what lay past it");
+}
+
+Test(future, callback_messages_that_fill_the_record_without_a_nul_come_back_ended) {
+  dp_cache_hooks_t h = {NULL, fill_hook, NULL, NULL};
+  dp_future_opts_t o = {B, NULL, 0, &h, 0, 0};
+  dp_future_t *f;
+  OK(dp_future_new(&o, &f, T_ERR));
+  dp_error_t e;
+  memset(&e, 'B', sizeof e);
+  cr_assert_eq(dp_future_mark_completed(f, t_tensor(H0, 0x1000, 4), &e), DP_EIO);
+  assert_ends_within(&e, 'x');
+  memset(&e, 'B', sizeof e);
+  cr_assert_eq(dp_future_wait(f, 0, &e), DP_EIO);
+  assert_ends_within(&e, 'x');
+  dp_future_release(f);
+  memset(&e, 'B', sizeof e);
+  void *ptr = (void *)0x1000;
+  cr_assert_eq(dp_cache_hooks_record(&h, &ptr, 1, NULL, &e), DP_EIO);
+  assert_ends_within(&e, 'x');
+
+  f = future();
+  dp_value_t v;
+  OK(dp_custom_new(&filler_type, NULL, &v, T_ERR));
+  memset(&e, 'B', sizeof e);
+  cr_assert_eq(dp_future_mark_completed(f, v, &e), DP_ETYPE);
+  cr_assert_eq(strncmp(e.message, "reduce of type 'Filler' failed at $: yyy", 40), 0, "%.60s", e.message);
+  assert_ends_within(&e, 'y');
+  dp_future_release(f);
+}
+
 /* ---- errors ---- */
 
 typedef struct waiter {

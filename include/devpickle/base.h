@@ -102,8 +102,9 @@ typedef struct dp_error {
  *     success), becomes DP_EINVAL ("bind returned 4: ..."); a failure that
  *     left err's message empty gets a message naming the callback ("the
  *     read callback failed: i/o error"). A callback fills err by hand: the
- *     message it wrote is kept, and the code is the one it returned,
- *     whatever it stored in err->code.
+ *     message it wrote is kept (one that fills the buffer without a NUL,
+ *     as strncpy leaves it, loses its last byte to one), and the code is
+ *     the one it returned, whatever it stored in err->code.
  *   - A reader or writer keeps its first error: what it does after one
  *     returns that error and changes nothing.
  *   - A NULL handle, or a NULL for a pointer the call needs, is DP_EINVAL
