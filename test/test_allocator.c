@@ -2242,3 +2242,26 @@ Test(allocator, emptying_the_cache_names_the_first_device_whose_segment_stays_ca
   dp_stream_free(s0);
   dp_stream_free(s1);
 }
+
+/* dp_cache_free from a host function cannot wait for its own device (it
+ * would wait for itself: device.h): cache.h says so, and that the memory
+ * goes back at once, work queued on another stream or not. It neither
+ * waits for that work (which would hang here: the gate opens after) nor
+ * fails to free what it holds. */
+static void free_cache_fn(void *arg) { dp_cache_free(arg); }
+
+Test(allocator, a_cache_freed_from_a_host_function_waits_for_no_stream_of_its_device, .timeout = 20) {
+  dp_cache_t *c;
+  OK(dp_cache_new(B, &c, T_ERR));
+  dp_stream_t *s = stream(H0), *busy = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(c, H0, 4096, busy, &p, T_ERR));
+  _Atomic int gate = 0;
+  OK(dp_host_launch(busy, gate_wait, &gate, T_ERR)); /* queued before the free, held until after it */
+  OK(dp_host_launch(s, free_cache_fn, c, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR)); /* returns: the free waited for nothing */
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(busy, T_ERR));
+  dp_stream_free(busy);
+  dp_stream_free(s);
+}

@@ -147,6 +147,12 @@ DP_API int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
  *  that work may still allocate and free here), gives every segment back
  *  to the backend and frees the allocator. Pointers still allocated from
  *  it become invalid.
+ *  From a host function (dp_host_launch) it cannot wait for its own
+ *  device (dp_device_synchronize is DP_EMISUSE there: device.h): the
+ *  segments go back at once, as dp_device_dealloc frees there, whatever
+ *  work queued before the call, on another stream of that device, still
+ *  uses them (it then uses freed memory). Free a cache from a host
+ *  function only once no queued work uses its memory.
  *  A backend's default allocator (dp_cache_default) is left alone:
  *  dp_shutdown frees it (as dp_stream_free leaves the backend's streams). */
 DP_API void dp_cache_free(dp_cache_t *c);
