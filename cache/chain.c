@@ -122,21 +122,49 @@ static int chain_record_streams_owned(void *ctx, void *const *ptrs, size_t n, dp
   return chain_batch(ctx, ptrs, n, s, owned, err);
 }
 
+/* The chain whose hooks h are, as dp_cache_hooks_chain_hooks gave them
+ * (none of the functions replaced), or NULL. */
+static const dp_cache_hooks_chain_t *chain_of(const dp_cache_hooks_t *h) {
+  return h->record_stream == chain_record_stream && h->record_streams == chain_record_streams &&
+                 h->record_streams_owned == chain_record_streams_owned
+             ? h->ctx
+             : NULL;
+}
+
+/* A chain given another chain's hooks takes that chain's allocators in
+ * their place, in order: the same pointers go to the same allocators, and
+ * chains nested any number of times deep record through one level, not
+ * one stack frame (of DP_CACHE_HOOKS_CHAIN_BATCH entries of scratch) a
+ * level, which overflowed the stack a few thousand levels down. */
 int dp_cache_hooks_chain_new(const dp_cache_hooks_t *list, size_t n, dp_cache_hooks_chain_t **out, dp_error_t *err) {
   if (!list || !out) return dp__err(err, DP_EINVAL, "dp_cache_hooks_chain_new: NULL %s", !list ? "list" : "out");
   if (n == 0) return dp__err(err, DP_EINVAL, "dp_cache_hooks_chain_new: an empty chain");
-  for (size_t i = 0; i < n; i++)
+  size_t total = 0;
+  for (size_t i = 0; i < n; i++) {
     if (!list[i].record_stream && !list[i].record_streams_owned)
       return dp__err(err, DP_EINVAL,
                      "dp_cache_hooks_chain_new: hooks %zu has neither record_stream nor record_streams_owned, "
                      "so it cannot say which pointers are its allocator's", i);
+    const dp_cache_hooks_chain_t *in = chain_of(&list[i]);
+    if (dp__add_ovf(total, in ? in->n : 1, &total)) return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: %zu hooks", n);
+  }
   size_t bytes;
-  if (dp__mul_ovf(n, sizeof(dp_cache_hooks_t), &bytes) || dp__add_ovf(bytes, sizeof(dp_cache_hooks_chain_t), &bytes))
-    return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: %zu hooks", n);
+  if (dp__mul_ovf(total, sizeof(dp_cache_hooks_t), &bytes) ||
+      dp__add_ovf(bytes, sizeof(dp_cache_hooks_chain_t), &bytes))
+    return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: %zu hooks", total);
   dp_cache_hooks_chain_t *c = dp__alloc(bytes);
   if (!c) return dp__err(err, DP_ENOMEM, "out of memory creating a hooks chain");
-  c->n = n;
-  memcpy(c->hooks, list, n * sizeof *list);
+  c->n = total;
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++) {
+    const dp_cache_hooks_chain_t *in = chain_of(&list[i]);
+    if (in) {  /* flat already: it was made here */
+      memcpy(c->hooks + k, in->hooks, in->n * sizeof *in->hooks);
+      k += in->n;
+    } else {
+      c->hooks[k++] = list[i];
+    }
+  }
   *out = c;
   return 0;
 }

@@ -2265,3 +2265,39 @@ Test(allocator, a_cache_freed_from_a_host_function_waits_for_no_stream_of_its_de
   dp_stream_free(busy);
   dp_stream_free(s);
 }
+
+/* A chain given another chain's hooks records through them: nested a few
+ * thousand times deep, each level's frame (its batch's scratch on the
+ * stack) overflowed the stack (SIGSEGV at 3,000 levels). A chain takes a
+ * nested chain's allocators in place, so any depth records through one. */
+Test(allocator, chains_nested_thousands_of_times_deep_record_in_constant_stack) {
+  enum { DEPTH = 20000 };
+  dp_cache_hooks_chain_t **chains = malloc(DEPTH * sizeof *chains);
+  cr_assert_not_null(chains);
+  dp_cache_hooks_t h = dp_cache_hooks(C);
+  for (int i = 0; i < DEPTH; i++) {
+    OK(dp_cache_hooks_chain_new(&h, 1, &chains[i], T_ERR));
+    h = dp_cache_hooks_chain_hooks(chains[i]);
+  }
+  dp_stream_t *s = stream(H0), *user = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_hooks_record(&h, &p, 1, user, T_ERR));
+  OK(h.record_stream(h.ctx, p, user, T_ERR));
+  dp_error_t e;
+  int other;
+  cr_assert_eq(h.record_stream(h.ctx, &other, user, &e), DP_ENOTFOUND);
+  cr_assert(strstr(e.message, "owned by none of the chain's 1 allocators"), "%s", e.message);
+  /* the record holds the block: freed, it is pending until user's work is done */
+  _Atomic int gate = 0;
+  OK(dp_host_launch(user, gate_wait, &gate, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 1);
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(user, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+  for (int i = DEPTH; i-- > 0;) dp_cache_hooks_chain_free(chains[i]);
+  free(chains);
+  dp_stream_free(user);
+  dp_stream_free(s);
+}
