@@ -128,17 +128,21 @@ static void run_entry(dp_future_t *f, cbent_t *e);
 
 static level_t *tramp_top(tramp_t *t) { return t->top ? t->top : &t->base; }
 
+/* Frees one future whose last reference went; 0 when none is queued. */
+static int tramp_free_one(tramp_t *t) {
+  dp_future_t *f = t->free_head;
+  if (!f) return 0;
+  if (!(t->free_head = f->free_next)) t->free_tail = NULL;
+  future_free(f);
+  return 1;
+}
+
 /* Runs one queued item; 0 when the queue is empty. Frees go first: they
  * keep memory low, and a free only queues (never runs) callbacks. A
  * callback runs with a level of its own, whose entries then go in front of
  * the level it was called from: depth first, without recursion. */
 static int tramp_step(tramp_t *t) {
-  if (t->free_head) {
-    dp_future_t *f = t->free_head;
-    if (!(t->free_head = f->free_next)) t->free_tail = NULL;
-    future_free(f);
-    return 1;
-  }
+  if (tramp_free_one(t)) return 1;
   level_t *from = tramp_top(t), *lv = from;
   while (lv && !lv->head) lv = lv->outer; /* a wait in a callback also runs what outer levels queued */
   if (!lv) return 0;
@@ -721,6 +725,10 @@ static int wait_in_callback(tramp_t *t, dp_future_t *f, dp_error_t *e) {
    * stack) nothing more runs nested, and a wait for a pending future that
    * the queued callbacks might have completed is refused, not a hang. */
   int may_run = t->waits <= DP_FUTURE_WAIT_NESTING_MAX; /* this wait counted */
+  /* frees run callbacks of none (they only queue them): they always may,
+     and may cancel f */
+  while (!may_run && !dp_future_is_done(f) && tramp_free_one(t)) {
+  }
   if (may_run) {
     while (!dp_future_is_done(f) && tramp_step(t)) {
     }

@@ -2820,14 +2820,21 @@ Test(future, device_and_event_just_past_the_last_device_are_cpu_and_null_whateve
  * callbacks queued that it may not run, is DP_ELIMIT at once, and the
  * last callback, with nothing queued behind it, waits as any wait does. */
 #define POLLERS 20000
-static _Atomic int poll_depth, poll_max_depth, poll_timed_out, poll_limited, poll_other;
+static _Atomic int poll_depth, poll_max_depth, poll_timed_out, poll_limited, poll_other, poll_not_canceled;
 static dp_error_t poll_limit_err;
 
 static int poll_never(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
   (void)ud, (void)parent, (void)result, (void)err;
   int d = atomic_fetch_add(&poll_depth, 1) + 1;
   if (d > atomic_load(&poll_max_depth)) atomic_store(&poll_max_depth, d);
+  /* queued frees still run at any depth (they run no callback): a pending
+     parent released here cancels its child, which the wait then sees */
+  dp_future_t *p = future(), *c;
   dp_error_t e;
+  OK(dp_future_then(p, poll_never, NULL, &c, T_ERR));
+  dp_future_release(p);
+  if (dp_future_wait(c, -1, &e) != DP_ECANCELED) atomic_fetch_add(&poll_not_canceled, 1);
+  dp_future_release(c);
   int rc = dp_future_wait(never_done, 0, &e);
   if (rc == DP_ETIMEDOUT) atomic_fetch_add(&poll_timed_out, 1);
   else if (rc == DP_ELIMIT && atomic_fetch_add(&poll_limited, 1) == 0) poll_limit_err = e;
@@ -2836,13 +2843,14 @@ static int poll_never(void *ud, dp_future_t *parent, dp_value_t *result, dp_erro
   return 0;
 }
 
-Test(future, thousands_of_callbacks_polling_a_pending_future_nest_their_waits_only_so_deep) {
+Test(future, thousands_of_callbacks_polling_a_pending_future_nest_their_waits_only_so_deep, .timeout = 60) {
   dp_future_t *f = future(), **kids = malloc(POLLERS * sizeof *kids);
   cr_assert_not_null(kids);
   never_done = future();
   for (int i = 0; i < POLLERS; i++) OK(dp_future_then(f, poll_never, NULL, &kids[i], T_ERR));
   OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
   cr_assert_eq(atomic_load(&poll_other), 0);
+  cr_assert_eq(atomic_load(&poll_not_canceled), 0, "a released parent's child is canceled at any depth");
   cr_assert_eq(atomic_load(&poll_max_depth), DP_FUTURE_WAIT_NESTING_MAX + 1,
                "callbacks nest inside %d waits, not as deep as they are many (%d)", DP_FUTURE_WAIT_NESTING_MAX,
                atomic_load(&poll_max_depth));

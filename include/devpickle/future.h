@@ -45,7 +45,8 @@
  * the callbacks queued on the thread that wait (a future with thousands of
  * then() callbacks, each polling a pending future with a limit of 0). At
  * most DP_FUTURE_WAIT_NESTING_MAX waits nest so; a wait further in runs no
- * queued callback, and if its future is pending while callbacks are queued
+ * queued callback (it still frees the futures released meanwhile, which
+ * may cancel its own), and if its future is pending while callbacks are queued
  * on the thread (which might complete it) it is DP_ELIMIT at once, with a
  * limit or without, naming the depth. It waits as any wait does when
  * nothing is queued.
