@@ -123,6 +123,16 @@ typedef struct tramp {
 
 static _Thread_local tramp_t tramp;
 
+/* The futures whose completion's walk (dp_future_mark_completed) runs on
+ * this thread, innermost first: a reduce() of the value may wait, and
+ * only the walk's return completes them (the way a then() callback's
+ * return completes its child). */
+typedef struct walking {
+  const dp_future_t *f;
+  struct walking *outer;
+} walking_t;
+static _Thread_local walking_t *walking;
+
 static void future_free(dp_future_t *f);
 static void run_entry(dp_future_t *f, cbent_t *e);
 
@@ -545,7 +555,10 @@ int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) 
   dp_error_t e;
   dp_error_clear(&e);
   dp_ptrset_t *set = scratch_get(&owned, 1, &e);
+  walking_t me = {f, walking}; /* a reduce() that waits on f would wait for itself */
+  walking = &me;
   int rc = set ? dp_scan(value, NULL, set, &e) : e.code;
+  walking = me.outer;
   if (rc) {
     if (set) scratch_put(set, owned);
     if (err) *err = e;
@@ -620,20 +633,23 @@ static long queued_by_running(tramp_t *t, const dp_future_t *f) {
   return -1;
 }
 
-/* 1 when f is the child of a then() callback running on this thread: only
- * that callback's return completes it, so a wait for it from there would
- * never end. */
+/* 1 when f is the child of a then() callback running on this thread, 2
+ * when a walk running here completes it: only that callback's (walk's)
+ * return completes it, so a wait for it from there would never end. */
 static int completed_by_running(const tramp_t *t, const dp_future_t *f) {
   for (const level_t *lv = t->top; lv; lv = lv->outer)
     if (lv->child == f) return 1;
+  for (const walking_t *w = walking; w; w = w->outer)
+    if (w->f == f) return 2;
   return 0;
 }
 
-/* 1 when a then() callback runs on this thread (its child in a level). */
+/* 1 when a then() callback (its child in a level) or a completion's walk
+ * runs on this thread. */
 static int running_child(const tramp_t *t) {
   for (const level_t *lv = t->top; lv; lv = lv->outer)
     if (lv->child) return 1;
-  return 0;
+  return walking != NULL;
 }
 
 /* A future reached from the one waited on: a reference, and its place in
@@ -646,14 +662,15 @@ typedef struct reach {
 #define REACH_INLINE 32
 
 /* 1 when f (pending) completes only after the child of a then() callback
- * running on this thread, which only that callback's return can complete:
- * a chain of pending futures leads there from f through the links of deps
- * (then() parents, collect_all inputs). 0 when none does; else an error
- * (out of memory), in *e.
+ * running on this thread, which only that callback's return can complete
+ * (2: after a future whose completion's walk runs here): a chain of
+ * pending futures leads there from f through the links of deps (then()
+ * parents, collect_all inputs). 0 when none does; else an error (out of
+ * memory), in *e.
  *
  * Each future is visited once: the seen set's first k entries are the
- * running children, so that one look-up both skips a future met before and
- * finds a running child. One lock is held at a time and nothing is
+ * running children (then the walks' futures, from kc on), so that one
+ * look-up both skips a future met before and finds a running child. One lock is held at a time and nothing is
  * allocated or called under it. The links hold no references, so a future
  * is followed under one taken while its dependant's lock holds back its
  * free (see deps) — unless its last one went already: its release then
@@ -666,6 +683,9 @@ static int waits_on_running(tramp_t *t, dp_future_t *f, dp_error_t *e) {
   rc = 0;
   for (const level_t *lv = t->top; lv && rc == 0; lv = lv->outer)
     if (lv->child) rc = dp_ptrset_add(seen, key, (void *)lv->child, 1, NULL, e);
+  size_t kc = dp_ptrset_count(seen);
+  for (const walking_t *w = walking; w && rc == 0; w = w->outer)
+    rc = dp_ptrset_add(seen, key, (void *)w->f, 1, NULL, e);
   size_t k = dp_ptrset_count(seen), at, cap = REACH_INLINE, sp = 0;
   reach_t inl[REACH_INLINE], *stack = inl;
   if (rc == 0 && (rc = dp_ptrset_add(seen, key, f, 1, &at, e)) == 0) stack[sp++] = (reach_t){dp_future_retain(f), at};
@@ -679,7 +699,7 @@ static int waits_on_running(tramp_t *t, dp_future_t *f, dp_error_t *e) {
     }
     pthread_mutex_lock(&x.f->mu);
     if (dp__load_relaxed(&x.f->state) == PENDING) {
-      if (x.at < k) found = 1;
+      if (x.at < k) found = x.at < kc ? 1 : 2;
       else
         for (size_t i = 0; i < n; i++)
           if (x.f->deps[i] && try_retain(x.f->deps[i])) stack[sp++].f = x.f->deps[i];
@@ -706,6 +726,8 @@ static int waits_on_running(tramp_t *t, dp_future_t *f, dp_error_t *e) {
 /* past the states; errors are negative */
 #define WAITS_FOR_ITSELF 3
 #define WAITS_THROUGH 4
+#define WAITS_IN_WALK 6
+#define WAITS_THROUGH_WALK 7
 
 #define WAITS_TOO_DEEP 5
 
@@ -714,6 +736,19 @@ static int callbacks_queued(const tramp_t *t) {
   for (const level_t *lv = tramp_top((tramp_t *)t); lv; lv = lv->outer)
     if (lv->head) return 1;
   return 0;
+}
+
+/* Refused at once, with a limit or without (as a host function that
+ * would wait for itself is: device.h), not a hang or a spent limit: a
+ * wait on a pending f that only a running then() callback's or walk's
+ * return completes, or that waits for one. 0: no such wait. */
+static int waits_for_itself(tramp_t *t, dp_future_t *f, dp_error_t *e) {
+  if (dp__load_acquire(&f->state) != PENDING) return 0;
+  int by = completed_by_running(t, f);
+  if (by) return by == 1 ? WAITS_FOR_ITSELF : WAITS_IN_WALK;
+  if (!running_child(t)) return 0;
+  int rc = waits_on_running(t, f, e);
+  return rc == 1 ? WAITS_THROUGH : rc == 2 ? WAITS_THROUGH_WALK : rc;
 }
 
 /* The part of a wait that runs in a callback, before it blocks: 0 to go on
@@ -740,15 +775,10 @@ static int wait_in_callback(tramp_t *t, dp_future_t *f, dp_error_t *e) {
       if (!ran) break;
     }
   }
-  /* refused at once, with a limit or without (as a host function that
-     would wait for itself is: device.h), not a hang or a spent limit */
-  if (dp__load_acquire(&f->state) == PENDING && completed_by_running(t, f)) return WAITS_FOR_ITSELF;
-  if (dp__load_acquire(&f->state) == PENDING && running_child(t)) {
-    int rc = waits_on_running(t, f, e);
-    if (rc) return rc == 1 ? WAITS_THROUGH : rc;
-    /* frees its releases queued (what they cancel may complete f) */
-    while (may_run && !dp_future_is_done(f) && tramp_step(t)) {
-    }
+  int rc = waits_for_itself(t, f, e);
+  if (rc) return rc;
+  /* frees the releases the links' walk queued (what they cancel may complete f) */
+  while (may_run && !dp_future_is_done(f) && tramp_step(t)) {
   }
   if (!may_run && dp__load_acquire(&f->state) == PENDING && callbacks_queued(t)) return WAITS_TOO_DEEP;
   return 0;
@@ -768,6 +798,9 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
     t->waits++;
     int rc = wait_in_callback(t, f, e);
     t->waits--;
+    if (rc) return rc;
+  } else if (walking) { /* a reduce() of a completion's walk, outside callbacks */
+    int rc = waits_for_itself(t, f, e);
     if (rc) return rc;
   }
   /* A completion often follows soon (a reply, a short kernel): look for it
@@ -824,6 +857,17 @@ static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_
                    "%s: called from a then() callback, on a future that waits (through then() parents and collect_all "
                    "inputs) for the child of a then() callback running on this thread, which only that callback's "
                    "return completes: it would wait for itself",
+                   fn);
+  if (state == WAITS_IN_WALK)
+    return dp__err(err, DP_EMISUSE,
+                   "%s: called during the walk of the value that completes the future (a reduce() on this thread): it "
+                   "would wait for itself",
+                   fn);
+  if (state == WAITS_THROUGH_WALK)
+    return dp__err(err, DP_EMISUSE,
+                   "%s: called during the walk of the value that completes a future (a reduce() on this thread), on a "
+                   "future that waits for that one (through then() parents and collect_all inputs): it would wait for "
+                   "itself",
                    fn);
   if (state == WAITS_TOO_DEEP)
     return dp__err(err, DP_ELIMIT,

@@ -2872,3 +2872,49 @@ Test(future, thousands_of_callbacks_polling_a_pending_future_nest_their_waits_on
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* A reduce() of the value that completes a future runs before the future
+ * is complete: a wait there on that future, or on one that waits for it (a
+ * then() child), waited for itself and hung for good. It is DP_EMISUSE at
+ * once, with a limit or without, as the same wait from a then() callback
+ * on its own child is; a wait there on an unrelated future still works. */
+static dp_future_t *walked, *walked_child, *unrelated;
+static int walk_wait_rc[3];
+static dp_error_t walk_wait_err[3];
+
+static int reduce_waits(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj, (void)err;
+  *state = dp_int(1);
+  if (dp_future_is_done(walked)) return 0; /* the child's walk of the same value (hop_cb) */
+  walk_wait_rc[0] = dp_future_wait(walked, -1, &walk_wait_err[0]);
+  walk_wait_rc[1] = dp_future_synchronize(walked_child, 1000000000ll, &walk_wait_err[1]);
+  walk_wait_rc[2] = dp_future_wait(unrelated, 0, &walk_wait_err[2]);
+  return 0;
+}
+static const dp_type_t waiting_type = {"Waits", reduce_waits, NULL};
+
+Test(future, a_reduce_waiting_on_the_future_its_walk_completes_is_emisuse_at_once_not_a_hang, .timeout = 20) {
+  walked = future();
+  unrelated = future();
+  OK(dp_future_mark_completed(unrelated, dp_int(3), T_ERR));
+  OK(dp_future_then(walked, hop_cb, NULL, &walked_child, T_ERR));
+  dp_value_t v;
+  OK(dp_custom_new(&waiting_type, NULL, &v, T_ERR));
+  OK(dp_future_mark_completed(walked, v, T_ERR));
+  cr_assert_eq(walk_wait_rc[0], DP_EMISUSE, "%s", dp_err_name(walk_wait_rc[0]));
+  cr_assert_str_eq(walk_wait_err[0].message,
+                   "dp_future_wait: called during the walk of the value that completes the future (a reduce() on "
+                   "this thread): it would wait for itself");
+  cr_assert_eq(walk_wait_rc[1], DP_EMISUSE, "%s", dp_err_name(walk_wait_rc[1]));
+  cr_assert_str_eq(walk_wait_err[1].message,
+                   "dp_future_synchronize: called during the walk of the value that completes a future (a reduce() on "
+                   "this thread), on a future that waits for that one (through then() parents and collect_all "
+                   "inputs): it would wait for itself");
+  cr_assert_eq(walk_wait_rc[2], 0, "%s", walk_wait_err[2].message);
+  OK(dp_future_wait(walked_child, 0, T_ERR)); /* and the walk completed it as ever */
+  dp_future_release(walked_child);
+  dp_future_release(unrelated);
+  dp_future_release(walked);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}

@@ -59,16 +59,21 @@
  * a collect_all over it, and so on down any chain of then() parents and
  * collect_all inputs that are still pending. The wait follows those links
  * itself, each future once, holding one future's lock at a time; only a
- * wait on a pending future from a thread running a then() callback does,
- * so other waits cost nothing more. The links are what the futures' own
+ * wait on a pending future from a thread running a then() callback (or a
+ * completion's walk, below) does, so other waits cost nothing more. The links are what the futures' own
  * completions wait for: a then() child or a collect_all future that
  * another thread might complete by hand (dp_future_mark_completed on it)
  * is not counted on. Waits on futures that wait for nothing of the
  * callback's — complete ones, ones another thread completes — work as
- * anywhere. (Out of memory while following the links: DP_ENOMEM.) What no
- * link shows is not seen: a wait on a future the callback itself means to
- * complete after it, or one that waits for a callback running on another
- * thread that waits for this one, still blocks.
+ * anywhere. (Out of memory while following the links: DP_ENOMEM.) The
+ * same holds in a reduce() of the value that dp_future_mark_completed
+ * walks: that future is complete only once the walk returns, so a wait
+ * there on it, or on a pending future that waits for it through those
+ * links, is DP_EMISUSE at once (a completion of it by another thread
+ * meanwhile is not counted on). What no link shows is not seen: a wait on
+ * a future the callback itself means to complete after it, or one that
+ * waits for a callback running on another thread that waits for this one,
+ * still blocks.
  *
  * CANCELLATION: when the last reference to a pending future is dropped, its
  * callbacks never run; its then() children fail with DP_ECANCELED ("the
