@@ -25,8 +25,11 @@
  * A pending future keeps links to what its completion waits for (a then()
  * child's parent, a collect_all's pending inputs), without references, so
  * that a wait from a callback can follow them up to the running callback's
- * child and refuse to wait for itself (waits_on_running). A link is cut
- * under its holder's lock before the future it names can go.
+ * child and refuse to wait for itself (waits_on_running); so can a wait
+ * from a reduce() of a completion's walk, up to the future it completes.
+ * A link is cut under its holder's lock before the future it names can go.
+ * A wait in a callback runs the thread's queue, and callbacks it runs may
+ * wait in turn: those waits nest, DP_FUTURE_WAIT_NESTING_MAX deep at most.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -670,8 +673,8 @@ typedef struct reach {
  *
  * Each future is visited once: the seen set's first k entries are the
  * running children (then the walks' futures, from kc on), so that one
- * look-up both skips a future met before and finds a running child. One lock is held at a time and nothing is
- * allocated or called under it. The links hold no references, so a future
+ * look-up both skips a future met before and finds a running child. One
+ * lock is held at a time and nothing is allocated or called under it. The links hold no references, so a future
  * is followed under one taken while its dependant's lock holds back its
  * free (see deps) — unless its last one went already: its release then
  * completes the dependant (cancel), so it is no wait for itself. */
@@ -726,10 +729,9 @@ static int waits_on_running(tramp_t *t, dp_future_t *f, dp_error_t *e) {
 /* past the states; errors are negative */
 #define WAITS_FOR_ITSELF 3
 #define WAITS_THROUGH 4
+#define WAITS_TOO_DEEP 5
 #define WAITS_IN_WALK 6
 #define WAITS_THROUGH_WALK 7
-
-#define WAITS_TOO_DEEP 5
 
 /* 1 when a callback is queued on t, at any level. */
 static int callbacks_queued(const tramp_t *t) {
@@ -785,8 +787,9 @@ static int wait_in_callback(tramp_t *t, dp_future_t *f, dp_error_t *e) {
 }
 
 /* f's state once complete or timed out; WAITS_FOR_ITSELF (f is a running
- * callback's child), WAITS_THROUGH (f waits for one), WAITS_TOO_DEEP, or an
- * error in *e. */
+ * callback's child), WAITS_THROUGH (f waits for one), WAITS_IN_WALK and
+ * WAITS_THROUGH_WALK (the same for a completion's walk), WAITS_TOO_DEEP,
+ * or an error in *e. */
 static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
   /* In a callback, f may be waiting on work queued on this very thread:
    * run it first (the queue keeps its order; nothing runs under a lock).
