@@ -15,6 +15,7 @@
 
 struct dp_cache_hooks_chain {
   size_t n;
+  size_t cap;  /* hooks allocated (n or more: nested chains' repeats left out) */
   dp_cache_hooks_t hooks[];
 };
 
@@ -131,6 +132,11 @@ static const dp_cache_hooks_chain_t *chain_of(const dp_cache_hooks_t *h) {
              : NULL;
 }
 
+static int same_hooks(const dp_cache_hooks_t *a, const dp_cache_hooks_t *b) {
+  return a->ctx == b->ctx && a->record_stream == b->record_stream && a->record_streams == b->record_streams &&
+         a->record_streams_owned == b->record_streams_owned;
+}
+
 /* A chain given another chain's hooks takes that chain's allocators in
  * their place, in order: the same pointers go to the same allocators, and
  * chains nested any number of times deep record through one level, not
@@ -154,23 +160,31 @@ int dp_cache_hooks_chain_new(const dp_cache_hooks_t *list, size_t n, dp_cache_ho
     return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: %zu hooks", total);
   dp_cache_hooks_chain_t *c = dp__alloc(bytes);
   if (!c) return dp__err(err, DP_ENOMEM, "out of memory creating a hooks chain");
-  c->n = total;
+  c->cap = total;
   size_t k = 0;
   for (size_t i = 0; i < n; i++) {
     const dp_cache_hooks_chain_t *in = chain_of(&list[i]);
-    if (in) {  /* flat already: it was made here */
-      memcpy(c->hooks + k, in->hooks, in->n * sizeof *in->hooks);
-      k += in->n;
-    } else {
+    if (!in) {
       c->hooks[k++] = list[i];
+      continue;
+    }
+    /* flat already (it was made here). An allocator met before is left
+     * out: it owned none of the pointers that reach it again. Chains of
+     * chains given twice each (a tree) would otherwise double at each
+     * level. */
+    for (size_t j = 0; j < in->n; j++) {
+      size_t m = 0;
+      while (m < k && !same_hooks(&c->hooks[m], &in->hooks[j])) m++;
+      if (m == k) c->hooks[k++] = in->hooks[j];
     }
   }
+  c->n = k;
   *out = c;
   return 0;
 }
 
 void dp_cache_hooks_chain_free(dp_cache_hooks_chain_t *c) {
-  if (c) dp__free(c, sizeof *c + c->n * sizeof c->hooks[0]);
+  if (c) dp__free(c, sizeof *c + c->cap * sizeof c->hooks[0]);
 }
 
 dp_cache_hooks_t dp_cache_hooks_chain_hooks(dp_cache_hooks_chain_t *c) {

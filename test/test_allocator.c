@@ -2297,6 +2297,17 @@ Test(allocator, chains_nested_thousands_of_times_deep_record_in_constant_stack) 
   OK(dp_stream_synchronize(user, T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 0);
   for (int i = DEPTH; i-- > 0;) dp_cache_hooks_chain_free(chains[i]);
+  /* a tree: each chain given the one below it twice, 40 levels; its
+     allocator is offered a pointer once, not 2^40 times */
+  h = dp_cache_hooks(C);
+  for (int i = 0; i < 40; i++) {
+    dp_cache_hooks_t two[2] = {h, h};
+    OK(dp_cache_hooks_chain_new(two, 2, &chains[i], T_ERR));
+    h = dp_cache_hooks_chain_hooks(chains[i]);
+  }
+  cr_assert_eq(h.record_stream(h.ctx, &other, user, &e), DP_ENOTFOUND);
+  cr_assert(strstr(e.message, "owned by none of the chain's 1 allocators"), "%s", e.message);
+  for (int i = 40; i-- > 0;) dp_cache_hooks_chain_free(chains[i]);
   free(chains);
   dp_stream_free(user);
   dp_stream_free(s);

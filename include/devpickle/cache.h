@@ -113,10 +113,11 @@ DP_API int dp_cache_hooks_record(const dp_cache_hooks_t *hooks, void *const *ptr
  *  record_streams_owned, else DP_EINVAL naming its index (as does n == 0,
  *  a NULL list or out). The hooks are copied; their ctx are not owned and
  *  must outlive the chain. The hooks of another chain in list are replaced
- *  by that chain's own list, in place (the same pointers go to the same
- *  allocators), so that chains nested any number of times deep record in
- *  constant stack. The chain must outlive the futures and the chains given
- *  its hooks. Its hooks may be called from any thread; they
+ *  by that chain's own list, in place, less the hooks already in the new
+ *  list (an allocator offered a pointer again never owns it), so that
+ *  chains nested any number of times deep record in constant stack, and a
+ *  tree of chains offers each pointer to each allocator once. The chain
+ *  must outlive the futures and the chains given its hooks. Its hooks may be called from any thread; they
  *  take no lock of their own (the allocators lock what they need). */
 typedef struct dp_cache_hooks_chain dp_cache_hooks_chain_t;
 #define DP_CACHE_HOOKS_CHAIN_BATCH 512
