@@ -163,6 +163,10 @@ const char *dp_err_name(int code) {
   return "DP_UNKNOWN";
 }
 
+int dp__is_code(int code) {
+  return code < 0 && strcmp(dp_err_name(code), "DP_UNKNOWN") != 0;
+}
+
 #define DP_ERR_FULL_MAX (64u << 10)
 
 /* Fits a message of n bytes into dst[cap]: its beginning and its end, with
@@ -212,7 +216,8 @@ int dp__cb_rc(int rc, dp_error_t *err, const char *what) {
    * (strncpy does): ended here, where every callback's failure passes,
    * before the library formats it into another or hands it back. */
   if (err) err->message[sizeof err->message - 1] = '\0';
-  if (rc > 0) return dp__err(err, DP_EINVAL, "%s returned %d: a callback returns 0 or a negative DP_E* code", what, rc);
+  if (!dp__is_code(rc))
+    return dp__err(err, DP_EINVAL, "%s returned %d: a callback returns 0 or a negative DP_E* code", what, rc);
   if (!err) return rc;
   /* Whether the callback set err->code or not (dp_error_t's fields are all
    * it has to fill), its message is kept, and err carries the code it

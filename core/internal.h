@@ -43,9 +43,12 @@ static inline void dp__free_inl(void *arr, size_t cap, size_t size, const void *
 #define DP__EXISTS 1  /* an insert without replace met the key or name already there */
 
 int dp__err(dp_error_t *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* 1 when code is one of base.h's DP_E* codes (negative), else 0. */
+int dp__is_code(int code);
 /* What a caller's callback returned, as the API returns it: 0, or a
  * negative DP_E* code with err filled — a positive code (which no call
- * returns, so `rc < 0` tests would take it for success) becomes DP_EINVAL,
+ * returns, so `rc < 0` tests would take it for success) or a negative one
+ * that is no DP_E* (no caller could tell it by name) becomes DP_EINVAL,
  * a failure that left err's message empty gets one naming `what`, and a
  * message the callback wrote is kept (its last byte made a NUL: one that
  * fills the buffer may lack it), with err->code set to the code it

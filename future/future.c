@@ -499,14 +499,14 @@ static int publish_only(const char *fn, dp_future_t *f, dp_value_t value, record
     f->rec = *rec;
     dp__store_release(&f->state, DONE);
   } else {
-    /* codes are negative: 0 and a positive one would read as success or
-       as no code of the library's */
-    f->error_code = error->code < 0 ? error->code : error->code ? DP_EINVAL : DP_ESTATE;
+    /* codes are DP_E*: 0 and a positive one would read as success, and
+       any other as no code of the library's */
+    f->error_code = dp__is_code(error->code) ? error->code : error->code ? DP_EINVAL : DP_ESTATE;
     if ((f->error = detail)) {
       detail->code = f->error_code;
       if (!detail->message[0]) { /* waiters get a message, whatever the producer gave */
         char why[48] = "";
-        if (error->code >= 0) snprintf(why, sizeof why, " (completed with error code %d)", error->code);
+        if (!dp__is_code(error->code)) snprintf(why, sizeof why, " (completed with error code %d)", error->code);
         snprintf(detail->message, sizeof detail->message, "the future failed: %s%s", dp_strerror(f->error_code), why);
       }
     }

@@ -475,6 +475,24 @@ Test(future, a_callback_that_returns_a_positive_code_fails_its_child_with_einval
   dp_future_release(child);
 }
 
+static int unknown_code_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result;
+  snprintf(err->message, sizeof err->message, "%s", "errno-style failure");
+  return -42; /* no DP_E* code: -42 is none of base.h's */
+}
+
+Test(future, a_callback_that_returns_a_negative_code_of_its_own_fails_its_child_with_einval) {
+  dp_future_t *parent = future(), *child;
+  OK(dp_future_then(parent, unknown_code_cb, NULL, &child, T_ERR));
+  OK(dp_future_mark_completed(parent, dp_none(), T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(child, -1, &e), DP_EINVAL, "a code no caller can name by dp_err_name");
+  cr_assert_str_eq(e.message, "the callback returned -42: a callback returns 0 or a negative DP_E* code");
+  cr_assert_str_eq(dp_err_name(dp_future_error(child, NULL)), "DP_EINVAL");
+  dp_future_release(parent);
+  dp_future_release(child);
+}
+
 /* A hook that fails without a message: the future fails with the hook's
  * code (not DP_ESTATE, which a failure with code 0 became), and
  * mark_completed returns that same code. */
@@ -662,9 +680,10 @@ static int failing_then_never_runs(void *ud, dp_future_t *parent, dp_value_t *re
   return 0;
 }
 
-Test(future, an_error_code_that_is_not_negative_is_never_handed_back_as_it_was) {
-  int codes[] = {4, 0}, want[] = {DP_EINVAL, DP_ESTATE};
-  for (int i = 0; i < 2; i++) {
+Test(future, an_error_code_that_is_no_dp_e_code_is_never_handed_back_as_it_was) {
+  /* positive, zero, and negative but past the last DP_E* */
+  int codes[] = {4, 0, DP_ECANCELED - 1, -1000}, want[] = {DP_EINVAL, DP_ESTATE, DP_EINVAL, DP_EINVAL};
+  for (int i = 0; i < 4; i++) {
     dp_future_t *f = future(), *child;
     dp_error_t why, e;
     dp_error_clear(&why);

@@ -99,7 +99,8 @@ typedef struct dp_error {
  *     a cache hook: cache.h)
  *     returns 0 or a DP_E* code. A positive return, which no call of the
  *     library ever makes (so a caller testing rc < 0 would take it for
- *     success), becomes DP_EINVAL ("bind returned 4: ..."); a failure that
+ *     success), becomes DP_EINVAL ("bind returned 4: ..."), as does a
+ *     negative code that is none of the DP_E* above; a failure that
  *     left err's message empty gets a message naming the callback ("the
  *     read callback failed: i/o error"). A callback fills err by hand: the
  *     message it wrote is kept (one that fills the buffer without a NUL,

@@ -146,9 +146,9 @@ DP_API int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t
  *  already). */
 DP_API int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const dp_ptrset_t *ptrs,
                                               dp_error_t *err);
-/** Completes f with an error (copied; a code of 0 becomes DP_ESTATE and a
- *  positive one DP_EINVAL — codes are negative; an empty message becomes
- *  one naming the code). DP_ESTATE if f was already complete. A NULL error
+/** Completes f with an error (copied; a code of 0 becomes DP_ESTATE, and
+ *  one that is no DP_E* code — positive, or negative but none of base.h's —
+ *  DP_EINVAL; an empty message becomes one naming the code). DP_ESTATE if f was already complete. A NULL error
  *  is DP_EINVAL, and f completes with that error (DP_ESTATE, as err says,
  *  if f was complete already), as for a NULL ptrs above. */
 DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error_t *err);
