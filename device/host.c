@@ -650,7 +650,7 @@ static int h_init(dp_backend_t *b, dp_error_t *err) {
     /* digits only, as dp_device_parse takes an index: strtol would skip
      * leading blanks and a sign (" 3" but not "3 ") */
     if (*env < '0' || *env > '9' || *end || v < 1 || v > HOST_MAX_DEVICES)
-      return dp__err(err, DP_EINVAL, "DEVPICKLE_HOST_DEVICES=%s: expected 1..%d", dp__shown(env, shown),
+      return dp__err(err, DP_EINVAL, "DEVPICKLE_HOST_DEVICES='%s': expected 1..%d", dp__shown(env, shown),
                      HOST_MAX_DEVICES);
     n = (int)v;
   }

@@ -346,7 +346,7 @@ Test(device, the_host_device_count_comes_from_the_environment_and_is_checked) {
   dp_backend_t *b;
   dp_error_t e;
   cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, &b, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "DEVPICKLE_HOST_DEVICES=0: expected 1..64");
+  cr_assert_str_eq(e.message, "DEVPICKLE_HOST_DEVICES='0': expected 1..64");
   setenv("DEVPICKLE_HOST_DEVICES", "3", 1);
   cr_assert_eq(dp_backend_device_count(host()), 3);
   unsetenv("DEVPICKLE_HOST_DEVICES");
@@ -369,12 +369,12 @@ Test(device, forcing_cuda_without_a_gpu_is_an_error_not_a_fallback) {
   cr_assert_str_eq(dp_backend_name(b), "host", "without a GPU the default is host");
   setenv("DEVPICKLE_BACKEND", "tpu", 1);
   cr_assert_eq(dp_backend_default(&b, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND=tpu: expected host or cuda");
+  cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND='tpu': expected host or cuda");
   /* the value is shown as a device name given to dp_device_parse is: one
      line, control characters escaped, a long one cut */
   setenv("DEVPICKLE_BACKEND", "cu\nda\x1b[2J0123456789012345678901234567890123456789", 1);
   cr_assert_eq(dp_backend_default(&b, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND=cu\\u000ada\\u001b[2J01234567890123456789012\u2026: expected host or cuda");
+  cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND='cu\\u000ada\\u001b[2J01234567890123456789012\u2026': expected host or cuda");
   unsetenv("DEVPICKLE_BACKEND");
 }
 
@@ -1534,7 +1534,7 @@ Test(device, the_host_device_count_takes_1_to_64_and_nothing_else) {
     dp_error_t e;
     char want[64];
     cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, &b, &e), DP_EINVAL, "%s", bad[i]);
-    snprintf(want, sizeof want, "DEVPICKLE_HOST_DEVICES=%s: expected 1..64", bad[i]);
+    snprintf(want, sizeof want, "DEVPICKLE_HOST_DEVICES='%s': expected 1..64", bad[i]); /* quoted: " 3" shows its space */
     cr_assert_str_eq(e.message, want);
   }
   unsetenv("DEVPICKLE_HOST_DEVICES");
