@@ -140,6 +140,10 @@ size_t dp__step_reduce(const char *s, size_t n, char *out) {
   return b.len;
 }
 
+size_t dp__step_in_key(size_t i, char *out) {
+  return (size_t)snprintf(out, DP__STEP_MAX, "<key %zu>", i);
+}
+
 size_t dp__step_index(size_t i, char *out) {
   char tmp[24];
   size_t k = sizeof tmp;

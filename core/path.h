@@ -63,6 +63,7 @@ void dp__sb_quote(dp__sbuf_t *b, const char *s, size_t n, int cut);
 size_t dp__step_name(const char *s, size_t n, char *out);   /* .name or ["name"] */
 size_t dp__step_reduce(const char *s, size_t n, char *out); /* <reduce Name> */
 size_t dp__step_index(size_t i, char *out);                 /* [i] */
+size_t dp__step_in_key(size_t i, char *out);                /* <key i>: inside entry i's key */
 /* A name outside quotes, cut and escaped as in <reduce Name>: for messages
  * and summaries that show a class or type name. */
 size_t dp__name_bare(const char *s, size_t n, char *out);

@@ -237,7 +237,7 @@ static size_t render_step(void *ctx, size_t d, char *out) {
       return dp__step_index(i, out);
     case DP_DICT:
       if (!(i & 1))  /* inside a key itself */
-        return (size_t)snprintf(out, DP__STEP_MAX, "<key %zu>", i / 2);
+        return dp__step_in_key(i / 2, out);
       return dp__step_key(DP_DICT(node)->entries[i / 2].key, out);
     case DP_OBJECT:
       if (DP_OBJ(node)->c.h.flags & DP_HEAP_REDUCED)

@@ -757,7 +757,7 @@ static size_t fail_step(void *ctx, size_t j, char *out) {
   const fail_path_t *p = ctx;
   const cframe_t *f = &p->st->f[j];
   size_t i = f->i ? f->i - 1 : 0;
-  if (p->at_key && j + 1 == p->st->n) return (size_t)snprintf(out, DP__STEP_MAX, "<key %zu>", i);
+  if (p->at_key && j + 1 == p->st->n) return dp__step_in_key(i, out);
   return dp__step_child(f->v, i, out);
 }
 
