@@ -172,6 +172,11 @@ extern _Atomic int dp__transport_fail_in_post;
  *  and written directly otherwise), so that the staging path runs on a
  *  machine without a GPU. Set it on both ends. */
 extern int dp__transport_stage_host;
+/** 1: this process's receivers drop the peer's offers (same-host slots,
+ *  a lane) unanswered, as a peer that does not know them does: a test of
+ *  the offerer's withdrawal sets it in its peer, whose answers would
+ *  otherwise race the test's look at the offers' names. */
+extern int dp__transport_mute_offers;
 /** Called (when set) by a caller-driven dp_listener_accept between the
  *  passes that saw a connection queued and taking it: a test widens there
  *  the window in which another accepting thread takes it first. */

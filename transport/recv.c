@@ -1120,6 +1120,7 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
     return UCS_OK;
   }
   const dp__am_shm_ctl_t *c = (const dp__am_shm_ctl_t *)h;
+  if (dp__transport_mute_offers && (id == DP__AM_LANE_ADDR || id == DP__AM_SHM_OFFER)) return UCS_OK;
   if (id == DP__AM_LANE_ADDR || id == DP__AM_LANE_HELLO) {
     on_lane(t, ep, id, c, data, len, param, on_lane_worker);
   } else if (id == DP__AM_SHM_OFFER) {

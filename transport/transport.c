@@ -16,6 +16,7 @@ int dp__transport_skip_events;
 int dp__transport_skip_credit;
 _Atomic int dp__transport_fail_in_post;
 int dp__transport_stage_host;
+int dp__transport_mute_offers;
 _Atomic unsigned long dp__transport_shm_pieces;
 _Atomic unsigned long dp__transport_lane_msgs;
 void (*dp__transport_accept_gap)(void);
