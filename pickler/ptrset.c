@@ -198,7 +198,7 @@ int dp__ptrset_reserve(dp_ptrset_t *s, size_t n) {
  * (the table through its own functions, on a copy): stores into the
  * entries then cannot force them to be reloaded. They are written back
  * before a new device takes the slow path, and at the end. */
-static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, const int raw, dp_storage_t *const *st,
+static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, const int raw, dp_tensor_t *const *st,
                                                           const dp_ptr_info_t *items, const uint64_t *h, uint64_t again,
                                                           int n, size_t *indices, dp_error_t *err) {
   dp__table_t tab = s->tab;
@@ -217,13 +217,14 @@ static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, const i
   if (!raw && !tab.nslots) __builtin_unreachable();  /* reserved */
   int rc = 0;
   for (int i = 0; i < n; i++) {
-    if (st && (again >> i & 1)) {
+    if (st && (again >> i & 1)) { /* the entry of the tensor before (its base and device) */
       dp__refs_inc(&rest[id].refs);
+      if (st[i]->snbytes > rest[id].nbytes) rest[id].nbytes = st[i]->snbytes;
       continue;
     }
-    void *base = st ? st[i]->base : items[i].base;
-    dp_device_t device = st ? st[i]->device : items[i].device;
-    size_t nbytes = st ? st[i]->nbytes : items[i].nbytes;
+    void *base = st ? st[i]->sbase : items[i].base;
+    dp_device_t device = st ? st[i]->sdevice : items[i].device;
+    size_t nbytes = st ? st[i]->snbytes : items[i].nbytes;
     dp__pkey_t key = {base, device};
     size_t j = 0, at;
     if (raw) /* the last entry, when this is it again (dp__ptrset_raw_last, on the locals) */
@@ -269,7 +270,7 @@ static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, const i
   return rc;
 }
 
-int dp__ptrset_add_batch(dp_ptrset_t *s, dp_storage_t *const *st, const uint64_t *h, uint64_t again, int n,
+int dp__ptrset_add_batch(dp_ptrset_t *s, dp_tensor_t *const *st, const uint64_t *h, uint64_t again, int n,
                          dp_error_t *err) {
   return s->raw ? add_run(s, 1, st, NULL, h, again, n, NULL, err) : add_run(s, 0, st, NULL, h, again, n, NULL, err);
 }

@@ -154,11 +154,13 @@ int dp__ptrset_reserve(dp_ptrset_t *s, size_t n);
 /* Records entry index's path (a copy, in the set's arena). DP_ENOMEM. */
 int dp__ptrset_set_path(dp_ptrset_t *set, size_t index, const char *path);
 
-/* Adds a scan's batch of storages, hashes h (dp__ptr_hash), in order, with
- * room reserved for n (dp__ptrset_reserve); bit i of `again` marks st[i] as
- * st[i - 1] again (the same entry, no probe). Fails (DP_ENOMEM) only where a
+/* Adds the storages of a scan's batch of tensors (their copies of base,
+ * size and device), hashes h (dp__ptr_hash), in order, with room reserved
+ * for n (dp__ptrset_reserve); bit i of `again` marks st[i] as on the base
+ * and device of st[i - 1] (the same entry, no probe; its size kept if
+ * larger). Fails (DP_ENOMEM) only where a
  * new device needs a group. */
-int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_storage *const *st, const uint64_t *h, uint64_t again, int n,
+int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_tensor *const *st, const uint64_t *h, uint64_t again, int n,
                          dp_error_t *err);
 
 /* One more tensor on an entry: the count stays at UINT32_MAX once there

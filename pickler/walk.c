@@ -397,22 +397,25 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
 }
 
 /* Resolves the pending tensors in three passes over the batch — tensor
- * (memo for shared ones, prefetch the storage), storage (hash, prefetch the
- * slot), insert — each pass issuing its cache misses together. Inserts keep
+ * (memo for shared ones), hash (prefetch the slot), insert — each pass
+ * issuing its cache misses together. A tensor carries its storage's base,
+ * size and device: the storage itself is never read. Inserts keep
  * discovery order. */
 /* A pointer-set failure comes back with its code and message (written by
  * the set): the walker passes it through. */
 
 static int flush_pending(dp__walker_t *w) {
-  dp_storage_t *st[DP_WALK_BATCH + DP_INLINE_MAX];
+  dp_tensor_t *st[DP_WALK_BATCH + DP_INLINE_MAX];
   uint64_t h[DP_WALK_BATCH + DP_INLINE_MAX];
   int n = 0, m = w->npending, rc;
   w->npending = 0;
-  /* A storage right after itself (a view after its base tensor) is marked
-   * in `again`: the same entry, no probe. */
+  /* A tensor on the memory of the one before it (a view after its base
+   * tensor: the same base and device) is marked in `again`: the same entry,
+   * no probe. */
   uint64_t again = 0;
   _Static_assert(DP_WALK_BATCH + DP_INLINE_MAX <= 64, "a batch fits a 64-bit mask");
-  dp_storage_t *prev = NULL;
+  const void *prev_base = NULL;
+  uint32_t prev_dev = 0x10000u; /* no device's bits */
   for (int i = 0; i < m; i++) {
     dp_tensor_t *t = w->pending[i];
     if (dp__rc(&t->h) > w->memo_rc) {
@@ -421,11 +424,10 @@ static int flush_pending(dp__walker_t *w) {
       if (r < 0) return memo_failed(w, r);
       if (r == 1) continue;  /* the same tensor again: counted once */
     }
-    dp_storage_t *x = t->storage;
-    again |= (uint64_t)(x == prev) << n;
-    st[n++] = x;
-    prev = x;
-    __builtin_prefetch(x);
+    again |= (uint64_t)(t->sbase == prev_base && dp__dev_bits(t->sdevice) == prev_dev) << n;
+    st[n++] = t;
+    prev_base = t->sbase;
+    prev_dev = dp__dev_bits(t->sdevice);
   }
   if (!n) return 0;
   dp_ptrset_t *s = w->set;
@@ -436,14 +438,14 @@ static int flush_pending(dp__walker_t *w) {
    * value (ptrs.c) is then never grown by a tensor and its view. */
   int reserved = dp__ptrset_reserve(s, (size_t)(n - __builtin_popcountll(again))) == 0;
   /* One key per device, derived again only when the device changes. */
-  dp_device_t kdev = st[0]->device;
+  dp_device_t kdev = st[0]->sdevice;
   uint64_t key = dp__ptr_key(kdev);
   const dp__tslot_t *slots = s->tab.slots;
   size_t mask = s->tab.nslots - 1;
   for (int i = 0; i < n && !s->raw; i++) {
     if (again >> i & 1) continue;
-    if (DP_UNLIKELY(dp__dev_bits(st[i]->device) != dp__dev_bits(kdev))) key = dp__ptr_key(kdev = st[i]->device);
-    h[i] = dp__ptr_hash_keyed(st[i]->base, key);
+    if (DP_UNLIKELY(dp__dev_bits(st[i]->sdevice) != dp__dev_bits(kdev))) key = dp__ptr_key(kdev = st[i]->sdevice);
+    h[i] = dp__ptr_hash_keyed(st[i]->sbase, key);
     if (reserved) __builtin_prefetch(slots + (h[i] & mask), 1);
   }
   if (reserved) {
@@ -456,7 +458,7 @@ static int flush_pending(dp__walker_t *w) {
       continue;
     }
     int is_new;
-    if ((rc = dp__ptrset_add_hashed(s, st[i]->device, st[i]->base, st[i]->nbytes, s->raw ? 0 : h[i], &id, &is_new, w->err)) != 0)
+    if ((rc = dp__ptrset_add_hashed(s, st[i]->sdevice, st[i]->sbase, st[i]->snbytes, s->raw ? 0 : h[i], &id, &is_new, w->err)) != 0)
       return rc;
   }
   return 0;
@@ -543,8 +545,9 @@ undo:
  * larger than the caches): fetches the tensors, lists and tuples
  * DP_SCAN_FAR_AHEAD places ahead (their first two lines: a tuple's header
  * and its elements), and for the one DP_SCAN_NEAR_AHEAD ahead, fetched by
- * then, what its elements point to (a tensor's storage, a small tuple's
- * tensor and list). Without it each (tensor, [view]) of a list of 100,000
+ * then, what its elements point to (a small tuple's tensor and list) or,
+ * for a tensor, the rest of what a scan reads of it (dp_tensor_t's first 28
+ * bytes: their second line, where they cross one). Without it each (tensor, [view]) of a list of 100,000
  * costs its misses one after another (completion 6.2-7.6 ms → 4.3-4.7 ms on
  * the 2-core VM; a list of tensors 2.7 → 2.55 ms). User objects are left
  * out: fetching theirs measured slower at 10,000 and no faster at 100,000.
@@ -556,7 +559,7 @@ undo:
 
 DP_WALK_INLINE void prefetch_children(dp_value_t x) {
   if (x.kind == DP_TENSOR) {
-    __builtin_prefetch(DP_TENSOR(x)->storage);
+    __builtin_prefetch((const char *)x.u.h + 24); /* the storage's copies need not be fetched */
   } else if (x.kind == DP_LIST || x.kind == DP_TUPLE) {
     const dp_seq_t *q = DP_SEQ(x);
     for (size_t j = 0; j < q->len && j < 2; j++)
@@ -601,10 +604,10 @@ DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t 
 /* S: the walk has a sink. Each function below is compiled twice, with S a
  * constant 0 (scan) and 1 (pickle), from the one body. */
 DP_WALK_INLINE int visit_tensor(dp__walker_t *w, dp_value_t v, const int S) {
-  dp_storage_t *st = DP_TENSOR(v)->storage;
+  const dp_tensor_t *t = DP_TENSOR(v);
   size_t id;
   int is_new;
-  int rc = dp__ptrset_add_hashed(w->set, st->device, st->base, st->nbytes, dp__ptr_hash(st->device, st->base), &id,
+  int rc = dp__ptrset_add_hashed(w->set, t->sdevice, t->sbase, t->snbytes, dp__ptr_hash(t->sdevice, t->sbase), &id,
                                  &is_new, w->err);
   if (rc) return rc;
   if (is_new && w->want_paths && dp__ptrset_set_path(w->set, id, dp__walker_path(w)) != 0)

@@ -142,6 +142,33 @@ Test(pickler, shared_storages_are_reported_once_with_their_tensor_count) {
   ASSERT_NO_LEAK();
 }
 
+Test(pickler, two_storages_over_one_base_side_by_side_are_one_allocation_of_the_larger_size) {
+  /* Storages of 64 and 128 bytes at one base, on one device: one entry,
+   * whichever comes first, and whether or not they follow each other (the
+   * batch takes a tensor on the base just before it without a probe). */
+  for (int order = 0; order < 4; order++) {
+    dp_value_t l = t_list();
+    size_t small = 64, big = 128;
+    size_t first = order & 1 ? big : small, second = order & 1 ? small : big;
+    OK(dp_list_append(l, t_tensor(CUDA0, 0xB000, (int64_t)first / 4), T_ERR));
+    if (order & 2) OK(dp_list_append(l, t_tensor(CUDA1, 0xB000, 4), T_ERR)); /* another device between */
+    OK(dp_list_append(l, t_tensor(CUDA0, 0xB000, (int64_t)second / 4), T_ERR));
+    dp_ptrset_t *set;
+    OK(dp_ptrset_new(&set, T_ERR));
+    OK(dp_scan(l, NULL, set, T_ERR));
+    cr_assert_eq(dp_ptrset_count(set), 1 + !!(order & 2), "order %d", order);
+    size_t at;
+    dp_ptr_info_t p;
+    OK(dp_ptrset_find(set, CUDA0, (void *)0xB000, &at, T_ERR));
+    OK(dp_ptrset_get(set, at, &p, T_ERR));
+    cr_assert_eq(p.nbytes, 128, "order %d: the larger size is kept", order);
+    cr_assert_eq(p.refs, 2, "order %d", order);
+    dp_ptrset_free(set);
+    dp_value_release(l);
+  }
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, scans_without_paths_count_the_same_across_batches) {
   /* Without paths a scan resolves tensors in batches of 32: counts, order
    * and dedup must not change at batch boundaries. */

@@ -118,9 +118,14 @@ static inline size_t dp__object_size(size_t inl_cap, size_t class_len) {
 
 typedef struct dp_tensor {
   dp_heap_t h;
-  dp_storage_t *storage;
+  /* The storage's base, size and device, copied (a storage's never change):
+   * a scan reads the tensor's first 28 bytes alone, not its storage too. */
+  void *sbase;
+  size_t snbytes;
   uint8_t dtype;
   uint8_t ndim;
+  dp_device_t sdevice;
+  dp_storage_t *storage;
   int64_t offset;
   int64_t dims[];  /* shape[ndim] then strides[ndim] */
 } dp_tensor_t;

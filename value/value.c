@@ -879,6 +879,9 @@ int dp_tensor_new(dp_storage_t *storage, dp_dtype_t dtype, int ndim, const int64
   }
   heap_init(&t->h, DP_TENSOR);
   t->storage = storage;
+  t->sdevice = storage->device;
+  t->sbase = storage->base;
+  t->snbytes = storage->nbytes;
   t->dtype = (uint8_t)dtype;
   t->ndim = (uint8_t)ndim;
   t->offset = offset;
