@@ -475,6 +475,42 @@ Test(future, a_callback_that_returns_a_positive_code_fails_its_child_with_einval
   dp_future_release(child);
 }
 
+/* The order of one future's callbacks, with one registered on it (already
+ * complete) from inside its first: that one runs as its registrar returns,
+ * before the callbacks registered earlier that are still to run. */
+static char cb_order[8];
+static size_t cb_norder;
+static dp_future_t *cb_later_child;
+
+static int note_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  cb_order[cb_norder++] = *(const char *)ud;
+  return 0;
+}
+
+static int chain_inside_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)result;
+  cb_order[cb_norder++] = 'a';
+  int rc = dp_future_then(parent, note_cb, "c", &cb_later_child, err);
+  cr_assert_eq(cb_norder, 1, "the callback chained on its complete parent did not run inside the callback");
+  return rc;
+}
+
+Test(future, a_callback_chained_on_its_complete_parent_from_inside_one_of_its_callbacks_runs_next) {
+  dp_future_t *f = future(), *ca, *cb;
+  cb_norder = 0;
+  OK(dp_future_then(f, chain_inside_cb, NULL, &ca, T_ERR));
+  OK(dp_future_then(f, note_cb, "b", &cb, T_ERR));
+  OK(dp_future_mark_completed(f, dp_none(), T_ERR));
+  cr_assert_eq(cb_norder, 3);
+  cr_assert_arr_eq(cb_order, "acb", 3, "future.h: the one registered inside 'a' runs as 'a' returns, before 'b'");
+  OK(dp_future_wait(cb_later_child, -1, T_ERR));
+  dp_future_release(cb_later_child);
+  dp_future_release(ca);
+  dp_future_release(cb);
+  dp_future_release(f);
+}
+
 static int unknown_code_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
   (void)ud, (void)parent, (void)result;
   snprintf(err->message, sizeof err->message, "%s", "errno-style failure");

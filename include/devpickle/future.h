@@ -35,7 +35,10 @@
  * (depth first, the order recursion would give), and before the outermost
  * call returns. So a chain of a million then() links completes, or is
  * released, in constant stack and in chain order, and the callbacks of one
- * future run in the order they were registered. A dp_future_wait() in a callback first runs what is queued on
+ * future run in the order they were registered — but for one registered on
+ * a complete future from inside one of that future's own callbacks: it runs
+ * once that callback returns, before the future's callbacks still to run
+ * (as PyTorch's runs it at once, inside the callback). A dp_future_wait() in a callback first runs what is queued on
  * its thread, so a callback may wait on what it completed; waiting on a future it completed (or chained on)
  * also returns only once the callbacks it queued for that future ran. The running callback's own future's
  * later callbacks still run after it returns.
