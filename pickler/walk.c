@@ -382,9 +382,11 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
   dp_error_clear(&inner);
   *state = dp_none();
   rc = t->reduce(DP_CUSTOM(v)->obj, state, &inner);
-  /* a positive code is no success (base.h): it fails, and the message says
-     why; a message written without its NUL is ended before it is quoted */
-  if (rc > 0 || (rc < 0 && inner.message[0])) rc = dp__cb_rc(rc, &inner, "reduce");
+  /* a positive code is no success, and a negative one of no DP_E* code is
+     none (base.h): either fails, and the message says what reduce returned
+     ("unknown error" would not); a message written without its NUL is ended
+     before it is quoted */
+  if (rc > 0 || (rc < 0 && (inner.message[0] || !dp__is_code(rc)))) rc = dp__cb_rc(rc, &inner, "reduce");
   if (rc != 0) {
     dp_value_release(*state);
     /* Out of memory stays out of memory; any other failure means the value

@@ -4419,6 +4419,34 @@ Test(pickler, a_reduce_that_returns_a_positive_code_cannot_be_walked_and_the_mes
   ASSERT_NO_LEAK();
 }
 
+static int reduce_unknown_code(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj, (void)err;
+  return dp_list_new(0, state, NULL) ? DP_ENOMEM : -1000; /* a state left behind, and no DP_E* code */
+}
+
+static const dp_type_t unknown_code_type = {"Unknown", reduce_unknown_code, NULL};
+
+Test(pickler, a_reduce_that_returns_a_negative_code_of_no_dp_error_says_what_it_returned_not_unknown_error) {
+  dp_value_t root = t_list(), c;
+  OK(dp_custom_new(&unknown_code_type, NULL, &c, T_ERR));
+  OK(dp_list_append(root, c, T_ERR));
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_error_t e;
+  const char *want = "reduce of type 'Unknown' failed at $[0]: reduce returned -1000: a callback returns 0 or a "
+                     "negative DP_E* code";
+  cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(dp_pickle(root, NULL, f, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, want);
+  dp_frame_free(f);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 static int read_counted(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst, dp_error_t *err) {
   (void)device, (void)src, (void)err;
   ++*(int *)ud;
