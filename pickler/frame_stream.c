@@ -156,6 +156,7 @@ int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err) {
 }
 
 int dp_frame_value_check(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_error_t *err) {
+  if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_frame_value_check: NULL bytes");
   int rc = dp_frame_prefix_check(bytes, n, err);
   if (rc || n < DP_FRAME_HEADER || (opts && opts->resolver)) return rc;
   dp_frame_info_t fi;

@@ -3982,6 +3982,13 @@ Test(pickler, a_resolver_without_its_callback_or_with_a_null_list_of_types_is_ei
   ASSERT_NO_LEAK();
 }
 
+Test(pickler, frame_value_check_names_itself_for_null_bytes) {
+  dp_error_t e;
+  cr_assert_eq(dp_frame_value_check(NULL, 3, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_value_check: NULL bytes");
+  cr_assert_eq(e.code, DP_EINVAL);
+}
+
 static int bind_positive(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
   (void)ud, (void)d, (void)out, (void)err;
   return 4;
