@@ -186,6 +186,7 @@ static int drain(sr_t *s, uint8_t *buf) {
 int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_t *opts, dp_value_t *out,
                        dp_frame_info_t *info, uint64_t *size, dp_error_t *err) {
   if (!read || !out) return dp__err(err, DP_EINVAL, "dp_unpickle_stream: NULL %s", read ? "out" : "read");
+  if (dp__unpickle_opts_check(opts, "dp_unpickle_stream", err)) return DP_EINVAL;
   sr_t s = {read, ud, err, 0};
   uint8_t hdr[DP_FRAME_HEADER];
   uint8_t *buf = NULL, *chunk = NULL;  /* buf: the header, then payload and table */

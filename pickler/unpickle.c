@@ -1193,16 +1193,17 @@ static void up_cleanup(up_t *u, int failed) {
 int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_t *data,
                          const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err) {
   static const dp_unpickle_opts_t no_opts;
-  const dp_resolver_t *res = opts ? opts->resolver : NULL;
-  if (res && (!res->resolve || (!res->types && res->ntypes)))
-    return dp__err(err, DP_EINVAL, "dp_unpickle: the resolver has a NULL %s", res->resolve ? "types" : "resolve");
+  /* the public calls checked opts by their names first; a transport's
+     received frames come here directly */
+  int rc = dp__unpickle_opts_check(opts, "dp_unpickle", err);
+  if (rc) return rc;
   up_t u;
   memset(&u, 0, sizeof u);
   u.opts = opts ? opts : &no_opts;
   resolve_limits(&u.lim, opts ? &opts->limits : NULL);
   u.r.base = frame;
   u.r.err = err;
-  int rc = read_table(&u, fi, data);
+  rc = read_table(&u, fi, data);
   if (rc == 0) {
     u.r.p = frame + DP_FRAME_HEADER;
     u.r.end = u.r.p + fi->payload_len;
@@ -1224,11 +1225,20 @@ int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_
   return rc;
 }
 
+int dp__unpickle_opts_check(const dp_unpickle_opts_t *opts, const char *fn, dp_error_t *err) {
+  const dp_resolver_t *res = opts ? opts->resolver : NULL;
+  if (res && (!res->resolve || (!res->types && res->ntypes)))
+    return dp__err(err, DP_EINVAL, "%s: the resolver has a NULL %s", fn, res->resolve ? "types" : "resolve");
+  return 0;
+}
+
 int dp_unpickle(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_unpickle: NULL out");
   if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_unpickle: NULL bytes");
+  int rc = dp__unpickle_opts_check(opts, "dp_unpickle", err);
+  if (rc) return rc;
   dp_frame_info_t fi;
-  int rc = dp_frame_check(bytes, n, &fi, err);
+  rc = dp_frame_check(bytes, n, &fi, err);
   if (rc) return rc;
   const uint8_t *b = bytes;
   return dp__unpickle_checked(b, &fi, b + DP_FRAME_HEADER + fi.payload_len + fi.table_len, opts, out, err);

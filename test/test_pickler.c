@@ -3982,6 +3982,31 @@ Test(pickler, a_resolver_without_its_callback_or_with_a_null_list_of_types_is_ei
   ASSERT_NO_LEAK();
 }
 
+static int read_counting(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  (void)dst, (void)n, (void)err;
+  ++*(int *)ud;
+  *got = 0;
+  return 0;
+}
+
+Test(pickler, a_resolver_without_its_callback_is_refused_first_naming_the_call_that_was_given_it) {
+  dp_resolver_t no_cb = {NULL, 0, NULL, NULL};
+  dp_unpickle_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.resolver = &no_cb;
+  dp_value_t back;
+  dp_error_t e;
+  /* an argument, checked before the input: not the truncated frame's error */
+  cr_assert_eq(dp_unpickle("x", 1, &o, &back, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_unpickle: the resolver has a NULL resolve");
+  /* and before the stream is read: a misuse costs no read of a long stream */
+  int reads = 0;
+  cr_assert_eq(dp_unpickle_stream(read_counting, &reads, &o, &back, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_unpickle_stream: the resolver has a NULL resolve");
+  cr_assert_eq(reads, 0);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, frame_value_check_names_itself_for_null_bytes) {
   dp_error_t e;
   cr_assert_eq(dp_frame_value_check(NULL, 3, NULL, &e), DP_EINVAL);

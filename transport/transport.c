@@ -11,6 +11,7 @@
 
 #include "tp.h"
 #include "../future/internal.h"
+#include "../pickler/frame.h" /* dp__unpickle_opts_check */
 
 int dp__transport_skip_events;
 int dp__transport_skip_credit;
@@ -543,6 +544,7 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
                    "dp_transport_new: progress %d is neither DP_TRANSPORT_PROGRESS_THREAD (0) nor "
                    "DP_TRANSPORT_PROGRESS_CALLER (1)",
                    (int)opts->progress);
+  if (opts && dp__unpickle_opts_check(opts->unpickle, "dp_transport_new", err)) return DP_EINVAL;
   dp_transport_t *t = dp__alloc(sizeof *t);
   if (!t) return dp__err(err, DP_ENOMEM, "dp_transport_new: out of memory");
   memset(t, 0, sizeof *t);
