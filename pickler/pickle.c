@@ -399,6 +399,10 @@ static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst
     return dp__cb_rc(opts->read(opts->read_ud, st->device, st->base, st->nbytes, dst, e), e, "the read callback");
   }
   if (st->device.type == DP_DEVICE_CPU) {
+    /* dp_storage_new takes any base; NULL is the one known unreadable */
+    if (st->nbytes && !st->base)
+      return dp__err(err, DP_ENODEV, "cannot read %zu bytes of cpu memory for an inline frame: its base is NULL",
+                     st->nbytes);
     if (st->nbytes) memcpy(dst, st->base, st->nbytes);
     return 0;
   }

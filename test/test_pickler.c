@@ -908,6 +908,30 @@ Test(pickler, inline_frames_carry_the_buffer_bytes) {
   ASSERT_NO_LEAK();
 }
 
+Test(pickler, an_inline_pickle_of_cpu_bytes_at_a_null_base_is_enodev_not_a_read_of_null) {
+  /* dp_storage_new takes any base: NULL is one no read may go through */
+  dp_value_t root = t_list(), empty;
+  OK(dp_list_append(root, t_tensor(CPU, 0, 4), T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(root, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, NULL, NULL}, f, &e), DP_ENODEV);
+  cr_assert_str_eq(e.message, "cannot read 16 bytes of cpu memory for an inline frame: its base is NULL");
+  size_t n;
+  dp_frame_data(f, &n);
+  cr_assert_eq(n, 0, "on error the frame is empty");
+  /* out of band it is never read; a storage of no bytes at NULL has none to read */
+  OK(dp_pickle(root, NULL, f, T_ERR));
+  dp_storage_t *s;
+  OK(dp_storage_new(CPU, NULL, 0, NULL, NULL, &s, T_ERR));
+  OK(dp_tensor_new(s, DP_FLOAT32, 1, (int64_t[]){0}, NULL, 0, &empty, T_ERR));
+  OK(dp_pickle(empty, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, NULL, NULL}, f, T_ERR));
+  dp_value_release(empty);
+  dp_frame_free(f);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 /* ---- hostile frames ---- */
 
 static dp_value_t sample_value(void) {

@@ -106,8 +106,9 @@ typedef struct dp_pickle_opts {
   uint32_t flags;       /* DP_PICKLE_* */
   uint32_t max_depth;   /* 0: DP_DEFAULT_MAX_DEPTH */
   /** Reads device memory for DP_PICKLE_INLINE. NULL: cpu storages are read
-   *  directly and storages carrying host data (dp_storage_set_host_data)
-   *  use it; any other is DP_ENODEV. A storage dp_unpickle made for a
+   *  directly (one at a NULL base, with bytes, is DP_ENODEV) and storages
+   *  carrying host data (dp_storage_set_host_data) use it; any other is
+   *  DP_ENODEV. A storage dp_unpickle made for a
    *  buffer without a bind callback holds the sender's address, which is
    *  never read through: its host data is used (an inline frame's bytes),
    *  and without any it is DP_ENODEV, read or not. */
