@@ -40,8 +40,13 @@ static int oom(dp_error_t *err, const char *what) {
   return dp__err(err, DP_ENOMEM, "out of memory allocating %s", what);
 }
 
+/* Entries of a dict, attributes of an object: the bound too_many states, so
+ * that the check and the message cannot disagree (they did, by one). Below
+ * the index table's own (dp__table_grow), so that it never refuses first. */
+#define MAX_ENTRIES (UINT32_MAX - 2)
+
 static int too_many(dp_error_t *err, const char *what, const char *items) {
-  return dp__err(err, DP_ELIMIT, "%s holds at most %u %s", what, UINT32_MAX - 2, items);
+  return dp__err(err, DP_ELIMIT, "%s holds at most %u %s", what, MAX_ENTRIES, items);
 }
 
 static int kind_mismatch(dp_error_t *err, const char *fn, dp_value_t v, const char *want) {
@@ -475,7 +480,7 @@ int dp__dict_set_checked(dp_value_t dict, dp_value_t key, dp_value_t val, int al
     dp_value_release(old);
     return 0;
   }
-  int rc = d->len >= UINT32_MAX - 1 ? too_many(err, "a dict", "entries") : 0;
+  int rc = d->len >= MAX_ENTRIES ? too_many(err, "a dict", "entries") : 0;
   if (!rc && d->len == d->cap &&
       dp__grow_inl((void **)&d->entries, &d->cap, d->len + 1, sizeof(dp_entry_t), d->inl) != 0)
     rc = oom(err, "dict entries");
@@ -627,7 +632,7 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
     dp_value_release(old);
     return 0;
   }
-  int rc = o->len >= UINT32_MAX - 1 ? too_many(err, "an object", "attributes") : 0;
+  int rc = o->len >= MAX_ENTRIES ? too_many(err, "an object", "attributes") : 0;
   char *copy = !rc && n >= DP_ATTR_INLINE ? dp__strndup(name, n) : NULL;
   if (!rc && ((n >= DP_ATTR_INLINE && !copy) ||
               (o->len == o->cap &&
