@@ -222,7 +222,13 @@ int dp__cb_rc(int rc, dp_error_t *err, const char *what) {
   /* Whether the callback set err->code or not (dp_error_t's fields are all
    * it has to fill), its message is kept, and err carries the code it
    * returned, as the call does; only an empty message is made here. */
-  if (!err->message[0]) return dp__err(err, rc, "%s failed: %s", what, dp_strerror(rc));
+  if (!err->message[0]) {
+    /* the message is the library's; the backend code stays the callback's */
+    int backend = err->backend_code;
+    dp__err(err, rc, "%s failed: %s", what, dp_strerror(rc));
+    err->backend_code = backend;
+    return rc;
+  }
   err->code = rc;
   return rc;
 }

@@ -4296,6 +4296,54 @@ Test(pickler, a_bind_or_resolve_failure_keeps_the_backend_code_it_gave) {
   ASSERT_NO_LEAK();
 }
 
+/* Callbacks that fail with a backend code and no message: the library
+ * writes the message ("... failed: CUDA error"), and keeps the code. */
+static int bind_silent_cuda(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
+  (void)ud, (void)desc, (void)out;
+  err->backend_code = 2;
+  return DP_ECUDA;
+}
+static int read_silent_cuda(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst, dp_error_t *err) {
+  (void)ud, (void)device, (void)src, (void)nbytes, (void)dst;
+  err->backend_code = 2;
+  return DP_ECUDA;
+}
+static int stream_read_silent_cuda(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  (void)ud, (void)dst, (void)n, (void)got;
+  err->backend_code = 2;
+  return DP_ECUDA;
+}
+
+Test(pickler, a_callback_failing_without_a_message_keeps_the_backend_code_it_gave) {
+  dp_value_t root = t_list();
+  OK(dp_list_append(root, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(root, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, read_silent_cuda, NULL}, f, &e), DP_ECUDA);
+  cr_assert_eq(e.backend_code, 2, "read: backend_code %d", e.backend_code);
+  cr_assert_str_eq(e.message, "the read callback failed: CUDA error");
+  OK(dp_pickle(root, NULL, f, T_ERR));
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_unpickle_opts_t uo;
+  memset(&uo, 0, sizeof uo);
+  uo.bind = bind_silent_cuda;
+  dp_value_t out;
+  for (int streamed = 0; streamed < 2; streamed++) {
+    int rc = streamed ? unpickle_streamed(b, n, &uo, &out, &e) : dp_unpickle(b, n, &uo, &out, &e);
+    cr_assert_eq(rc, DP_ECUDA, "streamed %d", streamed);
+    cr_assert_eq(e.backend_code, 2, "bind, streamed %d: backend_code %d", streamed, e.backend_code);
+    cr_assert_str_eq(e.message, "binding buffer 0 failed: bind failed: CUDA error");
+  }
+  cr_assert_eq(dp_unpickle_stream(stream_read_silent_cuda, NULL, NULL, &out, NULL, NULL, &e), DP_ECUDA);
+  cr_assert_eq(e.backend_code, 2, "stream read: backend_code %d", e.backend_code);
+  cr_assert_str_eq(e.message, "the read callback failed: CUDA error");
+  dp_frame_free(f);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 static int bind_larger_storage(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
   (void)ud;
   return dp_storage_new(desc->device, (void *)(uintptr_t)desc->base, 4096, NULL, NULL, out, err);
