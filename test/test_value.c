@@ -1897,6 +1897,32 @@ static void *poisoning_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
   return p;
 }
 
+/* A set that fails steals its item: when the item is the caller's only
+ * reference to the sequence itself, the sequence is gone before the
+ * message is written, which must not read it ("length 0" came from a
+ * freed tuple). */
+Test(value, a_set_out_of_range_that_steals_the_last_reference_to_the_sequence_reports_its_real_length) {
+  dp_value_t t, l;
+  dp_error_t e;
+  OK(dp_tuple_new(2, &t, T_ERR));
+  cr_assert_eq(dp_seq_set(t, 5, t, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_seq_set: index 5 out of range (length 2)");
+  OK(dp_list_new(0, &l, T_ERR));
+  OK(dp_list_append(l, dp_int(1), T_ERR));
+  cr_assert_eq(dp_seq_set(l, SIZE_MAX, l, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_seq_set: index 18446744073709551615 out of range (length 1)");
+  /* the name a stand-in refuses, borrowed from the value stolen (under
+     ASan, a read of freed memory when the message came after the release) */
+  dp_value_t r, name;
+  OK(dp_object_new_reduced("Stand", dp_none(), &r, T_ERR));
+  OK(dp_str_new("borrowed_name", 13, &name, T_ERR));
+  cr_assert_eq(dp_object_set(r, dp_str_data(name, NULL), name, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_set: a reduced stand-in has one attribute, \"__reduce__\" (its state), "
+                              "not 'borrowed_name'");
+  dp_value_release(r);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, the_index_one_past_the_last_is_out_of_range_for_every_lookup) {
   dp_set_allocator(poisoning_alloc, NULL);
   dp_value_t l, d, o, v;

@@ -179,8 +179,10 @@ int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err) {
   }
   dp_seq_t *s = DP_SEQ(seq);
   if (i >= s->len) {
+    /* the message first: item may be the last reference to seq itself */
+    int rc = dp__err(err, DP_EINVAL, "dp_seq_set: index %zu out of range (length %zu)", i, s->len);
     dp_value_release(item);
-    return dp__err(err, DP_EINVAL, "dp_seq_set: index %zu out of range (length %zu)", i, s->len);
+    return rc;
   }
   dp_value_t old = s->items[i];
   s->items[i] = item;
@@ -674,11 +676,14 @@ int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_error_t *
     return dp__err(err, DP_EINVAL, "attribute name must be non-empty UTF-8 without NUL");
   }
   if (obj.kind == DP_OBJECT && (DP_OBJ(obj)->c.h.flags & DP_HEAP_REDUCED) && strcmp(name, "__reduce__") != 0) {
-    /* a frame carries a stand-in's state only: another attribute would be lost */
-    dp_value_release(val);
+    /* a frame carries a stand-in's state only: another attribute would be
+     * lost. The message first: name may be borrowed from val (a str's data,
+     * the class name of val itself), which releasing it may free. */
     char shown[DP__SHOWN_MAX];
-    return dp__err(err, DP_EINVAL, "dp_object_set: a reduced stand-in has one attribute, \"__reduce__\" (its state), "
-                   "not '%s'", dp__shown(name, shown));
+    int rc = dp__err(err, DP_EINVAL, "dp_object_set: a reduced stand-in has one attribute, \"__reduce__\" (its "
+                     "state), not '%s'", dp__shown(name, shown));
+    dp_value_release(val);
+    return rc;
   }
   return dp__object_set_n(obj, name, n, val, 1, err);
 }
