@@ -171,7 +171,8 @@ typedef struct dp_transport_opts {
    *  by UCX's keepalive). */
   int64_t timeout_ns;
   /** Limits and resolver for received frames (copied; the resolver and
-   *  its types must outlive the transport). bind is ignored: the
+   *  its types must outlive the transport; a resolver without its callback,
+   *  or with NULL types and ntypes > 0, is DP_EINVAL, as dp_unpickle). bind is ignored: the
    *  transport binds buffers itself. NULL: dp_unpickle's defaults. */
   const dp_unpickle_opts_t *unpickle;
   /** Where received device buffers are allocated: an allocator of
