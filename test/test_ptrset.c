@@ -585,6 +585,46 @@ Test(ptrset, a_tensor_and_the_views_right_after_it_are_one_entry_counting_each) 
   ASSERT_NO_LEAK();
 }
 
+/* A scan that cannot reserve room for its batch adds each storage in turn
+ * instead; a view right after the tensor before it (the same base and
+ * device) must still have its larger size kept there, as in the reserved
+ * path: the scan succeeds either way, so a size lost would go unseen. */
+Test(ptrset, a_scan_that_cannot_reserve_its_batch_still_keeps_the_larger_size_of_a_view_right_after) {
+  dp_device_t d = t_dev(DP_DEVICE_CUDA, 0);
+  dp_storage_t *small = t_storage(d, 0x1000, 16), *large = t_storage(d, 0x1000, 256);
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_view(small, 4, 0), T_ERR));
+  OK(dp_list_append(l, t_view(large, 4, 0), T_ERR));
+  dp_storage_release(small);
+  dp_storage_release(large);
+  int failed = 0;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 100);
+    dp_ptrset_t *s;
+    OK(dp_ptrset_new(&s, T_ERR));
+    dp_error_t e;
+    long want = t_fail_at = t_alloc_count + k;
+    int rc = dp_scan(l, NULL, s, &e);
+    long done = t_alloc_count;
+    t_fail_at = 0;
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, e.message);
+      failed++;
+    } else {
+      dp_ptr_info_t p;
+      cr_assert_eq(dp_ptrset_count(s), 1);
+      OK(dp_ptrset_get(s, 0, &p, T_ERR));
+      cr_assert(p.nbytes == 256 && p.refs == 2, "allocation %ld failed, the scan succeeded: %zu bytes, %u refs", k,
+                p.nbytes, p.refs);
+    }
+    dp_ptrset_free(s);
+    if (!rc && done < want) break; /* nothing failed: every allocation was tried */
+  }
+  cr_assert_geq(failed, 1, "no allocation could fail");
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
 /* Entries added one at a time while the table grows under them (the entry
  * that makes it grow included) are all found where they were added: eight
  * sets of 20,000 entries, ten growths each. */
