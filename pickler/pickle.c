@@ -284,6 +284,13 @@ static int agreed(dp_frame_t *f, dp_storage_t *st, int add) {
   return 0;
 }
 
+/* An inline frame's storage made by dp_unpickle for a buffer that came
+ * without its bytes (and without a bind): its base is the sender's address,
+ * never memory of this process (read_buffer). */
+#define FOREIGN_UNREADABLE                                                                                        \
+  "cannot read %zu bytes of %s memory for an inline frame: the storage came from a frame without its bytes, and " \
+  "its base %p is the sender's address, not memory of this process (bind the buffers when reading the frame)"
+
 /* Two storages at one (device, base) become one buffer: they must agree on
  * its size and, in an inline frame, on its bytes (the frame carries those of
  * the first). Refused otherwise, whichever is met first. */
@@ -300,6 +307,9 @@ static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *s
                    "one buffer per (device, base)", dp_device_format(st->device, dev, sizeof dev), st->base,
                    first->nbytes, st->nbytes, dp__walker_path(w));
   }
+  if (f->is_inline && st->foreign && !st->host_data) /* the first is checked when it is read */
+    return writer_fail(f, DP_ENODEV, FOREIGN_UNREADABLE, st->nbytes, dp_device_format(st->device, dev, sizeof dev),
+                       st->base);
   if (f->is_inline) {
     if ((first->host_data == NULL) != (st->host_data == NULL))
       why = "only one carries host bytes";
@@ -389,10 +399,8 @@ static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst
   /* Its base is an address a frame named: reading through it (here, or in
    * the read callback) would read whatever this process holds there. */
   if (st->foreign)
-    return dp__err(err, DP_ENODEV, "cannot read %zu bytes of %s memory for an inline frame: the storage came from "
-                   "a frame without its bytes, and its base %p is the sender's address, not memory of this process "
-                   "(bind the buffers when reading the frame)", st->nbytes,
-                   dp_device_format(st->device, dev, sizeof dev), st->base);
+    return dp__err(err, DP_ENODEV, FOREIGN_UNREADABLE, st->nbytes, dp_device_format(st->device, dev, sizeof dev),
+                   st->base);
   if (opts && opts->read) { /* the callback always gets an error to fill, cleared so that silence shows */
     dp_error_t own, *e = err ? err : &own;
     dp_error_clear(e);

@@ -4592,6 +4592,40 @@ Test(pickler, a_storage_read_from_a_frame_without_its_bytes_is_never_read_throug
   ASSERT_NO_LEAK();
 }
 
+/* The same, when a local storage at the sender's address comes first: the
+ * frame would carry the local bytes as the buffer's, which the storage from
+ * the frame never had ("read or not", pickler.h). It was accepted in this
+ * order and refused in the other. */
+Test(pickler, a_storage_from_a_frame_without_its_bytes_is_refused_inline_after_a_local_storage_at_its_address) {
+  static float host[4] = {1, 2, 3, 4};
+  dp_storage_t *s;
+  OK(dp_storage_new(CPU, host, sizeof host, NULL, NULL, &s, T_ERR));
+  dp_value_t local;
+  OK(dp_tensor_new(s, DP_FLOAT32, 1, (int64_t[]){4}, NULL, 0, &local, T_ERR));
+  dp_frame_t *f = pickle_ok(local, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_value_t from_frame; /* a storage at host's address, without its bytes */
+  OK(dp_unpickle(b, n, NULL, &from_frame, T_ERR));
+  for (int order = 0; order < 2; order++) {
+    dp_value_t l = t_list();
+    OK(dp_list_append(l, dp_value_retain(order ? from_frame : local), T_ERR));
+    OK(dp_list_append(l, dp_value_retain(order ? local : from_frame), T_ERR));
+    dp_error_t e;
+    cr_assert_eq(dp_pickle(l, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, NULL, NULL}, f, &e), DP_ENODEV, "order %d",
+                 order);
+    cr_assert(strstr(e.message, "cannot read 16 bytes of cpu memory for an inline frame: the storage came from a "
+                                "frame without its bytes"), "order %d: %s", order, e.message);
+    OK(dp_pickle(l, NULL, f, T_ERR)); /* out of band: one buffer, never read */
+    cr_assert_eq(dp_frame_nbuffers(f), 1);
+    dp_value_release(l);
+  }
+  dp_frame_free(f);
+  dp_value_release(from_frame);
+  dp_value_release(local);
+  ASSERT_NO_LEAK();
+}
+
 /* A custom whose reduce() makes a fresh storage each time (as one wrapping a
  * device pointer does): the state holds the only reference to it. */
 static uint8_t fresh_bytes[64];
