@@ -262,8 +262,8 @@ const char *dp__walker_path(dp__walker_t *w) {
 
 static int push(dp__walker_t *w, dp_value_t node, dp_value_t state, size_t n) {
   if (w->top >= w->max_depth)
-    return dp__err(w->err, DP_ELIMIT, "nesting deeper than %u levels at %s", w->max_depth,
-                   dp__walker_path(w));
+    return dp__err(w->err, DP_ELIMIT, "nesting deeper than %u level%s at %s", w->max_depth,
+                   w->max_depth == 1 ? "" : "s", dp__walker_path(w));
   if (w->top == w->stack_cap &&
       dp__grow((void **)&w->stack, &w->stack_cap, w->top + 1, sizeof(dp__wframe_t)) != 0)
     return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk stack");

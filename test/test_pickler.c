@@ -579,6 +579,9 @@ Test(pickler, nesting_beyond_the_depth_limit_is_an_error_not_a_crash) {
   dp_error_t e;
   cr_assert_eq(dp_scan(root, &o, set, &e), DP_ELIMIT);
   cr_assert_str_eq(e.message, "nesting deeper than 10 levels at $[0][0][0][0][0][0][0][0][0][0]");
+  o.max_depth = 1; /* one level, not "1 levels" */
+  cr_assert_eq(dp_scan(root, &o, set, &e), DP_ELIMIT);
+  cr_assert_str_eq(e.message, "nesting deeper than 1 level at $[0]");
   o.max_depth = 100;
   OK_WITH(&e, dp_scan(root, &o, set, &e));
   dp_ptrset_free(set);
