@@ -7,7 +7,9 @@
  *     caller's reference — even when they fail (the argument is released).
  *     So `dp_list_append(l, v)` never leaks v.
  *   - Getters BORROW: the result is valid while its container holds it.
- *     Call dp_value_retain() to keep it longer.
+ *     Call dp_value_retain() to keep it longer. (An attribute name from
+ *     dp_object_attr is the one exception: valid until the object is next
+ *     set; see there.)
  *   - dp_value_release() gives a reference back. Scalars (none, bool, int,
  *     float) hold no reference; retain/release on them do nothing.
  *
@@ -277,7 +279,9 @@ DP_API int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val, dp_e
 DP_API const char *dp_object_class(dp_value_t obj);
 DP_API size_t dp_object_nattrs(dp_value_t obj);
 /** Attribute i in order (borrowed; name and val may be NULL). DP_EINVAL
- *  when out of range or not an object. */
+ *  when out of range or not an object. *name is valid until the next
+ *  dp_object_set on obj, or its end: short names live in the attribute
+ *  array, which a new attribute may move (copy the name to keep it). */
 DP_API int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val, dp_error_t *err);
 /** True for the generic stand-in of a custom that came off the wire
  *  without a resolver: its class is the custom's type name and its one
