@@ -216,9 +216,12 @@ DP_API void dp_storage_release(dp_storage_t *s);
 DP_API dp_device_t dp_storage_device(const dp_storage_t *s);
 DP_API void *dp_storage_base(const dp_storage_t *s);
 DP_API size_t dp_storage_nbytes(const dp_storage_t *s);
-/** Host bytes attached to the storage (an inline frame's copy), or NULL. */
+/** Host bytes attached to the storage (an inline frame's copy), or NULL.
+ *  Borrowed: valid until the next dp_storage_set_host_data on s, which
+ *  frees them, or the storage's end. */
 DP_API const void *dp_storage_host_data(const dp_storage_t *s);
-/** Attaches a copy of nbytes host bytes (for inline frames). */
+/** Attaches a copy of nbytes host bytes (for inline frames), replacing
+ *  (and freeing) any attached before. */
 DP_API int dp_storage_set_host_data(dp_storage_t *s, const void *data, dp_error_t *err);
 
 /* ---- tensor: a strided view of a storage ---- */
