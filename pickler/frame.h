@@ -57,16 +57,17 @@ int dp__frame_fields_check(const dp_frame_info_t *fi, dp_error_t *err);
  * needs neither the payload nor the data bytes. */
 int dp__frame_table_check(const uint8_t *frame, const dp_frame_info_t *fi, dp_error_t *err);
 
+/* Checks what opts hands the reader (a resolver needs its callback, and its
+ * list of types unless it has none): DP_EINVAL naming fn, the public call
+ * given them, before any input is read. */
+int dp__unpickle_opts_check(const dp_unpickle_opts_t *opts, const char *fn, dp_error_t *err);
+
 /* Reads a frame whose header dp_frame_check (or the stream reader) has
  * checked: lengths, checksum, version and flags. frame holds the header,
  * the payload and the buffer table; data is the inline data section, or
  * NULL when it was not kept (storages then carry no host bytes). The one
  * reader behind dp_unpickle and dp_unpickle_stream, so that both accept the
  * same frames under the same limits. Sets fi->nbuffers on success. */
-/* Checks what opts hands the reader (a resolver needs its callback, and its
- * list of types unless it has none): DP_EINVAL naming fn, the public call
- * given them, before any input is read. */
-int dp__unpickle_opts_check(const dp_unpickle_opts_t *opts, const char *fn, dp_error_t *err);
 int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_t *data,
                          const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err);
 /* 1 when the base of the storage behind buffer i of the last pickle is not
