@@ -391,8 +391,10 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
     dp_value_release(*state);
     /* Out of memory stays out of memory; any other failure means the value
      * cannot be walked. */
-    return dp__err(w->err, rc == DP_ENOMEM ? DP_ENOMEM : DP_ETYPE, "reduce of type '%s' failed at %s: %s",
-                   shown_name(t->name, name), dp__walker_path(w), inner.message[0] ? inner.message : dp_strerror(rc));
+    int code = dp__err(w->err, rc == DP_ENOMEM ? DP_ENOMEM : DP_ETYPE, "reduce of type '%s' failed at %s: %s",
+                       shown_name(t->name, name), dp__walker_path(w), inner.message[0] ? inner.message : dp_strerror(rc));
+    if (w->err) w->err->backend_code = inner.backend_code; /* passed through, as any callback's (base.h) */
+    return code;
   }
   w->states[w->nstates++] = *state;
   return 0;

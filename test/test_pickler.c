@@ -71,6 +71,7 @@ static const dp_type_t outer_type = {"Outer", outer_reduce, holder_destroy};
 static int failing_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
   (void)obj; (void)state;
   snprintf(err->message, sizeof err->message, "device handle is stale");
+  err->backend_code = 400; /* cudaErrorInvalidResourceHandle: passed through (base.h) */
   return DP_EINVAL;
 }
 static const dp_type_t failing_type = {"Stale", failing_reduce, NULL};
@@ -543,10 +544,12 @@ Test(pickler, a_failing_reduce_is_an_error_naming_the_type_and_path) {
   dp_error_t e;
   cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
   cr_assert_str_eq(e.message, "reduce of type 'Stale' failed at $[1].handle: device handle is stale");
+  cr_assert_eq(e.backend_code, 400, "the backend code reduce gave is kept");
   dp_frame_t *f;
   OK(dp_frame_new(&f, T_ERR));
   cr_assert_eq(dp_pickle(root, NULL, f, &e), DP_ETYPE, "pickle walks the same way");
   cr_assert_str_eq(e.message, "reduce of type 'Stale' failed at $[1].handle: device handle is stale");
+  cr_assert_eq(e.backend_code, 400);
   size_t len;
   dp_frame_data(f, &len);
   cr_assert_eq(len, 0, "a failed pickle leaves an empty frame");

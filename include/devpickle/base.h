@@ -71,7 +71,8 @@ typedef enum dp_errno {
 /** Size of dp_error_t's message buffer. It holds any message that names a
  *  path (paths are at most DP_PATH_MAX bytes, ptrset.h); a longer message
  *  keeps its beginning and its end, with "…" (U+2026) in place of its middle
- *  (one longer than 64 KiB keeps only its beginning, then "…"). */
+ *  (one longer than 64 KiB, or one the allocator hook gives no room to be
+ *  formatted whole, keeps only its beginning, then "…"). */
 #define DP_ERROR_MSG_MAX 2048
 
 /** Detail for a failed call. Caller-owned; pass NULL when detail is not wanted.
