@@ -464,17 +464,6 @@ static int positive_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_err
   return 7;
 }
 
-Test(future, a_callback_that_returns_a_positive_code_fails_its_child_with_einval_not_a_positive_code) {
-  dp_future_t *parent = future(), *child;
-  OK(dp_future_then(parent, positive_cb, NULL, &child, T_ERR));
-  OK(dp_future_mark_completed(parent, dp_none(), T_ERR));
-  dp_error_t e;
-  cr_assert_eq(dp_future_wait(child, -1, &e), DP_EINVAL, "a caller testing rc < 0 must see the failure");
-  cr_assert(strstr(e.message, "the callback returned 7"), "%s", e.message);
-  dp_future_release(parent);
-  dp_future_release(child);
-}
-
 /* The order of one future's callbacks, with one registered on it (already
  * complete) from inside its first: that one runs as its registrar returns,
  * before the callbacks registered earlier that are still to run. */
@@ -517,16 +506,28 @@ static int unknown_code_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp
   return -42; /* no DP_E* code: -42 is none of base.h's */
 }
 
-Test(future, a_callback_that_returns_a_negative_code_of_its_own_fails_its_child_with_einval) {
-  dp_future_t *parent = future(), *child;
-  OK(dp_future_then(parent, unknown_code_cb, NULL, &child, T_ERR));
-  OK(dp_future_mark_completed(parent, dp_none(), T_ERR));
-  dp_error_t e;
-  cr_assert_eq(dp_future_wait(child, -1, &e), DP_EINVAL, "a code no caller can name by dp_err_name");
-  cr_assert_str_eq(e.message, "the callback returned -42: a callback returns 0 or a negative DP_E* code");
-  cr_assert_str_eq(dp_err_name(dp_future_error(child, NULL)), "DP_EINVAL");
-  dp_future_release(parent);
-  dp_future_release(child);
+/* A code that is no DP_E* — positive (a caller testing rc < 0 would take
+ * it for success), or negative past the last (no caller could name it) —
+ * fails the child with DP_EINVAL, saying what the callback returned. */
+Test(future, a_callback_that_returns_no_dp_e_code_fails_its_child_with_einval) {
+  const struct {
+    dp_then_cb fn;
+    const char *want;
+  } cases[] = {
+      {positive_cb, "the callback returned 7: a callback returns 0 or a negative DP_E* code"},
+      {unknown_code_cb, "the callback returned -42: a callback returns 0 or a negative DP_E* code"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    dp_future_t *parent = future(), *child;
+    OK(dp_future_then(parent, cases[i].fn, NULL, &child, T_ERR));
+    OK(dp_future_mark_completed(parent, dp_none(), T_ERR));
+    dp_error_t e;
+    cr_assert_eq(dp_future_wait(child, -1, &e), DP_EINVAL);
+    cr_assert_str_eq(e.message, cases[i].want);
+    cr_assert_str_eq(dp_err_name(dp_future_error(child, NULL)), "DP_EINVAL");
+    dp_future_release(parent);
+    dp_future_release(child);
+  }
 }
 
 /* A hook that fails without a message: the future fails with the hook's

@@ -4508,27 +4508,6 @@ static int reduce_positive(void *obj, dp_value_t *state, dp_error_t *err) {
 
 static const dp_type_t positive_type = {"Positive", reduce_positive, NULL};
 
-Test(pickler, a_reduce_that_returns_a_positive_code_cannot_be_walked_and_the_message_says_so) {
-  dp_value_t root = t_list(), c;
-  OK(dp_custom_new(&positive_type, NULL, &c, T_ERR));
-  OK(dp_list_append(root, c, T_ERR));
-  dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, T_ERR));
-  dp_frame_t *f;
-  OK(dp_frame_new(&f, T_ERR));
-  dp_error_t e;
-  const char *want = "reduce of type 'Positive' failed at $[0]: reduce returned 4: a callback returns 0 or a "
-                     "negative DP_E* code";
-  cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
-  cr_assert_str_eq(e.message, want);
-  cr_assert_eq(dp_pickle(root, NULL, f, &e), DP_ETYPE);
-  cr_assert_str_eq(e.message, want);
-  dp_frame_free(f);
-  dp_ptrset_free(set);
-  dp_value_release(root);
-  ASSERT_NO_LEAK();
-}
-
 static int reduce_unknown_code(void *obj, dp_value_t *state, dp_error_t *err) {
   (void)obj, (void)err;
   return dp_list_new(0, state, NULL) ? DP_ENOMEM : -1000; /* a state left behind, and no DP_E* code */
@@ -4536,24 +4515,36 @@ static int reduce_unknown_code(void *obj, dp_value_t *state, dp_error_t *err) {
 
 static const dp_type_t unknown_code_type = {"Unknown", reduce_unknown_code, NULL};
 
-Test(pickler, a_reduce_that_returns_a_negative_code_of_no_dp_error_says_what_it_returned_not_unknown_error) {
-  dp_value_t root = t_list(), c;
-  OK(dp_custom_new(&unknown_code_type, NULL, &c, T_ERR));
-  OK(dp_list_append(root, c, T_ERR));
-  dp_ptrset_t *set;
-  OK(dp_ptrset_new(&set, T_ERR));
-  dp_frame_t *f;
-  OK(dp_frame_new(&f, T_ERR));
-  dp_error_t e;
-  const char *want = "reduce of type 'Unknown' failed at $[0]: reduce returned -1000: a callback returns 0 or a "
-                     "negative DP_E* code";
-  cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
-  cr_assert_str_eq(e.message, want);
-  cr_assert_eq(dp_pickle(root, NULL, f, &e), DP_ETYPE);
-  cr_assert_str_eq(e.message, want);
-  dp_frame_free(f);
-  dp_ptrset_free(set);
-  dp_value_release(root);
+/* A code that is no DP_E* — positive, or negative past the last — is no
+ * success either: the value cannot be walked, and the message says what
+ * reduce returned ("unknown error" would not). */
+Test(pickler, a_reduce_that_returns_no_dp_e_code_cannot_be_walked_and_the_message_says_what_it_returned) {
+  const struct {
+    const dp_type_t *type;
+    const char *want;
+  } cases[] = {
+      {&positive_type, "reduce of type 'Positive' failed at $[0]: reduce returned 4: a callback returns 0 or a "
+                       "negative DP_E* code"},
+      {&unknown_code_type, "reduce of type 'Unknown' failed at $[0]: reduce returned -1000: a callback returns 0 "
+                           "or a negative DP_E* code"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    dp_value_t root = t_list(), c;
+    OK(dp_custom_new(cases[i].type, NULL, &c, T_ERR));
+    OK(dp_list_append(root, c, T_ERR));
+    dp_ptrset_t *set;
+    OK(dp_ptrset_new(&set, T_ERR));
+    dp_frame_t *f;
+    OK(dp_frame_new(&f, T_ERR));
+    dp_error_t e;
+    cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
+    cr_assert_str_eq(e.message, cases[i].want);
+    cr_assert_eq(dp_pickle(root, NULL, f, &e), DP_ETYPE);
+    cr_assert_str_eq(e.message, cases[i].want);
+    dp_frame_free(f);
+    dp_ptrset_free(set);
+    dp_value_release(root);
+  }
   ASSERT_NO_LEAK();
 }
 
