@@ -22,6 +22,7 @@
 #include "ext.h"
 #include "../../core/path.h"
 #include "../../pickler/ptrs.h"
+#include "../../pickler/ptrset_impl.h"
 
 #include <inttypes.h>
 #include <stddef.h>
@@ -3853,14 +3854,13 @@ static PyObject *result_list(const dpy_scanner_t *s) {
   if (text) memcpy(paths, s->text, text);
   b->live = (Py_ssize_t)n;
   for (size_t i = 0; i < n; i++) {
-    dp_ptr_info_t p;
-    dp_ptrset_get(set, i, &p, NULL);
+    const dp__pentry_t *e = &set->rest[i]; /* read in place: a call a entry cost 5 % of a list's scan */
     alloc_obj_t *a = &objs[i];
     PyObject_Init((PyObject *)a, &alloc_type);
-    a->device = p.device;
-    a->ptr = p.base;
-    a->nbytes = p.nbytes;
-    a->refs = s->count_refs ? s->refs[i] : p.refs;
+    a->device = e->device;
+    a->ptr = set->bases[i];
+    a->nbytes = e->nbytes;
+    a->refs = s->count_refs ? s->refs[i] : e->refs;
     const char *path = dpy_scanner_path(s, i);
     a->path_text = path ? paths + (path - s->text) : NULL;
     a->path = NULL;
