@@ -1,5 +1,6 @@
 /* device/device.c — what every backend shares: the registry, stream and
  * event handles, pools, the per-thread current stream. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -389,6 +390,13 @@ int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_
 
 void dp_stream_free(dp_stream_t *s) {
   if (!s || s->owned != DP__STREAM_CALLER) return;
+  /* From a host function on s itself: freeing would wait for the very
+     function running it and free its worker under it. Nothing is freed, and
+     a line says so (as a transport freed from its own thread does). */
+  if (dp__host_fn_stream && dp__host_fn_stream == s->h) {
+    fprintf(stderr, "devpickle: dp_stream_free called from a host function on that stream: nothing freed (device.h)\n");
+    return;
+  }
   /* A wrapper of s's native handle goes with it: nothing may keep using it. */
   dp_stream_t *w = wrap_forget(s);
   /* this thread's current-stream slots forget them (other threads' cannot be

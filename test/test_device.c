@@ -86,6 +86,39 @@ static int consumer_sees(int with_wait) {
   return seen;
 }
 
+/* dp_stream_free from a host function on that very stream would wait for
+ * the function and free the worker running it: it frees nothing, says so
+ * on stderr, and the stream keeps working. */
+static void free_own_stream(void *arg) { dp_stream_free(arg); }
+
+Test(device, freeing_a_stream_from_a_host_function_on_it_frees_nothing_and_says_so) {
+  dp_stream_t *s;
+  OK(dp_stream_new(host(), H0, &s, T_ERR));
+  fflush(stderr);
+  FILE *cap = tmpfile();
+  cr_assert_not_null(cap);
+  int saved = dup(2);
+  cr_assert_geq(saved, 0);
+  cr_assert_eq(dup2(fileno(cap), 2), 2);
+  OK(dp_host_launch(s, free_own_stream, s, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  char line[256] = "";
+  rewind(cap);
+  cr_assert_not_null(fgets(line, sizeof line, cap));
+  fclose(cap);
+  cr_assert_str_eq(line, "devpickle: dp_stream_free called from a host function on that stream: nothing freed (device.h)\n");
+  cell_t cell;
+  atomic_init(&cell.value, 7);
+  atomic_init(&cell.seen, -1);
+  OK(dp_host_launch(s, read_value, &cell, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(atomic_load(&cell.seen), 7, "the stream still runs its work");
+  dp_stream_free(s); /* from here: freed */
+}
+
 Test(device, a_stream_that_waits_on_an_event_sees_the_producers_writes) {
   for (int i = 0; i < 3; i++) cr_assert_eq(consumer_sees(1), 42, "the wait must order the read after the write");
 }

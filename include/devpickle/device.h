@@ -85,7 +85,8 @@ DP_API dp_device_t dp_backend_device(const dp_backend_t *b, int index);
 /** A new stream on dev (the caller's; destroy it with dp_stream_free). */
 DP_API int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
 /** Waits for the stream's work, then destroys it. Streams the backend owns
- *  (default, pool and wrapped streams) are left alone. The calling thread stops
+ *  (default, pool and wrapped streams) are left alone, and so is s when
+ *  called from a host function on s itself (dp_host_launch). The calling thread stops
  *  using s as its current stream (dp_set_current_stream); another thread
  *  that made s current must reset it (dp_reset_current_stream) first. Call
  *  it once per stream from dp_stream_new: s is gone after it, and a second
@@ -238,7 +239,9 @@ typedef void (*dp_host_fn)(void *arg);
  *  for itself: dp_stream_synchronize of its own stream, dp_event_synchronize
  *  of an event recorded there after fn was queued and dp_device_synchronize
  *  of its device are DP_EMISUSE from fn (as CUDA refuses them in a host
- *  function), and dp_stream_free of its own stream is undefined. */
+ *  function), and dp_stream_free of its own stream frees nothing (it would
+ *  wait for fn, and free the thread running it): a line on stderr says so,
+ *  and the stream stays usable. */
 DP_API int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err);
 /** Caps the memory dp_device_alloc hands out on a host device (0: no cap),
  *  so that out-of-memory paths can be exercised. */
