@@ -151,6 +151,24 @@ Test(cli, a_file_whose_name_starts_with_a_dash_is_named_after_a_double_dash) {
   }
 }
 
+/* The limit a timeout names is the --timeout given, every digit of it:
+ * "%g" showed 0.1000001 as 0.1, 1e-7 as 1e-07 and 1000000 as 1e+06. */
+Test(cli, a_timeout_names_its_limit_as_given_never_rounded_nor_in_exponent_form) {
+  static const struct { const char *arg, *shown; } cases[] = {
+      {"0.1000001", "within 0.1000001 s (--timeout)"},
+      {"1e-7", "within 0.0000001 s (--timeout)"},
+      {"0.50", "within 0.5 s (--timeout)"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    char args[96];
+    snprintf(args, sizeof args, "recv 0 --host 127.0.0.1 --timeout %s -o never.dpk", cases[i].arg);
+    res_t r = run(args);
+    cr_assert_eq(r.status, 1, "%s: %s", args, r.err);
+    cr_assert_not_null(strstr(r.err, cases[i].shown), "%s: %s", args, r.err);
+    res_free(r);
+  }
+}
+
 Test(cli, recv_gives_up_after_its_timeout_in_seconds_and_names_the_port_it_bound) {
   res_t r = run("recv 0 --host 127.0.0.1 --timeout 0.3 -o never.dpk");
   cr_assert_eq(r.status, 1, "%s", r.err);

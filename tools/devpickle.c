@@ -1199,8 +1199,21 @@ static void timeout_message(dp_error_t *e, int ran_out, double s, const char *li
   if (e->code != DP_ETIMEDOUT) return;
   char was[sizeof e->message];
   snprintf(was, sizeof was, "%s", e->message);
+  /* The limit as given, in plain decimals: the fewest that read back as s
+   * (%g rounded to 6 digits, "0.1000001" showing as "0.1", and wrote
+   * 1000000 as "1e+06"). */
+  char secs[64];
+  snprintf(secs, sizeof secs, "%.17g", s);
+  for (int d = 0; d <= 17; d++) {
+    char t[64];
+    snprintf(t, sizeof t, "%.*f", d, s);
+    if (strtod(t, NULL) == s) {
+      snprintf(secs, sizeof secs, "%s", t);
+      break;
+    }
+  }
   if (ran_out)
-    snprintf(e->message, sizeof e->message, "%s timed out: %s within %g s (%s)", cmd, what, s, limit);
+    snprintf(e->message, sizeof e->message, "%s timed out: %s within %s s (%s)", cmd, what, secs, limit);
   else
     snprintf(e->message, sizeof e->message, "%s timed out: %.1900s (the connection's limit: UCX's keepalive)", cmd,
              was);
