@@ -76,7 +76,7 @@ def dumps(obj: Any, *, inline: bool = False, buffer_callback: Optional[Callable[
 
 
 def loads(data: Any, *, buffers: Optional[Sequence[Any]] = None,
-          classes: Union[None, type, Iterable[Union[type, Callable[..., Any]]]] = (),
+          classes: Union[None, type, Callable[..., Any], Iterable[Union[type, Callable[..., Any]]]] = (),
           max_copies: Optional[int] = None) -> Any: ...
 
 

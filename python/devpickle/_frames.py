@@ -218,14 +218,14 @@ def allowed(classes):
     out.functions, out.ids = {}, frozenset()
     if classes is None:
         return out
-    if isinstance(classes, type):
+    if isinstance(classes, (type, types.FunctionType, types.BuiltinFunctionType)):  # one, as a sequence of one
         classes = (classes,)
     try:
         if isinstance(classes, (str, bytes)):  # iterable, but of characters: a name is not a class
             raise TypeError
         classes = iter(classes)
     except TypeError:
-        raise TypeError(f"classes= takes classes: a class or a sequence of classes, not a "
+        raise TypeError(f"classes= takes classes (and functions): a class, a function or a sequence of them, not a "
                         f"{type(classes).__name__!r}") from None
     for c in classes:
         if isinstance(c, (types.FunctionType, types.BuiltinFunctionType)):

@@ -493,6 +493,17 @@ def test_classes_may_be_one_class_or_a_sequence():
         devpickle.loads(frame, classes="Node")
 
 
+def test_classes_may_be_one_function_as_it_may_be_one_class():
+    # classes=Node was taken, classes=F.relu refused ("takes classes: a class
+    # or a sequence of classes, not a 'function'"), though functions may be listed
+    import math
+
+    import torch.nn.functional as F
+
+    assert devpickle.loads(devpickle.dumps([F.relu]), classes=F.relu) == [F.relu]
+    assert devpickle.loads(devpickle.dumps({"g": math.sqrt}), classes=math.sqrt) == {"g": math.sqrt}
+
+
 def test_a_function_listed_in_classes_comes_back_where_the_frame_holds_it_as_a_value_and_is_never_called():
     # a model holding a function (TransformerEncoderLayer's activation,
     # F.relu) could not come back whole: classes= refused functions ("takes
@@ -707,8 +718,8 @@ def test_dictitems_a_list_cannot_take_and_slot_state_a_class_has_no_slot_for_are
 @pytest.mark.parametrize("classes", [0, False, 5, "", b"Node", 1.5], ids=repr)
 def test_classes_that_are_neither_a_class_nor_a_sequence_are_a_type_error_never_read_as_none(classes):
     frame = devpickle.dumps(Node("n"), inline=True)
-    with pytest.raises(TypeError, match=rf"classes= takes classes: a class or a sequence of classes, not a "
-                                        rf"'{type(classes).__name__}'"):
+    with pytest.raises(TypeError, match=rf"classes= takes classes \(and functions\): a class, a function or a "
+                                        rf"sequence of them, not a '{type(classes).__name__}'"):
         devpickle.loads(frame, classes=classes)
     assert type(devpickle.loads(frame, classes=None)) is devpickle.Object
     assert type(devpickle.loads(frame, classes=iter([Node]))) is Node
