@@ -472,6 +472,39 @@ Test(transport, devpickle_transport_shm_0_turns_the_lane_off) {
   cr_assert_eq(got, 0, "%lu messages came on a lane", got);
 }
 
+/* DEVPICKLE_TRANSPORT_SHM=off (or no, false) left the lanes and same-host
+ * segments on, silently: only "0" turned them off. A value other than 0 or
+ * 1 is refused, as DEVPICKLE_BACKEND's and DEVPICKLE_HOST_DEVICES' are;
+ * set but empty counts as unset. */
+Test(transport, a_devpickle_transport_shm_other_than_0_or_1_is_refused_never_read_as_on) {
+  static const char *const bad[] = {"off", "false", "no", "00", " 0", "2"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    setenv("DEVPICKLE_TRANSPORT_SHM", bad[i], 1);
+    dp_transport_t *t = NULL;
+    dp_error_t e;
+    cr_assert_eq(dp_transport_new(NULL, &t, &e), DP_EINVAL, "DEVPICKLE_TRANSPORT_SHM='%s' was taken", bad[i]);
+    cr_assert_null(t);
+    char want[128];
+    snprintf(want, sizeof want, "dp_transport_new: DEVPICKLE_TRANSPORT_SHM='%s': expected 0 or 1", bad[i]);
+    cr_assert_str_eq(e.message, want);
+  }
+  /* shown as DEVPICKLE_BACKEND's is: one line, control characters escaped */
+  setenv("DEVPICKLE_TRANSPORT_SHM", "o\nff", 1);
+  dp_transport_t *t0 = NULL;
+  dp_error_t e0;
+  cr_assert_eq(dp_transport_new(NULL, &t0, &e0), DP_EINVAL);
+  cr_assert_str_eq(e0.message, "dp_transport_new: DEVPICKLE_TRANSPORT_SHM='o\\u000aff': expected 0 or 1");
+  static const char *const good[] = {"0", "1", ""};
+  for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+    setenv("DEVPICKLE_TRANSPORT_SHM", good[i], 1);
+    dp_transport_t *t = NULL;
+    dp_error_t e;
+    cr_assert_eq(dp_transport_new(NULL, &t, &e), 0, "DEVPICKLE_TRANSPORT_SHM='%s': %s", good[i], e.message);
+    dp_transport_free(t);
+  }
+  unsetenv("DEVPICKLE_TRANSPORT_SHM");
+}
+
 /* Round trips of an int between c and a (one each way), n of them or, with
  * until_lane, until a message comes on a lane: the messages that came on
  * lanes meanwhile. */

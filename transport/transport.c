@@ -545,6 +545,13 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
                    "DP_TRANSPORT_PROGRESS_CALLER (1)",
                    (int)opts->progress);
   if (opts && dp__unpickle_opts_check(opts->unpickle, "dp_transport_new", err)) return DP_EINVAL;
+  /* a value this version does not know is refused, never read as "on":
+     DEVPICKLE_TRANSPORT_SHM=off left the lanes and segments on */
+  const char *shm = getenv("DEVPICKLE_TRANSPORT_SHM");
+  if (shm && shm[0] && strcmp(shm, "0") && strcmp(shm, "1")) {
+    char shown[DP__SHOWN_MAX];
+    return dp__err(err, DP_EINVAL, "dp_transport_new: DEVPICKLE_TRANSPORT_SHM='%s': expected 0 or 1", dp__shown(shm, shown));
+  }
   dp_transport_t *t = dp__alloc(sizeof *t);
   if (!t) return dp__err(err, DP_ENOMEM, "dp_transport_new: out of memory");
   memset(t, 0, sizeof *t);
@@ -563,7 +570,6 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
   }
   t->uopts.bind = NULL;
   t->uopts.bind_ud = NULL;
-  const char *shm = getenv("DEVPICKLE_TRANSPORT_SHM");
   t->shm_on = !(shm && !strcmp(shm, "0"));
   int rc = 0;
   if (opts && opts->backend) t->backend = opts->backend;

@@ -42,7 +42,8 @@
  * peer's failure no shared memory); the rest, and every failure, stay on the
  * connection. At most 32 lanes a transport (each a UCX worker: ~9 file
  * descriptors, ~0.7 MB). DEVPICKLE_TRANSPORT_SHM=0 turns lanes (and
- * same-host slots) off. docs/TRANSPORT.md, "Same-host lanes".
+ * same-host slots) off; 1 (or unset) leaves them on, and any other value
+ * is refused by dp_transport_new. docs/TRANSPORT.md, "Same-host lanes".
  *
  * Wire protocol, matching, validation and failures: docs/TRANSPORT.md.
  *
@@ -192,7 +193,8 @@ typedef struct dp_transport_opts {
 
 /** A transport and its progress thread. opts may be NULL. UCX reads its
  *  own environment (UCX_TLS, UCX_NET_DEVICES, ...). Errors: DP_EINVAL for
- *  a NULL out or an opts.progress that is neither mode, or as
+ *  a NULL out, an opts.progress that is neither mode or a
+ *  DEVPICKLE_TRANSPORT_SHM other than 0 or 1 (set but empty is unset), or as
  *  dp_backend_default and dp_cache_default fail (an opts.cache of another
  *  backend than opts.backend is DP_EINVAL); DP_ENODEV when UCX cannot start
  *  (its message in err), DP_ENOMEM. */
