@@ -3069,7 +3069,17 @@ Test(cli, help_wins_wherever_it_comes_and_before_a_command_is_that_commands_help
   cr_assert_eq(r.status, 2);
   cr_assert_str_eq(r.err, "devpickle --version: unexpected argument 'extra'\n");
   cr_assert_str_eq(r.out, "");
-  res_free(r);
+  res_free(r);  /* --version has a help, asked for either way round, as a command's is */
+  static const char *const version_help[] = {"--version --help", "--version x -h", "--help --version",
+                                             "help --version", "-h --version"};
+  for (size_t i = 0; i < sizeof version_help / sizeof *version_help; i++) {
+    r = run(version_help[i]);
+    cr_assert_eq(r.status, 0, "%s: %s", version_help[i], r.err);
+    const char *want = "usage: devpickle --version\n\nPrints devpickle's version";
+    cr_assert_eq(strncmp(r.out, want, strlen(want)), 0, "%s: %s", version_help[i], r.out);
+    cr_assert_str_eq(r.err, "");
+    res_free(r);
+  }
 }
 
 /* '' names no file: a usage error, as -o '' is, not "No such file". */

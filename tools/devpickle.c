@@ -1417,6 +1417,16 @@ static int unknown_command(const char *name) {
 /* 'help', '--help' and '-h' alike: alone (or given one of themselves) the
  * main usage; given a command, that command's --help; given a name that is no
  * command, the same error as running it. */
+/* --version has a help of its own, as a command has: asked for either way
+ * round (devpickle --version --help, devpickle help --version). */
+static const char usage_version[] =
+    "usage: devpickle --version\n"
+    "\n"
+    "Prints devpickle's version and the frame format version it reads and\n"
+    "writes, then exits 0. It takes no argument.\n";
+
+static int is_help_word(const char *a) { return !strcmp(a, "--help") || !strcmp(a, "-h"); }
+
 static int cmd_help(int argc, char **argv) {
   if (argc > 3) {
     fprintf(stderr, "devpickle %s: unexpected argument '", argv[1]);
@@ -1425,6 +1435,10 @@ static int cmd_help(int argc, char **argv) {
     return EXIT_USAGE;
   }
   if (argc == 3 && strcmp(argv[2], "help") != 0 && strcmp(argv[2], "--help") != 0 && strcmp(argv[2], "-h") != 0) {
+    if (strcmp(argv[2], "--version") == 0) {
+      fputs(usage_version, stdout);
+      return stdout_done(0);
+    }
     char help_flag[] = "--help", *args[] = {argv[2], help_flag, NULL};
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
       if (strcmp(argv[2], commands[i].name) == 0) return commands[i].run(2, args);
@@ -1446,6 +1460,11 @@ int main(int argc, char **argv) {
   if (strcmp(argv[1], "help") == 0 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)
     return cmd_help(argc, argv);
   if (strcmp(argv[1], "--version") == 0) {
+    for (int i = 2; i < argc && strcmp(argv[i], "--") != 0; i++)
+      if (is_help_word(argv[i])) { /* --help answers wherever it comes */
+        fputs(usage_version, stdout);
+        return stdout_done(0);
+      }
     if (argc > 2) {
       fputs("devpickle --version: unexpected argument '", stderr);
       cli_put_text(stderr, argv[2]);
