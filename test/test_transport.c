@@ -778,7 +778,10 @@ Test(transport, an_address_that_is_not_host_port_or_a_connection_to_port_0_is_re
   } bad[] = {{"127.0.0.1", "is not HOST:PORT"},         {"127.0.0.1:", "is not HOST:PORT"},
              {"127.0.0.1:8x", "is not a number"},        {"127.0.0.1:65536", "port 65536 out of range"},
              {"127.0.0.1:0", "port 0 in '127.0.0.1:0': a connection needs the listener's port"},
-             {"127.0.0.1:123456", "is not HOST:PORT"},   {NULL, "transport: host name too long"}};
+             {"127.0.0.1:123456", "is not HOST:PORT"},   {NULL, "transport: host name too long"},
+             /* "::1" split at its last ':' is host ':' and port 1: named as what it is, not "cannot resolve ':'" */
+             {"::1", "transport: address '::1' is not HOST:PORT (its host ':' holds a ':' but is no IPv6 address"},
+             {"a:b:5000", "its host 'a:b' holds a ':' but is no IPv6 address"}};
   char long_host[300]; /* 256 bytes of host: one more than its buffer holds with its NUL */
   memset(long_host, 'h', 256);
   snprintf(long_host + 256, sizeof long_host - 256, ":5000");

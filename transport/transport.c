@@ -175,8 +175,8 @@ void dp__tp_cmd_finish(dp_transport_t *t, cmd_t *c, int rc) {
 /* "HOST:PORT" (the last colon splits; [v6] brackets allowed). */
 static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, socklen_t *len, dp_error_t *err) {
   if (!hp) return dp__err(err, DP_EINVAL, "transport: NULL address");
-  char quoted[DP__SHOWN_MAX]; /* the caller's text, as every message quotes it: cut at a character, escaped */
-  const char *colon = strrchr(hp, ':');
+  char quoted[DP__SHOWN_MAX], quoted_host[DP__SHOWN_MAX]; /* the caller's text, as every message quotes it: cut at a character, escaped */
+  const char *hp0 = hp, *colon = strrchr(hp, ':');
   if (!colon || colon == hp || !colon[1] || strlen(colon + 1) > 5)
     return dp__err(err, DP_EINVAL, "transport: address '%s' is not HOST:PORT", dp__shown(hp, quoted));
   for (const char *p = colon + 1; *p; p++)
@@ -193,6 +193,14 @@ static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, 
   if (hl >= sizeof host) return dp__err(err, DP_EINVAL, "transport: host name too long");
   memcpy(host, hp, hl);
   host[hl] = 0;
+  /* "::1" splits into host ":" and port 1: a host holding ':' that is no
+     IPv6 address was never meant as one */
+  struct in6_addr a6;
+  if (strchr(host, ':') && inet_pton(AF_INET6, host, &a6) != 1)
+    return dp__err(err, DP_EINVAL,
+                   "transport: address '%s' is not HOST:PORT (its host '%s' holds a ':' but is no IPv6 address; "
+                   "the transport takes IPv4 addresses and names)",
+                   dp__shown(hp0, quoted), dp__shown(host, quoted_host));
   struct addrinfo hints, *res = NULL;
   memset(&hints, 0, sizeof hints);
   hints.ai_family = AF_UNSPEC;
