@@ -854,15 +854,21 @@ fail:
   return NULL;
 }
 
-/* NULL, with loads' TypeError for a buffer that is not C-contiguous (a
- * strided memoryview, a Fortran-ordered array) in place of the exporter's
- * error (memoryview's BufferError, numpy's ValueError) when data is one; a
- * frame is its bytes end to end, as for any other data that is not bytes-like
- * (a TypeError), and is never copied to make it so. Any other error stands. */
+/* NULL, with loads' TypeError for data that is no buffer, or a buffer that
+ * is not C-contiguous (a strided memoryview, a Fortran-ordered array) in
+ * place of the exporter's error (memoryview's BufferError, numpy's
+ * ValueError) when data is one: a frame is its bytes end to end, and is
+ * never copied to make it so. Any other error stands. */
 static PyObject *not_contiguous(PyObject *data) {
   Py_buffer v;
   PyObject *et, *ev, *tb;
   PyErr_Fetch(&et, &ev, &tb);
+  if (!PyObject_CheckBuffer(data) && et && PyErr_GivenExceptionMatches(et, PyExc_TypeError)) {
+    /* no buffer at all: said in loads' words, as its other errors are */
+    Py_XDECREF(et), Py_XDECREF(ev), Py_XDECREF(tb);
+    return PyErr_Format(PyExc_TypeError, "loads: data must be a bytes-like object (a frame's bytes), not '%s'",
+                        Py_TYPE(data)->tp_name);
+  }
   if (!PyObject_CheckBuffer(data) || PyObject_GetBuffer(data, &v, PyBUF_FULL_RO)) {
     PyErr_Clear();
     PyErr_Restore(et, ev, tb);

@@ -2728,8 +2728,9 @@ def test_a_frame_given_as_a_non_contiguous_buffer_is_a_type_error_saying_what_lo
                                         r"copy\)$"):
         devpickle.loads(make(frame))
     # as for data that is not bytes-like at all; a contiguous buffer of the frame loads
-    with pytest.raises(TypeError, match="^a bytes-like object is required, not 'int'$"):
-        devpickle.loads(5)
+    for data, name in ((5, "int"), ("abc", "str"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=rf"^loads: data must be a bytes-like object \(a frame's bytes\), not '{name}'$"):
+            devpickle.loads(data)
     assert devpickle.loads(memoryview(frame)[::1]) == devpickle.loads(np.frombuffer(frame, np.uint8)) == [1, "two", 3.0]
 
 
