@@ -4556,6 +4556,77 @@ Test(transport, a_callback_run_by_a_callers_pass_makes_and_frees_a_listener_at_o
   cur_t = NULL;
 }
 
+/* A callback the loop runs that accepts with a limit is refused at once
+ * when no connection is queued: the loop queues connections and waits for
+ * the callback, so the accept blocked the loop for its whole limit, and
+ * one without a limit never returned. A limit of 0 still polls. */
+typedef struct cb_accept {
+  dp_listener_t *l;
+  int rc_forever, rc_limit, rc_poll;
+  int64_t limit_ns;
+  dp_error_t e_forever, e_limit, e_poll;
+} cb_accept_t;
+
+static int accept_from_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)err;
+  cb_accept_t *c = ud;
+  dp_endpoint_t *ep = NULL;
+  c->rc_forever = dp_listener_accept(c->l, -1, &ep, &c->e_forever);
+  int64_t t0 = now_ns_t();
+  c->rc_limit = dp_listener_accept(c->l, 20 * SEC, &ep, &c->e_limit);
+  c->limit_ns = now_ns_t() - t0;
+  c->rc_poll = dp_listener_accept(c->l, 0, &ep, &c->e_poll);
+  *result = dp_none();
+  return 0;
+}
+
+static void accept_in_callback(int caller) {
+  dp_transport_t *t = new_transport_driven(caller);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  cb_accept_t cb = {.l = l};
+  dp_future_t *d, *r, *c;
+  dp_error_t e;
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK(dp_future_then(r, accept_from_callback, &cb, &c, T_ERR));
+  OK(dp_endpoint_send(a, dp_int(3), &d, T_ERR));
+  OK_WITH(&e, wait_f(c, &e));
+  char says[200];
+  snprintf(says, sizeof says,
+           "dp_listener_accept: called from a callback run by the transport's %s with no connection queued on "
+           "port %d: none can come before the callback returns (a limit of 0 polls; transport.h)",
+           caller ? "pass" : "progress thread", dp_listener_port(l));
+  cr_assert_eq(cb.rc_forever, DP_EINVAL, "%s: %s", dp_err_name(cb.rc_forever), cb.e_forever.message);
+  cr_assert_str_eq(cb.e_forever.message, says);
+  cr_assert_eq(cb.rc_limit, DP_EINVAL, "%s: %s", dp_err_name(cb.rc_limit), cb.e_limit.message);
+  cr_assert_str_eq(cb.e_limit.message, says);
+  cr_assert_lt(cb.limit_ns, 5 * SEC, "the refused accept took %lld ms", (long long)(cb.limit_ns / 1000000));
+  cr_assert_eq(cb.rc_poll, DP_ETIMEDOUT, "%s: %s", dp_err_name(cb.rc_poll), cb.e_poll.message);
+  /* the listener still accepts once the callback returned */
+  dp_endpoint_t *a2 = connect_to(t, dp_listener_port(l)), *b2;
+  OK(dp_listener_accept(l, 30 * SEC, &b2, T_ERR));
+  dp_future_release(c);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(a2);
+  dp_endpoint_free(b2);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
+Test(transport, an_accept_from_a_callback_run_by_the_thread_is_refused_at_once_instead_of_blocking_the_loop,
+     .timeout = 60) {
+  accept_in_callback(0);
+}
+
+Test(transport, an_accept_from_a_callback_run_by_a_callers_pass_is_refused_at_once_instead_of_spinning,
+     .timeout = 60) {
+  accept_in_callback(1);
+}
+
 /* dp_endpoint_send_frame: a frame as it is, inline or without buffers */
 Test(transport, a_frame_without_buffers_is_sent_as_it_is_and_one_with_buffers_not_inline_is_refused) {
   dp_transport_t *t = new_transport(NULL);

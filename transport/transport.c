@@ -789,7 +789,21 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
   dp_transport_t *t = l->t;
   if (forked(t, "dp_listener_accept", err)) return DP_EINVAL;
   dp_endpoint_t *ep = NULL;
-  if (t->caller) {
+  if (dp__tp_in_pass == t) {
+    /* a callback the loop runs (its thread, or a caller's pass): the loop
+       queues connections and waits for this callback, so none can come
+       meanwhile; a wait for one blocked the loop for the whole limit, and
+       one without a limit never returned */
+    pthread_mutex_lock(&t->mu);
+    ep = acc_take(l);
+    pthread_mutex_unlock(&t->mu);
+    if (!ep && timeout_ns != 0)
+      return dp__err(err, DP_EINVAL,
+                     "dp_listener_accept: called from a callback run by the transport's %s with no connection "
+                     "queued on port %d: none can come before the callback returns (a limit of 0 polls; "
+                     "transport.h)",
+                     t->caller ? "pass" : "progress thread", l->port);
+  } else if (t->caller) {
     /* passes until a connection is queued, then take it; another thread
        accepting on l may take it first, so this goes on until the limit
        (none for a negative one) has passed */

@@ -233,7 +233,12 @@ DP_API int dp_listener_port(const dp_listener_t *l);
 /** The next connection made to l, as a new endpoint, waiting up to
  *  timeout_ns (<0: no limit). DP_ETIMEDOUT when none came. Several threads
  *  may accept on one listener at once: each connection goes to one of them,
- *  and one whose connection another took waits on for the next. */
+ *  and one whose connection another took waits on for the next. From a
+ *  callback the transport's loop runs (its thread, or a caller's pass), it
+ *  never waits: a connection already queued is taken, else a limit of 0
+ *  is DP_ETIMEDOUT and any other DP_EINVAL ("... called from a callback
+ *  run by the transport's progress thread with no connection queued ...":
+ *  the loop that queues connections waits for the callback). */
 DP_API int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err);
 /** Stops listening; connections accepted and not yet taken are closed.
  *  Waits for the loop; from a callback run by the transport's own progress
