@@ -776,9 +776,11 @@ Test(transport, an_address_that_is_not_host_port_or_a_connection_to_port_0_is_re
   static const struct {
     const char *addr, *says;
   } bad[] = {{"127.0.0.1", "is not HOST:PORT"},         {"127.0.0.1:", "is not HOST:PORT"},
-             {"127.0.0.1:8x", "is not a number"},        {"127.0.0.1:65536", "port 65536 out of range"},
+             {"127.0.0.1:8x", "is not a number"},
+             {"127.0.0.1:65536", "port in '127.0.0.1:65536' is out of range (at most 65535)"},
              {"127.0.0.1:0", "port 0 in '127.0.0.1:0': a connection needs the listener's port"},
-             {"127.0.0.1:123456", "is not HOST:PORT"},   {NULL, "transport: host name too long"},
+             {"127.0.0.1:123456", "port in '127.0.0.1:123456' is out of range (at most 65535)"},
+             {NULL, "is too long (256 bytes, at most 255)"},
              /* "::1" split at its last ':' is host ':' and port 1: named as what it is, not "cannot resolve ':'" */
              {"::1", "transport: address '::1' is not HOST:PORT (its host ':' holds a ':' but is no IPv6 address"},
              {"a:b:5000", "its host 'a:b' holds a ':' but is no IPv6 address"}};
@@ -798,6 +800,44 @@ Test(transport, an_address_that_is_not_host_port_or_a_connection_to_port_0_is_re
   dp_endpoint_free(ep);
   dp_listener_t *l; /* port 0 is a listener's: any free port */
   OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  cr_assert_gt(dp_listener_port(l), 0);
+  dp_listener_free(l);
+  dp_transport_free(t);
+}
+
+/* A port is its digits, leading zeros aside: a port of six digits or more
+ * was "not HOST:PORT" (it is; its port is out of range), "000000" was too
+ * (it is port 0), "65536" read "port 65536 out of range" without the
+ * address, and a long host "host name too long" with neither the host nor
+ * the limit. */
+Test(transport, a_port_out_of_range_or_a_host_too_long_is_named_with_the_address_and_the_limit) {
+  dp_transport_t *t = new_transport(NULL);
+  static const struct {
+    const char *addr, *says;
+  } bad[] = {{"127.0.0.1:99999", "transport: port in '127.0.0.1:99999' is out of range (at most 65535)"},
+             {"127.0.0.1:123456", "transport: port in '127.0.0.1:123456' is out of range (at most 65535)"},
+             {"127.0.0.1:99999999999999999999999",
+              "transport: port in '127.0.0.1:9999999999999999999999\u2026' is out of range (at most 65535)"},
+             {"127.0.0.1:000000", "transport: port 0 in '127.0.0.1:000000': a connection needs the listener's port"}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    dp_endpoint_t *ep = (dp_endpoint_t *)1;
+    dp_error_t e;
+    cr_assert_eq(dp_endpoint_connect(t, bad[i].addr, &ep, &e), DP_EINVAL, "%s", bad[i].addr);
+    cr_assert_null(ep);
+    cr_assert_str_eq(e.message, bad[i].says);
+  }
+  char long_host[300]; /* 290 bytes of host, in brackets: counted without them */
+  memset(long_host, 'h', sizeof long_host);
+  long_host[0] = '[';
+  snprintf(long_host + 1 + 300 - 10, 10, "]:5000"); /* 290 h */
+  dp_listener_t *l = (dp_listener_t *)1;
+  dp_error_t e;
+  cr_assert_eq(dp_listener_new(t, long_host, &l, &e), DP_EINVAL);
+  cr_assert_null(l);
+  cr_assert_str_eq(e.message, "transport: the host in '[hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhh\u2026' is too long (290 bytes, "
+                              "at most 255)");
+  /* leading zeros: "000000" is port 0, any free one for a listener; "00080" is 80 */
+  OK(dp_listener_new(t, "127.0.0.1:000000", &l, T_ERR));
   cr_assert_gt(dp_listener_port(l), 0);
   dp_listener_free(l);
   dp_transport_free(t);

@@ -176,21 +176,30 @@ void dp__tp_cmd_finish(dp_transport_t *t, cmd_t *c, int rc) {
 static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, socklen_t *len, dp_error_t *err) {
   if (!hp) return dp__err(err, DP_EINVAL, "transport: NULL address");
   char quoted[DP__SHOWN_MAX], quoted_host[DP__SHOWN_MAX]; /* the caller's text, as every message quotes it: cut at a character, escaped */
-  const char *hp0 = hp, *colon = strrchr(hp, ':');
-  if (!colon || colon == hp || !colon[1] || strlen(colon + 1) > 5)
+  const char *colon = strrchr(hp, ':');
+  if (!colon || colon == hp || !colon[1])
     return dp__err(err, DP_EINVAL, "transport: address '%s' is not HOST:PORT", dp__shown(hp, quoted));
   for (const char *p = colon + 1; *p; p++)
     if (*p < '0' || *p > '9')
       return dp__err(err, DP_EINVAL, "transport: port in '%s' is not a number", dp__shown(hp, quoted));
-  long port = strtol(colon + 1, NULL, 10);
-  if (port > 65535) return dp__err(err, DP_EINVAL, "transport: port %ld out of range", port);
+  /* a port of digits, leading zeros aside, as long as it likes: "123456"
+     is a port out of range, not a malformed address, and "000000" is 0 */
+  const char *digits = colon + 1;
+  while (digits[0] == '0' && digits[1]) digits++;
+  long port = strlen(digits) > 5 ? 65536 : strtol(digits, NULL, 10);
+  if (port > 65535)
+    return dp__err(err, DP_EINVAL, "transport: port in '%s' is out of range (at most 65535)", dp__shown(hp, quoted));
   if (!port && !passive)
     return dp__err(err, DP_EINVAL, "transport: port 0 in '%s': a connection needs the listener's port",
                    dp__shown(hp, quoted));
-  char host[256];
+  char host[256], service[24];
+  snprintf(service, sizeof service, "%ld", port);
+  const char *given = hp;
   size_t hl = (size_t)(colon - hp);
   if (hl >= 2 && hp[0] == '[' && hp[hl - 1] == ']') hp++, hl -= 2;
-  if (hl >= sizeof host) return dp__err(err, DP_EINVAL, "transport: host name too long");
+  if (hl >= sizeof host)
+    return dp__err(err, DP_EINVAL, "transport: the host in '%s' is too long (%zu bytes, at most %zu)",
+                   dp__shown(given, quoted), hl, sizeof host - 1);
   memcpy(host, hp, hl);
   host[hl] = 0;
   /* "::1" splits into host ":" and port 1: a host holding ':' that is no
@@ -200,13 +209,13 @@ static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, 
     return dp__err(err, DP_EINVAL,
                    "transport: address '%s' is not HOST:PORT (its host '%s' holds a ':' but is no IPv6 address; "
                    "the transport takes IPv4 addresses and names)",
-                   dp__shown(hp0, quoted), dp__shown(host, quoted_host));
+                   dp__shown(given, quoted), dp__shown(host, quoted_host));
   struct addrinfo hints, *res = NULL;
   memset(&hints, 0, sizeof hints);
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = passive ? AI_PASSIVE : 0;
-  int g = getaddrinfo(host, colon + 1, &hints, &res);
+  int g = getaddrinfo(host, service, &hints, &res);
   if (g != 0 || !res)
     return dp__err(err, DP_EINVAL, "transport: cannot resolve '%s': %s", dp__shown(host, quoted), gai_strerror(g));
   /* IPv4 only: UCX 1.13's TCP transport keeps its peer's address in a
