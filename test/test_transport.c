@@ -4667,6 +4667,57 @@ Test(transport, an_accept_from_a_callback_run_by_a_callers_pass_is_refused_at_on
   accept_in_callback(1);
 }
 
+/* Caller-driven, dp_transport_wait from a callback a pass runs cannot
+ * drive the transport (the pass is this thread's): it waits as
+ * dp_future_wait does, with its result and errors, as transport.h says. It
+ * ran passes that returned at once instead, so a wait on the callback's own
+ * child spun a core until its limit (forever without one) where
+ * dp_future_wait says DP_EMISUSE at once. */
+typedef struct cb_twait {
+  dp_transport_t *t;
+  dp_future_t *child;
+  int rc;
+  int64_t took_ns;
+  dp_error_t e;
+} cb_twait_t;
+
+static int transport_wait_from_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)err;
+  cb_twait_t *c = ud;
+  int64_t t0 = now_ns_t();
+  c->rc = dp_transport_wait(c->t, c->child, 20 * SEC, &c->e);
+  c->took_ns = now_ns_t() - t0;
+  *result = dp_none();
+  return 0;
+}
+
+Test(transport, a_transport_wait_from_a_callback_run_by_a_callers_pass_on_its_own_child_is_refused_at_once,
+     .timeout = 60) {
+  dp_transport_t *t = new_transport(&caller_opts);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  cb_twait_t cb = {.t = t, .rc = 1};
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK(dp_future_then(r, transport_wait_from_callback, &cb, &cb.child, T_ERR));
+  OK(dp_endpoint_send(a, dp_int(3), &d, T_ERR));
+  OK_WITH(&e, wait_f(cb.child, &e));
+  cr_assert_eq(cb.rc, DP_EMISUSE, "%s: %s", dp_err_name(cb.rc), cb.e.message);
+  cr_assert(strstr(cb.e.message, "called from the then() callback whose result completes the future: it would wait "
+                                 "for itself"),
+            "%s", cb.e.message);
+  cr_assert_lt(cb.took_ns, 5 * SEC, "the refused wait took %lld ms", (long long)(cb.took_ns / 1000000));
+  dp_future_release(cb.child);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 /* dp_endpoint_send_frame: a frame as it is, inline or without buffers */
 Test(transport, a_frame_without_buffers_is_sent_as_it_is_and_one_with_buffers_not_inline_is_refused) {
   dp_transport_t *t = new_transport(NULL);

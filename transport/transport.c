@@ -733,8 +733,13 @@ static int future_done(void *f) { return dp_future_is_done(f); }
 int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (!t || !f) return dp__err(err, DP_EINVAL, "dp_transport_wait: %s is NULL", t ? "f" : "t");
   if (forked(t, "dp_transport_wait", err)) return DP_EINVAL;
-  int rc = t->caller ? (dp__tp_caller_until(t, future_done, f, timeout_ns) ? dp_future_wait(f, 0, err) : DP_ETIMEDOUT)
-                     : dp_future_wait(f, timeout_ns, err);
+  /* from a callback a caller's pass runs, no pass can run (the pass is
+     this thread's): the wait is dp_future_wait's, which sleeps and refuses
+     a wait for itself (its passes returned at once: it spun a core until
+     its limit, forever without one, on the callback's own child) */
+  int drive = t->caller && dp__tp_in_pass != t;
+  int rc = drive ? (dp__tp_caller_until(t, future_done, f, timeout_ns) ? dp_future_wait(f, 0, err) : DP_ETIMEDOUT)
+                 : dp_future_wait(f, timeout_ns, err);
   if (rc != DP_ETIMEDOUT) return rc;
   if (dp_future_is_done(f)) return dp_future_wait(f, 0, err); /* failed with a timeout of its own, or done just now */
   return dp__err(err, DP_ETIMEDOUT, "dp_transport_wait: the future did not complete within %lld ns",

@@ -213,9 +213,11 @@ DP_API int dp_transport_progress(dp_transport_t *t);
 /** Waits for f as dp_future_wait does (timeout_ns < 0: no limit; the same
  *  result and errors), driving a caller-driven transport meanwhile: passes
  *  while there is work, a spin of up to 200 us, then sleeps on UCX's and
- *  the command queue's descriptors. With a thread of its own, it is
+ *  the command queue's descriptors. With a thread of its own, and from a
+ *  callback a caller's pass runs (no pass can run there), it is
  *  dp_future_wait (a message of its own limit running out names
- *  dp_transport_wait). DP_EINVAL for NULL. */
+ *  dp_transport_wait; a wait on the callback's own child is DP_EMISUSE at
+ *  once, future.h). DP_EINVAL for NULL. */
 DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 /** Listens on "HOST:PORT" (PORT 0: an ephemeral port, see
  *  dp_listener_port; HOST may be an IPv4 address or a name, "0.0.0.0" all
