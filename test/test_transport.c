@@ -4718,6 +4718,47 @@ Test(transport, a_transport_wait_from_a_callback_run_by_a_callers_pass_on_its_ow
   cur_t = NULL;
 }
 
+/* A connector freed before its peer's ACCEPT reached it sends no CLOSE
+ * (its connection may not be made yet: TRANSPORT.md, "Closing"), with
+ * nothing pending or a receive pending: its peer reads a lost connection
+ * (DP_EIO, or DP_ETIMEDOUT "(Endpoint timeout)" when UCX says so), at once,
+ * never "the peer closed its endpoint" nor a hang. transport.h promised the
+ * graceful close of any endpoint without sends pending. */
+Test(transport, a_connector_freed_before_its_peers_accept_reached_it_is_read_by_the_peer_as_a_lost_connection,
+     .timeout = 60) {
+  dp_transport_t *t = new_transport(NULL), *t2;
+  dp_transport_opts_t o = {0};
+  OK(dp_transport_new(&o, &t2, T_ERR));
+  dp_listener_t *l;
+  OK(dp_listener_new(t2, "127.0.0.1:0", &l, T_ERR));
+  for (int with_recv = 0; with_recv < 2; with_recv++) {
+    dp_endpoint_t *c = connect_to(t, dp_listener_port(l)), *s;
+    OK(dp_listener_accept(l, 30 * SEC, &s, T_ERR));
+    dp_future_t *r, *cr = NULL;
+    OK(dp_endpoint_recv(s, &r, T_ERR));
+    if (with_recv) OK(dp_endpoint_recv(c, &cr, T_ERR));
+    dp_endpoint_free(c); /* at once: its peer's ACCEPT is still on its way */
+    dp_error_t e;
+    int64_t t0 = now_ns_t();
+    int rc = dp_future_wait(r, 30 * SEC, &e);
+    cr_assert(rc == DP_EIO || rc == DP_ETIMEDOUT || rc == DP_ECANCELED, "%s: %s", dp_err_name(rc), e.message);
+    if (rc != DP_ECANCELED) /* the ACCEPT came first after all: a graceful close */
+      cr_assert(strstr(e.message, ": connection lost ("), "%s", e.message);
+    cr_assert_lt(now_ns_t() - t0, 10 * SEC);
+    if (cr) {
+      cr_assert_eq(dp_future_wait(cr, 0, &e), DP_ECANCELED, "%s", e.message);
+      cr_assert(strstr(e.message, "closed with 0 sends and 1 receive pending"), "%s", e.message);
+      dp_future_release(cr);
+    }
+    dp_future_release(r);
+    dp_endpoint_free(s);
+  }
+  dp_listener_free(l);
+  dp_transport_free(t2);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
 /* dp_endpoint_send_frame: a frame as it is, inline or without buffers */
 Test(transport, a_frame_without_buffers_is_sent_as_it_is_and_one_with_buffers_not_inline_is_refused) {
   dp_transport_t *t = new_transport(NULL);

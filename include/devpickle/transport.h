@@ -262,7 +262,11 @@ DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endp
  *  arrived — they are still taken by its receives first — and the
  *  connection is flushed and closed on its answer (or after 1 s without
  *  one); with sends pending it is closed by force, and the peer reads
- *  "connection lost" (docs/TRANSPORT.md, "Failures"). Waits for the loop to close it (caller-driven: runs
+ *  "connection lost" (docs/TRANSPORT.md, "Failures"). So does the peer of
+ *  a connected endpoint freed before the peer's first message (ACCEPT)
+ *  reached it, whatever is pending: its connection may not be made yet,
+ *  and it sends no CLOSE (DP_EIO, or DP_ETIMEDOUT "connection lost
+ *  (Endpoint timeout)" as UCX reports it). Waits for the loop to close it (caller-driven: runs
  *  passes until the close is done, at most 1 s, so the peer learns of it
  *  without further passes; a peer that does not answer UCX's disconnect
  *  meanwhile sees it at this process's later passes); called from a
