@@ -244,7 +244,11 @@ DP_API int dp_listener_port(const dp_listener_t *l);
 DP_API int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err);
 /** Stops listening; connections accepted and not yet taken are closed.
  *  Waits for the loop; from a callback run by the transport's own progress
- *  thread it is refused (a line on stderr, nothing freed). */
+ *  thread it is refused (a line on stderr, nothing freed). Not while
+ *  connection requests are still arriving: UCX 1.13 may then read the
+ *  freed listener and crash the process, even later (openucx/ucx#11087;
+ *  docs/TRANSPORT.md, "Not yet supported"): accept, or stop the peers
+ *  connecting, first. */
 DP_API void dp_listener_free(dp_listener_t *l);
 
 /** An endpoint connecting to "HOST:PORT" (IPv4, as dp_listener_new).
