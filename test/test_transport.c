@@ -4759,6 +4759,56 @@ Test(transport, a_connector_freed_before_its_peers_accept_reached_it_is_read_by_
   cur_t = NULL;
 }
 
+/* dp_listener_free while another thread waits in dp_listener_accept on it
+ * ends that wait with DP_ECANCELED and frees the listener once it left:
+ * the waiter slept on (thread-driven, no limit: forever) or woke to freed
+ * memory, and a caller-driven one spun on it. */
+typedef struct acc_wait {
+  dp_listener_t *l;
+  int rc;
+  dp_error_t e;
+  _Atomic int started;
+} acc_wait_t;
+
+static void *accept_forever(void *arg) {
+  acc_wait_t *a = arg;
+  dp_endpoint_t *ep = (dp_endpoint_t *)1;
+  atomic_store(&a->started, 1);
+  a->rc = dp_listener_accept(a->l, -1, &ep, &a->e);
+  if (ep) a->rc = 99; /* no endpoint may come back */
+  return NULL;
+}
+
+static void free_under_accept(int caller) {
+  t_track();
+  dp_transport_t *t = new_transport_driven(caller);
+  acc_wait_t a = {.rc = 1};
+  OK(dp_listener_new(t, "127.0.0.1:0", &a.l, T_ERR));
+  int port = dp_listener_port(a.l);
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, accept_forever, &a), 0);
+  while (!atomic_load(&a.started)) nanosleep(&(struct timespec){0, 1000000}, NULL);
+  nanosleep(&(struct timespec){0, 100000000}, NULL); /* in its wait */
+  dp_listener_free(a.l);
+  cr_assert_eq(pthread_join(th, NULL), 0);
+  cr_assert_eq(a.rc, DP_ECANCELED, "%s: %s", dp_err_name(a.rc), a.e.message);
+  char says[120];
+  snprintf(says, sizeof says, "dp_listener_accept: the listener on port %d was freed while this waited", port);
+  cr_assert_str_eq(a.e.message, says);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, freeing_a_listener_ends_an_accept_waiting_on_it_in_another_thread_thread_driven, .timeout = 60) {
+  free_under_accept(0);
+}
+
+Test(transport, freeing_a_listener_ends_an_accept_waiting_on_it_in_another_thread_caller_driven, .timeout = 60) {
+  free_under_accept(1);
+}
+
 /* dp_endpoint_send_frame: a frame as it is, inline or without buffers */
 Test(transport, a_frame_without_buffers_is_sent_as_it_is_and_one_with_buffers_not_inline_is_refused) {
   dp_transport_t *t = new_transport(NULL);

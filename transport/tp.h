@@ -322,6 +322,8 @@ struct dp_listener {
   int port;
   dp_endpoint_t *acc_head, *acc_tail; /* under t->mu */
   int closed;
+  int waiters;  /* threads waiting in dp_listener_accept (under t->mu): its free waits for them to leave */
+  int orphaned; /* freed from a callback of a caller's pass while some waited: the last to leave frees it */
 };
 
 enum { CMD_LISTEN, CMD_UNLISTEN, CMD_CONNECT, CMD_SEND, CMD_RECV, CMD_CLOSE, CMD_STOP, CMD_SYNC };

@@ -780,7 +780,7 @@ int dp_listener_port(const dp_listener_t *l) { return l ? l->port : 0; }
 static int accepted(void *arg) {
   dp_listener_t *l = arg;
   pthread_mutex_lock(&l->t->mu);
-  int yes = l->acc_head != NULL;
+  int yes = l->acc_head != NULL || l->closed;
   pthread_mutex_unlock(&l->t->mu);
   return yes;
 }
@@ -803,6 +803,7 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
   dp_transport_t *t = l->t;
   if (forked(t, "dp_listener_accept", err)) return DP_EINVAL;
   dp_endpoint_t *ep = NULL;
+  int port = l->port; /* l may be gone when this returns: freed meanwhile, by its last waiter */
   if (dp__tp_in_pass == t) {
     /* a callback the loop runs (its thread, or a caller's pass): the loop
        queues connections and waits for this callback, so none can come
@@ -817,38 +818,57 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
                      "queued on port %d: none can come before the callback returns (a limit of 0 polls; "
                      "transport.h)",
                      t->caller ? "pass" : "progress thread", l->port);
-  } else if (t->caller) {
-    /* passes until a connection is queued, then take it; another thread
-       accepting on l may take it first, so this goes on until the limit
-       (none for a negative one) has passed */
-    int64_t now = now_ns();
-    int64_t end = timeout_ns < 0 || timeout_ns > INT64_MAX - now ? -1 : now + timeout_ns;
-    for (;;) {
-      dp__tp_caller_until(t, accepted, l, end < 0 ? -1 : end > now ? end - now : 0);
-      if (dp__transport_accept_gap) dp__transport_accept_gap();
-      pthread_mutex_lock(&t->mu);
-      ep = acc_take(l);
-      pthread_mutex_unlock(&t->mu);
-      if (ep || (end >= 0 && (now = now_ns()) >= end)) break;
-    }
   } else {
-    struct timespec dl;
-    clock_gettime(CLOCK_MONOTONIC, &dl); /* t->cv's clock */
-    if (timeout_ns >= 0) {
-      int64_t ns = dl.tv_nsec + timeout_ns % 1000000000;
-      dl.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
-      dl.tv_nsec = (long)(ns % 1000000000);
-    }
+    /* a waiter: dp_listener_free from another thread meanwhile ends the
+       wait (DP_ECANCELED) and waits for it to leave before freeing l (it
+       woke to freed memory, or never woke) */
+    int closed = 0;
     pthread_mutex_lock(&t->mu);
-    int timed_out = 0;
-    while (!l->acc_head && !timed_out) {
-      if (timeout_ns < 0) pthread_cond_wait(&t->cv, &t->mu);
-      else timed_out = pthread_cond_timedwait(&t->cv, &t->mu, &dl) == ETIMEDOUT;
-    }
-    ep = acc_take(l);
+    l->waiters++;
     pthread_mutex_unlock(&t->mu);
+    if (t->caller) {
+      /* passes until a connection is queued, then take it; another thread
+         accepting on l may take it first, so this goes on until the limit
+         (none for a negative one) has passed */
+      int64_t now = now_ns();
+      int64_t end = timeout_ns < 0 || timeout_ns > INT64_MAX - now ? -1 : now + timeout_ns;
+      for (;;) {
+        dp__tp_caller_until(t, accepted, l, end < 0 ? -1 : end > now ? end - now : 0);
+        if (dp__transport_accept_gap) dp__transport_accept_gap();
+        pthread_mutex_lock(&t->mu);
+        ep = acc_take(l);
+        closed = l->closed;
+        pthread_mutex_unlock(&t->mu);
+        if (ep || closed || (end >= 0 && (now = now_ns()) >= end)) break;
+      }
+      pthread_mutex_lock(&t->mu);
+    } else {
+      struct timespec dl;
+      clock_gettime(CLOCK_MONOTONIC, &dl); /* t->cv's clock */
+      if (timeout_ns >= 0) {
+        int64_t ns = dl.tv_nsec + timeout_ns % 1000000000;
+        dl.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
+        dl.tv_nsec = (long)(ns % 1000000000);
+      }
+      pthread_mutex_lock(&t->mu);
+      int timed_out = 0;
+      while (!l->acc_head && !timed_out && !l->closed) {
+        if (timeout_ns < 0) pthread_cond_wait(&t->cv, &t->mu);
+        else timed_out = pthread_cond_timedwait(&t->cv, &t->mu, &dl) == ETIMEDOUT;
+      }
+      ep = acc_take(l);
+    }
+    closed = l->closed;
+    int last = --l->waiters == 0;
+    int orphaned = last && l->orphaned;
+    if (last && closed) pthread_cond_broadcast(&t->cv); /* the free waiting for the waiters */
+    pthread_mutex_unlock(&t->mu);
+    if (orphaned) dp__free(l, sizeof *l);
+    if (!ep && closed)
+      return dp__err(err, DP_ECANCELED, "dp_listener_accept: the listener on port %d was freed while this waited",
+                     port);
   }
-  if (!ep) return dp__err(err, DP_ETIMEDOUT, "dp_listener_accept: no connection on port %d in time", l->port);
+  if (!ep) return dp__err(err, DP_ETIMEDOUT, "dp_listener_accept: no connection on port %d in time", port);
   *out = ep;
   return 0;
 }
@@ -860,7 +880,18 @@ void dp_listener_free(dp_listener_t *l) {
                     "not freed (free it after the callback, or with the transport; transport.h)\n");
     return;
   }
-  run_cmd(l->t, CMD_UNLISTEN, l, NULL);
+  dp_transport_t *t = l->t;
+  run_cmd(t, CMD_UNLISTEN, l, NULL); /* closed: the accepts waiting on l return */
+  pthread_mutex_lock(&t->mu);
+  if (l->waiters && dp__tp_in_pass == t) {
+    /* a callback of a caller's pass: the waiters need this pass to end
+       to leave, so the last of them frees l */
+    l->orphaned = 1;
+    pthread_mutex_unlock(&t->mu);
+    return;
+  }
+  while (l->waiters) pthread_cond_wait(&t->cv, &t->mu);
+  pthread_mutex_unlock(&t->mu);
   dp__free(l, sizeof *l);
 }
 

@@ -107,7 +107,9 @@
  * caching allocator and its streams.
  *
  * THREAD SAFETY: every function may be called from any thread, except that
- * an object must not be freed while another thread uses it. Futures
+ * an object must not be freed while another thread uses it (but a listener
+ * may be freed while other threads wait in dp_listener_accept on it: their
+ * waits end with DP_ECANCELED). Futures
  * complete on the progress thread, or caller-driven on the thread running a
  * pass (their then() callbacks run there: keep them short and never wait in
  * one on a later message of the transport). From such a callback
@@ -242,8 +244,10 @@ DP_API int dp_listener_port(const dp_listener_t *l);
  *  run by the transport's progress thread with no connection queued ...":
  *  the loop that queues connections waits for the callback). */
 DP_API int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err);
-/** Stops listening; connections accepted and not yet taken are closed.
- *  Waits for the loop; from a callback run by the transport's own progress
+/** Stops listening; connections accepted and not yet taken are closed,
+ *  and accepts that other threads wait in on l return DP_ECANCELED ("the
+ *  listener on port N was freed while this waited"; l's memory goes once
+ *  they left). Waits for the loop; from a callback run by the transport's own progress
  *  thread it is refused (a line on stderr, nothing freed). Not while
  *  connection requests are still arriving: UCX 1.13 may then read the
  *  freed listener and crash the process, even later (openucx/ucx#11087;
