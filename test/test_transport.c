@@ -4809,6 +4809,32 @@ Test(transport, freeing_a_listener_ends_an_accept_waiting_on_it_in_another_threa
   free_under_accept(1);
 }
 
+/* An accept that timed out says which limit ran out, as dp_transport_wait
+ * does ("within N ns"); it read "no connection on port N in time". */
+static void accept_times_out(int caller) {
+  dp_transport_t *t = new_transport_driven(caller);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  static const int64_t limits[] = {0, 1, 20000000};
+  for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++) {
+    dp_endpoint_t *ep = (dp_endpoint_t *)1;
+    dp_error_t e;
+    cr_assert_eq(dp_listener_accept(l, limits[i], &ep, &e), DP_ETIMEDOUT, "%s", e.message);
+    cr_assert_null(ep);
+    char says[120];
+    snprintf(says, sizeof says, "dp_listener_accept: no connection on port %d within %lld ns", dp_listener_port(l),
+             (long long)limits[i]);
+    cr_assert_str_eq(e.message, says);
+  }
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
+Test(transport, an_accept_that_times_out_names_its_limit_thread_driven) { accept_times_out(0); }
+
+Test(transport, an_accept_that_times_out_names_its_limit_caller_driven) { accept_times_out(1); }
+
 /* dp_endpoint_send_frame: a frame as it is, inline or without buffers */
 Test(transport, a_frame_without_buffers_is_sent_as_it_is_and_one_with_buffers_not_inline_is_refused) {
   dp_transport_t *t = new_transport(NULL);

@@ -868,7 +868,9 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
       return dp__err(err, DP_ECANCELED, "dp_listener_accept: the listener on port %d was freed while this waited",
                      port);
   }
-  if (!ep) return dp__err(err, DP_ETIMEDOUT, "dp_listener_accept: no connection on port %d in time", port);
+  if (!ep)
+    return dp__err(err, DP_ETIMEDOUT, "dp_listener_accept: no connection on port %d within %lld ns", port,
+                   (long long)timeout_ns);
   *out = ep;
   return 0;
 }
