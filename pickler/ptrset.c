@@ -218,8 +218,7 @@ static inline __attribute__((always_inline)) int add_run(dp_ptrset_t *s, const i
   int rc = 0;
   for (int i = 0; i < n; i++) {
     if (st && (again >> i & 1)) { /* the entry of the tensor before (its base and device) */
-      dp__refs_inc(&rest[id].refs);
-      if (st[i]->snbytes > rest[id].nbytes) rest[id].nbytes = st[i]->snbytes;
+      dp__pentry_again(&rest[id], st[i]->snbytes);
       continue;
     }
     void *base = st ? st[i]->sbase : items[i].base;

@@ -166,6 +166,12 @@ int dp__ptrset_add_batch(dp_ptrset_t *s, struct dp_tensor *const *st, const uint
 /* One more tensor on an entry: the count stays at UINT32_MAX once there
  * (as dp__ptrset_add_refs does), never wraps to a small number. */
 static inline __attribute__((always_inline)) void dp__refs_inc(uint32_t *refs) { *refs += *refs != UINT32_MAX; }
+/* One more tensor on entry e, of nbytes: counted, the larger size kept (a
+ * batch's tensor on the base and device of the one before it). */
+static inline __attribute__((always_inline)) void dp__pentry_again(dp__pentry_t *e, size_t nbytes) {
+  dp__refs_inc(&e->refs);
+  if (nbytes > e->nbytes) e->nbytes = nbytes;
+}
 
 /* In a raw set: the last entry when it is (device, base) (it then counts
  * one more tensor), else DP_TABLE_NONE (a new entry, whatever came before). */

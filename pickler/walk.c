@@ -458,8 +458,7 @@ static int flush_pending(dp__walker_t *w) {
   size_t id = 0;
   for (int i = 0; i < n; i++) {
     if (again >> i & 1) { /* as add_run counts it: one more tensor, the larger size kept */
-      dp__refs_inc(&s->rest[id].refs);
-      if (st[i]->snbytes > s->rest[id].nbytes) s->rest[id].nbytes = st[i]->snbytes;
+      dp__pentry_again(&s->rest[id], st[i]->snbytes);
       continue;
     }
     int is_new;
