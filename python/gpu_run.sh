@@ -13,7 +13,7 @@ cp python/devpickle/*.py python/devpickle/*.pyi python/devpickle/py.typed "$pkg/
 inc=$($py -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 suffix=$($py -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 gcc -std=c11 -O2 -g -fPIC -shared -fvisibility=hidden -Wall -Wextra -Wno-missing-field-initializers \
-  -Iinclude -I"$inc" python/src/*.c build/libdevpickle.a -Wl,--exclude-libs,ALL \
+  -Iinclude -Ibuild/gpu-libs/include -I"$inc" python/src/*.c build/libdevpickle.a -Wl,--exclude-libs,ALL \
   build/gpu-libs/libmsgpackc.a build/gpu-libs/libxxhash.a -L/usr/local/cuda/lib64 -lcudart_static -ldl -lrt \
   -lpthread -lm -o "$pkg/_devpickle$suffix"
 $py python/build_torch_adapter.py --out "$pkg" 2>&1 | tail -3
