@@ -2826,8 +2826,9 @@ def test_an_error_other_than_attribute_error_from_the_setstate_lookup_passes_thr
     x.a = 1
     for load in (pickle.loads, lambda f: devpickle.loads(f, classes=GetattrFailsForSetstate)):
         dump = pickle.dumps if load is pickle.loads else devpickle.dumps
-        with pytest.raises(RuntimeError, match=r"^__setstate__ looked up on an unfinished instance$"):
+        with pytest.raises(RuntimeError) as e:  # str(): pytest 8 matches the notes too
             load(dump(x))
+        assert str(e.value) == "__setstate__ looked up on an unfinished instance"
 
 
 class FiveThenNegative:
@@ -2964,8 +2965,9 @@ def test_an_allowed_class_s_own_hash_runs_as_python_runs_it_once_a_set_item_and_
     frame = devpickle.dumps(spoof("builtins.set", items=[(HashedOnce(),)]))  # a tuple's hash runs it too
     HashedOnce.calls, HashedOnce.fail = 0, True
     try:
-        with pytest.raises(RuntimeError, match=r"^this key's hash fails$"):
+        with pytest.raises(RuntimeError) as e:  # str(): pytest 8 matches the notes too
             devpickle.loads(frame, classes=HashedOnce)
+        assert str(e.value) == "this key's hash fails"
         assert HashedOnce.calls == 1  # counted by hash once, failing there; not hashed again by set()
     finally:
         HashedOnce.fail = False
@@ -3118,8 +3120,9 @@ def test_a_loads_error_names_the_node_it_was_rebuilding_by_its_path():
     x = _RaisesOnSetstate()
     x.a = 1
     frame = devpickle.dumps({"xs": [0, x]})
-    with pytest.raises(RuntimeError, match=r"^refused by the class$") as e:
+    with pytest.raises(RuntimeError) as e:  # str(): pytest 8 matches the notes too
         devpickle.loads(frame, classes=_RaisesOnSetstate)
+    assert str(e.value) == "refused by the class"
     assert e.value.__notes__ == ["raised while devpickle.loads rebuilt $.xs[1]"]
 
 
