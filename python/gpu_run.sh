@@ -3,11 +3,17 @@
 # C library built and carried from a development machine, then runs the
 # Python suite there (CUDA tests included) and the Python benchmarks.
 #   bash python/gpu_run.sh OUTDIR        (docs/PYTHON.md, GPU.md)
-# Needs build/libdevpickle.a and build/gpu-libs/{libmsgpackc.a,libxxhash.a}.
+# Needs build/libdevpickle.a, build/gpu-libs/{libmsgpackc.a,libxxhash.a} and
+# build/gpu-libs/include/xxhash.h (copied from /usr/include here: the GPU
+# machine has no xxHash headers, and the extension reads the pointer set's
+# table, core/table.h, which includes it).
 set -euo pipefail
 out=${1:?OUTDIR}
 py=${PYTHON:-python3}
 pkg=build/gpu-python/devpickle
+for f in build/libdevpickle.a build/gpu-libs/libmsgpackc.a build/gpu-libs/libxxhash.a build/gpu-libs/include/xxhash.h; do
+  [ -f "$f" ] || { echo "gpu_run.sh: $f is missing (see the top of this script)" >&2; exit 1; }
+done
 mkdir -p "$pkg"
 cp python/devpickle/*.py python/devpickle/*.pyi python/devpickle/py.typed "$pkg/"
 inc=$($py -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
