@@ -49,6 +49,25 @@ static void slot_clear(int i) {
 static _Atomic(dp_stream_provider_cb) provider_fn;
 static void *_Atomic provider_ud;
 
+int dp__named(const char *fn, const char *dev, int rc, dp_error_t *err) {
+  size_t n = strlen(fn);
+  if (rc >= 0 || !err || (strncmp(err->message, fn, n) == 0 && (err->message[n] == ':' || err->message[n] == '(')))
+    return rc;
+  char msg[sizeof err->message];
+  memcpy(msg, err->message, sizeof msg);
+  msg[sizeof msg - 1] = '\0';
+  int backend = err->backend_code;
+  dp__err(err, rc, "%s(%s): %s", fn, dev, msg);
+  err->backend_code = backend;
+  return rc;
+}
+
+int dp__named_dev(const char *fn, dp_device_t dev, int rc, dp_error_t *err) {
+  if (rc >= 0 || !err) return rc;
+  char d[16];
+  return dp__named(fn, dp_device_format(dev, d, sizeof d), rc, err);
+}
+
 static const dp__backend_ops_t *ops_for(dp_device_type_t t) {
   return t == DP_DEVICE_HOST ? &dp__host_ops : t == DP_DEVICE_CUDA ? &dp__cuda_ops : NULL;
 }
@@ -68,7 +87,8 @@ int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err) {
   } else if (!b) {
     b = dp__alloc(sizeof *b);
     if (!b) {
-      rc = dp__err(err, DP_ENOMEM, "out of memory creating a backend");
+      rc = dp__err(err, DP_ENOMEM, "dp_backend_get(%s): out of memory creating a backend",
+                   type == DP_DEVICE_HOST ? "host" : "cuda");
       goto out;
     }
     memset(b, 0, sizeof *b);
@@ -78,6 +98,7 @@ int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err) {
     dp_error_t why = {0};
     dp__backend_inits[type]++;
     if ((rc = ops->init(b, &why)) != 0) {
+      dp__named("dp_backend_get", b->name, rc, &why);
       dp__free(b, sizeof *b);
       if (rc == DP_ENODEV) unavailable[type] = why;
       if (err) *err = why;
@@ -86,8 +107,8 @@ int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t *err) {
     b->devs = dp__alloc_array((size_t)b->ndev, sizeof(dp__devstate_t));
     if (!b->devs) {
       ops->shutdown(b);
+      rc = dp__err(err, DP_ENOMEM, "dp_backend_get(%s): out of memory creating a backend", b->name);
       dp__free(b, sizeof *b);
-      rc = dp__err(err, DP_ENOMEM, "out of memory creating a backend");
       goto out;
     }
     memset(b->devs, 0, (size_t)b->ndev * sizeof(dp__devstate_t));
@@ -264,7 +285,7 @@ int dp_stream_wrap(dp_backend_t *b, dp_device_t dev, void *native, dp_stream_t *
     *out = s;
     return 0;
   }
-  return wrap_insert(b, dev, native, out, err);
+  return dp__named_dev("dp_stream_wrap", dev, wrap_insert(b, dev, native, out, err), err);
 }
 
 /* s (the caller's) is being destroyed, and with it its native handle: the
@@ -366,13 +387,14 @@ void dp__device_shutdown(void) {
 
 /* ---- streams ---- */
 
-static int stream_new(dp_backend_t *b, dp_device_t dev, int owned, dp_stream_t **out, dp_error_t *err) {
+static int stream_new(const char *fn, dp_backend_t *b, dp_device_t dev, int owned, dp_stream_t **out,
+                      dp_error_t *err) {
   dp_stream_t *s = dp__alloc(sizeof *s);
-  if (!s) return dp__err(err, DP_ENOMEM, "out of memory creating a stream");
+  if (!s) return dp__named_dev(fn, dev, dp__err(err, DP_ENOMEM, "out of memory creating a stream"), err);
   int rc = b->ops->stream_create(b, dev.index, &s->h, err);
   if (rc) {
     dp__free(s, sizeof *s);
-    return rc;
+    return dp__named_dev(fn, dev, rc, err);
   }
   s->b = b;
   s->dev = dev;
@@ -385,7 +407,7 @@ int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_
   int rc = dp__check_device("dp_stream_new", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_stream_new: NULL out");
-  return stream_new(b, dev, DP__STREAM_CALLER, out, err);
+  return stream_new("dp_stream_new", b, dev, DP__STREAM_CALLER, out, err);
 }
 
 void dp_stream_free(dp_stream_t *s) {
@@ -423,13 +445,13 @@ void dp_stream_free(dp_stream_t *s) {
 /* The backend's stream in *slot, made on first use (under the device's
  * lock; read without it afterwards). A failed creation leaves the slot
  * empty, for the next call to try again, and reports why. */
-static int owned_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t *_Atomic *slot, dp_stream_t **out,
-                        dp_error_t *err) {
+static int owned_stream(const char *fn, dp_backend_t *b, dp_device_t dev, dp_stream_t *_Atomic *slot,
+                        dp_stream_t **out, dp_error_t *err) {
   dp__devstate_t *ds = &b->devs[dev.index];
   int rc = 0;
   pthread_mutex_lock(&ds->mu);
   dp_stream_t *s = dp__load_relaxed(slot);
-  if (!s && (rc = stream_new(b, dev, DP__STREAM_BACKEND, &s, err)) == 0) dp__store_release(slot, s);
+  if (!s && (rc = stream_new(fn, b, dev, DP__STREAM_BACKEND, &s, err)) == 0) dp__store_release(slot, s);
   pthread_mutex_unlock(&ds->mu);
   if (rc == 0) *out = s;
   return rc;
@@ -442,7 +464,7 @@ static inline int stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t *
     *out = s;
     return 0;
   }
-  return owned_stream(b, dev, &b->devs[dev.index].default_stream, out, err);
+  return owned_stream("dp_stream_default", b, dev, &b->devs[dev.index].default_stream, out, err);
 }
 
 int dp_stream_default(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err) {
@@ -463,7 +485,7 @@ int dp_stream_pool_next(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_
     *out = s;
     return 0;
   }
-  return owned_stream(b, dev, &ds->pool[i], out, err);
+  return owned_stream("dp_stream_pool_next", b, dev, &ds->pool[i], out, err);
 }
 
 dp_backend_t *dp_stream_backend(const dp_stream_t *s) { return s ? s->b : NULL; }
@@ -472,12 +494,12 @@ void *dp_stream_native(const dp_stream_t *s) { return s ? s->b->ops->stream_nati
 
 int dp_stream_synchronize(dp_stream_t *s, dp_error_t *err) {
   if (!s) return dp__err(err, DP_EINVAL, "dp_stream_synchronize: NULL stream");
-  return s->b->ops->stream_sync(s->b, s->h, err);
+  return dp__named_dev("dp_stream_synchronize", s->dev, s->b->ops->stream_sync(s->b, s->h, err), err);
 }
 
 int dp_stream_query(dp_stream_t *s, dp_error_t *err) {
   if (!s) return dp__err(err, DP_EINVAL, "dp_stream_query: NULL stream");
-  return s->b->ops->stream_query(s->b, s->h, err);
+  return dp__named_dev("dp_stream_query", s->dev, s->b->ops->stream_query(s->b, s->h, err), err);
 }
 
 int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err) {
@@ -485,7 +507,7 @@ int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err) {
   if (s->b != e->b)
     return dp__err(err, DP_EINVAL, "dp_stream_wait_event: the stream (%s) and the event (%s) belong to different backends",
                    s->b->name, e->b->name);
-  return s->b->ops->stream_wait(s->b, s->h, e->h, err);
+  return dp__named_dev("dp_stream_wait_event", s->dev, s->b->ops->stream_wait(s->b, s->h, e->h, err), err);
 }
 
 int dp_stream_wait_stream(dp_stream_t *s, dp_stream_t *t, dp_error_t *err) {
@@ -494,15 +516,15 @@ int dp_stream_wait_stream(dp_stream_t *s, dp_stream_t *t, dp_error_t *err) {
   if (s == t) return 0;  /* stream order already covers it */
   dp_event_t *e;
   int rc = dp_event_new(t->b, t->dev, &e, err);
-  if (rc) return rc;
+  if (rc) return dp__named_dev("dp_stream_wait_stream", s->dev, rc, err);
   if ((rc = dp_event_record(e, t, err)) == 0) rc = s->b->ops->stream_wait(s->b, s->h, e->h, err);
   dp_event_free(e);  /* the wait holds what it needs (CUDA and host alike) */
-  return rc;
+  return dp__named_dev("dp_stream_wait_stream", s->dev, rc, err);
 }
 
 int dp_device_synchronize(dp_backend_t *b, dp_device_t dev, dp_error_t *err) {
   int rc = dp__check_device("dp_device_synchronize", b, dev, err);
-  return rc ? rc : b->ops->device_sync(b, dev.index, err);
+  return rc ? rc : dp__named_dev("dp_device_synchronize", dev, b->ops->device_sync(b, dev.index, err), err);
 }
 
 /* ---- current stream ---- */
@@ -609,14 +631,14 @@ int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t 
     e->next_free = ds->free_events;
     ds->free_events = e;
     pthread_mutex_unlock(&ds->mu);
-    return rc;
+    return dp__named_dev("dp_event_new", dev, rc, err);
   }
   if (!e) {
     e = dp__alloc(sizeof *e);
-    if (!e) return dp__err(err, DP_ENOMEM, "out of memory creating an event");
+    if (!e) return dp__named_dev("dp_event_new", dev, dp__err(err, DP_ENOMEM, "out of memory creating an event"), err);
     if ((rc = b->ops->event_create(b, dev.index, &e->h, err)) != 0) {
       dp__free(e, sizeof *e);
-      return rc;
+      return dp__named_dev("dp_event_new", dev, rc, err);
     }
     e->b = b;
     e->dev = dev;
@@ -652,17 +674,17 @@ int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err) {
                    dp_device_format(e->dev, ed, sizeof ed), dp_device_format(s->dev, sd, sizeof sd),
                    s->b != e->b ? " of another backend" : "");
   }
-  return e->b->ops->event_record(e->b, e->h, s->h, err);
+  return dp__named_dev("dp_event_record", e->dev, e->b->ops->event_record(e->b, e->h, s->h, err), err);
 }
 
 int dp_event_query(dp_event_t *e, dp_error_t *err) {
   if (!e) return dp__err(err, DP_EINVAL, "dp_event_query: NULL event");
-  return e->b->ops->event_query(e->b, e->h, err);
+  return dp__named_dev("dp_event_query", e->dev, e->b->ops->event_query(e->b, e->h, err), err);
 }
 
 int dp_event_synchronize(dp_event_t *e, dp_error_t *err) {
   if (!e) return dp__err(err, DP_EINVAL, "dp_event_synchronize: NULL event");
-  return e->b->ops->event_sync(e->b, e->h, err);
+  return dp__named_dev("dp_event_synchronize", e->dev, e->b->ops->event_sync(e->b, e->h, err), err);
 }
 
 dp_device_t dp_event_device(const dp_event_t *e) { return e ? e->dev : no_device; }
@@ -677,12 +699,12 @@ int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out,
   int rc = dp__check_device("dp_device_alloc", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_device_alloc: NULL out");
-  return b->ops->malloc(b, dev.index, nbytes, out, err);
+  return dp__named_dev("dp_device_alloc", dev, b->ops->malloc(b, dev.index, nbytes, out, err), err);
 }
 
 int dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p, dp_error_t *err) {
   int rc = dp__check_device("dp_device_dealloc", b, dev, err);
-  if (rc == 0 && p) rc = b->ops->free(b, dev.index, p, err);
+  if (rc == 0 && p) rc = dp__named_dev("dp_device_dealloc", dev, b->ops->free(b, dev.index, p, err), err);
   return rc;
 }
 
@@ -717,5 +739,5 @@ int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_err
   if (!s || (n && (!dst || !src)))
     return dp__err(err, DP_EINVAL, "dp_memcpy_async: NULL %s", !s ? "stream" : !dst ? "dst" : "src");
   if (n == 0) return 0;  /* nothing to order: no work is queued (and no memmove sees NULL) */
-  return s->b->ops->memcpy_async(s->b, s->h, dst, src, n, err);
+  return dp__named_dev("dp_memcpy_async", s->dev, s->b->ops->memcpy_async(s->b, s->h, dst, src, n, err), err);
 }

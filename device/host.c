@@ -473,7 +473,7 @@ static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
   if (im->limit[dev] && (im->used[dev] > im->limit[dev] || n > im->limit[dev] - im->used[dev])) {
     size_t used = im->used[dev], limit = im->limit[dev];
     pthread_mutex_unlock(&im->mu);
-    return dp__err(err, DP_ENOMEM, "host:%d is out of memory: %zu bytes asked, %zu of %zu in use", dev, n, used, limit);
+    return dp__err(err, DP_ENOMEM, "out of memory: %zu bytes asked, %zu of %zu in use", n, used, limit);
   }
   alloc_rec_t *r = dp__alloc(sizeof *r);
   if (!r) {
@@ -484,7 +484,7 @@ static int h_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
   if (!raw) {
     pthread_mutex_unlock(&im->mu);
     dp__free(r, sizeof *r);
-    return dp__err(err, DP_ENOMEM, "out of memory allocating %zu bytes on host:%d", n, dev);
+    return dp__err(err, DP_ENOMEM, "out of memory allocating %zu bytes", n);
   }
   uintptr_t base = ((uintptr_t)raw + HOST_ALIGN - 1) & ~(uintptr_t)(HOST_ALIGN - 1);
   *r = (alloc_rec_t){.base = base, .size = n, .raw = raw, .raw_size = n + HOST_ALIGN, .dev = dev};
@@ -618,7 +618,7 @@ int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err) {
   if (!s || !fn) return dp__err(err, DP_EINVAL, "dp_host_launch: NULL %s", !s ? "stream" : "fn");
   if (s->b->type != DP_DEVICE_HOST) return dp__err(err, DP_EINVAL, "dp_host_launch needs a host stream, got %s", s->b->name);
   task_t t = {T_FN, fn, arg, NULL, 0, NULL, NULL, 0};
-  return enqueue(s->h, &t, err);
+  return dp__named_dev("dp_host_launch", s->dev, enqueue(s->h, &t, err), err);
 }
 
 int dp_host_set_memory_limit(dp_device_t dev, size_t nbytes, dp_error_t *err) {

@@ -181,6 +181,13 @@ typedef struct dp__current_saved {
 void dp__current_stream_enter(dp_stream_t *s, dp__current_saved_t *saved);
 void dp__current_stream_leave(dp_device_t dev, const dp__current_saved_t *saved);
 
+/* A failure from below a public call of this layer (a backend's op, which
+ * serves several calls and cannot tell which): its message is made to name
+ * the call and the device, "fn(host:1): ..." (device.h promises both), but
+ * for one that starts with fn already. The code and backend code stay. */
+int dp__named(const char *fn, const char *dev, int rc, dp_error_t *err);
+int dp__named_dev(const char *fn, dp_device_t dev, int rc, dp_error_t *err);
+
 /* Checks that dev belongs to b; fills err. */
 int dp__check_device(const char *fn, const dp_backend_t *b, dp_device_t dev, dp_error_t *err);
 #endif

@@ -859,7 +859,7 @@ Test(allocator, a_current_stream_that_cannot_be_made_passes_its_error_through) {
   int rc = dp_cache_alloc(C, H0, 64, NULL, &p, &e);
   t_fail_at = 0;
   cr_assert_eq(rc, DP_ENOMEM, "%s: %s", dp_err_name(rc), e.message);
-  cr_assert_str_eq(e.message, "out of memory creating a stream");
+  cr_assert_str_eq(e.message, "dp_stream_default(host:0): out of memory creating a stream");
   OK(dp_cache_alloc(C, H0, 64, NULL, &p, &e));
   OK(dp_cache_dealloc(C, p, &e));
 }
@@ -1803,7 +1803,7 @@ Test(allocator, the_largest_size_that_can_be_rounded_is_asked_of_the_device) {
   size_t largest = SIZE_MAX - (2u << 20);
   cr_assert_eq(dp_cache_alloc(C, H1, largest, s, &p, &e), DP_ENOMEM);
   cr_assert_str_eq(e.message, "out of memory allocating 18446744073707454463 bytes on host:1 (0 allocated, 0 reserved, "
-                   "0 pending): host:1 is out of memory: 18446744073707454464 bytes asked, 0 of 5242880 in use");
+                   "0 pending): dp_device_alloc(host:1): out of memory: 18446744073707454464 bytes asked, 0 of 5242880 in use");
   cr_assert_eq(stats(H1).oom_retries, 1, "the device was asked, and asked again after the cache was freed");
   cr_assert_eq(dp_cache_alloc(C, H1, largest + 1, s, &p, &e), DP_ENOMEM);
   cr_assert_str_eq(e.message, "dp_cache_alloc: 18446744073707454464 bytes cannot be rounded up to a 2 MiB segment");

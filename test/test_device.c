@@ -379,7 +379,7 @@ Test(device, the_host_device_count_comes_from_the_environment_and_is_checked) {
   dp_backend_t *b;
   dp_error_t e;
   cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, &b, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "DEVPICKLE_HOST_DEVICES='0': expected 1..64");
+  cr_assert_str_eq(e.message, "dp_backend_get(host): DEVPICKLE_HOST_DEVICES='0': expected 1..64");
   setenv("DEVPICKLE_HOST_DEVICES", "3", 1);
   cr_assert_eq(dp_backend_device_count(host()), 3);
   unsetenv("DEVPICKLE_HOST_DEVICES");
@@ -423,7 +423,7 @@ Test(device, running_out_of_memory_starting_cuda_is_enomem_not_a_fallback_to_hos
   int rc = dp_backend_default(&b, &e);
   t_fail_at = 0;
   cr_assert_eq(rc, DP_ENOMEM, "%s: %s (backend %s)", dp_err_name(rc), e.message, rc ? "-" : dp_backend_name(b));
-  cr_assert_str_eq(e.message, "out of memory creating a backend");
+  cr_assert_str_eq(e.message, "dp_backend_get(cuda): out of memory creating a backend");
   OK_WITH(&e, dp_backend_default(&b, &e)); /* not kept: the next call asks again */
   dp_backend_t *cuda;
   cr_assert_str_eq(dp_backend_name(b), dp_backend_get(DP_DEVICE_CUDA, &cuda, NULL) == 0 ? "cuda" : "host");
@@ -487,7 +487,7 @@ Test(device, a_memory_limit_makes_host_allocations_fail_cleanly) {
   dp_error_t e;
   OK_WITH(&e, dp_device_alloc(b, H1, 4000, &p, &e));
   cr_assert_eq(dp_device_alloc(b, H1, 200, &q, &e), DP_ENOMEM);
-  cr_assert_str_eq(e.message, "host:1 is out of memory: 200 bytes asked, 4000 of 4096 in use");
+  cr_assert_str_eq(e.message, "dp_device_alloc(host:1): out of memory: 200 bytes asked, 4000 of 4096 in use");
   OK(dp_device_alloc(b, H0, 8000, &q, &e));
   OK(dp_device_dealloc(b, H1, p, T_ERR));
   OK(dp_device_dealloc(b, H0, q, T_ERR));
@@ -581,7 +581,7 @@ Test(device, a_stream_that_cannot_be_made_reports_why_and_is_tried_again) {
   t_fail_at = t_alloc_count + 1;
   cr_assert_eq(dp_stream_default(b, H0, &s, &e), DP_ENOMEM);
   t_fail_at = 0;
-  cr_assert_str_eq(e.message, "out of memory creating a stream");
+  cr_assert_str_eq(e.message, "dp_stream_default(host:0): out of memory creating a stream");
   OK(dp_stream_default(b, H0, &s, &e));
   cr_assert_not_null(s);
 }
@@ -1061,7 +1061,7 @@ Test(device, every_allocation_failure_while_wrapping_is_an_error_and_leaks_nothi
     t_fail_at = 0;
     if (rc) {
       cr_assert_eq(rc, DP_ENOMEM);
-      cr_assert_str_eq(e.message, "out of memory wrapping a native stream");
+      cr_assert_str_eq(e.message, "dp_stream_wrap(host:0): out of memory wrapping a native stream");
     }
     for (int i = 0; i < 20; i++) dp_stream_free(s[i]);
     dp_shutdown();
@@ -1192,7 +1192,7 @@ Test(device, a_size_near_size_max_is_refused_by_the_memory_cap_without_reaching_
   long asked = atomic_load(&t_alloc_count);
   dp_error_t e;
   cr_assert_eq(dp_device_alloc(b, H0, SIZE_MAX - 300, &q, &e), DP_ENOMEM);
-  cr_assert(strstr(e.message, "host:0 is out of memory"), "%s", e.message);
+  cr_assert(strstr(e.message, "dp_device_alloc(host:0): out of memory: "), "%s", e.message);
   cr_assert_eq(atomic_load(&t_alloc_count), asked, "the allocator was asked for the size");
   OK(dp_device_dealloc(b, H0, p, T_ERR));
   OK(dp_host_set_memory_limit(H0, 0, T_ERR));
@@ -1323,7 +1323,7 @@ Test(device, a_launch_that_cannot_grow_the_queue_is_enomem_and_the_stream_goes_o
   int rc = dp_host_launch(s, store_one, &done, &e);
   t_fail_at = 0;
   cr_assert_eq(rc, DP_ENOMEM);
-  cr_assert_str_eq(e.message, "out of memory queueing host work");
+  cr_assert_str_eq(e.message, "dp_host_launch(host:0): out of memory queueing host work");
   OK(dp_host_launch(s, store_one, &done, T_ERR));
   OK(dp_stream_synchronize(s, T_ERR));
   cr_assert_eq(atomic_load(&done), 1);
@@ -1372,7 +1372,7 @@ Test(device, a_wait_that_cannot_be_queued_is_enomem_and_keeps_nothing, .timeout 
   t_fail_at = 0;
   atomic_store(&g.open, 1);
   cr_assert_eq(rc, DP_ENOMEM);
-  cr_assert_str_eq(e.message, "out of memory queueing host work");
+  cr_assert_str_eq(e.message, "dp_stream_wait_event(host:1): out of memory queueing host work");
   cr_assert_eq(dp_stream_query(c, NULL), 1, "nothing was queued");
   OK(dp_event_synchronize(ev, T_ERR));
   dp_event_free(ev);
@@ -1490,7 +1490,7 @@ Test(device, a_memory_limit_can_be_filled_exactly_and_each_free_gives_its_bytes_
   for (int round = 0; round < 3; round++) {
     OK_WITH(&e, dp_device_alloc(b, H1, 4096, &p, &e));
     cr_assert_eq(dp_device_alloc(b, H1, 1, &q, &e), DP_ENOMEM);
-    cr_assert_str_eq(e.message, "host:1 is out of memory: 1 bytes asked, 4096 of 4096 in use");
+    cr_assert_str_eq(e.message, "dp_device_alloc(host:1): out of memory: 1 bytes asked, 4096 of 4096 in use");
     OK(dp_device_dealloc(b, H1, p, T_ERR));
   }
 }
@@ -1552,7 +1552,7 @@ Test(device, a_memory_limit_set_after_shutdown_applies_to_the_next_backend) {
   void *p;
   dp_error_t e;
   cr_assert_eq(dp_device_alloc(b, H0, 101, &p, &e), DP_ENOMEM);
-  cr_assert_str_eq(e.message, "host:0 is out of memory: 101 bytes asked, 0 of 100 in use");
+  cr_assert_str_eq(e.message, "dp_device_alloc(host:0): out of memory: 101 bytes asked, 0 of 100 in use");
   OK(dp_host_set_memory_limit(H0, 0, T_ERR));
 }
 
@@ -1565,9 +1565,9 @@ Test(device, the_host_device_count_takes_1_to_64_and_nothing_else) {
     setenv("DEVPICKLE_HOST_DEVICES", bad[i], 1);
     dp_backend_t *b;
     dp_error_t e;
-    char want[64];
+    char want[96];
     cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, &b, &e), DP_EINVAL, "%s", bad[i]);
-    snprintf(want, sizeof want, "DEVPICKLE_HOST_DEVICES='%s': expected 1..64", bad[i]); /* quoted: " 3" shows its space */
+    snprintf(want, sizeof want, "dp_backend_get(host): DEVPICKLE_HOST_DEVICES='%s': expected 1..64", bad[i]); /* quoted: " 3" shows its space */
     cr_assert_str_eq(e.message, want);
   }
   unsetenv("DEVPICKLE_HOST_DEVICES");
@@ -2012,7 +2012,7 @@ Test(device, an_event_pooled_without_a_handle_gets_one_when_handed_out_again) {
   int rc = dp_event_new(b, H0, &again, &err);
   t_fail_at = 0;
   cr_assert_eq(rc, DP_ENOMEM, "%s", err.message);
-  cr_assert_str_eq(err.message, "out of memory creating a host event");
+  cr_assert_str_eq(err.message, "dp_event_new(host:0): out of memory creating a host event");
   cr_assert_null(e->h);
   OK(dp_event_new(b, H0, &again, T_ERR));
   cr_assert_eq(again, e, "the event waited in the pool");
@@ -2042,4 +2042,80 @@ Test(device, a_wait_or_a_record_names_which_of_its_two_handles_is_null) {
   cr_assert_eq(dp_stream_wait_stream(s, NULL, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_stream_wait_stream: NULL stream");
   dp_event_free(ev);
+}
+
+/* Every failure's message names the function called and the device
+ * (device.h, "Errors and NULL"): out of memory deep in the backend said
+ * "out of memory queueing host work" or "creating a stream", which names
+ * neither the call (a launch? a copy? a wait?) nor the device. */
+enum { NM_BACKEND, NM_STREAM_NEW, NM_DEFAULT, NM_POOL, NM_EVENT, NM_ALLOC, NM_SYNC, NM_COPY, NM_LAUNCH, NM_WRAP,
+       NM_WAIT_EVENT, NM_WAIT_STREAM, NM_COUNT };
+static const char *const nm_fn[NM_COUNT] = {
+    "dp_backend_get", "dp_stream_new",  "dp_stream_default", "dp_stream_pool_next",  "dp_event_new",         "dp_device_alloc",
+    "dp_device_synchronize", "dp_memcpy_async", "dp_host_launch", "dp_stream_wrap", "dp_stream_wait_event", "dp_stream_wait_stream"};
+
+static void nm_noop(void *arg) { (void)arg; }
+
+Test(device, every_out_of_memory_message_names_the_function_and_the_device, .timeout = 60) {
+  for (int op = 0; op < NM_COUNT; op++) {
+    long k = 1;
+    for (;; k++) {
+      cr_assert_lt(k, 100, "%s never ran without a failed allocation", nm_fn[op]);
+      dp_backend_t *b = NULL;
+      dp_stream_t *s = NULL, *t = NULL, *made = NULL;
+      dp_event_t *ev = NULL;
+      void *p = NULL;
+      char src[8] = {0}, dst[8];
+      if (op != NM_BACKEND) {
+        b = host();
+        OK(dp_stream_new(b, H0, &s, T_ERR));
+        OK(dp_stream_new(b, H1, &t, T_ERR));
+        OK(dp_event_new(b, H1, &ev, T_ERR));
+        OK(dp_host_launch(t, nm_noop, NULL, T_ERR));
+        OK(dp_event_record(ev, t, T_ERR));
+      }
+      dp_error_t e;
+      dp_error_clear(&e);
+      long want = t_fail_at = atomic_load(&t_alloc_count) + k;
+      int rc;
+      switch (op) {
+        case NM_BACKEND: rc = dp_backend_get(DP_DEVICE_HOST, &b, &e); break;
+        case NM_STREAM_NEW: rc = dp_stream_new(b, H1, &made, &e); break;
+        case NM_DEFAULT: rc = dp_stream_default(b, H1, &made, &e); break;
+        case NM_POOL: rc = dp_stream_pool_next(b, H1, &made, &e); break;
+        case NM_EVENT: {
+          dp_event_t *more;
+          rc = dp_event_new(b, H1, &more, &e);
+          if (rc == 0) dp_event_free(more);
+          break;
+        }
+        case NM_ALLOC: rc = dp_device_alloc(b, H1, 100, &p, &e); break;
+        case NM_SYNC: rc = dp_device_synchronize(b, H1, &e); break;
+        case NM_COPY: rc = dp_memcpy_async(s, dst, src, sizeof src, &e); break;
+        case NM_LAUNCH: rc = dp_host_launch(s, nm_noop, NULL, &e); break;
+        case NM_WRAP: rc = dp_stream_wrap(b, H0, dp_stream_native(s), &made, &e); break;
+        case NM_WAIT_EVENT: rc = dp_stream_wait_event(s, ev, &e); break;
+        default: rc = dp_stream_wait_stream(s, t, &e); break;
+      }
+      int hit = atomic_load(&t_alloc_count) >= want;
+      t_fail_at = 0;
+      if (rc) {
+        cr_assert_eq(rc, DP_ENOMEM, "%s, allocation %ld: %s: %s", nm_fn[op], k, dp_err_name(rc), e.message);
+        cr_assert(strncmp(e.message, nm_fn[op], strlen(nm_fn[op])) == 0,
+                  "%s, allocation %ld: the message does not name the function: %s", nm_fn[op], k, e.message);
+        const char *dev = op == NM_BACKEND ? "host" : op >= NM_COPY ? "host:0" : "host:1"; /* the stream's */
+        cr_assert(strstr(e.message, dev), "%s, allocation %ld: the message does not name %s: %s", nm_fn[op], k, dev,
+                  e.message);
+      }
+      if (s) OK(dp_stream_synchronize(s, T_ERR));
+      if (p) OK(dp_device_dealloc(b, H1, p, T_ERR));
+      if (op == NM_STREAM_NEW) dp_stream_free(made);
+      dp_event_free(ev);
+      dp_stream_free(s);
+      dp_stream_free(t);
+      dp_shutdown();
+      if (!hit) break;
+    }
+    cr_assert_gt(k, 1, "%s: no allocation was failed", nm_fn[op]);
+  }
 }
