@@ -35,6 +35,12 @@ static _Thread_local int tls_caller_count;  /* entries owned by the caller */
 /* What the running then() callbacks' streams replaced, innermost first
  * (dp__current_stream_enter): current again once they return. */
 static _Thread_local dp__current_saved_t *tls_saved;
+/* The running callbacks' frames, innermost first, and for each device the
+ * depth of the frame that has logged (or entered) it, 0 for none: a frame
+ * puts back what it marked before it ends, so a mark equal to the running
+ * frame's depth is always that frame's own. */
+static _Thread_local dp__current_frame_t *tls_frame;
+static _Thread_local uint32_t tls_mark[TLS_DEVICES];
 
 /* The entry of d, or -1 for a device type that does not exist. */
 static int slot_of(dp_device_t d) {
@@ -45,6 +51,27 @@ static void slot_clear(int i) {
   if (tls_owner[i] == OWN_CALLER) tls_caller_count--;
   tls_current[i] = NULL;
   tls_owner[i] = OWN_NONE;
+}
+
+/* Puts slot i as it was: current stream, owner and mark. */
+static void slot_restore(int i, dp_stream_t *s, int owner, uint32_t mark) {
+  if (tls_owner[i] == OWN_CALLER) tls_caller_count--;
+  if (owner == OWN_CALLER) tls_caller_count++;
+  tls_current[i] = s;
+  tls_owner[i] = (unsigned char)owner;
+  tls_mark[i] = mark;
+}
+
+/* Before the first change of slot i inside the running callback's frame:
+ * logs what it holds, to be put back when the callback returns. 0, or
+ * DP_ENOMEM (nothing logged). */
+static int frame_log(int i) {
+  dp__current_frame_t *fr = tls_frame;
+  if (!fr || tls_mark[i] == fr->depth) return 0;
+  if (dp__grow_inl((void **)&fr->log, &fr->cap, fr->n + 1, sizeof *fr->log, fr->inl) != 0) return DP_ENOMEM;
+  fr->log[fr->n++] = (dp__current_log_t){i, tls_owner[i], tls_mark[i], tls_current[i]};
+  tls_mark[i] = fr->depth;
+  return 0;
 }
 static _Atomic(dp_stream_provider_cb) provider_fn;
 static void *_Atomic provider_ud;
@@ -381,6 +408,7 @@ void dp__device_shutdown(void) {
   }
   memset(tls_current, 0, sizeof tls_current);
   memset(tls_owner, 0, sizeof tls_owner);
+  if (!tls_frame) memset(tls_mark, 0, sizeof tls_mark);
   tls_caller_count = 0;
   dp_set_stream_provider(NULL, NULL);
 }
@@ -432,6 +460,13 @@ void dp_stream_free(dp_stream_t *s) {
       sv->s = NULL;
       sv->owner = OWN_NONE;
     }
+  /* nor what a callback's frame logged to put back */
+  for (dp__current_frame_t *fr = tls_frame; fr; fr = fr->outer)
+    for (size_t k = 0; k < fr->n; k++)
+      if (fr->log[k].s && (fr->log[k].s == s || (w && fr->log[k].s == w))) {
+        fr->log[k].s = NULL;
+        fr->log[k].owner = OWN_NONE;
+      }
   dp_stream_synchronize(s, NULL);
   pthread_mutex_lock(&listeners_mu);
   for (dp__stream_listener_t *l = listeners; l; l = l->next) {
@@ -562,12 +597,19 @@ int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t *err) {
   if (prev) *prev = NULL;
   if (!s) return dp__err(err, DP_EINVAL, "dp_set_current_stream: NULL stream");
   int i = slot_of(s->dev);
+  if (!tls_current[i] && tls_caller_count == DP_CURRENT_STREAM_SLOTS) {
+    char buf[16];
+    return dp__err(err, DP_ELIMIT, "dp_set_current_stream(%s): this thread already holds current streams for %d devices",
+                   dp_device_format(s->dev, buf, sizeof buf), DP_CURRENT_STREAM_SLOTS);
+  }
+  if (frame_log(i) != 0) {
+    char buf[16];
+    return dp__err(err, DP_ENOMEM,
+                   "dp_set_current_stream(%s): out of memory remembering the thread's current stream, to put back "
+                   "when the then() callback returns",
+                   dp_device_format(s->dev, buf, sizeof buf));
+  }
   if (!tls_current[i]) {
-    if (tls_caller_count == DP_CURRENT_STREAM_SLOTS) {
-      char buf[16];
-      return dp__err(err, DP_ELIMIT, "dp_set_current_stream(%s): this thread already holds current streams for %d devices",
-                     dp_device_format(s->dev, buf, sizeof buf), DP_CURRENT_STREAM_SLOTS);
-    }
     tls_owner[i] = OWN_CALLER;
     tls_caller_count++;
   }
@@ -581,26 +623,47 @@ int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t *err) {
 void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev) {
   (void)b;
   int i = slot_of(dev);
-  if (i >= 0 && tls_current[i]) slot_clear(i);
+  if (i < 0 || !tls_current[i]) return;
+  /* without memory to log it, reset all the same: the thread then has the
+     default stream after the callback, never a stream it did not choose */
+  (void)frame_log(i);
+  slot_clear(i);
+}
+
+void dp__current_frame_begin(dp__current_frame_t *fr) {
+  fr->outer = tls_frame;
+  fr->depth = tls_frame ? tls_frame->depth + 1 : 1;
+  fr->n = 0;
+  fr->cap = DP__FRAME_LOG_INLINE;
+  fr->log = fr->inl;
+  tls_frame = fr;
+}
+
+void dp__current_frame_end(dp__current_frame_t *fr) {
+  for (size_t k = fr->n; k-- > 0;) {
+    const dp__current_log_t *l = &fr->log[k];
+    slot_restore(l->slot, l->s, l->owner, l->mark);
+  }
+  dp__free_inl(fr->log, fr->cap, sizeof *fr->log, fr->inl);
+  tls_frame = fr->outer;
 }
 
 void dp__current_stream_enter(dp_stream_t *s, dp__current_saved_t *saved) {
   int i = slot_of(s->dev);
   saved->s = tls_current[i];
   saved->owner = tls_owner[i];
+  saved->mark = tls_mark[i];
   saved->outer = tls_saved;
   tls_saved = saved;
   if (!tls_current[i]) tls_owner[i] = OWN_LIBRARY;
   tls_current[i] = s;
+  tls_mark[i] = tls_frame ? tls_frame->depth : 0; /* the callback's changes here are put back below */
 }
 
 void dp__current_stream_leave(dp_device_t dev, const dp__current_saved_t *saved) {
   int i = slot_of(dev);
   /* the callback may have set or reset it meanwhile: counted as it was */
-  if (tls_owner[i] == OWN_CALLER) tls_caller_count--;
-  if (saved->owner == OWN_CALLER) tls_caller_count++;
-  tls_current[i] = saved->s;
-  tls_owner[i] = (unsigned char)saved->owner;
+  slot_restore(i, saved->s, saved->owner, saved->mark);
   tls_saved = saved->outer;  /* left in the reverse order of entering: saved is the innermost */
 }
 

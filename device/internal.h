@@ -172,12 +172,40 @@ void dp__pinned_unregister(dp_backend_t *b, void *p);
  * a callback runs other callbacks) and are left in the reverse order of
  * entering. The saved records stay linked on the thread until left, so
  * that dp_stream_free of a saved stream (from the callback) forgets it
- * there too: leave must not put a freed stream back. */
+ * there too: leave must not put a freed stream back.
+ *
+ * They are made inside a frame (frame_begin, before the first enter;
+ * frame_end, after the last leave): a callback runs on whatever thread
+ * completes its parent, so what it does to that thread's current streams
+ * on other devices (dp_set_current_stream, dp_reset_current_stream) is
+ * logged in the frame, on the first change of each device, and put back at
+ * its end — a stream of the callback's left current there was used by that
+ * thread's later completions, after its owner freed it. The log lives in
+ * the frame (a few entries inline, more on the heap). */
 typedef struct dp__current_saved {
   dp_stream_t *s;
   int owner;
+  uint32_t mark;                    /* the frame that had logged the device before */
   struct dp__current_saved *outer;  /* the record entered before this one */
 } dp__current_saved_t;
+
+typedef struct dp__current_log {
+  int slot;
+  int owner;
+  uint32_t mark;
+  dp_stream_t *s;
+} dp__current_log_t;
+
+#define DP__FRAME_LOG_INLINE 4
+typedef struct dp__current_frame {
+  struct dp__current_frame *outer;
+  uint32_t depth;                   /* 1 for the outermost frame */
+  size_t n, cap;
+  dp__current_log_t *log;           /* inl, or the heap */
+  dp__current_log_t inl[DP__FRAME_LOG_INLINE];
+} dp__current_frame_t;
+void dp__current_frame_begin(dp__current_frame_t *fr);
+void dp__current_frame_end(dp__current_frame_t *fr);
 void dp__current_stream_enter(dp_stream_t *s, dp__current_saved_t *saved);
 void dp__current_stream_leave(dp_device_t dev, const dp__current_saved_t *saved);
 

@@ -973,8 +973,8 @@ static void not_run(dp_future_t *p, cbent_t *e, dp_error_t *err) {
   dp_future_set_error(e->child, err, NULL);
 }
 
-/* Runs a then() callback for a completed parent. */
-static void run_then(dp_future_t *p, cbent_t *e) {
+/* Runs a then() callback for a completed parent (in run_then's frame). */
+static void run_then_in(dp_future_t *p, cbent_t *e) {
   dp_future_t *child = e->child;
   dp_error_t err;
   dp_error_clear(&err);
@@ -1034,6 +1034,17 @@ static void run_then(dp_future_t *p, cbent_t *e) {
   if (rc && !ran) not_run(p, e, &err);
   else if (rc) dp_future_set_error(child, &err, NULL);
   if (prev != inl) dp__free(prev, n * sizeof *prev);
+}
+
+/* The callback runs on whatever thread completes the parent: what it does
+ * to that thread's current streams, on any device, is put back when it
+ * returns (device/internal.h's frame), as the pool streams on the parent's
+ * devices are. */
+static void run_then(dp_future_t *p, cbent_t *e) {
+  dp__current_frame_t fr;
+  dp__current_frame_begin(&fr);
+  run_then_in(p, e);
+  dp__current_frame_end(&fr);
 }
 
 static void run_entry(dp_future_t *f, cbent_t *e) {

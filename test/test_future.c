@@ -2974,3 +2974,106 @@ Test(future, a_reduce_waiting_on_the_future_its_walk_completes_is_emisuse_at_onc
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* A then() callback runs on whatever thread completes its parent (future.h):
+ * a current stream it set on a device the parent's value does not use, or
+ * one it reset, stayed so on that thread after it returned — a stream of
+ * the callback's made current for every later completion and allocation
+ * of an unrelated caller (freed by the callback's owner afterwards, it was
+ * used after free), and one of the thread's 16 slots taken. Every current
+ * stream a callback changes is put back when it returns, as the pool
+ * streams on the parent's devices are. */
+typedef struct set_in_cb {
+  dp_stream_t *set_h1;  /* made current on host:1 by the callback, or NULL: host:1 reset */
+  dp_stream_t *seen_h1; /* current on host:1 inside the callback, after the change */
+} set_in_cb_t;
+
+static int change_host1_stream(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result;
+  set_in_cb_t *x = ud;
+  if (x->set_h1) {
+    int rc = dp_set_current_stream(x->set_h1, NULL, err);
+    if (rc) return rc;
+  } else {
+    dp_reset_current_stream(B, H1);
+  }
+  return dp_current_stream(B, H1, &x->seen_h1, err);
+}
+
+Test(future, a_current_stream_a_callback_sets_or_resets_on_any_device_is_put_back_when_it_returns) {
+  dp_stream_t *dflt1, *own1, *cbs, *cur;
+  OK(dp_stream_default(B, H1, &dflt1, T_ERR));
+  OK(dp_stream_new(B, H1, &own1, T_ERR));
+  OK(dp_stream_new(B, H1, &cbs, T_ERR));
+  dp_value_t t = device_ints(H0, 4); /* the parent uses host:0 only */
+  for (int round = 0; round < 3; round++) {
+    /* 0: the thread has none on host:1, the callback sets one; 1: the
+       thread has its own, the callback sets another; 2: the callback resets
+       the thread's own */
+    if (round == 0) dp_reset_current_stream(B, H1);
+    else OK(dp_set_current_stream(own1, NULL, T_ERR));
+    set_in_cb_t x = {round == 2 ? NULL : cbs, NULL};
+    dp_future_t *f = future(), *c;
+    OK(dp_future_then(f, change_host1_stream, &x, &c, T_ERR));
+    OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR)); /* the callback runs here */
+    OK(dp_future_wait(c, -1, T_ERR));
+    cr_assert_eq(x.seen_h1, round == 2 ? dflt1 : cbs, "round %d: the change held inside the callback", round);
+    OK(dp_current_stream(B, H1, &cur, T_ERR));
+    cr_assert_eq(cur, round == 0 ? dflt1 : own1, "round %d: host:1's current stream is the thread's again", round);
+    dp_future_release(c);
+    dp_future_release(f);
+  }
+  dp_reset_current_stream(B, H1);
+  free_ints(t);
+  dp_value_release(t);
+  dp_stream_free(own1);
+  dp_stream_free(cbs);
+}
+
+/* The same on more devices than the frame logs inline, with one of the
+ * callback's streams freed inside it: none of them is current after it. */
+typedef struct set_many {
+  dp_stream_t *s[8];
+} set_many_t;
+
+static int set_on_seven_devices(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result;
+  set_many_t *x = ud;
+  for (int i = 1; i < 8; i++) {
+    int rc = dp_set_current_stream(x->s[i], NULL, err);
+    if (rc) return rc;
+  }
+  dp_stream_free(x->s[3]);
+  x->s[3] = NULL;
+  return 0;
+}
+
+Test(future, current_streams_a_callback_sets_on_many_devices_and_one_it_frees_are_all_put_back) {
+  dp_shutdown();
+  setenv("DEVPICKLE_HOST_DEVICES", "8", 1);
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+  unsetenv("DEVPICKLE_HOST_DEVICES");
+  set_many_t x;
+  for (int i = 1; i < 8; i++) OK(dp_stream_new(B, t_dev(DP_DEVICE_HOST, i), &x.s[i], T_ERR));
+  dp_value_t t = device_ints(H0, 4);
+  dp_future_t *f = future(), *c;
+  OK(dp_future_then(f, set_on_seven_devices, &x, &c, T_ERR));
+  OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR));
+  OK(dp_future_wait(c, -1, T_ERR));
+  for (int i = 1; i < 8; i++) {
+    dp_stream_t *cur, *dflt;
+    OK(dp_current_stream(B, t_dev(DP_DEVICE_HOST, i), &cur, T_ERR));
+    OK(dp_stream_default(B, t_dev(DP_DEVICE_HOST, i), &dflt, T_ERR));
+    cr_assert_eq(cur, dflt, "host:%d: the default stream is current again", i);
+  }
+  /* all 16 slots are the thread's: none was left taken */
+  for (int i = 1; i < 8; i++) OK(dp_set_current_stream(x.s[i == 3 ? 1 : i], NULL, T_ERR));
+  dp_future_release(c);
+  dp_future_release(f);
+  free_ints(t);
+  dp_value_release(t);
+  for (int i = 1; i < 8; i++) {
+    dp_reset_current_stream(B, t_dev(DP_DEVICE_HOST, i));
+    if (x.s[i]) dp_stream_free(x.s[i]);
+  }
+}

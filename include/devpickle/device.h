@@ -176,7 +176,14 @@ DP_API int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out
  *  holds current streams for up to DP_CURRENT_STREAM_SLOTS devices at once:
  *  one more is DP_ELIMIT. Use dp_reset_current_stream to clear one. The
  *  pool streams a then() callback runs with (future.h) do not count, on
- *  however many devices: the thread's own come back when it returns. */
+ *  however many devices: the thread's own come back when it returns. So
+ *  does whatever a callback sets or resets here, on any device: it runs on
+ *  whichever thread completes its parent, whose current streams are that
+ *  thread's again once it returns (a stream the callback frees meanwhile
+ *  is forgotten). Inside a callback, DP_ENOMEM when the stream it replaces
+ *  cannot be remembered (nothing changes); dp_reset_current_stream resets
+ *  all the same, and the thread then has its default stream after the
+ *  callback. */
 DP_API int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t *err);
 /** Forgets this thread's current stream for dev (back to provider/default). */
 DP_API void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev);

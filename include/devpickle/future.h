@@ -11,7 +11,9 @@
  *
  * then() chains a callback: it runs when the parent completes, with pool
  * streams current on the devices the parent's value uses, after those streams
- * wait on the parent's events. The callback's result is walked afresh and the
+ * wait on the parent's events. The current streams of the thread it runs on
+ * are put back when it returns, on every device, whatever it set or reset
+ * (dp_set_current_stream). The callback's result is walked afresh and the
  * child records its own events on the callback's streams. If that walk fails
  * the child fails loudly, naming the type and the path; it never falls back
  * to the parent's events.
