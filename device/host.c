@@ -17,8 +17,11 @@
 #define HOST_MAX_DEVICES 64
 #define HOST_ALIGN 256   /* as cudaMalloc's alignment */
 
+struct hstream;
+
 typedef struct progress {
   _Atomic uint32_t refs;
+  struct hstream *owner;        /* the stream it counts for; NULL once gone (under the impl's mu) */
   pthread_mutex_t mu;
   pthread_cond_t cv;            /* broadcast after every completed task */
   _Atomic uint64_t completed;
@@ -53,6 +56,8 @@ typedef struct hstream {
   task_t *ring;
   size_t cap, head, count;
   uint64_t enqueued;       /* under mu */
+  progress_t *waiting_on;  /* the T_WAIT running now (a reference), and its target: under mu */
+  uint64_t waiting_for;
   int stop;
   int dev;
   progress_t *prog;
@@ -60,8 +65,11 @@ typedef struct hstream {
   slink_t link;            /* in the device's streams */
 } hstream_t;
 
+typedef struct host_impl host_impl_t;
+
 typedef struct hevent {
   pthread_mutex_t mu;
+  host_impl_t *im;
   progress_t *prog;        /* NULL: never recorded */
   uint64_t target;
   int dev;
@@ -79,13 +87,13 @@ typedef struct alloc_rec {
   dp__treap_node_t tn;     /* keyed (base, 0) */
 } alloc_rec_t;
 
-typedef struct host_impl {
-  pthread_mutex_t mu;      /* streams lists, allocation registry */
+struct host_impl {
+  pthread_mutex_t mu;      /* streams lists, allocation registry, progress owners */
   slink_t *streams[HOST_MAX_DEVICES];  /* newest first */
   dp__treap_t recs;        /* the allocations */
   size_t used[HOST_MAX_DEVICES];
   size_t limit[HOST_MAX_DEVICES];
-} host_impl_t;
+};
 
 /* Limits set before the backend exists are kept here. */
 static size_t pending_limit[HOST_MAX_DEVICES];
@@ -156,6 +164,10 @@ static void *worker(void *arg) {
     task_t t = s->ring[s->head];
     s->head = (s->head + 1) % s->cap;
     s->count--;
+    if (t.kind == T_WAIT) { /* still a wait of the stream's while it runs (waits_for_itself) */
+      s->waiting_on = t.wait_on;
+      s->waiting_for = t.wait_for;
+    }
     pthread_mutex_unlock(&s->mu);
     switch (t.kind) {
       case T_FN:
@@ -165,6 +177,9 @@ static void *worker(void *arg) {
         break;
       case T_WAIT:
         progress_wait(t.wait_on, t.wait_for);
+        pthread_mutex_lock(&s->mu);
+        s->waiting_on = NULL;
+        pthread_mutex_unlock(&s->mu);
         progress_release(t.wait_on);
         break;
       case T_COPY:
@@ -214,6 +229,7 @@ static int h_stream_create(dp_backend_t *b, int dev, void **h, dp_error_t *err) 
     dp__free(s, sizeof *s);
     return dp__err(err, DP_ENOMEM, "out of memory creating a host stream");
   }
+  s->prog->owner = s;
   pthread_mutex_init(&s->mu, NULL);
   pthread_cond_init(&s->work_cv, NULL);
   if (pthread_create(&s->thread, NULL, worker, s) != 0) {
@@ -241,6 +257,7 @@ static void h_stream_destroy(dp_backend_t *b, void *h) {
   pthread_join(s->thread, NULL);
   pthread_mutex_lock(&im->mu);
   link_unlink(&im->streams[s->dev], &s->link);
+  s->prog->owner = NULL; /* events and waits that hold it outlive the stream */
   pthread_mutex_unlock(&im->mu);
   progress_release(s->prog);
   dp__free(s->ring, s->cap * sizeof(task_t));
@@ -284,18 +301,97 @@ static uint64_t enqueued_now(hstream_t *s) {
  * on (itself included) waits for itself: its worker never returns, and the
  * stream, and whatever synchronizes with it, hangs. CUDA refuses a
  * synchronizing call from a host function (cudaErrorNotPermitted); here it
- * is DP_EMISUSE. Work queued before the function has completed already. */
-static int waits_for_itself(const progress_t *p, uint64_t target) {
+ * is DP_EMISUSE. Work queued before the function has completed already.
+ *
+ * So does one that waits for another stream's work that waits (a
+ * dp_stream_wait_event queued there, running or not, or down a chain of
+ * them) for such work: the waits that stand before the target are followed,
+ * each stream looked at once for the furthest target asked of it, under
+ * the impl's lock (which keeps progress owners alive) and one stream's lock
+ * at a time. Only host functions pay for it. Returns 1 (direct), 2
+ * (through another stream's wait) or 0; without memory to follow the
+ * waits, 0 (the wait goes on as before). */
+typedef struct reach_wait {
+  progress_t *p;
+  uint64_t target;
+} reach_wait_t;
+
+static int waits_for_itself_locked(progress_t *p, uint64_t target) {
   const hstream_t *me = dp__host_fn_stream;
-  return me && me->prog == p && dp__load_acquire(&p->completed) < target;
+  if (!me) return 0;
+  const progress_t *mine = me->prog;
+  uint64_t now = dp__load_acquire(&mine->completed);
+  if (p == mine) return now < target;
+  /* Each entry holds a reference: a wait taken from a queue may complete,
+     and drop its own, once the stream's lock is let go. */
+  reach_wait_t inl[8], *stack = inl;
+  size_t cap = 8, sp = 0, nseen = 0, seen_cap = 8;
+  reach_wait_t seen_inl[8], *seen = seen_inl; /* streams' progress looked at, with the target scanned */
+  int found = 0;
+  stack[sp++] = (reach_wait_t){progress_retain(p), target};
+  while (sp && !found) {
+    reach_wait_t x = stack[--sp];
+    if (x.p == mine) {
+      found = now < x.target ? 2 : 0;
+      progress_release(x.p);
+      continue;
+    }
+    hstream_t *s = x.p->owner;
+    size_t k = 0;
+    while (k < nseen && seen[k].p != x.p) k++;
+    if (!s || dp__load_acquire(&x.p->completed) >= x.target || (k < nseen && seen[k].target >= x.target)) {
+      progress_release(x.p);
+      continue;
+    }
+    if (k == nseen) {
+      if (dp__grow_inl((void **)&seen, &seen_cap, nseen + 1, sizeof *seen, seen_inl) != 0) {
+        progress_release(x.p);
+        break;
+      }
+      seen[nseen++].p = x.p; /* its reference, from here on */
+    } else {
+      progress_release(x.p); /* seen[k] holds one */
+    }
+    seen[k].target = x.target;
+    pthread_mutex_lock(&s->mu);
+    size_t more = s->count + 1;
+    if (dp__grow_inl((void **)&stack, &cap, sp + more, sizeof *stack, inl) != 0) {
+      pthread_mutex_unlock(&s->mu);
+      break;
+    }
+    if (s->waiting_on) stack[sp++] = (reach_wait_t){progress_retain(s->waiting_on), s->waiting_for};
+    uint64_t first = s->enqueued - s->count + 1; /* the sequence number of the ring's head */
+    for (size_t j = 0; j < s->count && first + j <= x.target; j++) {
+      const task_t *t = &s->ring[(s->head + j) % s->cap];
+      if (t->kind == T_WAIT) stack[sp++] = (reach_wait_t){progress_retain(t->wait_on), t->wait_for};
+    }
+    pthread_mutex_unlock(&s->mu);
+  }
+  while (sp) progress_release(stack[--sp].p);
+  for (size_t k = 0; k < nseen; k++) progress_release(seen[k].p);
+  dp__free_inl(stack, cap, sizeof *stack, inl);
+  dp__free_inl(seen, seen_cap, sizeof *seen, seen_inl);
+  return found;
+}
+
+static int waits_for_itself(host_impl_t *im, progress_t *p, uint64_t target) {
+  if (!dp__host_fn_stream) return 0;
+  pthread_mutex_lock(&im->mu);
+  int self = waits_for_itself_locked(p, target);
+  pthread_mutex_unlock(&im->mu);
+  return self;
 }
 
 static int h_stream_sync(dp_backend_t *b, void *h, dp_error_t *err) {
-  (void)b;
   hstream_t *s = h;
   uint64_t target = enqueued_now(s);
-  if (waits_for_itself(s->prog, target))
+  int self = waits_for_itself(b->impl, s->prog, target);
+  if (self == 1)
     return dp__err(err, DP_EMISUSE, "dp_stream_synchronize: called from a host function on that stream, which would wait for itself");
+  if (self)
+    return dp__err(err, DP_EMISUSE,
+                   "dp_stream_synchronize: called from a host function, on a stream that waits (through event waits) for "
+                   "work queued on the function's own stream after it: it would wait for itself");
   progress_wait(s->prog, target);
   return 0;
 }
@@ -347,7 +443,7 @@ static int h_device_sync(dp_backend_t *b, int dev, dp_error_t *err) {
     if (!l->s) continue;
     p[i] = progress_retain(l->s->prog);
     target[i] = enqueued_now(l->s);
-    self |= waits_for_itself(p[i], target[i]);
+    if (!self) self = waits_for_itself_locked(p[i], target[i]);
     i++;
   }
   pthread_mutex_unlock(&im->mu);
@@ -358,19 +454,24 @@ static int h_device_sync(dp_backend_t *b, int dev, dp_error_t *err) {
   }
   dp__free(p, (n ? n : 1) * sizeof *p);
   dp__free(target, (n ? n : 1) * sizeof *target);
-  if (self)
+  if (self == 1)
     return dp__err(err, DP_EMISUSE,
                    "dp_device_synchronize: called from a host function on a stream of host:%d, which would wait for itself", dev);
+  if (self)
+    return dp__err(err, DP_EMISUSE,
+                   "dp_device_synchronize: called from a host function, on host:%d, a stream of which waits (through event "
+                   "waits) for work queued on the function's own stream after it: it would wait for itself",
+                   dev);
   return 0;
 }
 
 /* ---- events ---- */
 
 static int h_event_create(dp_backend_t *b, int dev, void **h, dp_error_t *err) {
-  (void)b;
   hevent_t *e = dp__alloc(sizeof *e);
   if (!e) return dp__err(err, DP_ENOMEM, "out of memory creating a host event");
   pthread_mutex_init(&e->mu, NULL);
+  e->im = b->impl;
   e->prog = NULL;
   e->target = 0;
   e->dev = dev;
@@ -427,28 +528,41 @@ static int h_event_query(dp_backend_t *b, void *eh, dp_error_t *err) {
   return done;
 }
 
+/* e's capture, retained (NULL: never recorded). Not under e's lock while
+ * the streams are looked at: a record takes a stream's lock, then e's. */
+static progress_t *event_capture(hevent_t *e, uint64_t *target) {
+  pthread_mutex_lock(&e->mu);
+  progress_t *p = e->prog ? progress_retain(e->prog) : NULL;
+  *target = e->target;
+  pthread_mutex_unlock(&e->mu);
+  return p;
+}
+
 int dp__host_event_waits_for_itself(void *eh) {
   hevent_t *e = eh;
   if (!dp__host_fn_stream) return 0;
-  pthread_mutex_lock(&e->mu);
-  int self = e->prog && waits_for_itself(e->prog, e->target);
-  pthread_mutex_unlock(&e->mu);
+  uint64_t target;
+  progress_t *p = event_capture(e, &target);
+  int self = p && waits_for_itself(e->im, p, target);
+  progress_release(p);
   return self;
 }
 
 static int h_event_sync(dp_backend_t *b, void *eh, dp_error_t *err) {
-  (void)b;
   hevent_t *e = eh;
-  pthread_mutex_lock(&e->mu);
-  progress_t *p = e->prog ? progress_retain(e->prog) : NULL;
-  uint64_t target = e->target;
-  pthread_mutex_unlock(&e->mu);
+  uint64_t target;
+  progress_t *p = event_capture(e, &target);
   if (!p) return 0;
-  if (waits_for_itself(p, target)) {
+  int self = waits_for_itself(b->impl, p, target);
+  if (self) {
     progress_release(p);
+    if (self == 1)
+      return dp__err(err, DP_EMISUSE,
+                     "dp_event_synchronize: called from a host function on the event's stream, recorded after the function "
+                     "was queued: it would wait for itself");
     return dp__err(err, DP_EMISUSE,
-                   "dp_event_synchronize: called from a host function on the event's stream, recorded after the function was "
-                   "queued: it would wait for itself");
+                   "dp_event_synchronize: called from a host function, on an event of a stream that waits (through event "
+                   "waits) for work queued on the function's own stream after it: it would wait for itself");
   }
   progress_wait(p, target);
   progress_release(p);

@@ -2119,3 +2119,83 @@ Test(device, every_out_of_memory_message_names_the_function_and_the_device, .tim
     cr_assert_gt(k, 1, "%s: no allocation was failed", nm_fn[op]);
   }
 }
+
+/* A host function that waits for another stream which itself waits (an
+ * event wait) for work queued on the function's own stream after it,
+ * waits for itself as surely as one that synchronizes its own stream: it
+ * hung, its stream and the other with it. Such a wait, through any chain
+ * of event waits, is DP_EMISUSE at once; one on an event the function's
+ * stream had passed before it is waited for as usual. */
+typedef struct via_wait {
+  dp_stream_t *other, *third;
+  dp_event_t *ev;           /* recorded on third (how 1) */
+  _Atomic int go;
+  int how;                  /* 0: sync other; 1: sync an event on third, which waits for other; 2: sync other's device */
+  int rc;
+  dp_error_t err;
+} via_wait_t;
+
+static void sync_through_another_stream(void *arg) {
+  via_wait_t *x = arg;
+  while (!atomic_load(&x->go)) sleep_ms(1);
+  dp_error_clear(&x->err);
+  x->rc = x->how == 0 ? dp_stream_synchronize(x->other, &x->err)
+          : x->how == 1 ? dp_event_synchronize(x->ev, &x->err)
+                        : dp_device_synchronize(dp_stream_backend(x->other), dp_stream_device(x->other), &x->err);
+}
+
+static void nm_noop2(void *arg) { (void)arg; }
+
+Test(device, a_host_function_waiting_for_a_stream_that_waits_for_its_own_later_work_is_emisuse_not_a_hang,
+     .timeout = 20) {
+  dp_backend_t *b = host();
+  const char *want[3] = {"dp_stream_synchronize", "dp_event_synchronize", "dp_device_synchronize"};
+  for (int how = 0; how < 3; how++) {
+    dp_stream_t *mine;
+    via_wait_t x = {.how = how, .rc = 1};
+    OK(dp_stream_new(b, H0, &mine, T_ERR));
+    OK(dp_stream_new(b, H1, &x.other, T_ERR));
+    OK(dp_stream_new(b, H1, &x.third, T_ERR));
+    OK(dp_host_launch(mine, sync_through_another_stream, &x, T_ERR));
+    OK(dp_host_launch(mine, nm_noop2, NULL, T_ERR));
+    dp_event_t *after, *on_other;
+    OK(dp_event_new(b, H0, &after, T_ERR));
+    OK(dp_event_record(after, mine, T_ERR)); /* after the function */
+    OK(dp_stream_wait_event(x.other, after, T_ERR));
+    OK(dp_host_launch(x.other, nm_noop2, NULL, T_ERR));
+    OK(dp_event_new(b, H1, &on_other, T_ERR));
+    OK(dp_event_record(on_other, x.other, T_ERR));
+    OK(dp_stream_wait_event(x.third, on_other, T_ERR)); /* third waits for other, which waits for mine */
+    OK(dp_event_new(b, H1, &x.ev, T_ERR));
+    OK(dp_event_record(x.ev, x.third, T_ERR));
+    atomic_store(&x.go, 1);
+    OK(dp_stream_synchronize(mine, T_ERR));
+    cr_assert_eq(x.rc, DP_EMISUSE, "how %d: %s: %s", how, dp_err_name(x.rc), x.err.message);
+    cr_assert(strncmp(x.err.message, want[how], strlen(want[how])) == 0 && strstr(x.err.message, "wait for itself"),
+              "how %d: %s", how, x.err.message);
+    OK(dp_stream_synchronize(x.third, T_ERR));
+    dp_event_free(after);
+    dp_event_free(on_other);
+    dp_event_free(x.ev);
+    dp_stream_free(x.third);
+    dp_stream_free(x.other);
+    dp_stream_free(mine);
+  }
+  /* a wait on what the function's stream did before it is no wait for itself */
+  dp_stream_t *mine;
+  via_wait_t x = {.how = 0, .rc = 1};
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  OK(dp_stream_new(b, H1, &x.other, T_ERR));
+  dp_event_t *before;
+  OK(dp_event_new(b, H0, &before, T_ERR));
+  OK(dp_host_launch(mine, nm_noop2, NULL, T_ERR));
+  OK(dp_event_record(before, mine, T_ERR));
+  OK(dp_stream_wait_event(x.other, before, T_ERR));
+  OK(dp_host_launch(mine, sync_through_another_stream, &x, T_ERR));
+  atomic_store(&x.go, 1);
+  OK(dp_stream_synchronize(mine, T_ERR));
+  cr_assert_eq(x.rc, 0, "%s", x.err.message);
+  dp_event_free(before);
+  dp_stream_free(x.other);
+  dp_stream_free(mine);
+}

@@ -246,7 +246,11 @@ typedef void (*dp_host_fn)(void *arg);
  *  for itself: dp_stream_synchronize of its own stream, dp_event_synchronize
  *  of an event recorded there after fn was queued and dp_device_synchronize
  *  of its device are DP_EMISUSE from fn (as CUDA refuses them in a host
- *  function), and dp_stream_free of its own stream frees nothing (it would
+ *  function), and so are these calls on another stream (event, device) that
+ *  waits, through dp_stream_wait_event (or wait_stream) queued there, down
+ *  any chain of such waits, for work queued on fn's stream after fn. (A
+ *  wait for another host function that itself waits for fn is not seen:
+ *  it hangs, as two threads waiting on each other do.) and dp_stream_free of its own stream frees nothing (it would
  *  wait for fn, and free the thread running it): a line on stderr says so,
  *  and the stream stays usable. */
 DP_API int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err);
