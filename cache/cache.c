@@ -122,6 +122,13 @@ struct dp_cache {
   size_t mapped_cap;
   block_t *pending_head, *pending_tail;
   block_t *spare;                /* recycled block structs */
+  /* The streams recorded as uses of blocks (record_stream), until they are
+   * destroyed: with those that allocated (their free sets), the only
+   * streams a stream-destroy notice must look for among the blocks. */
+  dp_stream_t **users;
+  size_t nusers, users_cap;
+  dp__table_t user_index;        /* users[] by stream (table.h) */
+  dp_stream_t *last_user;        /* found or added last */
   dp__stream_listener_t gone;    /* the device layer's stream-destroy notice (cold: last) */
   int is_default;                /* dp_cache_default's: dp_cache_free leaves it alone */
 };
@@ -276,6 +283,46 @@ static void set_drop(devpool_t *p, dp_stream_t *st) {
     p->sets[at] = p->sets[last];
     dp__table_move(&p->set_index, DP_TABLE_TAGGED, dp__hash_ptr(p->sets[at]->stream), last, at);
   }
+}
+
+/* ---- the streams recorded as uses ---- */
+
+static uint64_t user_hash_at(const void *ctx, size_t i) { return dp__hash_ptr(((const dp_cache_t *)ctx)->users[i]); }
+
+static inline int user_eq(const void *ctx, size_t i, const void *key) {
+  return ((const dp_cache_t *)ctx)->users[i] == (const dp_stream_t *)key;
+}
+
+/* Adds s to the users (if not there): 0, or DP_ENOMEM. */
+static int user_need(dp_cache_t *c, dp_stream_t *s) {
+  if (c->last_user == s) return 0;
+  uint64_t h = dp__hash_ptr(s);
+  size_t slot;
+  if (dp__table_find(&c->user_index, DP_TABLE_TAGGED, h, user_eq, c, s, &slot) == DP_TABLE_NONE) {
+    if (dp__grow((void **)&c->users, &c->users_cap, c->nusers + 1, sizeof *c->users) != 0 ||
+        (dp__table_full(&c->user_index) &&
+         dp__table_grow(&c->user_index, DP_TABLE_TAGGED, c->nusers, 16, user_hash_at, c) != 0))
+      return DP_ENOMEM;
+    c->users[c->nusers] = s;
+    dp__table_put(&c->user_index, DP_TABLE_TAGGED, dp__table_empty_slot(&c->user_index, DP_TABLE_TAGGED, h), h,
+                  c->nusers++);
+  }
+  c->last_user = s;
+  return 0;
+}
+
+/* Takes s out of the users: 1 if it was there. */
+static int user_drop(dp_cache_t *c, dp_stream_t *s) {
+  size_t slot, at = dp__table_find(&c->user_index, DP_TABLE_TAGGED, dp__hash_ptr(s), user_eq, c, s, &slot);
+  if (c->last_user == s) c->last_user = NULL;
+  if (at == DP_TABLE_NONE) return 0;
+  dp__table_remove(&c->user_index, DP_TABLE_TAGGED, slot, user_hash_at, c);
+  size_t last = --c->nusers; /* the last fills the hole: users[] stays dense */
+  if (at != last) {
+    c->users[at] = c->users[last];
+    dp__table_move(&c->user_index, DP_TABLE_TAGGED, dp__hash_ptr(c->users[at]), last, at);
+  }
+  return 1;
 }
 
 HOT static void free_insert(devpool_t *pool, block_t *b) {
@@ -607,6 +654,15 @@ static void stream_gone(void *ctx, dp_stream_t *s) {
   dp_cache_t *c = ctx;
   if (dp_stream_backend(s) != c->b) return;
   pthread_mutex_lock(&c->mu);
+  /* A stream that never allocated here (no free set) and was never recorded
+   * is tied to no block: every stream freed in the process tells every
+   * cache, and looking at all the blocks for each cost milliseconds. */
+  int seen = user_drop(c, s);
+  for (int d = 0; d < c->ndev && !seen; d++) seen = set_find(&c->pools[d], s) != NULL;
+  if (!seen) {
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
   for (int d = 0; d < c->ndev; d++)
     for (size_t i = 0; i < c->pools[d].nsegs; i++) {
       segment_t *sg = c->pools[d].segs[i];
@@ -631,6 +687,7 @@ int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   memset(c->pools, 0, (size_t)ndev * sizeof(devpool_t));
   for (int d = 0; d < ndev; d++) dp__table_init(&c->pools[d].set_index);
   dp__table_init(&c->map);
+  dp__table_init(&c->user_index);
   c->b = b;
   c->ndev = ndev;
   pthread_mutex_init(&c->mu, NULL);
@@ -709,6 +766,8 @@ static void cache_destroy(dp_cache_t *c) {
   }
   dp__table_destroy(&c->map, DP_TABLE_TAGGED);
   dp__free(c->mapped, c->mapped_cap * sizeof *c->mapped);
+  dp__table_destroy(&c->user_index, DP_TABLE_TAGGED);
+  dp__free(c->users, c->users_cap * sizeof *c->users);
   pthread_mutex_unlock(&c->mu);
   /* The memory goes back without the lock: a backend's free waits for the
      device's queued work (cudaFree does, and the host backend as it), and
@@ -887,10 +946,11 @@ static block_t *find_used(dp_cache_t *c, const void *ptr) {
   return NULL;
 }
 
-/* Adds stream s to an allocated block's uses. */
-static int record_block(block_t *b, dp_stream_t *s, dp_error_t *err) {
+/* Adds stream s to an allocated block's uses (and to the cache's users). */
+static int record_block(dp_cache_t *c, block_t *b, dp_stream_t *s, dp_error_t *err) {
   for (uint32_t i = 0; i < b->nuses; i++)
     if (b->uses[i] == s) return 0;
+  if (user_need(c, s) != 0) return dp__err(err, DP_ENOMEM, "out of memory recording a stream use");
   if (b->nuses == b->uses_cap) {
     size_t cap = b->uses_cap;
     if (dp__grow((void **)&b->uses, &cap, b->nuses + 1, sizeof *b->uses) != 0)
@@ -929,7 +989,7 @@ static int record_slow(dp_cache_t *c, void *ptr, mapent_t *e, dp_stream_t *s, dp
                    ptr, dp_device_format(dp__stream_dev(s), dev, sizeof dev), dp_backend_name(dp_stream_backend(s)),
                    dp_backend_name(c->b));
   }
-  return record_block(b, s, err);
+  return record_block(c, b, s, err);
 }
 
 static inline __attribute__((always_inline)) int record_hashed(dp_cache_t *c, void *ptr, uint64_t h, dp_stream_t *s,
