@@ -95,6 +95,7 @@ static char mixed_tag;
 /* The free blocks of one device tied to one stream (NULL: to none). */
 typedef struct freeset {
   dp_stream_t *stream;
+  size_t tied;                   /* blocks in use or pending whose stream it is (the rest are in the set) */
   uint64_t summary;              /* non-zero bitmap words */
   uint64_t bitmap[NBINS / 64];   /* non-empty bins */
   dp__treap_t large;             /* the free blocks of large segments */
@@ -569,8 +570,15 @@ static int pending_done(block_t *b) {
 
 static devpool_t *pool_of(dp_cache_t *c, block_t *b);
 
+/* A block of b->stream's leaves use (freed, or back from pending). */
+static void untie_used(devpool_t *p, const block_t *b) {
+  freeset_t *f = b->stream ? set_find(p, b->stream) : NULL;
+  if (f) f->tied--;
+}
+
 static void pending_finish(dp_cache_t *c, block_t *b) {
   devpool_t *p = pool_of(c, b);
+  untie_used(p, b);
   for (uint32_t i = 0; i < b->nevents; i++) dp_event_free(b->events[i]);
   b->nevents = 0;
   b->nuses = 0;
@@ -657,9 +665,27 @@ static void stream_gone(void *ctx, dp_stream_t *s) {
   /* A stream that never allocated here (no free set) and was never recorded
    * is tied to no block: every stream freed in the process tells every
    * cache, and looking at all the blocks for each cost milliseconds. */
-  int seen = user_drop(c, s);
-  for (int d = 0; d < c->ndev && !seen; d++) seen = set_find(&c->pools[d], s) != NULL;
+  int user = user_drop(c, s), seen = user, tied = 0;
+  for (int d = 0; d < c->ndev; d++) {
+    const freeset_t *f = set_find(&c->pools[d], s);
+    seen |= f != NULL;
+    tied |= f && f->tied;
+  }
   if (!seen) {
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
+  /* Nothing of s's in use and no use recorded on it (a stream per request
+   * that freed what it took): its free set lists every block tied to it. */
+  if (!user && !tied) {
+    for (int d = 0; d < c->ndev; d++) {
+      devpool_t *p = &c->pools[d];
+      freeset_t *f = set_find(p, s);
+      if (!f) continue;
+      for (block_t *b; (b = set_fit(f, ROUND, 1)) != NULL || (b = set_fit(f, 0, 0)) != NULL;)
+        block_stream_gone(c, p, b, s); /* out of f, into none's */
+      set_drop(p, s);
+    }
     pthread_mutex_unlock(&c->mu);
     return;
   }
@@ -867,6 +893,7 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
     goto out;
   }
   b->stream = s;
+  own->tied++;
   b->nuses = 0;
   segment_t *sg = b->seg;
   sg->one_stream = sg->nused++ == 0 || sg->one_stream == s ? s : MIXED;
@@ -925,6 +952,7 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
     p->st.pending_blocks++;
     p->st.pending_bytes += b->size;
   } else {
+    untie_used(p, b);
     free_block(c, p, b);
   }
   if (c->pending_head) poll_pending(c, 0);
