@@ -126,10 +126,9 @@ struct dp_cache {
   /* The streams recorded as uses of blocks (record_stream), until they are
    * destroyed: with those that allocated (their free sets), the only
    * streams a stream-destroy notice must look for among the blocks. */
-  dp_stream_t **users;
+  struct user *users;
   size_t nusers, users_cap;
   dp__table_t user_index;        /* users[] by stream (table.h) */
-  dp_stream_t *last_user;        /* found or added last */
   dp__stream_listener_t gone;    /* the device layer's stream-destroy notice (cold: last) */
   int is_default;                /* dp_cache_default's: dp_cache_free leaves it alone */
 };
@@ -288,42 +287,63 @@ static void set_drop(devpool_t *p, dp_stream_t *st) {
 
 /* ---- the streams recorded as uses ---- */
 
-static uint64_t user_hash_at(const void *ctx, size_t i) { return dp__hash_ptr(((const dp_cache_t *)ctx)->users[i]); }
+/* A stream recorded as a use, and how many blocks hold it as one (their
+ * free turns each use into an event, which the stream need not outlive). */
+typedef struct user {
+  dp_stream_t *s;
+  size_t holds;
+} user_t;
+
+static uint64_t user_hash_at(const void *ctx, size_t i) { return dp__hash_ptr(((const dp_cache_t *)ctx)->users[i].s); }
 
 static inline int user_eq(const void *ctx, size_t i, const void *key) {
-  return ((const dp_cache_t *)ctx)->users[i] == (const dp_stream_t *)key;
+  return ((const dp_cache_t *)ctx)->users[i].s == (const dp_stream_t *)key;
 }
 
-/* Adds s to the users (if not there): 0, or DP_ENOMEM. */
-static int user_need(dp_cache_t *c, dp_stream_t *s) {
-  if (c->last_user == s) return 0;
-  uint64_t h = dp__hash_ptr(s);
+/* s's entry; NULL when it has none (*slot: where the search ended). */
+static user_t *user_find(dp_cache_t *c, const dp_stream_t *s, size_t *slot) {
+  size_t at = dp__table_find(&c->user_index, DP_TABLE_TAGGED, dp__hash_ptr(s), user_eq, c, s, slot);
+  return at == DP_TABLE_NONE ? NULL : &c->users[at];
+}
+
+/* s's entry, made if it has none; NULL when out of memory. */
+static user_t *user_need(dp_cache_t *c, dp_stream_t *s) {
   size_t slot;
-  if (dp__table_find(&c->user_index, DP_TABLE_TAGGED, h, user_eq, c, s, &slot) == DP_TABLE_NONE) {
-    if (dp__grow((void **)&c->users, &c->users_cap, c->nusers + 1, sizeof *c->users) != 0 ||
-        (dp__table_full(&c->user_index) &&
-         dp__table_grow(&c->user_index, DP_TABLE_TAGGED, c->nusers, 16, user_hash_at, c) != 0))
-      return DP_ENOMEM;
-    c->users[c->nusers] = s;
-    dp__table_put(&c->user_index, DP_TABLE_TAGGED, dp__table_empty_slot(&c->user_index, DP_TABLE_TAGGED, h), h,
-                  c->nusers++);
-  }
-  c->last_user = s;
-  return 0;
+  user_t *u = user_find(c, s, &slot);
+  if (u) return u;
+  if (dp__grow((void **)&c->users, &c->users_cap, c->nusers + 1, sizeof *c->users) != 0 ||
+      (dp__table_full(&c->user_index) &&
+       dp__table_grow(&c->user_index, DP_TABLE_TAGGED, c->nusers, 16, user_hash_at, c) != 0))
+    return NULL;
+  uint64_t h = dp__hash_ptr(s);
+  c->users[c->nusers] = (user_t){s, 0};
+  dp__table_put(&c->user_index, DP_TABLE_TAGGED, dp__table_empty_slot(&c->user_index, DP_TABLE_TAGGED, h), h,
+                c->nusers);
+  return &c->users[c->nusers++];
 }
 
-/* Takes s out of the users: 1 if it was there. */
-static int user_drop(dp_cache_t *c, dp_stream_t *s) {
-  size_t slot, at = dp__table_find(&c->user_index, DP_TABLE_TAGGED, dp__hash_ptr(s), user_eq, c, s, &slot);
-  if (c->last_user == s) c->last_user = NULL;
-  if (at == DP_TABLE_NONE) return 0;
+/* A block no longer holds s as a use. */
+static void user_let_go(dp_cache_t *c, const dp_stream_t *s) {
+  size_t slot;
+  user_t *u = user_find(c, s, &slot);
+  if (u && u->holds) u->holds--;
+}
+
+/* Takes s out of the users; returns how many blocks held it, or -1 when it
+ * was none. */
+static long user_drop(dp_cache_t *c, dp_stream_t *s) {
+  size_t slot;
+  user_t *u = user_find(c, s, &slot);
+  if (!u) return -1;
+  long holds = (long)u->holds;
+  size_t at = (size_t)(u - c->users);
   dp__table_remove(&c->user_index, DP_TABLE_TAGGED, slot, user_hash_at, c);
   size_t last = --c->nusers; /* the last fills the hole: users[] stays dense */
   if (at != last) {
     c->users[at] = c->users[last];
-    dp__table_move(&c->user_index, DP_TABLE_TAGGED, dp__hash_ptr(c->users[at]), last, at);
+    dp__table_move(&c->user_index, DP_TABLE_TAGGED, dp__hash_ptr(c->users[at].s), last, at);
   }
-  return 1;
+  return holds;
 }
 
 HOT static void free_insert(devpool_t *pool, block_t *b) {
@@ -580,6 +600,7 @@ static void pending_finish(dp_cache_t *c, block_t *b) {
   devpool_t *p = pool_of(c, b);
   untie_used(p, b);
   for (uint32_t i = 0; i < b->nevents; i++) dp_event_free(b->events[i]);
+  for (uint32_t i = 0; i < b->nuses; i++) user_let_go(c, b->uses[i]); /* kept for want of an event */
   b->nevents = 0;
   b->nuses = 0;
   p->st.pending_blocks--;
@@ -665,7 +686,8 @@ static void stream_gone(void *ctx, dp_stream_t *s) {
   /* A stream that never allocated here (no free set) and was never recorded
    * is tied to no block: every stream freed in the process tells every
    * cache, and looking at all the blocks for each cost milliseconds. */
-  int user = user_drop(c, s), seen = user, tied = 0;
+  long holds = user_drop(c, s);
+  int seen = holds >= 0, tied = holds > 0;
   for (int d = 0; d < c->ndev; d++) {
     const freeset_t *f = set_find(&c->pools[d], s);
     seen |= f != NULL;
@@ -675,9 +697,10 @@ static void stream_gone(void *ctx, dp_stream_t *s) {
     pthread_mutex_unlock(&c->mu);
     return;
   }
-  /* Nothing of s's in use and no use recorded on it (a stream per request
-   * that freed what it took): its free set lists every block tied to it. */
-  if (!user && !tied) {
+  /* Nothing of s's in use and no block holding it as a use (a stream per
+   * request that freed what it took; a consumer whose blocks were freed):
+   * its free set, if any, lists every block tied to it. */
+  if (!tied) {
     for (int d = 0; d < c->ndev; d++) {
       devpool_t *p = &c->pools[d];
       freeset_t *f = set_find(p, s);
@@ -935,6 +958,7 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
     if (b->nevents < b->events_cap && dp_event_new(c->b, dp__stream_dev(u), &ev, NULL) == 0 &&
         dp_event_record(ev, u, NULL) == 0) {
       b->events[b->nevents++] = ev;
+      user_let_go(c, u); /* the event stands in for it */
       continue;
     }
     /* No event to be had (out of memory): the block waits until the stream
@@ -978,7 +1002,8 @@ static block_t *find_used(dp_cache_t *c, const void *ptr) {
 static int record_block(dp_cache_t *c, block_t *b, dp_stream_t *s, dp_error_t *err) {
   for (uint32_t i = 0; i < b->nuses; i++)
     if (b->uses[i] == s) return 0;
-  if (user_need(c, s) != 0) return dp__err(err, DP_ENOMEM, "out of memory recording a stream use");
+  user_t *u = user_need(c, s);
+  if (!u) return dp__err(err, DP_ENOMEM, "out of memory recording a stream use");
   if (b->nuses == b->uses_cap) {
     size_t cap = b->uses_cap;
     if (dp__grow((void **)&b->uses, &cap, b->nuses + 1, sizeof *b->uses) != 0)
@@ -986,6 +1011,7 @@ static int record_block(dp_cache_t *c, block_t *b, dp_stream_t *s, dp_error_t *e
     b->uses_cap = (uint32_t)cap;
   }
   b->uses[b->nuses++] = s;
+  u->holds++;
   return 0;
 }
 
