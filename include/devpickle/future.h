@@ -203,7 +203,10 @@ DP_API int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t *
  *  or failed (dp_future_error(parent, ...) tells which; a failed parent has
  *  no events and no streams are made current), as a language binding whose
  *  callbacks read the parent's outcome themselves needs. ptrs is an empty
- *  set: add the result's allocations to it (dp_ptrset_add, or dp_scan).
+ *  set: add the result's allocations to it (dp_ptrset_add, or dp_scan). It
+ *  is borrowed for the call (the thread's scratch set, which the next
+ *  completion on the thread empties and reuses): never free it or keep it
+ *  past the return; parent, too, is borrowed (retain it to keep it).
  *  Return 0 and a new reference in *result, or an error code with err
  *  filled: the child fails with it. When the callback cannot run — the
  *  pool streams it would run on cannot be set up to wait on the parent's
