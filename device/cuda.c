@@ -208,7 +208,7 @@ static int c_malloc(dp_backend_t *b, int dev, size_t n, void **out, dp_error_t *
   WITH_DEVICE(dev, err, "cudaMalloc", e = cudaMalloc(out, n ? n : 1));
   if (e == cudaErrorMemoryAllocation) {
     cudaGetLastError();
-    return dp__err(err, DP_ENOMEM, "cuda:%d is out of memory allocating %zu bytes", dev, n);
+    return dp__err(err, DP_ENOMEM, "out of memory allocating %zu bytes", n);
   }
   return e == cudaSuccess ? 0 : cuda_err(err, e, "cudaMalloc");
 }
