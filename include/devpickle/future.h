@@ -175,6 +175,7 @@ DP_API int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
  *  all within timeout_ns (<0: no limit; the events are polled, sleeping up
  *  to 1 ms between looks): DP_ETIMEDOUT when they have not. From a host
  *  function (dp_host_launch) whose stream holds an event of f recorded
+ *  after it, or an event of f on a stream that waits for work queued there
  *  after it, DP_EMISUSE at once, with a limit or without (device.h). */
 DP_API int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 
