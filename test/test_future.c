@@ -3077,3 +3077,48 @@ Test(future, current_streams_a_callback_sets_on_many_devices_and_one_it_frees_ar
     if (x.s[i]) dp_stream_free(x.s[i]);
   }
 }
+
+/* The same through another stream: a host function completes a future
+ * whose event lands on a stream that waits for work queued on the
+ * function's own stream after it. Synchronizing it there polled (with a
+ * limit: the whole limit, then DP_ETIMEDOUT) or hung (without one). */
+typedef struct via_sync {
+  dp_future_t *f;
+  dp_value_t v;
+  _Atomic int go;
+  int64_t timeout_ns;
+  int rc;
+  dp_error_t err;
+} via_sync_t;
+
+static void complete_then_synchronize_when_told(void *arg) {
+  via_sync_t *x = arg;
+  while (!atomic_load(&x->go)) sleep_ms(1);
+  OK(dp_future_mark_completed(x->f, x->v, T_ERR)); /* its event: on host:1's default stream, behind the wait */
+  x->rc = dp_future_synchronize(x->f, x->timeout_ns, &x->err);
+}
+
+Test(future, synchronizing_from_a_host_function_through_a_stream_waiting_for_it_is_emisuse, .timeout = 30) {
+  for (int limited = 0; limited < 2; limited++) {
+    dp_stream_t *mine, *d1;
+    OK(dp_stream_new(B, H0, &mine, T_ERR));
+    OK(dp_stream_default(B, H1, &d1, T_ERR));
+    dp_value_t t = device_ints(H1, 4);
+    via_sync_t x = {.f = future(), .v = dp_value_retain(t), .timeout_ns = limited ? 5000000000ll : -1, .rc = 1};
+    OK(dp_host_launch(mine, complete_then_synchronize_when_told, &x, T_ERR));
+    dp_event_t *after;
+    OK(dp_event_new(B, H0, &after, T_ERR));
+    OK(dp_event_record(after, mine, T_ERR));
+    OK(dp_stream_wait_event(d1, after, T_ERR));
+    atomic_store(&x.go, 1);
+    OK(dp_stream_synchronize(mine, T_ERR));
+    cr_assert_eq(x.rc, DP_EMISUSE, "limited %d: %s: %s", limited, dp_err_name(x.rc), x.err.message);
+    cr_assert(strstr(x.err.message, "dp_future_synchronize: ") == x.err.message, "%s", x.err.message);
+    OK(dp_stream_synchronize(d1, T_ERR));
+    dp_event_free(after);
+    dp_future_release(x.f);
+    free_ints(t);
+    dp_value_release(t);
+    dp_stream_free(mine);
+  }
+}
