@@ -453,7 +453,9 @@ static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small
       dp__grow((void **)&p->segs, &p->segs_cap, p->nsegs + 1, sizeof *p->segs) != 0) {
     dp__free(seg, seg ? sizeof *seg : 0);
     if (b) block_recycle(c, b);
-    return dp__err(err, DP_ENOMEM, "out of memory tracking a segment");
+    char d[16];
+    return dp__err(err, DP_ENOMEM, "dp_cache_alloc(%s): out of memory tracking a segment",
+                   dp_device_format(dp_backend_device(c->b, dev_of(c, p)), d, sizeof d));
   }
   void *mem;
   int rc = dp_device_alloc(c->b, dp_backend_device(c->b, dev_of(c, p)), seg_size, &mem, err);
@@ -725,13 +727,13 @@ static void stream_gone(void *ctx, dp_stream_t *s) {
 int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
   if (!b || !out) return dp__err(err, DP_EINVAL, "dp_cache_new: NULL %s", !b ? "backend" : "out");
   dp_cache_t *c = dp__alloc(sizeof *c);
-  if (!c) return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
+  if (!c) return dp__err(err, DP_ENOMEM, "dp_cache_new: out of memory creating a caching allocator");
   memset(c, 0, sizeof *c);
   int ndev = dp_backend_device_count(b);
   c->pools = dp__alloc_array((size_t)ndev, sizeof(devpool_t));
   if (!c->pools) {
     dp__free(c, sizeof *c);
-    return dp__err(err, DP_ENOMEM, "out of memory creating a caching allocator");
+    return dp__err(err, DP_ENOMEM, "dp_cache_new: out of memory creating a caching allocator");
   }
   memset(c->pools, 0, (size_t)ndev * sizeof(devpool_t));
   for (int d = 0; d < ndev; d++) dp__table_init(&c->pools[d].set_index);
@@ -857,7 +859,9 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
   freeset_t *own = set_find(p, s);
   if (DP_UNLIKELY(!own || !p->none)) {
     if (set_need(p, s) || set_need(p, NULL)) {
-      rc = dp__err(err, DP_ENOMEM, "out of memory tracking the free blocks of a stream");
+      char d[16];
+      rc = dp__err(err, DP_ENOMEM, "dp_cache_alloc(%s): out of memory tracking the free blocks of a stream",
+                   dp_device_format(dev, d, sizeof d));
       goto out;
     }
     own = set_find(p, s);
@@ -884,8 +888,8 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
     if (rc) {
       if (err) *err = first;
       if (rc == DP_ENOMEM)
-        dp__err(err, DP_ENOMEM, "out of memory allocating %zu bytes on %s:%d (%zu allocated, %zu reserved, %zu pending): %s",
-                nbytes, dp_backend_name(c->b), dev.index, p->st.allocated, p->st.reserved, p->st.pending_bytes, first.message);
+        dp__err(err, DP_ENOMEM, "dp_cache_alloc(%s:%d): out of memory allocating %zu bytes (%zu allocated, %zu reserved, %zu pending): %s",
+                dp_backend_name(c->b), dev.index, nbytes, p->st.allocated, p->st.reserved, p->st.pending_bytes, first.message);
       goto out;
     }
     free_insert(p, b);
@@ -912,7 +916,8 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
   }
   if (map_insert(c, b, s) != 0) {
     free_block(c, p, b);
-    rc = dp__err(err, DP_ENOMEM, "out of memory tracking an allocation");
+    char d[16];
+    rc = dp__err(err, DP_ENOMEM, "dp_cache_alloc(%s): out of memory tracking an allocation", dp_device_format(dev, d, sizeof d));
     goto out;
   }
   b->stream = s;
@@ -999,15 +1004,15 @@ static block_t *find_used(dp_cache_t *c, const void *ptr) {
 }
 
 /* Adds stream s to an allocated block's uses (and to the cache's users). */
-static int record_block(dp_cache_t *c, block_t *b, dp_stream_t *s, dp_error_t *err) {
+static int record_block(const char *fn, dp_cache_t *c, block_t *b, dp_stream_t *s, dp_error_t *err) {
   for (uint32_t i = 0; i < b->nuses; i++)
     if (b->uses[i] == s) return 0;
   user_t *u = user_need(c, s);
-  if (!u) return dp__err(err, DP_ENOMEM, "out of memory recording a stream use");
+  if (!u) return dp__err(err, DP_ENOMEM, "%s(%p): out of memory recording a stream use", fn, (void *)b->ptr);
   if (b->nuses == b->uses_cap) {
     size_t cap = b->uses_cap;
     if (dp__grow((void **)&b->uses, &cap, b->nuses + 1, sizeof *b->uses) != 0)
-      return dp__err(err, DP_ENOMEM, "out of memory recording a stream use");
+      return dp__err(err, DP_ENOMEM, "%s(%p): out of memory recording a stream use", fn, (void *)b->ptr);
     b->uses_cap = (uint32_t)cap;
   }
   b->uses[b->nuses++] = s;
@@ -1022,12 +1027,12 @@ static int record_block(dp_cache_t *c, block_t *b, dp_stream_t *s, dp_error_t *e
  * after waiting for an event recorded on that stream (dp_cache_alloc), so
  * an event on it at free time would order nothing more. An exact pointer is
  * decided from the map entry alone; an interior one looks for its segment. */
-static int record_slow(dp_cache_t *c, void *ptr, mapent_t *e, dp_stream_t *s, dp_error_t *err) {
+static int record_slow(const char *fn, dp_cache_t *c, void *ptr, mapent_t *e, dp_stream_t *s, dp_error_t *err) {
   block_t *b;
   if (e) {
     b = e->b;
   } else if (!(b = find_used(c, ptr)) || b->state != B_USED) {
-    return dp__err(err, DP_ENOTFOUND, "record_stream(%p): not an allocation of this allocator", ptr);
+    return dp__err(err, DP_ENOTFOUND, "%s(%p): not an allocation of this allocator", fn, ptr);
   } else if (b->stream == s) {
     return 0;
   }
@@ -1038,35 +1043,40 @@ static int record_slow(dp_cache_t *c, void *ptr, mapent_t *e, dp_stream_t *s, dp
   if (DP_UNLIKELY(dp_stream_backend(s) != c->b)) {
     char dev[16];
     return dp__err(err, DP_EINVAL,
-                   "record_stream(%p): the stream is on %s, of the %s backend; this allocator's memory is the %s "
+                   "%s(%p): the stream is on %s, of the %s backend; this allocator's memory is the %s "
                    "backend's, whose reuse only its own streams can order",
-                   ptr, dp_device_format(dp__stream_dev(s), dev, sizeof dev), dp_backend_name(dp_stream_backend(s)),
+                   fn, ptr, dp_device_format(dp__stream_dev(s), dev, sizeof dev), dp_backend_name(dp_stream_backend(s)),
                    dp_backend_name(c->b));
   }
-  return record_block(c, b, s, err);
+  return record_block(fn, c, b, s, err);
 }
 
-static inline __attribute__((always_inline)) int record_hashed(dp_cache_t *c, void *ptr, uint64_t h, dp_stream_t *s,
-                                                               dp_error_t *err) {
+static inline __attribute__((always_inline)) int record_hashed(const char *fn, dp_cache_t *c, void *ptr, uint64_t h,
+                                                               dp_stream_t *s, dp_error_t *err) {
   mapent_t *e = map_entry(c, ptr, h, NULL);
   if (DP_LIKELY(e != NULL) && e->stream == s) return 0;
-  return record_slow(c, ptr, e, s, err);
+  return record_slow(fn, c, ptr, e, s, err);
 }
 
 static inline __attribute__((always_inline)) int ents_eq(const void *ctx, size_t i, const void *key) {
   return ((const mapent_t *)ctx)[i].ptr == (const char *)key;
 }
 
-int dp_cache_record_stream(dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *err) {
-  if (!c || !s) return dp__err(err, DP_EINVAL, "dp_cache_record_stream: NULL %s", !c ? "cache" : "stream");
+/* fn: the name the messages give (the public call's, or the hook's). */
+static int record_one(const char *fn, dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  if (!c || !s) return dp__err(err, DP_EINVAL, "%s: NULL %s", fn, !c ? "cache" : "stream");
   pthread_mutex_lock(&c->mu);
-  int rc = record_hashed(c, ptr, dp__hash_ptr(ptr), s, err);
+  int rc = record_hashed(fn, c, ptr, dp__hash_ptr(ptr), s, err);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
 
+int dp_cache_record_stream(dp_cache_t *c, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  return record_one("dp_cache_record_stream", c, ptr, s, err);
+}
+
 static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
-  return dp_cache_record_stream(ctx, ptr, s, err);
+  return record_one("record_stream", ctx, ptr, s, err);
 }
 
 /* The batched record: one lock; most pointers need no lookup, and the
@@ -1154,7 +1164,7 @@ static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, v
       continue;
     }
     dp_error_t e; /* a pointer not of this allocator is skipped: err is written only on failure */
-    rc = record_slow(c, ptrs[i], at != DP_TABLE_NONE ? &mapped[at] : NULL, s, &e);
+    rc = record_slow("record_stream", c, ptrs[i], at != DP_TABLE_NONE ? &mapped[at] : NULL, s, &e);
     if (rc == DP_ENOTFOUND) rc = 0;
     else if (rc && err) *err = e;
     else if (owned && rc == 0) owned[i] = 1;

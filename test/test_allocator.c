@@ -264,7 +264,7 @@ Test(allocator, out_of_memory_frees_the_cache_retries_then_fails_clearly) {
   cr_assert_eq(st.reserved, 4 << 20);
   dp_error_t e;
   cr_assert_eq(dp_cache_alloc(C, H1, 2 << 20, s, &more, &e), DP_ENOMEM);
-  cr_assert(strstr(e.message, "out of memory allocating 2097152 bytes on host:1 (4194304 allocated, 4194304 reserved") ==
+  cr_assert(strstr(e.message, "dp_cache_alloc(host:1): out of memory allocating 2097152 bytes (4194304 allocated, 4194304 reserved") ==
                 e.message, "%s", e.message);
   OK(dp_cache_dealloc(C, big, T_ERR));
   dp_stream_free(s);
@@ -625,7 +625,7 @@ Test(allocator, a_host_function_out_of_memory_never_waits_and_never_frees_a_bloc
   atomic_store(&gate, 1);
   OK(dp_stream_synchronize(s, T_ERR)); /* returns: the function did not wait on its own stream */
   cr_assert_eq(a.rc, DP_ENOMEM, "%d %s", a.rc, a.msg);
-  cr_assert(strstr(a.msg, "out of memory allocating 2097152 bytes on host:1"), "%s", a.msg);
+  cr_assert(strstr(a.msg, "dp_cache_alloc(host:1): out of memory allocating 2097152 bytes"), "%s", a.msg);
   cr_assert_eq(stats(H1).segment_frees, 0, "the segment the later work used was kept");
 
   /* a cached segment of another stream, held at a gate: kept as well */
@@ -1724,7 +1724,7 @@ Test(allocator, a_record_on_a_stream_of_another_backend_is_einval_and_holds_noth
   dp_error_t e;
   cr_assert_eq(dp_cache_record_stream(C, p, &foreign, &e), DP_EINVAL);
   char want[200];
-  snprintf(want, sizeof want, "record_stream(%p): the stream is on cuda:0, of the cuda backend; this allocator's memory "
+  snprintf(want, sizeof want, "dp_cache_record_stream(%p): the stream is on cuda:0, of the cuda backend; this allocator's memory "
            "is the host backend's, whose reuse only its own streams can order", p);
   cr_assert_str_eq(e.message, want);
   cr_assert_eq(dp_cache_record_stream(C, (char *)p + 100, &foreign, &e), DP_EINVAL, "an interior pointer too");
@@ -1802,7 +1802,7 @@ Test(allocator, the_largest_size_that_can_be_rounded_is_asked_of_the_device) {
   dp_error_t e;
   size_t largest = SIZE_MAX - (2u << 20);
   cr_assert_eq(dp_cache_alloc(C, H1, largest, s, &p, &e), DP_ENOMEM);
-  cr_assert_str_eq(e.message, "out of memory allocating 18446744073707454463 bytes on host:1 (0 allocated, 0 reserved, "
+  cr_assert_str_eq(e.message, "dp_cache_alloc(host:1): out of memory allocating 18446744073707454463 bytes (0 allocated, 0 reserved, "
                    "0 pending): dp_device_alloc(host:1): out of memory: 18446744073707454464 bytes asked, 0 of 5242880 in use");
   cr_assert_eq(stats(H1).oom_retries, 1, "the device was asked, and asked again after the cache was freed");
   cr_assert_eq(dp_cache_alloc(C, H1, largest + 1, s, &p, &e), DP_ENOMEM);
@@ -1860,7 +1860,7 @@ Test(allocator, a_record_on_a_freed_block_still_pending_is_refused_and_holds_not
   OK(dp_stream_synchronize(t, T_ERR));
   for (int k = 0; k < 2; k++) {
     char want[96];
-    snprintf(want, sizeof want, "record_stream(%p): not an allocation of this allocator", (void *)(p + 100 * k));
+    snprintf(want, sizeof want, "dp_cache_record_stream(%p): not an allocation of this allocator", (void *)(p + 100 * k));
     cr_assert_eq(rc[k], DP_ENOTFOUND, "%s", dp_err_name(rc[k]));
     cr_assert_str_eq(e[k].message, want);
   }
@@ -2429,4 +2429,53 @@ Test(allocator, freeing_a_consumer_stream_whose_recorded_blocks_were_freed_looks
   for (int i = 0; i < N; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
   free(p);
   dp_stream_free(s);
+}
+
+/* cache.h's errors follow device.h: a failure's message names the function
+ * (or the device). Out of memory inside the allocator said "out of memory
+ * tracking a segment", "tracking an allocation", "recording a stream use",
+ * "creating a caching allocator"; a record refused through
+ * dp_cache_record_stream named the hook, record_stream. Each now starts
+ * with the function called (and, for an allocation, the device). */
+Test(allocator, every_failure_message_names_the_function_called) {
+  dp_cache_free(C);
+  C = NULL;
+  dp_stream_t *s = stream(H1), *u = stream(H1);
+  const char *fns[3] = {"dp_cache_new", "dp_cache_alloc(host:1)", "dp_cache_record_stream("};
+  int failed[3] = {0, 0, 0};
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 500);
+    long want = t_alloc_count + k;
+    t_fail_at = want;
+    dp_cache_t *c = NULL;
+    void *p = NULL, *q = NULL;
+    dp_error_t e;
+    dp_error_clear(&e);
+    int op = 0, rc = dp_cache_new(B, &c, &e);
+    if (rc == 0 && (op = 1, rc = dp_cache_alloc(c, H1, 4096, s, &p, &e)) == 0 &&
+        (op = 2, rc = dp_cache_record_stream(c, p, u, &e)) == 0)
+      op = 1, rc = dp_cache_alloc(c, H1, 3 << 20, s, &q, &e);
+    int hit = t_alloc_count >= want;
+    t_fail_at = 0;
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+      cr_assert(strncmp(e.message, fns[op], strlen(fns[op])) == 0, "allocation %ld: %s does not start with %s", k,
+                e.message, fns[op]);
+      failed[op]++;
+    }
+    if (p) OK(dp_cache_dealloc(c, p, T_ERR));
+    if (q) OK(dp_cache_dealloc(c, q, T_ERR));
+    dp_cache_free(c);
+    if (!hit) break;
+  }
+  for (int op = 0; op < 3; op++) cr_assert_gt(failed[op], 0, "%s never failed", fns[op]);
+  OK(dp_cache_new(B, &C, T_ERR));
+  int x;
+  dp_error_t e;
+  cr_assert_eq(dp_cache_record_stream(C, &x, u, &e), DP_ENOTFOUND);
+  char want[96];
+  snprintf(want, sizeof want, "dp_cache_record_stream(%p): not an allocation of this allocator", (void *)&x);
+  cr_assert_str_eq(e.message, want);
+  dp_stream_free(s);
+  dp_stream_free(u);
 }
