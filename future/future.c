@@ -233,7 +233,7 @@ static int init_opts(dp_future_t *f, const dp_future_opts_t *o, dp_error_t *err)
     return dp__err(err, DP_EINVAL, "dp_future_new: devices is NULL but ndevices is %zu", o->ndevices);
   if (o && o->ndevices) {
     f->allowed = dp__alloc_array(o->ndevices, sizeof(dp_device_t));
-    if (!f->allowed) return dp__err(err, DP_ENOMEM, "out of memory creating a future");
+    if (!f->allowed) return dp__err(err, DP_ENOMEM, "dp_future_new: out of memory creating a future");
     /* set before the checks: a refused device frees the array with its size */
     f->nallowed = o->ndevices;
     for (size_t i = 0; i < o->ndevices; i++) {
@@ -269,7 +269,7 @@ static void cv_attr_init(void) {
 int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *err) {
   if (!out) return dp__err(err, DP_EINVAL, "dp_future_new: NULL out");
   dp_future_t *f = dp__alloc(sizeof *f);
-  if (!f) return dp__err(err, DP_ENOMEM, "out of memory creating a future");
+  if (!f) return dp__err(err, DP_ENOMEM, "dp_future_new: out of memory creating a future");
   memset(f, 0, sizeof *f);
   dp__atomic_init(&f->refs, 1);
   pthread_mutex_init(&f->mu, NULL);
@@ -1094,15 +1094,28 @@ static void add_callback(dp_future_t *f, cbent_t *e) {
   dispatch(f, e);
 }
 
-static int then_entry(dp_future_t *f, dp_then_cb cb, dp_then_ptrs_cb ptrs_cb, void *ud, dp_future_t **child,
-                      dp_error_t *err) {
+/* A failure of what fn called (dp_future_new for its new future) in fn's
+ * name: "fn: <its message>". */
+static int named(const char *fn, int rc, dp_error_t *err) {
+  if (!rc || !err) return rc;
+  char msg[sizeof err->message];
+  memcpy(msg, err->message, sizeof msg);
+  msg[sizeof msg - 1] = '\0';
+  int backend = err->backend_code;
+  dp__err(err, rc, "%s: %s", fn, msg);
+  err->backend_code = backend;
+  return rc;
+}
+
+static int then_entry(const char *fn, dp_future_t *f, dp_then_cb cb, dp_then_ptrs_cb ptrs_cb, void *ud,
+                      dp_future_t **child, dp_error_t *err) {
   dp_future_t *c;
   int rc = future_like(f, &c, err);
-  if (rc) return rc;
+  if (rc) return named(fn, rc, err);
   cbent_t *e = dp__alloc(sizeof *e);
   if (!e) {
     dp_future_release(c);
-    return dp__err(err, DP_ENOMEM, "out of memory chaining a callback");
+    return dp__err(err, DP_ENOMEM, "%s: out of memory chaining a callback", fn);
   }
   memset(e, 0, sizeof *e);
   e->cb = cb;
@@ -1120,13 +1133,13 @@ static int then_entry(dp_future_t *f, dp_then_cb cb, dp_then_ptrs_cb ptrs_cb, vo
 
 int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child, dp_error_t *err) {
   if (!f || !cb || !child) return dp__err(err, DP_EINVAL, "dp_future_then: NULL %s", !f ? "future" : !cb ? "cb" : "child");
-  return then_entry(f, cb, NULL, ud, child, err);
+  return then_entry("dp_future_then", f, cb, NULL, ud, child, err);
 }
 
 int dp_future_then_with_ptrs(dp_future_t *f, dp_then_ptrs_cb cb, void *ud, dp_future_t **child, dp_error_t *err) {
   if (!f || !cb || !child)
     return dp__err(err, DP_EINVAL, "dp_future_then_with_ptrs: NULL %s", !f ? "future" : !cb ? "cb" : "child");
-  return then_entry(f, NULL, cb, ud, child, err);
+  return then_entry("dp_future_then_with_ptrs", f, NULL, cb, ud, child, err);
 }
 
 int dp__future_notify(dp_future_t *f, void (*fn)(void *ctx, dp_future_t *f, size_t index), void (*drop)(void *ctx),
@@ -1261,7 +1274,7 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
     if (!futures[i]) return dp__err(err, DP_EINVAL, "dp_future_collect_all: futures[%zu] is NULL", i);
   dp_future_t *o;
   int rc = opts || n == 0 ? dp_future_new(opts, &o, err) : future_like(futures[0], &o, err);
-  if (rc) return rc;
+  if (rc) return named("dp_future_collect_all", rc, err);
   collect_t *c = dp__alloc(sizeof *c);
   cbent_t **es = c ? dp__alloc_array(n ? n : 1, sizeof *es) : NULL;
   dp_future_t **in = c ? dp__alloc_array(collect_slots(n), sizeof *in) : NULL;
@@ -1275,7 +1288,7 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
     dp__free(in, in ? collect_slots(n) * sizeof *in : 0);
     dp__free(c, c ? sizeof *c : 0);
     dp_future_release(o);
-    return dp__err(err, DP_ENOMEM, "out of memory collecting futures");
+    return dp__err(err, DP_ENOMEM, "dp_future_collect_all: out of memory collecting futures");
   }
   c->n = n;
   c->in = in;
@@ -1327,8 +1340,8 @@ static const dp__ptrs_t *distinct_ptrs(const dp_future_t *cf, dp_error_t *err) {
   pthread_mutex_lock(&f->mu);
   if (!(d = dp__load_relaxed(&f->distinct))) {
     if (!(d = dp__alloc(sizeof *d))) {
-      dp__err(err, DP_ENOMEM, "out of memory listing the future's allocations");
-    } else if (dp__ptrs_distinct(&f->rec.ptrs, d, err) != 0) {
+      dp__err(err, DP_ENOMEM, "dp_future_ptr: out of memory listing the future's allocations");
+    } else if (named("dp_future_ptr", dp__ptrs_distinct(&f->rec.ptrs, d, err), err) != 0) {
       dp__free(d, sizeof *d);
       d = NULL;
     } else {

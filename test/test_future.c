@@ -3128,3 +3128,59 @@ Test(future, synchronizing_from_a_host_function_through_a_stream_waiting_for_it_
   }
   alarm(0);
 }
+
+/* Out of memory in a call names the call (as device.h and cache.h do):
+ * "out of memory creating a future", "chaining a callback", "collecting
+ * futures" and "listing the future's allocations" named none. */
+static int no_op_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)err;
+  *result = dp_none();
+  return 0;
+}
+static int no_op_ptrs_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)ptrs;
+  return no_op_cb(ud, parent, result, err);
+}
+
+Test(future, out_of_memory_in_a_call_names_the_call) {
+  const char *fns[5] = {"dp_future_new", "dp_future_then", "dp_future_then_with_ptrs", "dp_future_collect_all",
+                        "dp_future_ptr"};
+  dp_value_t t = device_ints(H0, 4), u = device_ints(H0, 4);
+  for (int op = 0; op < 5; op++) {
+    int failed = 0;
+    for (long k = 1;; k++) {
+      cr_assert_lt(k, 200);
+      dp_future_t *f = future(), *g = NULL;
+      dp_value_t l;
+      OK(dp_list_new(2, &l, T_ERR));
+      OK(dp_list_append(l, dp_value_retain(t), T_ERR));
+      OK(dp_list_append(l, dp_value_retain(u), T_ERR)); /* two storages, met apart: a list is made at the first ask */
+      OK(dp_future_mark_completed(f, l, T_ERR));
+      dp_error_t e;
+      dp_error_clear(&e);
+      long want = t_fail_at = atomic_load(&t_alloc_count) + k;
+      dp_future_opts_t o = {B, NULL, 0, NULL, 0, 0};
+      dp_ptr_info_t info;
+      int rc = op == 0   ? dp_future_new(&o, &g, &e)
+               : op == 1 ? dp_future_then(f, no_op_cb, NULL, &g, &e)
+               : op == 2 ? dp_future_then_with_ptrs(f, no_op_ptrs_cb, NULL, &g, &e)
+               : op == 3 ? dp_future_collect_all(&f, 1, NULL, &g, &e)
+                         : dp_future_ptr(f, 0, &info, &e);
+      int hit = atomic_load(&t_alloc_count) >= want;
+      t_fail_at = 0;
+      if (rc) {
+        cr_assert_eq(rc, DP_ENOMEM, "%s, allocation %ld: %s: %s", fns[op], k, dp_err_name(rc), e.message);
+        cr_assert(strncmp(e.message, fns[op], strlen(fns[op])) == 0, "%s, allocation %ld: %s", fns[op], k, e.message);
+        failed++;
+      }
+      dp_future_release(g);
+      dp_future_release(f);
+      if (!hit) break;
+    }
+    cr_assert_gt(failed, 0, "%s: no allocation was failed", fns[op]);
+  }
+  free_ints(t);
+  free_ints(u);
+  dp_value_release(t);
+  dp_value_release(u);
+}
