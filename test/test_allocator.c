@@ -2332,7 +2332,7 @@ static double cpu_freeing_unseen_streams(int n) {
   return total;
 }
 
-Test(allocator, freeing_a_stream_the_cache_never_saw_costs_nothing_however_many_blocks_it_holds, .timeout = 120) {
+Test(allocator, freeing_a_stream_the_cache_never_saw_costs_nothing_however_many_blocks_it_holds) {
   enum { N = 300000, FREES = 20 };
   dp_stream_t *s = stream(H0), *user = stream(H1);
   double empty = cpu_freeing_unseen_streams(FREES);
@@ -2377,7 +2377,7 @@ static double cpu_freeing_streams_that_freed_their_blocks(int n, uint64_t *cross
   return total;
 }
 
-Test(allocator, freeing_a_stream_whose_blocks_are_all_free_looks_only_at_those, .timeout = 120) {
+Test(allocator, freeing_a_stream_whose_blocks_are_all_free_looks_only_at_those) {
   enum { N = 300000, FREES = 20 };
   dp_stream_t *s = stream(H0);
   uint64_t cross = 0;
@@ -2414,7 +2414,7 @@ static double cpu_freeing_consumers_of_freed_blocks(int n, dp_stream_t *producer
   return total;
 }
 
-Test(allocator, freeing_a_consumer_stream_whose_recorded_blocks_were_freed_looks_at_no_block, .timeout = 120) {
+Test(allocator, freeing_a_consumer_stream_whose_recorded_blocks_were_freed_looks_at_no_block) {
   enum { N = 300000, FREES = 20 };
   dp_stream_t *s = stream(H0);
   double empty = cpu_freeing_consumers_of_freed_blocks(FREES, s);
