@@ -2055,6 +2055,13 @@ static const char *const nm_fn[NM_COUNT] = {
     "dp_device_synchronize", "dp_memcpy_async", "dp_host_launch", "dp_stream_wrap", "dp_stream_wait_event", "dp_stream_wait_stream"};
 
 static void nm_noop(void *arg) { (void)arg; }
+/* Holds t's stream until the op ran: a wait on work already done may
+ * allocate nothing, and the op then fails no allocation. */
+static _Atomic int nm_open;
+static void nm_gate(void *arg) {
+  (void)arg;
+  while (!atomic_load(&nm_open)) sched_yield();
+}
 
 Test(device, every_out_of_memory_message_names_the_function_and_the_device) {
   for (int op = 0; op < NM_COUNT; op++) {
@@ -2071,7 +2078,9 @@ Test(device, every_out_of_memory_message_names_the_function_and_the_device) {
         OK(dp_stream_new(b, H0, &s, T_ERR));
         OK(dp_stream_new(b, H1, &t, T_ERR));
         OK(dp_event_new(b, H1, &ev, T_ERR));
-        OK(dp_host_launch(t, nm_noop, NULL, T_ERR));
+        int gated = op == NM_WAIT_EVENT || op == NM_WAIT_STREAM; /* not a sync of t's device */
+        atomic_store(&nm_open, !gated);
+        OK(dp_host_launch(t, gated ? nm_gate : nm_noop, NULL, T_ERR));
         OK(dp_event_record(ev, t, T_ERR));
       }
       dp_error_t e;
@@ -2099,6 +2108,7 @@ Test(device, every_out_of_memory_message_names_the_function_and_the_device) {
       }
       int hit = atomic_load(&t_alloc_count) >= want;
       t_fail_at = 0;
+      atomic_store(&nm_open, 1);
       if (rc) {
         cr_assert_eq(rc, DP_ENOMEM, "%s, allocation %ld: %s: %s", nm_fn[op], k, dp_err_name(rc), e.message);
         cr_assert(strncmp(e.message, nm_fn[op], strlen(nm_fn[op])) == 0,
