@@ -1036,6 +1036,19 @@ Test(cli, a_bytes_or_float_tag_with_another_field_says_it_takes_no_other_fields)
   cr_assert_eq(count_entries(), 2, "a frame was written");
 }
 
+/* $dict with another field said its (valid) array was wrong: {"$dict": [],
+ * "x": 1} was "$dict must be an array of [key, value] pairs". It says what
+ * every other tag says, and keeps that message for a $dict that is no array. */
+Test(cli, a_dict_tag_with_another_field_says_it_takes_no_other_fields) {
+  pack_fails("d.json", "d.dpk", "{\"$dict\": [[\"a\", 1]], \"x\": 1}",
+             "devpickle: d.json: $dict takes no other fields, at $\n");
+  pack_fails("e.json", "e.dpk", "[{\"$dict\": [], \"$x\": 1}]",
+             "devpickle: e.json: $dict takes no other fields, at $[0]\n");
+  pack_fails("a.json", "a.dpk", "{\"$dict\": {}}",
+             "devpickle: a.json: $dict must be an array of [key, value] pairs, at $\n");
+  cr_assert_eq(count_entries(), 3, "a frame was written");
+}
+
 /* SECURITY.md bounds unpack's output: --compact, at most about 16 times the
  * frame. It said 4, which a frame of `false` (6 bytes of JSON a byte) and one
  * of zero-dimensional tensors on one buffer (9 bytes of frame, 146 of JSON)
@@ -3423,8 +3436,7 @@ Test(cli, pack_refuses_float_bits_with_fewer_than_sixteen_hex_digits) {
  * object, are refused, saying what the tag takes. */
 Test(cli, a_tuple_dict_reduce_or_object_tag_with_a_field_it_does_not_take_says_what_it_takes) {
   pack_fails("t.json", "x.dpk", "[{\"$tuple\": [], \"x\": 1}]", "devpickle: t.json: $tuple takes no other fields, at $[0]\n");
-  pack_fails("d.json", "x.dpk", "{\"$dict\": [], \"x\": 1}",
-             "devpickle: d.json: $dict must be an array of [key, value] pairs, at $\n");
+  pack_fails("d.json", "x.dpk", "{\"$dict\": [], \"x\": 1}", "devpickle: d.json: $dict takes no other fields, at $\n");
   pack_fails("r.json", "x.dpk", "{\"$reduce\": \"T\", \"state\": 1, \"x\": 2}",
              "devpickle: r.json: $reduce takes one other field, \"state\", at $\n");
   pack_fails("o.json", "x.dpk", "{\"$object\": \"C\", \"attrs\": [1]}",

@@ -1130,7 +1130,8 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
     return 0;
   }
   if ((x = json_object_get(j, "$dict")) != NULL) {
-    if (json_object_size(j) != 1 || !json_is_array(x)) return fail(r, DP_EINVAL, "$dict must be an array of [key, value] pairs");
+    if (json_object_size(j) != 1) return fail(r, DP_EINVAL, "$dict takes no other fields");
+    if (!json_is_array(x)) return fail(r, DP_EINVAL, "$dict must be an array of [key, value] pairs");
     /* paths as the library names them: `<key N>` inside the key of entry N,
      * `[<key JSON>]` (or `.name`) for its value */
     for (size_t i = 0; i < json_array_size(x); i++) {
