@@ -615,6 +615,18 @@ Test(cli, base64_with_bits_past_its_last_byte_and_a_name_given_twice_are_refused
              "devpickle: ids.json: $id \"a\" names an $id: a node has one name, at $\n");
 }
 
+/* VALUE_JSON.md: a node has one name. An $id whose $value was a $ref gave
+ * the node named by the $ref a second name ("b" below), and an $id whose
+ * $value was a $ref to itself said that the $ref "names no earlier $id",
+ * though the $id stood just before it. Both are refused as an $id of an $id
+ * is. */
+Test(cli, an_id_whose_value_is_a_ref_is_refused_as_a_second_name) {
+  pack_fails("two.json", "x.dpk", "[{\"$id\": \"a\", \"$value\": []}, {\"$id\": \"b\", \"$value\": {\"$ref\": \"a\"}}]",
+             "devpickle: two.json: $id \"b\" names a $ref: a node has one name (refer to it by \"a\"), at $[1]\n");
+  pack_fails("self.json", "x.dpk", "{\"$id\": \"x\", \"$value\": {\"$ref\": \"x\"}}",
+             "devpickle: self.json: $id \"x\" names a $ref to itself: a node cannot be its own value, at $\n");
+}
+
 Test(cli, bad_value_json_names_the_problem_and_where) {
   pack_fails("bad.json", "x.dpk", "{\"a\": [1, 2,, 3]}",
              "devpickle: bad.json: invalid JSON: unexpected ',' (line 1, column 13), at byte 12\n");

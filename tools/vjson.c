@@ -1254,6 +1254,16 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
         return fail(r, DP_EINVAL, "$id %s is defined twice", shown(x, 1, r->scratch));
       if (json_is_object(val) && json_object_get(val, "$id"))
         return fail(r, DP_EINVAL, "$id %s names an $id: a node has one name", shown(x, 1, r->scratch));
+      json_t *to = json_is_object(val) ? json_object_get(val, "$ref") : NULL;
+      if (to && json_equal(to, x))  /* not yet defined: its $ref would say it names no earlier $id */
+        return fail(r, DP_EINVAL, "$id %s names a $ref to itself: a node cannot be its own value",
+                    shown(x, 1, r->scratch));
+      if (to && json_object_size(val) == 1 && json_is_string(to) &&
+          find_id(r, json_string_value(to), json_string_length(to))) { /* a second name for that node */
+        char other[DP__STEP_MAX];
+        return fail(r, DP_EINVAL, "$id %s names a $ref: a node has one name (refer to it by %s)",
+                    shown(x, 1, r->scratch), shown(to, 1, other));
+      }
       size_t mine;
       if (is_container_json(val)) {
         if ((rc = make_shell(r, val, out)) != 0) return rc;
