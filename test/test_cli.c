@@ -627,6 +627,13 @@ Test(cli, an_id_whose_value_is_a_ref_is_refused_as_a_second_name) {
              "devpickle: self.json: $id \"x\" names a $ref to itself: a node cannot be its own value, at $\n");
 }
 
+/* A $ref that is no string said "$ref (not a string) names no earlier $id";
+ * it says what a $ref takes, as $id, $object and $reduce do of their names. */
+Test(cli, a_ref_that_is_no_string_says_it_must_be_a_name) {
+  pack_fails("n.json", "x.dpk", "[{\"$id\": \"5\", \"$value\": []}, {\"$ref\": 5}]",
+             "devpickle: n.json: $ref must be the string name of an earlier $id, at $[1]\n");
+}
+
 Test(cli, bad_value_json_names_the_problem_and_where) {
   pack_fails("bad.json", "x.dpk", "{\"a\": [1, 2,, 3]}",
              "devpickle: bad.json: invalid JSON: unexpected ',' (line 1, column 13), at byte 12\n");

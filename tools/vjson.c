@@ -1286,7 +1286,8 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
     }
     if ((x = json_object_get(j, "$ref")) != NULL) {
       if (json_object_size(j) != 1) return fail(r, DP_EINVAL, "$ref takes no other fields");
-      idnode_t *node = json_is_string(x) ? find_id(r, json_string_value(x), json_string_length(x)) : NULL;
+      if (!json_is_string(x)) return fail(r, DP_EINVAL, "$ref must be the string name of an earlier $id");
+      idnode_t *node = find_id(r, json_string_value(x), json_string_length(x));
       if (!node) return fail(r, DP_EINVAL, "$ref %s names no earlier $id", shown(x, 1, r->scratch));
       *out = dp_value_retain(node->v);
       return 0;
