@@ -181,6 +181,34 @@ Test(cli, recv_gives_up_after_its_timeout_in_seconds_and_names_the_port_it_bound
   res_free(r);
 }
 
+/* recv listened for a frame it could never write to -o (a missing
+ * directory, a directory, a file under a file): it failed only once a sender
+ * had sent the whole frame, or waited for one until its timeout. It says so
+ * at once, before listening, with the reason the write would have given. */
+Test(cli, recv_refuses_an_output_it_cannot_make_before_it_listens) {
+  spit("f", "x");
+  res_free(run_sh("mkdir sub"));
+  static const struct {
+    const char *out, *err;
+  } cases[] = {
+      {"nodir/x.dpk", "devpickle: nodir/x.dpk: No such file or directory\n"},
+      {"sub", "devpickle: sub: Is a directory\n"},
+      {"f/x.dpk", "devpickle: f/x.dpk: Not a directory\n"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char args[128];
+    snprintf(args, sizeof args, "recv 0 --host 127.0.0.1 --timeout 5 -o %s", cases[i].out);
+    res_t r = run(args);
+    cr_assert_eq(r.status, 1, "%s: %s", args, r.err);
+    cr_assert_str_eq(r.err, cases[i].err, "%s", args);
+    res_free(r);
+  }
+  res_t r = run("recv 0 --host 127.0.0.1 --timeout 0.2 -o sub/new.dpk"); /* one it can make: it listens */
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_not_null(strstr(r.err, "no frame within 0.2 s"), "%s", r.err);
+  res_free(r);
+}
+
 Test(cli, usage_errors_exit_with_status_two) {
   res_t r = run("");
   cr_assert_eq(r.status, 2);
@@ -2171,11 +2199,14 @@ Test(cli, a_write_that_fails_on_the_receiver_is_an_error_with_its_reason_on_both
   res_free(r);
   static const struct { const char *out, *why; } cases[] = {
       {"/dev/full", "/dev/full: write failed: No space left on device"},
-      {"no/such/dir/got.dpk", "no/such/dir/got.dpk: No such file or directory"},
+      /* a directory there when recv listens (one missing then is refused at once), gone when the frame comes */
+      {"gone/got.dpk", "gone/got.dpk: No such file or directory"},
   };
+  res_free(run_sh("mkdir gone"));
   for (int i = 0; i < 2; i++) {
     int port;
     pid_t pid = start_recv(cases[i].out, &port);
+    if (i == 1) res_free(run_sh("rmdir gone"));
     char args[128], want[256];
     snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 30", port);
     r = run(args);

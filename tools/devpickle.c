@@ -439,6 +439,33 @@ static int sink_close(sink_t *s, int ok) {
   return data_error(out_display(s->path), what, -1);
 }
 
+/* What sink_open would refuse at once, asked before a wait (recv listens,
+ * maybe for hours, before it writes): a directory, or a file whose
+ * directory is missing, no directory or not writable. 0, or the exit status
+ * after the message sink_open would give. A device, a pipe or a descriptor
+ * is opened as it is, when written. */
+static int sink_probe(const char *path) {
+  if (strcmp(path, "-") == 0) return 0;
+  int fd = -1, e = 0;
+  char *target = follow_links(path, &fd);
+  if (fd >= 0) return 0;
+  if (!target) return data_error(path, strerror(errno), -1);
+  struct stat st;
+  if (stat(target, &st) == 0 && S_ISDIR(st.st_mode)) e = EISDIR;
+  else if (stat(target, &st) != 0 || S_ISREG(st.st_mode)) { /* made or replaced beside it */
+    const char *slash = strrchr(target, '/');
+    char *dir = slash ? strndup(target, slash == target ? 1 : (size_t)(slash - target)) : strdup(".");
+    struct stat ds;
+    if (!dir) e = ENOMEM;
+    else if (stat(dir, &ds) != 0) e = errno;
+    else if (!S_ISDIR(ds.st_mode)) e = ENOTDIR;
+    else if (access(dir, W_OK | X_OK) != 0) e = errno;
+    free(dir);
+  }
+  free(target);
+  return e ? data_error(path, strerror(e), -1) : 0;
+}
+
 static int write_all(const char *path, const void *p, size_t n) {
   sink_t s;
   int rc = sink_open(&s, path);
@@ -1044,11 +1071,12 @@ static const char *const help_recv =
     "SECONDS s (--timeout)'.\n"
     "Exit status: 0 a frame received and written; 1 a frame refused, a\n"
     "connection that failed, a timeout or a failed write ('devpickle: FILE:\n"
-    "write failed: WHY', or the system's reason FILE cannot be made), one line\n"
-    "on stderr; the sender is told why a frame was refused or not written. The\n"
-    "answer then has 10 s to leave ('recv timed out: the answer to the sender\n"
-    "was not sent within 10 s (recv's limit for its answer)', the status\n"
-    "unchanged); 2 usage.\n"
+    "write failed: WHY', or the system's reason FILE cannot be made: a\n"
+    "directory, or a directory missing or not writable is found before it\n"
+    "listens), one line on stderr; the sender is told why a frame was refused\n"
+    "or not written. The answer then has 10 s to leave ('recv timed out: the\n"
+    "answer to the sender was not sent within 10 s (recv's limit for its\n"
+    "answer)', the status unchanged); 2 usage.\n"
     "UCX reads its own environment (UCX_TLS, UCX_NET_DEVICES); its own log is\n"
     "off (UCX_LOG_LEVEL=fatal) unless UCX_LOG_LEVEL is set.\n"
     "Example: devpickle recv 0 -o got.dpk (then send to the port it names)\n";
@@ -1323,6 +1351,7 @@ static int cmd_recv(int argc, char **argv) {
   if (!a.out && isatty(STDOUT_FILENO)) /* before listening: no sender is left without an answer */
     return usage_error("recv", "%s", "stdout is a terminal: a frame is binary (-o FRAME.dpk, or -o - to write it there)");
   if (!a.out) a.out = "-";
+  if ((rc = sink_probe(a.out)) != 0) return rc; /* before listening: not after a sender's frame came */
   /* a stdout nobody reads fails the write (EPIPE), reported and answered
      as any failed write: killed by SIGPIPE, recv told its sender nothing */
   signal(SIGPIPE, SIG_IGN);
