@@ -3594,6 +3594,28 @@ Test(cli, inspect_shows_a_float_with_the_seventeen_digits_that_name_its_double) 
   res_free(r);
 }
 
+/* inspect showed every NaN as "nan" (or "-nan"), so that two floats that
+ * differ, as dict keys, as unpack writes them and as paths name them, read
+ * alike; 100.0 and -0.0 as "100" and "-0". A float reads as value JSON
+ * writes it, as in a path. */
+Test(cli, inspect_shows_distinct_nans_apart_and_a_float_as_value_json_writes_it) {
+  spit("f.json", "[{\"$float\": \"nan\"}, {\"$float\": \"0x7ff8000000000001\"}, {\"$float\": \"0xfff8000000000000\"},"
+                 " {\"$float\": \"-inf\"}, 100.0, -0.0]");
+  res_t r = run("pack f.json -o f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("inspect f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  static const char *const want[] = {"float nan\n", "float 0x7ff8000000000001\n", "float 0xfff8000000000000\n",
+                                     "float -inf\n", "float 100.0\n", "float -0.0\n"};
+  for (int i = 0; i < 6; i++) {
+    char line[128];
+    snprintf(line, sizeof line, "$[%d]                                      %s", i, want[i]);
+    cr_assert_not_null(strstr(r.out, line), "%s not in %s", line, r.out);
+  }
+  res_free(r);
+}
+
 static int build_many_shared(void) {
   /* 100,000 strs, each in two lists: every one is met again */
   dp_value_t a, b, root;

@@ -966,7 +966,9 @@ static const char *const help_inspect =
     "'-> PATH' of its first line. Levels deeper than 64 are summarized, and\n"
     "dict keys are shown only in paths: a node first met there is shown in\n"
     "full at its first line. Long names and paths are shortened (docs/VALUE_JSON.md,\n"
-    "\"Paths\"); a str shows its first 40 bytes, then '\xe2\x80\xa6' when longer.\n"
+    "\"Paths\"); a str shows its first 40 bytes, then '\xe2\x80\xa6' when longer; a\n"
+    "float is written as value JSON writes it (nan, inf, -inf, a NaN other\n"
+    "than the default by its bits, 0x...).\n"
     "Use - for stdin. " STDIN_FRAME
 
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"

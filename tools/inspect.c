@@ -153,7 +153,12 @@ static void summary(FILE *out, dp_value_t v) {
     case DP_NONE: fprintf(out, "none\n"); return;
     case DP_BOOL: fprintf(out, "bool %s\n", dp_value_as_bool(v) ? "true" : "false"); return;
     case DP_INT: fprintf(out, "int %" PRId64 "\n", dp_value_as_int(v)); return;
-    case DP_FLOAT: fprintf(out, "float %.17g\n", dp_value_as_float(v)); return;
+    case DP_FLOAT: { /* as value JSON writes it: distinct floats (NaN payloads, -0.0) read apart */
+      char b[40];
+      vjson_float_text(dp_value_as_float(v), b, sizeof b);
+      fprintf(out, "float %s\n", b);
+      return;
+    }
     case DP_STR: {
       const char *s = dp_str_data(v, &n);
       /* its first 40 bytes, escaped as a path's names are: one line */

@@ -80,7 +80,7 @@ int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n) {
 /* A float as unpack writes it: the number with 17 significant digits (and
  * ".0" when it would read as an int) and 1 returned, or the text of its
  * {"$float": ...} form and 0 returned (inf, -inf, nan, or a NaN's bits). */
-static int float_text(double f, char *b, size_t cap) {
+int vjson_float_text(double f, char *b, size_t cap) {
   uint64_t bits;
   memcpy(&bits, &f, sizeof bits);
   if (isfinite(f)) {
@@ -1553,7 +1553,7 @@ static int tag_open(wr_t *w, const char *tag) {
 
 static void put_float(wr_t *w, double f) {
   char b[40];
-  if (float_text(f, b, sizeof b)) {
+  if (vjson_float_text(f, b, sizeof b)) {
     put(w, b, strlen(b));
     return;
   }

@@ -54,6 +54,12 @@ json_t *vjson_from_value(dp_value_t v, char *msg, size_t msgsize);
 /* The NaN that value JSON writes as {"$float": "nan"}; others go by their bits. */
 #define VJSON_DEFAULT_NAN_BITS 0x7ff8000000000000ull
 
+/* A float as value JSON writes it, into b (40 bytes are enough): a finite one
+ * with 17 significant digits and always a fraction or an exponent (returns
+ * 1); otherwise the text of its {"$float": ...}: nan (the default NaN), inf,
+ * -inf, or 0x and the 16 hex digits of its bits (returns 0). */
+int vjson_float_text(double f, char *b, size_t cap);
+
 /* base64 */
 char *vjson_b64_encode(const uint8_t *p, size_t n);
 int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n);
