@@ -124,6 +124,21 @@ Test(cli, every_command_answers_help_with_its_usage) {
   res_free(r);
 }
 
+/* Every command that reads a value refuses one nested deeper than 2,000
+ * levels, but only verify's --help said so: pack, unpack, dump and inspect
+ * name the limit too. */
+Test(cli, every_command_that_reads_a_value_names_the_nesting_limit_in_its_help) {
+  static const char *const cmds[] = {"pack", "unpack", "dump", "inspect", "verify"};
+  for (int i = 0; i < 5; i++) {
+    char args[64];
+    snprintf(args, sizeof args, "%s --help", cmds[i]);
+    res_t r = run(args);
+    cr_assert_eq(r.status, 0, "%s", args);
+    cr_assert_not_null(strstr(r.out, "2,000 levels"), "%s says: %s", args, r.out);
+    res_free(r);
+  }
+}
+
 Test(cli, a_file_whose_name_starts_with_a_dash_is_named_after_a_double_dash) {
   spit("-v.json", simple_json);
   static const struct {

@@ -760,6 +760,11 @@ static int load_command(const char *cmd, const char *help, int argc, char **argv
   "an error as soon as more than 64 KiB follow the frame. A terminal is\n"      \
   "refused.\n"
 
+/* The limits a frame is read under, in every --help that reads one but verify's (which says so itself). */
+#define FRAME_LIMITS                                                              \
+  "The frame is read as 'verify' reads it: every check, the default limits\n"   \
+  "(docs/FORMAT.md) and value JSON's nesting limit of 2,000 levels.\n"
+
 /* ---- pack ---- */
 
 static const char *const help_pack =
@@ -773,6 +778,8 @@ static const char *const help_pack =
     "to a temporary file renamed over FRAME.dpk when complete.\n"
     "Use - for stdin, -o - for stdout. The input is read to its end, or until\n"
     "what came is no JSON whatever follows (pack /dev/zero reads 64 KiB).\n"
+    "Containers nest at most 2,000 levels (an empty one is no level; the JSON\n"
+    "itself at most 8,008), the limit every frame command reads under.\n"
     "Exit status: 0 written; 1 on bad input or a failure, one line on stderr:\n"
     "'devpickle: FILE: what, at byte N' for text that is not JSON (a syntax\n"
     "error, a duplicate key, an integer out of range), 'at $.path' for JSON\n"
@@ -850,7 +857,7 @@ static const char *const help_unpack =
     "The JSON is indented two spaces a level; --compact writes it on one\n"
     "line, no space between tokens, a newline at its end (a deeply nested\n"
     "value is then far smaller).\n"
-    "Use - for stdin, -o - for stdout. " STDIN_FRAME
+    "Use - for stdin, -o - for stdout. " STDIN_FRAME FRAME_LIMITS
 
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
     "at byte N'), a file that cannot be read or a failed write (one line on\n"
@@ -888,7 +895,7 @@ static const char *const help_dump =
     "--json prints one object instead:\n"
     "  {\"count\": N, \"devices\": [...], \"pointers\": [{\"device\": \"cuda:0\",\n"
     "   \"ptr\": \"0x...\", \"nbytes\": N, \"path\": \"$...\", \"refs\": K}, ...]}\n"
-    "Use - for stdin. " STDIN_FRAME
+    "Use - for stdin. " STDIN_FRAME FRAME_LIMITS
 
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
     "at byte N'), a file that cannot be read or a failed write (one line on\n"
@@ -969,7 +976,7 @@ static const char *const help_inspect =
     "\"Paths\"); a str shows its first 40 bytes, then '\xe2\x80\xa6' when longer; a\n"
     "float is written as value JSON writes it (nan, inf, -inf, a NaN other\n"
     "than the default by its bits, 0x...).\n"
-    "Use - for stdin. " STDIN_FRAME
+    "Use - for stdin. " STDIN_FRAME FRAME_LIMITS
 
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
     "at byte N'), a file that cannot be read or a failed write (one line on\n"
