@@ -1928,9 +1928,13 @@ Test(cli, dict_keys_show_their_value_json_alike_in_dump_inspect_and_pack_errors)
 
 Test(cli, a_duplicate_json_key_is_reported_at_the_byte_where_the_repeated_key_starts) {
   pack_fails("dup.json", "dup.dpk", "{\"a\": 1,\n \"a\": 2}",
-             "devpickle: dup.json: invalid JSON: duplicate object key (line 2, column 2), at byte 10\n");
+             "devpickle: dup.json: invalid JSON: duplicate object key \"a\" (line 2, column 2), at byte 10\n");
   pack_fails("dupn.json", "dupn.dpk", "[{\"x\": 1, \"x\" : 2}]",
-             "devpickle: dupn.json: invalid JSON: duplicate object key (line 1, column 11), at byte 10\n");
+             "devpickle: dupn.json: invalid JSON: duplicate object key \"x\" (line 1, column 11), at byte 10\n");
+  /* the repeated key is named, as the frame reader names a duplicate dict key: escaped, cut after 64 bytes */
+  pack_fails("dupe.json", "dupe.dpk", "{\"k\\n\\u0000\": 1, \"k\\u000a\\u0000\": 2}",
+             "devpickle: dupe.json: invalid JSON: duplicate object key \"k\\u000a\\u0000\" (line 1, column 18), "
+             "at byte 17\n");
 }
 
 /* An escape that is not one (a bad \u, a lone surrogate, an unknown letter)
@@ -2777,7 +2781,7 @@ Test(cli, pack_stops_reading_an_input_once_what_came_is_no_json_whatever_follows
   } runs[] = {
       {"\0", 1, "devpickle: <stdin>: invalid JSON: unexpected byte 0x00 (line 1, column 1), at byte 0\n"},
       {"[1]\n", 4, "devpickle: <stdin>: invalid JSON: end of input expected, not '[' (line 2, column 1), at byte 4\n"},
-      {"{\"a\": 1, \"a\": 2}", 17, "devpickle: <stdin>: invalid JSON: duplicate object key (line 1, column 10), at byte 9\n"},
+      {"{\"a\": 1, \"a\": 2}", 17, "devpickle: <stdin>: invalid JSON: duplicate object key \"a\" (line 1, column 10), at byte 9\n"},
   };
   const size_t max = 64 << 20;
   for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
@@ -2814,11 +2818,11 @@ Test(cli, pack_stops_reading_at_a_duplicate_key_of_an_object_still_open) {
     const char *head;
     const char *err;
   } runs[] = {
-      {"{\"a\": 1, \"a\": [", "devpickle: <stdin>: invalid JSON: duplicate object key (line 1, column 10), at byte 9\n"},
+      {"{\"a\": 1, \"a\": [", "devpickle: <stdin>: invalid JSON: duplicate object key \"a\" (line 1, column 10), at byte 9\n"},
       {"[{\"x\": {\"k\\u0061\": 1, \"ka\": [",
-       "devpickle: <stdin>: invalid JSON: duplicate object key (line 1, column 23), at byte 22\n"},
+       "devpickle: <stdin>: invalid JSON: duplicate object key \"ka\" (line 1, column 23), at byte 22\n"},
       {"{\"a\": {\"b\": 1}, \"b\": {\"b\": 2, \"c\": {}}, \"a\": [",
-       "devpickle: <stdin>: invalid JSON: duplicate object key (line 1, column 41), at byte 40\n"},
+       "devpickle: <stdin>: invalid JSON: duplicate object key \"a\" (line 1, column 41), at byte 40\n"},
   };
   for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
     int status;

@@ -115,7 +115,7 @@ typedef struct ps {
 
 static int perr(ps_t *ps, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int perr(ps_t *ps, const char *fmt, ...) {
-  char what[160];
+  char what[160 + DP__STEP_MAX];  /* room for a key, quoted and cut */
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(what, sizeof what, fmt, ap);
@@ -624,8 +624,10 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
             break;
           }
           if (again) {
+            char key[DP__STEP_MAX];  /* named as a path names it: escaped, cut after 64 bytes */
+            key[dp__name_quoted(ps.key, ps.keylen, key)] = '\0';
             ps.p = ps.key_at;
-            bad = perr(&ps, "duplicate object key");
+            bad = perr(&ps, "duplicate object key %s", key);
             break;
           }
         }
