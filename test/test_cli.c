@@ -224,6 +224,21 @@ Test(cli, recv_refuses_an_output_it_cannot_make_before_it_listens) {
   res_free(r);
 }
 
+/* pack and unpack read their whole input before they made their output, so
+ * that an -o they could not make (a missing directory, a directory) failed
+ * only once a pipe had ended: behind a producer that never closes it, never.
+ * They refuse it at once, before reading, as recv does before listening. */
+Test(cli, pack_and_unpack_refuse_an_output_they_cannot_make_before_reading_their_input) {
+  res_t r = run_sh("mkfifo p && mkdir sub && "
+                   "timeout 5 $D pack - -o nodir/x.dpk <>p; echo \"pack $?\"; "
+                   "timeout 5 $D unpack - -o sub <>p; echo \"unpack $?\"");
+  cr_assert_str_eq(r.out, "pack 1\nunpack 1\n", "%s", r.err);
+  cr_assert_str_eq(r.err,
+                   "devpickle: nodir/x.dpk: No such file or directory\n"
+                   "devpickle: sub: Is a directory\n");
+  res_free(r);
+}
+
 Test(cli, usage_errors_exit_with_status_two) {
   res_t r = run("");
   cr_assert_eq(r.status, 2);

@@ -731,6 +731,7 @@ static int load_command(const char *cmd, const char *help, int argc, char **argv
                         int whole, loaded_t *l) {
   int rc = parse_args(cmd, help, argc, argv, &l->a, allow_o, 0, flag);
   if (rc) return rc;
+  if (l->a.out && (rc = sink_probe(l->a.out)) != 0) return rc; /* before reading, as pack */
   dp_error_t e;
   dp_error_clear(&e);
   dp_unpickle_opts_t o = cli_unpickle_opts();
@@ -800,6 +801,7 @@ static int cmd_pack(int argc, char **argv) {
   args_t a;
   int rc = parse_args("pack", help_pack, argc, argv, &a, 1, 1, NULL);
   if (rc) return rc < 0 ? 0 : rc;
+  if ((rc = sink_probe(a.out)) != 0) return rc; /* before reading: a pipe may take long to end */
   uint8_t *text = NULL;
   size_t len = 0;
   if ((rc = read_json(a.file, &text, &len)) != 0) return rc;
