@@ -3632,6 +3632,29 @@ Test(cli, inspect_shows_a_float_with_the_seventeen_digits_that_name_its_double) 
  * differ, as dict keys, as unpack writes them and as paths name them, read
  * alike; 100.0 and -0.0 as "100" and "-0". A float reads as value JSON
  * writes it, as in a path. */
+/* inspect showed a tensor's shape and offset but not its strides, so that a
+ * transpose and the contiguous view of one storage read alike. Strides
+ * other than the shape's row-major default are shown. */
+Test(cli, inspect_shows_strides_that_are_not_the_shapes_default) {
+  spit("t.json", "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 3]}},"
+                 " {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 3],"
+                 " \"strides\": [1, 2]}},"
+                 " {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 0, 3]}}]");
+  res_t r = run("pack t.json -o t.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("inspect t.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "$[0]                                      tensor uint8[2, 3] cpu 0x1 (6 bytes) offset 0\n"),
+                     "%s", r.out);
+  cr_assert_not_null(
+      strstr(r.out, "$[1]                                      tensor uint8[2, 3] strides [1, 2] cpu 0x1 (6 bytes) offset 0\n"),
+      "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "$[2]                                      tensor uint8[2, 0, 3] cpu 0x1 (6 bytes) offset 0\n"),
+                     "%s", r.out);
+  res_free(r);
+}
+
 Test(cli, inspect_shows_distinct_nans_apart_and_a_float_as_value_json_writes_it) {
   spit("f.json", "[{\"$float\": \"nan\"}, {\"$float\": \"0x7ff8000000000001\"}, {\"$float\": \"0xfff8000000000000\"},"
                  " {\"$float\": \"-inf\"}, 100.0, -0.0]");

@@ -977,7 +977,8 @@ static const char *const help_inspect =
     "full at its first line. Long names and paths are shortened (docs/VALUE_JSON.md,\n"
     "\"Paths\"); a str shows its first 40 bytes, then '\xe2\x80\xa6' when longer; a\n"
     "float is written as value JSON writes it (nan, inf, -inf, a NaN other\n"
-    "than the default by its bits, 0x...).\n"
+    "than the default by its bits, 0x...); a tensor's strides are shown when\n"
+    "they are not its shape's row-major default.\n"
     "Use - for stdin. " STDIN_FRAME FRAME_LIMITS
 
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"

@@ -146,6 +146,20 @@ static dp_value_t child_at(dp_value_t v, size_t i) {
   }
 }
 
+/* Whether strides are the shape's row-major default (value JSON's, which
+ * unpack writes and pack assumes when "strides" is left out): the last 1,
+ * each other the next times the next dimension (a 0 dimension counted as 1). */
+static int contiguous(int nd, const int64_t *shape, const int64_t *strides) {
+  int64_t s = 1;
+  for (int d = nd - 1; d >= 0; d--) {
+    if (strides[d] != s) return 0;
+    int64_t dim = shape[d] > 0 ? shape[d] : 1;
+    if (d > 0 && s > INT64_MAX / dim) return 0;
+    s *= dim;
+  }
+  return 1;
+}
+
 static void summary(FILE *out, dp_value_t v) {
   char dev[16];
   size_t n;
@@ -173,9 +187,16 @@ static void summary(FILE *out, dp_value_t v) {
     case DP_TENSOR: {
       dp_storage_t *st = dp_tensor_storage(v);
       fprintf(out, "tensor %s[", dp_dtype_name(dp_tensor_dtype(v)));
-      for (int d = 0; d < dp_tensor_ndim(v); d++) fprintf(out, "%s%" PRId64, d ? ", " : "", dp_tensor_shape(v)[d]);
+      int nd = dp_tensor_ndim(v);
+      const int64_t *shape = dp_tensor_shape(v), *strides = dp_tensor_strides(v);
+      for (int d = 0; d < nd; d++) fprintf(out, "%s%" PRId64, d ? ", " : "", shape[d]);
+      fputc(']', out);
+      if (!contiguous(nd, shape, strides)) { /* a transpose or a slice: not the shape's default view */
+        for (int d = 0; d < nd; d++) fprintf(out, "%s%" PRId64, d ? ", " : " strides [", strides[d]);
+        fputc(']', out);
+      }
       n = dp_storage_nbytes(st);
-      fprintf(out, "] %s 0x%" PRIxPTR " (%zu byte%s) offset %" PRId64 "\n",
+      fprintf(out, " %s 0x%" PRIxPTR " (%zu byte%s) offset %" PRId64 "\n",
               dp_device_format(dp_storage_device(st), dev, sizeof dev), (uintptr_t)dp_storage_base(st), n,
               n == 1 ? "" : "s", dp_tensor_offset(v));
       return;
