@@ -287,8 +287,14 @@ static int read_int(rd_t *r, int64_t *out, int64_t lo, int64_t hi, const char *w
   if (t.v.i < lo || t.v.i > hi) goto range;
   *out = t.v.i;
   return 0;
-range:
-  return rd_fail(r, DP_EFORMAT, start, "%s out of range", what);
+range:;
+  /* the value and the range it missed, as pack's messages give them */
+  char val[24];
+  if (t.type == T_UINT) snprintf(val, sizeof val, "%llu", (unsigned long long)t.v.u);
+  else snprintf(val, sizeof val, "%lld", (long long)t.v.i);
+  if (lo > hi) /* a tensor's buffer id in a frame without buffers */
+    return rd_fail(r, DP_EFORMAT, start, "%s %s out of range (the frame has no buffers)", what, val);
+  return rd_fail(r, DP_EFORMAT, start, "%s %s out of range (%lld..%lld)", what, val, (long long)lo, (long long)hi);
 }
 
 static int read_uint(rd_t *r, uint64_t *out, const char *what) {

@@ -3635,6 +3635,50 @@ Test(cli, inspect_shows_a_float_with_the_seventeen_digits_that_name_its_double) 
 /* inspect showed a tensor's shape and offset but not its strides, so that a
  * transpose and the contiguous view of one storage read alike. Strides
  * other than the shape's row-major default are shown. */
+/* A tensor field out of range was refused as "tensor dtype out of range",
+ * "tensor offset out of range": the reader names the value and the range,
+ * as pack does for the same fields in value JSON. */
+Test(cli, a_tensor_field_out_of_range_is_named_with_its_value_and_range) {
+  /* [tensor, buffer 0, dtype 99, [1], [1], 0] over one cuda:0 buffer of 1 byte */
+  uint8_t p[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x63, 0x91, 0x01, 0x91, 0x01, 0x00};
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x01, 0x10};
+  static const struct {
+    int at;
+    uint8_t byte;
+    const char *err;
+  } cases[] = {
+      {5, 0x63, "tensor dtype 99 out of range (0..14), at byte 45"},
+      {4, 0x01, "tensor buffer id 1 out of range (0..0), at byte 44"},
+      {10, 0xff, "tensor offset -1 out of range (0..9223372036854775807), at byte 50"},
+  };
+  for (int i = 0; i < 3; i++) {
+    uint8_t q[sizeof p];
+    memcpy(q, p, sizeof p);
+    if (i > 0) q[5] = 0x05; /* uint8: a valid dtype */
+    q[cases[i].at] = cases[i].byte;
+    uint8_t frame[64];
+    size_t n = 40 + sizeof q + sizeof table;
+    memcpy(frame, "DPKL\x01\x00\x00\x00", 8);
+    uint64_t lens[4] = {sizeof q, sizeof table, 0, 0};
+    memcpy(frame + 8, lens, 32);
+    memcpy(frame + 40, q, sizeof q);
+    memcpy(frame + 40 + sizeof q, table, sizeof table);
+    uint64_t h = XXH3_64bits_withSeed(frame + 40, n - 40, XXH3_64bits(frame, 32));
+    memcpy(frame + 32, &h, 8);
+    char path[128];
+    path_in(path, sizeof path, "t.dpk");
+    FILE *f = fopen(path, "wb");
+    fwrite(frame, 1, n, f);
+    fclose(f);
+    res_t r = run("verify t.dpk");
+    char want[256];
+    snprintf(want, sizeof want, "devpickle: t.dpk: %s\n", cases[i].err);
+    cr_assert_eq(r.status, 1, "%s", r.err);
+    cr_assert_str_eq(r.err, want);
+    res_free(r);
+  }
+}
+
 Test(cli, inspect_shows_strides_that_are_not_the_shapes_default) {
   spit("t.json", "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 3]}},"
                  " {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 3],"
