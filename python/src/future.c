@@ -134,6 +134,7 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
     PyErr_NoMemory();
     return -1;
   }
+  Py_ssize_t kept = 0; /* distinct devices, in d[0 .. kept) */
   for (Py_ssize_t i = 0; i < k; i++) {
     PyObject *x = PySequence_Fast_GET_ITEM(seq, i);
     /* an int, or a numpy integer, is a CUDA index; a bool is not an int
@@ -153,7 +154,7 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
     /* the whole text names the device: one holding a NUL ("cpu\0x") is
        none, never the part before it */
     int nul = txt && strlen(txt) != (size_t)len;
-    if (!txt || nul || dp_device_parse(txt, &d[i], &e)) {
+    if (!txt || nul || dp_device_parse(txt, &d[kept], &e)) {
       /* in Python's words (the library's message names its own function) */
       if (txt) PyErr_Format(PyExc_ValueError, "devices: %R is not a device (cpu, cuda:N or host:N, N 0..255)", s);
       Py_XDECREF(s);
@@ -162,10 +163,18 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
       return -1;
     }
     Py_DECREF(s);
+    /* a device named twice is one device (torch deduplicates a future's
+       devices too): kept once, where first named */
+    for (Py_ssize_t j = 0; j < kept; j++)
+      if (dp_device_equal(d[j], d[kept])) {
+        kept--;
+        break;
+      }
+    kept++;
   }
   Py_DECREF(seq);
   *out = d;
-  *n = (size_t)k;
+  *n = (size_t)kept;
   return 0;
 }
 
@@ -230,10 +239,16 @@ fail:
   return NULL;
 }
 
+/* Whether two lists of distinct devices (parse_devices keeps each once) name
+ * the same devices, in any order: the order changes nothing (every non-cpu
+ * device of a future is of its one backend). */
 static int same_list(const dp_device_t *a, size_t na, const dp_device_t *b, size_t nb) {
   if (na != nb) return 0;
-  for (size_t i = 0; i < na; i++)
-    if (!dp_device_equal(a[i], b[i])) return 0;
+  for (size_t i = 0; i < na; i++) {
+    size_t j = 0;
+    while (j < nb && !dp_device_equal(a[i], b[j])) j++;
+    if (j == nb) return 0;
+  }
   return 1;
 }
 

@@ -1603,6 +1603,29 @@ def test_a_subclass_init_calling_the_futures_init_without_devices_keeps_those_it
         f.set_result(a_generator())
 
 
+def test_the_same_devices_again_in_another_order_or_repeated_change_nothing_once_the_future_is_used():
+    # PYTHON.md: "the same devices again ... change nothing". Devices are a
+    # set (torch sorts and deduplicates a future's device list); the list was
+    # compared item by item, so a repeat or another order was a change,
+    # refused once the future was chained or completed.
+    class Tracked(devpickle.Future):
+        def __init__(self, devices):
+            super().__init__(devices=devices)
+
+    for made, again in ((["cpu", "host:0"], ["host:0", "cpu"]), (["cpu"], ["cpu", "cpu"]),
+                        (["host:0", "host:0"], ["host:0"])):
+        f = Tracked(made)
+        child = f.then(add_one)
+        f.__init__(again)  # the same devices: nothing to change
+        f.set_result(1)
+        f.__init__(made)
+        assert child.wait() == 2
+    f = devpickle.Future(devices=["cpu", "host:0"])
+    f.then(add_one)
+    with pytest.raises(RuntimeError, match=REMADE):
+        f.__init__(devices=["cpu"])
+
+
 def test_a_then_child_another_thread_is_still_completing_keeps_that_completion():
     # The child's set_result claims it, then walks its value (Python code:
     # other threads run meanwhile). The parent completes on this thread in
