@@ -395,7 +395,9 @@ def test_devices_naming_cuda_without_a_usable_gpu_are_refused(Future):
 def test_devpickles_error_reads_as_its_message_and_names_its_code():
     with pytest.raises(devpickle.Error) as e:
         devpickle.Future(devices=["cuda:0"])
-    assert str(e.value).startswith("no usable CUDA device: ")
+    # the library's message: since every backend failure names its call and
+    # device, it starts with them, then the CUDA runtime's reason
+    assert str(e.value).startswith("dp_backend_get(cuda): no usable CUDA device: ")
     assert e.value.args == (str(e.value),)
     assert e.value.code == "DP_ENODEV"
 
