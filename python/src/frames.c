@@ -935,8 +935,9 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
                    "(buffers=[b]), not a '%s'", Py_TYPE(buffers)->tp_name);
       goto done;
     }
-    if (!PySequence_Check(buffers)) {
-      PyErr_SetString(PyExc_TypeError, "buffers= must be a sequence");
+    if (!PySequence_Check(buffers)) { /* an iterator too (pickle takes one): named, with the way out */
+      PyErr_Format(PyExc_TypeError, "buffers= must be a sequence of buffers, indexed by the frame's table "
+                   "(buffers=list(it)), not a '%s'", Py_TYPE(buffers)->tp_name);
       goto done;
     }
     /* taken once, as list(buffers) takes them: a sequence whose __len__

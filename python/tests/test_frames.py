@@ -3046,10 +3046,18 @@ def test_loads_does_not_grow_memory_over_many_calls():
     assert grown < 100_000, f"{grown} bytes held after 200 loads"
 
 
-def test_buffers_given_as_an_iterator_are_a_type_error_as_they_are_indexed_by_the_frames_table():
+@pytest.mark.parametrize("given", [lambda: iter([np.arange(3)]), lambda: (a for a in [np.arange(3)]),
+                                   lambda: {0: np.arange(3)}, lambda: {b"x"}, lambda: 3],
+                         ids=["an iterator", "a generator", "a dict", "a set", "an int"])
+def test_buffers_given_as_an_iterator_or_other_non_sequence_are_a_type_error_naming_what_was_given(given):
+    # they are indexed by the frame's table; the error said only "buffers=
+    # must be a sequence", naming neither what was given nor the way out,
+    # where pickle.loads takes an iterator
     frame = devpickle.dumps([np.arange(3)], buffer_callback=lambda b: None)
-    with pytest.raises(TypeError, match=r"^buffers= must be a sequence$"):
-        devpickle.loads(frame, buffers=iter([np.arange(3)]))
+    b = given()
+    with pytest.raises(TypeError, match=rf"^buffers= must be a sequence of buffers, indexed by the frame's table "
+                                        rf"\(buffers=list\(it\)\), not a '{type(b).__name__}'$"):
+        devpickle.loads(frame, buffers=b)
     assert devpickle.loads(frame, buffers=(np.arange(3),))[0].tolist() == [0, 1, 2]
 
 
