@@ -86,7 +86,7 @@ PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw) {
   int inl = 0;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$pO:dumps", kwlist, &obj, &inl, &cb)) return NULL;
   if (cb != Py_None && !PyCallable_Check(cb)) {
-    PyErr_SetString(PyExc_TypeError, "buffer_callback must be callable");
+    PyErr_Format(PyExc_TypeError, "buffer_callback must be callable or None, not '%s'", Py_TYPE(cb)->tp_name);
     return NULL;
   }
   dpy_scanner_t *s = dpy_scanner_get();

@@ -2849,10 +2849,13 @@ def test_max_copies_is_read_once_so_an_index_that_changes_cannot_pass_the_check_
         devpickle.loads(devpickle.dumps(bytearray(6)), max_copies=FiveThenNegative())
 
 
-def test_a_buffer_callback_that_is_not_callable_is_a_type_error_before_the_walk_even_without_buffers():
+def test_a_buffer_callback_that_is_not_callable_is_a_type_error_naming_it_before_the_walk_even_without_buffers():
+    # it said only "buffer_callback must be callable", where then() and
+    # add_done_callback() name what they were given
     for value in ([1, "x"], torch.ones(2)):
-        with pytest.raises(TypeError, match=r"^buffer_callback must be callable$"):
-            devpickle.dumps(value, buffer_callback=1)
+        for cb, name in ((1, "int"), ([], "list")):
+            with pytest.raises(TypeError, match=rf"^buffer_callback must be callable or None, not '{name}'$"):
+                devpickle.dumps(value, buffer_callback=cb)
 
 
 def test_an_inline_frame_calls_no_buffer_callback():
