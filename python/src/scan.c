@@ -189,6 +189,16 @@ static uint8_t kind_of(PyTypeObject *t) {
   return aif ? K_AIF : K_REDUCE;
 }
 
+/* The kind of an instance of t (K_CAI or K_DLPACK by its class) whose
+ * interface raised AttributeError when read — it has none: its buffer, its
+ * __array_interface__, else its reduce, as kind_of() would have classed it
+ * without the interface (a plain class's instance is reduced: the same
+ * attributes, as pickle carries them). */
+static uint8_t kind_without_iface(PyTypeObject *t) {
+  if (t->tp_as_buffer && t->tp_as_buffer->bf_getbuffer && !PyType_IsSubtype(t, &PyBytes_Type)) return K_BUFFER;
+  return has_attr((PyObject *)t, dpy.str_aif) ? K_AIF : K_REDUCE;
+}
+
 /* A type not in the cache: classified and cached (out of line, so that the
  * lookup below stays small enough to inline). */
 static __attribute__((noinline)) uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e);
@@ -1310,11 +1320,17 @@ static int iface_part(PyObject *d, PyObject *key, PyObject **out) {
 
 /* __cuda_array_interface__ (cuda) or __array_interface__: data pointer and
  * extent of the view (no owner is known, so views at different offsets are
- * different entries). */
+ * different entries). 1, with no error, when reading it raises
+ * AttributeError: a property of the class that has none for this instance
+ * (torch's __cuda_array_interface__ of a cpu tensor, a wrapper forwarding
+ * it) — hasattr() is false, numpy, cupy and numba read no memory, and the
+ * object is walked as it would be without it. */
 static int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   const char *what = cuda ? "a malformed __cuda_array_interface__" : "a malformed __array_interface__";
-  PyObject *cai = PyObject_GetAttr(o, cuda ? dpy.str_cai : dpy.str_aif);
-  if (!cai) return walk_error(s, o, cuda ? "__cuda_array_interface__ failed" : "__array_interface__ failed");
+  PyObject *cai;
+  int found = _PyObject_LookupAttr(o, cuda ? dpy.str_cai : dpy.str_aif, &cai);
+  if (found == 0) return 1;
+  if (found < 0) return walk_error(s, o, cuda ? "__cuda_array_interface__ failed" : "__array_interface__ failed");
   int rc = -1;
   /* each part held as soon as it is found: a lookup compares keys, and a
      key's __eq__ (a str subclass's of the same hash) may empty the dict */
@@ -1606,8 +1622,16 @@ typedef struct {
   uint64_t byte_offset;
 } dl_tensor_t;
 
+/* 1, with no error, when reading __dlpack_device__ or __dlpack__ raises
+ * AttributeError (a property that has none for this instance: hasattr() is
+ * false, and no consumer reads memory through it): the object is walked as
+ * it would be without them. */
 static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
-  PyObject *devt = PyObject_CallMethodNoArgs(o, dpy.str_dlpack_device);
+  PyObject *fn, *devt;
+  int found = _PyObject_LookupAttr(o, dpy.str_dlpack_device, &fn);
+  if (found == 0) return 1;
+  devt = found > 0 ? PyObject_CallNoArgs(fn) : NULL;
+  Py_XDECREF(fn);
   if (!devt) return walk_error(s, o, "__dlpack_device__ failed");
   long dt = -1, di = 0;
   if (PyTuple_Check(devt) && PyTuple_GET_SIZE(devt) == 2) {
@@ -1628,7 +1652,9 @@ static int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
     else PyErr_Format(PyExc_TypeError, "DLPack device type %ld is not cpu or cuda", dt);
     return walk_error(s, o, "memory devpickle cannot track");
   }
-  PyObject *cap = PyObject_CallMethodNoArgs(o, dpy.str_dlpack);
+  if ((found = _PyObject_LookupAttr(o, dpy.str_dlpack, &fn)) == 0) return 1;
+  PyObject *cap = found > 0 ? PyObject_CallNoArgs(fn) : NULL;
+  Py_XDECREF(fn);
   if (!cap) return walk_error(s, o, "__dlpack__ failed");
   /* Only an unconsumed DLPack capsule is read: a "used_dltensor" one's
    * tensor belongs to its consumer, which may have freed it, and any other
@@ -2042,7 +2068,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     return items ? push(s, FR_SET, items, t) : -1;
   }
   case K_AIF_OBJECT:
-    if (visit_iface(s, o, 0) || (reduced = dispatched(s, o)) < 0) return -1;
+    if (visit_iface(s, o, 0) < 0 || (reduced = dispatched(s, o)) < 0) return -1;
     /* fall through */
   case K_OBJECT: {
     if (reduced) return enter_reduce(s, o);
@@ -2063,7 +2089,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     Py_INCREF(d); /* borrowed from o, which Python code may give another (a key's __eq__ in the lookup below) */
     PyObject *cai = PyDict_GetItemWithError(d, dpy.str_cai);
     int rc = !cai && PyErr_Occurred() ? walk_error(s, o, "its __dict__ cannot be read") : 0;
-    if (!rc && cai) rc = visit_iface(s, o, 1);
+    if (!rc && cai && visit_iface(s, o, 1) < 0) rc = -1;
     if (!rc) rc = push(s, FR_ATTRS, d, Py_TYPE(o));
     Py_DECREF(d);
     return rc;
@@ -2072,14 +2098,23 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     return visit_cupy(s, o);
   case K_STORAGE:
     return visit_storage(s, o);
-  case K_CAI:
-    return visit_iface(s, o, 1);
+  case K_CAI: /* the memory it describes; none (1): walked as without it */
+  case K_DLPACK: {
+    int r = k == K_CAI ? visit_iface(s, o, 1) : visit_dlpack(s, o);
+    if (r <= 0) return r;
+    switch (kind_without_iface(t)) {
+    case K_BUFFER:
+      return visit_buffer(s, o);
+    case K_AIF:
+      return visit_iface(s, o, 0) < 0 ? -1 : enter_reduce(s, o);
+    default:
+      return enter_reduce(s, o);
+    }
+  }
   case K_AIF: /* the memory it describes, then what pickle would walk of it */
-    return visit_iface(s, o, 0) ? -1 : enter_reduce(s, o);
+    return visit_iface(s, o, 0) < 0 ? -1 : enter_reduce(s, o);
   case K_BUFFER:
     return visit_buffer(s, o);
-  case K_DLPACK:
-    return visit_dlpack(s, o);
   default:
     /* an object reduced (types.SimpleNamespace, a class with a __reduce__)
        may carry a __cuda_array_interface__ in its instance __dict__ too:
@@ -2087,7 +2122,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     if (t->tp_dictoffset) {
       int h = instance_cai(o);
       if (h < 0) return walk_error(s, o, "its __dict__ cannot be read");
-      if (h && visit_iface(s, o, 1)) return -1;
+      if (h && visit_iface(s, o, 1) < 0) return -1;
     }
     return enter_reduce(s, o);
   }
@@ -2785,6 +2820,20 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   int rc;
   if (k == K_CFUNC && (!PyCFunction_GET_SELF(o) || PyModule_Check(PyCFunction_GET_SELF(o)))) k = K_LEAF;
   if (k == K_AIF_OBJECT) k = K_OBJECT; /* carried as pickle carries it */
+  if (k == K_CAI || k == K_DLPACK) {
+    /* an instance whose class's interface raises AttributeError has none
+       (visit()): carried as it would be without it */
+    PyObject *iface;
+    int found = _PyObject_LookupAttr(o, k == K_CAI ? dpy.str_cai : dpy.str_dlpack_device, &iface);
+    Py_XDECREF(iface);
+    if (found > 0 && k == K_DLPACK) { /* both, as visit_dlpack reads them */
+      found = _PyObject_LookupAttr(o, dpy.str_dlpack, &iface);
+      Py_XDECREF(iface);
+      if (found < 0) return walk_error(s, o, "__dlpack__ failed");
+    }
+    if (found < 0) return walk_error(s, o, k == K_CAI ? "__cuda_array_interface__ failed" : "__dlpack_device__ failed");
+    if (!found) k = kind_without_iface(Py_TYPE(o));
+  }
   /* a long str or bytes enters the memo, as in pickle's: written once, met
      again it is a back-reference (a 1 MB str in a list 300 times made a
      300 MB frame) */

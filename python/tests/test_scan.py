@@ -3398,3 +3398,73 @@ def test_a_tensor_class_with_slots_cached_where_a_class_without_them_was_has_its
     for paths in (True, False):
         assert [(a.nbytes, a.path) for a in devpickle.scan({"s": s}, paths=paths)] == [
             (8, "$.s" if paths else None), (12, "$.s.extra" if paths else None)]
+
+
+class _CpuOnly:
+    """A wrapper whose interface properties have none for cpu data: they
+    raise AttributeError, as torch's __cuda_array_interface__ of a cpu
+    tensor does, so hasattr() is false and numpy, cupy and numba read no
+    memory through them."""
+
+    def __init__(self):
+        self.t = torch.ones(2)
+
+
+def _no_interface(self):
+    raise AttributeError("no such interface for cpu data")
+
+
+def _dlpack_device(self):
+    return (2, 0)
+
+
+_NO_IFACE = {
+    "__array_interface__": type("NoHostIface", (_CpuOnly,), {"__array_interface__": property(_no_interface)}),
+    "__cuda_array_interface__": type("NoCudaIface", (_CpuOnly,), {"__cuda_array_interface__": property(_no_interface)}),
+    "__dlpack__": type("NoDlpack", (_CpuOnly,), {"__dlpack__": property(_no_interface),
+                                                 "__dlpack_device__": _dlpack_device}),
+    "__dlpack_device__": type("NoDlpackDevice", (_CpuOnly,), {"__dlpack__": lambda self, stream=None: None,
+                                                              "__dlpack_device__": property(_no_interface)}),
+}
+
+
+@pytest.mark.parametrize("name", list(_NO_IFACE))
+def test_an_interface_property_raising_attribute_error_means_no_interface_and_the_object_is_walked_as_without_it(name):
+    # scan and the Future raised "WalkError: cannot walk a 'NoCudaIface' at
+    # $.o: __cuda_array_interface__ failed", and dumps refused it as device
+    # memory, where hasattr() is false, numpy makes no array over it and
+    # pickle carries it by its attributes
+    o = _NO_IFACE[name]()
+    assert not hasattr(o, name)
+    for found in (devpickle.scan({"o": o}), devpickle.scan({"o": o}, paths=False)):
+        assert [(a.ptr, a.nbytes) for a in found] == [(o.t.data_ptr(), 8)]
+    assert devpickle.scan({"o": o})[0].path in ("$.o.t", f"$.o<reduce test_scan.{type(o).__name__}>.state.t")
+    f = devpickle.Future()
+    f.set_result({"o": o})
+    assert f.wait()["o"] is o
+    back = devpickle.loads(devpickle.dumps({"o": o}, inline=True), classes=type(o))["o"]
+    assert type(back) is type(o) and torch.equal(back.t, o.t)
+
+
+def test_a_numpy_subclass_whose_cuda_interface_property_raises_attribute_error_is_its_cpu_memory():
+    class HostArray(np.ndarray):
+        @property
+        def __cuda_array_interface__(self):
+            raise AttributeError("host memory")
+
+    a = np.arange(4.0).view(HostArray)
+    assert [(x.ptr, x.nbytes, x.path) for x in devpickle.scan([a])] == [(a.ctypes.data, 32, "$[0]")]
+    with pytest.raises(devpickle.WalkError, match="numpy.ndarray subclass|cannot be carried"):
+        devpickle.dumps([a])
+
+
+def test_an_interface_property_raising_another_error_is_still_a_walk_error_naming_it():
+    class Broken(_CpuOnly):
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("driver gone")
+
+    with pytest.raises(devpickle.WalkError, match=r"^cannot walk a 'test_scan\.test_an_interface_property_raising_"
+                                                  r"another_error_is_still_a_walk_error_naming_it\.<locals>\.Broken'"
+                                                  r" at \$\[0\]: __cuda_array_interface__ failed: driver gone$"):
+        devpickle.scan([Broken()])
