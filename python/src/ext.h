@@ -24,7 +24,8 @@ typedef struct dpy_state {
   PyObject *slotnames;         /* copyreg._slotnames */
   PyObject *str_reduce_ex, *str_reduce, *str_getstate, *str_fields, *str_dict, *str_cai, *str_aif, *str_dlpack,
       *str_dlpack_device, *str_getnewargs, *str_getnewargs_ex, *str_slots, *str_data, *str_shape, *str_strides,
-      *str_typestr; /* the array interfaces' keys */
+      *str_typestr, /* the array interfaces' keys */
+      *str_torch_dot; /* "torch.", the prefix of torch's modules */
   /* torch, resolved on first need once torch is imported */
   int torch_resolved;
   PyTypeObject *torch_tensor;  /* torch.Tensor's C base, or NULL */

@@ -242,7 +242,7 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
       intern(&dpy.str_dlpack_device, "__dlpack_device__") || intern(&dpy.str_getnewargs, "__getnewargs__") ||
       intern(&dpy.str_getnewargs_ex, "__getnewargs_ex__") || intern(&dpy.str_slots, "__slots__") ||
       intern(&dpy.str_data, "data") || intern(&dpy.str_shape, "shape") || intern(&dpy.str_strides, "strides") ||
-      intern(&dpy.str_typestr, "typestr"))
+      intern(&dpy.str_typestr, "typestr") || intern(&dpy.str_torch_dot, "torch."))
     goto fail;
   if (dpy_scan_types_init(m) || dpy_future_types_init(m) || dpy_frames_init(m)) goto fail;
   return m;

@@ -1170,6 +1170,7 @@ static int own_getstate(PyTypeObject *t) {
 }
 
 static int push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r);
+static int enter_reduce(dpy_scanner_t *s, PyObject *o);
 
 /* The state o's own __getstate__ returns, walked as a reduce's state
  * (<reduce T>.state), as pickle carries it. 0, or -1 with a walk error. */
@@ -1183,7 +1184,49 @@ static int push_own_state(dpy_scanner_t *s, PyObject *o) {
   return r ? push_reduce(s, o, r) : -1;
 }
 
+/* Whether pickle would reduce tensors of class t by a reduce of their own
+ * rather than torch's: t in copyreg.dispatch_table, or a __reduce_ex__
+ * found in its MRO that is not defined in torch (torch.Tensor's and
+ * nn.Parameter's carry the tensor's data and state, which the walk reads
+ * directly). Runs no Python code. 1, 0, or -1 with an error set. */
+static int own_class_reduce(PyTypeObject *t) {
+  if (PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t)) return 1;
+  if (PyErr_Occurred()) return -1;
+  PyObject *f = _PyType_Lookup(t, dpy.str_reduce_ex);
+  if (!f || f == dpy.object_reduce_ex) return 0;
+  if (dpy.torch_tensor_cls && PyType_Check(dpy.torch_tensor_cls) &&
+      f == _PyType_Lookup((PyTypeObject *)dpy.torch_tensor_cls, dpy.str_reduce_ex))
+    return 0;
+  if (!PyFunction_Check(f)) return 1;
+  PyObject *m = ((PyFunctionObject *)f)->func_module;
+  if (!m || !PyUnicode_Check(m)) return 1;
+  return !(PyUnicode_CompareWithASCIIString(m, "torch") == 0 ||
+           PyUnicode_Tailmatch(m, dpy.str_torch_dot, 0, 6, -1) == 1);
+}
+
+/* Whether tensor o is reduced by a reduce of its own (own_class_reduce, or
+ * a __reduce_ex__ set on the instance, which pickle looks up there first).
+ * 1, 0, or -1 with an error set. */
+static int own_tensor_reduce(PyObject *o) {
+  PyObject **dp = _PyObject_GetDictPtr(o);
+  if (dp && *dp && PyDict_Check(*dp)) {
+    if (PyDict_GetItemWithError(*dp, dpy.str_reduce_ex)) return 1;
+    if (PyErr_Occurred()) return -1;
+  }
+  return own_class_reduce(Py_TYPE(o));
+}
+
+/* A tensor's state beyond its memory: what a reduce of its own returns
+ * (the memory is reported all the same: a future that waits on more than
+ * it needs costs nothing), else its own __getstate__'s, else its __dict__
+ * and the slots that are set. */
 static int visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
+  int own = own_tensor_reduce(o);
+  if (own < 0) return walk_error(s, o, "its reduce cannot be looked up");
+  if (own) {
+    int sn = seen(s, o); /* entered once, as its attributes below */
+    return sn ? (sn < 0 ? -1 : 0) : enter_reduce(s, o);
+  }
   if (own_getstate(Py_TYPE(o))) {
     int sn = seen(s, o); /* entered once, as its attributes below */
     return sn ? (sn < 0 ? -1 : 0) : push_own_state(s, o);
@@ -2599,6 +2642,13 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
   int n = torch_allocs(o, a);
   if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
+  int own = own_tensor_reduce(o); /* pickle carries what that returns, which a frame has no field for */
+  if (own) {
+    if (own > 0)
+      PyErr_SetString(PyExc_TypeError, "a tensor with a __reduce_ex__ of its own (its class's, or set on it) is not "
+                                       "carried in frames: a frame carries a tensor's data, not what its reduce returns");
+    return walk_error(s, o, own > 0 ? "it cannot be carried in a frame" : "its reduce cannot be looked up");
+  }
   PyObject **dp = _PyObject_GetDictPtr(o);
   PyObject *d = dp && *dp && PyDict_Check(*dp) ? *dp : NULL;
   int state = 0; /* what its own __getstate__ returns, which torch's pickling carries */
@@ -3335,6 +3385,11 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
        weakref add nothing to it where CPython manages them): visit() */
     if ((t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && !e->no_slots) || own_getstate(t))
       return 0;
+    int own = own_class_reduce(t); /* a reduce of its class's own: visit() (an error: visit() reports it) */
+    if (own) {
+      if (own < 0) PyErr_Clear();
+      return 0;
+    }
     *ok = t;
   }
   if (may_hold_attrs(o, t)) return 0; /* attributes (or a dict once made): visit() */

@@ -2840,6 +2840,45 @@ def test_the_state_a_tensor_or_bytearray_subclass_s_own_getstate_returns_is_walk
         STATE_ONLY_GETSTATE_GIVES.clear()
 
 
+class TensorWithOwnReduce(torch.Tensor):
+    def __reduce_ex__(self, proto):
+        return (list, ([STATE_ONLY_GETSTATE_GIVES[0]],))
+
+
+def test_a_tensor_s_own_reduce_is_walked_as_pickle_calls_it_beside_its_memory():
+    # pickle carries what a tensor's own __reduce_ex__ returns (a subclass's,
+    # or one set on the instance): memory only that reduce holds was missed,
+    # and a future did not wait on it
+    other = torch.zeros(7)
+    STATE_ONLY_GETSTATE_GIVES[:] = [other]
+    try:
+        t = torch.ones(3).as_subclass(TensorWithOwnReduce)  # no attributes: read in a run without paths
+        assert [type(x) for x in pickle.loads(pickle.dumps(t))] == [torch.Tensor]
+        got = devpickle.scan([t, t])
+        assert [(a.path, a.ptr, a.refs) for a in got] == [
+            ("$[0]", storage_ptr(t)[0], 1),
+            ("$[0]<reduce test_scan.TensorWithOwnReduce>.args[0][0]", storage_ptr(other)[0], 1)]
+        assert [a.ptr for a in devpickle.scan([t, t], paths=False)] == [a.ptr for a in got]
+        u = torch.ones(2)
+        u.__reduce_ex__ = lambda proto: (list, ([other],))  # pickle looks it up on the instance
+        assert [(a.path, a.ptr) for a in devpickle.scan(u)] == [
+            ("$", storage_ptr(u)[0]), ("$<reduce torch.Tensor>.args[0][0]", storage_ptr(other)[0])]
+        # torch's own reduces (torch.Tensor's, nn.Parameter's) carry the data: read directly, as before
+        p = torch.nn.Parameter(torch.ones(4))
+        assert [a.path for a in devpickle.scan([p, torch.ones(1)])] == ["$[0]", "$[1]"]
+        # a frame carries a tensor's data, never what its reduce returns: refused, never dropped
+        for v in (t, u):
+            with pytest.raises(devpickle.WalkError, match=r"at \$: it cannot be carried in a frame: a tensor with a "
+                                                          r"__reduce_ex__ of its own"):
+                devpickle.dumps(v, inline=True)
+        STATE_ONLY_GETSTATE_GIVES[:] = [(x for x in ())]  # a generator: pickle refuses it
+        with pytest.raises(devpickle.WalkError) as e:
+            devpickle.Future().set_result([t])
+        assert e.value.path == "$[0]<reduce test_scan.TensorWithOwnReduce>.args[0][0]"
+    finally:
+        STATE_ONLY_GETSTATE_GIVES.clear()
+
+
 class AnswersForItsReduce:
     """pickle looks __reduce_ex__ up on the instance: this class's
     __getattribute__ answers with a reduce of its own, holding memory its
