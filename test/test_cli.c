@@ -3164,7 +3164,7 @@ Test(cli, help_wins_wherever_it_comes_and_before_a_command_is_that_commands_help
   res_free(r);
   r = run("--version extra");
   cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle --version: unexpected argument 'extra'\n");
+  cr_assert_str_eq(r.err, "devpickle --version: unexpected argument 'extra'\nTry 'devpickle --version --help'.\n");
   cr_assert_str_eq(r.out, "");
   res_free(r);  /* --version has a help, asked for either way round, as a command's is */
   static const char *const version_help[] = {"--version --help", "--version x -h", "--help --version",

@@ -1509,7 +1509,7 @@ int main(int argc, char **argv) {
     if (argc > 2) {
       fputs("devpickle --version: unexpected argument '", stderr);
       cli_put_text(stderr, argv[2]);
-      fputs("'\n", stderr);
+      fputs("'\nTry 'devpickle --version --help'.\n", stderr); /* as every other usage error points to a help */
       return EXIT_USAGE;
     }
     printf("devpickle %s (frame format version 1)\n", DP_VERSION_STRING);
