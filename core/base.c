@@ -233,6 +233,17 @@ int dp__cb_rc(int rc, dp_error_t *err, const char *what) {
   return rc;
 }
 
+int dp__err_prefix(dp_error_t *err, int rc, const char *prefix) {
+  if (rc >= 0 || !err) return rc;
+  char msg[sizeof err->message];
+  memcpy(msg, err->message, sizeof msg);
+  msg[sizeof msg - 1] = '\0';
+  int backend = err->backend_code;
+  dp__err(err, rc, "%s: %s", prefix, msg);
+  err->backend_code = backend;
+  return rc;
+}
+
 int dp__err(dp_error_t *err, int code, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);

@@ -55,6 +55,11 @@ int dp__is_code(int code);
  * returned. err must be clear when the callback runs. */
 int dp__cb_rc(int rc, dp_error_t *err, const char *what);
 
+/* A failure rc < 0 of something a call used, in the call's name:
+ * "prefix: <err's message>", its code rc and its backend code kept. Returns
+ * rc (untouched for rc >= 0 or a NULL err). */
+int dp__err_prefix(dp_error_t *err, int rc, const char *prefix);
+
 /* What a tuple dict key may hold (dp_value_is_hashable), said where one is refused. */
 #define DP__TUPLE_KEY_RULE " (a tuple key holds only scalars, str, bytes and tuples, at most 1024 of them, 32 levels deep)"
 int dp__err_at(dp_error_t *err, int code, int64_t offset, const char *fmt, ...)

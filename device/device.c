@@ -80,13 +80,9 @@ int dp__named(const char *fn, const char *dev, int rc, dp_error_t *err) {
   size_t n = strlen(fn);
   if (rc >= 0 || !err || (strncmp(err->message, fn, n) == 0 && (err->message[n] == ':' || err->message[n] == '(')))
     return rc;
-  char msg[sizeof err->message];
-  memcpy(msg, err->message, sizeof msg);
-  msg[sizeof msg - 1] = '\0';
-  int backend = err->backend_code;
-  dp__err(err, rc, "%s(%s): %s", fn, dev, msg);
-  err->backend_code = backend;
-  return rc;
+  char prefix[96];
+  snprintf(prefix, sizeof prefix, "%s(%s)", fn, dev);
+  return dp__err_prefix(err, rc, prefix);
 }
 
 int dp__named_dev(const char *fn, dp_device_t dev, int rc, dp_error_t *err) {

@@ -1094,24 +1094,11 @@ static void add_callback(dp_future_t *f, cbent_t *e) {
   dispatch(f, e);
 }
 
-/* A failure of what fn called (dp_future_new for its new future) in fn's
- * name: "fn: <its message>". */
-static int named(const char *fn, int rc, dp_error_t *err) {
-  if (!rc || !err) return rc;
-  char msg[sizeof err->message];
-  memcpy(msg, err->message, sizeof msg);
-  msg[sizeof msg - 1] = '\0';
-  int backend = err->backend_code;
-  dp__err(err, rc, "%s: %s", fn, msg);
-  err->backend_code = backend;
-  return rc;
-}
-
 static int then_entry(const char *fn, dp_future_t *f, dp_then_cb cb, dp_then_ptrs_cb ptrs_cb, void *ud,
                       dp_future_t **child, dp_error_t *err) {
   dp_future_t *c;
   int rc = future_like(f, &c, err);
-  if (rc) return named(fn, rc, err);
+  if (rc) return dp__err_prefix(err, rc, fn);
   cbent_t *e = dp__alloc(sizeof *e);
   if (!e) {
     dp_future_release(c);
@@ -1274,7 +1261,7 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
     if (!futures[i]) return dp__err(err, DP_EINVAL, "dp_future_collect_all: futures[%zu] is NULL", i);
   dp_future_t *o;
   int rc = opts || n == 0 ? dp_future_new(opts, &o, err) : future_like(futures[0], &o, err);
-  if (rc) return named("dp_future_collect_all", rc, err);
+  if (rc) return dp__err_prefix(err, rc, "dp_future_collect_all");
   collect_t *c = dp__alloc(sizeof *c);
   cbent_t **es = c ? dp__alloc_array(n ? n : 1, sizeof *es) : NULL;
   dp_future_t **in = c ? dp__alloc_array(collect_slots(n), sizeof *in) : NULL;
@@ -1341,7 +1328,7 @@ static const dp__ptrs_t *distinct_ptrs(const dp_future_t *cf, dp_error_t *err) {
   if (!(d = dp__load_relaxed(&f->distinct))) {
     if (!(d = dp__alloc(sizeof *d))) {
       dp__err(err, DP_ENOMEM, "dp_future_ptr: out of memory listing the future's allocations");
-    } else if (named("dp_future_ptr", dp__ptrs_distinct(&f->rec.ptrs, d, err), err) != 0) {
+    } else if (dp__err_prefix(err, dp__ptrs_distinct(&f->rec.ptrs, d, err), "dp_future_ptr") != 0) {
       dp__free(d, sizeof *d);
       d = NULL;
     } else {
