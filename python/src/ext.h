@@ -35,6 +35,10 @@ typedef struct dpy_state {
   PyObject *cupy_ndarray;      /* cupy.ndarray once cupy is imported, else NULL */
   PyTypeObject *numpy_ndarray; /* numpy.ndarray and numpy.generic (its scalars) once numpy is */
   PyTypeObject *numpy_generic; /* imported, else NULL */
+  /* What synchronizes and holds no memory of its own (scan.c, K_SYNC):
+   * devpickle.Future (future.c, at import), torch's future (torch._C.Future)
+   * and CUDA event (torch._C._CudaEventBase) once torch is resolved. */
+  PyTypeObject *sync_types[3];
 } dpy_state_t;
 
 extern dpy_state_t dpy;

@@ -102,6 +102,17 @@ static void resolve_torch(PyObject *torch) {
     else Py_XDECREF(st);
     PyErr_Clear();
   }
+  /* torch's future and CUDA event (a CUDA build's: a CPU build has no such
+     class in torch._C): synchronization, no memory (scan.c, K_SYNC) */
+  static const char *const syncs[2] = {"Future", "_CudaEventBase"};
+  PyObject *tc = PyObject_GetAttrString(torch, "_C");
+  for (int i = 0; i < 2 && tc; i++) {
+    PyObject *st = PyObject_GetAttrString(tc, syncs[i]);
+    if (st && PyType_Check(st)) dpy.sync_types[1 + i] = (PyTypeObject *)st;
+    else Py_XDECREF(st);
+  }
+  Py_XDECREF(tc);
+  PyErr_Clear();
   const char *off = getenv("DEVPICKLE_NO_TORCH_ADAPTER");
   if (off && *off && strcmp(off, "0")) return;
   PyObject *ad = PyImport_ImportModule("devpickle._torch");

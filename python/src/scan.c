@@ -51,6 +51,7 @@ enum {
   K_CFUNC,       /* a builtin function or method: a global, or its __self__'s method */
   K_NPSCALAR,    /* a numpy scalar: a value, not memory (a leaf to the walk) */
   K_STORAGE,     /* a torch storage (typed or untyped): memory, as a tensor's */
+  K_SYNC,        /* a future or a CUDA event (dpy.sync_types): its attributes only */
 };
 
 typedef struct tcache_ent {
@@ -67,7 +68,8 @@ typedef struct tcache_ent {
   PyTypeObject *type;
   unsigned int version;
   uint8_t kind;
-  uint8_t no_slots;     /* K_TORCH, K_BUFFER: copyreg._slotnames(type) was [] (slots are fixed at class creation) */
+  uint8_t no_slots;     /* K_TORCH, K_BUFFER, K_SYNC: copyreg._slotnames(type) was [] (slots are fixed at class
+                         * creation) */
 } tcache_ent_t;
 
 #define TCACHE_SIZE 512
@@ -161,6 +163,16 @@ static int plain_instance(PyTypeObject *t) {
   return n == 0;
 }
 
+/* Whether t reduces its instances as its base does (no __reduce_ex__,
+ * __reduce__ or __getstate__ of its own): a subclass of a future that
+ * makes itself picklable is reduced as pickle would. */
+static int keeps_reduce_of(PyTypeObject *t, PyTypeObject *base) {
+  PyObject *const names[3] = {dpy.str_reduce_ex, dpy.str_reduce, dpy.str_getstate};
+  for (int i = 0; i < 3; i++)
+    if (_PyType_Lookup(t, names[i]) != _PyType_Lookup(base, names[i])) return 0;
+  return 1;
+}
+
 static uint8_t kind_of(PyTypeObject *t) {
   PyObject *type = (PyObject *)t;
   if (PyType_IsSubtype(t, &PyType_Type) || t == &PyFunction_Type) return K_LEAF;
@@ -172,6 +184,9 @@ static uint8_t kind_of(PyTypeObject *t) {
     if (dpy.torch_storage[i] && PyType_IsSubtype(t, dpy.torch_storage[i])) return K_STORAGE;
   if (dpy.cupy_ndarray && dpy.cupy_ndarray != Py_None && PyType_IsSubtype(t, (PyTypeObject *)dpy.cupy_ndarray))
     return K_CUPY;
+  for (size_t i = 0; i < sizeof dpy.sync_types / sizeof *dpy.sync_types; i++)
+    if (dpy.sync_types[i] && PyType_IsSubtype(t, dpy.sync_types[i]) && keeps_reduce_of(t, dpy.sync_types[i]))
+      return K_SYNC;
   if (has_attr(type, dpy.str_cai)) return K_CAI;
   if (t->tp_as_buffer && t->tp_as_buffer->bf_getbuffer && !PyType_IsSubtype(t, &PyBytes_Type)) return K_BUFFER;
   if (has_attr(type, dpy.str_dlpack) && has_attr(type, dpy.str_dlpack_device)) return K_DLPACK;
@@ -1257,6 +1272,35 @@ static int visit_torch(dpy_scanner_t *s, PyObject *o) {
   return visit_tensor_attrs(s, o);
 }
 
+/* A future (devpickle's, torch's) or a CUDA event holds no memory of its
+ * own: a future's value is reached through its own wait(), which orders
+ * the caller after the future's events, and an event is a position on a
+ * stream. torch's extractor skips both; pickle refuses both (so does
+ * dumps: build_visit reduces it). What a subclass or the instance adds —
+ * its __dict__ and the slots that are set — is walked as attributes. */
+static int visit_sync(dpy_scanner_t *s, PyObject *o) {
+  PyTypeObject *t = Py_TYPE(o);
+  PyObject *d = NULL;
+  if (t->tp_dictoffset) {
+    d = PyObject_GenericGetDict(o, NULL);
+    if (!d) return walk_error(s, o, "its __dict__ cannot be read");
+    if (!keep(s, d)) return -1;
+    if (!PyDict_Check(d)) d = NULL;
+  }
+  tcache_ent_t *e = tcache_hit(t);
+  if ((t->tp_flags & Py_TPFLAGS_HEAPTYPE) && !(e && e->no_slots)) {
+    PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
+    if (!names) return walk_error(s, o, "its __slots__ cannot be read");
+    if (!keep(s, names)) return -1;
+    if (PyList_Check(names) && PyList_GET_SIZE(names)) {
+      if (with_slots(s, o, names, &d)) return -1;
+    } else if (classify(t) == K_SYNC && (e = tcache_hit(t))) { /* _slotnames may have made a new version tag */
+      e->no_slots = 1;
+    }
+  }
+  return d && PyDict_GET_SIZE(d) ? push(s, FR_ATTRS, d, t) : 0;
+}
+
 /* A torch storage, typed or untyped (t.storage(), t.untyped_storage()):
  * its memory, as a tensor's, read without its __reduce__ (which would copy
  * it through torch.save). */
@@ -1991,6 +2035,7 @@ static int runs_value_code(uint8_t k, PyTypeObject *t, int dispatched) {
     if (Py_TYPE(t) != &PyType_Type) return 1;
     /* fall through */
   case K_OBJECT: /* a dispatch-table entry is a reduce */
+  case K_SYNC:   /* and a slot's read runs code (with_slots says so) */
     return dispatched;
   case K_BUFFER:
     return (t->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0;
@@ -2084,7 +2129,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   if (k == K_TORCH) return visit_torch(s, o);
   /* a plain object's or namedtuple's dispatch-table entry, looked up once:
      both the memo decision and the switch below need it */
-  int reduced = k == K_OBJECT || k == K_NAMEDTUPLE
+  int reduced = k == K_OBJECT || k == K_NAMEDTUPLE || k == K_SYNC
                     ? o == known && k == K_OBJECT ? s->dispatch_known : dispatched(s, o)
                     : 0;
   if (reduced < 0) return -1;
@@ -2137,6 +2182,8 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     Py_DECREF(d);
     return rc;
   }
+  case K_SYNC:
+    return reduced ? enter_reduce(s, o) : visit_sync(s, o);
   case K_CUPY:
     return visit_cupy(s, o);
   case K_STORAGE:
@@ -2870,6 +2917,7 @@ static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   int rc;
   if (k == K_CFUNC && (!PyCFunction_GET_SELF(o) || PyModule_Check(PyCFunction_GET_SELF(o)))) k = K_LEAF;
   if (k == K_AIF_OBJECT) k = K_OBJECT; /* carried as pickle carries it */
+  if (k == K_SYNC) k = K_REDUCE;        /* pickle refuses a future, an event: so does a frame */
   if (k == K_CAI || k == K_DLPACK) {
     /* an instance whose class's interface raises AttributeError has none
        (visit()): carried as it would be without it */

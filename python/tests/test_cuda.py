@@ -34,6 +34,22 @@ def test_scan_finds_cuda_storages_with_their_device():
     assert got[0].nbytes == t.untyped_storage().nbytes() and got[0].refs == 2 and got[0].path == "$.a[0].payload"
 
 
+def test_a_cuda_event_in_a_value_holds_no_memory_and_is_stored_as_torchs_future_stores_it():
+    t = torch.ones(16, device="cuda")
+    ev = torch.cuda.Event()
+    ev.record()
+    got = devpickle.scan({"t": t, "ready": ev})
+    assert [a.path for a in got] == ["$.t"]
+    f = devpickle.Future(devices=["cuda:0"])
+    f.set_result({"t": t, "ready": ev})
+    assert f.wait()["ready"] is ev
+    theirs = torch.futures.Future(devices=["cuda:0"])
+    theirs.set_result({"t": t, "ready": ev})  # torch's extractor skips events too
+    assert theirs.wait()["ready"] is ev
+    with pytest.raises(devpickle.WalkError):
+        devpickle.dumps([ev])
+
+
 def consumer_reads(wait):
     producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
     t = torch.zeros(1 << 20, device="cuda")

@@ -1428,32 +1428,51 @@ def test_devpickle_future_with_no_devices_walks_nothing():
 
 
 @pytest.mark.parametrize("devices", [None, []], ids=["default", "no_devices"])
-def test_a_future_as_a_result_is_stored_by_torch_and_refused_by_devpickles_walk(Future, devices):
-    # Deliberate difference, documented: torch stores any object, a future
-    # too, and never unwraps a future a then() callback returns; devpickle's
-    # default future walks its result, and a future cannot be walked
-    # (WalkError, for set_result and for a then() child); devices=[] walks
-    # nothing and stores it as torch does.
+def test_a_future_as_a_result_is_stored_and_a_callbacks_future_is_never_unwrapped(Future, devices):
+    # torch stores any object, a future too, and never unwraps a future a
+    # then() callback returns (RPC code chains rpc_async this way); its CUDA
+    # future's extractor skips futures. devpickle's walk takes a future as
+    # holding no memory of its own (its wait() orders its consumer after its
+    # own events), so its default future stores one too.
     inner = Future()
     inner.set_result(1)
     f = Future(devices=devices) if devices is not None else Future()
-    if Future is devpickle.Future and devices is None:
-        with pytest.raises(devpickle.WalkError):
-            f.set_result(inner)
-        with pytest.raises(devpickle.WalkError):
-            f.wait()
-        g = Future()
-        child = g.then(lambda fut: inner)
-        g.set_result(0)
-        with pytest.raises(devpickle.WalkError):
-            child.wait()
-    else:
-        f.set_result(inner)
-        assert f.wait() is inner
-        g = Future(devices=devices) if devices is not None else Future()
-        child = g.then(lambda fut: inner)
-        g.set_result(0)
-        assert child.wait() is inner
+    f.set_result(inner)
+    assert f.wait() is inner
+    g = Future(devices=devices) if devices is not None else Future()
+    child = g.then(lambda fut: inner)
+    g.set_result(0)
+    assert child.wait() is inner
+    # the value of a then() that returns its own parent: the parent
+    h = Future(devices=devices) if devices is not None else Future()
+    same = h.then(lambda fut: fut)
+    h.set_result(5)
+    assert same.wait() is h and same.wait().wait() == 5
+
+
+def test_devpickle_walks_a_futures_own_attributes_and_not_its_value():
+    t = torch.ones(3)
+    inner = devpickle.Future()
+    inner.set_result([torch.zeros(2)])  # its value: the inner future's to synchronize
+    inner.note = t                       # its attribute: part of the outer value
+    theirs = torch.futures.Future()
+    theirs.set_result(torch.zeros(4))
+    got = devpickle.scan({"f": inner, "g": theirs})
+    assert [(a.path, a.nbytes) for a in got] == [("$.f.note", 12)]
+    f = devpickle.Future()
+    f.set_result({"f": inner, "g": theirs})
+    assert f.wait()["f"] is inner
+    inner.bad = a_generator()
+    with pytest.raises(devpickle.WalkError, match=r"'generator' at \$\.f\.bad"):
+        devpickle.Future().set_result({"f": inner})
+
+
+def test_devpickle_dumps_refuses_a_future_as_pickle_does():
+    for fut in (devpickle.Future(), torch.futures.Future()):
+        with pytest.raises(devpickle.WalkError, match="cannot be reduced"):
+            devpickle.dumps([fut])
+        with pytest.raises(Exception):
+            pickle.dumps(fut)
 
 
 def test_devpickle_then_child_walks_its_callbacks_result():

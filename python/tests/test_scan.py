@@ -498,6 +498,56 @@ def test_a_walk_error_quotes_a_long_type_name_cut_on_a_character_with_an_ellipsi
     assert e.value.path == "$.x"
 
 
+def test_a_future_holds_no_memory_of_its_own_only_its_attributes_are_walked():
+    # A future's value is reached through its own wait(), which orders the
+    # consumer after the future's events: torch's extractor skips futures,
+    # and so does the walk (pickle refuses them: dumps too). What an
+    # instance or a subclass adds is part of the value.
+    t, u = torch.ones(3), torch.ones(5)
+    done = devpickle.Future()
+    done.set_result([u])
+    theirs = torch.futures.Future()
+    theirs.set_result(u)
+    assert devpickle.scan([done, theirs, devpickle.Future(), torch.futures.Future()]) == []
+    done.extra = t
+    theirs.extra = t
+
+    class Slotted(devpickle.Future):
+        __slots__ = ("w", "unset")
+
+    sl = Slotted()
+    sl.w = t
+    got = devpickle.scan({"a": done, "b": theirs, "c": sl})
+    assert [(a.path, a.nbytes, a.refs) for a in got] == [("$.a.extra", 12, 1)]  # one tensor, met three times
+    assert [a.path for a in devpickle.scan([sl])] == ["$[0].w"]
+    # what is in an attribute is walked by the rules: a generator is an error
+    done.bad = (x for x in ())
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"a": done})
+    assert e.value.path == "$.a.bad" and e.value.type_name == "generator"
+
+
+def test_a_future_subclass_that_makes_itself_picklable_is_reduced_as_pickle_would():
+    t = torch.ones(2)
+
+    class Portable(devpickle.Future):
+        def __reduce__(self):
+            return (Portable, (), {"t": t})
+
+    assert [a.path for a in devpickle.scan([Portable()])] [0].endswith(">.state.t")
+
+    class Registered(devpickle.Future):
+        pass
+
+    copyreg.pickle(Registered, lambda f: (Registered, (), {"t": t}))
+    try:
+        assert [a.path for a in devpickle.scan([Registered()])] [0].endswith(">.state.t")
+    finally:
+        del copyreg.dispatch_table[Registered]
+    # a dispatch table entry for the class of a future is used too
+    assert devpickle.scan([Registered()]) == []
+
+
 def test_opaque_types_are_leaves():
     def gen():
         yield 1
