@@ -22,6 +22,7 @@
  * freed block pending until one event recorded on each at free time
  * completes.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "devpickle/cache.h"
@@ -45,20 +46,30 @@ enum { B_FREE, B_USED, B_PENDING };
 #define HOT __attribute__((aligned(64)))
 
 typedef struct segment segment_t;
+typedef struct block block_t;
+
+/* A stream recorded as a use of a block, and where the block is in that
+ * stream's list of blocks (user_t.ents[at]). */
+typedef struct use {
+  dp_stream_t *s;
+  uint32_t at;
+} use_t;
 
 /* What a record_stream lookup reads (ptr, state, stream; nuses and uses
  * when the stream differs) comes first: in one cache line, not two, for a
  * lookup that the record of a large value makes for every allocation. */
-typedef struct block {
+struct block {
   char *ptr;
   int state;
   uint32_t nuses;
   dp_stream_t *stream;
-  dp_stream_t **uses;            /* record_stream streams */
+  use_t *uses;                   /* record_stream streams */
   uint32_t uses_cap;
   size_t size;
   segment_t *seg;
   struct block *prev, *next;     /* address order in the segment */
+  struct block *tprev, *tnext;   /* in use or pending: its stream's set's tied list (beside prev and next: a
+                                  * free reads those) */
   union {
     struct {
       struct block *fprev, *fnext; /* small free block: its bin's list; spare struct: fnext */
@@ -69,7 +80,7 @@ typedef struct block {
   dp_event_t **events;           /* pending: one per use stream */
   uint32_t nevents, events_cap;
   dp_event_t *drop_ev;           /* its stream's position when its segment was dropped */
-} block_t;
+};
 
 /* A segment knows the stream its used blocks were allocated on while they
  * share one (one_stream; NULL while none is used, MIXED once two differ or
@@ -96,6 +107,7 @@ static char mixed_tag;
 typedef struct freeset {
   dp_stream_t *stream;
   size_t tied;                   /* blocks in use or pending whose stream it is (the rest are in the set) */
+  block_t *tied_head;            /* those blocks (tprev/tnext): what the stream's destruction unties */
   uint64_t summary;              /* non-zero bitmap words */
   uint64_t bitmap[NBINS / 64];   /* non-empty bins */
   dp__treap_t large;             /* the free blocks of large segments */
@@ -287,11 +299,19 @@ static void set_drop(devpool_t *p, dp_stream_t *st) {
 
 /* ---- the streams recorded as uses ---- */
 
-/* A stream recorded as a use, and how many blocks hold it as one (their
- * free turns each use into an event, which the stream need not outlive). */
+/* A stream recorded as a use, and the blocks that hold it as one (their
+ * free turns each use into an event, which the stream need not outlive):
+ * block ents[i].b holds it as its use ents[i].k. Its destruction lets go
+ * of those, and looks at no other block. */
+typedef struct uent {
+  block_t *b;
+  uint32_t k;
+} uent_t;
+
 typedef struct user {
   dp_stream_t *s;
-  size_t holds;
+  uent_t *ents;
+  uint32_t nents, cap;
 } user_t;
 
 static uint64_t user_hash_at(const void *ctx, size_t i) { return dp__hash_ptr(((const dp_cache_t *)ctx)->users[i].s); }
@@ -316,26 +336,70 @@ static user_t *user_need(dp_cache_t *c, dp_stream_t *s) {
        dp__table_grow(&c->user_index, DP_TABLE_TAGGED, c->nusers, 16, user_hash_at, c) != 0))
     return NULL;
   uint64_t h = dp__hash_ptr(s);
-  c->users[c->nusers] = (user_t){s, 0};
+  c->users[c->nusers] = (user_t){s, NULL, 0, 0};
   dp__table_put(&c->user_index, DP_TABLE_TAGGED, dp__table_empty_slot(&c->user_index, DP_TABLE_TAGGED, h), h,
                 c->nusers);
   return &c->users[c->nusers++];
 }
 
-/* A block no longer holds s as a use. */
-static void user_let_go(dp_cache_t *c, const dp_stream_t *s) {
-  size_t slot;
-  user_t *u = user_find(c, s, &slot);
-  if (u && u->holds) u->holds--;
+/* Adds u's stream to b's uses: 0, or DP_ENOMEM with nothing changed. */
+static int use_add(block_t *b, user_t *u) {
+  if (b->nuses == b->uses_cap) {
+    size_t cap = b->uses_cap;
+    if (dp__grow((void **)&b->uses, &cap, b->nuses + 1, sizeof *b->uses) != 0) return DP_ENOMEM;
+    b->uses_cap = (uint32_t)cap;
+  }
+  if (u->nents == u->cap) {
+    size_t cap = u->cap;
+    if (cap >= UINT32_MAX / 2 || dp__grow((void **)&u->ents, &cap, (size_t)u->nents + 1, sizeof *u->ents) != 0)
+      return DP_ENOMEM;
+    u->cap = (uint32_t)cap;
+  }
+  b->uses[b->nuses] = (use_t){u->s, u->nents};
+  u->ents[u->nents++] = (uent_t){b, b->nuses++};
+  return 0;
 }
 
-/* Takes s out of the users; returns how many blocks held it, or -1 when it
- * was none. */
-static long user_drop(dp_cache_t *c, dp_stream_t *s) {
+/* Block b no longer holds its use k (of user u, its stream's): each side
+ * fills the hole with its last entry and tells that entry's other side. A
+ * block holds a stream once, so the entries moved are other blocks' (u's
+ * list) and other streams' (b's uses). */
+static void use_remove(dp_cache_t *c, block_t *b, uint32_t k, user_t *u) {
+  uint32_t at = b->uses[k].at, last = --u->nents;
+  if (at != last) {
+    u->ents[at] = u->ents[last];
+    u->ents[at].b->uses[u->ents[at].k].at = at;
+  }
+  last = --b->nuses;
+  if (k != last) {
+    b->uses[k] = b->uses[last];
+    size_t slot;
+    user_t *m = user_find(c, b->uses[k].s, &slot);
+    if (m) m->ents[b->uses[k].at].k = k;
+  }
+}
+
+/* The user of b's use k (there is one for every use). */
+static user_t *use_user(dp_cache_t *c, const block_t *b, uint32_t k) {
+  size_t slot;
+  return user_find(c, b->uses[k].s, &slot);
+}
+
+/* Block b lets go of its use k. */
+static void use_drop(dp_cache_t *c, block_t *b, uint32_t k) {
+  user_t *u = use_user(c, b, k);
+  if (u) use_remove(c, b, k, u);
+  else b->uses[k] = b->uses[--b->nuses]; /* not reached: every use has its user */
+}
+
+/* Takes s out of the users, every block that held it as a use letting go
+ * of it; returns whether it was one. */
+static int user_drop(dp_cache_t *c, dp_stream_t *s) {
   size_t slot;
   user_t *u = user_find(c, s, &slot);
-  if (!u) return -1;
-  long holds = (long)u->holds;
+  if (!u) return 0;
+  while (u->nents) use_remove(c, u->ents[u->nents - 1].b, u->ents[u->nents - 1].k, u);
+  dp__free(u->ents, u->cap * sizeof *u->ents);
   size_t at = (size_t)(u - c->users);
   dp__table_remove(&c->user_index, DP_TABLE_TAGGED, slot, user_hash_at, c);
   size_t last = --c->nusers; /* the last fills the hole: users[] stays dense */
@@ -343,7 +407,7 @@ static long user_drop(dp_cache_t *c, dp_stream_t *s) {
     c->users[at] = c->users[last];
     dp__table_move(&c->user_index, DP_TABLE_TAGGED, dp__hash_ptr(c->users[at].s), last, at);
   }
-  return holds;
+  return 1;
 }
 
 HOT static void free_insert(devpool_t *pool, block_t *b) {
@@ -586,25 +650,38 @@ static int pending_done(block_t *b) {
   for (uint32_t i = 0; i < b->nevents; i++)
     if (dp_event_query(b->events[i], NULL) == 0) return 0;
   for (uint32_t i = 0; i < b->nuses; i++)
-    if (dp_stream_query(b->uses[i], NULL) == 0) return 0;
+    if (dp_stream_query(b->uses[i].s, NULL) == 0) return 0;
   return 1;
 }
 
 static devpool_t *pool_of(dp_cache_t *c, block_t *b);
 
+/* Block b, now in use, is tied to the stream of set f (its allocation's). */
+static void tie(freeset_t *f, block_t *b) {
+  b->tprev = NULL;
+  b->tnext = f->tied_head;
+  if (f->tied_head) f->tied_head->tprev = b;
+  f->tied_head = b;
+  f->tied++;
+}
+
 /* A block of b->stream's leaves use (freed, or back from pending). */
-static void untie_used(devpool_t *p, const block_t *b) {
+static inline __attribute__((always_inline)) void untie_used(devpool_t *p, block_t *b) {
   freeset_t *f = b->stream ? set_find(p, b->stream) : NULL;
-  if (f) f->tied--;
+  if (!f) return;
+  if (b->tprev) b->tprev->tnext = b->tnext;
+  else f->tied_head = b->tnext;
+  if (b->tnext) b->tnext->tprev = b->tprev;
+  b->tprev = b->tnext = NULL;
+  f->tied--;
 }
 
 static void pending_finish(dp_cache_t *c, block_t *b) {
   devpool_t *p = pool_of(c, b);
   untie_used(p, b);
   for (uint32_t i = 0; i < b->nevents; i++) dp_event_free(b->events[i]);
-  for (uint32_t i = 0; i < b->nuses; i++) user_let_go(c, b->uses[i]); /* kept for want of an event */
+  while (b->nuses) use_drop(c, b, b->nuses - 1); /* kept for want of an event */
   b->nevents = 0;
-  b->nuses = 0;
   p->st.pending_blocks--;
   p->st.pending_bytes -= b->size;
   free_block(c, p, b);
@@ -660,68 +737,97 @@ static int poll_pending(dp_cache_t *c, int all) {
 
 /* ---- public ---- */
 
-/* A stream is being destroyed, its work done: blocks tied to it become
- * tied to no stream (reusable by any without waiting), and it is dropped
- * from the recorded uses. */
-/* Unties block b of pool p from s; returns the block after it (after the
- * free block it merged into, if it merged). */
-static block_t *block_stream_gone(dp_cache_t *c, devpool_t *p, block_t *b, dp_stream_t *s) {
-  /* a free block leaves its set while its stream still names it: s's, or
-     none's, to merge with the blocks now tied to none */
-  int refree = b->state == B_FREE && (b->stream == s || !b->stream);
-  if (refree) free_remove(p, b);
-  if (b->stream == s) {
-    b->stream = NULL;
-    mapent_t *e = b->state == B_USED ? map_entry(c, b->ptr, dp__hash_ptr(b->ptr), NULL) : NULL;
-    if (e) e->stream = NULL;
-  }
-  for (uint32_t k = 0; k < b->nuses; k++)
-    if (b->uses[k] == s) b->uses[k--] = b->uses[--b->nuses];
-  if (!refree) return b->next;
-  return free_block(c, p, b)->next; /* merged with free stream-less neighbours */
-}
-
+/* A stream is being destroyed, its work done: the blocks tied to it — its
+ * free set, and its tied list of blocks in use or pending — become tied
+ * to no stream (reusable by any without waiting), and the blocks that hold
+ * it as a use let go of it (its user's list). Only those blocks are looked
+ * at: every stream freed in the process tells every cache, and a look at
+ * every block cost milliseconds a stream with 300,000 blocks held. */
 static void stream_gone(void *ctx, dp_stream_t *s) {
   dp_cache_t *c = ctx;
   if (dp_stream_backend(s) != c->b) return;
   pthread_mutex_lock(&c->mu);
-  /* A stream that never allocated here (no free set) and was never recorded
-   * is tied to no block: every stream freed in the process tells every
-   * cache, and looking at all the blocks for each cost milliseconds. */
-  long holds = user_drop(c, s);
-  int seen = holds >= 0, tied = holds > 0;
+  user_drop(c, s);
   for (int d = 0; d < c->ndev; d++) {
-    const freeset_t *f = set_find(&c->pools[d], s);
-    seen |= f != NULL;
-    tied |= f && f->tied;
-  }
-  if (!seen) {
-    pthread_mutex_unlock(&c->mu);
-    return;
-  }
-  /* Nothing of s's in use and no block holding it as a use (a stream per
-   * request that freed what it took; a consumer whose blocks were freed):
-   * its free set, if any, lists every block tied to it. */
-  if (!tied) {
-    for (int d = 0; d < c->ndev; d++) {
-      devpool_t *p = &c->pools[d];
-      freeset_t *f = set_find(p, s);
-      if (!f) continue;
-      for (block_t *b; (b = set_fit(f, ROUND, 1)) != NULL || (b = set_fit(f, 0, 0)) != NULL;)
-        block_stream_gone(c, p, b, s); /* out of f, into none's */
-      set_drop(p, s);
+    devpool_t *p = &c->pools[d];
+    freeset_t *f = set_find(p, s);
+    if (!f) continue;
+    for (block_t *b = f->tied_head, *n; b; b = n) {
+      n = b->tnext;
+      b->tprev = b->tnext = NULL;
+      b->stream = NULL;
+      mapent_t *e = b->state == B_USED ? map_entry(c, b->ptr, dp__hash_ptr(b->ptr), NULL) : NULL;
+      if (e) e->stream = NULL;
+      /* a segment whose used blocks were all s's has one of them here */
+      if (b->seg->one_stream == s) b->seg->one_stream = MIXED; /* its blocks now have none */
     }
-    pthread_mutex_unlock(&c->mu);
-    return;
-  }
-  for (int d = 0; d < c->ndev; d++)
-    for (size_t i = 0; i < c->pools[d].nsegs; i++) {
-      segment_t *sg = c->pools[d].segs[i];
-      if (sg->one_stream == s) sg->one_stream = MIXED;  /* its blocks now have none */
-      for (block_t *b = sg->first; b;) b = block_stream_gone(c, &c->pools[d], b, s);
+    f->tied_head = NULL;
+    f->tied = 0;
+    /* its free blocks leave its set while s still names them, then go to
+       none's, merged with their free stream-less neighbours */
+    for (block_t *b; (b = set_fit(f, ROUND, 1)) != NULL || (b = set_fit(f, 0, 0)) != NULL;) {
+      free_remove(p, b);
+      b->stream = NULL;
+      free_block(c, p, b);
     }
-  for (int d = 0; d < c->ndev; d++) set_drop(&c->pools[d], s); /* no block is tied to s now */
+    set_drop(p, s);
+  }
   pthread_mutex_unlock(&c->mu);
+}
+
+const char *dp__cache_check(dp_cache_t *c) {
+  static char why[160];
+  const char *bad = NULL;
+#define BAD(...) (snprintf(why, sizeof why, __VA_ARGS__), bad = why)
+  pthread_mutex_lock(&c->mu);
+  size_t uses = 0, ents = 0, tied = 0, listed = 0;
+  for (int d = 0; d < c->ndev && !bad; d++) {
+    devpool_t *p = &c->pools[d];
+    for (size_t i = 0; i < p->nsegs && !bad; i++)
+      for (block_t *b = p->segs[i]->first; b && !bad; b = b->next) {
+        for (uint32_t k = 0; k < b->nuses && !bad; k++) {
+          size_t slot;
+          user_t *u = user_find(c, b->uses[k].s, &slot);
+          if (!u || b->uses[k].at >= u->nents || u->ents[b->uses[k].at].b != b || u->ents[b->uses[k].at].k != k)
+            BAD("block %p's use %u is not in its stream's list there", (void *)b->ptr, k);
+          for (uint32_t j = 0; j < k && !bad; j++)
+            if (b->uses[j].s == b->uses[k].s)
+              BAD("block %p holds a stream twice", (void *)b->ptr);
+        }
+        uses += b->nuses;
+        if (b->state != B_FREE && b->stream) tied++;
+        if (b->state == B_FREE && (b->tprev || b->tnext))
+          BAD("free block %p is in a tied list", (void *)b->ptr);
+      }
+    for (size_t i = 0; i < p->nsets && !bad; i++) {
+      freeset_t *f = p->sets[i];
+      size_t n = 0;
+      for (block_t *b = f->tied_head; b && !bad; b = b->tnext, n++) {
+        if (b->stream != f->stream || b->state == B_FREE || (b->tnext && b->tnext->tprev != b) ||
+            (b == f->tied_head && b->tprev))
+          BAD("block %p is in the tied list of a stream it is not in use on", (void *)b->ptr);
+      }
+      if (!bad && n != f->tied)
+        BAD("a stream's tied list has %zu blocks, its count %zu", n, f->tied);
+      listed += n;
+    }
+  }
+  for (size_t i = 0; i < c->nusers && !bad; i++) {
+    user_t *u = &c->users[i];
+    for (uint32_t j = 0; j < u->nents && !bad; j++) {
+      block_t *b = u->ents[j].b;
+      if (u->ents[j].k >= b->nuses || b->uses[u->ents[j].k].s != u->s || b->uses[u->ents[j].k].at != j)
+        BAD("a stream's list names block %p's use %u, which is not its", (void *)b->ptr, u->ents[j].k);
+    }
+    ents += u->nents;
+  }
+  if (!bad && uses != ents)
+    BAD("%zu uses held by blocks, %zu in the streams' lists", uses, ents);
+  if (!bad && tied != listed)
+    BAD("%zu blocks in use on a stream, %zu in the tied lists", tied, listed);
+#undef BAD
+  pthread_mutex_unlock(&c->mu);
+  return bad;
 }
 
 int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err) {
@@ -772,7 +878,7 @@ static void cache_quiesce(dp_cache_t *c) {
     for (int d = 0; d < c->ndev; d++) any |= want[d] = c->pools[d].nsegs != 0;
     for (block_t *b = c->pending_head; b; b = b->pnext) {
       for (uint32_t i = 0; i < b->nevents; i++) any |= want[dp_event_device(b->events[i]).index] = 1;
-      for (uint32_t i = 0; i < b->nuses; i++) any |= want[dp__stream_dev(b->uses[i]).index] = 1;
+      for (uint32_t i = 0; i < b->nuses; i++) any |= want[dp__stream_dev(b->uses[i].s).index] = 1;
     }
     pthread_mutex_unlock(&c->mu);
     if (!any) return;
@@ -818,6 +924,7 @@ static void cache_destroy(dp_cache_t *c) {
   dp__table_destroy(&c->map, DP_TABLE_TAGGED);
   dp__free(c->mapped, c->mapped_cap * sizeof *c->mapped);
   dp__table_destroy(&c->user_index, DP_TABLE_TAGGED);
+  for (size_t i = 0; i < c->nusers; i++) dp__free(c->users[i].ents, c->users[i].cap * sizeof *c->users[i].ents);
   dp__free(c->users, c->users_cap * sizeof *c->users);
   pthread_mutex_unlock(&c->mu);
   /* The memory goes back without the lock: a backend's free waits for the
@@ -921,7 +1028,7 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
     goto out;
   }
   b->stream = s;
-  own->tied++;
+  tie(own, b);
   b->nuses = 0;
   segment_t *sg = b->seg;
   sg->one_stream = sg->nused++ == 0 || sg->one_stream == s ? s : MIXED;
@@ -952,9 +1059,8 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
   p->st.allocated -= b->size;
   p->st.frees++;
   /* One event on each stream that used the block besides its own. */
-  uint32_t kept = 0;
-  for (uint32_t i = 0; i < b->nuses; i++) {
-    dp_stream_t *u = b->uses[i];
+  for (uint32_t i = 0; i < b->nuses;) {
+    dp_stream_t *u = b->uses[i].s;
     dp_event_t *ev = NULL;
     if (b->nevents == b->events_cap) {
       size_t cap = b->events_cap;
@@ -963,16 +1069,15 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
     if (b->nevents < b->events_cap && dp_event_new(c->b, dp__stream_dev(u), &ev, NULL) == 0 &&
         dp_event_record(ev, u, NULL) == 0) {
       b->events[b->nevents++] = ev;
-      user_let_go(c, u); /* the event stands in for it */
+      use_drop(c, b, i); /* the event stands in for it; the last use comes to i */
       continue;
     }
     /* No event to be had (out of memory): the block waits until the stream
        is idle, never by waiting here (under the lock, perhaps on a host
        function of that very stream) */
     if (ev) dp_event_free(ev);
-    b->uses[kept++] = u;
+    i++;
   }
-  b->nuses = kept;
   if (b->nevents || b->nuses) {
     b->state = B_PENDING;
     b->pnext = NULL;
@@ -1006,17 +1111,10 @@ static block_t *find_used(dp_cache_t *c, const void *ptr) {
 /* Adds stream s to an allocated block's uses (and to the cache's users). */
 static int record_block(const char *fn, dp_cache_t *c, block_t *b, dp_stream_t *s, dp_error_t *err) {
   for (uint32_t i = 0; i < b->nuses; i++)
-    if (b->uses[i] == s) return 0;
+    if (b->uses[i].s == s) return 0;
   user_t *u = user_need(c, s);
-  if (!u) return dp__err(err, DP_ENOMEM, "%s(%p): out of memory recording a stream use", fn, (void *)b->ptr);
-  if (b->nuses == b->uses_cap) {
-    size_t cap = b->uses_cap;
-    if (dp__grow((void **)&b->uses, &cap, b->nuses + 1, sizeof *b->uses) != 0)
-      return dp__err(err, DP_ENOMEM, "%s(%p): out of memory recording a stream use", fn, (void *)b->ptr);
-    b->uses_cap = (uint32_t)cap;
-  }
-  b->uses[b->nuses++] = s;
-  u->holds++;
+  if (!u || use_add(b, u) != 0)
+    return dp__err(err, DP_ENOMEM, "%s(%p): out of memory recording a stream use", fn, (void *)b->ptr);
   return 0;
 }
 
