@@ -200,9 +200,12 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
   dp__frame_header_parse(hdr, &fi);
   if ((rc = dp__frame_lengths_check(&fi, err)) != 0) return rc;
 
+  /* Its own failures, as the reader's, say where in the stream it stopped
+   * (base.h: a reader's errors carry the offset) and what it was reading. */
   chunk = dp__alloc(CHUNK);
   if (!chunk || XXH3_64bits_reset_withSeed(xs, XXH3_64bits(hdr, 32)) != XXH_OK) {
-    rc = dp__err(err, DP_ENOMEM, "out of memory");
+    rc = dp__err_at(err, DP_ENOMEM, (int64_t)s.total, "out of memory allocating the %u-byte buffer that reads the "
+                    "frame's body", CHUNK);
     goto done;
   }
   /* payload and table, grown as bytes arrive (never beyond what the header claims) */
@@ -219,8 +222,8 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
       if (ncap > DP_FRAME_HEADER + want) ncap = DP_FRAME_HEADER + (size_t)want;
       uint8_t *nb = dp__realloc(buf, buf_cap, ncap);
       if (!nb) {
-        rc = dp__err(err, DP_ENOMEM, "out of memory reading %llu bytes of payload and buffer table",
-                     (unsigned long long)want);
+        rc = dp__err_at(err, DP_ENOMEM, (int64_t)s.total, "out of memory reading %llu bytes of payload and buffer table",
+                        (unsigned long long)want);
         goto done;
       }
       buf = nb;

@@ -1345,6 +1345,52 @@ Test(pickler, a_stream_read_without_a_callback_or_an_out_value_says_which_is_mis
   cr_assert_str_eq(e.message, "dp_unpickle_stream: NULL out");
 }
 
+/* The stream reader's own allocations (its read buffer, then the payload
+ * and table it keeps) failed with DP_ENOMEM, "out of memory" and offset -1:
+ * a reader's errors say where in the input it stopped (pickler.h), and what
+ * was being read. Every failure the sweep meets carries an offset inside
+ * the stream, and the first two say at the end of the header which buffer
+ * could not be had. */
+Test(pickler, a_stream_reader_out_of_memory_says_at_which_byte_and_for_what) {
+  dp_value_t v = t_list();
+  OK(dp_list_append(v, t_str("payload"), T_ERR));
+  OK(dp_list_append(v, t_tensor(CUDA0, 0x1000, 16), T_ERR));
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_frame_info_t fi;
+  OK(dp_frame_check(b, n, &fi, T_ERR));
+  char reading[96];
+  snprintf(reading, sizeof reading, "out of memory reading %llu bytes of payload and buffer table",
+           (unsigned long long)(fi.payload_len + fi.table_len));
+  long k;
+  for (k = 1; k < 1000; k++) {
+    mem_reader_t c = {b, n, 7};
+    dp_error_t e;
+    dp_error_clear(&e);
+    dp_value_t out;
+    long want = t_fail_at = atomic_load(&t_alloc_count) + k;
+    int rc = dp_unpickle_stream(mem_read, &c, NULL, &out, NULL, NULL, &e);
+    int hit = atomic_load(&t_alloc_count) >= want;
+    t_fail_at = 0;
+    if (rc == 0) {
+      cr_assert(!hit, "allocation %ld failed unreported", k);
+      dp_value_release(out);
+      break;
+    }
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+    cr_assert(e.offset >= 0 && (uint64_t)e.offset <= n, "allocation %ld: \"%s\" at offset %lld", k, e.message,
+              (long long)e.offset);
+    if (k == 1) cr_assert_str_eq(e.message, "out of memory allocating the 65536-byte buffer that reads the frame's body");
+    if (k == 2) cr_assert_str_eq(e.message, reading);
+    if (k <= 2) cr_assert_eq(e.offset, 40, "the header was read");
+  }
+  cr_assert_gt(k, 3, "the sweep failed the reader's own buffers and the value's");
+  dp_frame_free(f);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
 /* A header whose lengths add up past 2^64 announces a frame no input can
  * hold. It was DP_ETRUNC at the input's length, so the stream reader read
  * on to the end of the stream to say how long that was: behind an endless
