@@ -221,7 +221,9 @@ int dp__cb_rc(int rc, dp_error_t *err, const char *what) {
   if (!err) return rc;
   /* Whether the callback set err->code or not (dp_error_t's fields are all
    * it has to fill), its message is kept, and err carries the code it
-   * returned, as the call does; only an empty message is made here. */
+   * returned, as the call does; only an empty message is made here. The
+   * offset is the call's, not the callback's: -1 here, and a reader that
+   * called it (a stream's read, bind, resolve) sets where it stopped. */
   if (!err->message[0]) {
     /* the message is the library's; the backend code stays the callback's */
     int backend = err->backend_code;
@@ -230,6 +232,7 @@ int dp__cb_rc(int rc, dp_error_t *err, const char *what) {
     return rc;
   }
   err->code = rc;
+  err->offset = -1;
   return rc;
 }
 

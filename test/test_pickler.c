@@ -3944,6 +3944,34 @@ Test(pickler, an_inline_read_callback_breaking_its_contract_gets_the_error_rules
   ASSERT_NO_LEAK();
 }
 
+/* A read callback filling its error whole, offset included (an embedder's
+ * dp_error_t from a reader of its own): its code, message and backend code
+ * are kept, but the offset is the call's — a pickle reads no input, so -1 —
+ * not the callback's 1234. */
+static int read_with_offset(void *ud, dp_device_t dev, const void *src, size_t n, void *dst, dp_error_t *err) {
+  (void)ud; (void)dev; (void)src; (void)n; (void)dst;
+  err->offset = 1234;
+  err->backend_code = 700;
+  snprintf(err->message, sizeof err->message, "dma engine fault");
+  return DP_ECUDA;
+}
+
+Test(pickler, a_read_callback_failing_with_an_offset_of_its_own_leaves_a_pickle_error_without_one) {
+  dp_value_t t = t_tensor(CUDA0, 0x1000, 4);
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_pickle_opts_t o = {DP_PICKLE_INLINE, 0, read_with_offset, NULL};
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(t, &o, f, &e), DP_ECUDA);
+  cr_assert_str_eq(e.message, "dma engine fault");
+  cr_assert_eq(e.code, DP_ECUDA);
+  cr_assert_eq(e.backend_code, 700);
+  cr_assert_eq(e.offset, -1, "a pickle's error has no offset, whatever the callback wrote (%lld)", (long long)e.offset);
+  dp_frame_free(f);
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
 /* Callbacks that fill err by hand, as a caller can (base.h): the message
  * alone, or the message and a code other than the one returned. */
 static int read_says_why(void *ud, dp_device_t d, const void *src, size_t n, void *dst, dp_error_t *err) {

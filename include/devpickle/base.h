@@ -106,7 +106,9 @@ typedef struct dp_error {
  *     read callback failed: i/o error"). A callback fills err by hand: the
  *     message it wrote is kept (one that fills the buffer without a NUL,
  *     as strncpy leaves it, loses its last byte to one), and the code is
- *     the one it returned, whatever it stored in err->code.
+ *     the one it returned, whatever it stored in err->code; the offset is
+ *     the call's own (a reader's position, else -1), whatever it stored in
+ *     err->offset.
  *   - A reader or writer keeps its first error: what it does after one
  *     returns that error and changes nothing.
  *   - A NULL handle, or a NULL for a pointer the call needs, is DP_EINVAL
