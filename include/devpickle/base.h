@@ -108,7 +108,9 @@ typedef struct dp_error {
  *     as strncpy leaves it, loses its last byte to one), and the code is
  *     the one it returned, whatever it stored in err->code; the offset is
  *     the call's own (a reader's position, else -1), whatever it stored in
- *     err->offset.
+ *     err->offset. A callback that hands back a reference (reduce's state,
+ *     bind's storage, resolve's value, a then() callback's result) and
+ *     fails leaves it where it stored it: the library releases it.
  *   - A reader or writer keeps its first error: what it does after one
  *     returns that error and changes nothing.
  *   - A NULL handle, or a NULL for a pointer the call needs, is DP_EINVAL

@@ -301,7 +301,10 @@ typedef struct dp_type {
   /** Reduces obj to a state value: any value, which may hold tensors and
    *  other customs (Python's __reduce__ contract). Returns 0 and a new
    *  reference in *state, or a DP_E* code (details in err); a positive
-   *  return is a failure too (DP_ETYPE, "reduce returned N"). NULL: the type
+   *  return is a failure too (DP_ETYPE, "reduce returned N"). On failure
+   *  the library releases whatever reduce left in *state (it starts as
+   *  none), as it does for bind and resolve: reduce never releases what it
+   *  stored there itself. NULL: the type
    *  cannot be walked, which is DP_ETYPE with the type name and path.
    *  It runs during a walk (scan, pickle, a future's completion), which
    *  reads the walked value without holding references to its nodes: it
