@@ -43,6 +43,7 @@ struct dp_frame {
     size_t cap;
   } agreed;
   int is_inline;
+  int walking;             /* the walk is on: a failure names the path of the node it met */
   int busy;                /* a dp_pickle into it has not returned (reduce and read call back) */
   /* The writer's error discipline (mpack's): its first error is kept in
    * rc, with its message in err, and every later write is a no-op that
@@ -85,19 +86,29 @@ static __attribute__((format(printf, 3, 4), noinline)) int writer_fail(dp_frame_
   return code;
 }
 
+/* Where a failure met while walking happened: " at <path>", or "" once the
+ * walk is over (the buffer table, the inline data). */
+static const char *where(dp_frame_t *f, char out[DP_PATH_MAX + 8]) {
+  if (!f->walking) return "";
+  snprintf(out, DP_PATH_MAX + 8, " at %s", dp__walker_path(&f->walker));
+  return out;
+}
+
 /* Room for extra more bytes, or the writer's (sticky) error. */
 static int frame_reserve(dp_frame_t *f, size_t extra) {
   if (f->rc) return f->rc;
   size_t need;
-  if (dp__add_ovf(f->len, extra, &need)) return writer_fail(f, DP_ENOMEM, "out of memory: a frame of more than %zu bytes", SIZE_MAX);
+  char at[DP_PATH_MAX + 8];
+  if (dp__add_ovf(f->len, extra, &need))
+    return writer_fail(f, DP_ENOMEM, "out of memory: a frame of more than %zu bytes%s", SIZE_MAX, where(f, at));
   if (need <= f->cap) return 0;
   size_t ncap = f->cap ? f->cap : 256;
   while (ncap < need) {
-    if (ncap > SIZE_MAX / 2) return writer_fail(f, DP_ENOMEM, "out of memory: a frame of %zu bytes", need);
+    if (ncap > SIZE_MAX / 2) return writer_fail(f, DP_ENOMEM, "out of memory: a frame of %zu bytes%s", need, where(f, at));
     ncap *= 2;
   }
   uint8_t *p = dp__realloc(f->buf, f->cap, ncap);
-  if (!p) return writer_fail(f, DP_ENOMEM, "out of memory growing the frame to %zu bytes", ncap);
+  if (!p) return writer_fail(f, DP_ENOMEM, "out of memory growing the frame to %zu bytes%s", ncap, where(f, at));
   f->buf = p;
   f->cap = f->end = ncap;
   return 0;
@@ -287,8 +298,8 @@ static int agreed(dp_frame_t *f, dp_storage_t *st, int add) {
 /* An inline frame's storage made by dp_unpickle for a buffer that came
  * without its bytes (and without a bind): its base is the sender's address,
  * never memory of this process (read_buffer). */
-#define FOREIGN_UNREADABLE                                                                                        \
-  "cannot read %zu bytes of %s memory for an inline frame: the storage came from a frame without its bytes, and " \
+#define FOREIGN_UNREADABLE                                                                                          \
+  "cannot read %zu bytes of %s memory for an inline frame%s: the storage came from a frame without its bytes, and " \
   "its base %p is the sender's address, not memory of this process (bind the buffers when reading the frame)"
 
 /* Two storages at one (device, base) become one buffer: they must agree on
@@ -307,9 +318,11 @@ static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *s
                    "one buffer per (device, base)", dp_device_format(st->device, dev, sizeof dev), st->base,
                    first->nbytes, st->nbytes, dp__walker_path(w));
   }
-  if (f->is_inline && st->foreign && !st->host_data) /* the first is checked when it is read */
+  if (f->is_inline && st->foreign && !st->host_data) { /* the first is checked when it is read */
+    char at[DP_PATH_MAX + 8];
     return writer_fail(f, DP_ENODEV, FOREIGN_UNREADABLE, st->nbytes, dp_device_format(st->device, dev, sizeof dev),
-                       st->base);
+                       where(f, at), st->base);
+  }
   if (f->is_inline) {
     if ((first->host_data == NULL) != (st->host_data == NULL))
       why = "only one carries host bytes";
@@ -341,7 +354,8 @@ static int sink_tensor(void *ctx, dp_value_t v, size_t buffer) {
                      t->storage->nbytes, dp__walker_path(w));
     }
     if (dp__grow((void **)&f->storages, &f->storages_cap, f->nstorages + 1, sizeof *f->storages) != 0)
-      return writer_fail(f, DP_ENOMEM, "out of memory growing the frame's storage list");
+      return writer_fail(f, DP_ENOMEM, "out of memory growing the frame's storage list at %s",
+                         dp__walker_path(frame_walker(f)));
     f->storages[f->nstorages++] = (frame_buf_t){t->storage, t->storage->host_data != NULL || t->storage->foreign};
   } else if (DP_UNLIKELY(f->storages[buffer].st != t->storage) && t->storage != f->checked) {
     if ((rc = check_same_buffer(f, f->storages[buffer].st, t->storage)) != 0) return rc;
@@ -399,7 +413,7 @@ static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst
   /* Its base is an address a frame named: reading through it (here, or in
    * the read callback) would read whatever this process holds there. */
   if (st->foreign)
-    return dp__err(err, DP_ENODEV, FOREIGN_UNREADABLE, st->nbytes, dp_device_format(st->device, dev, sizeof dev),
+    return dp__err(err, DP_ENODEV, FOREIGN_UNREADABLE, st->nbytes, dp_device_format(st->device, dev, sizeof dev), "",
                    st->base);
   if (opts && opts->read) { /* the callback always gets an error to fill, cleared so that silence shows */
     dp_error_t own, *e = err ? err : &own;
@@ -450,7 +464,9 @@ static int pickle_into(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f
   dp__walker_t *w = frame_walker(f);
   dp__walker_setup(w, f->set, &pack_sink, f, opts ? opts->max_depth : 0, 0, err);
   /* The walk returns the sink's error as the writer reported it. */
+  f->walking = 1;
   rc = dp__walk(w, v);
+  f->walking = 0;
   /* A reader numbers at most 2^32 - 2 heap nodes (32-bit back-references,
    * which the sink checks as it writes them). */
   if (rc == 0 && w->next_index > (uint64_t)UINT32_MAX - 1)

@@ -97,10 +97,37 @@ static inline __attribute__((always_inline)) int memo_check(dp__walker_t *w, con
   return memo_insert(w, key, h, j, index);
 }
 
-/* A failed memo_check: its code, kept. */
-static int memo_failed(dp__walker_t *w, int rc) {
-  if (rc == DP_ELIMIT) return dp__err(w->err, rc, "a walk memoizes at most %u nodes", UINT32_MAX - 2);
-  return dp__err(w->err, rc, "out of memory growing the walk memo");
+/* A failure of the walk's own means (its memory, its memo's bound) at the
+ * node being visited: the message names the path, as every other failure
+ * of a walk does (pickler.h), so that an embedder sees where a value too
+ * large to walk grew too large. */
+static int walk_fail(dp__walker_t *w, int code, const char *what) {
+  return dp__err(w->err, code, "%s at %s", what, dp__walker_path(w));
+}
+
+/* A failure passed through from below the walker (the pointer set's, the
+ * sink's), which knows nothing of the path: its code, backend code and
+ * message kept, " at <path>" added. */
+static int walk_failed_at(dp__walker_t *w, int rc) {
+  if (!w->err || rc >= 0) return rc;
+  char msg[sizeof w->err->message];
+  memcpy(msg, w->err->message, sizeof msg);
+  msg[sizeof msg - 1] = '\0';
+  int backend = w->err->backend_code;
+  dp__err(w->err, rc, "%s at %s", msg, dp__walker_path(w));
+  w->err->backend_code = backend;
+  return rc;
+}
+
+/* A failed memo_check: its code, kept. A scan's batch (flush_pending) looks
+ * tensors up away from where they were met, and says no path. */
+static int memo_failed(dp__walker_t *w, int rc, int where) {
+  char what[64];
+  if (rc == DP_ELIMIT)
+    snprintf(what, sizeof what, "a walk memoizes at most %u nodes", UINT32_MAX - 2);
+  else
+    snprintf(what, sizeof what, "out of memory growing the walk memo");
+  return where ? walk_fail(w, rc, what) : dp__err(w->err, rc, "%s", what);
 }
 
 static void memo_reset(dp__walker_t *w) { dp__table_clear(&w->memo, DP_TABLE_TAGGED); }
@@ -266,7 +293,7 @@ static int push(dp__walker_t *w, dp_value_t node, dp_value_t state, size_t n) {
                    w->max_depth == 1 ? "" : "s", dp__walker_path(w));
   if (w->top == w->stack_cap &&
       dp__grow((void **)&w->stack, &w->stack_cap, w->top + 1, sizeof(dp__wframe_t)) != 0)
-    return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk stack");
+    return walk_fail(w, DP_ENOMEM, "out of memory growing the walk stack");
   dp__wframe_t *f = &w->stack[w->top++];
   f->node = node;
   f->state = state;
@@ -332,7 +359,7 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
     if (k >= DP_LIST || (S && k >= DP_STR)) {
       uint64_t seen = 0;
       int m = memo_check(w, v.u.h, index, &seen);
-      if (m < 0) return memo_failed(w, m);
+      if (m < 0) return memo_failed(w, m, 1);
       if (m == 0) {
         index++;
         if (v.u.h == stop) {
@@ -350,7 +377,7 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
         if (n) {
           if (top == w->rstack_cap &&
               dp__grow((void **)&w->rstack, &w->rstack_cap, top + 1, sizeof(dp__wframe_t)) != 0)
-            return dp__err(w->err, DP_ENOMEM, "out of memory growing the walk stack");
+            return walk_fail(w, DP_ENOMEM, "out of memory growing the walk stack");
           w->rstack[top++] = (dp__wframe_t){v, dp_none(), 0, n};
         }
       }
@@ -377,7 +404,7 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
   if (w->memo_rc && (rc = memo_everything(w, v.u.h, S)) != 0) return rc;
   if (w->nstates == w->states_cap &&
       dp__grow((void **)&w->states, &w->states_cap, w->nstates + 1, sizeof(dp_value_t)) != 0)
-    return dp__err(w->err, DP_ENOMEM, "out of memory holding reduce states");
+    return walk_fail(w, DP_ENOMEM, "out of memory holding reduce states");
   dp_error_t inner;
   dp_error_clear(&inner);
   *state = dp_none();
@@ -425,7 +452,7 @@ static int flush_pending(dp__walker_t *w) {
     if (dp__rc(&t->h) > w->memo_rc) {
       uint64_t seen = 0;
       int r = memo_check(w, t, w->next_index++, &seen);
-      if (r < 0) return memo_failed(w, r);
+      if (r < 0) return memo_failed(w, r, 0);
       if (r == 1) continue;  /* the same tensor again: counted once */
     }
     again |= (uint64_t)(t->sbase == prev_base && dp__dev_bits(t->sdevice) == prev_dev) << n;
@@ -613,9 +640,9 @@ DP_WALK_INLINE int visit_tensor(dp__walker_t *w, dp_value_t v, const int S) {
   int is_new;
   int rc = dp__ptrset_add_hashed(w->set, t->sdevice, t->sbase, t->snbytes, dp__ptr_hash(t->sdevice, t->sbase), &id,
                                  &is_new, w->err);
-  if (rc) return rc;
+  if (rc) return walk_failed_at(w, rc);
   if (is_new && w->want_paths && dp__ptrset_set_path(w->set, id, dp__walker_path(w)) != 0)
-    return dp__err(w->err, DP_ENOMEM, "out of memory recording a path");
+    return walk_fail(w, DP_ENOMEM, "out of memory recording the path");
   return S ? w->sink->tensor(w->sink_ctx, v, id) : 0;
 }
 
@@ -630,7 +657,7 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
   if (dp__rc(h) > w->memo_rc) {
     uint64_t seen = 0;
     int m = memo_check(w, h, index, &seen);
-    if (m < 0) return memo_failed(w, m);
+    if (m < 0) return memo_failed(w, m, 1);
     if (m == 1) {
       w->next_index--;
       return S ? w->sink->backref(w->sink_ctx, seen) : 0;
