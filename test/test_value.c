@@ -1787,6 +1787,26 @@ Test(value, a_null_argument_is_named_in_the_message) {
   cr_assert_str_eq(e.message, "dp_tensor_new: NULL storage");
   cr_assert_eq(dp_object_new_reduced(NULL, dp_none(), &v, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_object_new_reduced: NULL type_name");
+  /* a custom's three required pointers, each by its name (they were named
+     all at once: "type, type->name and out are required") */
+  static const dp_type_t unnamed = {NULL, reduce_to_none, NULL}, named = {"Named", reduce_to_none, NULL};
+  cr_assert_eq(dp_custom_new(NULL, NULL, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_custom_new: NULL type");
+  cr_assert_eq(dp_custom_new(&unnamed, NULL, &v, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_custom_new: NULL type->name");
+  cr_assert_eq(dp_custom_new(&named, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_custom_new: NULL out");
+  cr_assert_eq(dp_list_new(0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_list_new: NULL out");
+  cr_assert_eq(dp_tuple_new(1, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_tuple_new: NULL out");
+  cr_assert_eq(dp_dict_new(0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_dict_new: NULL out");
+  cr_assert_eq(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), NULL, 0, NULL, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_storage_new: NULL out");
+  cr_assert_eq(dp_tensor_new(t_storage(t_dev(DP_DEVICE_CPU, 0), 0x10, 16), DP_FLOAT32, 1, NULL, NULL, 0, &v, &e),
+               DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_tensor_new: NULL shape");
   ASSERT_NO_LEAK();
 }
 

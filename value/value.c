@@ -920,7 +920,7 @@ int64_t dp_tensor_offset(dp_value_t t) { return t.kind == DP_TENSOR ? DP_TENSOR(
 int dp_custom_new(const dp_type_t *type, void *obj, dp_value_t *out, dp_error_t *err) {
   if (!type || !type->name || !out) {
     if (type && type->destroy) type->destroy(obj);
-    return dp__err(err, DP_EINVAL, "dp_custom_new: type, type->name and out are required");
+    return dp__err(err, DP_EINVAL, "dp_custom_new: NULL %s", !type ? "type" : !type->name ? "type->name" : "out");
   }
   if (!dp__name_valid(type->name, strlen(type->name))) { /* a frame names it: the reader would refuse it */
     if (type->destroy) type->destroy(obj);
