@@ -173,13 +173,17 @@ int dp_frame_value_check(const void *bytes, size_t n, const dp_unpickle_opts_t *
   return rc;
 }
 
-/* The rest of the stream is counted (and dropped) to say how long it was. */
-static int drain(sr_t *s, uint8_t *buf) {
+/* The rest of the stream is counted (and dropped) to say how long it was:
+ * up to CHUNK bytes, then one more says that more follow, and reading
+ * stops there — a stream that never ends behind a frame (`cat f.dpk
+ * /dev/zero`) would otherwise hold the call forever. *more: it did. */
+static int drain(sr_t *s, uint8_t *buf, int *more) {
   size_t got;
   int rc;
-  do {
-    if ((rc = sread(s, buf, CHUNK, &got)) != 0) return rc;
-  } while (got == CHUNK);
+  *more = 0;
+  if ((rc = sread(s, buf, CHUNK, &got)) != 0 || got < CHUNK) return rc;
+  if ((rc = sread(s, buf, 1, &got)) != 0) return rc;
+  *more = got != 0;
   return 0;
 }
 
@@ -263,7 +267,14 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
       goto done;
   }
   uint64_t framed = s.total;
-  if ((rc = drain(&s, chunk)) != 0) goto done;
+  int more;
+  if ((rc = drain(&s, chunk, &more)) != 0) goto done;
+  if (more) {
+    rc = dp__err_at(err, DP_EFORMAT, (int64_t)framed,
+                    "more than %u bytes after the end of the frame (a stream holds one frame; the rest was not read)",
+                    CHUNK);
+    goto done;
+  }
   uint64_t body = s.total - DP_FRAME_HEADER;
   if (overflow || fi.payload_len > body || fi.table_len > body - fi.payload_len ||
       fi.data_len > body - fi.payload_len - fi.table_len) {

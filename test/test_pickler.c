@@ -1430,6 +1430,56 @@ Test(pickler, a_stream_reader_out_of_memory_says_at_which_byte_and_for_what) {
   ASSERT_NO_LEAK();
 }
 
+/* A frame, then `trail` zero bytes (UINT64_MAX: a stream that never ends;
+ * a reader that reads 1 MiB past the frame fails its test, not hangs it). */
+typedef struct trailing {
+  const uint8_t *frame;
+  size_t n;
+  uint64_t trail, given;
+} trailing_t;
+
+static int trailing_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  (void)err;
+  trailing_t *t = ud;
+  size_t k = 0;
+  for (; k < n && (t->given < t->n || t->given - t->n < t->trail) && t->given < t->n + (1u << 20); k++, t->given++)
+    ((uint8_t *)dst)[k] = t->given < t->n ? t->frame[t->given] : 0;
+  *got = k;
+  return 0;
+}
+
+/* The stream reader drained the stream to its end to count the bytes
+ * after the frame: behind a frame, a stream that never ends (`cat f.dpk
+ * /dev/zero` into a program reading stdin) held the call forever, as it
+ * had held the CLI before its reader stopped at 64 KiB. Up to 65,536 bytes
+ * after the frame are counted; one more is refused as more, at the frame's
+ * end, and the stream is not read past it. */
+Test(pickler, a_stream_reader_stops_65536_bytes_after_the_frame_instead_of_reading_an_endless_stream) {
+  dp_value_t v = t_list();
+  OK(dp_list_append(v, dp_int(1), T_ERR));
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_value_t out;
+  dp_error_t e;
+  trailing_t t = {b, n, 65536, 0};
+  cr_assert_eq(dp_unpickle_stream(trailing_read, &t, NULL, &out, NULL, NULL, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "65536 bytes after the end of the frame");
+  cr_assert_eq(e.offset, (int64_t)n);
+  t = (trailing_t){b, n, UINT64_MAX, 0};
+  cr_assert_eq(dp_unpickle_stream(trailing_read, &t, NULL, &out, NULL, NULL, &e), DP_EFORMAT);
+  cr_assert_str_eq(e.message, "more than 65536 bytes after the end of the frame (a stream holds one frame; the rest "
+                              "was not read)");
+  cr_assert_eq(e.offset, (int64_t)n);
+  cr_assert_eq(t.given, n + 65537, "read %llu bytes past the frame", (unsigned long long)(t.given - n));
+  t = (trailing_t){b, n, 0, 0};
+  OK(dp_unpickle_stream(trailing_read, &t, NULL, &out, NULL, NULL, T_ERR));
+  dp_value_release(out);
+  dp_frame_free(f);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
 /* A header whose lengths add up past 2^64 announces a frame no input can
  * hold. It was DP_ETRUNC at the input's length, so the stream reader read
  * on to the end of the stream to say how long that was: behind an endless

@@ -284,8 +284,10 @@ typedef int (*dp_stream_read_cb)(void *ud, void *dst, size_t n, size_t *got, dp_
  *  header facts and *size (may be NULL) its length. read is called from this
  *  thread only; the call is thread-safe as dp_unpickle is. The stream holds
  *  one frame: it is read to its end, and bytes after the frame are
- *  DP_EFORMAT ("N bytes after the end of the frame"). Errors: those of
- *  dp_unpickle, and read's. */
+ *  DP_EFORMAT ("N bytes after the end of the frame"), at the frame's end;
+ *  past 65,536 of them it stops reading ("more than 65536 bytes after the
+ *  end of the frame"), so a stream that never ends behind a frame does not
+ *  hold the call. Errors: those of dp_unpickle, and read's. */
 DP_API int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_t *opts, dp_value_t *out,
                               dp_frame_info_t *info, uint64_t *size, dp_error_t *err);
 
