@@ -30,11 +30,14 @@ static int sread(sr_t *s, void *dst, size_t n, size_t *got) {
   *got = 0;
   while (*got < n) {
     size_t k = 0;
-    dp_error_t own, *e = s->err ? s->err : &own; /* the callback always gets an error to fill */
-    dp_error_clear(e); /* so that a callback failing without a word is seen */
-    int rc = dp__cb_rc(s->read(s->ud, (uint8_t *)dst + *got, n - *got, &k, e), e, "the read callback");
+    /* The callback fills an error of its own, cleared so that a failure
+     * without a word is seen; the caller's is written on failure only. */
+    dp_error_t e;
+    dp_error_clear(&e);
+    int rc = dp__cb_rc(s->read(s->ud, (uint8_t *)dst + *got, n - *got, &k, &e), &e, "the read callback");
     if (rc) {
-      e->offset = (int64_t)s->total;
+      e.offset = (int64_t)s->total;
+      if (s->err) *s->err = e;
       return rc;
     }
     if (k > n - *got)

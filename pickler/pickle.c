@@ -415,10 +415,15 @@ static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst
   if (st->foreign)
     return dp__err(err, DP_ENODEV, FOREIGN_UNREADABLE, st->nbytes, dp_device_format(st->device, dev, sizeof dev), "",
                    st->base);
-  if (opts && opts->read) { /* the callback always gets an error to fill, cleared so that silence shows */
-    dp_error_t own, *e = err ? err : &own;
-    dp_error_clear(e);
-    return dp__cb_rc(opts->read(opts->read_ud, st->device, st->base, st->nbytes, dst, e), e, "the read callback");
+  if (opts && opts->read) {
+    /* The callback fills an error of its own, cleared so that silence
+     * shows; the caller's is written on failure only, as by every call
+     * (what a callback that succeeded left there is no failure's). */
+    dp_error_t e;
+    dp_error_clear(&e);
+    int rc = dp__cb_rc(opts->read(opts->read_ud, st->device, st->base, st->nbytes, dst, &e), &e, "the read callback");
+    if (rc && err) *err = e;
+    return rc;
   }
   if (st->device.type == DP_DEVICE_CPU) {
     /* dp_storage_new takes any base; NULL is the one known unreadable */

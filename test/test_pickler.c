@@ -4039,6 +4039,48 @@ Test(pickler, an_inline_read_callback_breaking_its_contract_gets_the_error_rules
   ASSERT_NO_LEAK();
 }
 
+/* Read callbacks that write into their error and succeed (a reader that
+ * notes a retried transfer, say): the error was the caller's own record,
+ * cleared before each call, so a pickle or a stream read that succeeded
+ * came back with it cleared or holding the callback's words — where every
+ * call writes err on failure only (base.h). */
+static int read_noting(void *ud, dp_device_t dev, const void *src, size_t n, void *dst, dp_error_t *err) {
+  (void)ud; (void)dev; (void)src;
+  memset(dst, 1, n);
+  err->code = DP_EIO;
+  snprintf(err->message, sizeof err->message, "retried once");
+  return 0;
+}
+
+static int stream_read_noting(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  err->code = DP_EIO;
+  snprintf(err->message, sizeof err->message, "retried once");
+  return mem_read(ud, dst, n, got, err);
+}
+
+Test(pickler, a_read_callback_that_succeeds_leaves_the_callers_error_as_it_was) {
+  dp_value_t t = t_tensor(CUDA0, 0x1000, 4);
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_error_t e;
+  dp_error_clear(&e);
+  snprintf(e.message, sizeof e.message, "untouched");
+  cr_assert_eq(dp_pickle(t, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, read_noting, NULL}, f, &e), 0);
+  cr_assert_eq(e.code, 0);
+  cr_assert_str_eq(e.message, "untouched");
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  mem_reader_t c = {b, n, 7};
+  dp_value_t out;
+  cr_assert_eq(dp_unpickle_stream(stream_read_noting, &c, NULL, &out, NULL, NULL, &e), 0);
+  cr_assert_eq(e.code, 0);
+  cr_assert_str_eq(e.message, "untouched");
+  dp_value_release(out);
+  dp_frame_free(f);
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
 /* A read callback filling its error whole, offset included (an embedder's
  * dp_error_t from a reader of its own): its code, message and backend code
  * are kept, but the offset is the call's — a pickle reads no input, so -1 —
