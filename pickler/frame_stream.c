@@ -177,14 +177,19 @@ int dp_frame_value_check(const void *bytes, size_t n, const dp_unpickle_opts_t *
 }
 
 /* The rest of the stream is counted (and dropped) to say how long it was:
- * up to CHUNK bytes, then one more says that more follow, and reading
- * stops there — a stream that never ends behind a frame (`cat f.dpk
- * /dev/zero`) would otherwise hold the call forever. *more: it did. */
-static int drain(sr_t *s, uint8_t *buf, int *more) {
+ * behind a frame read whole (`bounded`), up to CHUNK bytes, then one more
+ * says that more follow, and reading stops there — a stream that never
+ * ends behind a frame (`cat f.dpk /dev/zero`) would otherwise hold the
+ * call forever. *more: it did. A frame too long to hold (32-bit) is
+ * truncated wherever the stream ends, which only its end says. */
+static int drain(sr_t *s, uint8_t *buf, int bounded, int *more) {
   size_t got;
   int rc;
   *more = 0;
-  if ((rc = sread(s, buf, CHUNK, &got)) != 0 || got < CHUNK) return rc;
+  do {
+    if ((rc = sread(s, buf, CHUNK, &got)) != 0) return rc;
+  } while (got == CHUNK && !bounded);
+  if (got < CHUNK) return 0;
   if ((rc = sread(s, buf, 1, &got)) != 0) return rc;
   *more = got != 0;
   return 0;
@@ -271,7 +276,7 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
   }
   uint64_t framed = s.total;
   int more;
-  if ((rc = drain(&s, chunk, &more)) != 0) goto done;
+  if ((rc = drain(&s, chunk, !overflow, &more)) != 0) goto done;
   if (more) {
     rc = dp__err_at(err, DP_EFORMAT, (int64_t)framed,
                     "more than %u bytes after the end of the frame (a stream holds one frame; the rest was not read)",
