@@ -734,8 +734,13 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
     return rd_fail(&u->r, DP_EINVAL, at, "resolving custom '%s' failed: the resolver returned 0 without a value "
                    "(dp_none() is one)", type_shown(name, name_len, shown));
   /* The node table points into the stand-in's state (any node of it may be
-   * referred to later): keep the stand-in, and so its state, until the end. */
+   * referred to later): keep the stand-in, and so its state, until the end.
+   * The table's entries carry the reader's own word in reserved_ (what open
+   * container a node reaches, read at each back-reference to it): a value
+   * the resolver made by hand may hold anything there, and is stored
+   * without it. */
   u->kept[u->nkept++] = v;
+  made.reserved_ = 0;
   u->nodes[f->node] = made;
   *out = made;
   return 0;

@@ -2442,6 +2442,47 @@ static int resolve_to_str(void *ud, const char *type, dp_value_t state, dp_value
   return dp_str_new("k", 1, out, err);
 }
 
+/* A resolver whose value was made by hand, its private word not zeroed
+ * (value.h asks for accessors, but the struct is the caller's to fill). */
+static int resolve_by_hand(void *ud, const char *type, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)ud; (void)type; (void)state; (void)err;
+  dp_value_t v;
+  v.u.i = 5;
+  v.kind = DP_INT;
+  v.reserved_ = 0x7fffffff;
+  *out = v;
+  return 0;
+}
+
+/* The reader keeps, in its node table, which open container each node
+ * reaches, in the value's reserved word; a resolved custom's value went
+ * into that table as the resolver left it, so a back-reference to the
+ * custom read the resolver's word as a node number (a crash, reading 32 GB
+ * past the table). The resolver's value is stored without it: both items
+ * of [C, C] read back as the int it made. */
+Test(pickler, a_resolved_value_made_by_hand_is_read_back_at_each_reference_to_it) {
+  static const char *const allowed[] = {"Holder"};
+  dp_resolver_t res = {allowed, 1, resolve_by_hand, NULL};
+  dp_unpickle_opts_t uo = {{0}, &res, NULL, NULL};
+  dp_value_t c = t_holder(dp_int(1)), l = t_list();
+  OK(dp_list_append(l, dp_value_retain(c), T_ERR));
+  OK(dp_list_append(l, c, T_ERR));
+  dp_frame_t *f = pickle_ok(l, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_value_t out;
+  OK(dp_unpickle(b, n, &uo, &out, T_ERR));
+  cr_assert_eq(dp_seq_len(out), 2);
+  for (size_t i = 0; i < 2; i++) {
+    cr_assert_eq(dp_value_kind(dp_seq_get(out, i)), DP_INT);
+    cr_assert_eq(dp_value_as_int(dp_seq_get(out, i)), 5);
+  }
+  dp_value_release(out);
+  dp_frame_free(f);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
 /* A header announcing 2^62 bytes of inline data behind a payload and table
  * that the reader refuses whatever the data (a buffer no tensor uses, a
  * non-canonical int, one allocation described twice, a limit), then zeros:
