@@ -63,6 +63,26 @@ static void read_value(void *arg) {
   atomic_store(&c->seen, atomic_load(&c->value));
 }
 
+/* Holds its stream until *open is set: what a test asserts about work
+ * still running stays true however late the test's own thread gets to it
+ * (a loaded machine stalls it past any fixed sleep). Bounded (10 s), so
+ * that a test that fails with the gate shut ends. */
+static void hold_at_gate(void *arg) {
+  for (int ms = 0; ms < 10000 && !atomic_load((_Atomic int *)arg); ms++) sleep_ms(1);
+}
+
+/* slow_write held at a gate: the write comes 60 ms after the gate opens */
+typedef struct held_write {
+  cell_t *cell;
+  _Atomic int open;
+} held_write_t;
+
+static void write_when_open(void *arg) {
+  held_write_t *h = arg;
+  hold_at_gate(&h->open);
+  slow_write(h->cell);
+}
+
 static int consumer_sees(int with_wait) {
   dp_backend_t *b = host();
   dp_stream_t *a, *c;
@@ -72,13 +92,17 @@ static int consumer_sees(int with_wait) {
   atomic_init(&cell.value, 0);
   atomic_init(&cell.seen, -1);
   dp_event_t *ev;
-  OK(dp_host_launch(a, slow_write, &cell, T_ERR));
+  /* without the wait, the write is held until the read is done: the race
+     is observed whenever the consumer's thread gets to run */
+  held_write_t w = {&cell, with_wait};
+  OK(dp_host_launch(a, write_when_open, &w, T_ERR));
   OK(dp_event_new(b, H0, &ev, T_ERR));
   OK(dp_event_record(ev, a, T_ERR));
   if (with_wait) OK(dp_stream_wait_event(c, ev, T_ERR));
   OK(dp_host_launch(c, read_value, &cell, T_ERR));
   OK(dp_stream_synchronize(c, T_ERR));
   int seen = atomic_load(&cell.seen);
+  atomic_store(&w.open, 1);
   OK(dp_stream_synchronize(a, T_ERR));
   dp_event_free(ev);
   dp_stream_free(a);
@@ -162,7 +186,8 @@ Test(device, a_wait_does_not_block_the_host_thread) {
   atomic_init(&cell.seen, -1);
   dp_event_t *ev;
   OK(dp_event_new(b, H0, &ev, T_ERR));
-  OK(dp_host_launch(a, slow_write, &cell, T_ERR));
+  held_write_t w = {&cell, 0}; /* the write waits for this thread: a wait that blocked would wait 10 s */
+  OK(dp_host_launch(a, write_when_open, &w, T_ERR));
   OK(dp_event_record(ev, a, T_ERR));
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -170,8 +195,9 @@ Test(device, a_wait_does_not_block_the_host_thread) {
   OK(dp_host_launch(c, read_value, &cell, T_ERR));
   clock_gettime(CLOCK_MONOTONIC, &t1);
   double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
-  cr_assert_lt(ms, 30, "queueing the wait took %.1f ms: it blocked", ms);
+  cr_assert_lt(ms, 5000, "queueing the wait took %.1f ms: it blocked", ms);
   cr_assert_eq(dp_stream_query(c, NULL), 0, "the consumer stream is still waiting");
+  atomic_store(&w.open, 1);
   OK(dp_stream_synchronize(c, T_ERR));
   cr_assert_eq(atomic_load(&cell.seen), 42);
   dp_event_free(ev);
@@ -210,8 +236,6 @@ Test(device, a_stream_runs_its_work_in_order) {
   for (int i = 0; i < 2000; i++) cr_assert_eq(log.order[i], i);
 }
 
-static void sleep_task(void *arg) { sleep_ms((int)(intptr_t)arg); }
-
 Test(device, events_and_streams_answer_queries_as_cuda_does) {
   dp_backend_t *b = host();
   dp_stream_t *s;
@@ -221,16 +245,19 @@ Test(device, events_and_streams_answer_queries_as_cuda_does) {
   cr_assert_eq(dp_event_query(ev, NULL), 1, "a never-recorded event is complete");
   OK(dp_event_synchronize(ev, T_ERR));
   cr_assert_eq(dp_stream_query(s, NULL), 1, "an idle stream is complete");
-  OK(dp_host_launch(s, sleep_task, (void *)(intptr_t)40, T_ERR));
+  _Atomic int first = 0, second = 0; /* each task runs until its gate opens */
+  OK(dp_host_launch(s, hold_at_gate, &first, T_ERR));
   OK(dp_event_record(ev, s, T_ERR));
   cr_assert_eq(dp_event_query(ev, NULL), 0);
   cr_assert_eq(dp_stream_query(s, NULL), 0);
-  OK(dp_host_launch(s, sleep_task, (void *)(intptr_t)40, T_ERR));
+  OK(dp_host_launch(s, hold_at_gate, &second, T_ERR));
+  atomic_store(&first, 1);
   OK(dp_event_synchronize(ev, T_ERR));
   cr_assert_eq(dp_event_query(ev, NULL), 1);
   cr_assert_eq(dp_stream_query(s, NULL), 0, "work queued after the record is still running");
   OK(dp_event_record(ev, s, T_ERR));  /* re-record: captures the second task too */
   cr_assert_eq(dp_event_query(ev, NULL), 0);
+  atomic_store(&second, 1);
   OK(dp_stream_synchronize(s, T_ERR));
   cr_assert_eq(dp_event_query(ev, NULL), 1);
   cr_assert_eq(dp_stream_query(s, NULL), 1);
@@ -922,15 +949,18 @@ static int wrapped_consumer_sees(int with_wait) {
   cell_t cell;
   atomic_init(&cell.value, 0);
   atomic_init(&cell.seen, -1);
-  OK(dp_host_launch(owner, slow_write, &cell, T_ERR));  /* the framework's work */
+  held_write_t hw = {&cell, 0}; /* held until the query; without the wait, until the read is done */
+  OK(dp_host_launch(owner, write_when_open, &hw, T_ERR));  /* the framework's work */
   dp_event_t *ev;
   OK(dp_event_new(b, H0, &ev, T_ERR));
   OK(dp_event_record(ev, w, T_ERR));
   cr_assert_eq(dp_event_query(ev, NULL), 0, "the event waits for the owner's work");
   if (with_wait) OK(dp_stream_wait_event(c, ev, T_ERR));
   OK(dp_host_launch(c, read_value, &cell, T_ERR));
+  if (with_wait) atomic_store(&hw.open, 1);
   OK(dp_stream_synchronize(c, T_ERR));
   int seen = atomic_load(&cell.seen);
+  atomic_store(&hw.open, 1);
   OK(dp_event_synchronize(ev, T_ERR));
   cr_assert_eq(dp_stream_query(w, NULL), 1);
   dp_event_free(ev);
