@@ -761,16 +761,20 @@ Test(device, deallocating_waits_for_the_work_queued_on_the_device_as_cudafree_do
  * the caller lets go only after the call returns — before it was told
  * DP_EINVAL. */
 typedef struct gate {
-  _Atomic int open;
+  _Atomic int open, queried;
 } gate_t;
 
 static void wait_gate(void *arg) {
   while (!atomic_load(&((gate_t *)arg)->open)) sleep_ms(1);
 }
 
+/* Opens the gate once the test has looked at the stream, or after 10 s:
+ * a refusal that waited for the device returns only then, and finds the
+ * stream idle. */
 static void *open_gate_later(void *arg) {
-  sleep_ms(1000);
-  atomic_store(&((gate_t *)arg)->open, 1);
+  gate_t *g = arg;
+  for (int ms = 0; ms < 10000 && !atomic_load(&g->queried); ms++) sleep_ms(1);
+  atomic_store(&g->open, 1);
   return NULL;
 }
 
@@ -790,6 +794,7 @@ Test(device, a_bad_pointer_is_refused_without_waiting_for_the_device, .timeout =
   cr_assert_eq(dp_device_dealloc(b, H0, p, &e), DP_EINVAL, "freed twice");
   cr_assert_eq(dp_device_dealloc(b, H0, local, &e), DP_EINVAL, "never handed out");
   int busy = dp_stream_query(s, NULL);
+  atomic_store(&g.queried, 1);
   pthread_join(th, NULL);
   cr_assert_eq(busy, 0, "the refusals came before the device's work was done: nothing was waited for");
   char want[96];
