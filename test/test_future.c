@@ -57,13 +57,24 @@ static void free_ints(dp_value_t t) {
   OK(dp_cache_dealloc(c, data_of(t), T_ERR));
 }
 
+/* Holds a stream until *gate is set (NULL: no gate). A negative control
+ * that needs one stream's work to run before another's opens the gate
+ * once the first is done, instead of sleeping and hoping the other thread
+ * got there in time: a loaded machine stalls a thread past any fixed
+ * sleep. Bounded (10 s), so that a test that fails with a gate shut ends. */
+static void hold_at(_Atomic int *gate) {
+  for (int ms = 0; gate && ms < 10000 && !atomic_load(gate); ms++) sleep_ms(1);
+}
+
 /* slow device work: spin, then fill with a value */
 typedef struct fill {
   int *p;
   int n, value, ms;
+  _Atomic int *gate;
 } fill_t;
 static void slow_fill(void *arg) {
   fill_t *f = arg;
+  hold_at(f->gate);
   sleep_ms(f->ms);
   for (int i = 0; i < f->n; i++) f->p[i] = f->value;
 }
@@ -71,9 +82,11 @@ typedef struct read {
   const int *p;
   int n, ms;
   int first, all_same;
+  _Atomic int *gate;
 } read_t;
 static void slow_read(void *arg) {
   read_t *r = arg;
+  hold_at(r->gate);
   sleep_ms(r->ms);
   r->first = r->p[0];
   r->all_same = 1;
@@ -271,15 +284,17 @@ static int consumer_reads(int wait) {
   OK(dp_stream_new(B, H0, &cons, T_ERR));
   OK(dp_set_current_stream(prod, NULL, T_ERR));
   dp_value_t t = device_ints(H0, 64);
-  fill_t fill = {data_of(t), 64, 7, 60};
+  _Atomic int open = wait; /* without the wait, the fill is held until the read is done */
+  fill_t fill = {data_of(t), 64, 7, 60, &open};
   OK(dp_host_launch(prod, slow_fill, &fill, T_ERR));
   dp_future_t *f = future();
   OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR));
   OK(dp_set_current_stream(cons, NULL, T_ERR));
   if (wait) OK(dp_future_wait(f, -1, T_ERR));
-  read_t r = {data_of(dp_future_value(f).kind == DP_TENSOR ? dp_future_value(f) : t), 64, 0, -1, 0};
+  read_t r = {data_of(dp_future_value(f).kind == DP_TENSOR ? dp_future_value(f) : t), 64, 0, -1, 0, NULL};
   OK(dp_host_launch(cons, slow_read, &r, T_ERR));
   OK(dp_stream_synchronize(cons, T_ERR));
+  atomic_store(&open, 1);
   OK(dp_stream_synchronize(prod, T_ERR));
   dp_reset_current_stream(B, H0);
   free_ints(t);
@@ -302,6 +317,7 @@ Test(future, negative_control_a_consumer_that_does_not_wait_sees_stale_data) {
 
 typedef struct cb_state {
   _Atomic int calls;
+  _Atomic int open; /* the callback's fill is held until it opens */
   fill_t fill;
   dp_value_t made;
   int report;  /* launch_and_report: report the allocation */
@@ -314,7 +330,7 @@ static int launch_and_wrap(void *ud, dp_future_t *parent, dp_value_t *result, dp
   atomic_fetch_add(&s->calls, 1);
   (void)parent;
   dp_value_t out = device_ints(H0, 64);  /* allocated on the current (pool) stream */
-  s->fill = (fill_t){data_of(out), 64, 99, 60};
+  s->fill = (fill_t){data_of(out), 64, 99, 60, &s->open};
   dp_stream_t *cur;
   int rc = dp_current_stream(B, H0, &cur, err);
   if (rc == 0) rc = dp_host_launch(cur, slow_fill, &s->fill, err);
@@ -347,6 +363,8 @@ static int child_consumer_reads(int how) {
   dp_value_t t = device_ints(H0, 64);
   dp_future_t *parent = future(), *child;
   cb_state_t st = {0};
+  /* the negative controls hold the callback's fill until the read is done */
+  atomic_store(&st.open, how == WAIT_CHILD || how == WAIT_REPORTED);
   if (how == WAIT_REPORTED || how == WAIT_UNREPORTED) {
     st.report = how == WAIT_REPORTED;
     OK(dp_future_then_with_ptrs(parent, launch_and_report, &st, &child, T_ERR));
@@ -359,9 +377,10 @@ static int child_consumer_reads(int how) {
   /* the negative control waits on the parent's events only: what a fallback
    * to the parent's events would give the child's consumers */
   OK(dp_future_wait(how == WAIT_PARENT ? parent : child, -1, T_ERR));
-  read_t r = {data_of(st.made), 64, 0, -1, 0};
+  read_t r = {data_of(st.made), 64, 0, -1, 0, NULL};
   OK(dp_host_launch(cons, slow_read, &r, T_ERR));
   OK(dp_stream_synchronize(cons, T_ERR));
+  atomic_store(&st.open, 1);
   OK(dp_device_synchronize(B, H0, T_ERR));
   dp_reset_current_stream(B, H0);
   cr_assert_eq(dp_future_nptrs(child), how == WAIT_UNREPORTED ? 0 : 1,
@@ -1151,13 +1170,16 @@ static int reused_under_consumer(int with_hooks) {
   OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR));
   OK(dp_set_current_stream(cons, NULL, T_ERR));
   OK(dp_future_wait(f, -1, T_ERR));  /* cons waits, and (with hooks) is recorded */
-  read_t r = {data_of(t), 1024, 60, -1, 0};
-  OK(dp_host_launch(cons, slow_read, &r, T_ERR));  /* cons still reads for 60 ms */
+  _Atomic int open = 0;
+  read_t r = {data_of(t), 1024, 0, -1, 0, &open};
+  OK(dp_host_launch(cons, slow_read, &r, T_ERR));  /* cons still reads: held until the producer is done */
   OK(dp_set_current_stream(prod, NULL, T_ERR));
   free_ints(t);  /* the producer is done with it */
   dp_value_t again = device_ints(H0, 1024);  /* and allocates the same size */
-  fill_t fill = {data_of(again), 1024, 9, 0};
+  fill_t fill = {data_of(again), 1024, 9, 0, NULL};
   OK(dp_host_launch(prod, slow_fill, &fill, T_ERR));
+  OK(dp_stream_synchronize(prod, T_ERR));
+  atomic_store(&open, 1);
   OK(dp_device_synchronize(B, H0, T_ERR));
   dp_reset_current_stream(B, H0);
   int same_block = data_of(again) == data_of(t);
@@ -2050,8 +2072,9 @@ Test(future, a_future_with_a_hooks_chain_records_each_allocation_with_its_owner)
   OK(dp_future_wait(f, -1, T_ERR));
   cr_assert_eq(x->nlog, 2, "the wait recorded it on the consumer's");
   cr_assert_eq(x->on[1], cons);
-  read_t r = {pa, 256, 40, -1, 0};
-  OK(dp_host_launch(cons, slow_read, &r, T_ERR));  /* the consumer still reads */
+  _Atomic int open = 0;
+  read_t r = {pa, 256, 0, -1, 0, &open};
+  OK(dp_host_launch(cons, slow_read, &r, T_ERR));  /* the consumer still reads, until the gate opens */
   OK(dp_cache_dealloc(ca, pa, T_ERR));
   OK(dp_cache_dealloc(cb, pb, T_ERR));
   dp_cache_stats_t sa, sb;
@@ -2059,6 +2082,7 @@ Test(future, a_future_with_a_hooks_chain_records_each_allocation_with_its_owner)
   OK(dp_cache_stats(cb, H0, &sb, T_ERR));
   cr_assert_eq(sa.pending_blocks, 1, "the first cache holds its block for the consumer");
   cr_assert_eq(sb.pending_blocks, 1, "and so does the second");
+  atomic_store(&open, 1);
   OK(dp_stream_synchronize(cons, T_ERR));
   dp_reset_current_stream(B, H0);
   dp_future_release(f);
