@@ -119,15 +119,23 @@ static void slow_fill(void *arg) {
   atomic_store(&f->done, 1);
 }
 
+/* A check that must run after other work (a negative control's race, or
+ * a block asserted still in use) is held at a gate (gate: NULL for none)
+ * that the test opens once that work is done, rather than sleeping and
+ * hoping the other thread got there in time: a loaded machine stalls a
+ * thread past any fixed sleep. Bounded (10 s), so that a test that fails
+ * with the gate shut ends. */
 typedef struct check {
   unsigned char *p;
   int expect;
   int ms;
   _Atomic int ok;
+  _Atomic int *gate;
 } check_t;
 
 static void slow_check(void *arg) {
   check_t *c = arg;
+  for (int ms = 0; c->gate && ms < 10000 && !atomic_load(c->gate); ms++) sleep_ms(1);
   sleep_ms(c->ms);
   int ok = 1;
   for (int i = 0; i < 4096; i++) ok &= c->p[i] == c->expect;
@@ -145,7 +153,7 @@ Test(allocator, another_stream_gets_a_freed_block_only_after_the_first_streams_w
   OK(dp_cache_alloc(C, H0, 4096, t, (void **)&b2, T_ERR));
   cr_assert_eq(b2, a, "the block moved to the other stream");
   cr_assert_eq(stats(H0).cross_stream, 1);
-  check_t chk = {b2, 0x11, 0, 0};
+  check_t chk = {b2, 0x11, 0, 0, NULL};
   OK(dp_host_launch(t, slow_check, &chk, T_ERR));  /* t's first use must see s's write done */
   OK(dp_stream_synchronize(t, T_ERR));
   cr_assert(atomic_load(&first.done), "t's work ran after s's");
@@ -162,16 +170,18 @@ static int user_stream_sees_its_data(int record) {
   unsigned char *p;
   OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, T_ERR));
   memset(p, 0xAA, 4096);
-  check_t chk = {p, 0xAA, 60, 0};
-  OK(dp_host_launch(u, slow_check, &chk, T_ERR));  /* u reads p for the next 60 ms */
+  _Atomic int open = 0;
+  check_t chk = {p, 0xAA, 0, 0, &open};
+  OK(dp_host_launch(u, slow_check, &chk, T_ERR));  /* u reads p once s's later work is done */
   if (record) OK(dp_cache_record_stream(C, p + 100, u, T_ERR));  /* an interior pointer will do */
   OK(dp_cache_dealloc(C, p, T_ERR));
   unsigned char *q;
   OK(dp_cache_alloc(C, H0, 4096, s, (void **)&q, T_ERR));
   slow_fill_t overwrite = {q, 0x55, 0, 0};
   OK(dp_host_launch(s, slow_fill, &overwrite, T_ERR));
-  OK(dp_stream_synchronize(u, T_ERR));
   OK(dp_stream_synchronize(s, T_ERR));
+  atomic_store(&open, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
   int reused_early = q == p;
   if (record) {
     cr_assert_not(reused_early, "a block in use on u must not be handed out while u's work is pending");
@@ -1262,8 +1272,9 @@ Test(allocator, wrapped_streams_get_stream_ordered_reuse_and_record_stream) {
   cr_assert_eq(q, p, "freed on the wrapper, reused at once by the wrapper");
   cr_assert_eq(stats(H0).cross_stream, 0, "the same handle is the same stream: no wait");
   memset(q, 0xAA, 4096);
-  check_t chk = {q, 0xAA, 60, 0};
-  OK(dp_host_launch(u, slow_check, &chk, T_ERR));  /* the framework reads q on its stream */
+  _Atomic int open = 0;
+  check_t chk = {q, 0xAA, 0, 0, &open};
+  OK(dp_host_launch(u, slow_check, &chk, T_ERR));  /* the framework reads q on its stream, once r is written */
   OK(dp_cache_record_stream(C, q, wu, T_ERR));
   OK(dp_cache_dealloc(C, q, T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 1, "held for the wrapped stream's work");
@@ -1271,6 +1282,7 @@ Test(allocator, wrapped_streams_get_stream_ordered_reuse_and_record_stream) {
   OK(dp_cache_alloc(C, H0, 4096, ws, (void **)&r, T_ERR));
   cr_assert_neq(r, q, "not handed out while the native stream still reads it");
   memset(r, 0x55, 4096);
+  atomic_store(&open, 1);
   OK(dp_stream_synchronize(u, T_ERR));
   cr_assert(atomic_load(&chk.ok), "the reader saw its data");
   cr_assert_eq(dp_cache_poll(C, NULL), 1);
