@@ -1686,7 +1686,9 @@ static void staged_wait_sleeps(const char *shm) {
   OK_WITH(&e, wait_f(d1, &e));
   dp_future_release(d1);
   dp_value_release(small);
-  sleep_ms(200); /* the peer stops */
+  int st;
+  cr_assert_eq(waitpid(stuck.pid, &st, WUNTRACED), stuck.pid); /* the peer stops */
+  cr_assert(WIFSTOPPED(st));
   /* 25 chunks to a stopped peer: 16 take the slots, never pulled nor given
      back, and the 17th waits for one */
   OK(dp_endpoint_send(ep, big, &d1, T_ERR));
