@@ -4097,7 +4097,9 @@ Test(transport, freeing_a_transport_whose_peer_stopped_mid_transfer_closes_its_e
   for (int i = 0; i < 4; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
   dp_error_t e;
   OK_WITH(&e, wait_f(r[0], &e));
-  sleep_ms(100); /* the peer has stopped: the other values' pulls hang */
+  int st;
+  cr_assert_eq(waitpid(p.pid, &st, WUNTRACED), p.pid); /* the peer has stopped: the other values' pulls hang */
+  cr_assert(WIFSTOPPED(st));
   dp_endpoint_free(ep);
   for (int i = 0; i < 4; i++) dp_future_release(r[i]);
   int64_t t0 = now_ns_t();
