@@ -4935,13 +4935,13 @@ Test(transport, an_accepted_connection_that_stays_quiet_does_not_time_out) {
      before this process has a transport) */
   peer_t p = spawn_peer(stay_silent, NULL, NULL);
   dp_transport_opts_t o = {0};
-  o.timeout_ns = SEC / 2;
+  o.timeout_ns = SEC; /* the peer's ACCEPT must come within it: a sanitizer peer on a loaded machine takes a while */
   dp_transport_t *t = new_transport(&o);
   dp_future_t *r;
   dp_error_t e;
   dp_endpoint_t *ep = connect_to(t, p.port);
   OK(dp_endpoint_recv(ep, &r, T_ERR));
-  cr_assert_eq(dp_future_wait(r, 2 * SEC, &e), DP_ETIMEDOUT, "the wait's own timeout, not the endpoint's");
+  cr_assert_eq(dp_future_wait(r, 3 * SEC, &e), DP_ETIMEDOUT, "the wait's own timeout, not the endpoint's");
   cr_assert_eq(dp_endpoint_error(ep, NULL), 0, "an accepted connection does not time out for being quiet");
   dp_endpoint_free(ep);
   dp_future_release(r);
