@@ -5,7 +5,12 @@
  * record_streams_own_N: the batched record (the hooks a future completes
  *   through) of N pointers, each its own 1 KiB block, on the stream they
  *   were allocated on (the no-op a completion makes for every allocation of
- *   its stream); ns per pointer; ratio: over the 1,000 row (the scaling). */
+ *   its stream); ns per pointer; ratio: over the 1,000 row (the scaling).
+ * stream_free_tied_300k (host): a request's streams — one that allocates 8
+ *   blocks still in use when it is destroyed, one recorded as a use of 8
+ *   blocks held — made and destroyed in a cache holding 300,000 blocks;
+ *   ratio: over the same in a cache holding only those 8 (a destroyed
+ *   stream costs the blocks it touched, not the cache's). */
 #include <pthread.h>
 #include <stdlib.h>
 
@@ -116,6 +121,49 @@ static void record_batch_rows(const char *out, ctx_t *c) {
   free(b.ptrs);
 }
 
+/* One request's streams, made and destroyed in cache ch (holding `held`). */
+typedef struct churn {
+  ctx_t *c;
+  dp_cache_t *cache;
+  void **held;
+} churn_t;
+
+static void stream_churn(churn_t *ch) {
+  dp_stream_t *s, *u;
+  void *q[8];
+  if (dp_stream_new(ch->c->b, ch->c->dev, &s, NULL) || dp_stream_new(ch->c->b, ch->c->dev, &u, NULL)) exit(1);
+  for (int k = 0; k < 8; k++) {
+    if (dp_cache_alloc(ch->cache, ch->c->dev, 4096, s, &q[k], NULL) != 0) exit(1);
+    if (dp_cache_record_stream(ch->cache, ch->held[k], u, NULL) != 0) exit(1);
+  }
+  dp_stream_free(s); /* its blocks still in use */
+  dp_stream_free(u); /* recorded on blocks still held */
+  for (int k = 0; k < 8; k++) dp_cache_dealloc(ch->cache, q[k], NULL);
+}
+
+static void churn_big(void *p) { stream_churn(&((churn_t *)p)[0]); }
+static void churn_small(void *p) { stream_churn(&((churn_t *)p)[1]); }
+
+static void stream_free_rows(const char *out, ctx_t *c) {
+  enum { N = 300000 };
+  churn_t ch[2] = {{c, NULL, malloc(sizeof(void *) * N)}, {c, NULL, malloc(sizeof(void *) * 8)}};
+  size_t n[2] = {N, 8};
+  for (int k = 0; k < 2; k++) {
+    if (!ch[k].held || dp_cache_new(c->b, &ch[k].cache, NULL)) exit(1);
+    for (size_t i = 0; i < n[k]; i++)
+      if (dp_cache_alloc(ch[k].cache, c->dev, 512, c->s, &ch[k].held[i], NULL) != 0) exit(1);
+  }
+  double t, base;
+  bench_pair(churn_big, churn_small, ch, 5, &t, &base);
+  bench_row(out, "stream_free_tied_300k", dp_backend_name(c->b), t * 1e6, "us/request", t / base,
+            "the same in a cache holding only its 8 blocks");
+  for (int k = 0; k < 2; k++) {
+    for (size_t i = 0; i < n[k]; i++) dp_cache_dealloc(ch[k].cache, ch[k].held[i], NULL);
+    dp_cache_free(ch[k].cache);
+    free(ch[k].held);
+  }
+}
+
 #ifdef DP_HAVE_CUDA
 static void cuda_pair(void *p) {
   (void)p;
@@ -158,6 +206,7 @@ int main(int argc, char **argv) {
   bench_pair(wait_event, mutex_pair, &c, 5, &t, &base);
   bench_row(out, "stream_wait_event", "host", t * 1e9, "ns/call", t / base, "an uncontended mutex lock + unlock");
   record_batch_rows(out, &c);
+  stream_free_rows(out, &c);
   teardown(&c);
 
 #ifdef DP_HAVE_CUDA
