@@ -34,6 +34,11 @@
  *     in every malloc and free (the oldest first, passing over a few still
  *     in use: one slow stream does not hold back the others' blocks), and
  *     in dp_cache_poll (all) — never by blocking the caller;
+ *   - a stream destroyed (dp_stream_free) leaves the allocator: the blocks
+ *     allocated on it become tied to no stream (reusable by any without a
+ *     wait) and the blocks that recorded it as a use let go of it. This
+ *     costs the blocks that stream touched, not the allocator's (every
+ *     allocator hears of every stream's destruction);
  *   - when the backend is out of memory: free the cached segments, retry,
  *     then DP_ENOMEM.
  *
