@@ -780,11 +780,15 @@ const char *dp__cache_check(dp_cache_t *c) {
   const char *bad = NULL;
 #define BAD(...) (snprintf(why, sizeof why, __VA_ARGS__), bad = why)
   pthread_mutex_lock(&c->mu);
-  size_t uses = 0, ents = 0, tied = 0, listed = 0;
+  size_t uses = 0, ents = 0, tied = 0, listed = 0, used = 0, npending = 0;
   for (int d = 0; d < c->ndev && !bad; d++) {
     devpool_t *p = &c->pools[d];
-    for (size_t i = 0; i < p->nsegs && !bad; i++)
-      for (block_t *b = p->segs[i]->first; b && !bad; b = b->next) {
+    size_t allocated = 0, pending = 0, pending_bytes = 0;
+    for (size_t i = 0; i < p->nsegs && !bad; i++) {
+      segment_t *sg = p->segs[i];
+      uint32_t nused = 0;
+      if (sg->first->ptr != sg->base) BAD("a segment's first block is not at its base");
+      for (block_t *b = sg->first; b && !bad; b = b->next) {
         for (uint32_t k = 0; k < b->nuses && !bad; k++) {
           size_t slot;
           user_t *u = user_find(c, b->uses[k].s, &slot);
@@ -798,7 +802,34 @@ const char *dp__cache_check(dp_cache_t *c) {
         if (b->state != B_FREE && b->stream) tied++;
         if (b->state == B_FREE && (b->tprev || b->tnext))
           BAD("free block %p is in a tied list", (void *)b->ptr);
+        if (!bad && b->state == B_FREE && (b->nuses || b->nevents))
+          BAD("free block %p holds %u uses and %u events", (void *)b->ptr, b->nuses, b->nevents);
+        if (!bad && b->state == B_FREE && !set_find(p, b->stream))
+          BAD("free block %p is tied to a stream without a free set", (void *)b->ptr);
+        if (!bad && b->state == B_FREE && b->next && b->next->state == B_FREE && b->next->stream == b->stream)
+          BAD("free blocks %p and %p of one stream did not merge", (void *)b->ptr, (void *)b->next->ptr);
+        if (!bad && b->state == B_USED) {
+          mapent_t *e = map_entry(c, b->ptr, dp__hash_ptr(b->ptr), NULL);
+          if (!e || e->b != b || e->stream != b->stream)
+            BAD("block %p in use is not mapped with its stream", (void *)b->ptr);
+          used++;
+          nused++;
+          allocated += b->size;
+          if (sg->one_stream && sg->one_stream != MIXED && b->stream != sg->one_stream)
+            BAD("block %p is on another stream than its segment's one stream", (void *)b->ptr);
+        }
+        if (b->state == B_PENDING) pending++, pending_bytes += b->size;
+        if (!bad && b->next && (b->next->prev != b || b->next->ptr != b->ptr + b->size))
+          BAD("block %p's neighbour is out of place", (void *)b->ptr);
       }
+      if (!bad && (nused != sg->nused || (!nused && sg->one_stream)))
+        BAD("a segment counts %u blocks in use (one stream %p), %u are", sg->nused, (void *)sg->one_stream, nused);
+    }
+    if (!bad &&
+        (allocated != p->st.allocated || pending != p->st.pending_blocks || pending_bytes != p->st.pending_bytes))
+      BAD("device %d: %zu bytes allocated, %zu pending blocks (%zu bytes); counted %zu, %zu (%zu)", d, allocated,
+          pending, pending_bytes, p->st.allocated, p->st.pending_blocks, p->st.pending_bytes);
+    npending += pending;
     for (size_t i = 0; i < p->nsets && !bad; i++) {
       freeset_t *f = p->sets[i];
       size_t n = 0;
@@ -823,6 +854,14 @@ const char *dp__cache_check(dp_cache_t *c) {
   }
   if (!bad && uses != ents)
     BAD("%zu uses held by blocks, %zu in the streams' lists", uses, ents);
+  if (!bad && used != c->map.count)
+    BAD("%zu blocks in use, %zu mapped", used, (size_t)c->map.count);
+  size_t listed_pending = 0;
+  for (block_t *b = c->pending_head; b && !bad; b = b->pnext, listed_pending++)
+    if (b->state != B_PENDING || (!b->pnext && b != c->pending_tail))
+      BAD("block %p in the pending list is not pending, or the tail is not last", (void *)b->ptr);
+  if (!bad && listed_pending != npending)
+    BAD("%zu blocks pending, %zu in the pending list", npending, listed_pending);
   if (!bad && tied != listed)
     BAD("%zu blocks in use on a stream, %zu in the tied lists", tied, listed);
 #undef BAD

@@ -2589,3 +2589,379 @@ Test(allocator, every_failure_message_names_the_function_called) {
   dp_stream_free(s);
   dp_stream_free(u);
 }
+
+/* ---- the books of uses and tied blocks, through every path that changes them ---- */
+
+#include <stdarg.h>
+
+/* Asserts that C's books agree; where (printf) says when. */
+static void books(const char *where, ...) {
+  const char *bad = dp__cache_check(C);
+  if (!bad) return;
+  char w[128];
+  va_list ap;
+  va_start(ap, where);
+  vsnprintf(w, sizeof w, where, ap);
+  va_end(ap);
+  cr_assert_fail("the books disagree (%s): %s", w, bad);
+}
+
+/* Three blocks share six consumer streams, so that a use taken out of a
+ * stream's list moves another block's entry into its place. A free whose
+ * events fail part way (each allocation in turn, then all of them) keeps
+ * the uses it could not turn into events; each stays findable from its
+ * stream and from its block until that stream is destroyed or the block
+ * comes back, and nothing stays pending. */
+static void free_with_events_failing(long fail_at, int all) {
+  enum { U = 6, NB = 3 };
+  dp_stream_t *a = stream(H0), *u[U];
+  void *p[NB];
+  for (int k = 0; k < U; k++) u[k] = stream(H0);
+  for (int i = 0; i < NB; i++) {
+    OK(dp_cache_alloc(C, H0, 4096, a, &p[i], T_ERR));
+    for (int k = 0; k < U; k++) OK(dp_cache_record_stream(C, p[i], u[(k + i) % U], T_ERR));
+  }
+  books("recorded");
+  if (all) atomic_store(&fail_every_allocation, 1);
+  else t_fail_at = t_alloc_count + fail_at;
+  OK(dp_cache_dealloc(C, p[1], T_ERR)); /* a free never fails */
+  atomic_store(&fail_every_allocation, 0);
+  t_fail_at = 0;
+  books("after a free whose allocation %ld failed", fail_at);
+  for (int k = 0; k < U; k += 2) {
+    dp_stream_free(u[k]);
+    u[k] = NULL;
+    books("after destroying consumer %d", k);
+  }
+  OK(dp_cache_dealloc(C, p[0], T_ERR));
+  books("after freeing the first block");
+  for (int k = 1; k < U; k += 2) OK(dp_stream_synchronize(u[k], T_ERR));
+  cr_assert_geq(dp_cache_poll(C, NULL), 0);
+  books("after the poll");
+  OK(dp_cache_dealloc(C, p[2], T_ERR));
+  for (int k = 1; k < U; k += 2) dp_stream_free(u[k]);
+  books("after the last consumer went");
+  cr_assert_geq(dp_cache_poll(C, NULL), 0);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.allocated, 0);
+  cr_assert_eq(st.pending_blocks, 0, "allocation %ld failed: %zu blocks still pending", fail_at, st.pending_blocks);
+  books("at the end");
+  dp_stream_free(a);
+}
+
+Test(allocator, a_free_whose_events_fail_part_way_keeps_each_remaining_use_in_both_lists) {
+  dp_set_allocator(failing_alloc, NULL);
+  for (long k = 1; k <= 24; k++) free_with_events_failing(k, 0);
+  free_with_events_failing(0, 1);
+  dp_set_allocator(t_alloc, NULL);
+}
+
+/* A record whose memory runs out at each allocation in turn (the table of
+ * users, the block's uses, the stream's list) records nothing half: the
+ * books agree, and the block freed is not held for that stream. */
+Test(allocator, a_record_out_of_memory_at_any_allocation_leaves_no_half_entry) {
+  enum { OLD = 4 }; /* as many as the first arrays hold: the new stream's record grows each */
+  dp_stream_t *a = stream(H0), *olds[OLD];
+  void *q;
+  OK(dp_cache_alloc(C, H0, 4096, a, &q, T_ERR));
+  for (int i = 0; i < OLD; i++) {
+    olds[i] = stream(H0);
+    OK(dp_cache_record_stream(C, q, olds[i], T_ERR));
+  }
+  long failed = 0;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 100);
+    dp_stream_t *u = stream(H0);
+    void *p;
+    OK(dp_cache_alloc(C, H0, 4096, a, &p, T_ERR));
+    for (int i = 0; i < OLD; i++) OK(dp_cache_record_stream(C, p, olds[i], T_ERR));
+    long want = t_fail_at = t_alloc_count + k;
+    dp_error_t e;
+    int rc = dp_cache_record_stream(C, p, u, &e);
+    int hit = t_alloc_count >= want;
+    t_fail_at = 0;
+    books("after a record whose allocation %ld failed", k);
+    if (rc) {
+      failed++;
+      cr_assert_eq(rc, DP_ENOMEM, "%s", e.message);
+      _Atomic int gate = 0;
+      OK(dp_host_launch(u, gate_wait, &gate, T_ERR)); /* u busy: a use of it would hold the block */
+      OK(dp_cache_dealloc(C, p, T_ERR));
+      for (int i = 0; i < OLD; i++) OK(dp_stream_synchronize(olds[i], T_ERR));
+      cr_assert_eq(stats(H0).pending_blocks, 0, "allocation %ld: a failed record holds the block", k);
+      atomic_store(&gate, 1);
+      OK(dp_stream_synchronize(u, T_ERR));
+    } else {
+      OK(dp_cache_dealloc(C, p, T_ERR));
+    }
+    dp_stream_free(u);
+    books("after destroying the stream of the failed record %ld", k);
+    if (!hit) break;
+  }
+  cr_assert_geq(failed, 2, "the block's uses and the stream's list each failed once (%ld)", failed);
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  for (int i = 0; i < OLD; i++) dp_stream_free(olds[i]);
+  dp_stream_free(a);
+  cr_assert_geq(dp_cache_poll(C, NULL), 0);
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+}
+
+/* Two caches on one backend hear of every stream destroyed: each unties
+ * its own blocks and drops its own uses, and neither's books move the
+ * other's. */
+Test(allocator, two_caches_on_one_backend_each_untie_their_own_blocks_of_a_destroyed_stream) {
+  dp_cache_t *c2;
+  OK(dp_cache_new(B, &c2, T_ERR));
+  dp_stream_t *s = stream(H0), *u = stream(H0), *t = stream(H0);
+  void *p[4], *q[4];
+  for (int i = 0; i < 4; i++) {
+    OK(dp_cache_alloc(C, H0, 4096, i % 2 ? s : t, &p[i], T_ERR));
+    OK(dp_cache_alloc(c2, H0, 4096, i % 2 ? t : s, &q[i], T_ERR));
+    OK(dp_cache_record_stream(C, p[i], u, T_ERR));
+    OK(dp_cache_record_stream(c2, q[i], u, T_ERR));
+  }
+  OK(dp_cache_dealloc(C, p[0], T_ERR));
+  OK(dp_cache_dealloc(c2, q[1], T_ERR));
+  dp_stream_free(s);
+  books("after s went");
+  cr_assert_null(dp__cache_check(c2), "%s", dp__cache_check(c2));
+  dp_stream_free(u);
+  books("after u went");
+  cr_assert_null(dp__cache_check(c2), "%s", dp__cache_check(c2));
+  for (int i = 1; i < 4; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
+  for (int i = 0; i < 4; i++)
+    if (i != 1) OK(dp_cache_dealloc(c2, q[i], T_ERR));
+  dp_stream_free(t);
+  books("at the end");
+  cr_assert_null(dp__cache_check(c2), "%s", dp__cache_check(c2));
+  for (int d = 0; d < 2; d++) {
+    dp_cache_t *c = d ? c2 : C;
+    dp_cache_stats_t st;
+    OK(dp_cache_stats(c, H0, &st, T_ERR));
+    cr_assert_eq(st.allocated, 0);
+    cr_assert_eq(st.pending_blocks, 0, "cache %d: a destroyed consumer's use held a block", d);
+  }
+  dp_cache_free(c2);
+}
+
+/* A stream destroyed from a host function on another stream, while blocks
+ * of its are in use and pending and it is recorded on others' blocks. */
+typedef struct {
+  dp_stream_t *victim;
+} kill_t;
+
+static void free_victim(void *arg) { dp_stream_free(((kill_t *)arg)->victim); }
+
+Test(allocator, a_stream_destroyed_from_a_host_function_on_another_unties_its_blocks, .timeout = 20) {
+  dp_stream_t *s = stream(H0), *v = stream(H0), *w = stream(H0);
+  void *mine[3], *held;
+  for (int i = 0; i < 3; i++) OK(dp_cache_alloc(C, H0, 4096 << i, v, &mine[i], T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, s, &held, T_ERR));
+  OK(dp_cache_record_stream(C, held, v, T_ERR));
+  OK(dp_cache_record_stream(C, mine[1], w, T_ERR));
+  _Atomic int gate = 0;
+  OK(dp_host_launch(w, gate_wait, &gate, T_ERR));
+  OK(dp_cache_dealloc(C, mine[1], T_ERR)); /* pending on w */
+  OK(dp_cache_dealloc(C, mine[2], T_ERR)); /* free in v's set */
+  books("before");
+  kill_t k = {v};
+  OK(dp_host_launch(s, free_victim, &k, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  books("after the host function destroyed v");
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(w, T_ERR));
+  cr_assert_geq(dp_cache_poll(C, NULL), 0);
+  books("after the pending block came back");
+  OK(dp_cache_dealloc(C, mine[0], T_ERR));
+  OK(dp_cache_dealloc(C, held, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0, "held waits for no destroyed stream");
+  cr_assert_eq(stats(H0).allocated, 0);
+  books("at the end");
+  dp_stream_free(s);
+  dp_stream_free(w);
+}
+
+/* Records through the batched hooks and a chain of the cache with itself,
+ * on blocks of several streams in shared segments, then the streams
+ * destroyed: the batch's runs and lookups add each use once, to both
+ * lists. */
+Test(allocator, batch_and_chained_records_keep_the_books_through_stream_destruction) {
+  enum { N = 64 };
+  dp_stream_t *s[3] = {stream(H0), stream(H0), stream(H0)}, *u = stream(H0), *x = stream(H0);
+  void *p[N], *ptrs[2 * N];
+  for (int i = 0; i < N; i++) {
+    OK(dp_cache_alloc(C, H0, 512u * (1 + (unsigned)i % 5), s[i % 3], &p[i], T_ERR));
+    ptrs[2 * i] = p[i];
+    ptrs[2 * i + 1] = (char *)p[i] + 100; /* interior: the same block again */
+  }
+  dp_cache_hooks_t h = dp_cache_hooks(C);
+  OK(dp_cache_hooks_record(&h, ptrs, 2 * N, u, T_ERR));
+  OK(dp_cache_hooks_record(&h, ptrs, 2 * N, s[0], T_ERR));
+  books("after the batches");
+  dp_cache_hooks_t list[2] = {dp_cache_hooks(C), dp_cache_hooks(C)};
+  dp_cache_hooks_chain_t *ch;
+  OK(dp_cache_hooks_chain_new(list, 2, &ch, T_ERR));
+  dp_cache_hooks_t chh = dp_cache_hooks_chain_hooks(ch);
+  OK(dp_cache_hooks_record(&chh, ptrs, 2 * N, x, T_ERR));
+  OK(dp_cache_hooks_record(&chh, ptrs, 2 * N, u, T_ERR));
+  books("after the chain");
+  dp_stream_free(s[1]);
+  books("after s1 went");
+  for (int i = 0; i < N; i += 2) OK(dp_cache_dealloc(C, p[i], T_ERR));
+  dp_stream_free(u);
+  books("after u went");
+  for (int i = 1; i < N; i += 2) OK(dp_cache_dealloc(C, p[i], T_ERR));
+  OK(dp_stream_synchronize(x, T_ERR));
+  OK(dp_stream_synchronize(s[0], T_ERR));
+  cr_assert_geq(dp_cache_poll(C, NULL), 0);
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+  cr_assert_eq(stats(H0).allocated, 0);
+  dp_cache_hooks_chain_free(ch);
+  dp_stream_free(x);
+  dp_stream_free(s[0]);
+  dp_stream_free(s[2]);
+  books("at the end");
+}
+
+/* Out of memory in the backend: an allocation empties the cache (the
+ * lock let go while segments are freed) and retries, with blocks of its
+ * stream in use, pending and recorded; then dp_cache_empty; then the
+ * streams go. */
+Test(allocator, an_allocation_that_empties_the_cache_to_retry_keeps_the_books) {
+  /* u on another device: a segment given back waits for its device's work (as cudaFree does) */
+  dp_stream_t *s = stream(H1), *t = stream(H1), *u = stream(H0);
+  void *a, *b2, *c2, *big;
+  OK(dp_cache_alloc(C, H1, 4096, s, &a, T_ERR));
+  OK(dp_cache_alloc(C, H1, 3u << 20, t, &b2, T_ERR));
+  OK(dp_cache_alloc(C, H1, 3u << 20, s, &c2, T_ERR));
+  OK(dp_cache_record_stream(C, a, u, T_ERR));
+  OK(dp_cache_dealloc(C, b2, T_ERR));
+  OK(dp_cache_dealloc(C, c2, T_ERR)); /* two free large segments, cached */
+  _Atomic int gate = 0;
+  OK(dp_host_launch(u, gate_wait, &gate, T_ERR));
+  OK(dp_host_set_memory_limit(H1, 9u << 20, T_ERR));
+  OK(dp_cache_alloc(C, H1, 6u << 20, s, &big, T_ERR)); /* fits only once the cached ones go */
+  cr_assert_eq(stats(H1).oom_retries, 1);
+  books("after the retry");
+  OK(dp_cache_dealloc(C, a, T_ERR)); /* pending on u */
+  OK(dp_cache_empty(C, T_ERR));
+  books("after emptying");
+  dp_stream_free(s);
+  books("after s went");
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  OK(dp_cache_dealloc(C, big, T_ERR));
+  dp_stream_free(u);
+  dp_stream_free(t);
+  OK(dp_cache_empty(C, T_ERR));
+  books("at the end");
+  dp_cache_stats_t st = stats(H1);
+  cr_assert_eq(st.pending_blocks, 0);
+  cr_assert_eq(st.allocated, 0);
+  cr_assert_eq(st.reserved, 0);
+  OK(dp_host_set_memory_limit(H1, 0, T_ERR));
+}
+
+/* Threads at once: each allocates on streams of its own, records shared
+ * consumer streams and its own, frees, destroys and remakes its streams;
+ * the shared consumers live throughout. */
+typedef struct {
+  dp_stream_t **shared;
+  unsigned seed;
+} tied_churn_t;
+
+static void *tied_churn(void *arg) {
+  tied_churn_t *a = arg;
+  enum { K = 3, NB = 64 };
+  dp_stream_t *own[K];
+  void *blk[NB] = {0};
+  for (int i = 0; i < K; i++) own[i] = stream(H0);
+  unsigned x = a->seed;
+#define RND() (x = x * 1103515245u + 12345u, (x >> 8))
+  for (int step = 0; step < 6000; step++) {
+    unsigned op = RND() % 16, i = RND() % NB, k = RND() % K;
+    if (op < 5) {
+      if (!blk[i]) OK(dp_cache_alloc(C, H0, 512u * (1 + RND() % 9), own[k], &blk[i], T_ERR));
+    } else if (op < 11) {
+      if (blk[i]) OK(dp_cache_record_stream(C, blk[i], op < 8 ? a->shared[RND() % 2] : own[k], T_ERR));
+    } else if (op < 15) {
+      if (blk[i]) OK(dp_cache_dealloc(C, blk[i], T_ERR));
+      blk[i] = NULL;
+    } else {
+      dp_stream_free(own[k]);
+      own[k] = stream(H0);
+    }
+  }
+#undef RND
+  for (int i = 0; i < NB; i++)
+    if (blk[i]) OK(dp_cache_dealloc(C, blk[i], T_ERR));
+  for (int i = 0; i < K; i++) dp_stream_free(own[i]);
+  return NULL;
+}
+
+Test(allocator, threads_allocating_recording_freeing_and_destroying_streams_at_once_keep_the_books) {
+  dp_stream_t *shared[2] = {stream(H0), stream(H0)};
+  pthread_t th[4];
+  tied_churn_t args[4];
+  for (int i = 0; i < 4; i++) {
+    args[i] = (tied_churn_t){shared, 77u * (unsigned)i + 1};
+    pthread_create(&th[i], NULL, tied_churn, &args[i]);
+  }
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  books("after the threads");
+  dp_stream_free(shared[0]);
+  dp_stream_free(shared[1]);
+  books("after the shared consumers went");
+  cr_assert_geq(dp_cache_poll(C, NULL), 0);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.allocated, 0);
+  cr_assert_eq(st.pending_blocks, 0);
+}
+
+/* A native stream destroyed behind its wrapper: the wrapper's blocks in use
+ * and pending, its free blocks and its uses on others' blocks (pending for
+ * want of an event too) all let go of it, as do the owner's. */
+Test(allocator, a_wrapped_stream_destroyed_with_blocks_in_use_pending_and_recorded_keeps_the_books, .timeout = 20) {
+  dp_stream_t *s = stream(H0), *t = stream(H0), *g = stream(H0);
+  dp_stream_t *ws = wrap_of(s);
+  void *inuse, *pend, *freed, *own, *theirs, *kept;
+  OK(dp_cache_alloc(C, H0, 4096, ws, &inuse, T_ERR));
+  OK(dp_cache_alloc(C, H0, 8192, ws, &pend, T_ERR));
+  OK(dp_cache_alloc(C, H0, 1u << 12, ws, &freed, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, s, &own, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, t, &theirs, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, t, &kept, T_ERR));
+  OK(dp_cache_record_stream(C, theirs, ws, T_ERR));
+  OK(dp_cache_record_stream(C, theirs, s, T_ERR));
+  OK(dp_cache_record_stream(C, kept, ws, T_ERR));
+  OK(dp_cache_record_stream(C, own, ws, T_ERR));
+  OK(dp_cache_record_stream(C, pend, g, T_ERR));
+  _Atomic int gate = 0, busy = 0;
+  OK(dp_host_launch(g, gate_wait, &gate, T_ERR));
+  OK(dp_host_launch(s, gate_wait, &busy, T_ERR)); /* the native stream busy: kept stays pending */
+  OK(dp_cache_dealloc(C, pend, T_ERR)); /* pending on g */
+  OK(dp_cache_dealloc(C, freed, T_ERR));
+  atomic_store(&fail_every_allocation, 1);
+  dp_set_allocator(failing_alloc, NULL);
+  OK(dp_cache_dealloc(C, kept, T_ERR)); /* no event: ws kept as a use */
+  dp_set_allocator(t_alloc, NULL);
+  atomic_store(&fail_every_allocation, 0);
+  cr_assert_eq(stats(H0).pending_blocks, 2);
+  books("before");
+  atomic_store(&busy, 1);
+  dp_stream_free(s); /* its notices come before any poll: kept is still pending */
+  books("after the native stream went");
+  cr_assert_eq(dp_cache_poll(C, NULL), 1, "the block kept for the wrapper waits for no stream");
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(g, T_ERR));
+  OK(dp_cache_dealloc(C, inuse, T_ERR));
+  OK(dp_cache_dealloc(C, own, T_ERR));
+  OK(dp_cache_dealloc(C, theirs, T_ERR));
+  cr_assert_geq(dp_cache_poll(C, NULL), 0);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.pending_blocks, 0);
+  cr_assert_eq(st.allocated, 0);
+  books("at the end");
+  dp_stream_free(t);
+  dp_stream_free(g);
+}
