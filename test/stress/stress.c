@@ -16,6 +16,7 @@
 
 #include "devpickle.h"
 #include "check.h"
+#include "../../cache/internal.h" /* dp__cache_check */
 
 
 
@@ -434,6 +435,74 @@ static int scenario_allocator(void) {
   return 0;
 }
 
+/* ---- the allocator's books while streams come and go ----
+ * Threads allocate on streams of their own, record them and two shared
+ * consumers, free, and destroy their streams — directly or from a host
+ * function on a shared consumer — while the others do the same: every
+ * destruction unties blocks and drops uses that other threads' frees and
+ * records move in the same lists. */
+static dp_stream_t *consumers[2];
+
+static void free_stream_fn(void *s) { dp_stream_free(s); }
+
+static void *tie_worker(void *p) {
+  worker_arg_t *a = p;
+  dp_device_t dev = {DP_DEVICE_HOST, 0};
+  enum { K = 3, NB = 32 };
+  dp_stream_t *own[K];
+  void *blk[NB] = {0};
+  for (int k = 0; k < K; k++) dp_stream_new(a->b, dev, &own[k], NULL);
+  uint64_t seed = (uint64_t)a->id * 104729 + 7;
+  for (int i = 0; i < 4000; i++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    unsigned op = (unsigned)(seed >> 60), j = (unsigned)(seed >> 40) % NB, k = (unsigned)(seed >> 20) % K;
+    if (op < 5) {
+      if (!blk[j]) dp_cache_alloc(cache, dev, 512u * (1 + (unsigned)(seed >> 8) % 9), own[k], &blk[j], NULL);
+    } else if (op < 11) {
+      if (blk[j]) dp_cache_record_stream(cache, blk[j], op < 8 ? consumers[op % 2] : own[k], NULL);
+    } else if (op < 15) {
+      dp_cache_dealloc(cache, blk[j], NULL);
+      blk[j] = NULL;
+    } else {
+      if (seed & 1) dp_host_launch(consumers[seed >> 1 & 1], free_stream_fn, own[k], NULL);
+      else dp_stream_free(own[k]);
+      dp_stream_new(a->b, dev, &own[k], NULL);
+    }
+  }
+  for (int j = 0; j < NB; j++) dp_cache_dealloc(cache, blk[j], NULL);
+  for (int k = 0; k < K; k++) dp_stream_free(own[k]);
+  return NULL;
+}
+
+static int scenario_allocator_streams(void) {
+  dp_backend_t *b;
+  CHECK(dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0, "host backend");
+  CHECK(dp_cache_new(b, &cache, NULL) == 0, "cache");
+  dp_device_t dev = {DP_DEVICE_HOST, 0};
+  for (int i = 0; i < 2; i++) CHECK(dp_stream_new(b, dev, &consumers[i], NULL) == 0, "a consumer stream");
+  pthread_t th[4];
+  worker_arg_t args[4];
+  for (int i = 0; i < 4; i++) {
+    args[i] = (worker_arg_t){b, i, 0};
+    pthread_create(&th[i], NULL, tie_worker, &args[i]);
+  }
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < 2; i++) dp_stream_synchronize(consumers[i], NULL); /* the destructions they queued */
+  const char *bad = dp__cache_check(cache);
+  CHECK(!bad, "the books disagree: %s", bad);
+  for (int i = 0; i < 2; i++) dp_stream_free(consumers[i]);
+  bad = dp__cache_check(cache);
+  CHECK(!bad, "the books disagree once the consumers went: %s", bad);
+  dp_cache_stats_t st;
+  dp_cache_poll(cache, NULL);
+  CHECK(dp_cache_stats(cache, dev, &st, NULL) == 0, "no statistics");
+  CHECK(st.allocated == 0 && st.pending_blocks == 0, "allocated %zu, pending %zu", st.allocated, st.pending_blocks);
+  CHECK(st.allocs > 1000 && st.allocs == st.frees, "allocs %llu, frees %llu", (unsigned long long)st.allocs,
+        (unsigned long long)st.frees);
+  dp_cache_free(cache);
+  return 0;
+}
+
 /* ---- futures: 8 threads, 100k futures, random completion order, chains ---- */
 
 enum { NFUT = 100000, NTHREADS = 8 };
@@ -749,6 +818,8 @@ int main(int argc, char **argv) {
   run("streams: 8 threads wrap the same native streams while the table grows and wrappers retire", scenario_wraps);
   run("host memory: 4 threads free while streams come and go", scenario_drains);
   run("allocator: 4 threads, record_stream, polling", scenario_allocator);
+  run("allocator: 4 threads record and destroy streams, some from host functions on shared ones",
+      scenario_allocator_streams);
   run("futures: 8 threads, 100k futures, random completion order, then chains, collect_all", scenario_futures);
   run("futures: pending chains and collect_all inputs dropped while others complete and wait", scenario_dropped_futures);
   run("futures: waits from callbacks follow collect_all and then() links while their futures complete and go",
