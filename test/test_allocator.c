@@ -2965,3 +2965,35 @@ Test(allocator, a_wrapped_stream_destroyed_with_blocks_in_use_pending_and_record
   dp_stream_free(t);
   dp_stream_free(g);
 }
+
+/* A cache freed with blocks pending — on events and on uses kept for want
+ * of one, of streams on both devices — lets go of its lists: the streams
+ * destroyed afterwards find nothing of it (ASan: nothing of it is read). */
+Test(allocator, streams_destroyed_after_their_cache_was_freed_with_blocks_pending_on_them_touch_nothing) {
+  dp_cache_t *c2;
+  OK(dp_cache_new(B, &c2, T_ERR));
+  dp_stream_t *s = stream(H0), *u0 = stream(H0), *u1 = stream(H1);
+  void *p[4];
+  for (int i = 0; i < 4; i++) {
+    OK(dp_cache_alloc(c2, H0, 4096, s, &p[i], T_ERR));
+    OK(dp_cache_record_stream(c2, p[i], u0, T_ERR));
+    OK(dp_cache_record_stream(c2, p[i], u1, T_ERR));
+  }
+  _Atomic int gate = 0;
+  OK(dp_host_launch(u1, gate_wait, &gate, T_ERR));
+  OK(dp_cache_dealloc(c2, p[0], T_ERR)); /* pending on u1's event */
+  atomic_store(&fail_every_allocation, 1);
+  dp_set_allocator(failing_alloc, NULL);
+  OK(dp_cache_dealloc(c2, p[1], T_ERR)); /* pending on u1, kept as a use */
+  dp_set_allocator(t_alloc, NULL);
+  atomic_store(&fail_every_allocation, 0);
+  cr_assert_null(dp__cache_check(c2), "%s", dp__cache_check(c2));
+  dp_cache_stats_t st;
+  OK(dp_cache_stats(c2, H0, &st, T_ERR));
+  cr_assert_eq(st.pending_blocks, 2);
+  atomic_store(&gate, 1); /* dp_cache_free waits for u1's device */
+  dp_cache_free(c2); /* p[2] and p[3] still allocated, recorded on u0 and u1 */
+  dp_stream_free(u0);
+  dp_stream_free(u1);
+  dp_stream_free(s);
+}
