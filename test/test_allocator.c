@@ -2997,3 +2997,53 @@ Test(allocator, streams_destroyed_after_their_cache_was_freed_with_blocks_pendin
   dp_stream_free(u1);
   dp_stream_free(s);
 }
+
+/* An allocation on a new stream out of memory at each allocation in turn
+ * (its free set, the table of sets, the split's block struct, the map),
+ * beside blocks in use, recorded and pending: a failure ties nothing, and
+ * the books agree. With 0 to 40 blocks held, so that the map and the
+ * tables grow at some point of the run. */
+Test(allocator, an_allocation_out_of_memory_at_any_allocation_ties_nothing) {
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *held[40];
+  long failed = 0;
+  _Atomic int gate = 0;
+  OK(dp_host_launch(u, gate_wait, &gate, T_ERR));
+  for (int n = 0; n <= 40; n++) {
+    for (long k = 1;; k++) {
+      cr_assert_lt(k, 100);
+      dp_stream_t *t = stream(H0);
+      void *p = NULL;
+      long want = t_fail_at = t_alloc_count + k;
+      dp_error_t e;
+      int rc = dp_cache_alloc(C, H0, 4096, t, &p, &e);
+      int hit = t_alloc_count >= want;
+      t_fail_at = 0;
+      books("%d held, allocation %ld failed", n, k);
+      if (rc) {
+        failed++;
+        cr_assert_eq(rc, DP_ENOMEM, "%s", e.message);
+      } else {
+        OK(dp_cache_record_stream(C, p, u, T_ERR));
+        OK(dp_cache_dealloc(C, p, T_ERR)); /* pending on u */
+      }
+      dp_stream_free(t);
+      books("%d held, allocation %ld failed, its stream gone", n, k);
+      if (!hit) break;
+    }
+    if (n < 40) {
+      OK(dp_cache_alloc(C, H0, 4096, s, &held[n], T_ERR));
+      OK(dp_cache_record_stream(C, held[n], u, T_ERR));
+    }
+  }
+  cr_assert_gt(failed, 40);
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  for (int n = 0; n < 40; n++) OK(dp_cache_dealloc(C, held[n], T_ERR));
+  dp_stream_free(u);
+  dp_stream_free(s);
+  cr_assert_geq(dp_cache_poll(C, NULL), 0);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.allocated, 0);
+  cr_assert_eq(st.pending_blocks, 0);
+}
