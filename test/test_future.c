@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "helpers.h"
+#include "../cache/internal.h" /* dp__cache_check */
 
 static dp_backend_t *B;
 #define H0 t_dev(DP_DEVICE_HOST, 0)
@@ -20,6 +21,13 @@ static void setup(void) {
   OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
 }
 static void teardown(void) {
+  /* whatever the futures recorded and freed, the default cache's books agree */
+  dp_backend_t *b;
+  dp_cache_t *c;
+  const char *bad = dp_backend_get(DP_DEVICE_HOST, &b, NULL) == 0 && dp_cache_default(b, &c, NULL) == 0
+                        ? dp__cache_check(c)
+                        : NULL;
+  if (bad) cr_assert_fail("the default cache's books disagree: %s", bad);
   dp_shutdown();
   dp_set_allocator(NULL, NULL);
 }
