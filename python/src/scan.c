@@ -1272,6 +1272,8 @@ static int visit_torch(dpy_scanner_t *s, PyObject *o) {
   return visit_tensor_attrs(s, o);
 }
 
+static int subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out);
+
 /* A future (devpickle's, torch's) or a CUDA event holds no memory of its
  * own: a future's value is reached through its own wait(), which orders
  * the caller after the future's events, and an event is a position on a
@@ -1279,26 +1281,9 @@ static int visit_torch(dpy_scanner_t *s, PyObject *o) {
  * dumps: build_visit reduces it). What a subclass or the instance adds —
  * its __dict__ and the slots that are set — is walked as attributes. */
 static int visit_sync(dpy_scanner_t *s, PyObject *o) {
-  PyTypeObject *t = Py_TYPE(o);
-  PyObject *d = NULL;
-  if (t->tp_dictoffset) {
-    d = PyObject_GenericGetDict(o, NULL);
-    if (!d) return walk_error(s, o, "its __dict__ cannot be read");
-    if (!keep(s, d)) return -1;
-    if (!PyDict_Check(d)) d = NULL;
-  }
-  tcache_ent_t *e = tcache_hit(t);
-  if ((t->tp_flags & Py_TPFLAGS_HEAPTYPE) && !(e && e->no_slots)) {
-    PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
-    if (!names) return walk_error(s, o, "its __slots__ cannot be read");
-    if (!keep(s, names)) return -1;
-    if (PyList_Check(names) && PyList_GET_SIZE(names)) {
-      if (with_slots(s, o, names, &d)) return -1;
-    } else if (classify(t) == K_SYNC && (e = tcache_hit(t))) { /* _slotnames may have made a new version tag */
-      e->no_slots = 1;
-    }
-  }
-  return d && PyDict_GET_SIZE(d) ? push(s, FR_ATTRS, d, t) : 0;
+  PyObject *d;
+  if (subclass_attrs(s, o, K_SYNC, &d)) return -1;
+  return d && PyDict_GET_SIZE(d) ? push(s, FR_ATTRS, d, Py_TYPE(o)) : 0;
 }
 
 /* A torch storage, typed or untyped (t.storage(), t.untyped_storage()):
@@ -1634,7 +1619,6 @@ static int object_array(PyObject *o) {
   return r;
 }
 
-static int subclass_attrs(dpy_scanner_t *s, PyObject *o, PyObject **out);
 
 static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   int obj = object_array(o);
@@ -1645,7 +1629,7 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
     /* a subclass's attributes, which numpy's reduce drops, as for an array
        of another dtype: the reduce frame's last step, after the items */
     PyObject *d;
-    if (subclass_attrs(s, o, &d)) return -1;
+    if (subclass_attrs(s, o, K_BUFFER, &d)) return -1;
     if (d && PyDict_GET_SIZE(d) && s->nframes == before + 1 && s->frames[before].kind == FR_REDUCE)
       s->frames[before].value = Py_NewRef(d);
     return 0;
@@ -1660,7 +1644,7 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return 0;
   if (PyType_IsSubtype(t, &PyByteArray_Type) && own_getstate(t)) return push_own_state(s, o);
   PyObject *d;
-  if (subclass_attrs(s, o, &d)) return -1;
+  if (subclass_attrs(s, o, K_BUFFER, &d)) return -1;
   if (!d || PyDict_GET_SIZE(d) == 0) return 0;
   return push(s, FR_ATTRS, d, Py_TYPE(o));
 }
@@ -1668,11 +1652,15 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
 /* A subclass written in Python (bytearray's, ndarray's) may hold more in
  * its instance __dict__ and its __slots__, which pickle's reduce of it
  * carries (bytearray's does: both): walked as an object's attributes,
- * never skipped. *out: those (a dict the walk keeps), or NULL. */
-static int subclass_attrs(dpy_scanner_t *s, PyObject *o, PyObject **out) {
+ * never skipped. *out: those (a dict the walk keeps), or NULL. kind: o's
+ * (K_BUFFER: a C type's instance has none; K_SYNC: devpickle.Future, a C
+ * type, has an instance __dict__ too), under which a type without slots
+ * is remembered. */
+static int subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out) {
   *out = NULL;
   PyTypeObject *t = Py_TYPE(o);
-  if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return 0;
+  int heap = (t->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0;
+  if (!heap && kind != K_SYNC) return 0;
   PyObject *d = NULL;
   if (t->tp_dictoffset != 0) {
     if (!(d = PyObject_GenericGetDict(o, NULL))) return walk_error(s, o, "its __dict__ cannot be read");
@@ -1680,13 +1668,13 @@ static int subclass_attrs(dpy_scanner_t *s, PyObject *o, PyObject **out) {
     if (!PyDict_Check(d)) d = NULL;
   }
   tcache_ent_t *e = tcache_hit(t); /* asked once a type, as a tensor's */
-  if (!e || !e->no_slots) {
+  if (heap && (!e || !e->no_slots)) {
     PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
     if (!names) return walk_error(s, o, "its __slots__ cannot be read");
     if (!keep(s, names)) return -1;
     if (PyList_Check(names) && PyList_GET_SIZE(names)) {
       if (with_slots(s, o, names, &d)) return -1;
-    } else if (classify(t) == K_BUFFER && (e = tcache_hit(t))) {
+    } else if (classify(t) == kind && (e = tcache_hit(t))) {
       e->no_slots = 1; /* the entry made again: _slotnames may have set t.__slotnames__ */
     }
   }
