@@ -236,16 +236,22 @@ int dp__cb_rc(int rc, dp_error_t *err, const char *what) {
   return rc;
 }
 
-int dp__err_prefix(dp_error_t *err, int rc, const char *prefix) {
+/* err's message between "prefix: " (none for NULL) and suffix, its code rc
+ * and its backend code kept. */
+static int err_wrap(dp_error_t *err, int rc, const char *prefix, const char *suffix) {
   if (rc >= 0 || !err) return rc;
   char msg[sizeof err->message];
   memcpy(msg, err->message, sizeof msg);
   msg[sizeof msg - 1] = '\0';
   int backend = err->backend_code;
-  dp__err(err, rc, "%s: %s", prefix, msg);
+  dp__err(err, rc, "%s%s%s%s", prefix ? prefix : "", prefix ? ": " : "", msg, suffix ? suffix : "");
   err->backend_code = backend;
   return rc;
 }
+
+int dp__err_prefix(dp_error_t *err, int rc, const char *prefix) { return err_wrap(err, rc, prefix, NULL); }
+
+int dp__err_suffix(dp_error_t *err, int rc, const char *suffix) { return err_wrap(err, rc, NULL, suffix); }
 
 int dp__err(dp_error_t *err, int code, const char *fmt, ...) {
   va_list ap;

@@ -59,6 +59,8 @@ int dp__cb_rc(int rc, dp_error_t *err, const char *what);
  * "prefix: <err's message>", its code rc and its backend code kept. Returns
  * rc (untouched for rc >= 0 or a NULL err). */
 int dp__err_prefix(dp_error_t *err, int rc, const char *prefix);
+/* The same with "<err's message><suffix>" (" at $.x", where it happened). */
+int dp__err_suffix(dp_error_t *err, int rc, const char *suffix);
 
 /* What a tuple dict key may hold (dp_value_is_hashable), said where one is refused. */
 #define DP__TUPLE_KEY_RULE " (a tuple key holds only scalars, str, bytes and tuples, at most 1024 of them, 32 levels deep)"

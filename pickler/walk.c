@@ -110,13 +110,9 @@ static int walk_fail(dp__walker_t *w, int code, const char *what) {
  * message kept, " at <path>" added. */
 static int walk_failed_at(dp__walker_t *w, int rc) {
   if (!w->err || rc >= 0) return rc;
-  char msg[sizeof w->err->message];
-  memcpy(msg, w->err->message, sizeof msg);
-  msg[sizeof msg - 1] = '\0';
-  int backend = w->err->backend_code;
-  dp__err(w->err, rc, "%s at %s", msg, dp__walker_path(w));
-  w->err->backend_code = backend;
-  return rc;
+  char at[DP_PATH_MAX + 8];
+  snprintf(at, sizeof at, " at %s", dp__walker_path(w));
+  return dp__err_suffix(w->err, rc, at);
 }
 
 /* A failed memo_check: its code, kept. A scan's batch (flush_pending) looks
