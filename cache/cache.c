@@ -1102,8 +1102,10 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
   devpool_t *p = pool_of(c, b);
   p->st.allocated -= b->size;
   p->st.frees++;
-  /* One event on each stream that used the block besides its own. */
-  for (uint32_t i = 0; i < b->nuses;) {
+  /* One event on each stream that used the block besides its own; the
+   * last use first, so that a use dropped is the last and moves none (a
+   * moved use's stream would be looked up to mend its back-link). */
+  for (uint32_t i = b->nuses; i-- > 0;) {
     dp_stream_t *u = b->uses[i].s;
     dp_event_t *ev = NULL;
     if (b->nevents == b->events_cap) {
@@ -1113,14 +1115,13 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
     if (b->nevents < b->events_cap && dp_event_new(c->b, dp__stream_dev(u), &ev, NULL) == 0 &&
         dp_event_record(ev, u, NULL) == 0) {
       b->events[b->nevents++] = ev;
-      use_drop(c, b, i); /* the event stands in for it; the last use comes to i */
+      use_drop(c, b, i); /* the event stands in for it */
       continue;
     }
     /* No event to be had (out of memory): the block waits until the stream
        is idle, never by waiting here (under the lock, perhaps on a host
        function of that very stream) */
     if (ev) dp_event_free(ev);
-    i++;
   }
   if (b->nevents || b->nuses) {
     b->state = B_PENDING;
