@@ -49,7 +49,7 @@ HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
 DEB_PKGS  := libmsgpack-dev:msgpack.h libxxhash-dev:xxhash.h libcriterion-dev:criterion/criterion.h libjansson-dev:jansson.h \
              libucx-dev:ucp/api/ucp.h ucx-utils:cmd/ucx_perftest
 
-.PHONY: soak checksymbols checkheaders check-build all lib cli test test-asan test-tsan gpu-test fuzz deps-fuzz demo bench deps deps-check install uninstall clean help config FORCE
+.PHONY: soak checksymbols checkheaders check-build all lib cli test test-asan test-tsan gpu-test gpu-bundle fuzz deps-fuzz demo bench deps deps-check install uninstall clean help config FORCE
 
 all: lib cli ## Build the static and shared library and the CLI (build/devpickle)
 
@@ -150,6 +150,25 @@ ifeq ($(DEMO_CUDA),1)
 	$(BUILD)/test_gpu --verbose -j1
 else
 	@echo "gpu-test: no CUDA toolkit (headers and nvcc) under $(CUDA_HOME): the GPU suite cannot be built here"
+endif
+
+# Everything a GPU machine call needs, built here (GPU.md): the binaries in
+# build/gpu-bin, their shared libraries, xxHash's header and the static
+# msgpack-c and xxHash that python/gpu_run.sh links the extension with, in
+# build/gpu-libs.
+# Run there with carry [build/gpu-bin, build/gpu-libs, build/libdevpickle.a]:
+#   BIN=build/gpu-bin sh bench/h200.sh $$OUT; bash python/gpu_run.sh $$OUT
+GPU_BUNDLE := test_gpu test_future devpickle bench_future bench_pickler bench_device one_row
+gpu-bundle: deps ## Gather the GPU binaries and their libraries in build/gpu-bin, build/gpu-libs (GPU.md)
+ifeq ($(DEMO_CUDA),1)
+	@$(MAKE) --no-print-directory all $(GPU_BUNDLE:%=$(BUILD)/%)
+	rm -rf $(BUILD)/gpu-bin $(BUILD)/gpu-libs && mkdir -p $(BUILD)/gpu-bin $(BUILD)/gpu-libs/include
+	cp $(GPU_BUNDLE:%=$(BUILD)/%) $(BUILD)/gpu-bin/
+	../shared/tools/bundle-libs $(BUILD)/gpu-libs $(BUILD)/gpu-bin/*
+	cp /usr/include/xxhash.h $(BUILD)/gpu-libs/include/
+	cp $$(gcc -print-file-name=libmsgpackc.a) $$(gcc -print-file-name=libxxhash.a) $(BUILD)/gpu-libs/
+else
+	@echo "gpu-bundle: no CUDA toolkit (headers and nvcc) under $(CUDA_HOME): the GPU binaries cannot be built here"; exit 1
 endif
 
 # Fuzzing (libFuzzer, clang, ASan + UBSan). Each target is linked with the
