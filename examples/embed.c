@@ -1,7 +1,9 @@
 /* examples/embed.c — embedding devpickle: a user-defined C type, a scan with
  * paths, a frame for transport and the receiving side.
  * Build: cc -std=c11 embed.c $(pkg-config --cflags --libs devpickle)
- * (installed under a PREFIX the loader does not search, add
+ * (installed under another PREFIX than /usr/local or /usr, set
+ * PKG_CONFIG_PATH=PREFIX/lib/pkgconfig first, or pkg-config finds nothing;
+ * under a PREFIX the loader does not search, add
  * -Wl,-rpath,$(pkg-config --variable=libdir devpickle): else ./a.out cannot
  * find libdevpickle.so.0)
  * or, static: cc -std=c11 embed.c $(pkg-config --cflags devpickle) $(pkg-config --variable=staticlibs devpickle)
