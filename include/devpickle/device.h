@@ -71,6 +71,7 @@ DP_API int dp_backend_get(dp_device_type_t type, dp_backend_t **out, dp_error_t 
  *  is returned as it is. */
 DP_API int dp_backend_default(dp_backend_t **out, dp_error_t *err);
 
+/** The backend's device type and name. */
 DP_API dp_device_type_t dp_backend_type(const dp_backend_t *b);
 DP_API const char *dp_backend_name(const dp_backend_t *b);   /* "cuda", "host" */
 /** Number of devices: CUDA's device count; for `host`, DEVPICKLE_HOST_DEVICES
@@ -141,6 +142,7 @@ DP_API int dp_stream_pool_next(dp_backend_t *b, dp_device_t dev, dp_stream_t **o
  *  once, the same handle or others. */
 DP_API int dp_stream_wrap(dp_backend_t *b, dp_device_t dev, void *native, dp_stream_t **out, dp_error_t *err);
 
+/** The backend and the device the stream belongs to. */
 DP_API dp_backend_t *dp_stream_backend(const dp_stream_t *s);
 DP_API dp_device_t dp_stream_device(const dp_stream_t *s);
 /** The native handle: a cudaStream_t for `cuda` (for a wrapper, the
@@ -215,6 +217,7 @@ DP_API int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err);
 DP_API int dp_event_query(dp_event_t *e, dp_error_t *err);
 /** Blocks until e completes. */
 DP_API int dp_event_synchronize(dp_event_t *e, dp_error_t *err);
+/** The device the event was made for. */
 DP_API dp_device_t dp_event_device(const dp_event_t *e);
 
 /* ---- device memory (raw, uncached: see cache.h for the caching allocator) ---- */

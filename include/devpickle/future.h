@@ -131,6 +131,7 @@ typedef struct dp_future_opts {
  *  with neither function; dp_backend_default's and dp_cache_default's
  *  errors when they are asked; DP_ENOMEM. */
 DP_API int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *err);
+/** Counts one more reference; returns f (NULL does nothing). */
 DP_API dp_future_t *dp_future_retain(dp_future_t *f);
 /** Drops a reference; the last one frees the future, its value and its
  *  events. A pending future's callbacks then never run: its then()

@@ -118,10 +118,12 @@ typedef struct dp_pickle_opts {
 
 /** A reusable output frame. */
 DP_API int dp_frame_new(dp_frame_t **out, dp_error_t *err);
+/** Frees the frame (NULL is fine). */
 DP_API void dp_frame_free(dp_frame_t *f);
 /** The frame's bytes (borrowed; valid until the next pickle or free) and
  *  their number in *len (may be NULL). */
 DP_API const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len);
+/** Number of buffer descriptors in the frame's table (0 before a pickle). */
 DP_API size_t dp_frame_nbuffers(const dp_frame_t *f);
 /** Buffer i's descriptor. DP_EINVAL when out of range (an empty frame has
  *  none). */

@@ -87,6 +87,7 @@ DP_API int dp_ptrset_add_many(dp_ptrset_t *set, const dp_ptr_info_t *items, size
 DP_API int dp_ptrset_find(const dp_ptrset_t *set, dp_device_t device, const void *base,
                           size_t *index, dp_error_t *err);
 
+/** Number of entries (allocations) in the set. */
 DP_API size_t dp_ptrset_count(const dp_ptrset_t *set);
 /** Entry i in discovery order. DP_EINVAL when out of range. */
 DP_API int dp_ptrset_get(const dp_ptrset_t *set, size_t i, dp_ptr_info_t *out, dp_error_t *err);

@@ -188,6 +188,7 @@ DP_API int dp_dict_set(dp_value_t dict, dp_value_t key, dp_value_t val, dp_error
  *  membership test), or DP_ENOTFOUND (also for an unhashable key);
  *  DP_EINVAL when dict is not a dict. */
 DP_API int dp_dict_get(dp_value_t dict, dp_value_t key, dp_value_t *val, dp_error_t *err);
+/** Number of entries; 0 for a value of another kind. */
 DP_API size_t dp_dict_len(dp_value_t dict);
 /** Item i in insertion order (borrowed; key and val may be NULL).
  *  DP_EINVAL when out of range or not a dict. */
@@ -211,8 +212,12 @@ typedef void (*dp_storage_release_cb)(void *ud, dp_device_t device, void *base, 
 DP_API int dp_storage_new(dp_device_t device, void *base, size_t nbytes,
                           dp_storage_release_cb release, void *ud,
                           dp_storage_t **out, dp_error_t *err);
+/** Counts one more reference (returns s), and drops one: the last runs
+ *  its release callback, if any (see dp_storage_new). NULL does nothing. */
 DP_API dp_storage_t *dp_storage_retain(dp_storage_t *s);
 DP_API void dp_storage_release(dp_storage_t *s);
+/** The storage's device, base address and size, as given to
+ *  dp_storage_new ({DP_DEVICE_CPU, 0}, NULL and 0 for NULL). */
 DP_API dp_device_t dp_storage_device(const dp_storage_t *s);
 DP_API void *dp_storage_base(const dp_storage_t *s);
 DP_API size_t dp_storage_nbytes(const dp_storage_t *s);
@@ -279,6 +284,8 @@ DP_API int dp_object_set(dp_value_t obj, const char *name, dp_value_t val, dp_er
 /** Borrowed attribute in *val (val may be NULL), or DP_ENOTFOUND;
  *  DP_EINVAL when obj is not an object or name is NULL. */
 DP_API int dp_object_get(dp_value_t obj, const char *name, dp_value_t *val, dp_error_t *err);
+/** The class name (borrowed: valid while obj lives), and the number of
+ *  attributes; NULL and 0 for a value of another kind. */
 DP_API const char *dp_object_class(dp_value_t obj);
 DP_API size_t dp_object_nattrs(dp_value_t obj);
 /** Attribute i in order (borrowed; name and val may be NULL). DP_EINVAL
@@ -322,6 +329,8 @@ typedef struct dp_type {
 /** Wraps obj (ownership of obj passes to the custom; destroy frees it, also
  *  when this call fails). type must outlive the value. */
 DP_API int dp_custom_new(const dp_type_t *type, void *obj, dp_value_t *out, dp_error_t *err);
+/** The custom's type and the obj it wraps (borrowed: the custom owns obj);
+ *  NULL for a value of another kind. */
 DP_API const dp_type_t *dp_custom_type(dp_value_t c);
 DP_API void *dp_custom_data(dp_value_t c);
 
