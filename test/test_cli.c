@@ -381,7 +381,22 @@ Test(cli, inspect_names_an_inline_frame_inline_in_its_header) {
   res_free(r);
   r = run("verify i.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_not_null(strstr(r.out, ", 1 buffer, 1 device pointer, inline\n"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, ", 1 buffer, 0 device pointers, 1 cpu buffer, inline\n"), "%s", r.out);
+  res_free(r);
+}
+
+/* verify's summary counted every storage as a "device pointer", cpu ones
+ * too: a frame of one cpu tensor said "1 device pointer". */
+Test(cli, verify_counts_cpu_buffers_apart_from_device_pointers) {
+  spit("m.json", "[{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
+                 "\"shape\": [4]}}, {\"$tensor\": {\"device\": \"host:1\", \"ptr\": \"0x1000\", \"nbytes\": 4, "
+                 "\"dtype\": \"uint8\", \"shape\": [4]}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", "
+                 "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4]}}, {\"$tensor\": {\"device\": \"cpu\", "
+                 "\"ptr\": \"0x20\", \"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [2]}}]");
+  res_t r = run_sh("$D pack m.json -o m.dpk && $D verify m.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "m.dpk: ok, "), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, ", 4 buffers, 2 device pointers, 2 cpu buffers, out-of-band\n"), "%s", r.out);
   res_free(r);
 }
 
@@ -458,7 +473,7 @@ Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
   res_free(run("pack v.json -o a.dpk"));
   res_t r = run("verify a.dpk");
   cr_assert_eq(r.status, 0);
-  cr_assert_str_eq(r.out, "a.dpk: ok, 113 bytes, version 1, 2 buffers, 2 device pointers, out-of-band\n");
+  cr_assert_str_eq(r.out, "a.dpk: ok, 113 bytes, version 1, 2 buffers, 1 device pointer, 1 cpu buffer, out-of-band\n");
   res_free(r);
   /* flip one payload byte */
   r = run("verify a.dpk > /dev/null && printf '\\x00' | dd of=a.dpk bs=1 seek=50 conv=notrunc 2>/dev/null");
@@ -524,7 +539,7 @@ Test(cli, a_frame_followed_by_an_endless_pipe_is_refused_once_64_kib_follow_it_b
   res_free(r);
   r = run_sh("cat f.dpk | \"$D\" verify -");
   cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_str_eq(r.out, "<stdin>: ok, 43 bytes, version 1, 0 buffers, 0 device pointers, self-contained\n");
+  cr_assert_str_eq(r.out, "<stdin>: ok, 43 bytes, version 1, 0 buffers, 0 device pointers, 0 cpu buffers, self-contained\n");
   res_free(r);
   /* a regular file says how much follows (its size), however much it is */
   r = run_sh("{ cat f.dpk; head -c 1000000 /dev/zero; } > big.dpk && \"$D\" verify big.dpk");
@@ -633,7 +648,7 @@ Test(cli, a_count_of_one_is_written_in_the_singular_in_output_and_messages) {
                      "%s", r.out);
   res_free(r);
   r = run("verify one.dpk");
-  cr_assert_str_eq(r.out, "one.dpk: ok, 64 bytes, version 1, 1 buffer, 1 device pointer, out-of-band\n");
+  cr_assert_str_eq(r.out, "one.dpk: ok, 64 bytes, version 1, 1 buffer, 0 device pointers, 1 cpu buffer, out-of-band\n");
   res_free(r);
   r = run("send one.dpk 127.0.0.1:1");
   cr_assert_eq(r.status, 1);
@@ -1840,7 +1855,7 @@ Test(cli, unpack_writes_a_shared_storages_data_once_and_pack_takes_it_from_the_t
                      "\"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [1], \"data\": \"QUFBQQ==\"}}]");
   r = run_sh("$D pack later.json -o later.dpk && $D verify later.dpk && $D unpack later.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_not_null(strstr(r.out, "later.dpk: ok, 87 bytes, version 1, 1 buffer, 1 device pointer, inline\n"), "%s", r.out);
+  cr_assert_not_null(strstr(r.out, "later.dpk: ok, 87 bytes, version 1, 1 buffer, 0 device pointers, 1 cpu buffer, inline\n"), "%s", r.out);
   cr_assert_eq(count_of(r.out, "\"data\": \"QUFBQQ==\""), 1, "%s", r.out);
   res_free(r);
   /* a storage with no data anywhere in an inline value is still an error */
@@ -2083,7 +2098,7 @@ Test(cli, an_output_through_a_chain_of_forty_links_writes_its_target_and_one_mor
   res_t r = run_sh("i=1; while [ $i -le 41 ]; do ln -s c$((i + 1)) c$i && ln -s d$((i + 1)) d$i; i=$((i + 1)); done; "
                    "$D pack v.json -o c2 && $D verify c42");
   cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_str_eq(r.out, "c42: ok, 113 bytes, version 1, 2 buffers, 2 device pointers, out-of-band\n");
+  cr_assert_str_eq(r.out, "c42: ok, 113 bytes, version 1, 2 buffers, 1 device pointer, 1 cpu buffer, out-of-band\n");
   res_free(r);
   r = run("pack v.json -o d1");
   cr_assert_eq(r.status, 1, "%s", r.err);
@@ -2324,7 +2339,7 @@ Test(cli, a_file_name_holding_a_newline_cannot_forge_a_line_of_verify_or_send_ou
   /* both summaries go to stdout: a name ending in a forged summary must stay on one line */
   res_t r = run_sh("$D pack v.json -o \"$(printf 'x\\ny.dpk: ok')\" && $D verify \"$(printf 'x\\ny.dpk: ok')\"");
   cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_str_eq(r.out, "x\\u000ay.dpk: ok: ok, 43 bytes, version 1, 0 buffers, 0 device pointers, self-contained\n");
+  cr_assert_str_eq(r.out, "x\\u000ay.dpk: ok: ok, 43 bytes, version 1, 0 buffers, 0 device pointers, 0 cpu buffers, self-contained\n");
   res_free(r);
   int port;
   pid_t pid = start_recv("got.dpk", &port);
@@ -3068,7 +3083,8 @@ Test(cli, dump_inspect_and_verify_helps_say_their_output_goes_to_stdout) {
       {"dump", "Lists on stdout the device allocations"},
       {"dump", "then 'N\nallocations on M devices'"},
       {"inspect", "Prints on stdout the frame's header"},
-      {"verify", "Prints one line on stdout, 'FILE: ok, ...'"},
+      {"verify", "Prints one line on stdout and exits 0: 'FILE: ok, N bytes"},
+      {"verify", "B buffers, D device pointers, C cpu buffers"},
       {"verify", "the error line on stderr"},
   };
   for (size_t i = 0; i < sizeof helps / sizeof *helps; i++) {

@@ -1010,9 +1010,11 @@ static const char *const help_verify =
     "every value in the payload, under the default limits (docs/FORMAT.md) and\n"
     "value JSON's nesting limit of 2,000 levels, so that 'unpack' can write\n"
     "whatever passes. An inline frame's data is checked as it streams by, not\n"
-    "held. Prints one line on stdout, 'FILE: ok, ...', and exits 0; otherwise\n"
-    "the error line on stderr ('devpickle: FILE: what, at byte N') and exit\n"
-    "status 1; 2 usage.\n"
+    "held. Prints one line on stdout and exits 0: 'FILE: ok, N bytes, version\n"
+    "V, B buffers, D device pointers, C cpu buffers, inline' (or out-of-band,\n"
+    "or self-contained: no buffers), where the B buffers are the D on devices\n"
+    "(cuda, host) and the C cpu storages; otherwise the error line on stderr\n"
+    "('devpickle: FILE: what, at byte N') and exit status 1; 2 usage.\n"
     "Use - for stdin. " STDIN_FRAME
 
     "Example: devpickle verify model.dpk\n";
@@ -1026,9 +1028,13 @@ static int cmd_verify(int argc, char **argv) {
   dp_value_release(l.v);
   if (rc) return rc;
   const dp_frame_info_t fi = l.info;
+  size_t cpu = 0; /* a cpu storage is a buffer but no device pointer */
+  for (size_t j = 0; j < dp_ptrset_ndevices(set); j++)
+    if (dp_ptrset_device(set, j).type == DP_DEVICE_CPU) cpu += dp_ptrset_device_count(set, j);
+  const size_t dev = dp_ptrset_count(set) - cpu;
   cli_put_text(stdout, display(l.a.file));
-  printf(": ok, %zu bytes, version %u, %u buffer%s, %zu device pointer%s, %s\n", l.size, fi.version,
-         fi.nbuffers, fi.nbuffers == 1 ? "" : "s", dp_ptrset_count(set), dp_ptrset_count(set) == 1 ? "" : "s",
+  printf(": ok, %zu bytes, version %u, %u buffer%s, %zu device pointer%s, %zu cpu buffer%s, %s\n", l.size,
+         fi.version, fi.nbuffers, fi.nbuffers == 1 ? "" : "s", dev, dev == 1 ? "" : "s", cpu, cpu == 1 ? "" : "s",
          (fi.flags & 1) ? "inline" : fi.nbuffers ? "out-of-band" : "self-contained");
   dp_ptrset_free(set);
   return stdout_done(0);
