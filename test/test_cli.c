@@ -2239,6 +2239,36 @@ Test(cli, send_and_recv_move_an_inline_frame_that_arrives_verified_and_written_w
   res_free(r);
 }
 
+/* recv -o FIFO opened the FIFO only once a frame had come: with no reader
+ * there it blocked in open for good, past its --timeout, and its sender
+ * timed out unanswered. The FIFO is now opened before recv listens, its
+ * reader awaited within --timeout; a frame then goes through it whole. */
+Test(cli, recv_opens_a_fifo_before_it_listens_and_waits_for_its_reader_within_its_timeout, .timeout = 60) {
+  ucx_env();
+  char fifo[128];
+  path_in(fifo, sizeof fifo, "fifo");
+  cr_assert_eq(mkfifo(fifo, 0600), 0);
+  res_t r = run("recv 0 --host 127.0.0.1 --timeout 1 -o fifo");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_str_eq(r.err, "devpickle: fifo: recv timed out: no process opened the FIFO for reading within 1 s (--timeout)\n");
+  res_free(r);
+  spit("v.json", "[1, {\"$bytes\": \"AAE=\"}]");
+  r = run("pack v.json -o f.dpk && (cat fifo > got.dpk &)");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  int port;
+  pid_t pid = start_recv("fifo", &port);
+  char args[128];
+  snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", port);
+  r = run(args);
+  cr_assert_eq(r.status, 0, "send: %s", r.err);
+  res_free(r);
+  cr_assert_eq(wait_status(pid), 0);
+  r = run("sleep 0.2; cmp f.dpk got.dpk");
+  cr_assert_eq(r.status, 0, "the frame read from the FIFO differs: %s", r.out);
+  res_free(r);
+}
+
 /* A receiver that cannot write the frame says why, with the system's
  * reason, and tells the sender, which fails with the same reason. */
 Test(cli, a_write_that_fails_on_the_receiver_is_an_error_with_its_reason_on_both_sides) {

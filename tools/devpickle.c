@@ -1084,9 +1084,12 @@ static const char *const help_recv =
     "send', verifies it as 'verify' does, writes it to FRAME.dpk (or stdout; a\n"
     "terminal only with -o -) — a file is written whole under a temporary name\n"
     "and renamed, so a failure leaves no partial file — and answers the sender.\n"
+    "An output that is no regular file (a FIFO, a device) is opened before it\n"
+    "listens, as a shell's '>' would: a FIFO waits there for its reader.\n"
     "--timeout: give up after SECONDS without a frame (over 0, at most 1000000,\n"
     "fractions allowed; default: wait): 'recv timed out: no frame within\n"
-    "SECONDS s (--timeout)'.\n"
+    "SECONDS s (--timeout)'; the wait for a FIFO's reader counts in them ('recv\n"
+    "timed out: no process opened the FIFO for reading within SECONDS s').\n"
     "Exit status: 0 a frame received and written; 1 a frame refused, a\n"
     "connection that failed, a timeout or a failed write ('devpickle: FILE:\n"
     "write failed: WHY', or the system's reason FILE cannot be made: a\n"
@@ -1359,6 +1362,52 @@ static int cmd_send(int argc, char **argv) {
 
 #define ANSWER_WAIT_S 10 /* recv's limit for its answer to leave, and for the sender to close */
 
+/* recv opens an output that exists and is no regular file (a FIFO, a
+ * device, a socket) before it listens, as a shell's redirection would: a
+ * sender's frame must never wait on it, and one that cannot be opened is
+ * refused before any sender comes. A FIFO's open waits for its reader; with
+ * a deadline (-1: none) no longer than it: *ran_out, and ETIMEDOUT. 1 and
+ * s->f open, 0 when path is written under a temporary name when the frame
+ * has come (or names a descriptor already open), or -1 with errno. */
+static int sink_open_early(sink_t *s, const char *path, int64_t deadline, int *ran_out) {
+  memset(s, 0, sizeof *s);
+  s->path = path;
+  *ran_out = 0;
+  if (strcmp(path, "-") == 0) return 0;
+  int fd = -1;
+  char *target = follow_links(path, &fd);
+  if (fd >= 0) return 0;
+  if (!target) return -1;
+  struct stat st;
+  int special = stat(target, &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode);
+  int fifo = special && S_ISFIFO(st.st_mode);
+  free(target);
+  if (!special) return 0;
+  if (!fifo || deadline < 0) {
+    s->f = fopen(path, "wb");
+    return s->f ? 1 : -1;
+  }
+  for (;;) { /* O_NONBLOCK: ENXIO while no process has the FIFO open for reading */
+    fd = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd >= 0 || errno != ENXIO) break;
+    if (mono_ns() >= deadline) {
+      *ran_out = 1;
+      errno = ETIMEDOUT;
+      return -1;
+    }
+    struct timespec ts = {0, 10000000};
+    nanosleep(&ts, NULL);
+  }
+  int fl = fd >= 0 ? fcntl(fd, F_GETFL) : -1;
+  if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0 || !(s->f = fdopen(fd, "wb"))) {
+    int e = errno;
+    if (fd >= 0) close(fd);
+    errno = e;
+    return -1;
+  }
+  return 1;
+}
+
 static int cmd_recv(int argc, char **argv) {
   link_args_t a;
   int rc = parse_link("recv", help_recv, argc, argv, 1, 1, &a);
@@ -1370,6 +1419,17 @@ static int cmd_recv(int argc, char **argv) {
     return usage_error("recv", "%s", "stdout is a terminal: a frame is binary (-o FRAME.dpk, or -o - to write it there)");
   if (!a.out) a.out = "-";
   if ((rc = sink_probe(a.out)) != 0) return rc; /* before listening: not after a sender's frame came */
+  int64_t deadline = deadline_in(a.timeout);     /* waiting for a FIFO's reader counts too */
+  sink_t early;
+  int ran_out = 0, opened = sink_open_early(&early, a.out, deadline, &ran_out);
+  if (opened < 0) {
+    dp_error_t fe;
+    dp_error_clear(&fe);
+    snprintf(fe.message, sizeof fe.message, "%s", strerror(errno));
+    if (ran_out) fe.code = DP_ETIMEDOUT;
+    timeout_message(&fe, ran_out, a.timeout, "--timeout", "recv", "no process opened the FIFO for reading");
+    return data_error(a.out, fe.message, -1);
+  }
   /* a stdout nobody reads fails the write (EPIPE), reported and answered
      as any failed write: killed by SIGPIPE, recv told its sender nothing */
   signal(SIGPIPE, SIG_IGN);
@@ -1399,8 +1459,6 @@ static int cmd_recv(int argc, char **argv) {
   char bound[8];
   snprintf(bound, sizeof bound, "%d", dp_listener_port(l));
   show_addr(addr, sizeof addr, a.host ? a.host : "0.0.0.0", bound); /* the port bound */
-  int64_t deadline = deadline_in(a.timeout);
-  int ran_out = 0;
   rc = dp_listener_accept(l, left_ns(deadline), &ep, &e);
   if (rc) ran_out = 1;
   if (!rc) rc = dp_endpoint_recv_frame(ep, &f, &e);
@@ -1414,7 +1472,13 @@ static int cmd_recv(int argc, char **argv) {
   } else {
     size_t n;
     const uint8_t *b = dp_bytes_data(dp_future_value(f), &n);
-    status = write_all(a.out, b, n); /* says why on stderr, with the system's reason */
+    if (opened) { /* says why on stderr, with the system's reason */
+      fwrite(b, 1, n, early.f);
+      status = sink_close(&early, 1);
+      opened = 0;
+    } else {
+      status = write_all(a.out, b, n);
+    }
     snprintf(why, sizeof why, ANSWER_UNWRITTEN "%s", last_error);
   }
   if (status && ep && !dp_endpoint_error(ep, NULL)) dp_str_new(why, strlen(why), &answer, NULL);
@@ -1435,6 +1499,7 @@ static int cmd_recv(int argc, char **argv) {
   }
   dp_value_release(answer);
 out:
+  if (opened) sink_close(&early, 0); /* no frame: nothing written */
   dp_future_release(f);
   dp_future_release(d);
   dp_endpoint_free(ep);
