@@ -239,6 +239,28 @@ Test(cli, pack_and_unpack_refuse_an_output_they_cannot_make_before_reading_their
   res_free(r);
 }
 
+/* An output whose name the system refuses (a component longer than
+ * NAME_MAX) was found only by the rename at the end: pack and unpack read
+ * their whole input first and called it "write failed", and recv listened
+ * and took a sender's frame before failing. It is refused at once. */
+Test(cli, an_output_name_too_long_is_refused_before_reading_or_listening) {
+  char name[301], script[2048], want[512];
+  memset(name, 'n', 300);
+  name[300] = '\0';
+  snprintf(script, sizeof script,
+           "mkfifo p && timeout 5 $D pack - -o %s <>p; echo \"pack $?\"; "
+           "timeout 5 $D unpack - -o %s <>p; echo \"unpack $?\"; "
+           "$D recv 0 --host 127.0.0.1 --timeout 5 -o %s; echo \"recv $?\"",
+           name, name, name);
+  res_t r = run_sh(script);
+  cr_assert_str_eq(r.out, "pack 1\nunpack 1\nrecv 1\n", "%s", r.err);
+  snprintf(want, sizeof want, "devpickle: %s: File name too long\n", name);
+  size_t n = strlen(want);
+  cr_assert_eq(strlen(r.err), 3 * n, "%s", r.err);
+  for (int i = 0; i < 3; i++) cr_assert_eq(strncmp(r.err + i * n, want, n), 0, "%s", r.err);
+  res_free(r);
+}
+
 Test(cli, usage_errors_exit_with_status_two) {
   res_t r = run("");
   cr_assert_eq(r.status, 2);

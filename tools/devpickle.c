@@ -372,6 +372,11 @@ static int sink_open(sink_t *s, const char *path) {
   }
   if (!target) return data_error(path, strerror(errno), -1);
   int exists = stat(target, &st) == 0;
+  if (!exists && errno != ENOENT) { /* the rename would fail too, after all the work */
+    int e = errno;
+    free(target);
+    return data_error(path, strerror(e), -1);
+  }
   if (exists && !S_ISREG(st.st_mode)) {
     free(target);
     s->f = fopen(path, "wb");
@@ -451,8 +456,10 @@ static int sink_probe(const char *path) {
   if (fd >= 0) return 0;
   if (!target) return data_error(path, strerror(errno), -1);
   struct stat st;
-  if (stat(target, &st) == 0 && S_ISDIR(st.st_mode)) e = EISDIR;
-  else if (stat(target, &st) != 0 || S_ISREG(st.st_mode)) { /* made or replaced beside it */
+  int found = stat(target, &st) == 0;
+  if (!found && errno != ENOENT) e = errno; /* a name too long, a component no directory, ... */
+  else if (found && S_ISDIR(st.st_mode)) e = EISDIR;
+  else if (!found || S_ISREG(st.st_mode)) { /* made or replaced beside it */
     const char *slash = strrchr(target, '/');
     char *dir = slash ? strndup(target, slash == target ? 1 : (size_t)(slash - target)) : strdup(".");
     struct stat ds;
@@ -1093,11 +1100,11 @@ static const char *const help_recv =
     "Exit status: 0 a frame received and written; 1 a frame refused, a\n"
     "connection that failed, a timeout or a failed write ('devpickle: FILE:\n"
     "write failed: WHY', or the system's reason FILE cannot be made: a\n"
-    "directory, or a directory missing or not writable is found before it\n"
-    "listens), one line on stderr; the sender is told why a frame was refused\n"
-    "or not written. The answer then has 10 s to leave ('recv timed out: the\n"
-    "answer to the sender was not sent within 10 s (recv's limit for its\n"
-    "answer)', the status unchanged); 2 usage.\n"
+    "directory, a name too long, or a directory missing or not writable is\n"
+    "found before it listens), one line on stderr; the sender is told why a\n"
+    "frame was refused or not written. The answer then has 10 s to leave\n"
+    "('recv timed out: the answer to the sender was not sent within 10 s\n"
+    "(recv's limit for its answer)', the status unchanged); 2 usage.\n"
     "UCX reads its own environment (UCX_TLS, UCX_NET_DEVICES); its own log is\n"
     "off (UCX_LOG_LEVEL=fatal) unless UCX_LOG_LEVEL is set.\n"
     "Example: devpickle recv 0 -o got.dpk (then send to the port it names)\n";
