@@ -33,7 +33,7 @@ static const char *const usage_main =
     "commands:\n"
     "  pack VALUE.json -o FRAME.dpk   value JSON to a frame\n"
     "  unpack FRAME.dpk [-o V.json]   a frame to value JSON (on stdout; --compact: one line)\n"
-    "  dump FRAME.dpk [--json]        the device pointers a frame's value holds\n"
+    "  dump FRAME.dpk [--json]        the allocations a frame's value holds, cpu too\n"
     "  inspect FRAME.dpk              the value as a tree, one node a line, with paths\n"
     "  verify FRAME.dpk               check a frame completely; print a summary\n"
     "  send FRAME.dpk HOST:PORT       send a self-contained frame to 'devpickle recv'\n"
