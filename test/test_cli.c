@@ -2291,6 +2291,32 @@ Test(cli, recv_opens_a_fifo_before_it_listens_and_waits_for_its_reader_within_it
   res_free(r);
 }
 
+/* With its stderr closed (2>&-), recv's output FIFO took descriptor 2 and
+ * "devpickle recv: listening on port N" was written into it, ahead of the
+ * frame, and recv exited 0. A closed descriptor 0, 1 or 2 is now held
+ * (writes to it still fail, as on a closed one). */
+Test(cli, a_closed_stderr_never_sends_a_message_into_an_output, .timeout = 60) {
+  ucx_env();
+  int port, fd = t_loopback_socket(0, &port);
+  close(fd);
+  spit("v.json", "[1, {\"$bytes\": \"AAE=\"}]");
+  char script[1024];
+  snprintf(script, sizeof script,
+           "$D pack v.json -o f.dpk && mkfifo fifo && (cat fifo > got.dpk &) && "
+           "($D recv %d --host 127.0.0.1 --timeout 30 -o fifo 2>&- & echo $! > recv.pid) && "
+           "i=0; until $D send f.dpk 127.0.0.1:%d --timeout 10 2>/dev/null; do "
+           "i=$((i + 1)); [ $i -lt 100 ] || exit 9; sleep 0.1; done; "
+           "while kill -0 $(cat recv.pid) 2>/dev/null; do sleep 0.05; done; sleep 0.1; cmp f.dpk got.dpk",
+           port, port);
+  res_t r = run_sh(script);
+  cr_assert_eq(r.status, 0, "%s%s", r.out, r.err);
+  res_free(r);
+  r = run_sh("$D verify f.dpk >&-; echo $?"); /* a closed stdout still fails the write */
+  cr_assert_str_eq(r.out, "1\n");
+  cr_assert_str_eq(r.err, "devpickle: <stdout>: write failed: Bad file descriptor\n");
+  res_free(r);
+}
+
 /* A receiver that cannot write the frame says why, with the system's
  * reason, and tells the sender, which fails with the same reason. */
 Test(cli, a_write_that_fails_on_the_receiver_is_an_error_with_its_reason_on_both_sides) {

@@ -1567,7 +1567,24 @@ static int cmd_help(int argc, char **argv) {
   return stdout_done(0);
 }
 
+/* A descriptor 0, 1 or 2 that the caller left closed (2>&-) would be the
+ * next one opened — an output, the FIFO recv opens before it listens, a
+ * socket of UCX's — and what is printed to stdout or stderr would land in
+ * it. Each is held by /dev/null opened the other way, so that using it
+ * still fails (EBADF) as a closed one does. */
+static void hold_std_fds(void) {
+  for (int fd = 0; fd <= 2; fd++) {
+    if (fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
+    int d = open("/dev/null", fd == 0 ? O_WRONLY : O_RDONLY);
+    if (d >= 0 && d != fd) {
+      dup2(d, fd);
+      close(d);
+    }
+  }
+}
+
 int main(int argc, char **argv) {
+  hold_std_fds();
   /* A file-size limit makes write() fail with EFBIG, which is reported and
    * cleaned up, instead of killing the process mid-write. */
   signal(SIGXFSZ, SIG_IGN);
