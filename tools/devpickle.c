@@ -445,10 +445,12 @@ static int sink_close(sink_t *s, int ok) {
 }
 
 /* What sink_open would refuse at once, asked before a wait (recv listens,
- * maybe for hours, before it writes): a directory, or a file whose
+ * maybe for hours, before it writes): a directory, a name the system
+ * refuses (too long, ...), or a file whose
  * directory is missing, no directory or not writable. 0, or the exit status
  * after the message sink_open would give. A device, a pipe or a descriptor
- * is opened as it is, when written. */
+ * is opened as it is, when written (recv opens one before it listens:
+ * sink_open_early). */
 static int sink_probe(const char *path) {
   if (strcmp(path, "-") == 0) return 0;
   int fd = -1, e = 0;
