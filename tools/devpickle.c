@@ -1097,8 +1097,9 @@ static const char *const help_recv =
     "listens, as a shell's '>' would: a FIFO waits there for its reader.\n"
     "--timeout: give up after SECONDS without a frame (over 0, at most 1000000,\n"
     "fractions allowed; default: wait): 'recv timed out: no frame within\n"
-    "SECONDS s (--timeout)'; the wait for a FIFO's reader counts in them ('recv\n"
-    "timed out: no process opened the FIFO for reading within SECONDS s').\n"
+    "SECONDS s (--timeout)'; a FIFO's reader is awaited as long, before it\n"
+    "listens ('recv timed out: no process opened the FIFO for reading within\n"
+    "SECONDS s (--timeout)').\n"
     "Exit status: 0 a frame received and written; 1 a frame refused, a\n"
     "connection that failed, a timeout or a failed write ('devpickle: FILE:\n"
     "write failed: WHY', or the system's reason FILE cannot be made: a\n"
@@ -1428,9 +1429,8 @@ static int cmd_recv(int argc, char **argv) {
     return usage_error("recv", "%s", "stdout is a terminal: a frame is binary (-o FRAME.dpk, or -o - to write it there)");
   if (!a.out) a.out = "-";
   if ((rc = sink_probe(a.out)) != 0) return rc; /* before listening: not after a sender's frame came */
-  int64_t deadline = deadline_in(a.timeout);     /* waiting for a FIFO's reader counts too */
-  sink_t early;
-  int ran_out = 0, opened = sink_open_early(&early, a.out, deadline, &ran_out);
+  sink_t early; /* a FIFO's reader is awaited for --timeout too, before the frame's own wait */
+  int ran_out = 0, opened = sink_open_early(&early, a.out, deadline_in(a.timeout), &ran_out);
   if (opened < 0) {
     dp_error_t fe;
     dp_error_clear(&fe);
@@ -1468,6 +1468,7 @@ static int cmd_recv(int argc, char **argv) {
   char bound[8];
   snprintf(bound, sizeof bound, "%d", dp_listener_port(l));
   show_addr(addr, sizeof addr, a.host ? a.host : "0.0.0.0", bound); /* the port bound */
+  int64_t deadline = deadline_in(a.timeout);
   rc = dp_listener_accept(l, left_ns(deadline), &ep, &e);
   if (rc) ran_out = 1;
   if (!rc) rc = dp_endpoint_recv_frame(ep, &f, &e);
