@@ -2315,6 +2315,15 @@ Test(cli, a_closed_stderr_never_sends_a_message_into_an_output, .timeout = 60) {
   cr_assert_str_eq(r.out, "1\n");
   cr_assert_str_eq(r.err, "devpickle: <stdout>: write failed: Bad file descriptor\n");
   res_free(r);
+  /* and a name of a closed descriptor names no file, though /dev/null holds its place */
+  r = run_sh("$D unpack f.dpk -o /dev/stdout >&-; echo $? >&2; $D verify /dev/stdin <&-; echo $? >&2; "
+             "$D pack /dev/fd/0 -o g.dpk <&-; echo $? >&2; $D verify - <&-; echo $? >&2");
+  cr_assert_str_eq(r.err,
+                   "devpickle: /dev/stdout: Bad file descriptor\n1\n"
+                   "devpickle: /dev/stdin: Bad file descriptor\n1\n"
+                   "devpickle: /dev/fd/0: Bad file descriptor\n1\n"
+                   "devpickle: <stdin>: read error: Bad file descriptor\n1\n");
+  res_free(r);
 }
 
 /* A receiver that cannot write the frame says why, with the system's

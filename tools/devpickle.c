@@ -170,6 +170,8 @@ static void grow_or_drop(uint8_t **buf, size_t *cap) {
   *buf = nb;
 }
 
+static int names_held_fd(const char *path);
+
 /* Reads value JSON from a file (or stdin) to its end, or up to where what
  * came already fails to parse whatever follows: checked each time the
  * buffer fills (64 KiB, then each doubling, so the checks cost at most two
@@ -177,6 +179,7 @@ static void grow_or_drop(uint8_t **buf, size_t *cap) {
  * refused once its first bad byte is in, not read to the memory's end. The
  * parse of the bytes read then reports that byte as the whole text would. */
 static int read_json(const char *path, uint8_t **out, size_t *n) {
+  if (names_held_fd(path)) return data_error(display(path), strerror(EBADF), -1);
   FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
   if (!f) return data_error(display(path), strerror(errno), -1);
   size_t cap = 1 << 16, len = 0;
@@ -306,6 +309,20 @@ static char *follow_links(const char *path, int *fd) {
   return NULL;
 }
 
+/* The descriptors among 0, 1 and 2 that the caller left closed and
+ * hold_std_fds holds (bit N: descriptor N). */
+static unsigned held_std;
+
+/* Whether path names (through links) a descriptor that the caller left
+ * closed: /dev/stdin with stdin closed is no file, though /dev/null now
+ * holds its place. */
+static int names_held_fd(const char *path) {
+  if (!held_std || strcmp(path, "-") == 0) return 0;
+  int fd;
+  free(follow_links(path, &fd));
+  return fd >= 0 && fd <= 2 && (held_std >> fd & 1u);
+}
+
 /* The temporary file: a short fixed name in the target's directory, so that
  * it fits NAME_MAX whatever the target's own name is. */
 #define TMP_NAME ".devpickle-XXXXXX"
@@ -356,6 +373,7 @@ static int sink_open(sink_t *s, const char *path) {
   int fd = -1;
   char *target = follow_links(path, &fd);
   if (fd >= 0) { /* this process's descriptor: written as it is (at its offset, as >&N would) */
+    if (fd <= 2 && (held_std >> fd & 1u)) return data_error(path, strerror(EBADF), -1);
     struct stat fst;
     int fl = fcntl(fd, F_GETFL);
     if (fl < 0 || fstat(fd, &fst) != 0) return data_error(path, strerror(errno), -1);
@@ -662,6 +680,7 @@ static void src_close(src_t *s) {
 static int src_open(src_t *s, const char *path) {
   memset(s, 0, sizeof *s);
   s->limit = UINT64_MAX;
+  if (names_held_fd(path)) return data_error(display(path), strerror(EBADF), -1);
   s->f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
   if (!s->f) return data_error(display(path), strerror(errno), -1);
   if (isatty(fileno(s->f))) {
@@ -1574,7 +1593,8 @@ static int cmd_help(int argc, char **argv) {
  * next one opened — an output, the FIFO recv opens before it listens, a
  * socket of UCX's — and what is printed to stdout or stderr would land in
  * it. Each is held by /dev/null opened the other way, so that using it
- * still fails (EBADF) as a closed one does. */
+ * still fails (EBADF) as a closed one does, and so does naming it
+ * (/dev/stdout, /dev/fd/N: names_held_fd). */
 static void hold_std_fds(void) {
   for (int fd = 0; fd <= 2; fd++) {
     if (fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
@@ -1583,6 +1603,7 @@ static void hold_std_fds(void) {
       dup2(d, fd);
       close(d);
     }
+    if (d >= 0) held_std |= 1u << fd;
   }
 }
 
