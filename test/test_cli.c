@@ -261,6 +261,26 @@ Test(cli, an_output_name_too_long_is_refused_before_reading_or_listening) {
   res_free(r);
 }
 
+/* pack and unpack opened an -o FIFO only once their output was ready:
+ * when the input was bad they never opened it, and the FIFO's reader
+ * waited for a writer for good. As a shell's '>' would, they now open it
+ * before reading, so the reader sees its end when they fail. */
+Test(cli, pack_and_unpack_open_a_fifo_before_reading_so_its_reader_sees_a_failure_end, .timeout = 60) {
+  spit("bad.json", "[1,");
+  spit("v.json", "[1, {\"$bytes\": \"AAE=\"}]");
+  res_t r = run_sh("mkfifo p && "
+                   "(timeout 10 cat p > out1; echo \"cat $?\" > c1) & sleep 0.1; $D pack bad.json -o p; echo \"pack $?\"; "
+                   "wait; cat c1; printf 'DPKL' > bad.dpk; "
+                   "(timeout 10 cat p > out2; echo \"cat $?\" > c2) & sleep 0.1; $D unpack bad.dpk -o p; echo \"unpack $?\"; "
+                   "wait; cat c2; "
+                   "(timeout 10 cat p > f.dpk; echo \"cat $?\" > c3) & sleep 0.1; $D pack v.json -o p; echo \"pack $?\"; "
+                   "wait; cat c3; $D verify f.dpk >/dev/null && wc -c < out1 && wc -c < out2");
+  cr_assert_str_eq(r.out, "pack 1\ncat 0\nunpack 1\ncat 0\npack 0\ncat 0\n0\n0\n", "%s", r.err);
+  cr_assert_not_null(strstr(r.err, "devpickle: bad.json: invalid JSON: "), "%s", r.err);
+  cr_assert_not_null(strstr(r.err, "devpickle: bad.dpk: truncated frame"), "%s", r.err);
+  res_free(r);
+}
+
 Test(cli, usage_errors_exit_with_status_two) {
   res_t r = run("");
   cr_assert_eq(r.status, 2);

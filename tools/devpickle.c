@@ -362,9 +362,23 @@ static void watch_tmp(char *tmp) {
   tmp_pending = tmp;
 }
 
+/* An output that exists and is no regular file (a FIFO, a device, a socket)
+ * is opened before the input is read, and before recv listens, as a shell's
+ * '>' would: a FIFO's reader then sees its end when the command fails
+ * instead of waiting for a writer that never comes, no sender's frame waits
+ * on the open, and one that cannot be opened is refused at once. sink_open
+ * takes it up. */
+static FILE *early_f;
+static const char *early_path;
+
 static int sink_open(sink_t *s, const char *path) {
   memset(s, 0, sizeof *s);
   s->path = path;
+  if (early_f && early_path == path) { /* opened before the input was read */
+    s->f = early_f;
+    early_f = NULL;
+    return 0;
+  }
   struct stat st;
   if (strcmp(path, "-") == 0) {
     s->f = stdout;
@@ -467,8 +481,8 @@ static int sink_close(sink_t *s, int ok) {
  * refuses (too long, ...), or a file whose
  * directory is missing, no directory or not writable. 0, or the exit status
  * after the message sink_open would give. A device, a pipe or a descriptor
- * is opened as it is, when written (recv opens one before it listens:
- * sink_open_early). */
+ * is opened as it is (sink_open_early, before the input is read or recv
+ * listens). */
 static int sink_probe(const char *path) {
   if (strcmp(path, "-") == 0) return 0;
   int fd = -1, e = 0;
@@ -491,6 +505,53 @@ static int sink_probe(const char *path) {
   }
   free(target);
   return e ? data_error(path, strerror(e), -1) : 0;
+}
+
+static int64_t mono_ns(void);
+
+/* Opens path early when it is such an output. A FIFO's open waits for its
+ * reader; with a deadline (mono_ns; -1: none) no longer: *ran_out, and
+ * ETIMEDOUT. 0 (opened, or left to sink_open: a regular file, a new one, a
+ * descriptor already open), or -1 with errno. */
+static int sink_open_early(const char *path, int64_t deadline, int *ran_out) {
+  *ran_out = 0;
+  if (strcmp(path, "-") == 0) return 0;
+  int fd = -1;
+  char *target = follow_links(path, &fd);
+  if (fd >= 0) return 0;
+  if (!target) return -1;
+  struct stat st;
+  int special = stat(target, &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode);
+  int fifo = special && S_ISFIFO(st.st_mode);
+  free(target);
+  if (!special) return 0;
+  FILE *f = NULL;
+  if (!fifo || deadline < 0) {
+    f = fopen(path, "wb");
+  } else {
+    for (;;) { /* O_NONBLOCK: ENXIO while no process has the FIFO open for reading */
+      fd = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+      if (fd >= 0 || errno != ENXIO) break;
+      if (mono_ns() >= deadline) {
+        *ran_out = 1;
+        errno = ETIMEDOUT;
+        return -1;
+      }
+      struct timespec ts = {0, 10000000};
+      nanosleep(&ts, NULL);
+    }
+    int fl = fd >= 0 ? fcntl(fd, F_GETFL) : -1;
+    if (fl >= 0 && fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) == 0) f = fdopen(fd, "wb");
+    if (!f && fd >= 0) {
+      int e = errno;
+      close(fd);
+      errno = e;
+    }
+  }
+  if (!f) return -1;
+  early_f = f;
+  early_path = path;
+  return 0;
 }
 
 static int write_all(const char *path, const void *p, size_t n) {
@@ -760,6 +821,8 @@ static int load_command(const char *cmd, const char *help, int argc, char **argv
   int rc = parse_args(cmd, help, argc, argv, &l->a, allow_o, 0, flag);
   if (rc) return rc;
   if (l->a.out && (rc = sink_probe(l->a.out)) != 0) return rc; /* before reading, as pack */
+  int ran_out;
+  if (l->a.out && sink_open_early(l->a.out, -1, &ran_out) != 0) return data_error(l->a.out, strerror(errno), -1);
   dp_error_t e;
   dp_error_clear(&e);
   dp_unpickle_opts_t o = cli_unpickle_opts();
@@ -804,7 +867,8 @@ static const char *const help_pack =
     "Tensors naming the same device and ptr share one storage. When the tensors\n"
     "carry \"data\" (base64) the frame is inline: it holds the buffer bytes.\n"
     "The frame is checked as 'verify' would before it is written, and written\n"
-    "to a temporary file renamed over FRAME.dpk when complete.\n"
+    "to a temporary file renamed over FRAME.dpk when complete (a FIFO or a\n"
+    "device is opened before the input is read, as a shell's '>' would).\n"
     "Use - for stdin, -o - for stdout. The input is read to its end, or until\n"
     "what came is no JSON whatever follows (pack /dev/zero reads 64 KiB).\n"
     "Containers nest at most 2,000 levels (an empty one is no level; the JSON\n"
@@ -830,6 +894,8 @@ static int cmd_pack(int argc, char **argv) {
   int rc = parse_args("pack", help_pack, argc, argv, &a, 1, 1, NULL);
   if (rc) return rc < 0 ? 0 : rc;
   if ((rc = sink_probe(a.out)) != 0) return rc; /* before reading: a pipe may take long to end */
+  int ran_out;
+  if (sink_open_early(a.out, -1, &ran_out) != 0) return data_error(a.out, strerror(errno), -1);
   uint8_t *text = NULL;
   size_t len = 0;
   if ((rc = read_json(a.file, &text, &len)) != 0) return rc;
@@ -881,8 +947,9 @@ static const char *const help_unpack =
     "usage: devpickle unpack FRAME.dpk [-o VALUE.json] [--compact]\n"
     "\n"
     "Checks a frame and prints its value as value JSON (on stdout, or into\n"
-    "VALUE.json, written whole or not at all). 'devpickle pack' turns that JSON\n"
-    "back into the same bytes. Shared nodes and cycles appear as\n"
+    "VALUE.json, written whole or not at all; a FIFO or a device is opened\n"
+    "before the frame is read, as a shell's '>' would). 'devpickle pack'\n"
+    "turns that JSON back into the same bytes. Shared nodes and cycles appear as\n"
     "{\"$id\": ..., \"$value\": ...} and {\"$ref\": ...}.\n"
     "The JSON is indented two spaces a level; --compact writes it on one\n"
     "line, no space between tokens, a newline at its end (a deeply nested\n"
@@ -1391,52 +1458,6 @@ static int cmd_send(int argc, char **argv) {
 
 #define ANSWER_WAIT_S 10 /* recv's limit for its answer to leave, and for the sender to close */
 
-/* recv opens an output that exists and is no regular file (a FIFO, a
- * device, a socket) before it listens, as a shell's redirection would: a
- * sender's frame must never wait on it, and one that cannot be opened is
- * refused before any sender comes. A FIFO's open waits for its reader; with
- * a deadline (-1: none) no longer than it: *ran_out, and ETIMEDOUT. 1 and
- * s->f open, 0 when path is written under a temporary name when the frame
- * has come (or names a descriptor already open), or -1 with errno. */
-static int sink_open_early(sink_t *s, const char *path, int64_t deadline, int *ran_out) {
-  memset(s, 0, sizeof *s);
-  s->path = path;
-  *ran_out = 0;
-  if (strcmp(path, "-") == 0) return 0;
-  int fd = -1;
-  char *target = follow_links(path, &fd);
-  if (fd >= 0) return 0;
-  if (!target) return -1;
-  struct stat st;
-  int special = stat(target, &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode);
-  int fifo = special && S_ISFIFO(st.st_mode);
-  free(target);
-  if (!special) return 0;
-  if (!fifo || deadline < 0) {
-    s->f = fopen(path, "wb");
-    return s->f ? 1 : -1;
-  }
-  for (;;) { /* O_NONBLOCK: ENXIO while no process has the FIFO open for reading */
-    fd = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd >= 0 || errno != ENXIO) break;
-    if (mono_ns() >= deadline) {
-      *ran_out = 1;
-      errno = ETIMEDOUT;
-      return -1;
-    }
-    struct timespec ts = {0, 10000000};
-    nanosleep(&ts, NULL);
-  }
-  int fl = fd >= 0 ? fcntl(fd, F_GETFL) : -1;
-  if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0 || !(s->f = fdopen(fd, "wb"))) {
-    int e = errno;
-    if (fd >= 0) close(fd);
-    errno = e;
-    return -1;
-  }
-  return 1;
-}
-
 static int cmd_recv(int argc, char **argv) {
   link_args_t a;
   int rc = parse_link("recv", help_recv, argc, argv, 1, 1, &a);
@@ -1448,9 +1469,8 @@ static int cmd_recv(int argc, char **argv) {
     return usage_error("recv", "%s", "stdout is a terminal: a frame is binary (-o FRAME.dpk, or -o - to write it there)");
   if (!a.out) a.out = "-";
   if ((rc = sink_probe(a.out)) != 0) return rc; /* before listening: not after a sender's frame came */
-  sink_t early; /* a FIFO's reader is awaited for --timeout too, before the frame's own wait */
-  int ran_out = 0, opened = sink_open_early(&early, a.out, deadline_in(a.timeout), &ran_out);
-  if (opened < 0) {
+  int ran_out = 0; /* a FIFO's reader is awaited for --timeout too, before the frame's own wait */
+  if (sink_open_early(a.out, deadline_in(a.timeout), &ran_out) != 0) {
     dp_error_t fe;
     dp_error_clear(&fe);
     snprintf(fe.message, sizeof fe.message, "%s", strerror(errno));
@@ -1501,13 +1521,7 @@ static int cmd_recv(int argc, char **argv) {
   } else {
     size_t n;
     const uint8_t *b = dp_bytes_data(dp_future_value(f), &n);
-    if (opened) { /* says why on stderr, with the system's reason */
-      fwrite(b, 1, n, early.f);
-      status = sink_close(&early, 1);
-      opened = 0;
-    } else {
-      status = write_all(a.out, b, n);
-    }
+    status = write_all(a.out, b, n); /* says why on stderr, with the system's reason */
     snprintf(why, sizeof why, ANSWER_UNWRITTEN "%s", last_error);
   }
   if (status && ep && !dp_endpoint_error(ep, NULL)) dp_str_new(why, strlen(why), &answer, NULL);
@@ -1528,7 +1542,6 @@ static int cmd_recv(int argc, char **argv) {
   }
   dp_value_release(answer);
 out:
-  if (opened) sink_close(&early, 0); /* no frame: nothing written */
   dp_future_release(f);
   dp_future_release(d);
   dp_endpoint_free(ep);
