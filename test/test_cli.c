@@ -3181,9 +3181,9 @@ Test(cli, the_main_help_names_version_and_the_long_form_of_dash_o) {
   res_free(r);
 }
 
-/* Each reading command's help says where its output goes, and dump's what
- * its last line is, as the commands do. */
-Test(cli, dump_inspect_and_verify_helps_say_their_output_goes_to_stdout) {
+/* Each command's help that prints says where its output goes, and dump's
+ * what its last line is, as the commands do. */
+Test(cli, the_helps_of_commands_that_print_say_their_output_goes_to_stdout) {
   static const struct {
     const char *cmd, *says;
   } helps[] = {
@@ -3193,6 +3193,8 @@ Test(cli, dump_inspect_and_verify_helps_say_their_output_goes_to_stdout) {
       {"verify", "Prints one line on stdout and exits 0: 'FILE: ok, N bytes"},
       {"verify", "B buffers, D device pointers, C cpu buffers"},
       {"verify", "the error line on stderr"},
+      {"demo", "Prints on stdout the allocations"},
+      {"send", "'FRAME.dpk: sent N bytes to HOST:PORT' on stdout"},
   };
   for (size_t i = 0; i < sizeof helps / sizeof *helps; i++) {
     char args[64];

@@ -221,9 +221,10 @@ int demo_run(int argc, char **argv) {
            "future completed from that stream discovers them; a then() callback launches\n"
            "new device work and returns it inside a user object; a consumer on a third\n"
            "stream checks every byte; the result goes through an inline frame and back.\n"
-           "Prints the allocations with their paths, the events per device, the\n"
-           "record_stream calls and the allocator's statistics. Exit status 0 when every\n"
-           "check passes, 1 otherwise; 2 usage.");
+           "Prints on stdout the allocations with their paths, the events per device,\n"
+           "the record_stream calls and the allocator's statistics; a failed check is\n"
+           "one line on stderr. Exit status 0 when every check passes, 1 otherwise; 2\n"
+           "usage.");
       if (fflush(stdout) == 0 && !ferror(stdout)) return 0;
       fprintf(stderr, "devpickle: <stdout>: write failed: %s\n", strerror(errno ? errno : EIO));
       return 1;
