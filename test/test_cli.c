@@ -1906,7 +1906,16 @@ Test(cli, unpack_writes_a_shared_storages_data_once_and_pack_takes_it_from_the_t
              "\"shape\": [4], \"data\": \"QUFBQQ==\"}}, {\"$tensor\": {\"device\": \"cuda:1\", \"ptr\": \"0x2000\", "
              "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4]}}]",
              "devpickle: none.json: no tensor on cuda:1 0x2000 carries \"data\", but tensors on 1 other "
-             "storage do: an inline frame needs each storage's data (on one of its tensors), at $\n");
+             "storage do: an inline frame needs each storage's data (on one of its tensors), at $[1]\n");
+  /* at the storage's first tensor, however deep, a second name of its node aside */
+  pack_fails("deep.json", "deep.dpk",
+             "{\"a\": [{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
+             "\"shape\": [4], \"data\": \"QUFBQQ==\"}}], \"b\": {\"$id\": \"x\", \"$value\": {\"$object\": \"C\", "
+             "\"attrs\": {\"t\": {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x3000\", \"nbytes\": 4, \"dtype\": "
+             "\"uint8\", \"shape\": [4]}}, \"again\": {\"$ref\": \"x\"}}}}, \"c\": {\"$tensor\": {\"device\": \"cpu\", "
+             "\"ptr\": \"0x3000\", \"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [2]}}}",
+             "devpickle: deep.json: no tensor on cpu 0x3000 carries \"data\", but tensors on 1 other "
+             "storage do: an inline frame needs each storage's data (on one of its tensors), at $.b.t\n");
 }
 
 /* A path step shows the first 64 bytes of a name or key: rendering one

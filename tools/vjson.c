@@ -712,7 +712,10 @@ typedef struct rd {
   dp_ptrset_t *stset;      /* (device, ptr) -> storage index */
   dp_storage_t **storages;
   unsigned char *has_data;  /* per storage: a tensor of it carried "data" */
+  const json_t **first;     /* per storage: its first tensor's body, to find its path again */
   size_t nst, stcap;
+  const json_t *locate;     /* read_doc's second pass: the tensor whose path is wanted */
+  int located;              /* ... met: its path is in msg */
   dp_error_t e;   /* one for every call: the reader recurses, its frames stay small */
   char scratch[DP__STEP_MAX];  /* a rendered step or name, for the same reason */
 } rd_t;
@@ -798,6 +801,12 @@ static size_t mark_step(void *ctx, size_t i, char *buf) {
   return to - from;
 }
 
+/* The path being read, rendered into where[DP_PATH_MAX + 1]: bounded as the
+ * library's paths are (docs/VALUE_JSON.md, "Paths"). */
+static void render_where(rd_t *r, char *where) {
+  dp__path_render(where, r->path && r->nmarks ? r->nmarks - 1 : 0, mark_step, r);
+}
+
 static int fail(rd_t *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int fail(rd_t *r, int code, const char *fmt, ...) {
   char what[DP_ERROR_MSG_MAX], where[DP_PATH_MAX + 1];
@@ -805,8 +814,7 @@ static int fail(rd_t *r, int code, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(what, sizeof what, fmt, ap);
   va_end(ap);
-  /* bounded as the library's paths are (docs/VALUE_JSON.md, "Paths") */
-  dp__path_render(where, r->path && r->nmarks ? r->nmarks - 1 : 0, mark_step, r);
+  render_where(r, where);
   snprintf(r->msg, r->msgsize, "%s, at %s", what, where);
   return code;
 }
@@ -923,6 +931,13 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   static const char *const known[] = {"device", "ptr", "nbytes", "dtype", "shape", "strides", "offset", "data"};
   const char *k;
   json_t *x;
+  if (t == r->locate) { /* read_doc's second pass: this tensor's path is all it wants */
+    char where[DP_PATH_MAX + 1];
+    render_where(r, where);
+    snprintf(r->msg, r->msgsize, "%s", where);
+    r->located = 1;
+    return DP_ECANCELED;
+  }
   if (!json_is_object(t)) return fail(r, DP_EINVAL, "$tensor must be an object");
   size_t klen;
   json_object_keylen_foreach(t, k, klen, x) { /* by length: "device\u0000x" is not "device" */
@@ -1008,7 +1023,9 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
       if (p) r->storages = p;
       unsigned char *h = p ? realloc(r->has_data, ncap) : NULL;
       if (h) r->has_data = h;
-      if (!h) {
+      const json_t **f = h ? realloc(r->first, ncap * sizeof *f) : NULL;
+      if (f) r->first = f;
+      if (!f) {
         free(bytes);
         dp_storage_release(st);
         return fail(r, DP_ENOMEM, "out of memory");
@@ -1017,6 +1034,7 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
     }
     si = r->nst;
     r->has_data[si] = 0;
+    r->first[si] = t;
     r->storages[r->nst++] = st;
     if ((rc = dp_ptrset_add(r->stset, dev, (void *)(uintptr_t)ptr, nbytes, NULL, &r->e)) != 0) {
       free(bytes);
@@ -1319,12 +1337,22 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
   return rc;
 }
 
-int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t msgsize) {
+/* Reads document j into *out. `locate` (a $tensor body in j): read only up
+ * to that tensor, and leave its path in msg (DP_ECANCELED), or another
+ * error where the read fails before it. *bare: where an inline value has a
+ * storage that no tensor gives "data", its first tensor's body (NULL
+ * otherwise): the read keeps no path per storage (a path of long keys
+ * would cost that much again for each), so the message's path comes from
+ * a second read that stops there. */
+static int read_doc(json_t *j, const json_t *locate, dp_value_t *out, int *is_inline, const json_t **bare,
+                    char *msg, size_t msgsize) {
   rd_t r;
   memset(&r, 0, sizeof r);
   ptrmap_init(&r.by_node, sizeof(size_t));
   r.msg = msg;
   r.msgsize = msgsize;
+  r.locate = locate;
+  *bare = NULL;
   path_push(&r, "$");
   int rc = dp_ptrset_new(&r.stset, &r.e);
   if (rc) {
@@ -1334,6 +1362,7 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
     return rc;
   }
   rc = read_value(&r, j, out, 0);
+  if (r.located) rc = DP_ECANCELED; /* and msg holds the path */
   size_t with_data = 0, without = r.nst;
   for (size_t i = 0; i < r.nst; i++) {
     with_data += r.has_data[i];
@@ -1342,16 +1371,19 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   if (rc == 0 && with_data && without < r.nst) {
     dp_value_release(*out);
     char dev[16];
-    rc = fail(&r, DP_EINVAL,
-              "no tensor on %s 0x%" PRIxPTR " carries \"data\", but tensors on %zu other storage%s do: an inline "
-              "frame needs each storage's data (on one of its tensors)",
-              dp_device_format(dp_storage_device(r.storages[without]), dev, sizeof dev),
-              (uintptr_t)dp_storage_base(r.storages[without]), with_data, with_data == 1 ? "" : "s");
+    rc = DP_EINVAL; /* the message without its path: vjson_to_value finds it */
+    snprintf(msg, msgsize,
+             "no tensor on %s 0x%" PRIxPTR " carries \"data\", but tensors on %zu other storage%s do: an inline "
+             "frame needs each storage's data (on one of its tensors)",
+             dp_device_format(dp_storage_device(r.storages[without]), dev, sizeof dev),
+             (uintptr_t)dp_storage_base(r.storages[without]), with_data, with_data == 1 ? "" : "s");
+    *bare = r.first[without];
   }
   *is_inline = with_data > 0;
   for (size_t i = 0; i < r.nst; i++) dp_storage_release(r.storages[i]);
   free(r.storages);
   free(r.has_data);
+  free(r.first);
   for (size_t i = 0; i < r.nids; i++) free(r.ids[i].name);
   free(r.ids);
   idx_free(&r.by_name);
@@ -1360,6 +1392,22 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   free(r.path);
   free(r.marks);
   dp_ptrset_free(r.stset);
+  return rc;
+}
+
+int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t msgsize) {
+  const json_t *bare;
+  int rc = read_doc(j, NULL, out, is_inline, &bare, msg, msgsize);
+  if (!bare) return rc;
+  /* The storage's first tensor's path, from a read that stops there (the
+   * same document read the same way up to it: it gets there). */
+  char where[DP_PATH_MAX + 1] = "$";
+  dp_value_t unused;
+  int unused_inline;
+  const json_t *none;
+  if (read_doc(j, bare, &unused, &unused_inline, &none, where, sizeof where) != DP_ECANCELED) strcpy(where, "$");
+  size_t len = strlen(msg);
+  snprintf(msg + len, msgsize - len, ", at %s", where);
   return rc;
 }
 
