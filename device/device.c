@@ -542,7 +542,10 @@ int dp_stream_wait_event(dp_stream_t *s, dp_event_t *e, dp_error_t *err) {
 }
 
 int dp_stream_wait_stream(dp_stream_t *s, dp_stream_t *t, dp_error_t *err) {
-  if (!s || !t) return dp__err(err, DP_EINVAL, "dp_stream_wait_stream: NULL stream");
+  /* both are streams: the message says which of the two is missing */
+  if (!s || !t)
+    return dp__err(err, DP_EINVAL, "dp_stream_wait_stream: NULL %s",
+                   !s ? "s (the stream that waits)" : "t (the stream waited for)");
   if (s->b != t->b) return dp__err(err, DP_EINVAL, "dp_stream_wait_stream: the streams belong to different backends");
   if (s == t) return 0;  /* stream order already covers it */
   dp_event_t *e;

@@ -170,7 +170,7 @@ Test(device, a_stream_made_to_wait_for_another_sees_its_writes) {
   OK(dp_stream_wait_stream(c, c, T_ERR));  /* a no-op */
   dp_error_t e;
   cr_assert_eq(dp_stream_wait_stream(c, NULL, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_stream_wait_stream: NULL stream");
+  cr_assert_str_eq(e.message, "dp_stream_wait_stream: NULL t (the stream waited for)");
   dp_stream_free(a);
   dp_stream_free(c);
   cr_assert_leq(t_live_blocks, before, "the event went back to the pool, the streams are gone");
@@ -2075,7 +2075,9 @@ Test(device, a_wait_or_a_record_names_which_of_its_two_handles_is_null) {
   cr_assert_eq(dp_event_record(NULL, s, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_event_record: NULL event");
   cr_assert_eq(dp_stream_wait_stream(s, NULL, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_stream_wait_stream: NULL stream");
+  cr_assert_str_eq(e.message, "dp_stream_wait_stream: NULL t (the stream waited for)");
+  cr_assert_eq(dp_stream_wait_stream(NULL, s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_stream_wait_stream: NULL s (the stream that waits)");
   dp_event_free(ev);
 }
 
