@@ -151,7 +151,8 @@ int dp_backend_default(dp_backend_t **out, dp_error_t *err) {
     if (strcmp(env, "host") == 0) return dp_backend_get(DP_DEVICE_HOST, out, err);
     if (strcmp(env, "cuda") == 0) return dp_backend_get(DP_DEVICE_CUDA, out, err);
     char shown[DP__SHOWN_MAX];
-    return dp__err(err, DP_EINVAL, "DEVPICKLE_BACKEND='%s': expected host or cuda", dp__shown(env, shown));
+    return dp__err(err, DP_EINVAL, "dp_backend_default: DEVPICKLE_BACKEND='%s': expected host or cuda",
+                   dp__shown(env, shown));
   }
   /* host stands in only where no GPU is usable (DP_ENODEV): any other
      failure (out of memory starting the backend) is no sign that there is

@@ -427,14 +427,22 @@ Test(device, forcing_cuda_without_a_gpu_is_an_error_not_a_fallback) {
   unsetenv("DEVPICKLE_BACKEND");
   OK_WITH(&e, dp_backend_default(&b, &e));
   cr_assert_str_eq(dp_backend_name(b), "host", "without a GPU the default is host");
+}
+
+/* device.h: every failure names the function or the device. A bad
+ * DEVPICKLE_BACKEND reaches callers through dp_future_new and
+ * dp_transport_new too, where the bare variable named neither. */
+Test(device, an_unknown_devpickle_backend_is_refused_naming_the_call_and_the_value) {
+  dp_backend_t *b;
+  dp_error_t e;
   setenv("DEVPICKLE_BACKEND", "tpu", 1);
   cr_assert_eq(dp_backend_default(&b, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND='tpu': expected host or cuda");
+  cr_assert_str_eq(e.message, "dp_backend_default: DEVPICKLE_BACKEND='tpu': expected host or cuda");
   /* the value is shown as a device name given to dp_device_parse is: one
      line, control characters escaped, a long one cut */
   setenv("DEVPICKLE_BACKEND", "cu\nda\x1b[2J0123456789012345678901234567890123456789", 1);
   cr_assert_eq(dp_backend_default(&b, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "DEVPICKLE_BACKEND='cu\\u000ada\\u001b[2J01234567890123456789012\u2026': expected host or cuda");
+  cr_assert_str_eq(e.message, "dp_backend_default: DEVPICKLE_BACKEND='cu\\u000ada\\u001b[2J01234567890123456789012\u2026': expected host or cuda");
   unsetenv("DEVPICKLE_BACKEND");
 }
 
