@@ -2900,6 +2900,53 @@ Test(transport, a_storage_carrying_host_data_is_refused_never_read_at_its_base) 
                   "send the frame itself");
 }
 
+/* A storage's base may be any address (value.h), and a caller's that was
+ * never set is NULL: the loop read (or staged from) address 0 and the
+ * process died on the progress thread, far from the call. */
+Test(transport, a_storage_at_a_null_base_is_refused_never_read) {
+  dp_storage_t *st;
+  OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), NULL, 64, NULL, NULL, &st, T_ERR));
+  send_is_refused(st, 64, DP_EINVAL, "buffer 0 is a storage of 64 bytes at a NULL base",
+                  "must be readable memory of its nbytes");
+  OK(dp_storage_new(t_dev(DP_DEVICE_HOST, 1), NULL, 8, NULL, NULL, &st, T_ERR));
+  send_is_refused(st, 8, DP_EINVAL, "buffer 0 is a storage of 8 bytes at a NULL base", NULL);
+}
+
+Test(transport, a_future_whose_value_holds_a_storage_at_a_null_base_fails_its_send_never_read) {
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
+  dp_storage_t *st;
+  OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), NULL, 64, NULL, NULL, &st, T_ERR));
+  int64_t n = 64;
+  dp_value_t v;
+  OK(dp_tensor_new(st, DP_UINT8, 1, &n, NULL, 0, &v, T_ERR));
+  dp_future_t *f, *d;
+  OK(dp_future_new(NULL, &f, T_ERR));
+  OK(dp_future_mark_completed(f, v, T_ERR));
+  OK(dp_endpoint_send_future(c, f, &d, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(wait_f(d, &e), DP_EINVAL, "%s", e.message);
+  cr_assert(strstr(e.message, "buffer 0 is a storage of 64 bytes at a NULL base"), "%s", e.message);
+  OK_WITH(&e, dp_endpoint_error(c, &e)); /* one send refused: the endpoint goes on */
+  dp_future_t *sent, *got;
+  OK(dp_endpoint_send(c, dp_int(5), &sent, T_ERR));
+  got = recv_ok(a);
+  cr_assert_eq(dp_value_as_int(dp_future_value(got)), 5, "the next value arrives");
+  OK_WITH(&e, wait_f(sent, &e));
+  dp_future_release(sent);
+  dp_future_release(got);
+  dp_future_release(d);
+  dp_future_release(f);
+  dp_endpoint_free(c);
+  dp_endpoint_free(a);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(transport, a_storage_read_from_an_out_of_band_frame_is_refused_never_read_at_its_base) {
   dp_storage_t *st; /* the writer's address: never memory of this process */
   OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)0x10, 4, NULL, NULL, &st, T_ERR));

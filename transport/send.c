@@ -106,6 +106,12 @@ int dp__tp_sop_plan(dp_transport_t *t, sop_t *s, dp_error_t *err) {
                      "base is the writer's address, not this process's memory; send the frame itself "
                      "(dp_endpoint_send_frame), or read it with a bind callback that gives its buffers this "
                      "process's memory", i);
+    /* a base the caller never set: the loop would read (or stage from)
+       address 0 and bring the process down, far from the call */
+    if (!d.base && d.nbytes)
+      return dp__err(err, DP_EINVAL,
+                     "transport: buffer %zu is a storage of %llu bytes at a NULL base: a buffer sent must be "
+                     "readable memory of its nbytes", i, (unsigned long long)d.nbytes);
     s->buf_bytes += d.nbytes;
   }
   s->nbh = nb; /* the size of the three arrays, allocated or not */

@@ -299,7 +299,8 @@ DP_API int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err);
  *  completes when every buffer may be reused. Errors returned at once (and
  *  *done then NULL): DP_EINVAL (also for a storage dp_unpickle made
  *  without a bind callback, or one carrying host data — its base is the
- *  writer's address, not this process's memory: send that frame instead), the pickler's (DP_ETYPE, DP_ELIMIT, ...),
+ *  writer's address, not this process's memory: send that frame instead;
+ *  and for a storage at a NULL base with bytes), the pickler's (DP_ETYPE, DP_ELIMIT, ...),
  *  DP_ENODEV for a buffer the transport cannot move (a device of another
  *  backend), the backend's (recording on the current stream), the
  *  endpoint's error. Later failures fail *done. */
