@@ -152,14 +152,17 @@ int dp_cache_hooks_chain_new(const dp_cache_hooks_t *list, size_t n, dp_cache_ho
                      "dp_cache_hooks_chain_new: hooks %zu has neither record_stream nor record_streams_owned, "
                      "so it cannot say which pointers are its allocator's", i);
     const dp_cache_hooks_chain_t *in = chain_of(&list[i]);
-    if (dp__add_ovf(total, in ? in->n : 1, &total)) return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: %zu hooks", n);
+    if (dp__add_ovf(total, in ? in->n : 1, &total))
+      return dp__err(err, DP_ENOMEM,
+                     "dp_cache_hooks_chain_new: the %zu hooks, nested chains' included, are too many to count", n);
   }
   size_t bytes;
   if (dp__mul_ovf(total, sizeof(dp_cache_hooks_t), &bytes) ||
       dp__add_ovf(bytes, sizeof(dp_cache_hooks_chain_t), &bytes))
-    return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: %zu hooks", total);
+    return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: a chain of %zu hooks does not fit in memory", total);
   dp_cache_hooks_chain_t *c = dp__alloc(bytes);
-  if (!c) return dp__err(err, DP_ENOMEM, "out of memory creating a hooks chain");
+  if (!c)
+    return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: out of memory creating a chain of %zu hooks", total);
   c->cap = total;
   size_t k = 0;
   for (size_t i = 0; i < n; i++) {
