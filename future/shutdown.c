@@ -6,12 +6,22 @@
  * a layer frees may still use the layers under it: the futures' scratch
  * sets, then the default caches (which give their segments back to the
  * backends and wait on streams), then the backends. */
+#include <stdio.h>
+
 #include "devpickle.h"  /* dp_shutdown */
 #include "../cache/internal.h"
 #include "../device/internal.h"
 #include "internal.h"
 
 void dp_shutdown(void) {
+  /* A host function (dp_host_launch) runs on a worker the backend joins
+   * when it stops, after the queued work, this function's included: the
+   * teardown would wait for itself. Refused as dp_stream_free of a host
+   * function's own stream is (device.h). */
+  if (dp__host_fn_stream) {
+    fprintf(stderr, "devpickle: dp_shutdown called from a host function: nothing torn down (device.h)\n");
+    return;
+  }
   dp__future_shutdown();
   dp__cache_shutdown();
   dp__device_shutdown();

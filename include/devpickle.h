@@ -33,7 +33,9 @@ extern "C" {
  *  there, or let those threads exit, first). Afterwards no backend, stream, event
  *  or cache pointer may be used; a later dp_backend_get() starts afresh.
  *  The allocator hook (dp_set_allocator) is left as it is. Not thread-safe:
- *  call it when no other thread uses devpickle. */
+ *  call it when no other thread uses devpickle. From a host function
+ *  (dp_host_launch), whose worker it would join, it does nothing but say
+ *  so on stderr (device.h). */
 DP_API void dp_shutdown(void);
 
 #ifdef __cplusplus

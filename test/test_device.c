@@ -143,6 +143,45 @@ Test(device, freeing_a_stream_from_a_host_function_on_it_frees_nothing_and_says_
   dp_stream_free(s); /* from here: freed */
 }
 
+/* dp_shutdown from a host function would join the worker running it,
+ * after the queued work, its own call included: it hung, and so did every
+ * wait on the stream. It tears nothing down, says so, and the backend
+ * keeps working. */
+static void shutdown_from_host_fn(void *arg) {
+  (void)arg;
+  dp_shutdown();
+}
+
+Test(device, shutting_down_from_a_host_function_tears_nothing_down_and_says_so, .timeout = 30) {
+  dp_backend_t *b = host();
+  dp_stream_t *s = dflt(b, H0);
+  fflush(stderr);
+  FILE *cap = tmpfile();
+  cr_assert_not_null(cap);
+  int saved = dup(2);
+  cr_assert_geq(saved, 0);
+  cr_assert_eq(dup2(fileno(cap), 2), 2);
+  OK(dp_host_launch(s, shutdown_from_host_fn, NULL, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  char line[256] = "";
+  rewind(cap);
+  cr_assert_not_null(fgets(line, sizeof line, cap));
+  fclose(cap);
+  cr_assert_str_eq(line, "devpickle: dp_shutdown called from a host function: nothing torn down (device.h)\n");
+  dp_backend_t *again;
+  OK(dp_backend_get(DP_DEVICE_HOST, &again, T_ERR));
+  cr_assert_eq(again, b, "the backend was not stopped");
+  cell_t cell;
+  atomic_init(&cell.value, 7);
+  atomic_init(&cell.seen, -1);
+  OK(dp_host_launch(s, read_value, &cell, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(atomic_load(&cell.seen), 7, "the stream still runs its work");
+}
+
 Test(device, a_stream_that_waits_on_an_event_sees_the_producers_writes) {
   for (int i = 0; i < 3; i++) cr_assert_eq(consumer_sees(1), 42, "the wait must order the read after the write");
 }

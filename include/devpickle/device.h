@@ -36,7 +36,9 @@
  * belong to the caller. Host work
  * still queued when dp_shutdown() runs completes before it returns; if that
  * work calls dp_backend_get() it gets a new backend, which the next
- * dp_shutdown() stops.
+ * dp_shutdown() stops. dp_shutdown() called from a host function
+ * (dp_host_launch) tears nothing down — it would wait for that very
+ * function — and says so in a line on stderr.
  */
 #ifndef DEVPICKLE_DEVICE_H
 #define DEVPICKLE_DEVICE_H
