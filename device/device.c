@@ -437,12 +437,24 @@ int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_
 
 void dp_stream_free(dp_stream_t *s) {
   if (!s || s->owned != DP__STREAM_CALLER) return;
-  /* From a host function on s itself: freeing would wait for the very
-     function running it and free its worker under it. Nothing is freed, and
-     a line says so (as a transport freed from its own thread does). */
-  if (dp__host_fn_stream && dp__host_fn_stream == s->h) {
-    fprintf(stderr, "devpickle: dp_stream_free called from a host function on that stream: nothing freed (device.h)\n");
-    return;
+  /* From a host function on s itself, or on a stream whose work waits
+     (through event waits) for work queued on the function's own stream
+     after it: freeing waits for s's work and joins its worker, which would
+     wait for the very function running it. Nothing is freed, and a line
+     says so (as a transport freed from its own thread does). The check is
+     dp_stream_synchronize's, which refuses those waits. */
+  if (dp__host_fn_stream) {
+    dp_error_t e;
+    if (dp__host_fn_stream == s->h) {
+      fprintf(stderr, "devpickle: dp_stream_free called from a host function on that stream: nothing freed (device.h)\n");
+      return;
+    }
+    if (dp_stream_synchronize(s, &e) == DP_EMISUSE) {
+      fprintf(stderr,
+              "devpickle: dp_stream_free called from a host function, on a stream that waits for work queued on the "
+              "function's own stream after it: nothing freed (device.h)\n");
+      return;
+    }
   }
   /* A wrapper of s's native handle goes with it: nothing may keep using it. */
   dp_stream_t *w = wrap_forget(s);

@@ -182,6 +182,55 @@ Test(device, shutting_down_from_a_host_function_tears_nothing_down_and_says_so, 
   cr_assert_eq(atomic_load(&cell.seen), 7, "the stream still runs its work");
 }
 
+/* The same from a host function freeing another stream that waits, through
+ * an event recorded after the function on its own stream, for the function
+ * itself: the free waited for that stream's work, which waited for the
+ * function, and hung. It frees nothing, says so, and both streams work on. */
+typedef struct free_other {
+  dp_stream_t *other;
+} free_other_t;
+
+static void free_other_stream(void *arg) { dp_stream_free(((free_other_t *)arg)->other); }
+
+Test(device, freeing_a_stream_that_waits_for_the_calling_host_function_frees_nothing_and_says_so, .timeout = 30) {
+  dp_backend_t *b = host();
+  dp_stream_t *mine, *other;
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  OK(dp_stream_new(b, H1, &other, T_ERR));
+  dp_event_t *ev;
+  OK(dp_event_new(b, H0, &ev, T_ERR));
+  free_other_t fo = {other};
+  fflush(stderr);
+  FILE *cap = tmpfile();
+  cr_assert_not_null(cap);
+  int saved = dup(2);
+  cr_assert_geq(saved, 0);
+  cr_assert_eq(dup2(fileno(cap), 2), 2);
+  OK(dp_host_launch(mine, free_other_stream, &fo, T_ERR));
+  OK(dp_event_record(ev, mine, T_ERR));      /* after the function */
+  OK(dp_stream_wait_event(other, ev, T_ERR)); /* other waits for it */
+  OK(dp_stream_synchronize(mine, T_ERR));
+  OK(dp_stream_synchronize(other, T_ERR));
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  char line[256] = "";
+  rewind(cap);
+  cr_assert_not_null(fgets(line, sizeof line, cap));
+  fclose(cap);
+  cr_assert_str_eq(line, "devpickle: dp_stream_free called from a host function, on a stream that waits for work queued "
+                         "on the function's own stream after it: nothing freed (device.h)\n");
+  cell_t cell;
+  atomic_init(&cell.value, 7);
+  atomic_init(&cell.seen, -1);
+  OK(dp_host_launch(other, read_value, &cell, T_ERR));
+  OK(dp_stream_synchronize(other, T_ERR));
+  cr_assert_eq(atomic_load(&cell.seen), 7, "the stream still runs its work");
+  dp_event_free(ev);
+  dp_stream_free(other);
+  dp_stream_free(mine);
+}
+
 Test(device, a_stream_that_waits_on_an_event_sees_the_producers_writes) {
   for (int i = 0; i < 3; i++) cr_assert_eq(consumer_sees(1), 42, "the wait must order the read after the write");
 }

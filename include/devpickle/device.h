@@ -89,7 +89,11 @@ DP_API dp_device_t dp_backend_device(const dp_backend_t *b, int index);
 DP_API int dp_stream_new(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_error_t *err);
 /** Waits for the stream's work, then destroys it. Streams the backend owns
  *  (default, pool and wrapped streams) are left alone, and so is s when
- *  called from a host function on s itself (dp_host_launch). The calling thread stops
+ *  called from a host function (dp_host_launch) on s itself, or on a
+ *  stream for whose work queued after the function s waits (through
+ *  dp_stream_wait_event or wait_stream, down any chain of such waits): that
+ *  wait would wait for the function itself (a line on stderr says so, and
+ *  s stays usable). The calling thread stops
  *  using s as its current stream (dp_set_current_stream); another thread
  *  that made s current must reset it (dp_reset_current_stream) first. Call
  *  it once per stream from dp_stream_new: s is gone after it, and a second
@@ -255,9 +259,10 @@ typedef void (*dp_host_fn)(void *arg);
  *  waits, through dp_stream_wait_event (or wait_stream) queued there, down
  *  any chain of such waits, for work queued on fn's stream after fn. (A
  *  wait for another host function that itself waits for fn is not seen:
- *  it hangs, as two threads waiting on each other do.) and dp_stream_free of its own stream frees nothing (it would
- *  wait for fn, and free the thread running it): a line on stderr says so,
- *  and the stream stays usable. */
+ *  it hangs, as two threads waiting on each other do.) dp_stream_free of
+ *  its own stream, or of a stream that waits so for fn, frees nothing (it
+ *  would wait for fn, and free the thread running it): a line on stderr
+ *  says so, and the stream stays usable. */
 DP_API int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err);
 /** Caps the memory dp_device_alloc hands out on a host device (0: no cap),
  *  so that out-of-memory paths can be exercised. */
