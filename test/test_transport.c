@@ -2900,6 +2900,48 @@ Test(transport, a_storage_carrying_host_data_is_refused_never_read_at_its_base) 
                   "send the frame itself");
 }
 
+/* dp_transport_free fails the futures of the endpoints still open, and
+ * their callbacks run while it frees: one that connected made an endpoint
+ * after the free had looked for the open ones, which was never closed (its
+ * UCX endpoint outlived the worker, its memory leaked). */
+typedef struct connect_in_free {
+  dp_transport_t *t;
+  char addr[64];
+  int rc;
+  dp_error_t e;
+} connect_in_free_t;
+
+static int connect_when_failed(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs,
+                               dp_error_t *err) {
+  (void)parent, (void)ptrs, (void)err;
+  connect_in_free_t *c = ud;
+  dp_endpoint_t *ep = NULL;
+  dp_error_clear(&c->e);
+  c->rc = dp_endpoint_connect(c->t, c->addr, &ep, &c->e);
+  *result = dp_none();
+  return 0;
+}
+
+Test(transport, a_callback_run_by_the_transports_free_cannot_connect_and_nothing_leaks) {
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
+  connect_in_free_t cf = {t, "", 1, {0}};
+  snprintf(cf.addr, sizeof cf.addr, "127.0.0.1:%d", dp_listener_port(l));
+  dp_future_t *r, *child;
+  OK(dp_endpoint_recv(c, &r, T_ERR));
+  OK(dp_future_then_with_ptrs(r, connect_when_failed, &cf, &child, T_ERR));
+  dp_transport_free(t); /* c, a and l still open: r fails, its callback runs */
+  cur_t = NULL;
+  cr_assert_eq(cf.rc, DP_ECANCELED, "%s: %s", dp_err_name(cf.rc), cf.e.message);
+  cr_assert_str_eq(cf.e.message,
+                   "dp_endpoint_connect: the transport is being freed (dp_transport_free): no endpoint is made");
+  dp_future_release(child);
+  dp_future_release(r);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* A storage's base may be any address (value.h), and a caller's that was
  * never set is NULL: the loop read (or staged from) address 0 and the
  * process died on the progress thread, far from the call. */

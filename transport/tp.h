@@ -386,6 +386,7 @@ struct dp_transport {
   piece_t *orphans;             /* pieces of failed sends whose copies run */
   size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
+  _Atomic int freeing;          /* dp_transport_free has begun: no endpoint may be made any more */
   int64_t hurry;                /* stopping: every close still waiting is forced by then (drain_stopped) */
   int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
   int64_t last_check;           /* timeouts last checked */

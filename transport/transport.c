@@ -668,6 +668,10 @@ void dp_transport_free(dp_transport_t *t) {
                     "(free it after the loop returns; transport.h)\n");
     return;
   }
+  /* From here the callbacks of the futures the closes fail make no new
+     endpoint (dp_endpoint_connect): one made after the scan below was
+     never closed, and UCX's endpoint outlived the worker it was made on */
+  atomic_store(&t->freeing, 1);
   run_cmd(t, CMD_SYNC, NULL, NULL); /* closes queued by callbacks are done first */
   /* the caller's endpoints still open, then listeners (with the
    * connections they accepted that nobody took: their listener closes
@@ -902,6 +906,9 @@ int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t 
   if (!t || !out || !host_port)
     return dp__err(err, DP_EINVAL, "dp_endpoint_connect: %s is NULL", !t ? "t" : !out ? "out" : "host_port");
   if (forked(t, "dp_endpoint_connect", err)) return DP_EINVAL;
+  if (atomic_load(&t->freeing))
+    return dp__err(err, DP_ECANCELED,
+                   "dp_endpoint_connect: the transport is being freed (dp_transport_free): no endpoint is made");
   cmd_t *c = dp__alloc(sizeof *c);
   if (!c) return dp__err(err, DP_ENOMEM, "dp_endpoint_connect: out of memory");
   memset(c, 0, sizeof *c);
