@@ -41,6 +41,8 @@ static _Thread_local dp__current_saved_t *tls_saved;
  * frame's depth is always that frame's own. */
 static _Thread_local dp__current_frame_t *tls_frame;
 static _Thread_local uint32_t tls_mark[TLS_DEVICES];
+/* 1 while the stream provider runs on this thread for that device. */
+static _Thread_local unsigned char tls_asking[TLS_DEVICES];
 
 /* The entry of d, or -1 for a device type that does not exist. */
 static int slot_of(dp_device_t d) {
@@ -587,7 +589,21 @@ int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_er
   }
   dp_stream_provider_cb fn = dp__load_acquire(&provider_fn);
   if (fn) {
+    /* A provider that looks up the current stream of the device it is
+       asked about (here, or through a call that does: dp_cache_alloc with
+       no stream, dp_future_wait) would ask itself again, without end: the
+       stack overflowed. */
+    int i = slot_of(dev);
+    if (tls_asking[i]) {
+      char d[16];
+      return dp__err(err, DP_EMISUSE,
+                     "dp_current_stream(%s): called while the stream provider is asked for that device: it would "
+                     "ask itself again",
+                     dp_device_format(dev, d, sizeof d));
+    }
+    tls_asking[i] = 1;
     dp_stream_t *s = fn(dp__load_acquire(&provider_ud), b, dev);
+    tls_asking[i] = 0;
     if (s) {
       /* Checked here, where the provider can be named: a stream of another
        * device failed later as an event "recorded on a stream of another

@@ -231,6 +231,36 @@ Test(device, freeing_a_stream_that_waits_for_the_calling_host_function_frees_not
   dp_stream_free(mine);
 }
 
+/* A provider that looks up the current stream of the device it is asked
+ * about asked itself again without end, and the stack overflowed. */
+typedef struct asking {
+  int calls, rc;
+  dp_error_t e;
+} asking_t;
+
+static dp_stream_t *provider_asking_itself(void *ud, dp_backend_t *b, dp_device_t dev) {
+  asking_t *a = ud;
+  a->calls++;
+  dp_stream_t *s = NULL;
+  dp_error_clear(&a->e);
+  a->rc = dp_current_stream(b, dev, &s, &a->e);
+  return NULL;
+}
+
+Test(device, a_stream_provider_that_asks_for_its_own_devices_current_stream_is_refused_not_recursed) {
+  dp_backend_t *b = host();
+  asking_t a = {0, 1, {0}};
+  dp_set_stream_provider(provider_asking_itself, &a);
+  dp_stream_t *s;
+  OK(dp_current_stream(b, H1, &s, T_ERR));
+  dp_set_stream_provider(NULL, NULL);
+  cr_assert_eq(s, dflt(b, H1), "the provider gave none: the default stream");
+  cr_assert_eq(a.calls, 1);
+  cr_assert_eq(a.rc, DP_EMISUSE, "%s: %s", dp_err_name(a.rc), a.e.message);
+  cr_assert_str_eq(a.e.message, "dp_current_stream(host:1): called while the stream provider is asked for that "
+                                "device: it would ask itself again");
+}
+
 Test(device, a_stream_that_waits_on_an_event_sees_the_producers_writes) {
   for (int i = 0; i < 3; i++) cr_assert_eq(consumer_sees(1), 42, "the wait must order the read after the write");
 }

@@ -199,7 +199,10 @@ DP_API void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev);
 /** An embedder's source of current streams, asked when a thread has set
  *  none. Return NULL to fall back to the default stream. A stream of
  *  another device or backend than asked is an error of dp_current_stream
- *  (DP_EINVAL naming both devices). */
+ *  (DP_EINVAL naming both devices). While it is asked for a device, a
+ *  lookup of that device's current stream on its thread (dp_current_stream,
+ *  or a call that makes one: dp_cache_alloc with no stream,
+ *  dp_future_wait) would ask it again, without end: it is DP_EMISUSE. */
 typedef dp_stream_t *(*dp_stream_provider_cb)(void *ud, dp_backend_t *b, dp_device_t dev);
 /** Installs a provider for every thread (NULL removes it; dp_shutdown
  *  removes it too). fn and ud are stored one after the other, not as one
