@@ -1136,11 +1136,25 @@ static int with_slots(dpy_scanner_t *s, PyObject *o, PyObject *names, PyObject *
   PyObject *all = *d ? PyDict_Copy(*d) : PyDict_New();
   if (!keep(s, all)) return -1;
   s->ran_code = 1; /* a slot's descriptor, or __getattribute__, is Python code */
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(names); i++) {
-    PyObject *name = PyList_GET_ITEM(names, i), *v = PyObject_GetAttr(o, name);
-    if (!v && !PyErr_ExceptionMatches(PyExc_AttributeError)) return walk_error(s, o, "a slot cannot be read");
+  Py_ssize_t n = PyList_GET_SIZE(names);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    /* held: the read runs Python code (a property __slotnames__ names, a
+       __getattribute__), which may change the class's __slotnames__ list,
+       freeing the name */
+    PyObject *name = Py_NewRef(PyList_GET_ITEM(names, i)), *v = PyObject_GetAttr(o, name);
+    if (!v && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      Py_DECREF(name);
+      return walk_error(s, o, "a slot cannot be read");
+    }
     PyErr_Clear(); /* a slot never set */
+    if (PyList_GET_SIZE(names) != n) { /* as object.__getstate__ refuses it: an endless list, or items skipped */
+      Py_DECREF(name);
+      Py_XDECREF(v);
+      PyErr_SetString(PyExc_RuntimeError, "__slotnames__ changed size during the walk");
+      return walk_error(s, o, "its __slots__ cannot be read");
+    }
     int rc = v ? PyDict_SetItem(all, name, v) : 0;
+    Py_DECREF(name);
     Py_XDECREF(v);
     if (rc) return -1;
   }

@@ -2347,6 +2347,51 @@ def test_an_interrupt_raised_by_a_reduce_errors_str_passes_through():
         devpickle.scan([Refuses()])
 
 
+SLOTNAMES_CHANGED = r"""
+import torch, devpickle
+class Name(str):  # a name only the class's __slotnames__ holds
+    pass
+def make(base, change):
+    class C(base):
+        __slots__ = ("s",)
+        @property
+        def extra(self):
+            change(type(self).__slotnames__)
+            return torch.ones(2)
+    C.__slotnames__ = [Name("extra"), Name("s")]  # copyreg._slotnames returns it as it is
+    return C
+for base, make_one in [(devpickle.Future, lambda C: C()), (bytearray, lambda C: C(b"ab")),
+                       (torch.Tensor, lambda C: torch.Tensor._make_subclass(C, torch.zeros(3)))]:
+    for change in [list.clear, lambda names: names.append(Name("s")), lambda names: names.pop()]:
+        o = make_one(make(base, change))
+        o.s = torch.zeros(4)
+        try:
+            devpickle.scan([o])
+        except devpickle.WalkError as e:
+            assert "its __slots__ cannot be read: __slotnames__ changed size during the walk" in str(e), e
+        else:
+            raise AssertionError(f"the walk of a {base.__name__} went on")
+    def rename(names):  # the same size: the name read is freed
+        names[0] = Name("other")
+    o = make_one(make(base, rename))
+    if base is not torch.Tensor:  # dumps refuses a tensor with attributes
+        assert [a.path for a in devpickle.scan([o])][-1] == "$[0].extra"
+print("ok")
+"""
+
+
+def test_a_class_whose_slot_read_changes_its_slotnames_is_refused_as_object_getstate_refuses_it():
+    # A future's, a bytearray's or a tensor's slots are read by the names
+    # copyreg._slotnames gives, the class's own __slotnames__ list: a read
+    # (a property it names) that changed that list freed the name being
+    # read (a use after free), and one that grew it was read without end.
+    # As object.__getstate__ does ("__slotnames__ changed size during
+    # iteration"), a change in its size is a WalkError; the name read is
+    # held. (A subprocess: the old code crashed.)
+    r = subprocess.run([sys.executable, "-c", SLOTNAMES_CHANGED], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
 def test_a_tensor_whose_class_code_replaces_its_dict_while_its_slots_are_read_never_walks_a_freed_dict():
     # A tensor subclass with __slots__: the walk asks copyreg._slotnames for
     # them, which reads cls.__dict__ through the metaclass. Its
