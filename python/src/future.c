@@ -118,16 +118,18 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
                  Py_TYPE(devices)->tp_name);
     return -1;
   }
-  /* a sequence, as documented: PySequence_Fast alone would drain a
+  /* a sequence, as documented: PySequence_Tuple alone would drain a
    * generator or take a set's arbitrary order */
   if (!PySequence_Check(devices)) {
     PyErr_Format(PyExc_TypeError, "devices must be a list of devices, not a '%s' (devices=[\"cuda:0\"])",
                  Py_TYPE(devices)->tp_name);
     return -1;
   }
-  PyObject *seq = PySequence_Fast(devices, "devices must be a list of devices");
+  /* a copy, read once: an item's __str__ or __index__ is Python code, which
+   * may empty the list it came from, freeing the items after it */
+  PyObject *seq = PySequence_Tuple(devices);
   if (!seq) return -1;
-  Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+  Py_ssize_t k = PyTuple_GET_SIZE(seq);
   dp_device_t *d = PyMem_Calloc((size_t)k + 1, sizeof *d);
   if (!d) {
     Py_DECREF(seq);
@@ -136,7 +138,7 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
   }
   Py_ssize_t kept = 0; /* distinct devices, in d[0 .. kept) */
   for (Py_ssize_t i = 0; i < k; i++) {
-    PyObject *x = PySequence_Fast_GET_ITEM(seq, i);
+    PyObject *x = PyTuple_GET_ITEM(seq, i);
     /* an int, or a numpy integer, is a CUDA index; a bool is not an int
      * here (torch's reading): it is read by its str(), as any other item */
     int npint = is_numpy_integer(x);

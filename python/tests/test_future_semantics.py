@@ -27,6 +27,7 @@ import faulthandler
 import gc
 import pickle
 import re
+import subprocess
 import sys
 import threading
 import typing
@@ -357,6 +358,34 @@ def test_a_bool_among_devices_is_read_by_its_str_not_as_a_cuda_index():
     # as its str()": True is 'True', never 'cuda:True' (nor cuda:1)
     with pytest.raises(ValueError, match="'True' is not a device"):
         devpickle.Future(devices=[True])
+
+
+DEVICES_EMPTIED = r"""
+import devpickle
+devices = []
+class Emptying:
+    def __str__(self):
+        devices.clear()  # frees the items after this one
+        return "cpu"
+class Replacing:
+    def __str__(self):
+        devices[1] = "".join(["host", ":0"])  # a new str: frees the item after this one
+        return "cpu"
+devices[:] = [Emptying()] + ["cpu", "host:0"] * 1000
+devpickle.Future(devices=devices)
+assert devices == [], devices
+devices[:] = [Replacing(), "".join(["host", ":0"])]
+devpickle.Future(devices=devices)  # read by __new__, then by __init__: each reads the list as it is then
+print("ok")
+"""
+
+
+def test_devices_are_read_as_they_were_given_whatever_an_items_str_does_to_the_list():
+    # An item's __str__ is Python code: one that emptied the devices list
+    # made the parse read the items after it past the list's end (a crash);
+    # the sequence is copied first, so the devices given are the ones read.
+    r = subprocess.run([sys.executable, "-c", DEVICES_EMPTIED], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
 
 
 @pytest.mark.parametrize("name", ["cuda", "cuda:256", "gpu:0", "host:-1"])
