@@ -16,6 +16,23 @@ from ._devpickle import _format_holds_objects as _holds_objects, _hash_work, sca
 from ._object import Object
 
 
+def _nd(a, name):
+    """numpy.ndarray's own attribute `name` of array a (base, dtype, size,
+    nbytes, itemsize, flags, __array_interface__), never what a subclass
+    defines under that name: a subclass's property could name any address,
+    which a view made by its word would read."""
+    return sys.modules["numpy"].ndarray.__dict__[name].__get__(a)
+
+
+def _storage_of(torch, t):
+    """The untyped storage of tensor t, read by torch's C method with
+    __torch_function__ off: a subclass's untyped_storage() (or its
+    __torch_function__) could answer with a storage naming other memory."""
+    base = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
+    with torch._C.DisableTorchFunction():
+        return base.untyped_storage(t) if hasattr(base, "untyped_storage") else base._storage(t)
+
+
 class Buffer:
     """One out-of-band buffer of a frame, as dumps() hands it to
     buffer_callback, in the frame's table order.
@@ -48,7 +65,7 @@ class Buffer:
                 # buffer is at address 0 wherever the storage points
                 # (torch.from_numpy(a[10:]) points at a's memory)
                 return torch.empty(0, dtype=torch.uint8, device=o.device)
-            s = o.untyped_storage() if hasattr(o, "untyped_storage") else o.storage()._storage
+            s = _storage_of(torch, o)
             if s.data_ptr() != self.ptr or s.nbytes() < self.nbytes:
                 # resized since (by a callback): other memory, another size;
                 # or nbytes set to name more than the storage holds
@@ -78,14 +95,15 @@ class Buffer:
         # read-only when the memory's owner is (bytes, a read-only array)
         owner = o
         while isinstance(owner, np.ndarray):
-            if owner.dtype.hasobject:
+            if _nd(owner, "dtype").hasobject:
                 raise self._objects()
             # every array on the way still in [ptr, ptr + nbytes): one resized
             # since (a.resize(..., refcheck=False) from a callback) freed it
-            at = owner.__array_interface__["data"][0]
-            if owner.size and not self.ptr <= at < self.ptr + self.nbytes:
+            at = _nd(owner, "__array_interface__")["data"][0]
+            if _nd(owner, "size") and not self.ptr <= at < self.ptr + self.nbytes:
                 raise self._moved()
-            if owner.base is None:
+            base = _nd(owner, "base")
+            if base is None:
                 # the array that owns the memory must still hold all of it: a
                 # resize to fewer bytes keeps its address (realloc shrinks in
                 # place) and frees the rest, which a view of nbytes would read
@@ -93,22 +111,22 @@ class Buffer:
                 if not lo <= self.ptr <= self.ptr + self.nbytes <= hi:
                     raise self._moved()
                 break
-            if not isinstance(owner.base, np.ndarray) and not (torch is not None and isinstance(owner.base, torch.Tensor)):
+            if not isinstance(base, np.ndarray) and not (torch is not None and isinstance(base, torch.Tensor)):
                 # memory of another owner (bytes, a bytearray, a memoryview,
                 # an mmap): dumps took the buffer from that owner's extent,
                 # which the walk finds again; ptr and nbytes must lie in it
                 # (a Buffer's fields can be set: never a view past it)
-                if _format_holds_objects(owner.base):  # np.frombuffer(memoryview(an object array))
+                if _format_holds_objects(base):  # np.frombuffer(memoryview(an object array))
                     raise self._objects()
                 found = _scan(o, paths=False)
                 if not found or not found[0].ptr <= self.ptr <= self.ptr + self.nbytes <= found[0].ptr + found[0].nbytes:
                     raise self._moved()
                 break
-            owner = owner.base
+            owner = base
         if torch is not None and isinstance(owner, torch.Tensor):
             # an array over a tensor (t.numpy()): the tensor's storage, where
             # dumps found the memory, must still hold it (t.resize_() moves it)
-            s = owner.untyped_storage() if hasattr(owner, "untyped_storage") else owner.storage()._storage
+            s = _storage_of(torch, owner)
             if not s.data_ptr() <= self.ptr <= self.ptr + self.nbytes <= s.data_ptr() + s.nbytes():
                 raise self._moved()
         if _format_holds_objects(owner):
@@ -117,7 +135,7 @@ class Buffer:
             with memoryview(owner) as m:
                 readonly = m.readonly
         except TypeError:
-            readonly = isinstance(o, np.ndarray) and not o.flags.writeable
+            readonly = isinstance(o, np.ndarray) and not _nd(o, "flags").writeable
         return np.asarray(_Memory(self.ptr, self.nbytes, readonly, o))
 
     def _objects(self):
@@ -152,9 +170,9 @@ def _over_objects(x):
     np = sys.modules.get("numpy")
     for _ in range(64):  # numpy and memoryview chains are short; a longer one is not followed
         if np is not None and isinstance(x, np.ndarray):
-            if x.dtype.hasobject:
+            if _nd(x, "dtype").hasobject:
                 return True
-            x = x.base
+            x = _nd(x, "base")
         elif isinstance(x, memoryview):
             x = x.obj
         else:
@@ -166,19 +184,19 @@ def _over_objects(x):
 
 def _array_bounds(a):
     """[lo, hi): the bytes numpy array a addresses now (empty: (0, 0))."""
-    ai = a.__array_interface__
-    if a.size == 0:
+    ai = _nd(a, "__array_interface__")
+    if _nd(a, "size") == 0:
         return 0, 0
     lo = hi = ai["data"][0]
     strides = ai["strides"]
     if strides is None:
-        return lo, lo + a.nbytes
+        return lo, lo + _nd(a, "nbytes")
     for n, st in zip(ai["shape"], strides):
         if st < 0:
             lo += (n - 1) * st
         else:
             hi += (n - 1) * st
-    return lo, hi + a.itemsize
+    return lo, hi + _nd(a, "itemsize")
 
 
 class _Memory:

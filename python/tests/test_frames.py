@@ -383,6 +383,74 @@ def test_raw_of_a_buffer_made_by_hand_without_its_array_is_refused_never_a_view_
         devpickle.Buffer("cpu", 16, 4096, a).raw()
 
 
+RAW_OF_LYING_SUBCLASSES = r"""
+import numpy as np, torch, devpickle
+HUGE = 1 << 40
+class Lying(np.ndarray):  # numpy's fields, as a subclass may define them
+    @property
+    def __array_interface__(self):
+        return {"data": (16, False), "shape": (HUGE,), "strides": None, "typestr": "|u1", "version": 3}
+    base = None
+    size = nbytes = HUGE
+b = devpickle.Buffer("cpu", 16, HUGE, np.zeros(4).view(Lying))
+try:
+    b.raw()
+except ValueError as e:
+    assert "its memory moved since dumps found it" in str(e), e
+else:
+    raise AssertionError("raw() viewed what a numpy subclass's properties named")
+class FakeStorage:
+    def __init__(self, ptr):
+        self.ptr = ptr
+        self._storage = self
+    def data_ptr(self):
+        return self.ptr
+    def nbytes(self):
+        return HUGE
+class LyingTensor(torch.Tensor):
+    def untyped_storage(self):
+        return FakeStorage(torch.Tensor.data_ptr(self))
+    storage = untyped_storage
+    @property
+    def __array_interface__(self):  # numpy makes an array over it whose base is the tensor itself
+        return {"data": (torch.Tensor.data_ptr(self), False), "shape": (4,), "typestr": "|u1", "version": 3}
+t = torch.zeros(4, dtype=torch.uint8).as_subclass(LyingTensor)
+a = np.asarray(t)
+assert a.base is t
+for obj in (t, a):
+    try:
+        devpickle.Buffer("cpu", a.__array_interface__["data"][0], HUGE, obj).raw()
+    except ValueError as e:
+        assert "its memory moved since dumps found it" in str(e), e
+    else:
+        raise AssertionError(f"raw() of a {type(obj).__name__} viewed what a tensor subclass's storage named")
+print("ok")
+"""
+
+
+def test_raw_reads_numpy_and_torch_fields_as_the_libraries_define_them_never_a_subclass_s_word():
+    # raw() bounded the view by what it read of the buffer's array and its
+    # bases — __array_interface__, base, size, a tensor's storage — read as
+    # attributes, which a subclass of numpy.ndarray or torch.Tensor defines
+    # as it likes: a Buffer made by hand over such an array viewed any
+    # address (a crash once read). They are read through numpy's and torch's
+    # own descriptors now. (A subprocess: the old code crashed.)
+    r = subprocess.run([sys.executable, "-c", RAW_OF_LYING_SUBCLASSES], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+def test_a_buffer_given_to_loads_is_seen_over_python_objects_whatever_its_subclass_says_its_base_is():
+    class Lying(np.ndarray):
+        base = None
+        dtype = np.dtype(np.uint8)
+    got = []
+    frame = devpickle.dumps(torch.zeros(2, dtype=torch.int64), buffer_callback=got.append)
+    objects = np.array([object(), "x"], dtype=object)
+    for b in (np.frombuffer(memoryview(objects), np.uint8).view(Lying), objects.view(Lying)):
+        with pytest.raises(TypeError, match=r"^loads: buffers\[0\] (is a view over memory that )?holds Python objects"):
+            devpickle.loads(frame, buffers=[b])
+
+
 def test_raw_of_a_tensor_buffer_whose_nbytes_was_set_past_its_storage_is_the_value_error_and_gives_exactly_nbytes():
     # raw() of a torch buffer viewed the tensor's whole storage whatever
     # nbytes said: set larger it raised nothing (PYTHON.md: a ValueError),
