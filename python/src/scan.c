@@ -1239,7 +1239,10 @@ static int own_class_reduce(PyTypeObject *t) {
 static int own_tensor_reduce(PyObject *o) {
   PyObject **dp = _PyObject_GetDictPtr(o);
   if (dp && *dp && PyDict_Check(*dp)) {
-    if (PyDict_GetItemWithError(*dp, dpy.str_reduce_ex)) return 1;
+    PyObject *d = Py_NewRef(*dp); /* held: a key's __eq__ may replace it, freeing it under the lookup */
+    int found = PyDict_GetItemWithError(d, dpy.str_reduce_ex) != NULL;
+    Py_DECREF(d);
+    if (found) return 1;
     if (PyErr_Occurred()) return -1;
   }
   return own_class_reduce(Py_TYPE(o));

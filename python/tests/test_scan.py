@@ -1977,6 +1977,35 @@ def test_an_instance_interface_read_by_code_that_replaces_the_instance_dict_is_w
         assert box == []
 
 
+def test_a_tensor_whose_dict_a_keys_eq_replaces_is_looked_up_in_its_own_dict_not_in_freed_memory():
+    # Whether a tensor has a __reduce_ex__ of its own is looked up in its
+    # __dict__, which the lookup compares with a key of the same hash: a str
+    # subclass whose __eq__ replaced the tensor's __dict__ freed the dict
+    # under the lookup, which then read the dict made next in its memory —
+    # here one holding __reduce_ex__, so the tensor was reduced (refs 2).
+    victims, made = [], []
+
+    class Evil(str):
+        def __hash__(self):
+            return hash("__reduce_ex__")
+
+        def __eq__(self, other):
+            while victims:
+                victims.pop().__dict__ = {}  # frees the dict being looked in
+                made.append({"__reduce_ex__": 1, "b": 2})  # made in its memory (the dicts' free list)
+            return False
+
+        __ne__ = object.__ne__
+
+    for _ in range(10):
+        t = torch.ones(3)
+        t.__dict__[Evil("x")] = 1
+        victims.append(t)
+        found = devpickle.scan([t])
+        assert [(a.path, a.refs) for a in found] == [("$[0]", 1)]  # its memory; no reduce of its own
+        assert victims == [] and t.__dict__ == {}
+
+
 def test_an_array_interface_without_the_buffer_protocol_is_the_cpu_memory_it_describes():
     # np.asarray(x) makes an array over the memory x's class's
     # __array_interface__ names: that memory is x's, reported at x's path,
