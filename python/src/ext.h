@@ -77,6 +77,10 @@ const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i);
  * back), and the first Python object found on allocation i. */
 dp_value_t dpy_scanner_root(const dpy_scanner_t *s);
 PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i);
+/* After a build: the WalkError, at the root (obj) and with the exception now
+ * set as its cause, for a value the frame cannot carry as built (dp_pickle
+ * refused it: nested deeper than a frame may be). Returns -1. */
+int dpy_scanner_root_error(dpy_scanner_t *s, PyObject *obj, const char *what);
 /* After a build: whether the memory the frame will read at (device, base)
  * is still where, and as large as, the walk found it (Python code run
  * since may have resized it). 0, or -1 with a WalkError. */

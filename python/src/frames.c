@@ -102,8 +102,17 @@ PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw) {
   if (!rc) rc = dp_pickle(dpy_scanner_root(s), &po, frame, &e);
   if (rc) {
     if (PyErr_Occurred()) goto done; /* read_memory's WalkError */
-    if (rc == DP_ENOMEM) PyErr_NoMemory();
-    else PyErr_SetString(PyExc_ValueError, e.message);
+    if (rc == DP_ENOMEM) {
+      PyErr_NoMemory();
+      goto done;
+    }
+    /* a value the frame cannot carry as built — nested deeper than a frame
+       may be (a reduced object is several of a frame's levels: the object,
+       its <dictitems> list, each pair): a WalkError, as a walk's too deep
+       is, at the root, the message naming the frame's path where the limit
+       was passed */
+    PyErr_SetString(rc == DP_ELIMIT ? PyExc_RecursionError : PyExc_ValueError, e.message);
+    dpy_scanner_root_error(s, obj, "it cannot be carried in a frame");
     goto done;
   }
   size_t len;

@@ -3237,6 +3237,13 @@ dp_value_t dpy_scanner_root(const dpy_scanner_t *s) { return s->root; }
 
 PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i) { return i < s->stor_cap ? s->stor_obj[i] : NULL; }
 
+int dpy_scanner_root_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
+  s->error_path = "$";
+  int rc = walk_error(s, obj, what);
+  s->error_path = NULL;
+  return rc;
+}
+
 /* The walk error for o, found first at allocation i's path, that changed
  * under the walk (reported once the walk is over: its own path then). */
 static int changed(dpy_scanner_t *s, PyObject *o, size_t i) {

@@ -451,6 +451,25 @@ def test_a_buffer_given_to_loads_is_seen_over_python_objects_whatever_its_subcla
             devpickle.loads(frame, buffers=[b])
 
 
+def test_a_value_nested_deeper_than_a_frame_may_be_is_a_walk_error_though_its_walk_is_not_too_deep():
+    # A reduced object is three of a frame's levels (the object, its
+    # <dictitems> list, each pair) but two of the walk's: 90,000 nested
+    # OrderedDicts pass the walk's 262,144 levels and not the frame's, which
+    # dumps refused with a plain ValueError. It is the WalkError that a
+    # value nested too deep is, at the root, naming the frame's path.
+    od = collections.OrderedDict()
+    for _ in range(90_000):
+        od = collections.OrderedDict(a=od)
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.dumps(od)
+    assert e.value.type_name == "collections.OrderedDict" and e.value.path == "$"
+    assert str(e.value).startswith("cannot walk a 'collections.OrderedDict' at $: it cannot be carried in a frame: "
+                                   'nesting deeper than 262144 levels at $["<dictitems>"][0][1]["<dictitems>"]')
+    assert isinstance(e.value.__cause__, RecursionError)
+    assert len(devpickle.scan(od)) == 0  # the walk itself is not too deep
+    od = None
+
+
 def test_raw_of_a_tensor_buffer_whose_nbytes_was_set_past_its_storage_is_the_value_error_and_gives_exactly_nbytes():
     # raw() of a torch buffer viewed the tensor's whole storage whatever
     # nbytes said: set larger it raised nothing (PYTHON.md: a ValueError),
