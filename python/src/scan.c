@@ -340,6 +340,8 @@ struct dpy_scanner {
   dp_ptrset_t *own;
   dp_ptrset_t *memo;     /* objects entered, by address (each also in keep: see seen_at) */
   PyObject *keep;        /* a list: what the walk created or entered, alive until it ends */
+  PyObject *reprs;       /* key_text: the items of tuple and frozenset keys shown, by identity: id -> (item, text,
+                            cut) */
   frame_t *frames;
   size_t nframes, cap;
   /* first paths: offsets into text, one per allocation */
@@ -433,6 +435,7 @@ void dpy_scanner_put(dpy_scanner_t *s) {
   s->build = 0;
   while (s->nframes) frame_drop(&s->frames[--s->nframes]);
   Py_CLEAR(s->keep);
+  Py_CLEAR(s->reprs);
   s->found = s->own;
   s->next_free = free_scanners;
   free_scanners = s;
@@ -499,14 +502,90 @@ static size_t put_name(PyObject *str, char *out) {
   return n;
 }
 
+/* The characters of a key's repr that key_text makes at least, when it
+ * makes less than all of it: more than a step shows (DP_PATH_NAME_MAX
+ * bytes, a character at most 4 of them), so the step is the one the whole
+ * repr gives. */
+#define KEY_TEXT_CHARS (DP_PATH_NAME_MAX + 16)
+
+static PyObject *key_text(dpy_scanner_t *s, PyObject *o, int *cut, int depth);
+
+/* The text of item o of a tuple or frozenset key (key_text), made once per
+ * object in a walk: many keys that share one large item — (i, T) over one
+ * 100,000-item T — cost its repr once, not once a key. A new reference, or
+ * NULL with an exception. */
+static PyObject *item_text(dpy_scanner_t *s, PyObject *o, int *cut, int depth) {
+  if (!s->reprs && !(s->reprs = PyDict_New())) return NULL;
+  PyObject *id = PyLong_FromVoidPtr(o);
+  if (!id) return NULL;
+  PyObject *hit = PyDict_GetItemWithError(s->reprs, id); /* int keys: no code runs */
+  if (hit) {
+    Py_DECREF(id);
+    *cut = PyTuple_GET_ITEM(hit, 2) == Py_True;
+    return Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+  }
+  PyObject *t = PyErr_Occurred() ? NULL : key_text(s, o, cut, depth);
+  if (t && *cut == 0 && PyUnicode_GET_LENGTH(t) > KEY_TEXT_CHARS) { /* kept short: what a step can show */
+    Py_SETREF(t, PyUnicode_Substring(t, 0, KEY_TEXT_CHARS));
+    *cut = 1;
+  }
+  PyObject *ent = t ? PyTuple_Pack(3, o, t, *cut ? Py_True : Py_False) : NULL; /* o held: its id stays its own */
+  int rc = ent ? PyDict_SetItem(s->reprs, id, ent) : -1;
+  Py_DECREF(id);
+  Py_XDECREF(ent);
+  if (rc) Py_CLEAR(t);
+  return t;
+}
+
+/* repr(o) — or, *cut set, a prefix of it of at least KEY_TEXT_CHARS
+ * characters: an exact tuple's or frozenset's is made of its items' texts
+ * (item_text) as repr makes it, up to that length, so that a key's step
+ * costs what it shows, not the key's size. A new reference, or NULL with
+ * an exception (repr's: the step then names the type). */
+static PyObject *key_text(dpy_scanner_t *s, PyObject *o, int *cut, int depth) {
+  *cut = 0;
+  int tuple = PyTuple_CheckExact(o), fset = PyFrozenSet_CheckExact(o);
+  if ((!tuple && !fset) || depth > KEY_TEXT_CHARS) return PyObject_Repr(o); /* deeper: its "(" alone fill it */
+  if (fset && PySet_GET_SIZE(o) == 0) return PyUnicode_FromString("frozenset()");
+  PyObject *parts = PyList_New(0), *sep = PyUnicode_FromString(", "), *it = PyObject_GetIter(o), *x;
+  PyObject *open = PyUnicode_FromString(tuple ? "(" : "frozenset({"), *r = NULL;
+  Py_ssize_t len = PyUnicode_GET_LENGTH(open ? open : sep), n = 0;
+  int ok = parts && sep && it && open && !PyList_Append(parts, open);
+  while (ok && !*cut && len < KEY_TEXT_CHARS && (x = PyIter_Next(it))) {
+    PyObject *t = item_text(s, x, cut, depth + 1);
+    Py_DECREF(x);
+    ok = t && (!n++ || !PyList_Append(parts, sep)) && !PyList_Append(parts, t);
+    if (t) len += PyUnicode_GET_LENGTH(t) + 2;
+    Py_XDECREF(t);
+  }
+  if (ok && PyErr_Occurred()) ok = 0;
+  if (ok && len >= KEY_TEXT_CHARS) *cut = 1; /* a prefix: the rest is not looked at */
+  if (ok && !*cut) {
+    PyObject *close = PyUnicode_FromString(tuple ? n == 1 ? ",)" : ")" : "})");
+    ok = close && !PyList_Append(parts, close);
+    Py_XDECREF(close);
+  }
+  if (ok) {
+    PyObject *empty = PyUnicode_FromString("");
+    r = empty ? PyUnicode_Join(empty, parts) : NULL;
+    Py_XDECREF(empty);
+  }
+  Py_XDECREF(parts);
+  Py_XDECREF(sep);
+  Py_XDECREF(it);
+  Py_XDECREF(open);
+  return r;
+}
+
 /* A key that is not a str: [null], [true], [false], else [repr] (repr
  * escapes already: only control characters are escaped again). */
-static size_t put_key(PyObject *key, char *out) {
+static size_t put_key(dpy_scanner_t *sc, PyObject *key, char *out) {
   if (PyUnicode_CheckExact(key)) return put_name(key, out);
   if (key == Py_None) return memcpy(out, "[null]", 6), 6;
   if (key == Py_True) return memcpy(out, "[true]", 6), 6;
   if (key == Py_False) return memcpy(out, "[false]", 7), 7;
-  PyObject *r = PyObject_Repr(key);
+  int cut;
+  PyObject *r = key_text(sc, key, &cut, 0);
   dp__sbuf_t b = {out, 0, DP__STEP_MAX, 0};
   if (!r) {
     /* its type's name instead, cut and escaped as in <reduce T>: a name
@@ -583,12 +662,12 @@ struct keystep {
   char text[DP__STEP_MAX];
 };
 
-static int put_key_once(frame_t *f, char *out, size_t *n) {
+static int put_key_once(dpy_scanner_t *s, frame_t *f, char *out, size_t *n) {
   struct keystep *k = f->ks;
   if (!k && !(k = f->ks = PyMem_Calloc(1, sizeof *k))) return -1;
   if (k->key != f->label) {
     Py_CLEAR(k->key);
-    k->n = put_key(f->label, k->text);
+    k->n = put_key(s, f->label, k->text);
     k->key = Py_NewRef(f->label);
   }
   memcpy(out, k->text, k->n);
@@ -639,7 +718,7 @@ static size_t put_step(void *ctx, size_t i, char *out) {
   default:
     return 0;
   }
-  if (put_key_once(f, out, &n)) c->failed = 1;
+  if (put_key_once(c->s, f, out, &n)) c->failed = 1;
   return n;
 }
 

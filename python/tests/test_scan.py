@@ -591,6 +591,40 @@ def test_keys_that_are_not_str_show_in_paths_as_json_words_reprs_or_the_key_itse
         "$[null]", "$[true]", "$[false]", "$[3]", "$[(1, 'x')]", "$[b'ab']", "$<key 6>[0]", '$["k y"]']
 
 
+def test_keys_sharing_a_large_item_cost_what_their_paths_show_not_the_item_once_a_key():
+    # A tuple key's step was its whole repr, cut to 64 bytes: keys (i, T)
+    # sharing one 100,000-item T each cost T's repr (400 keys: 1.7 s,
+    # 10,000: 40 s), and an item's __repr__ ran once a key. A tuple's and a
+    # frozenset's step is made of its items' reprs up to what it shows, each
+    # item's once a walk; the step is the one the whole repr gives.
+    calls = []
+
+    class Shown:
+        def __repr__(self):
+            calls.append(1)
+            return "Shown()"
+
+    def step(k):  # the whole repr, cut to 64 bytes and escaped
+        text = repr(k)
+        cut = len(text.encode()) > 64
+        text = text[:64]
+        while len(text.encode()) > 64:
+            text = text[:-1]
+        return "$[" + text.replace("\n", "\\u000a") + ("\u2026" if cut else "") + "]"
+
+    shown, big = Shown(), tuple(range(20_000))
+    value = {(i, shown, big): np.zeros(1) for i in range(400)}
+    paths = [a.path for a in devpickle.scan(value)]
+    assert len(calls) == 1
+    assert paths == [step(k) for k in value]
+    z = np.zeros(1)
+    keys = [(1, "x"), (1,), (), frozenset(), frozenset([3]), ((1, 2), (3,)), (1, "a" * 100), tuple(range(30)),
+            (frozenset([(1, 2)]), None, 1.5, b"x\n", 2j), ("\u20ac" * 70,), (((((((((),),),),),),),),), ("'", '"'),
+            (frozenset([frozenset([b"q" * 80])]),)]
+    for k in keys:
+        assert [a.path for a in devpickle.scan({k: z})] == [step(k)], k
+
+
 def test_long_keys_are_cut_in_paths():
     got = devpickle.scan({"k" * 1000: torch.ones(1)})
     assert got[0].path == "$." + "k" * 64 + "\u2026"
