@@ -2012,7 +2012,11 @@ static PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
   s->ran_code = 1;
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
   if (fn) {
+    /* held, as pickle holds it: the call may remove it from the table,
+       freeing it (a bound dict.get, and its dict) under its own call */
+    Py_INCREF(fn);
     r = PyObject_CallOneArg(fn, o);
+    Py_DECREF(fn);
   } else {
     if (PyErr_Occurred()) return dispatch_error(s, o), NULL;
     r = reduce_ex_5(o);

@@ -931,6 +931,41 @@ class NTReduced(collections.namedtuple("NTReduced", "a")):
 NTDispatched = collections.namedtuple("NTDispatched", "a")
 
 
+def test_a_dispatch_table_entry_that_removes_itself_is_held_while_it_runs_as_pickle_holds_it():
+    # copyreg.dispatch_table's function for a class was called as the table
+    # held it: one that removed itself — here a bound dict.get, whose key's
+    # __eq__ deletes the entry — freed itself and its dict under its own
+    # call, which went on in whatever dict was made next in that memory (a
+    # reduce out of nowhere). Held, it answers as pickle has it answer: None.
+    made, t = [], torch.ones(3)
+
+    class Key:
+        def __hash__(self):
+            return 12345
+
+        def __eq__(self, other):
+            if Reduced in copyreg.dispatch_table:
+                del copyreg.dispatch_table[Reduced]  # the last reference to the bound get, and its dict
+                made.append({other: (list, ([t],))})  # made in the freed dict's memory
+            return False
+
+    class Reduced:
+        def __hash__(self):
+            return 12345
+
+        def __eq__(self, other):
+            return self is other
+
+    for walk in (devpickle.scan, devpickle.dumps):
+        copyreg.dispatch_table[Reduced] = {Key(): (list, ())}.get
+        try:
+            with pytest.raises(devpickle.WalkError, match="its reduce is malformed: __reduce_ex__ must return a string "
+                                                          "or a tuple of 2 to 6 items"):
+                walk([Reduced()])
+        finally:
+            copyreg.dispatch_table.pop(Reduced, None)
+
+
 def test_a_namedtuple_with_its_own_reduce_or_a_dispatch_entry_is_walked_through_it():
     import copyreg
 
