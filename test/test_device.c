@@ -206,9 +206,14 @@ Test(device, freeing_a_stream_that_waits_for_the_calling_host_function_frees_not
   int saved = dup(2);
   cr_assert_geq(saved, 0);
   cr_assert_eq(dup2(fileno(cap), 2), 2);
+  /* The function runs only once other waits: run before, it would free
+     other under the test's next calls. */
+  _Atomic int queued = 0;
+  OK(dp_host_launch(mine, hold_at_gate, &queued, T_ERR));
   OK(dp_host_launch(mine, free_other_stream, &fo, T_ERR));
   OK(dp_event_record(ev, mine, T_ERR));      /* after the function */
   OK(dp_stream_wait_event(other, ev, T_ERR)); /* other waits for it */
+  atomic_store(&queued, 1);
   OK(dp_stream_synchronize(mine, T_ERR));
   OK(dp_stream_synchronize(other, T_ERR));
   fflush(stderr);
