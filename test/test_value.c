@@ -1425,6 +1425,38 @@ Test(value, a_threads_first_trial_comes_with_its_257th_candidate_not_before) {
   ASSERT_NO_LEAK();
 }
 
+/* A container held once is freed by its release on the spot, without
+ * becoming a candidate: a full buffer is not tried for it. */
+static void *fill_buffer_then_release_a_sole_holder(void *p) {
+  uint64_t *walked = p;
+  dp_value_t l[256], sole = t_list(), c;
+  for (int i = 0; i < 256; i++) {
+    l[i] = t_list();
+    dp_list_append(l[i], dp_value_retain(l[i]), NULL);
+  }
+  dp_custom_new(&counted_type, NULL, &c, NULL);
+  dp_list_append(sole, c, NULL);
+  dp__gc_items_walked = 0;
+  for (int i = 0; i < 256; i++) dp_value_release(l[i]);
+  dp_value_release(sole);
+  walked[0] = dp__gc_items_walked;
+  walked[1] = (uint64_t)destroyed;
+  return NULL;  /* its exit tries the 256 */
+}
+
+Test(value, releasing_the_only_reference_to_a_container_frees_it_without_trying_a_full_buffer) {
+  uint64_t walked[2] = {99, 99};
+  destroyed = 0;
+  pthread_t th;
+  pthread_create(&th, NULL, fill_buffer_then_release_a_sole_holder, walked);
+  pthread_join(th, NULL);
+  cr_assert_eq(walked[1], 1, "the list held once was not freed by its release (its custom destroyed %llu times)",
+               (unsigned long long)walked[1]);
+  cr_assert_eq(walked[0], 0, "releasing a list held once tried the full buffer (%llu items walked)",
+               (unsigned long long)walked[0]);
+  ASSERT_NO_LEAK();
+}
+
 /* ---- one error discipline (base.h, ERRORS AND NULL) ---- */
 
 Test(value, null_handles_and_other_kinds_follow_the_one_rule) {
