@@ -2392,7 +2392,7 @@ static uint8_t *frame_with_table(const uint8_t *payload, size_t plen, const uint
   *n = 40 + plen + tlen + dlen;
   uint8_t *out = malloc(*n);
   memcpy(out, "DPKL", 4);
-  out[4] = 1; out[5] = 0; out[6] = (uint8_t)flags; out[7] = 0;
+  out[4] = 1; out[5] = 0; out[6] = (uint8_t)flags; out[7] = (uint8_t)(flags >> 8);
   uint64_t lens[3] = {plen, tlen, dlen};
   for (int k = 0; k < 3; k++)
     for (int i = 0; i < 8; i++) out[8 + 8 * k + i] = (uint8_t)(lens[k] >> (8 * i));
@@ -5251,6 +5251,30 @@ Test(pickler, unknown_header_flags_and_a_data_section_without_the_inline_flag_ar
     cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EFORMAT, "case %zu: %s", k, e.message);
     cr_assert_str_eq(e.message, bad[k].msg);
     cr_assert_eq(e.offset, bad[k].offset);
+    free(f);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* Each of the fifteen flag bits a frame does not define is refused on its
+ * own, the high ones as the low ones, by the header check of both readers. */
+Test(pickler, every_header_flag_bit_but_the_inline_flag_is_refused_on_its_own) {
+  const uint8_t nil = 0xc0, table = 0x90;
+  for (int bit = 1; bit < 16; bit++) {
+    uint16_t flags = (uint16_t)(1u << bit);
+    char want[64];
+    snprintf(want, sizeof want, "unknown frame flags 0x%04x", flags);
+    size_t n;
+    uint8_t *f = frame_with_table(&nil, 1, &table, 1, NULL, 0, flags, &n);
+    dp_value_t out;
+    dp_frame_info_t fi;
+    dp_error_t e;
+    cr_assert_eq(dp_frame_check(f, n, &fi, &e), DP_EFORMAT, "flag 0x%04x: %s", flags, e.message);
+    cr_assert_str_eq(e.message, want);
+    cr_assert_eq(e.offset, 6);
+    cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EFORMAT, "flag 0x%04x: %s", flags, e.message);
+    cr_assert_str_eq(e.message, want);
+    cr_assert_eq(e.offset, 6);
     free(f);
   }
   ASSERT_NO_LEAK();
