@@ -2763,6 +2763,26 @@ static int count_binds(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, 
   return dp_storage_new(d->device, (void *)(uintptr_t)d->base, d->nbytes, NULL, NULL, out, err);
 }
 
+/* Allocations that differ only in their device type are different, and
+ * one of them described again is found however far apart its two
+ * descriptors are: cpu 0x1000, cuda:0 0x1000, then cpu 0x1000 again. */
+Test(pickler, a_repeat_separated_from_its_first_by_the_same_base_on_another_device_type_is_refused) {
+  const uint8_t payload[] = {0xc0};
+  const uint8_t table[] = {0x93, 0x94, 0x00, 0x00, 0x04, 0xcd, 0x10, 0x00,
+                                 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00,
+                                 0x94, 0x00, 0x00, 0x08, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_str_eq(e.message, "buffer 2 describes cpu 0x1000 again (buffer 0 did): a frame has one buffer "
+                              "per (device, base)");
+  cr_assert_eq(e.offset, 41 + 1 + 7 + 7, "the offset of the third descriptor");
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
 /* One (device, base) described twice: buffer 1 repeats buffer 0's cuda:0
  * 0x1000 with another size. */
 Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
