@@ -2402,6 +2402,31 @@ Test(value, a_release_that_takes_over_a_candidate_into_a_full_buffer_collects_th
   ASSERT_NO_LEAK();
 }
 
+/* A cycle that another thread's trial found live, and that a release here
+ * then leaves held only by itself, is this thread's candidate: this
+ * thread's next collection frees it. */
+Test(value, a_cycle_let_go_by_its_buffering_thread_and_then_released_here_is_collected_here) {
+  worker_start(&w_owner);
+  dp_value_collect();
+  destroyed = 0;
+  dp_value_t c;
+  OK(dp_custom_new(&counted_type, NULL, &c, T_ERR));
+  w_shared = t_list();
+  OK(dp_list_append(w_shared, c, T_ERR));
+  OK(dp_list_append(w_shared, dp_value_retain(w_shared), T_ERR));  /* held by itself and here */
+  dp_value_retain(w_shared);
+  worker_run(&w_owner, job_release, w_shared);  /* 3 -> 2: w_owner's candidate */
+  w_paused = pthread_self();
+  dp__gc_pause_hook = pause_owner_collects;
+  dp_value_release(w_shared);  /* w_owner's trial finds it live and lets go of it; 2 -> 1 here */
+  dp__gc_pause_hook = NULL;
+  cr_assert_eq(destroyed, 0, "the cycle was freed while this thread held it");
+  dp_value_collect();
+  cr_assert_eq(destroyed, 1, "the cycle, held only by itself, was not collected by the thread that let it go");
+  worker_stop(&w_owner);
+  ASSERT_NO_LEAK();
+}
+
 /* ---- base: errors, the allocator hook, devices, text (core/base.c) ---- */
 
 TestSuite(base, .init = setup, .fini = teardown);
