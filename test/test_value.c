@@ -1425,6 +1425,30 @@ Test(value, a_threads_first_trial_comes_with_its_257th_candidate_not_before) {
   ASSERT_NO_LEAK();
 }
 
+/* What a trial walks from a live container is what that container holds
+ * now: a list found live by one trial, beside a cycle it then held, does not
+ * keep that cycle alive in the next trial once the two are apart. */
+Test(value, a_container_found_live_by_one_trial_keeps_alive_only_what_it_holds_in_the_next) {
+  dp_value_collect();
+  destroyed = 0;
+  dp_value_t a = t_list(), b = t_list(), c = t_list(), k;
+  OK(dp_custom_new(&counted_type, NULL, &k, T_ERR));
+  OK(dp_list_append(b, k, T_ERR));
+  OK(dp_list_append(b, dp_value_retain(b), T_ERR));  /* b holds itself */
+  OK(dp_list_append(a, b, T_ERR));
+  OK(dp_list_append(a, dp_value_retain(c), T_ERR));  /* c: held by a and here */
+  dp_value_retain(a);
+  dp_value_release(a);  /* a candidate, held from here */
+  dp_value_collect();   /* a, b and c are live */
+  cr_assert_eq(destroyed, 0);
+  dp_value_release(a);  /* freed: b (held by itself only) and c (held here) become candidates */
+  dp_value_collect();
+  cr_assert_eq(destroyed, 1, "the cycle a let go of was kept alive by c, found live beside it before");
+  cr_assert_eq(dp_value_refcount(c), 1);
+  dp_value_release(c);
+  ASSERT_NO_LEAK();
+}
+
 /* A container held once is freed by its release on the spot, without
  * becoming a candidate: a full buffer is not tried for it. */
 static void *fill_buffer_then_release_a_sole_holder(void *p) {
