@@ -566,6 +566,44 @@ Test(value, a_candidate_buffer_grows_through_the_hook_and_one_that_cannot_grow_i
   ASSERT_NO_LEAK();
 }
 
+/* A grown candidate array goes back as soon as a trial has emptied it,
+ * also when a release ran that trial (no dp_value_collect comes after).
+ * Holders of one list of 100 ints (that list the first candidate): the
+ * first trial walks 710 items, so the buffer grows to 512 and then 1,024
+ * candidates, which the 1,280th holder's release tries. */
+Test(value, a_grown_candidate_array_goes_back_when_a_trial_run_by_a_release_empties_it) {
+  enum { H = 1280 };
+  dp_value_collect();
+  dp_value_t big = t_list(), root = t_list();
+  for (int i = 0; i < 100; i++) OK(dp_list_append(big, dp_int(i), T_ERR));
+  dp_value_t *holders = malloc(H * sizeof *holders);
+  for (int i = 0; i < H; i++) {
+    holders[i] = t_list();
+    OK(dp_list_append(holders[i], dp_value_retain(big), T_ERR));
+    OK(dp_list_append(root, dp_value_retain(holders[i]), T_ERR));
+  }
+  dp_value_release(big);
+  long before = 0;
+  uint64_t walked = 0;
+  for (int i = 0; i < H; i++) {
+    if (i == H - 1) {
+      before = atomic_load(&t_live_blocks);
+      dp__gc_items_walked = 0;
+    }
+    dp_value_release(holders[i]);  /* live candidates: root holds them all */
+  }
+  walked = dp__gc_items_walked;
+  long after = atomic_load(&t_live_blocks);
+  free(holders);
+  cr_assert_gt(walked, 2048, "the last release did not try the 1,024 candidates (%llu items walked)",
+               (unsigned long long)walked);
+  cr_assert_eq(after, before - 1, "the grown array (one block) did not go back with the trial: %ld blocks, then %ld",
+               before, after);
+  dp_value_release(root);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
+
 Test(value, cycles_are_collected_when_a_thread_has_buffered_enough_candidates) {
   for (int k = 0; k < 300; k++) {  /* more candidates than one buffer holds */
     dp_value_t head = t_obj("Node"), cur = head;
