@@ -604,6 +604,33 @@ Test(value, a_grown_candidate_array_goes_back_when_a_trial_run_by_a_release_empt
   ASSERT_NO_LEAK();
 }
 
+/* A grown candidate array goes back too when the buffer empties because
+ * its candidates are released to zero one by one: 600 holders of a list of
+ * 100 ints, let go, leave some 345 live candidates in a grown buffer; the
+ * release of the list that holds them all frees every block. */
+Test(value, a_grown_candidate_array_goes_back_when_its_last_candidate_is_released_to_zero) {
+  enum { H = 600 };
+  dp_value_collect();
+  dp_value_t big = t_list(), root = t_list();
+  for (int i = 0; i < 100; i++) OK(dp_list_append(big, dp_int(i), T_ERR));
+  dp_value_t *holders = malloc(H * sizeof *holders);
+  for (int i = 0; i < H; i++) {
+    holders[i] = t_list();
+    OK(dp_list_append(holders[i], dp_value_retain(big), T_ERR));
+    OK(dp_list_append(root, dp_value_retain(holders[i]), T_ERR));
+  }
+  dp_value_release(big);
+  long before = atomic_load(&t_live_blocks);
+  for (int i = 0; i < H; i++) dp_value_release(holders[i]);
+  long grown = atomic_load(&t_live_blocks) - before;
+  free(holders);
+  dp_value_release(root);
+  long live = atomic_load(&t_live_blocks);
+  cr_assert_eq(grown, 1, "the buffer did not grow (%ld blocks more)", grown);
+  cr_assert_eq(live, 0, "%ld blocks live once every candidate was released to zero", live);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, cycles_are_collected_when_a_thread_has_buffered_enough_candidates) {
   for (int k = 0; k < 300; k++) {  /* more candidates than one buffer holds */
     dp_value_t head = t_obj("Node"), cur = head;
