@@ -3508,6 +3508,44 @@ Test(pickler, both_readers_agree_on_max_bytes_with_inline_data_at_the_edge) {
   ASSERT_NO_LEAK();
 }
 
+/* The reader may pass over the buffer table more than once (to sort an
+ * unsorted table, to bind a checked one): its inline bytes count once
+ * against max_bytes all the same. Two buffers of 50 bytes, listed at
+ * 0x2000 then 0x1000: 100 bytes fit a limit of 100, with a bind callback or
+ * without, and a limit of 99 is exceeded at the second descriptor. */
+Test(pickler, inline_bytes_count_once_against_max_bytes_however_many_passes_read_the_table) {
+  uint8_t data[100];
+  memset(data, 'A', sizeof data);
+  const uint8_t table[] = {0x92, 0x95, 0x01, 0x00, 0x32, 0xcd, 0x20, 0x00, 0x00,
+                                 0x95, 0x01, 0x00, 0x32, 0xcd, 0x10, 0x00, 0x32};
+  const uint8_t payload[] = {0x92, 0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0x32, 0x91, 0x01, 0x00,
+                                   0x96, 0xd4, 0x00, 0x02, 0x01, 0x05, 0x91, 0x32, 0x91, 0x01, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, data, sizeof data, 1, &n);
+  for (int bind = 0; bind <= 1; bind++) {
+    int binds = 0;
+    dp_unpickle_opts_t o;
+    memset(&o, 0, sizeof o);
+    if (bind) {
+      o.bind = count_binds;
+      o.bind_ud = &binds;
+    }
+    dp_value_t v;
+    dp_error_t e;
+    o.limits.max_bytes = 100;
+    OK_WITH(&e, dp_unpickle(b, n, &o, &v, &e));
+    cr_assert_eq(dp_seq_len(v), 2);
+    dp_value_release(v);
+    cr_assert_eq(binds, bind ? 2 : 0);
+    o.limits.max_bytes = 99;
+    cr_assert_eq(dp_unpickle(b, n, &o, &v, &e), DP_ELIMIT, "bind %d: %s", bind, e.message);
+    cr_assert_str_eq(e.message, "total str, bytes and inline size exceeds the limit of 99");
+    cr_assert_eq(e.offset, (int64_t)(40 + sizeof payload + 1 + 8), "the second descriptor");
+  }
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
 /* ---- path steps of non-str keys and of <reduce Name> (docs/FORMAT.md, "Paths") ---- */
 
 static dp_value_t float_bits(uint64_t bits) {
