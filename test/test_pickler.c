@@ -1307,6 +1307,35 @@ Test(pickler, a_duplicate_str_key_is_named_by_its_text_cut_after_64_bytes_inside
   ASSERT_NO_LEAK();
 }
 
+/* Bytes after a whole frame are refused where the frame ends, by
+ * dp_frame_check and dp_unpickle alike, and counted in the message. */
+Test(pickler, bytes_after_the_end_of_a_frame_are_refused_at_the_offset_where_the_frame_ends) {
+  dp_value_t v = t_list();
+  OK(dp_list_append(v, dp_int(1), T_ERR));
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  const uint8_t *b0 = dp_frame_data(f, &n);
+  uint8_t *b = calloc(n + 3, 1);
+  memcpy(b, b0, n);
+  for (size_t extra = 1; extra <= 3; extra++) {
+    char want[64];
+    snprintf(want, sizeof want, "%zu byte%s after the end of the frame", extra, extra == 1 ? "" : "s");
+    dp_value_t out;
+    dp_frame_info_t fi;
+    dp_error_t e;
+    cr_assert_eq(dp_frame_check(b, n + extra, &fi, &e), DP_EFORMAT, "%s", e.message);
+    cr_assert_str_eq(e.message, want);
+    cr_assert_eq(e.offset, (int64_t)n, "the frame's end");
+    cr_assert_eq(dp_unpickle(b, n + extra, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+    cr_assert_str_eq(e.message, want);
+    cr_assert_eq(e.offset, (int64_t)n, "the frame's end");
+  }
+  free(b);
+  dp_frame_free(f);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, header_errors_name_what_is_wrong) {
   dp_value_t v = dp_int(1);
   dp_frame_t *f = pickle_ok(v, 0);
