@@ -1307,6 +1307,22 @@ Test(pickler, a_duplicate_str_key_is_named_by_its_text_cut_after_64_bytes_inside
   ASSERT_NO_LEAK();
 }
 
+/* An integer is 64 bits signed: a uint 64 of 2^63 - 1 reads back as
+ * INT64_MAX, and 2^63, one more, is out of range at its header. */
+Test(pickler, a_uint_64_of_two_to_the_63_is_out_of_range_and_one_less_reads_back_as_int64_max) {
+  const uint8_t max[] = {0xcf, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+  uint8_t frame[64];
+  size_t n = make_frame(frame, max, sizeof max);
+  dp_value_t out;
+  dp_error_t e;
+  OK_WITH(&e, dp_unpickle(frame, n, NULL, &out, &e));
+  cr_assert_eq(out.kind, DP_INT);
+  cr_assert_eq(dp_value_as_int(out), INT64_MAX);
+  const uint8_t over[] = {0xcf, 0x80, 0, 0, 0, 0, 0, 0, 0};
+  expect_bad(over, sizeof over, DP_EFORMAT, 40, "integer out of range", NULL);
+  ASSERT_NO_LEAK();
+}
+
 /* Bytes after a whole frame are refused where the frame ends, by
  * dp_frame_check and dp_unpickle alike, and counted in the message. */
 Test(pickler, bytes_after_the_end_of_a_frame_are_refused_at_the_offset_where_the_frame_ends) {
