@@ -1559,6 +1559,28 @@ Test(pickler, a_header_whose_lengths_add_up_past_64_bits_is_refused_at_once_by_e
   ASSERT_NO_LEAK();
 }
 
+/* Payload and table lengths that wrap past 2^64 by themselves (2^63 each,
+ * adding up to 0 modulo 2^64) are refused as such, not read as a short
+ * frame. */
+Test(pickler, a_payload_and_table_length_that_wrap_to_zero_together_are_refused_at_the_lengths) {
+  uint8_t h[40] = {'D', 'P', 'K', 'L', 1, 0, 0, 0};
+  uint64_t lens[3] = {(uint64_t)1 << 63, (uint64_t)1 << 63, 0};
+  for (int k = 0; k < 3; k++)
+    for (int i = 0; i < 8; i++) h[8 + 8 * k + i] = (uint8_t)(lens[k] >> (8 * i));
+  const char *msg = "header announces 9223372036854775808 + 9223372036854775808 + 0 body bytes: more than a frame "
+                    "can hold (its length must fit in 64 bits)";
+  dp_value_t out;
+  dp_error_t e;
+  dp_frame_info_t fi;
+  cr_assert_eq(dp_frame_check(h, sizeof h, &fi, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_eq(e.offset, 8);
+  cr_assert_str_eq(e.message, msg);
+  cr_assert_eq(dp_unpickle(h, sizeof h, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_eq(e.offset, 8);
+  cr_assert_str_eq(e.message, msg);
+  ASSERT_NO_LEAK();
+}
+
 /* A header announcing a long payload (or table), then zeros: the reader
  * held what came until the memory ran out (`cat header /dev/zero |
  * devpickle verify -`). The bytes are checked as they are held — a zero is
