@@ -2454,6 +2454,34 @@ Test(value, a_destroy_releasing_a_container_midway_through_a_cycles_drain_touche
   ASSERT_NO_LEAK();
 }
 
+/* A custom's destroy that collects runs inside the drain that frees a
+ * garbage cycle: that collection (nested in the drain) must leave the
+ * drain to the outermost one, whose members still to be read are not
+ * freed under it (B, below, while A's items are released). */
+static int collections_in_destroy;
+static void destroy_collecting(void *obj) {
+  (void)obj;
+  collections_in_destroy++;
+  dp_value_collect();
+}
+static const dp_type_t collecting_type = {"Collecting", NULL, destroy_collecting};
+
+Test(value, a_destroy_that_collects_midway_through_a_cycles_drain_touches_no_freed_member) {
+  dp_set_allocator(quarantining_alloc, NULL);
+  collections_in_destroy = 0;
+  dp_value_t a = t_list(), b = t_list(), c;
+  OK(dp_custom_new(&collecting_type, NULL, &c, T_ERR));
+  OK(dp_list_append(a, c, T_ERR));  /* A = [C, B], B = [A] */
+  OK(dp_list_append(a, b, T_ERR));
+  OK(dp_list_append(b, dp_value_retain(a), T_ERR));
+  dp_value_release(a);  /* the cycle's candidate */
+  dp_value_collect();   /* B drains first, then A, whose C collects */
+  cr_assert_eq(collections_in_destroy, 1);
+  dp_value_collect();
+  cr_assert_eq(quarantine_release(), 0, "a freed block was written to");
+  ASSERT_NO_LEAK();
+}
+
 static void pause_owner_collects(int where) {
   if (pthread_equal(pthread_self(), w_paused) && where == DP_GC_PAUSE_FOREIGN)
     worker_run(&w_owner, job_collect, dp_none());
