@@ -2454,6 +2454,28 @@ Test(value, a_destroy_releasing_a_container_midway_through_a_cycles_drain_touche
   ASSERT_NO_LEAK();
 }
 
+/* A cycle whose members are candidates of two threads is found garbage by
+ * either thread's trial, which frees it whole there and then: the member
+ * the other thread buffered leaves that thread's buffer, whose next trial
+ * never touches it. */
+Test(value, a_cycle_found_garbage_here_leaves_the_buffer_of_the_thread_that_buffered_a_member) {
+  dp_set_allocator(quarantining_alloc, NULL);
+  worker_start(&w_owner);
+  dp_value_collect();
+  dp_value_t a = t_list(), b = t_list();
+  OK(dp_list_append(a, dp_value_retain(b), T_ERR));  /* A = [B], B = [A] */
+  OK(dp_list_append(b, dp_value_retain(a), T_ERR));
+  worker_run(&w_owner, job_release, b);  /* 2 -> 1: w_owner's candidate */
+  dp_value_release(a);                   /* 2 -> 1: this thread's candidate */
+  dp_value_collect();                    /* A and B: garbage, freed here */
+  long live = atomic_load(&t_live_blocks);
+  worker_run(&w_owner, job_collect, dp_none());  /* its buffer no longer holds B */
+  worker_stop(&w_owner);
+  cr_assert_eq(live, 0, "%ld blocks live after the trial that found the cycle garbage", live);
+  cr_assert_eq(quarantine_release(), 0, "a freed block was written to");
+  ASSERT_NO_LEAK();
+}
+
 /* A custom's destroy that collects runs inside the drain that frees a
  * garbage cycle: that collection (nested in the drain) must leave the
  * drain to the outermost one, whose members still to be read are not
