@@ -3575,6 +3575,28 @@ Test(pickler, both_readers_agree_on_max_bytes_with_inline_data_at_the_edge) {
   ASSERT_NO_LEAK();
 }
 
+/* A tensor has one stride per dimension: fewer strides than dimensions are
+ * refused as more are, at the tensor node. */
+Test(pickler, a_tensor_with_fewer_or_more_strides_than_dimensions_is_refused_at_its_node) {
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x64, 0xcd, 0x10, 0x00};
+  /* shape [10, 10], strides [1] */
+  const uint8_t fewer[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x92, 0x0a, 0x0a, 0x91, 0x01, 0x00};
+  /* shape [100], strides [1, 1] */
+  const uint8_t more[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0x64, 0x92, 0x01, 0x01, 0x00};
+  static const char *const want[] = {"tensor has 1 stride for 2 dimensions", "tensor has 2 strides for 1 dimension"};
+  for (int k = 0; k < 2; k++) {
+    size_t n;
+    uint8_t *b = frame_with_table(k ? more : fewer, sizeof fewer, table, sizeof table, NULL, 0, 0, &n);
+    dp_value_t out;
+    dp_error_t e;
+    cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT, "case %d: %s", k, e.message);
+    cr_assert_str_eq(e.message, want[k]);
+    cr_assert_eq(e.offset, 40, "the tensor node");
+    free(b);
+  }
+  ASSERT_NO_LEAK();
+}
+
 /* The reader may pass over the buffer table more than once (to sort an
  * unsorted table, to bind a checked one): its inline bytes count once
  * against max_bytes all the same. Two buffers of 50 bytes, listed at
