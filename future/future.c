@@ -1352,7 +1352,9 @@ int dp_future_ptr(const dp_future_t *f, size_t i, dp_ptr_info_t *out, dp_error_t
     return dp__err(err, DP_ESTATE, "dp_future_ptr: the future %s", dp_future_is_done(f) ? "failed" : "is pending");
   const dp__ptrs_t *d = distinct_ptrs(f, err);
   if (!d) return DP_ENOMEM;
-  if (i >= d->n) return dp__err(err, DP_EINVAL, "dp_future_ptr: allocation %zu of %zu", i, d->n);
+  if (i >= d->n)
+    return dp__err(err, DP_EINVAL, "dp_future_ptr: index %zu out of range (the value holds %zu allocation%s)", i,
+                   d->n, d->n == 1 ? "" : "s");
   dp__ptrs_get(d, i, out);
   return 0;
 }

@@ -171,7 +171,7 @@ Test(future, introspecting_a_pending_failed_or_null_future_reports_why) {
   cr_assert_str_eq(e.message, "dp_future_ptr: NULL future");
   OK(dp_future_mark_completed(f, t_tensor(t_dev(DP_DEVICE_CPU, 0), 0x1000, 4), T_ERR));
   cr_assert_eq(dp_future_ptr(f, 1, &p, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_future_ptr: allocation 1 of 1");
+  cr_assert_str_eq(e.message, "dp_future_ptr: index 1 out of range (the value holds 1 allocation)");
   OK(dp_future_ptr(f, 0, &p, T_ERR));
   cr_assert_eq(p.base, (void *)0x1000);
   cr_assert_eq(dp_future_ptr(f, 0, NULL, &e), DP_EINVAL);
@@ -218,7 +218,7 @@ Test(future, an_allocation_met_apart_more_than_once_is_listed_once_with_its_tens
   dp_ptr_info_t p;
   dp_error_t e;
   cr_assert_eq(dp_future_ptr(f, 3, &p, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_future_ptr: allocation 3 of 3");
+  cr_assert_str_eq(e.message, "dp_future_ptr: index 3 out of range (the value holds 3 allocations)");
   /* an aggregate sums each input's tensors on an allocation, once each */
   dp_future_t *g = future(), *all;
   OK(dp_future_mark_completed(g, t_tensor(cpu, 0x1000, 4), T_ERR));
