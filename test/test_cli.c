@@ -2362,17 +2362,30 @@ Test(cli, a_write_that_fails_on_the_receiver_is_an_error_with_its_reason_on_both
   res_t r = run("pack v.json -o f.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
-  static const struct { const char *out, *why; } cases[] = {
-      {"/dev/full", "/dev/full: write failed: No space left on device"},
+  /* a name past 256 bytes is cut in the answer, and the cut marked */
+  char longdir[300], longout[320], longwhy[400];
+  snprintf(longdir, sizeof longdir, "gone/%0250d", 0);
+  snprintf(longout, sizeof longout, "%s/got.dpk", longdir);
+  snprintf(longwhy, sizeof longwhy, "%.256s…: No such file or directory", longout);
+  const struct { const char *out, *why, *dir; } cases[] = {
+      {"/dev/full", "/dev/full: write failed: No space left on device", NULL},
       /* a directory there when recv listens (one missing then is refused at once), gone when the frame comes */
-      {"gone/got.dpk", "gone/got.dpk: No such file or directory"},
+      {"gone/got.dpk", "gone/got.dpk: No such file or directory", "gone"},
+      {longout, longwhy, longdir},
   };
-  res_free(run_sh("mkdir gone"));
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < 3; i++) {
+    char cmd[400];
+    if (cases[i].dir) {
+      snprintf(cmd, sizeof cmd, "mkdir -p %s", cases[i].dir);
+      res_free(run_sh(cmd));
+    }
     int port;
     pid_t pid = start_recv(cases[i].out, &port);
-    if (i == 1) res_free(run_sh("rmdir gone"));
-    char args[128], want[256];
+    if (cases[i].dir) {
+      snprintf(cmd, sizeof cmd, "rmdir %s", cases[i].dir);
+      res_free(run_sh(cmd));
+    }
+    char args[128], want[1024];
     snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 30", port);
     r = run(args);
     cr_assert_eq(wait_status(pid), 1, "recv exits 1 when it cannot write");
@@ -2384,7 +2397,9 @@ Test(cli, a_write_that_fails_on_the_receiver_is_an_error_with_its_reason_on_both
     char path[128];
     path_in(path, sizeof path, ".recv");
     char *err = slurp(path, NULL);
-    snprintf(want, sizeof want, "devpickle recv: listening on port %d\ndevpickle: %s\n", port, cases[i].why);
+    /* recv's own line names the whole file */
+    snprintf(want, sizeof want, "devpickle recv: listening on port %d\ndevpickle: %s: %s\n", port, cases[i].out,
+             strstr(cases[i].why, ": ") + 2);
     cr_assert_str_eq(err, want);
     free(err);
   }

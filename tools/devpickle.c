@@ -148,7 +148,9 @@ static char last_error[1400];
 
 /* One line on stderr: devpickle: FILE: what[, at byte N] */
 static int data_error(const char *file, const char *what, int64_t offset) {
-  int k = snprintf(last_error, sizeof last_error, "%.256s: %.1100s", file, what);
+  /* a long name is cut at a character, and the cut is marked */
+  size_t fn = strlen(file), fk = dp__name_shown(file, fn, 256);
+  int k = snprintf(last_error, sizeof last_error, "%.*s%s: %.1100s", (int)fk, file, fk < fn ? "…" : "", what);
   if (offset >= 0 && k >= 0 && (size_t)k < sizeof last_error)
     snprintf(last_error + k, sizeof last_error - (size_t)k, ", at byte %lld", (long long)offset);
   fputs("devpickle: ", stderr);
