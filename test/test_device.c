@@ -63,6 +63,42 @@ static void read_value(void *arg) {
   atomic_store(&c->seen, atomic_load(&c->value));
 }
 
+/* stderr into a temporary file until captured_line(), which puts it back
+ * and gives the first line written there. */
+typedef struct capture {
+  FILE *file;
+  int saved;
+} capture_t;
+
+static capture_t capture_stderr(void) {
+  fflush(stderr);
+  capture_t c = {tmpfile(), dup(2)};
+  cr_assert_not_null(c.file);
+  cr_assert_geq(c.saved, 0);
+  cr_assert_eq(dup2(fileno(c.file), 2), 2);
+  return c;
+}
+
+static void captured_line(capture_t *c, char *line, size_t size) {
+  fflush(stderr);
+  dup2(c->saved, 2);
+  close(c->saved);
+  line[0] = '\0';
+  rewind(c->file);
+  cr_assert_not_null(fgets(line, (int)size, c->file), "nothing was written on stderr");
+  fclose(c->file);
+}
+
+/* s still runs what is launched on it. */
+static void assert_stream_runs(dp_stream_t *s) {
+  cell_t cell;
+  atomic_init(&cell.value, 7);
+  atomic_init(&cell.seen, -1);
+  OK(dp_host_launch(s, read_value, &cell, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(atomic_load(&cell.seen), 7, "the stream still runs its work");
+}
+
 /* Holds its stream until *open is set: what a test asserts about work
  * still running stays true however late the test's own thread gets to it
  * (a loaded machine stalls it past any fixed sleep). Bounded (10 s), so
@@ -118,28 +154,13 @@ static void free_own_stream(void *arg) { dp_stream_free(arg); }
 Test(device, freeing_a_stream_from_a_host_function_on_it_frees_nothing_and_says_so) {
   dp_stream_t *s;
   OK(dp_stream_new(host(), H0, &s, T_ERR));
-  fflush(stderr);
-  FILE *cap = tmpfile();
-  cr_assert_not_null(cap);
-  int saved = dup(2);
-  cr_assert_geq(saved, 0);
-  cr_assert_eq(dup2(fileno(cap), 2), 2);
+  capture_t cap = capture_stderr();
   OK(dp_host_launch(s, free_own_stream, s, T_ERR));
   OK(dp_stream_synchronize(s, T_ERR));
-  fflush(stderr);
-  dup2(saved, 2);
-  close(saved);
-  char line[256] = "";
-  rewind(cap);
-  cr_assert_not_null(fgets(line, sizeof line, cap));
-  fclose(cap);
+  char line[256];
+  captured_line(&cap, line, sizeof line);
   cr_assert_str_eq(line, "devpickle: dp_stream_free called from a host function on that stream: nothing freed (device.h)\n");
-  cell_t cell;
-  atomic_init(&cell.value, 7);
-  atomic_init(&cell.seen, -1);
-  OK(dp_host_launch(s, read_value, &cell, T_ERR));
-  OK(dp_stream_synchronize(s, T_ERR));
-  cr_assert_eq(atomic_load(&cell.seen), 7, "the stream still runs its work");
+  assert_stream_runs(s);
   dp_stream_free(s); /* from here: freed */
 }
 
@@ -155,31 +176,16 @@ static void shutdown_from_host_fn(void *arg) {
 Test(device, shutting_down_from_a_host_function_tears_nothing_down_and_says_so, .timeout = 30) {
   dp_backend_t *b = host();
   dp_stream_t *s = dflt(b, H0);
-  fflush(stderr);
-  FILE *cap = tmpfile();
-  cr_assert_not_null(cap);
-  int saved = dup(2);
-  cr_assert_geq(saved, 0);
-  cr_assert_eq(dup2(fileno(cap), 2), 2);
+  capture_t cap = capture_stderr();
   OK(dp_host_launch(s, shutdown_from_host_fn, NULL, T_ERR));
   OK(dp_stream_synchronize(s, T_ERR));
-  fflush(stderr);
-  dup2(saved, 2);
-  close(saved);
-  char line[256] = "";
-  rewind(cap);
-  cr_assert_not_null(fgets(line, sizeof line, cap));
-  fclose(cap);
+  char line[256];
+  captured_line(&cap, line, sizeof line);
   cr_assert_str_eq(line, "devpickle: dp_shutdown called from a host function: nothing torn down (device.h)\n");
   dp_backend_t *again;
   OK(dp_backend_get(DP_DEVICE_HOST, &again, T_ERR));
   cr_assert_eq(again, b, "the backend was not stopped");
-  cell_t cell;
-  atomic_init(&cell.value, 7);
-  atomic_init(&cell.seen, -1);
-  OK(dp_host_launch(s, read_value, &cell, T_ERR));
-  OK(dp_stream_synchronize(s, T_ERR));
-  cr_assert_eq(atomic_load(&cell.seen), 7, "the stream still runs its work");
+  assert_stream_runs(s);
 }
 
 /* The same from a host function freeing another stream that waits, through
@@ -200,12 +206,7 @@ Test(device, freeing_a_stream_that_waits_for_the_calling_host_function_frees_not
   dp_event_t *ev;
   OK(dp_event_new(b, H0, &ev, T_ERR));
   free_other_t fo = {other};
-  fflush(stderr);
-  FILE *cap = tmpfile();
-  cr_assert_not_null(cap);
-  int saved = dup(2);
-  cr_assert_geq(saved, 0);
-  cr_assert_eq(dup2(fileno(cap), 2), 2);
+  capture_t cap = capture_stderr();
   /* The function runs only once other waits: run before, it would free
      other under the test's next calls. */
   _Atomic int queued = 0;
@@ -216,21 +217,11 @@ Test(device, freeing_a_stream_that_waits_for_the_calling_host_function_frees_not
   atomic_store(&queued, 1);
   OK(dp_stream_synchronize(mine, T_ERR));
   OK(dp_stream_synchronize(other, T_ERR));
-  fflush(stderr);
-  dup2(saved, 2);
-  close(saved);
-  char line[256] = "";
-  rewind(cap);
-  cr_assert_not_null(fgets(line, sizeof line, cap));
-  fclose(cap);
+  char line[256];
+  captured_line(&cap, line, sizeof line);
   cr_assert_str_eq(line, "devpickle: dp_stream_free called from a host function, on a stream that waits for work queued "
                          "on the function's own stream after it: nothing freed (device.h)\n");
-  cell_t cell;
-  atomic_init(&cell.value, 7);
-  atomic_init(&cell.seen, -1);
-  OK(dp_host_launch(other, read_value, &cell, T_ERR));
-  OK(dp_stream_synchronize(other, T_ERR));
-  cr_assert_eq(atomic_load(&cell.seen), 7, "the stream still runs its work");
+  assert_stream_runs(other);
   dp_event_free(ev);
   dp_stream_free(other);
   dp_stream_free(mine);
