@@ -566,6 +566,24 @@ Test(value, a_candidate_buffer_grows_through_the_hook_and_one_that_cannot_grow_i
   ASSERT_NO_LEAK();
 }
 
+/* n lists each holding one shared list of 100 ints, all held by *root:
+ * the holders' own references are the caller's (the shared list's are
+ * theirs alone). */
+static dp_value_t *holders_of_one_list(int n, dp_value_t *root) {
+  dp_value_t big = t_list();
+  *root = t_list();
+  for (int i = 0; i < 100; i++) OK(dp_list_append(big, dp_int(i), T_ERR));
+  dp_value_t *holders = malloc((size_t)n * sizeof *holders);
+  cr_assert_not_null(holders);
+  for (int i = 0; i < n; i++) {
+    holders[i] = t_list();
+    OK(dp_list_append(holders[i], dp_value_retain(big), T_ERR));
+    OK(dp_list_append(*root, dp_value_retain(holders[i]), T_ERR));
+  }
+  dp_value_release(big);
+  return holders;
+}
+
 /* A grown candidate array goes back as soon as a trial has emptied it,
  * also when a release ran that trial (no dp_value_collect comes after).
  * Holders of one list of 100 ints (that list the first candidate): the
@@ -574,15 +592,7 @@ Test(value, a_candidate_buffer_grows_through_the_hook_and_one_that_cannot_grow_i
 Test(value, a_grown_candidate_array_goes_back_when_a_trial_run_by_a_release_empties_it) {
   enum { H = 1280 };
   dp_value_collect();
-  dp_value_t big = t_list(), root = t_list();
-  for (int i = 0; i < 100; i++) OK(dp_list_append(big, dp_int(i), T_ERR));
-  dp_value_t *holders = malloc(H * sizeof *holders);
-  for (int i = 0; i < H; i++) {
-    holders[i] = t_list();
-    OK(dp_list_append(holders[i], dp_value_retain(big), T_ERR));
-    OK(dp_list_append(root, dp_value_retain(holders[i]), T_ERR));
-  }
-  dp_value_release(big);
+  dp_value_t root, *holders = holders_of_one_list(H, &root);
   long before = 0;
   uint64_t walked = 0;
   for (int i = 0; i < H; i++) {
@@ -611,15 +621,7 @@ Test(value, a_grown_candidate_array_goes_back_when_a_trial_run_by_a_release_empt
 Test(value, a_grown_candidate_array_goes_back_when_its_last_candidate_is_released_to_zero) {
   enum { H = 600 };
   dp_value_collect();
-  dp_value_t big = t_list(), root = t_list();
-  for (int i = 0; i < 100; i++) OK(dp_list_append(big, dp_int(i), T_ERR));
-  dp_value_t *holders = malloc(H * sizeof *holders);
-  for (int i = 0; i < H; i++) {
-    holders[i] = t_list();
-    OK(dp_list_append(holders[i], dp_value_retain(big), T_ERR));
-    OK(dp_list_append(root, dp_value_retain(holders[i]), T_ERR));
-  }
-  dp_value_release(big);
+  dp_value_t root, *holders = holders_of_one_list(H, &root);
   long before = atomic_load(&t_live_blocks);
   for (int i = 0; i < H; i++) dp_value_release(holders[i]);
   long grown = atomic_load(&t_live_blocks) - before;
