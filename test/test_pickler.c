@@ -1530,20 +1530,21 @@ Test(pickler, a_stream_reader_stops_65536_bytes_after_the_frame_instead_of_readi
  * on to the end of the stream to say how long that was: behind an endless
  * pipe (`devpickle verify -`) it never returned. It is refused from the
  * header alone, by every reader alike. */
-Test(pickler, a_header_whose_lengths_add_up_past_64_bits_is_refused_at_once_by_every_reader) {
-  uint8_t h[40] = {'D', 'P', 'K', 'L', 1, 0, 0, 0};
-  uint64_t lens[3] = {UINT64_MAX - 100, 60, 1};  /* 2^64 - 39 with the header: one byte too many */
+/* A 40-byte header (into h) with the three body lengths given: refused
+ * with msg at byte 8 by the frame check, the reader and the stream reader,
+ * which reads the header and nothing past it. */
+static void assert_header_refused(uint8_t h[40], const uint64_t lens[3], const char *msg) {
+  static const uint8_t head[8] = {'D', 'P', 'K', 'L', 1, 0, 0, 0};
+  memcpy(h, head, sizeof head);
   for (int k = 0; k < 3; k++)
     for (int i = 0; i < 8; i++) h[8 + 8 * k + i] = (uint8_t)(lens[k] >> (8 * i));
-  const char *msg = "header announces 18446744073709551515 + 60 + 1 body bytes: more than a frame can hold "
-                    "(its length must fit in 64 bits)";
   dp_value_t out;
   dp_error_t e;
   dp_frame_info_t fi;
-  cr_assert_eq(dp_frame_check(h, sizeof h, &fi, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_eq(dp_frame_check(h, 40, &fi, &e), DP_EFORMAT, "%s", e.message);
   cr_assert_eq(e.offset, 8);
   cr_assert_str_eq(e.message, msg);
-  cr_assert_eq(dp_unpickle(h, sizeof h, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_eq(dp_unpickle(h, 40, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
   cr_assert_eq(e.offset, 8);
   cr_assert_str_eq(e.message, msg);
   endless_t s = {h, 0};
@@ -1551,9 +1552,18 @@ Test(pickler, a_header_whose_lengths_add_up_past_64_bits_is_refused_at_once_by_e
   cr_assert_eq(e.offset, 8);
   cr_assert_str_eq(e.message, msg);
   cr_assert_eq(s.given, 40, "the stream reader read %llu bytes", (unsigned long long)s.given);
+}
+
+Test(pickler, a_header_whose_lengths_add_up_past_64_bits_is_refused_at_once_by_every_reader) {
+  uint8_t h[40];
+  uint64_t lens[3] = {UINT64_MAX - 100, 60, 1};  /* 2^64 - 39 with the header: one byte too many */
+  assert_header_refused(h, lens,
+                        "header announces 18446744073709551515 + 60 + 1 body bytes: more than a frame can hold "
+                        "(its length must fit in 64 bits)");
   /* one byte less is a length that fits: only short of bytes */
-  lens[2] = 0;
   for (int i = 0; i < 8; i++) h[24 + i] = 0;
+  dp_value_t out;
+  dp_error_t e;
   cr_assert_eq(dp_unpickle(h, sizeof h, NULL, &out, &e), DP_ETRUNC, "%s", e.message);
   cr_assert_eq(e.offset, 40);
   ASSERT_NO_LEAK();
@@ -1563,21 +1573,11 @@ Test(pickler, a_header_whose_lengths_add_up_past_64_bits_is_refused_at_once_by_e
  * adding up to 0 modulo 2^64) are refused as such, not read as a short
  * frame. */
 Test(pickler, a_payload_and_table_length_that_wrap_to_zero_together_are_refused_at_the_lengths) {
-  uint8_t h[40] = {'D', 'P', 'K', 'L', 1, 0, 0, 0};
-  uint64_t lens[3] = {(uint64_t)1 << 63, (uint64_t)1 << 63, 0};
-  for (int k = 0; k < 3; k++)
-    for (int i = 0; i < 8; i++) h[8 + 8 * k + i] = (uint8_t)(lens[k] >> (8 * i));
-  const char *msg = "header announces 9223372036854775808 + 9223372036854775808 + 0 body bytes: more than a frame "
-                    "can hold (its length must fit in 64 bits)";
-  dp_value_t out;
-  dp_error_t e;
-  dp_frame_info_t fi;
-  cr_assert_eq(dp_frame_check(h, sizeof h, &fi, &e), DP_EFORMAT, "%s", e.message);
-  cr_assert_eq(e.offset, 8);
-  cr_assert_str_eq(e.message, msg);
-  cr_assert_eq(dp_unpickle(h, sizeof h, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
-  cr_assert_eq(e.offset, 8);
-  cr_assert_str_eq(e.message, msg);
+  uint8_t h[40];
+  const uint64_t lens[3] = {(uint64_t)1 << 63, (uint64_t)1 << 63, 0};
+  assert_header_refused(h, lens,
+                        "header announces 9223372036854775808 + 9223372036854775808 + 0 body bytes: more than a "
+                        "frame can hold (its length must fit in 64 bits)");
   ASSERT_NO_LEAK();
 }
 
