@@ -2315,7 +2315,9 @@ Test(cli, recv_opens_a_fifo_before_it_listens_and_waits_for_its_reader_within_it
   cr_assert_eq(r.status, 0, "send: %s", r.err);
   res_free(r);
   cr_assert_eq(wait_status(pid), 0);
-  r = run("sleep 0.2; cmp f.dpk got.dpk");
+  /* cat, in the background, writes what it read once the FIFO ends: given 10 s */
+  r = run_sh("i=0; until cmp -s f.dpk got.dpk; do i=$((i + 1)); [ $i -lt 200 ] || break; sleep 0.05; done; "
+             "cmp f.dpk got.dpk");
   cr_assert_eq(r.status, 0, "the frame read from the FIFO differs: %s", r.out);
   res_free(r);
 }
@@ -2335,7 +2337,9 @@ Test(cli, a_closed_stderr_never_sends_a_message_into_an_output, .timeout = 60) {
            "($D recv %d --host 127.0.0.1 --timeout 30 -o fifo 2>&- & echo $! > recv.pid) && "
            "i=0; until $D send f.dpk 127.0.0.1:%d --timeout 10 2>/dev/null; do "
            "i=$((i + 1)); [ $i -lt 100 ] || exit 9; sleep 0.1; done; "
-           "while kill -0 $(cat recv.pid) 2>/dev/null; do sleep 0.05; done; sleep 0.1; cmp f.dpk got.dpk",
+           "while kill -0 $(cat recv.pid) 2>/dev/null; do sleep 0.05; done; "
+           "i=0; until cmp -s f.dpk got.dpk; do i=$((i + 1)); [ $i -lt 200 ] || break; sleep 0.05; done; "
+           "cmp f.dpk got.dpk",
            port, port);
   res_t r = run_sh(script);
   cr_assert_eq(r.status, 0, "%s%s", r.out, r.err);
