@@ -1405,7 +1405,9 @@ int vjson_to_value(json_t *j, dp_value_t *out, int *is_inline, char *msg, size_t
   dp_value_t unused;
   int unused_inline;
   const json_t *none;
-  if (read_doc(j, bare, &unused, &unused_inline, &none, where, sizeof where) != DP_ECANCELED) strcpy(where, "$");
+  int again = read_doc(j, bare, &unused, &unused_inline, &none, where, sizeof where);
+  if (again == 0) dp_value_release(unused); /* it always stops at the tensor: never */
+  if (again != DP_ECANCELED) strcpy(where, "$");
   size_t len = strlen(msg);
   snprintf(msg + len, msgsize - len, ", at %s", where);
   return rc;
