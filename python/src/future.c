@@ -43,6 +43,8 @@ typedef struct pyfut {
                          * with inputs, what its completion waits for (waits_for_running) */
   PyObject *weakrefs;
   PyObject *dict;     /* attributes, as on torch.futures.Future */
+  PyObject *devices_read; /* the devices= that tp_new read, until __init__: the same object is not read
+                           * again (its items' __str__ would run twice, and could answer otherwise) */
 } pyfut_t;
 
 static PyTypeObject fut_type;
@@ -233,6 +235,7 @@ static PyObject *fut_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   if (devices != Py_None) {
     if (parse_devices(devices, &f->devices, &f->ndevices)) goto fail;
     if (f->ndevices == 0) f->track = 0;
+    f->devices_read = Py_NewRef(devices);
   }
   if (fut_make(f, NULL)) goto fail;
   return (PyObject *)f;
@@ -264,7 +267,11 @@ static int fut_init(pyfut_t *self, PyObject *args, PyObject *kw) {
   PyObject *devices = NULL;
   if ((PyTuple_GET_SIZE(args) || kw) && !PyArg_ParseTupleAndKeywords(args, kw, "|$O:Future", kwlist, &devices))
     return -1;
-  if (!devices) return 0; /* none given (a subclass's super().__init__()): those read at construction stand */
+  PyObject *read = self->devices_read;
+  self->devices_read = NULL;
+  int same = devices == read; /* the object construction read: its devices stand */
+  Py_XDECREF(read);
+  if (!devices || same) return 0; /* or none given (a subclass's super().__init__()) */
   dp_device_t *d = NULL;
   size_t n = 0;
   if (devices != Py_None && parse_devices(devices, &d, &n)) return -1;
@@ -313,6 +320,7 @@ static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
   Py_VISIT(f->exc);
   Py_VISIT(f->exc_tb);
   Py_VISIT(f->inputs);
+  Py_VISIT(f->devices_read);
   return 0;
 }
 
@@ -322,6 +330,7 @@ static int fut_clear(pyfut_t *f) {
   Py_CLEAR(f->exc);
   Py_CLEAR(f->exc_tb);
   Py_CLEAR(f->inputs);
+  Py_CLEAR(f->devices_read);
   return 0;
 }
 

@@ -375,7 +375,7 @@ devices[:] = [Emptying()] + ["cpu", "host:0"] * 1000
 devpickle.Future(devices=devices)
 assert devices == [], devices
 devices[:] = [Replacing(), "".join(["host", ":0"])]
-devpickle.Future(devices=devices)  # read by __new__, then by __init__: each reads the list as it is then
+devpickle.Future(devices=devices)  # read once, at construction: __init__ is handed the same list
 print("ok")
 """
 
@@ -386,6 +386,34 @@ def test_devices_are_read_as_they_were_given_whatever_an_items_str_does_to_the_l
     # the sequence is copied first, so the devices given are the ones read.
     r = subprocess.run([sys.executable, "-c", DEVICES_EMPTIED], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+def test_devices_given_once_are_read_once_and_a_subclass_may_hand_its_own_to_init():
+    # construction read devices= and __init__ read the same list again: an
+    # item's __str__ ran twice, and could answer otherwise the second time
+    calls = []
+
+    class Dev:
+        def __str__(self):
+            calls.append(1)
+            return "cpu" if len(calls) == 1 else "host:0"
+
+    f = devpickle.Future(devices=[Dev()])
+    assert len(calls) == 1
+    f.set_result(1)
+    assert f.wait() == 1
+
+    class Sub(devpickle.Future):
+        def __init__(self, devices=None):
+            super().__init__(devices=["host:0"])  # other devices than the caller's: read, and they stand
+
+    del calls[:]
+    g = Sub(devices=[Dev()])
+    assert len(calls) == 1
+    g.set_result(1)
+    with pytest.raises(RuntimeError, match="cannot change the devices"):
+        devpickle.Future.__init__(g, devices=["cpu"])
+    assert g.wait() == 1
 
 
 @pytest.mark.parametrize("name", ["cuda", "cuda:256", "gpu:0", "host:-1"])
