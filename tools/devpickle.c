@@ -318,11 +318,13 @@ static unsigned held_std;
 /* Whether path names (through links) a descriptor that the caller left
  * closed: /dev/stdin with stdin closed is no file, though /dev/null now
  * holds its place. */
+static int fd_held(int fd) { return fd >= 0 && fd <= 2 && (held_std >> fd & 1u); }
+
 static int names_held_fd(const char *path) {
   if (!held_std || strcmp(path, "-") == 0) return 0;
   int fd;
   free(follow_links(path, &fd));
-  return fd >= 0 && fd <= 2 && (held_std >> fd & 1u);
+  return fd_held(fd);
 }
 
 /* The temporary file: a short fixed name in the target's directory, so that
@@ -389,7 +391,7 @@ static int sink_open(sink_t *s, const char *path) {
   int fd = -1;
   char *target = follow_links(path, &fd);
   if (fd >= 0) { /* this process's descriptor: written as it is (at its offset, as >&N would) */
-    if (fd <= 2 && (held_std >> fd & 1u)) return data_error(path, strerror(EBADF), -1);
+    if (fd_held(fd)) return data_error(path, strerror(EBADF), -1);
     struct stat fst;
     int fl = fcntl(fd, F_GETFL);
     if (fl < 0 || fstat(fd, &fst) != 0) return data_error(path, strerror(errno), -1);
