@@ -758,9 +758,11 @@ def _check_text(label, cls, args, kwargs, via_new):
 def reduced(cls, parts, classes, copies):
     """An allowed class from its reduce parts, when the callable is the class
     itself, copyreg.__newobj__ of it, or copyreg.__newobj_ex__ of it (what
-    pickle's default reduce gives a class with __getnewargs_ex__); for any
-    other callable, nothing is called: a devpickle.Object of the class name
-    holding the parts."""
+    pickle's default reduce gives a class with __getnewargs_ex__), and for an
+    Enum class a member by name (getattr(cls, name), looked up in
+    __members__) or a Flag class two members combined (operator.or_); for
+    any other callable, nothing is called: a devpickle.Object of the class
+    name holding the parts."""
     label = class_label(cls)
     if parts.get("<state_setter>") is not None:
         raise TypeError(f"loads: {label} was reduced with a state_setter, which loads does not call")
@@ -768,8 +770,25 @@ def reduced(cls, parts, classes, copies):
     if not isinstance(args, tuple):  # pickle's REDUCE and NEWOBJ take a tuple too
         raise TypeError(f"loads: {label} was reduced with args that are a {type(args).__name__}, not a tuple")
     new_kwargs = {}
+    member = None
     if fn is cls:
         new_args = args
+    elif (_global_name(fn) == "builtins.getattr" or fn is getattr) and issubclass(cls, enum.Enum) and args[:1] == (cls,):
+        # an enum member: pickle reduces it to getattr(cls, name); the member
+        # is looked up by name among the class's members, nothing is called
+        if len(args) != 2 or type(args[1]) is not str:
+            raise TypeError(f"loads: {label} was reduced with getattr and args that are not (cls, a str name)")
+        member = cls.__members__.get(args[1])
+        if member is None:
+            name = repr(args[1][:64]) + ("..." if len(args[1]) > 64 else "")
+            raise TypeError(f"loads: {label} was reduced to getattr({label}, {name}), which is not one of its "
+                            "members")
+    elif (_global_name(fn) == "_operator.or_" or fn is operator.or_) and issubclass(cls, enum.Flag):
+        # a combination of flags, which pickle (Python 3.11) reduces to
+        # operator.or_ of two members: combined by the class's own __or__
+        if len(args) != 2 or not all(type(a) is cls for a in args):
+            raise TypeError(f"loads: {label} was reduced with operator.or_ and args that are not two of its members")
+        member = args[0] | args[1]
     elif (_global_name(fn) == "copyreg.__newobj__" or fn is copyreg.__newobj__) and args and args[0] is cls:
         new_args = args[1:]
     elif (_global_name(fn) == "copyreg.__newobj_ex__" or fn is copyreg.__newobj_ex__) and args and args[0] is cls:
@@ -781,16 +800,22 @@ def reduced(cls, parts, classes, copies):
         new_args, new_kwargs = args[1], args[2]
     else:
         return Object(label, parts)  # not a call loads makes
-    _check_text(label, cls, new_args, new_kwargs, fn is not cls)
+    if member is not None:
+        new_args = ()
+    else:
+        _check_text(label, cls, new_args, new_kwargs, fn is not cls)
     copies.charge("reduced objects' args", _args_size(cls, new_args + tuple(new_kwargs.values())))
-    if issubclass(cls, _HASHING):  # set(a list), dict(pairs), Counter(an array): hashes each item
+    if member is None and issubclass(cls, _HASHING):  # set(a list), dict(pairs), Counter(an array): hashes each item
         for a in new_args + tuple(new_kwargs.values()):
             items = _hashed_items(a)
             if items is not None:
                 copies.hashes("reduced objects' args", items)
                 if issubclass(cls, dict):  # dict(pairs) hashes each pair's key
                     copies.hashes("reduced objects' args", [k[0] for k in map(_pair_key, items) if k is not None])
-    obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args, **new_kwargs)
+    if member is not None:
+        obj = member
+    else:
+        obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args, **new_kwargs)
     listitems, dictitems = parts.get("<listitems>") or [], parts.get("<dictitems>") or []
     if not isinstance(listitems, list) or not isinstance(dictitems, list) or not all(
             isinstance(p, tuple) and len(p) == 2 for p in dictitems):

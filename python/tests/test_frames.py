@@ -753,6 +753,58 @@ def test_a_reduce_that_gives_an_enum_member_or_a_class_with_a_state_is_refused_n
     assert devpickle.loads(frame, classes=[_Mode]) is _Mode.B
 
 
+class _Perm(__import__("enum").IntFlag):
+    R = 1
+    W = 2
+
+
+def test_enum_members_and_flag_combinations_come_back_as_the_members_when_their_class_is_listed(tmp_path):
+    # pickle reduces a member to getattr(cls, name) and (Python 3.11) a flag
+    # combination to operator.or_ of two members: loads gave devpickle.Objects
+    # even with the class listed
+    value = [_Mode.A, _Mode.B, _Perm.R, _Perm.R | _Perm.W, _Perm(0)]
+    back = devpickle.loads(devpickle.dumps(value), classes=[_Mode, _Perm])
+    assert back == value and back[0] is _Mode.A and back[2] is _Perm.R and type(back[3]) is _Perm
+    # unlisted, nothing is looked up: the reduce comes back as it was
+    assert all(type(x) is devpickle.Object for x in devpickle.loads(devpickle.dumps(value)))
+    label = f"{__name__}._Mode"
+
+    def glob(name):
+        return {"$object": "devpickle.global", "attrs": {"name": name}}
+
+    def reduced_by(fn, args, **more):
+        return _packed(tmp_path, {"$object": label, "attrs": {"<callable>": glob(fn), "<args>": {"$tuple": args},
+                                                              **more}})
+
+    # a name that is not a member is never looked up on the class
+    for name, shown in (("mro", "'mro'"), ("_value2member_map_", "'_value2member_map_'"),
+                        ("x" * 100, repr("x" * 64) + r"\.\.\.")):
+        with pytest.raises(TypeError, match=rf"^loads: {label} was reduced to getattr\({label}, {shown}\), which is "
+                                            r"not one of its members, at \$$"):
+            devpickle.loads(reduced_by("builtins.getattr", [glob(label), name]), classes=[_Mode])
+    for args in ([glob(label)], [glob(label), "A", "B"], [glob(label), 1]):
+        with pytest.raises(TypeError, match=rf"^loads: {label} was reduced with getattr and args that are not "
+                                            r"\(cls, a str name\), at \$$"):
+            devpickle.loads(reduced_by("builtins.getattr", args), classes=[_Mode])
+    # getattr of another class is not a member of this one: the reduce comes back as it was
+    back = devpickle.loads(reduced_by("builtins.getattr", [glob(f"{__name__}.Node"), "A"]), classes=[_Mode, Node])
+    assert type(back) is devpickle.Object
+    # a member with a state is refused as a member called with a value is
+    with pytest.raises(TypeError, match=rf"^loads: {label} was reduced to the member {label}\.A, which the process "):
+        devpickle.loads(reduced_by("builtins.getattr", [glob(label), "A"], **{"<state>": {"_value_": "evil"}}),
+                        classes=[_Mode])
+    assert _Mode.A.value == "a"
+    # operator.or_ takes two members of the listed flag class, nothing else
+    perm = f"{__name__}._Perm"
+    member = {"$object": perm, "attrs": {"<callable>": glob("builtins.getattr"), "<args>": {"$tuple": [glob(perm), "R"]}}}
+    for args in ([member], [member, 2], [member, member, member]):
+        frame = _packed(tmp_path, {"$object": perm, "attrs": {"<callable>": glob("_operator.or_"),
+                                                             "<args>": {"$tuple": args}}})
+        with pytest.raises(TypeError, match=rf"^loads: {perm} was reduced with operator\.or_ and args that are not "
+                                            r"two of its members, at \$$"):
+            devpickle.loads(frame, classes=[_Perm])
+
+
 def test_an_allowed_object_takes_no_attribute_that_numpy_copy_or_pickle_look_up_on_the_instance(tmp_path):
     # a plain object's attributes went into its __dict__ whatever their
     # names: a frame's __array_interface__ had np.asarray(obj) make an array
