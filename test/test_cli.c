@@ -3445,6 +3445,21 @@ Test(cli, pack_refuses_base64_padded_with_three_characters_or_anywhere_but_at_th
   cr_assert_eq(count_entries(), 2, "a frame was written");
 }
 
+/* Every block is checked, the last (which may be padded) and the ones
+ * before it (read four characters at a time): a character outside the
+ * alphabet anywhere, a NUL or a non-ASCII one included, is refused. */
+Test(cli, pack_refuses_a_character_outside_base64_in_any_block) {
+  const char *bad[] = {"-AAAAAAA", "AAA_AAAA", "AAAA\\u0000AAA", "AAAAAAA\u00e9", "AAAA AAA", "AAAAAA.A"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    char json[64];
+    snprintf(json, sizeof json, "[1, {\"$bytes\": \"%s\"}]", bad[i]);
+    pack_fails("alpha.json", "x.dpk", json,
+               "devpickle: alpha.json: $bytes must be a canonical base64 string (RFC 4648, padded, unused bits zero), "
+               "at $[1]\n");
+  }
+  cr_assert_eq(count_entries(), 1, "a frame was written");
+}
+
 /* Bytes of each length modulo 3 end in "==", "=" or no padding. */
 Test(cli, unpack_writes_bytes_of_every_length_as_padded_base64_that_packs_back_to_the_same_bytes) {
   pack_unpack_gives("b.json", "[{\"$bytes\": \"AA==\"}, {\"$bytes\": \"AAE=\"}, {\"$bytes\": \"AAEC\"}, {\"$bytes\": \"\"}]",

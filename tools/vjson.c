@@ -36,17 +36,41 @@ char *vjson_b64_encode(const uint8_t *p, size_t n) {
   return s;
 }
 
+/* Each base64 character's value plus one; 0 for every other byte. */
+static const uint8_t b64_dec[256] = {
+    ['A'] = 1, ['B'] = 2, ['C'] = 3, ['D'] = 4, ['E'] = 5, ['F'] = 6, ['G'] = 7, ['H'] = 8, ['I'] = 9,
+    ['J'] = 10, ['K'] = 11, ['L'] = 12, ['M'] = 13, ['N'] = 14, ['O'] = 15, ['P'] = 16, ['Q'] = 17,
+    ['R'] = 18, ['S'] = 19, ['T'] = 20, ['U'] = 21, ['V'] = 22, ['W'] = 23, ['X'] = 24, ['Y'] = 25,
+    ['Z'] = 26, ['a'] = 27, ['b'] = 28, ['c'] = 29, ['d'] = 30, ['e'] = 31, ['f'] = 32, ['g'] = 33,
+    ['h'] = 34, ['i'] = 35, ['j'] = 36, ['k'] = 37, ['l'] = 38, ['m'] = 39, ['n'] = 40, ['o'] = 41,
+    ['p'] = 42, ['q'] = 43, ['r'] = 44, ['s'] = 45, ['t'] = 46, ['u'] = 47, ['v'] = 48, ['w'] = 49,
+    ['x'] = 50, ['y'] = 51, ['z'] = 52, ['0'] = 53, ['1'] = 54, ['2'] = 55, ['3'] = 56, ['4'] = 57,
+    ['5'] = 58, ['6'] = 59, ['7'] = 60, ['8'] = 61, ['9'] = 62, ['+'] = 63, ['/'] = 64,
+};
+
 static int b64_val(char c) {
-  const char *at = c ? strchr(b64, c) : NULL;
-  return at ? (int)(at - b64) : -1;
+  return (int)b64_dec[(uint8_t)c] - 1;
 }
 
 int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n) {
   if (len % 4) return -1;
   uint8_t *p = malloc(len / 4 * 3 + 1);
   if (!p) return -1;
-  size_t k = 0;
-  for (size_t i = 0; i < len; i += 4) {
+  size_t k = 0, i = 0;
+  /* every block but the last has no padding: four table reads, one test */
+  for (; i + 4 < len; i += 4, k += 3) {
+    const uint8_t *q = (const uint8_t *)s + i;
+    uint32_t a = b64_dec[q[0]], b = b64_dec[q[1]], c = b64_dec[q[2]], d = b64_dec[q[3]];
+    if (!a || !b || !c || !d) {
+      free(p);
+      return -1;
+    }
+    uint32_t v = (a - 1) << 18 | (b - 1) << 12 | (c - 1) << 6 | (d - 1);
+    p[k] = (uint8_t)(v >> 16);
+    p[k + 1] = (uint8_t)(v >> 8);
+    p[k + 2] = (uint8_t)v;
+  }
+  for (; i < len; i += 4) {
     uint32_t v = 0;
     int pad = 0;
     for (int j = 0; j < 4; j++) {
@@ -285,6 +309,14 @@ static int parse_string(ps_t *ps) {
       return 0;
     }
     if (c < 0x20) return perr(ps, "control character 0x%02x in a string", c);
+    if (c < 0x80 && c != '\\') { /* a run of plain ASCII (base64 data, most keys): one copy */
+      const char *run = ps->p;
+      while (ps->p < ps->end && (unsigned char)*ps->p >= 0x20 && (unsigned char)*ps->p < 0x80 && *ps->p != '"' &&
+             *ps->p != '\\')
+        ps->p++;
+      if (buf_put(ps, run, (size_t)(ps->p - run))) return -1;
+      continue;
+    }
     if (c != '\\') {
       size_t n = utf8_seq((const unsigned char *)ps->p, (const unsigned char *)ps->end);
       if (!n) return utf8_cut(ps->p, ps->end) ? str_ends(ps) : perr(ps, "invalid UTF-8 in a string");
