@@ -2075,6 +2075,28 @@ Test(pickler, a_reduce_that_exposes_the_parent_runs_once_and_keeps_the_bytes_and
   ASSERT_NO_LEAK();
 }
 
+Test(pickler, a_borrowed_root_held_only_by_a_cycle_is_met_again_as_a_back_reference) {
+  /* x = [t, y] and y = [x]; the caller holds y, and walks x through a
+   * getter's borrowed handle: x's one reference is y's, so the walk meets
+   * x again through an edge that the count of one does not show. */
+  dp_value_t y = t_list(), x = t_list();
+  OK(dp_list_append(x, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  OK(dp_list_append(x, dp_value_retain(y), T_ERR));
+  OK(dp_list_append(y, x, T_ERR));
+  dp_value_t borrowed = dp_seq_get(y, 0);
+  cr_assert_eq(dp_value_refcount(borrowed), 1);
+  expect_one_storage(borrowed, 0x1000, "$[0]", 1, 1);
+  dp_frame_t *f = pickle_twice_same(borrowed, borrowed);
+  dp_value_t back = unpickle_ok(f);
+  cr_assert_eq(dp_value_id(dp_seq_get(dp_seq_get(back, 1), 0)), dp_value_id(back),
+               "sharing lost: the root came back as a copy of itself");
+  cr_assert_eq(dp_value_equal(borrowed, back, DP_EQ_SHARING, NULL), 1);
+  dp_frame_free(f);
+  dp_value_release(back);
+  dp_value_release(y);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, a_reduce_state_holding_a_tensor_met_in_a_list_of_leaves_counts_it_once) {
   /* [[t], 40 tensors, Peer(t), [u], Peer(u)]: t and u are held once and
    * met in lists of leaves, which a scan stages without the memo; each
