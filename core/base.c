@@ -182,6 +182,15 @@ static void cut_middle(char *dst, size_t cap, const char *msg, size_t n) {
   dst[head + 3 + n - from] = '\0';
 }
 
+void dp__fit(char *dst, size_t cap, const char *msg) {
+  size_t n = strlen(msg);
+  if (n < cap) {
+    memcpy(dst, msg, n + 1);
+    return;
+  }
+  cut_middle(dst, cap, msg, n);
+}
+
 int dp__verr(dp_error_t *err, int code, int64_t offset, const char *fmt, va_list ap) {
   if (!err) return code;
   err->code = code;

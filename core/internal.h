@@ -61,6 +61,12 @@ int dp__cb_rc(int rc, dp_error_t *err, const char *what);
 int dp__err_prefix(dp_error_t *err, int rc, const char *prefix);
 /* The same with "<err's message><suffix>" (" at $.x", where it happened). */
 int dp__err_suffix(dp_error_t *err, int rc, const char *suffix);
+/* msg into dst[cap] (cap at least 8): whole when it fits, else its
+ * beginning and its end with "…" in place of its middle, each cut at a
+ * character boundary, as a message too long for dp_error_t is. For a cause
+ * quoted after a path: cut to the room the path leaves, it keeps the path
+ * whole (base.h: a message holds any path). */
+void dp__fit(char *dst, size_t cap, const char *msg);
 
 /* What a tuple dict key may hold (dp_value_is_hashable), said where one is refused. */
 #define DP__TUPLE_KEY_RULE " (a tuple key holds only scalars, str, bytes and tuples, at most 1024 of them, 32 levels deep)"

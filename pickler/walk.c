@@ -394,6 +394,22 @@ static int memo_everything(dp__walker_t *w, const void *stop, const int S) {
   return 0;
 }
 
+/* A reduce() that failed with rc, its error in *inner. Out of memory stays
+ * out of memory; any other failure means the value cannot be walked. Its
+ * message is cut to the room the path leaves (the path and the type take at
+ * most 1,450 of the 2,048 bytes), so that the path stays whole. Not inlined:
+ * its buffers stay off the stack of walks nested in reduce(). */
+static __attribute__((noinline)) int reduce_failed(dp__walker_t *w, const dp_type_t *t, int rc,
+                                                   const dp_error_t *inner) {
+  char name[DP__STEP_MAX], head[DP_ERROR_MSG_MAX], cause[DP_ERROR_MSG_MAX];
+  int len = snprintf(head, sizeof head, "reduce of type '%s' failed at %s: ", shown_name(t->name, name),
+                     dp__walker_path(w));
+  dp__fit(cause, sizeof cause - (size_t)len, inner->message[0] ? inner->message : dp_strerror(rc));
+  int code = dp__err(w->err, rc == DP_ENOMEM ? DP_ENOMEM : DP_ETYPE, "%s%s", head, cause);
+  if (w->err) w->err->backend_code = inner->backend_code; /* passed through, as any callback's (base.h) */
+  return code;
+}
+
 static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const int S) {
   const dp_type_t *t = DP_CUSTOM(v)->type;
   char name[DP__STEP_MAX];
@@ -416,12 +432,7 @@ static int reduce_custom(dp__walker_t *w, dp_value_t v, dp_value_t *state, const
   if (rc > 0 || (rc < 0 && (inner.message[0] || !dp__is_code(rc)))) rc = dp__cb_rc(rc, &inner, "reduce");
   if (rc != 0) {
     dp_value_release(*state);
-    /* Out of memory stays out of memory; any other failure means the value
-     * cannot be walked. */
-    int code = dp__err(w->err, rc == DP_ENOMEM ? DP_ENOMEM : DP_ETYPE, "reduce of type '%s' failed at %s: %s",
-                       shown_name(t->name, name), dp__walker_path(w), inner.message[0] ? inner.message : dp_strerror(rc));
-    if (w->err) w->err->backend_code = inner.backend_code; /* passed through, as any callback's (base.h) */
-    return code;
+    return reduce_failed(w, t, rc, &inner);
   }
   w->states[w->nstates++] = *state;
   return 0;

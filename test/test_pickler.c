@@ -2257,6 +2257,64 @@ Test(pickler, a_message_too_long_for_its_buffer_loses_its_middle_not_its_end) {
   ASSERT_NO_LEAK();
 }
 
+static size_t wordy_len; /* the length of the message wordy_reduce writes */
+static int wordy_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj;
+  (void)state;
+  memset(err->message, 'w', wordy_len);
+  memcpy(err->message + wordy_len - 4, "END.", 5);
+  return DP_EIO;
+}
+static const dp_type_t wordy_type = {"Wordy", wordy_reduce, NULL};
+
+Test(pickler, a_reduce_failing_with_a_long_message_under_a_long_path_keeps_the_whole_path_and_cuts_its_message) {
+  /* three keys of control characters, each shown as \u0001 six times over:
+   * a path of about 1,000 bytes, whole (not elided) */
+  dp_value_t root, cur, c;
+  OK(dp_dict_new(0, &root, T_ERR));
+  cur = root;
+  static const size_t klen[] = {64, 64, 37};
+  for (int i = 0; i < 3; i++) {
+    char k[64];
+    memset(k, 1, sizeof k);
+    dp_value_t key, d;
+    OK(dp_str_new(k, klen[i], &key, T_ERR));
+    if (i < 2) {
+      OK(dp_dict_new(0, &d, T_ERR));
+      OK(dp_dict_set(cur, key, d, T_ERR));
+      cur = d;
+    } else {
+      OK(dp_custom_new(&wordy_type, NULL, &c, T_ERR));
+      OK(dp_dict_set(cur, key, c, T_ERR));
+    }
+  }
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, T_ERR));
+  dp_error_t e;
+  wordy_len = 10;
+  cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
+  const char *from = strstr(e.message, " at $"), *to = strstr(e.message, "\"]: ");
+  cr_assert(from && to, "%s", e.message);
+  size_t plen = (size_t)(to + 2 - (from + 4));
+  char path[DP_PATH_MAX + 1];
+  cr_assert_gt(plen, 1000);
+  cr_assert_leq(plen, DP_PATH_MAX);
+  memcpy(path, from + 4, plen);
+  path[plen] = '\0';
+  for (wordy_len = 1200; wordy_len < DP_ERROR_MSG_MAX; wordy_len += 800) {
+    cr_assert_eq(dp_scan(root, NULL, set, &e), DP_ETYPE);
+    size_t n = strlen(e.message);
+    cr_assert_leq(n, DP_ERROR_MSG_MAX - 1);
+    cr_assert_not_null(strstr(e.message, path), "a message of %zu bytes from reduce cut the path: %.80s...", wordy_len,
+                       e.message + 1000);
+    cr_assert_str_eq(e.message + n - 7, "wwwEND.", "the end of reduce's message is kept");
+    cr_assert_not_null(strstr(e.message, "w\u2026w"), "the middle of reduce's message is marked");
+  }
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, a_bytes_key_shows_its_base64_in_paths_cut_as_other_keys) {
   static const uint8_t one[] = {0}, two[] = {1};
   uint8_t long_key[100];

@@ -69,8 +69,10 @@ typedef enum dp_errno {
 } dp_errno_t;
 
 /** Size of dp_error_t's message buffer. It holds any message that names a
- *  path (paths are at most DP_PATH_MAX bytes, ptrset.h); a longer message
- *  keeps its beginning and its end, with "…" (U+2026) in place of its middle
+ *  path (paths are at most DP_PATH_MAX bytes, ptrset.h) whole: one that
+ *  quotes a callback's message after a path (a reduce() that failed) cuts
+ *  the quoted message to the room left, as below. A longer message keeps
+ *  its beginning and its end, with "…" (U+2026) in place of its middle
  *  (one longer than 64 KiB, or one the allocator hook gives no room to be
  *  formatted whole, keeps only its beginning, then "…"). */
 #define DP_ERROR_MSG_MAX 2048
