@@ -168,12 +168,19 @@ void dp_frame_free(dp_frame_t *f) {
   dp__free(f, sizeof *f);
 }
 
+/* A frame a pickle is writing (read from its own reduce() or read
+ * callback) reads as empty: its bytes and table are half made, and the
+ * inline data's offsets not laid out yet (a descriptor's data pointer would
+ * be made of whatever the offsets array held). */
 const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len) {
-  if (len) *len = f ? f->len : 0;
-  return f ? f->buf : NULL;
+  int readable = f && !f->busy;
+  if (len) *len = readable ? f->len : 0;
+  return readable ? f->buf : NULL;
 }
 
-size_t dp_frame_nbuffers(const dp_frame_t *f) { return f && f->len ? dp_ptrset_count(f->set) : 0; }
+size_t dp_frame_nbuffers(const dp_frame_t *f) {
+  return f && f->len && !f->busy ? dp_ptrset_count(f->set) : 0;
+}
 
 int dp__frame_buffer_not_local(const dp_frame_t *f, size_t i) {
   return f->len && i < f->nstorages && f->storages[i].not_local;
@@ -182,6 +189,8 @@ int dp__frame_buffer_not_local(const dp_frame_t *f, size_t i) {
 int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out, dp_error_t *err) {
   dp_ptr_info_t info;
   if (!f || !out) return dp__err(err, DP_EINVAL, "dp_frame_buffer: NULL %s", f ? "out" : "frame");
+  if (f->busy)
+    return dp__err(err, DP_ESTATE, "dp_frame_buffer: the frame is being written by a pickle that has not returned");
   if (!f->len || i >= dp_ptrset_count(f->set))
     return dp__err(err, DP_EINVAL, "dp_frame_buffer: buffer %zu out of range (the frame has %zu)", i, dp_frame_nbuffers(f));
   dp_ptrset_get(f->set, i, &info, NULL);

@@ -4979,6 +4979,59 @@ Test(pickler, a_read_callback_that_pickles_into_the_frame_being_written_is_refus
   ASSERT_NO_LEAK();
 }
 
+/* What a read callback saw of the frame its own pickle writes. */
+static struct {
+  dp_frame_t *frame;
+  const uint8_t *data;
+  size_t len, nbuffers;
+  int rc;
+  char message[DP_ERROR_MSG_MAX];
+} peek;
+
+static int read_peeking(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst, dp_error_t *err) {
+  (void)ud, (void)device, (void)src, (void)err;
+  memset(dst, 0x5a, nbytes);
+  if (peek.nbuffers != SIZE_MAX) return 0; /* the first read only */
+  peek.data = dp_frame_data(peek.frame, &peek.len);
+  peek.nbuffers = dp_frame_nbuffers(peek.frame);
+  dp_buffer_desc_t d;
+  dp_error_t e;
+  dp_error_clear(&e);
+  peek.rc = dp_frame_buffer(peek.frame, 2, &d, &e);
+  snprintf(peek.message, sizeof peek.message, "%s", e.message);
+  return 0;
+}
+
+Test(pickler, a_frame_read_by_a_callback_of_the_pickle_writing_it_is_empty_and_refuses_its_buffers) {
+  /* Buffer 2's place in the inline data is not laid out while buffer 0 is
+   * read: its descriptor's data pointer was made of whatever the offsets
+   * array held. */
+  dp_value_t v = t_list();
+  for (int i = 0; i < 3; i++) OK(dp_list_append(v, t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 0x10000, 16), T_ERR));
+  memset(&peek, 0, sizeof peek);
+  peek.nbuffers = SIZE_MAX;
+  OK(dp_frame_new(&peek.frame, T_ERR));
+  dp_pickle_opts_t po = {0};
+  po.flags = DP_PICKLE_INLINE;
+  po.read = read_peeking;
+  OK(dp_pickle(v, &po, peek.frame, T_ERR));
+  cr_assert(peek.data == NULL && peek.len == 0, "the frame read as %zu bytes while it was written", peek.len);
+  cr_assert_eq(peek.nbuffers, 0);
+  cr_assert_eq(peek.rc, DP_ESTATE, "%s", dp_err_name(peek.rc));
+  cr_assert_str_eq(peek.message, "dp_frame_buffer: the frame is being written by a pickle that has not returned");
+  /* once it has returned, the frame reads whole */
+  dp_buffer_desc_t d;
+  size_t n;
+  const uint8_t *p = dp_frame_data(peek.frame, &n);
+  cr_assert_eq(dp_frame_nbuffers(peek.frame), 3);
+  OK(dp_frame_buffer(peek.frame, 2, &d, T_ERR));
+  cr_assert((const uint8_t *)d.data >= p && (const uint8_t *)d.data + 64 <= p + n, "buffer 2's bytes lie in the frame");
+  cr_assert_eq(((const uint8_t *)d.data)[63], 0x5a);
+  dp_frame_free(peek.frame);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
 static int reduce_positive(void *obj, dp_value_t *state, dp_error_t *err) {
   (void)obj, (void)err;
   *state = dp_int(1);

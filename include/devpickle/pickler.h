@@ -121,12 +121,15 @@ DP_API int dp_frame_new(dp_frame_t **out, dp_error_t *err);
 /** Frees the frame (NULL is fine). */
 DP_API void dp_frame_free(dp_frame_t *f);
 /** The frame's bytes (borrowed; valid until the next pickle or free) and
- *  their number in *len (may be NULL). */
+ *  their number in *len (may be NULL). While a pickle into the frame has
+ *  not returned (read from its own reduce() or read callback), the frame is
+ *  half written and reads as empty: NULL and 0, no buffers, and
+ *  dp_frame_buffer is DP_ESTATE. */
 DP_API const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len);
 /** Number of buffer descriptors in the frame's table (0 before a pickle). */
 DP_API size_t dp_frame_nbuffers(const dp_frame_t *f);
 /** Buffer i's descriptor. DP_EINVAL when out of range (an empty frame has
- *  none). */
+ *  none); DP_ESTATE while a pickle into the frame has not returned. */
 DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out, dp_error_t *err);
 
 /** Serializes v into frame (replacing its contents). The same value always
