@@ -2,9 +2,9 @@
  *
  * Memo. Every heap node gets a preorder number, and a node met again is a
  * back-reference to it. Recording every node would make trees pay a hash
- * insert per node, so a walk starts by recording only the root and nodes
- * whose reference count exceeds one, and records every node from its first
- * reduce() on.
+ * insert per node, so a walk starts by recording only nodes whose reference
+ * count exceeds one (the root, node 0, is known without an entry), and
+ * records every node from its first reduce() on.
  * Why that is sound, and why the bytes stay the same whatever references
  * the caller holds: see memo_everything() below.
  *
@@ -324,8 +324,8 @@ static dp_value_t replay_child(dp_value_t node, size_t i) {
  * every edge holds a reference. Before the first reduce() nothing but the
  * value holds references for the walk, so such a node's count is at least
  * two the first time it is met — but for the root, which the walk enters
- * through no edge (the caller's handle may be borrowed): visit() records
- * and looks up the root whatever its count. reduce() breaks this: its state may hold a
+ * through no edge (the caller's handle may be borrowed): visit() knows it
+ * by its address (node 0) whatever its count. reduce() breaks this: its state may hold a
  * node met before with a count of one (an ancestor, a tensor), which then
  * has a second way in that the memo does not know.
  *
@@ -341,7 +341,7 @@ static dp_value_t replay_child(dp_value_t node, size_t i) {
  * The walk is thus the same as one that records every node from the start,
  * which never looks at a reference count: the bytes do not depend on the
  * references the caller holds. Values without customs never replay and
- * never hash a node held once but the root. A scan's tensors waiting in
+ * never hash a node held once. A scan's tensors waiting in
  * the batch are looked into first, under the old rule, since the replay
  * records them.
  * Scan never numbers str and bytes (it skips them), pickle does. */
@@ -665,10 +665,7 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
   dp_heap_t *h = v.u.h;
   if (k == DP_TENSOR && w->batch) return stage_tensor(w, h);
   uint64_t index = w->next_index++;
-  /* The root is memoized whatever its count: the caller's handle need not
-   * be a reference (a getter's result is borrowed), so a root held once,
-   * by a cycle through it, is met again through its one edge. */
-  if (dp__rc(h) > w->memo_rc || DP_UNLIKELY(h == w->root.u.h)) {
+  if (dp__rc(h) > w->memo_rc) {
     uint64_t seen = 0;
     int m = memo_check(w, h, index, &seen);
     if (m < 0) return memo_failed(w, m, 1);
@@ -676,6 +673,14 @@ DP_WALK_INLINE int visit(dp__walker_t *w, dp_value_t v, const int S) {
       w->next_index--;
       return S ? w->sink->backref(w->sink_ctx, seen) : 0;
     }
+  } else if (DP_UNLIKELY(h == w->root.u.h) && index != 0) {
+    /* The root met again, though held once: the caller's handle need not
+     * be a reference (a getter's result is borrowed), so a root held once,
+     * by a cycle through it, is met again through its one edge. It is node
+     * 0, and needs no memo entry to be known (a replay records it as any
+     * other node, and the memo answers from then on). */
+    w->next_index--;
+    return S ? w->sink->backref(w->sink_ctx, 0) : 0;
   }
   switch (k) {
     case DP_STR:
