@@ -160,7 +160,11 @@ int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err) {
 
 int dp_frame_value_check(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_error_t *err) {
   if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_frame_value_check: NULL bytes");
-  int rc = dp_frame_prefix_check(bytes, n, err);
+  /* opts as dp_unpickle takes them: a resolver it would refuse is refused
+   * here too, though this check never asks it */
+  int rc = dp__unpickle_opts_check(opts, "dp_frame_value_check", err);
+  if (rc) return rc;
+  rc = dp_frame_prefix_check(bytes, n, err);
   if (rc || n < DP_FRAME_HEADER || (opts && opts->resolver)) return rc;
   dp_frame_info_t fi;
   dp__frame_header_parse(bytes, &fi);

@@ -4513,6 +4513,10 @@ Test(pickler, a_resolver_without_its_callback_is_refused_first_naming_the_call_t
   cr_assert_eq(dp_unpickle_stream(read_counting, &reads, &o, &back, NULL, NULL, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_unpickle_stream: the resolver has a NULL resolve");
   cr_assert_eq(reads, 0);
+  /* and by the check that runs the reader without callbacks: the opts it
+   * is handed are those dp_unpickle takes */
+  cr_assert_eq(dp_frame_value_check("x", 1, &o, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_value_check: the resolver has a NULL resolve");
   ASSERT_NO_LEAK();
 }
 

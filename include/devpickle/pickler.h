@@ -254,7 +254,9 @@ DP_API int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err);
  *  nothing is bound (opts->bind is not called; what it would refuse is
  *  refused once the frame is whole), and with opts->resolver set the value
  *  is not read (0 after the prefix check), since a resolver may make of a
- *  reduce node what a generic object cannot be (a dict key). opts may be
+ *  reduce node what a generic object cannot be (a dict key); a resolver
+ *  dp_unpickle refuses as an argument (a NULL resolve, NULL types with
+ *  ntypes) is DP_EINVAL here too. opts may be
  *  NULL (the default limits). Whatever it refuses, dp_unpickle with the
  *  same opts refuses too (its error may name another fault, or the
  *  checksum, first). Memory as dp_unpickle of the header, payload and
