@@ -1179,6 +1179,24 @@ def test_dumps_refuses_what_a_frame_cannot_carry_naming_it():
     assert devpickle.loads(devpickle.dumps([2**63 - 1, -2**63])) == [2**63 - 1, -2**63]
 
 
+def test_a_numpy_view_off_its_item_grid_is_refused_naming_it_as_documented():
+    # a frame counts offsets and strides in items: a view whose bytes start,
+    # or step, off a whole item cannot be said, and dumps refuses it at its
+    # path (PYTHON.md); scan and the Future still walk it
+    packed = np.zeros(5, dtype=[("a", "<f4"), ("b", "u1")])  # 5-byte records
+    raw = np.arange(24, dtype=np.uint8)
+    for v, words in [(raw[1:17].view(np.float32), "a view whose offset is not a multiple of the item size"),
+                     (packed["a"], "strides that are not a multiple of the item size")]:
+        with pytest.raises(devpickle.WalkError, match=words) as e:
+            devpickle.dumps({"x": v})
+        assert e.value.path == "$.x"
+        assert [a.path for a in devpickle.scan({"x": v})] == ["$.x"]
+    # one record's field, at a whole item, is contiguous: carried
+    packed["a"] = [1.5, 2.5, 3.5, 4.5, 5.5]
+    for v, want in [(packed["a"][:1], [1.5]), (packed["a"][4:], [5.5])]:
+        assert devpickle.loads(devpickle.dumps(v, inline=True)).tolist() == want
+
+
 def test_an_array_resized_by_the_values_code_during_dumps_is_a_walk_error_not_a_read_of_freed_memory():
     a = np.ones(1_000_000)
 
