@@ -697,6 +697,19 @@ def _numpy_scalar(dtype, data):
         return dt.type()  # numpy's empty str_/bytes_ ('<U0', '|S0') hold one NUL character
     if dt.hasobject or dt.itemsize != len(data):
         raise TypeError(f"loads: a numpy.generic of dtype {dtype!r} with {len(data)} bytes of data")
+    if dt.kind in "mM":
+        # numpy parses a unit count of 0 ('<M8[0s]'), then divides by it in
+        # every cast and arithmetic (a SIGFPE, not an exception); and it
+        # holds a datetime without a unit only as NaT (str and repr of any
+        # other raise): neither is a scalar numpy makes
+        unit, count = np.datetime_data(dt)
+        if count == 0:
+            raise TypeError(f"loads: a numpy.generic of dtype {dtype!r} with a unit of 0 {unit}: numpy divides by "
+                            "the unit's count in every conversion")
+        nat = int(np.frombuffer(data, dtype=np.dtype("i8").newbyteorder(dt.byteorder))[0]) == -1 << 63
+        if dt.kind == "M" and unit == "generic" and not nat:
+            raise TypeError(f"loads: a numpy.generic of dtype {dtype!r} with no unit and a value that is not NaT: "
+                            "numpy holds a datetime without a unit only as NaT")
     if dt.kind == "U":
         # numpy makes a str_ of the code points as they are: one past U+10FFFF
         # is CPython's SystemError, or a str no Python code could make

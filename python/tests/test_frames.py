@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -1012,6 +1013,26 @@ def test_a_numpy_str_scalar_whose_code_point_is_past_unicode_is_a_type_error_not
     for v in (np.str_("h\u00e9llo\U0010ffff"), np.str_("\ud800"), np.str_("")):
         out = devpickle.loads(devpickle.dumps(v))
         assert type(out) is np.str_ and out == v
+
+
+@pytest.mark.parametrize("dtype, words", [
+    ("<M8[0s]", "a unit of 0 s"), ("<m8[0D]", "a unit of 0 D"), (">M8[00us]", "a unit of 0 us"),
+    ("<M8", "no unit and a value that is not NaT"), ("<M8[generic]", "no unit and a value that is not NaT")])
+def test_a_numpy_datetime_scalar_numpy_cannot_compute_with_is_refused_naming_it(dtype, words):
+    # numpy parses a unit count of 0, then divides by it in every cast and
+    # arithmetic: the loaded scalar's first `+ np.timedelta64(1, "s")` was a
+    # SIGFPE; and it holds a datetime without a unit only as NaT (str and
+    # repr of any other raise)
+    frame = devpickle.dumps({"t": [spoof("numpy.generic", dtype=dtype, data=b"\5" + b"\0" * 7)]}, inline=True)
+    with pytest.raises(TypeError, match=rf"loads: a numpy.generic of dtype '{re.escape(dtype)}' with {words}"
+                                        r".*, at \$\.t\[0\]$"):
+        devpickle.loads(frame)
+    # what numpy itself makes still comes back: NaT without a unit, a
+    # timedelta without one, units with a count
+    for v in (np.datetime64("NaT"), np.timedelta64(5), np.timedelta64("NaT"), np.datetime64(7, "10ms"),
+              np.timedelta64(-3, "2W")):
+        out = devpickle.loads(devpickle.dumps(v))
+        assert type(out) is type(v) and out.dtype == v.dtype and (out == v or (np.isnat(out) and np.isnat(v)))
 
 
 @pytest.mark.parametrize("make", [lambda: np.zeros(1, dtype=[("a", "<i4"), ("b", "<f4")])[0],
