@@ -640,7 +640,16 @@ def finish(name, attrs, classes, copies):
         return cls(**attrs)
     if cls is None or not any(k.startswith("<") for k in attrs):
         return Object(name, attrs) if cls is None else fill(cls.__new__(cls), attrs)
+    if not set(attrs) <= _REDUCE_PARTS:
+        # dumps writes a reduce's parts alone: a mix is no form it writes,
+        # never read as a reduce with the rest dropped
+        raise TypeError(f"loads: a {name} object whose attributes mix a reduce's parts and other names "
+                        f"(attributes: {sorted(attrs)!r})")
     return reduced(cls, attrs, classes, copies)
+
+
+# a reduced object's attributes, as dumps writes them
+_REDUCE_PARTS = frozenset({"<callable>", "<args>", "<state>", "<listitems>", "<dictitems>", "<state_setter>"})
 
 
 _TORCH_TENSOR_CLASSES = ("torch.nn.parameter.Parameter", "torch.nn.parameter.Buffer")

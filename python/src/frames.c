@@ -553,6 +553,21 @@ static int is_array_class(const char *name) {
   return !strcmp(name, "torch.Tensor") || !strcmp(name, "numpy.ndarray") || !strcmp(name, "cupy.ndarray");
 }
 
+/* Whether any of object v's attributes is named as a reduce's part
+ * (<callable>, <args>, ...): such an object is rebuilt as a reduce, at the
+ * end (devpickle/_frames.py refuses one that mixes the parts with other
+ * names), never made first as a plain object whose attributes they would
+ * be. dumps writes the parts alone, <callable> first. */
+static int names_a_part(dp_value_t v) {
+  size_t n = dp_object_nattrs(v);
+  for (size_t i = 0; i < n; i++) {
+    const char *name = NULL;
+    dp_object_attr(v, i, &name, NULL, NULL);
+    if (name && name[0] == '<') return 1;
+  }
+  return 0;
+}
+
 typedef struct cstack {
   cframe_t *f;
   size_t n, cap;
@@ -650,7 +665,7 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
          class's attributes, whatever classes= allows, and no reserved
          class's form */
       if (!(f.placeholder = PyObject_CallFunction(l->fn_object, "s", cname))) return NULL;
-    } else if (!is_reserved(cname) && !(first && first[0] == '<')) {
+    } else if (!is_reserved(cname) && !names_a_part(v)) {
       f.placeholder = PyObject_CallFunction(l->fn_new, "sO", cname, l->classes);
       if (!f.placeholder) return NULL;
       if (f.placeholder == Py_None) Py_CLEAR(f.placeholder); /* made at the end, from its attributes */

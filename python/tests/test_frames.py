@@ -67,6 +67,30 @@ def _packed(tmp_path, value):
     return (tmp_path / "v.dpk").read_bytes()
 
 
+@pytest.mark.parametrize("names", [["x", "<args>"], ["x", "<callable>", "<args>"], ["<callable>", "<args>", "x"],
+                                   ["<callable>", "<args>", "<kwargs>"], ["<callable>", "<args>", "<state>", "__dict__"]])
+def test_a_frame_object_mixing_a_reduces_parts_with_other_attributes_is_refused_never_half_read(tmp_path, names):
+    # dumps writes a reduced object's parts alone, <callable> first, and
+    # refuses a plain attribute named <...>: a crafted frame's mix was read
+    # by its first name, a plain object taking the parts as attributes
+    # (<callable> in its __dict__, its __setstate__ given them), or a
+    # reduced one dropping the rest
+    label = f"{__name__}.Node"
+    parts = {"<callable>": {"$object": "devpickle.global", "attrs": {"name": label}}, "<args>": {"$tuple": ["n"]},
+             "<state>": {"name": "kept"}, "x": 1, "__dict__": {}, "<kwargs>": {}}
+    frame = _packed(tmp_path, {"k": {"$object": label, "attrs": {n: parts[n] for n in names}}})
+    with pytest.raises(TypeError, match=rf"^loads: a {re.escape(label)} object whose attributes mix a reduce's parts "
+                                        rf"and other names \(attributes: {re.escape(str(sorted(names)))}\), at \$\.k$"):
+        devpickle.loads(frame, classes=Node)
+    # a devpickle.Object holds them as they came: nothing is made of them
+    out = devpickle.loads(frame)["k"]
+    assert type(out) is devpickle.Object and list(out.__attrs__) == names
+    # the parts alone are a reduce, as dumps writes them
+    whole = _packed(tmp_path, {"$object": label, "attrs": {n: parts[n] for n in ("<callable>", "<args>", "<state>")}})
+    out = devpickle.loads(whole, classes=Node)
+    assert type(out) is Node and out.name == "kept"
+
+
 def test_an_inline_frame_round_trips_values_sharing_and_cycles():
     value = sample()
     out = devpickle.loads(devpickle.dumps(value, inline=True), classes=(Node, collections.OrderedDict))
