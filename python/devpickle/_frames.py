@@ -300,7 +300,16 @@ def fill(obj, attrs):
     setattr, the others into its __dict__ (pickle's default __setstate__
     for a (dict, slots) state)."""
     if isinstance(obj, Object):
-        obj.__attrs__.update(attrs)
+        try:
+            own = object.__getattribute__(obj, "__attrs__")
+        except AttributeError:
+            # devpickle.Object listed in classes= and made by its __new__: an
+            # Object is its class name and attributes, which its __init__
+            # sets and dumps carries as its reduce; a plain frame object of
+            # that class has no class name to give it
+            raise TypeError(f"loads: a {class_label(type(obj))} object in plain form (attributes: {sorted(attrs)!r}): "
+                            "a devpickle.Object is carried as its reduce (its class name and attributes)") from None
+        own.update(attrs)
         return obj
     slots = _slot_names(type(obj))
     state = {k: v for k, v in attrs.items() if k not in slots}

@@ -91,6 +91,23 @@ def test_a_frame_object_mixing_a_reduces_parts_with_other_attributes_is_refused_
     assert type(out) is Node and out.name == "kept"
 
 
+def test_a_devpickle_object_comes_back_from_its_reduce_and_a_plain_one_is_refused_naming_it(tmp_path):
+    # classes=devpickle.Object: one dumped (its reduce: class name and
+    # attributes) comes back; a crafted plain object of that class has no
+    # class name to give it, and was an AttributeError('__attrs__') from
+    # loads' own filling of an Object its __init__ never made
+    o = devpickle.Object("m.K", {"x": [1]})
+    assert devpickle.loads(devpickle.dumps({"o": o}), classes=devpickle.Object) == {"o": o}
+    label = "devpickle._object.Object"
+    for attrs in ({"x": 1}, {}):
+        frame = _packed(tmp_path, {"o": {"$object": label, "attrs": attrs}})
+        with pytest.raises(TypeError, match=rf"^loads: a {label} object in plain form \(attributes: "
+                                            rf"{re.escape(str(sorted(attrs)))}\): a devpickle.Object is carried as its "
+                                            r"reduce \(its class name and attributes\), at \$\.o$"):
+            devpickle.loads(frame, classes=devpickle.Object)
+        assert devpickle.loads(frame)["o"] == devpickle.Object(label, attrs)  # not allowed: held as it came
+
+
 def test_an_inline_frame_round_trips_values_sharing_and_cycles():
     value = sample()
     out = devpickle.loads(devpickle.dumps(value, inline=True), classes=(Node, collections.OrderedDict))
