@@ -951,6 +951,13 @@ def _flat(kind, device, source, cache, key, nbytes):
     else:
         cache[key] = source
     torch = sys.modules.get("torch")
+    if isinstance(source, memoryview):
+        try:
+            source.nbytes  # any read of a released one raises
+        except ValueError:
+            # it holds no memory: said as a missing buffer is
+            raise ValueError(f"loads: buffers[{key}] is a released memoryview: buffer {key} ({device}, {nbytes} bytes) "
+                             "needs its bytes") from None
     _check_contiguous(source, key)
     if kind != "torch.Tensor" and torch is not None and isinstance(source, torch.Tensor):
         if source.device.type != "cpu":

@@ -174,6 +174,24 @@ def test_a_buffer_given_as_none_or_strided_is_a_clear_error_never_a_copy():
     assert out[0].tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_released_memoryview_given_as_a_buffer_is_a_value_error_naming_it(kind):
+    # it holds no memory: said as a missing buffer is, not memoryview's own
+    # "operation forbidden" with only a note
+    value = [np.arange(4, dtype=np.float32) if kind == "numpy" else torch.arange(4, dtype=torch.float32)]
+    frame = devpickle.dumps(value, buffer_callback=lambda b: None)
+    mv = memoryview(bytearray(16))
+    mv.release()
+    with pytest.raises(ValueError, match=r"^loads: buffers\[0\] is a released memoryview: buffer 0 \(cpu, 16 bytes\) "
+                                         r"needs its bytes, at \$\[0\]$"):
+        devpickle.loads(frame, buffers=[mv])
+    # one released after loads: the array holds the memory through its own view
+    mv = memoryview(bytearray(b"\0\0\x80\x3f" * 4))
+    out = devpickle.loads(frame, buffers=[mv])
+    mv.release()
+    assert out[0].tolist() == [1.0] * 4
+
+
 def test_requires_grad_travels_as_pickle_carries_it_and_comes_back_on_leaves():
     g = torch.ones(3, requires_grad=True)
     out = devpickle.loads(devpickle.dumps({"g": g, "v": g[1:], "n": torch.zeros(2)}, inline=True))
