@@ -882,7 +882,8 @@ fail:
  * is not C-contiguous (a strided memoryview, a Fortran-ordered array) in
  * place of the exporter's error (memoryview's BufferError, numpy's
  * ValueError) when data is one: a frame is its bytes end to end, and is
- * never copied to make it so. Any other error stands. */
+ * never copied to make it so; loads' ValueError for a released memoryview.
+ * Any other error stands. */
 static PyObject *not_contiguous(PyObject *data) {
   Py_buffer v;
   PyObject *et, *ev, *tb;
@@ -892,6 +893,12 @@ static PyObject *not_contiguous(PyObject *data) {
     Py_XDECREF(et), Py_XDECREF(ev), Py_XDECREF(tb);
     return PyErr_Format(PyExc_TypeError, "loads: data must be a bytes-like object (a frame's bytes), not '%s'",
                         Py_TYPE(data)->tp_name);
+  }
+  if (PyMemoryView_Check(data) && et && PyErr_GivenExceptionMatches(et, PyExc_ValueError)) {
+    /* a released memoryview (its only ValueError here): no bytes at all */
+    Py_XDECREF(et), Py_XDECREF(ev), Py_XDECREF(tb);
+    PyErr_SetString(PyExc_ValueError, "loads: data is a released memoryview: it holds no frame's bytes");
+    return NULL;
   }
   if (!PyObject_CheckBuffer(data) || PyObject_GetBuffer(data, &v, PyBUF_FULL_RO)) {
     PyErr_Clear();

@@ -2978,6 +2978,15 @@ def test_a_frame_given_as_a_non_contiguous_buffer_is_a_type_error_saying_what_lo
     assert devpickle.loads(memoryview(frame)[::1]) == devpickle.loads(np.frombuffer(frame, np.uint8)) == [1, "two", 3.0]
 
 
+def test_a_frame_given_as_a_released_memoryview_is_a_value_error_in_loads_words():
+    # it holds no bytes: memoryview's own "operation forbidden" named neither
+    # loads nor its data
+    mv = memoryview(devpickle.dumps([1]))
+    mv.release()
+    with pytest.raises(ValueError, match=r"^loads: data is a released memoryview: it holds no frame's bytes$"):
+        devpickle.loads(mv)
+
+
 class LyingLength:
     """A sequence whose len() is not the number of items it gives."""
 
