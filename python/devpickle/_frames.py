@@ -156,10 +156,10 @@ class Buffer:
 
 def _format_holds_objects(x):
     """Whether buffer x's items hold Python objects (struct format 'O', also
-    inside a structured format; field names aside): the scanner's rule."""
+    inside a structured format; field names aside where numpy exported it):
+    the scanner's rule."""
     try:
-        with memoryview(x) as m:
-            return _holds_objects(m.format)
+        return _holds_objects(x)
     except TypeError:
         return False
 
@@ -927,7 +927,7 @@ def _check_contiguous(source, key):
         # also inside a structured format) holds pointers: a tensor over it
         # would read them, and writes through it would corrupt the objects'
         # references
-        if _holds_objects(fmt) or getattr(getattr(source, "dtype", None), "hasobject", False):
+        if _format_holds_objects(source) or getattr(getattr(source, "dtype", None), "hasobject", False):
             raise TypeError(f"loads: buffers[{key}] holds Python objects (format {fmt!r}), not bytes")
         if _over_objects(source):
             # bytes of its own format over such memory: np.frombuffer of an

@@ -103,9 +103,9 @@ PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw);
 PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw);
 /* _hash_work(items, memo, left): what hashing each of items (a list or tuple) costs (frames.c). */
 PyObject *dpy_hash_work(PyObject *self, PyObject *args);
-/* Whether a buffer's struct format holds Python objects ('O', also in a
- * structured format): devpickle._devpickle._format_holds_objects(str). */
-PyObject *dpy_format_holds_objects(PyObject *self, PyObject *arg);
+/* Whether buffer x's items hold Python objects ('O' in its struct format,
+ * also in a structured format): devpickle._devpickle._format_holds_objects(x). */
+PyObject *dpy_format_holds_objects(PyObject *self, PyObject *x);
 
 /* Device names as the C library writes them ("cuda:0", "cpu", "host:1"). */
 PyObject *dpy_device_str(dp_device_t d);

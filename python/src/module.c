@@ -200,8 +200,9 @@ static PyMethodDef methods[] = {
      "_hash_work($module, items, memo, left, /)\n--\n\n-> the tuple items CPython hashes to hash each of items, "
      "a list or tuple (loads' bound)"},
     {"_format_holds_objects", dpy_format_holds_objects, METH_O,
-     "_format_holds_objects($module, format, /)\n--\n\n-> whether a buffer of this struct format holds Python "
-     "objects ('O', also in a structured format; field names aside)"},
+     "_format_holds_objects($module, x, /)\n--\n\n-> whether buffer x's items hold Python objects (an 'O' in its "
+     "struct format, also in a structured one; field names aside where numpy exported it, whose names hold no "
+     "colon)"},
     {"_torch_adapter", torch_adapter, METH_NOARGS,
      "_torch_adapter($module, /)\n--\n\nHow torch tensors are read: 'c++' (the adapter), 'python', or None "
      "(torch not imported)."},

@@ -1610,22 +1610,41 @@ static PyObject *ndarray_attr(PyObject *o, const char *name) {
 static int object_array(PyObject *o);
 
 /* 1 when a buffer's struct format holds an 'O' item (a Python object's
- * pointer), also inside a structured format; field names, between colons,
- * aside. */
-static int format_holds_objects(const char *f) {
+ * pointer), also inside a structured format. Field names, between colons,
+ * are skipped only when `names` says the exporter's names hold no colon —
+ * numpy's (it refuses one) —: ctypes writes a name as given, and a field
+ * named "a:" turns the colons' parity, so that the 'O' after it reads as
+ * part of a name; there any 'O' counts (a name holding one too: a buffer
+ * refused, never a view of pointers). */
+static int format_holds_objects(const char *f, int names) {
   for (int in_name = 0; f && *f; f++) {
-    if (*f == ':') in_name = !in_name;
+    if (*f == ':' && names) in_name = !in_name;
     else if (!in_name && *f == 'O') return 1;
   }
   return 0;
 }
 
-/* The rule for _frames.py too (Buffer.raw, loads' buffers=): one rule for
- * both languages. */
-PyObject *dpy_format_holds_objects(PyObject *self, PyObject *arg) {
+/* 1 when o's buffer format comes from numpy (whose field names hold no
+ * colon): a numpy array, or memoryviews of one. */
+static int numpy_exported(PyObject *o) {
+  for (int hops = 0; hops < 64 && PyMemoryView_Check(o); hops++) {
+    if (((PyMemoryViewObject *)o)->flags & _Py_MEMORYVIEW_RELEASED) return 0;
+    o = PyMemoryView_GET_BASE(o);
+    if (!o) return 0;
+  }
+  return dpy.numpy_ndarray && PyObject_TypeCheck(o, dpy.numpy_ndarray);
+}
+
+/* _format_holds_objects(x): whether buffer x's items hold Python objects —
+ * the rule for _frames.py too (Buffer.raw, loads' buffers=): one rule for
+ * both languages. TypeError for an object without the buffer protocol. */
+PyObject *dpy_format_holds_objects(PyObject *self, PyObject *x) {
   (void)self;
-  const char *f = PyUnicode_AsUTF8(arg);
-  return f ? PyBool_FromLong(format_holds_objects(f)) : NULL;
+  Py_buffer v;
+  if (dpy_resolve_frameworks() || PyObject_GetBuffer(x, &v, PyBUF_FULL_RO)) return NULL; /* as memoryview(x) */
+  int r = format_holds_objects(v.format, numpy_exported(x));
+  PyBuffer_Release(&v);
+  return PyBool_FromLong(r);
 }
 
 /* Buffer-protocol objects: cpu memory, owner first (numpy views and
@@ -1689,7 +1708,8 @@ static int buffer_memory_objects(dpy_scanner_t *s, PyObject *o, dp_device_t *dev
   Py_ssize_t lo = 0;
   size_t ext = (size_t)v.len;
   if (v.strides && view_extent(v.ndim, v.shape, v.strides, v.itemsize, &lo, &ext)) ext = (size_t)v.len;
-  if (objectsp && format_holds_objects(v.format)) *objectsp = 1;
+  if (objectsp && format_holds_objects(v.format, dpy.numpy_ndarray && PyObject_TypeCheck(owner, dpy.numpy_ndarray)))
+    *objectsp = 1;
   *basep = addr_at(v.buf, lo);
   *extp = ext;
   PyBuffer_Release(&v);

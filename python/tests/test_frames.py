@@ -4,6 +4,7 @@ import collections
 import collections.abc
 import copy
 import copyreg
+import ctypes
 import gc
 import json
 import os
@@ -348,6 +349,38 @@ def test_an_array_over_memory_that_holds_python_objects_is_refused_never_its_poi
     # a structured array of plain fields is still carried
     plain = np.zeros(2, dtype=[("a", "i8"), ("b", "f8")])["a"]
     assert devpickle.loads(devpickle.dumps({"x": plain}, inline=True))["x"].tolist() == [0, 0]
+
+
+def test_a_ctypes_buffer_whose_field_name_holds_a_colon_cannot_hide_its_python_objects():
+    # ctypes writes a field's name into the struct format as given: "a:"
+    # turned the colons' parity, so the object field after it read as part
+    # of a name; dumps carried the object's address, raw() viewed it
+    # writable and loads took the memory as a buffer
+    class Hiding(ctypes.Structure):
+        _fields_ = [("a:", ctypes.c_int64), ("x", ctypes.py_object)]
+
+    held = Hiding * 2
+    s = held()
+    s[0].x = s[1].x = "kept"
+    a = np.frombuffer(s, np.uint8)
+    for inline in (True, False):
+        got = []
+        with pytest.raises(devpickle.WalkError, match=r"^cannot walk a 'numpy.ndarray' at \$\.x: an array that cannot "
+                                                      r"be carried: an array over memory that holds Python objects"):
+            devpickle.dumps({"x": a}, inline=inline, buffer_callback=None if inline else got.append)
+        assert got == []
+    with pytest.raises(TypeError, match=r"its memory holds Python objects"):
+        devpickle.Buffer("cpu", a.__array_interface__["data"][0], 8, a).raw()
+    frame = devpickle.dumps(torch.zeros(4, dtype=torch.int64), buffer_callback=lambda b: None)
+    for b in (s, memoryview(s), a):
+        with pytest.raises(TypeError, match=r"^loads: buffers\[0\] (holds Python objects|is a view over memory that "
+                                            r"holds Python objects)"):
+            devpickle.loads(frame, buffers=[b])
+    # numpy refuses a colon in a field's name: its names are read as names,
+    # and a field named with an O is no object
+    plain = np.zeros(2, dtype=[("Open", "f8"), ("Obj", "f8")])
+    assert devpickle.loads(devpickle.dumps(plain["Open"], inline=True)).tolist() == [0.0, 0.0]
+    assert devpickle.loads(frame, buffers=[plain]).tolist() == [0, 0, 0, 0]
 
 
 def test_raw_of_a_buffer_made_by_hand_over_python_objects_is_refused_never_a_view_of_their_pointers():
