@@ -897,8 +897,10 @@ def reduced(cls, parts, classes, copies):
     return obj
 
 
+# uint16, uint32 and uint64 exist from torch 2.3 on (checked where used)
 _TORCH_DTYPES = {"bool": "bool", "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
-                 "uint8": "uint8", "float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
+                 "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
+                 "float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
                  "float64": "float64", "complex64": "complex64", "complex128": "complex128"}
 
 
