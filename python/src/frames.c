@@ -536,8 +536,10 @@ typedef struct cframe {
   PyObject *placeholder; /* a plain object made first (cycles), or NULL */
   PyObject *key;         /* the key of the value being converted */
   PyObject *hcount;      /* a dict's keys counted by hash (same_hash_guard), or NULL */
-  size_t memo_at;
+  size_t memo_at;         /* its slot in memo_objs, or NO_MEMO for a node held once */
 } cframe_t;
+
+#define NO_MEMO SIZE_MAX
 
 #define PENDING ((PyObject *)1)
 
@@ -587,8 +589,13 @@ static int memo_put(loader_t *l, dp_value_t v, PyObject *obj, size_t *at) {
 static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
   dp_kind_t k = dp_value_kind(v);
   if (k <= DP_BYTES) return leaf_to_py(l, v, 0);
+  /* A node held once (no back-reference names it, no cycle runs through
+     it) is met once: it enters no memo, as leaf_to_py's leaves don't. The
+     memo's entry and slot were a third of what a nest of lists of one cost
+     beside the decoded value. */
+  int shared = dp_value_refcount(v) > 1;
   size_t at;
-  if (!dp_ptrset_find(l->memo, (dp_device_t){DP_DEVICE_CPU, 0}, dp_value_id(v), &at, NULL)) {
+  if (shared && !dp_ptrset_find(l->memo, (dp_device_t){DP_DEVICE_CPU, 0}, dp_value_id(v), &at, NULL)) {
     PyObject *o = PyList_GET_ITEM(l->memo_objs, (Py_ssize_t)at);
     if (o == l->unfinished) {
       PyErr_SetString(PyExc_ValueError, "loads: a cycle through a tuple or a reduced object cannot be rebuilt");
@@ -598,10 +605,10 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
   }
   if (k == DP_TENSOR) {
     PyObject *r = tensor_to_py(l, v, NULL);
-    if (r && memo_put(l, v, r, &at)) Py_CLEAR(r);
+    if (r && shared && memo_put(l, v, r, &at)) Py_CLEAR(r);
     return r;
   }
-  cframe_t f = {.v = v};
+  cframe_t f = {.v = v, .memo_at = NO_MEMO};
   const char *cname = NULL;
   switch (k) {
   case DP_LIST:
@@ -657,7 +664,7 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
         if (!ok) Py_CLEAR(r);
       }
       if (r && subclass) Py_SETREF(r, PyObject_CallFunction(l->fn_subclass, "Os#O", r, subclass, (Py_ssize_t)subclass_len, l->classes));
-      if (r && memo_put(l, v, r, &at)) Py_CLEAR(r);
+      if (r && shared && memo_put(l, v, r, &at)) Py_CLEAR(r);
       return r;
     }
     if (dp_object_is_reduced(v)) {
@@ -677,7 +684,7 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
     PyErr_Format(PyExc_ValueError, "loads: a value of kind %s", dp_kind_name(k));
     return NULL;
   }
-  if (!f.py || memo_put(l, v, f.kind == CF_LIST || f.kind == CF_DICT ? f.py : f.placeholder, &f.memo_at)) {
+  if (!f.py || (shared && memo_put(l, v, f.kind == CF_LIST || f.kind == CF_DICT ? f.py : f.placeholder, &f.memo_at))) {
     Py_XDECREF(f.py);
     Py_XDECREF(f.placeholder);
     return NULL;
@@ -712,7 +719,7 @@ static PyObject *finish(loader_t *l, cframe_t *f) {
     else r = PyObject_CallFunction(l->fn_finish, "sOOO", dp_object_class(f->v), f->py, l->classes, l->copies);
     break;
   }
-  if (r && PyList_SetItem(l->memo_objs, (Py_ssize_t)f->memo_at, Py_NewRef(r))) Py_CLEAR(r);
+  if (r && f->memo_at != NO_MEMO && PyList_SetItem(l->memo_objs, (Py_ssize_t)f->memo_at, Py_NewRef(r))) Py_CLEAR(r);
   return r;
 }
 

@@ -3450,3 +3450,47 @@ def test_a_loads_error_path_at_depth_two_thousand_keeps_its_head_and_its_tail():
     path = msg[msg.index(", at $") + len(", at "):]
     assert path.startswith("$.k[0].k[0]") and path.endswith(".k[0]") and "<…" in path and " steps…>" in path
     assert len(path.encode()) <= 1024
+
+
+_LOADS_PEAK = r"""
+import sys
+import devpickle
+def status(field):  # kB, of this process's memory map (exec made it new: nothing of the parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+frame = open(sys.argv[1], "rb").read()
+devpickle.loads(devpickle.dumps([[]]))  # what loads imports on first use, before the baseline
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident size starts again from the current one
+except OSError:
+    print("skip")
+    sys.exit()
+before = status("VmRSS")
+value = devpickle.loads(frame)
+print((status("VmHWM") - before) * 1024)
+"""
+
+
+def test_loads_holds_at_most_360_bytes_per_frame_byte_beyond_what_the_process_held(tmp_path):
+    """docs/SECURITY.md, "Python: devpickle.loads": the decoded value and the
+    objects made of it together. A nest of lists of one at the default depth
+    limit is the costliest byte (306 a byte; 393 when every node, held once
+    or not, entered loads' memo); empty dicts, 186 (281 before)."""
+    nest = []
+    for _ in range(262_143):
+        nest = [nest]
+    shapes = {"lists nested at the depth limit": devpickle.dumps(nest),
+              "empty dicts": devpickle.dumps([{} for _ in range(300_000)])}
+    del nest
+    for what, frame in shapes.items():
+        path = tmp_path / "f.dpk"
+        path.write_bytes(frame)
+        r = subprocess.run([sys.executable, "-c", _LOADS_PEAK, str(path)], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        assert r.returncode == 0, r.stderr
+        if r.stdout.strip() == "skip":
+            pytest.skip("/proc/self/clear_refs cannot reset the peak resident size here")
+        peak = int(r.stdout)
+        assert peak <= 360 * len(frame) + (4 << 20), \
+            f"{what}: {peak} bytes at the peak for a {len(frame)}-byte frame ({peak / len(frame):.0f} a byte)"
