@@ -665,6 +665,41 @@ Test(allocator, a_host_function_out_of_memory_never_waits_and_never_frees_a_bloc
   OK(dp_host_set_memory_limit(H1, 0, T_ERR));
 }
 
+/* A segment kept because a host function may not wait for its stream had
+ * an event recorded there to learn that: the event goes back (it was left
+ * out of the pool, and leaked, when it was the block that decided). */
+typedef struct {
+  int rc;
+  size_t reserved;
+} empty_fn_t;
+
+static void empty_from_fn(void *arg) {
+  empty_fn_t *a = arg;
+  dp_cache_stats_t st = {0};
+  a->rc = dp_cache_empty(C, NULL);
+  if (dp_cache_stats(C, H0, &st, NULL) == 0) a->reserved = st.reserved;
+}
+
+Test(allocator, emptying_the_cache_from_a_host_function_keeps_a_segment_its_stream_still_uses_and_leaks_no_event,
+     .timeout = 20) {
+  dp_stream_t *s = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR)); /* a free segment, its block s's: work behind the function may use it */
+  empty_fn_t a = {.rc = 1};
+  OK(dp_host_launch(s, empty_from_fn, &a, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(a.rc, 0, "a segment kept for its stream's work is no failure: %s", dp_err_name(a.rc));
+  cr_assert_eq(a.reserved, (size_t)2 << 20, "the segment s still uses stays cached, reserved %zu", a.reserved);
+  OK(dp_cache_empty(C, T_ERR)); /* s idle now: it goes */
+  cr_assert_eq(stats(H0).reserved, 0);
+  dp_stream_free(s);
+  dp_cache_free(C);
+  C = NULL;
+  dp_shutdown(); /* the event pool too: an event never given back is still live */
+  ASSERT_NO_LEAK();
+}
+
 /* A free that cannot make an event for a stream the block was used on (out
  * of memory) never waits for that stream — under the allocator's lock, or
  * from a host function on that very stream, it hung: the block waits,
