@@ -73,6 +73,17 @@ Test(path, a_code_point_past_u10ffff_is_four_replacement_characters) {
   cr_assert_str_eq(shown(dp__name_bare, "\xf4\x8f\xbf\xbf", 4), "\xf4\x8f\xbf\xbf", "U+10FFFF is a character");
 }
 
+/* Each lead byte's whole range starts a character: EF (U+F000..U+FFFF, the
+ * last three-byte lead) and F0 (U+10000.., the first four-byte lead) as
+ * much as those between; an overlong four-byte form (F0 8F BF BF for
+ * U+FFFF) is four stray bytes. */
+Test(path, characters_of_the_last_three_byte_lead_and_the_first_four_byte_lead_are_shown_as_they_are) {
+  cr_assert_str_eq(shown(dp__name_bare, "\xef\xbc\x81|", 4), "\xef\xbc\x81|", "U+FF01, lead EF, is a character");
+  cr_assert_str_eq(shown(dp__name_bare, "\xf0\x90\x80\x80", 4), "\xf0\x90\x80\x80",
+                   "U+10000, the least of four bytes, is a character");
+  cr_assert_str_eq(shown(dp__name_bare, "\xf0\x8f\xbf\xbf", 4), "\\ufffd\\ufffd\\ufffd\\ufffd", "overlong U+FFFF");
+}
+
 /* The edges of the escaped ranges: the last C1 control, DEL, the two
  * separators, both ends of the surrogates, and the characters just outside
  * them. */
