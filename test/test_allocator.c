@@ -1608,6 +1608,44 @@ Test(allocator, chains_nest_and_take_long_batches_in_chunks) {
   dp_stream_free(u);
 }
 
+/* A marking batch through a chain marks what its last allocator owned too:
+ * asked for marks, the last records through its marking form, not its
+ * plain batch (which says nothing of what it owned). And once every
+ * pointer is owned, the allocators after the owner are not asked. */
+Test(allocator, a_chains_marking_batch_marks_its_last_allocators_pointers_and_asks_nobody_once_all_are_owned) {
+  ext_t *x = calloc(1, sizeof *x), *y = calloc(1, sizeof *y);
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  dp_cache_hooks_t list[2] = {ext_hooks(x, 1), dp_cache_hooks(C)};
+  dp_cache_hooks_chain_t *ch = chain_of(list, 2);
+  dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(ch);
+  int nobody;
+  void *ptrs[3] = {x->arena, p, &nobody};
+  unsigned char owned[3] = {0};
+  OK(h.record_streams_owned(h.ctx, ptrs, 3, u, owned, T_ERR));
+  unsigned char want[3] = {1, 1, 0};
+  cr_assert_arr_eq(owned, want, 3, "x's pointer, the cache's (last in the chain) and not the stranger's: %d %d %d",
+                   owned[0], owned[1], owned[2]);
+  dp_cache_hooks_t list2[2] = {dp_cache_hooks(C), ext_hooks(y, 1)};
+  dp_cache_hooks_chain_t *ch2 = chain_of(list2, 2);
+  dp_cache_hooks_t h2 = dp_cache_hooks_chain_hooks(ch2);
+  void *mine[2] = {p, (char *)p + 8};
+  OK(dp_cache_hooks_record(&h2, mine, 2, u, T_ERR));
+  cr_assert_eq(y->batch_calls + y->single_calls, 0,
+               "the cache owned every pointer: y was asked %d times in batches, %d singly", y->batch_calls,
+               y->single_calls);
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_stream_synchronize(u, T_ERR));
+  dp_cache_poll(C, NULL);
+  dp_cache_hooks_chain_free(ch2);
+  dp_cache_hooks_chain_free(ch);
+  free(x);
+  free(y);
+  dp_stream_free(s);
+  dp_stream_free(u);
+}
+
 static int hook_batch_only(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
   (void)ctx, (void)ptrs, (void)n, (void)s, (void)err;
   return 0;
