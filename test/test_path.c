@@ -127,6 +127,25 @@ Test(path, escaping_a_text_longer_than_the_buffer_reads_no_further_than_it_can_s
   munmap(m, len + (size_t)page);
 }
 
+/* The same with a text of characters that are escaped: each escape is a
+ * run of its own, so the scan stops because the buffer is full, not because
+ * what it holds pending outgrew the room left. */
+Test(path, escaping_a_text_of_controls_longer_than_the_buffer_stops_once_it_is_full) {
+  long page = sysconf(_SC_PAGESIZE);
+  size_t len = 16 * (size_t)page;
+  char *m = mmap(NULL, len + (size_t)page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  cr_assert_neq(m, MAP_FAILED);
+  cr_assert_eq(mprotect(m + len, (size_t)page, PROT_NONE), 0);
+  memset(m, 0x01, len);
+  char out[100];
+  dp__sbuf_t b = {out, 0, sizeof out, 0};
+  dp__sb_escaped(&b, m, SIZE_MAX / 2, DP__ESC_QUOTED, 0); /* a length past the readable text */
+  cr_assert_eq(b.len, sizeof out);
+  cr_assert(b.full, "what did not fit is reported");
+  cr_assert_eq(memcmp(out, "\\u0001\\u0001", 12), 0, "each control shown as \\u0001: %.12s", out);
+  munmap(m, len + (size_t)page);
+}
+
 /* ---- whole paths: the edges of DP_PATH_MAX, DP_PATH_HEAD, DP_PATH_TAIL ---- */
 
 /* Step i is lens[i] bytes of one letter, 'A' + i. */
