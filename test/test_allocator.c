@@ -1610,8 +1610,9 @@ Test(allocator, chains_nest_and_take_long_batches_in_chunks) {
 
 /* A marking batch through a chain marks what its last allocator owned too:
  * asked for marks, the last records through its marking form, not its
- * plain batch (which says nothing of what it owned). And once every
- * pointer is owned, the allocators after the owner are not asked. */
+ * plain batch (which says nothing of what it owned); asked for none, it
+ * gets its plain batch. And once every pointer is owned, the allocators
+ * after the owner are not asked. */
 Test(allocator, a_chains_marking_batch_marks_its_last_allocators_pointers_and_asks_nobody_once_all_are_owned) {
   ext_t *x = calloc(1, sizeof *x), *y = calloc(1, sizeof *y);
   dp_stream_t *s = stream(H0), *u = stream(H0);
@@ -1635,6 +1636,14 @@ Test(allocator, a_chains_marking_batch_marks_its_last_allocators_pointers_and_as
   cr_assert_eq(y->batch_calls + y->single_calls, 0,
                "the cache owned every pointer: y was asked %d times in batches, %d singly", y->batch_calls,
                y->single_calls);
+  counted_t k = {0}; /* a plain batch: the last allocator gets the rest in one plain batch call */
+  dp_cache_hooks_t list3[2] = {ext_hooks(x, 1), counted_hooks(&k, dp_cache_hooks(C))};
+  dp_cache_hooks_chain_t *ch3 = chain_of(list3, 2);
+  dp_cache_hooks_t h3 = dp_cache_hooks_chain_hooks(ch3);
+  OK(dp_cache_hooks_record(&h3, ptrs, 3, u, T_ERR));
+  cr_assert(k.batch == 1 && k.marking == 0 && k.single == 0,
+            "nobody asks the last what it owned: %d plain, %d marking, %d single calls", k.batch, k.marking, k.single);
+  dp_cache_hooks_chain_free(ch3);
   OK(dp_cache_dealloc(C, p, T_ERR));
   OK(dp_stream_synchronize(u, T_ERR));
   dp_cache_poll(C, NULL);
