@@ -1655,6 +1655,30 @@ Test(allocator, a_chains_marking_batch_marks_its_last_allocators_pointers_and_as
   dp_stream_free(u);
 }
 
+/* A chain given the same allocator twice through nested chains keeps it
+ * once, in a block sized for all it was given: freed, it gives back what
+ * it took, to the byte (its size is the hooks counted, not those kept). */
+Test(allocator, a_chain_that_leaves_out_repeated_allocators_gives_back_exactly_the_memory_it_took) {
+  ext_t *x = calloc(1, sizeof *x);
+  dp_cache_hooks_t inner_list[2] = {ext_hooks(x, 1), dp_cache_hooks(C)};
+  dp_cache_hooks_chain_t *inner = chain_of(inner_list, 2);
+  dp_cache_hooks_t twice[2] = {dp_cache_hooks_chain_hooks(inner), dp_cache_hooks_chain_hooks(inner)};
+  dp_cache_hooks_chain_t *outer = chain_of(twice, 2); /* four hooks counted, two kept */
+  dp_stream_t *u = stream(H0);
+  void *ptrs[1] = {x->arena};
+  dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(outer);
+  OK(dp_cache_hooks_record(&h, ptrs, 1, u, T_ERR));
+  cr_assert_eq(x->nlog, 1, "x, kept once, recorded its pointer once");
+  dp_cache_hooks_chain_free(outer);
+  dp_cache_hooks_chain_free(inner);
+  dp_stream_free(u);
+  free(x);
+  dp_cache_free(C);
+  C = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 static int hook_batch_only(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
   (void)ctx, (void)ptrs, (void)n, (void)s, (void)err;
   return 0;
