@@ -4075,6 +4075,38 @@ Test(pickler, an_allocation_failure_while_reading_passes_the_failing_calls_messa
   ASSERT_NO_LEAK();
 }
 
+/* Once the walk is over (the buffer table, the inline data), a failure
+ * names no path: the walker's last one would name a node it is not about.
+ * The walk and the table fit the frame's first 256 bytes; 8 KiB of inline
+ * data then grow it to 16 KiB, and that growth is failed. */
+Test(pickler, a_frame_that_cannot_grow_for_its_inline_data_names_no_path) {
+  static float host[2048];
+  dp_storage_t *s = t_storage(CPU, (uintptr_t)host, sizeof host);
+  dp_value_t l;
+  OK(dp_list_new(1, &l, T_ERR));
+  OK(dp_list_append(l, t_view(s, 2048, 0), T_ERR));
+  dp_storage_release(s);
+  int seen = 0;
+  for (long k = 1; k < 100 && !seen; k++) {
+    dp_frame_t *f;
+    OK(dp_frame_new(&f, T_ERR));
+    dp_error_t e;
+    dp_error_clear(&e);
+    long want = t_fail_at = t_alloc_count + k;
+    int rc = dp_pickle(l, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, NULL, NULL}, f, &e);
+    t_fail_at = 0;
+    dp_frame_free(f);
+    if (t_alloc_count < want) break; /* every allocation was failed once */
+    if (rc && strncmp(e.message, "out of memory growing the frame to 16384", 40) == 0) {
+      cr_assert_str_eq(e.message, "out of memory growing the frame to 16384 bytes", "allocation %ld", k);
+      seen = 1;
+    }
+  }
+  cr_assert(seen, "the growth for the inline data was failed");
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, the_writers_and_the_sets_first_error_is_kept_with_the_message_of_what_failed) {
   /* Pickle: the writer's failures are DP_E* codes with their own message
    * (msgpack-c's -1 was relabelled "out of memory writing the payload");
