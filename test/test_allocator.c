@@ -553,8 +553,13 @@ Test(allocator, a_record_on_the_allocation_stream_is_a_no_op_and_after_its_destr
   OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
   OK(dp_cache_hooks_record(&h, &p, 1, s, T_ERR));
   OK(dp_cache_record_stream(C, p, s, T_ERR));
+  _Atomic int gate = 0; /* s held: an event on it (were the record kept) would not complete */
+  OK(dp_host_launch(s, gate_wait, &gate, T_ERR));
   OK(dp_cache_dealloc(C, p, T_ERR));
-  cr_assert_eq(stats(H0).pending_blocks, 0, "a record on the allocation stream holds nothing");
+  size_t held = stats(H0).pending_blocks;
+  atomic_store(&gate, 1); /* before asserting: a failure must not leave s held */
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(held, 0, "a record on the allocation stream holds nothing");
   for (int i = 0; i < 2; i++) OK(dp_cache_alloc(C, H0, 4096, s, &q[i], T_ERR));
   dp_stream_t *old = s;
   dp_stream_free(s);
@@ -2384,6 +2389,27 @@ Test(allocator, emptying_the_cache_names_the_first_device_whose_segment_stays_ca
  * waits for that work (which would hang here: the gate opens after) nor
  * fails to free what it holds. */
 static void free_cache_fn(void *arg) { dp_cache_free(arg); }
+
+/* A cache freed from a host function while a block waits for an event
+ * queued behind that very function: the wait the free would make is
+ * refused (a host function may not wait on its own device), and the free
+ * goes on, giving the event back, instead of polling for it forever. */
+Test(allocator, a_cache_freed_from_a_host_function_ahead_of_its_pending_blocks_event_returns, .timeout = 20) {
+  dp_cache_t *c;
+  OK(dp_cache_new(B, &c, T_ERR));
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(c, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_record_stream(c, p, u, T_ERR));
+  _Atomic int gate = 0;
+  OK(dp_host_launch(u, gate_wait, &gate, T_ERR)); /* u held while the function and the event queue behind */
+  OK(dp_host_launch(u, free_cache_fn, c, T_ERR));
+  OK(dp_cache_dealloc(c, p, T_ERR)); /* pending on an event recorded on u after the function */
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(u, T_ERR)); /* returns: the free inside did not wait for its own stream's event */
+  dp_stream_free(u);
+  dp_stream_free(s);
+}
 
 Test(allocator, a_cache_freed_from_a_host_function_waits_for_no_stream_of_its_device, .timeout = 20) {
   dp_cache_t *c;
