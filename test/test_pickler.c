@@ -4075,6 +4075,40 @@ Test(pickler, an_allocation_failure_while_reading_passes_the_failing_calls_messa
   ASSERT_NO_LEAK();
 }
 
+/* An inline frame has one buffer per (device, base), its bytes the first
+ * storage's: two storages read from inline frames (the sender's address,
+ * bytes carried) that carry the same bytes make one buffer, and a storage
+ * that carries bytes beside one that does not is refused, in either order. */
+Test(pickler, storages_of_one_buffer_carried_by_inline_frames_agree_and_one_without_bytes_is_refused) {
+  float host[4] = {1, 2, 3, 4};
+  dp_value_t t = host_floats(host);
+  dp_frame_t *f = pickle_ok(t, DP_PICKLE_INLINE);
+  dp_value_t a = unpickle_ok(f), b = unpickle_ok(f); /* two storages at host's address, each with its bytes */
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, dp_value_retain(a), T_ERR));
+  OK(dp_list_append(l, dp_value_retain(b), T_ERR));
+  dp_pickle_opts_t io = {DP_PICKLE_INLINE, 0, NULL, NULL};
+  dp_error_t e;
+  OK_WITH(&e, dp_pickle(l, &io, f, &e));
+  cr_assert_eq(dp_frame_nbuffers(f), 1, "one buffer for both");
+  dp_value_release(l);
+  for (int order = 0; order < 2; order++) { /* host's own storage has no bytes attached */
+    l = t_list();
+    OK(dp_list_append(l, dp_value_retain(order ? t : a), T_ERR));
+    OK(dp_list_append(l, dp_value_retain(order ? a : t), T_ERR));
+    cr_assert_eq(dp_pickle(l, &io, f, &e), DP_EINVAL, "order %d", order);
+    char want[200];
+    snprintf(want, sizeof want, "storages of cpu %p (16 bytes) disagree at $[1]: only one carries host bytes; "
+             "a frame has one buffer per (device, base)", (void *)host);
+    cr_assert_str_eq(e.message, want, "order %d", order);
+    dp_value_release(l);
+  }
+  dp_frame_free(f);
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_value_release(t);
+}
+
 /* Once the walk is over (the buffer table, the inline data), a failure
  * names no path: the walker's last one would name a node it is not about.
  * The walk and the table fit the frame's first 256 bytes; 8 KiB of inline
