@@ -2102,6 +2102,18 @@ Test(transport, a_frame_whose_header_totals_less_than_its_tables_sizes_fails_the
                 "the buffers' sizes differ from the frame message's total");
 }
 
+Test(transport, a_frame_whose_header_announces_fewer_buffers_than_its_table_fails_its_receive) {
+  /* two one-byte buffers in the table, one announced (and sent) */
+  crafted_fails((crafted_t){1, {0, 1, 0, 0, 1, 0, 1}, 1, .one_byte = 2, .nbuffers = 1},
+                "transport: frame has 2 buffers, its message announced 1");
+}
+
+Test(transport, a_frame_whose_header_totals_more_than_its_tables_sizes_fails_the_endpoint) {
+  /* a total over the sizes would charge the sender's credit for bytes that never come */
+  crafted_fails((crafted_t){100, {0, 1, 0, 0, 100, 0, 100}, 100, .buf_bytes = 150},
+                "the buffers' sizes differ from the frame message's total");
+}
+
 /* A BUFS message's claims: never a read or a write past the table's buffers */
 
 Test(transport, a_pack_naming_buffers_past_the_end_of_the_frames_table_is_refused) {
