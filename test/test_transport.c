@@ -1829,6 +1829,7 @@ typedef struct crafted {
   size_t one_byte;       /* a frame of that many one-byte cpu buffers instead (one_byte_buffers_frame) */
   int inline_frame;      /* an inline frame (DP_PICKLE_INLINE) of a 16-byte tensor instead */
   dp__am_bufs_hdr_t h0;  /* where its count is not 0, a BUFS message sent before h (h0.total zero bytes) */
+  int direct;            /* the receiver takes host buffers direct, not staged */
   dp__am_shm_ctl_t ctl;  /* the control message sent alone (magic 0: DONE of slot 3; an OFFER: one of
                             a file that is not there), `data` zero bytes with it, twice when */
   int twice;             /* set */
@@ -1894,7 +1895,7 @@ static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
  * DP_EFORMAT naming `needle`, at once (never a hang), and nothing leaks. */
 static void crafted_fails(crafted_t c, const char *needle) {
   t_track();
-  dp__transport_stage_host = 1;
+  dp__transport_stage_host = !c.direct;
   peer_t p = spawn_peer(send_crafted, &c, NULL);
   dp_transport_t *t = new_transport(NULL);
   dp_endpoint_t *ep = connect_to(t, p.port);
@@ -2141,6 +2142,12 @@ Test(transport, a_piece_claiming_a_larger_buffer_than_the_table_is_refused_never
 
 Test(transport, a_staged_buffer_sent_whole_instead_of_in_chunks_is_refused) {
   crafted_fails((crafted_t){5 << 20, {0, 1, 0, 0, 5 << 20, 0, 5 << 20}, 5 << 20, .id = 0},
+                "a buffer is cut into pieces other than the protocol's");
+}
+
+Test(transport, a_direct_buffer_sent_in_chunks_instead_of_whole_is_refused) {
+  /* the first 4 MiB chunk of an 8 MiB host buffer the receiver takes direct */
+  crafted_fails((crafted_t){8 << 20, {0, 1, 0, 0, 4 << 20, 0, 8 << 20}, 4 << 20, .id = 0, .direct = 1},
                 "a buffer is cut into pieces other than the protocol's");
 }
 
