@@ -1739,6 +1739,20 @@ static int pack_text(const char *text, dp_value_t *v, char *msg, size_t msgsize)
   return rc;
 }
 
+/* A prefix fails only when no continuation can mend it (vjson.h): one
+ * that ends in an integer too large for int64 may yet go on as a real
+ * (".5"), so `pack` reading a pipe must not stop there. */
+Test(cli, a_prefix_ending_in_an_integer_past_int64_does_not_fail_yet) {
+  static const char text[] = "[9223372036854775808.5]";
+  cr_assert_eq(vjson_prefix_fails(text, 20), 0, "a fraction may follow \"%.20s\"", text);
+  cr_assert_eq(vjson_prefix_fails(text, 21), 0, "nor \"%.21s\"", text);
+  dp_value_t v;
+  char msg[256];
+  cr_assert_eq(pack_text(text, &v, msg, sizeof msg), 0, "%s", msg);
+  cr_assert_eq(dp_value_kind(dp_seq_get(v, 0)), DP_FLOAT);
+  dp_value_release(v);
+}
+
 Test(cli, a_tuple_key_used_by_many_refs_is_looked_into_once_by_pack) {
   /* a key of 512 tuples ($id "t") used by $ref in 2,000 dicts: each use
    * looked into its 512 tuples for one still being built (a million lookups
