@@ -1753,6 +1753,24 @@ Test(cli, a_prefix_ending_in_an_integer_past_int64_does_not_fail_yet) {
   dp_value_release(v);
 }
 
+/* A tensor's ptr is "0x" and at least one hex digit: "0x" alone is no
+ * address (it read as 0). */
+Test(cli, a_tensor_ptr_of_0x_without_digits_is_refused) {
+  dp_value_t v;
+  char msg[512];
+  cr_assert_eq(pack_text("{\"t\": {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x\", \"nbytes\": 4, "
+                         "\"dtype\": \"uint8\", \"shape\": [4]}}}",
+                         &v, msg, sizeof msg),
+               DP_EINVAL, "%s", msg);
+  cr_assert(strstr(msg, "tensor ptr must be a hex string such as \"0x7f0000001000\"") && strstr(msg, "$.t"), "%s",
+            msg);
+  cr_assert_eq(pack_text("{\"t\": {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x0\", \"nbytes\": 4, "
+                         "\"dtype\": \"uint8\", \"shape\": [4]}}}",
+                         &v, msg, sizeof msg),
+               0, "one digit is an address: %s", msg);
+  dp_value_release(v);
+}
+
 Test(cli, a_tuple_key_used_by_many_refs_is_looked_into_once_by_pack) {
   /* a key of 512 tuples ($id "t") used by $ref in 2,000 dicts: each use
    * looked into its 512 tuples for one still being built (a million lookups
