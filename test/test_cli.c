@@ -3706,6 +3706,14 @@ Test(cli, pack_refuses_a_tensor_offset_that_is_not_an_integer) {
 
 /* VALUE_JSON.md: a float by its bits is "0x" and 16 hex digits — no fewer,
  * so that one text is one float. */
+/* Sixteen digits exactly: a seventeenth, even a leading zero that keeps
+ * the bits in 64, is refused. */
+Test(cli, pack_refuses_float_bits_with_more_than_sixteen_hex_digits_even_a_leading_zero) {
+  pack_fails("long.json", "x.dpk", "[{\"$float\": \"0x07ff8000000000000\"}]",
+             "devpickle: long.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 "
+             "bits, at $[0]\n");
+}
+
 Test(cli, pack_refuses_float_bits_with_fewer_than_sixteen_hex_digits) {
   pack_fails("short.json", "x.dpk", "[{\"$float\": \"0x7ff8\"}]",
              "devpickle: short.json: $float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 "
@@ -3724,6 +3732,10 @@ Test(cli, a_tuple_dict_reduce_or_object_tag_with_a_field_it_does_not_take_says_w
   pack_fails("r.json", "x.dpk", "{\"$reduce\": \"T\", \"state\": 1, \"x\": 2}",
              "devpickle: r.json: $reduce takes one other field, \"state\", at $\n");
   pack_fails("o.json", "x.dpk", "{\"$object\": \"C\", \"attrs\": [1]}",
+             "devpickle: o.json: $object takes one other field, \"attrs\", an object, at $\n");
+  pack_fails("o.json", "x.dpk", "{\"$object\": \"C\", \"attrs\": {}, \"x\": 1}",
+             "devpickle: o.json: $object takes one other field, \"attrs\", an object, at $\n");
+  pack_fails("o.json", "x.dpk", "{\"$object\": \"C\", \"x\": 1}",
              "devpickle: o.json: $object takes one other field, \"attrs\", an object, at $\n");
   cr_assert_eq(count_entries(), 4, "a frame was written");
 }
