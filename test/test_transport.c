@@ -1830,12 +1830,14 @@ typedef struct crafted {
   int inline_frame;      /* an inline frame (DP_PICKLE_INLINE) of a 16-byte tensor instead */
   dp__am_bufs_hdr_t h0;  /* where its count is not 0, a BUFS message sent before h (h0.total zero bytes) */
   int direct;            /* the receiver takes host buffers direct, not staged */
+  int two_hosts;         /* a frame of two one-byte buffers, on host:0 and host:1, instead */
   dp__am_shm_ctl_t ctl;  /* the control message sent alone (magic 0: DONE of slot 3; an OFFER: one of
                             a file that is not there), `data` zero bytes with it, twice when */
   int twice;             /* set */
 } crafted_t;
 
 static dp_frame_t *one_byte_buffers_frame(size_t n);
+static dp_frame_t *two_host_buffers_frame(void);
 
 static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t;
@@ -1850,7 +1852,7 @@ static int send_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   dp_frame_t *fr = NULL;
   dp_value_t w = c->inline_frame ? owned_tensor(16, 1) : dp_none();
   dp_pickle_opts_t inl = {.flags = DP_PICKLE_INLINE};
-  if (c->one_byte ? !(fr = one_byte_buffers_frame(c->one_byte))
+  if (c->two_hosts ? !(fr = two_host_buffers_frame()) : c->one_byte ? !(fr = one_byte_buffers_frame(c->one_byte))
                   : dp_frame_new(&fr, &e) || dp_pickle(c->inline_frame ? w : v, c->inline_frame ? &inl : NULL, fr, &e))
     return 11;
   dp_value_release(w);
@@ -2151,6 +2153,12 @@ Test(transport, a_direct_buffer_sent_in_chunks_instead_of_whole_is_refused) {
                 "a buffer is cut into pieces other than the protocol's");
 }
 
+Test(transport, a_packed_message_of_staged_buffers_on_two_devices_is_refused) {
+  /* buffers 0 and 1, on host:0 and host:1, both staged, in one BUFS message */
+  crafted_fails((crafted_t){1, {0, 2, 0, 0, 2, 0, 0}, 2, .two_hosts = 1, .nbuffers = 2, .buf_bytes = 2},
+                "a packed message of device buffers spans devices");
+}
+
 /* peer: a frame of `arg` host:0 buffers of 64 KiB, then all of them in one
  * packed BUFS message (byte j of buffer i: i * 7 + j * 3) — larger than a
  * receive slot when arg * 64 KiB is over 4 MiB */
@@ -2420,6 +2428,29 @@ static dp_frame_t *one_byte_buffers_frame(size_t n) {
     dp_value_t v;
     int64_t shape[1] = {1};
     if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
+        dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
+      goto fail;
+  }
+  if (dp_frame_new(&fr, &e) || dp_pickle(l, NULL, fr, &e)) goto fail;
+  dp_value_release(l);
+  return fr;
+fail:
+  fprintf(stderr, "peer: %s\n", e.message);
+  dp_frame_free(fr);
+  dp_value_release(l);
+  return NULL;
+}
+
+/* A frame of two one-byte buffers, one on host:0 and one on host:1. */
+static dp_frame_t *two_host_buffers_frame(void) {
+  dp_value_t l = many_tensors(0);
+  dp_error_t e;
+  dp_frame_t *fr = NULL;
+  for (int i = 0; i < 2; i++) {
+    dp_storage_t *st;
+    dp_value_t v;
+    int64_t shape[1] = {1};
+    if (dp_storage_new(t_dev(DP_DEVICE_HOST, i), (void *)(uintptr_t)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
         dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
       goto fail;
   }
