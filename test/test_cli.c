@@ -2784,11 +2784,33 @@ Test(cli, a_number_of_any_length_is_read_and_a_long_integer_out_of_range_is_name
   for (int i = 0; i < 600; i++) json[k++] = (char)('1' + i % 9);
   snprintf(json + k, sizeof json - (size_t)k, "]");
   pack_fails("int.json", "x.dpk", json,
-             "devpickle: int.json: invalid JSON: integer -123456789123456789123456789123456789123\xE2\x80\xA6 "
+             "devpickle: int.json: invalid JSON: integer -1234567891234567891234567891234567891234\xE2\x80\xA6 "
              "(600 digits) is outside int64 (-2^63 .. 2^63-1) (line 1, column 2), at byte 1\n");
   pack_fails("int.json", "x.dpk", "[9223372036854775807, 9223372036854775808]",
              "devpickle: int.json: invalid JSON: integer 9223372036854775808 is outside int64 (-2^63 .. 2^63-1) "
              "(line 1, column 23), at byte 22\n");
+  /* 40 digits are shown whole, 41 cut to 40, with or without a sign */
+  pack_fails("int.json", "x.dpk", "[1111111111222222222233333333334444444444]",
+             "devpickle: int.json: invalid JSON: integer 1111111111222222222233333333334444444444 is outside int64 "
+             "(-2^63 .. 2^63-1) (line 1, column 2), at byte 1\n");
+  pack_fails("int.json", "x.dpk", "[11111111112222222222333333333344444444445]",
+             "devpickle: int.json: invalid JSON: integer 1111111111222222222233333333334444444444\xE2\x80\xA6 "
+             "(41 digits) is outside int64 (-2^63 .. 2^63-1) (line 1, column 2), at byte 1\n");
+  pack_fails("int.json", "x.dpk", "[-11111111112222222222333333333344444444445]",
+             "devpickle: int.json: invalid JSON: integer -1111111111222222222233333333334444444444\xE2\x80\xA6 "
+             "(41 digits) is outside int64 (-2^63 .. 2^63-1) (line 1, column 2), at byte 1\n");
+  /* numbers of 511, 512 and 513 characters: the parser's stack buffer holds
+   * 511 and a NUL; longer ones go to the heap (ASan checks the edge) */
+  for (int len = 511; len <= 513; len++) {
+    k = snprintf(json, sizeof json, "[0.");
+    for (int i = 2; i < len - 1; i++) json[k++] = '0';
+    snprintf(json + k, sizeof json - (size_t)k, "5]");
+    spit("edge.json", json);
+    r = run_sh("$D pack edge.json -o edge.dpk && $D unpack edge.dpk --compact");
+    cr_assert_eq(r.status, 0, "%d: %s", len, r.err);
+    cr_assert_str_eq(r.out, "[0.0]\n", "%d", len);
+    res_free(r);
+  }
 }
 
 /* A tag with a field too many says so: a $ref to an existing name is not

@@ -429,8 +429,10 @@ static json_t *parse_number(ps_t *ps) {
     if (errno == ERANGE) err = "integer";
     j = err ? NULL : ps->prefix ? json_null() : json_integer(v);
   }
-  if (err && !real) { /* the integer as written, its first 40 digits when longer */
-    if (n > 41) perr(ps, "integer %.40s… (%zu digits) is outside int64 (-2^63 .. 2^63-1)", tmp, n - (tmp[0] == '-'));
+  if (err && !real) { /* the integer as written, its sign and first 40 digits when longer */
+    size_t sign = tmp[0] == '-', digits = n - sign;
+    if (digits > 40)
+      perr(ps, "integer %.*s… (%zu digits) is outside int64 (-2^63 .. 2^63-1)", (int)(sign + 40), tmp, digits);
     else perr(ps, "integer %s is outside int64 (-2^63 .. 2^63-1)", tmp);
   } else if (err) {
     perr(ps, "%s", err);
