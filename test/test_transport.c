@@ -3758,6 +3758,62 @@ Test(transport, a_peer_that_sends_small_frames_past_its_credit_fails_the_endpoin
   close_clean(ep, t, p);
 }
 
+/* peer: a corrupt frame whose header charges the whole 64-bit credit
+ * space (its frame length plus buf_bytes is 2^64 - 1), then 400 frames of
+ * 8 KiB ignoring the credit, each awaited; then it closes (-1) */
+static int send_credit_wrap_then_frames(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  uint8_t junk[64];
+  memset(junk, 0, sizeof junk);
+  memcpy(junk, "DPKL", 4);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0, 0, sizeof junk, UINT64_MAX - sizeof junk};
+  dp_error_t e;
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 10;
+  dp__transport_skip_credit = 1;
+  static uint8_t p[8 << 10];
+  for (int i = 0; i < 400; i++) {
+    dp_value_t v;
+    dp_future_t *d;
+    if (dp_bytes_new(p, sizeof p, &v, &e)) return 11;
+    int rc = dp_endpoint_send(ep, v, &d, &e);
+    dp_value_release(v);
+    if (rc) break; /* the receiver failed the endpoint */
+    wait_f(d, &e);
+    dp_future_release(d);
+  }
+  dp_endpoint_free(ep);
+  return -1;
+}
+
+Test(transport, a_refused_frame_whose_header_charges_the_whole_credit_space_opens_no_unbounded_credit) {
+  /* the charge of a refused frame is its header's word: saturated counts
+     once made the grant 2^64 - 1, and every later value passed the check */
+  t_track();
+  peer_t p = spawn_peer(send_credit_wrap_then_frames, NULL, NULL);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 64 << 10; /* a window of 1 MiB: 128 of the 400 frames */
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer's first message goes to a known endpoint */
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_neq(wait_f(r, &e), 0, "the corrupt frame was taken");
+  dp_future_release(r);
+  int code = 0; /* nobody takes: the frames past the grant fail the endpoint (else the peer's close does) */
+  for (int i = 0; i < 600 && !(code = dp_endpoint_error(ep, &e)); i++) sleep_ms(50);
+  cr_assert_eq(code, DP_EFORMAT, "got %s: %s", dp_err_name(code), code ? e.message : "");
+  cr_assert(strstr(e.message, "values beyond the credit granted"), "%s", e.message);
+  wait_f(d, &e);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  cr_assert_eq(peer_wait(p), 0);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* n values of len bytes: what a peer sends or takes */
 typedef struct take_args {
   long n;

@@ -977,10 +977,13 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
        "the values arrived, less the latest in the sender's order", all of
        them before that one, which the sender posted below its grant. */
     const dp__am_frame_hdr_t *fh = (const dp__am_frame_hdr_t *)h;
-    uint64_t charge = credit_of(fh, len);
-    uint64_t in = sat_add(ep->credit_in, charge);
+    uint64_t charge, in;
     int top = fh->seq >= ep->credit_top;
-    if (in - (top ? charge : ep->credit_top_charge) >= ep->credit_granted) {
+    /* counted exactly: no sender's values reach 2^64 bytes, and a saturated
+       count (a refused frame's header may claim any buf_bytes) made the
+       taken count, and so the grant, 2^64 - 1: every later value passed */
+    if (dp__add_ovf(len, fh->buf_bytes, &charge) || dp__add_ovf(ep->credit_in, charge, &in) ||
+        in - (top ? charge : ep->credit_top_charge) >= ep->credit_granted) {
       if (rndv) ucp_am_data_release(t->worker, data);
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "values beyond the credit granted to the peer");
       return UCS_OK;
