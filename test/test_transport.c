@@ -4,6 +4,7 @@
  * through its exit status (and a pipe), never through Criterion. UCX runs on
  * TCP over lo and shared memory (t_env), as CI has no other interface. */
 #include <dirent.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -3245,6 +3246,50 @@ static int send_corrupt_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *ar
 
 Test(transport, a_corrupt_frame_fails_its_receive_with_the_unpicklers_error_and_the_next_value_arrives) {
   bad_then_good(send_corrupt_then_good, DP_ECHECKSUM, "checksum", 7, 1);
+}
+
+/* peer: a message of an id the protocol does not use (5), small and then
+ * by rendezvous, then a good value (7) */
+static int send_stray_ids_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  uint8_t hdr[16] = {0};
+  static uint8_t big[200 << 10];
+  if (dp__endpoint_send_raw(ep, 5, hdr, sizeof hdr, "abc", 3, &e)) return 10;
+  if (dp__endpoint_send_raw(ep, 6, hdr, sizeof hdr, big, sizeof big, &e)) return 11;
+  return send_good_and_stay(ep, 7, 12);
+}
+
+Test(transport, a_message_of_an_id_the_protocol_does_not_use_fails_the_endpoint_never_reads_an_unset_handler) {
+  /* UCX 1.13 grows its table of handlers without initializing the entries
+     below the id registered (ucp_worker_set_am_handler_common initializes
+     the new id's entry once per new slot): a message of such an id called
+     whatever the allocator left there. A heap that reuses dirty memory —
+     glibc's once a large block was freed, here forced — makes that a
+     call through garbage; every id now has a handler. */
+  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  mallopt(M_PERTURB, 0x5a);
+  t_track();
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* the connection's worker: a lane's peer is a process of this user */
+  peer_t p = spawn_peer(send_stray_ids_then_good, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer's first message goes to a known endpoint */
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(wait_f(r, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a message of an id the protocol does not use"), "%s", e.message);
+  cr_assert_eq(dp_endpoint_error(ep, NULL), DP_EFORMAT);
+  wait_f(d, &e);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  peer_wait(p);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
 }
 
 /* peer side: receives until the other side closes (0), or 13 */

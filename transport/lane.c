@@ -13,8 +13,18 @@ static const unsigned am_ids[AM_IDS] = {DP__AM_FRAME,     DP__AM_BUFS,      DP__
                                         DP__AM_ACCEPT,    DP__AM_CREDIT,    DP__AM_CLOSE};
 
 
-/* Sets every message's handler on w; amh[i] is its argument. */
-ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep) {
+/* Sets every message's handler on w; amh[i] is its argument. stray (the
+ * transport's worker, which any peer reaches; NULL on a lane's, whose peer
+ * is a process of this user): first the argument of a handler set for every
+ * id a message can carry (UCX's are 16 bits), ids the protocol does not use
+ * included. UCX 1.13 grows its table of handlers to the id registered
+ * without initializing the entries it adds below it
+ * (ucp_worker_set_am_handler_common initializes the new id's entry once per
+ * entry added): a message of such an id called whatever the allocator left
+ * there — a crash, or a call through a peer's choice of stale pointer. Set
+ * in increasing order, each id's entry is set, whatever the table grows
+ * to: 64 Ki entries, about 1.5 MB a transport. */
+ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep, amh_t *stray) {
   ucp_am_handler_param_t hp;
   memset(&hp, 0, sizeof hp);
   hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -22,6 +32,14 @@ ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, 
   hp.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
   hp.cb = dp__tp_am_cb;
   ucs_status_t st = UCS_OK;
+  if (stray) {
+    *stray = (amh_t){t, AM_STRAY, NULL};
+    hp.arg = stray;
+    for (unsigned id = 0; id <= UINT16_MAX && st == UCS_OK; id++) {
+      hp.id = id;
+      st = ucp_worker_set_am_recv_handler(w, &hp);
+    }
+  }
   for (size_t i = 0; i < AM_IDS && st == UCS_OK; i++) {
     amh[i] = (amh_t){t, am_ids[i], ep};
     hp.id = am_ids[i];
@@ -46,7 +64,7 @@ ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd) {
 static int lane_worker(dp_transport_t *t, dp_endpoint_t *ep) {
   if (t->nlanes >= DP__LANES_MAX) return -1; /* a worker costs ~9 descriptors and ~0.7 MB */
   if (dp__tp_new_worker(t->lctx, &ep->dw, &ep->dw_fd) != UCS_OK) return -1;
-  if (dp__tp_set_handlers(ep->dw, ep->lamh, t, ep) == UCS_OK) return t->nlanes++, 0;
+  if (dp__tp_set_handlers(ep->dw, ep->lamh, t, ep, NULL) == UCS_OK) return t->nlanes++, 0;
   ucp_worker_destroy(ep->dw);
   ep->dw = NULL;
   return -1;

@@ -1186,6 +1186,11 @@ ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, s
     if (rndv) ucp_am_data_release(w, data);
     return UCS_OK;
   }
+  if (h->id == AM_STRAY) { /* no message of the protocol: the peer is no devpickle peer, or a broken one */
+    if (rndv) ucp_am_data_release(w, data);
+    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message of an id the protocol does not use");
+    return UCS_OK;
+  }
   ep->established = 1;
   if (h->ep) {
     atomic_fetch_add(&dp__transport_lane_msgs, 1);

@@ -88,6 +88,7 @@ enum { SHM_NONE, SHM_OFFERED, SHM_YES, SHM_NO };
 /* A message id and its transport: the argument of UCX's handler for it;
  * on a lane's worker, also the endpoint (the lane's messages are its). */
 #define AM_IDS 11
+#define AM_STRAY 0u /* the handler of every id the protocol does not use (dp__tp_set_handlers) */
 typedef struct amh {
   dp_transport_t *t;
   unsigned id;
@@ -380,6 +381,7 @@ struct dp_transport {
   rdone_t *rdone;               /* copies out of peers' slots */
   int shm_on;                   /* offer same-host slots (DEVPICKLE_TRANSPORT_SHM) */
   amh_t amh[AM_IDS];            /* the active-message handlers' arguments */
+  amh_t stray;                  /* the argument of the handler of every other id */
   ucp_context_h lctx;           /* same-host lanes' (shared memory only); NULL: no lanes */
   struct pollfd *pfd;           /* the loop's descriptors while it sleeps */
   size_t pfd_cap;
@@ -487,7 +489,7 @@ void dp__tp_shm_answer(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_shm_withdraw(dp_endpoint_t *ep);
 void dp__tp_ep_drop_shm(dp_transport_t *t, dp_endpoint_t *ep);
 /* lane.c */
-ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep);
+ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep, amh_t *stray);
 ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd);
 void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_lane_offer(dp_transport_t *t, dp_endpoint_t *ep);
