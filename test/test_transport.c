@@ -2704,6 +2704,62 @@ Test(transport, a_value_whose_buffers_stop_arriving_fails_its_receive_with_a_tim
   ASSERT_NO_LEAK();
 }
 
+/* peer (caller-driven): once the other side's first value came, sends a
+ * value of 64 MiB by rendezvous — a bytes whose frame is that long (arg 0)
+ * or a tensor whose one buffer is (arg 1) — drives its transport three
+ * passes more, enough for the headers to leave and not for the data, and
+ * stops driving it: a peer stopped or hung mid-transfer. The test kills it. */
+static int stall_mid_pull(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  dp_error_t e;
+  dp_future_t *f, *d;
+  if (dp_endpoint_recv(ep, &f, &e) || dp_transport_wait(t, f, 30 * SEC, &e)) return 10;
+  dp_future_release(f);
+  dp_value_t v = arg ? owned_tensor(64 << 20, 1) : bytes_of_frame_len(64 << 20);
+  if (dp_endpoint_send(ep, v, &d, &e)) return 11;
+  for (int i = 0; i < 3; i++) dp_transport_progress(t);
+  for (;;) pause();
+}
+
+static void stalled_pull_times_out(int buffer) {
+  t_track();
+  dp_transport_opts_t po = {0};
+  po.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  peer_t p = spawn_peer(stall_mid_pull, (void *)(intptr_t)buffer, &po);
+  dp_transport_opts_t o = {0};
+  o.timeout_ns = 2 * SEC; /* the peer's ACCEPT is timed too: a sanitizer peer on a loaded machine takes a while */
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r, *d;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR)); /* the peer sends once this came */
+  dp_error_clear(&e);
+  cr_assert_eq(dp_future_wait(r, 30 * SEC, &e), DP_ETIMEDOUT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "a rendezvous transfer from the peer made no progress for 2000 ms"), "%s", e.message);
+  cr_assert_eq(dp_endpoint_error(ep, &e), DP_ETIMEDOUT);
+  dp_future_release(r);
+  dp_future_release(d);
+  kill(p.pid, SIGKILL);
+  peer_wait(p);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_frame_whose_rendezvous_stops_mid_transfer_fails_its_receive_with_a_timeout) {
+  /* its header came, its bytes are pulled: the receive waited forever for a
+     peer stopped mid-transfer, whatever opts.timeout_ns said */
+  stalled_pull_times_out(0);
+}
+
+Test(transport, a_last_buffer_whose_rendezvous_stops_mid_transfer_fails_its_receive_with_a_timeout) {
+  /* every header of the value came (the buffers' clock stopped), the last
+     buffer's bytes are pulled */
+  stalled_pull_times_out(1);
+}
+
 Test(transport, finding_the_endpoint_of_a_message_costs_the_same_however_many_endpoints_there_are) {
   /* every message on the connections' worker names its endpoint by UCX's
      endpoint; a walk of the transport's list cost each one a step per

@@ -302,6 +302,14 @@ static void check_timeouts(dp_transport_t *t) {
       dp__tp_ep_failf(ep, DP_ETIMEDOUT, "a value's buffers stopped arriving: none for %s", ms);
       continue;
     }
+    /* a frame or a buffer the peer sent by rendezvous arrives as this side
+       pulls it: a peer that stops serving the pull (stopped, hung) once
+       held the receive forever, its header having come */
+    if (ep->rndv_inflight && ep->pull_deadline && !ep->dead && now > ep->pull_deadline) {
+      dp__tp_ep_failf(ep, DP_ETIMEDOUT, "a value stopped arriving: a rendezvous transfer from the peer made no "
+                      "progress for %s", ms);
+      continue;
+    }
     /* the oldest posted send only: every deadline is set as its send is
        posted, with the same timeout, and a send is pushed at the list's
        head, so none behind the oldest expires before it (a walk of all

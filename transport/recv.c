@@ -258,7 +258,7 @@ static ucs_status_ptr_t pull(dp_transport_t *t, dp_endpoint_t *ep, void *data, v
   ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, n, &p);
   if (UCS_PTR_IS_PTR(r)) {
     t->nreq++;
-    ep->rndv_inflight++;
+    if (!ep->rndv_inflight++) ep->pull_deadline = dp__tp_deadline(t);
   }
   return r;
 }
@@ -268,6 +268,7 @@ static void pulled(void *req, dp_transport_t *t, dp_endpoint_t *ep) {
   ucp_request_free(req);
   t->nreq--;
   ep->rndv_inflight--; /* the endpoint outlives it (dp__tp_ep_force_close) */
+  ep->pull_deadline = ep->rndv_inflight ? dp__tp_deadline(t) : 0; /* it arrived: the clock restarts */
 }
 
 static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {

@@ -290,6 +290,8 @@ struct dp_endpoint {
   int peer_local;           /* the peer's address is one of this host's: only then are
                                shared-memory offers (slots, lane) made to it or taken from it */
   unsigned rndv_inflight;   /* rendezvous receives posted on its connection, not yet done */
+  int64_t pull_deadline;    /* with timeout_ns, while rendezvous receives are posted: none of them
+                               completed since then (set as the first is posted and as one completes) */
   int64_t close_deadline;   /* need_close: closed then even with receives in flight */
   /* the same-host lane (internal.h): a worker of its own and an endpoint
      without error handling; the connection reports the peer's failure */

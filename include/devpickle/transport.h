@@ -169,8 +169,11 @@ typedef struct dp_transport_opts {
    *  went, so no posted send is left to time). As a receiver, a value whose
    *  frame came and whose buffers stop arriving (none for this long: a peer
    *  that announced buffers and never sends them) fails its endpoint the
-   *  same way. Sends held back by the in-flight bound are not yet posted
-   *  and not timed. 0 (or less): no limit (a dead peer is still detected
+   *  same way, and so does a frame or buffer sent by rendezvous whose
+   *  transfer, pulled by this side, makes no progress for this long (a
+   *  peer stopped or hung mid-transfer: no pull posted to it completes).
+   *  Sends held back by the in-flight bound are not yet posted and not
+   *  timed. 0 (or less): no limit (a dead peer is still detected
    *  by UCX's keepalive). */
   int64_t timeout_ns;
   /** Limits and resolver for received frames (copied; the resolver and
