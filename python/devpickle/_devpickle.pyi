@@ -76,7 +76,8 @@ def dumps(obj: Any, *, inline: bool = False, buffer_callback: Optional[Callable[
 
 
 def loads(data: Any, *, buffers: Optional[Sequence[Any]] = None,
-          classes: Union[None, type, Callable[..., Any], Iterable[Union[type, Callable[..., Any]]]] = (),
+          # a class, a function, an object dumps carries by name (torch.float16), or an iterable of them
+          classes: Union[None, type, Callable[..., Any], Iterable[object], object] = (),
           max_copies: Optional[int] = None) -> Any: ...
 
 

@@ -243,20 +243,26 @@ def allowed(classes):
             raise TypeError
         classes = iter(classes)
     except TypeError:
-        raise TypeError(f"classes= takes classes (and functions): a class, a function or a sequence of them, not a "
-                        f"{type(classes).__name__!r}") from None
+        if isinstance(classes, (str, bytes)) or _carried_name(classes) is None:
+            raise TypeError(f"classes= takes classes (and functions): a class, a function or a sequence of them, "
+                            f"not a {type(classes).__name__!r}") from None
+        classes = iter((classes,))  # one object carried by name (torch.float16)
     for c in classes:
-        if isinstance(c, (types.FunctionType, types.BuiltinFunctionType)):
-            mod, q = getattr(c, "__module__", None), getattr(c, "__qualname__", None)
-            if not isinstance(mod, str) or not isinstance(q, str):
-                raise TypeError(f"classes= takes functions by their module and qualname; {c!r} has none")
-            key = f"{mod}.{q}"  # as dumps names a function
+        if isinstance(c, (types.FunctionType, types.BuiltinFunctionType)) or not isinstance(c, type):
+            if isinstance(c, (types.FunctionType, types.BuiltinFunctionType)):
+                mod, q = getattr(c, "__module__", None), getattr(c, "__qualname__", None)
+                if not isinstance(mod, str) or not isinstance(q, str):
+                    raise TypeError(f"classes= takes functions by their module and qualname; {c!r} has none")
+                key = f"{mod}.{q}"  # as dumps names a function
+            else:
+                key = _carried_name(c)
+                if key is None:
+                    raise TypeError(f"classes= takes classes, functions and objects dumps carries by name "
+                                    f"(torch.float16); got a {type(c).__name__!r}")
             if out.functions.setdefault(key, c) is not c:
-                raise ValueError(f"classes= names {key} twice, by two different functions ({out.functions[key]!r} "
+                raise ValueError(f"classes= names {key} twice, by two different objects ({out.functions[key]!r} "
                                  f"and {c!r}): a frame could not say which it means")
             continue
-        if not isinstance(c, type):
-            raise TypeError(f"classes= takes classes (and functions); got a {type(c).__name__!r}")
         label = class_label(c)
         # a builtin class is labelled by its qualname ("range", as a frame
         # names an instance's class) and, as a devpickle.global (a class
@@ -274,6 +280,24 @@ def allowed(classes):
             raise ValueError(f"classes= names {key} twice, by a class and a function ({out[key]!r} and {f!r}): a "
                              "frame could not say which it means")
     return out
+
+
+def _carried_name(x):
+    """The name dumps carries x by, when it carries it as a global: an object
+    whose reduce is a str (torch.float16, a numpy ufunc, Ellipsis), which
+    pickle saves by name too; else None. Asked of dumps itself, so the name
+    listed is the one a frame holds, whatever reduce or dispatch_table entry
+    gives it."""
+    from ._devpickle import dumps, loads
+
+    try:
+        got = loads(dumps(x))
+    except Exception:
+        return None
+    if type(got) is Object and got.__class_name__ == "devpickle.global":
+        name = got.__attrs__.get("name")
+        return name if isinstance(name, str) else None
+    return None
 
 
 # the array classes' names: a frame's object of one of these names that is

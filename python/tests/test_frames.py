@@ -684,6 +684,25 @@ def test_classes_may_be_one_function_as_it_may_be_one_class():
     assert devpickle.loads(devpickle.dumps({"g": math.sqrt}), classes=math.sqrt) == {"g": math.sqrt}
 
 
+def test_an_object_dumps_carries_by_name_comes_back_where_classes_lists_it():
+    # a torch dtype (a model's or a config's dtype attribute) travels as a
+    # devpickle.global, torch.float16, as pickle saves it by name; classes=
+    # refused it ("takes classes (and functions): ..., not a 'dtype'"), so
+    # such a value could never come back but as a devpickle.Object
+    frame = devpickle.dumps({"dtype": torch.float16, "ids": torch.int64, "e": ...}, inline=True)
+    assert devpickle.loads(frame, classes=torch.float16)["dtype"] is torch.float16
+    back = devpickle.loads(frame, classes=[torch.float16, torch.int64, Ellipsis])
+    assert back == {"dtype": torch.float16, "ids": torch.int64, "e": ...}
+    assert back["ids"] is torch.int64
+    unlisted = devpickle.loads(frame, classes=[torch.float16])["ids"]
+    assert type(unlisted) is devpickle.Object and unlisted.name == "torch.int64"
+    assert devpickle.loads(devpickle.dumps([np.add]), classes=np.add) == [np.add]
+    # what dumps carries otherwise is no name to list
+    with pytest.raises(TypeError, match=r"^classes= takes classes, functions and objects dumps carries by name "
+                                        r"\(torch.float16\); got a 'Tensor'$"):
+        devpickle.loads(frame, classes=[torch.ones(1)])
+
+
 def test_a_function_listed_in_classes_comes_back_where_the_frame_holds_it_as_a_value_and_is_never_called():
     # a model holding a function (TransformerEncoderLayer's activation,
     # F.relu) could not come back whole: classes= refused functions ("takes
@@ -717,7 +736,8 @@ def test_a_function_listed_in_classes_comes_back_where_the_frame_holds_it_as_a_v
 
     out = devpickle.loads(devpickle.dumps(R()), classes=[f, R])
     assert type(out) is devpickle.Object and out.__attrs__["<callable>"] is f and called == []
-    with pytest.raises(TypeError, match=r"^classes= takes classes \(and functions\); got a 'int'$"):
+    with pytest.raises(TypeError, match=r"^classes= takes classes, functions and objects dumps carries by name "
+                                        r"\(torch\.float16\); got a 'int'$"):
         devpickle.loads(frame, classes=[1])
 
 
