@@ -4,6 +4,40 @@ rebuild — its class name and its attributes, nothing imported or called."""
 import reprlib
 
 
+# the names loads never makes a class of, whatever classes= lists: the
+# array forms (frames.c makes those)
+_NEVER_MADE = frozenset({"torch.Tensor", "numpy.ndarray", "cupy.ndarray"})
+_NEWOBJ = frozenset({"copyreg.__newobj__", "copyreg.__newobj_ex__"})
+
+
+def _global_name(x):
+    """The name a frame's global (a class or function held as a value)
+    carries, else None."""
+    if type(x) is Object and object.__getattribute__(x, "__class_name__") == "devpickle.global":
+        name = object.__getattribute__(x, "__attrs__").get("name")
+        return name if isinstance(name, str) else None
+    return None
+
+
+def _unlisted_hint(cls, attrs):
+    """What an Object's missing attribute says of classes=: the class (or,
+    for a global, the object) to list where listing it would have had loads
+    make it — a global; a plain object; one reduced by its class itself or
+    copyreg's __newobj__ of it — else nothing: listing would not help (an
+    array name, a reduce by another callable, loads never calls)."""
+    if cls == "devpickle.global":
+        name = attrs.get("name")
+        return f": loads returns {name} only where its classes= lists it (classes=({name}, ...))" \
+            if isinstance(name, str) else ""
+    if cls in _NEVER_MADE or set(attrs) == {"__reduce__"}:
+        return ""
+    if any(isinstance(k, str) and k.startswith("<") for k in attrs):  # reduced
+        callable_ = _global_name(attrs.get("<callable>"))
+        if callable_ not in (cls, f"builtins.{cls}") and callable_ not in _NEWOBJ:
+            return ""
+    return f": loads makes a {cls} only where its classes= lists it (classes=({cls}, ...))"
+
+
 class Object:
     """A class name and attributes, as they came in a frame.
 
@@ -38,7 +72,8 @@ class Object:
         try:
             return attrs[name]
         except KeyError:
-            raise AttributeError(f"devpickle.Object of class {cls!r} has no attribute {name!r}") from None
+            raise AttributeError(f"devpickle.Object of class {cls!r} has no attribute {name!r}"
+                                 + _unlisted_hint(cls, attrs)) from None
 
     def __setattr__(self, name, value):
         if name == "__class_name__":  # its own fields: set as __init__ sets them, read back as set

@@ -1603,6 +1603,41 @@ def test_an_attribute_named_as_a_reduce_part_is_a_walk_error_not_read_back_as_a_
     assert getattr(devpickle.loads(devpickle.dumps(n), classes=Node), "a<b") == 2  # only the first character
 
 
+def test_an_objects_missing_attribute_says_which_class_to_list_where_listing_it_would_make_it():
+    # a state_dict() loaded without classes= is a devpickle.Object; sd.keys()
+    # and model.load_state_dict(sd) said only "has no attribute 'keys'",
+    # nothing of the OrderedDict to list in classes=
+    sd = torch.nn.Linear(2, 2).state_dict()
+    back = devpickle.loads(devpickle.dumps(sd, inline=True))
+    with pytest.raises(AttributeError, match=r"^devpickle.Object of class 'collections.OrderedDict' has no attribute "
+                                             r"'keys': loads makes a collections.OrderedDict only where its classes= "
+                                             r"lists it \(classes=\(collections.OrderedDict, ...\)\)$"):
+        back.keys()
+    assert type(devpickle.loads(devpickle.dumps(sd, inline=True), classes=collections.OrderedDict)) is \
+        collections.OrderedDict
+    plain = devpickle.loads(devpickle.dumps(Node("n")))  # a plain object: made once its class is listed
+    with pytest.raises(AttributeError, match=r"'zz': loads makes a test_frames.Node only where its classes= lists it "
+                                             r"\(classes=\(test_frames.Node, ...\)\)$"):
+        plain.zz
+    builtin = devpickle.loads(devpickle.dumps(slice(1, 2)))  # named "slice" in a frame: listed as slice
+    with pytest.raises(AttributeError, match=r"loads makes a slice only where its classes= lists it \(classes=\(slice, "):
+        builtin.start
+    dtype = devpickle.loads(devpickle.dumps(torch.float16))  # a global: the object itself is listed
+    with pytest.raises(AttributeError, match=r"^devpickle.Object of class 'devpickle.global' has no attribute "
+                                             r"'itemsize': loads returns torch.float16 only where its classes= lists "
+                                             r"it \(classes=\(torch.float16, ...\)\)$"):
+        dtype.itemsize
+
+    class Other:  # reduced by a callable that is not its class: listing the class would not make it
+        def __reduce__(self):
+            return (print, ())
+
+    with pytest.raises(AttributeError, match=r"has no attribute 'x'$"):
+        devpickle.loads(devpickle.dumps(Other()), classes=Other).x
+    with pytest.raises(AttributeError, match=r"has no attribute 'x'$"):  # one made by hand names no frame's class
+        devpickle.Object("m.C", {"<args>": ()}).x
+
+
 def test_an_objects_attribute_is_deleted_as_it_is_set_and_read():
     # del o.name raised "'Object' object has no attribute 'name'" though o.name read it
     o = devpickle.loads(devpickle.dumps(Node("n")))
