@@ -185,17 +185,54 @@ static PyObject *torch_adapter(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))dpy_scan_py, METH_VARARGS | METH_KEYWORDS,
      "scan($module, /, obj, *, paths=True, opaque=())\n--\n\n"
-     "-> list of Allocation. "
-     "The memory obj references, deduplicated by (device, base), in discovery order."},
+     "-> list of Allocation: the memory obj references, one per (device, base), in\n"
+     "the order the walk first meets it.\n\n"
+     "obj is walked as pickle (protocol 5) would reduce it, serializing nothing:\n"
+     "containers, plain objects and dataclasses, namedtuples, nn.Modules, anything\n"
+     "with a reduce. Memory is torch tensors and storages (views of one storage\n"
+     "are one allocation; a tensor's .grad is not walked, as pickle does not\n"
+     "carry it), numpy, cupy, DLPack and array-interface memory, bytearrays and\n"
+     "memoryviews. paths=False skips the paths (Allocation.path is None),\n"
+     "faster. opaque: a type or an iterable of types whose instances\n"
+     "(isinstance) are leaves, never entered. A value that cannot be walked (a\n"
+     "generator, a lock) raises WalkError naming its type and path."},
     {"collect_all", (PyCFunction)(void (*)(void))dpy_collect_all, METH_FASTCALL | METH_KEYWORDS,
-     "collect_all($module, /, futures)\n--\n\n-> Future of the list of futures"},
+     "collect_all($module, /, futures)\n--\n\n"
+     "-> Future whose value is the list of the futures (devpickle.Future objects,\n"
+     "any iterable of them), once every one has completed; it fails with the\n"
+     "first failed future in list order, once all have completed."},
     {"wait_all", (PyCFunction)(void (*)(void))dpy_wait_all, METH_FASTCALL | METH_KEYWORDS,
-     "wait_all($module, /, futures)\n--\n\n-> list of their values, once all are complete; else the first "
-     "failure in list order"},
+     "wait_all($module, /, futures)\n--\n\n"
+     "-> list of the futures' values (devpickle.Future objects, any iterable of\n"
+     "them), once every one has completed, waited on as wait() waits; else\n"
+     "raises the exception of the first failed future in list order."},
     {"dumps", (PyCFunction)(void (*)(void))dpy_dumps, METH_VARARGS | METH_KEYWORDS,
-     "dumps($module, /, obj, *, inline=False, buffer_callback=None)\n--\n\n-> bytes (a devpickle frame)"},
+     "dumps($module, /, obj, *, inline=False, buffer_callback=None)\n--\n\n"
+     "-> bytes: a devpickle frame of obj, walked as scan() walks it (the CLI's\n"
+     "verify, dump and inspect read it).\n\n"
+     "Tensor and array memory goes out of band: the frame carries descriptors,\n"
+     "and buffer_callback(buf) receives each buffer as a devpickle.Buffer, in\n"
+     "the frame's table order; buf.raw() is the memory to give loads' buffers=\n"
+     "(the callback's return value is ignored). inline=True copies the bytes\n"
+     "into the frame instead: self-contained, no callback called. What a frame\n"
+     "cannot carry (a sparse tensor, a generator, an int outside int64, ...)\n"
+     "raises WalkError naming its path."},
     {"loads", (PyCFunction)(void (*)(void))dpy_loads, METH_VARARGS | METH_KEYWORDS,
-     "loads($module, /, data, *, buffers=None, classes=(), max_copies=None)\n--\n\n-> object"},
+     "loads($module, /, data, *, buffers=None, classes=(), max_copies=None)\n--\n\n"
+     "-> the value of the frame data (a bytes-like object), rebuilt without\n"
+     "importing or calling anything by name. A frame it refuses raises\n"
+     "FrameError (code, offset).\n\n"
+     "buffers: a sequence indexed by the frame's buffer table, each item the\n"
+     "bytes of that out-of-band buffer (Buffer.raw(), a tensor, a numpy array,\n"
+     "bytes); an inline frame needs none.\n"
+     "classes: the classes allowed to come back (a class, or an iterable of\n"
+     "them), matched by module.qualname; functions and objects dumps carries by\n"
+     "name (torch.float16) too. Every class the value holds must be listed: a\n"
+     "model's state_dict() needs collections.OrderedDict, an nn.Module its\n"
+     "class, each submodule's and collections.OrderedDict. An unlisted one\n"
+     "comes back as a devpickle.Object (class name and attributes).\n"
+     "max_copies: how many items and bytes objects sharing a node may copy out\n"
+     "of it (None: 4 per byte of the frame plus 65,536)."},
     {"_hash_work", dpy_hash_work, METH_VARARGS,
      "_hash_work($module, items, memo, left, /)\n--\n\n-> the tuple items CPython hashes to hash each of items, "
      "a list or tuple (loads' bound)"},

@@ -154,3 +154,18 @@ def test_the_stub_and_docstrings_say_what_then_and_set_exception_do():
     cls = next(n for n in _stub().body if isinstance(n, ast.ClassDef) and n.name == "Future")
     fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "set_exception")
     assert ast.unparse(fn.args.args[-1].annotation) == "Exception"
+
+
+def test_help_of_each_function_says_what_each_of_its_parameters_does():
+    # help(devpickle.loads) read "-> object", help(devpickle.scan) named
+    # neither paths nor opaque: a user adopting the package from help()
+    # learnt nothing of buffers=, classes= or buffer_callback=
+    for fn in (devpickle.scan, devpickle.dumps, devpickle.loads, devpickle.collect_all, devpickle.wait_all):
+        text = fn.__doc__
+        for p in inspect.signature(fn).parameters:
+            assert re.search(rf"\b{p}\b", text), f"{fn.__name__}: {p}"
+        assert len(text.split()) >= 20, fn.__name__
+    assert "Buffer" in devpickle.dumps.__doc__ and "inline=True" in devpickle.dumps.__doc__
+    assert "collections.OrderedDict" in devpickle.loads.__doc__  # what a state_dict() needs listed
+    assert "devpickle.Object" in devpickle.loads.__doc__ and "FrameError" in devpickle.loads.__doc__
+    assert "WalkError" in devpickle.scan.__doc__ and "WalkError" in devpickle.dumps.__doc__
