@@ -1104,6 +1104,36 @@ static PyObject *fut_add_done_callback(pyfut_t *self, PyObject *const *args, Py_
 
 /* arg as a list of Futures and their C futures; who names the caller in
  * errors. */
+/* The TypeError for item i, x, of collect_all's or wait_all's futures: its
+ * class by module.qualname (tp_name of a class defined in Python is its name
+ * alone: torch's future read "a 'Future'"), and for torch's future what to
+ * do instead, since code moving from torch.futures meets it first. */
+static void not_a_future(const char *who, Py_ssize_t i, PyObject *x) {
+  PyTypeObject *t = Py_TYPE(x);
+  PyObject *mod = NULL, *qual = NULL, *name = NULL;
+  if (t->tp_flags & Py_TPFLAGS_HEAPTYPE) {
+    mod = PyObject_GetAttrString((PyObject *)t, "__module__");
+    qual = mod ? PyObject_GetAttrString((PyObject *)t, "__qualname__") : NULL;
+    if (qual && PyUnicode_Check(mod) && PyUnicode_Check(qual))
+      name = PyUnicode_CompareWithASCIIString(mod, "builtins") ? PyUnicode_FromFormat("%U.%U", mod, qual)
+                                                              : Py_NewRef(qual);
+    Py_XDECREF(mod);
+    Py_XDECREF(qual);
+  }
+  PyErr_Clear(); /* a class whose names cannot be read is named by tp_name */
+  if (!name && !(name = PyUnicode_FromString(t->tp_name))) return;
+  int torch_future = dpy_resolve_frameworks() == 0 && dpy.sync_types[1] && PyType_IsSubtype(t, dpy.sync_types[1]);
+  PyErr_Clear();
+  if (torch_future)
+    PyErr_Format(PyExc_TypeError,
+                 "%s takes devpickle.Future objects; item %zd is torch's future ('%U'): make it a devpickle.Future "
+                 "(the same interface), or use torch.futures' own collect_all and wait_all",
+                 who, i, name);
+  else
+    PyErr_Format(PyExc_TypeError, "%s takes devpickle.Future objects; item %zd is a '%U'", who, i, name);
+  Py_DECREF(name);
+}
+
 static PyObject *as_futures(const char *who, PyObject *arg, dp_future_t ***out, Py_ssize_t *n) {
   if (!Py_TYPE(arg)->tp_iter && !PySequence_Check(arg)) {
     /* named: "'devpickle.Future' object is not iterable" says not what was wanted */
@@ -1122,8 +1152,7 @@ static PyObject *as_futures(const char *who, PyObject *arg, dp_future_t ***out, 
   for (Py_ssize_t i = 0; i < *n; i++) {
     PyObject *x = PyList_GET_ITEM(list, i);
     if (!PyObject_TypeCheck(x, &fut_type)) {
-      PyErr_Format(PyExc_TypeError, "%s takes devpickle.Future objects; item %zd is a '%s'", who, i,
-                   Py_TYPE(x)->tp_name);
+      not_a_future(who, i, x);
       PyMem_Free(*out);
       Py_DECREF(list);
       return NULL;

@@ -1,6 +1,7 @@
 """What devpickle.Future adds to torch's: results are walked (unless
 devices=[]), a result that cannot be walked fails loudly, chains of any
 length, threads."""
+import re
 import threading
 
 import pytest
@@ -174,6 +175,26 @@ def test_a_subclass_of_future_is_made_as_itself_with_its_own_init():
     assert r() is None
     with pytest.raises(TypeError):
         devpickle.Future("positional")
+
+
+def test_collect_all_and_wait_all_say_that_a_torch_future_in_the_list_must_be_a_devpickle_future():
+    # code moving from torch.futures to devpickle read "takes devpickle.Future
+    # objects; item 0 is a 'Future'": torch's future is named Future too
+    tf = torch.futures.Future()
+    tf.set_result(1)
+    name = re.escape(f"{type(tf).__module__}.{type(tf).__qualname__}")  # torch.jit.Future on torch 1.13
+    for fn in (devpickle.wait_all, devpickle.collect_all):
+        with pytest.raises(TypeError, match=rf"^{fn.__name__} takes devpickle.Future objects; item 1 is torch's "
+                                            rf"future \('{name}'\): make it a devpickle.Future \(the same "
+                                            r"interface\), or use torch.futures' own collect_all and wait_all$"):
+            fn([devpickle.Future(), tf])
+
+    class Mine:
+        pass
+
+    with pytest.raises(TypeError, match=r"^collect_all takes devpickle.Future objects; item 0 is a "
+                                        r"'test_future_walk.test_.*<locals>.Mine'$"):
+        devpickle.collect_all([Mine()])
 
 
 def test_collect_all_and_wait_all_name_themselves_refusing_what_is_not_a_future():
