@@ -204,6 +204,18 @@ def test_requires_grad_travels_as_pickle_carries_it_and_comes_back_on_leaves():
     assert out["g"].grad.tolist() == [1.0, 1.0, 1.0]
 
 
+def test_a_tensors_grad_is_neither_walked_nor_carried_as_pickle_carries_neither():
+    # PYTHON.md: .grad is memory of its own, which a walk of the tensor does
+    # not reach (pickle and torch's CUDA future leave it out too)
+    p = torch.nn.Parameter(torch.ones(3))
+    (p * 2).sum().backward()
+    assert p.grad is not None
+    assert [a.ptr for a in devpickle.scan(p)] == [p.data_ptr()]
+    assert pickle.loads(pickle.dumps(p)).grad is None
+    assert devpickle.loads(devpickle.dumps(p, inline=True)).grad is None
+    assert [a.ptr for a in devpickle.scan([p, p.grad])] == [p.data_ptr(), p.grad.data_ptr()]
+
+
 def test_a_damaged_frame_is_a_frame_error_with_code_and_offset():
     frame = devpickle.dumps({"x": [1, 2, 3]})
     with pytest.raises(devpickle.FrameError) as e:
