@@ -2893,8 +2893,21 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   int nd = shp ? int64_seq(shp, shape, MAX_DIMS) : -1;
   int rc = -1;
   if (!dt || nd < 0 || !data || !PyTuple_Check(data)) {
-    if (!PyErr_Occurred())
-      PyErr_Format(PyExc_TypeError, "an array of dtype %s cannot be carried", ts ? ts : "?");
+    if (!PyErr_Occurred()) {
+      /* what to do instead: another byte order of a dtype a frame has is
+         one astype away; any other dtype has no frame name at all */
+      char native[8];
+      int swapped = ts && ts[0] == '>' && strlen(ts) < sizeof native;
+      if (swapped) {
+        snprintf(native, sizeof native, "<%s", ts + 1);
+        swapped = typestr_dtype(native) != NULL;
+      }
+      PyErr_Format(PyExc_TypeError, "an array of dtype %s cannot be carried: %s", ts ? ts : "?",
+                   swapped ? "frames hold the machine's byte order: "
+                             "a.astype(a.dtype.newbyteorder('=')) makes such a copy"
+                           : "frames carry arrays of bool, int8 to int64, uint8 to uint64, float16 to float64, "
+                             "complex64 and complex128");
+    }
     goto out;
   }
   dp_dtype_t d;

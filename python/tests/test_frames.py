@@ -1196,6 +1196,20 @@ def _numpy_has(dtype):
         return False
 
 
+@pytest.mark.parametrize("array, advice", [
+    (np.arange(3, dtype=">i4"), r"frames hold the machine's byte order: a.astype\(a.dtype.newbyteorder\('='\)\) "
+                                r"makes such a copy"),
+    (np.array(["a"]), r"frames carry arrays of bool, int8 to int64, uint8 to uint64, float16 to float64, complex64 "
+                      r"and complex128"),
+    (np.array(["2020-01-01"], dtype="M8[D]"), r"frames carry arrays of bool, int8"),
+], ids=["big-endian", "str", "datetime"])
+def test_an_array_of_a_dtype_a_frame_cannot_carry_says_what_a_frame_carries(array, advice):
+    # "an array of dtype >i4 cannot be carried" said nothing of what to do
+    with pytest.raises(devpickle.WalkError, match=rf"^cannot walk a 'numpy.ndarray' at \$.a: an array that cannot be "
+                                                  rf"carried: an array of dtype \S+ cannot be carried: {advice}"):
+        devpickle.dumps({"a": array})
+
+
 def test_an_array_of_a_dtype_the_framework_lacks_is_a_value_error_naming_the_buffer():
     if _numpy_has("bfloat16"):
         assert devpickle.loads(BFLOAT16_NUMPY_FRAME)[0].dtype == np.dtype("bfloat16")
