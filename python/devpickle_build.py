@@ -16,8 +16,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 
+def _repo():
+    """REPO, once it is seen to be a devpickle tree: the version and the build
+    come from it, so a copy of python/ elsewhere is refused saying so, never
+    with a missing file's name."""
+    if not all(os.path.isfile(os.path.join(REPO, *f)) for f in (("include", "devpickle", "base.h"), ("Makefile",))):
+        raise RuntimeError(f"devpickle: build from the repository (python/ inside its checkout): {REPO} holds no "
+                           "devpickle tree (include/devpickle/base.h, Makefile)")
+    return REPO
+
+
 def _version():
-    text = open(os.path.join(REPO, "include", "devpickle", "base.h")).read()
+    text = open(os.path.join(_repo(), "include", "devpickle", "base.h")).read()
     parts = [re.search(rf"#define DP_VERSION_{p}\s+(\d+)", text).group(1) for p in ("MAJOR", "MINOR", "PATCH")]
     return ".".join(parts)
 
@@ -33,8 +43,7 @@ def _build_dir():
 
 
 def _make():
-    if not os.path.exists(os.path.join(REPO, "Makefile")):
-        raise RuntimeError("devpickle: build from the repository (python/ inside its checkout)")
+    _repo()
     build = _build_dir()
     cmd = ["make", "-C", REPO, "python", f"PYTHON={sys.executable}", f"BUILD={build}"]
     subprocess.run(cmd, check=True, stdout=sys.stderr)

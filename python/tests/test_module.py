@@ -4,6 +4,7 @@ import inspect
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -169,3 +170,21 @@ def test_help_of_each_function_says_what_each_of_its_parameters_does():
     assert "collections.OrderedDict" in devpickle.loads.__doc__  # what a state_dict() needs listed
     assert "devpickle.Object" in devpickle.loads.__doc__ and "FrameError" in devpickle.loads.__doc__
     assert "WalkError" in devpickle.scan.__doc__ and "WalkError" in devpickle.dumps.__doc__
+
+
+def test_the_pip_build_backend_outside_the_checkout_says_it_must_run_inside_it(tmp_path):
+    # `pip install` of a copy of python/ failed with "No such file or
+    # directory: '/tmp/include/devpickle/base.h'", from the metadata step,
+    # before the check that says what to do
+    import shutil
+
+    shutil.copy(os.path.join(REPO, "python", "devpickle_build.py"), tmp_path / "devpickle_build.py")
+    code = ("import sys, devpickle_build as b\n"
+            "for step in (lambda: b.prepare_metadata_for_build_wheel(sys.argv[1]), lambda: b.build_wheel(sys.argv[1])):\n"
+            "    try: step()\n"
+            "    except RuntimeError as e: print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    want = (f"devpickle: build from the repository (python/ inside its checkout): {os.path.dirname(tmp_path)} holds "
+            "no devpickle tree (include/devpickle/base.h, Makefile)")
+    assert out.stdout.splitlines() == [want, want], out.stderr
