@@ -2022,6 +2022,16 @@ static int newobj_refused(dpy_scanner_t *s, PyObject *o, PyObject *r) {
   return walk_error(s, o, "its reduce is malformed");
 }
 
+/* What a refused reduce of o says: a generator or a dict view stands where
+ * its items would (scan(model.parameters()), scan(sd.values())), and pickle's
+ * "cannot pickle 'generator' object" says nothing of what to walk instead. */
+static const char *unreducible(PyObject *o) {
+  if (PyGen_Check(o)) return "an iterator cannot be reduced (walk list(...) of it)";
+  if (PyDictKeys_Check(o) || PyDictValues_Check(o) || PyDictItems_Check(o))
+    return "a dict view cannot be reduced (walk list(...) of it)";
+  return "it cannot be reduced";
+}
+
 /* The reduce of an object that keeps pickle's defaults differs only in form:
  * its state is its __dict__, entered as attributes. */
 /* o's reduce — copyreg.dispatch_table's, else __reduce_ex__(5) — checked
@@ -2041,7 +2051,7 @@ static PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
     if (PyErr_Occurred()) return dispatch_error(s, o), NULL;
     r = reduce_ex_5(o);
   }
-  if (!r) return walk_error(s, o, "it cannot be reduced"), NULL;
+  if (!r) return walk_error(s, o, unreducible(o)), NULL;
   if (!keep(s, r)) return NULL;
   if (PyUnicode_Check(r)) return r; /* a global, pickled by name */
   if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 2 || PyTuple_GET_SIZE(r) > 6) {

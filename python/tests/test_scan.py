@@ -473,7 +473,7 @@ def test_an_object_that_cannot_be_reduced_is_a_walk_error_naming_type_and_path()
         devpickle.scan({"blocks": [Holder(gen())]})
     assert isinstance(e.value, TypeError)
     assert e.value.path == "$.blocks[0].t" and e.value.type_name == "generator"
-    assert str(e.value).startswith("cannot walk a 'generator' at $.blocks[0].t: it cannot be reduced")
+    assert str(e.value).startswith("cannot walk a 'generator' at $.blocks[0].t: an iterator cannot be reduced")
 
 
 def test_a_walk_error_escapes_control_characters_and_line_separators_in_the_type_name_it_quotes():
@@ -3700,3 +3700,19 @@ def test_an_interface_property_raising_another_error_is_still_a_walk_error_namin
                                                   r"another_error_is_still_a_walk_error_naming_it\.<locals>\.Broken'"
                                                   r" at \$\[0\]: __cuda_array_interface__ failed: driver gone$"):
         devpickle.scan([Broken()])
+
+
+def test_an_iterator_or_a_dict_view_where_a_value_belongs_says_to_walk_a_list_of_it():
+    # scan(model.parameters()) and scan(sd.values()) said only pickle's
+    # "cannot pickle 'generator' object": nothing of what to walk instead
+    model = torch.nn.Linear(2, 2)
+    sd = model.state_dict()
+    for value, kind, name in [(model.parameters(), "an iterator", "generator"), (sd.values(), "a dict view", "odict_values"),
+                              ({"k": {}.items()}, "a dict view", "dict_items")]:
+        with pytest.raises(devpickle.WalkError, match=rf"^cannot walk a '{name}' at \$(\.k)?: {kind} cannot be reduced "
+                                                      rf"\(walk list\(\.\.\.\) of it\): cannot pickle '{name}' object$"):
+            devpickle.scan(value)
+        with pytest.raises(devpickle.WalkError, match=rf"{kind} cannot be reduced \(walk list\(\.\.\.\) of it\)"):
+            devpickle.Future().set_result(value)
+    assert len(devpickle.scan(list(model.parameters()))) == 2
+    assert len(devpickle.scan(list(sd.values()))) == 2
