@@ -1646,7 +1646,8 @@ def test_an_objects_missing_attribute_says_which_class_to_list_where_listing_it_
                                              r"\(classes=\(test_frames.Node, ...\)\)$"):
         plain.zz
     builtin = devpickle.loads(devpickle.dumps(slice(1, 2)))  # named "slice" in a frame: listed as slice
-    with pytest.raises(AttributeError, match=r"loads makes a slice only where its classes= lists it \(classes=\(slice, "):
+    with pytest.raises(AttributeError, match=r"loads makes a slice only where its classes= lists it "
+                                             r"\(classes=\(slice, "):
         builtin.start
     dtype = devpickle.loads(devpickle.dumps(torch.float16))  # a global: the object itself is listed
     with pytest.raises(AttributeError, match=r"^devpickle.Object of class 'devpickle.global' has no attribute "

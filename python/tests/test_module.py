@@ -180,7 +180,8 @@ def test_the_pip_build_backend_outside_the_checkout_says_it_must_run_inside_it(t
 
     shutil.copy(os.path.join(REPO, "python", "devpickle_build.py"), tmp_path / "devpickle_build.py")
     code = ("import sys, devpickle_build as b\n"
-            "for step in (lambda: b.prepare_metadata_for_build_wheel(sys.argv[1]), lambda: b.build_wheel(sys.argv[1])):\n"
+            "for step in (lambda: b.prepare_metadata_for_build_wheel(sys.argv[1]),\n"
+            "             lambda: b.build_wheel(sys.argv[1])):\n"
             "    try: step()\n"
             "    except RuntimeError as e: print(e)\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,

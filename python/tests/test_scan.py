@@ -3707,10 +3707,12 @@ def test_an_iterator_or_a_dict_view_where_a_value_belongs_says_to_walk_a_list_of
     # "cannot pickle 'generator' object": nothing of what to walk instead
     model = torch.nn.Linear(2, 2)
     sd = model.state_dict()
-    for value, kind, name in [(model.parameters(), "an iterator", "generator"), (sd.values(), "a dict view", "odict_values"),
+    for value, kind, name in [(model.parameters(), "an iterator", "generator"),
+                              (sd.values(), "a dict view", "odict_values"),
                               ({"k": {}.items()}, "a dict view", "dict_items")]:
-        with pytest.raises(devpickle.WalkError, match=rf"^cannot walk a '{name}' at \$(\.k)?: {kind} cannot be reduced "
-                                                      rf"\(walk list\(\.\.\.\) of it\): cannot pickle '{name}' object$"):
+        with pytest.raises(devpickle.WalkError, match=rf"^cannot walk a '{name}' at \$(\.k)?: {kind} cannot be "
+                                                      rf"reduced \(walk list\(\.\.\.\) of it\): cannot pickle "
+                                                      rf"'{name}' object$"):
             devpickle.scan(value)
         with pytest.raises(devpickle.WalkError, match=rf"{kind} cannot be reduced \(walk list\(\.\.\.\) of it\)"):
             devpickle.Future().set_result(value)
