@@ -965,10 +965,12 @@ def _check_contiguous(source, key):
                          "end to end (numpy.ascontiguousarray or .contiguous() makes such a copy)")
 
 
-def _flat(kind, device, source, cache, key, nbytes):
+def _flat(kind, device, source, cache, key, nbytes, inline):
     """The whole buffer as a flat uint8 array of the kind wanted, made once
     per buffer and kind so that views of one storage share it (cache[key]:
-    the buffer's source; cache[key, kind]: its flat array of that kind)."""
+    the buffer's source; cache[key, kind]: its flat array of that kind).
+    inline: the source is the frame's own copy of the bytes, which goes to
+    the device the frame names, whatever buffers= holds."""
     flat = cache.get((key, kind))  # a tensor and a numpy array over one buffer each get their own kind of view
     if flat is not None:
         return flat
@@ -1009,10 +1011,13 @@ def _flat(kind, device, source, cache, key, nbytes):
                 # devpickle's host backend, simulated devices in host memory:
                 # torch has none, and moving the tensor to cpu on its own
                 # would change the device the frame names
-                raise _cannot(kind, device, key, "torch has no such device (devpickle's host backend); give a cpu "
-                              "tensor as this buffer to rebuild the tensor on cpu")
+                raise _cannot(kind, device, key, "torch has no such device (devpickle's host backend)"
+                              + _elsewhere(inline))
             if device != "cpu":
-                flat = flat.to(device)
+                try:
+                    flat = flat.to(device)
+                except (RuntimeError, AssertionError) as e:  # a torch without that device ("not compiled with CUDA")
+                    raise _cannot(kind, device, key, f"{e}{_elsewhere(inline)}") from e
     elif kind == "numpy.ndarray":
         np = _numpy()
         if device != "cpu":  # a frame dumps never writes: numpy arrays are cpu memory
@@ -1030,23 +1035,33 @@ def _flat(kind, device, source, cache, key, nbytes):
     return flat
 
 
-def array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes):
+def array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes, inline=False):
     """A tensor or array over buffer `key`: source is bytes-like (an inline
     copy or a cpu buffer), a torch tensor or a cupy array holding the bytes.
     What the framework refuses (a view it cannot make — negative strides for
     torch —, a dtype it lacks — bfloat16 for numpy —, a device it was built
     without) is a ValueError naming the buffer."""
     try:
-        return _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes)
+        return _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes, inline)
     except (RuntimeError, AssertionError, OverflowError) as e:
         raise _cannot(kind, device, key, e) from e
+
+
+def _elsewhere(inline):
+    """What a bytes-like buffer's refusal on a device torch lacks says to do:
+    a cpu tensor given as the buffer rebuilds the tensor on cpu, where the
+    frame's buffers are out of band; an inline frame's bytes are its own."""
+    if inline:
+        return ("; an inline frame's tensors are rebuilt on the device it names, whatever buffers= holds (a frame "
+                "whose buffers are out of band is rebuilt on cpu over cpu tensors given as its buffers)")
+    return "; give a cpu tensor as this buffer to rebuild the tensor on cpu"
 
 
 def _cannot(kind, device, key, why):
     return ValueError(f"loads: a {kind or 'tensor'} over buffer {key} ({device}) cannot be made here: {why}")
 
 
-def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes):
+def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbytes, inline):
     torch = sys.modules.get("torch")
     if kind is None:  # a bare tensor: torch if imported, else numpy on cpu
         if torch is None and "numpy" not in sys.modules:
@@ -1058,7 +1073,7 @@ def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyt
         raise TypeError("loads: the frame holds cupy arrays; import cupy first")
     if kind not in ("torch.Tensor", "numpy.ndarray", "cupy.ndarray"):
         raise TypeError(f"loads: unknown array kind {kind}")
-    flat = _flat(kind, device, source, cache, key, nbytes)
+    flat = _flat(kind, device, source, cache, key, nbytes, inline)
     if kind == "torch.Tensor":
         if dtype not in _TORCH_DTYPES or not hasattr(torch, dtype):
             raise _cannot(kind, device, key, f"dtype {dtype} has no torch equivalent here")

@@ -514,9 +514,9 @@ static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
     }
     PyObject *dev_s = dpy_device_str(dev);
     if (shape && strides && dev_s)
-      r = PyObject_CallFunction(l->fn_array, "zOOsOOLOOn", kind, dev_s, source, dp_dtype_name(dp_tensor_dtype(t)),
+      r = PyObject_CallFunction(l->fn_array, "zOOsOOLOOnO", kind, dev_s, source, dp_dtype_name(dp_tensor_dtype(t)),
                                 shape, strides, (long long)dp_tensor_offset(t), l->cache, key,
-                                (Py_ssize_t)dp_storage_nbytes(st));
+                                (Py_ssize_t)dp_storage_nbytes(st), host ? Py_True : Py_False);
     Py_XDECREF(shape);
     Py_XDECREF(strides);
     Py_XDECREF(dev_s);

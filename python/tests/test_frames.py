@@ -3489,6 +3489,28 @@ def test_a_tensor_on_a_host_backend_device_is_refused_naming_the_buffer_and_a_cp
     assert out["t"].device.type == "cpu" and out["t"].data_ptr() == cpu.data_ptr()
 
 
+@pytest.mark.parametrize("device", ["host:0", "cuda:0"])
+def test_an_inline_tensor_on_a_device_torch_lacks_is_refused_saying_a_given_buffer_cannot_move_it(tmp_path, device):
+    # the refusal of an inline frame's host:0 tensor advised "give a cpu
+    # tensor as this buffer", which an inline frame never reads; a cuda:0
+    # one said only "Torch not compiled with CUDA enabled"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("torch reaches cuda:0 here")
+    tensor = {"device": device, "ptr": "0x1000", "nbytes": 16, "dtype": "float32", "shape": [4]}
+    inline = _packed(tmp_path, {"t": {"$tensor": dict(tensor, data="AACAPwAAAEAAAEBAAACAQA==")}})
+    for given in (None, [torch.zeros(4)]):
+        with pytest.raises(ValueError, match=rf"^loads: a torch.Tensor over buffer 0 \({device}\) cannot be made "
+                                             r"here: .*an inline frame's tensors are rebuilt on the device it names, "
+                                             r"whatever buffers= holds \(a frame whose buffers are out of band is "
+                                             r"rebuilt on cpu over cpu tensors given as its buffers\), at \$.t$") as e:
+            devpickle.loads(inline, buffers=given)
+        assert "give a cpu tensor" not in str(e.value)
+    out_of_band = _packed(tmp_path, {"t": {"$tensor": tensor}})
+    with pytest.raises(ValueError, match=r"give a cpu tensor as this buffer to rebuild the tensor on cpu, at \$.t$"):
+        devpickle.loads(out_of_band, buffers=[bytearray(16)])
+    assert devpickle.loads(out_of_band, buffers=[torch.zeros(4)])["t"].device.type == "cpu"
+
+
 class _RaisesOnSetstate:
     def __setstate__(self, state):
         raise RuntimeError("refused by the class")
