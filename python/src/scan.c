@@ -2785,6 +2785,19 @@ static int tensor_bit(PyObject *o, const char *name) {
  * carries dtype, shape, strides and offset; resolving a view would copy the
  * buffer, which a frame never does: each is refused, as sparse tensors are. */
 static int refuse_unframed(dpy_scanner_t *s, PyObject *o) {
+  /* a nested tensor's one buffer holds tensors of different shapes, which
+     its own sizes tensor says: it has no shape or strides of its own (torch
+     raises an "internal error" for them, sending the user to its tracker) */
+  PyObject *nested = PyObject_GetAttrString(o, "is_nested");
+  int is_nested = nested ? PyObject_IsTrue(nested) : 0;
+  Py_XDECREF(nested);
+  if (!nested && PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear(); /* a torch without them */
+  else if (is_nested < 0 || !nested) return walk_error(s, o, "a tensor whose memory cannot be described");
+  if (is_nested) {
+    PyErr_SetString(PyExc_TypeError, "a nested tensor is not carried in frames: a frame has no field for its "
+                                     "tensors' sizes (send t.unbind(), its tensors, instead)");
+    return walk_error(s, o, "it cannot be carried in a frame");
+  }
   int conj = tensor_bit(o, "is_conj");
   int neg = conj ? 0 : tensor_bit(o, "is_neg");
   int named = conj || neg ? 0 : tensor_bit(o, "has_names");

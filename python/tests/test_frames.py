@@ -216,6 +216,28 @@ def test_a_tensors_grad_is_neither_walked_nor_carried_as_pickle_carries_neither(
     assert [a.ptr for a in devpickle.scan([p, p.grad])] == [p.data_ptr(), p.grad.data_ptr()]
 
 
+def test_a_nested_tensor_is_refused_by_dumps_saying_to_send_its_tensors():
+    # dumps of torch.nested.nested_tensor(...) raised torch's "Internal
+    # error: NestedTensorImpl doesn't support sizes. Please file an issue",
+    # a WalkError that sent the user to torch's tracker
+    nested = getattr(torch, "nested", None)
+    if nested is None or not hasattr(nested, "nested_tensor"):
+        pytest.skip("this torch has no nested tensors")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nested tensors are in prototype stage" (torch 1.13)
+        nt = nested.nested_tensor([torch.ones(2), torch.arange(3.0)])
+    with pytest.raises(devpickle.WalkError, match=r"^cannot walk a 'torch.Tensor' at \$.x: it cannot be carried in a "
+                                                  r"frame: a nested tensor is not carried in frames: a frame has no "
+                                                  r"field for its tensors' sizes \(send t.unbind\(\), its tensors, "
+                                                  r"instead\)$"):
+        devpickle.dumps({"x": nt})
+    assert [a.nbytes for a in devpickle.scan(nt)] == [20]  # scan still finds its memory
+    back = devpickle.loads(devpickle.dumps({"x": list(nt.unbind())}, inline=True))["x"]
+    assert [t.tolist() for t in back] == [[1.0, 1.0], [0.0, 1.0, 2.0]]
+
+
 def test_a_damaged_frame_is_a_frame_error_with_code_and_offset():
     frame = devpickle.dumps({"x": [1, 2, 3]})
     with pytest.raises(devpickle.FrameError) as e:
