@@ -75,6 +75,17 @@ class Object:
             raise AttributeError(f"devpickle.Object of class {cls!r} has no attribute {name!r}"
                                  + _unlisted_hint(cls, attrs)) from None
 
+    def __contains__(self, item):
+        # an Object holds no items (it stands for a class loads did not
+        # make): `in` is refused as Python refuses it, saying what to list
+        # where listing would help — nn.Module.__getattr__ tests `name in
+        # self._parameters`, so a module whose OrderedDicts were not listed
+        # fails here once called. Only `in`: an __iter__ or __getitem__ would
+        # make an Object an Iterable or a sequence to numpy and others
+        cls = object.__getattribute__(self, "__class_name__")
+        raise TypeError(f"a devpickle.Object of class {cls!r} holds no items to test with in"
+                        + _unlisted_hint(cls, object.__getattribute__(self, "__attrs__")))
+
     def __setattr__(self, name, value):
         if name == "__class_name__":  # its own fields: set as __init__ sets them, read back as set
             object.__setattr__(self, name, str(value))

@@ -1687,6 +1687,26 @@ def test_an_objects_missing_attribute_says_which_class_to_list_where_listing_it_
         devpickle.Object("m.C", {"<args>": ()}).x
 
 
+def test_a_module_loaded_without_its_ordered_dicts_says_which_class_to_list_once_called():
+    # nn.Module.__getattr__ tests `name in self._parameters`: with the module's
+    # class alone listed, calling it raised "argument of type 'Object' is not
+    # iterable", nothing of the OrderedDict to list
+    frame = devpickle.dumps(torch.nn.Linear(2, 2), inline=True)
+    module = devpickle.loads(frame, classes=torch.nn.Linear)
+    with pytest.raises(TypeError, match=r"^a devpickle.Object of class 'collections.OrderedDict' holds no items to "
+                                        r"test with in: loads makes a collections.OrderedDict only where its classes= "
+                                        r"lists it \(classes=\(collections.OrderedDict, ...\)\)$"):
+        module.weight
+    with pytest.raises((TypeError, AttributeError), match=r"loads makes a collections.OrderedDict only where its "
+                                                          r"classes= lists it"):
+        module(torch.ones(2))
+    whole = devpickle.loads(frame, classes=(torch.nn.Linear, collections.OrderedDict))
+    assert whole(torch.ones(2)).shape == (2,)
+    with pytest.raises(TypeError, match=r"^a devpickle.Object of class 'm.C' holds no items to test with in$"):
+        "w" in devpickle.Object("m.C", {"<args>": ()})
+    assert bool(devpickle.Object("m.C")) and not isinstance(devpickle.Object("m.C"), collections.abc.Iterable)
+
+
 def test_an_objects_attribute_is_deleted_as_it_is_set_and_read():
     # del o.name raised "'Object' object has no attribute 'name'" though o.name read it
     o = devpickle.loads(devpickle.dumps(Node("n")))
