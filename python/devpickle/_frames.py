@@ -248,7 +248,7 @@ def allowed(classes):
                             f"not a {type(classes).__name__!r}") from None
         classes = iter((classes,))  # one object carried by name (torch.float16)
     for c in classes:
-        if isinstance(c, (types.FunctionType, types.BuiltinFunctionType)) or not isinstance(c, type):
+        if not isinstance(c, type):  # a function, or an object dumps carries by name
             if isinstance(c, (types.FunctionType, types.BuiltinFunctionType)):
                 mod, q = getattr(c, "__module__", None), getattr(c, "__qualname__", None)
                 if not isinstance(mod, str) or not isinstance(q, str):

@@ -1102,8 +1102,6 @@ static PyObject *fut_add_done_callback(pyfut_t *self, PyObject *const *args, Py_
 
 /* ---- collect_all, wait_all ---- */
 
-/* arg as a list of Futures and their C futures; who names the caller in
- * errors. */
 /* The TypeError for item i, x, of collect_all's or wait_all's futures: its
  * class by module.qualname (tp_name of a class defined in Python is its name
  * alone: torch's future read "a 'Future'"), and for torch's future what to
@@ -1134,6 +1132,8 @@ static void not_a_future(const char *who, Py_ssize_t i, PyObject *x) {
   Py_DECREF(name);
 }
 
+/* arg as a list of Futures and their C futures; who names the caller in
+ * errors. */
 static PyObject *as_futures(const char *who, PyObject *arg, dp_future_t ***out, Py_ssize_t *n) {
   if (!Py_TYPE(arg)->tp_iter && !PySequence_Check(arg)) {
     /* named: "'devpickle.Future' object is not iterable" says not what was wanted */

@@ -2925,11 +2925,14 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
         snprintf(native, sizeof native, "<%s", ts + 1);
         swapped = typestr_dtype(native) != NULL;
       }
-      PyErr_Format(PyExc_TypeError, "an array of dtype %s cannot be carried: %s", ts ? ts : "?",
-                   swapped ? "frames hold the machine's byte order: "
-                             "a.astype(a.dtype.newbyteorder('=')) makes such a copy"
-                           : "frames carry arrays of bool, int8 to int64, uint8 to uint64, float16 to float64, "
-                             "complex64 and complex128");
+      if (dt) /* the dtype is a frame's: the interface's shape or data is what failed */
+        PyErr_Format(PyExc_TypeError, "an array of dtype %s cannot be carried", ts);
+      else
+        PyErr_Format(PyExc_TypeError, "an array of dtype %s cannot be carried: %s", ts ? ts : "?",
+                     swapped ? "frames hold the machine's byte order: "
+                               "a.astype(a.dtype.newbyteorder('=')) makes such a copy"
+                             : "frames carry arrays of bool, int8 to int64, uint8 to uint64, float16 to float64, "
+                               "complex64 and complex128");
     }
     goto out;
   }
