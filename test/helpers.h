@@ -24,6 +24,7 @@ static _Atomic long t_live_blocks;
 static _Atomic long t_live_bytes;
 static _Atomic long t_alloc_count;
 static long t_fail_at;  /* fail allocation number t_fail_at (1-based); 0: never */
+static _Atomic long t_max_block; /* the largest block asked for since t_track() */
 
 static void *t_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
   (void)ud;
@@ -39,6 +40,8 @@ static void *t_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
   if (t_fail_at && n == t_fail_at) return NULL;
   void *p = realloc(ptr, nsize);
   if (!p) return NULL;
+  for (long m = atomic_load(&t_max_block); (long)nsize > m && !atomic_compare_exchange_weak(&t_max_block, &m, (long)nsize);) {
+  }
   if (!ptr) atomic_fetch_add(&t_live_blocks, 1);
   atomic_fetch_add(&t_live_bytes, (long)nsize - (long)osize);
   return p;
@@ -49,6 +52,7 @@ static inline void t_track(void) {
   t_live_bytes = 0;
   t_alloc_count = 0;
   t_fail_at = 0;
+  t_max_block = 0;
   dp_set_allocator(t_alloc, NULL);
 }
 

@@ -3456,6 +3456,54 @@ Test(transport, a_refused_frame_announcing_buffers_that_never_come_does_not_hold
   refused_frame_owing_buffers(3); /* one of three comes, late; two never do */
 }
 
+/* peer: a corrupt frame announcing four buffers of 32 MiB, the four sent by
+ * rendezvous, then a good value (7) */
+static int send_refused_with_large_buffers(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  enum { NBUF = 4 };
+  size_t n = (size_t)32 << 20;
+  uint8_t junk[64];
+  memset(junk, 0x3a, sizeof junk);
+  memcpy(junk, "DPKL", 4);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, NBUF, 0, sizeof junk, (uint64_t)NBUF * n};
+  dp_error_t e;
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 11;
+  uint8_t *big = calloc(1, n);
+  if (!big) return 12;
+  for (uint64_t i = 0; i < NBUF; i++) {
+    dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 0, i, n, 0, n};
+    if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &b, sizeof b, big, n, &e)) return 13;
+  }
+  free(big);
+  return send_good_and_stay(ep, 7, 14);
+}
+
+/* The buffers of a refused frame are pulled so that their sender's sends
+ * complete, and dropped: pulled into scratch memory of their size, a peer
+ * announcing and sending large ones held that much of the receiver's memory
+ * per piece in flight (16 pieces of 32 MiB: 128 MiB at once). They go
+ * through a datatype that keeps nothing now: no block of a piece's size. */
+Test(transport, a_refused_frames_large_buffers_are_dropped_without_memory_of_their_size) {
+  t_track();
+  peer_t p = spawn_peer(send_refused_with_large_buffers, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *r[2], *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  for (int i = 0; i < 2; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
+  cr_assert_eq(wait_f(r[0], &e), DP_ETRUNC, "%s: %s", dp_err_name(e.code), e.message);
+  OK_WITH(&e, wait_f(r[1], &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r[1])), 7);
+  cr_assert_eq(dp_endpoint_error(ep, &e), 0, "the endpoint failed: %s", e.message);
+  OK_WITH(&e, wait_f(d, &e));
+  for (int i = 0; i < 2; i++) dp_future_release(r[i]);
+  dp_future_release(d);
+  close_clean(ep, t, p);
+  cr_assert_lt(atomic_load(&t_max_block), 32l << 20, "a block of %ld bytes was allocated",
+               atomic_load(&t_max_block));
+}
+
 /* peer: says hello (0), then waits until the other side closes (its
  * receive then fails) */
 static int hello_then_wait_for_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {

@@ -248,6 +248,16 @@ static int recv_done(rctx_t *c, ucs_status_t st) {
  * on the endpoint's connection (which is not closed while it is in flight:
  * dp__tp_ep_force_close), cb(ud) called when it completes; or, not a
  * pointer, the status of a pull done (or failed) at once, with no callback. */
+static ucs_status_ptr_t pull_param(dp_transport_t *t, dp_endpoint_t *ep, void *data, void *dst, size_t n,
+                                   const ucp_request_param_t *p) {
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, n, p);
+  if (UCS_PTR_IS_PTR(r)) {
+    t->nreq++;
+    if (!ep->rndv_inflight++) ep->pull_deadline = dp__tp_deadline(t);
+  }
+  return r;
+}
+
 static ucs_status_ptr_t pull(dp_transport_t *t, dp_endpoint_t *ep, void *data, void *dst, size_t n,
                              ucp_am_recv_data_nbx_callback_t cb, void *ud) {
   ucp_request_param_t p;
@@ -255,12 +265,7 @@ static ucs_status_ptr_t pull(dp_transport_t *t, dp_endpoint_t *ep, void *data, v
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = cb;
   p.user_data = ud;
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(t->worker, data, dst, n, &p);
-  if (UCS_PTR_IS_PTR(r)) {
-    t->nreq++;
-    if (!ep->rndv_inflight++) ep->pull_deadline = dp__tp_deadline(t);
-  }
-  return r;
+  return pull_param(t, ep, data, dst, n, &p);
 }
 
 /* A pull's request completed: uncounted and freed. */
@@ -281,39 +286,68 @@ static void recv_cb(void *req, ucs_status_t st, size_t len, void *ud) {
 typedef struct drain {
   dp_transport_t *t;
   dp_endpoint_t *ep;
-  void *scratch;
-  size_t n;
 } drain_t;
 
 static void drain_cb(void *req, ucs_status_t st, size_t len, void *ud) {
   drain_t *d = ud;
   (void)st, (void)len;
   pulled(req, d->t, d->ep);
-  dp__free(d->scratch, d->n);
   dp__free(d, sizeof *d);
 }
 
+/* A UCX generic datatype whose receive keeps nothing: a drained buffer
+ * costs no memory of its size, whatever its sender announced. Its state is
+ * the byte count plus one (never NULL). */
+static void *discard_start_pack(void *ctx, const void *buf, size_t count) {
+  (void)ctx, (void)buf;
+  return (void *)(uintptr_t)(count + 1);
+}
+static void *discard_start_unpack(void *ctx, void *buf, size_t count) {
+  (void)ctx, (void)buf;
+  return (void *)(uintptr_t)(count + 1);
+}
+static size_t discard_packed_size(void *state) { return (size_t)((uintptr_t)state - 1); }
+static size_t discard_pack(void *state, size_t offset, void *dest, size_t max) {
+  (void)state, (void)offset, (void)dest, (void)max;
+  return 0;
+}
+static ucs_status_t discard_unpack(void *state, size_t offset, const void *src, size_t n) {
+  (void)state, (void)offset, (void)src, (void)n;
+  return UCS_OK;
+}
+static void discard_finish(void *state) { (void)state; }
+
+static ucp_datatype_t discard_dt;
+static ucs_status_t discard_status = UCS_ERR_NO_RESOURCE;
+static pthread_once_t discard_once = PTHREAD_ONCE_INIT;
+static void discard_init(void) {
+  static const ucp_generic_dt_ops_t ops = {discard_start_pack, discard_start_unpack, discard_packed_size,
+                                          discard_pack,       discard_unpack,       discard_finish};
+  discard_status = ucp_dt_create_generic(&ops, NULL, &discard_dt);
+}
+
 /* Pulls a rendezvous buffer of a refused message (its endpoint lives on)
- * into scratch memory and drops it: the sender's send then completes as any
+ * through the discarding datatype: the sender's send then completes as any
  * other, and UCX's descriptor goes back (one released unread stays in its
- * pool until the worker goes). Without memory for it, it is released. */
+ * pool until the worker goes), with no memory held for its bytes however
+ * many the peer sends. Without the datatype, or memory for the request's
+ * context, it is released unread. */
 static void drain_rndv(dp_transport_t *t, dp_endpoint_t *ep, void *data, size_t n) {
-  drain_t *d = dp__alloc(sizeof *d);
-  if (d && !(d->scratch = dp__alloc(n ? n : 1))) {
-    dp__free(d, sizeof *d);
-    d = NULL;
-  }
+  pthread_once(&discard_once, discard_init);
+  drain_t *d = discard_status == UCS_OK ? dp__alloc(sizeof *d) : NULL;
   if (!d) {
     ucp_am_data_release(t->worker, data);
     return;
   }
-  d->n = n ? n : 1;
   d->t = t;
   d->ep = ep;
-  if (!UCS_PTR_IS_PTR(pull(t, ep, data, d->scratch, n, drain_cb, d))) {
-    dp__free(d->scratch, d->n);
-    dp__free(d, sizeof *d);
-  }
+  ucp_request_param_t p;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  p.cb.recv_am = drain_cb;
+  p.user_data = d;
+  p.datatype = discard_dt;
+  if (!UCS_PTR_IS_PTR(pull_param(t, ep, data, NULL, n, &p))) dp__free(d, sizeof *d);
 }
 
 /* Pulls a rendezvous piece (c, counted in its message's pending) into its
