@@ -40,7 +40,8 @@ static void *t_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
   if (t_fail_at && n == t_fail_at) return NULL;
   void *p = realloc(ptr, nsize);
   if (!p) return NULL;
-  for (long m = atomic_load(&t_max_block); (long)nsize > m && !atomic_compare_exchange_weak(&t_max_block, &m, (long)nsize);) {
+  long m = atomic_load(&t_max_block);
+  while ((long)nsize > m && !atomic_compare_exchange_weak(&t_max_block, &m, (long)nsize)) {
   }
   if (!ptr) atomic_fetch_add(&t_live_blocks, 1);
   atomic_fetch_add(&t_live_bytes, (long)nsize - (long)osize);
