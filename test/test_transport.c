@@ -2417,10 +2417,10 @@ Test(transport, a_second_offer_of_shared_slots_fails_the_endpoint) {
   crafted_fails((crafted_t){.id = DP__AM_SHM_OFFER, .twice = 1}, "a second offer of shared slots");
 }
 
-/* A frame of a list of n one-byte cpu tensors, each on a storage of its
- * own (never read: a crafted peer sends the pieces itself); NULL (and a
- * message on stderr) on failure. */
-static dp_frame_t *one_byte_buffers_frame(size_t n) {
+/* A frame of a list of n one-byte tensors, each on a storage of its own
+ * (never read: a crafted peer sends the pieces itself): on cpu, or with
+ * hosts, tensor i on host:i; NULL (and a message on stderr) on failure. */
+static dp_frame_t *one_byte_frame(size_t n, int hosts) {
   dp_value_t l = many_tensors(0);
   dp_error_t e;
   dp_frame_t *fr = NULL;
@@ -2428,7 +2428,8 @@ static dp_frame_t *one_byte_buffers_frame(size_t n) {
     dp_storage_t *st;
     dp_value_t v;
     int64_t shape[1] = {1};
-    if (dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
+    dp_device_t dev = hosts ? t_dev(DP_DEVICE_HOST, (int)i) : t_dev(DP_DEVICE_CPU, 0);
+    if (dp_storage_new(dev, (void *)(uintptr_t)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
         dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
       goto fail;
   }
@@ -2442,28 +2443,10 @@ fail:
   return NULL;
 }
 
+static dp_frame_t *one_byte_buffers_frame(size_t n) { return one_byte_frame(n, 0); }
+
 /* A frame of two one-byte buffers, one on host:0 and one on host:1. */
-static dp_frame_t *two_host_buffers_frame(void) {
-  dp_value_t l = many_tensors(0);
-  dp_error_t e;
-  dp_frame_t *fr = NULL;
-  for (int i = 0; i < 2; i++) {
-    dp_storage_t *st;
-    dp_value_t v;
-    int64_t shape[1] = {1};
-    if (dp_storage_new(t_dev(DP_DEVICE_HOST, i), (void *)(uintptr_t)(0x1000 + i), 1, NULL, NULL, &st, &e) ||
-        dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e) || dp_list_append(l, v, &e))
-      goto fail;
-  }
-  if (dp_frame_new(&fr, &e) || dp_pickle(l, NULL, fr, &e)) goto fail;
-  dp_value_release(l);
-  return fr;
-fail:
-  fprintf(stderr, "peer: %s\n", e.message);
-  dp_frame_free(fr);
-  dp_value_release(l);
-  return NULL;
-}
+static dp_frame_t *two_host_buffers_frame(void) { return one_byte_frame(2, 1); }
 
 /* peer: a value of `arg` one-byte buffers whose BUFS messages all come
  * first, in reverse order (buffer n-1 first), then its frame: every piece
