@@ -111,39 +111,39 @@ Test(path, each_mode_escapes_its_delimiter_and_the_backslash_and_controls_mode_n
 
 /* A text longer than the buffer costs what is kept of it: the scan stops
  * once what it holds pending cannot fit. The text here runs up to a page
- * that cannot be read, far past what the buffer holds. */
-Test(path, escaping_a_text_longer_than_the_buffer_reads_no_further_than_it_can_show) {
+ * that cannot be read, far past what the buffer holds.
+ * The helper escapes 16 pages of `fill` followed by a page that cannot be
+ * read into a 100-byte buffer, with a length past the readable text. */
+static void escape_before_unreadable_page(char fill, char out[100], dp__sbuf_t *b) {
   long page = sysconf(_SC_PAGESIZE);
   size_t len = 16 * (size_t)page;
   char *m = mmap(NULL, len + (size_t)page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   cr_assert_neq(m, MAP_FAILED);
   cr_assert_eq(mprotect(m + len, (size_t)page, PROT_NONE), 0);
-  memset(m, 'a', len);
+  memset(m, fill, len);
+  *b = (dp__sbuf_t){out, 0, 100, 0};
+  dp__sb_escaped(b, m, SIZE_MAX / 2, DP__ESC_QUOTED, 0);
+  munmap(m, len + (size_t)page);
+}
+
+Test(path, escaping_a_text_longer_than_the_buffer_reads_no_further_than_it_can_show) {
   char out[100];
-  dp__sbuf_t b = {out, 0, sizeof out, 0};
-  dp__sb_escaped(&b, m, SIZE_MAX / 2, DP__ESC_QUOTED, 0); /* a length past the readable text */
+  dp__sbuf_t b;
+  escape_before_unreadable_page('a', out, &b);
   cr_assert_eq(b.len, sizeof out);
   cr_assert(b.full, "what did not fit is reported");
-  munmap(m, len + (size_t)page);
 }
 
 /* The same with a text of characters that are escaped: each escape is a
  * run of its own, so the scan stops because the buffer is full, not because
  * what it holds pending outgrew the room left. */
 Test(path, escaping_a_text_of_controls_longer_than_the_buffer_stops_once_it_is_full) {
-  long page = sysconf(_SC_PAGESIZE);
-  size_t len = 16 * (size_t)page;
-  char *m = mmap(NULL, len + (size_t)page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  cr_assert_neq(m, MAP_FAILED);
-  cr_assert_eq(mprotect(m + len, (size_t)page, PROT_NONE), 0);
-  memset(m, 0x01, len);
   char out[100];
-  dp__sbuf_t b = {out, 0, sizeof out, 0};
-  dp__sb_escaped(&b, m, SIZE_MAX / 2, DP__ESC_QUOTED, 0); /* a length past the readable text */
+  dp__sbuf_t b;
+  escape_before_unreadable_page(0x01, out, &b);
   cr_assert_eq(b.len, sizeof out);
   cr_assert(b.full, "what did not fit is reported");
   cr_assert_eq(memcmp(out, "\\u0001\\u0001", 12), 0, "each control shown as \\u0001: %.12s", out);
-  munmap(m, len + (size_t)page);
 }
 
 /* ---- whole paths: the edges of DP_PATH_MAX, DP_PATH_HEAD, DP_PATH_TAIL ---- */
