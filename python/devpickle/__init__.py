@@ -3,7 +3,7 @@ stream-aware Future with torch.futures.Future's interface, and devpickle
 frames with out-of-band buffers.
 
     scan(obj, *, paths=True, opaque=())      -> [Allocation(device, ptr, nbytes, refs, path)]
-    Future(*, devices=None)                  torch.futures.Future's interface
+    Future(*, devices=None, opaque=())       torch.futures.Future's interface
     collect_all(futures), wait_all(futures)
     dumps(obj, *, inline=False, buffer_callback=None) -> bytes
     loads(data, *, buffers=None, classes=(), max_copies=None) -> object

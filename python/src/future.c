@@ -45,6 +45,8 @@ typedef struct pyfut {
   PyObject *dict;     /* attributes, as on torch.futures.Future */
   PyObject *devices_read; /* the devices= that tp_new read, until __init__: the same object is not read
                            * again (its items' __str__ would run twice, and could answer otherwise) */
+  PyObject *opaque;   /* opaque=: a tuple of types the walks of its results treat as leaves, or NULL */
+  PyObject *opaque_read; /* the opaque= that tp_new read, until __init__ (an iterator is read once) */
 } pyfut_t;
 
 static PyTypeObject fut_type;
@@ -182,6 +184,36 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
   return 0;
 }
 
+/* opaque= as scan() takes it — a type, an iterable of types, None or () for
+ * none — and checked by scan's own code, so that both say the same: the
+ * value is handed to scan(None, paths=False, opaque=...), which raises its
+ * TypeError for anything else. An iterable is read once, into a tuple, before
+ * that check (a generator would be drained by it). *out: a tuple of types,
+ * or NULL for none. 0, or -1 with an exception. */
+static int read_opaque(PyObject *opaque, PyObject **out) {
+  *out = NULL;
+  if (!opaque || opaque == Py_None) return 0;
+  int one = PyType_Check(opaque);
+  int iterable = !one && (Py_TYPE(opaque)->tp_iter || PySequence_Check(opaque));
+  PyObject *types = iterable ? PySequence_Tuple(opaque) : Py_NewRef(opaque);
+  if (!types) return -1;
+  PyObject *args = PyTuple_Pack(1, Py_None);
+  PyObject *kw = args ? Py_BuildValue("{sOsO}", "paths", Py_False, "opaque", types) : NULL;
+  PyObject *checked = kw ? dpy_scan_py(NULL, args, kw) : NULL;
+  Py_XDECREF(args);
+  Py_XDECREF(kw);
+  if (!checked) {
+    Py_DECREF(types);
+    return -1;
+  }
+  Py_DECREF(checked);
+  if (one) Py_SETREF(types, PyTuple_Pack(1, opaque));
+  if (types && PyTuple_GET_SIZE(types) == 0) Py_CLEAR(types);
+  else if (!types) return -1;
+  *out = types;
+  return 0;
+}
+
 /* A new future of type (Future or a subclass): zeroed and tracked by the
  * collector (tp_alloc). */
 static pyfut_t *fut_alloc(PyTypeObject *type) {
@@ -219,16 +251,19 @@ static int fut_make(pyfut_t *self, dp_future_t *from) {
 }
 
 static PyObject *fut_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"devices", NULL};
-  PyObject *devices = Py_None;
+  static char *kwlist[] = {"devices", "opaque", NULL};
+  PyObject *devices = Py_None, *opaque = NULL;
   if (type == &fut_type) {
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O:Future", kwlist, &devices)) return NULL;
-  } else if (kw) { /* a subclass: its __init__ takes its own arguments; devices= is ours */
-    static PyObject *key;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OO:Future", kwlist, &devices, &opaque)) return NULL;
+  } else if (kw) { /* a subclass: its __init__ takes its own arguments; devices= and opaque= are ours */
+    static PyObject *key, *opaque_key;
     if (!key && !(key = PyUnicode_InternFromString("devices"))) return NULL;
+    if (!opaque_key && !(opaque_key = PyUnicode_InternFromString("opaque"))) return NULL;
     devices = PyDict_GetItemWithError(kw, key);
     if (!devices && PyErr_Occurred()) return NULL;
     if (!devices) devices = Py_None;
+    opaque = PyDict_GetItemWithError(kw, opaque_key);
+    if (!opaque && PyErr_Occurred()) return NULL;
   }
   pyfut_t *f = fut_alloc(type);
   if (!f) return NULL;
@@ -236,6 +271,10 @@ static PyObject *fut_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (parse_devices(devices, &f->devices, &f->ndevices)) goto fail;
     if (f->ndevices == 0) f->track = 0;
     f->devices_read = Py_NewRef(devices);
+  }
+  if (opaque) {
+    if (read_opaque(opaque, &f->opaque)) goto fail;
+    f->opaque_read = Py_NewRef(opaque);
   }
   if (fut_make(f, NULL)) goto fail;
   return (PyObject *)f;
@@ -257,21 +296,8 @@ static int same_list(const dp_device_t *a, size_t na, const dp_device_t *b, size
   return 1;
 }
 
-/* Future.__init__(*, devices=None). tp_new made the C future from the same
- * arguments already; a subclass's __init__ may hand other devices to
- * super().__init__() (torch.futures.Future itself is built that way), which
- * remakes it while nobody can hold it yet: not completed, waited on, chained
- * or collected. */
-static int fut_init(pyfut_t *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"devices", NULL};
-  PyObject *devices = NULL;
-  if ((PyTuple_GET_SIZE(args) || kw) && !PyArg_ParseTupleAndKeywords(args, kw, "|$O:Future", kwlist, &devices))
-    return -1;
-  PyObject *read = self->devices_read;
-  self->devices_read = NULL;
-  int same = devices == read; /* the object construction read: its devices stand */
-  Py_XDECREF(read);
-  if (!devices || same) return 0; /* or none given (a subclass's super().__init__()) */
+/* Devices given to __init__ (see fut_init). 0, or -1 with an exception. */
+static int init_devices(pyfut_t *self, PyObject *devices) {
   dp_device_t *d = NULL;
   size_t n = 0;
   if (devices != Py_None && parse_devices(devices, &d, &n)) return -1;
@@ -314,6 +340,34 @@ static int fut_init(pyfut_t *self, PyObject *args, PyObject *kw) {
   return 0;
 }
 
+/* Future.__init__(*, devices=None, opaque=()). tp_new made the C future from
+ * the same arguments already; a subclass's __init__ may hand other devices
+ * to super().__init__() (torch.futures.Future itself is built that way),
+ * which remakes it while nobody can hold it yet: not completed, waited on,
+ * chained or collected. Other opaque types replace the ones the walks to
+ * come use (a walk under way holds its own); then() children made before
+ * keep theirs. Neither changes when the other's argument is refused. */
+static int fut_init(pyfut_t *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"devices", "opaque", NULL};
+  PyObject *devices = NULL, *opaque = NULL;
+  if ((PyTuple_GET_SIZE(args) || kw) &&
+      !PyArg_ParseTupleAndKeywords(args, kw, "|$OO:Future", kwlist, &devices, &opaque))
+    return -1;
+  /* the objects construction read: what they gave stands, unread again */
+  PyObject *read_devices = self->devices_read, *read_types = self->opaque_read;
+  self->devices_read = self->opaque_read = NULL;
+  int new_opaque = opaque && opaque != read_types;
+  PyObject *types = NULL;
+  int rc = new_opaque ? read_opaque(opaque, &types) : 0;
+  /* none given (a subclass's super().__init__()) changes nothing */
+  if (!rc && devices && devices != read_devices) rc = init_devices(self, devices);
+  if (!rc && new_opaque) Py_XSETREF(self->opaque, types);
+  else Py_XDECREF(types);
+  Py_XDECREF(read_devices);
+  Py_XDECREF(read_types);
+  return rc;
+}
+
 static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
   Py_VISIT(f->dict);
   Py_VISIT(f->result);
@@ -321,6 +375,8 @@ static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
   Py_VISIT(f->exc_tb);
   Py_VISIT(f->inputs);
   Py_VISIT(f->devices_read);
+  Py_VISIT(f->opaque);
+  Py_VISIT(f->opaque_read);
   return 0;
 }
 
@@ -331,6 +387,8 @@ static int fut_clear(pyfut_t *f) {
   Py_CLEAR(f->exc_tb);
   Py_CLEAR(f->inputs);
   Py_CLEAR(f->devices_read);
+  Py_CLEAR(f->opaque);
+  Py_CLEAR(f->opaque_read);
   return 0;
 }
 
@@ -456,7 +514,9 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_pt
   if (!self->track) return 0;
   dpy_scanner_t *s = dpy_scanner_get();
   if (!s) return -1;
-  dpy_scan_opts_t o = {.paths = 0, .no_refs = 1}; /* the future needs the allocations, not their refs */
+  /* the future needs the allocations, not their refs. The opaque types are
+     held for the walk: the value's code may replace self's (__init__) */
+  dpy_scan_opts_t o = {.paths = 0, .no_refs = 1, .opaque = Py_XNewRef(self->opaque)};
   /* the value's code runs under the walk: a wait() on self from it (on
      this thread) is refused, since self completes only once the walk
      returns. A nested walk of the same future cannot begin (completing is
@@ -468,6 +528,7 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_pt
   int rc = dpy_scan(s, value, &o, into);
   walking = me.outer;
   self->walker = prev;
+  Py_XDECREF(o.opaque);
   if (rc) {
     dpy_scanner_put(s);
     return -1;
@@ -1048,9 +1109,11 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
     return PyErr_NoMemory();
   }
   if (child) {
-    /* the parent's devices, and a C future of its own, made before the
-     * callback can run (at once, when the parent is done) */
+    /* the parent's devices and opaque types (the callback's result is
+     * walked as the parent's was), and a C future of its own, made before
+     * the callback can run (at once, when the parent is done) */
     child->track = self->track;
+    child->opaque = Py_XNewRef(self->opaque);
     if (self->ndevices) {
       child->devices = PyMem_Calloc(self->ndevices, sizeof *child->devices);
       if (!child->devices) {
@@ -1300,9 +1363,12 @@ static PyTypeObject fut_type = {
     .tp_basicsize = sizeof(pyfut_t),
     .tp_dealloc = (destructor)fut_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "Future(*, devices=None)\n--\n\ntorch.futures.Future's interface, stream-aware for every value.\n\n"
+    .tp_doc = "Future(*, devices=None, opaque=())\n--\n\n"
+              "torch.futures.Future's interface, stream-aware for every value.\n\n"
               "devices=None walks each result and tracks every device it uses; devices=[...] also refuses others; "
-              "devices=[] walks nothing (a CPU future).",
+              "devices=[] walks nothing (a CPU future). opaque: a type or an iterable of types whose instances "
+              "the walks of its results (and of its then() callbacks' results) treat as leaves, as scan's "
+              "opaque= does: their memory is not tracked.",
     .tp_traverse = (traverseproc)fut_traverse,
     .tp_clear = (inquiry)fut_clear,
     .tp_weaklistoffset = offsetof(pyfut_t, weakrefs),

@@ -279,9 +279,95 @@ def test_set_result_of_a_torch_storage_tracks_its_memory_without_reducing_it(mon
 
 def test_future_and_its_methods_state_their_signatures_by_torchs_argument_names():
     import inspect
-    assert str(inspect.signature(devpickle.Future)) == "(*, devices=None)"
+    assert str(inspect.signature(devpickle.Future)) == "(*, devices=None, opaque=())"
     assert str(inspect.signature(devpickle.collect_all)) == "(futures)"
     assert str(inspect.signature(devpickle.wait_all)) == "(futures)"
     for name, params in [("set_result", "result"), ("set_exception", "result"), ("then", "callback"),
                          ("add_done_callback", "callback"), ("wait", ""), ("value", ""), ("done", "")]:
         assert str(inspect.signature(getattr(devpickle.Future, name))) == f"(self, /{', ' + params if params else ''})"
+
+
+# ---- opaque= ----
+
+LOCK = type(threading.Lock())  # threading.Lock is a factory function before Python 3.13, not the type
+
+
+def test_opaque_types_are_leaves_to_set_result_as_to_scan_and_the_rest_is_tracked():
+    # a result holding a lock beside its tensors: a WalkError without
+    # opaque=, whatever the devices; with it, the lock is a leaf and the
+    # tensors' memory is tracked, as scan(opaque=) finds it
+    t = torch.ones(4)
+    value = {"t": t, "lock": threading.Lock()}
+    for devices in (None, ["cpu"]):
+        with pytest.raises(devpickle.WalkError, match=r"cannot walk a '_thread\.lock' at \$\.lock"):
+            devpickle.Future(devices=devices).set_result(value)
+        f = devpickle.Future(devices=devices, opaque=LOCK)
+        f.set_result(value)
+        assert f.wait() is value
+        assert f._allocations() == [("cpu", t.data_ptr(), 16)]
+        assert [(a.device, a.ptr, a.nbytes) for a in devpickle.scan(value, opaque=LOCK)] == f._allocations()
+    f = devpickle.Future(opaque=[LOCK, Holder])  # a list of types; an instance of one is a leaf at the root too
+    f.set_result(Holder(gen()))
+    assert f._allocations() == []
+
+
+def test_then_children_walk_their_callbacks_results_with_their_parents_opaque_types_down_the_chain():
+    f = devpickle.Future(opaque=(LOCK,))
+    f.set_result(1)
+    lock, t = threading.Lock(), torch.ones(2)
+    child = f.then(lambda p: [lock, t])
+    assert child.wait()[0] is lock and child._allocations() == [("cpu", t.data_ptr(), 8)]
+    assert child.then(lambda p: {"again": lock}).wait() == {"again": lock}
+    plain = devpickle.Future()
+    plain.set_result(1)
+    with pytest.raises(devpickle.WalkError, match=r"cannot walk a '_thread\.lock' at \$\[0\]"):
+        plain.then(lambda p: [lock, t]).wait()
+
+
+def test_opaque_is_taken_and_refused_as_scan_takes_and_refuses_it():
+    for bad in (1, ["x"], (LOCK, 3), "abc", threading.Lock):
+        with pytest.raises(TypeError) as scan_error:
+            devpickle.scan(None, opaque=bad)
+        with pytest.raises(TypeError) as future_error:
+            devpickle.Future(opaque=bad)
+        assert str(future_error.value) == str(scan_error.value) and str(scan_error.value).startswith("opaque= takes types")
+    # a generator is read once; None and () are no types
+    f = devpickle.Future(opaque=(x for x in [LOCK]))
+    f.set_result(threading.Lock())
+    for none in (None, (), []):
+        with pytest.raises(devpickle.WalkError):
+            devpickle.Future(opaque=none).set_result(threading.Lock())
+
+
+def test_a_subclass_takes_opaque_from_its_constructor_or_its_init_and_a_walk_keeps_the_types_it_began_with():
+    class Sub(devpickle.Future):
+        def __init__(self, *, tag=None, **kw):
+            super().__init__(**kw)
+            self.tag = tag
+
+    class Chooses(devpickle.Future):
+        def __init__(self):
+            super().__init__(opaque=LOCK)
+
+    for f in (Sub(opaque=LOCK, tag=1), Chooses()):
+        f.set_result([threading.Lock()])
+    f = Sub(opaque=LOCK)
+    f.__init__(opaque=None)  # replaces the types for the walks to come
+    with pytest.raises(devpickle.WalkError):
+        f.set_result([threading.Lock()])
+    f = Sub(opaque=LOCK)
+    f.__init__()  # nothing given: nothing changes
+    f.set_result([threading.Lock()])
+
+    class Reinits:
+        # the value's own code replaces its future's types while the walk
+        # is in it: the walk goes on with the types it began with
+        def __reduce__(self):
+            fut.__init__(opaque=None)
+            self.kept = tuple([float])  # a new 1-tuple, where the old one's memory was
+            return (Reinits, ())
+
+    fut = devpickle.Future(opaque=(LOCK,))
+    value = [Reinits(), threading.Lock()]
+    fut.set_result(value)
+    assert fut.wait() is value
