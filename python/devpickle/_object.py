@@ -52,6 +52,11 @@ class Object:
     others look such names up on the instance, and a frame's data must not
     answer them (an __array_interface__ from the frame would have np.asarray
     make an array over whatever address the frame names).
+
+    It holds no items and cannot be called: `in`, obj[key] (and iteration),
+    obj[key] = v, del obj[key] and obj(...) raise TypeError naming the class,
+    and what to list in loads' classes= where listing it would have had loads
+    make it (a missing attribute raises AttributeError saying the same).
     """
 
     __slots__ = ("__class_name__", "__attrs__")
@@ -75,16 +80,38 @@ class Object:
             raise AttributeError(f"devpickle.Object of class {cls!r} has no attribute {name!r}"
                                  + _unlisted_hint(cls, attrs)) from None
 
-    def __contains__(self, item):
-        # an Object holds no items (it stands for a class loads did not
-        # make): `in` is refused as Python refuses it, saying what to list
-        # where listing would help — nn.Module.__getattr__ tests `name in
-        # self._parameters`, so a module whose OrderedDicts were not listed
-        # fails here once called. Only `in`: an __iter__ or __getitem__ would
-        # make an Object an Iterable or a sequence to numpy and others
+    def _refused(self, what):
+        """The TypeError for an operation an Object refuses, saying what to
+        list where listing would help."""
         cls = object.__getattribute__(self, "__class_name__")
-        raise TypeError(f"a devpickle.Object of class {cls!r} holds no items to test with in"
-                        + _unlisted_hint(cls, object.__getattribute__(self, "__attrs__")))
+        return TypeError(f"a devpickle.Object of class {cls!r} {what}"
+                         + _unlisted_hint(cls, object.__getattribute__(self, "__attrs__")))
+
+    # An Object holds no items and does nothing when called (it stands for a
+    # class or function loads did not make): `in`, `[]` and a call are
+    # refused as Python refuses them, but saying what to list —
+    # nn.Module.__getattr__ tests `name in self._parameters`, so a module
+    # whose OrderedDicts were not listed fails at `in` once called; a model
+    # whose activation (F.relu) was not listed, at the call. No __iter__ or
+    # __len__: they would make an Object an Iterable or Sized to
+    # collections.abc, and a sequence to numpy, which takes one whose len()
+    # fails as a scalar; iteration goes through __getitem__ and is refused
+    # there. The call makes callable(obj) true: an API that checks it first
+    # (defaultdict) takes the Object, and the call it makes later says this.
+    def __contains__(self, item):
+        raise self._refused("holds no items to test with in")
+
+    def __getitem__(self, key):
+        raise self._refused("holds no items to subscript or iterate over")
+
+    def __setitem__(self, key, value):
+        raise self._refused("holds no items to set")
+
+    def __delitem__(self, key):
+        raise self._refused("holds no items to delete")
+
+    def __call__(self, *args, **kwargs):
+        raise self._refused("cannot be called")
 
     def __setattr__(self, name, value):
         if name == "__class_name__":  # its own fields: set as __init__ sets them, read back as set

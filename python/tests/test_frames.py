@@ -1707,6 +1707,50 @@ def test_a_module_loaded_without_its_ordered_dicts_says_which_class_to_list_once
     assert bool(devpickle.Object("m.C")) and not isinstance(devpickle.Object("m.C"), collections.abc.Iterable)
 
 
+def test_an_object_called_subscripted_or_iterated_says_which_class_or_function_to_list():
+    # a model whose activation (F.relu) was not listed said "'Object' object
+    # is not callable" once run, a state_dict() loaded without classes=
+    # "'Object' object is not subscriptable": nothing of what to list
+    import numpy as np
+    import torch.nn.functional as F
+
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0)
+    modules = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention, torch.nn.Linear, torch.nn.Dropout,
+               torch.nn.LayerNorm, torch.nn.modules.linear.NonDynamicallyQuantizableLinear, collections.OrderedDict)
+    back = devpickle.loads(devpickle.dumps(layer, inline=True), classes=modules)
+    with pytest.raises(TypeError, match=r"^a devpickle.Object of class 'devpickle.global' cannot be called: loads "
+                                        r"returns torch.nn.functional.relu only where its classes= lists it "
+                                        r"\(classes=\(torch.nn.functional.relu, ...\)\)$"):
+        back.eval()(torch.randn(3, 1, 8))
+    assert devpickle.loads(devpickle.dumps(layer, inline=True), classes=modules + (F.relu,)).activation is F.relu
+    sd = devpickle.loads(devpickle.dumps(torch.nn.Linear(2, 2).state_dict(), inline=True))
+    hint = (r": loads makes a collections.OrderedDict only where its classes= lists it "
+            r"\(classes=\(collections.OrderedDict, ...\)\)$")
+    for op, what in [(lambda: sd["weight"], "subscript or iterate over"), (lambda: list(sd), "subscript or iterate over"),
+                     (lambda: [k for k in sd], "subscript or iterate over"), (lambda: sd.__setitem__("w", 1), "set"),
+                     (lambda: sd.__delitem__("weight"), "delete")]:
+        with pytest.raises(TypeError, match=rf"^a devpickle.Object of class 'collections.OrderedDict' holds no items "
+                                            rf"to {what}{hint}"):
+            op()
+    # a defaultdict listed without its factory comes back; the factory's call says what to list
+    d = devpickle.loads(devpickle.dumps(collections.defaultdict(list, {"a": [1]})), classes=collections.defaultdict)
+    assert d["a"] == [1]
+    with pytest.raises(TypeError, match=r"^a devpickle.Object of class 'devpickle.global' cannot be called: loads "
+                                        r"returns builtins.list only where its classes= lists it"):
+        d["missing"]
+    assert devpickle.loads(devpickle.dumps(collections.defaultdict(list)), classes=(collections.defaultdict, list))[
+        "missing"] == []
+    made = devpickle.Object("m.C", {"<args>": ()})  # listing would not make it: the message says only what failed
+    with pytest.raises(TypeError, match=r"^a devpickle.Object of class 'm.C' cannot be called$"):
+        made(1, k=2)
+    with pytest.raises(TypeError, match=r"^a devpickle.Object of class 'm.C' holds no items to subscript or iterate "
+                                        r"over$"):
+        made[0]
+    # still no Iterable, Sized or sequence to collections.abc, a scalar to numpy
+    assert not isinstance(made, (collections.abc.Iterable, collections.abc.Sized, collections.abc.Sequence))
+    assert np.asarray(made).shape == () and np.asarray(made).dtype == object
+
+
 def test_an_objects_attribute_is_deleted_as_it_is_set_and_read():
     # del o.name raised "'Object' object has no attribute 'name'" though o.name read it
     o = devpickle.loads(devpickle.dumps(Node("n")))
