@@ -1226,6 +1226,36 @@ static PyObject *as_futures(const char *who, PyObject *arg, dp_future_t ***out, 
   return list;
 }
 
+/* The opaque types of collect_all's inputs, each once, in the order the
+ * inputs name them: its then() children walk what their callbacks make of
+ * the inputs' results (collect_all(fs).then(combine)) with them, as a then()
+ * child of one of those inputs would. A tuple, or NULL for none (or with an
+ * exception). */
+static PyObject *inputs_opaque(PyObject *list) {
+  PyObject *types = NULL, *last = NULL; /* inputs often share one tuple: read once */
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+    PyObject *op = ((pyfut_t *)PyList_GET_ITEM(list, i))->opaque;
+    if (!op || op == last) continue;
+    /* held: an append may collect garbage, whose finalizers may give the input other types */
+    Py_XSETREF(last, Py_NewRef(op));
+    if (!types && !(types = PyList_New(0))) break;
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(op); j++) {
+      PyObject *t = PyTuple_GET_ITEM(op, j);
+      Py_ssize_t k = 0;
+      while (k < PyList_GET_SIZE(types) && PyList_GET_ITEM(types, k) != t) k++;
+      if (k == PyList_GET_SIZE(types) && PyList_Append(types, t)) {
+        Py_CLEAR(types);
+        break;
+      }
+    }
+    if (!types) break;
+  }
+  Py_XDECREF(last);
+  if (!types) return NULL;
+  Py_SETREF(types, PyList_AsTuple(types));
+  return types;
+}
+
 PyObject *dpy_collect_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
   (void)self;
   PyObject *arg = one_arg("collect_all", "futures", args, nargs, kwnames);
@@ -1237,6 +1267,7 @@ PyObject *dpy_collect_all(PyObject *self, PyObject *const *args, Py_ssize_t narg
   pyfut_t *out = fut_alloc(&fut_type);
   if (!out) goto fail;
   out->inputs = Py_NewRef(list);
+  if (!(out->opaque = inputs_opaque(list)) && PyErr_Occurred()) goto fail;
   /* its devices: every input's (none listed: the backend's) */
   dp_error_t e;
   int rc = dp_future_collect_all(in, (size_t)n, NULL, &out->f, &e);

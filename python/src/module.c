@@ -200,7 +200,9 @@ static PyMethodDef methods[] = {
      "collect_all($module, /, futures)\n--\n\n"
      "-> Future whose value is the list of the futures (devpickle.Future objects,\n"
      "any iterable of them), once every one has completed; it fails with the\n"
-     "first failed future in list order, once all have completed."},
+     "first failed future in list order, once all have completed. Its then()\n"
+     "children walk their callbacks' results with the opaque= types of all the\n"
+     "futures."},
     {"wait_all", (PyCFunction)(void (*)(void))dpy_wait_all, METH_FASTCALL | METH_KEYWORDS,
      "wait_all($module, /, futures)\n--\n\n"
      "-> list of the futures' values (devpickle.Future objects, any iterable of\n"

@@ -371,3 +371,20 @@ def test_a_subclass_takes_opaque_from_its_constructor_or_its_init_and_a_walk_kee
     value = [Reinits(), threading.Lock()]
     fut.set_result(value)
     assert fut.wait() is value
+
+
+def test_a_collect_all_future_walks_its_then_childrens_results_with_the_opaque_types_of_all_its_inputs():
+    # collect_all(fs).then(combine), the pattern torch code gathers results
+    # with: the combination holds what the inputs held
+    a, b, plain = devpickle.Future(opaque=LOCK), devpickle.Future(opaque=(Holder, LOCK)), devpickle.Future()
+    combined = devpickle.collect_all([a, b, plain]).then(lambda f: [x.wait() for x in f.wait()])
+    lock, holder = threading.Lock(), Holder(gen())
+    a.set_result(lock)
+    b.set_result(holder)
+    plain.set_result(1)
+    assert combined.wait() == [lock, holder, 1]
+    alone = devpickle.Future()
+    child = devpickle.collect_all([alone]).then(lambda f: [lock])
+    alone.set_result(1)
+    with pytest.raises(devpickle.WalkError, match=r"cannot walk a '_thread\.lock' at \$\[0\]"):
+        child.wait()
