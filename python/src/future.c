@@ -1370,7 +1370,8 @@ static PyMethodDef fut_methods[] = {
     {"done", (PyCFunction)fut_done, METH_NOARGS, "done($self, /)\n--\n\n-> True once complete (with a result or an exception)."},
     {"then", (PyCFunction)(void (*)(void))fut_then, METH_FASTCALL | METH_KEYWORDS,
      "then($self, /, callback)\n--\n\n-> Future: callback(self) runs once self is complete, with pool streams current (waiting on "
-     "self's events); the new future completes with its result, walked afresh, or fails, as torch's does, with "
+     "self's events); the new future completes with its result, walked afresh (with self's opaque types), or "
+     "fails, as torch's does, with "
      "RuntimeError(\"Got the following error when running the callback: ...\") whose __cause__ is what it raised "
      "(with a WalkError if its result cannot be walked)."},
     {"add_done_callback", (PyCFunction)(void (*)(void))fut_add_done_callback, METH_FASTCALL | METH_KEYWORDS,
