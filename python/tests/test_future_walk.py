@@ -349,7 +349,11 @@ def test_a_subclass_takes_opaque_from_its_constructor_or_its_init_and_a_walk_kee
         def __init__(self):
             super().__init__(opaque=LOCK)
 
-    for f in (Sub(opaque=LOCK, tag=1), Chooses()):
+    class KeepsItsOwn(devpickle.Future):
+        def __init__(self, *, opaque):  # never calls the future's __init__: what construction read stands
+            self.asked = opaque
+
+    for f in (Sub(opaque=LOCK, tag=1), Chooses(), KeepsItsOwn(opaque=[LOCK])):
         f.set_result([threading.Lock()])
     f = Sub(opaque=LOCK)
     f.__init__(opaque=None)  # replaces the types for the walks to come
