@@ -362,6 +362,10 @@ def test_a_subclass_takes_opaque_from_its_constructor_or_its_init_and_a_walk_kee
     f = Sub(opaque=LOCK)
     f.__init__()  # nothing given: nothing changes
     f.set_result([threading.Lock()])
+    f = Sub(opaque=LOCK)
+    with pytest.raises(TypeError, match="devices must be a list of devices, not a str"):
+        f.__init__(opaque=None, devices="cpu")  # refused devices: the types stay as they were
+    f.set_result([threading.Lock()])
 
     class Reinits:
         # the value's own code replaces its future's types while the walk
