@@ -155,10 +155,16 @@ def test_buffers_go_out_of_band_in_table_order_and_come_back_without_a_copy():
     assert out["t"][0].item() == 99 and t[0].item() == 99
 
 
-def test_an_out_of_band_frame_without_its_buffers_says_which_is_missing():
+def test_an_out_of_band_frame_without_its_buffers_says_which_is_missing_and_how_to_give_it():
+    # loads(dumps(x)), as code moving from pickle writes it, said what was
+    # missing but not that inline=True or buffer_callback= gives it
     frame = devpickle.dumps([torch.ones(2)])
-    with pytest.raises(ValueError, match=r"buffer 0 \(cpu, 8 bytes\) is out of band and buffers= was not given"):
+    with pytest.raises(ValueError, match=r"^loads: buffer 0 \(cpu, 8 bytes\) is out of band and buffers= was not "
+                                         r"given \(dumps\(obj, inline=True\) writes a frame that carries its buffers; "
+                                         r"else pass buffers=\[b.raw\(\) for b in bufs\], bufs the Buffers dumps gave "
+                                         r"its buffer_callback\), at \$\[0\]$"):
         devpickle.loads(frame)
+    assert torch.equal(devpickle.loads(devpickle.dumps([torch.ones(2)], inline=True))[0], torch.ones(2))
 
 
 def test_a_buffer_given_as_none_or_strided_is_a_clear_error_never_a_copy():
@@ -3607,11 +3613,11 @@ def test_a_loads_error_names_the_node_it_was_rebuilding_by_its_path():
     n = Node("n", torch.arange(3))
     frame = devpickle.dumps({"model": [1, {"w": n, (2, "k"): (0, n)}]}, buffer_callback=lambda b: None)
     with pytest.raises(ValueError, match=r"^loads: buffer 0 \(cpu, 24 bytes\) is out of band and buffers= was not "
-                                         r'given, at \$\.model\[1\]\.w\.t$'):
+                                         r'given \(dumps\(obj, inline=True\) .*\), at \$\.model\[1\]\.w\.t$'):
         devpickle.loads(frame, classes=Node)
     # a non-str key is its value JSON, as the C library and the CLI render it
     frame = devpickle.dumps({"model": [1, {(2, "k"): (0, torch.arange(3))}]}, buffer_callback=lambda b: None)
-    with pytest.raises(ValueError, match=r'was not given, at \$\.model\[1\]\[\{"\$tuple":\[2,"k"\]\}\]\[1\]$'):
+    with pytest.raises(ValueError, match=r'was not given \(.*\), at \$\.model\[1\]\[\{"\$tuple":\[2,"k"\]\}\]\[1\]$'):
         devpickle.loads(frame)
     # a failure in a dict key itself is <key i>: here the key past the bound
     # of keys of one hash
