@@ -2,6 +2,7 @@
 rebuild — its class name and its attributes, nothing imported or called."""
 
 import reprlib
+import types
 
 
 # the names loads never makes a class of, whatever classes= lists: the
@@ -19,12 +20,30 @@ def _global_name(x):
     return None
 
 
+def _callable_name(x):
+    """The module.qualname of a reduce's callable: a frame's global, or a
+    function or class classes= listed (read from the object itself, never
+    through a metaclass), else None."""
+    name = _global_name(x)
+    if name is None and isinstance(x, (types.FunctionType, types.BuiltinFunctionType, type)):
+        get = type.__getattribute__ if isinstance(x, type) else object.__getattribute__
+        try:
+            mod, qual = get(x, "__module__"), get(x, "__qualname__")
+        except AttributeError:
+            return None
+        if isinstance(mod, str) and isinstance(qual, str):
+            name = f"{mod}.{qual}"  # as dumps names a global
+    return name
+
+
 def _unlisted_hint(cls, attrs):
     """What an Object's missing attribute says of classes=: the class (or,
     for a global, the object) to list where listing it would have had loads
     make it — a global; a plain object; one reduced by its class itself or
-    copyreg's __newobj__ of it — else nothing: listing would not help (an
-    array name, a reduce by another callable, loads never calls)."""
+    copyreg's __newobj__ of it; an enum member (getattr, or operator.or_ of
+    a Flag's, on its class) — and, for one reduced by another callable
+    (pickle's factory functions), that loads never calls it; else nothing:
+    an array name, a custom's state."""
     if cls == "devpickle.global":
         name = attrs.get("name")
         return f": loads returns {name} only where its classes= lists it (classes=({name}, ...))" \
@@ -32,9 +51,18 @@ def _unlisted_hint(cls, attrs):
     if cls in _NEVER_MADE or set(attrs) == {"__reduce__"}:
         return ""
     if any(isinstance(k, str) and k.startswith("<") for k in attrs):  # reduced
-        callable_ = _global_name(attrs.get("<callable>"))
-        if callable_ not in (cls, f"builtins.{cls}") and callable_ not in _NEWOBJ:
-            return ""
+        callable_ = _callable_name(attrs.get("<callable>"))
+        args = attrs.get("<args>")
+        args = args if type(args) is tuple else ()
+        if (callable_ == "builtins.getattr" and args[:1] != () and _callable_name(args[0]) == cls
+                or callable_ == "_operator.or_" and args != () and all(
+                    type(a) is Object and object.__getattribute__(a, "__class_name__") == cls for a in args)):
+            pass  # an enum member, or a Flag's combination of them: made once its class is listed
+        elif callable_ not in (cls, f"builtins.{cls}") and callable_ not in _NEWOBJ:
+            if callable_ is None:
+                return ""
+            return (f": loads makes a {cls} only from a reduce by the class itself (or copyreg.__newobj__ of it), "
+                    f"and this one's callable is {callable_}, which loads never calls, listed or not")
     return f": loads makes a {cls} only where its classes= lists it (classes=({cls}, ...))"
 
 

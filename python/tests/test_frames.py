@@ -1687,8 +1687,23 @@ def test_an_objects_missing_attribute_says_which_class_to_list_where_listing_it_
         def __reduce__(self):
             return (print, ())
 
-    with pytest.raises(AttributeError, match=r"has no attribute 'x'$"):
+    # a factory function's reduce, as pickle code writes it, said nothing of why listing the class did not help
+    with pytest.raises(AttributeError, match=r"has no attribute 'x': loads makes a test_frames\.test_an_objects_missing_"
+                                             r"attribute_says_which_class_to_list_where_listing_it_would_make_it\."
+                                             r"<locals>\.Other only from a reduce by the class itself \(or "
+                                             r"copyreg\.__newobj__ of it\), and this one's callable is builtins\.print, "
+                                             r"which loads never calls, listed or not$"):
         devpickle.loads(devpickle.dumps(Other()), classes=Other).x
+    with pytest.raises(AttributeError, match=r"this one's callable is builtins\.print, which loads never calls"):
+        devpickle.loads(devpickle.dumps(Other()), classes=(Other, print)).x  # listed, and still never called
+    # an enum member or a flag combination unlisted: listing its class makes it (pickle reduces it to
+    # getattr(cls, name), a combination to operator.or_ of two members)
+    for member, label in ((_Mode.A, "test_frames._Mode"), (_Perm.R | _Perm.W, "test_frames._Perm")):
+        with pytest.raises(AttributeError, match=rf"^devpickle.Object of class '{label}' has no attribute 'value': "
+                                                 rf"loads makes a {label} only where its classes= lists it "
+                                                 rf"\(classes=\({label}, ...\)\)$"):
+            devpickle.loads(devpickle.dumps(member)).value
+        assert devpickle.loads(devpickle.dumps(member), classes=type(member)) == member
     with pytest.raises(AttributeError, match=r"has no attribute 'x'$"):  # one made by hand names no frame's class
         devpickle.Object("m.C", {"<args>": ()}).x
 
