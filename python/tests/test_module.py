@@ -189,3 +189,18 @@ def test_the_pip_build_backend_outside_the_checkout_says_it_must_run_inside_it(t
     want = (f"devpickle: build from the repository (python/ inside its checkout): {os.path.dirname(tmp_path)} holds "
             "no devpickle tree (include/devpickle/base.h, Makefile)")
     assert out.stdout.splitlines() == [want, want], out.stderr
+
+
+@pytest.mark.parametrize("doc", ["README.md", os.path.join("docs", "PYTHON.md")])
+def test_every_python_example_of_the_docs_runs_as_written(doc):
+    # the examples are what a user copies first; on a machine without CUDA
+    # they run with device="cpu", as PYTHON.md's first line says
+    import torch
+
+    with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert blocks, doc
+    for i, code in enumerate(blocks):
+        if not torch.cuda.is_available():
+            code = code.replace('device="cuda"', 'device="cpu"')
+        exec(compile(code, f"{doc} example {i + 1}", "exec"), {"__name__": f"doc_example_{i}"})
