@@ -104,6 +104,7 @@ struct dp_future {
   dp_future_t **deps;
   size_t ndeps;
   dp_future_t *dep;
+  const void *loop;  /* completed only by this loop's threads (dp__future_set_loop); NULL: anyone */
 };
 
 /* ---- the trampoline: one per thread ---- */
@@ -135,6 +136,10 @@ typedef struct walking {
   struct walking *outer;
 } walking_t;
 static _Thread_local walking_t *walking;
+
+/* The loops of layers above that this thread runs, innermost first
+ * (internal.h): a wait here on a future only they complete never ends. */
+static _Thread_local dp__future_loop_frame_t *loops;
 
 static void future_free(dp_future_t *f);
 static void run_entry(dp_future_t *f, cbent_t *e);
@@ -636,23 +641,33 @@ static long queued_by_running(tramp_t *t, const dp_future_t *f) {
   return -1;
 }
 
+/* 1 when f is marked with a loop this thread runs: only that loop
+ * completes it, and it cannot run while this thread waits. */
+static int completed_by_loop(const dp_future_t *f) {
+  if (!f->loop) return 0;
+  for (const dp__future_loop_frame_t *fr = loops; fr; fr = fr->outer)
+    if (fr->loop == f->loop) return 1;
+  return 0;
+}
+
 /* 1 when f is the child of a then() callback running on this thread, 2
- * when a walk running here completes it: only that callback's (walk's)
- * return completes it, so a wait for it from there would never end. */
+ * when a walk running here completes it, 3 when a loop running here does:
+ * only that callback's (walk's) return, or the loop, completes it, so a
+ * wait for it from there would never end. */
 static int completed_by_running(const tramp_t *t, const dp_future_t *f) {
   for (const level_t *lv = t->top; lv; lv = lv->outer)
     if (lv->child == f) return 1;
   for (const walking_t *w = walking; w; w = w->outer)
     if (w->f == f) return 2;
-  return 0;
+  return completed_by_loop(f) ? 3 : 0;
 }
 
-/* 1 when a then() callback (its child in a level) or a completion's walk
- * runs on this thread. */
+/* 1 when a then() callback (its child in a level), a completion's walk or
+ * a loop of a layer above runs on this thread. */
 static int running_child(const tramp_t *t) {
   for (const level_t *lv = t->top; lv; lv = lv->outer)
     if (lv->child) return 1;
-  return walking != NULL;
+  return walking != NULL || loops != NULL;
 }
 
 /* A future reached from the one waited on: a reference, and its place in
@@ -666,7 +681,8 @@ typedef struct reach {
 
 /* 1 when f (pending) completes only after the child of a then() callback
  * running on this thread, which only that callback's return can complete
- * (2: after a future whose completion's walk runs here): a chain of
+ * (2: after a future whose completion's walk runs here; 3: after one that
+ * only a loop running here completes): a chain of
  * pending futures leads there from f through the links of deps (then()
  * parents, collect_all inputs). 0 when none does; else an error (out of
  * memory), in *e.
@@ -703,6 +719,7 @@ static int waits_on_running(tramp_t *t, dp_future_t *f, dp_error_t *e) {
     pthread_mutex_lock(&x.f->mu);
     if (dp__load_relaxed(&x.f->state) == PENDING) {
       if (x.at < k) found = x.at < kc ? 1 : 2;
+      else if (completed_by_loop(x.f)) found = 3;
       else
         for (size_t i = 0; i < n; i++)
           if (x.f->deps[i] && try_retain(x.f->deps[i])) stack[sp++].f = x.f->deps[i];
@@ -732,6 +749,7 @@ static int waits_on_running(tramp_t *t, dp_future_t *f, dp_error_t *e) {
 #define WAITS_TOO_DEEP 5
 #define WAITS_IN_WALK 6
 #define WAITS_THROUGH_WALK 7
+#define WAITS_ON_LOOP 8
 
 /* 1 when a callback is queued on t, at any level. */
 static int callbacks_queued(const tramp_t *t) {
@@ -743,14 +761,15 @@ static int callbacks_queued(const tramp_t *t) {
 /* Refused at once, with a limit or without (as a host function that
  * would wait for itself is: device.h), not a hang or a spent limit: a
  * wait on a pending f that only a running then() callback's or walk's
- * return completes, or that waits for one. 0: no such wait. */
+ * return, or a loop running here, completes, or that waits for one. 0: no
+ * such wait. */
 static int waits_for_itself(tramp_t *t, dp_future_t *f, dp_error_t *e) {
   if (dp__load_acquire(&f->state) != PENDING) return 0;
   int by = completed_by_running(t, f);
-  if (by) return by == 1 ? WAITS_FOR_ITSELF : WAITS_IN_WALK;
+  if (by) return by == 1 ? WAITS_FOR_ITSELF : by == 2 ? WAITS_IN_WALK : WAITS_ON_LOOP;
   if (!running_child(t)) return 0;
   int rc = waits_on_running(t, f, e);
-  return rc == 1 ? WAITS_THROUGH : rc == 2 ? WAITS_THROUGH_WALK : rc;
+  return rc == 1 ? WAITS_THROUGH : rc == 2 ? WAITS_THROUGH_WALK : rc == 3 ? WAITS_ON_LOOP : rc;
 }
 
 /* The part of a wait that runs in a callback, before it blocks: 0 to go on
@@ -802,7 +821,7 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
     int rc = wait_in_callback(t, f, e);
     t->waits--;
     if (rc) return rc;
-  } else if (walking) { /* a reduce() of a completion's walk, outside callbacks */
+  } else if (walking || loops) { /* a reduce() of a completion's walk, or a loop's own code, outside callbacks */
     int rc = waits_for_itself(t, f, e);
     if (rc) return rc;
   }
@@ -871,6 +890,14 @@ static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_
                    "%s: called during the walk of the value that completes a future (a reduce() on this thread), on a "
                    "future that waits for that one (through then() parents and collect_all inputs): it would wait for "
                    "itself",
+                   fn);
+  if (state == WAITS_ON_LOOP)
+    return dp__err(err, DP_EMISUSE,
+                   "%s: called on the thread that runs the loop which alone completes the future (or a future it "
+                   "waits for through then() parents and collect_all inputs): a transport's progress thread, or a "
+                   "pass of a caller-driven transport, in one of its callbacks. The loop cannot run while this "
+                   "waits: it would wait forever. Chain on the future with dp_future_then instead, or wait for it "
+                   "from another thread",
                    fn);
   if (state == WAITS_TOO_DEEP)
     return dp__err(err, DP_ELIMIT,
@@ -1140,6 +1167,16 @@ int dp__future_notify(dp_future_t *f, void (*fn)(void *ctx, dp_future_t *f, size
   add_callback(f, e);
   return 0;
 }
+
+void dp__future_set_loop(dp_future_t *f, const void *loop) { f->loop = loop; }
+
+void dp__future_loop_enter(dp__future_loop_frame_t *fr, const void *loop) {
+  fr->loop = loop;
+  fr->outer = loops;
+  loops = fr;
+}
+
+void dp__future_loop_leave(dp__future_loop_frame_t *fr) { loops = fr->outer; }
 
 /* ---- collect_all ---- */
 

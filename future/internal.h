@@ -18,4 +18,21 @@ void dp__future_shutdown(void);
 int dp__future_notify(dp_future_t *f, void (*fn)(void *ctx, dp_future_t *f, size_t index), void (*drop)(void *ctx),
                       void *ctx);
 
+/* A loop of a layer above — the transport's progress loop — that alone
+ * completes the futures marked with it, on the threads that run it (its
+ * progress thread, or a caller's pass). While a thread runs the loop
+ * (between enter and leave; frames nest, and fr stays on the caller's
+ * stack until leave), a wait there on a pending future marked with it, or
+ * on one that waits for such a future through then() parents and
+ * collect_all inputs, would wait forever: it is DP_EMISUSE at once
+ * (future.h, WAITING FOR ITSELF). set_loop marks f before it is shared;
+ * loop only names the loop (it is never read). */
+typedef struct dp__future_loop_frame {
+  const void *loop;
+  struct dp__future_loop_frame *outer;
+} dp__future_loop_frame_t;
+void dp__future_set_loop(dp_future_t *f, const void *loop);
+void dp__future_loop_enter(dp__future_loop_frame_t *fr, const void *loop);
+void dp__future_loop_leave(dp__future_loop_frame_t *fr);
+
 #endif

@@ -1420,6 +1420,131 @@ static int seven(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *
   return 0;
 }
 
+/* A callback that the transport's loop runs (a receive completing) and
+ * that waits on another future of that transport: only the loop completes
+ * it, and the loop is the thread that waits (thread-driven: the progress
+ * thread; caller-driven: the pass, which holds the transport). A second
+ * receive, a send made there, a then() of that receive: each wait hung
+ * forever, and with a limit held every endpoint for all of it. Refused at
+ * once; a wait there on a future the loop does not complete still waits,
+ * and one on a complete future of the transport returns. */
+enum { LW_RECV, LW_SEND, LW_THEN, LW_PARENT, LW_OTHER, LW_N };
+
+typedef struct loop_wait {
+  dp_transport_t *t;
+  dp_endpoint_t *ep;  /* receives and sends from the callback */
+  int caller;         /* waits with dp_transport_wait, else dp_future_wait */
+  int ran;
+  int rc[LW_N];
+  dp_error_t e[LW_N];
+  int64_t refused_ns; /* how long the three refusals took */
+  dp_future_t *r2, *d2, *c2, *other;
+} loop_wait_t;
+
+static void wait_from_loop(loop_wait_t *w, dp_future_t *parent) {
+  w->ran = 1;
+  dp_future_t *f[LW_N] = {NULL, NULL, NULL, parent, w->other};
+  if (dp_endpoint_recv(w->ep, &w->r2, NULL) == 0) f[LW_RECV] = w->r2;
+  if (dp_endpoint_send(w->ep, dp_int(2), &w->d2, NULL) == 0) f[LW_SEND] = w->d2;
+  if (w->r2 && dp_future_then(w->r2, seven, NULL, &w->c2, NULL) == 0) f[LW_THEN] = w->c2;
+  pthread_t th;
+  int64_t t0 = now_ns_t();
+  for (int i = 0; i < LW_N; i++) {
+    /* the other future: completed by another thread meanwhile */
+    if (i == LW_OTHER && pthread_create(&th, NULL, complete_later, w->other)) break;
+    /* the receive without a limit: what hung forever (the test's own
+       limit fails it); the others with one, which they spent */
+    int64_t limit = i == LW_RECV ? -1 : 10 * SEC;
+    dp_error_clear(&w->e[i]);
+    w->rc[i] = !f[i]            ? DP_EINVAL
+               : w->caller      ? dp_transport_wait(w->t, f[i], limit, &w->e[i])
+                                : dp_future_wait(f[i], limit, &w->e[i]);
+    if (i == LW_THEN) w->refused_ns = now_ns_t() - t0;
+    if (i == LW_OTHER) pthread_join(th, NULL);
+  }
+}
+
+static int wait_from_then(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)err;
+  wait_from_loop(ud, parent);
+  *result = dp_none();
+  return 0;
+}
+
+static int wait_from_then_ptrs(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs,
+                               dp_error_t *err) {
+  (void)ptrs, (void)err;
+  wait_from_loop(ud, parent);
+  *result = dp_none();
+  return 0;
+}
+
+static void wait_from_a_callback_of_the_loop(int caller) {
+  t_track();
+  dp_transport_opts_t o = {0};
+  o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : DP_TRANSPORT_PROGRESS_THREAD;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
+  loop_wait_t w = {.t = t, .ep = a, .caller = caller};
+  OK(dp_future_new(NULL, &w.other, T_ERR));
+  dp_future_t *r1, *child, *d1;
+  dp_error_t e;
+  OK(dp_endpoint_recv(a, &r1, T_ERR));
+  /* a then() callback thread-driven, a dp_then_ptrs_cb (a binding's) caller-driven */
+  if (caller) OK(dp_future_then_with_ptrs(r1, wait_from_then_ptrs, &w, &child, T_ERR));
+  else OK(dp_future_then(r1, wait_from_then, &w, &child, T_ERR));
+  OK(dp_endpoint_send(c, dp_int(1), &d1, T_ERR));
+  OK_WITH(&e, wait_f(child, &e));
+  cr_assert(w.ran);
+  static const char *const what[] = {"a second receive", "a send made in the callback", "a then() of that receive"};
+  for (int i = LW_RECV; i <= LW_THEN; i++) {
+    cr_assert_eq(w.rc[i], DP_EMISUSE, "the wait on %s: %s: %s", what[i], dp_err_name(w.rc[i]), w.e[i].message);
+    cr_assert_str_eq(w.e[i].message,
+                     "dp_future_wait: called on the thread that runs the loop which alone completes the future (or a "
+                     "future it waits for through then() parents and collect_all inputs): a transport's progress "
+                     "thread, or a pass of a caller-driven transport, in one of its callbacks. The loop cannot run "
+                     "while this waits: it would wait forever. Chain on the future with dp_future_then instead, or "
+                     "wait for it from another thread");
+  }
+  cr_assert_lt(w.refused_ns, SEC, "the refusals took %lld ms: not at once", (long long)(w.refused_ns / 1000000));
+  cr_assert_eq(w.rc[LW_PARENT], 0, "the wait on the complete parent: %s", w.e[LW_PARENT].message);
+  cr_assert_eq(w.rc[LW_OTHER], 0, "the wait on a future another thread completes: %s", w.e[LW_OTHER].message);
+  /* the transport goes on: the send made in the callback arrives, the
+     receive made there takes the next value, and its then() runs */
+  dp_future_t *r, *d3;
+  OK(dp_endpoint_recv(c, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 2);
+  OK_WITH(&e, wait_f(w.d2, &e));
+  OK(dp_endpoint_send(c, dp_int(3), &d3, T_ERR));
+  OK_WITH(&e, wait_f(w.r2, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(w.r2)), 3);
+  OK_WITH(&e, wait_f(w.c2, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(w.c2)), 7);
+  OK_WITH(&e, wait_f(d1, &e));
+  OK_WITH(&e, wait_f(d3, &e));
+  dp_future_t *all[] = {r1, child, d1, r, d3, w.r2, w.d2, w.c2, w.other};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
+  dp_endpoint_free(c);
+  dp_endpoint_free(a);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_wait_in_a_callback_on_a_future_only_the_progress_thread_completes_is_refused_not_a_hang,
+     .timeout = 60) {
+  wait_from_a_callback_of_the_loop(0);
+}
+
+Test(transport, a_wait_in_a_callback_of_a_pass_on_a_future_only_a_pass_completes_is_refused_not_a_hang_caller_driven,
+     .timeout = 60) {
+  wait_from_a_callback_of_the_loop(1);
+}
+
 /* Caller-driven: a future that a send waits for, completed during a pass
  * after that send's endpoint was looked at (here by the completion of
  * another send the same pass posted: f2 is a then() of d1), leaves work —

@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 
 #include "tp.h"
+#include "../future/internal.h"
 
 _Thread_local dp_transport_t *dp__tp_in_pass;
 
@@ -477,8 +478,11 @@ int dp__tp_caller_pass(dp_transport_t *t) {
   pthread_mutex_lock(&t->pmu);
   dp_transport_t *outer = dp__tp_in_pass;
   dp__tp_in_pass = t;
+  dp__future_loop_frame_t fr; /* its callbacks' waits on its futures refused: no pass runs meanwhile */
+  dp__future_loop_enter(&fr, t);
   int polling = 0;
   int work = t->stop ? 0 : dp__tp_pass(t, &polling);
+  dp__future_loop_leave(&fr);
   dp__tp_in_pass = outer;
   pthread_mutex_unlock(&t->pmu);
   return work || polling;
@@ -496,7 +500,10 @@ void dp__tp_caller_commands(dp_transport_t *t) {
   pthread_mutex_lock(&t->pmu);
   dp_transport_t *outer = dp__tp_in_pass;
   dp__tp_in_pass = t;
+  dp__future_loop_frame_t fr;
+  dp__future_loop_enter(&fr, t);
   if (!t->stop) dp__tp_drain_cmds(t);
+  dp__future_loop_leave(&fr);
   dp__tp_in_pass = outer;
   pthread_mutex_unlock(&t->pmu);
 }
@@ -589,6 +596,10 @@ void dp__tp_drain_stopped(dp_transport_t *t) {
 void *dp__tp_progress_main(void *arg) {
   dp_transport_t *t = arg;
   dp__tp_in_pass = t; /* this thread runs every pass: a callback's call that waits for one runs it here */
+  /* and only this thread completes the transport's futures: a callback's
+     wait on one of them would wait forever (refused: future/internal.h) */
+  dp__future_loop_frame_t fr;
+  dp__future_loop_enter(&fr, t);
   int64_t idle_since = 0; /* 0: busy */
   unsigned spins = 0;
   while (!t->stop) {
@@ -630,5 +641,6 @@ void *dp__tp_progress_main(void *arg) {
     idle_since = 0;
   }
   dp__tp_drain_stopped(t);
+  dp__future_loop_leave(&fr);
   return NULL;
 }

@@ -118,7 +118,9 @@ static int new_future(dp_transport_t *t, dp_future_t **out, dp_error_t *err) {
   o.backend = t->backend;
   dp_cache_hooks_t hooks = dp_cache_hooks(t->cache);
   o.hooks = &hooks;
-  return dp_future_new(&o, out, err);
+  int rc = dp_future_new(&o, out, err);
+  if (rc == 0) dp__future_set_loop(*out, t); /* only the loop completes it */
+  return rc;
 }
 
 

@@ -80,6 +80,14 @@
  * waits for a callback running on another thread that waits for this one,
  * still blocks.
  *
+ * WAITING FOR ONE'S OWN LOOP: a future that only a loop completes — a
+ * transport's receives and sends (transport.h), completed by its progress
+ * thread or in a caller's pass — cannot complete while that loop's thread
+ * waits: a wait for it (pending) there, from any callback the loop runs, or
+ * for a pending future that waits for it through the links above, is
+ * DP_EMISUSE at once, with a limit or without ("... Chain on the future
+ * with dp_future_then instead, or wait for it from another thread").
+ *
  * CANCELLATION: when the last reference to a pending future is dropped, its
  * callbacks never run; its then() children fail with DP_ECANCELED ("the
  * parent future was released before it completed"), which goes down their
@@ -169,7 +177,8 @@ DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error
  *  tensors number, as the completion did). Returns 0, DP_ETIMEDOUT, or f's own
  *  error (copied into err); from a then() callback, DP_EMISUSE at once
  *  when f completes only after that callback returns (WAITING FOR ITSELF
- *  above), and DP_ELIMIT at once past DP_FUTURE_WAIT_NESTING_MAX nested
+ *  above) or only by the loop that runs it (WAITING FOR ONE'S OWN LOOP),
+ *  and DP_ELIMIT at once past DP_FUTURE_WAIT_NESTING_MAX nested
  *  waits (WAITS NEST above). */
 DP_API int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 /** dp_future_wait, then blocks the host until f's events complete too,

@@ -111,11 +111,14 @@
  * may be freed while other threads wait in dp_listener_accept on it: their
  * waits end with DP_ECANCELED). Futures
  * complete on the progress thread, or caller-driven on the thread running a
- * pass (their then() callbacks run there: keep them short and never wait in
- * one on a later message of the transport). From such a callback
- * dp_endpoint_free returns at once (the loop closes the endpoint after it)
- * and dp_endpoint_connect, send and recv only queue; dp_transport_free is
- * refused (a line on stderr, nothing freed), and so, on a transport with a
+ * pass (their then() callbacks run there: keep them short). Only that loop
+ * completes them, so a wait there on a pending future of the transport (a
+ * later receive, a send's completion, a then() of either) would wait
+ * forever: it is DP_EMISUSE at once (future.h, WAITING FOR ONE'S OWN LOOP):
+ * chain on it with dp_future_then, or wait from another thread. From such
+ * a callback dp_endpoint_free returns at once (the loop closes the
+ * endpoint after it) and dp_endpoint_connect, send and recv only queue;
+ * dp_transport_free is refused (a line on stderr, nothing freed), and so, on a transport with a
  * thread of its own, are dp_listener_new (DP_EINVAL) and dp_listener_free
  * (a line on stderr, nothing freed): each would wait for the thread that
  * runs the callback.
@@ -223,8 +226,9 @@ DP_API int dp_transport_progress(dp_transport_t *t);
  *  the command queue's descriptors. With a thread of its own, and from a
  *  callback a caller's pass runs (no pass can run there), it is
  *  dp_future_wait (a message of its own limit running out names
- *  dp_transport_wait; a wait on the callback's own child is DP_EMISUSE at
- *  once, future.h). DP_EINVAL for NULL. */
+ *  dp_transport_wait; a wait on the callback's own child, or on a pending
+ *  future of this transport, is DP_EMISUSE at once, future.h). DP_EINVAL
+ *  for NULL. */
 DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 /** Listens on "HOST:PORT" (PORT 0: an ephemeral port, see
  *  dp_listener_port; HOST may be an IPv4 address or a name, "0.0.0.0" all
