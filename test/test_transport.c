@@ -2379,6 +2379,15 @@ Test(transport, a_second_close_fails_the_endpoint) {
                 "a close message the protocol does not expect");
 }
 
+/* CLOSE with value 1 is the answer to a close of this side's: to a live
+ * endpoint it answers nothing, and was read as the peer's own close (of
+ * the values it counts: "the peer closed its endpoint"). */
+Test(transport, an_answer_to_a_close_this_side_never_sent_fails_the_endpoint) {
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* on the connection: a CLOSE on a lane is refused for that */
+  crafted_fails((crafted_t){.id = DP__AM_CLOSE, .ctl = {DP__WIRE_MAGIC, 1, 0}},
+                "a close message the protocol does not expect");
+}
+
 /* peer: five staged values of 64 KiB, 200 ms apart (the first makes this
  * side offer its same-host slots, the later ones travel in them), then a
  * frame naming one buffer of `size` bytes (`dev`: -1 cpu, else host:dev)
@@ -6189,6 +6198,30 @@ Test(transport, a_value_past_the_close_fails_the_endpoint_as_it_arrives_while_th
   /* not once its turn comes: the values before it would reach receives first */
   setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* one connection, in the order sent */
   first_receive_fails(send_a_value_past_the_close_while_the_last_owes_buffers, DP_EFORMAT,
+                      "a value beyond the count of the peer's close", DP_EFORMAT);
+}
+
+/* peer: a piece of value 0 (a BUFS message; its frame never comes), then
+ * CLOSE counting no value: what it sent is past what its close says */
+static int send_a_piece_then_a_close_counting_none(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  static uint8_t data[8];
+  dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 0, 0, sizeof data, 0, sizeof data};
+  dp_error_t e;
+  int rc = 0;
+  if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &b, sizeof b, data, sizeof data, &e)) rc = 11;
+  raw_close(ep, 0, 0, &e, &rc);
+  return rc ? rc : stay_until_closed(ep);
+}
+
+/* The piece arrives before the close (one connection, in the order sent),
+ * so no check of an arriving message sees it: it waits parked, and only
+ * the close's own check, once every counted value is in, finds it there.
+ * Without that check the close was taken as it said — "the peer closed its
+ * endpoint (after sending 0 values, all received)" — and the piece dropped. */
+Test(transport, a_piece_parked_before_a_close_that_does_not_count_its_value_fails_the_endpoint) {
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* one connection, in the order sent */
+  first_receive_fails(send_a_piece_then_a_close_counting_none, DP_EFORMAT,
                       "a value beyond the count of the peer's close", DP_EFORMAT);
 }
 
