@@ -5945,6 +5945,46 @@ Test(transport, a_value_arriving_after_the_close_that_leaves_it_out_fails_the_en
   close_against_a_parked_value(1, "a value beyond the count of the peer's close");
 }
 
+/* CLOSE goes on the connection, never on the same-host lane (its answer is
+ * looked for there, and a closing endpoint's lane is no longer driven): one
+ * that comes on the lane is no close of a devpickle peer. It was read as
+ * one ("the peer closed its endpoint") with no test to say otherwise. */
+Test(transport, a_close_on_the_same_host_lane_fails_the_endpoint) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
+  /* values from a until one comes on a lane: a's lane is up (its HELLO went there) */
+  unsigned long before = atomic_load(&dp__transport_lane_msgs);
+  uint64_t sent = 0;
+  dp_error_t e;
+  for (; sent < 400 && atomic_load(&dp__transport_lane_msgs) == before; sent++) {
+    dp_future_t *d, *r;
+    OK(dp_endpoint_send(a, dp_int((int64_t)sent), &d, T_ERR));
+    r = recv_ok(c);
+    OK_WITH(&e, wait_f(d, &e));
+    dp_future_release(d);
+    dp_future_release(r);
+  }
+  cr_assert_neq(atomic_load(&dp__transport_lane_msgs), before, "no lane came up in %llu values",
+                (unsigned long long)sent);
+  before = atomic_load(&dp__transport_lane_msgs);
+  int rc = 0;
+  raw_close(a, 0, sent, &e, &rc); /* counting every value a sent: a close but for its way */
+  cr_assert_eq(rc, 0, "%s", e.message);
+  rc = ep_error_within(c, 20000, &e);
+  cr_assert_eq(atomic_load(&dp__transport_lane_msgs) - before, 1, "the CLOSE did not come on the lane");
+  cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(rc), rc ? e.message : "the endpoint still works");
+  cr_assert(strstr(e.message, "a close message the protocol does not expect"), "%s", e.message);
+  dp_endpoint_free(c);
+  dp_endpoint_free(a);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* peer: a corrupt frame announcing a buffer it never sends, then CLOSE
  * counting that one value */
 static int send_refused_owing_then_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
