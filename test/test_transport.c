@@ -1666,11 +1666,7 @@ static void staged_round_trip(int shm) {
   dp_future_release(d);
   dp_future_release(r);
   dp_value_release(v);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 Test(transport, device_buffers_are_staged_in_chunks_and_packs_and_arrive_byte_for_byte_on_their_devices) {
@@ -2457,11 +2453,7 @@ static void shm_piece_refused(shm_crafted_t c) {
   dp_future_wait(d, 20 * SEC, NULL);
   dp_future_release(r);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 Test(transport, a_piece_naming_a_slot_past_the_peers_sixteen_is_refused_never_read) {
@@ -3294,11 +3286,7 @@ Test(transport, a_peer_killed_mid_transfer_fails_the_pending_receives_frees_thei
   dp_future_release(back);
   dp_value_release(v);
   dp_endpoint_free(ep);
-  dp_endpoint_free(ep2);
-  dp_transport_free(t);
-  cr_assert_eq(peer_wait(other), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep2, t, other);
 }
 
 static int die_at_once(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
@@ -3390,11 +3378,7 @@ static void bad_then_good(peer_fn fn, int code, const char *needle, int64_t valu
   dp_future_release(r1);
   dp_future_release(r2);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 static int send_corrupt_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
@@ -3493,11 +3477,7 @@ static void first_receive_fails(peer_fn fn, int code, const char *needle, int ep
   wait_f(d, &e);
   dp_future_release(r);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 /* peer: a corrupt frame whose message announces buffers that never come,
@@ -4072,12 +4052,7 @@ Test(transport, a_refused_frame_whose_header_charges_the_whole_credit_space_open
   cr_assert(strstr(e.message, "values beyond the credit granted"), "%s", e.message);
   wait_f(d, &e);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 /* n values of len bytes: what a peer sends or takes */
@@ -5729,12 +5704,7 @@ Test(transport, values_a_closed_peer_sent_and_nobody_took_are_freed_with_the_end
   for (int i = 0; i < 6000 && !(rc = dp_endpoint_error(ep, &e)); i++) sleep_ms(10);
   cr_assert_eq(rc, DP_ECANCELED, "%s: %s", dp_err_name(rc), e.message);
   cr_assert(strstr(e.message, "the peer closed its endpoint"), "%s", e.message);
-  dp_endpoint_free(ep); /* none of its values taken */
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p); /* none of its values taken */
 }
 
 static void values_then_close(int late) {
@@ -5929,12 +5899,7 @@ static void close_against_a_parked_value(int before, const char *needle) {
   dp_future_t *r;
   cr_assert_eq(dp_endpoint_recv(ep, &r, &e), DP_EFORMAT, "%s", e.message);
   cr_assert_null(r);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 Test(transport, a_close_counting_fewer_values_than_arrived_fails_the_endpoint_though_the_last_waits_parked) {
@@ -6021,12 +5986,7 @@ Test(transport, a_close_after_a_refused_frame_whose_buffers_never_come_fails_the
             e.message);
   dp_future_release(r1);
   dp_future_release(r2);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 /* peer (the acceptor): one receive, which must fail with DP_EFORMAT and
@@ -6165,12 +6125,7 @@ Test(transport, a_peer_may_send_values_up_to_its_credit_and_one_past_it_fails_th
   dp_future_wait(d, 20 * SEC, NULL);
   dp_future_release(d0);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 Test(transport, a_sender_that_used_its_credit_exactly_posts_nothing_more) {
@@ -6296,12 +6251,7 @@ Test(transport, a_slot_given_back_past_the_sixteen_it_could_be_lent_fails_the_en
   dp_future_wait(d, 20 * SEC, NULL);
   dp_future_release(r);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 /* peer: once the other side's first value came, 1,100 corrupt frames, each announcing a buffer of one byte that
@@ -6338,12 +6288,7 @@ Test(transport, more_than_1024_refused_frames_owing_buffers_fail_the_endpoint_wi
   cr_assert(strstr(e.message, "too many refused frames whose buffers never came"), "%s", e.message);
   dp_future_wait(d, 20 * SEC, NULL);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 /* ---- many endpoints closing at once ---- */
@@ -6463,12 +6408,7 @@ static void frame_receive_refuses_buffers(uint64_t size) {
             e.message);
   cr_assert_eq(dp_endpoint_error(ep, NULL), 0, "the endpoint failed");
   dp_future_release(r);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  close_clean(ep, t, p);
 }
 
 Test(transport, a_frame_receive_refuses_a_message_with_buffers_at_its_frame_without_waiting_for_them) {
