@@ -2543,6 +2543,13 @@ Test(transport, a_second_offer_of_shared_slots_fails_the_endpoint) {
   crafted_fails((crafted_t){.id = DP__AM_SHM_OFFER, .twice = 1}, "a second offer of shared slots");
 }
 
+/* A reply (accepting, value 1) to slots this side never offered: it has no
+ * segment to take the reply for, and must not look for one. */
+Test(transport, a_reply_to_shared_slots_never_offered_fails_the_endpoint) {
+  crafted_fails((crafted_t){.id = DP__AM_SHM_REPLY, .ctl = {DP__WIRE_MAGIC, 1, 12345}},
+                "a reply to no offer of shared slots");
+}
+
 /* A frame of a list of n one-byte tensors, each on a storage of its own
  * (never read: a crafted peer sends the pieces itself): on cpu, or with
  * hosts, tensor i on host:i; NULL (and a message on stderr) on failure. */
