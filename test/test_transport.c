@@ -2550,6 +2550,14 @@ Test(transport, a_reply_to_shared_slots_never_offered_fails_the_endpoint) {
                 "a reply to no offer of shared slots");
 }
 
+/* The acceptor's loop sends ACCEPT as it accepts: one more, from the
+ * acceptor's side after it, is no message of a devpickle peer. */
+Test(transport, a_second_accept_message_fails_the_connectors_endpoint) {
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* on the connection: one on a lane is refused for that */
+  crafted_fails((crafted_t){.id = DP__AM_ACCEPT, .ctl = {DP__WIRE_MAGIC, 0, 0}},
+                "an accept message the protocol does not expect");
+}
+
 /* A frame of a list of n one-byte tensors, each on a storage of its own
  * (never read: a crafted peer sends the pieces itself): on cpu, or with
  * hosts, tensor i on host:i; NULL (and a message on stderr) on failure. */
