@@ -25,8 +25,8 @@ int dp__future_notify(dp_future_t *f, void (*fn)(void *ctx, dp_future_t *f, size
  * stack until leave), a wait there on a pending future marked with it, or
  * on one that waits for such a future through then() parents and
  * collect_all inputs, would wait forever: it is DP_EMISUSE at once
- * (future.h, WAITING FOR ITSELF). set_loop marks f before it is shared;
- * loop only names the loop (it is never read). */
+ * (future.h, WAITING FOR ONE'S OWN LOOP). set_loop marks f before it is
+ * shared; loop only names the loop (it is never read). */
 typedef struct dp__future_loop_frame {
   const void *loop;
   struct dp__future_loop_frame *outer;
