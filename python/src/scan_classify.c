@@ -1,0 +1,222 @@
+/*
+ * scan_classify.c — what a type is to the walk: kind_of reads a class as
+ * pickle would treat its instances, and the cache keeps the answer per type
+ * and version tag (scan_classify.h).
+ */
+#include "scan_classify.h"
+
+#include <string.h>
+
+tcache_ent_t tcache[TCACHE_SIZE];
+/* What the walk's helpers swallow (a failed lookup of an attribute, a repr
+ * that raised) is an error of the value's, shown as a placeholder or read
+ * as "not pickle's default"; an interrupt (KeyboardInterrupt, SystemExit:
+ * not an Exception) or MemoryError is not: the first is kept aside, the
+ * walk stops at its next step, and dpy_scan raises it as it is (as it would
+ * pass through pickle). */
+_Thread_local PyObject *held_exc[3]; /* this thread's walk's (a nested walk saves the outer's) */
+
+void clear_error(void) {
+  if (!PyErr_Occurred()) return;
+  if (!held_exc[0] && (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))) {
+    PyErr_Fetch(&held_exc[0], &held_exc[1], &held_exc[2]);
+    return;
+  }
+  PyErr_Clear();
+}
+
+int raise_held(void) {
+  if (!held_exc[0]) return 0;
+  PyErr_Restore(held_exc[0], held_exc[1], held_exc[2]); /* in place of any error the walk raised since */
+  held_exc[0] = held_exc[1] = held_exc[2] = NULL;
+  return -1;
+}
+
+static int is_default(PyObject *type, PyObject *name, PyObject *base_attr) {
+  PyObject *a = PyObject_GetAttr(type, name);
+  if (!a) {
+    clear_error();
+    return 0;
+  }
+  int same = a == base_attr;
+  Py_DECREF(a);
+  return same;
+}
+
+/* Whether the instances of type have the attribute through their class:
+ * found in its MRO, as pickle looks __getnewargs__ up (a special lookup)
+ * and as cupy, numba and torch find __cuda_array_interface__ or __dlpack__
+ * on an instance (getattr: the instance, then its class's MRO). Never the
+ * metaclass: getattr(type, name) also asks it (a metaclass's attribute, its
+ * __getattr__), which answers for the class, not for its instances — a
+ * catch-all metaclass __getattr__ made every instance an array interface
+ * that its getattr then refused. Runs no Python code. */
+static int has_attr(PyObject *type, PyObject *name) { return _PyType_Lookup((PyTypeObject *)type, name) != NULL; }
+
+/* Whether the instances of t answer attribute `name` with a class's own
+ * code: the first class of t's MRO that holds it is written in Python (a C
+ * type's — object's, tuple's — is the generic one). Runs no Python code. */
+static int overrides_object(PyTypeObject *t, const char *name) {
+  PyObject *mro = t->tp_mro;
+  for (Py_ssize_t i = 0; mro && PyTuple_Check(mro) && i < PyTuple_GET_SIZE(mro); i++) {
+    PyTypeObject *b = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+    PyObject *v = b->tp_dict ? PyDict_GetItemString(b->tp_dict, name) : NULL;
+    if (v) return (b->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0;
+  }
+  return 0;
+}
+
+/* Pickle's defaults, so that the state is exactly the instance __dict__.
+ * Pickle looks them up on the instance (getattr(obj, "__reduce_ex__"),
+ * obj.__getstate__, and obj.__class__, which __newobj__ must be): a
+ * __getattribute__ or __class__ of the class's own may answer otherwise
+ * (another reduce, none at all, another class), so such a class is
+ * reduced as pickle reduces it. */
+static int plain_instance(PyTypeObject *t) {
+  PyObject *type = (PyObject *)t;
+  if (overrides_object(t, "__getattribute__") || overrides_object(t, "__class__")) return 0;
+  if (!is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex)) return 0;
+  if (!is_default(type, dpy.str_getstate, dpy.object_getstate)) return 0;
+  PyObject *r = PyObject_GetAttrString(type, "__reduce__");
+  if (!r) {
+    clear_error();
+    return 0;
+  }
+  int same = r == dpy.object_reduce;
+  Py_DECREF(r);
+  if (!same) return 0;
+  if (has_attr(type, dpy.str_getnewargs_ex) || has_attr(type, dpy.str_getnewargs)) return 0;
+  PyObject *slots = PyObject_CallOneArg(dpy.slotnames, type);
+  if (!slots) {
+    clear_error();
+    return 0;
+  }
+  Py_ssize_t n = PyList_Check(slots) ? PyList_GET_SIZE(slots) : -1;
+  Py_DECREF(slots);
+  return n == 0;
+}
+
+/* Whether t reduces its instances as its base does (no __reduce_ex__,
+ * __reduce__ or __getstate__ of its own): a subclass of a future that
+ * makes itself picklable is reduced as pickle would. */
+static int keeps_reduce_of(PyTypeObject *t, PyTypeObject *base) {
+  PyObject *const names[3] = {dpy.str_reduce_ex, dpy.str_reduce, dpy.str_getstate};
+  for (int i = 0; i < 3; i++)
+    if (_PyType_Lookup(t, names[i]) != _PyType_Lookup(base, names[i])) return 0;
+  return 1;
+}
+
+static uint8_t kind_of(PyTypeObject *t) {
+  PyObject *type = (PyObject *)t;
+  if (PyType_IsSubtype(t, &PyType_Type) || t == &PyFunction_Type) return K_LEAF;
+  if (PyType_IsSubtype(t, &PyCFunction_Type)) return K_CFUNC;
+  if (PyType_IsSubtype(t, &PyModule_Type)) return K_REDUCE; /* which refuses it, as pickle does */
+  if (dpy.numpy_generic && PyType_IsSubtype(t, dpy.numpy_generic)) return K_NPSCALAR;
+  if (dpy.torch_tensor && PyType_IsSubtype(t, dpy.torch_tensor)) return K_TORCH;
+  for (int i = 0; i < 2; i++)
+    if (dpy.torch_storage[i] && PyType_IsSubtype(t, dpy.torch_storage[i])) return K_STORAGE;
+  if (dpy.cupy_ndarray && dpy.cupy_ndarray != Py_None && PyType_IsSubtype(t, (PyTypeObject *)dpy.cupy_ndarray))
+    return K_CUPY;
+  for (size_t i = 0; i < sizeof dpy.sync_types / sizeof *dpy.sync_types; i++)
+    if (dpy.sync_types[i] && PyType_IsSubtype(t, dpy.sync_types[i]) && keeps_reduce_of(t, dpy.sync_types[i]))
+      return K_SYNC;
+  if (has_attr(type, dpy.str_cai)) return K_CAI;
+  if (t->tp_as_buffer && t->tp_as_buffer->bf_getbuffer && !PyType_IsSubtype(t, &PyBytes_Type)) return K_BUFFER;
+  if (has_attr(type, dpy.str_dlpack) && has_attr(type, dpy.str_dlpack_device)) return K_DLPACK;
+  int aif = has_attr(type, dpy.str_aif); /* its memory first, then walked as it would be without */
+  if (PyType_IsSubtype(t, &PyTuple_Type) && t->tp_dictoffset == 0 && has_attr(type, dpy.str_fields) &&
+      !overrides_object(t, "__getattribute__") && !overrides_object(t, "__class__") &&
+      is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex) &&
+      is_default(type, dpy.str_getstate, dpy.object_getstate) && is_default(type, dpy.str_reduce, dpy.object_reduce))
+    return aif ? K_AIF : K_NAMEDTUPLE;
+  /* classes of Python code only: a C type's instances may hold state that
+   * its (inherited) reduce refuses or that __dict__ does not show */
+  if (t->tp_dictoffset != 0 && (t->tp_flags & Py_TPFLAGS_HEAPTYPE) && !PyType_IsSubtype(t, &PyTuple_Type) &&
+      !PyType_IsSubtype(t, &PyList_Type) && !PyType_IsSubtype(t, &PyDict_Type) && plain_instance(t))
+    return aif ? K_AIF_OBJECT : K_OBJECT;
+  return aif ? K_AIF : K_REDUCE;
+}
+
+/* The kind of an instance of t (K_CAI or K_DLPACK by its class) whose
+ * interface raised AttributeError when read — it has none: its buffer, its
+ * __array_interface__, else its reduce, as kind_of() would have classed it
+ * without the interface (a plain class's instance is reduced: the same
+ * attributes, as pickle carries them). */
+uint8_t kind_without_iface(PyTypeObject *t) {
+  if (t->tp_as_buffer && t->tp_as_buffer->bf_getbuffer && !PyType_IsSubtype(t, &PyBytes_Type)) return K_BUFFER;
+  return has_attr((PyObject *)t, dpy.str_aif) ? K_AIF : K_REDUCE;
+}
+
+
+/* t's version tag, given one first when it has none (a class changed since
+ * its last lookup — copyreg._slotnames sets torch.Tensor.__slotnames__ — has
+ * none until something looks an attribute up in it; without one no instance
+ * would ever hit the cache): 1 and *tag, or 0 when it can have none. Runs no
+ * Python code (_PyType_Lookup assigns the tag). */
+static int version_tag(PyTypeObject *t, unsigned int *tag) {
+  if (!(t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) (void)_PyType_Lookup(t, dpy.str_reduce_ex);
+  *tag = t->tp_version_tag;
+  return (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) != 0;
+}
+
+uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
+  if (t == &PySet_Type || t == &PyFrozenSet_Type) return K_SET;
+  if (t == &PyComplex_Type || t == &PyBytes_Type) return K_LEAF;
+  /* kind_of runs Python code (copyreg._slotnames, which sets __slotnames__
+     on the class; a metaclass's __getattribute__), which may change the
+     class, or let another thread change it, after kind_of read what it
+     changed: a kind is kept only under the tag the class had before it was
+     read and still has, else it is read again. A class that keeps changing
+     is answered as last read, and not kept. */
+  uint8_t k = K_UNKNOWN;
+  for (int tries = 0; tries < 3; tries++) {
+    unsigned int before, after;
+    int tagged = version_tag(t, &before);
+    k = kind_of(t);
+    /* classified while an interrupt was held: not an answer to keep, nor one
+       to act on — visit() stops there, before running any of the value's code */
+    if (held_exc[0]) return K_UNKNOWN;
+    if (!version_tag(t, &after) || !tagged) return k; /* no tag to keep it under */
+    if (after == before) {
+      e->type = t;
+      e->version = after;
+      e->kind = k;
+      e->no_slots = 0;
+      return k;
+    }
+  }
+  return k;
+}
+
+/* Forgets every cached kind (torch or cupy appeared: tensor types change
+ * kind). */
+static void tcache_clear(void) {
+  for (size_t i = 0; i < TCACHE_SIZE; i++) tcache[i].type = NULL;
+}
+
+/* The interpreter whose types the cache holds (its id: an address may be
+ * reused by a later interpreter), -1 before the first walk. */
+static int64_t tcache_interp = -1;
+
+/* A walk begins: the cache is emptied when it holds another interpreter's
+ * types (two interpreters may give their classes the same tags). Returns
+ * what tcache_leave restores. */
+int64_t tcache_enter(void) {
+  int64_t outer = tcache_interp, id = PyInterpreterState_GetID(PyInterpreterState_Get());
+  if (id != tcache_interp) {
+    tcache_clear();
+    tcache_interp = id;
+  }
+  return outer;
+}
+
+/* A walk ends: a walk nested in another interpreter's code (a reduce that
+ * runs a subinterpreter which walks) leaves the outer walk its own types. */
+void tcache_leave(int64_t outer) {
+  if (outer != -1 && outer != tcache_interp) {
+    tcache_clear();
+    tcache_interp = outer;
+  }
+}
+
+void dpy_scan_forget_types(void) { tcache_clear(); }
