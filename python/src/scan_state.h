@@ -1,0 +1,93 @@
+/*
+ * scan_state.h — the scanner: the state every layer of the walk reads and
+ * writes (its frames, memo, allocations found, and what a build makes).
+ * Not installed; included by the walk's files only.
+ */
+#ifndef DEVPICKLE_PY_SCAN_STATE_H
+#define DEVPICKLE_PY_SCAN_STATE_H
+
+#include "ext.h"
+
+#include <stdint.h>
+
+/* ---- frames ---- */
+enum { FR_SEQ, FR_DICT, FR_ATTRS, FR_SET, FR_REDUCE, FR_PAIRS };
+
+typedef struct frame {
+  uint8_t kind;
+  PyObject *obj;        /* what is iterated (borrowed: held by its parent or the keep list) */
+  PyObject *names;      /* FR_SEQ of a namedtuple: its _fields (kept) */
+  PyTypeObject *type;   /* FR_REDUCE, FR_PAIRS: the reduced object's type; FR_ATTRS: the
+                           object's, whose __dict__ obj is (held) */
+  Py_ssize_t pos;       /* iteration position */
+  Py_ssize_t idx;       /* the current child's index */
+  PyObject *label;      /* the current child's key or name (borrowed) */
+  int key_part;         /* FR_DICT / FR_PAIRS: 1 while the key itself is walked */
+  PyObject *value;      /* FR_DICT: the value of that key (held: no second lookup) */
+  Py_ssize_t dsize;     /* FR_DICT / FR_ATTRS: the dict's size when entered */
+  struct keystep *ks;   /* a non-str key's rendered step (put_key_once), or NULL */
+  /* building (dumps): the container being filled (borrowed: its parent or
+   * the memo holds it) and a key built before its value */
+  dp_value_t out;
+  dp_value_t key;
+  int has_key;
+} frame_t;
+
+struct dpy_scanner {
+  dpy_scanner_t *next_free;
+  dp_ptrset_t *found;    /* the allocations: own, or the caller's */
+  dp_ptrset_t *own;
+  dp_ptrset_t *memo;     /* objects entered, by address (each also in keep: see seen_at) */
+  PyObject *keep;        /* a list: what the walk created or entered, alive until it ends */
+  PyObject *reprs;       /* key_text: the items of tuple and frozenset keys shown, by identity: id -> (item, text,
+                            cut) */
+  frame_t *frames;
+  size_t nframes, cap;
+  /* first paths: offsets into text, one per allocation */
+  char *text;
+  size_t text_len, text_cap;
+  size_t *path_at;
+  size_t npaths, paths_cap;
+  int want_paths;
+  const char *error_path; /* set: the path a walk error names (an allocation's, after the walk) */
+  /* refs (scan): tensors skip the memo, so the set counts every visit of
+   * one; the scanner counts distinct objects instead (account()). first[i]
+   * and second[i] are the first two distinct objects found on allocation i
+   * (held until a third comes: then all are entered in `counted`, the
+   * objects counted on allocations met with more than two). */
+  int count_refs;
+  /* the walk of the next visit() (not building): `solo` — its only
+   * reference is its container's slot; `ran_code` — the walk has called
+   * Python code that may hand it new references (a reduce, a slot read) */
+  int solo, ran_code;
+  /* run_object looked o's class up in copyreg.dispatch_table (which may
+   * run a metaclass's code) and left o for visit(): the answer, for it */
+  PyObject *dispatch_obj; /* borrowed, compared only */
+  int dispatch_known;
+  uint32_t *refs;
+  PyObject **first, **second;
+  size_t nfirst, first_cap;
+  dp_ptrset_t *counted;
+  PyObject *opaque;
+  uint32_t max_depth;
+  /* allocations found and not yet in `found`, when no path or index is asked
+   * for them: added in batches (dp_ptrset_add_many), in order */
+  dp_ptr_info_t pend[32];
+  PyObject *pend_obj[32]; /* count_refs: the object each was found on (held) */
+  int npend;
+  /* building (dumps): the root, a value per memo entry, a storage per
+   * allocation and the first object found on it */
+  int build;
+  int copy_borrowed; /* opts->inline_data */
+  dp_value_t root;
+  dp_value_t *vals;
+  size_t vals_cap;
+  dp_storage_t **stor;
+  PyObject **stor_obj;
+  PyObject **stor_st;   /* a torch tensor's storage object, held (the frame reads its memory) */
+  size_t stor_cap;
+  dp_value_t made;  /* the container build_pairs made for the frame pushed next */
+  int saw_cupy;     /* a cupy array was found: its streams are cupy's */
+};
+
+#endif
