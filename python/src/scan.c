@@ -35,18 +35,6 @@
 
 static dpy_scanner_t *free_scanners;
 static void build_reset(dpy_scanner_t *s);
-static void refs_reset(dpy_scanner_t *s);
-static void frame_drop(frame_t *f);
-
-const dp_ptrset_t *dpy_scanner_ptrs(const dpy_scanner_t *s) { return s->found; }
-
-const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i) {
-  if (!s->want_paths || i >= s->npaths) return NULL;
-  return s->text + s->path_at[i];
-}
-
-int dpy_scanner_saw_cupy(const dpy_scanner_t *s) { return s->saw_cupy; }
-
 
 dpy_scanner_t *dpy_scanner_get(void) {
   dpy_scanner_t *s = free_scanners;
@@ -83,230 +71,7 @@ void dpy_scanner_put(dpy_scanner_t *s) {
   free_scanners = s;
 }
 
-
-/* ---- allocations ---- */
-
-static int note_path(dpy_scanner_t *s, size_t index) {
-  if (!s->want_paths || index < s->npaths) return 0;
-  if (s->npaths == s->paths_cap) {
-    size_t cap = s->paths_cap ? 2 * s->paths_cap : 64;
-    size_t *pa = PyMem_Realloc(s->path_at, cap * sizeof *pa);
-    if (!pa) return -1;
-    s->path_at = pa;
-    s->paths_cap = cap;
-  }
-  buf_t b = {s->text, s->text_len, s->text_cap};
-  size_t at = b.n;
-  int rc = render_path(s, &b);
-  s->text = b.p;
-  s->text_cap = b.cap;
-  if (rc) return -1;
-  s->text_len = b.n + 1; /* keep the NUL */
-  s->path_at[s->npaths] = at;
-  s->npaths++;
-  return 0;
-}
-
-static PyObject *keep(dpy_scanner_t *s, PyObject *o);
-
-/* Enters o (a new reference, stolen) in `counted`: 1 when it was there. */
-static int counted_before(dpy_scanner_t *s, PyObject *o) {
-  size_t before = dp_ptrset_count(s->counted), idx;
-  dp_error_t e;
-  int rc = dp_ptrset_add(s->counted, (dp_device_t){DP_DEVICE_CPU, 0}, o, 0, &idx, &e);
-  if (rc) {
-    Py_DECREF(o);
-    dpy_raise(rc, &e);
-    return -1;
-  }
-  if (idx < before) {
-    Py_DECREF(o);
-    return 1;
-  }
-  return keep(s, o) ? 0 : -1; /* alive until the walk ends: its address stays its own */
-}
-
-/* Room in first, second and refs for allocation idx. 0, or -1 with an
- * exception. */
-static int first_grow(dpy_scanner_t *s, size_t idx) {
-  size_t cap = s->first_cap ? 2 * s->first_cap : 64;
-  while (cap <= idx) cap *= 2;
-  PyObject **f = PyMem_Realloc(s->first, cap * sizeof *f);
-  if (f) s->first = f;
-  PyObject **f2 = f ? PyMem_Realloc(s->second, cap * sizeof *f2) : NULL;
-  if (f2) s->second = f2;
-  uint32_t *r = f2 ? PyMem_Realloc(s->refs, cap * sizeof *r) : NULL;
-  if (!r) {
-    PyErr_NoMemory();
-    return -1;
-  }
-  s->refs = r;
-  s->first_cap = cap;
-  return 0;
-}
-
-/* account() for an allocation met before (idx < nfirst). */
-static int account_again(dpy_scanner_t *s, size_t idx, PyObject *obj) {
-  if (idx > s->nfirst) { /* an allocation not accounted: a bug of this file's, never the value's */
-    Py_DECREF(obj);
-    PyErr_Format(PyExc_SystemError, "devpickle: allocation %zu counted before allocation %zu", idx, s->nfirst);
-    return -1;
-  }
-  PyObject *f = s->first[idx];
-  if (f) { /* not yet in `counted`: it holds one or two objects */
-    if (f == obj || s->second[idx] == obj) {
-      Py_DECREF(obj);
-      return 0;
-    }
-    if (!s->second[idx]) {
-      s->second[idx] = obj;
-      s->refs[idx]++;
-      return 0;
-    }
-    PyObject *f2 = s->second[idx];
-    s->first[idx] = s->second[idx] = NULL;
-    if (counted_before(s, f) < 0) {
-      Py_DECREF(f2);
-      Py_DECREF(obj);
-      return -1;
-    }
-    if (counted_before(s, f2) < 0) {
-      Py_DECREF(obj);
-      return -1;
-    }
-  }
-  int c = counted_before(s, obj); /* takes it */
-  if (c < 0) return -1;
-  if (!c) s->refs[idx]++;
-  return 0;
-}
-
-/* Counts obj on allocation idx (count_refs), taking the reference to obj
- * it is given (a batch's, or one made for the call). A tensor skips the
- * memo, so one met again reaches here again; but it then finds its
- * allocation in the set already. So a new allocation just holds its first
- * object and counts one; one met again compares with the (at most two)
- * objects it holds, and only a third distinct object moves them to
- * `counted`, which every later object of that allocation asks. Held
- * objects keep their addresses their own until the walk ends. 0, or -1
- * with an exception. */
-static inline __attribute__((always_inline)) int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
-  if (idx != s->nfirst) return account_again(s, idx, obj); /* allocations are numbered in discovery order */
-  if (idx >= s->first_cap && first_grow(s, idx)) {
-    Py_DECREF(obj);
-    return -1;
-  }
-  s->first[idx] = obj;
-  s->second[idx] = NULL;
-  s->refs[idx] = 1;
-  s->nfirst = idx + 1;
-  return 0;
-}
-
-static void refs_reset(dpy_scanner_t *s) {
-  for (int i = 0; i < s->npend; i++) Py_CLEAR(s->pend_obj[i]);
-  s->npend = 0;
-  size_t n = s->nfirst;
-  s->nfirst = 0;
-  for (size_t i = 0; i < n; i++) {
-    Py_CLEAR(s->first[i]);
-    Py_CLEAR(s->second[i]);
-  }
-  dp_ptrset_clear(s->counted);
-}
-
-static int flush_pending(dpy_scanner_t *s) {
-  int n = s->npend, rc = 0;
-  if (!n) return 0;
-  dp_error_t e;
-  size_t idx[sizeof s->pend / sizeof s->pend[0]];
-  rc = dp_ptrset_add_many(s->found, s->pend, (size_t)n, s->count_refs ? idx : NULL, &e);
-  if (rc) dpy_raise(rc, &e);
-  for (int i = 0; i < n && s->count_refs; i++) {
-    PyObject *o = s->pend_obj[i];
-    s->pend_obj[i] = NULL;
-    if (rc) Py_DECREF(o);
-    else rc = account(s, idx[i], o); /* takes the batch's reference */
-  }
-  s->npend = 0;
-  return rc ? -1 : 0;
-}
-
-/* Adds an allocation found on obj, at once: *at (may be NULL) gets its
- * index, and its first path is rendered. */
-static int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, size_t *at) {
-  size_t idx;
-  dp_error_t e;
-  if (flush_pending(s)) return -1;
-  int rc = dp_ptrset_add(s->found, dev, base, nbytes, &idx, &e);
-  if (rc) {
-    dpy_raise(rc, &e);
-    return -1;
-  }
-  if (note_path(s, idx)) {
-    PyErr_NoMemory();
-    return -1;
-  }
-  if (s->count_refs && account(s, idx, Py_NewRef(obj))) return -1;
-  if (at) *at = idx;
-  return 0;
-}
-
-/* Adds an allocation found on obj: in a batch when no path or index is
- * asked for it. */
-static inline __attribute__((always_inline)) int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj) {
-  if (s->want_paths || s->build) return add_alloc_at(s, dev, base, nbytes, obj, NULL);
-  if (s->npend == (int)(sizeof s->pend / sizeof s->pend[0]) && flush_pending(s)) return -1;
-  if (s->count_refs) s->pend_obj[s->npend] = Py_NewRef(obj);
-  s->pend[s->npend++] = (dp_ptr_info_t){dev, base, nbytes, 0, NULL};
-  return 0;
-}
-
-/* 1 when obj was entered before (a shared reference or a cycle), 0 the
- * first time. */
-static int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
-  size_t before = dp_ptrset_count(s->memo), idx;
-  dp_error_t e;
-  int rc = dp_ptrset_add(s->memo, (dp_device_t){DP_DEVICE_CPU, 0}, obj, 0, &idx, &e);
-  if (rc) {
-    dpy_raise(rc, &e);
-    return -1;
-  }
-  *at = idx;
-  /* Python code run during the walk — the value's own or any other (a
-   * garbage collection's finalizers) — may free an entered object, and a
-   * new one at its address would pass for it: every entered object is kept
-   * alive until the walk ends. */
-  if (idx >= before && !keep(s, Py_NewRef(obj))) return -1;
-  return idx < before;
-}
-
-static int seen(dpy_scanner_t *s, PyObject *obj) {
-  size_t at;
-  return seen_at(s, obj, &at);
-}
-
-static PyObject *keep(dpy_scanner_t *s, PyObject *o) {
-  if (!o) return NULL;
-  if (!s->keep) {
-    if (!(s->keep = PyList_New(0))) {
-      Py_DECREF(o);
-      return NULL;
-    }
-    /* out of the collector's sight: gc.get_referrers() would hand it to the
-       value's code, which could empty it and free what the walk holds only
-       here (a namedtuple's _fields its frame reads, memo entries whose
-       addresses a new object could then take). Nothing refers to it but
-       the scanner, so it is never part of a cycle. */
-    PyObject_GC_UnTrack(s->keep);
-  }
-  int rc = PyList_Append(s->keep, o);
-  Py_DECREF(o);
-  return rc ? NULL : o;
-}
-
 static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth);
-static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner);
 static int enter_reduce(dpy_scanner_t *s, PyObject *o);
 static int dispatch_error(dpy_scanner_t *s, PyObject *o);
 
@@ -1174,33 +939,6 @@ static int instance_cai(PyObject *o) {
 }
 
 /* ---- the walk ---- */
-
-/* Pushes a frame iterating obj: the parts of an object of type owner (its
- * __dict__, its reduce, its set's items), which a too-deep error names. */
-static int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner) {
-  if (s->nframes >= s->max_depth) {
-    PyErr_Format(PyExc_RecursionError, "nesting deeper than %u levels", s->max_depth);
-    return walk_error_type(s, owner, "too deep");
-  }
-  if (s->nframes == s->cap) {
-    size_t cap = s->cap ? 2 * s->cap : 64;
-    frame_t *f = PyMem_Realloc(s->frames, cap * sizeof *f);
-    if (!f) {
-      PyErr_NoMemory();
-      return -1;
-    }
-    s->frames = f;
-    s->cap = cap;
-  }
-  frame_t *f = &s->frames[s->nframes++];
-  memset(f, 0, sizeof *f);
-  f->kind = kind;
-  f->obj = Py_NewRef(obj); /* Python code run by the walk may drop the caller's references */
-  f->idx = -1;
-  if (kind == FR_DICT || kind == FR_ATTRS) f->dsize = PyDict_GET_SIZE(obj);
-  if (kind == FR_ATTRS) f->type = (PyTypeObject *)Py_NewRef((PyObject *)owner); /* an error names it */
-  return 0;
-}
 
 static int is_opaque(dpy_scanner_t *s, PyObject *o) {
   if (!s->opaque) return 0;
@@ -2512,18 +2250,6 @@ static void build_reset(dpy_scanner_t *s) {
     if (s->frames[i].has_key) dp_value_release(s->frames[i].key);
 }
 
-static void frame_drop(frame_t *f) {
-  if (f->ks) { /* a key's step was rendered (rare) */
-    Py_CLEAR(f->ks->key);
-    PyMem_Free(f->ks);
-    f->ks = NULL;
-  }
-  Py_CLEAR(f->obj);
-  Py_CLEAR(f->type);
-  Py_CLEAR(f->label);
-  Py_CLEAR(f->value);
-}
-
 /* The next child of the top frame (borrowed), or NULL when it is done. */
 static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
   switch (f->kind) {
@@ -3495,4 +3221,3 @@ int dpy_scan_types_init(PyObject *m) {
   if (PyModule_AddObject(m, "Allocation", (PyObject *)&alloc_type)) return -1;
   return 0;
 }
-
