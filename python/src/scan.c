@@ -22,6 +22,7 @@
 #include "ext.h"
 #include "scan_classify.h"
 #include "scan_path.h"
+#include "scan_reduce.h"
 #include "scan_state.h"
 #include "../../core/path.h"
 #include "../../pickler/ptrs.h"
@@ -72,8 +73,6 @@ void dpy_scanner_put(dpy_scanner_t *s) {
 }
 
 static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth);
-static int enter_reduce(dpy_scanner_t *s, PyObject *o);
-static int dispatch_error(dpy_scanner_t *s, PyObject *o);
 
 static int is_storage(PyObject *o) {
   for (int i = 0; i < 2; i++)
@@ -231,126 +230,6 @@ static int torch_allocs(PyObject *t, dp_torch_alloc_t *out) {
 
 static int is_torch(PyObject *o) { return dpy.torch_tensor && PyObject_TypeCheck(o, dpy.torch_tensor); }
 
-/* *d (borrowed, or NULL) and the slots of o named in names (a non-empty
- * list, copyreg._slotnames') that are set, as a new dict kept by the walk
- * in *d: the state pickle carries of an instance with __slots__ (tensors',
- * bytearrays'). 0, or -1 with a walk error. */
-static int with_slots(dpy_scanner_t *s, PyObject *o, PyObject *names, PyObject **d) {
-  PyObject *all = *d ? PyDict_Copy(*d) : PyDict_New();
-  if (!keep(s, all)) return -1;
-  s->ran_code = 1; /* a slot's descriptor, or __getattribute__, is Python code */
-  Py_ssize_t n = PyList_GET_SIZE(names);
-  for (Py_ssize_t i = 0; i < n; i++) {
-    /* held: the read runs Python code (a property __slotnames__ names, a
-       __getattribute__), which may change the class's __slotnames__ list,
-       freeing the name */
-    PyObject *name = Py_NewRef(PyList_GET_ITEM(names, i)), *v = PyObject_GetAttr(o, name);
-    if (!v && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
-      Py_DECREF(name);
-      return walk_error(s, o, "a slot cannot be read");
-    }
-    PyErr_Clear(); /* a slot never set */
-    if (PyList_GET_SIZE(names) != n) { /* as object.__getstate__ refuses it: an endless list, or items skipped */
-      Py_DECREF(name);
-      Py_XDECREF(v);
-      PyErr_SetString(PyExc_RuntimeError, "__slotnames__ changed size during the walk");
-      return walk_error(s, o, "its __slots__ cannot be read");
-    }
-    int rc = v ? PyDict_SetItem(all, name, v) : 0;
-    Py_DECREF(name);
-    Py_XDECREF(v);
-    if (rc) return -1;
-  }
-  *d = all;
-  return 0;
-}
-
-/* A tensor's state beyond its data — a subclass's or a tensor's own
- * attributes (nn.Parameter's, say), which pickle carries — is walked as the
- * attributes of an object. */
-/* A tensor subclass's __slots__ (instances larger than torch.Tensor's):
- * *d becomes a new dict of __dict__'s items and the slots that are set, as
- * torch's pickling carries them. 0, or -1 with a walk error. */
-static int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
-  PyTypeObject *t = Py_TYPE(o);
-  if (t->tp_basicsize <= ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize) return 0;
-  tcache_ent_t *e = tcache_hit(t); /* torch.Tensor itself is larger than its C base: asked once a type */
-  if (e && e->no_slots) return 0;
-  /* *d is borrowed from o, and the class's code runs from here (_slotnames
-     reads cls.__dict__ through a metaclass's __getattribute__, classify):
-     it may replace o.__dict__, freeing the dict the caller then reads */
-  if (*d && !keep(s, Py_NewRef(*d))) return -1;
-  PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
-  if (!names) return walk_error(s, o, "its __slots__ cannot be read");
-  if (!keep(s, names)) return -1;
-  if (!PyList_Check(names) || PyList_GET_SIZE(names) == 0) {
-    /* _slotnames may have set t.__slotnames__ (a new version tag): the
-       entry is made again, then marked */
-    if (classify(t) == K_TORCH && (e = tcache_hit(t))) e->no_slots = 1;
-    return 0;
-  }
-  return with_slots(s, o, names, d);
-}
-
-/* Whether t has a __getstate__ of its own (not object's), found as pickle
- * finds it, in the class's MRO (runs no Python code): torch's reduce of a
- * tensor subclass and bytearray's reduce carry what it returns as the
- * state, in place of __dict__ and __slots__. */
-static int own_getstate(PyTypeObject *t) {
-  PyObject *g = _PyType_Lookup(t, dpy.str_getstate);
-  return g && g != dpy.object_getstate;
-}
-
-static int push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r);
-static int enter_reduce(dpy_scanner_t *s, PyObject *o);
-
-/* The state o's own __getstate__ returns, walked as a reduce's state
- * (<reduce T>.state), as pickle carries it. 0, or -1 with a walk error. */
-static int push_own_state(dpy_scanner_t *s, PyObject *o) {
-  s->ran_code = 1;
-  PyObject *st = PyObject_CallMethodNoArgs(o, dpy.str_getstate);
-  if (!st) return walk_error(s, o, "its __getstate__ failed");
-  if (!keep(s, st)) return -1;
-  if (st == Py_None) return 0;
-  PyObject *r = keep(s, PyTuple_Pack(3, Py_None, Py_None, st));
-  return r ? push_reduce(s, o, r) : -1;
-}
-
-/* Whether pickle would reduce tensors of class t by a reduce of their own
- * rather than torch's: t in copyreg.dispatch_table, or a __reduce_ex__
- * found in its MRO that is not defined in torch (torch.Tensor's and
- * nn.Parameter's carry the tensor's data and state, which the walk reads
- * directly). Runs no Python code. 1, 0, or -1 with an error set. */
-static int own_class_reduce(PyTypeObject *t) {
-  if (PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t)) return 1;
-  if (PyErr_Occurred()) return -1;
-  PyObject *f = _PyType_Lookup(t, dpy.str_reduce_ex);
-  if (!f || f == dpy.object_reduce_ex) return 0;
-  if (dpy.torch_tensor_cls && PyType_Check(dpy.torch_tensor_cls) &&
-      f == _PyType_Lookup((PyTypeObject *)dpy.torch_tensor_cls, dpy.str_reduce_ex))
-    return 0;
-  if (!PyFunction_Check(f)) return 1;
-  PyObject *m = ((PyFunctionObject *)f)->func_module;
-  if (!m || !PyUnicode_Check(m)) return 1;
-  return !(PyUnicode_CompareWithASCIIString(m, "torch") == 0 ||
-           PyUnicode_Tailmatch(m, dpy.str_torch_dot, 0, 6, -1) == 1);
-}
-
-/* Whether tensor o is reduced by a reduce of its own (own_class_reduce, or
- * a __reduce_ex__ set on the instance, which pickle looks up there first).
- * 1, 0, or -1 with an error set. */
-static int own_tensor_reduce(PyObject *o) {
-  PyObject **dp = _PyObject_GetDictPtr(o);
-  if (dp && *dp && PyDict_Check(*dp)) {
-    PyObject *d = Py_NewRef(*dp); /* held: a key's __eq__ may replace it, freeing it under the lookup */
-    int found = PyDict_GetItemWithError(d, dpy.str_reduce_ex) != NULL;
-    Py_DECREF(d);
-    if (found) return 1;
-    if (PyErr_Occurred()) return -1;
-  }
-  return own_class_reduce(Py_TYPE(o));
-}
-
 /* A tensor's state beyond its memory: what a reduce of its own returns
  * (the memory is reported all the same: a future that waits on more than
  * it needs costs nothing), else its own __getstate__'s, else its __dict__
@@ -391,8 +270,6 @@ static int visit_torch(dpy_scanner_t *s, PyObject *o) {
   }
   return visit_tensor_attrs(s, o);
 }
-
-static int subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out);
 
 /* A future (devpickle's, torch's) or a CUDA event holds no memory of its
  * own: a future's value is reached through its own wait(), which orders
@@ -789,39 +666,6 @@ static int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   return push(s, FR_ATTRS, d, Py_TYPE(o));
 }
 
-/* A subclass written in Python (bytearray's, ndarray's) may hold more in
- * its instance __dict__ and its __slots__, which pickle's reduce of it
- * carries (bytearray's does: both): walked as an object's attributes,
- * never skipped. *out: those (a dict the walk keeps), or NULL. kind: o's
- * (K_BUFFER: a C type's instance has none; K_SYNC: devpickle.Future, a C
- * type, has an instance __dict__ too), under which a type without slots
- * is remembered. */
-static int subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out) {
-  *out = NULL;
-  PyTypeObject *t = Py_TYPE(o);
-  int heap = (t->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0;
-  if (!heap && kind != K_SYNC) return 0;
-  PyObject *d = NULL;
-  if (t->tp_dictoffset != 0) {
-    if (!(d = PyObject_GenericGetDict(o, NULL))) return walk_error(s, o, "its __dict__ cannot be read");
-    if (!keep(s, d)) return -1;
-    if (!PyDict_Check(d)) d = NULL;
-  }
-  tcache_ent_t *e = tcache_hit(t); /* asked once a type, as a tensor's */
-  if (heap && (!e || !e->no_slots)) {
-    PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
-    if (!names) return walk_error(s, o, "its __slots__ cannot be read");
-    if (!keep(s, names)) return -1;
-    if (PyList_Check(names) && PyList_GET_SIZE(names)) {
-      if (with_slots(s, o, names, &d)) return -1;
-    } else if (classify(t) == kind && (e = tcache_hit(t))) {
-      e->no_slots = 1; /* the entry made again: _slotnames may have set t.__slotnames__ */
-    }
-  }
-  *out = d;
-  return 0;
-}
-
 /* DLPack producers (jax arrays): the view's data, from the capsule. */
 typedef struct {
   void *data;
@@ -945,188 +789,6 @@ static int is_opaque(dpy_scanner_t *s, PyObject *o) {
   return PyObject_IsInstance(o, s->opaque);
 }
 
-/* o.__reduce_ex__(5), found as pickle finds it (on the instance: a class's
- * __getattribute__ may answer), else o.__reduce__() as pickle falls back to
- * it when there is no __reduce_ex__, else pickle's refusal. New reference,
- * or NULL with an exception. */
-static PyObject *reduce_ex_5(PyObject *o) {
-  PyObject *m = PyObject_GetAttr(o, dpy.str_reduce_ex);
-  if (m) {
-    PyObject *five = PyLong_FromLong(5);
-    PyObject *r = five ? PyObject_CallOneArg(m, five) : NULL;
-    Py_XDECREF(five);
-    Py_DECREF(m);
-    return r;
-  }
-  if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
-  PyErr_Clear();
-  if ((m = PyObject_GetAttr(o, dpy.str_reduce))) {
-    PyObject *r = PyObject_CallNoArgs(m);
-    Py_DECREF(m);
-    return r;
-  }
-  if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-    PyErr_Clear();
-    PyErr_Format(PyExc_TypeError, "can't pickle '%.200s' object", Py_TYPE(o)->tp_name);
-  }
-  return NULL;
-}
-
-/* -1 with a walk error when pickle (protocol 2+, its C pickler) refuses
- * the args of a reduce r of o whose callable is named __newobj__ or
- * __newobj_ex__ (copyreg's, or any function of that name), worded as it
- * words it (or when a lookup it makes raises); 0 when not. */
-static int newobj_refused(dpy_scanner_t *s, PyObject *o, PyObject *r) {
-  PyObject *name = PyObject_GetAttrString(PyTuple_GET_ITEM(r, 0), "__name__");
-  if (!name) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return walk_error(s, o, "it cannot be reduced");
-    PyErr_Clear();
-    return 0;
-  }
-  int ex = PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__newobj_ex__") == 0;
-  int plain = !ex && PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__newobj__") == 0;
-  Py_DECREF(name);
-  if (!ex && !plain) return 0;
-  PyObject *args = PyTuple_GET_ITEM(r, 1);
-  Py_ssize_t n = PyTuple_GET_SIZE(args);
-  PyObject *cls = n ? PyTuple_GET_ITEM(args, 0) : NULL;
-  if (ex) {
-    if (n != 3)
-      PyErr_Format(PyExc_TypeError, "length of the NEWOBJ_EX argument tuple must be exactly 3, not %zd", n);
-    else if (!PyType_Check(cls))
-      PyErr_Format(PyExc_TypeError, "first item from NEWOBJ_EX argument tuple must be a class, not %.200s",
-                   Py_TYPE(cls)->tp_name);
-    else if (!PyTuple_Check(PyTuple_GET_ITEM(args, 1)))
-      PyErr_Format(PyExc_TypeError, "second item from NEWOBJ_EX argument tuple must be a tuple, not %.200s",
-                   Py_TYPE(PyTuple_GET_ITEM(args, 1))->tp_name);
-    else if (!PyDict_Check(PyTuple_GET_ITEM(args, 2)))
-      PyErr_Format(PyExc_TypeError, "third item from NEWOBJ_EX argument tuple must be a dict, not %.200s",
-                   Py_TYPE(PyTuple_GET_ITEM(args, 2))->tp_name);
-    else
-      return 0;
-  } else if (!n) {
-    PyErr_SetString(PyExc_TypeError, "__newobj__ arglist is empty");
-  } else if (!PyType_Check(cls)) {
-    PyErr_SetString(PyExc_TypeError, "args[0] from __newobj__ args is not a type");
-  } else {
-    PyObject *c = PyObject_GetAttrString(o, "__class__"); /* pickle asks the object, as isinstance does */
-    if (!c) return walk_error(s, o, "it cannot be reduced");
-    int same = c == cls;
-    Py_DECREF(c);
-    if (same) return 0;
-    PyErr_SetString(PyExc_TypeError, "args[0] from __newobj__ args has the wrong class");
-  }
-  return walk_error(s, o, "its reduce is malformed");
-}
-
-/* What a refused reduce of o says: a generator or a dict view stands where
- * its items would (scan(model.parameters()), scan(sd.values())), and pickle's
- * "cannot pickle 'generator' object" says nothing of what to walk instead. */
-static const char *unreducible(PyObject *o) {
-  if (PyGen_Check(o)) return "an iterator cannot be reduced (walk list(...) of it)";
-  if (PyDictKeys_Check(o) || PyDictValues_Check(o) || PyDictItems_Check(o))
-    return "a dict view cannot be reduced (walk list(...) of it)";
-  return "it cannot be reduced";
-}
-
-/* The reduce of an object that keeps pickle's defaults differs only in form:
- * its state is its __dict__, entered as attributes. */
-/* o's reduce — copyreg.dispatch_table's, else __reduce_ex__(5) — checked
- * as pickle checks it: a str (a global), or a tuple of 2 to 6 parts, kept
- * alive by the walk (borrowed); NULL with a walk error. */
-static PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
-  PyObject *r;
-  s->ran_code = 1;
-  PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
-  if (fn) {
-    /* held, as pickle holds it: the call may remove it from the table,
-       freeing it (a bound dict.get, and its dict) under its own call */
-    Py_INCREF(fn);
-    r = PyObject_CallOneArg(fn, o);
-    Py_DECREF(fn);
-  } else {
-    if (PyErr_Occurred()) return dispatch_error(s, o), NULL;
-    r = reduce_ex_5(o);
-  }
-  if (!r) return walk_error(s, o, unreducible(o)), NULL;
-  if (!keep(s, r)) return NULL;
-  if (PyUnicode_Check(r)) return r; /* a global, pickled by name */
-  if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 2 || PyTuple_GET_SIZE(r) > 6) {
-    PyErr_SetString(PyExc_TypeError, "__reduce_ex__ must return a string or a tuple of 2 to 6 items");
-    return walk_error(s, o, "its reduce is malformed"), NULL;
-  }
-  /* what pickle refuses in a reduce's result, refused as pickle words it */
-  Py_ssize_t n = PyTuple_GET_SIZE(r);
-  static const char *const nth[] = {"first", "second", "third", "fourth", "fifth", "sixth"};
-  for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject *part = PyTuple_GET_ITEM(r, i);
-    const char *want = NULL;
-    if (i == 0 && !PyCallable_Check(part)) want = "callable";
-    else if (i == 1 && !PyTuple_Check(part)) want = "a tuple";
-    else if ((i == 3 || i == 4) && part != Py_None && !PyIter_Check(part)) want = "an iterator";
-    else if (i == 5 && part != Py_None && !PyCallable_Check(part)) want = "a function";
-    if (want) {
-      PyErr_Format(PyExc_TypeError, "%s element of the tuple returned by __reduce__ must be %s, not %.200s", nth[i],
-                   want, Py_TYPE(part)->tp_name);
-      return walk_error(s, o, "its reduce is malformed"), NULL;
-    }
-  }
-  return newobj_refused(s, o, r) ? NULL : r;
-}
-
-/* Walks the parts of o's reduce r (a tuple; a str, a global, has none). */
-static int push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r) {
-  if (PyUnicode_Check(r)) return 0;
-  if (push(s, FR_REDUCE, r, Py_TYPE(o))) return -1;
-  s->frames[s->nframes - 1].type = (PyTypeObject *)Py_NewRef((PyObject *)Py_TYPE(o));
-  return 0;
-}
-
-static int enter_reduce(dpy_scanner_t *s, PyObject *o) {
-  PyObject *r = reduce_of(s, o);
-  return r ? push_reduce(s, o, r) : -1;
-}
-
-/* Turns a listitems/dictitems iterator into a list the walk can index. */
-/* A reduce's listitems or dictitems, drained into a list (as pickle reads
- * them, once). An iterator runs C code that never returns to the
- * interpreter's loop (itertools.count() never ends): signals are checked
- * every DRAIN_CHECK items, so that an interrupt stops the walk, as it
- * would stop a loop in Python, instead of leaving it running. */
-#define DRAIN_CHECK 4096
-static PyObject *private_list(PyObject *l) {
-  /* out of the collector's sight, as the keep list (keep()): frames read it
-     by index, and gc.get_referrers() would hand it to the value's code */
-  if (l) PyObject_GC_UnTrack(l);
-  return l;
-}
-
-static PyObject *drain(dpy_scanner_t *s, PyObject *it) {
-  if (PyList_CheckExact(it) || PyTuple_CheckExact(it)) return keep(s, private_list(PySequence_List(it)));
-  PyObject *iter = PyObject_GetIter(it);
-  if (!iter) return NULL;
-  PyObject *l = private_list(PyList_New(0)), *x = NULL;
-  for (size_t n = 1; l && (x = PyIter_Next(iter)) != NULL; n++) {
-    int rc = PyList_Append(l, x);
-    Py_DECREF(x);
-    if (rc) Py_CLEAR(l);
-    else if (n % DRAIN_CHECK == 0 && PyErr_CheckSignals()) {
-      /* the handler's exception, whatever it is, is no error of the
-         value's: held, it passes through as it is (dpy_scan), as it
-         would from a loop in Python, in place of the walk error the
-         caller raises for the items that could not be read */
-      if (!held_exc[0]) {
-        PyErr_Fetch(&held_exc[0], &held_exc[1], &held_exc[2]);
-        PyErr_SetString(PyExc_RuntimeError, "a signal handler raised");
-      }
-      Py_CLEAR(l);
-    }
-  }
-  Py_DECREF(iter);
-  if (l && PyErr_Occurred()) Py_CLEAR(l);
-  return keep(s, l);
-}
-
 /* Visits one value: a leaf returns, memory is added, a container or an
  * object gets a frame. */
 static int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k);
@@ -1157,51 +819,6 @@ static int runs_value_code(uint8_t k, PyTypeObject *t, int dispatched) {
   default:
     return 1;
   }
-}
-
-/* The walk error for o, whose class's lookup in copyreg's dispatch table
- * raised (its metaclass's __hash__ or __eq__ is the value's code). */
-static int dispatch_error(dpy_scanner_t *s, PyObject *o) {
-  return walk_error(s, o, "its class cannot be looked up in copyreg.dispatch_table");
-}
-
-/* 1 when copyreg's dispatch table reduces o's instances, 0 when not, -1
- * with a walk error. */
-/* Whether k names what pickle looks up on the instance (getattr) to reduce
- * an object whose class keeps its defaults: __reduce_ex__ (pickle's own
- * lookup) and __getstate__ (object.__reduce_ex__'s). An instance __reduce__
- * is not one: object.__reduce_ex__ asks the class for it. */
-static int reduce_name(PyObject *k) {
-  if (k == dpy.str_reduce_ex || k == dpy.str_getstate) return 1;
-  if (!PyUnicode_Check(k)) return 0;
-  /* most names differ in length: no compare */
-  Py_ssize_t n = PyUnicode_GET_LENGTH(k);
-  PyObject *like = n == PyUnicode_GET_LENGTH(dpy.str_reduce_ex) ? dpy.str_reduce_ex
-                   : n == PyUnicode_GET_LENGTH(dpy.str_getstate) ? dpy.str_getstate
-                                                                  : NULL;
-  return like && PyUnicode_Compare(k, like) == 0;
-}
-
-/* Whether o's own __dict__ holds one of those: then pickle reduces it
- * through them, whatever its class keeps. 1, 0, or -1 with an exception. */
-static int instance_reduces(PyObject *o) {
-  PyObject **dp = _PyObject_GetDictPtr(o);
-  if (!dp || !*dp || !PyDict_Check(*dp)) return PyErr_Occurred() ? -1 : 0;
-  PyObject *d = Py_NewRef(*dp); /* held: a key's __eq__ may replace it */
-  int r = PyDict_GetItemWithError(d, dpy.str_reduce_ex) || PyDict_GetItemWithError(d, dpy.str_getstate);
-  Py_DECREF(d);
-  return r ? 1 : PyErr_Occurred() ? -1 : 0;
-}
-
-/* Whether an object of a class that keeps pickle's defaults is reduced
- * all the same: its class in copyreg.dispatch_table, or its instance
- * holding a __reduce_ex__ or __getstate__ of its own. */
-static int dispatched(dpy_scanner_t *s, PyObject *o) {
-  PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
-  if (fn) return 1;
-  if (PyErr_Occurred()) return dispatch_error(s, o);
-  int r = instance_reduces(o);
-  return r < 0 ? walk_error(s, o, "its __dict__ cannot be read") : r;
 }
 
 static int visit(dpy_scanner_t *s, PyObject *o) {

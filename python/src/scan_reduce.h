@@ -1,0 +1,47 @@
+/*
+ * scan_reduce.h — the reduce protocol (scan_reduce.c): an object's reduce,
+ * checked as pickle checks it and pushed as a frame of its parts; the
+ * state pickle carries of an instance (its own __getstate__'s, its
+ * __dict__ and set slots); copyreg.dispatch_table's say.
+ */
+#ifndef DEVPICKLE_PY_SCAN_REDUCE_H
+#define DEVPICKLE_PY_SCAN_REDUCE_H
+
+#include "scan_state.h"
+
+/* o's reduce (a str, or a tuple of 2 to 6 parts: borrowed, kept by the
+ * walk), or NULL with a walk error; push_reduce pushes the frame of r's
+ * parts; enter_reduce does both. 0, or -1 with a walk error. */
+PyObject *reduce_of(dpy_scanner_t *s, PyObject *o);
+int push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r);
+int enter_reduce(dpy_scanner_t *s, PyObject *o);
+/* A reduce's listitems or dictitems drained into a list the walk keeps
+ * (borrowed), or NULL with an exception. */
+PyObject *drain(dpy_scanner_t *s, PyObject *it);
+/* l (a new list, or NULL) out of the collector's sight. */
+PyObject *private_list(PyObject *l);
+
+/* Whether copyreg.dispatch_table or the instance's own __reduce_ex__ or
+ * __getstate__ reduces o: 1, 0, or -1 with a walk error (dispatch_error's,
+ * when the table's lookup raised). reduce_name: whether key k of an
+ * instance __dict__ is one of those two names. */
+int dispatched(dpy_scanner_t *s, PyObject *o);
+int dispatch_error(dpy_scanner_t *s, PyObject *o);
+int reduce_name(PyObject *k);
+
+/* Whether t has a __getstate__ of its own; the state it returns, pushed
+ * as a reduce's (0, or -1 with a walk error). */
+int own_getstate(PyTypeObject *t);
+int push_own_state(dpy_scanner_t *s, PyObject *o);
+/* Whether tensors of class t, or tensor o, are reduced by a reduce of
+ * their own rather than torch's: 1, 0, or -1 with an error set. */
+int own_class_reduce(PyTypeObject *t);
+int own_tensor_reduce(PyObject *o);
+/* The instance attributes pickle carries beyond what a C base's reduce
+ * does: a tensor subclass's slots merged into *d (tensor_slots), a Python
+ * subclass's __dict__ and slots of an instance of kind `kind`
+ * (subclass_attrs, *out or NULL). 0, or -1 with a walk error. */
+int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d);
+int subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out);
+
+#endif
