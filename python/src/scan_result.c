@@ -1,0 +1,342 @@
+/*
+ * scan_result.c — devpickle.scan and what it returns: a list of
+ * devpickle.Allocation, made in one block from the scanner's set.
+ */
+#include "ext.h"
+#include "scan.h"
+#include "scan_state.h"
+#include "../../pickler/ptrset_impl.h"
+
+#include <stdint.h>
+#include <string.h>
+
+/* ---- devpickle.Allocation and the result of scan ---- */
+
+/* A scan's Allocations live in one block, made at once: a list of 1,000
+ * costs one allocation, not 1,000 (nor 1,000 strs: a path becomes a str
+ * when first read). The block goes when its last Allocation does. */
+typedef struct alloc_block {
+  Py_ssize_t live; /* its Allocations not yet deallocated */
+} alloc_block_t;
+
+typedef struct alloc_obj {
+  PyObject_HEAD
+  dp_device_t device;
+  void *ptr;
+  size_t nbytes;
+  uint32_t refs;
+  const char *path_text; /* in the block; NULL: no path (paths=False) */
+  PyObject *path;        /* the str, once read */
+  alloc_block_t *block;
+} alloc_obj_t;
+
+static PyTypeObject alloc_type;
+
+/* Device names, made once: an Allocation makes its fields on access. */
+static PyObject *device_names[3][DP_CURRENT_STREAM_SLOTS];
+
+static PyObject *device_name(dp_device_t d) {
+  if ((unsigned)d.type < 3 && d.index < DP_CURRENT_STREAM_SLOTS) {
+    PyObject **slot = &device_names[d.type][d.index];
+    if (!*slot) *slot = dpy_device_str(d);
+    return Py_XNewRef(*slot);
+  }
+  return dpy_device_str(d);
+}
+
+static void alloc_dealloc(PyObject *o) {
+  alloc_obj_t *a = (alloc_obj_t *)o;
+  Py_XDECREF(a->path);
+#ifdef Py_GIL_DISABLED
+  if (__atomic_sub_fetch(&a->block->live, 1, __ATOMIC_ACQ_REL) == 0) PyMem_Free(a->block);
+#else
+  if (--a->block->live == 0) PyMem_Free(a->block); /* under the GIL, as every dealloc */
+#endif
+}
+
+/* The path, a str made on first read, or None. */
+static PyObject *alloc_path(alloc_obj_t *a) {
+  if (!a->path_text) return Py_NewRef(Py_None);
+  if (!a->path && !(a->path = PyUnicode_FromString(a->path_text))) return NULL;
+  return Py_NewRef(a->path);
+}
+
+/* An Allocation reads as a read-only mapping of these keys, in this order
+ * (keys, values, items, get, in, len, iter, dict(a), **a), as well as by
+ * attribute. */
+static const char *const alloc_fields[] = {"device", "ptr", "nbytes", "refs", "path"};
+#define ALLOC_NFIELDS 5
+static PyObject *alloc_keys_tuple; /* the keys as str, made once (also Allocation._fields) */
+
+static PyObject *alloc_field(alloc_obj_t *a, Py_ssize_t i) {
+  switch (i) {
+  case 0:
+    return device_name(a->device);
+  case 1:
+    return PyLong_FromVoidPtr(a->ptr);
+  case 2:
+    return PyLong_FromSize_t(a->nbytes);
+  case 3:
+    return PyLong_FromUnsignedLong(a->refs);
+  default:
+    return alloc_path(a);
+  }
+}
+
+static PyObject *alloc_get(PyObject *o, void *i) { return alloc_field((alloc_obj_t *)o, (Py_ssize_t)(intptr_t)i); }
+
+/* The index of key among the fields, or -1 (a key that is not a field's
+ * name, of any type). */
+static Py_ssize_t alloc_index(PyObject *key) {
+  Py_ssize_t n = 0;
+  const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &n) : NULL;
+  if (!k) PyErr_Clear();
+  /* the whole key: "ptr\0x" is no field's name, though strcmp stops at its NUL */
+  for (Py_ssize_t i = 0; k && i < ALLOC_NFIELDS; i++)
+    if (strlen(alloc_fields[i]) == (size_t)n && !memcmp(k, alloc_fields[i], (size_t)n)) return i;
+  return -1;
+}
+
+static PyObject *alloc_getitem(PyObject *o, PyObject *key) {
+  Py_ssize_t i = alloc_index(key);
+  if (i >= 0) return alloc_field((alloc_obj_t *)o, i);
+  PyErr_SetObject(PyExc_KeyError, key);
+  return NULL;
+}
+
+static PyObject *alloc_get_method(PyObject *o, PyObject *const *args, Py_ssize_t n) {
+  if (!_PyArg_CheckPositional("get", n, 1, 2)) return NULL;
+  Py_ssize_t i = alloc_index(args[0]);
+  return i >= 0 ? alloc_field((alloc_obj_t *)o, i) : Py_NewRef(n > 1 ? args[1] : Py_None);
+}
+
+static int alloc_contains(PyObject *o, PyObject *key) {
+  (void)o;
+  return alloc_index(key) >= 0;
+}
+
+static Py_ssize_t alloc_len(PyObject *o) {
+  (void)o;
+  return ALLOC_NFIELDS;
+}
+
+static PyObject *alloc_iter(PyObject *o) {
+  (void)o;
+  return PyObject_GetIter(alloc_keys_tuple);
+}
+
+static PyObject *alloc_keys(PyObject *o, PyObject *unused) {
+  (void)o, (void)unused;
+  return Py_NewRef(alloc_keys_tuple);
+}
+
+/* The values (items: 1, (key, value) pairs) as a tuple in field order. */
+static PyObject *alloc_tuple(PyObject *o, int items) {
+  PyObject *t = PyTuple_New(ALLOC_NFIELDS);
+  for (Py_ssize_t i = 0; t && i < ALLOC_NFIELDS; i++) {
+    PyObject *v = alloc_field((alloc_obj_t *)o, i);
+    if (v && items) Py_SETREF(v, PyTuple_Pack(2, PyTuple_GET_ITEM(alloc_keys_tuple, i), v));
+    if (!v) Py_CLEAR(t);
+    else PyTuple_SET_ITEM(t, i, v);
+  }
+  return t;
+}
+
+static PyObject *alloc_values(PyObject *o, PyObject *unused) {
+  (void)unused;
+  return alloc_tuple(o, 0);
+}
+
+static PyObject *alloc_items(PyObject *o, PyObject *unused) {
+  (void)unused;
+  return alloc_tuple(o, 1);
+}
+
+static PyObject *alloc_asdict(PyObject *o, PyObject *unused) {
+  (void)unused;
+  PyObject *items = alloc_tuple(o, 1);
+  PyObject *d = items ? PyDict_New() : NULL;
+  if (d && PyDict_MergeFromSeq2(d, items, 1)) Py_CLEAR(d);
+  Py_XDECREF(items);
+  return d;
+}
+
+static PyObject *alloc_repr(PyObject *o) {
+  alloc_obj_t *a = (alloc_obj_t *)o;
+  PyObject *dev = device_name(a->device), *path = dev ? alloc_path(a) : NULL;
+  /* the address as hex digits of our own: "%p" prints NULL as "0x(nil)" */
+  char ptr[2 + 2 * sizeof(uintptr_t) + 1];
+  PyOS_snprintf(ptr, sizeof ptr, "0x%" PRIxPTR, (uintptr_t)a->ptr);
+  PyObject *r = path ? PyUnicode_FromFormat("Allocation(device=%R, ptr=%s, nbytes=%zu, refs=%u, path=%R)", dev, ptr,
+                                            a->nbytes, (unsigned)a->refs, path)
+                     : NULL;
+  Py_XDECREF(dev);
+  Py_XDECREF(path);
+  return r;
+}
+
+/* An Allocation equals any mapping of the same items, as a Mapping does
+ * (Mapping.__eq__ compares dict(self.items()) with dict(other.items())). */
+static PyObject *alloc_eq_mapping(PyObject *a, PyObject *b, int op) {
+  static PyObject *mapping_abc;
+  if (!mapping_abc) {
+    PyObject *abc = PyImport_ImportModule("collections.abc");
+    mapping_abc = abc ? PyObject_GetAttrString(abc, "Mapping") : NULL;
+    Py_XDECREF(abc);
+    if (!mapping_abc) return NULL;
+  }
+  int is = PyDict_Check(b) ? 1 : PyObject_IsInstance(b, mapping_abc);
+  if (is <= 0) return is < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+  PyObject *mine = alloc_asdict(a, NULL), *theirs = mine ? PyDict_New() : NULL;
+  PyObject *r = NULL;
+  if (theirs && !PyDict_Merge(theirs, b, 1)) r = PyObject_RichCompare(mine, theirs, op);
+  Py_XDECREF(mine);
+  Py_XDECREF(theirs);
+  return r;
+}
+
+static PyObject *alloc_richcompare(PyObject *a, PyObject *b, int op) {
+  if (op != Py_EQ && op != Py_NE) Py_RETURN_NOTIMPLEMENTED;
+  if (!PyObject_TypeCheck(b, &alloc_type)) return alloc_eq_mapping(a, b, op);
+  const alloc_obj_t *x = (alloc_obj_t *)a, *y = (alloc_obj_t *)b;
+  int eq = dp_device_equal(x->device, y->device) && x->ptr == y->ptr && x->nbytes == y->nbytes && x->refs == y->refs;
+  if (eq)
+    eq = x->path_text && y->path_text ? !strcmp(x->path_text, y->path_text) : x->path_text == y->path_text;
+  return PyBool_FromLong(op == Py_EQ ? eq : !eq);
+}
+
+static PyGetSetDef alloc_getset[] = {
+    {"device", alloc_get, NULL, "\"cuda:0\", \"cpu\" or \"host:0\"", (void *)0},
+    {"ptr", alloc_get, NULL, "the allocation's base address (an int)", (void *)1},
+    {"nbytes", alloc_get, NULL, "its size in bytes", (void *)2},
+    {"refs", alloc_get, NULL, "the distinct objects (tensors, arrays, storages) found on it, by identity", (void *)3},
+    {"path", alloc_get, NULL, "the first path to it (None: paths=False)", (void *)4},
+    {NULL},
+};
+
+static PyMethodDef alloc_methods[] = {
+    {"_asdict", alloc_asdict, METH_NOARGS, "_asdict($self, /)\n--\n\nThe allocation as a dict."},
+    {"keys", alloc_keys, METH_NOARGS, "keys($self, /)\n--\n\nThe field names: device, ptr, nbytes, refs, path."},
+    {"values", alloc_values, METH_NOARGS, "values($self, /)\n--\n\nThe fields' values, in keys() order."},
+    {"items", alloc_items, METH_NOARGS, "items($self, /)\n--\n\n(name, value) pairs, in keys() order."},
+    {"get", (PyCFunction)(void (*)(void))alloc_get_method, METH_FASTCALL,
+     "get($self, key, default=None, /)\n--\n\nThe field named key, else default."},
+    {NULL},
+};
+
+static PyMappingMethods alloc_mapping = {.mp_length = alloc_len, .mp_subscript = alloc_getitem};
+static PySequenceMethods alloc_sequence = {.sq_contains = alloc_contains};
+
+static PyTypeObject alloc_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "devpickle.Allocation",
+    .tp_basicsize = sizeof(alloc_obj_t),
+    .tp_dealloc = alloc_dealloc,
+    .tp_repr = alloc_repr,
+    .tp_as_mapping = &alloc_mapping,
+    .tp_as_sequence = &alloc_sequence,
+    .tp_iter = alloc_iter,
+    .tp_richcompare = alloc_richcompare,
+    /* registered as a Mapping (devpickle/__init__.py), which sets this flag
+       only on heap types: match's mapping patterns read the flag */
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_MAPPING,
+    .tp_doc = "One allocation found by devpickle.scan: device, ptr, nbytes, refs, path "
+              "(attributes, or a read-only mapping of those keys: a[\"ptr\"], dict(a)).",
+    .tp_getset = alloc_getset,
+    .tp_methods = alloc_methods,
+};
+
+PyObject *dpy_device_str(dp_device_t d) {
+  char buf[32];
+  return PyUnicode_FromString(dp_device_format(d, buf, sizeof buf));
+}
+
+/* The scan's allocations as a list of Allocation, all in one block with
+ * their paths. */
+static PyObject *result_list(const dpy_scanner_t *s) {
+  const dp_ptrset_t *set = s->found;
+  size_t n = dp_ptrset_count(set);
+  size_t head = (sizeof(alloc_block_t) + _Alignof(alloc_obj_t) - 1) / _Alignof(alloc_obj_t) * _Alignof(alloc_obj_t);
+  size_t text = s->want_paths ? s->text_len : 0;
+  if (n > ((size_t)PY_SSIZE_T_MAX - head - text) / sizeof(alloc_obj_t)) return PyErr_NoMemory();
+  PyObject *list = PyList_New((Py_ssize_t)n);
+  if (!list || !n) return list;
+  alloc_block_t *b = PyMem_Malloc(head + n * sizeof(alloc_obj_t) + text);
+  if (!b) {
+    Py_DECREF(list);
+    return PyErr_NoMemory();
+  }
+  alloc_obj_t *objs = (alloc_obj_t *)((char *)b + head);
+  char *paths = (char *)(objs + n);
+  if (text) memcpy(paths, s->text, text);
+  b->live = (Py_ssize_t)n;
+  for (size_t i = 0; i < n; i++) {
+    const dp__pentry_t *e = &set->rest[i]; /* read in place: a call a entry cost 5 % of a list's scan */
+    alloc_obj_t *a = &objs[i];
+    PyObject_Init((PyObject *)a, &alloc_type);
+    a->device = e->device;
+    a->ptr = set->bases[i];
+    a->nbytes = e->nbytes;
+    a->refs = s->count_refs ? s->refs[i] : e->refs;
+    const char *path = dpy_scanner_path(s, i);
+    a->path_text = path ? paths + (path - s->text) : NULL;
+    a->path = NULL;
+    a->block = b;
+    PyList_SET_ITEM(list, (Py_ssize_t)i, (PyObject *)a);
+  }
+  return list;
+}
+
+static int check_opaque(PyObject *opaque, PyObject **out) {
+  *out = NULL;
+  if (!opaque || opaque == Py_None) return 0;
+  if (PyType_Check(opaque)) opaque = PyTuple_Pack(1, opaque);
+  else if (!Py_TYPE(opaque)->tp_iter && !PySequence_Check(opaque)) {
+    /* named, as classes= is: "'int' object is not iterable" says not which argument */
+    PyErr_Format(PyExc_TypeError, "opaque= takes types: a type or an iterable of types, not a '%s'",
+                 Py_TYPE(opaque)->tp_name);
+    return -1;
+  } else opaque = PySequence_Tuple(opaque);
+  if (!opaque) return -1;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(opaque); i++)
+    if (!PyType_Check(PyTuple_GET_ITEM(opaque, i))) {
+      PyErr_Format(PyExc_TypeError, "opaque= takes types; got a '%s'", Py_TYPE(PyTuple_GET_ITEM(opaque, i))->tp_name);
+      Py_DECREF(opaque);
+      return -1;
+    }
+  if (PyTuple_GET_SIZE(opaque) == 0) Py_CLEAR(opaque);
+  *out = opaque;
+  return 0;
+}
+
+PyObject *dpy_scan_py(PyObject *self, PyObject *args, PyObject *kw) {
+  (void)self;
+  static char *kwlist[] = {"obj", "paths", "opaque", NULL};
+  PyObject *obj, *opaque = NULL;
+  int paths = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$pO:scan", kwlist, &obj, &paths, &opaque)) return NULL;
+  dpy_scan_opts_t o = {.paths = paths};
+  if (check_opaque(opaque, &o.opaque)) return NULL;
+  dpy_scanner_t *s = dpy_scanner_get();
+  PyObject *res = NULL;
+  if (s && !dpy_scan(s, obj, &o, NULL)) res = result_list(s);
+  dpy_scanner_put(s);
+  Py_XDECREF(o.opaque);
+  return res;
+}
+
+int dpy_scan_types_init(PyObject *m) {
+  alloc_keys_tuple = PyTuple_New(ALLOC_NFIELDS);
+  for (Py_ssize_t i = 0; alloc_keys_tuple && i < ALLOC_NFIELDS; i++) {
+    PyObject *k = PyUnicode_InternFromString(alloc_fields[i]);
+    if (!k) return -1;
+    PyTuple_SET_ITEM(alloc_keys_tuple, i, k);
+  }
+  if (managed_layout_init(m)) return -1;
+  if (!alloc_keys_tuple || PyType_Ready(&alloc_type) ||
+      PyDict_SetItemString(alloc_type.tp_dict, "_fields", alloc_keys_tuple))
+    return -1;
+  PyType_Modified(&alloc_type);
+  Py_INCREF(&alloc_type);
+  if (PyModule_AddObject(m, "Allocation", (PyObject *)&alloc_type)) return -1;
+  return 0;
+}
