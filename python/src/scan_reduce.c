@@ -344,21 +344,6 @@ int dispatch_error(dpy_scanner_t *s, PyObject *o) {
 
 /* 1 when copyreg's dispatch table reduces o's instances, 0 when not, -1
  * with a walk error. */
-/* Whether k names what pickle looks up on the instance (getattr) to reduce
- * an object whose class keeps its defaults: __reduce_ex__ (pickle's own
- * lookup) and __getstate__ (object.__reduce_ex__'s). An instance __reduce__
- * is not one: object.__reduce_ex__ asks the class for it. */
-int reduce_name(PyObject *k) {
-  if (k == dpy.str_reduce_ex || k == dpy.str_getstate) return 1;
-  if (!PyUnicode_Check(k)) return 0;
-  /* most names differ in length: no compare */
-  Py_ssize_t n = PyUnicode_GET_LENGTH(k);
-  PyObject *like = n == PyUnicode_GET_LENGTH(dpy.str_reduce_ex) ? dpy.str_reduce_ex
-                   : n == PyUnicode_GET_LENGTH(dpy.str_getstate) ? dpy.str_getstate
-                                                                  : NULL;
-  return like && PyUnicode_Compare(k, like) == 0;
-}
-
 /* Whether o's own __dict__ holds one of those: then pickle reduces it
  * through them, whatever its class keeps. 1, 0, or -1 with an exception. */
 static int instance_reduces(PyObject *o) {

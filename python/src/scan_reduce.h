@@ -23,11 +23,9 @@ PyObject *private_list(PyObject *l);
 
 /* Whether copyreg.dispatch_table or the instance's own __reduce_ex__ or
  * __getstate__ reduces o: 1, 0, or -1 with a walk error (dispatch_error's,
- * when the table's lookup raised). reduce_name: whether key k of an
- * instance __dict__ is one of those two names. */
+ * when the table's lookup raised). */
 int dispatched(dpy_scanner_t *s, PyObject *o);
 int dispatch_error(dpy_scanner_t *s, PyObject *o);
-int reduce_name(PyObject *k);
 
 /* Whether t has a __getstate__ of its own; the state it returns, pushed
  * as a reduce's (0, or -1 with a walk error). */
