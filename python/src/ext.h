@@ -35,7 +35,7 @@ typedef struct dpy_state {
   PyObject *cupy_ndarray;      /* cupy.ndarray once cupy is imported, else NULL */
   PyTypeObject *numpy_ndarray; /* numpy.ndarray and numpy.generic (its scalars) once numpy is */
   PyTypeObject *numpy_generic; /* imported, else NULL */
-  /* What synchronizes and holds no memory of its own (scan.c, K_SYNC):
+  /* What synchronizes and holds no memory of its own (scan_classify.h, K_SYNC):
    * devpickle.Future (future.c, at import), torch's future (torch._C.Future)
    * and CUDA event (torch._C._CudaEventBase) once torch is resolved. */
   PyTypeObject *sync_types[3];
@@ -49,7 +49,8 @@ PyObject *dpy_raise(int rc, const dp_error_t *e);
  * since the last look. 0, or -1 with an exception. */
 int dpy_resolve_frameworks(void);
 
-/* ---- scan (scan.c) ---- */
+/* ---- scan (scan.c, the walk, over its layers in scan_*.c; the scanner's
+ * results: scan_state.c, scan_build.c; devpickle.scan: scan_result.c) ---- */
 typedef struct dpy_scanner dpy_scanner_t;
 
 typedef struct dpy_scan_opts {

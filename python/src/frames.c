@@ -3,7 +3,7 @@
  * library's format, the bytes `devpickle verify` checks), with device buffers
  * out of band in the manner of pickle protocol 5.
  *
- * dumps walks the object in build mode (scan.c) into a devpickle value and
+ * dumps walks the object in build mode (scan_build.c) into a devpickle value and
  * pickles it; buffer_callback then receives each buffer in table order.
  * loads unpickles (the C library's checks and limits apply: the input is
  * hostile) and turns the value back into Python objects without recursion;

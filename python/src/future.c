@@ -1413,7 +1413,7 @@ static PyTypeObject fut_type = {
 
 int dpy_future_types_init(PyObject *m) {
   if (PyType_Ready(&fut_type)) return -1;
-  dpy.sync_types[0] = &fut_type; /* a future inside a value: its attributes only (scan.c, K_SYNC) */
+  dpy.sync_types[0] = &fut_type; /* a future inside a value: its attributes only (scan_classify.h, K_SYNC) */
   Py_INCREF(&fut_type);
   return PyModule_AddObject(m, "Future", (PyObject *)&fut_type);
 }

@@ -103,7 +103,7 @@ static void resolve_torch(PyObject *torch) {
     PyErr_Clear();
   }
   /* torch's future and CUDA event (a CUDA build's: a CPU build has no such
-     class in torch._C): synchronization, no memory (scan.c, K_SYNC) */
+     class in torch._C): synchronization, no memory (scan_classify.h, K_SYNC) */
   static const char *const syncs[2] = {"Future", "_CudaEventBase"};
   PyObject *tc = PyObject_GetAttrString(torch, "_C");
   for (int i = 0; i < 2 && tc; i++) {

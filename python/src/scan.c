@@ -1,5 +1,5 @@
 /*
- * scan.c — the walk of a Python object, and devpickle.scan.
+ * scan.c — the walk of a Python object.
  *
  * The walk visits what pickle (protocol 5) would visit, without writing
  * anything: exact list, tuple, dict, set and frozenset are entered directly;
@@ -18,6 +18,14 @@
  * once: a second pointer set serves as the memo, keyed by the object's
  * address; every object the walk creates (reduce results) stays referenced
  * until the walk ends, so no address is reused while the memo holds it.
+ *
+ * The walk is in layers, each a file whose header is its door, each calling
+ * only those below it: scan_classify (what a type is to the walk),
+ * scan_path (the path to the value visited; walk errors), scan_state (the
+ * scanner: its frames, memo and allocations), scan_reduce (the reduce
+ * protocol), scan_memory (the memory readers), scan_build (dumps' build
+ * mode). This file is the loop over them; scan_result.c makes
+ * devpickle.scan's answer of a walk.
  */
 #include "ext.h"
 #include "scan.h"
@@ -27,15 +35,9 @@
 #include "scan_path.h"
 #include "scan_reduce.h"
 #include "scan_state.h"
-#include "../../core/path.h"
 #include "../../pickler/ptrs.h"
-#include "../../pickler/ptrset_impl.h"
 
-#include <inttypes.h>
-#include <stddef.h>
 #include <stdint.h>
-#include <structmember.h>
-#include <string.h>
 
 static dpy_scanner_t *free_scanners;
 

@@ -94,4 +94,5 @@ static inline uint8_t classify(PyTypeObject *t) {
   tcache_ent_t *e = tcache_hit(t);
   return e ? e->kind : classify_slow(t, &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE]);
 }
+
 #endif

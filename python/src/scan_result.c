@@ -7,6 +7,7 @@
 #include "scan_state.h"
 #include "../../pickler/ptrset_impl.h"
 
+#include <inttypes.h>
 #include <stdint.h>
 #include <string.h>
 

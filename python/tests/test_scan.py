@@ -3613,7 +3613,7 @@ def test_a_tensor_class_with_slots_cached_where_a_class_without_them_was_has_its
     that takes its entry afterwards (another type at an address of the
     same cache slot) is asked for its own, and its slots are walked."""
 
-    def slot(c):  # the cache entry a class takes (its address, as scan.c hashes it)
+    def slot(c):  # the cache entry a class takes (its address, as scan_classify.h hashes it)
         return (id(c) >> 4) % 512
 
     class NoSlots(torch.Tensor):
