@@ -49,8 +49,8 @@ PyObject *dpy_raise(int rc, const dp_error_t *e);
  * since the last look. 0, or -1 with an exception. */
 int dpy_resolve_frameworks(void);
 
-/* ---- scan (scan.c, the walk, over its layers in scan_*.c; the scanner's
- * results: scan_state.c, scan_build.c; devpickle.scan: scan_result.c) ---- */
+/* ---- scan (scan.c, the walk, over its layers in scan_*.c; scanners, what a
+ * walk found and devpickle.scan: scan_result.c; what a build made: scan_build.c) ---- */
 typedef struct dpy_scanner dpy_scanner_t;
 
 typedef struct dpy_scan_opts {

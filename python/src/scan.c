@@ -24,8 +24,8 @@
  * scan_path (the path to the value visited; walk errors), scan_state (the
  * scanner: its frames, memo and allocations), scan_reduce (the reduce
  * protocol), scan_memory (the memory readers), scan_build (dumps' build
- * mode). This file is the loop over them; scan_result.c makes
- * devpickle.scan's answer of a walk.
+ * mode). This file is the loop over them; scan_result.c holds the
+ * scanners, what a walk found, and devpickle.scan.
  */
 #include "ext.h"
 #include "scan.h"
@@ -38,43 +38,6 @@
 #include "../../pickler/ptrs.h"
 
 #include <stdint.h>
-
-static dpy_scanner_t *free_scanners;
-
-dpy_scanner_t *dpy_scanner_get(void) {
-  dpy_scanner_t *s = free_scanners;
-  if (s) {
-    free_scanners = s->next_free;
-    return s;
-  }
-  s = PyMem_Calloc(1, sizeof *s);
-  if (!s) return (dpy_scanner_t *)PyErr_NoMemory();
-  dp_error_t e;
-  int rc = dp_ptrset_new(&s->found, &e);
-  s->own = s->found;
-  if (!rc) rc = dp_ptrset_new(&s->memo, &e);
-  if (!rc) rc = dp_ptrset_new(&s->counted, &e);
-  if (rc) {
-    dp_ptrset_free(s->memo);
-    dp_ptrset_free(s->found);
-    PyMem_Free(s);
-    return (dpy_scanner_t *)dpy_raise(rc, &e);
-  }
-  return s;
-}
-
-void dpy_scanner_put(dpy_scanner_t *s) {
-  if (!s) return;
-  refs_reset(s);
-  if (s->build) build_reset(s);
-  s->build = 0;
-  while (s->nframes) frame_drop(&s->frames[--s->nframes]);
-  Py_CLEAR(s->keep);
-  Py_CLEAR(s->reprs);
-  s->found = s->own;
-  s->next_free = free_scanners;
-  free_scanners = s;
-}
 
 /* ---- the walk ---- */
 

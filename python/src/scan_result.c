@@ -1,15 +1,66 @@
 /*
- * scan_result.c — devpickle.scan and what it returns: a list of
- * devpickle.Allocation, made in one block from the scanner's set.
+ * scan_result.c — the scanner seen from outside the walk: its lifecycle
+ * (dpy_scanner_get/put, from a free list), what a walk found (ext.h), and
+ * devpickle.scan, whose answer is a list of devpickle.Allocation made in
+ * one block from the scanner's set.
  */
 #include "ext.h"
 #include "scan.h"
+#include "scan_build.h"
 #include "scan_state.h"
 #include "../../pickler/ptrset_impl.h"
 
 #include <inttypes.h>
 #include <stdint.h>
 #include <string.h>
+
+/* ---- scanners, and what a walk found ---- */
+
+static dpy_scanner_t *free_scanners;
+
+dpy_scanner_t *dpy_scanner_get(void) {
+  dpy_scanner_t *s = free_scanners;
+  if (s) {
+    free_scanners = s->next_free;
+    return s;
+  }
+  s = PyMem_Calloc(1, sizeof *s);
+  if (!s) return (dpy_scanner_t *)PyErr_NoMemory();
+  dp_error_t e;
+  int rc = dp_ptrset_new(&s->found, &e);
+  s->own = s->found;
+  if (!rc) rc = dp_ptrset_new(&s->memo, &e);
+  if (!rc) rc = dp_ptrset_new(&s->counted, &e);
+  if (rc) {
+    dp_ptrset_free(s->memo);
+    dp_ptrset_free(s->found);
+    PyMem_Free(s);
+    return (dpy_scanner_t *)dpy_raise(rc, &e);
+  }
+  return s;
+}
+
+void dpy_scanner_put(dpy_scanner_t *s) {
+  if (!s) return;
+  refs_reset(s);
+  if (s->build) build_reset(s);
+  s->build = 0;
+  while (s->nframes) frame_drop(&s->frames[--s->nframes]);
+  Py_CLEAR(s->keep);
+  Py_CLEAR(s->reprs);
+  s->found = s->own;
+  s->next_free = free_scanners;
+  free_scanners = s;
+}
+
+const dp_ptrset_t *dpy_scanner_ptrs(const dpy_scanner_t *s) { return s->found; }
+
+const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i) {
+  if (!s->want_paths || i >= s->npaths) return NULL;
+  return s->text + s->path_at[i];
+}
+
+int dpy_scanner_saw_cupy(const dpy_scanner_t *s) { return s->saw_cupy; }
 
 /* ---- devpickle.Allocation and the result of scan ---- */
 

@@ -8,15 +8,6 @@
 
 #include <string.h>
 
-const dp_ptrset_t *dpy_scanner_ptrs(const dpy_scanner_t *s) { return s->found; }
-
-const char *dpy_scanner_path(const dpy_scanner_t *s, size_t i) {
-  if (!s->want_paths || i >= s->npaths) return NULL;
-  return s->text + s->path_at[i];
-}
-
-int dpy_scanner_saw_cupy(const dpy_scanner_t *s) { return s->saw_cupy; }
-
 /* ---- allocations ---- */
 
 static int note_path(dpy_scanner_t *s, size_t index) {
