@@ -1714,10 +1714,13 @@ def test_a_module_loaded_without_its_ordered_dicts_says_which_class_to_list_once
     # iterable", nothing of the OrderedDict to list
     frame = devpickle.dumps(torch.nn.Linear(2, 2), inline=True)
     module = devpickle.loads(frame, classes=torch.nn.Linear)
-    with pytest.raises(TypeError, match=r"^a devpickle.Object of class 'collections.OrderedDict' holds no items to "
-                                        r"test with in: loads makes a collections.OrderedDict only where its classes= "
-                                        r"lists it \(classes=\(collections.OrderedDict, ...\)\)$"):
-        module.weight
+    if type(torch.nn.Linear(2, 2)._parameters) is collections.OrderedDict:  # torch 1.13; a dict in later torch
+        with pytest.raises(TypeError, match=r"^a devpickle.Object of class 'collections.OrderedDict' holds no items "
+                                            r"to test with in: loads makes a collections.OrderedDict only where its "
+                                            r"classes= lists it \(classes=\(collections.OrderedDict, ...\)\)$"):
+            module.weight
+    else:
+        assert module.weight.shape == (2, 2)
     with pytest.raises((TypeError, AttributeError), match=r"loads makes a collections.OrderedDict only where its "
                                                           r"classes= lists it"):
         module(torch.ones(2))
