@@ -782,7 +782,8 @@ Test(cli, pack_skips_a_utf8_byte_order_mark_and_names_a_utf16_one_and_any_byte_i
   cr_assert_eq(r.status, 0, "a byte order mark changes nothing: %s", r.err);
   res_free(r);
   pack_fails("bad.json", "x.dpk", "\xEF\xBB\xBF[1,]",
-             "devpickle: bad.json: invalid JSON: unexpected ']' (line 1, column 4), at byte 6\n");
+             "devpickle: bad.json: invalid JSON: a value expected after ',', not ']' (a trailing comma) "
+             "(line 1, column 4), at byte 6\n");
   pack_fails("u16.json", "x.dpk", "\xFF\xFE[",
              "devpickle: u16.json: invalid JSON: a UTF-16 or UTF-32 byte order mark: value JSON is UTF-8 "
              "(line 1, column 1), at byte 0\n");
@@ -3469,6 +3470,30 @@ Test(cli, a_bad_object_key_names_what_came_and_a_trailing_comma_is_called_one) {
              "devpickle: x.json: invalid JSON: a key (a string) or '}' expected, not 'x' (line 1, column 2), at byte 1\n");
 }
 
+/* What may follow an item is named as what may follow an object's key is:
+ * an item without its comma said "unexpected '2'", and an array's trailing
+ * comma "unexpected ']'" where an object's is called one. */
+Test(cli, an_item_without_its_comma_says_what_may_follow_and_an_arrays_trailing_comma_is_called_one) {
+  pack_fails("t.json", "t.dpk", "[1,]",
+             "devpickle: t.json: invalid JSON: a value expected after ',', not ']' (a trailing comma) "
+             "(line 1, column 4), at byte 3\n");
+  pack_fails("w.json", "w.dpk", "[[1, 2,\n  ]]",
+             "devpickle: w.json: invalid JSON: a value expected after ',', not ']' (a trailing comma) "
+             "(line 2, column 3), at byte 10\n");
+  pack_fails("a.json", "a.dpk", "[1 2]",
+             "devpickle: a.json: invalid JSON: ',' or ']' expected, not '2' (line 1, column 4), at byte 3\n");
+  pack_fails("o.json", "o.dpk", "{\"a\": 1 \"b\": 2}",
+             "devpickle: o.json: invalid JSON: ',' or '}' expected, not '\"' (line 1, column 9), at byte 8\n");
+  pack_fails("m.json", "m.dpk", "{\"a\": [1}",
+             "devpickle: m.json: invalid JSON: ',' or ']' expected, not '}' (line 1, column 9), at byte 8\n");
+  /* the streamed reader stops there too, and says the same */
+  res_t r = run_sh("{ printf '[1 2'; yes; } | \"$D\" pack - -o x.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: <stdin>: invalid JSON: ',' or ']' expected, not '2' (line 1, column 4), "
+                          "at byte 3\n");
+  res_free(r);
+}
+
 /* ---- value JSON as RFC 8259 and docs/VALUE_JSON.md define it ---- */
 
 /* Packs NAME (JSON), unpacks it --compact: the text must be exactly WANT,
@@ -3576,7 +3601,7 @@ Test(cli, pack_refuses_utf8_that_is_overlong_a_surrogate_or_past_u10ffff) {
 /* RFC 8259's number: no leading zero, a digit after '.' and after 'e'. */
 Test(cli, pack_refuses_a_number_with_a_leading_zero_or_without_digits_after_its_point) {
   pack_fails("lz.json", "x.dpk", "[01]",
-             "devpickle: lz.json: invalid JSON: unexpected '1' (line 1, column 3), at byte 2\n");
+             "devpickle: lz.json: invalid JSON: ',' or ']' expected, not '1' (line 1, column 3), at byte 2\n");
   pack_fails("pt.json", "x.dpk", "[1.]",
              "devpickle: pt.json: invalid JSON: invalid number (line 1, column 2), at byte 1\n");
   pack_fails("ex.json", "x.dpk", "[1e]",

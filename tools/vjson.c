@@ -647,7 +647,10 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
       char close = json_is_array(c) ? ']' : '}';
       if (ps.p < ps.end && *ps.p == ',') {
         ps.p++;
-        if (json_is_object(c)) {
+        if (json_is_array(c)) { /* named as an object's is: '[1,]' is a trailing comma, not a stray ']' */
+          skip_ws(&ps);
+          if (ps.p < ps.end && *ps.p == ']') bad = perr(&ps, "a value expected after ',', not ']' (a trailing comma)");
+        } else {
           if (parse_key(&ps, 1)) {
             bad = 1;
             break;
@@ -673,8 +676,8 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
         top--;
         continue;
       }
-      char ch[16];
-      bad = ps.p < ps.end ? perr(&ps, "unexpected %s", char_at(&ps, ch, sizeof ch))
+      char ch[16];  /* what may follow an item: what the object case says of a key */
+      bad = ps.p < ps.end ? perr(&ps, "',' or '%c' expected, not %s", close, char_at(&ps, ch, sizeof ch))
                           : (perr(&ps, "premature end of input"), cut(&ps));
       break;
     }
