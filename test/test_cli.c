@@ -3295,6 +3295,35 @@ Test(cli, the_helps_of_commands_that_print_say_their_output_goes_to_stdout) {
   res_free(r);
 }
 
+/* pack's help named the notation's document only, which an installed
+ * devpickle does not carry: it shows every tagged form, and its tensor
+ * example, taken from the help as printed, packs. */
+Test(cli, pack_help_shows_every_tag_of_value_json_and_a_tensor_that_packs) {
+  res_t r = run("pack --help");
+  cr_assert_eq(r.status, 0);
+  static const char *const forms[] = {"{\"$tuple\": [...]}", "{\"$bytes\": \"<base64>\"}",
+                                      "{\"$dict\": [[key, value], ...]}", "{\"$float\": \"nan\"}",
+                                      "{\"$object\": \"Class\", \"attrs\": {...}}",
+                                      "{\"$reduce\": \"Type\", \"state\": V}", "{\"$id\": \"name\", \"$value\": V}",
+                                      "{\"$ref\": \"name\"}", "\"strides\"", "\"offset\"", "\"data\""};
+  for (size_t i = 0; i < sizeof forms / sizeof *forms; i++)
+    cr_assert_not_null(strstr(r.out, forms[i]), "pack --help lacks %s:\n%s", forms[i], r.out);
+  const char *t = strstr(r.out, "{\"$tensor\":"), *end = t ? strstr(t, "}}") : NULL;
+  cr_assert(t && end, "pack --help shows no tensor:\n%s", r.out);
+  char json[512];
+  snprintf(json, sizeof json, "%.*s", (int)(end + 2 - t), t);
+  spit("t.json", json);
+  res_free(r);
+  r = run("pack t.json -o t.dpk");
+  cr_assert_eq(r.status, 0, "the help's tensor does not pack: %s", r.err);
+  res_free(r);
+  r = run("dump t.dpk");
+  cr_assert_str_eq(r.out, "DEVICE    POINTER                    BYTES   REFS  FIRST PATH\n"
+                          "cuda:0    0x00007f0000001000          4096      1  $\n"
+                          "1 allocation on 1 device\n");
+  res_free(r);
+}
+
 /* An option's value may come in its own argument (-o F, --output F) or in
  * the option's (--output=F, -oF, --timeout=S), as getopt_long takes them. */
 Test(cli, an_option_takes_its_value_attached_as_well_as_in_the_next_argument) {
