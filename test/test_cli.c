@@ -2692,6 +2692,36 @@ Test(cli, recv_refuses_an_empty_host_as_a_usage_error) {
   res_free(r);
 }
 
+/* recv built its listening address in a 320-byte buffer: a longer --host
+ * lost the port, and the transport said the address was "not HOST:PORT";
+ * send showed such a host cut without a mark. Both now pass the host whole,
+ * and the transport names its length. */
+Test(cli, a_host_too_long_for_the_transport_is_named_whole_with_its_port_by_recv_and_send) {
+  char host[401], args[600], want[1000];
+  memset(host, 'a', 400);
+  host[400] = '\0';
+  spit("f.json", "[1]");
+  res_t r = run("pack f.json -o f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  snprintf(args, sizeof args, "recv 0 --host %s -o x.dpk --timeout 1", host);
+  r = run(args);
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  snprintf(want, sizeof want,
+           "devpickle: %s:0: transport: the host in '%.32s\xe2\x80\xa6' is too long (400 bytes, at most 255)\n", host,
+           host);
+  cr_assert_str_eq(r.err, want);
+  res_free(r);
+  snprintf(args, sizeof args, "send f.dpk %s:5000 --timeout 1", host);
+  r = run(args);
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  snprintf(want, sizeof want,
+           "devpickle: %s:5000: transport: the host in '%.32s\xe2\x80\xa6' is too long (400 bytes, at most 255)\n",
+           host, host);
+  cr_assert_str_eq(r.err, want);
+  res_free(r);
+}
+
 /* UCX logs its own errors, on stdout by default ("UCX ERROR bind(...)
  * failed: Address already in use"), where recv may be writing its frame; the
  * CLI's promise is one line on stderr per failure, so UCX's log is off unless

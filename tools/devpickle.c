@@ -1380,12 +1380,16 @@ static void timeout_message(dp_error_t *e, int ran_out, double s, const char *li
              was);
 }
 
-/* HOST:PORT as messages show it: an IPv6 host in brackets ("[::1]:5000",
- * never the ambiguous "::1:5000"); the last colon splits, as the transport
- * reads it. */
-static const char *show_addr(char *buf, size_t n, const char *host, const char *port) {
-  int wrap = strchr(host, ':') && host[0] != '[';
-  snprintf(buf, n, "%s%s%s:%s", wrap ? "[" : "", host, wrap ? "]" : "", port);
+/* HOST:PORT as messages show it, from the first hostlen bytes of host: an
+ * IPv6 host in brackets ("[::1]:5000", never the ambiguous "::1:5000"); the
+ * last colon splits, as the transport reads it. A new string, sized to the
+ * host however long (a host cut to a fixed buffer lost its port, and recv's
+ * listener was then told no HOST:PORT at all), or NULL. */
+static char *addr_new(const char *host, size_t hostlen, const char *port) {
+  int wrap = memchr(host, ':', hostlen) && host[0] != '[';
+  size_t cap = hostlen + strlen(port) + 4;
+  char *buf = malloc(cap);
+  if (buf) snprintf(buf, cap, "%s%.*s%s:%s", wrap ? "[" : "", (int)hostlen, host, wrap ? "]" : "", port);
   return buf;
 }
 
@@ -1399,9 +1403,6 @@ static int cmd_send(int argc, char **argv) {
   if (port < 1 || port > 65535 || !pend || *pend || colon[1] < '0' || colon[1] > '9')
     return usage_error("send", "'%s' is not HOST:PORT (PORT 1 to 65535)", a.pos[1]);
   if (a.timeout < 0) a.timeout = 60;
-  char host[300], shown[320];
-  snprintf(host, sizeof host, "%.*s", (int)(colon - a.pos[1]), a.pos[1]);
-  const char *peer = show_addr(shown, sizeof shown, host, colon + 1);
   quiet_ucx();
   uint8_t *bytes;
   size_t n;
@@ -1425,6 +1426,11 @@ static int cmd_send(int argc, char **argv) {
              info.nbuffers == 1 ? " is" : "s are");
     free(bytes);
     return data_error(display(a.pos[0]), what, -1);
+  }
+  char *peer = addr_new(a.pos[1], (size_t)(colon - a.pos[1]), colon + 1);
+  if (!peer) {
+    free(bytes);
+    return data_error(a.pos[1], "out of memory", -1);
   }
   dp_transport_t *t = NULL;
   dp_endpoint_t *ep = NULL;
@@ -1469,6 +1475,7 @@ static int cmd_send(int argc, char **argv) {
   dp_future_release(ans);
   dp_endpoint_free(ep);
   dp_transport_free(t);
+  free(peer);
   return stdout_done(status);
 }
 
@@ -1498,8 +1505,9 @@ static int cmd_recv(int argc, char **argv) {
      as any failed write: killed by SIGPIPE, recv told its sender nothing */
   signal(SIGPIPE, SIG_IGN);
   quiet_ucx();
-  char addr[320];
-  show_addr(addr, sizeof addr, a.host ? a.host : "0.0.0.0", port);
+  const char *host = a.host ? a.host : "0.0.0.0";
+  char *addr = addr_new(host, strlen(host), port);
+  if (!addr) return data_error(host, "out of memory", -1);
   dp_error_t e;
   dp_error_clear(&e);
   dp_transport_opts_t to;
@@ -1522,7 +1530,8 @@ static int cmd_recv(int argc, char **argv) {
   fflush(stderr);
   char bound[8];
   snprintf(bound, sizeof bound, "%d", dp_listener_port(l));
-  show_addr(addr, sizeof addr, a.host ? a.host : "0.0.0.0", bound); /* the port bound */
+  char *shown = addr_new(host, strlen(host), bound); /* the port bound */
+  if (shown) free(addr), addr = shown;
   int64_t deadline = deadline_in(a.timeout);
   rc = dp_listener_accept(l, left_ns(deadline), &ep, &e);
   if (rc) ran_out = 1;
@@ -1563,6 +1572,7 @@ out:
   dp_endpoint_free(ep);
   dp_listener_free(l);
   dp_transport_free(t);
+  free(addr);
   return status;
 }
 
