@@ -2682,6 +2682,48 @@ Test(cli, every_frame_command_refuses_a_header_that_is_no_frames_while_its_pipe_
   close(w);
 }
 
+/* Fewer than 40 bytes that are no frame's start ("hello", value JSON) with a
+ * pipe that stays open behind them held every frame command until the pipe
+ * closed: the header was asked for whole. The first bytes that differ from
+ * the magic end the reading, and the message (and its hint on value JSON,
+ * after blanks and a byte order mark) is what the closed pipe gets. */
+Test(cli, every_frame_command_refuses_a_stream_from_its_first_bytes_that_are_no_frames_while_its_pipe_stays_open,
+     .timeout = 120) {
+  char fifo[128];
+  snprintf(fifo, sizeof fifo, "%s/pipe", dir);
+  cr_assert_eq(mkfifo(fifo, 0600), 0);
+  int w = open(fifo, O_RDWR | O_CLOEXEC); /* read-write: the open does not wait for a reader */
+  cr_assert_geq(w, 0);
+  static const char *const cmds[] = {"verify -", "dump -", "inspect -", "unpack -", "send - 127.0.0.1:1"};
+  static const struct {
+    const char *bytes, *err;
+  } starts[] = {
+      {"hello", "devpickle: <stdin>: not a devpickle frame (bad magic), at byte 0\n"},
+      {"DPX", "devpickle: <stdin>: not a devpickle frame (bad magic), at byte 0\n"},
+      {"\xef\xbb\xbf\n {\"a\"", "devpickle: <stdin>: not a devpickle frame (bad magic): it starts like value JSON, "
+                             "which 'devpickle pack' turns into a frame, at byte 0\n"},
+  };
+  for (size_t k = 0; k < sizeof starts / sizeof *starts; k++) {
+    for (int i = 0; i < 5; i++) {
+      size_t n = strlen(starts[k].bytes);
+      cr_assert_eq(write(w, starts[k].bytes, n), (ssize_t)n);
+      char script[160];
+      snprintf(script, sizeof script, "timeout 20 \"$D\" %s < pipe", cmds[i]);
+      res_t r = run_sh(script);
+      cr_assert_eq(r.status, 1, "%s waited for the pipe to close (status %d): %s", cmds[i], r.status, r.err);
+      cr_assert_str_eq(r.err, starts[k].err, "%s", cmds[i]);
+      res_free(r);
+      char drain[64]; /* what the command left unread stays in the pipe for the next */
+      int fl = fcntl(w, F_GETFL);
+      fcntl(w, F_SETFL, fl | O_NONBLOCK);
+      while (read(w, drain, sizeof drain) > 0) {
+      }
+      fcntl(w, F_SETFL, fl);
+    }
+  }
+  close(w);
+}
+
 /* An empty --host is a usage error (status 2, before listening), as a bad
  * PORT is, not a runtime failure naming the address ':0'. */
 Test(cli, recv_refuses_an_empty_host_as_a_usage_error) {

@@ -49,8 +49,8 @@ static const char *const usage_main =
     "--json or --compact given twice, or an input named ''.\n"
     "A frame on stdin is read up to its end as its header gives it and at most\n"
     "64 KiB past it (more is an error, so an endless pipe behind a frame never\n"
-    "holds a command), and not past a header that is no frame's; a terminal is\n"
-    "refused.\n"
+    "holds a command), and not past a header that is no frame's (nor past its\n"
+    "first bytes when they are no frame's magic); a terminal is refused.\n"
     "Run 'devpickle <command> --help' (or 'devpickle help <command>', 'devpickle\n"
     "--help <command>') for a command's options (--help answers wherever it\n"
     "comes among them, before '--');\n"
@@ -669,6 +669,7 @@ typedef struct src {
   int over;                  /* more than TRAIL_MAX bytes followed the frame */
   int refused;               /* the header is one the library refuses from its own bytes (not a frame's
                                 magic, or more than 2^64 bytes announced): nothing more need be read */
+  int no_magic;              /* its first bytes are no frame's magic: the stream ends there for the reader */
 } src_t;
 
 static uint64_t le64(const uint8_t *p) {
@@ -695,9 +696,29 @@ static void src_header(src_t *s) {
   s->limit = end > UINT64_MAX - TRAIL_MAX ? UINT64_MAX : end + TRAIL_MAX;
 }
 
+/* Whether the first n bytes of a stream already tell it is no frame: they
+ * differ from the magic and hold a character that is no blank nor part of a
+ * UTF-8 byte order mark (frame_error's hint on value JSON looks no further).
+ * A pipe that stays open behind "hello" was waited on for its 40th byte. */
+static int no_magic(const uint8_t *h, size_t n) {
+  if (memcmp(h, "DPKL", n < 4 ? n : 4) == 0) return 0;
+  size_t i = 0;
+  if (memcmp(h, "\xef\xbb\xbf", n < 3 ? n : 3) == 0) {
+    if (n < 3) return 0;
+    i = 3;
+  }
+  while (i < n && (h[i] == ' ' || h[i] == '\t' || h[i] == '\n' || h[i] == '\r')) i++;
+  return i < n;
+}
+
 static int src_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
   src_t *s = ud;
   *got = 0;
+  if (s->no_magic) return 0; /* the reader refuses what it has: waiting on would only hold the command */
+  /* Until the magic is in, or what came is known to be none, a byte at a
+   * time: fread waits for all it is asked, and 'hello' and an open pipe
+   * behind it would hold the command until 40 bytes came. */
+  if (s->hdr_len < FRAME_HEADER && (s->hdr_len < 4 || memcmp(s->hdr, "DPKL", 4) != 0) && n > 1) n = 1;
   if (s->total >= s->limit) { /* the frame and TRAIL_MAX bytes are in: one more byte says it all */
     int c = fgetc(s->f);
     if (c != EOF) {
@@ -730,6 +751,7 @@ static int src_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err)
     size_t k = *got < FRAME_HEADER - s->hdr_len ? *got : FRAME_HEADER - s->hdr_len;
     memcpy(s->hdr + s->hdr_len, dst, k);
     if ((s->hdr_len += k) == FRAME_HEADER) src_header(s);
+    else if (no_magic(s->hdr, s->hdr_len)) s->no_magic = 1;
   }
   s->total += *got;
   return 0;
@@ -789,7 +811,7 @@ static int read_frame(const char *path, uint8_t **out, size_t *n) {
   dp_error_clear(&e);
   dp_unpickle_opts_t o = cli_unpickle_opts();
   int value_checked = 0; /* the header, payload and table were read whole as the reader reads them */
-  while (buf && !s.refused) { /* the library refuses such a header by itself: no need to read on */
+  while (buf && !s.refused && !s.no_magic) { /* the library refuses such a header by itself: no need to read on */
     /* The header first, alone: fread waits for all it is asked, and a pipe
      * that stays open behind a header that is no frame's would hold the
      * command until it closes (the header alone refuses it). */
