@@ -446,6 +446,14 @@ static int sink_open(sink_t *s, const char *path) {
   mode_t mask = umask(0);
   umask(mask);
   mode_t mode = exists ? st.st_mode & 07777 : 0666 & ~mask;  /* an existing file keeps its mode */
+  /* and its owner and group, where the system lets this process give them
+   * (root; a group of the caller's own), as `sed -i` does: `sudo devpickle
+   * pack ... -o ~/f.dpk` left a user's file owned by root, and read-only to
+   * that user under the mode it kept. Before fchmod, which a chown can
+   * undo (set-user-ID bits). */
+  if (exists && fchown(fd, st.st_uid, st.st_gid) != 0 && fchown(fd, (uid_t)-1, st.st_gid) != 0) {
+    /* not ours to give: the file is the caller's, as any file it makes */
+  }
   if (fchmod(fd, mode) != 0 || !(s->f = fdopen(fd, "wb"))) {
     int e = errno;
     close(fd);
