@@ -3623,6 +3623,31 @@ Test(cli, an_item_without_its_comma_says_what_may_follow_and_an_arrays_trailing_
   res_free(r);
 }
 
+/* Python's json.dumps writes NaN, Infinity and -Infinity by default; pack
+ * said "unexpected 'N'" and, for -Infinity, "invalid token". Each is named
+ * with the value JSON that spells it, as a real number past the largest
+ * double is. */
+Test(cli, nan_and_infinity_as_python_writes_them_say_how_value_json_spells_them) {
+  pack_fails("n.json", "n.dpk", "[1.5, NaN]",
+             "devpickle: n.json: invalid JSON: NaN is no JSON number: write {\"$float\": \"nan\"} (line 1, column 7), "
+             "at byte 6\n");
+  pack_fails("i.json", "i.dpk", "{\"a\": Infinity}",
+             "devpickle: i.json: invalid JSON: Infinity is no JSON number: write {\"$float\": \"inf\"} "
+             "(line 1, column 7), at byte 6\n");
+  pack_fails("m.json", "m.dpk", "-Infinity",
+             "devpickle: m.json: invalid JSON: -Infinity is no JSON number: write {\"$float\": \"-inf\"} "
+             "(line 1, column 1), at byte 0\n");
+  /* a word that only starts like one is what it was */
+  pack_fails("x.json", "x.dpk", "[Nope]", "devpickle: x.json: invalid JSON: unexpected 'N' (line 1, column 2), at byte 1\n");
+  pack_fails("c.json", "c.dpk", "[Na", "devpickle: c.json: invalid JSON: unexpected 'N' (line 1, column 2), at byte 1\n");
+  /* the streamed reader stops there and says the same */
+  res_t r = run_sh("{ printf '[NaN'; yes ,1; } | \"$D\" pack - -o x.dpk");
+  cr_assert_eq(r.status, 1);
+  cr_assert_str_eq(r.err, "devpickle: <stdin>: invalid JSON: NaN is no JSON number: write {\"$float\": \"nan\"} "
+                          "(line 1, column 2), at byte 1\n");
+  res_free(r);
+}
+
 /* ---- value JSON as RFC 8259 and docs/VALUE_JSON.md define it ---- */
 
 /* Packs NAME (JSON), unpacks it --compact: the text must be exactly WANT,

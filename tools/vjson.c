@@ -449,6 +449,27 @@ static json_t *parse_number(ps_t *ps) {
  * as it does jansson's own singletons (refcount -1). */
 static json_t object_mark = {JSON_OBJECT, (size_t)-1}, array_mark = {JSON_ARRAY, (size_t)-1};
 
+/* NaN, Infinity and -Infinity, which Python's json.dumps writes and JSON
+ * has not: named where they start, with the value JSON that spells them
+ * (they said "unexpected 'N'" and "invalid token"). 1 when the text at
+ * ps->p is one (reported), else 0; a text that ends inside one may yet be
+ * one (cut), so that a prefix's parse fails as the whole text's does. */
+static int nonjson_float(ps_t *ps) {
+  static const struct {
+    const char *word, *tag;
+  } w[] = {{"NaN", "nan"}, {"Infinity", "inf"}, {"-Infinity", "-inf"}};
+  size_t left = (size_t)(ps->end - ps->p);
+  for (size_t i = 0; i < sizeof w / sizeof *w; i++) {
+    size_t n = strlen(w[i].word);
+    if (left < n && memcmp(ps->p, w[i].word, left) == 0) ps->cut = 1;
+    if (left >= n && memcmp(ps->p, w[i].word, n) == 0) {
+      perr(ps, "%s is no JSON number: write {\"$float\": \"%s\"}", w[i].word, w[i].tag);
+      return 1;
+    }
+  }
+  return 0;
+}
+
 /* A scalar token, or a new empty container (the caller fills it). */
 static json_t *parse_token(ps_t *ps) {
   skip_ws(ps);
@@ -472,6 +493,7 @@ static json_t *parse_token(ps_t *ps) {
       break;
     }
     default:
+      if (nonjson_float(ps)) return NULL;
       if (*ps->p == '-' || (*ps->p >= '0' && *ps->p <= '9')) return parse_number(ps);
       {
         char ch[16];
