@@ -3283,21 +3283,31 @@ Test(cli, a_bad_port_or_timeout_is_answered_with_what_the_command_takes) {
 }
 
 /* '-x.dpk' is an option until '--'; when a file of that name exists, the
- * usage error shows the command line that names it. */
-Test(cli, an_unknown_option_that_names_an_existing_file_shows_how_to_name_it_after_a_double_dash) {
+ * usage error shows how to name it: ./-x.dpk, where it stands (the line it
+ * showed, "devpickle send -- -f.dpk", fails as typed: it lacks HOST:PORT). */
+Test(cli, an_unknown_option_that_names_an_existing_file_shows_how_to_name_it_where_it_stands) {
   spit("v.json", simple_json);
   res_t r = run("pack v.json -o ./-f.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
   r = run("verify -f.dpk");
   cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle verify: unknown option '-f.dpk' (a file: devpickle verify -- -f.dpk)\n"
+  cr_assert_str_eq(r.err, "devpickle verify: unknown option '-f.dpk' (the file is ./-f.dpk, or after '--')\n"
                           "Try 'devpickle verify --help'.\n");
   res_free(r);
   r = run("send -f.dpk 127.0.0.1:1");
   cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle send: unknown option '-f.dpk' (a file: devpickle send -- -f.dpk)\n"
+  cr_assert_str_eq(r.err, "devpickle send: unknown option '-f.dpk' (the file is ./-f.dpk, or after '--')\n"
                           "Try 'devpickle send --help'.\n");
+  res_free(r);
+  spit("-v.json", simple_json);
+  r = run("pack -v.json -o w.dpk");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle pack: unknown option '-v.json' (the file is ./-v.json, or after '--')\n"
+                          "Try 'devpickle pack --help'.\n");
+  res_free(r);
+  r = run("pack ./-v.json -o w.dpk"); /* the line as typed, with the name the hint gives, works */
+  cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
   r = run("verify -g.dpk"); /* no such file: an option, nothing more */
   cr_assert_str_eq(r.err, "devpickle verify: unknown option '-g.dpk'\nTry 'devpickle verify --help'.\n");

@@ -94,11 +94,13 @@ static int usage_error(const char *cmd, const char *fmt, const char *arg) {
 }
 
 /* An argument that starts with '-' and is no option: when a file of that
- * name exists, say how to name it. */
+ * name exists, say how to name it where it stands. ("devpickle pack --
+ * -x.json" was shown, a line that fails as typed: it lacks -o, and send's
+ * its HOST:PORT; ./-x.json names the file wherever the argument was.) */
 static int unknown_option(const char *cmd, const char *arg) {
   if (access(arg, F_OK) != 0) return usage_error(cmd, "unknown option '%s'", arg);
   char what[512];
-  snprintf(what, sizeof what, "unknown option '%.200s' (a file: devpickle %s -- %.200s)", arg, cmd, arg);
+  snprintf(what, sizeof what, "unknown option '%.200s' (the file is ./%.200s, or after '--')", arg, arg);
   return usage_error(cmd, "%s", what);
 }
 
