@@ -3762,14 +3762,27 @@ Test(cli, pack_refuses_utf8_that_is_overlong_a_surrogate_or_past_u10ffff) {
                     "[\"\xc2\x80\xed\x9f\xbf\xee\x80\x80\xf4\x8f\xbf\xbf\"]\n");
 }
 
-/* RFC 8259's number: no leading zero, a digit after '.' and after 'e'. */
+/* RFC 8259's number: no leading zero, a digit after '.' and after 'e'.
+ * Each says what RFC 8259 wants, where the number starts: "[01]" said
+ * "',' or ']' expected, not '1'", "[1.]" and "[1e]" "invalid number", and
+ * "[-x]" "invalid token". */
 Test(cli, pack_refuses_a_number_with_a_leading_zero_or_without_digits_after_its_point) {
   pack_fails("lz.json", "x.dpk", "[01]",
-             "devpickle: lz.json: invalid JSON: ',' or ']' expected, not '1' (line 1, column 3), at byte 2\n");
+             "devpickle: lz.json: invalid JSON: invalid number: a leading zero (JSON writes 1, not 01) "
+             "(line 1, column 2), at byte 1\n");
+  pack_fails("lm.json", "x.dpk", "[-00.5]",
+             "devpickle: lm.json: invalid JSON: invalid number: a leading zero (JSON writes 1, not 01) "
+             "(line 1, column 2), at byte 1\n");
   pack_fails("pt.json", "x.dpk", "[1.]",
-             "devpickle: pt.json: invalid JSON: invalid number (line 1, column 2), at byte 1\n");
+             "devpickle: pt.json: invalid JSON: invalid number: a digit must follow '.' (line 1, column 2), at byte 1\n");
   pack_fails("ex.json", "x.dpk", "[1e]",
-             "devpickle: ex.json: invalid JSON: invalid number (line 1, column 2), at byte 1\n");
+             "devpickle: ex.json: invalid JSON: invalid number: a digit must follow the exponent's 'e' "
+             "(line 1, column 2), at byte 1\n");
+  pack_fails("es.json", "x.dpk", "[1E+x]",
+             "devpickle: es.json: invalid JSON: invalid number: a digit must follow the exponent's 'e' "
+             "(line 1, column 2), at byte 1\n");
+  pack_fails("mx.json", "x.dpk", "[-x]",
+             "devpickle: mx.json: invalid JSON: invalid number: a digit must follow '-' (line 1, column 2), at byte 1\n");
   pack_unpack_gives("ok.json", "[0, -0, 0.5, 1e+5, 1e-1, 2E3]", "[0,0,0.5,100000.0,0.10000000000000001,2000.0]\n");
 }
 

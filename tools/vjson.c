@@ -388,14 +388,18 @@ static json_t *parse_number(ps_t *ps) {
   const char *q = ps->p;
   int real = 0;
   if (q < ps->end && *q == '-') q++;
+  /* each fault is reported where the number starts, and says what RFC 8259
+   * wants there ("invalid number" and "invalid token" said nothing more) */
   if (q >= ps->end) return ends_too_soon(ps, "premature end of input in a number");
-  if (*q < '0' || *q > '9') return perr(ps, "invalid token"), NULL;
+  if (*q < '0' || *q > '9') return perr(ps, "invalid number: a digit must follow '-'"), NULL;
   if (*q == '0') q++;
   else while (q < ps->end && *q >= '0' && *q <= '9') q++;
+  if (q < ps->end && *q >= '0' && *q <= '9') /* after a leading 0: "01" */
+    return perr(ps, "invalid number: a leading zero (JSON writes 1, not 01)"), NULL;
   if (q < ps->end && *q == '.') {
     real = 1;
     if (++q >= ps->end) return ends_too_soon(ps, "premature end of input in a number");
-    if (*q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
+    if (*q < '0' || *q > '9') return perr(ps, "invalid number: a digit must follow '.'"), NULL;
     while (q < ps->end && *q >= '0' && *q <= '9') q++;
   }
   if (q < ps->end && (*q == 'e' || *q == 'E')) {
@@ -403,7 +407,7 @@ static json_t *parse_number(ps_t *ps) {
     q++;
     if (q < ps->end && (*q == '+' || *q == '-')) q++;
     if (q >= ps->end) return ends_too_soon(ps, "premature end of input in a number");
-    if (*q < '0' || *q > '9') return perr(ps, "invalid number"), NULL;
+    if (*q < '0' || *q > '9') return perr(ps, "invalid number: a digit must follow the exponent's 'e'"), NULL;
     while (q < ps->end && *q >= '0' && *q <= '9') q++;
   }
   if (q == ps->end && ps->prefix) return perr(ps, "premature end of input in a number"), cut(ps), NULL;
