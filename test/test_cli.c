@@ -3658,6 +3658,22 @@ Test(cli, nan_and_infinity_as_python_writes_them_say_how_value_json_spells_them)
   res_free(r);
 }
 
+/* Memory that runs out while the JSON is parsed is no fault of the text:
+ * it said "invalid JSON: out of memory (line 1, column N), at byte N". The
+ * address space is limited (ulimit -v), which AddressSanitizer's shadow
+ * memory cannot start under. */
+Test(cli, memory_that_runs_out_while_parsing_is_not_called_invalid_json) {
+#if defined(__SANITIZE_ADDRESS__)
+  cr_skip_test("AddressSanitizer cannot start under ulimit -v");
+#endif
+  res_t r = run_sh("{ printf '['; yes '[],' | head -n 8000000; printf '[]]'; } > big.json && "
+                   "(ulimit -v 400000 && \"$D\" pack big.json -o x.dpk)");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_str_eq(r.err, "devpickle: big.json: out of memory parsing the JSON\n");
+  res_free(r);
+  cr_assert_eq(count_entries(), 1, "a frame or a temporary file was left");
+}
+
 /* ---- value JSON as RFC 8259 and docs/VALUE_JSON.md define it ---- */
 
 /* Packs NAME (JSON), unpacks it --compact: the text must be exactly WANT,

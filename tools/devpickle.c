@@ -951,6 +951,8 @@ static int cmd_pack(int argc, char **argv) {
   size_t pos = 0;
   json_t *j = vjson_parse((const char *)text, len, msg, sizeof msg, &pos);
   free(text);
+  if (!j && strncmp(msg, VJSON_NO_MEMORY, strlen(VJSON_NO_MEMORY)) == 0) /* said "invalid JSON: out of memory" */
+    return data_error(display(a.file), "out of memory parsing the JSON", -1);
   if (!j) {
     char what[2100];
     snprintf(what, sizeof what, "invalid JSON: %s", msg);

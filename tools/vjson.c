@@ -175,7 +175,7 @@ static int buf_put(ps_t *ps, const char *c, size_t n) {
     size_t ncap = ps->cap ? ps->cap : 64;
     while (ncap < ps->len + n) ncap *= 2;
     char *b = realloc(ps->buf, ncap);
-    if (!b) return perr(ps, "out of memory"), cut(ps);
+    if (!b) return perr(ps, "%s", VJSON_NO_MEMORY), cut(ps);
     ps->buf = b;
     ps->cap = ncap;
   }
@@ -416,7 +416,7 @@ static json_t *parse_number(ps_t *ps) {
   char small[512];
   size_t n = (size_t)(q - ps->p);
   char *tmp = n < sizeof small ? small : malloc(n + 1);
-  if (!tmp) return perr(ps, "out of memory"), cut(ps), NULL;
+  if (!tmp) return perr(ps, "%s", VJSON_NO_MEMORY), cut(ps), NULL;
   memcpy(tmp, ps->p, n);
   tmp[n] = '\0';
   errno = 0;
@@ -443,7 +443,7 @@ static json_t *parse_number(ps_t *ps) {
   }
   if (tmp != small) free(tmp);
   if (err) return NULL;
-  if (!j) return perr(ps, "out of memory"), cut(ps), NULL;
+  if (!j) return perr(ps, "%s", VJSON_NO_MEMORY), cut(ps), NULL;
   ps->p = q;
   return j;
 }
@@ -504,7 +504,7 @@ static json_t *parse_token(ps_t *ps) {
         return perr(ps, "unexpected %s", char_at(ps, ch, sizeof ch)), NULL;
       }
   }
-  if (!j) perr(ps, "out of memory"), cut(ps);
+  if (!j) perr(ps, "%s", VJSON_NO_MEMORY), cut(ps);
   return j;
 }
 
@@ -524,7 +524,7 @@ static int parse_key(ps_t *ps, int after_comma) {
   if (rc) return -1;
   if (ps->len + 1 > ps->keycap) {
     char *k = realloc(ps->key, ps->len + 1);
-    if (!k) return perr(ps, "out of memory"), cut(ps);
+    if (!k) return perr(ps, "%s", VJSON_NO_MEMORY), cut(ps);
     ps->key = k;
     ps->keycap = ps->len + 1;
   }
@@ -613,7 +613,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
   size_t top = 0, nobjs = 0;
   json_t *root = NULL;
   int bad = !stack || (prefix && !objs);
-  if (bad) perr(&ps, "out of memory"), cut(&ps);
+  if (bad) perr(&ps, "%s", VJSON_NO_MEMORY), cut(&ps);
   /* A UTF-8 byte order mark is skipped (RFC 8259 lets a parser ignore it);
    * offsets still count it, columns do not. One of UTF-16 or UTF-32 says
    * what the text is. */
@@ -636,7 +636,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
       json_t *c = stack[top - 1];
       int rc = json_is_array(c) ? json_array_append_new(c, v) : json_object_setn_new_nocheck(c, ps.key, ps.keylen, v);
       if (rc) {
-        bad = perr(&ps, "out of memory"), cut(&ps);
+        bad = perr(&ps, "%s", VJSON_NO_MEMORY), cut(&ps);
         break;
       }
     }
@@ -659,7 +659,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
           break;
         }
         if (json_is_object(v) && prefix && prefix_key_repeats(&ps, objs[top - 1].num) < 0) {
-          bad = perr(&ps, "out of memory"), cut(&ps);
+          bad = perr(&ps, "%s", VJSON_NO_MEMORY), cut(&ps);
           break;
         }
         continue;
@@ -683,7 +683,7 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
           }
           int again = prefix ? prefix_key_repeats(&ps, objs[top - 1].num) : json_object_getn(c, ps.key, ps.keylen) != NULL;
           if (again < 0) {
-            bad = perr(&ps, "out of memory"), cut(&ps);
+            bad = perr(&ps, "%s", VJSON_NO_MEMORY), cut(&ps);
             break;
           }
           if (again) {

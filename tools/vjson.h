@@ -19,6 +19,9 @@
  * (\u0000), duplicate keys refused, integers outside int64 refused. NULL on
  * error with msg ("... (line L, column C)") and *errpos, the byte offset. */
 json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_t *errpos);
+/* How vjson_parse's msg starts when memory ran out, and only then: no fault
+ * of the text, which pack must not call invalid. */
+#define VJSON_NO_MEMORY "out of memory"
 /* 1 when the first n bytes of a text already fail vjson_parse whatever
  * follows them (and so fail it with the same message, at the same byte): a
  * reader of an endless or huge input can stop there. 0 while they may still
