@@ -4284,3 +4284,16 @@ Test(cli, demo_takes_a_double_dash_as_the_end_of_its_options) {
   cr_assert_str_eq(r.err, "devpickle demo: unexpected argument '-x'\nTry 'devpickle demo --help'.\n");
   res_free(r);
 }
+
+/* '--' ends --version's options as it ends every command's ('demo --' runs
+ * the demo): '--version --' said "unexpected argument '--'". */
+Test(cli, version_takes_a_double_dash_as_the_end_of_its_options) {
+  res_t r = run("--version --");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_str_eq(r.out, "devpickle " DP_VERSION_STRING " (frame format version 1)\n");
+  res_free(r);
+  r = run("--version -- --help");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle --version: unexpected argument '--help'\nTry 'devpickle --version --help'.\n");
+  res_free(r);
+}

@@ -1698,9 +1698,10 @@ int main(int argc, char **argv) {
         fputs(usage_version, stdout);
         return stdout_done(0);
       }
-    if (argc > 2) {
+    int arg = argc > 2 && strcmp(argv[2], "--") == 0 ? 3 : 2; /* '--' ends its options, as every command's */
+    if (argc > arg) {
       fputs("devpickle --version: unexpected argument '", stderr);
-      cli_put_text(stderr, argv[2]);
+      cli_put_text(stderr, argv[arg]);
       fputs("'\nTry 'devpickle --version --help'.\n", stderr); /* as every other usage error points to a help */
       return EXIT_USAGE;
     }
