@@ -2762,6 +2762,22 @@ Test(cli, recv_refuses_an_empty_host_as_a_usage_error) {
   res_free(r);
 }
 
+/* A host and its port given to --host (a natural slip: recv 5000 --host
+ * 127.0.0.1:5000) was passed on as the host, and the transport named an
+ * address nobody typed, "[127.0.0.1:5000]:0". It is a usage error; an IPv6
+ * address (two colons and more) still gets the transport's own answer. */
+Test(cli, recv_refuses_a_host_holding_a_port_as_a_usage_error) {
+  res_t r = run("recv 5000 --host 127.0.0.1:5000 -o x.dpk --timeout 1");
+  cr_assert_eq(r.status, 2, "%s", r.err);
+  cr_assert_str_eq(r.err, "devpickle recv: --host '127.0.0.1:5000' holds a port: give the host alone (the port is "
+                          "PORT)\nTry 'devpickle recv --help'.\n");
+  res_free(r);
+  r = run("recv 0 --host ::1 -o x.dpk --timeout 1");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_not_null(strstr(r.err, "is an IPv6 address"), "%s", r.err);
+  res_free(r);
+}
+
 /* recv built its listening address in a 320-byte buffer: a longer --host
  * lost the port, and the transport said the address was "not HOST:PORT";
  * send showed such a host cut without a mark. Both now pass the host whole,

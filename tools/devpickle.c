@@ -1522,6 +1522,11 @@ static int cmd_recv(int argc, char **argv) {
   const char *port = a.pos[0];
   if (!*port || strspn(port, "0123456789") != strlen(port) || strlen(port) > 5 || atoi(port) > 65535)
     return usage_error("recv", "bad PORT '%s' (0 to 65535; 0: any free port)", port);
+  /* one ':' is no IPv6 address but a port (--host 127.0.0.1:5000): it was
+   * passed on as the host, and the transport named an address built of it,
+   * "[127.0.0.1:5000]:0", that nobody typed */
+  if (a.host && a.host[0] != '[' && strchr(a.host, ':') && strchr(a.host, ':') == strrchr(a.host, ':'))
+    return usage_error("recv", "--host '%s' holds a port: give the host alone (the port is PORT)", a.host);
   if (!a.out && isatty(STDOUT_FILENO)) /* before listening: no sender is left without an answer */
     return usage_error("recv", "%s", "stdout is a terminal: a frame is binary (-o FRAME.dpk, or -o - to write it there)");
   if (!a.out) a.out = "-";
