@@ -4313,3 +4313,22 @@ Test(cli, version_takes_a_double_dash_as_the_end_of_its_options) {
   cr_assert_str_eq(r.err, "devpickle --version: unexpected argument '--help'\nTry 'devpickle --version --help'.\n");
   res_free(r);
 }
+
+/* '--' ends help's options too: 'help --' said "unknown command '--'" and
+ * 'help pack --' "unexpected argument '--'". */
+Test(cli, help_takes_a_double_dash_as_the_end_of_its_options) {
+  res_t main_help = run("--help"), pack_help = run("pack --help");
+  static const char *const lines[] = {"help --", "help pack --", "help -- pack", "--help -- pack"};
+  for (size_t i = 0; i < sizeof lines / sizeof *lines; i++) {
+    res_t r = run(lines[i]);
+    cr_assert_eq(r.status, 0, "%s: %s", lines[i], r.err);
+    cr_assert_str_eq(r.out, i ? pack_help.out : main_help.out, "%s", lines[i]);
+    res_free(r);
+  }
+  res_t r = run("help pack -- dump");
+  cr_assert_eq(r.status, 2);
+  cr_assert_str_eq(r.err, "devpickle help: unexpected argument 'dump'\nTry 'devpickle help COMMAND'.\n");
+  res_free(r);
+  res_free(main_help);
+  res_free(pack_help);
+}

@@ -1647,21 +1647,31 @@ static const char usage_version[] =
 static int is_help_word(const char *a) { return !strcmp(a, "--help") || !strcmp(a, "-h"); }
 
 static int cmd_help(int argc, char **argv) {
-  if (argc > 3) {
-    fprintf(stderr, "devpickle %s: unexpected argument '", argv[1]);
-    cli_put_text(stderr, argv[3]);
-    fputs("'\nTry 'devpickle help COMMAND'.\n", stderr);
-    return EXIT_USAGE;
+  /* '--' ends its options, as every command's: 'help --' is the main help,
+   * 'help pack --' and 'help -- pack' pack's (they said "unknown command
+   * '--'" and "unexpected argument '--'"). */
+  char *topic = NULL;
+  for (int i = 2, opts = 1; i < argc; i++) {
+    if (opts && strcmp(argv[i], "--") == 0) {
+      opts = 0;
+    } else if (topic) {
+      fprintf(stderr, "devpickle %s: unexpected argument '", argv[1]);
+      cli_put_text(stderr, argv[i]);
+      fputs("'\nTry 'devpickle help COMMAND'.\n", stderr);
+      return EXIT_USAGE;
+    } else {
+      topic = argv[i];
+    }
   }
-  if (argc == 3 && strcmp(argv[2], "help") != 0 && strcmp(argv[2], "--help") != 0 && strcmp(argv[2], "-h") != 0) {
-    if (strcmp(argv[2], "--version") == 0) {
+  if (topic && strcmp(topic, "help") != 0 && strcmp(topic, "--help") != 0 && strcmp(topic, "-h") != 0) {
+    if (strcmp(topic, "--version") == 0) {
       fputs(usage_version, stdout);
       return stdout_done(0);
     }
-    char help_flag[] = "--help", *args[] = {argv[2], help_flag, NULL};
+    char help_flag[] = "--help", *args[] = {topic, help_flag, NULL};
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-      if (strcmp(argv[2], commands[i].name) == 0) return commands[i].run(2, args);
-    return unknown_command(argv[2]);
+      if (strcmp(topic, commands[i].name) == 0) return commands[i].run(2, args);
+    return unknown_command(topic);
   }
   fputs(usage_main, stdout);
   return stdout_done(0);
