@@ -3216,3 +3216,111 @@ Test(future, out_of_memory_in_a_call_names_the_call) {
   dp_value_release(t);
   dp_value_release(u);
 }
+
+/* A wait in a callback on a future that is already complete runs nothing
+ * queued: the callback returns before its future's next callback starts.
+ * One on a pending future runs every callback queued on the thread (any of
+ * them might complete it), the running callback's own future's later ones
+ * included: they start inside the wait (WAITS NEST). */
+typedef struct poller {
+  seq_t *s;
+  dp_future_t *on;
+  int rc;
+} poller_t;
+static int log_around_a_wait(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  poller_t *w = ud;
+  w->s->log[w->s->n++] = 10;
+  w->rc = dp_future_wait(w->on, 0, NULL);
+  w->s->log[w->s->n++] = 11;
+  return 0;
+}
+
+Test(future, a_wait_in_a_callback_runs_its_futures_later_callbacks_only_when_it_waits_on_a_pending_future) {
+  for (int pending = 0; pending < 2; pending++) {
+    seq_t s = {{0}, 0, NULL};
+    tag_t later = {&s, 2};
+    poller_t w = {&s, future(), 0};
+    if (!pending) OK(dp_future_mark_completed(w.on, dp_none(), T_ERR));
+    dp_future_t *f = future(), *c[2];
+    OK(dp_future_then(f, log_around_a_wait, &w, &c[0], T_ERR));
+    OK(dp_future_then(f, log_tag, &later, &c[1], T_ERR));
+    OK(dp_future_mark_completed(f, dp_none(), T_ERR));
+    cr_assert_eq(s.n, 3);
+    int want[2][3] = {{10, 11, 2}, {10, 2, 11}};
+    for (int i = 0; i < 3; i++)
+      cr_assert_eq(s.log[i], want[pending][i], "%s future: step %d is %d", pending ? "pending" : "complete", i,
+                   s.log[i]);
+    cr_assert_eq(w.rc, pending ? DP_ETIMEDOUT : 0);
+    for (int i = 0; i < 2; i++) dp_future_release(c[i]);
+    dp_future_release(f);
+    dp_future_release(w.on);
+  }
+}
+
+/* A consumer's record of a complete future's allocations on its own
+ * streams can fail (the hook refuses): the wait returns that error as the
+ * hook gave it, and the future stays complete with its value; a then()
+ * callback, which would run on streams that record them, is not called
+ * and its child fails with the same error. */
+static int refusing_hook_calls;
+static int refusing_hook(void *ctx, void *const *p, size_t n, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx, (void)p, (void)n, (void)s;
+  refusing_hook_calls++;
+  snprintf(err->message, sizeof err->message, "the allocator refuses");
+  return DP_EIO;
+}
+static int refused_cb_calls;
+static int refused_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  refused_cb_calls++;
+  return 0;
+}
+
+static int refused_ptrs_cb_told;
+static dp_error_t refused_ptrs_cb_err;
+static int refused_ptrs_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result;
+  if (!ptrs) {
+    refused_ptrs_cb_told++;
+    refused_ptrs_cb_err = *err;
+  } else {
+    refused_cb_calls++;
+  }
+  return 0;
+}
+
+Test(future, a_consumers_record_that_the_hook_refuses_fails_the_wait_and_the_then_child_not_the_future) {
+  dp_cache_hooks_t hooks = {NULL, NULL, refusing_hook, NULL};
+  dp_future_opts_t o = {B, NULL, 0, &hooks, 0, 1}; /* consumers_only: the completion records nothing */
+  dp_future_t *f, *child;
+  OK(dp_future_new(&o, &f, T_ERR));
+  dp_value_t t = device_ints(H0, 4);
+  void *p = data_of(t);
+  OK(dp_future_mark_completed(f, t, T_ERR));
+  cr_assert_eq(refusing_hook_calls, 0);
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(f, -1, &e), DP_EIO);
+  cr_assert_eq(e.code, DP_EIO);
+  cr_assert_str_eq(e.message, "the allocator refuses");
+  cr_assert_eq(refusing_hook_calls, 1);
+  cr_assert_eq(dp_future_error(f, NULL), 0, "the future itself completed with its value");
+  cr_assert_eq(dp_value_kind(dp_future_value(f)), DP_TENSOR);
+  OK(dp_future_then(f, refused_cb, NULL, &child, T_ERR));
+  cr_assert_eq(refused_cb_calls, 0, "the callback never ran");
+  cr_assert_eq(dp_future_error(child, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "the allocator refuses");
+  dp_future_release(child);
+  OK(dp_future_then_with_ptrs(f, refused_ptrs_cb, NULL, &child, T_ERR));
+  cr_assert_eq(refused_cb_calls, 0, "the callback never ran with a set");
+  cr_assert_eq(refused_ptrs_cb_told, 1, "it was told once that it cannot run");
+  cr_assert_eq(refused_ptrs_cb_err.code, DP_EIO);
+  cr_assert_str_eq(refused_ptrs_cb_err.message, "the allocator refuses");
+  cr_assert_eq(dp_future_error(child, &e), DP_EIO);
+  cr_assert_str_eq(e.message, "the allocator refuses");
+  dp_future_release(child);
+  dp_future_release(f);
+  dp_cache_t *c;
+  OK(dp_cache_default(B, &c, T_ERR));
+  OK(dp_cache_dealloc(c, p, T_ERR));
+}

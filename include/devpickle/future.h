@@ -42,8 +42,10 @@
  * once that callback returns, before the future's callbacks still to run
  * (as PyTorch's runs it at once, inside the callback). A dp_future_wait() in a callback first runs what is queued on
  * its thread, so a callback may wait on what it completed; waiting on a future it completed (or chained on)
- * also returns only once the callbacks it queued for that future ran. The running callback's own future's
- * later callbacks still run after it returns.
+ * also returns only once the callbacks it queued for that future ran, and runs nothing else: the running
+ * callback's own future's later callbacks still run after it returns. A wait there on a pending future runs
+ * every callback queued on the thread (any of them might complete it), the running callback's own future's
+ * later ones included: they start inside the wait, before the callback returns (WAITS NEST below).
  *
  * WAITS NEST: a callback that such a wait runs may wait in turn, and runs
  * the next queued callback inside itself, and so on: waits nest as deep as
@@ -175,7 +177,9 @@ DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error
  *  allocation met apart more than once (views of one storage between other tensors) is recorded
  *  that many times, to the same effect (a record is idempotent; a wait costs what the value's
  *  tensors number, as the completion did). Returns 0, DP_ETIMEDOUT, or f's own
- *  error (copied into err); from a then() callback, DP_EMISUSE at once
+ *  error (copied into err); once f is complete, the errors of those streams'
+ *  waits and records, as they came (dp_current_stream's, the backend's, the
+ *  hooks': f stays complete with its value); from a then() callback, DP_EMISUSE at once
  *  when f completes only after that callback returns (WAITING FOR ITSELF
  *  above) or only by the loop that runs it (WAITING FOR ONE'S OWN LOOP),
  *  and DP_ELIMIT at once past DP_FUTURE_WAIT_NESTING_MAX nested
@@ -204,7 +208,10 @@ typedef int (*dp_then_cb)(void *ud, dp_future_t *parent, dp_value_t *result, dp_
 
 /** A child future, with f's backend, devices and hooks, completed by cb's
  *  result. If f fails the child fails with the same error and cb is not
- *  called; if f is released pending, with DP_ECANCELED. The child holds no
+ *  called; if f is released pending, with DP_ECANCELED; if the streams cb
+ *  would run on cannot be set up (to wait on f's events and record f's
+ *  allocations there: out of memory, the backend's or the hooks' error),
+ *  with that error, cb not called. The child holds no
  *  reference to f: keep f while you want the child to complete. */
 DP_API int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t **child, dp_error_t *err);
 
@@ -221,7 +228,8 @@ DP_API int dp_future_then(dp_future_t *f, dp_then_cb cb, void *ud, dp_future_t *
  *  Return 0 and a new reference in *result, or an error code with err
  *  filled: the child fails with it. When the callback cannot run — the
  *  pool streams it would run on cannot be set up to wait on the parent's
- *  events (out of memory, a stream or event the backend refuses) — it is
+ *  events and record its allocations (out of memory, a stream or event the
+ *  backend refuses, a record the hooks refuse) — it is
  *  called once all the same with ptrs NULL and err saying why, so that it
  *  can complete what it owns and free ud; its return and *result are then
  *  ignored, and the child fails with that error. */
