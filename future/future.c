@@ -146,6 +146,8 @@ static void run_entry(dp_future_t *f, cbent_t *e);
 
 static level_t *tramp_top(tramp_t *t) { return t->top ? t->top : &t->base; }
 
+int dp__future_running(void) { return tramp.depth || walking; }
+
 /* Frees one future whose last reference went; 0 when none is queued. */
 static int tramp_free_one(tramp_t *t) {
   dp_future_t *f = t->free_head;

@@ -9,6 +9,13 @@
  * (other threads' are freed at their exit, by a thread-specific destructor). */
 void dp__future_shutdown(void);
 
+/* 1 while this thread runs a future's callbacks (then(), collect_all's,
+ * dp__future_notify's), frees futures whose last reference went, or walks
+ * the value that completes one: those frames hold futures, their pooled
+ * events and the streams a callback runs on, so dp_shutdown refuses to
+ * tear the backends down under them. */
+int dp__future_running(void);
+
 /* Calls fn(ctx, f, 0) once f completes, with a value or an error (on the
  * thread that completes it; here, at once, when f is complete already), or
  * fn(ctx, NULL, 0) when f's last reference goes while it is pending; then,

@@ -22,6 +22,16 @@ void dp_shutdown(void) {
     fprintf(stderr, "devpickle: dp_shutdown called from a host function: nothing torn down (device.h)\n");
     return;
   }
+  /* The frames running a future's callbacks, frees or completion walk on
+   * this thread hold futures (their pooled events) and put pool streams
+   * back as current when they return: the teardown would free them under
+   * those frames. */
+  if (dp__future_running()) {
+    fprintf(stderr,
+            "devpickle: dp_shutdown called while a future's callback, completion or release runs on this thread: "
+            "nothing torn down (future.h)\n");
+    return;
+  }
   dp__future_shutdown();
   dp__cache_shutdown();
   dp__device_shutdown();

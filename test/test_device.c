@@ -188,6 +188,79 @@ Test(device, shutting_down_from_a_host_function_tears_nothing_down_and_says_so, 
   assert_stream_runs(s);
 }
 
+/* dp_shutdown from a then() callback, from a release callback of a
+ * storage that a future's release frees, or from a reduce() of the walk
+ * that completes a future: the futures that frame runs on (the callback's
+ * parent, the future being freed or completed) hold pooled events and
+ * streams of the backend, and the callback's frame puts pool streams back
+ * as current when it returns: the teardown freed them under it (ASan saw
+ * the events freed twice). It tears nothing down, says so, and the
+ * backend keeps working. */
+static int copy_nothing(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  return 0;
+}
+static int shutdown_from_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  dp_shutdown();
+  return 0;
+}
+static void shutdown_from_release(void *ud, dp_device_t device, void *base, size_t nbytes) {
+  (void)ud, (void)device, (void)base, (void)nbytes;
+  dp_shutdown();
+}
+static int shutdown_from_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)err;
+  dp_shutdown();
+  *state = dp_value_retain(*(dp_value_t *)obj);
+  return 0;
+}
+static void drop_held(void *obj) { dp_value_release(*(dp_value_t *)obj); }
+static const dp_type_t stops_type = {"Stops", shutdown_from_reduce, drop_held};
+
+Test(device, shutting_down_from_a_future_callback_or_a_release_it_runs_tears_nothing_down_and_says_so) {
+  dp_backend_t *b = host();
+  for (int from = 0; from < 3; from++) { /* a then() callback, a release, a completion's walk */
+    int from_release = from == 1;
+    dp_cache_t *c;
+    OK(dp_cache_default(b, &c, T_ERR));
+    void *p;
+    OK(dp_cache_alloc(c, H0, 64, NULL, &p, T_ERR));
+    dp_storage_t *st;
+    OK(dp_storage_new(H0, p, 64, from_release ? shutdown_from_release : NULL, NULL, &st, T_ERR));
+    int64_t shape[1] = {16};
+    dp_value_t t;
+    OK(dp_tensor_new(st, DP_INT32, 1, shape, NULL, 0, &t, T_ERR));
+    dp_value_t held = t;
+    if (from == 2) OK(dp_custom_new(&stops_type, &held, &t, T_ERR));
+    dp_future_t *f, *child = NULL;
+    OK(dp_future_new(NULL, &f, T_ERR));
+    OK(dp_future_then(f, from == 0 ? shutdown_from_callback : copy_nothing, NULL, &child, T_ERR));
+    capture_t cap = capture_stderr();
+    OK(dp_future_mark_completed(f, t, T_ERR)); /* an event on host:0, the callback on a pool stream */
+    if (from_release) dp_future_release(f);     /* the value's last holder */
+    char line[256];
+    captured_line(&cap, line, sizeof line);
+    cr_assert_str_eq(line,
+                     "devpickle: dp_shutdown called while a future's callback, completion or release runs on this "
+                     "thread: nothing torn down (future.h)\n");
+    dp_backend_t *again;
+    OK(dp_backend_get(DP_DEVICE_HOST, &again, T_ERR));
+    cr_assert_eq(again, b, "the backend was not stopped");
+    dp_cache_t *c2;
+    OK(dp_cache_default(b, &c2, T_ERR));
+    cr_assert_eq(c2, c, "the default cache was not freed");
+    OK(dp_future_wait(child, 0, T_ERR));
+    dp_future_release(child);
+    if (!from_release) {
+      OK(dp_future_synchronize(f, -1, T_ERR));
+      dp_future_release(f);
+    }
+    OK(dp_cache_dealloc(c, p, T_ERR));
+    assert_stream_runs(dflt(b, H0));
+  }
+}
+
 /* The same from a host function freeing another stream that waits, through
  * an event recorded after the function on its own stream, for the function
  * itself: the free waited for that stream's work, which waited for the

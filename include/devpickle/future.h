@@ -96,6 +96,12 @@
  * chains as any failure does, and a collect_all over it fails with
  * DP_ECANCELED naming the input (once its other inputs are done). Waiters on
  * them wake with that error.
+ *
+ * SHUTDOWN: futures go before dp_shutdown() (devpickle.h). Called while a
+ * future's callback, the walk that completes one (a reduce()) or the
+ * release of one (a storage's release callback) runs on the thread — whose
+ * futures are still held — it tears nothing down and says so in a line on
+ * stderr, as from a host function (device.h).
  */
 #ifndef DEVPICKLE_FUTURE_H
 #define DEVPICKLE_FUTURE_H
