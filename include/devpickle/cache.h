@@ -171,7 +171,8 @@ DP_API int dp_cache_default(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
 
 /** Allocates nbytes on dev for use on stream s (NULL: this thread's current
  *  stream of dev); nbytes 0 gets a block of its own, of the smallest size
- *  (512 bytes). Errors: DP_EINVAL, DP_ENOMEM (after freeing the cache and
+ *  (512 bytes). Errors: DP_EINVAL (a device of another backend, a stream s
+ *  that is not on dev, naming both), DP_ENOMEM (after freeing the cache and
  *  retrying), backend errors. */
 DP_API int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_t *s, void **out,
                            dp_error_t *err);

@@ -220,7 +220,9 @@ DP_API int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_e
  *  before dp_event_new hands it out again does nothing; a free after that
  *  frees the new owner's event (use after free, as for any handle). */
 DP_API void dp_event_free(dp_event_t *e);
-/** Captures the work queued on s so far. Re-recording replaces the capture. */
+/** Captures the work queued on s so far. Re-recording replaces the capture.
+ *  s must be a stream of e's device (as CUDA requires): one of another
+ *  device or backend is DP_EINVAL, naming both. */
 DP_API int dp_event_record(dp_event_t *e, dp_stream_t *s, dp_error_t *err);
 /** 1 when complete (or never recorded), 0 when not yet, <0 error. */
 DP_API int dp_event_query(dp_event_t *e, dp_error_t *err);
