@@ -218,7 +218,7 @@ static int shutdown_from_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
 static void drop_held(void *obj) { dp_value_release(*(dp_value_t *)obj); }
 static const dp_type_t stops_type = {"Stops", shutdown_from_reduce, drop_held};
 
-Test(device, shutting_down_from_a_future_callback_or_a_release_it_runs_tears_nothing_down_and_says_so) {
+Test(device, shutting_down_from_a_futures_callback_completion_walk_or_release_tears_nothing_down_and_says_so) {
   dp_backend_t *b = host();
   for (int from = 0; from < 3; from++) { /* a then() callback, a release, a completion's walk */
     int from_release = from == 1;
