@@ -6340,3 +6340,99 @@ Test(pickler, unknown_scan_and_pickle_flags_are_refused_naming_the_bits) {
   dp_value_release(root);
   ASSERT_NO_LEAK();
 }
+
+/* ---- the header's lengths, counted by the readers ---- */
+
+/* A section that ends where a value is expected is a format error where it
+ * ends, not a truncation: a table_len of 0 behind a whole payload, and a
+ * header whose three lengths are all 0, are frames as long as they say. */
+Test(pickler, a_frame_whose_table_or_whole_body_is_empty_is_refused_where_a_value_was_expected) {
+  const uint8_t one = 0x01;
+  static const struct {
+    size_t plen;
+    int64_t offset;
+  } cases[] = {{1, 41}, {0, 40}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    size_t n;
+    uint8_t *f = frame_with_table(&one, cases[k].plen, &one, 0, NULL, 0, 0, &n);
+    dp_frame_info_t fi;
+    dp_error_t e;
+    cr_assert_eq(dp_frame_check(f, n, &fi, &e), DP_EFORMAT, "case %zu: %s", k, e.message);
+    cr_assert_str_eq(e.message, "value expected, section ended", "case %zu", k);
+    cr_assert_eq(e.offset, cases[k].offset, "case %zu: offset %lld", k, (long long)e.offset);
+    expect_refused(cases[k].plen ? "no table" : "no body", f, n, cases[k].offset, "value expected, section ended");
+    free(f);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* Bytes behind an inline frame are counted from the end of its data
+ * section: the frame ends there, not where its table ends. */
+Test(pickler, bytes_after_an_inline_frames_data_section_are_refused_where_the_data_ends) {
+  float host[4] = {1, 2, 3, 4};
+  dp_value_t t = host_floats(host);
+  dp_frame_t *f = pickle_ok(t, DP_PICKLE_INLINE);
+  size_t n;
+  const uint8_t *b0 = dp_frame_data(f, &n);
+  cr_assert_eq(b0[24], 16, "a data section of 16 bytes");
+  uint8_t *b = calloc(n + 2, 1);
+  memcpy(b, b0, n);
+  dp_value_t out;
+  dp_frame_info_t fi;
+  dp_error_t e;
+  cr_assert_eq(dp_frame_check(b, n + 2, &fi, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_str_eq(e.message, "2 bytes after the end of the frame");
+  cr_assert_eq(e.offset, (int64_t)n, "the frame's end, %zu, not %lld", n, (long long)e.offset);
+  cr_assert_eq(dp_unpickle(b, n + 2, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_eq(e.offset, (int64_t)n);
+  free(b);
+  dp_frame_free(f);
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
+/* dp_frame_check counts the buffers: a table that does not open with an
+ * array is refused there, as dp_unpickle refuses it. */
+Test(pickler, a_buffer_table_that_is_not_an_array_is_refused_by_the_frame_check) {
+  const uint8_t one = 0x01, nil = 0xc0;
+  size_t n;
+  uint8_t *f = frame_with_table(&one, 1, &nil, 1, NULL, 0, 0, &n);
+  dp_frame_info_t fi;
+  dp_error_t e;
+  cr_assert_eq(dp_frame_check(f, n, &fi, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_str_eq(e.message, "buffer table: array expected");
+  cr_assert_eq(e.offset, 41);
+  expect_refused("nil table", f, n, 41, "buffer table: array expected");
+  free(f);
+  ASSERT_NO_LEAK();
+}
+
+/* A payload and a table length that fit together, and a data length that
+ * takes the sum past 2^64 by itself (to 0, so the header's 40 bytes do not
+ * overflow it again), are refused at the lengths too. */
+Test(pickler, a_data_length_that_wraps_the_frame_length_to_zero_is_refused_at_the_lengths) {
+  uint8_t h[40];
+  const uint64_t lens[3] = {(uint64_t)1 << 63, 0, (uint64_t)1 << 63};
+  assert_header_refused(h, lens,
+                        "header announces 9223372036854775808 + 0 + 9223372036854775808 body bytes: more than a "
+                        "frame can hold (its length must fit in 64 bits)");
+  ASSERT_NO_LEAK();
+}
+
+/* The version is a 16-bit field: one whose low byte is this build's is
+ * another version. */
+Test(pickler, a_frame_version_that_differs_only_in_its_high_byte_is_refused) {
+  const uint8_t nil = 0xc0, table = 0x90;
+  size_t n;
+  uint8_t *f = frame_with_table(&nil, 1, &table, 1, NULL, 0, 0, &n);
+  f[5] = 1; /* version 0x0101 */
+  uint64_t sum = XXH3_64bits_withSeed(f + 40, n - 40, XXH3_64bits(f, 32));
+  for (int i = 0; i < 8; i++) f[32 + i] = (uint8_t)(sum >> (8 * i));
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EVERSION, "%s", e.message);
+  cr_assert_str_eq(e.message, "frame version 257, this build reads version 1");
+  cr_assert_eq(e.offset, 4);
+  free(f);
+  ASSERT_NO_LEAK();
+}
