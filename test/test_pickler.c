@@ -5661,6 +5661,7 @@ Test(pickler, each_buffer_descriptor_field_out_of_its_range_is_refused_at_the_de
     const char *msg;
   } bad[] = {
       {0, {0x95, 1, 0, 4, 0xcd, 0x10, 0x00, 0}, 8, "buffer descriptor 0 has 5 fields, expected 4"},
+      {0, {0x91, 1}, 2, "buffer descriptor 0 has 1 field, expected 4"},
       {0, {0x94, 3, 0, 4, 0xcd, 0x10, 0x00}, 7, "buffer 0: invalid device (type 3, index 0)"},
       {0, {0x94, 1, 0xcd, 0x01, 0x00, 4, 0xcd, 0x10, 0x00}, 9, "buffer 0: invalid device (type 1, index 256)"},
       {0, {0x94, 0, 1, 4, 0xcd, 0x10, 0x00}, 7, "buffer 0: invalid device (type 0, index 1)"},
@@ -6433,6 +6434,73 @@ Test(pickler, a_frame_version_that_differs_only_in_its_high_byte_is_refused) {
   cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EVERSION, "%s", e.message);
   cr_assert_str_eq(e.message, "frame version 257, this build reads version 1");
   cr_assert_eq(e.offset, 4);
+  free(f);
+  ASSERT_NO_LEAK();
+}
+
+/* The edges of each descriptor field's range are read: a device index of
+ * 255, the host device type (the last), a size of exactly 2^62. */
+Test(pickler, buffer_descriptor_fields_at_the_edges_of_their_ranges_are_read) {
+  static const struct {
+    uint8_t desc[16];
+    size_t dlen;
+    dp_device_t dev;
+    uint64_t nbytes;
+  } edge[] = {
+      {{0x94, 1, 0xcc, 0xff, 4, 0xcd, 0x10, 0x00}, 8, {DP_DEVICE_CUDA, 255}, 4},
+      {{0x94, 2, 0, 4, 0xcd, 0x10, 0x00}, 7, {DP_DEVICE_HOST, 0}, 4},
+      {{0x94, 1, 0, 0xcf, 0x40, 0, 0, 0, 0, 0, 0, 0, 0xcd, 0x10, 0x00}, 15, {DP_DEVICE_CUDA, 0}, (uint64_t)1 << 62},
+  };
+  size_t plen;
+  uint8_t *payload = payload_using(1, &plen);
+  for (size_t k = 0; k < sizeof edge / sizeof edge[0]; k++) {
+    uint8_t table[17] = {0x91};
+    memcpy(table + 1, edge[k].desc, edge[k].dlen);
+    size_t n;
+    uint8_t *f = frame_with_table(payload, plen, table, 1 + edge[k].dlen, NULL, 0, 0, &n);
+    dp_value_t out;
+    dp_error_t e;
+    cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), 0, "case %zu: %s", k, e.message);
+    dp_storage_t *st = dp_tensor_storage(dp_seq_get(out, 0));
+    cr_assert(dp_storage_device(st).type == edge[k].dev.type && dp_storage_device(st).index == edge[k].dev.index,
+              "case %zu: device", k);
+    cr_assert_eq(dp_storage_nbytes(st), edge[k].nbytes, "case %zu: size", k);
+    dp_value_release(out);
+    free(f);
+  }
+  free(payload);
+  ASSERT_NO_LEAK();
+}
+
+/* Each buffer of an inline frame gets its own bytes: the second's start
+ * where the first's end in the data section. */
+Test(pickler, each_buffer_of_an_inline_frame_is_read_with_its_own_bytes) {
+  float a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8};
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, host_floats(a), T_ERR));
+  OK(dp_list_append(l, host_floats(b), T_ERR));
+  dp_frame_t *f = pickle_ok(l, DP_PICKLE_INLINE);
+  dp_value_t back = unpickle_ok(f);
+  for (size_t i = 0; i < 2; i++) {
+    const float *copy = dp_storage_host_data(dp_tensor_storage(dp_seq_get(back, i)));
+    cr_assert_not_null(copy);
+    cr_assert_eq(memcmp(copy, i ? b : a, sizeof a), 0, "buffer %zu: %g %g %g %g", i, copy[0], copy[1], copy[2],
+                 copy[3]);
+  }
+  dp_value_release(back);
+  dp_frame_free(f);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+/* A buffer id past the table's last is out of the table's range, which a
+ * table of one buffer names as 0..0. */
+Test(pickler, a_buffer_id_past_a_table_of_one_buffer_is_out_of_range_0_to_0) {
+  static const uint8_t payload[] = {0x96, 0xd4, 0x00, 0x02, 0x01, 0x00, 0x91, 0x00, 0x91, 0x01, 0x00};
+  static const uint8_t table[] = {0x91, 0x94, 1, 0, 4, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *f = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("id 1", f, n, 44, "tensor buffer id 1 out of range (0..0)");
   free(f);
   ASSERT_NO_LEAK();
 }
