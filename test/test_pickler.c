@@ -6493,6 +6493,42 @@ Test(pickler, each_buffer_of_an_inline_frame_is_read_with_its_own_bytes) {
   ASSERT_NO_LEAK();
 }
 
+/* A table is checked for repeats by sorting its (device, base) keys on
+ * every byte: a repeat is found wherever its two descriptors lie, even
+ * with a descriptor between them that differs only in the top byte of its
+ * base or only in its device index. */
+Test(pickler, a_repeat_is_found_past_a_buffer_that_differs_only_in_the_top_byte_of_its_base_or_its_device_index) {
+  static const struct {
+    uint8_t middle[16];  /* descriptor 1; 0 and 2 are cuda:0 at 0x0100000000001000 */
+    size_t mlen;
+  } cases[] = {
+      {{0x94, 1, 0, 4, 0xcf, 0x02, 0, 0, 0, 0, 0, 0x10, 0x00}, 13},
+      {{0x94, 1, 0xcc, 0x80, 4, 0xcf, 0x01, 0, 0, 0, 0, 0, 0x10, 0x00}, 14},
+  };
+  static const uint8_t desc[] = {0x94, 1, 0, 4, 0xcf, 0x01, 0, 0, 0, 0, 0, 0x10, 0x00};
+  size_t plen;
+  uint8_t *payload = payload_using(3, &plen);
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    uint8_t table[64] = {0x93};
+    size_t tlen = 1;
+    memcpy(table + tlen, desc, sizeof desc);
+    tlen += sizeof desc;
+    memcpy(table + tlen, cases[k].middle, cases[k].mlen);
+    tlen += cases[k].mlen;
+    size_t third = tlen;
+    memcpy(table + tlen, desc, sizeof desc);
+    tlen += sizeof desc;
+    size_t n;
+    uint8_t *f = frame_with_table(payload, plen, table, tlen, NULL, 0, 0, &n);
+    expect_refused("repeat", f, n, (int64_t)(40 + plen + third),
+                   "buffer 2 describes cuda:0 0x100000000001000 again (buffer 0 did): a frame has one buffer per "
+                   "(device, base)");
+    free(f);
+  }
+  free(payload);
+  ASSERT_NO_LEAK();
+}
+
 /* A buffer id past the table's last is out of the table's range, which a
  * table of one buffer names as 0..0. */
 Test(pickler, a_buffer_id_past_a_table_of_one_buffer_is_out_of_range_0_to_0) {
