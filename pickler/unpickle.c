@@ -1006,12 +1006,12 @@ static int check_distinct(up_t *u, const dp_frame_info_t *fi, bkey_t *keys, uint
   if (n < 2) return 0;
   size_t i;
   keys = bkey_sort(keys, keys + n, (size_t)n);
-  /* Report the first repeat in table order: in each run of equal keys
-   * (sorted by id) the second one; the smallest of those. */
+  /* Report the first repeat in table order: the smallest id of a key equal
+   * to the one before it. A run of equal keys is in id order (the sort is
+   * stable), so that is the second of some run, named with the run's first. */
   size_t rep = SIZE_MAX;
   for (i = 1; i < n; i++)
     if (keys[i].base == keys[i - 1].base && keys[i].dev == keys[i - 1].dev &&
-        (i < 2 || keys[i - 1].base != keys[i - 2].base || keys[i - 1].dev != keys[i - 2].dev) &&
         (rep == SIZE_MAX || keys[i].id < keys[rep].id))
       rep = i;
   if (rep == SIZE_MAX) return 0;
