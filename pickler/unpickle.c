@@ -1103,8 +1103,10 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
                           "the previous buffer within the %llu-byte data section", (unsigned long long)i,
                           (unsigned long long)doff, (unsigned long long)nbytes, (unsigned long long)fi->data_len);
       data_off += nbytes;
-      if ((pass == PASS_CHECK || pass == PASS_MAKE) &&
-          (dp__add_ovf(u->bytes, nbytes, &u->bytes) || u->bytes > u->lim.max_bytes))
+      /* the table is read before anything else counts: u->bytes was the
+         previous data_off, and the check above keeps this one within
+         data_len, so the sum cannot wrap */
+      if ((pass == PASS_CHECK || pass == PASS_MAKE) && (u->bytes += nbytes) > u->lim.max_bytes)
         return lim_err(u, at, "total str, bytes and inline size", u->lim.max_bytes);
     }
     uint32_t dev = (uint32_t)(dtype << 8 | dindex);
