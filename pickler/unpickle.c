@@ -1150,7 +1150,6 @@ static int read_descriptors(up_t *u, const dp_frame_info_t *fi, uint64_t n, int 
     u->bufs[u->nbufs].st = st;
     u->bufs[u->nbufs++].nbytes = nbytes;
   }
-  if (pass != PASS_CHECK && pass != PASS_MAKE) return 0;
   if (r->p != r->end)
     return rd_fail(r, DP_EFORMAT, r->p, "%lld byte%s after the buffer table", (long long)(r->end - r->p),
                    r->end - r->p == 1 ? "" : "s");
