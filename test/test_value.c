@@ -2864,3 +2864,38 @@ Test(base, an_identifier_is_a_letter_or_underscore_then_letters_digits_or_unders
   cr_assert_not(dp__is_identifier("a-b", 3));
   cr_assert_not(dp__is_identifier("a b", 3));
 }
+
+/* ---- the collector's leaf queue ---- */
+
+/* A destroy callback that releases the values its object holds: two
+ * customs with a destroy of their own and two tensors on storages with a
+ * release callback, all queued while it runs. */
+typedef struct fan {
+  dp_value_t held[4];
+} fan_t;
+static void destroy_fan(void *obj) {
+  fan_t *f = obj;
+  for (int i = 0; i < 4; i++) dp_value_release(f->held[i]);
+  free(f);
+}
+static const dp_type_t fan_type = {"Fan", NULL, destroy_fan};
+
+Test(value, a_destroy_that_releases_several_customs_and_storages_runs_each_of_their_callbacks_once) {
+  destroyed = 0;
+  released_storages = 0;
+  fan_t *f = malloc(sizeof *f);
+  for (int i = 0; i < 2; i++) {
+    OK(dp_custom_new(&counted_type, NULL, &f->held[i], T_ERR));
+    dp_storage_t *s;
+    OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 0), (void *)(uintptr_t)(0x1000 + 0x100 * i), 64, count_release, NULL,
+                      &s, T_ERR));
+    f->held[2 + i] = t_view(s, 4, 0);
+    dp_storage_release(s);
+  }
+  dp_value_t c;
+  OK(dp_custom_new(&fan_type, f, &c, T_ERR));
+  dp_value_release(c);
+  cr_assert_eq(destroyed, 2, "%d of the 2 queued destroys ran", destroyed);
+  cr_assert_eq(released_storages, 2, "%d of the 2 queued release callbacks ran", released_storages);
+  ASSERT_NO_LEAK();
+}
