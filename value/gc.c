@@ -83,7 +83,7 @@ static void custom_free(dp_custom_t *c) {
   const dp_type_t *type = c->type;
   void *obj = c->obj;
   dp__free(c, sizeof *c);
-  if (type->destroy) type->destroy(obj);
+  type->destroy(obj); /* queued only with one (free_leaf) */
 }
 
 static void run_leaf_queue(void) {
