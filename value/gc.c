@@ -417,13 +417,14 @@ static void shrink_if_empty(gc_tls_t *t) {
 }
 
 /* This thread's candidate c, released to zero here, leaves the buffer (its
- * slot may have moved: another thread may have removed an entry). */
+ * slot may have moved: another thread may have removed an entry). Its state
+ * is left as it is: nothing holds a dead container, so nothing reads it
+ * before it is freed. */
 static void unbuffer_own(gc_tls_t *t, dp_cont_t *c) {
   buf_lock(t);
   size_t i = own_slot(t, c);
   if (i != NO_SLOT) unbuffer_at(t, i);
   buf_unlock(t);
-  dp__store_relaxed(&c->gc_state, 0);
   shrink_if_empty(t);
 }
 
@@ -491,10 +492,9 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
   size_t i = own_slot(t, c);
   if (i != NO_SLOT) {
     /* In this thread's buffer: its next collection comes after this. */
-    if (dp__ref_dec(&c->h.rc)) {
+    if (dp__ref_dec(&c->h.rc)) { /* dead: its state is read no more */
       unbuffer_at(t, i);
       buf_unlock(t);
-      dp__store_relaxed(&c->gc_state, 0);
       shrink_if_empty(t);
       push_dead(t, c);
       return;
@@ -525,7 +525,6 @@ static void release_ref(gc_tls_t *t, dp_cont_t *c) {
      * included (a value's storages, and its memory, must not wait for
      * another thread, which may idle). */
     unbuffer_foreign(c);
-    dp__store_relaxed(&c->gc_state, 0);
     push_dead(t, c);
   }
   pthread_mutex_unlock(&gc_lock);
