@@ -641,16 +641,16 @@ static void collect_locked(gc_tls_t *t) {
       unbuffer_foreign(p);
   dp__store_release(&collecting, 0);
 
-  /* Reset the marks and queue the garbage. The candidates are still
-   * buffered, which keeps everything visited alive until the loop below. */
+  /* Queue the garbage. The candidates are still buffered, which keeps
+   * everything visited alive until the loop below. Live containers stay
+   * black: to a trial only gray means visited, and none stays gray after
+   * one, so black from an earlier trial reads as unvisited. */
   for (dp_cont_t *p = visit, *next; p; p = next) {
     next = p->gc_next2;
     p->gc_next2 = NULL;
     if (p->h.color == DP_GC_GRAY) {
       p->h.color = DP_GC_DEAD;
       push_dead(t, p);
-    } else {
-      p->h.color = DP_GC_NONE;
     }
   }
 
