@@ -6540,3 +6540,56 @@ Test(pickler, a_buffer_id_past_a_table_of_one_buffer_is_out_of_range_0_to_0) {
   free(f);
   ASSERT_NO_LEAK();
 }
+
+/* A buffer list the reader cannot allocate is refused at the table, where
+ * the count that sized it was read. */
+Test(pickler, a_buffer_list_that_cannot_be_allocated_is_refused_at_the_table) {
+  static const uint8_t table[] = {0x91, 0x94, 1, 0, 4, 0xcd, 0x10, 0x00};
+  size_t plen, n;
+  uint8_t *payload = payload_using(1, &plen);
+  uint8_t *f = frame_with_table(payload, plen, table, sizeof table, NULL, 0, 0, &n);
+  dp_value_t out;
+  dp_error_t e;
+  t_fail_at = t_alloc_count + 1;
+  int rc = dp_unpickle(f, n, NULL, &out, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM, "%s", dp_err_name(rc));
+  cr_assert_str_eq(e.message, "out of memory growing the buffer list");
+  cr_assert_eq(e.offset, (int64_t)(40 + plen), "at the table, not %lld", (long long)e.offset);
+  free(f);
+  free(payload);
+  ASSERT_NO_LEAK();
+}
+
+/* dp_unpickle names itself for a NULL out, and for NULL bytes of any
+ * length but 0 (one byte too). */
+Test(pickler, dp_unpickle_refuses_a_null_out_and_one_null_byte_naming_itself) {
+  dp_frame_t *f = pickle_ok(dp_int(1), 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(b, n, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_unpickle: NULL out");
+  cr_assert_eq(dp_unpickle(NULL, 1, NULL, &out, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_unpickle: NULL bytes");
+  dp_frame_free(f);
+  ASSERT_NO_LEAK();
+}
+
+/* A resolver's list of types may be NULL when its count is 0: an empty
+ * list, which allows nothing. */
+Test(pickler, a_resolver_with_a_null_list_of_zero_types_is_accepted_and_allows_nothing) {
+  dp_value_t root = list_of_a_holder();
+  dp_frame_t *f = pickle_ok(root, 0);
+  int calls = 0;
+  dp_resolver_t none = {NULL, 0, resolve_holder, &calls};
+  dp_unpickle_opts_t o = with_resolver(&none);
+  dp_value_t back = unpickle_with(f, &o);
+  cr_assert_eq(calls, 0, "the resolver was asked %d times", calls);
+  cr_assert_eq(dp_seq_get(back, 0).kind, DP_OBJECT, "the custom comes back generic");
+  dp_value_release(back);
+  dp_frame_free(f);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
