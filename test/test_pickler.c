@@ -6593,3 +6593,28 @@ Test(pickler, a_resolver_with_a_null_list_of_zero_types_is_accepted_and_allows_n
   dp_value_release(root);
   ASSERT_NO_LEAK();
 }
+
+/* A table in address order shows its buffers distinct without sorting
+ * them, from its first descriptor on: one that opens with cpu:0 at address
+ * 0 (the least key there is) costs the reader no more allocations than
+ * one that opens higher. */
+Test(pickler, a_table_in_address_order_from_address_zero_is_read_without_sorting_its_keys) {
+  size_t plen;
+  uint8_t *payload = payload_using(2, &plen);
+  long allocs[2];
+  for (int k = 0; k < 2; k++) {
+    const uint8_t table[] = {0x92, 0x94, 0, 0, 4, (uint8_t)(k ? 0x10 : 0x00), 0x94, 1, 0, 4, 0xcd, 0x10, 0x00};
+    size_t n;
+    uint8_t *f = frame_with_table(payload, plen, table, sizeof table, NULL, 0, 0, &n);
+    dp_value_t out;
+    dp_error_t e;
+    long before = t_alloc_count;
+    cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), 0, "%s", e.message);
+    allocs[k] = t_alloc_count - before;
+    dp_value_release(out);
+    free(f);
+  }
+  cr_assert_eq(allocs[0], allocs[1], "%ld allocations from address 0, %ld from 0x10", allocs[0], allocs[1]);
+  free(payload);
+  ASSERT_NO_LEAK();
+}
