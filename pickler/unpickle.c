@@ -914,9 +914,9 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
                         n == 1 ? "" : "s", DP_FRAME_HEADER);
     return dp__err_at(err, DP_EFORMAT, 0, "not a devpickle frame (bad magic)");
   }
-  if (n < DP_FRAME_HEADER)
-    return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu byte%s, the header needs %d", n,
-                      n == 1 ? "" : "s", DP_FRAME_HEADER);
+  if (n < DP_FRAME_HEADER) /* the magic is in: 4 bytes at least */
+    return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu bytes, the header needs %d", n,
+                      DP_FRAME_HEADER);
   dp_frame_info_t fi;
   dp__frame_header_parse(b, &fi);
   int rc = dp__frame_lengths_check(&fi, err);
