@@ -6618,3 +6618,52 @@ Test(pickler, a_table_in_address_order_from_address_zero_is_read_without_sorting
   free(payload);
   ASSERT_NO_LEAK();
 }
+
+/* dp_frame_check names itself for NULL bytes of any length but 0. */
+Test(pickler, dp_frame_check_refuses_one_null_byte_naming_itself) {
+  dp_error_t e;
+  cr_assert_eq(dp_frame_check(NULL, 1, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_check: NULL bytes");
+  ASSERT_NO_LEAK();
+}
+
+/* Each truncation says what the header needs or announces and how many
+ * bytes are there: the magic and a few bytes more, and a whole header
+ * whose lengths claim more than follows it. */
+Test(pickler, a_truncated_frame_says_what_its_header_needs_or_announces_and_what_is_present) {
+  const uint8_t one = 0x01, table = 0x90;
+  size_t n;
+  uint8_t *f = frame_with_table(&one, 1, &table, 1, NULL, 0, 0, &n);
+  dp_frame_info_t fi;
+  dp_error_t e;
+  cr_assert_eq(dp_frame_check(f, 4, &fi, &e), DP_ETRUNC);
+  cr_assert_str_eq(e.message, "truncated frame: 4 bytes, the header needs 40");
+  cr_assert_eq(e.offset, 4);
+  cr_assert_eq(dp_frame_check(f, n - 1, &fi, &e), DP_ETRUNC);
+  cr_assert_str_eq(e.message, "truncated frame: header announces 1 + 1 + 0 body bytes, 1 present");
+  cr_assert_eq(e.offset, (int64_t)(n - 1));
+  free(f);
+  ASSERT_NO_LEAK();
+}
+
+/* A checksum mismatch names the checksum the header holds first, then the
+ * one the content hashes to. */
+Test(pickler, a_checksum_mismatch_names_the_headers_checksum_then_the_contents) {
+  const uint8_t one = 0x01, table = 0x90;
+  size_t n;
+  uint8_t *f = frame_with_table(&one, 1, &table, 1, NULL, 0, 0, &n);
+  uint64_t said = 0;
+  for (int i = 0; i < 8; i++) said |= (uint64_t)f[32 + i] << (8 * i);
+  f[40] = 0x02;
+  uint64_t sum = XXH3_64bits_withSeed(f + 40, n - 40, XXH3_64bits(f, 32));
+  char want[128];
+  snprintf(want, sizeof want, "checksum mismatch: header says %016llx, content hashes to %016llx",
+           (unsigned long long)said, (unsigned long long)sum);
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_ECHECKSUM, "%s", e.message);
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(e.offset, 32);
+  free(f);
+  ASSERT_NO_LEAK();
+}
