@@ -2899,3 +2899,32 @@ Test(value, a_destroy_that_releases_several_customs_and_storages_runs_each_of_th
   cr_assert_eq(released_storages, 2, "%d of the 2 queued release callbacks ran", released_storages);
   ASSERT_NO_LEAK();
 }
+
+/* A storage's release callback is told what it releases: its user data,
+ * device, base and size, as the storage was made with them. */
+static struct {
+  void *ud;
+  dp_device_t device;
+  void *base;
+  size_t nbytes;
+} release_seen;
+static void note_release(void *ud, dp_device_t d, void *base, size_t n) {
+  release_seen.ud = ud;
+  release_seen.device = d;
+  release_seen.base = base;
+  release_seen.nbytes = n;
+}
+
+Test(value, a_release_callback_is_given_the_storages_user_data_device_base_and_size) {
+  static int ud;
+  memset(&release_seen, 0, sizeof release_seen);
+  dp_storage_t *s;
+  OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 3), (void *)0x7000, 96, note_release, &ud, &s, T_ERR));
+  dp_storage_release(s);
+  cr_assert_eq(release_seen.ud, &ud);
+  cr_assert(release_seen.device.type == DP_DEVICE_CUDA && release_seen.device.index == 3, "device %d:%d",
+            release_seen.device.type, release_seen.device.index);
+  cr_assert_eq(release_seen.base, (void *)0x7000);
+  cr_assert_eq(release_seen.nbytes, 96);
+  ASSERT_NO_LEAK();
+}
