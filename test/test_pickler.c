@@ -6494,16 +6494,17 @@ Test(pickler, each_buffer_of_an_inline_frame_is_read_with_its_own_bytes) {
 }
 
 /* A table is checked for repeats by sorting its (device, base) keys on
- * every byte: a repeat is found wherever its two descriptors lie, even
- * with a descriptor between them that differs only in the top byte of its
- * base or only in its device index. */
-Test(pickler, a_repeat_is_found_past_a_buffer_that_differs_only_in_the_top_byte_of_its_base_or_its_device_index) {
+ * every bit: a repeat is found wherever its two descriptors lie, even with
+ * a descriptor between them whose key differs only in the top byte of its
+ * base, only in its device index, or only in the lowest bit of its base. */
+Test(pickler, a_repeat_is_found_past_a_buffer_whose_key_differs_from_it_in_a_single_byte) {
   static const struct {
     uint8_t middle[16];  /* descriptor 1; 0 and 2 are cuda:0 at 0x0100000000001000 */
     size_t mlen;
   } cases[] = {
       {{0x94, 1, 0, 4, 0xcf, 0x02, 0, 0, 0, 0, 0, 0x10, 0x00}, 13},
       {{0x94, 1, 0xcc, 0x80, 4, 0xcf, 0x01, 0, 0, 0, 0, 0, 0x10, 0x00}, 14},
+      {{0x94, 1, 0, 4, 0xcf, 0x01, 0, 0, 0, 0, 0, 0x10, 0x01}, 13},
   };
   static const uint8_t desc[] = {0x94, 1, 0, 4, 0xcf, 0x01, 0, 0, 0, 0, 0, 0x10, 0x00};
   size_t plen;
