@@ -3766,7 +3766,7 @@ Test(cli, pack_refuses_a_raw_control_character_in_a_string_up_to_0x1f) {
  * for the other control characters, everything else as it is. */
 Test(cli, pack_reads_every_json_escape_and_unpack_writes_the_short_ones_back) {
   pack_unpack_gives("esc.json", "[\"\\\"\\\\\\/\\b\\f\\n\\r\\t \\u0001\\u007f\\u00e9\\u07ff\\u0800\\uffff\\ud83d\\ude00\"]",
-                    "[\"\\\"\\\\/\\b\\f\\n\\r\\t \\u0001\x7f\xc3\xa9\xdf\xbf\xe0\xa0\x80\xef\xbf\xbf\xf0\x9f\x98\x80\"]\n");
+                    "[\"\\\"\\\\/\\b\\f\\n\\r\\t \\u0001\\u007f\xc3\xa9\xdf\xbf\xe0\xa0\x80\xef\xbf\xbf\xf0\x9f\x98\x80\"]\n");
   /* and the escapes are the same str as the characters written raw */
   spit("raw.json", "[\"\\\"\\\\/\\b\\f\\n\\r\\t \\u0001\x7f\xc3\xa9\xdf\xbf\xe0\xa0\x80\xef\xbf\xbf\xf0\x9f\x98\x80\"]");
   res_t r = run_sh("\"$D\" pack raw.json -o raw.dpk && cmp a.dpk raw.dpk");
@@ -3791,7 +3791,22 @@ Test(cli, pack_refuses_utf8_that_is_overlong_a_surrogate_or_past_u10ffff) {
                "devpickle: u.json: invalid JSON: invalid UTF-8 in a string (line 1, column 3), at byte 2\n");
   /* the last of each length is taken */
   pack_unpack_gives("ok.json", "[\"\xc2\x80\xed\x9f\xbf\xee\x80\x80\xf4\x8f\xbf\xbf\"]",
-                    "[\"\xc2\x80\xed\x9f\xbf\xee\x80\x80\xf4\x8f\xbf\xbf\"]\n");
+                    "[\"\\u0080\xed\x9f\xbf\xee\x80\x80\xf4\x8f\xbf\xbf\"]\n");
+}
+
+/* A hostile frame's str written to a terminal: DEL, C1 (U+009B is CSI to a
+ * terminal, U+0085 a new line) and U+2028/U+2029 come out as \uXXXX escapes,
+ * which pack reads back to the same bytes; the characters beside them
+ * (U+00A0, U+2027, U+202A) stay as they are. They were written raw. */
+Test(cli, unpack_escapes_del_c1_and_the_line_separators_and_packs_them_back_to_the_same_bytes) {
+  pack_unpack_gives("c1.json", "[\"a\\u009b2J\\u007f\\u0085\\u2028\\u2029\\u009f\\u00a0\\u2027\\u202a\"]",
+                    "[\"a\\u009b2J\\u007f\\u0085\\u2028\\u2029\\u009f\xc2\xa0\xe2\x80\xa7\xe2\x80\xaa\"]\n");
+  /* a key as well */
+  spit("k.json", "{\"$dict\": [[\"\xc2\x9b\", 1]]}");
+  res_t r = run_sh("\"$D\" pack k.json -o k.dpk && \"$D\" unpack --compact k.dpk");
+  cr_assert_eq(r.status, 0, "%s%s", r.out, r.err);
+  cr_assert_str_eq(r.out, "{\"\\u009b\":1}\n");
+  res_free(r);
 }
 
 /* RFC 8259's number: no leading zero, a digit after '.' and after 'e'.

@@ -1593,15 +1593,37 @@ static void newline(wr_t *w) {
   }
 }
 
+/* The code point of the character at s[i] (n bytes in all) that a string is
+ * written with as \uXXXX beyond C0 — DEL, C1 (U+0080-U+009F: a terminal takes
+ * U+009B for CSI) and U+2028/U+2029 (line ends to JavaScript) — with its
+ * length in *len; 0 for any other. The text is UTF-8 (the reader checked). */
+static unsigned hazard_at(const unsigned char *s, size_t i, size_t n, size_t *len) {
+  if (s[i] == 0x7f) return *len = 1, 0x7f;
+  if (s[i] == 0xc2 && i + 1 < n && s[i + 1] <= 0x9f) return *len = 2, s[i + 1];
+  if (s[i] == 0xe2 && i + 2 < n && s[i + 1] == 0x80 && (s[i + 2] == 0xa8 || s[i + 2] == 0xa9))
+    return *len = 3, 0x2000u | (s[i + 2] & 0x3f);
+  return 0;
+}
+
 static void put_string(wr_t *w, const char *s, size_t n) {
   put(w, "\"", 1);
   size_t run = 0;
   for (size_t i = 0; i < n; i++) {
     unsigned char c = (unsigned char)s[i];
-    if (c >= 0x20 && c != '"' && c != '\\') continue;
+    char esc[8];
+    if (c >= 0x20 && c != '"' && c != '\\') {
+      size_t len;
+      unsigned cp = c < 0x7f ? 0 : hazard_at((const unsigned char *)s, i, n, &len);
+      if (!cp) continue;
+      put(w, s + run, i - run);
+      snprintf(esc, sizeof esc, "\\u%04x", cp);
+      put(w, esc, 6);
+      i += len - 1;
+      run = i + 1;
+      continue;
+    }
     put(w, s + run, i - run);
     run = i + 1;
-    char esc[8];
     switch (c) {
       case '"': puts_(w, "\\\""); break;
       case '\\': puts_(w, "\\\\"); break;
