@@ -35,7 +35,9 @@ extern "C" {
  *  The allocator hook (dp_set_allocator) is left as it is. Not thread-safe:
  *  call it when no other thread uses devpickle. From a host function
  *  (dp_host_launch), whose worker it would join, it does nothing but say
- *  so on stderr (device.h). */
+ *  so on stderr (device.h); so too from a future's callback, the walk that
+ *  completes a future or the release of one, whose futures are still held
+ *  (future.h, SHUTDOWN). */
 DP_API void dp_shutdown(void);
 
 #ifdef __cplusplus
