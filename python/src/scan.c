@@ -82,7 +82,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   s->solo = 0;
   uint8_t k = classify(t);
   if (k == K_UNKNOWN) return -1; /* an interrupt held (classify_slow): dpy_scan raises it */
-  if (s->build) return build_visit(s, o, k);
+  if (s->build) return dpy_build_visit(s, o, k);
   if (k == K_LEAF || k == K_NPSCALAR) return 0;
   if (k == K_CFUNC) { /* len, print: globals; lst.append: getattr(lst, "append") */
     PyObject *self = PyCFunction_GET_SELF(o);
@@ -90,7 +90,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   }
   if (s->opaque) {
     int op = is_opaque(s, o);
-    if (op) return op < 0 ? walk_error(s, o, "isinstance against opaque= failed") : 0;
+    if (op) return op < 0 ? dpy_walk_error(s, o, "isinstance against opaque= failed") : 0;
   }
   switch (k) {
   case K_LIST:
@@ -111,45 +111,45 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   /* A tensor skips the memo: met twice, its allocation is found again (the
    * same one; account() counts the tensor once in refs) and its attributes
    * are entered once (visit_tensor_attrs). */
-  if (k == K_TORCH) return visit_torch(s, o);
+  if (k == K_TORCH) return dpy_visit_torch(s, o);
   /* a plain object's or namedtuple's dispatch-table entry, looked up once:
      both the memo decision and the switch below need it */
   int reduced = k == K_OBJECT || k == K_NAMEDTUPLE || k == K_SYNC
-                    ? o == known && k == K_OBJECT ? s->dispatch_known : dispatched(s, o)
+                    ? o == known && k == K_OBJECT ? s->dispatch_known : dpy_dispatched(s, o)
                     : 0;
   if (reduced < 0) return -1;
   if (!s->ran_code && runs_value_code(k, t, reduced)) s->ran_code = 1;
-  int sn = solo && !s->ran_code ? 0 : seen(s, o);
+  int sn = solo && !s->ran_code ? 0 : dpy_seen(s, o);
   if (sn) return sn < 0 ? -1 : 0;
   switch (k) {
   case K_LIST:
   case K_TUPLE:
-    return push(s, FR_SEQ, o, t);
+    return dpy_push(s, FR_SEQ, o, t);
   case K_NAMEDTUPLE: {
-    if (reduced) return enter_reduce(s, o); /* copyreg.pickle(NT, ...) */
+    if (reduced) return dpy_enter_reduce(s, o); /* copyreg.pickle(NT, ...) */
     PyObject *names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
     if (!names) return -1;
     if (PyTuple_GET_SIZE(o) == 0) return 0;
-    if (push(s, FR_SEQ, o, t)) return -1;
+    if (dpy_push(s, FR_SEQ, o, t)) return -1;
     if (PyTuple_Check(names)) s->frames[s->nframes - 1].names = names;
     return 0;
   }
   case K_DICT:
-    return push(s, FR_DICT, o, t);
+    return dpy_push(s, FR_DICT, o, t);
   case K_SET: {
     PyObject *items = keep(s, private_list(PySequence_List(o)));
-    return items ? push(s, FR_SET, items, t) : -1;
+    return items ? dpy_push(s, FR_SET, items, t) : -1;
   }
   case K_AIF_OBJECT:
-    if (visit_iface(s, o, 0) < 0 || (reduced = dispatched(s, o)) < 0) return -1;
+    if (dpy_visit_iface(s, o, 0) < 0 || (reduced = dpy_dispatched(s, o)) < 0) return -1;
     /* fall through */
   case K_OBJECT: {
-    if (reduced) return enter_reduce(s, o);
+    if (reduced) return dpy_enter_reduce(s, o);
     PyObject **dp = _PyObject_GetDictPtr(o);
     PyObject *d = dp ? *dp : NULL;
     if (!d) { /* a managed dict (3.11+): ask for it */
       d = PyObject_GenericGetDict(o, NULL);
-      if (!d) return walk_error(s, o, "its __dict__ cannot be read");
+      if (!d) return dpy_walk_error(s, o, "its __dict__ cannot be read");
       if (!keep(s, d)) return -1;
     }
     if (!PyDict_Check(d) || PyDict_GET_SIZE(d) == 0) return 0;
@@ -161,45 +161,45 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
        on, is not looked for.) */
     Py_INCREF(d); /* borrowed from o, which Python code may give another (a key's __eq__ in the lookup below) */
     PyObject *cai = PyDict_GetItemWithError(d, dpy.str_cai);
-    int rc = !cai && PyErr_Occurred() ? walk_error(s, o, "its __dict__ cannot be read") : 0;
-    if (!rc && cai && visit_iface(s, o, 1) < 0) rc = -1;
-    if (!rc) rc = push(s, FR_ATTRS, d, Py_TYPE(o));
+    int rc = !cai && PyErr_Occurred() ? dpy_walk_error(s, o, "its __dict__ cannot be read") : 0;
+    if (!rc && cai && dpy_visit_iface(s, o, 1) < 0) rc = -1;
+    if (!rc) rc = dpy_push(s, FR_ATTRS, d, Py_TYPE(o));
     Py_DECREF(d);
     return rc;
   }
   case K_SYNC:
-    return reduced ? enter_reduce(s, o) : visit_sync(s, o);
+    return reduced ? dpy_enter_reduce(s, o) : dpy_visit_sync(s, o);
   case K_CUPY:
-    return visit_cupy(s, o);
+    return dpy_visit_cupy(s, o);
   case K_STORAGE:
-    return visit_storage(s, o);
+    return dpy_visit_storage(s, o);
   case K_CAI: /* the memory it describes; none (1): walked as without it */
   case K_DLPACK: {
-    int r = k == K_CAI ? visit_iface(s, o, 1) : visit_dlpack(s, o);
+    int r = k == K_CAI ? dpy_visit_iface(s, o, 1) : dpy_visit_dlpack(s, o);
     if (r <= 0) return r;
-    switch (kind_without_iface(t)) {
+    switch (dpy_kind_without_iface(t)) {
     case K_BUFFER:
-      return visit_buffer(s, o);
+      return dpy_visit_buffer(s, o);
     case K_AIF:
-      return visit_iface(s, o, 0) < 0 ? -1 : enter_reduce(s, o);
+      return dpy_visit_iface(s, o, 0) < 0 ? -1 : dpy_enter_reduce(s, o);
     default:
-      return enter_reduce(s, o);
+      return dpy_enter_reduce(s, o);
     }
   }
   case K_AIF: /* the memory it describes, then what pickle would walk of it */
-    return visit_iface(s, o, 0) < 0 ? -1 : enter_reduce(s, o);
+    return dpy_visit_iface(s, o, 0) < 0 ? -1 : dpy_enter_reduce(s, o);
   case K_BUFFER:
-    return visit_buffer(s, o);
+    return dpy_visit_buffer(s, o);
   default:
     /* an object reduced (types.SimpleNamespace, a class with a __reduce__)
        may carry a __cuda_array_interface__ in its instance __dict__ too:
        device memory to the libraries that read it, as for a plain object */
     if (t->tp_dictoffset) {
-      int h = instance_cai(o);
-      if (h < 0) return walk_error(s, o, "its __dict__ cannot be read");
-      if (h && visit_iface(s, o, 1) < 0) return -1;
+      int h = dpy_instance_cai(o);
+      if (h < 0) return dpy_walk_error(s, o, "its __dict__ cannot be read");
+      if (h && dpy_visit_iface(s, o, 1) < 0) return -1;
     }
-    return enter_reduce(s, o);
+    return dpy_enter_reduce(s, o);
   }
 }
 
@@ -287,8 +287,8 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
         if (f->idx == 4) {
           if (PyList_GET_SIZE(l) == 0) continue;
           PyTypeObject *reduced = f->type; /* push may move the frames */
-          if (s->build && build_pairs(s)) return NULL;
-          if (push(s, FR_PAIRS, l, reduced)) return NULL;
+          if (s->build && dpy_build_pairs(s)) return NULL;
+          if (dpy_push(s, FR_PAIRS, l, reduced)) return NULL;
           s->frames[s->nframes - 1].type = (PyTypeObject *)Py_XNewRef((PyObject *)reduced);
           if (s->build) s->frames[s->nframes - 1].out = s->made;
           return Py_None; /* the pushed frame is the child */
@@ -304,7 +304,7 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
       f->idx = 6;
       PyObject *d = f->value;
       PyTypeObject *owner = f->type; /* push may move the frames */
-      if (push(s, FR_ATTRS, d, owner)) return NULL;
+      if (dpy_push(s, FR_ATTRS, d, owner)) return NULL;
       return Py_None; /* the pushed frame is the child */
     }
     return NULL;
@@ -370,7 +370,7 @@ static int managed_layout_check(void) {
 #endif
 }
 
-int managed_layout_init(PyObject *m) {
+int dpy_managed_layout_init(PyObject *m) {
   if (managed_layout_check()) return -1;
 #ifdef MANAGED_WORDS
   PyObject *words = managed_layout_ok ? Py_True : Py_False;
@@ -428,7 +428,7 @@ static int resume(dpy_scanner_t *s, const inl_t *in) {
   for (; in && n < INLINE_DEPTH + 1; in = in->up) chain[n++] = in;
   while (n--) {
     const inl_t *c = chain[n];
-    if (push(s, c->kind, c->obj, c->owner)) return -1;
+    if (dpy_push(s, c->kind, c->obj, c->owner)) return -1;
     frame_t *f = &s->frames[s->nframes - 1];
     f->pos = c->pos;
     f->idx = c->idx;
@@ -459,9 +459,9 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
     /* slots (instances larger than torch.Tensor's), not yet asked, or a
        __getstate__ of its own, whatever the size (a subclass's dict and
        weakref add nothing to it where CPython manages them): visit() */
-    if ((t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && !e->no_slots) || own_getstate(t))
+    if ((t->tp_basicsize > ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize && !e->no_slots) || dpy_own_getstate(t))
       return 0;
-    int own = own_class_reduce(t); /* a reduce of its class's own: visit() (an error: visit() reports it) */
+    int own = dpy_own_class_reduce(t); /* a reduce of its class's own: visit() (an error: visit() reports it) */
     if (own) {
       if (own < 0) PyErr_Clear();
       return 0;
@@ -483,7 +483,7 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
       Py_XDECREF(tb);
     } else {
       PyErr_Restore(et, ev, tb);
-      walk_error(s, o, "a tensor whose memory cannot be described");
+      dpy_walk_error(s, o, "a tensor whose memory cannot be described");
     }
     rc = -1;
   }
@@ -493,7 +493,7 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
       rc = -1;
   /* Python code under the adapter may have given it attributes: visit()
      walks them after its memory */
-  if (rc == 1 && may_hold_attrs(o, t)) rc = resume(s, in) || visit_tensor_attrs(s, o) ? -1 : 2;
+  if (rc == 1 && may_hold_attrs(o, t)) rc = resume(s, in) || dpy_visit_tensor_attrs(s, o) ? -1 : 2;
   Py_DECREF(o);
   return rc;
 }
@@ -572,7 +572,7 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
   PyTypeObject *t = Py_TYPE(o);
   if (Py_TYPE(t) != &PyType_Type || s->nframes + 1 > s->max_depth) return 0; /* too deep: visit() says so */
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
-  if (!fn && PyErr_Occurred()) return dispatch_error(s, o); /* at o's path: the run's frame's item */
+  if (!fn && PyErr_Occurred()) return dpy_dispatch_error(s, o); /* at o's path: the run's frame's item */
   s->dispatch_obj = o, s->dispatch_known = fn != NULL; /* for visit(), when it enters o */
   if (fn) return 0;
   /* o is held from here: making its dict from inline attributes (3.11,
@@ -637,7 +637,7 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
  * read (0: items[0] is for run_tensor, which reads or reports it), or -1. */
 static Py_ssize_t tensor_run(dpy_scanner_t *s, PyObject *const *items, Py_ssize_t n, PyTypeObject *ok) {
   enum { CAP = sizeof s->pend / sizeof s->pend[0] };
-  if (s->npend == CAP && flush_pending(s)) return -1;
+  if (s->npend == CAP && dpy_flush_pending(s)) return -1;
   if (n > CAP - s->npend) n = CAP - s->npend;
   Py_ssize_t k = 0;
   for (; k < n && Py_TYPE(items[k]) == ok; k++)
@@ -718,7 +718,7 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
   if (!into) dp__ptrset_set_raw(s->found, opts->no_refs && !opts->build && !opts->paths);
   dp_ptrset_clear(s->memo);
   s->nframes = 0;
-  refs_reset(s);
+  dpy_refs_reset(s);
   s->npaths = 0;
   s->text_len = 0;
   s->want_paths = opts->paths;
@@ -744,16 +744,16 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
     if (!c) {
       if (PyErr_Occurred()) { /* a reduce's parts are the reduced object's */
         if (f->kind != FR_DICT && f->kind != FR_ATTRS)
-          return walk_error_type(s, f->type ? f->type : Py_TYPE(f->obj), "its items cannot be read");
+          return dpy_walk_error_type(s, f->type ? f->type : Py_TYPE(f->obj), "its items cannot be read");
         /* a dict that changed: the path is the dict's (an object's, for its
            __dict__, named by its class), not its last item's */
         size_t n = s->nframes;
         s->nframes = n - 1;
-        int rc = walk_error_type(s, f->kind == FR_ATTRS ? f->type : Py_TYPE(f->obj), "its items cannot be read");
+        int rc = dpy_walk_error_type(s, f->kind == FR_ATTRS ? f->type : Py_TYPE(f->obj), "its items cannot be read");
         s->nframes = n;
         return rc;
       }
-      frame_drop(&s->frames[--s->nframes]);
+      dpy_frame_drop(&s->frames[--s->nframes]);
       continue;
     }
     if (s->nframes != before) continue; /* next_child pushed the child's frame */
@@ -772,8 +772,8 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
     Py_DECREF(c);
     if (rc || held[0]) return -1;
   }
-  if (flush_pending(s)) return -1;
-  return s->build ? check_storages(s) : 0;
+  if (dpy_flush_pending(s)) return -1;
+  return s->build ? dpy_check_storages(s) : 0;
 }
 
 int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_ptrset_t *into) {
@@ -781,10 +781,10 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
      walk's held interrupt waits for it, untouched */
   PyObject *outer[3] = {held_exc[0], held_exc[1], held_exc[2]};
   held_exc[0] = held_exc[1] = held_exc[2] = NULL;
-  int64_t interp = tcache_enter();
+  int64_t interp = dpy_tcache_enter();
   int rc = scan_walk(s, obj, opts, into);
-  tcache_leave(interp);
-  if (raise_held()) rc = -1;
+  dpy_tcache_leave(interp);
+  if (dpy_raise_held()) rc = -1;
   held_exc[0] = outer[0], held_exc[1] = outer[1], held_exc[2] = outer[2];
   return rc;
 }

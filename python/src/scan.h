@@ -10,6 +10,6 @@
 /* Checks the instance layout the walk reads without a call (CPython 3.11,
  * 3.12) and says whether it is read: m._managed_words, which tests read.
  * 0, or -1 with an exception. */
-int managed_layout_init(PyObject *m);
+int dpy_managed_layout_init(PyObject *m);
 
 #endif

@@ -32,7 +32,7 @@ static int dp_fail(dpy_scanner_t *s, PyObject *o, int rc, const dp_error_t *e) {
     return -1;
   }
   PyErr_SetString(PyExc_ValueError, e->message);
-  return walk_error(s, o, "it cannot be carried in a frame");
+  return dpy_walk_error(s, o, "it cannot be carried in a frame");
 }
 
 static int memo_store(dpy_scanner_t *s, size_t at, dp_value_t v) {
@@ -80,7 +80,7 @@ static int set_attr(dpy_scanner_t *s, PyObject *o, dp_value_t obj, PyObject *nam
       PyErr_Clear();
       PyErr_Format(PyExc_ValueError, "%s: %R", why, name);
     }
-    return walk_error(s, o, "it cannot be carried in a frame");
+    return dpy_walk_error(s, o, "it cannot be carried in a frame");
   }
   dp_error_t e;
   int rc = dp_object_set(obj, c, v, &e);
@@ -136,7 +136,7 @@ static int attach(dpy_scanner_t *s, PyObject *o, dp_value_t v) {
           PyErr_Format(PyExc_ValueError, "a frame's dict keys are None, bool, int, float, str, bytes and tuples of "
                                          "those (%s)",
                        dp_value_kind(k) == DP_OBJECT ? "this one would be an object in the frame" : e.message);
-          return walk_error(s, f->label, "it cannot be a frame's dict key");
+          return dpy_walk_error(s, f->label, "it cannot be a frame's dict key");
         }
         if (rc && rc != DP_ENOMEM && f->label) return dp_fail(s, f->label, rc, &e);
         if (!rc && dp_dict_len(f->out) == before) {
@@ -144,7 +144,7 @@ static int attach(dpy_scanner_t *s, PyObject *o, dp_value_t v) {
              tuples holding them) that a frame's keys would make one */
           PyErr_SetString(PyExc_ValueError, "two keys of this dict are one key in a frame (floats compare by their "
                                             "bits there: two NaN objects, or tuples holding them, are one key)");
-          return walk_error(s, f->obj, "it cannot be carried in a frame"); /* the dict */
+          return dpy_walk_error(s, f->obj, "it cannot be carried in a frame"); /* the dict */
         }
       } else {
         dp_value_t pair;
@@ -188,16 +188,16 @@ static int wrap(dpy_scanner_t *s, PyObject *o, const char *cls, const char *attr
  * MemoryError. */
 static const char *global_name(PyObject *o, PyObject **hold, Py_ssize_t *len) {
   PyObject *mod = PyObject_GetAttrString(o, "__module__");
-  if (!mod) clear_error();
+  if (!mod) dpy_clear_error();
   PyObject *qual = PyObject_GetAttrString(o, "__qualname__");
   if (!qual) {
-    clear_error();
+    dpy_clear_error();
     qual = PyObject_GetAttrString(o, "__name__");
   }
   Py_ssize_t mn = 0, qn = 0;
   const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8AndSize(mod, &mn) : NULL;
   const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8AndSize(qual, &qn) : NULL;
-  clear_error();
+  dpy_clear_error();
   /* whole, however long (a fixed buffer cut it), and past a NUL byte (a
      format's %s cut it there: another global's name) */
   *hold = q ? PyBytes_FromStringAndSize(NULL, (m ? mn + 1 : 0) + qn) : NULL;
@@ -253,7 +253,7 @@ static int global_of(dpy_scanner_t *s, PyObject *o, PyObject *name, dp_value_t *
   const char *c = full ? PyUnicode_AsUTF8AndSize(full, &n) : NULL;
   if (!c) {
     Py_XDECREF(full);
-    return walk_error(s, o, "its global name cannot be found");
+    return dpy_walk_error(s, o, "its global name cannot be found");
   }
   dp_value_t str;
   dp_error_t e;
@@ -273,14 +273,14 @@ static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
     long long x = PyLong_AsLongLongAndOverflow(o, &over);
     if (over) {
       PyErr_SetString(PyExc_OverflowError, "an int outside int64 (a frame's integers are 64-bit signed)");
-      return walk_error(s, o, "it cannot be carried in a frame");
+      return dpy_walk_error(s, o, "it cannot be carried in a frame");
     }
     *out = dp_int(x);
   } else if (PyFloat_CheckExact(o)) *out = dp_float(PyFloat_AS_DOUBLE(o));
   else if (PyUnicode_CheckExact(o)) {
     Py_ssize_t n;
     const char *u = PyUnicode_AsUTF8AndSize(o, &n);
-    if (!u) return walk_error(s, o, "a str that is not valid UTF-8");
+    if (!u) return dpy_walk_error(s, o, "a str that is not valid UTF-8");
     rc = dp_str_new(u, (size_t)n, out, &e);
   } else if (PyBytes_CheckExact(o)) {
     rc = dp_bytes_new(PyBytes_AS_STRING(o), (size_t)PyBytes_GET_SIZE(o), out, &e);
@@ -306,7 +306,7 @@ static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
     if (!name) {
       if (PyErr_Occurred()) return -1; /* out of memory */
       PyErr_SetString(PyExc_TypeError, "a class or function without a name");
-      return walk_error(s, o, "it cannot be carried in a frame");
+      return dpy_walk_error(s, o, "it cannot be carried in a frame");
     }
     dp_value_t n;
     rc = dp_str_new(name, (size_t)len, &n, &e);
@@ -332,7 +332,7 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
      torch.zeros(0)'s, never one at an address that holds another's bytes,
      which it would take for itself */
   if (!nbytes) base = NULL;
-  if (add_alloc_at(s, dev, base, nbytes, o, &at)) return -1;
+  if (dpy_add_alloc_at(s, dev, base, nbytes, o, &at)) return -1;
   if (at >= s->stor_cap) {
     size_t cap = s->stor_cap ? s->stor_cap : 16;
     while (cap <= at) cap *= 2;
@@ -358,9 +358,9 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
     /* A tensor holds its storage only while nothing changes it: a reduce run
      * later in the walk may t.set_() it away and free the memory the frame
      * will read. The storage itself is kept until dumps ends. */
-    if (is_torch(o)) {
+    if (dpy_is_torch(o)) {
       PyObject *st = untyped_storage(o);
-      if (!st) return walk_error(s, o, "its storage cannot be held");
+      if (!st) return dpy_walk_error(s, o, "its storage cannot be held");
       s->stor_st[at] = st;
     }
     /* the attribute reads since the memory was found may have run a
@@ -373,7 +373,7 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
   dp_dtype_t dt;
   if (dp_dtype_parse(dtype, &dt, &e)) {
     PyErr_Format(PyExc_TypeError, "dtype %s has no devpickle equivalent", dtype);
-    return walk_error(s, o, "it cannot be carried in a frame");
+    return dpy_walk_error(s, o, "it cannot be carried in a frame");
   }
   size_t had = dp_storage_nbytes(s->stor[at]);
   rc = dp_tensor_new(dp_storage_retain(s->stor[at]), dt, ndim, shape, strides, offset, out, &e);
@@ -387,7 +387,7 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
                  "(two storages at one address, as torch.from_numpy of a[:2] and of a): a frame carries one buffer "
                  "an address, the size met first, and this view runs past its end (put the larger first)",
                  nbytes, had);
-    return walk_error(s, o, "it cannot be carried in a frame");
+    return dpy_walk_error(s, o, "it cannot be carried in a frame");
   }
   return rc ? dp_fail(s, o, rc, &e) : 0;
 }
@@ -415,7 +415,7 @@ static int carry_requires_grad(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
   PyObject *rg = PyObject_GetAttrString(o, "requires_grad");
   int yes = rg ? PyObject_IsTrue(rg) : -1;
   Py_XDECREF(rg);
-  if (yes < 0) return walk_error(s, o, "its requires_grad cannot be read");
+  if (yes < 0) return dpy_walk_error(s, o, "its requires_grad cannot be read");
   if (!yes) return 0;
   dp_error_t e;
   int rc = dp_object_set(obj, "requires_grad", dp_bool(1), &e);
@@ -427,7 +427,7 @@ static int carry_requires_grad(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
  * where classes= allows it (docs/PYTHON.md). */
 static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
   PyObject *hold;
-  const char *name = frame_class(s, o, Py_TYPE(o), &hold);
+  const char *name = dpy_frame_class(s, o, Py_TYPE(o), &hold);
   if (!name) return -1;
   dp_value_t v;
   dp_error_t e;
@@ -465,16 +465,16 @@ static int refuse_unframed(dpy_scanner_t *s, PyObject *o) {
   int is_nested = nested ? PyObject_IsTrue(nested) : 0;
   Py_XDECREF(nested);
   if (!nested && PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear(); /* a torch without them */
-  else if (is_nested < 0 || !nested) return walk_error(s, o, "a tensor whose memory cannot be described");
+  else if (is_nested < 0 || !nested) return dpy_walk_error(s, o, "a tensor whose memory cannot be described");
   if (is_nested) {
     PyErr_SetString(PyExc_TypeError, "a nested tensor is not carried in frames: a frame has no field for its "
                                      "tensors' sizes (send t.unbind(), its tensors, instead)");
-    return walk_error(s, o, "it cannot be carried in a frame");
+    return dpy_walk_error(s, o, "it cannot be carried in a frame");
   }
   int conj = tensor_bit(o, "is_conj");
   int neg = conj ? 0 : tensor_bit(o, "is_neg");
   int named = conj || neg ? 0 : tensor_bit(o, "has_names");
-  if (conj < 0 || neg < 0 || named < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
+  if (conj < 0 || neg < 0 || named < 0) return dpy_walk_error(s, o, "a tensor whose memory cannot be described");
   if (!conj && !neg && !named) return 0;
   if (named)
     PyErr_SetString(PyExc_TypeError, "a named tensor is not carried in frames: a frame has no field for its "
@@ -484,41 +484,41 @@ static int refuse_unframed(dpy_scanner_t *s, PyObject *o) {
                  "a %s view is not carried in frames: its memory holds other values than it reads "
                  "(call %s() first)",
                  conj ? "conjugate" : "negative", conj ? "resolve_conj" : "resolve_neg");
-  return walk_error(s, o, "it cannot be carried in a frame");
+  return dpy_walk_error(s, o, "it cannot be carried in a frame");
 }
 
 static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   /* a subclass's __torch_function__ runs the value's code on every attribute
      read below (dtype, shape, stride(), ...): check_storages looks again */
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
-  int n = torch_allocs(o, a);
-  if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
-  int own = own_tensor_reduce(o); /* pickle carries what that returns, which a frame has no field for */
+  int n = dpy_torch_allocs(o, a);
+  if (n < 0) return dpy_walk_error(s, o, "a tensor whose memory cannot be described");
+  int own = dpy_own_tensor_reduce(o); /* pickle carries what that returns, which a frame has no field for */
   if (own) {
     if (own > 0)
       PyErr_SetString(PyExc_TypeError, "a tensor with a __reduce_ex__ of its own (its class's, or set on it) is not "
                                        "carried in frames: a frame carries a tensor's data, not what its reduce returns");
-    return walk_error(s, o, own > 0 ? "it cannot be carried in a frame" : "its reduce cannot be looked up");
+    return dpy_walk_error(s, o, own > 0 ? "it cannot be carried in a frame" : "its reduce cannot be looked up");
   }
   PyObject **dp = _PyObject_GetDictPtr(o);
   PyObject *d = dp && *dp && PyDict_Check(*dp) ? *dp : NULL;
   int state = 0; /* what its own __getstate__ returns, which torch's pickling carries */
-  if (own_getstate(Py_TYPE(o))) {
+  if (dpy_own_getstate(Py_TYPE(o))) {
     PyObject *st = PyObject_CallMethodNoArgs(o, dpy.str_getstate);
-    if (!st) return walk_error(s, o, "its __getstate__ failed");
+    if (!st) return dpy_walk_error(s, o, "its __getstate__ failed");
     state = st != Py_None;
     Py_DECREF(st);
-  } else if (tensor_slots(s, o, &d)) {
+  } else if (dpy_tensor_slots(s, o, &d)) {
     return -1;
   }
   if (state || (d && PyDict_GET_SIZE(d))) {
     PyErr_SetString(PyExc_TypeError, "a tensor's attributes (a subclass's state) are not carried in frames");
-    return walk_error(s, o, "it cannot be carried in a frame");
+    return dpy_walk_error(s, o, "it cannot be carried in a frame");
   }
   if (n != 1) {
     PyErr_SetString(PyExc_TypeError, "sparse tensors are not carried in frames (make them dense, or send "
                                      "their indices and values)");
-    return walk_error(s, o, "it cannot be carried in a frame");
+    return dpy_walk_error(s, o, "it cannot be carried in a frame");
   }
   if (refuse_unframed(s, o)) return -1;
   int64_t shape[MAX_DIMS], strides[MAX_DIMS];
@@ -553,7 +553,7 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   Py_XDECREF(shp);
   Py_XDECREF(str);
   Py_XDECREF(off);
-  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "a tensor that cannot be described");
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return dpy_walk_error(s, o, "a tensor that cannot be described");
   return rc;
 }
 
@@ -576,12 +576,12 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   if (!ai || !PyDict_Check(ai)) {
     Py_XDECREF(ai);
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "no array interface");
-    return walk_error(s, o, "an array that cannot be described");
+    return dpy_walk_error(s, o, "an array that cannot be described");
   }
   /* held, as visit_iface holds them (numpy's and cupy's own dicts: str keys) */
   PyObject *typestr = NULL, *shp = NULL, *str = NULL, *data = NULL;
-  if (iface_part(ai, dpy.str_typestr, &typestr) || iface_part(ai, dpy.str_shape, &shp) ||
-      iface_part(ai, dpy.str_strides, &str) || iface_part(ai, dpy.str_data, &data))
+  if (dpy_iface_part(ai, dpy.str_typestr, &typestr) || dpy_iface_part(ai, dpy.str_shape, &shp) ||
+      dpy_iface_part(ai, dpy.str_strides, &str) || dpy_iface_part(ai, dpy.str_data, &data))
     PyErr_Clear(); /* what is missing is reported below */
   const char *ts = typestr && PyUnicode_Check(typestr) ? PyUnicode_AsUTF8(typestr) : NULL;
   const char *dt = ts ? typestr_dtype(ts) : NULL;
@@ -630,10 +630,10 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   dp_device_t dev = {DP_DEVICE_CPU, 0};
   int borrowed = 0;
   if (cupy) {
-    if (cupy_memory(o, &dev, &base, &ext)) goto out;
+    if (dpy_cupy_memory(o, &dev, &base, &ext)) goto out;
   } else {
     int objects;
-    if (buffer_memory_objects(s, o, &dev, &base, &ext, &borrowed, &objects)) goto out;
+    if (dpy_buffer_memory_objects(s, o, &dev, &base, &ext, &borrowed, &objects)) goto out;
     if (objects) {
       /* a view of plain items over memory that holds Python objects (a
          structured array's int field beside an object field): the buffer is
@@ -666,7 +666,7 @@ out:
   Py_XDECREF(str);
   Py_XDECREF(data);
   Py_DECREF(ai);
-  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "an array that cannot be carried");
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return dpy_walk_error(s, o, "an array that cannot be carried");
   return rc;
 }
 
@@ -684,7 +684,7 @@ static int build_container(dpy_scanner_t *s, PyObject *o, size_t at, uint8_t fr,
     dp_object_get(made, "items", &into, NULL);
   }
   if (!iter) return 0;
-  if (push(s, fr, iter, Py_TYPE(o))) return -1;
+  if (dpy_push(s, fr, iter, Py_TYPE(o))) return -1;
   frame_t *f = &s->frames[s->nframes - 1];
   f->out = into;
   f->names = names;
@@ -727,11 +727,11 @@ static int build_npscalar(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   Py_XDECREF(names);
   Py_XDECREF(str);
   Py_XDECREF(data);
-  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, "it cannot be carried in a frame");
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return dpy_walk_error(s, o, "it cannot be carried in a frame");
   return rc;
 }
 
-int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
+int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   dp_value_t v;
   dp_error_t e;
   int rc;
@@ -747,10 +747,10 @@ int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
     if (found > 0 && k == K_DLPACK) { /* both, as visit_dlpack reads them */
       found = _PyObject_LookupAttr(o, dpy.str_dlpack, &iface);
       Py_XDECREF(iface);
-      if (found < 0) return walk_error(s, o, "__dlpack__ failed");
+      if (found < 0) return dpy_walk_error(s, o, "__dlpack__ failed");
     }
-    if (found < 0) return walk_error(s, o, k == K_CAI ? "__cuda_array_interface__ failed" : "__dlpack_device__ failed");
-    if (!found) k = kind_without_iface(Py_TYPE(o));
+    if (found < 0) return dpy_walk_error(s, o, k == K_CAI ? "__cuda_array_interface__ failed" : "__dlpack_device__ failed");
+    if (!found) k = dpy_kind_without_iface(Py_TYPE(o));
   }
   /* a long str or bytes enters the memo, as in pickle's: written once, met
      again it is a back-reference (a 1 MB str in a list 300 times made a
@@ -760,13 +760,13 @@ int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   if (k == K_LEAF && !long_leaf) return build_leaf(s, o, &v) ? -1 : attach(s, o, v);
   if (k == K_NPSCALAR) return build_npscalar(s, o, &v) ? -1 : attach(s, o, v);
   size_t at;
-  int sn = seen_at(s, o, &at);
+  int sn = dpy_seen_at(s, o, &at);
   if (sn < 0) return -1;
   if (sn) {
     if (at >= s->vals_cap || dp_value_kind(s->vals[at]) == DP_NONE) {
       PyErr_SetString(PyExc_ValueError, "a reference to an object that is still being reduced (a cycle "
                                         "through a reduce's arguments)");
-      return walk_error(s, o, "it cannot be carried in a frame");
+      return dpy_walk_error(s, o, "it cannot be carried in a frame");
     }
     return attach(s, o, dp_value_retain(s->vals[at]));
   }
@@ -799,7 +799,7 @@ int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   case K_NAMEDTUPLE:
   case K_OBJECT: {
     PyObject *iter = NULL, *names = NULL;
-    int reduced = dispatched(s, o);
+    int reduced = dpy_dispatched(s, o);
     if (reduced) { /* reduced below */
       if (reduced < 0) return -1;
       break;
@@ -816,12 +816,12 @@ int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
           PyErr_Format(PyExc_TypeError, "its _fields names %zd fields for its %zd items", PyTuple_GET_SIZE(names),
                        PyTuple_GET_SIZE(o));
         else PyErr_Format(PyExc_TypeError, "its _fields is a '%s', not a tuple of names", Py_TYPE(names)->tp_name);
-        return walk_error(s, o, "it cannot be carried in a frame");
+        return dpy_walk_error(s, o, "it cannot be carried in a frame");
       }
       iter = PyTuple_GET_SIZE(o) ? o : NULL;
     } else {
       PyObject *d = PyObject_GenericGetDict(o, NULL);
-      if (!d || !keep(s, d)) return walk_error(s, o, "its __dict__ cannot be read");
+      if (!d || !keep(s, d)) return dpy_walk_error(s, o, "its __dict__ cannot be read");
       iter = PyDict_Check(d) && PyDict_GET_SIZE(d) ? d : NULL;
       /* device memory by its instance's __cuda_array_interface__ (visit()):
          refused as any such producer is, never carried as its address */
@@ -829,11 +829,11 @@ int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
       if (cai || PyErr_Occurred()) {
         if (!PyErr_Occurred())
           PyErr_SetString(PyExc_TypeError, "frames carry torch tensors, numpy and cupy arrays and bytearrays");
-        return walk_error(s, o, "memory that cannot be carried in a frame");
+        return dpy_walk_error(s, o, "memory that cannot be carried in a frame");
       }
     }
     PyObject *hold;
-    const char *cname = frame_class(s, o, t, &hold);
+    const char *cname = dpy_frame_class(s, o, t, &hold);
     if (!cname) return -1;
     rc = dp_object_new(cname, &v, &e);
     Py_XDECREF(hold);
@@ -856,18 +856,18 @@ int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
       if (build_array(s, o, k == K_CUPY, &v)) return -1;
     } else {
       PyErr_SetString(PyExc_TypeError, "frames carry torch tensors, numpy and cupy arrays and bytearrays");
-      return walk_error(s, o, "memory that cannot be carried in a frame");
+      return dpy_walk_error(s, o, "memory that cannot be carried in a frame");
     }
     if (memo_store(s, at, v)) return -1;
     return attach(s, o, v);
   case K_CAI:
   case K_DLPACK:
     PyErr_SetString(PyExc_TypeError, "frames carry torch tensors, numpy and cupy arrays and bytearrays");
-    return walk_error(s, o, "memory that cannot be carried in a frame");
+    return dpy_walk_error(s, o, "memory that cannot be carried in a frame");
   case K_STORAGE:
     PyErr_SetString(PyExc_TypeError, "frames carry tensors, not bare storages: carry a tensor over it "
                                      "(torch.tensor([], dtype=...).set_(storage))");
-    return walk_error(s, o, "memory that cannot be carried in a frame");
+    return dpy_walk_error(s, o, "memory that cannot be carried in a frame");
   default:
     break;
   }
@@ -875,10 +875,10 @@ int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
      (but for device memory named by its instance's
      __cuda_array_interface__, refused as for a plain object) */
   if (t->tp_dictoffset) {
-    int h = instance_cai(o);
+    int h = dpy_instance_cai(o);
     if (h) {
       if (h > 0) PyErr_SetString(PyExc_TypeError, "frames carry torch tensors, numpy and cupy arrays and bytearrays");
-      return walk_error(s, o, h > 0 ? "memory that cannot be carried in a frame" : "its __dict__ cannot be read");
+      return dpy_walk_error(s, o, h > 0 ? "memory that cannot be carried in a frame" : "its __dict__ cannot be read");
     }
   }
   PyObject *r = reduce_of(s, o);
@@ -887,7 +887,7 @@ int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
     if (global_of(s, o, r, &v)) return -1;
   } else {
     PyObject *hold;
-    const char *cname = frame_class(s, o, t, &hold);
+    const char *cname = dpy_frame_class(s, o, t, &hold);
     if (!cname) return -1;
     rc = dp_object_new(cname, &v, &e);
     Py_XDECREF(hold);
@@ -895,21 +895,21 @@ int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   }
   if (memo_store(s, at, v) || attach(s, o, v)) return -1;
   size_t depth = s->nframes;
-  if (push_reduce(s, o, r)) return -1;
+  if (dpy_push_reduce(s, o, r)) return -1;
   if (s->nframes > depth) s->frames[s->nframes - 1].out = v;
   return 0;
 }
 
 /* dictitems of a reduce: a list of (key, value) pairs, made for the frame
  * about to be pushed. */
-int build_pairs(dpy_scanner_t *s) {
+int dpy_build_pairs(dpy_scanner_t *s) {
   dp_error_t e;
   int rc = dp_list_new(0, &s->made, &e);
   if (rc) return dp_fail(s, Py_None, rc, &e);
   return attach(s, Py_None, s->made);
 }
 
-void build_reset(dpy_scanner_t *s) {
+void dpy_build_reset(dpy_scanner_t *s) {
   dp_value_release(s->root);
   s->root = dp_none();
   for (size_t i = 0; i < s->vals_cap; i++) {
@@ -931,7 +931,7 @@ PyObject *dpy_scanner_buffer_obj(const dpy_scanner_t *s, size_t i) { return i < 
 
 int dpy_scanner_root_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
   s->error_path = "$";
-  int rc = walk_error(s, obj, what);
+  int rc = dpy_walk_error(s, obj, what);
   s->error_path = NULL;
   return rc;
 }
@@ -940,7 +940,7 @@ int dpy_scanner_root_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
  * under the walk (reported once the walk is over: its own path then). */
 static int changed(dpy_scanner_t *s, PyObject *o, size_t i) {
   s->error_path = dpy_scanner_path(s, i);
-  int rc = walk_error(s, o, "it changed during the walk");
+  int rc = dpy_walk_error(s, o, "it changed during the walk");
   s->error_path = NULL;
   return rc;
 }
@@ -968,9 +968,9 @@ static int check_storage(dpy_scanner_t *s, size_t i) {
     dp_device_t dev;
     void *now;
     size_t ext;
-    if (p.device.type != DP_DEVICE_CPU || is_torch(o)) return 0;
+    if (p.device.type != DP_DEVICE_CPU || dpy_is_torch(o)) return 0;
     int borrowed;
-    if (buffer_memory(s, o, &dev, &now, &ext, &borrowed)) return -1;
+    if (dpy_buffer_memory(s, o, &dev, &now, &ext, &borrowed)) return -1;
     if (now != p.base || ext < need) {
       PyErr_SetString(PyExc_RuntimeError, "an array's memory moved (it was resized) while the walk ran the value's "
                                           "Python code (a __reduce__?): the frame would read freed memory");
@@ -979,7 +979,7 @@ static int check_storage(dpy_scanner_t *s, size_t i) {
     return 0;
   }
   dp_torch_alloc_t now;
-  if (storage_extent(st, &now)) return walk_error(s, o, "its storage cannot be described");
+  if (dpy_storage_extent(st, &now)) return dpy_walk_error(s, o, "its storage cannot be described");
   if (now.base != p.base || now.nbytes < need) {
     PyErr_SetString(PyExc_RuntimeError, "a tensor's storage was resized (its memory moved) while the walk ran the "
                                         "value's Python code (a __reduce__?): the frame would read freed memory");
@@ -988,7 +988,7 @@ static int check_storage(dpy_scanner_t *s, size_t i) {
   return 0;
 }
 
-int check_storages(dpy_scanner_t *s) {
+int dpy_check_storages(dpy_scanner_t *s) {
   for (size_t i = 0; i < s->stor_cap; i++)
     if (check_storage(s, i)) return -1;
   return 0;

@@ -10,14 +10,14 @@
 
 /* Visits one value: a leaf returns, memory is added, a container or an
  * object gets a frame. */
-int build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k);
+int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k);
 /* The list of (key, value) pairs for the FR_PAIRS frame about to be
  * pushed (s->made). 0, or -1 with an exception. */
-int build_pairs(dpy_scanner_t *s);
+int dpy_build_pairs(dpy_scanner_t *s);
 /* After the walk: every storage the frame will read is still where the
  * walk found it. 0, or -1 with a WalkError. */
-int check_storages(dpy_scanner_t *s);
+int dpy_check_storages(dpy_scanner_t *s);
 /* Lets go of what the last build made. */
-void build_reset(dpy_scanner_t *s);
+void dpy_build_reset(dpy_scanner_t *s);
 
 #endif

@@ -16,7 +16,7 @@ tcache_ent_t tcache[TCACHE_SIZE];
  * pass through pickle). */
 _Thread_local PyObject *held_exc[3]; /* this thread's walk's (a nested walk saves the outer's) */
 
-void clear_error(void) {
+void dpy_clear_error(void) {
   if (!PyErr_Occurred()) return;
   if (!held_exc[0] && (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))) {
     PyErr_Fetch(&held_exc[0], &held_exc[1], &held_exc[2]);
@@ -25,7 +25,7 @@ void clear_error(void) {
   PyErr_Clear();
 }
 
-int raise_held(void) {
+int dpy_raise_held(void) {
   if (!held_exc[0]) return 0;
   PyErr_Restore(held_exc[0], held_exc[1], held_exc[2]); /* in place of any error the walk raised since */
   held_exc[0] = held_exc[1] = held_exc[2] = NULL;
@@ -35,7 +35,7 @@ int raise_held(void) {
 static int is_default(PyObject *type, PyObject *name, PyObject *base_attr) {
   PyObject *a = PyObject_GetAttr(type, name);
   if (!a) {
-    clear_error();
+    dpy_clear_error();
     return 0;
   }
   int same = a == base_attr;
@@ -79,7 +79,7 @@ static int plain_instance(PyTypeObject *t) {
   if (!is_default(type, dpy.str_getstate, dpy.object_getstate)) return 0;
   PyObject *r = PyObject_GetAttrString(type, "__reduce__");
   if (!r) {
-    clear_error();
+    dpy_clear_error();
     return 0;
   }
   int same = r == dpy.object_reduce;
@@ -88,7 +88,7 @@ static int plain_instance(PyTypeObject *t) {
   if (has_attr(type, dpy.str_getnewargs_ex) || has_attr(type, dpy.str_getnewargs)) return 0;
   PyObject *slots = PyObject_CallOneArg(dpy.slotnames, type);
   if (!slots) {
-    clear_error();
+    dpy_clear_error();
     return 0;
   }
   Py_ssize_t n = PyList_Check(slots) ? PyList_GET_SIZE(slots) : -1;
@@ -142,7 +142,7 @@ static uint8_t kind_of(PyTypeObject *t) {
  * __array_interface__, else its reduce, as kind_of() would have classed it
  * without the interface (a plain class's instance is reduced: the same
  * attributes, as pickle carries them). */
-uint8_t kind_without_iface(PyTypeObject *t) {
+uint8_t dpy_kind_without_iface(PyTypeObject *t) {
   if (t->tp_as_buffer && t->tp_as_buffer->bf_getbuffer && !PyType_IsSubtype(t, &PyBytes_Type)) return K_BUFFER;
   return has_attr((PyObject *)t, dpy.str_aif) ? K_AIF : K_REDUCE;
 }
@@ -201,7 +201,7 @@ static int64_t tcache_interp = -1;
 /* A walk begins: the cache is emptied when it holds another interpreter's
  * types (two interpreters may give their classes the same tags). Returns
  * what tcache_leave restores. */
-int64_t tcache_enter(void) {
+int64_t dpy_tcache_enter(void) {
   int64_t outer = tcache_interp, id = PyInterpreterState_GetID(PyInterpreterState_Get());
   if (id != tcache_interp) {
     tcache_clear();
@@ -212,7 +212,7 @@ int64_t tcache_enter(void) {
 
 /* A walk ends: a walk nested in another interpreter's code (a reduce that
  * runs a subinterpreter which walks) leaves the outer walk its own types. */
-void tcache_leave(int64_t outer) {
+void dpy_tcache_leave(int64_t outer) {
   if (outer != -1 && outer != tcache_interp) {
     tcache_clear();
     tcache_interp = outer;

@@ -58,16 +58,16 @@ extern tcache_ent_t tcache[TCACHE_SIZE];
 /* The first interrupt or MemoryError a helper of the walk met, kept aside
  * (clear_error): dpy_scan raises it as it is (raise_held). */
 extern _Thread_local PyObject *held_exc[3];
-void clear_error(void);
-int raise_held(void);
+void dpy_clear_error(void);
+int dpy_raise_held(void);
 
 /* The kind of an instance of t whose interface (K_CAI, K_DLPACK) turned
  * out to be none. */
-uint8_t kind_without_iface(PyTypeObject *t);
+uint8_t dpy_kind_without_iface(PyTypeObject *t);
 
 /* A walk begins and ends: the cache holds one interpreter's types. */
-int64_t tcache_enter(void);
-void tcache_leave(int64_t outer);
+int64_t dpy_tcache_enter(void);
+void dpy_tcache_leave(int64_t outer);
 
 /* A type not in the cache: classified and cached (out of line, so that the
  * lookup below stays small enough to inline). */

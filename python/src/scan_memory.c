@@ -107,7 +107,7 @@ PyObject *untyped_storage(PyObject *o) {
 
 /* An UntypedStorage's base and size, read through torch's own methods. 0,
  * or -1 with an exception. */
-int storage_extent(PyObject *st, dp_torch_alloc_t *out) {
+int dpy_storage_extent(PyObject *st, dp_torch_alloc_t *out) {
   PyObject *ptr = storage_get(st, 0);
   PyObject *nb = ptr ? storage_get(st, 1) : NULL;
   if (nb) {
@@ -154,7 +154,7 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
   }
   PyObject *st = untyped_storage(t);
   if (!st) return -1;
-  int rc = storage_extent(st, out) || device_from_torch(st, t, out);
+  int rc = dpy_storage_extent(st, out) || device_from_torch(st, t, out);
   Py_DECREF(st);
   if (rc) return -1;
   out->borrowed = out->device_type == DP_DEVICE_CPU; /* torch's Python API does not say whose memory it is */
@@ -163,42 +163,42 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
 
 /* The allocations of tensor t (the adapter's answer, or torch's Python
  * API's): their number, or -1 with an exception. */
-int torch_allocs(PyObject *t, dp_torch_alloc_t *out) {
+int dpy_torch_allocs(PyObject *t, dp_torch_alloc_t *out) {
   return dpy.torch ? dpy.torch->tensor_allocs(t, out) : torch_python_allocs(t, out, 0);
 }
 
-int is_torch(PyObject *o) { return dpy.torch_tensor && PyObject_TypeCheck(o, dpy.torch_tensor); }
+int dpy_is_torch(PyObject *o) { return dpy.torch_tensor && PyObject_TypeCheck(o, dpy.torch_tensor); }
 
 /* A tensor's state beyond its memory: what a reduce of its own returns
  * (the memory is reported all the same: a future that waits on more than
  * it needs costs nothing), else its own __getstate__'s, else its __dict__
  * and the slots that are set. */
-int visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
-  int own = own_tensor_reduce(o);
-  if (own < 0) return walk_error(s, o, "its reduce cannot be looked up");
+int dpy_visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
+  int own = dpy_own_tensor_reduce(o);
+  if (own < 0) return dpy_walk_error(s, o, "its reduce cannot be looked up");
   if (own) {
-    int sn = seen(s, o); /* entered once, as its attributes below */
-    return sn ? (sn < 0 ? -1 : 0) : enter_reduce(s, o);
+    int sn = dpy_seen(s, o); /* entered once, as its attributes below */
+    return sn ? (sn < 0 ? -1 : 0) : dpy_enter_reduce(s, o);
   }
-  if (own_getstate(Py_TYPE(o))) {
-    int sn = seen(s, o); /* entered once, as its attributes below */
-    return sn ? (sn < 0 ? -1 : 0) : push_own_state(s, o);
+  if (dpy_own_getstate(Py_TYPE(o))) {
+    int sn = dpy_seen(s, o); /* entered once, as its attributes below */
+    return sn ? (sn < 0 ? -1 : 0) : dpy_push_own_state(s, o);
   }
   PyObject **dp = _PyObject_GetDictPtr(o);
-  if (!dp && PyErr_Occurred()) return walk_error(s, o, "its __dict__ cannot be read");
+  if (!dp && PyErr_Occurred()) return dpy_walk_error(s, o, "its __dict__ cannot be read");
   PyObject *d = dp ? *dp : NULL;
   if (d && !PyDict_Check(d)) d = NULL;
-  if (tensor_slots(s, o, &d)) return -1;
+  if (dpy_tensor_slots(s, o, &d)) return -1;
   if (!d || !PyDict_GET_SIZE(d)) return 0;
-  int sn = seen(s, o); /* the tensor skipped the memo: its attributes are entered once (t.me = t) */
+  int sn = dpy_seen(s, o); /* the tensor skipped the memo: its attributes are entered once (t.me = t) */
   if (sn) return sn < 0 ? -1 : 0;
-  return push(s, FR_ATTRS, d, Py_TYPE(o));
+  return dpy_push(s, FR_ATTRS, d, Py_TYPE(o));
 }
 
-int visit_torch(dpy_scanner_t *s, PyObject *o) {
+int dpy_visit_torch(dpy_scanner_t *s, PyObject *o) {
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
-  int n = torch_allocs(o, a);
-  if (n < 0) return walk_error(s, o, "a tensor whose memory cannot be described");
+  int n = dpy_torch_allocs(o, a);
+  if (n < 0) return dpy_walk_error(s, o, "a tensor whose memory cannot be described");
   for (int i = 0; i < n; i++) {
     /* an empty storage holds no memory, wherever it points: torch.from_numpy
        of an empty view points at the array's own memory, whose allocation
@@ -207,7 +207,7 @@ int visit_torch(dpy_scanner_t *s, PyObject *o) {
     if (add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o))
       return -1;
   }
-  return visit_tensor_attrs(s, o);
+  return dpy_visit_tensor_attrs(s, o);
 }
 
 /* A future (devpickle's, torch's) or a CUDA event holds no memory of its
@@ -216,28 +216,28 @@ int visit_torch(dpy_scanner_t *s, PyObject *o) {
  * stream. torch's extractor skips both; pickle refuses both (so does
  * dumps: build_visit reduces it). What a subclass or the instance adds —
  * its __dict__ and the slots that are set — is walked as attributes. */
-int visit_sync(dpy_scanner_t *s, PyObject *o) {
+int dpy_visit_sync(dpy_scanner_t *s, PyObject *o) {
   PyObject *d;
-  if (subclass_attrs(s, o, K_SYNC, &d)) return -1;
-  return d && PyDict_GET_SIZE(d) ? push(s, FR_ATTRS, d, Py_TYPE(o)) : 0;
+  if (dpy_subclass_attrs(s, o, K_SYNC, &d)) return -1;
+  return d && PyDict_GET_SIZE(d) ? dpy_push(s, FR_ATTRS, d, Py_TYPE(o)) : 0;
 }
 
 /* A torch storage, typed or untyped (t.storage(), t.untyped_storage()):
  * its memory, as a tensor's, read without its __reduce__ (which would copy
  * it through torch.save). */
-int visit_storage(dpy_scanner_t *s, PyObject *o) {
+int dpy_visit_storage(dpy_scanner_t *s, PyObject *o) {
   dp_torch_alloc_t a;
   PyObject *st = untyped_storage(o);
-  int rc = st ? storage_extent(st, &a) || device_from_torch(st, o, &a) : -1;
+  int rc = st ? dpy_storage_extent(st, &a) || device_from_torch(st, o, &a) : -1;
   Py_XDECREF(st);
-  if (rc) return walk_error(s, o, "a storage whose memory cannot be described");
+  if (rc) return dpy_walk_error(s, o, "a storage whose memory cannot be described");
   if (!a.nbytes) return 0; /* an empty storage holds no memory, wherever it points (visit_torch) */
   return add_alloc(s, (dp_device_t){(dp_device_type_t)a.device_type, a.device_index}, a.base, a.nbytes, o);
 }
 
 /* cupy: the allocation behind the view (arr.data.mem: ptr, size, and the
  * device of arr.data). 0, or -1 with an exception. */
-int cupy_memory(PyObject *o, dp_device_t *dev, void **base, size_t *size) {
+int dpy_cupy_memory(PyObject *o, dp_device_t *dev, void **base, size_t *size) {
   PyObject *data = PyObject_GetAttrString(o, "data");
   PyObject *mem = data ? PyObject_GetAttrString(data, "mem") : NULL;
   PyObject *ptr = mem ? PyObject_GetAttrString(mem, "ptr") : NULL;
@@ -259,12 +259,12 @@ int cupy_memory(PyObject *o, dp_device_t *dev, void **base, size_t *size) {
   return PyErr_Occurred() ? -1 : 0;
 }
 
-int visit_cupy(dpy_scanner_t *s, PyObject *o) {
+int dpy_visit_cupy(dpy_scanner_t *s, PyObject *o) {
   s->saw_cupy = 1;
   dp_device_t dev;
   void *base;
   size_t size;
-  if (cupy_memory(o, &dev, &base, &size)) return walk_error(s, o, "a cupy array without its memory");
+  if (dpy_cupy_memory(o, &dev, &base, &size)) return dpy_walk_error(s, o, "a cupy array without its memory");
   return add_alloc(s, dev, base, size, o);
 }
 
@@ -320,7 +320,7 @@ static Py_ssize_t typestr_itemsize(PyObject *typestr) {
 
 /* The item `key` of an interface dict, as a new reference (NULL when it
  * has none). 0, or -1 with the exception a key's comparison raised. */
-int iface_part(PyObject *d, PyObject *key, PyObject **out) {
+int dpy_iface_part(PyObject *d, PyObject *key, PyObject **out) {
   PyObject *v = PyDict_GetItemWithError(d, key);
   *out = Py_XNewRef(v);
   return v || !PyErr_Occurred() ? 0 : -1;
@@ -333,17 +333,17 @@ int iface_part(PyObject *d, PyObject *key, PyObject **out) {
  * (torch's __cuda_array_interface__ of a cpu tensor, a wrapper forwarding
  * it) — hasattr() is false, numpy, cupy and numba read no memory, and the
  * object is walked as it would be without it. */
-int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
+int dpy_visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   const char *what = cuda ? "a malformed __cuda_array_interface__" : "a malformed __array_interface__";
   PyObject *cai;
   int found = _PyObject_LookupAttr(o, cuda ? dpy.str_cai : dpy.str_aif, &cai);
   if (found == 0) return 1;
-  if (found < 0) return walk_error(s, o, cuda ? "__cuda_array_interface__ failed" : "__array_interface__ failed");
+  if (found < 0) return dpy_walk_error(s, o, cuda ? "__cuda_array_interface__ failed" : "__array_interface__ failed");
   int rc = -1;
   /* each part held as soon as it is found: a lookup compares keys, and a
      key's __eq__ (a str subclass's of the same hash) may empty the dict */
   PyObject *data = NULL, *shape = NULL, *strides = NULL, *typestr = NULL;
-  if (PyDict_Check(cai) && iface_part(cai, dpy.str_data, &data)) goto out;
+  if (PyDict_Check(cai) && dpy_iface_part(cai, dpy.str_data, &data)) goto out;
   if (!cuda && data && !PyTuple_Check(data) && PyObject_CheckBuffer(data)) {
     /* the memory of a buffer object, often a copy made by the property
        (PIL's tobytes()): no address to report; the walk of the object
@@ -352,8 +352,8 @@ int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
     Py_DECREF(cai);
     return 0;
   }
-  if (PyDict_Check(cai) && (iface_part(cai, dpy.str_shape, &shape) || iface_part(cai, dpy.str_strides, &strides) ||
-                            iface_part(cai, dpy.str_typestr, &typestr)))
+  if (PyDict_Check(cai) && (dpy_iface_part(cai, dpy.str_shape, &shape) || dpy_iface_part(cai, dpy.str_strides, &strides) ||
+                            dpy_iface_part(cai, dpy.str_typestr, &typestr)))
     goto out;
   if (!data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1 || !shape || !PyTuple_Check(shape) || !typestr ||
       !PyUnicode_Check(typestr)) {
@@ -428,7 +428,7 @@ out:
   Py_XDECREF(strides);
   Py_XDECREF(typestr);
   Py_DECREF(cai);
-  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return walk_error(s, o, what);
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return dpy_walk_error(s, o, what);
   return rc;
 }
 
@@ -493,7 +493,7 @@ PyObject *dpy_format_holds_objects(PyObject *self, PyObject *x) {
  * (when not NULL): 1 when an array on the way or the owner's format holds
  * Python objects (a field of a structured array with an object field: its
  * allocation's bytes are pointers). */
-int buffer_memory_objects(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp,
+int dpy_buffer_memory_objects(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp,
                           int *borrowedp, int *objectsp) {
   PyObject *owner = o;
   Py_INCREF(owner);
@@ -505,7 +505,7 @@ int buffer_memory_objects(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void
     PyObject *next = NULL;
     if (objectsp && dpy.numpy_ndarray && PyObject_TypeCheck(owner, dpy.numpy_ndarray)) {
       int ob = object_array(owner);
-      if (ob < 0) clear_error();
+      if (ob < 0) dpy_clear_error();
       if (ob) *objectsp = 1; /* unreadable: taken as holding them */
     }
     if (PyMemoryView_Check(owner)) {
@@ -515,13 +515,13 @@ int buffer_memory_objects(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void
       Py_XINCREF(next);
     } else if (dpy.numpy_ndarray && PyObject_TypeCheck(owner, dpy.numpy_ndarray)) {
       next = ndarray_attr(owner, "base");
-      if (!next) clear_error();
-      else if (is_torch(next)) {
+      if (!next) dpy_clear_error();
+      else if (dpy_is_torch(next)) {
         dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
-        int n = torch_allocs(next, a);
+        int n = dpy_torch_allocs(next, a);
         Py_DECREF(next);
         Py_DECREF(owner);
-        if (n != 1) return walk_error(s, o, "an array over a tensor whose memory cannot be described");
+        if (n != 1) return dpy_walk_error(s, o, "an array over a tensor whose memory cannot be described");
         *devp = (dp_device_t){(dp_device_type_t)a[0].device_type, a[0].device_index};
         *basep = a[0].base;
         *extp = a[0].nbytes;
@@ -541,9 +541,9 @@ int buffer_memory_objects(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void
   }
   if (hops == 64) *borrowedp = 1; /* a chain followed no further: its owner unknown, as above */
   Py_buffer v;
-  if (PyObject_GetBuffer(owner, &v, PyBUF_RECORDS_RO) && (clear_error(), PyObject_GetBuffer(owner, &v, PyBUF_SIMPLE))) {
+  if (PyObject_GetBuffer(owner, &v, PyBUF_RECORDS_RO) && (dpy_clear_error(), PyObject_GetBuffer(owner, &v, PyBUF_SIMPLE))) {
     Py_DECREF(owner);
-    return walk_error(s, o, "its buffer cannot be read");
+    return dpy_walk_error(s, o, "its buffer cannot be read");
   }
   Py_ssize_t lo = 0;
   size_t ext = (size_t)v.len;
@@ -557,9 +557,9 @@ int buffer_memory_objects(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void
   return 0;
 }
 
-int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp,
+int dpy_buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp,
                   int *borrowedp) {
-  return buffer_memory_objects(s, o, devp, basep, extp, borrowedp, NULL);
+  return dpy_buffer_memory_objects(s, o, devp, basep, extp, borrowedp, NULL);
 }
 
 /* A numpy array of Python objects holds no data, only references: pickle
@@ -576,16 +576,16 @@ static int object_array(PyObject *o) {
 }
 
 
-int visit_buffer(dpy_scanner_t *s, PyObject *o) {
+int dpy_visit_buffer(dpy_scanner_t *s, PyObject *o) {
   int obj = object_array(o);
   if (obj) {
-    if (obj < 0) return walk_error(s, o, "its dtype cannot be read");
+    if (obj < 0) return dpy_walk_error(s, o, "its dtype cannot be read");
     size_t before = s->nframes;
-    if (enter_reduce(s, o)) return -1;
+    if (dpy_enter_reduce(s, o)) return -1;
     /* a subclass's attributes, which numpy's reduce drops, as for an array
        of another dtype: the reduce frame's last step, after the items */
     PyObject *d;
-    if (subclass_attrs(s, o, K_BUFFER, &d)) return -1;
+    if (dpy_subclass_attrs(s, o, K_BUFFER, &d)) return -1;
     if (d && PyDict_GET_SIZE(d) && s->nframes == before + 1 && s->frames[before].kind == FR_REDUCE)
       s->frames[before].value = Py_NewRef(d);
     return 0;
@@ -594,15 +594,15 @@ int visit_buffer(dpy_scanner_t *s, PyObject *o) {
   void *base;
   size_t ext;
   int borrowed;
-  if (buffer_memory(s, o, &dev, &base, &ext, &borrowed)) return -1;
+  if (dpy_buffer_memory(s, o, &dev, &base, &ext, &borrowed)) return -1;
   if (ext && add_alloc(s, dev, base, ext, o)) return -1;
   PyTypeObject *t = Py_TYPE(o);
   if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return 0;
-  if (PyType_IsSubtype(t, &PyByteArray_Type) && own_getstate(t)) return push_own_state(s, o);
+  if (PyType_IsSubtype(t, &PyByteArray_Type) && dpy_own_getstate(t)) return dpy_push_own_state(s, o);
   PyObject *d;
-  if (subclass_attrs(s, o, K_BUFFER, &d)) return -1;
+  if (dpy_subclass_attrs(s, o, K_BUFFER, &d)) return -1;
   if (!d || PyDict_GET_SIZE(d) == 0) return 0;
-  return push(s, FR_ATTRS, d, Py_TYPE(o));
+  return dpy_push(s, FR_ATTRS, d, Py_TYPE(o));
 }
 
 /* DLPack producers (jax arrays): the view's data, from the capsule. */
@@ -624,13 +624,13 @@ typedef struct {
  * AttributeError (a property that has none for this instance: hasattr() is
  * false, and no consumer reads memory through it): the object is walked as
  * it would be without them. */
-int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
+int dpy_visit_dlpack(dpy_scanner_t *s, PyObject *o) {
   PyObject *fn, *devt;
   int found = _PyObject_LookupAttr(o, dpy.str_dlpack_device, &fn);
   if (found == 0) return 1;
   devt = found > 0 ? PyObject_CallNoArgs(fn) : NULL;
   Py_XDECREF(fn);
-  if (!devt) return walk_error(s, o, "__dlpack_device__ failed");
+  if (!devt) return dpy_walk_error(s, o, "__dlpack_device__ failed");
   long dt = -1, di = 0;
   if (PyTuple_Check(devt) && PyTuple_GET_SIZE(devt) == 2) {
     dt = PyLong_AsLong(PyTuple_GET_ITEM(devt, 0));
@@ -640,7 +640,7 @@ int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
                  Py_TYPE(devt)->tp_name);
   }
   Py_DECREF(devt);
-  if (PyErr_Occurred()) return walk_error(s, o, "__dlpack_device__ returned a bad device");
+  if (PyErr_Occurred()) return dpy_walk_error(s, o, "__dlpack_device__ returned a bad device");
   dp_device_t dev;
   if (dt == 1 || dt == 3) dev = (dp_device_t){DP_DEVICE_CPU, 0}; /* kDLCPU, kDLCUDAHost */
   else if (dt == 2 && di >= 0 && di <= DP_DEVICE_INDEX_MAX) dev = (dp_device_t){DP_DEVICE_CUDA, (uint8_t)di};
@@ -648,12 +648,12 @@ int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
     if (dt == 2) PyErr_Format(PyExc_ValueError, "DLPack device id %ld is not a CUDA device's (0..%d)", di,
                               DP_DEVICE_INDEX_MAX); /* never wrapped onto another device */
     else PyErr_Format(PyExc_TypeError, "DLPack device type %ld is not cpu or cuda", dt);
-    return walk_error(s, o, "memory devpickle cannot track");
+    return dpy_walk_error(s, o, "memory devpickle cannot track");
   }
   if ((found = _PyObject_LookupAttr(o, dpy.str_dlpack, &fn)) == 0) return 1;
   PyObject *cap = found > 0 ? PyObject_CallNoArgs(fn) : NULL;
   Py_XDECREF(fn);
-  if (!cap) return walk_error(s, o, "__dlpack__ failed");
+  if (!cap) return dpy_walk_error(s, o, "__dlpack__ failed");
   /* Only an unconsumed DLPack capsule is read: a "used_dltensor" one's
    * tensor belongs to its consumer, which may have freed it, and any other
    * capsule's pointer is not a DLManagedTensor at all. */
@@ -669,14 +669,14 @@ int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
         PyErr_Format(PyExc_TypeError, "__dlpack__ returned a '%.200s', not a capsule", Py_TYPE(cap)->tp_name);
     }
     Py_DECREF(cap);
-    return walk_error(s, o, "__dlpack__ returned no capsule");
+    return dpy_walk_error(s, o, "__dlpack__ returned no capsule");
   }
   /* DLManagedTensor starts with its DLTensor; the versioned form with a
    * version (2 x uint32) and a manager pointer and deleter before flags. */
   if (versioned && *(const uint32_t *)p != 1) {
     PyErr_Format(PyExc_ValueError, "a DLPack %u.x capsule (devpickle reads 1.x)", *(const uint32_t *)p);
     Py_DECREF(cap);
-    return walk_error(s, o, "memory devpickle cannot describe");
+    return dpy_walk_error(s, o, "memory devpickle cannot describe");
   }
   const dl_tensor_t *t = versioned ? (const dl_tensor_t *)((char *)p + 8 + 2 * sizeof(void *) + 8) : p;
   /* the capsule's device is the one its consumer uses: one that is not
@@ -686,7 +686,7 @@ int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
     PyErr_Format(PyExc_ValueError, "__dlpack_device__ says (%ld, %ld), its capsule (%d, %d)", dt, dt == 2 ? di : 0L,
                  (int)t->device.device_type, (int)t->device.device_id);
     Py_DECREF(cap);
-    return walk_error(s, o, "memory devpickle cannot describe");
+    return dpy_walk_error(s, o, "memory devpickle cannot describe");
   }
   Py_ssize_t shp[64], str[64], lo = 0;
   size_t ext = 0;
@@ -704,14 +704,14 @@ int visit_dlpack(dpy_scanner_t *s, PyObject *o) {
   Py_DECREF(cap);
   if (bad) {
     PyErr_SetString(PyExc_ValueError, "a DLPack tensor with a bad shape, strides or dtype");
-    return walk_error(s, o, "memory devpickle cannot describe");
+    return dpy_walk_error(s, o, "memory devpickle cannot describe");
   }
   return ext ? add_alloc(s, dev, base, ext, o) : 0;
 }
 
 /* Whether o's own __dict__ holds a __cuda_array_interface__ (its class's
  * kind did not say so): 1, 0, or -1 with an exception. */
-int instance_cai(PyObject *o) {
+int dpy_instance_cai(PyObject *o) {
   if (PyType_Check(o)) return 0;
   PyObject **dp = _PyObject_GetDictPtr(o);
   if (!dp || !*dp || !PyDict_Check(*dp)) return PyErr_Occurred() ? -1 : 0;

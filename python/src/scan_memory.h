@@ -10,35 +10,35 @@
 
 #include "scan_state.h"
 
-int visit_torch(dpy_scanner_t *s, PyObject *o);
-int visit_tensor_attrs(dpy_scanner_t *s, PyObject *o);
-int visit_storage(dpy_scanner_t *s, PyObject *o);
-int visit_cupy(dpy_scanner_t *s, PyObject *o);
-int visit_iface(dpy_scanner_t *s, PyObject *o, int cuda);
-int visit_dlpack(dpy_scanner_t *s, PyObject *o);
-int visit_buffer(dpy_scanner_t *s, PyObject *o);
-int visit_sync(dpy_scanner_t *s, PyObject *o);
+int dpy_visit_torch(dpy_scanner_t *s, PyObject *o);
+int dpy_visit_tensor_attrs(dpy_scanner_t *s, PyObject *o);
+int dpy_visit_storage(dpy_scanner_t *s, PyObject *o);
+int dpy_visit_cupy(dpy_scanner_t *s, PyObject *o);
+int dpy_visit_iface(dpy_scanner_t *s, PyObject *o, int cuda);
+int dpy_visit_dlpack(dpy_scanner_t *s, PyObject *o);
+int dpy_visit_buffer(dpy_scanner_t *s, PyObject *o);
+int dpy_visit_sync(dpy_scanner_t *s, PyObject *o);
 /* Whether o's own __dict__ holds a __cuda_array_interface__: 1, 0, or -1
  * with an exception. */
-int instance_cai(PyObject *o);
+int dpy_instance_cai(PyObject *o);
 
 /* torch: whether o is a tensor; tensor t's allocations (their number, or
  * -1 with an exception); the UntypedStorage under a tensor or storage (a
  * new reference, or NULL with an exception) and its base and size. */
-int is_torch(PyObject *o);
-int torch_allocs(PyObject *t, dp_torch_alloc_t *out);
+int dpy_is_torch(PyObject *o);
+int dpy_torch_allocs(PyObject *t, dp_torch_alloc_t *out);
 PyObject *untyped_storage(PyObject *o);
-int storage_extent(PyObject *st, dp_torch_alloc_t *out);
+int dpy_storage_extent(PyObject *st, dp_torch_alloc_t *out);
 /* cupy array o's allocation. 0, or -1 with an exception. */
-int cupy_memory(PyObject *o, dp_device_t *dev, void **base, size_t *size);
+int dpy_cupy_memory(PyObject *o, dp_device_t *dev, void **base, size_t *size);
 /* A buffer-protocol object's cpu memory, its owner's (*borrowedp: memory
  * an owner that is no buffer may free; *objectsp, when given: whether its
  * items hold Python objects). 0, or -1 with a walk error. */
-int buffer_memory_objects(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp,
+int dpy_buffer_memory_objects(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp,
                           int *borrowedp, int *objectsp);
-int buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp, int *borrowedp);
+int dpy_buffer_memory(dpy_scanner_t *s, PyObject *o, dp_device_t *devp, void **basep, size_t *extp, int *borrowedp);
 /* Item `key` of an array-interface dict, a new reference or NULL. 0, or
  * -1 with the exception a key's comparison raised. */
-int iface_part(PyObject *d, PyObject *key, PyObject **out);
+int dpy_iface_part(PyObject *d, PyObject *key, PyObject **out);
 
 #endif

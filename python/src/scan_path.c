@@ -10,7 +10,7 @@
 
 /* ---- paths ---- */
 
-int buf_put(buf_t *b, const char *s, size_t n) {
+int dpy_buf_put(buf_t *b, const char *s, size_t n) {
   if (b->n + n + 1 > b->cap) {
     size_t cap = b->cap ? b->cap : 256;
     while (cap < b->n + n + 1) cap *= 2;
@@ -38,9 +38,9 @@ static const char *str_bytes(PyObject *str, size_t *n, PyObject **hold) {
   *hold = NULL;
   const char *s = PyUnicode_AsUTF8AndSize(str, &len);
   if (!s) {
-    clear_error();
+    dpy_clear_error();
     if (!(*hold = PyUnicode_AsEncodedString(str, "utf-8", "surrogatepass"))) {
-      clear_error();
+      dpy_clear_error();
       return NULL;
     }
     len = PyBytes_GET_SIZE(*hold);
@@ -152,7 +152,7 @@ static size_t put_key(dpy_scanner_t *sc, PyObject *key, char *out) {
   if (!r) {
     /* its type's name instead, cut and escaped as in <reduce T>: a name
        is any str (a newline, a `>`, 300 bytes cut mid-character) */
-    clear_error();
+    dpy_clear_error();
     char tn[DP__STEP_MAX];
     size_t tl = dp__name_bare(Py_TYPE(key)->tp_name, strlen(Py_TYPE(key)->tp_name), tn);
     dp__sb_put(&b, "[<", 2);
@@ -184,7 +184,7 @@ static size_t put_key(dpy_scanner_t *sc, PyObject *key, char *out) {
 static const char *dotted(const char *m, const char *q, const char *fallback, PyObject **hold) {
   *hold = m && strcmp(m, "builtins") ? PyBytes_FromFormat("%s.%s", m, q) : PyBytes_FromString(q);
   if (*hold) return PyBytes_AS_STRING(*hold);
-  clear_error();
+  dpy_clear_error();
   return fallback;
 }
 
@@ -202,10 +202,10 @@ static const char *type_name_nul(PyTypeObject *t, PyObject **hold, int *nul) {
   Py_ssize_t mn = 0, qn = 0;
   PyObject *mod = PyObject_GetAttrString((PyObject *)t, "__module__");
   const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8AndSize(mod, &mn) : NULL;
-  clear_error();
+  dpy_clear_error();
   PyObject *qual = PyObject_GetAttrString((PyObject *)t, "__qualname__");
   const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8AndSize(qual, &qn) : NULL;
-  clear_error();
+  dpy_clear_error();
   if (nul) *nul = (m && strlen(m) != (size_t)mn) || (q && strlen(q) != (size_t)qn);
   const char *name = dotted(m, q ? q : t->tp_name, t->tp_name, hold);
   Py_XDECREF(mod);
@@ -277,11 +277,11 @@ static size_t put_step(void *ctx, size_t i, char *out) {
 
 /* The path to the value being visited, bounded as ptrset.h says, appended
  * to out. */
-int render_path(dpy_scanner_t *s, buf_t *out) {
+int dpy_render_path(dpy_scanner_t *s, buf_t *out) {
   char path[DP_PATH_MAX + 1];
   path_ctx_t c = {s, 0};
   size_t n = dp__path_render(path, s->nframes, put_step, &c);
-  return c.failed || buf_put(out, path, n) ? -1 : 0;
+  return c.failed || dpy_buf_put(out, path, n) ? -1 : 0;
 }
 
 /* ---- errors ---- */
@@ -290,14 +290,14 @@ int render_path(dpy_scanner_t *s, buf_t *out) {
  * exception as its cause. What is not an error of the value — an interrupt
  * (KeyboardInterrupt, SystemExit: not an Exception) or MemoryError — passes
  * through as it is, as it would through pickle. */
-int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *what) {
+int dpy_walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *what) {
   if (PyErr_Occurred() && (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)))
     return -1;
   PyObject *et, *ev, *tb;
   PyErr_Fetch(&et, &ev, &tb);
   PyErr_NormalizeException(&et, &ev, &tb);
   buf_t path = {0};
-  if (s->error_path ? buf_put(&path, s->error_path, strlen(s->error_path)) : render_path(s, &path)) {
+  if (s->error_path ? dpy_buf_put(&path, s->error_path, strlen(s->error_path)) : dpy_render_path(s, &path)) {
     Py_XDECREF(et);
     Py_XDECREF(ev);
     Py_XDECREF(tb);
@@ -360,20 +360,20 @@ int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *what) {
   return -1;
 }
 
-int walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
-  return walk_error_type(s, Py_TYPE(obj), what);
+int dpy_walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
+  return dpy_walk_error_type(s, Py_TYPE(obj), what);
 }
 
 /* type_name for a frame's class (an object's, a tensor subclass's): a name
  * holding a NUL byte — a __module__ or __qualname__ set so — is refused, as
  * frames carry none in class names (docs/FORMAT.md), never cut to another
  * class's name. NULL with the WalkError set. */
-const char *frame_class(dpy_scanner_t *s, PyObject *o, PyTypeObject *t, PyObject **hold) {
+const char *dpy_frame_class(dpy_scanner_t *s, PyObject *o, PyTypeObject *t, PyObject **hold) {
   int nul;
   const char *name = type_name_nul(t, hold, &nul);
   if (!nul) return name;
   Py_CLEAR(*hold);
   PyErr_SetString(PyExc_ValueError, "its class's __module__ or __qualname__ holds a NUL byte");
-  walk_error(s, o, "its class cannot be named in a frame");
+  dpy_walk_error(s, o, "its class cannot be named in a frame");
   return NULL;
 }

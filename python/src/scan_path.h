@@ -24,14 +24,14 @@ struct keystep {
 };
 
 /* Appends s[0..n) to b, NUL-terminated. 0, or -1 out of memory. */
-int buf_put(buf_t *b, const char *s, size_t n);
+int dpy_buf_put(buf_t *b, const char *s, size_t n);
 /* Appends the path to the value being visited to out. 0, or -1. */
-int render_path(dpy_scanner_t *s, buf_t *out);
+int dpy_render_path(dpy_scanner_t *s, buf_t *out);
 /* Raise WalkError naming a type (or obj's) and the current path, with the
  * pending exception as its cause. Return -1. */
-int walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *what);
-int walk_error(dpy_scanner_t *s, PyObject *obj, const char *what);
+int dpy_walk_error_type(dpy_scanner_t *s, PyTypeObject *type, const char *what);
+int dpy_walk_error(dpy_scanner_t *s, PyObject *obj, const char *what);
 /* The name of t as a frame carries a class, or NULL with a WalkError. */
-const char *frame_class(dpy_scanner_t *s, PyObject *o, PyTypeObject *t, PyObject **hold);
+const char *dpy_frame_class(dpy_scanner_t *s, PyObject *o, PyTypeObject *t, PyObject **hold);
 
 #endif

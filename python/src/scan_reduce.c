@@ -24,14 +24,14 @@ static int with_slots(dpy_scanner_t *s, PyObject *o, PyObject *names, PyObject *
     PyObject *name = Py_NewRef(PyList_GET_ITEM(names, i)), *v = PyObject_GetAttr(o, name);
     if (!v && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
       Py_DECREF(name);
-      return walk_error(s, o, "a slot cannot be read");
+      return dpy_walk_error(s, o, "a slot cannot be read");
     }
     PyErr_Clear(); /* a slot never set */
     if (PyList_GET_SIZE(names) != n) { /* as object.__getstate__ refuses it: an endless list, or items skipped */
       Py_DECREF(name);
       Py_XDECREF(v);
       PyErr_SetString(PyExc_RuntimeError, "__slotnames__ changed size during the walk");
-      return walk_error(s, o, "its __slots__ cannot be read");
+      return dpy_walk_error(s, o, "its __slots__ cannot be read");
     }
     int rc = v ? PyDict_SetItem(all, name, v) : 0;
     Py_DECREF(name);
@@ -48,7 +48,7 @@ static int with_slots(dpy_scanner_t *s, PyObject *o, PyObject *names, PyObject *
 /* A tensor subclass's __slots__ (instances larger than torch.Tensor's):
  * *d becomes a new dict of __dict__'s items and the slots that are set, as
  * torch's pickling carries them. 0, or -1 with a walk error. */
-int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
+int dpy_tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
   PyTypeObject *t = Py_TYPE(o);
   if (t->tp_basicsize <= ((PyTypeObject *)dpy.torch_tensor)->tp_basicsize) return 0;
   tcache_ent_t *e = tcache_hit(t); /* torch.Tensor itself is larger than its C base: asked once a type */
@@ -58,7 +58,7 @@ int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
      it may replace o.__dict__, freeing the dict the caller then reads */
   if (*d && !keep(s, Py_NewRef(*d))) return -1;
   PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
-  if (!names) return walk_error(s, o, "its __slots__ cannot be read");
+  if (!names) return dpy_walk_error(s, o, "its __slots__ cannot be read");
   if (!keep(s, names)) return -1;
   if (!PyList_Check(names) || PyList_GET_SIZE(names) == 0) {
     /* _slotnames may have set t.__slotnames__ (a new version tag): the
@@ -73,20 +73,20 @@ int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
  * finds it, in the class's MRO (runs no Python code): torch's reduce of a
  * tensor subclass and bytearray's reduce carry what it returns as the
  * state, in place of __dict__ and __slots__. */
-int own_getstate(PyTypeObject *t) {
+int dpy_own_getstate(PyTypeObject *t) {
   PyObject *g = _PyType_Lookup(t, dpy.str_getstate);
   return g && g != dpy.object_getstate;
 }
 /* The state o's own __getstate__ returns, walked as a reduce's state
  * (<reduce T>.state), as pickle carries it. 0, or -1 with a walk error. */
-int push_own_state(dpy_scanner_t *s, PyObject *o) {
+int dpy_push_own_state(dpy_scanner_t *s, PyObject *o) {
   s->ran_code = 1;
   PyObject *st = PyObject_CallMethodNoArgs(o, dpy.str_getstate);
-  if (!st) return walk_error(s, o, "its __getstate__ failed");
+  if (!st) return dpy_walk_error(s, o, "its __getstate__ failed");
   if (!keep(s, st)) return -1;
   if (st == Py_None) return 0;
   PyObject *r = keep(s, PyTuple_Pack(3, Py_None, Py_None, st));
-  return r ? push_reduce(s, o, r) : -1;
+  return r ? dpy_push_reduce(s, o, r) : -1;
 }
 
 /* Whether pickle would reduce tensors of class t by a reduce of their own
@@ -94,7 +94,7 @@ int push_own_state(dpy_scanner_t *s, PyObject *o) {
  * found in its MRO that is not defined in torch (torch.Tensor's and
  * nn.Parameter's carry the tensor's data and state, which the walk reads
  * directly). Runs no Python code. 1, 0, or -1 with an error set. */
-int own_class_reduce(PyTypeObject *t) {
+int dpy_own_class_reduce(PyTypeObject *t) {
   if (PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t)) return 1;
   if (PyErr_Occurred()) return -1;
   PyObject *f = _PyType_Lookup(t, dpy.str_reduce_ex);
@@ -112,7 +112,7 @@ int own_class_reduce(PyTypeObject *t) {
 /* Whether tensor o is reduced by a reduce of its own (own_class_reduce, or
  * a __reduce_ex__ set on the instance, which pickle looks up there first).
  * 1, 0, or -1 with an error set. */
-int own_tensor_reduce(PyObject *o) {
+int dpy_own_tensor_reduce(PyObject *o) {
   PyObject **dp = _PyObject_GetDictPtr(o);
   if (dp && *dp && PyDict_Check(*dp)) {
     PyObject *d = Py_NewRef(*dp); /* held: a key's __eq__ may replace it, freeing it under the lookup */
@@ -121,7 +121,7 @@ int own_tensor_reduce(PyObject *o) {
     if (found) return 1;
     if (PyErr_Occurred()) return -1;
   }
-  return own_class_reduce(Py_TYPE(o));
+  return dpy_own_class_reduce(Py_TYPE(o));
 }
 /* A subclass written in Python (bytearray's, ndarray's) may hold more in
  * its instance __dict__ and its __slots__, which pickle's reduce of it
@@ -130,21 +130,21 @@ int own_tensor_reduce(PyObject *o) {
  * (K_BUFFER: a C type's instance has none; K_SYNC: devpickle.Future, a C
  * type, has an instance __dict__ too), under which a type without slots
  * is remembered. */
-int subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out) {
+int dpy_subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out) {
   *out = NULL;
   PyTypeObject *t = Py_TYPE(o);
   int heap = (t->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0;
   if (!heap && kind != K_SYNC) return 0;
   PyObject *d = NULL;
   if (t->tp_dictoffset != 0) {
-    if (!(d = PyObject_GenericGetDict(o, NULL))) return walk_error(s, o, "its __dict__ cannot be read");
+    if (!(d = PyObject_GenericGetDict(o, NULL))) return dpy_walk_error(s, o, "its __dict__ cannot be read");
     if (!keep(s, d)) return -1;
     if (!PyDict_Check(d)) d = NULL;
   }
   tcache_ent_t *e = tcache_hit(t); /* asked once a type, as a tensor's */
   if (heap && (!e || !e->no_slots)) {
     PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
-    if (!names) return walk_error(s, o, "its __slots__ cannot be read");
+    if (!names) return dpy_walk_error(s, o, "its __slots__ cannot be read");
     if (!keep(s, names)) return -1;
     if (PyList_Check(names) && PyList_GET_SIZE(names)) {
       if (with_slots(s, o, names, &d)) return -1;
@@ -189,7 +189,7 @@ static PyObject *reduce_ex_5(PyObject *o) {
 static int newobj_refused(dpy_scanner_t *s, PyObject *o, PyObject *r) {
   PyObject *name = PyObject_GetAttrString(PyTuple_GET_ITEM(r, 0), "__name__");
   if (!name) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return walk_error(s, o, "it cannot be reduced");
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return dpy_walk_error(s, o, "it cannot be reduced");
     PyErr_Clear();
     return 0;
   }
@@ -220,13 +220,13 @@ static int newobj_refused(dpy_scanner_t *s, PyObject *o, PyObject *r) {
     PyErr_SetString(PyExc_TypeError, "args[0] from __newobj__ args is not a type");
   } else {
     PyObject *c = PyObject_GetAttrString(o, "__class__"); /* pickle asks the object, as isinstance does */
-    if (!c) return walk_error(s, o, "it cannot be reduced");
+    if (!c) return dpy_walk_error(s, o, "it cannot be reduced");
     int same = c == cls;
     Py_DECREF(c);
     if (same) return 0;
     PyErr_SetString(PyExc_TypeError, "args[0] from __newobj__ args has the wrong class");
   }
-  return walk_error(s, o, "its reduce is malformed");
+  return dpy_walk_error(s, o, "its reduce is malformed");
 }
 
 /* What a refused reduce of o says: a generator or a dict view stands where
@@ -255,15 +255,15 @@ PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
     r = PyObject_CallOneArg(fn, o);
     Py_DECREF(fn);
   } else {
-    if (PyErr_Occurred()) return dispatch_error(s, o), NULL;
+    if (PyErr_Occurred()) return dpy_dispatch_error(s, o), NULL;
     r = reduce_ex_5(o);
   }
-  if (!r) return walk_error(s, o, unreducible(o)), NULL;
+  if (!r) return dpy_walk_error(s, o, unreducible(o)), NULL;
   if (!keep(s, r)) return NULL;
   if (PyUnicode_Check(r)) return r; /* a global, pickled by name */
   if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 2 || PyTuple_GET_SIZE(r) > 6) {
     PyErr_SetString(PyExc_TypeError, "__reduce_ex__ must return a string or a tuple of 2 to 6 items");
-    return walk_error(s, o, "its reduce is malformed"), NULL;
+    return dpy_walk_error(s, o, "its reduce is malformed"), NULL;
   }
   /* what pickle refuses in a reduce's result, refused as pickle words it */
   Py_ssize_t n = PyTuple_GET_SIZE(r);
@@ -278,23 +278,23 @@ PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
     if (want) {
       PyErr_Format(PyExc_TypeError, "%s element of the tuple returned by __reduce__ must be %s, not %.200s", nth[i],
                    want, Py_TYPE(part)->tp_name);
-      return walk_error(s, o, "its reduce is malformed"), NULL;
+      return dpy_walk_error(s, o, "its reduce is malformed"), NULL;
     }
   }
   return newobj_refused(s, o, r) ? NULL : r;
 }
 
 /* Walks the parts of o's reduce r (a tuple; a str, a global, has none). */
-int push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r) {
+int dpy_push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r) {
   if (PyUnicode_Check(r)) return 0;
-  if (push(s, FR_REDUCE, r, Py_TYPE(o))) return -1;
+  if (dpy_push(s, FR_REDUCE, r, Py_TYPE(o))) return -1;
   s->frames[s->nframes - 1].type = (PyTypeObject *)Py_NewRef((PyObject *)Py_TYPE(o));
   return 0;
 }
 
-int enter_reduce(dpy_scanner_t *s, PyObject *o) {
+int dpy_enter_reduce(dpy_scanner_t *s, PyObject *o) {
   PyObject *r = reduce_of(s, o);
-  return r ? push_reduce(s, o, r) : -1;
+  return r ? dpy_push_reduce(s, o, r) : -1;
 }
 
 /* Turns a listitems/dictitems iterator into a list the walk can index. */
@@ -338,8 +338,8 @@ PyObject *drain(dpy_scanner_t *s, PyObject *it) {
 }
 /* The walk error for o, whose class's lookup in copyreg's dispatch table
  * raised (its metaclass's __hash__ or __eq__ is the value's code). */
-int dispatch_error(dpy_scanner_t *s, PyObject *o) {
-  return walk_error(s, o, "its class cannot be looked up in copyreg.dispatch_table");
+int dpy_dispatch_error(dpy_scanner_t *s, PyObject *o) {
+  return dpy_walk_error(s, o, "its class cannot be looked up in copyreg.dispatch_table");
 }
 
 /* 1 when copyreg's dispatch table reduces o's instances, 0 when not, -1
@@ -358,10 +358,10 @@ static int instance_reduces(PyObject *o) {
 /* Whether an object of a class that keeps pickle's defaults is reduced
  * all the same: its class in copyreg.dispatch_table, or its instance
  * holding a __reduce_ex__ or __getstate__ of its own. */
-int dispatched(dpy_scanner_t *s, PyObject *o) {
+int dpy_dispatched(dpy_scanner_t *s, PyObject *o) {
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
   if (fn) return 1;
-  if (PyErr_Occurred()) return dispatch_error(s, o);
+  if (PyErr_Occurred()) return dpy_dispatch_error(s, o);
   int r = instance_reduces(o);
-  return r < 0 ? walk_error(s, o, "its __dict__ cannot be read") : r;
+  return r < 0 ? dpy_walk_error(s, o, "its __dict__ cannot be read") : r;
 }

@@ -13,8 +13,8 @@
  * walk), or NULL with a walk error; push_reduce pushes the frame of r's
  * parts; enter_reduce does both. 0, or -1 with a walk error. */
 PyObject *reduce_of(dpy_scanner_t *s, PyObject *o);
-int push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r);
-int enter_reduce(dpy_scanner_t *s, PyObject *o);
+int dpy_push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r);
+int dpy_enter_reduce(dpy_scanner_t *s, PyObject *o);
 /* A reduce's listitems or dictitems drained into a list the walk keeps
  * (borrowed), or NULL with an exception. */
 PyObject *drain(dpy_scanner_t *s, PyObject *it);
@@ -24,22 +24,22 @@ PyObject *private_list(PyObject *l);
 /* Whether copyreg.dispatch_table or the instance's own __reduce_ex__ or
  * __getstate__ reduces o: 1, 0, or -1 with a walk error (dispatch_error's,
  * when the table's lookup raised). */
-int dispatched(dpy_scanner_t *s, PyObject *o);
-int dispatch_error(dpy_scanner_t *s, PyObject *o);
+int dpy_dispatched(dpy_scanner_t *s, PyObject *o);
+int dpy_dispatch_error(dpy_scanner_t *s, PyObject *o);
 
 /* Whether t has a __getstate__ of its own; the state it returns, pushed
  * as a reduce's (0, or -1 with a walk error). */
-int own_getstate(PyTypeObject *t);
-int push_own_state(dpy_scanner_t *s, PyObject *o);
+int dpy_own_getstate(PyTypeObject *t);
+int dpy_push_own_state(dpy_scanner_t *s, PyObject *o);
 /* Whether tensors of class t, or tensor o, are reduced by a reduce of
  * their own rather than torch's: 1, 0, or -1 with an error set. */
-int own_class_reduce(PyTypeObject *t);
-int own_tensor_reduce(PyObject *o);
+int dpy_own_class_reduce(PyTypeObject *t);
+int dpy_own_tensor_reduce(PyObject *o);
 /* The instance attributes pickle carries beyond what a C base's reduce
  * does: a tensor subclass's slots merged into *d (tensor_slots), a Python
  * subclass's __dict__ and slots of an instance of kind `kind`
  * (subclass_attrs, *out or NULL). 0, or -1 with a walk error. */
-int tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d);
-int subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out);
+int dpy_tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d);
+int dpy_subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out);
 
 #endif

@@ -42,10 +42,10 @@ dpy_scanner_t *dpy_scanner_get(void) {
 
 void dpy_scanner_put(dpy_scanner_t *s) {
   if (!s) return;
-  refs_reset(s);
-  if (s->build) build_reset(s);
+  dpy_refs_reset(s);
+  if (s->build) dpy_build_reset(s);
   s->build = 0;
-  while (s->nframes) frame_drop(&s->frames[--s->nframes]);
+  while (s->nframes) dpy_frame_drop(&s->frames[--s->nframes]);
   Py_CLEAR(s->keep);
   Py_CLEAR(s->reprs);
   s->found = s->own;
@@ -383,7 +383,7 @@ int dpy_scan_types_init(PyObject *m) {
     if (!k) return -1;
     PyTuple_SET_ITEM(alloc_keys_tuple, i, k);
   }
-  if (managed_layout_init(m)) return -1;
+  if (dpy_managed_layout_init(m)) return -1;
   if (!alloc_keys_tuple || PyType_Ready(&alloc_type) ||
       PyDict_SetItemString(alloc_type.tp_dict, "_fields", alloc_keys_tuple))
     return -1;

@@ -21,7 +21,7 @@ static int note_path(dpy_scanner_t *s, size_t index) {
   }
   buf_t b = {s->text, s->text_len, s->text_cap};
   size_t at = b.n;
-  int rc = render_path(s, &b);
+  int rc = dpy_render_path(s, &b);
   s->text = b.p;
   s->text_cap = b.cap;
   if (rc) return -1;
@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) int account(dpy_scanner_t *s, size_
   return 0;
 }
 
-void refs_reset(dpy_scanner_t *s) {
+void dpy_refs_reset(dpy_scanner_t *s) {
   for (int i = 0; i < s->npend; i++) Py_CLEAR(s->pend_obj[i]);
   s->npend = 0;
   size_t n = s->nfirst;
@@ -137,7 +137,7 @@ void refs_reset(dpy_scanner_t *s) {
   dp_ptrset_clear(s->counted);
 }
 
-int flush_pending(dpy_scanner_t *s) {
+int dpy_flush_pending(dpy_scanner_t *s) {
   int n = s->npend, rc = 0;
   if (!n) return 0;
   dp_error_t e;
@@ -156,10 +156,10 @@ int flush_pending(dpy_scanner_t *s) {
 
 /* Adds an allocation found on obj, at once: *at (may be NULL) gets its
  * index, and its first path is rendered. */
-int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, size_t *at) {
+int dpy_add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, size_t *at) {
   size_t idx;
   dp_error_t e;
-  if (flush_pending(s)) return -1;
+  if (dpy_flush_pending(s)) return -1;
   int rc = dp_ptrset_add(s->found, dev, base, nbytes, &idx, &e);
   if (rc) {
     dpy_raise(rc, &e);
@@ -176,7 +176,7 @@ int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, P
 
 /* 1 when obj was entered before (a shared reference or a cycle), 0 the
  * first time. */
-int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
+int dpy_seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
   size_t before = dp_ptrset_count(s->memo), idx;
   dp_error_t e;
   int rc = dp_ptrset_add(s->memo, (dp_device_t){DP_DEVICE_CPU, 0}, obj, 0, &idx, &e);
@@ -193,9 +193,9 @@ int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
   return idx < before;
 }
 
-int seen(dpy_scanner_t *s, PyObject *obj) {
+int dpy_seen(dpy_scanner_t *s, PyObject *obj) {
   size_t at;
-  return seen_at(s, obj, &at);
+  return dpy_seen_at(s, obj, &at);
 }
 
 PyObject *keep(dpy_scanner_t *s, PyObject *o) {
@@ -219,10 +219,10 @@ PyObject *keep(dpy_scanner_t *s, PyObject *o) {
 
 /* Pushes a frame iterating obj: the parts of an object of type owner (its
  * __dict__, its reduce, its set's items), which a too-deep error names. */
-int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner) {
+int dpy_push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner) {
   if (s->nframes >= s->max_depth) {
     PyErr_Format(PyExc_RecursionError, "nesting deeper than %u levels", s->max_depth);
-    return walk_error_type(s, owner, "too deep");
+    return dpy_walk_error_type(s, owner, "too deep");
   }
   if (s->nframes == s->cap) {
     size_t cap = s->cap ? 2 * s->cap : 64;
@@ -244,7 +244,7 @@ int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner) {
   return 0;
 }
 
-void frame_drop(frame_t *f) {
+void dpy_frame_drop(frame_t *f) {
   if (f->ks) { /* a key's step was rendered (rare) */
     Py_CLEAR(f->ks->key);
     PyMem_Free(f->ks);

@@ -93,13 +93,13 @@ struct dpy_scanner {
 /* Frames: pushed (of kind FR_*, iterating obj, the parts of an object of
  * type owner, which a too-deep error names; 0, or -1 with a walk error)
  * and dropped. */
-int push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner);
-void frame_drop(frame_t *f);
+int dpy_push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner);
+void dpy_frame_drop(frame_t *f);
 
 /* The memo: 1 when obj was entered before, 0 the first time (*at: its
  * entry), -1 with an exception. */
-int seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at);
-int seen(dpy_scanner_t *s, PyObject *obj);
+int dpy_seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at);
+int dpy_seen(dpy_scanner_t *s, PyObject *obj);
 /* Keeps o (a new reference, stolen; NULL passes through) alive until the
  * walk ends. o, borrowed, or NULL with an exception. */
 PyObject *keep(dpy_scanner_t *s, PyObject *o);
@@ -107,16 +107,16 @@ PyObject *keep(dpy_scanner_t *s, PyObject *o);
 /* Allocations: added at once (*at its index, its first path rendered),
  * or in a batch (add_alloc) that flush_pending adds. 0, or -1 with an
  * exception. */
-int add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, size_t *at);
-int flush_pending(dpy_scanner_t *s);
+int dpy_add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, size_t *at);
+int dpy_flush_pending(dpy_scanner_t *s);
 /* Lets go of the objects the last walk counted refs on. */
-void refs_reset(dpy_scanner_t *s);
+void dpy_refs_reset(dpy_scanner_t *s);
 
 /* Adds an allocation found on obj: in a batch when no path or index is
  * asked for it. */
 static inline __attribute__((always_inline)) int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj) {
-  if (s->want_paths || s->build) return add_alloc_at(s, dev, base, nbytes, obj, NULL);
-  if (s->npend == (int)(sizeof s->pend / sizeof s->pend[0]) && flush_pending(s)) return -1;
+  if (s->want_paths || s->build) return dpy_add_alloc_at(s, dev, base, nbytes, obj, NULL);
+  if (s->npend == (int)(sizeof s->pend / sizeof s->pend[0]) && dpy_flush_pending(s)) return -1;
   if (s->count_refs) s->pend_obj[s->npend] = Py_NewRef(obj);
   s->pend[s->npend++] = (dp_ptr_info_t){dev, base, nbytes, 0, NULL};
   return 0;
