@@ -90,6 +90,10 @@ int dpy_scanner_recheck(dpy_scanner_t *s, dp_device_t device, const void *base);
 int dpy_scanner_saw_cupy(const dpy_scanner_t *s);
 
 PyObject *dpy_scan_py(PyObject *self, PyObject *args, PyObject *kw);
+/* opaque= as scan() takes it (Future's too): a type, an iterable of types
+ * (read once, into a tuple), None or () for none. *out: a new tuple of
+ * types, or NULL for none. 0, or -1 with a TypeError naming what it got. */
+int dpy_scan_opaque(PyObject *opaque, PyObject **out);
 void dpy_scan_forget_types(void);
 int dpy_scan_types_init(PyObject *m);
 

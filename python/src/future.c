@@ -184,36 +184,6 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
   return 0;
 }
 
-/* opaque= as scan() takes it — a type, an iterable of types, None or () for
- * none — and checked by scan's own code, so that both say the same: the
- * value is handed to scan(None, paths=False, opaque=...), which raises its
- * TypeError for anything else. An iterable is read once, into a tuple, before
- * that check (a generator would be drained by it). *out: a tuple of types,
- * or NULL for none. 0, or -1 with an exception. */
-static int read_opaque(PyObject *opaque, PyObject **out) {
-  *out = NULL;
-  if (!opaque || opaque == Py_None) return 0;
-  int one = PyType_Check(opaque);
-  int iterable = !one && (Py_TYPE(opaque)->tp_iter || PySequence_Check(opaque));
-  PyObject *types = iterable ? PySequence_Tuple(opaque) : Py_NewRef(opaque);
-  if (!types) return -1;
-  PyObject *args = PyTuple_Pack(1, Py_None);
-  PyObject *kw = args ? Py_BuildValue("{sOsO}", "paths", Py_False, "opaque", types) : NULL;
-  PyObject *checked = kw ? dpy_scan_py(NULL, args, kw) : NULL;
-  Py_XDECREF(args);
-  Py_XDECREF(kw);
-  if (!checked) {
-    Py_DECREF(types);
-    return -1;
-  }
-  Py_DECREF(checked);
-  if (one) Py_SETREF(types, PyTuple_Pack(1, opaque));
-  if (types && PyTuple_GET_SIZE(types) == 0) Py_CLEAR(types);
-  else if (!types) return -1;
-  *out = types;
-  return 0;
-}
-
 /* A new future of type (Future or a subclass): zeroed and tracked by the
  * collector (tp_alloc). */
 static pyfut_t *fut_alloc(PyTypeObject *type) {
@@ -273,7 +243,7 @@ static PyObject *fut_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     f->devices_read = Py_NewRef(devices);
   }
   if (opaque) {
-    if (read_opaque(opaque, &f->opaque)) goto fail;
+    if (dpy_scan_opaque(opaque, &f->opaque)) goto fail;
     f->opaque_read = Py_NewRef(opaque);
   }
   if (fut_make(f, NULL)) goto fail;
@@ -358,7 +328,7 @@ static int fut_init(pyfut_t *self, PyObject *args, PyObject *kw) {
   self->devices_read = self->opaque_read = NULL;
   int new_opaque = opaque && opaque != read_types;
   PyObject *types = NULL;
-  int rc = new_opaque ? read_opaque(opaque, &types) : 0;
+  int rc = new_opaque ? dpy_scan_opaque(opaque, &types) : 0;
   /* none given (a subclass's super().__init__()) changes nothing */
   if (!rc && devices && devices != read_devices) rc = init_devices(self, devices);
   if (!rc && new_opaque) Py_XSETREF(self->opaque, types);

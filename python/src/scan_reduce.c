@@ -189,7 +189,7 @@ static PyObject *reduce_ex_5(PyObject *o) {
 static int newobj_refused(dpy_scanner_t *s, PyObject *o, PyObject *r) {
   PyObject *name = PyObject_GetAttrString(PyTuple_GET_ITEM(r, 0), "__name__");
   if (!name) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return dpy_walk_error(s, o, "it cannot be reduced");
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return dpy_walk_error(s, o, dpy_not_reducible(s));
     PyErr_Clear();
     return 0;
   }
@@ -220,7 +220,7 @@ static int newobj_refused(dpy_scanner_t *s, PyObject *o, PyObject *r) {
     PyErr_SetString(PyExc_TypeError, "args[0] from __newobj__ args is not a type");
   } else {
     PyObject *c = PyObject_GetAttrString(o, "__class__"); /* pickle asks the object, as isinstance does */
-    if (!c) return dpy_walk_error(s, o, "it cannot be reduced");
+    if (!c) return dpy_walk_error(s, o, dpy_not_reducible(s));
     int same = c == cls;
     Py_DECREF(c);
     if (same) return 0;
@@ -232,11 +232,19 @@ static int newobj_refused(dpy_scanner_t *s, PyObject *o, PyObject *r) {
 /* What a refused reduce of o says: a generator or a dict view stands where
  * its items would (scan(model.parameters()), scan(sd.values())), and pickle's
  * "cannot pickle 'generator' object" says nothing of what to walk instead. */
-static const char *unreducible(PyObject *o) {
+static const char *unreducible(dpy_scanner_t *s, PyObject *o) {
   if (PyGen_Check(o)) return "an iterator cannot be reduced (walk list(...) of it)";
   if (PyDictKeys_Check(o) || PyDictValues_Check(o) || PyDictItems_Check(o))
     return "a dict view cannot be reduced (walk list(...) of it)";
-  return "it cannot be reduced";
+  return dpy_not_reducible(s);
+}
+
+/* "it cannot be reduced", and to scan and the Future (which take opaque=,
+ * dumps does not) how to walk past such an object: a lock or a handle
+ * beside the tensors. */
+const char *dpy_not_reducible(const dpy_scanner_t *s) {
+  return s->build ? "it cannot be reduced"
+                  : "it cannot be reduced (if it holds no device memory, list its type in opaque=)";
 }
 
 /* The reduce of an object that keeps pickle's defaults differs only in form:
@@ -258,7 +266,7 @@ PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
     if (PyErr_Occurred()) return dpy_dispatch_error(s, o), NULL;
     r = reduce_ex_5(o);
   }
-  if (!r) return dpy_walk_error(s, o, unreducible(o)), NULL;
+  if (!r) return dpy_walk_error(s, o, unreducible(s, o)), NULL;
   if (!keep(s, r)) return NULL;
   if (PyUnicode_Check(r)) return r; /* a global, pickled by name */
   if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 2 || PyTuple_GET_SIZE(r) > 6) {

@@ -41,5 +41,8 @@ int dpy_own_tensor_reduce(PyObject *o);
  * (subclass_attrs, *out or NULL). 0, or -1 with a walk error. */
 int dpy_tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d);
 int dpy_subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out);
+/* What a walk error says of an object with no reduce: with the opaque=
+ * hint where the walk takes opaque= (not building for dumps). */
+const char *dpy_not_reducible(const dpy_scanner_t *s);
 
 #endif

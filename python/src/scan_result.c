@@ -338,20 +338,32 @@ static PyObject *result_list(const dpy_scanner_t *s) {
   return list;
 }
 
-static int check_opaque(PyObject *opaque, PyObject **out) {
+/* opaque='s TypeError: `head` and o's type, and for a callable given where
+ * a type belongs — a factory such as threading.Lock, a function before
+ * Python 3.13 — that the type of what it makes is wanted. -1. */
+static int opaque_refused(const char *head, PyObject *o) {
+  PyObject *name = PyCallable_Check(o) ? PyObject_GetAttrString(o, "__qualname__") : NULL;
+  PyErr_Clear();
+  if (name && PyUnicode_Check(name))
+    PyErr_Format(PyExc_TypeError, "%s '%s' (%U is callable, not a type: give the type of what it makes, as "
+                 "type(threading.Lock()) for threading.Lock)", head, Py_TYPE(o)->tp_name, name);
+  else PyErr_Format(PyExc_TypeError, "%s '%s'", head, Py_TYPE(o)->tp_name);
+  Py_XDECREF(name);
+  return -1;
+}
+
+int dpy_scan_opaque(PyObject *opaque, PyObject **out) {
   *out = NULL;
   if (!opaque || opaque == Py_None) return 0;
   if (PyType_Check(opaque)) opaque = PyTuple_Pack(1, opaque);
   else if (!Py_TYPE(opaque)->tp_iter && !PySequence_Check(opaque)) {
     /* named, as classes= is: "'int' object is not iterable" says not which argument */
-    PyErr_Format(PyExc_TypeError, "opaque= takes types: a type or an iterable of types, not a '%s'",
-                 Py_TYPE(opaque)->tp_name);
-    return -1;
+    return opaque_refused("opaque= takes types: a type or an iterable of types, not a", opaque);
   } else opaque = PySequence_Tuple(opaque);
   if (!opaque) return -1;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(opaque); i++)
     if (!PyType_Check(PyTuple_GET_ITEM(opaque, i))) {
-      PyErr_Format(PyExc_TypeError, "opaque= takes types; got a '%s'", Py_TYPE(PyTuple_GET_ITEM(opaque, i))->tp_name);
+      opaque_refused("opaque= takes types; got a", PyTuple_GET_ITEM(opaque, i));
       Py_DECREF(opaque);
       return -1;
     }
@@ -367,7 +379,7 @@ PyObject *dpy_scan_py(PyObject *self, PyObject *args, PyObject *kw) {
   int paths = 1;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$pO:scan", kwlist, &obj, &paths, &opaque)) return NULL;
   dpy_scan_opts_t o = {.paths = paths};
-  if (check_opaque(opaque, &o.opaque)) return NULL;
+  if (dpy_scan_opaque(opaque, &o.opaque)) return NULL;
   dpy_scanner_t *s = dpy_scanner_get();
   PyObject *res = NULL;
   if (s && !dpy_scan(s, obj, &o, NULL)) res = result_list(s);

@@ -5,8 +5,10 @@ import dataclasses
 import enum
 import gc
 import pickle
+import re
 import subprocess
 import sys
+import threading
 import weakref
 
 import numpy as np
@@ -563,6 +565,34 @@ def test_opaque_types_are_leaves():
     with pytest.raises(TypeError) as e:
         devpickle.scan([], opaque=[Secret, "x"])
     assert str(e.value) == "opaque= takes types; got a 'str'"
+
+
+def test_an_unreducible_object_says_to_list_its_type_in_opaque_where_the_walk_takes_opaque():
+    # a lock beside the tensors: scan and the Future take opaque=, so their
+    # error says how to walk past it; dumps takes none, so its error does not
+    lock = threading.Lock()
+    hint = "it cannot be reduced (if it holds no device memory, list its type in opaque=): cannot pickle '_thread.lock'"
+    with pytest.raises(devpickle.WalkError, match=re.escape(f"cannot walk a '_thread.lock' at $.lock: {hint}")):
+        devpickle.scan({"lock": lock, "t": torch.ones(1)})
+    with pytest.raises(devpickle.WalkError, match=re.escape(f"at $[0]: {hint}")):
+        devpickle.Future().set_result([lock])
+    with pytest.raises(devpickle.WalkError, match=r"at \$\[0\]: it cannot be reduced: cannot pickle '_thread.lock'"):
+        devpickle.dumps([lock])
+    assert len(devpickle.scan({"lock": lock, "t": torch.ones(1)}, opaque=type(lock))) == 1
+
+
+def test_a_factory_given_as_an_opaque_type_says_to_give_the_type_of_what_it_makes():
+    # threading.Lock is a function before Python 3.13 (a type after)
+    def make():
+        return threading.Lock()
+
+    for opaque, head in ((make, "opaque= takes types: a type or an iterable of types, not a 'function'"),
+                         ((int, make), "opaque= takes types; got a 'function'")):
+        with pytest.raises(TypeError) as e:
+            devpickle.scan([], opaque=opaque)
+        assert str(e.value) == (f"{head} (test_a_factory_given_as_an_opaque_type_says_to_give_the_type_of_what_it_"
+                                "makes.<locals>.make is callable, not a type: give the type of what it makes, as "
+                                "type(threading.Lock()) for threading.Lock)")
 
 
 @pytest.mark.parametrize("opaque", [5, 1.5, object(), int | str], ids=["int", "float", "object", "a union"])
@@ -2423,7 +2453,8 @@ def test_a_reduce_error_whose_str_fails_is_still_a_walk_error_naming_it(bad_str)
 
     with pytest.raises(devpickle.WalkError) as e:
         devpickle.scan({"x": [Refuses()]})
-    assert str(e.value).endswith("at $.x[0]: it cannot be reduced: <exception str() failed>")
+    assert str(e.value).endswith("at $.x[0]: it cannot be reduced (if it holds no device memory, list its type in "
+                                 "opaque=): <exception str() failed>")
     assert e.value.path == "$.x[0]" and isinstance(e.value.__cause__, Unprintable)
     f = devpickle.Future()
     with pytest.raises(devpickle.WalkError, match="exception str"):
@@ -3136,7 +3167,8 @@ def test_an_object_without_a_reduce_ex_is_reduced_through_its_reduce_as_pickle_f
         HidesItsReduceEx.kept = None  # neither: both refuse
         with pytest.raises(pickle.PicklingError, match="^can't pickle 'HidesItsReduceEx' object"):
             pickles_order([HidesItsReduceEx()])
-        with pytest.raises(devpickle.WalkError, match=r"HidesItsReduceEx' at \$\[0\]: it cannot be reduced: can't "
+        with pytest.raises(devpickle.WalkError, match=r"HidesItsReduceEx' at \$\[0\]: it cannot be reduced \(if it "
+                                                      r"holds no device memory, list its type in opaque=\): can't "
                                                       r"pickle 'HidesItsReduceEx' object$"):
             devpickle.scan([HidesItsReduceEx()])
     finally:
