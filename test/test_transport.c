@@ -1545,6 +1545,79 @@ Test(transport, a_wait_in_a_callback_of_a_pass_on_a_future_only_a_pass_completes
   wait_from_a_callback_of_the_loop(1);
 }
 
+/* Caller-driven, from a callback of a future of the caller's own (no pass
+ * runs it): dp_transport_wait drives passes, and a pass that completes a
+ * receive queues the receive's callbacks on this thread, behind the running
+ * callback. A wait on the receive's then() child spent its whole limit
+ * (forever without one) driving passes while the callback that completes
+ * the child stood queued; a wait on the running callback's own child did
+ * the same, where dp_future_wait refuses it at once. */
+typedef struct drive_in_cb {
+  dp_transport_t *t;
+  dp_endpoint_t *c, *a;
+  dp_future_t *self;  /* the running callback's child */
+  int rc_then, rc_self;
+  dp_error_t e_then, e_self;
+  int64_t then_ns, self_ns;
+  dp_value_t got;
+} drive_in_cb_t;
+
+static int drive_from_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)err;
+  drive_in_cb_t *d = ud;
+  dp_future_t *r, *ch, *s;
+  OK(dp_endpoint_recv(d->a, &r, T_ERR));
+  OK(dp_future_then(r, seven, NULL, &ch, T_ERR));
+  OK(dp_endpoint_send(d->c, dp_int(1), &s, T_ERR));
+  int64_t t0 = now_ns_t();
+  d->rc_then = dp_transport_wait(d->t, ch, 10 * SEC, &d->e_then);
+  d->then_ns = now_ns_t() - t0;
+  d->got = dp_future_value(ch);
+  t0 = now_ns_t();
+  d->rc_self = dp_transport_wait(d->t, d->self, 10 * SEC, &d->e_self);
+  d->self_ns = now_ns_t() - t0;
+  dp_error_t e;
+  OK_WITH(&e, dp_transport_wait(d->t, s, 10 * SEC, &e));
+  dp_future_release(r);
+  dp_future_release(ch);
+  dp_future_release(s);
+  *result = dp_none();
+  return 0;
+}
+
+Test(transport, a_caller_driven_wait_in_a_callback_of_another_future_runs_the_callbacks_its_passes_queued,
+     .timeout = 60) {
+  t_track();
+  dp_transport_opts_t o = {0};
+  o.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  dp_transport_t *t = new_transport(&o);
+  drive_in_cb_t d = {.t = t};
+  dp_listener_t *l = listen_pair(t, &d.c, &d.a);
+  dp_future_t *u;
+  OK(dp_future_new(NULL, &u, T_ERR));
+  OK(dp_future_then(u, drive_from_callback, &d, &d.self, T_ERR));
+  OK(dp_future_mark_completed(u, dp_none(), T_ERR)); /* the callback runs here, outside any pass */
+  cr_assert_eq(d.rc_then, 0, "the wait on the receive's then() child: %s: %s", dp_err_name(d.rc_then),
+               d.e_then.message);
+  cr_assert_eq(dp_value_as_int(d.got), 7);
+  cr_assert_lt(d.then_ns, 5 * SEC, "the wait took %lld ms", (long long)(d.then_ns / 1000000));
+  cr_assert_eq(d.rc_self, DP_EMISUSE, "the wait on the callback's own child: %s: %s", dp_err_name(d.rc_self),
+               d.e_self.message);
+  cr_assert_str_eq(d.e_self.message,
+                   "dp_future_wait: called from the then() callback whose result completes the future: it would "
+                   "wait for itself");
+  cr_assert_lt(d.self_ns, SEC, "the refusal took %lld ms: not at once", (long long)(d.self_ns / 1000000));
+  dp_future_release(u);
+  dp_future_release(d.self);
+  dp_endpoint_free(d.c);
+  dp_endpoint_free(d.a);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* Caller-driven: a future that a send waits for, completed during a pass
  * after that send's endpoint was looked at (here by the completion of
  * another send the same pass posted: f2 is a then() of d1), leaves work —

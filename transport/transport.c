@@ -734,7 +734,30 @@ int dp_transport_progress(dp_transport_t *t) {
   return t && t->caller && !forked(t, "dp_transport_progress", NULL) ? dp__tp_caller_pass(t) : 0;
 }
 
-static int future_done(void *f) { return dp_future_is_done(f); }
+/* A caller's wait: f, and what refused it meanwhile (0: nothing). */
+typedef struct drive_wait {
+  dp_future_t *f;
+  int rc;
+  dp_error_t e;
+} drive_wait_t;
+
+/* 1 once f is complete, or its wait was refused as one for itself. In a
+ * future's callback a pass queues the callbacks of what it completes on
+ * this thread, behind the running one: a wait there runs them
+ * (dp_future_wait, which also refuses at once a wait for the running
+ * callback's own child), or a then() child of a receive never completed
+ * while passes ran. Its other answers (a limit on nesting, out of memory)
+ * leave the passes to complete f. */
+static int drive_done(void *arg) {
+  drive_wait_t *w = arg;
+  if (dp_future_is_done(w->f)) return 1;
+  if (!dp__future_running()) return 0;
+  int rc = dp_future_wait(w->f, 0, &w->e);
+  if (dp_future_is_done(w->f)) return 1;
+  if (rc != DP_EMISUSE) return 0;
+  w->rc = rc;
+  return 1;
+}
 
 int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   if (!t || !f) return dp__err(err, DP_EINVAL, "dp_transport_wait: %s is NULL", t ? "f" : "t");
@@ -744,8 +767,14 @@ int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_
      a wait for itself (its passes returned at once: it spun a core until
      its limit, forever without one, on the callback's own child) */
   int drive = t->caller && dp__tp_in_pass != t;
-  int rc = drive ? (dp__tp_caller_until(t, future_done, f, timeout_ns) ? dp_future_wait(f, 0, err) : DP_ETIMEDOUT)
-                 : dp_future_wait(f, timeout_ns, err);
+  drive_wait_t w = {.f = f};
+  int rc;
+  if (!drive) rc = dp_future_wait(f, timeout_ns, err);
+  else if (!dp__tp_caller_until(t, drive_done, &w, timeout_ns)) rc = DP_ETIMEDOUT;
+  else if (w.rc) {
+    if (err) *err = w.e;
+    return w.rc;
+  } else rc = dp_future_wait(f, 0, err);
   if (rc != DP_ETIMEDOUT) return rc;
   if (dp_future_is_done(f)) return dp_future_wait(f, 0, err); /* failed with a timeout of its own, or done just now */
   return dp__err(err, DP_ETIMEDOUT, "dp_transport_wait: the future did not complete within %lld ns",

@@ -223,7 +223,11 @@ DP_API int dp_transport_progress(dp_transport_t *t);
 /** Waits for f as dp_future_wait does (timeout_ns < 0: no limit; the same
  *  result and errors), driving a caller-driven transport meanwhile: passes
  *  while there is work, a spin of up to 200 us, then sleeps on UCX's and
- *  the command queue's descriptors. With a thread of its own, and from a
+ *  the command queue's descriptors; in a callback of another future (a
+ *  pass queues the callbacks of what it completes behind the running one)
+ *  it runs those between passes, as dp_future_wait there does, and a wait
+ *  for the running callback's own child is DP_EMISUSE at once (future.h).
+ *  With a thread of its own, and from a
  *  callback a caller's pass runs (no pass can run there), it is
  *  dp_future_wait (a message of its own limit running out names
  *  dp_transport_wait; a wait on the callback's own child, or on a pending
