@@ -734,10 +734,11 @@ int dp_transport_progress(dp_transport_t *t) {
   return t && t->caller && !forked(t, "dp_transport_progress", NULL) ? dp__tp_caller_pass(t) : 0;
 }
 
-/* A caller's wait: f, and what refused it meanwhile (0: nothing). */
+/* A caller's wait: f, and the answer of a wait on it made meanwhile
+ * (answered: rc and e hold it). */
 typedef struct drive_wait {
   dp_future_t *f;
-  int rc;
+  int answered, rc;
   dp_error_t e;
 } drive_wait_t;
 
@@ -746,15 +747,17 @@ typedef struct drive_wait {
  * this thread, behind the running one: a wait there runs them
  * (dp_future_wait, which also refuses at once a wait for the running
  * callback's own child), or a then() child of a receive never completed
- * while passes ran. Its other answers (a limit on nesting, out of memory)
- * leave the passes to complete f. */
+ * while passes ran. Its other answers on a pending f (a limit on nesting,
+ * out of memory) leave the passes to complete f. */
 static int drive_done(void *arg) {
   drive_wait_t *w = arg;
   if (dp_future_is_done(w->f)) return 1;
   if (!dp__future_running()) return 0;
   int rc = dp_future_wait(w->f, 0, &w->e);
-  if (dp_future_is_done(w->f)) return 1;
-  if (rc != DP_EMISUSE) return 0;
+  int done = dp_future_is_done(w->f);
+  if (rc == DP_ETIMEDOUT) return done; /* done: just now, or its own error (the caller waits again) */
+  if (!done && rc != DP_EMISUSE) return 0;
+  w->answered = 1; /* f's result (its events joined once), or the refusal */
   w->rc = rc;
   return 1;
 }
@@ -771,8 +774,8 @@ int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_
   int rc;
   if (!drive) rc = dp_future_wait(f, timeout_ns, err);
   else if (!dp__tp_caller_until(t, drive_done, &w, timeout_ns)) rc = DP_ETIMEDOUT;
-  else if (w.rc) {
-    if (err) *err = w.e;
+  else if (w.answered) {
+    if (w.rc && err) *err = w.e;
     return w.rc;
   } else rc = dp_future_wait(f, 0, err);
   if (rc != DP_ETIMEDOUT) return rc;
