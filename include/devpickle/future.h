@@ -46,6 +46,9 @@
  * callback's own future's later callbacks still run after it returns. A wait there on a pending future runs
  * every callback queued on the thread (any of them might complete it), the running callback's own future's
  * later ones included: they start inside the wait, before the callback returns (WAITS NEST below).
+ * So a callback must return: one left by longjmp (or a C++ exception)
+ * leaves its frame running on the thread for good — later callbacks there
+ * only queue, and dp_shutdown there tears nothing down.
  *
  * WAITS NEST: a callback that such a wait runs may wait in turn, and runs
  * the next queued callback inside itself, and so on: waits nest as deep as
