@@ -31,7 +31,7 @@ static PyObject *helper(const char *name) {
  * current stream (torch's, where torch is in use: the data the caller's
  * queued work writes), without the GIL while the copy waits for that work;
  * other threads run meanwhile, so cpu memory read after such a wait is
- * checked again first (the walk's check_storages no longer answers for it). */
+ * checked again first (the walk's dpy_check_storages no longer answers for it). */
 typedef struct reader {
   dpy_scanner_t *scanner;
   int gil_dropped; /* the GIL was released since the walk checked the storages */

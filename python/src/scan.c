@@ -110,7 +110,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   }
   /* A tensor skips the memo: met twice, its allocation is found again (the
    * same one; account() counts the tensor once in refs) and its attributes
-   * are entered once (visit_tensor_attrs). */
+   * are entered once (dpy_visit_tensor_attrs). */
   if (k == K_TORCH) return dpy_visit_torch(s, o);
   /* a plain object's or namedtuple's dispatch-table entry, looked up once:
      both the memo decision and the switch below need it */
@@ -286,7 +286,7 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
         if (!l) return NULL;
         if (f->idx == 4) {
           if (PyList_GET_SIZE(l) == 0) continue;
-          PyTypeObject *reduced = f->type; /* push may move the frames */
+          PyTypeObject *reduced = f->type; /* dpy_push may move the frames */
           if (s->build && dpy_build_pairs(s)) return NULL;
           if (dpy_push(s, FR_PAIRS, l, reduced)) return NULL;
           s->frames[s->nframes - 1].type = (PyTypeObject *)Py_XNewRef((PyObject *)reduced);
@@ -298,12 +298,12 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
       return part;
     }
     if (f->pos == 6 && f->value) {
-      /* an object-dtype array subclass's attributes (visit_buffer): the
+      /* an object-dtype array subclass's attributes (dpy_visit_buffer): the
          reduced object's own, at its path (`<reduce T>.name`) */
       f->pos = 7;
       f->idx = 6;
       PyObject *d = f->value;
-      PyTypeObject *owner = f->type; /* push may move the frames */
+      PyTypeObject *owner = f->type; /* dpy_push may move the frames */
       if (dpy_push(s, FR_ATTRS, d, owner)) return NULL;
       return Py_None; /* the pushed frame is the child */
     }

@@ -489,7 +489,7 @@ static int refuse_unframed(dpy_scanner_t *s, PyObject *o) {
 
 static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   /* a subclass's __torch_function__ runs the value's code on every attribute
-     read below (dtype, shape, stride(), ...): check_storages looks again */
+     read below (dtype, shape, stride(), ...): dpy_check_storages looks again */
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
   int n = dpy_torch_allocs(o, a);
   if (n < 0) return dpy_walk_error(s, o, "a tensor whose memory cannot be described");
@@ -578,7 +578,7 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "no array interface");
     return dpy_walk_error(s, o, "an array that cannot be described");
   }
-  /* held, as visit_iface holds them (numpy's and cupy's own dicts: str keys) */
+  /* held, as dpy_visit_iface holds them (numpy's and cupy's own dicts: str keys) */
   PyObject *typestr = NULL, *shp = NULL, *str = NULL, *data = NULL;
   if (dpy_iface_part(ai, dpy.str_typestr, &typestr) || dpy_iface_part(ai, dpy.str_shape, &shp) ||
       dpy_iface_part(ai, dpy.str_strides, &str) || dpy_iface_part(ai, dpy.str_data, &data))
@@ -744,7 +744,7 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
     PyObject *iface;
     int found = _PyObject_LookupAttr(o, k == K_CAI ? dpy.str_cai : dpy.str_dlpack_device, &iface);
     Py_XDECREF(iface);
-    if (found > 0 && k == K_DLPACK) { /* both, as visit_dlpack reads them */
+    if (found > 0 && k == K_DLPACK) { /* both, as dpy_visit_dlpack reads them */
       found = _PyObject_LookupAttr(o, dpy.str_dlpack, &iface);
       Py_XDECREF(iface);
       if (found < 0) return dpy_walk_error(s, o, "__dlpack__ failed");

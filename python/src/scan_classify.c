@@ -200,7 +200,7 @@ static int64_t tcache_interp = -1;
 
 /* A walk begins: the cache is emptied when it holds another interpreter's
  * types (two interpreters may give their classes the same tags). Returns
- * what tcache_leave restores. */
+ * what dpy_tcache_leave restores. */
 int64_t dpy_tcache_enter(void) {
   int64_t outer = tcache_interp, id = PyInterpreterState_GetID(PyInterpreterState_Get());
   if (id != tcache_interp) {

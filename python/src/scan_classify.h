@@ -42,7 +42,7 @@ typedef struct tcache_ent {
    * on that; the counter, once spent, hands out none), and an entry matches only a
    * type with a valid tag equal to the one kept. From 3.12 each
    * interpreter counts its own tags, from the same start: the cache holds
-   * one interpreter's types (tcache_enter). A strong reference kept a
+   * one interpreter's types (dpy_tcache_enter). A strong reference kept a
    * walked class — its class attributes, its methods' closures — alive
    * until another type took its slot. */
   PyTypeObject *type;
@@ -56,7 +56,7 @@ typedef struct tcache_ent {
 extern tcache_ent_t tcache[TCACHE_SIZE];
 
 /* The first interrupt or MemoryError a helper of the walk met, kept aside
- * (clear_error): dpy_scan raises it as it is (raise_held). */
+ * (dpy_clear_error): dpy_scan raises it as it is (dpy_raise_held). */
 extern _Thread_local PyObject *held_exc[3];
 void dpy_clear_error(void);
 int dpy_raise_held(void);

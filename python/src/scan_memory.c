@@ -214,7 +214,7 @@ int dpy_visit_torch(dpy_scanner_t *s, PyObject *o) {
  * own: a future's value is reached through its own wait(), which orders
  * the caller after the future's events, and an event is a position on a
  * stream. torch's extractor skips both; pickle refuses both (so does
- * dumps: build_visit reduces it). What a subclass or the instance adds —
+ * dumps: dpy_build_visit reduces it). What a subclass or the instance adds —
  * its __dict__ and the slots that are set — is walked as attributes. */
 int dpy_visit_sync(dpy_scanner_t *s, PyObject *o) {
   PyObject *d;
@@ -231,7 +231,7 @@ int dpy_visit_storage(dpy_scanner_t *s, PyObject *o) {
   int rc = st ? dpy_storage_extent(st, &a) || device_from_torch(st, o, &a) : -1;
   Py_XDECREF(st);
   if (rc) return dpy_walk_error(s, o, "a storage whose memory cannot be described");
-  if (!a.nbytes) return 0; /* an empty storage holds no memory, wherever it points (visit_torch) */
+  if (!a.nbytes) return 0; /* an empty storage holds no memory, wherever it points (dpy_visit_torch) */
   return add_alloc(s, (dp_device_t){(dp_device_type_t)a.device_type, a.device_index}, a.base, a.nbytes, o);
 }
 

@@ -1,8 +1,8 @@
 /*
  * scan_memory.h — the memory a value holds (scan_memory.c). A visit_*
  * adds what o holds to the scanner's allocations (and pushes the frames of
- * what else pickle carries of it): 0, or -1 with a walk error; visit_iface
- * and visit_dlpack return 1 when o turns out to have no such interface.
+ * what else pickle carries of it): 0, or -1 with a walk error; dpy_visit_iface
+ * and dpy_visit_dlpack return 1 when o turns out to have no such interface.
  * The readers under them answer the builder too.
  */
 #ifndef DEVPICKLE_PY_SCAN_MEMORY_H

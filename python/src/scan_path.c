@@ -180,7 +180,7 @@ static size_t put_key(dpy_scanner_t *sc, PyObject *key, char *out) {
  * *hold: a name has no length limit (a fixed buffer cut a 300-byte class
  * name, and the frame carried the cut one). Returns its text, or fallback
  * (*hold NULL) when memory runs out: the MemoryError is held for the walk
- * (clear_error). */
+ * (dpy_clear_error). */
 static const char *dotted(const char *m, const char *q, const char *fallback, PyObject **hold) {
   *hold = m && strcmp(m, "builtins") ? PyBytes_FromFormat("%s.%s", m, q) : PyBytes_FromString(q);
   if (*hold) return PyBytes_AS_STRING(*hold);

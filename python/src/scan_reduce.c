@@ -109,7 +109,7 @@ int dpy_own_class_reduce(PyTypeObject *t) {
            PyUnicode_Tailmatch(m, dpy.str_torch_dot, 0, 6, -1) == 1);
 }
 
-/* Whether tensor o is reduced by a reduce of its own (own_class_reduce, or
+/* Whether tensor o is reduced by a reduce of its own (dpy_own_class_reduce, or
  * a __reduce_ex__ set on the instance, which pickle looks up there first).
  * 1, 0, or -1 with an error set. */
 int dpy_own_tensor_reduce(PyObject *o) {

@@ -10,8 +10,8 @@
 #include "scan_state.h"
 
 /* o's reduce (a str, or a tuple of 2 to 6 parts: borrowed, kept by the
- * walk), or NULL with a walk error; push_reduce pushes the frame of r's
- * parts; enter_reduce does both. 0, or -1 with a walk error. */
+ * walk), or NULL with a walk error; dpy_push_reduce pushes the frame of r's
+ * parts; dpy_enter_reduce does both. 0, or -1 with a walk error. */
 PyObject *reduce_of(dpy_scanner_t *s, PyObject *o);
 int dpy_push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r);
 int dpy_enter_reduce(dpy_scanner_t *s, PyObject *o);
@@ -22,7 +22,7 @@ PyObject *drain(dpy_scanner_t *s, PyObject *it);
 PyObject *private_list(PyObject *l);
 
 /* Whether copyreg.dispatch_table or the instance's own __reduce_ex__ or
- * __getstate__ reduces o: 1, 0, or -1 with a walk error (dispatch_error's,
+ * __getstate__ reduces o: 1, 0, or -1 with a walk error (dpy_dispatch_error's,
  * when the table's lookup raised). */
 int dpy_dispatched(dpy_scanner_t *s, PyObject *o);
 int dpy_dispatch_error(dpy_scanner_t *s, PyObject *o);
@@ -36,9 +36,9 @@ int dpy_push_own_state(dpy_scanner_t *s, PyObject *o);
 int dpy_own_class_reduce(PyTypeObject *t);
 int dpy_own_tensor_reduce(PyObject *o);
 /* The instance attributes pickle carries beyond what a C base's reduce
- * does: a tensor subclass's slots merged into *d (tensor_slots), a Python
+ * does: a tensor subclass's slots merged into *d (dpy_tensor_slots), a Python
  * subclass's __dict__ and slots of an instance of kind `kind`
- * (subclass_attrs, *out or NULL). 0, or -1 with a walk error. */
+ * (dpy_subclass_attrs, *out or NULL). 0, or -1 with a walk error. */
 int dpy_tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d);
 int dpy_subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out);
 /* What a walk error says of an object with no reduce: with the opaque=

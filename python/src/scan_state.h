@@ -37,7 +37,7 @@ struct dpy_scanner {
   dpy_scanner_t *next_free;
   dp_ptrset_t *found;    /* the allocations: own, or the caller's */
   dp_ptrset_t *own;
-  dp_ptrset_t *memo;     /* objects entered, by address (each also in keep: see seen_at) */
+  dp_ptrset_t *memo;     /* objects entered, by address (each also in keep: see dpy_seen_at) */
   PyObject *keep;        /* a list: what the walk created or entered, alive until it ends */
   PyObject *reprs;       /* key_text: the items of tuple and frozenset keys shown, by identity: id -> (item, text,
                             cut) */
@@ -86,7 +86,7 @@ struct dpy_scanner {
   PyObject **stor_obj;
   PyObject **stor_st;   /* a torch tensor's storage object, held (the frame reads its memory) */
   size_t stor_cap;
-  dp_value_t made;  /* the container build_pairs made for the frame pushed next */
+  dp_value_t made;  /* the container dpy_build_pairs made for the frame pushed next */
   int saw_cupy;     /* a cupy array was found: its streams are cupy's */
 };
 
@@ -105,7 +105,7 @@ int dpy_seen(dpy_scanner_t *s, PyObject *obj);
 PyObject *keep(dpy_scanner_t *s, PyObject *o);
 
 /* Allocations: added at once (*at its index, its first path rendered),
- * or in a batch (add_alloc) that flush_pending adds. 0, or -1 with an
+ * or in a batch (add_alloc) that dpy_flush_pending adds. 0, or -1 with an
  * exception. */
 int dpy_add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, size_t *at);
 int dpy_flush_pending(dpy_scanner_t *s);
