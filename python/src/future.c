@@ -1065,11 +1065,45 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
   return 0;
 }
 
+/* A devpickle.Object (what loads made of a function its classes= did not
+ * list) is callable, so that an API which tests callable() first takes it
+ * and its call says what to list; a callback runs later, where what it
+ * raises is a child's failure or, for add_done_callback, unraisable. So
+ * then() and add_done_callback refuse it at once, with what its call would
+ * say. 1 (an exception set) for an Object, 0 for any other callable, -1. */
+static int callback_is_object(PyObject *callback) {
+  static PyObject *object_type; /* devpickle._object.Object, looked up once one comes */
+  if (strcmp(Py_TYPE(callback)->tp_name, "Object") != 0) return 0;
+  if (!object_type) {
+    PyObject *mod = PyImport_ImportModule("devpickle._object");
+    object_type = mod ? PyObject_GetAttrString(mod, "Object") : NULL;
+    Py_XDECREF(mod);
+    if (!object_type) return -1;
+  }
+  if ((PyObject *)Py_TYPE(callback) != object_type) return 0;
+  PyObject *r = PyObject_CallNoArgs(callback); /* raises the TypeError that names what to list */
+  if (r) { /* not reached: an Object's call always raises */
+    Py_DECREF(r);
+    PyErr_SetString(PyExc_TypeError, "the callback must be callable, not a devpickle.Object");
+    return 1;
+  }
+  if (!PyErr_ExceptionMatches(PyExc_TypeError)) return 1;
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  PyErr_Format(PyExc_TypeError, "the callback must be callable: %S", value);
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(tb);
+  return 1;
+}
+
 static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
   if (!PyCallable_Check(callback)) {
     PyErr_Format(PyExc_TypeError, "the callback must be callable, not '%s'", Py_TYPE(callback)->tp_name);
     return NULL;
   }
+  if (callback_is_object(callback)) return NULL;
   self->used = 1;
   then_ud_t *u = PyMem_RawMalloc(sizeof *u);
   pyfut_t *child = with_child ? fut_alloc(&fut_type) : NULL;

@@ -654,6 +654,36 @@ def test_then_and_add_done_callback_refuse_what_is_not_callable_at_once(Future):
     assert seen == [] and f.wait() == 1
 
 
+def test_then_and_add_done_callback_refuse_a_devpickle_object_at_once_saying_what_to_list():
+    # loads makes a function its classes= does not list a devpickle.Object,
+    # callable (so that defaultdict takes it) but refusing its call: as a
+    # callback it failed only once the future completed — then()'s child
+    # with a RuntimeError, add_done_callback's as an unraisable exception
+    relu = devpickle.loads(devpickle.dumps(torch.nn.functional.relu))
+    assert type(relu) is devpickle.Object and callable(relu)
+    f = devpickle.Future()
+    for method in (f.then, f.add_done_callback):
+        with pytest.raises(TypeError) as raised:
+            method(relu)
+        assert str(raised.value) == (
+            "the callback must be callable: a devpickle.Object of class 'devpickle.global' cannot be called: "
+            "loads returns torch.nn.functional.relu only where its classes= lists it "
+            "(classes=(torch.nn.functional.relu, ...))")
+    with catch_unraisable() as seen:
+        f.set_result(1)
+    assert seen == [] and f.wait() == 1
+
+    class Mine(devpickle.Object):  # a subclass's call is its own
+        def __call__(self, fut):
+            ran.append(fut.wait())
+
+    ran = []
+    f = devpickle.Future()
+    f.add_done_callback(Mine("x"))
+    f.set_result(2)
+    assert ran == [2]
+
+
 def test_add_done_callback_returns_none(Future):
     f = Future()
     assert f.add_done_callback(lambda fut: 1) is None
