@@ -62,6 +62,7 @@ typedef struct dpy_scan_opts {
                          * when found (dp_storage_set_host_data) */
   int no_refs;          /* the allocations only: a tensor met twice counts twice in the set's
                          * refs (refs are counted exactly only without `into`) */
+  int chained;          /* a then() future's walk: its opaque types are its parent's (walk errors say so) */
 } dpy_scan_opts_t;
 
 /* A scanner from the module's cache (or a new one). */

@@ -37,6 +37,7 @@ typedef struct pyfut {
   int cupy;           /* the value holds cupy arrays: cupy's current streams */
   int completing;     /* set_result/set_exception began: a second one is refused */
   int used;           /* waited on, chained or collected: __init__ may no longer remake it */
+  int chained;        /* a then() future: its opaque types came from its parent (a walk error says so) */
   unsigned long walker; /* the thread walking the result it will complete with (set_result, a then()
                          * callback's), or 0: that thread's wait() on it could never return */
   struct pyfut *parent; /* a then() future's, until its callback ran (borrowed: the callback holds it):
@@ -486,7 +487,7 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_pt
   if (!s) return -1;
   /* the future needs the allocations, not their refs. The opaque types are
      held for the walk: the value's code may replace self's (__init__) */
-  dpy_scan_opts_t o = {.paths = 0, .no_refs = 1, .opaque = Py_XNewRef(self->opaque)};
+  dpy_scan_opts_t o = {.paths = 0, .no_refs = 1, .opaque = Py_XNewRef(self->opaque), .chained = self->chained};
   /* the value's code runs under the walk: a wait() on self from it (on
      this thread) is refused, since self completes only once the walk
      returns. A nested walk of the same future cannot begin (completing is
@@ -1118,6 +1119,7 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
      * the callback can run (at once, when the parent is done) */
     child->track = self->track;
     child->opaque = Py_XNewRef(self->opaque);
+    child->chained = 1;
     if (self->ndevices) {
       child->devices = PyMem_Calloc(self->ndevices, sizeof *child->devices);
       if (!child->devices) {

@@ -709,6 +709,7 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
   if (dpy_resolve_frameworks()) return -1;
   s->build = opts->build;
   s->copy_borrowed = opts->build && opts->inline_data;
+  s->chained = opts->chained;
   s->root = dp_none();
   s->saw_cupy = 0;
   if (!s->own) s->own = s->found;

@@ -241,10 +241,15 @@ static const char *unreducible(dpy_scanner_t *s, PyObject *o) {
 
 /* "it cannot be reduced", and to scan and the Future (which take opaque=,
  * dumps does not) how to walk past such an object: a lock or a handle
- * beside the tensors. */
+ * beside the tensors. A then() future takes no opaque= of its own: its
+ * walk says where its types come from (its parent; a collect_all future,
+ * its parent down a then() chain, from its inputs). */
 const char *dpy_not_reducible(const dpy_scanner_t *s) {
-  return s->build ? "it cannot be reduced"
-                  : "it cannot be reduced (if it holds no device memory, list its type in opaque=)";
+  if (s->build) return "it cannot be reduced";
+  return s->chained ? "it cannot be reduced (if it holds no device memory, list its type in opaque= of the future "
+                      "then() was called on: a then() future walks with its parent's types, a collect_all "
+                      "future's with its inputs')"
+                    : "it cannot be reduced (if it holds no device memory, list its type in opaque=)";
 }
 
 /* The reduce of an object that keeps pickle's defaults differs only in form:

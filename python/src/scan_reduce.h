@@ -42,7 +42,8 @@ int dpy_own_tensor_reduce(PyObject *o);
 int dpy_tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d);
 int dpy_subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **out);
 /* What a walk error says of an object with no reduce: with the opaque=
- * hint where the walk takes opaque= (not building for dumps). */
+ * hint where the walk takes opaque= (not building for dumps), naming the
+ * parent's for a then() future's walk. */
 const char *dpy_not_reducible(const dpy_scanner_t *s);
 
 #endif

@@ -79,6 +79,7 @@ struct dpy_scanner {
    * allocation and the first object found on it */
   int build;
   int copy_borrowed; /* opts->inline_data */
+  int chained;       /* opts->chained: where a walk error says opaque= is given */
   dp_value_t root;
   dp_value_t *vals;
   size_t vals_cap;

@@ -581,6 +581,34 @@ def test_an_unreducible_object_says_to_list_its_type_in_opaque_where_the_walk_ta
     assert len(devpickle.scan({"lock": lock, "t": torch.ones(1)}, opaque=type(lock))) == 1
 
 
+def test_a_then_futures_unreducible_object_says_its_opaque_types_are_its_parents():
+    # then() takes no opaque=: "list its type in opaque=" sent the user to an
+    # argument the future whose walk failed has none of; its types are its
+    # parent's (a collect_all future's, its inputs')
+    lock = threading.Lock()
+    hint = ("it cannot be reduced (if it holds no device memory, list its type in opaque= of the future then() was "
+            "called on: a then() future walks with its parent's types, a collect_all future's with its inputs'): "
+            "cannot pickle '_thread.lock' object")
+    parent, a = devpickle.Future(), devpickle.Future()
+    children = [parent.then(lambda p: [lock]), parent.then(lambda p: 1).then(lambda p: [lock]),
+                devpickle.collect_all([a]).then(lambda p: [lock])]
+    parent.set_result(1)
+    a.set_result(1)
+    for child in children:
+        with pytest.raises(devpickle.WalkError) as e:
+            child.wait()
+        assert str(e.value) == f"cannot walk a '_thread.lock' at $[0]: {hint}"
+    # the parent's own walk keeps the short hint, and its types reach the child
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.Future().set_result([lock])
+    assert str(e.value) == ("cannot walk a '_thread.lock' at $[0]: it cannot be reduced (if it holds no device "
+                            "memory, list its type in opaque=): cannot pickle '_thread.lock' object")
+    listed = devpickle.Future(opaque=type(lock))
+    child = listed.then(lambda p: [lock])
+    listed.set_result(1)
+    assert child.wait() == [lock]
+
+
 def test_a_factory_given_as_an_opaque_type_says_to_give_the_type_of_what_it_makes():
     # threading.Lock is a function before Python 3.13 (a type after)
     def make():
