@@ -340,9 +340,15 @@ static PyObject *result_list(const dpy_scanner_t *s) {
 
 /* opaque='s TypeError: `head` and o's type, and for a callable given where
  * a type belongs — a factory such as threading.Lock, a function before
- * Python 3.13 — that the type of what it makes is wanted. -1. */
+ * Python 3.13 — that the type of what it makes is wanted. The name's read
+ * is the object's code: a missing or failing name is left out, but an
+ * interrupt (not an Exception) or a MemoryError it raised passes through,
+ * as the walk lets them through. -1. */
 static int opaque_refused(const char *head, PyObject *o) {
   PyObject *name = PyCallable_Check(o) ? PyObject_GetAttrString(o, "__qualname__") : NULL;
+  if (!name && PyErr_Occurred() &&
+      (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)))
+    return -1;
   PyErr_Clear();
   if (name && PyUnicode_Check(name))
     PyErr_Format(PyExc_TypeError, "%s '%s' (%U is callable, not a type: give the type of what it makes, as "

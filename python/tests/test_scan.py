@@ -623,6 +623,34 @@ def test_a_factory_given_as_an_opaque_type_says_to_give_the_type_of_what_it_make
                                 "type(threading.Lock()) for threading.Lock)")
 
 
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, MemoryError, SystemExit])
+def test_an_interrupt_raised_reading_a_callable_opaques_name_passes_through(raised):
+    # the name the factory hint reads is the object's own code: what it
+    # raises is swallowed as a missing name, but not an interrupt or a
+    # MemoryError, which the walk never swallows either
+    class Factory:
+        def __call__(self):
+            return threading.Lock()
+
+        def __getattr__(self, name):
+            if name == "__qualname__":
+                raise raised("while reading __qualname__")
+            raise AttributeError(name)
+
+    for opaque in (Factory(), [int, Factory()]):
+        for take in (lambda: devpickle.scan([], opaque=opaque), lambda: devpickle.Future(opaque=opaque)):
+            with pytest.raises(raised, match="^while reading __qualname__$"):
+                take()
+
+    class Quiet(Factory):
+        def __getattr__(self, name):
+            raise ValueError(name)
+
+    with pytest.raises(TypeError) as e:
+        devpickle.scan([], opaque=Quiet())
+    assert str(e.value) == "opaque= takes types: a type or an iterable of types, not a 'Quiet'"
+
+
 @pytest.mark.parametrize("opaque", [5, 1.5, object(), int | str], ids=["int", "float", "object", "a union"])
 def test_opaque_that_is_neither_a_type_nor_an_iterable_is_a_type_error_naming_opaque(opaque):
     # "anything else ... is a TypeError", saying which argument (as classes=
