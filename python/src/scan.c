@@ -127,7 +127,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     return dpy_push(s, FR_SEQ, o, t);
   case K_NAMEDTUPLE: {
     if (reduced) return dpy_enter_reduce(s, o); /* copyreg.pickle(NT, ...) */
-    PyObject *names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
+    PyObject *names = dpy_keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
     if (!names) return -1;
     if (PyTuple_GET_SIZE(o) == 0) return 0;
     if (dpy_push(s, FR_SEQ, o, t)) return -1;
@@ -137,7 +137,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   case K_DICT:
     return dpy_push(s, FR_DICT, o, t);
   case K_SET: {
-    PyObject *items = keep(s, private_list(PySequence_List(o)));
+    PyObject *items = dpy_keep(s, dpy_private_list(PySequence_List(o)));
     return items ? dpy_push(s, FR_SET, items, t) : -1;
   }
   case K_AIF_OBJECT:
@@ -150,7 +150,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     if (!d) { /* a managed dict (3.11+): ask for it */
       d = PyObject_GenericGetDict(o, NULL);
       if (!d) return dpy_walk_error(s, o, "its __dict__ cannot be read");
-      if (!keep(s, d)) return -1;
+      if (!dpy_keep(s, d)) return -1;
     }
     if (!PyDict_Check(d) || PyDict_GET_SIZE(d) == 0) return 0;
     /* __cuda_array_interface__ set on the instance (its class has none):
@@ -282,7 +282,7 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
       if (!s->build && f->idx == 0 && (PyType_Check(part) || PyCFunction_Check(part) || PyFunction_Check(part)))
         continue;
       if (f->idx == 3 || f->idx == 4) { /* iterators: drained into lists */
-        PyObject *l = drain(s, part);
+        PyObject *l = dpy_drain(s, part);
         if (!l) return NULL;
         if (f->idx == 4) {
           if (PyList_GET_SIZE(l) == 0) continue;

@@ -359,7 +359,7 @@ static int build_tensor(dpy_scanner_t *s, PyObject *o, dp_device_t dev, void *ba
      * later in the walk may t.set_() it away and free the memory the frame
      * will read. The storage itself is kept until dumps ends. */
     if (dpy_is_torch(o)) {
-      PyObject *st = untyped_storage(o);
+      PyObject *st = dpy_untyped_storage(o);
       if (!st) return dpy_walk_error(s, o, "its storage cannot be held");
       s->stor_st[at] = st;
     }
@@ -792,7 +792,7 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   case K_SET: {
     const char *cls = t == &PySet_Type ? "builtins.set" : "builtins.frozenset";
     if ((rc = dp_object_new(cls, &v, &e))) return dp_fail(s, o, rc, &e);
-    PyObject *items = keep(s, private_list(PySequence_List(o)));
+    PyObject *items = dpy_keep(s, dpy_private_list(PySequence_List(o)));
     if (!items) return -1;
     return build_container(s, o, at, FR_SET, PyList_GET_SIZE(items) ? items : NULL, cls, v, NULL);
   }
@@ -805,7 +805,7 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
       break;
     }
     if (k == K_NAMEDTUPLE) {
-      names = keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
+      names = dpy_keep(s, PyObject_GetAttr((PyObject *)t, dpy.str_fields));
       if (!names) return -1;
       /* each item becomes the attribute its field names: a _fields that is
          not a tuple, or names more or fewer fields than there are items,
@@ -821,7 +821,7 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
       iter = PyTuple_GET_SIZE(o) ? o : NULL;
     } else {
       PyObject *d = PyObject_GenericGetDict(o, NULL);
-      if (!d || !keep(s, d)) return dpy_walk_error(s, o, "its __dict__ cannot be read");
+      if (!d || !dpy_keep(s, d)) return dpy_walk_error(s, o, "its __dict__ cannot be read");
       iter = PyDict_Check(d) && PyDict_GET_SIZE(d) ? d : NULL;
       /* device memory by its instance's __cuda_array_interface__ (visit()):
          refused as any such producer is, never carried as its address */
@@ -881,7 +881,7 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
       return dpy_walk_error(s, o, h > 0 ? "memory that cannot be carried in a frame" : "its __dict__ cannot be read");
     }
   }
-  PyObject *r = reduce_of(s, o);
+  PyObject *r = dpy_reduce_of(s, o);
   if (!r) return -1;
   if (PyUnicode_Check(r)) { /* a global by its reduce (torch.float16, numpy.add): by name, as pickle saves it */
     if (global_of(s, o, r, &v)) return -1;

@@ -159,7 +159,7 @@ static int version_tag(PyTypeObject *t, unsigned int *tag) {
   return (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) != 0;
 }
 
-uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e) {
+uint8_t dpy_classify_slow(PyTypeObject *t, tcache_ent_t *e) {
   if (t == &PySet_Type || t == &PyFrozenSet_Type) return K_SET;
   if (t == &PyComplex_Type || t == &PyBytes_Type) return K_LEAF;
   /* kind_of runs Python code (copyreg._slotnames, which sets __slotnames__

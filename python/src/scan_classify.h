@@ -71,7 +71,7 @@ void dpy_tcache_leave(int64_t outer);
 
 /* A type not in the cache: classified and cached (out of line, so that the
  * lookup below stays small enough to inline). */
-__attribute__((noinline)) uint8_t classify_slow(PyTypeObject *t, tcache_ent_t *e);
+__attribute__((noinline)) uint8_t dpy_classify_slow(PyTypeObject *t, tcache_ent_t *e);
 
 /* The kind of t, cached per type and version tag (a class changed after it
  * was cached gets a new tag, so the cache never answers for a stale class). */
@@ -92,7 +92,7 @@ static inline uint8_t classify(PyTypeObject *t) {
   if (t == &PyDict_Type) return K_DICT;
   if (plain_leaf(t)) return K_LEAF;
   tcache_ent_t *e = tcache_hit(t);
-  return e ? e->kind : classify_slow(t, &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE]);
+  return e ? e->kind : dpy_classify_slow(t, &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE]);
 }
 
 #endif

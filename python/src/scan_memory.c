@@ -73,11 +73,11 @@ static int device_from_torch(PyObject *st, PyObject *t, dp_torch_alloc_t *a) {
 }
 
 /* The UntypedStorage under tensor or TypedStorage o (new reference): torch
- * 2's o.untyped_storage(), torch 1.13's o.storage()._storage. A C type's
+ * 2's o.dpy_untyped_storage(), torch 1.13's o.storage()._storage. A C type's
  * methods (its data_ptr and nbytes run no Python code). Which torch this is
  * is asked of torch's tensor class, never of o: a subclass's __getattr__ is
  * not run for it. */
-PyObject *untyped_storage(PyObject *o) {
+PyObject *dpy_untyped_storage(PyObject *o) {
   static int torch2 = -1;
   static PyObject *method; /* the tensor's C method: a subclass's override of storage() is not asked */
   if (torch2 < 0) torch2 = PyObject_HasAttrString((PyObject *)dpy.torch_tensor, "untyped_storage");
@@ -152,7 +152,7 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
       return n;
     }
   }
-  PyObject *st = untyped_storage(t);
+  PyObject *st = dpy_untyped_storage(t);
   if (!st) return -1;
   int rc = dpy_storage_extent(st, out) || device_from_torch(st, t, out);
   Py_DECREF(st);
@@ -222,12 +222,12 @@ int dpy_visit_sync(dpy_scanner_t *s, PyObject *o) {
   return d && PyDict_GET_SIZE(d) ? dpy_push(s, FR_ATTRS, d, Py_TYPE(o)) : 0;
 }
 
-/* A torch storage, typed or untyped (t.storage(), t.untyped_storage()):
+/* A torch storage, typed or untyped (t.storage(), t.dpy_untyped_storage()):
  * its memory, as a tensor's, read without its __reduce__ (which would copy
  * it through torch.save). */
 int dpy_visit_storage(dpy_scanner_t *s, PyObject *o) {
   dp_torch_alloc_t a;
-  PyObject *st = untyped_storage(o);
+  PyObject *st = dpy_untyped_storage(o);
   int rc = st ? dpy_storage_extent(st, &a) || device_from_torch(st, o, &a) : -1;
   Py_XDECREF(st);
   if (rc) return dpy_walk_error(s, o, "a storage whose memory cannot be described");

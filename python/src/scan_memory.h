@@ -27,7 +27,7 @@ int dpy_instance_cai(PyObject *o);
  * new reference, or NULL with an exception) and its base and size. */
 int dpy_is_torch(PyObject *o);
 int dpy_torch_allocs(PyObject *t, dp_torch_alloc_t *out);
-PyObject *untyped_storage(PyObject *o);
+PyObject *dpy_untyped_storage(PyObject *o);
 int dpy_storage_extent(PyObject *st, dp_torch_alloc_t *out);
 /* cupy array o's allocation. 0, or -1 with an exception. */
 int dpy_cupy_memory(PyObject *o, dp_device_t *dev, void **base, size_t *size);

@@ -14,7 +14,7 @@
  * bytearrays'). 0, or -1 with a walk error. */
 static int with_slots(dpy_scanner_t *s, PyObject *o, PyObject *names, PyObject **d) {
   PyObject *all = *d ? PyDict_Copy(*d) : PyDict_New();
-  if (!keep(s, all)) return -1;
+  if (!dpy_keep(s, all)) return -1;
   s->ran_code = 1; /* a slot's descriptor, or __getattribute__, is Python code */
   Py_ssize_t n = PyList_GET_SIZE(names);
   for (Py_ssize_t i = 0; i < n; i++) {
@@ -56,10 +56,10 @@ int dpy_tensor_slots(dpy_scanner_t *s, PyObject *o, PyObject **d) {
   /* *d is borrowed from o, and the class's code runs from here (_slotnames
      reads cls.__dict__ through a metaclass's __getattribute__, classify):
      it may replace o.__dict__, freeing the dict the caller then reads */
-  if (*d && !keep(s, Py_NewRef(*d))) return -1;
+  if (*d && !dpy_keep(s, Py_NewRef(*d))) return -1;
   PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
   if (!names) return dpy_walk_error(s, o, "its __slots__ cannot be read");
-  if (!keep(s, names)) return -1;
+  if (!dpy_keep(s, names)) return -1;
   if (!PyList_Check(names) || PyList_GET_SIZE(names) == 0) {
     /* _slotnames may have set t.__slotnames__ (a new version tag): the
        entry is made again, then marked */
@@ -83,9 +83,9 @@ int dpy_push_own_state(dpy_scanner_t *s, PyObject *o) {
   s->ran_code = 1;
   PyObject *st = PyObject_CallMethodNoArgs(o, dpy.str_getstate);
   if (!st) return dpy_walk_error(s, o, "its __getstate__ failed");
-  if (!keep(s, st)) return -1;
+  if (!dpy_keep(s, st)) return -1;
   if (st == Py_None) return 0;
-  PyObject *r = keep(s, PyTuple_Pack(3, Py_None, Py_None, st));
+  PyObject *r = dpy_keep(s, PyTuple_Pack(3, Py_None, Py_None, st));
   return r ? dpy_push_reduce(s, o, r) : -1;
 }
 
@@ -138,14 +138,14 @@ int dpy_subclass_attrs(dpy_scanner_t *s, PyObject *o, uint8_t kind, PyObject **o
   PyObject *d = NULL;
   if (t->tp_dictoffset != 0) {
     if (!(d = PyObject_GenericGetDict(o, NULL))) return dpy_walk_error(s, o, "its __dict__ cannot be read");
-    if (!keep(s, d)) return -1;
+    if (!dpy_keep(s, d)) return -1;
     if (!PyDict_Check(d)) d = NULL;
   }
   tcache_ent_t *e = tcache_hit(t); /* asked once a type, as a tensor's */
   if (heap && (!e || !e->no_slots)) {
     PyObject *names = PyObject_CallOneArg(dpy.slotnames, (PyObject *)t);
     if (!names) return dpy_walk_error(s, o, "its __slots__ cannot be read");
-    if (!keep(s, names)) return -1;
+    if (!dpy_keep(s, names)) return -1;
     if (PyList_Check(names) && PyList_GET_SIZE(names)) {
       if (with_slots(s, o, names, &d)) return -1;
     } else if (classify(t) == kind && (e = tcache_hit(t))) {
@@ -257,7 +257,7 @@ const char *dpy_not_reducible(const dpy_scanner_t *s) {
 /* o's reduce — copyreg.dispatch_table's, else __reduce_ex__(5) — checked
  * as pickle checks it: a str (a global), or a tuple of 2 to 6 parts, kept
  * alive by the walk (borrowed); NULL with a walk error. */
-PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
+PyObject *dpy_reduce_of(dpy_scanner_t *s, PyObject *o) {
   PyObject *r;
   s->ran_code = 1;
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
@@ -272,7 +272,7 @@ PyObject *reduce_of(dpy_scanner_t *s, PyObject *o) {
     r = reduce_ex_5(o);
   }
   if (!r) return dpy_walk_error(s, o, unreducible(s, o)), NULL;
-  if (!keep(s, r)) return NULL;
+  if (!dpy_keep(s, r)) return NULL;
   if (PyUnicode_Check(r)) return r; /* a global, pickled by name */
   if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 2 || PyTuple_GET_SIZE(r) > 6) {
     PyErr_SetString(PyExc_TypeError, "__reduce_ex__ must return a string or a tuple of 2 to 6 items");
@@ -306,7 +306,7 @@ int dpy_push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r) {
 }
 
 int dpy_enter_reduce(dpy_scanner_t *s, PyObject *o) {
-  PyObject *r = reduce_of(s, o);
+  PyObject *r = dpy_reduce_of(s, o);
   return r ? dpy_push_reduce(s, o, r) : -1;
 }
 
@@ -317,18 +317,18 @@ int dpy_enter_reduce(dpy_scanner_t *s, PyObject *o) {
  * every DRAIN_CHECK items, so that an interrupt stops the walk, as it
  * would stop a loop in Python, instead of leaving it running. */
 #define DRAIN_CHECK 4096
-PyObject *private_list(PyObject *l) {
-  /* out of the collector's sight, as the keep list (keep()): frames read it
+PyObject *dpy_private_list(PyObject *l) {
+  /* out of the collector's sight, as the keep list (dpy_keep()): frames read it
      by index, and gc.get_referrers() would hand it to the value's code */
   if (l) PyObject_GC_UnTrack(l);
   return l;
 }
 
-PyObject *drain(dpy_scanner_t *s, PyObject *it) {
-  if (PyList_CheckExact(it) || PyTuple_CheckExact(it)) return keep(s, private_list(PySequence_List(it)));
+PyObject *dpy_drain(dpy_scanner_t *s, PyObject *it) {
+  if (PyList_CheckExact(it) || PyTuple_CheckExact(it)) return dpy_keep(s, dpy_private_list(PySequence_List(it)));
   PyObject *iter = PyObject_GetIter(it);
   if (!iter) return NULL;
-  PyObject *l = private_list(PyList_New(0)), *x = NULL;
+  PyObject *l = dpy_private_list(PyList_New(0)), *x = NULL;
   for (size_t n = 1; l && (x = PyIter_Next(iter)) != NULL; n++) {
     int rc = PyList_Append(l, x);
     Py_DECREF(x);
@@ -347,7 +347,7 @@ PyObject *drain(dpy_scanner_t *s, PyObject *it) {
   }
   Py_DECREF(iter);
   if (l && PyErr_Occurred()) Py_CLEAR(l);
-  return keep(s, l);
+  return dpy_keep(s, l);
 }
 /* The walk error for o, whose class's lookup in copyreg's dispatch table
  * raised (its metaclass's __hash__ or __eq__ is the value's code). */

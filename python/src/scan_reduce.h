@@ -12,14 +12,14 @@
 /* o's reduce (a str, or a tuple of 2 to 6 parts: borrowed, kept by the
  * walk), or NULL with a walk error; dpy_push_reduce pushes the frame of r's
  * parts; dpy_enter_reduce does both. 0, or -1 with a walk error. */
-PyObject *reduce_of(dpy_scanner_t *s, PyObject *o);
+PyObject *dpy_reduce_of(dpy_scanner_t *s, PyObject *o);
 int dpy_push_reduce(dpy_scanner_t *s, PyObject *o, PyObject *r);
 int dpy_enter_reduce(dpy_scanner_t *s, PyObject *o);
 /* A reduce's listitems or dictitems drained into a list the walk keeps
  * (borrowed), or NULL with an exception. */
-PyObject *drain(dpy_scanner_t *s, PyObject *it);
+PyObject *dpy_drain(dpy_scanner_t *s, PyObject *it);
 /* l (a new list, or NULL) out of the collector's sight. */
-PyObject *private_list(PyObject *l);
+PyObject *dpy_private_list(PyObject *l);
 
 /* Whether copyreg.dispatch_table or the instance's own __reduce_ex__ or
  * __getstate__ reduces o: 1, 0, or -1 with a walk error (dpy_dispatch_error's,

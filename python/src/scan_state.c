@@ -45,7 +45,7 @@ static int counted_before(dpy_scanner_t *s, PyObject *o) {
     Py_DECREF(o);
     return 1;
   }
-  return keep(s, o) ? 0 : -1; /* alive until the walk ends: its address stays its own */
+  return dpy_keep(s, o) ? 0 : -1; /* alive until the walk ends: its address stays its own */
 }
 
 /* Room in first, second and refs for allocation idx. 0, or -1 with an
@@ -189,7 +189,7 @@ int dpy_seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at) {
    * garbage collection's finalizers) — may free an entered object, and a
    * new one at its address would pass for it: every entered object is kept
    * alive until the walk ends. */
-  if (idx >= before && !keep(s, Py_NewRef(obj))) return -1;
+  if (idx >= before && !dpy_keep(s, Py_NewRef(obj))) return -1;
   return idx < before;
 }
 
@@ -198,7 +198,7 @@ int dpy_seen(dpy_scanner_t *s, PyObject *obj) {
   return dpy_seen_at(s, obj, &at);
 }
 
-PyObject *keep(dpy_scanner_t *s, PyObject *o) {
+PyObject *dpy_keep(dpy_scanner_t *s, PyObject *o) {
   if (!o) return NULL;
   if (!s->keep) {
     if (!(s->keep = PyList_New(0))) {

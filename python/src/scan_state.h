@@ -103,7 +103,7 @@ int dpy_seen_at(dpy_scanner_t *s, PyObject *obj, size_t *at);
 int dpy_seen(dpy_scanner_t *s, PyObject *obj);
 /* Keeps o (a new reference, stolen; NULL passes through) alive until the
  * walk ends. o, borrowed, or NULL with an exception. */
-PyObject *keep(dpy_scanner_t *s, PyObject *o);
+PyObject *dpy_keep(dpy_scanner_t *s, PyObject *o);
 
 /* Allocations: added at once (*at its index, its first path rendered),
  * or in a batch (add_alloc) that dpy_flush_pending adds. 0, or -1 with an
