@@ -584,47 +584,67 @@ undo:
  * paths refused what pickle accepts). The items would be frames at depth
  * `depth`. */
 /* Scan only, over a long run of items (DP_SCAN_FAR_MIN or more, a value
- * larger than the caches): fetches the tensors, lists and tuples
- * DP_SCAN_FAR_AHEAD places ahead (their first two lines: a tuple's header
- * and its elements), and for the one DP_SCAN_NEAR_AHEAD ahead, fetched by
- * then, what its elements point to (a small tuple's tensor and list) or,
- * for a tensor, the rest of what a scan reads of it (dp_tensor_t's first 28
- * bytes: their second line, where they cross one). Without it each (tensor, [view]) of a list of 100,000
- * costs its misses one after another (completion 6.2-7.6 ms → 4.3-4.7 ms on
- * the 2-core VM; a list of tensors 2.7 → 2.55 ms). A user object is
- * fetched whole, up to its first attribute (its third line), and the one
- * ahead has its first two attributes' tensors fetched (100,000 objects:
- * 28-32 → 23-27 ns a tensor on the VM; its header alone gained nothing).
- * A short run is in cache and is left alone (the instructions would only
- * cost there). */
+ * larger than the caches): fetches the node DP_SCAN_FAR_AHEAD places ahead
+ * (every line a scan reads of it: prefetch_node), and for the one
+ * DP_SCAN_NEAR_AHEAD ahead, fetched by then, what it points to
+ * (prefetch_children). Without it each (tensor, [view]) of a list of
+ * 100,000 costs its misses one after another (completion 6.2-7.6 ms →
+ * 4.3-4.7 ms on the 2-core VM; a list of tensors 2.7 → 2.55 ms). Fetching
+ * a node's last line too, not only its first two (a node on 16 bytes may
+ * start anywhere in its first line, and a tuple's items end 104 bytes in),
+ * and a user object whole, up to its first attribute's value: 100,000
+ * (tensor, [view]) 52-58 → 31-43 ns a tensor, 100,000 objects 28-32 →
+ * 23-27, on the VM loaded by other work; at 10,000, in its caches, the
+ * extra instructions cost 3-12 %. A short run is in cache and is left
+ * alone (the instructions would only cost there). */
 #define DP_SCAN_FAR_MIN 2048
 #define DP_SCAN_FAR_AHEAD 16
 #define DP_SCAN_NEAR_AHEAD 8
 
+/* Fetches the lines of [p, p + end): `end` is a constant, so the loop
+ * unrolls into a prefetch a line. A node allocated on 16 bytes may start
+ * anywhere in its first line: its last byte's line is fetched as well. */
+DP_WALK_INLINE void prefetch_span(const void *p, size_t end) {
+  for (size_t o = 0; o < end; o += 64) __builtin_prefetch((const char *)p + o);
+  __builtin_prefetch((const char *)p + end - 1);
+}
+
+/* What a scan reads of a node: a tensor's first 28 bytes (the storage's
+ * copies: the storage itself need not be fetched); a list or tuple's
+ * header and its first two items, when inline; an object's header and its
+ * first attribute's value. */
+enum {
+  SPAN_TENSOR = offsetof(dp_tensor_t, sdevice) + sizeof(dp_device_t),
+  SPAN_SEQ = offsetof(dp_seq_t, inl) + 2 * sizeof(dp_value_t),
+  SPAN_OBJECT = offsetof(dp_object_t, inl) + offsetof(dp_attr_t, val) + sizeof(dp_value_t),
+};
+
+DP_WALK_INLINE void prefetch_node(dp_value_t x) {
+  if (x.kind == DP_TENSOR) prefetch_span(x.u.h, SPAN_TENSOR);
+  else if (x.kind == DP_LIST || x.kind == DP_TUPLE) prefetch_span(x.u.h, SPAN_SEQ);
+  else if (x.kind == DP_OBJECT) prefetch_span(x.u.h, SPAN_OBJECT);
+  else if (x.kind >= DP_LIST) prefetch_span(x.u.h, 128);
+}
+
+/* What the node n places ahead points to, its own lines fetched by now: a
+ * tensor's second line, where its 28 bytes cross one; a sequence's first
+ * two items; an object's first two attributes. */
 DP_WALK_INLINE void prefetch_children(dp_value_t x) {
   if (x.kind == DP_TENSOR) {
-    __builtin_prefetch((const char *)x.u.h + 24); /* the storage's copies need not be fetched */
+    __builtin_prefetch((const char *)x.u.h + SPAN_TENSOR - 1);
   } else if (x.kind == DP_LIST || x.kind == DP_TUPLE) {
     const dp_seq_t *q = DP_SEQ(x);
-    for (size_t j = 0; j < q->len && j < 2; j++)
-      if (q->items[j].kind >= DP_LIST) __builtin_prefetch(q->items[j].u.h);
+    for (size_t j = 0; j < q->len && j < 2; j++) prefetch_node(q->items[j]);
   } else if (x.kind == DP_OBJECT) {
     const dp_object_t *o = DP_OBJ(x);
-    for (size_t j = 0; j < o->len && j < 2; j++)
-      if (o->attrs[j].val.kind == DP_TENSOR) __builtin_prefetch(o->attrs[j].val.u.h);
+    for (size_t j = 0; j < o->len && j < 2; j++) prefetch_node(o->attrs[j].val);
   }
 }
 
 DP_WALK_INLINE void scan_prefetch(const dp_value_t *items, size_t n, size_t i) {
   size_t a = i + DP_SCAN_FAR_AHEAD;
-  if (a < n && items[a].kind >= DP_LIST) {
-    const char *p = (const char *)items[a].u.h;
-    __builtin_prefetch(p);
-    if (items[a].kind != DP_TENSOR) {
-      __builtin_prefetch(p + 64);
-      if (items[a].kind == DP_OBJECT) __builtin_prefetch(p + 128);
-    }
-  }
+  if (a < n && items[a].kind == DP_TENSOR) __builtin_prefetch(items[a].u.h); /* the rest comes with the near fetch */
+  else if (a < n && items[a].kind >= DP_LIST) prefetch_node(items[a]);
   a = i + DP_SCAN_NEAR_AHEAD;
   if (a < n && items[a].kind >= DP_LIST) prefetch_children(items[a]);
 }
