@@ -2762,6 +2762,23 @@ Test(future, the_error_of_a_future_completed_with_a_value_is_zero_and_leaves_err
   ASSERT_NO_LEAK();
 }
 
+/* future.h: a NULL future reads as a pending one for dp_future_error, as
+ * for dp_future_value and dp_future_is_done: 0, err left as it was. */
+Test(future, the_error_of_a_null_future_is_zero_and_leaves_err_as_it_was) {
+  dp_error_t e;
+  dp_error_clear(&e);
+  e.code = DP_EIO;
+  snprintf(e.message, sizeof e.message, "the caller's own");
+  cr_assert_eq(dp_future_error(NULL, &e), 0);
+  cr_assert_eq(e.code, DP_EIO, "err was written: code %d", e.code);
+  cr_assert_str_eq(e.message, "the caller's own");
+  cr_assert_eq(dp_future_error(NULL, NULL), 0);
+  cr_assert_eq(dp_future_is_done(NULL), 0);
+  cr_assert_eq(dp_value_kind(dp_future_value(NULL)), DP_NONE);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* Completing a complete future with pointers it would refuse (a device past
  * the backend's last) is DP_ESTATE — the code err holds, naming the call —
  * not the refusal of a completion that was never going to happen. */

@@ -208,7 +208,9 @@ DP_API dp_value_t dp_future_value(const dp_future_t *f);
 /** 1 when complete (with a value or an error), else 0. */
 DP_API int dp_future_is_done(const dp_future_t *f);
 /** 0 while pending or completed with a value; else the error code, with
- *  the error copied into err. */
+ *  the error copied into err (err may be NULL; it is written only for a
+ *  failed future). A NULL f reads as a pending one, as for the getters
+ *  above: 0, err left as it was. */
 DP_API int dp_future_error(const dp_future_t *f, dp_error_t *err);
 
 /** A then() callback: parent is complete with a value. Return 0 and a new
