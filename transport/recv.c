@@ -8,8 +8,6 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
   void **ctx = ud;
   dp_transport_t *t = ctx[0];
   rmsg_t *m = ctx[1];
-  if (d->id >= m->nbuf || m->bufs[d->id].bound)
-    return dp__err(err, DP_EFORMAT, "transport: buffer id %u out of the message's %u", d->id, m->nbuf);
   int mode = dp__tp_buf_mode(t, d->device);
   if (mode == MODE_REFUSED) return dp__tp_refused(t, d->device, d->id, err);
   rbuf_t *b = &m->bufs[d->id];
@@ -20,7 +18,6 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
   b->nbytes = d->nbytes;
   b->dev = d->device;
   b->staged = mode == MODE_STAGED;
-  b->bound = 1;
   return 0;
 }
 
@@ -42,10 +39,6 @@ static uint64_t credit_of(const dp__am_frame_hdr_t *h, size_t len) { return sat_
  * instead of a copy (*pulled is then NULL). */
 static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr_t *h, const void *data, size_t len,
                     uint8_t **pulled) {
-  if (ep->cur && ep->cur->next_index < ep->cur->nbuf) {
-    dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a frame arrived before the previous message's buffers");
-    return DP_EFORMAT;
-  }
   if (h->seq != ep->recv_seq || h->frame_len != len) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "frame message out of sequence or of the wrong length");
     return DP_EFORMAT;

@@ -159,7 +159,6 @@ typedef struct rbuf {
   void *dst;
   uint64_t nbytes;
   dp_device_t dev;
-  int bound;
   int staged;               /* dst is device memory: bytes go through a slot */
 } rbuf_t;
 
