@@ -2928,3 +2928,93 @@ Test(value, a_release_callback_is_given_the_storages_user_data_device_base_and_s
   cr_assert_eq(release_seen.nbytes, 96);
   ASSERT_NO_LEAK();
 }
+
+/* value.h: a storage that cannot be made leaves its memory to the caller —
+ * release is not called — for DP_ENOMEM as for DP_EINVAL; a later one made
+ * with the same callback runs it once. */
+Test(value, a_storage_that_cannot_be_allocated_leaves_its_memory_to_the_caller) {
+  released_storages = 0;
+  dp_storage_t *s = NULL;
+  dp_error_t e;
+  t_fail_at = t_alloc_count + 1;
+  int rc = dp_storage_new(t_dev(DP_DEVICE_HOST, 0), (void *)0x1000, 64, count_release, NULL, &s, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM, "%s", dp_err_name(rc));
+  cr_assert_eq(e.code, DP_ENOMEM);
+  cr_assert(strstr(e.message, "out of memory") != NULL, "%s", e.message);
+  cr_assert_eq(released_storages, 0, "the release callback ran for a storage that was never made");
+  OK(dp_storage_new(t_dev(DP_DEVICE_HOST, 0), (void *)0x1000, 64, count_release, NULL, &s, T_ERR));
+  dp_storage_release(s);
+  cr_assert_eq(released_storages, 1);
+  ASSERT_NO_LEAK();
+}
+
+/* value.h: equal values hash equal. Dicts and objects compare as mappings,
+ * so two filled in opposite orders are equal and must hash alike, also
+ * when the entry met first holds more nodes than the hash reads (256): a
+ * hash that spent its budget on the first entry in insertion order would
+ * read a different prefix of each. */
+Test(value, equal_dicts_and_objects_filled_in_other_orders_hash_alike_whatever_the_first_entry_holds) {
+  for (int big = 0; big < 2; big++) {
+    size_t n = big ? 300 : 3;
+    dp_value_t d[2], o[2];
+    for (int k = 0; k < 2; k++) {
+      OK(dp_dict_new(0, &d[k], T_ERR));
+      o[k] = t_obj("Box");
+    }
+    for (int k = 0; k < 2; k++) {
+      for (int step = 0; step < 2; step++) {
+        int first = (step == 0) == (k == 0); /* k 0: the large entry first; k 1: last */
+        dp_value_t l = t_list();
+        for (size_t i = 0; first && i < n; i++) OK(dp_list_append(l, dp_int((int64_t)i), T_ERR));
+        if (first) {
+          OK(dp_dict_set(d[k], t_str("large"), l, T_ERR));
+          OK(dp_object_set(o[k], "large", dp_value_retain(l), T_ERR));
+        } else {
+          dp_value_release(l);
+          OK(dp_dict_set(d[k], t_str("small"), dp_int(7), T_ERR));
+          OK(dp_object_set(o[k], "small", dp_int(7), T_ERR));
+        }
+      }
+    }
+    cr_assert_eq(dp_value_equal(d[0], d[1], 0, NULL), 1);
+    cr_assert_eq(dp_value_hash(d[0]), dp_value_hash(d[1]), "dicts of a %zu-item entry", n);
+    cr_assert_eq(dp_value_equal(o[0], o[1], 0, NULL), 1);
+    cr_assert_eq(dp_value_hash(o[0]), dp_value_hash(o[1]), "objects of a %zu-item attribute", n);
+    for (int k = 0; k < 2; k++) {
+      dp_value_release(d[k]);
+      dp_value_release(o[k]);
+    }
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* base.h, ERRORS AND NULL: a callback's negative return that is none of
+ * the DP_E* codes is refused as a positive one is (DP_EINVAL, naming the
+ * callback and what it returned); the backend code a callback gave is
+ * kept, whether it wrote its message or left it to the library; the
+ * offset is the call's (-1), whatever the callback stored. */
+Test(base, a_callback_returning_no_code_is_refused_and_a_failure_keeps_the_callbacks_backend_code) {
+  dp_error_t e;
+  dp_error_clear(&e);
+  cr_assert_eq(dp__cb_rc(-18, &e, "resolve"), DP_EINVAL);
+  cr_assert_eq(e.code, DP_EINVAL);
+  cr_assert_str_eq(e.message, "resolve returned -18: a callback returns 0 or a negative DP_E* code");
+  cr_assert_eq(dp__cb_rc(INT32_MIN, NULL, "resolve"), DP_EINVAL);
+  dp_error_clear(&e);
+  e.backend_code = 700;
+  e.offset = 99;
+  cr_assert_eq(dp__cb_rc(DP_ECUDA, &e, "bind"), DP_ECUDA);
+  cr_assert_eq(e.code, DP_ECUDA);
+  cr_assert_eq(e.backend_code, 700, "the library's message dropped the callback's backend code");
+  cr_assert_eq(e.offset, -1);
+  cr_assert_str_eq(e.message, "bind failed: CUDA error");
+  dp_error_clear(&e);
+  e.backend_code = 2;
+  e.offset = 99;
+  snprintf(e.message, sizeof e.message, "cudaMalloc: out of memory");
+  cr_assert_eq(dp__cb_rc(DP_ECUDA, &e, "bind"), DP_ECUDA);
+  cr_assert_eq(e.backend_code, 2);
+  cr_assert_eq(e.offset, -1);
+  cr_assert_str_eq(e.message, "cudaMalloc: out of memory");
+}
