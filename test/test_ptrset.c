@@ -1019,3 +1019,64 @@ Test(ptrset, a_scan_counts_each_tensor_once_and_a_second_scan_before_a_clear_cou
   dp_value_release(l);
   ASSERT_NO_LEAK();
 }
+
+/* ptrset.h and base.h's rule: a NULL out, set or entry record is DP_EINVAL
+ * naming the function and the argument; a set that cannot be allocated is
+ * DP_ENOMEM and leaves nothing behind; adding no items needs no items. */
+Test(ptrset, a_null_out_or_set_is_einval_naming_it_and_a_set_that_cannot_be_made_is_enomem) {
+  dp_error_t e;
+  cr_assert_eq(dp_ptrset_new(NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_new: NULL out");
+  cr_assert_eq(dp_ptrset_add(NULL, t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_add: NULL set");
+  dp_ptrset_t *s = NULL;
+  t_fail_at = t_alloc_count + 1;
+  int rc = dp_ptrset_new(&s, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory allocating a pointer set");
+  ASSERT_NO_LEAK();
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_ptr_info_t p;
+  cr_assert_eq(dp_ptrset_get(s, 0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_get: NULL out");
+  OK(dp_ptrset_add_many(s, NULL, 0, NULL, T_ERR));
+  cr_assert_eq(dp_ptrset_count(s), 0);
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, NULL, T_ERR));
+  OK(dp_ptrset_find(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, NULL, T_ERR));
+  OK(dp_ptrset_get(s, 0, &p, T_ERR));
+  cr_assert_eq(p.base, (void *)0x40);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* ptrset.h: one entry past DP_PTRSET_MAX_ENTRIES is DP_ELIMIT, by add or
+ * by add_many, and add_many makes room for all n first, so it refuses a
+ * batch whose items are in the set already; neither changes the set. (The
+ * count is set by hand: four billion entries do not fit a test.) */
+Test(ptrset, an_entry_past_the_limit_is_elimit_by_add_or_add_many_and_changes_nothing) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, NULL, T_ERR));
+  dp_ptr_info_t known[2] = {{t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, 0, NULL},
+                            {t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, 0, NULL}};
+  dp_error_t e;
+  char want[80];
+  snprintf(want, sizeof want, "a pointer set holds at most %u entries", DP_PTRSET_MAX_ENTRIES);
+  s->count = DP_PTRSET_MAX_ENTRIES - 1;
+  cr_assert_eq(dp_ptrset_add_many(s, known, 2, NULL, &e), DP_ELIMIT, "room for two more was not asked first");
+  cr_assert_str_eq(e.message, want);
+  s->count = DP_PTRSET_MAX_ENTRIES;
+  long before = t_alloc_count;
+  cr_assert_eq(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x80, 8, NULL, &e), DP_ELIMIT);
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(t_alloc_count, before, "a refused add allocated");
+  s->count = 1;
+  cr_assert_eq(dp_ptrset_count(s), 1);
+  cr_assert_eq(dp_ptrset_find(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x80, NULL, NULL), DP_ENOTFOUND);
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(s, 0, &p, T_ERR));
+  cr_assert_eq(p.refs, 1, "a refused batch counted its items: %u", p.refs);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
