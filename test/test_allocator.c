@@ -3193,3 +3193,66 @@ Test(allocator, an_allocation_out_of_memory_at_any_allocation_ties_nothing) {
   cr_assert_eq(st.allocated, 0);
   cr_assert_eq(st.pending_blocks, 0);
 }
+
+/* cache.h: a NULL out, backend or stream is DP_EINVAL naming the function
+ * and the argument; a device of another backend, or one past the
+ * backend's, is DP_EINVAL naming it; a stream on another device than the
+ * one allocated from is DP_EINVAL naming both; none of them allocates. The
+ * block lookup's base and size may both be NULL. */
+Test(allocator, a_null_out_backend_or_stream_and_a_device_not_the_backends_are_einval_naming_them) {
+  dp_error_t e;
+  void *p = NULL;
+  dp_cache_t *c = NULL;
+  dp_cache_stats_t st;
+  dp_stream_t *s0 = stream(H0), *s1 = stream(H1);
+  long before = t_alloc_count;
+  cr_assert_eq(dp_cache_new(NULL, &c, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_new: NULL backend");
+  cr_assert_eq(dp_cache_new(B, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_new: NULL out");
+  cr_assert_eq(dp_cache_default(B, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_default: NULL out");
+  cr_assert_eq(dp_cache_alloc(C, H0, 64, s0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_alloc: NULL out");
+  cr_assert_eq(dp_cache_alloc(C, t_dev(DP_DEVICE_CUDA, 0), 64, NULL, &p, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_alloc: device cuda:0 does not belong to the host backend (2 devices)");
+  cr_assert_eq(dp_cache_alloc(C, t_dev(DP_DEVICE_HOST, 2), 64, NULL, &p, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_alloc: device host:2 does not belong to the host backend (2 devices)");
+  cr_assert_eq(dp_cache_alloc(C, H0, 64, s1, &p, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_alloc(host:0): the stream is on host:1; it must be on the device allocated from");
+  cr_assert_eq(dp_cache_stats(C, H0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_stats: NULL out");
+  cr_assert_null(p);
+  cr_assert_eq(t_alloc_count, before, "a refused call allocated");
+  OK(dp_cache_alloc(C, H0, 64, s0, &p, T_ERR));
+  cr_assert_eq(dp_cache_record_stream(C, p, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_record_stream: NULL stream");
+  OK(dp_cache_lookup(C, (char *)p + 63, NULL, NULL, T_ERR));
+  st = stats(H0);
+  cr_assert_eq(st.allocated, 512);
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_stream_free(s0);
+  dp_stream_free(s1);
+}
+
+/* cache.h: the hooks of a NULL allocator (dp_cache_hooks(NULL)) have all
+ * three functions set, and each reports DP_EINVAL, recording nothing. */
+Test(allocator, each_hook_of_a_null_allocator_reports_einval) {
+  dp_stream_t *s = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 64, s, &p, T_ERR));
+  dp_cache_hooks_t h = dp_cache_hooks(NULL);
+  cr_assert(h.record_stream && h.record_streams && h.record_streams_owned);
+  void *ptrs[1] = {p};
+  unsigned char owned[1] = {0};
+  dp_error_t e;
+  cr_assert_eq(h.record_stream(h.ctx, p, s, &e), DP_EINVAL);
+  cr_assert(strstr(e.message, "NULL cache") != NULL, "%s", e.message);
+  cr_assert_eq(h.record_streams(h.ctx, ptrs, 1, s, &e), DP_EINVAL);
+  cr_assert(strstr(e.message, "NULL cache") != NULL, "%s", e.message);
+  cr_assert_eq(h.record_streams_owned(h.ctx, ptrs, 1, s, owned, &e), DP_EINVAL);
+  cr_assert(strstr(e.message, "NULL cache") != NULL, "%s", e.message);
+  cr_assert_eq(owned[0], 0, "a refused batch marked a pointer owned");
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_stream_free(s);
+}
