@@ -3256,3 +3256,32 @@ Test(allocator, each_hook_of_a_null_allocator_reports_einval) {
   OK(dp_cache_dealloc(C, p, T_ERR));
   dp_stream_free(s);
 }
+
+/* cache.h's example of the split rule: a request of 1 MiB + 1 is a large
+ * one, served from a segment of 2 MiB whose remainder (1 MiB - 512) is
+ * not more than 1 MiB, so the block holds the whole segment and
+ * `allocated` counts it; 1 MiB + 512 left over a large block is split off. */
+Test(allocator, a_request_just_over_one_mebibyte_holds_its_whole_segment_and_allocated_counts_it) {
+  dp_stream_t *s = stream(H0);
+  void *p, *q, *base;
+  size_t size;
+  OK(dp_cache_alloc(C, H0, (1 << 20) + 1, s, &p, T_ERR));
+  OK(dp_cache_lookup(C, p, &base, &size, T_ERR));
+  cr_assert_eq(size, 2 << 20);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.allocated, 2 << 20);
+  cr_assert_eq(st.reserved, 2 << 20);
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_cache_empty(C, T_ERR));
+  OK(dp_cache_alloc(C, H0, 8 << 20, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_cache_alloc(C, H0, (7 << 20) - 512, s, &q, T_ERR));
+  OK(dp_cache_lookup(C, q, &base, &size, T_ERR));
+  cr_assert_eq(size, (7 << 20) - 512, "1 MiB + 512 left was not split off");
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  OK(dp_cache_alloc(C, H0, 7 << 20, s, &q, T_ERR));
+  OK(dp_cache_lookup(C, q, &base, &size, T_ERR));
+  cr_assert_eq(size, 8 << 20, "1 MiB left was split off");
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  dp_stream_free(s);
+}

@@ -3018,3 +3018,17 @@ Test(base, a_callback_returning_no_code_is_refused_and_a_failure_keeps_the_callb
   cr_assert_eq(e.offset, -1);
   cr_assert_str_eq(e.message, "cudaMalloc: out of memory");
 }
+
+/* base.h: a buffer smaller than the text gets it cut and NUL-terminated,
+ * as snprintf cuts (size 1: the empty string); a cpu device is "cpu"
+ * whatever its index; the longest text, "unknown255:255", fits 16 bytes. */
+Test(base, a_device_formatted_into_a_small_buffer_is_cut_as_snprintf_cuts_and_cpu_ignores_its_index) {
+  char buf[32];
+  memset(buf, 'x', sizeof buf);
+  cr_assert_eq(dp_device_format(t_dev(DP_DEVICE_CUDA, 17), buf, 4), buf);
+  cr_assert_str_eq(buf, "cud");
+  cr_assert_eq(buf[4], 'x', "written past size");
+  cr_assert_str_eq(dp_device_format(t_dev(DP_DEVICE_HOST, 3), buf, 1), "");
+  cr_assert_str_eq(dp_device_format(t_dev(DP_DEVICE_CPU, 5), buf, sizeof buf), "cpu");
+  cr_assert_str_eq(dp_device_format(t_dev(255, 255), buf, 16), "unknown255:255");
+}
