@@ -2585,7 +2585,7 @@ Test(allocator, freeing_a_consumer_stream_whose_recorded_blocks_were_freed_looks
   double full = cpu_freeing_consumers_of_freed_blocks(FREES, s);
   cr_assert_lt(full, 4 * empty + 0.005, "%d frees took %.4f s of CPU with %d blocks held, %.4f s with none", FREES, full,
                N, empty);
-  OK(dp_cache_poll(C, T_ERR));
+  OK(dp_cache_poll(C, NULL));
   cr_assert_eq(stats(H0).pending_blocks, 0, "the consumers' events completed: nothing pending");
   for (int i = 0; i < N; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
   free(p);
@@ -2681,7 +2681,7 @@ Test(allocator, streams_made_recorded_and_destroyed_in_any_order_leave_nothing_t
     if (blk[i]) OK(dp_cache_dealloc(C, blk[i], T_ERR));
   for (int i = 0; i < K; i++) dp_stream_free(st[i]);
   cr_assert_null(dp__cache_check(C));
-  OK(dp_cache_poll(C, T_ERR));
+  OK(dp_cache_poll(C, NULL));
   dp_cache_stats_t sst = stats(H0);
   cr_assert_eq(sst.allocated, 0);
   cr_assert_eq(sst.pending_blocks, 0, "%zu blocks still pending", (size_t)sst.pending_blocks);
@@ -3222,6 +3222,10 @@ Test(allocator, a_null_out_backend_or_stream_and_a_device_not_the_backends_are_e
   cr_assert_str_eq(e.message, "dp_cache_alloc(host:0): the stream is on host:1; it must be on the device allocated from");
   cr_assert_eq(dp_cache_stats(C, H0, NULL, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_cache_stats: NULL out");
+  dp_cache_hooks_chain_t *ch = NULL;
+  cr_assert_eq(dp_cache_hooks_chain_new(NULL, 1, &ch, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_cache_hooks_chain_new: NULL list");
+  cr_assert_null(ch);
   cr_assert_null(p);
   cr_assert_eq(t_alloc_count, before, "a refused call allocated");
   OK(dp_cache_alloc(C, H0, 64, s0, &p, T_ERR));
@@ -3283,5 +3287,38 @@ Test(allocator, a_request_just_over_one_mebibyte_holds_its_whole_segment_and_all
   OK(dp_cache_lookup(C, q, &base, &size, T_ERR));
   cr_assert_eq(size, 8 << 20, "1 MiB left was split off");
   OK(dp_cache_dealloc(C, q, T_ERR));
+  dp_stream_free(s);
+}
+
+/* cache.h: dp_cache_stats polls pending blocks before it counts, and
+ * dp_cache_poll returns how many blocks came back (0 while their streams
+ * still work). */
+Test(allocator, stats_poll_first_and_a_poll_returns_how_many_blocks_came_back) {
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  for (int round = 0; round < 2; round++) {
+    void *p, *q;
+    OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+    OK(dp_cache_alloc(C, H0, 10000, s, &q, T_ERR));
+    _Atomic int gate = 0;
+    OK(dp_host_launch(u, gate_wait, &gate, T_ERR));
+    OK(dp_cache_record_stream(C, p, u, T_ERR));
+    OK(dp_cache_record_stream(C, q, u, T_ERR));
+    OK(dp_cache_dealloc(C, p, T_ERR));
+    OK(dp_cache_dealloc(C, q, T_ERR));
+    cr_assert_eq(dp_cache_poll(C, NULL), 0, "the blocks came back while u is held");
+    cr_assert_eq(stats(H0).pending_blocks, 2);
+    atomic_store(&gate, 1);
+    OK(dp_stream_synchronize(u, T_ERR));
+    if (round == 0) {
+      dp_cache_stats_t st = stats(H0);
+      cr_assert_eq(st.pending_blocks, 0, "stats counted before polling");
+      cr_assert_eq(st.pending_bytes, 0);
+      cr_assert_eq(dp_cache_poll(C, NULL), 0, "nothing was left to come back");
+    } else {
+      cr_assert_eq(dp_cache_poll(C, NULL), 2);
+      cr_assert_eq(stats(H0).pending_blocks, 0);
+    }
+  }
+  dp_stream_free(u);
   dp_stream_free(s);
 }
