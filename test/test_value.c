@@ -3032,3 +3032,27 @@ Test(base, a_device_formatted_into_a_small_buffer_is_cut_as_snprintf_cuts_and_cp
   cr_assert_str_eq(dp_device_format(t_dev(DP_DEVICE_CPU, 5), buf, sizeof buf), "cpu");
   cr_assert_str_eq(dp_device_format(t_dev(255, 255), buf, 16), "unknown255:255");
 }
+
+/* base.h: "Nothing here allocates" — not even a refusal whose message
+ * quotes a long input. */
+Test(base, nothing_in_base_h_allocates_not_even_a_refusal_quoting_a_long_input) {
+  static char long_input[8192];
+  memset(long_input, 'c', sizeof long_input - 1);
+  memcpy(long_input, "cuda:", 5);
+  long before = t_alloc_count;
+  char buf[16];
+  dp_device_t d;
+  dp_error_t e;
+  dp_error_clear(&e);
+  cr_assert_eq(dp_version(), DP_VERSION_NUMBER);
+  cr_assert_str_eq(dp_version_string(), DP_VERSION_STRING);
+  cr_assert_str_eq(dp_strerror(DP_ETRUNC), "truncated input");
+  cr_assert_str_eq(dp_err_name(DP_ETRUNC), "DP_ETRUNC");
+  cr_assert_str_eq(dp_device_format(t_dev(DP_DEVICE_CUDA, 3), buf, sizeof buf), "cuda:3");
+  OK_WITH(&e, dp_device_parse("host:7", &d, &e));
+  cr_assert_eq(dp_device_parse(long_input, &d, &e), DP_EINVAL);
+  cr_assert(strncmp(e.message, "dp_device_parse: 'cuda:ccc", 26) == 0, "%s", e.message);
+  void *ud;
+  cr_assert_not_null(dp_get_allocator(&ud));
+  cr_assert_eq(t_alloc_count, before, "%ld allocations", t_alloc_count - before);
+}
