@@ -3056,3 +3056,68 @@ Test(base, nothing_in_base_h_allocates_not_even_a_refusal_quoting_a_long_input) 
   cr_assert_not_null(dp_get_allocator(&ud));
   cr_assert_eq(t_alloc_count, before, "%ld allocations", t_alloc_count - before);
 }
+
+/* value.h's one rule: storing functions steal, even on failure — for
+ * every refusal, not only the ones the older tests made with scalars
+ * (which hold no reference, so a leak could not show). Each refusal here
+ * gets a fresh reference to a list it must give back; tensors refused
+ * release their storage; a custom refused destroys its obj. */
+Test(value, every_storing_call_releases_what_it_was_given_on_every_refusal) {
+  dp_value_t held = t_list(), obj = t_obj("Box"), tup, stand_in, d, l = t_list();
+  OK(dp_tuple_new(1, &tup, T_ERR));
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_object_new_reduced("T", dp_none(), &stand_in, T_ERR));
+  dp_value_t v;
+  dp_error_t e;
+  struct { const char *what; int rc; } r[] = {
+      {"object_set NULL name", dp_object_set(obj, NULL, dp_value_retain(held), &e)},
+      {"object_set empty name", dp_object_set(obj, "", dp_value_retain(held), &e)},
+      {"object_set not an object", dp_object_set(d, "x", dp_value_retain(held), &e)},
+      {"object_set stand-in", dp_object_set(stand_in, "x", dp_value_retain(held), &e)},
+      {"new_reduced NULL name", dp_object_new_reduced(NULL, dp_value_retain(held), &v, &e)},
+      {"new_reduced bad name", dp_object_new_reduced("\xff", dp_value_retain(held), &v, &e)},
+      {"new_reduced NULL out", dp_object_new_reduced("T", dp_value_retain(held), NULL, &e)},
+      {"append to a tuple", dp_list_append(tup, dp_value_retain(held), &e)},
+      {"seq_set on a dict", dp_seq_set(d, 0, dp_value_retain(held), &e)},
+      {"seq_set past an empty list", dp_seq_set(l, 0, dp_value_retain(held), &e)},
+      {"dict_set unhashable key", dp_dict_set(d, dp_value_retain(held), dp_value_retain(held), &e)},
+      {"dict_set into a list", dp_dict_set(l, t_str("k"), dp_value_retain(held), &e)},
+  };
+  for (size_t i = 0; i < sizeof r / sizeof *r; i++)
+    cr_assert(r[i].rc == DP_EINVAL || r[i].rc == DP_ETYPE, "%s: %s", r[i].what, dp_err_name(r[i].rc));
+  cr_assert_eq(dp_value_refcount(held), 1, "%u references left", dp_value_refcount(held));
+  cr_assert_eq(dp_object_nattrs(obj), 0);
+  cr_assert_eq(dp_seq_len(l), 0);
+  cr_assert_eq(dp_dict_len(d), 0);
+  /* a tensor refused releases its storage, whichever check refused it */
+  released_storages = 0;
+  int64_t shape[1] = {4}, min_stride[1] = {INT64_MIN}, big[1] = {1000};
+  int n = 0;
+#define REFUSED_TENSOR(dtype, nd, sh, st, out)                                                          \
+  do {                                                                                                  \
+    dp_storage_t *s_;                                                                                   \
+    OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)0x1000, 64, count_release, NULL, &s_, T_ERR));   \
+    cr_assert_eq(dp_tensor_new(s_, dtype, nd, sh, st, 0, out, &e), DP_EINVAL, "%s", #dtype " " #nd);    \
+    cr_assert_eq(released_storages, ++n, "%s, %d: the storage was not released", e.message, n);        \
+  } while (0)
+  REFUSED_TENSOR((dp_dtype_t)DP_DTYPE_COUNT, 1, shape, NULL, &v);
+  REFUSED_TENSOR(DP_FLOAT32, -1, shape, NULL, &v);
+  REFUSED_TENSOR(DP_FLOAT32, DP_TENSOR_MAX_DIMS + 1, shape, NULL, &v);
+  REFUSED_TENSOR(DP_FLOAT32, 1, NULL, NULL, &v);
+  REFUSED_TENSOR(DP_FLOAT32, 1, shape, NULL, NULL);
+  REFUSED_TENSOR(DP_FLOAT32, 1, shape, min_stride, &v);
+  REFUSED_TENSOR(DP_FLOAT32, 1, big, NULL, &v);
+#undef REFUSED_TENSOR
+  /* a custom refused for its out destroys its obj */
+  destroyed = 0;
+  cr_assert_eq(dp_custom_new(&counted_type, (void *)3, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_custom_new: NULL out");
+  cr_assert_eq(destroyed, 1, "the obj of a custom refused for its NULL out was not destroyed");
+  dp_value_release(held);
+  dp_value_release(obj);
+  dp_value_release(tup);
+  dp_value_release(stand_in);
+  dp_value_release(d);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
