@@ -2763,8 +2763,10 @@ Test(future, the_error_of_a_future_completed_with_a_value_is_zero_and_leaves_err
 }
 
 /* future.h: a NULL future reads as a pending one for dp_future_error, as
- * for dp_future_value and dp_future_is_done: 0, err left as it was. */
-Test(future, the_error_of_a_null_future_is_zero_and_leaves_err_as_it_was) {
+ * for dp_future_value and dp_future_is_done: 0, err left as it was; the
+ * introspection counts are 0, device and event neutral, and retain and
+ * release do nothing with it. */
+Test(future, a_null_future_reads_as_a_pending_one_and_its_error_is_zero_leaving_err_as_it_was) {
   dp_error_t e;
   dp_error_clear(&e);
   e.code = DP_EIO;
@@ -2775,6 +2777,12 @@ Test(future, the_error_of_a_null_future_is_zero_and_leaves_err_as_it_was) {
   cr_assert_eq(dp_future_error(NULL, NULL), 0);
   cr_assert_eq(dp_future_is_done(NULL), 0);
   cr_assert_eq(dp_value_kind(dp_future_value(NULL)), DP_NONE);
+  cr_assert_eq(dp_future_nptrs(NULL), 0);
+  cr_assert_eq(dp_future_ndevices(NULL), 0);
+  cr_assert(dp_device_equal(dp_future_device(NULL, 0), t_dev(DP_DEVICE_CPU, 0)));
+  cr_assert_null(dp_future_event(NULL, 0));
+  cr_assert_null(dp_future_retain(NULL));
+  dp_future_release(NULL);
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
