@@ -3121,3 +3121,23 @@ Test(value, every_storing_call_releases_what_it_was_given_on_every_refusal) {
   dp_value_release(l);
   ASSERT_NO_LEAK();
 }
+
+/* base.h, DP_ERROR_MSG_MAX: a message too long for dp_error_t that the
+ * allocator hook gives no room to be formatted whole keeps only its
+ * beginning, then "…" (one it gives room keeps its end too). */
+Test(base, a_long_message_the_allocator_gives_no_room_keeps_only_its_beginning) {
+  dp_error_t e;
+  char *m = repeated("y", 3000);
+  m[2999] = 'Z';
+  t_fail_at = t_alloc_count + 1;
+  dp__err(&e, DP_EIO, "%s", m);
+  t_fail_at = 0;
+  cr_assert_eq(e.code, DP_EIO);
+  cr_assert_eq(strlen(e.message), DP_ERROR_MSG_MAX - 1);
+  cr_assert_str_eq(e.message + DP_ERROR_MSG_MAX - 4, "\xe2\x80\xa6");
+  cr_assert_null(strchr(e.message, 'Z'), "its end was kept without room to format it whole");
+  dp__err(&e, DP_EIO, "%s", m);
+  cr_assert_eq(e.message[DP_ERROR_MSG_MAX - 2], 'Z', "with room, its end is kept");
+  dp__free(m, 3001);
+  ASSERT_NO_LEAK();
+}
