@@ -1088,7 +1088,7 @@ out:
 static devpool_t *pool_of(dp_cache_t *c, block_t *b) { return &c->pools[b->seg->dev]; }
 
 HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
-  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_dealloc: NULL allocator");
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_dealloc: NULL cache");
   if (!ptr) return 0;
   pthread_mutex_lock(&c->mu);
   size_t slot;
@@ -1364,7 +1364,7 @@ int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n
 }
 
 int dp_cache_poll(dp_cache_t *c, dp_error_t *err) {
-  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_poll: NULL allocator");
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_poll: NULL cache");
   pthread_mutex_lock(&c->mu);
   int n = poll_pending(c, 1);
   pthread_mutex_unlock(&c->mu);
@@ -1372,7 +1372,7 @@ int dp_cache_poll(dp_cache_t *c, dp_error_t *err) {
 }
 
 int dp_cache_empty(dp_cache_t *c, dp_error_t *err) {
-  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_empty: NULL allocator");
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_empty: NULL cache");
   pthread_mutex_lock(&c->mu);
   poll_pending(c, 1);
   int rc = 0;
@@ -1389,7 +1389,7 @@ int dp_cache_empty(dp_cache_t *c, dp_error_t *err) {
 }
 
 int dp_cache_lookup(dp_cache_t *c, const void *ptr, void **base, size_t *size, dp_error_t *err) {
-  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_lookup: NULL allocator");
+  if (!c) return dp__err(err, DP_EINVAL, "dp_cache_lookup: NULL cache");
   pthread_mutex_lock(&c->mu);
   block_t *b = find_used(c, ptr);
   int found = b && b->state == B_USED;

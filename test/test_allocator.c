@@ -873,13 +873,13 @@ Test(allocator, a_null_allocator_is_einval_everywhere_and_free_takes_it) {
   dp_cache_stats_t st;
   dp_stream_t *s = stream(H0);
   cr_assert_eq(dp_cache_poll(NULL, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_cache_poll: NULL allocator");
+  cr_assert_str_eq(e.message, "dp_cache_poll: NULL cache");
   cr_assert_eq(dp_cache_lookup(NULL, &e, &base, &size, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_cache_lookup: NULL allocator");
+  cr_assert_str_eq(e.message, "dp_cache_lookup: NULL cache");
   cr_assert_eq(dp_cache_stats(NULL, H0, &st, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "dp_cache_stats: NULL cache");
   cr_assert_eq(dp_cache_dealloc(NULL, &e, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "dp_cache_dealloc: NULL allocator");
+  cr_assert_str_eq(e.message, "dp_cache_dealloc: NULL cache");
   cr_assert_eq(dp_cache_alloc(NULL, H0, 64, s, &p, &e), DP_EINVAL);
   cr_assert_eq(dp_cache_record_stream(NULL, p, s, &e), DP_EINVAL);
   cr_assert_eq(dp_cache_empty(NULL, &e), DP_EINVAL);
