@@ -367,13 +367,3 @@ int dp__utf8_valid(const char *str, size_t n) {
   }
   return 1;
 }
-
-int dp__is_identifier(const char *s, size_t n) {
-  if (n == 0) return 0;
-  for (size_t i = 0; i < n; i++) {
-    char c = s[i];
-    int alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
-    if (!alpha && !(i > 0 && c >= '0' && c <= '9')) return 0;
-  }
-  return 1;
-}

@@ -98,7 +98,5 @@ static inline int dp__has_nul(const void *s, size_t n) {
     if (p[i] == 0) return 1;
   return 0;
 }
-/* Whether s is an identifier ([A-Za-z_][A-Za-z0-9_]*) for path rendering. */
-int dp__is_identifier(const char *s, size_t n);
 
 #endif

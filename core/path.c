@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
 
 _Static_assert(DP_PATH_HEAD + 40 + DP_PATH_TAIL <= DP_PATH_MAX, "an elided path fits in DP_PATH_MAX");
 
@@ -54,6 +53,16 @@ static size_t utf8_char(const unsigned char *p, size_t avail, uint32_t *cp) {
 
 /* \uXXXX for code point cp (at most U+FFFF), without snprintf: a name may
  * be 64 of them and a path hundreds. */
+int dp__is_identifier(const char *s, size_t n) {
+  if (n == 0) return 0;
+  for (size_t i = 0; i < n; i++) {
+    char c = s[i];
+    int alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+    if (!alpha && !(i > 0 && c >= '0' && c <= '9')) return 0;
+  }
+  return 1;
+}
+
 static void put_u(dp__sbuf_t *b, uint32_t cp) {
   static const char hex[] = "0123456789abcdef";
   char t[6] = {'\\', 'u', hex[cp >> 12 & 15], hex[cp >> 8 & 15], hex[cp >> 4 & 15], hex[cp & 15]};

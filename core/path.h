@@ -52,6 +52,8 @@ typedef enum dp__esc {
 /* How many of a name's n bytes a path shows: at most max (DP_PATH_NAME_MAX
  * for paths), cut back to the start of a UTF-8 character. */
 size_t dp__name_shown(const char *s, size_t n, size_t max);
+/* Whether s is an identifier ([A-Za-z_][A-Za-z0-9_]*): a name written .name. */
+int dp__is_identifier(const char *s, size_t n);
 /* s[0..n) escaped for `mode`, "…" after it when cut; stops once b is full
  * (a long text costs what is kept of it, not its length). */
 void dp__sb_escaped(dp__sbuf_t *b, const char *s, size_t n, dp__esc_t mode, int cut);

@@ -4,6 +4,7 @@
 
 #include "helpers.h"
 #include "../value/gc.h" /* dp__gc_pause_hook */
+#include "../core/path.h" /* dp__is_identifier */
 
 static void setup(void) { t_track(); }
 static void teardown(void) { dp_set_allocator(NULL, NULL); }
