@@ -25,7 +25,12 @@ typedef struct dpy_state {
   PyObject *str_reduce_ex, *str_reduce, *str_getstate, *str_fields, *str_dict, *str_cai, *str_aif, *str_dlpack,
       *str_dlpack_device, *str_getnewargs, *str_getnewargs_ex, *str_slots, *str_data, *str_shape, *str_strides,
       *str_typestr, /* the array interfaces' keys */
-      *str_torch_dot; /* "torch.", the prefix of torch's modules */
+      *str_torch_dot, /* "torch.", the prefix of torch's modules */
+      *str_instancecheck, *str_getattribute, *str_class;
+  /* type.__instancecheck__, object.__getattribute__ and object.__class__ as
+   * their dicts hold them (borrowed from static types): what isinstance
+   * reads when nothing overrides them (scan_classify.h, opaque=) */
+  PyObject *type_instancecheck, *object_getattribute, *object_class;
   /* torch, resolved on first need once torch is imported */
   int torch_resolved;
   PyTypeObject *torch_tensor;  /* torch.Tensor's C base, or NULL */

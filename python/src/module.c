@@ -293,8 +293,17 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
       intern(&dpy.str_dlpack_device, "__dlpack_device__") || intern(&dpy.str_getnewargs, "__getnewargs__") ||
       intern(&dpy.str_getnewargs_ex, "__getnewargs_ex__") || intern(&dpy.str_slots, "__slots__") ||
       intern(&dpy.str_data, "data") || intern(&dpy.str_shape, "shape") || intern(&dpy.str_strides, "strides") ||
-      intern(&dpy.str_typestr, "typestr") || intern(&dpy.str_torch_dot, "torch."))
+      intern(&dpy.str_typestr, "typestr") || intern(&dpy.str_torch_dot, "torch.") ||
+      intern(&dpy.str_instancecheck, "__instancecheck__") || intern(&dpy.str_getattribute, "__getattribute__") ||
+      intern(&dpy.str_class, "__class__"))
     goto fail;
+  dpy.type_instancecheck = _PyType_Lookup(&PyType_Type, dpy.str_instancecheck);
+  dpy.object_getattribute = _PyType_Lookup(&PyBaseObject_Type, dpy.str_getattribute);
+  dpy.object_class = _PyType_Lookup(&PyBaseObject_Type, dpy.str_class);
+  if (!dpy.type_instancecheck || !dpy.object_getattribute || !dpy.object_class) {
+    PyErr_SetString(PyExc_ImportError, "type.__instancecheck__, object.__getattribute__ or object.__class__ is missing");
+    goto fail;
+  }
   if (dpy_scan_types_init(m) || dpy_future_types_init(m) || dpy_frames_init(m)) goto fail;
   return m;
 fail:

@@ -41,9 +41,28 @@
 
 /* ---- the walk ---- */
 
+/* isinstance(o, opaque=), answered from o's type where isinstance would run
+ * no Python code (scan_classify.h); else the items are asked from the first
+ * that runs code, each as isinstance asks it, and the walk has run code. */
 static int is_opaque(dpy_scanner_t *s, PyObject *o) {
+  dpy_opaque_t *op = &s->op;
+  if (op->nwatch && dpy_opaque_stale(op) && dpy_opaque_respec(op)) return -1;
+  Py_ssize_t hit = dpy_opaque_hit(op, Py_TYPE(o));
+  if (hit >= 0) return hit < op->n;
+  s->ran_code = 1;
+  for (Py_ssize_t i = -1 - hit; i < PyTuple_GET_SIZE(s->opaque); i++) {
+    int r = PyObject_IsInstance(o, PyTuple_GET_ITEM(s->opaque, i));
+    if (r) return r;
+  }
+  return 0;
+}
+
+/* Whether a run (seq_run) leaves an object of type t to visit(): t's
+ * instances are opaque, or may be (code decides). Runs no Python code. */
+static inline int opaque_type(dpy_scanner_t *s, PyTypeObject *t) {
   if (!s->opaque) return 0;
-  return PyObject_IsInstance(o, s->opaque);
+  if (s->op.nwatch && dpy_opaque_stale(&s->op)) return 1;
+  return dpy_opaque_hit(&s->op, t) != s->op.n;
 }
 
 /* 1 when visiting an object of kind k and type t may run the value's own
@@ -455,7 +474,7 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
   PyTypeObject *t = Py_TYPE(o);
   if (t != *ok) {
     tcache_ent_t *e = tcache_hit(t); /* a kind not yet cached: classifying may run Python code */
-    if (!e || e->kind != K_TORCH) return 0;
+    if (!e || e->kind != K_TORCH || opaque_type(s, t)) return 0;
     /* slots (instances larger than torch.Tensor's), not yet asked, or a
        __getstate__ of its own, whatever the size (a subclass's dict and
        weakref add nothing to it where CPython manages them): visit() */
@@ -522,7 +541,9 @@ static int run_inline(dpy_scanner_t *s, PyObject *c, PyTypeObject **ok, int leve
     if (plain_leaf(t)) continue;
     me.pos = i + 1, me.idx = i;
     if (t == &PyTuple_Type || t == &PyList_Type)
-      rc = level < INLINE_DEPTH && !s->ran_code && Py_REFCNT(o) == 1 ? run_inline(s, o, ok, level + 1, &me) : 0;
+      rc = level < INLINE_DEPTH && !s->ran_code && Py_REFCNT(o) == 1 && !opaque_type(s, t)
+               ? run_inline(s, o, ok, level + 1, &me)
+               : 0;
     else
       rc = run_tensor(s, o, ok, &me);
     if (rc == 0) { /* the walk visits item i next */
@@ -570,7 +591,8 @@ static int let_go(dpy_scanner_t *s, PyObject *o) {
 
 static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
   PyTypeObject *t = Py_TYPE(o);
-  if (Py_TYPE(t) != &PyType_Type || s->nframes + 1 > s->max_depth) return 0; /* too deep: visit() says so */
+  if (Py_TYPE(t) != &PyType_Type || s->nframes + 1 > s->max_depth || opaque_type(s, t))
+    return 0; /* too deep: visit() says so */
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
   if (!fn && PyErr_Occurred()) return dpy_dispatch_error(s, o); /* at o's path: the run's frame's item */
   s->dispatch_obj = o, s->dispatch_known = fn != NULL; /* for visit(), when it enters o */
@@ -614,7 +636,7 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
     Py_INCREF(v);
     me.pos = pos, me.idx = count - 1, me.label = k;
     if (vt == &PyTuple_Type || vt == &PyList_Type)
-      rc = !s->ran_code && solo ? run_inline(s, v, ok, 2, &me) : 0;
+      rc = !s->ran_code && solo && !opaque_type(s, vt) ? run_inline(s, v, ok, 2, &me) : 0;
     else
       rc = run_tensor(s, v, ok, &me);
     if (rc == 0) { /* the walk visits this value next */
@@ -652,11 +674,12 @@ static Py_ssize_t tensor_run(dpy_scanner_t *s, PyObject *const *items, Py_ssize_
   return got;
 }
 
-/* The walk of scan and of the Future (not building, no opaque types) over
+/* The walk of scan and of the Future (not building) over
  * a list or tuple: a run of items that are leaves, tensors run_tensor
  * reads, or small containers and objects read in place, is read here, as
  * visit() would read each (the same allocations, in the same order),
- * without the loop's per-child dispatch. Python code can still run under
+ * without the loop's per-child dispatch (an item that opaque= makes, or
+ * may make, a leaf is left to visit(): opaque_type). Python code can still run under
  * it (a garbage collection's finalizers, a tensor's dispatch in the
  * adapter), so the sequence is read afresh for every item. Stops at the
  * first other item, which the loop visits, or where frames were resumed
@@ -693,7 +716,7 @@ static int seq_run(dpy_scanner_t *s, frame_t *f) {
       int in_place = !s->want_paths && !s->ran_code && Py_REFCNT(o) == 1;
       tcache_ent_t *e;
       if (t == &PyTuple_Type || t == &PyList_Type)
-        r = in_place ? run_inline(s, o, &ok, 1, NULL) : 0;
+        r = in_place && !opaque_type(s, t) ? run_inline(s, o, &ok, 1, NULL) : 0;
       else if ((e = tcache_hit(t)) && e->kind == K_OBJECT)
         r = in_place ? run_object(s, o, &ok) : 0;
       else
@@ -728,11 +751,11 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
   s->solo = 0;
   s->dispatch_obj = NULL;
   s->opaque = opts->opaque;
-  /* opaque=: every object meets isinstance, which may run its code (a
-     metaclass's __instancecheck__, the object's __class__) */
-  s->ran_code = s->opaque != NULL;
+  if (dpy_opaque_begin(&s->op, s->opaque)) return -1;
+  /* opaque=: isinstance runs code only where is_opaque says so */
+  s->ran_code = 0;
   s->max_depth = opts->max_depth ? opts->max_depth : DP_DEFAULT_MAX_DEPTH;
-  int runs = !s->build && !s->opaque && dpy.torch && dpy.torch_tensor;
+  int runs = !s->build && dpy.torch && dpy.torch_tensor;
   if (visit(s, obj)) return -1;
   while (s->nframes) {
     frame_t *f = &s->frames[s->nframes - 1];

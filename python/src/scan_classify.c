@@ -220,3 +220,96 @@ void dpy_tcache_leave(int64_t outer) {
 }
 
 void dpy_scan_forget_types(void) { tcache_clear(); }
+
+/* ---- opaque= ---- */
+
+/* Whether isinstance reads an instance's __class__ as its type: the getattr
+ * is object's — the generic slot itself, or a Python class's slot over a
+ * __getattribute__ that wraps it (a __getattr__ is then never reached:
+ * __class__ is always found) — and __class__ is object's descriptor. A C
+ * type's dict may hold a wrapper of the generic slot of its own (list's):
+ * its slot is what runs. Runs no Python code. */
+static int class_is_type(PyTypeObject *t) {
+  if (t->tp_getattro != PyObject_GenericGetAttr) {
+    if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return 0;
+    PyObject *ga = _PyType_Lookup(t, dpy.str_getattribute);
+    if (!ga || !Py_IS_TYPE(ga, &PyWrapperDescr_Type) ||
+        ((PyWrapperDescrObject *)ga)->d_wrapped != (void *)PyObject_GenericGetAttr)
+      return 0;
+  }
+  return _PyType_Lookup(t, dpy.str_class) == dpy.object_class;
+}
+
+/* Keeps metaclass m watched (its tag recorded): 1, or 0 when it cannot be
+ * (no tag, or too many metaclasses already). */
+static int watch(dpy_opaque_t *op, PyTypeObject *m) {
+  for (int i = 0; i < op->nwatch; i++)
+    if (op->watch[i] == m) return 1;
+  unsigned int tag;
+  if (op->nwatch == OPAQUE_WATCH || !version_tag(m, &tag)) return 0;
+  op->watch[op->nwatch] = m;
+  op->watch_tag[op->nwatch++] = tag;
+  return 1;
+}
+
+int dpy_opaque_respec(dpy_opaque_t *op) {
+  if (++op->gen == 0) { /* wrapped: entries of 2^32 walks ago would look fresh */
+    memset(op->cache, 0, sizeof op->cache);
+    op->gen = 1;
+  }
+  op->nwatch = 0;
+  op->n = op->types ? PyTuple_GET_SIZE(op->types) : 0;
+  op->first_code = op->n;
+  for (Py_ssize_t i = 0; i < op->n; i++) {
+    PyTypeObject *m = Py_TYPE(PyTuple_GET_ITEM(op->types, i));
+    /* isinstance asks a metaclass other than type for __instancecheck__;
+       type's own answers as type does */
+    if (m == &PyType_Type) continue;
+    if (_PyType_Lookup(m, dpy.str_instancecheck) == dpy.type_instancecheck && watch(op, m)) continue;
+    op->first_code = i;
+    break;
+  }
+  return 0;
+}
+
+int dpy_opaque_begin(dpy_opaque_t *op, PyObject *types) {
+  op->types = types;
+  return dpy_opaque_respec(op);
+}
+
+/* isinstance(o, item) for each item in order, as an instance of t answers
+ * it without code: the first true, else n; or, where code would run (an
+ * item's metaclass, o's __class__), -1 - the item from which it must be
+ * called. Kept in e under t's tag. */
+Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t, dpy_opaque_ent_t *e) {
+  int determined = -1; /* class_is_type(t), read when first needed */
+  Py_ssize_t hit = op->n;
+  for (Py_ssize_t i = 0; i < op->n; i++) {
+    PyTypeObject *T = (PyTypeObject *)PyTuple_GET_ITEM(op->types, i);
+    if (t == T) { /* isinstance's first test, before any __instancecheck__ */
+      hit = i;
+      break;
+    }
+    if (i == op->first_code) {
+      hit = -1 - i;
+      break;
+    }
+    if (PyType_IsSubtype(t, T)) {
+      hit = i;
+      break;
+    }
+    if (determined < 0) determined = class_is_type(t);
+    if (!determined) { /* isinstance reads o.__class__ next */
+      hit = -1 - i;
+      break;
+    }
+  }
+  unsigned int tag;
+  if (version_tag(t, &tag)) {
+    e->type = t;
+    e->version = tag;
+    e->gen = op->gen;
+    e->hit = hit;
+  }
+  return hit;
+}

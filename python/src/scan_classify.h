@@ -95,4 +95,66 @@ static inline uint8_t classify(PyTypeObject *t) {
   return e ? e->kind : dpy_classify_slow(t, &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE]);
 }
 
+/* ---- opaque=: which instances are leaves ---- */
+
+/* isinstance(o, types) answered from o's type, once a type a walk, where
+ * isinstance would run no Python code: an item whose metaclass is `type`,
+ * or one whose metaclass does not override __instancecheck__ (watched: a
+ * change to it is seen), answers by o's type's MRO alone — provided o's
+ * __class__ is its type (no __class__ or __getattribute__ of its class's
+ * own, nor a C type's getattr: a proxy's __class__ is another's). From the
+ * first item whose metaclass overrides __instancecheck__ (an ABC, a typing
+ * protocol, nn.Parameter) on, or for an object whose __class__ isinstance
+ * would read, isinstance is called item by item, as isinstance(o, types)
+ * calls it: the same answers, the same code run, in the same order.
+ *
+ * The cache holds types by address, borrowed and never dereferenced, beside
+ * their version tag (a class changed during the walk is answered afresh;
+ * see tcache_ent_t for why a tag is never reused), and only for the walk
+ * (its generation): nothing is kept alive, nothing outlives the call. */
+#define OPAQUE_CACHE 64
+#define OPAQUE_WATCH 4
+
+typedef struct dpy_opaque_ent {
+  PyTypeObject *type; /* borrowed, compared only */
+  unsigned int version, gen;
+  /* >= 0: the first item that answers true without code (n: none does);
+   * < 0: -1 - the item from which isinstance must be called */
+  Py_ssize_t hit;
+} dpy_opaque_ent_t;
+
+typedef struct dpy_opaque {
+  PyObject *types;     /* the walk's tuple (borrowed: the options hold it), or NULL */
+  Py_ssize_t n;
+  Py_ssize_t first_code; /* the first item whose isinstance runs a metaclass's code (n: none) */
+  int nwatch;          /* metaclasses of items before it that keep type.__instancecheck__ */
+  PyTypeObject *watch[OPAQUE_WATCH];
+  unsigned int watch_tag[OPAQUE_WATCH];
+  unsigned int gen;    /* the walk's: entries of another walk are stale */
+  dpy_opaque_ent_t cache[OPAQUE_CACHE];
+} dpy_opaque_t;
+
+/* A walk with these types (NULL: none) begins. 0, or -1 with an exception. */
+int dpy_opaque_begin(dpy_opaque_t *op, PyObject *types);
+/* A watched metaclass changed: the items are read again. 0, or -1. */
+int dpy_opaque_respec(dpy_opaque_t *op);
+__attribute__((noinline)) Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t, dpy_opaque_ent_t *e);
+
+static inline int dpy_opaque_stale(const dpy_opaque_t *op) {
+  for (int i = 0; i < op->nwatch; i++)
+    if (!(op->watch[i]->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) || op->watch[i]->tp_version_tag != op->watch_tag[i])
+      return 1;
+  return 0;
+}
+
+/* The answer for instances of t (dpy_opaque_ent_t.hit), from the cache.
+ * Runs no Python code. */
+static inline Py_ssize_t dpy_opaque_hit(dpy_opaque_t *op, PyTypeObject *t) {
+  dpy_opaque_ent_t *e = &op->cache[((uintptr_t)t >> 4) % OPAQUE_CACHE];
+  if (e->type == t && e->gen == op->gen && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) &&
+      e->version == t->tp_version_tag)
+    return e->hit;
+  return dpy_opaque_slow(op, t, e);
+}
+
 #endif

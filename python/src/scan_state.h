@@ -7,6 +7,7 @@
 #define DEVPICKLE_PY_SCAN_STATE_H
 
 #include "ext.h"
+#include "scan_classify.h"
 
 #include <stdint.h>
 
@@ -68,7 +69,8 @@ struct dpy_scanner {
   PyObject **first, **second;
   size_t nfirst, first_cap;
   dp_ptrset_t *counted;
-  PyObject *opaque;
+  PyObject *opaque;   /* opts->opaque: the types, or NULL */
+  dpy_opaque_t op;    /* and what each type met is to them (scan_classify.h) */
   uint32_t max_depth;
   /* allocations found and not yet in `found`, when no path or index is asked
    * for them: added in batches (dp_ptrset_add_many), in order */

@@ -411,3 +411,50 @@ def test_collect_all_merges_its_inputs_opaque_types_in_time_linear_in_them():
     a.set_result(1)
     b.set_result(2)
     assert type(child.wait()[0]) is many[-1]
+
+
+def test_opaque_types_answer_the_futures_walk_as_isinstance_does_for_each_future():
+    """The Future's walk answers opaque= from a cache per walk: a
+    subclass's instance, a class registered with an ABC and an instance a
+    metaclass's __instancecheck__ accepts are leaves, as isinstance says;
+    a class one future walked is a leaf to the next that lists it."""
+    import abc
+
+    class Base:
+        pass
+
+    class Sub(Base):
+        def __init__(self, t):
+            self.t = t
+
+    class Other:
+        def __init__(self, t):
+            self.t = t
+
+    class Handle(abc.ABC):
+        pass
+
+    class ByFlag(type):
+        def __instancecheck__(cls, o):
+            return getattr(o, "hide", False)
+
+    class Flagged(metaclass=ByFlag):
+        pass
+
+    ts = [torch.ones(n) for n in (1, 2, 3, 4, 5)]
+    shown, hidden = Other(ts[2]), Other(ts[3])
+    hidden.hide = True
+    value = [Sub(ts[0]), Other(ts[1]), shown, hidden, (Sub(ts[4]),)]
+
+    def walked(**kw):
+        f = devpickle.Future(**kw)
+        f.set_result(value)
+        return sorted(nbytes for _, _, nbytes in f._allocations())
+
+    assert walked() == [4, 8, 12, 16, 20]
+    assert walked(opaque=Base) == [8, 12, 16]
+    assert walked(opaque=(Base, Handle, Flagged)) == [8, 12]
+    Handle.register(Other)
+    assert walked(opaque=(Base, Handle)) == []
+    assert walked(opaque=Other) == [4, 20]
+    assert walked() == [4, 8, 12, 16, 20]
