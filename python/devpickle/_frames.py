@@ -238,6 +238,9 @@ def allowed(classes):
         return out
     if isinstance(classes, (type, types.FunctionType, types.BuiltinFunctionType)):  # one, as a sequence of one
         classes = (classes,)
+    if type(classes) is Object:  # iterable through __getitem__, whose first item raises its own TypeError
+        raise TypeError(f"classes= takes classes (and functions): a class, a function or a sequence of them, "
+                        f"not a devpickle.Object of class {object.__getattribute__(classes, '__class_name__')!r}")
     try:
         if isinstance(classes, (str, bytes)):  # iterable, but of characters: a name is not a class
             raise TypeError
@@ -257,8 +260,10 @@ def allowed(classes):
             else:
                 key = _carried_name(c)
                 if key is None:
+                    got = (f"a devpickle.Object of class {object.__getattribute__(c, '__class_name__')!r}"
+                           if type(c) is Object else f"a {type(c).__name__!r}")
                     raise TypeError(f"classes= takes classes, functions and objects dumps carries by name "
-                                    f"(torch.float16); got a {type(c).__name__!r}")
+                                    f"(torch.float16); got {got}")
             if out.functions.setdefault(key, c) is not c:
                 raise ValueError(f"classes= names {key} twice, by two different objects ({out.functions[key]!r} "
                                  f"and {c!r}): a frame could not say which it means")

@@ -26,7 +26,7 @@ typedef struct dpy_state {
       *str_dlpack_device, *str_getnewargs, *str_getnewargs_ex, *str_slots, *str_data, *str_shape, *str_strides,
       *str_typestr, /* the array interfaces' keys */
       *str_torch_dot, /* "torch.", the prefix of torch's modules */
-      *str_instancecheck, *str_getattribute, *str_class;
+      *str_instancecheck, *str_getattribute, *str_class, *str_class_name;
   /* type.__instancecheck__, object.__getattribute__ and object.__class__ as
    * their dicts hold them (borrowed from static types): what isinstance
    * reads when nothing overrides them (scan_classify.h, opaque=) */
@@ -117,6 +117,17 @@ PyObject *dpy_hash_work(PyObject *self, PyObject *args);
 /* Whether buffer x's items hold Python objects ('O' in its struct format,
  * also in a structured format): devpickle._devpickle._format_holds_objects(x). */
 PyObject *dpy_format_holds_objects(PyObject *self, PyObject *x);
+
+/* loads's stand-in for an object of a class its classes= did not list
+ * (devpickle._object.Object): 1 when o is one, 0 when not, -1 with an
+ * exception (the first one met imports devpickle._object). An Object
+ * answers __getitem__ (with a TypeError saying what to list), so an
+ * argument that takes sequences or iterables would take it and raise that
+ * instead of its own message. */
+int dpy_is_stand_in(PyObject *o);
+/* The TypeError "<head> a devpickle.Object of class 'C'<tail>" for a
+ * stand-in given as an argument: 1 (raised) when o is one, 0 when not, -1. */
+int dpy_refuse_stand_in(PyObject *o, const char *head, const char *tail);
 
 /* Device names as the C library writes them ("cuda:0", "cpu", "host:1"). */
 PyObject *dpy_device_str(dp_device_t d);

@@ -978,6 +978,10 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
                    "(buffers=[b]), not a '%s'", Py_TYPE(buffers)->tp_name);
       goto done;
     }
+    /* loads's stand-in is a sequence whose items raise its own TypeError */
+    int stand_in = dpy_refuse_stand_in(buffers, "buffers= must be a sequence of buffers, one per buffer of the "
+                                       "frame's table (buffers=[b]), not", "");
+    if (stand_in) goto done;
     if (!PySequence_Check(buffers)) { /* an iterator too (pickle takes one): named, with the way out */
       PyErr_Format(PyExc_TypeError, "buffers= must be a sequence of buffers, indexed by the frame's table "
                    "(buffers=list(it)), not a '%s'", Py_TYPE(buffers)->tp_name);

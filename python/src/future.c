@@ -123,6 +123,10 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
                  Py_TYPE(devices)->tp_name);
     return -1;
   }
+  /* loads's stand-in is a sequence to PySequence_Check, whose first item
+   * raises its own TypeError */
+  int stand_in = dpy_refuse_stand_in(devices, "devices must be a list of devices, not", " (devices=[\"cuda:0\"])");
+  if (stand_in) return -1;
   /* a sequence, as documented: PySequence_Tuple alone would drain a
    * generator or take a set's arbitrary order */
   if (!PySequence_Check(devices)) {
@@ -1073,15 +1077,8 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
  * then() and add_done_callback refuse it at once, with what its call would
  * say. 1 (an exception set) for an Object, 0 for any other callable, -1. */
 static int callback_is_object(PyObject *callback) {
-  static PyObject *object_type; /* devpickle._object.Object, looked up once one comes */
-  if (strcmp(Py_TYPE(callback)->tp_name, "Object") != 0) return 0;
-  if (!object_type) {
-    PyObject *mod = PyImport_ImportModule("devpickle._object");
-    object_type = mod ? PyObject_GetAttrString(mod, "Object") : NULL;
-    Py_XDECREF(mod);
-    if (!object_type) return -1;
-  }
-  if ((PyObject *)Py_TYPE(callback) != object_type) return 0;
+  int is = dpy_is_stand_in(callback);
+  if (is <= 0) return is;
   PyObject *r = PyObject_CallNoArgs(callback); /* raises the TypeError that names what to list */
   if (r) { /* not reached: an Object's call always raises */
     Py_DECREF(r);
@@ -1176,6 +1173,10 @@ static PyObject *fut_add_done_callback(pyfut_t *self, PyObject *const *args, Py_
  * alone: torch's future read "a 'Future'"), and for torch's future what to
  * do instead, since code moving from torch.futures meets it first. */
 static void not_a_future(const char *who, Py_ssize_t i, PyObject *x) {
+  char head[96];
+  snprintf(head, sizeof head, "%s takes devpickle.Future objects; item %zd is", who, i);
+  if (dpy_refuse_stand_in(x, head, "")) return;
+  PyErr_Clear(); /* not an Object, or not told: named by its class below */
   PyTypeObject *t = Py_TYPE(x);
   PyObject *mod = NULL, *qual = NULL, *name = NULL;
   if (t->tp_flags & Py_TPFLAGS_HEAPTYPE) {
@@ -1204,6 +1205,9 @@ static void not_a_future(const char *who, Py_ssize_t i, PyObject *x) {
 /* arg as a list of Futures and their C futures; who names the caller in
  * errors. */
 static PyObject *as_futures(const char *who, PyObject *arg, dp_future_t ***out, Py_ssize_t *n) {
+  char head[96];
+  snprintf(head, sizeof head, "%s takes an iterable of devpickle.Future objects (a list), not", who);
+  if (dpy_refuse_stand_in(arg, head, "")) return NULL; /* iterable through __getitem__, which raises its own */
   if (!Py_TYPE(arg)->tp_iter && !PySequence_Check(arg)) {
     /* named: "'devpickle.Future' object is not iterable" says not what was wanted */
     PyErr_Format(PyExc_TypeError, "%s takes an iterable of devpickle.Future objects (a list), not a '%s'", who,

@@ -253,6 +253,31 @@ static struct PyModuleDef moddef = {
     "The C core of devpickle's Python binding (use the devpickle package).", -1, methods,
 };
 
+int dpy_is_stand_in(PyObject *o) {
+  static PyObject *object_type; /* looked up once one comes */
+  if (strcmp(Py_TYPE(o)->tp_name, "Object") != 0) return 0;
+  if (!object_type) {
+    PyObject *mod = PyImport_ImportModule("devpickle._object");
+    object_type = mod ? PyObject_GetAttrString(mod, "Object") : NULL;
+    Py_XDECREF(mod);
+    if (!object_type) return -1;
+  }
+  return (PyObject *)Py_TYPE(o) == object_type;
+}
+
+int dpy_refuse_stand_in(PyObject *o, const char *head, const char *tail) {
+  int r = dpy_is_stand_in(o);
+  if (r <= 0) return r;
+  /* its own field, read as the Object reads it (no __getattr__ of its) */
+  PyObject *name = PyObject_GenericGetAttr(o, dpy.str_class_name);
+  if (name && PyUnicode_Check(name))
+    PyErr_Format(PyExc_TypeError, "%s a devpickle.Object of class %R%s", head, name, tail);
+  else if (name || PyErr_ExceptionMatches(PyExc_Exception))
+    PyErr_Format(PyExc_TypeError, "%s a devpickle.Object%s", head, tail);
+  Py_XDECREF(name);
+  return 1;
+}
+
 static int intern(PyObject **slot, const char *s) { return (*slot = PyUnicode_InternFromString(s)) ? 0 : -1; }
 
 PyMODINIT_FUNC PyInit__devpickle(void) {
@@ -295,7 +320,7 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
       intern(&dpy.str_data, "data") || intern(&dpy.str_shape, "shape") || intern(&dpy.str_strides, "strides") ||
       intern(&dpy.str_typestr, "typestr") || intern(&dpy.str_torch_dot, "torch.") ||
       intern(&dpy.str_instancecheck, "__instancecheck__") || intern(&dpy.str_getattribute, "__getattribute__") ||
-      intern(&dpy.str_class, "__class__"))
+      intern(&dpy.str_class, "__class__") || intern(&dpy.str_class_name, "__class_name__"))
     goto fail;
   dpy.type_instancecheck = _PyType_Lookup(&PyType_Type, dpy.str_instancecheck);
   dpy.object_getattribute = _PyType_Lookup(&PyBaseObject_Type, dpy.str_getattribute);

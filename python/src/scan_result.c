@@ -361,6 +361,9 @@ static int opaque_refused(const char *head, PyObject *o) {
 int dpy_scan_opaque(PyObject *opaque, PyObject **out) {
   *out = NULL;
   if (!opaque || opaque == Py_None) return 0;
+  /* loads's stand-in answers __getitem__ with its own TypeError: named here */
+  int r = dpy_refuse_stand_in(opaque, "opaque= takes types: a type or an iterable of types, not", "");
+  if (r) return -1;
   if (PyType_Check(opaque)) opaque = PyTuple_Pack(1, opaque);
   else if (!Py_TYPE(opaque)->tp_iter && !PySequence_Check(opaque)) {
     /* named, as classes= is: "'int' object is not iterable" says not which argument */
@@ -369,7 +372,8 @@ int dpy_scan_opaque(PyObject *opaque, PyObject **out) {
   if (!opaque) return -1;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(opaque); i++)
     if (!PyType_Check(PyTuple_GET_ITEM(opaque, i))) {
-      opaque_refused("opaque= takes types; got a", PyTuple_GET_ITEM(opaque, i));
+      if (!dpy_refuse_stand_in(PyTuple_GET_ITEM(opaque, i), "opaque= takes types; got", ""))
+        opaque_refused("opaque= takes types; got a", PyTuple_GET_ITEM(opaque, i));
       Py_DECREF(opaque);
       return -1;
     }

@@ -3711,3 +3711,37 @@ def test_loads_holds_at_most_360_bytes_per_frame_byte_beyond_what_the_process_he
         peak = int(r.stdout)
         assert peak <= 360 * len(frame) + (4 << 20), \
             f"{what}: {peak} bytes at the peak for a {len(frame)}-byte frame ({peak / len(frame):.0f} a byte)"
+
+
+def test_a_devpickle_object_given_where_an_iterable_argument_belongs_is_refused_with_the_arguments_message():
+    """An Object answers __getitem__ (with what to list), so it passed for a
+    sequence: scan(x, opaque=obj), Future(devices=obj), loads(classes=obj),
+    collect_all(obj) and the rest raised the Object's own "holds no items to
+    subscript or iterate over", naming no argument. Each argument's
+    message wins, with the Object's class, as for any non-iterable; an
+    Object as an item is named so too."""
+    obj = devpickle.loads(devpickle.dumps(Node(1)))
+    assert type(obj).__name__ == "Object"
+    cls = f"a devpickle.Object of class '{obj.__class_name__}'"
+    frame = devpickle.dumps(1)
+    for call, message in [
+        (lambda x: devpickle.scan([], opaque=x), f"opaque= takes types: a type or an iterable of types, not {cls}"),
+        (lambda x: devpickle.Future(opaque=x), f"opaque= takes types: a type or an iterable of types, not {cls}"),
+        (lambda x: devpickle.Future(devices=x), f'devices must be a list of devices, not {cls} (devices=["cuda:0"])'),
+        (lambda x: devpickle.loads(frame, classes=x),
+         f"classes= takes classes (and functions): a class, a function or a sequence of them, not {cls}"),
+        (lambda x: devpickle.loads(frame, buffers=x),
+         f"buffers= must be a sequence of buffers, one per buffer of the frame's table (buffers=[b]), not {cls}"),
+        (lambda x: devpickle.collect_all(x), f"collect_all takes an iterable of devpickle.Future objects (a list), "
+                                             f"not {cls}"),
+        (lambda x: devpickle.wait_all(x), f"wait_all takes an iterable of devpickle.Future objects (a list), not {cls}"),
+        # as an item
+        (lambda x: devpickle.scan([], opaque=[int, x]), f"opaque= takes types; got {cls}"),
+        (lambda x: devpickle.loads(frame, classes=[int, x]),
+         f"classes= takes classes, functions and objects dumps carries by name (torch.float16); got {cls}"),
+        (lambda x: devpickle.collect_all([devpickle.Future(), x]),
+         f"collect_all takes devpickle.Future objects; item 1 is {cls}"),
+    ]:
+        with pytest.raises(TypeError) as e:
+            call(obj)
+        assert str(e.value) == message
