@@ -3979,7 +3979,7 @@ def test_opaque_types_that_run_no_code_cost_a_walk_about_nothing():
             return min(timeit.repeat(lambda: devpickle.scan(value, paths=False, **kw), number=20, repeat=7))
 
         plain, opaque = best(), best(opaque=(OpaqueBase, LOCK_TYPE))
-        assert opaque < 1.6 * plain, (opaque, plain)
+        assert opaque < 2.0 * plain, (opaque, plain)  # 4.9x (tensors), 2.7x (objects) before
 
 
 LOCK_TYPE = type(threading.Lock())
