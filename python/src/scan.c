@@ -591,8 +591,8 @@ static int let_go(dpy_scanner_t *s, PyObject *o) {
 
 static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
   PyTypeObject *t = Py_TYPE(o);
-  if (Py_TYPE(t) != &PyType_Type || s->nframes + 1 > s->max_depth || opaque_type(s, t))
-    return 0; /* too deep: visit() says so */
+  /* too deep, or a leaf to opaque= (maybe): visit() says so, or asks */
+  if (Py_TYPE(t) != &PyType_Type || s->nframes + 1 > s->max_depth || opaque_type(s, t)) return 0;
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)t);
   if (!fn && PyErr_Occurred()) return dpy_dispatch_error(s, o); /* at o's path: the run's frame's item */
   s->dispatch_obj = o, s->dispatch_known = fn != NULL; /* for visit(), when it enters o */
@@ -674,12 +674,12 @@ static Py_ssize_t tensor_run(dpy_scanner_t *s, PyObject *const *items, Py_ssize_
   return got;
 }
 
-/* The walk of scan and of the Future (not building) over
- * a list or tuple: a run of items that are leaves, tensors run_tensor
- * reads, or small containers and objects read in place, is read here, as
- * visit() would read each (the same allocations, in the same order),
- * without the loop's per-child dispatch (an item that opaque= makes, or
- * may make, a leaf is left to visit(): opaque_type). Python code can still run under
+/* The walk of scan and of the Future (not building) over a list or
+ * tuple: a run of items that are leaves, tensors run_tensor reads, or
+ * small containers and objects read in place, is read here, as visit()
+ * would read each (the same allocations, in the same order), without the
+ * loop's per-child dispatch (an item that opaque= makes, or may make, a
+ * leaf is left to visit(): opaque_type). Python code can still run under
  * it (a garbage collection's finalizers, a tensor's dispatch in the
  * adapter), so the sequence is read afresh for every item. Stops at the
  * first other item, which the loop visits, or where frames were resumed
