@@ -26,11 +26,15 @@ typedef struct dpy_state {
       *str_dlpack_device, *str_getnewargs, *str_getnewargs_ex, *str_slots, *str_data, *str_shape, *str_strides,
       *str_typestr, /* the array interfaces' keys */
       *str_torch_dot, /* "torch.", the prefix of torch's modules */
-      *str_instancecheck, *str_getattribute, *str_class, *str_class_name;
+      *str_instancecheck, *str_subclasscheck, *str_getattribute, *str_class, *str_class_name;
   /* type.__instancecheck__, object.__getattribute__ and object.__class__ as
    * their dicts hold them (borrowed from static types): what isinstance
    * reads when nothing overrides them (scan_classify.h, opaque=) */
   PyObject *type_instancecheck, *object_getattribute, *object_class;
+  /* abc.ABCMeta's __instancecheck__ and __subclasscheck__ (its dict's), and
+   * abc.get_cache_token: an ABC's answers, cached by ABCMeta itself until a
+   * register() moves the token, are cached by a walk too (scan_classify.h) */
+  PyObject *abc_instancecheck, *abc_subclasscheck, *abc_token;
   /* torch, resolved on first need once torch is imported */
   int torch_resolved;
   PyTypeObject *torch_tensor;  /* torch.Tensor's C base, or NULL */

@@ -319,7 +319,8 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
       intern(&dpy.str_getnewargs_ex, "__getnewargs_ex__") || intern(&dpy.str_slots, "__slots__") ||
       intern(&dpy.str_data, "data") || intern(&dpy.str_shape, "shape") || intern(&dpy.str_strides, "strides") ||
       intern(&dpy.str_typestr, "typestr") || intern(&dpy.str_torch_dot, "torch.") ||
-      intern(&dpy.str_instancecheck, "__instancecheck__") || intern(&dpy.str_getattribute, "__getattribute__") ||
+      intern(&dpy.str_instancecheck, "__instancecheck__") ||
+      intern(&dpy.str_subclasscheck, "__subclasscheck__") || intern(&dpy.str_getattribute, "__getattribute__") ||
       intern(&dpy.str_class, "__class__") || intern(&dpy.str_class_name, "__class_name__"))
     goto fail;
   dpy.type_instancecheck = _PyType_Lookup(&PyType_Type, dpy.str_instancecheck);
@@ -329,6 +330,18 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
     PyErr_SetString(PyExc_ImportError, "type.__instancecheck__, object.__getattribute__ or object.__class__ is missing");
     goto fail;
   }
+  PyObject *abc = PyImport_ImportModule("abc"); /* imported at startup: nothing runs */
+  PyObject *abcmeta = abc ? PyObject_GetAttrString(abc, "ABCMeta") : NULL;
+  dpy.abc_token = abc ? PyObject_GetAttrString(abc, "get_cache_token") : NULL;
+  Py_XDECREF(abc);
+  if (abcmeta && PyType_Check(abcmeta)) { /* held: compared by address while the process lives */
+    dpy.abc_instancecheck = Py_XNewRef(_PyType_Lookup((PyTypeObject *)abcmeta, dpy.str_instancecheck));
+    dpy.abc_subclasscheck = Py_XNewRef(_PyType_Lookup((PyTypeObject *)abcmeta, dpy.str_subclasscheck));
+  }
+  Py_XDECREF(abcmeta);
+  if (!dpy.abc_instancecheck || !dpy.abc_subclasscheck || !dpy.abc_token)
+    dpy.abc_instancecheck = NULL; /* no abc: every ABC is asked for every object */
+  PyErr_Clear();
   if (dpy_scan_types_init(m) || dpy_future_types_init(m) || dpy_frames_init(m)) goto fail;
   return m;
 fail:

@@ -42,12 +42,18 @@
 /* ---- the walk ---- */
 
 /* isinstance(o, opaque=), answered from o's type where isinstance would run
- * no Python code (scan_classify.h); else the items are asked from the first
- * that runs code, each as isinstance asks it, and the walk has run code. */
+ * no Python code, or an ABC's answer kept (scan_classify.h); else the items
+ * are asked from the first that runs code, each as isinstance asks it. The
+ * walk has run code once an ABC or such an item was asked. */
 static int is_opaque(dpy_scanner_t *s, PyObject *o) {
   dpy_opaque_t *op = &s->op;
   if (op->nwatch && dpy_opaque_stale(op) && dpy_opaque_respec(op)) return -1;
+  if (op->nabc && dpy_opaque_token_same(op) < 0) return -1; /* a register() since: answers forgotten */
   Py_ssize_t hit = dpy_opaque_hit(op, Py_TYPE(o));
+  if (hit == OPAQUE_ASK) {
+    s->ran_code = 1;
+    if ((hit = dpy_opaque_ask(op, o)) == OPAQUE_ERR) return -1;
+  }
   if (hit >= 0) return hit < op->n;
   s->ran_code = 1;
   for (Py_ssize_t i = -1 - hit; i < PyTuple_GET_SIZE(s->opaque); i++) {
@@ -62,6 +68,13 @@ static int is_opaque(dpy_scanner_t *s, PyObject *o) {
 static inline int opaque_type(dpy_scanner_t *s, PyTypeObject *t) {
   if (!s->opaque) return 0;
   if (s->op.nwatch && dpy_opaque_stale(&s->op)) return 1;
+  if (s->op.nabc) { /* an ABC's answer kept holds until the token moves */
+    int same = dpy_opaque_token_same(&s->op);
+    if (same <= 0) {
+      if (same < 0) dpy_clear_error(); /* visit() asks again, and reports it */
+      return 1;
+    }
+  }
   return dpy_opaque_hit(&s->op, t) != s->op.n;
 }
 

@@ -240,8 +240,8 @@ static int class_is_type(PyTypeObject *t) {
   return _PyType_Lookup(t, dpy.str_class) == dpy.object_class;
 }
 
-/* Keeps metaclass m watched (its tag recorded): 1, or 0 when it cannot be
- * (no tag, or too many metaclasses already). */
+/* Keeps type m watched (its tag recorded): 1, or 0 when it cannot be (no
+ * tag, or too many types already). */
 static int watch(dpy_opaque_t *op, PyTypeObject *m) {
   for (int i = 0; i < op->nwatch; i++)
     if (op->watch[i] == m) return 1;
@@ -252,23 +252,45 @@ static int watch(dpy_opaque_t *op, PyTypeObject *m) {
   return 1;
 }
 
-int dpy_opaque_respec(dpy_opaque_t *op) {
-  if (++op->gen == 0) { /* wrapped: entries of 2^32 walks ago would look fresh */
+/* Whether isinstance(o, T) is ABCMeta's, whose answer for o's type ABCMeta
+ * keeps until the token moves: its metaclass m answers __instancecheck__
+ * and __subclasscheck__ with ABCMeta's (reached through type's getattr),
+ * and T has no __subclasscheck__ of its own, which ABCMeta's would call
+ * each time. Both are watched. Runs no Python code. */
+static int abc_kept(dpy_opaque_t *op, PyTypeObject *T, PyTypeObject *m, PyObject *check) {
+  return dpy.abc_instancecheck && check == dpy.abc_instancecheck && op->nabc < OPAQUE_ABC &&
+         m->tp_getattro == PyType_Type.tp_getattro && _PyType_Lookup(m, dpy.str_subclasscheck) == dpy.abc_subclasscheck &&
+         !_PyType_Lookup(T, dpy.str_subclasscheck) && watch(op, m) && watch(op, T);
+}
+
+static void forget(dpy_opaque_t *op) {
+  if (++op->gen == 0) { /* wrapped: entries of 2^32 generations ago would look fresh */
     memset(op->cache, 0, sizeof op->cache);
     op->gen = 1;
   }
-  op->nwatch = 0;
+}
+
+int dpy_opaque_respec(dpy_opaque_t *op) {
+  forget(op);
+  op->nwatch = op->nabc = 0;
+  Py_CLEAR(op->token);
   op->n = op->types ? PyTuple_GET_SIZE(op->types) : 0;
   op->first_code = op->n;
   for (Py_ssize_t i = 0; i < op->n; i++) {
-    PyTypeObject *m = Py_TYPE(PyTuple_GET_ITEM(op->types, i));
+    PyTypeObject *T = (PyTypeObject *)PyTuple_GET_ITEM(op->types, i), *m = Py_TYPE(T);
     /* isinstance asks a metaclass other than type for __instancecheck__;
        type's own answers as type does */
     if (m == &PyType_Type) continue;
-    if (_PyType_Lookup(m, dpy.str_instancecheck) == dpy.type_instancecheck && watch(op, m)) continue;
+    PyObject *check = _PyType_Lookup(m, dpy.str_instancecheck);
+    if (check == dpy.type_instancecheck && watch(op, m)) continue;
+    if (abc_kept(op, T, m, check)) {
+      op->abc[op->nabc++] = i;
+      continue;
+    }
     op->first_code = i;
     break;
   }
+  if (op->nabc && !(op->token = PyObject_CallNoArgs(dpy.abc_token))) return -1;
   return 0;
 }
 
@@ -277,39 +299,85 @@ int dpy_opaque_begin(dpy_opaque_t *op, PyObject *types) {
   return dpy_opaque_respec(op);
 }
 
+int dpy_opaque_token_same(dpy_opaque_t *op) {
+  PyObject *now = PyObject_CallNoArgs(dpy.abc_token); /* a C function: an int */
+  if (!now) return -1;
+  int same = PyObject_RichCompareBool(now, op->token, Py_EQ);
+  if (same == 0) {
+    Py_SETREF(op->token, now);
+    forget(op);
+    return 0;
+  }
+  Py_DECREF(now);
+  return same;
+}
+
+static int is_abc_item(const dpy_opaque_t *op, Py_ssize_t i) {
+  for (int j = 0; j < op->nabc; j++)
+    if (op->abc[j] == i) return 1;
+  return 0;
+}
+
 /* isinstance(o, item) for each item in order, as an instance of t answers
- * it without code: the first true, else n; or, where code would run (an
+ * it: the first true, else n; or, where code would run each time (an
  * item's metaclass, o's __class__), -1 - the item from which it must be
- * called. Kept in e under t's tag. */
-Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t, dpy_opaque_ent_t *e) {
+ * called. An ABC is asked (o given: Python code runs) or, without o,
+ * OPAQUE_ASK is returned. OPAQUE_ERR with an exception. */
+static Py_ssize_t answer(dpy_opaque_t *op, PyTypeObject *t, PyObject *o) {
   int determined = -1; /* class_is_type(t), read when first needed */
-  Py_ssize_t hit = op->n;
   for (Py_ssize_t i = 0; i < op->n; i++) {
     PyTypeObject *T = (PyTypeObject *)PyTuple_GET_ITEM(op->types, i);
-    if (t == T) { /* isinstance's first test, before any __instancecheck__ */
-      hit = i;
-      break;
-    }
-    if (i == op->first_code) {
-      hit = -1 - i;
-      break;
-    }
-    if (PyType_IsSubtype(t, T)) {
-      hit = i;
-      break;
-    }
+    if (t == T) return i; /* isinstance's first test, before any __instancecheck__ */
+    if (i == op->first_code) return -1 - i;
     if (determined < 0) determined = class_is_type(t);
-    if (!determined) { /* isinstance reads o.__class__ next */
-      hit = -1 - i;
-      break;
+    if (op->nabc && is_abc_item(op, i)) {
+      if (!determined) return -1 - i; /* ABCMeta reads o.__class__ */
+      if (!o) return OPAQUE_ASK;
+      int r = PyObject_IsInstance(o, (PyObject *)T);
+      if (r < 0) return OPAQUE_ERR;
+      if (r) return i;
+      continue;
     }
+    if (PyType_IsSubtype(t, T)) return i;
+    if (!determined) return -1 - i; /* isinstance reads o.__class__ next */
   }
+  return op->n;
+}
+
+/* Keeps hit for t, under the tag t had before it was answered and still
+ * has. */
+static void keep(dpy_opaque_t *op, PyTypeObject *t, unsigned int tag, Py_ssize_t hit) {
+  unsigned int now;
+  if (!version_tag(t, &now) || now != tag) return;
+  dpy_opaque_ent_t *e = &op->cache[((uintptr_t)t >> 4) % OPAQUE_CACHE];
+  e->type = t;
+  e->version = tag;
+  e->gen = op->gen;
+  e->hit = hit;
+}
+
+Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t, dpy_opaque_ent_t *e) {
+  (void)e;
   unsigned int tag;
-  if (version_tag(t, &tag)) {
-    e->type = t;
-    e->version = tag;
-    e->gen = op->gen;
-    e->hit = hit;
+  int tagged = version_tag(t, &tag);
+  Py_ssize_t hit = answer(op, t, NULL);
+  if (tagged && hit != OPAQUE_ASK) keep(op, t, tag, hit);
+  return hit;
+}
+
+Py_ssize_t dpy_opaque_ask(dpy_opaque_t *op, PyObject *o) {
+  PyTypeObject *t = Py_TYPE(o);
+  unsigned int tag, gen = op->gen;
+  int tagged = version_tag(t, &tag);
+  Py_INCREF(t); /* the ABCs' code may let go of o's class (o stays: its caller holds it) */
+  Py_ssize_t hit = answer(op, t, o);
+  /* kept only where the code ran changed nothing it read: a watched type,
+     the token (which forgets: gen), t's own tag */
+  if (hit != OPAQUE_ERR && tagged && !dpy_opaque_stale(op)) {
+    int same = dpy_opaque_token_same(op);
+    if (same < 0) hit = OPAQUE_ERR;
+    else if (same && op->gen == gen) keep(op, t, tag, hit);
   }
+  Py_DECREF(t);
   return hit;
 }

@@ -102,43 +102,65 @@ static inline uint8_t classify(PyTypeObject *t) {
  * or one whose metaclass does not override __instancecheck__ (watched: a
  * change to it is seen), answers by o's type's MRO alone — provided o's
  * __class__ is its type (no __class__ or __getattribute__ of its class's
- * own, nor a C type's getattr: a proxy's __class__ is another's). From the
- * first item whose metaclass overrides __instancecheck__ (an ABC, a typing
- * protocol, nn.Parameter) on, or for an object whose __class__ isinstance
- * would read, isinstance is called item by item, as isinstance(o, types)
- * calls it: the same answers, the same code run, in the same order.
+ * own, nor a C type's getattr: a proxy's __class__ is another's).
+ *
+ * An ABC (its metaclass's __instancecheck__ and __subclasscheck__ are
+ * abc.ABCMeta's, the ABC has no __subclasscheck__ of its own; both
+ * watched) is asked once a type a walk, as isinstance asks it: ABCMeta
+ * keeps every answer for the type itself, until a register() moves
+ * abc.get_cache_token(), which the walk reads before each object (a moved
+ * token forgets every answer). From the first other item whose metaclass
+ * overrides __instancecheck__ (a typing protocol, nn.Parameter, an ABC
+ * past OPAQUE_ABC) on, or for an object whose __class__ isinstance would
+ * read, isinstance is called item by item, as isinstance(o, types) calls
+ * it: the same answers, the same code run, in the same order.
  *
  * The cache holds types by address, borrowed and never dereferenced, beside
  * their version tag (a class changed during the walk is answered afresh;
  * see tcache_ent_t for why a tag is never reused), and only for the walk
  * (its generation): nothing is kept alive, nothing outlives the call. */
 #define OPAQUE_CACHE 64
-#define OPAQUE_WATCH 4
+#define OPAQUE_WATCH 8
+#define OPAQUE_ABC 4
+#define OPAQUE_ASK PY_SSIZE_T_MIN        /* dpy_opaque_hit: an ABC must be asked (dpy_opaque_ask) */
+#define OPAQUE_ERR (PY_SSIZE_T_MIN + 1)  /* dpy_opaque_ask: an exception is set */
 
 typedef struct dpy_opaque_ent {
   PyTypeObject *type; /* borrowed, compared only */
   unsigned int version, gen;
-  /* >= 0: the first item that answers true without code (n: none does);
-   * < 0: -1 - the item from which isinstance must be called */
+  /* >= 0: the first item that answers true (n: none does), read without
+   * code or an ABC's kept answer; < 0: -1 - the item from which isinstance
+   * must be called */
   Py_ssize_t hit;
 } dpy_opaque_ent_t;
 
 typedef struct dpy_opaque {
   PyObject *types;     /* the walk's tuple (borrowed: the options hold it), or NULL */
   Py_ssize_t n;
-  Py_ssize_t first_code; /* the first item whose isinstance runs a metaclass's code (n: none) */
-  int nwatch;          /* metaclasses of items before it that keep type.__instancecheck__ */
+  Py_ssize_t first_code; /* the first item isinstance must ask each time (n: none) */
+  int nwatch;          /* the metaclasses of items before it (and ABCs) whose tag is watched */
   PyTypeObject *watch[OPAQUE_WATCH];
   unsigned int watch_tag[OPAQUE_WATCH];
+  int nabc;            /* ABCs before first_code: their items, in order */
+  Py_ssize_t abc[OPAQUE_ABC];
+  PyObject *token;     /* abc.get_cache_token() when their answers were kept (held), or NULL */
   unsigned int gen;    /* the walk's: entries of another walk are stale */
   dpy_opaque_ent_t cache[OPAQUE_CACHE];
 } dpy_opaque_t;
 
-/* A walk with these types (NULL: none) begins. 0, or -1 with an exception. */
+/* A walk with these types (NULL: none) begins. 0, or -1 with an
+ * exception. */
 int dpy_opaque_begin(dpy_opaque_t *op, PyObject *types);
-/* A watched metaclass changed: the items are read again. 0, or -1. */
+/* A watched type changed: the items are read again. 0, or -1. */
 int dpy_opaque_respec(dpy_opaque_t *op);
+/* Whether the ABCs' answers kept still hold (abc.get_cache_token() has not
+ * moved): 1, 0 (forgotten now), or -1 with an exception. Runs no Python
+ * code. */
+int dpy_opaque_token_same(dpy_opaque_t *op);
 __attribute__((noinline)) Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t, dpy_opaque_ent_t *e);
+/* The answer for o, asking the ABCs (Python code) where dpy_opaque_hit
+ * said OPAQUE_ASK; kept for o's type. OPAQUE_ERR with an exception. */
+Py_ssize_t dpy_opaque_ask(dpy_opaque_t *op, PyObject *o);
 
 static inline int dpy_opaque_stale(const dpy_opaque_t *op) {
   for (int i = 0; i < op->nwatch; i++)
@@ -147,8 +169,8 @@ static inline int dpy_opaque_stale(const dpy_opaque_t *op) {
   return 0;
 }
 
-/* The answer for instances of t (dpy_opaque_ent_t.hit), from the cache.
- * Runs no Python code. */
+/* The answer for instances of t (dpy_opaque_ent_t.hit) from the cache, or
+ * OPAQUE_ASK. Runs no Python code. */
 static inline Py_ssize_t dpy_opaque_hit(dpy_opaque_t *op, PyTypeObject *t) {
   dpy_opaque_ent_t *e = &op->cache[((uintptr_t)t >> 4) % OPAQUE_CACHE];
   if (e->type == t && e->gen == op->gen && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) &&
