@@ -356,8 +356,7 @@ static void keep(dpy_opaque_t *op, PyTypeObject *t, unsigned int tag, Py_ssize_t
   e->hit = hit;
 }
 
-Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t, dpy_opaque_ent_t *e) {
-  (void)e;
+Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t) {
   unsigned int tag;
   int tagged = version_tag(t, &tag);
   Py_ssize_t hit = answer(op, t, NULL);

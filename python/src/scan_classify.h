@@ -157,7 +157,8 @@ int dpy_opaque_respec(dpy_opaque_t *op);
  * moved): 1, 0 (forgotten now), or -1 with an exception. Runs no Python
  * code. */
 int dpy_opaque_token_same(dpy_opaque_t *op);
-__attribute__((noinline)) Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t, dpy_opaque_ent_t *e);
+/* dpy_opaque_hit's answer for a type not in the cache (kept there). */
+__attribute__((noinline)) Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t);
 /* The answer for o, asking the ABCs (Python code) where dpy_opaque_hit
  * said OPAQUE_ASK; kept for o's type. OPAQUE_ERR with an exception. */
 Py_ssize_t dpy_opaque_ask(dpy_opaque_t *op, PyObject *o);
@@ -176,7 +177,7 @@ static inline Py_ssize_t dpy_opaque_hit(dpy_opaque_t *op, PyTypeObject *t) {
   if (e->type == t && e->gen == op->gen && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) &&
       e->version == t->tp_version_tag)
     return e->hit;
-  return dpy_opaque_slow(op, t, e);
+  return dpy_opaque_slow(op, t);
 }
 
 #endif
