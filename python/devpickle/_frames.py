@@ -950,6 +950,9 @@ def _check_contiguous(source, key):
                 ok = m.c_contiguous
                 fmt = m.format
         except TypeError:
+            if type(source) is Object:  # named by its class, as every argument names a stand-in
+                raise TypeError(f"loads: buffers[{key}] is a devpickle.Object of class "
+                                f"{object.__getattribute__(source, '__class_name__')!r}, not a buffer") from None
             # a Buffer is what buffer_callback received: pickle's PickleBuffer
             # is a buffer itself, this one only describes its memory
             hint = ": a devpickle.Buffer describes a buffer, its raw() is the memory" if isinstance(source, Buffer) else ""

@@ -89,6 +89,8 @@ PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw) {
     PyErr_Format(PyExc_TypeError, "buffer_callback must be callable or None, not '%s'", Py_TYPE(cb)->tp_name);
     return NULL;
   }
+  /* a stand-in is callable only to refuse: say so before the walk, not at the first buffer */
+  if (cb != Py_None && dpy_refuse_stand_in(cb, "buffer_callback must be callable or None, not", "")) return NULL;
   dpy_scanner_t *s = dpy_scanner_get();
   if (!s) return NULL;
   PyObject *out = NULL, *mk = NULL;

@@ -3741,6 +3741,11 @@ def test_a_devpickle_object_given_where_an_iterable_argument_belongs_is_refused_
          f"classes= takes classes, functions and objects dumps carries by name (torch.float16); got {cls}"),
         (lambda x: devpickle.collect_all([devpickle.Future(), x]),
          f"collect_all takes devpickle.Future objects; item 1 is {cls}"),
+        # a buffer that is one; a callback that is one (callable only to refuse)
+        (lambda x: devpickle.loads(devpickle.dumps(np.zeros(4)), buffers=[x]),
+         f"loads: buffers[0] is {cls}, not a buffer, at $"),
+        (lambda x: devpickle.dumps(np.zeros(4), buffer_callback=x),
+         f"buffer_callback must be callable or None, not {cls}"),
     ]:
         with pytest.raises(TypeError) as e:
             call(obj)
