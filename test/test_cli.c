@@ -1124,7 +1124,7 @@ Test(cli, nesting_within_the_cli_limit_round_trips_and_deeper_is_refused_by_ever
   cr_assert_eq(r.status, 1);
   cr_assert_not_null(strstr(r.err, "containers nested deeper than 2000 levels, at $[0][0]"), "%s", r.err);
   /* the path keeps its head and its tail (docs/VALUE_JSON.md, "Paths") */
-  cr_assert_not_null(strstr(r.err, "[0]<…1682 steps…>[0]"), "%s", r.err);
+  cr_assert_not_null(strstr(r.err, "[0]<…1681 steps…>[0]"), "%s", r.err);
   size_t len = strlen(r.err);
   cr_assert(len < 1200 && strcmp(r.err + len - 4, "[0]\n") == 0, "%s", r.err);
   res_free(r);
@@ -1766,6 +1766,53 @@ static int pack_text(const char *text, dp_value_t *v, char *msg, size_t msgsize)
   int rc = vjson_to_value(j, v, &is_inline, msg, msgsize);
   json_decref(j);
   return rc;
+}
+
+/* A JSON text of 2,001 levels: each level `open` ... `close` around the
+ * next, the innermost holding `inner`. */
+static char *nest_json(const char *open, const char *inner, const char *close) {
+  size_t n = 2001 * (strlen(open) + strlen(close)) + strlen(inner) + 1;
+  char *text = malloc(n), *p = text;
+  for (int i = 0; i < 2001; i++) p = stpcpy(p, open);
+  p = stpcpy(p, inner);
+  for (int i = 0; i < 2001; i++) p = stpcpy(p, close);
+  return text;
+}
+
+/* The message for a container 2,000 steps of `step` down: the path as
+ * FORMAT.md cuts it (the steps that fit in 256 bytes with $, the count
+ * left out, the steps that fit in 704). */
+static void deep_message(char *out, size_t n, const char *step) {
+  size_t len = strlen(step), head = 255 / len, tail = 704 / len;
+  int k = snprintf(out, n, "containers nested deeper than 2000 levels, at $");
+  for (size_t i = 0; i < head; i++) k += snprintf(out + k, n - (size_t)k, "%s", step);
+  k += snprintf(out + k, n - (size_t)k, "<…%zu steps…>", 2000 - head - tail);
+  for (size_t i = 0; i < tail; i++) k += snprintf(out + k, n - (size_t)k, "%s", step);
+}
+
+/* The container past the nesting limit is the one pack names, as the
+ * library's walker names it and as verify points at its header: pack named
+ * its first child instead — an empty list below it (no level at all), the
+ * false it held, or the int key of a $dict (`<key 0>`). */
+Test(cli, pack_names_the_container_past_the_nesting_limit_not_its_first_child) {
+  static const struct {
+    const char *open, *inner, *close, *step;
+  } cases[] = {
+      {"[", "[]", "]", "[0]"},                         /* 2,001 lists with children, then an empty one */
+      {"[", "false", "]", "[0]"},
+      {"{\"$dict\": [[0, ", "false", "]]}", "[0]"},   /* it named <key 0> of the last dict */
+      {"{\"$reduce\": \"R\", \"state\": ", "1", "}", "<reduce R>"},
+      {"{\"k\": ", "null", "}", ".k"},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    char *text = nest_json(cases[c].open, cases[c].inner, cases[c].close);
+    char msg[2048], want[2048];
+    dp_value_t v;
+    cr_assert_eq(pack_text(text, &v, msg, sizeof msg), DP_ELIMIT, "%zu: %s", c, msg);
+    deep_message(want, sizeof want, cases[c].step);
+    cr_assert_str_eq(msg, want, "case %zu", c);
+    free(text);
+  }
 }
 
 /* A prefix fails only when no continuation can mend it (vjson.h): one

@@ -1316,7 +1316,14 @@ static int read_float(rd_t *r, json_t *x, dp_value_t *out) {
 static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
   int rc;
   json_t *x;
-  if (depth > VJSON_MAX_DEPTH) return fail(r, DP_ELIMIT, "containers nested deeper than %d levels", VJSON_MAX_DEPTH);
+  if (depth > VJSON_MAX_DEPTH) {
+    /* j is a child of the container past the limit (a scalar, an empty
+     * list, a dict's key): the error names that container, as the library's
+     * walker names it and as verify points at its header. Every caller
+     * that passes depth + 1 has pushed j's step. */
+    path_pop(r);
+    return fail(r, DP_ELIMIT, "containers nested deeper than %d levels", VJSON_MAX_DEPTH);
+  }
   switch (json_typeof(j)) {
     case JSON_NULL: *out = dp_none(); return 0;
     case JSON_TRUE: *out = dp_bool(true); return 0;
