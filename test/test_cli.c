@@ -761,6 +761,10 @@ Test(cli, bad_value_json_names_the_problem_and_where) {
   pack_fails("tag.json", "x.dpk", "{\"x\": {\"y\": {\"$tupel\": []}}}",
              "devpickle: tag.json: unknown tag \"$tupel\" (a plain key starting with '$' needs $dict), "
              "at $.x.y\n");
+  /* $value is $id's field: "unknown tag" sent the reader looking for a typo */
+  pack_fails("val.json", "x.dpk", "{\"x\": {\"$value\": []}}",
+             "devpickle: val.json: $value without $id: a named node is {\"$id\": \"name\", \"$value\": V}, "
+             "at $.x\n");
   pack_fails("ref.json", "x.dpk", "[{\"$ref\": \"nope\"}]",
              "devpickle: ref.json: $ref \"nope\" names no earlier $id, at $[0]\n");
   pack_fails("dev.json", "x.dpk",

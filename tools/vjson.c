@@ -1252,6 +1252,8 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
     return 0;
   }
   json_object_keylen_foreach(j, k, klen, x) {
+    if (klen == 6 && memcmp(k, "$value", 6) == 0) /* a known field, of another tag */
+      return fail(r, DP_EINVAL, "$value without $id: a named node is {\"$id\": \"name\", \"$value\": V}");
     if (k[0] == '$')
       return fail(r, DP_EINVAL, "unknown tag %s (a plain key starting with '$' needs $dict)",
                   shown_n(k, klen, 1, r->scratch));
