@@ -1439,6 +1439,30 @@ Test(cli, tensors_sharing_a_storage_must_agree_on_its_data) {
              "devpickle: d.json: tensors on cpu 0x1000 disagree on data, at $[1]\n");
 }
 
+/* A ptr may carry any number of leading zeros (VALUE_JSON.md): a message
+ * about its storage names the address read, not the text, which pushed
+ * the rest of the message and its path out of the 2 kB it has. */
+Test(cli, a_storage_whose_ptr_has_many_leading_zeros_is_named_by_its_address_in_messages) {
+  static const char *const tails[] = {"\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4]}}",
+                                      "\"nbytes\": 8, \"dtype\": \"uint8\", \"shape\": [4]}}",
+                                      "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4], \"data\": \"QUFBQQ==\"}}",
+                                      "\"nbytes\": 4, \"dtype\": \"uint8\", \"shape\": [4], \"data\": \"QkJCQg==\"}}"};
+  static const char *const want[] = {
+      "devpickle: z.json: tensors on cuda:3 0xab0 disagree on nbytes (4 and 8), at $.w[1]\n",
+      "devpickle: z.json: tensors on cuda:3 0xab0 disagree on data, at $.w[1]\n"};
+  char ptr[3100] = "0x";
+  memset(ptr + 2, '0', 3000);
+  strcpy(ptr + 3002, "AB0");
+  for (int c = 0; c < 2; c++) {
+    char json[8000];
+    snprintf(json, sizeof json,
+             "{\"w\": [{\"$tensor\": {\"device\": \"cuda:3\", \"ptr\": \"%s\", %s, "
+             "{\"$tensor\": {\"device\": \"cuda:3\", \"ptr\": \"%s\", %s]}",
+             ptr, tails[2 * c], ptr, tails[2 * c + 1]);
+    pack_fails("z.json", "z.dpk", json, want[c]);
+  }
+}
+
 /* ---- items 9, 11, 12: bounded paths, memory per input byte ---- */
 
 Test(cli, inspect_paths_follow_the_documented_bounds) {

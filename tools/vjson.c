@@ -1059,7 +1059,10 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
     }
   }
 
-  /* One storage per (device, ptr); its tensors agree on its size and bytes. */
+  /* One storage per (device, ptr); its tensors agree on its size and bytes.
+   * Messages name it by the values read, never the text: a ptr may carry
+   * any number of leading zeros, which pushed the path out of the message. */
+  char devname[16];
   size_t si;
   dp_storage_t *st;
   if (dp_ptrset_find(r->stset, dev, (void *)(uintptr_t)ptr, &si, NULL) == 0) {
@@ -1067,13 +1070,13 @@ static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
     const void *had = dp_storage_host_data(st);
     if (dp_storage_nbytes(st) != nbytes) {
       free(bytes);
-      return fail(r, DP_EINVAL, "tensors on %s %s disagree on nbytes (%zu and %zu)",
-                  json_string_value(json_object_get(t, "device")), json_string_value(pj), dp_storage_nbytes(st), nbytes);
+      return fail(r, DP_EINVAL, "tensors on %s 0x%" PRIxPTR " disagree on nbytes (%zu and %zu)",
+                  dp_device_format(dev, devname, sizeof devname), (uintptr_t)ptr, dp_storage_nbytes(st), nbytes);
     }
     if (had && bytes && nbytes && memcmp(had, bytes, nbytes) != 0) {
       free(bytes);
-      return fail(r, DP_EINVAL, "tensors on %s %s disagree on data", json_string_value(json_object_get(t, "device")),
-                  json_string_value(pj));
+      return fail(r, DP_EINVAL, "tensors on %s 0x%" PRIxPTR " disagree on data",
+                  dp_device_format(dev, devname, sizeof devname), (uintptr_t)ptr);
     }
   } else {
     if ((rc = dp_storage_new(dev, (void *)(uintptr_t)ptr, nbytes, NULL, NULL, &st, &r->e)) != 0) {
