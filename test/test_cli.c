@@ -1843,6 +1843,31 @@ Test(cli, pack_names_the_container_past_the_nesting_limit_not_its_first_child) {
   }
 }
 
+/* pack reads value JSON by recursion, a level a call, bounded by the 2,000
+ * levels of the notation: each level must stay small. 2,000 levels of $id
+ * and $dict wrappers (four levels of JSON each) around a tensor took 2.7 MB
+ * of stack (the locals of leaves inlined into the recursion): a 2 MiB
+ * stack, a thread's default in many a runtime, crashed with SIGSEGV. */
+Test(cli, pack_reads_the_deepest_value_within_a_two_mib_stack) {
+  size_t cap = 2000 * 64 + 256, n = 0;
+  char *text = malloc(cap);
+  for (int i = 0; i < 2000; i++)
+    n += (size_t)snprintf(text + n, cap - n, "{\"$id\": \"i%d\", \"$value\": {\"$dict\": [[%d, ", i, i);
+  n += (size_t)snprintf(text + n, cap - n,
+                        "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 8, \"dtype\": \"uint8\", "
+                        "\"shape\": [8]}}");
+  for (int i = 0; i < 2000; i++) n += (size_t)snprintf(text + n, cap - n, "]]}}");
+  spit("deep.json", text);
+  free(text);
+  res_t r = run_sh("ulimit -s 2048 && $D pack deep.json -o deep.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run("verify deep.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_str_eq(r.out, "deep.dpk: ok, 7673 bytes, version 1, 1 buffer, 0 device pointers, 1 cpu buffer, out-of-band\n");
+  res_free(r);
+}
+
 /* A prefix fails only when no continuation can mend it (vjson.h): one
  * that ends in an integer too large for int64 may yet go on as a real
  * (".5"), so `pack` reading a pipe must not stop there. */

@@ -942,7 +942,7 @@ static const char *shown(json_t *s, int quoted, char *buf) {
 
 static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth);
 
-static int check_err(rd_t *r, int rc, dp_error_t *e) {
+static __attribute__((noinline)) int check_err(rd_t *r, int rc, dp_error_t *e) {
   return rc ? fail(r, rc, "%s", e->message) : 0;
 }
 
@@ -990,7 +990,10 @@ static int read_i64_array(rd_t *r, json_t *a, int64_t *out, int max, int *n, con
 /* The format's largest buffer (docs/FORMAT.md): what the reader refuses, pack refuses. */
 #define VJSON_MAX_NBYTES (1ull << 62)
 
-static int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
+/* Not inlined, nor the other leaves read_value calls: read_value recurses
+ * once a level, and their locals in its frame made 2,000 levels of $id and
+ * $dict wrappers take 2.7 MB of stack (1.4 kB a level). */
+static __attribute__((noinline)) int read_tensor(rd_t *r, json_t *t, dp_value_t *out) {
   static const char *const known[] = {"device", "ptr", "nbytes", "dtype", "shape", "strides", "offset", "data"};
   const char *k;
   json_t *x;
@@ -1281,7 +1284,7 @@ static int is_container_json(json_t *j) {
 }
 
 /* Registers a named node (borrowed v). */
-static int add_id(rd_t *r, json_t *name, dp_value_t v, int open, size_t *at) {
+static __attribute__((noinline)) int add_id(rd_t *r, json_t *name, dp_value_t v, int open, size_t *at) {
   if (r->nids == r->idcap) {
     size_t ncap = r->idcap ? 2 * r->idcap : 16;
     idnode_t *p = realloc(r->ids, ncap * sizeof *p);
@@ -1302,7 +1305,7 @@ static int add_id(rd_t *r, json_t *name, dp_value_t v, int open, size_t *at) {
   return 0;
 }
 
-static int read_float(rd_t *r, json_t *x, dp_value_t *out) {
+static __attribute__((noinline)) int read_float(rd_t *r, json_t *x, dp_value_t *out) {
   const char *s = is_c_string(x) ? json_string_value(x) : "";
   size_t n = is_c_string(x) ? json_string_length(x) : 0;
   uint64_t bits;
@@ -1313,6 +1316,27 @@ static int read_float(rd_t *r, json_t *x, dp_value_t *out) {
   else if (n == 18 && parse_hex64(s, n, &bits) == 0) memcpy(&f, &bits, sizeof f);
   else return fail(r, DP_EINVAL, "$float must be \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits of IEEE 754 bits");
   *out = dp_float(f);
+  return 0;
+}
+
+/* Why the $id object j (name x, "$value" val) names no node, or 0. */
+static __attribute__((noinline)) int id_refused(rd_t *r, json_t *j, json_t *x, json_t *val) {
+  if (!json_is_string(x) || !val) return fail(r, DP_EINVAL, "$id needs a string name and a \"$value\"");
+  if (json_object_size(j) != 2) return fail(r, DP_EINVAL, "$id takes one other field, \"$value\"");
+  if (find_id(r, json_string_value(x), json_string_length(x)))
+    return fail(r, DP_EINVAL, "$id %s is defined twice", shown(x, 1, r->scratch));
+  if (json_is_object(val) && json_object_get(val, "$id"))
+    return fail(r, DP_EINVAL, "$id %s names an $id: a node has one name", shown(x, 1, r->scratch));
+  json_t *to = json_is_object(val) ? json_object_get(val, "$ref") : NULL;
+  if (to && json_equal(to, x))  /* not yet defined: its $ref would say it names no earlier $id */
+    return fail(r, DP_EINVAL, "$id %s names a $ref to itself: a node cannot be its own value",
+                shown(x, 1, r->scratch));
+  if (to && json_object_size(val) == 1 && json_is_string(to) &&
+      find_id(r, json_string_value(to), json_string_length(to))) { /* a second name for that node */
+    char other[DP__STEP_MAX];
+    return fail(r, DP_EINVAL, "$id %s names a $ref: a node has one name (refer to it by %s)",
+                shown(x, 1, r->scratch), shown(to, 1, other));
+  }
   return 0;
 }
 
@@ -1343,22 +1367,7 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
   if (json_is_object(j)) {
     if ((x = json_object_get(j, "$id")) != NULL) {
       json_t *val = json_object_get(j, "$value");
-      if (!json_is_string(x) || !val) return fail(r, DP_EINVAL, "$id needs a string name and a \"$value\"");
-      if (json_object_size(j) != 2) return fail(r, DP_EINVAL, "$id takes one other field, \"$value\"");
-      if (find_id(r, json_string_value(x), json_string_length(x)))
-        return fail(r, DP_EINVAL, "$id %s is defined twice", shown(x, 1, r->scratch));
-      if (json_is_object(val) && json_object_get(val, "$id"))
-        return fail(r, DP_EINVAL, "$id %s names an $id: a node has one name", shown(x, 1, r->scratch));
-      json_t *to = json_is_object(val) ? json_object_get(val, "$ref") : NULL;
-      if (to && json_equal(to, x))  /* not yet defined: its $ref would say it names no earlier $id */
-        return fail(r, DP_EINVAL, "$id %s names a $ref to itself: a node cannot be its own value",
-                    shown(x, 1, r->scratch));
-      if (to && json_object_size(val) == 1 && json_is_string(to) &&
-          find_id(r, json_string_value(to), json_string_length(to))) { /* a second name for that node */
-        char other[DP__STEP_MAX];
-        return fail(r, DP_EINVAL, "$id %s names a $ref: a node has one name (refer to it by %s)",
-                    shown(x, 1, r->scratch), shown(to, 1, other));
-      }
+      if ((rc = id_refused(r, j, x, val)) != 0) return rc;
       size_t mine;
       if (is_container_json(val)) {
         if ((rc = make_shell(r, val, out)) != 0) return rc;
@@ -1528,6 +1537,15 @@ static wslot_t *wslot(wr_t *w, const void *key, int insert) {
   return k == SIZE_MAX ? NULL : ptrmap_val(&w->shared, k);
 }
 
+/* Not inlined: its name buffer in count_refs's frame, once a level, tripled
+ * the stack that 2,000 levels take. */
+static __attribute__((noinline)) int custom_refused(wr_t *w, dp_value_t v) {
+  char name[DP__STEP_MAX];
+  const char *t = dp_custom_type(v)->name;
+  size_t n = dp__name_bare(t, strlen(t), name);
+  return wfail(w, DP_ETYPE, "a custom of type '%.*s' has no value JSON form (pickle it first)", (int)n, name);
+}
+
 /* Pass 1: how often is each shared node met? depth: containers above v (each
  * of them has a child: v), counted as the library counts them. */
 static int count_refs(wr_t *w, dp_value_t v, int depth) {
@@ -1560,12 +1578,7 @@ static int count_refs(wr_t *w, dp_value_t v, int depth) {
         rc = count_refs(w, x, depth + 1);
       }
       break;
-    case DP_CUSTOM: {
-      char name[DP__STEP_MAX];
-      const char *t = dp_custom_type(v)->name;
-      size_t n = dp__name_bare(t, strlen(t), name);
-      return wfail(w, DP_ETYPE, "a custom of type '%.*s' has no value JSON form (pickle it first)", (int)n, name);
-    }
+    case DP_CUSTOM: return custom_refused(w, v);
     default:
       break;
   }
