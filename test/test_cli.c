@@ -1159,12 +1159,19 @@ Test(cli, pack_refuses_a_ptr_or_nbytes_that_do_not_fit_and_writes_nothing) {
              "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x10000000000000000\", \"nbytes\": 8, "
              "\"dtype\": \"uint8\", \"shape\": [8]}}",
              "devpickle: p.json: tensor ptr 0x10000000000000000 does not fit in 64 bits, at $\n");
+  /* named by its significant digits: leading zeros (allowed, any number)
+   * filled the 64 bytes shown */
+  pack_fails("z.json", "z.dpk",
+             "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x0000000000000000000000000000000000000000"
+             "0000000000000000000000000000000000000000ab000000000000000\", \"nbytes\": 8, "
+             "\"dtype\": \"uint8\", \"shape\": [8]}}",
+             "devpickle: z.json: tensor ptr 0xab000000000000000 does not fit in 64 bits, at $\n");
   pack_fails("n.json", "n.dpk",
              "{\"x\": [{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 9223372036854775807, "
              "\"dtype\": \"uint8\", \"shape\": [8]}}]}",
              "devpickle: n.json: tensor nbytes 9223372036854775807 exceeds 2^62, the largest buffer a "
              "frame can describe, at $.x[0]\n");
-  cr_assert_eq(count_entries(), 2, "a frame was written");
+  cr_assert_eq(count_entries(), 3, "a frame was written");
 }
 
 /* Fields the library parses as C strings were read only up to a NUL byte

@@ -1017,7 +1017,11 @@ static __attribute__((noinline)) int read_tensor(rd_t *r, json_t *t, dp_value_t 
   json_t *pj = json_object_get(t, "ptr");
   uint64_t ptr = 0;
   rc = json_is_string(pj) ? parse_hex64(json_string_value(pj), json_string_length(pj), &ptr) : -1;
-  if (rc == -2) return fail(r, DP_EINVAL, "tensor ptr %s does not fit in 64 bits", shown(pj, 0, r->scratch));
+  if (rc == -2) { /* named by its significant digits: leading zeros, any number of them, showed nothing else */
+    const char *p = json_string_value(pj) + 2, *end = json_string_value(pj) + json_string_length(pj);
+    while (*p == '0') p++;
+    return fail(r, DP_EINVAL, "tensor ptr 0x%s does not fit in 64 bits", shown_n(p, (size_t)(end - p), 0, r->scratch));
+  }
   if (rc || ptr > UINTPTR_MAX) return fail(r, DP_EINVAL, "tensor ptr must be a hex string such as \"0x7f0000001000\"");
   json_t *nj = json_object_get(t, "nbytes");
   if (!json_is_integer(nj) || json_integer_value(nj) < 0)
