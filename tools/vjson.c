@@ -964,13 +964,15 @@ static int parse_device(rd_t *r, json_t *dj, dp_device_t *d) {
 static int parse_hex64(const char *s, size_t n, uint64_t *out) {
   if (n < 3 || s[0] != '0' || s[1] != 'x') return -1;
   uint64_t v = 0;
+  int over = 0; /* no hex string is "too large" before it is known to be one */
   for (size_t i = 2; i < n; i++) {
     char c = s[i];
     int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
     if (d < 0) return -1;
-    if (v >> 60) return -2;
+    over |= (v >> 60) != 0;
     v = v << 4 | (uint64_t)d;
   }
+  if (over) return -2;
   *out = v;
   return 0;
 }
