@@ -3216,6 +3216,46 @@ static size_t pack_from_a_long_pipe(const char *head, const char *unit, size_t u
   return sent;
 }
 
+/* README.md: a pipe whose reader has gone ends a command by SIGPIPE, as it
+ * ends other filters; where SIGPIPE is ignored, the write fails as any
+ * other: "<stdout>: write failed: Broken pipe", status 1 (recv is tested
+ * for it apart). Each output here is far longer than a pipe holds. */
+Test(cli, a_command_whose_reader_has_gone_reports_the_broken_pipe_where_sigpipe_is_ignored) {
+  size_t cap = 20000 * 120 + 16, n = 0;
+  char *text = malloc(cap);
+  n += (size_t)snprintf(text + n, cap - n, "[");
+  for (int i = 0; i < 20000; i++)
+    n += (size_t)snprintf(text + n, cap - n,
+                          "%s{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x%x\", \"nbytes\": 4, \"dtype\": "
+                          "\"uint8\", \"shape\": [4]}}",
+                          i ? ", " : "", 0x1000 + 16 * i);
+  snprintf(text + n, cap - n, "]");
+  spit("many.json", text);
+  free(text);
+  res_t r = run("pack many.json -o many.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  static const char *const cmds[] = {"unpack many.dpk", "unpack --compact many.dpk", "inspect many.dpk",
+                                     "dump many.dpk", "dump --json many.dpk", "pack many.json -o -"};
+  for (size_t c = 0; c < sizeof cmds / sizeof cmds[0]; c++) {
+    char script[512];
+    snprintf(script, sizeof script,
+             "trap '' PIPE; { $D %s 2>pipe.err; echo $? >pipe.st; } | head -c 1 >/dev/null; cat pipe.st pipe.err",
+             cmds[c]);
+    r = run_sh(script);
+    cr_assert_str_eq(r.out, "1\ndevpickle: <stdout>: write failed: Broken pipe\n", "%s", cmds[c]);
+    res_free(r);
+    /* and SIGPIPE, as a shell leaves it, ends the command */
+    snprintf(script, sizeof script, "{ $D %s 2>pipe.err; echo $? >pipe.st; } | head -c 1 >/dev/null; cat pipe.st pipe.err",
+             cmds[c]);
+    void (*was)(int) = signal(SIGPIPE, SIG_DFL); /* a shell cannot restore a signal ignored on its entry */
+    r = run_sh(script);
+    signal(SIGPIPE, was);
+    cr_assert_str_eq(r.out, "141\n", "%s", cmds[c]);
+    res_free(r);
+  }
+}
+
 /* pack reads its JSON to the end of its input, but not past a byte that
  * already makes it no JSON: /dev/zero, `yes` or any endless pipe of garbage
  * was read to the memory's end (a frame command stops after a header that
