@@ -3859,6 +3859,38 @@ static void pack_unpack_gives(const char *name, const char *json, const char *wa
   res_free(r);
 }
 
+/* VALUE_JSON.md: strides left out are the shape's row-major default, a 0
+ * dimension counted as 1 ([2, 0, 3] gets [3, 3, 1], [3, 0] gets [1, 1]);
+ * a shape whose default strides overflow 64 bits, empty or not, is an
+ * error that says to give them. */
+Test(cli, strides_left_out_are_row_major_counting_a_zero_dimension_as_one_and_must_fit) {
+  pack_unpack_gives("s.json",
+                    "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 6, \"dtype\": \"uint8\", "
+                    "\"shape\": [2, 0, 3]}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x20\", \"nbytes\": 6, "
+                    "\"dtype\": \"uint8\", \"shape\": [3, 0]}}]",
+                    "[{\"$tensor\":{\"device\":\"cpu\",\"ptr\":\"0x10\",\"nbytes\":6,\"dtype\":\"uint8\",\"shape\":"
+                    "[2,0,3],\"strides\":[3,3,1],\"offset\":0}},{\"$tensor\":{\"device\":\"cpu\",\"ptr\":\"0x20\","
+                    "\"nbytes\":6,\"dtype\":\"uint8\",\"shape\":[3,0],\"strides\":[1,1],\"offset\":0}}]\n");
+  /* 2^32 * 2^32: empty (a 0 dimension), and the strides still do not fit */
+  pack_fails("o.json", "o.dpk",
+             "{\"t\": {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 6, \"dtype\": \"uint8\", "
+             "\"shape\": [0, 4294967296, 4294967296]}}}",
+             "devpickle: o.json: contiguous strides of this shape overflow int64, at $.t\n");
+  /* given, they do */
+  pack_unpack_gives("g.json",
+                    "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 6, \"dtype\": \"uint8\", "
+                    "\"shape\": [0, 4294967296, 4294967296], \"strides\": [0, 0, 0]}}",
+                    "{\"$tensor\":{\"device\":\"cpu\",\"ptr\":\"0x10\",\"nbytes\":6,\"dtype\":\"uint8\",\"shape\":"
+                    "[0,4294967296,4294967296],\"strides\":[0,0,0],\"offset\":0}}\n");
+}
+
+/* VALUE_JSON.md: a number with a fraction or exponent is the nearest
+ * double, so 1e-400 is 0.0 (and -1e-400 is -0.0); past the largest double
+ * is refused, saying how to write an infinity. */
+Test(cli, a_real_number_below_the_smallest_double_is_zero_of_its_sign) {
+  pack_unpack_gives("u.json", "[1e-400, -1e-400, 4.9e-324]", "[0.0,-0.0,4.9406564584124654e-324]\n");
+}
+
 /* RFC 4648 pads only the last four characters, with one or two '=':
  * "A===" and "AA==AAAA" are not base64, and reading them would give a
  * second text for the byte 0. */
