@@ -3884,6 +3884,22 @@ Test(cli, strides_left_out_are_row_major_counting_a_zero_dimension_as_one_and_mu
                     "[0,4294967296,4294967296],\"strides\":[0,0,0],\"offset\":0}}\n");
 }
 
+/* VALUE_JSON.md: a dict's str keys may be empty or hold NUL, and pack reads
+ * them as plain dicts all the same; unpack writes a dict as $dict when a
+ * key is empty, starts with '$', holds a NUL or is shared (named by $id).
+ * Names of classes and attributes may not be empty, as its example says. */
+Test(cli, dicts_with_empty_dollar_nul_or_shared_str_keys_unpack_as_dict_tags) {
+  pack_unpack_gives("k.json",
+                    "[{\"\": 1}, {\"a\\u0000b\": 2}, {\"$dict\": [[\"$x\", 3]]}, {\"$id\": \"k\", \"$value\": \"key\"},"
+                    " {\"$dict\": [[{\"$ref\": \"k\"}, 4]]}, {\"plain\": 5}]",
+                    "[{\"$dict\":[[\"\",1]]},{\"$dict\":[[\"a\\u0000b\",2]]},{\"$dict\":[[\"$x\",3]]},"
+                    "{\"$id\":\"n0\",\"$value\":\"key\"},{\"$dict\":[[{\"$ref\":\"n0\"},4]]},{\"plain\":5}]\n");
+  pack_fails("e.json", "e.dpk", "{\"$object\": \"C\", \"attrs\": {\"\": 1}}",
+             "devpickle: e.json: attribute name must be non-empty UTF-8 without NUL, at $[\"\"]\n");
+  pack_fails("c.json", "c.dpk", "[{\"$object\": \"\"}]",
+             "devpickle: c.json: object class name must be non-empty UTF-8 without NUL, at $[0]\n");
+}
+
 /* VALUE_JSON.md: a number with a fraction or exponent is the nearest
  * double, so 1e-400 is 0.0 (and -1e-400 is -0.0); past the largest double
  * is refused, saying how to write an infinity. */
