@@ -85,26 +85,30 @@ typedef struct dp_dict {
 /* Attribute names up to 15 bytes live in the attribute itself: objects
  * then cost no allocation per attribute. */
 #define DP_ATTR_INLINE 16
+/* The value first: a scan reads an attribute's value, not its name. */
 typedef struct dp_attr {
+  dp_value_t val;
   union {
     char *heap;
     char inl[DP_ATTR_INLINE];
   } n;
   size_t name_len;
   uint64_t hash;
-  dp_value_t val;
 } dp_attr_t;
 
 static inline const char *dp__attr_name(const dp_attr_t *a) {
   return a->name_len < DP_ATTR_INLINE ? a->n.inl : a->n.heap;
 }
 
+/* What a scan reads (len, attrs, then the first attribute's value) comes
+ * first: an object it walks spans two lines where it can. */
 typedef struct dp_object {
   dp_cont_t c;
+  size_t len;
+  dp_attr_t *attrs;
   const char *class_name;   /* stored after inl[inl_cap] */
   size_t class_len;
-  size_t len, cap;
-  dp_attr_t *attrs;
+  size_t cap;
   uint32_t *index;
   size_t index_cap;
   size_t inl_cap;
