@@ -4033,27 +4033,4 @@ def test_an_abc_or_protocol_that_answers_per_call_or_per_instance_is_asked_for_e
         assert _nbytes([a, b], paths=paths, opaque=Closes) == [8]
 
 
-def test_opaque_types_that_run_no_code_cost_a_walk_about_nothing():
-    """isinstance was called on every object (and runs of tensors were read
-    one by one): a walk with opaque= took 2.5-3x one without. The answer is
-    now read once per type a walk."""
-    import io
-    import timeit
-
-    tensors = [torch.zeros(1) for _ in range(5000)]
-    objects = [NotOpaque(i) for i in range(5000)]
-    for value in (tensors, objects):
-        def best(**kw):
-            return min(timeit.repeat(lambda: devpickle.scan(value, paths=False, **kw), number=20, repeat=7))
-
-        plain, opaque = best(), best(opaque=(OpaqueBase, LOCK_TYPE))
-        assert opaque < 2.0 * plain, (opaque, plain)  # 4.9x (tensors), 2.7x (objects) before
-    # an ABC's answers are kept for the walk too: a run of tensors is read at
-    # once (6x with isinstance per tensor)
-    plain = min(timeit.repeat(lambda: devpickle.scan(tensors, paths=False), number=20, repeat=7))
-    with_abc = min(timeit.repeat(lambda: devpickle.scan(tensors, paths=False, opaque=(LOCK_TYPE, io.IOBase)),
-                                 number=20, repeat=7))
-    assert with_abc < 2.0 * plain, (with_abc, plain)
-
-
 LOCK_TYPE = type(threading.Lock())
