@@ -820,6 +820,7 @@ int dpy_scan(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opts, dp_pt
   held_exc[0] = held_exc[1] = held_exc[2] = NULL;
   int64_t interp = dpy_tcache_enter();
   int rc = scan_walk(s, obj, opts, into);
+  dpy_opaque_end(&s->op);
   dpy_tcache_leave(interp);
   if (dpy_raise_held()) rc = -1;
   held_exc[0] = outer[0], held_exc[1] = outer[1], held_exc[2] = outer[2];

@@ -240,16 +240,32 @@ static int class_is_type(PyTypeObject *t) {
   return _PyType_Lookup(t, dpy.str_class) == dpy.object_class;
 }
 
-/* Keeps type m watched (its tag recorded): 1, or 0 when it cannot be (no
- * tag, or too many types already). */
+/* Keeps type m watched (held, its tag recorded): 1, or 0 when it cannot
+ * be (no tag, or too many types already). Held: code the walk runs may
+ * take m off the class that held it (its __class__ assigned) and free it,
+ * while the stale check still reads its tag. */
 static int watch(dpy_opaque_t *op, PyTypeObject *m) {
   for (int i = 0; i < op->nwatch; i++)
     if (op->watch[i] == m) return 1;
   unsigned int tag;
   if (op->nwatch == OPAQUE_WATCH || !version_tag(m, &tag)) return 0;
-  op->watch[op->nwatch] = m;
+  op->watch[op->nwatch] = (PyTypeObject *)Py_NewRef(m);
   op->watch_tag[op->nwatch++] = tag;
   return 1;
+}
+
+/* Records item i's metaclass m (watched): 1, or 0 when there is no room. */
+static int note_meta(dpy_opaque_t *op, Py_ssize_t i, PyTypeObject *m) {
+  if (op->nmeta == OPAQUE_WATCH) return 0;
+  op->meta_item[op->nmeta] = i;
+  op->meta[op->nmeta++] = m;
+  return 1;
+}
+
+/* Lets go of the watched types, after the new ones are held: a type let go
+ * of may be freed, and its finalization run code. */
+static void unwatch(PyTypeObject **old, int n) {
+  for (int i = 0; i < n; i++) Py_DECREF(old[i]);
 }
 
 /* Whether isinstance(o, T) is ABCMeta's, whose answer for o's type ABCMeta
@@ -271,27 +287,39 @@ static void forget(dpy_opaque_t *op) {
 }
 
 int dpy_opaque_respec(dpy_opaque_t *op) {
+  PyTypeObject *old[OPAQUE_WATCH];
+  int nold = op->nwatch;
+  memcpy(old, op->watch, sizeof(PyTypeObject *) * (size_t)nold);
   forget(op);
-  op->nwatch = op->nabc = 0;
+  op->nwatch = op->nabc = op->nmeta = 0;
   Py_CLEAR(op->token);
   op->n = op->types ? PyTuple_GET_SIZE(op->types) : 0;
   op->first_code = op->n;
   for (Py_ssize_t i = 0; i < op->n; i++) {
     PyTypeObject *T = (PyTypeObject *)PyTuple_GET_ITEM(op->types, i), *m = Py_TYPE(T);
     /* isinstance asks a metaclass other than type for __instancecheck__;
-       type's own answers as type does */
+       type's own answers as type does (and type's instances cannot be
+       given another metaclass: type is immutable) */
     if (m == &PyType_Type) continue;
     PyObject *check = _PyType_Lookup(m, dpy.str_instancecheck);
-    if (check == dpy.type_instancecheck && watch(op, m)) continue;
-    if (abc_kept(op, T, m, check)) {
+    if (op->nmeta < OPAQUE_WATCH && check == dpy.type_instancecheck && watch(op, m) && note_meta(op, i, m)) continue;
+    if (op->nmeta < OPAQUE_WATCH && abc_kept(op, T, m, check) && note_meta(op, i, m)) {
       op->abc[op->nabc++] = i;
       continue;
     }
     op->first_code = i;
     break;
   }
+  unwatch(old, nold);
   if (op->nabc && !(op->token = PyObject_CallNoArgs(dpy.abc_token))) return -1;
   return 0;
+}
+
+void dpy_opaque_end(dpy_opaque_t *op) {
+  int n = op->nwatch;
+  op->nwatch = op->nabc = op->nmeta = 0;
+  Py_CLEAR(op->token);
+  unwatch(op->watch, n);
 }
 
 int dpy_opaque_begin(dpy_opaque_t *op, PyObject *types) {
@@ -336,6 +364,9 @@ static Py_ssize_t answer(dpy_opaque_t *op, PyTypeObject *t, PyObject *o) {
       int r = PyObject_IsInstance(o, (PyObject *)T);
       if (r < 0) return OPAQUE_ERR;
       if (r) return i;
+      /* the ABC's code may have changed what the items after it answer
+         with: they are asked as isinstance asks them */
+      if (dpy_opaque_stale(op)) return -1 - (i + 1);
       continue;
     }
     if (PyType_IsSubtype(t, T)) return i;

@@ -138,9 +138,15 @@ typedef struct dpy_opaque {
   PyObject *types;     /* the walk's tuple (borrowed: the options hold it), or NULL */
   Py_ssize_t n;
   Py_ssize_t first_code; /* the first item isinstance must ask each time (n: none) */
-  int nwatch;          /* the metaclasses of items before it (and ABCs) whose tag is watched */
+  int nwatch;          /* the metaclasses of items before it (and ABCs) whose tag is watched (held) */
   PyTypeObject *watch[OPAQUE_WATCH];
   unsigned int watch_tag[OPAQUE_WATCH];
+  /* the items before first_code whose metaclass is not `type`, and that
+     metaclass: a class's __class__ can be assigned another metaclass (one
+     with an __instancecheck__ of its own) by code the walk runs */
+  int nmeta;
+  Py_ssize_t meta_item[OPAQUE_WATCH];
+  PyTypeObject *meta[OPAQUE_WATCH]; /* compared only: each is watched */
   int nabc;            /* ABCs before first_code: their items, in order */
   Py_ssize_t abc[OPAQUE_ABC];
   PyObject *token;     /* abc.get_cache_token() when their answers were kept (held), or NULL */
@@ -153,6 +159,8 @@ typedef struct dpy_opaque {
 int dpy_opaque_begin(dpy_opaque_t *op, PyObject *types);
 /* A watched type changed: the items are read again. 0, or -1. */
 int dpy_opaque_respec(dpy_opaque_t *op);
+/* The walk is over: lets go of the watched types and the token. */
+void dpy_opaque_end(dpy_opaque_t *op);
 /* Whether the ABCs' answers kept still hold (abc.get_cache_token() has not
  * moved): 1, 0 (forgotten now), or -1 with an exception. Runs no Python
  * code. */
@@ -163,10 +171,14 @@ __attribute__((noinline)) Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObj
  * said OPAQUE_ASK; kept for o's type. OPAQUE_ERR with an exception. */
 Py_ssize_t dpy_opaque_ask(dpy_opaque_t *op, PyObject *o);
 
+/* Whether a watched type changed, or an item was given another
+ * metaclass, since the items were read. Runs no Python code. */
 static inline int dpy_opaque_stale(const dpy_opaque_t *op) {
   for (int i = 0; i < op->nwatch; i++)
     if (!(op->watch[i]->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) || op->watch[i]->tp_version_tag != op->watch_tag[i])
       return 1;
+  for (int i = 0; i < op->nmeta; i++)
+    if (Py_TYPE(PyTuple_GET_ITEM(op->types, op->meta_item[i])) != op->meta[i]) return 1;
   return 0;
 }
 

@@ -3966,6 +3966,69 @@ def test_an_opaque_types_metaclass_that_gains_an_instancecheck_during_the_walk_i
     assert _nbytes([Child(torch.ones(2))], opaque=Listed) == []
 
 
+def test_an_opaque_type_given_another_metaclass_during_the_walk_is_asked_through_it_from_then_on():
+    """A listed type's __class__ can be assigned another metaclass by code
+    the walk runs (a reduce): the first metaclass is unchanged, so watching
+    its tag alone missed it, and the walk went on answering by the MRO
+    where isinstance asks the new metaclass's __instancecheck__."""
+
+    class Plain(type):
+        pass
+
+    class Says(type):
+        def __instancecheck__(cls, o):
+            return True
+
+    class Listed(metaclass=Plain):
+        pass
+
+    class Other:
+        def __init__(self, t):
+            self.t = t
+
+    class Trigger:
+        def __reduce__(self):
+            Listed.__class__ = Says
+            return (Trigger, ())
+
+    for paths in (True, False):
+        Listed.__class__ = Plain
+        value = [Other(torch.ones(2)), Trigger(), Other(torch.ones(3))]
+        assert _nbytes(value, paths=paths, opaque=Listed) == [8], paths  # the second Other is a leaf to isinstance
+        assert isinstance(Other(None), Listed)
+
+
+def test_an_abc_whose_hook_gives_a_later_opaque_type_another_metaclass_has_that_type_asked_through_it():
+    """isinstance(o, (Abc, Listed)) runs the ABC's __subclasshook__ first;
+    when that code gives Listed a metaclass with an __instancecheck__ of
+    its own, Listed is asked through it for this very object, as
+    isinstance asks it, not answered by the MRO read before."""
+    import abc
+
+    class Plain(type):
+        pass
+
+    class Says(type):
+        def __instancecheck__(cls, o):
+            return True
+
+    class Listed(metaclass=Plain):
+        pass
+
+    class Hooked(abc.ABC):
+        @classmethod
+        def __subclasshook__(cls, c):
+            Listed.__class__ = Says
+            return NotImplemented
+
+    class Other:
+        def __init__(self, t):
+            self.t = t
+
+    assert _nbytes([Other(torch.ones(2))], opaque=(Hooked, Listed)) == []
+    assert isinstance(Other(None), (Hooked, Listed))
+
+
 def test_an_abc_registered_during_the_walk_answers_from_then_on_as_isinstance_does():
     """An ABC's answer for a type is kept for the walk, as ABCMeta keeps
     it, until a register() (here from a reduce the walk runs) moves
