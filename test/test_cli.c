@@ -1855,12 +1855,20 @@ Test(cli, pack_names_the_container_past_the_nesting_limit_not_its_first_child) {
   }
 }
 
-/* pack reads value JSON by recursion, a level a call, bounded by the 2,000
- * levels of the notation: each level must stay small. 2,000 levels of $id
- * and $dict wrappers (four levels of JSON each) around a tensor took 2.7 MB
- * of stack (the locals of leaves inlined into the recursion): a 2 MiB
- * stack, a thread's default in many a runtime, crashed with SIGSEGV. */
-Test(cli, pack_reads_the_deepest_value_within_a_two_mib_stack) {
+/* pack reads value JSON and unpack writes it by recursion, a level a call,
+ * bounded by the 2,000 levels of the notation: each level must stay small.
+ * 2,000 levels of $id and $dict wrappers (four levels of JSON each) around
+ * a tensor took 2.7 MB of stack for pack (the locals of leaves inlined
+ * into the recursion): a 2 MiB stack, a thread's default in many a
+ * runtime, crashed with SIGSEGV. SECURITY.md promises under 512 KiB; the
+ * test allows 768 (4 MiB under ASan, whose frames are several times
+ * larger). */
+#if defined(__SANITIZE_ADDRESS__)
+#define DEEP_STACK_KIB "4096"
+#else
+#define DEEP_STACK_KIB "768"
+#endif
+Test(cli, pack_and_unpack_handle_the_deepest_value_within_768_kib_of_stack) {
   size_t cap = 2000 * 64 + 256, n = 0;
   char *text = malloc(cap);
   for (int i = 0; i < 2000; i++)
@@ -1871,12 +1879,18 @@ Test(cli, pack_reads_the_deepest_value_within_a_two_mib_stack) {
   for (int i = 0; i < 2000; i++) n += (size_t)snprintf(text + n, cap - n, "]]}}");
   spit("deep.json", text);
   free(text);
-  res_t r = run_sh("ulimit -s 2048 && $D pack deep.json -o deep.dpk");
+  res_t r = run_sh("ulimit -s " DEEP_STACK_KIB " && $D pack deep.json -o deep.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
   r = run("verify deep.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_str_eq(r.out, "deep.dpk: ok, 7673 bytes, version 1, 1 buffer, 0 device pointers, 1 cpu buffer, out-of-band\n");
+  res_free(r);
+  r = run_sh("ulimit -s " DEEP_STACK_KIB " && $D unpack deep.dpk -o back.json");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  r = run_sh("ulimit -s " DEEP_STACK_KIB " && $D pack back.json -o again.dpk && cmp deep.dpk again.dpk");
+  cr_assert_eq(r.status, 0, "unpack -> pack changed the frame: %s", r.err);
   res_free(r);
 }
 
