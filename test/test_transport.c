@@ -2098,12 +2098,16 @@ static void crafted_fails(crafted_t c, const char *needle) {
   dp_endpoint_t *ep = connect_to(t, p.port);
   dp_future_t *r, *d;
   dp_error_t e;
-  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
-  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  /* the peer sends its message as it accepts: the endpoint may have failed
+     with it before this send, which then returns the endpoint's error */
+  int src = dp_endpoint_send(ep, dp_none(), &d, &e);
+  cr_assert(src == 0 || (src == DP_EFORMAT && strstr(e.message, needle)), "%s: %s", dp_err_name(src), e.message);
   dp_error_clear(&e);
-  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  int rrc = dp_endpoint_recv(ep, &r, &e);
+  if (rrc == 0) rrc = dp_future_wait(r, 20 * SEC, &e);
+  cr_assert_eq(rrc, DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
   cr_assert(strstr(e.message, needle), "%s", e.message);
-  dp_future_wait(d, 20 * SEC, NULL);
+  if (d) dp_future_wait(d, 20 * SEC, NULL);
   dp_future_release(r);
   dp_future_release(d);
   dp_endpoint_free(ep);
