@@ -6510,3 +6510,262 @@ Test(transport, a_frame_receive_refuses_a_message_with_buffers_at_its_frame_with
 Test(transport, a_frame_receive_refuses_a_message_announcing_a_1_tib_buffer_without_allocating_it) {
   frame_receive_refuses_buffers(1ull << 40);
 }
+
+/* ---- promises of transport.h no test held before ---- */
+
+/* opts.unpickle's resolver is checked as dp_unpickle checks it
+ * (transport.h, dp_transport_opts_t.unpickle): without its callback, or
+ * with NULL types and ntypes > 0, DP_EINVAL and *out NULL. */
+Test(transport, a_resolver_without_its_callback_or_its_types_is_refused_by_dp_transport_new) {
+  t_env();
+  const char *types[] = {"test.Point"};
+  dp_resolver_t no_cb = {types, 1, NULL, NULL}, no_types = {NULL, 1, point_resolve, NULL};
+  const dp_resolver_t *bad[] = {&no_cb, &no_types};
+  const char *says[] = {"dp_transport_new: the resolver has a NULL resolve",
+                        "dp_transport_new: the resolver has a NULL types"};
+  for (int i = 0; i < 2; i++) {
+    dp_unpickle_opts_t uo;
+    memset(&uo, 0, sizeof uo);
+    uo.resolver = bad[i];
+    dp_transport_opts_t o;
+    memset(&o, 0, sizeof o);
+    o.unpickle = &uo;
+    dp_transport_t *t = (dp_transport_t *)1;
+    dp_error_t e;
+    cr_assert_eq(dp_transport_new(&o, &t, &e), DP_EINVAL, "%s", e.message);
+    cr_assert_null(t);
+    cr_assert_str_eq(e.message, says[i]);
+  }
+}
+
+/* a list holding a list ... depth levels deep, an int at the bottom */
+static dp_value_t nested(int depth) {
+  dp_value_t v = dp_int(1);
+  for (int i = 0; i < depth; i++) {
+    dp_value_t l;
+    OK(dp_list_new(1, &l, T_ERR));
+    OK(dp_list_append(l, v, T_ERR));
+    v = l;
+  }
+  return v;
+}
+
+/* opts.unpickle's limits check every value received, by dp_endpoint_recv
+ * and dp_endpoint_recv_frame, and are copied (a caller's struct changed
+ * after dp_transport_new changes nothing); a value over them fails its
+ * receive only, and the endpoint goes on (transport.h, FAILURES). */
+Test(transport, the_transports_unpickle_limits_check_every_received_value_and_are_copied) {
+  t_track();
+  dp_unpickle_opts_t uo;
+  memset(&uo, 0, sizeof uo);
+  uo.limits.max_depth = 4;
+  dp_transport_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.unpickle = &uo;
+  dp_transport_t *t = new_transport(&o);
+  uo.limits.max_depth = 1000; /* copied: not read again */
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  for (int frame = 0; frame < 2; frame++) {
+    dp_value_t deep = nested(12);
+    dp_future_t *d, *r;
+    dp_error_t e;
+    OK(dp_endpoint_send(a, deep, &d, T_ERR));
+    dp_value_release(deep);
+    OK(frame ? dp_endpoint_recv_frame(b, &r, T_ERR) : dp_endpoint_recv(b, &r, T_ERR));
+    int rc = wait_f(r, &e);
+    cr_assert_eq(rc, DP_ELIMIT, "%s: %s", dp_err_name(rc), e.message);
+    cr_assert(strstr(e.message, "depth"), "%s", e.message);
+    cr_assert_eq(dp_endpoint_error(b, NULL), 0, "the endpoint failed");
+    OK_WITH(&e, wait_f(d, &e));
+    dp_future_release(d);
+    dp_future_release(r);
+    dp_value_t shallow = nested(2);
+    OK(dp_endpoint_send(a, shallow, &d, T_ERR));
+    dp_value_release(shallow);
+    OK(dp_endpoint_recv(b, &r, T_ERR));
+    OK_WITH(&e, wait_f(r, &e));
+    cr_assert_eq(dp_seq_len(dp_future_value(r)), 1);
+    OK_WITH(&e, wait_f(d, &e));
+    dp_future_release(d);
+    dp_future_release(r);
+  }
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* HOST may be a name: its first IPv4 address (transport.h,
+ * dp_listener_new and dp_endpoint_connect) */
+Test(transport, a_host_given_by_name_is_listened_on_and_connected_to) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "localhost:0", &l, T_ERR));
+  cr_assert_gt(dp_listener_port(l), 0);
+  char addr[64];
+  snprintf(addr, sizeof addr, "localhost:%d", dp_listener_port(l));
+  dp_endpoint_t *a, *b;
+  OK(dp_endpoint_connect(t, addr, &a, T_ERR));
+  OK(dp_listener_accept(l, 30 * SEC, &b, T_ERR));
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(a, dp_int(77), &d, T_ERR));
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 77);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* dp_endpoint_send_frame: a frame that fails dp_frame_check is refused
+ * with dp_frame_check's error, nothing sent and *done NULL; the endpoint
+ * goes on (transport.h) */
+Test(transport, a_frame_that_fails_the_frame_check_is_refused_by_send_frame_with_the_checks_error) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_frame_t *fr;
+  size_t n;
+  OK(dp_frame_new(&fr, T_ERR));
+  OK(dp_pickle(dp_int(41), NULL, fr, T_ERR));
+  const uint8_t *good = dp_frame_data(fr, &n);
+  uint8_t *bad = malloc(n);
+  memcpy(bad, good, n);
+  bad[n - 1] ^= 0x40; /* the checksum no longer holds */
+  dp_error_t want, e;
+  const struct { const void *p; size_t n; } cases[] = {{good, n - 1}, {bad, n}, {good, 3}};
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    int code = dp_frame_check(cases[i].p, cases[i].n, NULL, &want);
+    cr_assert_neq(code, 0);
+    dp_future_t *d = (dp_future_t *)1;
+    cr_assert_eq(dp_endpoint_send_frame(a, cases[i].p, cases[i].n, &d, &e), code, "case %zu: %s", i, e.message);
+    cr_assert_null(d);
+    cr_assert_str_eq(e.message, want.message);
+  }
+  cr_assert_eq(dp_endpoint_error(a, NULL), 0);
+  /* nothing of them went: the next value is the good frame */
+  dp_future_t *d, *r;
+  OK(dp_endpoint_send_frame(a, good, n, &d, T_ERR));
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 41);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(r);
+  free(bad);
+  dp_frame_free(fr);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* An inline frame with a buffer: dp_endpoint_recv gives a value whose
+ * storage carries the frame's bytes as host data (its base the sender's
+ * address), dp_endpoint_recv_frame the frame itself, byte for byte
+ * (transport.h, dp_endpoint_send_frame) */
+Test(transport, an_inline_frame_arrives_as_a_value_carrying_host_data_or_as_the_frame_itself) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_value_t v = owned_tensor(3000, 9);
+  dp_pickle_opts_t po;
+  memset(&po, 0, sizeof po);
+  po.flags = DP_PICKLE_INLINE;
+  dp_frame_t *fr;
+  size_t n;
+  OK(dp_frame_new(&fr, T_ERR));
+  OK(dp_pickle(v, &po, fr, T_ERR));
+  const uint8_t *bytes = dp_frame_data(fr, &n);
+  dp_future_t *d1, *d2, *r1, *r2;
+  dp_error_t e;
+  OK(dp_endpoint_send_frame(a, bytes, n, &d1, T_ERR));
+  OK(dp_endpoint_send_frame(a, bytes, n, &d2, T_ERR));
+  OK(dp_endpoint_recv(b, &r1, T_ERR));
+  OK(dp_endpoint_recv_frame(b, &r2, T_ERR));
+  OK_WITH(&e, wait_f(r1, &e));
+  OK_WITH(&e, wait_f(r2, &e));
+  dp_value_t got = dp_future_value(r1);
+  cr_assert_eq(dp_value_kind(got), DP_TENSOR);
+  dp_storage_t *st = dp_tensor_storage(got);
+  cr_assert_eq(dp_storage_nbytes(st), 3000);
+  const uint8_t *hd = dp_storage_host_data(st);
+  cr_assert_not_null(hd, "the storage carries no host data");
+  cr_assert_eq(memcmp(hd, dp_storage_base(dp_tensor_storage(v)), 3000), 0);
+  size_t fl;
+  const uint8_t *fb = dp_bytes_data(dp_future_value(r2), &fl);
+  cr_assert_eq(fl, n);
+  cr_assert_eq(memcmp(fb, bytes, n), 0);
+  OK_WITH(&e, wait_f(d1, &e));
+  OK_WITH(&e, wait_f(d2, &e));
+  dp_future_release(d1);
+  dp_future_release(d2);
+  dp_future_release(r1);
+  dp_future_release(r2);
+  dp_frame_free(fr);
+  dp_value_release(v);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* dp_endpoint_recv_frame made after a value with out-of-band buffers has
+ * arrived refuses it as it is delivered (DP_EFORMAT); the endpoint goes
+ * on with the next value (transport.h) */
+Test(transport, a_frame_receive_made_after_a_value_with_buffers_arrived_refuses_it_and_the_next_arrives) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_value_t v = owned_tensor(5000, 3);
+  dp_future_t *d, *d2, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(a, v, &d, T_ERR));
+  OK_WITH(&e, wait_f(d, &e)); /* sent and taken by the receiver's loop */
+  OK(dp_endpoint_send(a, dp_int(8), &d2, T_ERR));
+  OK_WITH(&e, wait_f(d2, &e));
+  nanosleep(&(struct timespec){0, 50000000}, NULL); /* the loop queued both */
+  OK(dp_endpoint_recv_frame(b, &r, T_ERR));
+  int rc = wait_f(r, &e);
+  cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "the message carries 1 out-of-band buffer, not a self-contained frame"), "%s",
+            e.message);
+  cr_assert_eq(dp_endpoint_error(b, NULL), 0, "the endpoint failed");
+  dp_future_release(r);
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 8);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_future_release(d2);
+  dp_value_release(v);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
