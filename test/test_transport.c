@@ -6769,3 +6769,123 @@ Test(transport, a_frame_receive_made_after_a_value_with_buffers_arrived_refuses_
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* Caller-driven, a callback of a caller's pass may make a listener (its
+ * command runs at once, transport.h); one run by dp_transport_free, whose
+ * closes fail the endpoints' futures, made a listener the free must still
+ * free: it is either refused as the transport is being freed or freed with
+ * the transport, never left to outlive it. */
+typedef struct listen_in_free {
+  dp_transport_t *t;
+  dp_listener_t *l;
+  int rc, calls;
+  dp_error_t e;
+} listen_in_free_t;
+
+static int listen_when_failed(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs,
+                              dp_error_t *err) {
+  (void)parent, (void)ptrs, (void)err;
+  listen_in_free_t *c = ud;
+  dp_error_clear(&c->e);
+  c->calls++;
+  c->rc = dp_listener_new(c->t, "127.0.0.1:0", &c->l, &c->e);
+  *result = dp_none();
+  return 0;
+}
+
+Test(transport, a_callback_run_by_a_caller_driven_transports_free_makes_no_listener_that_outlives_it) {
+  t_track();
+  dp_transport_opts_t o = {0};
+  o.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
+  listen_in_free_t lf = {t, NULL, 1, 0, {0}};
+  dp_future_t *r, *child;
+  OK(dp_endpoint_recv(c, &r, T_ERR));
+  OK(dp_future_then_with_ptrs(r, listen_when_failed, &lf, &child, T_ERR));
+  (void)l;
+  dp_transport_free(t); /* c, a and l still open: r fails, its callback runs */
+  cur_t = NULL;
+  cr_assert_eq(lf.calls, 1);
+  /* made (the free's listener loop, after the closes, frees it) or refused */
+  cr_assert(lf.rc == 0 || lf.rc == DP_ECANCELED, "%s: %s", dp_err_name(lf.rc), lf.e.message);
+  dp_future_release(child);
+  dp_future_release(r);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* opts.timeout_ns 0 or less is no limit, and a huge one saturates (no
+ * deadline in the past): values small and large, a rendezvous among them,
+ * arrive and their sends complete (transport.h, dp_transport_opts_t) */
+Test(transport, a_negative_or_huge_timeout_is_no_limit) {
+  t_track();
+  const int64_t limits[] = {-1, INT64_MIN, INT64_MAX, INT64_MAX - 1};
+  for (size_t i = 0; i < sizeof limits / sizeof *limits; i++) {
+    dp_transport_opts_t o = {0};
+    o.timeout_ns = limits[i];
+    dp_transport_t *t = new_transport(&o);
+    dp_endpoint_t *a, *b;
+    dp_listener_t *l = listen_pair(t, &a, &b);
+    dp_value_t big = owned_tensor(1 << 20, 4);
+    dp_future_t *d1, *d2, *r1, *r2;
+    dp_error_t e;
+    OK(dp_endpoint_send(a, big, &d1, T_ERR));
+    OK(dp_endpoint_send(a, dp_int(3), &d2, T_ERR));
+    nanosleep(&(struct timespec){0, 20000000}, NULL); /* a deadline in the past would have passed */
+    OK(dp_endpoint_recv(b, &r1, T_ERR));
+    OK(dp_endpoint_recv(b, &r2, T_ERR));
+    OK_WITH(&e, wait_f(r1, &e));
+    OK_WITH(&e, wait_f(r2, &e));
+    cr_assert(tensor_ok(dp_future_value(r1), 1 << 20, 4), "timeout %lld", (long long)limits[i]);
+    cr_assert_eq(dp_value_as_int(dp_future_value(r2)), 3);
+    OK_WITH(&e, wait_f(d1, &e));
+    OK_WITH(&e, wait_f(d2, &e));
+    dp_future_release(d1);
+    dp_future_release(d2);
+    dp_future_release(r1);
+    dp_future_release(r2);
+    dp_value_release(big);
+    dp_endpoint_free(a);
+    dp_endpoint_free(b);
+    dp_listener_free(l);
+    dp_transport_free(t);
+    cur_t = NULL;
+  }
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* A future sent on a failed endpoint is refused at once with the
+ * endpoint's error, *done NULL; the future, completed later, and the
+ * transport free leak nothing (transport.h, dp_endpoint_send_future) */
+Test(transport, a_future_sent_on_a_failed_endpoint_is_refused_at_once_with_its_error) {
+  t_track();
+  int fd, port = closed_port(&fd);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, port);
+  dp_future_t *r, *f, *d = (dp_future_t *)1;
+  dp_error_t e, want;
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  cr_assert_eq(wait_f(r, &e), DP_EIO, "%s", e.message);
+  OK(dp_future_new(NULL, &f, T_ERR));
+  cr_assert_eq(dp_endpoint_error(ep, &want), DP_EIO);
+  cr_assert_eq(dp_endpoint_send_future(ep, f, &d, &e), DP_EIO, "%s", e.message);
+  cr_assert_null(d);
+  cr_assert_str_eq(e.message, want.message);
+  d = (dp_future_t *)1;
+  /* the frame is checked before the endpoint: dp_frame_check's error */
+  cr_assert_eq(dp_endpoint_send_frame(ep, "x", 1, &d, &e), dp_frame_check("x", 1, NULL, &want), "%s", e.message);
+  cr_assert_str_eq(e.message, want.message);
+  cr_assert_null(d);
+  OK(dp_future_mark_completed(f, owned_tensor(64, 1), T_ERR));
+  dp_future_release(f);
+  dp_future_release(r);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cur_t = NULL;
+  close(fd);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
