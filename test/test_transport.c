@@ -6889,3 +6889,40 @@ Test(transport, a_future_sent_on_a_failed_endpoint_is_refused_at_once_with_its_e
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* dp_listener_free closes the connections it accepted that nobody took
+ * (transport.h): their connector learns of it — its pending receive
+ * fails, never hangs — and a value it had sent there is freed with the
+ * endpoint (nothing leaks). */
+Test(transport, freeing_a_listener_closes_the_connections_nobody_took_and_their_connectors_learn_of_it) {
+  t_track();
+  dp_transport_t *tc = new_transport(NULL);
+  dp_transport_t *tl = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(tl, "127.0.0.1:0", &l, T_ERR));
+  cur_t = tc;
+  dp_endpoint_t *c = connect_to(tc, dp_listener_port(l));
+  dp_future_t *d, *r;
+  dp_error_t e;
+  dp_value_t v = owned_tensor(4096, 2);
+  OK(dp_endpoint_send(c, v, &d, T_ERR));
+  dp_value_release(v);
+  OK_WITH(&e, wait_f(d, &e));
+  nanosleep(&(struct timespec){0, 200000000}, NULL); /* the connection is queued on l, its value with it */
+  OK(dp_endpoint_recv(c, &r, T_ERR));
+  dp_listener_free(l);
+  int rc = dp_future_wait(r, 20 * SEC, &e);
+  /* closed with nothing to send: gracefully, a close and not a death */
+  cr_assert_eq(rc, DP_ECANCELED, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "endpoint to 127.0.0.1:"), "%s", e.message);
+  cr_assert(strstr(e.message, "the peer closed its endpoint (after sending 0 values, all received)"), "%s",
+            e.message);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(c);
+  dp_transport_free(tl);
+  dp_transport_free(tc);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
