@@ -5625,6 +5625,8 @@ Test(transport, freeing_a_transport_after_closing_an_endpoint_to_a_hung_peer_ret
  * parent's connection (a send from the child would go down the parent's
  * socket; a free would close it, or wait forever for a progress thread the
  * child does not have). */
+static dp_listener_t *forked_lst; /* a listener of the parent's transport */
+
 static int child_uses_the_parents_transport(dp_transport_t *t, dp_endpoint_t *ep) {
   alarm(10); /* a call that waits for the parent's thread: the child dies, and the test fails */
   dp_error_t e;
@@ -5638,6 +5640,20 @@ static int child_uses_the_parents_transport(dp_transport_t *t, dp_endpoint_t *ep
   bad |= dp_transport_progress(t) != 0 ? 16 : 0;
   dp_endpoint_t *other = NULL;
   bad |= dp_endpoint_connect(t, "127.0.0.1:9", &other, &e) != DP_EINVAL || other ? 32 : 0;
+  /* and the calls no check above made: each refused the same way */
+  dp_future_t *src;
+  if (dp_future_new(NULL, &src, &e)) return 99;
+  const char *says = "which forked this one: a child cannot use it";
+  f = (dp_future_t *)1;
+  bad |= dp_endpoint_send_future(ep, src, &f, &e) != DP_EINVAL || f || !strstr(e.message, says) ? 64 : 0;
+  f = (dp_future_t *)1;
+  bad |= dp_endpoint_recv_frame(ep, &f, &e) != DP_EINVAL || f || !strstr(e.message, says) ? 128 : 0;
+  bad |= dp_transport_wait(t, src, SEC, &e) != DP_EINVAL || !strstr(e.message, says) ? 1 : 0;
+  dp_listener_t *l = (dp_listener_t *)1;
+  bad |= dp_listener_new(t, "127.0.0.1:0", &l, &e) != DP_EINVAL || l || !strstr(e.message, says) ? 2 : 0;
+  bad |= dp_listener_accept(forked_lst, 0, &other, &e) != DP_EINVAL || other || !strstr(e.message, says) ? 4 : 0;
+  dp_listener_free(forked_lst);
+  dp_future_release(src);
   dp_endpoint_free(ep);
   dp_transport_free(t);
   return bad;
@@ -5650,6 +5666,7 @@ static void fork_with_a_live_transport(int caller) {
   dp_endpoint_t *ep = connect_to(t, p.port);
   dp_error_t e;
   cr_assert_eq(dp_endpoint_error(ep, NULL), 0);
+  OK(dp_listener_new(t, "127.0.0.1:0", &forked_lst, T_ERR));
   fflush(NULL);
   pid_t c = fork();
   cr_assert_neq(c, -1);
@@ -5669,6 +5686,7 @@ static void fork_with_a_live_transport(int caller) {
   OK_WITH(&e, wait_f(d, &e));
   dp_future_release(d);
   dp_future_release(back);
+  dp_listener_free(forked_lst); /* the child's free freed nothing */
   close_clean(ep, t, p);
 }
 
@@ -6922,6 +6940,55 @@ Test(transport, freeing_a_listener_closes_the_connections_nobody_took_and_their_
   dp_endpoint_free(c);
   dp_transport_free(tl);
   dp_transport_free(tc);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* One value larger than max_inflight_bytes (and than the credit window)
+ * still goes, alone: buffers and frames over the bound, on both sides,
+ * one after the other (transport.h, dp_transport_opts_t) */
+Test(transport, values_larger_than_the_in_flight_bound_still_go_one_at_a_time) {
+  t_track();
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 64 << 10;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  enum { N = 3 };
+  size_t big = 3 << 20;
+  uint8_t *raw = malloc(big);
+  for (size_t i = 0; i < big; i++) raw[i] = (uint8_t)(i * 13);
+  dp_future_t *d[2 * N], *r[2 * N];
+  dp_error_t e;
+  for (int i = 0; i < N; i++) {
+    dp_value_t v = owned_tensor(big, (unsigned)i), bv;
+    OK(dp_bytes_new(raw, big, &bv, T_ERR)); /* a frame of 3 MiB: by rendezvous */
+    OK(dp_endpoint_send(a, v, &d[2 * i], T_ERR));
+    OK(dp_endpoint_send(a, bv, &d[2 * i + 1], T_ERR));
+    dp_value_release(v);
+    dp_value_release(bv);
+  }
+  for (int i = 0; i < 2 * N; i++) OK(dp_endpoint_recv(b, &r[i], T_ERR));
+  for (int i = 0; i < N; i++) {
+    OK_WITH(&e, wait_f(r[2 * i], &e));
+    OK_WITH(&e, wait_f(r[2 * i + 1], &e));
+    cr_assert(tensor_ok(dp_future_value(r[2 * i]), big, (unsigned)i), "value %d", i);
+    size_t n;
+    const uint8_t *p = dp_bytes_data(dp_future_value(r[2 * i + 1]), &n);
+    cr_assert_eq(n, big);
+    cr_assert_eq(memcmp(p, raw, big), 0);
+  }
+  for (int i = 0; i < 2 * N; i++) {
+    OK_WITH(&e, wait_f(d[i], &e));
+    dp_future_release(d[i]);
+    dp_future_release(r[i]);
+  }
+  free(raw);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
   cur_t = NULL;
   dp_shutdown();
   ASSERT_NO_LEAK();
