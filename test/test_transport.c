@@ -6993,3 +6993,24 @@ Test(transport, values_larger_than_the_in_flight_bound_still_go_one_at_a_time) {
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* LANE_HELLO goes from the acceptor to the connector only, value 1 on
+ * the lane and 0 on the connection, with no data: any other use fails the
+ * endpoint, "a same-host lane message the protocol does not expect"
+ * (TRANSPORT.md, "On the wire") */
+Test(transport, a_lane_hello_sent_to_the_acceptor_fails_its_endpoint) {
+  acceptor_refuses(DP__AM_LANE_HELLO, (dp__am_shm_ctl_t){DP__WIRE_MAGIC, 0, 0}, NULL,
+                   "a same-host lane message the protocol does not expect");
+}
+
+Test(transport, a_lane_hello_of_1_on_the_connection_fails_the_connectors_endpoint) {
+  crafted_fails((crafted_t){.id = DP__AM_LANE_HELLO, .ctl = {DP__WIRE_MAGIC, 1, 0}},
+                "a same-host lane message the protocol does not expect");
+}
+
+/* one with the wrong length (data where a HELLO has none) is such a use,
+ * as the document says, not a "malformed message header" */
+Test(transport, a_lane_hello_carrying_data_fails_the_connectors_endpoint_as_a_lane_message) {
+  crafted_fails((crafted_t){.id = DP__AM_LANE_HELLO, .ctl = {DP__WIRE_MAGIC, 0, 0}, .data = 8},
+                "a same-host lane message the protocol does not expect");
+}

@@ -1146,13 +1146,16 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
   uint64_t h[(sizeof(dp__am_shm_offer_t) + 7) / 8];
   uint32_t magic = 0;
   if (hlen == want) memcpy(h, hdr, hlen), memcpy(&magic, h, 4);
-  if (hlen != want || magic != DP__WIRE_MAGIC || (len && id != DP__AM_LANE_ADDR)) {
+  /* a lane message's data (LANE_ADDR's name; none for LANE_HELLO) is on_lane's
+     to judge: the wrong length is a use of it the protocol does not expect */
+  int lane = id == DP__AM_LANE_ADDR || id == DP__AM_LANE_HELLO;
+  if (hlen != want || magic != DP__WIRE_MAGIC || (len && !lane)) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
   }
   const dp__am_shm_ctl_t *c = (const dp__am_shm_ctl_t *)h;
   if (dp__transport_mute_offers && (id == DP__AM_LANE_ADDR || id == DP__AM_SHM_OFFER)) return UCS_OK;
-  if (id == DP__AM_LANE_ADDR || id == DP__AM_LANE_HELLO) {
+  if (lane) {
     on_lane(t, ep, id, c, data, len, param, on_lane_worker);
   } else if (id == DP__AM_SHM_OFFER) {
     if (ep->peer_offered) dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a second offer of shared slots");
