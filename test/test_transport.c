@@ -6119,12 +6119,13 @@ static int recv_fails_with(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
 /* This side (the connector, offering no lane) sends the acceptor a control
  * message `id` (data: `data`'s bytes, no NUL): the acceptor's endpoint
  * fails with `needle`. */
-static void acceptor_refuses(unsigned id, dp__am_shm_ctl_t c, const char *data, const char *needle) {
+static void acceptor_refuses_n(unsigned id, dp__am_shm_ctl_t c, const char *data, int times, const char *needle) {
   peer_t p = spawn_peer(recv_fails_with, (void *)needle, NULL);
   setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
   dp_transport_t *t = new_transport(NULL);
   dp_endpoint_t *ep = connect_to(t, p.port);
-  OK(dp__endpoint_send_raw(ep, id, &c, sizeof c, data, data ? strlen(data) : 0, T_ERR));
+  for (int i = 0; i < times; i++)
+    OK(dp__endpoint_send_raw(ep, id, &c, sizeof c, data, data ? strlen(data) : 0, T_ERR));
   dp_future_t *r;
   OK(dp_endpoint_recv(ep, &r, T_ERR));
   dp_future_wait(r, 20 * SEC, NULL); /* ends as the acceptor, its endpoint failed, goes */
@@ -6133,6 +6134,10 @@ static void acceptor_refuses(unsigned id, dp__am_shm_ctl_t c, const char *data, 
   dp_transport_free(t);
   cur_t = NULL;
   cr_assert_eq(peer_wait(p), 0, "the acceptor did not fail its endpoint with \"%s\"", needle);
+}
+
+static void acceptor_refuses(unsigned id, dp__am_shm_ctl_t c, const char *data, const char *needle) {
+  acceptor_refuses_n(id, c, data, 1, needle);
 }
 
 Test(transport, an_accept_message_sent_to_the_acceptor_fails_its_endpoint) {
@@ -7013,4 +7018,21 @@ Test(transport, a_lane_hello_of_1_on_the_connection_fails_the_connectors_endpoin
 Test(transport, a_lane_hello_carrying_data_fails_the_connectors_endpoint_as_a_lane_message) {
   crafted_fails((crafted_t){.id = DP__AM_LANE_HELLO, .ctl = {DP__WIRE_MAGIC, 0, 0}, .data = 8},
                 "a same-host lane message the protocol does not expect");
+}
+
+/* LANE_ADDR: one offer an endpoint, its value the address's length (1 to
+ * 4,096), its data a name (TRANSPORT.md, "On the wire"): a second offer,
+ * a length of 0 or over 4,096, or no name fails the acceptor's endpoint */
+Test(transport, a_second_lane_offer_fails_the_acceptors_endpoint) {
+  acceptor_refuses_n(DP__AM_LANE_ADDR, (dp__am_shm_ctl_t){DP__WIRE_MAGIC, 100, 7}, "/devpickle-1-2-3", 2,
+                     "a same-host lane message the protocol does not expect");
+}
+
+Test(transport, a_lane_offer_of_an_address_of_0_or_over_4096_bytes_or_without_a_name_fails_the_acceptors_endpoint) {
+  acceptor_refuses(DP__AM_LANE_ADDR, (dp__am_shm_ctl_t){DP__WIRE_MAGIC, 0, 7}, "/devpickle-1-2-3",
+                   "a same-host lane message the protocol does not expect");
+  acceptor_refuses(DP__AM_LANE_ADDR, (dp__am_shm_ctl_t){DP__WIRE_MAGIC, 4097, 7}, "/devpickle-1-2-3",
+                   "a same-host lane message the protocol does not expect");
+  acceptor_refuses(DP__AM_LANE_ADDR, (dp__am_shm_ctl_t){DP__WIRE_MAGIC, 100, 7}, NULL,
+                   "a same-host lane message the protocol does not expect");
 }
