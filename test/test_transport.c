@@ -7036,3 +7036,11 @@ Test(transport, a_lane_offer_of_an_address_of_0_or_over_4096_bytes_or_without_a_
   acceptor_refuses(DP__AM_LANE_ADDR, (dp__am_shm_ctl_t){DP__WIRE_MAGIC, 100, 7}, NULL,
                    "a same-host lane message the protocol does not expect");
 }
+
+/* A CLOSE's value is 0 (a close) or 1 (its answer): another value fails
+ * the endpoint (TRANSPORT.md, "On the wire") */
+Test(transport, a_close_of_another_value_than_0_or_1_fails_the_endpoint) {
+  crafted_fails((crafted_t){.id = DP__AM_CLOSE, .ctl = {DP__WIRE_MAGIC, 2, 0}},
+                "a close message the protocol does not expect");
+}
+
