@@ -7044,3 +7044,19 @@ Test(transport, a_close_of_another_value_than_0_or_1_fails_the_endpoint) {
                 "a close message the protocol does not expect");
 }
 
+
+/* dp_transport_new is DP_ENODEV when UCX cannot start, with UCX's reason,
+ * *out NULL and nothing leaked (transport.h) */
+Test(transport, a_transport_ucx_cannot_start_is_dp_enodev_with_its_reason) {
+  t_env();
+  t_track();
+  setenv("UCX_TLS", "no-such-transport", 1);
+  dp_transport_t *t = (dp_transport_t *)1;
+  dp_error_t e;
+  cr_assert_eq(dp_transport_new(NULL, &t, &e), DP_ENODEV, "%s", e.message);
+  cr_assert_null(t);
+  cr_assert(strstr(e.message, "dp_transport_new: UCX did not start: "), "%s", e.message);
+  cr_assert_gt(strlen(e.message), strlen("dp_transport_new: UCX did not start: "), "no reason given");
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
