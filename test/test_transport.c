@@ -7097,3 +7097,70 @@ Test(transport, freeing_a_transport_fails_the_pending_futures_of_its_open_endpoi
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* From a callback the loop runs, an accept takes a connection already
+ * queued, with or without a limit (transport.h, dp_listener_accept) */
+typedef struct cb_take {
+  dp_listener_t *l;
+  int rc;
+  dp_endpoint_t *ep;
+  dp_error_t e;
+} cb_take_t;
+
+static int take_from_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)err;
+  cb_take_t *c = ud;
+  c->rc = dp_listener_accept(c->l, -1, &c->ep, &c->e);
+  *result = dp_none();
+  return 0;
+}
+
+static void take_queued_in_callback(int caller) {
+  t_track();
+  dp_transport_t *t = new_transport_driven(caller);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_endpoint_t *a2 = connect_to(t, dp_listener_port(l));
+  int64_t t0 = now_ns_t(); /* the loop queues the connection meanwhile */
+  while (now_ns_t() - t0 < SEC / 4) {
+    if (!dp_transport_progress(t)) nanosleep(&(struct timespec){0, 1000000}, NULL);
+  }
+  cb_take_t cb = {.l = l};
+  dp_future_t *d, *r, *c;
+  dp_error_t e;
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK(dp_future_then(r, take_from_callback, &cb, &c, T_ERR));
+  OK(dp_endpoint_send(a, dp_int(3), &d, T_ERR));
+  OK_WITH(&e, wait_f(c, &e));
+  cr_assert_eq(cb.rc, 0, "%s: %s", dp_err_name(cb.rc), cb.e.message);
+  cr_assert_not_null(cb.ep);
+  /* it is a2's other end: a value goes through */
+  dp_future_t *d2, *r2;
+  OK(dp_endpoint_send(a2, dp_int(21), &d2, T_ERR));
+  OK(dp_endpoint_recv(cb.ep, &r2, T_ERR));
+  OK_WITH(&e, wait_f(r2, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r2)), 21);
+  OK_WITH(&e, wait_f(d2, &e));
+  dp_future_release(d2);
+  dp_future_release(r2);
+  dp_future_release(c);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(cb.ep);
+  dp_endpoint_free(a2);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, an_accept_from_a_callback_run_by_the_thread_takes_a_connection_already_queued) {
+  take_queued_in_callback(0);
+}
+
+Test(transport, an_accept_from_a_callback_run_by_a_callers_pass_takes_a_connection_already_queued) {
+  take_queued_in_callback(1);
+}
