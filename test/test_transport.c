@@ -7164,3 +7164,25 @@ Test(transport, an_accept_from_a_callback_run_by_the_thread_takes_a_connection_a
 Test(transport, an_accept_from_a_callback_run_by_a_callers_pass_takes_a_connection_already_queued) {
   take_queued_in_callback(1);
 }
+
+/* dp_transport_new fails as dp_backend_default fails (transport.h): the
+ * same code and message, *out NULL, nothing leaked */
+Test(transport, a_transport_whose_default_backend_fails_returns_that_error) {
+  t_env();
+  t_track();
+  static const char *const vals[] = {"gpu", "cuda"};
+  for (size_t i = 0; i < 2; i++) {
+    setenv("DEVPICKLE_BACKEND", vals[i], 1);
+    dp_backend_t *b;
+    dp_error_t want, e;
+    int code = dp_backend_default(&b, &want);
+    if (code == 0) continue; /* a usable GPU: cuda is no failure */
+    dp_transport_t *t = (dp_transport_t *)1;
+    cr_assert_eq(dp_transport_new(NULL, &t, &e), code, "%s: %s", vals[i], e.message);
+    cr_assert_null(t);
+    cr_assert_str_eq(e.message, want.message);
+  }
+  setenv("DEVPICKLE_BACKEND", "host", 1);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
