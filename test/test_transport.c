@@ -7186,3 +7186,63 @@ Test(transport, a_transport_whose_default_backend_fails_returns_that_error) {
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* A newcomer's program, as README.md's transport section writes it: the
+ * default transport (a thread of its own), a listener on 0.0.0.0:0 whose
+ * port goes to the other process, accept without a limit, one value sent,
+ * received and waited for with dp_future_wait; each side frees what it
+ * made, in order, and dp_shutdown()s. Works, and leaks nothing. */
+Test(transport, the_readmes_program_sends_one_value_between_two_processes) {
+  t_env();
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    alarm(60);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    dp_transport_t *t;
+    dp_listener_t *l;
+    dp_endpoint_t *ep;
+    dp_future_t *next;
+    dp_error_t err;
+    if (dp_transport_new(NULL, &t, &err) || dp_listener_new(t, "0.0.0.0:0", &l, &err)) _exit(10);
+    int port = dp_listener_port(l);
+    if (write(fds[1], &port, sizeof port) != sizeof port) _exit(11);
+    if (dp_listener_accept(l, -1, &ep, &err) || dp_endpoint_recv(ep, &next, &err)) _exit(12);
+    if (dp_future_wait(next, -1, &err)) _exit(13);
+    int ok = dp_value_kind(dp_future_value(next)) == DP_STR;
+    dp_future_release(next);
+    dp_endpoint_free(ep);
+    dp_listener_free(l);
+    dp_transport_free(t);
+    dp_shutdown();
+    _exit(ok ? 0 : 14);
+  }
+  close(fds[1]);
+  t_track();
+  int port;
+  cr_assert_eq(read(fds[0], &port, sizeof port), (ssize_t)sizeof port);
+  close(fds[0]);
+  dp_transport_t *t;
+  dp_endpoint_t *ep;
+  dp_future_t *done;
+  dp_error_t err;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  OK(dp_transport_new(NULL, &t, T_ERR));
+  OK(dp_endpoint_connect(t, addr, &ep, T_ERR));
+  dp_value_t v;
+  OK(dp_str_new("hello", 5, &v, T_ERR));
+  OK(dp_endpoint_send(ep, v, &done, T_ERR));
+  dp_value_release(v);
+  OK_WITH(&err, dp_future_wait(done, 20 * SEC, &err));
+  dp_future_release(done);
+  int st;
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the receiver: status %d", st);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
