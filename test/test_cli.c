@@ -4561,3 +4561,96 @@ Test(cli, help_takes_a_double_dash_as_the_end_of_its_options) {
   res_free(main_help);
   res_free(pack_help);
 }
+
+/* A receiver of our own that answers `send` with `answer` (a str; NULL:
+ * the int 7): a fork, listening on 127.0.0.1, its port in *port. */
+static pid_t fake_receiver(const char *answer, int *port) {
+  ucx_env();
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    alarm(60);
+    close(fds[0]);
+    setenv("DEVPICKLE_BACKEND", "host", 1);
+    dp_transport_t *t;
+    dp_listener_t *l;
+    dp_endpoint_t *ep;
+    dp_future_t *f, *d;
+    dp_error_t e;
+    if (dp_transport_new(NULL, &t, &e) || dp_listener_new(t, "127.0.0.1:0", &l, &e)) _exit(10);
+    int p = dp_listener_port(l);
+    if (write(fds[1], &p, sizeof p) != sizeof p) _exit(11);
+    if (dp_listener_accept(l, 30ll * 1000000000, &ep, &e) || dp_endpoint_recv_frame(ep, &f, &e) ||
+        dp_future_wait(f, 30ll * 1000000000, &e))
+      _exit(12);
+    dp_value_t v = dp_int(7);
+    if (answer && dp_str_new(answer, strlen(answer), &v, &e)) _exit(13);
+    if (dp_endpoint_send(ep, v, &d, &e) || dp_future_wait(d, 30ll * 1000000000, &e)) _exit(14);
+    dp_value_release(v);
+    dp_future_t *bye; /* until the sender closes */
+    if (dp_endpoint_recv(ep, &bye, &e) == 0) dp_future_wait(bye, 30ll * 1000000000, NULL), dp_future_release(bye);
+    dp_future_release(d);
+    dp_future_release(f);
+    dp_endpoint_free(ep);
+    dp_listener_free(l);
+    dp_transport_free(t);
+    _exit(0);
+  }
+  close(fds[1]);
+  cr_assert_eq(read(fds[0], port, sizeof *port), (ssize_t)sizeof *port, "the receiver did not start");
+  close(fds[0]);
+  return pid;
+}
+
+/* send prints a receiver's answer after "the receiver ": one in neither
+ * known form (an older receiver's) as a refusal, the known ones as they
+ * are (TRANSPORT.md, "The CLI"), and exits 1 */
+Test(cli, send_prints_an_answer_in_neither_known_form_as_a_refusal_and_the_known_ones_as_they_are) {
+  spit("v.json", "[1, 2]");
+  res_t r = run("pack v.json -o f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  static const struct { const char *answer, *says; } cases[] = {
+      {"an older receiver's reason", "the receiver refused the frame: an older receiver's reason"},
+      {"refused the frame: checksum mismatch", "the receiver refused the frame: checksum mismatch"},
+      {"could not write the frame: /x: write failed: No space left on device",
+       "the receiver could not write the frame: /x: write failed: No space left on device"}};
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    int port;
+    pid_t pid = fake_receiver(cases[i].answer, &port);
+    char args[128], want[512];
+    snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", port);
+    r = run(args);
+    snprintf(want, sizeof want, "devpickle: 127.0.0.1:%d: %s\n", port, cases[i].says);
+    cr_assert_eq(r.status, 1, "%s", r.err);
+    cr_assert_str_eq(r.err, want);
+    res_free(r);
+    cr_assert_eq(wait_status(pid), 0);
+  }
+}
+
+/* An answer that is no str and not 0, and one holding a newline: the
+ * first is named as no answer devpickle knows, the second cannot forge a
+ * line of send's output (one line on stderr) */
+Test(cli, send_names_an_unknown_answer_and_never_prints_a_receivers_newline) {
+  spit("v.json", "[1, 2]");
+  res_t r = run("pack v.json -o f.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  const char *answers[] = {NULL, "bad\ndevpickle: f.dpk: sent 9 bytes"};
+  for (int i = 0; i < 2; i++) {
+    int port;
+    pid_t pid = fake_receiver(answers[i], &port);
+    char args[128];
+    snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", port);
+    r = run(args);
+    cr_assert_eq(r.status, 1, "%s", r.err);
+    cr_assert_str_eq(r.out, "");
+    cr_assert_eq(strchr(r.err, '\n'), r.err + strlen(r.err) - 1, "more than one line: %s", r.err);
+    if (!answers[i]) cr_assert(strstr(r.err, "the receiver gave no answer devpickle knows"), "%s", r.err);
+    res_free(r);
+    cr_assert_eq(wait_status(pid), 0);
+  }
+}
