@@ -7246,3 +7246,92 @@ Test(transport, the_readmes_program_sends_one_value_between_two_processes) {
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* opts.unpickle's bind is ignored: the transport binds buffers itself
+ * (transport.h, dp_transport_opts_t.unpickle) */
+static _Atomic int caller_bind_calls;
+
+static int caller_bind(void *ud, const dp_buffer_desc_t *desc, dp_storage_t **out, dp_error_t *err) {
+  (void)ud, (void)desc, (void)out;
+  atomic_fetch_add(&caller_bind_calls, 1);
+  dp_error_clear(err);
+  err->code = DP_EINVAL;
+  snprintf(err->message, sizeof err->message, "the caller's bind was called");
+  return DP_EINVAL;
+}
+
+Test(transport, the_callers_bind_callback_is_ignored_and_the_transport_binds_buffers_itself) {
+  t_track();
+  dp_unpickle_opts_t uo;
+  memset(&uo, 0, sizeof uo);
+  uo.bind = caller_bind;
+  dp_transport_opts_t o;
+  memset(&o, 0, sizeof o);
+  o.unpickle = &uo;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_value_t v = owned_tensor(100000, 6);
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(a, v, &d, T_ERR));
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert(tensor_ok(dp_future_value(r), 100000, 6));
+  cr_assert_eq(atomic_load(&caller_bind_calls), 0);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_value_release(v);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* dp_endpoint_send_frame copies the bytes: the caller may reuse its
+ * buffer at once (transport.h) */
+Test(transport, a_frames_bytes_are_copied_by_send_frame_and_may_be_reused_at_once) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_frame_t *fr;
+  size_t n;
+  OK(dp_frame_new(&fr, T_ERR));
+  uint8_t *big = malloc(200000);
+  memset(big, 0x5a, 200000);
+  dp_value_t bv;
+  OK(dp_bytes_new(big, 200000, &bv, T_ERR)); /* over 64 KiB: by rendezvous, read after the call */
+  OK(dp_pickle(bv, NULL, fr, T_ERR));
+  dp_value_release(bv);
+  const uint8_t *bytes = dp_frame_data(fr, &n);
+  uint8_t *mine = malloc(n);
+  memcpy(mine, bytes, n);
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send_frame(a, mine, n, &d, T_ERR));
+  memset(mine, 0, n); /* reused at once */
+  free(mine);
+  OK(dp_endpoint_recv_frame(b, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  size_t got;
+  const uint8_t *p = dp_bytes_data(dp_future_value(r), &got);
+  cr_assert_eq(got, n);
+  cr_assert_eq(memcmp(p, bytes, n), 0);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(r);
+  free(big);
+  dp_frame_free(fr);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
