@@ -5334,7 +5334,7 @@ static void *accept_forever(void *arg) {
   return NULL;
 }
 
-static void free_under_accept(int caller) {
+static void free_under_accept_by(int caller, int whole) {
   t_track();
   dp_transport_t *t = new_transport_driven(caller);
   acc_wait_t a = {.rc = 1};
@@ -5344,17 +5344,20 @@ static void free_under_accept(int caller) {
   cr_assert_eq(pthread_create(&th, NULL, accept_forever, &a), 0);
   while (!atomic_load(&a.started)) nanosleep(&(struct timespec){0, 1000000}, NULL);
   nanosleep(&(struct timespec){0, 100000000}, NULL); /* in its wait */
-  dp_listener_free(a.l);
+  if (whole) dp_transport_free(t); /* frees the listener too */
+  else dp_listener_free(a.l);
   cr_assert_eq(pthread_join(th, NULL), 0);
   cr_assert_eq(a.rc, DP_ECANCELED, "%s: %s", dp_err_name(a.rc), a.e.message);
   char says[120];
   snprintf(says, sizeof says, "dp_listener_accept: the listener on port %d was freed while this waited", port);
   cr_assert_str_eq(a.e.message, says);
-  dp_transport_free(t);
+  if (!whole) dp_transport_free(t);
   cur_t = NULL;
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+static void free_under_accept(int caller) { free_under_accept_by(caller, 0); }
 
 Test(transport, freeing_a_listener_ends_an_accept_waiting_on_it_in_another_thread_thread_driven, .timeout = 60) {
   free_under_accept(0);
@@ -7334,4 +7337,17 @@ Test(transport, a_frames_bytes_are_copied_by_send_frame_and_may_be_reused_at_onc
   cur_t = NULL;
   dp_shutdown();
   ASSERT_NO_LEAK();
+}
+
+/* dp_transport_free, which frees its listeners, ends an accept another
+ * thread waits in as dp_listener_free does (TRANSPORT.md, "Objects and
+ * threads") */
+Test(transport, freeing_the_transport_ends_an_accept_waiting_on_its_listener_in_another_thread_thread_driven,
+     .timeout = 60) {
+  free_under_accept_by(0, 1);
+}
+
+Test(transport, freeing_the_transport_ends_an_accept_waiting_on_its_listener_in_another_thread_caller_driven,
+     .timeout = 60) {
+  free_under_accept_by(1, 1);
 }
