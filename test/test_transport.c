@@ -7351,3 +7351,52 @@ Test(transport, freeing_the_transport_ends_an_accept_waiting_on_its_listener_in_
      .timeout = 60) {
   free_under_accept_by(1, 1);
 }
+
+/* Caller-driven, a listener freed from a callback of a pass while another
+ * thread waits in dp_listener_accept on it: the waiter needs that pass to
+ * end, so the free returns at once, the wait ends with DP_ECANCELED and
+ * the last waiter frees the listener (TRANSPORT.md, "Objects and
+ * threads"): nothing leaks, nothing is read freed. */
+static int free_listener_in_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)err;
+  dp_listener_free(ud);
+  *result = dp_none();
+  return 0;
+}
+
+Test(transport, a_listener_freed_from_a_callback_of_a_pass_under_a_waiting_accept_is_freed_by_its_last_waiter,
+     .timeout = 60) {
+  t_track();
+  dp_transport_t *t = new_transport_driven(1);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  acc_wait_t w = {.rc = 1};
+  OK(dp_listener_new(t, "127.0.0.1:0", &w.l, T_ERR));
+  int port = dp_listener_port(w.l);
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, accept_forever, &w), 0);
+  while (!atomic_load(&w.started)) nanosleep(&(struct timespec){0, 1000000}, NULL);
+  nanosleep(&(struct timespec){0, 100000000}, NULL); /* in its wait */
+  dp_future_t *r, *c, *d;
+  dp_error_t e;
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK(dp_future_then(r, free_listener_in_callback, w.l, &c, T_ERR));
+  OK(dp_endpoint_send(a, dp_int(1), &d, T_ERR));
+  OK_WITH(&e, wait_f(c, &e));
+  cr_assert_eq(pthread_join(th, NULL), 0);
+  cr_assert_eq(w.rc, DP_ECANCELED, "%s: %s", dp_err_name(w.rc), w.e.message);
+  char says[120];
+  snprintf(says, sizeof says, "dp_listener_accept: the listener on port %d was freed while this waited", port);
+  cr_assert_str_eq(w.e.message, says);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(c);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
