@@ -7400,3 +7400,46 @@ Test(transport, a_listener_freed_from_a_callback_of_a_pass_under_a_waiting_accep
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* dp_endpoint_send returns the pickler's error at once, *done NULL, and
+ * nothing is sent: the endpoint goes on (transport.h) */
+static int opaque_state;
+static const dp_type_t opaque_type = {"test.Opaque", NULL, NULL}; /* no reduce: the pickler refuses it */
+
+Test(transport, a_value_the_pickler_refuses_is_refused_by_send_with_its_error_and_nothing_is_sent) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_value_t c, list;
+  OK(dp_custom_new(&opaque_type, &opaque_state, &c, T_ERR));
+  OK(dp_list_new(1, &list, T_ERR));
+  OK(dp_list_append(list, c, T_ERR));
+  dp_frame_t *fr;
+  dp_error_t want, e;
+  OK(dp_frame_new(&fr, T_ERR));
+  int code = dp_pickle(list, NULL, fr, &want);
+  cr_assert_eq(code, DP_ETYPE, "%s", want.message);
+  dp_frame_free(fr);
+  dp_future_t *d = (dp_future_t *)1, *r;
+  cr_assert_eq(dp_endpoint_send(a, list, &d, &e), DP_ETYPE, "%s", e.message);
+  cr_assert_null(d);
+  cr_assert_str_eq(e.message, want.message);
+  dp_value_release(list);
+  cr_assert_eq(dp_endpoint_error(a, NULL), 0);
+  OK(dp_endpoint_send(a, dp_int(12), &d, T_ERR));
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 12, "the next value is the first sent");
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
