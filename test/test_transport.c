@@ -7443,3 +7443,45 @@ Test(transport, a_value_the_pickler_refuses_is_refused_by_send_with_its_error_an
   ASSERT_NO_LEAK();
 }
 
+
+/* dp_endpoint_free with a send pending closes by force, and the peer
+ * reads "connection lost", never the peer's close (transport.h) */
+Test(transport, a_close_with_a_send_pending_is_read_by_the_peer_as_a_lost_connection) {
+  t_track();
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 1 << 20;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_future_t *d[2], *r;
+  dp_error_t e;
+  for (int i = 0; i < 2; i++) {
+    dp_value_t v = owned_tensor(8 << 20, (unsigned)i);
+    OK(dp_endpoint_send(a, v, &d[i], T_ERR));
+    dp_value_release(v);
+  }
+  OK_WITH(&e, wait_f(d[0], &e)); /* pulled; the second is not: b holds more than its bound */
+  nanosleep(&(struct timespec){0, 100000000}, NULL);
+  cr_assert_not(dp_future_is_done(d[1]), "the second send completed: nothing is pending");
+  dp_endpoint_free(a);
+  cr_assert_eq(wait_f(d[1], &e), DP_ECANCELED, "%s", e.message);
+  cr_assert(strstr(e.message, "closed with 1 send and 0 receives pending"), "%s", e.message);
+  /* b learns of it: its receives end with the lost connection, never a close */
+  int rc = 0;
+  for (int i = 0; i < 3 && !rc; i++) {
+    if ((rc = dp_endpoint_recv(b, &r, &e)) == 0) {
+      rc = wait_f(r, &e);
+      dp_future_release(r);
+    }
+  }
+  cr_assert(rc == DP_EIO || rc == DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "connection lost ("), "%s", e.message);
+  dp_future_release(d[0]);
+  dp_future_release(d[1]);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
