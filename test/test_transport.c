@@ -3559,14 +3559,20 @@ static void first_receive_fails(peer_fn fn, int code, const char *needle, int ep
   peer_t p = spawn_peer(fn, NULL, NULL);
   dp_transport_t *t = new_transport(NULL);
   dp_endpoint_t *ep = connect_to(t, p.port);
-  dp_future_t *r, *d;
+  dp_future_t *r = NULL, *d;
   dp_error_t e;
-  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
-  OK(dp_endpoint_recv(ep, &r, T_ERR));
-  cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), code, "%s: %s", dp_err_name(e.code), e.message);
+  /* the peer sends as it accepts: a message that fails the endpoint may
+     come before this send, which then returns the endpoint's error (as a
+     loaded run of the whole suite saw in crafted_fails) */
+  int src = dp_endpoint_send(ep, dp_none(), &d, &e);
+  cr_assert(src == 0 || (ep_code && src == ep_code), "%s: %s", dp_err_name(src), e.message);
+  dp_error_clear(&e);
+  int rc = dp_endpoint_recv(ep, &r, &e);
+  if (rc == 0) rc = dp_future_wait(r, 20 * SEC, &e);
+  cr_assert_eq(rc, code, "%s: %s", dp_err_name(e.code), e.message);
   if (needle) cr_assert(strstr(e.message, needle), "%s", e.message);
   if (ep_code) cr_assert_eq(dp_endpoint_error(ep, NULL), ep_code);
-  wait_f(d, &e);
+  if (d) wait_f(d, &e);
   dp_future_release(r);
   dp_future_release(d);
   close_clean(ep, t, p);
