@@ -7496,3 +7496,55 @@ Test(transport, a_close_with_a_send_pending_is_read_by_the_peer_as_a_lost_connec
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* A future's send waits in the endpoint's queue in order with the sends
+ * before and after it (TRANSPORT.md, "Sending a future"): a value sent
+ * after a pending future arrives after that future's value; a failed
+ * future's send fails and the next value still arrives in its place */
+Test(transport, a_send_after_a_pending_future_arrives_after_that_futures_value) {
+  t_track();
+  for (int caller = 0; caller < 2; caller++) {
+    dp_transport_t *t = new_transport_driven(caller);
+    dp_endpoint_t *a, *b;
+    dp_listener_t *l = listen_pair(t, &a, &b);
+    dp_future_t *f1, *f2, *d[4], *r[3];
+    dp_error_t e, why;
+    OK(dp_future_new(NULL, &f1, T_ERR));
+    OK(dp_future_new(NULL, &f2, T_ERR));
+    OK(dp_endpoint_send(a, dp_int(0), &d[0], T_ERR));
+    OK(dp_endpoint_send_future(a, f1, &d[1], T_ERR));
+    OK(dp_endpoint_send_future(a, f2, &d[2], T_ERR));
+    OK(dp_endpoint_send(a, dp_int(2), &d[3], T_ERR));
+    for (int i = 0; i < 3; i++) OK(dp_endpoint_recv(b, &r[i], T_ERR));
+    OK_WITH(&e, wait_f(r[0], &e));
+    for (int i = 0; i < 20; i++) dp_transport_progress(t); /* the later send does not overtake */
+    nanosleep(&(struct timespec){0, 50000000}, NULL);
+    for (int i = 0; i < 20; i++) dp_transport_progress(t);
+    cr_assert_not(dp_future_is_done(r[1]), "a value overtook the pending future's");
+    OK(dp_future_mark_completed(f1, dp_int(1), T_ERR));
+    dp_error_clear(&why);
+    why.code = DP_EIO;
+    snprintf(why.message, sizeof why.message, "the producer failed");
+    OK(dp_future_set_error(f2, &why, T_ERR));
+    for (int i = 1; i < 3; i++) {
+      OK_WITH(&e, wait_f(r[i], &e));
+      cr_assert_eq(dp_value_as_int(dp_future_value(r[i])), i, "%s: value %d", caller ? "caller" : "thread", i);
+    }
+    cr_assert_eq(wait_f(d[2], &e), DP_EIO, "%s", e.message);
+    cr_assert_str_eq(e.message, "the producer failed");
+    for (int i = 0; i < 4; i++) {
+      if (i != 2) OK_WITH(&e, wait_f(d[i], &e));
+      dp_future_release(d[i]);
+    }
+    for (int i = 0; i < 3; i++) dp_future_release(r[i]);
+    dp_future_release(f1);
+    dp_future_release(f2);
+    dp_endpoint_free(a);
+    dp_endpoint_free(b);
+    dp_listener_free(l);
+    dp_transport_free(t);
+    cur_t = NULL;
+  }
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
