@@ -7548,3 +7548,51 @@ Test(transport, a_send_after_a_pending_future_arrives_after_that_futures_value) 
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* opts.cache: received device buffers are allocated from it, and the
+ * transport takes its backend when opts.backend is NULL (transport.h,
+ * dp_transport_opts_t.cache and .backend) */
+Test(transport, received_device_buffers_come_from_the_callers_cache_whose_backend_the_transport_takes) {
+  t_track();
+  t_env();
+  dp_backend_t *host;
+  dp_cache_t *mine;
+  OK(dp_backend_get(DP_DEVICE_HOST, &host, T_ERR));
+  OK(dp_cache_new(host, &mine, T_ERR));
+  dp_transport_opts_t o = {0};
+  o.cache = mine;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  size_t n = 300000;
+  uint8_t *p = malloc(n);
+  for (size_t i = 0; i < n; i++) p[i] = (uint8_t)(i * 5 + 1);
+  dp_storage_t *st;
+  OK(dp_storage_new(t_dev(DP_DEVICE_HOST, 0), p, n, free_cb, NULL, &st, T_ERR));
+  dp_value_t v;
+  int64_t shape[1] = {(int64_t)n};
+  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, T_ERR));
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(a, v, &d, T_ERR));
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  OK(dp_future_synchronize(r, 20 * SEC, T_ERR));
+  dp_storage_t *got = dp_tensor_storage(dp_future_value(r));
+  cr_assert_eq(dp_storage_device(got).type, DP_DEVICE_HOST);
+  cr_assert_eq(memcmp(dp_storage_base(got), p, n), 0);
+  void *base = NULL;
+  OK(dp_cache_lookup(mine, dp_storage_base(got), &base, NULL, T_ERR)); /* a block of the caller's cache */
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_value_release(v);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_cache_free(mine);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
