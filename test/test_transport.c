@@ -7596,3 +7596,81 @@ Test(transport, received_device_buffers_come_from_the_callers_cache_whose_backen
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* a tensor of n bytes on host:dev, its byte i (i * 3 + seed) */
+static dp_value_t host_tensor(int dev, size_t n, unsigned seed) {
+  uint8_t *p = malloc(n);
+  for (size_t i = 0; i < n; i++) p[i] = (uint8_t)(i * 3 + seed);
+  dp_storage_t *st;
+  OK(dp_storage_new(t_dev(DP_DEVICE_HOST, dev), p, n, free_cb, NULL, &st, T_ERR));
+  dp_value_t v;
+  int64_t shape[1] = {(int64_t)n};
+  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, T_ERR));
+  return v;
+}
+
+/* A frame the reader refuses (over the transport's limits) whose buffers
+ * are staged — in chunks, through the peer's same-host slots or UCX — has
+ * them drained: the sender's send completes, its slots come back, and the
+ * next value arrives (TRANSPORT.md, "What the receiver checks", 3) */
+static void refused_staged(int shm) {
+  t_track();
+  if (!shm) setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  dp__transport_stage_host = 1;
+  unsigned long before = atomic_load(&dp__transport_shm_pieces);
+  dp_unpickle_opts_t uo;
+  memset(&uo, 0, sizeof uo);
+  uo.limits.max_buffers = 1;
+  dp_transport_opts_t o = {0};
+  o.unpickle = &uo;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_future_t *d[4], *r[4];
+  dp_error_t e;
+  for (int k = 0; k < 2; k++) { /* twice: the slots the first lent came back */
+    dp_value_t two;
+    OK(dp_list_new(2, &two, T_ERR));
+    OK(dp_list_append(two, host_tensor(0, 9 << 20, 1), T_ERR));
+    OK(dp_list_append(two, host_tensor(0, 1000, 2), T_ERR));
+    dp_value_t one = host_tensor(0, 5 << 20, 3);
+    OK(dp_endpoint_send(a, two, &d[2 * k], T_ERR));
+    OK(dp_endpoint_send(a, one, &d[2 * k + 1], T_ERR));
+    dp_value_release(two);
+    dp_value_release(one);
+    OK(dp_endpoint_recv(b, &r[2 * k], T_ERR));
+    OK(dp_endpoint_recv(b, &r[2 * k + 1], T_ERR));
+    int rc = wait_f(r[2 * k], &e);
+    cr_assert_eq(rc, DP_ELIMIT, "%s: %s", dp_err_name(rc), e.message);
+    OK_WITH(&e, wait_f(r[2 * k + 1], &e));
+    OK(dp_future_synchronize(r[2 * k + 1], 20 * SEC, T_ERR));
+    dp_storage_t *st = dp_tensor_storage(dp_future_value(r[2 * k + 1]));
+    const uint8_t *p = dp_storage_base(st);
+    cr_assert_eq(dp_storage_nbytes(st), (size_t)5 << 20);
+    for (size_t i = 0; i < ((size_t)5 << 20); i += 4099) cr_assert_eq(p[i], (uint8_t)(i * 3 + 3), "byte %zu", i);
+    OK_WITH(&e, wait_f(d[2 * k], &e));
+    OK_WITH(&e, wait_f(d[2 * k + 1], &e));
+  }
+  cr_assert_eq(dp_endpoint_error(b, NULL), 0);
+  if (shm) cr_assert_gt(atomic_load(&dp__transport_shm_pieces), before, "no piece came through the slots");
+  else cr_assert_eq(atomic_load(&dp__transport_shm_pieces), before, "pieces came through slots");
+  for (int i = 0; i < 4; i++) {
+    dp_future_release(d[i]);
+    dp_future_release(r[i]);
+  }
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_refused_frames_staged_buffers_are_drained_through_same_host_slots_and_the_next_value_arrives) {
+  refused_staged(1);
+}
+
+Test(transport, a_refused_frames_staged_buffers_are_drained_through_ucx_and_the_next_value_arrives) {
+  refused_staged(0);
+}
