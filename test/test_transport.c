@@ -7674,3 +7674,52 @@ Test(transport, a_refused_frames_staged_buffers_are_drained_through_same_host_sl
 Test(transport, a_refused_frames_staged_buffers_are_drained_through_ucx_and_the_next_value_arrives) {
   refused_staged(0);
 }
+
+/* A frame receive refuses a value whose buffers are staged, at its frame;
+ * the buffers are drained (the send completes, the slots come back) and
+ * the next value arrives (transport.h, dp_endpoint_recv_frame) */
+static void frame_receive_refuses_staged(int shm) {
+  t_track();
+  if (!shm) setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  dp__transport_stage_host = 1;
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_error_t e;
+  for (int k = 0; k < 2; k++) {
+    dp_future_t *d[2], *r[2];
+    OK(dp_endpoint_recv_frame(b, &r[0], T_ERR)); /* waiting before the value comes */
+    dp_value_t big = host_tensor(0, 9 << 20, 1);
+    OK(dp_endpoint_send(a, big, &d[0], T_ERR));
+    OK(dp_endpoint_send(a, dp_int(k), &d[1], T_ERR));
+    dp_value_release(big);
+    int rc = wait_f(r[0], &e);
+    cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(rc), e.message);
+    cr_assert(strstr(e.message, "not a self-contained frame"), "%s", e.message);
+    OK(dp_endpoint_recv(b, &r[1], T_ERR));
+    OK_WITH(&e, wait_f(r[1], &e));
+    cr_assert_eq(dp_value_as_int(dp_future_value(r[1])), k);
+    OK_WITH(&e, wait_f(d[0], &e));
+    OK_WITH(&e, wait_f(d[1], &e));
+    for (int i = 0; i < 2; i++) {
+      dp_future_release(d[i]);
+      dp_future_release(r[i]);
+    }
+  }
+  cr_assert_eq(dp_endpoint_error(b, NULL), 0);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+Test(transport, a_frame_receive_refuses_a_staged_value_drained_through_same_host_slots_and_the_next_arrives) {
+  frame_receive_refuses_staged(1);
+}
+
+Test(transport, a_frame_receive_refuses_a_staged_value_drained_through_ucx_and_the_next_arrives) {
+  frame_receive_refuses_staged(0);
+}
