@@ -4654,3 +4654,55 @@ Test(cli, send_names_an_unknown_answer_and_never_prints_a_receivers_newline) {
     cr_assert_eq(wait_status(pid), 0);
   }
 }
+
+/* recv answers a frame the reader refuses (here: deeper than value JSON's
+ * nesting limit, which recv applies as verify does) with "refused the
+ * frame: WHY", writes nothing and exits 1 (TRANSPORT.md, "The CLI") */
+Test(cli, recv_answers_a_frame_its_reader_refuses_with_the_reason_and_writes_nothing) {
+  int port;
+  pid_t pid = start_recv("never.dpk", &port);
+  setenv("DEVPICKLE_BACKEND", "host", 1);
+  dp_value_t v = dp_int(1);
+  for (int i = 0; i < 2500; i++) {
+    dp_value_t l;
+    cr_assert_eq(dp_list_new(1, &l, NULL), 0);
+    cr_assert_eq(dp_list_append(l, v, NULL), 0);
+    v = l;
+  }
+  dp_frame_t *fr;
+  dp_error_t e;
+  cr_assert_eq(dp_frame_new(&fr, &e), 0);
+  cr_assert_eq(dp_pickle(v, NULL, fr, &e), 0, "%s", e.message);
+  dp_value_release(v);
+  size_t n;
+  const uint8_t *bytes = dp_frame_data(fr, &n);
+  dp_transport_t *t;
+  dp_endpoint_t *ep;
+  dp_future_t *d, *ans;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  cr_assert_eq(dp_transport_new(NULL, &t, &e), 0, "%s", e.message);
+  cr_assert_eq(dp_endpoint_connect(t, addr, &ep, &e), 0, "%s", e.message);
+  cr_assert_eq(dp_endpoint_send_frame(ep, bytes, n, &d, &e), 0, "%s", e.message);
+  cr_assert_eq(dp_endpoint_recv(ep, &ans, &e), 0, "%s", e.message);
+  cr_assert_eq(dp_future_wait(ans, 30ll * 1000000000, &e), 0, "%s", e.message);
+  dp_value_t a = dp_future_value(ans);
+  cr_assert_eq(dp_value_kind(a), DP_STR);
+  const char *why = dp_str_data(a, NULL);
+  cr_assert_eq(strncmp(why, "refused the frame: ", 19), 0, "%s", why);
+  cr_assert(strstr(why, "depth"), "%s", why);
+  dp_future_release(d);
+  dp_future_release(ans);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  dp_frame_free(fr);
+  cr_assert_eq(wait_status(pid), 1);
+  char out[128], *err;
+  path_in(out, sizeof out, "never.dpk");
+  cr_assert_neq(access(out, F_OK), 0, "a refused frame was written");
+  cr_assert_not(tmp_file_in_dir(), "a temporary file was left");
+  path_in(out, sizeof out, ".recv");
+  err = slurp(out, NULL);
+  cr_assert(strstr(err, "depth"), "recv said: %s", err);
+  free(err);
+}
