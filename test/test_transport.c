@@ -7723,3 +7723,35 @@ Test(transport, a_frame_receive_refuses_a_staged_value_drained_through_same_host
 Test(transport, a_frame_receive_refuses_a_staged_value_drained_through_ucx_and_the_next_arrives) {
   frame_receive_refuses_staged(0);
 }
+
+/* Several threads may accept on one listener at once, each connection
+ * going to one of them (transport.h): thread-driven, two threads waiting
+ * without a limit get one connection each */
+Test(transport, two_threads_accepting_without_a_limit_on_a_thread_driven_listener_each_get_a_connection) {
+  t_track();
+  dp_transport_t *c = new_transport(NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  acceptor_t a[2] = {{.l = l}, {.l = l}};
+  pthread_t th[2];
+  for (int i = 0; i < 2; i++) cr_assert_eq(pthread_create(&th[i], NULL, accept_unlimited, &a[i]), 0);
+  nanosleep(&(struct timespec){0, 50000000}, NULL); /* both wait */
+  dp_endpoint_t *out[2];
+  for (int i = 0; i < 2; i++) out[i] = connect_to(c, dp_listener_port(l));
+  for (int i = 0; i < 2; i++) {
+    cr_assert_eq(pthread_join(th[i], NULL), 0);
+    cr_assert_eq(a[i].rc, 0, "%s: %s", dp_err_name(a[i].rc), a[i].e.message);
+  }
+  cr_assert(a[0].ep && a[1].ep && a[0].ep != a[1].ep);
+  for (int i = 0; i < 2; i++) {
+    dp_endpoint_free(a[i].ep);
+    dp_endpoint_free(out[i]);
+  }
+  dp_listener_free(l);
+  dp_transport_free(t);
+  dp_transport_free(c);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
