@@ -9,6 +9,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
+#include <net/if.h>
+#ifndef IFF_BROADCAST /* net/if.h shows it only to _DEFAULT_SOURCE */
+#define IFF_BROADCAST 0x2
+#endif
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -7754,4 +7758,49 @@ Test(transport, two_threads_accepting_without_a_limit_on_a_thread_driven_listene
   cur_t = NULL;
   dp_shutdown();
   ASSERT_NO_LEAK();
+}
+
+/* The system lets a TCP socket bind and listen on a multicast or broadcast
+ * address, and no connection ever comes there: dp_listener_new says it is
+ * not an address of this machine, as for any other (transport.h) */
+Test(transport, listening_on_a_multicast_or_broadcast_address_says_it_is_not_this_machines) {
+  dp_transport_t *t = new_transport(NULL);
+  static const struct { const char *addr, *says; } cases[] = {
+      {"224.0.0.1:0", "transport: cannot listen on 224.0.0.1: it is not an address of this machine (a multicast "
+                      "address)"},
+      {"239.255.255.250:0", "transport: cannot listen on 239.255.255.250: it is not an address of this machine (a "
+                            "multicast address)"},
+      {"255.255.255.255:0", "transport: cannot listen on 255.255.255.255: it is not an address of this machine (a "
+                            "broadcast address)"},
+      {"127.255.255.255:0", "transport: cannot listen on 127.255.255.255: it is not an address of this machine (a "
+                            "broadcast address)"}};
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    dp_listener_t *l = (dp_listener_t *)1;
+    dp_error_t e;
+    cr_assert_eq(dp_listener_new(t, cases[i].addr, &l, &e), DP_EIO, "%s: %s", cases[i].addr, e.message);
+    cr_assert_null(l);
+    cr_assert_str_eq(e.message, cases[i].says);
+  }
+  /* an interface's broadcast address, where one has it */
+  struct ifaddrs *ifs = NULL;
+  cr_assert_eq(getifaddrs(&ifs), 0);
+  for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+    if (!(i->ifa_flags & IFF_BROADCAST) || !i->ifa_broadaddr || i->ifa_broadaddr->sa_family != AF_INET) continue;
+    char host[INET_ADDRSTRLEN], addr[64], says[160];
+    inet_ntop(AF_INET, &((const struct sockaddr_in *)i->ifa_broadaddr)->sin_addr, host, sizeof host);
+    snprintf(addr, sizeof addr, "%s:0", host);
+    snprintf(says, sizeof says, "transport: cannot listen on %s: it is not an address of this machine (a "
+             "broadcast address)", host);
+    dp_listener_t *l = (dp_listener_t *)1;
+    dp_error_t e;
+    cr_assert_eq(dp_listener_new(t, addr, &l, &e), DP_EIO, "%s: %s", addr, e.message);
+    cr_assert_str_eq(e.message, says);
+  }
+  freeifaddrs(ifs);
+  /* a loopback address other than 127.0.0.1 is this machine's */
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.2:0", &l, T_ERR));
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
 }

@@ -2,6 +2,7 @@
  * handling beside each connection between two processes of one host. */
 #define _DEFAULT_SOURCE /* getifaddrs */
 #include <ifaddrs.h>
+#include <net/if.h>
 #include <sys/mman.h>
 
 #include "tp.h"
@@ -93,6 +94,26 @@ int dp__tp_addr_is_local(const struct sockaddr_storage *addr) {
             ((const struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr == ip;
   freeifaddrs(ifs);
   return local;
+}
+
+/* "a multicast address" or "a broadcast address" (this host's interfaces',
+ * the limited one, loopback's) for such an IPv4 address, else NULL: the
+ * system lets a TCP socket bind and listen there, and no connection ever
+ * comes (dp_listener_new refuses it). */
+const char *dp__tp_addr_not_unicast(const struct sockaddr_storage *addr) {
+  if (addr->ss_family != AF_INET) return NULL;
+  in_addr_t ip = ((const struct sockaddr_in *)addr)->sin_addr.s_addr;
+  uint32_t h = ntohl(ip);
+  if ((h >> 28) == 0xe) return "a multicast address";
+  if (h == 0xffffffffu || h == 0x7fffffffu) return "a broadcast address";
+  struct ifaddrs *ifs = NULL;
+  if (getifaddrs(&ifs)) return NULL;
+  int bcast = 0;
+  for (struct ifaddrs *i = ifs; i && !bcast; i = i->ifa_next)
+    bcast = (i->ifa_flags & IFF_BROADCAST) && i->ifa_broadaddr && i->ifa_broadaddr->sa_family == AF_INET &&
+            ((const struct sockaddr_in *)i->ifa_broadaddr)->sin_addr.s_addr == ip;
+  freeifaddrs(ifs);
+  return bcast ? "a broadcast address" : NULL;
 }
 
 /* The connector's side, when it connects to an address of this host: its

@@ -495,6 +495,7 @@ ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd);
 void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_lane_offer(dp_transport_t *t, dp_endpoint_t *ep);
 int dp__tp_addr_is_local(const struct sockaddr_storage *addr);
+const char *dp__tp_addr_not_unicast(const struct sockaddr_storage *addr);
 void dp__tp_lane_file_drop(dp_endpoint_t *ep);
 void dp__tp_lane_worker_free(dp_endpoint_t *ep);
 void dp__tp_lane_hello(dp_endpoint_t *ep);

@@ -797,6 +797,15 @@ int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **ou
   memset(&c, 0, sizeof c);
   int rc = parse_addr(host_port, 1, &c.addr, &c.addrlen, err);
   if (rc) return rc;
+  /* the system binds and listens there, and nobody can ever connect: an
+     accept waited forever on a listener that looked made */
+  const char *what = dp__tp_addr_not_unicast(&c.addr);
+  if (what) {
+    char host[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &((const struct sockaddr_in *)&c.addr)->sin_addr, host, sizeof host);
+    return dp__err(err, DP_EIO, "transport: cannot listen on %s: it is not an address of this machine (%s)", host,
+                   what);
+  }
   dp_listener_t *l = dp__alloc(sizeof *l);
   if (!l) return dp__err(err, DP_ENOMEM, "dp_listener_new: out of memory");
   memset(l, 0, sizeof *l);
