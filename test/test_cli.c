@@ -4706,3 +4706,15 @@ Test(cli, recv_answers_a_frame_its_reader_refuses_with_the_reason_and_writes_not
   cr_assert(strstr(err, "depth"), "recv said: %s", err);
   free(err);
 }
+
+/* recv on a multicast address: the system would listen there and no
+ * sender could ever connect; it says the address is not this machine's,
+ * at once, instead of waiting out its --timeout */
+Test(cli, recv_on_a_multicast_address_says_it_is_not_this_machines_at_once) {
+  ucx_env();
+  res_t r = run("recv 0 --host 224.0.0.1 -o x.dpk --timeout 5");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  cr_assert_str_eq(r.err, "devpickle: 224.0.0.1:0: transport: cannot listen on 224.0.0.1: it is not an address "
+                          "of this machine (a multicast address)\n");
+  res_free(r);
+}
