@@ -7804,3 +7804,36 @@ Test(transport, listening_on_a_multicast_or_broadcast_address_says_it_is_not_thi
   dp_transport_free(t);
   cur_t = NULL;
 }
+
+/* A scoped IPv6 address ("fe80::1%lo", bracketed or not) is an IPv6
+ * address: refused as one, with the reason, at listen and at connect —
+ * it was called "no IPv6 address" (inet_pton reads no zone), or "cannot
+ * resolve" where the resolver refused its zone; the zone is quoted
+ * escaped (TRANSPORT.md, "IPv6") */
+Test(transport, a_scoped_ipv6_address_is_refused_as_ipv6_with_the_reason) {
+  dp_transport_t *t = new_transport(NULL);
+  static const struct { const char *addr, *host; } cases[] = {
+      {"[fe80::1%lo]:5000", "'fe80::1%lo'"},
+      {"fe80::1%lo:5000", "'fe80::1%lo'"},
+      {"[::1%lo]:5000", "'::1%lo'"},
+      {"[fe80::1%no\nsuch]:5000", "'fe80::1%no\\u000asuch'"}};
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    char want[200];
+    snprintf(want, sizeof want,
+             "transport: %s is an IPv6 address, which the transport does not support (UCX 1.13's TCP transport "
+             "corrupts its heap reaching an IPv6 peer): use an IPv4 address",
+             cases[i].host);
+    dp_endpoint_t *ep = (dp_endpoint_t *)1;
+    dp_listener_t *l = (dp_listener_t *)1;
+    dp_error_t e;
+    cr_assert_eq(dp_endpoint_connect(t, cases[i].addr, &ep, &e), DP_EINVAL, "%s", e.message);
+    cr_assert_null(ep);
+    cr_assert_str_eq(e.message, want);
+    cr_assert_eq(dp_listener_new(t, cases[i].addr, &l, &e), DP_EINVAL, "%s", e.message);
+    cr_assert_null(l);
+    cr_assert(strncmp(e.message, want, strlen(want)) == 0, "%s", e.message);
+    cr_assert(strstr(e.message, "(0.0.0.0: every interface)"), "%s", e.message);
+  }
+  dp_transport_free(t);
+  cur_t = NULL;
+}

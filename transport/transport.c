@@ -175,6 +175,17 @@ void dp__tp_cmd_finish(dp_transport_t *t, cmd_t *c, int rc) {
 }
 
 /* "HOST:PORT" (the last colon splits; [v6] brackets allowed). */
+/* An IPv6 host refused: host as the caller gave it (quoted), shown the
+ * address it stands for when that differs (a name's), NULL else. */
+static int ipv6_refused(const char *host, const char *shown, int passive, dp_error_t *err) {
+  char quoted[DP__SHOWN_MAX];
+  return dp__err(err, DP_EINVAL,
+                 "transport: '%s'%s%s%s is an IPv6 address, which the transport does not support (UCX 1.13's "
+                 "TCP transport corrupts its heap reaching an IPv6 peer): use an IPv4 address%s",
+                 dp__shown(host, quoted), shown ? " (" : "", shown ? shown : "", shown ? ")" : "",
+                 passive ? " (0.0.0.0: every interface)" : "");
+}
+
 static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, socklen_t *len, dp_error_t *err) {
   if (!hp) return dp__err(err, DP_EINVAL, "transport: NULL address");
   char quoted[DP__SHOWN_MAX], quoted_host[DP__SHOWN_MAX]; /* the caller's text, as every message quotes it: cut at a character, escaped */
@@ -207,11 +218,18 @@ static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, 
   /* "::1" splits into host ":" and port 1: a host holding ':' that is no
      IPv6 address was never meant as one */
   struct in6_addr a6;
-  if (strchr(host, ':') && inet_pton(AF_INET6, host, &a6) != 1)
+  /* a scoped address ("fe80::1%eth0") is IPv6 too: its zone is no part of
+     the address inet_pton reads (it was called "no IPv6 address") */
+  char bare[sizeof host];
+  snprintf(bare, sizeof bare, "%.*s", (int)strcspn(host, "%"), host);
+  if (strchr(host, ':') && inet_pton(AF_INET6, bare, &a6) != 1)
     return dp__err(err, DP_EINVAL,
                    "transport: address '%s' is not HOST:PORT (its host '%s' holds a ':' but is no IPv6 address; "
                    "the transport takes IPv4 addresses and names)",
                    dp__shown(given, quoted), dp__shown(host, quoted_host));
+  /* an IPv6 literal is refused as one, resolvable or not ("::1%lo", whose
+     zone the resolver refuses, read "cannot resolve") */
+  if (strchr(host, ':')) return ipv6_refused(host, NULL, passive, err);
   struct addrinfo hints, *res = NULL;
   memset(&hints, 0, sizeof hints);
   hints.ai_family = AF_UNSPEC;
@@ -233,13 +251,9 @@ static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, 
     char shown[INET6_ADDRSTRLEN] = "?";
     if (res->ai_family == AF_INET6)
       inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)res->ai_addr)->sin6_addr, shown, sizeof shown);
-    int literal = strcmp(shown, host) == 0 || res->ai_family != AF_INET6;
+    int literal = strcmp(shown, bare) == 0 || res->ai_family != AF_INET6;
     freeaddrinfo(res);
-    return dp__err(err, DP_EINVAL,
-                   "transport: '%s'%s%s%s is an IPv6 address, which the transport does not support (UCX 1.13's "
-                   "TCP transport corrupts its heap reaching an IPv6 peer): use an IPv4 address%s",
-                   host, literal ? "" : " (", literal ? "" : shown, literal ? "" : ")",
-                   passive ? " (0.0.0.0: every interface)" : "");
+    return ipv6_refused(host, literal ? NULL : shown, passive, err);
   }
   memcpy(ss, a->ai_addr, a->ai_addrlen);
   *len = (socklen_t)a->ai_addrlen;
