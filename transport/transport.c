@@ -174,7 +174,6 @@ void dp__tp_cmd_finish(dp_transport_t *t, cmd_t *c, int rc) {
   pthread_mutex_unlock(&t->mu);
 }
 
-/* "HOST:PORT" (the last colon splits; [v6] brackets allowed). */
 /* An IPv6 host refused: host as the caller gave it (quoted), shown the
  * address it stands for when that differs (a name's), NULL else. */
 static int ipv6_refused(const char *host, const char *shown, int passive, dp_error_t *err) {
@@ -186,6 +185,7 @@ static int ipv6_refused(const char *host, const char *shown, int passive, dp_err
                  passive ? " (0.0.0.0: every interface)" : "");
 }
 
+/* "HOST:PORT" (the last colon splits; [v6] brackets allowed). */
 static int parse_addr(const char *hp, int passive, struct sockaddr_storage *ss, socklen_t *len, dp_error_t *err) {
   if (!hp) return dp__err(err, DP_EINVAL, "transport: NULL address");
   char quoted[DP__SHOWN_MAX], quoted_host[DP__SHOWN_MAX]; /* the caller's text, as every message quotes it: cut at a character, escaped */
