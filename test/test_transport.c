@@ -7837,3 +7837,62 @@ Test(transport, a_scoped_ipv6_address_is_refused_as_ipv6_with_the_reason) {
   dp_transport_free(t);
   cur_t = NULL;
 }
+
+/* An inline frame (dp_endpoint_send_frame) whose buffer is on another
+ * backend's device: nothing of it moves (its bytes are the frame's), so
+ * the transport does not refuse it; its value receive fails as the
+ * received future refuses a device of another backend (DP_EDEVICE, naming
+ * it), a frame receive takes it, and the endpoint goes on (TRANSPORT.md,
+ * "Which memory moves") */
+Test(transport, an_inline_frame_naming_another_backends_device_fails_its_value_receive_only) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *a, *b;
+  dp_listener_t *l = listen_pair(t, &a, &b);
+  dp_storage_t *st;
+  OK(dp_storage_new(t_dev(DP_DEVICE_CUDA, 0), (void *)0x1000, 8, NULL, NULL, &st, T_ERR));
+  OK(dp_storage_set_host_data(st, "abcdefgh", T_ERR));
+  int64_t n8 = 8;
+  dp_value_t v;
+  OK(dp_tensor_new(st, DP_UINT8, 1, &n8, NULL, 0, &v, T_ERR));
+  dp_pickle_opts_t po;
+  memset(&po, 0, sizeof po);
+  po.flags = DP_PICKLE_INLINE;
+  dp_frame_t *fr;
+  size_t n;
+  OK(dp_frame_new(&fr, T_ERR));
+  OK(dp_pickle(v, &po, fr, T_ERR));
+  const uint8_t *bytes = dp_frame_data(fr, &n);
+  dp_future_t *d[3], *r[3];
+  dp_error_t e;
+  OK(dp_endpoint_send_frame(a, bytes, n, &d[0], T_ERR));
+  OK(dp_endpoint_send_frame(a, bytes, n, &d[1], T_ERR));
+  OK(dp_endpoint_send(a, dp_int(4), &d[2], T_ERR));
+  OK(dp_endpoint_recv(b, &r[0], T_ERR));
+  OK(dp_endpoint_recv_frame(b, &r[1], T_ERR));
+  OK(dp_endpoint_recv(b, &r[2], T_ERR));
+  int rc = wait_f(r[0], &e);
+  cr_assert_eq(rc, DP_EDEVICE, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "cuda:0"), "%s", e.message);
+  OK_WITH(&e, wait_f(r[1], &e));
+  size_t got;
+  const uint8_t *p = dp_bytes_data(dp_future_value(r[1]), &got);
+  cr_assert(got == n && memcmp(p, bytes, n) == 0, "the frame receive took another frame");
+  OK_WITH(&e, wait_f(r[2], &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r[2])), 4);
+  cr_assert_eq(dp_endpoint_error(b, NULL), 0);
+  for (int i = 0; i < 3; i++) {
+    OK_WITH(&e, wait_f(d[i], &e));
+    dp_future_release(d[i]);
+    dp_future_release(r[i]);
+  }
+  dp_frame_free(fr);
+  dp_value_release(v);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}

@@ -50,8 +50,10 @@
  * WHAT MOVES. cpu memory and the memory of one device backend, the
  * transport's (opts.backend: host or cuda). A buffer on another backend's
  * device is refused by send (DP_ENODEV naming the buffer and the device,
- * before anything is sent), and a frame that names one fails its receive
- * the same way. cpu and host:N memory is read and written where it is: a
+ * before anything is sent), and a frame that names one among its
+ * out-of-band buffers fails its receive the same way (an inline frame's
+ * buffers, which do not move, fail a value receive as its future refuses
+ * the device: DP_EDEVICE; a frame receive takes the frame). cpu and host:N memory is read and written where it is: a
  * storage's base must be readable host memory of its nbytes (so not the
  * storages of a value read back from an inline frame without a bind
  * callback, whose base is the writer's address and whose bytes are host
