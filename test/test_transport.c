@@ -6948,11 +6948,12 @@ Test(transport, freeing_a_listener_closes_the_connections_nobody_took_and_their_
   dp_endpoint_t *c = connect_to(tc, dp_listener_port(l));
   dp_future_t *d, *r;
   dp_error_t e;
-  dp_value_t v = owned_tensor(4096, 2);
+  /* over 64 KiB: its send completes once the listener's side pulled it,
+     so the connection is queued on l, its value with it */
+  dp_value_t v = owned_tensor(100000, 2);
   OK(dp_endpoint_send(c, v, &d, T_ERR));
   dp_value_release(v);
   OK_WITH(&e, wait_f(d, &e));
-  nanosleep(&(struct timespec){0, 200000000}, NULL); /* the connection is queued on l, its value with it */
   OK(dp_endpoint_recv(c, &r, T_ERR));
   dp_listener_free(l);
   int rc = dp_future_wait(r, 20 * SEC, &e);
@@ -7139,23 +7140,30 @@ static void take_queued_in_callback(int caller) {
   dp_endpoint_t *a, *b;
   dp_listener_t *l = listen_pair(t, &a, &b);
   dp_endpoint_t *a2 = connect_to(t, dp_listener_port(l));
-  int64_t t0 = now_ns_t(); /* the loop queues the connection meanwhile */
-  while (now_ns_t() - t0 < SEC / 4) {
-    if (!dp_transport_progress(t)) nanosleep(&(struct timespec){0, 1000000}, NULL);
-  }
   cb_take_t cb = {.l = l};
-  dp_future_t *d, *r, *c;
+  dp_future_t *d, *r, *c, *d0;
   dp_error_t e;
+  /* over 64 KiB: its send completes once the listener's side pulled it,
+     so the connection is queued on l */
+  dp_value_t big = owned_tensor(100000, 8);
+  OK(dp_endpoint_send(a2, big, &d0, T_ERR));
+  dp_value_release(big);
+  OK_WITH(&e, wait_f(d0, &e));
+  dp_future_release(d0);
   OK(dp_endpoint_recv(b, &r, T_ERR));
   OK(dp_future_then(r, take_from_callback, &cb, &c, T_ERR));
   OK(dp_endpoint_send(a, dp_int(3), &d, T_ERR));
   OK_WITH(&e, wait_f(c, &e));
   cr_assert_eq(cb.rc, 0, "%s: %s", dp_err_name(cb.rc), cb.e.message);
   cr_assert_not_null(cb.ep);
-  /* it is a2's other end: a value goes through */
-  dp_future_t *d2, *r2;
+  /* it is a2's other end: its values come */
+  dp_future_t *d2, *r2, *r1;
   OK(dp_endpoint_send(a2, dp_int(21), &d2, T_ERR));
+  OK(dp_endpoint_recv(cb.ep, &r1, T_ERR));
   OK(dp_endpoint_recv(cb.ep, &r2, T_ERR));
+  OK_WITH(&e, wait_f(r1, &e));
+  cr_assert(tensor_ok(dp_future_value(r1), 100000, 8));
+  dp_future_release(r1);
   OK_WITH(&e, wait_f(r2, &e));
   cr_assert_eq(dp_value_as_int(dp_future_value(r2)), 21);
   OK_WITH(&e, wait_f(d2, &e));
