@@ -7904,3 +7904,33 @@ Test(transport, an_inline_frame_naming_another_backends_device_fails_its_value_r
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* A listener on a port given explicitly listens there: dp_listener_port
+ * says it, and a connection to it is accepted (transport.h) */
+Test(transport, a_listener_on_a_given_port_listens_there) {
+  int port, fd = t_loopback_socket(0, &port);
+  close(fd); /* free again: the kernel's choice, now ours */
+  dp_transport_t *t = new_transport(NULL);
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, addr, &l, T_ERR));
+  cr_assert_eq(dp_listener_port(l), port);
+  dp_endpoint_t *a, *b;
+  OK(dp_endpoint_connect(t, addr, &a, T_ERR));
+  OK(dp_listener_accept(l, 30 * SEC, &b, T_ERR));
+  dp_future_t *d, *r;
+  dp_error_t e;
+  OK(dp_endpoint_send(a, dp_int(9), &d, T_ERR));
+  OK(dp_endpoint_recv(b, &r, T_ERR));
+  OK_WITH(&e, wait_f(r, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r)), 9);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_endpoint_free(a);
+  dp_endpoint_free(b);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
