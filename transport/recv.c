@@ -1,4 +1,6 @@
 /* transport/recv.c — receiving: frames, buffers, their order and checks, delivery. */
+#include <assert.h>
+
 #include "tp.h"
 #include "../pickler/frame.h" /* dp__unpickle_checked */
 
@@ -10,6 +12,9 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
   rmsg_t *m = ctx[1];
   int mode = dp__tp_buf_mode(t, d->device);
   if (mode == MODE_REFUSED) return dp__tp_refused(t, d->device, d->id, err);
+  /* The reader binds the table's entries once each, ids 0 .. n-1, and
+     on_frame checked n against the header's count, m->nbuf. */
+  assert(d->id < m->nbuf);
   rbuf_t *b = &m->bufs[d->id];
   int rc = d->device.type == DP_DEVICE_CPU ? dp__tp_cpu_alloc(d->device, d->nbytes, out, &b->dst, err)
                                            : dp__tp_dev_alloc(t, d->device, d->nbytes, out, &b->dst, err);

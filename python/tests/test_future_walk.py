@@ -404,9 +404,9 @@ def test_collect_all_merges_its_inputs_opaque_types_in_time_linear_in_them():
     # over two inputs took seconds; each type is also kept once, in order
     many = tuple(type(f"T{i}", (), {"__slots__": ()}) for i in range(60000))
     a, b = devpickle.Future(opaque=many), devpickle.Future(opaque=many[::-1] + (LOCK,))
-    start = time.perf_counter()
+    start = time.thread_time()  # this thread's CPU time: a loaded machine's waits do not count
     gathered = devpickle.collect_all([a, b])
-    assert time.perf_counter() - start < 1.0
+    assert time.thread_time() - start < 1.0
     child = gathered.then(lambda f: [many[-1](), threading.Lock()])
     a.set_result(1)
     b.set_result(2)
