@@ -300,6 +300,35 @@ Test(allocator, interior_pointers_find_their_block) {
   dp_stream_free(s);
 }
 
+/* The segments are searched by address: an interior pointer is found in
+ * whichever segment holds it, not only in the last one made or the
+ * highest, and a pointer just past a block is not that block's. */
+Test(allocator, interior_pointers_find_their_block_in_every_segment) {
+  dp_stream_t *s = stream(H0);
+  enum { N = 6 };
+  char *p[N];
+  size_t want[N];
+  for (int i = 0; i < N; i++) { /* large blocks, each a segment of its own, and small ones */
+    want[i] = i % 2 ? (size_t)4096 : (size_t)(i + 1) << 21; /* whole segments: nothing to round */
+    OK(dp_cache_alloc(C, H0, want[i], s, (void **)&p[i], T_ERR));
+  }
+  cr_assert_eq(stats(H0).segment_allocs, N / 2 + 1);
+  for (int i = 0; i < N; i++) {
+    size_t at[] = {1, want[i] / 2, want[i] - 1};
+    for (int k = 0; k < 3; k++) {
+      void *base = NULL;
+      size_t size = 0;
+      OK(dp_cache_lookup(C, p[i] + at[k], &base, &size, T_ERR));
+      cr_assert(base == p[i] && size == want[i], "block %d, byte %zu: %p (%zu bytes)", i, at[k], base, size);
+    }
+    dp_stream_t *u = stream(H0);
+    OK(dp_cache_record_stream(C, p[i] + want[i] - 1, u, T_ERR));
+    dp_stream_free(u);
+  }
+  for (int i = 0; i < N; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
+  dp_stream_free(s);
+}
+
 Test(allocator, freeing_what_it_did_not_hand_out_is_an_error) {
   dp_stream_t *s = stream(H0);
   void *p;
@@ -1900,9 +1929,31 @@ Test(allocator, emptying_the_cache_reports_a_segment_kept_for_want_of_memory) {
   t_fail_at = 0;
   cr_assert_eq(rc, DP_ENOMEM, "%s", dp_err_name(rc));
   cr_assert(strstr(e.message, "dp_cache_empty: a free segment of host:0 stays cached: ") == e.message, "%s", e.message);
+  cr_assert(strstr(e.message, "stays cached: dp_event_new(host:0): out of memory") != NULL, "and why: %s", e.message);
   cr_assert_eq(stats(H0).reserved, 2 << 20, "the segment is still the cache's");
   OK(dp_cache_empty(C, T_ERR));
   cr_assert_eq(stats(H0).reserved, 0, "and goes back when memory allows");
+  dp_stream_free(s);
+}
+
+/* The first segment kept for want of an event is reported even when the
+ * segments after it go back. */
+Test(allocator, emptying_the_cache_reports_a_kept_segment_though_a_later_one_goes_back) {
+  dp_stream_t *s = stream(H0);
+  void *p[2];
+  for (int i = 0; i < 2; i++) OK(dp_cache_alloc(C, H0, 2 << 20, s, &p[i], T_ERR)); /* two large segments */
+  for (int i = 0; i < 2; i++) OK(dp_cache_dealloc(C, p[i], T_ERR));
+  t_fail_at = t_alloc_count + 1; /* the first event fails, the second is made */
+  dp_error_t e;
+  int rc = dp_cache_empty(C, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM, "%s", dp_err_name(rc));
+  cr_assert(strstr(e.message, "dp_cache_empty: a free segment of host:0 stays cached: ") == e.message, "%s", e.message);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert(st.reserved == 2 << 20 && st.segment_frees == 1, "one went back, one stayed: %zu bytes reserved",
+            st.reserved);
+  OK(dp_cache_empty(C, T_ERR));
+  cr_assert_eq(stats(H0).reserved, 0);
   dp_stream_free(s);
 }
 
@@ -2357,6 +2408,32 @@ static _Atomic int fail_every_allocation;
 static void *failing_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
   if (nsize && atomic_load(&fail_every_allocation)) return NULL;
   return t_alloc(ud, ptr, osize, nsize);
+}
+
+/* An allocation out of memory empties the cache and retries; a free
+ * segment for whose stream no event can be made then stays cached, and the
+ * allocation fails with DP_ENOMEM, saying what it asked — the segment's
+ * own error is no caller's to see. */
+Test(allocator, an_allocation_retried_out_of_memory_keeps_a_segment_it_cannot_make_an_event_for) {
+  dp_stream_t *s = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_set_allocator(failing_alloc, NULL);
+  atomic_store(&fail_every_allocation, 1); /* neither a segment nor an event can be had */
+  dp_error_t e;
+  int rc = dp_cache_alloc(C, H0, 4 << 20, s, &p, &e);
+  atomic_store(&fail_every_allocation, 0);
+  dp_set_allocator(t_alloc, NULL);
+  cr_assert_eq(rc, DP_ENOMEM, "%s", dp_err_name(rc));
+  cr_assert(strstr(e.message, "dp_cache_alloc(host:0): out of memory allocating 4194304 bytes") == e.message, "%s",
+            e.message);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.oom_retries, 1);
+  cr_assert(st.reserved == 2 << 20 && st.segment_frees == 0, "the free segment stayed cached");
+  OK(dp_cache_alloc(C, H0, 4 << 20, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_stream_free(s);
 }
 
 Test(allocator, emptying_the_cache_names_the_first_device_whose_segment_stays_cached) {
