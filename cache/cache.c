@@ -79,7 +79,9 @@ struct block {
   struct block *pnext;           /* pending list */
   dp_event_t **events;           /* pending: one per use stream */
   uint32_t nevents, events_cap;
-  dp_event_t *drop_ev;           /* its stream's position when its segment was dropped */
+  dp_event_t *drop_ev;           /* its stream's position when its segment was dropped; NULL at any other time
+                                  * (a block struct is zeroed when made, and drop_free_segments frees those
+                                  * of a segment it keeps) */
 };
 
 /* A segment knows the stream its used blocks were allocated on while they
@@ -581,7 +583,6 @@ static segment_t *drop_free_segments(dp_cache_t *c, devpool_t *p, int *failed, d
     /* Free blocks of several streams do not merge, so a free segment may
      * hold several: mark where each one's stream is. */
     for (block_t *b = seg->first; b && all_free; b = b->next) {
-      b->drop_ev = NULL;
       if (!b->stream) continue;
       dp_error_t e;
       int rc = dp_event_new(c->b, dp__stream_dev(b->stream), &b->drop_ev, &e);
@@ -621,8 +622,7 @@ static void free_dropped(dp_cache_t *c, segment_t *dropped) {
     for (block_t *b = seg->first; b; b = b->next)
       if (b->drop_ev) {
         dp_event_synchronize(b->drop_ev, NULL);
-        dp_event_free(b->drop_ev);
-        b->drop_ev = NULL;
+        dp_event_free(b->drop_ev); /* the block struct is recycled below, and zeroed when made again */
       }
     dp_device_dealloc(c->b, dp_backend_device(c->b, seg->dev), seg->base, NULL);
   }
