@@ -1936,6 +1936,8 @@ Test(allocator, emptying_the_cache_reports_a_segment_kept_for_want_of_memory) {
   OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
   OK(dp_cache_dealloc(C, p, T_ERR));
   t_fail_at = t_alloc_count + 1; /* the event pool is empty: the event must be made, and that fails */
+  cr_assert_eq(dp_cache_empty(C, NULL), DP_ENOMEM, "told without an err");
+  t_fail_at = t_alloc_count + 1;
   dp_error_t e;
   int rc = dp_cache_empty(C, &e);
   t_fail_at = 0;
@@ -1950,6 +1952,42 @@ Test(allocator, emptying_the_cache_reports_a_segment_kept_for_want_of_memory) {
 
 /* The first segment kept for want of an event is reported even when the
  * segments after it go back. */
+/* dp_cache_empty reclaims every pending block whose streams are done, not
+ * only the few an allocation's poll looks at, and gives back the segments
+ * that leaves free, however many blocks still held come before. */
+Test(allocator, emptying_the_cache_gives_back_a_segment_whose_pending_block_is_done_behind_many_held_ones,
+     .timeout = 20) {
+  enum { N = 9 };
+  /* slow on another device: the segment's free waits for H0's streams (device.h), not for it */
+  dp_stream_t *s = stream(H0), *slow = stream(H1), *quick = stream(H0);
+  void *a[N], *big;
+  for (int i = 0; i < N; i++) OK(dp_cache_alloc(C, H0, 4096, s, &a[i], T_ERR));
+  OK(dp_cache_alloc(C, H0, 2 << 20, s, &big, T_ERR)); /* a large segment of its own */
+  /* while a gate is shut nothing asserts: the first failure is kept for later */
+  _Atomic int slow_open = 0, quick_open = 0;
+  dp_error_t e;
+  dp_error_clear(&e);
+  int rc = dp_host_launch(slow, gate_wait, &slow_open, &e);
+  if (!rc) rc = dp_host_launch(quick, gate_wait, &quick_open, &e);
+  for (int i = 0; i < N && !rc; i++) rc = dp_cache_record_stream(C, a[i], slow, &e);
+  if (!rc) rc = dp_cache_record_stream(C, big, quick, &e);
+  for (int i = 0; i < N && !rc; i++) rc = dp_cache_dealloc(C, a[i], &e);
+  if (!rc) rc = dp_cache_dealloc(C, big, &e);
+  atomic_store(&quick_open, 1);
+  if (!rc) rc = dp_stream_synchronize(quick, &e);
+  if (!rc) rc = dp_cache_empty(C, &e);
+  atomic_store(&slow_open, 1);
+  OK_WITH(&e, rc);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert(st.reserved == 2 << 20 && st.segment_frees == 1, "the large segment went back: %zu bytes reserved",
+            st.reserved);
+  OK(dp_stream_synchronize(slow, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+  dp_stream_free(quick);
+  dp_stream_free(slow);
+  dp_stream_free(s);
+}
+
 Test(allocator, emptying_the_cache_reports_a_kept_segment_though_a_later_one_goes_back) {
   dp_stream_t *s = stream(H0);
   void *p[2];
