@@ -2398,6 +2398,32 @@ Test(allocator, taking_one_size_class_of_a_bitmap_word_leaves_its_other_classes_
 
 /* The pending bytes count a freed block only while it waits: reclaimed,
  * by a poll or by an allocation's, its bytes leave the count with it. */
+/* The search for the smallest free block that fits works across the
+ * bitmap's 64-class words: a block of any class, at either edge of a word,
+ * is found for a request of its own class and of a smaller class in a lower
+ * word, before the larger free remainder of its segment. */
+Test(allocator, a_freed_block_is_the_best_fit_from_every_bitmap_word_edge) {
+  dp_stream_t *s = stream(H0);
+  static const size_t cls[] = {0, 1, 62, 63, 64, 65, 126, 127, 128, 129, 191, 192, 1023};
+  static const size_t ask[] = {0, 63, 64, 127, 128};
+  for (size_t i = 0; i < sizeof cls / sizeof *cls; i++)
+    for (size_t j = 0; j <= sizeof ask / sizeof *ask; j++) {
+      size_t k = cls[i], want = j < sizeof ask / sizeof *ask ? ask[j] : k; /* the last: its own class */
+      if (want > k) continue;
+      char *x, *guard, *got;
+      OK(dp_cache_alloc(C, H0, (k + 1) * 512, s, (void **)&x, T_ERR));
+      OK(dp_cache_alloc(C, H0, 512, s, (void **)&guard, T_ERR)); /* x never merges with the remainder */
+      OK(dp_cache_dealloc(C, x, T_ERR));
+      OK(dp_cache_alloc(C, H0, (want + 1) * 512, s, (void **)&got, T_ERR));
+      cr_assert_eq(got, x, "%zu bytes come from the freed %zu-byte block (got %p, block %p)", (want + 1) * 512,
+                   (k + 1) * 512, (void *)got, (void *)x);
+      OK(dp_cache_dealloc(C, got, T_ERR));
+      OK(dp_cache_dealloc(C, guard, T_ERR));
+    }
+  cr_assert_eq(stats(H0).segment_allocs, 1);
+  dp_stream_free(s);
+}
+
 Test(allocator, pending_bytes_go_back_to_zero_when_the_pending_blocks_are_reclaimed) {
   dp_stream_t *s = stream(H0), *u = stream(H0);
   void *p, *q, *r;
