@@ -450,15 +450,21 @@ HOT static void free_remove(devpool_t *pool, block_t *b) {
   b->fprev = b->fnext = NULL;
 }
 
-/* The smallest free block of set f of at least size, or NULL. */
+/* A small request is at most SMALL_MAX: its bin's word is below the last,
+ * so the summary's shift to the next word is less than 64 bits. */
+_Static_assert(SMALL_MAX / ROUND / 64 < 63, "a small request's next bitmap word must exist");
+
+/* The smallest free block of set f (never NULL: the stream-less set is
+ * made before any search, and only a stream's set is dropped) of at least
+ * size, or NULL. */
 HOT static block_t *set_fit(const freeset_t *f, size_t size, int small) {
-  if (!small) return f ? large_block(dp__treap_ceil(&f->large, size, 0)) : NULL;
-  if (!f || !f->summary) return NULL; /* the stream-less set is mostly empty */
+  if (!small) return large_block(dp__treap_ceil(&f->large, size, 0));
+  if (!f->summary) return NULL; /* the stream-less set is mostly empty */
   size_t bin = bin_of(size);
   uint64_t word = f->bitmap[bin / 64] >> (bin % 64);
   if (!word) { /* the next non-empty word, through the summary */
     size_t next = bin / 64 + 1;
-    uint64_t rest = next < 64 ? f->summary >> next : 0;
+    uint64_t rest = f->summary >> next;
     if (!rest) return NULL;
     bin = (next + (size_t)__builtin_ctzll(rest)) * 64;
     word = f->bitmap[bin / 64];
