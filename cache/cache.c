@@ -447,7 +447,8 @@ HOT static void free_remove(devpool_t *pool, block_t *b) {
     p->bitmap[bin / 64] &= ~(1ull << (bin % 64));
     if (!p->bitmap[bin / 64]) p->summary &= ~(1ull << (bin / 64));
   }
-  b->fprev = b->fnext = NULL;
+  /* fprev and fnext are left as they are: nothing reads them before
+   * free_insert or block_recycle writes them */
 }
 
 /* A small request is at most SMALL_MAX: its bin's word is below the last,
