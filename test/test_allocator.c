@@ -2152,6 +2152,20 @@ Test(allocator, a_batch_marks_owned_nothing_past_the_end_of_a_segment) {
 
 /* Free neighbours merge only when tied to the same stream: a block of t
  * merged into s's would be handed to s without waiting for t's work. */
+/* NULL, the first pointer of a batch or any other, is nobody's. */
+Test(allocator, a_batch_marks_a_null_pointer_not_owned) {
+  dp_cache_hooks_t h = dp_cache_hooks(C);
+  dp_stream_t *s = stream(H0);
+  char *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, (void **)&p, T_ERR));
+  void *ptrs[3] = {NULL, p, NULL};
+  unsigned char owned[3] = {0};
+  OK(h.record_streams_owned(h.ctx, ptrs, 3, s, owned, T_ERR));
+  cr_assert(!owned[0] && owned[1] && !owned[2], "owned: %d %d %d", owned[0], owned[1], owned[2]);
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_stream_free(s);
+}
+
 Test(allocator, free_neighbours_of_two_streams_never_merge) {
   dp_stream_t *s = stream(H0), *t = stream(H0);
   char *a, *b, *q, *r;
