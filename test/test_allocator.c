@@ -164,7 +164,9 @@ Test(allocator, another_stream_gets_a_freed_block_only_after_the_first_streams_w
   unsigned char *b2;
   OK(dp_cache_alloc(C, H0, 4096, t, (void **)&b2, T_ERR));
   cr_assert_eq(b2, a, "the block moved to the other stream");
-  cr_assert_eq(stats(H0).cross_stream, 1);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.cross_stream, 1);
+  cr_assert(st.cache_hits == 1 && st.segment_allocs == 1, "served without a backend malloc: a cache hit");
   check_t chk = {b2, 0x11, 0, 0, NULL};
   OK(dp_host_launch(t, slow_check, &chk, T_ERR));  /* t's first use must see s's write done */
   OK(dp_stream_synchronize(t, T_ERR));
@@ -291,6 +293,7 @@ Test(allocator, out_of_memory_frees_the_cache_retries_then_fails_clearly) {
   cr_assert_eq(dp_cache_alloc(C, H1, 2 << 20, s, &more, &e), DP_ENOMEM);
   cr_assert(strstr(e.message, "dp_cache_alloc(host:1): out of memory allocating 2097152 bytes (4194304 allocated, 4194304 reserved") ==
                 e.message, "%s", e.message);
+  cr_assert_eq(dp_cache_alloc(C, H1, 2 << 20, s, &more, NULL), DP_ENOMEM, "told without an err too");
   OK(dp_cache_dealloc(C, big, T_ERR));
   dp_stream_free(s);
   OK(dp_host_set_memory_limit(H1, 0, T_ERR));
