@@ -1991,6 +1991,43 @@ Test(allocator, emptying_the_cache_gives_back_a_segment_whose_pending_block_is_d
   dp_stream_free(s);
 }
 
+/* An allocation out of memory reclaims every pending block whose streams
+ * are done before it frees the cache and retries, however many blocks
+ * still held come before: the segment that frees is what it needs. */
+Test(allocator, an_allocation_out_of_memory_reclaims_a_finished_pending_block_behind_many_held_ones, .timeout = 20) {
+  enum { N = 20 };
+  OK(dp_host_set_memory_limit(H0, 4u << 20, T_ERR));
+  /* slow on another device: the segment's free waits for H0's streams (device.h), not for it */
+  dp_stream_t *s = stream(H0), *slow = stream(H1), *quick = stream(H0);
+  void *a[N], *big, *again = NULL;
+  for (int i = 0; i < N; i++) OK(dp_cache_alloc(C, H0, 4096, s, &a[i], T_ERR));
+  OK(dp_cache_alloc(C, H0, 2 << 20, s, &big, T_ERR)); /* the limit reached */
+  /* while a gate is shut nothing asserts: the first failure is kept for later */
+  _Atomic int slow_open = 0, quick_open = 0;
+  dp_error_t e;
+  dp_error_clear(&e);
+  int rc = dp_host_launch(slow, gate_wait, &slow_open, &e);
+  if (!rc) rc = dp_host_launch(quick, gate_wait, &quick_open, &e);
+  for (int i = 0; i < N && !rc; i++) rc = dp_cache_record_stream(C, a[i], slow, &e);
+  if (!rc) rc = dp_cache_record_stream(C, big, quick, &e);
+  for (int i = 0; i < N && !rc; i++) rc = dp_cache_dealloc(C, a[i], &e);
+  if (!rc) rc = dp_cache_dealloc(C, big, &e);
+  atomic_store(&quick_open, 1);
+  if (!rc) rc = dp_stream_synchronize(quick, &e);
+  if (!rc) rc = dp_cache_alloc(C, H0, 2 << 20, s, &again, &e);
+  atomic_store(&slow_open, 1);
+  OK_WITH(&e, rc);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert(st.oom_retries == 1 && st.segment_frees == 1, "big's segment went back for the retry");
+  OK(dp_cache_dealloc(C, again, T_ERR));
+  OK(dp_stream_synchronize(slow, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+  dp_stream_free(quick);
+  dp_stream_free(slow);
+  dp_stream_free(s);
+  OK(dp_host_set_memory_limit(H0, 0, T_ERR));
+}
+
 Test(allocator, emptying_the_cache_reports_a_kept_segment_though_a_later_one_goes_back) {
   dp_stream_t *s = stream(H0);
   void *p[2];
