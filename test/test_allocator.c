@@ -560,6 +560,8 @@ Test(allocator, every_allocation_failure_is_an_error_and_leaks_nothing) {
       if (rc == 0) rc = dp_cache_alloc(c, H0, 3 << 20, s, &q, NULL);
       if (p) dp_cache_dealloc(c, p, NULL);  /* free never fails: without an event it waits instead */
       if (q) dp_cache_dealloc(c, q, NULL);
+      const char *bad = dp__cache_check(c);
+      cr_assert_null(bad, "after failing allocation %ld, the books disagree: %s", k, bad);
       dp_cache_free(c);
     }
     /* the sweep ends where no allocation was failed: not at the first
