@@ -268,6 +268,9 @@ Test(allocator, stats_track_allocated_reserved_peak_and_hits) {
   cr_assert_eq(st.peak_allocated, 10 * 10240);
   cr_assert_eq(st.frees, 10);
   cr_assert_eq(st.reserved, 2 << 20);
+  OK(dp_cache_alloc(C, H0, 10000, s, &p[0], T_ERR));
+  cr_assert_eq(stats(H0).peak_allocated, 10 * 10240, "an allocation below the peak leaves it");
+  OK(dp_cache_dealloc(C, p[0], T_ERR));
   OK(dp_cache_empty(C, T_ERR));
   cr_assert_eq(stats(H0).reserved, 0);
   cr_assert_eq(stats(H0).segment_frees, 1);
