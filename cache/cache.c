@@ -1079,8 +1079,7 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
     goto out;
   }
   b->stream = s;
-  tie(own, b);
-  b->nuses = 0;
+  tie(own, b); /* b->nuses is 0: a free block holds no use (pending_finish drops those kept) */
   segment_t *sg = b->seg;
   sg->one_stream = sg->nused++ == 0 || sg->one_stream == s ? s : MIXED;
   p->st.allocated += b->size;
