@@ -2033,6 +2033,33 @@ Test(allocator, an_allocation_out_of_memory_reclaims_a_finished_pending_block_be
   OK(dp_host_set_memory_limit(H0, 0, T_ERR));
 }
 
+/* A block freed with no recorded use is reusable at once on its stream,
+ * however many blocks wait for slow streams: it waits in no pending list. */
+Test(allocator, a_block_freed_behind_many_pending_ones_is_reusable_at_once_on_its_stream, .timeout = 20) {
+  enum { N = 9 };
+  dp_stream_t *s = stream(H0), *slow = stream(H1);
+  void *a[N], *x, *again = NULL;
+  for (int i = 0; i < N; i++) OK(dp_cache_alloc(C, H0, 4096, s, &a[i], T_ERR));
+  OK(dp_cache_alloc(C, H0, 8192, s, &x, T_ERR)); /* a class of its own */
+  /* while the gate is shut nothing asserts: the first failure is kept for later */
+  _Atomic int slow_open = 0;
+  dp_error_t e;
+  dp_error_clear(&e);
+  int rc = dp_host_launch(slow, gate_wait, &slow_open, &e);
+  for (int i = 0; i < N && !rc; i++) rc = dp_cache_record_stream(C, a[i], slow, &e);
+  for (int i = 0; i < N && !rc; i++) rc = dp_cache_dealloc(C, a[i], &e);
+  if (!rc) rc = dp_cache_dealloc(C, x, &e);
+  if (!rc) rc = dp_cache_alloc(C, H0, 8192, s, &again, &e);
+  atomic_store(&slow_open, 1);
+  OK_WITH(&e, rc);
+  cr_assert_eq(again, x, "x came back at once (got %p, x %p)", again, x);
+  OK(dp_cache_dealloc(C, again, T_ERR));
+  OK(dp_stream_synchronize(slow, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 0);
+  dp_stream_free(slow);
+  dp_stream_free(s);
+}
+
 Test(allocator, emptying_the_cache_reports_a_kept_segment_though_a_later_one_goes_back) {
   dp_stream_t *s = stream(H0);
   void *p[2];
