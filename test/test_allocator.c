@@ -2060,6 +2060,48 @@ Test(allocator, a_block_freed_behind_many_pending_ones_is_reusable_at_once_on_it
   dp_stream_free(s);
 }
 
+/* A block a poll took back from ahead of another pending one can be freed
+ * pending again after that one came back, and is then polled back once,
+ * like any other. */
+Test(allocator, a_block_reclaimed_ahead_of_a_held_one_can_be_pending_again, .timeout = 20) {
+  dp_stream_t *s = stream(H0), *slow = stream(H1), *quick = stream(H0);
+  void *held, *a, *again = NULL;
+  OK(dp_cache_alloc(C, H0, 4096, s, &a, T_ERR));
+  OK(dp_cache_alloc(C, H0, 8192, s, &held, T_ERR));
+  /* while a gate is shut nothing asserts: the first failure is kept for later */
+  _Atomic int slow_open = 0, quick_open[2] = {0, 0};
+  dp_error_t e;
+  dp_error_clear(&e);
+  int back[2] = {-1, -1};
+  int rc = dp_host_launch(slow, gate_wait, &slow_open, &e);
+  if (!rc) rc = dp_host_launch(quick, gate_wait, &quick_open[0], &e);
+  if (!rc) rc = dp_cache_record_stream(C, a, quick, &e);
+  if (!rc) rc = dp_cache_record_stream(C, held, slow, &e);
+  if (!rc) rc = dp_cache_dealloc(C, a, &e); /* the pending list: a, held */
+  if (!rc) rc = dp_cache_dealloc(C, held, &e);
+  atomic_store(&quick_open[0], 1);
+  if (!rc) rc = dp_stream_synchronize(quick, &e);
+  if (!rc) rc = back[0] = dp_cache_poll(C, &e); /* a comes back from ahead of held */
+  atomic_store(&slow_open, 1);
+  if (rc > 0) rc = dp_stream_synchronize(slow, &e);
+  if (!rc) rc = dp_cache_alloc(C, H0, 4096, s, &again, &e); /* its poll takes held back */
+  if (!rc && again == a) rc = dp_host_launch(quick, gate_wait, &quick_open[1], &e);
+  if (!rc && again == a) rc = dp_cache_record_stream(C, again, quick, &e);
+  if (!rc && again == a) rc = dp_cache_dealloc(C, again, &e); /* pending again, alone */
+  atomic_store(&quick_open[1], 1);
+  if (!rc) rc = dp_stream_synchronize(quick, &e);
+  if (!rc) rc = back[1] = dp_cache_poll(C, &e);
+  if (rc > 0) rc = 0;
+  OK_WITH(&e, rc);
+  cr_assert(back[0] == 1 && back[1] == 1 && again == a, "polls took back %d then %d blocks; a again: %d", back[0],
+            back[1], again == a);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert(st.pending_blocks == 0 && st.pending_bytes == 0, "%zu blocks pending", st.pending_blocks);
+  dp_stream_free(quick);
+  dp_stream_free(slow);
+  dp_stream_free(s);
+}
+
 Test(allocator, emptying_the_cache_reports_a_kept_segment_though_a_later_one_goes_back) {
   dp_stream_t *s = stream(H0);
   void *p[2];
