@@ -670,7 +670,7 @@ static devpool_t *pool_of(dp_cache_t *c, block_t *b);
 
 /* Block b, now in use, is tied to the stream of set f (its allocation's). */
 static void tie(freeset_t *f, block_t *b) {
-  b->tprev = NULL;
+  /* b->tprev is NULL: a block out of use is in no tied list, and untie_used and stream_gone clear its links */
   b->tnext = f->tied_head;
   if (f->tied_head) f->tied_head->tprev = b;
   f->tied_head = b;
