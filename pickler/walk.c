@@ -571,18 +571,6 @@ undo:
   return 0;
 }
 
-/* Scan only: runs over seq items from *i that need no frame of their own —
- * scalars, str and bytes (skipped), tensors (staged), small containers held
- * once that try_stage() stages in place — and stops at the first other
- * item. Staging in place is sound only before a walk's first reduce(): a
- * container held once cannot be met again until a reduce() adds a
- * reference, so the memo never needs it (the replay before the first
- * reduce() records it all the same). After it every node must enter the
- * memo, so containers get frames again through visit(): one staged in place
- * then and met again through a later state would be walked a second time —
- * its tensors counted once, but its depth counted again (a scan without
- * paths refused what pickle accepts). The items would be frames at depth
- * `depth`. */
 /* Scan only, over a long run of items (DP_SCAN_FAR_MIN or more, a value
  * larger than the caches): fetches the node DP_SCAN_FAR_AHEAD places ahead
  * (every line a scan reads of it: prefetch_node), and for the one
@@ -649,6 +637,18 @@ DP_WALK_INLINE void scan_prefetch(const dp_value_t *items, size_t n, size_t i) {
   if (a < n && items[a].kind >= DP_LIST) prefetch_children(items[a]);
 }
 
+/* Scan only: runs over seq items from *i that need no frame of their own —
+ * scalars, str and bytes (skipped), tensors (staged), small containers held
+ * once that try_stage() stages in place — and stops at the first other
+ * item. Staging in place is sound only before a walk's first reduce(): a
+ * container held once cannot be met again until a reduce() adds a
+ * reference, so the memo never needs it (the replay before the first
+ * reduce() records it all the same). After it every node must enter the
+ * memo, so containers get frames again through visit(): one staged in place
+ * then and met again through a later state would be walked a second time —
+ * its tensors counted once, but its depth counted again (a scan without
+ * paths refused what pickle accepts). The items would be frames at depth
+ * `depth`. */
 DP_WALK_INLINE int scan_leaves(dp__walker_t *w, const dp_value_t *items, size_t n, size_t *i, size_t depth) {
   uint32_t room = depth < w->max_depth ? (uint32_t)(w->max_depth - depth) : 0;
   int far = n >= DP_SCAN_FAR_MIN;
