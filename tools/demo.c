@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cli.h"
 #include "demo.h"
 #include "devpickle.h"
 
@@ -239,7 +240,7 @@ int demo_run(int argc, char **argv) {
             opts && argv[i][0] == '-' && argv[i][1] ? "unknown option" : "unexpected argument");
     cli_put_text(stderr, argv[i]);
     fputs("'\nTry 'devpickle demo --help'.\n", stderr);
-    return 2;
+    return EXIT_USAGE;
   }
   dp_error_t e;
   dp_error_clear(&e);

@@ -17,12 +17,10 @@
 #include <ucs/config/global_opts.h>
 #include <ucs/debug/debug.h>
 
+#include "cli.h"
 #include "demo.h"
 #include "inspect.h"
 #include "vjson.h"
-
-#define EXIT_DATA 1
-#define EXIT_USAGE 2
 
 static const char *const usage_main =
     "usage: devpickle <command> [options] [FILE]\n"
@@ -65,24 +63,6 @@ typedef struct cmd {
   const char *name;
   int (*run)(int argc, char **argv);
 } cmd_t;
-
-/* Text from outside (a file name, an argument, a message quoting the input)
- * on stdout or stderr, escaped by the rule for names (docs/FORMAT.md,
- * "Paths"; core/path.h): control characters (C0, DEL, C1) and U+2028/U+2029
- * as \uXXXX, a byte of no UTF-8 character as \ufffd, so that a summary or
- * an error stays one line and no file name can forge one. Text escaped
- * already (a path, a name in a message) passes unchanged. */
-void cli_put_text(FILE *f, const char *s) {
-  char out[6 * 256];
-  for (size_t n = strlen(s), i = 0; i < n;) {
-    size_t k = dp__name_shown(s + i, n - i, 256);  /* whole characters a piece */
-    if (!k) k = n - i < 256 ? n - i : 256;
-    dp__sbuf_t b = {out, 0, sizeof out, 0};
-    dp__sb_escaped(&b, s + i, k, DP__ESC_CONTROLS, 0);
-    fwrite(out, 1, b.len, f);
-    i += k;
-  }
-}
 
 static int usage_error(const char *cmd, const char *fmt, const char *arg) {
   char what[512];
