@@ -4718,3 +4718,183 @@ Test(cli, recv_on_a_multicast_address_says_it_is_not_this_machines_at_once) {
                           "of this machine (a multicast address)\n");
   res_free(r);
 }
+
+/* ---- usage and defaults the helps promise ---- */
+
+/* Runs ARGS and asserts its exit status and its whole stderr, and that
+ * nothing came on stdout. */
+static void run_says(const char *args, int status, const char *err) {
+  res_t r = run(args);
+  cr_assert_eq(r.status, status, "%s: %s", args, r.err);
+  cr_assert_str_eq(r.err, err, "%s", args);
+  cr_assert_str_eq(r.out, "", "%s", args);
+  res_free(r);
+}
+
+/* The main help promises status 2 for a usage error; with no command at
+ * all the usage (the text --help prints) is the whole of stderr. */
+Test(cli, devpickle_without_a_command_prints_the_main_usage_on_stderr_and_exits_two) {
+  res_t help = run("--help");
+  cr_assert_eq(help.status, 0);
+  cr_assert_eq(strncmp(help.out, "usage: devpickle <command>", 26), 0, "%s", help.out);
+  run_says("", 2, help.out);
+  res_free(help);
+}
+
+/* Each command names the operand it lacks, and where its help is. */
+Test(cli, every_command_given_no_operand_says_which_one_is_missing_and_exits_two) {
+  static const char *const readers[] = {"pack", "unpack", "dump", "inspect", "verify"};
+  for (size_t i = 0; i < sizeof readers / sizeof *readers; i++) {
+    char want[160];
+    snprintf(want, sizeof want, "devpickle %s: missing input file (use - for stdin)\nTry 'devpickle %s --help'.\n",
+             readers[i], readers[i]);
+    run_says(readers[i], 2, want);
+  }
+  run_says("send", 2, "devpickle send: missing FRAME.dpk or HOST:PORT\nTry 'devpickle send --help'.\n");
+  run_says("send f.dpk", 2, "devpickle send: missing FRAME.dpk or HOST:PORT\nTry 'devpickle send --help'.\n");
+  run_says("recv", 2, "devpickle recv: missing PORT\nTry 'devpickle recv --help'.\n");
+}
+
+/* Every command takes one FILE (send a FRAME.dpk and a HOST:PORT, recv a
+ * PORT): an operand more is named, not ignored. */
+Test(cli, an_operand_too_many_is_named_as_an_unexpected_argument_by_every_command) {
+  static const struct {
+    const char *args, *err;
+  } runs[] = {
+      {"pack a.json b.json -o x.dpk", "devpickle pack: unexpected argument 'b.json'\nTry 'devpickle pack --help'.\n"},
+      {"unpack a.dpk b.dpk", "devpickle unpack: unexpected argument 'b.dpk'\nTry 'devpickle unpack --help'.\n"},
+      {"dump a.dpk b.dpk", "devpickle dump: unexpected argument 'b.dpk'\nTry 'devpickle dump --help'.\n"},
+      {"inspect a.dpk b.dpk", "devpickle inspect: unexpected argument 'b.dpk'\nTry 'devpickle inspect --help'.\n"},
+      {"verify a.dpk b.dpk", "devpickle verify: unexpected argument 'b.dpk'\nTry 'devpickle verify --help'.\n"},
+      {"send a.dpk 127.0.0.1:1 c", "devpickle send: unexpected argument 'c'\nTry 'devpickle send --help'.\n"},
+      {"recv 1 2", "devpickle recv: unexpected argument '2'\nTry 'devpickle recv --help'.\n"},
+  };
+  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) run_says(runs[i].args, 2, runs[i].err);
+}
+
+/* "An option's value is the next argument": an option that ends the line
+ * has none, and says so by the name it was given. */
+Test(cli, an_option_that_ends_the_line_without_its_value_is_a_usage_error_naming_it) {
+  static const struct {
+    const char *args, *err;
+  } runs[] = {
+      {"pack v.json -o", "devpickle pack: -o needs a file name\nTry 'devpickle pack --help'.\n"},
+      {"pack v.json --output", "devpickle pack: --output needs a file name\nTry 'devpickle pack --help'.\n"},
+      {"unpack f.dpk -o", "devpickle unpack: -o needs a file name\nTry 'devpickle unpack --help'.\n"},
+      {"recv 0 --output", "devpickle recv: --output needs a file name\nTry 'devpickle recv --help'.\n"},
+      {"recv 0 --host", "devpickle recv: --host needs a value\nTry 'devpickle recv --help'.\n"},
+      {"recv 0 --timeout", "devpickle recv: --timeout needs a value\nTry 'devpickle recv --help'.\n"},
+      {"send f.dpk 127.0.0.1:1 --timeout", "devpickle send: --timeout needs a value\nTry 'devpickle send --help'.\n"},
+  };
+  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) run_says(runs[i].args, 2, runs[i].err);
+}
+
+/* "the system's message for a file that cannot be read": status 1, one
+ * line, from every command that reads a file (send before it connects). */
+Test(cli, every_reading_command_names_a_missing_input_with_the_systems_message_and_exits_one) {
+  static const char *const runs[] = {"pack nofile -o x.dpk", "unpack nofile", "dump nofile", "inspect nofile",
+                                     "verify nofile", "send nofile 127.0.0.1:1"};
+  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++)
+    run_says(runs[i], 1, "devpickle: nofile: No such file or directory\n");
+  char x[128];
+  path_in(x, sizeof x, "x.dpk");
+  cr_assert_neq(access(x, F_OK), 0, "pack wrote an output for an input it could not read");
+}
+
+/* --timeout: "over 0, at most 1000000". The bound itself is taken (the
+ * command goes on to fail for another reason, status 1); one more is a
+ * usage error. */
+Test(cli, a_timeout_of_one_million_seconds_is_taken_and_one_more_is_refused) {
+  ucx_env();
+  spit("v.json", "[1]");
+  res_free(run("pack v.json -o f.dpk"));
+  int port, fd = t_loopback_socket(0, &port); /* bound, not listening: refused at once */
+  char args[128];
+  snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 1000000", port);
+  res_t r = run(args);
+  close(fd);
+  cr_assert_eq(r.status, 1, "%s: %s", args, r.err);
+  cr_assert_not_null(strstr(r.err, "connection refused"), "%s", r.err);
+  res_free(r);
+  run_says("recv 0 --timeout 1000000 -o nodir/x.dpk", 1, "devpickle: nodir/x.dpk: No such file or directory\n");
+  run_says("send f.dpk 127.0.0.1:1 --timeout 1000001", 2,
+           "devpickle send: bad --timeout '1000001' (SECONDS: a number over 0 and at most 1000000, as 30 or 0.5)\n"
+           "Try 'devpickle send --help'.\n");
+  run_says("recv 0 --timeout 1000001", 2,
+           "devpickle recv: bad --timeout '1000001' (SECONDS: a number over 0 and at most 1000000, as 30 or 0.5)\n"
+           "Try 'devpickle recv --help'.\n");
+}
+
+/* recv's --host is "an IPv4 address or a name": a name is resolved and
+ * listened on, and messages show it as given. */
+Test(cli, recv_takes_a_host_name_as_well_as_an_address) {
+  ucx_env();
+  res_t r = run("recv 0 --host localhost --timeout 0.2 -o never.dpk");
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  int port;
+  cr_assert_eq(sscanf(r.err, "devpickle recv: listening on port %d", &port), 1, "%s", r.err);
+  char want[192];
+  snprintf(want, sizeof want,
+           "devpickle recv: listening on port %d\ndevpickle: localhost:%d: recv timed out: no frame within 0.2 s "
+           "(--timeout)\n", port, port);
+  cr_assert_str_eq(r.err, want);
+  res_free(r);
+}
+
+/* Without --timeout recv waits ("default: wait") and send allows 60 s: both
+ * are still waiting when a far shorter limit (timeout(1)'s 1.5 s, status
+ * 124) ends them, side by side. */
+Test(cli, recv_and_send_without_a_timeout_keep_waiting_past_a_short_one) {
+  ucx_env();
+  spit("v.json", "[1]");
+  res_free(run("pack v.json -o f.dpk"));
+  int port, fd = t_loopback_socket(1, &port); /* listening, never answering UCX's handshake */
+  char script[256];
+  snprintf(script, sizeof script,
+           "(timeout 1.5 \"$D\" recv 0 --host 127.0.0.1 -o never.dpk 2>/dev/null; echo \"recv $?\" > r) & "
+           "timeout 1.5 \"$D\" send f.dpk 127.0.0.1:%d; echo \"send $?\"; wait; cat r",
+           port);
+  res_t r = run_sh(script);
+  close(fd);
+  cr_assert_str_eq(r.out, "send 124\nrecv 124\n", "%s", r.err);
+  res_free(r);
+}
+
+/* recv without -o writes the frame to stdout (here a file, not a
+ * terminal), byte for byte. */
+Test(cli, recv_without_dash_o_writes_the_frame_it_receives_to_stdout) {
+  ucx_env();
+  spit("v.json", "{\"a\": [1, 2.5], \"b\": {\"$bytes\": \"AAE=\"}}");
+  res_free(run("pack v.json -o f.dpk"));
+  res_t r = run_sh("\"$D\" recv 0 --host 127.0.0.1 --timeout 20 > got.dpk 2> e & "
+                   "for i in $(seq 200); do grep -q 'listening' e && break; sleep 0.05; done; "
+                   "port=$(sed -n 's/^devpickle recv: listening on port //p' e); "
+                   "\"$D\" send f.dpk 127.0.0.1:$port > /dev/null; echo \"send $?\"; wait $!; echo \"recv $?\"; "
+                   "cmp f.dpk got.dpk && echo same");
+  cr_assert_str_eq(r.out, "send 0\nrecv 0\nsame\n", "%s", r.err);
+  res_free(r);
+}
+
+/* unpack: "indented two spaces a level; --compact writes it on one line,
+ * no space between tokens, a newline at its end". */
+Test(cli, unpack_indents_two_spaces_a_level_and_compact_has_no_space_between_tokens) {
+  spit("v.json", "{\"a\": [1, 2.5, \"x\"], \"b\": {\"$tuple\": []}}");
+  res_free(run("pack v.json -o v.dpk"));
+  res_t r = run("unpack v.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_str_eq(r.out, "{\n  \"a\": [\n    1,\n    2.5,\n    \"x\"\n  ],\n  \"b\": {\n    \"$tuple\": []\n  }\n}\n");
+  res_free(r);
+  r = run("unpack v.dpk --compact");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_str_eq(r.out, "{\"a\":[1,2.5,\"x\"],\"b\":{\"$tuple\":[]}}\n");
+  res_free(r);
+}
+
+/* demo's help: "DEVPICKLE_BACKEND=host|cuda forces one"; another name is
+ * no backend to fall back from, but a failure: status 1, one line saying
+ * what it takes. */
+Test(cli, demo_refuses_a_backend_it_does_not_know_naming_those_it_takes) {
+  setenv("DEVPICKLE_BACKEND", "bogus", 1);
+  run_says("demo", 1, "devpickle: demo: dp_backend_default: DEVPICKLE_BACKEND='bogus': expected host or cuda\n");
+  unsetenv("DEVPICKLE_BACKEND");
+}
