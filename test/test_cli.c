@@ -48,6 +48,22 @@ static char *slurp(const char *path, size_t *n) {
   return buf;
 }
 
+static void path_in(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", dir, name); }
+
+/* slurp of NAME in the temp dir. */
+static char *slurp_in(const char *name, size_t *n) {
+  char path[256];
+  path_in(path, sizeof path, name);
+  return slurp(path, n);
+}
+
+/* NAME in the temp dir must hold WANT, exactly (what says why it must). */
+static void assert_file_is(const char *name, const char *want, const char *what) {
+  char *got = slurp_in(name, NULL);
+  cr_assert_str_eq(got, want, "%s: %s", name, what);
+  free(got);
+}
+
 static void spit(const char *name, const char *text) {
   char path[128];
   snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -87,15 +103,53 @@ static void res_free(res_t r) {
   free(r.err);
 }
 
+/* Runs ARGS; it must exit 0 (its stderr is shown when it does not). */
+static void run_ok(const char *args) {
+  res_t r = run(args);
+  cr_assert_eq(r.status, 0, "%s: %s", args, r.err);
+  res_free(r);
+}
+
+/* Runs ARGS; it must exit with STATUS, and its stdout and stderr must be
+ * OUT and ERR exactly (NULL: not looked at). */
+static void run_expect(const char *args, int status, const char *out, const char *err) {
+  res_t r = run(args);
+  cr_assert_eq(r.status, status, "%s: exit %d: %s", args, r.status, r.err);
+  if (out) cr_assert_str_eq(r.out, out, "%s", args);
+  if (err) cr_assert_str_eq(r.err, err, "%s", args);
+  res_free(r);
+}
+
+/* Runs ARGS; it must exit with STATUS with ERR, whole, on stderr and nothing
+ * on stdout. */
+static void run_err_only(const char *args, int status, const char *err) { run_expect(args, status, "", err); }
+
+/* Runs ARGS; it must exit with STATUS, and its stdout (run_out_has) or its
+ * stderr (run_err_has) must hold TEXT. */
+static void run_has(const char *args, int status, int on_out, const char *text) {
+  res_t r = run(args);
+  cr_assert_eq(r.status, status, "%s: exit %d: %s", args, r.status, r.err);
+  const char *in = on_out ? r.out : r.err;
+  cr_assert_not_null(strstr(in, text), "%s: no \"%s\" in: %s", args, text, in);
+  res_free(r);
+}
+static void run_out_has(const char *args, int status, const char *text) { run_has(args, status, 1, text); }
+static void run_err_has(const char *args, int status, const char *text) { run_has(args, status, 0, text); }
+
+/* Writes JSON to NAME and packs it into FRAME, which must succeed. */
+static void pack_json(const char *name, const char *json, const char *frame) {
+  char args[256];
+  spit(name, json);
+  snprintf(args, sizeof args, "pack %s -o %s", name, frame);
+  run_ok(args);
+}
+
 /* Writes JSON to NAME; `pack NAME -o OUT` must fail with exactly WANT. */
 static void pack_fails(const char *name, const char *out, const char *json, const char *want) {
   char args[256];
   spit(name, json);
   snprintf(args, sizeof args, "pack %s -o %s", name, out);
-  res_t r = run(args);
-  cr_assert_eq(r.status, 1, "%s: %s", args, r.err);
-  cr_assert_str_eq(r.err, want);
-  res_free(r);
+  run_expect(args, 1, NULL, want);
 }
 
 static const char *simple_json =
@@ -118,10 +172,7 @@ Test(cli, every_command_answers_help_with_its_usage) {
     cr_assert_not_null(strstr(r.out, want), "%s --help says: %s", cmds[i], r.out);
     res_free(r);
   }
-  res_t r = run("--help");
-  cr_assert_eq(r.status, 0);
-  cr_assert_not_null(strstr(r.out, "exit status: 0 ok; 1 bad data"));
-  res_free(r);
+  run_out_has("--help", 0, "exit status: 0 ok; 1 bad data");
 }
 
 /* Every command that reads a value refuses one nested deeper than 2,000
@@ -132,10 +183,7 @@ Test(cli, every_command_that_reads_a_value_names_the_nesting_limit_in_its_help) 
   for (int i = 0; i < 5; i++) {
     char args[64];
     snprintf(args, sizeof args, "%s --help", cmds[i]);
-    res_t r = run(args);
-    cr_assert_eq(r.status, 0, "%s", args);
-    cr_assert_not_null(strstr(r.out, "2,000 levels"), "%s says: %s", args, r.out);
-    res_free(r);
+    run_out_has(args, 0, "2,000 levels");
   }
 }
 
@@ -177,10 +225,7 @@ Test(cli, a_timeout_names_its_limit_as_given_never_rounded_nor_in_exponent_form)
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
     char args[96];
     snprintf(args, sizeof args, "recv 0 --host 127.0.0.1 --timeout %s -o never.dpk", cases[i].arg);
-    res_t r = run(args);
-    cr_assert_eq(r.status, 1, "%s: %s", args, r.err);
-    cr_assert_not_null(strstr(r.err, cases[i].shown), "%s: %s", args, r.err);
-    res_free(r);
+    run_err_has(args, 1, cases[i].shown);
   }
 }
 
@@ -190,10 +235,7 @@ Test(cli, recv_gives_up_after_its_timeout_in_seconds_and_names_the_port_it_bound
   cr_assert_not_null(strstr(r.err, "no frame within 0.3 s (--timeout)"), "%s", r.err);
   cr_assert_null(strstr(r.err, "127.0.0.1:0:"), "the port bound, not 0: %s", r.err);
   res_free(r);
-  r = run("recv 0 --host 127.0.0.1 --timeout 1e-12 -o never.dpk");
-  cr_assert_eq(r.status, 1, "a tiny timeout is a short one: %s", r.err);
-  cr_assert_not_null(strstr(r.err, "no frame within"), "%s", r.err);
-  res_free(r);
+  run_err_has("recv 0 --host 127.0.0.1 --timeout 1e-12 -o never.dpk", 1, "no frame within");
 }
 
 /* recv listened for a frame it could never write to -o (a missing
@@ -213,10 +255,7 @@ Test(cli, recv_refuses_an_output_it_cannot_make_before_it_listens) {
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char args[128];
     snprintf(args, sizeof args, "recv 0 --host 127.0.0.1 --timeout 5 -o %s", cases[i].out);
-    res_t r = run(args);
-    cr_assert_eq(r.status, 1, "%s: %s", args, r.err);
-    cr_assert_str_eq(r.err, cases[i].err, "%s", args);
-    res_free(r);
+    run_expect(args, 1, NULL, cases[i].err);
   }
   res_t r = run("recv 0 --host 127.0.0.1 --timeout 0.2 -o sub/new.dpk"); /* one it can make: it listens */
   cr_assert_eq(r.status, 1, "%s", r.err);
@@ -282,74 +321,37 @@ Test(cli, pack_and_unpack_open_a_fifo_before_reading_so_its_reader_sees_a_failur
 }
 
 Test(cli, usage_errors_exit_with_status_two) {
-  res_t r = run("");
-  cr_assert_eq(r.status, 2);
-  res_free(r);
-  r = run("frobnicate");
-  cr_assert_eq(r.status, 2);
-  cr_assert_not_null(strstr(r.err, "devpickle: unknown command 'frobnicate'"));
-  res_free(r);
-  r = run("dump --yaml x.dpk");
-  cr_assert_eq(r.status, 2);
-  cr_assert_not_null(strstr(r.err, "devpickle dump: unknown option '--yaml'"), "%s", r.err);
-  res_free(r);
-  r = run("pack v.json");
-  cr_assert_eq(r.status, 2);
-  cr_assert_not_null(strstr(r.err, "missing -o FRAME.dpk"), "%s", r.err);
-  res_free(r);
-  r = run("verify");
-  cr_assert_eq(r.status, 2);
-  res_free(r);
+  run_expect("", 2, NULL, NULL);
+  run_err_has("frobnicate", 2, "devpickle: unknown command 'frobnicate'");
+  run_err_has("dump --yaml x.dpk", 2, "devpickle dump: unknown option '--yaml'");
+  run_err_has("pack v.json", 2, "missing -o FRAME.dpk");
+  run_expect("verify", 2, NULL, NULL);
   /* demo's usage errors read as every command's, and cannot forge a line */
-  r = run("demo --yaml");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle demo: unknown option '--yaml'\nTry 'devpickle demo --help'.\n");
-  res_free(r);
-  r = run("demo \"$(printf 'x\\nfake')\"");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle demo: unexpected argument 'x\\u000afake'\nTry 'devpickle demo --help'.\n");
-  res_free(r);
+  run_expect("demo --yaml", 2, NULL, "devpickle demo: unknown option '--yaml'\nTry 'devpickle demo --help'.\n");
+  run_expect("demo \"$(printf 'x\\nfake')\"", 2, NULL,
+             "devpickle demo: unexpected argument 'x\\u000afake'\nTry 'devpickle demo --help'.\n");
   /* nor with a C1 control (CSI to a terminal), a line separator or a byte of no UTF-8 character */
-  r = run("demo \"$(printf 'x\\302\\233\\342\\200\\250\\377fake')\"");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle demo: unexpected argument 'x\\u009b\\u2028\\ufffdfake'\nTry 'devpickle demo --help'.\n");
-  res_free(r);
+  run_expect("demo \"$(printf 'x\\302\\233\\342\\200\\250\\377fake')\"", 2, NULL,
+             "devpickle demo: unexpected argument 'x\\u009b\\u2028\\ufffdfake'\nTry 'devpickle demo --help'.\n");
 }
 
 Test(cli, pack_then_unpack_then_pack_gives_the_same_bytes_through_stdin_and_stdout) {
-  spit("v.json", simple_json);
-  res_t r = run("pack v.json -o a.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("unpack - < a.dpk > back.json");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("pack - -o - < back.json > b.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  char pa[128], pb[128];
-  snprintf(pa, sizeof pa, "%s/a.dpk", dir);
-  snprintf(pb, sizeof pb, "%s/b.dpk", dir);
+  pack_json("v.json", simple_json, "a.dpk");
+  run_ok("unpack - < a.dpk > back.json");
+  run_ok("pack - -o - < back.json > b.dpk");
   size_t na, nb;
-  char *a = slurp(pa, &na), *b = slurp(pb, &nb);
+  char *a = slurp_in("a.dpk", &na), *b = slurp_in("b.dpk", &nb);
   cr_assert_gt(na, 40);
   cr_assert(na == nb && memcmp(a, b, na) == 0, "frames differ (%zu vs %zu bytes)", na, nb);
   free(b);
   /* --compact: one line, and the same frame back */
-  r = run("unpack a.dpk --compact -o c.json");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  char pc[128];
-  snprintf(pc, sizeof pc, "%s/c.json", dir);
+  run_ok("unpack a.dpk --compact -o c.json");
   size_t nc;
-  char *c = slurp(pc, &nc);
+  char *c = slurp_in("c.json", &nc);
   cr_assert(nc > 2 && c[nc - 1] == '\n' && !memchr(c, '\n', nc - 1) && !strstr(c, ": "), "not compact: %s", c);
   free(c);
-  r = run("pack c.json -o c.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  snprintf(pb, sizeof pb, "%s/c.dpk", dir);
-  b = slurp(pb, &nb);
+  run_ok("pack c.json -o c.dpk");
+  b = slurp_in("c.dpk", &nb);
   cr_assert(na == nb && memcmp(a, b, na) == 0, "compact JSON packs to another frame");
   free(a);
   free(b);
@@ -358,12 +360,11 @@ Test(cli, pack_then_unpack_then_pack_gives_the_same_bytes_through_stdin_and_stdo
 /* A path holding a quote or a backslash (a dict key) is a JSON string in
  * dump --json, escaped as JSON escapes it. */
 Test(cli, dump_json_escapes_a_path_as_a_json_string) {
-  spit("q.json", "{\"a\\\"b\\\\\": {\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 4, "
-                 "\"dtype\": \"uint8\", \"shape\": [4]}}}");
-  res_t r = run("pack q.json -o q.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("dump q.dpk --json");
+  pack_json("q.json",
+            "{\"a\\\"b\\\\\": {\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 4, "
+            "\"dtype\": \"uint8\", \"shape\": [4]}}}",
+            "q.dpk");
+  res_t r = run("dump q.dpk --json");
   cr_assert_eq(r.status, 0, "%s", r.err);
   json_error_t je;
   json_t *j = json_loads(r.out, 0, &je);
@@ -372,10 +373,7 @@ Test(cli, dump_json_escapes_a_path_as_a_json_string) {
   cr_assert_str_eq(path ? path : "", "$[\"a\\\"b\\\\\"]");
   json_decref(j);
   res_free(r);
-  r = run("dump q.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_not_null(strstr(r.out, "  $[\"a\\\"b\\\\\"]\n1 allocation on 1 device\n"), "%s", r.out);
-  res_free(r);
+  run_out_has("dump q.dpk", 0, "  $[\"a\\\"b\\\\\"]\n1 allocation on 1 device\n");
 }
 
 Test(cli, dump_json_follows_the_documented_shape_exactly) {
@@ -411,20 +409,16 @@ Test(cli, plain_dump_is_a_readable_table) {
 /* inspect's first line says what verify's last word says: inline,
  * buffers out-of-band, or self-contained. */
 Test(cli, inspect_names_an_inline_frame_inline_in_its_header) {
-  spit("i.json", "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 2, \"dtype\": \"uint8\", "
-                 "\"shape\": [2], \"data\": \"AAE=\"}}]");
-  res_t r = run("pack i.json -o i.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("inspect i.dpk");
+  pack_json("i.json",
+            "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 2, \"dtype\": \"uint8\", "
+            "\"shape\": [2], \"data\": \"AAE=\"}}]",
+            "i.dpk");
+  res_t r = run("inspect i.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert(strncmp(r.out, "frame: ", 7) == 0 && strstr(r.out, ", version 1, inline, payload ") != NULL &&
             strstr(r.out, ", 1 buffer, checksum ") != NULL, "%s", r.out);
   res_free(r);
-  r = run("verify i.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_not_null(strstr(r.out, ", 1 buffer, 0 device pointers, 1 cpu buffer, inline\n"), "%s", r.out);
-  res_free(r);
+  run_out_has("verify i.dpk", 0, ", 1 buffer, 0 device pointers, 1 cpu buffer, inline\n");
 }
 
 /* verify's summary counted every storage as a "device pointer", cpu ones
@@ -462,10 +456,7 @@ Test(cli, inspect_and_dump_tell_bytes_keys_apart_by_their_base64) {
   cr_assert_not_null(strstr(r.out, "$[{\"$bytes\":\"AA==\"}]   "), "%s", r.out);
   cr_assert_not_null(strstr(r.out, "$[{\"$bytes\":\"AQ==\"}]   "), "%s", r.out);
   res_free(r);
-  r = run("dump k.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_not_null(strstr(r.out, "$[{\"$bytes\":\"AA==\"}]\n"), "%s", r.out);
-  res_free(r);
+  run_out_has("dump k.dpk", 0, "$[{\"$bytes\":\"AA==\"}]\n");
 }
 
 Test(cli, inspect_cuts_a_long_str_after_forty_bytes_with_the_ellipsis_paths_use) {
@@ -491,34 +482,28 @@ Test(cli, pack_errors_escape_delete_c1_controls_and_line_separators_in_paths) {
 }
 
 Test(cli, inspect_and_dump_escape_delete_c1_controls_and_line_separators) {
-  spit("e.json", "{\"k\\u0085\\u2029\": {\"$reduce\": \"C\\u007f\\u009b\", \"state\": ["
-                 "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
-                 "\"shape\": [4]}}, \"s\\u2028\\u009b\"]}}");
-  res_t r = run("pack e.json -o e.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("inspect e.dpk");
+  pack_json("e.json",
+            "{\"k\\u0085\\u2029\": {\"$reduce\": \"C\\u007f\\u009b\", \"state\": ["
+            "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 4, \"dtype\": \"uint8\", "
+            "\"shape\": [4]}}, \"s\\u2028\\u009b\"]}}",
+            "e.dpk");
+  res_t r = run("inspect e.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_not_null(strstr(r.out, "$[\"k\\u0085\\u2029\"]  "), "%s", r.out);
   cr_assert_not_null(strstr(r.out, "reduced C\\u007f\\u009b\n"), "%s", r.out);
   cr_assert_not_null(strstr(r.out, "$[\"k\\u0085\\u2029\"]<reduce C\\u007f\\u009b>[1]  str (6 bytes) \"s\\u2028\\u009b\"\n"),
                      "%s", r.out);
   res_free(r);
-  r = run("dump e.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_not_null(strstr(r.out, "$[\"k\\u0085\\u2029\"]<reduce C\\u007f\\u009b>[0]\n"), "%s", r.out);
-  res_free(r);
+  run_out_has("dump e.dpk", 0, "$[\"k\\u0085\\u2029\"]<reduce C\\u007f\\u009b>[0]\n");
 }
 
 Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
   spit("v.json", simple_json);
   res_free(run("pack v.json -o a.dpk"));
-  res_t r = run("verify a.dpk");
-  cr_assert_eq(r.status, 0);
-  cr_assert_str_eq(r.out, "a.dpk: ok, 113 bytes, version 1, 2 buffers, 1 device pointer, 1 cpu buffer, out-of-band\n");
-  res_free(r);
+  run_expect("verify a.dpk", 0,
+             "a.dpk: ok, 113 bytes, version 1, 2 buffers, 1 device pointer, 1 cpu buffer, out-of-band\n", NULL);
   /* flip one payload byte */
-  r = run("verify a.dpk > /dev/null && printf '\\x00' | dd of=a.dpk bs=1 seek=50 conv=notrunc 2>/dev/null");
+  res_t r = run("verify a.dpk > /dev/null && printf '\\x00' | dd of=a.dpk bs=1 seek=50 conv=notrunc 2>/dev/null");
   res_free(r);
   r = run("verify a.dpk");
   cr_assert_eq(r.status, 1);
@@ -527,32 +512,18 @@ Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
   res_free(r);
   r = run("pack v.json -o a.dpk && head -c 100 a.dpk > cut.dpk && cp a.dpk full.dpk");
   res_free(r);
-  r = run("dump cut.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: cut.dpk: truncated frame: header announces 52 + 21 + 0 body bytes, 60 present, "
-                          "at byte 100\n");
-  res_free(r);
-  r = run("inspect missing.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: missing.dpk: No such file or directory\n");
-  res_free(r);
+  run_expect("dump cut.dpk", 1, NULL,
+             "devpickle: cut.dpk: truncated frame: header announces 52 + 21 + 0 body bytes, 60 present, "
+             "at byte 100\n");
+  run_expect("inspect missing.dpk", 1, NULL, "devpickle: missing.dpk: No such file or directory\n");
   /* a file that cannot be read says why, for every command */
   r = run("--version >/dev/null && mkdir -p d.dpk");
   res_free(r);
-  r = run("unpack d.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: d.dpk: read error: Is a directory\n");
-  res_free(r);
-  r = run("pack d.dpk -o x.dpk");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: d.dpk: read error: Is a directory\n");
-  res_free(r);
+  run_expect("unpack d.dpk", 1, NULL, "devpickle: d.dpk: read error: Is a directory\n");
+  run_expect("pack d.dpk -o x.dpk", 1, NULL, "devpickle: d.dpk: read error: Is a directory\n");
   static const char *const streamed[] = {"verify d.dpk", "inspect d.dpk", "dump d.dpk"};
   for (int i = 0; i < 3; i++) { /* the commands that stream the frame say it alike, with no offset */
-    r = run(streamed[i]);
-    cr_assert_eq(r.status, 1);
-    cr_assert_str_eq(r.err, "devpickle: d.dpk: read error: Is a directory\n", "%s", streamed[i]);
-    res_free(r);
+    run_expect(streamed[i], 1, NULL, "devpickle: d.dpk: read error: Is a directory\n");
   }
 }
 
@@ -677,12 +648,11 @@ Test(cli, recv_refuses_a_terminal_on_stdout_unless_told_with_dash_o_dash) {
 
 /* A count of one reads "1 byte", "1 buffer", never "1 bytes". */
 Test(cli, a_count_of_one_is_written_in_the_singular_in_output_and_messages) {
-  spit("one.json", "{\"s\": \"x\", \"t\": {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 1,"
-                   " \"dtype\": \"int8\", \"shape\": [1]}}}");
-  res_t r = run("pack one.json -o one.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("inspect one.dpk");
+  pack_json("one.json",
+            "{\"s\": \"x\", \"t\": {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 1,"
+            " \"dtype\": \"int8\", \"shape\": [1]}}}",
+            "one.dpk");
+  res_t r = run("inspect one.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_not_null(strstr(r.out, ", 1 buffer, checksum "), "%s", r.out);
   cr_assert_not_null(strstr(r.out, "$.s                                       str (1 byte) \"x\"\n"), "%s", r.out);
@@ -692,10 +662,7 @@ Test(cli, a_count_of_one_is_written_in_the_singular_in_output_and_messages) {
   r = run("verify one.dpk");
   cr_assert_str_eq(r.out, "one.dpk: ok, 64 bytes, version 1, 1 buffer, 0 device pointers, 1 cpu buffer, out-of-band\n");
   res_free(r);
-  r = run("send one.dpk 127.0.0.1:1");
-  cr_assert_eq(r.status, 1);
-  cr_assert_not_null(strstr(r.err, "devpickle: one.dpk: the frame's 1 buffer is out-of-band: "), "%s", r.err);
-  res_free(r);
+  run_err_has("send one.dpk 127.0.0.1:1", 1, "devpickle: one.dpk: the frame's 1 buffer is out-of-band: ");
   r = run_sh("printf D | \"$D\" verify -");
   cr_assert_str_eq(r.err, "devpickle: <stdin>: truncated frame: 1 byte, the header needs 40, at byte 1\n");
   res_free(r);
@@ -811,14 +778,9 @@ Test(cli, the_examples_round_trip_and_the_demo_passes) {
     char args[4096];
     snprintf(args, sizeof args, "pack %s/examples/%s.json -o e.dpk && %s unpack e.dpk > e.json && "
              "%s pack e.json -o f.dpk && cmp e.dpk f.dpk", cwd, ex[i], abs, abs);
-    res_t r = run(args);
-    cr_assert_eq(r.status, 0, "%s: %s", ex[i], r.err);
-    res_free(r);
+    run_ok(args);
   }
-  res_t r = run("demo");
-  cr_assert_eq(r.status, 0, "%s%s", r.out, r.err);
-  cr_assert_not_null(strstr(r.out, "demo: all checks passed"));
-  res_free(r);
+  run_out_has("demo", 0, "demo: all checks passed");
 }
 
 /* ---- helpers for frames built in process ---- */
@@ -831,8 +793,6 @@ Test(cli, the_examples_round_trip_and_the_demo_passes) {
 #else
 #define T_MEM_SCALE 1
 #endif
-
-static void path_in(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", dir, name); }
 
 /* Builds a frame in a child process: the test process stays small, so the
  * CLI it forks later starts small and its peak memory is its own. The
@@ -897,12 +857,8 @@ static int same_file(const char *a, const char *b) {
 static void assert_round_trip(const char *frame) {
   char args[512];
   snprintf(args, sizeof args, "unpack %s > rt.json", frame);
-  res_t r = run(args);
-  cr_assert_eq(r.status, 0, "unpack %s: %s", frame, r.err);
-  res_free(r);
-  r = run("pack rt.json -o rt.dpk");
-  cr_assert_eq(r.status, 0, "pack of unpack %s: %s", frame, r.err);
-  res_free(r);
+  run_ok(args);
+  run_ok("pack rt.json -o rt.dpk");
   cr_assert(same_file(frame, "rt.dpk"), "%s changed in unpack | pack", frame);
 }
 
@@ -967,10 +923,7 @@ Test(cli, every_write_to_stdout_is_checked_and_a_full_device_is_an_error) {
   for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
     char args[128];
     snprintf(args, sizeof args, "%s > /dev/full", cmds[i]);
-    res_t r = run(args);
-    cr_assert_eq(r.status, 1, "'%s' exited %d", args, r.status);
-    cr_assert_str_eq(r.err, "devpickle: <stdout>: write failed: No space left on device\n", "'%s': %s", args, r.err);
-    res_free(r);
+    run_expect(args, 1, NULL, "devpickle: <stdout>: write failed: No space left on device\n");
   }
 }
 
@@ -988,11 +941,7 @@ Test(cli, a_write_that_fails_half_way_leaves_the_old_file_intact_even_when_it_is
   int st = run_child(argv, 65536, &rss, err, sizeof err);
   cr_assert_eq(st, 1, "exit %d: %s", st, err);
   cr_assert_str_eq(err, "devpickle: big.json: write failed: File too large\n");
-  char path[256];
-  path_in(path, sizeof path, "big.json");
-  char *back = slurp(path, NULL);
-  cr_assert_str_eq(back, big, "the input was damaged");
-  free(back);
+  assert_file_is("big.json", big, "the input was damaged");
   cr_assert_eq(count_entries(), 1, "a temporary file was left behind");
   /* the same for an existing frame and for unpack's -o */
   spit("v.json", simple_json);
@@ -1019,9 +968,7 @@ Test(cli, an_output_replaced_whole_keeps_its_mode_and_a_link_keeps_its_target) {
   path_in(link_path, sizeof link_path, "l.dpk");
   cr_assert_eq(chmod(path, 0640), 0);
   cr_assert_eq(symlink("t.dpk", link_path), 0);
-  res_t r = run("pack v.json -o l.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  run_ok("pack v.json -o l.dpk");
   struct stat st;
   cr_assert_eq(lstat(link_path, &st), 0);
   cr_assert(S_ISLNK(st.st_mode), "the link was replaced by a file");
@@ -1112,10 +1059,7 @@ Test(cli, nesting_within_the_cli_limit_round_trips_and_deeper_is_refused_by_ever
   for (int i = 0; i < 4; i++) {
     char args[64];
     snprintf(args, sizeof args, "%s l2002.dpk", cmds[i]);
-    res_t r = run(args);
-    cr_assert_eq(r.status, 1, "%s accepted 2,001 levels", cmds[i]);
-    cr_assert_str_eq(r.err, "devpickle: l2002.dpk: nesting depth exceeds the limit of 2000, at byte 2040\n", "%s", r.err);
-    res_free(r);
+    run_expect(args, 1, NULL, "devpickle: l2002.dpk: nesting depth exceeds the limit of 2000, at byte 2040\n");
   }
   /* and pack refuses what verify refuses */
   char *deep = malloc(8000);
@@ -1246,18 +1190,11 @@ Test(cli, unpack_writes_at_most_sixteen_times_the_frame_compact_and_says_what_co
   *p = '\0';
   spit("t.json", json);
   free(json);
-  res_t r = run("pack t.json -o t.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  run_ok("pack t.json -o t.dpk");
   size_t fn = 0, on = 0;
-  char path[160];
-  snprintf(path, sizeof path, "%s/t.dpk", dir);
-  free(slurp(path, &fn));
-  r = run("unpack t.dpk --compact -o t2.json");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  snprintf(path, sizeof path, "%s/t2.json", dir);
-  free(slurp(path, &on));
+  free(slurp_in("t.dpk", &fn));
+  run_ok("unpack t.dpk --compact -o t2.json");
+  free(slurp_in("t2.json", &on));
   cr_assert_gt(on, 15 * fn, "the costliest item is no longer what SECURITY.md says: %zu bytes of JSON for %zu", on, fn);
   cr_assert_leq(on, 16.5 * fn, "%zu bytes of JSON for a %zu-byte frame", on, fn);
 }
@@ -1270,9 +1207,7 @@ static void spit_frame_with(const char *name, const void *payload, size_t n, con
 static size_t output_of(const char *cmd, const char *frame, int to_stdout) {
   char args[256], path[160];
   snprintf(args, sizeof args, to_stdout ? "%s %s > o.txt" : "%s %s -o o.txt", cmd, frame);
-  res_t r = run(args);
-  cr_assert_eq(r.status, 0, "%s: %s", args, r.err);
-  res_free(r);
+  run_ok(args);
   path_in(path, sizeof path, "o.txt");
   struct stat st;
   cr_assert_eq(stat(path, &st), 0);
@@ -1882,10 +1817,8 @@ Test(cli, pack_and_unpack_handle_the_deepest_value_within_768_kib_of_stack) {
   res_t r = run_sh("ulimit -s " DEEP_STACK_KIB " && $D pack deep.json -o deep.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
-  r = run("verify deep.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_str_eq(r.out, "deep.dpk: ok, 7673 bytes, version 1, 1 buffer, 0 device pointers, 1 cpu buffer, out-of-band\n");
-  res_free(r);
+  run_expect("verify deep.dpk", 0,
+             "deep.dpk: ok, 7673 bytes, version 1, 1 buffer, 0 device pointers, 1 cpu buffer, out-of-band\n", NULL);
   r = run_sh("ulimit -s " DEEP_STACK_KIB " && $D unpack deep.dpk -o back.json");
   cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
@@ -2321,10 +2254,7 @@ Test(cli, an_output_through_dangling_relative_or_chained_links_writes_their_targ
   }
   path_in(p, sizeof p, "loop");
   cr_assert_eq(symlink("loop", p), 0);
-  r = run("pack v.json -o loop");
-  cr_assert_eq(r.status, 1);
-  cr_assert_str_eq(r.err, "devpickle: loop: Too many levels of symbolic links\n");
-  res_free(r);
+  run_expect("pack v.json -o loop", 1, NULL, "devpickle: loop: Too many levels of symbolic links\n");
   cr_assert_eq(count_entries(), 7, "a temporary file was left behind");
 }
 
@@ -2338,10 +2268,7 @@ Test(cli, an_output_through_a_chain_of_forty_links_writes_its_target_and_one_mor
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_str_eq(r.out, "c42: ok, 113 bytes, version 1, 2 buffers, 1 device pointer, 1 cpu buffer, out-of-band\n");
   res_free(r);
-  r = run("pack v.json -o d1");
-  cr_assert_eq(r.status, 1, "%s", r.err);
-  cr_assert_str_eq(r.err, "devpickle: d1: Too many levels of symbolic links\n");
-  res_free(r);
+  run_expect("pack v.json -o d1", 1, NULL, "devpickle: d1: Too many levels of symbolic links\n");
   cr_assert_eq(count_entries(), 84, "a temporary file was left behind");
 }
 
@@ -2376,11 +2303,7 @@ Test(cli, an_output_naming_an_open_descriptor_writes_that_descriptor_as_the_shel
   cr_assert_str_eq(r.err, "devpickle: /dev/fd/9: Is a directory\n");
   res_free(r);
   /* a number with a leading zero names no descriptor, as the kernel reads /dev/fd */
-  r = run("unpack f.dpk -o /dev/fd/01");
-  cr_assert_eq(r.status, 1, "%s", r.err);
-  cr_assert_str_eq(r.err, "devpickle: /dev/fd/01: No such file or directory\n");
-  cr_assert_str_eq(r.out, "", "written to descriptor 1");
-  res_free(r);
+  run_expect("unpack f.dpk -o /dev/fd/01", 1, "", "devpickle: /dev/fd/01: No such file or directory\n");
 }
 
 Test(cli, an_output_named_with_the_longest_legal_file_name_is_written) {
@@ -2393,9 +2316,7 @@ Test(cli, an_output_named_with_the_longest_legal_file_name_is_written) {
   cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
   snprintf(args, sizeof args, "verify %s", name);
-  r = run(args);
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  run_ok(args);
   cr_assert_eq(count_entries(), 3);
 }
 
@@ -2448,33 +2369,24 @@ static int wait_status(pid_t pid) {
 
 Test(cli, send_and_recv_move_an_inline_frame_that_arrives_verified_and_written_whole) {
   /* an inline frame: its tensor's bytes travel in it */
-  spit("v.json", "{\"$object\": \"Checkpoint\", \"attrs\": {\"step\": 7, \"w\": {\"$tensor\": "
-                 "{\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"float32\", "
-                 "\"shape\": [2], \"data\": \"AACAPwAAAEA=\"}}}}");
-  res_t r = run("pack v.json -o f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  pack_json("v.json",
+            "{\"$object\": \"Checkpoint\", \"attrs\": {\"step\": 7, \"w\": {\"$tensor\": "
+            "{\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": \"float32\", "
+            "\"shape\": [2], \"data\": \"AACAPwAAAEA=\"}}}}",
+            "f.dpk");
   int port;
   pid_t pid = start_recv("got.dpk", &port);
   char args[128];
   snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d", port);
-  r = run(args);
-  cr_assert_eq(r.status, 0, "send: %s", r.err);
-  cr_assert_not_null(strstr(r.out, "f.dpk: sent "), "%s", r.out);
-  res_free(r);
+  run_out_has(args, 0, "f.dpk: sent ");
   cr_assert_eq(wait_status(pid), 0);
-  char a[128], b[128];
-  path_in(a, sizeof a, "f.dpk");
-  path_in(b, sizeof b, "got.dpk");
   size_t na, nb;
-  char *x = slurp(a, &na), *y = slurp(b, &nb);
+  char *x = slurp_in("f.dpk", &na), *y = slurp_in("got.dpk", &nb);
   cr_assert_eq(na, nb);
   cr_assert_eq(memcmp(x, y, na), 0, "the received frame differs");
   free(x);
   free(y);
-  r = run("verify got.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  run_ok("verify got.dpk");
 }
 
 /* recv -o FIFO opened the FIFO only once a frame had come: with no reader
@@ -2486,25 +2398,20 @@ Test(cli, recv_opens_a_fifo_before_it_listens_and_waits_for_its_reader_within_it
   char fifo[128];
   path_in(fifo, sizeof fifo, "fifo");
   cr_assert_eq(mkfifo(fifo, 0600), 0);
-  res_t r = run("recv 0 --host 127.0.0.1 --timeout 1 -o fifo");
-  cr_assert_eq(r.status, 1, "%s", r.err);
-  cr_assert_str_eq(r.err, "devpickle: fifo: recv timed out: no process opened the FIFO for reading within 1 s (--timeout)\n");
-  res_free(r);
+  run_expect("recv 0 --host 127.0.0.1 --timeout 1 -o fifo", 1, NULL,
+             "devpickle: fifo: recv timed out: no process opened the FIFO for reading within 1 s (--timeout)\n");
   spit("v.json", "[1, {\"$bytes\": \"AAE=\"}]");
-  r = run("pack v.json -o f.dpk && (cat fifo > got.dpk &)");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  run_ok("pack v.json -o f.dpk && (cat fifo > got.dpk &)");
   int port;
   pid_t pid = start_recv("fifo", &port);
   char args[128];
   snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", port);
-  r = run(args);
-  cr_assert_eq(r.status, 0, "send: %s", r.err);
-  res_free(r);
+  run_ok(args);
   cr_assert_eq(wait_status(pid), 0);
   /* cat, in the background, writes what it read once the FIFO ends: given 10 s */
-  r = run_sh("i=0; until cmp -s f.dpk got.dpk; do i=$((i + 1)); [ $i -lt 200 ] || break; sleep 0.05; done; "
-             "cmp f.dpk got.dpk");
+  res_t r = run_sh(
+      "i=0; until cmp -s f.dpk got.dpk; do i=$((i + 1)); [ $i -lt 200 ] || break; sleep 0.05; done; "
+      "cmp f.dpk got.dpk");
   cr_assert_eq(r.status, 0, "the frame read from the FIFO differs: %s", r.out);
   res_free(r);
 }
@@ -2549,10 +2456,7 @@ Test(cli, a_closed_stderr_never_sends_a_message_into_an_output, .timeout = 60) {
 /* A receiver that cannot write the frame says why, with the system's
  * reason, and tells the sender, which fails with the same reason. */
 Test(cli, a_write_that_fails_on_the_receiver_is_an_error_with_its_reason_on_both_sides) {
-  spit("v.json", "[1, {\"$bytes\": \"AAE=\"}]");
-  res_t r = run("pack v.json -o f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  pack_json("v.json", "[1, {\"$bytes\": \"AAE=\"}]", "f.dpk");
   /* a name past 256 bytes is cut in the answer, and the cut marked */
   char longdir[300], longout[320], longwhy[400];
   snprintf(longdir, sizeof longdir, "gone/%0250d", 0);
@@ -2578,21 +2482,17 @@ Test(cli, a_write_that_fails_on_the_receiver_is_an_error_with_its_reason_on_both
     }
     char args[128], want[1024];
     snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 30", port);
-    r = run(args);
+    res_t r = run(args);
     cr_assert_eq(wait_status(pid), 1, "recv exits 1 when it cannot write");
     cr_assert_eq(r.status, 1, "send: %s", r.err);
     snprintf(want, sizeof want, "devpickle: 127.0.0.1:%d: the receiver could not write the frame: %s\n", port,
              cases[i].why);
     cr_assert_str_eq(r.err, want);
     res_free(r);
-    char path[128];
-    path_in(path, sizeof path, ".recv");
-    char *err = slurp(path, NULL);
     /* recv's own line names the whole file */
     snprintf(want, sizeof want, "devpickle recv: listening on port %d\ndevpickle: %s: %s\n", port, cases[i].out,
              strstr(cases[i].why, ": ") + 2);
-    cr_assert_str_eq(err, want);
-    free(err);
+    assert_file_is(".recv", want, "recv's stderr");
   }
 }
 
@@ -2600,10 +2500,7 @@ Test(cli, a_write_that_fails_on_the_receiver_is_an_error_with_its_reason_on_both
  * on both sides as any failed write is — never a receiver killed by
  * SIGPIPE, silent, whose sender waits for UCX's keepalive. */
 Test(cli, a_receiver_writing_to_a_closed_pipe_reports_the_broken_pipe_and_tells_the_sender) {
-  spit("v.json", "[1, {\"$bytes\": \"AAE=\"}]");
-  res_t r = run("pack v.json -o f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  pack_json("v.json", "[1, {\"$bytes\": \"AAE=\"}]", "f.dpk");
   int fds[2], port;
   cr_assert_eq(pipe(fds), 0);
   cr_assert_eq(fcntl(fds[0], F_SETFD, FD_CLOEXEC), 0); /* recv holds no read end either */
@@ -2612,7 +2509,7 @@ Test(cli, a_receiver_writing_to_a_closed_pipe_reports_the_broken_pipe_and_tells_
   close(fds[1]);
   char args[128], want[256];
   snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 30", port);
-  r = run(args);
+  res_t r = run(args);
   cr_assert_eq(wait_status(pid), 1, "recv exits 1 when it cannot write (-1: killed by a signal)");
   cr_assert_eq(r.status, 1, "send: %s", r.err);
   snprintf(want, sizeof want,
@@ -2620,13 +2517,9 @@ Test(cli, a_receiver_writing_to_a_closed_pipe_reports_the_broken_pipe_and_tells_
            port);
   cr_assert_str_eq(r.err, want);
   res_free(r);
-  char path[128];
-  path_in(path, sizeof path, ".recv");
-  char *err = slurp(path, NULL);
   snprintf(want, sizeof want, "devpickle recv: listening on port %d\ndevpickle: <stdout>: write failed: Broken pipe\n",
            port);
-  cr_assert_str_eq(err, want);
-  free(err);
+  assert_file_is(".recv", want, "recv's stderr");
 }
 
 /* Every timeout names the command that timed out and its limit. */
@@ -2678,19 +2571,13 @@ Test(cli, a_file_name_holding_a_newline_cannot_forge_a_line_of_verify_or_send_ou
 Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_connection) {
   ucx_env();
   spit("bad.dpk", "DPKL this is no frame");
-  res_t r = run("send bad.dpk 127.0.0.1:1");
-  cr_assert_eq(r.status, 1);
-  cr_assert_not_null(strstr(r.err, "devpickle: bad.dpk: "), "%s", r.err);
-  res_free(r);
-  spit("v.json", "[1, 2]");
-  r = run("pack v.json -o f.dpk");
-  cr_assert_eq(r.status, 0);
-  res_free(r);
+  run_err_has("send bad.dpk 127.0.0.1:1", 1, "devpickle: bad.dpk: ");
+  pack_json("v.json", "[1, 2]", "f.dpk");
   /* a port where nobody listens: a bound socket that does not listen */
   int port, fd = t_loopback_socket(0, &port);
   char args[128];
   snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", port);
-  r = run(args);
+  res_t r = run(args);
   close(fd);
   cr_assert_eq(r.status, 1, "%s", r.err);
   cr_assert_not_null(strstr(r.err, "connection refused"), "%s", r.err);
@@ -2706,9 +2593,7 @@ Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_conne
     fputs("\"\n", big);
     fclose(big);
   }
-  r = run("pack big.json -o big.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  run_ok("pack big.json -o big.dpk");
   fd = t_loopback_socket(0, &port);
   snprintf(args, sizeof args, "send big.dpk 127.0.0.1:%d --timeout 20", port);
   r = run(args);
@@ -2719,23 +2604,12 @@ Test(cli, send_refuses_a_bad_frame_before_connecting_and_reports_a_refused_conne
   cr_assert_not_null(strstr(r.err, want), "a connection's error blamed on the file: %s", r.err);
   res_free(r);
   /* out-of-band buffers: refused before connecting (a receiver would be left without a frame) */
-  spit("oob.json", simple_json);
-  r = run("pack oob.json -o oob.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("send oob.dpk 127.0.0.1:1");
-  cr_assert_eq(r.status, 1);
-  cr_assert_not_null(strstr(r.err, "devpickle: oob.dpk: the frame's 2 buffers are out-of-band: send moves "
-                                   "self-contained frames"), "%s", r.err);
-  res_free(r);
-  r = run("send f.dpk nowhere");
-  cr_assert_eq(r.status, 2, "an address that is not HOST:PORT is a usage error, as recv's bad PORT is");
-  cr_assert_not_null(strstr(r.err, "devpickle send: 'nowhere' is not HOST:PORT"), "%s", r.err);
-  res_free(r);
-  r = run("recv 70000");
-  cr_assert_eq(r.status, 2);
-  cr_assert_not_null(strstr(r.err, "devpickle recv: bad PORT '70000'"), "%s", r.err);
-  res_free(r);
+  pack_json("oob.json", simple_json, "oob.dpk");
+  run_err_has("send oob.dpk 127.0.0.1:1", 1,
+              "devpickle: oob.dpk: the frame's 2 buffers are out-of-band: send moves "
+              "self-contained frames");
+  run_err_has("send f.dpk nowhere", 2, "devpickle send: 'nowhere' is not HOST:PORT");
+  run_err_has("recv 70000", 2, "devpickle recv: bad PORT '70000'");
 }
 
 /* A stream whose first 40 bytes are no frame's header is refused from
@@ -2881,11 +2755,9 @@ Test(cli, every_frame_command_refuses_a_stream_from_its_first_bytes_that_are_no_
 /* An empty --host is a usage error (status 2, before listening), as a bad
  * PORT is, not a runtime failure naming the address ':0'. */
 Test(cli, recv_refuses_an_empty_host_as_a_usage_error) {
-  res_t r = run("recv 0 --host '' -o x.dpk --timeout 1");
-  cr_assert_eq(r.status, 2, "%s", r.err);
-  cr_assert_str_eq(r.err, "devpickle recv: --host needs a host name or address, not ''\n"
-                          "Try 'devpickle recv --help'.\n");
-  res_free(r);
+  run_expect("recv 0 --host '' -o x.dpk --timeout 1", 2, NULL,
+             "devpickle recv: --host needs a host name or address, not ''\n"
+             "Try 'devpickle recv --help'.\n");
 }
 
 /* A host and its port given to --host (a natural slip: recv 5000 --host
@@ -2893,15 +2765,10 @@ Test(cli, recv_refuses_an_empty_host_as_a_usage_error) {
  * address nobody typed, "[127.0.0.1:5000]:0". It is a usage error; an IPv6
  * address (two colons and more) still gets the transport's own answer. */
 Test(cli, recv_refuses_a_host_holding_a_port_as_a_usage_error) {
-  res_t r = run("recv 5000 --host 127.0.0.1:5000 -o x.dpk --timeout 1");
-  cr_assert_eq(r.status, 2, "%s", r.err);
-  cr_assert_str_eq(r.err, "devpickle recv: --host '127.0.0.1:5000' holds a port: give the host alone (the port is "
-                          "PORT)\nTry 'devpickle recv --help'.\n");
-  res_free(r);
-  r = run("recv 0 --host ::1 -o x.dpk --timeout 1");
-  cr_assert_eq(r.status, 1, "%s", r.err);
-  cr_assert_not_null(strstr(r.err, "is an IPv6 address"), "%s", r.err);
-  res_free(r);
+  run_expect("recv 5000 --host 127.0.0.1:5000 -o x.dpk --timeout 1", 2, NULL,
+             "devpickle recv: --host '127.0.0.1:5000' holds a port: give the host alone (the port is "
+             "PORT)\nTry 'devpickle recv --help'.\n");
+  run_err_has("recv 0 --host ::1 -o x.dpk --timeout 1", 1, "is an IPv6 address");
 }
 
 /* recv built its listening address in a 320-byte buffer: a longer --host
@@ -2912,12 +2779,9 @@ Test(cli, a_host_too_long_for_the_transport_is_named_whole_with_its_port_by_recv
   char host[401], args[600], want[1000];
   memset(host, 'a', 400);
   host[400] = '\0';
-  spit("f.json", "[1]");
-  res_t r = run("pack f.json -o f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  pack_json("f.json", "[1]", "f.dpk");
   snprintf(args, sizeof args, "recv 0 --host %s -o x.dpk --timeout 1", host);
-  r = run(args);
+  res_t r = run(args);
   cr_assert_eq(r.status, 1, "%s", r.err);
   snprintf(want, sizeof want,
            "devpickle: %s:0: transport: the host in '%.32s\xe2\x80\xa6' is too long (400 bytes, at most 255)\n", host,
@@ -2971,10 +2835,7 @@ Test(cli, recv_on_a_port_in_use_says_so_in_one_line_with_no_log_of_ucx_beside_it
  * ::1:PORT (send takes either form). */
 Test(cli, send_and_recv_refuse_an_ipv6_address_at_once_saying_why_and_show_it_in_brackets) {
   ucx_env();
-  spit("v.json", "{\"a\": 1}");
-  res_t r = run("pack v.json -o f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  pack_json("v.json", "{\"a\": 1}", "f.dpk");
   static const char why[] = "is an IPv6 address, which the transport does not support (UCX 1.13's TCP transport "
                             "corrupts its heap reaching an IPv6 peer): use an IPv4 address";
   static const struct {
@@ -2990,10 +2851,7 @@ Test(cli, send_and_recv_refuse_an_ipv6_address_at_once_saying_why_and_show_it_in
     char want[512];
     snprintf(want, sizeof want, "devpickle: %s: transport: '%s' %s%s\n", runs[i].addr, runs[i].host, why,
              runs[i].tail);
-    r = run(runs[i].args);
-    cr_assert_eq(r.status, 1, "%s: %s", runs[i].args, r.err);
-    cr_assert_str_eq(r.err, want, "%s", runs[i].args);
-    res_free(r);
+    run_expect(runs[i].args, 1, NULL, want);
   }
 }
 
@@ -3002,11 +2860,9 @@ Test(cli, send_and_recv_refuse_an_ipv6_address_at_once_saying_why_and_show_it_in
 Test(cli, recv_on_an_address_that_is_not_this_machines_says_so) {
   ucx_env();
   t_skip_if_local("192.0.2.1");
-  res_t r = run("recv 0 --host 192.0.2.1 -o x.dpk --timeout 5");
-  cr_assert_eq(r.status, 1, "%s", r.err);
-  cr_assert_str_eq(r.err, "devpickle: 192.0.2.1:0: transport: cannot listen on 192.0.2.1: it is not an address "
-                          "of this machine (Cannot assign requested address)\n");
-  res_free(r);
+  run_expect("recv 0 --host 192.0.2.1 -o x.dpk --timeout 5", 1, NULL,
+             "devpickle: 192.0.2.1:0: transport: cannot listen on 192.0.2.1: it is not an address "
+             "of this machine (Cannot assign requested address)\n");
 }
 
 /* A JSON number has no length limit (RFC 8259): a long decimal is the
@@ -3099,9 +2955,7 @@ static void write_deep_frame(void) {
   }
   fputs("]\n", f);
   fclose(f);
-  res_t r = run("pack deep.json -o deep.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  run_ok("pack deep.json -o deep.dpk");
 }
 
 Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file) {
@@ -3130,11 +2984,7 @@ Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file
     cr_assert_eq(waitpid(pid, &st, 0), pid);
     cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == sigs[s], "unpack did not end by signal %d (status %d)", sigs[s], st);
     cr_assert_not(tmp_file_in_dir(), "signal %d left the temporary file", sigs[s]);
-    char op[128];
-    path_in(op, sizeof op, "out.json");
-    char *old = slurp(op, NULL);
-    cr_assert_str_eq(old, "old\n");
-    free(old);
+    assert_file_is("out.json", "old\n", "the old output");
   }
 }
 
@@ -3163,9 +3013,7 @@ Test(cli, a_command_started_with_a_hang_up_ignored_finishes_its_output_when_hung
   cr_assert_eq(waitpid(pid, &st, 0), pid);
   cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "unpack did not finish (status %d)", st);
   cr_assert_not(tmp_file_in_dir(), "the temporary file was left");
-  res_t r = run("unpack deep.dpk | cmp - out.json");
-  cr_assert_eq(r.status, 0, "out.json is not the whole output: %s%s", r.out, r.err);
-  res_free(r);
+  run_ok("unpack deep.dpk | cmp - out.json");
 }
 
 /* libucs takes SIGHUP (UCX_DEBUG_SIGNO) when it is loaded, and its handler
@@ -3246,9 +3094,7 @@ Test(cli, a_command_whose_reader_has_gone_reports_the_broken_pipe_where_sigpipe_
   snprintf(text + n, cap - n, "]");
   spit("many.json", text);
   free(text);
-  res_t r = run("pack many.json -o many.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  run_ok("pack many.json -o many.dpk");
   static const char *const cmds[] = {"unpack many.dpk", "unpack --compact many.dpk", "inspect many.dpk",
                                      "dump many.dpk", "dump --json many.dpk", "pack many.json -o -"};
   for (size_t c = 0; c < sizeof cmds / sizeof cmds[0]; c++) {
@@ -3256,7 +3102,7 @@ Test(cli, a_command_whose_reader_has_gone_reports_the_broken_pipe_where_sigpipe_
     snprintf(script, sizeof script,
              "trap '' PIPE; { $D %s 2>pipe.err; echo $? >pipe.st; } | head -c 1 >/dev/null; cat pipe.st pipe.err",
              cmds[c]);
-    r = run_sh(script);
+    res_t r = run_sh(script);
     cr_assert_str_eq(r.out, "1\ndevpickle: <stdout>: write failed: Broken pipe\n", "%s", cmds[c]);
     res_free(r);
     /* and SIGPIPE, as a shell leaves it, ends the command */
@@ -3384,10 +3230,8 @@ Test(cli, help_followed_by_a_command_prints_that_commands_help) {
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_eq(strncmp(r.out, "usage: devpickle <command>", 26), 0, "%s", r.out);
   res_free(r);
-  r = run("help pack unpack");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle help: unexpected argument 'unpack'\nTry 'devpickle help COMMAND'.\n");
-  res_free(r);
+  run_expect("help pack unpack", 2, NULL,
+             "devpickle help: unexpected argument 'unpack'\nTry 'devpickle help COMMAND'.\n");
 }
 
 /* A number past the largest double is refused; the message says how value
@@ -3416,11 +3260,8 @@ Test(cli, an_unknown_or_missing_tensor_dtype_lists_the_dtypes_pack_takes) {
  * UTF-8 character is padded by characters, so its kind starts where every
  * other line's does. */
 Test(cli, inspect_lines_up_a_path_with_a_non_ascii_key_by_characters_not_bytes) {
-  spit("u.json", "{\"\\u00e9\": 1, \"ab\": 2}");
-  res_t r = run("pack u.json -o u.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("inspect u.dpk");
+  pack_json("u.json", "{\"\\u00e9\": 1, \"ab\": 2}", "u.dpk");
+  res_t r = run("inspect u.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_not_null(strstr(r.out, "\n$[\"\xc3\xa9\"]                                    int 1\n"), "%s", r.out);
   cr_assert_not_null(strstr(r.out, "\n$.ab                                      int 2\n"), "%s", r.out);
@@ -3450,10 +3291,7 @@ Test(cli, a_bad_port_or_timeout_is_answered_with_what_the_command_takes) {
                                        "Try 'devpickle recv --help'.\n"},
   };
   for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) {
-    res_t r = run(runs[i].args);
-    cr_assert_eq(r.status, 2, "%s: %s", runs[i].args, r.err);
-    cr_assert_str_eq(r.err, runs[i].err, "%s", runs[i].args);
-    res_free(r);
+    run_expect(runs[i].args, 2, NULL, runs[i].err);
   }
   res_t r = run("send --help");
   cr_assert_not_null(strstr(r.out, "SECONDS (over 0, at most 1000000, fractions allowed; default 60)"), "%s", r.out);
@@ -3468,27 +3306,18 @@ Test(cli, a_bad_port_or_timeout_is_answered_with_what_the_command_takes) {
  * usage error shows how to name it: ./-x.dpk, where it stands (the line it
  * showed, "devpickle send -- -f.dpk", fails as typed: it lacks HOST:PORT). */
 Test(cli, an_unknown_option_that_names_an_existing_file_shows_how_to_name_it_where_it_stands) {
-  spit("v.json", simple_json);
-  res_t r = run("pack v.json -o ./-f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("verify -f.dpk");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle verify: unknown option '-f.dpk' (the file is ./-f.dpk, or after '--')\n"
-                          "Try 'devpickle verify --help'.\n");
-  res_free(r);
-  r = run("send -f.dpk 127.0.0.1:1");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle send: unknown option '-f.dpk' (the file is ./-f.dpk, or after '--')\n"
-                          "Try 'devpickle send --help'.\n");
-  res_free(r);
+  pack_json("v.json", simple_json, "./-f.dpk");
+  run_expect("verify -f.dpk", 2, NULL,
+             "devpickle verify: unknown option '-f.dpk' (the file is ./-f.dpk, or after '--')\n"
+             "Try 'devpickle verify --help'.\n");
+  run_expect("send -f.dpk 127.0.0.1:1", 2, NULL,
+             "devpickle send: unknown option '-f.dpk' (the file is ./-f.dpk, or after '--')\n"
+             "Try 'devpickle send --help'.\n");
   spit("-v.json", simple_json);
-  r = run("pack -v.json -o w.dpk");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle pack: unknown option '-v.json' (the file is ./-v.json, or after '--')\n"
-                          "Try 'devpickle pack --help'.\n");
-  res_free(r);
-  r = run("pack ./-v.json -o w.dpk"); /* the line as typed, with the name the hint gives, works */
+  run_expect("pack -v.json -o w.dpk", 2, NULL,
+             "devpickle pack: unknown option '-v.json' (the file is ./-v.json, or after '--')\n"
+             "Try 'devpickle pack --help'.\n");
+  res_t r = run("pack ./-v.json -o w.dpk"); /* the line as typed, with the name the hint gives, works */
   cr_assert_eq(r.status, 0, "%s", r.err);
   res_free(r);
   r = run("verify -g.dpk"); /* no such file: an option, nothing more */
@@ -3545,12 +3374,8 @@ Test(cli, the_main_help_names_version_and_the_long_form_of_dash_o) {
   cr_assert_eq(strncmp(r.out, "devpickle ", 10), 0, "%s", r.out);
   res_free(r);
   spit("v.json", simple_json);
-  r = run("pack v.json --output v.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("verify v.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  run_ok("pack v.json --output v.dpk");
+  run_ok("verify v.dpk");
   r = run("pack --help");
   cr_assert_not_null(strstr(r.out, "the system's message for a file that cannot be read\nor written"), "%s", r.out);
   res_free(r);
@@ -3581,10 +3406,7 @@ Test(cli, the_helps_of_commands_that_print_say_their_output_goes_to_stdout) {
   spit("v.json", simple_json);
   res_t r = run("pack v.json -o v.dpk");
   res_free(r);
-  r = run("dump v.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_not_null(strstr(r.out, "\n2 allocations on 2 devices\n"), "%s", r.out);
-  res_free(r);
+  run_out_has("dump v.dpk", 0, "\n2 allocations on 2 devices\n");
 }
 
 /* pack's help named the notation's document only, which an installed
@@ -3606,9 +3428,7 @@ Test(cli, pack_help_shows_every_tag_of_value_json_and_a_tensor_that_packs) {
   snprintf(json, sizeof json, "%.*s", (int)(end + 2 - t), t);
   spit("t.json", json);
   res_free(r);
-  r = run("pack t.json -o t.dpk");
-  cr_assert_eq(r.status, 0, "the help's tensor does not pack: %s", r.err);
-  res_free(r);
+  run_ok("pack t.json -o t.dpk");
   r = run("dump t.dpk");
   cr_assert_str_eq(r.out, "DEVICE    POINTER                    BYTES   REFS  FIRST PATH\n"
                           "cuda:0    0x00007f0000001000          4096      1  $\n"
@@ -3623,23 +3443,14 @@ Test(cli, an_option_takes_its_value_attached_as_well_as_in_the_next_argument) {
   static const char *const packs[] = {"pack v.json --output=a.dpk", "pack v.json -ob.dpk", "pack --output c.dpk v.json"};
   static const char *const outs[] = {"a.dpk", "b.dpk", "c.dpk"};
   for (int i = 0; i < 3; i++) {
-    res_t r = run(packs[i]);
-    cr_assert_eq(r.status, 0, "%s: %s", packs[i], r.err);
-    res_free(r);
+    run_ok(packs[i]);
     char args[64];
     snprintf(args, sizeof args, "verify %s", outs[i]);
-    r = run(args);
-    cr_assert_eq(r.status, 0, "%s: %s", args, r.err);
-    res_free(r);
+    run_ok(args);
   }
-  res_t r = run("pack v.json --output=");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle pack: --output needs a file name, not ''\nTry 'devpickle pack --help'.\n");
-  res_free(r);
-  r = run("recv 0 --timeout=0.2");
-  cr_assert_eq(r.status, 1, "%s", r.err);
-  cr_assert_not_null(strstr(r.err, "no frame within 0.2 s (--timeout)"), "%s", r.err);
-  res_free(r);
+  run_expect("pack v.json --output=", 2, NULL,
+             "devpickle pack: --output needs a file name, not ''\nTry 'devpickle pack --help'.\n");
+  run_err_has("recv 0 --timeout=0.2", 1, "no frame within 0.2 s (--timeout)");
 }
 
 /* SECONDS is a decimal number; strtod's other spellings (hex, words, a
@@ -3687,15 +3498,13 @@ Test(cli, help_wins_wherever_it_comes_and_before_a_command_is_that_commands_help
     cr_assert_str_eq(r.out, "");
     res_free(r);
   }
-  r = run("-h pack unpack");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle -h: unexpected argument 'unpack'\nTry 'devpickle help COMMAND'.\n");
-  res_free(r);
-  r = run("--version extra");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle --version: unexpected argument 'extra'\nTry 'devpickle --version --help'.\n");
-  cr_assert_str_eq(r.out, "");
-  res_free(r);  /* --version has a help, asked for either way round, as a command's is */
+  run_expect("-h pack unpack", 2, NULL, "devpickle -h: unexpected argument 'unpack'\nTry 'devpickle help COMMAND'.\n");
+  run_expect(
+      "--version extra", 2, "",
+      "devpickle --version: unexpected argument 'extra'\nTry 'devpickle --version --help'.\n"); /* --version has a help,
+                                                                                                   asked for either way
+                                                                                                   round, as a command's
+                                                                                                   is */
   static const char *const version_help[] = {"--version --help", "--version x -h", "--help --version",
                                              "help --version", "-h --version"};
   for (size_t i = 0; i < sizeof version_help / sizeof *version_help; i++) {
@@ -3713,10 +3522,7 @@ Test(cli, an_empty_input_name_is_a_usage_error) {
   static const char *const runs[] = {"verify ''", "dump ''", "unpack ''", "inspect ''", "pack '' -o x.dpk",
                                      "verify -- ''", "pack -o x.dpk -- ''"};
   for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) {
-    res_t r = run(runs[i]);
-    cr_assert_eq(r.status, 2, "%s: %s", runs[i], r.err);
-    cr_assert_not_null(strstr(r.err, ": an input file name cannot be '' (use - for stdin)\n"), "%s: %s", runs[i], r.err);
-    res_free(r);
+    run_err_has(runs[i], 2, ": an input file name cannot be '' (use - for stdin)\n");
   }
 }
 
@@ -3737,10 +3543,8 @@ Test(cli, a_json_error_names_an_invisible_character_by_its_code_point_and_a_nega
  * file name, even '--help'; 'help --help' and '-h -h' are the main help. */
 Test(cli, help_is_found_as_the_options_are_read_and_the_main_help_answers_its_own_help) {
   spit("v.json", simple_json);
-  res_t r = run("pack v.json -o --help");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("verify -- --help");
+  run_ok("pack v.json -o --help"); /* -o's value, not a request for help */
+  res_t r = run("verify -- --help");
   cr_assert_eq(r.status, 0, "a file named --help: %s", r.err);
   cr_assert_eq(strncmp(r.out, "--help: ok, ", 12), 0, "after --, --help is a file name: %s", r.out);
   res_free(r);
@@ -4273,11 +4077,8 @@ Test(cli, pack_names_an_unexpected_character_cut_by_the_end_of_a_read_as_the_who
   json[65539] = '\0';
   spit("cut.json", json);
   free(json);
-  res_t r = run("pack cut.json -o x.dpk");
-  cr_assert_eq(r.status, 1, "%s", r.err);
-  cr_assert_str_eq(r.err,
-                   "devpickle: cut.json: invalid JSON: unexpected '\xE2\x80\xA6' (line 1, column 65535), at byte 65534\n");
-  res_free(r);
+  run_expect("pack cut.json -o x.dpk", 1, NULL,
+             "devpickle: cut.json: invalid JSON: unexpected '\xE2\x80\xA6' (line 1, column 65535), at byte 65534\n");
 }
 
 /* "Levels deeper than 64 are summarized" (inspect --help): a node 64 levels
@@ -4291,11 +4092,8 @@ Test(cli, inspect_shows_sixty_four_levels_below_the_root_and_summarizes_the_next
     json[n++] = '7';
     for (int i = 0; i < levels; i++) json[n++] = ']';
     json[n] = '\0';
-    spit("d.json", json);
-    res_t r = run("pack d.json -o d.dpk");
-    cr_assert_eq(r.status, 0, "%s", r.err);
-    res_free(r);
-    r = run("inspect d.dpk");
+    pack_json("d.json", json, "d.dpk");
+    res_t r = run("inspect d.dpk");
     cr_assert_eq(r.status, 0, "%s", r.err);
     const char *tail = levels == 64 ? "  list (1 item)\n" : "  list (1 item)\n                                          "
                                                           "(deeper levels not shown)\n";
@@ -4314,11 +4112,8 @@ Test(cli, inspect_shows_sixty_four_levels_below_the_root_and_summarizes_the_next
 /* inspect shows a float as the 17 significant digits that name its double,
  * not a rounding of it to another double. */
 Test(cli, inspect_shows_a_float_with_the_seventeen_digits_that_name_its_double) {
-  spit("f.json", "[0.30000000000000004, 0.3]");
-  res_t r = run("pack f.json -o f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("inspect f.dpk");
+  pack_json("f.json", "[0.30000000000000004, 0.3]", "f.dpk");
+  res_t r = run("inspect f.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_not_null(strstr(r.out, "$[0]                                      float 0.30000000000000004\n"), "%s", r.out);
   cr_assert_not_null(strstr(r.out, "$[1]                                      float 0.29999999999999999\n"), "%s", r.out);
@@ -4377,14 +4172,15 @@ Test(cli, a_tensor_field_out_of_range_is_named_with_its_value_and_range) {
 }
 
 Test(cli, inspect_shows_strides_that_are_not_the_shapes_default) {
-  spit("t.json", "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 3]}},"
-                 " {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 3],"
-                 " \"strides\": [1, 2]}},"
-                 " {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 0, 3]}}]");
-  res_t r = run("pack t.json -o t.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("inspect t.dpk");
+  pack_json(
+      "t.json",
+      "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 3]}},"
+      " {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 3],"
+      " \"strides\": [1, 2]}},"
+      " {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1\", \"nbytes\": 6, \"dtype\": \"uint8\", \"shape\": [2, 0, "
+      "3]}}]",
+      "t.dpk");
+  res_t r = run("inspect t.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   cr_assert_not_null(strstr(r.out, "$[0]                                      tensor uint8[2, 3] cpu 0x1 (6 bytes) offset 0\n"),
                      "%s", r.out);
@@ -4397,12 +4193,11 @@ Test(cli, inspect_shows_strides_that_are_not_the_shapes_default) {
 }
 
 Test(cli, inspect_shows_distinct_nans_apart_and_a_float_as_value_json_writes_it) {
-  spit("f.json", "[{\"$float\": \"nan\"}, {\"$float\": \"0x7ff8000000000001\"}, {\"$float\": \"0xfff8000000000000\"},"
-                 " {\"$float\": \"-inf\"}, 100.0, -0.0]");
-  res_t r = run("pack f.json -o f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
-  r = run("inspect f.dpk");
+  pack_json("f.json",
+            "[{\"$float\": \"nan\"}, {\"$float\": \"0x7ff8000000000001\"}, {\"$float\": \"0xfff8000000000000\"},"
+            " {\"$float\": \"-inf\"}, 100.0, -0.0]",
+            "f.dpk");
+  res_t r = run("inspect f.dpk");
   cr_assert_eq(r.status, 0, "%s", r.err);
   static const char *const want[] = {"float nan\n", "float 0x7ff8000000000001\n", "float 0xfff8000000000000\n",
                                      "float -inf\n", "float 100.0\n", "float -0.0\n"};
@@ -4475,10 +4270,7 @@ static void every_frame_reader_refuses(const char *file, const char *message) {
   snprintf(want, sizeof want, "devpickle: %s: %s\n", file, message);
   for (int i = 0; i < 4; i++) {
     snprintf(cmd, sizeof cmd, "%s %s", verbs[i], file);
-    res_t r = run(cmd);
-    cr_assert_eq(r.status, 1, "%s: %s", cmd, r.err);
-    cr_assert_str_eq(r.err, want, "%s", cmd);
-    res_free(r);
+    run_expect(cmd, 1, NULL, want);
   }
 }
 
@@ -4520,27 +4312,16 @@ Test(cli, a_view_past_its_storage_is_named_without_a_stutter) {
  * argument, so '--' alone runs it and what follows is an unexpected
  * argument, an option's spelling too. It was "unknown option '--'". */
 Test(cli, demo_takes_a_double_dash_as_the_end_of_its_options) {
-  res_t r = run("demo --");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_not_null(strstr(r.out, "demo: all checks passed"), "%s", r.out);
-  res_free(r);
-  r = run("demo -- -x");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle demo: unexpected argument '-x'\nTry 'devpickle demo --help'.\n");
-  res_free(r);
+  run_out_has("demo --", 0, "demo: all checks passed");
+  run_expect("demo -- -x", 2, NULL, "devpickle demo: unexpected argument '-x'\nTry 'devpickle demo --help'.\n");
 }
 
 /* '--' ends --version's options as it ends every command's ('demo --' runs
  * the demo): '--version --' said "unexpected argument '--'". */
 Test(cli, version_takes_a_double_dash_as_the_end_of_its_options) {
-  res_t r = run("--version --");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_str_eq(r.out, "devpickle " DP_VERSION_STRING " (frame format version 1)\n");
-  res_free(r);
-  r = run("--version -- --help");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle --version: unexpected argument '--help'\nTry 'devpickle --version --help'.\n");
-  res_free(r);
+  run_expect("--version --", 0, "devpickle " DP_VERSION_STRING " (frame format version 1)\n", NULL);
+  run_expect("--version -- --help", 2, NULL,
+             "devpickle --version: unexpected argument '--help'\nTry 'devpickle --version --help'.\n");
 }
 
 /* '--' ends help's options too: 'help --' said "unknown command '--'" and
@@ -4549,15 +4330,10 @@ Test(cli, help_takes_a_double_dash_as_the_end_of_its_options) {
   res_t main_help = run("--help"), pack_help = run("pack --help");
   static const char *const lines[] = {"help --", "help pack --", "help -- pack", "--help -- pack"};
   for (size_t i = 0; i < sizeof lines / sizeof *lines; i++) {
-    res_t r = run(lines[i]);
-    cr_assert_eq(r.status, 0, "%s: %s", lines[i], r.err);
-    cr_assert_str_eq(r.out, i ? pack_help.out : main_help.out, "%s", lines[i]);
-    res_free(r);
+    run_expect(lines[i], 0, i ? pack_help.out : main_help.out, NULL);
   }
-  res_t r = run("help pack -- dump");
-  cr_assert_eq(r.status, 2);
-  cr_assert_str_eq(r.err, "devpickle help: unexpected argument 'dump'\nTry 'devpickle help COMMAND'.\n");
-  res_free(r);
+  run_expect("help pack -- dump", 2, NULL,
+             "devpickle help: unexpected argument 'dump'\nTry 'devpickle help COMMAND'.\n");
   res_free(main_help);
   res_free(pack_help);
 }
@@ -4608,10 +4384,7 @@ static pid_t fake_receiver(const char *answer, int *port) {
  * known form (an older receiver's) as a refusal, the known ones as they
  * are (TRANSPORT.md, "The CLI"), and exits 1 */
 Test(cli, send_prints_an_answer_in_neither_known_form_as_a_refusal_and_the_known_ones_as_they_are) {
-  spit("v.json", "[1, 2]");
-  res_t r = run("pack v.json -o f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  pack_json("v.json", "[1, 2]", "f.dpk");
   static const struct { const char *answer, *says; } cases[] = {
       {"an older receiver's reason", "the receiver refused the frame: an older receiver's reason"},
       {"refused the frame: checksum mismatch", "the receiver refused the frame: checksum mismatch"},
@@ -4622,7 +4395,7 @@ Test(cli, send_prints_an_answer_in_neither_known_form_as_a_refusal_and_the_known
     pid_t pid = fake_receiver(cases[i].answer, &port);
     char args[128], want[512];
     snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", port);
-    r = run(args);
+    res_t r = run(args);
     snprintf(want, sizeof want, "devpickle: 127.0.0.1:%d: %s\n", port, cases[i].says);
     cr_assert_eq(r.status, 1, "%s", r.err);
     cr_assert_str_eq(r.err, want);
@@ -4635,17 +4408,14 @@ Test(cli, send_prints_an_answer_in_neither_known_form_as_a_refusal_and_the_known
  * first is named as no answer devpickle knows, the second cannot forge a
  * line of send's output (one line on stderr) */
 Test(cli, send_names_an_unknown_answer_and_never_prints_a_receivers_newline) {
-  spit("v.json", "[1, 2]");
-  res_t r = run("pack v.json -o f.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  res_free(r);
+  pack_json("v.json", "[1, 2]", "f.dpk");
   const char *answers[] = {NULL, "bad\ndevpickle: f.dpk: sent 9 bytes"};
   for (int i = 0; i < 2; i++) {
     int port;
     pid_t pid = fake_receiver(answers[i], &port);
     char args[128];
     snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", port);
-    r = run(args);
+    res_t r = run(args);
     cr_assert_eq(r.status, 1, "%s", r.err);
     cr_assert_str_eq(r.out, "");
     cr_assert_eq(strchr(r.err, '\n'), r.err + strlen(r.err) - 1, "more than one line: %s", r.err);
@@ -4712,24 +4482,12 @@ Test(cli, recv_answers_a_frame_its_reader_refuses_with_the_reason_and_writes_not
  * at once, instead of waiting out its --timeout */
 Test(cli, recv_on_a_multicast_address_says_it_is_not_this_machines_at_once) {
   ucx_env();
-  res_t r = run("recv 0 --host 224.0.0.1 -o x.dpk --timeout 5");
-  cr_assert_eq(r.status, 1, "%s", r.err);
-  cr_assert_str_eq(r.err, "devpickle: 224.0.0.1:0: transport: cannot listen on 224.0.0.1: it is not an address "
-                          "of this machine (a multicast address)\n");
-  res_free(r);
+  run_expect("recv 0 --host 224.0.0.1 -o x.dpk --timeout 5", 1, NULL,
+             "devpickle: 224.0.0.1:0: transport: cannot listen on 224.0.0.1: it is not an address "
+             "of this machine (a multicast address)\n");
 }
 
 /* ---- usage and defaults the helps promise ---- */
-
-/* Runs ARGS and asserts its exit status and its whole stderr, and that
- * nothing came on stdout. */
-static void run_says(const char *args, int status, const char *err) {
-  res_t r = run(args);
-  cr_assert_eq(r.status, status, "%s: %s", args, r.err);
-  cr_assert_str_eq(r.err, err, "%s", args);
-  cr_assert_str_eq(r.out, "", "%s", args);
-  res_free(r);
-}
 
 /* The main help promises status 2 for a usage error; with no command at
  * all the usage (the text --help prints) is the whole of stderr. */
@@ -4737,7 +4495,7 @@ Test(cli, devpickle_without_a_command_prints_the_main_usage_on_stderr_and_exits_
   res_t help = run("--help");
   cr_assert_eq(help.status, 0);
   cr_assert_eq(strncmp(help.out, "usage: devpickle <command>", 26), 0, "%s", help.out);
-  run_says("", 2, help.out);
+  run_err_only("", 2, help.out);
   res_free(help);
 }
 
@@ -4748,11 +4506,11 @@ Test(cli, every_command_given_no_operand_says_which_one_is_missing_and_exits_two
     char want[160];
     snprintf(want, sizeof want, "devpickle %s: missing input file (use - for stdin)\nTry 'devpickle %s --help'.\n",
              readers[i], readers[i]);
-    run_says(readers[i], 2, want);
+    run_err_only(readers[i], 2, want);
   }
-  run_says("send", 2, "devpickle send: missing FRAME.dpk or HOST:PORT\nTry 'devpickle send --help'.\n");
-  run_says("send f.dpk", 2, "devpickle send: missing FRAME.dpk or HOST:PORT\nTry 'devpickle send --help'.\n");
-  run_says("recv", 2, "devpickle recv: missing PORT\nTry 'devpickle recv --help'.\n");
+  run_err_only("send", 2, "devpickle send: missing FRAME.dpk or HOST:PORT\nTry 'devpickle send --help'.\n");
+  run_err_only("send f.dpk", 2, "devpickle send: missing FRAME.dpk or HOST:PORT\nTry 'devpickle send --help'.\n");
+  run_err_only("recv", 2, "devpickle recv: missing PORT\nTry 'devpickle recv --help'.\n");
 }
 
 /* Every command takes one FILE (send a FRAME.dpk and a HOST:PORT, recv a
@@ -4769,7 +4527,7 @@ Test(cli, an_operand_too_many_is_named_as_an_unexpected_argument_by_every_comman
       {"send a.dpk 127.0.0.1:1 c", "devpickle send: unexpected argument 'c'\nTry 'devpickle send --help'.\n"},
       {"recv 1 2", "devpickle recv: unexpected argument '2'\nTry 'devpickle recv --help'.\n"},
   };
-  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) run_says(runs[i].args, 2, runs[i].err);
+  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) run_err_only(runs[i].args, 2, runs[i].err);
 }
 
 /* "An option's value is the next argument": an option that ends the line
@@ -4786,7 +4544,7 @@ Test(cli, an_option_that_ends_the_line_without_its_value_is_a_usage_error_naming
       {"recv 0 --timeout", "devpickle recv: --timeout needs a value\nTry 'devpickle recv --help'.\n"},
       {"send f.dpk 127.0.0.1:1 --timeout", "devpickle send: --timeout needs a value\nTry 'devpickle send --help'.\n"},
   };
-  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) run_says(runs[i].args, 2, runs[i].err);
+  for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) run_err_only(runs[i].args, 2, runs[i].err);
 }
 
 /* "the system's message for a file that cannot be read": status 1, one
@@ -4795,7 +4553,7 @@ Test(cli, every_reading_command_names_a_missing_input_with_the_systems_message_a
   static const char *const runs[] = {"pack nofile -o x.dpk", "unpack nofile", "dump nofile", "inspect nofile",
                                      "verify nofile", "send nofile 127.0.0.1:1"};
   for (size_t i = 0; i < sizeof runs / sizeof *runs; i++)
-    run_says(runs[i], 1, "devpickle: nofile: No such file or directory\n");
+    run_err_only(runs[i], 1, "devpickle: nofile: No such file or directory\n");
   char x[128];
   path_in(x, sizeof x, "x.dpk");
   cr_assert_neq(access(x, F_OK), 0, "pack wrote an output for an input it could not read");
@@ -4816,13 +4574,13 @@ Test(cli, a_timeout_of_one_million_seconds_is_taken_and_one_more_is_refused) {
   cr_assert_eq(r.status, 1, "%s: %s", args, r.err);
   cr_assert_not_null(strstr(r.err, "connection refused"), "%s", r.err);
   res_free(r);
-  run_says("recv 0 --timeout 1000000 -o nodir/x.dpk", 1, "devpickle: nodir/x.dpk: No such file or directory\n");
-  run_says("send f.dpk 127.0.0.1:1 --timeout 1000001", 2,
-           "devpickle send: bad --timeout '1000001' (SECONDS: a number over 0 and at most 1000000, as 30 or 0.5)\n"
-           "Try 'devpickle send --help'.\n");
-  run_says("recv 0 --timeout 1000001", 2,
-           "devpickle recv: bad --timeout '1000001' (SECONDS: a number over 0 and at most 1000000, as 30 or 0.5)\n"
-           "Try 'devpickle recv --help'.\n");
+  run_err_only("recv 0 --timeout 1000000 -o nodir/x.dpk", 1, "devpickle: nodir/x.dpk: No such file or directory\n");
+  run_err_only("send f.dpk 127.0.0.1:1 --timeout 1000001", 2,
+               "devpickle send: bad --timeout '1000001' (SECONDS: a number over 0 and at most 1000000, as 30 or 0.5)\n"
+               "Try 'devpickle send --help'.\n");
+  run_err_only("recv 0 --timeout 1000001", 2,
+               "devpickle recv: bad --timeout '1000001' (SECONDS: a number over 0 and at most 1000000, as 30 or 0.5)\n"
+               "Try 'devpickle recv --help'.\n");
 }
 
 /* recv's --host is "an IPv4 address or a name": a name is resolved and
@@ -4880,14 +4638,9 @@ Test(cli, recv_without_dash_o_writes_the_frame_it_receives_to_stdout) {
 Test(cli, unpack_indents_two_spaces_a_level_and_compact_has_no_space_between_tokens) {
   spit("v.json", "{\"a\": [1, 2.5, \"x\"], \"b\": {\"$tuple\": []}}");
   res_free(run("pack v.json -o v.dpk"));
-  res_t r = run("unpack v.dpk");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_str_eq(r.out, "{\n  \"a\": [\n    1,\n    2.5,\n    \"x\"\n  ],\n  \"b\": {\n    \"$tuple\": []\n  }\n}\n");
-  res_free(r);
-  r = run("unpack v.dpk --compact");
-  cr_assert_eq(r.status, 0, "%s", r.err);
-  cr_assert_str_eq(r.out, "{\"a\":[1,2.5,\"x\"],\"b\":{\"$tuple\":[]}}\n");
-  res_free(r);
+  run_expect("unpack v.dpk", 0,
+             "{\n  \"a\": [\n    1,\n    2.5,\n    \"x\"\n  ],\n  \"b\": {\n    \"$tuple\": []\n  }\n}\n", NULL);
+  run_expect("unpack v.dpk --compact", 0, "{\"a\":[1,2.5,\"x\"],\"b\":{\"$tuple\":[]}}\n", NULL);
 }
 
 /* demo's help: "DEVPICKLE_BACKEND=host|cuda forces one"; another name is
@@ -4895,6 +4648,6 @@ Test(cli, unpack_indents_two_spaces_a_level_and_compact_has_no_space_between_tok
  * what it takes. */
 Test(cli, demo_refuses_a_backend_it_does_not_know_naming_those_it_takes) {
   setenv("DEVPICKLE_BACKEND", "bogus", 1);
-  run_says("demo", 1, "devpickle: demo: dp_backend_default: DEVPICKLE_BACKEND='bogus': expected host or cuda\n");
+  run_err_only("demo", 1, "devpickle: demo: dp_backend_default: DEVPICKLE_BACKEND='bogus': expected host or cuda\n");
   unsetenv("DEVPICKLE_BACKEND");
 }
