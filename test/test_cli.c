@@ -4651,3 +4651,14 @@ Test(cli, demo_refuses_a_backend_it_does_not_know_naming_those_it_takes) {
   run_err_only("demo", 1, "devpickle: demo: dp_backend_default: DEVPICKLE_BACKEND='bogus': expected host or cuda\n");
   unsetenv("DEVPICKLE_BACKEND");
 }
+
+/* "'help', '--help' and '-h' alike: alone ... the main usage", on stdout
+ * with status 0 (asked for, it is no usage error). */
+Test(cli, help_and_dash_h_alone_print_the_main_usage_on_stdout_as_dash_dash_help_does) {
+  res_t help = run("--help");
+  cr_assert_eq(help.status, 0);
+  cr_assert_eq(strncmp(help.out, "usage: devpickle <command>", 26), 0, "%s", help.out);
+  run_expect("help", 0, help.out, "");
+  run_expect("-h", 0, help.out, "");
+  res_free(help);
+}
