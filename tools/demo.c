@@ -33,6 +33,16 @@ int demo_cuda_add(void *stream, void *dst, const void *src, size_t n, unsigned c
 #define SLOW_MS 30.0
 
 static int failures;
+
+/* A then() callback's own failure, as the library reports one: code and message. */
+static int demo_err(dp_error_t *err, int code, const char *msg) {
+  if (err) {
+    err->code = code;
+    snprintf(err->message, sizeof err->message, "%s", msg);
+  }
+  return code;
+}
+
 #define CHECK(cond, ...)                       \
   do {                                         \
     if (!(cond)) {                             \
@@ -202,14 +212,6 @@ static int check_bytes(const unsigned char *p, unsigned char want, const char *w
   for (size_t i = 0; i < NBYTES; i++) bad += p[i] != want;
   CHECK(bad == 0, "%s: %zu of %zu bytes differ from 0x%02x (first byte 0x%02x)", what, bad, NBYTES, want, p[0]);
   return bad == 0;
-}
-
-int demo_err(dp_error_t *err, int code, const char *msg) {
-  if (err) {
-    err->code = code;
-    snprintf(err->message, sizeof err->message, "%s", msg);
-  }
-  return code;
 }
 
 int demo_run(int argc, char **argv) {

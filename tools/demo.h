@@ -3,5 +3,4 @@
 #define DP_TOOLS_DEMO_H
 #include "devpickle.h"
 int demo_run(int argc, char **argv);
-int demo_err(dp_error_t *err, int code, const char *msg);
 #endif
