@@ -150,6 +150,13 @@ static int wait_f(dp_future_t *f, dp_error_t *e) {
   return cur_t ? dp_transport_wait(cur_t, f, 60 * SEC, e) : dp_future_wait(f, 60 * SEC, e);
 }
 
+/* Polls until cond holds, every millisecond, for 10 s at most: how a test
+ * reaches a state it needs before it goes on. A fixed sleep was too short
+ * on a loaded machine, and the test then tested nothing, or failed. The
+ * caller asserts cond afterwards. */
+#define POLL_UNTIL(cond)                                                                                  \
+  for (int64_t poll_end_ = now_ns_t() + 10 * SEC; !(cond) && now_ns_t() < poll_end_;) sleep_ms(1)
+
 /* The next value on ep: its future, completed with a value. */
 static dp_future_t *recv_ok(dp_endpoint_t *ep) {
   dp_future_t *f;
@@ -1073,7 +1080,8 @@ Test(transport, two_threads_accepting_without_a_limit_on_a_caller_driven_listene
   pthread_t th[2];
   cr_assert_eq(pthread_create(&th[0], NULL, accept_unlimited, &a[0]), 0);
   dp_endpoint_t *out[2] = {connect_to(c, dp_listener_port(l)), NULL};
-  while (!atomic_load(&gap_calls)) nanosleep(&(struct timespec){0, 100000}, NULL); /* the first saw it queued */
+  POLL_UNTIL(atomic_load(&gap_calls)); /* the first saw it queued */
+  cr_assert(atomic_load(&gap_calls), "the first thread never saw the connection queued");
   accept_unlimited(&a[1]); /* this thread takes it */
   atomic_store(&gap_second_took, 1);
   cr_assert_eq(a[1].rc, 0, "%s: %s", dp_err_name(a[1].rc), a[1].e.message);
@@ -1178,7 +1186,7 @@ typedef struct fill {
 static void slow_fill(void *arg) {
   fill_t *f = arg;
   for (int ms = 0; f->gate && ms < 10000 && !atomic_load(f->gate); ms++) sleep_ms(1);
-  sleep_ms(300);
+  sleep_ms(300); /* the chance for a sender that did not wait to read stale bytes: a negative check */
   memset(f->p, 0xab, f->n);
 }
 
@@ -1319,7 +1327,7 @@ static double cpu_s(void) {
 }
 
 static void *complete_later(void *f) {
-  nanosleep(&(struct timespec){0, 50000000}, NULL);
+  nanosleep(&(struct timespec){0, 50000000}, NULL); /* a producer's delay: the value arrives however long it is */
   dp_future_mark_completed(f, dp_int(42), NULL);
   return NULL;
 }
@@ -1343,7 +1351,7 @@ static void send_future_sleeps(int caller) {
   OK(dp_endpoint_recv(a, &r, T_ERR));
   double cpu0 = cpu_s();
   if (caller) cr_assert_eq(dp_transport_wait(t, d, SEC / 2, &e), DP_ETIMEDOUT, "%s", e.message);
-  else nanosleep(&(struct timespec){0, 500000000}, NULL);
+  else nanosleep(&(struct timespec){0, 500000000}, NULL); /* the window measured, not a state to reach */
   double used = cpu_s() - cpu0;
   cr_assert_lt(used, 0.2, "%.3f s of CPU in 0.5 s while the send waited for its future", used);
   pthread_t th;
@@ -1890,10 +1898,12 @@ static void staged_wait_sleeps(const char *shm) {
   cr_assert(WIFSTOPPED(st));
   /* 25 chunks to a stopped peer: 16 take the slots, never pulled nor given
      back, and the 17th waits for one */
+  unsigned long waits0 = atomic_load(&dp__transport_slot_waits);
   OK(dp_endpoint_send(ep, big, &d1, T_ERR));
-  sleep_ms(300);
+  POLL_UNTIL(atomic_load(&dp__transport_slot_waits) > waits0);
+  cr_assert_gt(atomic_load(&dp__transport_slot_waits), waits0, "the send never waited for a slot");
   double cpu0 = cpu_s();
-  sleep_ms(500);
+  sleep_ms(500); /* the window measured */
   double used = cpu_s() - cpu0;
   kill(stuck.pid, SIGKILL);
   cr_assert_lt(used, 0.2, "%.3f s of CPU in 0.5 s while a staged send waited for a slot", used);
@@ -1924,8 +1934,9 @@ Test(transport, a_peer_that_never_pulls_holds_back_its_own_staged_sends_only) {
   dp_value_t big = dev_tensor(0, 100 << 20, 1), small = dev_tensor(0, 5 << 20, 2);
   OK(dp_endpoint_send(ep1, big, &d0, T_ERR)); /* pulled whole: the bound stops the next frame */
   OK_WITH(&e, wait_f(d0, &e));
-  OK(dp_endpoint_send(ep1, big, &d1, T_ERR)); /* 25 chunks, never pulled: the endpoint's slots stay taken */
-  sleep_ms(200);
+  /* held back by the peer's credit, never pulled. The loop takes commands
+     in order: this send waits before the other endpoint's is posted */
+  OK(dp_endpoint_send(ep1, big, &d1, T_ERR));
   OK(dp_endpoint_send(ep2, small, &d2, T_ERR));
   OK(dp_endpoint_recv(ep2, &r2, T_ERR));
   dp_error_clear(&e);
@@ -1973,7 +1984,7 @@ Test(transport, endpoints_whose_peers_pull_nothing_hold_sixteen_send_slots_each_
   for (int i = 0; i < 2; i++) OK(dp_endpoint_send(ep[i], v, &d[i], T_ERR));
   for (int i = 0; i < 2000 && atomic_load(&t_live_bytes) - before < bound; i++) sleep_ms(10);
   cr_assert_geq(atomic_load(&t_live_bytes) - before, bound, "the senders did not fill sixteen slots each");
-  sleep_ms(100); /* time for more copies, were more slots given */
+  sleep_ms(100); /* time for more copies, were more slots given: a negative check */
   long held = atomic_load(&t_live_bytes) - before;
   cr_assert_lt(held, bound + (1l << 20), "two endpoints hold %ld bytes of send slots", held);
   OK(dp_endpoint_send(ep2, small, &d2, T_ERR));
@@ -2465,8 +2476,10 @@ Test(transport, an_answer_to_a_close_this_side_never_sent_fails_the_endpoint) {
                 "a close message the protocol does not expect");
 }
 
-/* peer: five staged values of 64 KiB, 200 ms apart (the first makes this
- * side offer its same-host slots, the later ones travel in them), then a
+/* peer: five staged values of 64 KiB (the first makes this side offer its
+ * same-host slots; the later ones, sent once the offer was accepted,
+ * travel in them), then, once the other side says it took them (a piece
+ * that came while the last was still arriving failed that one), a
  * frame naming one buffer of `size` bytes (`dev`: -1 cpu, else host:dev)
  * and an SHM_PIECE saying all of it is in slot `slot` */
 typedef struct shm_crafted {
@@ -2480,13 +2493,20 @@ static int send_shm_piece_crafted(dp_transport_t *t, dp_endpoint_t *ep, void *ar
   (void)t;
   shm_crafted_t *c = arg;
   dp_error_t e;
+  unsigned long accepted0 = atomic_load(&dp__transport_shm_accepted);
   for (int i = 0; i < SHM_CRAFTED_VALUES; i++) {
     dp_value_t v = dev_tensor(0, 64 << 10, (unsigned)i);
     dp_future_t *d;
     if (dp_endpoint_send(ep, v, &d, &e) || wait_f(d, &e)) return 10;
     dp_future_release(d);
     dp_value_release(v);
-    sleep_ms(200);
+    POLL_UNTIL(atomic_load(&dp__transport_shm_accepted) > accepted0); /* the later values go in the slots */
+  }
+  if (atomic_load(&dp__transport_shm_accepted) == accepted0) return 14;
+  for (int i = 0; i < 2; i++) { /* the other side's first value, then its word that the five came */
+    dp_future_t *got;
+    if (dp_endpoint_recv(ep, &got, &e) || wait_f(got, &e)) return 15;
+    dp_future_release(got);
   }
   dp_storage_t *st;
   dp_value_t v;
@@ -2527,13 +2547,17 @@ static void shm_piece_refused(shm_crafted_t c) {
     dp_future_release(r);
   }
   cr_assert_gt(atomic_load(&dp__transport_shm_pieces), before, "no piece came through the peer's slots");
+  dp_future_t *took;
+  OK(dp_endpoint_send(ep, dp_none(), &took, T_ERR)); /* the crafted piece may come */
   OK(dp_endpoint_recv(ep, &r, T_ERR));
   dp_error_clear(&e);
   cr_assert_eq(dp_future_wait(r, 20 * SEC, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
   cr_assert(strstr(e.message, "a buffers message does not follow its frame's table"), "%s", e.message);
   dp_future_wait(d, 20 * SEC, NULL);
+  dp_future_wait(took, 20 * SEC, NULL);
   dp_future_release(r);
   dp_future_release(d);
+  dp_future_release(took);
   close_clean(ep, t, p);
 }
 
@@ -2569,6 +2593,9 @@ static int send_piece_in_a_crafted_offer(dp_transport_t *t, dp_endpoint_t *ep, v
   dp__am_shm_offer_t o = {DP__WIRE_MAGIC, c->nslots, c->slot_bytes, dp__shm_token(seg), ""};
   snprintf(o.name, sizeof o.name, "%s", dp__shm_name(seg));
   if (dp__endpoint_send_raw(ep, DP__AM_SHM_OFFER, &o, sizeof o, NULL, 0, &e)) return 12;
+  /* the answer's time to come, unread: the offer and the piece go in order
+     on the one connection, so the receiver has taken the offer before the
+     piece however long this is */
   sleep_ms(500);
   dp_storage_t *st;
   dp_value_t v;
@@ -3964,7 +3991,12 @@ Test(transport, a_receiver_that_takes_nothing_holds_large_frames_back_at_the_sen
   o.max_inflight_bytes = 1 << 20;
   dp_transport_t *t = new_transport(&o);
   dp_endpoint_t *ep = connect_to(t, p.port);
-  sleep_ms(300); /* nobody takes: one frame past the bound is read, the others stay with the sender */
+  /* nobody takes: one frame past the bound is read, the others stay with
+     the sender. Once that frame is here, 300 ms more for others to come
+     (a negative check) */
+  POLL_UNTIL(atomic_load(&t_live_bytes) >= 4l << 20);
+  cr_assert_geq(atomic_load(&t_live_bytes), 4l << 20, "no frame arrived");
+  sleep_ms(300);
   long held = atomic_load(&t_live_bytes);
   cr_assert_lt(held, 16l << 20, "the receiver holds %ld bytes of 16 frames of 4 MiB nobody took", held);
   for (int i = 0; i < 16; i++) {
@@ -4037,6 +4069,10 @@ Test(transport, a_receiver_that_takes_nothing_holds_small_frames_back_at_the_sen
   o.max_inflight_bytes = 1 << 20;
   dp_transport_t *t = new_transport(&o);
   dp_endpoint_t *ep = connect_to(t, p.port);
+  /* once the window's worth is here, 500 ms more for others to come (a
+     negative check) */
+  POLL_UNTIL(atomic_load(&t_live_bytes) >= 1l << 20);
+  cr_assert_geq(atomic_load(&t_live_bytes), 1l << 20, "no window's worth of frames arrived");
   sleep_ms(500);
   long held = atomic_load(&t_live_bytes);
   cr_assert_lt(held, 8l << 20, "the receiver holds %ld bytes of %ld small frames nobody took", held, n);
@@ -4085,6 +4121,10 @@ Test(transport, a_receiver_that_takes_nothing_holds_small_buffers_back_at_the_se
   dp_transport_t *t = new_transport(&o);
   long before = rss_bytes();
   dp_endpoint_t *ep = connect_to(t, p.port);
+  /* once the window's worth is here, 3 s more for others to come (a
+     negative check) */
+  POLL_UNTIL(rss_bytes() - before >= 1l << 20);
+  cr_assert_geq(rss_bytes() - before, 1l << 20, "no window's worth of values arrived");
   sleep_ms(3000);
   long held = rss_bytes() - before; /* parked messages are UCX's memory */
   cr_assert_lt(held, 16l << 20, "the receiver grew by %ld bytes for %ld values nobody took", held, n);
@@ -4590,7 +4630,7 @@ Test(transport, closing_an_endpoint_while_large_buffers_arrive_fails_its_receive
     for (int i = 0; i < 4; i++) OK(dp_endpoint_recv(ep, &r[i], T_ERR));
     dp_error_t e;
     OK_WITH(&e, wait_f(r[0], &e)); /* the first arrived: the others are on the wire */
-    sleep_ms(round); /* close at a different point of the next one */
+    sleep_ms(round); /* close at a different point of the next one: either outcome is asserted */
     dp_endpoint_free(ep);
     for (int i = 1; i < 4; i++) {
       int rc = wait_f(r[i], &e);
@@ -5337,13 +5377,11 @@ typedef struct acc_wait {
   dp_listener_t *l;
   int rc;
   dp_error_t e;
-  _Atomic int started;
 } acc_wait_t;
 
 static void *accept_forever(void *arg) {
   acc_wait_t *a = arg;
   dp_endpoint_t *ep = (dp_endpoint_t *)1;
-  atomic_store(&a->started, 1);
   a->rc = dp_listener_accept(a->l, -1, &ep, &a->e);
   if (ep) a->rc = 99; /* no endpoint may come back */
   return NULL;
@@ -5357,8 +5395,8 @@ static void free_under_accept_by(int caller, int whole) {
   int port = dp_listener_port(a.l);
   pthread_t th;
   cr_assert_eq(pthread_create(&th, NULL, accept_forever, &a), 0);
-  while (!atomic_load(&a.started)) nanosleep(&(struct timespec){0, 1000000}, NULL);
-  nanosleep(&(struct timespec){0, 100000000}, NULL); /* in its wait */
+  POLL_UNTIL(dp__listener_waiters(a.l) == 1); /* in its wait: a free now ends it */
+  cr_assert_eq(dp__listener_waiters(a.l), 1, "the accepting thread never waited");
   if (whole) dp_transport_free(t); /* frees the listener too */
   else dp_listener_free(a.l);
   cr_assert_eq(pthread_join(th, NULL), 0);
@@ -5886,13 +5924,14 @@ Test(transport, values_a_peer_sent_before_closing_are_still_taken_by_receives_ma
   values_then_close(1);
 }
 
-/* peer: sends one value and dies */
+/* peer: sends one value, waits for the other side's word that it came,
+ * and dies */
 static int send_one_then_die(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;
-  dp_future_t *d;
+  dp_future_t *d, *got;
   dp_error_t e;
   if (dp_endpoint_send(ep, dp_int(7), &d, &e) || wait_f(d, &e)) return 10;
-  sleep_ms(100);
+  if (dp_endpoint_recv(ep, &got, &e) || wait_f(got, &e)) return 11;
   raise(SIGKILL);
   return 0;
 }
@@ -5902,9 +5941,10 @@ Test(transport, a_peer_killed_after_answering_still_reads_as_connection_lost_not
   peer_t p = spawn_peer(send_one_then_die, NULL, NULL);
   dp_transport_t *t = new_transport(NULL);
   dp_endpoint_t *ep = connect_to(t, p.port);
-  dp_future_t *f = recv_ok(ep), *g;
+  dp_future_t *f = recv_ok(ep), *g, *d;
   cr_assert_eq(dp_value_as_int(dp_future_value(f)), 7);
   dp_future_release(f);
+  OK(dp_endpoint_send(ep, dp_int(1), &d, T_ERR)); /* it came: the peer dies */
   OK(dp_endpoint_recv(ep, &g, T_ERR));
   dp_error_t e;
   int rc = wait_f(g, &e);
@@ -5912,6 +5952,8 @@ Test(transport, a_peer_killed_after_answering_still_reads_as_connection_lost_not
   cr_assert(strstr(e.message, "connection lost"), "%s", e.message);
   cr_assert_null(strstr(e.message, "closed its endpoint"), "%s", e.message);
   dp_future_release(g);
+  wait_f(d, &e); /* done or failed with the connection: the peer died once it came */
+  dp_future_release(d);
   cr_assert_eq(peer_wait(p), 128 + SIGKILL);
   dp_endpoint_free(ep);
   dp_transport_free(t);
@@ -6790,7 +6832,9 @@ Test(transport, a_frame_receive_made_after_a_value_with_buffers_arrived_refuses_
   OK_WITH(&e, wait_f(d, &e)); /* sent and taken by the receiver's loop */
   OK(dp_endpoint_send(a, dp_int(8), &d2, T_ERR));
   OK_WITH(&e, wait_f(d2, &e));
-  nanosleep(&(struct timespec){0, 50000000}, NULL); /* the loop queued both */
+  /* the loop queued both, likely: the state cannot be observed, and a
+     receive made before the value arrived refuses it as it comes alike */
+  nanosleep(&(struct timespec){0, 50000000}, NULL);
   OK(dp_endpoint_recv_frame(b, &r, T_ERR));
   int rc = wait_f(r, &e);
   cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(rc), e.message);
@@ -6877,7 +6921,7 @@ Test(transport, a_negative_or_huge_timeout_is_no_limit) {
     dp_error_t e;
     OK(dp_endpoint_send(a, big, &d1, T_ERR));
     OK(dp_endpoint_send(a, dp_int(3), &d2, T_ERR));
-    nanosleep(&(struct timespec){0, 20000000}, NULL); /* a deadline in the past would have passed */
+    nanosleep(&(struct timespec){0, 20000000}, NULL); /* a deadline in the past would have passed: a negative check */
     OK(dp_endpoint_recv(b, &r1, T_ERR));
     OK(dp_endpoint_recv(b, &r2, T_ERR));
     OK_WITH(&e, wait_f(r1, &e));
@@ -7398,8 +7442,8 @@ Test(transport, a_listener_freed_from_a_callback_of_a_pass_under_a_waiting_accep
   int port = dp_listener_port(w.l);
   pthread_t th;
   cr_assert_eq(pthread_create(&th, NULL, accept_forever, &w), 0);
-  while (!atomic_load(&w.started)) nanosleep(&(struct timespec){0, 1000000}, NULL);
-  nanosleep(&(struct timespec){0, 100000000}, NULL); /* in its wait */
+  POLL_UNTIL(dp__listener_waiters(w.l) == 1); /* in its wait: a free now ends it */
+  cr_assert_eq(dp__listener_waiters(w.l), 1, "the accepting thread never waited");
   dp_future_t *r, *c, *d;
   dp_error_t e;
   OK(dp_endpoint_recv(b, &r, T_ERR));
@@ -7484,7 +7528,7 @@ Test(transport, a_close_with_a_send_pending_is_read_by_the_peer_as_a_lost_connec
     dp_value_release(v);
   }
   OK_WITH(&e, wait_f(d[0], &e)); /* pulled; the second is not: b holds more than its bound */
-  nanosleep(&(struct timespec){0, 100000000}, NULL);
+  nanosleep(&(struct timespec){0, 100000000}, NULL); /* its chance to complete: a negative check */
   cr_assert_not(dp_future_is_done(d[1]), "the second send completed: nothing is pending");
   dp_endpoint_free(a);
   cr_assert_eq(wait_f(d[1], &e), DP_ECANCELED, "%s", e.message);
@@ -7530,7 +7574,7 @@ Test(transport, a_send_after_a_pending_future_arrives_after_that_futures_value) 
     for (int i = 0; i < 3; i++) OK(dp_endpoint_recv(b, &r[i], T_ERR));
     OK_WITH(&e, wait_f(r[0], &e));
     for (int i = 0; i < 20; i++) dp_transport_progress(t); /* the later send does not overtake */
-    nanosleep(&(struct timespec){0, 50000000}, NULL);
+    nanosleep(&(struct timespec){0, 50000000}, NULL); /* its chance to overtake: a negative check */
     for (int i = 0; i < 20; i++) dp_transport_progress(t);
     cr_assert_not(dp_future_is_done(r[1]), "a value overtook the pending future's");
     OK(dp_future_mark_completed(f1, dp_int(1), T_ERR));
@@ -7748,7 +7792,8 @@ Test(transport, two_threads_accepting_without_a_limit_on_a_thread_driven_listene
   acceptor_t a[2] = {{.l = l}, {.l = l}};
   pthread_t th[2];
   for (int i = 0; i < 2; i++) cr_assert_eq(pthread_create(&th[i], NULL, accept_unlimited, &a[i]), 0);
-  nanosleep(&(struct timespec){0, 50000000}, NULL); /* both wait */
+  POLL_UNTIL(dp__listener_waiters(l) == 2); /* both wait */
+  cr_assert_eq(dp__listener_waiters(l), 2, "the accepting threads never both waited");
   dp_endpoint_t *out[2];
   for (int i = 0; i < 2; i++) out[i] = connect_to(c, dp_listener_port(l));
   for (int i = 0; i < 2; i++) {

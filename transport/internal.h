@@ -181,6 +181,18 @@ extern int dp__transport_mute_offers;
  *  passes that saw a connection queued and taking it: a test widens there
  *  the window in which another accepting thread takes it first. */
 extern void (*dp__transport_accept_gap)(void);
+/** Threads waiting in dp_listener_accept on l now (registered: a free of l
+ *  from now on ends their waits with DP_ECANCELED): a test waits for its
+ *  accepting threads to be there instead of sleeping and hoping they are. */
+int dp__listener_waiters(dp_listener_t *l);
+/** Times a staged send of this process found every send slot its
+ *  endpoint may use taken and waited for one (tests read it: the state a
+ *  test of that wait must reach first). */
+extern _Atomic unsigned long dp__transport_slot_waits;
+/** Offers of same-host slots of this process that their peers accepted
+ *  (tests read it: a test that needs its values to go through the slots
+ *  waits for the answer). */
+extern _Atomic unsigned long dp__transport_shm_accepted;
 /** Pieces this process received through same-host slots (tests read it). */
 extern _Atomic unsigned long dp__transport_shm_pieces;
 /** Messages this process received on same-host lanes (tests read it). */

@@ -1177,6 +1177,7 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
       } else {
         dp__shm_unlink(ep->seg->shm); /* mapped there: the name is done with */
         ep->shm_state = SHM_YES;
+        atomic_fetch_add_explicit(&dp__transport_shm_accepted, 1, memory_order_relaxed);
       }
     }
   } else if (id == DP__AM_CREDIT) {

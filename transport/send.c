@@ -279,13 +279,16 @@ static int stage_next(dp_transport_t *t, sop_t *s, size_t nb) {
   /* no slot free: one comes back as UCX completes a send or the peer gives
      one back (DONE), which wakes the loop: 2, nothing to poll — unless
      copies already queued wait for their events (1) */
+  if (ep->shm_state == SHM_YES ? !ep->seg->free : ep->tx_used >= DP__STAGE_SLOTS) {
+    atomic_fetch_add_explicit(&dp__transport_slot_waits, 1, memory_order_relaxed);
+    return s->pq_head ? 1 : 2;
+  }
   if (ep->shm_state == SHM_YES) {
-    if (!(sl = ep->seg->free)) return s->pq_head ? 1 : 2;
+    sl = ep->seg->free;
     ep->seg->free = sl->next;
     sl->next = NULL;
     ep->seg->refs++;
   } else {
-    if (ep->tx_used >= DP__STAGE_SLOTS) return s->pq_head ? 1 : 2;
     if ((rc = dp__tp_slot_get(t, &t->tx, (size_t)n, 0, &sl, &err))) return sop_failed(s, &err);
     ep->tx_used++;
   }

@@ -21,6 +21,8 @@ int dp__transport_mute_offers;
 _Atomic unsigned long dp__transport_shm_pieces;
 _Atomic unsigned long dp__transport_lane_msgs;
 void (*dp__transport_accept_gap)(void);
+_Atomic unsigned long dp__transport_slot_waits;
+_Atomic unsigned long dp__transport_shm_accepted;
 
 /* ---- small things ---- */
 
@@ -856,6 +858,13 @@ static dp_endpoint_t *acc_take(dp_listener_t *l) {
     ep->queued = 0;
   }
   return ep;
+}
+
+int dp__listener_waiters(dp_listener_t *l) {
+  pthread_mutex_lock(&l->t->mu);
+  int n = l->waiters;
+  pthread_mutex_unlock(&l->t->mu);
+  return n;
 }
 
 int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out, dp_error_t *err) {
