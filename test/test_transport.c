@@ -928,19 +928,39 @@ Test(transport, listening_on_an_address_that_is_not_this_machines_says_so) {
   cur_t = NULL;
 }
 
+/* A listen on a port in use says which address is in use, HOST:PORT as the
+ * other messages name theirs: it said only "the address is in use". */
+static void listen_in_use_says(dp_transport_t *t, int port) {
+  char addr[64], says[160];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  dp_listener_t *l = (dp_listener_t *)1;
+  dp_error_t e;
+  cr_assert_eq(dp_listener_new(t, addr, &l, &e), DP_EIO, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert_null(l);
+  snprintf(says, sizeof says, "transport: cannot listen: the address is in use: %s (UCX: Device is busy)", addr);
+  cr_assert_str_eq(e.message, says);
+}
+
 Test(transport, listening_on_a_port_another_listener_holds_says_the_address_is_in_use) {
   dp_transport_t *t = new_transport(NULL);
-  dp_listener_t *l, *l2 = (dp_listener_t *)1;
+  dp_listener_t *l;
   OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
-  char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", dp_listener_port(l));
-  dp_error_t e;
-  cr_assert_eq(dp_listener_new(t, addr, &l2, &e), DP_EIO, "%s", e.message);
-  cr_assert_null(l2);
-  cr_assert_str_eq(e.message, "transport: cannot listen: the address is in use (UCX: Device is busy)");
+  listen_in_use_says(t, dp_listener_port(l));
   dp_listener_free(l);
   dp_transport_free(t);
   cur_t = NULL;
+}
+
+Test(transport, listening_on_a_port_a_plain_socket_listens_on_names_the_address_in_use) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  int port, fd = t_loopback_socket(1, &port);
+  listen_in_use_says(t, port);
+  close(fd);
+  dp_transport_free(t);
+  cur_t = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
 }
 
 /* e's message names fn and says what is NULL */

@@ -80,22 +80,29 @@ static void close_flushed(dp_endpoint_t *ep) {
  * privileged port): a bind of our own to the same address, which UCX
  * made with SO_REUSEADDR too, finds the system's reason. */
 static int listen_failed(cmd_t *c, ucs_status_t st) {
+  char host[INET_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (c->addr.ss_family == AF_INET) {
+    const struct sockaddr_in *in = (const struct sockaddr_in *)&c->addr;
+    inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    port = ntohs(in->sin_port);
+  }
+  /* the port is what is in use: the message names it, as HOST:PORT */
   if (st == UCS_ERR_BUSY)
-    return dp__err(&c->err, DP_EIO, "transport: cannot listen: the address is in use (UCX: Device is busy)");
+    return dp__err(&c->err, DP_EIO, "transport: cannot listen: the address is in use: %s:%d (UCX: Device is busy)",
+                   host, port);
   int fd = socket(c->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1, why = 0;
   if (fd >= 0) {
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (bind(fd, (const struct sockaddr *)&c->addr, c->addrlen)) why = errno;
     close(fd);
   }
-  char host[INET_ADDRSTRLEN] = "?";
-  if (c->addr.ss_family == AF_INET)
-    inet_ntop(AF_INET, &((const struct sockaddr_in *)&c->addr)->sin_addr, host, sizeof host);
   if (why == EADDRNOTAVAIL)
     return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s: it is not an address of this machine (%s)", host,
                    strerror(why));
   if (why == EADDRINUSE)
-    return dp__err(&c->err, DP_EIO, "transport: cannot listen: the address is in use (%s)", strerror(why));
+    return dp__err(&c->err, DP_EIO, "transport: cannot listen: the address is in use: %s:%d (%s)", host, port,
+                   strerror(why));
   if (why)
     return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s: %s", host, strerror(why));
   return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s: %s", host, ucs_status_string(st));
