@@ -188,6 +188,30 @@ static void close_clean(dp_endpoint_t *ep, dp_transport_t *t, peer_t p) {
   ASSERT_NO_LEAK();
 }
 
+/* Checks that nothing leaked: the end of a test that tracks allocations
+ * (t_track), everything it made freed. */
+static void check_no_leak(void) {
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* Frees the endpoints, listener and transport that listen_pair's caller
+ * made; the transport is this process's current one no more. */
+static void free_pair(dp_endpoint_t *connected, dp_endpoint_t *accepted, dp_listener_t *l, dp_transport_t *t) {
+  dp_endpoint_free(connected);
+  dp_endpoint_free(accepted);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
+/* free_pair, then check_no_leak: how most tests of one transport end. */
+static void free_pair_checked(dp_endpoint_t *connected, dp_endpoint_t *accepted, dp_listener_t *l,
+                              dp_transport_t *t) {
+  free_pair(connected, accepted, l, t);
+  check_no_leak();
+}
+
 /* peer: receives values and sends each back, until n were echoed */
 static int echo_n(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t;
@@ -636,11 +660,7 @@ Test(transport, an_endpoint_to_an_address_of_one_of_this_hosts_interfaces_gets_a
   OK(dp_endpoint_connect(t, addr, &c, T_ERR));
   OK(dp_listener_accept(l, 30 * SEC, &a, T_ERR));
   cr_assert_gt(lane_echoes(c, a, 200, 1), 0, "an endpoint to %s has no lane", ip);
-  dp_endpoint_free(c);
-  dp_endpoint_free(a);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_pair(c, a, l, t);
 }
 
 Test(transport, a_message_of_1024_bytes_goes_on_the_lane_and_one_of_1025_on_the_connection) {
@@ -671,11 +691,7 @@ Test(transport, a_message_of_1024_bytes_goes_on_the_lane_and_one_of_1025_on_the_
     else cr_assert_geq(got, K, "%d messages of %zu bytes: %lu came on the lane", K, n, got);
     dp_value_release(v);
   }
-  dp_endpoint_free(c);
-  dp_endpoint_free(a);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_pair(c, a, l, t);
 }
 
 /* lane_round_trips(100) under UCX_TLS=tls: whether the lane carried them
@@ -992,8 +1008,7 @@ Test(transport, listening_on_a_port_a_plain_socket_listens_on_names_the_address_
   close(fd);
   dp_transport_free(t);
   cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* e's message names fn and says what is NULL */
@@ -1418,13 +1433,7 @@ static void send_future_sleeps(int caller) {
   dp_future_release(r);
   dp_future_release(d);
   dp_future_release(f);
-  dp_endpoint_free(c);
-  dp_endpoint_free(a);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(c, a, l, t);
 }
 
 Test(transport, a_send_waiting_for_its_pending_future_sleeps_instead_of_spinning_thread_driven) {
@@ -1460,11 +1469,7 @@ Test(transport, a_future_sent_and_still_pending_keeps_no_descriptor_of_a_freed_t
     dp_endpoint_t *c, *a;
     dp_listener_t *l = listen_pair(t, &c, &a);
     OK(dp_endpoint_send_future(c, f, &d[round], T_ERR));
-    dp_endpoint_free(c);
-    dp_endpoint_free(a);
-    dp_listener_free(l);
-    dp_transport_free(t);
-    cur_t = NULL;
+    free_pair(c, a, l, t);
     dp_error_t e;
     cr_assert_eq(dp_future_wait(d[round], 0, &e), DP_ECANCELED, "%s", e.message);
     dp_future_release(d[round]);
@@ -1591,13 +1596,7 @@ static void wait_from_a_callback_of_the_loop(int caller) {
   OK_WITH(&e, wait_f(d3, &e));
   dp_future_t *all[] = {r1, child, d1, r, d3, w.r2, w.d2, w.c2, w.other};
   for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
-  dp_endpoint_free(c);
-  dp_endpoint_free(a);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(c, a, l, t);
 }
 
 Test(transport, a_wait_in_a_callback_on_a_future_only_the_progress_thread_completes_is_refused_not_a_hang,
@@ -3377,13 +3376,7 @@ Test(transport, a_future_whose_value_holds_a_storage_at_a_null_base_fails_its_se
   dp_future_release(got);
   dp_future_release(d);
   dp_future_release(f);
-  dp_endpoint_free(c);
-  dp_endpoint_free(a);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(c, a, l, t);
 }
 
 Test(transport, a_storage_read_from_an_out_of_band_frame_is_refused_never_read_at_its_base) {
@@ -5310,11 +5303,7 @@ static void accept_in_callback(int caller) {
   dp_future_release(d);
   dp_endpoint_free(a2);
   dp_endpoint_free(b2);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_pair(a, b, l, t);
 }
 
 Test(transport, an_accept_from_a_callback_run_by_the_thread_is_refused_at_once_instead_of_blocking_the_loop,
@@ -5371,11 +5360,7 @@ Test(transport, a_transport_wait_from_a_callback_run_by_a_callers_pass_on_its_ow
   dp_future_release(cb.child);
   dp_future_release(r);
   dp_future_release(d);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_pair(a, b, l, t);
 }
 
 /* A connector freed before its peer's ACCEPT reached it sends no CLOSE
@@ -6167,13 +6152,7 @@ Test(transport, a_close_on_the_same_host_lane_fails_the_endpoint) {
   cr_assert_eq(atomic_load(&dp__transport_lane_msgs) - before, 1, "the CLOSE did not come on the lane");
   cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(rc), rc ? e.message : "the endpoint still works");
   cr_assert(strstr(e.message, "a close message the protocol does not expect"), "%s", e.message);
-  dp_endpoint_free(c);
-  dp_endpoint_free(a);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(c, a, l, t);
 }
 
 /* peer: a corrupt frame announcing a buffer it never sends, then CLOSE
@@ -6729,13 +6708,7 @@ Test(transport, the_transports_unpickle_limits_check_every_received_value_and_ar
     dp_future_release(d);
     dp_future_release(r);
   }
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 /* HOST may be a name: its first IPv4 address (transport.h,
@@ -6760,13 +6733,7 @@ Test(transport, a_host_given_by_name_is_listened_on_and_connected_to) {
   OK_WITH(&e, wait_f(d, &e));
   dp_future_release(d);
   dp_future_release(r);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 /* dp_endpoint_send_frame: a frame that fails dp_frame_check is refused
@@ -6807,13 +6774,7 @@ Test(transport, a_frame_that_fails_the_frame_check_is_refused_by_send_frame_with
   dp_future_release(r);
   free(bad);
   dp_frame_free(fr);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 /* An inline frame with a buffer: dp_endpoint_recv gives a value whose
@@ -6861,13 +6822,7 @@ Test(transport, an_inline_frame_arrives_as_a_value_carrying_host_data_or_as_the_
   dp_future_release(r2);
   dp_frame_free(fr);
   dp_value_release(v);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 /* dp_endpoint_recv_frame made after a value with out-of-band buffers has
@@ -6902,13 +6857,7 @@ Test(transport, a_frame_receive_made_after_a_value_with_buffers_arrived_refuses_
   dp_future_release(d);
   dp_future_release(d2);
   dp_value_release(v);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 /* Caller-driven, a callback of a caller's pass may make a listener (its
@@ -6988,11 +6937,7 @@ Test(transport, a_negative_or_huge_timeout_is_no_limit) {
     dp_future_release(r1);
     dp_future_release(r2);
     dp_value_release(big);
-    dp_endpoint_free(a);
-    dp_endpoint_free(b);
-    dp_listener_free(l);
-    dp_transport_free(t);
-    cur_t = NULL;
+    free_pair(a, b, l, t);
   }
   dp_shutdown();
   ASSERT_NO_LEAK();
@@ -7109,13 +7054,7 @@ Test(transport, values_larger_than_the_in_flight_bound_still_go_one_at_a_time) {
     dp_future_release(r[i]);
   }
   free(raw);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 /* LANE_HELLO goes from the acceptor to the connector only, value 1 on
@@ -7271,13 +7210,7 @@ static void take_queued_in_callback(int caller) {
   dp_future_release(d);
   dp_endpoint_free(cb.ep);
   dp_endpoint_free(a2);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 Test(transport, an_accept_from_a_callback_run_by_the_thread_takes_a_connection_already_queued) {
@@ -7406,13 +7339,7 @@ Test(transport, the_callers_bind_callback_is_ignored_and_the_transport_binds_buf
   dp_future_release(d);
   dp_future_release(r);
   dp_value_release(v);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 /* dp_endpoint_send_frame copies the bytes: the caller may reuse its
@@ -7450,13 +7377,7 @@ Test(transport, a_frames_bytes_are_copied_by_send_frame_and_may_be_reused_at_onc
   dp_future_release(r);
   free(big);
   dp_frame_free(fr);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 /* dp_transport_free, which frees its listeners, ends an accept another
@@ -7512,13 +7433,7 @@ Test(transport, a_listener_freed_from_a_callback_of_a_pass_under_a_waiting_accep
   dp_future_release(c);
   dp_future_release(r);
   dp_future_release(d);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 /* dp_endpoint_send returns the pickler's error at once, *done NULL, and
@@ -7554,13 +7469,7 @@ Test(transport, a_value_the_pickler_refuses_is_refused_by_send_with_its_error_an
   OK_WITH(&e, wait_f(d, &e));
   dp_future_release(d);
   dp_future_release(r);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 
@@ -7648,11 +7557,7 @@ Test(transport, a_send_after_a_pending_future_arrives_after_that_futures_value) 
     for (int i = 0; i < 3; i++) dp_future_release(r[i]);
     dp_future_release(f1);
     dp_future_release(f2);
-    dp_endpoint_free(a);
-    dp_endpoint_free(b);
-    dp_listener_free(l);
-    dp_transport_free(t);
-    cur_t = NULL;
+    free_pair(a, b, l, t);
   }
   dp_shutdown();
   ASSERT_NO_LEAK();
@@ -7696,11 +7601,7 @@ Test(transport, received_device_buffers_come_from_the_callers_cache_whose_backen
   dp_future_release(d);
   dp_future_release(r);
   dp_value_release(v);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_pair(a, b, l, t);
   dp_cache_free(mine);
   dp_shutdown();
   ASSERT_NO_LEAK();
@@ -7767,13 +7668,7 @@ static void refused_staged(int shm) {
     dp_future_release(d[i]);
     dp_future_release(r[i]);
   }
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 Test(transport, a_refused_frames_staged_buffers_are_drained_through_same_host_slots_and_the_next_value_arrives) {
@@ -7816,13 +7711,7 @@ static void frame_receive_refuses_staged(int shm) {
     }
   }
   cr_assert_eq(dp_endpoint_error(b, NULL), 0);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 Test(transport, a_frame_receive_refuses_a_staged_value_drained_through_same_host_slots_and_the_next_arrives) {
@@ -7994,13 +7883,7 @@ Test(transport, an_inline_frame_naming_another_backends_device_fails_its_value_r
   }
   dp_frame_free(fr);
   dp_value_release(v);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_pair_checked(a, b, l, t);
 }
 
 /* A listener on a port given explicitly listens there: dp_listener_port
@@ -8026,9 +7909,5 @@ Test(transport, a_listener_on_a_given_port_listens_there) {
   OK_WITH(&e, wait_f(d, &e));
   dp_future_release(d);
   dp_future_release(r);
-  dp_endpoint_free(a);
-  dp_endpoint_free(b);
-  dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_pair(a, b, l, t);
 }
