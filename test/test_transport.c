@@ -178,21 +178,25 @@ static void echo_once(dp_endpoint_t *ep) {
   dp_future_release(back);
 }
 
-/* Frees ep and t, then checks that the peer exited 0 and nothing leaked. */
-static void close_clean(dp_endpoint_t *ep, dp_transport_t *t, peer_t p) {
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
-}
-
 /* Checks that nothing leaked: the end of a test that tracks allocations
  * (t_track), everything it made freed. */
 static void check_no_leak(void) {
   dp_shutdown();
   ASSERT_NO_LEAK();
+}
+
+/* Frees t, which is this process's current transport (cur_t) no more. */
+static void free_transport(dp_transport_t *t) {
+  dp_transport_free(t);
+  cur_t = NULL;
+}
+
+/* Frees ep and t, then checks that the peer exited 0 and nothing leaked. */
+static void close_clean(dp_endpoint_t *ep, dp_transport_t *t, peer_t p) {
+  dp_endpoint_free(ep);
+  free_transport(t);
+  cr_assert_eq(peer_wait(p), 0);
+  check_no_leak();
 }
 
 /* Frees the endpoints, listener and transport that listen_pair's caller
@@ -201,8 +205,7 @@ static void free_pair(dp_endpoint_t *connected, dp_endpoint_t *accepted, dp_list
   dp_endpoint_free(connected);
   dp_endpoint_free(accepted);
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* free_pair, then check_no_leak: how most tests of one transport end. */
@@ -632,8 +635,7 @@ Test(transport, a_transport_has_at_most_32_lanes_at_once_and_a_lane_freed_is_the
   }
   dp_listener_free(l);
   dp_transport_free(t);
-  dp_transport_free(ta);
-  cur_t = NULL;
+  free_transport(ta);
 }
 
 Test(transport, an_endpoint_to_an_address_of_one_of_this_hosts_interfaces_gets_a_lane) {
@@ -770,10 +772,8 @@ Test(transport, a_caller_driven_wait_on_a_killed_peer_fails_with_connection_lost
   dp_future_release(d);
   dp_future_release(r);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_transport(t);
+  check_no_leak();
 }
 
 Test(transport, a_caller_driven_wait_without_a_limit_waits_for_the_value) {
@@ -791,8 +791,7 @@ Test(transport, a_caller_driven_wait_without_a_limit_waits_for_the_value) {
   dp_future_release(d);
   dp_future_release(r);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   cr_assert_eq(peer_wait(p), 0);
 }
 
@@ -827,8 +826,7 @@ Test(transport, caller_driven_progress_returns_at_once_from_a_callback_and_accep
   dp_future_release(r);
   dp_future_release(d);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   cr_assert_eq(peer_wait(p), 0);
 }
 
@@ -958,8 +956,7 @@ Test(transport, an_ipv6_address_is_refused_at_listen_and_at_connect_with_the_rea
   dp_listener_t *l; /* IPv4 still listens */
   OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* UCX says "Input/output error" for an address its bind() cannot take; the
@@ -973,8 +970,7 @@ Test(transport, listening_on_an_address_that_is_not_this_machines_says_so) {
   cr_assert_null(l);
   cr_assert_str_eq(e.message, "transport: cannot listen on 192.0.2.1: it is not an address of this machine "
                               "(Cannot assign requested address)");
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* A listen on a port in use says which address is in use, HOST:PORT as the
@@ -996,8 +992,7 @@ Test(transport, listening_on_a_port_another_listener_holds_says_the_address_is_i
   OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
   listen_in_use_says(t, dp_listener_port(l));
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 Test(transport, listening_on_a_port_a_plain_socket_listens_on_names_the_address_in_use) {
@@ -1006,8 +1001,7 @@ Test(transport, listening_on_a_port_a_plain_socket_listens_on_names_the_address_
   int port, fd = t_loopback_socket(1, &port);
   listen_in_use_says(t, port);
   close(fd);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   check_no_leak();
 }
 
@@ -1105,8 +1099,7 @@ Test(transport, progress_and_wait_on_a_threaded_or_null_transport) {
   cr_assert_eq(dp_transport_wait(t, f, 1000000, &e), DP_ETIMEDOUT);
   cr_assert_str_eq(e.message, "dp_transport_wait: the future did not complete within 1000000 ns");
   dp_future_release(f);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* Two threads accepting on one listener of a caller-driven transport, with
@@ -1164,10 +1157,8 @@ Test(transport, two_threads_accepting_without_a_limit_on_a_caller_driven_listene
   }
   dp_listener_free(l);
   dp_transport_free(t);
-  dp_transport_free(c);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_transport(c);
+  check_no_leak();
 }
 
 /* ---- user objects and customs ---- */
@@ -1479,8 +1470,7 @@ Test(transport, a_future_sent_and_still_pending_keeps_no_descriptor_of_a_freed_t
   OK(dp_future_mark_completed(f, dp_int(1), T_ERR)); /* the late completion wakes nothing, and is harmless */
   dp_future_release(f);
   cr_assert_eq(open_fds(), before);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* then(): the value 7, whatever the parent's */
@@ -1676,10 +1666,8 @@ Test(transport, a_caller_driven_wait_in_a_callback_of_another_future_runs_the_ca
   dp_endpoint_free(d.c);
   dp_endpoint_free(d.a);
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_transport(t);
+  check_no_leak();
 }
 
 /* Caller-driven: a future that a send waits for, completed during a pass
@@ -1736,10 +1724,8 @@ Test(transport, a_pass_that_completes_a_future_a_send_waits_for_is_not_idle_call
   dp_endpoint_free(a2);
   dp_listener_free(l1);
   dp_listener_free(l2);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_transport(t);
+  check_no_leak();
 }
 
 /* ---- staging: host:N memory staged as cuda memory is ---- */
@@ -1875,8 +1861,7 @@ Test(transport, a_cpu_buffer_after_a_staged_one_leaves_after_it_while_its_copy_w
   dp_future_release(d);
   dp_value_release(v);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   cr_assert_eq(peer_wait(p), 0, "the receiver parked pieces of the value: they left out of the table's order");
   dp_stream_free(s);
 }
@@ -1963,8 +1948,7 @@ static void staged_wait_sleeps(const char *shm) {
   dp_future_release(d1);
   dp_value_release(big);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   unsetenv("DEVPICKLE_TRANSPORT_SHM");
   cr_assert_eq(peer_wait(stuck), 128 + SIGKILL);
 }
@@ -2180,8 +2164,7 @@ static void crafted_fails(crafted_t c, const char *needle) {
   dp_endpoint_free(ep);
   dp_transport_free(t);
   peer_wait(p);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, a_buffers_message_shorter_than_its_header_says_is_refused_not_padded_with_old_bytes) {
@@ -2249,8 +2232,7 @@ Test(transport, a_lane_offer_naming_a_file_that_does_not_prove_the_same_user_is_
   dp_future_release(r);
   shm_unlink(name);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   cr_assert_eq(peer_wait(p), 0, "the acceptor did not live on");
 }
 
@@ -2290,8 +2272,7 @@ Test(transport, the_acceptor_removes_the_lane_file_it_read_even_when_the_connect
   cr_assert_not(shm_name_exists(name), "the acceptor read the file and left its name");
   dp__shm_release(f);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   ucp_worker_destroy(w);
   ucp_cleanup(ctx);
   cr_assert_eq(peer_wait(p), 0, "the acceptor did not live on");
@@ -2334,8 +2315,7 @@ Test(transport, offers_a_stopped_peer_never_answers_are_withdrawn_and_their_name
   peer_wait(p);
   dp_future_release(d);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 Test(transport, a_piece_that_can_never_be_next_is_refused_at_once_not_parked_forever) {
@@ -2486,8 +2466,7 @@ Test(transport, a_packed_message_of_staged_buffers_larger_than_a_slot_arrives_in
   dp_endpoint_free(ep);
   dp_transport_free(t);
   peer_wait(p);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, a_chunk_running_past_the_end_of_its_buffer_is_refused_never_written_past_it) {
@@ -2686,8 +2665,7 @@ static void crafted_offer_refused(offer_crafted_t c) {
   dp_future_release(r);
   dp_future_release(d);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   peer_wait(p);
 }
 
@@ -2863,11 +2841,9 @@ static void park_pieces_past(uint64_t bound, size_t pieces, const char *over) {
   dp_future_release(r);
   dp_future_release(d);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   peer_wait(p);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* Parked messages were capped by count alone (1,000,000): pieces of values
@@ -2937,11 +2913,9 @@ Test(transport, a_piece_parked_twice_fails_the_endpoint_when_the_copy_comes_afte
   dp_future_release(r2);
   dp_future_release(d);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   peer_wait(p);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* peer: once the other side's first value came, a value of two one-byte
@@ -2986,11 +2960,9 @@ Test(transport, a_value_whose_buffers_stop_arriving_fails_its_receive_with_a_tim
   dp_future_release(r);
   dp_future_release(d);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   peer_wait(p);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* peer (caller-driven): once the other side's first value came, sends a
@@ -3031,10 +3003,8 @@ static void stalled_pull_times_out(int buffer) {
   kill(p.pid, SIGKILL);
   peer_wait(p);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_transport(t);
+  check_no_leak();
 }
 
 Test(transport, a_frame_whose_rendezvous_stops_mid_transfer_fails_its_receive_with_a_timeout) {
@@ -3097,11 +3067,9 @@ Test(transport, finding_the_endpoint_of_a_message_costs_the_same_however_many_en
     dp_endpoint_free(a[i]);
   }
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   unsetenv("DEVPICKLE_TRANSPORT_SHM");
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, endpoints_made_after_others_were_freed_and_those_still_open_each_find_their_messages) {
@@ -3140,8 +3108,7 @@ Test(transport, endpoints_made_after_others_were_freed_and_those_still_open_each
     dp_endpoint_free(a[i]);
   }
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* peer (a window of 1 GiB): answers its first value with 0 (its grant
@@ -3257,8 +3224,7 @@ Test(transport, a_refused_connection_fails_every_pending_future_with_a_clear_err
   dp_endpoint_free(ep);
   dp_transport_free(t);
   close(fd);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* Sends a tensor over all of st (n bytes, stolen) to a port nobody
@@ -3334,8 +3300,7 @@ Test(transport, a_callback_run_by_the_transports_free_cannot_connect_and_nothing
                    "dp_endpoint_connect: the transport is being freed (dp_transport_free): no endpoint is made");
   dp_future_release(child);
   dp_future_release(r);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* A storage's base may be any address (value.h), and a caller's that was
@@ -3505,8 +3470,7 @@ static void killed_while_receiving(int dev) {
   cr_assert_eq(peer_wait(p), 128 + SIGKILL);
   dp_endpoint_free(ep);
   dp_transport_free(t);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, a_peer_killed_while_receiving_fails_the_pending_sends) { killed_while_receiving(-1); }
@@ -3616,11 +3580,9 @@ Test(transport, a_message_of_an_id_the_protocol_does_not_use_fails_the_endpoint_
   dp_future_release(r);
   dp_future_release(d);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   peer_wait(p);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* peer side: receives until the other side closes (0), or 13 */
@@ -3825,13 +3787,11 @@ static void failed_inside_a_post(int stage, int nth) {
   dp_future_release(d);
   dp_value_release(l);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   dp__transport_stage_host = 0;
   unsetenv("DEVPICKLE_TRANSPORT_SHM");
   cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, an_endpoint_that_fails_inside_the_post_of_a_staged_piece_stops_posting_and_frees_the_send) {
@@ -3973,8 +3933,7 @@ Test(transport, a_slow_receiver_holds_the_senders_back_and_closing_fails_the_pen
   dp_transport_free(t);
   close(fds[1]);
   cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, closing_with_one_send_and_one_receive_pending_says_so_in_the_singular) {
@@ -4004,8 +3963,7 @@ Test(transport, closing_with_one_send_and_one_receive_pending_says_so_in_the_sin
   dp_future_release(d[0]);
   dp_future_release(d[1]);
   dp_future_release(r);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   close(fds[1]);
   cr_assert_eq(peer_wait(p), 0);
 }
@@ -4081,8 +4039,7 @@ Test(transport, a_frame_over_64_kib_stays_with_its_sender_until_the_receiver_pul
   for (int i = 0; i < 2; i++) dp_future_release(d[i]);
   dp_value_release(big);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   cr_assert_eq(peer_wait(p), 128 + SIGKILL);
 }
 
@@ -4463,10 +4420,8 @@ Test(transport, a_timeout_check_looks_at_one_posted_send_an_endpoint_however_man
   dp_endpoint_free(ep);
   dp__transport_skip_credit = 0;
   for (int i = 0; i < N; i++) dp_future_release(done[i]);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_transport(t);
+  check_no_leak();
 }
 
 Test(transport, a_send_the_peer_does_not_take_in_time_fails_with_a_timeout) {
@@ -4498,8 +4453,7 @@ Test(transport, a_send_the_peer_does_not_take_in_time_fails_with_a_timeout) {
   dp_value_release(v);
   dp_endpoint_free(ep);
   dp_transport_free(t);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* peer: takes one value (the connection is established), then stops */
@@ -4551,8 +4505,7 @@ Test(transport, small_values_sent_to_a_peer_that_stopped_taking_fail_with_a_time
   if (d) dp_future_release(d);
   dp_endpoint_free(ep);
   dp_transport_free(t);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* peer: sends a frame whose table names a cuda buffer (with its bytes), then
@@ -4683,11 +4636,9 @@ Test(transport, closing_an_endpoint_while_large_buffers_arrive_fails_its_receive
       cr_assert(rc == 0 || rc == DP_ECANCELED, "%s: %s", dp_err_name(rc), e.message);
     }
     for (int i = 0; i < 4; i++) dp_future_release(r[i]);
-    dp_transport_free(t);
-    cur_t = NULL;
+    free_transport(t);
     peer_wait(p);
-    dp_shutdown();
-    ASSERT_NO_LEAK();
+    check_no_leak();
   }
 }
 
@@ -4732,14 +4683,12 @@ Test(transport, freeing_a_transport_whose_peer_stopped_mid_transfer_closes_its_e
   dp_endpoint_free(ep);
   for (int i = 0; i < 4; i++) dp_future_release(r[i]);
   int64_t t0 = now_ns_t();
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   int64_t took = now_ns_t() - t0;
   kill(p.pid, SIGKILL);
   peer_wait(p);
   cr_assert_lt(took, 18 * SEC / 10, "dp_transport_free took %.3f s: the close waited to the drain's end", took / 1e9);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* The two tests below make names of dead processes in /dev/shm and check
@@ -4787,8 +4736,7 @@ Test(transport, a_new_transport_removes_the_names_that_dead_processes_of_this_us
   cr_assert_geq(fd, 0, "a live process's name was removed");
   close(fd);
   shm_unlink(live);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   close(lock);
 }
 
@@ -4985,8 +4933,7 @@ Test(transport, a_new_transport_leaves_names_that_are_not_a_dead_processes_files
   shm_unlink(theirs);
   shm_unlink(neg);
   shm_unlink(tail);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   close(lock);
 }
 
@@ -5013,8 +4960,7 @@ Test(transport, an_offer_naming_a_fifo_is_refused_at_once_and_never_blocks_the_l
   cr_assert(strstr(e.message, "a same-host lane message the protocol does not expect"), "%s", e.message);
   dp_future_release(r);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   cr_assert_eq(peer_wait(p), 0, "the acceptor did not live on");
 }
 
@@ -5106,11 +5052,9 @@ static void closing_twice_from_callbacks(int caller) {
   cr_assert_eq(cb.ran, 2);
   for (int i = 0; i < 2; i++) dp_future_release(r[i]), dp_future_release(c[i]);
   dp_future_release(d);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   cr_assert_eq(peer_wait(p), 0, "the peer did not see the close");
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, an_endpoint_closed_again_from_a_callback_its_close_runs_closes_once_thread_driven) {
@@ -5139,8 +5083,7 @@ Test(transport, freeing_a_transport_whose_endpoint_a_callback_closed_closes_that
   dp_future_t *r, *c;
   OK(dp_endpoint_recv(a, &r, T_ERR));
   OK(dp_future_then_with_ptrs(r, close_once_more, &cb, &c, T_ERR));
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   cr_assert_eq(cb.ran, 1);
   dp_error_t e;
   cr_assert_eq(dp_future_error(r, &e), DP_ECANCELED, "%s", e.message);
@@ -5148,8 +5091,7 @@ Test(transport, freeing_a_transport_whose_endpoint_a_callback_closed_closes_that
   dp_future_release(c);
   cr_assert_eq(peer_wait(pa), 0);
   cr_assert_eq(peer_wait(pb), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* peer: echoes one value, then its next receive must fail within 10 s, as
@@ -5178,8 +5120,7 @@ Test(transport, a_caller_driven_endpoint_free_closes_the_connection_without_furt
   echo_once(ep);
   dp_endpoint_free(ep); /* nothing pending: a graceful close */
   cr_assert_eq(peer_wait(p), 0, "the peer did not see the close (21: its receive waited 10 s)");
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* A callback run by the progress thread that makes or frees a listener is
@@ -5223,8 +5164,7 @@ Test(transport, a_callback_run_by_the_thread_is_refused_making_or_freeing_a_list
   dp_future_release(c);
   dp_future_release(r);
   dp_future_release(d);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   (void)a2;
 }
 
@@ -5245,8 +5185,7 @@ Test(transport, a_callback_run_by_a_callers_pass_makes_and_frees_a_listener_at_o
   dp_future_release(r);
   dp_future_release(d);
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* A callback the loop runs that accepts with a limit is refused at once
@@ -5403,8 +5342,7 @@ Test(transport, a_connector_freed_before_its_peers_accept_reached_it_is_read_by_
   }
   dp_listener_free(l);
   dp_transport_free(t2);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* dp_listener_free while another thread waits in dp_listener_accept on it
@@ -5444,8 +5382,7 @@ static void free_under_accept_by(int caller, int whole) {
   cr_assert_str_eq(a.e.message, says);
   if (!whole) dp_transport_free(t);
   cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 static void free_under_accept(int caller) { free_under_accept_by(caller, 0); }
@@ -5476,8 +5413,7 @@ static void accept_times_out(int caller) {
     cr_assert_str_eq(e.message, says);
   }
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 Test(transport, an_accept_that_times_out_names_its_limit_thread_driven) { accept_times_out(0); }
@@ -5515,8 +5451,7 @@ Test(transport, a_frame_without_buffers_is_sent_as_it_is_and_one_with_buffers_no
   dp_frame_free(fr);
   dp_value_release(v);
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* peer: accepts (the listener's loop answers ACCEPT) and then never sends */
@@ -5550,8 +5485,7 @@ Test(transport, a_connector_that_only_receives_fails_with_a_timeout_when_nobody_
   }
   close(fd);
   cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, an_accepted_connection_that_stays_quiet_does_not_time_out) {
@@ -5572,8 +5506,7 @@ Test(transport, an_accepted_connection_that_stays_quiet_does_not_time_out) {
   dp_future_release(r);
   dp_transport_free(t);
   cr_assert_eq(peer_wait(p), 0);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* A refused frame's receive whose callback closes the endpoint: the close
@@ -5603,8 +5536,7 @@ static void refused_then_closed(int caller) {
   dp_future_release(d);
   dp_transport_free(t);
   peer_wait(p);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, a_refused_frames_receive_whose_callback_closes_the_endpoint_thread_driven) { refused_then_closed(0); }
@@ -5630,8 +5562,7 @@ Test(transport, freeing_a_transport_cancels_an_endpoint_to_its_own_listener_befo
     OK(wait_f(d, T_ERR));
     dp_future_release(d);
     OK(dp_endpoint_recv(ep, &r, T_ERR));
-    dp_transport_free(t);
-    cur_t = NULL;
+    free_transport(t);
     dp_error_t e;
     cr_assert_eq(dp_future_wait(r, 10 * SEC, &e), DP_ECANCELED, "round %d: %s: %s", round, dp_err_name(e.code),
                  e.message);
@@ -5664,12 +5595,10 @@ static peer_t close_to_a_hung_peer(int caller, dp_transport_t **t) {
 
 /* Frees t (already freed when NULL), kills p, and checks that nothing leaked. */
 static void hung_peer_done(dp_transport_t *t, peer_t p) {
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   kill(p.pid, SIGKILL);
   cr_assert_eq(peer_wait(p), 128 + SIGKILL);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* Freeing the transport then must give the close up, not abort the process
@@ -5814,8 +5743,7 @@ static void wait_keeps_a_timeout_failure(int caller) {
   cr_assert_eq(dp_transport_wait(t, f, 10 * SEC, &e), DP_ETIMEDOUT);
   cr_assert_str_eq(e.message, why.message);
   dp_future_release(f);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 Test(transport, a_wait_on_a_future_failed_with_a_timeout_gives_the_futures_message_thread_driven) {
@@ -5868,12 +5796,10 @@ Test(transport, a_peer_that_closes_right_after_accepting_fails_16_pending_receiv
     cr_assert(strstr(e.message, "the peer closed its endpoint"), "%s", e.message);
     cr_assert_eq(dp_endpoint_error(ep, &e), DP_ECANCELED);
     dp_endpoint_free(ep);
-    dp_transport_free(t);
-    cur_t = NULL;
+    free_transport(t);
     cr_assert_eq(peer_wait(p), 0);
   }
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 #define CLOSE_K 24
@@ -5947,11 +5873,9 @@ static void values_then_close(int late) {
   cr_assert_eq(dp_endpoint_recv(ep, &f, &e), DP_ECANCELED);
   cr_assert(strstr(e.message, "the peer closed its endpoint"), "%s", e.message);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   if (!late) cr_assert_eq(peer_wait(p), 0, "the peer's sends failed");
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, values_a_peer_sent_before_closing_at_once_complete_pending_receives_then_its_close_fails_the_next) {
@@ -5994,10 +5918,8 @@ Test(transport, a_peer_killed_after_answering_still_reads_as_connection_lost_not
   dp_future_release(d);
   cr_assert_eq(peer_wait(p), 128 + SIGKILL);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_transport(t);
+  check_no_leak();
 }
 
 Test(transport, an_accepted_endpoint_whose_connector_dies_before_sending_anything_reads_connection_lost) {
@@ -6051,8 +5973,7 @@ Test(transport, an_accepted_endpoint_whose_connector_dies_before_sending_anythin
   dp_future_release(r);
   dp_endpoint_free(a);
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* ---- a hostile peer's CLOSE (docs/TRANSPORT.md, "On the wire") ---- */
@@ -6226,8 +6147,7 @@ static void acceptor_refuses_n(unsigned id, dp__am_shm_ctl_t c, const char *data
   dp_future_wait(r, 20 * SEC, NULL); /* ends as the acceptor, its endpoint failed, goes */
   dp_future_release(r);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   cr_assert_eq(peer_wait(p), 0, "the acceptor did not fail its endpoint with \"%s\"", needle);
 }
 
@@ -6364,8 +6284,7 @@ Test(transport, a_sender_that_used_its_credit_exactly_posts_nothing_more) {
   for (size_t i = 0; i < n; i++) dp_future_release(d[i]);
   dp_value_release(v);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* peer: value 0's frame (one cpu buffer of 4 KiB), CLOSE counting that one
@@ -6562,8 +6481,7 @@ static void free_many_to_a_hung_peer(int caller) {
   cr_assert_eq(peer_wait(p), 128 + SIGKILL);
   cr_assert_lt(took, 6 * SEC, "freeing the transport with %d endpoints to a hung peer took %lld ms", MANY_CLOSE,
                (long long)(took / 1000000));
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 Test(transport, freeing_a_transport_with_many_endpoints_to_a_hung_peer_gives_their_closes_up_together_thread_driven) {
@@ -6902,8 +6820,7 @@ Test(transport, a_callback_run_by_a_caller_driven_transports_free_makes_no_liste
   cr_assert(lf.rc == 0 || lf.rc == DP_ECANCELED, "%s: %s", dp_err_name(lf.rc), lf.e.message);
   dp_future_release(child);
   dp_future_release(r);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* opts.timeout_ns 0 or less is no limit, and a huge one saturates (no
@@ -6939,8 +6856,7 @@ Test(transport, a_negative_or_huge_timeout_is_no_limit) {
     dp_value_release(big);
     free_pair(a, b, l, t);
   }
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* A future sent on a failed endpoint is refused at once with the
@@ -6969,11 +6885,9 @@ Test(transport, a_future_sent_on_a_failed_endpoint_is_refused_at_once_with_its_e
   dp_future_release(f);
   dp_future_release(r);
   dp_endpoint_free(ep);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
   close(fd);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* dp_listener_free closes the connections it accepted that nobody took
@@ -7008,10 +6922,8 @@ Test(transport, freeing_a_listener_closes_the_connections_nobody_took_and_their_
   dp_future_release(d);
   dp_endpoint_free(c);
   dp_transport_free(tl);
-  dp_transport_free(tc);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_transport(tc);
+  check_no_leak();
 }
 
 /* One value larger than max_inflight_bytes (and than the credit window)
@@ -7115,8 +7027,7 @@ Test(transport, a_transport_ucx_cannot_start_is_dp_enodev_with_its_reason) {
   cr_assert_null(t);
   cr_assert(strstr(e.message, "dp_transport_new: UCX did not start: "), "%s", e.message);
   cr_assert_gt(strlen(e.message), strlen("dp_transport_new: UCX did not start: "), "no reason given");
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* dp_transport_free fails every pending future of the endpoints still
@@ -7134,8 +7045,7 @@ Test(transport, freeing_a_transport_fails_the_pending_futures_of_its_open_endpoi
     dp_future_t *ra, *rb;
     OK(dp_endpoint_recv(a, &ra, T_ERR));
     OK(dp_endpoint_recv(b, &rb, T_ERR));
-    dp_transport_free(t);
-    cur_t = NULL;
+    free_transport(t);
     dp_future_t *rs[2] = {ra, rb};
     for (int i = 0; i < 2; i++) {
       dp_error_t e;
@@ -7149,8 +7059,7 @@ Test(transport, freeing_a_transport_fails_the_pending_futures_of_its_open_endpoi
       dp_future_release(rs[i]);
     }
   }
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* From a callback the loop runs, an accept takes a connection already
@@ -7239,8 +7148,7 @@ Test(transport, a_transport_whose_default_backend_fails_returns_that_error) {
     cr_assert_str_eq(e.message, want.message);
   }
   setenv("DEVPICKLE_BACKEND", "host", 1);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* A newcomer's program, as README.md's transport section writes it: the
@@ -7299,8 +7207,7 @@ Test(transport, the_readmes_program_sends_one_value_between_two_processes) {
   cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the receiver: status %d", st);
   dp_endpoint_free(ep);
   dp_transport_free(t);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* opts.unpickle's bind is ignored: the transport binds buffers itself
@@ -7509,10 +7416,8 @@ Test(transport, a_close_with_a_send_pending_is_read_by_the_peer_as_a_lost_connec
   dp_future_release(d[1]);
   dp_endpoint_free(b);
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_transport(t);
+  check_no_leak();
 }
 
 /* A future's send waits in the endpoint's queue in order with the sends
@@ -7559,8 +7464,7 @@ Test(transport, a_send_after_a_pending_future_arrives_after_that_futures_value) 
     dp_future_release(f2);
     free_pair(a, b, l, t);
   }
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* opts.cache: received device buffers are allocated from it, and the
@@ -7603,8 +7507,7 @@ Test(transport, received_device_buffers_come_from_the_callers_cache_whose_backen
   dp_value_release(v);
   free_pair(a, b, l, t);
   dp_cache_free(mine);
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  check_no_leak();
 }
 
 /* a tensor of n bytes on host:dev, its byte i (i * 3 + seed) */
@@ -7749,10 +7652,8 @@ Test(transport, two_threads_accepting_without_a_limit_on_a_thread_driven_listene
   }
   dp_listener_free(l);
   dp_transport_free(t);
-  dp_transport_free(c);
-  cur_t = NULL;
-  dp_shutdown();
-  ASSERT_NO_LEAK();
+  free_transport(c);
+  check_no_leak();
 }
 
 /* The system lets a TCP socket bind and listen on a multicast or broadcast
@@ -7796,8 +7697,7 @@ Test(transport, listening_on_a_multicast_or_broadcast_address_says_it_is_not_thi
   dp_listener_t *l;
   OK(dp_listener_new(t, "127.0.0.2:0", &l, T_ERR));
   dp_listener_free(l);
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* A scoped IPv6 address ("fe80::1%lo", bracketed or not) is an IPv6
@@ -7829,8 +7729,7 @@ Test(transport, a_scoped_ipv6_address_is_refused_as_ipv6_with_the_reason) {
     cr_assert(strncmp(e.message, want, strlen(want)) == 0, "%s", e.message);
     cr_assert(strstr(e.message, "(0.0.0.0: every interface)"), "%s", e.message);
   }
-  dp_transport_free(t);
-  cur_t = NULL;
+  free_transport(t);
 }
 
 /* An inline frame (dp_endpoint_send_frame) whose buffer is on another
