@@ -134,6 +134,14 @@ static dp_transport_t *new_transport(const dp_transport_opts_t *o) {
   return cur_t = t;
 }
 
+/* A transport whose progress the caller drives (caller 1) or its own
+ * thread does (0): the tests that run both ways. */
+static dp_transport_t *new_transport_driven(int caller) {
+  dp_transport_opts_t o = {0};
+  o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : DP_TRANSPORT_PROGRESS_THREAD;
+  return new_transport(&o);
+}
+
 /* A listener of t on a free loopback port, an endpoint connected to it
  * (*connected) and the one it accepted (*accepted). */
 static dp_listener_t *listen_pair(dp_transport_t *t, dp_endpoint_t **connected, dp_endpoint_t **accepted) {
@@ -196,6 +204,15 @@ static void close_clean(dp_endpoint_t *ep, dp_transport_t *t, peer_t p) {
   dp_endpoint_free(ep);
   free_transport(t);
   cr_assert_eq(peer_wait(p), 0);
+  check_no_leak();
+}
+
+/* As close_clean, whatever the peer's exit status: a peer that put
+ * garbage on the wire, or whose endpoint this side failed, ends as it can. */
+static void close_and_reap(dp_endpoint_t *ep, dp_transport_t *t, peer_t p) {
+  dp_endpoint_free(ep);
+  free_transport(t);
+  peer_wait(p);
   check_no_leak();
 }
 
@@ -1115,6 +1132,21 @@ typedef struct {
   dp_error_t e;
 } acceptor_t;
 
+/* Frees what two accepting threads got (a) and the connections made to
+ * them (out), the listener and both transports; checks that nothing
+ * leaked. */
+static void free_two_accepted(acceptor_t a[2], dp_endpoint_t *out[2], dp_listener_t *l, dp_transport_t *t,
+                              dp_transport_t *c) {
+  for (int i = 0; i < 2; i++) {
+    dp_endpoint_free(a[i].ep);
+    dp_endpoint_free(out[i]);
+  }
+  dp_listener_free(l);
+  dp_transport_free(t);
+  free_transport(c);
+  check_no_leak();
+}
+
 static void *accept_unlimited(void *arg) {
   acceptor_t *a = arg;
   dp_error_clear(&a->e);
@@ -1151,14 +1183,7 @@ Test(transport, two_threads_accepting_without_a_limit_on_a_caller_driven_listene
   dp__transport_accept_gap = NULL;
   cr_assert_eq(a[0].rc, 0, "%s: %s", dp_err_name(a[0].rc), a[0].e.message);
   cr_assert(a[0].ep && a[1].ep && a[0].ep != a[1].ep);
-  for (int i = 0; i < 2; i++) {
-    dp_endpoint_free(a[i].ep);
-    dp_endpoint_free(out[i]);
-  }
-  dp_listener_free(l);
-  dp_transport_free(t);
-  free_transport(c);
-  check_no_leak();
+  free_two_accepted(a, out, l, t, c);
 }
 
 /* ---- user objects and customs ---- */
@@ -1393,9 +1418,7 @@ static void *complete_later(void *f) {
 
 static void send_future_sleeps(int caller) {
   t_track();
-  dp_transport_opts_t o = {0};
-  o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : DP_TRANSPORT_PROGRESS_THREAD;
-  dp_transport_t *t = new_transport(&o);
+  dp_transport_t *t = new_transport_driven(caller);
   dp_endpoint_t *c, *a;
   dp_listener_t *l = listen_pair(t, &c, &a);
   dp_future_t *f, *d, *r;
@@ -1541,9 +1564,7 @@ static int wait_from_then_ptrs(void *ud, dp_future_t *parent, dp_value_t *result
 
 static void wait_from_a_callback_of_the_loop(int caller) {
   t_track();
-  dp_transport_opts_t o = {0};
-  o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : DP_TRANSPORT_PROGRESS_THREAD;
-  dp_transport_t *t = new_transport(&o);
+  dp_transport_t *t = new_transport_driven(caller);
   dp_endpoint_t *c, *a;
   dp_listener_t *l = listen_pair(t, &c, &a);
   loop_wait_t w = {.t = t, .ep = a, .caller = caller};
@@ -2161,10 +2182,7 @@ static void crafted_fails(crafted_t c, const char *needle) {
   if (d) dp_future_wait(d, 20 * SEC, NULL);
   dp_future_release(r);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  peer_wait(p);
-  check_no_leak();
+  close_and_reap(ep, t, p);
 }
 
 Test(transport, a_buffers_message_shorter_than_its_header_says_is_refused_not_padded_with_old_bytes) {
@@ -2463,10 +2481,7 @@ Test(transport, a_packed_message_of_staged_buffers_larger_than_a_slot_arrives_in
   OK(dp_future_wait(d, 20 * SEC, T_ERR));
   dp_future_release(r);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  dp_transport_free(t);
-  peer_wait(p);
-  check_no_leak();
+  close_and_reap(ep, t, p);
 }
 
 Test(transport, a_chunk_running_past_the_end_of_its_buffer_is_refused_never_written_past_it) {
@@ -2840,10 +2855,7 @@ static void park_pieces_past(uint64_t bound, size_t pieces, const char *over) {
   if (d) wait_f(d, &e);
   dp_future_release(r);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  free_transport(t);
-  peer_wait(p);
-  check_no_leak();
+  close_and_reap(ep, t, p);
 }
 
 /* Parked messages were capped by count alone (1,000,000): pieces of values
@@ -2912,10 +2924,7 @@ Test(transport, a_piece_parked_twice_fails_the_endpoint_when_the_copy_comes_afte
   dp_future_release(r1);
   dp_future_release(r2);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  free_transport(t);
-  peer_wait(p);
-  check_no_leak();
+  close_and_reap(ep, t, p);
 }
 
 /* peer: once the other side's first value came, a value of two one-byte
@@ -2959,10 +2968,7 @@ Test(transport, a_value_whose_buffers_stop_arriving_fails_its_receive_with_a_tim
   wait_f(d, &e);
   dp_future_release(r);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  free_transport(t);
-  peer_wait(p);
-  check_no_leak();
+  close_and_reap(ep, t, p);
 }
 
 /* peer (caller-driven): once the other side's first value came, sends a
@@ -3579,10 +3585,7 @@ Test(transport, a_message_of_an_id_the_protocol_does_not_use_fails_the_endpoint_
   wait_f(d, &e);
   dp_future_release(r);
   dp_future_release(d);
-  dp_endpoint_free(ep);
-  free_transport(t);
-  peer_wait(p);
-  check_no_leak();
+  close_and_reap(ep, t, p);
 }
 
 /* peer side: receives until the other side closes (0), or 13 */
@@ -4984,13 +4987,6 @@ static int close_from_callback(void *ud, dp_future_t *parent, dp_value_t *result
 }
 
 /* A transport driven by a thread (caller 0) or by its callers (1). */
-static dp_transport_t *new_transport_driven(int caller) {
-  dp_transport_opts_t o;
-  memset(&o, 0, sizeof o);
-  o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : 0;
-  return new_transport(&o);
-}
-
 static void closing_from_a_callback(int caller) {
   peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
   dp_transport_t *t = new_transport_driven(caller);
@@ -7036,9 +7032,7 @@ Test(transport, a_transport_ucx_cannot_start_is_dp_enodev_with_its_reason) {
 Test(transport, freeing_a_transport_fails_the_pending_futures_of_its_open_endpoints_with_dp_ecanceled) {
   t_track();
   for (int caller = 0; caller < 2; caller++) {
-    dp_transport_opts_t o = {0};
-    o.progress = caller ? DP_TRANSPORT_PROGRESS_CALLER : DP_TRANSPORT_PROGRESS_THREAD;
-    dp_transport_t *t = new_transport(&o);
+    dp_transport_t *t = new_transport_driven(caller);
     dp_endpoint_t *a, *b;
     dp_listener_t *l = listen_pair(t, &a, &b);
     (void)l;
@@ -7646,14 +7640,7 @@ Test(transport, two_threads_accepting_without_a_limit_on_a_thread_driven_listene
     cr_assert_eq(a[i].rc, 0, "%s: %s", dp_err_name(a[i].rc), a[i].e.message);
   }
   cr_assert(a[0].ep && a[1].ep && a[0].ep != a[1].ep);
-  for (int i = 0; i < 2; i++) {
-    dp_endpoint_free(a[i].ep);
-    dp_endpoint_free(out[i]);
-  }
-  dp_listener_free(l);
-  dp_transport_free(t);
-  free_transport(c);
-  check_no_leak();
+  free_two_accepted(a, out, l, t, c);
 }
 
 /* The system lets a TCP socket bind and listen on a multicast or broadcast
