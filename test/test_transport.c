@@ -4659,7 +4659,7 @@ static int send_big_values_then_stop(dp_transport_t *t, dp_endpoint_t *ep, void 
     dp_future_release(d);
   }
   dp_value_release(v);
-  sleep_ms(30);
+  sleep_ms(30); /* the sends' time to start: stopped sooner or later, their pulls hang alike */
   raise(SIGSTOP);
   return 0;
 }
