@@ -2812,7 +2812,8 @@ Test(cli, recv_on_a_port_in_use_says_so_in_one_line_with_no_log_of_ucx_beside_it
   close(fd);
   cr_assert_eq(r.status, 1, "%s", r.err);
   cr_assert_str_eq(r.out, "", "UCX's log on stdout: %s", r.out);
-  snprintf(want, sizeof want, "devpickle: 127.0.0.1:%d: transport: cannot listen: the address is in use", port);
+  snprintf(want, sizeof want, "devpickle: 127.0.0.1:%d: transport: cannot listen on 127.0.0.1:%d: the address is in use",
+           port, port);
   cr_assert_eq(strncmp(r.err, want, strlen(want)), 0, "%s", r.err);
   cr_assert_eq(strchr(r.err, '\n'), r.err + strlen(r.err) - 1, "more than one line on stderr: %s", r.err);
   res_free(r);

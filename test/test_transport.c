@@ -999,7 +999,7 @@ static void listen_in_use_says(dp_transport_t *t, int port) {
   dp_error_t e;
   cr_assert_eq(dp_listener_new(t, addr, &l, &e), DP_EIO, "%s: %s", dp_err_name(e.code), e.message);
   cr_assert_null(l);
-  snprintf(says, sizeof says, "transport: cannot listen: the address is in use: %s (UCX: Device is busy)", addr);
+  snprintf(says, sizeof says, "transport: cannot listen on %s: the address is in use (UCX: Device is busy)", addr);
   cr_assert_str_eq(e.message, says);
 }
 

@@ -89,7 +89,7 @@ static int listen_failed(cmd_t *c, ucs_status_t st) {
   }
   /* the port is what is in use: the message names it, as HOST:PORT */
   if (st == UCS_ERR_BUSY)
-    return dp__err(&c->err, DP_EIO, "transport: cannot listen: the address is in use: %s:%d (UCX: Device is busy)",
+    return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s:%d: the address is in use (UCX: Device is busy)",
                    host, port);
   int fd = socket(c->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1, why = 0;
   if (fd >= 0) {
@@ -101,7 +101,7 @@ static int listen_failed(cmd_t *c, ucs_status_t st) {
     return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s: it is not an address of this machine (%s)", host,
                    strerror(why));
   if (why == EADDRINUSE)
-    return dp__err(&c->err, DP_EIO, "transport: cannot listen: the address is in use: %s:%d (%s)", host, port,
+    return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s:%d: the address is in use (%s)", host, port,
                    strerror(why));
   if (why)
     return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s: %s", host, strerror(why));
