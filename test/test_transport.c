@@ -2801,19 +2801,18 @@ Test(transport, a_peer_sending_a_values_pieces_in_reverse_order_costs_log_n_step
   close_clean(ep, t, p);
 }
 
-/* peer: once the other side's first value came, `arg` pieces of 8,000
- * bytes each for value 1, which it never frames, then value 0 (an int) */
-static int send_pieces_never_framed(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
-  (void)t;
-  size_t n = (size_t)(uintptr_t)arg;
+/* peer: once the other side's first value came, n pieces of `bytes` bytes
+ * each (0: of an empty buffer) for value 1, which it never frames, then
+ * value 0 (an int) */
+static int send_pieces_never_framed(dp_endpoint_t *ep, size_t n, size_t bytes) {
   dp_error_t e;
   dp_future_t *f;
   if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
   dp_future_release(f);
   static uint8_t junk[8000];
   for (size_t i = 0; i < n; i++) {
-    dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 1, i, sizeof junk, 0, sizeof junk};
-    if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &b, sizeof b, junk, sizeof junk, &e)) return 11;
+    dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 1, i, bytes, 0, bytes};
+    if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &b, sizeof b, junk, bytes, &e)) return 11;
   }
   if (dp_endpoint_send(ep, dp_int(7), &f, &e)) return 12;
   wait_f(f, &e);
@@ -2821,14 +2820,26 @@ static int send_pieces_never_framed(dp_transport_t *t, dp_endpoint_t *ep, void *
   return 0;
 }
 
-/* The receiver (bound: its max_inflight_bytes) of `pieces` pieces of 8,000
- * bytes of a value never framed, sent before the peer's first value: its
- * receive fails with the limit, whose message says `over` (NULL: the
- * pieces stay parked within it, and the value arrives). */
-static void park_pieces_past(uint64_t bound, size_t pieces, const char *over) {
+/* peer: `arg` pieces of 8,000 bytes (send_pieces_never_framed) */
+static int send_8000_byte_pieces_never_framed(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  return send_pieces_never_framed(ep, (size_t)(uintptr_t)arg, 8000);
+}
+
+/* peer: `arg` pieces of an empty buffer (send_pieces_never_framed) */
+static int send_empty_pieces_never_framed(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  return send_pieces_never_framed(ep, (size_t)(uintptr_t)arg, 0);
+}
+
+/* The receiver (bound: its max_inflight_bytes) of what `peer` sends (a
+ * value's pieces never framed, `pieces` of them, before the peer's first
+ * value): its receive fails with the limit, whose message holds `says`
+ * (NULL: the pieces stay parked within it, and the value arrives). */
+static void park_pieces(uint64_t bound, peer_fn peer, size_t pieces, const char *says) {
   t_track();
   setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* one connection, in order: value 0 on a lane would overtake them */
-  peer_t p = spawn_peer(send_pieces_never_framed, (void *)(uintptr_t)pieces, NULL);
+  peer_t p = spawn_peer(peer, (void *)(uintptr_t)pieces, NULL);
   dp_transport_opts_t o = {.max_inflight_bytes = bound};
   dp_transport_t *t = new_transport(&o);
   dp_endpoint_t *ep = connect_to(t, p.port);
@@ -2837,16 +2848,13 @@ static void park_pieces_past(uint64_t bound, size_t pieces, const char *over) {
   /* the peer parks its pieces as it accepts: past the limit, the endpoint
      may fail before this send and receive, which then return its error */
   int rc = dp_endpoint_send(ep, dp_none(), &d, &e);
-  cr_assert(rc == 0 || (over && rc == DP_ELIMIT), "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(rc == 0 || (says && rc == DP_ELIMIT), "%s: %s", dp_err_name(rc), e.message);
   if (rc == 0) rc = dp_endpoint_recv(ep, &r, &e);
-  cr_assert(rc == 0 || (over && rc == DP_ELIMIT), "%s: %s", dp_err_name(rc), e.message);
-  if (over) {
+  cr_assert(rc == 0 || (says && rc == DP_ELIMIT), "%s: %s", dp_err_name(rc), e.message);
+  if (says) {
     if (r) rc = wait_f(r, &e);
     cr_assert_eq(rc, DP_ELIMIT, "%s: %s", dp_err_name(e.code), e.message);
-    char want[160];
-    snprintf(want, sizeof want,
-             "messages out of order or held back would hold over %s bytes (its credit window plus 64 MiB)", over);
-    cr_assert(strstr(e.message, want), "%s", e.message);
+    cr_assert(strstr(e.message, says), "%s", e.message);
     cr_assert_eq(dp_endpoint_error(ep, NULL), DP_ELIMIT);
   } else {
     OK_WITH(&e, wait_f(r, &e));
@@ -2856,6 +2864,16 @@ static void park_pieces_past(uint64_t bound, size_t pieces, const char *over) {
   dp_future_release(r);
   dp_future_release(d);
   close_and_reap(ep, t, p);
+}
+
+/* park_pieces of `pieces` pieces of 8,000 bytes, past the data's limit
+ * when `over` (its bytes, as the message says them) is not NULL */
+static void park_pieces_past(uint64_t bound, size_t pieces, const char *over) {
+  char says[160];
+  if (over)
+    snprintf(says, sizeof says,
+             "messages out of order or held back would hold over %s bytes (its credit window plus 64 MiB)", over);
+  park_pieces(bound, send_8000_byte_pieces_never_framed, pieces, over ? says : NULL);
 }
 
 /* Parked messages were capped by count alone (1,000,000): pieces of values
@@ -2876,6 +2894,21 @@ Test(transport, a_receiver_bound_over_1_mib_is_its_window_for_the_limit_on_parke
 /* a bound without limit: the limit saturates, never wraps to a small one */
 Test(transport, a_receiver_bound_without_limit_parks_72_mb_and_takes_the_next_value) {
   park_pieces_past(UINT64_MAX, 9000, NULL);
+}
+
+/* The count: pieces of an empty buffer hold no data, so only the count
+ * (TRANSPORT.md: "at most 1,000,000 parked messages") stops a peer that
+ * sends them without end; the 1,000,001st fails the endpoint with the
+ * limit, and the 1,000,000 parked before it are freed with it (no leak). */
+Test(transport, a_peer_that_parks_a_million_and_one_empty_pieces_fails_the_endpoint_with_the_count_limit,
+     .timeout = 600) {
+  park_pieces(UINT64_MAX, send_empty_pieces_never_framed, 1000001,
+              "too many messages out of order or held back (1,000,000)");
+}
+
+/* and 1,000,000 of them are parked, and taken with the value after them */
+Test(transport, a_peer_that_parks_a_million_empty_pieces_stays_within_the_count_limit, .timeout = 600) {
+  park_pieces(UINT64_MAX, send_empty_pieces_never_framed, 1000000, NULL);
 }
 
 /* peer: once the other side's first value came, a value of two one-byte
