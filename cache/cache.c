@@ -365,38 +365,27 @@ static int use_add(block_t *b, user_t *u) {
 /* Block b no longer holds its use k (of user u, its stream's): each side
  * fills the hole with its last entry and tells that entry's other side. A
  * block holds a stream once, so the entries moved are other blocks' (u's
- * list) and other streams' (b's uses). */
-/* The block's side of use_remove: use k leaves b's uses. */
-static void use_unlist(dp_cache_t *c, block_t *b, uint32_t k) {
-  uint32_t last = --b->nuses;
-  if (k != last) {
-    b->uses[k] = b->uses[last];
-    size_t slot;
-    user_t *m = user_find(c, b->uses[k].s, &slot);
-    if (m) m->ents[b->uses[k].at].k = k;
-  }
-}
-
+ * list) and other streams' (b's uses); and every use has its user (use_add
+ * makes both sides at once, user_drop lets go of a user's uses before the
+ * user goes), so the moved use's user is always found. */
 static void use_remove(dp_cache_t *c, block_t *b, uint32_t k, user_t *u) {
   uint32_t at = b->uses[k].at, last = --u->nents;
   if (at != last) {
     u->ents[at] = u->ents[last];
     u->ents[at].b->uses[u->ents[at].k].at = at;
   }
-  use_unlist(c, b, k);
-}
-
-/* The user of b's use k (there is one for every use). */
-static user_t *use_user(dp_cache_t *c, const block_t *b, uint32_t k) {
-  size_t slot;
-  return user_find(c, b->uses[k].s, &slot);
+  last = --b->nuses;
+  if (k != last) {
+    b->uses[k] = b->uses[last];
+    size_t slot;
+    user_find(c, b->uses[k].s, &slot)->ents[b->uses[k].at].k = k;
+  }
 }
 
 /* Block b lets go of its use k. */
 static void use_drop(dp_cache_t *c, block_t *b, uint32_t k) {
-  user_t *u = use_user(c, b, k);
-  if (u) use_remove(c, b, k, u);
-  else use_unlist(c, b, k); /* not reached: every use has its user */
+  size_t slot;
+  use_remove(c, b, k, user_find(c, b->uses[k].s, &slot));
 }
 
 /* Takes s out of the users, every block that held it as a use letting go
