@@ -388,12 +388,12 @@ static void use_drop(dp_cache_t *c, block_t *b, uint32_t k) {
   use_remove(c, b, k, user_find(c, b->uses[k].s, &slot));
 }
 
-/* Takes s out of the users, every block that held it as a use letting go
- * of it; returns whether it was one. */
-static int user_drop(dp_cache_t *c, dp_stream_t *s) {
+/* Takes s out of the users (if it is one), every block that held it as a
+ * use letting go of it. */
+static void user_drop(dp_cache_t *c, dp_stream_t *s) {
   size_t slot;
   user_t *u = user_find(c, s, &slot);
-  if (!u) return 0;
+  if (!u) return;
   while (u->nents) use_remove(c, u->ents[u->nents - 1].b, u->ents[u->nents - 1].k, u);
   dp__free(u->ents, u->cap * sizeof *u->ents);
   size_t at = (size_t)(u - c->users);
@@ -403,7 +403,6 @@ static int user_drop(dp_cache_t *c, dp_stream_t *s) {
     c->users[at] = c->users[last];
     dp__table_move(&c->user_index, DP_TABLE_TAGGED, dp__hash_ptr(c->users[at].s), last, at);
   }
-  return 1;
 }
 
 HOT static void free_insert(devpool_t *pool, block_t *b) {
