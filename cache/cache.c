@@ -687,11 +687,11 @@ static void pending_finish(dp_cache_t *c, block_t *b) {
   free_block(c, p, b);
 }
 
-/* Reclaims completed pending blocks: all of them, or (hot path: every
- * malloc and free) from the head, passing over at most POLL_PASS blocks
- * still in use, each moved to the tail. Stopping at the first one in use
- * let a single slow stream hold back every block freed after its own,
- * whatever streams those waited for. */
+/* Reclaims completed pending blocks (hot path: every malloc and free)
+ * from the head, passing over at most POLL_PASS blocks still in use, each
+ * moved to the tail. Stopping at the first one in use let a single slow
+ * stream hold back every block freed after its own, whatever streams those
+ * waited for. No caller asks how many came back: none is counted. */
 #define POLL_PASS 4
 
 static void pending_unlink_head(dp_cache_t *c) {
@@ -700,25 +700,25 @@ static void pending_unlink_head(dp_cache_t *c) {
   b->pnext = NULL;
 }
 
-static int poll_pending(dp_cache_t *c, int all) {
-  int n = 0;
-  if (!all) {
-    for (unsigned passed = 0; c->pending_head && passed < POLL_PASS;) {
-      block_t *b = c->pending_head;
-      if (pending_done(b)) {
-        pending_unlink_head(c);
-        pending_finish(c, b);
-        n++;
-      } else {
-        if (b == c->pending_tail) break;
-        pending_unlink_head(c);
-        c->pending_tail->pnext = b;
-        c->pending_tail = b;
-        passed++;
-      }
+static void poll_some(dp_cache_t *c) {
+  for (unsigned passed = 0; c->pending_head && passed < POLL_PASS;) {
+    block_t *b = c->pending_head;
+    if (pending_done(b)) {
+      pending_unlink_head(c);
+      pending_finish(c, b);
+    } else {
+      if (b == c->pending_tail) break;
+      pending_unlink_head(c);
+      c->pending_tail->pnext = b;
+      c->pending_tail = b;
+      passed++;
     }
-    return n;
   }
+}
+
+/* Reclaims every completed pending block; returns how many. */
+static int poll_all(dp_cache_t *c) {
+  int n = 0;
   block_t *prev = NULL, *b = c->pending_head;
   while (b) {
     block_t *next = b->pnext;
@@ -913,7 +913,7 @@ static void cache_quiesce(dp_cache_t *c) {
     memset(want, 0, sizeof want);
     int any = 0;
     pthread_mutex_lock(&c->mu);
-    poll_pending(c, 1);
+    poll_all(c);
     for (int d = 0; d < c->ndev; d++) any |= want[d] = c->pools[d].nsegs != 0;
     for (block_t *b = c->pending_head; b; b = b->pnext) {
       for (uint32_t i = 0; i < b->nevents; i++) any |= want[dp_event_device(b->events[i]).index] = 1;
@@ -925,7 +925,7 @@ static void cache_quiesce(dp_cache_t *c) {
     for (int d = 0; d < c->ndev && rc == 0; d++)
       if (want[d]) rc = dp_device_synchronize(c->b, dp_backend_device(c->b, d), NULL);
     pthread_mutex_lock(&c->mu);
-    poll_pending(c, 1);
+    poll_all(c);
     int pending = c->pending_head != NULL;
     pthread_mutex_unlock(&c->mu);
     if (!pending || rc) return;
@@ -1012,7 +1012,7 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
     }
     own = set_find(p, s);
   }
-  if (c->pending_head) poll_pending(c, 0);
+  if (c->pending_head) poll_some(c);
   block_t *b = find_free(p, size, small, own);
   if (b) {
     p->st.cache_hits++;
@@ -1027,7 +1027,7 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
     rc = segment_alloc(c, p, seg_size, small, s, &b, &first);
     if (rc == DP_ENOMEM) {  /* free the cache and try once more */
       p->st.oom_retries++;
-      poll_pending(c, 1);
+      poll_all(c);
       release_free_segments(c, p, NULL); /* what stays cached shows in the OOM message's reserved */
       rc = segment_alloc(c, p, seg_size, small, s, &b, &first);
     }
@@ -1128,7 +1128,7 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
     untie_used(p, b);
     free_block(c, p, b);
   }
-  if (c->pending_head) poll_pending(c, 0);
+  if (c->pending_head) poll_some(c);
   pthread_mutex_unlock(&c->mu);
   return 0;
 }
@@ -1360,7 +1360,7 @@ int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n
 int dp_cache_poll(dp_cache_t *c, dp_error_t *err) {
   if (!c) return dp__err(err, DP_EINVAL, "dp_cache_poll: NULL cache");
   pthread_mutex_lock(&c->mu);
-  int n = poll_pending(c, 1);
+  int n = poll_all(c);
   pthread_mutex_unlock(&c->mu);
   return n;
 }
@@ -1368,7 +1368,7 @@ int dp_cache_poll(dp_cache_t *c, dp_error_t *err) {
 int dp_cache_empty(dp_cache_t *c, dp_error_t *err) {
   if (!c) return dp__err(err, DP_EINVAL, "dp_cache_empty: NULL cache");
   pthread_mutex_lock(&c->mu);
-  poll_pending(c, 1);
+  poll_all(c);
   int rc = 0;
   dp_error_t e;
   for (int d = 0; d < c->ndev; d++) {
@@ -1400,7 +1400,7 @@ int dp_cache_stats(dp_cache_t *c, dp_device_t dev, dp_cache_stats_t *out, dp_err
   int rc = dp__check_device(__func__, c->b, dev, err);
   if (rc) return rc;
   pthread_mutex_lock(&c->mu);
-  poll_pending(c, 1);
+  poll_all(c);
   *out = c->pools[dev.index].st;
   pthread_mutex_unlock(&c->mu);
   return 0;
