@@ -761,10 +761,9 @@ static void stream_gone(void *ctx, dp_stream_t *s) {
       /* a segment whose used blocks were all s's has one of them here */
       if (b->seg->one_stream == s) b->seg->one_stream = MIXED; /* its blocks now have none */
     }
-    f->tied_head = NULL;
-    f->tied = 0;
-    /* its free blocks leave its set while s still names them, then go to
-       none's, merged with their free stream-less neighbours */
+    /* Its tied list and count are left as they are: the set is dropped
+       below. Its free blocks leave it while s still names them, then go
+       to none's, merged with their free stream-less neighbours */
     for (block_t *b; (b = set_fit(f, ROUND, 1)) != NULL || (b = set_fit(f, 0, 0)) != NULL;) {
       free_remove(p, b);
       b->stream = NULL;
