@@ -1885,6 +1885,132 @@ Test(allocator, a_hook_that_writes_its_message_without_its_code_keeps_the_messag
   dp_stream_free(u);
 }
 
+/* An allocator that has only the marking batch (no record_stream) says
+ * what it owns through that batch, one pointer at a time, when a chain's
+ * single record offers it a pointer. */
+Test(allocator, a_chains_single_record_asks_an_allocator_with_only_the_marking_batch_through_it) {
+  ext_t *x = calloc(1, sizeof *x);
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  dp_cache_hooks_t list[2] = {{x, NULL, NULL, ext_record_owned}, dp_cache_hooks(C)};
+  dp_cache_hooks_chain_t *ch = chain_of(list, 2);
+  dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(ch);
+  OK(h.record_stream(h.ctx, x->arena + 5, u, T_ERR));
+  cr_assert_eq(x->batch_calls, 1, "one marking batch of one pointer");
+  cr_assert(x->nlog == 1 && x->logged[0] == x->arena + 5 && x->on[0] == u, "the allocator recorded its pointer");
+  OK(h.record_stream(h.ctx, p, u, T_ERR));
+  cr_assert_eq(x->batch_calls, 2);
+  cr_assert_eq(x->nlog, 1, "the cache's pointer is not the allocator's: it went on to the cache");
+  int nobody;
+  dp_error_t e;
+  char want[128];
+  cr_assert_eq(h.record_stream(h.ctx, &nobody, u, &e), DP_ENOTFOUND);
+  snprintf(want, sizeof want, "record_stream(%p): owned by none of the chain's 2 allocators", (void *)&nobody);
+  cr_assert_str_eq(e.message, want);
+  x->fail = 1;
+  snprintf(want, sizeof want, "ext: no room to record %p", (void *)(x->arena + 6));
+  cr_assert_eq(h.record_stream(h.ctx, x->arena + 6, u, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, want);
+  _Atomic int gate = 0; /* u held until the gate opens: none of its work completes before */
+  OK(dp_host_launch(u, gate_wait, &gate, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  cr_assert_eq(stats(H0).pending_blocks, 1, "the cache recorded its pointer");
+  atomic_store(&gate, 1);
+  OK(dp_stream_synchronize(u, T_ERR));
+  dp_cache_hooks_chain_free(ch);
+  free(x);
+  dp_stream_free(s);
+  dp_stream_free(u);
+}
+
+/* err is the caller's (device.h): a chain writes it on a failure only, and
+ * takes a NULL one. A record that succeeds leaves what err held before. */
+Test(allocator, a_chain_writes_err_only_on_a_failure_and_takes_a_null_err) {
+  ext_t *x = calloc(1, sizeof *x);
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  for (int batched = 0; batched < 2; batched++) {
+    dp_cache_hooks_t list[2] = {ext_hooks(x, batched), dp_cache_hooks(C)};
+    dp_cache_hooks_chain_t *ch = chain_of(list, 2);
+    dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(ch);
+    void *ptrs[2] = {x->arena, p};
+    dp_error_t e;
+    x->fail = 0;
+    e.code = DP_EIO;
+    snprintf(e.message, sizeof e.message, "an earlier failure");
+    OK(h.record_stream(h.ctx, p, u, &e));
+    OK(h.record_stream(h.ctx, x->arena, u, &e));
+    OK(h.record_streams(h.ctx, ptrs, 2, u, &e));
+    unsigned char owned[2] = {0, 0};
+    OK(h.record_streams_owned(h.ctx, ptrs, 2, u, owned, &e));
+    cr_assert(owned[0] && owned[1]);
+    cr_assert_eq(e.code, DP_EIO, "records that succeeded left err alone (batched %d)", batched);
+    cr_assert_str_eq(e.message, "an earlier failure");
+    x->fail = 1;
+    cr_assert_eq(h.record_stream(h.ctx, x->arena, u, NULL), DP_ENOMEM);
+    cr_assert_eq(h.record_streams(h.ctx, ptrs, 2, u, NULL), DP_ENOMEM);
+    cr_assert_eq(h.record_streams_owned(h.ctx, ptrs, 2, u, owned, NULL), DP_ENOMEM);
+    dp_cache_hooks_chain_free(ch);
+  }
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_stream_synchronize(u, T_ERR));
+  free(x);
+  dp_stream_free(s);
+  dp_stream_free(u);
+}
+
+/* Each hook a chain calls starts from a clear error: a hook failing without
+ * a word gets the message naming it, never what an earlier call left. */
+static int marking_rc(void *ctx, void *const *p, size_t n, dp_stream_t *s, unsigned char *owned, dp_error_t *err) {
+  (void)p, (void)n, (void)s, (void)owned;
+  if (*(int *)ctx) return DP_EIO; /* fails without a word */
+  snprintf(err->message, sizeof err->message, "the first failure's message");
+  return DP_ESTATE;
+}
+
+Test(allocator, a_chain_hook_failing_without_a_message_never_reports_an_earlier_failures) {
+  dp_stream_t *u = stream(H0);
+  int quiet = 0;
+  dp_cache_hooks_t list[1] = {{&quiet, NULL, NULL, marking_rc}};
+  dp_cache_hooks_chain_t *ch = chain_of(list, 1);
+  dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(ch);
+  void *ptrs[1] = {(void *)0x1000};
+  dp_error_t e1, e2;
+  /* back to back: the second call's frames are where the first's were */
+  int rc1 = h.record_streams(h.ctx, ptrs, 1, u, &e1);
+  quiet = 1;
+  int rc2 = h.record_streams(h.ctx, ptrs, 1, u, &e2);
+  cr_assert_eq(rc1, DP_ESTATE);
+  cr_assert_str_eq(e1.message, "the first failure's message");
+  cr_assert_eq(rc2, DP_EIO);
+  cr_assert_str_eq(e2.message, "the record_streams_owned hook failed: i/o error");
+  dp_cache_hooks_chain_free(ch);
+  dp_stream_free(u);
+}
+
+/* A chain's batches refuse NULL ptrs with n > 0 before any allocator sees
+ * them (an allocator's own hook might not check). */
+Test(allocator, a_chains_batches_refuse_null_ptrs_for_a_nonzero_count) {
+  ext_t *x = calloc(1, sizeof *x);
+  dp_stream_t *u = stream(H0);
+  dp_cache_hooks_t list[2] = {ext_hooks(x, 1), dp_cache_hooks(C)};
+  dp_cache_hooks_chain_t *ch = chain_of(list, 2);
+  dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(ch);
+  dp_error_t e;
+  unsigned char owned[1];
+  cr_assert_eq(h.record_streams(h.ctx, NULL, 3, u, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_streams: NULL ptrs with n = 3");
+  cr_assert_eq(h.record_streams_owned(h.ctx, NULL, 2, u, owned, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_streams: NULL ptrs with n = 2");
+  cr_assert_eq(x->batch_calls + x->single_calls, 0, "no allocator was asked");
+  OK(h.record_streams(h.ctx, NULL, 0, u, T_ERR));
+  dp_cache_hooks_chain_free(ch);
+  free(x);
+  dp_stream_free(u);
+}
+
 /* The refusals of sizes too large to round named neither the function nor
  * the reason ("allocation of 18446744073709551615 bytes"). */
 Test(allocator, a_size_too_large_to_round_is_enomem_naming_the_function_and_the_reason) {
