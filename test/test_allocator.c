@@ -1990,6 +1990,60 @@ Test(allocator, a_chain_hook_failing_without_a_message_never_reports_an_earlier_
   dp_stream_free(u);
 }
 
+/* dp_cache_hooks_record writes err on a failure only, and takes a NULL
+ * one, by either of its ways of calling the hooks. */
+Test(allocator, a_record_through_hooks_writes_err_only_on_a_failure_and_takes_a_null_err) {
+  dp_stream_t *s = stream(H0), *u = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  struct dp_backend other = {.type = DP_DEVICE_CUDA, .name = "cuda", .ndev = 1};
+  struct dp_stream foreign = {.b = &other, .dev = {DP_DEVICE_CUDA, 0}};
+  void *ptrs[1] = {p};
+  for (int batched = 1; batched >= 0; batched--) {
+    dp_cache_hooks_t h = dp_cache_hooks(C);
+    if (!batched) h.record_streams = NULL;
+    dp_error_t e;
+    e.code = DP_EIO;
+    snprintf(e.message, sizeof e.message, "an earlier failure");
+    OK(dp_cache_hooks_record(&h, ptrs, 1, u, &e));
+    cr_assert_eq(e.code, DP_EIO, "a record that succeeded left err alone (batched %d)", batched);
+    cr_assert_str_eq(e.message, "an earlier failure");
+    OK(dp_cache_hooks_record(&h, ptrs, 1, u, NULL));
+    cr_assert_eq(dp_cache_hooks_record(&h, ptrs, 1, &foreign, NULL), DP_EINVAL);
+  }
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_stream_synchronize(u, T_ERR));
+  dp_stream_free(s);
+  dp_stream_free(u);
+}
+
+/* dp_cache_hooks_record gives the hook a clear error: a hook failing
+ * without a word gets the message naming it, never what an earlier call
+ * left. */
+static int batch_rc(void *ctx, void *const *p, size_t n, dp_stream_t *s, dp_error_t *err) {
+  (void)p, (void)n, (void)s;
+  if (*(int *)ctx) return DP_EIO; /* fails without a word */
+  snprintf(err->message, sizeof err->message, "the first failure's message");
+  return DP_ESTATE;
+}
+
+Test(allocator, a_record_through_hooks_failing_without_a_message_never_reports_an_earlier_failures) {
+  dp_stream_t *u = stream(H0);
+  int quiet = 0;
+  dp_cache_hooks_t h = {&quiet, NULL, batch_rc, NULL};
+  void *ptrs[1] = {(void *)0x1000};
+  dp_error_t e1, e2;
+  /* back to back: the second call's frame is where the first's was */
+  int rc1 = dp_cache_hooks_record(&h, ptrs, 1, u, &e1);
+  quiet = 1;
+  int rc2 = dp_cache_hooks_record(&h, ptrs, 1, u, &e2);
+  cr_assert_eq(rc1, DP_ESTATE);
+  cr_assert_str_eq(e1.message, "the first failure's message");
+  cr_assert_eq(rc2, DP_EIO);
+  cr_assert_str_eq(e2.message, "the record_streams hook failed: i/o error");
+  dp_stream_free(u);
+}
+
 /* A chain's batches refuse NULL ptrs with n > 0 before any allocator sees
  * them (an allocator's own hook might not check). */
 Test(allocator, a_chains_batches_refuse_null_ptrs_for_a_nonzero_count) {
@@ -2050,8 +2104,15 @@ Test(allocator, a_record_on_a_stream_of_another_backend_is_einval_and_holds_noth
   /* the error stops the batch: a pointer skipped after it does not clear it */
   void *mine[3] = {elsewhere, p, elsewhere + 8};
   unsigned char owned[3] = {0};
+  dp_error_clear(&e); /* the batch's own error, not the one above's */
   cr_assert_eq(h.record_streams_owned(h.ctx, mine, 3, &foreign, owned, &e), DP_EINVAL);
   cr_assert_eq(e.code, DP_EINVAL);
+  snprintf(want, sizeof want, "record_stream(%p): the stream is on cuda:0, of the cuda backend; this allocator's memory "
+           "is the host backend's, whose reuse only its own streams can order", p);
+  cr_assert_str_eq(e.message, want);
+  dp_error_clear(&e);
+  cr_assert_eq(h.record_streams(h.ctx, mine, 3, &foreign, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, want);
   cr_assert_eq(dp_cache_hooks_record(&h, mine, 3, &foreign, &e), DP_EINVAL);
   OK(dp_cache_dealloc(C, p, T_ERR));
   cr_assert_eq(stats(H0).pending_blocks, 0, "nothing was recorded: the block is free at once");
