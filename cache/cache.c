@@ -1345,10 +1345,7 @@ int dp_cache_hooks_record(const dp_cache_hooks_t *h, void *const *ptrs, size_t n
     for (size_t i = 0; i < n && rc == 0; i++) {
       dp_error_clear(&e); /* what a call that succeeded left is no failure's message */
       rc = h->record_stream(h->ctx, ptrs[i], s, &e);
-      if (rc == DP_ENOTFOUND) { /* not the allocator's: skipped, and its message with it */
-        rc = 0;
-        dp_error_clear(&e);
-      }
+      if (rc == DP_ENOTFOUND) rc = 0; /* not the allocator's: skipped (its message is cleared above, or never read) */
       rc = dp__cb_rc(rc, &e, "the record_stream hook");
     }
   }
