@@ -3477,8 +3477,9 @@ Test(allocator, an_allocation_that_empties_the_cache_to_retry_keeps_the_books) {
 }
 
 /* Threads at once: each allocates on streams of its own, records shared
- * consumer streams and its own, frees, destroys and remakes its streams;
- * the shared consumers live throughout. */
+ * consumer streams and its own (one pointer, or all its blocks in one
+ * batch), frees, destroys and remakes its streams; the shared consumers
+ * live throughout. */
 typedef struct {
   dp_stream_t **shared;
   unsigned seed;
@@ -3496,8 +3497,11 @@ static void *tied_churn(void *arg) {
     unsigned op = RND() % 16, i = RND() % NB, k = RND() % K;
     if (op < 5) {
       if (!blk[i]) OK(dp_cache_alloc(C, H0, 512u * (1 + RND() % 9), own[k], &blk[i], T_ERR));
-    } else if (op < 11) {
+    } else if (op < 10) {
       if (blk[i]) OK(dp_cache_record_stream(C, blk[i], op < 8 ? a->shared[RND() % 2] : own[k], T_ERR));
+    } else if (op < 11) { /* the batch: its NULL entries are skipped */
+      dp_cache_hooks_t h = dp_cache_hooks(C);
+      OK(h.record_streams(h.ctx, blk, NB, RND() % 2 ? a->shared[RND() % 2] : own[k], T_ERR));
     } else if (op < 15) {
       if (blk[i]) OK(dp_cache_dealloc(C, blk[i], T_ERR));
       blk[i] = NULL;
