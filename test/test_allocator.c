@@ -3125,7 +3125,7 @@ Test(allocator, streams_made_recorded_and_destroyed_in_any_order_leave_nothing_t
   unsigned x = 12345;
 #define RND() (x = x * 1103515245u + 12345u, (x >> 8))
   for (int step = 0; step < STEPS; step++) {
-    unsigned op = RND() % 18, i = RND() % NB, k = RND() % K;
+    unsigned op = RND() % 20, i = RND() % NB, k = RND() % K;
     if (op < 5) {
       if (!blk[i]) OK(dp_cache_alloc(C, H0, 512u * (1 + RND() % 9), st[k], &blk[i], T_ERR));
     } else if (op < 11) {
@@ -3478,8 +3478,9 @@ Test(allocator, an_allocation_that_empties_the_cache_to_retry_keeps_the_books) {
 
 /* Threads at once: each allocates on streams of its own, records shared
  * consumer streams and its own (one pointer, or all its blocks in one
- * batch), frees, destroys and remakes its streams, polls and empties the
- * cache; the shared consumers live throughout. */
+ * batch), frees, destroys and remakes its streams, polls, empties, reads
+ * the stats of and looks up in the cache; the shared consumers live
+ * throughout. */
 typedef struct {
   dp_stream_t **shared;
   unsigned seed;
@@ -3494,7 +3495,7 @@ static void *tied_churn(void *arg) {
   unsigned x = a->seed;
 #define RND() (x = x * 1103515245u + 12345u, (x >> 8))
   for (int step = 0; step < 6000; step++) {
-    unsigned op = RND() % 18, i = RND() % NB, k = RND() % K;
+    unsigned op = RND() % 20, i = RND() % NB, k = RND() % K;
     if (op < 5) {
       if (!blk[i]) OK(dp_cache_alloc(C, H0, 512u * (1 + RND() % 9), own[k], &blk[i], T_ERR));
     } else if (op < 10) {
@@ -3510,8 +3511,17 @@ static void *tied_churn(void *arg) {
       own[k] = stream(H0);
     } else if (op < 17) {
       cr_assert_geq(dp_cache_poll(C, NULL), 0);
-    } else {
+    } else if (op < 18) {
       OK(dp_cache_empty(C, T_ERR));
+    } else if (op < 19) {
+      dp_cache_stats_t st;
+      OK(dp_cache_stats(C, H0, &st, T_ERR));
+      cr_assert_leq(st.allocated, st.reserved);
+    } else if (blk[i]) { /* an interior pointer: the lookup walks the segments */
+      void *base;
+      size_t size;
+      OK(dp_cache_lookup(C, (char *)blk[i] + 100, &base, &size, T_ERR));
+      cr_assert(base == blk[i] && size >= 512, "%p: block %p of %zu bytes", blk[i], base, size);
     }
   }
 #undef RND
