@@ -283,14 +283,13 @@ static int set_need(devpool_t *p, dp_stream_t *st) {
 }
 
 /* Drops st's free set (empty: its stream went away and its blocks were
- * tied to none). */
+ * tied to none). Its one caller, stream_gone, has just found that set, and
+ * st is a stream: the set is in the table, and it is not none's. */
 static void set_drop(devpool_t *p, dp_stream_t *st) {
   size_t slot, at = dp__table_find(&p->set_index, DP_TABLE_TAGGED, dp__hash_ptr(st), set_eq, p, st, &slot);
-  if (at == DP_TABLE_NONE) return;
   freeset_t *f = p->sets[at];
   dp__table_remove(&p->set_index, DP_TABLE_TAGGED, slot, set_hash_at, p);
   if (p->last == f) p->last = NULL;
-  if (p->none == f) p->none = NULL;
   dp__free(f, sizeof *f);
   size_t last = --p->nsets; /* the last set fills the hole: sets[] stays dense */
   if (at != last) {
