@@ -754,6 +754,32 @@ Test(allocator, emptying_the_cache_from_a_host_function_keeps_a_segment_its_stre
   ASSERT_NO_LEAK();
 }
 
+/* A segment kept from a host function lets go of the events it recorded
+ * to learn that, and forgets them: once its stream is gone (its blocks tied
+ * to none, so no event is made for them), the segment goes back without
+ * touching those events again — by then the pool has handed them to
+ * someone else, whom a second free would rob. */
+Test(allocator, a_segment_kept_from_a_host_function_never_frees_its_events_again_when_it_goes, .timeout = 20) {
+  enum { NEV = 8 };
+  dp_stream_t *s = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  empty_fn_t a = {.rc = 1};
+  OK(dp_host_launch(s, empty_from_fn, &a, T_ERR)); /* the segment stays: s is busy behind the function */
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(a.reserved, (size_t)2 << 20);
+  dp_stream_free(s); /* the free block is tied to no stream now */
+  dp_event_t *mine[2 * NEV];
+  for (int i = 0; i < NEV; i++) OK(dp_event_new(B, H0, &mine[i], T_ERR)); /* the pool's: the cache's among them */
+  OK(dp_cache_empty(C, T_ERR));
+  cr_assert_eq(stats(H0).reserved, 0, "the segment went back");
+  for (int i = NEV; i < 2 * NEV; i++) OK(dp_event_new(B, H0, &mine[i], T_ERR));
+  for (int i = 0; i < 2 * NEV; i++)
+    for (int j = 0; j < i; j++) cr_assert_neq(mine[i], mine[j], "events %d and %d are one: the cache freed a held one", j, i);
+  for (int i = 0; i < 2 * NEV; i++) dp_event_free(mine[i]);
+}
+
 /* A free that cannot make an event for a stream the block was used on (out
  * of memory) never waits for that stream — under the allocator's lock, or
  * from a host function on that very stream, it hung: the block waits,
