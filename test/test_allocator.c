@@ -3151,7 +3151,7 @@ Test(allocator, streams_made_recorded_and_destroyed_in_any_order_leave_nothing_t
   unsigned x = 12345;
 #define RND() (x = x * 1103515245u + 12345u, (x >> 8))
   for (int step = 0; step < STEPS; step++) {
-    unsigned op = RND() % 20, i = RND() % NB, k = RND() % K;
+    unsigned op = RND() % 16, i = RND() % NB, k = RND() % K;
     if (op < 5) {
       if (!blk[i]) OK(dp_cache_alloc(C, H0, 512u * (1 + RND() % 9), st[k], &blk[i], T_ERR));
     } else if (op < 11) {
