@@ -230,7 +230,7 @@ int demo_run(int argc, char **argv) {
            "usage.");
       if (fflush(stdout) == 0 && !ferror(stdout)) return 0;
       fprintf(stderr, "devpickle: <stdout>: write failed: %s\n", strerror(errno ? errno : EIO));
-      return 1;
+      return EXIT_DATA;
     }
   for (int i = 1, opts = 1; i < argc; i++) {
     if (opts && strcmp(argv[i], "--") == 0) { /* the end of the options, as for every command: none follow */
@@ -248,7 +248,7 @@ int demo_run(int argc, char **argv) {
   dp_error_clear(&e);
   if (dp_backend_default(&B, &e) || dp_cache_default(B, &C, &e)) {
     fprintf(stderr, "devpickle: demo: %s\n", e.message);
-    return 1;
+    return EXIT_DATA;
   }
   D = dp_backend_device(B, 0);
   char dev[16];
@@ -258,7 +258,7 @@ int demo_run(int argc, char **argv) {
   dp_stream_t *producer, *consumer;
   if (dp_stream_new(B, D, &producer, &e) || dp_stream_new(B, D, &consumer, &e)) {
     fprintf(stderr, "devpickle: demo: %s\n", e.message);
-    return 1;
+    return EXIT_DATA;
   }
   inner = dp_cache_hooks(C);
   dp_cache_hooks_t counting = {NULL, NULL, counting_record, NULL};
@@ -282,7 +282,7 @@ int demo_run(int argc, char **argv) {
   dp_future_t *f, *child;
   if (dp_future_new(&fo, &f, &e) || dp_future_mark_completed(f, layer, &e)) {
     fprintf(stderr, "devpickle: demo: %s\n", e.message);
-    return 1;
+    return EXIT_DATA;
   }
   print_events("future", f);
   CHECK(dp_future_nptrs(f) == 2, "the future found %zu allocations, expected 2", dp_future_nptrs(f));
@@ -342,5 +342,5 @@ int demo_run(int argc, char **argv) {
   dp_stream_free(consumer);
   dp_shutdown();
   printf("demo: %s\n", failures ? "FAILED" : "all checks passed");
-  return failures ? 1 : 0;
+  return failures ? EXIT_DATA : 0;
 }
