@@ -1241,9 +1241,10 @@ static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *
 
 /* owned: NULL, or marks what is this allocator's (a chain passes the rest
  * on): a pointer into one of its used blocks; inside a run (a segment whose
- * used blocks are all on s) any pointer into the segment, a free block's
- * too — memory no other allocator can own, so the difference is never
- * seen. Inlined twice, so that the plain batch pays nothing. */
+ * used blocks are all on s) any pointer into the segment, a free or
+ * pending block's too, which the slow path would call not found — memory
+ * no other allocator can own either, so no chain hands it on wrongly.
+ * Inlined twice, so that the plain batch pays nothing. */
 static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, void *const *ptrs, size_t n,
                                                                 dp_stream_t *s, unsigned char *owned, dp_error_t *err) {
   if (!c || !s) return dp__err(err, DP_EINVAL, "the cache's record_streams hook: NULL %s", !c ? "cache" : "stream");

@@ -185,9 +185,9 @@ extern void (*dp__transport_accept_gap)(void);
  *  from now on ends their waits with DP_ECANCELED): a test waits for its
  *  accepting threads to be there instead of sleeping and hoping they are. */
 int dp__listener_waiters(dp_listener_t *l);
-/** Times a staged send of this process found every send slot its
- *  endpoint may use taken and waited for one (tests read it: the state a
- *  test of that wait must reach first). */
+/** Passes of the loop in which a staged send of this process found every
+ *  send slot its endpoint may use taken (tests read it: the state a test of
+ *  that wait must reach first). */
 extern _Atomic unsigned long dp__transport_slot_waits;
 /** Offers of same-host slots of this process that their peers accepted
  *  (tests read it: a test that needs its values to go through the slots

@@ -244,10 +244,10 @@ DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_
  *  corrupts its heap reaching an IPv6 peer: "'::1' is an IPv6 address,
  *  which the transport does not support ..."), or when called from a
  *  callback run by the transport's own progress thread; DP_EIO when UCX
- *  cannot listen, with the reason: "cannot listen on A:PORT: the address is in use (...)",
- *  "cannot listen on A: it is not an address of this machine (...)" (a multicast or
- *  broadcast address too, where the system would listen and no connection
- *  could come), or the system's. */
+ *  cannot listen, with the reason: "cannot listen on A:PORT: the address
+ *  is in use (...)", "cannot listen on A: it is not an address of this
+ *  machine (...)" (a multicast or broadcast address too, where the system
+ *  would listen and no connection could come), or the system's. */
 DP_API int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err);
 /** The bound port (0 for NULL). */
 DP_API int dp_listener_port(const dp_listener_t *l);
