@@ -3349,3 +3349,107 @@ Test(future, a_consumers_record_that_the_hook_refuses_fails_the_wait_and_the_the
   OK(dp_cache_default(B, &c, T_ERR));
   OK(dp_cache_dealloc(c, p, T_ERR));
 }
+
+/* future.h: a NULL future, callback or out is DP_EINVAL, naming the call
+ * and what is NULL; a completing call steals its value even then. */
+static int never_called(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  cr_assert_fail("a refused then() never runs its callback");
+  return 0;
+}
+static int never_called_with_ptrs(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs,
+                                  dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)ptrs, (void)err;
+  cr_assert_fail("a refused then_with_ptrs() never runs its callback");
+  return 0;
+}
+
+Test(future, a_null_argument_is_einval_naming_the_call_and_what_is_null) {
+  dp_error_t e;
+  dp_future_t *f = future(), *c = NULL;
+  dp_ptrset_t *ps;
+  OK(dp_ptrset_new(&ps, T_ERR));
+  dp_value_t l;
+  OK(dp_list_new(1, &l, T_ERR)); /* stolen by each refused completion below */
+  cr_assert_eq(dp_future_new(NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_new: NULL out");
+  cr_assert_eq(dp_future_mark_completed(NULL, l, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_mark_completed: NULL future");
+  OK(dp_list_new(1, &l, T_ERR));
+  cr_assert_eq(dp_future_mark_completed_with_ptrs(NULL, l, ps, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_mark_completed_with_ptrs: NULL future");
+  cr_assert_eq(dp_future_wait(NULL, 0, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_wait: NULL future");
+  cr_assert_eq(dp_future_then(NULL, never_called, NULL, &c, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_then: NULL future");
+  cr_assert_eq(dp_future_then(f, NULL, NULL, &c, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_then: NULL cb");
+  cr_assert_eq(dp_future_then(f, never_called, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_then: NULL child");
+  cr_assert_eq(dp_future_then_with_ptrs(NULL, never_called_with_ptrs, NULL, &c, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_then_with_ptrs: NULL future");
+  cr_assert_eq(dp_future_then_with_ptrs(f, never_called_with_ptrs, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_then_with_ptrs: NULL child");
+  cr_assert_null(c, "nothing is written to child on a refusal");
+  cr_assert_eq(dp_future_collect_all(&f, 1, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_collect_all: NULL out");
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  cr_assert_eq(dp_future_ptr(f, 0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_ptr: NULL out");
+  cr_assert_not(dp_future_is_done(NULL));
+  dp_future_release(f);
+  dp_ptrset_free(ps);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* future.h: a wait makes this thread's current stream on each device of
+ * the value record that device's allocations, on every device (a value on
+ * two devices beside cpu memory: both are recorded, each on its own). */
+typedef struct {
+  int n;
+  void *ptr[8];
+  dp_stream_t *on[8];
+} records_t;
+static int log_record(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  records_t *r = ctx;
+  (void)err;
+  if (r->n < 8) {
+    r->ptr[r->n] = ptr;
+    r->on[r->n] = s;
+  }
+  r->n++;
+  return 0;
+}
+
+Test(future, a_wait_records_the_allocations_of_every_device_on_that_devices_current_stream) {
+  records_t r = {0};
+  dp_cache_hooks_t hooks = {&r, log_record, NULL, NULL};
+  dp_future_t *f;
+  OK(dp_future_new(&(dp_future_opts_t){B, NULL, 0, &hooks, 0, 1}, &f, T_ERR)); /* consumers only */
+  dp_value_t l;
+  OK(dp_list_new(3, &l, T_ERR));
+  OK(dp_list_append(l, t_tensor(H0, 0x1000, 4), T_ERR));
+  OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_CPU, 0), 0x3000, 4), T_ERR));
+  OK(dp_list_append(l, t_tensor(H1, 0x2000, 4), T_ERR));
+  OK(dp_future_mark_completed(f, l, T_ERR));
+  cr_assert_eq(r.n, 0, "consumers only: the completion records nothing");
+  dp_stream_t *s0, *s1;
+  OK(dp_stream_new(B, H0, &s0, T_ERR));
+  OK(dp_stream_new(B, H1, &s1, T_ERR));
+  OK(dp_set_current_stream(s0, NULL, T_ERR));
+  OK(dp_set_current_stream(s1, NULL, T_ERR));
+  OK(dp_future_wait(f, -1, T_ERR));
+  dp_reset_current_stream(B, H0);
+  dp_reset_current_stream(B, H1);
+  cr_assert_eq(r.n, 2, "one record a device's allocation, cpu's none: %d", r.n);
+  for (int i = 0; i < 2; i++) {
+    int on1 = r.ptr[i] == (void *)0x2000;
+    cr_assert(on1 || r.ptr[i] == (void *)0x1000, "record %d: %p", i, r.ptr[i]);
+    cr_assert_eq(r.on[i], on1 ? s1 : s0, "record %d: on the current stream of its device", i);
+  }
+  cr_assert_neq(r.ptr[0], r.ptr[1], "each device's allocation is recorded");
+  dp_future_release(f);
+  dp_stream_free(s0);
+  dp_stream_free(s1);
+}
