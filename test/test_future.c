@@ -3453,3 +3453,36 @@ Test(future, a_wait_records_the_allocations_of_every_device_on_that_devices_curr
   dp_stream_free(s0);
   dp_stream_free(s1);
 }
+
+/* More devices than a collect_all or a then() callback keeps room for
+ * inline (16): the aggregate joins each device's events on a stream of
+ * that device, the callback gets a pool stream on each, and what was
+ * allocated for them goes back. */
+Test(future, a_collect_all_and_a_callback_over_more_devices_than_fit_inline_join_each_and_leak_nothing) {
+  dp_shutdown();
+  setenv("DEVPICKLE_HOST_DEVICES", "20", 1);
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+  dp_future_t *in[20], *all, *c;
+  for (int i = 0; i < 20; i++) {
+    in[i] = future();
+    OK(dp_future_mark_completed(in[i], t_tensor(t_dev(DP_DEVICE_HOST, i), 0x1000 * (uintptr_t)(i + 1), 4), T_ERR));
+  }
+  OK(dp_future_collect_all(in, 20, NULL, &all, T_ERR));
+  OK(dp_future_wait(all, -1, T_ERR));
+  cr_assert_eq(dp_future_ndevices(all), 20, "one event a device");
+  for (size_t i = 0; i < 20; i++) {
+    dp_device_t d = dp_future_device(all, i);
+    char one[16];
+    cr_assert(d.type == DP_DEVICE_HOST && d.index == (int)i, "device %zu: %s", i, dp_device_format(d, one, sizeof one));
+  }
+  many_t m = {20, 0};
+  OK(dp_future_then(all, count_default_streams, &m, &c, T_ERR));
+  OK(dp_future_wait(c, -1, T_ERR));
+  cr_assert_eq(m.on_default, 0, "every device had a pool stream current in the callback");
+  cr_assert_eq(dp_future_ndevices(c), 20);
+  dp_future_release(c);
+  dp_future_release(all);
+  for (int i = 0; i < 20; i++) dp_future_release(in[i]);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
