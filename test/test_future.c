@@ -3486,3 +3486,29 @@ Test(future, a_collect_all_and_a_callback_over_more_devices_than_fit_inline_join
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* future.h: once f is complete, a wait hands back the error of the current
+ * stream it would join f's events on (here the device's default stream,
+ * made on first use, that cannot have its memory), and f keeps its value. */
+Test(future, a_wait_whose_current_stream_cannot_be_made_fails_with_that_error_and_the_future_keeps_its_value) {
+  dp_shutdown();
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+  dp_future_t *f = future();
+  dp_stream_t *s;
+  OK(dp_stream_new(B, H0, &s, T_ERR));
+  OK(dp_set_current_stream(s, NULL, T_ERR)); /* the completion's: H0's default stream is not made */
+  OK(dp_future_mark_completed(f, t_tensor(H0, 0x1000, 4), T_ERR));
+  dp_reset_current_stream(B, H0);
+  dp_error_t e;
+  t_fail_at = atomic_load(&t_alloc_count) + 1;
+  int rc = dp_future_wait(f, -1, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert_eq(e.code, DP_ENOMEM);
+  cr_assert_str_eq(e.message, "dp_stream_default(host:0): out of memory creating a stream");
+  cr_assert(dp_future_is_done(f) && dp_future_error(f, NULL) == 0, "f stays complete with its value");
+  cr_assert_eq(dp_future_nptrs(f), 1);
+  OK(dp_future_wait(f, -1, T_ERR)); /* the next wait makes the stream */
+  dp_future_release(f);
+  dp_stream_free(s);
+}
