@@ -3512,3 +3512,97 @@ Test(future, a_wait_whose_current_stream_cannot_be_made_fails_with_that_error_an
   dp_future_release(f);
   dp_stream_free(s);
 }
+
+/* future.h: a future completed with pointers runs its callbacks as any
+ * completion does: its then() children complete, in their order. */
+Test(future, callbacks_chained_on_a_future_completed_with_pointers_run_when_it_completes) {
+  dp_future_t *f = future(), *c1, *c2;
+  _Atomic int calls = 0;
+  OK(dp_future_then(f, counting_cb, &calls, &c1, T_ERR));
+  OK(dp_future_then(f, counting_cb, &calls, &c2, T_ERR));
+  dp_ptrset_t *ps;
+  OK(dp_ptrset_new(&ps, T_ERR));
+  OK(dp_future_mark_completed_with_ptrs(f, dp_int(1), ps, T_ERR));
+  cr_assert_eq(atomic_load(&calls), 2, "both callbacks ran before the completion returned");
+  OK(dp_future_wait(c1, 0, T_ERR));
+  OK(dp_future_wait(c2, 0, T_ERR));
+  cr_assert_eq(dp_value_as_int(dp_future_value(c2)), 5);
+  dp_future_release(c1);
+  dp_future_release(c2);
+  dp_future_release(f);
+  dp_ptrset_free(ps);
+}
+
+/* future.h: a collect_all over no futures is complete at once, with [] or,
+ * out of memory, failed with DP_ENOMEM: never pending, whichever allocation
+ * fails. */
+Test(future, a_collect_all_over_no_futures_is_complete_at_once_whichever_allocation_fails) {
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 100, "the call never ran without a failed allocation");
+    dp_future_t *all = NULL;
+    dp_error_t e;
+    long want = t_fail_at = atomic_load(&t_alloc_count) + k;
+    int rc = dp_future_collect_all(NULL, 0, NULL, &all, &e);
+    int hit = atomic_load(&t_alloc_count) >= want;
+    t_fail_at = 0;
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+      cr_assert_null(all);
+      continue;
+    }
+    cr_assert(dp_future_is_done(all), "allocation %ld failed: the future is complete", k);
+    rc = dp_future_wait(all, 0, &e);
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+      cr_assert(e.message[0]);
+    } else {
+      dp_value_t v = dp_future_value(all);
+      cr_assert_eq(dp_value_kind(v), DP_LIST, "allocation %ld failed: a %s", k, dp_kind_name(dp_value_kind(v)));
+      cr_assert_eq(dp_seq_len(v), 0);
+    }
+    dp_future_release(all);
+    if (!hit) break;
+  }
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* future.h: callbacks run depth first. Here f's callbacks are a and b; a
+ * completes g (whose callback c runs as a returns, before b) and drops the
+ * last reference to a pending p, whose then() child fails, and z, chained
+ * with pointers on that child, runs after what was queued before it. */
+static dp_future_t *dq_g, *dq_p;
+static int completes_g_and_drops_p(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result;
+  cb_order[cb_norder++] = 'a';
+  dp_future_release(dq_p);
+  return dp_future_mark_completed(dq_g, dp_int(2), err);
+}
+static int note_ptrs_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)parent, (void)result, (void)ptrs, (void)err;
+  cb_order[cb_norder++] = *(const char *)ud;
+  return 0;
+}
+
+Test(future, a_canceled_childs_callback_runs_after_those_queued_before_it_and_none_is_lost) {
+  dp_future_t *f = future(), *a, *b, *c, *pc, *z;
+  dq_g = future();
+  dq_p = future();
+  cb_norder = 0;
+  OK(dp_future_then(f, completes_g_and_drops_p, NULL, &a, T_ERR));
+  OK(dp_future_then(f, note_cb, "b", &b, T_ERR));
+  OK(dp_future_then(dq_g, note_cb, "c", &c, T_ERR));
+  OK(dp_future_then(dq_p, note_cb, "p", &pc, T_ERR));
+  OK(dp_future_then_with_ptrs(pc, note_ptrs_cb, "z", &z, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  cr_assert_eq(cb_norder, 4, "%zu callbacks ran", cb_norder);
+  cr_assert_arr_eq(cb_order, "acbz", 4, "%.4s", cb_order);
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(pc, 0, &e), DP_ECANCELED);
+  cr_assert_str_eq(e.message, "the parent future was released before it completed");
+  OK(dp_future_wait(b, 0, T_ERR));
+  dp_future_t *all[] = {f, a, b, c, pc, z, dq_g};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
