@@ -3606,3 +3606,43 @@ Test(future, a_canceled_childs_callback_runs_after_those_queued_before_it_and_no
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* future.h: a then() callback whose streams cannot be set up is not called
+ * and its child fails with why; on more devices than fit inline the saved
+ * streams need memory too: DP_ENOMEM, whichever allocation fails. */
+Test(future, a_callback_over_more_devices_than_fit_inline_out_of_memory_fails_its_child_with_enomem) {
+  dp_shutdown();
+  setenv("DEVPICKLE_HOST_DEVICES", "20", 1);
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+  dp_value_t l;
+  OK(dp_list_new(20, &l, T_ERR));
+  for (int i = 0; i < 20; i++) OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_HOST, i), 0x1000 * (uintptr_t)(i + 1), 4), T_ERR));
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, l, T_ERR));
+  int saw_callback_oom = 0;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 1000, "the call never ran without a failed allocation");
+    many_t m = {20, 0};
+    dp_future_t *c = NULL;
+    dp_error_t e;
+    long want = t_fail_at = atomic_load(&t_alloc_count) + k;
+    int rc = dp_future_then(f, count_default_streams, &m, &c, &e); /* f is complete: runs at once */
+    int hit = atomic_load(&t_alloc_count) >= want;
+    t_fail_at = 0;
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+      continue;
+    }
+    rc = dp_future_wait(c, 0, &e);
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+      saw_callback_oom |= strcmp(e.message, "out of memory running a callback") == 0;
+    }
+    dp_future_release(c);
+    if (!hit) break;
+  }
+  cr_assert(saw_callback_oom, "one failed allocation was that of the callback's saved streams");
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
