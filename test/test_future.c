@@ -284,9 +284,9 @@ Test(future, the_first_listing_of_the_allocations_that_runs_out_of_memory_fails_
 }
 
 /* Producer: fills a tensor slowly on its stream and completes the future.
- * Consumer: on another stream, reads it — after waiting on the future, or
- * (negative control) not. */
-static int consumer_reads(int wait) {
+ * Consumer: on another stream, reads it — after waiting on the future (or
+ * on a collect_all over it: collect), or (negative control) not. */
+static int consumer_reads_through(int wait, int collect) {
   dp_stream_t *prod, *cons;
   OK(dp_stream_new(B, H0, &prod, T_ERR));
   OK(dp_stream_new(B, H0, &cons, T_ERR));
@@ -297,8 +297,10 @@ static int consumer_reads(int wait) {
   OK(dp_host_launch(prod, slow_fill, &fill, T_ERR));
   dp_future_t *f = future();
   OK(dp_future_mark_completed(f, dp_value_retain(t), T_ERR));
+  dp_future_t *all = NULL;
+  if (collect) OK(dp_future_collect_all(&f, 1, NULL, &all, T_ERR));
   OK(dp_set_current_stream(cons, NULL, T_ERR));
-  if (wait) OK(dp_future_wait(f, -1, T_ERR));
+  if (wait) OK(dp_future_wait(collect ? all : f, -1, T_ERR));
   read_t r = {data_of(dp_future_value(f).kind == DP_TENSOR ? dp_future_value(f) : t), 64, 0, -1, 0, NULL};
   OK(dp_host_launch(cons, slow_read, &r, T_ERR));
   OK(dp_stream_synchronize(cons, T_ERR));
@@ -308,17 +310,27 @@ static int consumer_reads(int wait) {
   free_ints(t);
   dp_value_release(t);
   dp_future_release(f);
+  dp_future_release(all);
   dp_stream_free(prod);
   dp_stream_free(cons);
   return r.first;
 }
 
 Test(future, a_consumer_that_waits_sees_the_producers_data) {
-  cr_assert_eq(consumer_reads(1), 7);
+  cr_assert_eq(consumer_reads_through(1, 0), 7);
 }
 
 Test(future, negative_control_a_consumer_that_does_not_wait_sees_stale_data) {
-  cr_assert_eq(consumer_reads(0), 0);
+  cr_assert_eq(consumer_reads_through(0, 0), 0);
+}
+
+/* collect_all's event on a device joins its inputs' events there. */
+Test(future, a_consumer_that_waits_on_a_collect_all_sees_its_inputs_producers_data) {
+  cr_assert_eq(consumer_reads_through(1, 1), 7);
+}
+
+Test(future, negative_control_a_consumer_that_does_not_wait_on_the_collect_all_sees_stale_data) {
+  cr_assert_eq(consumer_reads_through(0, 1), 0);
 }
 
 /* ---- the defining case ---- */
@@ -3642,6 +3654,63 @@ Test(future, a_callback_over_more_devices_than_fit_inline_out_of_memory_fails_it
     if (!hit) break;
   }
   cr_assert(saw_callback_oom, "one failed allocation was that of the callback's saved streams");
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* future.h: a wait with a limit returns when the future completes, not when
+ * the limit is spent (an hour here: a wait that sat out its limit would
+ * run past the test's). */
+Test(future, a_wait_with_a_long_limit_returns_once_another_thread_completes_the_future, .timeout = 60) {
+  dp_future_t *f = future();
+  pthread_t th;
+  pthread_create(&th, NULL, complete_later, f);
+  OK(dp_future_wait(f, 3600ll * 1000000000ll, T_ERR));
+  cr_assert_eq(dp_value_as_int(dp_future_value(f)), 4);
+  pthread_join(th, NULL);
+  dp_future_release(f);
+}
+
+/* future.h: waiters on a then() child wake with DP_ECANCELED when its
+ * pending parent goes, also when that happens on the waiting thread while
+ * the wait looks at what the child waits for (from a then_with_ptrs
+ * callback, whose thread's scratch set is taken: the look makes a set of
+ * its own, and the allocator drops the parent then). The queued free runs
+ * before the wait blocks. */
+static dp_future_t *drop_in_alloc;
+static void *drop_on_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  dp_future_t *f = drop_in_alloc;
+  if (f && nsize) {
+    drop_in_alloc = NULL;
+    dp_future_release(f); /* on a trampoline: only queued */
+  }
+  return t_alloc(ud, ptr, osize, nsize);
+}
+static int waits_while_the_parent_goes(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs,
+                                       dp_error_t *err) {
+  (void)parent, (void)result, (void)ptrs, (void)err;
+  dp_future_t **pc = ud; /* the parent to drop, and its child */
+  drop_in_alloc = pc[0];
+  dp_set_allocator(drop_on_alloc, NULL);
+  dp_error_t e;
+  int rc = dp_future_wait(pc[1], 5ll * 1000000000ll, &e);
+  dp_set_allocator(t_alloc, NULL);
+  cr_assert_null(drop_in_alloc, "the wait allocated");
+  cr_assert_eq(rc, DP_ECANCELED, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert_str_eq(e.message, "the parent future was released before it completed");
+  return 0;
+}
+
+Test(future, a_wait_wakes_canceled_when_the_parent_goes_on_its_own_thread_while_it_follows_the_links, .timeout = 60) {
+  dp_future_t *f = future(), *cb_child, *pc[2];
+  pc[0] = future();
+  OK(dp_future_then(pc[0], counting_cb, &(_Atomic int){0}, &pc[1], T_ERR));
+  OK(dp_future_then_with_ptrs(f, waits_while_the_parent_goes, pc, &cb_child, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  OK(dp_future_wait(cb_child, 0, T_ERR));
+  dp_future_release(pc[1]);
+  dp_future_release(cb_child);
   dp_future_release(f);
   dp_shutdown();
   ASSERT_NO_LEAK();
