@@ -3597,24 +3597,27 @@ static int note_ptrs_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_pt
 }
 
 Test(future, a_canceled_childs_callback_runs_after_those_queued_before_it_and_none_is_lost) {
-  dp_future_t *f = future(), *a, *b, *c, *pc, *z;
-  dq_g = future();
-  dq_p = future();
-  cb_norder = 0;
-  OK(dp_future_then(f, completes_g_and_drops_p, NULL, &a, T_ERR));
-  OK(dp_future_then(f, note_cb, "b", &b, T_ERR));
-  OK(dp_future_then(dq_g, note_cb, "c", &c, T_ERR));
-  OK(dp_future_then(dq_p, note_cb, "p", &pc, T_ERR));
-  OK(dp_future_then_with_ptrs(pc, note_ptrs_cb, "z", &z, T_ERR));
-  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
-  cr_assert_eq(cb_norder, 4, "%zu callbacks ran", cb_norder);
-  cr_assert_arr_eq(cb_order, "acbz", 4, "%.4s", cb_order);
-  dp_error_t e;
-  cr_assert_eq(dp_future_wait(pc, 0, &e), DP_ECANCELED);
-  cr_assert_str_eq(e.message, "the parent future was released before it completed");
-  OK(dp_future_wait(b, 0, T_ERR));
-  dp_future_t *all[] = {f, a, b, c, pc, z, dq_g};
-  for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
+  for (int with_b = 1; with_b >= 0; with_b--) { /* without b: the level a ran from is empty */
+    dp_future_t *f = future(), *a, *b = NULL, *c, *pc, *z;
+    dq_g = future();
+    dq_p = future();
+    cb_norder = 0;
+    OK(dp_future_then(f, completes_g_and_drops_p, NULL, &a, T_ERR));
+    if (with_b) OK(dp_future_then(f, note_cb, "b", &b, T_ERR));
+    OK(dp_future_then(dq_g, note_cb, "c", &c, T_ERR));
+    OK(dp_future_then(dq_p, note_cb, "p", &pc, T_ERR));
+    OK(dp_future_then_with_ptrs(pc, note_ptrs_cb, "z", &z, T_ERR));
+    OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+    size_t n = with_b ? 4 : 3;
+    cr_assert_eq(cb_norder, n, "%zu callbacks ran", cb_norder);
+    cr_assert_arr_eq(cb_order, with_b ? "acbz" : "acz", n, "%.*s", (int)n, cb_order);
+    dp_error_t e;
+    cr_assert_eq(dp_future_wait(pc, 0, &e), DP_ECANCELED);
+    cr_assert_str_eq(e.message, "the parent future was released before it completed");
+    if (with_b) OK(dp_future_wait(b, 0, T_ERR));
+    dp_future_t *all[] = {f, a, b, c, pc, z, dq_g};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
+  }
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
@@ -3712,6 +3715,47 @@ Test(future, a_wait_wakes_canceled_when_the_parent_goes_on_its_own_thread_while_
   dp_future_release(pc[1]);
   dp_future_release(cb_child);
   dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* future.h: a callback whose wait ran other callbacks is still the one
+ * running: what it completes afterwards is queued on its level, in front
+ * of its future's later callbacks (depth first), and a wait on its own
+ * child is DP_EMISUSE. */
+static dp_future_t *wr_g, *wr_gc, *wr_h;
+static dp_future_t *wr_own_child;
+static int waits_then_completes(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result;
+  cb_order[cb_norder++] = 'a';
+  OK(dp_future_mark_completed(wr_g, dp_int(1), T_ERR)); /* g's callback is queued here */
+  OK(dp_future_wait(wr_g, 0, T_ERR)); /* runs it, and nothing else (b stays queued) */
+  OK(dp_future_mark_completed(wr_h, dp_int(2), T_ERR));
+  /* a wait on a pending future runs every queued callback first: h's, then b's */
+  dp_error_t e;
+  int rc = dp_future_wait(wr_own_child, 0, &e);
+  cr_assert_eq(rc, DP_EMISUSE, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert_str_eq(e.message, "dp_future_wait: called from the then() callback whose result completes the future: it "
+                              "would wait for itself");
+  (void)err;
+  return 0;
+}
+
+Test(future, a_callback_that_ran_others_in_a_wait_still_runs_depth_first_and_may_not_wait_on_its_child) {
+  dp_future_t *f = future(), *b, *hc;
+  wr_g = future();
+  wr_h = future();
+  cb_norder = 0;
+  OK(dp_future_then(f, waits_then_completes, NULL, &wr_own_child, T_ERR));
+  OK(dp_future_then(f, note_cb, "b", &b, T_ERR));
+  OK(dp_future_then(wr_g, note_cb, "g", &wr_gc, T_ERR));
+  OK(dp_future_then(wr_h, note_cb, "h", &hc, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(0), T_ERR));
+  cr_assert_eq(cb_norder, 4, "%zu callbacks ran", cb_norder);
+  cr_assert_arr_eq(cb_order, "aghb", 4, "%.4s", cb_order);
+  OK(dp_future_wait(wr_own_child, 0, T_ERR));
+  dp_future_t *all[] = {f, b, hc, wr_g, wr_gc, wr_h, wr_own_child};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
