@@ -3759,3 +3759,31 @@ Test(future, a_callback_that_ran_others_in_a_wait_still_runs_depth_first_and_may
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* future.h: a wait in a callback on a complete future it did not complete
+ * runs nothing: the callbacks the running one queued for another future
+ * run as it returns. */
+static dp_future_t *wn_done, *wn_g;
+static int completes_g_then_waits_on_another(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  cb_order[cb_norder++] = 'a';
+  OK(dp_future_mark_completed(wn_g, dp_int(1), T_ERR));
+  OK(dp_future_wait(wn_done, 0, T_ERR));
+  cr_assert_eq(cb_norder, 1, "the wait on a complete future ran %.*s", (int)cb_norder, cb_order);
+  return 0;
+}
+
+Test(future, a_wait_in_a_callback_on_an_unrelated_complete_future_runs_no_queued_callback) {
+  dp_future_t *f = future(), *a, *gc;
+  wn_done = future();
+  wn_g = future();
+  OK(dp_future_mark_completed(wn_done, dp_int(0), T_ERR));
+  cb_norder = 0;
+  OK(dp_future_then(f, completes_g_then_waits_on_another, NULL, &a, T_ERR));
+  OK(dp_future_then(wn_g, note_cb, "g", &gc, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(0), T_ERR));
+  cr_assert_eq(cb_norder, 2);
+  cr_assert_arr_eq(cb_order, "ag", 2);
+  dp_future_t *all[] = {f, a, gc, wn_done, wn_g};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
+}
