@@ -320,7 +320,7 @@ static void record_free(record_t *r) {
 }
 
 static void cbent_free(cbent_t *e) {
-  if (e->child) dp_future_release(e->child);
+  dp_future_release(e->child); /* NULL for collect_all's entries: does nothing */
   if (e->internal_drop) e->internal_drop(e->ctx);
   dp__free(e, sizeof *e);
 }
@@ -1202,7 +1202,7 @@ static void collect_drop(void *p) {
   collect_t *c = p;
   if (!dp__ref_dec(&c->refs)) return;
   for (size_t i = 0; i < c->n; i++)
-    if (c->in[i]) dp_future_release(c->in[i]);
+    dp_future_release(c->in[i]); /* NULL: released pending */
   dp__free(c->in, collect_slots(c->n) * sizeof *c->in);
   dp_future_release(c->out);
   dp__free(c, sizeof *c);
