@@ -1109,7 +1109,9 @@ static void dispatch(dp_future_t *f, cbent_t *list) {
   t->depth = 0;
 }
 
-/* Adds a callback entry, or runs it at once if f is complete. */
+/* Adds a callback entry, or runs it at once if f is complete. e comes
+ * zeroed from its maker but for its callback: its next is NULL (a list of
+ * one, for dispatch). */
 static void add_callback(dp_future_t *f, cbent_t *e) {
   pthread_mutex_lock(&f->mu);
   if (dp__load_relaxed(&f->state) == PENDING) {
@@ -1119,7 +1121,6 @@ static void add_callback(dp_future_t *f, cbent_t *e) {
     return;
   }
   pthread_mutex_unlock(&f->mu);
-  e->next = NULL;
   dispatch(f, e);
 }
 
