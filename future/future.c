@@ -92,7 +92,7 @@ struct dp_future {
    * when rec is raw: written once under mu, with release */
   _Atomic(dp__ptrs_t *) distinct;
   cbent_t *cbs;
-  dp_future_t *free_next;  /* on a trampoline's free queue */
+  dp_future_t *free_next;  /* on a trampoline's free queue; NULL until one is queued behind it (a future is queued once) */
   /* While pending, the futures whose completion its own waits for: a
    * then() child's parent (dep), a collect_all's inputs (its collect's
    * array), so that a wait from a callback can tell that it would wait for
@@ -372,7 +372,6 @@ void dp_future_release(dp_future_t *f) {
   if (!f || !dp__ref_dec(&f->refs)) return;
   tramp_t *t = &tramp;
   if (t->depth) {  /* nested: the outermost frame frees it */
-    f->free_next = NULL;
     if (t->free_tail) t->free_tail->free_next = f;
     else t->free_head = f;
     t->free_tail = f;
