@@ -794,8 +794,7 @@ static int wait_in_callback(tramp_t *t, dp_future_t *f, dp_error_t *e) {
     for (long k; (k = queued_by_running(t, f)) >= 0;) {
       int ran = 1;
       for (long i = 0; i <= k && ran; i++) ran = tramp_step(t);
-      if (!ran) break;
-    }
+    } /* a step that ran nothing left the level empty: the next look ends the loop */
   }
   int rc = waits_for_itself(t, f, e);
   if (rc) return rc;
