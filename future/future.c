@@ -1031,7 +1031,7 @@ static void run_then_in(dp_future_t *p, cbent_t *e) {
     if (rc) break;
     dp__current_stream_enter(s, &prev[set]);
   }
-  int ran = 0; /* the callback was called */
+  int ran = 0; /* a dp_then_ptrs_cb was called: not_run must not call it again (for a dp_then_cb it only fails the child) */
   if (rc == 0 && e->ptrs_cb) {
     /* The callback reports its result's allocations: no walk. */
     dp_value_t result = dp_none();
@@ -1047,7 +1047,6 @@ static void run_then_in(dp_future_t *p, cbent_t *e) {
     if (found) scratch_put(found, owned);
   } else if (rc == 0) {
     dp_value_t result = dp_none();
-    ran = 1;
     rc = dp__cb_rc(e->cb(e->ud, p, &result, &err), &err, "the callback");
     if (rc) {
       dp_value_release(result);
