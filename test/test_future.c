@@ -734,7 +734,7 @@ Test(future, another_backends_memory_is_an_error_saying_whether_that_backend_is_
   dp_future_release(f);
 }
 
-Test(future, completing_twice_is_an_error_and_changes_nothing) {
+Test(future, completing_twice_is_an_error_and_changes_nothing, .timeout = 30) {
   dp_future_t *f = future();
   OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
   dp_error_t e;
@@ -747,6 +747,13 @@ Test(future, completing_twice_is_an_error_and_changes_nothing) {
   cr_assert_str_eq(e.message, "dp_future_set_error: the future is already complete", "the message names the call");
   cr_assert_eq(dp_value_as_int(dp_future_value(f)), 1);
   OK(dp_future_error(f, T_ERR));
+  /* the refusals leave f as it was, its lock too: it is waited on and chained on as ever */
+  OK(dp_future_wait(f, -1, T_ERR));
+  dp_future_t *c;
+  cb_norder = 0;
+  OK(dp_future_then(f, note_cb, "x", &c, T_ERR));
+  cr_assert_eq(cb_norder, 1, "the callback ran at once");
+  dp_future_release(c);
   dp_future_release(f);
 }
 
