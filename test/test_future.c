@@ -3794,3 +3794,33 @@ Test(future, a_wait_in_a_callback_on_an_unrelated_complete_future_runs_no_queued
   dp_future_t *all[] = {f, a, gc, wn_done, wn_g};
   for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
 }
+
+/* future.h: a completion that fails completes the future with that error;
+ * without an err record to copy it into (err NULL), it is still the
+ * future's, message and all. */
+Test(future, a_failed_completion_without_an_err_record_still_fails_the_future_with_its_message) {
+  dp_future_t *f[4];
+  for (int i = 0; i < 4; i++) f[i] = future();
+  dp_value_t opaque;
+  OK(dp_custom_new(&opaque_type, NULL, &opaque, T_ERR));
+  dp_device_t only0 = H0;
+  dp_future_t *narrow;
+  OK(dp_future_new(&(dp_future_opts_t){B, &only0, 1, NULL, 0, 0}, &narrow, T_ERR));
+  cr_assert_eq(dp_future_mark_completed_with_ptrs(f[0], dp_int(1), NULL, NULL), DP_EINVAL);
+  cr_assert_eq(dp_future_set_error(f[1], NULL, NULL), DP_EINVAL);
+  cr_assert_eq(dp_future_mark_completed(f[2], opaque, NULL), DP_ETYPE);
+  cr_assert_eq(dp_future_mark_completed(narrow, t_tensor(H1, 0x1000, 4), NULL), DP_EDEVICE);
+  const char *why[] = {"dp_future_mark_completed_with_ptrs: NULL ptrs", "dp_future_set_error: NULL error"};
+  for (int i = 0; i < 2; i++) {
+    dp_error_t e;
+    cr_assert_eq(dp_future_wait(f[i], 0, &e), DP_EINVAL);
+    cr_assert_str_eq(e.message, why[i]);
+  }
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(f[2], 0, &e), DP_ETYPE);
+  cr_assert(strstr(e.message, "Opaque"), "%s", e.message);
+  cr_assert_eq(dp_future_wait(narrow, 0, &e), DP_EDEVICE);
+  cr_assert(strstr(e.message, "the value uses host:1"), "%s", e.message);
+  for (int i = 0; i < 4; i++) dp_future_release(f[i]);
+  dp_future_release(narrow);
+}
