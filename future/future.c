@@ -1320,10 +1320,9 @@ int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future
   c->out = dp_future_retain(o);
   dp__atomic_init(&c->refs, (uint32_t)n + 1);
   dp__atomic_init(&c->remaining, n);
-  for (size_t i = 0; i < n; i++) {
-    c->in[i] = NULL;
-    c->pending[i] = futures[i];
-  }
+  /* in[i] is written by input i's callback (collect_one), run or canceled
+     before its entry drops c: nothing reads it before */
+  for (size_t i = 0; i < n; i++) c->pending[i] = futures[i];
   /* before o is shared (an input's callback may run at once): the links
      waits_on_running follows */
   o->deps = c->pending;
