@@ -3824,3 +3824,58 @@ Test(future, a_failed_completion_without_an_err_record_still_fails_the_future_wi
   for (int i = 0; i < 4; i++) dp_future_release(f[i]);
   dp_future_release(narrow);
 }
+
+/* A reduce() may complete futures: the walk that runs it holds the
+ * thread's scratch set, and the completions inside take sets of their own.
+ * One that cannot have its set (out of memory) hands back none: the walk's
+ * set stays the walk's, and a completion after it in the same reduce() does
+ * not take it (the outer future lists what its value holds). */
+typedef struct in_reduce {
+  int how;       /* 0: a completion inside fails; 1: a then_with_ptrs callback inside cannot run */
+  long k;        /* the allocation that fails, counted from the first inside */
+  dp_future_t *h; /* completed after, with a tensor on host:1 */
+  dp_value_t b;   /* the state's tensor */
+} in_reduce_t;
+static in_reduce_t nested_now;
+static int ptrs_cb_noop(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)ptrs, (void)err;
+  return 0;
+}
+static int reduce_completing(void *obj, dp_value_t *state, dp_error_t *err) {
+  (void)obj;
+  in_reduce_t *n = &nested_now;
+  dp_future_t *g = future(), *child = NULL;
+  if (n->how == 1) OK(dp_future_mark_completed(g, dp_int(1), T_ERR));
+  t_fail_at = atomic_load(&t_alloc_count) + n->k;
+  if (n->how == 0) dp_future_mark_completed(g, dp_int(1), NULL);
+  else if (dp_future_then_with_ptrs(g, ptrs_cb_noop, NULL, &child, NULL) == 0) dp_future_release(child);
+  t_fail_at = 0;
+  dp_future_release(g);
+  OK(dp_future_mark_completed(n->h, t_tensor(H1, 0x9000, 4), T_ERR));
+  int rc = dp_tuple_new(1, state, err);
+  return rc ? rc : dp_seq_set(*state, 0, dp_value_retain(n->b), err);
+}
+static const dp_type_t completing_type = {"Completing", reduce_completing, NULL};
+
+Test(future, a_completion_inside_a_reduce_that_runs_out_of_memory_leaves_the_walks_set_to_the_walk) {
+  for (int how = 0; how < 2; how++)
+    for (long k = 1; k <= 8; k++) {
+      nested_now = (in_reduce_t){how, k, future(), t_tensor(H0, 0x2000, 4)};
+      dp_value_t l = t_list(), x;
+      OK(dp_list_append(l, t_tensor(H0, 0x1000, 4), T_ERR));
+      OK(dp_custom_new(&completing_type, NULL, &x, T_ERR));
+      OK(dp_list_append(l, x, T_ERR));
+      dp_future_t *f = future();
+      OK(dp_future_mark_completed(f, l, T_ERR));
+      cr_assert_eq(dp_future_nptrs(f), 2, "how %d, allocation %ld: the outer value's two allocations", how, k);
+      dp_ptr_info_t p;
+      OK(dp_future_ptr(f, 0, &p, T_ERR));
+      cr_assert_eq(p.base, (void *)0x1000, "how %d, allocation %ld", how, k);
+      OK(dp_future_ptr(f, 1, &p, T_ERR));
+      cr_assert_eq(p.base, (void *)0x2000, "how %d, allocation %ld", how, k);
+      cr_assert_eq(dp_future_nptrs(nested_now.h), 1);
+      dp_future_release(f);
+      dp_future_release(nested_now.h);
+      dp_value_release(nested_now.b);
+    }
+}
