@@ -3879,3 +3879,64 @@ Test(future, a_completion_inside_a_reduce_that_runs_out_of_memory_leaves_the_wal
       dp_value_release(nested_now.b);
     }
 }
+
+/* future.h: a wait in a callback on a future it completed returns once
+ * every callback it queued for that future ran, not only the first. */
+static dp_future_t *wt_g;
+static int completes_g_and_waits(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  cb_order[cb_norder++] = 'a';
+  OK(dp_future_mark_completed(wt_g, dp_int(1), T_ERR));
+  OK(dp_future_wait(wt_g, -1, T_ERR));
+  cr_assert_eq(cb_norder, 3, "g's callbacks that ran in the wait: %.*s", (int)cb_norder - 1, cb_order + 1);
+  return 0;
+}
+
+Test(future, a_callback_waiting_on_a_future_it_completed_returns_after_all_that_futures_callbacks) {
+  dp_future_t *f = future(), *a, *g1, *g2;
+  wt_g = future();
+  cb_norder = 0;
+  OK(dp_future_then(f, completes_g_and_waits, NULL, &a, T_ERR));
+  OK(dp_future_then(wt_g, note_cb, "1", &g1, T_ERR));
+  OK(dp_future_then(wt_g, note_cb, "2", &g2, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(0), T_ERR));
+  cr_assert_eq(cb_norder, 3);
+  cr_assert_arr_eq(cb_order, "a12", 3);
+  dp_future_t *all[] = {f, a, g1, g2, wt_g};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
+}
+
+/* future.h: an allocation's refs in a collect_all is the sum over its
+ * distinct inputs: over one input, that input's. */
+Test(future, a_collect_all_over_one_input_counts_its_allocations_refs_once) {
+  dp_future_t *f = future(), *all;
+  OK(dp_future_mark_completed(f, t_tensor(H0, 0x1000, 4), T_ERR));
+  OK(dp_future_collect_all(&f, 1, NULL, &all, T_ERR));
+  OK(dp_future_wait(all, 0, T_ERR));
+  cr_assert_eq(dp_future_nptrs(all), 1);
+  dp_ptr_info_t p;
+  OK(dp_future_ptr(all, 0, &p, T_ERR));
+  cr_assert_eq(p.refs, 1, "one tensor counted %u times", p.refs);
+  dp_future_release(all);
+  dp_future_release(f);
+}
+
+/* future.h: completing a complete future is DP_ESTATE and leaves it as it
+ * was: with pointers it accepts, the record made for them (events, the
+ * allocations' block) goes too. */
+Test(future, completing_a_complete_future_with_pointers_is_estate_and_keeps_nothing_it_made) {
+  dp_future_t *f = future();
+  OK(dp_future_mark_completed(f, dp_int(1), T_ERR));
+  dp_ptrset_t *ps;
+  OK(dp_ptrset_new(&ps, T_ERR));
+  OK(dp_ptrset_add(ps, H0, (void *)0x1000, 16, NULL, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_future_mark_completed_with_ptrs(f, dp_int(2), ps, &e), DP_ESTATE);
+  cr_assert_str_eq(e.message, "dp_future_mark_completed_with_ptrs: the future is already complete");
+  cr_assert_eq(dp_value_as_int(dp_future_value(f)), 1);
+  cr_assert_eq(dp_future_ndevices(f), 0);
+  dp_ptrset_free(ps);
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
