@@ -2164,7 +2164,9 @@ Test(future, an_error_without_a_message_or_with_code_zero_reaches_waiters_with_o
   OK(dp_future_set_error(f, &none, T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_future_wait(f, -1, &e), DP_ESTATE);
-  cr_assert(strstr(e.message, "completed with error code 0"), "%s", e.message);
+  char want[DP_ERROR_MSG_MAX];
+  snprintf(want, sizeof want, "the future failed: %s (completed with error code 0)", dp_strerror(DP_ESTATE));
+  cr_assert_str_eq(e.message, want);
   dp_future_release(f);
   f = future();
   dp_error_t io;
@@ -2172,7 +2174,8 @@ Test(future, an_error_without_a_message_or_with_code_zero_reaches_waiters_with_o
   io.code = DP_EIO;
   OK(dp_future_set_error(f, &io, T_ERR));
   cr_assert_eq(dp_future_wait(f, -1, &e), DP_EIO);
-  cr_assert(e.message[0] != 0, "a message, not an empty string");
+  snprintf(want, sizeof want, "the future failed: %s", dp_strerror(DP_EIO)); /* a code of the library's: no more */
+  cr_assert_str_eq(e.message, want);
   dp_future_release(f);
 }
 
@@ -3937,6 +3940,75 @@ Test(future, completing_a_complete_future_with_pointers_is_estate_and_keeps_noth
   cr_assert_eq(dp_future_ndevices(f), 0);
   dp_ptrset_free(ps);
   dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* A collect_all input released pending goes from the aggregate's links
+ * before its memory does: a wait in a callback that follows them later
+ * (the aggregate still pending on another input) reads no freed future. */
+static dp_future_t *lk_all;
+static int waits_on_the_aggregate(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  dp_error_t e;
+  int rc = dp_future_wait(lk_all, 0, &e);
+  cr_assert_eq(rc, DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+  return 0;
+}
+
+Test(future, a_wait_in_a_callback_follows_a_collect_alls_links_past_an_input_released_pending) {
+  dp_future_t *in[2] = {future(), future()}, *r = future(), *rc;
+  OK(dp_future_collect_all(in, 2, NULL, &lk_all, T_ERR));
+  dp_future_release(in[0]); /* released pending: the aggregate will fail naming it */
+  OK(dp_future_then(r, waits_on_the_aggregate, NULL, &rc, T_ERR));
+  OK(dp_future_mark_completed(r, dp_int(1), T_ERR));
+  OK(dp_future_wait(rc, 0, T_ERR));
+  OK(dp_future_mark_completed(in[1], dp_int(2), T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_future_wait(lk_all, 0, &e), DP_ECANCELED);
+  cr_assert_str_eq(e.message, "input 0 of collect_all was released before it completed");
+  dp_future_t *all[] = {in[1], r, rc, lk_all};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* collect_all over more devices than fit inline allocates its streams: out
+ * of memory there fails the aggregate with DP_ENOMEM, as everywhere. */
+Test(future, a_collect_all_over_more_devices_than_fit_inline_out_of_memory_fails_with_enomem) {
+  dp_shutdown();
+  setenv("DEVPICKLE_HOST_DEVICES", "20", 1);
+  OK(dp_backend_get(DP_DEVICE_HOST, &B, T_ERR));
+  dp_future_t *in[20];
+  for (int i = 0; i < 20; i++) {
+    in[i] = future();
+    OK(dp_future_mark_completed(in[i], t_tensor(t_dev(DP_DEVICE_HOST, i), 0x1000 * (uintptr_t)(i + 1), 4), T_ERR));
+  }
+  int saw_streams_oom = 0;
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 1000, "the call never ran without a failed allocation");
+    dp_future_t *all = NULL;
+    dp_error_t e;
+    long want = t_fail_at = atomic_load(&t_alloc_count) + k;
+    int rc = dp_future_collect_all(in, 20, NULL, &all, &e); /* the inputs are complete: it completes here */
+    int hit = atomic_load(&t_alloc_count) >= want;
+    t_fail_at = 0;
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+      continue;
+    }
+    rc = dp_future_wait(all, 0, &e);
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+      saw_streams_oom |= strcmp(e.message, "out of memory collecting futures") == 0;
+    } else {
+      cr_assert_eq(dp_future_ndevices(all), 20);
+    }
+    dp_future_release(all);
+    if (!hit) break;
+  }
+  cr_assert(saw_streams_oom, "one failed allocation was that of the aggregate's streams");
+  for (int i = 0; i < 20; i++) dp_future_release(in[i]);
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
