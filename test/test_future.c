@@ -4012,3 +4012,31 @@ Test(future, a_collect_all_over_more_devices_than_fit_inline_out_of_memory_fails
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* future.h: releases in a callback are freed once it returns, each: two
+ * pending futures whose last references a callback drops both cancel
+ * their children. */
+static int drops_two(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  dp_future_t **two = ud;
+  dp_future_release(two[0]);
+  dp_future_release(two[1]);
+  return 0;
+}
+
+Test(future, a_callback_that_drops_two_pending_futures_cancels_the_children_of_each) {
+  dp_future_t *f = future(), *a, *two[2] = {future(), future()}, *c[2];
+  for (int i = 0; i < 2; i++) OK(dp_future_then(two[i], note_cb, "x", &c[i], T_ERR));
+  OK(dp_future_then(f, drops_two, two, &a, T_ERR));
+  OK(dp_future_mark_completed(f, dp_int(0), T_ERR));
+  for (int i = 0; i < 2; i++) {
+    dp_error_t e;
+    cr_assert_eq(dp_future_wait(c[i], 0, &e), DP_ECANCELED, "child %d: %s", i, e.message);
+    cr_assert_str_eq(e.message, "the parent future was released before it completed");
+    dp_future_release(c[i]);
+  }
+  dp_future_release(a);
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
