@@ -4040,3 +4040,55 @@ Test(future, a_callback_that_drops_two_pending_futures_cancels_the_children_of_e
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
+
+/* A wait from a callback follows a pending future's links and stops at a
+ * complete one, whatever links that one had while it was pending (a then()
+ * child's parent: dropped at its completion). */
+static dp_future_t *st_agg;
+static int waits_on_st_agg(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)ud, (void)parent, (void)result, (void)err;
+  dp_error_t e;
+  int rc = dp_future_wait(st_agg, 0, &e);
+  cr_assert_eq(rc, DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+  return 0;
+}
+
+Test(future, a_wait_in_a_callback_stops_following_links_at_a_complete_then_child) {
+  dp_future_t *p = future(), *done_child, *q = future(), *r = future(), *rc;
+  OK(dp_future_then(p, note_cb, "p", &done_child, T_ERR));
+  cb_norder = 0;
+  OK(dp_future_mark_completed(p, dp_int(1), T_ERR)); /* done_child completes */
+  dp_future_t *in[2] = {done_child, q};
+  OK(dp_future_collect_all(in, 2, NULL, &st_agg, T_ERR));
+  OK(dp_future_then(r, waits_on_st_agg, NULL, &rc, T_ERR));
+  OK(dp_future_mark_completed(r, dp_int(2), T_ERR));
+  OK(dp_future_wait(rc, 0, T_ERR));
+  OK(dp_future_mark_completed(q, dp_int(3), T_ERR));
+  OK(dp_future_wait(st_agg, 0, T_ERR));
+  dp_future_t *all[] = {p, done_child, q, r, rc, st_agg};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
+}
+
+/* dp_future_new out of memory, for the list of devices too: DP_ENOMEM. */
+Test(future, a_future_with_devices_that_cannot_have_its_memory_is_enomem) {
+  dp_device_t devs[2] = {H0, H1};
+  dp_future_release(future()); /* the default cache is made: its own failures say so */
+  for (long k = 1;; k++) {
+    cr_assert_lt(k, 100, "the call never ran without a failed allocation");
+    dp_future_t *f = NULL;
+    dp_error_t e;
+    long want = t_fail_at = atomic_load(&t_alloc_count) + k;
+    int rc = dp_future_new(&(dp_future_opts_t){B, devs, 2, NULL, 0, 0}, &f, &e);
+    int hit = atomic_load(&t_alloc_count) >= want;
+    t_fail_at = 0;
+    if (rc) {
+      cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+      cr_assert_str_eq(e.message, "dp_future_new: out of memory creating a future");
+      continue;
+    }
+    dp_future_release(f);
+    if (!hit) break;
+  }
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
