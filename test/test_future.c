@@ -4092,23 +4092,3 @@ Test(future, a_future_with_devices_that_cannot_have_its_memory_is_enomem) {
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
-
-/* future.h: synchronize with a limit of 0 looks at the events once: behind
- * work still running, DP_ETIMEDOUT, not a wait for the work. */
-Test(future, synchronize_with_a_zero_limit_behind_running_work_times_out_at_once, .timeout = 30) {
-  dp_stream_t *s;
-  OK(dp_stream_new(B, H0, &s, T_ERR));
-  _Atomic int gate = 0;
-  OK(dp_set_current_stream(s, NULL, T_ERR));
-  OK(dp_host_launch(s, gate_spin, &gate, T_ERR));
-  dp_future_t *f = future();
-  OK(dp_future_mark_completed(f, t_tensor(H0, 0x1000, 4), T_ERR)); /* its event follows that work */
-  dp_reset_current_stream(B, H0);
-  dp_error_t e;
-  cr_assert_eq(dp_future_synchronize(f, 0, &e), DP_ETIMEDOUT);
-  cr_assert_str_eq(e.message, "dp_future_synchronize: the future's events did not complete within 0 ns");
-  atomic_store(&gate, 1);
-  OK(dp_future_synchronize(f, -1, T_ERR));
-  dp_future_release(f);
-  dp_stream_free(s);
-}
