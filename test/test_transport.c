@@ -4165,6 +4165,34 @@ static int send_small_buffers(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   return 0;
 }
 
+/* peer: as send_small_buffers, ignoring the receiver's credit (its sends
+ * fail once the receiver has failed the endpoint) */
+static int send_small_buffers_past_credit(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  dp__transport_skip_credit = 1;
+  send_small_buffers(t, ep, arg);
+  return 0;
+}
+
+Test(transport, a_peer_that_sends_buffers_past_its_credit_fails_the_endpoint_and_its_later_messages_are_dropped) {
+  /* the values past the grant come while the receiver has already failed
+     the endpoint: each, its buffers sent by rendezvous or not, is dropped
+     (UCX's descriptor once: released twice, the receiver crashed in UCX's
+     rendezvous code) */
+  t_track();
+  peer_t p = spawn_peer(send_small_buffers_past_credit, (void *)(intptr_t)400, NULL);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 1 << 20;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_error_t e;
+  int code = 0; /* nobody takes: the values past the grant fail the endpoint */
+  for (int i = 0; i < 600 && !(code = dp_endpoint_error(ep, &e)); i++) sleep_ms(50);
+  cr_assert_eq(code, DP_EFORMAT, "got %s", dp_err_name(code));
+  cr_assert(strstr(e.message, "values beyond the credit granted"), "%s", e.message);
+  sleep_ms(500); /* the peer's later values arrive at the failed endpoint: a negative check */
+  close_clean(ep, t, p);
+}
+
 Test(transport, a_receiver_that_takes_nothing_holds_small_buffers_back_at_the_sender) {
   /* 4,000 values of a 32 KiB buffer (128 MB, each buffer eager) to an
      endpoint nobody receives from, bound 1 MiB: the credit counts buffers */
@@ -4175,12 +4203,16 @@ Test(transport, a_receiver_that_takes_nothing_holds_small_buffers_back_at_the_se
   o.max_inflight_bytes = 1 << 20;
   dp_transport_t *t = new_transport(&o);
   long before = rss_bytes();
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
   dp_endpoint_t *ep = connect_to(t, p.port);
-  /* once the window's worth is here, 3 s more for others to come (a
-     negative check) */
-  POLL_UNTIL(rss_bytes() - before >= 1l << 20);
-  cr_assert_geq(rss_bytes() - before, 1l << 20, "no window's worth of values arrived");
+  /* the window holds 32 of these values (the last sent may cross it): once
+     they are here, 3 s more for others to come (a negative check) */
+  unsigned long window = (1ul << 20) / (32 << 10) + 1;
+  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= window - 1);
+  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, window - 1, "no window's worth of values arrived");
   sleep_ms(3000);
+  unsigned long arrived = atomic_load(&dp__transport_frames_in) - frames0;
+  cr_assert_leq(arrived, window, "%lu values arrived for a window of %lu", arrived, window);
   long held = rss_bytes() - before; /* parked messages are UCX's memory */
   cr_assert_lt(held, 16l << 20, "the receiver grew by %ld bytes for %ld values nobody took", held, n);
   for (long i = 0; i < n; i++) {
@@ -6799,13 +6831,14 @@ Test(transport, a_frame_receive_made_after_a_value_with_buffers_arrived_refuses_
   dp_value_t v = owned_tensor(5000, 3);
   dp_future_t *d, *d2, *r;
   dp_error_t e;
+  unsigned long ready0 = atomic_load(&dp__transport_ready_unclaimed);
   OK(dp_endpoint_send(a, v, &d, T_ERR));
-  OK_WITH(&e, wait_f(d, &e)); /* sent and taken by the receiver's loop */
+  OK_WITH(&e, wait_f(d, &e));
   OK(dp_endpoint_send(a, dp_int(8), &d2, T_ERR));
   OK_WITH(&e, wait_f(d2, &e));
-  /* the loop queued both, likely: the state cannot be observed, and a
-     receive made before the value arrived refuses it as it comes alike */
-  nanosleep(&(struct timespec){0, 50000000}, NULL);
+  /* the value, buffers and all, waits at the head of b's queue */
+  POLL_UNTIL(atomic_load(&dp__transport_ready_unclaimed) - ready0 >= 1);
+  cr_assert_geq(atomic_load(&dp__transport_ready_unclaimed) - ready0, 1, "the value never arrived");
   OK(dp_endpoint_recv_frame(b, &r, T_ERR));
   int rc = wait_f(r, &e);
   cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(rc), e.message);

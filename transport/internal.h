@@ -193,6 +193,13 @@ extern _Atomic unsigned long dp__transport_slot_waits;
  *  (tests read it: a test that needs its values to go through the slots
  *  waits for the answer). */
 extern _Atomic unsigned long dp__transport_shm_accepted;
+/** Frames this process's receivers took in order (tests read it: the
+ *  values that arrived, whatever their buffers or the memory they hold). */
+extern _Atomic unsigned long dp__transport_frames_in;
+/** Messages this process's receivers found complete at the head of their
+ *  queue with no receive waiting, each counted once (tests read it: the
+ *  state "a value has arrived and waits to be taken"). */
+extern _Atomic unsigned long dp__transport_ready_unclaimed;
 /** Pieces this process received through same-host slots (tests read it). */
 extern _Atomic unsigned long dp__transport_shm_pieces;
 /** Messages this process received on same-host lanes (tests read it). */

@@ -367,7 +367,7 @@ static int poll_slots(dp_transport_t *t) {
     if (rc || m->detached || m->failed) { /* its endpoint failed meanwhile, or no memory */
       dp_endpoint_t *ep = c->ep;
       int detached = m->detached;
-      ucp_am_data_release(t->worker, c->data);
+      dp__tp_rndv_release(t->worker, c->data);
       dp__free(c, sizeof *c);
       if (--m->pending == 0 && detached) dp__tp_rmsg_free(m);
       if (rc && !detached) dp__tp_ep_fail(ep, &e);

@@ -6,6 +6,22 @@
 
 /* ---- receiving ---- */
 
+/* The rendezvous descriptor UCX's active-message callback running on this
+ * thread was handed (NULL outside one, or once it was dropped). UCX
+ * releases it itself, and answers its sender, when the callback returns
+ * UCS_OK without having started its receive: released inside the callback
+ * as well, it was released twice and its sender answered twice (a crash
+ * in UCX's rendezvous code once a peer's values were refused). */
+static _Thread_local void *am_cb_rndv;
+
+void dp__tp_rndv_release(ucp_worker_h w, void *data) {
+  if (data && data == am_cb_rndv) {
+    am_cb_rndv = NULL; /* the callback returns UCS_OK: UCX drops it */
+    return;
+  }
+  ucp_am_data_release(w, data);
+}
+
 static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
   void **ctx = ud;
   dp_transport_t *t = ctx[0];
@@ -48,6 +64,7 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "frame message out of sequence or of the wrong length");
     return DP_EFORMAT;
   }
+  atomic_fetch_add_explicit(&dp__transport_frames_in, 1, memory_order_relaxed);
   rmsg_t *m = dp__alloc(sizeof *m);
   if (!m) {
     dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory for a received message");
@@ -334,7 +351,7 @@ static void drain_rndv(dp_transport_t *t, dp_endpoint_t *ep, void *data, size_t 
   pthread_once(&discard_once, discard_init);
   drain_t *d = discard_status == UCS_OK ? dp__alloc(sizeof *d) : NULL;
   if (!d) {
-    ucp_am_data_release(t->worker, data);
+    dp__tp_rndv_release(t->worker, data);
     return;
   }
   d->t = t;
@@ -360,7 +377,7 @@ int dp__tp_post_recv(dp_transport_t *t, rctx_t *c, void *data) {
     if (!(c->tmp = dp__alloc(h->total ? (size_t)h->total : 1))) {
       dp__free(c, sizeof *c);
       m->pending--;
-      ucp_am_data_release(t->worker, data);
+      dp__tp_rndv_release(t->worker, data);
       dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving packed buffers");
       return -1;
     }
@@ -387,7 +404,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   else if (ok)
     ok = !m->next_off;
   if (!ok) {
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) dp__tp_rndv_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
     return -1;
   }
@@ -416,19 +433,19 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   }
   if (h->count == 1 ? h->size != b->nbytes : sum != h->total) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffers message's size differs from its frame's table");
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) dp__tp_rndv_release(t->worker, data);
     return -1;
   }
   /* a direct buffer comes whole; a staged one in chunks of DP__STAGE_CHUNK
      (the last shorter), so that a receive slot holds any piece */
   if (h->count == 1 && (staged ? h->total > DP__STAGE_CHUNK : h->total != h->size)) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffer is cut into pieces other than the protocol's");
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) dp__tp_rndv_release(t->worker, data);
     return -1;
   }
   if (staged && spans) {
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a packed message of device buffers spans devices");
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) dp__tp_rndv_release(t->worker, data);
     return -1;
   }
   if (shm) return shm_in(t, ep, m, h, slot, staged);
@@ -436,7 +453,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   if (staged) {
     dp_error_t e;
     if (dp__tp_slot_get(t, &t->rx, (size_t)h->total, !rndv, &sl, &e)) {
-      if (rndv) ucp_am_data_release(t->worker, data);
+      if (rndv) dp__tp_rndv_release(t->worker, data);
       dp__tp_ep_fail(ep, &e);
       return -1;
     }
@@ -456,7 +473,7 @@ static int on_bufs(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_bufs_hdr_t
   rctx_t *c = dp__alloc(sizeof *c);
   if (!c) {
     if (sl) dp__tp_slot_put(t, &t->rx, sl);
-    ucp_am_data_release(t->worker, data);
+    dp__tp_rndv_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory receiving a buffer");
     return -1;
   }
@@ -533,7 +550,13 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
       dp__tp_rmsg_free(m);
       continue;
     }
-    if (!ep->w_head) return;
+    if (!ep->w_head) {
+      if (!m->ready_counted) {
+        m->ready_counted = 1;
+        atomic_fetch_add_explicit(&dp__transport_ready_unclaimed, 1, memory_order_relaxed);
+      }
+      return;
+    }
     rwait_t *w = ep->w_head;
     ep->rq_head = m->next;
     if (!ep->rq_head) ep->rq_tail = NULL;
@@ -793,7 +816,7 @@ static void pull_cb(void *req, ucs_status_t st, size_t len, void *ud) {
 
 static int pull_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr_t *h, void *data, size_t len) {
   if (h->seq != ep->recv_seq || h->frame_len != len) {
-    ucp_am_data_release(t->worker, data);
+    dp__tp_rndv_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "frame message out of sequence or of the wrong length");
     return DP_EFORMAT;
   }
@@ -801,7 +824,7 @@ static int pull_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_h
   uint8_t *buf = p ? dp__alloc(len ? len : 1) : NULL;
   if (!buf) {
     if (p) dp__free(p, sizeof *p);
-    ucp_am_data_release(t->worker, data);
+    dp__tp_rndv_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory for a frame sent by rendezvous");
     return DP_ENOMEM;
   }
@@ -870,7 +893,7 @@ static void absorb_piece(dp_transport_t *t, dp_endpoint_t *ep, absorb_t *a, unsi
   int ok = h.count <= a->nbuf && h.first <= a->nbuf - h.count &&
            (shm ? !rndv && !len && ep->rshm && slot < DP__STAGE_SLOTS && h.total <= DP__STAGE_CHUNK : len == h.total);
   if (!ok) {
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) dp__tp_rndv_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a buffers message does not follow its frame's table");
     return;
   }
@@ -992,14 +1015,14 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   uint32_t magic = 0;
   if (hlen >= 4) memcpy(&magic, hdr, 4);
   if (hlen != want || magic != DP__WIRE_MAGIC || (id != DP__AM_FRAME && !bufs_hdr_ok(hdr))) {
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) dp__tp_rndv_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "malformed message header (not a devpickle peer?)");
     return UCS_OK;
   }
   uint64_t h[sizeof ((inbox_t *)0)->hdr / 8];
   memcpy(h, hdr, hlen); /* aligned */
   if (ep->peer_closed && key_of(id, h).seq >= ep->peer_sent) { /* its CLOSE counted the values it sent */
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) dp__tp_rndv_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a value beyond the count of the peer's close");
     return UCS_OK;
   }
@@ -1017,7 +1040,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
        taken count, and so the grant, 2^64 - 1: every later value passed */
     if (dp__add_ovf(len, fh->buf_bytes, &charge) || dp__add_ovf(ep->credit_in, charge, &in) ||
         in - (top ? charge : ep->credit_top_charge) >= ep->credit_granted) {
-      if (rndv) ucp_am_data_release(t->worker, data);
+      if (rndv) dp__tp_rndv_release(t->worker, data);
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "values beyond the credit granted to the peer");
       return UCS_OK;
     }
@@ -1025,7 +1048,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
     if (top) ep->credit_top = fh->seq == UINT64_MAX ? UINT64_MAX : fh->seq + 1, ep->credit_top_charge = charge;
     grant(t, ep); /* the first value: the whole window at once */
     if (ep->dead) { /* no memory for the grant */
-      if (rndv) ucp_am_data_release(t->worker, data);
+      if (rndv) dp__tp_rndv_release(t->worker, data);
       return UCS_OK;
     }
   }
@@ -1033,7 +1056,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   if (id == DP__AM_FRAME && k.seq == ep->recv_seq && refused_owed(ep)) {
     pass_refused(t, ep);
     if (ep->dead) {
-      if (rndv) ucp_am_data_release(t->worker, data);
+      if (rndv) dp__tp_rndv_release(t->worker, data);
       return UCS_OK;
     }
   }
@@ -1044,7 +1067,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
     return UCS_OK;
   }
   if (c < 0) {
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) dp__tp_rndv_release(t->worker, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
     return UCS_OK;
   }
@@ -1063,7 +1086,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   void *copy = b && !rndv && len ? dp__alloc(len) : NULL;
   if (!b || (!rndv && len && !copy)) {
     if (b) dp__free(b, sizeof *b);
-    if (rndv) ucp_am_data_release(t->worker, data);
+    if (rndv) dp__tp_rndv_release(t->worker, data);
     if (!over)
       dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory parking a message");
     else if (ep->nparked >= DP__MAX_PARKED)
@@ -1203,7 +1226,7 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
 /* Every active message: its id is the handler's (amh_t, one a message id).
  * On a lane's worker the endpoint is the handler's; on the transport's, the
  * one UCX names as the message's reply endpoint. */
-ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+static ucs_status_t am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
                           const ucp_am_recv_param_t *param) {
   const amh_t *h = arg;
   dp_transport_t *t = h->t;
@@ -1220,11 +1243,11 @@ ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, s
   if (!ep || ep->dead) {
     /* from an endpoint failed or closed here (UCX still has it, as it
        names it): dropped */
-    if (rndv) ucp_am_data_release(w, data);
+    if (rndv) dp__tp_rndv_release(w, data);
     return UCS_OK;
   }
   if (h->id == AM_STRAY) { /* no message of the protocol: the peer is no devpickle peer, or a broken one */
-    if (rndv) ucp_am_data_release(w, data);
+    if (rndv) dp__tp_rndv_release(w, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message of an id the protocol does not use");
     return UCS_OK;
   }
@@ -1232,13 +1255,22 @@ ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, s
   if (h->ep) {
     atomic_fetch_add(&dp__transport_lane_msgs, 1);
     if (rndv) { /* never sent so: the lane carries small messages, eagerly */
-      ucp_am_data_release(w, data);
+      dp__tp_rndv_release(w, data);
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a rendezvous on the same-host lane");
       return UCS_OK;
     }
   }
   if (h->id == DP__AM_FRAME || h->id == DP__AM_BUFS || h->id == DP__AM_SHM_PIECE)
     return am_any(t, ep, w, h->id, hdr, hlen, data, len, param);
-  if (rndv) ucp_am_data_release(w, data), data = NULL;
+  if (rndv) dp__tp_rndv_release(w, data), data = NULL;
   return am_ctl(t, ep, h->id, hdr, hlen, data, len, param, h->ep != NULL);
+}
+
+ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                          const ucp_am_recv_param_t *param) {
+  void *outer = am_cb_rndv; /* a callback within a callback: UCX does not nest them, but were it to */
+  am_cb_rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? data : NULL;
+  ucs_status_t st = am_cb(arg, hdr, hlen, data, len, param);
+  am_cb_rndv = outer;
+  return st;
 }

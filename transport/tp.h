@@ -180,6 +180,7 @@ struct rmsg {
   size_t pending;           /* rendezvous receives in flight */
   int failed;               /* the message is refused: its buffers are drained */
   int answered;             /* failed, and its receive already told so: kept only to absorb its buffers */
+  int ready_counted;        /* counted in dp__transport_ready_unclaimed */
   uint64_t got;             /* bytes of its buffers' messages received so far */
   dp_error_t error;
   int detached;             /* the endpoint let go; free when pending == 0 */
@@ -454,6 +455,10 @@ void dp__tp_sop_free(sop_t *s);
 void dp__tp_sop_fail(sop_t *s, const dp_error_t *e);
 void dp__tp_rmsg_free(rmsg_t *m);
 void dp__tp_inbox_drop(dp_transport_t *t, inbox_t *b);
+/** Releases a rendezvous descriptor not received (ucp_am_data_release),
+ *  but for the one UCX's callback on this thread was handed: UCX drops that
+ *  one itself when the callback returns UCS_OK, which it then must. */
+void dp__tp_rndv_release(ucp_worker_h w, void *data);
 void dp__tp_ep_drop_received(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_ep_fail(dp_endpoint_t *ep, const dp_error_t *e);
 void dp__tp_ep_cancel_recvs(dp_endpoint_t *ep, const dp_error_t *e);

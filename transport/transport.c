@@ -23,6 +23,8 @@ _Atomic unsigned long dp__transport_lane_msgs;
 void (*dp__transport_accept_gap)(void);
 _Atomic unsigned long dp__transport_slot_waits;
 _Atomic unsigned long dp__transport_shm_accepted;
+_Atomic unsigned long dp__transport_frames_in;
+_Atomic unsigned long dp__transport_ready_unclaimed;
 
 /* ---- small things ---- */
 
@@ -301,7 +303,7 @@ void dp__tp_rmsg_free(rmsg_t *m) {
  * with the worker.) */
 void dp__tp_inbox_drop(dp_transport_t *t, inbox_t *b) {
   (void)t;
-  if (b->data && b->rndv) ucp_am_data_release(b->w, b->data);
+  if (b->data && b->rndv) dp__tp_rndv_release(b->w, b->data);
   else if (b->data) dp__free(b->data, b->len);
   dp__free(b, sizeof *b);
 }
