@@ -1493,6 +1493,21 @@ static int cmd_send(int argc, char **argv) {
   return stdout_done(status);
 }
 
+/* Why recv cannot listen. The transport's message names the address
+ * itself ("transport: cannot listen on 127.0.0.1:5000: the address is in
+ * use"): put after the address again, it named it twice. Such a message is
+ * said as recv's, without the layer's name; one that names no address
+ * (out of memory) keeps the address in front. */
+static int listen_error(const char *host, const char *addr, const char *msg) {
+  size_t hn = strlen(host);
+  if (hn > 2 && host[0] == '[' && host[hn - 1] == ']') host++, hn -= 2; /* [::1]: the transport names ::1 */
+  int names = 0;
+  for (const char *p = msg; !names && *p; p++) names = strncmp(p, host, hn) == 0;
+  if (!names) return data_error(addr, msg, -1);
+  if (strncmp(msg, "transport: ", 11) == 0) msg += 11;
+  return data_error("recv", msg, -1);
+}
+
 #define ANSWER_WAIT_S 10 /* recv's limit for its answer to leave, and for the sender to close */
 
 static int cmd_recv(int argc, char **argv) {
@@ -1542,7 +1557,7 @@ static int cmd_recv(int argc, char **argv) {
   if (!rc) rc = dp_transport_new(&to, &t, &e);
   if (!rc) rc = dp_listener_new(t, addr, &l, &e);
   if (rc) {
-    status = data_error(addr, e.message, -1);
+    status = listen_error(host, addr, e.message);
     goto out;
   }
   fprintf(stderr, "devpickle recv: listening on port %d\n", dp_listener_port(l));
