@@ -4654,8 +4654,33 @@ Test(cli, unpack_indents_two_spaces_a_level_and_compact_has_no_space_between_tok
  * what it takes. */
 Test(cli, demo_refuses_a_backend_it_does_not_know_naming_those_it_takes) {
   setenv("DEVPICKLE_BACKEND", "bogus", 1);
-  run_err_only("demo", 1, "devpickle: demo: dp_backend_default: DEVPICKLE_BACKEND='bogus': expected host or cuda\n");
+  run_err_only("demo", 1,
+               "devpickle: demo: DEVPICKLE_BACKEND='bogus' is no backend: set it to host or cuda, or unset it "
+               "(then cuda where a GPU is usable, else host)\n");
   unsetenv("DEVPICKLE_BACKEND");
+}
+
+/* A backend asked for that cannot start is named with the variable that
+ * asked for it and the other choice; the library's function names
+ * ("dp_backend_get(cuda): ") mean nothing to a user of the CLI. */
+Test(cli, demo_with_a_backend_that_cannot_start_names_what_was_tried_and_what_to_do) {
+  setenv("DEVPICKLE_BACKEND", "cuda", 1);
+  res_t r = run("demo");
+  unsetenv("DEVPICKLE_BACKEND");
+  if (r.status == 0) {
+    res_free(r);
+    cr_skip_test("a usable GPU: the cuda backend starts");
+  }
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  static const char head[] = "devpickle: demo: the cuda backend (DEVPICKLE_BACKEND=cuda) cannot start: ";
+  static const char tail[] = "; DEVPICKLE_BACKEND=host runs the demo on the host executor\n";
+  cr_assert_eq(strncmp(r.err, head, strlen(head)), 0, "%s", r.err);
+  size_t n = strlen(r.err);
+  cr_assert(n > strlen(tail) && strcmp(r.err + n - strlen(tail), tail) == 0, "%s", r.err);
+  cr_assert_null(strstr(r.err, "dp_"), "an internal name: %s", r.err);
+  cr_assert_eq(strchr(r.err, '\n'), r.err + n - 1, "more than one line: %s", r.err);
+  cr_assert_str_eq(r.out, "");
+  res_free(r);
 }
 
 /* "'help', '--help' and '-h' alike: alone ... the main usage", on stdout

@@ -214,6 +214,40 @@ static int check_bytes(const unsigned char *p, unsigned char want, const char *w
   return bad == 0;
 }
 
+/* The library's message less the names of its functions ("dp_backend_get(cuda): "),
+ * which tell a user of the CLI nothing. */
+static const char *reason(const char *msg) {
+  while (strncmp(msg, "dp_", 3) == 0 && strstr(msg, ": ")) msg = strstr(msg, ": ") + 2;
+  return msg;
+}
+
+/* B, from DEVPICKLE_BACKEND or the default (cuda where a GPU is usable,
+ * else host); a failure says which backend was tried and how to pick
+ * another, on one line. */
+static int open_backend(void) {
+  const char *env = getenv("DEVPICKLE_BACKEND");
+  dp_error_t e;
+  dp_error_clear(&e);
+  if (dp_backend_default(&B, &e) == 0) return 0;
+  fputs("devpickle: demo: ", stderr);
+  if (env && *env && strcmp(env, "host") != 0 && strcmp(env, "cuda") != 0) {
+    fputs("DEVPICKLE_BACKEND='", stderr);
+    cli_put_text(stderr, env);
+    fputs("' is no backend: set it to host or cuda, or unset it (then cuda where a GPU is usable, else host)\n",
+          stderr);
+  } else if (env && *env) {
+    fprintf(stderr, "the %s backend (DEVPICKLE_BACKEND=%s) cannot start: ", env, env);
+    cli_put_text(stderr, reason(e.message));
+    fprintf(stderr, "; DEVPICKLE_BACKEND=%s runs the demo on the %s\n", *env == 'c' ? "host" : "cuda",
+            *env == 'c' ? "host executor" : "GPU");
+  } else {
+    fputs("no backend could start (tried cuda where a GPU is usable, else host): ", stderr);
+    cli_put_text(stderr, reason(e.message));
+    fputs("; DEVPICKLE_BACKEND=host or DEVPICKLE_BACKEND=cuda forces one\n", stderr);
+  }
+  return -1;
+}
+
 int demo_run(int argc, char **argv) {
   for (int i = 1; i < argc && strcmp(argv[i], "--") != 0; i++) /* --help answers wherever it comes before '--' */
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -246,8 +280,10 @@ int demo_run(int argc, char **argv) {
   }
   dp_error_t e;
   dp_error_clear(&e);
-  if (dp_backend_default(&B, &e) || dp_cache_default(B, &C, &e)) {
-    fprintf(stderr, "devpickle: demo: %s\n", e.message);
+  if (open_backend() != 0) return EXIT_DATA;
+  if (dp_cache_default(B, &C, &e)) {
+    fprintf(stderr, "devpickle: demo: the %s backend's caching allocator cannot start: %s\n", dp_backend_name(B),
+            reason(e.message));
     return EXIT_DATA;
   }
   D = dp_backend_device(B, 0);
