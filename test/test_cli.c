@@ -2832,6 +2832,29 @@ Test(cli, recv_on_a_port_in_use_says_so_in_one_line_naming_the_address_once_with
   res_free(r);
 }
 
+/* The transport names the peer in its message ("transport: endpoint to
+ * 127.0.0.1:N: connection refused ..."); send names it in front, as every
+ * message of the connection: said twice, the line read
+ * "devpickle: 127.0.0.1:N: transport: endpoint to 127.0.0.1:N: ...". */
+Test(cli, send_to_a_port_nobody_listens_on_names_the_address_once) {
+  ucx_env();
+  pack_json("v.json", "[1, 2]", "f.dpk");
+  int port, fd = t_loopback_socket(0, &port); /* bound, not listening: refused at once */
+  char args[128], want[128];
+  snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 20", port);
+  res_t r = run(args);
+  close(fd);
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  snprintf(want, sizeof want, "devpickle: 127.0.0.1:%d: connection refused", port);
+  cr_assert_eq(strncmp(r.err, want, strlen(want)), 0, "%s", r.err);
+  int named = 0;
+  for (const char *p = r.err; (p = strstr(p, "127.0.0.1")) != NULL; p++) named++;
+  cr_assert_eq(named, 1, "the address named %d times: %s", named, r.err);
+  cr_assert_eq(strchr(r.err, '\n'), r.err + strlen(r.err) - 1, "more than one line: %s", r.err);
+  cr_assert_str_eq(r.out, "");
+  res_free(r);
+}
+
 /* UCX 1.13 cannot reach an IPv6 peer: a receiver on ::1 corrupted its heap
  * on the first connection and aborted; one on "::" dropped IPv4 senders
  * and said only "timed out". Both commands refuse IPv6 with the reason,

@@ -1407,6 +1407,17 @@ static char *addr_new(const char *host, size_t hostlen, const char *port) {
   return buf;
 }
 
+/* The connection's message less the transport's own name for the peer
+ * ("transport: endpoint to 127.0.0.1:5000: connection refused ..."): the
+ * line names the peer in front already, once is enough. */
+static const char *unnamed(const char *peer, const char *msg) {
+  static const char head[] = "transport: endpoint to ";
+  size_t hn = strlen(head), pn = strlen(peer);
+  if (strncmp(msg, head, hn) == 0 && strncmp(msg + hn, peer, pn) == 0 && strncmp(msg + hn + pn, ": ", 2) == 0)
+    return msg + hn + pn + 2;
+  return msg;
+}
+
 static int cmd_send(int argc, char **argv) {
   link_args_t a;
   int rc = parse_link("send", help_send, argc, argv, 2, 0, &a);
@@ -1466,7 +1477,7 @@ static int cmd_send(int argc, char **argv) {
   free(bytes);
   int status = 0;
   if (rc) {
-    status = data_error(where, e.message, -1);
+    status = data_error(where, where == peer ? unnamed(peer, e.message) : e.message, -1);
   } else {
     dp_value_t r = dp_future_value(ans);
     if (dp_value_kind(r) == DP_STR) { /* what failed there: a refusal, or a write that failed */
