@@ -2710,6 +2710,50 @@ Test(cli, every_frame_command_refuses_a_header_that_is_no_frames_while_its_pipe_
   close(w);
 }
 
+/* A header whose version or flags no frame has is refused by its 40 bytes
+ * (README: "a stream whose first 40 bytes are no frame's header is refused
+ * from them"): the reader looked at them only once the body they announce
+ * was in, so an open pipe behind such a header held every frame command
+ * until it closed, and then they read "truncated frame". */
+Test(cli, every_frame_command_refuses_a_header_of_another_version_or_unknown_flags_while_its_pipe_stays_open,
+     .timeout = 120) {
+  char fifo[128];
+  snprintf(fifo, sizeof fifo, "%s/pipe", dir);
+  cr_assert_eq(mkfifo(fifo, 0600), 0);
+  int w = open(fifo, O_RDWR | O_CLOEXEC); /* read-write: the open does not wait for a reader */
+  cr_assert_geq(w, 0);
+  static const char *const cmds[] = {"verify -", "dump -", "inspect -", "unpack -", "send - 127.0.0.1:1"};
+  static const struct {
+    uint8_t version, flags;
+    const char *err;
+  } heads[] = {
+      {2, 0, "devpickle: <stdin>: frame version 2, this build reads version 1, at byte 4\n"},
+      {1, 4, "devpickle: <stdin>: unknown frame flags 0x0004, at byte 6\n"},
+  };
+  for (size_t h = 0; h < sizeof heads / sizeof *heads; h++) {
+    for (int i = 0; i < 5; i++) {
+      uint8_t head[HEADER_BYTES] = {'D', 'P', 'K', 'L', heads[h].version, 0, heads[h].flags, 0, 1};
+      cr_assert_eq(write(w, head, HEADER_BYTES), HEADER_BYTES); /* a payload of 1 byte announced, never sent */
+      char script[160];
+      snprintf(script, sizeof script, "timeout 5 \"$D\" %s < pipe", cmds[i]);
+      res_t r = run_sh(script);
+      cr_assert_eq(r.status, 1, "%s waited for the pipe to close (status %d): %s", cmds[i], r.status, r.err);
+      cr_assert_str_eq(r.err, heads[h].err, "%s", cmds[i]);
+      res_free(r);
+    }
+  }
+  close(w);
+  /* from a file, the same words */
+  uint8_t head[HEADER_BYTES] = {'D', 'P', 'K', 'L', 2, 0, 0, 0, 1};
+  char path[160];
+  path_in(path, sizeof path, "v2.dpk");
+  FILE *f = fopen(path, "wb");
+  cr_assert_not_null(f);
+  cr_assert_eq(fwrite(head, 1, sizeof head, f), sizeof head);
+  fclose(f);
+  run_err_only("verify v2.dpk", 1, "devpickle: v2.dpk: frame version 2, this build reads version 1, at byte 4\n");
+}
+
 /* Fewer than 40 bytes that are no frame's start ("hello", value JSON) with a
  * pipe that stays open behind them held every frame command until the pipe
  * closed: the header was asked for whole. The first bytes that differ from

@@ -660,6 +660,8 @@ typedef struct src {
   int refused;               /* the header is one the library refuses from its own bytes (not a frame's
                                 magic, or more than 2^64 bytes announced): nothing more need be read */
   int no_magic;              /* its first bytes are no frame's magic: the stream ends there for the reader */
+  int bad_header;            /* its 40 bytes are no frame's header (a version, flags): herr says why */
+  dp_error_t herr;
 } src_t;
 
 static uint64_t le64(const uint8_t *p) {
@@ -684,6 +686,11 @@ static void src_header(src_t *s) {
   }
   s->end = end;
   s->limit = end > UINT64_MAX - TRAIL_MAX ? UINT64_MAX : end + TRAIL_MAX;
+  /* a version or flags no frame has: the reader refuses them only once the
+     body it announces is in, and a pipe that stays open behind the header
+     held the command until it closed, then read "truncated frame" */
+  dp_error_clear(&s->herr);
+  if (!s->refused && dp_frame_prefix_check(s->hdr, FRAME_HEADER, &s->herr) != 0) s->bad_header = 1;
 }
 
 /* Whether the first n bytes of a stream already tell it is no frame: they
@@ -744,6 +751,10 @@ static int src_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err)
     else if (no_magic(s->hdr, s->hdr_len)) s->no_magic = 1;
   }
   s->total += *got;
+  if (s->bad_header) {
+    *err = s->herr;
+    return s->herr.code;
+  }
   return 0;
 }
 
@@ -786,6 +797,7 @@ static int frame_error(const char *path, const uint8_t *head, size_t n, const ch
  * message, without an offset; bytes past TRAIL_MAX are reported where the
  * frame ended. */
 static int src_error(const src_t *s, const char *path, int rc, const dp_error_t *e) {
+  if (s->bad_header) return frame_error(path, s->hdr, s->hdr_len, s->herr.message, s->herr.offset);
   if (rc == DP_EIO) return data_error(display(path), e->message, -1);
   return frame_error(path, s->hdr, s->hdr_len, e->message, s->over ? (int64_t)s->end : e->offset);
 }
