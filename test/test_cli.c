@@ -2853,7 +2853,6 @@ Test(cli, recv_on_a_port_in_use_says_so_in_one_line_naming_the_address_once_with
   char args[160], want[200];
   snprintf(args, sizeof args, "recv %d --host 127.0.0.1 --timeout 1 -o never.dpk", port);
   res_t r = run(args);
-  close(fd);
   cr_assert_eq(r.status, 1, "%s", r.err);
   cr_assert_str_eq(r.out, "", "UCX's log on stdout: %s", r.out);
   /* the transport's message names the address; recv does not name it again in front */
@@ -2864,6 +2863,14 @@ Test(cli, recv_on_a_port_in_use_says_so_in_one_line_naming_the_address_once_with
   cr_assert_eq(named, 1, "the address named %d times: %s", named, r.err);
   cr_assert_eq(strchr(r.err, '\n'), r.err + strlen(r.err) - 1, "more than one line on stderr: %s", r.err);
   res_free(r);
+  /* a host given by name: the address it resolved to, once, not "localhost:N: ... 127.0.0.1:N" */
+  snprintf(args, sizeof args, "recv %d --host localhost --timeout 1 -o never.dpk", port);
+  r = run(args);
+  cr_assert_eq(r.status, 1, "%s", r.err);
+  snprintf(want, sizeof want, "devpickle: recv: cannot listen on 127.0.0.1:%d: the address is in use (", port);
+  cr_assert_eq(strncmp(r.err, want, strlen(want)), 0, "%s", r.err);
+  res_free(r);
+  close(fd);
   /* asked for, UCX's log is there */
   fd = t_loopback_socket(1, &port);
   snprintf(args, sizeof args, "recv %d --host 127.0.0.1 --timeout 1 -o never.dpk", port);

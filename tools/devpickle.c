@@ -1519,12 +1519,14 @@ static int cmd_send(int argc, char **argv) {
 /* Why recv cannot listen. The transport's message names the address
  * itself ("transport: cannot listen on 127.0.0.1:5000: the address is in
  * use"): put after the address again, it named it twice. Such a message is
- * said as recv's, without the layer's name; one that names no address
- * (out of memory) keeps the address in front. */
+ * said as recv's, without the layer's name (a host given by name is shown
+ * as the address it resolved to); one that names no address (out of
+ * memory) keeps the address in front. */
 static int listen_error(const char *host, const char *addr, const char *msg) {
   size_t hn = strlen(host);
   if (hn > 2 && host[0] == '[' && host[hn - 1] == ']') host++, hn -= 2; /* [::1]: the transport names ::1 */
-  int names = 0;
+  static const char listen[] = "transport: cannot listen on "; /* the address it tried: a name resolved */
+  int names = strncmp(msg, listen, sizeof listen - 1) == 0;
   for (const char *p = msg; !names && *p; p++) names = strncmp(p, host, hn) == 0;
   if (!names) return data_error(addr, msg, -1);
   if (strncmp(msg, "transport: ", 11) == 0) msg += 11;
