@@ -3281,6 +3281,36 @@ Test(pickler, unpickling_holds_at_most_the_stated_memory_per_input_byte) {
   ASSERT_NO_LEAK();
 }
 
+/* The breakdown docs/SECURITY.md ("Memory") gives of the bound: what one
+ * input byte of each costliest construct holds at the peak. An empty str
+ * there once read 64, from before a str kept its hash; pinned so that the
+ * text follows the layout. */
+Test(pickler, each_construct_costs_the_bytes_per_input_byte_that_security_md_states) {
+  const size_t N = 100000;
+  const struct {
+    const char *what;
+    uint8_t unit;
+    double per_byte;
+  } costs[] = {{"empty strs", 0xa0, 80}, {"empty dicts", 0x80, 128}};
+  for (size_t i = 0; i < sizeof costs / sizeof costs[0]; i++) {
+    repeated(costs[i].what, &costs[i].unit, 1, N);
+    double per = (double)m_peak / (double)N;
+    cr_assert(per >= costs[i].per_byte && per < costs[i].per_byte + 1,
+              "%s: %.2f bytes a byte at the peak, SECURITY.md says %.0f", costs[i].what, per, costs[i].per_byte);
+  }
+  uint8_t *p = malloc(N + 1);
+  memset(p, 0x91, N);
+  p[N] = 0xc0;
+  size_t n;
+  uint8_t *b = frame_with_table(p, N + 1, (const uint8_t[]){0x90}, 1, NULL, 0, 0, &n);
+  expect_within_bound("nested lists", b, n);
+  double per = (double)m_peak / (double)N;
+  cr_assert(per >= 176 && per < 177, "nested lists: %.2f bytes a level at the peak, SECURITY.md says 176", per);
+  free(b);
+  free(p);
+  ASSERT_NO_LEAK();
+}
+
 /* A resolved custom is opaque to the collector: its state must not reach
  * the reduce node or any container around it, directly or through a node
  * finished earlier. */
