@@ -80,4 +80,7 @@ int dp__frame_buffer_not_local(const dp_frame_t *f, size_t i);
 /* Host bytes this thread's pickles compared between storages at one
  * (device, base): a test counter. */
 extern _Thread_local uint64_t dp__buffer_bytes_compared;
+/* Allow-list names this thread's readers compared with a reduce node's type
+ * name: a test counter. */
+extern _Thread_local uint64_t dp__allowed_names_compared;
 #endif

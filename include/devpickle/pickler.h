@@ -45,9 +45,13 @@ extern "C" {
  * bytes through the allocator hook at any moment, with the default limits
  * or any others, counting each block as malloc holds it (an 8-byte header,
  * 16-byte granules, at least 32); what bind and resolve callbacks allocate
- * is theirs. The worst input is one byte per nesting level ([[[...]]]: a
- * list, its node-table entry and its open frame for every byte); 1 MB of
- * empty dicts holds 128 MB. dp_frame_check allocates nothing. */
+ * is theirs. Beside the bound, a resolver's allow-list of more than 16
+ * names is indexed when the first reduce node is read (at most 16 bytes a
+ * name, and 32 more), so that each reduce node costs one lookup whatever
+ * the list's length. The worst input is one byte per nesting level
+ * ([[[...]]]: a list, its node-table entry and its open frame for every
+ * byte); 1 MB of empty dicts holds 128 MB. dp_frame_check allocates
+ * nothing. */
 #define DP_UNPICKLE_MEMORY_PER_BYTE 192u
 #define DP_UNPICKLE_MEMORY_FIXED (64u << 10)
 
@@ -176,7 +180,9 @@ typedef int (*dp_resolve_cb)(void *ud, const char *type_name, dp_value_t state, 
                              dp_error_t *err);
 
 typedef struct dp_resolver {
-  const char *const *types;   /* allow-list of type names (NULL only with ntypes 0) */
+  const char *const *types;   /* allow-list of type names (NULL only with ntypes 0; NULL entries
+                                 match nothing); a long one costs one lookup a reduce node (see the
+                                 memory bound above) */
   size_t ntypes;
   dp_resolve_cb resolve;      /* required: a resolver without it is DP_EINVAL */
   void *ud;
