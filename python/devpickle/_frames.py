@@ -941,6 +941,12 @@ def _check_contiguous(source, key):
     if torch is not None and isinstance(source, torch.Tensor):
         if source.is_meta:  # a view over it would be a meta tensor: no values at all
             raise ValueError(f"loads: buffers[{key}] is a torch tensor on meta, which holds no bytes")
+        if source.is_quantized:
+            # torch's view(torch.uint8) of a quantized tensor keeps its
+            # quantizer under a plain dtype: the first read of the view, or
+            # of a tensor made over it, crashes the process
+            raise ValueError(f"loads: buffers[{key}] is a quantized torch tensor ({source.dtype}), whose values are "
+                             "not its bytes: give its bytes as a plain tensor (q.int_repr())")
         ok = source.is_contiguous()
     elif cupy is not None and isinstance(source, cupy.ndarray):
         ok = source.flags.c_contiguous

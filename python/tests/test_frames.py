@@ -3750,3 +3750,29 @@ def test_a_devpickle_object_given_where_an_iterable_argument_belongs_is_refused_
         with pytest.raises(TypeError) as e:
             call(obj)
         assert str(e.value) == message
+
+
+QUANTIZED_BUFFER = r"""
+import numpy as np, torch, devpickle
+frame = devpickle.dumps({"t": torch.arange(24.0), "a": np.arange(6.0)}, buffer_callback=lambda b: None)
+plain = [torch.arange(24.0), np.arange(6.0)]
+for i, q in ((0, torch.quantize_per_tensor(torch.ones(96), 0.1, 0, torch.quint8)),
+             (0, torch.quantize_per_tensor(torch.ones(24), 0.1, 0, torch.qint32)),
+             (1, torch.quantize_per_tensor(torch.ones(48), 0.1, 0, torch.qint8))):
+    bufs = list(plain)
+    bufs[i] = q
+    try:
+        out = devpickle.loads(frame, buffers=bufs)
+        print("loaded", float(out["t"].sum()), float(out["a"].sum()))  # the old code crashed here
+    except ValueError as e:
+        assert f"buffers[{i}] is a quantized torch tensor ({q.dtype})" in str(e) and "q.int_repr()" in str(e), e
+print("ok")
+"""
+
+
+def test_a_quantized_tensor_given_as_a_buffer_is_a_value_error_never_a_crash():
+    # torch's view(torch.uint8) of a quantized tensor keeps its quantizer:
+    # a tensor loads made over one crashed the process once read (a
+    # subprocess, for that reason)
+    r = subprocess.run([sys.executable, "-c", QUANTIZED_BUFFER], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout[-1000:], r.stderr[-2000:])
