@@ -854,6 +854,11 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
       if (wrap(s, o, "builtins.bytearray", "data", v, &v)) return -1;
     } else if (k == K_CUPY || !strcmp(t->tp_name, "numpy.ndarray")) {
       if (build_array(s, o, k == K_CUPY, &v)) return -1;
+    } else if (dpy.numpy_ndarray && PyType_IsSubtype(t, dpy.numpy_ndarray)) {
+      /* a numpy array, to its user: said so, with the way to carry its data */
+      PyErr_SetString(PyExc_TypeError, "an instance of a numpy.ndarray subclass is not carried in frames, whose "
+                                       "arrays are numpy.ndarray: np.asarray(x) is one over the same memory");
+      return dpy_walk_error(s, o, "memory that cannot be carried in a frame");
     } else {
       PyErr_SetString(PyExc_TypeError, "frames carry torch tensors, numpy and cupy arrays and bytearrays");
       return dpy_walk_error(s, o, "memory that cannot be carried in a frame");

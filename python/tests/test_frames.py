@@ -3776,3 +3776,19 @@ def test_a_quantized_tensor_given_as_a_buffer_is_a_value_error_never_a_crash():
     # subprocess, for that reason)
     r = subprocess.run([sys.executable, "-c", QUANTIZED_BUFFER], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout[-1000:], r.stderr[-2000:])
+
+
+def test_a_numpy_array_subclass_is_refused_saying_so_and_how_to_carry_its_data():
+    # the message said "frames carry torch tensors, numpy and cupy arrays",
+    # which a numpy.matrix or a masked array is, to its user
+    class Tagged(np.ndarray):
+        pass
+
+    for sub in (np.matrix([[1.0, 2.0]]), np.ma.masked_array([1.0, 2.0], mask=[0, 1]), np.zeros(2).view(Tagged)):
+        with pytest.raises(devpickle.WalkError, match=r"^cannot walk a '[^']+' at \$\.x: memory that cannot be "
+                                                      r"carried in a frame: an instance of a numpy.ndarray subclass is "
+                                                      r"not carried in frames, whose arrays are numpy.ndarray: "
+                                                      r"np.asarray\(x\) is one over the same memory$"):
+            devpickle.dumps({"x": sub}, inline=True)
+        assert np.shares_memory(np.asarray(sub), sub)
+        assert type(devpickle.loads(devpickle.dumps({"x": np.asarray(sub)}, inline=True))["x"]) is np.ndarray
