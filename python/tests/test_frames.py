@@ -3778,6 +3778,7 @@ def test_a_quantized_tensor_given_as_a_buffer_is_a_value_error_never_a_crash():
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout[-1000:], r.stderr[-2000:])
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix's
 def test_a_numpy_array_subclass_is_refused_saying_so_and_how_to_carry_its_data():
     # the message said "frames carry torch tensors, numpy and cupy arrays",
     # which a numpy.matrix or a masked array is, to its user
