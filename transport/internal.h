@@ -219,7 +219,13 @@ extern _Atomic unsigned long dp__transport_posted_steps;
 extern _Atomic unsigned long dp__transport_timeout_steps, dp__transport_timeout_checks;
 /** Queues one raw active message (id, header, data as given) on ep, for
  *  tests that put garbage on the wire. A frame header (DP__AM_FRAME, of its
- *  size) gets the endpoint's next sequence number, as a real send would. */
+ *  size) gets the endpoint's next sequence number, as a real send would,
+ *  unless am_id has DP__RAW_SEQ (the header's goes). am_id with
+ *  DP__RAW_RNDV: the message goes by rendezvous whatever its size (and so
+ *  on the connection, never the lane), so that the receiver's refusals are
+ *  tested holding UCX's rendezvous descriptor. */
+#define DP__RAW_RNDV 0x80000000u
+#define DP__RAW_SEQ 0x40000000u
 int dp__endpoint_send_raw(dp_endpoint_t *ep, unsigned am_id, const void *hdr, size_t hlen, const void *data,
                           size_t n, dp_error_t *err);
 

@@ -163,9 +163,11 @@ static int sop_start(dp_transport_t *t, sop_t *s) {
   dp_endpoint_t *ep = s->ep;
   s->deadline = dp__tp_deadline(t); /* set as it is posted: the oldest has the earliest (check_timeouts) */
   if (s->kind == SOP_RAW) {
-    if (s->raw_id == DP__AM_FRAME && s->raw_len_hdr == sizeof(dp__am_frame_hdr_t))
+    unsigned id = s->raw_id & ~(DP__RAW_RNDV | DP__RAW_SEQ);
+    if (id == DP__AM_FRAME && s->raw_len_hdr == sizeof(dp__am_frame_hdr_t) && !(s->raw_id & DP__RAW_SEQ))
       ((dp__am_frame_hdr_t *)s->raw_hdr)->seq = ep->send_seq++;
-    return post_msg(s, NULL, s->raw_id, s->raw_hdr, s->raw_len_hdr, s->bytes, s->nbytes, 0);
+    return post_msg(s, NULL, id, s->raw_hdr, s->raw_len_hdr, s->bytes, s->nbytes,
+                    s->raw_id & DP__RAW_RNDV ? UCP_AM_SEND_FLAG_RNDV : 0);
   }
   const uint8_t *fb = s->bytes;
   size_t flen = s->nbytes;
