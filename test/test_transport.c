@@ -3036,7 +3036,13 @@ static int stall_mid_pull(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   for (;;) pause();
 }
 
-static void stalled_pull_times_out(int buffer) {
+static void stalled_pull_times_out_kill(int buffer, int kill_first);
+
+static void stalled_pull_times_out(int buffer) { stalled_pull_times_out_kill(buffer, 1); }
+
+/* kill_first 0: the receiver frees its endpoint and transport while the
+ * stopped peer lives, its pull still posted. */
+static void stalled_pull_times_out_kill(int buffer, int kill_first) {
   t_track();
   dp_transport_opts_t po = {0};
   po.progress = DP_TRANSPORT_PROGRESS_CALLER;
@@ -3055,10 +3061,16 @@ static void stalled_pull_times_out(int buffer) {
   cr_assert_eq(dp_endpoint_error(ep, &e), DP_ETIMEDOUT);
   dp_future_release(r);
   dp_future_release(d);
-  kill(p.pid, SIGKILL);
-  peer_wait(p);
+  if (kill_first) {
+    kill(p.pid, SIGKILL);
+    peer_wait(p);
+  }
   dp_endpoint_free(ep);
   free_transport(t);
+  if (!kill_first) {
+    kill(p.pid, SIGKILL);
+    peer_wait(p);
+  }
   check_no_leak();
 }
 
@@ -3066,6 +3078,11 @@ Test(transport, a_frame_whose_rendezvous_stops_mid_transfer_fails_its_receive_wi
   /* its header came, its bytes are pulled: the receive waited forever for a
      peer stopped mid-transfer, whatever opts.timeout_ns said */
   stalled_pull_times_out(0);
+}
+
+Test(transport, an_endpoint_and_transport_freed_while_a_stopped_peers_rendezvous_is_pulled_free_everything) {
+  stalled_pull_times_out_kill(0, 0);
+  stalled_pull_times_out_kill(1, 0);
 }
 
 Test(transport, a_last_buffer_whose_rendezvous_stops_mid_transfer_fails_its_receive_with_a_timeout) {
