@@ -7980,8 +7980,19 @@ static int hostile_recv(hostile_t *h, dp_error_t *e) {
   int rc = dp_endpoint_recv(h->ep, &f, e);
   if (rc) return rc;
   rc = dp_transport_wait(h->t, f, 20 * SEC, e);
-  if (getenv("HOSTILE_DEBUG")) fprintf(stderr, "recv: %s %s (ep %d peer %d frames %lu)\n", dp_err_name(rc), e->message, dp_endpoint_error(h->ep, NULL), dp_endpoint_error(h->peer, NULL), atomic_load(&dp__transport_frames_in));
   cr_assert(dp_future_is_done(f), "the receive hangs: %s", e->message);
+  if (rc == 0) { /* what a hostile peer sends: an int 7, or zero bytes (hostile_zeros) of a size it sends */
+    dp_value_t v = dp_future_value(f);
+    if (dp_value_kind(v) == DP_INT) {
+      cr_assert_eq(v.u.i, 7);
+    } else {
+      cr_assert_eq(dp_value_kind(v), DP_TENSOR);
+      OK(dp_future_synchronize(f, 20 * SEC, T_ERR)); /* staged: the copies into it are done */
+      dp_storage_t *st = dp_tensor_storage(v);
+      const uint8_t *p = dp_storage_base(st);
+      for (size_t i = 0; i < dp_storage_nbytes(st); i++) cr_assert_eq(p[i], 0, "byte %zu of a received value", i);
+    }
+  }
   dp_future_release(f);
   return rc;
 }
@@ -8217,9 +8228,19 @@ static void hostile_random(uint64_t seed) {
   dp__transport_skip_credit = xs(&s) % 4 == 0;
   dp__transport_stage_host = xs(&s) % 3 == 0; /* host buffers through slots, as device ones */
   uint64_t seq = 0, last = 0;
+  unsigned good = xs(&s) % 2 ? 7 : 0; /* of 8 steps: a whole value, as a real peer sends it */
   int steps = 2 + (int)(xs(&s) % 24);
   for (int i = 0; i < steps; i++) {
     unsigned flags = xs(&s) % 2 ? RNDV : 0;
+    if (xs(&s) % 8 < good) {
+      uint64_t size = hostile_sizes[xs(&s) % NSIZES];
+      dp_frame_t *fr = table_frame(size, 0);
+      hostile_frame(h.peer, flags, fr, 1, size);
+      dp_frame_free(fr);
+      hostile_bufs(h.peer, xs(&s) % 2 ? RNDV : 0, seq++, 0, 1, size, 0, size, (size_t)size);
+      last = size;
+      continue;
+    }
     uint64_t n = hostile_sizes[xs(&s) % NSIZES];
     uint8_t hdr[128] = {0};
     size_t hlen;
@@ -8314,5 +8335,30 @@ Test(transport, a_peer_sending_seeded_random_raw_messages_leaves_a_failed_endpoi
     if (env) printf("seed %lu\n", seed); /* beside UCX's warnings, which go to stdout */
     hostile_random(seed);
     if (env) fflush(stdout);
+  }
+}
+
+Test(transport, rendezvous_messages_to_an_endpoint_that_failed_are_dropped_and_their_sends_end) {
+  for (int caller = 0; caller < 2; caller++) {
+    hostile_t h = hostile_new(caller);
+    hostile_ctl(h.peer, DP__AM_CREDIT, 1, 0, 0); /* a credit with a value */
+    hostile_fails(&h, DP_EFORMAT, "a credit message the protocol does not expect");
+    dp_frame_t *fr = table_frame(BIG, 0);
+    hostile_frame(h.peer, RNDV, fr, 1, BIG);
+    hostile_bufs(h.peer, RNDV, 0, 0, 1, BIG, 0, BIG, BIG);
+    hostile_ctl(h.peer, DP__AM_CLOSE | RNDV, 0, 0, BIG);
+    dp_future_t *d;
+    dp_error_t e;
+    dp_value_t v = owned_tensor(BIG, 3);
+    OK(dp_endpoint_send(h.peer, v, &d, T_ERR)); /* a real value by rendezvous, last */
+    dp_value_release(v);
+    dp_error_clear(&e);
+    dp_transport_wait(h.t, d, 20 * SEC, &e);
+    cr_assert(dp_future_is_done(d), "the peer's send hangs: %s", e.message);
+    dp_future_release(d);
+    cr_assert_eq(dp_endpoint_error(h.ep, &e), DP_EFORMAT); /* the first error stays */
+    cr_assert(strstr(e.message, "a credit message the protocol does not expect"), "%s", e.message);
+    dp_frame_free(fr);
+    hostile_free(&h);
   }
 }
