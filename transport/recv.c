@@ -753,25 +753,31 @@ static inbox_t *park_head(dp_endpoint_t *ep) {
 /* Every parked message goes (release: its UCX data too; not once the
  * worker is gone), and the heaps' memory with them. */
 void dp__tp_park_drop(dp_transport_t *t, dp_endpoint_t *ep, int release) {
-  park_t *qs[2] = {&ep->parked_frames, &ep->parked_pieces};
-  for (int k = 0; k < 2; k++) {
-    park_t *q = qs[k];
-    for (size_t i = 0; i < q->n; i++) {
-      if (!release && q->v[i]->rndv) q->v[i]->data = NULL; /* UCX's: its worker may be gone */
-      dp__tp_inbox_drop(t, q->v[i]);
-    }
-    dp__free(q->v, q->cap * sizeof *q->v);
-    memset(q, 0, sizeof *q);
-  }
+  (void)t;
+  /* taken off the endpoint first: a release may fail the endpoint from
+     inside (UCX calls its error callback when the answer the release sends
+     finds the connection failed), and that failure drops what is parked
+     again — the same messages, freed twice, when they were still there */
+  park_t qs[2] = {ep->parked_frames, ep->parked_pieces};
+  memset(&ep->parked_frames, 0, sizeof ep->parked_frames);
+  memset(&ep->parked_pieces, 0, sizeof ep->parked_pieces);
   ep->nparked = 0;
   ep->parked_bytes = 0;
+  for (int k = 0; k < 2; k++) {
+    park_t *q = &qs[k];
+    for (size_t i = 0; i < q->n; i++) {
+      if (!release && q->v[i]->rndv) q->v[i]->data = NULL; /* UCX's: its worker may be gone */
+      dp__tp_inbox_drop(ep, q->v[i]);
+    }
+    dp__free(q->v, q->cap * sizeof *q->v);
+  }
 }
 
 /* A parked message taken and handed on (process, absorb_piece) goes: its
  * rendezvous descriptor went with it; a copy of eager data is ours. */
-static void inbox_done(dp_transport_t *t, inbox_t *b) {
+static void inbox_done(dp_endpoint_t *ep, inbox_t *b) {
   if (b->rndv) b->data = NULL;
-  dp__tp_inbox_drop(t, b);
+  dp__tp_inbox_drop(ep, b);
 }
 
 /* A frame waits while one before it is being pulled, or while the
@@ -946,10 +952,10 @@ static void pass_refused(dp_transport_t *t, dp_endpoint_t *ep) {
     absorb_t *ab = absorbing(ep, b->id, m->seq);
     if (ab) {
       absorb_piece(t, ep, ab, b->id, b->hdr, b->data, b->len, b->rndv);
-      inbox_done(t, b);
+      inbox_done(ep, b);
     } else {
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message repeats one already received");
-      dp__tp_inbox_drop(t, b);
+      dp__tp_inbox_drop(ep, b);
     }
   }
   dp__tp_deliver(t, ep);
@@ -971,7 +977,7 @@ void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
     if (c < 0 && (a = absorbing(ep, b->id, k.seq))) { /* a refused message's, passed */
       park_take(ep, b);
       absorb_piece(t, ep, a, b->id, b->hdr, b->data, b->len, b->rndv);
-      inbox_done(t, b);
+      inbox_done(ep, b);
       continue;
     }
     if (c < 0) { /* a repeat, parked while the one it repeats was being pulled */
@@ -985,7 +991,7 @@ void dp__tp_ep_pump_inbox(dp_transport_t *t, dp_endpoint_t *ep) {
     if (c > 0 || blocked(t, ep, b->id)) return;
     park_take(ep, b);
     process(t, ep, b->id, b->hdr, b->data, b->len, b->rndv);
-    inbox_done(t, b);
+    inbox_done(ep, b);
   }
 }
 
@@ -1109,7 +1115,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
   b->len = len;
   b->rndv = rndv;
   if (park_push(ep, b)) {
-    dp__tp_inbox_drop(t, b);
+    dp__tp_inbox_drop(ep, b);
     dp__tp_ep_failf(ep, DP_ENOMEM, "%s", "out of memory parking a message");
     return UCS_OK;
   }

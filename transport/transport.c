@@ -15,6 +15,7 @@
 
 int dp__transport_skip_events;
 int dp__transport_skip_credit;
+_Atomic int dp__transport_fail_in_rndv;
 _Atomic int dp__transport_fail_in_post;
 int dp__transport_stage_host;
 int dp__transport_mute_offers;
@@ -301,10 +302,19 @@ void dp__tp_rmsg_free(rmsg_t *m) {
  * a receive posted on an endpoint being closed outlives it in UCX 1.13,
  * which then asserts when the worker goes; UCX's descriptor is reclaimed
  * with the worker.) */
-void dp__tp_inbox_drop(dp_transport_t *t, inbox_t *b) {
-  (void)t;
-  if (b->data && b->rndv) dp__tp_rndv_release(b->w, b->data);
-  else if (b->data) dp__free(b->data, b->len);
+void dp__tp_rndv_hook(dp_endpoint_t *ep) {
+  if (atomic_load_explicit(&dp__transport_fail_in_rndv, memory_order_relaxed) > 0 &&
+      atomic_fetch_sub(&dp__transport_fail_in_rndv, 1) == 1)
+    dp__tp_ep_fail_status(ep, UCS_ERR_CONNECTION_RESET);
+}
+
+void dp__tp_inbox_drop(dp_endpoint_t *ep, inbox_t *b) {
+  if (b->data && b->rndv) {
+    dp__tp_rndv_release(b->w, b->data);
+    dp__tp_rndv_hook(ep);
+  } else if (b->data) {
+    dp__free(b->data, b->len);
+  }
   dp__free(b, sizeof *b);
 }
 
