@@ -8462,3 +8462,27 @@ Test(transport, a_parked_rendezvous_release_that_fails_the_endpoint_again_frees_
     hostile_free(&h);
   }
 }
+
+/* A refused value's rendezvous piece, come after the next value (absorbed),
+ * whose drain fails the endpoint from inside UCX: the failure freed the
+ * record of what the refused value still owed, which the absorb then
+ * counted down and freed again. */
+Test(transport, a_refused_values_piece_whose_drain_fails_the_endpoint_is_absorbed_without_a_use_after_free) {
+  for (int caller = 0; caller < 2; caller++) {
+    hostile_t h = hostile_new(caller);
+    uint8_t junk[64] = {0};
+    dp__am_frame_hdr_t fh = {DP__WIRE_MAGIC, 1, 0, sizeof junk, BIG};
+    dp_error_t e;
+    dp__endpoint_send_raw(h.peer, DP__AM_FRAME, &fh, sizeof fh, junk, sizeof junk, &e);
+    dp_frame_t *fr = table_frame(0, 1);
+    hostile_frame(h.peer, 0, fr, 0, 0); /* frame 1 passes the refused one: its pieces are absorbed from now */
+    cr_assert_eq(hostile_recv(&h, &e), DP_EFORMAT, "%s", e.message);
+    OK_WITH(&e, hostile_recv(&h, &e));
+    atomic_store(&dp__transport_fail_in_rndv, 1);
+    hostile_bufs(h.peer, RNDV, 0, 0, 1, BIG, 0, BIG, BIG); /* all the refused value owed */
+    hostile_fails(&h, DP_EIO, "connection lost");
+    cr_assert_eq(atomic_load(&dp__transport_fail_in_rndv), 0, "the hook never fired: the test tested nothing");
+    dp_frame_free(fr);
+    hostile_free(&h);
+  }
+}

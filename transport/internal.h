@@ -168,11 +168,12 @@ extern int dp__transport_skip_credit;
  *  connection reports its failure within ucp_am_send_nbx (the peer died),
  *  the post itself going through. */
 extern _Atomic int dp__transport_fail_in_post;
-/** N > 0: the Nth parked rendezvous message the receiver releases
- *  afterwards (counted down by each) fails its endpoint from inside the
- *  release, as UCX does when the answer the release sends finds the
- *  connection failed: it calls the endpoint's error callback within
- *  ucp_am_data_release. */
+/** N > 0: the Nth parked rendezvous message the receiver releases, or
+ *  rendezvous data it pulls, afterwards (counted down by each) fails its
+ *  endpoint from inside that call, as UCX does when the message the call
+ *  sends (the answer, the request for the data) finds the connection
+ *  failed: it calls the endpoint's error callback within
+ *  ucp_am_data_release or ucp_am_recv_data_nbx. */
 extern _Atomic int dp__transport_fail_in_rndv;
 /** 1: host:N memory is staged as cuda memory is (it is host memory, read
  *  and written directly otherwise), so that the staging path runs on a

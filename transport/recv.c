@@ -270,6 +270,7 @@ static ucs_status_ptr_t pull_param(dp_transport_t *t, dp_endpoint_t *ep, void *d
     t->nreq++;
     if (!ep->rndv_inflight++) ep->pull_deadline = dp__tp_deadline(t);
   }
+  dp__tp_rndv_hook(ep);
   return r;
 }
 
@@ -905,6 +906,7 @@ static void absorb_piece(dp_transport_t *t, dp_endpoint_t *ep, absorb_t *a, unsi
   }
   if (shm) dp__tp_shm_done(ep, slot);
   else if (rndv) drain_rndv(t, ep, data, len);
+  if (ep->dead) return; /* the drain failed it from inside UCX: a went with the endpoint's absorbs */
   a->bytes_left -= h.total < a->bytes_left ? h.total : a->bytes_left;
   uint64_t bufs = h.count > 1 ? h.count : h.offset + h.total == h.size;
   a->bufs_left -= bufs < a->bufs_left ? bufs : a->bufs_left;

@@ -455,7 +455,7 @@ void dp__tp_sop_free(sop_t *s);
 void dp__tp_sop_fail(sop_t *s, const dp_error_t *e);
 void dp__tp_rmsg_free(rmsg_t *m);
 void dp__tp_inbox_drop(dp_endpoint_t *ep, inbox_t *b);
-/* The test hook dp__transport_fail_in_rndv (internal.h), after a release. */
+/* The test hook dp__transport_fail_in_rndv (internal.h), after a release or a pull. */
 void dp__tp_rndv_hook(dp_endpoint_t *ep);
 /** Releases a rendezvous descriptor not received (ucp_am_data_release),
  *  but for the one UCX's callback on this thread was handed: UCX drops that
