@@ -8306,6 +8306,7 @@ static void wire_send(dp_endpoint_t *peer, wire_t *w) {
       mutate(&s, hdr, &hlen);
     } else {
       id = xs(&s) % 2 ? (unsigned)(xs(&s) % 8) : DP__AM_CLOSE + 1 + (unsigned)(xs(&s) % 4);
+      flags |= RNDV; /* on the connection: a lane's worker has no handler for such ids (TRANSPORT.md, lanes) */
       hlen = 8 * (xs(&s) % 8);
       memset(hdr, 0x5a, hlen);
     }
