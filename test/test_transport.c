@@ -8447,10 +8447,11 @@ Test(transport, a_parked_rendezvous_release_that_fails_the_endpoint_again_frees_
   for (int caller = 0; caller < 2; caller++) {
     hostile_t h = hostile_new(caller);
     unsigned long before = atomic_load(&dp__transport_park_steps);
-    for (int k = 0; k < 3; k++) hostile_bufs(h.peer, RNDV, 7, 0, 1, BIG, 0, BIG, BIG); /* parked: frame 7 is far ahead */
+    for (int k = 0; k < 3; k++) /* parked: frame 7 is far ahead */
+      hostile_bufs(h.peer, RNDV, 7, 0, 1, BIG, 0, BIG, BIG);
     if (caller) {
-      for (int64_t end = now_ns_t() + 10 * SEC; atomic_load(&dp__transport_park_steps) - before < 3 && now_ns_t() < end;)
-        dp_transport_progress(h.t);
+      int64_t end = now_ns_t() + 10 * SEC;
+      while (atomic_load(&dp__transport_park_steps) - before < 3 && now_ns_t() < end) dp_transport_progress(h.t);
     } else {
       POLL_UNTIL(atomic_load(&dp__transport_park_steps) - before >= 3);
     }
