@@ -271,7 +271,7 @@ const dp__backend_ops_t dp__cuda_ops = {
     c_stream_sync, c_stream_query, c_stream_wait,   c_event_create,   c_event_destroy,
     c_event_reset, c_event_record, c_event_query,   c_event_sync,     c_device_sync,
     c_malloc,      c_free,         c_pointer_device, c_memcpy_async, c_pinned_alloc, c_pinned_free,
-    c_pinned_register, c_pinned_unregister,
+    c_pinned_register, c_pinned_unregister, NULL,
 };
 
 #else /* no CUDA toolkit at build time */
@@ -282,5 +282,5 @@ static int c_init(dp_backend_t *b, dp_error_t *err) {
 }
 
 const dp__backend_ops_t dp__cuda_ops = {c_init, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                                        NULL,   NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                                        NULL,   NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 #endif

@@ -371,6 +371,18 @@ void dp__stream_unlisten(dp__stream_listener_t *l) {
   l->next = NULL;
 }
 
+/* Host work still queued completes before anything of its backend is
+ * torn down: it may use the backend it was given (make an event, a pool
+ * stream), which was freed under it when the events and streams went
+ * first and the workers were joined last. Work that queues more work is
+ * waited for too, until every stream is idle. */
+static void quiesce(dp_backend_t *b) {
+  if (!b->ops->idle) return;
+  do
+    for (int d = 0; d < b->ndev; d++) (void)b->ops->device_sync(b, d, NULL);
+  while (!b->ops->idle(b));
+}
+
 /* The backends come out of the registry under its lock and are stopped
  * after it is released: stopping joins the host workers, and work still
  * queued on them may call dp_backend_get (which takes the lock). Such a
@@ -388,6 +400,7 @@ void dp__device_shutdown(void) {
   for (int t = 0; t < DP_DEVICE_TYPE_COUNT; t++) {
     dp_backend_t *b = gone[t];
     if (!b) continue;
+    quiesce(b);
     for (int d = 0; d < b->ndev; d++) {
       dp__devstate_t *ds = &b->devs[d];
       while (ds->free_events) {

@@ -754,6 +754,17 @@ int dp_host_set_memory_limit(dp_device_t dev, size_t nbytes, dp_error_t *err) {
 
 /* ---- lifecycle ---- */
 
+static int h_idle(dp_backend_t *b) {
+  host_impl_t *im = b->impl;
+  int idle = 1;
+  pthread_mutex_lock(&im->mu);
+  for (int d = 0; d < b->ndev && idle; d++)
+    for (slink_t *l = im->streams[d]; l && idle; l = l->next)
+      if (l->s) idle = dp__load_acquire(&l->s->prog->completed) >= enqueued_now(l->s);
+  pthread_mutex_unlock(&im->mu);
+  return idle;
+}
+
 static int h_init(dp_backend_t *b, dp_error_t *err) {
   int n = 2;
   const char *env = getenv("DEVPICKLE_HOST_DEVICES");
@@ -802,5 +813,5 @@ const dp__backend_ops_t dp__host_ops = {
     h_stream_sync, h_stream_query, h_stream_wait,   h_event_create,   h_event_destroy,
     h_event_reset_op, h_event_record, h_event_query,   h_event_sync,     h_device_sync,
     h_malloc,      h_free,         h_pointer_device, h_memcpy_async, h_pinned_alloc, h_pinned_free,
-    h_pinned_register, h_pinned_unregister,
+    h_pinned_register, h_pinned_unregister, h_idle,
 };

@@ -44,6 +44,9 @@ typedef struct dp__backend_ops {
    * nothing for `host`. */
   int (*pinned_register)(dp_backend_t *b, void *p, size_t n, int readonly, dp_error_t *err);
   void (*pinned_unregister)(dp_backend_t *b, void *p);
+  /* 1 when no stream of any device has work pending (may be NULL: the
+   * backend runs no work of the caller's that could use it meanwhile). */
+  int (*idle)(dp_backend_t *b);
 } dp__backend_ops_t;
 
 /* Who owns a dp_stream_t, and with it its handle. */

@@ -842,6 +842,46 @@ Test(device, shutdown_returns_when_queued_host_work_asks_for_a_backend, .timeout
   ASSERT_NO_LEAK();
 }
 
+/* Work that runs while dp_shutdown stops its backend may still use the
+ * backend it was given (device.h: queued host work completes before
+ * dp_shutdown returns): events and streams it makes there are freed with
+ * the backend. The backend's events and streams were torn down before
+ * the caller's streams were stopped: what the work made then was leaked,
+ * on mutexes already destroyed. */
+typedef struct during_shutdown {
+  dp_backend_t *b;
+  dp_stream_t *own;
+  _Atomic int rc;
+} during_shutdown_t;
+
+static void use_backend_during_shutdown(void *arg) {
+  during_shutdown_t *w = arg;
+  dp_backend_t *now = w->b;
+  while (now == w->b) { /* until dp_shutdown has taken the backend out of the registry */
+    sleep_ms(1);
+    if (dp_backend_get(DP_DEVICE_HOST, &now, NULL) != 0) return;
+  }
+  dp_event_t *ev;
+  dp_stream_t *pool;
+  int rc = dp_event_new(w->b, H1, &ev, NULL);
+  if (rc == 0) {
+    rc = dp_event_record(ev, w->own, NULL);
+    dp_event_free(ev);
+  }
+  if (rc == 0) rc = dp_stream_pool_next(w->b, H0, &pool, NULL);
+  atomic_store(&w->rc, rc);
+}
+
+Test(device, host_work_running_during_shutdown_may_use_its_backend_and_leaks_nothing, .timeout = 20) {
+  during_shutdown_t w = {host(), NULL, -1};
+  w.own = dflt(w.b, H1);
+  OK(dp_host_launch(w.own, use_backend_during_shutdown, &w, T_ERR));
+  dp_shutdown();
+  cr_assert_eq(atomic_load(&w.rc), 0, "the work made an event and a stream of its backend");
+  dp_shutdown(); /* the backend the work's dp_backend_get started */
+  ASSERT_NO_LEAK();
+}
+
 /* A stream freed while it is this thread's current stream stops being
  * current: the next dp_current_stream falls back to the default. */
 Test(device, freeing_the_current_stream_makes_it_no_longer_current) {
