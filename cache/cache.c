@@ -1245,10 +1245,11 @@ static int hook_record_stream(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *
  * pending block's too, which the slow path would call not found — memory
  * no other allocator can own either, so no chain hands it on wrongly.
  * Inlined twice, so that the plain batch pays nothing. */
-static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, void *const *ptrs, size_t n,
-                                                                dp_stream_t *s, unsigned char *owned, dp_error_t *err) {
-  if (!c || !s) return dp__err(err, DP_EINVAL, "the cache's record_streams hook: NULL %s", !c ? "cache" : "stream");
-  if (n && !ptrs) return dp__err(err, DP_EINVAL, "record_streams: NULL ptrs with n = %zu", n);
+static inline __attribute__((always_inline)) int record_streams(const char *fn, dp_cache_t *c, void *const *ptrs,
+                                                                size_t n, dp_stream_t *s, unsigned char *owned,
+                                                                dp_error_t *err) {
+  if (!c || !s) return dp__err(err, DP_EINVAL, "%s: NULL %s", fn, !c ? "cache" : "stream");
+  if (n && !ptrs) return dp__err(err, DP_EINVAL, "%s: NULL ptrs with n = %zu", fn, n);
   int rc = 0;
   uint64_t ring[RECORD_RING];
   size_t ring_at[RECORD_RING];  /* the index whose hash ring[] holds (prefetch only) */
@@ -1313,14 +1314,14 @@ static inline __attribute__((always_inline)) int record_streams(dp_cache_t *c, v
 }
 
 static int hook_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
-  return record_streams(ctx, ptrs, n, s, NULL, err);
+  return record_streams("record_streams", ctx, ptrs, n, s, NULL, err);
 }
 
 static int hook_record_streams_owned(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *owned,
                                      dp_error_t *err) {
   /* as the chain's: without owned, a record would say nothing of what it owns */
   if (n && !owned) return dp__err(err, DP_EINVAL, "record_streams_owned: NULL owned with n = %zu", n);
-  return record_streams(ctx, ptrs, n, s, owned, err);
+  return record_streams("record_streams_owned", ctx, ptrs, n, s, owned, err);
 }
 
 dp_cache_hooks_t dp_cache_hooks(dp_cache_t *c) {

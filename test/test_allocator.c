@@ -3751,6 +3751,29 @@ Test(allocator, a_null_out_backend_or_stream_and_a_device_not_the_backends_are_e
   dp_stream_free(s1);
 }
 
+/* cache.h promises messages that name the function: each hook of the
+ * allocator names itself, not its sibling (record_streams_owned reported
+ * a NULL cache or ptrs as the record_streams hook). */
+Test(allocator, each_hook_names_itself_in_its_einval_messages) {
+  dp_stream_t *s = stream(H0);
+  unsigned char owned[2] = {0, 0};
+  dp_error_t e;
+  dp_cache_hooks_t none = dp_cache_hooks(NULL), h = dp_cache_hooks(C);
+  cr_assert_eq(none.record_stream(none.ctx, &e, s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_stream: NULL cache");
+  cr_assert_eq(none.record_streams(none.ctx, NULL, 0, s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_streams: NULL cache");
+  cr_assert_eq(none.record_streams_owned(none.ctx, NULL, 0, s, owned, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_streams_owned: NULL cache");
+  cr_assert_eq(h.record_streams_owned(h.ctx, NULL, 0, NULL, owned, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_streams_owned: NULL stream");
+  cr_assert_eq(h.record_streams_owned(h.ctx, NULL, 2, s, owned, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_streams_owned: NULL ptrs with n = 2");
+  cr_assert_eq(h.record_streams(h.ctx, NULL, 2, s, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_streams: NULL ptrs with n = 2");
+  dp_stream_free(s);
+}
+
 /* cache.h: the hooks of a NULL allocator (dp_cache_hooks(NULL)) have all
  * three functions set, and each reports DP_EINVAL, recording nothing. */
 Test(allocator, each_hook_of_a_null_allocator_reports_einval) {
