@@ -882,6 +882,45 @@ Test(device, host_work_running_during_shutdown_may_use_its_backend_and_leaks_not
   ASSERT_NO_LEAK();
 }
 
+/* An event, and a wait queued on another stream, outlive the stream they
+ * were recorded on: dp_stream_free waits for its work, so both count as
+ * complete after it, and a wait that runs only once the stream is gone
+ * (held behind a gate) still lets the work after it see the writes. */
+Test(device, an_event_and_a_queued_wait_outlive_the_stream_they_were_recorded_on, .timeout = 20) {
+  dp_backend_t *b = host();
+  dp_stream_t *s, *t;
+  dp_event_t *ev;
+  cell_t cell;
+  atomic_init(&cell.value, 0);
+  atomic_init(&cell.seen, -1);
+  _Atomic int open;
+  atomic_init(&open, 0);
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  OK(dp_stream_new(b, H1, &t, T_ERR));
+  OK(dp_event_new(b, H0, &ev, T_ERR));
+  OK(dp_host_launch(s, slow_write, &cell, T_ERR));
+  OK(dp_event_record(ev, s, T_ERR));
+  OK(dp_host_launch(t, hold_at_gate, &open, T_ERR));
+  OK(dp_stream_wait_event(t, ev, T_ERR));
+  OK(dp_host_launch(t, read_value, &cell, T_ERR));
+  dp_stream_free(s);
+  cr_assert_eq(atomic_load(&cell.value), 42, "dp_stream_free returned before the stream's work completed");
+  cr_assert_eq(dp_event_query(ev, NULL), 1, "the event of a freed stream is complete");
+  OK(dp_event_synchronize(ev, T_ERR));
+  atomic_store(&open, 1);
+  OK(dp_stream_wait_event(t, ev, T_ERR));
+  OK(dp_stream_synchronize(t, T_ERR));
+  cr_assert_eq(atomic_load(&cell.seen), 42, "the wait queued before the free ordered the read after the write");
+  dp_event_t *again;
+  OK(dp_event_new(b, H1, &again, T_ERR));
+  OK(dp_event_record(again, t, T_ERR));
+  dp_event_free(again);
+  dp_event_free(ev);
+  dp_stream_free(t);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* A stream freed while it is this thread's current stream stops being
  * current: the next dp_current_stream falls back to the default. */
 Test(device, freeing_the_current_stream_makes_it_no_longer_current) {
