@@ -574,7 +574,9 @@ int dp_stream_wait_stream(dp_stream_t *s, dp_stream_t *t, dp_error_t *err) {
   if (!s || !t)
     return dp__err(err, DP_EINVAL, "dp_stream_wait_stream: NULL %s",
                    !s ? "s (the stream that waits)" : "t (the stream waited for)");
-  if (s->b != t->b) return dp__err(err, DP_EINVAL, "dp_stream_wait_stream: the streams belong to different backends");
+  if (s->b != t->b)
+    return dp__err(err, DP_EINVAL, "dp_stream_wait_stream: s (%s) and t (%s) belong to different backends", s->b->name,
+                   t->b->name);
   if (s == t) return 0;  /* stream order already covers it */
   dp_event_t *e;
   int rc = dp_event_new(t->b, t->dev, &e, err);

@@ -2283,6 +2283,35 @@ Test(device, a_stream_and_an_event_or_provided_stream_of_different_backends_are_
   dp_stream_free(s);
 }
 
+static void set_flag(void *arg) { atomic_store((_Atomic int *)arg, 1); }
+
+/* The same for a wait between streams of two backends (named, as
+ * dp_stream_wait_event names them) and a host launch on a stream that is
+ * not the host backend's (device.h: DP_EINVAL for a non-host stream):
+ * nothing is queued on either. */
+Test(device, a_wait_between_two_backends_streams_and_a_launch_on_a_non_host_stream_are_einval_naming_them) {
+  dp_backend_t *b = host();
+  dp_backend_t other = *b;
+  other.type = DP_DEVICE_CUDA;
+  other.name = "cuda";
+  dp_stream_t *s;
+  OK(dp_stream_new(b, H0, &s, T_ERR));
+  struct dp_stream their_stream = {&other, t_dev(DP_DEVICE_CUDA, 0), s->h, DP__STREAM_BACKEND, NULL};
+  dp_error_t err;
+  cr_assert_eq(dp_stream_wait_stream(s, &their_stream, &err), DP_EINVAL);
+  cr_assert_str_eq(err.message, "dp_stream_wait_stream: s (host) and t (cuda) belong to different backends");
+  cr_assert_eq(dp_stream_wait_stream(&their_stream, s, &err), DP_EINVAL);
+  cr_assert_str_eq(err.message, "dp_stream_wait_stream: s (cuda) and t (host) belong to different backends");
+  _Atomic int ran;
+  atomic_init(&ran, 0);
+  cr_assert_eq(dp_host_launch(&their_stream, set_flag, &ran, &err), DP_EINVAL);
+  cr_assert_str_eq(err.message, "dp_host_launch needs a host stream, got cuda");
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(dp_stream_query(s, NULL), 1, "nothing was queued on the host stream behind the fake");
+  cr_assert_eq(atomic_load(&ran), 0, "the refused launch ran");
+  dp_stream_free(s);
+}
+
 Test(device, setting_a_current_stream_gives_back_the_one_it_replaces_and_null_when_refused) {
   dp_backend_t *b = host();
   dp_stream_t *mine, *other, *prev;
