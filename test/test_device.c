@@ -1410,6 +1410,67 @@ static void *wrap_many(void *p) {
   return NULL;
 }
 
+/* The wrapper table (device/internal.h) is read without a lock and probed
+ * until a key or an empty slot: it must keep empty slots. Its count of
+ * keys decides when it grows; each grow counts the live wrappers it
+ * carries over (a grow that lost the count of the wrappers it copied let
+ * the table fill far past half). Checked after every wrap, through grows
+ * that carry a wrapper in slot 0 (the first slot each scan looks at). */
+static size_t keys_in(dp__wrap_table_t *t) {
+  size_t n = 0;
+  for (size_t j = 0; j < t->nslots; j++) n += atomic_load(&t->slots[j].key) != 0;
+  return n;
+}
+
+#define MANY_WRAPS 512
+Test(device, the_wrapper_table_stays_at_most_half_full_and_counts_its_keys_through_every_grow, .timeout = 60) {
+  dp_backend_t *b = host();
+  dp__devstate_t *ds = &b->devs[0];
+  static dp_stream_t *s[MANY_WRAPS];
+  int n = 0, grew_past_slot0 = 0;
+  for (; n < MANY_WRAPS && grew_past_slot0 < 2; n++) {
+    dp__wrap_table_t *before = atomic_load(&ds->wraps);
+    int slot0 = before && atomic_load(&before->slots[0].s) != NULL;
+    dp_stream_t *w;
+    OK(dp_stream_new(b, H0, &s[n], T_ERR));
+    OK(dp_stream_wrap(b, H0, dp_stream_native(s[n]), &w, T_ERR));
+    dp__wrap_table_t *t = atomic_load(&ds->wraps);
+    cr_assert_eq(keys_in(t), t->used, "after %d wraps: %zu keys, counted %zu", n + 1, keys_in(t), t->used);
+    cr_assert_leq(t->used * 2, t->nslots, "after %d wraps: %zu keys in %zu slots", n + 1, t->used, t->nslots);
+    grew_past_slot0 += t != before && slot0;
+  }
+  cr_assert_eq(grew_past_slot0, 2, "no two grows carried a wrapper in slot 0 over %d wraps", n);
+  for (int i = 0; i < n; i++) {
+    dp_stream_t *w, *native_again;
+    OK(dp_stream_wrap(b, H0, dp_stream_native(s[i]), &w, T_ERR));
+    OK(dp_stream_wrap(b, H0, dp_stream_native(s[i]), &native_again, T_ERR));
+    cr_assert_eq(w, native_again, "a handle found two wrappers");
+  }
+  for (int i = 0; i < n; i++) dp_stream_free(s[i]);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* Shutdown frees every wrapper still in a table, the one in slot 0
+ * included (it is checked to be there on some device: wrappers of the
+ * backend's own default and pool streams, which stay in the table until
+ * shutdown, on 32 devices). */
+Test(device, shutdown_frees_the_wrappers_in_every_slot_of_the_tables, .timeout = 60) {
+  setenv("DEVPICKLE_HOST_DEVICES", "32", 1);
+  dp_backend_t *b = host();
+  int slot0 = 0;
+  for (int d = 0; d < 32; d++) {
+    dp_device_t dev = t_dev(DP_DEVICE_HOST, d);
+    dp_stream_t *w;
+    OK(dp_stream_wrap(b, dev, dp_stream_native(dflt(b, dev)), &w, T_ERR));
+    for (int i = 0; i < DP_POOL_STREAMS; i++) OK(dp_stream_wrap(b, dev, dp_stream_native(pooled(b, dev)), &w, T_ERR));
+    slot0 += atomic_load(&atomic_load(&b->devs[d].wraps)->slots[0].s) != NULL;
+  }
+  cr_assert_gt(slot0, 0, "no device's table holds a wrapper in slot 0");
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 Test(device, threads_wrapping_the_same_handles_at_once_all_get_one_wrapper_per_handle) {
   dp_backend_t *b = host();
   dp_stream_t *s[WRAP_HANDLES];
