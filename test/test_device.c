@@ -6,6 +6,7 @@
 
 #include "helpers.h"
 #include "../device/internal.h" /* dp__backend_inits */
+#include "../core/table.h"   /* dp__hash_ptr: where a wrapper lands */
 
 static void setup(void) {
   unsetenv("DEVPICKLE_BACKEND");
@@ -1413,40 +1414,48 @@ static void *wrap_many(void *p) {
 /* The wrapper table (device/internal.h) is read without a lock and probed
  * until a key or an empty slot: it must keep empty slots. Its count of
  * keys decides when it grows; each grow counts the live wrappers it
- * carries over (a grow that lost the count of the wrappers it copied let
- * the table fill far past half). Checked after every wrap, through grows
- * that carry a wrapper in slot 0 (the first slot each scan looks at). */
+ * carries over (a grow that lost the count of the wrappers it copied, or
+ * skipped slot 0 counting them, let the table fill past half). Checked
+ * after every wrap, through a first grow made to carry a wrapper in slot
+ * 0 (the slot a scan looks at first): the 8th handle wrapped is one whose
+ * key hashes there, picked among new streams. */
 static size_t keys_in(dp__wrap_table_t *t) {
   size_t n = 0;
   for (size_t j = 0; j < t->nslots; j++) n += atomic_load(&t->slots[j].key) != 0;
   return n;
 }
 
-#define MANY_WRAPS 512
+#define MANY_WRAPS 40
+#define CANDIDATES 400
 Test(device, the_wrapper_table_stays_at_most_half_full_and_counts_its_keys_through_every_grow, .timeout = 60) {
   dp_backend_t *b = host();
   dp__devstate_t *ds = &b->devs[0];
-  static dp_stream_t *s[MANY_WRAPS];
-  int n = 0, grew_past_slot0 = 0;
-  for (; n < MANY_WRAPS && grew_past_slot0 < 2; n++) {
+  static dp_stream_t *s[CANDIDATES];
+  int made = 0, slot0_grown = 0;
+  for (int n = 0; n < MANY_WRAPS; n++) {
     dp__wrap_table_t *before = atomic_load(&ds->wraps);
     int slot0 = before && atomic_load(&before->slots[0].s) != NULL;
+    OK(dp_stream_new(b, H0, &s[made], T_ERR));
+    if (n == 7 && !slot0) /* the last wrap before the first grow: one that lands in slot 0 */
+      while (made + 1 < CANDIDATES &&
+             (dp__hash_ptr((const void *)((uintptr_t)dp_stream_native(s[made]) + 1)) & (before->nslots - 1)) != 0)
+        OK(dp_stream_new(b, H0, &s[++made], T_ERR));
     dp_stream_t *w;
-    OK(dp_stream_new(b, H0, &s[n], T_ERR));
-    OK(dp_stream_wrap(b, H0, dp_stream_native(s[n]), &w, T_ERR));
+    OK(dp_stream_wrap(b, H0, dp_stream_native(s[made++]), &w, T_ERR));
     dp__wrap_table_t *t = atomic_load(&ds->wraps);
     cr_assert_eq(keys_in(t), t->used, "after %d wraps: %zu keys, counted %zu", n + 1, keys_in(t), t->used);
     cr_assert_leq(t->used * 2, t->nslots, "after %d wraps: %zu keys in %zu slots", n + 1, t->used, t->nslots);
-    grew_past_slot0 += t != before && slot0;
+    cr_assert_eq(t->nslots & (t->nslots - 1), 0, "%zu slots: not a power of two, the probe's mask", t->nslots);
+    slot0_grown += t != before && slot0;
   }
-  cr_assert_eq(grew_past_slot0, 2, "no two grows carried a wrapper in slot 0 over %d wraps", n);
-  for (int i = 0; i < n; i++) {
-    dp_stream_t *w, *native_again;
+  cr_assert_gt(slot0_grown, 0, "no grow carried a wrapper in slot 0");
+  for (int i = 0; i < made; i++) {
+    dp_stream_t *w, *again;
     OK(dp_stream_wrap(b, H0, dp_stream_native(s[i]), &w, T_ERR));
-    OK(dp_stream_wrap(b, H0, dp_stream_native(s[i]), &native_again, T_ERR));
-    cr_assert_eq(w, native_again, "a handle found two wrappers");
+    OK(dp_stream_wrap(b, H0, dp_stream_native(s[i]), &again, T_ERR));
+    cr_assert_eq(w, again, "a handle found two wrappers");
   }
-  for (int i = 0; i < n; i++) dp_stream_free(s[i]);
+  for (int i = 0; i < made; i++) dp_stream_free(s[i]);
   dp_shutdown();
   ASSERT_NO_LEAK();
 }
@@ -2422,6 +2431,63 @@ Test(device, an_event_pooled_without_a_handle_gets_one_when_handed_out_again) {
   dp_stream_free(s);
   dp_shutdown();
   ASSERT_NO_LEAK();
+}
+
+/* device.h: freeing an event again before dp_event_new hands it out again
+ * does nothing. A dp_event_new that took it from the pool and failed to
+ * make its handle put it back: it was not handed out, so the old owner's
+ * second free must still do nothing (the event was on the list twice,
+ * and went to two owners). */
+Test(device, an_event_freed_again_after_a_failed_hand_out_does_nothing) {
+  dp_backend_t *b = host();
+  dp_event_t *e, *again, *other;
+  OK(dp_event_new(b, H0, &e, T_ERR));
+  dp_event_free(e);
+  b->ops->event_destroy(b, e->h);
+  e->h = NULL; /* as a failed CUDA reset leaves it */
+  dp_error_t err;
+  t_fail_at = t_alloc_count + 1;
+  int rc = dp_event_new(b, H0, &again, &err);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM, "%s", err.message);
+  dp_event_free(e); /* the old owner's second free */
+  OK(dp_event_new(b, H0, &again, T_ERR));
+  OK(dp_event_new(b, H0, &other, T_ERR));
+  cr_assert_eq(again, e, "the event waited in the pool");
+  cr_assert_neq(other, again, "one event was handed to two owners");
+  dp_event_free(again);
+  dp_event_free(other);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* internal.h: a frame (then() callbacks run inside one) puts back, at its
+ * end, what the callback changed of the thread's current streams on any
+ * device, the outermost frame's too; a nested frame puts back only its
+ * own changes. */
+Test(device, a_frame_puts_back_the_current_streams_changed_inside_it_outermost_or_nested) {
+  dp_backend_t *b = host();
+  dp_stream_t *mine, *cb, *inner;
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  OK(dp_stream_new(b, H1, &cb, T_ERR));
+  OK(dp_stream_new(b, H1, &inner, T_ERR));
+  OK(dp_set_current_stream(mine, NULL, T_ERR));
+  dp__current_frame_t outer, nested;
+  dp__current_frame_begin(&outer);
+  OK(dp_set_current_stream(cb, NULL, T_ERR));
+  dp_reset_current_stream(b, H0);
+  cr_assert_eq(current(b, H0), dflt(b, H0));
+  dp__current_frame_begin(&nested);
+  OK(dp_set_current_stream(inner, NULL, T_ERR));
+  dp__current_frame_end(&nested);
+  cr_assert_eq(current(b, H1), cb, "the nested frame put back the outer frame's change");
+  dp__current_frame_end(&outer);
+  cr_assert_eq(current(b, H0), mine, "the thread's own stream did not come back");
+  cr_assert_eq(current(b, H1), dflt(b, H1), "the callback's stream stayed current after it");
+  dp_reset_current_stream(b, H0);
+  dp_stream_free(mine);
+  dp_stream_free(cb);
+  dp_stream_free(inner);
 }
 
 Test(device, a_wait_or_a_record_names_which_of_its_two_handles_is_null) {
