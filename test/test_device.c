@@ -2679,3 +2679,45 @@ Test(device, a_host_function_waiting_for_a_stream_that_waits_for_its_own_later_w
   dp_stream_free(mine);
   alarm(0);
 }
+
+/* The chain is followed through each stream once, for the furthest target
+ * asked of it: a stream met again with a target it has already been
+ * scanned up to is passed over. Here the stream first looked at (third,
+ * target 3) is asked of more than the next one (other, target 1): a scan
+ * that took third's record for other's passed over other and its wait for
+ * the function, and the function hung instead of being refused. */
+Test(device, a_host_function_is_emisuse_through_a_chain_whose_later_targets_are_lower) {
+  alarm(30);
+  dp_backend_t *b = host();
+  dp_stream_t *mine;
+  via_wait_t x = {.how = 1, .rc = 1};
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  OK(dp_stream_new(b, H1, &x.other, T_ERR));
+  OK(dp_stream_new(b, H1, &x.third, T_ERR));
+  OK(dp_host_launch(mine, sync_through_another_stream, &x, T_ERR));
+  dp_event_t *after, *on_other;
+  OK(dp_event_new(b, H0, &after, T_ERR));
+  OK(dp_event_record(after, mine, T_ERR)); /* after the function */
+  OK(dp_stream_wait_event(x.other, after, T_ERR));
+  OK(dp_event_new(b, H1, &on_other, T_ERR));
+  OK(dp_event_record(on_other, x.other, T_ERR)); /* other's target: 1 */
+  OK(dp_host_launch(x.third, nm_noop2, NULL, T_ERR));
+  OK(dp_host_launch(x.third, nm_noop2, NULL, T_ERR));
+  OK(dp_stream_wait_event(x.third, on_other, T_ERR));
+  OK(dp_event_new(b, H1, &x.ev, T_ERR));
+  OK(dp_event_record(x.ev, x.third, T_ERR)); /* third's target: 3 */
+  atomic_store(&x.go, 1);
+  OK(dp_stream_synchronize(mine, T_ERR));
+  cr_assert_eq(x.rc, DP_EMISUSE, "%s: %s", dp_err_name(x.rc), x.err.message);
+  cr_assert_str_eq(x.err.message,
+                   "dp_event_synchronize: called from a host function, on an event of a stream that waits (through event "
+                   "waits) for work queued on the function's own stream after it: it would wait for itself");
+  OK(dp_stream_synchronize(x.third, T_ERR));
+  dp_event_free(after);
+  dp_event_free(on_other);
+  dp_event_free(x.ev);
+  dp_stream_free(x.third);
+  dp_stream_free(x.other);
+  dp_stream_free(mine);
+  alarm(0);
+}
