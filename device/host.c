@@ -72,7 +72,6 @@ typedef struct hevent {
   host_impl_t *im;
   progress_t *prog;        /* NULL: never recorded */
   uint64_t target;
-  int dev;
 } hevent_t;
 
 /* An allocation: a node of a treap (core/treap.h) ordered by base, so
@@ -468,13 +467,13 @@ static int h_device_sync(dp_backend_t *b, int dev, dp_error_t *err) {
 /* ---- events ---- */
 
 static int h_event_create(dp_backend_t *b, int dev, void **h, dp_error_t *err) {
+  (void)dev; /* the event's device is dp_event's */
   hevent_t *e = dp__alloc(sizeof *e);
   if (!e) return dp__err(err, DP_ENOMEM, "out of memory creating a host event");
   pthread_mutex_init(&e->mu, NULL);
   e->im = b->impl;
   e->prog = NULL;
   e->target = 0;
-  e->dev = dev;
   *h = e;
   return 0;
 }
