@@ -281,6 +281,8 @@ static void *drain_worker(void *p) {
       dp_memcpy_async(s, m, src, sizeof src, NULL);
       if (dp_device_dealloc(a->b, d0, m, NULL) != 0 || dp_stream_query(s, NULL) != 1) a->bad++;
     }
+    /* walks the device's list of streams while the others add and remove theirs */
+    if (dp_device_synchronize(a->b, d0, NULL) != 0 || dp_stream_query(s, NULL) != 1) a->bad++;
     dp_stream_free(s);
   }
   return NULL;
@@ -735,6 +737,41 @@ static int scenario_links(void) {
   return 0;
 }
 
+/* ---- host memory limits set while the backend stops and starts ----
+ * A limit set before the backend exists is kept for it; one set while it
+ * runs applies at once: the setter and the backend's start and stop share
+ * the pending limits and the live backend. */
+
+static _Atomic int limits_stop;
+
+static void *limit_setter(void *p) {
+  (void)p;
+  for (unsigned k = 0; !atomic_load(&limits_stop); k++)
+    dp_host_set_memory_limit((dp_device_t){DP_DEVICE_HOST, (uint8_t)(k % 2)}, (size_t)(k % 3 + 1) << 20, NULL);
+  return NULL;
+}
+
+static int scenario_limits(void) {
+  pthread_t th;
+  atomic_store(&limits_stop, 0);
+  CHECK(pthread_create(&th, NULL, limit_setter, NULL) == 0, "setter thread");
+  int bad = 0;
+  for (int round = 0; round < 200; round++) {
+    dp_backend_t *b;
+    void *m;
+    dp_device_t d = {DP_DEVICE_HOST, (uint8_t)(round % 2)};
+    if (dp_backend_get(DP_DEVICE_HOST, &b, NULL) != 0 || dp_device_alloc(b, d, 4096, &m, NULL) != 0 ||
+        dp_device_dealloc(b, d, m, NULL) != 0)
+      bad++;
+    dp_shutdown();
+  }
+  atomic_store(&limits_stop, 1);
+  pthread_join(th, NULL);
+  for (int d = 0; d < 2; d++) dp_host_set_memory_limit((dp_device_t){DP_DEVICE_HOST, (uint8_t)d}, 0, NULL);
+  CHECK(bad == 0, "%d rounds could not allocate 4 KiB under a limit of 1 MiB or more", bad);
+  return 0;
+}
+
 /* ---- the control: a consumer without the wait races with the producer ---- */
 
 static void *racy_worker(void *p) {
@@ -825,6 +862,8 @@ int main(int argc, char **argv) {
   run("futures: waits from callbacks follow collect_all and then() links while their futures complete and go",
       scenario_links);
   run("futures: 4 threads list the allocations of the same futures at once", scenario_listing);
+  run("host memory: limits set by one thread while the backend stops and starts",
+      scenario_limits);
   printf("%d passed, %d failed\n", passes, failures);
   return failures ? 1 : 0;
 }
