@@ -1731,6 +1731,60 @@ Test(device, waiting_on_a_completed_event_queues_nothing_and_keeps_nothing) {
   ASSERT_NO_LEAK();
 }
 
+/* "Queues nothing" seen where it shows: a stream whose queue is full (64
+ * tasks behind a held one) would have to grow it to queue a wait, and no
+ * allocation can succeed. A wait on an event complete to the last task
+ * (completed == target, the usual case after a synchronize) must not
+ * need to. */
+Test(device, waiting_on_an_event_complete_to_its_last_task_queues_nothing_even_on_a_full_queue, .timeout = 20) {
+  dp_backend_t *b = host();
+  dp_stream_t *a, *c;
+  OK(dp_stream_new(b, H0, &a, T_ERR));
+  OK(dp_stream_new(b, H1, &c, T_ERR));
+  _Atomic int done = 0;
+  OK(dp_host_launch(a, store_one, &done, T_ERR));
+  dp_event_t *ev;
+  OK(dp_event_new(b, H0, &ev, T_ERR));
+  OK(dp_event_record(ev, a, T_ERR));
+  OK(dp_event_synchronize(ev, T_ERR));
+  started_gate_t g;
+  atomic_init(&g.started, 0);
+  atomic_init(&g.open, 0);
+  OK(dp_host_launch(c, hold_until_open, &g, T_ERR));
+  wait_started(&g);
+  for (int i = 0; i < 64; i++) OK(dp_host_launch(c, store_one, &done, T_ERR));
+  t_fail_at = t_alloc_count + 1;
+  dp_error_t e;
+  int rc = dp_stream_wait_event(c, ev, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, 0, "a wait was queued: %s", rc ? e.message : "");
+  atomic_store(&g.open, 1);
+  OK(dp_stream_synchronize(c, T_ERR));
+  dp_event_free(ev);
+  dp_stream_free(a);
+  dp_stream_free(c);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* dp_device_synchronize on a device without streams, out of memory at
+ * each of its allocations: DP_ENOMEM naming the call, and what it did
+ * allocate is freed with the size it was allocated with. */
+Test(device, synchronizing_a_device_without_streams_fails_cleanly_at_every_allocation) {
+  dp_backend_t *b = host();
+  for (long k = 1; k <= 2; k++) {
+    dp_error_t e;
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_device_synchronize(b, H1, &e);
+    t_fail_at = 0;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %s", k, dp_err_name(rc));
+    cr_assert_str_eq(e.message, "dp_device_synchronize(host:1): out of memory synchronizing a device");
+  }
+  OK(dp_device_synchronize(b, H1, T_ERR));
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* A wait on a pending event that cannot be queued is an error and keeps
  * nothing of the event's stream. */
 Test(device, a_wait_that_cannot_be_queued_is_enomem_and_keeps_nothing, .timeout = 20) {
@@ -2490,6 +2544,32 @@ Test(device, a_frame_puts_back_the_current_streams_changed_inside_it_outermost_o
   dp_stream_free(inner);
 }
 
+/* A stream freed inside a frame is forgotten by the frame's log: at the
+ * frame's end the thread gets its default stream back, never the freed
+ * one (what the other entries logged still comes back). */
+Test(device, a_stream_freed_inside_a_frame_is_not_put_back_at_its_end) {
+  dp_backend_t *b = host();
+  dp_stream_t *gone, *kept, *cb0, *cb1;
+  OK(dp_stream_new(b, H0, &gone, T_ERR));
+  OK(dp_stream_new(b, H1, &kept, T_ERR));
+  OK(dp_stream_new(b, H0, &cb0, T_ERR));
+  OK(dp_stream_new(b, H1, &cb1, T_ERR));
+  OK(dp_set_current_stream(gone, NULL, T_ERR));
+  OK(dp_set_current_stream(kept, NULL, T_ERR));
+  dp__current_frame_t fr;
+  dp__current_frame_begin(&fr);
+  OK(dp_set_current_stream(cb0, NULL, T_ERR)); /* logs gone */
+  OK(dp_set_current_stream(cb1, NULL, T_ERR)); /* logs kept */
+  dp_stream_free(gone);
+  dp__current_frame_end(&fr);
+  cr_assert_eq(current(b, H0), dflt(b, H0), "the stream freed inside the frame came back as current");
+  cr_assert_eq(current(b, H1), kept, "the other device's stream did not come back");
+  dp_reset_current_stream(b, H1);
+  dp_stream_free(kept);
+  dp_stream_free(cb0);
+  dp_stream_free(cb1);
+}
+
 Test(device, a_wait_or_a_record_names_which_of_its_two_handles_is_null) {
   dp_backend_t *b = host();
   dp_stream_t *s = dflt(b, H0);
@@ -2718,6 +2798,48 @@ Test(device, a_host_function_is_emisuse_through_a_chain_whose_later_targets_are_
   dp_event_free(x.ev);
   dp_stream_free(x.third);
   dp_stream_free(x.other);
+  dp_stream_free(mine);
+  alarm(0);
+}
+
+/* A host function synchronizing a stream with many waits queued (more
+ * than the chain walk keeps on its own stack) on work that is not its
+ * own: no wait for itself, it waits as usual. */
+static void sync_other_when_go(void *arg) {
+  via_wait_t *x = arg;
+  while (!atomic_load(&x->go)) sleep_ms(1);
+  x->rc = dp_stream_synchronize(x->other, &x->err);
+}
+
+Test(device, a_host_function_synchronizing_a_stream_with_many_queued_waits_waits_for_them) {
+  alarm(30);
+  dp_backend_t *b = host();
+  dp_stream_t *mine, *held;
+  via_wait_t x = {.rc = 1};
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  OK(dp_stream_new(b, H1, &held, T_ERR));
+  OK(dp_stream_new(b, H1, &x.other, T_ERR));
+  started_gate_t g;
+  atomic_init(&g.started, 0);
+  atomic_init(&g.open, 0);
+  OK(dp_host_launch(held, hold_until_open, &g, T_ERR));
+  enum { NWAITS = 20 };
+  dp_event_t *ev[NWAITS];
+  for (int i = 0; i < NWAITS; i++) {
+    OK(dp_host_launch(held, nm_noop2, NULL, T_ERR));
+    OK(dp_event_new(b, H1, &ev[i], T_ERR));
+    OK(dp_event_record(ev[i], held, T_ERR));
+    OK(dp_stream_wait_event(x.other, ev[i], T_ERR));
+  }
+  OK(dp_host_launch(mine, sync_other_when_go, &x, T_ERR));
+  atomic_store(&x.go, 1);
+  atomic_store(&g.open, 1);
+  OK(dp_stream_synchronize(mine, T_ERR));
+  cr_assert_eq(x.rc, 0, "%s", x.err.message);
+  cr_assert_eq(dp_stream_query(held, NULL), 1, "the synchronize returned before the work it waited for");
+  for (int i = 0; i < NWAITS; i++) dp_event_free(ev[i]);
+  dp_stream_free(x.other);
+  dp_stream_free(held);
   dp_stream_free(mine);
   alarm(0);
 }
