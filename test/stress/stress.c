@@ -740,14 +740,18 @@ static int scenario_links(void) {
 /* ---- host memory limits set while the backend stops and starts ----
  * A limit set before the backend exists is kept for it; one set while it
  * runs applies at once: the setter and the backend's start and stop share
- * the pending limits and the live backend. */
+ * the pending limits and the live backend. The setter also looks the
+ * backend up, racing the main thread's start and stop for the registry. */
 
 static _Atomic int limits_stop;
 
 static void *limit_setter(void *p) {
   (void)p;
-  for (unsigned k = 0; !atomic_load(&limits_stop); k++)
+  for (unsigned k = 0; !atomic_load(&limits_stop); k++) {
     dp_host_set_memory_limit((dp_device_t){DP_DEVICE_HOST, (uint8_t)(k % 2)}, (size_t)(k % 3 + 1) << 20, NULL);
+    dp_backend_t *b; /* looked up (or started) beside the main thread's start and stop; not used */
+    dp_backend_get(DP_DEVICE_HOST, &b, NULL);
+  }
   return NULL;
 }
 
