@@ -2179,6 +2179,10 @@ Test(device, pinned_memory_of_zero_bytes_or_without_a_backend_is_einval) {
   OK(dp__pinned_alloc(b, 16, &p, T_ERR));
   memset(p, 1, 16);
   dp__pinned_free(b, p, 16);
+  dp__pinned_free(b, NULL, 16); /* nothing, as free(NULL) */
+  dp__pinned_free(NULL, p, 16);
+  dp_shutdown();
+  ASSERT_NO_LEAK(); /* the free gave the memory back */
 }
 
 /* ---- allocation failures of the calls the sweeps above do not make ---- */
