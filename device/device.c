@@ -750,7 +750,6 @@ int dp_event_new(dp_backend_t *b, dp_device_t dev, dp_event_t **out, dp_error_t 
     e->dev = dev;
     dp__atomic_init(&e->pooled, 0);
   }
-  e->next_free = NULL;
   *out = e;
   return 0;
 }
