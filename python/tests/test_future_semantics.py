@@ -1342,14 +1342,38 @@ def test_a_million_then_futures_each_the_value_of_its_child_are_freed_without_a_
 
 
 def test_a_failure_at_the_root_reaches_the_end_of_a_1000_link_chain(Future):
-    root = Future()
-    last = root
-    for _ in range(1000):
-        last = last.then(add_one)
-    root.set_exception(ValueError("root failure"))
-    assert last.done()
-    with pytest.raises(Exception, match="root failure"):
-        last.wait()
+    def chain():
+        root = Future()
+        last = root
+        for _ in range(1000):
+            last = last.then(add_one)
+        root.set_exception(ValueError("root failure"))
+        assert last.done()
+        with pytest.raises(Exception, match="root failure"):
+            last.wait()
+
+    # torch fails a chain by recursion, C stack frames a link: under
+    # ThreadSanitizer a main thread's 8 MiB overflowed once (the suite under
+    # test-tsan), so the chain runs on a thread with room for it
+    got = []
+    old = threading.stack_size(256 << 20)
+    try:
+        t = threading.Thread(target=lambda: got.append(run_catching(chain)))
+        t.start()
+    finally:
+        threading.stack_size(old)
+    t.join()
+    if got[0] is not None:
+        raise got[0]
+
+
+def run_catching(fn):
+    """fn(), and None; or what it raised."""
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - handed back to the test's thread
+        return e
+    return None
 
 
 # ---------------------------------------------------------------------------
