@@ -793,7 +793,7 @@ static int h_init(dp_backend_t *b, dp_error_t *err) {
 
 static void h_shutdown(dp_backend_t *b) {
   host_impl_t *im = b->impl;
-  /* Streams the caller still holds are stopped and freed too. */
+  /* Streams the caller still holds are stopped too (their handles, device.c's, stay the caller's: device.h). */
   for (int d = 0; d < HOST_MAX_DEVICES; d++)
     while (im->streams[d]) h_stream_destroy(b, im->streams[d]->s); /* no drain runs now: no cursor */
   for (alloc_rec_t *r; (r = rec_of(dp__treap_take(&im->recs))) != NULL;) {

@@ -33,7 +33,9 @@
  * (devpickle.h), which stops them after the caches and futures above them.
  * Streams from dp_stream_default(), dp_stream_pool_next() and
  * dp_stream_wrap() belong to the backend; streams from dp_stream_new()
- * belong to the caller. Host work
+ * belong to the caller, who frees them before dp_shutdown(): one still
+ * held then is stopped with its backend (its queued work completes) but
+ * its handle is not freed, and may not be used or freed afterwards. Host work
  * still queued when dp_shutdown() runs completes before it returns; if that
  * work calls dp_backend_get() it gets a new backend, which the next
  * dp_shutdown() stops. dp_shutdown() called from a host function
