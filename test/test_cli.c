@@ -2680,19 +2680,30 @@ Test(cli, every_frame_command_refuses_zeros_behind_a_header_announcing_2_62_byte
  * keeps open for writing is such a pipe: a command still waiting for it is
  * ended by timeout (status 124). */
 #define HEADER_BYTES 40 /* docs/FORMAT.md, "Layout" */
-Test(cli, every_frame_command_refuses_a_header_that_is_no_frames_while_its_pipe_stays_open, .timeout = 120) {
+
+/* "pipe" in the test's folder, a FIFO this process holds open for writing
+ * (opened read-write: the open does not wait for a reader), so that a
+ * command reading it waits for bytes that never come; the descriptor. */
+static int open_held_pipe(void) {
   char fifo[128];
   snprintf(fifo, sizeof fifo, "%s/pipe", dir);
   cr_assert_eq(mkfifo(fifo, 0600), 0);
-  int w = open(fifo, O_RDWR | O_CLOEXEC); /* read-write: the open does not wait for a reader */
+  int w = open(fifo, O_RDWR | O_CLOEXEC);
   cr_assert_geq(w, 0);
-  static const char *const cmds[] = {"verify -", "dump -", "inspect -", "unpack -", "send - 127.0.0.1:1"};
+  return w;
+}
+
+/* Every command that reads a frame, reading it from stdin. */
+static const char *const stdin_frame_cmds[] = {"verify -", "dump -", "inspect -", "unpack -", "send - 127.0.0.1:1"};
+Test(cli, every_frame_command_refuses_a_header_that_is_no_frames_while_its_pipe_stays_open, .timeout = 120) {
+  int w = open_held_pipe();
+  const char *const *cmds = stdin_frame_cmds;
   uint8_t huge[HEADER_BYTES];
   memset(huge, 0, sizeof huge);
   memcpy(huge, "DPKL\x01", 5);
   memset(huge + 8, 0xff, 16); /* payload and table: more than 2^64 bytes together */
   for (int h = 0; h < 2; h++) {
-    for (int i = 0; i < 5; i++) {
+    for (size_t i = 0; i < sizeof stdin_frame_cmds / sizeof *stdin_frame_cmds; i++) {
       uint8_t zeros[HEADER_BYTES] = {0};
       cr_assert_eq(write(w, h ? huge : zeros, HEADER_BYTES), HEADER_BYTES);
       char script[160];
@@ -2717,12 +2728,8 @@ Test(cli, every_frame_command_refuses_a_header_that_is_no_frames_while_its_pipe_
  * until it closed, and then they read "truncated frame". */
 Test(cli, every_frame_command_refuses_a_header_of_another_version_or_unknown_flags_while_its_pipe_stays_open,
      .timeout = 120) {
-  char fifo[128];
-  snprintf(fifo, sizeof fifo, "%s/pipe", dir);
-  cr_assert_eq(mkfifo(fifo, 0600), 0);
-  int w = open(fifo, O_RDWR | O_CLOEXEC); /* read-write: the open does not wait for a reader */
-  cr_assert_geq(w, 0);
-  static const char *const cmds[] = {"verify -", "dump -", "inspect -", "unpack -", "send - 127.0.0.1:1"};
+  int w = open_held_pipe();
+  const char *const *cmds = stdin_frame_cmds;
   static const struct {
     uint8_t version, flags;
     const char *err;
@@ -2731,7 +2738,7 @@ Test(cli, every_frame_command_refuses_a_header_of_another_version_or_unknown_fla
       {1, 4, "devpickle: <stdin>: unknown frame flags 0x0004, at byte 6\n"},
   };
   for (size_t h = 0; h < sizeof heads / sizeof *heads; h++) {
-    for (int i = 0; i < 5; i++) {
+    for (size_t i = 0; i < sizeof stdin_frame_cmds / sizeof *stdin_frame_cmds; i++) {
       uint8_t head[HEADER_BYTES] = {'D', 'P', 'K', 'L', heads[h].version, 0, heads[h].flags, 0, 1};
       cr_assert_eq(write(w, head, HEADER_BYTES), HEADER_BYTES); /* a payload of 1 byte announced, never sent */
       char script[160];
@@ -2761,12 +2768,8 @@ Test(cli, every_frame_command_refuses_a_header_of_another_version_or_unknown_fla
  * after blanks and a byte order mark) is what the closed pipe gets. */
 Test(cli, every_frame_command_refuses_a_stream_from_its_first_bytes_that_are_no_frames_while_its_pipe_stays_open,
      .timeout = 120) {
-  char fifo[128];
-  snprintf(fifo, sizeof fifo, "%s/pipe", dir);
-  cr_assert_eq(mkfifo(fifo, 0600), 0);
-  int w = open(fifo, O_RDWR | O_CLOEXEC); /* read-write: the open does not wait for a reader */
-  cr_assert_geq(w, 0);
-  static const char *const cmds[] = {"verify -", "dump -", "inspect -", "unpack -", "send - 127.0.0.1:1"};
+  int w = open_held_pipe();
+  const char *const *cmds = stdin_frame_cmds;
   static const struct {
     const char *bytes, *err;
   } starts[] = {
@@ -2776,7 +2779,7 @@ Test(cli, every_frame_command_refuses_a_stream_from_its_first_bytes_that_are_no_
                              "which 'devpickle pack' turns into a frame, at byte 0\n"},
   };
   for (size_t k = 0; k < sizeof starts / sizeof *starts; k++) {
-    for (int i = 0; i < 5; i++) {
+    for (size_t i = 0; i < sizeof stdin_frame_cmds / sizeof *stdin_frame_cmds; i++) {
       size_t n = strlen(starts[k].bytes);
       cr_assert_eq(write(w, starts[k].bytes, n), (ssize_t)n);
       char script[160];
