@@ -171,9 +171,11 @@ void dp_frame_free(dp_frame_t *f) {
 /* A frame a pickle is writing (read from its own reduce() or read
  * callback) reads as empty: its bytes and table are half made, and the
  * inline data's offsets not laid out yet (a descriptor's data pointer would
- * be made of whatever the offsets array held). */
+ * be made of whatever the offsets array held). An empty frame, new or left
+ * by a failed pickle, reads as NULL and 0 alike: the buffer a failed pickle
+ * keeps for the next one holds no frame. */
 const uint8_t *dp_frame_data(const dp_frame_t *f, size_t *len) {
-  int readable = f && !f->busy;
+  int readable = f && !f->busy && f->len;
   if (len) *len = readable ? f->len : 0;
   return readable ? f->buf : NULL;
 }

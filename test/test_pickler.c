@@ -608,6 +608,40 @@ Test(pickler, a_failing_reduce_is_an_error_naming_the_type_and_path) {
   ASSERT_NO_LEAK();
 }
 
+/* "On error the frame is empty" reads as a new frame does: NULL and 0, no
+ * buffers — not the buffer the failed pickle keeps for the next one. */
+Test(pickler, a_frame_left_empty_by_a_failed_pickle_reads_as_null_and_zero_like_a_new_one) {
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  size_t len = 7;
+  cr_assert_null(dp_frame_data(f, &len), "a new frame has no bytes");
+  cr_assert_eq(len, 0);
+  dp_value_t good = t_list(), c;
+  OK(dp_list_append(good, t_tensor(CUDA0, 0x1000, 16), T_ERR));
+  OK(dp_pickle(good, NULL, f, T_ERR));
+  cr_assert_not_null(dp_frame_data(f, &len));
+  cr_assert_gt(len, 40);
+  cr_assert_eq(dp_frame_nbuffers(f), 1);
+  OK(dp_custom_new(&failing_type, NULL, &c, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(c, NULL, f, &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, "reduce of type 'Stale' failed at $: device handle is stale");
+  len = 7;
+  cr_assert_null(dp_frame_data(f, &len), "a failed pickle leaves the frame empty: NULL, as a new frame");
+  cr_assert_eq(len, 0);
+  cr_assert_null(dp_frame_data(f, NULL));
+  cr_assert_eq(dp_frame_nbuffers(f), 0);
+  dp_buffer_desc_t d;
+  cr_assert_eq(dp_frame_buffer(f, 0, &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_buffer: buffer 0 out of range (the frame has 0)");
+  OK(dp_pickle(good, NULL, f, T_ERR));
+  cr_assert_not_null(dp_frame_data(f, &len), "the next pickle fills it again");
+  cr_assert_gt(len, 40);
+  dp_value_release(c);
+  dp_value_release(good);
+  dp_frame_free(f);
+}
+
 Test(pickler, nesting_beyond_the_depth_limit_is_an_error_not_a_crash) {
   dp_value_t root = t_list(), cur = root;
   for (int i = 0; i < 50; i++) {

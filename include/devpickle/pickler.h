@@ -125,7 +125,8 @@ DP_API int dp_frame_new(dp_frame_t **out, dp_error_t *err);
 /** Frees the frame (NULL is fine). */
 DP_API void dp_frame_free(dp_frame_t *f);
 /** The frame's bytes (borrowed; valid until the next pickle or free) and
- *  their number in *len (may be NULL). While a pickle into the frame has
+ *  their number in *len (may be NULL); NULL and 0 for an empty frame (new,
+ *  or left empty by a failed pickle). While a pickle into the frame has
  *  not returned (read from its own reduce() or read callback), the frame is
  *  half written and reads as empty: NULL and 0, no buffers, and
  *  dp_frame_buffer is DP_ESTATE. */
