@@ -290,17 +290,23 @@ static uint64_t agreed_hash_at(const void *ctx, size_t i) {
   return dp__hash_ptr(((const dp_frame_t *)ctx)->agreed.st[i]);
 }
 
-/* Whether st was found to agree with its buffer in this pickle; if not and
- * `add`, it is now (out of memory: not remembered). */
-static int agreed(dp_frame_t *f, dp_storage_t *st, int add) {
+/* Whether st was found to agree with its buffer in this pickle. */
+static int agreed(dp_frame_t *f, dp_storage_t *st) {
+  size_t j;
+  return dp__table_find(&f->agreed.t, DP_TABLE_TAGGED, dp__hash_ptr(st), agreed_eq, f, st, &j) != DP_TABLE_NONE;
+}
+
+/* Remembers that st agrees (not yet remembered): 0, or DP_ENOMEM. Out of
+ * memory is an error, not a storage left out: forgetting it would compare
+ * an inline frame's bytes again at each of its tensors, a cost of tensors
+ * times bytes exactly when memory is short. */
+static int agreed_add(dp_frame_t *f, dp_storage_t *st) {
   uint64_t h = dp__hash_ptr(st);
-  size_t j, n = f->agreed.t.count;
-  if (dp__table_find(&f->agreed.t, DP_TABLE_TAGGED, h, agreed_eq, f, st, &j) != DP_TABLE_NONE) return 1;
-  if (!add || dp__grow((void **)&f->agreed.st, &f->agreed.cap, n + 1, sizeof *f->agreed.st) != 0) return 0;
-  if (dp__table_full(&f->agreed.t)) {
-    if (dp__table_grow(&f->agreed.t, DP_TABLE_TAGGED, n, 16, agreed_hash_at, f) != 0) return 0;
-    j = dp__table_empty_slot(&f->agreed.t, DP_TABLE_TAGGED, h);
-  }
+  size_t n = f->agreed.t.count;
+  if (dp__grow((void **)&f->agreed.st, &f->agreed.cap, n + 1, sizeof *f->agreed.st) != 0) return DP_ENOMEM;
+  if (dp__table_full(&f->agreed.t) && dp__table_grow(&f->agreed.t, DP_TABLE_TAGGED, n, 16, agreed_hash_at, f) != 0)
+    return DP_ENOMEM;
+  size_t j = dp__table_empty_slot(&f->agreed.t, DP_TABLE_TAGGED, h);
   f->agreed.st[n] = st;
   dp__table_put(&f->agreed.t, DP_TABLE_TAGGED, j, h, n);
   return 0;
@@ -320,7 +326,7 @@ static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *s
   dp__walker_t *w = frame_walker(f);
   char dev[16];
   const char *why = NULL;
-  if (agreed(f, st, 0)) {
+  if (agreed(f, st)) {
     f->checked = st;
     return 0;
   }
@@ -345,8 +351,10 @@ static int check_same_buffer(dp_frame_t *f, dp_storage_t *first, dp_storage_t *s
                      "buffer per (device, base)", dp_device_format(st->device, dev, sizeof dev), st->base,
                      st->nbytes, dp__walker_path(w), why);
   }
+  if (agreed_add(f, st) != 0)
+    return writer_fail(f, DP_ENOMEM, "out of memory remembering the storages of %s %p at %s",
+                       dp_device_format(st->device, dev, sizeof dev), st->base, dp__walker_path(w));
   f->checked = st;
-  agreed(f, st, 1);
   return 0;
 }
 

@@ -703,8 +703,10 @@ static int allow_eq(const void *ctx, size_t i, const void *key) {
  * of n reduce nodes against a list of m names took n * m comparisons (100,000
  * nodes against 40,000 names: 19 s), now n + m. The index is the one memory
  * the reader holds beside the frame's bound (pickler.h: at most 16 bytes a
- * name, and 32 more). 1 built; -1 not (a short list, or no memory: the list is
- * scanned). */
+ * name, and 32 more). 1 built; -1 not (a short list: it is scanned);
+ * DP_ENOMEM when the index cannot be made — an error, not a fall back to
+ * the scan, which would make a hostile frame cost n * m exactly when memory
+ * is short. */
 static int allow_index(up_t *u, const dp_resolver_t *res) {
   if (u->allow_index) return u->allow_index;
   /* Empty slots for every name, at load 1/2 at most; each distinct name
@@ -713,7 +715,7 @@ static int allow_index(up_t *u, const dp_resolver_t *res) {
   if (res->ntypes <= ALLOW_SCAN_MAX || res->ntypes >= UINT32_MAX / 4) return u->allow_index = -1;
   size_t nslots = 4;
   while (nslots < 2 * (res->ntypes + 1)) nslots *= 2;
-  if (dp__table_grow(&u->allow, DP_TABLE_PLAIN, 0, nslots, NULL, NULL) != 0) return u->allow_index = -1;
+  if (dp__table_grow(&u->allow, DP_TABLE_PLAIN, 0, nslots, NULL, NULL) != 0) return DP_ENOMEM;
   for (size_t i = 0; i < res->ntypes; i++) {
     if (!res->types[i]) continue;
     allow_key_t key = {res->types[i], strlen(res->types[i])};
@@ -725,10 +727,13 @@ static int allow_index(up_t *u, const dp_resolver_t *res) {
   return u->allow_index = 1;
 }
 
+/* 1 allowed, 0 not, DP_ENOMEM (allow_index). */
 static int allowed_type(up_t *u, const char *name, size_t n) {
   const dp_resolver_t *res = u->opts->resolver;
   if (!res || !res->resolve) return 0;
-  if (allow_index(u, res) == 1) {
+  int indexed = allow_index(u, res);
+  if (indexed < -1) return indexed;
+  if (indexed == 1) {
     allow_key_t key = {name, n};
     size_t slot;
     return dp__table_find(&u->allow, DP_TABLE_PLAIN, dp__hash_bytes(name, n, ALLOW_SALT), allow_eq, res, &key,
@@ -761,7 +766,9 @@ static int finish_frame(up_t *u, uframe_t *f, dp_value_t *out, const uint8_t *at
    * refused): the resolver gets all of it, as the allow-list matched it. */
   const char *name = DP_OBJ(v)->class_name;
   size_t name_len = DP_OBJ(v)->class_len;
-  if (!allowed_type(u, name, name_len)) return 0;
+  int allowed = allowed_type(u, name, name_len);
+  if (allowed < 0) return oom_at(u, at, "the index of the resolver's allow-list");
+  if (!allowed) return 0;
   /* An allowed custom: rebuild it from its state, unless the state refers
    * to the stand-in itself or to a container around it. */
   char shown[DP__STEP_MAX];

@@ -1920,6 +1920,88 @@ Test(pickler, pickle_and_unpickle_fail_cleanly_at_every_allocation) {
   ASSERT_NO_LEAK();
 }
 
+static int resolve_to_none(void *ud, const char *type_name, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)ud; (void)type_name; (void)state; (void)err;
+  *out = dp_none();
+  return 0;
+}
+
+/* Whether a call that failed allocation number t_fail_at reported it: an
+ * allocation the call reached and that failed is DP_ENOMEM with a message
+ * ("out of memory ..."), never a success that skipped what it was for. */
+static int failure_reported(const char *what, long k, int rc, const dp_error_t *e) {
+  int reached = t_alloc_count >= t_fail_at;
+  cr_assert(!reached || rc == DP_ENOMEM, "%s: allocation %ld failed, yet it returned %s", what, k, dp_err_name(rc));
+  cr_assert(rc == 0 || rc == DP_ENOMEM, "%s: %s", what, dp_err_name(rc));
+  if (rc) cr_assert(strncmp(e->message, "out of memory", 13) == 0, "%s: '%s'", what, e->message);
+  return !reached;
+}
+
+/* Two memos used to swallow an allocation failure: the pickle's record of
+ * storages found to agree with their buffer (forgotten, every later tensor
+ * on the storage compared again: tensors times bytes in an inline frame)
+ * and the reader's index of a long allow-list (not built, every reduce node
+ * scanned the whole list). Both are DP_ENOMEM now, at every allocation. */
+Test(pickler, every_allocation_a_pickle_or_unpickle_reaches_fails_it_with_enomem_none_is_skipped) {
+  static uint8_t bytes[64];
+  dp_value_t l = t_list();
+  dp_storage_t *a = t_storage(t_dev(DP_DEVICE_CPU, 0), (uintptr_t)bytes, sizeof bytes);
+  dp_storage_t *b = t_storage(t_dev(DP_DEVICE_CPU, 0), (uintptr_t)bytes, sizeof bytes);
+  for (int i = 0; i < 4; i++) {
+    OK(dp_list_append(l, t_view(i < 2 ? a : b, 4, i), T_ERR));
+  }
+  dp_storage_release(a);
+  dp_storage_release(b);
+  dp_value_t r;
+  OK(dp_object_new_reduced("T", dp_int(1), &r, T_ERR));
+  OK(dp_list_append(l, r, T_ERR));
+  dp_pickle_opts_t inl = {DP_PICKLE_INLINE, 0, NULL, NULL};
+  const char *names[17] = {"a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "T"};
+  dp_resolver_t res = {names, 17, resolve_to_none, NULL};
+  dp_unpickle_opts_t uo = {{0}, &res, NULL, NULL};
+  dp_frame_t *ref;
+  OK(dp_frame_new(&ref, T_ERR));
+  OK(dp_pickle(l, &inl, ref, T_ERR));
+  size_t rn;
+  const uint8_t *rb = dp_frame_data(ref, &rn);
+  long base_blocks = t_live_blocks;
+  int pickled = 0, unpickled = 0;
+  for (long k = 1; !(pickled && unpickled); k++) {
+    cr_assert_lt(k, 10000);
+    dp_error_t e;
+    if (!pickled) {
+      dp_frame_t *f;
+      OK(dp_frame_new(&f, T_ERR));
+      t_fail_at = t_alloc_count + k;
+      int rc = dp_pickle(l, &inl, f, &e);
+      pickled = failure_reported("pickle", k, rc, &e);
+      t_fail_at = 0;
+      if (rc == 0) {
+        size_t n;
+        const uint8_t *p = dp_frame_data(f, &n);
+        cr_assert(n == rn && memcmp(p, rb, n) == 0, "pickle %ld: other bytes", k);
+      }
+      dp_frame_free(f);
+    }
+    if (!unpickled) {
+      dp_value_t out;
+      t_fail_at = t_alloc_count + k;
+      int rc = dp_unpickle(rb, rn, &uo, &out, &e);
+      unpickled = failure_reported("unpickle", k, rc, &e);
+      t_fail_at = 0;
+      if (rc == 0) {
+        cr_assert_eq(dp_value_kind(dp_seq_get(out, 4)), DP_NONE, "the resolver made the reduce node");
+        dp_value_release(out);
+      }
+    }
+    dp_value_collect();
+    cr_assert_eq(t_live_blocks, base_blocks, "leaked after failing allocation %ld", k);
+  }
+  dp_frame_free(ref);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, scan_fails_cleanly_at_every_allocation) {
   dp_value_t v = sample_value();
   OK(dp_object_set(v, "self", dp_value_retain(v), T_ERR));
