@@ -42,6 +42,7 @@ int main(void) {
   dp_error_t err;
   dp_value_t model, blk;
   struct block *b = malloc(sizeof *b);
+  if (!b) return 1;
   b->weights = device_tensor(0x7f0000000000, 1024);
   if (dp_object_new("Model", &model, &err) || dp_custom_new(&block_type, b, &blk, &err) ||
       dp_object_set(model, "block", blk, &err) ||  /* steals blk */
@@ -84,6 +85,7 @@ int main(void) {
   dp_frame_free(frame);
   dp_ptrset_free(set);
   dp_value_release(model);
+  dp_value_collect(); /* cyclic garbage this thread released: exit() runs no thread exit (value.h, EXIT) */
   dp_shutdown(); /* the library's threads and caches go; nothing of it is used after */
   return 0;
 }
