@@ -732,7 +732,7 @@ static int allowed_type(up_t *u, const char *name, size_t n) {
   const dp_resolver_t *res = u->opts->resolver;
   if (!res || !res->resolve) return 0;
   int indexed = allow_index(u, res);
-  if (indexed < -1) return indexed;
+  if (indexed == DP_ENOMEM) return DP_ENOMEM;
   if (indexed == 1) {
     allow_key_t key = {name, n};
     size_t slot;

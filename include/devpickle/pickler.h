@@ -48,10 +48,10 @@ extern "C" {
  * is theirs. Beside the bound, a resolver's allow-list of more than 16
  * names is indexed when the first reduce node is read (at most 16 bytes a
  * name, and 32 more; DP_ENOMEM when that memory cannot be had), so that
- * each reduce node costs one lookup whatever the list's length. The worst input is one byte per nesting level
- * ([[[...]]]: a list, its node-table entry and its open frame for every
- * byte); 1 MB of empty dicts holds 128 MB. dp_frame_check allocates
- * nothing. */
+ * each reduce node costs one lookup whatever the list's length. The worst
+ * input is one byte per nesting level ([[[...]]]: a list, its node-table
+ * entry and its open frame for every byte); 1 MB of empty dicts holds
+ * 128 MB. dp_frame_check allocates nothing. */
 #define DP_UNPICKLE_MEMORY_PER_BYTE 192u
 #define DP_UNPICKLE_MEMORY_FIXED (64u << 10)
 
