@@ -18,16 +18,27 @@ void dp__sb_put(dp__sbuf_t *b, const char *s, size_t n) {
   b->len += n;
 }
 
+/* The bytes a character starting with c takes: 1 for ASCII and for a byte
+ * that starts none (a stray lead, shown as \ufffd on its own). */
+static size_t lead_len(unsigned c) {
+  return c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 1;
+}
+
 /* A character is at most 4 bytes: the cut moves back over at most 3
- * continuation bytes to the start of the one it splits. More of them
- * belong to no character (invalid UTF-8, each shown as \ufffd): the cut
- * stays where it is, between two of them — moving back over all of them
- * showed "a…" for "a" and 70 stray bytes, or nothing at all. */
+ * continuation bytes to the start of the one it splits — only if that
+ * one runs past the cut. Continuation bytes after a whole character, or
+ * four of them in a row, belong to no character (invalid UTF-8, each shown
+ * as \ufffd): the cut stays where it is, between two of them — moving back
+ * over them showed "a…" for "a" and 70 stray bytes, or dropped a whole
+ * character that fit before them. */
 size_t dp__name_shown(const char *s, size_t n, size_t max) {
   if (n <= max) return n;
-  for (size_t k = max; k > 0 && max - k < 4; k--)
-    if (((unsigned char)s[k] & 0xC0) != 0x80) return k;
-  return max >= 4 ? max : 0;
+  for (size_t back = 0; back < 4 && back <= max; back++) {
+    size_t k = max - back;
+    unsigned c = (unsigned char)s[k];
+    if ((c & 0xC0) != 0x80) return k + lead_len(c) > max ? k : max;
+  }
+  return max;
 }
 
 /* The character that starts at p (c = p[0] >= 0x80, avail bytes there):

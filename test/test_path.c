@@ -245,6 +245,29 @@ Test(path, a_cut_through_four_stray_continuation_bytes_stays_where_it_is) {
   cr_assert_eq(dp__name_shown(name, sizeof name, DP_PATH_NAME_MAX), 64);
 }
 
+/* Stray continuation bytes right after a whole character are no part of
+ * it: the cut stays at the limit and the character is shown. Moving back to
+ * the last byte that was no continuation byte dropped a character that fit
+ * ("aaa…ab" + 80 80 showed 63 bytes). A character the cut does split still
+ * moves it back. */
+Test(path, a_whole_character_before_stray_continuation_bytes_is_kept_by_the_cut) {
+  char name[70];
+  memset(name, 'a', sizeof name);
+  memset(name + 64, 0x80, 3);
+  cr_assert_eq(dp__name_shown(name, sizeof name, DP_PATH_NAME_MAX), 64, "an ASCII byte at 63, strays from 64");
+  memcpy(name + 62, "\xc3\xa9", 2); /* é ends at 63 */
+  cr_assert_eq(dp__name_shown(name, sizeof name, DP_PATH_NAME_MAX), 64, "a two-byte character ending at 63");
+  char want[160];
+  snprintf(want, sizeof want, "[\"%.62s\xc3\xa9\xe2\x80\xa6\"]", name);
+  cr_assert_str_eq(shown(dp__step_name, name, sizeof name), want);
+  memcpy(name + 61, "\xe2\x82\xac", 3); /* € ends at 63 */
+  cr_assert_eq(dp__name_shown(name, sizeof name, DP_PATH_NAME_MAX), 64, "a three-byte character ending at 63");
+  memcpy(name + 62, "\xe2\x82\xac", 3); /* € across the cut: 62..64 */
+  cr_assert_eq(dp__name_shown(name, sizeof name, DP_PATH_NAME_MAX), 62, "a character the cut splits");
+  cr_assert_eq(dp__name_shown("a\x80\x80x", 4, 2), 2, "an ASCII byte then strays, limit 2: none stepped over");
+  cr_assert_eq(dp__name_shown("\x80\x80\x80x", 4, 2), 2, "strays alone: nothing to move back to");
+}
+
 /* With a limit under 4, a cut whose every byte down to the first is a
  * continuation byte shows nothing: the character may start at byte 0. */
 Test(path, a_cut_under_four_bytes_through_one_character_shows_nothing_of_it) {
