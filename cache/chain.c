@@ -101,10 +101,12 @@ static int chain_chunk(const dp_cache_hooks_chain_t *c, void *const *ptrs, size_
   return 0;
 }
 
-static int chain_batch(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *marks, dp_error_t *err) {
+/* fn: the hook called, as its messages name it */
+static int chain_batch(const char *fn, void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *marks,
+                       dp_error_t *err) {
   const dp_cache_hooks_chain_t *c = ctx;
-  if (!c) return dp__err(err, DP_EINVAL, "record_streams: NULL hooks chain");
-  if (n && !ptrs) return dp__err(err, DP_EINVAL, "record_streams: NULL ptrs with n = %zu", n);
+  if (!c) return dp__err(err, DP_EINVAL, "%s: NULL hooks chain", fn);
+  if (n && !ptrs) return dp__err(err, DP_EINVAL, "%s: NULL ptrs with n = %zu", fn, n);
   for (size_t done = 0; done < n; done += BATCH) {
     size_t m = n - done < BATCH ? n - done : BATCH;
     int rc = chain_chunk(c, ptrs + done, m, s, marks ? marks + done : NULL, err);
@@ -114,13 +116,14 @@ static int chain_batch(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, u
 }
 
 static int chain_record_streams(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, dp_error_t *err) {
-  return chain_batch(ctx, ptrs, n, s, NULL, err);
+  return chain_batch("record_streams", ctx, ptrs, n, s, NULL, err);
 }
 
 static int chain_record_streams_owned(void *ctx, void *const *ptrs, size_t n, dp_stream_t *s, unsigned char *owned,
                                       dp_error_t *err) {
+  if (!ctx) return dp__err(err, DP_EINVAL, "record_streams_owned: NULL hooks chain");
   if (n && !owned) return dp__err(err, DP_EINVAL, "record_streams_owned: NULL owned with n = %zu", n);
-  return chain_batch(ctx, ptrs, n, s, owned, err);
+  return chain_batch("record_streams_owned", ctx, ptrs, n, s, owned, err);
 }
 
 /* The chain whose hooks h are, as dp_cache_hooks_chain_hooks gave them

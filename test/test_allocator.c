@@ -1790,6 +1790,20 @@ Test(allocator, a_chain_refuses_hooks_that_cannot_say_what_they_own) {
   dp_cache_hooks_chain_free(NULL);
 }
 
+/* Each hook of a NULL chain's hooks names itself: record_streams_owned
+ * said "record_streams", the hook its caller did not call. */
+Test(allocator, each_hook_of_a_null_chain_names_itself_in_its_error) {
+  dp_cache_hooks_t none = dp_cache_hooks_chain_hooks(NULL);
+  int local;
+  void *ptrs[1] = {&local};
+  unsigned char owned[1] = {0};
+  dp_error_t e;
+  cr_assert_eq(none.record_streams_owned(none.ctx, ptrs, 1, NULL, owned, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_streams_owned: NULL hooks chain");
+  cr_assert_eq(none.record_streams(none.ctx, ptrs, 1, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "record_streams: NULL hooks chain");
+}
+
 /* cache.h's errors follow device.h: a message names the function called.
  * A chain that could not be allocated said only "out of memory creating a
  * hooks chain", the one failure of the cache module that named no call. */
@@ -2083,7 +2097,7 @@ Test(allocator, a_chains_batches_refuse_null_ptrs_for_a_nonzero_count) {
   cr_assert_eq(h.record_streams(h.ctx, NULL, 3, u, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, "record_streams: NULL ptrs with n = 3");
   cr_assert_eq(h.record_streams_owned(h.ctx, NULL, 2, u, owned, &e), DP_EINVAL);
-  cr_assert_str_eq(e.message, "record_streams: NULL ptrs with n = 2");
+  cr_assert_str_eq(e.message, "record_streams_owned: NULL ptrs with n = 2");
   cr_assert_eq(x->batch_calls + x->single_calls, 0, "no allocator was asked");
   OK(h.record_streams(h.ctx, NULL, 0, u, T_ERR));
   dp_cache_hooks_chain_free(ch);
