@@ -6,6 +6,7 @@
  * out before the next. Only a batched call that marks what it owned
  * (record_streams_owned) lets a pointer pass on in one call; an allocator
  * that has only record_stream answers pointer by pointer. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "devpickle/cache.h"
@@ -135,9 +136,48 @@ static const dp_cache_hooks_chain_t *chain_of(const dp_cache_hooks_t *h) {
              : NULL;
 }
 
-static int same_hooks(const dp_cache_hooks_t *a, const dp_cache_hooks_t *b) {
-  return a->ctx == b->ctx && a->record_stream == b->record_stream && a->record_streams == b->record_streams &&
-         a->record_streams_owned == b->record_streams_owned;
+/* One hooks of an expanded chain, where it stands, and whether a nested
+ * chain brought it. */
+typedef struct slot {
+  dp_cache_hooks_t h;
+  size_t at;
+  int nested;
+} slot_t;
+
+static int slot_cmp(const void *a, const void *b) {
+  const slot_t *x = a, *y = b;
+  int d = memcmp(&x->h, &y->h, sizeof x->h); /* four pointers: no padding */
+  return d ? d : (x->at > y->at) - (x->at < y->at);
+}
+
+/* c->hooks[0 .. *k) holds list spelled out: leaves out each hooks that a
+ * nested chain brought and that stands earlier in it, keeping the order
+ * of the rest; *k becomes the count kept. */
+static int drop_repeats(dp_cache_hooks_chain_t *c, const dp_cache_hooks_t *list, size_t n, size_t *k,
+                        dp_error_t *err) {
+  size_t total = *k, bytes;
+  slot_t *sl = NULL;
+  if (!dp__mul_ovf(total, sizeof *sl + 1, &bytes)) sl = dp__alloc(bytes);
+  if (!sl)
+    return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: out of memory finding the repeats among %zu hooks",
+                   total);
+  unsigned char *gone = (unsigned char *)(sl + total);
+  for (size_t i = 0, at = 0; i < n; i++) {
+    const dp_cache_hooks_chain_t *in = chain_of(&list[i]);
+    for (size_t j = 0, m = in ? in->n : 1; j < m; j++, at++) sl[at] = (slot_t){c->hooks[at], at, in != NULL};
+  }
+  qsort(sl, total, sizeof *sl, slot_cmp);
+  /* equal hooks sort together, in list order: the first stays, a later
+     one goes if a nested chain brought it */
+  memset(gone, 0, total);
+  for (size_t i = 1; i < total; i++)
+    if (sl[i].nested && memcmp(&sl[i].h, &sl[i - 1].h, sizeof sl[i].h) == 0) gone[sl[i].at] = 1;
+  size_t w = 0;
+  for (size_t i = 0; i < total; i++)
+    if (!gone[i]) c->hooks[w++] = c->hooks[i];
+  dp__free(sl, bytes);
+  *k = w;
+  return 0;
 }
 
 /* A chain given another chain's hooks takes that chain's allocators in
@@ -167,22 +207,26 @@ int dp_cache_hooks_chain_new(const dp_cache_hooks_t *list, size_t n, dp_cache_ho
   if (!c)
     return dp__err(err, DP_ENOMEM, "dp_cache_hooks_chain_new: out of memory creating a chain of %zu hooks", total);
   c->cap = total;
-  size_t k = 0;
+  /* Every hooks in place, nested chains' spelled out; a nested chain's
+   * hooks met before are then left out (it owned none of the pointers that
+   * reach it again: chains of chains given twice each, a tree, would
+   * otherwise double at each level). Met before is found by sorting, not
+   * by looking back along the list, which took time quadratic in a nested
+   * chain's length. */
+  size_t k = 0, nested = 0;
   for (size_t i = 0; i < n; i++) {
     const dp_cache_hooks_chain_t *in = chain_of(&list[i]);
     if (!in) {
       c->hooks[k++] = list[i];
       continue;
     }
-    /* flat already (it was made here). An allocator met before is left
-     * out: it owned none of the pointers that reach it again. Chains of
-     * chains given twice each (a tree) would otherwise double at each
-     * level. */
-    for (size_t j = 0; j < in->n; j++) {
-      size_t m = 0;
-      while (m < k && !same_hooks(&c->hooks[m], &in->hooks[j])) m++;
-      if (m == k) c->hooks[k++] = in->hooks[j];
-    }
+    memcpy(c->hooks + k, in->hooks, in->n * sizeof in->hooks[0]);
+    k += in->n;
+    nested = 1;
+  }
+  if (nested && drop_repeats(c, list, n, &k, err)) {
+    dp_cache_hooks_chain_free(c);
+    return err ? err->code : DP_ENOMEM;
   }
   c->n = k;
   *out = c;

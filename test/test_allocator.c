@@ -1804,6 +1804,85 @@ Test(allocator, each_hook_of_a_null_chain_names_itself_in_its_error) {
   cr_assert_str_eq(e.message, "record_streams: NULL hooks chain");
 }
 
+/* A nested chain's hooks met earlier in the list are left out, in one
+ * pass over the list: they were looked for by going back along it, so
+ * that a chain given a chain of n allocators took time in n squared (400k
+ * allocators: a minute). Hooks given directly are all kept; the others
+ * keep their order. */
+static int owns_nothing(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx, (void)ptr, (void)s, (void)err;
+  return DP_ENOTFOUND;
+}
+
+Test(allocator, a_chain_over_a_long_nested_chain_is_made_in_time_linear_in_its_length, .timeout = 10) {
+  size_t n = 200000;
+  char *x = calloc(n, 1);
+  dp_cache_hooks_t *list = calloc(n, sizeof *list);
+  for (size_t i = 0; i < n; i++) list[i] = (dp_cache_hooks_t){x + i, owns_nothing, NULL, NULL}; /* n allocators */
+  dp_cache_hooks_chain_t *inner = chain_of(list, n);
+  dp_cache_hooks_t twice[2] = {dp_cache_hooks_chain_hooks(inner), dp_cache_hooks_chain_hooks(inner)};
+  dp_cache_hooks_chain_t *outer = chain_of(twice, 2);
+  dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(outer);
+  dp_error_t e;
+  int local;
+  cr_assert_eq(h.record_stream(h.ctx, &local, NULL, &e), DP_ENOTFOUND);
+  char want[128];
+  snprintf(want, sizeof want, "record_stream(%p): owned by none of the chain's %zu allocators", (void *)&local, n);
+  cr_assert_str_eq(e.message, want, "the second copy left out");
+  dp_cache_hooks_chain_free(outer);
+  dp_cache_hooks_chain_free(inner);
+  free(list);
+  free(x);
+}
+
+Test(allocator, a_chain_leaves_out_only_the_nested_repeats_and_keeps_the_order_of_the_rest) {
+  ext_t *x = calloc(3, sizeof *x);
+  dp_stream_t *u = stream(H0);
+  dp_cache_hooks_t a = ext_hooks(&x[0], 0), b = ext_hooks(&x[1], 0), c = ext_hooks(&x[2], 0);
+  dp_cache_hooks_chain_t *inner = chain_of((dp_cache_hooks_t[3]){b, a, c}, 3);
+  /* a, then the inner chain (b, a again: left out, c), then b again: kept, given directly */
+  dp_cache_hooks_chain_t *outer = chain_of((dp_cache_hooks_t[3]){a, dp_cache_hooks_chain_hooks(inner), b}, 3);
+  dp_cache_hooks_t h = dp_cache_hooks_chain_hooks(outer);
+  dp_error_t e;
+  int local;
+  cr_assert_eq(h.record_stream(h.ctx, &local, u, &e), DP_ENOTFOUND);
+  char want[128];
+  snprintf(want, sizeof want, "record_stream(%p): owned by none of the chain's 4 allocators", (void *)&local);
+  cr_assert_str_eq(e.message, want);
+  cr_assert_eq(x[0].single_calls, 1, "a asked once: its copy from the inner chain left out");
+  cr_assert_eq(x[1].single_calls, 2, "b asked twice: the repeat was given directly");
+  cr_assert_eq(x[2].single_calls, 1);
+  void *ptrs[1] = {x[2].arena};
+  OK(dp_cache_hooks_record(&h, ptrs, 1, u, T_ERR));
+  cr_assert_eq(x[2].nlog, 1, "c, after a and b, recorded its pointer");
+  cr_assert_eq(x[0].single_calls + x[1].single_calls, 3 + 2, "a and b were asked first, once each more");
+  dp_cache_hooks_chain_free(outer);
+  dp_cache_hooks_chain_free(inner);
+  dp_stream_free(u);
+  free(x);
+}
+
+/* Out of memory finding the repeats: DP_ENOMEM, naming the call, nothing made. */
+Test(allocator, a_nested_chain_that_cannot_find_its_repeats_for_memory_is_enomem_and_leaks_nothing) {
+  ext_t *x = calloc(1, sizeof *x);
+  dp_cache_hooks_chain_t *inner = chain_of((dp_cache_hooks_t[1]){ext_hooks(x, 0)}, 1);
+  dp_cache_hooks_t list[2] = {dp_cache_hooks_chain_hooks(inner), dp_cache_hooks(C)};
+  dp_cache_hooks_chain_t *ch = NULL;
+  dp_error_t e;
+  t_fail_at = t_alloc_count + 2; /* the chain, then the scratch of the repeats */
+  cr_assert_eq(dp_cache_hooks_chain_new(list, 2, &ch, &e), DP_ENOMEM);
+  t_fail_at = 0;
+  cr_assert_str_eq(e.message, "dp_cache_hooks_chain_new: out of memory finding the repeats among 2 hooks");
+  cr_assert_eq(e.code, DP_ENOMEM);
+  cr_assert_null(ch);
+  dp_cache_hooks_chain_free(inner);
+  free(x);
+  dp_cache_free(C);
+  C = NULL;
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* cache.h's errors follow device.h: a message names the function called.
  * A chain that could not be allocated said only "out of memory creating a
  * hooks chain", the one failure of the cache module that named no call. */
