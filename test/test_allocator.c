@@ -1790,6 +1790,46 @@ Test(allocator, a_chain_refuses_hooks_that_cannot_say_what_they_own) {
   dp_cache_hooks_chain_free(NULL);
 }
 
+/* cache.h: a segment goes back through dp_device_dealloc, which waits for
+ * the work queued on every stream of its device, as cudaFree does: so
+ * dp_cache_empty waits for a busy stream that never used the allocator
+ * (its header said only the streams that last used the segments). */
+typedef struct empty_arg {
+  _Atomic int done;
+  int rc;
+} empty_arg_t;
+
+static void *empty_on_thread(void *p) {
+  empty_arg_t *a = p;
+  a->rc = dp_cache_empty(C, NULL);
+  atomic_store(&a->done, 1);
+  return NULL;
+}
+
+Test(allocator, emptying_the_cache_waits_for_the_work_of_every_stream_of_the_segments_device, .timeout = 20) {
+  dp_stream_t *s = stream(H0), *busy = stream(H0), *other = stream(H1);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  _Atomic int gate = 0, gate_other = 0;
+  OK(dp_host_launch(busy, gate_wait, &gate, T_ERR)); /* never touches the cache */
+  OK(dp_host_launch(other, gate_wait, &gate_other, T_ERR)); /* another device: not waited for */
+  empty_arg_t a = {0, -1};
+  pthread_t t;
+  cr_assert_eq(pthread_create(&t, NULL, empty_on_thread, &a), 0);
+  sleep_ms(100);
+  cr_assert_eq(atomic_load(&a.done), 0, "dp_cache_empty returned while a stream of host:0 was busy");
+  atomic_store(&gate, 1);
+  pthread_join(t, NULL);
+  cr_assert_eq(a.rc, 0);
+  cr_assert_eq(stats(H0).reserved, 0, "the segment went back once the device's work was done");
+  atomic_store(&gate_other, 1);
+  dp_stream_free(s);
+  dp_stream_free(busy);
+  dp_stream_free(other);
+}
+
 /* Each hook of a NULL chain's hooks names itself: record_streams_owned
  * said "record_streams", the hook its caller did not call. */
 Test(allocator, each_hook_of_a_null_chain_names_itself_in_its_error) {

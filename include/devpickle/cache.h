@@ -40,7 +40,10 @@
  *     costs the blocks that stream touched, not the allocator's (every
  *     allocator hears of every stream's destruction);
  *   - when the backend is out of memory: free the cached segments, retry,
- *     then DP_ENOMEM.
+ *     then DP_ENOMEM. A segment goes back through dp_device_dealloc, which
+ *     waits first for the work queued on every stream of its device, as
+ *     cudaFree does (device.h): so that allocation blocks until then, even
+ *     for streams that never used the allocator (dp_cache_empty too).
  *
  * Errors and NULL follow device.h: every function that can fail returns an
  * int code and fills err (when not NULL) with it and a message; a NULL
@@ -192,7 +195,10 @@ DP_API int dp_cache_record_stream(dp_cache_t *c, void *p, dp_stream_t *s, dp_err
 DP_API int dp_cache_poll(dp_cache_t *c, dp_error_t *err);
 /** Gives every entirely free segment back to the backend, after the work
  *  already queued on the streams that last used them (waited on without
- *  the allocator's lock). A segment for whose stream no event can be made
+ *  the allocator's lock) — and, since each goes back through
+ *  dp_device_dealloc (which waits as cudaFree does), after the work queued
+ *  so far on every other stream of its device, whatever memory that work
+ *  uses: a busy stream of the device holds the call up. A segment for whose stream no event can be made
  *  (to wait on) stays cached: the first such error (DP_ENOMEM, a backend
  *  error) is returned, naming the device; the other segments go back all
  *  the same. From a host function, segments with work still queued on
