@@ -257,7 +257,19 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
                                           "changed it)");
       return NULL;
     }
+    if (f->label) { /* the key met last still where it was: else the positions moved under the iteration */
+      Py_ssize_t p = f->kpos;
+      if (!PyDict_Next(f->obj, &p, &k, &v) || k != f->label || p != f->pos) {
+        PyErr_SetString(PyExc_RuntimeError, DPY_KEYS_CHANGED);
+        return NULL;
+      }
+    }
+    f->kpos = f->pos;
     if (!PyDict_Next(f->obj, &f->pos, &k, &v)) return NULL;
+    if (f->idx + 1 >= f->dsize) { /* more entries than it holds: a key met again, as Python's iteration refuses it */
+      PyErr_SetString(PyExc_RuntimeError, DPY_KEYS_CHANGED);
+      return NULL;
+    }
     f->idx++;
     Py_XSETREF(f->label, Py_NewRef(k));
     if (f->kind == FR_DICT && !plain_leaf(Py_TYPE(k))) {
@@ -445,6 +457,7 @@ typedef struct inl {
   PyTypeObject *owner;  /* the type a too-deep error names */
   uint8_t kind;         /* FR_SEQ, or FR_ATTRS (an object's __dict__) */
   Py_ssize_t pos, idx;  /* the frame's, as next_child leaves them */
+  Py_ssize_t kpos;      /* FR_ATTRS: the position label was read from */
   PyObject *label;      /* FR_ATTRS: the current key (borrowed, held by the reader), or NULL */
   Py_ssize_t dsize;     /* FR_ATTRS: the dict's size when entered */
 } inl_t;
@@ -466,6 +479,7 @@ static int resume(dpy_scanner_t *s, const inl_t *in) {
     f->idx = c->idx;
     if (c->kind == FR_ATTRS) {
       f->dsize = c->dsize;
+      f->kpos = c->kpos;
       f->label = Py_XNewRef(c->label);
     }
   }
@@ -641,13 +655,18 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
       break;
     }
     if (!PyDict_Next(d, &pos, &k, &v)) break;
+    if (count == n) { /* an entry past its size: a key moved, which the walk resumed reports */
+      me.pos = at, me.idx = count - 1, me.label = NULL;
+      rc = resume(s, &me) ? -1 : 2;
+      break;
+    }
     count++;
     PyTypeObject *vt = Py_TYPE(v);
     if (plain_leaf(vt)) continue;
     int solo = Py_REFCNT(v) == 1;
     Py_INCREF(k);
     Py_INCREF(v);
-    me.pos = pos, me.idx = count - 1, me.label = k;
+    me.pos = pos, me.idx = count - 1, me.label = k, me.kpos = at;
     if (vt == &PyTuple_Type || vt == &PyList_Type)
       rc = !s->ran_code && solo && !opaque_type(s, vt) ? run_inline(s, v, ok, 2, &me) : 0;
     else

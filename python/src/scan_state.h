@@ -11,6 +11,11 @@
 
 #include <stdint.h>
 
+/* A dict whose iteration meets more entries than it held when entered: the
+ * value's code put a key back or moved one, as Python's iteration refuses it
+ * ("dictionary keys changed during iteration"). */
+#define DPY_KEYS_CHANGED "dictionary keys changed during the walk (Python code of the value's changed it)"
+
 /* ---- frames ---- */
 enum { FR_SEQ, FR_DICT, FR_ATTRS, FR_SET, FR_REDUCE, FR_PAIRS };
 
@@ -26,6 +31,7 @@ typedef struct frame {
   int key_part;         /* FR_DICT / FR_PAIRS: 1 while the key itself is walked */
   PyObject *value;      /* FR_DICT: the value of that key (held: no second lookup) */
   Py_ssize_t dsize;     /* FR_DICT / FR_ATTRS: the dict's size when entered */
+  Py_ssize_t kpos;      /* FR_DICT / FR_ATTRS: the position label (the key met last) was read from */
   struct keystep *ks;   /* a non-str key's rendered step (put_key_once), or NULL */
   /* building (dumps): the container being filled (borrowed: its parent or
    * the memo holds it) and a key built before its value */

@@ -4097,3 +4097,51 @@ def test_an_abc_or_protocol_that_answers_per_call_or_per_instance_is_asked_for_e
 
 
 LOCK_TYPE = type(threading.Lock())
+
+
+def _rekeyed(kind):
+    """A dict (or an object's __dict__) holding a "t" tensor after an item
+    whose reduce pops key "a" and puts it back: the same size, its keys in
+    another order, "a" met again by iteration."""
+    class Rekey:
+        def __reduce__(self):
+            d.pop("a")
+            d["a"] = self
+            return (Rekey, ())
+
+    if kind == "dict":
+        d = {"a": Rekey(), "t": torch.ones(3)}
+        return d, d
+
+    class Plain:
+        pass
+
+    o = Plain()
+    o.a, o.t = Rekey(), torch.ones(3)
+    d = o.__dict__
+    return o, d
+
+
+@pytest.mark.parametrize("kind", ["dict", "attrs"])
+@pytest.mark.parametrize("how", ["scan", "no paths", "dumps", "future"])
+def test_a_dict_whose_keys_the_values_own_code_reorders_is_a_walk_error_as_python_iteration_refuses_it(kind, how):
+    # Python's own dict iteration raises "dictionary keys changed during
+    # iteration" when it meets more keys than the dict holds; the walk met
+    # "a" twice: scan silently, dumps blaming two NaN keys the dict never
+    # held — and in an instance's __dict__ (a split table, in insertion
+    # order) "t" moved back past the walk: scan missed its tensor.
+    value, _ = _rekeyed(kind)
+    with pytest.raises(devpickle.WalkError) as e:
+        if how == "scan":
+            devpickle.scan({"outer": value})
+        elif how == "no paths":
+            devpickle.scan({"outer": value}, paths=False)
+        elif how == "dumps":
+            devpickle.dumps({"outer": value})
+        else:
+            devpickle.Future().set_result({"outer": value})
+    name = "dict" if kind == "dict" else f"{__name__}._rekeyed.<locals>.Plain"
+    assert str(e.value).startswith(f"cannot walk a '{name}' at $.outer: its "), str(e.value)
+    assert str(e.value).endswith("dictionary keys changed during the walk (Python code of the value's changed it)"), \
+        str(e.value)
+    assert "NaN" not in str(e.value)
