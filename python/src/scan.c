@@ -647,8 +647,19 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
   inl_t me = {.obj = d, .owner = t, .kind = FR_ATTRS, .dsize = n};
   int rc = 1;
   Py_INCREF(d); /* Python code under the adapter may replace the object's dict: this one is read, as a frame reads it */
+  PyObject *last = NULL; /* the key of the value read last, which may have run code: still at last_at? */
+  Py_ssize_t last_at = 0;
   for (pos = 0; rc == 1;) {
     Py_ssize_t at = pos;
+    if (last) {
+      Py_ssize_t p = last_at;
+      if (!PyDict_Next(d, &p, &k, &v) || k != last || p != at) { /* moved: the walk resumed reports it */
+        me.pos = at, me.idx = count - 1, me.label = last, me.kpos = last_at;
+        rc = resume(s, &me) ? -1 : 2;
+        break;
+      }
+      Py_CLEAR(last);
+    }
     if (PyDict_GET_SIZE(d) != n) { /* the walk resumed reports it, as a frame's next step does */
       me.pos = at, me.idx = count - 1, me.label = NULL;
       rc = resume(s, &me) ? -1 : 2;
@@ -675,9 +686,11 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
       me.pos = at, me.idx = count - 2, me.label = NULL;
       rc = resume(s, &me) ? -1 : 2;
     }
+    if (rc == 1) last = Py_NewRef(k), last_at = at;
     Py_DECREF(k);
     Py_DECREF(v);
   }
+  Py_XDECREF(last);
   Py_DECREF(d);
   Py_DECREF(o);
   return rc;

@@ -4145,3 +4145,27 @@ def test_a_dict_whose_keys_the_values_own_code_reorders_is_a_walk_error_as_pytho
     assert str(e.value).endswith("dictionary keys changed during the walk (Python code of the value's changed it)"), \
         str(e.value)
     assert "NaN" not in str(e.value)
+
+
+def test_an_objects_attributes_that_the_values_own_code_reorders_during_a_run_are_a_walk_error_never_one_missed():
+    # Without paths an object's __dict__ is read in place; a sparse tensor's
+    # read runs Python code (its dispatch) that put the attribute read back
+    # at the end of the dict: "later" moved before the position reached, and
+    # the run read "t" again and missed "later"'s tensor.
+    held = []
+
+    def move(n, t):
+        h = held[0]()
+        if n == 1 and h is not None:
+            h.__dict__["t"] = h.__dict__.pop("t")
+
+    def make():
+        h = Holder(_sparse())
+        h.later = torch.ones(3)
+        held[:] = [weakref.ref(h)]
+        return [h]
+
+    paths, no_paths, future = _three_walks(make, move)
+    assert paths == (f"cannot walk a '{__name__}.Holder' at $[0]: its items cannot be read: dictionary keys changed "
+                     "during the walk (Python code of the value's changed it)", 1), paths
+    assert no_paths == paths and future == (paths[0], 1), (no_paths, future)
