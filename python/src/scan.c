@@ -170,7 +170,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     return dpy_push(s, FR_DICT, o, t);
   case K_SET: {
     PyObject *items = dpy_keep(s, dpy_private_list(PySequence_List(o)));
-    return items ? dpy_push(s, FR_SET, items, t) : -1;
+    return items ? dpy_push_set(s, items, o) : -1;
   }
   case K_AIF_OBJECT:
     if (dpy_visit_iface(s, o, 0) < 0 || (reduced = dpy_dispatched(s, o)) < 0) return -1;
@@ -240,6 +240,10 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
   switch (f->kind) {
   case FR_SEQ:
   case FR_SET: {
+    if (f->kind == FR_SET && PySet_GET_SIZE(f->value) != f->dsize) { /* as pickle refuses it: items added go unseen */
+      PyErr_SetString(PyExc_RuntimeError, "set changed size during the walk (Python code of the value's changed it)");
+      return NULL;
+    }
     Py_ssize_t n = PyList_Check(f->obj) ? PyList_GET_SIZE(f->obj) : PyTuple_GET_SIZE(f->obj);
     if (f->pos >= n) return NULL;
     f->idx = f->pos++;
@@ -812,13 +816,14 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
     PyObject *c = next_child(s, f);
     if (!c) {
       if (PyErr_Occurred()) { /* a reduce's parts are the reduced object's */
-        if (f->kind != FR_DICT && f->kind != FR_ATTRS)
+        if (f->kind != FR_DICT && f->kind != FR_ATTRS && f->kind != FR_SET)
           return dpy_walk_error_type(s, f->type ? f->type : Py_TYPE(f->obj), "its items cannot be read");
-        /* a dict that changed: the path is the dict's (an object's, for its
-           __dict__, named by its class), not its last item's */
+        /* a dict or set that changed: the path is the container's (an
+           object's, for its __dict__, named by its class), not its last item's */
+        PyTypeObject *named = f->kind == FR_ATTRS ? f->type : f->kind == FR_SET ? Py_TYPE(f->value) : Py_TYPE(f->obj);
         size_t n = s->nframes;
         s->nframes = n - 1;
-        int rc = dpy_walk_error_type(s, f->kind == FR_ATTRS ? f->type : Py_TYPE(f->obj), "its items cannot be read");
+        int rc = dpy_walk_error_type(s, named, "its items cannot be read");
         s->nframes = n;
         return rc;
       }

@@ -684,7 +684,7 @@ static int build_container(dpy_scanner_t *s, PyObject *o, size_t at, uint8_t fr,
     dp_object_get(made, "items", &into, NULL);
   }
   if (!iter) return 0;
-  if (dpy_push(s, fr, iter, Py_TYPE(o))) return -1;
+  if (fr == FR_SET ? dpy_push_set(s, iter, o) : dpy_push(s, fr, iter, Py_TYPE(o))) return -1;
   frame_t *f = &s->frames[s->nframes - 1];
   f->out = into;
   f->names = names;

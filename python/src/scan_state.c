@@ -244,6 +244,14 @@ int dpy_push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner)
   return 0;
 }
 
+int dpy_push_set(dpy_scanner_t *s, PyObject *items, PyObject *set) {
+  if (dpy_push(s, FR_SET, items, Py_TYPE(set))) return -1;
+  frame_t *f = &s->frames[s->nframes - 1];
+  f->value = Py_NewRef(set); /* its size is checked at each step, as pickle checks it */
+  f->dsize = PySet_GET_SIZE(set);
+  return 0;
+}
+
 void dpy_frame_drop(frame_t *f) {
   if (f->ks) { /* a key's step was rendered (rare) */
     Py_CLEAR(f->ks->key);

@@ -29,8 +29,8 @@ typedef struct frame {
   Py_ssize_t idx;       /* the current child's index */
   PyObject *label;      /* the current child's key or name (borrowed) */
   int key_part;         /* FR_DICT / FR_PAIRS: 1 while the key itself is walked */
-  PyObject *value;      /* FR_DICT: the value of that key (held: no second lookup) */
-  Py_ssize_t dsize;     /* FR_DICT / FR_ATTRS: the dict's size when entered */
+  PyObject *value;      /* FR_DICT: the value of that key (held: no second lookup); FR_SET: the set */
+  Py_ssize_t dsize;     /* FR_DICT / FR_ATTRS: the dict's size when entered; FR_SET: the set's */
   Py_ssize_t kpos;      /* FR_DICT / FR_ATTRS: the position label (the key met last) was read from */
   struct keystep *ks;   /* a non-str key's rendered step (put_key_once), or NULL */
   /* building (dumps): the container being filled (borrowed: its parent or
@@ -103,6 +103,10 @@ struct dpy_scanner {
  * type owner, which a too-deep error names; 0, or -1 with a walk error)
  * and dropped. */
 int dpy_push(dpy_scanner_t *s, uint8_t kind, PyObject *obj, PyTypeObject *owner);
+/* An FR_SET frame over items, a list of set's items: the set is held and its
+ * size checked at each step (a set that changed size is refused, as pickle
+ * refuses it). 0, or -1 with an exception. */
+int dpy_push_set(dpy_scanner_t *s, PyObject *items, PyObject *set);
 void dpy_frame_drop(frame_t *f);
 
 /* The memo: 1 when obj was entered before, 0 the first time (*at: its

@@ -4169,3 +4169,30 @@ def test_an_objects_attributes_that_the_values_own_code_reorders_during_a_run_ar
     assert paths == (f"cannot walk a '{__name__}.Holder' at $[0]: its items cannot be read: dictionary keys changed "
                      "during the walk (Python code of the value's changed it)", 1), paths
     assert no_paths == paths and future == (paths[0], 1), (no_paths, future)
+
+
+@pytest.mark.parametrize("how", ["scan", "no paths", "dumps", "future"])
+def test_a_set_whose_size_the_values_own_code_changes_is_a_walk_error_as_pickle_refuses_it(how):
+    # pickle raises "set changed size during iteration"; the walk went on
+    # over the items it had listed, missing the tensor added meanwhile.
+    t = torch.ones(5)
+    s = set()
+
+    class Adds:
+        def __reduce__(self):
+            s.add(t)
+            return (Adds, ())
+
+    s.add(Adds())
+    with pytest.raises(devpickle.WalkError) as e:
+        if how == "scan":
+            devpickle.scan({"outer": s})
+        elif how == "no paths":
+            devpickle.scan({"outer": s}, paths=False)
+        elif how == "dumps":
+            devpickle.dumps({"outer": s})
+        else:
+            devpickle.Future().set_result({"outer": s})
+    assert str(e.value) == ("cannot walk a 'set' at $.outer: its items cannot be read: set changed size during the walk "
+                            "(Python code of the value's changed it)")
+    assert (e.value.type_name, e.value.path) == ("set", "$.outer")
