@@ -4196,3 +4196,28 @@ def test_a_set_whose_size_the_values_own_code_changes_is_a_walk_error_as_pickle_
     assert str(e.value) == ("cannot walk a 'set' at $.outer: its items cannot be read: set changed size during the walk "
                             "(Python code of the value's changed it)")
     assert (e.value.type_name, e.value.path) == ("set", "$.outer")
+
+
+@pytest.mark.parametrize("paths", [True, False])
+def test_a_dict_changed_at_its_size_is_walked_as_python_iterates_it_refused_where_python_refuses_it(paths):
+    # Python's iteration refuses a dict from which a key already met was
+    # removed and another added (it would yield more keys than it holds),
+    # and yields the new key where a key not yet met made room for it.
+    t = torch.ones(7)
+
+    def walk(act):
+        d = {}
+
+        class Acts:
+            def __reduce__(self):
+                act(d)
+                return (Acts, ())
+
+        d.update(a=1, b=Acts(), c=torch.ones(3))
+        return [a.nbytes for a in devpickle.scan({"d": d}, paths=paths)]
+
+    with pytest.raises(devpickle.WalkError, match=r"^cannot walk a 'dict' at \$\.d: its items cannot be read: dictionary "
+                                                  r"keys changed during the walk \(Python code of the value's changed it\)$"):
+        walk(lambda d: (d.pop("a"), d.__setitem__("n", t)))
+    assert walk(lambda d: (d.pop("c"), d.__setitem__("n", t))) == [28]
+    assert walk(lambda d: d.__setitem__("c", t)) == [28]
