@@ -4,6 +4,7 @@ import copyreg
 import dataclasses
 import enum
 import gc
+import io
 import pickle
 import re
 import subprocess
@@ -4221,3 +4222,40 @@ def test_a_dict_changed_at_its_size_is_walked_as_python_iterates_it_refused_wher
         walk(lambda d: (d.pop("a"), d.__setitem__("n", t)))
     assert walk(lambda d: (d.pop("c"), d.__setitem__("n", t))) == [28]
     assert walk(lambda d: d.__setitem__("c", t)) == [28]
+
+
+
+_list_acts = {"appended": lambda l: l.append(torch.ones(3)), "removed": lambda l: l.pop(0), "cleared": lambda l: l.clear()}
+
+
+class _ListActs:
+    """An item whose reduce changes the list held in `box` (pickle needs a
+    class it can name)."""
+
+    box = {}
+
+    def __reduce__(self):
+        _list_acts[self.box["act"]](self.box["l"])
+        return (_ListActs, ())
+
+
+@pytest.mark.parametrize("act", sorted(_list_acts))
+def test_a_list_changed_by_the_values_own_code_is_walked_by_index_as_pickle_walks_it(act):
+    # What PYTHON.md says of lists: items appended are walked, one shifted
+    # back past the walk by a removal is unseen — by pickle too.
+    class Record(pickle.Pickler):
+        def persistent_id(self, o):
+            if isinstance(o, torch.Tensor):
+                self.found.append(o.numel())
+                return len(self.found)
+            return None
+
+    def fresh():
+        _ListActs.box.update(act=act, l=[_ListActs(), torch.ones(1), torch.ones(2)])
+        return _ListActs.box["l"]
+
+    r = Record(io.BytesIO(), protocol=5)
+    r.found = []
+    r.dump(fresh())
+    walked = [[a.nbytes // 4 for a in devpickle.scan(fresh(), paths=p)] for p in (True, False)]
+    assert walked == [r.found, r.found] == {"appended": [[1, 2, 3]] * 2, "removed": [[2]] * 2, "cleared": [[]] * 2}[act]
