@@ -16,19 +16,19 @@ _Device = Union[int, str, Any]  # an int is a CUDA index; else its str(): "cuda:
 
 class Error(RuntimeError):
     """An error of the devpickle library."""
-    code: str  # the library's code: "DP_EDEVICE", ...
+    code: Optional[str]  # the library's code: "DP_EDEVICE", ...; None on one made by hand
 
 
 class WalkError(TypeError):
     """A value that cannot be walked."""
-    type_name: str
-    path: str
+    type_name: Optional[str]  # None on one made by hand, as WalkError("why")
+    path: Optional[str]
 
 
 class FrameError(ValueError):
     """A frame loads() refuses."""
-    code: str
-    offset: int  # the byte of the frame where the refusal is
+    code: Optional[str]
+    offset: Optional[int]  # the byte of the frame where the refusal is; None on one made by hand
 
 
 class Allocation:

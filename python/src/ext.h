@@ -54,6 +54,10 @@ extern dpy_state_t dpy;
 
 /* Raises the Python exception for a library error. Returns NULL. */
 PyObject *dpy_raise(int rc, const dp_error_t *e);
+/* A new exception class (PyErr_NewExceptionWithDoc) whose attributes
+ * `attrs` (NULL-ended) are None on the class: an instance made by hand,
+ * WalkError("why"), reads them as None; devpickle's own set them. */
+PyObject *dpy_new_error(const char *name, const char *doc, PyObject *base, const char *const *attrs);
 /* Looks torch (and its adapter), cupy and numpy up if they were imported
  * since the last look. 0, or -1 with an exception. */
 int dpy_resolve_frameworks(void);

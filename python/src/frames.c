@@ -1053,11 +1053,10 @@ done:
 }
 
 int dpy_frames_init(PyObject *m) {
-  frame_error = PyErr_NewExceptionWithDoc(
-      "devpickle.FrameError",
-      "A frame loads() refused: the library's message; attributes code (\"DP_ECHECKSUM\", ...) and offset "
-      "(the byte where reading stopped).",
-      PyExc_ValueError, NULL);
+  frame_error = dpy_new_error("devpickle.FrameError",
+                              "A frame loads() refused: the library's message; attributes code (\"DP_ECHECKSUM\", ...) "
+                              "and offset (the byte where reading stopped).",
+                              PyExc_ValueError, (const char *const[]){"code", "offset", NULL});
   if (!frame_error) return -1;
   Py_INCREF(frame_error);
   return PyModule_AddObject(m, "FrameError", frame_error);

@@ -278,20 +278,28 @@ int dpy_refuse_stand_in(PyObject *o, const char *head, const char *tail) {
   return 1;
 }
 
+PyObject *dpy_new_error(const char *name, const char *doc, PyObject *base, const char *const *attrs) {
+  PyObject *dict = PyDict_New();
+  for (size_t i = 0; dict && attrs[i]; i++)
+    if (PyDict_SetItemString(dict, attrs[i], Py_None)) Py_CLEAR(dict);
+  PyObject *cls = dict ? PyErr_NewExceptionWithDoc(name, doc, base, dict) : NULL;
+  Py_XDECREF(dict);
+  return cls;
+}
+
 static int intern(PyObject **slot, const char *s) { return (*slot = PyUnicode_InternFromString(s)) ? 0 : -1; }
 
 PyMODINIT_FUNC PyInit__devpickle(void) {
   PyObject *m = PyModule_Create(&moddef);
   if (!m) return NULL;
-  dpy.walk_error = PyErr_NewExceptionWithDoc(
-      "devpickle.WalkError",
-      "A value that cannot be walked: the message names its type and its path "
-      "(attributes type_name and path).",
-      PyExc_TypeError, NULL);
-  dpy.dp_error = PyErr_NewExceptionWithDoc("devpickle.Error",
-                                           "An error of the devpickle library: str() is its message; attribute code names "
-                                           "the library's code (\"DP_EDEVICE\", ...).",
-                                           PyExc_RuntimeError, NULL);
+  dpy.walk_error = dpy_new_error("devpickle.WalkError",
+                                 "A value that cannot be walked: the message names its type and its path "
+                                 "(attributes type_name and path).",
+                                 PyExc_TypeError, (const char *const[]){"type_name", "path", NULL});
+  dpy.dp_error = dpy_new_error("devpickle.Error",
+                               "An error of the devpickle library: str() is its message; attribute code names "
+                               "the library's code (\"DP_EDEVICE\", ...).",
+                               PyExc_RuntimeError, (const char *const[]){"code", NULL});
   if (!dpy.walk_error || !dpy.dp_error) goto fail;
   Py_INCREF(dpy.walk_error);
   Py_INCREF(dpy.dp_error);

@@ -124,6 +124,17 @@ def test_the_attributes_the_stub_gives_exceptions_are_on_the_exceptions_raised()
             assert hasattr(raised, a), f"{cls.name}.{a}"
 
 
+def test_an_exception_made_by_hand_reads_the_attributes_the_stub_gives_it_as_None():
+    # as a caller's own code raises them (a wrapper re-raising a WalkError),
+    # or a test double: the stub's attributes are there, None
+    for cls in (n for n in _stub().body if isinstance(n, ast.ClassDef) and n.name in ("Error", "WalkError", "FrameError")):
+        made = getattr(devpickle, cls.name)("why")
+        assert str(made) == "why"
+        for a in (n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)):
+            assert getattr(made, a) is None, f"{cls.name}.{a}"
+    assert devpickle.FrameError("why", 3).args == ("why", 3)
+
+
 def test_the_stub_admits_None_wherever_the_extension_takes_it():
     # docs/PYTHON.md: scan's opaque= and loads' classes= take None as (),
     # buffers= and max_copies= default to None, buffer_callback= may be None
