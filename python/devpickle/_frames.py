@@ -959,10 +959,7 @@ def _check_contiguous(source, key):
             if type(source) is Object:  # named by its class, as every argument names a stand-in
                 raise TypeError(f"loads: buffers[{key}] is a devpickle.Object of class "
                                 f"{object.__getattribute__(source, '__class_name__')!r}, not a buffer") from None
-            # a Buffer is what buffer_callback received: pickle's PickleBuffer
-            # is a buffer itself, this one only describes its memory
-            hint = ": a devpickle.Buffer describes a buffer, its raw() is the memory" if isinstance(source, Buffer) else ""
-            raise TypeError(f"loads: buffers[{key}] is of type {type(source).__name__!r}, not a buffer{hint}") from None
+            raise TypeError(f"loads: buffers[{key}] is of type {type(source).__name__!r}, not a buffer") from None
         # a buffer of Python objects (numpy dtype=object, struct format 'O',
         # also inside a structured format) holds pointers: a tensor over it
         # would read them, and writes through it would corrupt the objects'
@@ -991,6 +988,13 @@ def _flat(kind, device, source, cache, key, nbytes, inline):
     if source is None:  # the buffer was met before, as another kind: its source is kept
         source = cache[key]
     else:
+        if isinstance(source, Buffer):
+            # what buffer_callback received, given back as pickle's
+            # PickleBuffers are: its memory, as raw() views it
+            try:
+                source = source.raw()
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"loads: buffers[{key}]: {e}") from e
         cache[key] = source
     torch = sys.modules.get("torch")
     if isinstance(source, memoryview):

@@ -506,8 +506,8 @@ static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
          dumps keeps buffers out of the frame unless told otherwise */
       PyErr_Format(PyExc_ValueError,
                    "loads: buffer %zu (%s, %zu bytes) is out of band and buffers= was not given (dumps(obj, "
-                   "inline=True) writes a frame that carries its buffers; else pass buffers=[b.raw() for b in bufs], "
-                   "bufs the Buffers dumps gave its buffer_callback)",
+                   "inline=True) writes a frame that carries its buffers; else pass buffers=bufs, the Buffers dumps "
+                   "gave its buffer_callback)",
                    at, dp_device_format(dev, dn, sizeof dn), dp_storage_nbytes(st));
   }
   PyObject *r = NULL;

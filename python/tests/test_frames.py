@@ -161,8 +161,8 @@ def test_an_out_of_band_frame_without_its_buffers_says_which_is_missing_and_how_
     frame = devpickle.dumps([torch.ones(2)])
     with pytest.raises(ValueError, match=r"^loads: buffer 0 \(cpu, 8 bytes\) is out of band and buffers= was not "
                                          r"given \(dumps\(obj, inline=True\) writes a frame that carries its buffers; "
-                                         r"else pass buffers=\[b.raw\(\) for b in bufs\], bufs the Buffers dumps gave "
-                                         r"its buffer_callback\), at \$\[0\]$"):
+                                         r"else pass buffers=bufs, the Buffers dumps gave its buffer_callback\), "
+                                         r"at \$\[0\]$"):
         devpickle.loads(frame)
     assert torch.equal(devpickle.loads(devpickle.dumps([torch.ones(2)], inline=True))[0], torch.ones(2))
 
@@ -290,15 +290,32 @@ def test_frames_are_the_ones_the_cli_verifies(tmp_path):
     assert r.returncode == 0 and '"count": 2' in r.stdout.replace('"count":2', '"count": 2')
 
 
-def test_the_buffers_buffer_callback_received_given_back_as_they_are_are_refused_naming_raw():
-    # pickle's buffer_callback gets PickleBuffers, which loads takes as they
-    # are: a devpickle.Buffer only describes the memory, and the error says so
+def test_the_buffers_buffer_callback_received_are_taken_back_as_they_are_as_pickle_takes_its_own():
+    # pickle.loads(data, buffers=bufs) takes the PickleBuffers its
+    # buffer_callback received; loads takes devpickle's Buffers the same way
+    # (their raw()), as well as the memory itself
+    a, t = np.arange(3), torch.arange(4.0)
     bufs = []
-    frame = devpickle.dumps([np.arange(3)], buffer_callback=bufs.append)
-    with pytest.raises(TypeError, match=r"^loads: buffers\[0\] is of type 'Buffer', not a buffer: a devpickle.Buffer "
-                                        r"describes a buffer, its raw\(\) is the memory, at \$\[0\]$"):
+    frame = devpickle.dumps([a, t, t[1:]], buffer_callback=bufs.append)
+    assert [type(b).__name__ for b in bufs] == ["Buffer", "Buffer"]
+    back = devpickle.loads(frame, buffers=bufs)
+    assert back[0].tolist() == [0, 1, 2] and back[1].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert back[2].tolist() == [1.0, 2.0, 3.0]
+    assert back[0].__array_interface__["data"][0] == a.__array_interface__["data"][0]  # a view, never a copy
+    assert back[1].data_ptr() == t.data_ptr() and back[2].data_ptr() == t.data_ptr() + 4
+    mixed = devpickle.loads(frame, buffers=[bufs[0], bufs[1].raw()])
+    assert mixed[2].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_buffer_given_back_whose_memory_moved_is_refused_naming_its_item():
+    bufs = []
+    frame = devpickle.dumps([torch.arange(4.0)], buffer_callback=bufs.append)
+    bufs[0].obj.resize_(1000)  # other memory now: its Buffer no longer names it
+    with pytest.raises(ValueError, match=r"^loads: buffers\[0\]: .*moved"):
         devpickle.loads(frame, buffers=bufs)
-    assert devpickle.loads(frame, buffers=[b.raw() for b in bufs])[0].tolist() == [0, 1, 2]
+    bufs[0].nbytes = "x"
+    with pytest.raises(TypeError, match=r"^loads: buffers\[0\]: devpickle.Buffer.raw: nbytes is a 'str', not an int"):
+        devpickle.loads(frame, buffers=bufs)
 
 
 def test_a_buffer_smaller_than_the_frame_describes_is_refused_not_read_past():
