@@ -74,6 +74,7 @@ $(BUILD)/libdevpickle.a: $(LIB_OBJ)
 
 $(BUILD)/libdevpickle.so: $(LIB_OBJ) $(STAMPS)/ld
 	$(CC) -shared -Wl,-soname,$(SONAME) $(SANFLAGS) -o $@ $(LIB_OBJ) $(LDLIBS)
+	ln -sf libdevpickle.so $(BUILD)/$(SONAME)  # the name a program linked with -L$(BUILD) -ldevpickle loads
 
 # The demo's CUDA kernels, when nvcc is there.
 DEMO_CUDA := $(if $(and $(filter 1,$(HAVE_CUDA)),$(wildcard $(NVCC))),1,0)
@@ -289,8 +290,8 @@ install: all $(BUILD)/devpickle.pc ## Install headers, libraries, CLI and devpic
 	install -m 644 include/devpickle.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 include/devpickle/*.h $(DESTDIR)$(PREFIX)/include/devpickle/
 	install -m 644 $(BUILD)/libdevpickle.a $(DESTDIR)$(PREFIX)/lib/
-	install -m 755 $(BUILD)/libdevpickle.so $(DESTDIR)$(PREFIX)/lib/libdevpickle.so.0
-	ln -sf libdevpickle.so.0 $(DESTDIR)$(PREFIX)/lib/libdevpickle.so
+	install -m 755 $(BUILD)/libdevpickle.so $(DESTDIR)$(PREFIX)/lib/$(SONAME)
+	ln -sf $(SONAME) $(DESTDIR)$(PREFIX)/lib/libdevpickle.so
 	install -m 644 $(BUILD)/devpickle.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
 	install -m 755 $(BUILD)/devpickle $(DESTDIR)$(PREFIX)/bin/
 	@# The loader finds a new library in a directory it searches (/usr/local/lib)
@@ -299,7 +300,7 @@ install: all $(BUILD)/devpickle.pc ## Install headers, libraries, CLI and devpic
 
 uninstall: ## Remove what install put in place
 	rm -f $(DESTDIR)$(PREFIX)/include/devpickle.h $(DESTDIR)$(PREFIX)/lib/libdevpickle.a \
-	  $(DESTDIR)$(PREFIX)/lib/libdevpickle.so $(DESTDIR)$(PREFIX)/lib/libdevpickle.so.0 \
+	  $(DESTDIR)$(PREFIX)/lib/libdevpickle.so $(DESTDIR)$(PREFIX)/lib/$(SONAME) \
 	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/devpickle.pc $(DESTDIR)$(PREFIX)/bin/devpickle
 	rm -rf $(DESTDIR)$(PREFIX)/include/devpickle
 	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; fi
