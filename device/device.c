@@ -846,3 +846,22 @@ int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_err
   if (n == 0) return 0;  /* nothing to order: no work is queued (and no memmove sees NULL) */
   return dp__named_dev("dp_memcpy_async", s->dev, s->b->ops->memcpy_async(s->b, s->h, dst, src, n, err), err);
 }
+
+int dp_device_read(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst, dp_error_t *err) {
+  if (nbytes && (!src || !dst)) return dp__err(err, DP_EINVAL, "dp_device_read: NULL %s", !src ? "src" : "dst");
+  if (device.type == DP_DEVICE_CPU) { /* this process's memory: no backend, no stream */
+    if (nbytes) memcpy(dst, src, nbytes);
+    return 0;
+  }
+  dp_backend_t *b = ud;
+  int rc = b ? 0 : dp_backend_get(device.type, &b, err);
+  if (rc) return rc;
+  rc = dp__check_device("dp_device_read", b, device, err);
+  if (rc || !nbytes) return rc;
+  dp_stream_t *s;
+  if ((rc = dp_current_stream(b, device, &s, err)) != 0) return rc;
+  /* after the work queued on the current stream so far, as a consumer of
+     the memory on this thread would read it; then waited for */
+  if ((rc = dp_memcpy_async(s, dst, src, nbytes, err)) != 0) return rc;
+  return dp_stream_synchronize(s, err);
+}

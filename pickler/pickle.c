@@ -452,7 +452,9 @@ static int read_buffer(const dp_pickle_opts_t *opts, dp_storage_t *st, void *dst
     if (st->nbytes) memcpy(dst, st->base, st->nbytes);
     return 0;
   }
-  return dp__err(err, DP_ENODEV, "cannot read %zu bytes of %s memory for an inline frame: no reader given",
+  return dp__err(err, DP_ENODEV,
+                 "cannot read %zu bytes of %s memory for an inline frame: no reader given (dp_device_read reads it "
+                 "through its backend)",
                  st->nbytes, dp_device_format(st->device, dev, sizeof dev));
 }
 

@@ -2847,3 +2847,63 @@ Test(device, a_host_function_synchronizing_a_stream_with_many_queued_waits_waits
   dp_stream_free(mine);
   alarm(0);
 }
+
+/* ---- dp_device_read: an inline pickle's reader through the backend ---- */
+
+typedef struct fill {
+  uint8_t *at;
+  size_t n;
+} fill_t;
+
+static void slow_fill(void *arg) {
+  fill_t *f = arg;
+  sleep_ms(60); /* device work made slow on purpose: a read not ordered after it sees zeros */
+  for (size_t i = 0; i < f->n; i++) f->at[i] = (uint8_t)(0xa0 + i);
+}
+
+Test(device, an_inline_pickle_reads_device_memory_through_dp_device_read_after_the_current_streams_work) {
+  dp_backend_t *b = host();
+  void *p;
+  OK(dp_device_alloc(b, H0, 16, &p, T_ERR));
+  memset(p, 0, 16);
+  fill_t f = {p, 16};
+  OK(dp_host_launch(current(b, H0), slow_fill, &f, T_ERR)); /* queued, not yet run */
+  dp_value_t t = t_tensor(H0, (uintptr_t)p, 4);
+  dp_frame_t *fr;
+  OK(dp_frame_new(&fr, T_ERR));
+  OK(dp_pickle(t, &(dp_pickle_opts_t){.flags = DP_PICKLE_INLINE, .read = dp_device_read}, fr, T_ERR));
+  uint8_t want[16];
+  for (int i = 0; i < 16; i++) want[i] = (uint8_t)(0xa0 + i);
+  size_t n;
+  const uint8_t *bytes = dp_frame_data(fr, &n);
+  int found = 0;
+  for (size_t i = 0; i + 16 <= n && !found; i++) found = !memcmp(bytes + i, want, 16);
+  cr_assert(found, "the frame carries the bytes the stream's work wrote");
+  /* and back: the storage carries them as host data */
+  dp_value_t back;
+  OK(dp_unpickle(bytes, n, NULL, &back, T_ERR));
+  dp_storage_t *st = dp_tensor_storage(back);
+  const void *hd = dp_storage_host_data(st);
+  cr_assert(hd && dp_storage_nbytes(st) == 16 && !memcmp(hd, want, 16));
+  dp_value_release(back);
+  dp_value_release(t);
+  dp_frame_free(fr);
+  OK(dp_device_dealloc(b, H0, p, T_ERR));
+}
+
+Test(device, dp_device_read_refuses_a_device_of_another_backend_or_out_of_range_and_copies_cpu_memory_itself) {
+  dp_backend_t *b = host();
+  uint8_t src[4] = {1, 2, 3, 4}, dst[4] = {0};
+  dp_error_t e;
+  cr_assert_eq(dp_device_read(b, t_dev(DP_DEVICE_CUDA, 0), src, 4, dst, &e), DP_EINVAL);
+  cr_assert(strstr(e.message, "dp_device_read"), "%s", e.message);
+  cr_assert_eq(dp_device_read(NULL, t_dev(DP_DEVICE_HOST, 9), src, 4, dst, &e), DP_EINVAL);
+  cr_assert(strstr(e.message, "dp_device_read") && strstr(e.message, "host:9"), "%s", e.message);
+  cr_assert_eq(dp_device_read(NULL, H0, NULL, 4, dst, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_read: NULL src");
+  cr_assert_eq(dp_device_read(NULL, H0, src, 4, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_read: NULL dst");
+  OK(dp_device_read(NULL, H0, NULL, 0, NULL, T_ERR)); /* nothing to read */
+  OK(dp_device_read(NULL, t_dev(DP_DEVICE_CPU, 0), src, 4, dst, T_ERR));
+  cr_assert(!memcmp(src, dst, 4));
+}

@@ -252,6 +252,19 @@ DP_API int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out, d
 /** Copies n bytes in stream order (host or device memory on either side).
  *  n == 0 queues nothing and returns 0; dst and src may then be NULL. */
 DP_API int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n, dp_error_t *err);
+/** Reads device memory into host memory through its backend: the read
+ *  callback of an inline pickle (dp_pickle_opts_t.read, pickler.h's
+ *  dp_read_cb: `opts.read = dp_device_read`). Copies nbytes at src on
+ *  `device` into dst on this thread's current stream of that device — after
+ *  the work queued there so far — and waits for the copy (not for work
+ *  queued later, nor on other streams). ud: the backend (a dp_backend_t *),
+ *  or NULL for the one of device.type (dp_backend_get; its errors). A cpu
+ *  device's memory is copied directly. DP_EINVAL for a device of another
+ *  backend than ud or out of its range, NULL src or dst with nbytes > 0;
+ *  the errors of dp_current_stream, dp_memcpy_async and
+ *  dp_stream_synchronize (in a host function, a read on its own stream is
+ *  DP_EMISUSE: it would wait for itself). */
+DP_API int dp_device_read(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst, dp_error_t *err);
 
 /* ---- host backend only ---- */
 

@@ -112,7 +112,8 @@ typedef struct dp_pickle_opts {
   /** Reads device memory for DP_PICKLE_INLINE. NULL: cpu storages are read
    *  directly (one at a NULL base, with bytes, is DP_ENODEV) and storages
    *  carrying host data (dp_storage_set_host_data) use it; any other is
-   *  DP_ENODEV. A storage dp_unpickle made for a
+   *  DP_ENODEV. dp_device_read (device.h) reads device memory through its
+   *  backend, ordered after the current stream's work. A storage dp_unpickle made for a
    *  buffer without a bind callback holds the sender's address, which is
    *  never read through: its host data is used (an inline frame's bytes),
    *  and without any it is DP_ENODEV, read or not. */
