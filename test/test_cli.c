@@ -3072,6 +3072,38 @@ Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file
   }
 }
 
+/* Not only a terminal's signals end a command: a CPU-time limit (ulimit -t)
+ * sends SIGXCPU, timeout -s and kill others, a profiler its timers. Each
+ * left the temporary file of an interrupted -o beside the target. */
+Test(cli, a_command_ended_by_a_limit_timer_or_user_signal_while_it_writes_removes_its_temporary_file) {
+  write_deep_frame();
+  spit("out.json", "old\n");
+  static const int sigs[] = {SIGXCPU, SIGALRM, SIGUSR1, SIGUSR2, SIGVTALRM, SIGPROF, SIGPIPE};
+  for (size_t s = 0; s < sizeof sigs / sizeof sigs[0]; s++) {
+    char abs[512];
+    cr_assert_not_null(realpath(cli, abs));
+    pid_t pid = fork();
+    cr_assert_neq(pid, -1);
+    if (pid == 0) {
+      if (chdir(dir) != 0) _exit(99);
+      signal(sigs[s], SIG_DFL);
+      execl(abs, abs, "unpack", "deep.dpk", "-o", "out.json", (char *)NULL);
+      _exit(98);
+    }
+    int st, seen = 0;
+    while (!seen && waitpid(pid, &st, WNOHANG) == 0) {
+      seen = tmp_file_in_dir();
+      if (!seen) usleep(1000);
+    }
+    cr_assert(seen, "unpack ended before its temporary file was seen");
+    kill(pid, sigs[s]);
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == sigs[s], "unpack did not end by signal %d (status %d)", sigs[s], st);
+    cr_assert_not(tmp_file_in_dir(), "signal %d left the temporary file", sigs[s]);
+    assert_file_is("out.json", "old\n", "the old output");
+  }
+}
+
 /* A signal ignored when the command starts (nohup, a shell's background
  * job) stays ignored while the output is written: the command finishes. */
 Test(cli, a_command_started_with_a_hang_up_ignored_finishes_its_output_when_hung_up) {

@@ -326,22 +326,35 @@ static void on_fatal_signal(int sig) {
   raise(sig);
 }
 
+/* The signals a user or a terminal sends to end a command; a hang-up is
+ * taken back from libucs for them (untake_fatal_signals). */
 static const int fatal_sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 
-/* Called with fatal_sigs blocked: a signal between the temporary file's
+/* Every signal whose default action ends the process that a command may
+ * meet while it writes: fatal_sigs, and those a limit, a timer or another
+ * process sends (a CPU-time limit's SIGXCPU, timeout -s, kill -USR1, a
+ * profiler's timers, SIGPIPE sent by kill). Handling only fatal_sigs left
+ * the temporary file of `ulimit -t` or `kill -USR1` behind. Not SIGXFSZ:
+ * ignored, a file-size limit is a failed write (main). */
+static const int ending_sigs[] = {SIGINT,  SIGTERM,   SIGHUP,  SIGQUIT, SIGALRM, SIGUSR1,
+                                  SIGUSR2, SIGVTALRM, SIGPROF, SIGXCPU, SIGPIPE};
+
+/* Called with ending_sigs blocked: a signal between the temporary file's
  * creation and this call (the handler not yet there, or the name not yet
  * published) would have left the file. */
 static void watch_tmp(char *tmp) {
   static int installed;
   if (!installed) {
-    const int *sigs = fatal_sigs;
-    for (size_t i = 0; i < sizeof fatal_sigs / sizeof fatal_sigs[0]; i++) {
+    const int *sigs = ending_sigs;
+    for (size_t i = 0; i < sizeof ending_sigs / sizeof ending_sigs[0]; i++) {
       struct sigaction sa, old;
       memset(&sa, 0, sizeof sa);
       sa.sa_handler = on_fatal_signal;
       sigemptyset(&sa.sa_mask);
-      /* a signal the caller ignores (nohup, a shell's background job) stays ignored */
-      if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler != SIG_IGN) sigaction(sigs[i], &sa, NULL);
+      /* only a signal that would end the command: one the caller ignores
+       * (nohup, a shell's background job, recv's SIGPIPE) stays ignored, and
+       * one a library handles (UCX's debug or async signal) stays its */
+      if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler == SIG_DFL) sigaction(sigs[i], &sa, NULL);
     }
     installed = 1;
   }
@@ -413,7 +426,7 @@ static int sink_open(sink_t *s, const char *path) {
   memcpy(s->tmp + dirlen, TMP_NAME, sizeof TMP_NAME);
   sigset_t fatal, was;
   sigemptyset(&fatal);
-  for (size_t i = 0; i < sizeof fatal_sigs / sizeof fatal_sigs[0]; i++) sigaddset(&fatal, fatal_sigs[i]);
+  for (size_t i = 0; i < sizeof ending_sigs / sizeof ending_sigs[0]; i++) sigaddset(&fatal, ending_sigs[i]);
   pthread_sigmask(SIG_BLOCK, &fatal, &was); /* made and watched at once: one arriving meanwhile waits */
   fd = mkstemp(s->tmp);
   if (fd >= 0) watch_tmp(s->tmp);
