@@ -1992,6 +1992,32 @@ static size_t count_of(const char *hay, const char *needle) {
   return n;
 }
 
+/* unpack --help and the README state how far indentation can grow a deep
+ * frame's JSON (each line two spaces a level) and that --compact writes
+ * none: 2,000 dicts {0: 0} at level 2,000 are an 8 KB frame, 72 MB of
+ * indented JSON, 40 kB compact. The figures must stay true. */
+Test(cli, unpack_indentation_grows_a_deep_frame_as_its_help_says_and_compact_does_not) {
+  char path[128];
+  path_in(path, sizeof path, "deepdicts.json");
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  for (int i = 0; i < 1999; i++) fputc('[', f);
+  for (int k = 0; k < 2000; k++) fputs(k ? ",{\"$dict\":[[0,0]]}" : "{\"$dict\":[[0,0]]}", f);
+  for (int i = 0; i < 1999; i++) fputc(']', f);
+  fclose(f);
+  run_ok("pack deepdicts.json -o deepdicts.dpk");
+  res_t sz = run_sh("wc -c < deepdicts.dpk; $D unpack deepdicts.dpk | wc -c; $D unpack --compact deepdicts.dpk | wc -c");
+  cr_assert_eq(sz.status, 0, "%s", sz.err);
+  cr_assert_str_eq(sz.out, "8042\n72065999\n39998\n", "frame, indented and compact sizes");
+  res_free(sz);
+  res_t r = run("unpack --help");
+  cr_assert_eq(r.status, 0);
+  cr_assert(strstr(r.out, "can grow some 12,000 times") && strstr(r.out, "8 KB frame, unpack to 72 MB") &&
+                strstr(r.out, "--compact writes no indentation"),
+            "%s", r.out);
+  res_free(r);
+}
+
 Test(cli, unpack_writes_a_shared_storages_data_once_and_pack_takes_it_from_the_tensor_that_gives_it) {
   /* 16 views of one 3 kB inline storage: the base64 is written once, not 16 times */
   static uint8_t data[3072];
