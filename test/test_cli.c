@@ -3505,6 +3505,27 @@ Test(cli, a_frame_command_given_value_json_says_that_pack_turns_it_into_a_frame)
   res_free(r);
 }
 
+/* The converse: a frame handed to pack (pack and unpack confused) was "invalid
+ * JSON: unexpected 'D'" alone; the message now names the command that reads
+ * it. Other text that is no JSON gets the parser's message alone. */
+Test(cli, pack_given_a_frame_says_that_unpack_turns_it_into_value_json) {
+  spit("v.json", "[1, \"a\"]");
+  run_ok("pack v.json -o f.dpk");
+  static const char *const cmds[] = {"pack f.dpk -o g.dpk", "pack - -o g.dpk < f.dpk"};
+  for (size_t i = 0; i < sizeof cmds / sizeof *cmds; i++) {
+    const char *file = strstr(cmds[i], "- -o") ? "<stdin>" : "f.dpk";
+    char want[256];
+    snprintf(want, sizeof want, "devpickle: %s: invalid JSON: unexpected 'D' (line 1, column 1): it starts like a "
+             "devpickle frame, which 'devpickle unpack' turns into value JSON, at byte 0\n", file);
+    run_expect(cmds[i], 1, "", want);
+  }
+  spit("d.txt", "DPK");
+  run_expect("pack d.txt -o g.dpk", 1, "", "devpickle: d.txt: invalid JSON: unexpected 'D' (line 1, column 1), at byte 0\n");
+  char g[128];
+  path_in(g, sizeof g, "g.dpk");
+  cr_assert_neq(access(g, F_OK), 0, "pack wrote an output");
+}
+
 /* The main help names --version and -o's long form, both of which work. */
 Test(cli, the_main_help_names_version_and_the_long_form_of_dash_o) {
   res_t r = run("--help");

@@ -955,12 +955,16 @@ static int cmd_pack(int argc, char **argv) {
   char msg[2048];
   size_t pos = 0;
   json_t *j = vjson_parse((const char *)text, len, msg, sizeof msg, &pos);
+  /* a frame given to pack (pack and unpack confused) is named as one, as
+     the frame commands name value JSON given to them (frame_error) */
+  int is_frame = len >= 4 && memcmp(text, "DPKL", 4) == 0;
   free(text);
   if (!j && strncmp(msg, VJSON_NO_MEMORY, strlen(VJSON_NO_MEMORY)) == 0) /* said "invalid JSON: out of memory" */
     return data_error(display(a.file), "out of memory parsing the JSON", -1);
   if (!j) {
-    char what[2100];
-    snprintf(what, sizeof what, "invalid JSON: %s", msg);
+    char what[2200];
+    snprintf(what, sizeof what, "invalid JSON: %s%s", msg,
+             is_frame ? ": it starts like a devpickle frame, which 'devpickle unpack' turns into value JSON" : "");
     return data_error(display(a.file), what, (int64_t)pos);
   }
   dp_value_t v;
