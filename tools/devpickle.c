@@ -57,6 +57,12 @@ static const char *const usage_main =
     "exit status: 0 ok; 1 bad data or a runtime failure (one line on stderr:\n"
     "'devpickle: FILE: what, at byte N' for a frame or for text that is not JSON,\n"
     "'at $.path' for JSON that is not a value); 2 usage error.\n"
+    "\n"
+    "examples (in the source tree):\n"
+    "  devpickle pack examples/model.json -o model.dpk\n"
+    "  devpickle dump model.dpk\n"
+    "  devpickle unpack model.dpk | devpickle pack - -o copy.dpk\n"
+    "  cmp model.dpk copy.dpk\n"
     "Value JSON: docs/VALUE_JSON.md. Frame format: docs/FORMAT.md.\n";
 
 typedef struct cmd {
