@@ -1018,11 +1018,11 @@ static const char *const help_unpack =
     "{\"$id\": ..., \"$value\": ...} and {\"$ref\": ...}.\n"
     "The JSON is indented two spaces a level; --compact writes it on one\n"
     "line, no space between tokens, a newline at its end. Indented, every\n"
-    "line carries two spaces a level, 4,000 bytes a line 2,000 levels deep:\n"
-    "a frame of values nested that deep can grow some 12,000 times (a dict\n"
-    "{0: 0} is 3 bytes of frame and 8 lines: 2,000 of them that deep, an\n"
-    "8 KB frame, unpack to 72 MB).\n"
-    "--compact writes no indentation: a few bytes of JSON per frame byte.\n"
+    "line carries two spaces a level of JSON (a level of the value is up to\n"
+    "four), so a frame of deeply nested values grows up to about 54,800\n"
+    "times (docs/SECURITY.md, \"The CLI\"; a dict {0: 0} is 3 bytes of frame\n"
+    "and 8 lines: 2,000 of them 2,000 lists down, an 8 KB frame, unpack to\n"
+    "72 MB). --compact writes no indentation: about 16 times the frame at most.\n"
     "Use - for stdin, -o - for stdout. " STDIN_FRAME FRAME_LIMITS
 
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
