@@ -702,3 +702,52 @@ Test(gpu_transport, a_staged_cuda_value_is_copied_after_the_senders_current_stre
 Test(gpu_transport, negative_control_staging_copies_that_skip_the_senders_stream_carry_stale_bytes) {
   cr_assert_eq(staged_send(0, 1), 20, "skipping the wait went unnoticed: the test is blind");
 }
+
+/* ---- dp_device_read: an inline pickle of device memory, through the backend ---- */
+
+/* A kernel on stream `kernel_on` spins 20 ms, then fills 4096 bytes of a
+ * cuda tensor with 0xAB; an inline pickle on this thread, whose current
+ * stream is `current`, reads the tensor with dp_device_read. 1 when the
+ * frame carries the kernel's bytes. */
+static int inline_frame_sees_the_kernel(int same_stream) {
+  dp_stream_t *cur, *other;
+  OK(dp_stream_new(B, G0, &cur, NULL));
+  OK(dp_stream_new(B, G0, &other, NULL));
+  OK(dp_set_current_stream(cur, NULL, NULL));
+  enum { N = 4096 };
+  void *p;
+  OK(dp_device_alloc(B, G0, N, &p, NULL));
+  static unsigned char zeros[N], want[N];
+  memset(want, 0xAB, N);
+  OK(dp_memcpy_async(cur, p, zeros, N, NULL));
+  OK(dp_stream_synchronize(cur, NULL));
+  cr_assert_eq(gpu_spin_fill(dp_stream_native(same_stream ? cur : other), p, N, 0xAB, 20.0), 0);
+  dp_storage_t *st;
+  OK(dp_storage_new(G0, p, N, NULL, NULL, &st, NULL));
+  int64_t shape[1] = {N};
+  dp_value_t t;
+  OK(dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &t, NULL));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, NULL));
+  OK(dp_pickle(t, &(dp_pickle_opts_t){.flags = DP_PICKLE_INLINE, .read = dp_device_read}, f, NULL));
+  size_t n;
+  const unsigned char *bytes = dp_frame_data(f, &n);
+  int found = 0;
+  for (size_t i = 0; i + N <= n && !found; i++) found = bytes[i] == 0xAB && !memcmp(bytes + i, want, N);
+  OK(dp_stream_synchronize(other, NULL));
+  dp_frame_free(f);
+  dp_value_release(t);
+  dp_reset_current_stream(B, G0);
+  OK(dp_device_dealloc(B, G0, p, NULL));
+  dp_stream_free(cur);
+  dp_stream_free(other);
+  return found;
+}
+
+Test(gpu, an_inline_pickle_with_dp_device_read_carries_what_the_current_streams_kernel_wrote) {
+  for (int i = 0; i < 3; i++) cr_assert(inline_frame_sees_the_kernel(1), "round %d", i);
+}
+
+Test(gpu, negative_control_dp_device_read_does_not_wait_for_a_kernel_on_another_stream) {
+  cr_assert(!inline_frame_sees_the_kernel(0), "the read on the current stream overtakes the other stream's kernel");
+}
