@@ -58,6 +58,12 @@ PyObject *dpy_raise(int rc, const dp_error_t *e);
  * `attrs` (NULL-ended) are None on the class: an instance made by hand,
  * WalkError("why"), reads them as None; devpickle's own set them. */
 PyObject *dpy_new_error(const char *name, const char *doc, PyObject *base, const char *const *attrs);
+/* o's items as a tuple (list: a list), as PySequence_Tuple reads them. A
+ * TypeError from an o that cannot be iterated at all — one that subscripts
+ * but does not iterate, typing.List — becomes "<head> a '<o's type>'<tail>",
+ * naming the argument, with Python's own as its __cause__; any other error
+ * (one of its __len__, or raised while iterating) is its own. */
+PyObject *dpy_items(PyObject *o, int list, const char *head, const char *tail);
 /* Looks torch (and its adapter), cupy and numpy up if they were imported
  * since the last look. 0, or -1 with an exception. */
 int dpy_resolve_frameworks(void);

@@ -992,7 +992,11 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
     /* taken once, as list(buffers) takes them: a sequence whose __len__
        disagrees with its items is read by its items, and one that Python
        code run later (an allowed class's) changes is read as given */
-    if (!(l.buffers = PySequence_Tuple(buffers))) goto done;
+    if (!(l.buffers = dpy_items(buffers, 0,
+                                "buffers= must be a sequence of buffers, indexed by the frame's table (buffers=list(it)), "
+                                "not",
+                                "")))
+      goto done;
   }
   if (!(l.cache = PyDict_New()) || !(l.memo_objs = PyList_New(0)) ||
       !(l.unfinished = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) || !(l.fn_array = helper("array")) ||

@@ -136,7 +136,7 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
   }
   /* a copy, read once: an item's __str__ or __index__ is Python code, which
    * may empty the list it came from, freeing the items after it */
-  PyObject *seq = PySequence_Tuple(devices);
+  PyObject *seq = dpy_items(devices, 0, "devices must be a list of devices, not", " (devices=[\"cuda:0\"])");
   if (!seq) return -1;
   Py_ssize_t k = PyTuple_GET_SIZE(seq);
   dp_device_t *d = PyMem_Calloc((size_t)k + 1, sizeof *d);
@@ -1214,7 +1214,7 @@ static PyObject *as_futures(const char *who, PyObject *arg, dp_future_t ***out, 
                  Py_TYPE(arg)->tp_name);
     return NULL;
   }
-  PyObject *list = PySequence_List(arg);
+  PyObject *list = dpy_items(arg, 1, head, "");
   if (!list) return NULL;
   *n = PyList_GET_SIZE(list);
   *out = PyMem_Calloc((size_t)*n + 1, sizeof **out);

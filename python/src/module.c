@@ -287,6 +287,36 @@ PyObject *dpy_new_error(const char *name, const char *doc, PyObject *base, const
   return cls;
 }
 
+PyObject *dpy_items(PyObject *o, int list, const char *head, const char *tail) {
+  PyObject *r = list ? PySequence_List(o) : PySequence_Tuple(o); /* its length first, as Python reads one */
+  if (r || !PyErr_ExceptionMatches(PyExc_TypeError)) return r;
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+  PyObject *it = PyObject_GetIter(o); /* iterable: the TypeError was the iteration's own */
+  int iterable = it || !PyErr_ExceptionMatches(PyExc_TypeError);
+  Py_XDECREF(it);
+  PyErr_Clear();
+  if (iterable) {
+    PyErr_Restore(et, ev, tb);
+    return NULL;
+  }
+  PyErr_NormalizeException(&et, &ev, &tb);
+  if (ev && tb) PyException_SetTraceback(ev, tb);
+  PyErr_Format(PyExc_TypeError, "%s a '%s'%s", head, Py_TYPE(o)->tp_name, tail);
+  PyObject *nt, *nv, *ntb;
+  PyErr_Fetch(&nt, &nv, &ntb);
+  PyErr_NormalizeException(&nt, &nv, &ntb);
+  if (nv && ev) {
+    PyException_SetCause(nv, Py_NewRef(ev)); /* steals */
+    PyException_SetContext(nv, Py_NewRef(ev));
+  }
+  PyErr_Restore(nt, nv, ntb);
+  Py_XDECREF(et);
+  Py_XDECREF(ev);
+  Py_XDECREF(tb);
+  return NULL;
+}
+
 static int intern(PyObject **slot, const char *s) { return (*slot = PyUnicode_InternFromString(s)) ? 0 : -1; }
 
 PyMODINIT_FUNC PyInit__devpickle(void) {

@@ -368,7 +368,7 @@ int dpy_scan_opaque(PyObject *opaque, PyObject **out) {
   else if (!Py_TYPE(opaque)->tp_iter && !PySequence_Check(opaque)) {
     /* named, as classes= is: "'int' object is not iterable" says not which argument */
     return opaque_refused("opaque= takes types: a type or an iterable of types, not a", opaque);
-  } else opaque = PySequence_Tuple(opaque);
+  } else opaque = dpy_items(opaque, 0, "opaque= takes types: a type or an iterable of types, not", "");
   if (!opaque) return -1;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(opaque); i++)
     if (!PyType_Check(PyTuple_GET_ITEM(opaque, i))) {

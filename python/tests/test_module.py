@@ -135,6 +135,32 @@ def test_an_exception_made_by_hand_reads_the_attributes_the_stub_gives_it_as_Non
     assert devpickle.FrameError("why", 3).args == ("why", 3)
 
 
+def test_an_argument_that_subscripts_but_cannot_be_iterated_is_named_in_the_error():
+    # typing.List answers PySequence_Check (it subscripts) but iter() refuses
+    # it: Python's "'_SpecialGenericAlias' object is not iterable" named no
+    # argument; each now does, Python's error kept as the cause
+    import typing
+    frame = devpickle.dumps(1)
+    cases = [
+        (lambda: devpickle.scan([], opaque=typing.List), "opaque= takes types: a type or an iterable of types, not"),
+        (lambda: devpickle.Future(devices=typing.List), "devices must be a list of devices, not"),
+        (lambda: devpickle.collect_all(typing.List), "collect_all takes an iterable of devpickle.Future objects"),
+        (lambda: devpickle.wait_all(typing.List), "wait_all takes an iterable of devpickle.Future objects"),
+        (lambda: devpickle.loads(frame, buffers=typing.List), "buffers= must be a sequence of buffers"),
+    ]
+    for call, head in cases:
+        with pytest.raises(TypeError) as e:
+            call()
+        assert str(e.value).startswith(head) and "a '_SpecialGenericAlias'" in str(e.value), str(e.value)
+        assert isinstance(e.value.__cause__, TypeError) and "not iterable" in str(e.value.__cause__)
+
+    def failing():  # an error while iterating stays the iterator's own
+        yield int
+        raise TypeError("the iterator's own")
+    with pytest.raises(TypeError, match="^the iterator's own$"):
+        devpickle.scan([], opaque=failing())
+
+
 def test_the_stub_admits_None_wherever_the_extension_takes_it():
     # docs/PYTHON.md: scan's opaque= and loads' classes= take None as (),
     # buffers= and max_copies= default to None, buffer_callback= may be None
