@@ -104,7 +104,11 @@
  * OWNERSHIP: transports, listeners and endpoints are freed with their
  * _free function; an endpoint or listener must be freed before its
  * transport (dp_transport_free fails the pending futures of endpoints still
- * open and frees them). Returned futures are new references. Free every
+ * open and frees them). A pair of endpoints of one transport (connected to
+ * its own listener) may leave UCX's sockets open, 0 to 3 descriptors a
+ * pair, until the transport is freed; endpoints of two transports leave
+ * none (docs/TRANSPORT.md, "Not yet supported"). Returned futures are new
+ * references. Free every
  * transport before dp_shutdown(): it stands on its backend, its
  * caching allocator and its streams.
  *
