@@ -3142,3 +3142,64 @@ Test(base, a_long_message_the_allocator_gives_no_room_keeps_only_its_beginning) 
   dp__free(m, 3001);
   ASSERT_NO_LEAK();
 }
+
+/* A ring of n lists, each holding its index's parity and the next list. */
+static dp_value_t ring_of_lists(int n, int odd_at) {
+  dp_value_t first = t_list(), cur = first;
+  for (int i = 0; i < n; i++) {
+    OK(dp_list_append(cur, dp_int(i == odd_at), T_ERR));
+    dp_value_t next = i + 1 < n ? t_list() : dp_value_retain(first);
+    OK(dp_list_append(cur, next, T_ERR));
+    cur = next;
+  }
+  return first;
+}
+
+Test(value, two_rings_of_coprime_lengths_compare_in_steps_linear_in_their_sizes_not_their_product) {
+  extern _Thread_local uint64_t dp__eq_pairs_walked;
+  dp_value_t a = ring_of_lists(1000, -1), b = ring_of_lists(1001, -1), c = ring_of_lists(1001, 500);
+  dp__eq_pairs_walked = 0;
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 1, "equal as trees: both unroll to the same infinite list");
+  /* remembered pair by pair, the walk met all 1000 * 1001 pairs */
+  cr_assert_leq(dp__eq_pairs_walked, 4 * 2001, "walked %llu pairs", (unsigned long long)dp__eq_pairs_walked);
+  dp__eq_pairs_walked = 0;
+  cr_assert_eq(dp_value_equal(a, c, 0, NULL), 0, "one node of c holds 1 where a holds 0");
+  cr_assert_leq(dp__eq_pairs_walked, 4 * 2001, "walked %llu pairs", (unsigned long long)dp__eq_pairs_walked);
+  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING, NULL), 0, "rings of different lengths share differently");
+  dp_value_t shared = t_list(), one = t_list(), two = t_list(), pair = t_list(), twice = t_list();
+  OK(dp_list_append(shared, dp_int(1), T_ERR));
+  OK(dp_list_append(one, dp_int(1), T_ERR));
+  OK(dp_list_append(two, dp_int(2), T_ERR));
+  OK(dp_list_append(pair, dp_value_retain(one), T_ERR));
+  OK(dp_list_append(pair, dp_value_retain(two), T_ERR));
+  OK(dp_list_append(twice, dp_value_retain(shared), T_ERR));
+  OK(dp_list_append(twice, dp_value_retain(shared), T_ERR));
+  cr_assert_eq(dp_value_equal(pair, twice, 0, NULL), 0, "a node assumed equal to one is not thereby equal to another");
+  cr_assert_eq(dp_value_equal(twice, pair, 0, NULL), 0);
+  dp_value_t v[] = {a, b, c, shared, one, two, pair, twice};
+  for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) dp_value_release(v[i]);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}
+
+Test(value, an_equality_without_sharing_that_runs_out_of_memory_says_so_through_err) {
+  dp_value_t a = ring_of_lists(50, -1), b = ring_of_lists(51, -1);
+  int failed = 0;
+  for (long k = 1; k < 100; k++) {
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    int rc = dp_value_equal(a, b, 0, &e);
+    t_fail_at = 0;
+    if (rc == 1) break;
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %d", k, rc);
+    cr_assert_eq(e.code, DP_ENOMEM);
+    cr_assert_str_eq(e.message, "out of memory comparing values (the comparison's stack and node classes)");
+  }
+  cr_assert_gt(failed, 0);
+  dp_value_release(a);
+  dp_value_release(b);
+  dp_value_collect();
+  ASSERT_NO_LEAK();
+}

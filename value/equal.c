@@ -45,16 +45,18 @@ static inline __attribute__((always_inline)) int ps_eq(const void *ctx, size_t i
 }
 
 /* Finds (a, b) or, when keyed on a only, a. Returns 1 found, 0 inserted, or
- * DP_ENOMEM. *bout gets the stored b. */
-static int ps_put(pairset_t *s, const void *a, const void *b, const void **bout) {
+ * DP_ENOMEM. *bout gets the stored b, *at its position (the order met). */
+static int ps_put_at(pairset_t *s, const void *a, const void *b, const void **bout, size_t *pos) {
   pair_t key = {a, b};
   uint64_t h = pair_hash(s, a, b);
   size_t j, at = dp__table_find(&s->t, DP_TABLE_TAGGED, h, ps_eq, s, &key, &j);
   if (at != DP_TABLE_NONE) {
     if (bout) *bout = s->pairs[at].b;
+    if (pos) *pos = at;
     return 1;
   }
   size_t n = s->t.count;
+  if (pos) *pos = n;
   if (dp__grow((void **)&s->pairs, &s->cap, n + 1, sizeof(pair_t)) != 0) return DP_ENOMEM;
   if (dp__table_full(&s->t)) {
     if (dp__table_grow(&s->t, DP_TABLE_TAGGED, n, 64, ps_hash_at, s) != 0) return DP_ENOMEM;
@@ -63,6 +65,10 @@ static int ps_put(pairset_t *s, const void *a, const void *b, const void **bout)
   s->pairs[n] = key;
   dp__table_put(&s->t, DP_TABLE_TAGGED, j, h, n);
   return 0;
+}
+
+static int ps_put(pairset_t *s, const void *a, const void *b, const void **bout) {
+  return ps_put_at(s, a, b, bout, NULL);
 }
 
 /* Whether (a, b) — or, keyed on a only, a — is in the set. */
@@ -77,10 +83,25 @@ static void ps_free(pairset_t *s) {
   dp__free(s->pairs, s->cap * sizeof(pair_t));
 }
 
+/* Without sharing, the nodes assumed equal so far form classes (Hopcroft
+ * and Karp's union-find over both graphs): a pair whose nodes are already
+ * in one class is not walked again, and each pair walked joins two classes,
+ * so a comparison walks each node's children a bounded number of times
+ * whatever the shape — two cycles of coprime lengths p and q met p * q
+ * pairs when pairs were remembered one by one. A node is entered there once
+ * the walk has passed a shared node (count above one) on either side: below
+ * only unshared nodes, a node has one way in and its pair is met once, so
+ * trees are compared without the table. */
+typedef struct frame {
+  dp_value_t a, b;
+  int shared;          /* a shared node lies on the way to this pair */
+} frame_t;
+
 typedef struct eq {
-  dp_value_t *stack;   /* pairs: stack[2k], stack[2k+1] */
+  frame_t *stack;
   size_t top, cap;
-  pairset_t seen;      /* without sharing: pairs assumed equal */
+  int shared;          /* the pair being expanded lies below a shared node */
+  pairset_t seen;      /* without sharing: node -> parent position (union-find) */
   pairset_t ab, ba;    /* with sharing: the node bijection */
   pairset_t keys;      /* dict keys found equal (key_same) */
   int keys_rc;         /* its failure, or 0 */
@@ -88,10 +109,27 @@ typedef struct eq {
 } eq_t;
 
 static int eq_push(eq_t *e, dp_value_t a, dp_value_t b) {
-  if (dp__grow((void **)&e->stack, &e->cap, e->top + 2, sizeof(dp_value_t)) != 0) return DP_ENOMEM;
-  e->stack[e->top++] = a;
-  e->stack[e->top++] = b;
+  if (dp__grow((void **)&e->stack, &e->cap, e->top + 1, sizeof(frame_t)) != 0) return DP_ENOMEM;
+  e->stack[e->top++] = (frame_t){a, b, e->shared};
   return 0;
+}
+
+/* The class of node h: its position in e->seen, entered as a class of its
+ * own when new; each entry's b is its parent's position. */
+static int uf_node(pairset_t *s, const void *h, size_t *pos) {
+  int rc = ps_put_at(s, h, NULL, NULL, pos);
+  if (rc == 0) s->pairs[*pos].b = (const void *)(uintptr_t)*pos;
+  return rc < 0 ? rc : 0;
+}
+
+static size_t uf_root(pairset_t *s, size_t i) {
+  for (;;) {
+    size_t p = (size_t)(uintptr_t)s->pairs[i].b;
+    if (p == i) return i;
+    size_t g = (size_t)(uintptr_t)s->pairs[p].b;
+    s->pairs[i].b = (const void *)(uintptr_t)g; /* path halving */
+    i = g;
+  }
 }
 
 /* 1: same node or already matched (skip), 0: go on, <0 error, 2: unequal. */
@@ -108,8 +146,17 @@ static int eq_memo(eq_t *e, dp_value_t a, dp_value_t b) {
     return 0;
   }
   if (ha == hb) return 1;
-  if (dp__rc(a.u.h) == 1 && dp__rc(b.u.h) == 1) return 0;
-  return ps_put(&e->seen, ha, hb, NULL);
+  if (!e->shared && dp__rc(a.u.h) == 1 && dp__rc(b.u.h) == 1) return 0;
+  e->shared = 1;
+  size_t ia, ib;
+  int rc = uf_node(&e->seen, ha, &ia);
+  if (rc == 0) rc = uf_node(&e->seen, hb, &ib);
+  if (rc < 0) return rc;
+  ia = uf_root(&e->seen, ia);
+  ib = uf_root(&e->seen, ib);
+  if (ia == ib) return 1;
+  e->seen.pairs[ia].b = (const void *)(uintptr_t)ib;
+  return 0;
 }
 
 static int tensor_equal(dp_tensor_t *x, dp_tensor_t *y) {
@@ -150,9 +197,12 @@ static int key_same(void *ctx, dp_value_t a, dp_value_t b) {
   return same && !e->keys_rc;
 }
 
+_Thread_local uint64_t dp__eq_pairs_walked;
+
 static int eq_step(eq_t *e, dp_value_t a, dp_value_t b) {
   if (a.kind != b.kind) return 2;
   if (a.kind < DP_STR) return dp__leaf_equal(a, b) ? 0 : 2;
+  dp__eq_pairs_walked++;
   int m = eq_memo(e, a, b);
   if (m != 0) return m == 1 ? 0 : m;
   switch (a.kind) {
@@ -208,24 +258,24 @@ int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t *err) 
   eq_t e;
   memset(&e, 0, sizeof e);
   e.flags = flags;
-  ps_init(&e.seen, 0);
+  ps_init(&e.seen, 1);
   ps_init(&e.ab, 1);
   ps_init(&e.ba, 1);
   ps_init(&e.keys, 0);
   int rc = eq_step(&e, a, b);
   while (rc == 0 && e.top > 0) {
-    dp_value_t y = e.stack[--e.top];
-    dp_value_t x = e.stack[--e.top];
-    rc = eq_step(&e, x, y);
+    frame_t f = e.stack[--e.top];
+    e.shared = f.shared;
+    rc = eq_step(&e, f.a, f.b);
   }
-  dp__free(e.stack, e.cap * sizeof(dp_value_t));
+  dp__free(e.stack, e.cap * sizeof(frame_t));
   ps_free(&e.seen);
   ps_free(&e.ab);
   ps_free(&e.ba);
   ps_free(&e.keys);
   if (rc < 0) return dp__err(err, rc, "out of memory comparing values (the comparison's %s)",
                              e.keys_rc ? "pairs of equal dict keys" : flags & DP_EQ_SHARING ? "node bijection"
-                                                                                         : "stack and pairs");
+                                                                                         : "stack and node classes");
   return rc == 0 ? 1 : 0;
 }
 

@@ -181,6 +181,9 @@ extern _Thread_local uint64_t dp__key_bytes_compared;
 /* Children (leaves too) this thread's cycle trials have looked at: a test
  * counter, as above. */
 extern _Thread_local uint64_t dp__gc_items_walked;
+/* Pairs of heap nodes this thread's dp_value_equal calls have looked at: a
+ * test counter, as above. */
+extern _Thread_local uint64_t dp__eq_pairs_walked;
 
 /* A tuple's key word: bits 0-10 its tree's nodes (itself included, at most
  * 1,024), bits 11-16 its levels below it (at most 32), bits 17-63 the top 47

@@ -344,8 +344,10 @@ DP_API void *dp_custom_data(dp_value_t c);
  *  offset; customs compare by identity; floats bitwise. Dicts and objects
  *  compare as mappings, their order aside (with DP_EQ_SHARING too): two
  *  equal dicts filled in different orders pickle to different bytes.
- *  Returns 1 equal, 0 not, or a negative DP_E*: DP_ENOMEM, or DP_EINVAL for
- *  a flag other than DP_EQ_SHARING (with err). */
+ *  Time and memory grow about linearly with the two values' nodes and
+ *  items, whatever their sharing and cycles (two rings of coprime lengths
+ *  included). Returns 1 equal, 0 not, or a negative DP_E*: DP_ENOMEM, or
+ *  DP_EINVAL for a flag other than DP_EQ_SHARING (with err). */
 DP_API int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t *err);
 
 /** XXH3-based hash consistent with dp_value_equal(a, b, 0): equal values hash
