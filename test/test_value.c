@@ -3203,3 +3203,67 @@ Test(value, an_equality_without_sharing_that_runs_out_of_memory_says_so_through_
   dp_value_collect();
   ASSERT_NO_LEAK();
 }
+
+static int distinct_hashes(const uint64_t *h, int n) {
+  int distinct = 0;
+  for (int i = 0; i < n; i++) {
+    int seen = 0;
+    for (int j = 0; j < i && !seen; j++) seen = h[j] == h[i];
+    distinct += !seen;
+  }
+  return distinct;
+}
+
+Test(value, dicts_and_objects_of_one_size_hash_apart_when_their_keys_names_or_values_differ) {
+  /* they hashed their size only: a table keyed by dp_value_hash met every
+   * dict of one entry as one chain */
+  enum { N = 200 };
+  uint64_t by_key[N], by_val[N], by_name[N], by_attr[N];
+  for (int i = 0; i < N; i++) {
+    dp_value_t d, e, o = t_obj("Box"), p = t_obj("Box");
+    char name[16];
+    snprintf(name, sizeof name, "a%d", i);
+    OK(dp_dict_new(0, &d, T_ERR));
+    OK(dp_dict_new(0, &e, T_ERR));
+    OK(dp_dict_set(d, dp_int(i), dp_none(), T_ERR));
+    OK(dp_dict_set(e, t_str("k"), dp_float(i), T_ERR));
+    OK(dp_object_set(o, name, dp_none(), T_ERR));
+    OK(dp_object_set(p, "a", t_str(name), T_ERR));
+    by_key[i] = dp_value_hash(d);
+    by_val[i] = dp_value_hash(e);
+    by_name[i] = dp_value_hash(o);
+    by_attr[i] = dp_value_hash(p);
+    dp_value_release(d);
+    dp_value_release(e);
+    dp_value_release(o);
+    dp_value_release(p);
+  }
+  cr_assert_eq(distinct_hashes(by_key, N), N, "dicts that differ in their key");
+  cr_assert_eq(distinct_hashes(by_val, N), N, "dicts that differ in their value");
+  cr_assert_eq(distinct_hashes(by_name, N), N, "objects that differ in an attribute's name");
+  cr_assert_eq(distinct_hashes(by_attr, N), N, "objects that differ in an attribute's value");
+  /* equal ones still hash alike, whatever their order, and one too large
+   * for the budget hashes its size */
+  for (int n = 2; n <= 200; n += 198) {
+    dp_value_t d[2], o[2];
+    for (int k = 0; k < 2; k++) {
+      OK(dp_dict_new(0, &d[k], T_ERR));
+      o[k] = t_obj("Box");
+      for (int i = 0; i < n; i++) {
+        int at = k ? n - 1 - i : i;
+        char name[16];
+        snprintf(name, sizeof name, "a%d", at);
+        OK(dp_dict_set(d[k], dp_int(at), dp_int(at * 3), T_ERR));
+        OK(dp_object_set(o[k], name, dp_int(at * 3), T_ERR));
+      }
+    }
+    cr_assert_eq(dp_value_equal(d[0], d[1], 0, NULL), 1);
+    cr_assert_eq(dp_value_hash(d[0]), dp_value_hash(d[1]), "dicts of %d entries", n);
+    cr_assert_eq(dp_value_hash(o[0]), dp_value_hash(o[1]), "objects of %d attributes", n);
+    for (int k = 0; k < 2; k++) {
+      dp_value_release(d[k]);
+      dp_value_release(o[k]);
+    }
+  }
+  ASSERT_NO_LEAK();
+}

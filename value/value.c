@@ -311,12 +311,18 @@ bool dp_value_is_hashable(dp_value_t key) {
  * terminates on cycles and costs at most the budget however often a large
  * container is shared (255 references to one list of 100,000 items read 25
  * million items); equal trees are cut alike, so values equal under
- * dp_value_equal(a, b, 0) hash equal. Dicts and objects hash their size (and
- * class) only, as equality ignores their order. Kept tuple words are not
- * used: a cut walk must not depend on what other walks kept. */
-uint64_t dp__hash_value(dp_value_t v, int depth, int max_depth, size_t *budget) {
-  if (*budget == 0) return dp__hash_u64(0, v.kind);
-  (*budget)--;
+ * dp_value_equal(a, b, 0) hash equal. A dict or an object, whose order
+ * equality ignores, adds its entries only when the budget has room for all
+ * of them (two nodes an entry: its key or name, by the hash the container
+ * keeps of it, and its value, by node_hash), summed so that the order does
+ * not count; it hashed its size (and class) only, so that every dict of one
+ * entry hashed alike, which any table keyed by dp_value_hash would meet as
+ * one long chain. Kept tuple words are not used: a cut walk must not depend
+ * on what other walks kept. */
+
+/* A node by itself: a leaf whole, a container by its kind and size (and
+ * class); what equal values have alike. */
+static uint64_t node_hash(dp_value_t v) {
   switch (v.kind) {
     case DP_NONE: case DP_BOOL: case DP_INT: case DP_FLOAT: case DP_STR: case DP_BYTES:
       return leaf_hash(v);
@@ -331,14 +337,42 @@ uint64_t dp__hash_value(dp_value_t v, int depth, int max_depth, size_t *budget) 
     case DP_OBJECT:
       return mix(dp__hash_u64(DP_OBJ(v)->len, DP_OBJECT), dp__hash_bytes(DP_OBJ(v)->class_name, DP_OBJ(v)->class_len,
                                                                          DP_OBJECT), DP_OBJECT);
-    default: {  /* list, tuple */
+    default:  /* list, tuple */
+      return dp__hash_u64(DP_SEQ(v)->len, v.kind);
+  }
+}
+
+uint64_t dp__hash_value(dp_value_t v, int depth, int max_depth, size_t *budget) {
+  if (*budget == 0) return dp__hash_u64(0, v.kind);
+  (*budget)--;
+  uint64_t h = node_hash(v);
+  if (depth >= max_depth) return h;
+  switch (v.kind) {
+    case DP_LIST:
+    case DP_TUPLE: {
       dp_seq_t *s = DP_SEQ(v);
-      uint64_t h = dp__hash_u64(s->len, v.kind);
-      if (depth >= max_depth) return h;
       for (size_t i = 0; i < s->len && *budget; i++)
         h = mix(h, dp__hash_value(s->items[i], depth + 1, max_depth, budget), v.kind);
       return h;
     }
+    case DP_DICT: {
+      dp_dict_t *d = DP_DICT(v);
+      if (d->len > *budget / 2) return h;
+      *budget -= 2 * d->len;
+      uint64_t sum = 0;
+      for (size_t i = 0; i < d->len; i++) sum += mix(d->entries[i].hash, node_hash(d->entries[i].val), DP_DICT);
+      return mix(h, sum, DP_DICT);
+    }
+    case DP_OBJECT: {
+      dp_object_t *o = DP_OBJ(v);
+      if (o->len > *budget / 2) return h;
+      *budget -= 2 * o->len;
+      uint64_t sum = 0;
+      for (size_t i = 0; i < o->len; i++) sum += mix(o->attrs[i].hash, node_hash(o->attrs[i].val), DP_OBJECT);
+      return mix(h, sum, DP_OBJECT);
+    }
+    default:
+      return h;
   }
 }
 

@@ -354,7 +354,10 @@ DP_API int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t
  *  equal. Looks at its first 256 nodes (leaves included; a str or bytes
  *  reads all its bytes the first time any hash takes it, then keeps its
  *  hash) within 12 levels: a bounded prefix of large, shared or cyclic
- *  values. Keyed with a secret drawn once per process (so that values built
+ *  values. A dict or object adds its keys (attribute names) and its values,
+ *  each value by its kind and size, or whole if a leaf, two nodes an entry,
+ *  when all of them fit in what is left of the 256; else its size (and
+ *  class) only. Keyed with a secret drawn once per process (so that values built
  *  to collide cannot flood a table using it): stable within a process,
  *  different in the next one — never store it or send it. */
 DP_API uint64_t dp_value_hash(dp_value_t v);
