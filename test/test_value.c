@@ -3267,3 +3267,23 @@ Test(value, dicts_and_objects_of_one_size_hash_apart_when_their_keys_names_or_va
   }
   ASSERT_NO_LEAK();
 }
+
+Test(value, scalar_accessors_of_another_kind_give_false_zero_and_zero_point_zero) {
+  /* they read the union whatever the kind: a str's address as an int, a
+   * float's bits as an int, any nonzero word as true */
+  dp_value_t s = t_str("text"), l = t_list();
+  dp_value_t others[] = {dp_none(), dp_int(7), dp_float(2.5), dp_bool(true), s, l};
+  for (size_t i = 0; i < sizeof others / sizeof others[0]; i++) {
+    dp_value_t v = others[i];
+    const char *k = dp_kind_name(dp_value_kind(v));
+    if (dp_value_kind(v) != DP_BOOL) cr_assert_eq(dp_value_as_bool(v), false, "as_bool of a %s", k);
+    if (dp_value_kind(v) != DP_INT) cr_assert_eq(dp_value_as_int(v), 0, "as_int of a %s", k);
+    if (dp_value_kind(v) != DP_FLOAT) cr_assert(dp_value_as_float(v) == 0.0, "as_float of a %s", k);
+  }
+  cr_assert_eq(dp_value_as_int(dp_int(-1)), -1);
+  cr_assert(dp_value_as_bool(dp_bool(true)));
+  cr_assert(dp_value_as_float(dp_float(-0.5)) == -0.5);
+  dp_value_release(s);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}

@@ -119,9 +119,12 @@ static inline dp_value_t dp_int(int64_t i) { dp_value_t v; v.u.i = i; v.kind = D
 static inline dp_value_t dp_float(double f) { dp_value_t v; v.u.f = f; v.kind = DP_FLOAT; v.reserved_ = 0; return v; }
 
 static inline dp_kind_t dp_value_kind(dp_value_t v) { return (dp_kind_t)v.kind; }
-static inline bool dp_value_as_bool(dp_value_t v) { return v.u.i != 0; }
-static inline int64_t dp_value_as_int(dp_value_t v) { return v.u.i; }
-static inline double dp_value_as_float(dp_value_t v) { return v.u.f; }
+/* A scalar's content; for a value of another kind base.h's neutral value
+ * (false, 0, 0.0): no conversion between kinds (an int is no bool, a bool
+ * no int), and never a heap value's address. */
+static inline bool dp_value_as_bool(dp_value_t v) { return v.kind == DP_BOOL && v.u.i != 0; }
+static inline int64_t dp_value_as_int(dp_value_t v) { return v.kind == DP_INT ? v.u.i : 0; }
+static inline double dp_value_as_float(dp_value_t v) { return v.kind == DP_FLOAT ? v.u.f : 0.0; }
 static inline bool dp_value_is_heap(dp_value_t v) { return v.kind >= DP_STR; }
 /** Identity of a heap value (NULL for scalars): equal pointers, same node. */
 static inline const void *dp_value_id(dp_value_t v) { return dp_value_is_heap(v) ? (const void *)v.u.h : (const void *)0; }
