@@ -3287,3 +3287,58 @@ Test(value, scalar_accessors_of_another_kind_give_false_zero_and_zero_point_zero
   dp_value_release(l);
   ASSERT_NO_LEAK();
 }
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* Runs retain() on a value (or storage) whose count is `count`, in a child
+ * process; returns the signal that ended it (0: it exited) and its stderr. */
+static int retain_at_count_in_a_child(int storage, uint32_t count, char *msg, size_t cap) {
+  int fd[2];
+  cr_assert_eq(pipe(fd), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    dup2(fd[1], 2);
+    close(fd[0]);
+    dp_value_t l;
+    dp_storage_t *s;
+    if (storage) {
+      if (dp_storage_new((dp_device_t){DP_DEVICE_CPU, 0}, NULL, 0, NULL, NULL, &s, NULL) != 0) _exit(3);
+      atomic_store(&s->rc, count);
+      dp_storage_retain(s);
+      _exit(atomic_load(&s->rc) == count + 1 ? 0 : 4);
+    }
+    if (dp_list_new(0, &l, NULL) != 0) _exit(3);
+    atomic_store(&l.u.h->rc, count);
+    dp_value_retain(l);
+    _exit(dp_value_refcount(l) == count + 1 ? 0 : 4);
+  }
+  close(fd[1]);
+  size_t n = 0;
+  ssize_t got;
+  while (n + 1 < cap && (got = read(fd[0], msg + n, cap - 1 - n)) > 0) n += (size_t)got;
+  msg[n] = '\0';
+  close(fd[0]);
+  int status;
+  cr_assert_eq(waitpid(pid, &status, 0), pid);
+  if (WIFSIGNALED(status)) return WTERMSIG(status);
+  cr_assert_eq(WEXITSTATUS(status), 0, "the child exited %d", WEXITSTATUS(status));
+  return 0;
+}
+
+Test(value, a_retain_of_a_value_or_storage_at_the_largest_count_aborts_instead_of_wrapping_to_zero) {
+  /* the count wrapped to 0 and the next release freed what was held */
+  char msg[512];
+  cr_assert_eq(retain_at_count_in_a_child(0, UINT32_MAX - 1, msg, sizeof msg), 0, "one below the bound is counted");
+  cr_assert_str_empty(msg);
+  cr_assert_eq(retain_at_count_in_a_child(0, UINT32_MAX, msg, sizeof msg), SIGABRT);
+  cr_assert_str_eq(msg, "devpickle: list retained while it held 4294967295 references (the most a 32-bit count "
+                        "holds): aborting\n");
+  cr_assert_eq(retain_at_count_in_a_child(1, UINT32_MAX - 1, msg, sizeof msg), 0);
+  cr_assert_eq(retain_at_count_in_a_child(1, UINT32_MAX, msg, sizeof msg), SIGABRT);
+  cr_assert_str_eq(msg, "devpickle: storage retained while it held 4294967295 references (the most a 32-bit "
+                        "count holds): aborting\n");
+}

@@ -133,7 +133,10 @@ static inline const void *dp_value_id(dp_value_t v) { return dp_value_is_heap(v)
  *  number that is no dp_kind_t. */
 DP_API const char *dp_kind_name(dp_kind_t kind);
 
-/** New reference to the same value. Thread-safe. Returns v. */
+/** New reference to the same value. Thread-safe. Returns v. A count is
+ *  32 bits: a retain of a value (or storage) that already holds
+ *  4,294,967,295 references aborts the process, naming the kind on
+ *  stderr, rather than wrap the count to 0 and free what is held. */
 DP_API dp_value_t dp_value_retain(dp_value_t v);
 /** Gives back one reference; frees what is no longer reachable, cycles at
  *  the next collection (see CYCLES). Thread-safe (see THREAD SAFETY). */
