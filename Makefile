@@ -267,7 +267,7 @@ deps: ## Install the missing Debian packages (apt-get; needs root only when one 
 	@missing=""; for ph in $(DEB_PKGS); do c="$${ph#*:}"; \
 	  case "$$c" in cmd/*) command -v "$${c#cmd/}" >/dev/null 2>&1 ;; \
 	    *) printf '#include <%s>\n' "$$c" | $(CC) -E -x c - >/dev/null 2>&1 ;; esac || missing="$$missing $${ph%%:*}"; done; \
-	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ -z "$$missing" ]; then echo "devpickle: the Debian packages are present ($(foreach p,$(DEB_PKGS),$(firstword $(subst :, ,$(p)))))"; exit 0; fi; \
 	echo "devpickle: installing$$missing"; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
 	  echo "devpickle: cannot install packages here; run: sudo apt-get install -y$$missing" >&2; exit 1; fi; \
