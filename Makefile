@@ -49,7 +49,7 @@ HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
 DEB_PKGS  := libmsgpack-dev:msgpack.h libxxhash-dev:xxhash.h libcriterion-dev:criterion/criterion.h libjansson-dev:jansson.h \
              libucx-dev:ucp/api/ucp.h ucx-utils:cmd/ucx_perftest
 
-.PHONY: soak checksymbols checkheaders check-build all lib cli test test-asan test-tsan gpu-test gpu-bundle fuzz deps-fuzz demo bench deps deps-check install uninstall clean help config FORCE
+.PHONY: soak checksymbols checkheaders check-build check-install all lib cli test test-asan test-tsan gpu-test gpu-bundle fuzz deps-fuzz demo bench deps deps-check install uninstall clean help config FORCE
 
 all: lib cli ## Build the static and shared library and the CLI (build/devpickle)
 
@@ -108,9 +108,10 @@ $(BUILD)/one_row: bench/one_row.c bench/bench_future.c bench/bench.h $(BUILD)/li
 $(BUILD)/embed: examples/embed.c $(BUILD)/libdevpickle.a $(STAMPS)/test | deps-check
 	$(CC) $(TFLAGS) $(SANFLAGS) $(DEPFLAGS) -o $@ $< $(BUILD)/libdevpickle.a $(LDLIBS)
 
-test: deps all $(TEST_BIN) $(BUILD)/embed ## Run the Criterion suites, the embedding example and the Python suite
+test: deps all $(TEST_BIN) $(BUILD)/embed ## Run the Criterion suites, the embedding example (also as installed) and the Python suite
 	@set -e; for t in $(TEST_BIN); do echo "== $$t"; DEVPICKLE=$(BUILD)/devpickle $$t --jobs 2; done
 	@echo "== $(BUILD)/embed"; $(BUILD)/embed
+	@$(MAKE) --no-print-directory check-install
 	@echo "== python (pytest)"; $(MAKE) --no-print-directory test-python
 
 # Sanitizers. Criterion runs each test in a forked worker and ignores what
@@ -304,6 +305,30 @@ uninstall: ## Remove what install put in place
 	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/devpickle.pc $(DESTDIR)$(PREFIX)/bin/devpickle
 	rm -rf $(DESTDIR)$(PREFIX)/include/devpickle
 	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; fi
+
+# The embedding example built as README, "Embedding", tells a user to build it:
+# installed under a PREFIX the loader does not search, found through
+# PKG_CONFIG_PATH, linked shared (with the rpath) and static (staticlibs), each
+# binary run. DESTDIR=/ keeps install from running ldconfig for a directory
+# the loader never searches.
+INSTALL_CHECK = $(abspath $(BUILD))/install-check
+check-install: all ## Install under build/install-check; build examples/embed.c through pkg-config, shared and static; run both
+	@command -v pkg-config >/dev/null || { echo "check-install: pkg-config is missing: apt-get install pkg-config" >&2; exit 1; }
+	@rm -rf $(INSTALL_CHECK)
+	@$(MAKE) --no-print-directory PREFIX=$(INSTALL_CHECK)/prefix DESTDIR=/ install >/dev/null
+	@set -e; p=$(INSTALL_CHECK)/prefix; export PKG_CONFIG_PATH=$$p/lib/pkgconfig; \
+	v=$$(pkg-config --modversion devpickle); [ "$$v" = "$(VERSION)" ] || \
+	  { echo "check-install: pkg-config says version '$$v', the headers $(VERSION)" >&2; exit 1; }; \
+	$(CC) -std=c11 -Wall -Wextra -Werror examples/embed.c $$(pkg-config --cflags --libs devpickle) \
+	  -Wl,-rpath,$$(pkg-config --variable=libdir devpickle) -o $(INSTALL_CHECK)/embed-shared; \
+	$(CC) -std=c11 -Wall -Wextra -Werror examples/embed.c $$(pkg-config --cflags devpickle) \
+	  $$(pkg-config --variable=staticlibs devpickle) -o $(INSTALL_CHECK)/embed-static; \
+	ldd $(INSTALL_CHECK)/embed-shared | grep -q " $$p/lib/libdevpickle.so.0 " || \
+	  { echo "check-install: embed-shared does not load $$p/lib/libdevpickle.so.0" >&2; exit 1; }; \
+	! ldd $(INSTALL_CHECK)/embed-static | grep libdevpickle || \
+	  { echo "check-install: embed-static depends on libdevpickle.so" >&2; exit 1; }; \
+	$(INSTALL_CHECK)/embed-shared >/dev/null; $(INSTALL_CHECK)/embed-static >/dev/null; \
+	echo "check-install: examples/embed.c built through pkg-config from $$p, shared and static; both ran"
 
 check-build: ## Check, on a copy of the tree, that a change (header, CFLAGS, PREFIX, version) rebuilds what it affects
 	@sh test/build/check.sh
