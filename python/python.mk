@@ -17,6 +17,7 @@ python: lib deps-python ## Build the Python package into build/python/devpickle 
 	@test -n "$(PY_INC)" -a -f "$(PY_INC)/Python.h" || { echo "devpickle: no Python.h for $(PYTHON): run 'make deps'" >&2; exit 1; }
 	@$(MAKE) --no-print-directory PYTHON=$(PYTHON) $(PY_EXT) $(PY_FILES:python/%=$(PY_BUILD)/%)
 	@$(PYTHON) python/build_torch_adapter.py --out $(PY_BUILD)/devpickle --if-available
+	@echo "devpickle: built $(abspath $(PY_BUILD))/devpickle; import it with PYTHONPATH=$(abspath $(PY_BUILD))"
 
 $(PY_BUILD)/devpickle/_devpickle%.so: $(PY_SRC) $(PY_HDR) $(BUILD)/libdevpickle.a $(HEADERS)
 	@mkdir -p $(dir $@)

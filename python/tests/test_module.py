@@ -241,3 +241,19 @@ def test_every_python_example_of_the_docs_runs_as_written(doc):
         if not torch.cuda.is_available():
             code = code.replace('device="cuda"', 'device="cpu"')
         exec(compile(code, f"{doc} example {i + 1}", "exec"), {"__name__": f"doc_example_{i}"})
+
+
+def test_the_readmes_pythonpath_line_imports_the_built_package_from_any_directory(tmp_path):
+    # README's `PYTHONPATH=... /usr/bin/python3` is run from the repository
+    # root; a relative path there would stop working once the user cd's away
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        m = re.search(r"^PYTHONPATH=(\S+) /usr/bin/python3", f.read(), re.M)
+    assert m, "README.md shows no PYTHONPATH=... /usr/bin/python3 line"
+    path = m.group(1).replace("$PWD", REPO)
+    assert os.path.isabs(path), f"README's PYTHONPATH={m.group(1)} imports devpickle only from the repository root"
+    assert path == os.path.join(REPO, "build", "python")
+    if not os.path.isfile(os.path.join(path, "devpickle", "__init__.py")):
+        pytest.skip("make python has not built build/python (another BUILD is under test)")
+    out = subprocess.run([sys.executable, "-c", "import devpickle; print(devpickle.__file__)"], cwd=tmp_path,
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
+    assert out.stdout == os.path.join(path, "devpickle", "__init__.py") + "\n", out.stderr
