@@ -18,7 +18,9 @@ headers are missing (the extension then uses torch's Python API) — 0 with
 it fails.
 """
 import argparse
+import contextlib
 import glob
+import io
 import os
 import shlex
 import subprocess
@@ -77,7 +79,12 @@ def command(cxx, outdir):
         missing("torch cannot be imported (%s)" % e)
     torch_dir = os.path.dirname(torch.__file__)
     try:
-        from torch.utils import cpp_extension
+        # importing cpp_extension prints torch's own notes on where it would
+        # find CUDA for its extension builds ("No CUDA runtime is found, using
+        # CUDA_HOME=..." on any machine without a GPU): not this build's, which
+        # says below what it does about CUDA
+        with contextlib.redirect_stderr(io.StringIO()):
+            from torch.utils import cpp_extension
         incs = list(cpp_extension.include_paths())
         libs = list(cpp_extension.library_paths())
     except Exception:  # cpp_extension needs setuptools; the layout is fixed

@@ -62,3 +62,26 @@ def test_dry_run_prints_the_command_for_this_torch(tmp_path):
     if torch.version.cuda is None:
         assert "-DDP_TORCH_CUDA" not in cmd
     assert list(tmp_path.iterdir()) == []
+
+
+def test_torchs_note_on_cuda_home_at_import_is_not_printed_as_this_builds(tmp_path):
+    # torch.utils.cpp_extension prints "No CUDA runtime is found, using
+    # CUDA_HOME=..." when imported on a machine without a GPU: make python
+    # showed it as if the build had a problem
+    path = fake_torch(tmp_path, "class version:\n    cuda = None\nclass _C:\n    _GLIBCXX_USE_CXX11_ABI = True\n")
+    (path / "torch" / "utils").mkdir()
+    (path / "torch" / "utils" / "__init__.py").write_text("")
+    inc = tmp_path / "include"
+    (inc / "torch" / "csrc" / "autograd").mkdir(parents=True)
+    (inc / "torch" / "csrc" / "autograd" / "python_variable.h").write_text("")
+    (path / "torch" / "utils" / "cpp_extension.py").write_text(
+        "import sys\n"
+        "print(\"No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'\", file=sys.stderr)\n"
+        f"def include_paths(): return [{str(inc)!r}]\n"
+        f"def library_paths(): return [{str(tmp_path / 'lib')!r}]\n")
+    r = run(["--dry-run", str(tmp_path / "out")], path)
+    if r.returncode == 3:
+        pytest.skip("Python's headers are not installed: " + r.stderr.strip())
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    assert "-isystem" + str(inc) in r.stdout.split()
