@@ -47,7 +47,7 @@ int main(void) {
   if (dp_object_new("Model", &model, &err) || dp_custom_new(&block_type, b, &blk, &err) ||
       dp_object_set(model, "block", blk, &err) ||  /* steals blk */
       dp_object_set(model, "bias", device_tensor(0x7f0000100000, 16), &err)) {
-    fprintf(stderr, "build: %s\n", err.message);
+    fprintf(stderr, "build: %s: %s\n", dp_err_name(err.code), err.message);
     return 1;
   }
 
@@ -60,13 +60,19 @@ int main(void) {
   for (size_t i = 0; i < dp_ptrset_count(set); i++) {
     dp_ptr_info_t p;
     char dev[16];
-    dp_ptrset_get(set, i, &p, NULL);
+    if (dp_ptrset_get(set, i, &p, &err)) {
+      fprintf(stderr, "%s: %s\n", dp_err_name(err.code), err.message);
+      return 1;
+    }
     printf("%s %p %zu bytes at %s\n", dp_device_format(p.device, dev, sizeof dev), p.base, p.nbytes, p.path);
   }
 
   dp_frame_t *frame;  /* the frame for transport; device buffers go out-of-band */
   size_t n;
-  if (dp_frame_new(&frame, &err) || dp_pickle(model, NULL, frame, &err)) return 1;
+  if (dp_frame_new(&frame, &err) || dp_pickle(model, NULL, frame, &err)) {
+    fprintf(stderr, "pickle: %s: %s\n", dp_err_name(err.code), err.message);
+    return 1;
+  }
   const uint8_t *bytes = dp_frame_data(frame, &n);
   printf("frame: %zu bytes, %zu buffers\n", n, dp_frame_nbuffers(frame));
 
@@ -78,7 +84,10 @@ int main(void) {
   /* Without a resolver the Block comes back generic: class "Block", its state
    * in the attribute "__reduce__". */
   dp_value_t blk2;
-  dp_object_get(copy, "block", &blk2, NULL);
+  if (dp_object_get(copy, "block", &blk2, &err)) {
+    fprintf(stderr, "%s: %s\n", dp_err_name(err.code), err.message);
+    return 1;
+  }
   printf("received a %s (reduced: %s)\n", dp_object_class(blk2), dp_object_is_reduced(blk2) ? "yes" : "no");
 
   dp_value_release(copy);
