@@ -15,7 +15,9 @@ packages).
 Exit status: 0 built (or up to date); 3 torch, its C++ headers or Python's
 headers are missing (the extension then uses torch's Python API) — 0 with
 --if-available, which says so and builds nothing; the compiler's status when
-it fails.
+it fails. When they are missing, an adapter an earlier build left in OUTDIR
+is removed (saying so), so that OUTDIR's package never loads one built
+against another torch.
 """
 import argparse
 import contextlib
@@ -33,10 +35,21 @@ SOURCE = os.path.join(HERE, "src", "torch_adapter.cpp")
 DEPENDS = [SOURCE, os.path.join(HERE, "src", "torch_api.h"), os.path.abspath(__file__)]
 STAMP = ".torch_adapter.cmd"  # the command that built OUTDIR's adapter
 if_available = False
+stale = []  # what an earlier build left in OUTDIR: the adapter and its stamp
 
 
 def missing(msg):
-    print("build_torch_adapter: %s; devpickle will use torch's Python API" % msg,
+    # an adapter an earlier build left in OUTDIR (built against another
+    # environment's torch) would otherwise be packaged and loaded as this one
+    removed = []
+    for path in stale:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    note = "; removed %s, an earlier build's" % stale[0] if stale and stale[0] in removed else ""
+    print("build_torch_adapter: %s; devpickle will use torch's Python API%s" % (msg, note),
           file=sys.stderr)
     sys.exit(0 if if_available else MISSING)
 
@@ -151,6 +164,9 @@ def main():
         sys.exit(subprocess.call(argv))
     global if_available
     if_available = a.if_available
+    if not a.dry_run:
+        ext = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        stale[:] = [os.path.join(outdir, "_torch" + ext), os.path.join(outdir, STAMP)]
     cmd = command(a.cxx, os.path.abspath(outdir))
     line = " ".join(shlex.quote(c) for c in cmd)
     target, stamp = cmd[cmd.index("-o") + 1], os.path.join(outdir, STAMP)

@@ -85,3 +85,25 @@ def test_torchs_note_on_cuda_home_at_import_is_not_printed_as_this_builds(tmp_pa
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
     assert "-isystem" + str(inc) in r.stdout.split()
+
+
+def test_an_earlier_builds_adapter_is_removed_when_torch_is_missing_now(tmp_path):
+    # pip's isolated build and a --no-build-isolation one share the build
+    # directory: the adapter built against one environment's torch was
+    # packaged into the other's wheel, where torch was not even seen
+    import sysconfig
+    out = tmp_path / "out"
+    out.mkdir()
+    adapter = out / ("_torch" + sysconfig.get_config_var("EXT_SUFFIX"))
+    adapter.write_bytes(b"built against another torch")
+    (out / ".torch_adapter.cmd").write_text("g++ ...")
+    (tmp_path / "site").mkdir()
+    path = fake_torch(tmp_path / "site", "raise ImportError('no torch here')\n")
+    r = run(["--out", str(out), "--if-available"], path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (f"build_torch_adapter: torch cannot be imported (no torch here); devpickle will use torch's "
+                        f"Python API; removed {adapter}, an earlier build's\n")
+    assert sorted(os.listdir(out)) == []
+    r = run(["--out", str(out), "--if-available"], path)
+    assert r.stderr == ("build_torch_adapter: torch cannot be imported (no torch here); devpickle will use torch's "
+                        "Python API\n")
