@@ -96,6 +96,7 @@ check-pip: deps-python ## Check that `pip install ./python` works offline (a ven
 	$(BUILD)/venv/bin/pip install -q --no-index ./python
 	cd / && $(abspath $(BUILD))/venv/bin/python -c 'import devpickle, torch; \
 	  r = devpickle.scan({"t": torch.ones(2)}); assert r[0].path == "$$.t", r; \
+	  a = devpickle._devpickle._torch_adapter(); assert a == "python", "build isolation hides torch, yet the adapter is " + repr(a); \
 	  import os; d = os.path.dirname(devpickle.__file__); assert {"py.typed", "_devpickle.pyi"} <= set(os.listdir(d)), d; \
 	  print("check-pip: installed", devpickle.__file__, "with its types")'
 
