@@ -297,7 +297,10 @@ install: all $(BUILD)/devpickle.pc ## Install headers, libraries, CLI and devpic
 	install -m 755 $(BUILD)/devpickle $(DESTDIR)$(PREFIX)/bin/
 	@# The loader finds a new library in a directory it searches (/usr/local/lib)
 	@# only through its cache: refresh it, as root, for an install in place.
-	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; fi
+	@# Not root: the cache stays as it was; say what a program linked without
+	@# an rpath needs.
+	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; \
+	elif [ -z "$(DESTDIR)" ]; then echo "devpickle: not root, so the loader's cache was not refreshed: for a program to find $(SONAME), link it with -Wl,-rpath,$(PREFIX)/lib, set LD_LIBRARY_PATH=$(PREFIX)/lib, or (where the loader searches $(PREFIX)/lib) run ldconfig as root"; fi
 
 uninstall: ## Remove what install put in place
 	rm -f $(DESTDIR)$(PREFIX)/include/devpickle.h $(DESTDIR)$(PREFIX)/lib/libdevpickle.a \
