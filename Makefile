@@ -279,8 +279,12 @@ deps-check: ## Check that the C library's headers are installed (every build doe
 	@printf '#include <msgpack.h>\n#include <xxhash.h>\n#include <ucp/api/ucp.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 || \
 	  { echo "devpickle: msgpack-c, xxHash or UCX headers missing: run 'make deps'" >&2; exit 1; }
 
-config: ## Show what the build found
-	@echo "CC=$(CC) CUDA=$(HAVE_CUDA) ($(CUDA_HOME)) PREFIX=$(PREFIX)"
+config: ## Show what the build found: compiler, CUDA, PREFIX, the Python binding's interpreter and torch adapter
+	@echo "CC=$(CC) CUDA=$(HAVE_CUDA) ($(CUDA_HOME)) PREFIX=$(PREFIX) VERSION=$(VERSION)"
+	@echo "PYTHON=$(PYTHON) ($(if $(wildcard $(PY_INC)/Python.h),Python.h in $(PY_INC),no Python.h: make python installs python3-dev))"
+	@err=$$($(PYTHON) python/build_torch_adapter.py --dry-run --out $(PY_BUILD)/devpickle 2>&1 >/dev/null) \
+	  && echo "torch adapter: make python builds it" \
+	  || echo "torch adapter: not built: $$(printf '%s\n' "$$err" | sed -n 's/^build_torch_adapter: //p' | head -1)"
 
 $(BUILD)/devpickle.pc: Makefile $(STAMPS)/pc
 	@mkdir -p $(BUILD)
