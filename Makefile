@@ -47,7 +47,7 @@ HEADERS   := $(wildcard include/*.h include/devpickle/*.h)
 # nothing asks for root (or dpkg) when everything is already installed. A
 # package without a header (a tool) is named by its command: cmd/NAME.
 DEB_PKGS  := libmsgpack-dev:msgpack.h libxxhash-dev:xxhash.h libcriterion-dev:criterion/criterion.h libjansson-dev:jansson.h \
-             libucx-dev:ucp/api/ucp.h ucx-utils:cmd/ucx_perftest
+             libucx-dev:ucp/api/ucp.h ucx-utils:cmd/ucx_perftest pkg-config:cmd/pkg-config
 
 .PHONY: soak checksymbols checkheaders check-build check-install all lib cli test test-asan test-tsan gpu-test gpu-bundle fuzz deps-fuzz demo bench deps deps-check install uninstall clean help config FORCE
 
@@ -320,7 +320,7 @@ uninstall: ## Remove what install put in place
 # the loader never searches.
 INSTALL_CHECK = $(abspath $(BUILD))/install-check
 check-install: all ## Install under build/install-check; build examples/embed.c through pkg-config, shared and static; run both
-	@command -v pkg-config >/dev/null || { echo "check-install: pkg-config is missing: apt-get install pkg-config" >&2; exit 1; }
+	@command -v pkg-config >/dev/null || { echo "check-install: pkg-config is missing: run 'make deps'" >&2; exit 1; }
 	@rm -rf $(INSTALL_CHECK)
 	@$(MAKE) --no-print-directory PREFIX=$(INSTALL_CHECK)/prefix DESTDIR=/ install >/dev/null
 	@set -e; p=$(INSTALL_CHECK)/prefix; export PKG_CONFIG_PATH=$$p/lib/pkgconfig; \
