@@ -154,15 +154,17 @@ else
 	@echo "gpu-test: no CUDA toolkit (headers and nvcc) under $(CUDA_HOME): the GPU suite cannot be built here"
 endif
 
-# Everything a GPU machine call needs, built here (GPU.md): the binaries in
+# Everything a GPU machine call needs, built here (../shared/GPU.md, beside
+# the checkout, not in it, as ../shared/tools/bundle-libs is): the binaries in
 # build/gpu-bin, their shared libraries, xxHash's header and the static
 # msgpack-c and xxHash that python/gpu_run.sh links the extension with, in
 # build/gpu-libs.
 # Run there with carry [build/gpu-bin, build/gpu-libs, build/libdevpickle.a]:
 #   BIN=build/gpu-bin sh bench/h200.sh $$OUT; bash python/gpu_run.sh $$OUT
 GPU_BUNDLE := test_gpu test_future devpickle bench_future bench_pickler bench_device one_row
-gpu-bundle: deps ## Gather the GPU binaries and their libraries in build/gpu-bin, build/gpu-libs (GPU.md)
+gpu-bundle: deps ## Gather the GPU binaries and their libraries in build/gpu-bin, build/gpu-libs (../shared/GPU.md)
 ifeq ($(DEMO_CUDA),1)
+	@test -x ../shared/tools/bundle-libs || { echo "gpu-bundle: needs ../shared/tools/bundle-libs, beside the checkout (../shared/GPU.md); this tree has no ../shared" >&2; exit 1; }
 	@$(MAKE) --no-print-directory all $(GPU_BUNDLE:%=$(BUILD)/%)
 	rm -rf $(BUILD)/gpu-bin $(BUILD)/gpu-libs && mkdir -p $(BUILD)/gpu-bin $(BUILD)/gpu-libs/include
 	cp $(GPU_BUNDLE:%=$(BUILD)/%) $(BUILD)/gpu-bin/
