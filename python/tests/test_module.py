@@ -257,3 +257,19 @@ def test_the_readmes_pythonpath_line_imports_the_built_package_from_any_director
     out = subprocess.run([sys.executable, "-c", "import devpickle; print(devpickle.__file__)"], cwd=tmp_path,
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
     assert out.stdout == os.path.join(path, "devpickle", "__init__.py") + "\n", out.stderr
+
+
+def test_make_help_lists_every_target_the_readme_names():
+    # a newcomer reads a target's name in README, then `make help` for it
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    named = set(re.findall(r"`make ([a-z][a-z-]*)", text))
+    listed = text[text.index("`make help` lists every target"):text.index("The version is written once")]
+    named |= {t for t in re.findall(r"`([^`]+)`", listed) if re.fullmatch(r"[a-z][a-z-]*", t)}
+    assert {"all", "lib", "cli", "config", "check-install", "install", "uninstall", "clean", "python"} <= named
+    out = subprocess.run(["make", "--no-print-directory", "-s", "-C", REPO, "help"], capture_output=True, text=True,
+                         check=True).stdout
+    helped = {line.split()[0] for line in out.splitlines() if line.strip()}
+    assert sorted(named - helped) == []
+    for line in out.splitlines():
+        assert len(line.split(None, 1)) == 2, f"make help lists {line.strip()!r} without saying what it does"
