@@ -273,3 +273,12 @@ def test_make_help_lists_every_target_the_readme_names():
     assert sorted(named - helped) == []
     for line in out.splitlines():
         assert len(line.split(None, 1)) == 2, f"make help lists {line.strip()!r} without saying what it does"
+
+
+def test_make_deps_says_that_every_package_is_present():
+    # the suite runs after make deps: with everything present, deps says so
+    # (it printed nothing, and a newcomer could not tell it checked anything)
+    out = subprocess.run(["make", "--no-print-directory", "-s", "-C", REPO, "deps"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert re.fullmatch(r"devpickle: the Debian packages are present \((\S+ )+pkg-config\)\n", out.stdout), out.stdout
+    assert out.stderr == ""
