@@ -28,7 +28,9 @@ $(PY_BUILD)/devpickle/%: python/devpickle/%
 	@mkdir -p $(dir $@)
 	cp $< $@
 
-test-python: python ## Run the Python suite (pytest) against the built package
+# cli too: the suite checks its frames against the CLI's (DEVPICKLE), and
+# those tests would skip in a tree where it is not built yet.
+test-python: python cli ## Run the Python suite (pytest) against the built package and the CLI
 	PYTHONPATH=$(abspath $(PY_BUILD)) DEVPICKLE=$(abspath $(BUILD)/devpickle) \
 	  $(PYTHON) -m pytest -q -p no:cacheprovider python/tests
 
