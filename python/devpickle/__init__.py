@@ -12,6 +12,20 @@ See docs/PYTHON.md for the walk rules, the streams and the GIL.
 __version__ is the version of the devpickle library the module is built on.
 """
 
+try:
+    from . import _devpickle  # noqa: F401
+except ImportError as e:
+    import importlib.util
+
+    if importlib.util.find_spec(__name__ + "._devpickle") is not None:  # there, and failing to load: its own error
+        raise
+    # the source tree's package, with no extension built into it
+    raise ImportError(
+        f"devpickle's extension is not in {__path__[0]}: this is the source tree's package (python/devpickle), "
+        "which shadows a built one when Python runs inside python/; run from another directory, with "
+        "PYTHONPATH=$PWD/build/python after 'make python' in the checkout, or after 'pip install ./python'",
+        name=__name__ + "._devpickle") from e
+
 from ._devpickle import (  # noqa: F401
     __version__,
     Allocation,

@@ -282,3 +282,16 @@ def test_make_deps_says_that_every_package_is_present():
     assert out.returncode == 0, out.stderr
     assert re.fullmatch(r"devpickle: the Debian packages are present \((\S+ )+pkg-config\)\n", out.stdout), out.stdout
     assert out.stderr == ""
+
+
+def test_python_run_inside_the_source_tree_says_its_package_shadows_the_built_one():
+    # python/devpickle has no extension in it: imported from python/ (the
+    # current directory first on sys.path), it shadowed the built package
+    # and said only "cannot import name '_devpickle' ... circular import"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", "import devpickle"], cwd=os.path.join(REPO, "python"), env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: devpickle's extension is not in " + os.path.join(REPO, "python", "devpickle"))
+    assert "shadows a built one when Python runs inside python/" in last and "PYTHONPATH=$PWD/build/python" in last
