@@ -3068,34 +3068,41 @@ static void write_deep_frame(void) {
   run_ok("pack deep.json -o deep.dpk");
 }
 
+/* `unpack deep.dpk -o out.json` (out.json holding "old") ended by signal
+ * sig once its temporary file is there (the child's disposition of sig, and
+ * of SIGINT and SIGHUP as an interactive shell starts it, the default):
+ * it dies by sig, its temporary file is gone and out.json is the old one. */
+static void unpack_ended_by(int sig) {
+  char abs[512];
+  cr_assert_not_null(realpath(cli, abs));
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    if (chdir(dir) != 0) _exit(99);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    signal(sig, SIG_DFL);
+    execl(abs, abs, "unpack", "deep.dpk", "-o", "out.json", (char *)NULL);
+    _exit(98);
+  }
+  int st, seen = 0;
+  while (!seen && waitpid(pid, &st, WNOHANG) == 0) {
+    seen = tmp_file_in_dir();
+    if (!seen) usleep(1000);
+  }
+  cr_assert(seen, "unpack ended before its temporary file was seen");
+  kill(pid, sig);
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == sig, "unpack did not end by signal %d (status %d)", sig, st);
+  cr_assert_not(tmp_file_in_dir(), "signal %d left the temporary file", sig);
+  assert_file_is("out.json", "old\n", "the old output");
+}
+
 Test(cli, a_command_killed_while_it_writes_its_output_removes_its_temporary_file) {
   write_deep_frame();
   spit("out.json", "old\n");
   static const int sigs[] = {SIGTERM, SIGINT, SIGHUP};
-  for (int s = 0; s < 3; s++) {
-    char abs[512];
-    cr_assert_not_null(realpath(cli, abs));
-    pid_t pid = fork();
-    cr_assert_neq(pid, -1);
-    if (pid == 0) {
-      if (chdir(dir) != 0) _exit(99);
-      signal(SIGINT, SIG_DFL); /* as an interactive shell starts it */
-      signal(SIGHUP, SIG_DFL);
-      execl(abs, abs, "unpack", "deep.dpk", "-o", "out.json", (char *)NULL);
-      _exit(98);
-    }
-    int st, seen = 0;
-    while (!seen && waitpid(pid, &st, WNOHANG) == 0) {
-      seen = tmp_file_in_dir();
-      if (!seen) usleep(1000);
-    }
-    cr_assert(seen, "unpack ended before its temporary file was seen");
-    kill(pid, sigs[s]);
-    cr_assert_eq(waitpid(pid, &st, 0), pid);
-    cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == sigs[s], "unpack did not end by signal %d (status %d)", sigs[s], st);
-    cr_assert_not(tmp_file_in_dir(), "signal %d left the temporary file", sigs[s]);
-    assert_file_is("out.json", "old\n", "the old output");
-  }
+  for (size_t s = 0; s < sizeof sigs / sizeof sigs[0]; s++) unpack_ended_by(sigs[s]);
 }
 
 /* Not only a terminal's signals end a command: a CPU-time limit (ulimit -t)
@@ -3105,29 +3112,7 @@ Test(cli, a_command_ended_by_a_limit_timer_or_user_signal_while_it_writes_remove
   write_deep_frame();
   spit("out.json", "old\n");
   static const int sigs[] = {SIGXCPU, SIGALRM, SIGUSR1, SIGUSR2, SIGVTALRM, SIGPROF, SIGPIPE};
-  for (size_t s = 0; s < sizeof sigs / sizeof sigs[0]; s++) {
-    char abs[512];
-    cr_assert_not_null(realpath(cli, abs));
-    pid_t pid = fork();
-    cr_assert_neq(pid, -1);
-    if (pid == 0) {
-      if (chdir(dir) != 0) _exit(99);
-      signal(sigs[s], SIG_DFL);
-      execl(abs, abs, "unpack", "deep.dpk", "-o", "out.json", (char *)NULL);
-      _exit(98);
-    }
-    int st, seen = 0;
-    while (!seen && waitpid(pid, &st, WNOHANG) == 0) {
-      seen = tmp_file_in_dir();
-      if (!seen) usleep(1000);
-    }
-    cr_assert(seen, "unpack ended before its temporary file was seen");
-    kill(pid, sigs[s]);
-    cr_assert_eq(waitpid(pid, &st, 0), pid);
-    cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == sigs[s], "unpack did not end by signal %d (status %d)", sigs[s], st);
-    cr_assert_not(tmp_file_in_dir(), "signal %d left the temporary file", sigs[s]);
-    assert_file_is("out.json", "old\n", "the old output");
-  }
+  for (size_t s = 0; s < sizeof sigs / sizeof sigs[0]; s++) unpack_ended_by(sigs[s]);
 }
 
 /* A signal ignored when the command starts (nohup, a shell's background

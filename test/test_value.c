@@ -1846,26 +1846,37 @@ Test(value, a_kept_key_hash_still_counts_its_tree_against_the_key_bounds) {
   ASSERT_NO_LEAK();
 }
 
+/* dp_value_equal(a, b, flags) with its k-th allocation failing, k = 1, 2,
+ * ... (below `most`) until it succeeds (equal values): each failure is
+ * DP_ENOMEM saying what it ran out of memory for (`what`); at least one. */
+static void equal_fails_cleanly_until_it_succeeds(dp_value_t a, dp_value_t b, unsigned flags, long most,
+                                                  const char *what) {
+  char want[160];
+  snprintf(want, sizeof want, "out of memory comparing values (%s)", what);
+  int failed = 0, rc = 0;
+  for (long k = 1; k < most && rc != 1; k++) {
+    dp_error_t e;
+    dp_error_clear(&e);
+    t_fail_at = t_alloc_count + k;
+    rc = dp_value_equal(a, b, flags, &e);
+    t_fail_at = 0;
+    if (rc == 1) break;
+    failed++;
+    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %d", k, rc);
+    cr_assert_eq(e.code, DP_ENOMEM);
+    cr_assert_str_eq(e.message, want);
+  }
+  cr_assert_eq(rc, 1, "equal once no allocation fails");
+  cr_assert_gt(failed, 0);
+}
+
 Test(value, an_equality_that_runs_out_of_memory_says_so_through_err) {
   dp_value_t a = t_list(), b = t_list(), s = t_list();
   for (int i = 0; i < 40; i++) {
     OK(dp_list_append(a, dp_value_retain(s), T_ERR));
     OK(dp_list_append(b, dp_value_retain(s), T_ERR));
   }
-  int failed = 0;
-  for (long k = 1; k < 50; k++) {
-    dp_error_t e;
-    dp_error_clear(&e);
-    t_fail_at = t_alloc_count + k;
-    int rc = dp_value_equal(a, b, DP_EQ_SHARING, &e);
-    t_fail_at = 0;
-    if (rc == 1) break;
-    failed++;
-    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %d", k, rc);
-    cr_assert_eq(e.code, DP_ENOMEM);
-    cr_assert_str_eq(e.message, "out of memory comparing values (the comparison's node bijection)");
-  }
-  cr_assert_gt(failed, 0);
+  equal_fails_cleanly_until_it_succeeds(a, b, DP_EQ_SHARING, 50, "the comparison's node bijection");
   dp_value_release(a);
   dp_value_release(b);
   dp_value_release(s);
@@ -3184,20 +3195,7 @@ Test(value, two_rings_of_coprime_lengths_compare_in_steps_linear_in_their_sizes_
 
 Test(value, an_equality_without_sharing_that_runs_out_of_memory_says_so_through_err) {
   dp_value_t a = ring_of_lists(50, -1), b = ring_of_lists(51, -1);
-  int failed = 0;
-  for (long k = 1; k < 100; k++) {
-    dp_error_t e;
-    dp_error_clear(&e);
-    t_fail_at = t_alloc_count + k;
-    int rc = dp_value_equal(a, b, 0, &e);
-    t_fail_at = 0;
-    if (rc == 1) break;
-    failed++;
-    cr_assert_eq(rc, DP_ENOMEM, "allocation %ld: %d", k, rc);
-    cr_assert_eq(e.code, DP_ENOMEM);
-    cr_assert_str_eq(e.message, "out of memory comparing values (the comparison's stack and node classes)");
-  }
-  cr_assert_gt(failed, 0);
+  equal_fails_cleanly_until_it_succeeds(a, b, 0, 100, "the comparison's stack and node classes");
   dp_value_release(a);
   dp_value_release(b);
   dp_value_collect();
