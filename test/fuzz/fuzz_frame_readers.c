@@ -1,10 +1,11 @@
 /* What `verify`, `dump`, `inspect` and `unpack` do with a frame: unpickle
  * (whole, and streamed as verify/dump/inspect read it: both must accept the
- * same frames), scan with paths, print the tree, write value JSON. And the
- * CLI's round trip (docs/VALUE_JSON.md): a frame that verify accepts is
- * unpacked, indented and compact, and each text must pack to the frame's
- * own bytes. fuzz_value_json checks it from value JSON; this checks it from
- * arbitrary frames. */
+ * same frames, fail with the same error and read the same value), scan with
+ * paths, print the tree, write value JSON. And the CLI's round trip
+ * (docs/VALUE_JSON.md): a frame that verify accepts is unpacked, indented
+ * and compact, and each text must pack to the frame's own bytes.
+ * fuzz_value_json checks it from value JSON; this checks it from arbitrary
+ * frames. */
 #include <stdio.h>
 
 #include "../../tools/inspect.h"
@@ -14,6 +15,9 @@
 
 static FILE *sink;
 
+static int same_error(const dp_error_t *a, const dp_error_t *b) {
+  return a->code == b->code && a->offset == b->offset && strcmp(a->message, b->message) == 0;
+}
 
 /* unpack | pack gives the frame back, for every frame verify accepts (read
  * under value JSON's nesting limit, as the CLI reads frames). */
@@ -52,11 +56,30 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fuzz_fix_checksum(f, size);
   dp_unpickle_opts_t o = fuzz_opts();
   dp_value_t v, sv;
-  dp_frame_info_t fi;
-  int whole = dp_frame_check(f, size, &fi, NULL) == 0 ? dp_unpickle(f, size, &o, &v, NULL) : -1;
-  mem_reader_t c = {f, size, 7}; /* at most 7 bytes a call */
-  int streamed = dp_unpickle_stream(mem_read, &c, &o, &sv, NULL, NULL, NULL);
-  if ((whole == 0) != (streamed == 0)) abort();  /* verify and unpack accept the same frames */
+  dp_frame_info_t fi, sfi;
+  dp_error_t ce, we, se;
+  uint64_t ssize = 0;
+  int checked = dp_frame_check(f, size, &fi, &ce);
+  int whole = dp_unpickle(f, size, &o, &v, &we);
+  /* what the frame check refuses, the reader refuses alike */
+  if (checked != 0 && (whole != checked || !same_error(&ce, &we))) abort();
+  /* short reads of a size chosen by the input (1 to 200 bytes a call) */
+  mem_reader_t c = {f, size, size ? 1 + data[0] % 200u : 1};
+  int streamed = dp_unpickle_stream(mem_read, &c, &o, &sv, &sfi, &ssize, &se);
+  /* verify and unpack accept the same frames; under 64 KiB of payload and
+     table the streamed reader fails as the whole one does: same code, byte
+     and message (pickler.h) */
+  if (whole != streamed || (whole != 0 && !same_error(&we, &se))) {
+    fprintf(stderr, "whole: %s at %lld: %s\nstreamed: %s at %lld: %s\n", dp_err_name(whole), (long long)we.offset,
+            we.message, dp_err_name(streamed), (long long)se.offset, se.message);
+    abort();
+  }
+  /* and read the same header facts, length and value */
+  if (whole == 0 && (ssize != size || fi.version != sfi.version || fi.flags != sfi.flags ||
+                     fi.payload_len != sfi.payload_len || fi.table_len != sfi.table_len ||
+                     fi.data_len != sfi.data_len || fi.checksum != sfi.checksum || fi.nbuffers != sfi.nbuffers ||
+                     dp_value_equal(v, sv, DP_EQ_SHARING, NULL) != 1))
+    abort();
   /* what the checks of a frame still arriving refuse, the reader refuses:
      at its end, and at a cut chosen by the input */
   size_t cut = size > 41 ? 40 + data[size - 1] % (size - 40) : size;
