@@ -1,7 +1,9 @@
 /* Structure-aware: the input drives a small builder (with sharing and
- * cycles); the value is scanned and pickled, the frame must unpickle to an
- * equal value with the same sharing, and the scan must equal the buffer
- * table. Whatever the writer writes under a depth limit, the reader reads
+ * cycles, dict keys of every kind, and customs as a process without their
+ * type holds them); the value is scanned and pickled, the frame must
+ * unpickle to an equal value with the same sharing, and the scan must equal
+ * the buffer table. Pickled inline (storages with host bytes) it reads back
+ * equal and writes again to the same bytes. Whatever the writer writes under a depth limit, the reader reads
  * under the same limit; two storages at one (device, base) that disagree
  * are refused by the writer, never written. Then the last input bytes pick
  * a frame byte to change (checksum fixed up): the reader must survive it,
@@ -27,8 +29,38 @@ static unsigned next(rd_t *r) {
 
 static int built;
 
+/* A dict key from the input, of any kind a key may be: scalars at the edges
+ * of their encodings (ints at each width's limits, -0.0, NaNs with
+ * payloads), str with NUL, bytes, and tuples of those. */
+static dp_value_t key_of(rd_t *r, int depth) {
+  static const int64_t ints[] = {0,   1,     -1,    127,       128,       -32,       -33,       255,
+                                 256, 65535, 65536, INT32_MIN, INT64_MIN, INT64_MAX, 1ll << 32, -129};
+  static const uint64_t bits[] = {0, 1ull << 63, 0x7ff8000000000000ull, 0x7ff8000000000001ull,
+                                  0xfff8000000000000ull, 0x7ff0000000000000ull, 0x3ff0000000000000ull, 1};
+  unsigned op = next(r) % 8;
+  char s[4] = {'k', (char)('0' + next(r) % 4), 0, 'z'};
+  dp_value_t v;
+  double d;
+  switch (op) {
+    case 0: return dp_none();
+    case 1: return dp_bool(next(r) & 1);
+    case 2: return dp_int(ints[next(r) % 16]);
+    case 3:
+      memcpy(&d, &bits[next(r) % 8], sizeof d);
+      return dp_float(d);
+    case 4: dp_str_new(s, next(r) % 5, &v, NULL); return v;
+    case 5: dp_bytes_new(s, next(r) % 4, &v, NULL); return v;
+    default: {
+      unsigned k = depth > 3 ? 0 : next(r) % 3;
+      dp_tuple_new(k, &v, NULL);
+      for (unsigned i = 0; i < k; i++) dp_seq_set(v, i, key_of(r, depth + 1), NULL);
+      return v;
+    }
+  }
+}
+
 static dp_value_t build(rd_t *r, dp_value_t *nodes, size_t *nn, dp_storage_t **st, int depth) {
-  unsigned op = next(r) % 12;
+  unsigned op = next(r) % 15;
   if (depth > 8 || ++built > MAXBUILT) op %= 6;
   dp_value_t v;
   char s[8];
@@ -77,6 +109,18 @@ static dp_value_t build(rd_t *r, dp_value_t *nodes, size_t *nn, dp_storage_t **s
       }
       return v;
     }
+    case 12: return key_of(r, 0);
+    case 13: {  /* a dict with keys of every kind */
+      dp_dict_new(0, &v, NULL);
+      if (*nn < MAXNODES) nodes[(*nn)++] = dp_value_retain(v);
+      unsigned k = next(r) % 4;
+      for (unsigned i = 0; i < k; i++) dp_dict_set(v, key_of(r, 0), build(r, nodes, nn, st, depth + 1), NULL);
+      return v;
+    }
+    case 14:  /* a custom as a process without its type holds it */
+      snprintf(s, sizeof s, "T%u", next(r) % 3);
+      dp_object_new_reduced(s, build(r, nodes, nn, st, depth + 1), &v, NULL);
+      return v;
     default: {
       dp_object_new(op == 10 ? "Layer" : "Block", &v, NULL);
       if (*nn < MAXNODES) nodes[(*nn)++] = dp_value_retain(v); /* owned: a replaced dict value may die */
@@ -120,6 +164,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     dp_value_release(back);
   } else if (prc != DP_ELIMIT && prc != DP_EINVAL) {
     abort();
+  }
+  /* inline: the storages carry host bytes (st[0] and st[4] disagree: refused) */
+  static uint8_t host[5][128];
+  for (int i = 0; i < 5; i++) {
+    memset(host[i], i % 4 + 1, sizeof host[i]);
+    dp_storage_set_host_data(st[i], host[i], NULL);
+  }
+  dp_pickle_opts_t io = {DP_PICKLE_INLINE, 0, NULL, NULL};
+  if ((next(&r) & 1) && dp_pickle(v, &io, f, NULL) == 0) {
+    dp_value_t back;
+    size_t n;
+    const uint8_t *b = dp_frame_data(f, &n);
+    if (dp_unpickle(b, n, NULL, &back, NULL) != 0) abort();
+    if (dp_value_equal(v, back, DP_EQ_SHARING, NULL) != 1) abort();
+    fuzz_expect_rewritten_same(b, n, back, 0);  /* the bytes came along */
+    dp_value_release(back);
   }
   int rc = dp_pickle(v, NULL, f, NULL);
   if (rc == DP_EINVAL) goto done;  /* st[0] and st[4] both met: refused, as it must be */
