@@ -1,6 +1,6 @@
-/* The value-JSON reader behind `devpickle pack`: parse, build, pickle; what
- * pack writes must unpickle under the CLI's limits, and its value JSON
- * (unpack) must parse and pack again to the same bytes. */
+/* The value-JSON reader behind `devpickle pack`: parse (as jansson does),
+ * build, pickle; what pack writes must unpickle under the CLI's limits, and
+ * its value JSON (unpack) must parse and pack again to the same bytes. */
 #include <stdio.h>
 
 #include "../../tools/vjson.h"
@@ -18,7 +18,32 @@ static void check_prefix(const char *text, size_t size, size_t k) {
   if (whole || part || p1 != p2 || strcmp(m1, m2) != 0) abort();
 }
 
+/* Our parser reads JSON as jansson's does (tools/vjson.c replaces it only
+ * for nesting past jansson's 2,048 levels and NUL bytes in keys): the same
+ * texts accepted, to the same trees. Texts with a NUL byte (raw, where
+ * jansson stops reading, or escaped, where it refuses a key) or a byte order
+ * mark (skipped or refused by ours only) are left out. */
+static void check_like_jansson(const char *text, size_t size) {
+  if (memchr(text, 0, size) || (size && (uint8_t)text[0] >= 0xEF)) return;
+  for (size_t i = 0; i + 6 <= size; i++)
+    if (memcmp(text + i, "\\u0000", 6) == 0) return;
+  char msg[1024];
+  size_t pos;
+  json_error_t je;
+  json_t *ours = vjson_parse(text, size, msg, sizeof msg, &pos);
+  json_t *theirs = json_loadb(text, size, JSON_DECODE_ANY | JSON_ALLOW_NUL | JSON_REJECT_DUPLICATES, &je);
+  int deep = (!ours && strstr(msg, "nesting")) || (!theirs && strstr(je.text, "depth"));
+  if (!deep && (!ours != !theirs || (ours && !json_equal(ours, theirs)))) {
+    fprintf(stderr, "vjson_parse %s (%s), jansson %s (%s)\n", ours ? "accepts" : "refuses", ours ? "" : msg,
+            theirs ? "accepts" : "refuses", theirs ? "" : je.text);
+    abort();
+  }
+  json_decref(ours);
+  json_decref(theirs);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  check_like_jansson((const char *)data, size);
   for (size_t k = size / 4; k <= size; k += size / 4 ? size / 4 : 1) check_prefix((const char *)data, size, k);
   size_t n, m;
   uint8_t *b = fuzz_pack((const char *)data, size, &n);
