@@ -5,7 +5,8 @@
  * exercised. Whatever is read pickles again, and what the writer writes
  * the reader reads under the same limits; unless a resolver rebuilt a
  * custom, it pickles again to exactly the bytes read (the reader accepts
- * only the canonical form the writer writes). */
+ * only the canonical form the writer writes). Read again with one
+ * allocation failed, it fails with DP_ENOMEM. */
 #include "fuzz.h"
 
 typedef struct held { dp_value_t v; } held_t;
@@ -33,6 +34,55 @@ static int resolve(void *ud, const char *type, dp_value_t state, dp_value_t *out
   return dp_custom_new(&held_type, h, out, err);
 }
 
+/* Allocations counted, and the one numbered fail_at (1-based; 0: none) failed. */
+static long allocs, fail_at;
+
+static void *counting_alloc(void *ud, void *p, size_t osize, size_t nsize) {
+  (void)ud;
+  (void)osize;
+  if (nsize == 0) {
+    free(p);
+    return NULL;
+  }
+  if (++allocs == fail_at) return NULL;
+  return realloc(p, nsize);
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv) {
+  (void)argc;
+  (void)argv;
+  dp_set_allocator(counting_alloc, NULL);
+  return 0;
+}
+
+/* Every allocation a read reaches fails it with DP_ENOMEM and a message, and
+ * leaks nothing (base.h): the frame is read again, whole or streamed, with
+ * the allocation the input picks among the `total` the first read made
+ * failed. */
+static void expect_enomem(const uint8_t *f, size_t size, const dp_unpickle_opts_t *o, long total) {
+  if (total == 0) return;
+  int streamed = f[size - 1] & 2;
+  dp_value_t v;
+  dp_error_t e;
+  mem_reader_t c = {f, size, 13};
+  allocs = 0;
+  fail_at = 1 + (long)(((unsigned)f[size - 2] << 8 | f[size - 3]) % (unsigned long)total);
+  int rc = streamed ? dp_unpickle_stream(mem_read, &c, o, &v, NULL, NULL, &e) : dp_unpickle(f, size, o, &v, &e);
+  long failed = fail_at;
+  fail_at = 0;
+  if (rc == 0) {
+    dp_value_release(v);
+    if (allocs >= failed) {
+      fprintf(stderr, "allocation %ld of %ld failed, and the %s read succeeded\n", failed, total,
+              streamed ? "streamed" : "whole");
+      abort();
+    }
+  } else if (rc != DP_ENOMEM || e.code != rc || !e.message[0]) {
+    fprintf(stderr, "allocation %ld of %ld failed: %s: %s\n", failed, total, dp_err_name(rc), e.message);
+    abort();
+  }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   uint8_t *f = malloc(size ? size : 1);
   memcpy(f, data, size);
@@ -44,7 +94,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   dp_value_t v;
   dp_error_t e;
   resolved = 0;
+  allocs = 0;
   if (dp_unpickle(f, size, &o, &v, &e) == 0) {
+    long total = allocs;
     if (!resolved) fuzz_expect_rewritten_same(f, size, v, o.limits.max_depth);
     /* written again (inline when it came inline: storages carry its bytes) */
     dp_frame_t *fr;
@@ -60,6 +112,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     dp_value_release(back);
     dp_frame_free(fr);
     dp_value_release(v);
+    dp_value_collect();
+    expect_enomem(f, size, &o, total);
   } else if (e.offset < 0 || (size_t)e.offset > size || !e.message[0]) {
     abort();  /* every failure says where and what */
   }
