@@ -332,8 +332,8 @@ check-install: all ## Install under build/install-check; build examples/embed.c 
 	  -Wl,-rpath,$$(pkg-config --variable=libdir devpickle) -o $(INSTALL_CHECK)/embed-shared; \
 	$(CC) -std=c11 -Wall -Wextra -Werror examples/embed.c $$(pkg-config --cflags devpickle) \
 	  $$(pkg-config --variable=staticlibs devpickle) -o $(INSTALL_CHECK)/embed-static; \
-	ldd $(INSTALL_CHECK)/embed-shared | grep -q " $$p/lib/libdevpickle.so.0 " || \
-	  { echo "check-install: embed-shared does not load $$p/lib/libdevpickle.so.0" >&2; exit 1; }; \
+	ldd $(INSTALL_CHECK)/embed-shared | grep -q " $$p/lib/$(SONAME) " || \
+	  { echo "check-install: embed-shared does not load $$p/lib/$(SONAME)" >&2; exit 1; }; \
 	! ldd $(INSTALL_CHECK)/embed-static | grep libdevpickle || \
 	  { echo "check-install: embed-static depends on libdevpickle.so" >&2; exit 1; }; \
 	$(INSTALL_CHECK)/embed-shared >/dev/null; $(INSTALL_CHECK)/embed-static >/dev/null; \
