@@ -262,9 +262,12 @@ def test_the_readmes_pythonpath_line_imports_the_built_package_from_any_director
 def _make(target, check=False):
     """make TARGET in the checkout, as a user runs it: without the sanitizer
     runtime and options test-asan and test-tsan preload into this
-    interpreter (make under ThreadSanitizer's preload crashes)."""
+    interpreter (make under ThreadSanitizer's preload crashes), and without
+    the flags of the make running this suite (under make -j2 its jobserver's,
+    whose descriptors are not passed on: make warns on stderr)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS", "TSAN_OPTIONS")}
+           if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS", "TSAN_OPTIONS",
+                        "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     return subprocess.run(["make", "--no-print-directory", "-s", "-C", REPO, target], capture_output=True, text=True,
                           env=env, check=check)
 
