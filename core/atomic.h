@@ -12,6 +12,7 @@
 
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdint.h>
 
 #define dp__atomic_init(p, v) atomic_init((p), (v))
 
@@ -33,8 +34,17 @@
 
 #define dp__fence_seq_cst() atomic_thread_fence(memory_order_seq_cst)
 
-/* Reference counts. */
-#define dp__ref_inc(p) ((void)atomic_fetch_add_explicit((p), 1, memory_order_relaxed))
+/* Reference counts (_Atomic uint32_t). One more reference past UINT32_MAX
+ * would wrap the count to 0, and the next release would free what is still
+ * held — a use after free far from its cause — so the process stops there
+ * instead, naming `what` (a const char *, read only then:
+ * dp__ref_overflow, base.c). */
+_Noreturn void dp__ref_overflow(const char *what);
+#define dp__ref_inc(p, what)                                                                            \
+  do {                                                                                                  \
+    if (__builtin_expect(atomic_fetch_add_explicit((p), 1, memory_order_relaxed) == UINT32_MAX, 0)) \
+      dp__ref_overflow(what);                                                                           \
+  } while (0)
 /* True when this was the last reference. */
 #define dp__ref_dec(p) (atomic_fetch_sub_explicit((p), 1, memory_order_acq_rel) == 1)
 

@@ -367,3 +367,9 @@ int dp__utf8_valid(const char *str, size_t n) {
   }
   return 1;
 }
+
+_Noreturn void dp__ref_overflow(const char *what) {
+  fprintf(stderr, "devpickle: %s retained while it held 4294967295 references (the most a 32-bit count holds): "
+                  "aborting\n", what);
+  abort();
+}

@@ -112,7 +112,7 @@ static progress_t *progress_new(void) {
 }
 
 static progress_t *progress_retain(progress_t *p) {
-  dp__ref_inc(&p->refs);
+  dp__ref_inc(&p->refs, "host stream progress");
   return p;
 }
 

@@ -300,7 +300,7 @@ static int future_like(const dp_future_t *p, dp_future_t **out, dp_error_t *err)
 }
 
 dp_future_t *dp_future_retain(dp_future_t *f) {
-  if (f) dp__ref_inc(&f->refs);
+  if (f) dp__ref_inc(&f->refs, "future");
   return f;
 }
 

@@ -1,6 +1,4 @@
 /* value/value.c — values: constructors, accessors, reference counting. */
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -57,20 +55,8 @@ static int kind_mismatch(dp_error_t *err, const char *fn, dp_value_t v, const ch
 
 /* ---- reference counting ---- */
 
-/* Counts one more reference. A count is 32 bits: one more past UINT32_MAX
- * would wrap to 0 and the next release would free what is still held, a
- * use after free far from its cause, so the process stops there, saying
- * why (value.h). */
-static inline void count_one_more(_Atomic uint32_t *rc, int kind) {
-  if (__builtin_expect(atomic_fetch_add_explicit(rc, 1, memory_order_relaxed) == UINT32_MAX, 0)) {
-    fprintf(stderr, "devpickle: %s retained while it held 4294967295 references (the most a 32-bit count "
-                    "holds): aborting\n", kind < 0 ? "storage" : dp_kind_name((dp_kind_t)kind));
-    abort();
-  }
-}
-
 dp_value_t dp_value_retain(dp_value_t v) {
-  if (dp_value_is_heap(v)) count_one_more(&v.u.h->rc, (int)v.kind);
+  if (dp_value_is_heap(v)) dp__ref_inc(&v.u.h->rc, dp_kind_name(dp_value_kind(v)));
   return v;
 }
 
@@ -823,7 +809,7 @@ int dp_storage_new(dp_device_t device, void *base, size_t nbytes, dp_storage_rel
 }
 
 dp_storage_t *dp_storage_retain(dp_storage_t *s) {
-  if (s) count_one_more(&s->rc, -1);
+  if (s) dp__ref_inc(&s->rc, "storage");
   return s;
 }
 

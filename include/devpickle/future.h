@@ -150,7 +150,10 @@ typedef struct dp_future_opts {
  *  with neither function; dp_backend_default's and dp_cache_default's
  *  errors when they are asked; DP_ENOMEM. */
 DP_API int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *err);
-/** Counts one more reference; returns f (NULL does nothing). */
+/** Counts one more reference; returns f (NULL does nothing). A count is
+ *  32 bits: a retain of a future already holding 4,294,967,295 references
+ *  aborts the process with a message on stderr, as value.h's retains do,
+ *  rather than wrap to 0 and let a release free it while it is held. */
 DP_API dp_future_t *dp_future_retain(dp_future_t *f);
 /** Drops a reference; the last one frees the future, its value and its
  *  events. A pending future's callbacks then never run: its then()
