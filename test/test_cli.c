@@ -3068,11 +3068,10 @@ static void write_deep_frame(void) {
   run_ok("pack deep.json -o deep.dpk");
 }
 
-/* `unpack deep.dpk -o out.json` (out.json holding "old") ended by signal
- * sig once its temporary file is there (the child's disposition of sig, and
- * of SIGINT and SIGHUP as an interactive shell starts it, the default):
- * it dies by sig, its temporary file is gone and out.json is the old one. */
-static void unpack_ended_by(int sig) {
+/* Starts `unpack deep.dpk -o out.json` in dir with sig's disposition set to
+ * `disp` (and SIGINT's and SIGHUP's default first, as an interactive shell
+ * starts it), and returns its pid once its temporary file is there. */
+static pid_t unpack_started_with(int sig, void (*disp)(int)) {
   char abs[512];
   cr_assert_not_null(realpath(cli, abs));
   pid_t pid = fork();
@@ -3081,7 +3080,7 @@ static void unpack_ended_by(int sig) {
     if (chdir(dir) != 0) _exit(99);
     signal(SIGINT, SIG_DFL);
     signal(SIGHUP, SIG_DFL);
-    signal(sig, SIG_DFL);
+    signal(sig, disp);
     execl(abs, abs, "unpack", "deep.dpk", "-o", "out.json", (char *)NULL);
     _exit(98);
   }
@@ -3091,6 +3090,15 @@ static void unpack_ended_by(int sig) {
     if (!seen) usleep(1000);
   }
   cr_assert(seen, "unpack ended before its temporary file was seen");
+  return pid;
+}
+
+/* `unpack deep.dpk -o out.json` (out.json holding "old") ended by signal
+ * sig once its temporary file is there: it dies by sig, its temporary file
+ * is gone and out.json is the old one. */
+static void unpack_ended_by(int sig) {
+  pid_t pid = unpack_started_with(sig, SIG_DFL);
+  int st;
   kill(pid, sig);
   cr_assert_eq(waitpid(pid, &st, 0), pid);
   cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == sig, "unpack did not end by signal %d (status %d)", sig, st);
@@ -3120,22 +3128,8 @@ Test(cli, a_command_ended_by_a_limit_timer_or_user_signal_while_it_writes_remove
 Test(cli, a_command_started_with_a_hang_up_ignored_finishes_its_output_when_hung_up) {
   write_deep_frame();
   spit("out.json", "old\n");
-  char abs[512];
-  cr_assert_not_null(realpath(cli, abs));
-  pid_t pid = fork();
-  cr_assert_neq(pid, -1);
-  if (pid == 0) {
-    if (chdir(dir) != 0) _exit(99);
-    signal(SIGHUP, SIG_IGN); /* as nohup starts it */
-    execl(abs, abs, "unpack", "deep.dpk", "-o", "out.json", (char *)NULL);
-    _exit(98);
-  }
-  int st, seen = 0;
-  while (!seen && waitpid(pid, &st, WNOHANG) == 0) {
-    seen = tmp_file_in_dir();
-    if (!seen) usleep(1000);
-  }
-  cr_assert(seen, "unpack ended before its temporary file was seen");
+  pid_t pid = unpack_started_with(SIGHUP, SIG_IGN); /* as nohup starts it */
+  int st;
   kill(pid, SIGHUP);
   cr_assert_eq(waitpid(pid, &st, 0), pid);
   cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "unpack did not finish (status %d)", st);
