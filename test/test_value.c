@@ -1031,6 +1031,42 @@ Test(value, the_hash_of_a_value_reads_a_bounded_number_of_nodes_however_they_are
   ASSERT_NO_LEAK();
 }
 
+/* The hash reads every field equality compares: tensors that differ only
+ * in their storage's device or size, their offset, shape, strides or
+ * dtype (views of one buffer, one address on two devices) hashed alike,
+ * so that a table keyed by them met them all as one chain. */
+Test(value, tensors_differing_in_any_field_equality_compares_hash_differently) {
+  dp_storage_t *s = t_storage(t_dev(DP_DEVICE_HOST, 0), 0x1000, 64);
+  dp_storage_t *s1 = t_storage(t_dev(DP_DEVICE_HOST, 1), 0x1000, 64);   /* another device */
+  dp_storage_t *sc = t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 64);   /* another type */
+  dp_storage_t *s128 = t_storage(t_dev(DP_DEVICE_HOST, 0), 0x1000, 128); /* another size */
+  int64_t shape4[1] = {4}, shape2x2[2] = {2, 2}, strides[2] = {1, 2};
+  dp_value_t base = t_view(s, 4, 0), same = t_view(s, 4, 0);
+  dp_value_t other[7];
+  other[0] = t_view(s1, 4, 0);
+  other[1] = t_view(sc, 4, 0);
+  other[2] = t_view(s128, 4, 0);
+  other[3] = t_view(s, 4, 4);
+  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 2, shape2x2, NULL, 0, &other[4], T_ERR));
+  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 2, shape2x2, strides, 0, &other[5], T_ERR));
+  OK(dp_tensor_new(dp_storage_retain(s), DP_INT32, 1, shape4, NULL, 0, &other[6], T_ERR));
+  const char *what[7] = {"device index", "device type", "storage size", "offset", "shape", "strides", "dtype"};
+  cr_assert_eq(dp_value_equal(base, same, 0, NULL), 1);
+  cr_assert_eq(dp_value_hash(base), dp_value_hash(same), "equal tensors hash alike");
+  for (int i = 0; i < 7; i++) {
+    cr_assert_eq(dp_value_equal(base, other[i], 0, NULL), 0, "%s", what[i]);
+    cr_assert_neq(dp_value_hash(base), dp_value_hash(other[i]), "tensors differing only in %s hash alike", what[i]);
+    dp_value_release(other[i]);
+  }
+  dp_value_release(base);
+  dp_value_release(same);
+  dp_storage_release(s);
+  dp_storage_release(s1);
+  dp_storage_release(sc);
+  dp_storage_release(s128);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, dicts_and_objects_compare_regardless_of_order) {
   dp_value_t a, b;
   OK(dp_dict_new(0, &a, T_ERR));

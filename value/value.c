@@ -327,9 +327,16 @@ static uint64_t node_hash(dp_value_t v) {
     case DP_NONE: case DP_BOOL: case DP_INT: case DP_FLOAT: case DP_STR: case DP_BYTES:
       return leaf_hash(v);
     case DP_TENSOR: {
+      /* every field tensor_equal (equal.c) compares: tensors that differ
+         only in device, storage size or offset (views of one buffer, one
+         address on two devices) must not all hash alike */
       dp_tensor_t *t = DP_TENSOR(v);
-      uint64_t h = dp__hash_u64((uint64_t)(uintptr_t)t->storage->base, DP_TENSOR);
-      h = mix(h, t->dtype | ((uint64_t)t->ndim << 8), DP_TENSOR);
+      const dp_storage_t *st = t->storage;
+      uint64_t h = dp__hash_u64((uint64_t)(uintptr_t)st->base, DP_TENSOR);
+      h = mix(h, t->dtype | ((uint64_t)t->ndim << 8) | ((uint64_t)st->device.type << 16) | ((uint64_t)st->device.index << 24),
+              DP_TENSOR);
+      h = mix(h, (uint64_t)st->nbytes, DP_TENSOR);
+      h = mix(h, (uint64_t)t->offset, DP_TENSOR);
       return mix(h, dp__hash_bytes(t->dims, 2 * (size_t)t->ndim * sizeof(int64_t), DP_TENSOR), DP_TENSOR);
     }
     case DP_CUSTOM: return dp__hash_u64((uint64_t)(uintptr_t)v.u.h, DP_CUSTOM);
