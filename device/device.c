@@ -464,10 +464,15 @@ void dp_stream_free(dp_stream_t *s) {
       fprintf(stderr, "devpickle: dp_stream_free called from a host function on that stream: nothing freed (device.h)\n");
       return;
     }
-    if (dp_stream_synchronize(s, &e) == DP_EMISUSE) {
+    int rc = dp_stream_synchronize(s, &e);
+    if (rc == DP_EMISUSE) {
       fprintf(stderr,
               "devpickle: dp_stream_free called from a host function, on a stream that waits for work queued on the "
               "function's own stream after it: nothing freed (device.h)\n");
+      return;
+    }
+    if (rc) { /* it could not tell (out of memory): freeing might wait for the function itself */
+      fprintf(stderr, "devpickle: dp_stream_free called from a host function: %s: nothing freed\n", e.message);
       return;
     }
   }
@@ -794,8 +799,8 @@ int dp_event_synchronize(dp_event_t *e, dp_error_t *err) {
 
 dp_device_t dp_event_device(const dp_event_t *e) { return e ? e->dev : no_device; }
 
-int dp__event_waits_for_itself(const dp_event_t *e) {
-  return e && e->b->type == DP_DEVICE_HOST && dp__host_event_waits_for_itself(e->h);
+int dp__event_waits_for_itself(const dp_event_t *e, const char *fn, dp_error_t *err) {
+  return e && e->b->type == DP_DEVICE_HOST ? dp__host_event_waits_for_itself(e->h, fn, err) : 0;
 }
 
 /* ---- memory ---- */

@@ -25,6 +25,10 @@ typedef struct progress {
   pthread_mutex_t mu;
   pthread_cond_t cv;            /* broadcast after every completed task */
   _Atomic uint64_t completed;
+  /* waits_for_itself_locked's marks, under the impl's mu: the walk that
+     last looked at the stream, and the task it was scanned up to */
+  uint64_t walk;
+  uint64_t walk_scanned;
 } progress_t;
 
 enum { T_FN, T_WAIT, T_COPY };
@@ -92,6 +96,7 @@ struct host_impl {
   dp__treap_t recs;        /* the allocations */
   size_t used[HOST_MAX_DEVICES];
   size_t limit[HOST_MAX_DEVICES];
+  uint64_t walks;          /* waits_for_itself_locked's walks so far: each marks what it looked at */
 };
 
 /* Limits set before the backend exists are kept here. */
@@ -106,6 +111,7 @@ static progress_t *progress_new(void) {
   if (!p) return NULL;
   dp__atomic_init(&p->refs, 1);
   dp__atomic_init(&p->completed, 0);
+  p->walk = p->walk_scanned = 0;
   pthread_mutex_init(&p->mu, NULL);
   pthread_cond_init(&p->cv, NULL);
   return p;
@@ -304,79 +310,89 @@ static uint64_t enqueued_now(hstream_t *s) {
  *
  * So does one that waits for another stream's work that waits (a
  * dp_stream_wait_event queued there, running or not, or down a chain of
- * them) for such work: the waits that stand before the target are followed,
- * each stream looked at once for the furthest target asked of it, under
- * the impl's lock (which keeps progress owners alive) and one stream's lock
- * at a time. Only host functions pay for it. Returns 1 (direct), 2
- * (through another stream's wait) or 0; without memory to follow the
- * waits, 0 (the wait goes on as before). */
+ * them) for such work: the waits that stand before the target are followed
+ * under the impl's lock (which keeps progress owners, and so the progress
+ * records of live streams, alive) and one stream's lock at a time. Each
+ * stream's tasks are scanned once a walk: its progress record keeps the
+ * walk's mark and how far it was scanned, so a stream met again with a
+ * further target scans only the tasks past that, and one met with a target
+ * it was scanned to costs one step. Time is linear in the streams and tasks
+ * reached (a chain of n streams cost n * n with a list of those seen).
+ * Only host functions pay for it. Returns 1 (direct), 2 (through another
+ * stream's wait) or 0; without memory to follow the waits, DP_ENOMEM with a
+ * message naming fn: the caller must not wait then (it may wait for
+ * itself). */
 typedef struct reach_wait {
   progress_t *p;
   uint64_t target;
 } reach_wait_t;
 
-static int waits_for_itself_locked(progress_t *p, uint64_t target) {
+_Atomic uint64_t dp__host_self_wait_steps;
+
+static int waits_for_itself_locked(host_impl_t *im, progress_t *p, uint64_t target, const char *fn,
+                                   dp_error_t *err) {
   const hstream_t *me = dp__host_fn_stream;
   if (!me) return 0;
   const progress_t *mine = me->prog;
   uint64_t now = dp__load_acquire(&mine->completed);
   if (p == mine) return now < target;
-  /* Each entry holds a reference: a wait taken from a queue may complete,
-     and drop its own, once the stream's lock is let go. */
-  reach_wait_t inl[8], *stack = inl;
-  size_t cap = 8, sp = 0, nseen = 0, seen_cap = 8;
-  reach_wait_t seen_inl[8], *seen = seen_inl; /* streams' progress looked at, with the target scanned */
-  int found = 0;
-  stack[sp++] = (reach_wait_t){progress_retain(p), target};
+  /* No entry holds a reference: only mine and records whose stream is
+     live are pushed, and those live while the impl's lock is held. */
+  reach_wait_t inl[16], *stack = inl;
+  size_t cap = 16, sp = 0;
+  uint64_t walk = ++im->walks, steps = 0;
+  int found = 0, rc = 0;
+  stack[sp++] = (reach_wait_t){p, target};
   while (sp && !found) {
     reach_wait_t x = stack[--sp];
+    steps++;
     if (x.p == mine) {
       found = now < x.target ? 2 : 0;
-      progress_release(x.p);
       continue;
     }
     hstream_t *s = x.p->owner;
-    size_t k = 0;
-    while (k < nseen && seen[k].p != x.p) k++;
-    if (!s || dp__load_acquire(&x.p->completed) >= x.target || (k < nseen && seen[k].target >= x.target)) {
-      progress_release(x.p);
-      continue;
+    if (!s || dp__load_acquire(&x.p->completed) >= x.target) continue;
+    uint64_t done = 0; /* the tasks up to it were scanned this walk */
+    if (x.p->walk == walk) {
+      if (x.p->walk_scanned >= x.target) continue;
+      done = x.p->walk_scanned;
     }
-    if (k == nseen) {
-      if (dp__grow_inl((void **)&seen, &seen_cap, nseen + 1, sizeof *seen, seen_inl) != 0) {
-        progress_release(x.p);
-        break;
-      }
-      seen[nseen++].p = x.p; /* its reference, from here on */
-    } else {
-      progress_release(x.p); /* seen[k] holds one */
-    }
-    seen[k].target = x.target;
+    x.p->walk = walk;
+    x.p->walk_scanned = x.target;
     pthread_mutex_lock(&s->mu);
-    size_t more = s->count + 1;
-    if (dp__grow_inl((void **)&stack, &cap, sp + more, sizeof *stack, inl) != 0) {
+    uint64_t first = s->enqueued - s->count + 1; /* the sequence number of the ring's head */
+    uint64_t lo = done + 1 > first ? done + 1 : first, n = 0;
+    if (lo - first < s->count && lo <= x.target) {
+      n = s->count - (lo - first);
+      if (n > x.target - lo + 1) n = x.target - lo + 1;
+    }
+    if (dp__grow_inl((void **)&stack, &cap, sp + 1 + (size_t)n, sizeof *stack, inl) != 0) {
       pthread_mutex_unlock(&s->mu);
+      rc = dp__err(err, DP_ENOMEM,
+                   "%s: out of memory following the event waits of the streams it would wait for, to tell whether "
+                   "the host function calling it would wait for itself: nothing waited for",
+                   fn);
       break;
     }
-    if (s->waiting_on) stack[sp++] = (reach_wait_t){progress_retain(s->waiting_on), s->waiting_for};
-    uint64_t first = s->enqueued - s->count + 1; /* the sequence number of the ring's head */
-    for (size_t j = 0; j < s->count && first + j <= x.target; j++) {
-      const task_t *t = &s->ring[(s->head + j) % s->cap];
-      if (t->kind == T_WAIT) stack[sp++] = (reach_wait_t){progress_retain(t->wait_on), t->wait_for};
+    progress_t *q = s->waiting_on;
+    if (q && (q == mine || q->owner)) stack[sp++] = (reach_wait_t){q, s->waiting_for};
+    for (uint64_t j = 0; j < n; j++) {
+      const task_t *t = &s->ring[(s->head + (lo - first) + j) % s->cap];
+      q = t->wait_on;
+      if (t->kind == T_WAIT && (q == mine || q->owner)) stack[sp++] = (reach_wait_t){q, t->wait_for};
     }
+    steps += n;
     pthread_mutex_unlock(&s->mu);
   }
-  while (sp) progress_release(stack[--sp].p);
-  for (size_t k = 0; k < nseen; k++) progress_release(seen[k].p);
   dp__free_inl(stack, cap, sizeof *stack, inl);
-  dp__free_inl(seen, seen_cap, sizeof *seen, seen_inl);
-  return found;
+  dp__fetch_add_relaxed(&dp__host_self_wait_steps, steps);
+  return rc ? rc : found;
 }
 
-static int waits_for_itself(host_impl_t *im, progress_t *p, uint64_t target) {
+static int waits_for_itself(host_impl_t *im, progress_t *p, uint64_t target, const char *fn, dp_error_t *err) {
   if (!dp__host_fn_stream) return 0;
   pthread_mutex_lock(&im->mu);
-  int self = waits_for_itself_locked(p, target);
+  int self = waits_for_itself_locked(im, p, target, fn, err);
   pthread_mutex_unlock(&im->mu);
   return self;
 }
@@ -384,7 +400,8 @@ static int waits_for_itself(host_impl_t *im, progress_t *p, uint64_t target) {
 static int h_stream_sync(dp_backend_t *b, void *h, dp_error_t *err) {
   hstream_t *s = h;
   uint64_t target = enqueued_now(s);
-  int self = waits_for_itself(b->impl, s->prog, target);
+  int self = waits_for_itself(b->impl, s->prog, target, "dp_stream_synchronize", err);
+  if (self < 0) return self;
   if (self == 1)
     return dp__err(err, DP_EMISUSE, "dp_stream_synchronize: called from a host function on that stream, which would wait for itself");
   if (self)
@@ -442,7 +459,7 @@ static int h_device_sync(dp_backend_t *b, int dev, dp_error_t *err) {
     if (!l->s) continue;
     p[i] = progress_retain(l->s->prog);
     target[i] = enqueued_now(l->s);
-    if (!self) self = waits_for_itself_locked(p[i], target[i]);
+    if (!self) self = waits_for_itself_locked(im, p[i], target[i], "dp_device_synchronize", err);
     i++;
   }
   pthread_mutex_unlock(&im->mu);
@@ -453,6 +470,7 @@ static int h_device_sync(dp_backend_t *b, int dev, dp_error_t *err) {
   }
   dp__free(p, (n ? n : 1) * sizeof *p);
   dp__free(target, (n ? n : 1) * sizeof *target);
+  if (self < 0) return self;
   if (self == 1)
     return dp__err(err, DP_EMISUSE,
                    "dp_device_synchronize: called from a host function on a stream of host:%d, which would wait for itself", dev);
@@ -537,12 +555,12 @@ static progress_t *event_capture(hevent_t *e, uint64_t *target) {
   return p;
 }
 
-int dp__host_event_waits_for_itself(void *eh) {
+int dp__host_event_waits_for_itself(void *eh, const char *fn, dp_error_t *err) {
   hevent_t *e = eh;
   if (!dp__host_fn_stream) return 0;
   uint64_t target;
   progress_t *p = event_capture(e, &target);
-  int self = p && waits_for_itself(e->im, p, target);
+  int self = p ? waits_for_itself(e->im, p, target, fn, err) : 0;
   progress_release(p);
   return self;
 }
@@ -552,9 +570,10 @@ static int h_event_sync(dp_backend_t *b, void *eh, dp_error_t *err) {
   uint64_t target;
   progress_t *p = event_capture(e, &target);
   if (!p) return 0;
-  int self = waits_for_itself(b->impl, p, target);
+  int self = waits_for_itself(b->impl, p, target, "dp_event_synchronize", err);
   if (self) {
     progress_release(p);
+    if (self < 0) return self;
     if (self == 1)
       return dp__err(err, DP_EMISUSE,
                      "dp_event_synchronize: called from a host function on the event's stream, recorded after the function "

@@ -150,9 +150,14 @@ extern _Thread_local const void *dp__host_fn_stream;
 /* 1 when dp_event_synchronize(e) would wait for the host function that
  * calls it (it is DP_EMISUSE there): a poll of e from that function would
  * never see it complete, so a timed wait refuses at once as the untimed
- * one does. */
-int dp__event_waits_for_itself(const dp_event_t *e);
-int dp__host_event_waits_for_itself(void *eh);
+ * one does. 0 when it would not; DP_ENOMEM (err says so, naming fn, the
+ * public call asking) when the waits could not be followed for want of
+ * memory: the caller must not wait then. */
+int dp__event_waits_for_itself(const dp_event_t *e, const char *fn, dp_error_t *err);
+int dp__host_event_waits_for_itself(void *eh, const char *fn, dp_error_t *err);
+/* Test hook: the steps (streams looked at, tasks scanned) that the host
+ * backend's look for a host function waiting for itself has taken. */
+extern _Atomic uint64_t dp__host_self_wait_steps;
 
 /* dp_stream_device, inline: the cache's allocation path reads it. */
 static inline dp_device_t dp__stream_dev(const dp_stream_t *s) { return s->dev; }

@@ -945,7 +945,8 @@ int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
   for (size_t i = 0; rc == 0 && i < f->rec.ndevs; i++) {
     dp_event_t *ev = f->rec.devs[i].ev;
     if (timeout_ns < 0) {
-      rc = dp__event_waits_for_itself(ev) ? sync_waits_for_itself(err) : dp_event_synchronize(ev, err);
+      rc = dp__event_waits_for_itself(ev, "dp_future_synchronize", err);
+      rc = rc < 0 ? rc : rc ? sync_waits_for_itself(err) : dp_event_synchronize(ev, err);
       continue;
     }
     /* within the same limit: no event call waits a given time, so poll,
@@ -956,7 +957,9 @@ int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err) {
       if (q < 0) return q;
       /* a host function waiting for work behind itself: DP_EMISUSE at once,
          as without a limit, not the whole limit spent polling */
-      if (dp__event_waits_for_itself(ev)) return sync_waits_for_itself(err);
+      int self = dp__event_waits_for_itself(ev, "dp_future_synchronize", err);
+      if (self < 0) return self;
+      if (self) return sync_waits_for_itself(err);
       int64_t left = timeout_ns - (mono_ns() - start);
       if (left <= 0)
         return dp__err(err, DP_ETIMEDOUT, "dp_future_synchronize: the future's events did not complete within %lld ns",

@@ -2848,6 +2848,173 @@ Test(device, a_host_function_synchronizing_a_stream_with_many_queued_waits_waits
   alarm(0);
 }
 
+/* Following the waits takes memory (a stack of the waits met): when it
+ * could not be had, the walk stopped and said "no wait for itself", and
+ * the host function waited on — for itself, hanging, where the walk would
+ * have found it. Now the call is DP_ENOMEM, naming itself, and waits for
+ * nothing: here it returns while the stream it would wait for is still
+ * held (the old code waited until the gate opened). */
+typedef struct oom_sync {
+  dp_stream_t *other, *held;
+  dp_event_t *ev;   /* recorded on other (how 1) */
+  int how;          /* 0: sync other; 1: sync ev; 2: sync other's device */
+  long nth;         /* the allocation of the call that fails */
+  _Atomic int done;
+  int rc, held_done;
+  dp_error_t err;
+} oom_sync_t;
+
+static void sync_with_an_allocation_failed(void *arg) {
+  oom_sync_t *x = arg;
+  dp_error_clear(&x->err);
+  t_fail_at = atomic_load(&t_alloc_count) + x->nth;
+  x->rc = x->how == 0 ? dp_stream_synchronize(x->other, &x->err)
+          : x->how == 1 ? dp_event_synchronize(x->ev, &x->err)
+                        : dp_device_synchronize(dp_stream_backend(x->other), dp_stream_device(x->other), &x->err);
+  t_fail_at = 0;
+  x->held_done = dp_stream_query(x->held, NULL);
+  atomic_store(&x->done, 1);
+}
+
+Test(device, a_host_function_whose_wait_cannot_be_followed_for_want_of_memory_is_enomem_and_waits_for_nothing) {
+  alarm(60);
+  dp_backend_t *b = host();
+  const char *fn[3] = {"dp_stream_synchronize", "dp_event_synchronize", "dp_device_synchronize"};
+  for (int how = 0; how < 3; how++) {
+    dp_stream_t *mine;
+    oom_sync_t x = {.how = how, .nth = how == 2 ? 3 : 1 /* after the device's two arrays */, .rc = 1};
+    OK(dp_stream_new(b, H0, &mine, T_ERR));
+    OK(dp_stream_new(b, H1, &x.held, T_ERR));
+    OK(dp_stream_new(b, H1, &x.other, T_ERR));
+    started_gate_t g;
+    atomic_init(&g.started, 0);
+    atomic_init(&g.open, 0);
+    OK(dp_host_launch(x.held, hold_until_open, &g, T_ERR));
+    enum { NWAITS = 40 }; /* more than the walk keeps on its own stack */
+    dp_event_t *ev[NWAITS];
+    for (int i = 0; i < NWAITS; i++) {
+      OK(dp_host_launch(x.held, nm_noop2, NULL, T_ERR));
+      OK(dp_event_new(b, H1, &ev[i], T_ERR));
+      OK(dp_event_record(ev[i], x.held, T_ERR));
+      OK(dp_stream_wait_event(x.other, ev[i], T_ERR));
+    }
+    OK(dp_event_new(b, H1, &x.ev, T_ERR));
+    OK(dp_event_record(x.ev, x.other, T_ERR));
+    wait_started(&g);
+    OK(dp_host_launch(mine, sync_with_an_allocation_failed, &x, T_ERR));
+    for (int i = 0; i < 10000 && !atomic_load(&x.done); i++) sleep_ms(1); /* allocates nothing */
+    atomic_store(&g.open, 1);
+    OK(dp_stream_synchronize(mine, T_ERR));
+    cr_assert_eq(x.rc, DP_ENOMEM, "how %d: %s: %s", how, dp_err_name(x.rc), x.err.message);
+    char want[300];
+    snprintf(want, sizeof want,
+             "%s: out of memory following the event waits of the streams it would wait for, to tell whether the "
+             "host function calling it would wait for itself: nothing waited for",
+             fn[how]);
+    cr_assert_str_eq(x.err.message, want, "how %d", how);
+    cr_assert_eq(x.held_done, 0, "how %d: the call waited for the stream it could not clear", how);
+    OK(dp_stream_synchronize(x.other, T_ERR));
+    for (int i = 0; i < NWAITS; i++) dp_event_free(ev[i]);
+    dp_event_free(x.ev);
+    dp_stream_free(x.other);
+    dp_stream_free(x.held);
+    dp_stream_free(mine);
+  }
+  alarm(0);
+}
+
+/* The walk looks at each stream once and scans each task once: a chain of
+ * n streams, each waiting for the one before, the first for the host
+ * function's own later work, cost n * n steps (every stream looked up in a
+ * list of those seen), and a stream met again and again with a further
+ * target was scanned from its head each time, k * k for k targets. Both
+ * are refused as before, in steps linear in the streams and waits. */
+typedef struct steps_sync {
+  dp_stream_t *target;
+  dp_event_t *ev;   /* when set, synchronized instead of target */
+  _Atomic int go;
+  int rc;
+  uint64_t steps;
+  dp_error_t err;
+} steps_sync_t;
+
+static void sync_counting_steps(void *arg) {
+  steps_sync_t *x = arg;
+  while (!atomic_load(&x->go)) sleep_ms(1);
+  dp_error_clear(&x->err);
+  uint64_t before = atomic_load(&dp__host_self_wait_steps);
+  x->rc = x->ev ? dp_event_synchronize(x->ev, &x->err) : dp_stream_synchronize(x->target, &x->err);
+  x->steps = atomic_load(&dp__host_self_wait_steps) - before;
+}
+
+Test(device, the_look_for_a_host_function_waiting_for_itself_takes_steps_linear_in_the_streams_and_waits) {
+  alarm(60);
+  dp_backend_t *b = host();
+  dp_stream_t *mine;
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  /* a chain of NS streams, the first waiting for mine after the function */
+  enum { NS = 200 };
+  dp_stream_t *chain[NS];
+  dp_event_t *after, *ev[NS];
+  steps_sync_t x = {.rc = 1};
+  OK(dp_host_launch(mine, sync_counting_steps, &x, T_ERR));
+  OK(dp_event_new(b, H0, &after, T_ERR));
+  OK(dp_event_record(after, mine, T_ERR));
+  for (int i = 0; i < NS; i++) {
+    OK(dp_stream_new(b, H1, &chain[i], T_ERR));
+    OK(dp_stream_wait_event(chain[i], i ? ev[i - 1] : after, T_ERR));
+    OK(dp_event_new(b, H1, &ev[i], T_ERR));
+    OK(dp_event_record(ev[i], chain[i], T_ERR));
+  }
+  x.target = chain[NS - 1];
+  atomic_store(&x.go, 1);
+  OK(dp_stream_synchronize(mine, T_ERR));
+  cr_assert_eq(x.rc, DP_EMISUSE, "%s: %s", dp_err_name(x.rc), x.err.message);
+  cr_assert_leq(x.steps, 4 * NS, "a chain of %d streams took %llu steps", NS, (unsigned long long)x.steps);
+  for (int i = NS; i-- > 0;) {
+    OK(dp_stream_synchronize(chain[i], T_ERR));
+    dp_event_free(ev[i]);
+    dp_stream_free(chain[i]);
+  }
+  /* one stream met with K further targets, the last behind a wait for mine */
+  enum { K = 2000 };
+  dp_stream_t *o, *w;
+  dp_event_t *on_o[K], *last;
+  OK(dp_stream_new(b, H1, &o, T_ERR));
+  OK(dp_stream_new(b, H1, &w, T_ERR));
+  started_gate_t g;
+  atomic_init(&g.started, 0);
+  atomic_init(&g.open, 0);
+  OK(dp_host_launch(o, hold_until_open, &g, T_ERR)); /* nothing of o's completes meanwhile */
+  steps_sync_t y = {.target = w, .rc = 1};
+  OK(dp_host_launch(mine, sync_counting_steps, &y, T_ERR));
+  OK(dp_event_record(after, mine, T_ERR));
+  for (int i = 0; i < K; i++) {
+    OK(dp_host_launch(o, nm_noop2, NULL, T_ERR));
+    OK(dp_event_new(b, H1, &on_o[i], T_ERR));
+    OK(dp_event_record(on_o[i], o, T_ERR));
+  }
+  OK(dp_stream_wait_event(o, after, T_ERR));
+  OK(dp_event_new(b, H1, &last, T_ERR));
+  OK(dp_event_record(last, o, T_ERR));
+  /* w's waits, furthest first: the walk meets them nearest first */
+  OK(dp_stream_wait_event(w, last, T_ERR));
+  for (int i = K; i-- > 0;) OK(dp_stream_wait_event(w, on_o[i], T_ERR));
+  atomic_store(&y.go, 1);
+  OK(dp_stream_synchronize(mine, T_ERR));
+  cr_assert_eq(y.rc, DP_EMISUSE, "%s: %s", dp_err_name(y.rc), y.err.message);
+  cr_assert_leq(y.steps, 4 * (K + 4), "%d targets on one stream took %llu steps", K, (unsigned long long)y.steps);
+  atomic_store(&g.open, 1);
+  OK(dp_stream_synchronize(w, T_ERR));
+  for (int i = 0; i < K; i++) dp_event_free(on_o[i]);
+  dp_event_free(last);
+  dp_event_free(after);
+  dp_stream_free(w);
+  dp_stream_free(o);
+  dp_stream_free(mine);
+  alarm(0);
+}
+
 /* ---- dp_device_read: an inline pickle's reader through the backend ---- */
 
 typedef struct fill {

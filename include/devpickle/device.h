@@ -279,8 +279,12 @@ typedef void (*dp_host_fn)(void *arg);
  *  waits, through dp_stream_wait_event (or wait_stream) queued there, down
  *  any chain of such waits, for work queued on fn's stream after fn. (A
  *  wait for another host function that itself waits for fn is not seen:
- *  it hangs, as two threads waiting on each other do.) dp_stream_free of
- *  its own stream, or of a stream that waits so for fn, frees nothing (it
+ *  it hangs, as two threads waiting on each other do.) Following those
+ *  waits takes time linear in the streams and waits reached, and memory:
+ *  without it, these calls from fn are DP_ENOMEM and wait for nothing (a
+ *  wait they could not clear might be one for fn). dp_stream_free of
+ *  its own stream, or of a stream that waits so for fn (or for which that
+ *  could not be told), frees nothing (it
  *  would wait for fn, and free the thread running it): a line on stderr
  *  says so, and the stream stays usable. */
 DP_API int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err);

@@ -205,7 +205,8 @@ DP_API int dp_future_wait(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
  *  to 1 ms between looks): DP_ETIMEDOUT when they have not. From a host
  *  function (dp_host_launch) whose stream holds an event of f recorded
  *  after it, or an event of f on a stream that waits for work queued there
- *  after it, DP_EMISUSE at once, with a limit or without (device.h). */
+ *  after it, DP_EMISUSE at once, with a limit or without (device.h);
+ *  DP_ENOMEM, waiting for nothing, when memory to tell so was lacking. */
 DP_API int dp_future_synchronize(dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 
 /** The value, borrowed, without any synchronization: device memory it
