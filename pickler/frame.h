@@ -44,6 +44,13 @@ void dp__frame_header_parse(const uint8_t *h, dp_frame_info_t *fi);
  * refuse it from the header alone — the stream reader without reading on
  * to the end of a stream that may never end. */
 int dp__frame_lengths_check(const dp_frame_info_t *fi, dp_error_t *err);
+/* The checks every reader makes first, in this order: the magic (DP_EFORMAT
+ * at 0; DP_ETRUNC for a prefix of it), the version as soon as its two bytes
+ * are in (DP_EVERSION at 4: what follows is that version's layout, so
+ * nothing after it is judged), the 40-byte header present (DP_ETRUNC). */
+int dp__frame_start_check(const uint8_t *b, size_t n, dp_error_t *err);
+/* DP_EVERSION at 4, "unsupported version N", for any version but ours. */
+int dp__frame_version_check(unsigned version, dp_error_t *err);
 int dp__frame_header_check(const dp_frame_info_t *fi, uint64_t sum, dp_error_t *err);
 /* dp__frame_header_check's checks that follow the checksum, which the header
  * alone decides: version, flags, a data section without the inline flag. */

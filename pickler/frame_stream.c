@@ -133,11 +133,13 @@ int dp_frame_prefix_check(const void *bytes, size_t n, dp_error_t *err) {
   if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_frame_prefix_check: NULL bytes");
   if (n && memcmp(b, DP_FRAME_MAGIC, n < 4 ? n : 4) != 0)
     return dp__err_at(err, DP_EFORMAT, 0, "not a devpickle frame (bad magic)");
-  if (n < DP_FRAME_HEADER) return 0;
+  if (n < DP_FRAME_HEADER) return n >= 6 ? dp__frame_version_check(dp__get_le16(b + 4), err) : 0;
   dp_frame_info_t fi;
   dp__frame_header_parse(b, &fi);
   int rc;
-  if ((rc = dp__frame_lengths_check(&fi, err)) != 0 || (rc = dp__frame_fields_check(&fi, err)) != 0) return rc;
+  if ((rc = dp__frame_version_check(fi.version, err)) != 0 || (rc = dp__frame_lengths_check(&fi, err)) != 0 ||
+      (rc = dp__frame_fields_check(&fi, err)) != 0)
+    return rc;
   uint64_t body = n - DP_FRAME_HEADER;
   /* an empty section holds no value: the readers say so */
   if (fi.payload_len && (rc = framing_check(b + DP_FRAME_HEADER, body < fi.payload_len ? body : fi.payload_len,
@@ -211,7 +213,7 @@ int dp_unpickle_stream(dp_stream_read_cb read, void *ud, const dp_unpickle_opts_
   XXH3_INITSTATE(xs);
   int rc = sread(&s, hdr, sizeof hdr, &got);
   if (rc) return rc;
-  if (got < sizeof hdr || memcmp(hdr, DP_FRAME_MAGIC, 4) != 0) return dp_frame_check(hdr, got, info, err);
+  if ((rc = dp__frame_start_check(hdr, got, err)) != 0) return rc; /* magic, version, a whole header */
   dp_frame_info_t fi;
   dp__frame_header_parse(hdr, &fi);
   if ((rc = dp__frame_lengths_check(&fi, err)) != 0) return rc;

@@ -961,10 +961,16 @@ int dp__frame_header_check(const dp_frame_info_t *fi, uint64_t sum, dp_error_t *
   return dp__frame_fields_check(fi, err);
 }
 
-int dp__frame_fields_check(const dp_frame_info_t *fi, dp_error_t *err) {
-  if (fi->version != DP_FRAME_VERSION)
-    return dp__err_at(err, DP_EVERSION, 4, "frame version %u, this build reads version %d", fi->version,
+int dp__frame_version_check(unsigned version, dp_error_t *err) {
+  if (version != DP_FRAME_VERSION)
+    return dp__err_at(err, DP_EVERSION, 4, "unsupported version %u: this build reads frame version %d", version,
                       DP_FRAME_VERSION);
+  return 0;
+}
+
+int dp__frame_fields_check(const dp_frame_info_t *fi, dp_error_t *err) {
+  int rc = dp__frame_version_check(fi->version, err);
+  if (rc) return rc;
   if (fi->flags & ~DP_FRAME_FLAG_INLINE)
     return dp__err_at(err, DP_EFORMAT, 6, "unknown frame flags 0x%04x", fi->flags);
   if ((fi->flags & DP_FRAME_FLAG_INLINE) == 0 && fi->data_len != 0)
@@ -972,18 +978,30 @@ int dp__frame_fields_check(const dp_frame_info_t *fi, dp_error_t *err) {
   return 0;
 }
 
-int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err) {
-  const uint8_t *b = bytes;
-  if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_frame_check: NULL bytes");
+/* Magic first, then version: the layout after the version is that
+ * version's, so a frame of another one is refused as such (the error a
+ * reader needs: upgrade), whatever follows, even a header cut short after
+ * its version bytes; then the header's presence. */
+int dp__frame_start_check(const uint8_t *b, size_t n, dp_error_t *err) {
   if (n < 4 || memcmp(b, DP_FRAME_MAGIC, 4) != 0) {
     if (n < 4 && (n == 0 || memcmp(b, DP_FRAME_MAGIC, n) == 0))
       return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu byte%s, the header needs %d", n,
                         n == 1 ? "" : "s", DP_FRAME_HEADER);
     return dp__err_at(err, DP_EFORMAT, 0, "not a devpickle frame (bad magic)");
   }
+  int rc = n >= 6 ? dp__frame_version_check(dp__get_le16(b + 4), err) : 0;
+  if (rc) return rc;
   if (n < DP_FRAME_HEADER) /* the magic is in: 4 bytes at least */
     return dp__err_at(err, DP_ETRUNC, (int64_t)n, "truncated frame: %zu bytes, the header needs %d", n,
                       DP_FRAME_HEADER);
+  return 0;
+}
+
+int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err) {
+  const uint8_t *b = bytes;
+  if (!bytes && n) return dp__err(err, DP_EINVAL, "dp_frame_check: NULL bytes");
+  int rc0 = dp__frame_start_check(b, n, err);
+  if (rc0) return rc0;
   dp_frame_info_t fi;
   dp__frame_header_parse(b, &fi);
   int rc = dp__frame_lengths_check(&fi, err);

@@ -2760,7 +2760,7 @@ Test(cli, every_frame_command_refuses_a_header_of_another_version_or_unknown_fla
     uint8_t version, flags;
     const char *err;
   } heads[] = {
-      {2, 0, "devpickle: <stdin>: frame version 2, this build reads version 1, at byte 4\n"},
+      {2, 0, "devpickle: <stdin>: unsupported version 2: this build reads frame version 1, at byte 4\n"},
       {1, 4, "devpickle: <stdin>: unknown frame flags 0x0004, at byte 6\n"},
   };
   for (size_t h = 0; h < sizeof heads / sizeof *heads; h++) {
@@ -2784,7 +2784,49 @@ Test(cli, every_frame_command_refuses_a_header_of_another_version_or_unknown_fla
   cr_assert_not_null(f);
   cr_assert_eq(fwrite(head, 1, sizeof head, f), sizeof head);
   fclose(f);
-  run_err_only("verify v2.dpk", 1, "devpickle: v2.dpk: frame version 2, this build reads version 1, at byte 4\n");
+  run_err_only("verify v2.dpk", 1, "devpickle: v2.dpk: unsupported version 2: this build reads frame version 1, at byte 4\n");
+}
+
+/* Magic, then version, then the rest: a frame of another version is named
+ * as such whatever follows its version bytes — a header cut short there
+ * (with its pipe held open: refused from those 6 bytes), lengths no frame
+ * has, a checksum that disagrees. Those read "truncated frame" or "more
+ * than a frame can hold" before, which tells no reader to upgrade. */
+Test(cli, verify_and_inspect_name_another_frame_version_whatever_follows_its_version_bytes, .timeout = 120) {
+  int w = open_held_pipe();
+  for (size_t i = 0; i < sizeof stdin_frame_cmds / sizeof *stdin_frame_cmds; i++) {
+    cr_assert_eq(write(w, "DPKL\x02\x00", 6), 6);
+    char script[160];
+    snprintf(script, sizeof script, "timeout 5 \"$D\" %s < pipe", stdin_frame_cmds[i]);
+    res_t r = run_sh(script);
+    cr_assert_eq(r.status, 1, "%s waited for the pipe to close (status %d): %s", stdin_frame_cmds[i], r.status, r.err);
+    cr_assert_str_eq(r.err, "devpickle: <stdin>: unsupported version 2: this build reads frame version 1, at byte 4\n",
+                     "%s", stdin_frame_cmds[i]);
+    res_free(r);
+  }
+  close(w);
+  uint8_t huge[HEADER_BYTES + 3];
+  memset(huge, 0xff, sizeof huge); /* lengths past 2^64, a checksum of nothing */
+  memcpy(huge, "DPKL\x02\x00", 6);
+  static const struct {
+    const char *name;
+    size_t n;
+  } files[] = {{"v2-cut.dpk", 6}, {"v2-short.dpk", 20}, {"v2-huge.dpk", sizeof huge}};
+  for (size_t k = 0; k < sizeof files / sizeof *files; k++) {
+    char path[160];
+    path_in(path, sizeof path, files[k].name);
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(huge, 1, files[k].n, f), files[k].n);
+    fclose(f);
+    for (int c = 0; c < 2; c++) {
+      char args[64], want[200];
+      snprintf(args, sizeof args, "%s %s", c ? "inspect" : "verify", files[k].name);
+      snprintf(want, sizeof want,
+               "devpickle: %s: unsupported version 2: this build reads frame version 1, at byte 4\n", files[k].name);
+      run_err_only(args, 1, want);
+    }
+  }
 }
 
 /* Fewer than 40 bytes that are no frame's start ("hello", value JSON) with a

@@ -1402,7 +1402,7 @@ Test(pickler, header_errors_name_what_is_wrong) {
   uint64_t sum = XXH3_64bits_withSeed(b + 40, n - 40, XXH3_64bits(b, 32));
   for (int i = 0; i < 8; i++) b[32 + i] = (uint8_t)(sum >> (8 * i));
   cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EVERSION);
-  cr_assert_str_eq(e.message, "frame version 2, this build reads version 1");
+  cr_assert_str_eq(e.message, "unsupported version 2: this build reads frame version 1");
   memcpy(b, b0, n);
   b[n] = 0;
   cr_assert_eq(dp_unpickle(b, n + 1, NULL, &out, &e), DP_EFORMAT);
@@ -1683,7 +1683,7 @@ Test(pickler, a_data_section_that_the_header_or_the_table_rules_out_is_refused_o
       {1, 0, (const uint8_t *)"\xc0", (const uint8_t *)"\x90", 1, 1, DP_EFORMAT, 24,
        "data section in a frame without the inline flag"},
       {2, 1, tensor, one_buffer, sizeof tensor, sizeof one_buffer, DP_EVERSION, 4,
-       "frame version 2, this build reads version 1"},
+       "unsupported version 2: this build reads frame version 1"},
       {1, 3, tensor, one_buffer, sizeof tensor, sizeof one_buffer, DP_EFORMAT, 6, "unknown frame flags 0x0003"},
       {1, 1, (const uint8_t *)"\xc0", (const uint8_t *)"\x90", 1, 1, DP_EFORMAT, 6,
        "inline flag on a frame without buffers (not canonical: a writer sets it only when it carries buffer bytes)"},
@@ -5854,6 +5854,55 @@ Test(pickler, every_header_flag_bit_but_the_inline_flag_is_refused_on_its_own) {
   ASSERT_NO_LEAK();
 }
 
+/* Magic, then version, then the rest (FORMAT.md, "Reading hostile
+ * input"): the layout after the version is that version's, so a frame of
+ * another version is refused as one whatever follows — its header cut
+ * short after the version bytes, lengths past 2^64, a body shorter than
+ * announced, a checksum of another layout. Each read as a truncation, a
+ * length or a checksum error before, which tells no reader to upgrade.
+ * Every reader says so: dp_frame_check, dp_unpickle, dp_unpickle_stream,
+ * dp_frame_prefix_check. */
+Test(pickler, a_frame_of_another_version_is_refused_as_such_whatever_follows_its_version_bytes) {
+  const uint8_t nil = 0xc0, table = 0x90;
+  size_t n;
+  uint8_t *v1 = frame_with_table(&nil, 1, &table, 1, NULL, 0, 0, &n);
+  uint8_t b[64];
+  cr_assert_leq(n, sizeof b);
+  enum { CUT, SHORT, HUGE, BODY_SHORT, STALE_SUM, NCASES };
+  const char *what[NCASES] = {"cut after the version", "a 20-byte header", "lengths past 2^64",
+                              "a body shorter than announced", "the checksum of version 1"};
+  for (int k = 0; k < NCASES; k++) {
+    memcpy(b, v1, n);
+    b[4] = 2; /* version 2; nothing else recomputed */
+    size_t len = n;
+    if (k == CUT) len = 6;
+    if (k == SHORT) len = 20;
+    if (k == HUGE) memset(b + 8, 0xff, 24);
+    if (k == BODY_SHORT) len = n - 1;
+    dp_value_t out;
+    dp_error_t e;
+    cr_assert_eq(dp_frame_check(b, len, NULL, &e), DP_EVERSION, "%s: %s", what[k], e.message);
+    cr_assert_str_eq(e.message, "unsupported version 2: this build reads frame version 1", "%s", what[k]);
+    cr_assert_eq(e.offset, 4, "%s", what[k]);
+    cr_assert_eq(dp_unpickle(b, len, NULL, &out, &e), DP_EVERSION, "%s: %s", what[k], e.message);
+    cr_assert_str_eq(e.message, "unsupported version 2: this build reads frame version 1", "%s", what[k]);
+    mem_reader_t c = {b, len, 7};
+    cr_assert_eq(dp_unpickle_stream(mem_read, &c, NULL, &out, NULL, NULL, &e), DP_EVERSION, "%s: %s", what[k],
+                 e.message);
+    cr_assert_str_eq(e.message, "unsupported version 2: this build reads frame version 1", "%s", what[k]);
+    cr_assert_eq(e.offset, 4, "%s", what[k]);
+    cr_assert_eq(dp_frame_prefix_check(b, len, &e), DP_EVERSION, "%s: %s", what[k], e.message);
+    cr_assert_eq(e.offset, 4, "%s", what[k]);
+  }
+  /* 5 bytes: the version is not all in, so it is a truncated frame's */
+  dp_error_t e;
+  cr_assert_eq(dp_frame_check("DPKL\x02", 5, NULL, &e), DP_ETRUNC, "%s", e.message);
+  cr_assert_str_eq(e.message, "truncated frame: 5 bytes, the header needs 40");
+  cr_assert_eq(dp_frame_prefix_check("DPKL\x02", 5, &e), 0, "%s", e.message);
+  free(v1);
+  ASSERT_NO_LEAK();
+}
+
 /* A frame of an older version than this build reads is refused as a newer
  * one is: versions are matched exactly, not bounded from above. */
 Test(pickler, a_frame_version_below_this_builds_is_refused) {
@@ -5866,7 +5915,7 @@ Test(pickler, a_frame_version_below_this_builds_is_refused) {
   dp_value_t out;
   dp_error_t e;
   cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EVERSION, "%s", e.message);
-  cr_assert_str_eq(e.message, "frame version 0, this build reads version 1");
+  cr_assert_str_eq(e.message, "unsupported version 0: this build reads frame version 1");
   cr_assert_eq(e.offset, 4);
   free(f);
   ASSERT_NO_LEAK();
@@ -6656,7 +6705,7 @@ Test(pickler, a_frame_version_that_differs_only_in_its_high_byte_is_refused) {
   dp_value_t out;
   dp_error_t e;
   cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EVERSION, "%s", e.message);
-  cr_assert_str_eq(e.message, "frame version 257, this build reads version 1");
+  cr_assert_str_eq(e.message, "unsupported version 257: this build reads frame version 1");
   cr_assert_eq(e.offset, 4);
   free(f);
   ASSERT_NO_LEAK();

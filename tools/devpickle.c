@@ -731,10 +731,11 @@ static int src_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err)
   src_t *s = ud;
   *got = 0;
   if (s->no_magic) return 0; /* the reader refuses what it has: waiting on would only hold the command */
-  /* Until the magic is in, or what came is known to be none, a byte at a
-   * time: fread waits for all it is asked, and 'hello' and an open pipe
-   * behind it would hold the command until 40 bytes came. */
-  if (s->hdr_len < FRAME_HEADER && (s->hdr_len < 4 || memcmp(s->hdr, "DPKL", 4) != 0) && n > 1) n = 1;
+  /* Until the magic and the version are in, or what came is known to be
+   * no frame, a byte at a time: fread waits for all it is asked, and
+   * 'hello' (or a frame of another version) and an open pipe behind it
+   * would hold the command until 40 bytes came. */
+  if (s->hdr_len < FRAME_HEADER && (s->hdr_len < 6 || memcmp(s->hdr, "DPKL", 4) != 0) && n > 1) n = 1;
   if (s->total >= s->limit) { /* the frame and TRAIL_MAX bytes are in: one more byte says it all */
     int c = fgetc(s->f);
     if (c != EOF) {
@@ -768,6 +769,10 @@ static int src_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err)
     memcpy(s->hdr + s->hdr_len, dst, k);
     if ((s->hdr_len += k) == FRAME_HEADER) src_header(s);
     else if (no_magic(s->hdr, s->hdr_len)) s->no_magic = 1;
+    else if (s->hdr_len >= 6 && !s->bad_header) { /* magic and version in: another version ends the reading */
+      dp_error_clear(&s->herr);
+      if (dp_frame_prefix_check(s->hdr, s->hdr_len, &s->herr) != 0) s->bad_header = 1;
+    }
   }
   s->total += *got;
   if (s->bad_header) {

@@ -222,12 +222,18 @@ typedef struct dp_frame_info {
 } dp_frame_info_t;
 
 /** Validates the header, lengths and checksum and counts the buffers;
- *  *info (may be NULL) is written on success only. Allocates nothing. */
+ *  *info (may be NULL) is written on success only. Allocates nothing.
+ *  The magic is checked first, then the version, as soon as its two bytes
+ *  are in: a frame of another version (whose layout may differ) is
+ *  DP_EVERSION at 4, "unsupported version N: ...", whatever follows it —
+ *  a header cut short, lengths, checksum. dp_unpickle and
+ *  dp_unpickle_stream check in the same order. */
 DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_t *err);
 
 /** Checks the first n bytes of a frame still arriving, for readers that
- *  gather a frame from a stream: the magic; once the header is in, its
- *  lengths (as dp_frame_check checks them), version, flags and a data
+ *  gather a frame from a stream: the magic; the version once its two
+ *  bytes are in; once the header is in, its
+ *  lengths (as dp_frame_check checks them), flags and a data
  *  section without the inline flag (as dp_frame_check checks them after
  *  the checksum); the framing of the payload and buffer table bytes in so
  *  far — each is one MessagePack value filling its section exactly, so a
