@@ -1067,6 +1067,19 @@ Test(value, tensors_differing_in_any_field_equality_compares_hash_differently) {
   ASSERT_NO_LEAK();
 }
 
+/* A reduced custom's stand-in and a plain object of its class holding
+ * one attribute "__reduce__" compare unequal, and hashed alike. */
+Test(value, a_reduced_stand_in_and_a_plain_object_of_the_same_attributes_hash_differently) {
+  dp_value_t plain = t_obj("Holder"), reduced;
+  OK(dp_object_set(plain, "__reduce__", dp_int(5), T_ERR));
+  OK(dp_object_new_reduced("Holder", dp_int(5), &reduced, T_ERR));
+  cr_assert_eq(dp_value_equal(plain, reduced, 0, NULL), 0);
+  cr_assert_neq(dp_value_hash(plain), dp_value_hash(reduced), "a stand-in and a plain object hash alike");
+  dp_value_release(plain);
+  dp_value_release(reduced);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, dicts_and_objects_compare_regardless_of_order) {
   dp_value_t a, b;
   OK(dp_dict_new(0, &a, T_ERR));

@@ -341,9 +341,9 @@ static uint64_t node_hash(dp_value_t v) {
     }
     case DP_CUSTOM: return dp__hash_u64((uint64_t)(uintptr_t)v.u.h, DP_CUSTOM);
     case DP_DICT: return dp__hash_u64(DP_DICT(v)->len, DP_DICT);
-    case DP_OBJECT:
-      return mix(dp__hash_u64(DP_OBJ(v)->len, DP_OBJECT), dp__hash_bytes(DP_OBJ(v)->class_name, DP_OBJ(v)->class_len,
-                                                                         DP_OBJECT), DP_OBJECT);
+    case DP_OBJECT: /* and whether it is a reduced stand-in, as equality tells them apart */
+      return mix(dp__hash_u64(DP_OBJ(v)->len | (uint64_t)(DP_OBJ(v)->c.h.flags & DP_HEAP_REDUCED) << 63, DP_OBJECT),
+                 dp__hash_bytes(DP_OBJ(v)->class_name, DP_OBJ(v)->class_len, DP_OBJECT), DP_OBJECT);
     default:  /* list, tuple */
       return dp__hash_u64(DP_SEQ(v)->len, v.kind);
   }
