@@ -13,19 +13,22 @@ static const unsigned am_ids[AM_IDS] = {DP__AM_FRAME,     DP__AM_BUFS,      DP__
                                         DP__AM_SHM_REPLY, DP__AM_SHM_DONE,  DP__AM_LANE_ADDR, DP__AM_LANE_HELLO,
                                         DP__AM_ACCEPT,    DP__AM_CREDIT,    DP__AM_CLOSE};
 
-
-/* Sets every message's handler on w; amh[i] is its argument. stray (the
- * transport's worker, which any peer reaches; NULL on a lane's, whose peer
- * is a process of this user): first the argument of a handler set for every
- * id a message can carry (UCX's are 16 bits), ids the protocol does not use
- * included. UCX 1.13 grows its table of handlers to the id registered
- * without initializing the entries it adds below it
- * (ucp_worker_set_am_handler_common initializes the new id's entry once per
- * entry added): a message of such an id called whatever the allocator left
- * there — a crash, or a call through a peer's choice of stale pointer. Set
- * in increasing order, each id's entry is set, whatever the table grows
- * to: 64 Ki entries, about 1.5 MB a transport. */
-ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep, amh_t *stray) {
+/* Sets the handler of every id a message can carry (UCX's are 16 bits) on
+ * w, a lane's worker (ep) as the transport's (ep NULL): *stray is the
+ * argument of the ids the protocol does not use, amh[i] the protocol's
+ * i-th's. UCX 1.13 grows its table of handlers, when an id at or past its
+ * length is registered, to max(twice its capacity, id + 1) rounded up to
+ * even, and initializes only that id's entry of the ones it adds
+ * (ucp_worker_set_am_handler_common): a message of another of them called
+ * whatever the allocator left there. Nor does a shorter table that is all
+ * set do: a message that arrives without a UCT descriptor (tcp, shared
+ * memory) has its entry's flags read before its id is checked against the
+ * table's length (ucp_am_handler_common), so an id past the table read up
+ * to 1.5 MB past its end — a segfault where nothing is mapped there. Set
+ * in increasing order from 0 to 65,535, every entry a message can name is
+ * in the table and set: about 1.5 MB a worker, as a peer of a lane (a
+ * process of this user) is no more trusted with it than any other. */
+ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, amh_t *stray, dp_transport_t *t, dp_endpoint_t *ep) {
   ucp_am_handler_param_t hp;
   memset(&hp, 0, sizeof hp);
   hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -33,13 +36,11 @@ ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, 
   hp.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
   hp.cb = dp__tp_am_cb;
   ucs_status_t st = UCS_OK;
-  if (stray) {
-    *stray = (amh_t){t, AM_STRAY, NULL};
-    hp.arg = stray;
-    for (unsigned id = 0; id <= UINT16_MAX && st == UCS_OK; id++) {
-      hp.id = id;
-      st = ucp_worker_set_am_recv_handler(w, &hp);
-    }
+  *stray = (amh_t){t, AM_STRAY, ep};
+  hp.arg = stray;
+  for (unsigned id = 0; id <= UINT16_MAX && st == UCS_OK; id++) {
+    hp.id = id;
+    st = ucp_worker_set_am_recv_handler(w, &hp);
   }
   for (size_t i = 0; i < AM_IDS && st == UCS_OK; i++) {
     amh[i] = (amh_t){t, am_ids[i], ep};
@@ -63,9 +64,9 @@ ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd) {
 
 /* The endpoint's lane worker; 0 when made. */
 static int lane_worker(dp_transport_t *t, dp_endpoint_t *ep) {
-  if (t->nlanes >= DP__LANES_MAX) return -1; /* a worker costs ~9 descriptors and ~0.7 MB */
+  if (t->nlanes >= DP__LANES_MAX) return -1; /* a worker: ~9 descriptors, ~2 MB (1.5 its handlers) */
   if (dp__tp_new_worker(t->lctx, &ep->dw, &ep->dw_fd) != UCS_OK) return -1;
-  if (dp__tp_set_handlers(ep->dw, ep->lamh, t, ep, NULL) == UCS_OK) return t->nlanes++, 0;
+  if (dp__tp_set_handlers(ep->dw, ep->lamh, &ep->lstray, t, ep) == UCS_OK) return t->nlanes++, 0;
   ucp_worker_destroy(ep->dw);
   ep->dw = NULL;
   return -1;

@@ -1254,6 +1254,7 @@ static ucs_status_t am_cb(void *arg, const void *hdr, size_t hlen, void *data, s
     if (rndv) dp__tp_rndv_release(w, data);
     return UCS_OK;
   }
+  if (h->ep) atomic_fetch_add(&dp__transport_lane_msgs, 1);
   if (h->id == AM_STRAY) { /* no message of the protocol: the peer is no devpickle peer, or a broken one */
     if (rndv) dp__tp_rndv_release(w, data);
     dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a message of an id the protocol does not use");
@@ -1261,7 +1262,6 @@ static ucs_status_t am_cb(void *arg, const void *hdr, size_t hlen, void *data, s
   }
   ep->established = 1;
   if (h->ep) {
-    atomic_fetch_add(&dp__transport_lane_msgs, 1);
     if (rndv) { /* never sent so: the lane carries small messages, eagerly */
       dp__tp_rndv_release(w, data);
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a rendezvous on the same-host lane");

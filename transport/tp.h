@@ -307,7 +307,8 @@ struct dp_endpoint {
   dp__shm_t *lane_file;     /* the connector: its offer's file, until answered */
   int64_t lane_deadline;    /* the connector: its offer's name goes after it */
   int lane_drop;            /* the connector: refused; its worker goes from the loop */
-  amh_t lamh[AM_IDS];
+  amh_t lamh[AM_IDS];       /* the lane's worker's handlers' arguments */
+  amh_t lstray;             /* and that of its every other id */
   int indexed;              /* in t->ep_index */
   /* graceful close (internal.h, CLOSE) */
   int peer_closed;          /* the peer's CLOSE came: */
@@ -497,7 +498,7 @@ void dp__tp_shm_answer(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_shm_withdraw(dp_endpoint_t *ep);
 void dp__tp_ep_drop_shm(dp_transport_t *t, dp_endpoint_t *ep);
 /* lane.c */
-ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, dp_transport_t *t, dp_endpoint_t *ep, amh_t *stray);
+ucs_status_t dp__tp_set_handlers(ucp_worker_h w, amh_t *amh, amh_t *stray, dp_transport_t *t, dp_endpoint_t *ep);
 ucs_status_t dp__tp_new_worker(ucp_context_h ctx, ucp_worker_h *w, int *fd);
 void dp__tp_lane_connect(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_lane_offer(dp_transport_t *t, dp_endpoint_t *ep);

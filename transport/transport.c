@@ -647,7 +647,7 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
     return dp__err(err, DP_ENODEV, "dp_transport_new: UCX did not start: %s", ucs_status_string(st));
   }
   st = dp__tp_new_worker(t->ctx, &t->worker, &t->worker_fd);
-  if (st == UCS_OK) st = dp__tp_set_handlers(t->worker, t->amh, t, NULL, &t->stray);
+  if (st == UCS_OK) st = dp__tp_set_handlers(t->worker, t->amh, &t->stray, t, NULL);
   if (st != UCS_OK) {
     if (t->worker) ucp_worker_destroy(t->worker);
     ucp_cleanup(t->ctx);
