@@ -17,8 +17,9 @@
  * GIL rules: every call into the C future that can block (wait) releases the
  * GIL first; the C future never holds its lock while a callback runs, so a
  * callback taking the GIL cannot deadlock against a waiter (PyTorch #58239).
- * A callback entry holds a reference to its parent's Python object, so a
- * chain `f.then(a).then(b)` stays alive until it has run.
+ * A callback entry holds its child, so a chain `f.then(a).then(b)` stays
+ * alive while f can complete; it holds f itself only once f is claimed
+ * (then_ud_t), so a pending f whose last reference goes fails its children.
  */
 #include "ext.h"
 
@@ -40,7 +41,7 @@ typedef struct pyfut {
   int chained;        /* a then() future: its opaque types came from its parent (a walk error says so) */
   unsigned long walker; /* the thread walking the result it will complete with (set_result, a then()
                          * callback's), or 0: that thread's wait() on it could never return */
-  struct pyfut *parent; /* a then() future's, until its callback ran (borrowed: the callback holds it):
+  struct pyfut *parent; /* a then() future's, until its callback ran or the parent went (borrowed):
                          * with inputs, what its completion waits for (waits_for_running) */
   PyObject *weakrefs;
   PyObject *dict;     /* attributes, as on torch.futures.Future */
@@ -48,7 +49,31 @@ typedef struct pyfut {
                            * again (its items' __str__ would run twice, and could answer otherwise) */
   PyObject *opaque;   /* opaque=: a tuple of types the walks of its results treat as leaves, or NULL */
   PyObject *opaque_read; /* the opaque= that tp_new read, until __init__ (an iterator is read once) */
+  struct then_ud *unarmed; /* callback entries that borrow this future (see then_ud_t), under the GIL */
 } pyfut_t;
+
+/* A then() or add_done_callback() entry. While its future is pending and
+ * unclaimed the entry only borrows it (parent, unarmed: on the future's
+ * list): a reference would make future -> C future -> entry -> future a
+ * cycle the collector cannot see, so a future dropped pending with
+ * callbacks would never go, and its children would wait forever. Its C
+ * future is then held by the wrapper alone (a then() child holds no
+ * reference to its parent, a collect_all none to a pending input), so the
+ * wrapper's last reference releases it: the callbacks can never run, and
+ * cancel_unarmed fails the children with DP_ECANCELED, as the C library
+ * fails its own. Once the future is claimed (claim(): set_result,
+ * set_exception, a callback completing its child) every entry is armed,
+ * holding a reference until it ran, since its callback may then run on a
+ * trampoline after the claimer dropped the future. A collect_all future,
+ * which its inputs complete without anyone holding its wrapper, is held by
+ * its entries from the start. */
+typedef struct then_ud {
+  PyObject *callback;
+  pyfut_t *parent;  /* a reference once armed; borrowed before */
+  pyfut_t *child;   /* NULL for add_done_callback */
+  int armed;
+  struct then_ud *prev, *next; /* on parent->unarmed while not armed */
+} then_ud_t;
 
 static PyTypeObject fut_type;
 
@@ -343,7 +368,67 @@ static int fut_init(pyfut_t *self, PyObject *args, PyObject *kw) {
   return rc;
 }
 
+/* ---- callback entries that borrow their future (then_ud_t) ---- */
+
+static void unarmed_unlink(pyfut_t *f, then_ud_t *u) {
+  if (u->prev) u->prev->next = u->next;
+  else f->unarmed = u->next;
+  if (u->next) u->next->prev = u->prev;
+  u->prev = u->next = NULL;
+}
+
+/* Claims f for completion (set_result, set_exception, a callback's
+ * result): no other completion is taken, and every callback entry now holds
+ * f, since from here its callback may run after whoever completes f has
+ * dropped it (queued on a trampoline). Under the GIL. */
+static void claim(pyfut_t *f) {
+  f->completing = 1;
+  while (f->unarmed) {
+    then_ud_t *u = f->unarmed;
+    unarmed_unlink(f, u);
+    Py_INCREF(f);
+    u->armed = 1;
+  }
+}
+
+/* f goes while pending, unclaimed: nobody can complete it any more, so its
+ * callbacks never run (its C future, which only f holds, is released with
+ * it) and its then() children fail with DP_ECANCELED, as the C library's
+ * own do. Each child is failed by its own completion, so its callbacks —
+ * and their chains — run as on any failure. Called from tp_clear (the
+ * collector found f unreachable, through a callback that refers to it) or
+ * tp_dealloc. */
+static void cancel_unarmed(pyfut_t *f) {
+  while (f->unarmed) {
+    then_ud_t *u = f->unarmed;
+    unarmed_unlink(f, u);
+    pyfut_t *child = u->child;
+    if (child) {
+      child->parent = NULL; /* f goes: the wait check no longer follows it */
+      if (!child->completing && !dp_future_is_done(child->f)) {
+        claim(child);
+        dp_error_t e;
+        dp_error_clear(&e);
+        e.code = DP_ECANCELED;
+        snprintf(e.message, sizeof e.message, "%s",
+                 "the Future this then() future was chained on was dropped before it completed (its last "
+                 "reference went): nothing can complete it, so its callbacks never run");
+        dp_future_set_error(child->f, &e, NULL);
+      }
+    }
+    Py_DECREF(u->callback);
+    Py_XDECREF(child);
+    PyMem_RawFree(u);
+  }
+}
+
 static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
+  /* what the unarmed entries hold is f's: a callback that refers to f is a
+     cycle the collector can then see */
+  for (then_ud_t *u = f->unarmed; u; u = u->next) {
+    Py_VISIT(u->callback);
+    Py_VISIT(u->child);
+  }
   Py_VISIT(f->dict);
   Py_VISIT(f->result);
   Py_VISIT(f->exc);
@@ -356,6 +441,7 @@ static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
 }
 
 static int fut_clear(pyfut_t *f) {
+  cancel_unarmed(f);
   Py_CLEAR(f->dict);
   Py_CLEAR(f->result);
   Py_CLEAR(f->exc);
@@ -629,7 +715,7 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
     already_complete(self);
     return NULL;
   }
-  self->completing = 1;
+  claim(self);
   dpy_scanner_t *s;
   if (walk_value(self, value, &s, NULL)) {
     /* the future fails with the WalkError too, so that no waiter hangs */
@@ -692,7 +778,7 @@ static PyObject *set_exception(pyfut_t *self, PyObject *exc) {
     already_complete(self);
     return NULL;
   }
-  self->completing = 1;
+  claim(self);
   set_exc(self, Py_NewRef(exc));
   dp_error_t e = py_failure("the future failed with a Python exception"), out;
   if (dp_future_set_error(self->f, &e, &out)) {
@@ -926,12 +1012,6 @@ static PyObject *fut_done(pyfut_t *self, PyObject *unused) {
 
 /* ---- callbacks ---- */
 
-typedef struct then_ud {
-  PyObject *callback;
-  pyfut_t *parent;  /* a reference: keeps the chain alive until it ran */
-  pyfut_t *child;   /* NULL for add_done_callback */
-} then_ud_t;
-
 /* Makes the pool streams the library made current torch's current streams
  * too, so that the callback's kernels run on them. */
 typedef struct swap {
@@ -1030,6 +1110,11 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
   (void)result; /* the library's placeholder child: the Python child is completed below */
   then_ud_t *u = ud;
   PyGILState_STATE g = PyGILState_Ensure();
+  if (!u->armed) { /* not reached: a future completes only once claimed, which arms its entries */
+    unarmed_unlink(u->parent, u);
+    Py_INCREF(u->parent);
+    u->armed = 1;
+  }
   /* until the child is complete, a wait on it here would wait for itself */
   running_t me = {u->child, running};
   if (u->child) running = &me;
@@ -1054,7 +1139,7 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
     if (!r) PyErr_WriteUnraisable(u->callback);
     Py_XDECREF(r);
   } else {
-    child->completing = 1; /* a set_result on it meanwhile (the walk runs Python code) is refused */
+    claim(child); /* a set_result on it meanwhile (the walk runs Python code) is refused */
     complete_child(child, r);
   }
   if (sw.n) streams_out(&sw);
@@ -1134,9 +1219,20 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
     }
   }
   u->callback = Py_NewRef(callback);
-  u->parent = (pyfut_t *)Py_NewRef(self);
   u->child = child ? (pyfut_t *)Py_NewRef(child) : NULL;
-  if (child) child->parent = self; /* held by u until the callback ran */
+  u->parent = self;
+  u->prev = u->next = NULL;
+  /* borrowed while self is pending and unclaimed (then_ud_t): armed when
+     it may complete without its wrapper (collect_all) or is done already */
+  u->armed = self->inputs || self->completing || dp_future_is_done(self->f);
+  if (u->armed) {
+    Py_INCREF(self);
+  } else {
+    u->next = self->unarmed;
+    if (u->next) u->next->prev = u;
+    self->unarmed = u;
+  }
+  if (child) child->parent = self; /* held by u until the callback ran, or cleared when self goes */
   dp_future_t *c;
   dp_error_t e;
   /* may run the callback at once (self already done): it takes the GIL we
@@ -1145,7 +1241,8 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
   if (rc) {
     if (child) child->parent = NULL;
     Py_DECREF(u->callback);
-    Py_DECREF(u->parent);
+    if (u->armed) Py_DECREF(u->parent);
+    else unarmed_unlink(self, u);
     Py_XDECREF(u->child);
     PyMem_RawFree(u);
     Py_XDECREF(child);

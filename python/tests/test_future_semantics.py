@@ -2264,3 +2264,93 @@ def test_an_interrupt_raised_by_the_walk_of_a_result_is_set_results_own_the_futu
     with pytest.raises(RuntimeError, match="walk of the future's result was interrupted") as e:
         child.wait()
     assert type(e.value.__cause__) is interrupt
+
+
+# A pending future dropped with callbacks on it. torch's entry holds its
+# parent (an intrusive cycle: its children wait forever), so these run
+# against devpickle alone: its entries borrow a pending, unclaimed future,
+# and the last reference to it fails its children with DP_ECANCELED.
+
+
+def test_a_then_child_fails_with_dp_ecanceled_once_its_pending_parent_is_dropped():
+    f = devpickle.Future()
+    ran = []
+    child = f.then(lambda p: ran.append(p) or 1)
+    del f
+    assert child.done()
+    for call in (child.wait, child.value):
+        with pytest.raises(devpickle.Error, match="was dropped before it completed") as e:
+            call()
+        assert e.value.code == "DP_ECANCELED"
+    assert ran == []
+
+
+def test_a_chain_below_a_dropped_pending_future_fails_link_by_link_and_lets_go_of_its_callables():
+    class Callback:
+        def __call__(self, fut):
+            return fut.wait() + 1
+
+    f = devpickle.Future()
+    cb, done_cb = Callback(), Callback()
+    cb_ref, done_ref, f_ref = weakref.ref(cb), weakref.ref(done_cb), weakref.ref(f)
+    last = f.then(cb).then(cb)
+    f.add_done_callback(done_cb)
+    del f, cb, done_cb
+    assert f_ref() is None and done_ref() is None  # no cycle left to collect: the callback never runs
+    with pytest.raises(RuntimeError, match="Error: the Future this then\\(\\) future was chained on was dropped"):
+        last.wait()
+    del last  # its exception's traceback holds the second link's callback, which ran
+    assert cb_ref() is None
+
+
+def test_a_waiter_on_another_thread_wakes_when_the_pending_parent_is_dropped():
+    f = devpickle.Future()
+    child = f.then(lambda p: 1)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pytest.raises(devpickle.Error, child.wait).value.code), daemon=True)
+    t.start()
+    del f
+    t.join(10)
+    assert not t.is_alive() and got == ["DP_ECANCELED"]
+
+
+def test_a_pending_future_that_only_its_own_callback_refers_to_is_collected_and_fails_its_child():
+    def make():
+        f = devpickle.Future()
+        return f.then(lambda p: f.value())  # the closure holds f: a cycle through the callback
+
+    child = make()
+    assert not child.done()
+    gc.collect()
+    assert child.done()
+    with pytest.raises(devpickle.Error, match="dropped before it completed"):
+        child.wait()
+
+
+def test_a_callback_gets_the_future_its_caller_holds_and_a_dropped_completed_future_still_runs_its_chain():
+    f = devpickle.Future()
+    got = []
+    f.then(lambda p: got.append(p))
+    f.set_result(1)
+    assert got == [f]
+    # completed inside a callback, then dropped before its queued callbacks run
+    seen = []
+
+    def complete_and_drop(_):
+        g = devpickle.Future()
+        g.then(lambda p: seen.append(p.value()))
+        g.set_result(5)
+
+    outer = devpickle.Future()
+    outer.add_done_callback(complete_and_drop)
+    outer.set_result(0)
+    assert seen == [5]
+
+
+def test_collect_all_dropped_with_a_then_child_still_completes_from_its_inputs():
+    a, b = devpickle.Future(), devpickle.Future()
+    child = devpickle.collect_all([a, b]).then(lambda agg: [x.value() for x in agg.value()])
+    gc.collect()
+    a.set_result(1)
+    b.set_result(2)
+    assert child.wait() == [1, 2]
