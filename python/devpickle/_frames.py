@@ -816,6 +816,39 @@ def _check_text(label, cls, args, kwargs, via_new):
 
 
 def reduced(cls, parts, classes, copies):
+    """An allowed class from its reduce parts (made, then filled)."""
+    obj, stand_in = _reduced_make(cls, parts, classes, copies)
+    return obj if stand_in else reduced_fill(obj, cls, parts, classes, copies)
+
+
+def reduced_new(name, parts, classes, copies):
+    """A frame's reduced object made from its callable and args alone,
+    before its state, listitems and dictitems are rebuilt, as pickle.loads
+    makes it (REDUCE, then the memo, then BUILD, APPENDS, SETITEMS): a cycle
+    through those parts comes back to this object. parts holds <callable>
+    and <args>; frames.c calls this only for an object whose attributes are
+    those, <state>, <listitems> and <dictitems> alone (a state_setter, which
+    loads refuses, or a mix with other names is refused at the end, nothing
+    made first). An object loads may not make (an unlisted class, a
+    callable it never calls) is a devpickle.Object, whose parts are filled
+    in at the end (reduced_done). A pair: the object, and whether it is
+    such a stand-in."""
+    cls = None if name in _ARRAY_NAMES else classes.get(name)
+    if cls is None:
+        return Object(name), True
+    return _reduced_make(cls, parts, classes, copies)
+
+
+def reduced_done(made, name, parts, classes, copies):
+    """Fills what reduced_new made (its pair) with all its parts: the object."""
+    obj, stand_in = made
+    if stand_in:  # the parts as they came
+        object.__getattribute__(obj, "__attrs__").update(parts)
+        return obj
+    return reduced_fill(obj, classes.get(name), parts, classes, copies)
+
+
+def _reduced_make(cls, parts, classes, copies):
     """An allowed class from its reduce parts, when the callable is the class
     itself, copyreg.__newobj__ of it, or copyreg.__newobj_ex__ of it (what
     pickle's default reduce gives a class with __getnewargs_ex__), and for an
@@ -859,7 +892,7 @@ def reduced(cls, parts, classes, copies):
                             "(cls, a tuple, a dict by name)")
         new_args, new_kwargs = args[1], args[2]
     else:
-        return Object(label, parts)  # not a call loads makes
+        return Object(label, parts), True  # not a call loads makes: it holds the parts
     if member is not None:
         new_args = ()
     else:
@@ -873,9 +906,14 @@ def reduced(cls, parts, classes, copies):
                 if issubclass(cls, dict):  # dict(pairs) hashes each pair's key
                     copies.hashes("reduced objects' args", [k[0] for k in map(_pair_key, items) if k is not None])
     if member is not None:
-        obj = member
-    else:
-        obj = cls(*new_args) if fn is cls else cls.__new__(cls, *new_args, **new_kwargs)
+        return member, False
+    return (cls(*new_args) if fn is cls else cls.__new__(cls, *new_args, **new_kwargs)), False
+
+
+def reduced_fill(obj, cls, parts, classes, copies):
+    """obj, made by _reduced_make, filled with its listitems, dictitems and
+    state as pickle.loads fills it."""
+    label = class_label(cls)
     listitems, dictitems = parts.get("<listitems>") or [], parts.get("<dictitems>") or []
     if not isinstance(listitems, list) or not isinstance(dictitems, list) or not all(
             isinstance(p, tuple) and len(p) == 2 for p in dictitems):

@@ -392,7 +392,7 @@ typedef struct loader {
   PyObject *copies;    /* what finish copies out of shared nodes, bounded (_frames.Copies) */
   PyObject *hashed;    /* copies.hashed: hash_work's memo */
   uint64_t hash_owed;  /* dict keys' hashing work not yet charged to copies */
-  PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass, *fn_object;
+  PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass, *fn_object, *fn_reduced_new, *fn_reduced_done;
   /* memo_objs' mark of a node being made: an object of its own, as a node
      may well be made into None (a reduce whose callable returns it) */
   PyObject *unfinished;
@@ -541,6 +541,8 @@ typedef struct cframe {
   size_t i, n;
   PyObject *py;          /* list, dict, items (tuple) or attrs (object) */
   PyObject *placeholder; /* a plain object made first (cycles), or NULL */
+  PyObject *made;        /* a reduced object made before its state (reduced_new's pair), or NULL */
+  size_t make_at;        /* a reduced object's first part after <callable> and <args>: made there; 0: never */
   PyObject *key;         /* the key of the value being converted */
   PyObject *hcount;      /* a dict's keys counted by hash (same_hash_guard), or NULL */
   size_t memo_at;         /* its slot in memo_objs, or NO_MEMO for a node held once */
@@ -577,6 +579,28 @@ static int names_a_part(dp_value_t v) {
   return 0;
 }
 
+/* For a reduced object whose attributes are <callable> and <args>, then
+ * <state>, <listitems> and <dictitems> alone (dumps's form; no
+ * state_setter, which loads refuses, nor other names): the index of the
+ * first of those last ones, where the object is made — from its callable
+ * and args, before the parts that fill it, as pickle.loads makes it, so a
+ * cycle through them comes back to it. 0 when there is none, or another
+ * form (made at the end, as a whole). */
+static size_t reduce_make_at(dp_value_t v) {
+  size_t n = dp_object_nattrs(v), i = 0;
+  const char *name = NULL;
+  for (; i < n; i++) {
+    dp_object_attr(v, i, &name, NULL, NULL);
+    if (!name || (strcmp(name, "<callable>") && strcmp(name, "<args>"))) break;
+  }
+  if (i == 0 || i == n) return 0;
+  for (size_t j = i; j < n; j++) {
+    dp_object_attr(v, j, &name, NULL, NULL);
+    if (!name || (strcmp(name, "<state>") && strcmp(name, "<listitems>") && strcmp(name, "<dictitems>"))) return 0;
+  }
+  return i;
+}
+
 typedef struct cstack {
   cframe_t *f;
   size_t n, cap;
@@ -605,7 +629,9 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
   if (shared && !dp_ptrset_find(l->memo, (dp_device_t){DP_DEVICE_CPU, 0}, dp_value_id(v), &at, NULL)) {
     PyObject *o = PyList_GET_ITEM(l->memo_objs, (Py_ssize_t)at);
     if (o == l->unfinished) {
-      PyErr_SetString(PyExc_ValueError, "loads: a cycle through a tuple or a reduced object cannot be rebuilt");
+      PyErr_SetString(PyExc_ValueError, "loads: a cycle through a tuple, or through a reduced object's callable or "
+                                        "args (the object is made from them; pickle cannot rebuild it either), "
+                                        "cannot be rebuilt");
       return NULL;
     }
     return Py_NewRef(o);
@@ -683,6 +709,8 @@ static PyObject *convert(loader_t *l, cstack_t *st, dp_value_t v) {
       f.placeholder = PyObject_CallFunction(l->fn_new, "sO", cname, l->classes);
       if (!f.placeholder) return NULL;
       if (f.placeholder == Py_None) Py_CLEAR(f.placeholder); /* made at the end, from its attributes */
+    } else if (!is_reserved(cname)) {
+      f.make_at = reduce_make_at(v);
     }
     f.py = PyDict_New();
     break;
@@ -722,7 +750,10 @@ static PyObject *finish(loader_t *l, cframe_t *f) {
     r = PyList_AsTuple(f->py);
     break;
   case CF_OBJECT:
-    if (f->placeholder) r = PyObject_CallFunctionObjArgs(l->fn_fill, f->placeholder, f->py, NULL);
+    if (f->made)
+      r = PyObject_CallFunction(l->fn_reduced_done, "OsOOO", f->made, dp_object_class(f->v), f->py, l->classes,
+                                l->copies);
+    else if (f->placeholder) r = PyObject_CallFunctionObjArgs(l->fn_fill, f->placeholder, f->py, NULL);
     else r = PyObject_CallFunction(l->fn_finish, "sOOO", dp_object_class(f->v), f->py, l->classes, l->copies);
     break;
   }
@@ -780,6 +811,7 @@ static int charge_key(loader_t *l, PyObject *key, int all) {
 static void frame_drop(cframe_t *f) {
   Py_XDECREF(f->py);
   Py_XDECREF(f->placeholder);
+  Py_XDECREF(f->made);
   Py_XDECREF(f->key);
   Py_XDECREF(f->hcount);
 }
@@ -837,6 +869,24 @@ static void name_failed_node(const cstack_t *st, int at_key) {
   PyErr_Restore(et, ev, tb);
 }
 
+/* Makes f's reduced object from the parts rebuilt so far (its callable and
+ * args) and puts it in the memo: what its state, listitems and dictitems
+ * refer back to. 0, or -1 with the error. */
+static int make_reduced(loader_t *l, cframe_t *f) {
+  PyObject *made = PyObject_CallFunction(l->fn_reduced_new, "sOOO", dp_object_class(f->v), f->py, l->classes, l->copies);
+  if (!made) return -1;
+  if (!PyTuple_Check(made) || PyTuple_GET_SIZE(made) != 2) {
+    Py_DECREF(made);
+    PyErr_SetString(PyExc_SystemError, "loads: reduced_new returned no pair");
+    return -1;
+  }
+  f->made = made;
+  if (f->memo_at != NO_MEMO &&
+      PyList_SetItem(l->memo_objs, (Py_ssize_t)f->memo_at, Py_NewRef(PyTuple_GET_ITEM(made, 0))))
+    return -1;
+  return 0;
+}
+
 static PyObject *to_python(loader_t *l, dp_value_t root) {
   cstack_t st = {0};
   int at_key = 0;
@@ -861,6 +911,12 @@ static PyObject *to_python(loader_t *l, dp_value_t root) {
       }
       if (deliver(&st.f[st.n - 1], r)) goto fail;
       continue;
+    }
+    if (f->kind == CF_OBJECT && f->make_at && f->i == f->make_at && !f->made && make_reduced(l, f)) {
+      /* named as a failure to make the object at the end is: at its path */
+      frame_drop(f);
+      st.n--;
+      goto fail;
     }
     dp_value_t child;
     size_t i = f->i++;
@@ -1001,7 +1057,8 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
   if (!(l.cache = PyDict_New()) || !(l.memo_objs = PyList_New(0)) ||
       !(l.unfinished = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) || !(l.fn_array = helper("array")) ||
       !(l.fn_new = helper("new")) || !(l.fn_fill = helper("fill")) || !(l.fn_finish = helper("finish")) ||
-      !(l.fn_subclass = helper("tensor_subclass")) || !(l.fn_object = helper("Object")))
+      !(l.fn_subclass = helper("tensor_subclass")) || !(l.fn_object = helper("Object")) ||
+      !(l.fn_reduced_new = helper("reduced_new")) || !(l.fn_reduced_done = helper("reduced_done")))
     goto done;
   /* out of the collector's sight: convert() reads it by index, and
      gc.get_referrers() would hand it to an allowed class's code */
@@ -1051,6 +1108,8 @@ done:
   Py_XDECREF(l.unfinished);
   Py_XDECREF(l.fn_fill);
   Py_XDECREF(l.fn_finish);
+  Py_XDECREF(l.fn_reduced_new);
+  Py_XDECREF(l.fn_reduced_done);
   Py_XDECREF(l.fn_subclass);
   Py_XDECREF(l.fn_object);
   return result;

@@ -3596,7 +3596,8 @@ def test_a_cycle_through_a_tuple_is_a_value_error_never_a_placeholder_in_the_val
     t = (inner,)
     inner.append(t)
     frame = devpickle.dumps(t)
-    with pytest.raises(ValueError, match=r"^loads: a cycle through a tuple or a reduced object cannot be rebuilt, at \$\[0\]\[0\]$"):
+    with pytest.raises(ValueError, match=r"^loads: a cycle through a tuple, or through a reduced object's callable or args \(the object is made "
+                       r"from them; pickle cannot rebuild it either\), cannot be rebuilt, at \$\[0\]\[0\]$"):
         devpickle.loads(frame)
     shared = (1, 2)  # met twice, but no cycle: one tuple
     out = devpickle.loads(devpickle.dumps([shared, [shared]]))
@@ -3810,3 +3811,54 @@ def test_a_numpy_array_subclass_is_refused_saying_so_and_how_to_carry_its_data()
             devpickle.dumps({"x": sub}, inline=True)
         assert np.shares_memory(np.asarray(sub), sub)
         assert type(devpickle.loads(devpickle.dumps({"x": np.asarray(sub)}, inline=True))["x"]) is np.ndarray
+
+
+class _ReducedWithState:
+    def __init__(self):
+        self.me = self
+
+    def __reduce__(self):
+        return (_ReducedWithState, (), {"me": self, "n": 1})
+
+
+class _ListHoldingItself(list):
+    pass
+
+
+class _DictHoldingItself(dict):
+    pass
+
+
+class _ReducedWithItselfInArgs:
+    def __reduce__(self):
+        return (_ReducedWithItselfInArgs, (self,))
+
+
+def test_loads_rebuilds_cycles_through_a_reduced_objects_state_listitems_and_dictitems_as_pickle_does():
+    r = _ReducedWithState()
+    lst = _ListHoldingItself()
+    lst.append(lst)
+    lst.tag = lst
+    d = _DictHoldingItself()
+    d["me"] = d
+    classes = (_ReducedWithState, _ListHoldingItself, _DictHoldingItself)
+    out = devpickle.loads(devpickle.dumps([r, lst, d, r]), classes=classes)
+    ref = pickle.loads(pickle.dumps([r, lst, d, r]))
+    for got in (out, ref):
+        r2, lst2, d2, again = got
+        assert type(r2) is _ReducedWithState and r2.me is r2 and r2.n == 1 and again is r2
+        assert type(lst2) is _ListHoldingItself and len(lst2) == 1 and lst2[0] is lst2 and lst2.tag is lst2
+        assert type(d2) is _DictHoldingItself and list(d2) == ["me"] and d2["me"] is d2
+
+
+def test_an_unlisted_reduced_object_whose_state_refers_to_it_comes_back_as_an_object_that_refers_to_itself():
+    out = devpickle.loads(devpickle.dumps(_ReducedWithState()))
+    assert type(out) is devpickle.Object
+    assert out.__attrs__["<state>"]["me"] is out and out.__attrs__["<args>"] == ()
+
+
+def test_a_cycle_through_a_reduced_objects_args_is_still_a_value_error_naming_the_path():
+    frame = devpickle.dumps([_ReducedWithItselfInArgs()])
+    for classes in ((), (_ReducedWithItselfInArgs,)):
+        with pytest.raises(ValueError, match=r"reduced object's callable or args .*, at \$\[0\]\[\"<args>\"\]\[0\]$"):
+            devpickle.loads(frame, classes=classes)
