@@ -128,6 +128,11 @@ PyObject *dpy_dumps(PyObject *self, PyObject *args, PyObject *kw);
 PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw);
 /* _hash_work(items, memo, left): what hashing each of items (a list or tuple) costs (frames.c). */
 PyObject *dpy_hash_work(PyObject *self, PyObject *args);
+/* What a frame's class name reserved for a Python-only kind (torch.Tensor,
+ * builtins.set, devpickle.global, ...) stands for ("a torch tensor"), or
+ * NULL for any other name: loads reads an object of that name as that
+ * kind, so dumps names no class of its own so (a WalkError). */
+const char *dpy_reserved_class(const char *name);
 /* Whether buffer x's items hold Python objects ('O' in its struct format,
  * also in a structured format): devpickle._devpickle._format_holds_objects(x). */
 PyObject *dpy_format_holds_objects(PyObject *self, PyObject *x);

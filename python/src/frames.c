@@ -552,17 +552,25 @@ typedef struct cframe {
 
 #define PENDING ((PyObject *)1)
 
-static int is_reserved(const char *name) {
-  static const char *const r[] = {"builtins.set",       "builtins.frozenset", "builtins.complex",
-                                  "builtins.bytearray", "devpickle.global",   "numpy.generic"};
+const char *dpy_reserved_class(const char *name) {
+  static const char *const r[][2] = {
+      {"torch.Tensor", "a torch tensor"},        {"numpy.ndarray", "a numpy array"},
+      {"cupy.ndarray", "a cupy array"},          {"builtins.set", "a set"},
+      {"builtins.frozenset", "a frozenset"},     {"builtins.complex", "a complex"},
+      {"builtins.bytearray", "a bytearray"},     {"numpy.generic", "a numpy scalar"},
+      {"devpickle.global", "a class or function carried by name"}};
   for (size_t i = 0; i < sizeof r / sizeof *r; i++)
-    if (!strcmp(name, r[i])) return 1;
-  return 0;
+    if (!strcmp(name, r[i][0])) return r[i][1];
+  return NULL;
 }
 
 static int is_array_class(const char *name) {
   return !strcmp(name, "torch.Tensor") || !strcmp(name, "numpy.ndarray") || !strcmp(name, "cupy.ndarray");
 }
+
+/* The reserved names but the arrays': objects loads makes at the end, from
+ * their attributes (devpickle/_frames.py, finish). */
+static int is_reserved(const char *name) { return dpy_reserved_class(name) && !is_array_class(name); }
 
 /* Whether any of object v's attributes is named as a reduce's part
  * (<callable>, <args>, ...): such an object is rebuilt as a reduce, at the

@@ -371,9 +371,19 @@ int dpy_walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
 const char *dpy_frame_class(dpy_scanner_t *s, PyObject *o, PyTypeObject *t, PyObject **hold) {
   int nul;
   const char *name = type_name_nul(t, hold, &nul);
-  if (!nul) return name;
+  /* a class of one of the names frames reserve (its __module__ and
+     __qualname__ make "builtins.set") would come back from loads as that
+     kind, a silent change of type: refused, whatever its attributes */
+  const char *kind = nul ? NULL : dpy_reserved_class(name);
+  if (!nul && !kind) return name;
+  if (kind)
+    PyErr_Format(PyExc_TypeError,
+                 "its class is named '%s', a name frames reserve for %s: loads would read it as %s (give the class "
+                 "another __module__ or __qualname__)",
+                 name, kind, kind);
+  else
+    PyErr_SetString(PyExc_ValueError, "its class's __module__ or __qualname__ holds a NUL byte");
   Py_CLEAR(*hold);
-  PyErr_SetString(PyExc_ValueError, "its class's __module__ or __qualname__ holds a NUL byte");
   dpy_walk_error(s, o, "its class cannot be named in a frame");
   return NULL;
 }
