@@ -399,12 +399,24 @@ static void claim(pyfut_t *f) {
  * collector found f unreachable, through a callback that refers to it) or
  * tp_dealloc. */
 static void cancel_unarmed(pyfut_t *f) {
+  /* newest first on f's list: reversed, so the children fail in the order
+     then() made them, as their callbacks would have run */
+  then_ud_t *list = NULL;
   while (f->unarmed) {
     then_ud_t *u = f->unarmed;
-    unarmed_unlink(f, u);
+    f->unarmed = u->next;
+    u->next = list;
+    list = u;
+  }
+  /* f goes: the wait check no longer follows it, from any child, before the
+     first failure below runs Python code */
+  for (then_ud_t *u = list; u; u = u->next)
+    if (u->child) u->child->parent = NULL;
+  while (list) {
+    then_ud_t *u = list;
+    list = u->next;
     pyfut_t *child = u->child;
     if (child) {
-      child->parent = NULL; /* f goes: the wait check no longer follows it */
       if (!child->completing && !dp_future_is_done(child->f)) {
         claim(child);
         dp_error_t e;

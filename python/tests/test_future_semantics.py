@@ -2354,3 +2354,13 @@ def test_collect_all_dropped_with_a_then_child_still_completes_from_its_inputs()
     a.set_result(1)
     b.set_result(2)
     assert child.wait() == [1, 2]
+
+
+def test_the_children_of_a_dropped_pending_future_fail_in_the_order_then_made_them():
+    f = devpickle.Future()
+    order = []
+    children = [f.then(lambda p: None) for _ in range(3)]
+    for i, c in enumerate(children):
+        c.add_done_callback(lambda c, i=i: order.append(i))
+    del f
+    assert order == [0, 1, 2]
