@@ -1507,10 +1507,12 @@ static PyMethodDef fut_methods[] = {
      "self's events); the new future completes with its result, walked afresh (with self's opaque types), or "
      "fails, as torch's does, with "
      "RuntimeError(\"Got the following error when running the callback: ...\") whose __cause__ is what it raised "
-     "(with a WalkError if its result cannot be walked)."},
+     "(with a WalkError if its result cannot be walked); if self's last reference goes while it is pending, "
+     "callback never runs and the new future fails with devpickle.Error (code DP_ECANCELED)."},
     {"add_done_callback", (PyCFunction)(void (*)(void))fut_add_done_callback, METH_FASTCALL | METH_KEYWORDS,
      "add_done_callback($self, /, callback)\n--\n\ncallback(self) runs once self is complete; its result is ignored and an "
-     "exception it raises goes to sys.unraisablehook."},
+     "exception it raises goes to sys.unraisablehook. It never runs if self's last reference goes while self is "
+     "pending."},
     {"_allocations", (PyCFunction)fut_allocations, METH_NOARGS,
      "_allocations($self, /)\n--\n\nThe (device, ptr, nbytes) the completed result holds (devices with streams "
      "only)."},
