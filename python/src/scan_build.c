@@ -429,6 +429,38 @@ static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
   PyObject *hold;
   const char *name = dpy_frame_class(s, o, Py_TYPE(o), &hold);
   if (!name) return -1;
+  /* loads makes torch's Parameter and Buffer of these names whatever
+     classes= lists: a class of one's own so named would come back as
+     torch's (a silent change of type), so it is refused as a class named
+     as a reserved one is (dpy_frame_class) */
+  const char *own = !strcmp(name, "torch.nn.parameter.Parameter") ? "Parameter"
+                    : !strcmp(name, "torch.nn.parameter.Buffer")  ? "Buffer"
+                                                                  : NULL;
+  if (own) {
+    PyObject *mod = PyImport_ImportModule("torch.nn.parameter");
+    PyObject *real = mod ? PyObject_GetAttrString(mod, own) : NULL;
+    /* a torch without the class (Buffer before 2.5) makes none of it: loads
+       gives a devpickle.Object of that name, as for any class */
+    if (!real && mod && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      PyErr_Clear();
+      own = NULL;
+    }
+    Py_XDECREF(mod);
+    int same = real && (PyObject *)Py_TYPE(o) == real;
+    Py_XDECREF(real);
+    if (!real && own) { /* its error stands (an interrupt too) */
+      Py_XDECREF(hold);
+      return dpy_walk_error(s, o, "its class cannot be named in a frame");
+    }
+    if (own && !same) {
+      PyErr_Format(PyExc_TypeError,
+                   "its class is named '%s', the name of torch's own %s, which loads makes of it: give the class "
+                   "another __module__ or __qualname__",
+                   name, own);
+      Py_XDECREF(hold);
+      return dpy_walk_error(s, o, "its class cannot be named in a frame");
+    }
+  }
   dp_value_t v;
   dp_error_t e;
   int rc = dp_str_new(name, strlen(name), &v, &e);

@@ -3919,3 +3919,17 @@ def test_dumps_refuses_a_class_named_as_a_reserved_one_naming_it_and_the_path_ne
     v = [{1}, frozenset({2}), 1j, bytearray(b"b"), np.float32(1), len, torch.ones(1), np.ones(1)]
     back = devpickle.loads(devpickle.dumps(v, inline=True), classes=len)
     assert [type(x) for x in back] == [type(x) for x in v]
+
+
+def test_dumps_refuses_a_tensor_subclass_named_as_torch_tensor_or_torchs_parameter_which_loads_would_make():
+    names = [("torch", "Tensor"), ("torch.nn.parameter", "Parameter")]
+    if hasattr(torch.nn.parameter, "Buffer"):  # torch 2.5 on: loads makes it too
+        names.append(("torch.nn.parameter", "Buffer"))
+    for module, qualname in names:
+        cls = type("Mimic", (torch.Tensor,), {})
+        cls.__module__, cls.__qualname__ = module, qualname
+        with pytest.raises(devpickle.WalkError, match=rf"at \$\[0\]: its class cannot be named in a frame: its class "
+                                                        rf"is named '{module}.{qualname}'"):
+            devpickle.dumps([torch.ones(1).as_subclass(cls)], inline=True)
+    back = devpickle.loads(devpickle.dumps([torch.nn.Parameter(torch.ones(1))], inline=True))
+    assert type(back[0]) is torch.nn.Parameter
