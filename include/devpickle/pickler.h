@@ -46,7 +46,9 @@ extern "C" {
  * or any others, counting each block as malloc holds it (an 8-byte header,
  * 16-byte granules, at least 32); what bind and resolve callbacks allocate
  * is theirs. Beside the bound, a resolver's allow-list of more than 16
- * names is indexed when the first reduce node is read (at most 16 bytes a
+ * names (and fewer than 2^30 - 1, what the index's 32-bit slots count;
+ * a longer one, 8 GB of pointers, is scanned) is indexed when the first
+ * reduce node is read (at most 16 bytes a
  * name, and 32 more; DP_ENOMEM when that memory cannot be had), so that
  * each reduce node costs one lookup whatever the list's length. The worst
  * input is one byte per nesting level ([[[...]]]: a list, its node-table
