@@ -6941,3 +6941,98 @@ Test(pickler, a_checksum_mismatch_names_the_headers_checksum_then_the_contents) 
   free(f);
   ASSERT_NO_LEAK();
 }
+
+/* ---- reader checks at their edges (each found missing by mutating the check) ---- */
+
+/* A tensor's offset lies in 0..2^63-1 (FORMAT.md): a negative one is out of
+ * range, refused at its own header as a dimension or a stride out of range
+ * is, not at the tensor node as a view outside its storage. */
+Test(pickler, a_negative_tensor_offset_is_refused_at_the_offset_as_out_of_range) {
+  const uint8_t p[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0x01, 0x91, 0x01, 0xff};
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(p, sizeof p, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("offset -1", b, n, 50, "tensor offset -1 out of range (0..9223372036854775807)");
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
+/* The view check is exact at every edge: (hi+1) * itemsize <= nbytes, not
+ * hi * itemsize nor hi + 1 bytes, and lo >= 0. Each view below addresses
+ * its 4-byte buffer up to its last byte and is read back to the same
+ * bytes; one element further, at either end, is refused at the tensor. */
+Test(pickler, a_tensor_view_is_read_up_to_its_storages_last_byte_and_refused_one_element_past_either_end) {
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  static const struct {
+    const char *what;
+    uint8_t p[12];
+    int fits;
+  } cases[] = {
+      /* uint8 [3] from offset 1: bytes 1..3 */
+      {"uint8 to the last byte", {0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0x03, 0x91, 0x01, 0x01}, 1},
+      /* uint8 [3] from offset 2: bytes 2..4 */
+      {"uint8 one byte past", {0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0x03, 0x91, 0x01, 0x02}, 0},
+      /* float32 [1]: bytes 0..3 */
+      {"float32, one element", {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00}, 1},
+      /* float32 [2]: bytes 0..7, the itemsize counted */
+      {"float32, two elements", {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0b, 0x91, 0x02, 0x91, 0x01, 0x00}, 0},
+      /* uint8 [2], stride -1, from offset 1: bytes 1, 0 */
+      {"negative stride to byte 0", {0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0x02, 0x91, 0xff, 0x01}, 1},
+      /* uint8 [2], stride -1, from offset 0: bytes 0, -1 */
+      {"negative stride below byte 0", {0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0x02, 0x91, 0xff, 0x00}, 0},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    size_t n;
+    uint8_t *b = frame_with_table(cases[i].p, 11, table, sizeof table, NULL, 0, 0, &n);
+    if (cases[i].fits) expect_same_bytes(cases[i].what, b, n);
+    else expect_refused(cases[i].what, b, n, 40, "tensor view exceeds its storage of 4 bytes");
+    free(b);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* The element count is at most 2^62 (FORMAT.md), whatever the bytes: a
+ * stride-0 view of 2^62 bools over one byte is read, one of 2^62 + 1 is
+ * refused at the tensor. */
+Test(pickler, a_tensor_of_exactly_two_to_the_62_elements_is_read_and_one_more_is_refused) {
+  uint8_t p[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x00, 0x91, 0xcf, 0x40, 0, 0, 0, 0, 0, 0, 0x00, 0x91, 0x00, 0x00};
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x01, 0xcd, 0x10, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(p, sizeof p, table, sizeof table, NULL, 0, 0, &n);
+  expect_same_bytes("2^62 elements", b, n);
+  free(b);
+  p[15] = 0x01; /* 2^62 + 1 */
+  b = frame_with_table(p, sizeof p, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("2^62 + 1 elements", b, n, 40, "tensor has too many elements (at most 2^62)");
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
+/* The stream reader reads a frame's value before its data section is all
+ * in only while more data is to come (an endless stream's defence). A
+ * data section of exactly 64 KiB is read to its end first, so such a frame
+ * is checked in FORMAT.md's order, checksum before the payload, and gets
+ * the error dp_unpickle gives it: here a corrupt checksum over a value the
+ * reader would refuse (a buffer no tensor refers to). */
+Test(pickler, a_frame_with_exactly_64_kib_of_data_is_refused_for_its_checksum_before_its_value_by_both_readers) {
+  const uint8_t payload[] = {0x00};
+  const uint8_t table[] = {0x91, 0x95, 0x00, 0x00, 0xce, 0x00, 0x01, 0x00, 0x00, 0xcd, 0x10, 0x00, 0x00};
+  uint8_t *data = calloc(1u << 16, 1);
+  size_t n;
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, data, 1u << 16, 1, &n);
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_str_eq(e.message, "buffer 0 is referred to by no tensor: a frame lists only the buffers its value uses");
+  cr_assert_eq(unpickle_streamed(b, n, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_str_eq(e.message, "buffer 0 is referred to by no tensor: a frame lists only the buffers its value uses");
+  b[32] ^= 1;
+  for (int streamed = 0; streamed < 2; streamed++) {
+    int rc = streamed ? unpickle_streamed(b, n, NULL, &out, &e) : dp_unpickle(b, n, NULL, &out, &e);
+    cr_assert_eq(rc, DP_ECHECKSUM, "%s: %s: %s", streamed ? "streamed" : "whole", dp_err_name(rc), e.message);
+    cr_assert_eq(e.offset, 32);
+  }
+  free(b);
+  free(data);
+  ASSERT_NO_LEAK();
+}
