@@ -1029,7 +1029,7 @@ int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp_error_
   rc = read_array(&r, &nb, "buffer table");
   if (rc) return rc;
   if (nb == 0 && (fi.flags & DP_FRAME_FLAG_INLINE)) return dp__err_at(err, DP_EFORMAT, 6, "%s", NO_BUFFERS_INLINE);
-  fi.nbuffers = (uint32_t)(nb > UINT32_MAX ? UINT32_MAX : nb);
+  fi.nbuffers = (uint32_t)nb; /* an array header's count: 32 bits at most */
   if (info) *info = fi;
   return 0;
 }
