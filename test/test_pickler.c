@@ -7036,3 +7036,47 @@ Test(pickler, a_frame_with_exactly_64_kib_of_data_is_refused_for_its_checksum_be
   free(data);
   ASSERT_NO_LEAK();
 }
+
+/* A tensor's dtype and dimensions are range-checked at their own headers
+ * (FORMAT.md: the offset of the header that is out of range), before the
+ * view is: dtype 15 and a dimension of -1 are refused there, not at the
+ * tensor node as a view the storage does not hold. */
+Test(pickler, a_tensor_dtype_or_dimension_out_of_range_is_refused_at_its_own_header) {
+  const uint8_t table[] = {0x91, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00};
+  const uint8_t dtype15[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x0f, 0x91, 0x01, 0x91, 0x01, 0x00};
+  const uint8_t dim_neg[] = {0x96, 0xd4, 0x00, 0x02, 0x00, 0x05, 0x91, 0xff, 0x91, 0x01, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(dtype15, sizeof dtype15, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("dtype 15", b, n, 45, "tensor dtype 15 out of range (0..14)");
+  free(b);
+  b = frame_with_table(dim_neg, sizeof dim_neg, table, sizeof table, NULL, 0, 0, &n);
+  expect_refused("dimension -1", b, n, 47, "tensor dimension -1 out of range (0..9223372036854775807)");
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
+/* A buffer counts as referred to only once a tensor names it: naming the
+ * latest buffer again refers to no new one. [t0, t0] over two buffers
+ * leaves buffer 1 unreferenced, and [t0, t0, t2] over three names buffer 2
+ * before buffer 1. */
+Test(pickler, a_tensor_naming_the_latest_buffer_again_does_not_count_as_referring_to_the_next) {
+#define T(id) 0x96, 0xd4, 0x00, 0x02, id, 0x0b, 0x91, 0x01, 0x91, 0x01, 0x00
+#define D(base) 0x94, 0x01, 0x00, 0x04, 0xcd, base, 0x00
+  const uint8_t two[] = {0x92, T(0), T(0)};
+  const uint8_t table2[] = {0x92, D(0x10), D(0x20)};
+  const uint8_t three[] = {0x93, T(0), T(0), T(2)};
+  const uint8_t table3[] = {0x93, D(0x10), D(0x20), D(0x30)};
+#undef T
+#undef D
+  size_t n;
+  uint8_t *b = frame_with_table(two, sizeof two, table2, sizeof table2, NULL, 0, 0, &n);
+  expect_refused("[t0, t0]", b, n, 40 + sizeof two + 1 + 7,
+                 "buffer 1 is referred to by no tensor: a frame lists only the buffers its value uses");
+  free(b);
+  b = frame_with_table(three, sizeof three, table3, sizeof table3, NULL, 0, 0, &n);
+  expect_refused("[t0, t0, t2]", b, n, 40 + 1 + 22 + 4,
+                 "tensor refers to buffer 2 before buffer 1: a frame lists buffers in the order its tensors "
+                 "first refer to them");
+  free(b);
+  ASSERT_NO_LEAK();
+}
