@@ -7080,3 +7080,29 @@ Test(pickler, a_tensor_naming_the_latest_buffer_again_does_not_count_as_referrin
   free(b);
   ASSERT_NO_LEAK();
 }
+
+/* The prefix checks read a whole header's version from the parsed fields,
+ * not from the bytes as the readers' start check does: version 0x0101 in a
+ * whole frame is refused by them too, as another version (the CLI's header
+ * check is dp_frame_prefix_check). */
+Test(pickler, the_prefix_checks_refuse_a_version_that_differs_only_in_its_high_byte) {
+  const uint8_t nil = 0xc0, table = 0x90;
+  size_t n;
+  uint8_t *f = frame_with_table(&nil, 1, &table, 1, NULL, 0, 0, &n);
+  f[5] = 1; /* version 0x0101 */
+  uint64_t sum = XXH3_64bits_withSeed(f + 40, n - 40, XXH3_64bits(f, 32));
+  for (int i = 0; i < 8; i++) f[32 + i] = (uint8_t)(sum >> (8 * i));
+  dp_value_t out;
+  dp_error_t e;
+  for (size_t len = 40; len <= n; len += n - 40) {
+    cr_assert_eq(dp_frame_prefix_check(f, len, &e), DP_EVERSION, "%zu bytes: %s", len, e.message);
+    cr_assert_str_eq(e.message, "unsupported version 257: this build reads frame version 1");
+    cr_assert_eq(e.offset, 4);
+    cr_assert_eq(dp_frame_value_check(f, len, NULL, &e), DP_EVERSION, "%zu bytes: %s", len, e.message);
+    cr_assert_eq(e.offset, 4);
+  }
+  cr_assert_eq(unpickle_streamed(f, n, NULL, &out, &e), DP_EVERSION, "%s", e.message);
+  cr_assert_eq(e.offset, 4);
+  free(f);
+  ASSERT_NO_LEAK();
+}
