@@ -20,8 +20,12 @@
  * A callback entry holds its child, so a chain `f.then(a).then(b)` stays
  * alive while f can complete; it holds f itself only once f is claimed
  * (then_ud_t), so a pending f whose last reference goes fails its children.
+ * A collect_all future with callbacks is held by its pending inputs
+ * instead (link_t): it lives while one of them can complete it, and a
+ * cycle of it and inputs nobody else holds is the collector's to find.
  */
 #include "ext.h"
+#include "../../future/internal.h"
 
 #include <string.h>
 
@@ -50,6 +54,8 @@ typedef struct pyfut {
   PyObject *opaque;   /* opaque=: a tuple of types the walks of its results treat as leaves, or NULL */
   PyObject *opaque_read; /* the opaque= that tp_new read, until __init__ (an iterator is read once) */
   struct then_ud *unarmed; /* callback entries that borrow this future (see then_ud_t), under the GIL */
+  struct link *links; /* a pending input's links to the collect_all futures over it (link_t) */
+  int linked;         /* collect_all: its pending inputs hold it (link_collect) */
 } pyfut_t;
 
 /* A then() or add_done_callback() entry. While its future is pending and
@@ -65,15 +71,43 @@ typedef struct pyfut {
  * set_exception, a callback completing its child) every entry is armed,
  * holding a reference until it ran, since its callback may then run on a
  * trampoline after the claimer dropped the future. A collect_all future,
- * which its inputs complete without anyone holding its wrapper, is held by
- * its entries from the start. */
+ * which its inputs complete without anyone holding its wrapper, borrows
+ * the same way: its pending inputs hold it instead (link_t), so that it
+ * lives while one of them can complete it, and is armed once it is done
+ * (the first of its callbacks to run, or the link that saw it complete). */
 typedef struct then_ud {
   PyObject *callback;
   pyfut_t *parent;  /* a reference once armed; borrowed before */
   pyfut_t *child;   /* NULL for add_done_callback */
   int armed;
+  /* cancelled (cancel_unarmed) by a parent that the library may still
+   * complete (collect_all): 1 while the cancel uses it, 2 once it is
+   * done with it, 3 once the callback was called (and did nothing) first;
+   * freed by whichever of the two comes last */
+  int dead;
   struct then_ud *prev, *next; /* on parent->unarmed while not armed */
 } then_ud_t;
+
+/* A pending input's hold on a collect_all future over it (made once the
+ * collect_all future has callbacks, link_collect): while the input can
+ * complete, so can the collect_all future, which must then be alive for
+ * its callbacks, with nobody else holding it. The reference is the
+ * input's, visible to the collector (fut_traverse), so a collect_all
+ * future and inputs that hold each other and that nobody else holds are
+ * collected like any cycle, and its then() children fail (cancel_unarmed).
+ * Once the input is claimed the link is armed: no longer the input's (not
+ * traversed), it holds the collect_all future until the input has
+ * completed. The library calls link_fire once the input is complete (after
+ * the collect_all future's own callbacks, when the input completed it), or
+ * released pending, and link_drop after. Under the GIL, but for
+ * link_drop. */
+typedef struct link {
+  pyfut_t *out;  /* a reference, until it fired or its input let go (dead) */
+  pyfut_t *in;   /* borrowed: the input, while on its list; NULL once it let go */
+  int armed;
+  int dead;
+  struct link *prev, *next; /* on in->links */
+} link_t;
 
 static PyTypeObject fut_type;
 
@@ -389,16 +423,134 @@ static void claim(pyfut_t *f) {
     Py_INCREF(f);
     u->armed = 1;
   }
+  /* f completes: the collect_all futures over it may complete with it, and
+     are held until it has (the holds are no longer f's own) */
+  for (link_t *l = f->links; l; l = l->next) l->armed = 1;
+}
+
+/* ---- a pending input's hold on a collect_all future over it (link_t) ---- */
+
+static void links_unlink(pyfut_t *f, link_t *l) {
+  if (l->prev) l->prev->next = l->next;
+  else f->links = l->next;
+  if (l->next) l->next->prev = l->prev;
+  l->prev = l->next = NULL;
+}
+
+/* The input is complete (f), or was released pending (f NULL, which its
+ * wrapper's last reference does only after letting go of its links: not
+ * reached with a live link). The collect_all future, if complete now,
+ * has its callbacks armed before the link's reference goes. */
+static void link_fire(void *ctx, dp_future_t *f, size_t index) {
+  (void)f;
+  (void)index;
+  link_t *l = ctx;
+  PyGILState_STATE g = PyGILState_Ensure();
+  if (!l->dead) {
+    pyfut_t *out = l->out;
+    if (l->in) links_unlink(l->in, l);
+    l->in = NULL;
+    l->out = NULL;
+    l->dead = 1;
+    if (dp_future_is_done(out->f)) claim(out);
+    Py_DECREF(out);
+  }
+  PyGILState_Release(g);
+}
+
+static void link_drop(void *ctx) { PyMem_RawFree(ctx); }
+
+/* f goes (tp_clear, tp_dealloc): its unarmed links let go of their
+ * collect_all futures (which then go too, if nothing else holds them, and
+ * fail their children); an armed one is the library's until f completes.
+ * One at a time, from f's list: a release runs Python code, which may let
+ * another thread fire a link still on it. */
+static void cancel_links(pyfut_t *f) {
+  link_t *l;
+  while ((l = f->links)) {
+    links_unlink(f, l);
+    l->in = NULL;
+    if (l->armed || l->dead) continue;
+    pyfut_t *out = l->out;
+    l->out = NULL;
+    l->dead = 1;
+    Py_DECREF(out);
+  }
+}
+
+/* out, a collect_all future getting its first callback while pending and
+ * unclaimed: each pending input holds it from now on (link_t), and each
+ * pending collect_all among them its own inputs' holds, and so on (a
+ * stack, not recursion: they nest without bound). No Python code runs.
+ * 0, or -1 with MemoryError (the links made stay: a second one of an input
+ * only holds out a little longer). */
+static int link_collect(pyfut_t *out) {
+  size_t n = 0, cap = 8;
+  pyfut_t **stack = PyMem_Malloc(cap * sizeof *stack);
+  if (!stack) return PyErr_NoMemory(), -1;
+  stack[n++] = out;
+  int rc = 0;
+  while (n && !rc) {
+    pyfut_t *o = stack[--n];
+    if (o->linked || !o->inputs) continue;
+    o->linked = 1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o->inputs); i++) {
+      pyfut_t *x = (pyfut_t *)PyList_GET_ITEM(o->inputs, i);
+      if (dp_future_is_done(x->f)) continue;
+      link_t *l = PyMem_RawMalloc(sizeof *l);
+      if (!l) {
+        rc = -1;
+        break;
+      }
+      l->out = (pyfut_t *)Py_NewRef(o);
+      l->in = x;
+      l->armed = x->completing; /* claimed: it completes, whoever holds it */
+      l->dead = 0;
+      l->prev = NULL;
+      l->next = x->links;
+      if (l->next) l->next->prev = l;
+      x->links = l;
+      /* may fire at once, x having completed meanwhile on a thread
+         without the GIL (a collect_all's inputs): o is held the while */
+      if (dp__future_notify(x->f, link_fire, link_drop, l)) {
+        links_unlink(x, l);
+        Py_DECREF(o);
+        PyMem_RawFree(l);
+        rc = -1;
+        break;
+      }
+      if (x->inputs && !x->linked && !x->completing) {
+        if (n == cap) {
+          pyfut_t **grown = PyMem_Realloc(stack, 2 * cap * sizeof *stack);
+          if (!grown) {
+            rc = -1;
+            break;
+          }
+          stack = grown;
+          cap *= 2;
+        }
+        stack[n++] = x;
+      }
+    }
+    if (rc) o->linked = 0; /* linked again at the next callback */
+  }
+  PyMem_Free(stack);
+  if (rc) PyErr_NoMemory();
+  return rc;
 }
 
 /* f goes while pending, unclaimed: nobody can complete it any more, so its
  * callbacks never run (its C future, which only f holds, is released with
- * it) and its then() children fail with DP_ECANCELED, as the C library's
- * own do. Each child is failed by its own completion, so its callbacks —
- * and their chains — run as on any failure. Called from tp_clear (the
- * collector found f unreachable, through a callback that refers to it) or
- * tp_dealloc. */
+ * it; a collect_all's, which the library completes, runs them as no-ops)
+ * and its then() children fail with DP_ECANCELED, as the C library's own
+ * do. Each child is failed by its own completion, so its callbacks — and
+ * their chains — run as on any failure. Called from tp_clear (the
+ * collector found f unreachable: through a callback that refers to it, or
+ * a collect_all future and inputs that hold each other) or tp_dealloc. */
 static void cancel_unarmed(pyfut_t *f) {
+  /* no completion of f is taken from here (set_result on f from code run
+     below): the entries freed below must never be called */
+  f->completing = 1;
   /* newest first on f's list: reversed, so the children fail in the order
      then() made them, as their callbacks would have run */
   then_ud_t *list = NULL;
@@ -408,10 +560,13 @@ static void cancel_unarmed(pyfut_t *f) {
     u->next = list;
     list = u;
   }
-  /* f goes: the wait check no longer follows it, from any child, before the
-     first failure below runs Python code */
-  for (then_ud_t *u = list; u; u = u->next)
+  /* f goes: the wait check no longer follows it, from any child, and a
+     callback the library calls meanwhile does nothing, before the first
+     failure below runs Python code */
+  for (then_ud_t *u = list; u; u = u->next) {
     if (u->child) u->child->parent = NULL;
+    u->dead = 1;
+  }
   while (list) {
     then_ud_t *u = list;
     list = u->next;
@@ -428,10 +583,17 @@ static void cancel_unarmed(pyfut_t *f) {
         dp_future_set_error(child->f, &e, NULL);
       }
     }
-    Py_DECREF(u->callback);
+    PyObject *cb = u->callback;
+    u->callback = NULL;
+    u->child = NULL;
+    /* a collect_all's C future lives on in the library, which calls every
+       entry once: the last of the two frees it */
+    if (!f->inputs || u->dead == 3) PyMem_RawFree(u);
+    else u->dead = 2;
+    Py_DECREF(cb);
     Py_XDECREF(child);
-    PyMem_RawFree(u);
   }
+  cancel_links(f);
 }
 
 static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
@@ -441,6 +603,9 @@ static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
     Py_VISIT(u->callback);
     Py_VISIT(u->child);
   }
+  /* and the collect_all futures f holds while it can complete them */
+  for (link_t *l = f->links; l; l = l->next)
+    if (!l->armed && !l->dead) Py_VISIT(l->out);
   Py_VISIT(f->dict);
   Py_VISIT(f->result);
   Py_VISIT(f->exc);
@@ -1122,11 +1287,15 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
   (void)result; /* the library's placeholder child: the Python child is completed below */
   then_ud_t *u = ud;
   PyGILState_STATE g = PyGILState_Ensure();
-  if (!u->armed) { /* not reached: a future completes only once claimed, which arms its entries */
-    unarmed_unlink(u->parent, u);
-    Py_INCREF(u->parent);
-    u->armed = 1;
+  if (u->dead) { /* its collect_all future went pending: nothing to run (cancel_unarmed) */
+    if (u->dead == 1) u->dead = 3;
+    else PyMem_RawFree(u);
+    PyGILState_Release(g);
+    return 0;
   }
+  /* a collect_all future its inputs completed: held by them until now,
+     and by its callbacks from here (the first to run arms them all) */
+  if (!u->armed) claim(u->parent);
   /* until the child is complete, a wait on it here would wait for itself */
   running_t me = {u->child, running};
   if (u->child) running = &me;
@@ -1199,6 +1368,9 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
     return NULL;
   }
   if (callback_is_object(callback)) return NULL;
+  /* a collect_all future's first callback: its pending inputs hold it */
+  if (self->inputs && !self->linked && !self->completing && !dp_future_is_done(self->f) && link_collect(self))
+    return NULL;
   self->used = 1;
   then_ud_t *u = PyMem_RawMalloc(sizeof *u);
   pyfut_t *child = with_child ? fut_alloc(&fut_type) : NULL;
@@ -1234,9 +1406,11 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
   u->child = child ? (pyfut_t *)Py_NewRef(child) : NULL;
   u->parent = self;
   u->prev = u->next = NULL;
-  /* borrowed while self is pending and unclaimed (then_ud_t): armed when
-     it may complete without its wrapper (collect_all) or is done already */
-  u->armed = self->inputs || self->completing || dp_future_is_done(self->f);
+  /* borrowed while self is pending and unclaimed (then_ud_t), when
+     self's pending inputs hold it if it is a collect_all (link_t); armed
+     when self is done already or being completed */
+  u->armed = self->completing || dp_future_is_done(self->f);
+  u->dead = 0;
   if (u->armed) {
     Py_INCREF(self);
   } else {
@@ -1508,11 +1682,13 @@ static PyMethodDef fut_methods[] = {
      "fails, as torch's does, with "
      "RuntimeError(\"Got the following error when running the callback: ...\") whose __cause__ is what it raised "
      "(with a WalkError if its result cannot be walked); if self's last reference goes while it is pending, "
-     "callback never runs and the new future fails with devpickle.Error (code DP_ECANCELED)."},
+     "callback never runs and the new future fails with devpickle.Error (code DP_ECANCELED) — for a "
+     "collect_all future, once none of its pending futures that could complete it is held (the cycle "
+     "collector finds them)."},
     {"add_done_callback", (PyCFunction)(void (*)(void))fut_add_done_callback, METH_FASTCALL | METH_KEYWORDS,
      "add_done_callback($self, /, callback)\n--\n\ncallback(self) runs once self is complete; its result is ignored and an "
      "exception it raises goes to sys.unraisablehook. It never runs if self's last reference goes while self is "
-     "pending."},
+     "pending (for a collect_all future: once none of its pending futures is held)."},
     {"_allocations", (PyCFunction)fut_allocations, METH_NOARGS,
      "_allocations($self, /)\n--\n\nThe (device, ptr, nbytes) the completed result holds (devices with streams "
      "only)."},

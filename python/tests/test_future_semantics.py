@@ -2364,3 +2364,120 @@ def test_the_children_of_a_dropped_pending_future_fail_in_the_order_then_made_th
         c.add_done_callback(lambda c, i=i: order.append(i))
     del f
     assert order == [0, 1, 2]
+
+
+# A collect_all future whose pending inputs nobody can complete any more.
+# Its entries borrow it as any future's do, its pending inputs hold it while
+# it has callbacks (a cycle through them the collector sees), so the cycle
+# of a collect_all future and inputs that nobody else holds is collected and
+# fails its children, while an input someone holds keeps it working.
+
+
+def _waiter(fut):
+    """fut.wait() on a thread of its own: (thread, [("ok", value) or ("err", exc)])."""
+    got = []
+
+    def run():
+        try:
+            got.append(("ok", fut.wait()))
+        except BaseException as e:  # noqa: BLE001 - what the wait raised is the result
+            got.append(("err", e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, got
+
+
+def _cancelled(got):
+    assert got and got[0][0] == "err", got
+    e = got[0][1]
+    assert isinstance(e, devpickle.Error) and e.code == "DP_ECANCELED", repr(e)
+    return e
+
+
+def test_a_then_child_of_a_collect_all_over_futures_nobody_holds_fails_with_dp_ecanceled_once_collected():
+    ran = []
+    c = devpickle.collect_all([devpickle.Future(), devpickle.Future()]).then(lambda agg: ran.append(agg))
+    t, got = _waiter(c)
+    gc.collect()
+    t.join(10)
+    assert not t.is_alive(), "the then() child of an unreachable collect_all future waited forever"
+    assert "was dropped before it completed" in str(_cancelled(got))
+    assert ran == []
+    # held by its caller, it is what its callbacks get, once its inputs complete
+    a = devpickle.Future()
+    agg = devpickle.collect_all([a])
+    c = agg.then(lambda p: ran.append(p) or 5)
+    gc.collect()
+    a.set_result(1)
+    assert c.wait() == 5 and ran == [agg] and agg.value() == [a]
+
+
+def test_a_dropped_collect_all_future_completes_its_children_while_an_input_is_held_and_fails_them_once_none_is():
+    a, b = devpickle.Future(), devpickle.Future()
+    got = []
+    c = devpickle.collect_all([a, b]).then(lambda agg: [x.value() for x in agg.value()])
+    devpickle.collect_all([a]).add_done_callback(lambda agg: got.append(agg.value()))
+    b.set_result(2)
+    del b  # complete: the collect_all future keeps it for its value
+    gc.collect()
+    assert not c.done()
+    t = threading.Thread(target=a.set_result, args=(1,))  # completed from another thread
+    t.start()
+    t.join(10)
+    assert c.wait() == [1, 2]
+    assert got == [[a]]
+    # its other input held by nobody: it waits while the held one can still
+    # complete, and fails once it has
+    a = devpickle.Future()
+    c = devpickle.collect_all([a, devpickle.Future()]).then(lambda agg: 1)
+    gc.collect()
+    assert not c.done()
+    a.set_result(1)
+    t, got = _waiter(c)
+    gc.collect()
+    t.join(10)
+    assert not t.is_alive()
+    _cancelled(got)
+
+
+def test_nested_collect_all_futures_complete_through_a_held_input_and_fail_once_nobody_holds_one():
+    a = devpickle.Future()
+    c = devpickle.collect_all([devpickle.collect_all([a])]).then(lambda agg: agg.value()[0].value()[0].value())
+    gc.collect()
+    a.set_result(7)
+    assert c.wait() == 7
+
+    c = devpickle.collect_all([devpickle.collect_all([devpickle.Future()]), devpickle.Future()]).then(lambda agg: 1)
+    t, got = _waiter(c)
+    gc.collect()
+    t.join(10)
+    assert not t.is_alive()
+    _cancelled(got)
+
+
+def test_a_collect_all_future_dropped_with_callbacks_lets_go_of_them_and_of_its_inputs():
+    class Callback:
+        def __call__(self, fut):
+            pass
+
+    cb = Callback()
+    cb_ref = weakref.ref(cb)
+    inputs = [devpickle.Future(), devpickle.Future()]
+    in_refs = [weakref.ref(f) for f in inputs]
+    agg = devpickle.collect_all(inputs)
+    agg_ref = weakref.ref(agg)
+    agg.add_done_callback(cb)
+    child = agg.then(cb)
+    del cb, inputs, agg
+    gc.collect()
+    assert agg_ref() is None and cb_ref() is None and all(r() is None for r in in_refs)
+    _cancelled([("err", pytest.raises(devpickle.Error, child.wait).value)])
+    # completed by hand, one held by nobody still runs its chain
+    b = devpickle.Future()
+    hand = devpickle.collect_all([b])
+    c = hand.then(lambda p: p.value() + 1)
+    hand.set_result(1)
+    del hand
+    gc.collect()
+    assert c.wait() == 2
