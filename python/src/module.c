@@ -202,7 +202,10 @@ static PyMethodDef methods[] = {
      "any iterable of them), once every one has completed; it fails with the\n"
      "first failed future in list order, once all have completed. Its then()\n"
      "children walk their callbacks' results with the opaque= types of all the\n"
-     "futures."},
+     "futures. Once it has callbacks, its pending futures hold it: it lives while\n"
+     "one of them can complete it; dropped with futures that nobody else holds,\n"
+     "the cycle collector finds it and its then() children fail with\n"
+     "devpickle.Error (code DP_ECANCELED)."},
     {"wait_all", (PyCFunction)(void (*)(void))dpy_wait_all, METH_FASTCALL | METH_KEYWORDS,
      "wait_all($module, /, futures)\n--\n\n"
      "-> list of the futures' values (devpickle.Future objects, any iterable of\n"
