@@ -8584,3 +8584,107 @@ Test(transport, a_refused_values_piece_whose_drain_fails_the_endpoint_is_absorbe
     hostile_free(&h);
   }
 }
+
+
+/* Caller-driven, dp_listener_new and dp_listener_free called from a
+ * callback a pass runs do their command at once. They drained the whole
+ * command queue there: the close the callback had just queued for its own
+ * endpoint ran inside the callback — inside UCX's callback completing the
+ * send — and, with sends pending, closed the endpoint by force under UCX,
+ * which purged the peer's rendezvous receive and then wrote into its freed
+ * buffer (heap corruption; ASan: a use after free in uct_tcp). They now run
+ * their own command alone; what else is queued, and the connections that a
+ * listener freed there never handed out, the loop closes after the
+ * callback. */
+typedef struct listen_in_cb {
+  dp_transport_t *t;
+  dp_endpoint_t *ep;      /* closed by the callback */
+  dp_listener_t *lfree;   /* freed by the callback, a connection still queued on it */
+  int ran, rc_new, port;
+  dp_error_t e;
+} listen_in_cb_t;
+
+static int close_then_make_and_free_listeners(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs,
+                                              dp_error_t *err) {
+  (void)parent, (void)ptrs, (void)err;
+  listen_in_cb_t *n = ud;
+  n->ran++;
+  dp_endpoint_free(n->ep);
+  dp_listener_t *l2 = NULL;
+  n->rc_new = dp_listener_new(n->t, "127.0.0.1:0", &l2, &n->e);
+  n->port = dp_listener_port(l2);
+  dp_listener_free(l2);
+  dp_listener_free(n->lfree);
+  *result = dp_none();
+  return 0;
+}
+
+/* the wait's own limit ran out: a hang, not an outcome */
+static void not_hung(int rc, const dp_error_t *e, const char *what, int i) {
+  cr_assert(rc != DP_ETIMEDOUT || !strstr(e->message, "dp_transport_wait:"), "%s %d hung: %s", what, i, e->message);
+}
+
+Test(transport, a_listener_made_and_freed_in_a_callback_of_a_pass_that_closed_its_endpoint_runs_no_other_command_there,
+     .timeout = 120) {
+  t_track();
+  dp_transport_t *t = new_transport_driven(1);
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
+  dp_error_t e;
+  /* a connection queued on lq, never taken: its value (over 64 KiB) was
+     pulled by the listener's side, so the connection is queued there */
+  dp_listener_t *lq;
+  OK(dp_listener_new(t, "127.0.0.1:0", &lq, T_ERR));
+  dp_endpoint_t *cq = connect_to(t, dp_listener_port(lq));
+  dp_future_t *dq, *rq;
+  dp_value_t vq = owned_tensor(100000, 9);
+  OK(dp_endpoint_send(cq, vq, &dq, T_ERR));
+  dp_value_release(vq);
+  OK_WITH(&e, dp_transport_wait(t, dq, 20 * SEC, &e));
+  OK(dp_endpoint_recv(cq, &rq, T_ERR));
+  /* c has heard from a (its close would be graceful without sends) */
+  dp_future_t *d0, *g;
+  OK(dp_endpoint_send(a, dp_int(4), &d0, T_ERR));
+  g = recv_ok(c);
+  OK_WITH(&e, wait_f(d0, &e));
+  dp_future_release(g);
+  dp_future_release(d0);
+  /* 20 rendezvous sends from c; the first one's callback closes c */
+  enum { N = 20 };
+  dp_future_t *r[N], *d[N], *child;
+  listen_in_cb_t n = {.t = t, .ep = c, .lfree = lq};
+  for (int i = 0; i < N; i++) OK(dp_endpoint_recv(a, &r[i], T_ERR));
+  for (int i = 0; i < N; i++) {
+    dp_value_t v = owned_tensor(100000, (unsigned)i);
+    OK(dp_endpoint_send(c, v, &d[i], T_ERR));
+    dp_value_release(v);
+    if (i == 0) OK(dp_future_then_with_ptrs(d[0], close_then_make_and_free_listeners, &n, &child, T_ERR));
+  }
+  OK_WITH(&e, dp_transport_wait(t, child, 20 * SEC, &e));
+  cr_assert_eq(n.ran, 1);
+  cr_assert_eq(n.rc_new, 0, "dp_listener_new in the callback: %s: %s", dp_err_name(n.rc_new), n.e.message);
+  cr_assert_gt(n.port, 0);
+  for (int i = 0; i < N; i++) {
+    int rc = dp_transport_wait(t, d[i], 20 * SEC, &e);
+    not_hung(rc, &e, "send", i);
+    cr_assert(rc == 0 || (rc == DP_ECANCELED && strstr(e.message, "closed with")), "send %d: %s: %s", i,
+              dp_err_name(rc), e.message);
+    rc = dp_transport_wait(t, r[i], 20 * SEC, &e);
+    not_hung(rc, &e, "receive", i);
+    if (rc == 0) cr_assert(tensor_ok(dp_future_value(r[i]), 100000, (unsigned)i), "value %d differs", i);
+  }
+  /* the connection nobody took was closed, gracefully, after the callback */
+  int rc = dp_transport_wait(t, rq, 20 * SEC, &e);
+  cr_assert_eq(rc, DP_ECANCELED, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "the peer closed its endpoint (after sending 0 values, all received)"), "%s",
+            e.message);
+  for (int i = 0; i < N; i++) dp_future_release(r[i]), dp_future_release(d[i]);
+  dp_future_release(child);
+  dp_future_release(rq);
+  dp_future_release(dq);
+  dp_endpoint_free(cq);
+  dp_endpoint_free(a);
+  dp_listener_free(l);
+  free_transport(t);
+  check_no_leak();
+}

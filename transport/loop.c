@@ -108,6 +108,17 @@ static int listen_failed(cmd_t *c, ucs_status_t st) {
   return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s: %s", host, ucs_status_string(st));
 }
 
+/* Queues c for the next drain (no wake: called on the loop's thread). */
+static void enqueue(dp_transport_t *t, cmd_t *c) {
+  pthread_mutex_lock(&t->mu);
+  c->next = NULL;
+  if (t->c_tail) t->c_tail->next = c;
+  else t->c_head = c;
+  t->c_tail = c;
+  atomic_store_explicit(&t->queued, 1, memory_order_release);
+  pthread_mutex_unlock(&t->mu);
+}
+
 static void handle_cmd(dp_transport_t *t, cmd_t *c) {
   switch (c->type) {
   case CMD_LISTEN: {
@@ -152,9 +163,21 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
     pthread_mutex_unlock(&t->mu);
     while (a) {
       dp_endpoint_t *n = a->acc_next;
-      ep_close_now(t, a);
-      a->next = t->closing;
-      t->closing = a;
+      if (t->nested) {
+        /* from a callback (dp__tp_run_now): the loop closes it after the
+           callback, as it closes an endpoint a callback frees */
+        cmd_t *cc = &a->close_cmd;
+        memset(cc, 0, sizeof *cc);
+        cc->type = CMD_CLOSE;
+        cc->ep = a;
+        cc->detached = 1;
+        a->free_asked = 1;
+        enqueue(t, cc);
+      } else {
+        ep_close_now(t, a);
+        a->next = t->closing;
+        t->closing = a;
+      }
       a = n;
     }
     dp__tp_cmd_finish(t, c, 0);
@@ -240,6 +263,32 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
     dp__tp_cmd_finish(t, c, 0);
     return;
   }
+}
+
+/* Caller-driven, from a callback a pass runs (dp_listener_new,
+ * dp_listener_free, which wait for their command): c alone is taken out of
+ * the queue and run now. The whole queue was drained there once — closes,
+ * sends and receives that callbacks had queued ran inside the callback, and
+ * so inside UCX's callback and the pass's walk of the endpoints: an endpoint
+ * closed by force from a send's completion callback had its peer's
+ * rendezvous receive purged under UCX, which then wrote into freed memory.
+ * What else is queued waits for the next drain, as it does anywhere in a
+ * callback. */
+void dp__tp_run_now(dp_transport_t *t, cmd_t *c) {
+  pthread_mutex_lock(&t->mu);
+  cmd_t *prev = NULL;
+  for (cmd_t *x = t->c_head; x && x != c; x = x->next) prev = x;
+  if (prev ? prev->next == c : t->c_head == c) {
+    if (prev) prev->next = c->next;
+    else t->c_head = c->next;
+    if (t->c_tail == c) t->c_tail = prev;
+  }
+  c->next = NULL;
+  pthread_mutex_unlock(&t->mu);
+  int outer = t->nested;
+  t->nested = 1;
+  handle_cmd(t, c);
+  t->nested = outer;
 }
 
 int dp__tp_drain_cmds(dp_transport_t *t) {

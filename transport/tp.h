@@ -391,6 +391,7 @@ struct dp_transport {
   piece_t *orphans;             /* pieces of failed sends whose copies run */
   size_t nreq;                  /* UCX requests not yet complete: the worker outlives them */
   int stop;
+  int nested;                   /* caller-driven: a command run alone from a callback of a pass (dp__tp_run_now) */
   _Atomic int freeing;          /* dp_transport_free has begun: no endpoint may be made any more */
   int64_t hurry;                /* stopping: every close still waiting is forced by then (drain_stopped) */
   int sleeping;                 /* under mu: the thread sleeps in poll; commands must wake it */
@@ -527,6 +528,7 @@ ucs_status_t dp__tp_am_cb(void *arg, const void *hdr, size_t hlen, void *data, s
                           const ucp_am_recv_param_t *param);
 /* loop.c */
 int dp__tp_drain_cmds(dp_transport_t *t);
+void dp__tp_run_now(dp_transport_t *t, cmd_t *c);
 int dp__tp_pass(dp_transport_t *t, int *polling_out);
 int dp__tp_caller_pass(dp_transport_t *t);
 void dp__tp_caller_commands(dp_transport_t *t);

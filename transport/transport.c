@@ -131,7 +131,7 @@ static int new_future(dp_transport_t *t, dp_future_t **out, dp_error_t *err) {
 
 /* Runs c on the progress thread; with wait, blocks until it was handled.
  * Caller-driven: a pass runs it at once (a wait inside this thread's own
- * pass handles the queue there and then). */
+ * pass runs c alone there and then: dp__tp_run_now). */
 static int submit(dp_transport_t *t, cmd_t *c, int wait_done) {
   pthread_mutex_lock(&t->mu);
   c->next = NULL;
@@ -144,7 +144,7 @@ static int submit(dp_transport_t *t, cmd_t *c, int wait_done) {
   if (asleep) wake(t);
   if (t->caller) {
     if (dp__tp_in_pass == t) {
-      if (wait_done) dp__tp_drain_cmds(t);
+      if (wait_done) dp__tp_run_now(t, c);
     } else if (!wait_done) {
       dp__tp_caller_commands(t); /* a send is posted now; the workers wait for the next pass */
     } else {
