@@ -895,11 +895,12 @@ int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_t **out
     ep = acc_take(l);
     pthread_mutex_unlock(&t->mu);
     if (!ep && timeout_ns != 0)
+      /* the words transport.h quotes, in either mode */
       return dp__err(err, DP_EINVAL,
-                     "dp_listener_accept: called from a callback run by the transport's %s with no connection "
-                     "queued on port %d: none can come before the callback returns (a limit of 0 polls; "
-                     "transport.h)",
-                     t->caller ? "pass" : "progress thread", l->port);
+                     "dp_listener_accept: called from a callback run by the transport's progress thread with no "
+                     "connection queued on port %d%s: none can come before the callback returns (a limit of 0 "
+                     "polls; transport.h)",
+                     l->port, t->caller ? " (the thread running a caller's pass)" : "");
   } else {
     /* a waiter: dp_listener_free from another thread meanwhile ends the
        wait (DP_ECANCELED) and waits for it to leave before freeing l (it
