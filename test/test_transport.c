@@ -8692,3 +8692,67 @@ Test(transport, a_listener_made_and_freed_in_a_callback_of_a_pass_that_closed_it
   free_transport(t);
   check_no_leak();
 }
+
+/* Caller-driven, a dp_transport_wait in a callback of the caller's own
+ * future runs, between its passes, the callbacks those passes queued behind
+ * the running one (a receive's then()). One of them freeing the transport
+ * was not refused — no pass was running — and the wait then ran its next
+ * pass on the freed transport (ASan: a use after free in
+ * dp__tp_caller_pass). It is refused as from any callback of the loop (a
+ * line on stderr, nothing freed), and the wait goes on. */
+typedef struct free_in_wait {
+  dp_transport_t *t;
+  dp_future_t *wait_on;
+  int rc, ran;
+  dp_error_t e;
+} free_in_wait_t;
+
+static int free_transport_in_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)err;
+  free_in_wait_t *n = ud;
+  n->ran = 1;
+  dp_transport_free(n->t); /* refused: the wait below passes t again */
+  *result = dp_none();
+  return 0;
+}
+
+static int wait_driving_in_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)err;
+  free_in_wait_t *n = ud;
+  n->rc = dp_transport_wait(n->t, n->wait_on, 300000000, &n->e);
+  *result = dp_none();
+  return 0;
+}
+
+Test(transport, a_transport_freed_from_a_callback_that_a_caller_driven_wait_runs_between_passes_is_refused,
+     .timeout = 60) {
+  t_track();
+  dp_transport_t *t = new_transport_driven(1);
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
+  dp_future_t *u, *never, *r, *d, *ch1, *ch2;
+  dp_error_t e;
+  OK(dp_future_new(NULL, &u, T_ERR));
+  OK(dp_future_new(NULL, &never, T_ERR)); /* what the wait waits for: no pass completes it */
+  free_in_wait_t n = {.t = t, .wait_on = never};
+  OK(dp_endpoint_recv(a, &r, T_ERR));
+  OK(dp_future_then(r, free_transport_in_callback, &n, &ch2, T_ERR));
+  OK(dp_future_then(u, wait_driving_in_callback, &n, &ch1, T_ERR));
+  OK(dp_endpoint_send(c, dp_int(1), &d, T_ERR));
+  OK(dp_future_mark_completed(u, dp_int(0), T_ERR)); /* the callback runs here, on this thread */
+  cr_assert(n.ran, "the receive's callback did not run in the wait");
+  cr_assert_eq(n.rc, DP_ETIMEDOUT, "%s: %s", dp_err_name(n.rc), n.e.message);
+  cr_assert_str_eq(n.e.message, "dp_transport_wait: the future did not complete within 300000000 ns");
+  /* not freed: the transport still moves values */
+  OK_WITH(&e, dp_transport_wait(t, ch2, 10 * SEC, &e));
+  OK_WITH(&e, dp_transport_wait(t, d, 10 * SEC, &e));
+  dp_future_t *d7, *r7;
+  OK(dp_endpoint_recv(a, &r7, T_ERR));
+  OK(dp_endpoint_send(c, dp_int(7), &d7, T_ERR));
+  OK_WITH(&e, dp_transport_wait(t, r7, 10 * SEC, &e));
+  cr_assert_eq(dp_value_as_int(dp_future_value(r7)), 7);
+  OK_WITH(&e, dp_transport_wait(t, d7, 10 * SEC, &e));
+  dp_future_t *all[] = {u, never, r, d, ch1, ch2, r7, d7};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
+  free_pair_checked(c, a, l, t);
+}

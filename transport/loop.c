@@ -604,21 +604,49 @@ static void caller_idle(dp_transport_t *t, int64_t *idle_since, int64_t deadline
   *idle_since = 0;
 }
 
+/* The transports this thread drives (dp__tp_caller_until), innermost
+ * first: each frame on the stack of the call that drives. */
+typedef struct drive_frame {
+  const dp_transport_t *t;
+  struct drive_frame *outer;
+} drive_frame_t;
+static _Thread_local drive_frame_t *driving;
+
+int dp__tp_driven_here(const dp_transport_t *t) {
+  for (const drive_frame_t *f = driving; f; f = f->outer)
+    if (f->t == t) return 1;
+  return 0;
+}
+
 /* Caller-driven: runs passes until done(arg) or the deadline (< 0: none);
- * 1 when done. */
+ * 1 when done. While it runs, dp_transport_free of t on this thread is
+ * refused: done() may run callbacks that a pass queued (dp_transport_wait
+ * in a callback), and one that freed t left this loop passing a freed
+ * transport. */
 int dp__tp_caller_until(dp_transport_t *t, int (*done)(void *), void *arg, int64_t timeout_ns) {
   int64_t now0 = now_ns();
   int64_t deadline = timeout_ns < 0 || timeout_ns > INT64_MAX - now0 ? -1 : now0 + timeout_ns;
   int64_t idle_since = 0;
+  drive_frame_t fr = {t, driving};
+  driving = &fr;
+  int r;
   for (unsigned i = 1;; i++) {
-    if (done(arg)) return 1;
+    if (done(arg)) {
+      r = 1;
+      break;
+    }
     int busy = dp__tp_caller_pass(t);
     if (busy) idle_since = 0;
     if (i % 32) continue; /* the clock is read every 32 passes */
     int64_t now = now_ns();
-    if (deadline >= 0 && now >= deadline) return done(arg);
+    if (deadline >= 0 && now >= deadline) {
+      r = done(arg);
+      break;
+    }
     if (!busy) caller_idle(t, &idle_since, deadline, now);
   }
+  driving = fr.outer;
+  return r;
 }
 
 /* After CMD_STOP: closes in progress finish (bounded: a flush to a dead

@@ -533,6 +533,7 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out);
 int dp__tp_caller_pass(dp_transport_t *t);
 void dp__tp_caller_commands(dp_transport_t *t);
 int dp__tp_caller_until(dp_transport_t *t, int (*done)(void *), void *arg, int64_t timeout_ns);
+int dp__tp_driven_here(const dp_transport_t *t);
 void dp__tp_drain_stopped(dp_transport_t *t);
 void *dp__tp_progress_main(void *arg);
 

@@ -698,6 +698,12 @@ void dp_transport_free(dp_transport_t *t) {
                     "(free it after the loop returns; transport.h)\n");
     return;
   }
+  if (dp__tp_driven_here(t)) { /* a callback run by a wait that drives t: it passes t again after */
+    fprintf(stderr, "devpickle: dp_transport_free called from a callback run while this thread drives that "
+                    "transport (dp_transport_wait, dp_listener_accept, dp_endpoint_free): not freed (free it "
+                    "after that call returns; transport.h)\n");
+    return;
+  }
   /* From here the callbacks of the futures the closes fail make no new
      endpoint (dp_endpoint_connect): one made after the scan below was
      never closed, and UCX's endpoint outlived the worker it was made on */

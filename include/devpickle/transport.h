@@ -215,7 +215,9 @@ typedef struct dp_transport_opts {
 DP_API int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_error_t *err);
 /** Stops the progress thread after failing every pending future of the
  *  endpoints still open with DP_ECANCELED; frees them, the listeners and
- *  the transport. NULL: nothing. Not from a transport's own callback. The
+ *  the transport. NULL: nothing. Not from a transport's own callback (nor
+ *  from one that a wait driving it runs between its passes: refused, a
+ *  line on stderr, nothing freed). The
  *  callbacks of the futures it fails may no longer connect: there
  *  dp_endpoint_connect is DP_ECANCELED ("the transport is being freed"). */
 DP_API void dp_transport_free(dp_transport_t *t);
