@@ -3733,7 +3733,7 @@ static int send_corrupt_announcing_buffers(dp_transport_t *t, dp_endpoint_t *ep,
      64 bits, so that the reader says "truncated" (0x5a5a... overflows, which
      the reader refuses from the header as DP_EFORMAT) */
   memset(junk, 0x3a, sizeof junk);
-  memcpy(junk, "DPKL", 4);
+  memcpy(junk, "DPKL\1", 6); /* version 1: the reader checks it right after the magic */
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0xffffffffu, 0, sizeof junk, 1u << 20};
   dp_error_t e;
   if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 11;
@@ -3752,7 +3752,7 @@ static int send_corrupt_then_good_then_late_buffer(dp_transport_t *t, dp_endpoin
   uint32_t nbuf = (uint32_t)(uintptr_t)arg;
   uint8_t junk[64], data[4096];
   memset(junk, 0x3a, sizeof junk); /* lengths within 64 bits: "truncated" (see above) */
-  memcpy(junk, "DPKL", 4);
+  memcpy(junk, "DPKL\1", 6); /* version 1: the reader checks it right after the magic */
   memset(data, 0x33, sizeof data);
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, nbuf, 0, sizeof junk, (uint64_t)nbuf * sizeof data};
   dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 0, 0, sizeof data, 0, sizeof data};
@@ -3805,7 +3805,7 @@ static int send_refused_with_large_buffers(dp_transport_t *t, dp_endpoint_t *ep,
   size_t n = (size_t)32 << 20;
   uint8_t junk[64];
   memset(junk, 0x3a, sizeof junk);
-  memcpy(junk, "DPKL", 4);
+  memcpy(junk, "DPKL\1", 6); /* version 1: the reader checks it right after the magic */
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, NBUF, 0, sizeof junk, (uint64_t)NBUF * n};
   dp_error_t e;
   if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 11;
@@ -4295,7 +4295,7 @@ static int send_credit_wrap_then_frames(dp_transport_t *t, dp_endpoint_t *ep, vo
   (void)t, (void)arg;
   uint8_t junk[64];
   memset(junk, 0, sizeof junk);
-  memcpy(junk, "DPKL", 4);
+  memcpy(junk, "DPKL\1", 6); /* version 1: the reader checks it right after the magic */
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0, 0, sizeof junk, UINT64_MAX - sizeof junk};
   dp_error_t e;
   if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 10;
@@ -6270,7 +6270,7 @@ static int send_refused_owing_then_close(dp_transport_t *t, dp_endpoint_t *ep, v
   (void)t, (void)arg;
   uint8_t junk[64];
   memset(junk, 0x3a, sizeof junk);
-  memcpy(junk, "DPKL", 4);
+  memcpy(junk, "DPKL\1", 6); /* version 1: the reader checks it right after the magic */
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, sizeof junk, 4096};
   dp_error_t e;
   int rc = 0;
@@ -6411,7 +6411,7 @@ static int send_a_window_of_frames_then_one(dp_transport_t *t, dp_endpoint_t *ep
   size_t n = 32u << 10;
   uint8_t *junk = malloc(n);
   memset(junk, 0x3a, n); /* lengths within 64 bits: "truncated" (see above) */
-  memcpy(junk, "DPKL", 4);
+  memcpy(junk, "DPKL\1", 6); /* version 1: the reader checks it right after the magic */
   dp_error_t e;
   dp_future_t *f;
   int rc = 0;
@@ -6577,7 +6577,7 @@ static int send_refused_frames_owing_buffers(dp_transport_t *t, dp_endpoint_t *e
   (void)t, (void)arg;
   uint8_t junk[64];
   memset(junk, 0x3a, sizeof junk); /* lengths within 64 bits: "truncated" (see above) */
-  memcpy(junk, "DPKL", 4);
+  memcpy(junk, "DPKL\1", 6); /* version 1: the reader checks it right after the magic */
   dp_error_t e;
   dp_future_t *f;
   if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
