@@ -291,6 +291,9 @@ def test_make_deps_says_that_every_package_is_present():
     # the suite runs after make deps: with everything present, deps says so
     # (it printed nothing, and a newcomer could not tell it checked anything)
     out = _make("deps")
+    missing = re.match(r"devpickle: installing (.*)\n", out.stdout)
+    if missing:  # a machine the suite runs on without make deps (the GPU machine's bundle)
+        pytest.skip(f"make deps has not run here: it would install {missing.group(1)}")
     assert out.returncode == 0, out.stderr
     assert re.fullmatch(r"devpickle: the Debian packages are present \((\S+ )+pkg-config\)\n", out.stdout), out.stdout
     assert out.stderr == ""
