@@ -1011,15 +1011,18 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
     own = set_find(p, s);
   }
   if (c->pending_head) poll_some(c);
+  /* A hit and a take from another stream are counted once the allocation
+   * is made (below): one that fails after finding its block served none. */
+  int hit = 1, cross = 0;
   block_t *b = find_free(p, size, small, own);
   if (b) {
-    p->st.cache_hits++;
+    /* its own stream's, or one tied to none */
   } else if ((b = find_free(p, size, small, NULL)) != NULL) {
     /* Another stream's block: order this stream after its earlier work. */
     if ((rc = dp_stream_wait_stream(s, b->stream, err)) != 0) goto out;
-    p->st.cache_hits++;
-    p->st.cross_stream++;
+    cross = 1;
   } else {
+    hit = 0;
     size_t seg_size = small ? SMALL_SEGMENT : (size + LARGE_ROUND - 1) / LARGE_ROUND * LARGE_ROUND;
     dp_error_t first;
     rc = segment_alloc(c, p, seg_size, small, s, &b, &first);
@@ -1071,6 +1074,8 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
   p->st.allocated += b->size;
   if (p->st.allocated > p->st.peak_allocated) p->st.peak_allocated = p->st.allocated;
   p->st.allocs++;
+  p->st.cache_hits += (uint64_t)hit;
+  p->st.cross_stream += (uint64_t)cross;
   *out = b->ptr;
 out:
   pthread_mutex_unlock(&c->mu);

@@ -3990,3 +3990,65 @@ Test(allocator, stats_poll_first_and_a_poll_returns_how_many_blocks_came_back) {
   dp_stream_free(u);
   dp_stream_free(s);
 }
+
+/* cache_hits counts allocations served without a backend malloc, and
+ * cross_stream the blocks another stream took (cache.h): an allocation
+ * that fails after finding its block (out of memory mapping it) served
+ * nothing and took nothing, so it counts neither — nor an allocation. */
+Test(allocator, an_allocation_that_fails_after_finding_a_cached_block_counts_no_hit_and_no_cross_stream_take) {
+  dp_stream_t *s = stream(H0);
+  void *a, *b1, *b2, *held[40];
+  /* s's small segment filled exactly, its first 4 KiB free: a 4 KiB
+     request of another stream takes that block whole, with no split */
+  OK(dp_cache_alloc(C, H0, 4096, s, &a, T_ERR));
+  OK(dp_cache_alloc(C, H0, 1 << 20, s, &b1, T_ERR));
+  OK(dp_cache_alloc(C, H0, (1 << 20) - 4096, s, &b2, T_ERR));
+  OK(dp_cache_dealloc(C, a, T_ERR));
+  long failed = 0;
+  /* with 0 .. 40 blocks held (large ones, of segments of their own), so
+     that the pointer map grows — and that growth fails — at some counts */
+  for (int n = 0; n <= 40; n++) {
+    for (long k = 1;; k++) {
+      cr_assert_lt(k, 100);
+      dp_stream_t *t = stream(H0);
+      dp_cache_stats_t before = stats(H0);
+      void *p = NULL;
+      dp_error_t e;
+      long want = t_fail_at = t_alloc_count + k;
+      int rc = dp_cache_alloc(C, H0, 4096, t, &p, &e);
+      int hit = t_alloc_count >= want;
+      t_fail_at = 0;
+      dp_cache_stats_t after = stats(H0);
+      books("%d held, allocation %ld failed", n, k);
+      if (rc) {
+        failed++;
+        cr_assert_eq(rc, DP_ENOMEM, "%s", e.message);
+        cr_assert_eq(after.allocs, before.allocs, "allocation %ld failed: %s", k, e.message);
+        cr_assert_eq(after.cache_hits, before.cache_hits, "%d held, allocation %ld failed (%s), yet counted as a cache hit",
+                     n, k, e.message);
+        cr_assert_eq(after.cross_stream, before.cross_stream,
+                     "%d held, allocation %ld failed (%s), yet counted as a block taken across streams", n, k,
+                     e.message);
+      } else {
+        cr_assert_eq(p, a, "s's free block");
+        cr_assert_eq(after.allocs, before.allocs + 1);
+        cr_assert_eq(after.cache_hits, before.cache_hits + 1, "served from the cache");
+        cr_assert_eq(after.cross_stream, before.cross_stream + 1, "taken from s");
+        OK(dp_cache_dealloc(C, p, T_ERR));
+      }
+      dp_stream_free(t);
+      if (rc == 0) { /* the block went stream-less with t: s takes it back, for the next t to take from s */
+        OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+        cr_assert_eq(p, a);
+        OK(dp_cache_dealloc(C, p, T_ERR));
+      }
+      if (!hit) break;
+    }
+    if (n < 40) OK(dp_cache_alloc(C, H0, (1 << 20) + 1, s, &held[n], T_ERR));
+  }
+  cr_assert_gt(failed, 40);
+  for (int n = 0; n < 40; n++) OK(dp_cache_dealloc(C, held[n], T_ERR));
+  OK(dp_cache_dealloc(C, b1, T_ERR));
+  OK(dp_cache_dealloc(C, b2, T_ERR));
+  dp_stream_free(s);
+}
