@@ -1084,6 +1084,8 @@ out:
 
 static devpool_t *pool_of(dp_cache_t *c, block_t *b) { return &c->pools[b->seg->dev]; }
 
+static block_t *find_used(dp_cache_t *c, const void *ptr);
+
 HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
   if (!c) return dp__err(err, DP_EINVAL, "dp_cache_dealloc: NULL cache");
   if (!ptr) return 0;
@@ -1091,7 +1093,15 @@ HOT int dp_cache_dealloc(dp_cache_t *c, void *ptr, dp_error_t *err) {
   size_t slot;
   block_t *b = map_find(c, ptr, &slot);
   if (!b) {
+    /* An interior pointer (which record_stream and lookup take) is in an
+     * allocation of this allocator: say which, rather than foreign. */
+    block_t *in = find_used(c, ptr);
+    char *base = in && in->state == B_USED ? in->ptr : NULL;
+    size_t size = base ? in->size : 0;
     pthread_mutex_unlock(&c->mu);
+    if (base)
+      return dp__err(err, DP_EINVAL, "dp_cache_dealloc(%p): inside the allocation at %p (%zu bytes), not its start",
+                     ptr, (void *)base, size);
     return dp__err(err, DP_EINVAL, "dp_cache_dealloc(%p): not allocated by this allocator, or already freed", ptr);
   }
   map_remove_at(c, slot);

@@ -4052,3 +4052,40 @@ Test(allocator, an_allocation_that_fails_after_finding_a_cached_block_counts_no_
   OK(dp_cache_dealloc(C, b2, T_ERR));
   dp_stream_free(s);
 }
+
+/* dp_cache_dealloc takes the pointer dp_cache_alloc returned (cache.h),
+ * while record_stream and lookup take interior pointers too: an interior
+ * pointer handed to dp_cache_dealloc is DP_EINVAL, and says so — it is in
+ * an allocation of this allocator, which stays allocated — rather than
+ * calling the pointer foreign or already freed. */
+Test(allocator, freeing_an_interior_pointer_is_einval_naming_its_allocation_which_stays_allocated) {
+  dp_stream_t *s = stream(H0);
+  void *p, *q;
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  OK(dp_cache_alloc(C, H0, 3 << 20, s, &q, T_ERR)); /* a large block too */
+  char want[160];
+  dp_error_t e;
+  void *inner[] = {(char *)p + 1, (char *)p + 4095, (char *)q + (2 << 20)};
+  void *base[] = {p, p, q};
+  size_t size[] = {4096, 4096, 4 << 20};
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(dp_cache_dealloc(C, inner[i], &e), DP_EINVAL);
+    cr_assert_eq(e.code, DP_EINVAL);
+    snprintf(want, sizeof want, "dp_cache_dealloc(%p): inside the allocation at %p (%zu bytes), not its start",
+             inner[i], base[i], size[i]);
+    cr_assert_str_eq(e.message, want);
+  }
+  void *b;
+  size_t n;
+  OK(dp_cache_lookup(C, p, &b, &n, T_ERR)); /* still allocated */
+  cr_assert_eq(b, p);
+  cr_assert_eq(stats(H0).allocated, 4096 + (4 << 20));
+  /* a pointer past every allocation, and one into a freed block, keep the old answer */
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  cr_assert_eq(dp_cache_dealloc(C, (char *)q + 512, &e), DP_EINVAL);
+  snprintf(want, sizeof want, "dp_cache_dealloc(%p): not allocated by this allocator, or already freed", (void *)((char *)q + 512));
+  cr_assert_str_eq(e.message, want);
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  cr_assert_eq(stats(H0).allocated, 0);
+  dp_stream_free(s);
+}

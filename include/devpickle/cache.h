@@ -183,7 +183,8 @@ DP_API int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stre
  *  reusable at once on its allocation stream; streams recorded with
  *  dp_cache_record_stream hold it until their work queued before this call
  *  completes. DP_EINVAL for a pointer this allocator did not hand out (or
- *  already freed). */
+ *  already freed) — an interior pointer too, unlike record_stream and
+ *  lookup: its message names the allocation, which stays allocated. */
 DP_API int dp_cache_dealloc(dp_cache_t *c, void *p, dp_error_t *err);
 /** Marks the allocation holding p (interior pointers too) as used on s.
  *  DP_ENOTFOUND when p is not from this allocator; DP_EINVAL for a stream
