@@ -4089,3 +4089,34 @@ Test(allocator, freeing_an_interior_pointer_is_einval_naming_its_allocation_whic
   cr_assert_eq(stats(H0).allocated, 0);
   dp_stream_free(s);
 }
+
+/* An allocation looks in its own stream's free blocks and in those tied to
+ * no stream (cache.h) and takes the best fit of the two — a stream-less
+ * block needs no wait either —: it does not split a larger block of its
+ * own while an exact one lies free. */
+Test(allocator, an_allocation_takes_the_best_fit_of_its_own_streams_blocks_and_the_stream_less_ones) {
+  dp_stream_t *s = stream(H0), *t = stream(H0);
+  void *a, *b, *g1, *g2, *y, *z, *f1, *f2, *p;
+  /* s's segment, filled exactly */
+  OK(dp_cache_alloc(C, H0, 8192, s, &a, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, s, &b, T_ERR));
+  OK(dp_cache_alloc(C, H0, 1 << 20, s, &g1, T_ERR));
+  OK(dp_cache_alloc(C, H0, (1 << 20) - 12288, s, &g2, T_ERR));
+  /* t's segment, filled exactly */
+  OK(dp_cache_alloc(C, H0, 4096, t, &y, T_ERR));
+  OK(dp_cache_alloc(C, H0, 4096, t, &z, T_ERR));
+  OK(dp_cache_alloc(C, H0, 1 << 20, t, &f1, T_ERR));
+  OK(dp_cache_alloc(C, H0, (1 << 20) - 8192, t, &f2, T_ERR));
+  cr_assert_eq(stats(H0).segment_allocs, 2);
+  OK(dp_cache_dealloc(C, y, T_ERR));
+  dp_stream_free(t); /* y: 4 KiB tied to no stream */
+  OK(dp_cache_dealloc(C, a, T_ERR)); /* a: 8 KiB of s's */
+  dp_cache_stats_t before = stats(H0);
+  OK(dp_cache_alloc(C, H0, 4096, s, &p, T_ERR));
+  cr_assert_eq(p, y, "the exact stream-less block, not s's larger one split (%p; s's is at %p)", p, a);
+  cr_assert_eq(stats(H0).cross_stream, before.cross_stream);
+  OK(dp_cache_alloc(C, H0, 8192, s, &a, T_ERR));
+  void *all[] = {p, a, b, g1, g2, z, f1, f2};
+  for (int i = 0; i < 8; i++) OK(dp_cache_dealloc(C, all[i], T_ERR));
+  dp_stream_free(s);
+}

@@ -24,8 +24,9 @@
  *     bookkeeping for each stream that allocated there, kept until the
  *     stream is destroyed; for a wrapper of a framework's stream, until
  *     dp_shutdown or the cache is freed), so an allocation never looks past
- *     other streams' blocks: its own stream's, then those tied to no
- *     stream, and another stream's only when both have none that fits;
+ *     other streams' blocks: it takes the best fit among its own stream's
+ *     and those tied to no stream (neither needs a wait), and another
+ *     stream's only when both have none that fits;
  *   - record_stream adds a stream that uses the block. Freeing such a block
  *     records one event on each of those streams; the block returns to the
  *     pool only when they have completed. A record on the block's own
