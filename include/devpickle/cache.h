@@ -150,7 +150,9 @@ typedef struct dp_cache_stats {
   uint64_t cache_hits;     /* allocations served without a backend malloc */
   uint64_t segment_allocs, segment_frees;
   uint64_t cross_stream;   /* blocks taken by another stream through an event wait */
-  uint64_t oom_retries;    /* backend OOMs answered by freeing the cache */
+  uint64_t oom_retries;    /* new segments refused for want of memory (the backend's, or the
+                              allocator hook's for the segment's bookkeeping), each answered
+                              by freeing the cache and trying once more */
 } dp_cache_stats_t;
 
 /** A caching allocator over backend b (its own, independent of the default). */
