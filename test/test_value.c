@@ -2629,6 +2629,45 @@ Test(value, a_cycle_let_go_by_its_buffering_thread_and_then_released_here_is_col
   ASSERT_NO_LEAK();
 }
 
+/* A thread-specific destructor of the program's own may release a cycle
+ * after the collector's exit flush has run on that thread (destructors run
+ * in rounds, in no set order): the flush is armed again and the cycle is
+ * collected in a later round, before the thread is gone. */
+static pthread_key_t late_key;
+static int late_rounds;
+static void release_a_cycle_late(void *p) {
+  late_rounds++;
+  if (p == (void *)1) { /* first round: the collector's flush runs in this one */
+    pthread_setspecific(late_key, (void *)2);
+    return;
+  }
+  dp_value_t l = t_list();
+  dp_list_append(l, dp_value_retain(l), NULL);
+  dp_list_append(l, t_obj("Late"), NULL);
+  dp_value_release(l); /* a candidate of a thread whose flush already ran */
+}
+
+static void *cycle_now_and_one_from_a_late_destructor(void *p) {
+  (void)p;
+  dp_value_t l = t_list();
+  dp_list_append(l, dp_value_retain(l), NULL);
+  dp_value_release(l); /* buffered: the collector's flush is armed */
+  pthread_setspecific(late_key, (void *)1);
+  return NULL;
+}
+
+Test(value, a_cycle_released_by_a_destructor_after_the_threads_exit_flush_is_collected_before_it_ends) {
+  cr_assert_eq(pthread_key_create(&late_key, release_a_cycle_late), 0);
+  late_rounds = 0;
+  pthread_t th;
+  pthread_create(&th, NULL, cycle_now_and_one_from_a_late_destructor, NULL);
+  pthread_join(th, NULL);
+  cr_assert_eq(late_rounds, 2);
+  cr_assert_eq(atomic_load(&t_live_blocks), 0, "%ld blocks live after the thread ended",
+               (long)atomic_load(&t_live_blocks));
+  pthread_key_delete(late_key);
+}
+
 /* ---- base: errors, the allocator hook, devices, text (core/base.c) ---- */
 
 TestSuite(base, .init = setup, .fini = teardown);
