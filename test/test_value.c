@@ -2668,6 +2668,43 @@ Test(value, a_cycle_released_by_a_destructor_after_the_threads_exit_flush_is_col
   pthread_key_delete(late_key);
 }
 
+static void pause_other_collects(int where) {
+  if (pthread_equal(pthread_self(), w_paused) && where == DP_GC_PAUSE_FOREIGN)
+    worker_run(&w_other, job_collect, dp_none());
+}
+
+/* A candidate that a release takes over from a thread that let go of it,
+ * and that this release drops to zero, leaves the buffer at once; were it
+ * the only entry of a grown array (other threads emptied it), the array
+ * goes back then too, not at this thread's next collection. */
+Test(value, a_grown_array_emptied_by_a_taken_over_candidate_released_to_zero_goes_back_at_once) {
+  worker_start(&w_owner);
+  worker_start(&w_other);
+  for (int i = 0; i < GROWN; i++) {
+    grown[i] = t_list();
+    OK(dp_list_append(grown[i], t_list(), T_ERR));
+    dp_value_retain(grown[i]);
+  }
+  long before = t_alloc_count;
+  worker_run(&w_owner, job_release_grown, dp_none());  /* w_owner's buffer grows */
+  cr_assert_gt(t_alloc_count, before, "w_owner's buffer grew");
+  for (int i = 0; i < GROWN; i++) dp_value_release(grown[i]);  /* and empties: its array stays */
+  w_shared = t_list();
+  OK(dp_list_append(w_shared, t_obj("Item"), T_ERR));
+  dp_value_retain(w_shared);
+  worker_run(&w_other, job_release, w_shared);  /* 2 -> 1: w_other's candidate */
+  w_paused = w_owner.th;
+  dp__gc_pause_hook = pause_other_collects;
+  /* w_other's trial finds it live and lets go; w_owner buffers it and drops it to zero */
+  worker_run(&w_owner, job_release, w_shared);
+  dp__gc_pause_hook = NULL;
+  long live = atomic_load(&t_live_blocks);
+  worker_stop(&w_owner);
+  worker_stop(&w_other);
+  cr_assert_eq(live, 0, "%ld blocks live after the last release (the grown array among them)", live);
+  ASSERT_NO_LEAK();
+}
+
 /* ---- base: errors, the allocator hook, devices, text (core/base.c) ---- */
 
 TestSuite(base, .init = setup, .fini = teardown);
