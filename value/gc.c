@@ -389,7 +389,8 @@ static void buffer(gc_tls_t *t, dp_cont_t *c) {
 static bool buffer_full(gc_tls_t *t) {
   size_t n = len_of(t), cap = cap_of(t);
   if (n < cap) return false;
-  if (cap >= (t->threshold > GC_BUF ? t->threshold : GC_BUF) || cap >= GC_BUF_MAX) return true;
+  /* threshold is at most GC_BUF_MAX (collect_locked), so cap stays within it */
+  if (cap >= (t->threshold > GC_BUF ? t->threshold : GC_BUF)) return true;
   size_t ncap = cap * 2 < GC_BUF_MAX ? cap * 2 : GC_BUF_MAX;
   dp_cont_t **nb = dp__alloc(ncap * sizeof *nb), **old = t->big;
   if (!nb) return true;
