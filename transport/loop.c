@@ -108,15 +108,18 @@ static int listen_failed(cmd_t *c, ucs_status_t st) {
   return dp__err(&c->err, DP_EIO, "transport: cannot listen on %s: %s", host, ucs_status_string(st));
 }
 
-/* Queues c for the next drain (no wake: called on the loop's thread). */
-static void enqueue(dp_transport_t *t, cmd_t *c) {
+/* Queues c for the next drain; returns whether the progress thread was
+ * asleep then (the caller wakes it, or, on the loop's thread, need not). */
+int dp__tp_queue_cmd(dp_transport_t *t, cmd_t *c) {
   pthread_mutex_lock(&t->mu);
   c->next = NULL;
   if (t->c_tail) t->c_tail->next = c;
   else t->c_head = c;
   t->c_tail = c;
   atomic_store_explicit(&t->queued, 1, memory_order_release);
+  int asleep = t->sleeping;
   pthread_mutex_unlock(&t->mu);
+  return asleep;
 }
 
 static void handle_cmd(dp_transport_t *t, cmd_t *c) {
@@ -172,7 +175,7 @@ static void handle_cmd(dp_transport_t *t, cmd_t *c) {
         cc->ep = a;
         cc->detached = 1;
         a->free_asked = 1;
-        enqueue(t, cc);
+        (void)dp__tp_queue_cmd(t, cc); /* on the loop's thread: no wake */
       } else {
         ep_close_now(t, a);
         a->next = t->closing;

@@ -453,6 +453,7 @@ extern _Thread_local dp_transport_t *dp__tp_in_pass;
 
 /* transport.c */
 void dp__tp_cmd_finish(dp_transport_t *t, cmd_t *c, int rc);
+int dp__tp_queue_cmd(dp_transport_t *t, cmd_t *c); /* 1: the progress thread was asleep */
 void dp__tp_sop_free(sop_t *s);
 void dp__tp_sop_fail(sop_t *s, const dp_error_t *e);
 void dp__tp_rmsg_free(rmsg_t *m);

@@ -133,15 +133,7 @@ static int new_future(dp_transport_t *t, dp_future_t **out, dp_error_t *err) {
  * Caller-driven: a pass runs it at once (a wait inside this thread's own
  * pass runs c alone there and then: dp__tp_run_now). */
 static int submit(dp_transport_t *t, cmd_t *c, int wait_done) {
-  pthread_mutex_lock(&t->mu);
-  c->next = NULL;
-  if (t->c_tail) t->c_tail->next = c;
-  else t->c_head = c;
-  t->c_tail = c;
-  atomic_store_explicit(&t->queued, 1, memory_order_release);
-  int asleep = t->sleeping; /* a thread still spinning sees the queue itself */
-  pthread_mutex_unlock(&t->mu);
-  if (asleep) wake(t);
+  if (dp__tp_queue_cmd(t, c)) wake(t); /* a thread still spinning sees the queue itself */
   if (t->caller) {
     if (dp__tp_in_pass == t) {
       if (wait_done) dp__tp_run_now(t, c);
