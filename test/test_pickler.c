@@ -6693,15 +6693,22 @@ Test(pickler, a_data_length_that_wraps_the_frame_length_to_zero_is_refused_at_th
   ASSERT_NO_LEAK();
 }
 
+/* A whole frame of None, its checksum right, whose version is 0x0101: its
+ * low byte is this build's. */
+static uint8_t *frame_of_version_0x0101(size_t *n) {
+  const uint8_t nil = 0xc0, table = 0x90;
+  uint8_t *f = frame_with_table(&nil, 1, &table, 1, NULL, 0, 0, n);
+  f[5] = 1;
+  uint64_t sum = XXH3_64bits_withSeed(f + 40, *n - 40, XXH3_64bits(f, 32));
+  for (int i = 0; i < 8; i++) f[32 + i] = (uint8_t)(sum >> (8 * i));
+  return f;
+}
+
 /* The version is a 16-bit field: one whose low byte is this build's is
  * another version. */
 Test(pickler, a_frame_version_that_differs_only_in_its_high_byte_is_refused) {
-  const uint8_t nil = 0xc0, table = 0x90;
   size_t n;
-  uint8_t *f = frame_with_table(&nil, 1, &table, 1, NULL, 0, 0, &n);
-  f[5] = 1; /* version 0x0101 */
-  uint64_t sum = XXH3_64bits_withSeed(f + 40, n - 40, XXH3_64bits(f, 32));
-  for (int i = 0; i < 8; i++) f[32 + i] = (uint8_t)(sum >> (8 * i));
+  uint8_t *f = frame_of_version_0x0101(&n);
   dp_value_t out;
   dp_error_t e;
   cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EVERSION, "%s", e.message);
@@ -7086,12 +7093,8 @@ Test(pickler, a_tensor_naming_the_latest_buffer_again_does_not_count_as_referrin
  * whole frame is refused by them too, as another version (the CLI's header
  * check is dp_frame_prefix_check). */
 Test(pickler, the_prefix_checks_refuse_a_version_that_differs_only_in_its_high_byte) {
-  const uint8_t nil = 0xc0, table = 0x90;
   size_t n;
-  uint8_t *f = frame_with_table(&nil, 1, &table, 1, NULL, 0, 0, &n);
-  f[5] = 1; /* version 0x0101 */
-  uint64_t sum = XXH3_64bits_withSeed(f + 40, n - 40, XXH3_64bits(f, 32));
-  for (int i = 0; i < 8; i++) f[32 + i] = (uint8_t)(sum >> (8 * i));
+  uint8_t *f = frame_of_version_0x0101(&n);
   dp_value_t out;
   dp_error_t e;
   for (size_t len = 40; len <= n; len += n - 40) {

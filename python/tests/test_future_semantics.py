@@ -2388,6 +2388,15 @@ def _waiter(fut):
     return t, got
 
 
+def _fails_once_collected(child):
+    """child.wait() on a thread of its own wakes with DP_ECANCELED once the collector runs."""
+    t, got = _waiter(child)
+    gc.collect()
+    t.join(10)
+    assert not t.is_alive(), "the then() child of an unreachable collect_all future waited forever"
+    return _cancelled(got)
+
+
 def _cancelled(got):
     assert got and got[0][0] == "err", got
     e = got[0][1]
@@ -2398,11 +2407,7 @@ def _cancelled(got):
 def test_a_then_child_of_a_collect_all_over_futures_nobody_holds_fails_with_dp_ecanceled_once_collected():
     ran = []
     c = devpickle.collect_all([devpickle.Future(), devpickle.Future()]).then(lambda agg: ran.append(agg))
-    t, got = _waiter(c)
-    gc.collect()
-    t.join(10)
-    assert not t.is_alive(), "the then() child of an unreachable collect_all future waited forever"
-    assert "was dropped before it completed" in str(_cancelled(got))
+    assert "was dropped before it completed" in str(_fails_once_collected(c))
     assert ran == []
     # held by its caller, it is what its callbacks get, once its inputs complete
     a = devpickle.Future()
@@ -2434,11 +2439,7 @@ def test_a_dropped_collect_all_future_completes_its_children_while_an_input_is_h
     gc.collect()
     assert not c.done()
     a.set_result(1)
-    t, got = _waiter(c)
-    gc.collect()
-    t.join(10)
-    assert not t.is_alive()
-    _cancelled(got)
+    _fails_once_collected(c)
 
 
 def test_nested_collect_all_futures_complete_through_a_held_input_and_fail_once_nobody_holds_one():
@@ -2449,11 +2450,7 @@ def test_nested_collect_all_futures_complete_through_a_held_input_and_fail_once_
     assert c.wait() == 7
 
     c = devpickle.collect_all([devpickle.collect_all([devpickle.Future()]), devpickle.Future()]).then(lambda agg: 1)
-    t, got = _waiter(c)
-    gc.collect()
-    t.join(10)
-    assert not t.is_alive()
-    _cancelled(got)
+    _fails_once_collected(c)
 
 
 def test_a_collect_all_future_dropped_with_callbacks_lets_go_of_them_and_of_its_inputs():
