@@ -152,6 +152,20 @@ static const dp_cache_hooks_t owner_hooks = {NULL, record_stream, record_streams
 /* 1 when x is a numpy integer scalar (numpy.integer: np.int64(0), not
  * np.bool_), which torch reads as a CUDA index as it reads an int; 0 when it
  * is not, or numpy was never imported; -1 with an exception set. */
+/* A device's text as torch names it: the library's names, and torch's cpu
+ * with an index ("cpu:0", torch.device("cpu", 0): torch's own future takes
+ * its cpu device only so), which is cpu whatever N 0..255 says. */
+static int parse_device(const char *txt, dp_device_t *d, dp_error_t *e) {
+  char host[16];
+  if (strncmp(txt, "cpu:", 4) != 0) return dp_device_parse(txt, d, e);
+  /* N read by the library's rule for host:N (0..255, no sign, no leading 0) */
+  if ((size_t)snprintf(host, sizeof host, "host:%s", txt + 4) >= sizeof host) return -1;
+  if (dp_device_parse(host, d, e)) return -1;
+  d->type = DP_DEVICE_CPU;
+  d->index = 0;
+  return 0;
+}
+
 static int is_numpy_integer(PyObject *x) {
   if (PyLong_Check(x) || PyUnicode_Check(x)) return 0;
   if (dpy_resolve_frameworks()) return -1;
@@ -224,7 +238,7 @@ static int parse_devices(PyObject *devices, dp_device_t **out, size_t *n) {
     /* the whole text names the device: one holding a NUL ("cpu\0x") is
        none, never the part before it */
     int nul = txt && strlen(txt) != (size_t)len;
-    if (!txt || nul || dp_device_parse(txt, &d[kept], &e)) {
+    if (!txt || nul || parse_device(txt, &d[kept], &e)) {
       /* in Python's words (the library's message names its own function) */
       if (txt) PyErr_Format(PyExc_ValueError, "devices: %R is not a device (cpu, cuda:N or host:N, N 0..255)", s);
       Py_XDECREF(s);

@@ -360,6 +360,19 @@ def test_a_bool_among_devices_is_read_by_its_str_not_as_a_cuda_index():
         devpickle.Future(devices=[True])
 
 
+def test_torchs_indexed_cpu_device_among_devices_is_cpu_as_torchs_own_future_takes_it():
+    # torch's Future refuses devices=["cpu"] ("Expected devices to have
+    # indices") and takes "cpu:0": code moving from torch names it so, and a
+    # torch.device("cpu", 0) is "cpu:0" to str(); devpickle refused both
+    f = devpickle.Future(devices=["cpu:0", torch.device("cpu", 0), "cpu:1", "cpu"])
+    f.set_result(torch.ones(1))
+    assert f.done()
+    devpickle.Future.__init__(f, devices=["cpu"])  # the same device: no change
+    for bad in ["cpu:256", "cpu:01", "cpu:", "cpu:-1"]:
+        with pytest.raises(ValueError, match=rf"^devices: '{bad}' is not a device \(cpu, cuda:N or host:N, N 0\.\.255\)$"):
+            devpickle.Future(devices=[bad])
+
+
 DEVICES_EMPTIED = r"""
 import devpickle
 devices = []
