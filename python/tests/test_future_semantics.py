@@ -2006,6 +2006,19 @@ def test_a_future_collected_by_collect_all_cannot_be_remade_by_init():
     assert both.wait() == [a]
 
 
+def test_a_future_with_a_done_callback_cannot_be_remade_by_init_as_one_with_a_then_child():
+    # docs/PYTHON.md: "chained" is add_done_callback() as well as then(): the
+    # callback is held by the C future that a new one would replace
+    ran = []
+    f = devpickle.Future()
+    f.add_done_callback(ran.append)
+    with pytest.raises(RuntimeError, match=REMADE):
+        f.__init__(devices=[])
+    f.__init__(devices=None)  # no change from the devices it was made with
+    f.set_result(1)
+    assert ran == [f]
+
+
 def test_a_future_waited_on_cannot_be_remade_by_init_even_when_the_wait_was_refused():
     # a then() callback's wait on its own future is refused (it would wait
     # for itself), but it was a wait: the future may no longer be remade
