@@ -4262,3 +4262,33 @@ def test_a_list_changed_by_the_values_own_code_is_walked_by_index_as_pickle_walk
     r.dump(fresh())
     walked = [[a.nbytes // 4 for a in devpickle.scan(fresh(), paths=p)] for p in (True, False)]
     assert walked == [r.found, r.found] == {"appended": [[1, 2, 3]] * 2, "removed": [[2]] * 2, "cleared": [[]] * 2}[act]
+
+
+def test_a_class_whose_metaclass_is_in_the_dispatch_table_is_a_leaf_never_reduced_through_it():
+    # docs/PYTHON.md: globals are leaves, never looked up; pickle would call
+    # copyreg.dispatch_table[type(C)](C), the walk calls nothing
+    import copyreg
+
+    calls = []
+
+    class Meta(type):
+        pass
+
+    class C(metaclass=Meta):
+        pass
+
+    def reduce_class(c):
+        calls.append(c)
+        return (Meta, ("D", (), {"t": torch.ones(1)}))
+
+    copyreg.pickle(Meta, reduce_class)
+    try:
+        assert devpickle.scan([C, {"k": C}]) == []
+        f = devpickle.Future()
+        f.set_result(C)
+        assert f.wait() is C
+        back = devpickle.loads(devpickle.dumps({"c": C}, inline=True), classes=C)
+        assert back == {"c": C}
+        assert calls == []
+    finally:
+        del copyreg.dispatch_table[Meta]
