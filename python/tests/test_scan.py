@@ -4292,3 +4292,17 @@ def test_a_class_whose_metaclass_is_in_the_dispatch_table_is_a_leaf_never_reduce
         assert calls == []
     finally:
         del copyreg.dispatch_table[Meta]
+
+
+def test_an_attribute_or_key_that_is_no_ascii_identifier_is_a_quoted_step_and_an_ascii_one_a_dotted_step():
+    # docs/PYTHON.md, "Paths": .name only for an ASCII identifier (a keyword
+    # too), ["..."] for any other str key or attribute name
+    class Holder:
+        pass
+
+    h = Holder()
+    for i, name in enumerate(["a b", "é", "1x", "ok", "class"]):
+        setattr(h, name, torch.ones(i + 1))
+    assert [a.path for a in devpickle.scan(h)] == ['$["a b"]', '$["é"]', '$["1x"]', "$.ok", "$.class"]
+    found = devpickle.scan({"é": torch.ones(1), "class": torch.ones(2), "_": torch.ones(3), "a-b": torch.ones(4)})
+    assert [a.path for a in found] == ['$["é"]', "$.class", "$._", '$["a-b"]']
