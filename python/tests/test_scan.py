@@ -4306,3 +4306,18 @@ def test_an_attribute_or_key_that_is_no_ascii_identifier_is_a_quoted_step_and_an
     assert [a.path for a in devpickle.scan(h)] == ['$["a b"]', '$["é"]', '$["1x"]', "$.ok", "$.class"]
     found = devpickle.scan({"é": torch.ones(1), "class": torch.ones(2), "_": torch.ones(3), "a-b": torch.ones(4)})
     assert [a.path for a in found] == ['$["é"]', "$.class", "$._", '$["a-b"]']
+
+
+def test_a_key_of_a_str_subclass_is_shown_by_its_repr_not_as_a_name():
+    # docs/PYTHON.md, "Paths": .name and ["key"] are for str keys; a str
+    # subclass's key (an enum's, a user class's) is any other key, [repr]
+    class Name(str):
+        pass
+
+    assert [a.path for a in devpickle.scan({Name("ab"): torch.ones(1)})] == ["$['ab']"]
+
+    class Loud(str):
+        def __repr__(self):
+            return "Loud!"
+
+    assert [a.path for a in devpickle.scan({Loud("ab"): torch.ones(1)})] == ["$[Loud!]"]
