@@ -50,6 +50,26 @@ class OnCuda0:
     __cuda_array_interface__ = {"data": (0x10000, False), "shape": (4,), "typestr": "<f4", "version": 3}
 
 
+def test_a_then_child_of_a_future_that_walks_nothing_walks_nothing_and_a_collect_all_ones_walks():
+    # docs/PYTHON.md: a then() child takes its parent's devices down the
+    # chain (devices=[]: it stores a lock, as torch's CPU future does); a
+    # collect_all future has devices=None whatever its inputs', so its
+    # child walks its result
+    import threading
+
+    lock = threading.Lock()
+    parent = devpickle.Future(devices=[])
+    grandchild = parent.then(lambda p: 1).then(lambda p: lock)
+    parent.set_result(0)
+    assert grandchild.wait() is lock
+    a, b = devpickle.Future(devices=[]), devpickle.Future(devices=[])
+    child = devpickle.collect_all([a, b]).then(lambda p: lock)
+    a.set_result(1)
+    b.set_result(2)
+    with pytest.raises(devpickle.WalkError, match=r"^cannot walk a '_thread\.lock' at \$: it cannot be reduced"):
+        child.wait()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
 def test_a_then_child_keeps_its_parents_devices_and_refuses_a_result_on_another():
     parent = devpickle.Future(devices=["cpu"])
