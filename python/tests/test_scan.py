@@ -4321,3 +4321,13 @@ def test_a_key_of_a_str_subclass_is_shown_by_its_repr_not_as_a_name():
             return "Loud!"
 
     assert [a.path for a in devpickle.scan({Loud("ab"): torch.ones(1)})] == ["$[Loud!]"]
+
+
+def test_dlpack_cuda_pinned_host_memory_is_cpu_and_another_host_device_type_a_walk_error():
+    # docs/PYTHON.md: DLPack's CPU and its CUDA-pinned host memory
+    # (kDLCUDAHost, 3) are cpu, the only devices but cuda:N scan reports
+    cap, _keep = _dl_capsule((4,), data=0x20000, device=(3, 0))
+    assert [(a.device, a.ptr, a.nbytes) for a in devpickle.scan(_DLProducer((3, 0), cap))] == [("cpu", 0x20000, 16)]
+    cap, _keep = _dl_capsule((4,), data=0x20000, device=(13, 0))  # kDLCUDAManaged
+    with pytest.raises(devpickle.WalkError, match=r"DLPack device type 13 is not cpu or cuda$"):
+        devpickle.scan(_DLProducer((13, 0), cap))
