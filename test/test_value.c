@@ -323,6 +323,21 @@ Test(value, custom_destroy_runs_once_and_also_when_creation_fails) {
   ASSERT_NO_LEAK();
 }
 
+Test(value, a_custom_without_a_type_leaves_its_obj_to_the_caller_and_one_with_a_type_takes_it_even_on_failure) {
+  /* value.h: with a NULL type there is no destroy to call, so obj stays the
+     caller's; with a type, a failure still hands obj to its destroy */
+  destroyed = 0;
+  dp_value_t c;
+  dp_error_t e;
+  cr_assert_eq(dp_custom_new(NULL, (void *)1, &c, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_custom_new: NULL type");
+  cr_assert_eq(destroyed, 0, "nothing could free obj: it stays the caller's");
+  cr_assert_eq(dp_custom_new(&counted_type, (void *)1, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_custom_new: NULL out");
+  cr_assert_eq(destroyed, 1, "a type was given: its destroy took obj");
+  ASSERT_NO_LEAK();
+}
+
 /* ---- cycles ---- */
 
 Test(value, a_list_that_contains_itself_is_freed) {

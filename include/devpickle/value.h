@@ -22,7 +22,8 @@
  * allocator hook, to hold as many — see COST — and one that cannot grow is
  * collected as it is: a release never fails); a buffer is collected — the
  * containers reachable from its candidates are tried, and those held only
- * by each other freed — when it is full, when its thread
+ * by each other freed — when a release finds it full (so a fresh thread's
+ * first collection comes with its 257th candidate, not its 256th), when its thread
  * calls dp_value_collect(), and when its thread exits. A garbage cycle thus
  * outlives its last outside reference until one of those happens. Any
  * acyclic container released to zero is freed at once, memory and all, on
@@ -231,8 +232,10 @@ DP_API size_t dp_storage_nbytes(const dp_storage_t *s);
  *  Borrowed: valid until the next dp_storage_set_host_data on s, which
  *  frees them, or the storage's end. */
 DP_API const void *dp_storage_host_data(const dp_storage_t *s);
-/** Attaches a copy of nbytes host bytes (for inline frames), replacing
- *  (and freeing) any attached before. */
+/** Attaches a copy of the storage's nbytes host bytes from data (for
+ *  inline frames), replacing (and freeing) any attached before. Not
+ *  thread-safe on one storage. DP_EINVAL for a NULL s, or a NULL data when
+ *  nbytes is above 0; DP_ENOMEM, keeping what was attached. */
 DP_API int dp_storage_set_host_data(dp_storage_t *s, const void *data, dp_error_t *err);
 
 /* ---- tensor: a strided view of a storage ---- */
@@ -309,7 +312,9 @@ DP_API int dp_object_new_reduced(const char *type_name, dp_value_t state, dp_val
 
 /* ---- custom: a foreign C object that carries its own type ---- */
 typedef struct dp_type {
-  /** Type name, reported in errors and written to frames. Required. */
+  /** Type name, reported in errors and written to frames. Required:
+   *  non-empty UTF-8 (a frame carries it), else dp_custom_new is
+   *  DP_EINVAL. */
   const char *name;
   /** Reduces obj to a state value: any value, which may hold tensors and
    *  other customs (Python's __reduce__ contract). Returns 0 and a new
@@ -333,7 +338,10 @@ typedef struct dp_type {
 } dp_type_t;
 
 /** Wraps obj (ownership of obj passes to the custom; destroy frees it, also
- *  when this call fails). type must outlive the value. */
+ *  when this call fails — but for a NULL type, which has no destroy to call:
+ *  obj then stays the caller's). type must outlive the value. Errors:
+ *  DP_EINVAL for a NULL type, type->name or out, or a name that is not
+ *  non-empty UTF-8; DP_ENOMEM. */
 DP_API int dp_custom_new(const dp_type_t *type, void *obj, dp_value_t *out, dp_error_t *err);
 /** The custom's type and the obj it wraps (borrowed: the custom owns obj);
  *  NULL for a value of another kind. */
