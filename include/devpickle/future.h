@@ -132,7 +132,8 @@ typedef struct dp_future_opts {
   const dp_device_t *devices;
   size_t ndevices;
   /** Where stream uses are recorded. NULL: the backend's default caching
-   *  allocator (dp_cache_default). Hooks with neither function are
+   *  allocator (dp_cache_default). Hooks with neither record_stream nor
+   *  record_streams (record_streams_owned alone is not enough) are
    *  DP_EINVAL at dp_future_new. */
   const dp_cache_hooks_t *hooks;
   /** 1: record no stream uses at all (hooks ignored). */
@@ -147,7 +148,7 @@ typedef struct dp_future_opts {
 /** A new pending future. opts may be NULL. Errors: DP_EINVAL for a NULL
  *  out, devices NULL with ndevices above 0, a listed device that is
  *  neither cpu nor one of the backend's (its message names it), or hooks
- *  with neither function; dp_backend_default's and dp_cache_default's
+ *  with neither record_stream nor record_streams; dp_backend_default's and dp_cache_default's
  *  errors when they are asked; DP_ENOMEM. */
 DP_API int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *err);
 /** Counts one more reference; returns f (NULL does nothing). A count is
@@ -165,8 +166,9 @@ DP_API void dp_future_release(dp_future_t *f);
  *  taken. Errors (f then completes with that error, so no waiter hangs):
  *  DP_ETYPE / DP_ELIMIT from the walk, with the type and the path;
  *  DP_EDEVICE when the value uses a device outside f's devices (the message
- *  names both); backend errors. DP_ESTATE if f was already complete (f is
- *  left as it was). */
+ *  names both); backend errors, and the hooks' errors for the records on
+ *  the completing stream (unless consumers_only or no_hooks). DP_ESTATE if
+ *  f was already complete (f is left as it was). */
 DP_API int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err);
 /** As dp_future_mark_completed, without the walk: the producer gives the
  *  allocations (copied from ptrs). A NULL ptrs is DP_EINVAL, and f
