@@ -338,6 +338,25 @@ Test(value, a_custom_without_a_type_leaves_its_obj_to_the_caller_and_one_with_a_
   ASSERT_NO_LEAK();
 }
 
+Test(value, a_capacity_whose_size_overflows_is_out_of_memory_for_lists_tuples_and_dicts) {
+  /* value.h: capacity is a hint allocated with the container; one whose
+     byte size wraps must not wrap into a small block */
+  dp_value_t v;
+  dp_error_t e;
+  cr_assert_eq(dp_list_new(SIZE_MAX / 16 + 2, &v, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory allocating list");
+  cr_assert_eq(dp_tuple_new(SIZE_MAX / 16 + 2, &v, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory allocating tuple");
+  cr_assert_eq(dp_dict_new(SIZE_MAX / 8 + 2, &v, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory allocating dict");
+  OK(dp_list_new(2, &v, T_ERR));
+  cr_assert_eq(dp_seq_len(v), 0, "a list's capacity is room, not items");
+  for (int i = 0; i < 5; i++) OK(dp_list_append(v, dp_int(i), T_ERR));
+  cr_assert_eq(dp_seq_len(v), 5, "and it grows past it");
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
 /* ---- cycles ---- */
 
 Test(value, a_list_that_contains_itself_is_freed) {

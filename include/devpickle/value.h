@@ -162,11 +162,15 @@ DP_API const char *dp_str_data(dp_value_t s, size_t *len);
 DP_API const uint8_t *dp_bytes_data(dp_value_t b, size_t *len);
 
 /* ---- list and tuple ---- */
+/** An empty list with room for capacity items allocated with it (a hint:
+ *  it grows past them). DP_EINVAL for a NULL out; DP_ENOMEM, also for a
+ *  capacity whose size overflows. */
 DP_API int dp_list_new(size_t capacity, dp_value_t *out, dp_error_t *err);
 /** Appends (steals item). DP_EINVAL when list is not a list (a tuple has
  *  a fixed length). */
 DP_API int dp_list_append(dp_value_t list, dp_value_t item, dp_error_t *err);
-/** A tuple of n items, each none until set. Tuples are fixed-length. */
+/** A tuple of n items, each none until set. Tuples are fixed-length.
+ *  Errors as dp_list_new's. */
 DP_API int dp_tuple_new(size_t n, dp_value_t *out, dp_error_t *err);
 /** Length of a list or tuple (0 for other kinds). */
 DP_API size_t dp_seq_len(dp_value_t seq);
@@ -185,6 +189,8 @@ DP_API int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err
  * of those, a tuple key bounded to 1,024 nodes and 32 levels below the key
  * (docs/FORMAT.md: a key is walked when hashed and compared). Keys compare by kind and content: int 1 and float 1.0 are
  * different keys; floats compare bitwise (a NaN key finds itself). ---- */
+/** An empty dict with room for capacity entries allocated with it (a
+ *  hint). Errors as dp_list_new's. */
 DP_API int dp_dict_new(size_t capacity, dp_value_t *out, dp_error_t *err);
 /** Inserts or replaces (steals key and val); a replaced entry keeps its
  *  position. DP_ETYPE for an unhashable key, DP_EINVAL when dict is not a
