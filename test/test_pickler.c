@@ -7109,3 +7109,83 @@ Test(pickler, the_prefix_checks_refuse_a_version_that_differs_only_in_its_high_b
   free(f);
   ASSERT_NO_LEAK();
 }
+
+/* ---- writer limits at their edges ---- */
+
+/* An allocator that refuses any block over 1 GiB: what a frame of 4 GiB
+ * would ask for fails as out of memory, without touching that memory. */
+static void *t_alloc_small(void *ud, void *ptr, size_t osize, size_t nsize) {
+  if (nsize > ((size_t)1 << 30)) return NULL;
+  return t_alloc(ud, ptr, osize, nsize);
+}
+
+/* Pickles [s] with s's length set to len (its bytes are never read when the
+ * length is refused, nor when the frame cannot grow to hold them). */
+static int pickle_forged_len(dp_value_t s, size_t len, dp_error_t *e) {
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, dp_value_retain(s), T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  size_t real = DP_STROBJ(s)->len;
+  DP_STROBJ(s)->len = len;
+  dp_set_allocator(t_alloc_small, NULL);
+  int rc = dp_pickle(l, NULL, f, e);
+  dp_set_allocator(t_alloc, NULL);
+  DP_STROBJ(s)->len = real;
+  cr_assert_eq(dp_frame_data(f, NULL), NULL, "a failed pickle leaves an empty frame");
+  dp_frame_free(f);
+  dp_value_release(l);
+  return rc;
+}
+
+Test(pickler, a_str_or_bytes_longer_than_32_bits_is_refused_naming_its_kind_and_one_of_2_32_minus_1_is_not) {
+  dp_value_t s = t_str("x"), b;
+  OK(dp_bytes_new("y", 1, &b, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(pickle_forged_len(s, (size_t)UINT32_MAX + 1, &e), DP_ELIMIT, "%s", e.message);
+  cr_assert_str_eq(e.message, "str length of 4294967296 exceeds the frame format's limit of 4294967295 at $[0]");
+  cr_assert_eq(pickle_forged_len(b, (size_t)UINT32_MAX + 1, &e), DP_ELIMIT, "%s", e.message);
+  cr_assert_str_eq(e.message, "bytes length of 4294967296 exceeds the frame format's limit of 4294967295 at $[0]");
+  /* 2^32 - 1 is within the format: the writer goes on to make room for it */
+  cr_assert_eq(pickle_forged_len(s, UINT32_MAX, &e), DP_ENOMEM, "%s", e.message);
+  cr_assert_str_eq(e.message, "out of memory growing the frame to 8589934592 bytes at $[0]");
+  cr_assert_eq(pickle_forged_len(b, UINT32_MAX, &e), DP_ENOMEM, "%s", e.message);
+  cr_assert_str_eq(e.message, "out of memory growing the frame to 8589934592 bytes at $[0]");
+  dp_value_release(s);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
+
+/* Each storage found to agree with its buffer is remembered: many of them
+ * (past the remembering table's first size and its growths) are each
+ * compared once, and the frame reads back. */
+Test(pickler, many_storages_agreeing_with_their_buffers_are_each_compared_once) {
+  enum { NBUF = 100, NB = 64 };
+  uint8_t bytes[NB];
+  for (int i = 0; i < NB; i++) bytes[i] = (uint8_t)(i * 5);
+  dp_storage_t *st[NBUF][2];
+  dp_value_t l = t_list();
+  for (int k = 0; k < NBUF; k++)
+    for (int j = 0; j < 2; j++) {
+      st[k][j] = t_storage(CUDA0, 0x100000 + 0x1000 * (uintptr_t)k, NB);
+      OK(dp_storage_set_host_data(st[k][j], bytes, T_ERR));
+    }
+  for (int round = 0; round < 3; round++)
+    for (int k = 0; k < NBUF; k++) OK(dp_list_append(l, t_view(st[k][round ? 1 : 0], 4, round), T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_pickle_opts_t io = {DP_PICKLE_INLINE, 0, NULL, NULL};
+  dp__buffer_bytes_compared = 0;
+  OK(dp_pickle(l, &io, f, T_ERR));
+  cr_assert_eq(dp__buffer_bytes_compared, (uint64_t)NBUF * NB, "%llu bytes compared",
+               (unsigned long long)dp__buffer_bytes_compared);
+  cr_assert_eq(dp_frame_nbuffers(f), NBUF);
+  dp_value_t back = unpickle_ok(f);
+  cr_assert_eq(dp_seq_len(back), 3 * NBUF);
+  dp_value_release(back);
+  dp_frame_free(f);
+  dp_value_release(l);
+  for (int k = 0; k < NBUF; k++)
+    for (int j = 0; j < 2; j++) dp_storage_release(st[k][j]);
+  ASSERT_NO_LEAK();
+}
