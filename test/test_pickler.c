@@ -7189,3 +7189,37 @@ Test(pickler, many_storages_agreeing_with_their_buffers_are_each_compared_once) 
     for (int j = 0; j < 2; j++) dp_storage_release(st[k][j]);
   ASSERT_NO_LEAK();
 }
+
+/* The frame's buffer doubles from 256 bytes to the first size that holds
+ * what is written: a frame of exactly 4096 bytes is held in 4096, not in
+ * twice that. */
+static dp_frame_t *pickle_inline_of(size_t nb, uint8_t *bytes, size_t *len) {
+  dp_storage_t *s = t_storage(CPU, 0x1000, nb);
+  OK(dp_storage_set_host_data(s, bytes, T_ERR));
+  dp_value_t t = t_view(s, 1, 0);
+  dp_storage_release(s);
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  t_max_block = 0;
+  dp_pickle_opts_t io = {DP_PICKLE_INLINE, 0, NULL, NULL};
+  OK(dp_pickle(t, &io, f, T_ERR));
+  dp_value_release(t);
+  dp_frame_data(f, len);
+  return f;
+}
+
+Test(pickler, a_frame_of_exactly_a_power_of_two_bytes_is_held_in_that_many) {
+  static uint8_t bytes[4096];
+  size_t len;
+  dp_frame_free(pickle_inline_of(3000, bytes, &len));
+  size_t nb = 3000 + (4096 - len);
+  dp_frame_t *f = pickle_inline_of(nb, bytes, &len);
+  cr_assert_eq(len, 4096);
+  cr_assert_eq(t_max_block, 4096, "the largest block was %ld bytes", (long)t_max_block);
+  dp_frame_free(f);
+  f = pickle_inline_of(nb + 1, bytes, &len);
+  cr_assert_eq(len, 4097);
+  cr_assert_eq(t_max_block, 8192, "the largest block was %ld bytes", (long)t_max_block);
+  dp_frame_free(f);
+  ASSERT_NO_LEAK();
+}
