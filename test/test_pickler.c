@@ -7223,3 +7223,53 @@ Test(pickler, a_frame_of_exactly_a_power_of_two_bytes_is_held_in_that_many) {
   dp_frame_free(f);
   ASSERT_NO_LEAK();
 }
+
+/* Pickles [c] under a depth limit of 1, with *len (c's count) set to n for
+ * the pickle: a count the format carries is written and c then fails the
+ * depth limit (its items never read); one it cannot carry is refused
+ * first. Returns the error message. */
+static const char *pickle_forged_count(dp_value_t c, size_t *len, size_t n, dp_error_t *e) {
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, dp_value_retain(c), T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  size_t real = *len;
+  *len = n;
+  dp_pickle_opts_t o = {0, 1, NULL, NULL};
+  cr_assert_eq(dp_pickle(l, &o, f, e), DP_ELIMIT, "%s", e->message);
+  *len = real;
+  dp_frame_free(f);
+  dp_value_release(l);
+  return e->message;
+}
+
+Test(pickler, a_container_count_is_refused_exactly_past_what_a_messagepack_header_carries) {
+  const char *deep = "nesting deeper than 1 level at $[0]";
+  dp_error_t e;
+  dp_value_t l = t_list(), d, t, o = t_obj("Big");
+  OK(dp_list_append(l, dp_int(1), T_ERR));
+  OK(dp_dict_new(0, &d, T_ERR));
+  for (int i = 0; i < 8; i++) OK(dp_dict_set(d, dp_int(i), dp_int(i), T_ERR)); /* the entries a walk peeks at */
+  OK(dp_tuple_new(1, &t, T_ERR));
+  OK(dp_object_set(o, "a", dp_int(1), T_ERR));
+  /* a list's and a dict's count: 2^32 - 1 */
+  cr_assert_str_eq(pickle_forged_count(l, &DP_SEQ(l)->len, UINT32_MAX, &e), deep);
+  cr_assert_str_eq(pickle_forged_count(l, &DP_SEQ(l)->len, (size_t)UINT32_MAX + 1, &e),
+                   "container size of 4294967296 exceeds the frame format's limit of 4294967295 at $[0]");
+  cr_assert_str_eq(pickle_forged_count(d, &DP_DICT(d)->len, UINT32_MAX, &e), deep);
+  cr_assert_str_eq(pickle_forged_count(d, &DP_DICT(d)->len, (size_t)UINT32_MAX + 1, &e),
+                   "container size of 4294967296 exceeds the frame format's limit of 4294967295 at $[0]");
+  /* a tuple's array holds its tag too: 2^32 - 2 items */
+  cr_assert_str_eq(pickle_forged_count(t, &DP_SEQ(t)->len, UINT32_MAX - 1, &e), deep);
+  cr_assert_str_eq(pickle_forged_count(t, &DP_SEQ(t)->len, UINT32_MAX, &e),
+                   "container size of 4294967295 exceeds the frame format's limit of 4294967295 at $[0]");
+  /* an object's holds its tag, its class and a name and a value an attribute */
+  cr_assert_str_eq(pickle_forged_count(o, &DP_OBJ(o)->len, (UINT32_MAX - 2) / 2, &e), deep);
+  cr_assert_str_eq(pickle_forged_count(o, &DP_OBJ(o)->len, (UINT32_MAX - 2) / 2 + 1, &e),
+                   "container size of 2147483647 exceeds the frame format's limit of 4294967295 at $[0]");
+  dp_value_release(l);
+  dp_value_release(d);
+  dp_value_release(t);
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
