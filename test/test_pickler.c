@@ -7273,3 +7273,27 @@ Test(pickler, a_container_count_is_refused_exactly_past_what_a_messagepack_heade
   dp_value_release(o);
   ASSERT_NO_LEAK();
 }
+
+Test(pickler, a_null_frame_out_or_set_is_refused_by_name_by_the_function_called) {
+  dp_value_t l = t_list();
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(l, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_pickle: NULL frame");
+  cr_assert_eq(dp_frame_new(NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_new: NULL out");
+  cr_assert_eq(dp_scan(l, NULL, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_scan: NULL set");
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  OK(dp_pickle(l, NULL, f, T_ERR));
+  cr_assert_eq(dp_frame_buffer(f, 0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_frame_buffer: NULL out");
+  cr_assert_eq(dp_frame_nbuffers(NULL), 0);
+  size_t len = 1;
+  cr_assert_eq(dp_frame_data(NULL, &len), NULL);
+  cr_assert_eq(len, 0);
+  dp_frame_free(f);
+  dp_frame_free(NULL);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
