@@ -7297,3 +7297,23 @@ Test(pickler, a_null_frame_out_or_set_is_refused_by_name_by_the_function_called)
   dp_value_release(l);
   ASSERT_NO_LEAK();
 }
+
+Test(pickler, a_non_str_key_whose_json_is_64_bytes_is_shown_whole) {
+  /* {"$tuple":["<49 x>"]} is 64 bytes of JSON, DP_PATH_NAME_MAX: no … */
+  char s[50];
+  memset(s, 'x', 49);
+  s[49] = '\0';
+  dp_value_t root, key;
+  OK(dp_dict_new(0, &root, T_ERR));
+  OK(dp_tuple_new(1, &key, T_ERR));
+  OK(dp_seq_set(key, 0, t_str(s), T_ERR));
+  OK(dp_dict_set(root, key, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  dp_ptrset_t *set = scan_paths(root);
+  char want[128];
+  snprintf(want, sizeof want, "$[{\"$tuple\":[\"%s\"]}]", s);
+  cr_assert_eq(strlen(want), 2 + DP_PATH_NAME_MAX + 1);
+  expect_ptr(set, 0, 0x1000, want, 1);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
