@@ -7317,3 +7317,46 @@ Test(pickler, a_non_str_key_whose_json_is_64_bytes_is_shown_whole) {
   dp_value_release(root);
   ASSERT_NO_LEAK();
 }
+
+/* A scan without paths looks its shared tensors up in the memo a batch at
+ * a time: the memo's growth failing there is DP_ENOMEM, its message naming
+ * no path (the batch is resolved away from where the tensors were met),
+ * never a tensor counted twice. */
+typedef struct memo_sweep {
+  dp_value_t v;
+  dp_ptrset_t *set;
+  int memo_failed;
+} memo_sweep_t;
+
+static void memo_sweep_prepare(void *ctx) { OK(dp_ptrset_new(&((memo_sweep_t *)ctx)->set, T_ERR)); }
+
+static int memo_sweep_run(void *ctx, dp_error_t *err) {
+  memo_sweep_t *s = ctx;
+  int rc = dp_scan(s->v, NULL, s->set, err);
+  if (rc && strcmp(err->message, "out of memory growing the walk memo") == 0) s->memo_failed = 1;
+  return rc;
+}
+
+static void memo_sweep_check(void *ctx, int rc, long k) {
+  memo_sweep_t *s = ctx;
+  if (rc == 0) {
+    cr_assert_eq(dp_ptrset_count(s->set), 1, "allocation %ld", k);
+    dp_ptr_info_t info;
+    OK(dp_ptrset_get(s->set, 0, &info, NULL));
+    cr_assert_eq(info.refs, 1, "allocation %ld failed: the tensor counted %u times", k, info.refs);
+  }
+  dp_ptrset_free(s->set);
+}
+
+Test(pickler, a_scan_whose_memo_cannot_grow_for_a_batch_of_shared_tensors_fails_with_enomem) {
+  memo_sweep_t s = {0};
+  dp_value_t t = t_tensor(CUDA0, 0x1000, 4);
+  s.v = t_list();
+  for (int i = 0; i < 3; i++) OK(dp_list_append(s.v, dp_value_retain(t), T_ERR));
+  dp_value_release(t);
+  static const t_sweep_t sw = {memo_sweep_prepare, memo_sweep_run, memo_sweep_check};
+  cr_assert_gt(t_sweep(&sw, &s), 0);
+  cr_assert(s.memo_failed, "no run failed growing the memo");
+  dp_value_release(s.v);
+  ASSERT_NO_LEAK();
+}
