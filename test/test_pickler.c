@@ -7360,3 +7360,41 @@ Test(pickler, a_scan_whose_memo_cannot_grow_for_a_batch_of_shared_tensors_fails_
   dp_value_release(s.v);
   ASSERT_NO_LEAK();
 }
+
+/* A walk records nodes held once only from its first reduce() on, and the
+ * next walk of the same frame or set starts over: a tree walked after a
+ * value with a custom hashes none of its nodes, so a warm frame or set
+ * walks it without allocating (a memo of every node would grow). */
+Test(pickler, a_walk_after_one_that_reduced_again_records_no_node_held_once) {
+  dp_value_t tree = t_list();
+  for (int i = 0; i < 1000; i++) {
+    dp_value_t l = t_list();
+    OK(dp_list_append(l, t_str("leaf"), T_ERR));
+    OK(dp_list_append(l, t_tensor(CUDA0, 0x1000 * (uintptr_t)(i + 1), 4), T_ERR));
+    OK(dp_list_append(tree, l, T_ERR));
+  }
+  dp_value_t custom = t_list();
+  OK(dp_list_append(custom, t_holder(t_tensor(CUDA0, 0x1000, 4)), T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, T_ERR));
+  for (int i = 0; i < 2; i++) { /* warm: the frame's buffer, the stacks and the sets grown */
+    OK(dp_pickle(tree, NULL, f, T_ERR));
+    OK(dp_scan(tree, NULL, set, T_ERR));
+  }
+  OK(dp_pickle(custom, NULL, f, T_ERR));
+  OK(dp_scan(custom, NULL, set, T_ERR));
+  long before = t_alloc_count;
+  OK(dp_pickle(tree, NULL, f, T_ERR));
+  cr_assert_eq(t_alloc_count - before, 0, "the pickle allocated %ld times", t_alloc_count - before);
+  before = t_alloc_count;
+  OK(dp_scan(tree, NULL, set, T_ERR));
+  cr_assert_eq(t_alloc_count - before, 0, "the scan allocated %ld times", t_alloc_count - before);
+  cr_assert_eq(dp_ptrset_count(set), 1000);
+  dp_ptrset_free(set);
+  dp_frame_free(f);
+  dp_value_release(custom);
+  dp_value_release(tree);
+  ASSERT_NO_LEAK();
+}
