@@ -4919,3 +4919,47 @@ Test(cli, help_and_dash_h_alone_print_the_main_usage_on_stdout_as_dash_dash_help
   run_expect("-h", 0, help.out, "");
   res_free(help);
 }
+
+/* ---- the checks of value JSON's reader, each at its edge ---- */
+
+/* vjson.h: vjson_b64_decode reads the len bytes it is given, no more: a
+ * length that is no multiple of four is refused even where the bytes past
+ * it would complete the block. */
+Test(cli, base64_decoding_refuses_a_length_not_a_multiple_of_four_whatever_bytes_follow_it) {
+  static const char text[] = "AAAAAAAA";
+  for (size_t len = 5; len < 8; len++) {
+    uint8_t *p = NULL;
+    size_t n = 0;
+    cr_assert_eq(vjson_b64_decode(text, len, &p, &n), -1, "length %zu decoded to %zu bytes", len, n);
+  }
+  uint8_t *p = NULL;
+  size_t n = 0;
+  cr_assert_eq(vjson_b64_decode(text, 8, &p, &n), 0);
+  cr_assert_eq(n, 6);
+  free(p);
+}
+
+/* A $tensor whose body is no object says so; it was read as an object
+ * without fields, whose missing device named the wrong fault. */
+Test(cli, a_tensor_tag_whose_body_is_no_object_says_it_must_be_one) {
+  pack_fails("t.json", "x.dpk", "[{\"$tensor\": [\"cpu\"]}]", "devpickle: t.json: $tensor must be an object, at $[0]\n");
+}
+
+/* A tensor's data is a base64 string: no other JSON (not even null for an
+ * empty storage) reads as no bytes, and base64 that is not canonical is
+ * refused, never decoded as something near it. */
+Test(cli, tensor_data_that_is_no_string_or_no_canonical_base64_is_refused) {
+  static const char *const not_str[] = {"0", "null", "[]"};
+  for (int i = 0; i < 3; i++) {
+    char json[256];
+    snprintf(json, sizeof json,
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 0, \"dtype\": \"int8\", \"shape\": [0],"
+             " \"data\": %s}}", not_str[i]);
+    pack_fails("ns.json", "x.dpk", json, "devpickle: ns.json: tensor data must be a base64 string, at $\n");
+  }
+  pack_fails("nc.json", "x.dpk",
+             "{\"a\": {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 1, \"dtype\": \"int8\","
+             " \"shape\": [1], \"data\": \"AB==\"}}}",
+             "devpickle: nc.json: tensor data is not canonical base64 (RFC 4648, padded, unused bits zero), at $.a\n");
+  cr_assert_eq(count_entries(), 2, "a frame was written");
+}
