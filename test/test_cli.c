@@ -4963,3 +4963,38 @@ Test(cli, tensor_data_that_is_no_string_or_no_canonical_base64_is_refused) {
              "devpickle: nc.json: tensor data is not canonical base64 (RFC 4648, padded, unused bits zero), at $.a\n");
   cr_assert_eq(count_entries(), 2, "a frame was written");
 }
+
+/* A $tuple takes an array, $object and $reduce a name: one of another JSON
+ * type is named as such, at the tag (a $tuple of 5 packed as an empty
+ * tuple). */
+Test(cli, a_tuple_object_or_reduce_tag_of_the_wrong_json_type_says_what_it_takes) {
+  pack_fails("t.json", "x.dpk", "{\"a\": {\"$tuple\": 5}}", "devpickle: t.json: $tuple must be an array, at $.a\n");
+  pack_fails("t2.json", "x.dpk", "[{\"$tuple\": {}}]", "devpickle: t2.json: $tuple must be an array, at $[0]\n");
+  pack_fails("o.json", "x.dpk", "{\"a\": {\"$object\": 5, \"attrs\": {}}}",
+             "devpickle: o.json: $object must be a class name string, at $.a\n");
+  pack_fails("r.json", "x.dpk", "{\"a\": {\"$reduce\": null, \"state\": 1}}",
+             "devpickle: r.json: $reduce must be a type name string, at $.a\n");
+}
+
+/* The reader grows its storage table past its first 16 entries: a value
+ * with many storages, each with its own data, packs and unpacks to the
+ * same bytes. */
+Test(cli, a_value_with_many_storages_round_trips_each_with_its_own_data) {
+  char *json = malloc(64 * 1024), *p = json;
+  p += sprintf(p, "[");
+  for (int i = 0; i < 200; i++)
+    p += sprintf(p, "%s{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x%x\", \"nbytes\": 1, \"dtype\": \"uint8\","
+                 " \"shape\": [1], \"data\": \"%s\"}}", i ? ", " : "", 0x1000 + 16 * i, i % 2 ? "AQ==" : "Ag==");
+  sprintf(p, "]");
+  spit("many.json", json);
+  free(json);
+  res_t r = run_sh("\"$D\" pack many.json -o a.dpk && \"$D\" unpack a.dpk --compact > b.json && "
+                   "\"$D\" pack b.json -o b.dpk && cmp a.dpk b.dpk && \"$D\" verify a.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_str_eq(r.out, "a.dpk: ok, 4190 bytes, version 1, 200 buffers, 0 device pointers, 200 cpu buffers, inline\n");
+  res_free(r);
+  char *back = slurp_in("b.json", NULL);
+  cr_assert_not_null(strstr(back, "\"ptr\":\"0x1c70\",\"nbytes\":1,\"dtype\":\"uint8\",\"shape\":[1],\"strides\":[1],"
+                                  "\"offset\":0,\"data\":\"AQ==\"}}]\n"), "%s", back);
+  free(back);
+}
