@@ -4998,3 +4998,38 @@ Test(cli, a_value_with_many_storages_round_trips_each_with_its_own_data) {
                                   "\"offset\":0,\"data\":\"AQ==\"}}]\n"), "%s", back);
   free(back);
 }
+
+/* A $tensor tag stands alone; its shape and strides hold integers (a
+ * float, even a whole one, or a string is refused, naming the field), and
+ * strides, like shape, count at most 16. */
+Test(cli, a_tensor_tag_with_another_field_or_a_shape_or_strides_of_non_integers_says_which) {
+  pack_fails("x.json", "x.dpk",
+             "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 1, \"dtype\": \"int8\", \"shape\": [1]},"
+             " \"data\": \"AQ==\"}]",
+             "devpickle: x.json: $tensor takes no other fields, at $[0]\n");
+  pack_fails("sh.json", "x.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, \"dtype\": \"int8\", \"shape\": [1, 2.0]}}",
+             "devpickle: sh.json: tensor shape must hold integers, at $\n");
+  pack_fails("st.json", "x.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, \"dtype\": \"int8\", \"shape\": [2],"
+             " \"strides\": [\"1\"]}}",
+             "devpickle: st.json: tensor strides must hold integers, at $\n");
+  pack_fails("sa.json", "x.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, \"dtype\": \"int8\", \"shape\": [2],"
+             " \"strides\": 1}}",
+             "devpickle: sa.json: tensor strides must be an array of at most 16 integers, at $\n");
+  pack_fails("s17.json", "x.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 1, \"dtype\": \"int8\", "
+             "\"shape\": [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],"
+             " \"strides\": [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]}}",
+             "devpickle: s17.json: tensor strides must be an array of at most 16 integers, at $\n");
+}
+
+/* An $id names one node: the same name given again, to another node or
+ * to an equal one, is refused where it is given the second time. */
+Test(cli, an_id_name_given_twice_is_refused_at_its_second_definition) {
+  pack_fails("twice.json", "x.dpk", "{\"a\": {\"$id\": \"n\", \"$value\": []}, \"b\": [{\"$id\": \"n\", \"$value\": []}]}",
+             "devpickle: twice.json: $id \"n\" is defined twice, at $.b[0]\n");
+  pack_fails("str.json", "x.dpk", "[{\"$id\": \"s\", \"$value\": \"x\"}, {\"$id\": \"s\", \"$value\": \"y\"}]",
+             "devpickle: str.json: $id \"s\" is defined twice, at $[1]\n");
+}
