@@ -5033,3 +5033,38 @@ Test(cli, an_id_name_given_twice_is_refused_at_its_second_definition) {
   pack_fails("str.json", "x.dpk", "[{\"$id\": \"s\", \"$value\": \"x\"}, {\"$id\": \"s\", \"$value\": \"y\"}]",
              "devpickle: str.json: $id \"s\" is defined twice, at $[1]\n");
 }
+
+/* Every refusal of the reader gives back what it had built: the value
+ * around the fault, a dict key read before its value failed, a named
+ * container, the storages of tensors read so far. */
+Test(cli, reading_value_json_that_is_refused_leaves_nothing_allocated) {
+  static const char *const bad[] = {
+      "{\"$id\": \"a\", \"$value\": [1, {\"$ref\": \"zz\"}]}",
+      "[[], {\"$id\": \"s\", \"$value\": 1}]",
+      "{\"$dict\": [[[1], 2]]}",
+      "[{\"$id\": \"t\", \"$value\": {\"$tuple\": [{\"$dict\": [[{\"$ref\": \"t\"}, 1]]}]}}]",
+      "{\"$dict\": [[\"k\", 1], [\"k\", 2]]}",
+      "{\"$dict\": [[\"k\", {\"$ref\": \"nope\"}]]}",
+      "{\"a\": [], \"b\": {\"$ref\": \"nope\"}}",
+      "{\"$object\": \"C\", \"attrs\": {\"a\": {\"$ref\": \"x\"}}}",
+      "{\"$reduce\": \"T\", \"state\": [{\"$ref\": \"x\"}]}",
+      "[\"s\", {\"$bytes\": \"A\"}]",
+      "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, \"dtype\": \"int8\", \"shape\": [2],"
+      " \"data\": \"AAA=\"}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, \"dtype\": \"int8\","
+      " \"shape\": [2], \"data\": \"AAE=\"}}]",
+      "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, \"dtype\": \"int8\", \"shape\": [2]}},"
+      " {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, \"dtype\": \"int8\", \"shape\": [3]}}]",
+      "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 1, \"dtype\": \"int8\", \"shape\": [1],"
+      " \"data\": \"AA==\"}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x20\", \"nbytes\": 1, \"dtype\": \"int8\","
+      " \"shape\": [1]}}]",
+  };
+  t_track();
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    dp_value_t v;
+    char msg[512];
+    cr_assert_neq(pack_text(bad[i], &v, msg, sizeof msg), 0, "%s was read", bad[i]);
+    cr_assert(strstr(msg, ", at $") != NULL, "%s: the failure says where: %s", bad[i], msg);
+    ASSERT_NO_LEAK();
+  }
+  dp_set_allocator(NULL, NULL);
+}
