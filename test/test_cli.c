@@ -5068,3 +5068,34 @@ Test(cli, reading_value_json_that_is_refused_leaves_nothing_allocated) {
   }
   dp_set_allocator(NULL, NULL);
 }
+
+/* A str key met once in the value is a plain JSON key even when a caller
+ * holds it too (its count of references is then above one): only a key
+ * the value itself shares needs $dict, to name it with $id and $ref. */
+Test(cli, vjson_write_keeps_a_key_the_caller_also_holds_a_plain_key) {
+  dp_value_t d, k, again, l;
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_str_new("k", 1, &k, T_ERR));
+  OK(dp_dict_set(d, dp_value_retain(k), dp_int(1), T_ERR));
+  char msg[256];
+  json_t *j = vjson_from_value(d, msg, sizeof msg);
+  cr_assert_not_null(j, "%s", msg);
+  char *text = json_dumps(j, JSON_COMPACT);
+  cr_assert_str_eq(text, "{\"k\":1}");
+  free(text);
+  json_decref(j);
+  /* the same key shared by the value is named */
+  OK(dp_dict_new(0, &again, T_ERR));
+  OK(dp_dict_set(again, dp_value_retain(k), dp_int(2), T_ERR));
+  OK(dp_list_new(2, &l, T_ERR));
+  OK(dp_list_append(l, d, T_ERR));
+  OK(dp_list_append(l, again, T_ERR));
+  dp_value_release(k);
+  j = vjson_from_value(l, msg, sizeof msg);
+  cr_assert_not_null(j, "%s", msg);
+  text = json_dumps(j, JSON_COMPACT);
+  cr_assert_str_eq(text, "[{\"$dict\":[[{\"$id\":\"n0\",\"$value\":\"k\"},1]]},{\"$dict\":[[{\"$ref\":\"n0\"},2]]}]");
+  free(text);
+  json_decref(j);
+  dp_value_release(l);
+}
