@@ -5099,3 +5099,12 @@ Test(cli, vjson_write_keeps_a_key_the_caller_also_holds_a_plain_key) {
   json_decref(j);
   dp_value_release(l);
 }
+
+/* A dtype that is no string is named as none, not shown as an empty name
+ * (`""`, which reads as a dtype given empty). */
+Test(cli, a_tensor_dtype_that_is_no_string_is_named_as_not_a_string) {
+  pack_fails("t.json", "t.dpk",
+             "{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 8, \"dtype\": 32, \"shape\": [8]}}",
+             "devpickle: t.json: unknown tensor dtype (not a string) (one of bool, int8, int16, int32, int64, uint8, "
+             "uint16, uint32, uint64, float16, bfloat16, float32, float64, complex64, complex128), at $\n");
+}
