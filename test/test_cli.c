@@ -5108,3 +5108,18 @@ Test(cli, a_tensor_dtype_that_is_no_string_is_named_as_not_a_string) {
              "devpickle: t.json: unknown tensor dtype (not a string) (one of bool, int8, int16, int32, int64, uint8, "
              "uint16, uint32, uint64, float16, bfloat16, float32, float64, complex64, complex128), at $\n");
 }
+
+/* nbytes is at most 2^62, the format's largest buffer: one byte more is
+ * refused with its value (2^62 itself is taken: a storage that large can be
+ * described, never allocated, so a view of it packs). */
+Test(cli, a_tensor_nbytes_of_2_62_packs_and_one_more_is_refused) {
+  pack_json("max.json",
+            "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 4611686018427387904, "
+            "\"dtype\": \"uint8\", \"shape\": [1]}}",
+            "max.dpk");
+  pack_fails("over.json", "x.dpk",
+             "{\"$tensor\": {\"device\": \"cuda:0\", \"ptr\": \"0x1000\", \"nbytes\": 4611686018427387905, "
+             "\"dtype\": \"uint8\", \"shape\": [1]}}",
+             "devpickle: over.json: tensor nbytes 4611686018427387905 exceeds 2^62, the largest buffer a frame can "
+             "describe, at $\n");
+}
