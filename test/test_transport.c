@@ -3359,6 +3359,16 @@ Test(transport, a_device_buffer_is_refused_before_anything_is_sent) {
   send_is_refused(st, 64, DP_ENODEV, "buffer 0 is on cuda:1", "this transport moves cpu and host memory");
 }
 
+/* host:3 of a 2-device host backend (the default) is no memory the
+ * backend has: send read it as host memory and its receiver failed binding
+ * it (DP_EINVAL, "dp_stream_new: device host:3 does not belong ..."). */
+Test(transport, a_buffer_on_a_device_index_the_backend_does_not_have_is_refused_before_anything_is_sent) {
+  dp_storage_t *st;
+  static uint8_t bytes[64];
+  OK(dp_storage_new(t_dev(DP_DEVICE_HOST, 200), bytes, sizeof bytes, NULL, NULL, &st, T_ERR));
+  send_is_refused(st, 64, DP_ENODEV, "buffer 0 is on host:200", "this process's host backend has 2 devices");
+}
+
 Test(transport, a_storage_carrying_host_data_is_refused_never_read_at_its_base) {
   dp_storage_t *st; /* as a value read from an inline frame: the writer's address, the bytes beside it */
   OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)0x10, 4, NULL, NULL, &st, T_ERR));
@@ -4671,6 +4681,39 @@ static int send_cuda_frame_then_good(dp_transport_t *t, dp_endpoint_t *ep, void 
 
 Test(transport, a_received_frame_naming_a_device_buffer_fails_its_receive_and_the_next_value_arrives) {
   bad_then_good(send_cuda_frame_then_good, DP_ENODEV, "is on cuda:0", 8, 0);
+}
+
+/* peer: a frame naming a buffer on host:200, with its bytes, then a good
+ * value (8) */
+static int send_absent_device_frame_then_good(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  dp_storage_t *st;
+  dp_value_t v;
+  int64_t shape[1] = {16};
+  static uint8_t bytes[16];
+  if (dp_storage_new(t_dev(DP_DEVICE_HOST, 200), bytes, 16, NULL, NULL, &st, &e) ||
+      dp_tensor_new(st, DP_UINT8, 1, shape, NULL, 0, &v, &e))
+    return 10;
+  dp_frame_t *fr;
+  if (dp_frame_new(&fr, &e) || dp_pickle(v, NULL, fr, &e)) return 11;
+  size_t n;
+  const uint8_t *b = dp_frame_data(fr, &n);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, 16};
+  dp__am_bufs_hdr_t bh = {DP__WIRE_MAGIC, 1, 0, 0, 16, 0, 16};
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) return 12;
+  if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &bh, sizeof bh, bytes, sizeof bytes, &e)) return 13;
+  int rc = send_good_and_stay(ep, 8, 14);
+  dp_frame_free(fr);
+  dp_value_release(v);
+  return rc;
+}
+
+/* The receiver refused it binding: DP_EINVAL, "binding buffer 0 failed:
+ * dp_stream_new: device host:200 does not belong to the host backend". */
+Test(transport, a_received_frame_naming_a_device_index_the_backend_does_not_have_fails_its_receive_with_enodev) {
+  bad_then_good(send_absent_device_frame_then_good, DP_ENODEV,
+                "is on host:200: this process's host backend has 2 devices", 8, 1);
 }
 
 /* owned_tensor without assertions: allocation failures come back as codes */

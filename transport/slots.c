@@ -5,15 +5,23 @@
 
 /* cpu memory is read and written where it is; memory of the transport's
  * backend is too when the host can address it (host:N), else it is staged
- * (cuda); any other device is refused. */
+ * (cuda); any other device is refused, and so is a device index the backend
+ * does not have: the sender read host:3 of a 2-device host backend as host
+ * memory and its receiver failed binding it, a receiver's caching allocator
+ * has no stream for it. */
 int dp__tp_buf_mode(const dp_transport_t *t, dp_device_t dev) {
   if (dev.type == DP_DEVICE_CPU) return MODE_DIRECT;
   if (dev.type != (uint8_t)dp_backend_type(t->backend)) return MODE_REFUSED;
+  if ((int)dev.index >= dp_backend_device_count(t->backend)) return MODE_REFUSED;
   return dev.type == DP_DEVICE_HOST && !dp__transport_stage_host ? MODE_DIRECT : MODE_STAGED;
 }
 
 int dp__tp_refused(const dp_transport_t *t, dp_device_t dev, uint64_t i, dp_error_t *err) {
   char d[16];
+  if (dev.type == (uint8_t)dp_backend_type(t->backend))
+    return dp__err(err, DP_ENODEV, "transport: buffer %llu is on %s: this process's %s backend has %d devices",
+                   (unsigned long long)i, dp_device_format(dev, d, sizeof d), dp_backend_name(t->backend),
+                   dp_backend_device_count(t->backend));
   return dp__err(err, DP_ENODEV,
                  "transport: buffer %llu is on %s: this transport moves cpu and %s memory "
                  "(dp_transport_opts_t.backend)",

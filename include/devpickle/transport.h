@@ -49,8 +49,10 @@
  *
  * WHAT MOVES. cpu memory and the memory of one device backend, the
  * transport's (opts.backend: host or cuda). A buffer on another backend's
- * device is refused by send (DP_ENODEV naming the buffer and the device,
- * before anything is sent), and a frame that names one among its
+ * device, or on a device index its backend does not have in this process
+ * (host:3 of a 2-device host backend), is refused by send (DP_ENODEV naming
+ * the buffer and the device, before anything is sent), and a frame that
+ * names one among its
  * out-of-band buffers fails its receive the same way (an inline frame's
  * buffers, which do not move, fail a value receive as its future refuses
  * the device: DP_EDEVICE; a frame receive takes the frame). cpu and host:N memory is read and written where it is: a
@@ -325,7 +327,7 @@ DP_API int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err);
  *  writer's address, not this process's memory: send that frame instead;
  *  and for a storage at a NULL base with bytes), the pickler's (DP_ETYPE, DP_ELIMIT, ...),
  *  DP_ENODEV for a buffer the transport cannot move (a device of another
- *  backend), the backend's (recording on the current stream), the
+ *  backend, or an index the backend does not have), the backend's (recording on the current stream), the
  *  endpoint's error. Later failures fail *done. */
 DP_API int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done, dp_error_t *err);
 /** Sends f's value once f has completed and its events have (f's
