@@ -7879,6 +7879,32 @@ Test(transport, two_threads_accepting_without_a_limit_on_a_thread_driven_listene
   free_two_accepted(a, out, l, t, c);
 }
 
+/* The system binds any 127.x.y.z, but UCX 1.13's connection manager takes a
+ * connection only at an address an interface holds: a listener on 127.0.0.2
+ * looked made, its accept waited for nothing and every connector failed
+ * ("connection refused or lost before any reply"). */
+Test(transport, listening_on_a_loopback_address_no_interface_holds_is_refused_as_no_connection_could_come) {
+  struct ifaddrs *ifs = NULL;
+  cr_assert_eq(getifaddrs(&ifs), 0);
+  for (struct ifaddrs *i = ifs; i; i = i->ifa_next)
+    if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET &&
+        ntohl(((const struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr) == 0x7f000002u) {
+      freeifaddrs(ifs);
+      cr_skip_test("an interface holds 127.0.0.2");
+    }
+  freeifaddrs(ifs);
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l = (dp_listener_t *)1;
+  dp_error_t e;
+  cr_assert_eq(dp_listener_new(t, "127.0.0.2:0", &l, &e), DP_EIO, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert_null(l);
+  cr_assert_str_eq(e.message, "transport: cannot listen on 127.0.0.2: it is not an address of this machine (a "
+                              "loopback address no interface holds, where UCX refuses every connection)");
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR)); /* loopback's own address listens */
+  dp_listener_free(l);
+  free_transport(t);
+}
+
 /* The system lets a TCP socket bind and listen on a multicast or broadcast
  * address, and no connection ever comes there: dp_listener_new says it is
  * not an address of this machine, as for any other (transport.h) */
@@ -7916,9 +7942,10 @@ Test(transport, listening_on_a_multicast_or_broadcast_address_says_it_is_not_thi
     cr_assert_str_eq(e.message, says);
   }
   freeifaddrs(ifs);
-  /* a loopback address other than 127.0.0.1 is this machine's */
+  /* loopback's own address is this machine's (127.0.0.2 is refused:
+     "listening on a loopback address no interface holds ...") */
   dp_listener_t *l;
-  OK(dp_listener_new(t, "127.0.0.2:0", &l, T_ERR));
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
   dp_listener_free(l);
   free_transport(t);
 }

@@ -109,12 +109,21 @@ const char *dp__tp_addr_not_unicast(const struct sockaddr_storage *addr) {
   if (h == 0xffffffffu || h == 0x7fffffffu) return "a broadcast address";
   struct ifaddrs *ifs = NULL;
   if (getifaddrs(&ifs)) return NULL;
-  int bcast = 0;
-  for (struct ifaddrs *i = ifs; i && !bcast; i = i->ifa_next)
+  int bcast = 0, held = 0;
+  for (struct ifaddrs *i = ifs; i && !bcast; i = i->ifa_next) {
     bcast = (i->ifa_flags & IFF_BROADCAST) && i->ifa_broadaddr && i->ifa_broadaddr->sa_family == AF_INET &&
             ((const struct sockaddr_in *)i->ifa_broadaddr)->sin_addr.s_addr == ip;
+    held |= i->ifa_addr && i->ifa_addr->sa_family == AF_INET &&
+            ((const struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr == ip;
+  }
   freeifaddrs(ifs);
-  return bcast ? "a broadcast address" : NULL;
+  if (bcast) return "a broadcast address";
+  /* The system binds any 127.x.y.z, but UCX 1.13's connection manager
+     takes a connection only at an address an interface holds (it looks up
+     the interface of the connection's local address) and refuses the rest:
+     a listener on 127.0.0.2 looked made and every connection to it failed. */
+  if ((h >> 24) == 127 && !held) return "a loopback address no interface holds, where UCX refuses every connection";
+  return NULL;
 }
 
 /* The connector's side, when it connects to an address of this host: its

@@ -254,8 +254,9 @@ DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_
  *  callback run by the transport's own progress thread; DP_EIO when UCX
  *  cannot listen, with the reason: "cannot listen on A:PORT: the address
  *  is in use (...)", "cannot listen on A: it is not an address of this
- *  machine (...)" (a multicast or broadcast address too, where the system
- *  would listen and no connection could come), or the system's. */
+ *  machine (...)" (a multicast or broadcast address too, and a loopback
+ *  address no interface holds, 127.0.0.2: the system would listen and no
+ *  connection could come), or the system's. */
 DP_API int dp_listener_new(dp_transport_t *t, const char *host_port, dp_listener_t **out, dp_error_t *err);
 /** The bound port (0 for NULL). */
 DP_API int dp_listener_port(const dp_listener_t *l);
