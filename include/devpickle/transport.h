@@ -282,7 +282,8 @@ DP_API int dp_listener_accept(dp_listener_t *l, int64_t timeout_ns, dp_endpoint_
 DP_API void dp_listener_free(dp_listener_t *l);
 
 /** An endpoint connecting to "HOST:PORT" (IPv4, as dp_listener_new).
- *  Returns at once: a refused or failed connection fails the endpoint (its
+ *  Returns at once (once a name is resolved, which it does on the calling
+ *  thread, as dp_listener_new does): a refused or failed connection fails the endpoint (its
  *  futures fail with DP_EIO, "connection refused or lost before any reply
  *  (UCX's reason)", or "connection lost (...)" once the peer answered).
  *  DP_EINVAL for a malformed address or an IPv6 one (as dp_listener_new). */
