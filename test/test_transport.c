@@ -3366,7 +3366,7 @@ Test(transport, a_buffer_on_a_device_index_the_backend_does_not_have_is_refused_
   dp_storage_t *st;
   static uint8_t bytes[64];
   OK(dp_storage_new(t_dev(DP_DEVICE_HOST, 200), bytes, sizeof bytes, NULL, NULL, &st, T_ERR));
-  send_is_refused(st, 64, DP_ENODEV, "buffer 0 is on host:200", "this process's host backend has 2 devices");
+  send_is_refused(st, 64, DP_ENODEV, "buffer 0 is on host:200", "this process's host backend has"); /* of DEVPICKLE_HOST_DEVICES */
 }
 
 Test(transport, a_storage_carrying_host_data_is_refused_never_read_at_its_base) {
@@ -4713,7 +4713,7 @@ static int send_absent_device_frame_then_good(dp_transport_t *t, dp_endpoint_t *
  * dp_stream_new: device host:200 does not belong to the host backend". */
 Test(transport, a_received_frame_naming_a_device_index_the_backend_does_not_have_fails_its_receive_with_enodev) {
   bad_then_good(send_absent_device_frame_then_good, DP_ENODEV,
-                "is on host:200: this process's host backend has 2 devices", 8, 1);
+                "is on host:200: this process's host backend has", 8, 1);
 }
 
 /* owned_tensor without assertions: allocation failures come back as codes */

@@ -317,7 +317,8 @@ DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endp
  *  nothing freed): free the transport after the loop returns. NULL:
  *  nothing. */
 DP_API void dp_endpoint_free(dp_endpoint_t *ep);
-/** 0 while the endpoint works; else its error (copied into err). */
+/** 0 while the endpoint works; else its error (copied into err, which may
+ *  be NULL). DP_EINVAL for a NULL ep. */
 DP_API int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err);
 
 /** Sends v (retained until the send completes; do not mutate it meanwhile).
