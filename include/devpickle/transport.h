@@ -12,7 +12,9 @@
  * thread at a time (a lock). This is the mode for the lowest latency (no
  * hand-off between threads); its futures only complete while some thread
  * drives the transport: wait for them with dp_transport_wait, not
- * dp_future_wait. Listeners bind HOST:PORT; endpoints connect or are
+ * dp_future_wait (which drives nothing: without a limit, and with no other
+ * thread driving the transport, it waits forever; with one, it times
+ * out). Listeners bind HOST:PORT; endpoints connect or are
  * accepted.
  *
  * dp_endpoint_send() pickles a value (or, with dp_endpoint_send_future, the
