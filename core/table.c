@@ -4,8 +4,10 @@
 int dp__table_grow(dp__table_t *t, int kind, size_t nitems, size_t min_slots, dp__table_hash_fn hash_at,
                    const void *ctx) {
   if (nitems >= UINT32_MAX - 1) return DP_ELIMIT;
-  size_t n = min_slots > 4 ? min_slots : 4, ssize = dp__table_slot_size(kind);
-  while (n < (nitems + 1) * 2) {
+  /* doubled from 4, not started at min_slots: the size stays a power of
+   * two (the probe mask) whatever min_slots is */
+  size_t n = 4, ssize = dp__table_slot_size(kind);
+  while (n < min_slots || n < (nitems + 1) * 2) {
     if (n > SIZE_MAX / 2 / ssize) return DP_ENOMEM;
     n *= 2;
   }

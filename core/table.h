@@ -206,8 +206,10 @@ DP_TABLE_INLINE void dp__table_clear(dp__table_t *t, int kind) {
 }
 
 /* Rebuilds the table with items 0 .. nitems-1 (hashes from hash_at, in item
- * order) and room for one more: at least min_slots slots. DP_ELIMIT when
- * items no longer fit 32 bits, DP_ENOMEM. On failure the table is intact. */
+ * order) and room for one more: the fewest slots, a power of two, that is
+ * at least min_slots. DP_ELIMIT when items no longer fit 32 bits, DP_ENOMEM
+ * (slots whose size would pass SIZE_MAX included). On failure the table is
+ * intact. */
 int dp__table_grow(dp__table_t *t, int kind, size_t nitems, size_t min_slots, dp__table_hash_fn hash_at,
                    const void *ctx);
 

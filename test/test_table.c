@@ -553,15 +553,17 @@ Test(table, moving_an_item_the_table_does_not_hold_changes_nothing) {
  * twice as large as needed would still find everything, so only the count
  * of slots shows it. */
 static size_t fewest_slots(size_t n, size_t min_slots) {
-  size_t want = min_slots > 4 ? min_slots : 4;
-  while (want < 2 * (n + 1)) want *= 2;
+  size_t want = 4;
+  while (want < min_slots || want < 2 * (n + 1)) want *= 2;
   return want;
 }
 
-Test(table, growth_takes_the_fewest_slots_for_a_load_of_one_half_or_min_slots_when_that_is_more) {
+Test(table, growth_takes_the_fewest_slots_a_power_of_two_for_a_load_of_one_half_and_at_least_min_slots) {
   for (int kind = DP_TABLE_PLAIN; kind <= DP_TABLE_TAGGED; kind++) {
     for (size_t n = 0; n < 70; n++) {
-      for (size_t min_slots = 0; min_slots <= 256; min_slots = min_slots ? min_slots * 4 : 1) {
+      static const size_t mins[] = {0, 1, 3, 4, 5, 16, 63, 64, 65, 100, 256};
+      for (size_t m = 0; m < sizeof mins / sizeof *mins; m++) {
+        size_t min_slots = mins[m];
         dp__table_t t;
         dp__table_init(&t);
         keys_t s = {calloc(n + 1, sizeof(uint64_t)), n, n + 1, keyed};
@@ -569,6 +571,8 @@ Test(table, growth_takes_the_fewest_slots_for_a_load_of_one_half_or_min_slots_wh
         OK(dp__table_grow(&t, kind, n, min_slots, keys_hash_at, &s));
         cr_assert_eq(t.nslots, fewest_slots(n, min_slots), "%zu items, min_slots %zu: %zu slots, not %zu", n,
                      min_slots, t.nslots, fewest_slots(n, min_slots));
+        for (size_t i = 0; i < n; i++) cr_assert_eq(t_find(&t, kind, &s, i * 8), i);
+        cr_assert_eq(t_find(&t, kind, &s, 1), DP_TABLE_NONE);
         dp__table_destroy(&t, kind);
         free(s.k);
       }
@@ -576,6 +580,28 @@ Test(table, growth_takes_the_fewest_slots_for_a_load_of_one_half_or_min_slots_wh
   }
   cr_assert_eq(fewest_slots(3, 0), 8);
   cr_assert_eq(fewest_slots(3, 64), 64);
+  cr_assert_eq(fewest_slots(3, 65), 128);
+  cr_assert_eq(fewest_slots(0, 5), 8);
+  ASSERT_NO_LEAK();
+}
+
+/* A table of min_slots slots whose size in bytes would pass SIZE_MAX is
+ * DP_ENOMEM before anything is allocated; the largest power of two that
+ * fits is asked of the allocator (which refuses it here). */
+Test(table, growth_to_more_slots_than_a_size_t_can_measure_is_enomem_without_allocating) {
+  for (int kind = DP_TABLE_PLAIN; kind <= DP_TABLE_TAGGED; kind++) {
+    size_t ssize = dp__table_slot_size(kind), most = ((size_t)1 << 63) / ssize; /* most * 2 * ssize == 2^64 */
+    dp__table_t t;
+    dp__table_init(&t);
+    long before = t_alloc_count;
+    cr_assert_eq(dp__table_grow(&t, kind, 0, most + 1, keys_hash_at, NULL), DP_ENOMEM);
+    cr_assert_eq(dp__table_grow(&t, kind, 0, SIZE_MAX, keys_hash_at, NULL), DP_ENOMEM);
+    cr_assert_eq(t_alloc_count, before, "slots past SIZE_MAX bytes were asked for");
+    cr_assert_eq(dp__table_grow(&t, kind, 0, most, keys_hash_at, NULL), DP_ENOMEM);
+    cr_assert_eq(t_alloc_count, before + 1, "the largest table that can be measured was not asked for");
+    cr_assert_eq(t.nslots, 0, "a failed growth leaves the table as it was");
+    cr_assert_null(t.slots);
+  }
   ASSERT_NO_LEAK();
 }
 
