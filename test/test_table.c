@@ -128,6 +128,9 @@ static void t_remove(dp__table_t *t, int kind, keys_t *s, uint64_t key) {
   dp__table_remove(t, kind, j, keys_hash_at, s);
   size_t last = --s->n;
   cr_assert_eq(t->count, s->n);
+  size_t used = 0;
+  for (size_t i = 0; i < t->nslots; i++) used += dp__table_ref(t, kind, i) != 0;
+  cr_assert_eq(used, s->n, "%zu slots hold the %zu items left", used, s->n);
   if (at != last) {
     s->k[at] = s->k[last];
     dp__table_move(t, kind, s->hash(s->k[at]), last, at);
