@@ -5,7 +5,18 @@
  * base gets, the table's size, dp__ptrset_add_refs and dp__ptrs_freeze. */
 #include "../pickler/ptrset_impl.h"
 
-static void setup(void) { t_track(); }
+/* t_alloc, with every byte it hands out new set to 0xA5: nothing in the
+ * set may read memory it did not write (a fresh block is often zeroed). */
+static void *poisoned_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  void *p = t_alloc(ud, ptr, osize, nsize);
+  if (p && nsize > osize) memset((char *)p + osize, 0xA5, nsize - osize);
+  return p;
+}
+
+static void setup(void) {
+  t_track();
+  dp_set_allocator(poisoned_alloc, NULL);
+}
 static void teardown(void) { dp_set_allocator(NULL, NULL); }
 TestSuite(ptrset, .init = setup, .fini = teardown);
 
@@ -1078,5 +1089,105 @@ Test(ptrset, an_entry_past_the_limit_is_elimit_by_add_or_add_many_and_changes_no
   OK(dp_ptrset_get(s, 0, &p, T_ERR));
   cr_assert_eq(p.refs, 1, "a refused batch counted its items: %u", p.refs);
   dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* ---- the paths' arena (ptrset_impl.h): chunks of 4 KiB, doubling ---- */
+
+/* A string with its NUL that exactly fills what is left of a chunk goes
+ * there; one byte longer and it starts the next chunk (nothing is written
+ * past a chunk's end). */
+Test(ptrset, an_arena_string_that_exactly_fills_its_chunk_stays_there_and_one_byte_more_takes_a_new_chunk) {
+  static char text[4096];
+  memset(text, 'a', sizeof text);
+  dp__arena_t a = {0}, b = {0};
+  long before = t_alloc_count;
+  char *p = dp__arena_strdup(&a, text, 4000);
+  cr_assert_eq(t_alloc_count, before + 1);
+  cr_assert_eq(a.head->cap, 4096);
+  char *q = dp__arena_strdup(&a, text, 94); /* 95 bytes: what is left */
+  cr_assert_eq(q, p + 4001, "a string that fits was put elsewhere");
+  cr_assert_eq(t_alloc_count, before + 1, "a string that fits took a chunk");
+  cr_assert_eq(q[94], '\0');
+  cr_assert_null(a.head->next);
+
+  before = t_alloc_count;
+  p = dp__arena_strdup(&b, text, 4000);
+  q = dp__arena_strdup(&b, text, 95); /* 96 bytes: one more than is left */
+  cr_assert_eq(t_alloc_count, before + 2, "a string one byte too long was not given a new chunk");
+  cr_assert_not_null(b.head->next);
+  cr_assert_eq(q, b.head->next->data);
+  cr_assert_eq(strlen(p), 4000);
+  cr_assert_eq(strlen(q), 95);
+  dp__arena_free(&a);
+  dp__arena_free(&b);
+  ASSERT_NO_LEAK();
+}
+
+/* After a reset the same strings land where they did, from the start of
+ * each kept chunk: a first chunk filled to its last byte is filled again,
+ * and nothing is allocated. */
+Test(ptrset, an_arena_refilled_after_a_reset_puts_each_string_where_it_was_and_allocates_nothing) {
+  static char text[8192];
+  memset(text, 'b', sizeof text);
+  static const size_t len[] = {4000, 94, 10, 8190, 7}; /* chunks of 4096, 8192, 16384 */
+  enum { N = sizeof len / sizeof *len };
+  char *was[N];
+  dp__arena_t a = {0};
+  for (size_t i = 0; i < N; i++) cr_assert_not_null(was[i] = dp__arena_strdup(&a, text, len[i]));
+  cr_assert_eq(was[1] + 95, a.head->data + a.head->cap, "the first chunk is not filled to its end");
+  cr_assert_eq(a.head->next->cap, 8192);
+  cr_assert_eq(a.head->next->next->cap, 16384);
+  cr_assert_eq(was[4], a.head->next->next->data + 8191);
+  for (int round = 0; round < 2; round++) {
+    dp__arena_reset(&a);
+    long before = t_alloc_count;
+    for (size_t i = 0; i < N; i++) {
+      char *p = dp__arena_strdup(&a, text, len[i]);
+      cr_assert_eq(p, was[i], "round %d, string %zu moved", round, i);
+      cr_assert_eq(strlen(p), len[i]);
+    }
+    cr_assert_eq(t_alloc_count, before, "refilling allocated");
+  }
+  dp__arena_free(&a);
+  ASSERT_NO_LEAK();
+}
+
+/* A string whose chunk's size would not fit a size_t is refused before
+ * anything is asked of the allocator; the longest one that fits is asked
+ * for (and refused by it here). */
+Test(ptrset, an_arena_string_too_long_to_size_a_chunk_for_is_refused_without_allocating) {
+  dp__arena_t a = {0};
+  size_t longest = SIZE_MAX - sizeof(dp__achunk_t) - 1; /* its chunk: exactly SIZE_MAX bytes */
+  long before = t_alloc_count;
+  cr_assert_null(dp__arena_strdup(&a, "", longest + 1));
+  cr_assert_null(dp__arena_strdup(&a, "", longest + 8));
+  cr_assert_null(dp__arena_strdup(&a, "", SIZE_MAX - 1));
+  cr_assert_eq(t_alloc_count, before, "a chunk past SIZE_MAX bytes was asked for");
+  cr_assert_null(dp__arena_strdup(&a, "", longest));
+  cr_assert_eq(t_alloc_count, before + 1);
+  cr_assert_null(a.head);
+  char *p = dp__arena_strdup(&a, "x", 1);
+  cr_assert_str_eq(p, "x");
+  dp__arena_free(&a);
+  ASSERT_NO_LEAK();
+}
+
+/* A string longer than the next chunk would be gets a chunk of its own
+ * size, its NUL included, and nothing is wasted on the way. */
+Test(ptrset, an_arena_string_longer_than_a_chunk_gets_a_chunk_of_exactly_its_size) {
+  static char text[10000];
+  memset(text, 'c', sizeof text);
+  dp__arena_t a = {0};
+  long before = t_alloc_count;
+  char *p = dp__arena_strdup(&a, text, sizeof text);
+  cr_assert_eq(t_alloc_count, before + 1);
+  cr_assert_eq(p, a.head->data);
+  cr_assert_eq(a.head->cap, sizeof text + 1);
+  cr_assert_eq(strlen(p), sizeof text);
+  p = dp__arena_strdup(&a, text, 20000 - sizeof text - 2); /* the next chunk: twice the first */
+  cr_assert_eq(p, a.head->next->data);
+  cr_assert_eq(a.head->next->cap, 2 * (sizeof text + 1));
+  dp__arena_free(&a);
   ASSERT_NO_LEAK();
 }
