@@ -1191,3 +1191,96 @@ Test(ptrset, an_arena_string_longer_than_a_chunk_gets_a_chunk_of_exactly_its_siz
   dp__arena_free(&a);
   ASSERT_NO_LEAK();
 }
+
+/* A table of 64 slots holds 32 entries (load at most one half): a batch
+ * that brings a cleared set to exactly 32 fits the table and the entries it
+ * kept and allocates nothing; one of 33 grows both. */
+Test(ptrset, adding_many_into_a_set_with_room_for_them_allocates_nothing_and_one_more_grows_it) {
+  dp_ptr_info_t items[33];
+  for (size_t k = 0; k < 33; k++) items[k] = (dp_ptr_info_t){t_dev(DP_DEVICE_CUDA, 0), (void *)(0x1000 + k * 64), 64, 0, NULL};
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  OK(dp_ptrset_add_many(s, items, 32, NULL, T_ERR));
+  cr_assert_eq(s->tab.nslots, 64);
+  cr_assert_eq(s->cap, 32);
+  for (int round = 0; round < 2; round++) {
+    dp_ptrset_clear(s);
+    long before = t_alloc_count;
+    OK(dp_ptrset_add_many(s, items, 32, NULL, T_ERR));
+    cr_assert_eq(t_alloc_count, before, "round %d: a batch with room allocated %ld times", round, t_alloc_count - before);
+    cr_assert_eq(s->tab.nslots, 64);
+  }
+  dp_ptrset_clear(s);
+  long before = t_alloc_count;
+  size_t idx[33];
+  OK(dp_ptrset_add_many(s, items, 33, idx, T_ERR));
+  cr_assert_gt(t_alloc_count, before, "33 entries fit where 32 did");
+  cr_assert_eq(s->tab.nslots, 128);
+  cr_assert_eq(s->cap, 64);
+  for (size_t k = 0; k < 33; k++) {
+    size_t i;
+    OK(dp_ptrset_find(s, items[k].device, items[k].base, &i, T_ERR));
+    cr_assert_eq(i, k);
+    cr_assert_eq(idx[k], k);
+  }
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* Entries start at 16 and double to the fewest that hold them. */
+Test(ptrset, the_entries_grow_by_doubling_only_when_the_next_one_does_not_fit) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  for (uintptr_t k = 0; k < 33; k++) {
+    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)(0x100 * (k + 1)), 8, NULL, T_ERR));
+    size_t want = k < 16 ? 16 : k < 32 ? 32 : 64;
+    cr_assert_eq(s->cap, want, "%zu entries: room for %zu, not %zu", (size_t)k + 1, s->cap, want);
+  }
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* A set that had two devices and now has one: device 1 is past the end,
+ * whatever its group held before the clear. */
+Test(ptrset, the_device_past_the_end_of_a_set_cleared_of_more_devices_reads_as_nothing) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x100, 8, NULL, T_ERR));
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 1), (void *)0x200, 8, NULL, T_ERR));
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 1), (void *)0x300, 8, NULL, T_ERR));
+  dp_ptrset_clear(s);
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x100, 8, NULL, T_ERR));
+  cr_assert_eq(dp_ptrset_ndevices(s), 1);
+  cr_assert_eq(dp_ptrset_first_on(s, 0), 0);
+  cr_assert_eq(dp_ptrset_first_on(s, 1), SIZE_MAX);
+  cr_assert_eq(dp_ptrset_device_count(s, 1), 0);
+  cr_assert(dp_device_equal(dp_ptrset_device(s, 1), t_dev(DP_DEVICE_CPU, 0)));
+  cr_assert_eq(dp_ptrset_next_on(s, 0), SIZE_MAX);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* The host's memory is one device, cpu 0: index 1 is the first that is
+ * refused, by add and by add_many alike; so is the first unknown type. */
+Test(ptrset, cpu_0_is_a_device_and_cpu_1_or_an_unknown_type_is_einval_naming_it) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_error_t e;
+  size_t i;
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CPU, 0), (void *)0x40, 8, &i, T_ERR));
+  cr_assert_eq(i, 0);
+  cr_assert_eq(dp_ptrset_add(s, t_dev(DP_DEVICE_CPU, 1), (void *)0x80, 8, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_add: invalid device (type 0, index 1)");
+  cr_assert_eq(dp_ptrset_add(s, (dp_device_t){DP_DEVICE_TYPE_COUNT, 0}, (void *)0x80, 8, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_add: invalid device (type 3, index 0)");
+  OK(dp_ptrset_add(s, (dp_device_t){DP_DEVICE_TYPE_COUNT - 1, 0}, (void *)0x80, 8, NULL, T_ERR));
+  dp_ptr_info_t items[2] = {{t_dev(DP_DEVICE_CPU, 0), (void *)0xc0, 8, 0, NULL},
+                            {t_dev(DP_DEVICE_CPU, 1), (void *)0x100, 8, 0, NULL}};
+  cr_assert_eq(dp_ptrset_add_many(s, items, 2, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_add_many: item 1: invalid device (type 0, index 1)");
+  cr_assert_eq(dp_ptrset_count(s), 2);
+  OK(dp_ptrset_add_many(s, items, 1, NULL, T_ERR));
+  cr_assert_eq(dp_ptrset_count(s), 3);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
