@@ -1284,3 +1284,28 @@ Test(ptrset, cpu_0_is_a_device_and_cpu_1_or_an_unknown_type_is_einval_naming_it)
   dp_ptrset_free(s);
   ASSERT_NO_LEAK();
 }
+
+/* A path whose text cannot be stored is DP_ENOMEM and leaves the entry
+ * without one; the same path stored later is kept. */
+Test(ptrset, a_path_that_cannot_be_stored_is_enomem_and_the_entry_keeps_none) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, NULL, T_ERR));
+  OK(dp__ptrset_set_path(s, 0, "$.a")); /* the paths' array and the arena's first chunk now exist */
+  dp_ptrset_clear(s);
+  OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, NULL, T_ERR));
+  static char longer[5000];
+  memset(longer, 'x', sizeof longer - 1);
+  t_fail_at = t_alloc_count + 1; /* the first allocation: a chunk for a path longer than the one kept */
+  int rc = dp__ptrset_set_path(s, 0, longer);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM);
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(s, 0, &p, T_ERR));
+  cr_assert_null(p.path, "a path that was not stored: %s", p.path ? p.path : "");
+  OK(dp__ptrset_set_path(s, 0, longer));
+  OK(dp_ptrset_get(s, 0, &p, T_ERR));
+  cr_assert_str_eq(p.path, longer);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
