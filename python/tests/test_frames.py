@@ -3896,11 +3896,13 @@ def test_a_cycle_through_a_reduced_objects_args_is_still_a_value_error_naming_th
             devpickle.loads(frame, classes=classes)
 
 
-@pytest.mark.parametrize("module, qualname", [("builtins", "builtins.set"), (None, "builtins.frozenset"),
-                                              ("builtins", "builtins.complex"), ("builtins", "builtins.bytearray"),
-                                              ("numpy", "generic"), ("devpickle", "global"), ("torch", "Tensor"),
-                                              ("numpy", "ndarray"), ("cupy", "ndarray")])
-def test_dumps_refuses_a_class_named_as_a_reserved_one_naming_it_and_the_path_never_changing_its_type(module, qualname):
+@pytest.mark.parametrize("module, qualname, kind", [
+    ("builtins", "builtins.set", "a set"), (None, "builtins.frozenset", "a frozenset"),
+    ("builtins", "builtins.complex", "a complex"), ("builtins", "builtins.bytearray", "a bytearray"),
+    ("numpy", "generic", "a numpy scalar"), ("devpickle", "global", "a class or function carried by name"),
+    ("torch", "Tensor", "a torch tensor"), ("numpy", "ndarray", "a numpy array"), ("cupy", "ndarray", "a cupy array")])
+def test_dumps_refuses_a_class_named_as_a_reserved_one_naming_it_and_the_path_never_changing_its_type(module, qualname,
+                                                                                                    kind):
     # loads reads an object of a reserved name as that kind: a user's class
     # of that name came back a set, a complex, a numpy scalar, a tensor
     label = qualname if module in ("builtins", None) else f"{module}.{qualname}"
@@ -3912,7 +3914,9 @@ def test_dumps_refuses_a_class_named_as_a_reserved_one_naming_it_and_the_path_ne
         o.items, o.real, o.data, o.name = [1, 2], 1.0, b"\0" * 8, "builtins.len"
         with pytest.raises(devpickle.WalkError, match=rf"^cannot walk a '{re.escape(label)}' at \$\.k\[1\]: its class "
                                                         rf"cannot be named in a frame: its class is named "
-                                                        rf"'{re.escape(label)}', a name frames reserve for ") as e:
+                                                        rf"'{re.escape(label)}', a name frames reserve for {kind}: "
+                                                        rf"loads would read it as {kind} \(give the class another "
+                                                        r"__module__ or __qualname__\)$") as e:
             devpickle.dumps({"k": [0, o]})
         assert e.value.type_name == label and e.value.path == "$.k[1]"
     # what dumps writes under those names still comes back as itself
