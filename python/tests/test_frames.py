@@ -3883,6 +3883,17 @@ def test_loads_rebuilds_cycles_through_a_reduced_objects_state_listitems_and_dic
         assert type(d2) is _DictHoldingItself and list(d2) == ["me"] and d2["me"] is d2
 
 
+def test_a_reduced_object_without_args_is_made_before_its_state_so_a_cycle_through_the_state_comes_back(tmp_path):
+    # <args> defaults to () as pickle's NEWOBJ of no arguments: the object is
+    # still made from its callable alone, before the state that refers to it
+    label = f"{__name__}._ReducedWithState"
+    frame = _packed(tmp_path, {"$id": "o", "$value": {"$object": label, "attrs": {
+        "<callable>": {"$object": "devpickle.global", "attrs": {"name": label}},
+        "<state>": {"me": {"$ref": "o"}, "n": 2}}}})
+    out = devpickle.loads(frame, classes=_ReducedWithState)
+    assert type(out) is _ReducedWithState and out.me is out and out.n == 2
+
+
 def test_an_unlisted_reduced_object_whose_state_refers_to_it_comes_back_as_an_object_that_refers_to_itself():
     out = devpickle.loads(devpickle.dumps(_ReducedWithState()))
     assert type(out) is devpickle.Object
