@@ -3894,6 +3894,27 @@ def test_a_reduced_object_without_args_is_made_before_its_state_so_a_cycle_throu
     assert type(out) is _ReducedWithState and out.me is out and out.n == 2
 
 
+class _NewRefuses:
+    refuse = False
+
+    def __new__(cls):
+        if cls.refuse:
+            raise RuntimeError("__new__ refused")
+        return super().__new__(cls)
+
+
+def test_an_allowed_class_whose_new_raises_is_that_error_named_at_the_object_and_nothing_else_is_made():
+    frame = devpickle.dumps({"k": [_NewRefuses(), [1]]})
+    _NewRefuses.refuse = True
+    try:
+        with pytest.raises(RuntimeError, match=r"^__new__ refused$") as e:
+            devpickle.loads(frame, classes=_NewRefuses)
+    finally:
+        _NewRefuses.refuse = False
+    assert e.value.__notes__ == ["raised while devpickle.loads rebuilt $.k[0]"]
+    assert type(devpickle.loads(frame, classes=_NewRefuses)["k"][0]) is _NewRefuses
+
+
 def test_an_unlisted_reduced_object_whose_state_refers_to_it_comes_back_as_an_object_that_refers_to_itself():
     out = devpickle.loads(devpickle.dumps(_ReducedWithState()))
     assert type(out) is devpickle.Object
