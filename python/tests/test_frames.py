@@ -2541,6 +2541,16 @@ def test_dict_keys_that_share_a_large_tuple_are_refused_past_the_frames_size():
     assert out[(5, shared)] == 5
 
 
+def test_dict_keys_hashing_less_than_a_batch_are_still_charged_at_the_end_to_the_exact_item():
+    # 100 keys (i, i): 200 tuple items hashed, fewer than one batch of the
+    # charge, which the end of loads charges whole
+    frame = devpickle.dumps({(i, i): i for i in range(100)})
+    with pytest.raises(ValueError, match=r"^loads: the frame's dict keys would hash more than max_copies=199 tuple "
+                                         r"items: CPython keeps no tuple's hash"):
+        devpickle.loads(frame, max_copies=199)
+    assert devpickle.loads(frame, max_copies=200) == {(i, i): i for i in range(100)}
+
+
 def test_distinct_tuples_as_set_items_and_dict_keys_load_within_the_default_bound():
     v = [{(i, i + 1, (i, "x")) for i in range(20_000)}, {(i, (i,)): i for i in range(20_000)},
          frozenset((i, -i) for i in range(20_000))]
