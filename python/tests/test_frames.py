@@ -3905,24 +3905,35 @@ def test_a_reduced_object_without_args_is_made_before_its_state_so_a_cycle_throu
 
 
 class _NewRefuses:
-    refuse = False
+    refuse = None  # the exception __new__ raises, or None
 
     def __new__(cls):
-        if cls.refuse:
-            raise RuntimeError("__new__ refused")
+        if cls.refuse is not None:
+            raise cls.refuse
         return super().__new__(cls)
+
+
+def _loads_with_new_raising(frame, exc):
+    _NewRefuses.refuse = exc
+    try:
+        devpickle.loads(frame, classes=_NewRefuses)
+    finally:
+        _NewRefuses.refuse = None
 
 
 def test_an_allowed_class_whose_new_raises_is_that_error_named_at_the_object_and_nothing_else_is_made():
     frame = devpickle.dumps({"k": [_NewRefuses(), [1]]})
-    _NewRefuses.refuse = True
-    try:
-        with pytest.raises(RuntimeError, match=r"^__new__ refused$") as e:
-            devpickle.loads(frame, classes=_NewRefuses)
-    finally:
-        _NewRefuses.refuse = False
+    with pytest.raises(RuntimeError, match=r"^__new__ refused$") as e:
+        _loads_with_new_raising(frame, RuntimeError("__new__ refused"))
     assert e.value.__notes__ == ["raised while devpickle.loads rebuilt $.k[0]"]
     assert type(devpickle.loads(frame, classes=_NewRefuses)["k"][0]) is _NewRefuses
+
+
+def test_a_memory_error_raised_while_rebuilding_is_left_as_it_is_without_a_note():
+    frame = devpickle.dumps({"k": [_NewRefuses()]})
+    with pytest.raises(MemoryError, match=r"^out of it$") as e:
+        _loads_with_new_raising(frame, MemoryError("out of it"))
+    assert not hasattr(e.value, "__notes__")
 
 
 def test_an_unlisted_reduced_object_whose_state_refers_to_it_comes_back_as_an_object_that_refers_to_itself():
