@@ -3231,6 +3231,19 @@ def test_an_allowed_bytes_subclass_given_an_array_is_charged_its_bytes_not_a_bar
     assert len(devpickle.loads(frame, classes=(Blob,))) == 10 ** 6
 
 
+def test_hash_work_of_a_tuple_doubling_sixty_levels_deep_saturates_past_a_budget_of_two_to_the_51():
+    from devpickle._devpickle import _hash_work
+
+    t = (1,)
+    for _ in range(60):  # 2**60 items to hash, walked once per level (the memo)
+        t = (t, t)
+    # a writable memoryview's hash raises: were the work reported within the
+    # budget, counting the items by hash would raise here, not hash t for ever
+    items = [memoryview(bytearray(1)), t]
+    assert _hash_work(items, {}, 1 << 51) == 1 << 52
+    assert _hash_work(items, {}, (1 << 52) - 1) == 1 << 52
+
+
 def test_hash_work_takes_a_list_or_tuple_since_a_one_shot_iterator_would_leave_its_hash_count_nothing():
     from devpickle._devpickle import _hash_work
 
