@@ -2549,6 +2549,11 @@ def test_dict_keys_hashing_less_than_a_batch_are_still_charged_at_the_end_to_the
                                          r"items: CPython keeps no tuple's hash"):
         devpickle.loads(frame, max_copies=199)
     assert devpickle.loads(frame, max_copies=200) == {(i, i): i for i in range(100)}
+    # 2,100 keys: 4,200 items, one batch charged on the way and the rest at the end, none twice
+    frame = devpickle.dumps({(i, i): i for i in range(2100)})
+    with pytest.raises(ValueError, match=r"^loads: the frame's dict keys would hash more than max_copies=4199 tuple "):
+        devpickle.loads(frame, max_copies=4199)
+    assert len(devpickle.loads(frame, max_copies=4200)) == 2100
 
 
 def test_distinct_tuples_as_set_items_and_dict_keys_load_within_the_default_bound():
@@ -3947,6 +3952,16 @@ def test_a_memory_error_raised_while_rebuilding_is_left_as_it_is_without_a_note(
     with pytest.raises(MemoryError, match=r"^out of it$") as e:
         _loads_with_new_raising(frame, MemoryError("out of it"))
     assert not hasattr(e.value, "__notes__")
+
+
+def test_a_reduced_object_made_before_its_state_from_args_that_are_no_tuple_is_a_type_error_naming_it(tmp_path):
+    label = f"{__name__}._ReducedWithState"
+    frame = _packed(tmp_path, {"k": {"$object": label, "attrs": {
+        "<callable>": {"$object": "devpickle.global", "attrs": {"name": label}}, "<args>": [],
+        "<state>": {"n": 2}}}})
+    with pytest.raises(TypeError, match=rf"^loads: {re.escape(label)} was reduced with args that are a list, not a "
+                                        r"tuple, at \$\.k$"):
+        devpickle.loads(frame, classes=_ReducedWithState)
 
 
 def test_an_unlisted_reduced_object_whose_state_refers_to_it_comes_back_as_an_object_that_refers_to_itself():
