@@ -528,8 +528,8 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   int own = dpy_own_tensor_reduce(o); /* pickle carries what that returns, which a frame has no field for */
   if (own) {
     if (own > 0)
-      PyErr_SetString(PyExc_TypeError, "a tensor with a __reduce_ex__ of its own (its class's, or set on it) is not "
-                                       "carried in frames: a frame carries a tensor's data, not what its reduce returns");
+      PyErr_SetString(PyExc_TypeError, "a tensor with a reduce of its own (its class's __reduce_ex__, one set on it, or "
+                                       "copyreg.dispatch_table's) is not carried in frames: a frame carries a tensor's data, not what its reduce returns");
     return dpy_walk_error(s, o, own > 0 ? "it cannot be carried in a frame" : "its reduce cannot be looked up");
   }
   PyObject **dp = _PyObject_GetDictPtr(o);

@@ -3150,7 +3150,7 @@ def test_a_tensor_s_own_reduce_is_walked_as_pickle_calls_it_beside_its_memory():
         # a frame carries a tensor's data, never what its reduce returns: refused, never dropped
         for v in (t, u):
             with pytest.raises(devpickle.WalkError, match=r"at \$: it cannot be carried in a frame: a tensor with a "
-                                                          r"__reduce_ex__ of its own"):
+                                                          r"reduce of its own \(its class's __reduce_ex__"):
                 devpickle.dumps(v, inline=True)
         STATE_ONLY_GETSTATE_GIVES[:] = [(x for x in ())]  # a generator: pickle refuses it
         with pytest.raises(devpickle.WalkError) as e:
@@ -4331,3 +4331,19 @@ def test_dlpack_cuda_pinned_host_memory_is_cpu_and_another_host_device_type_a_wa
     cap, _keep = _dl_capsule((4,), data=0x20000, device=(13, 0))  # kDLCUDAManaged
     with pytest.raises(devpickle.WalkError, match=r"DLPack device type 13 is not cpu or cuda$"):
         devpickle.scan(_DLProducer((13, 0), cap))
+
+
+def test_dumps_of_a_tensor_whose_subclass_is_in_copyreg_dispatch_table_names_the_dispatch_table():
+    """pickle carries what a dispatch_table entry returns, which a frame has
+    no field for: refused, and the message says where the reduce comes from."""
+    class Dispatched(torch.Tensor):
+        pass
+
+    t = torch.ones(2).as_subclass(Dispatched)
+    copyreg.dispatch_table[Dispatched] = lambda x: (list, ([],))
+    try:
+        with pytest.raises(devpickle.WalkError, match=r"a tensor with a reduce of its own \(its class's "
+                                                      r"__reduce_ex__, one set on it, or copyreg\.dispatch_table's\)"):
+            devpickle.dumps(t)
+    finally:
+        del copyreg.dispatch_table[Dispatched]
