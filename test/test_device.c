@@ -717,6 +717,16 @@ Test(device, a_memory_limit_makes_host_allocations_fail_cleanly) {
   OK(dp_host_set_memory_limit(H1, 0, T_ERR));
 }
 
+Test(device, deallocating_null_frees_nothing_but_still_checks_the_backend_and_device) {
+  dp_backend_t *b = host();
+  dp_error_t e;
+  OK(dp_device_dealloc(b, H0, NULL, T_ERR));
+  cr_assert_eq(dp_device_dealloc(b, t_dev(DP_DEVICE_CUDA, 0), NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_dealloc: device cuda:0 does not belong to the host backend (2 devices)");
+  cr_assert_eq(dp_device_dealloc(NULL, H0, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_device_dealloc: NULL backend");
+}
+
 /* ---- shutdown ---- */
 
 Test(device, shutdown_joins_every_thread_and_frees_everything) {

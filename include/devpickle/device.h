@@ -239,7 +239,8 @@ DP_API dp_device_t dp_event_device(const dp_event_t *e);
  *  the same (a 1-byte allocation), given back with dp_device_dealloc like
  *  any other. */
 DP_API int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void **out, dp_error_t *err);
-/** Gives p (from dp_device_alloc on dev) back; NULL p does nothing.
+/** Gives p (from dp_device_alloc on dev) back; NULL p frees nothing (b
+ *  and dev are checked all the same: DP_EINVAL as below, 0 otherwise).
  *  First it waits for the work queued on dev's streams so far, as cudaFree
  *  does (host: except in a host function, which must not wait for itself
  *  and frees at once). DP_EINVAL for a device of another backend, or a p
