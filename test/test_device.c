@@ -717,6 +717,28 @@ Test(device, a_memory_limit_makes_host_allocations_fail_cleanly) {
   OK(dp_host_set_memory_limit(H1, 0, T_ERR));
 }
 
+Test(device, a_host_memory_limit_may_be_set_before_the_backend_starts_on_any_host_device_and_outlives_shutdown) {
+  dp_error_t e;
+  /* host:5 is past this backend's 2 devices, yet one of host:0..host:63 */
+  OK(dp_host_set_memory_limit(t_dev(DP_DEVICE_HOST, 5), 1, T_ERR));
+  cr_assert_eq(dp_host_set_memory_limit(t_dev(DP_DEVICE_HOST, 64), 1, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_host_set_memory_limit: host:64 is not a host device (host:0..host:63)");
+  OK(dp_host_set_memory_limit(t_dev(DP_DEVICE_HOST, 5), 0, T_ERR));
+  OK(dp_host_set_memory_limit(H1, 100, T_ERR)); /* no backend yet */
+  dp_backend_t *b = host();
+  void *p;
+  cr_assert_eq(dp_device_alloc(b, H1, 101, &p, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "dp_device_alloc(host:1): out of memory: 101 bytes asked, 0 of 100 in use");
+  dp_shutdown();
+  b = host();
+  cr_assert_eq(dp_device_alloc(b, H1, 101, &p, &e), DP_ENOMEM, "the cap is kept across dp_shutdown");
+  OK(dp_device_alloc(b, H1, 100, &p, T_ERR));
+  cr_assert_eq(dp_device_alloc(b, H1, 0, &p, &e), DP_ENOMEM, "a 0-byte allocation counts as 1 byte");
+  cr_assert_str_eq(e.message, "dp_device_alloc(host:1): out of memory: 1 bytes asked, 100 of 100 in use");
+  OK(dp_device_dealloc(b, H1, p, T_ERR));
+  OK(dp_host_set_memory_limit(H1, 0, T_ERR));
+}
+
 Test(device, deallocating_null_frees_nothing_but_still_checks_the_backend_and_device) {
   dp_backend_t *b = host();
   dp_error_t e;

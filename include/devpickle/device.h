@@ -290,7 +290,14 @@ typedef void (*dp_host_fn)(void *arg);
  *  says so, and the stream stays usable. */
 DP_API int dp_host_launch(dp_stream_t *s, dp_host_fn fn, void *arg, dp_error_t *err);
 /** Caps the memory dp_device_alloc hands out on a host device (0: no cap),
- *  so that out-of-memory paths can be exercised. */
+ *  so that out-of-memory paths can be exercised: an allocation that would
+ *  take the bytes in use past the cap is DP_ENOMEM (a 0-byte one counts as
+ *  1 byte; what is already in use stays, a cap below it refuses every
+ *  allocation until enough comes back). dev may be any of host:0..host:63,
+ *  whatever DEVPICKLE_HOST_DEVICES says, and the backend need not be
+ *  started: the cap is the process's, not the backend's, and holds across
+ *  dp_shutdown() until set again (set 0 to lift it). DP_EINVAL for a device
+ *  that is not one of those, naming it. */
 DP_API int dp_host_set_memory_limit(dp_device_t dev, size_t nbytes, dp_error_t *err);
 
 #ifdef __cplusplus
