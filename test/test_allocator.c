@@ -81,6 +81,26 @@ Test(allocator, sizes_round_up_to_512_bytes_from_two_mebibyte_segments) {
   dp_stream_free(s);
 }
 
+Test(allocator, small_and_large_requests_never_take_each_others_segments) {
+  dp_stream_t *s = stream(H0);
+  void *p, *q;
+  OK(dp_cache_alloc(C, H0, (1u << 20) + 1, s, &p, T_ERR)); /* large: a 2 MiB segment of its own */
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  cr_assert_eq(stats(H0).reserved, (size_t)2 << 20);
+  OK(dp_cache_alloc(C, H0, 512, s, &q, T_ERR)); /* small: the free large segment is not its */
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.reserved, (size_t)4 << 20, "a small request gets a small segment: %zu reserved", st.reserved);
+  cr_assert_eq(st.cache_hits, 0);
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  OK(dp_cache_empty(C, T_ERR));
+  OK(dp_cache_alloc(C, H0, 512, s, &q, T_ERR));
+  OK(dp_cache_dealloc(C, q, T_ERR));
+  OK(dp_cache_alloc(C, H0, (1u << 20) + 1, s, &p, T_ERR)); /* nor a large one the free small segment */
+  cr_assert_eq(stats(H0).reserved, (size_t)4 << 20);
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_stream_free(s);
+}
+
 Test(allocator, blocks_split_on_allocation_and_merge_when_freed) {
   dp_stream_t *s = stream(H0);
   char *p[3];

@@ -14,7 +14,10 @@
  *     block when 512 bytes or more are left, a large one when more than
  *     1 MiB is left: a 1 MiB + 1 request served from a 2 MiB segment holds
  *     the whole segment, and `allocated` counts it) and blocks merge with
- *     free neighbours on free;
+ *     free neighbours on free. Small and large requests keep to their own
+ *     segments: a request up to 1 MiB never takes a block of a large
+ *     segment, free as it may be, nor a larger one a small segment's (it
+ *     gets a new segment, and `reserved` grows);
  *   - stream-ordered reuse: a block remembers the stream it was allocated on
  *     and a block freed there is reusable at once by allocations on that
  *     stream. An allocation on another stream takes it only by making its
