@@ -43,6 +43,29 @@ static _Thread_local dp__current_frame_t *tls_frame;
 static _Thread_local uint32_t tls_mark[TLS_DEVICES];
 /* 1 while the stream provider runs on this thread for that device. */
 static _Thread_local unsigned char tls_asking[TLS_DEVICES];
+/* dp_shutdown frees every backend's streams, but reaches only its own
+ * thread's slots: another thread's still named them, and its next lookup
+ * handed out a freed stream. Each shutdown counts one more generation; a
+ * thread whose slots are of an older one forgets them at its next call
+ * (one load on the hot path, no lock, no list of threads). */
+static _Atomic unsigned current_gen;
+static _Thread_local unsigned tls_gen;
+
+static void tls_forget_all(void) {
+  memset(tls_current, 0, sizeof tls_current);
+  memset(tls_owner, 0, sizeof tls_owner);
+  if (!tls_frame) memset(tls_mark, 0, sizeof tls_mark);
+  tls_caller_count = 0;
+}
+
+/* Forgets this thread's current streams when a dp_shutdown has run since
+ * it last looked (they were freed with their backends). */
+static inline void tls_catch_up(void) {
+  unsigned g = dp__load_acquire(&current_gen);
+  if (DP_LIKELY(tls_gen == g)) return;
+  tls_gen = g;
+  tls_forget_all();
+}
 
 /* The entry of d, or -1 for a device type that does not exist. */
 static int slot_of(dp_device_t d) {
@@ -418,10 +441,10 @@ void dp__device_shutdown(void) {
     dp__free(b->devs, (size_t)b->ndev * sizeof(dp__devstate_t));
     dp__free(b, sizeof *b);
   }
-  memset(tls_current, 0, sizeof tls_current);
-  memset(tls_owner, 0, sizeof tls_owner);
-  if (!tls_frame) memset(tls_mark, 0, sizeof tls_mark);
-  tls_caller_count = 0;
+  /* every thread's current streams went with their backends: this thread
+     forgets them now, the others at their next call (tls_catch_up) */
+  tls_forget_all();
+  tls_gen = dp__fetch_add_release(&current_gen, 1) + 1;
   dp_set_stream_provider(NULL, NULL);
 }
 
@@ -478,6 +501,7 @@ void dp_stream_free(dp_stream_t *s) {
   }
   /* A wrapper of s's native handle goes with it: nothing may keep using it. */
   dp_stream_t *w = wrap_forget(s);
+  tls_catch_up();
   /* this thread's current-stream slots forget them (other threads' cannot be
    * reached: they reset theirs first, device.h) */
   for (int i = 0; i < TLS_DEVICES; i++)
@@ -602,6 +626,7 @@ int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_er
   int rc = dp__check_device("dp_current_stream", b, dev, err);
   if (rc) return rc;
   if (!out) return dp__err(err, DP_EINVAL, "dp_current_stream: NULL out");
+  tls_catch_up();
   dp_stream_t *cur = tls_current[slot_of(dev)];  /* dev is b's: its type exists */
   if (cur) {
     *out = cur;
@@ -644,6 +669,7 @@ int dp_current_stream(dp_backend_t *b, dp_device_t dev, dp_stream_t **out, dp_er
 int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t *err) {
   if (prev) *prev = NULL;
   if (!s) return dp__err(err, DP_EINVAL, "dp_set_current_stream: NULL stream");
+  tls_catch_up();
   int i = slot_of(s->dev);
   if (!tls_current[i] && tls_caller_count == DP_CURRENT_STREAM_SLOTS) {
     char buf[16];
@@ -670,6 +696,7 @@ int dp_set_current_stream(dp_stream_t *s, dp_stream_t **prev, dp_error_t *err) {
 
 void dp_reset_current_stream(dp_backend_t *b, dp_device_t dev) {
   (void)b;
+  tls_catch_up();
   int i = slot_of(dev);
   if (i < 0 || !tls_current[i]) return;
   /* without memory to log it, reset all the same: the thread then has the
@@ -697,6 +724,7 @@ void dp__current_frame_end(dp__current_frame_t *fr) {
 }
 
 void dp__current_stream_enter(dp_stream_t *s, dp__current_saved_t *saved) {
+  tls_catch_up();
   int i = slot_of(s->dev);
   saved->s = tls_current[i];
   saved->owner = tls_owner[i];

@@ -751,6 +751,39 @@ Test(device, deallocating_null_frees_nothing_but_still_checks_the_backend_and_de
 
 /* ---- shutdown ---- */
 
+struct other_thread {
+  pthread_barrier_t bar;
+  dp_stream_t *after, *fresh_default;
+  dp_backend_t *fresh;
+};
+
+static void *set_current_then_look_after_shutdown(void *arg) {
+  struct other_thread *t = arg;
+  dp_backend_t *b = host();
+  OK(dp_set_current_stream(pooled(b, H0), NULL, T_ERR));
+  pthread_barrier_wait(&t->bar); /* the main thread shuts down */
+  pthread_barrier_wait(&t->bar);
+  t->fresh = host();
+  t->fresh_default = dflt(t->fresh, H0);
+  OK(dp_current_stream(t->fresh, H0, &t->after, T_ERR));
+  return NULL;
+}
+
+Test(device, shutdown_forgets_the_current_streams_of_every_thread_not_only_its_own) {
+  struct other_thread t = {0};
+  pthread_barrier_init(&t.bar, NULL, 2);
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, set_current_then_look_after_shutdown, &t), 0);
+  pthread_barrier_wait(&t.bar);
+  dp_shutdown(); /* frees the stream the other thread made current */
+  pthread_barrier_wait(&t.bar);
+  pthread_join(th, NULL);
+  pthread_barrier_destroy(&t.bar);
+  cr_assert_eq(t.after, t.fresh_default, "the thread gets the new backend's default stream, not the freed one");
+  cr_assert_eq(dp_stream_backend(t.after), t.fresh);
+}
+
+
 Test(device, shutdown_joins_every_thread_and_frees_everything) {
   dp_backend_t *b = host();
   for (int i = 0; i < 4; i++) (void)pooled(b, H0);

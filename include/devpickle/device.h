@@ -35,7 +35,10 @@
  * dp_stream_wrap() belong to the backend; streams from dp_stream_new()
  * belong to the caller, who frees them before dp_shutdown(): one still
  * held then is stopped with its backend (its queued work completes) but
- * its handle is not freed, and may not be used or freed afterwards. Host work
+ * its handle is not freed, and may not be used or freed afterwards.
+ * dp_shutdown() also forgets the current streams of every thread
+ * (dp_set_current_stream: they were the stopped backends'), each thread's
+ * at its next call here, so that none hands out a freed stream. Host work
  * still queued when dp_shutdown() runs completes before it returns; if that
  * work calls dp_backend_get() it gets a new backend, which the next
  * dp_shutdown() stops. dp_shutdown() called from a host function
