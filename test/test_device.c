@@ -749,6 +749,21 @@ Test(device, deallocating_null_frees_nothing_but_still_checks_the_backend_and_de
   cr_assert_str_eq(e.message, "dp_device_dealloc: NULL backend");
 }
 
+Test(device, a_device_name_is_parsed_only_as_dp_device_format_writes_it_and_a_refusal_leaves_out_alone) {
+  dp_device_t d = t_dev(DP_DEVICE_HOST, 7);
+  dp_error_t e;
+  const char *bad[] = {"host:00", "cuda:0255", "host:+1", "host: 1", "host:1 ", "CPU", "cpu:0", "host:256"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    cr_assert_eq(dp_device_parse(bad[i], &d, &e), DP_EINVAL, "%s", bad[i]);
+    char want[128];
+    snprintf(want, sizeof want, "dp_device_parse: '%s' is not a device (cpu, cuda:N or host:N, N 0..255)", bad[i]);
+    cr_assert_str_eq(e.message, want);
+    cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_HOST, 7)), "out is left as it was");
+  }
+  OK(dp_device_parse("cuda:255", &d, T_ERR));
+  cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_CUDA, 255)));
+}
+
 /* ---- shutdown ---- */
 
 struct other_thread {

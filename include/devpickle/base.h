@@ -195,7 +195,10 @@ typedef struct dp_device {
  *  "unknownT:N"). Returns buf (NULL or size 0: nothing is written). */
 DP_API char *dp_device_format(dp_device_t dev, char *buf, size_t size);
 
-/** Parses "cpu", "cuda:N" or "host:N" (N 0..255). DP_EINVAL otherwise. */
+/** Parses "cpu", "cuda:N" or "host:N" (N 0..255, in decimal as
+ *  dp_device_format writes it: no sign, blank or leading zero, nothing
+ *  after it; lower case). DP_EINVAL otherwise, quoting s; *out is then left
+ *  as it was. */
 DP_API int dp_device_parse(const char *s, dp_device_t *out, dp_error_t *err);
 
 static inline int dp_device_equal(dp_device_t a, dp_device_t b) {
