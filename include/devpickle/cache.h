@@ -158,7 +158,11 @@ typedef struct dp_cache_stats {
                               by freeing the cache and trying once more */
 } dp_cache_stats_t;
 
-/** A caching allocator over backend b (its own, independent of the default). */
+/** A caching allocator over backend b (its own, independent of the
+ *  default). The caller's: free it with dp_cache_free before dp_shutdown()
+ *  (devpickle.h), which stops b; a cache still held then is not freed, and
+ *  may be neither used nor freed afterwards (it stands on the stopped
+ *  backend). DP_EINVAL for NULL b or out; DP_ENOMEM. */
 DP_API int dp_cache_new(dp_backend_t *b, dp_cache_t **out, dp_error_t *err);
 /** Waits for pending blocks and for the work queued on the devices it
  *  holds memory on (dp_device_synchronize, without the allocator's lock:
