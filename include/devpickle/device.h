@@ -36,7 +36,10 @@
  * belong to the caller, who frees them before dp_shutdown(): one still
  * held then is stopped with its backend (its queued work completes) but
  * its handle is not freed, and may not be used or freed afterwards.
- * dp_shutdown() also forgets the current streams of every thread
+ * Events from dp_event_new are the caller's likewise: give them back
+ * (dp_event_free) before dp_shutdown(), which frees only the pools; one
+ * still held then stays allocated (the allocator hook sees it live) and
+ * may be neither used nor freed afterwards. dp_shutdown() also forgets the current streams of every thread
  * (dp_set_current_stream: they were the stopped backends'), each thread's
  * at its next call here, so that none hands out a freed stream. Host work
  * still queued when dp_shutdown() runs completes before it returns; if that
