@@ -22,10 +22,11 @@ extern "C" {
  *      each waits for its pending blocks and gives its segments back;
  *   3. devices: every backend stops (queued host work completes, host
  *      threads are joined, pooled streams and events destroyed); the stream
- *      provider and the calling thread's current streams are forgotten.
+ *      provider and every thread's current streams are forgotten (another
+ *      thread's at its next current-stream call).
  *  Before calling it, free what you own that stands on a backend (your
- *  futures, caches from dp_cache_new, streams from dp_stream_new; other
- *  threads that set current streams reset them or exit), and
+ *  futures, caches from dp_cache_new, streams from dp_stream_new and
+ *  events from dp_event_new), and
  *  release your values and call dp_value_collect() if their release
  *  callbacks give device memory back — on every thread that released such
  *  values (a cycle released on a thread waits in that thread's candidates,
