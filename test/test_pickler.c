@@ -1293,6 +1293,13 @@ Test(pickler, malformed_payloads_get_precise_errors) {
   /* a back-reference to an unfinished tuple used as a dict key */
   const uint8_t open_key[] = {0x92, 0xd4, 0x00, 0x01, 0x81, 0xd6, 0x01, 0, 0, 0, 0, 0xc0};
   expect_bad(open_key, sizeof open_key, DP_EFORMAT, 45, "dict key refers to an unfinished tuple", NULL);
+  /* ... held by a finished tuple key, first or last: every item is looked at */
+  const uint8_t open_first[] = {0x92, 0xd4, 0x00, 0x01, 0x81, 0x93, 0xd4, 0x00, 0x01,
+                                0xd6, 0x01, 0, 0, 0, 0, 0x01, 0xc0};
+  expect_bad(open_first, sizeof open_first, DP_EFORMAT, 45, "dict key refers to an unfinished tuple", NULL);
+  const uint8_t open_last[] = {0x92, 0xd4, 0x00, 0x01, 0x81, 0x93, 0xd4, 0x00, 0x01,
+                               0x01, 0xd6, 0x01, 0, 0, 0, 0, 0xc0};
+  expect_bad(open_last, sizeof open_last, DP_EFORMAT, 45, "dict key refers to an unfinished tuple", NULL);
   /* a wrong field count says what the node needs: an object of class A
      with a name and no value, a reduce node with a type name and no state */
   const uint8_t half_attr[] = {0x93, 0xd4, 0x00, 0x03, 0xa1, 0x41, 0xa1, 0x78};
