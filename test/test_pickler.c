@@ -2754,6 +2754,46 @@ Test(pickler, a_resolved_value_made_by_hand_is_read_back_at_each_reference_to_it
   ASSERT_NO_LEAK();
 }
 
+/* A resolved custom reaches no open container, whatever its state did: a
+ * back-reference to it from inside the state of a later custom (of the
+ * list around both) must not mark that custom as in a cycle. Nodes: the
+ * list 0, the customs 1 and 2, the second one's state list 3, which holds
+ * a reference to node 1. */
+Test(pickler, a_back_reference_to_a_resolved_custom_does_not_put_a_later_custom_in_a_cycle) {
+  static const char *const allowed[] = {"A"};
+  dp_resolver_t res = {allowed, 1, resolve_to_str, NULL};
+  dp_unpickle_opts_t uo = {{0}, &res, NULL, NULL};
+  const uint8_t p[] = {0x92,
+                       0x93, 0xd4, 0x00, DP_TAG_REDUCE, 0xa1, 'A', 0xc0,
+                       0x93, 0xd4, 0x00, DP_TAG_REDUCE, 0xa1, 'A', 0x91, 0xd6, DP_EXT_REF, 0, 0, 0, 1};
+  uint8_t frame[64];
+  size_t n = make_frame(frame, p, sizeof p);
+  dp_value_t out;
+  OK(dp_unpickle(frame, n, &uo, &out, T_ERR));
+  cr_assert_eq(dp_seq_len(out), 2);
+  for (size_t i = 0; i < 2; i++) cr_assert_eq(dp_value_kind(dp_seq_get(out, i)), DP_STR, "item %zu", i);
+  dp_value_release(out);
+  ASSERT_NO_LEAK();
+}
+
+/* A finished container that referred to an open one carries the fact to
+ * later references to it, even when its parent had reached that open
+ * container already: the list L = [B, C, R] with B = C = [L] (B makes L
+ * reach itself before C is read) and the custom R, whose state [C]
+ * reaches L, still open, through C. */
+Test(pickler, a_custom_reaching_an_open_container_through_a_finished_one_is_refused_whatever_its_parent_reached) {
+  static const char *const allowed[] = {"A"};
+  dp_resolver_t res = {allowed, 1, resolve_to_str, NULL};
+  dp_unpickle_opts_t uo = {{0}, &res, NULL, NULL};
+  const uint8_t p[] = {0x93, 0x91, 0xd6, DP_EXT_REF, 0, 0, 0, 0,
+                       0x91, 0xd6, DP_EXT_REF, 0, 0, 0, 0,
+                       0x93, 0xd4, 0x00, DP_TAG_REDUCE, 0xa1, 'A', 0x91, 0xd6, DP_EXT_REF, 0, 0, 0, 2};
+  expect_bad(p, sizeof p, DP_EFORMAT, 40 + (int64_t)sizeof p,
+             "reduced state of 'A' refers to it or to a container around it: a resolved custom cannot be in a cycle",
+             &uo);
+  ASSERT_NO_LEAK();
+}
+
 /* A header announcing 2^62 bytes of inline data behind a payload and table
  * that the reader refuses whatever the data (a buffer no tensor uses, a
  * non-canonical int, one allocation described twice, a limit), then zeros:
