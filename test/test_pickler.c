@@ -3484,6 +3484,49 @@ static int resolve_counting(void *ud, const char *type_name, dp_value_t state, d
   return 0;
 }
 
+/* At the edge between a scanned allow-list and an indexed one (16 names
+ * and 17): every listed name is found, the first and the last included,
+ * and an unlisted one is not; a list of 16 is scanned (a pass up to the
+ * name, the whole list for one it lacks), a list of 17 looked up. */
+Test(pickler, an_allow_list_finds_each_of_its_names_on_either_side_of_the_index_threshold) {
+  for (int ntypes = 16; ntypes <= 17; ntypes++) {
+    char names[17][8];
+    const char *types[17];
+    dp_value_t l = t_list(), r;
+    for (int i = 0; i < ntypes; i++) {
+      snprintf(names[i], sizeof names[i], "T%d", i);
+      types[i] = names[i];
+      OK(dp_object_new_reduced(names[i], dp_int(i), &r, T_ERR));
+      OK(dp_list_append(l, r, T_ERR));
+    }
+    OK(dp_object_new_reduced("Absent", dp_int(-1), &r, T_ERR));
+    OK(dp_list_append(l, r, T_ERR));
+    dp_frame_t *f = pickle_ok(l, 0);
+    size_t n;
+    const uint8_t *b = dp_frame_data(f, &n);
+    int resolved = 0;
+    dp_resolver_t res = {types, (size_t)ntypes, resolve_counting, &resolved};
+    dp_unpickle_opts_t o = {.resolver = &res};
+    dp__allowed_names_compared = 0;
+    dp_value_t v;
+    OK(dp_unpickle(b, n, &o, &v, T_ERR));
+    cr_assert_eq(resolved, ntypes, "%d of %d listed names resolved", resolved, ntypes);
+    for (int i = 0; i < ntypes; i++)
+      cr_assert_eq(dp_value_as_int(dp_seq_get(v, (size_t)i)), i, "%d names: T%d was not resolved", ntypes, i);
+    cr_assert(dp_object_is_reduced(dp_seq_get(v, (size_t)ntypes)), "%d names: an unlisted type was resolved", ntypes);
+    if (ntypes == 16)
+      cr_assert_eq(dp__allowed_names_compared, (uint64_t)(16 * 17 / 2 + 16), "%llu names compared scanning 16",
+                   (unsigned long long)dp__allowed_names_compared);
+    else
+      cr_assert_leq(dp__allowed_names_compared, (uint64_t)2 * (ntypes + 1), "%llu names compared through the index",
+                    (unsigned long long)dp__allowed_names_compared);
+    dp_value_release(v);
+    dp_frame_free(f);
+    dp_value_release(l);
+  }
+  ASSERT_NO_LEAK();
+}
+
 /* The allow-list was scanned for every reduce node: 100,000 nodes against a
  * list of 40,000 names took 19 s to read. A long list is indexed once, at
  * the first reduce node, and the index is the only memory the reader holds
