@@ -2988,7 +2988,12 @@ Test(base, device_parse_reads_every_type_at_its_bounds_and_refuses_what_is_near)
   cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_CUDA, 255)));
   OK(dp_device_parse("cuda:0", &d, T_ERR));
   cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_CUDA, 0)));
-  const char *bad[] = {"cuda-5", "cuda5", "cuda:1x", "cuda:/", "host:", "host:256", "cpu:0", "Cuda:0", "cuda:-1"};
+  OK(dp_device_parse("cuda:9", &d, T_ERR));  /* '0' and '9', first digit and later ones */
+  cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_CUDA, 9)));
+  OK(dp_device_parse("host:109", &d, T_ERR));
+  cr_assert(dp_device_equal(d, t_dev(DP_DEVICE_HOST, 109)));
+  const char *bad[] = {"cuda-5", "cuda5",  "cuda:1x", "cuda:/", "cuda::", "cuda:1/", "cuda:1:",
+                       "host:", "host:256", "cpu:0", "Cuda:0", "cuda:-1", "cuda:00", "cuda:07"};
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     d = t_dev(DP_DEVICE_HOST, 9);
     cr_assert_eq(dp_device_parse(bad[i], &d, &e), DP_EINVAL, "%s", bad[i]);
@@ -3498,4 +3503,48 @@ Test(value, a_retain_of_a_value_or_storage_at_the_largest_count_aborts_instead_o
   cr_assert_eq(retain_at_count_in_a_child(1, UINT32_MAX, msg, sizeof msg), SIGABRT);
   cr_assert_str_eq(msg, "devpickle: storage retained while it held 4294967295 references (the most a 32-bit "
                         "count holds): aborting\n");
+}
+
+Test(base, fit_keeps_a_message_one_byte_shorter_than_the_buffer_whole_and_cuts_one_of_its_size) {
+  char dst[16];
+  memset(dst, '#', sizeof dst);
+  const char seven[] = "abcdefg\0Q";  /* a byte after the NUL that must not be copied */
+  dp__fit(dst, 8, seven);
+  cr_assert_str_eq(dst, "abcdefg");
+  cr_assert_eq(dst[8], '#', "nothing is written past the message's NUL");
+  memset(dst, '#', sizeof dst);
+  dp__fit(dst, 8, "abcdefgh");
+  cr_assert_str_eq(dst, "ab\xe2\x80\xa6gh", "a message of the buffer's size loses its middle");
+  cr_assert_eq(dst[8], '#', "nothing is written past the buffer");
+}
+
+/* Refuses every block larger than a terabyte, after noting the largest size
+ * asked: the sizes dp__grow computes near SIZE_MAX must reach it. */
+static size_t g_largest_asked;
+static void *refuse_huge(void *ud, void *ptr, size_t osize, size_t nsize) {
+  if (nsize > g_largest_asked) g_largest_asked = nsize;
+  if (nsize > ((size_t)1 << 40)) return NULL;
+  return t_alloc(ud, ptr, osize, nsize);
+}
+
+Test(base, grow_asks_for_the_largest_capacity_whose_size_fits_and_refuses_the_next_without_asking) {
+  /* with elements of SIZE_MAX / 8 bytes, 8 of them take SIZE_MAX - 7 bytes:
+   * the allocator is asked (and says no); 16 would overflow, so nothing is asked */
+  size_t size = SIZE_MAX / 8;
+  dp_set_allocator(refuse_huge, NULL);
+  char inl[1];
+  for (int in = 0; in < 2; in++) {
+    void *a = in ? (void *)inl : NULL;
+    size_t cap = 0;
+    g_largest_asked = 0;
+    int rc = in ? dp__grow_inl(&a, &cap, 5, size, inl) : dp__grow(&a, &cap, 5, size);
+    cr_assert_eq(rc, DP_ENOMEM);
+    cr_assert_eq(g_largest_asked, 8 * size, "inline %d: asked %zu", in, g_largest_asked);
+    g_largest_asked = 0;
+    rc = in ? dp__grow_inl(&a, &cap, 9, size, inl) : dp__grow(&a, &cap, 9, size);
+    cr_assert_eq(rc, DP_ENOMEM);
+    cr_assert_eq(g_largest_asked, 0, "inline %d: a size that overflows is not asked for", in);
+    cr_assert(cap == 0 && a == (in ? (void *)inl : NULL), "a refused growth keeps the array");
+  }
+  ASSERT_NO_LEAK();
 }
