@@ -1830,6 +1830,8 @@ Test(value, a_dict_key_shared_by_many_dicts_is_compared_once_by_equality) {
     cr_assert_eq(dp_value_equal(a, b, flags[f], NULL), 1);
     cr_assert_leq(dp__key_bytes_compared, 2 * LEN, "flags %u: %llu key bytes compared", flags[f],
                   (unsigned long long)dp__key_bytes_compared);
+    cr_assert_geq(dp__key_bytes_compared, LEN, "flags %u: the two keys are compared in full once (%llu bytes)",
+                  flags[f], (unsigned long long)dp__key_bytes_compared);
   }
   /* and a str that differs is still told apart */
   dp_value_t c = dicts_over_one_key(LEN - 1, DICTS);
@@ -3546,5 +3548,53 @@ Test(base, grow_asks_for_the_largest_capacity_whose_size_fits_and_refuses_the_ne
     cr_assert_eq(g_largest_asked, 0, "inline %d: a size that overflows is not asked for", in);
     cr_assert(cap == 0 && a == (in ? (void *)inl : NULL), "a refused growth keeps the array");
   }
+  ASSERT_NO_LEAK();
+}
+
+Test(value, two_equal_values_of_many_nodes_compare_equal_with_sharing_however_their_addresses_hash) {
+  /* the node bijection holds 300,000 nodes a side: many of them meet
+   * others whose hash shares its top 16 bits (the table's tag) */
+  enum { N = 300000 };
+  dp_value_t v[2];
+  for (int s = 0; s < 2; s++) {
+    OK(dp_list_new(N, &v[s], T_ERR));
+    for (int i = 0; i < N; i++) OK(dp_list_append(v[s], t_list(), T_ERR));
+  }
+  cr_assert_eq(dp_value_equal(v[0], v[1], DP_EQ_SHARING, NULL), 1);
+  cr_assert_eq(dp_value_equal(v[0], v[1], 0, NULL), 1);
+  dp_value_release(v[0]);
+  dp_value_release(v[1]);
+  ASSERT_NO_LEAK();
+}
+
+Test(value, dict_keys_that_hash_alike_but_differ_are_never_remembered_as_equal) {
+  /* k2 is made to keep k1's hash: the two shared keys meet in one dict
+   * pair (found unequal) and alone in the next, which must not take them for
+   * a pair found equal before */
+  dp_value_t k1 = t_str("one"), k2 = t_str("two");
+  (void)dp_value_hash(k1);  /* k1 keeps its hash */
+  dp__store_relaxed(&DP_STROBJ(k2)->hash, dp__load_relaxed(&DP_STROBJ(k1)->hash));
+  dp_value_t xa, ya, xb, yb, a = t_list(), b = t_list();
+  OK(dp_dict_new(0, &xa, T_ERR));
+  OK(dp_dict_new(0, &ya, T_ERR));
+  OK(dp_dict_new(0, &xb, T_ERR));
+  OK(dp_dict_new(0, &yb, T_ERR));
+  OK(dp_dict_set(xa, dp_value_retain(k1), dp_int(1), T_ERR));
+  OK(dp_dict_set(xa, dp_value_retain(k2), dp_int(2), T_ERR));
+  OK(dp_dict_set(ya, dp_value_retain(k2), dp_int(2), T_ERR));  /* met first when k1 is looked up */
+  OK(dp_dict_set(ya, dp_value_retain(k1), dp_int(1), T_ERR));
+  OK(dp_dict_set(xb, dp_value_retain(k1), dp_int(1), T_ERR));
+  OK(dp_dict_set(yb, dp_value_retain(k2), dp_int(1), T_ERR));
+  OK(dp_list_append(a, xa, T_ERR));
+  OK(dp_list_append(a, xb, T_ERR));
+  OK(dp_list_append(b, ya, T_ERR));
+  OK(dp_list_append(b, yb, T_ERR));
+  cr_assert_eq(dp_value_equal(xa, ya, 0, NULL), 1);
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 0, "{'one': 1} and {'two': 1} are not equal");
+  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING, NULL), 0);
+  dp_value_release(k1);
+  dp_value_release(k2);
+  dp_value_release(a);
+  dp_value_release(b);
   ASSERT_NO_LEAK();
 }
