@@ -3598,3 +3598,112 @@ Test(value, dict_keys_that_hash_alike_but_differ_are_never_remembered_as_equal) 
   dp_value_release(b);
   ASSERT_NO_LEAK();
 }
+
+Test(base, a_failure_is_wrapped_in_the_calls_name_with_its_code_and_backend_code_kept) {
+  dp_error_t e;
+  dp__err(&e, DP_ECUDA, "cudaMalloc: out of memory");
+  e.backend_code = 2;
+  cr_assert_eq(dp__err_prefix(&e, DP_ECUDA, "dp_storage_new"), DP_ECUDA);
+  cr_assert_str_eq(e.message, "dp_storage_new: cudaMalloc: out of memory");
+  cr_assert(e.code == DP_ECUDA && e.backend_code == 2 && e.offset == -1);
+  cr_assert_eq(dp__err_suffix(&e, DP_ECUDA, " at $.x"), DP_ECUDA);
+  cr_assert_str_eq(e.message, "dp_storage_new: cudaMalloc: out of memory at $.x");
+  cr_assert_eq(e.backend_code, 2);
+  cr_assert_eq(dp__err_prefix(&e, 0, "unused"), 0, "a success is no failure to wrap");
+  cr_assert_eq(dp__err_suffix(&e, 1, " unused"), 1);
+  cr_assert_str_eq(e.message, "dp_storage_new: cudaMalloc: out of memory at $.x", "and leaves err alone");
+  cr_assert_eq(dp__err_prefix(NULL, DP_EIO, "x"), DP_EIO, "a NULL err still gives the code back");
+}
+
+Test(base, an_array_is_asked_of_the_allocator_up_to_the_largest_size_that_fits) {
+  dp_set_allocator(refuse_huge, NULL);
+  g_largest_asked = 0;
+  cr_assert_null(dp__alloc_array(SIZE_MAX / 16, 16));
+  cr_assert_eq(g_largest_asked, SIZE_MAX / 16 * 16, "SIZE_MAX - 15 bytes fit: the allocator says no");
+  g_largest_asked = 0;
+  cr_assert_null(dp__alloc_array(SIZE_MAX / 16 + 1, 16));
+  cr_assert_eq(g_largest_asked, 0, "one more overflows: nothing is asked");
+  ASSERT_NO_LEAK();
+}
+
+Test(value, a_value_compared_with_itself_is_equal_at_its_root_without_walking_it) {
+  extern _Thread_local uint64_t dp__eq_pairs_walked;
+  dp_value_t l = t_list();
+  for (int i = 0; i < 100; i++) OK(dp_list_append(l, t_list(), T_ERR));
+  dp__eq_pairs_walked = 0;
+  cr_assert_eq(dp_value_equal(l, l, 0, NULL), 1);
+  cr_assert_eq(dp__eq_pairs_walked, 1);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
+
+/* A list of n items, each an empty list (heap) or an int (a leaf), or a dict
+ * of n entries keyed by a str of its own or by an int. */
+static dp_value_t n_items(int n, int heap, int dict) {
+  dp_value_t v;
+  if (dict) OK(dp_dict_new(0, &v, T_ERR));
+  else v = t_list();
+  for (int i = 0; i < n; i++) {
+    char k[16];
+    snprintf(k, sizeof k, "k%d", i);
+    dp_value_t item = heap ? t_list() : dp_int(i);
+    if (!dict) OK(dp_list_append(v, item, T_ERR));
+    else OK(dp_dict_set(v, heap ? t_str(k) : dp_int(i), item, T_ERR));
+  }
+  return v;
+}
+
+Test(value, trees_compare_with_their_stack_alone_unshared_nodes_and_keys_are_not_remembered) {
+  /* a node (or a dict key) held once has one way in: its pair cannot be met
+   * again, so comparing trees allocates what a list of ints of the same
+   * length does (the stack), whatever their nodes */
+  for (int dict = 0; dict < 2; dict++) {
+    long asked[2];
+    for (int heap = 0; heap < 2; heap++) {
+      dp_value_t a = n_items(1000, heap, dict), b = n_items(1000, heap, dict);
+      long before = t_alloc_count;
+      cr_assert_eq(dp_value_equal(a, b, 0, NULL), 1);
+      asked[heap] = t_alloc_count - before;
+      dp_value_release(a);
+      dp_value_release(b);
+    }
+    cr_assert_eq(asked[1], asked[0], "%s: %ld allocations for heap nodes, %ld for ints", dict ? "dict" : "list",
+                 asked[1], asked[0]);
+  }
+  ASSERT_NO_LEAK();
+}
+
+Test(value, an_equality_that_runs_out_of_memory_never_finds_values_that_differ_equal) {
+  /* 16 items alike but one, in a list, a dict and an object: whichever
+   * allocation fails (the stack grows at the 1st, 5th and 9th item pushed),
+   * the answer is "not equal" or DP_ENOMEM, never "equal" */
+  for (int shape = 0; shape < 3; shape++) {
+    for (int odd = 0; odd < 16; odd++) {
+      dp_value_t v[2];
+      for (int s = 0; s < 2; s++) {
+        if (shape == 0) v[s] = t_list();
+        if (shape == 1) OK(dp_dict_new(0, &v[s], T_ERR));
+        if (shape == 2) v[s] = t_obj("C");
+        for (int i = 0; i < 16; i++) {
+          dp_value_t item = dp_int(s && i == odd ? -1 : i);
+          char name[8];
+          snprintf(name, sizeof name, "a%d", i);
+          if (shape == 0) OK(dp_list_append(v[s], item, T_ERR));
+          if (shape == 1) OK(dp_dict_set(v[s], dp_int(i), item, T_ERR));
+          if (shape == 2) OK(dp_object_set(v[s], name, item, T_ERR));
+        }
+      }
+      for (unsigned flags = 0; flags < 2; flags++)
+        for (long k = 1; k < 40; k++) {
+          t_fail_at = t_alloc_count + k;
+          int rc = dp_value_equal(v[0], v[1], flags, NULL);
+          t_fail_at = 0;
+          cr_assert(rc == 0 || rc == DP_ENOMEM, "shape %d, item %d, flags %u, allocation %ld: %d", shape, odd, flags,
+                    k, rc);
+        }
+      dp_value_release(v[0]);
+      dp_value_release(v[1]);
+    }
+  }
+  ASSERT_NO_LEAK();
+}
