@@ -3707,3 +3707,11 @@ Test(value, an_equality_that_runs_out_of_memory_never_finds_values_that_differ_e
   }
   ASSERT_NO_LEAK();
 }
+
+Test(base, only_the_negative_codes_of_the_table_are_codes_not_zero_nor_their_neighbours) {
+  cr_assert_eq(dp__is_code(0), 0, "success is no error code");
+  cr_assert_eq(dp__is_code(DP_EINVAL), 1);
+  cr_assert_eq(dp__is_code(DP_ECANCELED), 1);
+  cr_assert_eq(dp__is_code(DP_ECANCELED - 1), 0);
+  cr_assert_eq(dp__is_code(1), 0);
+}
