@@ -3715,3 +3715,56 @@ Test(base, only_the_negative_codes_of_the_table_are_codes_not_zero_nor_their_nei
   cr_assert_eq(dp__is_code(DP_ECANCELED - 1), 0);
   cr_assert_eq(dp__is_code(1), 0);
 }
+
+Test(value, with_sharing_two_nodes_each_matched_to_another_are_no_pair_of_their_own) {
+  /* [p, q, p] and [r, s, s]: p is r's and s is q's; the third pair (p, s)
+   * finds both nodes matched already, each to another */
+  dp_value_t p = t_list(), q = t_list(), r = t_list(), s = t_list(), a = t_list(), b = t_list();
+  OK(dp_list_append(a, p, T_ERR));
+  OK(dp_list_append(a, q, T_ERR));
+  OK(dp_list_append(a, dp_value_retain(p), T_ERR));
+  OK(dp_list_append(b, r, T_ERR));
+  OK(dp_list_append(b, s, T_ERR));
+  OK(dp_list_append(b, dp_value_retain(s), T_ERR));
+  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING, NULL), 0);
+  cr_assert_eq(dp_value_equal(b, a, DP_EQ_SHARING, NULL), 0);
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 1, "as trees they are equal");
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
+
+/* Notes the osize of each call that allocates (ptr NULL, nsize > 0). */
+static long g_hook_calls;
+static size_t g_hook_osize;
+static void *note_osize(void *ud, void *ptr, size_t osize, size_t nsize) {
+  g_hook_calls++;
+  if (!ptr) g_hook_osize = osize;
+  return t_alloc(ud, ptr, osize, nsize);
+}
+
+Test(base, a_realloc_of_no_block_is_an_allocation_the_hook_sees_with_osize_zero) {
+  dp_set_allocator(note_osize, NULL);
+  g_hook_calls = 0;
+  g_hook_osize = 99;
+  void *p = dp__realloc(NULL, 32, 16);  /* a caller's stale size is not passed on */
+  cr_assert_not_null(p);
+  cr_assert_eq(g_hook_osize, 0);
+  dp__free(p, 16);
+  long calls = g_hook_calls;
+  cr_assert_null(dp__realloc(NULL, 0, 0), "nothing to allocate");
+  cr_assert_eq(g_hook_calls, calls, "and the hook is not called for it");
+  ASSERT_NO_LEAK();
+}
+
+Test(base, a_refused_device_quotes_its_first_32_bytes_whole_even_when_each_is_escaped_to_six) {
+  char s[41], want[300] = "dp_device_parse: '";
+  memset(s, 1, 40);
+  s[40] = '\0';
+  for (int i = 0; i < 32; i++) strcat(want, "\\u0001");
+  strcat(want, "\xe2\x80\xa6' is not a device (cpu, cuda:N or host:N, N 0..255)");
+  dp_device_t d;
+  dp_error_t e;
+  cr_assert_eq(dp_device_parse(s, &d, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, want);
+}
