@@ -3768,3 +3768,23 @@ Test(base, a_refused_device_quotes_its_first_32_bytes_whole_even_when_each_is_es
   cr_assert_eq(dp_device_parse(s, &d, &e), DP_EINVAL);
   cr_assert_str_eq(e.message, want);
 }
+
+Test(base, the_default_allocator_gives_one_byte_and_nothing_for_zero) {
+  dp_set_allocator(NULL, NULL);
+  dp_alloc_fn fn = dp_get_allocator(NULL);
+  char *p = fn(NULL, NULL, 0, 1);
+  cr_assert_not_null(p, "one byte is an allocation");
+  *p = 'x';
+  cr_assert_null(fn(NULL, p, 1, 0));
+  cr_assert_null(fn(NULL, NULL, 0, 0), "nsize 0 with no block: nothing, not malloc(0)'s block");
+}
+
+Test(base, grow_inl_copies_out_to_the_need_when_it_is_a_power_of_two_not_past_it) {
+  int inl[4] = {1, 2, 3, 4};
+  int *a = inl;
+  size_t cap = 4;
+  OK(dp__grow_inl((void **)&a, &cap, 8, sizeof *a, inl));
+  cr_assert_eq(cap, 8);
+  dp__free(a, cap * sizeof *a);
+  ASSERT_NO_LEAK();
+}
