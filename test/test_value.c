@@ -3788,3 +3788,19 @@ Test(base, grow_inl_copies_out_to_the_need_when_it_is_a_power_of_two_not_past_it
   dp__free(a, cap * sizeof *a);
   ASSERT_NO_LEAK();
 }
+
+Test(value, a_str_key_and_a_bytes_key_that_hash_alike_are_different_keys) {
+  dp_value_t s = t_str("k"), by, a, b;
+  OK(dp_bytes_new("k", 1, &by, T_ERR));
+  (void)dp_value_hash(s);  /* s keeps its hash; the bytes are made to keep it too */
+  dp__store_relaxed(&DP_STROBJ(by)->hash, dp__load_relaxed(&DP_STROBJ(s)->hash));
+  OK(dp_dict_new(0, &a, T_ERR));
+  OK(dp_dict_new(0, &b, T_ERR));
+  OK(dp_dict_set(a, s, dp_int(1), T_ERR));
+  OK(dp_dict_set(b, by, dp_int(1), T_ERR));
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 0);
+  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING, NULL), 0);
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
