@@ -3804,3 +3804,38 @@ Test(value, a_str_key_and_a_bytes_key_that_hash_alike_are_different_keys) {
   dp_value_release(b);
   ASSERT_NO_LEAK();
 }
+
+Test(base, fit_never_splits_a_character_even_when_nothing_of_the_beginning_is_left) {
+  char dst[8];
+  /* four 3-byte euro signs into 8 bytes: 2 bytes are left for each side,
+   * too few for one whole character */
+  dp__fit(dst, sizeof dst, "\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac\xe2\x82\xac");
+  cr_assert_str_eq(dst, "\xe2\x80\xa6");
+}
+
+Test(value, a_key_shared_on_one_side_only_is_compared_once_however_often_its_dict_is_met) {
+  /* 200 dicts keyed by one 100 kB str against one dict, keyed by a str of its
+   * own, listed 200 times: the pair of keys is met 200 times */
+  enum { LEN = 100000, DICTS = 200 };
+  char *text = malloc(LEN);
+  memset(text, 'k', LEN);
+  dp_value_t s, s2, a = t_list(), b = t_list(), d = t_dict();
+  OK(dp_str_new(text, LEN, &s, T_ERR));
+  OK(dp_str_new(text, LEN, &s2, T_ERR));
+  free(text);
+  OK(dp_dict_set(d, s2, dp_int(0), T_ERR));
+  for (int i = 0; i < DICTS; i++) {
+    dp_value_t x = t_dict();
+    OK(dp_dict_set(x, dp_value_retain(s), dp_int(0), T_ERR));
+    OK(dp_list_append(a, x, T_ERR));
+    OK(dp_list_append(b, dp_value_retain(d), T_ERR));
+  }
+  dp__key_bytes_compared = 0;
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 1);
+  cr_assert_leq(dp__key_bytes_compared, 2 * LEN, "%llu key bytes compared", (unsigned long long)dp__key_bytes_compared);
+  dp_value_release(s);
+  dp_value_release(d);
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
