@@ -3839,3 +3839,28 @@ Test(value, a_key_shared_on_one_side_only_is_compared_once_however_often_its_dic
   dp_value_release(b);
   ASSERT_NO_LEAK();
 }
+
+Test(value, with_sharing_an_equality_that_runs_out_of_memory_never_takes_two_nodes_for_one) {
+  /* [f, f, f, p, q] and [g, g, g, r, r], the f and g all of their own: r's
+   * match, once refused a place in the bijection (whose arrays grow at the
+   * fifth node), must not be forgotten, or q would match r as well */
+  dp_value_t p = t_list(), q = t_list(), r = t_list(), a = t_list(), b = t_list();
+  for (int i = 0; i < 3; i++) {
+    OK(dp_list_append(a, t_list(), T_ERR));
+    OK(dp_list_append(b, t_list(), T_ERR));
+  }
+  OK(dp_list_append(a, p, T_ERR));
+  OK(dp_list_append(a, q, T_ERR));
+  OK(dp_list_append(b, r, T_ERR));
+  OK(dp_list_append(b, dp_value_retain(r), T_ERR));
+  for (int dir = 0; dir < 2; dir++)
+    for (long k = 1; k < 40; k++) {
+      t_fail_at = t_alloc_count + k;
+      int rc = dir ? dp_value_equal(b, a, DP_EQ_SHARING, NULL) : dp_value_equal(a, b, DP_EQ_SHARING, NULL);
+      t_fail_at = 0;
+      cr_assert(rc == 0 || rc == DP_ENOMEM, "direction %d, allocation %ld: %d", dir, k, rc);
+    }
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
