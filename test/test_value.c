@@ -3864,3 +3864,17 @@ Test(value, with_sharing_an_equality_that_runs_out_of_memory_never_takes_two_nod
   dp_value_release(b);
   ASSERT_NO_LEAK();
 }
+
+Test(value, a_dict_holding_all_of_anothers_entries_and_one_more_is_not_equal_to_it) {
+  dp_value_t a = t_dict(), b = t_dict();
+  OK(dp_dict_set(a, dp_int(1), dp_int(1), T_ERR));
+  OK(dp_dict_set(b, dp_int(1), dp_int(1), T_ERR));
+  OK(dp_dict_set(b, dp_int(2), dp_int(2), T_ERR));
+  for (unsigned flags = 0; flags <= DP_EQ_SHARING; flags++) {
+    cr_assert_eq(dp_value_equal(a, b, flags, NULL), 0, "flags %u", flags);
+    cr_assert_eq(dp_value_equal(b, a, flags, NULL), 0, "flags %u", flags);
+  }
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
