@@ -3878,3 +3878,53 @@ Test(value, a_dict_holding_all_of_anothers_entries_and_one_more_is_not_equal_to_
   dp_value_release(b);
   ASSERT_NO_LEAK();
 }
+
+Test(base, a_callback_message_filling_the_buffer_loses_only_its_last_byte_and_a_wrapped_one_keeps_its_end) {
+  dp_error_t e;
+  dp_error_clear(&e);
+  memset(e.message, 'x', sizeof e.message);  /* as strncpy leaves it: no NUL */
+  cr_assert_eq(dp__cb_rc(DP_EIO, &e, "bind"), DP_EIO);
+  cr_assert_eq(strlen(e.message), DP_ERROR_MSG_MAX - 1);
+  e.message[DP_ERROR_MSG_MAX - 2] = 'Z';
+  cr_assert_eq(dp__err_suffix(&e, DP_EIO, ""), DP_EIO);
+  cr_assert_eq(strlen(e.message), DP_ERROR_MSG_MAX - 1);
+  cr_assert_eq(e.message[DP_ERROR_MSG_MAX - 2], 'Z', "a message of 2,047 bytes is wrapped whole");
+}
+
+Test(value, a_dict_key_met_twice_is_compared_once_whichever_side_holds_it_twice) {
+  /* [x1, x2], both keyed by one str k (two references), against [d, d], d
+   * keyed by a str of its own: the pair (k, d's key) is met twice */
+  enum { LEN = 100000 };
+  char *text = malloc(LEN);
+  memset(text, 'k', LEN);
+  dp_value_t k, k2, a = t_list(), b = t_list(), d = t_dict();
+  OK(dp_str_new(text, LEN, &k, T_ERR));
+  OK(dp_str_new(text, LEN, &k2, T_ERR));
+  free(text);
+  OK(dp_dict_set(d, k2, dp_int(0), T_ERR));
+  for (int i = 0; i < 2; i++) {
+    dp_value_t x = t_dict();
+    OK(dp_dict_set(x, i ? k : dp_value_retain(k), dp_int(0), T_ERR));
+    OK(dp_list_append(a, x, T_ERR));
+    OK(dp_list_append(b, dp_value_retain(d), T_ERR));
+  }
+  dp_value_release(d);
+  for (int dir = 0; dir < 2; dir++) {
+    dp__key_bytes_compared = 0;
+    cr_assert_eq(dir ? dp_value_equal(b, a, 0, NULL) : dp_value_equal(a, b, 0, NULL), 1);
+    cr_assert_eq(dp__key_bytes_compared, LEN, "direction %d: %llu key bytes compared", dir,
+                 (unsigned long long)dp__key_bytes_compared);
+  }
+  /* one key node in both: nothing to compare */
+  dp_value_t y = t_dict(), z = t_dict(), s = t_str("shared");
+  OK(dp_dict_set(y, dp_value_retain(s), dp_int(0), T_ERR));
+  OK(dp_dict_set(z, s, dp_int(0), T_ERR));
+  dp__key_bytes_compared = 0;
+  cr_assert_eq(dp_value_equal(y, z, 0, NULL), 1);
+  cr_assert_eq(dp__key_bytes_compared, 0);
+  dp_value_release(y);
+  dp_value_release(z);
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
