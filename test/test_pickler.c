@@ -3490,7 +3490,7 @@ static int resolve_counting(void *ud, const char *type_name, dp_value_t state, d
  * name, the whole list for one it lacks), a list of 17 looked up. */
 Test(pickler, an_allow_list_finds_each_of_its_names_on_either_side_of_the_index_threshold) {
   for (int ntypes = 16; ntypes <= 17; ntypes++) {
-    char names[17][8];
+    char names[17][16];
     const char *types[17];
     dp_value_t l = t_list(), r;
     for (int i = 0; i < ntypes; i++) {

@@ -3686,7 +3686,7 @@ Test(value, an_equality_that_runs_out_of_memory_never_finds_values_that_differ_e
         if (shape == 2) v[s] = t_obj("C");
         for (int i = 0; i < 16; i++) {
           dp_value_t item = dp_int(s && i == odd ? -1 : i);
-          char name[8];
+          char name[16];
           snprintf(name, sizeof name, "a%d", i);
           if (shape == 0) OK(dp_list_append(v[s], item, T_ERR));
           if (shape == 1) OK(dp_dict_set(v[s], dp_int(i), item, T_ERR));
