@@ -33,10 +33,10 @@ static int with_slots(dpy_scanner_t *s, PyObject *o, PyObject *names, PyObject *
       PyErr_SetString(PyExc_RuntimeError, "__slotnames__ changed size during the walk");
       return dpy_walk_error(s, o, "its __slots__ cannot be read");
     }
-    int rc = v ? PyDict_SetItem(all, name, v) : 0;
+    int rc = v ? PyDict_SetItem(all, name, v) : 0; /* a name whose __hash__ raises: the value's error */
     Py_DECREF(name);
     Py_XDECREF(v);
-    if (rc) return -1;
+    if (rc) return dpy_walk_error(s, o, "its __slots__ cannot be read");
   }
   *d = all;
   return 0;

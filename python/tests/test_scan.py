@@ -4347,3 +4347,28 @@ def test_dumps_of_a_tensor_whose_subclass_is_in_copyreg_dispatch_table_names_the
             devpickle.dumps(t)
     finally:
         del copyreg.dispatch_table[Dispatched]
+
+
+def test_a_slot_name_that_cannot_be_hashed_is_a_walk_error_naming_the_object():
+    """A class's __slotnames__ may hold a str whose __hash__ raises; its
+    __getattribute__ answers the read all the same, and the name cannot key
+    the state: a WalkError at the object's path, the hash's error its cause."""
+    class Unhashable(str):
+        def __hash__(self):
+            raise ValueError("no hash")
+
+        __eq__ = str.__eq__
+
+    class Slots(bytearray):
+        __slots__ = ("a",)
+
+        def __getattribute__(self, n):
+            return torch.ones(1) if n == "a" else bytearray.__getattribute__(self, n)
+
+    Slots.__slotnames__ = [Unhashable("a")]
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"b": Slots(b"x")})
+    assert e.value.path == "$.b"
+    assert e.value.type_name.endswith("Slots")
+    assert "its __slots__ cannot be read: no hash" in str(e.value)
+    assert type(e.value.__cause__) is ValueError
