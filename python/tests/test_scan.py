@@ -4372,3 +4372,221 @@ def test_a_slot_name_that_cannot_be_hashed_is_a_walk_error_naming_the_object():
     assert e.value.type_name.endswith("Slots")
     assert "its __slots__ cannot be read: no hash" in str(e.value)
     assert type(e.value.__cause__) is ValueError
+
+
+def test_an_abc_listed_opaque_is_asked_once_for_a_type_not_once_for_each_of_its_instances():
+    """ABCMeta keeps its answer for a type; so does the walk: a hundred
+    instances of one class run the ABC's __instancecheck__ once a walk."""
+    import abc
+
+    class Handle(abc.ABC):
+        pass
+
+    class Foreign:
+        def __init__(self, t):
+            self.t = t
+
+    value = [Foreign(torch.ones(1)) for _ in range(100)]
+    for paths in (True, False):
+        calls = []
+
+        def prof(frame, event, arg):
+            if event == "call" and frame.f_code.co_name == "__instancecheck__":
+                calls.append(frame.f_locals.get("instance"))
+
+        sys.setprofile(prof)
+        try:
+            got = _nbytes(value, paths=paths, opaque=(OpaqueBase, Handle))
+        finally:
+            sys.setprofile(None)
+        assert got == [4] * 100
+        assert len([c for c in calls if type(c) is Foreign]) == 1, paths
+
+
+def test_the_metaclasses_an_opaque_walk_watches_are_let_go_of_when_it_ends():
+    class Meta(type):
+        pass
+
+    class Listed(metaclass=Meta):
+        pass
+
+    class Other(metaclass=Meta):
+        pass
+
+    before = sys.getrefcount(Meta)
+    for _ in range(20):
+        assert _nbytes([torch.ones(2)], opaque=(Listed, Other)) == [8]
+    assert sys.getrefcount(Meta) == before
+
+
+def test_a_future_subclass_with_a_reduce_ex_of_its_own_is_reduced_through_it():
+    t = torch.ones(2)
+
+    class PortableEx(devpickle.Future):
+        def __reduce_ex__(self, protocol):
+            return (PortableEx, (), {"t": t})
+
+    (path,) = [a.path for a in devpickle.scan([PortableEx()])]
+    assert path.startswith("$[0]<reduce ") and path.endswith(">.state.t"), path
+
+
+class Global:
+    """Reduced to a global by name, as pickle saves it: a leaf."""
+
+    def __reduce__(self):
+        return "Global"
+
+
+def test_an_object_whose_reduce_is_a_global_name_is_a_leaf():
+    t = torch.ones(2)
+    assert [a.path for a in devpickle.scan([Global(), {"g": Global(), "t": t}])] == ["$[1].t"]
+
+
+def test_a_class_whose_reduce_ex_cannot_be_looked_up_on_it_is_walked_through_its_reduce():
+    """A metaclass that hides __reduce_ex__ from the class (not from its
+    instances, which pickle asks) leaves no sign of pickle's default: the
+    instance is reduced, as pickle reduces it, not read as a plain object."""
+
+    class Hides(type):
+        def __getattribute__(cls, name):
+            if name == "__reduce_ex__":
+                raise AttributeError(name)
+            return type.__getattribute__(cls, name)
+
+    class Hidden(metaclass=Hides):
+        def __init__(self, t):
+            self.t = t
+
+    (path,) = [a.path for a in devpickle.scan([Hidden(torch.ones(2))])]
+    assert path.startswith("$[0]<reduce ") and path.endswith(">.state.t"), path
+
+
+def test_the_state_an_own_getstate_returns_is_let_go_of_when_the_walk_ends():
+    t = torch.ones(2)
+    state = {"t": t}
+
+    class Stated(bytearray):
+        def __getstate__(self):
+            return state
+
+    b = Stated(b"x")
+    assert [a.path for a in devpickle.scan([b])][1].endswith(">.state.t")
+    before = sys.getrefcount(state)
+    for _ in range(20):
+        devpickle.scan([b])
+    assert sys.getrefcount(state) == before
+
+
+def test_an_own_getstate_that_raises_is_a_walk_error_naming_the_object():
+    class Refuses(bytearray):
+        def __getstate__(self):
+            raise ValueError("no state")
+
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"b": Refuses(b"x")})
+    assert e.value.path == "$.b"
+    assert e.value.type_name.endswith("Refuses")
+    assert "its __getstate__ failed: no state" in str(e.value)
+    assert type(e.value.__cause__) is ValueError
+
+
+class _Maker:
+    """A reduce's callable without a __name__ (pickle saves it by its own
+    reduce), or whose __name__ raises."""
+
+    def __init__(self, broken):
+        self.broken = broken
+
+    def __call__(self, *args):
+        return None
+
+    def __getattr__(self, name):
+        if name == "__name__" and self.broken:
+            raise ValueError("no name")
+        raise AttributeError(name)
+
+
+def test_a_reduce_callable_whose_name_cannot_be_read_is_a_walk_error_unless_it_has_none():
+    class Made:
+        def __init__(self, broken):
+            self.broken = broken
+
+        def __reduce__(self):
+            return (_Maker(self.broken), (torch.ones(2),))
+
+    (path,) = [a.path for a in devpickle.scan([Made(False)])]
+    assert path.startswith("$[0]<reduce ") and path.endswith(">.args[0]"), path
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"m": Made(True)})
+    assert e.value.path == "$.m"
+    assert e.value.type_name.endswith("Made")
+    assert "it cannot be reduced (if it holds no device memory, list its type in opaque=): no name" in str(e.value)
+    assert type(e.value.__cause__) is ValueError
+
+
+def test_an_instance_of_a_module_subclass_is_refused_as_pickle_refuses_it_not_walked_as_an_object():
+    import types
+
+    class Namespace(types.ModuleType):
+        pass
+
+    m = Namespace("ns")
+    m.t = torch.ones(2)
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"m": m})
+    assert e.value.path == "$.m"
+    assert e.value.type_name.endswith("Namespace")
+    assert str(e.value).endswith("it cannot be reduced (if it holds no device memory, list its type in opaque=): "
+                                 "cannot pickle 'Namespace' object")
+
+
+def test_an_abc_listed_opaque_is_asked_for_an_object_whose_class_answers_its_own_dunder_class():
+    """ABCMeta reads o.__class__: for a class with a __class__ of its own the
+    ABC is asked for each object, the ABC itself included, as isinstance asks it."""
+    import abc
+
+    class Handle(abc.ABC):
+        pass
+
+    class Odd:
+        def __init__(self, t):
+            self.t = t
+
+        @property
+        def __class__(self):
+            return Odd
+
+    Handle.register(Odd)
+    assert isinstance(Odd(None), Handle)
+    for paths in (True, False):
+        assert _nbytes([Odd(torch.ones(2)), torch.ones(3)], paths=paths, opaque=(Handle, OpaqueBase)) == [12], paths
+
+
+def test_a_slot_of_a_buffer_subclass_that_cannot_be_read_is_a_walk_error_naming_the_object():
+    class Unreadable(bytearray):
+        __slots__ = ("a",)
+
+        def __getattribute__(self, n):
+            if n == "a":
+                raise ValueError("unreadable")
+            return bytearray.__getattribute__(self, n)
+
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"b": Unreadable(b"x")})
+    assert e.value.path == "$.b"
+    assert e.value.type_name.endswith("Unreadable")
+    assert "a slot cannot be read: unreadable" in str(e.value)
+    assert type(e.value.__cause__) is ValueError
+
+
+def test_an_objects_reduce_ex_is_asked_for_protocol_5_as_the_walk_promises():
+    asked = []
+    t = torch.ones(2)
+
+    class Asks:
+        def __reduce_ex__(self, protocol):
+            asked.append(protocol)
+            return (Asks, (), {"t": t})
+
+    (path,) = [a.path for a in devpickle.scan([Asks()])]
+    assert path.endswith(">.state.t") and asked == [5], (path, asked)
