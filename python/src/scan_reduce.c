@@ -325,7 +325,6 @@ PyObject *dpy_private_list(PyObject *l) {
 }
 
 PyObject *dpy_drain(dpy_scanner_t *s, PyObject *it) {
-  if (PyList_CheckExact(it) || PyTuple_CheckExact(it)) return dpy_keep(s, dpy_private_list(PySequence_List(it)));
   PyObject *iter = PyObject_GetIter(it);
   if (!iter) return NULL;
   PyObject *l = dpy_private_list(PyList_New(0)), *x = NULL;
