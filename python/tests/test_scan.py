@@ -4590,3 +4590,25 @@ def test_an_objects_reduce_ex_is_asked_for_protocol_5_as_the_walk_promises():
 
     (path,) = [a.path for a in devpickle.scan([Asks()])]
     assert path.endswith(">.state.t") and asked == [5], (path, asked)
+
+
+def test_a_buffer_subclass_type_is_asked_for_its_slots_once_not_once_an_instance():
+    code = (
+        "import copyreg\n"
+        "calls = []\n"
+        "orig = copyreg._slotnames\n"
+        "def counting(cls):\n"
+        "    calls.append(cls)\n"
+        "    return orig(cls)\n"
+        "copyreg._slotnames = counting\n"
+        "import devpickle\n"
+        "class B(bytearray):\n"
+        "    pass\n"
+        "v = [B(b'x') for _ in range(100)]\n"
+        "for _ in range(3):\n"
+        "    devpickle.scan(v)\n"
+        "print(sum(c is B for c in calls))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout) <= 3, r.stdout
