@@ -4612,3 +4612,19 @@ def test_a_buffer_subclass_type_is_asked_for_its_slots_once_not_once_an_instance
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout) <= 3, r.stdout
+
+
+def test_a_tensor_class_that_cannot_be_looked_up_in_the_dispatch_table_is_a_walk_error():
+    class Unhashable(type(torch.Tensor)):
+        def __hash__(cls):
+            raise ValueError("no hash")
+
+    class Odd(torch.Tensor, metaclass=Unhashable):
+        pass
+
+    o = torch.ones(2).as_subclass(Odd)
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"o": o})
+    assert e.value.path == "$.o"
+    assert "its reduce cannot be looked up: no hash" in str(e.value), str(e.value)
+    assert type(e.value.__cause__) is ValueError
