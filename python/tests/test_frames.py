@@ -3950,16 +3950,18 @@ def _loads_with_new_raising(frame, exc):
 
 def test_an_allowed_class_whose_new_raises_is_that_error_named_at_the_object_and_nothing_else_is_made():
     frame = devpickle.dumps({"k": [_NewRefuses(), [1]]})
-    with pytest.raises(RuntimeError, match=r"^__new__ refused$") as e:
+    with pytest.raises(RuntimeError) as e:  # str(): pytest 8 matches the notes too
         _loads_with_new_raising(frame, RuntimeError("__new__ refused"))
+    assert str(e.value) == "__new__ refused"
     assert e.value.__notes__ == ["raised while devpickle.loads rebuilt $.k[0]"]
     assert type(devpickle.loads(frame, classes=_NewRefuses)["k"][0]) is _NewRefuses
 
 
 def test_a_memory_error_raised_while_rebuilding_is_left_as_it_is_without_a_note():
     frame = devpickle.dumps({"k": [_NewRefuses()]})
-    with pytest.raises(MemoryError, match=r"^out of it$") as e:
+    with pytest.raises(MemoryError) as e:
         _loads_with_new_raising(frame, MemoryError("out of it"))
+    assert str(e.value) == "out of it"
     assert not hasattr(e.value, "__notes__")
 
 
