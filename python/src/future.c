@@ -149,9 +149,6 @@ static const dp_cache_hooks_t owner_hooks = {NULL, record_stream, record_streams
 
 /* ---- construction ---- */
 
-/* 1 when x is a numpy integer scalar (numpy.integer: np.int64(0), not
- * np.bool_), which torch reads as a CUDA index as it reads an int; 0 when it
- * is not, or numpy was never imported; -1 with an exception set. */
 /* A device's text as torch names it: the library's names, and torch's cpu
  * with an index ("cpu:0", torch.device("cpu", 0): torch's own future takes
  * its cpu device only so), which is cpu whatever N 0..255 says. */
@@ -166,6 +163,9 @@ static int parse_device(const char *txt, dp_device_t *d, dp_error_t *e) {
   return 0;
 }
 
+/* 1 when x is a numpy integer scalar (numpy.integer: np.int64(0), not
+ * np.bool_), which torch reads as a CUDA index as it reads an int; 0 when it
+ * is not, or numpy was never imported; -1 with an exception set. */
 static int is_numpy_integer(PyObject *x) {
   if (PyLong_Check(x) || PyUnicode_Check(x)) return 0;
   if (dpy_resolve_frameworks()) return -1;
