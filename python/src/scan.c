@@ -50,6 +50,7 @@ static int is_opaque(dpy_scanner_t *s, PyObject *o) {
   if (op->nwatch && dpy_opaque_stale(op) && dpy_opaque_respec(op)) return -1;
   if (op->nabc && dpy_opaque_token_same(op) < 0) return -1; /* a register() since: answers forgotten */
   Py_ssize_t hit = dpy_opaque_hit(op, Py_TYPE(o));
+  if (hit == OPAQUE_ERR) return -1;
   if (hit == OPAQUE_ASK) {
     s->ran_code = 1;
     if ((hit = dpy_opaque_ask(op, o)) == OPAQUE_ERR) return -1;
@@ -75,7 +76,9 @@ static inline int opaque_type(dpy_scanner_t *s, PyTypeObject *t) {
       return 1;
     }
   }
-  return dpy_opaque_hit(&s->op, t) != s->op.n;
+  Py_ssize_t hit = dpy_opaque_hit(&s->op, t);
+  if (hit == OPAQUE_ERR) dpy_clear_error(); /* visit() asks again, and reports it */
+  return hit != s->op.n;
 }
 
 /* 1 when visiting an object of kind k and type t may run the value's own

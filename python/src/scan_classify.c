@@ -7,7 +7,7 @@
 
 #include <string.h>
 
-tcache_ent_t tcache[TCACHE_SIZE];
+tcache_ent_t tcache[1u << TCACHE_BITS][2];
 /* What the walk's helpers swallow (a failed lookup of an attribute, a repr
  * that raised) is an error of the value's, shown as a placeholder or read
  * as "not pickle's default"; an interrupt (KeyboardInterrupt, SystemExit:
@@ -159,7 +159,20 @@ static int version_tag(PyTypeObject *t, unsigned int *tag) {
   return (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) != 0;
 }
 
-uint8_t dpy_classify_slow(PyTypeObject *t, tcache_ent_t *e) {
+/* Keeps kind k for t under tag: in t's own entry where its set holds one
+ * (a stale tag), else first in its set, the set's first moved second (the
+ * one used longest ago goes). */
+static void tcache_keep(PyTypeObject *t, unsigned int tag, uint8_t k) {
+  tcache_ent_t *set = tcache[dpy_type_slot(t, TCACHE_BITS)], *e = &set[0];
+  if (set[1].type == t) e = &set[1];
+  else if (set[0].type != t) set[1] = set[0];
+  e->type = t;
+  e->version = tag;
+  e->kind = k;
+  e->no_slots = 0;
+}
+
+uint8_t dpy_classify_slow(PyTypeObject *t) {
   if (t == &PySet_Type || t == &PyFrozenSet_Type) return K_SET;
   if (t == &PyComplex_Type || t == &PyBytes_Type) return K_LEAF;
   /* kind_of runs Python code (copyreg._slotnames, which sets __slotnames__
@@ -178,10 +191,7 @@ uint8_t dpy_classify_slow(PyTypeObject *t, tcache_ent_t *e) {
     if (held_exc[0]) return K_UNKNOWN;
     if (!version_tag(t, &after) || !tagged) return k; /* no tag to keep it under */
     if (after == before) {
-      e->type = t;
-      e->version = after;
-      e->kind = k;
-      e->no_slots = 0;
+      tcache_keep(t, after, k);
       return k;
     }
   }
@@ -191,7 +201,7 @@ uint8_t dpy_classify_slow(PyTypeObject *t, tcache_ent_t *e) {
 /* Forgets every cached kind (torch or cupy appeared: tensor types change
  * kind). */
 static void tcache_clear(void) {
-  for (size_t i = 0; i < TCACHE_SIZE; i++) tcache[i].type = NULL;
+  memset(tcache, 0, sizeof tcache);
 }
 
 /* The interpreter whose types the cache holds (its id: an address may be
@@ -280,10 +290,36 @@ static int abc_kept(dpy_opaque_t *op, PyTypeObject *T, PyTypeObject *m, PyObject
 }
 
 static void forget(dpy_opaque_t *op) {
+  op->used = 0;
   if (++op->gen == 0) { /* wrapped: entries of 2^32 generations ago would look fresh */
-    memset(op->cache, 0, sizeof op->cache);
+    memset(op->cache, 0, sizeof(dpy_opaque_ent_t) << op->bits);
     op->gen = 1;
   }
+}
+
+/* The slot of t's entry in the table, or of the empty slot where it would
+ * go. */
+static dpy_opaque_ent_t *slot_of(dpy_opaque_t *op, PyTypeObject *t) {
+  size_t mask = ((size_t)1 << op->bits) - 1, i = dpy_type_slot(t, op->bits);
+  while (op->cache[i].gen == op->gen && op->cache[i].type != t) i = (i + 1) & mask;
+  return &op->cache[i];
+}
+
+/* Doubles the table, this generation's entries moved over: 0, or -1 with
+ * MemoryError. */
+static int grow(dpy_opaque_t *op) {
+  size_t n = (size_t)1 << op->bits;
+  dpy_opaque_ent_t *old = op->cache, *big = PyMem_Calloc(2 * n, sizeof *big);
+  if (!big) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  op->cache = big;
+  op->bits++;
+  for (size_t i = 0; i < n; i++)
+    if (old[i].gen == op->gen) *slot_of(op, old[i].type) = old[i];
+  if (old != op->inl) PyMem_Free(old);
+  return 0;
 }
 
 int dpy_opaque_respec(dpy_opaque_t *op) {
@@ -316,6 +352,12 @@ int dpy_opaque_respec(dpy_opaque_t *op) {
 }
 
 void dpy_opaque_end(dpy_opaque_t *op) {
+  if (op->cache != op->inl) { /* the next walk begins with the scanner's own table */
+    PyMem_Free(op->cache);
+    memset(op->inl, 0, sizeof op->inl); /* its entries may be of a generation to come (gen wrapped meanwhile) */
+    op->cache = op->inl;
+    op->bits = OPAQUE_BITS;
+  }
   int n = op->nwatch;
   op->nwatch = op->nabc = op->nmeta = 0;
   Py_CLEAR(op->token);
@@ -323,6 +365,10 @@ void dpy_opaque_end(dpy_opaque_t *op) {
 }
 
 int dpy_opaque_begin(dpy_opaque_t *op, PyObject *types) {
+  if (!op->cache) { /* a zeroed scanner's first walk */
+    op->cache = op->inl;
+    op->bits = OPAQUE_BITS;
+  }
   op->types = types;
   return dpy_opaque_respec(op);
 }
@@ -376,22 +422,30 @@ static Py_ssize_t answer(dpy_opaque_t *op, PyTypeObject *t, PyObject *o) {
 }
 
 /* Keeps hit for t, under the tag t had before it was answered and still
- * has. */
-static void keep(dpy_opaque_t *op, PyTypeObject *t, unsigned int tag, Py_ssize_t hit) {
+ * has: 0, or -1 with MemoryError. */
+static int keep(dpy_opaque_t *op, PyTypeObject *t, unsigned int tag, Py_ssize_t hit) {
   unsigned int now;
-  if (!version_tag(t, &now) || now != tag) return;
-  dpy_opaque_ent_t *e = &op->cache[((uintptr_t)t >> 4) % OPAQUE_CACHE];
+  if (!version_tag(t, &now) || now != tag) return 0;
+  dpy_opaque_ent_t *e = slot_of(op, t);
+  if (e->gen != op->gen) { /* a type not met before: a slot more, the table at most three quarters full */
+    if (4 * (op->used + 1) > ((size_t)3 << op->bits)) {
+      if (grow(op)) return -1;
+      e = slot_of(op, t);
+    }
+    op->used++;
+  }
   e->type = t;
   e->version = tag;
   e->gen = op->gen;
   e->hit = hit;
+  return 0;
 }
 
 Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t) {
   unsigned int tag;
   int tagged = version_tag(t, &tag);
   Py_ssize_t hit = answer(op, t, NULL);
-  if (tagged && hit != OPAQUE_ASK) keep(op, t, tag, hit);
+  if (tagged && hit != OPAQUE_ASK && keep(op, t, tag, hit)) return OPAQUE_ERR;
   return hit;
 }
 
@@ -406,7 +460,7 @@ Py_ssize_t dpy_opaque_ask(dpy_opaque_t *op, PyObject *o) {
   if (hit != OPAQUE_ERR && tagged && !dpy_opaque_stale(op)) {
     int same = dpy_opaque_token_same(op);
     if (same < 0) hit = OPAQUE_ERR;
-    else if (same && op->gen == gen) keep(op, t, tag, hit);
+    else if (same && op->gen == gen && keep(op, t, tag, hit)) hit = OPAQUE_ERR;
   }
   Py_DECREF(t);
   return hit;

@@ -52,8 +52,21 @@ typedef struct tcache_ent {
                          * creation) */
 } tcache_ent_t;
 
-#define TCACHE_SIZE 512
-extern tcache_ent_t tcache[TCACHE_SIZE];
+/* Where type t's entries go in a table of 2^bits slots or sets: its
+ * address mixed (Fibonacci hashing: the top bits of its product with
+ * 2^64/phi). An allocator that aligns types (jemalloc, mimalloc,
+ * ThreadSanitizer's: a class 1 KiB apart from the next) leaves their low
+ * bits equal, and the address's low bits alone put every class in one
+ * slot (each lookup then misses, and runs the classification's Python code
+ * again). */
+static inline size_t dpy_type_slot(const PyTypeObject *t, unsigned bits) {
+  return (size_t)(((uint64_t)(uintptr_t)t * UINT64_C(0x9E3779B97F4A7C15)) >> (64 - bits));
+}
+
+/* The kinds: 2^TCACHE_BITS sets of two (two types that share a set do not
+ * take turns missing). */
+#define TCACHE_BITS 10
+extern tcache_ent_t tcache[1u << TCACHE_BITS][2];
 
 /* The first interrupt or MemoryError a helper of the walk met, kept aside
  * (dpy_clear_error): dpy_scan raises it as it is (dpy_raise_held). */
@@ -71,14 +84,17 @@ void dpy_tcache_leave(int64_t outer);
 
 /* A type not in the cache: classified and cached (out of line, so that the
  * lookup below stays small enough to inline). */
-__attribute__((noinline)) uint8_t dpy_classify_slow(PyTypeObject *t, tcache_ent_t *e);
+__attribute__((noinline)) uint8_t dpy_classify_slow(PyTypeObject *t);
 
 /* The kind of t, cached per type and version tag (a class changed after it
  * was cached gets a new tag, so the cache never answers for a stale class). */
 /* t's cache entry, or NULL when it holds another type or a stale tag. */
 static inline tcache_ent_t *tcache_hit(PyTypeObject *t) {
-  tcache_ent_t *e = &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE];
-  return e->type == t && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && e->version == t->tp_version_tag ? e : NULL;
+  tcache_ent_t *set = tcache[dpy_type_slot(t, TCACHE_BITS)];
+  if (!(t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) return NULL;
+  if (set[0].type == t && set[0].version == t->tp_version_tag) return &set[0];
+  if (set[1].type == t && set[1].version == t->tp_version_tag) return &set[1];
+  return NULL;
 }
 
 /* The exact types that are leaves without a cache lookup. */
@@ -92,7 +108,7 @@ static inline uint8_t classify(PyTypeObject *t) {
   if (t == &PyDict_Type) return K_DICT;
   if (plain_leaf(t)) return K_LEAF;
   tcache_ent_t *e = tcache_hit(t);
-  return e ? e->kind : dpy_classify_slow(t, &tcache[((uintptr_t)t >> 4) % TCACHE_SIZE]);
+  return e ? e->kind : dpy_classify_slow(t);
 }
 
 /* ---- opaque=: which instances are leaves ---- */
@@ -118,8 +134,12 @@ static inline uint8_t classify(PyTypeObject *t) {
  * The cache holds types by address, borrowed and never dereferenced, beside
  * their version tag (a class changed during the walk is answered afresh;
  * see tcache_ent_t for why a tag is never reused), and only for the walk
- * (its generation): nothing is kept alive, nothing outlives the call. */
-#define OPAQUE_CACHE 64
+ * (its generation): nothing is kept alive, nothing outlives the call. It
+ * forgets nothing else: an open-addressing table (linear probes; an entry
+ * of another generation is an empty slot) that doubles past three
+ * quarters full — every type met, however many, is answered once a walk
+ * (a cache that let a type go would ask an ABC again for it). */
+#define OPAQUE_BITS 6 /* the table a walk begins with: 2^6 entries, in the scanner */
 #define OPAQUE_WATCH 8
 #define OPAQUE_ABC 4
 #define OPAQUE_ASK PY_SSIZE_T_MIN        /* dpy_opaque_hit: an ABC must be asked (dpy_opaque_ask) */
@@ -151,11 +171,14 @@ typedef struct dpy_opaque {
   Py_ssize_t abc[OPAQUE_ABC];
   PyObject *token;     /* abc.get_cache_token() when their answers were kept (held), or NULL */
   unsigned int gen;    /* the walk's: entries of another walk are stale */
-  dpy_opaque_ent_t cache[OPAQUE_CACHE];
+  unsigned int bits;   /* the table: 2^bits entries, `used` of them of this generation */
+  size_t used;
+  dpy_opaque_ent_t *cache; /* inl, or a larger table made for the walk (PyMem) */
+  dpy_opaque_ent_t inl[1u << OPAQUE_BITS];
 } dpy_opaque_t;
 
-/* A walk with these types (NULL: none) begins. 0, or -1 with an
- * exception. */
+/* A walk with these types (NULL: none) begins (op zeroed, or ended
+ * before). 0, or -1 with an exception. */
 int dpy_opaque_begin(dpy_opaque_t *op, PyObject *types);
 /* A watched type changed: the items are read again. 0, or -1. */
 int dpy_opaque_respec(dpy_opaque_t *op);
@@ -165,7 +188,8 @@ void dpy_opaque_end(dpy_opaque_t *op);
  * moved): 1, 0 (forgotten now), or -1 with an exception. Runs no Python
  * code. */
 int dpy_opaque_token_same(dpy_opaque_t *op);
-/* dpy_opaque_hit's answer for a type not in the cache (kept there). */
+/* dpy_opaque_hit's answer for a type not in the cache (kept there), or
+ * OPAQUE_ERR with an exception (MemoryError: the table could not grow). */
 __attribute__((noinline)) Py_ssize_t dpy_opaque_slow(dpy_opaque_t *op, PyTypeObject *t);
 /* The answer for o, asking the ABCs (Python code) where dpy_opaque_hit
  * said OPAQUE_ASK; kept for o's type. OPAQUE_ERR with an exception. */
@@ -183,12 +207,17 @@ static inline int dpy_opaque_stale(const dpy_opaque_t *op) {
 }
 
 /* The answer for instances of t (dpy_opaque_ent_t.hit) from the cache, or
- * OPAQUE_ASK. Runs no Python code. */
+ * OPAQUE_ASK, or OPAQUE_ERR with an exception. Runs no Python code. */
 static inline Py_ssize_t dpy_opaque_hit(dpy_opaque_t *op, PyTypeObject *t) {
-  dpy_opaque_ent_t *e = &op->cache[((uintptr_t)t >> 4) % OPAQUE_CACHE];
-  if (e->type == t && e->gen == op->gen && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) &&
-      e->version == t->tp_version_tag)
-    return e->hit;
+  size_t mask = ((size_t)1 << op->bits) - 1;
+  for (size_t i = dpy_type_slot(t, op->bits);; i = (i + 1) & mask) {
+    const dpy_opaque_ent_t *e = &op->cache[i];
+    if (e->gen != op->gen) break; /* an empty slot: t has no entry */
+    if (e->type == t) {
+      if ((t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && e->version == t->tp_version_tag) return e->hit;
+      break;
+    }
+  }
   return dpy_opaque_slow(op, t);
 }
 
