@@ -7,7 +7,8 @@ cli=${1:-build/devpickle}
 echo "== devpickle demo"
 "$cli" demo
 echo
-out=build/examples
+# The frames go beside the CLI: `make demo BUILD=DIR` writes under DIR, not ./build.
+out=$(dirname "$cli")/examples
 mkdir -p "$out"
 for json in examples/*.json; do
   name=$(basename "$json" .json)
