@@ -3565,6 +3565,40 @@ Test(cli, the_main_help_names_version_and_the_long_form_of_dash_o) {
   res_free(r);
 }
 
+/* The main help's list of commands names every option each command's own
+ * usage line shows, on that command's line (or the lines that continue it): send's --timeout and recv's
+ * --host and --timeout were named only in the note on attached values, with
+ * no word of which command takes them. */
+Test(cli, the_main_help_names_each_commands_options_on_its_line) {
+  static const char *const cmds[] = {"pack", "unpack", "dump", "inspect", "verify", "demo", "send", "recv"};
+  res_t m = run("--help");
+  for (size_t i = 0; i < sizeof cmds / sizeof *cmds; i++) {
+    char args[64], key[32];
+    snprintf(args, sizeof args, "%s --help", cmds[i]);
+    res_t r = run(args);
+    snprintf(key, sizeof key, "\n  %s ", cmds[i]);
+    const char *at = strstr(m.out, key);
+    cr_assert_not_null(at, "the main help lists no '%s': %s", cmds[i], m.out);
+    size_t len = strcspn(at + 1, "\n"); /* with the lines that continue it, indented deeper */
+    while (strncmp(at + 1 + len, "\n   ", 4) == 0) len += 1 + strcspn(at + 2 + len, "\n");
+    char line[512];
+    snprintf(line, sizeof line, "%.*s", (int)len, at + 1);
+    size_t ulen = strcspn(r.out, "\n");
+    int named = 0;
+    for (const char *o = r.out + 1; (o = strchr(o, '-')) && (size_t)(o - r.out) < ulen; o += strcspn(o, " ]\n")) {
+      if (o[-1] != ' ' && o[-1] != '[') continue;
+      char opt[32];
+      snprintf(opt, sizeof opt, "%.*s", (int)strcspn(o, " ]\n"), o);
+      named++;
+      cr_assert_not_null(strstr(line, opt), "the main help's line for %s does not name %s: '%s'", cmds[i], opt,
+                         line);
+    }
+    if (!strcmp(cmds[i], "recv")) cr_assert_eq(named, 3, "recv's usage names -o, --host and --timeout: %s", r.out);
+    res_free(r);
+  }
+  res_free(m);
+}
+
 /* The examples the helps show run as written, in a copy of the source
  * tree's examples/: the main help's, one a line after "examples", then each
  * command's "Example:" line (pack's makes the model.dpk the others read).
