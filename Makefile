@@ -126,11 +126,12 @@ test-asan: deps ## Run every suite under ASan + UBSan (+ LeakSanitizer, the Pyth
 	@set -e; log=$(ASAN_BUILD)/test-asan.log; : > $$log; \
 	for t in $(TEST_SRC:test/%.c=$(ASAN_BUILD)/%) $(ASAN_BUILD)/embed; do \
 	  echo "== $$t (asan)"; \
-	  ASAN_OPTIONS=detect_leaks=1:exitcode=23 LSAN_OPTIONS=suppressions=$(CURDIR)/test/lsan.supp:print_suppressions=0 \
+	  { ASAN_OPTIONS=detect_leaks=1:exitcode=23 LSAN_OPTIONS=suppressions=$(CURDIR)/test/lsan.supp:print_suppressions=0 \
 	    UBSAN_OPTIONS=print_stacktrace=1 \
-	    DEVPICKLE=$(ASAN_BUILD)/devpickle $$t --jobs 2 2>&1 | tee -a $$log | grep -E 'Synthesis|^cuda|^frame' || true; \
+	    DEVPICKLE=$(ASAN_BUILD)/devpickle $$t --jobs 2 2>&1 && st=0 || st=$$?; echo "test-asan: $$t exited $$st"; } | \
+	    tee -a $$log | grep -E 'Synthesis|^cuda|^frame|^test-asan: .* exited [1-9]' || true; \
 	done; \
-	if grep -qE 'Sanitizer|runtime error:|Synthesis: .*(Failing: [1-9]|Crashing: [1-9])' $$log; then \
+	if grep -qE 'Sanitizer|runtime error:|Synthesis: .*(Failing: [1-9]|Crashing: [1-9])|^test-asan: .* exited [1-9]' $$log; then \
 	  grep -nE -A12 'ERROR: |runtime error:|SUMMARY:' $$log | head -80; \
 	  echo "test-asan: sanitizer reports or failures (full log: $$log)"; exit 1; fi; \
 	echo "test-asan: no sanitizer reports in the C suites"
