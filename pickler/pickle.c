@@ -264,20 +264,27 @@ static int sink_enter(void *ctx, dp_value_t v, size_t n) {
     case DP_OBJECT: {
       dp_object_t *o = DP_OBJ(v);
       int reduced = (o->c.h.flags & DP_HEAP_REDUCED) != 0;
+      if (DP_UNLIKELY(o->class_len > UINT32_MAX))
+        return too_large(ctx, reduced ? "type name length" : "class name length", o->class_len);
       if ((rc = fpk_array(pk, reduced ? 3 : 2 + 2 * n)) != 0) return rc;
       if ((rc = put_tag(pk, reduced ? DP_TAG_REDUCE : DP_TAG_OBJECT)) != 0) return rc;
       return put_str(pk, o->class_name, o->class_len);
     }
     default: { /* custom */
       const char *name = DP_CUSTOM(v)->type->name;
+      size_t len = strlen(name);
+      if (DP_UNLIKELY(len > UINT32_MAX)) return too_large(ctx, "type name length", len);
       if ((rc = fpk_array(pk, 3)) != 0) return rc;
       if ((rc = put_tag(pk, DP_TAG_REDUCE)) != 0) return rc;
-      return put_str(pk, name, strlen(name));
+      return put_str(pk, name, len);
     }
   }
 }
 
+/* Names are str headers too: msgpack-c's packer would write the low 32
+ * bits of a longer length, a frame the reader misreads. */
 static int sink_attr(void *ctx, const char *name, size_t n) {
+  if (DP_UNLIKELY(n > UINT32_MAX)) return too_large(ctx, "attribute name length", n);
   return put_str(ctx, name, n);
 }
 

@@ -7326,6 +7326,53 @@ Test(pickler, a_frame_of_exactly_a_power_of_two_bytes_is_held_in_that_many) {
   ASSERT_NO_LEAK();
 }
 
+/* Pickles [o] with *len (a name's length in o) set to n, under the
+ * allocator that refuses blocks over 1 GiB: the name's bytes are never
+ * read when the length is refused, nor when the frame cannot grow to hold
+ * them. */
+static int pickle_forged_name(dp_value_t o, size_t *len, size_t n, dp_error_t *e) {
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, dp_value_retain(o), T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  size_t real = *len;
+  *len = n;
+  dp_set_allocator(t_alloc_small, NULL);
+  int rc = dp_pickle(l, NULL, f, e);
+  dp_set_allocator(t_alloc, NULL);
+  *len = real;
+  cr_assert_eq(dp_frame_data(f, NULL), NULL, "a failed pickle leaves an empty frame");
+  dp_frame_free(f);
+  dp_value_release(l);
+  return rc;
+}
+
+Test(pickler, a_class_type_or_attribute_name_longer_than_32_bits_is_refused_naming_it_and_one_of_2_32_minus_1_is_not) {
+  /* a name is a str header: the packer wrote a longer one's low 32 bits */
+  char name[71];
+  memset(name, 'a', 70);
+  name[70] = '\0';
+  dp_value_t o = t_obj("Cls"), r;
+  OK(dp_object_set(o, name, dp_int(1), T_ERR));  /* 70 bytes: held apart from the attribute array */
+  OK(dp_object_new_reduced("Red", dp_int(1), &r, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(pickle_forged_name(o, &DP_OBJ(o)->class_len, (size_t)UINT32_MAX + 1, &e), DP_ELIMIT, "%s", e.message);
+  cr_assert_str_eq(e.message, "class name length of 4294967296 exceeds the frame format's limit of 4294967295 at $[0]");
+  cr_assert_eq(pickle_forged_name(r, &DP_OBJ(r)->class_len, (size_t)UINT32_MAX + 1, &e), DP_ELIMIT, "%s", e.message);
+  cr_assert_str_eq(e.message, "type name length of 4294967296 exceeds the frame format's limit of 4294967295 at $[0]");
+  cr_assert_eq(pickle_forged_name(o, &DP_OBJ(o)->attrs[0].name_len, (size_t)UINT32_MAX + 1, &e), DP_ELIMIT, "%s",
+               e.message);
+  cr_assert_str_eq(e.message, "attribute name length of 4294967296 exceeds the frame format's limit of 4294967295 at "
+                              "$[0].aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\u2026");
+  /* 2^32 - 1 is within the format: the writer goes on to make room for it */
+  cr_assert_eq(pickle_forged_name(o, &DP_OBJ(o)->class_len, UINT32_MAX, &e), DP_ENOMEM, "%s", e.message);
+  cr_assert_str_eq(e.message, "out of memory growing the frame to 8589934592 bytes at $[0]");
+  cr_assert_eq(pickle_forged_name(o, &DP_OBJ(o)->attrs[0].name_len, UINT32_MAX, &e), DP_ENOMEM, "%s", e.message);
+  dp_value_release(o);
+  dp_value_release(r);
+  ASSERT_NO_LEAK();
+}
+
 /* Pickles [c] under a depth limit of 1, with *len (c's count) set to n for
  * the pickle: a count the format carries is written and c then fails the
  * depth limit (its items never read); one it cannot carry is refused

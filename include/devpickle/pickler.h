@@ -148,7 +148,8 @@ DP_API int dp_frame_buffer(const dp_frame_t *f, size_t i, dp_buffer_desc_t *out,
  *  cannot be read; DP_EINVAL when two storages at one (device, base) — one
  *  buffer in the frame — differ in size or, in an inline frame, in their
  *  host bytes (or only one has host bytes); DP_ELIMIT for a storage over
- *  2^62 bytes, a str, bytes, list or dict longer than 2^32 - 1 (a tuple:
+ *  2^62 bytes, a str, bytes, name (class, attribute, reduce type), list
+ *  or dict longer than 2^32 - 1 (a tuple:
  *  2^32 - 2, an object: 2^31 - 2 attributes — MessagePack's 32-bit counts
  *  hold a tuple's tag and an object's class and attribute names too), or a
  *  value of more than 2^32 - 2 heap nodes (32-bit back-references). Messages name the path, running
