@@ -187,10 +187,17 @@ static void pb_key_json(dp__sbuf_t *b, dp_value_t k, int depth) {
   }
 }
 
+/* The length of a custom's type name as far as a path or a message shows
+ * it: one byte past DP_PATH_NAME_MAX says it is cut. A path is rendered for
+ * each storage a scan with paths records, and costs time bounded by its
+ * length (ptrset.h), not by the names' lengths: strlen would read the whole
+ * name at each. */
+static size_t type_name_shown_len(const char *name) { return strnlen(name, DP_PATH_NAME_MAX + 1); }
+
 /* A custom type's name as a message shows it: cut and escaped as in a
  * path's <reduce T> step, so a message is one line. */
 static const char *shown_name(const char *name, char out[DP__STEP_MAX]) {
-  out[dp__name_bare(name, strlen(name), out)] = 0;
+  out[dp__name_bare(name, type_name_shown_len(name), out)] = 0;
   return out;
 }
 
@@ -269,7 +276,7 @@ static size_t render_step(void *ctx, size_t d, char *out) {
       dp_attr_t *a = &DP_OBJ(node)->attrs[i];
       return dp__step_name(dp__attr_name(a), a->name_len, out);
     case DP_CUSTOM:
-      return dp__step_reduce(DP_CUSTOM(node)->type->name, strlen(DP_CUSTOM(node)->type->name), out);
+      return dp__step_reduce(DP_CUSTOM(node)->type->name, type_name_shown_len(DP_CUSTOM(node)->type->name), out);
   }
   return 0;
 }

@@ -1,6 +1,9 @@
 /* Pickler: walker paths, scan, pickle/unpickle, frames, hostile input. */
+#include <fcntl.h>
 #include <limits.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include "helpers.h"
@@ -7525,5 +7528,59 @@ Test(pickler, a_walk_after_one_that_reduced_again_records_no_node_held_once) {
   dp_frame_free(f);
   dp_value_release(custom);
   dp_value_release(tree);
+  ASSERT_NO_LEAK();
+}
+
+/* ---- a custom's type name in paths and messages ---- */
+
+/* reduce: state = [a tensor], or a failure when obj is non-NULL */
+static int one_tensor_reduce(void *obj, dp_value_t *state, dp_error_t *err) {
+  if (obj) {
+    snprintf(err->message, sizeof err->message, "no state today");
+    return DP_EIO;
+  }
+  dp_value_t l = t_list();
+  int rc = dp_list_append(l, t_tensor(CUDA0, 0x7000, 4), err);
+  *state = l;
+  return rc;
+}
+
+Test(pickler, paths_and_messages_read_only_the_part_of_a_custom_type_name_they_show) {
+  /* The name fills two pages; past its first page nothing may be read. A
+   * path is rendered for each storage a scan with paths records, and costs
+   * time bounded by its length, not by the names' (ptrset.h). */
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  int zero = open("/dev/zero", O_RDWR);
+  cr_assert_geq(zero, 0);
+  char *name = mmap(NULL, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE, zero, 0);
+  close(zero);
+  cr_assert_neq(name, MAP_FAILED);
+  memset(name, 'T', 2 * page - 1);
+  name[2 * page - 1] = '\0';
+  dp_type_t type = {name, one_tensor_reduce, NULL};
+  static int fail;
+  dp_value_t ok, bad, l = t_list();
+  OK(dp_custom_new(&type, NULL, &ok, T_ERR));
+  OK(dp_custom_new(&type, &fail, &bad, T_ERR));
+  OK(dp_list_append(l, ok, T_ERR));
+  cr_assert_eq(mprotect(name + page, page, PROT_NONE), 0);
+  char shown[DP_PATH_NAME_MAX + 1];
+  memset(shown, 'T', DP_PATH_NAME_MAX);
+  shown[DP_PATH_NAME_MAX] = '\0';
+  char want[256];
+  snprintf(want, sizeof want, "$[0]<reduce %s\u2026>[0]", shown);
+  dp_ptrset_t *set = scan_paths(l);
+  expect_ptr(set, 0, 0x7000, want, 1);
+  dp_ptrset_free(set);
+  OK(dp_list_append(l, bad, T_ERR));
+  OK(dp_ptrset_new(&set, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_scan(l, NULL, set, &e), DP_ETYPE);
+  snprintf(want, sizeof want, "reduce of type '%s\u2026' failed at $[1]: no state today", shown);
+  cr_assert_str_eq(e.message, want);
+  dp_ptrset_free(set);
+  cr_assert_eq(mprotect(name + page, page, PROT_READ | PROT_WRITE), 0);
+  dp_value_release(l);
+  munmap(name, 2 * page);
   ASSERT_NO_LEAK();
 }
