@@ -67,8 +67,11 @@ DP_API void dp_ptrset_clear(dp_ptrset_t *set);
 
 /** Adds an allocation (or finds it) and counts one more tensor on it.
  *  *index (may be NULL) receives its position in discovery order. When the
- *  same base is met with another size the larger size is kept. DP_ELIMIT
- *  when a new entry would pass DP_PTRSET_MAX_ENTRIES. */
+ *  same base is met with another size the larger size is kept. DP_EINVAL
+ *  for a NULL set or a device no storage can have (a type past
+ *  DP_DEVICE_HOST, or cpu with an index but 0: dp_storage_new refuses them
+ *  too), DP_ENOMEM, and DP_ELIMIT when a new entry would pass
+ *  DP_PTRSET_MAX_ENTRIES; each changes nothing. */
 DP_API int dp_ptrset_add(dp_ptrset_t *set, dp_device_t device, void *base, size_t nbytes,
                          size_t *index, dp_error_t *err);
 /** Adds n allocations in order, with the result of n dp_ptrset_add calls
