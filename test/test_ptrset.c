@@ -1311,3 +1311,29 @@ Test(ptrset, a_path_that_cannot_be_stored_is_enomem_and_the_entry_keeps_none) {
   dp_ptrset_free(s);
   ASSERT_NO_LEAK();
 }
+
+Test(ptrset, an_entry_past_the_limit_is_elimit_by_a_scan_with_or_without_paths) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x40, 8), T_ERR));
+  OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x80, 8), T_ERR));
+  char want[96];
+  for (int paths = 0; paths < 2; paths++) {
+    OK(dp_ptrset_add(s, t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, NULL, T_ERR));
+    s->count = DP_PTRSET_MAX_ENTRIES;
+    dp_scan_opts_t o = {paths ? DP_SCAN_PATHS : 0, 0};
+    dp_error_t e;
+    cr_assert_eq(dp_scan(l, &o, s, &e), DP_ELIMIT, "%s", e.message);
+    snprintf(want, sizeof want, "a pointer set holds at most %u entries%s", DP_PTRSET_MAX_ENTRIES, paths ? " at $[1]" : "");
+    cr_assert_str_eq(e.message, want);
+    s->count = 1;
+    dp_ptr_info_t p;
+    OK(dp_ptrset_get(s, 0, &p, T_ERR));
+    cr_assert_eq(p.refs, 2, "the entry in the set counts the scan's tensor on it: %u", p.refs);
+    dp_ptrset_clear(s);
+  }
+  dp_ptrset_free(s);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
