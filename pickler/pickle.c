@@ -490,15 +490,17 @@ static int pickle_into(dp_value_t v, const dp_pickle_opts_t *opts, dp_frame_t *f
   dp__table_clear(&f->agreed.t, DP_TABLE_TAGGED);
   f->is_inline = opts && (opts->flags & DP_PICKLE_INLINE);
   dp_ptrset_clear(f->set);
-  int rc = frame_reserve(f, DP_FRAME_HEADER);
-  if (rc) goto fail;
-  f->len = DP_FRAME_HEADER;
-
   dp__walker_t *w = frame_walker(f);
   dp__walker_setup(w, f->set, &pack_sink, f, opts ? opts->max_depth : 0, 0, err);
-  /* The walk returns the sink's error as the writer reported it. */
+  /* The walk returns the sink's error as the writer reported it. The
+   * header's room is the root's first bytes: a failure to get it names the
+   * root's path, "$", as every failure of the walk names its node's. */
   f->walking = 1;
-  rc = dp__walk(w, v);
+  int rc = frame_reserve(f, DP_FRAME_HEADER);
+  if (rc == 0) {
+    f->len = DP_FRAME_HEADER;
+    rc = dp__walk(w, v);
+  }
   f->walking = 0;
   /* A reader numbers at most 2^32 - 2 heap nodes (32-bit back-references,
    * which the sink checks as it writes them). */

@@ -4470,6 +4470,24 @@ Test(pickler, a_frame_that_cannot_grow_for_its_inline_data_names_no_path) {
   ASSERT_NO_LEAK();
 }
 
+/* A new frame's first bytes (the header's room, before any node is
+ * written) are asked for by the walk of the root: a failure names it, "$",
+ * as every failure met during the walk names its node (pickler.h). */
+Test(pickler, a_new_frame_that_cannot_get_its_first_bytes_says_so_at_the_root) {
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_error_t e;
+  t_fail_at = t_alloc_count + 1;
+  cr_assert_eq(dp_pickle(dp_int(1), NULL, f, &e), DP_ENOMEM);
+  t_fail_at = 0;
+  cr_assert_str_eq(e.message, "out of memory growing the frame to 256 bytes at $");
+  cr_assert_eq(dp_frame_data(f, NULL), NULL);
+  OK(dp_pickle(dp_int(1), NULL, f, T_ERR));
+  cr_assert_neq(dp_frame_data(f, NULL), NULL);
+  dp_frame_free(f);
+  ASSERT_NO_LEAK();
+}
+
 Test(pickler, the_writers_and_the_sets_first_error_is_kept_with_the_message_of_what_failed) {
   /* Pickle: the writer's failures are DP_E* codes with their own message
    * (msgpack-c's -1 was relabelled "out of memory writing the payload");
