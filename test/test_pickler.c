@@ -7602,3 +7602,35 @@ Test(pickler, paths_and_messages_read_only_the_part_of_a_custom_type_name_they_s
   munmap(name, 2 * page);
   ASSERT_NO_LEAK();
 }
+
+/* reads count themselves and fill the buffer with 'R' */
+static int counting_read(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst, dp_error_t *err) {
+  (void)device, (void)src, (void)err;
+  ++*(int *)ud;
+  memset(dst, 'R', nbytes);
+  return 0;
+}
+
+Test(pickler, a_read_callback_reads_every_inline_storage_but_those_carrying_host_data_cpu_ones_included) {
+  static char cpu_bytes[4] = "cpu!";
+  dp_storage_t *on_cpu = t_storage(CPU, (uintptr_t)cpu_bytes, 4), *with_host = t_storage(CUDA0, 0x40, 4);
+  OK(dp_storage_set_host_data(with_host, "host", T_ERR));
+  dp_value_t l = t_list();
+  OK(dp_list_append(l, t_view(on_cpu, 1, 0), T_ERR));
+  OK(dp_list_append(l, t_view(with_host, 1, 0), T_ERR));
+  dp_storage_release(on_cpu);
+  dp_storage_release(with_host);
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  int reads = 0;
+  OK(dp_pickle(l, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, counting_read, &reads}, f, T_ERR));
+  cr_assert_eq(reads, 1, "read %d times", reads);
+  dp_buffer_desc_t d;
+  OK(dp_frame_buffer(f, 0, &d, T_ERR));
+  cr_assert_eq(memcmp(d.data, "RRRR", 4), 0, "a cpu storage is read through the callback when one is given");
+  OK(dp_frame_buffer(f, 1, &d, T_ERR));
+  cr_assert_eq(memcmp(d.data, "host", 4), 0, "host data is used, the callback given or not");
+  dp_frame_free(f);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}

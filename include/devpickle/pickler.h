@@ -111,14 +111,16 @@ typedef int (*dp_read_cb)(void *ud, dp_device_t device, const void *src, size_t 
 typedef struct dp_pickle_opts {
   uint32_t flags;       /* DP_PICKLE_* */
   uint32_t max_depth;   /* 0: DP_DEFAULT_MAX_DEPTH */
-  /** Reads device memory for DP_PICKLE_INLINE. NULL: cpu storages are read
-   *  directly (one at a NULL base, with bytes, is DP_ENODEV) and storages
-   *  carrying host data (dp_storage_set_host_data) use it; any other is
-   *  DP_ENODEV. dp_device_read (device.h) reads device memory through its
-   *  backend, ordered after the current stream's work. A storage dp_unpickle made for a
-   *  buffer without a bind callback holds the sender's address, which is
-   *  never read through: its host data is used (an inline frame's bytes),
-   *  and without any it is DP_ENODEV, read or not. */
+  /** Reads device memory for DP_PICKLE_INLINE. Storages carrying host data
+   *  (dp_storage_set_host_data) use it, read given or not; read is called
+   *  for the others, cpu ones included. NULL: cpu storages are read
+   *  directly (one at a NULL base, with bytes, is DP_ENODEV); any other
+   *  without host data is DP_ENODEV. dp_device_read (device.h) reads
+   *  device memory through its backend, ordered after the current stream's
+   *  work. A storage dp_unpickle made for a buffer without a bind callback
+   *  holds the sender's address, which is never read through: its host
+   *  data is used (an inline frame's bytes), and without any it is
+   *  DP_ENODEV, read or not. */
   dp_read_cb read;
   void *read_ud;
 } dp_pickle_opts_t;
