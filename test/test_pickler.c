@@ -7634,3 +7634,22 @@ Test(pickler, a_read_callback_reads_every_inline_storage_but_those_carrying_host
   dp_value_release(l);
   ASSERT_NO_LEAK();
 }
+
+Test(pickler, a_bad_magic_is_refused_at_offset_0_whichever_of_its_bytes_is_wrong) {
+  uint8_t f[48] = "DPKL\x01";
+  dp_value_t out;
+  dp_error_t e;
+  for (int i = 1; i < 4; i++) {
+    f[i] ^= 0x20;
+    for (size_t n = (size_t)i + 1; n <= sizeof f; n += sizeof f - 1 - (size_t)i) {
+      cr_assert_eq(dp_frame_prefix_check(f, n, &e), DP_EFORMAT, "byte %d, %zu bytes", i, n);
+      cr_assert_eq(e.offset, 0);
+      cr_assert_str_eq(e.message, "not a devpickle frame (bad magic)");
+      cr_assert_eq(dp_frame_check(f, n, NULL, &e), DP_EFORMAT);
+      cr_assert_eq(e.offset, 0);
+      cr_assert_eq(dp_unpickle(f, n, NULL, &out, &e), DP_EFORMAT);
+      cr_assert_eq(e.offset, 0);
+    }
+    f[i] ^= 0x20;
+  }
+}

@@ -255,7 +255,8 @@ DP_API int dp_frame_check(const void *bytes, size_t n, dp_frame_info_t *info, dp
  *  once the frame is whole (dp_frame_check, dp_unpickle), and may still
  *  refuse it. Otherwise DP_EFORMAT (DP_EVERSION for a version this build
  *  does not read, DP_EINVAL for NULL bytes with n > 0) and err->offset the
- *  offending byte's. Whatever it refuses, dp_unpickle refuses too (its
+ *  offending byte's (a bad magic's: 0, the magic's own, as every reader
+ *  says it). Whatever it refuses, dp_unpickle refuses too (its
  *  error may name another fault, or the checksum, first). So garbage
  *  behind a long header (`cat header /dev/zero`) is refused as it comes,
  *  not held to the header's end: dp_unpickle_stream checks so at 64 KiB of
