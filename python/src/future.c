@@ -873,14 +873,17 @@ static PyObject *empty_ptrs_complete(pyfut_t *self) {
 
 /* The one argument of a method of torch's (then's `callback`, set_result's
  * `result`, collect_all's `futures`), given by position or by its name as in
- * torch; Python's own messages for one missing, doubled, unknown or extra.
- * A borrowed reference, or NULL with TypeError. */
-static PyObject *one_arg(const char *fn, const char *name, PyObject *const *args, Py_ssize_t nargs,
-                         PyObject *kwnames) {
+ * torch; Python's own messages for one missing, doubled, unknown or extra,
+ * word for word torch's: a method (is_method) counts its self among the
+ * positional arguments, as Python counts a method defined in Python. A
+ * borrowed reference, or NULL with TypeError. */
+static PyObject *one_arg(const char *fn, int is_method, const char *name, PyObject *const *args,
+                         Py_ssize_t nargs, PyObject *kwnames) {
   Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
   if (nargs == 1 && nkw == 0) return args[0];
   if (nargs > 1) {
-    PyErr_Format(PyExc_TypeError, "%s() takes 1 positional argument but %zd were given", fn, nargs);
+    PyErr_Format(PyExc_TypeError, "%s() takes %d positional argument%s but %zd were given", fn, 1 + is_method,
+                 is_method ? "s" : "", nargs + is_method);
     return NULL;
   }
   for (Py_ssize_t i = 0; i < nkw; i++) {
@@ -956,7 +959,7 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
 }
 
 static PyObject *fut_set_result(pyfut_t *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-  PyObject *value = one_arg("Future.set_result", "result", args, nargs, kwnames);
+  PyObject *value = one_arg("Future.set_result", 1, "result", args, nargs, kwnames);
   return value ? set_result(self, value) : NULL;
 }
 
@@ -983,7 +986,7 @@ static PyObject *set_exception(pyfut_t *self, PyObject *exc) {
 }
 
 static PyObject *fut_set_exception(pyfut_t *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-  PyObject *exc = one_arg("Future.set_exception", "result", args, nargs, kwnames);
+  PyObject *exc = one_arg("Future.set_exception", 1, "result", args, nargs, kwnames);
   return exc ? set_exception(self, exc) : NULL;
 }
 
@@ -1454,12 +1457,12 @@ static PyObject *chain(pyfut_t *self, PyObject *callback, int with_child) {
 }
 
 static PyObject *fut_then(pyfut_t *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-  PyObject *cb = one_arg("Future.then", "callback", args, nargs, kwnames);
+  PyObject *cb = one_arg("Future.then", 1, "callback", args, nargs, kwnames);
   return cb ? chain(self, cb, 1) : NULL;
 }
 
 static PyObject *fut_add_done_callback(pyfut_t *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-  PyObject *cb = one_arg("Future.add_done_callback", "callback", args, nargs, kwnames);
+  PyObject *cb = one_arg("Future.add_done_callback", 1, "callback", args, nargs, kwnames);
   return cb ? chain(self, cb, 0) : NULL;
 }
 
@@ -1580,7 +1583,7 @@ static PyObject *inputs_opaque(PyObject *list) {
 
 PyObject *dpy_collect_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
   (void)self;
-  PyObject *arg = one_arg("collect_all", "futures", args, nargs, kwnames);
+  PyObject *arg = one_arg("collect_all", 0, "futures", args, nargs, kwnames);
   if (!arg) return NULL;
   dp_future_t **in;
   Py_ssize_t n;
@@ -1609,7 +1612,7 @@ fail:
 
 PyObject *dpy_wait_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
   (void)self;
-  PyObject *arg = one_arg("wait_all", "futures", args, nargs, kwnames);
+  PyObject *arg = one_arg("wait_all", 0, "futures", args, nargs, kwnames);
   if (!arg) return NULL;
   dp_future_t **in;
   Py_ssize_t n;

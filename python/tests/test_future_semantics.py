@@ -545,6 +545,20 @@ def test_arguments_missing_doubled_or_unknown_are_type_errors_naming_them(Future
     assert not f.done()
 
 
+def test_too_many_positional_arguments_are_counted_as_torch_counts_them_self_included(Future, collect_all, wait_all):
+    # torch's methods are Python methods (self, /, callback): Python's own
+    # message counts self, as it does for any method written in Python
+    f = Future()
+    for call, name in ((f.then, "then"), (f.add_done_callback, "add_done_callback"),
+                       (f.set_result, "set_result"), (f.set_exception, "set_exception")):
+        with pytest.raises(TypeError, match=rf"^Future\.{name}\(\) takes 2 positional arguments but 3 were given$"):
+            call(ValueError(), ValueError())
+    for fn, name in ((collect_all, "collect_all"), (wait_all, "wait_all")):
+        with pytest.raises(TypeError, match=rf"^{name}\(\) takes 1 positional argument but 2 were given$"):
+            fn([], [])
+    assert not f.done()
+
+
 def test_a_future_takes_attributes(Future):
     f = Future()
     f.request_id = 7
