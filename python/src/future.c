@@ -1310,6 +1310,13 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
     PyGILState_Release(g);
     return 0;
   }
+  /* the library may call this while an exception is being raised: a
+     pending future dropped as a frame unwinds fails its then() children
+     from its dealloc, and their callbacks run there. The callback runs
+     with none set (Python code must not start with one), and the
+     exception is put back as it was */
+  PyObject *raised_type, *raised, *raised_tb;
+  PyErr_Fetch(&raised_type, &raised, &raised_tb);
   /* a collect_all future its inputs completed: held by them until now,
      and by its callbacks from here (the first to run arms them all) */
   if (!u->armed) claim(u->parent);
@@ -1349,6 +1356,7 @@ static int then_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_
   Py_DECREF(u->parent);
   Py_XDECREF(u->child);
   PyMem_RawFree(u);
+  PyErr_Restore(raised_type, raised, raised_tb);
   PyGILState_Release(g);
   return 0;
 }

@@ -2325,6 +2325,32 @@ def test_a_then_child_fails_with_dp_ecanceled_once_its_pending_parent_is_dropped
     assert ran == []
 
 
+def test_a_pending_future_dropped_while_an_exception_unwinds_runs_its_childrens_callbacks_and_keeps_that_exception():
+    # the pending future is a value on the interpreter's stack when 1 / 0
+    # raises: it goes while ZeroDivisionError is being raised, and its
+    # child's callbacks run from its dealloc; they must run as anywhere
+    # (no SystemError for calling Python with an exception set), and the
+    # exception that unwinds must be the one raised
+    children, ran = [], []
+
+    def pending_with_a_child():
+        f = devpickle.Future()
+        child = f.then(lambda p: "never")
+        child.add_done_callback(lambda c: ran.append(("done", c.done())))
+        children.append(child.then(lambda c: ran.append("then") or 1))
+        return f
+
+    def drop_it_while_raising():
+        return [pending_with_a_child(), 1 / 0]
+
+    with catch_unraisable() as seen:
+        with pytest.raises(ZeroDivisionError):
+            drop_it_while_raising()
+    assert seen == []
+    assert ran == [("done", True), "then"]
+    assert children[0].wait() == 1
+
+
 def test_a_chain_below_a_dropped_pending_future_fails_link_by_link_and_lets_go_of_its_callables():
     class Callback:
         def __call__(self, fut):
