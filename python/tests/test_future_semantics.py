@@ -2005,6 +2005,30 @@ def test_wait_in_a_callback_on_a_future_it_completed_runs_that_futures_callbacks
     assert order == ["set", "other's", "waited", "waited on its own", "second"]
 
 
+def test_waits_nested_in_callbacks_stop_64_deep_with_dp_elimit_instead_of_nesting_further():
+    # PYTHON.md: a callback a wait() runs may wait in turn; such waits nest
+    # 64 deep on a thread at most, and one further in, on a pending future
+    # with callbacks queued, raises DP_ELIMIT instead of running them
+    f, children, refused = devpickle.Future(), [], []
+
+    def wait_on_the_next(i):
+        if i + 1 == len(children):
+            return 0
+        try:
+            return children[i + 1].wait() + 1
+        except devpickle.Error as e:
+            refused.append((i, e.code, str(e)))
+            return -1000
+
+    for i in range(100):
+        children.append(f.then(lambda p, i=i: wait_on_the_next(i)))
+    f.set_result(0)
+    assert [(i, code) for i, code, _ in refused] == [(64, "DP_ELIMIT")]
+    assert "called from a callback run inside 64 waits nested in callbacks on this thread" in refused[0][2]
+    assert children[0].wait() == -1000 + 64  # the 64 waits above the refused one returned
+    assert children[65].wait() == 100 - 66  # the rest ran once the refused callback returned
+
+
 REMADE = ("^Future.__init__\\(\\) cannot change the devices of a future already completed, waited on, chained or "
           "collected$")
 
