@@ -1827,6 +1827,37 @@ Test(cli, pack_and_unpack_handle_the_deepest_value_within_768_kib_of_stack) {
   res_free(r);
 }
 
+/* unpack writes a shared tuple through emit, emit_body and a helper for
+ * its items: three frames a level, so 2,000 levels of them took 578 KiB of
+ * stack, past the 512 KiB SECURITY.md promises (lists, a tail call, took
+ * two). A level is now two frames whatever the container: 360 KiB. */
+#if defined(__SANITIZE_ADDRESS__)
+#define UNPACK_STACK_KIB "4096"
+#else
+#define UNPACK_STACK_KIB "512"
+#endif
+Test(cli, unpack_writes_2000_levels_of_shared_tuples_within_512_kib_of_stack) {
+  size_t cap = 2000 * 48 + 64, n = 0;
+  char *text = malloc(cap);
+  for (int i = 0; i < 2000; i++) n += (size_t)snprintf(text + n, cap - n, "{\"$id\": \"t%d\", \"$value\": {\"$tuple\": [", i);
+  n += (size_t)snprintf(text + n, cap - n, "0");
+  for (int i = 0; i < 2000; i++) n += (size_t)snprintf(text + n, cap - n, "]}}");
+  spit("tuples.json", text);
+  free(text);
+  res_t r = run_sh("$D pack tuples.json -o tuples.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  for (int compact = 0; compact < 2; compact++) {
+    r = run_sh(compact ? "ulimit -s " UNPACK_STACK_KIB " && $D unpack --compact tuples.dpk -o back.json"
+                       : "ulimit -s " UNPACK_STACK_KIB " && $D unpack tuples.dpk -o back.json");
+    cr_assert_eq(r.status, 0, "unpack%s: %s", compact ? " --compact" : "", r.err);
+    res_free(r);
+    r = run_sh("$D pack back.json -o again.dpk && cmp tuples.dpk again.dpk");
+    cr_assert_eq(r.status, 0, "unpack -> pack changed the frame: %s", r.err);
+    res_free(r);
+  }
+}
+
 /* A prefix fails only when no continuation can mend it (vjson.h): one
  * that ends in an integer too large for int64 may yet go on as a real
  * (".5"), so `pack` reading a pipe must not stop there. */

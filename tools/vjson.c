@@ -1719,7 +1719,9 @@ static int tag_open(wr_t *w, const char *tag) {
   return first;
 }
 
-static void put_float(wr_t *w, double f) {
+/* Leaves' buffers are kept out of emit_body's frame (noinline here and on
+ * emit_tensor): that frame is paid once a level of the value. */
+static __attribute__((noinline)) void put_float(wr_t *w, double f) {
   char b[40];
   if (vjson_float_text(f, b, sizeof b)) {
     put(w, b, strlen(b));
@@ -1741,7 +1743,7 @@ static int storage_first(wr_t *w, const void *st) {
   return added;
 }
 
-static void emit_tensor(wr_t *w, dp_value_t v) {
+static __attribute__((noinline)) void emit_tensor(wr_t *w, dp_value_t v) {
   dp_storage_t *st = dp_tensor_storage(v);
   char buf[32];
   int outer = tag_open(w, "$tensor"), first, f2;
@@ -1794,16 +1796,6 @@ static int plain_key(wr_t *w, dp_value_t k) {
   return !memchr(s, 0, n);
 }
 
-static void emit_seq(wr_t *w, dp_value_t v) {
-  int first;
-  open_(w, '[', &first);
-  for (size_t i = 0; i < dp_seq_len(v); i++) {
-    sep(w, &first);
-    emit(w, dp_seq_get(v, i));
-  }
-  close_(w, ']', first);
-}
-
 static void emit_body(wr_t *w, dp_value_t v) {
   size_t n;
   int first, outer;
@@ -1824,11 +1816,17 @@ static void emit_body(wr_t *w, dp_value_t v) {
       close_(w, '}', outer);
       return;
     }
-    case DP_LIST: emit_seq(w, v); return;
-    case DP_TUPLE:
-      outer = tag_open(w, "$tuple");
-      emit_seq(w, v);
-      close_(w, '}', outer);
+    case DP_LIST:
+    case DP_TUPLE: /* items here, not in a helper: a helper's frame a level
+                    * made 2,000 levels of shared tuples need 578 KiB of stack */
+      outer = dp_value_kind(v) == DP_TUPLE ? tag_open(w, "$tuple") : 1;
+      open_(w, '[', &first);
+      for (size_t i = 0; i < dp_seq_len(v); i++) {
+        sep(w, &first);
+        emit(w, dp_seq_get(v, i));
+      }
+      close_(w, ']', first);
+      if (dp_value_kind(v) == DP_TUPLE) close_(w, '}', outer);
       return;
     case DP_DICT: {
       int plain = 1;
@@ -1895,6 +1893,17 @@ static void emit_body(wr_t *w, dp_value_t v) {
   }
 }
 
+/* Opens {"$ref": "nK" or {"$id": "nK" (K = id - 1); returns `first` for
+ * what follows.
+ * Not inlined: its buffer in emit's frame is paid once a level. */
+static __attribute__((noinline)) int put_name(wr_t *w, const char *tag, int id) {
+  char name[24];
+  snprintf(name, sizeof name, "n%d", id - 1);
+  int first = tag_open(w, tag);
+  put_string(w, name, strlen(name));
+  return first;
+}
+
 static void emit(wr_t *w, dp_value_t v) {
   if (w->rc) return;
   wslot_t *s = dp_value_is_heap(v) && dp_value_refcount(v) > 1 ? wslot(w, dp_value_id(v), 0) : NULL;
@@ -1902,19 +1911,12 @@ static void emit(wr_t *w, dp_value_t v) {
     emit_body(w, v);
     return;
   }
-  char name[24];
-  int first;
   if (s->id > 0) {
-    snprintf(name, sizeof name, "n%d", s->id - 1);
-    first = tag_open(w, "$ref");
-    put_string(w, name, strlen(name));
-    close_(w, '}', first);
+    close_(w, '}', put_name(w, "$ref", s->id));
     return;
   }
   s->id = ++w->next_id;
-  snprintf(name, sizeof name, "n%d", s->id - 1);
-  first = tag_open(w, "$id");
-  put_string(w, name, strlen(name));
+  int first = put_name(w, "$id", s->id);
   key(w, "$value", 6, &first);
   emit_body(w, v);
   close_(w, '}', first);
