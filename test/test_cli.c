@@ -1858,6 +1858,30 @@ Test(cli, unpack_writes_2000_levels_of_shared_tuples_within_512_kib_of_stack) {
   }
 }
 
+/* pack parses JSON's 8,008 levels without recursion, but jansson's
+ * json_decref freed the tree by recursion, three calls a level: a document
+ * of 8,008 nested objects, refused for its depth or for a bad byte at its
+ * deepest level, crashed with SIGSEGV under a 512 KiB stack (it took 646
+ * KiB) instead of saying why. */
+Test(cli, pack_frees_8008_levels_of_json_within_512_kib_of_stack) {
+  enum { LEVELS = 8008 };
+  static const char *const want[] = {"containers nested deeper than 2000 levels, at $.a.a.a",
+                                     "invalid JSON: unexpected 'x' (line 1, column 48049), at byte 48048\n"};
+  for (int bad = 0; bad < 2; bad++) {
+    size_t cap = LEVELS * 7 + 16, n = 0;
+    char *text = malloc(cap);
+    for (int i = 0; i < LEVELS; i++) n += (size_t)snprintf(text + n, cap - n, "{\"a\": ");
+    n += (size_t)snprintf(text + n, cap - n, bad ? "x" : "0");
+    for (int i = 0; i < LEVELS && !bad; i++) n += (size_t)snprintf(text + n, cap - n, "}");
+    spit("levels.json", text);
+    free(text);
+    res_t r = run_sh("ulimit -s " UNPACK_STACK_KIB " && $D pack levels.json -o levels.dpk");
+    cr_assert_eq(r.status, 1, "%s: exit status %d (139: SIGSEGV), stderr %s", bad ? "cut" : "too deep", r.status, r.err);
+    cr_assert(strstr(r.err, want[bad]), "%s", r.err);
+    res_free(r);
+  }
+}
+
 /* A prefix fails only when no continuation can mend it (vjson.h): one
  * that ends in an integer too large for int64 may yet go on as a real
  * (".5"), so `pack` reading a pipe must not stop there. */

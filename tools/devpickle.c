@@ -983,7 +983,7 @@ static int cmd_pack(int argc, char **argv) {
   dp_value_t v;
   int is_inline = 0;
   rc = vjson_to_value(j, &v, &is_inline, msg, sizeof msg);
-  json_decref(j);
+  vjson_free(j);
   if (rc) return data_error(display(a.file), msg, -1);
   dp_frame_t *f;
   dp_error_t e;

@@ -453,6 +453,17 @@ static json_t *parse_number(ps_t *ps) {
  * as it does jansson's own singletons (refcount -1). */
 static json_t object_mark = {JSON_OBJECT, (size_t)-1}, array_mark = {JSON_ARRAY, (size_t)-1};
 
+/* Grows *stack to hold at least need entries; 0 when memory ran out. */
+static int grow_stack(json_t ***stack, size_t *cap, size_t need) {
+  size_t ncap = *cap ? 2 * *cap : 64;
+  if (ncap < need) ncap = need;
+  json_t **s = ncap <= SIZE_MAX / sizeof *s ? realloc(*stack, ncap * sizeof *s) : NULL;
+  if (!s) return 0;
+  *stack = s;
+  *cap = ncap;
+  return 1;
+}
+
 /* NaN, Infinity and -Infinity, which Python's json.dumps writes and JSON
  * has not: named where they start, with the value JSON that spells them
  * (they said "unexpected 'N'" and "invalid token"). 1 when the text at
@@ -722,11 +733,39 @@ static json_t *parse_text(const char *text, size_t n, int prefix, char *msg, siz
   free(ps.key);
   *was_cut = ps.cut;
   if (bad) {
-    json_decref(root);
+    vjson_free(root);
     if (errpos) *errpos = (size_t)(ps.p - text);
     return NULL;
   }
   return root;
+}
+
+void vjson_free(json_t *j) {
+  json_t **stack = NULL;
+  size_t n = 0, cap = 0;
+  while (j) {
+    /* a container only this tree holds gives up its last item (held here
+     * meanwhile), then goes back on the stack: one step an item, and a
+     * container is freed once empty, where jansson does not recurse */
+    size_t size = json_is_array(j) ? json_array_size(j) : json_is_object(j) ? json_object_size(j) : 0;
+    if (j->refcount == 1 && size > 0 && (n + 2 <= cap || grow_stack(&stack, &cap, n + 2))) {
+      json_t *item;
+      if (json_is_array(j)) {
+        item = json_incref(json_array_get(j, size - 1));
+        json_array_remove(j, size - 1);
+      } else {
+        void *it = json_object_iter(j);
+        item = json_incref(json_object_iter_value(it));
+        json_object_deln(j, json_object_iter_key(it), json_object_iter_key_len(it));
+      }
+      stack[n++] = j;
+      j = item;
+      continue;
+    }
+    json_decref(j); /* a leaf, an empty container, one held elsewhere too, or no memory for the stack */
+    j = n ? stack[--n] : NULL;
+  }
+  free(stack);
 }
 
 json_t *vjson_parse(const char *text, size_t n, char *msg, size_t msgsize, size_t *errpos) {
@@ -1190,79 +1229,96 @@ static int key_is_open(rd_t *r, dp_value_t k) {
   return 0;
 }
 
-static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
+/* fill_container's forms, each in a function of its own that
+ * fill_container tail-calls: a level of the value pays the frame of its
+ * own form only, not one holding the locals of all of them (SECURITY.md
+ * promises 2,000 levels within 512 KiB of stack). */
+#define FILL_FORM static __attribute__((noinline)) int
+
+FILL_FORM fill_object(rd_t *r, json_t *j, json_t *attrs, dp_value_t v, int depth) {
   int rc;
   const char *k;
   size_t klen;
   json_t *x;
-  if (json_is_array(j)) return fill_seq(r, j, v, depth);
-  if ((x = json_object_get(j, "$tuple")) != NULL) {
-    if (json_object_size(j) != 1) return fail(r, DP_EINVAL, "$tuple takes no other fields");
-    return fill_seq(r, x, v, depth);
-  }
-  if ((x = json_object_get(j, "$object")) != NULL) {
-    json_t *attrs = json_object_get(j, "attrs");
-    if (json_object_size(j) != (attrs ? 2u : 1u) || (attrs && !json_is_object(attrs)))
-      return fail(r, DP_EINVAL, "$object takes one other field, \"attrs\", an object");
-    json_object_keylen_foreach(attrs, k, klen, x) {
-      path_key(r, k, klen);
-      if (memchr(k, 0, klen)) return fail(r, DP_EINVAL, "attribute name contains a NUL byte");
-      dp_value_t val;
-      if ((rc = read_value(r, x, &val, depth + 1)) != 0) return rc;
-      if ((rc = dp_object_set(v, k, val, &r->e)) != 0) return check_err(r, rc, &r->e);
-      path_pop(r);
-    }
-    return 0;
-  }
-  if ((x = json_object_get(j, "$reduce")) != NULL) {
-    json_t *state = json_object_get(j, "state");
-    if (json_object_size(j) != 2 || !state) return fail(r, DP_EINVAL, "$reduce takes one other field, \"state\"");
-    path_step(r, r->scratch, dp__step_reduce(json_string_value(x), json_string_length(x), r->scratch));
+  if (json_object_size(j) != (attrs ? 2u : 1u) || (attrs && !json_is_object(attrs)))
+    return fail(r, DP_EINVAL, "$object takes one other field, \"attrs\", an object");
+  json_object_keylen_foreach(attrs, k, klen, x) {
+    path_key(r, k, klen);
+    if (memchr(k, 0, klen)) return fail(r, DP_EINVAL, "attribute name contains a NUL byte");
     dp_value_t val;
-    if ((rc = read_value(r, state, &val, depth + 1)) != 0) return rc;
-    if ((rc = dp_object_set(v, "__reduce__", val, &r->e)) != 0) return check_err(r, rc, &r->e);
+    if ((rc = read_value(r, x, &val, depth + 1)) != 0) return rc;
+    if ((rc = dp_object_set(v, k, val, &r->e)) != 0) return check_err(r, rc, &r->e);
     path_pop(r);
-    return 0;
   }
-  if ((x = json_object_get(j, "$dict")) != NULL) {
-    if (json_object_size(j) != 1) return fail(r, DP_EINVAL, "$dict takes no other fields");
-    if (!json_is_array(x)) return fail(r, DP_EINVAL, "$dict must be an array of [key, value] pairs");
-    /* paths as the library names them: `<key N>` inside the key of entry N,
-     * `[<key JSON>]` (or `.name`) for its value */
-    for (size_t i = 0; i < json_array_size(x); i++) {
-      json_t *pair = json_array_get(x, i);
-      if (!json_is_array(pair) || json_array_size(pair) != 2)
-        return fail(r, DP_EINVAL, "$dict item %zu is not a [key, value] pair", i);
-      path_push(r, "<key %zu>", i);
-      dp_value_t key, val, dummy;
-      if ((rc = read_value(r, json_array_get(pair, 0), &key, depth + 1)) != 0) return rc;
-      if (!dp_value_is_hashable(key)) {  /* bounded before any walk of it */
-        int kind = (int)dp_value_kind(key);
-        dp_value_release(key);
-        return fail(r, DP_ETYPE, "dict key of kind %s is not hashable%s", dp_kind_name((dp_kind_t)kind),
-                    kind == DP_TUPLE ? " (a tuple key holds only scalars, str, bytes and tuples, at most 1024 of "
-                                       "them, 32 levels deep)" : "");
-      }
-      if (key_is_open(r, key)) {
-        dp_value_release(key);
-        return fail(r, DP_EINVAL, "dict key refers to a node that is still being built");
-      }
-      if (dp_dict_get(v, key, &dummy, NULL) == 0) {
-        size_t n = dp__step_key(key, r->scratch);
-        dp_value_release(key);
-        return fail(r, DP_EINVAL, "duplicate dict key: the entry %.*s is given twice", (int)n, r->scratch);
-      }
-      path_pop(r);
-      path_step(r, r->scratch, dp__step_key(key, r->scratch));
-      if ((rc = read_value(r, json_array_get(pair, 1), &val, depth + 1)) != 0) {
-        dp_value_release(key);
-        return rc;
-      }
-      if ((rc = dp_dict_set(v, key, val, &r->e)) != 0) return check_err(r, rc, &r->e);
-      path_pop(r);
+  return 0;
+}
+
+FILL_FORM fill_reduce(rd_t *r, json_t *j, json_t *x, dp_value_t v, int depth) {
+  int rc;
+  json_t *state = json_object_get(j, "state");
+  if (json_object_size(j) != 2 || !state) return fail(r, DP_EINVAL, "$reduce takes one other field, \"state\"");
+  path_step(r, r->scratch, dp__step_reduce(json_string_value(x), json_string_length(x), r->scratch));
+  dp_value_t val;
+  if ((rc = read_value(r, state, &val, depth + 1)) != 0) return rc;
+  if ((rc = dp_object_set(v, "__reduce__", val, &r->e)) != 0) return check_err(r, rc, &r->e);
+  path_pop(r);
+  return 0;
+}
+
+/* Whether key (just read) may key dict v: else the error, key released.
+ * Out of fill_dict, whose frame is paid once a level. */
+static __attribute__((noinline)) int key_refused(rd_t *r, dp_value_t v, dp_value_t key) {
+  dp_value_t dummy;
+  if (!dp_value_is_hashable(key)) {  /* bounded before any walk of it */
+    int kind = (int)dp_value_kind(key);
+    dp_value_release(key);
+    return fail(r, DP_ETYPE, "dict key of kind %s is not hashable%s", dp_kind_name((dp_kind_t)kind),
+                kind == DP_TUPLE ? " (a tuple key holds only scalars, str, bytes and tuples, at most 1024 of "
+                                   "them, 32 levels deep)" : "");
+  }
+  if (key_is_open(r, key)) {
+    dp_value_release(key);
+    return fail(r, DP_EINVAL, "dict key refers to a node that is still being built");
+  }
+  if (dp_dict_get(v, key, &dummy, NULL) == 0) {
+    size_t n = dp__step_key(key, r->scratch);
+    dp_value_release(key);
+    return fail(r, DP_EINVAL, "duplicate dict key: the entry %.*s is given twice", (int)n, r->scratch);
+  }
+  return 0;
+}
+
+FILL_FORM fill_dict(rd_t *r, json_t *j, json_t *x, dp_value_t v, int depth) {
+  int rc;
+  if (json_object_size(j) != 1) return fail(r, DP_EINVAL, "$dict takes no other fields");
+  if (!json_is_array(x)) return fail(r, DP_EINVAL, "$dict must be an array of [key, value] pairs");
+  /* paths as the library names them: `<key N>` inside the key of entry N,
+   * `[<key JSON>]` (or `.name`) for its value */
+  for (size_t i = 0; i < json_array_size(x); i++) {
+    json_t *pair = json_array_get(x, i);
+    if (!json_is_array(pair) || json_array_size(pair) != 2)
+      return fail(r, DP_EINVAL, "$dict item %zu is not a [key, value] pair", i);
+    path_push(r, "<key %zu>", i);
+    dp_value_t key, val;
+    if ((rc = read_value(r, json_array_get(pair, 0), &key, depth + 1)) != 0) return rc;
+    if ((rc = key_refused(r, v, key)) != 0) return rc;
+    path_pop(r);
+    path_step(r, r->scratch, dp__step_key(key, r->scratch));
+    if ((rc = read_value(r, json_array_get(pair, 1), &val, depth + 1)) != 0) {
+      dp_value_release(key);
+      return rc;
     }
-    return 0;
+    if ((rc = dp_dict_set(v, key, val, &r->e)) != 0) return check_err(r, rc, &r->e);
+    path_pop(r);
   }
+  return 0;
+}
+
+FILL_FORM fill_plain_dict(rd_t *r, json_t *j, dp_value_t v, int depth) {
+  int rc;
+  const char *k;
+  size_t klen;
+  json_t *x;
   json_object_keylen_foreach(j, k, klen, x) {
     if (klen == 6 && memcmp(k, "$value", 6) == 0) /* a known field, of another tag */
       return fail(r, DP_EINVAL, "$value without $id: a named node is {\"$id\": \"name\", \"$value\": V}");
@@ -1280,6 +1336,19 @@ static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
     path_pop(r);
   }
   return 0;
+}
+
+static int fill_container(rd_t *r, json_t *j, dp_value_t v, int depth) {
+  json_t *x;
+  if (json_is_array(j)) return fill_seq(r, j, v, depth);
+  if ((x = json_object_get(j, "$tuple")) != NULL) {
+    if (json_object_size(j) != 1) return fail(r, DP_EINVAL, "$tuple takes no other fields");
+    return fill_seq(r, x, v, depth);
+  }
+  if (json_object_get(j, "$object") != NULL) return fill_object(r, j, json_object_get(j, "attrs"), v, depth);
+  if ((x = json_object_get(j, "$reduce")) != NULL) return fill_reduce(r, j, x, v, depth);
+  if ((x = json_object_get(j, "$dict")) != NULL) return fill_dict(r, j, x, v, depth);
+  return fill_plain_dict(r, j, v, depth);
 }
 
 static int is_container_json(json_t *j) {
