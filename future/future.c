@@ -843,15 +843,20 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
   pthread_mutex_lock(&f->mu);
   if (timeout_ns < 0) {
     while (dp__load_relaxed(&f->state) == PENDING) pthread_cond_wait(&f->cv, &f->mu);
-  } else if (dp__load_relaxed(&f->state) == PENDING) {
-    struct timespec ts;
-    if (timed) ts = t0;
-    else clock_gettime(CLOCK_MONOTONIC, &ts); /* a zero timeout: no spin above */
+  } else if (timeout_ns > 0 && dp__load_relaxed(&f->state) == PENDING) {
+    /* A limit of 0 never sleeps: a sleep whose deadline is already due
+     * still waits out the timer's slack (50 µs on Linux), which a caller
+     * polling with a limit of 0 would pay at each look. So is one whose
+     * limit the spin above spent. */
+    struct timespec ts = t0;
     int64_t ns = ts.tv_nsec + timeout_ns % 1000000000;
     ts.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
     ts.tv_nsec = (long)(ns % 1000000000);
-    while (dp__load_relaxed(&f->state) == PENDING)
+    while (dp__load_relaxed(&f->state) == PENDING) {
+      clock_gettime(CLOCK_MONOTONIC, &t1);
+      if (t1.tv_sec > ts.tv_sec || (t1.tv_sec == ts.tv_sec && t1.tv_nsec >= ts.tv_nsec)) break;
       if (pthread_cond_timedwait(&f->cv, &f->mu, &ts) == ETIMEDOUT) break;
+    }
   }
   int state = dp__load_relaxed(&f->state);
   pthread_mutex_unlock(&f->mu);

@@ -186,7 +186,8 @@ DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error
 /** Blocks the host until f completes or timeout_ns passes (<0: no limit;
  *  measured on CLOCK_MONOTONIC, so a step of the wall clock does not change
  *  it; the thread looks for the completion for up to 100 µs, yielding the
- *  core, before it sleeps; from a then() callback, the limit counts from
+ *  core, before it sleeps; a limit of 0, or one spent by then, returns
+ *  without sleeping; from a then() callback, the limit counts from
  *  once the callbacks queued on the thread that the wait runs first have
  *  run (WAITS NEST above): however long they take, a wait there with a
  *  limit of 1 ms returns no sooner), then makes this thread's current streams wait on f's events and records
