@@ -809,6 +809,8 @@ static int wait_in_callback(tramp_t *t, dp_future_t *f, dp_error_t *e) {
  * callback's child), WAITS_THROUGH (f waits for one), WAITS_IN_WALK and
  * WAITS_THROUGH_WALK (the same for a completion's walk), WAITS_TOO_DEEP,
  * or an error in *e. */
+_Atomic uint64_t dp__future_sleeps;
+
 static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
   /* In a callback, f may be waiting on work queued on this very thread:
    * run it first (the queue keeps its order; nothing runs under a lock).
@@ -842,7 +844,10 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
   }
   pthread_mutex_lock(&f->mu);
   if (timeout_ns < 0) {
-    while (dp__load_relaxed(&f->state) == PENDING) pthread_cond_wait(&f->cv, &f->mu);
+    while (dp__load_relaxed(&f->state) == PENDING) {
+      dp__fetch_add_relaxed(&dp__future_sleeps, 1);
+      pthread_cond_wait(&f->cv, &f->mu);
+    }
   } else if (timeout_ns > 0 && dp__load_relaxed(&f->state) == PENDING) {
     /* A limit of 0 never sleeps: a sleep whose deadline is already due
      * still waits out the timer's slack (50 µs on Linux), which a caller
@@ -855,6 +860,7 @@ static int wait_done(dp_future_t *f, int64_t timeout_ns, dp_error_t *e) {
     while (dp__load_relaxed(&f->state) == PENDING) {
       clock_gettime(CLOCK_MONOTONIC, &t1);
       if (t1.tv_sec > ts.tv_sec || (t1.tv_sec == ts.tv_sec && t1.tv_nsec >= ts.tv_nsec)) break;
+      dp__fetch_add_relaxed(&dp__future_sleeps, 1);
       if (pthread_cond_timedwait(&f->cv, &f->mu, &ts) == ETIMEDOUT) break;
     }
   }

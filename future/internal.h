@@ -42,4 +42,9 @@ void dp__future_set_loop(dp_future_t *f, const void *loop);
 void dp__future_loop_enter(dp__future_loop_frame_t *fr, const void *loop);
 void dp__future_loop_leave(dp__future_loop_frame_t *fr);
 
+/* Tests: the sleeps dp_future_wait has begun on a future's condition
+ * variable, in every thread (a limit of 0, or one its spin spent, begins
+ * none). */
+extern _Atomic uint64_t dp__future_sleeps;
+
 #endif
