@@ -564,11 +564,14 @@ int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) 
   dp_error_t e;
   dp_error_clear(&e);
   dp_ptrset_t *set = scratch_get(&owned, 1, &e);
-  walking_t me = {f, walking}; /* a reduce() that waits on f would wait for itself */
+  /* A reduce() of the walk, or a record hook after it, that waits on f
+     would wait for itself (DP_EMISUSE), and one that calls dp_shutdown
+     would free the streams and events the completion holds (refused) */
+  walking_t me = {f, walking};
   walking = &me;
   int rc = set ? dp_scan(value, NULL, set, &e) : e.code;
-  walking = me.outer;
   if (rc) {
+    walking = me.outer;
     if (set) scratch_put(set, owned);
     if (err) *err = e;
     /* The walk failed: so does the future, so that nobody waits forever
@@ -578,6 +581,7 @@ int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err) 
   }
   cbent_t *cbs;
   rc = complete_with_set("dp_future_mark_completed", f, value, set, 1, NULL, err, &cbs);
+  walking = me.outer;
   scratch_put(set, owned);  /* free for the callbacks */
   dispatch(f, cbs);
   return rc;
@@ -596,8 +600,11 @@ int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const d
     return prc ? prc : DP_EINVAL;
   }
   cbent_t *cbs;
+  walking_t me = {f, walking}; /* a record hook that waits on f, or shuts down (as in dp_future_mark_completed) */
+  walking = &me;
   /* the caller's set: copied, never changed (take 0) */
   int rc = complete_with_set("dp_future_mark_completed_with_ptrs", f, value, (dp_ptrset_t *)ptrs, 0, NULL, err, &cbs);
+  walking = me.outer;
   dispatch(f, cbs);
   return rc;
 }
@@ -893,12 +900,13 @@ static int wait_as(const char *fn, dp_future_t *f, int64_t timeout_ns, dp_error_
                    fn);
   if (state == WAITS_IN_WALK)
     return dp__err(err, DP_EMISUSE,
-                   "%s: called during the walk of the value that completes the future (a reduce() on this thread): it "
-                   "would wait for itself",
+                   "%s: called while the future is being completed on this thread (a reduce() of the value it walks, "
+                   "or a record hook): it would wait for itself",
                    fn);
   if (state == WAITS_THROUGH_WALK)
     return dp__err(err, DP_EMISUSE,
-                   "%s: called during the walk of the value that completes a future (a reduce() on this thread), on a "
+                   "%s: called while a future is being completed on this thread (a reduce() of the value it walks, or a "
+                   "record hook), on a "
                    "future that waits for that one (through then() parents and collect_all inputs): it would wait for "
                    "itself",
                    fn);

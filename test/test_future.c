@@ -3062,18 +3062,69 @@ Test(future, a_reduce_waiting_on_the_future_its_walk_completes_is_emisuse_at_onc
   OK(dp_future_mark_completed(walked, v, T_ERR));
   cr_assert_eq(walk_wait_rc[0], DP_EMISUSE, "%s", dp_err_name(walk_wait_rc[0]));
   cr_assert_str_eq(walk_wait_err[0].message,
-                   "dp_future_wait: called during the walk of the value that completes the future (a reduce() on "
-                   "this thread): it would wait for itself");
+                   "dp_future_wait: called while the future is being completed on this thread (a reduce() of the "
+                   "value it walks, or a record hook): it would wait for itself");
   cr_assert_eq(walk_wait_rc[1], DP_EMISUSE, "%s", dp_err_name(walk_wait_rc[1]));
   cr_assert_str_eq(walk_wait_err[1].message,
-                   "dp_future_synchronize: called during the walk of the value that completes a future (a reduce() on "
-                   "this thread), on a future that waits for that one (through then() parents and collect_all "
-                   "inputs): it would wait for itself");
+                   "dp_future_synchronize: called while a future is being completed on this thread (a reduce() of "
+                   "the value it walks, or a record hook), on a future that waits for that one (through then() parents "
+                   "and collect_all inputs): it would wait for itself");
   cr_assert_eq(walk_wait_rc[2], 0, "%s", walk_wait_err[2].message);
   OK(dp_future_wait(walked_child, 0, T_ERR)); /* and the walk completed it as ever */
   dp_future_release(walked_child);
   dp_future_release(unrelated);
   dp_future_release(walked);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* A record hook runs while the completion that calls it has not yet
+ * published its future (it is complete once the hook returns): a wait
+ * there on that future hung for good, and a dp_shutdown there freed the
+ * streams and events the completion held. The wait is DP_EMISUSE at once,
+ * with a limit or without; the shutdown tears nothing down (it says so on
+ * stderr), and the future completes as ever — by
+ * dp_future_mark_completed and by dp_future_mark_completed_with_ptrs. */
+static dp_future_t *recorded;
+static int hook_calls, hook_wait_rc[2];
+static dp_error_t hook_wait_err[2];
+static int record_waits(void *ctx, void *ptr, dp_stream_t *s, dp_error_t *err) {
+  (void)ctx, (void)ptr, (void)s, (void)err;
+  if (hook_calls++) return 0; /* the consumer's record of the wait below */
+  hook_wait_rc[0] = dp_future_wait(recorded, -1, &hook_wait_err[0]);
+  hook_wait_rc[1] = dp_future_wait(recorded, 1000000000ll, &hook_wait_err[1]);
+  dp_shutdown();
+  return 0;
+}
+
+Test(future, a_record_hook_waiting_on_the_future_it_records_for_is_emisuse_at_once_and_its_shutdown_tears_nothing_down) {
+  watchdog(20);
+  dp_cache_hooks_t h = {NULL, record_waits, NULL, NULL};
+  dp_future_opts_t o = {B, NULL, 0, &h, 0, 0};
+  for (int with_ptrs = 0; with_ptrs < 2; with_ptrs++) {
+    hook_calls = 0;
+    OK(dp_future_new(&o, &recorded, T_ERR));
+    dp_value_t t = t_tensor(H0, 0x1000, 4);
+    if (with_ptrs) {
+      dp_ptrset_t *set;
+      OK(dp_ptrset_new(&set, T_ERR));
+      OK(dp_scan(t, NULL, set, T_ERR));
+      OK(dp_future_mark_completed_with_ptrs(recorded, t, set, T_ERR));
+      dp_ptrset_free(set);
+    } else {
+      OK(dp_future_mark_completed(recorded, t, T_ERR));
+    }
+    cr_assert_eq(hook_calls, 1, "with_ptrs %d", with_ptrs);
+    for (int k = 0; k < 2; k++) {
+      cr_assert_eq(hook_wait_rc[k], DP_EMISUSE, "with_ptrs %d, wait %d: %s", with_ptrs, k, dp_err_name(hook_wait_rc[k]));
+      cr_assert_str_eq(hook_wait_err[k].message,
+                       "dp_future_wait: called while the future is being completed on this thread (a reduce() of the "
+                       "value it walks, or a record hook): it would wait for itself");
+    }
+    OK(dp_future_wait(recorded, -1, T_ERR)); /* its events and the thread's streams are still there */
+    cr_assert_eq(hook_calls, 2, "the wait recorded on the consumer's stream");
+    dp_future_release(recorded);
+  }
   dp_shutdown();
   ASSERT_NO_LEAK();
 }

@@ -77,10 +77,12 @@
  * callback's — complete ones, ones another thread completes — work as
  * anywhere. (Out of memory while following the links: DP_ENOMEM.) The
  * same holds in a reduce() of the value that dp_future_mark_completed
- * walks: that future is complete only once the walk returns, so a wait
- * there on it, or on a pending future that waits for it through those
- * links, is DP_EMISUSE at once (a completion of it by another thread
- * meanwhile is not counted on). What no link shows is not seen: a wait on
+ * walks, and in the hooks' record_stream or record_streams called by
+ * dp_future_mark_completed or dp_future_mark_completed_with_ptrs: that
+ * future is complete only once they return, so a wait there on it, or on
+ * a pending future that waits for it through those links, is DP_EMISUSE
+ * at once (a completion of it by another thread meanwhile is not counted
+ * on). What no link shows is not seen: a wait on
  * a future the callback itself means to complete after it, or one that
  * waits for a callback running on another thread that waits for this one,
  * still blocks.
@@ -101,8 +103,9 @@
  * them wake with that error.
  *
  * SHUTDOWN: futures go before dp_shutdown() (devpickle.h). Called while a
- * future's callback, the walk that completes one (a reduce()) or the
- * release of one (a storage's release callback) runs on the thread — whose
+ * future's callback, the walk that completes one (a reduce()) or its
+ * record hooks, or the release of one (a storage's release callback) runs
+ * on the thread — whose
  * futures are still held — it tears nothing down and says so in a line on
  * stderr, as from a host function (device.h).
  */
