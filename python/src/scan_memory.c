@@ -301,6 +301,14 @@ static int view_extent(Py_ssize_t ndim, const Py_ssize_t *shape, const Py_ssize_
   return 0;
 }
 
+/* Whether the ext bytes from ptr + lo (lo <= 0) are addresses: a view that
+ * starts below 0 or ends past the top of the address space is none. */
+static int view_in_address_space(const void *ptr, Py_ssize_t lo, size_t ext) {
+  uintptr_t first, end;
+  return !ext || (__builtin_add_overflow((uintptr_t)ptr, (uintptr_t)lo, &first) == (lo < 0) &&
+                  !__builtin_add_overflow(first, (uintptr_t)ext, &end));
+}
+
 /* The item size in bytes of an array-interface typestr ("<f4", "|b1",
  * "<M8[ns]", "<U10"): the digits after the kind, which count characters of
  * 4 bytes for 'U' (as numpy reads it). 0 when it names none. */
@@ -405,10 +413,7 @@ int dpy_visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   size_t ext;
   /* the bytes it addresses, [ptr + lo, ptr + lo + ext), must be addresses:
      a view below 0 or past the top of the address space overflows too */
-  uintptr_t first, end;
-  if (view_extent(nd, shp, str, isz, &lo, &ext) ||
-      (ext && (__builtin_add_overflow((uintptr_t)ptr, (uintptr_t)lo, &first) != (lo < 0) ||
-               __builtin_add_overflow(first, (uintptr_t)ext, &end)))) {
+  if (view_extent(nd, shp, str, isz, &lo, &ext) || !view_in_address_space(ptr, lo, ext)) {
     PyErr_SetString(PyExc_OverflowError, "the view's extent overflows");
     goto out;
   }
@@ -700,10 +705,20 @@ int dpy_visit_dlpack(dpy_scanner_t *s, PyObject *o) {
     else bad = __builtin_mul_overflow(str[i + 1], shp[i + 1] ? shp[i + 1] : 1, &str[i]);
   }
   if (!bad) bad = view_extent(nd, shp, str, isz, &lo, &ext);
+  /* as the array interfaces' (dpy_visit_iface): the bytes it addresses,
+     from data + byte_offset, must be addresses, and a NULL data pointer
+     names none */
+  uintptr_t start;
+  const char *why = bad ? "a DLPack tensor with a bad shape, strides or dtype"
+                    : ext && (__builtin_add_overflow((uintptr_t)t->data, t->byte_offset, &start) ||
+                              !view_in_address_space((void *)start, lo, ext))
+                        ? "a DLPack tensor whose extent overflows"
+                    : ext && !t->data ? "a NULL data pointer for a DLPack tensor that is not empty"
+                                      : NULL;
   void *base = addr_at(addr_at(t->data, (int64_t)t->byte_offset), lo);
   Py_DECREF(cap);
-  if (bad) {
-    PyErr_SetString(PyExc_ValueError, "a DLPack tensor with a bad shape, strides or dtype");
+  if (why) {
+    PyErr_SetString(PyExc_ValueError, why);
     return dpy_walk_error(s, o, "memory devpickle cannot describe");
   }
   return ext ? add_alloc(s, dev, base, ext, o) : 0;

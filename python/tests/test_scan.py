@@ -4728,3 +4728,30 @@ def test_a_tensor_class_that_cannot_be_looked_up_in_the_dispatch_table_is_a_walk
     assert e.value.path == "$.o"
     assert "its reduce cannot be looked up: no hash" in str(e.value), str(e.value)
     assert type(e.value.__cause__) is ValueError
+
+
+def _dl_capsule_at(shape, strides=None, *, data=0x10000, byte_offset=0):
+    """_dl_capsule with a byte_offset written into its DLTensor."""
+    import ctypes
+
+    cap, keep = _dl_capsule(shape, strides, data=data)
+    ctypes.memmove(ctypes.addressof(keep[0]) + 40, byte_offset.to_bytes(8, "little"), 8)  # after shape, strides
+    return cap, keep
+
+
+@pytest.mark.parametrize("data, byte_offset, strides, message", [
+    (8, 0, (-1,), "a DLPack tensor whose extent overflows"),            # bytes -4..11: below address 0
+    (2**64 - 8, 0, None, "a DLPack tensor whose extent overflows"),     # past the top of the address space
+    (0x10000, 2**64 - 4, None, "a DLPack tensor whose extent overflows"),  # data + byte_offset wraps
+    (0, 0, None, "a NULL data pointer for a DLPack tensor that is not empty"),
+])
+def test_dlpack_an_address_range_outside_memory_is_a_walk_error(data, byte_offset, strides, message):
+    # as the array interfaces': the view was reported at the wrapped address
+    cap, _keep = _dl_capsule_at((4,), strides, data=data, byte_offset=byte_offset)
+    with pytest.raises(devpickle.WalkError, match=message) as e:
+        devpickle.scan({"x": _DLProducer((1, 0), cap)})
+    assert e.value.path == "$.x" and type(e.value.__cause__) is ValueError
+    cap, _keep = _dl_capsule_at((4,), data=0x10000, byte_offset=8)
+    assert [(a.ptr, a.nbytes) for a in devpickle.scan(_DLProducer((1, 0), cap))] == [(0x10008, 16)]
+    cap, _keep = _dl_capsule_at((0,), data=0)
+    assert devpickle.scan(_DLProducer((1, 0), cap)) == []  # NULL is an empty view's address
