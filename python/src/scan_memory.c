@@ -280,12 +280,15 @@ static inline void *addr_at(const void *p, int64_t off) { return (void *)((uintp
 static int view_extent(Py_ssize_t ndim, const Py_ssize_t *shape, const Py_ssize_t *strides, Py_ssize_t itemsize,
                        Py_ssize_t *lo, size_t *extent) {
   Py_ssize_t l = 0, h = 0;
-  for (Py_ssize_t i = 0; i < ndim; i++) {
+  /* any empty dimension first: a view of no items addresses nothing, however
+     far another dimension's strides would reach */
+  for (Py_ssize_t i = 0; i < ndim; i++)
     if (shape[i] == 0) {
       *lo = 0;
       *extent = 0;
       return 0;
     }
+  for (Py_ssize_t i = 0; i < ndim; i++) {
     Py_ssize_t span;
     if (__builtin_mul_overflow(shape[i] - 1, strides[i], &span)) return -1;
     if (span < 0) {

@@ -4755,3 +4755,13 @@ def test_dlpack_an_address_range_outside_memory_is_a_walk_error(data, byte_offse
     assert [(a.ptr, a.nbytes) for a in devpickle.scan(_DLProducer((1, 0), cap))] == [(0x10008, 16)]
     cap, _keep = _dl_capsule_at((0,), data=0)
     assert devpickle.scan(_DLProducer((1, 0), cap)) == []  # NULL is an empty view's address
+
+
+@pytest.mark.parametrize("shape, strides", [((2**62, 0), None), ((4, 0), (2**62, 4)), ((0, 2**62), (4, 2**62))])
+def test_a_view_with_an_empty_dimension_addresses_nothing_however_far_its_strides_reach(shape, strides):
+    # the extent of a view of no items is 0: a span of another dimension
+    # that overflows was a WalkError ("the view's extent overflows")
+    assert devpickle.scan({"x": _CAI(shape=shape, strides=strides)}) == []
+    elems = None if strides is None else tuple(s // 4 for s in strides)
+    cap, _keep = _dl_capsule(shape, elems)
+    assert devpickle.scan({"x": _DLProducer((1, 0), cap)}) == []
