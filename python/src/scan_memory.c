@@ -42,6 +42,62 @@ static PyObject *storage_get(PyObject *st, int i) {
   return PyObject_CallOneArg(d, st);
 }
 
+/* fn(arg) — or, for a getset descriptor, its get on arg — with torch's
+ * dispatch to a subclass's __torch_function__ off: a tensor subclass would
+ * otherwise answer untyped_storage(), layout or values() of itself with
+ * another tensor's, whose memory the walk would report (and an inline frame
+ * copy) in place of its own, where the adapter reads the tensor itself. A
+ * new reference, or NULL with an exception. */
+static PyObject *torch_call(PyObject *fn, PyObject *arg) {
+  static PyObject *off; /* torch._C.DisableTorchFunctionSubclass (torch 2), else DisableTorchFunction */
+  descrgetfunc get = PyObject_TypeCheck(fn, &PyGetSetDescr_Type) ? Py_TYPE(fn)->tp_descr_get : NULL;
+  /* torch's own classes dispatch to no __torch_function__ */
+  if (Py_IS_TYPE(arg, dpy.torch_tensor) || (PyObject *)Py_TYPE(arg) == dpy.torch_tensor_cls)
+    return get ? get(fn, arg, (PyObject *)Py_TYPE(arg)) : PyObject_CallOneArg(fn, arg);
+  if (!off) {
+    PyObject *c = PyImport_ImportModule("torch._C");
+    if (!c) return NULL;
+    if (PyObject_HasAttrString(c, "DisableTorchFunctionSubclass"))
+      off = PyObject_GetAttrString(c, "DisableTorchFunctionSubclass");
+    else
+      off = PyObject_GetAttrString(c, "DisableTorchFunction");
+    Py_DECREF(c);
+    if (!off) return NULL;
+  }
+  PyObject *ctx = PyObject_CallNoArgs(off);
+  PyObject *entered = ctx ? PyObject_CallMethod(ctx, "__enter__", NULL) : NULL;
+  if (!entered) {
+    Py_XDECREF(ctx);
+    return NULL;
+  }
+  Py_DECREF(entered);
+  PyObject *r = get ? get(fn, arg, (PyObject *)Py_TYPE(arg)) : PyObject_CallOneArg(fn, arg);
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb); /* __exit__ runs with none set; the call's error is kept */
+  PyObject *exited = PyObject_CallMethod(ctx, "__exit__", "OOO", Py_None, Py_None, Py_None);
+  Py_DECREF(ctx);
+  if (!exited) {
+    Py_XDECREF(et);
+    Py_XDECREF(ev);
+    Py_XDECREF(tb);
+    Py_XDECREF(r);
+    return NULL;
+  }
+  Py_DECREF(exited);
+  PyErr_Restore(et, ev, tb);
+  return r;
+}
+
+/* torch.Tensor's own attribute `name` (its C base's descriptor or method),
+ * read on tensor t through torch_call: a subclass's property or method of
+ * that name is not asked. */
+static PyObject *tensor_get(PyObject *t, const char *name) {
+  PyObject *fn = PyObject_GetAttrString((PyObject *)dpy.torch_tensor, name);
+  PyObject *r = fn ? torch_call(fn, t) : NULL;
+  Py_XDECREF(fn);
+  return r;
+}
+
 /* The device of UntypedStorage st, found on t (a tensor, or a storage:
  * how errors word it). */
 static int device_from_torch(PyObject *st, PyObject *t, dp_torch_alloc_t *a) {
@@ -93,7 +149,7 @@ PyObject *dpy_untyped_storage(PyObject *o) {
     if (!method && !(method = PyObject_GetAttrString((PyObject *)dpy.torch_tensor,
                                                      torch2 ? "untyped_storage" : "_storage")))
       return NULL;
-    u = PyObject_CallOneArg(method, o); /* a subclass's __torch_function__ answers it: checked below */
+    u = torch_call(method, o);
   }
   /* a TypedStorage (what torch 1.13's dispatch gives for a subclass) wraps the untyped one */
   if (u && dpy.torch_storage[0] && PyObject_TypeCheck(u, dpy.torch_storage[0]))
@@ -126,7 +182,7 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
     static const char *const coo[] = {"_indices", "_values", NULL};
     static const char *const csr[] = {"crow_indices", "col_indices", "values", NULL};
     static const char *const csc[] = {"ccol_indices", "row_indices", "values", NULL};
-    PyObject *layout = PyObject_GetAttrString(t, "layout");
+    PyObject *layout = tensor_get(t, "layout");
     PyObject *ls = layout ? PyObject_Str(layout) : NULL;
     Py_XDECREF(layout);
     const char *l = ls ? PyUnicode_AsUTF8(ls) : NULL;
@@ -142,7 +198,7 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
     if (parts) {
       int n = 0;
       for (int i = 0; parts[i]; i++) {
-        PyObject *p = PyObject_CallMethod(t, parts[i], NULL);
+        PyObject *p = tensor_get(t, parts[i]);
         if (!p) return -1;
         int k = torch_python_allocs(p, out + n, 1);
         Py_DECREF(p);

@@ -4765,3 +4765,46 @@ def test_a_view_with_an_empty_dimension_addresses_nothing_however_far_its_stride
     elems = None if strides is None else tuple(s // 4 for s in strides)
     cap, _keep = _dl_capsule(shape, elems)
     assert devpickle.scan({"x": _DLProducer((1, 0), cap)}) == []
+
+
+_LYING_TORCH_FUNCTION = (
+    "import torch, devpickle\n"
+    "other = torch.zeros(1000)\n"
+    "class Liar(torch.Tensor):\n"
+    "    @classmethod\n"
+    "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+    "        name = getattr(func, '__name__', '')\n"
+    "        if name in ('storage', '_storage', 'untyped_storage'):\n"
+    "            return getattr(other, name)()\n"
+    "        return super().__torch_function__(func, types, args, kwargs or {})\n"
+    "class Sparse(torch.Tensor):  # says it is sparse, its parts another tensor\n"
+    "    @classmethod\n"
+    "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+    "        if getattr(func, '__self__', None) is torch.Tensor.layout:\n"
+    "            return torch.sparse_coo\n"
+    "        if getattr(func, '__name__', '') in ('_indices', '_values'):\n"
+    "            return other\n"
+    "        return super().__torch_function__(func, types, args, kwargs or {})\n"
+    "t = torch.ones(4)\n"
+    "for c in (Liar, Sparse):\n"
+    "    got = [(a.ptr, a.nbytes, a.path) for a in devpickle.scan({'l': t.as_subclass(c)})]\n"
+    "    assert got == [(t.data_ptr(), 16, '$.l')], (c, got, t.data_ptr(), other.data_ptr())\n"
+    "print(devpickle._devpickle._torch_adapter())\n"
+)
+
+
+@pytest.mark.parametrize("no_adapter", ["0", "1"])
+def test_a_tensor_subclass_cannot_name_another_tensors_memory_as_its_own_with_or_without_the_adapter(no_adapter):
+    # torch's Python API (no C++ adapter) asked the subclass's
+    # __torch_function__ for its storage, and its own layout and _values():
+    # another tensor's memory was reported (and an inline frame would copy
+    # it) where the adapter reads the tensor itself
+    import os
+    env = dict(os.environ)
+    env.pop("DEVPICKLE_NO_TORCH_ADAPTER", None)
+    if no_adapter == "1":
+        env["DEVPICKLE_NO_TORCH_ADAPTER"] = "1"
+    out = subprocess.run([sys.executable, "-c", _LYING_TORCH_FUNCTION], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == ("python" if no_adapter == "1" else "c++"), out.stdout
