@@ -393,6 +393,16 @@ int dpy_iface_part(PyObject *d, PyObject *key, PyObject **out) {
   return v || !PyErr_Occurred() ? 0 : -1;
 }
 
+/* Item i of an interface's shape or strides tuple as numpy reads it,
+ * through __index__ (a numpy integer, as a shape taken from an array holds):
+ * -1 with an exception when it is none. */
+static Py_ssize_t iface_index(PyObject *tuple, Py_ssize_t i) {
+  PyObject *n = PyNumber_Index(PyTuple_GET_ITEM(tuple, i));
+  Py_ssize_t v = n ? PyLong_AsSsize_t(n) : -1;
+  Py_XDECREF(n);
+  return v;
+}
+
 /* __cuda_array_interface__ (cuda) or __array_interface__: data pointer and
  * extent of the view (no owner is known, so views at different offsets are
  * different entries). 1, with no error, when reading it raises
@@ -453,13 +463,13 @@ int dpy_visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   /* strides in bytes, as given (a stride need not be a multiple of the
      item size); without them, C-contiguous */
   for (Py_ssize_t i = nd; i-- > 0;) {
-    shp[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+    shp[i] = iface_index(shape, i);
     if (shp[i] < 0) {
       if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "a negative dimension (%zd) in shape", shp[i]);
       goto out;
     }
     if (strides && strides != Py_None) {
-      str[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i));
+      str[i] = iface_index(strides, i);
       if (str[i] == -1 && PyErr_Occurred()) goto out;
     } else if (i == nd - 1) {
       str[i] = isz;

@@ -4808,3 +4808,21 @@ def test_a_tensor_subclass_cannot_name_another_tensors_memory_as_its_own_with_or
                          env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == ("python" if no_adapter == "1" else "c++"), out.stdout
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_an_interface_shape_or_strides_of_numpy_integers_is_read_as_numpy_reads_it(cuda):
+    # numpy reads shape and strides through __index__ (a shape taken from
+    # an array holds numpy integers); they were "an integer is required"
+    name = "__cuda_array_interface__" if cuda else "__array_interface__"
+    iface = {"data": (0x100000, False), "shape": (np.int64(2), np.int32(3)), "strides": (np.int64(-12), np.int8(4)),
+             "typestr": "<f4", "version": 3}
+    got = devpickle.scan({"x": type("I", (), {name: iface})()})
+    assert [(a.ptr, a.nbytes, a.path) for a in got] == [(0x100000 - 12, 24, "$.x")]
+    if not cuda:  # as numpy does
+        buf = np.zeros(8, np.float32)
+        over = type("I", (), {name: dict(iface, data=(buf.ctypes.data + 12, False))})()
+        assert np.asarray(over).shape == (2, 3)
+    with pytest.raises(devpickle.WalkError, match="cannot be interpreted as an integer") as e:
+        devpickle.scan({"x": type("I", (), {name: dict(iface, shape=(2, 3.0))})()})
+    assert e.value.path == "$.x" and type(e.value.__cause__) is TypeError
