@@ -4826,3 +4826,13 @@ def test_an_interface_shape_or_strides_of_numpy_integers_is_read_as_numpy_reads_
     with pytest.raises(devpickle.WalkError, match="cannot be interpreted as an integer") as e:
         devpickle.scan({"x": type("I", (), {name: dict(iface, shape=(2, 3.0))})()})
     assert e.value.path == "$.x" and type(e.value.__cause__) is TypeError
+
+
+def test_a_chain_of_views_is_followed_to_its_owner_for_64_views():
+    a = np.arange(100.0)
+    x = a[10:20]
+    for depth in range(1, 70):
+        x = np.asarray(memoryview(x))
+        got = [(m.ptr - a.ctypes.data, m.nbytes) for m in devpickle.scan(x)]
+        # docs/PYTHON.md: the owner through 64 views, then the view's own span
+        assert got == ([(0, 800)] if 2 * depth < 64 else [(80, 80)]), (depth, got)
