@@ -694,6 +694,8 @@ typedef struct {
   uint64_t byte_offset;
 } dl_tensor_t;
 
+#define DL_FLAG_SUBBYTE_PADDED (1u << 2) /* DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED */
+
 /* 1, with no error, when reading __dlpack_device__ or __dlpack__ raises
  * AttributeError (a property that has none for this instance: hasattr() is
  * false, and no consumer reads memory through it): the object is walked as
@@ -764,16 +766,33 @@ int dpy_visit_dlpack(dpy_scanner_t *s, PyObject *o) {
   }
   Py_ssize_t shp[64], str[64], lo = 0;
   size_t ext = 0;
-  int nd = t->ndim, isz = (t->dtype.bits * t->dtype.lanes + 7) / 8;
+  int nd = t->ndim, bpe = t->dtype.bits * t->dtype.lanes, isz = (bpe + 7) / 8;
+  /* Items of fewer bits than whole bytes (int4, fp4) are packed in a DLPack
+   * 1.1 capsule, unless its flags say padded: the extent is found in items,
+   * then in the bytes they span. Before 1.1 they are taken as padded, each in
+   * isz bytes (a bool of 1 bit in a byte, as TVM's): more bytes than packed
+   * items span, never fewer. */
+  uint64_t flags = versioned ? *(const uint64_t *)((const char *)p + 8 + 2 * sizeof(void *)) : 0;
+  int packed = bpe % 8 && versioned && ((const uint32_t *)p)[1] >= 1 && !(flags & DL_FLAG_SUBBYTE_PADDED);
+  Py_ssize_t unit = packed ? 1 : isz;
   int bad = nd < 0 || nd > 64 || isz <= 0 || (nd > 0 && !t->shape);
   for (int i = nd; !bad && i-- > 0;) {
     shp[i] = (Py_ssize_t)t->shape[i];
     if (shp[i] < 0) bad = 1;
-    else if (t->strides) bad = __builtin_mul_overflow((Py_ssize_t)t->strides[i], (Py_ssize_t)isz, &str[i]);
-    else if (i == nd - 1) str[i] = isz;
+    else if (t->strides) bad = __builtin_mul_overflow((Py_ssize_t)t->strides[i], unit, &str[i]);
+    else if (i == nd - 1) str[i] = unit;
     else bad = __builtin_mul_overflow(str[i + 1], shp[i + 1] ? shp[i + 1] : 1, &str[i]);
   }
-  if (!bad) bad = view_extent(nd, shp, str, isz, &lo, &ext);
+  if (!bad) bad = view_extent(nd, shp, str, unit, &lo, &ext);
+  if (!bad && packed && ext) { /* items [lo, lo + ext) span bits [lo * bpe, (lo + ext) * bpe) */
+    Py_ssize_t first, end;
+    bad = __builtin_mul_overflow(lo, (Py_ssize_t)bpe, &first) ||
+          __builtin_mul_overflow(lo + (Py_ssize_t)ext, (Py_ssize_t)bpe, &end) || end > PY_SSIZE_T_MAX - 7;
+    if (!bad) {
+      lo = first >= 0 ? first / 8 : -((7 - first) / 8); /* first <= 0: rounded down */
+      ext = (size_t)((end + 7) / 8 - lo);
+    }
+  }
   /* as the array interfaces' (dpy_visit_iface): the bytes it addresses,
      from data + byte_offset, must be addresses, and a NULL data pointer
      names none */

@@ -4836,3 +4836,27 @@ def test_a_chain_of_views_is_followed_to_its_owner_for_64_views():
         got = [(m.ptr - a.ctypes.data, m.nbytes) for m in devpickle.scan(x)]
         # docs/PYTHON.md: the owner through 64 views, then the view's own span
         assert got == ([(0, 800)] if 2 * depth < 64 else [(80, 80)]), (depth, got)
+
+
+@pytest.mark.parametrize("version, flags, shape, strides, bits, lo, nbytes", [
+    ((1, 1), 0, (9,), None, 4, 0, 5),         # nine 4-bit items, packed: 36 bits in 5 bytes
+    ((1, 1), 0, (3,), None, 12, 0, 5),        # 36 bits
+    ((1, 1), 0, (9,), (-1,), 4, -4, 5),       # backwards: bits -32..3
+    ((1, 1), 0, (3, 3), (4, 1), 4, 0, 6),     # items 0..10: 44 bits
+    ((1, 1), 0, (9,), None, 1, 0, 2),
+    ((1, 1), 1 << 2, (9,), None, 4, 0, 9),    # DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED: a byte each
+    ((1, 0), 0, (9,), None, 4, 0, 9),         # before 1.1: padded (TVM's 1-bit bools take a byte each)
+    (None, 0, (9,), None, 1, 0, 9),
+])
+def test_dlpack_sub_byte_items_are_packed_from_dlpack_1_1_unless_its_flags_say_padded(version, flags, shape, strides,
+                                                                                        bits, lo, nbytes):
+    # a packed int4 view was reported at a byte an item, twice the bytes it spans
+    import ctypes
+
+    name = b"dltensor" if version is None else b"dltensor_versioned"
+    cap, keep = _dl_capsule(shape, strides, data=0x10000, bits=bits, name=name, version=version)
+    if flags:
+        at = ctypes.addressof(keep[0]) + 8 + 2 * ctypes.sizeof(ctypes.c_void_p)  # after version, ctx, deleter
+        ctypes.memmove(at, flags.to_bytes(8, "little"), 8)
+    got = devpickle.scan({"x": _DLProducer((1, 0), cap)})
+    assert [(a.ptr - 0x10000, a.nbytes, a.path) for a in got] == [(lo, nbytes, "$.x")]
