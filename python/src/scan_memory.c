@@ -118,9 +118,20 @@ static int device_from_torch(PyObject *st, PyObject *t, dp_torch_alloc_t *a) {
   } else if (ts && !strcmp(ts, "cuda")) {
     a->device_type = DP_DEVICE_CUDA;
     a->device_index = index == Py_None ? 0 : (int)PyLong_AsLong(index);
+  } else if (ts && !is_storage(t)) { /* worded as the adapter words it */
+    PyObject *layout = tensor_get(t, "layout");
+    PyObject *ls = layout ? PyObject_Str(layout) : NULL;
+    const char *l = ls ? PyUnicode_AsUTF8(ls) : NULL;
+    if (l)
+      PyErr_Format(PyExc_TypeError,
+                   "devpickle: cannot describe the memory of a torch tensor (layout %s, device %s): %s", l, ts,
+                   !strcmp(ts, "meta") ? "its storage is on the meta device (a meta or fake tensor has no memory)"
+                                       : "devpickle knows only cpu and cuda memory");
+    Py_XDECREF(layout);
+    Py_XDECREF(ls);
+    rc = -1;
   } else {
-    if (ts) PyErr_Format(PyExc_TypeError, "a %s on device type '%s' has no memory devpickle can track",
-                         is_storage(t) ? "storage" : "tensor", ts);
+    if (ts) PyErr_Format(PyExc_TypeError, "a storage on device type '%s' has no memory devpickle can track", ts);
     rc = -1;
   }
   Py_DECREF(type);

@@ -4860,3 +4860,25 @@ def test_dlpack_sub_byte_items_are_packed_from_dlpack_1_1_unless_its_flags_say_p
         ctypes.memmove(at, flags.to_bytes(8, "little"), 8)
     got = devpickle.scan({"x": _DLProducer((1, 0), cap)})
     assert [(a.ptr - 0x10000, a.nbytes, a.path) for a in got] == [(lo, nbytes, "$.x")]
+
+
+@pytest.mark.parametrize("no_adapter", ["0", "1"])
+def test_a_meta_tensor_is_worded_alike_with_or_without_the_adapter(no_adapter):
+    # torch's Python API said "a tensor on device type 'meta' has no memory
+    # devpickle can track" where the adapter names the layout and the device
+    import os
+    code = ("import torch, devpickle\n"
+            "try:\n"
+            "    devpickle.scan({'m': torch.empty(2, device='meta')})\n"
+            "except devpickle.WalkError as e:\n"
+            "    print(e)\n")
+    env = dict(os.environ)
+    env.pop("DEVPICKLE_NO_TORCH_ADAPTER", None)
+    if no_adapter == "1":
+        env["DEVPICKLE_NO_TORCH_ADAPTER"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == (
+        "cannot walk a 'torch.Tensor' at $.m: a tensor whose memory cannot be described: devpickle: cannot describe "
+        "the memory of a torch tensor (layout torch.strided, device meta): its storage is on the meta device (a meta "
+        "or fake tensor has no memory)"), out.stdout
