@@ -44,6 +44,7 @@ typedef struct dpy_state {
   PyObject *cupy_ndarray;      /* cupy.ndarray once cupy is imported, else NULL */
   PyTypeObject *numpy_ndarray; /* numpy.ndarray and numpy.generic (its scalars) once numpy is */
   PyTypeObject *numpy_generic; /* imported, else NULL */
+  PyTypeObject *numpy_void;    /* numpy.void (a structured scalar), with numpy_generic */
   /* What synchronizes and holds no memory of its own (scan_classify.h, K_SYNC):
    * devpickle.Future (future.c, at import), torch's future (torch._C.Future)
    * and CUDA event (torch._C._CudaEventBase) once torch is resolved. */

@@ -159,14 +159,17 @@ int dpy_resolve_frameworks(void) {
     if (np) {
       PyObject *nd = PyObject_GetAttrString(np, "ndarray");
       PyObject *gen = nd ? PyObject_GetAttrString(np, "generic") : NULL;
+      PyObject *vd = gen ? PyObject_GetAttrString(np, "void") : NULL;
       PyErr_Clear();
-      if (nd && gen && PyType_Check(nd) && PyType_Check(gen)) {
+      if (nd && gen && vd && PyType_Check(nd) && PyType_Check(gen) && PyType_Check(vd)) {
         dpy.numpy_ndarray = (PyTypeObject *)Py_NewRef(nd);
         dpy.numpy_generic = (PyTypeObject *)Py_NewRef(gen);
+        dpy.numpy_void = (PyTypeObject *)Py_NewRef(vd);
         changed = 1;
       }
       Py_XDECREF(nd);
       Py_XDECREF(gen);
+      Py_XDECREF(vd);
     }
   }
   if (changed) dpy_scan_forget_types();

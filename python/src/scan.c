@@ -109,6 +109,20 @@ static int runs_value_code(uint8_t k, PyTypeObject *t, int dispatched) {
   }
 }
 
+/* Whether numpy scalar o is a structured one with object fields (a
+ * numpy.void whose dtype has objects): its reduce carries those objects
+ * (a tensor among them), as an object array's does. 1, 0, or -1 with an
+ * exception. */
+static int npscalar_holds_objects(PyObject *o) {
+  if (!dpy.numpy_void || !PyObject_TypeCheck(o, dpy.numpy_void)) return 0;
+  PyObject *dt = PyObject_GetAttrString(o, "dtype");
+  PyObject *h = dt ? PyObject_GetAttrString(dt, "hasobject") : NULL;
+  int r = h ? PyObject_IsTrue(h) : -1;
+  Py_XDECREF(h);
+  Py_XDECREF(dt);
+  return r;
+}
+
 static int visit(dpy_scanner_t *s, PyObject *o) {
   PyTypeObject *t = Py_TYPE(o);
   PyObject *known = s->dispatch_obj; /* run_object's lookup of o's class, when it left o to visit() */
@@ -118,7 +132,11 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   uint8_t k = classify(t);
   if (k == K_UNKNOWN) return -1; /* an interrupt held (classify_slow): dpy_scan raises it */
   if (s->build) return dpy_build_visit(s, o, k);
-  if (k == K_LEAF || k == K_NPSCALAR) return 0;
+  if (k == K_LEAF) return 0;
+  if (k == K_NPSCALAR) { /* a value, not memory: a leaf, save a structured one holding objects (reduced below) */
+    int objs = npscalar_holds_objects(o);
+    if (objs <= 0) return objs < 0 ? dpy_walk_error(s, o, "its dtype cannot be read") : 0;
+  }
   if (k == K_CFUNC) { /* len, print: globals; lst.append: getattr(lst, "append") */
     PyObject *self = PyCFunction_GET_SELF(o);
     if (!self || PyModule_Check(self)) return 0;

@@ -4882,3 +4882,23 @@ def test_a_meta_tensor_is_worded_alike_with_or_without_the_adapter(no_adapter):
         "cannot walk a 'torch.Tensor' at $.m: a tensor whose memory cannot be described: devpickle: cannot describe "
         "the memory of a torch tensor (layout torch.strided, device meta): its storage is on the meta device (a meta "
         "or fake tensor has no memory)"), out.stdout
+
+
+def test_a_structured_numpy_scalar_with_object_fields_is_walked_as_its_reduce_carries_them():
+    """A numpy scalar is a value, not memory — save a structured one
+    (numpy.void) whose dtype holds objects: its reduce carries them, a
+    tensor among them, as an object array's does. It was a leaf: the
+    tensor went unseen by scan and by a Future."""
+    a = np.zeros(2, dtype=[("a", "O"), ("b", "<f4")])
+    t = torch.ones(4)
+    a[0]["a"] = t
+    got = devpickle.scan(a[0])
+    assert [(x.ptr, x.nbytes) for x in got] == [(t.data_ptr(), 16)]
+    assert got[0].path.startswith("$<reduce numpy.void>.args[1]<reduce numpy.ndarray>")
+    f = devpickle.Future()
+    f.set_result([a[0]])
+    assert [n for _, _, n in f._allocations()] == [16]
+    # scalars without objects stay leaves: a structured one of numbers, a plain one, one holding None
+    plain = np.zeros(1, dtype=[("x", "<f4")])[0]
+    assert devpickle.scan([a[1], plain, np.float64(2)]) == []
+
