@@ -412,14 +412,20 @@ _INSTANCE_PROTOCOL = frozenset({
     "__array_interface__", "__array_struct__", "__array__", "__array_wrap__", "__array_prepare__",
     "__cuda_array_interface__", "__dlpack__", "__dlpack_device__", "__deepcopy__", "__copy__", "__reduce_ex__",
     "__reduce__", "__getstate__", "__setstate__", "__getnewargs__", "__getnewargs_ex__"})
+# and, on a dict subclass's instance, what object.__reduce_ex__ calls for its
+# items (copy.deepcopy, pickle and dumps alike): a frame's `items` there, a
+# listed `list`, had them write the dict empty
+_DICT_INSTANCE_PROTOCOL = _INSTANCE_PROTOCOL | {"items"}
 
 
 def _set_state(obj, state, slots):
     """pickle's default __setstate__: state into the instance's __dict__,
     slots with setattr; an instance without a __dict__ is a TypeError
     naming its class, never an AttributeError from inside loads; an
-    attribute of _INSTANCE_PROTOCOL's names is a TypeError too."""
-    protocol = sorted(k for k in state if k in _INSTANCE_PROTOCOL)
+    attribute of _INSTANCE_PROTOCOL's names (and a dict's `items`) is a
+    TypeError too."""
+    names = _DICT_INSTANCE_PROTOCOL if isinstance(obj, dict) else _INSTANCE_PROTOCOL
+    protocol = sorted(k for k in state if k in names)
     if protocol:
         raise TypeError(f"loads: {class_label(type(obj))}'s attributes {protocol!r} are names numpy, torch, copy and "
                         "pickle look up on the instance: a frame's value there would answer for the object (an "

@@ -4029,3 +4029,27 @@ def test_dumps_refuses_a_tensor_subclass_named_as_torch_tensor_or_torchs_paramet
             devpickle.dumps([torch.ones(1).as_subclass(cls)], inline=True)
     back = devpickle.loads(devpickle.dumps([torch.nn.Parameter(torch.ones(1))], inline=True))
     assert type(back[0]) is torch.nn.Parameter
+
+
+class _ItemsDict(dict):
+    pass
+
+
+def test_an_allowed_dict_subclass_takes_no_attribute_items_which_pickle_and_copy_call_for_its_items(tmp_path):
+    # a frame's `items` went into the instance's __dict__, where
+    # object.__reduce_ex__ looks it up: with `list` listed, copy.deepcopy,
+    # pickle.dumps and dumps wrote the dict without its items
+    label = f"{__name__}._ItemsDict"
+    items = {"$object": "devpickle.global", "attrs": {"name": "builtins.list"}}
+    for frame in (_packed(tmp_path, {"$object": label, "attrs": {"items": items}}),
+                  _packed(tmp_path, {"$object": label, "attrs": {
+                      "<callable>": {"$object": "devpickle.global", "attrs": {"name": label}},
+                      "<dictitems>": [{"$tuple": ["k", 1]}], "<state>": {"items": items}}})):
+        with pytest.raises(TypeError, match=rf"^loads: {label}'s attributes \['items'\] are names numpy, torch, copy "
+                                            r"and pickle look up on the instance: .*, at \$$"):
+            devpickle.loads(frame, classes=[_ItemsDict, list])
+    # a plain object of another class keeps an attribute of that name
+    back = devpickle.loads(_packed(tmp_path, {"$object": f"{__name__}.Node", "attrs": {"items": [1]}}), classes=Node)
+    assert back.items == [1]
+    d = _ItemsDict(k=1)
+    assert devpickle.loads(devpickle.dumps(d), classes=_ItemsDict) == d
