@@ -1004,6 +1004,9 @@ def _check_contiguous(source, key):
                 raise TypeError(f"loads: buffers[{key}] is a devpickle.Object of class "
                                 f"{object.__getattribute__(source, '__class_name__')!r}, not a buffer") from None
             raise TypeError(f"loads: buffers[{key}] is of type {type(source).__name__!r}, not a buffer") from None
+        except ValueError as e:  # an exporter that refuses: numpy's datetime64 and timedelta64 arrays
+            raise TypeError(f"loads: buffers[{key}] is a {type(source).__name__!r} that exports no buffer ({e}): "
+                            "give its bytes (a.view(numpy.uint8))") from None
         # a buffer of Python objects (numpy dtype=object, struct format 'O',
         # also inside a structured format) holds pointers: a tensor over it
         # would read them, and writes through it would corrupt the objects'

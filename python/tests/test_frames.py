@@ -4053,3 +4053,13 @@ def test_an_allowed_dict_subclass_takes_no_attribute_items_which_pickle_and_copy
     assert back.items == [1]
     d = _ItemsDict(k=1)
     assert devpickle.loads(devpickle.dumps(d), classes=_ItemsDict) == d
+
+
+def test_a_buffer_whose_exporter_refuses_is_a_type_error_naming_it_and_the_path():
+    # memoryview() of a datetime64 array raises numpy's ValueError, which
+    # passed through loads without its prefix or the path
+    frame = devpickle.dumps({"t": torch.arange(2)}, buffer_callback=lambda b: None)
+    with pytest.raises(TypeError, match=r"^loads: buffers\[0\] is a 'ndarray' that exports no buffer \(cannot include "
+                                        r"dtype 'M' in a buffer\): give its bytes \(a\.view\(numpy\.uint8\)\), at \$\.t$"):
+        devpickle.loads(frame, buffers=[np.zeros(2, "M8[s]")])
+    assert devpickle.loads(frame, buffers=[np.arange(2).view("M8[s]").view(np.uint8)])["t"].tolist() == [0, 1]
