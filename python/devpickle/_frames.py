@@ -868,6 +868,14 @@ def _reduced_make(cls, parts, classes, copies):
     fn, args = parts.get("<callable>"), parts.get("<args>", ())
     if not isinstance(args, tuple):  # pickle's REDUCE and NEWOBJ take a tuple too
         raise TypeError(f"loads: {label} was reduced with args that are a {type(args).__name__}, not a tuple")
+    if cls is Object and fn is cls:
+        # dumps writes an Object as (Object, (its class name,), its attributes):
+        # Object's own __init__ would str() any other argument (a 10 kB str
+        # the frame lists 20,000 times renders as 200 MB) and copy an attrs
+        # dict once per Object, neither charged
+        if len(args) != 1 or type(args[0]) is not str:
+            raise TypeError(f"loads: {label} was reduced with args that are not (a str class name,), as dumps "
+                            f"writes a devpickle.Object, but ({', '.join(type(a).__name__ for a in args[:4])})")
     new_kwargs = {}
     member = None
     if fn is cls:
@@ -926,6 +934,9 @@ def reduced_fill(obj, cls, parts, classes, copies):
         raise TypeError(f"loads: {label} was reduced with listitems that are not a list or dictitems "
                         "that are not a list of (key, value) pairs")
     state = parts.get("<state>")
+    if type(obj) is Object and not isinstance(state, (dict, type(None))):  # Object.__setstate__ would dict() it
+        raise TypeError(f"loads: {label} was reduced with a state that is a {type(state).__name__}, not the dict of "
+                        "its attributes dumps writes a devpickle.Object with")
     if (listitems or dictitems or state is not None) and isinstance(obj, (type, enum.Enum)):
         # the class called with a value gives an object the whole process
         # holds (Mode("a") is the member Mode.A; type(x) a class): filling it

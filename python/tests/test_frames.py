@@ -4063,3 +4063,26 @@ def test_a_buffer_whose_exporter_refuses_is_a_type_error_naming_it_and_the_path(
                                         r"dtype 'M' in a buffer\): give its bytes \(a\.view\(numpy\.uint8\)\), at \$\.t$"):
         devpickle.loads(frame, buffers=[np.zeros(2, "M8[s]")])
     assert devpickle.loads(frame, buffers=[np.arange(2).view("M8[s]").view(np.uint8)])["t"].tolist() == [0, 1]
+
+
+def test_a_listed_devpickle_object_is_made_only_from_the_form_dumps_writes_never_rendering_its_args(tmp_path):
+    # Object(class_name) str()ed any argument: a list of one 10 kB str
+    # repeated 20,000 times by reference, a 130 kB frame, made a 200 MB
+    # class name; a state that is no dict failed inside Object.__setstate__
+    make = {"$object": "devpickle.global", "attrs": {"name": "devpickle._object.Object"}}
+    label = "devpickle._object.Object"
+    big = "x" * 10_000
+    for args, state, message in (
+            ([[big] * 3], {}, r"args that are not \(a str class name,\), as dumps writes a devpickle\.Object, but "
+                              r"\(list\)"),
+            (["m.C", {"x": 1}], {}, r"args that are not \(a str class name,\), as dumps writes a devpickle\.Object, "
+                                    r"but \(str, dict\)"),
+            ([5], {}, r"args that are not \(a str class name,\), as dumps writes a devpickle\.Object, but \(int\)"),
+            (["m.C"], [1], r"a state that is a list, not the dict of its attributes dumps writes a devpickle\.Object "
+                           r"with")):
+        frame = _packed(tmp_path, {"$object": label, "attrs": {"<callable>": make, "<args>": {"$tuple": args},
+                                                               "<state>": state}})
+        with pytest.raises(TypeError, match=rf"^loads: {re.escape(label)} was reduced with {message}, at \$$"):
+            devpickle.loads(frame, classes=devpickle.Object)
+    o = devpickle.Object("m.C", {"x": [1]})
+    assert devpickle.loads(devpickle.dumps(o), classes=devpickle.Object) == o
