@@ -344,6 +344,7 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
     static const int8_t order[] = {0, 1, 3, 4, 5, 2};
     Py_ssize_t n = PyTuple_GET_SIZE(f->obj);
     while (f->pos < 6) {
+      if (f->pos >= 2) dpy_build_made(s, f); /* its callable and args made: the object is */
       f->idx = order[f->pos++];
       if (f->idx >= n) continue;
       PyObject *part = PyTuple_GET_ITEM(f->obj, f->idx);
@@ -366,6 +367,7 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
       }
       return part;
     }
+    dpy_build_made(s, f);
     if (f->pos == 6 && f->value) {
       /* an object-dtype array subclass's attributes (dpy_visit_buffer): the
          reduced object's own, at its path (`<reduce T>.name`) */

@@ -930,11 +930,24 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
     Py_XDECREF(hold);
     if (rc) return dp_fail(s, o, rc, &e);
   }
-  if (memo_store(s, at, v) || attach(s, o, v)) return -1;
-  size_t depth = s->nframes;
+  /* A reduced object is made from its callable and args: met again while
+     they are walked (its own args hold it), it would be a cycle loads cannot
+     rebuild. Its memo entry holds none until they are made (the entry's
+     room made now), and a reference meanwhile is refused, above. */
+  int reduced = !PyUnicode_Check(r);
+  if (memo_store(s, at, reduced ? dp_none() : v) || attach(s, o, v)) return -1;
+  if (!reduced) return 0;
   if (dpy_push_reduce(s, o, r)) return -1;
-  if (s->nframes > depth) s->frames[s->nframes - 1].out = v;
+  frame_t *f = &s->frames[s->nframes - 1];
+  f->out = v;
+  f->memo_pending = at + 1;
   return 0;
+}
+
+void dpy_build_made(dpy_scanner_t *s, frame_t *f) {
+  if (!f->memo_pending) return;
+  s->vals[f->memo_pending - 1] = dp_value_retain(f->out);
+  f->memo_pending = 0;
 }
 
 /* dictitems of a reduce: a list of (key, value) pairs, made for the frame

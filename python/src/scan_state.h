@@ -38,6 +38,11 @@ typedef struct frame {
   dp_value_t out;
   dp_value_t key;
   int has_key;
+  /* FR_REDUCE, building: 1 + the memo entry whose value (out) is entered
+   * once the reduce's callable and args are made (dpy_build_made); 0 once
+   * entered. Until then a reference to the object is a cycle through its
+   * callable or args, which loads cannot rebuild (pickle: RecursionError). */
+  size_t memo_pending;
 } frame_t;
 
 struct dpy_scanner {

@@ -3981,8 +3981,12 @@ def test_an_unlisted_reduced_object_whose_state_refers_to_it_comes_back_as_an_ob
     assert out.__attrs__["<state>"]["me"] is out and out.__attrs__["<args>"] == ()
 
 
-def test_a_cycle_through_a_reduced_objects_args_is_still_a_value_error_naming_the_path():
-    frame = devpickle.dumps([_ReducedWithItselfInArgs()])
+def test_a_cycle_through_a_reduced_objects_args_is_still_a_value_error_naming_the_path(tmp_path):
+    # dumps refuses to write it (below); the frame comes from value JSON
+    name = f"{__name__}._ReducedWithItselfInArgs"
+    frame = _packed(tmp_path, [{"$id": "r", "$value": {"$object": name, "attrs": {
+        "<callable>": {"$object": "devpickle.global", "attrs": {"name": name}},
+        "<args>": {"$tuple": [{"$ref": "r"}]}}}}])
     for classes in ((), (_ReducedWithItselfInArgs,)):
         with pytest.raises(ValueError, match=r"reduced object's callable or args .*, at \$\[0\]\[\"<args>\"\]\[0\]$"):
             devpickle.loads(frame, classes=classes)
@@ -4086,3 +4090,32 @@ def test_a_listed_devpickle_object_is_made_only_from_the_form_dumps_writes_never
             devpickle.loads(frame, classes=devpickle.Object)
     o = devpickle.Object("m.C", {"x": [1]})
     assert devpickle.loads(devpickle.dumps(o), classes=devpickle.Object) == o
+
+
+class _OwnArg:
+    def __init__(self, a=None):
+        self.a = a
+
+    def __reduce__(self):
+        return (_OwnArg, (self.a,))
+
+
+def test_dumps_refuses_an_object_its_own_reduce_args_hold_naming_where_the_cycle_closes():
+    """An object is made from its reduce's callable and args: one held in
+    its own args cannot be rebuilt (pickle.dumps recurses until
+    RecursionError). dumps wrote it, and loads then refused the frame:
+    whatever dumps writes, loads reads. It is a WalkError at the path where
+    the cycle closes; the object held in its own state, or met again after
+    its args, is carried as ever."""
+    r = _OwnArg()
+    r.a = r
+    with pytest.raises(devpickle.WalkError) as ei:
+        devpickle.dumps(r)
+    assert str(ei.value).startswith(f"cannot walk a '{__name__}._OwnArg' at $<reduce {__name__}._OwnArg>.args[0]: ")
+    assert "a cycle through a reduce's arguments" in str(ei.value)
+    with pytest.raises(RecursionError):
+        pickle.dumps(r)
+    o = _OwnArg(5)
+    back = devpickle.loads(devpickle.dumps([o, (o,), {"k": o}]), classes=(_OwnArg,))
+    assert back[0] is back[1][0] is back[2]["k"] and back[0].a == 5
+
