@@ -850,6 +850,7 @@ static int scan_walk(dpy_scanner_t *s, PyObject *obj, const dpy_scan_opts_t *opt
         s->nframes = n;
         return rc;
       }
+      dpy_build_made(s, f); /* a tuple's items are made: the tuple is */
       dpy_frame_drop(&s->frames[--s->nframes]);
       continue;
     }

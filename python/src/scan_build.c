@@ -702,10 +702,14 @@ out:
   return rc;
 }
 
-/* The container for a frame, attached to its slot and kept in the memo. */
+/* The container for a frame, attached to its slot and kept in the memo —
+ * a tuple's (and a namedtuple's) once its items are made: loads makes a
+ * tuple from its items, so one met again among them (a list in it holding
+ * it) is a cycle loads cannot rebuild, refused where it closes. */
 static int build_container(dpy_scanner_t *s, PyObject *o, size_t at, uint8_t fr, PyObject *iter, const char *cls,
                            dp_value_t made, PyObject *names) {
-  if (memo_store(s, at, made) || attach(s, o, made)) return -1;
+  int later = iter && PyTuple_Check(o);
+  if (memo_store(s, at, later ? dp_none() : made) || attach(s, o, made)) return -1;
   dp_value_t into = made;
   if (cls) { /* sets: the object holds a list of items */
     dp_error_t e;
@@ -720,6 +724,7 @@ static int build_container(dpy_scanner_t *s, PyObject *o, size_t at, uint8_t fr,
   frame_t *f = &s->frames[s->nframes - 1];
   f->out = into;
   f->names = names;
+  if (later) f->memo_pending = at + 1;
   return 0;
 }
 
@@ -796,8 +801,10 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   if (sn < 0) return -1;
   if (sn) {
     if (at >= s->vals_cap || dp_value_kind(s->vals[at]) == DP_NONE) {
-      PyErr_SetString(PyExc_ValueError, "a reference to an object that is still being reduced (a cycle "
-                                        "through a reduce's arguments)");
+      PyErr_SetString(PyExc_ValueError, PyTuple_Check(o) ? "a reference to a tuple from within its own items (a "
+                                                           "cycle through a tuple, which loads cannot rebuild)"
+                                                         : "a reference to an object that is still being reduced (a "
+                                                           "cycle through a reduce's arguments)");
       return dpy_walk_error(s, o, "it cannot be carried in a frame");
     }
     return attach(s, o, dp_value_retain(s->vals[at]));
@@ -945,6 +952,7 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
 }
 
 void dpy_build_made(dpy_scanner_t *s, frame_t *f) {
+  /* a reduce's object, its callable and args made; a tuple, its items */
   if (!f->memo_pending) return;
   s->vals[f->memo_pending - 1] = dp_value_retain(f->out);
   f->memo_pending = 0;

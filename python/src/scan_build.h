@@ -14,9 +14,9 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k);
 /* The list of (key, value) pairs for the FR_PAIRS frame about to be
  * pushed (s->made). 0, or -1 with an exception. */
 int dpy_build_pairs(dpy_scanner_t *s);
-/* Reduce frame f's callable and args are made: its object's value enters
- * the memo (nothing when it has). Needs no memory (dpy_build_visit made
- * the entry's room). */
+/* Reduce frame f's callable and args are made, or tuple frame f's items:
+ * its object's value enters the memo (nothing when it has). Needs no
+ * memory (dpy_build_visit made the entry's room). */
 void dpy_build_made(dpy_scanner_t *s, frame_t *f);
 /* After the walk: every storage the frame will read is still where the
  * walk found it. 0, or -1 with a WalkError. */

@@ -3660,11 +3660,9 @@ def test_a_dict_key_of_tuples_32_levels_deep_comes_back_whole():
     assert devpickle.loads(devpickle.dumps(value)) == value
 
 
-def test_a_cycle_through_a_tuple_is_a_value_error_never_a_placeholder_in_the_value():
-    inner = []
-    t = (inner,)
-    inner.append(t)
-    frame = devpickle.dumps(t)
+def test_a_cycle_through_a_tuple_is_a_value_error_never_a_placeholder_in_the_value(tmp_path):
+    # dumps refuses to write it (test_dumps_refuses_a_tuple_met_again_...): the frame comes from value JSON
+    frame = _packed(tmp_path, {"$id": "t", "$value": {"$tuple": [[{"$ref": "t"}]]}})
     with pytest.raises(ValueError, match=r"^loads: a cycle through a tuple, or through a reduced object's callable or args \(the object is made "
                        r"from them; pickle cannot rebuild it either\), cannot be rebuilt, at \$\[0\]\[0\]$"):
         devpickle.loads(frame)
@@ -4118,4 +4116,27 @@ def test_dumps_refuses_an_object_its_own_reduce_args_hold_naming_where_the_cycle
     o = _OwnArg(5)
     back = devpickle.loads(devpickle.dumps([o, (o,), {"k": o}]), classes=(_OwnArg,))
     assert back[0] is back[1][0] is back[2]["k"] and back[0].a == 5
+
+
+_NT = collections.namedtuple("_NT", "a b")
+
+
+def test_dumps_refuses_a_tuple_met_again_among_its_own_items_as_loads_cannot_rebuild_it():
+    """loads makes a tuple (a namedtuple) from its items: one a list among
+    them holds is a cycle it refuses. dumps wrote such frames; it is a
+    WalkError at the path where the cycle closes. A tuple shared, not
+    held by itself, is carried as ever."""
+    t = ([],)
+    t[0].append(t)
+    n = _NT([], 1)
+    n.a.append(n)
+    for v, label, path in ((t, "tuple", "$[0][0]"), ({"k": n}, f"{__name__}._NT", "$.k.a[0]")):
+        with pytest.raises(devpickle.WalkError) as ei:
+            devpickle.dumps(v)
+        assert str(ei.value) == (f"cannot walk a '{label}' at {path}: it cannot be carried in a frame: a reference to "
+                                 "a tuple from within its own items (a cycle through a tuple, which loads cannot "
+                                 "rebuild)")
+    x = (1, [2])
+    back = devpickle.loads(devpickle.dumps([x, x, (x,)]))
+    assert back[0] is back[1] is back[2][0] and back[0] == (1, [2])
 
