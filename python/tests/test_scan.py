@@ -2062,19 +2062,22 @@ _SPARSE_COMPRESSED = (
 )
 
 
-@pytest.mark.parametrize("no_adapter", ["0", "1"])
-def test_sparse_compressed_tensors_are_walked_with_or_without_the_torch_adapter(no_adapter):
-    # the Python path (no C++ adapter) read only COO: a CSR tensor's storage
-    # lookup raised, a WalkError where the adapter gives its three tensors
+def _run_child_adapter(code, no_adapter):
+    """code run by a child interpreter, with the C++ torch adapter
+    (no_adapter "0") or without it ("1": DEVPICKLE_NO_TORCH_ADAPTER)."""
     import os
-    import subprocess
-    import sys
     env = dict(os.environ)
     env.pop("DEVPICKLE_NO_TORCH_ADAPTER", None)
     if no_adapter == "1":
         env["DEVPICKLE_NO_TORCH_ADAPTER"] = "1"
-    out = subprocess.run([sys.executable, "-c", _SPARSE_COMPRESSED], capture_output=True, text=True, timeout=120,
-                         env=env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("no_adapter", ["0", "1"])
+def test_sparse_compressed_tensors_are_walked_with_or_without_the_torch_adapter(no_adapter):
+    # the Python path (no C++ adapter) read only COO: a CSR tensor's storage
+    # lookup raised, a WalkError where the adapter gives its three tensors
+    out = _run_child_adapter(_SPARSE_COMPRESSED, no_adapter)
     assert out.returncode == 0, out.stderr
     assert "csr" in out.stdout
 
@@ -2672,12 +2675,7 @@ def test_a_tensor_or_storage_whose_python_methods_lie_about_its_memory_is_read_t
     # — methods a subclass overrides: an address of its choosing, which
     # dumps(inline=True) then copied (a crash reading address 16). torch's
     # own C methods are asked now, and what they give is type-checked.
-    import os
-    env = dict(os.environ)
-    env.pop("DEVPICKLE_NO_TORCH_ADAPTER", None)
-    if no_adapter == "1":
-        env["DEVPICKLE_NO_TORCH_ADAPTER"] = "1"
-    out = subprocess.run([sys.executable, "-c", _STORAGE_LIARS], capture_output=True, text=True, timeout=120, env=env)
+    out = _run_child_adapter(_STORAGE_LIARS, no_adapter)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok"]
 
@@ -4799,13 +4797,7 @@ def test_a_tensor_subclass_cannot_name_another_tensors_memory_as_its_own_with_or
     # __torch_function__ for its storage, and its own layout and _values():
     # another tensor's memory was reported (and an inline frame would copy
     # it) where the adapter reads the tensor itself
-    import os
-    env = dict(os.environ)
-    env.pop("DEVPICKLE_NO_TORCH_ADAPTER", None)
-    if no_adapter == "1":
-        env["DEVPICKLE_NO_TORCH_ADAPTER"] = "1"
-    out = subprocess.run([sys.executable, "-c", _LYING_TORCH_FUNCTION], capture_output=True, text=True, timeout=120,
-                         env=env)
+    out = _run_child_adapter(_LYING_TORCH_FUNCTION, no_adapter)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == ("python" if no_adapter == "1" else "c++"), out.stdout
 
@@ -4866,17 +4858,12 @@ def test_dlpack_sub_byte_items_are_packed_from_dlpack_1_1_unless_its_flags_say_p
 def test_a_meta_tensor_is_worded_alike_with_or_without_the_adapter(no_adapter):
     # torch's Python API said "a tensor on device type 'meta' has no memory
     # devpickle can track" where the adapter names the layout and the device
-    import os
     code = ("import torch, devpickle\n"
             "try:\n"
             "    devpickle.scan({'m': torch.empty(2, device='meta')})\n"
             "except devpickle.WalkError as e:\n"
             "    print(e)\n")
-    env = dict(os.environ)
-    env.pop("DEVPICKLE_NO_TORCH_ADAPTER", None)
-    if no_adapter == "1":
-        env["DEVPICKLE_NO_TORCH_ADAPTER"] = "1"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    out = _run_child_adapter(code, no_adapter)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == (
         "cannot walk a 'torch.Tensor' at $.m: a tensor whose memory cannot be described: devpickle: cannot describe "
