@@ -297,14 +297,6 @@ static void forget(dpy_opaque_t *op) {
   }
 }
 
-/* The slot of t's entry in the table, or of the empty slot where it would
- * go. */
-static dpy_opaque_ent_t *slot_of(dpy_opaque_t *op, PyTypeObject *t) {
-  size_t mask = ((size_t)1 << op->bits) - 1, i = dpy_type_slot(t, op->bits);
-  while (op->cache[i].gen == op->gen && op->cache[i].type != t) i = (i + 1) & mask;
-  return &op->cache[i];
-}
-
 /* Doubles the table, this generation's entries moved over: 0, or -1 with
  * MemoryError. */
 static int grow(dpy_opaque_t *op) {
@@ -317,7 +309,7 @@ static int grow(dpy_opaque_t *op) {
   op->cache = big;
   op->bits++;
   for (size_t i = 0; i < n; i++)
-    if (old[i].gen == op->gen) *slot_of(op, old[i].type) = old[i];
+    if (old[i].gen == op->gen) *dpy_opaque_slot(op, old[i].type) = old[i];
   if (old != op->inl) PyMem_Free(old);
   return 0;
 }
@@ -426,11 +418,11 @@ static Py_ssize_t answer(dpy_opaque_t *op, PyTypeObject *t, PyObject *o) {
 static int keep(dpy_opaque_t *op, PyTypeObject *t, unsigned int tag, Py_ssize_t hit) {
   unsigned int now;
   if (!version_tag(t, &now) || now != tag) return 0;
-  dpy_opaque_ent_t *e = slot_of(op, t);
+  dpy_opaque_ent_t *e = dpy_opaque_slot(op, t);
   if (e->gen != op->gen) { /* a type not met before: a slot more, the table at most three quarters full */
     if (4 * (op->used + 1) > ((size_t)3 << op->bits)) {
       if (grow(op)) return -1;
-      e = slot_of(op, t);
+      e = dpy_opaque_slot(op, t);
     }
     op->used++;
   }

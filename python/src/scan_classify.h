@@ -208,16 +208,18 @@ static inline int dpy_opaque_stale(const dpy_opaque_t *op) {
 
 /* The answer for instances of t (dpy_opaque_ent_t.hit) from the cache, or
  * OPAQUE_ASK, or OPAQUE_ERR with an exception. Runs no Python code. */
+/* The slot of t's entry in the table, or of the empty slot (an entry of
+ * another generation) where it would go. */
+static inline dpy_opaque_ent_t *dpy_opaque_slot(dpy_opaque_t *op, PyTypeObject *t) {
+  size_t mask = ((size_t)1 << op->bits) - 1, i = dpy_type_slot(t, op->bits);
+  while (op->cache[i].gen == op->gen && op->cache[i].type != t) i = (i + 1) & mask;
+  return &op->cache[i];
+}
+
 static inline Py_ssize_t dpy_opaque_hit(dpy_opaque_t *op, PyTypeObject *t) {
-  size_t mask = ((size_t)1 << op->bits) - 1;
-  for (size_t i = dpy_type_slot(t, op->bits);; i = (i + 1) & mask) {
-    const dpy_opaque_ent_t *e = &op->cache[i];
-    if (e->gen != op->gen) break; /* an empty slot: t has no entry */
-    if (e->type == t) {
-      if ((t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && e->version == t->tp_version_tag) return e->hit;
-      break;
-    }
-  }
+  const dpy_opaque_ent_t *e = dpy_opaque_slot(op, t);
+  if (e->gen == op->gen && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && e->version == t->tp_version_tag)
+    return e->hit;
   return dpy_opaque_slow(op, t);
 }
 
