@@ -304,12 +304,16 @@ dp_future_t *dp_future_retain(dp_future_t *f) {
   return f;
 }
 
+void dp__future_set_refs(dp_future_t *f, uint32_t refs) { dp__store_relaxed(&f->refs, refs); }
+
 /* A reference to f unless its last one went already (its memory is then
  * still there only while something holds back its free: see deps). */
 static int try_retain(dp_future_t *f) {
   uint32_t n = dp__load_relaxed(&f->refs);
-  while (n)
+  while (n) {
+    if (DP_UNLIKELY(n == UINT32_MAX)) dp__ref_overflow("future");
     if (dp__cas_acq_rel(&f->refs, &n, n + 1)) return 1;
+  }
   return 0;
 }
 
@@ -1117,7 +1121,7 @@ static void dispatch(dp_future_t *f, cbent_t *list) {
     last = e;
     n++;
   }
-  dp__fetch_add_relaxed(&f->refs, n);
+  if (DP_UNLIKELY(dp__fetch_add_relaxed(&f->refs, n) > UINT32_MAX - n)) dp__ref_overflow("future");
   level_t *lv = tramp_top(t);
   if (lv->tail) lv->tail->next = list;
   else lv->head = list;

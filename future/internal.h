@@ -46,5 +46,7 @@ void dp__future_loop_leave(dp__future_loop_frame_t *fr);
  * variable, in every thread (a limit of 0, or one its spin spent, begins
  * none). */
 extern _Atomic uint64_t dp__future_sleeps;
+/* Tests: sets f's reference count (to try the bound a retain checks). */
+void dp__future_set_refs(dp_future_t *f, uint32_t refs);
 
 #endif

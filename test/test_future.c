@@ -3,7 +3,9 @@
  * memory held from reuse — with negative controls for every race. */
 #define _GNU_SOURCE /* syscall() */
 #include <pthread.h>
+#include <signal.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -995,6 +997,56 @@ Test(future, a_wait_with_a_limit_of_0_or_1_ns_or_1_us_on_a_pending_future_return
   cr_assert_gt(dp__future_sleeps, before, "a wait of 2 ms on a pending future did not sleep");
   cr_assert_not(dp_future_is_done(f));
   dp_future_release(f);
+}
+
+static int counts_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  ++*(int *)ud;
+  return 0;
+}
+
+/* Completes, in a child process, a future with one then() callback whose
+ * reference count was set to `refs` just before; returns the signal that
+ * ended the child (0: it exited 0 once the callback ran) and its stderr. */
+static int complete_at_count_in_a_child(uint32_t refs, char *msg, size_t cap) {
+  int fd[2];
+  cr_assert_eq(pipe(fd), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    dup2(fd[1], 2);
+    close(fd[0]);
+    dp_future_t *f = future(), *c;
+    int ran = 0;
+    if (dp_future_then(f, counts_cb, &ran, &c, NULL) != 0) _exit(3);
+    dp__future_set_refs(f, refs);
+    if (dp_future_mark_completed(f, dp_none(), NULL) != 0) _exit(4);
+    _exit(ran == 1 && dp_future_is_done(c) ? 0 : 5); /* the counts are past repair: nothing released */
+  }
+  close(fd[1]);
+  size_t n = 0;
+  ssize_t got;
+  while (n + 1 < cap && (got = read(fd[0], msg + n, cap - 1 - n)) > 0) n += (size_t)got;
+  msg[n] = '\0';
+  close(fd[0]);
+  int status;
+  cr_assert_eq(waitpid(pid, &status, 0), pid);
+  if (WIFSIGNALED(status)) return WTERMSIG(status);
+  cr_assert_eq(WEXITSTATUS(status), 0, "the child exited %d", WEXITSTATUS(status));
+  return 0;
+}
+
+/* Each callback to run holds a reference to its future while it is queued:
+ * taken all at once, they wrapped a count at the bound to a small one, and
+ * the future was freed under the callbacks still to run. */
+Test(future, callbacks_queued_on_a_future_holding_the_most_references_abort_instead_of_wrapping_its_count) {
+  char msg[512];
+  cr_assert_eq(complete_at_count_in_a_child(UINT32_MAX - 1, msg, sizeof msg), 0, "one below the bound is counted");
+  cr_assert_str_empty(msg);
+  cr_assert_eq(complete_at_count_in_a_child(UINT32_MAX, msg, sizeof msg), SIGABRT);
+  cr_assert_str_eq(msg, "devpickle: future retained while it held 4294967295 references (the most a 32-bit count "
+                        "holds): aborting\n");
 }
 
 Test(future, callbacks_added_after_completion_run_at_once_and_each_runs_once) {
