@@ -1290,8 +1290,12 @@ static void collect_finish(collect_t *c) {
     streams[nd++] = s;
   }
   cbent_t *cbs = NULL;
-  if (rc == 0) rc = complete_with_set("dp_future_collect_all", c->out, list, set, 0, streams, &err, &cbs);
-  else {
+  if (rc == 0) {
+    walking_t me = {c->out, walking}; /* a record hook that waits on it (as in dp_future_mark_completed) */
+    walking = &me;
+    rc = complete_with_set("dp_future_collect_all", c->out, list, set, 0, streams, &err, &cbs);
+    walking = me.outer;
+  } else {
     dp_value_release(list);
     dp_future_set_error(c->out, &err, NULL);
   }

@@ -3136,7 +3136,9 @@ Test(future, a_reduce_waiting_on_the_future_its_walk_completes_is_emisuse_at_onc
  * streams and events the completion held. The wait is DP_EMISUSE at once,
  * with a limit or without; the shutdown tears nothing down (it says so on
  * stderr), and the future completes as ever — by
- * dp_future_mark_completed and by dp_future_mark_completed_with_ptrs. */
+ * dp_future_mark_completed, by dp_future_mark_completed_with_ptrs, and as
+ * a collect_all (completed by its input's completion, with no walk: its
+ * hook's wait hung as the others did). */
 static dp_future_t *recorded;
 static int hook_calls, hook_wait_rc[2];
 static dp_error_t hook_wait_err[2];
@@ -3153,17 +3155,23 @@ Test(future, a_record_hook_waiting_on_the_future_it_records_for_is_emisuse_at_on
   watchdog(20);
   dp_cache_hooks_t h = {NULL, record_waits, NULL, NULL};
   dp_future_opts_t o = {B, NULL, 0, &h, 0, 0};
-  for (int with_ptrs = 0; with_ptrs < 2; with_ptrs++) {
+  for (int with_ptrs = 0; with_ptrs < 3; with_ptrs++) {
     hook_calls = 0;
-    OK(dp_future_new(&o, &recorded, T_ERR));
     dp_value_t t = t_tensor(H0, 0x1000, 4);
-    if (with_ptrs) {
+    if (with_ptrs == 2) { /* a collect_all (hooked) over a future without hooks */
+      dp_future_t *in = future();
+      OK(dp_future_collect_all(&in, 1, &o, &recorded, T_ERR));
+      OK(dp_future_mark_completed(in, t, T_ERR));
+      dp_future_release(in);
+    } else if (with_ptrs) {
+      OK(dp_future_new(&o, &recorded, T_ERR));
       dp_ptrset_t *set;
       OK(dp_ptrset_new(&set, T_ERR));
       OK(dp_scan(t, NULL, set, T_ERR));
       OK(dp_future_mark_completed_with_ptrs(recorded, t, set, T_ERR));
       dp_ptrset_free(set);
     } else {
+      OK(dp_future_new(&o, &recorded, T_ERR));
       OK(dp_future_mark_completed(recorded, t, T_ERR));
     }
     cr_assert_eq(hook_calls, 1, "with_ptrs %d", with_ptrs);
