@@ -801,7 +801,9 @@ int dpy_build_visit(dpy_scanner_t *s, PyObject *o, uint8_t k) {
   if (sn < 0) return -1;
   if (sn) {
     if (at >= s->vals_cap || dp_value_kind(s->vals[at]) == DP_NONE) {
-      PyErr_SetString(PyExc_ValueError, PyTuple_Check(o) ? "a reference to a tuple from within its own items (a "
+      /* a tuple (namedtuple) is made from its items; anything else,
+         a tuple subclass pickle reduces included, from its reduce */
+      PyErr_SetString(PyExc_ValueError, k == K_TUPLE || k == K_NAMEDTUPLE ? "a reference to a tuple from within its own items (a "
                                                            "cycle through a tuple, which loads cannot rebuild)"
                                                          : "a reference to an object that is still being reduced (a "
                                                            "cycle through a reduce's arguments)");

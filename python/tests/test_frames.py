@@ -4098,6 +4098,10 @@ class _OwnArg:
         return (_OwnArg, (self.a,))
 
 
+class _TupleSub(tuple):
+    pass
+
+
 def test_dumps_refuses_an_object_its_own_reduce_args_hold_naming_where_the_cycle_closes():
     """An object is made from its reduce's callable and args: one held in
     its own args cannot be rebuilt (pickle.dumps recurses until
@@ -4113,6 +4117,15 @@ def test_dumps_refuses_an_object_its_own_reduce_args_hold_naming_where_the_cycle
     assert "a cycle through a reduce's arguments" in str(ei.value)
     with pytest.raises(RecursionError):
         pickle.dumps(r)
+    # a tuple subclass pickle reduces is made from its reduce's args too,
+    # and said so (not "a tuple from within its own items")
+    s = _TupleSub(([],))
+    s[0].append(s)
+    with pytest.raises(devpickle.WalkError) as ei:
+        devpickle.dumps(s)
+    assert str(ei.value).startswith(f"cannot walk a '{__name__}._TupleSub' at $<reduce {__name__}._TupleSub>")
+    assert str(ei.value).endswith("a reference to an object that is still being reduced (a cycle through a reduce's "
+                                  "arguments)")
     o = _OwnArg(5)
     back = devpickle.loads(devpickle.dumps([o, (o,), {"k": o}]), classes=(_OwnArg,))
     assert back[0] is back[1][0] is back[2]["k"] and back[0].a == 5
