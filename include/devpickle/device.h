@@ -34,8 +34,10 @@
  * Streams from dp_stream_default(), dp_stream_pool_next() and
  * dp_stream_wrap() belong to the backend; streams from dp_stream_new()
  * belong to the caller, who frees them before dp_shutdown(): one still
- * held then is stopped with its backend (its queued work completes) but
- * its handle is not freed, and may not be used or freed afterwards.
+ * held then is stopped with its backend (`host`: its queued work
+ * completes and its thread is joined; `cuda`: the CUDA stream is left to
+ * the runtime, neither synchronized nor destroyed) but its handle is not
+ * freed, and may not be used or freed afterwards.
  * Events from dp_event_new are the caller's likewise: give them back
  * (dp_event_free) before dp_shutdown(), which frees only the pools; one
  * still held then stays allocated (the allocator hook sees it live) and
@@ -249,10 +251,11 @@ DP_API int dp_device_alloc(dp_backend_t *b, dp_device_t dev, size_t nbytes, void
  *  and dev are checked all the same: DP_EINVAL as below, 0 otherwise).
  *  First it waits for the work queued on dev's streams so far, as cudaFree
  *  does (host: except in a host function, which must not wait for itself
- *  and frees at once). DP_EINVAL for a device of another backend, or a p
- *  that this backend did not hand out on dev (or already took back; the
- *  host backend checks, and refuses such a p at once, without
- *  waiting; the CUDA runtime's error comes through from cudaFree). */
+ *  and frees at once). DP_EINVAL for a device of another backend, or
+ *  (`host`) a p that this backend did not hand out on dev or already took
+ *  back, refused at once, without waiting. `cuda` does not check p:
+ *  cudaFree's error comes through (DP_ECUDA), and a p of another CUDA
+ *  device is not told apart. */
 DP_API int dp_device_dealloc(dp_backend_t *b, dp_device_t dev, void *p, dp_error_t *err);
 /** The device holding p (interior pointers included), or DP_ENOTFOUND. */
 DP_API int dp_pointer_device(dp_backend_t *b, const void *p, dp_device_t *out, dp_error_t *err);
