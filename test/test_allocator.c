@@ -3729,6 +3729,65 @@ Test(allocator, threads_allocating_recording_freeing_and_destroying_streams_at_o
   cr_assert_eq(st.pending_blocks, 0);
 }
 
+/* Sixteen threads at once (cache.h: every function thread-safe; device.h:
+ * any number of threads may wrap at once): each makes a stream, wraps its
+ * native handle, allocates on the wrapper, records the stream and a shared
+ * one, makes the wrapper current, and frees the block and the stream in
+ * either order — so wrappers are made, used by one cache and retired (the
+ * cache told of both) while other threads do the same on the same devices.
+ * Each wrap gives the thread its own stream's wrapper, never a retired one;
+ * the wrapper is no longer current once its stream is freed; the books agree. */
+typedef struct {
+  dp_stream_t *shared;
+  unsigned seed;
+} wrap_churn_t;
+
+static void *wrap_churn(void *arg) {
+  wrap_churn_t *a = arg;
+  unsigned x = a->seed;
+#define RND() (x = x * 1103515245u + 12345u, (x >> 16) & 0x7fff)
+  for (int it = 0; it < 60; it++) {
+    dp_device_t d = dp_stream_device(a->shared);
+    dp_stream_t *s = stream(d), *w = wrap_of(s), *again = wrap_of(s), *cur;
+    cr_assert(w != s && w == again && dp_stream_native(w) == dp_stream_native(s),
+              "wrapping a live stream's handle twice gives one wrapper of that handle");
+    void *p;
+    OK(dp_cache_alloc(C, d, RND() % 9000, w, &p, T_ERR));
+    OK(dp_cache_record_stream(C, p, s, T_ERR));
+    OK(dp_cache_record_stream(C, p, a->shared, T_ERR));
+    OK(dp_set_current_stream(w, NULL, T_ERR));
+    if (RND() % 2) {
+      OK(dp_cache_dealloc(C, p, T_ERR));
+      dp_stream_free(s);
+    } else {
+      dp_stream_free(s);
+      OK(dp_cache_dealloc(C, p, T_ERR));
+    }
+    OK(dp_current_stream(B, d, &cur, T_ERR));
+    cr_assert(cur != w, "the wrapper of a freed stream is no longer current");
+  }
+#undef RND
+  return NULL;
+}
+
+Test(allocator, sixteen_threads_wrapping_allocating_on_and_retiring_wrappers_at_once_keep_the_books, .timeout = 60) {
+  dp_stream_t *shared[2] = {stream(H0), stream(H1)};
+  pthread_t th[16];
+  wrap_churn_t args[16];
+  for (int i = 0; i < 16; i++) {
+    args[i] = (wrap_churn_t){shared[i % 2], 2654435761u * (unsigned)i + 7};
+    cr_assert_eq(pthread_create(&th[i], NULL, wrap_churn, &args[i]), 0);
+  }
+  for (int i = 0; i < 16; i++) pthread_join(th[i], NULL);
+  books("after the threads");
+  dp_stream_free(shared[0]);
+  dp_stream_free(shared[1]);
+  books("after the shared streams went");
+  cr_assert_geq(dp_cache_poll(C, NULL), 0);
+  cr_assert_eq(stats(H0).allocated + stats(H1).allocated, 0);
+  cr_assert_eq(stats(H0).pending_blocks + stats(H1).pending_blocks, 0);
+}
+
 /* A native stream destroyed behind its wrapper: the wrapper's blocks in use
  * and pending, its free blocks and its uses on others' blocks (pending for
  * want of an event too) all let go of it, as do the owner's. */
