@@ -1576,6 +1576,49 @@ Test(value, a_threads_first_trial_comes_with_its_257th_candidate_not_before) {
   ASSERT_NO_LEAK();
 }
 
+/* value.h, CYCLES and COST: after a trial that walked more live items than
+ * 256, a buffer doubles until it holds as many, and is tried when a release
+ * finds it full. A live list of 5,000 empty lists is some 10,000 items
+ * walked: the next trial comes with the 16,385th candidate (16,384 >=
+ * 10,000 > 8,192), not the 10,001st. */
+static void *release_cycles_after_a_large_live_trial(void *p) {
+  uint64_t *walked = p;
+  dp_value_t big = t_list();
+  for (int i = 0; i < 5000; i++) OK(dp_list_append(big, t_list(), T_ERR));
+  dp_value_release(dp_value_retain(big));  /* big: a candidate, live */
+  dp__gc_items_walked = 0;
+  dp_value_collect();
+  walked[0] = dp__gc_items_walked;
+  enum { N = 16385 };
+  dp_value_t *l = malloc(N * sizeof *l);
+  for (int i = 0; i < N; i++) {
+    l[i] = t_list();
+    OK(dp_list_append(l[i], dp_value_retain(l[i]), T_ERR));
+  }
+  dp__gc_items_walked = 0;
+  for (int i = 0; i < N - 1; i++) dp_value_release(l[i]);
+  walked[1] = dp__gc_items_walked;
+  dp_value_release(l[N - 1]);
+  walked[2] = dp__gc_items_walked;
+  free(l);
+  dp_value_release(big);
+  return NULL;
+}
+
+Test(value, after_a_trial_that_walked_many_live_items_a_buffer_doubles_until_it_holds_as_many) {
+  uint64_t walked[3] = {0, 99, 99};
+  pthread_t th;
+  pthread_create(&th, NULL, release_cycles_after_a_large_live_trial, walked);
+  pthread_join(th, NULL);
+  cr_assert(walked[0] > 8192 && walked[0] <= 16384, "the live trial walked %llu items",
+            (unsigned long long)walked[0]);
+  cr_assert_eq(walked[1], 0, "a trial came before the buffer of 16,384 was full (%llu items walked)",
+               (unsigned long long)walked[1]);
+  cr_assert_eq(walked[2], 16384, "the 16,385th release tried %llu items, not the 16,384 buffered before it",
+               (unsigned long long)walked[2]);
+  ASSERT_NO_LEAK();
+}
+
 /* What a trial walks from a live container is what that container holds
  * now: a list found live by one trial, beside a cycle it then held, does not
  * keep that cycle alive in the next trial once the two are apart. */

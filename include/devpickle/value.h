@@ -18,8 +18,8 @@
  * leaves a container's count above zero records it as a candidate in the
  * releasing thread's buffer (256 entries, allocating nothing; a buffer whose
  * previous collection walked more live items (containers and their children)
- * first grows, through the
- * allocator hook, to hold as many — see COST — and one that cannot grow is
+ * first grows, through the allocator hook, doubling until it holds as many
+ * (16,777,216 entries at most) — see COST — and one that cannot grow is
  * collected as it is: a release never fails); a buffer is collected — the
  * containers reachable from its candidates are tried, and those held only
  * by each other freed — when a release finds it full (so a fresh thread's
@@ -41,10 +41,11 @@
  * or not. A thread that keeps releasing extra references to the root of a
  * large live graph (retain/release pairs around it, futures holding it)
  * makes it a candidate again and again, and pays a walk of the whole graph
- * per collection (each dp_value_collect(), or once a thread has buffered at
- * least 256 candidates and as many as the live containers and children its
- * previous collection walked, so that the walks cost at most one step per
- * release);
+ * per collection (each dp_value_collect(), or once a thread's buffer is
+ * full: 256 candidates, or its size grown by doubling to at least as many as
+ * the live containers and children its previous collection walked — 512,
+ * 1,024, ... up to 16,777,216 — so that the walks cost at most one step per
+ * release, for graphs of up to 16,777,216 live items);
  * and while any collection runs, other threads' releases that leave a count
  * above zero wait for it. Hold one reference to such a graph and borrow
  * from it rather than retaining it in hot loops.
