@@ -5212,3 +5212,24 @@ Test(cli, a_tensor_nbytes_of_2_62_packs_and_one_more_is_refused) {
              "devpickle: over.json: tensor nbytes 4611686018427387905 exceeds 2^62, the largest buffer a frame can "
              "describe, at $\n");
 }
+
+/* VALUE_JSON.md: the keys of attrs are attribute names as written, never a
+ * tag (an attribute may be named $tuple), and a path writes .name only for
+ * an ASCII identifier. */
+Test(cli, attrs_keys_are_attribute_names_as_written_and_only_ascii_identifiers_are_dotted) {
+  const char *json = "{\"$object\": \"C\", \"attrs\": {\"$tuple\": [1], \"\xc3\xa9\": 2, \"_a1\": 3}}";
+  char *text = strdup(json);
+  dp_value_t v;
+  char msg[512];
+  cr_assert_eq(pack_text(text, &v, msg, sizeof msg), 0, "%s", msg);
+  dp_value_t a = dp_none();
+  OK(dp_object_get(v, "$tuple", &a, T_ERR));
+  cr_assert_eq(dp_value_kind(a), DP_LIST, "attrs was read as a tagged object");
+  cr_assert_eq(dp_seq_len(a), 1);
+  dp_value_release(v);
+  free(text);
+  pack_json("a.json", json, "a.dpk");
+  run_out_has("inspect a.dpk", 0, "$[\"$tuple\"][0] ");
+  run_out_has("inspect a.dpk", 0, "$[\"\xc3\xa9\"] ");
+  run_out_has("inspect a.dpk", 0, "$._a1 ");
+}
