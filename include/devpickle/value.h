@@ -221,8 +221,10 @@ typedef void (*dp_storage_release_cb)(void *ud, dp_device_t device, void *base, 
  *  (DP_PICKLE_INLINE, pickler.h) reads the bytes of a cpu storage at base
  *  unless a read callback or host data is given. release (may be NULL) runs when the storage dies
  *  (queued, as a custom's destroy is, when one of them is already running on
- *  this thread: see dp_type_t). When the call fails (DP_EINVAL, DP_ENOMEM)
- *  release is not called: the memory stays the caller's. */
+ *  this thread: see dp_type_t). DP_EINVAL for a NULL out or a device that
+ *  cannot exist (a type past DP_DEVICE_HOST, or cpu with an index other
+ *  than 0), naming it; DP_ENOMEM. When the call fails release is not
+ *  called: the memory stays the caller's. */
 DP_API int dp_storage_new(dp_device_t device, void *base, size_t nbytes,
                           dp_storage_release_cb release, void *ud,
                           dp_storage_t **out, dp_error_t *err);
