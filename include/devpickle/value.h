@@ -7,9 +7,10 @@
  *     caller's reference — even when they fail (the argument is released).
  *     So `dp_list_append(l, v)` never leaks v.
  *   - Getters BORROW: the result is valid while its container holds it.
- *     Call dp_value_retain() to keep it longer. (An attribute name from
- *     dp_object_attr is the one exception: valid until the object is next
- *     set; see there.)
+ *     Call dp_value_retain() to keep it longer. (Two exceptions: an
+ *     attribute name from dp_object_attr is valid until the object is next
+ *     set, and a storage's host data from dp_storage_host_data until it is
+ *     next set; see there.)
  *   - dp_value_release() gives a reference back. Scalars (none, bool, int,
  *     float) hold no reference; retain/release on them do nothing.
  *
