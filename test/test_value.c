@@ -1943,6 +1943,27 @@ Test(value, a_tuple_keeps_its_key_hash_only_once_it_is_in_a_dict_and_drops_it_wh
   ASSERT_NO_LEAK();
 }
 
+/* value.h: a key's 1,024 nodes are counted as a tree: a tuple the key
+ * holds twice counts twice, though it is one node (602 distinct nodes,
+ * 1,203 counted, refused; 512 distinct, 1,023 counted, hashable). */
+Test(value, a_tuple_held_twice_in_a_key_counts_twice_against_its_1024_nodes) {
+  dp_value_t big, small, d = t_dict();
+  OK(dp_tuple_new(600, &big, T_ERR));
+  OK(dp_tuple_new(510, &small, T_ERR));
+  dp_value_t twice_big = t_pair(dp_value_retain(big), dp_value_retain(big));
+  dp_value_t twice_small = t_pair(dp_value_retain(small), dp_value_retain(small));
+  cr_assert(!dp_value_is_hashable(twice_big), "1 + 2 x 601 = 1,203 nodes counted as a tree");
+  cr_assert(dp_value_is_hashable(twice_small), "1 + 2 x 511 = 1,023 nodes");
+  dp_error_t e;
+  cr_assert_eq(dp_dict_set(d, dp_value_retain(twice_big), dp_none(), &e), DP_ETYPE);
+  cr_assert_str_eq(e.message, "dict key of kind tuple is not hashable (a tuple key holds only scalars, str, bytes "
+                              "and tuples, at most 1024 of them, 32 levels deep)");
+  OK(dp_dict_set(d, dp_value_retain(twice_small), dp_none(), T_ERR));
+  dp_value_t vals[] = {big, small, d, twice_big, twice_small};
+  for (size_t i = 0; i < sizeof vals / sizeof *vals; i++) dp_value_release(vals[i]);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, a_kept_key_hash_still_counts_its_tree_against_the_key_bounds) {
   /* a 1,000-node tuple and a 32-level chain, both keys already: a key that
    * holds one is bounded by its whole tree, as when nothing was kept */

@@ -188,7 +188,8 @@ DP_API dp_value_t dp_seq_get(dp_value_t seq, size_t i);
 DP_API int dp_seq_set(dp_value_t seq, size_t i, dp_value_t item, dp_error_t *err);
 
 /* ---- dict: insertion-ordered; keys none/bool/int/float/str/bytes or tuples
- * of those, a tuple key bounded to 1,024 nodes and 32 levels below the key
+ * of those, a tuple key bounded to 1,024 nodes, counted as a tree (a tuple
+ * the key holds twice counts twice), and 32 levels below the key
  * (docs/FORMAT.md: a key is walked when hashed and compared). Keys compare by kind and content: int 1 and float 1.0 are
  * different keys; floats compare bitwise (a NaN key finds itself). ---- */
 /** An empty dict with room for capacity entries allocated with it (a
@@ -209,7 +210,9 @@ DP_API size_t dp_dict_len(dp_value_t dict);
  *  DP_EINVAL when out of range or not a dict. */
 DP_API int dp_dict_item(dp_value_t dict, size_t i, dp_value_t *key, dp_value_t *val, dp_error_t *err);
 /** Whether a value may be a dict key: a scalar, str or bytes, or an acyclic
- *  tuple of those of at most 1,024 nodes with no node deeper than level 32. */
+ *  tuple of those of at most 1,024 nodes, itself included, counted as a
+ *  tree (an item held twice counts twice: a pair of one 600-item tuple is
+ *  1,203 nodes), with no node deeper than level 32 (its items are level 1). */
 DP_API bool dp_value_is_hashable(dp_value_t key);
 
 /* ---- storage: one allocation ---- */
