@@ -380,8 +380,9 @@ DP_API int dp_value_equal(dp_value_t a, dp_value_t b, unsigned flags, dp_error_t
 /** XXH3-based hash consistent with dp_value_equal(a, b, 0): equal values hash
  *  equal. Looks at its first 256 nodes (leaves included; a str or bytes
  *  reads all its bytes the first time any hash takes it, then keeps its
- *  hash) within 12 levels: a bounded prefix of large, shared or cyclic
- *  values. A dict or object adds its keys (attribute names) and its values,
+ *  hash) within 12 levels (the value is level 0, so a node at level 12
+ *  counts and one at level 13 does not): a bounded prefix of large, shared
+ *  or cyclic values. A dict or object adds its keys (attribute names) and its values,
  *  each value by its kind and size, or whole if a leaf, two nodes an entry,
  *  when all of them fit in what is left of the 256; else its size (and
  *  class) only. Keyed with a secret drawn once per process (so that values built
