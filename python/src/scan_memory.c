@@ -43,26 +43,36 @@ static PyObject *storage_get(PyObject *st, int i) {
 }
 
 /* fn(arg) — or, for a getset descriptor, its get on arg — with torch's
- * dispatch to a subclass's __torch_function__ off: a tensor subclass would
- * otherwise answer untyped_storage(), layout or values() of itself with
- * another tensor's, whose memory the walk would report (and an inline frame
- * copy) in place of its own, where the adapter reads the tensor itself. A
- * new reference, or NULL with an exception. */
+ * __torch_function__ dispatch off: a tensor subclass, or an active
+ * TorchFunctionMode, would otherwise answer untyped_storage(), layout or
+ * values() of the tensor with another tensor's, whose memory the walk would
+ * report (and an inline frame copy) in place of its own, where the adapter
+ * reads the tensor itself. torch 2's DisableTorchFunction turns modes off
+ * too; torch 1's leaves them on (docs/PYTHON.md). A new reference, or NULL
+ * with an exception. */
 static PyObject *torch_call(PyObject *fn, PyObject *arg) {
-  static PyObject *off; /* torch._C.DisableTorchFunctionSubclass (torch 2), else DisableTorchFunction */
+  static PyObject *off;   /* torch._C.DisableTorchFunction */
+  static PyObject *modes; /* torch._C._len_torch_function_stack, or None where torch has none */
   descrgetfunc get = PyObject_TypeCheck(fn, &PyGetSetDescr_Type) ? Py_TYPE(fn)->tp_descr_get : NULL;
-  /* torch's own classes dispatch to no __torch_function__ */
-  if (Py_IS_TYPE(arg, dpy.torch_tensor) || (PyObject *)Py_TYPE(arg) == dpy.torch_tensor_cls)
-    return get ? get(fn, arg, (PyObject *)Py_TYPE(arg)) : PyObject_CallOneArg(fn, arg);
   if (!off) {
     PyObject *c = PyImport_ImportModule("torch._C");
     if (!c) return NULL;
-    if (PyObject_HasAttrString(c, "DisableTorchFunctionSubclass"))
-      off = PyObject_GetAttrString(c, "DisableTorchFunctionSubclass");
-    else
-      off = PyObject_GetAttrString(c, "DisableTorchFunction");
+    off = PyObject_GetAttrString(c, "DisableTorchFunction");
+    if (off && !(modes = PyObject_GetAttrString(c, "_len_torch_function_stack"))) {
+      PyErr_Clear();
+      modes = Py_NewRef(Py_None);
+    }
     Py_DECREF(c);
     if (!off) return NULL;
+  }
+  /* torch's own classes dispatch to no __torch_function__ of their own:
+     called as they are while no mode is pushed */
+  if (Py_IS_TYPE(arg, dpy.torch_tensor) || (PyObject *)Py_TYPE(arg) == dpy.torch_tensor_cls) {
+    PyObject *n = modes != Py_None ? PyObject_CallNoArgs(modes) : NULL;
+    if (!n && modes != Py_None) return NULL;
+    int none = n && PyLong_Check(n) && PyLong_AsLong(n) == 0;
+    Py_XDECREF(n);
+    if (none) return get ? get(fn, arg, (PyObject *)Py_TYPE(arg)) : PyObject_CallOneArg(fn, arg);
   }
   PyObject *ctx = PyObject_CallNoArgs(off);
   PyObject *entered = ctx ? PyObject_CallMethod(ctx, "__enter__", NULL) : NULL;
