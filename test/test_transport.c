@@ -2852,8 +2852,8 @@ Test(transport, a_peer_sending_a_values_pieces_in_reverse_order_costs_log_n_step
 
 /* peer: once the other side's first value came, n pieces of `bytes` bytes
  * each (0: of an empty buffer) for value 1, which it never frames, then
- * value 0 (an int) */
-static int send_pieces_never_framed(dp_endpoint_t *ep, size_t n, size_t bytes) {
+ * value 0 (an int); `how` is 0 or DP__RAW_RNDV (each piece by rendezvous) */
+static int send_pieces_never_framed(dp_endpoint_t *ep, size_t n, size_t bytes, unsigned how) {
   dp_error_t e;
   dp_future_t *f;
   if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
@@ -2861,7 +2861,7 @@ static int send_pieces_never_framed(dp_endpoint_t *ep, size_t n, size_t bytes) {
   static uint8_t junk[8000];
   for (size_t i = 0; i < n; i++) {
     dp__am_bufs_hdr_t b = {DP__WIRE_MAGIC, 1, 1, i, bytes, 0, bytes};
-    if (dp__endpoint_send_raw(ep, DP__AM_BUFS, &b, sizeof b, junk, bytes, &e)) return 11;
+    if (dp__endpoint_send_raw(ep, DP__AM_BUFS | how, &b, sizeof b, junk, bytes, &e)) return 11;
   }
   if (dp_endpoint_send(ep, dp_int(7), &f, &e)) return 12;
   wait_f(f, &e);
@@ -2872,13 +2872,20 @@ static int send_pieces_never_framed(dp_endpoint_t *ep, size_t n, size_t bytes) {
 /* peer: `arg` pieces of 8,000 bytes (send_pieces_never_framed) */
 static int send_8000_byte_pieces_never_framed(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t;
-  return send_pieces_never_framed(ep, (size_t)(uintptr_t)arg, 8000);
+  return send_pieces_never_framed(ep, (size_t)(uintptr_t)arg, 8000, 0);
 }
 
 /* peer: `arg` pieces of an empty buffer (send_pieces_never_framed) */
 static int send_empty_pieces_never_framed(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t;
-  return send_pieces_never_framed(ep, (size_t)(uintptr_t)arg, 0);
+  return send_pieces_never_framed(ep, (size_t)(uintptr_t)arg, 0, 0);
+}
+
+/* peer: `arg` one-byte pieces by rendezvous (send_pieces_never_framed):
+ * their data stays with it, and UCX's descriptor of each with the receiver */
+static int send_rendezvous_pieces_never_framed(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  return send_pieces_never_framed(ep, (size_t)(uintptr_t)arg, 1, DP__RAW_RNDV);
 }
 
 /* The receiver (bound: its max_inflight_bytes) of what `peer` sends (a
@@ -2943,6 +2950,18 @@ Test(transport, a_receiver_bound_over_1_mib_is_its_window_for_the_limit_on_parke
 /* a bound without limit: the limit saturates, never wraps to a small one */
 Test(transport, a_receiver_bound_without_limit_parks_72_mb_and_takes_the_next_value) {
   park_pieces_past(UINT64_MAX, 9000, NULL);
+}
+
+/* A parked rendezvous message holds no data of the receiver but UCX's
+ * descriptor of it (about 1.1 KiB in UCX 1.13) and its inbox entry: it was
+ * charged nothing, so a peer that sends pieces of values it never frames
+ * by rendezvous made the receiver hold ~1.2 GB under the count alone, past
+ * SECURITY.md's bound of the window plus 64 MiB. Charged what it holds,
+ * 60,000 of them pass a 1 MiB window's 68,157,440 bytes. */
+Test(transport, a_peer_that_parks_rendezvous_pieces_past_the_window_plus_64_mib_fails_the_endpoint_with_the_limit,
+     .timeout = 300) {
+  park_pieces(1 << 20, send_rendezvous_pieces_never_framed, 60000,
+              "messages out of order or held back would hold over 68157440 bytes (its credit window plus 64 MiB)");
 }
 
 /* The count: pieces of an empty buffer hold no data, so only the count

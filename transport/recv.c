@@ -699,9 +699,11 @@ static park_t *park_of(dp_endpoint_t *ep, unsigned id) {
   return id == DP__AM_FRAME ? &ep->parked_frames : &ep->parked_pieces;
 }
 
-/* What a parked message holds: its data, copied out of UCX (am_any); a
- * rendezvous one only UCX's descriptor, its data still with the sender. */
-static uint64_t parked_cost(const inbox_t *b) { return b->rndv ? 0 : b->len; }
+/* What a parked message holds of the receiver: its entry and its data,
+ * copied out of UCX (am_any); a rendezvous one, whose data stays with the
+ * sender, its entry and the descriptor UCX keeps of it (internal.h). */
+static uint64_t park_cost(int rndv, size_t len) { return sizeof(inbox_t) + (rndv ? DP__PARKED_RNDV_HOLD : len); }
+static uint64_t parked_cost(const inbox_t *b) { return park_cost(b->rndv, b->len); }
 
 static int park_push(dp_endpoint_t *ep, inbox_t *b) {
   park_t *q = park_of(ep, b->id);
@@ -1088,7 +1090,7 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
      message it is told to in a buffer of the message's size class (in
      1.13, 64 KiB for any over 1 KiB): the bytes parked are then the bytes
      held, and bounded (DP__PARKED_SLACK). */
-  uint64_t cost = rndv ? 0 : len;
+  uint64_t cost = park_cost(rndv, len);
   int over = ep->nparked >= DP__MAX_PARKED || ep->parked_bytes + cost > t->max_parked;
   inbox_t *b = over ? NULL : dp__alloc(sizeof *b);
   void *copy = b && !rndv && len ? dp__alloc(len) : NULL;

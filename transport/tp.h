@@ -262,7 +262,7 @@ struct dp_endpoint {
   park_t parked_frames;     /* parked messages: frames, */
   park_t parked_pieces;     /* and buffers' pieces (BUFS, SHM_PIECE) */
   size_t nparked;           /* in both */
-  uint64_t parked_bytes;    /* the eager data they hold (at most t->max_parked) */
+  uint64_t parked_bytes;    /* what they hold (recv.c, park_cost; at most t->max_parked) */
   struct fpull *fpull;      /* a rendezvous frame being pulled (one at a time) */
   struct absorb *absorb;    /* refused messages passed by their next frame, whose buffers may still come */
   size_t nabsorb;

@@ -171,7 +171,9 @@ typedef struct dp_transport_opts {
    *  least 1 MiB): bytes of values (frames and buffers) sent and not yet
    *  taken, which the last value sent may cross; messages that arrive out
    *  of order or held back wait (parked) holding at most that credit plus
-   *  64 MiB of data, past which the endpoint fails (DP_ELIMIT). */
+   *  64 MiB of the receiver's memory (their data, or for one sent by
+   *  rendezvous the descriptor UCX keeps of it), past which the endpoint
+   *  fails (DP_ELIMIT). */
   uint64_t max_inflight_bytes;
   /** A send posted to UCX and not complete after this long fails its
    *  endpoint with DP_ETIMEDOUT; so does a connected endpoint whose peer
