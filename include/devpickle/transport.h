@@ -169,11 +169,13 @@ typedef struct dp_transport_opts {
    *  DP_TRANSPORT_DEFAULT_INFLIGHT. One value larger than the bound still
    *  goes, alone. As a receiver, also the credit it grants its peers (at
    *  least 1 MiB): bytes of values (frames and buffers) sent and not yet
-   *  taken, which the last value sent may cross; messages that arrive out
-   *  of order or held back wait (parked) holding at most that credit plus
-   *  64 MiB of the receiver's memory (their data, or for one sent by
-   *  rendezvous the descriptor UCX keeps of it), past which the endpoint
-   *  fails (DP_ELIMIT). */
+   *  taken, which the last value sent may cross (bytes on the wire: the
+   *  values read from them hold more, up to DP_UNPICKLE_MEMORY_PER_BYTE a
+   *  frame byte and ~2 KiB a value; docs/TRANSPORT.md, "Flow control");
+   *  messages that arrive out of order or held back wait (parked) holding
+   *  at most that credit plus 64 MiB of the receiver's memory (their
+   *  data, or for one sent by rendezvous the descriptor UCX keeps of it),
+   *  past which the endpoint fails (DP_ELIMIT). */
   uint64_t max_inflight_bytes;
   /** A send posted to UCX and not complete after this long fails its
    *  endpoint with DP_ETIMEDOUT; so does a connected endpoint whose peer
