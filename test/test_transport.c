@@ -5917,6 +5917,66 @@ Test(transport, a_forked_child_is_refused_the_parents_transport_which_keeps_work
   fork_with_a_live_transport(1);
 }
 
+/* child: makes a transport of its own and moves a value between two
+ * endpoints of it; the exit status says how that went (0: it did; 10: it
+ * was refused, as a child forked while a transport lived must be) */
+static int child_makes_a_transport(void) {
+  dp_transport_t *t = (dp_transport_t *)1;
+  dp_error_t e;
+  int rc = dp_transport_new(NULL, &t, &e);
+  if (rc)
+    return rc == DP_EINVAL && !t && strstr(e.message, "dp_transport_new: this process was forked from process ") &&
+                   strstr(e.message, "while it had a transport: UCX's state here is a copy of that process's")
+               ? 10
+               : 11;
+  dp_listener_t *l;
+  dp_endpoint_t *c = NULL, *s = NULL;
+  dp_future_t *d = NULL, *r = NULL;
+  char addr[32];
+  if (dp_listener_new(t, "127.0.0.1:0", &l, &e)) return 12;
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", dp_listener_port(l));
+  rc = dp_endpoint_connect(t, addr, &c, &e) || dp_listener_accept(l, 10 * SEC, &s, &e) ||
+               dp_endpoint_send(c, dp_int(5), &d, &e) || dp_endpoint_recv(s, &r, &e) ||
+               dp_future_wait(r, 10 * SEC, &e) || dp_value_as_int(dp_future_value(r)) != 5
+           ? 13
+           : 0;
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_endpoint_free(c);
+  dp_endpoint_free(s);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  return rc;
+}
+
+static int fork_child_making_a_transport(void) {
+  fflush(NULL);
+  pid_t c = fork();
+  cr_assert_neq(c, -1);
+  if (c == 0) _exit(child_makes_a_transport());
+  int st;
+  cr_assert_eq(waitpid(c, &st, 0), c);
+  cr_assert(WIFEXITED(st), "the child died of signal %d", WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+  return WEXITSTATUS(st);
+}
+
+/* A child forked while a transport lives holds a copy of UCX's state
+ * without the thread that watches UCX's sockets, which stayed with the
+ * parent: a transport it made connected nowhere (its listener's accept
+ * timed out, its sends never completed) and UCX aborted the child freeing
+ * it ("pending request ... should have been flushed"). dp_transport_new
+ * refuses it at once; a child forked once every transport was freed makes
+ * one and uses it. */
+Test(transport, a_child_forked_while_a_transport_lives_is_refused_one_of_its_own_and_one_forked_after_is_not,
+     .timeout = 60) {
+  dp_transport_t *t = new_transport_driven(1);
+  int st = fork_child_making_a_transport();
+  cr_assert_eq(st, 10, "the child forked with a live transport: status %d (10: refused as it should be)", st);
+  free_transport(t);
+  st = fork_child_making_a_transport();
+  cr_assert_eq(st, 0, "the child forked with no transport left: status %d (0: its transport works)", st);
+}
+
 /* A future that failed with DP_ETIMEDOUT (an endpoint's timeout) keeps its
  * own message through dp_transport_wait; only the wait's own timeout is
  * reported as the wait's. */

@@ -36,7 +36,20 @@ _Atomic unsigned long dp__transport_ready_unclaimed;
  * parent's thread held them): no call there may touch any of it. */
 static _Atomic unsigned dp__tp_forks;
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
-static void on_fork_child(void) { atomic_fetch_add_explicit(&dp__tp_forks, 1, memory_order_relaxed); }
+/* Transports alive in this process, and the process that made them when
+ * this one is a child forked while one was (0: none; it stays: the
+ * transport, the parent's, is never freed here). UCX's state in such a
+ * child is a copy of the parent's, and the thread UCX started to watch its
+ * sockets, which it reuses for every later context, stayed with the
+ * parent: a transport the child made connected nowhere (an accept timed
+ * out, sends never completed) and UCX aborted the process freeing it. */
+static _Atomic unsigned dp__tp_live;
+static long dp__tp_forked_from;
+static void on_fork_child(void) {
+  atomic_fetch_add_explicit(&dp__tp_forks, 1, memory_order_relaxed);
+  if (atomic_load_explicit(&dp__tp_live, memory_order_relaxed) && !dp__tp_forked_from)
+    dp__tp_forked_from = (long)getppid();
+}
 static void fork_hook(void) { pthread_atfork(NULL, NULL, on_fork_child); }
 
 /* 1 in a child forked after t was made: fills err. */
@@ -591,6 +604,13 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
     char shown[DP__SHOWN_MAX];
     return dp__err(err, DP_EINVAL, "dp_transport_new: DEVPICKLE_TRANSPORT_SHM='%s': expected 0 or 1", dp__shown(shm, shown));
   }
+  if (dp__tp_forked_from)
+    return dp__err(err, DP_EINVAL,
+                   "dp_transport_new: this process was forked from process %ld while it had a transport: UCX's "
+                   "state here is a copy of that process's, without the thread that watches its sockets, so a "
+                   "transport made here could connect nowhere (fork before making a transport, or once every "
+                   "one is freed, or exec; transport.h)",
+                   dp__tp_forked_from);
   dp_transport_t *t = dp__alloc(sizeof *t);
   if (!t) return dp__err(err, DP_ENOMEM, "dp_transport_new: out of memory");
   memset(t, 0, sizeof *t);
@@ -677,6 +697,7 @@ int dp_transport_new(const dp_transport_opts_t *opts, dp_transport_t **out, dp_e
     dp__free(t, sizeof *t);
     return dp__err(err, DP_ENOMEM, "dp_transport_new: cannot start the progress thread");
   }
+  atomic_fetch_add_explicit(&dp__tp_live, 1, memory_order_relaxed);
   *out = t;
   return 0;
 }
@@ -754,6 +775,7 @@ void dp_transport_free(dp_transport_t *t) {
   pthread_mutex_destroy(&t->pmu);
   pthread_cond_destroy(&t->cv);
   dp__free(t, sizeof *t);
+  atomic_fetch_sub_explicit(&dp__tp_live, 1, memory_order_relaxed);
 }
 
 int dp_transport_progress(dp_transport_t *t) {

@@ -139,7 +139,12 @@
  * it"), dp_transport_progress 0, the _free functions a line on stderr and
  * nothing freed — so the child never writes to the parent's connections nor
  * waits for its progress thread; their futures never complete there. The
- * child may exec or exit; a transport of its own it makes anew.
+ * child may exec or exit, but not make a transport of its own: UCX's state
+ * there is a copy of the parent's, without the thread that watches its
+ * sockets (such a transport connected nowhere, and UCX aborted the child
+ * freeing it), so dp_transport_new is DP_EINVAL ("this process was forked
+ * from process N while it had a transport ..."). A child forked before the
+ * first transport, or once every one was freed, makes its own as usual.
  */
 #ifndef DEVPICKLE_TRANSPORT_H
 #define DEVPICKLE_TRANSPORT_H
@@ -216,7 +221,8 @@ typedef struct dp_transport_opts {
 /** A transport and its progress thread. opts may be NULL. UCX reads its
  *  own environment (UCX_TLS, UCX_NET_DEVICES, ...). Errors: DP_EINVAL for
  *  a NULL out, an opts.progress that is neither mode or a
- *  DEVPICKLE_TRANSPORT_SHM other than 0 or 1 (set but empty is unset), or as
+ *  DEVPICKLE_TRANSPORT_SHM other than 0 or 1 (set but empty is unset), in
+ *  a child forked while a transport lived (FORK, above), or as
  *  dp_backend_default and dp_cache_default fail (an opts.cache of another
  *  backend than opts.backend is DP_EINVAL); DP_ENODEV when UCX cannot start
  *  (its message in err), DP_ENOMEM. */
