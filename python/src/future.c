@@ -35,7 +35,9 @@ typedef struct pyfut {
   PyObject *result;   /* set just before the C future completes */
   PyObject *exc;      /* the exception it failed with, when Python gave one */
   PyObject *exc_tb;   /* its traceback then: each raise starts from it, not from the last raise's */
-  PyObject *inputs;   /* collect_all: the input futures (its value) */
+  PyObject *inputs;   /* collect_all: the input futures (its value). A tuple, which the collector
+                       * cannot clear: an input goes only after this future let go of its callbacks
+                       * (cancel_unarmed), never before, which would fail it and run them */
   dp_device_t *devices;
   size_t ndevices;
   int track;          /* 0 for devices=[]: nothing is walked */
@@ -508,8 +510,8 @@ static int link_collect(pyfut_t *out) {
     pyfut_t *o = stack[--n];
     if (o->linked || !o->inputs) continue;
     o->linked = 1;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o->inputs); i++) {
-      pyfut_t *x = (pyfut_t *)PyList_GET_ITEM(o->inputs, i);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o->inputs); i++) {
+      pyfut_t *x = (pyfut_t *)PyTuple_GET_ITEM(o->inputs, i);
       if (dp_future_is_done(x->f)) continue;
       link_t *l = PyMem_RawMalloc(sizeof *l);
       if (!l) {
@@ -999,7 +1001,7 @@ static PyObject *outcome(pyfut_t *self) {
     if (!code) { /* a collect_all future completed by hand (set_result) has that result */
       /* a new list each time, as torch's: a caller that changes it changes
        * its own copy, not what the future's other consumers get */
-      if (self->inputs && !self->result) return PyList_GetSlice(self->inputs, 0, PyList_GET_SIZE(self->inputs));
+      if (self->inputs && !self->result) return PySequence_List(self->inputs);
       return Py_NewRef(self->result ? self->result : Py_None);
     }
     if (self->exc) {
@@ -1008,12 +1010,12 @@ static PyObject *outcome(pyfut_t *self) {
       return NULL;
     }
     pyfut_t *failed = NULL; /* collect_all: the first failed input's exception */
-    for (Py_ssize_t i = 0; self->inputs && !failed && i < PyList_GET_SIZE(self->inputs); i++) {
-      pyfut_t *in = (pyfut_t *)PyList_GET_ITEM(self->inputs, i);
+    for (Py_ssize_t i = 0; self->inputs && !failed && i < PyTuple_GET_SIZE(self->inputs); i++) {
+      pyfut_t *in = (pyfut_t *)PyTuple_GET_ITEM(self->inputs, i);
       if (dp_future_error(in->f, NULL)) failed = in;
     }
     if (!failed) return dpy_raise(code, &e);
-    self = failed; /* held by the list, which self (held by the caller) holds */
+    self = failed; /* held by the tuple, which self (held by the caller) holds */
   }
 }
 
@@ -1095,8 +1097,8 @@ static int waits_for_running(pyfut_t *self) {
   while (!rc && !r.found && r.n) {
     pyfut_t *f = r.stack[--r.n];
     if (f->parent) rc = reach(&r, f->parent);
-    for (Py_ssize_t i = 0; !rc && !r.found && f->inputs && i < PyList_GET_SIZE(f->inputs); i++)
-      rc = reach(&r, (pyfut_t *)PyList_GET_ITEM(f->inputs, i));
+    for (Py_ssize_t i = 0; !rc && !r.found && f->inputs && i < PyTuple_GET_SIZE(f->inputs); i++)
+      rc = reach(&r, (pyfut_t *)PyTuple_GET_ITEM(f->inputs, i));
   }
   PyMem_Free(r.stack);
   dp_ptrset_free(r.seen);
@@ -1599,7 +1601,7 @@ PyObject *dpy_collect_all(PyObject *self, PyObject *const *args, Py_ssize_t narg
   if (!list) return NULL;
   pyfut_t *out = fut_alloc(&fut_type);
   if (!out) goto fail;
-  out->inputs = Py_NewRef(list);
+  if (!(out->inputs = PyList_AsTuple(list))) goto fail;
   if (!(out->opaque = inputs_opaque(list)) && PyErr_Occurred()) goto fail;
   /* its devices: every input's (none listed: the backend's) */
   dp_error_t e;

@@ -2543,6 +2543,27 @@ def test_nested_collect_all_futures_complete_through_a_held_input_and_fail_once_
     _fails_once_collected(c)
 
 
+@pytest.mark.parametrize("held", [(), (0,), (1,)])
+def test_a_collect_all_future_in_a_cycle_with_its_own_callback_fails_its_children_once_collected(held):
+    # A callback that holds its collect_all future (a closure, a bound
+    # method) puts it in a cycle the collector finds with its inputs. The
+    # collector cleared the list of inputs first: an input went pending
+    # while the collect_all future lived, which failed it ("input 0 of
+    # collect_all was released before it completed") and ran every callback
+    # with that failure, where a dropped future runs none.
+    ran = []
+    inputs = [devpickle.Future(), devpickle.Future(), devpickle.Future()]
+    agg = devpickle.collect_all(inputs)
+    agg.add_done_callback(lambda fut, agg=agg: ran.append(agg))
+    c = agg.then(lambda fut: ran.append(fut) or 1)
+    for i in held:
+        inputs[i].set_result(i)
+    del inputs, agg
+    e = _fails_once_collected(c)
+    assert "was dropped before it completed" in str(e)
+    assert ran == []
+
+
 def test_a_collect_all_future_dropped_with_callbacks_lets_go_of_them_and_of_its_inputs():
     class Callback:
         def __call__(self, fut):
