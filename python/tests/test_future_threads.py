@@ -209,3 +209,33 @@ def test_a_collect_all_future_in_a_cycle_with_its_callback_fails_its_children_wh
             c.value()
         assert e.value.code == "DP_ECANCELED"
     assert ran == []
+
+
+def test_ctrl_c_during_wait_all_raises_keyboard_interrupt_and_leaves_the_futures_as_they_were():
+    # PYTHON.md: wait() takes the GIL back every 50 ms to run the signal
+    # handlers, so Ctrl-C in the main thread raises KeyboardInterrupt from
+    # wait() or wait_all(); a watchdog completes the futures late, so a
+    # wait deaf to signals fails this test instead of hanging it.
+    import os
+    import signal
+
+    futures = [devpickle.Future(devices=[]) for _ in range(3)]
+    futures[0].set_result(0)
+    watchdog = threading.Timer(10, lambda: [f.set_result("too late") for f in futures[1:]])
+    ctrl_c = threading.Timer(0.1, os.kill, args=(os.getpid(), signal.SIGINT))
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    watchdog.start()
+    start = time.monotonic()
+    try:
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            devpickle.wait_all(futures)
+        elapsed = time.monotonic() - start
+    finally:
+        ctrl_c.join()
+        signal.signal(signal.SIGINT, old)
+        watchdog.cancel()
+    assert elapsed < 5, elapsed
+    assert [f.done() for f in futures] == [True, False, False]
+    threading.Thread(target=lambda: [f.set_result(i) for i, f in enumerate(futures[1:], 1)]).start()
+    assert devpickle.wait_all(futures) == [0, 1, 2]
