@@ -35,9 +35,10 @@ typedef struct pyfut {
   PyObject *result;   /* set just before the C future completes */
   PyObject *exc;      /* the exception it failed with, when Python gave one */
   PyObject *exc_tb;   /* its traceback then: each raise starts from it, not from the last raise's */
-  PyObject *inputs;   /* collect_all: the input futures (its value). A tuple, which the collector
-                       * cannot clear: an input goes only after this future let go of its callbacks
-                       * (cancel_unarmed), never before, which would fail it and run them */
+  PyObject *inputs;   /* collect_all: the input futures (its value). Let go of only once this
+                       * future goes (fut_dealloc), after its callbacks (cancel_unarmed): an input
+                       * released pending fails it, and the collect_all futures over it, whose
+                       * callbacks would run. A tuple, which the collector cannot clear */
   dp_device_t *devices;
   size_t ndevices;
   int track;          /* 0 for devices=[]: nothing is walked */
@@ -639,7 +640,9 @@ static int fut_clear(pyfut_t *f) {
   Py_CLEAR(f->result);
   Py_CLEAR(f->exc);
   Py_CLEAR(f->exc_tb);
-  Py_CLEAR(f->inputs);
+  /* not inputs (see pyfut_t): they form no cycle of their own (a
+     collect_all's inputs were made before it), so what they hold goes
+     with the links and entries cleared here */
   Py_CLEAR(f->devices_read);
   Py_CLEAR(f->opaque);
   Py_CLEAR(f->opaque_read);
@@ -653,6 +656,7 @@ static void fut_dealloc(pyfut_t *f) {
   Py_TRASHCAN_BEGIN(f, fut_dealloc);
   if (f->weakrefs) PyObject_ClearWeakRefs((PyObject *)f);
   fut_clear(f);
+  Py_CLEAR(f->inputs);
   dp_future_t *c = f->f;
   f->f = NULL;
   if (c) {

@@ -2564,6 +2564,21 @@ def test_a_collect_all_future_in_a_cycle_with_its_own_callback_fails_its_childre
     assert ran == []
 
 
+def test_a_collect_all_over_a_collect_all_in_a_cycle_with_its_own_callback_fails_its_children_once_collected():
+    # The inner collect_all future, cleared by the collector before the
+    # outer one, let go of its inputs there: their release failed it ("input
+    # 0 of collect_all was released before it completed"), which completed
+    # the outer one, still alive in its cycle, and ran its callbacks.
+    ran = []
+    outer = devpickle.collect_all([devpickle.collect_all([devpickle.Future()])])
+    outer.add_done_callback(lambda fut, outer=outer: ran.append(outer))
+    c = outer.then(lambda fut: ran.append(fut) or 1)
+    del outer
+    e = _fails_once_collected(c)
+    assert "was dropped before it completed" in str(e)
+    assert ran == []
+
+
 def test_a_collect_all_future_dropped_with_callbacks_lets_go_of_them_and_of_its_inputs():
     class Callback:
         def __call__(self, fut):
