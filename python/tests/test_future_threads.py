@@ -185,8 +185,10 @@ def test_a_collect_all_future_in_a_cycle_with_its_callback_fails_its_children_wh
             gc.collect()
 
     def dropper():
-        for _ in range(ROUNDS):
+        for i in range(ROUNDS):
             inputs = [devpickle.Future(devices=[]), devpickle.Future(devices=[])]
+            if i % 2:  # a collect_all over a collect_all
+                inputs = [devpickle.collect_all(inputs)]
             agg = devpickle.collect_all(inputs)
             agg.add_done_callback(lambda fut, agg=agg: ran.append(agg))
             children.append(agg.then(lambda fut: ran.append(fut)))
