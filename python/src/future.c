@@ -561,9 +561,10 @@ static int link_collect(pyfut_t *out) {
  * it; a collect_all's, which the library completes, runs them as no-ops)
  * and its then() children fail with DP_ECANCELED, as the C library's own
  * do. Each child is failed by its own completion, so its callbacks — and
- * their chains — run as on any failure. Called from tp_clear (the
+ * their chains — run as on any failure. Called from tp_finalize (the
  * collector found f unreachable: through a callback that refers to it, or
- * a collect_all future and inputs that hold each other) or tp_dealloc. */
+ * a collect_all future and inputs that hold each other), or tp_dealloc;
+ * tp_clear only lets go of what is left (fut_clear). */
 static void cancel_unarmed(pyfut_t *f) {
   /* no completion of f is taken from here (set_result on f from code run
      below): the entries freed below must never be called */
@@ -634,7 +635,22 @@ static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
   return 0;
 }
 
+/* tp_finalize: the collector runs it on every object it found unreachable
+ * before it clears any of them, so the children's callbacks run while all
+ * they may touch is whole. From tp_clear they ran after the collector had
+ * cleared some: a child's callback among the garbage was called with its
+ * function cleared (no globals), which crashed the interpreter. */
+static void fut_finalize(pyfut_t *f) {
+  if (!f->unarmed && !f->links) return;
+  PyObject *t, *v, *tb;
+  PyErr_Fetch(&t, &v, &tb);
+  cancel_unarmed(f);
+  PyErr_Restore(t, v, tb);
+}
+
 static int fut_clear(pyfut_t *f) {
+  /* finalized first (fut_finalize): left over only where a subclass's own
+     __del__ took the place of tp_finalize */
   cancel_unarmed(f);
   Py_CLEAR(f->dict);
   Py_CLEAR(f->result);
@@ -1746,6 +1762,7 @@ static PyTypeObject fut_type = {
               "opaque= does: their memory is not tracked.",
     .tp_traverse = (traverseproc)fut_traverse,
     .tp_clear = (inquiry)fut_clear,
+    .tp_finalize = (destructor)fut_finalize,
     .tp_weaklistoffset = offsetof(pyfut_t, weakrefs),
     .tp_methods = fut_methods,
     .tp_getset = fut_getset,

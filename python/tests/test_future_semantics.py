@@ -2579,6 +2579,35 @@ def test_a_collect_all_over_a_collect_all_in_a_cycle_with_its_own_callback_fails
     assert ran == []
 
 
+COLLECTED_CHILD_CALLBACK = """
+import gc, sys, devpickle
+ran = []
+def make(how):
+    def later(fut):  # made before the futures: the collector meets it first
+        ran.append(fut.done())
+    p = devpickle.Future()
+    if how == "collect_all":
+        p = devpickle.collect_all([p])
+    c = p.then(lambda fut, p=p: 1)  # p in a cycle with its own callback
+    c.add_done_callback(later)
+make(sys.argv[1])
+gc.collect()
+assert ran == [True], ran
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("how", ["then", "collect_all"])
+def test_a_collected_futures_children_run_their_callbacks_before_the_collector_clears_them(how):
+    # A pending future found by the collector fails its then() children,
+    # whose callbacks run with them; a callback that was itself garbage
+    # (held only by its child) was called after the collector had cleared
+    # its function, which crashed the interpreter (a subprocess: a crash).
+    r = subprocess.run([sys.executable, "-c", COLLECTED_CHILD_CALLBACK, how], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr)
+
+
 def test_a_collect_all_future_dropped_with_callbacks_lets_go_of_them_and_of_its_inputs():
     class Callback:
         def __call__(self, fut):
