@@ -527,6 +527,23 @@ Test(cli, verify_reports_ok_or_the_error_line_with_a_byte_offset) {
   }
 }
 
+/* The commands read a frame as a stream and refuse what its header alone
+ * shows as soon as the header is in (FORMAT.md, "Reading hostile input"):
+ * unknown flags and a data section without the inline flag are named ahead
+ * of a body cut short and of a checksum that no longer matches. */
+Test(cli, verify_names_a_header_field_fault_ahead_of_a_truncation_and_of_the_checksum) {
+  spit("v.json", "[1]");
+  res_t r = run_sh("\"$D\" pack v.json -o a.dpk && cp a.dpk d.dpk && "
+                   "printf '\\002' | dd of=a.dpk bs=1 seek=6 conv=notrunc 2>/dev/null && head -c 42 a.dpk > cut.dpk && "
+                   "printf '\\001' | dd of=d.dpk bs=1 seek=24 conv=notrunc 2>/dev/null");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  res_free(r);
+  run_expect("verify a.dpk", 1, NULL, "devpickle: a.dpk: unknown frame flags 0x0002, at byte 6\n");
+  run_expect("verify cut.dpk", 1, NULL, "devpickle: cut.dpk: unknown frame flags 0x0002, at byte 6\n");
+  run_expect("unpack cut.dpk", 1, NULL, "devpickle: cut.dpk: unknown frame flags 0x0002, at byte 6\n");
+  run_expect("verify d.dpk", 1, NULL, "devpickle: d.dpk: data section in a frame without the inline flag, at byte 24\n");
+}
+
 /* The frame commands read a pipe up to the frame's end and at most 64 KiB
  * past it: an endless pipe behind a frame is refused, never read to its end. */
 Test(cli, a_frame_followed_by_an_endless_pipe_is_refused_once_64_kib_follow_it_by_every_frame_command,

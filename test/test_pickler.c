@@ -1317,6 +1317,21 @@ Test(pickler, malformed_payloads_get_precise_errors) {
   ASSERT_NO_LEAK();
 }
 
+/* A duplicate key or attribute name is found when its entry is whole (the
+ * entry is inserted then), so a fault inside the entry's value is named
+ * first, at its own offset (FORMAT.md, "Dict keys"). */
+Test(pickler, a_duplicate_key_or_attribute_is_named_only_after_its_value_is_read) {
+  const uint8_t dup_key[] = {0x82, 0x01, 0xc0, 0x01, 0x91, 0xc1}; /* {1: None, 1: [<0xc1>]} */
+  expect_bad(dup_key, sizeof dup_key, DP_EFORMAT, 45, "invalid msgpack type byte 0xc1", NULL);
+  const uint8_t dup_key_ok[] = {0x82, 0x01, 0xc0, 0x01, 0x91, 0xc0};
+  expect_bad(dup_key_ok, sizeof dup_key_ok, DP_EFORMAT, 43, "duplicate dict key 1", NULL);
+  const uint8_t dup_attr[] = {0x96, 0xd4, 0x00, 0x03, 0xa1, 0x41, 0xa1, 0x78, 0x01, 0xa1, 0x78, 0x91, 0xc1};
+  expect_bad(dup_attr, sizeof dup_attr, DP_EFORMAT, 52, "invalid msgpack type byte 0xc1", NULL);
+  const uint8_t dup_attr_ok[] = {0x96, 0xd4, 0x00, 0x03, 0xa1, 0x41, 0xa1, 0x78, 0x01, 0xa1, 0x78, 0x91, 0xc0};
+  expect_bad(dup_attr_ok, sizeof dup_attr_ok, DP_EFORMAT, 49, "duplicate attribute \"x\"", NULL);
+  ASSERT_NO_LEAK();
+}
+
 /* Builds {key: None, key: None} for a str key of n bytes. */
 static size_t dup_str_payload(uint8_t *p, const char *key, size_t n) {
   size_t at = 0;
