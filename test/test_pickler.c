@@ -3112,6 +3112,33 @@ Test(pickler, a_repeat_separated_from_its_first_by_the_same_base_on_another_devi
   ASSERT_NO_LEAK();
 }
 
+/* A repeat is looked for once the rest of the table has passed (FORMAT.md,
+ * "Reading hostile input"): buffer 1 repeats buffer 0, but buffer 2's
+ * invalid device, later in the table, is what is named; with buffer 2
+ * sound, the repeat is. */
+Test(pickler, a_buffer_described_twice_is_named_only_after_every_descriptor_passes_its_own_checks) {
+  const uint8_t payload[] = {0xc0};
+  uint8_t table[] = {0x93, 0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00,
+                           0x94, 0x01, 0x00, 0x04, 0xcd, 0x10, 0x00,
+                           0x94, 0x03, 0x00, 0x04, 0xcd, 0x20, 0x00};
+  size_t n;
+  uint8_t *b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_str_eq(e.message, "buffer 2: invalid device (type 3, index 0)");
+  cr_assert_eq(e.offset, 41 + 1 + 7 + 7, "the offset of the third descriptor");
+  free(b);
+  table[16] = 0x01; /* buffer 2 on cuda:0 too, at another base */
+  b = frame_with_table(payload, sizeof payload, table, sizeof table, NULL, 0, 0, &n);
+  cr_assert_eq(dp_unpickle(b, n, NULL, &out, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_str_eq(e.message, "buffer 1 describes cuda:0 0x1000 again (buffer 0 did): a frame has one buffer "
+                              "per (device, base)");
+  cr_assert_eq(e.offset, 41 + 1 + 7, "the offset of the second descriptor");
+  free(b);
+  ASSERT_NO_LEAK();
+}
+
 /* One (device, base) described twice: buffer 1 repeats buffer 0's cuda:0
  * 0x1000 with another size. */
 Test(pickler, a_buffer_table_that_describes_one_allocation_twice_is_refused) {
