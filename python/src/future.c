@@ -1257,6 +1257,39 @@ static void streams_out(const swap_t *sw) {
   for (int i = sw->n; i-- > 0;) dpy.torch->set_current_stream(sw->dev[i], sw->prev[i]);
 }
 
+#define CALLBACK_ERROR "Got the following error when running the callback: "
+
+/* The message of the RuntimeError a then() child fails with when its
+ * callback raised `cause` (a new reference; NULL with an exception):
+ * CALLBACK_ERROR, cause's type and text, as torch words it. A text that
+ * already begins with CALLBACK_ERROR (a callback re-raised its failed
+ * parent's error, or a torch future's) is the message as it is, the same
+ * string: wrapped again at every link, a chain of n re-raising callbacks
+ * would hold n messages of up to n wrappers each (quadratic); as it is, the
+ * message stays the wrapper and the first cause once, and each link's type
+ * is in the __cause__ chain. */
+static PyObject *callback_error_text(PyObject *cause) {
+  PyObject *text = PyObject_Str(cause);
+  if (!text) { /* a RuntimeError still, as torch's, whatever its __str__ does */
+    PyErr_Clear();
+    return PyUnicode_FromFormat(CALLBACK_ERROR "%s: <exception str() failed>", _PyType_Name(Py_TYPE(cause)));
+  }
+  if (PyUnicode_GET_LENGTH(text) == 0) { /* as torch words it */
+    Py_DECREF(text);
+    return PyUnicode_FromFormat(CALLBACK_ERROR "%s: <EMPTY MESSAGE>", _PyType_Name(Py_TYPE(cause)));
+  }
+  PyObject *words = PyUnicode_FromString(CALLBACK_ERROR);
+  Py_ssize_t wrapped = words ? PyUnicode_Tailmatch(text, words, 0, PY_SSIZE_T_MAX, -1) : -1;
+  Py_XDECREF(words);
+  if (wrapped < 0) {
+    Py_DECREF(text);
+    return NULL;
+  }
+  if (wrapped) return text;
+  Py_SETREF(text, PyUnicode_FromFormat(CALLBACK_ERROR "%s: %U", _PyType_Name(Py_TYPE(cause)), text));
+  return text;
+}
+
 /* Completes a then() child (claimed: completing set) from inside its
  * callback, with the pool streams still current: with the callback's
  * result r (stolen), walked afresh, or, r NULL, with the exception raised
@@ -1268,17 +1301,7 @@ static void complete_child(pyfut_t *child, PyObject *r) {
      * callback raised (kept as its __cause__) */
     keep_raised(child);
     PyObject *cause = child->exc;
-    PyObject *text = PyObject_Str(cause);
-    if (!text) { /* a RuntimeError still, as torch's, whatever its __str__ does */
-      PyErr_Clear();
-      text = PyUnicode_FromString("<exception str() failed>");
-    } else if (PyUnicode_Check(text) && PyUnicode_GET_LENGTH(text) == 0) { /* as torch words it */
-      Py_SETREF(text, PyUnicode_FromString("<EMPTY MESSAGE>"));
-    }
-    PyObject *wrapped = text ? PyUnicode_FromFormat("Got the following error when running the callback: %s: %U",
-                                                    _PyType_Name(Py_TYPE(cause)), text)
-                             : NULL;
-    Py_XDECREF(text);
+    PyObject *wrapped = callback_error_text(cause);
     PyObject *exc = wrapped ? PyObject_CallOneArg(PyExc_RuntimeError, wrapped) : NULL;
     Py_XDECREF(wrapped);
     if (exc) {
@@ -1728,7 +1751,8 @@ static PyMethodDef fut_methods[] = {
      "self's events); the new future completes with its result, walked afresh (with self's opaque types), or "
      "fails, as torch's does, with "
      "RuntimeError(\"Got the following error when running the callback: ...\") whose __cause__ is what it raised "
-     "(with a WalkError if its result cannot be walked); if self's last reference goes while it is pending, "
+     "(its text as it is where it already begins with those words: not wrapped again), or with a WalkError if "
+     "its result cannot be walked; if self's last reference goes while it is pending, "
      "callback never runs and the new future fails with devpickle.Error (code DP_ECANCELED) — for a "
      "collect_all future, once none of its pending futures that could complete it is held (the cycle "
      "collector finds them)."},

@@ -1011,6 +1011,69 @@ def test_a_then_callback_that_reraises_its_failed_parents_error_gives_a_runtime_
         child.wait()
 
 
+def reraise_parents_error(fut):
+    return fut.value()
+
+
+def error_of(fut):
+    with pytest.raises(BaseException) as raised:
+        fut.value()
+    return raised.value
+
+
+def test_a_then_callback_reraising_a_wrapped_error_does_not_wrap_it_again():
+    # devpickle only: torch wraps it again at every link, the message
+    # ("RuntimeError: Got the following error ... RuntimeError: Got ...")
+    # growing with the chain (quadratic memory along it); devpickle keeps
+    # the wrapper's words and the first cause once, each link's error its
+    # own RuntimeError whose __cause__ is what its callback raised
+    f = devpickle.Future()
+    first = f.then(reraise_parents_error)
+    second = first.then(reraise_parents_error)
+    f.set_exception(ValueError("parent failed"))
+    first_error, second_error = error_of(first), error_of(second)
+    wording = "Got the following error when running the callback: ValueError: parent failed"
+    assert type(first_error) is RuntimeError and str(first_error) == wording
+    assert type(second_error) is RuntimeError and str(second_error) == wording
+    assert second_error is not first_error and second_error.__cause__ is first_error
+    assert type(first_error.__cause__) is ValueError and str(first_error.__cause__) == "parent failed"
+    with pytest.raises(RuntimeError, match=f"^{wording}$"):
+        second.wait()
+
+
+def test_an_error_whose_text_carries_the_wrapper_is_not_wrapped_again():
+    # whatever its type: the text is the message as it is, the type is the
+    # __cause__
+    def callback(fut):
+        raise TypeError(str(error_of(fut)))
+
+    f = devpickle.Future()
+    first = f.then(reraise_parents_error)
+    second = first.then(callback)
+    f.set_exception(KeyError("k"))
+    error = error_of(second)
+    assert str(error) == "Got the following error when running the callback: KeyError: 'k'"
+    assert type(error) is RuntimeError and type(error.__cause__) is TypeError
+
+
+def test_a_long_chain_of_reraising_then_callbacks_keeps_its_error_message_short():
+    # wrapped again at every link, the last message would hold 3,000
+    # wrappers and the chain 3,000 such messages (about 300 MB)
+    f = devpickle.Future()
+    last = f
+    for _ in range(3000):
+        last = last.then(reraise_parents_error)
+    f.set_exception(ValueError("the first failure"))
+    with pytest.raises(RuntimeError) as raised:
+        last.wait()
+    error = raised.value
+    assert len(str(error)) < 1024 and "ValueError: the first failure" in str(error)
+    links = 0
+    while type(error) is RuntimeError:
+        error, links = error.__cause__, links + 1
+    assert links == 3000 and type(error) is ValueError and str(error) == "the first failure"
+
+
 def test_an_error_in_a_then_callback_travels_down_the_chain(Future):
     f = Future()
     first = f.then(raise_value_error)
