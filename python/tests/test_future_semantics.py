@@ -2696,3 +2696,97 @@ def test_a_collect_all_future_dropped_with_callbacks_lets_go_of_them_and_of_its_
     del hand
     gc.collect()
     assert c.wait() == 2
+
+
+GARBAGE_CHILD_IN_ORDER = """
+import gc, sys, devpickle
+gc.disable()
+child_first = sys.argv[1] == "child_first"
+seen = []
+f = devpickle.Future()
+if child_first:
+    gc.freeze()  # f set aside: the child made below comes first in the oldest generation
+child = f.then(lambda p: seen.append("parent's callback"))
+
+
+def on_child(c):
+    try:
+        c.wait()
+    except devpickle.Error as e:
+        seen.append(e.code)
+
+
+child.add_done_callback(on_child)
+f.add_done_callback(lambda p, keep=(f, child): None)  # f and its child are garbage together, through f's callback
+if child_first:
+    gc.collect()
+    gc.unfreeze()  # f goes after the child
+del f, child
+gc.collect()
+print(seen)
+"""
+
+
+@pytest.mark.parametrize("order, seen", [("parent_first", "['DP_ECANCELED']"), ("child_first", "[]")])
+def test_a_garbage_then_child_fails_or_is_dropped_as_the_collector_orders_it_and_its_parent(order, seen):
+    # as PYTHON.md says: parent finalized first, the child fails with
+    # DP_ECANCELED and its callbacks run; child first, it goes as a dropped
+    # pending future, its callbacks never run (a subprocess: gc.freeze())
+    r = subprocess.run([sys.executable, "-c", GARBAGE_CHILD_IN_ORDER, order], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == seen, (r.returncode, r.stdout, r.stderr)
+
+
+RESURRECTED = """
+import gc, sys, threading, devpickle
+gc.disable()
+saved = []
+
+
+class Resurrector:
+    def __del__(self):
+        saved.append(self.fut)
+
+
+f = devpickle.Future()
+r = Resurrector()
+r.fut = f
+if sys.argv[1] == "with_callback":
+    child = f.then(lambda p, r=r: None)  # f -> its callback -> r -> f
+else:
+    f.r = r  # f -> its __dict__ -> r -> f
+del f, r
+gc.collect()
+f = saved.pop()
+for complete in (lambda: f.set_result(1), lambda: f.set_exception(ValueError("x"))):
+    try:
+        complete()
+        print("completed", f.value())
+    except RuntimeError as e:
+        print(e)
+if sys.argv[1] == "with_callback":
+    try:
+        child.wait()
+    except devpickle.Error as e:
+        print(e.code)  # its child failed as a dropped future's does
+    later = f.then(lambda p: print("ran"))
+    t = threading.Thread(target=f.wait, daemon=True)
+    t.start()
+    t.join(0.5)
+    print(f.done(), later.done(), t.is_alive())  # never done, the wait blocked
+"""
+
+
+def test_a_resurrected_collected_future_with_callbacks_stays_claimed():
+    r = subprocess.run([sys.executable, "-c", RESURRECTED, "with_callback"], capture_output=True, text=True,
+                       timeout=120)
+    refused = ("Future can only be marked completed once (set_result or set_exception was already called: it is "
+               "being completed)")
+    assert r.returncode == 0 and r.stdout.splitlines() == [refused, refused, "DP_ECANCELED",
+                                                          "False False True"], (
+        r.returncode, r.stdout, r.stderr)
+
+
+def test_a_resurrected_collected_future_without_callbacks_completes_as_any_other():
+    r = subprocess.run([sys.executable, "-c", RESURRECTED, "plain"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == "completed 1", (r.returncode, r.stdout, r.stderr)
