@@ -857,9 +857,15 @@ static void name_failed_node(const cstack_t *st, int at_key) {
     return;
   }
   PyObject *args = PyObject_GetAttrString(ev, "args"), *prefix = PyUnicode_FromString("loads: ");
+  PyObject *named = PyUnicode_FromString(", at $");
   PyObject *msg = args && PyTuple_Check(args) && PyTuple_GET_SIZE(args) == 1 ? PyTuple_GET_ITEM(args, 0) : NULL;
-  if ((et == PyExc_ValueError || et == PyExc_TypeError) && msg && prefix && PyUnicode_Check(msg) &&
-      PyUnicode_Tailmatch(msg, prefix, 0, PY_SSIZE_T_MAX, -1) == 1) {
+  /* one path in the message: an error a nested loads (an allowed class's
+     __setstate__ calling loads) already named gains a note at each outer
+     loads, as any error of the class's code does, rather than a path each,
+     which would grow its message with the nesting */
+  if ((et == PyExc_ValueError || et == PyExc_TypeError) && msg && prefix && named && PyUnicode_Check(msg) &&
+      PyUnicode_Tailmatch(msg, prefix, 0, PY_SSIZE_T_MAX, -1) == 1 &&
+      PyUnicode_Find(msg, named, 0, PY_SSIZE_T_MAX, 1) == -1) {
     PyObject *m = PyUnicode_FromFormat("%U, at %s", msg, path);
     PyObject *a = m ? PyTuple_Pack(1, m) : NULL;
     if (a) PyObject_SetAttrString(ev, "args", a);
@@ -871,6 +877,7 @@ static void name_failed_node(const cstack_t *st, int at_key) {
     Py_XDECREF(r);
     Py_XDECREF(note);
   }
+  Py_XDECREF(named);
   Py_XDECREF(prefix);
   Py_XDECREF(args);
   PyErr_Clear(); /* naming the node is best effort: the error raised stands */

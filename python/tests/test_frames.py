@@ -3738,6 +3738,30 @@ def test_a_loads_error_names_the_node_it_was_rebuilding_by_its_path():
     assert e.value.__notes__ == ["raised while devpickle.loads rebuilt $.xs[1]"]
 
 
+class _LoadsItsState:
+    def __setstate__(self, state):
+        devpickle.loads(state["inner"], classes=_LoadsItsState)
+
+
+def test_a_loads_error_named_by_a_nested_loads_keeps_one_path_and_gains_a_note_at_each_outer_loads():
+    # an allowed class's __setstate__ that calls loads: the innermost loads
+    # names its node in the message; each outer one adds a note, as for
+    # any error of the class's own code, not a path to the message each
+    # (the message would grow with the nesting)
+    frame = devpickle.dumps({"k": torch.arange(3)}, buffer_callback=lambda b: None)
+    depth = 200
+    for i in range(depth):
+        box = _LoadsItsState.__new__(_LoadsItsState)
+        box.__dict__["inner"] = frame
+        frame = devpickle.dumps({"xs": [i, box]})
+    with pytest.raises(ValueError) as e:
+        devpickle.loads(frame, classes=_LoadsItsState)
+    message = str(e.value)
+    assert message.startswith("loads: buffer 0 (cpu, 24 bytes) is out of band") and message.endswith(", at $.k")
+    assert message.count(", at $") == 1
+    assert e.value.__notes__ == ["raised while devpickle.loads rebuilt $.xs[1]"] * depth
+
+
 def test_a_loads_error_path_at_depth_two_thousand_keeps_its_head_and_its_tail():
     v = torch.arange(3)
     for i in range(2000):
