@@ -655,6 +655,68 @@ Test(transport, a_transport_has_at_most_32_lanes_at_once_and_a_lane_freed_is_the
   free_transport(ta);
 }
 
+static int open_fds(void);
+
+/* Bytes this process's allocator has handed out and not taken back (UCX's
+ * included: its workers' tables are malloc's). */
+static long heap_in_use(void) {
+  struct mallinfo2 mi = mallinfo2();
+  return (long)(mi.uordblks + mi.hblkhd);
+}
+
+/* A peer that connects, gets its lane and goes before the application
+ * accepts its endpoint left that endpoint failed in the listener's queue —
+ * as documented — with its lane worker (~9 descriptors, ~1.5 MB) and its
+ * place among the 32 until the application accepted and freed it: after 32
+ * such peers no later endpoint got a lane. A failed endpoint's lane goes
+ * at once; the endpoint still waits in the queue. */
+Test(transport, peers_that_connect_and_go_before_accept_give_their_lanes_back_for_later_endpoints) {
+  dp_transport_t *ta = new_transport(NULL), *t = new_transport(NULL);
+  cur_t = NULL; /* both have threads of their own */
+  dp_listener_t *l;
+  OK(dp_listener_new(ta, "127.0.0.1:0", &l, T_ERR));
+  enum { GONE = DP__LANES_MAX + 8, BASE = 4 };
+  int fds = 0;
+  long heap = 0;
+  for (int i = 0; i < GONE; i++) {
+    if (i == BASE) fds = open_fds(), heap = heap_in_use(); /* the workers' own, made by the first peers */
+    unsigned long before = atomic_load(&dp__transport_lane_msgs);
+    dp_endpoint_t *c = connect_to(t, dp_listener_port(l));
+    /* the acceptor's HELLO on the lane: its lane is made, unaccepted */
+    POLL_UNTIL(atomic_load(&dp__transport_lane_msgs) != before);
+    cr_assert_neq(atomic_load(&dp__transport_lane_msgs), before, "peer %d got no lane, %d peers having gone before "
+                  "their accept", i, i);
+    dp_endpoint_free(c); /* gone: its endpoint in the queue fails */
+  }
+  /* the lanes of the endpoints queued and failed go with their failures */
+  POLL_UNTIL(open_fds() <= fds + 4);
+  int fds_after = open_fds();
+  long grew = heap_in_use() - heap;
+  cr_assert_leq(fds_after, fds + 4, "%d descriptors open after %d more peers went before their accept, %d before",
+                fds_after, GONE - BASE, fds);
+  cr_assert_lt(grew, 8l << 20, "the heap grew by %ld bytes with %d more peers gone before their accept", grew,
+               GONE - BASE);
+  /* a later connection gets a lane; the gone ones still wait, failed, ahead of it */
+  unsigned long before = atomic_load(&dp__transport_lane_msgs);
+  dp_endpoint_t *c = connect_to(t, dp_listener_port(l)), *a;
+  POLL_UNTIL(atomic_load(&dp__transport_lane_msgs) != before);
+  cr_assert_neq(atomic_load(&dp__transport_lane_msgs), before, "no lane for an endpoint made after %d peers went "
+                "before their accept", GONE);
+  for (int i = 0; i < GONE; i++) {
+    OK(dp_listener_accept(l, 30 * SEC, &a, T_ERR));
+    dp_error_t e;
+    cr_assert_neq(dp_endpoint_error(a, &e), 0, "the endpoint of peer %d, gone, is not failed", i);
+    dp_endpoint_free(a);
+  }
+  OK(dp_listener_accept(l, 30 * SEC, &a, T_ERR));
+  cr_assert_gt(lane_echoes(c, a, 20, 0), 0, "the last pair carries nothing on its lane");
+  dp_endpoint_free(c);
+  dp_endpoint_free(a);
+  dp_listener_free(l);
+  dp_transport_free(t);
+  free_transport(ta);
+}
+
 Test(transport, an_endpoint_to_an_address_of_one_of_this_hosts_interfaces_gets_a_lane) {
   /* not loopback: this host's all the same (UCX reaches it only when it may
      use that interface) */

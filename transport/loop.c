@@ -496,6 +496,14 @@ int dp__tp_pass(dp_transport_t *t, int *polling_out) {
     if (!ep->dead && ep->lane != LANE_ON) lanes_all = 0;
     if (ep->dw)
       while (ucp_worker_progress(ep->dw)) work++;
+    /* a failed endpoint's lane is of no more use: its worker goes now, not
+       when the endpoint is freed — one whose peer went while it waited in
+       the listener's queue held the worker's descriptors, segments and
+       place among the DP__LANES_MAX until the application accepted and
+       freed it. A connector's offer still unanswered keeps it until its
+       file goes: a peer that read the address meanwhile would connect to
+       a worker that is gone (UCX prints an error there) */
+    if (ep->dead && ep->dw && !ep->lane_file) dp__tp_lane_worker_free(ep);
     if (ep->lane_name[0] && !ep->dead) dp__tp_lane_connect(t, ep), work++;
     if (ep->lane_file && now_ns() > ep->lane_deadline) dp__tp_lane_file_drop(ep); /* unanswered */
     if (ep->lane == LANE_HELLO && !ep->dead) dp__tp_lane_hello(ep);
