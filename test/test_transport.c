@@ -717,6 +717,86 @@ Test(transport, peers_that_connect_and_go_before_accept_give_their_lanes_back_fo
   free_transport(ta);
 }
 
+/* A connector forked before this process starts UCX: it reads a port from
+ * *to, connects there, says on *from whether its lane came up (the
+ * acceptor's HELLO on it, 10 s at most), and dies without a word. */
+static pid_t spawn_dying_connector(int *to, int *from) {
+  int down[2], up[2];
+  cr_assert_eq(pipe(down), 0);
+  cr_assert_eq(pipe(up), 0);
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    close(down[1]);
+    close(up[0]);
+    alarm(120);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() == 1) _exit(93);
+    int port;
+    if (read(down[0], &port, sizeof port) != sizeof port) _exit(91);
+    t_env();
+    dp_transport_t *t;
+    dp_endpoint_t *ep;
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    if (dp_transport_new(NULL, &t, NULL) || dp_endpoint_connect(t, addr, &ep, NULL)) _exit(90);
+    POLL_UNTIL(atomic_load(&dp__transport_lane_msgs) != 0);
+    char lane = atomic_load(&dp__transport_lane_msgs) != 0;
+    if (write(up[1], &lane, 1) != 1) _exit(92);
+    raise(SIGKILL);
+  }
+  close(down[0]);
+  close(up[1]);
+  *to = down[1];
+  *from = up[0];
+  return pid;
+}
+
+/* The same with peers killed (SIGKILL) once their lanes were up: each
+ * endpoint queued fails ("connection lost") and its lane goes with its
+ * descriptors, so that the descriptors held stay where the first death
+ * left them; the endpoints still wait, failed, to be accepted. */
+Test(transport, peers_killed_before_accept_leave_no_lane_descriptors_behind_in_the_acceptor) {
+  enum { DYING = 4 };
+  int to[DYING], from[DYING];
+  pid_t pid[DYING];
+  for (int i = 0; i < DYING; i++) pid[i] = spawn_dying_connector(&to[i], &from[i]);
+  dp_transport_t *ta = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(ta, "127.0.0.1:0", &l, T_ERR));
+  int port = dp_listener_port(l), fds = 0;
+  for (int i = 0; i < DYING; i++) {
+    cr_assert_eq(write(to[i], &port, sizeof port), (ssize_t)sizeof port);
+    char lane = 0;
+    cr_assert_eq(read(from[i], &lane, 1), 1, "peer %d did not start", i);
+    cr_assert(lane, "peer %d got no lane", i);
+    int st;
+    cr_assert_eq(waitpid(pid[i], &st, 0), pid[i]);
+    cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "peer %d: status %d", i, st);
+    close(to[i]);
+    close(from[i]);
+    if (i == 0) { /* the workers' own, made by the first peer: its lane's go as its death is seen */
+      sleep_ms(200);
+      fds = open_fds();
+      continue;
+    }
+    POLL_UNTIL(open_fds() <= fds);
+    cr_assert_leq(open_fds(), fds, "%d descriptors open after %d peers were killed before their accept, %d after the "
+                  "first", open_fds(), i + 1, fds);
+  }
+  for (int i = 0; i < DYING; i++) {
+    dp_endpoint_t *a;
+    dp_error_t e;
+    OK(dp_listener_accept(l, 30 * SEC, &a, T_ERR));
+    POLL_UNTIL(dp_endpoint_error(a, NULL) != 0);
+    cr_assert_neq(dp_endpoint_error(a, &e), 0, "the endpoint of peer %d, killed, is not failed", i);
+    cr_assert(strstr(e.message, "connection lost"), "%s", e.message);
+    dp_endpoint_free(a);
+  }
+  dp_listener_free(l);
+  free_transport(ta);
+}
+
 Test(transport, an_endpoint_to_an_address_of_one_of_this_hosts_interfaces_gets_a_lane) {
   /* not loopback: this host's all the same (UCX reaches it only when it may
      use that interface) */
