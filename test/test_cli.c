@@ -4956,6 +4956,44 @@ Test(cli, recv_and_send_without_a_timeout_keep_waiting_past_a_short_one) {
   res_free(r);
 }
 
+/* recv served only the first connection: a peer that connected and never
+ * sent held it until --timeout (forever without one), and the sender behind
+ * it timed out unanswered. recv takes the first frame any connection
+ * brings; the silent one is closed, unanswered. */
+Test(cli, recv_takes_the_first_frame_from_any_connection_past_one_that_never_sends) {
+  ucx_env();
+  spit("v.json", "[1, 2]");
+  run_ok("pack v.json -o f.dpk");
+  int port;
+  pid_t pid = start_recv("got.dpk", &port);
+  dp_transport_opts_t o;
+  memset(&o, 0, sizeof o);
+  cr_assert_eq(dp_backend_get(DP_DEVICE_HOST, &o.backend, NULL), 0);
+  dp_transport_t *t;
+  dp_endpoint_t *silent;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  cr_assert_eq(dp_transport_new(&o, &t, NULL), 0);
+  cr_assert_eq(dp_endpoint_connect(t, addr, &silent, NULL), 0);
+  usleep(500000); /* its connection first: the one recv served alone */
+  char args[128];
+  snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 10", port);
+  run_out_has(args, 0, "f.dpk: sent ");
+  cr_assert_eq(wait_status(pid), 0);
+  size_t na, nb;
+  char *x = slurp_in("f.dpk", &na), *y = slurp_in("got.dpk", &nb);
+  cr_assert_eq(na, nb);
+  cr_assert_eq(memcmp(x, y, na), 0, "the received frame differs");
+  free(x);
+  free(y);
+  dp_error_t e;
+  for (int i = 0; i < 1000 && !dp_endpoint_error(silent, NULL); i++) usleep(10000);
+  cr_assert_neq(dp_endpoint_error(silent, &e), 0, "the silent connection is still open");
+  cr_assert(strstr(e.message, "the peer closed its endpoint"), "%s", e.message);
+  dp_endpoint_free(silent);
+  dp_transport_free(t);
+}
+
 /* recv without -o writes the frame to stdout (here a file, not a
  * terminal), byte for byte. */
 Test(cli, recv_without_dash_o_writes_the_frame_it_receives_to_stdout) {

@@ -1252,9 +1252,12 @@ static const char *const help_recv =
     "Listens on HOST:PORT (HOST an IPv4 address or a name, default 0.0.0.0: UCX\n"
     "1.13 cannot serve IPv6 peers; PORT 0 takes a free port), says 'devpickle\n"
     "recv: listening on port N' on stderr, receives one frame from 'devpickle\n"
-    "send', verifies it as 'verify' does, writes it to FRAME.dpk (or stdout; a\n"
-    "terminal only with -o -) — a file is written whole under a temporary name\n"
-    "and renamed, so a failure leaves no partial file — and answers the sender.\n"
+    "send' — the first that any connection brings: each is accepted as it comes,\n"
+    "so one that never sends holds nothing up, and the others are closed\n"
+    "unanswered (their senders fail) — verifies it as 'verify' does, writes it\n"
+    "to FRAME.dpk (or stdout; a terminal only with -o -) — a file is written\n"
+    "whole under a temporary name and renamed, so a failure leaves no partial\n"
+    "file — and answers the sender.\n"
     "An output that is no regular file (a FIFO, a device) is opened before it\n"
     "listens, as a shell's '>' would: a FIFO waits there for its reader.\n"
     "--timeout: give up after SECONDS without a frame (over 0, at most 1000000,\n"
@@ -1568,6 +1571,141 @@ static int listen_error(const char *host, const char *addr, const char *msg) {
 }
 
 #define ANSWER_WAIT_S 10 /* recv's limit for its answer to leave, and for the sender to close */
+#define ACCEPT_SLICE_NS 200000000 /* how soon recv's accepting thread sees that a frame came */
+
+/* recv's connections. Each one is accepted as it comes and given a receive
+ * at once; the first receive to complete (a frame, the reader's refusal, a
+ * connection lost) is the one recv answers. Only the first connection was
+ * served: one that connected and never sent held recv until --timeout, or
+ * forever, while the sender behind it could not get through. */
+typedef struct recv_conns {
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* a receive completed, or the accepting thread failed */
+  dp_listener_t *l;
+  int stop;          /* the accepting thread leaves at its next look */
+  int done;          /* a receive completed, or the accepting thread failed (rc) */
+  int rc;
+  dp_error_t err;
+  size_t n, cap;
+  dp_endpoint_t **ep;
+  dp_future_t **f, **then;
+} recv_conns_t;
+
+/* code in *e, with msg; returns code. */
+static int recv_error(dp_error_t *e, int code, const char *msg) {
+  dp_error_clear(e);
+  e->code = code;
+  snprintf(e->message, sizeof e->message, "%s", msg);
+  return code;
+}
+
+/* A receive completed, whatever its outcome (then_with_ptrs runs on both). */
+static int recv_came(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
+  (void)parent, (void)ptrs, (void)err;
+  recv_conns_t *c = ud;
+  pthread_mutex_lock(&c->mu);
+  c->done = 1;
+  pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+  *result = dp_none();
+  return 0;
+}
+
+/* One connection more in c, its receive posted; 0, or an error in *e. */
+static int recv_conn_add(recv_conns_t *c, dp_endpoint_t *ep, dp_error_t *e) {
+  dp_future_t *f = NULL, *then = NULL;
+  int rc = dp_endpoint_recv_frame(ep, &f, e);
+  pthread_mutex_lock(&c->mu);
+  if (!rc && c->n == c->cap) {
+    size_t cap = c->cap ? 2 * c->cap : 8;
+    dp_endpoint_t **eps = realloc(c->ep, cap * sizeof *eps);
+    if (eps) c->ep = eps;
+    dp_future_t **fs = eps ? realloc(c->f, cap * sizeof *fs) : NULL;
+    if (fs) c->f = fs;
+    dp_future_t **ts = fs ? realloc(c->then, cap * sizeof *ts) : NULL;
+    if (ts) c->then = ts, c->cap = cap;
+    else rc = recv_error(e, DP_ENOMEM, "out of memory");
+  }
+  size_t i = c->n;
+  if (!rc) c->ep[i] = ep, c->f[i] = f, c->then[i] = NULL, c->n++;
+  pthread_mutex_unlock(&c->mu);
+  if (rc) {
+    dp_future_release(f);
+    dp_endpoint_free(ep);
+    return rc;
+  }
+  /* outside the lock: a receive already complete runs recv_came here */
+  rc = dp_future_then_with_ptrs(f, recv_came, c, &then, e);
+  pthread_mutex_lock(&c->mu);
+  c->then[i] = then;
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+/* The accepting thread: connections until recv is done, or an error. */
+static void *recv_accepting(void *arg) {
+  recv_conns_t *c = arg;
+  for (;;) {
+    pthread_mutex_lock(&c->mu);
+    int stop = c->stop;
+    pthread_mutex_unlock(&c->mu);
+    if (stop) return NULL;
+    dp_endpoint_t *ep = NULL;
+    dp_error_t e;
+    dp_error_clear(&e);
+    int rc = dp_listener_accept(c->l, ACCEPT_SLICE_NS, &ep, &e);
+    if (rc == DP_ETIMEDOUT) continue;
+    if (!rc) rc = recv_conn_add(c, ep, &e);
+    if (!rc) continue;
+    pthread_mutex_lock(&c->mu);
+    c->rc = rc, c->err = e, c->done = 1;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+  }
+}
+
+/* The connections of c (the accepting thread gone): their endpoints
+ * closed, their receives released. */
+static void recv_conns_drop(recv_conns_t *c) {
+  for (size_t i = 0; i < c->n; i++) {
+    dp_future_release(c->then[i]);
+    dp_future_release(c->f[i]);
+    dp_endpoint_free(c->ep[i]);
+    c->then[i] = c->f[i] = NULL;
+    c->ep[i] = NULL;
+  }
+  c->n = 0;
+}
+
+/* Waits for recv's first receive to complete, until the deadline (-1:
+ * none); its index, or -1 with *e (a timeout: *ran_out). */
+static long recv_first(recv_conns_t *c, int64_t deadline, int *ran_out, dp_error_t *e) {
+  pthread_t th;
+  if (pthread_create(&th, NULL, recv_accepting, c) != 0) return recv_error(e, DP_ENOMEM, "cannot start a thread"), -1;
+  pthread_mutex_lock(&c->mu);
+  while (!c->done) {
+    if (deadline < 0) {
+      pthread_cond_wait(&c->cv, &c->mu);
+      continue;
+    }
+    struct timespec at = {(time_t)(deadline / 1000000000), (long)(deadline % 1000000000)};
+    if (pthread_cond_timedwait(&c->cv, &c->mu, &at) == ETIMEDOUT) break;
+  }
+  c->stop = 1;
+  pthread_mutex_unlock(&c->mu);
+  pthread_join(th, NULL);
+  for (size_t i = 0; i < c->n; i++)
+    if (dp_future_is_done(c->f[i])) return (long)i;
+  if (c->rc) {
+    *e = c->err;
+    return -1;
+  }
+  *ran_out = 1;
+  recv_error(e, DP_ETIMEDOUT, "no frame");
+  return -1;
+}
+
 
 static int cmd_recv(int argc, char **argv) {
   link_args_t a;
@@ -1612,6 +1750,14 @@ static int cmd_recv(int argc, char **argv) {
   dp_endpoint_t *ep = NULL;
   dp_future_t *f = NULL, *d = NULL;
   int status = 0;
+  recv_conns_t conns;
+  memset(&conns, 0, sizeof conns);
+  pthread_mutex_init(&conns.mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* the deadline is mono_ns's */
+  pthread_cond_init(&conns.cv, &ca);
+  pthread_condattr_destroy(&ca);
   rc = dp_backend_get(DP_DEVICE_HOST, &to.backend, &e); /* frames only: no GPU to wake */
   if (!rc) rc = dp_transport_new(&to, &t, &e);
   if (!rc) rc = dp_listener_new(t, addr, &l, &e);
@@ -1625,11 +1771,15 @@ static int cmd_recv(int argc, char **argv) {
   snprintf(bound, sizeof bound, "%d", dp_listener_port(l));
   char *shown = addr_new(host, strlen(host), bound); /* the port bound */
   if (shown) free(addr), addr = shown;
-  int64_t deadline = deadline_in(a.timeout);
-  rc = dp_listener_accept(l, left_ns(deadline), &ep, &e);
-  if (rc) ran_out = 1;
-  if (!rc) rc = dp_endpoint_recv_frame(ep, &f, &e);
-  if (!rc) rc = wait_until(f, deadline, &ran_out, &e);
+  conns.l = l;
+  long first = recv_first(&conns, deadline_in(a.timeout), &ran_out, &e);
+  rc = first < 0 ? e.code : 0;
+  if (!rc) { /* the others go unanswered: their senders read a close */
+    ep = conns.ep[first], f = conns.f[first];
+    conns.ep[first] = NULL, conns.f[first] = NULL;
+    recv_conns_drop(&conns);
+    rc = dp_future_wait(f, 0, &e);
+  }
   if (rc) timeout_message(&e, ran_out, a.timeout, "--timeout", "recv", "no frame");
   dp_value_t answer = dp_int(0);
   char why[sizeof last_error + 64];
@@ -1663,8 +1813,12 @@ out:
   dp_future_release(f);
   dp_future_release(d);
   dp_endpoint_free(ep);
+  recv_conns_drop(&conns);
   dp_listener_free(l);
-  dp_transport_free(t);
+  dp_transport_free(t); /* its thread may run recv_came until then */
+  free(conns.ep), free(conns.f), free(conns.then);
+  pthread_cond_destroy(&conns.cv);
+  pthread_mutex_destroy(&conns.mu);
   free(addr);
   return status;
 }
