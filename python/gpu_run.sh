@@ -3,7 +3,8 @@
 # C library built and carried from a development machine, then runs the
 # Python suite there (CUDA tests included) and the Python benchmarks.
 #   bash python/gpu_run.sh OUTDIR        (docs/PYTHON.md, GPU.md)
-# BENCH=0: the suite alone, without the benchmarks.
+# BENCH=0: the suite alone, without the benchmarks. TESTS="...": what pytest
+# runs (default python/tests: the whole suite).
 # Needs build/libdevpickle.a, build/gpu-libs/{libmsgpackc.a,libxxhash.a} and
 # build/gpu-libs/include/xxhash.h (copied from /usr/include here: the GPU
 # machine has no xxHash headers, and the extension reads the pointer set's
@@ -29,6 +30,6 @@ export PYTHONPATH=$PWD/build/gpu-python
 # tests that pack frames with it, or compare with it, run here too
 [ -n "${DEVPICKLE:-}" ] || [ ! -x build/gpu-bin/devpickle ] || export DEVPICKLE=$PWD/build/gpu-bin/devpickle
 $py -c 'import devpickle, torch; torch.ones(1); print("adapter:", devpickle._devpickle._torch_adapter(), torch.__version__)'
-$py -m pytest -q -rsx -p no:cacheprovider python/tests 2>&1 | tee "$out/pytest.log" | tail -25 ||
+$py -m pytest -q -rsx -p no:cacheprovider ${TESTS:-python/tests} 2>&1 | tee "$out/pytest.log" | tail -25 ||
   echo "pytest failed: the benchmarks run all the same" # a failure is in pytest.log
 [ "${BENCH:-1}" = 0 ] || $py bench/py_bench.py "$out/py_bench.json" 2>&1 | tee "$out/py_bench.txt"
