@@ -5083,6 +5083,19 @@ Test(cli, base64_decoding_refuses_a_length_not_a_multiple_of_four_whatever_bytes
   free(p);
 }
 
+/* vjson.h: vjson_b64_encode writes every length as padded base64, a block
+ * of four characters for each three bytes or part of three, and no more
+ * (the lengths 0 to 7 meet each end a block can have, twice). */
+Test(cli, base64_encoding_writes_each_length_as_padded_blocks_and_nothing_past_the_last) {
+  static const char *const want[] = {"", "YQ==", "YWI=", "YWJj", "YWJjZA==", "YWJjZGU=", "YWJjZGVm", "YWJjZGVmZw=="};
+  for (size_t n = 0; n < sizeof want / sizeof *want; n++) {
+    char *s = vjson_b64_encode((const uint8_t *)"abcdefgh", n);
+    cr_assert_not_null(s);
+    cr_assert_str_eq(s, want[n], "%zu bytes", n);
+    free(s);
+  }
+}
+
 /* A $tensor whose body is no object says so; it was read as an object
  * without fields, whose missing device named the wrong fault. */
 Test(cli, a_tensor_tag_whose_body_is_no_object_says_it_must_be_one) {
