@@ -3875,6 +3875,50 @@ Test(cli, a_json_error_names_an_invisible_character_by_its_code_point_and_a_nega
              "devpickle: s.json: invalid JSON: unexpected U+00A0 (line 1, column 2), at byte 1\n");
 }
 
+/* Each character a message names by its code point (it would show as
+ * nothing or as a space), at both ends of each range, and the characters
+ * just outside them, which a message shows as they are. */
+static int shown_by_code_point(uint32_t cp) {
+  static const uint32_t ranges[][2] = {
+      {0x80, 0xA0},       {0xAD, 0xAD},       {0x34F, 0x34F},     {0x61C, 0x61C},     {0x115F, 0x1160},
+      {0x1680, 0x1680},   {0x17B4, 0x17B5},   {0x180B, 0x180F},   {0x2000, 0x200F},   {0x2028, 0x202F},
+      {0x205F, 0x206F},   {0x2800, 0x2800},   {0x3000, 0x3000},   {0x3164, 0x3164},   {0xFE00, 0xFE0F},
+      {0xFEFF, 0xFEFF},   {0xFFA0, 0xFFA0},   {0xFFF0, 0xFFFB},   {0x13430, 0x1343F}, {0x1BCA0, 0x1BCA3},
+      {0x1D173, 0x1D17A}, {0xE0000, 0xE0FFF},
+  };
+  for (size_t i = 0; i < sizeof ranges / sizeof *ranges; i++)
+    if (cp >= ranges[i][0] && cp <= ranges[i][1]) return 1;
+  return 0;
+}
+
+static size_t utf8_put(uint32_t cp, char *o) {
+  if (cp < 0x800) return o[0] = (char)(0xC0 | cp >> 6), o[1] = (char)(0x80 | (cp & 0x3F)), 2;
+  if (cp < 0x10000)
+    return o[0] = (char)(0xE0 | cp >> 12), o[1] = (char)(0x80 | (cp >> 6 & 0x3F)), o[2] = (char)(0x80 | (cp & 0x3F)), 3;
+  o[0] = (char)(0xF0 | cp >> 18), o[1] = (char)(0x80 | (cp >> 12 & 0x3F));
+  o[2] = (char)(0x80 | (cp >> 6 & 0x3F)), o[3] = (char)(0x80 | (cp & 0x3F));
+  return 4;
+}
+
+Test(cli, a_json_error_names_each_invisible_character_by_its_code_point_and_its_neighbours_as_they_are) {
+  static const uint32_t edges[] = {0xA0,   0xAD,    0x34F,   0x61C,   0x115F,  0x1160,  0x1680,  0x17B4,
+                                   0x17B5, 0x180B,  0x180F,  0x2000,  0x200F,  0x2028,  0x202F,  0x205F,
+                                   0x206F, 0x2800,  0x3000,  0x3164,  0xFE00,  0xFE0F,  0xFEFF,  0xFFA0,
+                                   0xFFF0, 0xFFFB,  0x13430, 0x1343F, 0x1BCA0, 0x1BCA3, 0x1D173, 0x1D17A,
+                                   0xE0000, 0xE0FFF};
+  for (size_t i = 0; i < sizeof edges / sizeof *edges; i++)
+    for (uint32_t cp = edges[i] - 1; cp <= edges[i] + 1; cp++) {
+      char text[16] = "[", ch[8] = {0}, msg[256], want[64];
+      size_t n = utf8_put(cp, ch), pos;
+      snprintf(text + 1, sizeof text - 1, "%s    ]", ch);
+      json_t *j = vjson_parse(text, strlen(text), msg, sizeof msg, &pos);
+      cr_assert_null(j, "U+%04X was read", (unsigned)cp);
+      if (shown_by_code_point(cp)) snprintf(want, sizeof want, "unexpected U+%04X ", (unsigned)cp);
+      else snprintf(want, sizeof want, "unexpected '%.*s' ", (int)n, ch);
+      cr_assert(strstr(msg, want) != NULL, "U+%04X: %s (want %s)", (unsigned)cp, msg, want);
+    }
+}
+
 /* --help is looked for as the parser reads the line: the value of -o is a
  * file name, even '--help'; 'help --help' and '-h -h' are the main help. */
 Test(cli, help_is_found_as_the_options_are_read_and_the_main_help_answers_its_own_help) {
