@@ -4180,6 +4180,39 @@ Test(cli, pack_refuses_a_high_surrogate_escape_followed_by_an_escape_past_the_lo
              "at byte 2\n");
 }
 
+/* The surrogate ranges of \u escapes at each of their ends: a pair is
+ * one character from U+10000 to U+10FFFF; a high surrogate before a \u
+ * that is no low one, and a low one alone, are refused. */
+Test(cli, a_surrogate_pair_escape_reads_at_each_end_of_both_ranges_and_a_lone_one_is_refused_at_each_end) {
+  static const struct {
+    const char *text, *utf8, *err;
+  } cases[] = {
+      {"\"\\ud7ff\"", "\xed\x9f\xbf", NULL},
+      {"\"\\ue000\"", "\xee\x80\x80", NULL},
+      {"\"\\ud800\\udc00\"", "\xf0\x90\x80\x80", NULL},
+      {"\"\\ud800\\udfff\"", "\xf0\x90\x8f\xbf", NULL},
+      {"\"\\udbff\\udc00\"", "\xf4\x8f\xb0\x80", NULL},
+      {"\"\\udbff\\udfff\"", "\xf4\x8f\xbf\xbf", NULL},
+      {"\"\\ud800\\udbff\"", NULL, "invalid \\u escape: a lone high surrogate (line 1, column 2)"},
+      {"\"\\udbff\\ue000\"", NULL, "invalid \\u escape: a lone high surrogate (line 1, column 2)"},
+      {"\"\\udc00\"", NULL, "invalid \\u escape: a lone low surrogate (line 1, column 2)"},
+      {"\"\\udfff\"", NULL, "invalid \\u escape: a lone low surrogate (line 1, column 2)"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    char msg[256] = "";
+    size_t pos;
+    json_t *j = vjson_parse(cases[i].text, strlen(cases[i].text), msg, sizeof msg, &pos);
+    if (cases[i].utf8) {
+      cr_assert_not_null(j, "%s: %s", cases[i].text, msg);
+      cr_assert_str_eq(json_string_value(j), cases[i].utf8, "%s", cases[i].text);
+      vjson_free(j);
+    } else {
+      cr_assert_null(j, "%s was read", cases[i].text);
+      cr_assert_str_eq(msg, cases[i].err, "%s", cases[i].text);
+    }
+  }
+}
+
 /* RFC 3629: no overlong form, no surrogate, nothing past U+10FFFF. */
 Test(cli, pack_refuses_utf8_that_is_overlong_a_surrogate_or_past_u10ffff) {
   static const char *const bad[] = {"[\"\xc0\x80\"]", "[\"\xc1\xbf\"]", "[\"\xed\xa0\x80\"]", "[\"\xed\xbf\xbf\"]",
