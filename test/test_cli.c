@@ -4197,6 +4197,9 @@ Test(cli, a_surrogate_pair_escape_reads_at_each_end_of_both_ranges_and_a_lone_on
       {"\"\\udbff\\ue000\"", NULL, "invalid \\u escape: a lone high surrogate (line 1, column 2)"},
       {"\"\\udc00\"", NULL, "invalid \\u escape: a lone low surrogate (line 1, column 2)"},
       {"\"\\udfff\"", NULL, "invalid \\u escape: a lone low surrogate (line 1, column 2)"},
+      /* the text ends two bytes past a high surrogate: no \u, so no pair, whatever follows */
+      {"\"\\ud800\\n", NULL, "invalid \\u escape: a lone high surrogate (line 1, column 2)"},
+      {"\"\\ud800\\", NULL, "premature end of input in a string (line 1, column 9)"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
     char msg[256] = "";
@@ -4211,6 +4214,7 @@ Test(cli, a_surrogate_pair_escape_reads_at_each_end_of_both_ranges_and_a_lone_on
       cr_assert_str_eq(msg, cases[i].err, "%s", cases[i].text);
     }
   }
+  cr_assert_eq(vjson_prefix_fails("\"\\ud800\\n", 9), 1, "no continuation mends a high surrogate before \\n");
 }
 
 /* RFC 3629: no overlong form, no surrogate, nothing past U+10FFFF. */
