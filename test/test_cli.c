@@ -749,6 +749,8 @@ Test(cli, bad_value_json_names_the_problem_and_where) {
   pack_fails("val.json", "x.dpk", "{\"x\": {\"$value\": []}}",
              "devpickle: val.json: $value without $id: a named node is {\"$id\": \"name\", \"$value\": V}, "
              "at $.x\n");
+  pack_fails("valu.json", "x.dpk", "{\"x\": {\"$valuf\": []}}",
+             "devpickle: valu.json: unknown tag \"$valuf\" (a plain key starting with '$' needs $dict), at $.x\n");
   pack_fails("ref.json", "x.dpk", "[{\"$ref\": \"nope\"}]",
              "devpickle: ref.json: $ref \"nope\" names no earlier $id, at $[0]\n");
   pack_fails("dev.json", "x.dpk",
@@ -4215,6 +4217,36 @@ Test(cli, a_surrogate_pair_escape_reads_at_each_end_of_both_ranges_and_a_lone_on
     }
   }
   cr_assert_eq(vjson_prefix_fails("\"\\ud800\\n", 9), 1, "no continuation mends a high surrogate before \\n");
+}
+
+/* A \u escape takes the hex digits of either case, each range to its
+ * last digit, and refuses the characters just outside them. */
+Test(cli, a_u_escape_reads_hex_digits_of_either_case_to_each_ranges_end_and_refuses_their_neighbours) {
+  static const struct {
+    const char *text, *utf8;
+  } ok[] = {
+      {"\"\\u0030\\u0039\"", "09"},
+      {"\"\\u004a\\u004f\"", "JO"},
+      {"\"\\u004A\\u004F\"", "JO"},
+      {"\"\\u00fF\\u00Af\"", "\xc3\xbf\xc2\xaf"},
+  };
+  for (size_t i = 0; i < sizeof ok / sizeof *ok; i++) {
+    char msg[256] = "";
+    size_t pos;
+    json_t *j = vjson_parse(ok[i].text, strlen(ok[i].text), msg, sizeof msg, &pos);
+    cr_assert_not_null(j, "%s: %s", ok[i].text, msg);
+    cr_assert_str_eq(json_string_value(j), ok[i].utf8, "%s", ok[i].text);
+    vjson_free(j);
+  }
+  static const char neighbours[] = "/:`g@G";
+  for (size_t i = 0; i < sizeof neighbours - 1; i++)
+    for (int at = 0; at < 4; at++) {
+      char text[16] = "\"\\u0000\"", msg[256] = "";
+      size_t pos;
+      text[3 + at] = neighbours[i];
+      cr_assert_null(vjson_parse(text, strlen(text), msg, sizeof msg, &pos), "%s was read", text);
+      cr_assert_str_eq(msg, "invalid \\u escape (line 1, column 2)", "%s", text);
+    }
 }
 
 /* RFC 3629: no overlong form, no surrogate, nothing past U+10FFFF. */
