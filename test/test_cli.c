@@ -4249,6 +4249,18 @@ Test(cli, a_u_escape_reads_hex_digits_of_either_case_to_each_ranges_end_and_refu
     }
 }
 
+/* A named list or tuple is built before its items, as a named object is,
+ * so that its items can refer to it: a list holding itself packs, and
+ * unpack writes the cycle back. */
+Test(cli, a_named_list_or_tuple_can_hold_a_ref_to_itself) {
+  spit("l.json", "{\"$id\": \"a\", \"$value\": [1, {\"$ref\": \"a\"}, {\"$tuple\": [{\"$ref\": \"a\"}]}]}");
+  run_ok("pack l.json -o l.dpk");
+  run_expect("unpack --compact l.dpk", 0, "{\"$id\":\"n0\",\"$value\":[1,{\"$ref\":\"n0\"},{\"$tuple\":[{\"$ref\":\"n0\"}]}]}\n", "");
+  spit("t.json", "{\"$id\": \"t\", \"$value\": {\"$tuple\": [1, {\"$ref\": \"t\"}]}}");
+  run_ok("pack t.json -o t.dpk");
+  run_expect("unpack --compact t.dpk", 0, "{\"$id\":\"n0\",\"$value\":{\"$tuple\":[1,{\"$ref\":\"n0\"}]}}\n", "");
+}
+
 /* RFC 3629: no overlong form, no surrogate, nothing past U+10FFFF. */
 Test(cli, pack_refuses_utf8_that_is_overlong_a_surrogate_or_past_u10ffff) {
   static const char *const bad[] = {"[\"\xc0\x80\"]", "[\"\xc1\xbf\"]", "[\"\xed\xa0\x80\"]", "[\"\xed\xbf\xbf\"]",
