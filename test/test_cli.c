@@ -4261,6 +4261,31 @@ Test(cli, a_named_list_or_tuple_can_hold_a_ref_to_itself) {
   run_expect("unpack --compact t.dpk", 0, "{\"$id\":\"n0\",\"$value\":{\"$tuple\":[1,{\"$ref\":\"n0\"}]}}\n", "");
 }
 
+/* The text ends where it ends: in a string, after a backslash, or where
+ * the byte past it would be the comma of the next item, it ends too soon,
+ * reported at its end (and a prefix so cut may yet go on). */
+Test(cli, a_text_that_ends_inside_a_string_or_before_the_next_comma_ends_too_soon) {
+  static const struct {
+    const char *text;
+    size_t n;
+    const char *err;
+  } cases[] = {
+      {"\"abc\"", 4, "premature end of input in a string (line 1, column 5)"},
+      {"\"abc\\n\"", 5, "premature end of input in a string (line 1, column 6)"},
+      {"[[],1]", 3, "premature end of input (line 1, column 4)"},
+      {"{\"a\": [],\"b\": 1}", 8, "premature end of input (line 1, column 9)"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    char msg[256] = "";
+    size_t pos = 0;
+    cr_assert_null(vjson_parse(cases[i].text, cases[i].n, msg, sizeof msg, &pos), "%.*s was read", (int)cases[i].n,
+                   cases[i].text);
+    cr_assert_str_eq(msg, cases[i].err, "%.*s", (int)cases[i].n, cases[i].text);
+    cr_assert_eq(pos, cases[i].n, "%.*s", (int)cases[i].n, cases[i].text);
+    cr_assert_eq(vjson_prefix_fails(cases[i].text, cases[i].n), 0, "%.*s", (int)cases[i].n, cases[i].text);
+  }
+}
+
 /* RFC 3629: no overlong form, no surrogate, nothing past U+10FFFF. */
 Test(cli, pack_refuses_utf8_that_is_overlong_a_surrogate_or_past_u10ffff) {
   static const char *const bad[] = {"[\"\xc0\x80\"]", "[\"\xc1\xbf\"]", "[\"\xed\xa0\x80\"]", "[\"\xed\xbf\xbf\"]",
