@@ -4271,6 +4271,7 @@ Test(cli, a_text_that_ends_inside_a_string_or_before_the_next_comma_ends_too_soo
     const char *err;
   } cases[] = {
       {"\"abc\"", 4, "premature end of input in a string (line 1, column 5)"},
+      {"\"abcd\"", 4, "premature end of input in a string (line 1, column 5)"},
       {"\"abc\\n\"", 5, "premature end of input in a string (line 1, column 6)"},
       {"[[],1]", 3, "premature end of input (line 1, column 4)"},
       {"{\"a\": [],\"b\": 1}", 8, "premature end of input (line 1, column 9)"},
