@@ -4287,6 +4287,16 @@ Test(cli, a_text_that_ends_inside_a_string_or_before_the_next_comma_ends_too_soo
   }
 }
 
+/* An unexpected byte fails a prefix at once when the four bytes that may
+ * make up its character are all in; with fewer, what follows may show it
+ * otherwise (as the character it starts), so the prefix fails only later. */
+Test(cli, a_prefix_fails_at_an_unexpected_byte_once_four_bytes_from_it_are_in) {
+  cr_assert_eq(vjson_prefix_fails("[1, xyzw", 8), 1);
+  cr_assert_eq(vjson_prefix_fails("[1, xyz", 7), 0);
+  cr_assert_eq(vjson_prefix_fails("[1, \xe2\x80\x8b", 7), 0);
+  cr_assert_eq(vjson_prefix_fails("[1, \xe2\x80\x8b ", 8), 1);
+}
+
 /* RFC 3629: no overlong form, no surrogate, nothing past U+10FFFF. */
 Test(cli, pack_refuses_utf8_that_is_overlong_a_surrogate_or_past_u10ffff) {
   static const char *const bad[] = {"[\"\xc0\x80\"]", "[\"\xc1\xbf\"]", "[\"\xed\xa0\x80\"]", "[\"\xed\xbf\xbf\"]",
