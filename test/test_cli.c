@@ -4273,7 +4273,11 @@ Test(cli, a_text_that_ends_inside_a_string_or_before_the_next_comma_ends_too_soo
       {"\"abc\"", 4, "premature end of input in a string (line 1, column 5)"},
       {"\"abcd\"", 4, "premature end of input in a string (line 1, column 5)"},
       {"\"abc\\n\"", 5, "premature end of input in a string (line 1, column 6)"},
+      {"\"\\u0041\"", 7, "premature end of input in a string (line 1, column 8)"},
+      {"\"\\ud800\\udc00\"", 13, "premature end of input in a string (line 1, column 14)"},
       {"[[],1]", 3, "premature end of input (line 1, column 4)"},
+      {"[[]]", 3, "premature end of input (line 1, column 4)"},
+      {"{\"a\": {}}", 8, "premature end of input (line 1, column 9)"},
       {"{\"a\": [],\"b\": 1}", 8, "premature end of input (line 1, column 9)"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
