@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "devpickle.h"
 #include "mem_reader.h"
@@ -124,6 +126,34 @@ __attribute__((unused)) static long t_sweep(const t_sweep_t *s, void *ctx) {
     cr_assert_eq(t_rc_, 0, "%s failed: %s: %s", #call, dp_err_name(t_rc_),             \
                  t_errp_ ? t_errp_->message : "");                                     \
   } while (0)
+
+/* Runs body(arg) in a child process with its stderr captured into msg (cap
+ * bytes, NUL-ended); body ends the child with _exit. Returns the signal that
+ * ended the child, or 0 when it exited 0 (another status fails the test). */
+static inline int t_in_child(void (*body)(void *), void *arg, char *msg, size_t cap) {
+  int fd[2];
+  cr_assert_eq(pipe(fd), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    dup2(fd[1], 2);
+    close(fd[0]);
+    body(arg);
+    _exit(0);
+  }
+  close(fd[1]);
+  size_t n = 0;
+  ssize_t got;
+  while (n + 1 < cap && (got = read(fd[0], msg + n, cap - 1 - n)) > 0) n += (size_t)got;
+  msg[n] = '\0';
+  close(fd[0]);
+  int status;
+  cr_assert_eq(waitpid(pid, &status, 0), pid);
+  if (WIFSIGNALED(status)) return WTERMSIG(status);
+  cr_assert_eq(WEXITSTATUS(status), 0, "the child exited %d", WEXITSTATUS(status));
+  return 0;
+}
 
 static inline dp_device_t t_dev(int type, int index) {
   dp_device_t d = {(uint8_t)type, (uint8_t)index};

@@ -64,6 +64,16 @@ static void assert_file_is(const char *name, const char *want, const char *what)
   free(got);
 }
 
+/* SENT and GOT in the temp dir hold the same bytes (a frame received whole). */
+static void assert_received_whole(const char *sent, const char *got) {
+  size_t na, nb;
+  char *x = slurp_in(sent, &na), *y = slurp_in(got, &nb);
+  cr_assert_eq(na, nb);
+  cr_assert_eq(memcmp(x, y, na), 0, "the received frame differs");
+  free(x);
+  free(y);
+}
+
 static void spit(const char *name, const char *text) {
   char path[128];
   snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -2480,12 +2490,7 @@ Test(cli, send_and_recv_move_an_inline_frame_that_arrives_verified_and_written_w
   snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d", port);
   run_out_has(args, 0, "f.dpk: sent ");
   cr_assert_eq(wait_status(pid), 0);
-  size_t na, nb;
-  char *x = slurp_in("f.dpk", &na), *y = slurp_in("got.dpk", &nb);
-  cr_assert_eq(na, nb);
-  cr_assert_eq(memcmp(x, y, na), 0, "the received frame differs");
-  free(x);
-  free(y);
+  assert_received_whole("f.dpk", "got.dpk");
   run_ok("verify got.dpk");
 }
 
@@ -5145,12 +5150,7 @@ Test(cli, recv_takes_the_first_frame_from_any_connection_past_one_that_never_sen
   snprintf(args, sizeof args, "send f.dpk 127.0.0.1:%d --timeout 10", port);
   run_out_has(args, 0, "f.dpk: sent ");
   cr_assert_eq(wait_status(pid), 0);
-  size_t na, nb;
-  char *x = slurp_in("f.dpk", &na), *y = slurp_in("got.dpk", &nb);
-  cr_assert_eq(na, nb);
-  cr_assert_eq(memcmp(x, y, na), 0, "the received frame differs");
-  free(x);
-  free(y);
+  assert_received_whole("f.dpk", "got.dpk");
   dp_error_t e;
   for (int i = 0; i < 1000 && !dp_endpoint_error(silent, NULL); i++) usleep(10000);
   cr_assert_neq(dp_endpoint_error(silent, &e), 0, "the silent connection is still open");

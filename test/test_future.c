@@ -1005,36 +1005,19 @@ static int counts_cb(void *ud, dp_future_t *parent, dp_value_t *result, dp_error
   return 0;
 }
 
-/* Completes, in a child process, a future with one then() callback whose
- * reference count was set to `refs` just before; returns the signal that
- * ended the child (0: it exited 0 once the callback ran) and its stderr. */
+/* Completes a future with one then() callback whose reference count was
+ * set to *(uint32_t *)arg just before (run by t_in_child). */
+static void complete_at_count(void *arg) {
+  dp_future_t *f = future(), *c;
+  int ran = 0;
+  if (dp_future_then(f, counts_cb, &ran, &c, NULL) != 0) _exit(3);
+  dp__future_set_refs(f, *(uint32_t *)arg);
+  if (dp_future_mark_completed(f, dp_none(), NULL) != 0) _exit(4);
+  _exit(ran == 1 && dp_future_is_done(c) ? 0 : 5); /* the counts are past repair: nothing released */
+}
+
 static int complete_at_count_in_a_child(uint32_t refs, char *msg, size_t cap) {
-  int fd[2];
-  cr_assert_eq(pipe(fd), 0);
-  fflush(NULL);
-  pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) {
-    dup2(fd[1], 2);
-    close(fd[0]);
-    dp_future_t *f = future(), *c;
-    int ran = 0;
-    if (dp_future_then(f, counts_cb, &ran, &c, NULL) != 0) _exit(3);
-    dp__future_set_refs(f, refs);
-    if (dp_future_mark_completed(f, dp_none(), NULL) != 0) _exit(4);
-    _exit(ran == 1 && dp_future_is_done(c) ? 0 : 5); /* the counts are past repair: nothing released */
-  }
-  close(fd[1]);
-  size_t n = 0;
-  ssize_t got;
-  while (n + 1 < cap && (got = read(fd[0], msg + n, cap - 1 - n)) > 0) n += (size_t)got;
-  msg[n] = '\0';
-  close(fd[0]);
-  int status;
-  cr_assert_eq(waitpid(pid, &status, 0), pid);
-  if (WIFSIGNALED(status)) return WTERMSIG(status);
-  cr_assert_eq(WEXITSTATUS(status), 0, "the child exited %d", WEXITSTATUS(status));
-  return 0;
+  return t_in_child(complete_at_count, &refs, msg, cap);
 }
 
 /* Each callback to run holds a reference to its future while it is queued:

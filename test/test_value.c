@@ -3522,39 +3522,30 @@ Test(value, scalar_accessors_of_another_kind_give_false_zero_and_zero_point_zero
 
 /* Runs retain() on a value (or storage) whose count is `count`, in a child
  * process; returns the signal that ended it (0: it exited) and its stderr. */
-static int retain_at_count_in_a_child(int storage, uint32_t count, char *msg, size_t cap) {
-  int fd[2];
-  cr_assert_eq(pipe(fd), 0);
-  fflush(NULL);
-  pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) {
-    dup2(fd[1], 2);
-    close(fd[0]);
-    dp_value_t l;
-    dp_storage_t *s;
-    if (storage) {
-      if (dp_storage_new((dp_device_t){DP_DEVICE_CPU, 0}, NULL, 0, NULL, NULL, &s, NULL) != 0) _exit(3);
-      atomic_store(&s->rc, count);
-      dp_storage_retain(s);
-      _exit(atomic_load(&s->rc) == count + 1 ? 0 : 4);
-    }
-    if (dp_list_new(0, &l, NULL) != 0) _exit(3);
-    atomic_store(&l.u.h->rc, count);
-    dp_value_retain(l);
-    _exit(dp_value_refcount(l) == count + 1 ? 0 : 4);
+typedef struct {
+  int storage;
+  uint32_t count;
+} retain_at_t;
+
+static void retain_at(void *arg) {
+  const retain_at_t *r = arg;
+  dp_value_t l;
+  dp_storage_t *s;
+  if (r->storage) {
+    if (dp_storage_new((dp_device_t){DP_DEVICE_CPU, 0}, NULL, 0, NULL, NULL, &s, NULL) != 0) _exit(3);
+    atomic_store(&s->rc, r->count);
+    dp_storage_retain(s);
+    _exit(atomic_load(&s->rc) == r->count + 1 ? 0 : 4);
   }
-  close(fd[1]);
-  size_t n = 0;
-  ssize_t got;
-  while (n + 1 < cap && (got = read(fd[0], msg + n, cap - 1 - n)) > 0) n += (size_t)got;
-  msg[n] = '\0';
-  close(fd[0]);
-  int status;
-  cr_assert_eq(waitpid(pid, &status, 0), pid);
-  if (WIFSIGNALED(status)) return WTERMSIG(status);
-  cr_assert_eq(WEXITSTATUS(status), 0, "the child exited %d", WEXITSTATUS(status));
-  return 0;
+  if (dp_list_new(0, &l, NULL) != 0) _exit(3);
+  atomic_store(&l.u.h->rc, r->count);
+  dp_value_retain(l);
+  _exit(dp_value_refcount(l) == r->count + 1 ? 0 : 4);
+}
+
+static int retain_at_count_in_a_child(int storage, uint32_t count, char *msg, size_t cap) {
+  retain_at_t r = {storage, count};
+  return t_in_child(retain_at, &r, msg, cap);
 }
 
 Test(value, a_retain_of_a_value_or_storage_at_the_largest_count_aborts_instead_of_wrapping_to_zero) {
