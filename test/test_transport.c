@@ -4444,6 +4444,121 @@ Test(transport, a_receiver_that_takes_nothing_holds_small_buffers_back_at_the_se
   close_clean(ep, t, p);
 }
 
+/* peer: sends n values, back to back, of the kind arg gives (then waits for
+ * the close): EMPTY_DICTS, a list of 4,000 empty dicts and then i (a frame
+ * of ~4 KiB whose value holds ~100 times that); INTS, the int i (a frame of
+ * ~40 bytes); DEPTHS, [1], a list nested 40 deep, [1] */
+typedef struct values_arg {
+  enum { EMPTY_DICTS, INTS, DEPTHS } kind;
+  long n;
+} values_arg_t;
+
+static dp_value_t nested(int depth);
+
+static int send_values(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  const values_arg_t *a = arg;
+  dp_error_t e;
+  for (long i = 0; i < a->n; i++) {
+    dp_value_t v = dp_int(i), d;
+    if (a->kind == EMPTY_DICTS) {
+      if (dp_list_new(4001, &v, &e)) return 10;
+      for (int k = 0; k < 4000; k++) {
+        if (dp_dict_new(0, &d, &e) || dp_list_append(v, d, &e)) return 11;
+      }
+      if (dp_list_append(v, dp_int(i), &e)) return 12;
+    } else if (a->kind == DEPTHS) {
+      v = nested(i == 1 ? 40 : 1);
+    }
+    dp_future_t *f;
+    if (dp_endpoint_send(ep, v, &f, &e)) return 13;
+    dp_value_release(v);
+    dp_future_release(f);
+  }
+  return 0;
+}
+
+/* The credit counts a value's bytes on the wire; a frame was read into its
+ * value as it arrived, and a value holds up to DP_UNPICKLE_MEMORY_PER_BYTE
+ * times its frame, and ~2.3 KiB of its own however small. Values nobody
+ * took held up to ~193 times the window: 1 MiB of frames of empty dicts
+ * held ~120 MiB, 1 MiB of ints ~59 MiB. A self-contained frame that no
+ * receive takes at once is kept as its bytes and read when delivered, and
+ * each value is charged DP__CREDIT_PER_VALUE besides its bytes. */
+static void untaken_values_hold_about_their_frames(values_arg_t a, long bound) {
+  t_track();
+  peer_t p = spawn_peer(send_values, &a, NULL);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 1 << 20;
+  dp_transport_t *t = new_transport(&o);
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+  long before = atomic_load(&t_live_bytes);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  /* once no value came for 500 ms, the sender is held back */
+  unsigned long seen = 0;
+  for (int i = 0; i < 200; i++) {
+    sleep_ms(500);
+    unsigned long now = atomic_load(&dp__transport_frames_in) - frames0;
+    if (now == seen && now) break;
+    seen = now;
+  }
+  cr_assert_gt(seen, 0, "no value arrived");
+  cr_assert_lt(seen, (unsigned long)a.n, "every value arrived: the credit held none back");
+  long held = atomic_load(&t_live_bytes) - before;
+  cr_assert_lt(held, bound, "the receiver holds %ld bytes of %lu values nobody took", held, seen);
+  for (long i = 0; i < a.n; i++) {
+    dp_future_t *f = recv_ok(ep);
+    dp_value_t v = dp_future_value(f), last = v;
+    if (a.kind == EMPTY_DICTS) {
+      cr_assert_eq(dp_seq_len(v), 4001, "value %ld", i);
+      cr_assert_eq(dp_value_kind(dp_seq_get(v, 0)), DP_DICT, "value %ld", i);
+      last = dp_seq_get(v, 4000);
+    }
+    cr_assert_eq(dp_value_kind(last), DP_INT, "value %ld", i);
+    cr_assert_eq(dp_value_as_int(last), i, "value %ld came as %lld", i, (long long)dp_value_as_int(last));
+    dp_future_release(f);
+  }
+  close_clean(ep, t, p);
+}
+
+Test(transport, values_of_empty_dicts_nobody_took_hold_about_their_frames_not_their_memory) {
+  untaken_values_hold_about_their_frames((values_arg_t){EMPTY_DICTS, 1000}, 4l << 20);
+}
+
+Test(transport, tiny_values_nobody_took_hold_about_the_window_not_two_kib_each) {
+  untaken_values_hold_about_their_frames((values_arg_t){INTS, 60000}, 4l << 20);
+}
+
+/* A kept frame is read as it is delivered, with the transport's unpickle
+ * options: one they refuse fails its receive with the reader's error, and
+ * the values on either side of it arrive. */
+Test(transport, a_queued_frame_the_reader_refuses_fails_its_receive_when_delivered_and_the_next_arrives) {
+  values_arg_t a = {DEPTHS, 3};
+  peer_t p = spawn_peer(send_values, &a, NULL);
+  dp_unpickle_opts_t u = {0};
+  u.limits.max_depth = 8;
+  dp_transport_opts_t o = {0};
+  o.unpickle = &u;
+  dp_transport_t *t = new_transport(&o);
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= 3);
+  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, 3, "the three values did not arrive");
+  dp_future_t *f = recv_ok(ep);
+  dp_value_t v = dp_future_value(f);
+  cr_assert_eq(dp_seq_len(v), 1);
+  dp_future_release(f);
+  OK(dp_endpoint_recv(ep, &f, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(wait_f(f, &e), DP_ELIMIT, "%s", e.message);
+  cr_assert(strstr(e.message, "depth"), "%s", e.message);
+  dp_future_release(f);
+  f = recv_ok(ep);
+  cr_assert_eq(dp_value_as_int(dp_seq_get(dp_future_value(f), 0)), 1);
+  dp_future_release(f);
+  close_clean(ep, t, p);
+}
+
 Test(transport, a_peer_that_sends_small_frames_past_its_credit_fails_the_endpoint) {
   t_track();
   peer_t p = spawn_peer(send_small_frames_past_credit, (void *)(intptr_t)400, NULL);

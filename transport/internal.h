@@ -10,7 +10,7 @@
  * the host's byte order: both ends are little-endian x86-64/aarch64 today. */
 #define DP__AM_FRAME 0x44500u
 #define DP__AM_BUFS 0x44501u
-#define DP__WIRE_MAGIC 0x31545044u /* "DPT1" */
+#define DP__WIRE_MAGIC 0x32545044u /* "DPT2" (DPT1 charged no DP__CREDIT_PER_VALUE) */
 
 typedef struct dp__am_frame_hdr {
   uint32_t magic;
@@ -111,7 +111,9 @@ typedef struct dp__am_shm_piece {
 #define DP__AM_ACCEPT 0x44508u
 /* CREDIT (a control header, value 0, token = the limit): the receiver's
  * grant. A value costs its frame's bytes plus its buffers' (its FRAME
- * header's frame length and buf_bytes), counted from the connection's
+ * header's frame length and buf_bytes) plus DP__CREDIT_PER_VALUE, what a
+ * received value holds however small (its message and its error), counted
+ * from the connection's
  * start; the sender posts a value only while the values it sent before it
  * stay below the grant's limit (so the last one may cross it: one value
  * larger than the window still goes). Both ends start from
@@ -126,6 +128,7 @@ typedef struct dp__am_shm_piece {
  * counted when it posted that one). */
 #define DP__AM_CREDIT 0x44509u
 #define DP__CREDIT_INITIAL (1ull << 20)
+#define DP__CREDIT_PER_VALUE 256u
 /* CLOSE (a control header, on the connection): value 0, token = the values
  * (FRAME messages) this side sent on the endpoint, is a graceful close's
  * last message, sent before the UCX endpoint is flushed and closed; the

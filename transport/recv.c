@@ -43,21 +43,67 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
 }
 
 
-/* What a value costs of its sender's credit: its frame and its buffers
- * (internal.h, CREDIT), saturated (a header may say anything). */
+/* What a value costs of its sender's credit: its frame, its buffers and
+ * DP__CREDIT_PER_VALUE (internal.h, CREDIT), saturated (a header may say
+ * anything). */
 static uint64_t sat_add(uint64_t a, uint64_t b) {
   uint64_t r;
   return dp__add_ovf(a, b, &r) ? UINT64_MAX : r;
 }
 
-static uint64_t credit_of(const dp__am_frame_hdr_t *h, size_t len) { return sat_add(len, h->buf_bytes); }
+static uint64_t credit_of(const dp__am_frame_hdr_t *h, size_t len) {
+  return sat_add(sat_add(len, h->buf_bytes), DP__CREDIT_PER_VALUE);
+}
 
-/* A frame message: check and unpickle the frame, binding its buffers to new
- * receive allocations. A frame the unpickler refuses fails this message
- * only (its buffers are drained); bad framing fails the endpoint. pulled:
- * NULL for an eager frame (data is UCX's); for one that came by rendezvous,
- * the memory it was pulled into (data), which a self-contained frame keeps
- * instead of a copy (*pulled is then NULL). */
+/* Refuses message m with e: m->error is a copy (NULL when there is no
+ * memory for one: the receive is then told so, rmsg_error). */
+static void refuse(rmsg_t *m, const dp_error_t *e) {
+  m->failed = 1;
+  if (!m->error && (m->error = dp__alloc(sizeof *m->error))) *m->error = *e;
+}
+
+/* Why m was refused. */
+static dp_error_t rmsg_error(const rmsg_t *m) {
+  dp_error_t e;
+  if (m->error) return *m->error;
+  dp__err(&e, DP_ENOMEM, "transport: out of memory for a refused frame's error");
+  return e;
+}
+
+/* Reads the frame of message m (checked by dp_frame_check: info) into
+ * m->value, binding its buffers to new receive allocations. */
+static int read_frame(dp_transport_t *t, rmsg_t *m, const uint8_t *b, dp_frame_info_t *info, dp_error_t *e) {
+  dp_unpickle_opts_t o = t->uopts;
+  void *ctx[2] = {t, m};
+  if (m->nbuf) {
+    o.bind = bind_cb;
+    o.bind_ud = ctx;
+  }
+  /* checked: its checksum is not computed twice */
+  return dp__unpickle_checked(b, info, b + DP_FRAME_HEADER + info->payload_len + info->table_len, &o, &m->value, e);
+}
+
+/* A deferred message is read as it is delivered; one the reader refuses
+ * fails its receive as a frame refused on arrival does. */
+static void read_deferred(dp_transport_t *t, rmsg_t *m) {
+  dp_error_t e;
+  dp_frame_info_t info;
+  m->deferred = 0;
+  int rc = dp_frame_check(m->frame_copy, m->frame_len, &info, &e);
+  if (!rc) rc = read_frame(t, m, m->frame_copy, &info, &e);
+  if (rc) refuse(m, &e);
+}
+
+/* A frame message: check the frame, and read it into its value, binding its
+ * buffers to new receive allocations — a self-contained frame that no value
+ * receive takes at once is kept as its bytes and read when it is delivered
+ * (deferred), so that what values nobody took hold is their frames, as the
+ * credit counts them, and not up to DP_UNPICKLE_MEMORY_PER_BYTE times as
+ * much. A frame the unpickler refuses fails this message only (its buffers
+ * are drained); bad framing fails the endpoint. pulled: NULL for an eager
+ * frame (data is UCX's); for one that came by rendezvous, the memory it was
+ * pulled into (data), which a kept frame keeps instead of a copy (*pulled
+ * is then NULL). */
 static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr_t *h, const void *data, size_t len,
                     uint8_t **pulled) {
   if (h->seq != ep->recv_seq || h->frame_len != len) {
@@ -71,54 +117,47 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
     return DP_ENOMEM;
   }
   memset(m, 0, sizeof *m);
-  dp_error_clear(&m->error);
   m->seq = ep->recv_seq++;
   m->nbuf = h->nbuffers;
+  dp_error_t e;
   dp_frame_info_t info;
-  int rc = dp_frame_check(data, len, &info, &m->error);
+  int rc = dp_frame_check(data, len, &info, &e);
   if (!rc && (info.flags & 1u) && h->nbuffers)
-    rc = dp__err(&m->error, DP_EFORMAT, "transport: an inline frame announced %u out-of-band buffer%s", h->nbuffers,
+    rc = dp__err(&e, DP_EFORMAT, "transport: an inline frame announced %u out-of-band buffer%s", h->nbuffers,
                  h->nbuffers == 1 ? "" : "s");
   if (!rc && !(info.flags & 1u) && info.nbuffers != h->nbuffers)
-    rc = dp__err(&m->error, DP_EFORMAT, "transport: frame has %u buffer%s, its message announced %u",
+    rc = dp__err(&e, DP_EFORMAT, "transport: frame has %u buffer%s, its message announced %u",
                  info.nbuffers, info.nbuffers == 1 ? "" : "s", h->nbuffers);
   /* the frame receive waiting for it refuses a message with buffers
      (deliver): at its frame, so that its buffers are neither allocated (a
      header may announce any size) nor waited for (a sender may never send
      them); one queued behind others is refused as it is delivered */
   if (!rc && m->nbuf && !ep->rq_head && ep->w_head && ep->w_head->frame)
-    rc = dp__err(&m->error, DP_EFORMAT, "transport: %s: the message carries %u out-of-band buffer%s, "
+    rc = dp__err(&e, DP_EFORMAT, "transport: %s: the message carries %u out-of-band buffer%s, "
                  "not a self-contained frame", ep->name, m->nbuf, m->nbuf == 1 ? "" : "s");
   if (!rc && m->nbuf && !(m->bufs = dp__alloc_array(m->nbuf, sizeof *m->bufs)))
-    rc = dp__err(&m->error, DP_ENOMEM, "transport: out of memory");
-  if (!rc) {
-    if (m->bufs) memset(m->bufs, 0, m->nbuf * sizeof *m->bufs);
-    dp_unpickle_opts_t o = t->uopts;
-    void *ctx[2] = {t, m};
-    if (m->nbuf) {
-      o.bind = bind_cb;
-      o.bind_ud = ctx;
-    }
-    const uint8_t *b = data; /* checked above: its checksum is not computed twice */
-    rc = dp__unpickle_checked(b, &info, b + DP_FRAME_HEADER + info.payload_len + info.table_len, &o, &m->value,
-                              &m->error);
-  }
-  /* a self-contained frame is kept for a recv_frame, unless a value
-     receive takes it at once (nothing queued before it) */
-  int keep = !rc && !m->nbuf && !(!ep->rq_head && ep->w_head && !ep->w_head->frame);
+    rc = dp__err(&e, DP_ENOMEM, "transport: out of memory");
+  if (m->bufs) memset(m->bufs, 0, m->nbuf * sizeof *m->bufs);
+  /* a self-contained frame is kept (for a recv_frame, or to be read when
+     delivered) unless a value receive takes it at once (nothing queued
+     before it) */
+  int now = !ep->rq_head && ep->w_head && !ep->w_head->frame;
+  int keep = !rc && !m->nbuf && !now;
+  if (!rc && !keep) rc = read_frame(t, m, data, &info, &e);
   if (keep && pulled) {
     m->frame_copy = *pulled; /* allocated as frame_copy is, len ? len : 1 */
     m->frame_len = len;
     *pulled = NULL;
   } else if (keep) {
     if (!(m->frame_copy = dp__alloc(len ? len : 1)))
-      rc = dp__err(&m->error, DP_ENOMEM, "transport: out of memory");
+      rc = dp__err(&e, DP_ENOMEM, "transport: out of memory");
     else {
       memcpy(m->frame_copy, data, len);
       m->frame_len = len;
     }
   }
-  if (rc) m->failed = 1;
+  m->deferred = keep && !rc;
+  if (rc) refuse(m, &e);
   m->buf_bytes = h->buf_bytes;
   if (!m->failed) {
     uint64_t sum = 0;
@@ -527,6 +566,7 @@ static void pass_refused(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
   while (ep->rq_head && (!ep->dead || ep->keep_received)) {
     rmsg_t *m = ep->rq_head;
+    if (m->deferred && ep->w_head) read_deferred(t, m);
     if (m->failed && !m->answered) {
       /* a refused frame fails its receive at once: its buffers (as many as
          its message announced, which a corrupt frame cannot vouch for) are
@@ -536,7 +576,7 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
       ep->w_head = w->next;
       if (!ep->w_head) ep->w_tail = NULL;
       m->answered = 1; /* before the future: its callbacks run now, and may close the endpoint */
-      dp_error_t err = m->error;
+      dp_error_t err = rmsg_error(m);
       dp_future_set_error(w->f, &err, NULL);
       dp_future_release(w->f);
       dp__free(w, sizeof *w);
@@ -566,7 +606,8 @@ void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
     if (!ep->w_head) ep->w_tail = NULL;
     taken(t, ep, m);
     if (m->failed) {
-      dp_future_set_error(w->f, &m->error, NULL);
+      dp_error_t err = rmsg_error(m);
+      dp_future_set_error(w->f, &err, NULL);
     } else if (w->frame) {
       dp_value_t b = dp_none();
       dp_error_t e;

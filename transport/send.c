@@ -189,7 +189,7 @@ static int sop_start(dp_transport_t *t, sop_t *s) {
  * buffers, and its frame when that goes by rendezvous — over
  * DP__FRAME_EAGER_MAX, held by the sender until the receiver pulls it) and
  * what it takes of the peer's credit (charge: its frame and its buffers, as
- * its FRAME header gives them; internal.h, CREDIT). A raw message (tests)
+ * its FRAME header gives them, and DP__CREDIT_PER_VALUE; internal.h, CREDIT). A raw message (tests)
  * counts for neither; its receiver counts what its header says. */
 static void sop_measure(sop_t *s) {
   s->cost = s->charge = 0;
@@ -197,7 +197,7 @@ static void sop_measure(sop_t *s) {
   size_t flen = s->nbytes;
   if (s->frame) dp_frame_data(s->frame, &flen);
   s->cost = s->buf_bytes + (flen > DP__FRAME_EAGER_MAX ? flen : 0);
-  s->charge = flen + s->buf_bytes;
+  s->charge = flen + s->buf_bytes + DP__CREDIT_PER_VALUE;
 }
 
 

@@ -175,14 +175,20 @@ struct rmsg {
                                says: credit given back once it is taken */
   rbuf_t *bufs;
   dp_value_t value;
-  uint8_t *frame_copy;      /* for recv_frame */
+  uint8_t *frame_copy;      /* for recv_frame, and the frame of a value read only when
+                               delivered (deferred) */
   size_t frame_len;
   size_t pending;           /* rendezvous receives in flight */
   int failed;               /* the message is refused: its buffers are drained */
   int answered;             /* failed, and its receive already told so: kept only to absorb its buffers */
   int ready_counted;        /* counted in dp__transport_ready_unclaimed */
+  int deferred;             /* a self-contained frame queued behind others, or for a frame
+                               receive: kept as its bytes (frame_copy) and read as it is
+                               delivered, so that values nobody took hold their frames'
+                               bytes, not the memory of their values (recv.c, on_frame) */
   uint64_t got;             /* bytes of its buffers' messages received so far */
-  dp_error_t error;
+  dp_error_t *error;        /* why it is refused (failed; NULL: out of memory for it) —
+                               apart, so that a message holds ~150 bytes, not ~2 KiB */
   int detached;             /* the endpoint let go; free when pending == 0 */
   int64_t deadline;         /* opts.timeout_ns: its buffers owed and none arriving past it fails
                                the endpoint (0: none); each piece that arrives restarts it */
