@@ -4522,7 +4522,7 @@ static void untaken_values_hold_about_their_frames(values_arg_t a, long bound) {
 }
 
 Test(transport, values_of_empty_dicts_nobody_took_hold_about_their_frames_not_their_memory) {
-  untaken_values_hold_about_their_frames((values_arg_t){EMPTY_DICTS, 1000}, 4l << 20);
+  untaken_values_hold_about_their_frames((values_arg_t){EMPTY_DICTS, 400}, 4l << 20);
 }
 
 Test(transport, tiny_values_nobody_took_hold_about_the_window_not_two_kib_each) {
