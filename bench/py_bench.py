@@ -14,6 +14,12 @@ Rows:
                               CUDA future does at set_result less its events)
   py_then_hop                 one link of a 1,000-link then() chain, completed
                               by set_result, vs torch.futures.Future
+  py_dumps_* / py_loads_*     devpickle.dumps(obj, buffer_callback=...) and
+                              devpickle.loads(frame, buffers=...) vs pickle
+                              (protocol 5, buffer_callback / buffers= too) on a
+                              list of 1,000 tensors (torch: pickle carries their
+                              bytes in band, torch's reduce) and of 1,000 numpy
+                              arrays (out of band on both sides)
 Each figure is the median of repeated runs (each run timed over enough calls);
 the two sides of a row run in turns, one run of each a pair, and the ratio is
 the median of the pairs' ratios: a host whose speed drifts during the bench
@@ -153,6 +159,20 @@ def main():
                 tail = tail.then(lambda fut: fut.value())
             f.set_result(1)
             tail.wait()
+
+        import pickle
+
+        np = __import__("numpy")
+        for name, v in (("list_1000", vals["list_1000"]), ("numpy_1000", [np.ones(4) for _ in range(1000)])):
+            bufs, pbufs = [], []
+            frame = devpickle.dumps(v, buffer_callback=bufs.append)
+            pframe = pickle.dumps(v, protocol=5, buffer_callback=pbufs.append)
+            timed = paired_time(lambda: devpickle.dumps(v, buffer_callback=[].append),
+                                lambda: pickle.dumps(v, protocol=5, buffer_callback=[].append))
+            row(out, f"py_dumps_{name}", timed, "pickle.dumps(protocol=5, buffer_callback=)")
+            timed = paired_time(lambda: devpickle.loads(frame, buffers=bufs),
+                                lambda: pickle.loads(pframe, buffers=pbufs))
+            row(out, f"py_loads_{name}", timed, "pickle.loads(buffers=)")
 
         timed = paired_time(lambda: chain(devpickle.Future, None),
                             lambda: chain(torch.futures.Future, [DEV] if CUDA else None), min_time=0.5)

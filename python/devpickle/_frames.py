@@ -986,6 +986,10 @@ _TORCH_DTYPES = {"bool": "bool", "int8": "int8", "int16": "int16", "int32": "int
                  "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
                  "float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
                  "float64": "float64", "complex64": "complex64", "complex128": "complex128"}
+# bytes an item, by the frame's dtype name (FORMAT.md's table)
+_ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+             "int32": 4, "uint32": 4, "float32": 4, "complex64": 8, "int64": 8, "uint64": 8, "float64": 8,
+             "complex128": 16}
 
 
 def _check_contiguous(source, key):
@@ -1069,7 +1073,8 @@ def _flat(kind, device, source, cache, key, nbytes, inline):
         source = source.detach().reshape(-1).view(torch.uint8).numpy()  # the same memory, as numpy sees it
     if kind == "torch.Tensor":
         if isinstance(source, torch.Tensor):
-            flat = source.reshape(-1).view(torch.uint8)
+            # raw()'s answer is flat uint8 already
+            flat = source if source.dtype is torch.uint8 and source.dim() == 1 else source.reshape(-1).view(torch.uint8)
         else:
             if memoryview(source).readonly:
                 # a torch tensor is always writable: it gets a copy, never a
@@ -1161,8 +1166,9 @@ def _array(kind, device, source, dtype, shape, strides, offset, cache, key, nbyt
         # the whole items only: a storage may end in part of one (a packed
         # 10-byte buffer under an int32 view of its first 8), which torch's
         # view() refuses to reinterpret, as numpy's does (below)
-        itemsize = torch.empty(0, dtype=dt).element_size()
-        typed = flat[:len(flat) - len(flat) % itemsize].view(dt)
+        itemsize = _ITEMSIZE[dtype]
+        n = flat.shape[0]  # flat: 1-d (len() of a tensor is Python code in torch)
+        typed = (flat[:n - n % itemsize] if n % itemsize else flat).view(dt)
         # as_strided counts the offset from the storage's start: a buffer
         # given as a view of a larger tensor starts further in
         return torch.as_strided(typed, shape, strides, offset + typed.storage_offset())
