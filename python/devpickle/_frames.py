@@ -91,6 +91,13 @@ class Buffer:
             # outside any bounds of its own, and an empty tensor's address is
             # NULL, which numpy refuses in an __array_interface__
             return np.empty(0, dtype=np.uint8)
+        if type(o) is np.ndarray and o.base is None and not o.dtype.hasobject and o.flags.c_contiguous:
+            # the common case in a few calls: an array of numpy's own type (no
+            # subclass's attributes) that owns its memory, contiguous, and is
+            # still exactly [ptr, ptr + nbytes): its own bytes, as a view of
+            # it (read-only as it is)
+            if o.__array_interface__["data"][0] == self.ptr and o.nbytes == self.nbytes:
+                return o.reshape(-1).view(np.uint8)
         # exactly [ptr, ptr + nbytes), whatever view of it was found first;
         # read-only when the memory's owner is (bytes, a read-only array)
         owner = o
