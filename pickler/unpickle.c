@@ -1288,13 +1288,35 @@ static void up_cleanup(up_t *u, int failed) {
   dp__table_destroy(&u->allow, DP_TABLE_PLAIN);
 }
 
+/* Reads running on this thread, one inside another's bind or resolve
+ * callback (a resolver rebuilding a custom from a frame its state holds):
+ * bounded, as walks nested in reduce() are (walk.c), so that frames nested
+ * in frames — a hostile input's choice — fail instead of overflowing the
+ * stack. The reader itself is iterative; only this nesting recurses. */
+static _Thread_local unsigned nested_reads;
+
+static int unpickle_read(const uint8_t *frame, dp_frame_info_t *fi, const uint8_t *data,
+                         const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err);
+
 int dp__unpickle_checked(const uint8_t *frame, dp_frame_info_t *fi, const uint8_t *data,
                          const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err) {
-  static const dp_unpickle_opts_t no_opts;
   /* the public calls checked opts by their names first; a transport's
      received frames come here directly */
   int rc = dp__unpickle_opts_check(opts, "dp_unpickle", err);
   if (rc) return rc;
+  if (nested_reads >= DP_MAX_NESTED_UNPICKLES)
+    return dp__err_at(err, DP_ELIMIT, 0, "unpickles nested %u deep on this thread (a resolve or bind callback that "
+                      "unpickles a frame holding its own type?)", DP_MAX_NESTED_UNPICKLES);
+  nested_reads++;
+  rc = unpickle_read(frame, fi, data, opts, out, err);
+  nested_reads--;
+  return rc;
+}
+
+static int unpickle_read(const uint8_t *frame, dp_frame_info_t *fi, const uint8_t *data,
+                         const dp_unpickle_opts_t *opts, dp_value_t *out, dp_error_t *err) {
+  static const dp_unpickle_opts_t no_opts;
+  int rc;
   up_t u;
   memset(&u, 0, sizeof u);
   u.opts = opts ? opts : &no_opts;

@@ -6403,6 +6403,68 @@ Test(pickler, walks_nest_inside_reduce_exactly_the_most_deep_and_no_deeper) {
   ASSERT_NO_LEAK();
 }
 
+/* A resolver that rebuilds its custom by unpickling a frame of its own
+ * type: frames nested in frames, as deep as the input makes them. Each
+ * resolve unpickles (ud: a frame holding one Nest) until `nest_left` runs
+ * out; the innermost read's error is kept. */
+static int nest_left, nest_reads;
+static dp_frame_t *nest_resolver_frame;
+static dp_error_t nest_inner;
+static int nest_resolve(void *ud, const char *type_name, dp_value_t state, dp_value_t *out, dp_error_t *err);
+static const char *const nest_names[] = {"Nest"};
+static const dp_resolver_t nest_resolver = {nest_names, 1, nest_resolve, NULL};
+
+static int nest_resolve(void *ud, const char *type_name, dp_value_t state, dp_value_t *out, dp_error_t *err) {
+  (void)ud, (void)type_name, (void)state;
+  if (nest_left-- <= 0) {
+    *out = dp_none();
+    return 0;
+  }
+  nest_reads++;
+  dp_unpickle_opts_t o = {.resolver = &nest_resolver};
+  size_t n;
+  const uint8_t *b = dp_frame_data(nest_resolver_frame, &n);
+  int rc = dp_unpickle(b, n, &o, out, err);
+  if (rc && !nest_inner.code) nest_inner = *err;
+  return rc;
+}
+
+Test(pickler, unpickles_nest_inside_resolve_exactly_the_most_deep_and_no_deeper) {
+  /* without a bound, 3 kB of stack a level: a frame nesting frames
+     overflowed the stack */
+  cr_assert_eq(DP_MAX_NESTED_UNPICKLES, 64);
+  dp_value_t c;
+  OK(dp_custom_new(&nest_type, NULL, &c, T_ERR));
+  OK(dp_frame_new(&nest_resolver_frame, T_ERR));
+  OK(dp_pickle(c, NULL, nest_resolver_frame, T_ERR));
+  dp_value_release(c);
+  size_t n;
+  const uint8_t *b = dp_frame_data(nest_resolver_frame, &n);
+  dp_unpickle_opts_t o = {.resolver = &nest_resolver};
+  for (int levels = 63; levels <= 1000; levels += 937) {
+    nest_left = levels;
+    nest_reads = 0;
+    memset(&nest_inner, 0, sizeof nest_inner);
+    dp_value_t v;
+    dp_error_t e;
+    int rc = dp_unpickle(b, n, &o, &v, &e);
+    if (levels == 63) {
+      cr_assert_eq(rc, 0, "64 reads: %s", e.message);
+      cr_assert_eq(dp_value_kind(v), DP_NONE);
+      dp_value_release(v);
+    } else {
+      cr_assert_eq(rc, DP_ELIMIT, "a frame nesting frames 1,000 deep: %s", dp_err_name(rc));
+      cr_assert_eq(nest_reads, 64, "%d reads started", nest_reads);
+      cr_assert_str_eq(nest_inner.message, "unpickles nested 64 deep on this thread (a resolve or bind callback "
+                                           "that unpickles a frame holding its own type?)");
+      cr_assert_eq(nest_inner.offset, 0);
+      cr_assert(strstr(e.message, "resolving custom 'Nest' failed: "), "%s", e.message);
+    }
+  }
+  dp_frame_free(nest_resolver_frame);
+  ASSERT_NO_LEAK();
+}
+
 /* A key's JSON cut at 64 bytes keeps an escape that ends exactly there
  * (6 bytes, \u000a, or 2, \\): only one the cut would split goes. */
 Test(pickler, a_key_json_cut_keeps_an_escape_that_ends_exactly_at_the_limit) {

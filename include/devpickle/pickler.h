@@ -31,6 +31,10 @@ extern "C" {
 #define DP_DEFAULT_MAX_DEPTH 262144u                 /* nesting levels */
 #define DP_MAX_NESTED_WALKS 64u                      /* scans and pickles running inside one another's reduce() on
                                                         one thread; the innermost past it is DP_ELIMIT */
+#define DP_MAX_NESTED_UNPICKLES 64u                  /* reads (dp_unpickle, dp_unpickle_stream, dp_frame_value_check)
+                                                        running inside one another's bind or resolve callbacks on
+                                                        one thread: frames nested in frames, as deep as the input
+                                                        says; the innermost past it is DP_ELIMIT at offset 0 */
 /* The other defaults are the format's own: memory is bounded by the input
  * (below) whatever they are, and the reader reads every frame the writer
  * writes. Set them to refuse large frames outright. */
@@ -213,7 +217,9 @@ typedef struct dp_unpickle_opts {
  *  the bound stated with DP_UNPICKLE_MEMORY_PER_BYTE. Types are never
  *  instantiated from the wire except through opts->resolver. Errors:
  *  DP_ETRUNC, DP_ECHECKSUM, DP_EVERSION, DP_EFORMAT, DP_ELIMIT, DP_ENOMEM,
- *  or a bind/resolve error. */
+ *  or a bind/resolve error. Reads started inside bind or resolve callbacks
+ *  (a resolver reading a frame its state holds) nest at most
+ *  DP_MAX_NESTED_UNPICKLES deep on a thread (DP_ELIMIT past it). */
 DP_API int dp_unpickle(const void *bytes, size_t n, const dp_unpickle_opts_t *opts, dp_value_t *out,
                        dp_error_t *err);
 
