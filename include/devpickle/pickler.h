@@ -86,7 +86,11 @@ typedef struct dp_scan_opts {
  *  this version does not know is never silently ignored); DP_ESTATE when a
  *  scan into set has not returned yet (a reduce() that scans into the set
  *  its own scan fills: that scan goes on unharmed). The set belongs to the
- *  scan until it returns: a reduce() must not clear or free it. Walks
+ *  scan until it returns: a reduce() must not clear, free or add to it,
+ *  and what it reads of it meanwhile (count, get, find) may lack storages
+ *  met before its custom — a scan without DP_SCAN_PATHS looks tensors up
+ *  in batches, so that their cache misses overlap; the set is whole when
+ *  the scan returns. Walks
  *  started inside reduce() callbacks nest at most DP_MAX_NESTED_WALKS deep
  *  on a thread (DP_ELIMIT past it). On error the set holds what was found
  *  before it. */
