@@ -5218,6 +5218,34 @@ Test(cli, demo_with_a_backend_that_cannot_start_names_what_was_tried_and_what_to
   res_free(r);
 }
 
+/* README: DEVPICKLE_HOST_DEVICES sets how many host devices, 1 to 64, and
+ * the host backend refuses to start on any other value, naming it. */
+Test(cli, demo_runs_on_1_to_64_host_devices_and_names_any_other_count) {
+  setenv("DEVPICKLE_BACKEND", "host", 1);
+  static const struct {
+    const char *count, *first_line;
+  } good[] = {{"1", "backend: host (1 device), device host:0\n"}, {"64", "backend: host (64 devices), device host:0\n"}};
+  for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+    setenv("DEVPICKLE_HOST_DEVICES", good[i].count, 1);
+    res_t r = run("demo");
+    cr_assert_eq(r.status, 0, "%s: %s", good[i].count, r.err);
+    cr_assert_eq(strncmp(r.out, good[i].first_line, strlen(good[i].first_line)), 0, "%s", r.out);
+    res_free(r);
+  }
+  static const char *const bad[] = {"0", "65", "-1", "2x"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    setenv("DEVPICKLE_HOST_DEVICES", bad[i], 1);
+    char want[256];
+    snprintf(want, sizeof want,
+             "devpickle: demo: the host backend (DEVPICKLE_BACKEND=host) cannot start: "
+             "DEVPICKLE_HOST_DEVICES='%s': expected 1..64; DEVPICKLE_BACKEND=cuda runs the demo on the GPU\n",
+             bad[i]);
+    run_expect("demo", 1, "", want);
+  }
+  unsetenv("DEVPICKLE_HOST_DEVICES");
+  unsetenv("DEVPICKLE_BACKEND");
+}
+
 /* "'help', '--help' and '-h' alike: alone ... the main usage", on stdout
  * with status 0 (asked for, it is no usage error). */
 Test(cli, help_and_dash_h_alone_print_the_main_usage_on_stdout_as_dash_dash_help_does) {
