@@ -823,7 +823,11 @@ def _check_text(label, cls, args, kwargs, via_new):
         return  # bytearray.__new__ ignores its arguments
     for what, at, allowed in (("encoding", 1, _TEXT_CODECS), ("error handler", 2, _ERROR_HANDLERS)):
         name = args[at] if len(args) > at else kwargs.get("encoding" if at == 1 else "errors")
-        if isinstance(name, str) and str.replace(str.lower(name), "_", "-") not in allowed:
+        # CPython normalizes an encoding's name before it looks for a codec
+        # it knows without a lookup, but matches an error handler's exactly:
+        # any other spelling ('Strict') is looked up in codecs' registry
+        known = str.replace(str.lower(name), "_", "-") if at == 1 and isinstance(name, str) else name
+        if isinstance(name, str) and known not in allowed:
             raise TypeError(f"loads: {label} was reduced with the {what} {str(name)!r}: loads looks no codec up by "
                             f"a name from the frame (it takes {', '.join(sorted(allowed))})")
 

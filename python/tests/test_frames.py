@@ -1,5 +1,6 @@
 """devpickle.dumps / loads: frames of the C library, out-of-band buffers,
 classes only through classes=, hostile input refused with the byte offset."""
+import codecs
 import collections
 import collections.abc
 import copy
@@ -2859,6 +2860,28 @@ def test_an_allowed_str_or_bytes_subclass_takes_no_codec_named_by_the_frame(cls,
     for codec in ("utf-8", "UTF_8", "latin-1", "ascii"):
         made = devpickle.loads(_made_with(cls, (text, codec, "strict"), via_newobj), classes=cls)
         assert type(made) is cls and made in ("abc", b"abc", bytearray(b"abc"), b"")
+
+
+@pytest.mark.parametrize("cls", [Blob, Text])
+def test_an_error_handler_is_taken_only_as_cpython_spells_it_and_none_registered_runs(cls):
+    """CPython matches an error handler's name exactly and looks any other
+    spelling up in codecs' registry: 'Strict' passed as strict, and a
+    handler registered under that name ran from a frame; 'IGNORE' was a
+    LookupError."""
+    ran = []
+
+    def handler(exc):
+        ran.append(exc)
+        return ("?", exc.end)
+
+    codecs.register_error("Strict", handler)
+    bad = b"\xff" if cls is Text else "\xff"
+    for errors in ("Strict", "IGNORE", "Replace"):
+        with pytest.raises(TypeError, match=f"with the error handler '{errors}': loads looks no codec up"):
+            devpickle.loads(_made_with(cls, (bad, "ascii", errors), False), classes=cls)
+    assert ran == []
+    made = devpickle.loads(_made_with(Text, (b"a\xffb", "ascii", "replace"), False), classes=Text)
+    assert made == "a\ufffdb"
 
 
 class Unlisted:
