@@ -96,6 +96,39 @@ static int plain_instance(PyTypeObject *t) {
   return n == 0;
 }
 
+/* The code of the __getnewargs__ collections.namedtuple writes into each
+ * class it makes (tuple(self): one code object for all of them), or NULL
+ * when it cannot be read (then no namedtuple is taken for pickle's
+ * defaults: each is reduced, as pickle reduces it). Read once and kept. */
+static PyObject *namedtuple_getnewargs_code(void) {
+  static PyObject *code;
+  if (code) return code;
+  PyObject *mod = PyImport_ImportModule("collections");
+  PyObject *make = mod ? PyObject_GetAttrString(mod, "namedtuple") : NULL;
+  PyObject *cls = make ? PyObject_CallFunction(make, "ss", "_", "") : NULL;
+  PyObject *fn = cls ? PyObject_GetAttr(cls, dpy.str_getnewargs) : NULL;
+  if (fn && PyFunction_Check(fn)) code = Py_NewRef(PyFunction_GET_CODE(fn));
+  else dpy_clear_error();
+  Py_XDECREF(fn);
+  Py_XDECREF(cls);
+  Py_XDECREF(make);
+  Py_XDECREF(mod);
+  return code;
+}
+
+/* Whether pickle makes t's instances from their items: the __getnewargs__
+ * they find is tuple's or a namedtuple's (both tuple(self)), and they have
+ * no __getnewargs_ex__, which pickle asks first. A class's own gives other
+ * args, which pickle carries instead of the items. Runs no Python code but
+ * the first time (namedtuple_getnewargs_code). */
+static int items_are_newargs(PyTypeObject *t) {
+  if (has_attr((PyObject *)t, dpy.str_getnewargs_ex)) return 0;
+  PyObject *g = _PyType_Lookup(t, dpy.str_getnewargs);
+  if (!g || g == _PyType_Lookup(&PyTuple_Type, dpy.str_getnewargs)) return 1;
+  PyObject *code = PyFunction_Check(g) ? namedtuple_getnewargs_code() : NULL;
+  return code && PyFunction_GET_CODE(g) == code;
+}
+
 /* Whether t reduces its instances as its base does (no __reduce_ex__,
  * __reduce__ or __getstate__ of its own): a subclass of a future that
  * makes itself picklable is reduced as pickle would. */
@@ -127,7 +160,8 @@ static uint8_t kind_of(PyTypeObject *t) {
   if (PyType_IsSubtype(t, &PyTuple_Type) && t->tp_dictoffset == 0 && has_attr(type, dpy.str_fields) &&
       !overrides_object(t, "__getattribute__") && !overrides_object(t, "__class__") &&
       is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex) &&
-      is_default(type, dpy.str_getstate, dpy.object_getstate) && is_default(type, dpy.str_reduce, dpy.object_reduce))
+      is_default(type, dpy.str_getstate, dpy.object_getstate) && is_default(type, dpy.str_reduce, dpy.object_reduce) &&
+      items_are_newargs(t))
     return aif ? K_AIF : K_NAMEDTUPLE;
   /* classes of Python code only: a C type's instances may hold state that
    * its (inherited) reduce refuses or that __dict__ does not show */
