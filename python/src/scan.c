@@ -167,8 +167,11 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   if (k == K_TORCH) return dpy_visit_torch(s, o);
   /* a plain object's or namedtuple's dispatch-table entry, looked up once:
      both the memo decision and the switch below need it */
+  /* run_object's answer covers the table, and the instance's __dict__ only
+     where it read that whole (it says so by dispatch_known) */
   int reduced = k == K_OBJECT || k == K_NAMEDTUPLE || k == K_SYNC
-                    ? o == known && k == K_OBJECT ? s->dispatch_known : dpy_dispatched(s, o)
+                    ? o == known && k == K_OBJECT ? (s->dispatch_known ? 1 : dpy_instance_reduces(s, o))
+                                                  : dpy_dispatched(s, o)
                     : 0;
   if (reduced < 0) return -1;
   if (!s->ran_code && runs_value_code(k, t, reduced)) s->ran_code = 1;

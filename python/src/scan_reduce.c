@@ -354,26 +354,36 @@ int dpy_dispatch_error(dpy_scanner_t *s, PyObject *o) {
   return dpy_walk_error(s, o, "its class cannot be looked up in copyreg.dispatch_table");
 }
 
-/* 1 when copyreg's dispatch table reduces o's instances, 0 when not, -1
- * with a walk error. */
-/* Whether o's own __dict__ holds one of those: then pickle reduces it
- * through them, whatever its class keeps. 1, 0, or -1 with an exception. */
+/* Whether o's own __dict__ makes pickle's state other than attributes
+ * named by str: it holds a __reduce_ex__ or __getstate__ (pickle reduces
+ * o through them, whatever its class keeps), a key that is not a str
+ * (pickle's state is that dict: its keys are walked, a tensor key too), or it is a dict subclass (pickle reduces the state as any value:
+ * its attributes, its own items()). Then o is reduced, and its state
+ * walked as a value. 1, 0, or -1 with an exception. */
 static int instance_reduces(PyObject *o) {
   PyObject **dp = _PyObject_GetDictPtr(o);
   if (!dp || !*dp || !PyDict_Check(*dp)) return PyErr_Occurred() ? -1 : 0;
+  if (!PyDict_CheckExact(*dp)) return 1;
   PyObject *d = Py_NewRef(*dp); /* held: a key's __eq__ may replace it */
   int r = PyDict_GetItemWithError(d, dpy.str_reduce_ex) || PyDict_GetItemWithError(d, dpy.str_getstate);
+  PyObject *k, *v;
+  for (Py_ssize_t pos = 0; !r && !PyErr_Occurred() && PyDict_Next(d, &pos, &k, &v);)
+    r = !PyUnicode_Check(k);
   Py_DECREF(d);
   return r ? 1 : PyErr_Occurred() ? -1 : 0;
 }
 
+int dpy_instance_reduces(dpy_scanner_t *s, PyObject *o) {
+  int r = instance_reduces(o);
+  return r < 0 ? dpy_walk_error(s, o, "its __dict__ cannot be read") : r;
+}
+
 /* Whether an object of a class that keeps pickle's defaults is reduced
- * all the same: its class in copyreg.dispatch_table, or its instance
- * holding a __reduce_ex__ or __getstate__ of its own. */
+ * all the same: its class in copyreg.dispatch_table, or its instance's
+ * __dict__ (dpy_instance_reduces). */
 int dpy_dispatched(dpy_scanner_t *s, PyObject *o) {
   PyObject *fn = PyDict_GetItemWithError(dpy.dispatch_table, (PyObject *)Py_TYPE(o));
   if (fn) return 1;
   if (PyErr_Occurred()) return dpy_dispatch_error(s, o);
-  int r = instance_reduces(o);
-  return r < 0 ? dpy_walk_error(s, o, "its __dict__ cannot be read") : r;
+  return dpy_instance_reduces(s, o);
 }

@@ -57,12 +57,8 @@ def pickle_meets(obj):
     return list(dict.fromkeys(r.found))
 
 
-def scan_meets(obj):
-    return [a.ptr for a in devpickle.scan(obj)]
-
-
-def assert_as_pickle(obj):
-    assert scan_meets(obj) == pickle_meets(obj)
+def storage_ptr(t):
+    return t.storage().data_ptr()
 
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -107,3 +103,75 @@ def test_a_namedtuple_and_a_tuple_with_fields_keep_their_items_named_by_their_fi
         got = devpickle.scan(value)
         assert [a.path for a in got] == ["$.a", "$.b"]
         assert [a.ptr for a in got] == pickle_meets(value)
+
+
+class Plain:
+    pass
+
+
+class AttrDict(dict):
+    pass
+
+
+class ItemsDict(dict):
+    def items(self):
+        return [("given", HIDDEN[0])]
+
+
+def plain_with(d=None, **attrs):
+    o = Plain()
+    if d is not None:
+        o.__dict__ = d
+    o.__dict__.update(attrs)
+    return o
+
+
+def test_an_instance_whose_dict_holds_a_key_that_is_not_a_str_is_reduced_and_the_key_walked_as_pickle_walks_it():
+    # pickle's state for such an instance is its __dict__, keys and all:
+    # read as attributes, the walk met the values and never the keys
+    t, u = torch.ones(2), torch.zeros(3)
+    for key, step in ((t, "<key 1>"), ((t, 1), "<key 1>[0]")):
+        o = plain_with(x=u)
+        o.__dict__[key] = 1
+        got = devpickle.scan(o)
+        assert [a.ptr for a in got] == pickle_meets(o) == [storage_ptr(u), storage_ptr(t)]
+        assert [a.path for a in got] == ["$<reduce test_scan_differential.Plain>.state.x",
+                                         "$<reduce test_scan_differential.Plain>.state" + step]
+
+
+def test_an_instance_whose_dict_is_a_dict_subclass_is_reduced_and_that_dict_walked_as_any_value():
+    # pickle saves that dict as it saves any value: its own attributes and
+    # what its items() returns, not the entries a plain dict's read shows
+    t = torch.ones(2)
+    d = AttrDict(x=torch.zeros(1))
+    d.extra = t
+    for o in (plain_with(d), plain_with(ItemsDict(x=t))):
+        got = devpickle.scan(o)
+        assert [a.ptr for a in got] == pickle_meets(o)
+        assert all(a.path.startswith("$<reduce test_scan_differential.Plain>.state<reduce ") for a in got), got
+    assert [a.ptr for a in devpickle.scan(plain_with(ItemsDict(x=t)))] == [storage_ptr(HIDDEN[0])]
+
+
+def test_an_instance_held_only_by_its_list_is_reduced_by_its_own_reduce_ex_however_many_attributes_it_has():
+    # without paths a small object held only by its list slot is read in
+    # place; one with more attributes than that read takes was left to the
+    # walk, which took it for a plain object: its own __reduce_ex__, and the
+    # memory it hands pickle, went unseen (a Future's walk missed it)
+    t = torch.ones(2)
+
+    def made(nattrs, how):
+        o = Plain()
+        for i in range(nattrs):
+            setattr(o, "a%d" % i, i)
+        if how == "reduce":
+            o.__reduce_ex__ = lambda proto: (list, ([t],))
+        else:
+            o.__dict__[t] = 1
+        return o
+
+    for nattrs in (2, 40):
+        for how in ("reduce", "key"):
+            for paths in (True, False):
+                got = devpickle.scan([made(nattrs, how)], paths=paths)
+                assert [a.ptr for a in got] == [storage_ptr(t)], (nattrs, how, paths)
+                assert [a.ptr for a in got] == pickle_meets([made(nattrs, how)])
