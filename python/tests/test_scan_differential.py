@@ -3,8 +3,15 @@ recorded by a Pickler's persistent_id as torch's own extractor does it, is
 the memory scan finds, in the same order, and each object's reduce runs at
 most once."""
 import collections
+import copyreg
+import dataclasses
+import enum
+import functools
 import io
 import pickle
+import random
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -175,3 +182,332 @@ def test_an_instance_held_only_by_its_list_is_reduced_by_its_own_reduce_ex_howev
                 got = devpickle.scan([made(nattrs, how)], paths=paths)
                 assert [a.ptr for a in got] == [storage_ptr(t)], (nattrs, how, paths)
                 assert [a.ptr for a in got] == pickle_meets([made(nattrs, how)])
+
+
+# ---- random values, compared with pickle ----
+#
+# Each seed makes one value of nested containers, shared references and
+# cycles, objects of every form pickle reduces (defaults, slots,
+# __getstate__, __reduce__ of 2 to 6 parts with iterators and a
+# state_setter, __reduce_ex__, copyreg.dispatch_table, __getnewargs__ and
+# __getnewargs_ex__, dataclasses, namedtuples, enums, builtin subclasses),
+# tensors (views, subclasses, attributes, storages) and numpy arrays, and
+# at times something pickle refuses. scan must meet the memory pickle meets,
+# in its order, with and without paths, raise where pickle raises, and call
+# each object's reduce at most once.
+
+CALLS = collections.Counter()
+
+
+def _rebuild(*args, **kwargs):
+    return None
+
+
+def _set_state(obj, state):
+    pass
+
+
+class _RPlain:
+    pass
+
+
+class _RSlots:
+    __slots__ = ("a", "b")
+
+
+class _RSlotsDict:
+    __slots__ = ("a", "__dict__")
+
+
+class _RGetstate:
+    def __init__(self, v):
+        self.v = v
+
+    def __getstate__(self):
+        CALLS[id(self)] += 1
+        return self.v
+
+
+class _RReduce:
+    def __init__(self, parts):
+        self.parts = parts
+
+    def __reduce__(self):
+        CALLS[id(self)] += 1
+        return tuple(iter(p) if i in (3, 4) and p is not None else p for i, p in enumerate(self.parts))
+
+
+class _RReduceEx:
+    def __init__(self, v):
+        self.v = v
+
+    def __reduce_ex__(self, proto):
+        CALLS[id(self)] += 1
+        return (_rebuild, (self.v,), None)
+
+
+class _RDispatched:
+    def __init__(self, v):
+        self.v = v
+
+
+def _reduce_dispatched(o):
+    CALLS[id(o)] += 1
+    return (_rebuild, (o.v,))
+
+
+copyreg.dispatch_table[_RDispatched] = _reduce_dispatched
+
+
+class _RNewArgs:
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, v, k=None):
+        self.v, self.k = v, k
+
+    def __getnewargs_ex__(self):
+        CALLS[id(self)] += 1
+        return (self.v,), {"k": self.k}
+
+
+@dataclasses.dataclass
+class _RData:
+    a: object
+    b: object = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RFrozenSlots:
+    a: object
+    b: object = None
+
+
+_RPair = collections.namedtuple("_RPair", "a b")
+
+
+class _RPairNewArgs(_RPair):
+    __slots__ = ()
+
+    def __getnewargs__(self):
+        CALLS[id(self)] += 1
+        return (self.b, self.a)
+
+
+class _RColor(enum.Enum):
+    RED = 1
+
+
+class _RTuple(tuple):
+    pass
+
+
+class _RList(list):
+    pass
+
+
+class _RDict(dict):
+    pass
+
+
+class _RTensor(torch.Tensor):
+    pass
+
+
+class _RMethods:
+    def __init__(self, v):
+        self.v = v
+
+    def m(self):
+        return self.v
+
+
+def _generator():
+    yield 1
+
+
+class _Random:
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        self.pool = []
+
+    def memory(self):
+        rng, n = self.rng, self.rng.randrange(6)
+        return rng.choice([
+            lambda: torch.arange(float(n)),
+            lambda: torch.arange(float(n + 3))[rng.randrange(3):],
+            lambda: np.arange(float(n)),
+            lambda: np.arange(float(n + 2))[1:],
+            lambda: torch.arange(float(n)).as_subclass(_RTensor),
+            lambda: torch.nn.Parameter(torch.arange(float(n))),
+            lambda: torch.from_numpy(np.arange(float(n + 1))),
+            lambda: torch.arange(float(n)).storage(),
+        ])()
+
+    def value(self, depth):
+        rng = self.rng
+        if self.pool and rng.random() < 0.15:
+            return rng.choice(self.pool)
+        if depth <= 0:
+            x = self.memory() if rng.random() < 0.6 else rng.choice([None, 1, "s", b"b", _RColor.RED, len, _RPlain])
+        else:
+            x = rng.choice(self.FORMS)(self, depth - 1)
+        if rng.random() < 0.5:
+            self.pool.append(x)
+        return x
+
+    def values(self, depth, most=3):
+        return [self.value(depth) for _ in range(self.rng.randrange(most + 1))]
+
+    def a_list(self, d):
+        x = self.values(d)
+        if self.rng.random() < 0.2:
+            x.append(x)
+        return x
+
+    def a_dict(self, d):
+        x = {}
+        for i, v in enumerate(self.values(d)):
+            x[self.rng.choice([i, "k%d" % i, (i, "t"), torch.arange(2.0)])] = v
+        if self.rng.random() < 0.2:
+            x["self"] = x
+        return x
+
+    def a_set(self, d):
+        items = [torch.arange(3.0), frozenset([torch.arange(1.0), 2]), 5, _RPlain()]
+        return self.rng.choice([set, frozenset])(self.rng.sample(items, self.rng.randrange(4)))
+
+    def a_plain(self, d):
+        o = _RPlain()
+        o.a, o.b = self.value(d), self.value(d)
+        if self.rng.random() < 0.2:
+            o.me = o
+        return o
+
+    def slots(self, d):
+        o = self.rng.choice([_RSlots, _RSlotsDict])()
+        if self.rng.random() < 0.8:
+            o.a = self.value(d)
+        if self.rng.random() < 0.5:
+            setattr(o, "b", self.value(d))
+        return o
+
+    def a_reduce(self, d):
+        rng = self.rng
+        parts = [_rebuild, tuple(self.values(d, 2))]
+        n = rng.randrange(2, 7)
+        if n > 2:
+            parts.append(rng.choice([None, self.value(d), {"s": self.value(d)}]))
+        if n > 3:
+            parts.append(rng.choice([None, self.values(d, 2)]))
+        if n > 4:
+            parts.append(rng.choice([None, list(enumerate(self.values(d, 2))), [(torch.arange(2.0), 1)]]))
+        if n > 5:
+            parts.append(rng.choice([None, _set_state]))
+        return _RReduce(parts)
+
+    def reduced(self, d):
+        cls = self.rng.choice([_RGetstate, _RReduceEx, _RDispatched, _RNewArgs])
+        return cls(self.value(d))
+
+    def fields(self, d):
+        cls = self.rng.choice([_RData, _RFrozenSlots, _RPair, _RPairNewArgs])
+        return cls(self.value(d), self.value(d))
+
+    def subclass(self, d):
+        cls = self.rng.choice([_RTuple, _RList, _RDict])
+        o = cls(("k%d" % i, v) for i, v in enumerate(self.values(d))) if cls is _RDict else cls(self.values(d))
+        if self.rng.random() < 0.4:
+            o.attr = self.value(d)
+        return o
+
+    def tensor(self, d):
+        t = torch.arange(float(self.rng.randrange(1, 6)))
+        if self.rng.random() < 0.5:
+            t = t.as_subclass(_RTensor)
+        t.extra = self.value(d)
+        return t
+
+    def callables(self, d):
+        rng = self.rng
+        return rng.choice([lambda: _RMethods(self.value(d)).m, lambda: self.values(d).append,
+                           lambda: functools.partial(_rebuild, self.value(d), k=self.value(d))])()
+
+    def attrs(self, d):
+        # instance dicts pickle carries otherwise than as str-named attributes,
+        # and objects of more attributes than a list's in-place read takes
+        rng = self.rng
+        o = _RPlain()
+        pick = rng.randrange(3)
+        if pick == 0:
+            o.__dict__[rng.choice([torch.arange(2.0), (torch.arange(float(d + 1)),), 7])] = self.value(d)
+        elif pick == 1:
+            o.__dict__ = _RDict(a=self.value(d))
+            o.__dict__.attr = self.value(d)
+        else:
+            for i in range(rng.randrange(1, 20)):
+                setattr(o, "f%d" % i, self.value(d) if i % 5 == 0 else i)
+            if rng.random() < 0.5:
+                m = self.memory()
+                o.__reduce_ex__ = lambda proto: (_rebuild, (m,))
+        return [o, self.value(d)] if rng.random() < 0.5 else o
+
+    def refused(self, d):
+        return self.rng.choice([_generator, threading.Lock, lambda: sys.modules["os"]])()
+
+    FORMS = [a_list, lambda self, d: tuple(self.values(d)), a_dict, a_set, a_plain, slots, a_reduce, reduced, fields,
+             subclass, tensor, callables, attrs]
+
+
+def random_value(seed, refused=False):
+    gen = _Random(seed)
+    if refused:
+        gen.FORMS = _Random.FORMS + [_Random.refused]
+    return gen.value(4)
+
+
+def differences(value):
+    """What scan does otherwise than pickle with value: [] when nothing."""
+    CALLS.clear()
+    try:
+        met, refused = pickle_meets(value), None
+    except Exception as e:  # noqa: BLE001 - whatever pickle raises, scan must raise a WalkError
+        met, refused = None, e
+    CALLS.clear()
+    out = []
+    for paths in (True, False):
+        try:
+            got = [a.ptr for a in devpickle.scan(value, paths=paths)]
+        except devpickle.WalkError as e:
+            if refused is None:
+                out.append("scan raised %r where pickle did not (paths=%s)" % (e, paths))
+            continue
+        if refused is not None:
+            out.append("pickle raised %r where scan did not (paths=%s)" % (refused, paths))
+        elif got != met:
+            out.append("scan met %s, pickle %s (paths=%s)" % (got, met, paths))
+        twice = [k for k, n in CALLS.items() if n > 1]
+        if twice:
+            out.append("a reduce called %d times (paths=%s)" % (max(CALLS.values()), paths))
+        CALLS.clear()
+    return out
+
+
+# seeds whose values scan once walked otherwise than pickle: a namedtuple
+# whose class gives its own __getnewargs__ (17, 29), an instance whose
+# __dict__ holds a key that is not a str or is a dict subclass (5, 16), an
+# object of more attributes than a list's in-place read takes, with a
+# __reduce_ex__ of its own, walked without paths (95, 171)
+@pytest.mark.parametrize("seed", [5, 16, 17, 29, 95, 171])
+def test_values_once_walked_otherwise_than_pickle_are_walked_as_pickle_walks_them(seed):
+    assert differences(random_value(seed)) == []
+
+
+def test_random_values_are_walked_as_pickle_walks_them():
+    for seed in range(2000):
+        assert differences(random_value(seed)) == [], seed
+
+
+def test_random_values_holding_what_pickle_refuses_raise_where_pickle_raises():
+    for seed in range(1000, 1500):
+        assert differences(random_value(seed, refused=True)) == [], seed
