@@ -66,6 +66,25 @@ static int overrides_object(PyTypeObject *t, const char *name) {
   return 0;
 }
 
+/* Whether object.__reduce_ex__ takes an instance of t (no slots, no
+ * __getnewargs__) whole by its __dict__, as CPython's default state
+ * decides it (object_getstate_default): a class with no tp_new, or one
+ * whose instances hold more than object's header, their dict and weakref
+ * pointers — a Python subclass of property, staticmethod or classmethod,
+ * whose C base keeps state of its own — is refused ("cannot pickle 'C'
+ * object"), and so reduced, which refuses it as pickle does. */
+static int default_state_is_whole(PyTypeObject *t) {
+  if (!t->tp_new || t->tp_itemsize) return 0;
+  Py_ssize_t size = PyBaseObject_Type.tp_basicsize;
+#ifdef Py_TPFLAGS_MANAGED_DICT
+  if (t->tp_dictoffset && !(t->tp_flags & Py_TPFLAGS_MANAGED_DICT)) size += (Py_ssize_t)sizeof(PyObject *);
+#else
+  if (t->tp_dictoffset) size += (Py_ssize_t)sizeof(PyObject *);
+#endif
+  if (t->tp_weaklistoffset > 0) size += (Py_ssize_t)sizeof(PyObject *);
+  return t->tp_basicsize <= size;
+}
+
 /* Pickle's defaults, so that the state is exactly the instance __dict__.
  * Pickle looks them up on the instance (getattr(obj, "__reduce_ex__"),
  * obj.__getstate__, and obj.__class__, which __newobj__ must be): a
@@ -93,7 +112,7 @@ static int plain_instance(PyTypeObject *t) {
   }
   Py_ssize_t n = PyList_Check(slots) ? PyList_GET_SIZE(slots) : -1;
   Py_DECREF(slots);
-  return n == 0;
+  return n == 0 && default_state_is_whole(t);
 }
 
 /* The code of the __getnewargs__ collections.namedtuple writes into each

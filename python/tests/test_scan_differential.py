@@ -511,3 +511,29 @@ def test_random_values_are_walked_as_pickle_walks_them():
 def test_random_values_holding_what_pickle_refuses_raise_where_pickle_raises():
     for seed in range(1000, 1500):
         assert differences(random_value(seed, refused=True)) == [], seed
+
+
+class _Property(property):
+    pass
+
+
+class _StaticMethod(staticmethod):
+    pass
+
+
+def test_an_instance_whose_c_base_keeps_state_pickle_refuses_is_refused_as_pickle_refuses_it():
+    # object.__reduce_ex__ refuses an instance holding more than its dict and
+    # weakref pointers beyond object's header (a Python subclass of property
+    # or staticmethod): read as a plain object by its __dict__, it was walked
+    # where pickle raises
+    t = torch.ones(2)
+    for o in (_Property(), _StaticMethod(len)):
+        o.t = t
+        with pytest.raises(TypeError, match="cannot pickle") as refused:
+            pickle_meets(o)
+        with pytest.raises(devpickle.WalkError) as e:
+            devpickle.scan([o])
+        name = type(o).__qualname__
+        assert str(e.value) == ("cannot walk a 'test_scan_differential.%s' at $[0]: it cannot be reduced (if it holds "
+                                "no device memory, list its type in opaque=): cannot pickle '%s' object" % (name, name))
+        assert str(e.value.__cause__) == str(refused.value)
