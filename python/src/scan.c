@@ -123,6 +123,16 @@ static int npscalar_holds_objects(PyObject *o) {
   return r;
 }
 
+/* Whether o is a builtin function pickle saves by name, a leaf (len,
+ * print: a module's or none's), rather than a bound builtin method, which
+ * it reduces to getattr(self, name) and so walks its __self__ (lst.append,
+ * t.clone) — a reduce's callable too. */
+static inline int cfunc_global(PyObject *o) {
+  if (!PyCFunction_Check(o)) return 0;
+  PyObject *self = PyCFunction_GET_SELF(o);
+  return !self || PyModule_Check(self);
+}
+
 static int visit(dpy_scanner_t *s, PyObject *o) {
   PyTypeObject *t = Py_TYPE(o);
   PyObject *known = s->dispatch_obj; /* run_object's lookup of o's class, when it left o to visit() */
@@ -137,10 +147,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     int objs = npscalar_holds_objects(o);
     if (objs <= 0) return objs < 0 ? dpy_walk_error(s, o, "its dtype cannot be read") : 0;
   }
-  if (k == K_CFUNC) { /* len, print: globals; lst.append: getattr(lst, "append") */
-    PyObject *self = PyCFunction_GET_SELF(o);
-    if (!self || PyModule_Check(self)) return 0;
-  }
+  if (k == K_CFUNC && cfunc_global(o)) return 0;
   if (s->opaque) {
     int op = is_opaque(s, o);
     if (op) return op < 0 ? dpy_walk_error(s, o, "isinstance against opaque= failed") : 0;
@@ -352,7 +359,7 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
       if (f->idx >= n) continue;
       PyObject *part = PyTuple_GET_ITEM(f->obj, f->idx);
       if (part == Py_None || (f->idx == 5 && PyTuple_GET_ITEM(f->obj, 2) == Py_None)) continue;
-      if (!s->build && f->idx == 0 && (PyType_Check(part) || PyCFunction_Check(part) || PyFunction_Check(part)))
+      if (!s->build && f->idx == 0 && (PyType_Check(part) || PyFunction_Check(part) || cfunc_global(part)))
         continue;
       if (f->idx == 3 || f->idx == 4) { /* iterators: drained into lists */
         PyObject *l = dpy_drain(s, part);

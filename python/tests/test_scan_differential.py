@@ -537,3 +537,24 @@ def test_an_instance_whose_c_base_keeps_state_pickle_refuses_is_refused_as_pickl
         assert str(e.value) == ("cannot walk a 'test_scan_differential.%s' at $[0]: it cannot be reduced (if it holds "
                                 "no device memory, list its type in opaque=): cannot pickle '%s' object" % (name, name))
         assert str(e.value.__cause__) == str(refused.value)
+
+
+class _ReducedBy:
+    def __init__(self, make):
+        self.make = make
+
+    def __reduce__(self):
+        return (self.make, ())
+
+
+def test_a_reduces_callable_that_is_a_bound_builtin_method_is_walked_as_pickle_reduces_it():
+    # pickle saves a builtin function by name but reduces a bound builtin
+    # method to getattr(self, name), walking its __self__: as a reduce's
+    # callable it was taken for a builtin function, its __self__ unseen
+    t = torch.ones(2)
+    for make, step in (([t].pop, "[0]"), ({"a": t}.copy, ".a"), (t.clone, "")):
+        got = devpickle.scan(_ReducedBy(make))
+        assert [a.ptr for a in got] == pickle_meets(_ReducedBy(make)) == [storage_ptr(t)]
+        assert [a.path for a in got] == ["$<reduce test_scan_differential._ReducedBy>.callable"
+                                         "<reduce builtin_function_or_method>.args[0]" + step]
+    assert devpickle.scan(_ReducedBy(len)) == [] == pickle_meets(_ReducedBy(len))  # a builtin function: a leaf
