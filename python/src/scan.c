@@ -307,7 +307,10 @@ static PyObject *next_child(dpy_scanner_t *s, frame_t *f) {
     }
     f->idx++;
     Py_XSETREF(f->label, Py_NewRef(k));
-    if (f->kind == FR_DICT && !plain_leaf(Py_TYPE(k))) {
+    /* a dict's key, and an attribute's that is not a str (pickle's state
+       is that dict: it walks the key), when it holds more than a leaf;
+       dumps refuses such an attribute name (set_attr) */
+    if ((f->kind == FR_DICT || (!s->build && !PyUnicode_Check(k))) && !plain_leaf(Py_TYPE(k))) {
       /* classifying the key's type may run Python code (a metaclass's
          __getattr__) that empties the dict: the value is held first, or it
          could be freed under the walk */

@@ -248,12 +248,10 @@ static size_t put_step(void *ctx, size_t i, char *out) {
   case FR_SET:
     return dp__step_index((size_t)f->idx, out);
   case FR_ATTRS:
-    if (!f->label) return dp__step_index((size_t)f->idx, out);
-    if (PyUnicode_Check(f->label)) return put_name(f->label, out);
-    break;
   case FR_DICT:
   case FR_PAIRS:
     if (f->key_part) return (size_t)snprintf(out, DP__STEP_BUF, "<key %zd>", f->idx);
+    if (f->kind == FR_ATTRS && f->label && PyUnicode_Check(f->label)) return put_name(f->label, out);
     if (!f->label) return dp__step_index((size_t)f->idx, out);
     break;
   case FR_REDUCE: {

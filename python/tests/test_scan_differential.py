@@ -558,3 +558,14 @@ def test_a_reduces_callable_that_is_a_bound_builtin_method_is_walked_as_pickle_r
         assert [a.path for a in got] == ["$<reduce test_scan_differential._ReducedBy>.callable"
                                          "<reduce builtin_function_or_method>.args[0]" + step]
     assert devpickle.scan(_ReducedBy(len)) == [] == pickle_meets(_ReducedBy(len))  # a builtin function: a leaf
+
+
+def test_a_tensors_attribute_keyed_by_a_tensor_is_walked_key_and_all_as_pickle_walks_that_state():
+    # torch pickles a tensor subclass's __dict__ as its state, a dict whose
+    # keys pickle walks: the walk read it as attributes, and never met a key
+    # that is not a str
+    t, key = torch.arange(2.0).as_subclass(_RTensor), torch.ones(3)
+    t.__dict__[key] = torch.zeros(1)
+    got = devpickle.scan([t])
+    assert [a.path for a in got] == ["$[0]", "$[0]<key 0>", "$[0][tensor([1., 1., 1.])]"]
+    assert [a.ptr for a in got] == pickle_meets([t])
