@@ -357,13 +357,14 @@ int dpy_dispatch_error(dpy_scanner_t *s, PyObject *o) {
 /* Whether o's own __dict__ makes pickle's state other than attributes
  * named by str: it holds a __reduce_ex__ or __getstate__ (pickle reduces
  * o through them, whatever its class keeps), a key that is not a str
- * (pickle's state is that dict: its keys are walked, a tensor key too), or it is a dict subclass (pickle reduces the state as any value:
- * its attributes, its own items()). Then o is reduced, and its state
- * walked as a value. 1, 0, or -1 with an exception. */
-static int instance_reduces(PyObject *o) {
+ * (pickle's state is that dict: it walks its keys, a tensor key too), or,
+ * where subclass_reduces, it is a dict subclass (pickle reduces that state
+ * as any value: its attributes, its own items()). Then o is reduced, and
+ * its state walked as a value. 1, 0, or -1 with an exception. */
+static int instance_reduces(PyObject *o, int subclass_reduces) {
   PyObject **dp = _PyObject_GetDictPtr(o);
   if (!dp || !*dp || !PyDict_Check(*dp)) return PyErr_Occurred() ? -1 : 0;
-  if (!PyDict_CheckExact(*dp)) return 1;
+  if (!PyDict_CheckExact(*dp) && subclass_reduces) return 1;
   PyObject *d = Py_NewRef(*dp); /* held: a key's __eq__ may replace it */
   int r = PyDict_GetItemWithError(d, dpy.str_reduce_ex) || PyDict_GetItemWithError(d, dpy.str_getstate);
   PyObject *k, *v;
@@ -374,7 +375,9 @@ static int instance_reduces(PyObject *o) {
 }
 
 int dpy_instance_reduces(dpy_scanner_t *s, PyObject *o) {
-  int r = instance_reduces(o);
+  /* dumps keeps carrying such a dict's entries as the object's attributes,
+     which loads gives back without the dict subclass listed in classes= */
+  int r = instance_reduces(o, !s->build);
   return r < 0 ? dpy_walk_error(s, o, "its __dict__ cannot be read") : r;
 }
 

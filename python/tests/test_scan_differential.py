@@ -569,3 +569,12 @@ def test_a_tensors_attribute_keyed_by_a_tensor_is_walked_key_and_all_as_pickle_w
     got = devpickle.scan([t])
     assert [a.path for a in got] == ["$[0]", "$[0]<key 0>", "$[0][tensor([1., 1., 1.])]"]
     assert [a.ptr for a in got] == pickle_meets([t])
+
+
+def test_dumps_carries_an_instance_dict_of_a_dict_subclass_as_its_attributes_still():
+    # the walk reduces such an instance as pickle does; a frame keeps its
+    # entries as the object's attributes, which loads gives back with the
+    # object's class alone listed
+    o = plain_with(AttrDict(x=1))
+    back = devpickle.loads(devpickle.dumps(o), classes=Plain)
+    assert type(back) is Plain and back.__dict__ == {"x": 1}
