@@ -179,8 +179,8 @@ static uint8_t kind_of(PyTypeObject *t) {
   if (PyType_IsSubtype(t, &PyTuple_Type) && t->tp_dictoffset == 0 && has_attr(type, dpy.str_fields) &&
       !overrides_object(t, "__getattribute__") && !overrides_object(t, "__class__") &&
       is_default(type, dpy.str_reduce_ex, dpy.object_reduce_ex) &&
-      is_default(type, dpy.str_getstate, dpy.object_getstate) && is_default(type, dpy.str_reduce, dpy.object_reduce) &&
-      items_are_newargs(t))
+      is_default(type, dpy.str_getstate, dpy.object_getstate) &&
+      is_default(type, dpy.str_reduce, dpy.object_reduce) && items_are_newargs(t))
     return aif ? K_AIF : K_NAMEDTUPLE;
   /* classes of Python code only: a C type's instances may hold state that
    * its (inherited) reduce refuses or that __dict__ does not show */
