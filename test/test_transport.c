@@ -4574,6 +4574,42 @@ Test(transport, a_peer_that_sends_small_frames_past_its_credit_fails_the_endpoin
   close_clean(ep, t, p);
 }
 
+/* peer: sends the ints 0 .. n-1 (frames of ~40 bytes), ignoring the
+ * receiver's credit (its sends fail once the receiver has failed the
+ * endpoint) */
+static int send_ints_past_credit(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  values_arg_t a = {INTS, (long)(intptr_t)arg};
+  dp__transport_skip_credit = 1;
+  send_values(t, ep, &a);
+  return 0;
+}
+
+/* A value costs DP__CREDIT_PER_VALUE besides its bytes at the sender and
+ * as it is taken; the receiver's check of an arriving value counted its
+ * bytes alone, so a peer ignoring its credit sent 1 MiB of 40-byte values
+ * (26,000, where the window allows 3,500) and was never refused. */
+Test(transport, a_peer_that_sends_tiny_values_past_its_credit_counting_256_bytes_a_value_fails_the_endpoint) {
+  t_track();
+  long n = 10000; /* 400 KB of frames; 3 MB of credit */
+  peer_t p = spawn_peer(send_ints_past_credit, (void *)(intptr_t)n, NULL);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 64 << 10; /* a window of 1 MiB: 3,542 values of ~40 bytes */
+  dp_transport_t *t = new_transport(&o);
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_error_t e;
+  int code = 0; /* nobody takes: the values past the grant fail the endpoint */
+  for (int i = 0; i < 2000 && !(code = dp_endpoint_error(ep, &e)); i++) {
+    if (atomic_load(&dp__transport_frames_in) - frames0 >= (unsigned long)n) break;
+    sleep_ms(10);
+  }
+  unsigned long got = atomic_load(&dp__transport_frames_in) - frames0;
+  cr_assert_eq(code, DP_EFORMAT, "got %s after %lu of %ld values", dp_err_name(code), got, n);
+  cr_assert(strstr(e.message, "values beyond the credit granted to the peer"), "%s", e.message);
+  cr_assert_leq(got, DP__CREDIT_INITIAL / DP__CREDIT_PER_VALUE + 1, "%lu values were taken in", got);
+  close_clean(ep, t, p);
+}
+
 /* peer: a corrupt frame whose header charges the whole 64-bit credit
  * space (its frame length plus buf_bytes is 2^64 - 1), then 400 frames of
  * 8 KiB ignoring the credit, each awaited; then it closes (-1) */

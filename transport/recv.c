@@ -1089,8 +1089,13 @@ static ucs_status_t am_any(dp_transport_t *t, dp_endpoint_t *ep, ucp_worker_h w,
     int top = fh->seq >= ep->credit_top;
     /* counted exactly: no sender's values reach 2^64 bytes, and a saturated
        count (a refused frame's header may claim any buf_bytes) made the
-       taken count, and so the grant, 2^64 - 1: every later value passed */
-    if (dp__add_ovf(len, fh->buf_bytes, &charge) || dp__add_ovf(ep->credit_in, charge, &in) ||
+       taken count, and so the grant, 2^64 - 1: every later value passed;
+       and as the sender and taken() count it, DP__CREDIT_PER_VALUE
+       included (without it, a peer ignoring its credit sent 40-byte
+       values up to the window's bytes, 7 times as many as it allows, and
+       each value taken widened the grant by 256 bytes past what came) */
+    if (dp__add_ovf(len, fh->buf_bytes, &charge) || dp__add_ovf(charge, DP__CREDIT_PER_VALUE, &charge) ||
+        dp__add_ovf(ep->credit_in, charge, &in) ||
         in - (top ? charge : ep->credit_top_charge) >= ep->credit_granted) {
       if (rndv) dp__tp_rndv_release(t->worker, data);
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "values beyond the credit granted to the peer");
