@@ -4559,6 +4559,52 @@ Test(transport, a_queued_frame_the_reader_refuses_fails_its_receive_when_deliver
   close_clean(ep, t, p);
 }
 
+/* peer: sends n frames of 64 bytes the reader refuses ("truncated"),
+ * within the credit (each costs 320 bytes of it) */
+static int send_refused_frames(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  long n = (long)(intptr_t)arg;
+  uint8_t junk[64];
+  memset(junk, 0x3a, sizeof junk); /* lengths within 64 bits: "truncated" */
+  memcpy(junk, "DPKL\1", 6);       /* version 1: the reader checks it right after the magic */
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0, 0, sizeof junk, 0};
+  dp_error_t e;
+  for (long i = 0; i < n; i++)
+    if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 10;
+  return 0;
+}
+
+/* A refused message kept its error, a whole dp_error_t (2 KiB of message
+ * buffer), until a receive took it: a peer whose every frame is refused
+ * made values nobody took hold ~7 times the credit they were granted
+ * (3,000 frames of 64 bytes: 6.8 MB at a 1 MiB window). */
+Test(transport, refused_frames_nobody_took_hold_about_their_credit_not_two_kib_of_error_each) {
+  t_track();
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* one connection, in the order sent */
+  long n = 3000; /* 960,000 bytes of credit */
+  peer_t p = spawn_peer(send_refused_frames, (void *)(intptr_t)n, NULL);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 64 << 10; /* a window of 1 MiB */
+  dp_transport_t *t = new_transport(&o);
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+  long before = atomic_load(&t_live_bytes);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= (unsigned long)n);
+  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, (unsigned long)n, "the frames did not arrive");
+  long held = atomic_load(&t_live_bytes) - before;
+  cr_assert_lt(held, 2l << 20, "the receiver holds %ld bytes of %ld refused frames nobody took", held, n);
+  dp_error_t e;
+  for (long i = 0; i < n; i++) {
+    dp_future_t *f;
+    OK(dp_endpoint_recv(ep, &f, T_ERR));
+    cr_assert_eq(wait_f(f, &e), DP_ETRUNC, "frame %ld: %s: %s", i, dp_err_name(e.code), e.message);
+    cr_assert(strstr(e.message, "truncated"), "frame %ld: %s", i, e.message);
+    dp_future_release(f);
+  }
+  cr_assert_eq(dp_endpoint_error(ep, &e), 0, "%s", e.message);
+  close_clean(ep, t, p);
+}
+
 Test(transport, a_peer_that_sends_small_frames_past_its_credit_fails_the_endpoint) {
   t_track();
   peer_t p = spawn_peer(send_small_frames_past_credit, (void *)(intptr_t)400, NULL);

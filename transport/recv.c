@@ -55,18 +55,32 @@ static uint64_t credit_of(const dp__am_frame_hdr_t *h, size_t len) {
   return sat_add(sat_add(len, h->buf_bytes), DP__CREDIT_PER_VALUE);
 }
 
-/* Refuses message m with e: m->error is a copy (NULL when there is no
- * memory for one: the receive is then told so, rmsg_error). */
+/* Refuses message m with e: m->error is a copy, as long as its message
+ * (NULL when there is no memory for one: the receive is then told so,
+ * rmsg_error). */
 static void refuse(rmsg_t *m, const dp_error_t *e) {
   m->failed = 1;
-  if (!m->error && (m->error = dp__alloc(sizeof *m->error))) *m->error = *e;
+  if (m->error) return;
+  size_t len = strnlen(e->message, sizeof e->message - 1);
+  if (!(m->error = dp__alloc(DP__RERR_SIZE(len)))) return;
+  m->error->code = e->code;
+  m->error->backend_code = e->backend_code;
+  m->error->offset = e->offset;
+  memcpy(m->error->message, e->message, len);
+  m->error->message[len] = 0;
 }
 
 /* Why m was refused. */
 static dp_error_t rmsg_error(const rmsg_t *m) {
   dp_error_t e;
-  if (m->error) return *m->error;
-  dp__err(&e, DP_ENOMEM, "transport: out of memory for a refused frame's error");
+  if (!m->error) {
+    dp__err(&e, DP_ENOMEM, "transport: out of memory for a refused frame's error");
+    return e;
+  }
+  e.code = m->error->code;
+  e.backend_code = m->error->backend_code;
+  e.offset = m->error->offset;
+  memcpy(e.message, m->error->message, strlen(m->error->message) + 1);
   return e;
 }
 

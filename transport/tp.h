@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -162,6 +163,18 @@ typedef struct rbuf {
   int staged;               /* dst is device memory: bytes go through a slot */
 } rbuf_t;
 
+/* Why a received message was refused, as long as its message is: a
+ * refused message waits for its receive holding this, and a whole
+ * dp_error_t (2 KiB of message buffer) made values nobody took, a hostile
+ * peer's refused ones, hold ~7 times their credit. */
+typedef struct rerr {
+  int code, backend_code;
+  int64_t offset;
+  char message[]; /* NUL-terminated */
+} rerr_t;
+
+#define DP__RERR_SIZE(len) (offsetof(rerr_t, message) + (len) + 1)
+
 struct rmsg {
   rmsg_t *next;
   uint64_t seq;
@@ -187,8 +200,8 @@ struct rmsg {
                                delivered, so that values nobody took hold their frames'
                                bytes, not the memory of their values (recv.c, on_frame) */
   uint64_t got;             /* bytes of its buffers' messages received so far */
-  dp_error_t *error;        /* why it is refused (failed; NULL: out of memory for it) —
-                               apart, so that a message holds ~150 bytes, not ~2 KiB */
+  rerr_t *error;            /* why it is refused (failed; NULL: out of memory for it) —
+                               apart, so that a message holds ~160 bytes, not ~2 KiB */
   int detached;             /* the endpoint let go; free when pending == 0 */
   int64_t deadline;         /* opts.timeout_ns: its buffers owed and none arriving past it fails
                                the endpoint (0: none); each piece that arrives restarts it */

@@ -299,7 +299,7 @@ void dp__tp_rmsg_free(rmsg_t *m) {
   dp_value_release(m->value);
   if (m->bufs) dp__free(m->bufs, m->nbuf * sizeof *m->bufs);
   if (m->frame_copy) dp__free(m->frame_copy, m->frame_len ? m->frame_len : 1);
-  if (m->error) dp__free(m->error, sizeof *m->error);
+  if (m->error) dp__free(m->error, DP__RERR_SIZE(strlen(m->error->message)));
   dp__free(m, sizeof *m);
 }
 
