@@ -95,10 +95,10 @@
  * values not yet taken by dp_endpoint_recv stops fetching what was sent by
  * rendezvous (frames and buffers over 64 KiB), which holds the sender's
  * sends pending in turn (backpressure). And a receiver grants its peer a
- * credit: values (their frames' and buffers' bytes) sent and not yet taken
- * by its dp_endpoint_recv stay within max(its max_inflight_bytes, 1 MiB)
- * plus one value; further sends wait at the sender, small ones included
- * (docs/TRANSPORT.md, "Flow control").
+ * credit: values (their frames' and buffers' bytes, and 256 bytes a value)
+ * sent and not yet taken by its dp_endpoint_recv stay within max(its
+ * max_inflight_bytes, 1 MiB) plus one value; further sends wait at the
+ * sender, small ones included (docs/TRANSPORT.md, "Flow control").
  *
  * TRUST: listeners must be reachable only by trusted peers — UCX 1.13's
  * connection manager, which runs before devpickle sees a byte, aborts the
