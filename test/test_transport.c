@@ -4605,6 +4605,93 @@ Test(transport, refused_frames_nobody_took_hold_about_their_credit_not_two_kib_o
   close_clean(ep, t, p);
 }
 
+/* peer: the reduced stand-ins of customs "test.R" (state: 0, a bytes of
+ * 100 KB — a frame sent by rendezvous —, 2), a tensor of 1,000 bytes (an
+ * out-of-band buffer), then "test.R" again (4, and 100 KB); waits for the
+ * close */
+static int send_customs_around_a_tensor(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  static uint8_t big[100000];
+  dp_error_t e;
+  for (int i = 0; i < 6; i++) {
+    dp_value_t v, st = dp_int(i);
+    if (i == 3) {
+      v = owned_tensor(1000, 3);
+    } else {
+      memset(big, i, sizeof big);
+      if ((i == 1 || i == 5) && dp_bytes_new(big, sizeof big, &st, &e)) return 10;
+      if (dp_object_new_reduced("test.R", st, &v, &e)) return 11;
+    }
+    dp_future_t *d;
+    if (dp_endpoint_send(ep, v, &d, &e)) return 12;
+    dp_value_release(v);
+    dp_future_release(d);
+  }
+  return 0;
+}
+
+/* resolves "test.R" to its state; its second call fails */
+static int resolve_r_but_the_second(void *ud, const char *type_name, dp_value_t state, dp_value_t *out,
+                                    dp_error_t *err) {
+  (void)type_name;
+  if (atomic_fetch_add((_Atomic int *)ud, 1) + 1 == 2) {
+    err->code = DP_EINVAL;
+    snprintf(err->message, sizeof err->message, "test: the resolver refuses its second custom");
+    return DP_EINVAL;
+  }
+  *out = dp_value_retain(state);
+  return 0;
+}
+
+/* Values kept as their frames are read as they are taken, each with the
+ * transport's resolver: one it refuses (a frame that came by rendezvous,
+ * whose pulled memory was kept) fails its receive with the resolver's
+ * error; a frame receive then takes the next kept frame as it came, the
+ * value with buffers read as it arrived comes whole, and the endpoint
+ * freed with two more kept (one pulled by rendezvous) leaks nothing. */
+Test(transport, kept_frames_are_read_as_taken_and_one_the_resolver_refuses_fails_that_receive_alone) {
+  t_track();
+  peer_t p = spawn_peer(send_customs_around_a_tensor, NULL, NULL);
+  _Atomic int calls = 0;
+  const char *types[] = {"test.R"};
+  dp_resolver_t res = {types, 1, resolve_r_but_the_second, &calls};
+  dp_unpickle_opts_t uo = {0};
+  uo.resolver = &res;
+  dp_transport_opts_t o = {0};
+  o.unpickle = &uo;
+  dp_transport_t *t = new_transport(&o);
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= 6);
+  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, 6, "the six values did not arrive");
+  cr_assert_eq(atomic_load(&calls), 0, "a value nobody took was read (the resolver ran %d times)",
+               atomic_load(&calls));
+  dp_future_t *f = recv_ok(ep);
+  cr_assert_eq(dp_value_as_int(dp_future_value(f)), 0);
+  dp_future_release(f);
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &f, T_ERR));
+  cr_assert_eq(wait_f(f, &e), DP_EINVAL, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "the resolver refuses its second custom"), "%s", e.message);
+  dp_future_release(f);
+  OK(dp_endpoint_recv_frame(ep, &f, T_ERR));
+  OK_WITH(&e, wait_f(f, &e));
+  size_t n;
+  const uint8_t *b = dp_bytes_data(dp_future_value(f), &n);
+  dp_value_t back, st;
+  OK(dp_unpickle(b, n, NULL, &back, T_ERR));
+  cr_assert(dp_object_is_reduced(back), "the frame holds a %s", dp_kind_name(dp_value_kind(back)));
+  OK(dp_object_get(back, "__reduce__", &st, T_ERR));
+  cr_assert_eq(dp_value_as_int(st), 2);
+  dp_value_release(back);
+  dp_future_release(f);
+  f = recv_ok(ep);
+  cr_assert(tensor_ok(dp_future_value(f), 1000, 3));
+  dp_future_release(f);
+  cr_assert_eq(dp_endpoint_error(ep, &e), 0, "%s", e.message);
+  close_clean(ep, t, p);
+}
+
 Test(transport, a_peer_that_sends_small_frames_past_its_credit_fails_the_endpoint) {
   t_track();
   peer_t p = spawn_peer(send_small_frames_past_credit, (void *)(intptr_t)400, NULL);
