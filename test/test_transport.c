@@ -4447,9 +4447,10 @@ Test(transport, a_receiver_that_takes_nothing_holds_small_buffers_back_at_the_se
 /* peer: sends n values, back to back, of the kind arg gives (then waits for
  * the close): EMPTY_DICTS, a list of 4,000 empty dicts and then i (a frame
  * of ~4 KiB whose value holds ~100 times that); INTS, the int i (a frame of
- * ~40 bytes); DEPTHS, [1], a list nested 40 deep, [1] */
+ * ~40 bytes); DEPTHS, [1], a list nested 40 deep, [1]; DEEP, lists nested
+ * 40 deep */
 typedef struct values_arg {
-  enum { EMPTY_DICTS, INTS, DEPTHS } kind;
+  enum { EMPTY_DICTS, INTS, DEPTHS, DEEP } kind;
   long n;
 } values_arg_t;
 
@@ -4467,8 +4468,8 @@ static int send_values(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
         if (dp_dict_new(0, &d, &e) || dp_list_append(v, d, &e)) return 11;
       }
       if (dp_list_append(v, dp_int(i), &e)) return 12;
-    } else if (a->kind == DEPTHS) {
-      v = nested(i == 1 ? 40 : 1);
+    } else if (a->kind == DEPTHS || a->kind == DEEP) {
+      v = nested(a->kind == DEEP || i == 1 ? 40 : 1);
     }
     dp_future_t *f;
     if (dp_endpoint_send(ep, v, &f, &e)) return 13;
@@ -4689,6 +4690,50 @@ Test(transport, kept_frames_are_read_as_taken_and_one_the_resolver_refuses_fails
   cr_assert(tensor_ok(dp_future_value(f), 1000, 3));
   dp_future_release(f);
   cr_assert_eq(dp_endpoint_error(ep, &e), 0, "%s", e.message);
+  close_clean(ep, t, p);
+}
+
+/* A kept frame the reader refuses as it is taken fails its receive with
+ * the reader's error, kept apart from the message: when no memory is left
+ * for that copy, the receive still fails, saying so. Allocation 1, 2, ...
+ * of each receive fails in turn (a frame a receive), until one fails none. */
+Test(transport, a_kept_frame_refused_as_it_is_taken_fails_its_receive_even_with_no_memory_for_the_error) {
+  t_track();
+  values_arg_t a = {DEEP, 200};
+  peer_t p = spawn_peer(send_values, &a, NULL);
+  dp_unpickle_opts_t u = {0};
+  u.limits.max_depth = 8;
+  dp_transport_opts_t o = {0};
+  o.unpickle = &u;
+  dp_transport_t *t = new_transport(&o);
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= (unsigned long)a.n);
+  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, (unsigned long)a.n, "the values did not arrive");
+  sleep_ms(100); /* the loop is idle: what allocates now is the receive */
+  int no_room = 0, clean = 0;
+  for (long k = 1; k < a.n && !clean; k++) {
+    dp_future_t *f = NULL;
+    dp_error_t e;
+    dp_error_clear(&e);
+    long want = t_fail_at = atomic_load(&t_alloc_count) + k;
+    int rc = dp_endpoint_recv(ep, &f, &e);
+    if (!rc) rc = wait_f(f, &e);
+    clean = atomic_load(&t_alloc_count) < want;
+    t_fail_at = 0;
+    dp_future_release(f);
+    cr_assert(rc == DP_ENOMEM || rc == DP_ELIMIT, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+    cr_assert(e.message[0], "allocation %ld: %s without a message", k, dp_err_name(rc));
+    /* (the future keeps its own copy of the error: with no memory for it,
+       the code alone, saying that its detail was lost) */
+    if (rc == DP_ELIMIT)
+      cr_assert(strstr(e.message, "depth") || strstr(e.message, "its detail was lost: out of memory"),
+                "allocation %ld: %s", k, e.message);
+    no_room |= strstr(e.message, "out of memory for a refused frame's error") != NULL;
+    cr_assert_eq(dp_endpoint_error(ep, &e), 0, "allocation %ld: the endpoint failed: %s", k, e.message);
+  }
+  cr_assert(clean, "every receive failed an allocation");
+  cr_assert(no_room, "no receive was refused with no memory for its error");
   close_clean(ep, t, p);
 }
 
