@@ -4737,6 +4737,84 @@ Test(transport, a_kept_frame_refused_as_it_is_taken_fails_its_receive_even_with_
   close_clean(ep, t, p);
 }
 
+static int ep_error_within(dp_endpoint_t *ep, int ms, dp_error_t *e);
+
+/* peer: sends [1], a list nested 40 deep, [1], waits until each send
+ * completed (a graceful close) and closes its endpoint */
+static int send_depths_then_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  for (int i = 0; i < 3; i++) {
+    dp_value_t v = nested(i == 1 ? 40 : 1);
+    dp_future_t *d;
+    int rc = dp_endpoint_send(ep, v, &d, &e);
+    dp_value_release(v);
+    if (rc || wait_f(d, &e)) return 10;
+    dp_future_release(d);
+  }
+  dp_endpoint_free(ep);
+  return -1;
+}
+
+/* The values a peer sent before its graceful close are still taken, in
+ * order, kept as their frames and read as they are taken: the one the
+ * reader refuses fails its receive with the reader's error, not the
+ * close's, and a receive after the last fails with the close. */
+Test(transport, kept_frames_a_closed_peer_sent_are_read_as_taken_and_one_refused_fails_with_the_readers_error) {
+  t_track();
+  peer_t p = spawn_peer(send_depths_then_close, NULL, NULL);
+  dp_unpickle_opts_t u = {0};
+  u.limits.max_depth = 8;
+  dp_transport_opts_t o = {0};
+  o.unpickle = &u;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_error_t e;
+  int rc = ep_error_within(ep, 20000, &e);
+  cr_assert_eq(rc, DP_ECANCELED, "%s: %s", dp_err_name(rc), rc ? e.message : "");
+  dp_future_t *f = recv_ok(ep);
+  cr_assert_eq(dp_value_as_int(dp_seq_get(dp_future_value(f), 0)), 1);
+  dp_future_release(f);
+  OK(dp_endpoint_recv(ep, &f, T_ERR));
+  cr_assert_eq(wait_f(f, &e), DP_ELIMIT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "depth"), "%s", e.message);
+  dp_future_release(f);
+  OK(dp_endpoint_recv_frame(ep, &f, T_ERR));
+  OK_WITH(&e, wait_f(f, &e));
+  dp_future_release(f);
+  cr_assert_eq(dp_endpoint_recv(ep, &f, &e), DP_ECANCELED, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "the peer closed its endpoint (after sending 3 values, all received)"), "%s",
+            e.message);
+  close_clean(ep, t, p);
+}
+
+/* Kept frames of a peer killed before anyone took them go with the
+ * endpoint's failure, and nothing leaks. */
+Test(transport, kept_frames_of_a_peer_killed_go_with_the_endpoint_and_nothing_leaks) {
+  t_track();
+  values_arg_t a = {INTS, 100};
+  peer_t p = spawn_peer(send_values, &a, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= (unsigned long)a.n);
+  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, (unsigned long)a.n, "the values did not arrive");
+  dp_future_t *f = recv_ok(ep);
+  cr_assert_eq(dp_value_as_int(dp_future_value(f)), 0);
+  dp_future_release(f);
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_error_t e;
+  int rc = ep_error_within(ep, 30000, &e);
+  cr_assert_neq(rc, 0, "the endpoint outlived its peer");
+  f = NULL;
+  cr_assert_eq(dp_endpoint_recv(ep, &f, &e), rc, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert_null(f);
+  dp_endpoint_free(ep);
+  free_transport(t);
+  check_no_leak();
+}
+
 Test(transport, a_peer_that_sends_small_frames_past_its_credit_fails_the_endpoint) {
   t_track();
   peer_t p = spawn_peer(send_small_frames_past_credit, (void *)(intptr_t)400, NULL);
