@@ -4815,6 +4815,64 @@ Test(transport, kept_frames_of_a_peer_killed_go_with_the_endpoint_and_nothing_le
   check_no_leak();
 }
 
+/* peer: sends the value arg points to 1,000 times, back to back */
+static int send_one_value_1000_times(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t;
+  dp_error_t e;
+  for (int i = 0; i < 1000; i++) {
+    dp_future_t *d;
+    if (dp_endpoint_send(ep, *(dp_value_t *)arg, &d, &e)) return 10;
+    dp_future_release(d);
+  }
+  return 0;
+}
+
+/* Values that cost 4 KiB of credit each (a frame of 3,840 bytes and 256)
+ * fill a window exactly: a sender counts them as the receiver does, so
+ * one whose window (max_inflight_bytes of the receiver, at least 1 MiB)
+ * nobody takes from gets exactly window / 4 KiB of them, none past it
+ * fails the endpoint, and taking them lets the rest come. */
+static void values_fill_the_credit_window_exactly(uint64_t max_inflight, long expect) {
+  t_track();
+  dp_value_t v = bytes_of_frame_len(4096 - DP__CREDIT_PER_VALUE);
+  peer_t p = spawn_peer(send_one_value_1000_times, &v, NULL);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = max_inflight;
+  dp_transport_t *t = new_transport(&o);
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in), seen = 0;
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  for (int i = 0; i < 200; i++) { /* once none came for 300 ms, the sender is held back */
+    sleep_ms(300);
+    unsigned long now = atomic_load(&dp__transport_frames_in) - frames0;
+    if (now == seen && now) break;
+    seen = now;
+  }
+  cr_assert_eq(seen, (unsigned long)expect, "%lu values came before any was taken", seen);
+  dp_error_t e;
+  cr_assert_eq(dp_endpoint_error(ep, &e), 0, "%s", e.message);
+  size_t want, n;
+  dp_bytes_data(v, &want);
+  for (int i = 0; i < 1000; i++) {
+    dp_future_t *f = recv_ok(ep);
+    cr_assert(dp_bytes_data(dp_future_value(f), &n) && n == want, "value %d came wrong", i);
+    dp_future_release(f);
+  }
+  dp_value_release(v);
+  close_clean(ep, t, p);
+}
+
+Test(transport, values_that_fill_a_window_of_the_minimum_1_mib_exactly_all_arrive) {
+  values_fill_the_credit_window_exactly(64 << 10, (1 << 20) / 4096);
+}
+
+Test(transport, values_that_fill_a_window_of_1_mib_exactly_all_arrive) {
+  values_fill_the_credit_window_exactly(1 << 20, (1 << 20) / 4096);
+}
+
+Test(transport, values_under_the_default_window_all_arrive_before_any_is_taken) {
+  values_fill_the_credit_window_exactly(0, 1000);
+}
+
 Test(transport, a_peer_that_sends_small_frames_past_its_credit_fails_the_endpoint) {
   t_track();
   peer_t p = spawn_peer(send_small_frames_past_credit, (void *)(intptr_t)400, NULL);
