@@ -4739,6 +4739,23 @@ Test(transport, a_kept_frame_refused_as_it_is_taken_fails_its_receive_even_with_
 
 static int ep_error_within(dp_endpoint_t *ep, int ms, dp_error_t *e);
 
+/* dp_transport_free with an endpoint still open that holds kept frames
+ * (two pulled by rendezvous) and a value with buffers frees them all. */
+Test(transport, a_transport_freed_with_an_endpoint_holding_kept_frames_leaks_nothing) {
+  t_track();
+  peer_t p = spawn_peer(send_customs_around_a_tensor, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+  connect_to(t, p.port);
+  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= 6);
+  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, 6, "the six values did not arrive");
+  free_transport(t);
+  kill(p.pid, SIGKILL); /* it waits for a close that its endpoint's end will not tell it */
+  peer_wait(p);
+  check_no_leak();
+}
+
+
 /* peer: sends [1], a list nested 40 deep, [1], waits until each send
  * completed (a graceful close) and closes its endpoint */
 static int send_depths_then_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
