@@ -7193,10 +7193,11 @@ Test(transport, a_peer_may_send_values_up_to_its_credit_and_one_past_it_fails_th
 }
 
 Test(transport, a_sender_that_used_its_credit_exactly_posts_nothing_more) {
-  /* 32 values whose frames are 32 KiB use the first grant, 1 MiB, exactly:
-     the 33rd waits for a grant the peer (taking nothing) never makes.
-     Posted, it would bring the values before it to the peer's limit, and
-     the peer would fail the endpoint */
+  /* 32 values whose frames are 32 KiB (each 256 bytes of credit more) use
+     the first grant, 1 MiB, the last crossing it: the 33rd waits for a
+     grant the peer (taking nothing) never makes. Posted, it would follow
+     values that reached the peer's limit, and the peer would fail the
+     endpoint (values that fill it exactly: values_fill_the_credit_window_exactly) */
   dp_transport_opts_t po = {0};
   po.max_inflight_bytes = 64 << 10; /* a window of 1 MiB */
   peer_t p = spawn_peer(never_take, NULL, &po);
