@@ -375,7 +375,8 @@ DP_API int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n
 DP_API int dp_endpoint_recv(dp_endpoint_t *ep, dp_future_t **out, dp_error_t *err);
 /** As dp_endpoint_recv, for a self-contained frame (inline, or without
  *  buffers): the future's value is a bytes value holding the frame,
- *  checked as dp_unpickle checks it (with the transport's unpickle limits).
+ *  checked as dp_unpickle checks it (with the transport's unpickle options,
+ *  limits and resolver: a frame they refuse fails this receive).
  *  A message with out-of-band buffers fails it with DP_EFORMAT — at its
  *  frame when this receive is already waiting for it (its buffers are then
  *  neither allocated nor waited for), else as it is delivered. */
