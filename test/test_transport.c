@@ -4739,6 +4739,37 @@ Test(transport, a_kept_frame_refused_as_it_is_taken_fails_its_receive_even_with_
 
 static int ep_error_within(dp_endpoint_t *ep, int ms, dp_error_t *e);
 
+/* A frame receive reads the frame it takes with the transport's resolver
+ * as a value receive does: a custom the resolver refuses fails it, with
+ * the resolver's error, and the next value is still there. */
+Test(transport, a_frame_receive_fails_with_the_resolvers_error_when_it_refuses_the_frames_custom) {
+  t_track();
+  peer_t p = spawn_peer(send_customs_around_a_tensor, NULL, NULL);
+  _Atomic int calls = 1; /* its next call is the second: refused */
+  const char *types[] = {"test.R"};
+  dp_resolver_t res = {types, 1, resolve_r_but_the_second, &calls};
+  dp_unpickle_opts_t uo = {0};
+  uo.resolver = &res;
+  dp_transport_opts_t o = {0};
+  o.unpickle = &uo;
+  dp_transport_t *t = new_transport(&o);
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= 6);
+  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, 6, "the six values did not arrive");
+  dp_future_t *f;
+  dp_error_t e;
+  OK(dp_endpoint_recv_frame(ep, &f, T_ERR));
+  cr_assert_eq(wait_f(f, &e), DP_EINVAL, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "the resolver refuses its second custom"), "%s", e.message);
+  dp_future_release(f);
+  OK(dp_endpoint_recv_frame(ep, &f, T_ERR));
+  OK_WITH(&e, wait_f(f, &e));
+  dp_future_release(f);
+  close_clean(ep, t, p);
+}
+
+
 /* dp_transport_free with an endpoint still open that holds kept frames
  * (two pulled by rendezvous) and a value with buffers frees them all. */
 Test(transport, a_transport_freed_with_an_endpoint_holding_kept_frames_leaks_nothing) {
