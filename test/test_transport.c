@@ -4739,6 +4739,68 @@ Test(transport, a_kept_frame_refused_as_it_is_taken_fails_its_receive_even_with_
 
 static int ep_error_within(dp_endpoint_t *ep, int ms, dp_error_t *e);
 
+/* peer: 300 ms after a value came, sends the int 7 (waits for the close) */
+static int send_7_after_a_value(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_future_t *f;
+  dp_error_t e;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 10;
+  dp_future_release(f);
+  sleep_ms(300); /* the other side is idle by then */
+  if (dp_endpoint_send(ep, dp_int(7), &f, &e)) return 11;
+  dp_future_release(f);
+  return 0;
+}
+
+/* A frame that arrives with no receive waiting is kept: allocation 1, 2,
+ * ... of its arrival fails in turn (the grant, its message, its copy,
+ * ...) until one fails none. Each fails the endpoint or the receive that
+ * takes the frame with DP_ENOMEM and a message (its copy: "out of
+ * memory"), never hangs, and leaks nothing. */
+Test(transport, a_frame_kept_as_it_arrives_fails_cleanly_at_every_allocation) {
+  t_track();
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* no lane wired meanwhile: the arrival alone allocates */
+  int clean = 0, refused = 0;
+  for (long k = 1; k < 100 && !clean; k++) {
+    peer_t p = spawn_peer(send_7_after_a_value, NULL, NULL);
+    dp_transport_t *t = new_transport(NULL);
+    dp_endpoint_t *ep = connect_to(t, p.port);
+    dp_future_t *d, *r = NULL;
+    dp_error_t e;
+    OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+    OK_WITH(&e, wait_f(d, &e));
+    dp_future_release(d);
+    unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+    sleep_ms(50); /* the send's last steps: what allocates next is the arrival */
+    cr_assert_eq(atomic_load(&dp__transport_frames_in), frames0, "allocation %ld: the frame came too soon", k);
+    long want = t_fail_at = atomic_load(&t_alloc_count) + k;
+    POLL_UNTIL(atomic_load(&dp__transport_frames_in) > frames0 || dp_endpoint_error(ep, NULL));
+    sleep_ms(20); /* what the arrival does after the count */
+    int hit = atomic_load(&t_alloc_count) >= want;
+    t_fail_at = 0;
+    dp_error_clear(&e);
+    int rc = dp_endpoint_recv(ep, &r, &e);
+    if (!rc) rc = wait_f(r, &e);
+    cr_assert(rc == 0 || rc == DP_ENOMEM, "allocation %ld: %s: %s", k, dp_err_name(rc), e.message);
+    if (rc) cr_assert(e.message[0], "allocation %ld: DP_ENOMEM without a message", k);
+    else cr_assert_eq(dp_value_as_int(dp_future_value(r)), 7, "allocation %ld", k);
+    refused |= rc && !dp_endpoint_error(ep, NULL) && strstr(e.message, "transport: out of memory");
+    clean = !hit && rc == 0;
+    dp_future_release(r);
+    dp_endpoint_free(ep);
+    free_transport(t);
+    kill(p.pid, SIGKILL);
+    peer_wait(p);
+    dp_shutdown();
+    dp_value_collect();
+    cr_assert_eq(atomic_load(&t_live_blocks), 0, "allocation %ld failed (%s): %ld blocks (%ld bytes) still live", k,
+                 rc ? e.message : "no error", atomic_load(&t_live_blocks), atomic_load(&t_live_bytes));
+  }
+  cr_assert(clean, "no arrival passed without a failed allocation");
+  cr_assert(refused, "no kept frame's copy failed (its receive refused, the endpoint working)");
+}
+
+
 /* A frame receive reads the frame it takes with the transport's resolver
  * as a value receive does: a custom the resolver refuses fails it, with
  * the resolver's error, and the next value is still there. */
