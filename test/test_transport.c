@@ -5035,14 +5035,15 @@ Test(transport, a_peer_that_sends_tiny_values_past_its_credit_counting_256_bytes
 }
 
 /* peer: a corrupt frame whose header charges the whole 64-bit credit
- * space (its frame length plus buf_bytes is 2^64 - 1), then 400 frames of
+ * space (its frame length plus buf_bytes plus DP__CREDIT_PER_VALUE is
+ * 2^64 - 1), then 400 frames of
  * 8 KiB ignoring the credit, each awaited; then it closes (-1) */
 static int send_credit_wrap_then_frames(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;
   uint8_t junk[64];
   memset(junk, 0, sizeof junk);
   memcpy(junk, "DPKL\1", 6); /* version 1: the reader checks it right after the magic */
-  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0, 0, sizeof junk, UINT64_MAX - sizeof junk};
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0, 0, sizeof junk, UINT64_MAX - sizeof junk - DP__CREDIT_PER_VALUE};
   dp_error_t e;
   if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, sizeof junk, &e)) return 10;
   dp__transport_skip_credit = 1;
