@@ -7243,22 +7243,22 @@ Test(transport, a_credit_grant_lower_than_one_already_had_is_ignored) {
   close_clean(ep, t, p);
 }
 
-/* peer: once the other side's first value came, refused frames of 32 KiB
- * (their value's cost of credit) up to the whole first grant, 1 MiB; then,
- * once its second came, one more */
+/* peer: once the other side's first value came, refused frames that cost
+ * 32 KiB of credit each (their bytes and DP__CREDIT_PER_VALUE) up to the
+ * whole first grant, 1 MiB; then, once its second came, one more */
 static int send_a_window_of_frames_then_one(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;
-  size_t n = 32u << 10;
+  size_t n = (32u << 10) - DP__CREDIT_PER_VALUE, cost = 32u << 10;
   uint8_t *junk = malloc(n);
   memset(junk, 0x3a, n); /* lengths within 64 bits: "truncated" (see above) */
   memcpy(junk, "DPKL\1", 6); /* version 1: the reader checks it right after the magic */
   dp_error_t e;
   dp_future_t *f;
   int rc = 0;
-  for (uint64_t i = 0; i <= DP__CREDIT_INITIAL / n && !rc; i++) {
+  for (uint64_t i = 0; i <= DP__CREDIT_INITIAL / cost && !rc; i++) {
     dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 0, i, n, 0};
-    if ((i == 0 || i == DP__CREDIT_INITIAL / n) && (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e))) rc = 10;
-    else if (i == 0 || i == DP__CREDIT_INITIAL / n) dp_future_release(f);
+    if ((i == 0 || i == DP__CREDIT_INITIAL / cost) && (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e))) rc = 10;
+    else if (i == 0 || i == DP__CREDIT_INITIAL / cost) dp_future_release(f);
     if (!rc && dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, junk, n, &e)) rc = 11;
   }
   free(junk);
