@@ -421,8 +421,10 @@ _INSTANCE_PROTOCOL = frozenset({
     "__reduce__", "__getstate__", "__setstate__", "__getnewargs__", "__getnewargs_ex__"})
 # and, on a dict subclass's instance, what object.__reduce_ex__ calls for its
 # items (copy.deepcopy, pickle and dumps alike): a frame's `items` there, a
-# listed `list`, had them write the dict empty
-_DICT_INSTANCE_PROTOCOL = _INSTANCE_PROTOCOL | {"items"}
+# listed `list`, had them write the dict empty; and `keys`, which dict(x),
+# {**x} and dict.update call on one whose __iter__ is not dict's (an
+# OrderedDict): a listed function there was called by them
+_DICT_INSTANCE_PROTOCOL = _INSTANCE_PROTOCOL | {"items", "keys"}
 
 
 def _set_state(obj, state, slots):
@@ -925,6 +927,11 @@ def _reduced_make(cls, parts, classes, copies):
     copies.charge("reduced objects' args", _args_size(cls, new_args + tuple(new_kwargs.values())))
     if member is None and issubclass(cls, _HASHING):  # set(a list), dict(pairs), Counter(an array): hashes each item
         for a in new_args + tuple(new_kwargs.values()):
+            if issubclass(cls, dict):
+                # dict(x) calls x.keys() when x has one, looked up on the
+                # instance: a frame's value there (a devpickle.Object's
+                # attribute, a listed function) would be called by loads
+                _method(a, "keys", getattr(a, "keys", None), classes, f"{label}'s argument")
             items = _hashed_items(a)
             if items is not None:
                 copies.hashes("reduced objects' args", items)

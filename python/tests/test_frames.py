@@ -908,6 +908,38 @@ def test_a_listed_function_or_class_a_frame_puts_where_extend_or_setstate_is_loo
     assert type(back) is cls and back == {"f": _listed_value_called}
 
 
+def test_a_listed_function_a_frame_puts_where_dict_looks_up_keys_is_never_called(tmp_path):
+    # dict(x), which an allowed dict subclass's reduce (cls, (x,)) runs, calls
+    # x.keys() when x has one, looked up on the instance: a devpickle.Object's
+    # attribute `keys` holding a listed function had loads call it
+    label, fname = f"{__name__}._ItemsDict", f"{__name__}._listed_value_called"
+
+    def glob(name):
+        return {"$object": "devpickle.global", "attrs": {"name": name}}
+
+    for holder in ({"$object": "evil.Thing", "attrs": {"keys": glob(fname)}},
+                   {"$object": f"{__name__}.Node", "attrs": {"keys": glob(fname)}}):
+        frame = _packed(tmp_path, {"$object": label, "attrs": {"<callable>": glob(label),
+                                                               "<args>": {"$tuple": [holder]}}})
+        with pytest.raises(TypeError, match=rf"^loads: {label}'s argument's keys is <function _listed_value_called at "
+                                            r"0x[0-9a-f]+>, a value of the frame \(a class or function listed in "
+                                            r"classes=, or an instance of one\) .*loads never calls a value of the "
+                                            r"frame, at \$$"):
+            devpickle.loads(frame, classes=[_ItemsDict, Node, _listed_value_called])
+        assert _listed_value_called.calls == []
+    # on a dict subclass's instance, `keys` is what dict(x) and {**x} call
+    # when its __iter__ is not dict's (an OrderedDict): never set from a frame
+    frame = _packed(tmp_path, {"$object": "collections.OrderedDict", "attrs": {"keys": glob(fname)}})
+    with pytest.raises(TypeError, match=r"^loads: collections.OrderedDict's attributes \['keys'\] are names numpy, "
+                                        r"torch, copy and pickle look up on the instance: .*, at \$$"):
+        devpickle.loads(frame, classes=[collections.OrderedDict, _listed_value_called])
+    assert _listed_value_called.calls == []
+    # a mapping argument's own keys() is still called, and a dict subclass made of one comes back
+    assert devpickle.loads(devpickle.dumps(_ItemsDict({"a": 1})), classes=_ItemsDict) == {"a": 1}
+    od = collections.OrderedDict(a=1)
+    assert devpickle.loads(devpickle.dumps(_ItemsDict(od)), classes=[_ItemsDict, collections.OrderedDict]) == od
+
+
 def test_a_class_and_a_function_listed_by_one_name_are_a_value_error_never_one_returned_for_the_other():
     # classes= refused two classes of one name, but a class and a function of
     # one name were both taken: the frame's function came back as the class
