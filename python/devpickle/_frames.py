@@ -936,6 +936,11 @@ def _reduced_make(cls, parts, classes, copies):
             if items is not None:
                 copies.hashes("reduced objects' args", items)
                 if issubclass(cls, dict):  # dict(pairs) hashes each pair's key
+                    # and makes each pair a sequence first: one that is no
+                    # list or tuple (an array's row, a str) is copied into a
+                    # list of all its items, a stride-0 view's row 2**61
+                    copies.charge("reduced objects' args",
+                                  sum(_items_made(p) for p in items if not isinstance(p, (list, tuple))))
                     copies.hashes("reduced objects' args", [k[0] for k in map(_pair_key, items) if k is not None])
     if member is not None:
         return member, False

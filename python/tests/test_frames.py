@@ -940,6 +940,29 @@ def test_a_listed_function_a_frame_puts_where_dict_looks_up_keys_is_never_called
     assert devpickle.loads(devpickle.dumps(_ItemsDict(od)), classes=[_ItemsDict, collections.OrderedDict]) == od
 
 
+def test_a_dict_subclass_made_of_pairs_that_are_no_list_or_tuple_is_charged_their_items():
+    # dict(pairs) makes each pair a list first (PySequence_Fast): the 2 rows
+    # of a stride-0 view of shape (2, 3 * 10**7), a 183-byte frame, were
+    # copied into 30,000,000 items (4 s) before dict() said a row is no pair
+    class Crafted:
+        def __reduce__(self):
+            return (_ItemsDict, (self.arg,))
+
+    Crafted.__module__, Crafted.__qualname__ = _ItemsDict.__module__, _ItemsDict.__qualname__
+    for arg in (np.broadcast_to(np.zeros(1), (2, 3 * 10**7)), ["x" * 100_000] * 1_000):
+        c = Crafted()
+        c.arg = arg
+        with pytest.raises(ValueError, match=r"^loads: the frame's reduced objects' args would copy more than "
+                                             r"max_copies=\d+ items and bytes"):
+            devpickle.loads(devpickle.dumps(c, inline=True), classes=_ItemsDict)
+    # pairs that are lists, tuples or short rows are taken as they are
+    c = Crafted()
+    c.arg = [["a", 1], ("b", 2)]
+    assert devpickle.loads(devpickle.dumps(c), classes=_ItemsDict) == {"a": 1, "b": 2}
+    c.arg = np.arange(4).reshape(2, 2)
+    assert devpickle.loads(devpickle.dumps(c, inline=True), classes=_ItemsDict) == {0: 1, 2: 3}
+
+
 def test_a_class_and_a_function_listed_by_one_name_are_a_value_error_never_one_returned_for_the_other():
     # classes= refused two classes of one name, but a class and a function of
     # one name were both taken: the frame's function came back as the class
