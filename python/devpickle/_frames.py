@@ -893,7 +893,10 @@ def _reduced_make(cls, parts, classes, copies):
     member = None
     if fn is cls:
         new_args = args
-    elif (_global_name(fn) == "builtins.getattr" or fn is getattr) and issubclass(cls, enum.Enum) and args[:1] == (cls,):
+    elif (_global_name(fn) == "builtins.getattr" or fn is getattr) and issubclass(cls, enum.Enum) and args[:1] \
+            and args[0] is cls:
+        # args[0] is cls, never ==: the frame's value would answer the
+        # comparison (a stride-0 numpy view of 10^9 items compares each one)
         # an enum member: pickle reduces it to getattr(cls, name); the member
         # is looked up by name among the class's members, nothing is called
         if len(args) != 2 or type(args[1]) is not str:
