@@ -807,6 +807,18 @@ _ERROR_HANDLERS = frozenset({"strict", "ignore", "replace", "backslashreplace", 
 _REPR_GROWS = (list, tuple, dict, set, frozenset, collections.deque, Object)
 
 
+def _prints_items(x):
+    """Whether x is an array or tensor of one dimension or more: str()
+    prints it item by item, up to 6 a dimension once summarised — 6**16
+    items for a stride-0 view of 16 dimensions, which a frame holds in a
+    few bytes."""
+    for module, kind in (("numpy", "ndarray"), ("torch", "Tensor"), ("cupy", "ndarray")):
+        m = sys.modules.get(module)
+        if m is not None and isinstance(x, getattr(m, kind)):
+            return len(x.shape) > 0
+    return False
+
+
 def _check_text(label, cls, args, kwargs, via_new):
     """Refuses what str's or bytes' __new__ or bytearray's __init__ would
     look up by name (an encoding or error handler: their second and third
@@ -821,6 +833,11 @@ def _check_text(label, cls, args, kwargs, via_new):
             raise TypeError(f"loads: {label} was reduced with a {type(first).__name__} to render: str() of it is its "
                             "repr, which shows a node as often as it is referred to (loads makes a str subclass "
                             "of a str, bytes with an encoding, or a scalar)")
+        if issubclass(cls, str) and len(args) < 2 and "encoding" not in kwargs and _prints_items(first):
+            raise TypeError(f"loads: {label} was reduced with a {type(first).__name__} of shape {tuple(first.shape)} "
+                            "to render: str() of an array or tensor prints up to 6 items of each of its dimensions, "
+                            "however few bytes hold them (loads makes a str subclass of a str, bytes with an "
+                            "encoding, or a scalar)")
     elif not (issubclass(cls, bytearray) and not via_new and cls.__init__ is bytearray.__init__):
         return  # bytearray.__new__ ignores its arguments
     for what, at, allowed in (("encoding", 1, _TEXT_CODECS), ("error handler", 2, _ERROR_HANDLERS)):

@@ -2911,6 +2911,27 @@ def _made_with(cls, args, via_newobj):
     return devpickle.dumps(Crafted())
 
 
+def test_an_allowed_str_subclass_is_never_made_by_printing_an_array_or_tensor():
+    # str() of an array or tensor prints up to 6 items of each dimension: a
+    # stride-0 view of shape (7,) * 9, a 189-byte frame, made a 58 MB str in
+    # 60 s, and one of 16 dimensions would print 6**16 items
+    for arg in (np.broadcast_to(np.zeros(1), (7,) * 9), torch.zeros(1).expand(*(2,) * 16)):
+        class Crafted:
+            def __reduce__(self):
+                return (Text, (arg,))
+
+        Crafted.__module__, Crafted.__qualname__ = Text.__module__, Text.__qualname__
+        shape = re.escape(str(tuple(arg.shape)))
+        with pytest.raises(TypeError, match=rf"^loads: {__name__}\.Text was reduced with a (ndarray|Tensor) of shape "
+                                            rf"{shape} to render: str\(\) of an array or tensor prints up to 6 items "
+                                            r"of each of its dimensions, however few bytes hold them \(loads makes a "
+                                            r"str subclass of a str, bytes with an encoding, or a scalar\), at \$$"):
+            devpickle.loads(devpickle.dumps(Crafted(), inline=True), classes=Text)
+    # a 0-d array is a scalar, printed as one
+    arg = np.array(1.5)
+    assert devpickle.loads(devpickle.dumps(Crafted(), inline=True), classes=Text) == "1.5"
+
+
 @pytest.mark.parametrize("cls, text", [(Blob, "abc"), (BlobArray, "abc"), (Text, b"abc")])
 @pytest.mark.parametrize("via_newobj", [True, False])
 def test_an_allowed_str_or_bytes_subclass_takes_no_codec_named_by_the_frame(cls, text, via_newobj):
