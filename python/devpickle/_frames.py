@@ -851,6 +851,41 @@ def _check_text(label, cls, args, kwargs, via_new):
                             f"a name from the frame (it takes {', '.join(sorted(allowed))})")
 
 
+# what an Enum class called with a value (EnumMeta.__call__, Enum.__new__)
+# takes from a frame: values whose hash, == and repr are as long as they are
+_ENUM_VALUES = (str, bytes, int, float, complex, bool, type(None))
+
+
+def _check_enum_value(label, cls, args, kwargs, copies):
+    """Refuses an Enum class's call with anything but one value, a scalar or
+    a tuple of scalars, or one of its members: Enum.__new__ hashes the
+    value, compares it with each member's when it cannot (a numpy array's
+    == compares each of its items: a stride-0 view of 2**40) and puts its
+    repr in the ValueError for one that is no member — a list holding one
+    list twice, 40 levels deep, is a 400-byte frame whose repr is 2**40
+    items; with more arguments EnumMeta makes a new class. A tuple's items
+    are charged as hashing them is (shared ones once per use)."""
+    if kwargs or len(args) != 1:
+        raise TypeError(f"loads: {label} is an Enum class reduced with {len(args)} args and {len(kwargs)} keyword "
+                        "args: loads calls it only with one value, to give that value's member")
+    value = args[0]
+    if type(value) is cls:
+        return
+    todo, seen = [value], set()
+    while todo:
+        v = todo.pop()
+        if type(v) is tuple:
+            if id(v) not in seen:
+                seen.add(id(v))
+                todo.extend(v)
+        elif type(v) not in _ENUM_VALUES:
+            raise TypeError(f"loads: {label} is an Enum class reduced with a value that holds a {type(v).__name__}: "
+                            "loads looks a member up by a str, bytes, int, float, complex, bool or None, or a tuple "
+                            "of them (Enum compares any other value with each member's and shows its repr when "
+                            "none is equal)")
+    copies.hashes("Enum values", [value])
+
+
 def reduced(cls, parts, classes, copies):
     """An allowed class from its reduce parts (made, then filled)."""
     obj, stand_in = _reduced_make(cls, parts, classes, copies)
@@ -944,6 +979,8 @@ def _reduced_make(cls, parts, classes, copies):
         new_args = ()
     else:
         _check_text(label, cls, new_args, new_kwargs, fn is not cls)
+        if issubclass(cls, enum.Enum):
+            _check_enum_value(label, cls, new_args, new_kwargs, copies)
     copies.charge("reduced objects' args", _args_size(cls, new_args + tuple(new_kwargs.values())))
     if member is None and issubclass(cls, _HASHING):  # set(a list), dict(pairs), Counter(an array): hashes each item
         for a in new_args + tuple(new_kwargs.values()):

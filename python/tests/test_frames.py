@@ -984,6 +984,47 @@ def test_an_enum_member_reduce_is_matched_by_its_class_itself_never_compared_wit
     assert devpickle.loads(devpickle.dumps(_Mode.A), classes=_Mode) is _Mode.A
 
 
+def test_an_allowed_enum_class_is_called_only_with_one_scalar_value_or_a_tuple_of_them():
+    # Enum.__new__ compares a value it cannot hash with each member's and
+    # puts its repr in the ValueError for a value that is no member: a list
+    # holding one list twice, 22 levels deep (a 277-byte frame), took 1.8 s
+    # to render, each level more twice that; a stride-0 numpy view was
+    # compared item by item
+    def reduced_to(*args):
+        class Crafted:
+            def __reduce__(self):
+                return (_Mode, args)
+
+        Crafted.__module__, Crafted.__qualname__ = _Mode.__module__, _Mode.__qualname__
+        return devpickle.dumps(Crafted(), inline=True)
+
+    x = [1]
+    for _ in range(22):
+        x = [x, x]
+    for value, kind in ((x, "list"), (np.broadcast_to(np.zeros(1), (3 * 10**7,)), "ndarray"),
+                        (("a", [1]), "list"), (devpickle.Object("m.C"), "Object")):
+        with pytest.raises(TypeError, match=rf"^loads: {__name__}\._Mode is an Enum class reduced with a value that "
+                                            rf"holds a {kind}: loads looks a member up by a str, bytes, int, float, "
+                                            r"complex, bool or None, or a tuple of them \(Enum compares any other "
+                                            r"value with each member's and shows its repr when none is equal\), at \$$"):
+            devpickle.loads(reduced_to(value), classes=_Mode)
+    with pytest.raises(TypeError, match=rf"^loads: {__name__}\._Mode is an Enum class reduced with 2 args and 0 "
+                                        r"keyword args: loads calls it only with one value, to give that value's "
+                                        r"member, at \$$"):
+        devpickle.loads(reduced_to("Other", "A B"), classes=_Mode)
+    t = (1,)
+    for _ in range(22):
+        t = (t, t)
+    with pytest.raises(ValueError, match=r"^loads: the frame's Enum values would hash more than max_copies=\d+ tuple "
+                                         r"items"):
+        devpickle.loads(reduced_to(t), classes=_Mode)
+    # a member's value, a tuple of them or a member itself gives the member
+    assert devpickle.loads(reduced_to("b"), classes=_Mode) is _Mode.B
+    with pytest.raises(ValueError, match=r"^\('a', 1\) is not a valid _Mode"):
+        devpickle.loads(reduced_to(("a", 1)), classes=_Mode)
+    assert devpickle.loads(devpickle.dumps([_Perm(0), _Perm.R | _Perm.W]), classes=_Perm) == [_Perm(0), _Perm(3)]
+
+
 def test_a_class_and_a_function_listed_by_one_name_are_a_value_error_never_one_returned_for_the_other():
     # classes= refused two classes of one name, but a class and a function of
     # one name were both taken: the frame's function came back as the class
