@@ -975,6 +975,12 @@ def _reduced_make(cls, parts, classes, copies):
         new_args, new_kwargs = args[1], args[2]
     else:
         return Object(label, parts), True  # not a call loads makes: it holds the parts
+    if cls is Object and fn is not cls:
+        # Object.__new__ (object's) makes one without the class name and
+        # attributes its __init__ sets: an Object whose repr, == and
+        # refusals raise AttributeError
+        raise TypeError(f"loads: {label} was reduced with copyreg.__newobj__ or __newobj_ex__, not as dumps writes "
+                        "a devpickle.Object: (Object, (a str class name,), its attributes)")
     if member is not None:
         new_args = ()
     else:

@@ -1025,6 +1025,26 @@ def test_an_allowed_enum_class_is_called_only_with_one_scalar_value_or_a_tuple_o
     assert devpickle.loads(devpickle.dumps([_Perm(0), _Perm.R | _Perm.W]), classes=_Perm) == [_Perm(0), _Perm(3)]
 
 
+def test_a_listed_devpickle_object_is_made_only_from_its_own_reduce_never_through_copyreg_newobj():
+    # copyreg.__newobj__(Object, "m.C") made an Object through object.__new__,
+    # without the class name its __init__ sets: its repr, == and every
+    # refusal raised AttributeError('__class_name__')
+    for fn, args in (("copyreg.__newobj__", (devpickle.Object, "m.C")),
+                     ("copyreg.__newobj_ex__", (devpickle.Object, ("m.C",), {}))):
+        class Crafted:
+            def __reduce__(self):
+                return (named_as(fn), args, {"a": 1})
+
+        Crafted.__module__, Crafted.__qualname__ = "devpickle._object", "Object"
+        with pytest.raises(TypeError, match=r"^loads: devpickle\._object\.Object was reduced with "
+                                            r"copyreg\.__newobj__ or __newobj_ex__, not as dumps writes a "
+                                            r"devpickle\.Object: \(Object, \(a str class name,\), its attributes\), "
+                                            r"at \$$"):
+            devpickle.loads(devpickle.dumps(Crafted()), classes=devpickle.Object)
+    o = devpickle.Object("m.C", {"a": 1})
+    assert devpickle.loads(devpickle.dumps(o), classes=devpickle.Object) == o
+
+
 def test_a_class_and_a_function_listed_by_one_name_are_a_value_error_never_one_returned_for_the_other():
     # classes= refused two classes of one name, but a class and a function of
     # one name were both taken: the frame's function came back as the class
