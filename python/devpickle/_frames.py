@@ -842,6 +842,11 @@ def _check_text(label, cls, args, kwargs, via_new):
         return  # bytearray.__new__ ignores its arguments
     for what, at, allowed in (("encoding", 1, _TEXT_CODECS), ("error handler", 2, _ERROR_HANDLERS)):
         name = args[at] if len(args) > at else kwargs.get("encoding" if at == 1 else "errors")
+        if isinstance(name, str):
+            # the characters CPython reads: an allowed str subclass's own ==
+            # and hash would answer the check for them ('Strict' equal to
+            # 'strict')
+            name = str.__str__(name)
         # CPython normalizes an encoding's name before it looks for a codec
         # it knows without a lookup, but matches an error handler's exactly:
         # any other spelling ('Strict') is looked up in codecs' registry

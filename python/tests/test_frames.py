@@ -3040,6 +3040,23 @@ def test_an_error_handler_is_taken_only_as_cpython_spells_it_and_none_registered
     assert ran == []
     made = devpickle.loads(_made_with(Text, (b"a\xffb", "ascii", "replace"), False), classes=Text)
     assert made == "a\ufffdb"
+    # a name that is an allowed str subclass is checked by its characters,
+    # which CPython reads, never by the subclass's own == and hash
+    with pytest.raises(TypeError, match="with the error handler 'Strict': loads looks no codec up"):
+        devpickle.loads(_made_with(cls, (bad, "ascii", _LaxName("Strict")), False), classes=(cls, _LaxName))
+    with pytest.raises(TypeError, match="with the encoding 'cp875': loads looks no codec up"):
+        devpickle.loads(_made_with(cls, (bad, _LaxName("cp875")), False), classes=(cls, _LaxName))
+    assert ran == []
+
+
+class _LaxName(str):
+    """A str equal to any other, hashed as 'strict'."""
+
+    def __eq__(self, other):
+        return True
+
+    def __hash__(self):
+        return hash("strict")
 
 
 class Unlisted:
