@@ -546,7 +546,21 @@ def _args_size(cls, args):
         # frame's int64, a numpy integer: bytes() takes any __index__) is
         # charged as the bytes it makes, a buffer (an array) as its bytes
         n += sum(_bytes_made(x) for x in args if not isinstance(x, (str, bytes, bytearray)))
+    elif issubclass(cls, str):
+        # str(a buffer, encoding) decodes all its bytes, however few its
+        # first dimension counts: an array of shape (1, 10**6), 1,000 times
+        # (a 1 MB frame), made 1 GB of str
+        n += sum(_buffer_bytes(x) for x in args if not isinstance(x, (str, bytes, bytearray)))
     return n
+
+
+def _buffer_bytes(x):
+    """The bytes of buffer x (none for an object that is no buffer)."""
+    try:
+        with memoryview(x) as m:
+            return m.nbytes
+    except TypeError:
+        return 0
 
 
 def _items_made(x):

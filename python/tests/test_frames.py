@@ -2972,6 +2972,26 @@ def _made_with(cls, args, via_newobj):
     return devpickle.dumps(Crafted())
 
 
+def test_an_allowed_str_subclass_decoded_from_an_array_is_charged_its_bytes():
+    # str(a, encoding) decodes all of a's bytes, and only a's first
+    # dimension was charged: 1,000 str subclasses over one inline array of
+    # shape (1, 10**6), a 1 MB frame, made 1 GB of str
+    a = np.full((1, 10**6), 65, np.uint8)
+
+    class Crafted:
+        def __reduce__(self):
+            return (Text, (a, "latin-1"))
+
+    Crafted.__module__, Crafted.__qualname__ = Text.__module__, Text.__qualname__
+    frame = devpickle.dumps([Crafted() for _ in range(1000)], inline=True)
+    with pytest.raises(ValueError, match=r"^loads: the frame's reduced objects' args would copy more than "
+                                         r"max_copies=\d+ items and bytes .*, at \$\[\d+\]$"):
+        devpickle.loads(frame, classes=Text)
+    made = devpickle.loads(devpickle.dumps([Crafted() for _ in range(3)], inline=True), classes=Text)
+    assert made == ["A" * 10**6] * 3 and type(made[0]) is Text
+    assert devpickle.loads(_made_with(Text, (10**9,), False), classes=Text) == "1000000000"
+
+
 def test_an_allowed_str_subclass_is_never_made_by_printing_an_array_or_tensor():
     # str() of an array or tensor prints up to 6 items of each dimension: a
     # stride-0 view of shape (7,) * 9, a 189-byte frame, made a 58 MB str in
