@@ -1010,10 +1010,12 @@ def _reduced_make(cls, parts, classes, copies):
     if member is None and issubclass(cls, _HASHING):  # set(a list), dict(pairs), Counter(an array): hashes each item
         for a in new_args + tuple(new_kwargs.values()):
             if issubclass(cls, dict):
-                # dict(x) calls x.keys() when x has one, looked up on the
-                # instance: a frame's value there (a devpickle.Object's
-                # attribute, a listed function) would be called by loads
-                _method(a, "keys", getattr(a, "keys", None), classes, f"{label}'s argument")
+                # dict(x) calls x.keys() when x has one, and OrderedDict(x)
+                # x.items() too, looked up on the instance: a frame's value
+                # there (a devpickle.Object's attribute, a listed function)
+                # would be called by loads
+                for name in ("keys", "items"):
+                    _method(a, name, getattr(a, name, None), classes, f"{label}'s argument")
             items = _hashed_items(a)
             if items is not None:
                 copies.hashes("reduced objects' args", items)

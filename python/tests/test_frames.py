@@ -909,7 +909,7 @@ def test_a_listed_function_or_class_a_frame_puts_where_extend_or_setstate_is_loo
     assert type(back) is cls and back == {"f": _listed_value_called}
 
 
-def test_a_listed_function_a_frame_puts_where_dict_looks_up_keys_is_never_called(tmp_path):
+def test_a_listed_function_a_frame_puts_where_dict_looks_up_keys_or_items_is_never_called(tmp_path):
     # dict(x), which an allowed dict subclass's reduce (cls, (x,)) runs, calls
     # x.keys() when x has one, looked up on the instance: a devpickle.Object's
     # attribute `keys` holding a listed function had loads call it
@@ -928,6 +928,14 @@ def test_a_listed_function_a_frame_puts_where_dict_looks_up_keys_is_never_called
                                             r"frame, at \$$"):
             devpickle.loads(frame, classes=[_ItemsDict, Node, _listed_value_called])
         assert _listed_value_called.calls == []
+    # OrderedDict(x) calls x.items() too, found so
+    frame = _packed(tmp_path, {"$object": "collections.OrderedDict", "attrs": {
+        "<callable>": glob("collections.OrderedDict"),
+        "<args>": {"$tuple": [{"$object": "evil.Thing", "attrs": {"items": glob(fname)}}]}}})
+    with pytest.raises(TypeError, match=r"^loads: collections.OrderedDict's argument's items is <function "
+                                        r"_listed_value_called at 0x[0-9a-f]+>, a value of the frame .*, at \$$"):
+        devpickle.loads(frame, classes=[collections.OrderedDict, _listed_value_called])
+    assert _listed_value_called.calls == []
     # on a dict subclass's instance, `keys` is what dict(x) and {**x} call
     # when its __iter__ is not dict's (an OrderedDict): never set from a frame
     frame = _packed(tmp_path, {"$object": "collections.OrderedDict", "attrs": {"keys": glob(fname)}})
