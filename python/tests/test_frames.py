@@ -4336,6 +4336,33 @@ def test_an_allowed_dict_subclass_takes_no_attribute_items_which_pickle_and_copy
     assert devpickle.loads(devpickle.dumps(d), classes=_ItemsDict) == d
 
 
+class _AppendList(list):
+    pass
+
+
+def test_an_allowed_list_subclass_takes_no_attribute_append_which_copy_calls_for_its_items(tmp_path):
+    # copy.copy and copy.deepcopy set a list subclass's state, then call
+    # append for each item: a frame's `append`, a listed function, was
+    # called with each item of the loaded list once it was copied
+    label = f"{__name__}._AppendList"
+    fn = {"$object": "devpickle.global", "attrs": {"name": f"{__name__}._listed_value_called"}}
+    for frame in (_packed(tmp_path, {"$object": label, "attrs": {"append": fn}}),
+                  _packed(tmp_path, {"$object": label, "attrs": {
+                      "<callable>": {"$object": "devpickle.global", "attrs": {"name": label}},
+                      "<listitems>": [1, 2], "<state>": {"append": fn}}})):
+        with pytest.raises(TypeError, match=rf"^loads: {label}'s attributes \['append'\] are names numpy, torch, "
+                                            r"copy and pickle look up on the instance: .*, at \$$"):
+            devpickle.loads(frame, classes=[_AppendList, _listed_value_called])
+    assert _listed_value_called.calls == []
+    # a plain object of another class keeps an attribute of that name
+    back = devpickle.loads(_packed(tmp_path, {"$object": f"{__name__}.Node", "attrs": {"append": [1]}}), classes=Node)
+    assert back.append == [1]
+    x = _AppendList([1, 2])
+    x.tag = "t"
+    back = devpickle.loads(devpickle.dumps(x), classes=_AppendList)
+    assert back == x and back.tag == "t" and copy.deepcopy(back) == x
+
+
 def test_a_buffer_whose_exporter_refuses_is_a_type_error_naming_it_and_the_path():
     # memoryview() of a datetime64 array raises numpy's ValueError, which
     # passed through loads without its prefix or the path
