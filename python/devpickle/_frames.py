@@ -826,6 +826,22 @@ _ERROR_HANDLERS = frozenset({"strict", "ignore", "replace", "backslashreplace", 
 _REPR_GROWS = (list, tuple, dict, set, frozenset, collections.deque, Object)
 
 
+def _scalar(x):
+    """Whether str(x) renders x alone: None, a str, bytes or number (their
+    subclasses by their own code), a numpy scalar, or a 0-d array or
+    tensor."""
+    if x is None or isinstance(x, (str, bytes, bytearray, int, float, complex)):
+        return True
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.generic):
+        return True
+    for module, kind in (("numpy", "ndarray"), ("torch", "Tensor"), ("cupy", "ndarray")):
+        m = sys.modules.get(module)
+        if m is not None and isinstance(x, getattr(m, kind)):
+            return len(x.shape) == 0
+    return False
+
+
 def _prints_items(x):
     """Whether x is an array or tensor of one dimension or more: str()
     prints it item by item, up to 6 a dimension once summarised — 6**16
@@ -856,6 +872,11 @@ def _check_text(label, cls, args, kwargs, via_new):
             raise TypeError(f"loads: {label} was reduced with a {type(first).__name__} of shape {tuple(first.shape)} "
                             "to render: str() of an array or tensor prints up to 6 items of each of its dimensions, "
                             "however few bytes hold them (loads makes a str subclass of a str, bytes with an "
+                            "encoding, or a scalar)")
+        if issubclass(cls, str) and len(args) < 2 and "encoding" not in kwargs and not _scalar(first):
+            raise TypeError(f"loads: {label} was reduced with a {class_label(type(first))} to render: str() of it "
+                            "runs its class's repr, which may show a node as often as it is referred to (a "
+                            "dataclass's shows each field; loads makes a str subclass of a str, bytes with an "
                             "encoding, or a scalar)")
     elif not (issubclass(cls, bytearray) and not via_new and cls.__init__ is bytearray.__init__):
         return  # bytearray.__new__ ignores its arguments
