@@ -826,6 +826,16 @@ _ERROR_HANDLERS = frozenset({"strict", "ignore", "replace", "backslashreplace", 
 _REPR_GROWS = (list, tuple, dict, set, frozenset, collections.deque, Object)
 
 
+def _array_ndim(x):
+    """x's number of dimensions when it is a numpy or cupy array or a torch
+    tensor, else None."""
+    for module, kind in (("numpy", "ndarray"), ("torch", "Tensor"), ("cupy", "ndarray")):
+        m = sys.modules.get(module)
+        if m is not None and isinstance(x, getattr(m, kind)):
+            return len(x.shape)
+    return None
+
+
 def _scalar(x):
     """Whether str(x) renders x alone: None, a str, bytes or number (their
     subclasses by their own code), a numpy scalar, or a 0-d array or
@@ -833,51 +843,39 @@ def _scalar(x):
     if x is None or isinstance(x, (str, bytes, bytearray, int, float, complex)):
         return True
     np = sys.modules.get("numpy")
-    if np is not None and isinstance(x, np.generic):
-        return True
-    for module, kind in (("numpy", "ndarray"), ("torch", "Tensor"), ("cupy", "ndarray")):
-        m = sys.modules.get(module)
-        if m is not None and isinstance(x, getattr(m, kind)):
-            return len(x.shape) == 0
-    return False
+    return np is not None and isinstance(x, np.generic) or _array_ndim(x) == 0
 
 
-def _prints_items(x):
-    """Whether x is an array or tensor of one dimension or more: str()
-    prints it item by item, up to 6 a dimension once summarised — 6**16
-    items for a stride-0 view of 16 dimensions, which a frame holds in a
-    few bytes."""
-    for module, kind in (("numpy", "ndarray"), ("torch", "Tensor"), ("cupy", "ndarray")):
-        m = sys.modules.get(module)
-        if m is not None and isinstance(x, getattr(m, kind)):
-            return len(x.shape) > 0
-    return False
+def _not_rendered(label, x):
+    """The TypeError for a str subclass that str() would make by rendering x,
+    which is no scalar."""
+    tail = "(loads makes a str subclass of a str, bytes with an encoding, or a scalar)"
+    if isinstance(x, _REPR_GROWS):
+        return TypeError(f"loads: {label} was reduced with a {type(x).__name__} to render: str() of it is its repr, "
+                         f"which shows a node as often as it is referred to {tail}")
+    if _array_ndim(x) is not None:
+        # numpy's and torch's summaries: 6**16 items for a stride-0 view of
+        # 16 dimensions, which a frame holds in a few bytes
+        return TypeError(f"loads: {label} was reduced with a {type(x).__name__} of shape {tuple(x.shape)} to render: "
+                         "str() of an array or tensor prints up to 6 items of each of its dimensions, however few "
+                         f"bytes hold them {tail}")
+    return TypeError(f"loads: {label} was reduced with a {class_label(type(x))} to render: str() of it runs its "
+                     "class's repr, which may show a node as often as it is referred to (a dataclass's shows each "
+                     "field; loads makes a str subclass of a str, bytes with an encoding, or a scalar)")
 
 
 def _check_text(label, cls, args, kwargs, via_new):
     """Refuses what str's or bytes' __new__ or bytearray's __init__ would
     look up by name (an encoding or error handler: their second and third
-    arguments, or encoding= and errors=), and a container str() would render
-    by its repr; a subclass with a __new__ (an __init__, for bytearray) of
+    arguments, or encoding= and errors=), and anything but a scalar that
+    str() would render (a container's repr, an array's items); a subclass with a __new__ (an __init__, for bytearray) of
     its own takes them as its own code does."""
     if issubclass(cls, (str, bytes)):
         if cls.__new__ is not (str if issubclass(cls, str) else bytes).__new__:
             return
         first = args[0] if args else kwargs.get("object")
-        if issubclass(cls, str) and len(args) < 2 and "encoding" not in kwargs and isinstance(first, _REPR_GROWS):
-            raise TypeError(f"loads: {label} was reduced with a {type(first).__name__} to render: str() of it is its "
-                            "repr, which shows a node as often as it is referred to (loads makes a str subclass "
-                            "of a str, bytes with an encoding, or a scalar)")
-        if issubclass(cls, str) and len(args) < 2 and "encoding" not in kwargs and _prints_items(first):
-            raise TypeError(f"loads: {label} was reduced with a {type(first).__name__} of shape {tuple(first.shape)} "
-                            "to render: str() of an array or tensor prints up to 6 items of each of its dimensions, "
-                            "however few bytes hold them (loads makes a str subclass of a str, bytes with an "
-                            "encoding, or a scalar)")
         if issubclass(cls, str) and len(args) < 2 and "encoding" not in kwargs and not _scalar(first):
-            raise TypeError(f"loads: {label} was reduced with a {class_label(type(first))} to render: str() of it "
-                            "runs its class's repr, which may show a node as often as it is referred to (a "
-                            "dataclass's shows each field; loads makes a str subclass of a str, bytes with an "
-                            "encoding, or a scalar)")
+            raise _not_rendered(label, first)
     elif not (issubclass(cls, bytearray) and not via_new and cls.__init__ is bytearray.__init__):
         return  # bytearray.__new__ ignores its arguments
     for what, at, allowed in (("encoding", 1, _TEXT_CODECS), ("error handler", 2, _ERROR_HANDLERS)):
@@ -992,10 +990,10 @@ def _reduced_make(cls, parts, classes, copies):
         new_args = args
     elif (_global_name(fn) == "builtins.getattr" or fn is getattr) and issubclass(cls, enum.Enum) and args[:1] \
             and args[0] is cls:
-        # args[0] is cls, never ==: the frame's value would answer the
-        # comparison (a stride-0 numpy view of 10^9 items compares each one)
         # an enum member: pickle reduces it to getattr(cls, name); the member
         # is looked up by name among the class's members, nothing is called
+        # (args[0] is cls, never ==: the frame's value would answer that
+        # comparison, a stride-0 numpy view of 10**9 items item by item)
         if len(args) != 2 or type(args[1]) is not str:
             raise TypeError(f"loads: {label} was reduced with getattr and args that are not (cls, a str name)")
         member = cls.__members__.get(args[1])
