@@ -376,7 +376,9 @@ def _setstate(obj):
 
 def _method(obj, name, found, classes, label):
     """found (obj's `name`, looked up on the instance as pickle looks it up:
-    __setstate__, extend, append), unless it is a value of the frame — a
+    __setstate__, extend, append; or, obj being a dict subclass's argument,
+    as dict() and OrderedDict() look up keys and items), unless it is a
+    value of the frame — a
     class or function listed in classes=, or an instance of a listed class —
     put where the lookup finds it by the frame's own data: an instance
     attribute (a class whose __init__ does self.__dict__ = self, an
