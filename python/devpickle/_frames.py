@@ -427,9 +427,9 @@ _INSTANCE_PROTOCOL = frozenset({
 # {**x} and dict.update call on one whose __iter__ is not dict's (an
 # OrderedDict): a listed function there was called by them
 _DICT_INSTANCE_PROTOCOL = _INSTANCE_PROTOCOL | {"items", "keys"}
-# and, on a list subclass's instance, what copy.copy and copy.deepcopy call
-# for its items once its state is set: a frame's `append` there, a listed
-# function, was called with each item
+# and, on a list or deque subclass's instance, what copy.deepcopy (and, for
+# a list, copy.copy) calls for its items once its state is set: a frame's
+# `append` there, a listed function, was called with each item
 _LIST_INSTANCE_PROTOCOL = _INSTANCE_PROTOCOL | {"append"}
 
 
@@ -440,7 +440,7 @@ def _set_state(obj, state, slots):
     attribute of _INSTANCE_PROTOCOL's names (and a dict's `items`) is a
     TypeError too."""
     names = (_DICT_INSTANCE_PROTOCOL if isinstance(obj, dict) else
-             _LIST_INSTANCE_PROTOCOL if isinstance(obj, list) else _INSTANCE_PROTOCOL)
+             _LIST_INSTANCE_PROTOCOL if isinstance(obj, (list, collections.deque)) else _INSTANCE_PROTOCOL)
     protocol = sorted(k for k in state if k in names)
     if protocol:
         raise TypeError(f"loads: {class_label(type(obj))}'s attributes {protocol!r} are names numpy, torch, copy and "

@@ -4364,11 +4364,17 @@ class _AppendList(list):
     pass
 
 
-def test_an_allowed_list_subclass_takes_no_attribute_append_which_copy_calls_for_its_items(tmp_path):
-    # copy.copy and copy.deepcopy set a list subclass's state, then call
-    # append for each item: a frame's `append`, a listed function, was
-    # called with each item of the loaded list once it was copied
-    label = f"{__name__}._AppendList"
+class _AppendDeque(collections.deque):
+    pass
+
+
+@pytest.mark.parametrize("cls", [_AppendList, _AppendDeque])
+def test_an_allowed_list_subclass_takes_no_attribute_append_which_copy_calls_for_its_items(tmp_path, cls):
+    # copy.deepcopy (and copy.copy of a list) sets a list or deque
+    # subclass's state, then calls append for each item: a frame's
+    # `append`, a listed function, was called with each item of the loaded
+    # list once it was copied
+    label = f"{__name__}.{cls.__qualname__}"
     fn = {"$object": "devpickle.global", "attrs": {"name": f"{__name__}._listed_value_called"}}
     for frame in (_packed(tmp_path, {"$object": label, "attrs": {"append": fn}}),
                   _packed(tmp_path, {"$object": label, "attrs": {
@@ -4376,14 +4382,14 @@ def test_an_allowed_list_subclass_takes_no_attribute_append_which_copy_calls_for
                       "<listitems>": [1, 2], "<state>": {"append": fn}}})):
         with pytest.raises(TypeError, match=rf"^loads: {label}'s attributes \['append'\] are names numpy, torch, "
                                             r"copy and pickle look up on the instance: .*, at \$$"):
-            devpickle.loads(frame, classes=[_AppendList, _listed_value_called])
+            devpickle.loads(frame, classes=[cls, _listed_value_called])
     assert _listed_value_called.calls == []
     # a plain object of another class keeps an attribute of that name
     back = devpickle.loads(_packed(tmp_path, {"$object": f"{__name__}.Node", "attrs": {"append": [1]}}), classes=Node)
     assert back.append == [1]
-    x = _AppendList([1, 2])
+    x = cls([1, 2])
     x.tag = "t"
-    back = devpickle.loads(devpickle.dumps(x), classes=_AppendList)
+    back = devpickle.loads(devpickle.dumps(x), classes=cls)
     assert back == x and back.tag == "t" and copy.deepcopy(back) == x
 
 
