@@ -1171,6 +1171,17 @@ def _check_contiguous(source, key):
                          "end to end (numpy.ascontiguousarray or .contiguous() makes such a copy)")
 
 
+def _plain_bytes(np, x):
+    """Whether x is flat uint8 memory of numpy's own type over memory that
+    numpy's own arrays hold, without objects: raw()'s answer for an array
+    that owns its memory, in which no check of _check_contiguous's finds
+    anything to refuse (an exact type: no subclass's attributes answer)."""
+    if type(x) is not np.ndarray or x.dtype != np.uint8 or x.ndim != 1 or not x.flags.c_contiguous:
+        return False
+    b = x.base
+    return b is None or (type(b) is np.ndarray and b.base is None and not b.dtype.hasobject)
+
+
 def _flat(kind, device, source, cache, key, nbytes, inline):
     """The whole buffer as a flat uint8 array of the kind wanted, made once
     per buffer and kind so that views of one storage share it (cache[key]:
@@ -1199,7 +1210,10 @@ def _flat(kind, device, source, cache, key, nbytes, inline):
             # it holds no memory: said as a missing buffer is
             raise ValueError(f"loads: buffers[{key}] is a released memoryview: buffer {key} ({device}, {nbytes} bytes) "
                              "needs its bytes") from None
-    _check_contiguous(source, key)
+    np = sys.modules.get("numpy")
+    plain = kind == "numpy.ndarray" and np is not None and _plain_bytes(np, source)
+    if not plain:
+        _check_contiguous(source, key)
     if kind != "torch.Tensor" and torch is not None and isinstance(source, torch.Tensor):
         if source.device.type != "cpu":
             raise TypeError(f"loads: a {kind} over a torch tensor on {source.device}")
@@ -1236,7 +1250,7 @@ def _flat(kind, device, source, cache, key, nbytes, inline):
         np = _numpy()
         if device != "cpu":  # a frame dumps never writes: numpy arrays are cpu memory
             raise _cannot(kind, device, key, "a numpy array is cpu memory")
-        flat = np.frombuffer(source, dtype=np.uint8)
+        flat = source if plain else np.frombuffer(source, dtype=np.uint8)
     else:
         cupy = sys.modules["cupy"]
         flat = source if isinstance(source, cupy.ndarray) else cupy.asarray(bytearray(source), dtype=cupy.uint8)
