@@ -55,7 +55,7 @@ static int b64_val(char c) {
 int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n) {
   if (len % 4) return -1;
   uint8_t *p = malloc(len / 4 * 3 + 1);
-  if (!p) return -1;
+  if (!p) return -2;
   size_t k = 0, i = 0;
   /* every block but the last has no padding: four table reads, one test */
   for (; i + 4 < len; i += 4, k += 3) {
@@ -1099,8 +1099,10 @@ static __attribute__((noinline)) int read_tensor(rd_t *r, json_t *t, dp_value_t 
   uint8_t *bytes = NULL;
   size_t n = 0;
   if (data) {
-    if (vjson_b64_decode(json_string_value(data), json_string_length(data), &bytes, &n) != 0)
-      return fail(r, DP_EINVAL, "tensor data is not canonical base64 (RFC 4648, padded, unused bits zero)");
+    int brc = vjson_b64_decode(json_string_value(data), json_string_length(data), &bytes, &n);
+    if (brc == -2) return fail(r, DP_ENOMEM, "out of memory decoding tensor data (%zu characters of base64)",
+                               json_string_length(data));
+    if (brc) return fail(r, DP_EINVAL, "tensor data is not canonical base64 (RFC 4648, padded, unused bits zero)");
     if (n != nbytes) {
       free(bytes);
       return fail(r, DP_EINVAL, "tensor data has %zu byte%s, nbytes says %zu", n, n == 1 ? "" : "s", nbytes);
@@ -1479,9 +1481,10 @@ static int read_value(rd_t *r, json_t *j, dp_value_t *out, int depth) {
       uint8_t *p;
       size_t n;
       if (json_object_size(j) != 1) return fail(r, DP_EINVAL, "$bytes takes no other fields");
-      if (!json_is_string(x) ||
-          vjson_b64_decode(json_string_value(x), json_string_length(x), &p, &n) != 0)
-        return fail(r, DP_EINVAL, "$bytes must be a canonical base64 string (RFC 4648, padded, unused bits zero)");
+      int brc = json_is_string(x) ? vjson_b64_decode(json_string_value(x), json_string_length(x), &p, &n) : -1;
+      if (brc == -2) return fail(r, DP_ENOMEM, "out of memory decoding $bytes (%zu characters of base64)",
+                                 json_string_length(x));
+      if (brc) return fail(r, DP_EINVAL, "$bytes must be a canonical base64 string (RFC 4648, padded, unused bits zero)");
       rc = dp_bytes_new(p, n, out, &r->e);
       free(p);
       return check_err(r, rc, &r->e);

@@ -69,5 +69,9 @@ int vjson_float_text(double f, char *b, size_t cap);
 
 /* base64 */
 char *vjson_b64_encode(const uint8_t *p, size_t n);
+/* Decodes the len bytes at s (canonical base64: RFC 4648, padded, unused
+ * bits zero) into *out (malloc'd; the caller frees) and *n: 0; -1 when the
+ * text is not canonical base64, -2 when no memory for the bytes could be
+ * had (s is then not read). */
 int vjson_b64_decode(const char *s, size_t len, uint8_t **out, size_t *n);
 #endif
