@@ -368,8 +368,10 @@ static int instance_reduces(PyObject *o, int subclass_reduces) {
   PyObject *d = Py_NewRef(*dp); /* held: a key's __eq__ may replace it */
   int r = PyDict_GetItemWithError(d, dpy.str_reduce_ex) || PyDict_GetItemWithError(d, dpy.str_getstate);
   PyObject *k, *v;
+  /* a key that is no str is walked by pickle, and so is one of a str
+     subclass (reduced: its own attributes), which dumps carries as a name */
   for (Py_ssize_t pos = 0; !r && !PyErr_Occurred() && PyDict_Next(d, &pos, &k, &v);)
-    r = !PyUnicode_Check(k);
+    r = subclass_reduces ? !PyUnicode_CheckExact(k) : !PyUnicode_Check(k);
   Py_DECREF(d);
   return r ? 1 : PyErr_Occurred() ? -1 : 0;
 }

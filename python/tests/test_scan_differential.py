@@ -146,6 +146,23 @@ def test_an_instance_whose_dict_holds_a_key_that_is_not_a_str_is_reduced_and_the
                                          "$<reduce test_scan_differential.Plain>.state" + step]
 
 
+class Name(str):
+    """A str subclass with attributes of its own, which pickle carries."""
+
+
+def test_an_instance_whose_dict_holds_a_key_of_a_str_subclass_is_reduced_and_the_key_walked_as_pickle_walks_it():
+    # pickle reduces such a key as it reduces any str subclass: its own
+    # attributes too; read as an attribute name, the walk never met them
+    t, u = torch.ones(2), torch.zeros(3)
+    name = Name("k")
+    name.held = t
+    o = plain_with(x=u)
+    o.__dict__[name] = 1
+    got = devpickle.scan(o)
+    assert [a.ptr for a in got] == pickle_meets(o) == [storage_ptr(u), storage_ptr(t)]
+    assert got[1].path.startswith("$<reduce test_scan_differential.Plain>.state<key 1>"), got[1].path
+
+
 def test_an_instance_whose_dict_is_a_dict_subclass_is_reduced_and_that_dict_walked_as_any_value():
     # pickle saves that dict as it saves any value: its own attributes and
     # what its items() returns, not the entries a plain dict's read shows
