@@ -123,6 +123,20 @@ static int npscalar_holds_objects(PyObject *o) {
   return r;
 }
 
+/* An object reduced (types.SimpleNamespace, a class with a __reduce__, a
+ * plain object whose instance __dict__ pickle reduces) may carry a
+ * __cuda_array_interface__ in its instance __dict__: device memory to the
+ * libraries that read it with getattr (cupy, numba, torch), as for a plain
+ * object; then what pickle walks of it. */
+static int enter_reduce_iface(dpy_scanner_t *s, PyObject *o) {
+  if (Py_TYPE(o)->tp_dictoffset) {
+    int h = dpy_instance_cai(o);
+    if (h < 0) return dpy_walk_error(s, o, "its __dict__ cannot be read");
+    if (h && dpy_visit_iface(s, o, 1) < 0) return -1;
+  }
+  return dpy_enter_reduce(s, o);
+}
+
 /* Whether o is a builtin function pickle saves by name, a leaf (len,
  * print: a module's or none's), rather than a bound builtin method, which
  * it reduces to getattr(self, name) and so walks its __self__ (lst.append,
@@ -207,7 +221,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
     if (dpy_visit_iface(s, o, 0) < 0 || (reduced = dpy_dispatched(s, o)) < 0) return -1;
     /* fall through */
   case K_OBJECT: {
-    if (reduced) return dpy_enter_reduce(s, o);
+    if (reduced) return enter_reduce_iface(s, o);
     PyObject **dp = _PyObject_GetDictPtr(o);
     PyObject *d = dp ? *dp : NULL;
     if (!d) { /* a managed dict (3.11+): ask for it */
@@ -254,15 +268,7 @@ static int visit(dpy_scanner_t *s, PyObject *o) {
   case K_BUFFER:
     return dpy_visit_buffer(s, o);
   default:
-    /* an object reduced (types.SimpleNamespace, a class with a __reduce__)
-       may carry a __cuda_array_interface__ in its instance __dict__ too:
-       device memory to the libraries that read it, as for a plain object */
-    if (t->tp_dictoffset) {
-      int h = dpy_instance_cai(o);
-      if (h < 0) return dpy_walk_error(s, o, "its __dict__ cannot be read");
-      if (h && dpy_visit_iface(s, o, 1) < 0) return -1;
-    }
-    return dpy_enter_reduce(s, o);
+    return enter_reduce_iface(s, o);
   }
 }
 

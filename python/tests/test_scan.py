@@ -2102,12 +2102,34 @@ def test_a_cuda_array_interface_set_on_the_instance_is_device_memory_too():
     assert e.value.path == "$.w"
 
 
+def test_an_interface_set_on_an_instance_that_pickle_reduces_for_its_dict_keys_is_still_its_memory():
+    # a plain instance whose __dict__ holds a key that is no str (or one of
+    # a str subclass) is reduced, as pickle reduces it; the interface set on
+    # it is device memory all the same, as for any plain or reduced object
+    class Plain:
+        pass
+
+    class Name(str):
+        pass
+
+    cai = {"data": (0x200000, False), "shape": (8,), "typestr": "<f4", "version": 3}
+    t = torch.ones(2)
+    for key in (1, Name("k")):
+        o = Plain()
+        o.__cuda_array_interface__ = cai
+        o.__dict__[key] = t
+        got = devpickle.scan(o)
+        assert [(a.device, a.ptr, a.path) for a in got][:1] == [("cuda:0", 0x200000, "$")]
+        assert t.data_ptr() in [a.ptr for a in got]
+
+
 def test_an_instance_interface_read_by_code_that_replaces_the_instance_dict_is_walked_safely():
     # Looking the interface up in a plain instance's dict compares it with a
     # key of the same hash: a str subclass whose __eq__ replaces the
-    # instance's __dict__ frees the dict the walk entered, unless it holds it.
-    # (A class with a __getattribute__ of its own is reduced, as pickle
-    # reduces it, not entered so.)
+    # instance's __dict__ frees the dict the lookup reads, unless it holds it.
+    # (A key of a str subclass has the instance reduced, as pickle reduces
+    # it: the interface is looked up first, and the reduce then reads the
+    # __dict__ the key's __eq__ left, which holds the interface alone.)
     cai = {"data": (0x200000, False), "shape": (8,), "typestr": "<f4", "version": 3}
     box = []
 
@@ -2132,7 +2154,8 @@ def test_an_instance_interface_read_by_code_that_replaces_the_instance_dict_is_w
         s.__dict__["__cuda_array_interface__"] = cai
         s.__dict__.update({"t%d" % j: torch.ones(1) for j in range(20)})
         box[:] = [s]
-        assert len(devpickle.scan(s)) == 21  # the interface and the tensors of the dict entered
+        got = devpickle.scan(s)
+        assert [(a.ptr, a.path) for a in got] == [(0x200000, "$")]  # the interface; the dict left holds no tensor
         assert box == []
 
 
