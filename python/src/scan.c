@@ -628,20 +628,6 @@ static int run_inline(dpy_scanner_t *s, PyObject *c, PyTypeObject **ok, int leve
   return rc;
 }
 
-/* Whether k names what pickle looks up on the instance (getattr) to reduce
- * an object whose class keeps its defaults: __reduce_ex__ (pickle's own
- * lookup) and __getstate__ (object.__reduce_ex__'s). An instance __reduce__
- * is not one: object.__reduce_ex__ asks the class for it. */
-static int reduce_name(PyObject *k) {
-  if (k == dpy.str_reduce_ex || k == dpy.str_getstate) return 1;
-  if (!PyUnicode_Check(k)) return 0;
-  /* most names differ in length: no compare */
-  Py_ssize_t n = PyUnicode_GET_LENGTH(k);
-  PyObject *like = n == PyUnicode_GET_LENGTH(dpy.str_reduce_ex) ? dpy.str_reduce_ex
-                   : n == PyUnicode_GET_LENGTH(dpy.str_getstate) ? dpy.str_getstate
-                                                                  : NULL;
-  return like && PyUnicode_Compare(k, like) == 0;
-}
 
 /* An instance of a class that keeps pickle's defaults (K_OBJECT, of a
  * plain metaclass), met by a run, held only by its slot there, before the
@@ -684,7 +670,7 @@ static int run_object(dpy_scanner_t *s, PyObject *o, PyTypeObject **ok) {
     if (!PyUnicode_CheckExact(k) || k == dpy.str_cai ||
         (PyUnicode_GET_LENGTH(k) == PyUnicode_GET_LENGTH(dpy.str_cai) && PyUnicode_Compare(k, dpy.str_cai) == 0))
       return let_go(s, o);
-    if (reduce_name(k)) { /* an instance's own __reduce_ex__ or __getstate__: visit() reduces it */
+    if (dpy_reduce_name(k)) { /* an instance's own __reduce_ex__ or __getstate__: visit() reduces it */
       s->dispatch_known = 1;
       return let_go(s, o);
     }

@@ -365,15 +365,16 @@ static int instance_reduces(PyObject *o, int subclass_reduces) {
   PyObject **dp = _PyObject_GetDictPtr(o);
   if (!dp || !*dp || !PyDict_Check(*dp)) return PyErr_Occurred() ? -1 : 0;
   if (!PyDict_CheckExact(*dp) && subclass_reduces) return 1;
-  PyObject *d = Py_NewRef(*dp); /* held: a key's __eq__ may replace it */
-  int r = PyDict_GetItemWithError(d, dpy.str_reduce_ex) || PyDict_GetItemWithError(d, dpy.str_getstate);
+  /* one pass over the keys, running no code (so the dict stays as it is),
+     instead of two lookups and a pass: every plain object visit() enters
+     comes here */
   PyObject *k, *v;
+  int r = 0;
   /* a key that is no str is walked by pickle, and so is one of a str
      subclass (reduced: its own attributes), which dumps carries as a name */
-  for (Py_ssize_t pos = 0; !r && !PyErr_Occurred() && PyDict_Next(d, &pos, &k, &v);)
-    r = subclass_reduces ? !PyUnicode_CheckExact(k) : !PyUnicode_Check(k);
-  Py_DECREF(d);
-  return r ? 1 : PyErr_Occurred() ? -1 : 0;
+  for (Py_ssize_t pos = 0; !r && PyDict_Next(*dp, &pos, &k, &v);)
+    r = (subclass_reduces ? !PyUnicode_CheckExact(k) : !PyUnicode_Check(k)) || dpy_reduce_name(k);
+  return r;
 }
 
 int dpy_instance_reduces(dpy_scanner_t *s, PyObject *o) {

@@ -21,6 +21,22 @@ PyObject *dpy_drain(dpy_scanner_t *s, PyObject *it);
 /* l (a new list, or NULL) out of the collector's sight. */
 PyObject *dpy_private_list(PyObject *l);
 
+/* Whether k names what pickle looks up on the instance (getattr) to reduce
+ * an object whose class keeps its defaults: __reduce_ex__ (pickle's own
+ * lookup) and __getstate__ (object.__reduce_ex__'s). An instance __reduce__
+ * is not one: object.__reduce_ex__ asks the class for it. Compares
+ * characters only, running no code (a str subclass's __eq__ is not asked). */
+static inline int dpy_reduce_name(PyObject *k) {
+  if (k == dpy.str_reduce_ex || k == dpy.str_getstate) return 1;
+  if (!PyUnicode_Check(k)) return 0;
+  /* most names differ in length: no compare */
+  Py_ssize_t n = PyUnicode_GET_LENGTH(k);
+  PyObject *like = n == PyUnicode_GET_LENGTH(dpy.str_reduce_ex) ? dpy.str_reduce_ex
+                   : n == PyUnicode_GET_LENGTH(dpy.str_getstate) ? dpy.str_getstate
+                                                                  : NULL;
+  return like && PyUnicode_Compare(k, like) == 0;
+}
+
 /* Whether copyreg.dispatch_table or the instance's own __dict__ reduces o:
  * 1, 0, or -1 with a walk error (dpy_dispatch_error's, when the table's
  * lookup raised). dpy_instance_reduces: the __dict__ alone — one that holds

@@ -298,6 +298,32 @@ def test_an_instances_own_reduce_ex_or_getstate_is_walked_as_pickle_calls_it(nam
         assert [a.ptr for a in devpickle.scan(value, paths=False)] == [t.data_ptr()]
 
 
+def test_an_instances_dict_is_read_for_reduce_names_by_their_characters_running_no_keys_eq():
+    # the walk tells whether an instance's __dict__ holds __reduce_ex__ or
+    # __getstate__ by one pass over its keys, as the in-place read of a list
+    # does; a lookup by hash ran this key's __eq__ for every object entered
+    class Name(str):
+        calls = 0
+
+        def __eq__(self, other):
+            Name.calls += 1
+            return str.__eq__(self, other)
+
+        def __hash__(self):
+            return hash("__getstate__")
+
+    class Holder:
+        pass
+
+    t = torch.arange(4.0)
+    o = Holder()
+    o.__dict__[Name("tag")] = 1
+    o.t = t
+    for value, paths in ((o, True), ([o, o], False)):
+        assert [a.ptr for a in devpickle.scan(value, paths=paths)] == [t.data_ptr()]
+    assert Name.calls == 0
+
+
 def test_nesting_past_the_depth_limit_in_small_lists_is_refused_without_paths_too():
     x = torch.zeros(1)
     for _ in range(262_145):
