@@ -1010,7 +1010,7 @@ def test_an_allowed_enum_class_is_called_only_with_one_scalar_value_or_a_tuple_o
     for _ in range(22):
         x = [x, x]
     for value, kind in ((x, "list"), (np.broadcast_to(np.zeros(1), (3 * 10**7,)), "ndarray"),
-                        (("a", [1]), "list"), (devpickle.Object("m.C"), "Object")):
+                        (("a", [1]), "list"), (devpickle.Object("m.C"), "Object"), ((_Mode.A,), "_Mode")):
         with pytest.raises(TypeError, match=rf"^loads: {__name__}\._Mode is an Enum class reduced with a value that "
                                             rf"holds a {kind}: loads looks a member up by a str, bytes, int, float, "
                                             r"complex, bool or None, or a tuple of them \(Enum compares any other "
@@ -1028,6 +1028,7 @@ def test_an_allowed_enum_class_is_called_only_with_one_scalar_value_or_a_tuple_o
         devpickle.loads(reduced_to(t), classes=_Mode)
     # a member's value, a tuple of them or a member itself gives the member
     assert devpickle.loads(reduced_to("b"), classes=_Mode) is _Mode.B
+    assert devpickle.loads(reduced_to(_Mode.A), classes=_Mode) is _Mode.A
     with pytest.raises(ValueError, match=r"^\('a', 1\) is not a valid _Mode"):
         devpickle.loads(reduced_to(("a", 1)), classes=_Mode)
     assert devpickle.loads(devpickle.dumps([_Perm(0), _Perm.R | _Perm.W]), classes=_Perm) == [_Perm(0), _Perm(3)]
