@@ -992,7 +992,7 @@ def test_an_enum_member_reduce_is_matched_by_its_class_itself_never_compared_wit
     assert devpickle.loads(devpickle.dumps(_Mode.A), classes=_Mode) is _Mode.A
 
 
-def test_an_allowed_enum_class_is_called_only_with_one_scalar_value_or_a_tuple_of_them():
+def test_an_allowed_enum_class_is_called_only_with_one_scalar_value_a_tuple_of_them_or_its_own_member():
     # Enum.__new__ compares a value it cannot hash with each member's and
     # puts its repr in the ValueError for a value that is no member: a list
     # holding one list twice, 22 levels deep (a 277-byte frame), took 1.8 s
