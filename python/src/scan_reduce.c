@@ -356,30 +356,36 @@ int dpy_dispatch_error(dpy_scanner_t *s, PyObject *o) {
 
 /* Whether o's own __dict__ makes pickle's state other than attributes
  * named by str: it holds a __reduce_ex__ or __getstate__ (pickle reduces
- * o through them, whatever its class keeps), a key that is not a str
- * (pickle's state is that dict: it walks its keys, a tensor key too), or,
- * where subclass_reduces, it is a dict subclass (pickle reduces that state
- * as any value: its attributes, its own items()). Then o is reduced, and
- * its state walked as a value. 1, 0, or -1 with an exception. */
-static int instance_reduces(PyObject *o, int subclass_reduces) {
+ * o through them, whatever its class keeps), a key that is not an exact
+ * str (pickle's state is that dict: it walks its keys, a tensor key too,
+ * and a str subclass's own attributes) or
+ * is a dict subclass (pickle reduces that state as any value: its
+ * attributes, its own items()). Then o is reduced, and its state walked as
+ * a value. as_state: those last two count (a walk's, not dumps', which
+ * carries the entries as attributes and refuses a name that is not a str,
+ * set_attr, rather than write the object in another form). 1, 0, or -1
+ * with an exception. */
+static int instance_reduces(PyObject *o, int as_state) {
   PyObject **dp = _PyObject_GetDictPtr(o);
   if (!dp || !*dp || !PyDict_Check(*dp)) return PyErr_Occurred() ? -1 : 0;
-  if (!PyDict_CheckExact(*dp) && subclass_reduces) return 1;
+  if (!PyDict_CheckExact(*dp) && as_state) return 1;
   /* one pass over the keys, running no code (so the dict stays as it is),
      instead of two lookups and a pass: every plain object visit() enters
      comes here */
   PyObject *k, *v;
   int r = 0;
   /* a key that is no str is walked by pickle, and so is one of a str
-     subclass (reduced: its own attributes), which dumps carries as a name */
+     subclass (reduced: its own attributes); dumps carries the latter as a
+     name and refuses the former */
   for (Py_ssize_t pos = 0; !r && PyDict_Next(*dp, &pos, &k, &v);)
-    r = (subclass_reduces ? !PyUnicode_CheckExact(k) : !PyUnicode_Check(k)) || dpy_reduce_name(k);
+    r = (as_state && !PyUnicode_CheckExact(k)) || dpy_reduce_name(k);
   return r;
 }
 
 int dpy_instance_reduces(dpy_scanner_t *s, PyObject *o) {
   /* dumps keeps carrying such a dict's entries as the object's attributes,
-     which loads gives back without the dict subclass listed in classes= */
+     which loads gives back without the dict subclass listed in classes=,
+     and refusing a key that is not a str as an attribute name */
   int r = instance_reduces(o, !s->build);
   return r < 0 ? dpy_walk_error(s, o, "its __dict__ cannot be read") : r;
 }

@@ -40,9 +40,10 @@ static inline int dpy_reduce_name(PyObject *k) {
 /* Whether copyreg.dispatch_table or the instance's own __dict__ reduces o:
  * 1, 0, or -1 with a walk error (dpy_dispatch_error's, when the table's
  * lookup raised). dpy_instance_reduces: the __dict__ alone — one that holds
- * a __reduce_ex__ or __getstate__, a key that is not a str, or (not
- * building: dumps carries its entries as attributes) a dict subclass,
- * which pickle's state carries otherwise than as attributes. */
+ * a __reduce_ex__ or __getstate__, or (not building: dumps carries its
+ * entries as attributes, refusing a name that is not a str) a key that is
+ * not a str or a dict subclass, which pickle's state carries otherwise
+ * than as attributes. */
 int dpy_dispatched(dpy_scanner_t *s, PyObject *o);
 int dpy_instance_reduces(dpy_scanner_t *s, PyObject *o);
 int dpy_dispatch_error(dpy_scanner_t *s, PyObject *o);

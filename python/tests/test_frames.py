@@ -1823,6 +1823,15 @@ def test_attribute_names_a_frame_cannot_hold_apart_are_refused_never_merged():
     with pytest.raises(devpickle.WalkError, match="an attribute name that is not a str"):
         devpickle.dumps(Odd((1, 2)))
 
+    # an instance __dict__ key that is not a str is refused so too, never
+    # written as the object's reduce (the walk of scan reduces it, as pickle
+    # does: its state is then that dict)
+    p = P()
+    p.__dict__[5] = 1
+    with pytest.raises(devpickle.WalkError, match=r"^cannot walk a 'int' at \$\[5\]: it cannot be carried in a frame: "
+                                                  r"an attribute name that is not a str \(or not UTF-8\): 5$"):
+        devpickle.dumps(p)
+
 
 def test_an_object_copies_deep_copies_pickles_and_prints_with_its_cycles():
     import copy
