@@ -302,6 +302,7 @@ def test_an_instances_dict_is_read_for_reduce_names_by_their_characters_running_
     # the walk tells whether an instance's __dict__ holds __reduce_ex__ or
     # __getstate__ by one pass over its keys, as the in-place read of a list
     # does; a lookup by hash ran this key's __eq__ for every object entered
+    # (dumps' walk, which carries a key of a str subclass as a name)
     class Name(str):
         calls = 0
 
@@ -319,9 +320,14 @@ def test_an_instances_dict_is_read_for_reduce_names_by_their_characters_running_
     o = Holder()
     o.__dict__[Name("tag")] = 1
     o.t = t
+    # dumps reads the instance in place, the key an attribute name
+    for value in (o, [o, o]):
+        devpickle.dumps(value, inline=True)
+    assert Name.calls == 0
+    # scan reduces it, as pickle does for a key of a str subclass (an
+    # object of its own), through Python's own lookups
     for value, paths in ((o, True), ([o, o], False)):
         assert [a.ptr for a in devpickle.scan(value, paths=paths)] == [t.data_ptr()]
-    assert Name.calls == 0
 
 
 def test_nesting_past_the_depth_limit_in_small_lists_is_refused_without_paths_too():
