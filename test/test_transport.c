@@ -4444,6 +4444,16 @@ Test(transport, a_receiver_that_takes_nothing_holds_small_buffers_back_at_the_se
   close_clean(ep, t, p);
 }
 
+/* Connects to the peer at port and waits until n of its values have
+ * arrived, nobody taking them: the endpoint. */
+static dp_endpoint_t *connect_until_arrived(dp_transport_t *t, int port, unsigned long n) {
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
+  dp_endpoint_t *ep = connect_to(t, port);
+  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= n);
+  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, n, "%lu values did not arrive", n);
+  return ep;
+}
+
 /* peer: sends n values, back to back, of the kind arg gives (then waits for
  * the close): EMPTY_DICTS, a list of 4,000 empty dicts and then i (a frame
  * of ~4 KiB whose value holds ~100 times that); INTS, the int i (a frame of
@@ -4541,10 +4551,7 @@ Test(transport, a_queued_frame_the_reader_refuses_fails_its_receive_when_deliver
   dp_transport_opts_t o = {0};
   o.unpickle = &u;
   dp_transport_t *t = new_transport(&o);
-  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= 3);
-  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, 3, "the three values did not arrive");
+  dp_endpoint_t *ep = connect_until_arrived(t, p.port, 3);
   dp_future_t *f = recv_ok(ep);
   dp_value_t v = dp_future_value(f);
   cr_assert_eq(dp_seq_len(v), 1);
@@ -4661,10 +4668,7 @@ Test(transport, kept_frames_are_read_as_taken_and_one_the_resolver_refuses_fails
   dp_transport_opts_t o = {0};
   o.unpickle = &uo;
   dp_transport_t *t = new_transport(&o);
-  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= 6);
-  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, 6, "the six values did not arrive");
+  dp_endpoint_t *ep = connect_until_arrived(t, p.port, 6);
   cr_assert_eq(atomic_load(&calls), 0, "a value nobody took was read (the resolver ran %d times)",
                atomic_load(&calls));
   dp_future_t *f = recv_ok(ep);
@@ -4706,10 +4710,7 @@ Test(transport, a_kept_frame_refused_as_it_is_taken_fails_its_receive_even_with_
   dp_transport_opts_t o = {0};
   o.unpickle = &u;
   dp_transport_t *t = new_transport(&o);
-  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= (unsigned long)a.n);
-  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, (unsigned long)a.n, "the values did not arrive");
+  dp_endpoint_t *ep = connect_until_arrived(t, p.port, (unsigned long)a.n);
   sleep_ms(100); /* the loop is idle: what allocates now is the receive */
   int no_room = 0, clean = 0;
   for (long k = 1; k < a.n && !clean; k++) {
@@ -4815,10 +4816,7 @@ Test(transport, a_frame_receive_fails_with_the_resolvers_error_when_it_refuses_t
   dp_transport_opts_t o = {0};
   o.unpickle = &uo;
   dp_transport_t *t = new_transport(&o);
-  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
-  dp_endpoint_t *ep = connect_to(t, p.port);
-  POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= 6);
-  cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, 6, "the six values did not arrive");
+  dp_endpoint_t *ep = connect_until_arrived(t, p.port, 6);
   dp_future_t *f;
   dp_error_t e;
   OK(dp_endpoint_recv_frame(ep, &f, T_ERR));
