@@ -397,6 +397,8 @@ typedef struct loader {
   PyObject *hashed;    /* copies.hashed: hash_work's memo */
   uint64_t hash_owed;  /* dict keys' hashing work not yet charged to copies */
   PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass, *fn_object, *fn_reduced_new, *fn_reduced_done;
+  PyObject *buffer_type; /* _frames.Buffer, what dumps hands buffer_callback */
+  PyObject *np_dtypes;   /* numpy arrays' fast path: dtype name -> (numpy.dtype, itemsize), or NULL */
   /* memo_objs' mark of a node being made: an object of its own, as a node
      may well be made into None (a reduce whose callable returns it) */
   PyObject *unfinished;
@@ -472,6 +474,172 @@ static PyObject *key_to_py(loader_t *l, dp_value_t k, int depth) {
   return NULL;
 }
 
+/* ---- numpy arrays over out-of-band buffers, without _frames.array ----
+ *
+ * The common case of loads(data, buffers=bufs) with numpy arrays, made here
+ * as _frames.array would make it (the same array, the same checks passed)
+ * at a fraction of its cost: the buffer is a devpickle.Buffer whose obj is
+ * an array of numpy's own type that owns its memory, contiguous, holding no
+ * Python objects, still exactly [ptr, ptr + nbytes) (what Buffer.raw()
+ * checks), or such an array given itself, at least nbytes long. The array
+ * is made over it (numpy.ndarray(shape, dtype, buffer, offset, strides)):
+ * it is the buffer's flat source, which the cache keeps for every later
+ * view of the buffer, of any kind. Anything else — another source, a dtype
+ * numpy lacks, strides past its int64 bytes, a view numpy refuses — is
+ * left to _frames.array, which makes it or says why not (np_fast returns 0;
+ * numpy's own refusal is read again there, with the buffer named). */
+
+/* obj as a flat source of at least `need` bytes (exactly `exact`, when not
+ * 0, at address ptr): an exact numpy.ndarray owning its memory, C-contiguous,
+ * its format free of objects. 1: it is; 0: not (no exception); -1: error. */
+static int np_owning_source(PyObject *obj, uintptr_t ptr, size_t need, size_t exact) {
+  if (!dpy.numpy_ndarray || Py_TYPE(obj) != dpy.numpy_ndarray) return 0;
+  PyObject *base = PyObject_GetAttrString(obj, "base");
+  if (!base) return -1;
+  int owns = base == Py_None;
+  Py_DECREF(base);
+  if (!owns) return 0;
+  Py_buffer v;
+  if (PyObject_GetBuffer(obj, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)) { /* datetime64: no buffer; _frames says so */
+    if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError) &&
+        !PyErr_ExceptionMatches(PyExc_TypeError))
+      return -1;
+    PyErr_Clear();
+    return 0;
+  }
+  int ok = v.len > 0 && (size_t)v.len >= need && (!v.format || !strchr(v.format, 'O')) &&
+           (!exact || ((uintptr_t)v.buf == ptr && (size_t)v.len == exact));
+  PyBuffer_Release(&v);
+  return ok;
+}
+
+/* A Buffer's int field (ptr, nbytes): 1 and *out, or 0 where it is no
+ * exact non-negative int that fits (raw() says why), -1: error. */
+static int buffer_field(PyObject *b, const char *name, unsigned long long *out) {
+  PyObject *x = PyObject_GetAttrString(b, name);
+  if (!x) return -1;
+  int ok = PyLong_CheckExact(x);
+  if (ok) {
+    *out = PyLong_AsUnsignedLongLong(x);
+    if (*out == (unsigned long long)-1 && PyErr_Occurred()) {
+      if (!PyErr_ExceptionMatches(PyExc_OverflowError)) ok = -1;
+      else PyErr_Clear(), ok = 0;
+    }
+  }
+  Py_DECREF(x);
+  return ok;
+}
+
+/* The flat source of buffer `at` for numpy arrays (see above), or NULL: not
+ * such a source (no exception), or an error. */
+static PyObject *np_flat_source(PyObject *source, size_t nbytes) {
+  if (PyObject_TypeCheck(source, dpy.numpy_ndarray)) {
+    int r = np_owning_source(source, 0, nbytes, 0);
+    return r == 1 ? Py_NewRef(source) : NULL;
+  }
+  unsigned long long ptr, n;
+  int r = buffer_field(source, "ptr", &ptr);
+  if (r == 1) r = buffer_field(source, "nbytes", &n);
+  if (r != 1 || n < nbytes) return NULL;
+  PyObject *obj = PyObject_GetAttrString(source, "obj");
+  if (!obj) return NULL;
+  r = n ? np_owning_source(obj, (uintptr_t)ptr, (size_t)n, (size_t)n) : 0;
+  if (r == 1) return obj;
+  Py_DECREF(obj);
+  return NULL;
+}
+
+/* numpy's dtype for a frame's dtype name and its item size, cached per
+ * loads. 1; 0: numpy has none (no exception); -1: error. */
+static int np_dtype(loader_t *l, const char *name, PyObject **dtype, Py_ssize_t *itemsize) {
+  if (!l->np_dtypes && !(l->np_dtypes = PyDict_New())) return -1;
+  PyObject *e = PyDict_GetItemString(l->np_dtypes, name);
+  if (!e) {
+    PyObject *np = PyImport_GetModule(dpy.str_numpy);
+    PyObject *mk = np ? PyObject_GetAttrString(np, "dtype") : NULL;
+    Py_XDECREF(np);
+    if (!mk) {
+      PyErr_Clear();
+      return 0;
+    }
+    PyObject *dt = PyObject_CallFunction(mk, "s", name);
+    Py_DECREF(mk);
+    PyObject *size = dt ? PyObject_GetAttrString(dt, "itemsize") : NULL;
+    if (size && PyLong_CheckExact(size)) e = PyTuple_Pack(2, dt, size);
+    Py_XDECREF(dt);
+    Py_XDECREF(size);
+    if (!e) {
+      if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
+      PyErr_Clear(); /* bfloat16: _frames names the buffer */
+      return 0;
+    }
+    int rc = PyDict_SetItemString(l->np_dtypes, name, e);
+    Py_DECREF(e);
+    if (rc) return -1;
+  }
+  *dtype = PyTuple_GET_ITEM(e, 0);
+  *itemsize = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 1));
+  return *itemsize > 0 ? 1 : 0;
+}
+
+/* A numpy array view t of buffer key over flat (np_flat_source's): the
+ * array, or NULL with no exception where _frames.array is to make it, or
+ * NULL with one. */
+static PyObject *np_fast(loader_t *l, dp_value_t t, PyObject *flat) {
+  PyObject *dt;
+  Py_ssize_t isz;
+  int r = np_dtype(l, dp_dtype_name(dp_tensor_dtype(t)), &dt, &isz);
+  if (r != 1) return NULL;
+  int nd = dp_tensor_ndim(t);
+  const int64_t *shp = dp_tensor_shape(t), *str = dp_tensor_strides(t);
+  int64_t at = 0;
+  int empty = 0;
+  for (int i = 0; i < nd; i++) empty |= shp[i] == 0;
+  /* an empty view addresses nothing: its offset may lie past the end */
+  if (!empty && __builtin_mul_overflow(dp_tensor_offset(t), (int64_t)isz, &at)) return NULL;
+  PyObject *shape = PyTuple_New(nd), *strides = PyTuple_New(nd), *off = NULL, *a = NULL;
+  if (!shape || !strides) goto done;
+  for (int i = 0; i < nd; i++) {
+    int64_t b;
+    if (__builtin_mul_overflow(str[i], (int64_t)isz, &b)) goto done; /* past int64 bytes: _frames says so */
+    PyObject *x = PyLong_FromLongLong(shp[i]), *y = PyLong_FromLongLong(b);
+    if (x) PyTuple_SET_ITEM(shape, i, x);
+    if (y) PyTuple_SET_ITEM(strides, i, y);
+    if (!x || !y) goto done;
+  }
+  if (!(off = PyLong_FromLongLong(at))) goto done;
+  a = PyObject_CallFunctionObjArgs((PyObject *)dpy.numpy_ndarray, shape, dt, flat, off, strides, NULL);
+  if (!a && (PyErr_ExceptionMatches(PyExc_ValueError) || PyErr_ExceptionMatches(PyExc_TypeError)))
+    PyErr_Clear(); /* refused ("array is too big"): _frames names the buffer */
+done:
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  Py_XDECREF(off);
+  return a;
+}
+
+/* tensor_to_py's fast path for numpy arrays: the array; NULL with no
+ * exception where the general path is to make it; NULL with one. */
+static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, size_t nbytes) {
+  PyObject *kk = PyTuple_Pack(2, key, dpy.str_numpy_ndarray), *flat = NULL, *a = NULL;
+  if (!kk) return NULL;
+  flat = PyDict_GetItemWithError(l->cache, kk);
+  if (flat) {
+    Py_INCREF(flat);
+  } else if (!PyErr_Occurred() && !PyDict_GetItemWithError(l->cache, key) && !PyErr_Occurred() && l->buffers &&
+             (Py_ssize_t)at < PyTuple_GET_SIZE(l->buffers)) {
+    PyObject *src = PyTuple_GET_ITEM(l->buffers, (Py_ssize_t)at);
+    if ((PyObject *)Py_TYPE(src) == l->buffer_type || Py_TYPE(src) == dpy.numpy_ndarray) {
+      flat = np_flat_source(src, nbytes);
+      if (flat && (PyDict_SetItem(l->cache, key, flat) || PyDict_SetItem(l->cache, kk, flat))) Py_CLEAR(flat);
+    }
+  }
+  if (flat) a = np_fast(l, t, flat);
+  Py_XDECREF(flat);
+  Py_DECREF(kk);
+  return a;
+}
+
 static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
   dp_storage_t *st = dp_tensor_storage(t);
   dp_device_t dev = dp_storage_device(st);
@@ -483,6 +651,13 @@ static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
   PyObject *key = PyLong_FromSize_t(at), *source = NULL;
   if (!key) return NULL;
   const void *host = dp_storage_host_data(st);
+  if (!host && dev.type == DP_DEVICE_CPU && kind && !strcmp(kind, "numpy.ndarray") && dpy.numpy_ndarray) {
+    PyObject *a = np_array(l, t, key, at, dp_storage_nbytes(st));
+    if (a || PyErr_Occurred()) {
+      Py_DECREF(key);
+      return a;
+    }
+  }
   Py_ssize_t given = l->buffers ? PyTuple_GET_SIZE(l->buffers) : 0;
   if (PyDict_GetItemWithError(l->cache, key)) {
     source = Py_NewRef(Py_None); /* rebuilt already: the helper has it */
@@ -1077,7 +1252,8 @@ PyObject *dpy_loads(PyObject *self, PyObject *args, PyObject *kw) {
       !(l.unfinished = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) || !(l.fn_array = helper("array")) ||
       !(l.fn_new = helper("new")) || !(l.fn_fill = helper("fill")) || !(l.fn_finish = helper("finish")) ||
       !(l.fn_subclass = helper("tensor_subclass")) || !(l.fn_object = helper("Object")) ||
-      !(l.fn_reduced_new = helper("reduced_new")) || !(l.fn_reduced_done = helper("reduced_done")))
+      !(l.fn_reduced_new = helper("reduced_new")) || !(l.fn_reduced_done = helper("reduced_done")) ||
+      !(l.buffer_type = helper("Buffer")))
     goto done;
   /* out of the collector's sight: convert() reads it by index, and
      gc.get_referrers() would hand it to an allowed class's code */
@@ -1131,6 +1307,8 @@ done:
   Py_XDECREF(l.fn_reduced_done);
   Py_XDECREF(l.fn_subclass);
   Py_XDECREF(l.fn_object);
+  Py_XDECREF(l.buffer_type);
+  Py_XDECREF(l.np_dtypes);
   return result;
 }
 

@@ -4499,3 +4499,78 @@ def test_dumps_refuses_a_tuple_met_again_among_its_own_items_as_loads_cannot_reb
     back = devpickle.loads(devpickle.dumps([x, x, (x,)]))
     assert back[0] is back[1] is back[2][0] and back[0] == (1, [2])
 
+
+
+def _views_of(rng, owner):
+    """Views of owner, of every form dumps carries: slices with steps,
+    transposes, reshapes, reinterpretations, empty ones."""
+    n = owner.size
+    out = [owner]
+    for _ in range(int(rng.integers(1, 6))):
+        k = int(rng.integers(0, 6))
+        if k == 0:
+            lo = int(rng.integers(0, n + 1))
+            out.append(owner[lo:lo + int(rng.integers(0, n + 1)):int(rng.integers(1, 4))])
+        elif k == 1 and n % 4 == 0:
+            out.append(owner.reshape(4, -1).T)
+        elif k == 2 and n % 2 == 0:
+            out.append(owner.reshape(2, -1)[:, ::2])
+        elif k == 3 and owner.nbytes % 4 == 0:
+            out.append(owner.view(np.uint8).view(np.int32)[::-1] if rng.integers(0, 2) else owner.view(np.int32))
+        elif k == 4:
+            out.append(owner[n:])
+        else:
+            out.append(owner[::-1])
+    return out
+
+
+def _described(a):
+    return (type(a), a.dtype, a.shape, a.strides, a.flags.writeable, a.__array_interface__["data"][0],
+            a.tobytes())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_numpy_arrays_made_from_the_buffers_dumps_gave_are_those_the_general_path_makes(seed):
+    # loads makes a numpy array over a Buffer of an array owning its memory,
+    # or over such an array given itself, without going through Python; the
+    # general path (a memoryview given as the buffer) makes the same arrays,
+    # over the same memory
+    rng = np.random.default_rng(seed)
+    dtypes = [np.float64, np.int8, np.uint16, np.int32, np.complex64, np.bool_, np.float16]
+    owners = []
+    for _ in range(int(rng.integers(1, 4))):
+        o = (rng.integers(0, 100, size=int(rng.integers(1, 24))) % 7).astype(dtypes[int(rng.integers(0, len(dtypes)))])
+        if rng.integers(0, 4) == 0:
+            o.flags.writeable = False
+        owners.append(o)
+    value = [v for o in owners for v in _views_of(rng, o)]
+    bufs = []
+    data = devpickle.dumps(value, buffer_callback=bufs.append)
+    general = devpickle.loads(data, buffers=[memoryview(b.raw()) for b in bufs])
+    for given in (bufs, [b.obj for b in bufs]):
+        fast = devpickle.loads(data, buffers=given)
+        assert [_described(a) for a in fast] == [_described(a) for a in general]
+    for a, b in zip(fast, value):
+        assert np.shares_memory(a, b) if a.size else True
+
+
+def test_numpy_arrays_over_buffers_loads_cannot_take_as_they_are_are_made_or_refused_as_before():
+    # what the fast path leaves to the general one: a Buffer whose array is a
+    # view, moved or shrank; arrays of objects; an array given too small
+    a = np.arange(8.0)
+    bufs = []
+    data = devpickle.dumps([a[2:], a[1:3]], buffer_callback=bufs.append)
+    back = devpickle.loads(data, buffers=bufs)  # obj is a view of a: raw() reads it
+    assert back[0].tolist() == a[2:].tolist() and np.shares_memory(back[0], a)
+    moved = devpickle.Buffer(bufs[0].device, bufs[0].ptr + 8, bufs[0].nbytes, a)
+    with pytest.raises(ValueError, match=r"loads: buffers\[0\]: .*its memory moved since dumps found it"):
+        devpickle.loads(data, buffers=[moved])
+    with pytest.raises(ValueError, match="loads: buffer 0 holds 56 bytes; the frame describes 64"):
+        devpickle.loads(data, buffers=[np.arange(7.0)])
+    with pytest.raises(TypeError, match=r"loads: buffers\[0\] holds Python objects"):
+        devpickle.loads(data, buffers=[np.array([object()] * 8)])
+    b = np.arange(8.0)
+    data = devpickle.dumps([b], buffer_callback=(got := []).append)
+    b.resize(4, refcheck=False)  # shrinks in place: the Buffer's nbytes is no longer the array's
+    with pytest.raises(ValueError, match="its memory moved since dumps found it"):
+        devpickle.loads(data, buffers=got)
