@@ -1125,6 +1125,15 @@ _ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16
              "complex128": 16}
 
 
+def torch_dtype(name):
+    """torch's dtype for a frame's dtype name, as _array takes it, or None:
+    loads' C path asks it once per name (torch_array in frames.c)."""
+    torch = sys.modules.get("torch")
+    if torch is None or name not in _TORCH_DTYPES or not hasattr(torch, name):
+        return None
+    return getattr(torch, name)
+
+
 def _check_contiguous(source, key):
     """A buffer is the bytes of one allocation, end to end: a strided view
     (a slice with a step, a transposed array) is refused, never copied."""

@@ -399,6 +399,7 @@ typedef struct loader {
   PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass, *fn_object, *fn_reduced_new, *fn_reduced_done;
   PyObject *buffer_type; /* _frames.Buffer, what dumps hands buffer_callback */
   PyObject *np_dtypes;   /* numpy arrays' fast path: dtype name -> (numpy.dtype, itemsize), or NULL */
+  PyObject *torch_dtypes; /* torch tensors' fast path: dtype name -> torch.dtype or None, or NULL */
   /* memo_objs' mark of a node being made: an object of its own, as a node
      may well be made into None (a reduce whose callable returns it) */
   PyObject *unfinished;
@@ -640,6 +641,46 @@ static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, s
   return a;
 }
 
+/* ---- torch tensors over out-of-band buffers, without _frames.array ----
+ *
+ * A torch tensor over a buffer given as the devpickle.Buffer dumps handed
+ * out, met first (nothing cached for it): the adapter makes it over the
+ * storage of the Buffer's tensor (torch_api.h, tensor_over), with the
+ * checks of Buffer.raw() and of as_strided, or declines, and _frames.array
+ * makes it or says why not. The dtype is _frames.torch_dtype's answer for
+ * the frame's dtype name, asked once per loads. Returns the tensor; NULL
+ * with no exception where the general path is to make it; NULL with one. */
+static PyObject *torch_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, size_t nbytes) {
+  if (!dpy.torch || !dpy.torch->tensor_over || !l->buffers || (Py_ssize_t)at >= PyTuple_GET_SIZE(l->buffers))
+    return NULL;
+  PyObject *src = PyTuple_GET_ITEM(l->buffers, (Py_ssize_t)at);
+  if ((PyObject *)Py_TYPE(src) != l->buffer_type || PyDict_GetItemWithError(l->cache, key) || PyErr_Occurred())
+    return NULL;
+  const char *name = dp_dtype_name(dp_tensor_dtype(t));
+  if (!l->torch_dtypes && !(l->torch_dtypes = PyDict_New())) return NULL;
+  PyObject *dt = PyDict_GetItemString(l->torch_dtypes, name);
+  if (!dt) {
+    PyObject *fn = helper("torch_dtype");
+    dt = fn ? PyObject_CallFunction(fn, "s", name) : NULL;
+    Py_XDECREF(fn);
+    if (!dt) return NULL;
+    int rc = PyDict_SetItemString(l->torch_dtypes, name, dt);
+    Py_DECREF(dt); /* the dict holds it */
+    if (rc) return NULL;
+  }
+  if (dt == Py_None) return NULL;
+  unsigned long long ptr, n;
+  int r = buffer_field(src, "ptr", &ptr);
+  if (r == 1) r = buffer_field(src, "nbytes", &n);
+  if (r != 1 || n < nbytes) return NULL;
+  PyObject *obj = PyObject_GetAttrString(src, "obj");
+  if (!obj) return NULL;
+  PyObject *a = dpy.torch->tensor_over(obj, (uintptr_t)ptr, (size_t)n, dt, dp_tensor_ndim(t), dp_tensor_shape(t),
+                                       dp_tensor_strides(t), dp_tensor_offset(t));
+  Py_DECREF(obj);
+  return a;
+}
+
 static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
   dp_storage_t *st = dp_tensor_storage(t);
   dp_device_t dev = dp_storage_device(st);
@@ -651,8 +692,12 @@ static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
   PyObject *key = PyLong_FromSize_t(at), *source = NULL;
   if (!key) return NULL;
   const void *host = dp_storage_host_data(st);
-  if (!host && dev.type == DP_DEVICE_CPU && kind && !strcmp(kind, "numpy.ndarray") && dpy.numpy_ndarray) {
-    PyObject *a = np_array(l, t, key, at, dp_storage_nbytes(st));
+  if (!host) { /* the common cases, made here (or NULL: by _frames.array) */
+    PyObject *a = NULL;
+    if (dev.type == DP_DEVICE_CPU && kind && !strcmp(kind, "numpy.ndarray") && dpy.numpy_ndarray)
+      a = np_array(l, t, key, at, dp_storage_nbytes(st));
+    else if ((!kind || !strcmp(kind, "torch.Tensor")) && (dev.type == DP_DEVICE_CPU || dev.type == DP_DEVICE_CUDA))
+      a = torch_array(l, t, key, at, dp_storage_nbytes(st));
     if (a || PyErr_Occurred()) {
       Py_DECREF(key);
       return a;
@@ -1309,6 +1354,7 @@ done:
   Py_XDECREF(l.fn_object);
   Py_XDECREF(l.buffer_type);
   Py_XDECREF(l.np_dtypes);
+  Py_XDECREF(l.torch_dtypes);
   return result;
 }
 

@@ -17,8 +17,14 @@
 #include <c10/core/Layout.h>
 #include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/ScalarTypeToTypeMeta.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/version.h>
 
 #if defined(DP_TORCH_CUDA)
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -246,6 +252,72 @@ extern "C" Py_ssize_t dp_dense_run(PyObject *const *items, Py_ssize_t n, dp_torc
   return i;
 }
 
+/* Whether torch's Python API would consult a mode: a torch function mode
+ * or a dispatch mode is active on this thread. */
+inline bool modes_active() {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::impl::torch_function_mode_enabled() || c10::impl::dispatch_mode_enabled();
+#else
+  return at::impl::function_mode_enabled() || c10::impl::dispatch_mode_enabled();
+#endif
+}
+
+/* torch_api.h's tensor_over: the checks of Buffer.raw() and of as_strided's
+ * bounds (checkInBoundsForStorage: an empty view is not bounded), then a
+ * TensorImpl over the same storage, as set_ would make it. */
+extern "C" PyObject *dp_tensor_over(PyObject *source, uintptr_t ptr, size_t nbytes, PyObject *dtype, int ndim,
+                                    const int64_t *shape, const int64_t *strides, int64_t offset) {
+  if ((Py_TYPE(source) != tensor_type && Py_TYPE(source) != parameter_type) || !THPDtype_Check(dtype) ||
+      nbytes == 0 || ndim < 0 || offset < 0 || modes_active())
+    return nullptr;
+  const c10::ScalarType st = reinterpret_cast<THPDtype *>(dtype)->scalar_type;
+  try {
+    const at::Tensor &t = THPVariable_Unpack(source);
+    if (!t.defined())
+      return nullptr;
+    const c10::TensorImpl *impl = t.unsafeGetTensorImpl();
+    if (impl->is_python_dispatch() || layout_of(impl) != c10::kStrided)
+      return nullptr;
+    const c10::Storage &s = impl->storage(); /* throws for functional and fake tensors */
+    if (!s || reinterpret_cast<uintptr_t>(s.data()) != ptr || s.nbytes() < nbytes)
+      return nullptr;
+    const c10::DeviceType dt = s.device_type();
+    if (dt != c10::DeviceType::CPU && dt != c10::DeviceType::CUDA)
+      return nullptr;
+    const uint64_t isz = c10::elementSize(st);
+    /* the bytes the view reaches: (offset + sum (shape-1)*stride + 1) items */
+    uint64_t last = static_cast<uint64_t>(offset);
+    bool empty = false;
+    for (int i = 0; i < ndim; i++) {
+      if (shape[i] < 0 || strides[i] < 0)
+        return nullptr;
+      if (shape[i] == 0)
+        empty = true;
+    }
+    if (!empty) {
+      for (int i = 0; i < ndim; i++) {
+        uint64_t step;
+        if (__builtin_mul_overflow(static_cast<uint64_t>(shape[i] - 1), static_cast<uint64_t>(strides[i]), &step) ||
+            __builtin_add_overflow(last, step, &last))
+          return nullptr;
+      }
+      uint64_t need;
+      if (__builtin_add_overflow(last, uint64_t{1}, &last) || __builtin_mul_overflow(last, isz, &need) ||
+          need > s.nbytes())
+        return nullptr;
+    }
+    const c10::DispatchKey key = dt == c10::DeviceType::CPU ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA;
+    at::Tensor r = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(s), c10::DispatchKeySet(key),
+                                                            c10::scalarTypeToTypeMeta(st));
+    r.unsafeGetTensorImpl()->set_sizes_and_strides(c10::IntArrayRef(shape, static_cast<size_t>(ndim)),
+                                                   c10::IntArrayRef(strides, static_cast<size_t>(ndim)));
+    r.unsafeGetTensorImpl()->set_storage_offset(offset);
+    return THPVariable_Wrap(std::move(r));
+  } catch (...) {
+    return nullptr;
+  }
+}
+
 #if defined(DP_TORCH_CUDA)
 /* Streams seen by this thread, so that handing a stream back (a pool stream,
  * or the one set_current_stream replaced) restores torch's own CUDAStream —
@@ -372,6 +444,7 @@ dp_torch_api_t api_table = {
     dp_pool_stream,
     dp_record_stream,
     dp_dense_run,
+    dp_tensor_over,
 #else
     0,
     dp_tensor_allocs,
@@ -380,6 +453,7 @@ dp_torch_api_t api_table = {
     nullptr,
     nullptr,
     dp_dense_run,
+    dp_tensor_over,
 #endif
 };
 

@@ -13,12 +13,13 @@
 
 #include <Python.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define DP_TORCH_API_VERSION 3
+#define DP_TORCH_API_VERSION 4
 #define DP_TORCH_API_CAPSULE "devpickle._torch._api"
 
 /* One allocation a tensor holds. device_type uses devpickle's numbering
@@ -71,6 +72,22 @@ typedef struct dp_torch_api {
    * it. Returns how many items it read (0..n). Runs no Python code and
    * raises nothing, so the caller's items cannot change under it. */
   Py_ssize_t (*dense_run)(PyObject *const *items, Py_ssize_t n, dp_torch_alloc_t *out);
+  /* --- loads, with the GIL --- */
+  /* The tensor loads makes over a devpickle.Buffer, made without torch's
+   * Python API: when `source` (the Buffer's obj) is a torch.Tensor or
+   * torch.nn.Parameter of its exact type, strided and not dispatched to
+   * Python, whose storage (cpu or cuda) starts at `ptr` and holds at least
+   * `nbytes` (> 0) bytes — what Buffer.raw() checks —, a new torch.Tensor
+   * over that storage of `dtype` (a torch.dtype), shape and strides (in
+   * items, none negative) and storage offset (items), within the storage's
+   * bytes as torch.as_strided requires: the tensor _frames.array makes
+   * from raw(). Returns it; NULL with no exception where it declines (any
+   * condition above unmet, or a torch function or dispatch mode active,
+   * which torch's Python API would consult): _frames.array then makes the
+   * tensor or says why not; NULL with an exception on error (memory). Runs
+   * no Python code. */
+  PyObject *(*tensor_over)(PyObject *source, uintptr_t ptr, size_t nbytes, PyObject *dtype, int ndim,
+                           const int64_t *shape, const int64_t *strides, int64_t offset);
 } dp_torch_api_t;
 
 #ifdef __cplusplus

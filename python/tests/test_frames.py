@@ -4574,3 +4574,64 @@ def test_numpy_arrays_over_buffers_loads_cannot_take_as_they_are_are_made_or_ref
     b.resize(4, refcheck=False)  # shrinks in place: the Buffer's nbytes is no longer the array's
     with pytest.raises(ValueError, match="its memory moved since dumps found it"):
         devpickle.loads(data, buffers=got)
+
+
+def _tensor_described(t):
+    s = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+    return (type(t), t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset(), s.data_ptr(), s.nbytes(),
+            t.requires_grad, t.tolist())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_torch_tensors_made_from_the_buffers_dumps_gave_are_those_the_general_path_makes(seed):
+    # loads makes a torch tensor over a Buffer of a tensor's storage in the
+    # adapter (when it is built), not through torch's Python API; the
+    # general path (the buffers' raw() tensors given instead) makes the same
+    # tensors over the same storages
+    rng = np.random.default_rng(seed)
+    dtypes = [torch.float32, torch.int8, torch.int16, torch.float64, torch.complex64, torch.bool, torch.float16]
+    value = []
+    for _ in range(int(rng.integers(1, 4))):
+        n = int(rng.integers(1, 25))
+        t = torch.from_numpy(rng.integers(0, 7, size=n)).to(dtypes[int(rng.integers(0, len(dtypes)))])
+        value.append(t)
+        for _ in range(int(rng.integers(0, 5))):
+            k = int(rng.integers(0, 5))
+            if k == 0:
+                lo = int(rng.integers(0, n + 1))
+                value.append(t[lo:lo + int(rng.integers(0, n + 1)):int(rng.integers(1, 4))])
+            elif k == 1 and n % 2 == 0:
+                value.append(t.view(2, -1).t())
+            elif k == 2 and t.element_size() * n % 4 == 0:
+                value.append(t.view(torch.uint8).view(torch.int32))
+            elif k == 3:
+                value.append(t[n:])
+            else:
+                value.append(t[::2][1:])
+    bufs = []
+    data = devpickle.dumps(value, buffer_callback=bufs.append)
+    general = devpickle.loads(data, buffers=[b.raw() for b in bufs])
+    fast = devpickle.loads(data, buffers=bufs)
+    assert [_tensor_described(t) for t in fast] == [_tensor_described(t) for t in general]
+    for a, b in zip(fast, value):
+        assert a.tolist() == b.tolist() and a.dtype == b.dtype
+
+
+def test_torch_tensors_over_buffers_the_adapter_declines_are_made_or_refused_as_before():
+    t = torch.arange(8.0)
+    bufs = []
+    data = devpickle.dumps([t[2:], t[1:3]], buffer_callback=bufs.append)
+    moved = devpickle.Buffer(bufs[0].device, bufs[0].ptr + 4, bufs[0].nbytes, t)
+    with pytest.raises(ValueError, match=r"loads: buffers\[0\]: .*its memory moved since dumps found it"):
+        devpickle.loads(data, buffers=[moved])
+    larger = devpickle.Buffer(bufs[0].device, bufs[0].ptr, bufs[0].nbytes + 8, t)
+    with pytest.raises(ValueError, match=r"its memory moved since dumps found it"):
+        devpickle.loads(data, buffers=[larger])
+    class Sub(torch.Tensor):
+        pass
+    sub = devpickle.Buffer(bufs[0].device, bufs[0].ptr, bufs[0].nbytes, t.as_subclass(Sub))
+    back = devpickle.loads(data, buffers=[sub])  # raw() of a subclass's storage: the general path
+    assert back[0].tolist() == t[2:].tolist() and back[1].tolist() == t[1:3].tolist()
+    got = devpickle.loads(data, buffers=bufs)
+    got[0][0] = 42.0
+    assert t[2] == 42.0 and got[1][1] == 42.0  # over the dumped storage, shared by both views

@@ -16,7 +16,7 @@ if os.environ.get("DEVPICKLE_REQUIRE_TORCH_ADAPTER") == "1":
 else:
     adapter = pytest.importorskip("devpickle._torch")
 
-API_VERSION = 3
+API_VERSION = 4
 CAPSULE = b"devpickle._torch._api"
 MAX_ALLOCS = 4
 CPU, CUDA = 0, 1
@@ -34,7 +34,8 @@ class Api(ctypes.Structure):
                 ("set_current_stream", ctypes.c_void_p),
                 ("pool_stream", ctypes.c_void_p),
                 ("record_stream", ctypes.c_void_p),
-                ("dense_run", ctypes.c_void_p)]
+                ("dense_run", ctypes.c_void_p),
+                ("tensor_over", ctypes.c_void_p)]
 
 
 def _table():
@@ -51,6 +52,10 @@ _tensor_allocs = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object,
                                    ctypes.POINTER(Alloc))(API.tensor_allocs)
 _dense_run = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.POINTER(ctypes.py_object), ctypes.c_ssize_t,
                                ctypes.POINTER(Alloc))(API.dense_run)
+# a new reference or NULL (declined, or an exception set): c_void_p, read below
+_tensor_over = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_size_t, ctypes.c_size_t, ctypes.py_object,
+                                 ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64),
+                                 ctypes.c_int64)(API.tensor_over)
 
 
 def allocs(obj):
@@ -84,9 +89,9 @@ def storage(t):
     return s.data_ptr(), s.nbytes()
 
 
-def test_capsule_publishes_version_3_of_the_table():
+def test_capsule_publishes_version_4_of_the_table():
     assert API.version == API_VERSION
-    assert API.tensor_allocs and API.dense_run
+    assert API.tensor_allocs and API.dense_run and API.tensor_over
     cuda_fns = [API.current_stream, API.set_current_stream, API.pool_stream, API.record_stream]
     if API.has_cuda:
         assert all(cuda_fns)
@@ -421,3 +426,101 @@ def test_record_stream_answers_1_for_memory_not_torchs():
     assert record_stream(ctypes.addressof(host), d, s) == 1
     assert record_stream(x.data_ptr(), d, s) == 0
     torch.cuda.synchronize()
+
+
+def tensor_over(source, ptr, nbytes, dtype, shape, strides, offset):
+    """The adapter's tensor, or None where it declines (no exception)."""
+    n = len(shape)
+    p = _tensor_over(source, ptr, nbytes, dtype, n, (ctypes.c_int64 * max(n, 1))(*shape),
+                     (ctypes.c_int64 * max(n, 1))(*strides), offset)
+    if not p:
+        return None
+    t = ctypes.cast(p, ctypes.py_object).value
+    ctypes.pythonapi.Py_DecRef(ctypes.py_object(t))  # the new reference the call gave
+    return t
+
+
+def test_tensor_over_makes_the_view_loads_asks_for_over_the_storage_itself():
+    t = torch.arange(12, dtype=torch.float32)
+    base, nbytes = storage(t)
+    v = tensor_over(t[3:], base, nbytes, torch.float32, (2, 3), (1, 2), 5)
+    assert v.dtype == torch.float32 and v.shape == (2, 3) and v.stride() == (1, 2) and v.storage_offset() == 5
+    assert storage(v) == (base, nbytes) and not v.requires_grad and type(v) is torch.Tensor
+    assert v.tolist() == torch.as_strided(t, (2, 3), (1, 2), 5).tolist()
+    as_int = tensor_over(t, base, nbytes, torch.int32, (12,), (1,), 0)  # reinterpreted, as view() would
+    assert as_int.tolist() == t.view(torch.int32).tolist()
+    v[0, 0] = -1.0  # the same memory
+    assert t[5] == -1.0
+    del t
+    import gc
+    gc.collect()
+    assert v[0, 0] == -1.0  # it holds the storage
+    p = torch.nn.Parameter(torch.ones(2))
+    got = tensor_over(p, *storage(p), torch.float32, (2,), (1,), 0)
+    assert type(got) is torch.Tensor and not got.requires_grad and got.tolist() == [1.0, 1.0]
+
+
+def test_tensor_over_reaches_to_the_storages_end_and_not_past_it_and_bounds_no_empty_view():
+    t = torch.zeros(4, dtype=torch.float64)  # 32 bytes
+    base, nbytes = storage(t)
+    assert tensor_over(t, base, nbytes, torch.float64, (2, 2), (2, 1), 0) is not None
+    assert tensor_over(t, base, nbytes, torch.float64, (2, 2), (2, 1), 1) is None  # one item past
+    assert tensor_over(t, base, nbytes, torch.int32, (8,), (1,), 0) is not None
+    assert tensor_over(t, base, nbytes, torch.int32, (8,), (1,), 1) is None
+    assert tensor_over(t, base, nbytes, torch.float64, (3,), (2,), 0) is None  # strides reach past
+    # an empty view addresses nothing: as_strided takes any offset for it
+    e = tensor_over(t, base, nbytes, torch.float64, (0, 5), (5, 1), 1000)
+    assert e.shape == (0, 5) and e.storage_offset() == 1000 and storage(e) == (base, nbytes)
+    assert tensor_over(t, base, nbytes, torch.float64, (2,), (1 << 62,), 0) is None  # overflows: not made
+
+
+@pytest.mark.parametrize("case", ["moved", "larger", "empty", "negative stride", "negative offset", "negative shape",
+                                  "subclass", "sparse", "not a dtype", "not a tensor"])
+def test_tensor_over_declines_what_buffer_raw_or_as_strided_would_refuse_leaving_it_to_the_python_path(case):
+    t = torch.ones(8)
+    base, nbytes = storage(t)
+    args = dict(source=t, ptr=base, nbytes=nbytes, dtype=torch.float32, shape=(8,), strides=(1,), offset=0)
+    if case == "moved":
+        args["ptr"] = base + 4
+    elif case == "larger":
+        args["nbytes"] = nbytes + 1
+    elif case == "empty":
+        args["nbytes"] = 0
+    elif case == "negative stride":
+        args.update(shape=(2,), strides=(-1,), offset=4)
+    elif case == "negative offset":
+        args.update(shape=(1,), offset=-1)
+    elif case == "negative shape":
+        args.update(shape=(-1,))
+    elif case == "subclass":
+        class Sub(torch.Tensor):
+            pass
+        args["source"] = t.as_subclass(Sub)
+    elif case == "sparse":
+        args["source"] = torch.ones(2).to_sparse()
+    elif case == "not a dtype":
+        args["dtype"] = "float32"
+    else:
+        args["source"] = bytearray(32)
+    assert tensor_over(**args) is None
+    assert tensor_over(t, base, nbytes, torch.float32, (8,), (1,), 0) is not None  # the control
+
+
+def test_tensor_over_declines_under_a_torch_function_or_dispatch_mode_which_torchs_python_api_would_consult():
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fn(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Disp(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    t = torch.ones(4)
+    base, nbytes = storage(t)
+    for mode in (Fn, Disp):
+        with mode():
+            assert tensor_over(t, base, nbytes, torch.float32, (4,), (1,), 0) is None
+    assert tensor_over(t, base, nbytes, torch.float32, (4,), (1,), 0) is not None
