@@ -185,6 +185,22 @@ def test_out_of_band_cuda_buffers_come_back_over_the_tensors_given():
     assert torch.equal(out["v"], t[4:8]) and out["t"].data_ptr() == t.data_ptr()
 
 
+def test_cuda_tensors_over_the_buffers_dumps_gave_are_the_views_over_the_same_storage():
+    # given back as Buffers, the adapter makes them over the storage itself;
+    # the general path (raw() given) makes the same tensors
+    t = torch.arange(24, dtype=torch.float32, device="cuda")
+    bufs = []
+    frame = devpickle.dumps([t, t[4:12].view(2, 4).t(), t.view(torch.int32)[1:]], buffer_callback=bufs.append)
+    fast = devpickle.loads(frame, buffers=bufs)
+    general = devpickle.loads(frame, buffers=[b.raw() for b in bufs])
+    for a, b, want in zip(fast, general, [t, t[4:12].view(2, 4).t(), t.view(torch.int32)[1:]]):
+        assert a.device == want.device and a.dtype == want.dtype and a.shape == want.shape
+        assert a.stride() == b.stride() == want.stride() and a.storage_offset() == b.storage_offset()
+        assert a.data_ptr() == b.data_ptr() == want.data_ptr() and torch.equal(a, want)
+    fast[0][5] = -1.0  # the same memory
+    assert t[5].item() == -1.0
+
+
 SPIN_SRC = r"""
 extern "C" __global__ void spin(float *x, long long cycles, float v) {
   long long t0 = clock64();
