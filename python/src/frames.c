@@ -483,12 +483,13 @@ static PyObject *key_to_py(loader_t *l, dp_value_t k, int depth) {
  * an array of numpy's own type that owns its memory, contiguous, holding no
  * Python objects, still exactly [ptr, ptr + nbytes) (what Buffer.raw()
  * checks), or such an array given itself, at least nbytes long. The array
- * is made over it (numpy.ndarray(shape, dtype, buffer, offset, strides)):
- * it is the buffer's flat source, which the cache keeps for every later
- * view of the buffer, of any kind. Anything else — another source, a dtype
- * numpy lacks, strides past its int64 bytes, a view numpy refuses — is
- * left to _frames.array, which makes it or says why not (np_fast returns 0;
- * numpy's own refusal is read again there, with the buffer named). */
+ * is made over its bytes (numpy.ndarray(shape, dtype, buffer, offset,
+ * strides)), which the cache keeps, as the general path's entries, for
+ * every later view of the buffer, of any kind. Anything else — another
+ * source, a dtype numpy lacks, strides past its int64 bytes, a view numpy
+ * refuses — is left to _frames.array, which makes it or says why not
+ * (np_fast returns 0; numpy's own refusal is read again there, with the
+ * buffer named). */
 
 /* obj as a flat source of at least `need` bytes (exactly `exact`, when not
  * 0, at address ptr): an exact numpy.ndarray owning its memory, C-contiguous,
@@ -619,6 +620,28 @@ done:
   return a;
 }
 
+/* owner's bytes as one flat uint8 array (owner.reshape(-1).view(uint8),
+ * what raw() gives), made once per buffer as the general path makes it:
+ * every later view shares it, so its memory and its writability are those
+ * owner had at the buffer's first view, whatever code run in between (a
+ * class's __setstate__, another thread) does to owner's flags. */
+static PyObject *np_bytes(loader_t *l, PyObject *owner) {
+  static PyObject *reshape, *view, *minus_one;
+  if ((!reshape && !(reshape = PyUnicode_InternFromString("reshape"))) ||
+      (!view && !(view = PyUnicode_InternFromString("view"))) || (!minus_one && !(minus_one = PyLong_FromLong(-1))))
+    return NULL;
+  PyObject *u8;
+  Py_ssize_t isz;
+  if (np_dtype(l, "uint8", &u8, &isz) != 1) return NULL;
+  PyObject *args[2] = {owner, minus_one};
+  PyObject *flat = PyObject_VectorcallMethod(reshape, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+  if (!flat) return NULL;
+  args[0] = flat, args[1] = u8;
+  PyObject *bytes = PyObject_VectorcallMethod(view, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+  Py_DECREF(flat);
+  return bytes;
+}
+
 /* tensor_to_py's fast path for numpy arrays: the array; NULL with no
  * exception where the general path is to make it; NULL with one. */
 static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, size_t nbytes) {
@@ -631,8 +654,13 @@ static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, s
              (Py_ssize_t)at < PyTuple_GET_SIZE(l->buffers)) {
     PyObject *src = PyTuple_GET_ITEM(l->buffers, (Py_ssize_t)at);
     if ((PyObject *)Py_TYPE(src) == l->buffer_type || Py_TYPE(src) == dpy.numpy_ndarray) {
-      flat = np_flat_source(src, nbytes);
-      if (flat && (PyDict_SetItem(l->cache, key, flat) || PyDict_SetItem(l->cache, kk, flat))) Py_CLEAR(flat);
+      PyObject *owner = np_flat_source(src, nbytes);
+      flat = owner ? np_bytes(l, owner) : NULL;
+      /* the general path's entries: the source (raw()'s bytes for a Buffer,
+         the array given itself) and the flat bytes every numpy view shares */
+      if (flat && (PyDict_SetItem(l->cache, key, src == owner ? owner : flat) || PyDict_SetItem(l->cache, kk, flat)))
+        Py_CLEAR(flat);
+      Py_XDECREF(owner);
     }
   }
   if (flat) a = np_fast(l, t, flat);

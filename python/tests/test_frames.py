@@ -4635,3 +4635,53 @@ def test_torch_tensors_over_buffers_the_adapter_declines_are_made_or_refused_as_
     got = devpickle.loads(data, buffers=bufs)
     got[0][0] = 42.0
     assert t[2] == 42.0 and got[1][1] == 42.0  # over the dumped storage, shared by both views
+
+
+class _FlipWritable:
+    """Rebuilt by loads, it flips the writability of the array in owner[0]:
+    code run between two views of one buffer."""
+
+    owner = [None]
+
+    def __reduce__(self):
+        return (_FlipWritable, (), {"flip": True})
+
+    def __setstate__(self, state):
+        a = _FlipWritable.owner[0]
+        a.flags.writeable = not a.flags.writeable
+
+
+@pytest.mark.parametrize("writable", [True, False])
+@pytest.mark.parametrize("given", ["Buffer", "array"])
+def test_numpy_views_of_one_buffer_share_the_bytes_its_first_view_found_whatever_code_run_between_them_does(
+        given, writable):
+    # the general path makes a buffer's bytes once (raw(), numpy.frombuffer)
+    # and every later view over them: an array's writability changed by a
+    # class's __setstate__ between two views reaches neither the later numpy
+    # view nor, for a Buffer, a torch view (torch copies read-only memory)
+    a = np.arange(8.0)
+    data = devpickle.dumps([a[0:2], _FlipWritable(), a[3:5], torch.from_numpy(a)[2:4]],
+                           buffer_callback=(bufs := []).append)
+    assert len(bufs) == 1
+
+    class Given(devpickle.Buffer):  # of another class: what the general path makes
+        __slots__ = ()
+
+    made = {}
+    for how in ("fast", "general"):
+        b = np.arange(8.0)
+        b.flags.writeable = writable
+        _FlipWritable.owner[0] = b
+        mem = b.__array_interface__["data"][0]
+        cls = devpickle.Buffer if how == "fast" else Given
+        given_bufs = [cls("cpu", mem, 64, b)] if given == "Buffer" else [b]
+        first, _, later, t = devpickle.loads(data, buffers=given_bufs, classes=[_FlipWritable])
+        assert b.flags.writeable is not writable  # flipped in between
+        made[how] = (first.flags.writeable, later.flags.writeable, np.shares_memory(later, b),
+                     t.data_ptr() == mem + 16)
+        if given == "array":
+            break
+    # the torch view over an array given itself reads the array as it is then
+    assert made["fast"] == (writable, writable, True, writable if given == "Buffer" else not writable)
+    if given == "Buffer":
+        assert made["fast"] == made["general"]
