@@ -4685,3 +4685,41 @@ def test_numpy_views_of_one_buffer_share_the_bytes_its_first_view_found_whatever
     assert made["fast"] == (writable, writable, True, writable if given == "Buffer" else not writable)
     if given == "Buffer":
         assert made["fast"] == made["general"]
+
+
+class _IntOfAnotherClass(int):
+    pass
+
+
+@pytest.mark.parametrize("field, value", [
+    ("ptr", True), ("ptr", _IntOfAnotherClass), ("ptr", -1), ("ptr", 2**64), ("ptr", 2**64 + 8), ("ptr", 8.0),
+    ("ptr", +8), ("nbytes", False), ("nbytes", _IntOfAnotherClass), ("nbytes", -2**64), ("nbytes", 2**63),
+    ("nbytes", -8), ("nbytes", +8), ("nbytes", 0), ("obj", None), ("obj", "view"), ("obj", "subclass"),
+    ("obj", "copy"), ("obj", "0-d")])
+def test_a_buffer_with_fields_set_to_odd_values_loads_as_the_general_path_loads_it(field, value):
+    # an exact Buffer of an owning array is read in C; one of another class
+    # goes through raw() and _frames.array: the same arrays, or the same
+    # exception with the same message
+    class Given(devpickle.Buffer):
+        __slots__ = ()
+
+    a = np.arange(6.0)
+    data = devpickle.dumps([a, a[1:3], a[::-2]], buffer_callback=(bufs := []).append)
+    b = bufs[0]
+    if value is _IntOfAnotherClass:
+        value = _IntOfAnotherClass(getattr(b, field))
+    elif field != "obj" and type(value) is int and abs(value) == 8:
+        value += getattr(b, field)
+    elif field == "obj":
+        value = {None: None, "view": a[:], "subclass": a.view(np.matrix)[0], "copy": a.copy(),
+                 "0-d": np.array(2.0)}[value]
+    made = []
+    for cls in (devpickle.Buffer, Given):
+        given = cls(b.device, b.ptr, b.nbytes, b.obj)
+        setattr(given, field, value)
+        try:
+            made.append([(x.dtype, x.shape, x.strides, x.flags.writeable, x.__array_interface__["data"][0],
+                          x.tobytes()) for x in devpickle.loads(data, buffers=[given])])
+        except (TypeError, ValueError) as e:
+            made.append((type(e), str(e).replace("Given(", "devpickle.Buffer(")))
+    assert made[0] == made[1]
