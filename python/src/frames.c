@@ -620,28 +620,6 @@ done:
   return a;
 }
 
-/* owner's bytes as one flat uint8 array (owner.reshape(-1).view(uint8),
- * what raw() gives), made once per buffer as the general path makes it:
- * every later view shares it, so its memory and its writability are those
- * owner had at the buffer's first view, whatever code run in between (a
- * class's __setstate__, another thread) does to owner's flags. */
-static PyObject *np_bytes(loader_t *l, PyObject *owner) {
-  static PyObject *reshape, *view, *minus_one;
-  if ((!reshape && !(reshape = PyUnicode_InternFromString("reshape"))) ||
-      (!view && !(view = PyUnicode_InternFromString("view"))) || (!minus_one && !(minus_one = PyLong_FromLong(-1))))
-    return NULL;
-  PyObject *u8;
-  Py_ssize_t isz;
-  if (np_dtype(l, "uint8", &u8, &isz) != 1) return NULL;
-  PyObject *args[2] = {owner, minus_one};
-  PyObject *flat = PyObject_VectorcallMethod(reshape, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-  if (!flat) return NULL;
-  args[0] = flat, args[1] = u8;
-  PyObject *bytes = PyObject_VectorcallMethod(view, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-  Py_DECREF(flat);
-  return bytes;
-}
-
 /* tensor_to_py's fast path for numpy arrays: the array; NULL with no
  * exception where the general path is to make it; NULL with one. */
 static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, size_t nbytes) {
@@ -655,9 +633,16 @@ static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, s
     PyObject *src = PyTuple_GET_ITEM(l->buffers, (Py_ssize_t)at);
     if ((PyObject *)Py_TYPE(src) == l->buffer_type || Py_TYPE(src) == dpy.numpy_ndarray) {
       PyObject *owner = np_flat_source(src, nbytes);
-      flat = owner ? np_bytes(l, owner) : NULL;
-      /* the general path's entries: the source (raw()'s bytes for a Buffer,
-         the array given itself) and the flat bytes every numpy view shares */
+      /* its bytes exported once, as the general path takes them (raw()'s
+         uint8 view, numpy.frombuffer): every later view, of any kind, is
+         made over that export, so its memory and writability are those the
+         array had at the buffer's first view, whatever code run in between
+         (a class's __setstate__, another thread) does to the array's flags;
+         numpy takes the exporting array for a view's base, as it does the
+         uint8 view's. The cache holds what the general path's would: the
+         source (raw()'s bytes for a Buffer, the array given itself) and the
+         flat bytes */
+      flat = owner ? PyMemoryView_FromObject(owner) : NULL;
       if (flat && (PyDict_SetItem(l->cache, key, src == owner ? owner : flat) || PyDict_SetItem(l->cache, kk, flat)))
         Py_CLEAR(flat);
       Py_XDECREF(owner);
