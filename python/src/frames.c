@@ -400,6 +400,7 @@ typedef struct loader {
   PyObject *buffer_type; /* _frames.Buffer, what dumps hands buffer_callback */
   PyObject *np_dtypes;   /* numpy arrays' fast path: dtype name -> (numpy.dtype, itemsize), or NULL */
   PyObject *torch_dtypes; /* torch tensors' fast path: dtype name -> torch.dtype or None, or NULL */
+  PyObject *torch_flats;  /* torch tensors' fast path: buffer -> (its flat uint8 tensor, ptr, nbytes), or NULL */
   /* memo_objs' mark of a node being made: an object of its own, as a node
      may well be made into None (a reduce whose callable returns it) */
   PyObject *unfinished;
@@ -657,41 +658,68 @@ static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, s
 /* ---- torch tensors over out-of-band buffers, without _frames.array ----
  *
  * A torch tensor over a buffer given as the devpickle.Buffer dumps handed
- * out, met first (nothing cached for it): the adapter makes it over the
- * storage of the Buffer's tensor (torch_api.h, tensor_over), with the
- * checks of Buffer.raw() and of as_strided, or declines, and _frames.array
- * makes it or says why not. The dtype is _frames.torch_dtype's answer for
- * the frame's dtype name, asked once per loads. Returns the tensor; NULL
- * with no exception where the general path is to make it; NULL with one. */
+ * out: at the buffer's first view the adapter makes what Buffer.raw()
+ * makes — a flat uint8 tensor over the storage of the Buffer's tensor,
+ * with raw()'s checks (torch_api.h, tensor_over) — and the cache keeps it
+ * as the general path keeps raw()'s answer, for every later view of the
+ * buffer, of any kind; each view is then made over that flat tensor's
+ * storage, with as_strided's checks. What the adapter declines,
+ * _frames.array makes or says why not. The dtype is _frames.torch_dtype's
+ * answer for the frame's dtype name, asked once per loads. */
+
+/* torch's dtype for a frame's dtype name (Py_None: none), borrowed from
+ * the loader's cache, or NULL with an exception. */
+static PyObject *torch_dtype(loader_t *l, const char *name) {
+  if (!l->torch_dtypes && !(l->torch_dtypes = PyDict_New())) return NULL;
+  PyObject *dt = PyDict_GetItemString(l->torch_dtypes, name);
+  if (dt) return dt;
+  PyObject *fn = helper("torch_dtype");
+  dt = fn ? PyObject_CallFunction(fn, "s", name) : NULL;
+  Py_XDECREF(fn);
+  if (!dt) return NULL;
+  int rc = PyDict_SetItemString(l->torch_dtypes, name, dt);
+  Py_DECREF(dt); /* the dict holds it */
+  return rc ? NULL : dt;
+}
+
+/* Returns the tensor; NULL with no exception where the general path is to
+ * make it; NULL with one. */
 static PyObject *torch_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, size_t nbytes) {
   if (!dpy.torch || !dpy.torch->tensor_over || !l->buffers || (Py_ssize_t)at >= PyTuple_GET_SIZE(l->buffers))
     return NULL;
-  PyObject *src = PyTuple_GET_ITEM(l->buffers, (Py_ssize_t)at);
-  if ((PyObject *)Py_TYPE(src) != l->buffer_type || PyDict_GetItemWithError(l->cache, key) || PyErr_Occurred())
-    return NULL;
-  const char *name = dp_dtype_name(dp_tensor_dtype(t));
-  if (!l->torch_dtypes && !(l->torch_dtypes = PyDict_New())) return NULL;
-  PyObject *dt = PyDict_GetItemString(l->torch_dtypes, name);
-  if (!dt) {
-    PyObject *fn = helper("torch_dtype");
-    dt = fn ? PyObject_CallFunction(fn, "s", name) : NULL;
-    Py_XDECREF(fn);
-    if (!dt) return NULL;
-    int rc = PyDict_SetItemString(l->torch_dtypes, name, dt);
-    Py_DECREF(dt); /* the dict holds it */
+  PyObject *dt = torch_dtype(l, dp_dtype_name(dp_tensor_dtype(t)));
+  if (!dt || dt == Py_None) return NULL;
+  /* the buffer's flat tensor, made here before: (flat, ptr, nbytes) */
+  PyObject *made = l->torch_flats ? PyDict_GetItemWithError(l->torch_flats, key) : NULL;
+  if (!made && PyErr_Occurred()) return NULL;
+  if (!made) {
+    PyObject *src = PyTuple_GET_ITEM(l->buffers, (Py_ssize_t)at);
+    if ((PyObject *)Py_TYPE(src) != l->buffer_type || PyDict_GetItemWithError(l->cache, key) || PyErr_Occurred())
+      return NULL; /* not a Buffer, or its bytes taken by the general path or as numpy's */
+    PyObject *u8 = torch_dtype(l, "uint8");
+    if (!u8 || u8 == Py_None) return NULL;
+    unsigned long long ptr, n;
+    int r = buffer_field(src, "ptr", &ptr);
+    if (r == 1) r = buffer_field(src, "nbytes", &n);
+    if (r != 1 || n < nbytes || n > INT64_MAX) return NULL;
+    PyObject *obj = PyObject_GetAttrString(src, "obj");
+    if (!obj) return NULL;
+    const int64_t len = (int64_t)n, one = 1;
+    PyObject *flat = dpy.torch->tensor_over(obj, (uintptr_t)ptr, (size_t)n, u8, 1, &len, &one, 0);
+    Py_DECREF(obj);
+    if (!flat) return NULL;
+    PyObject *kk = PyTuple_Pack(2, key, dpy.str_torch_tensor);
+    made = Py_BuildValue("(NKK)", flat, ptr, n);
+    int rc = !kk || !made || (!l->torch_flats && !(l->torch_flats = PyDict_New())) ||
+             PyDict_SetItem(l->torch_flats, key, made) || PyDict_SetItem(l->cache, key, flat) ||
+             PyDict_SetItem(l->cache, kk, flat);
+    Py_XDECREF(kk);
+    Py_XDECREF(made); /* the dict holds it */
     if (rc) return NULL;
   }
-  if (dt == Py_None) return NULL;
-  unsigned long long ptr, n;
-  int r = buffer_field(src, "ptr", &ptr);
-  if (r == 1) r = buffer_field(src, "nbytes", &n);
-  if (r != 1 || n < nbytes) return NULL;
-  PyObject *obj = PyObject_GetAttrString(src, "obj");
-  if (!obj) return NULL;
-  PyObject *a = dpy.torch->tensor_over(obj, (uintptr_t)ptr, (size_t)n, dt, dp_tensor_ndim(t), dp_tensor_shape(t),
-                                       dp_tensor_strides(t), dp_tensor_offset(t));
-  Py_DECREF(obj);
-  return a;
+  return dpy.torch->tensor_over(PyTuple_GET_ITEM(made, 0), (uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(made, 1)),
+                                (size_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(made, 2)), dt, dp_tensor_ndim(t),
+                                dp_tensor_shape(t), dp_tensor_strides(t), dp_tensor_offset(t));
 }
 
 static PyObject *tensor_to_py(loader_t *l, dp_value_t t, const char *kind) {
@@ -1368,6 +1396,7 @@ done:
   Py_XDECREF(l.buffer_type);
   Py_XDECREF(l.np_dtypes);
   Py_XDECREF(l.torch_dtypes);
+  Py_XDECREF(l.torch_flats);
   return result;
 }
 

@@ -4723,3 +4723,73 @@ def test_a_buffer_with_fields_set_to_odd_values_loads_as_the_general_path_loads_
         except (TypeError, ValueError) as e:
             made.append((type(e), str(e).replace("Given(", "devpickle.Buffer(")))
     assert made[0] == made[1]
+
+
+class _MoveStorage:
+    """Rebuilt by loads, it moves the tensor in owner[0] to new memory
+    (set_): code run between two views of one buffer."""
+
+    owner = [None]
+
+    def __reduce__(self):
+        return (_MoveStorage, (), {"move": True})
+
+    def __setstate__(self, state):
+        _MoveStorage.owner[0].set_(torch.full((8,), -1.0))
+
+
+def test_torch_views_of_one_buffer_are_made_over_the_storage_its_first_view_found_whatever_code_run_between_does():
+    # the general path takes a Buffer's raw() at the buffer's first view and
+    # makes every later view over it; the adapter's path keeps the same flat
+    # tensor: a storage replaced in between (t.set_) reaches neither
+    t = torch.arange(8.0)
+    data = devpickle.dumps([t[0:2], _MoveStorage(), t[3:5], t.view(torch.int32)[2:4]],
+                           buffer_callback=(bufs := []).append)
+
+    class Given(devpickle.Buffer):  # of another class: what the general path makes
+        __slots__ = ()
+
+    made = {}
+    for cls in (devpickle.Buffer, Given):
+        u = torch.arange(8.0)
+        mem = u.data_ptr()
+        _MoveStorage.owner[0] = u
+        first, _, later, ints = devpickle.loads(data, buffers=[cls("cpu", mem, 32, u)], classes=[_MoveStorage])
+        assert u.data_ptr() != mem  # moved in between
+        made[cls] = (first.tolist(), later.tolist(), later.data_ptr() - mem, ints.data_ptr() - mem, ints.dtype)
+    assert made[devpickle.Buffer] == made[Given] == ([0.0, 1.0], [3.0, 4.0], 12, 8, torch.int32)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("ptr", True), ("ptr", _IntOfAnotherClass), ("ptr", -1), ("ptr", 2**64), ("ptr", 8.0), ("ptr", +4),
+    ("nbytes", False), ("nbytes", _IntOfAnotherClass), ("nbytes", 2**63), ("nbytes", -8), ("nbytes", +4),
+    ("nbytes", -4), ("nbytes", 0), ("obj", None), ("obj", "view"), ("obj", "subclass"), ("obj", "copy"),
+    ("obj", "parameter"), ("obj", "numpy")])
+def test_a_torch_buffer_with_fields_set_to_odd_values_loads_as_the_general_path_loads_it(field, value):
+    # an exact Buffer of a plain tensor is read by the adapter; one of
+    # another class goes through raw() and _frames.array: the same tensors,
+    # or the same exception with the same message
+    class Given(devpickle.Buffer):
+        __slots__ = ()
+
+    t = torch.arange(6.0)
+    data = devpickle.dumps([t, t[1:3], t.view(torch.int32)[::2]], buffer_callback=(bufs := []).append)
+    b = bufs[0]
+    if value is _IntOfAnotherClass:
+        value = _IntOfAnotherClass(getattr(b, field))
+    elif field != "obj" and type(value) is int and abs(value) in (4, 8):
+        value += getattr(b, field)
+    elif field == "obj":
+        class Sub(torch.Tensor):
+            pass
+        value = {None: None, "view": t[1:], "subclass": t.as_subclass(Sub), "copy": t.clone(),
+                 "parameter": torch.nn.Parameter(t, requires_grad=False), "numpy": t.numpy()}[value]
+    made = []
+    for cls in (devpickle.Buffer, Given):
+        given = cls(b.device, b.ptr, b.nbytes, b.obj)
+        setattr(given, field, value)
+        try:
+            made.append([_tensor_described(x) for x in devpickle.loads(data, buffers=[given])])
+        except (TypeError, ValueError) as e:
+            made.append((type(e), str(e).replace("Given(", "devpickle.Buffer(")))
+    assert made[0] == made[1]
