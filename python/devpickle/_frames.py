@@ -78,9 +78,8 @@ class Buffer:
             if mem.ptr != self.ptr or self.nbytes > mem.size:
                 raise self._moved()
             return cupy.ndarray((self.nbytes,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-        import numpy as np
-
-        if not isinstance(o, np.ndarray):
+        np = sys.modules.get("numpy")  # never imported here: an array of numpy's has imported it
+        if np is None or not isinstance(o, np.ndarray):
             # the memory is viewed only through the array or tensor found on
             # it, which answers for it: an address alone (a Buffer made by
             # hand) could name any memory

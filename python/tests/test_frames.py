@@ -4793,3 +4793,20 @@ def test_a_torch_buffer_with_fields_set_to_odd_values_loads_as_the_general_path_
         except (TypeError, ValueError) as e:
             made.append((type(e), str(e).replace("Given(", "devpickle.Buffer(")))
     assert made[0] == made[1]
+
+
+def test_raw_never_imports_numpy_even_where_numpy_left_sys_modules():
+    # loads never imports a module, nor does raw(), which loads calls: with
+    # numpy gone from sys.modules (hostile code), a numpy Buffer is refused
+    code = (
+        "import sys, numpy as np, devpickle\n"
+        "a = np.arange(4.0)\n"
+        "devpickle.dumps([a], buffer_callback=(bufs := []).append)\n"
+        "del sys.modules['numpy']\n"
+        "try:\n"
+        "    bufs[0].raw()\n"
+        "except TypeError as e:\n"
+        "    print('TypeError', 'not the torch tensor, numpy or cupy array' in str(e))\n"
+        "print('numpy' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert out.stdout.split() == ["TypeError", "True", "False"], out.stderr
