@@ -601,9 +601,56 @@ static const char *typestr_dtype(const char *ts) {
   return NULL;
 }
 
+static int build_view(dpy_scanner_t *s, PyObject *o, int cupy, const char *dt, int nd, const int64_t *shape,
+                      int64_t *strides, int have_strides, char *ptr, dp_value_t *out);
+
+/* The view of a numpy array as its buffer export describes it (the format
+ * numpy gives a dtype of the machine's byte order, a struct code, and the
+ * item size): 1 with *dt, shape, strides (in bytes) and *ptr; 0 where the
+ * export is of another form (another byte order, a structured or datetime
+ * dtype, none at all), which __array_interface__ then reads and names. No
+ * Python code runs: numpy exports its own arrays. */
+static int buffer_view(PyObject *o, const char **dt, int *nd, int64_t *shape, int64_t *strides, int *have_strides,
+                       char **ptr) {
+  Py_buffer v;
+  if (PyObject_GetBuffer(o, &v, PyBUF_RECORDS_RO)) {
+    PyErr_Clear();
+    return 0;
+  }
+  static const struct {
+    const char *fmt;
+    Py_ssize_t size;
+    const char *name;
+  } map[] = {{"?", 1, "bool"},    {"b", 1, "int8"},     {"B", 1, "uint8"},      {"h", 2, "int16"},
+             {"H", 2, "uint16"},  {"i", 4, "int32"},    {"I", 4, "uint32"},     {"l", 8, "int64"},
+             {"L", 8, "uint64"},  {"q", 8, "int64"},    {"Q", 8, "uint64"},     {"e", 2, "float16"},
+             {"f", 4, "float32"}, {"d", 8, "float64"},  {"Zf", 8, "complex64"}, {"Zd", 16, "complex128"}};
+  *dt = NULL;
+  for (size_t i = 0; v.format && i < sizeof map / sizeof *map; i++)
+    if (v.itemsize == map[i].size && !strcmp(v.format, map[i].fmt)) *dt = map[i].name;
+  int ok = *dt && v.ndim >= 0 && v.ndim <= MAX_DIMS && (v.ndim == 0 || (v.shape && v.strides));
+  for (int i = 0; ok && i < v.ndim; i++) shape[i] = v.shape[i], strides[i] = v.strides[i];
+  /* C-contiguous (size-1 dimensions' strides aside, and any empty array):
+     strides as __array_interface__ gives them, None, the frame's own */
+  *have_strides = !PyBuffer_IsContiguous(&v, 'C');
+  *nd = v.ndim;
+  *ptr = v.buf;
+  PyBuffer_Release(&v);
+  return ok;
+}
+
 /* numpy and cupy arrays: __array_interface__ / __cuda_array_interface__
- * give the view; the allocation is the owner's (numpy) or arr.data.mem. */
+ * give the view (a numpy array's buffer export, where it names a frame's
+ * dtype: the same view, without the interface's dict); the allocation is
+ * the owner's (numpy) or arr.data.mem. */
 static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out) {
+  int64_t shape[MAX_DIMS], strides[MAX_DIMS];
+  const char *dt;
+  int nd;
+  char *ptr;
+  int have_strides;
+  if (!cupy && buffer_view(o, &dt, &nd, shape, strides, &have_strides, &ptr))
+    return build_view(s, o, 0, dt, nd, shape, strides, have_strides, ptr, out);
   PyObject *ai = PyObject_GetAttrString(o, cupy ? "__cuda_array_interface__" : "__array_interface__");
   if (!ai || !PyDict_Check(ai)) {
     Py_XDECREF(ai);
@@ -616,9 +663,8 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
       dpy_iface_part(ai, dpy.str_strides, &str) || dpy_iface_part(ai, dpy.str_data, &data))
     PyErr_Clear(); /* what is missing is reported below */
   const char *ts = typestr && PyUnicode_Check(typestr) ? PyUnicode_AsUTF8(typestr) : NULL;
-  const char *dt = ts ? typestr_dtype(ts) : NULL;
-  int64_t shape[MAX_DIMS], strides[MAX_DIMS];
-  int nd = shp ? int64_seq(shp, shape, MAX_DIMS) : -1;
+  dt = ts ? typestr_dtype(ts) : NULL;
+  nd = shp ? int64_seq(shp, shape, MAX_DIMS) : -1;
   int rc = -1;
   if (!dt || nd < 0 || !data || !PyTuple_Check(data)) {
     if (!PyErr_Occurred()) {
@@ -641,11 +687,30 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
     }
     goto out;
   }
+  have_strides = str && str != Py_None;
+  if (have_strides && int64_seq(str, strides, MAX_DIMS) != nd) goto out;
+  rc = build_view(s, o, cupy, dt, nd, shape, strides, have_strides, PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0)), out);
+  goto done;
+out:
+  if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) rc = dpy_walk_error(s, o, "an array that cannot be carried");
+done:
+  Py_XDECREF(typestr);
+  Py_XDECREF(shp);
+  Py_XDECREF(str);
+  Py_XDECREF(data);
+  Py_DECREF(ai);
+  return rc;
+}
+
+/* build_array's view: dtype name dt, nd dimensions of shape, strides in
+ * bytes (have_strides; else C-contiguous), data at ptr. */
+static int build_view(dpy_scanner_t *s, PyObject *o, int cupy, const char *dt, int nd, const int64_t *shape,
+                      int64_t *strides, int have_strides, char *ptr, dp_value_t *out) {
+  int rc = -1;
   dp_dtype_t d;
   dp_dtype_parse(dt, &d, NULL);
   int64_t isz = (int64_t)dp_dtype_size(d);
-  if (str && str != Py_None) {
-    if (int64_seq(str, strides, MAX_DIMS) != nd) goto out;
+  if (have_strides) {
     for (int i = 0; i < nd; i++) {
       if (strides[i] % isz) {
         PyErr_SetString(PyExc_ValueError, "strides that are not a multiple of the item size");
@@ -656,7 +721,6 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   } else {
     for (int i = nd; i-- > 0;) strides[i] = i == nd - 1 ? 1 : strides[i + 1] * shape[i + 1];
   }
-  char *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
   void *base;
   size_t ext;
   dp_device_t dev = {DP_DEVICE_CPU, 0};
@@ -693,11 +757,6 @@ static int build_array(dpy_scanner_t *s, PyObject *o, int cupy, dp_value_t *out)
   rc = build_tensor(s, o, dev, base, ext, borrowed, dt, nd, shape, strides, delta / isz, &t);
   if (!rc) rc = wrap(s, o, cupy ? "cupy.ndarray" : "numpy.ndarray", "data", t, out);
 out:
-  Py_XDECREF(typestr);
-  Py_XDECREF(shp);
-  Py_XDECREF(str);
-  Py_XDECREF(data);
-  Py_DECREF(ai);
   if (rc && !PyErr_ExceptionMatches(dpy.walk_error)) return dpy_walk_error(s, o, "an array that cannot be carried");
   return rc;
 }

@@ -4810,3 +4810,25 @@ def test_raw_never_imports_numpy_even_where_numpy_left_sys_modules():
         "print('numpy' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert out.stdout.split() == ["TypeError", "True", "False"], out.stderr
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.lib.stride_tricks.as_strided(np.arange(3.0), (1, 3), (999, 8)),  # a size-1 dimension's odd stride
+    lambda: np.lib.stride_tricks.as_strided(np.arange(3.0), (0, 3), (5, 3)),  # empty: any strides
+    lambda: np.arange(12, dtype=np.int16).reshape(3, 4)[::-1, 1::2],
+    lambda: np.array(7, dtype=np.uint64),
+    lambda: np.arange(6, dtype=np.longlong).reshape(2, 3).T,
+    lambda: np.ones(4, dtype=np.intc)[1:],
+])
+def test_numpy_arrays_read_through_their_buffer_export_are_carried_with_the_strides_their_interface_gives(make):
+    # dumps reads a numpy array's view through its buffer export where that
+    # names a frame's dtype; C-contiguous arrays (a size-1 dimension's stride
+    # aside, any empty array) carry C strides, as __array_interface__ says
+    # None for them
+    a = make()
+    back = devpickle.loads(devpickle.dumps(a, inline=True))
+    assert back.dtype == a.dtype and back.shape == a.shape and back.tolist() == a.tolist()
+    if a.flags.c_contiguous and a.ndim:
+        assert back.flags.c_contiguous
+    with pytest.raises(devpickle.WalkError, match="frames hold the machine's byte order"):
+        devpickle.dumps(a.astype(a.dtype.newbyteorder(">")) if a.dtype.itemsize > 1 else np.ones(2, ">f8"))
