@@ -662,8 +662,9 @@ static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, s
  * makes — a flat uint8 tensor over the storage of the Buffer's tensor,
  * with raw()'s checks (torch_api.h, tensor_over) — and the cache keeps it
  * as the general path keeps raw()'s answer, for every later view of the
- * buffer, of any kind; each view is then made over that flat tensor's
- * storage, with as_strided's checks. What the adapter declines,
+ * buffer, of any kind; each view is then made of that flat tensor as
+ * _frames.array makes it (a view of raw()'s base, sharing its version
+ * counter), with as_strided's checks. What the adapter declines,
  * _frames.array makes or says why not. The dtype is _frames.torch_dtype's
  * answer for the frame's dtype name, asked once per loads. */
 
@@ -696,16 +697,13 @@ static PyObject *torch_array(loader_t *l, dp_value_t t, PyObject *key, size_t at
     PyObject *src = PyTuple_GET_ITEM(l->buffers, (Py_ssize_t)at);
     if ((PyObject *)Py_TYPE(src) != l->buffer_type || PyDict_GetItemWithError(l->cache, key) || PyErr_Occurred())
       return NULL; /* not a Buffer, or its bytes taken by the general path or as numpy's */
-    PyObject *u8 = torch_dtype(l, "uint8");
-    if (!u8 || u8 == Py_None) return NULL;
     unsigned long long ptr, n;
     int r = buffer_field(src, "ptr", &ptr);
     if (r == 1) r = buffer_field(src, "nbytes", &n);
     if (r != 1 || n < nbytes || n > INT64_MAX) return NULL;
     PyObject *obj = PyObject_GetAttrString(src, "obj");
     if (!obj) return NULL;
-    const int64_t len = (int64_t)n, one = 1;
-    PyObject *flat = dpy.torch->tensor_over(obj, (uintptr_t)ptr, (size_t)n, u8, 1, &len, &one, 0);
+    PyObject *flat = dpy.torch->tensor_over(obj, (uintptr_t)ptr, (size_t)n, Py_None, 0, NULL, NULL, 0);
     Py_DECREF(obj);
     if (!flat) return NULL;
     PyObject *kk = PyTuple_Pack(2, key, dpy.str_torch_tensor);

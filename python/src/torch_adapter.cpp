@@ -37,6 +37,7 @@
 #include <sstream>
 #include <string>
 #include <exception>
+#include <typeinfo>
 
 namespace {
 
@@ -262,15 +263,46 @@ inline bool modes_active() {
 #endif
 }
 
+/* The base tensor tensor_over makes over a storage, as Buffer.raw()'s
+ * torch.empty(0, dtype=torch.uint8).set_(storage) is: flat uint8 over the
+ * whole storage, its version counter bumped once (set_ is an in-place op).
+ * A class of its own only so that tensor_over knows its own bases again:
+ * it overrides nothing, and views of it are plain TensorImpls. */
+struct FlatBase final : c10::TensorImpl {
+  using c10::TensorImpl::TensorImpl;
+};
+
+bool is_flat_base(const c10::TensorImpl *impl) {
+  return typeid(*impl) == typeid(FlatBase);
+}
+
+at::Tensor make_flat_base(const c10::Storage &s) {
+  const c10::DispatchKey key =
+      s.device_type() == c10::DeviceType::CPU ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA;
+  at::Tensor b = at::detail::make_tensor<FlatBase>(c10::Storage(s), c10::DispatchKeySet(key),
+                                                   c10::scalarTypeToTypeMeta(c10::ScalarType::Byte));
+  const int64_t n = static_cast<int64_t>(s.nbytes());
+  b.unsafeGetTensorImpl()->set_sizes_contiguous(c10::IntArrayRef(&n, 1));
+  if (!b.is_inference()) /* an inference tensor has no version counter */
+    b.unsafeGetTensorImpl()->bump_version();
+  return b;
+}
+
 /* torch_api.h's tensor_over: the checks of Buffer.raw() and of as_strided's
- * bounds (checkInBoundsForStorage: an empty view is not bounded), then a
- * TensorImpl over the same storage, as set_ would make it. */
+ * bounds (checkInBoundsForStorage: an empty view is not bounded), made here
+ * so that what torch would refuse is declined without a C++ exception; then
+ * the tensors themselves made by the torch ops _frames makes them with
+ * (slicing, view(dtype), as_strided), so that they are views of one base,
+ * sharing its version counter as autograd requires (an in-place write
+ * through one view is seen by a backward that saved another), made as the
+ * grad and inference modes of the moment make them. */
 extern "C" PyObject *dp_tensor_over(PyObject *source, uintptr_t ptr, size_t nbytes, PyObject *dtype, int ndim,
                                     const int64_t *shape, const int64_t *strides, int64_t offset) {
-  if ((Py_TYPE(source) != tensor_type && Py_TYPE(source) != parameter_type) || !THPDtype_Check(dtype) ||
-      nbytes == 0 || ndim < 0 || offset < 0 || modes_active())
+  const bool flat = dtype == Py_None;
+  if ((Py_TYPE(source) != tensor_type && Py_TYPE(source) != parameter_type) || (!flat && !THPDtype_Check(dtype)) ||
+      nbytes == 0 || nbytes > static_cast<size_t>(INT64_MAX) || ndim < 0 || offset < 0 || modes_active())
     return nullptr;
-  const c10::ScalarType st = reinterpret_cast<THPDtype *>(dtype)->scalar_type;
+  const c10::ScalarType st = flat ? c10::ScalarType::Byte : reinterpret_cast<THPDtype *>(dtype)->scalar_type;
   try {
     const at::Tensor &t = THPVariable_Unpack(source);
     if (!t.defined())
@@ -284,6 +316,10 @@ extern "C" PyObject *dp_tensor_over(PyObject *source, uintptr_t ptr, size_t nbyt
     const c10::DeviceType dt = s.device_type();
     if (dt != c10::DeviceType::CPU && dt != c10::DeviceType::CUDA)
       return nullptr;
+    if (flat) {
+      /* raw(): base[:nbytes], a view of the base even where it takes all */
+      return THPVariable_Wrap(make_flat_base(s).slice(0, 0, static_cast<int64_t>(nbytes)));
+    }
     const uint64_t isz = c10::elementSize(st);
     /* the bytes the view reaches: (offset + sum (shape-1)*stride + 1) items */
     uint64_t last = static_cast<uint64_t>(offset);
@@ -306,12 +342,24 @@ extern "C" PyObject *dp_tensor_over(PyObject *source, uintptr_t ptr, size_t nbyt
           need > s.nbytes())
         return nullptr;
     }
-    const c10::DispatchKey key = dt == c10::DeviceType::CPU ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA;
-    at::Tensor r = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(s), c10::DispatchKeySet(key),
-                                                            c10::scalarTypeToTypeMeta(st));
-    r.unsafeGetTensorImpl()->set_sizes_and_strides(c10::IntArrayRef(shape, static_cast<size_t>(ndim)),
-                                                   c10::IntArrayRef(strides, static_cast<size_t>(ndim)));
-    r.unsafeGetTensorImpl()->set_storage_offset(offset);
+    /* the base: source's own when source is a flat tensor made here (the
+     * base or a slice of it: its views share its version counter), else a
+     * new one over source's storage */
+    at::Tensor base;
+    if (is_flat_base(impl))
+      base = t;
+    else if (t.is_view() && t._base().defined() && is_flat_base(t._base().unsafeGetTensorImpl()))
+      base = at::Tensor(t._base());
+    else
+      base = make_flat_base(s);
+    /* _frames._array: flat[:whole items].view(dtype), then as_strided
+     * (flat[:nbytes][:whole] is base[:whole], or base: the same view of
+     * it; view(dtype) is made even for uint8, as there: the view's base is
+     * what torch makes of it) */
+    const int64_t whole = static_cast<int64_t>(nbytes - nbytes % isz);
+    const at::Tensor typed = (whole < base.size(0) ? base.slice(0, 0, whole) : base).view(st);
+    at::Tensor r = typed.as_strided(c10::IntArrayRef(shape, static_cast<size_t>(ndim)),
+                                    c10::IntArrayRef(strides, static_cast<size_t>(ndim)), offset);
     return THPVariable_Wrap(std::move(r));
   } catch (...) {
     return nullptr;

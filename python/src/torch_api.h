@@ -73,19 +73,27 @@ typedef struct dp_torch_api {
    * raises nothing, so the caller's items cannot change under it. */
   Py_ssize_t (*dense_run)(PyObject *const *items, Py_ssize_t n, dp_torch_alloc_t *out);
   /* --- loads, with the GIL --- */
-  /* The tensor loads makes over a devpickle.Buffer, made without torch's
-   * Python API: when `source` (the Buffer's obj) is a torch.Tensor or
-   * torch.nn.Parameter of its exact type, strided and not dispatched to
-   * Python, whose storage (cpu or cuda) starts at `ptr` and holds at least
-   * `nbytes` (> 0) bytes — what Buffer.raw() checks —, a new torch.Tensor
-   * over that storage of `dtype` (a torch.dtype), shape and strides (in
-   * items, none negative) and storage offset (items), within the storage's
-   * bytes as torch.as_strided requires: the tensor _frames.array makes
-   * from raw(). Returns it; NULL with no exception where it declines (any
-   * condition above unmet, or a torch function or dispatch mode active,
-   * which torch's Python API would consult): _frames.array then makes the
-   * tensor or says why not; NULL with an exception on error (memory). Runs
-   * no Python code. */
+  /* The tensors loads makes over a devpickle.Buffer, made without torch's
+   * Python API, when `source` is a torch.Tensor or torch.nn.Parameter of
+   * its exact type, strided and not dispatched to Python, whose storage
+   * (cpu or cuda) starts at `ptr` and holds at least `nbytes` (> 0) bytes
+   * — what Buffer.raw() checks —, and no torch function or dispatch mode
+   * is active (torch's Python API would consult it):
+   *  - dtype None (ndim, shape, strides, offset unused): raw()'s answer, a
+   *    new flat uint8 base over the whole storage (as
+   *    torch.empty(0).set_(storage) makes it, its version bumped once)
+   *    sliced to its first `nbytes` bytes;
+   *  - dtype a torch.dtype: the view _frames.array makes from raw()'s
+   *    answer, as_strided(flat[:whole items].view(dtype), shape, strides
+   *    (in items, none negative), offset (items)), within the storage's
+   *    bytes as torch.as_strided requires; a view of source's base when
+   *    source is a flat tensor made here (the views of one buffer share
+   *    one base and its version counter, as autograd needs), else of a
+   *    new base over source's storage.
+   * Returns the tensor; NULL with no exception where it declines (any
+   * condition above unmet): _frames.array then makes the tensor or says
+   * why not; NULL with an exception on error (memory). Runs no Python
+   * code. */
   PyObject *(*tensor_over)(PyObject *source, uintptr_t ptr, size_t nbytes, PyObject *dtype, int ndim,
                            const int64_t *shape, const int64_t *strides, int64_t offset);
 } dp_torch_api_t;

@@ -4832,3 +4832,39 @@ def test_numpy_arrays_read_through_their_buffer_export_are_carried_with_the_stri
         assert back.flags.c_contiguous
     with pytest.raises(devpickle.WalkError, match="frames hold the machine's byte order"):
         devpickle.dumps(a.astype(a.dtype.newbyteorder(">")) if a.dtype.itemsize > 1 else np.ones(2, ">f8"))
+
+
+def _as_autograd_sees_it(t):
+    """What autograd and torch's view tracking say of a loaded tensor and its base."""
+    base = t._base
+    return (t._is_view(), t.is_inference(), None if t.is_inference() else t._version,
+            None if base is None else (tuple(base.shape), base.dtype, base._version, base._is_view()))
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_torch_views_of_one_buffer_share_a_base_and_its_version_counter_as_the_general_paths_do(mode):
+    # _frames.array makes every view of a buffer from raw()'s flat tensor
+    # (views of one base, one version counter); the adapter's views are the
+    # same: an in-place write through one is seen by a backward that saved
+    # another, rather than silently giving a wrong gradient
+    class Given(devpickle.Buffer):  # of another class: what the general path makes
+        __slots__ = ()
+
+    t = torch.arange(12.0)
+    data = devpickle.dumps([t, t[2:].view(2, 5), t.view(3, 4).t()], buffer_callback=(bufs := []).append)
+    b = bufs[0]
+    ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    made = {}
+    for cls in (devpickle.Buffer, Given):
+        with ctx():
+            views = devpickle.loads(data, buffers=[cls(b.device, b.ptr, b.nbytes, b.obj)])
+        made[cls] = [_as_autograd_sees_it(v) for v in views]
+        if mode == "grad":
+            views[0].add_(1)
+            made[cls].append([v._version for v in views])  # one counter: all bumped
+            p = torch.ones(12, requires_grad=True)
+            y = (p * views[0]).sum()  # saves views[0]
+            views[1].add_(100)  # writes its memory through another view
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.backward()
+    assert made[devpickle.Buffer] == made[Given]

@@ -524,3 +524,35 @@ def test_tensor_over_declines_under_a_torch_function_or_dispatch_mode_which_torc
         with mode():
             assert tensor_over(t, base, nbytes, torch.float32, (4,), (1,), 0) is None
     assert tensor_over(t, base, nbytes, torch.float32, (4,), (1,), 0) is not None
+
+
+def _tracked(t):
+    """What autograd's view tracking says of a tensor and its base."""
+    b = t._base
+    return (t._is_view(), t._version, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
+            None if b is None else (tuple(b.shape), b.dtype, b._version, b._is_view()))
+
+
+def test_tensor_over_with_dtype_none_makes_raw_s_flat_tensor_and_views_of_it_as_frames_array_does():
+    # dtype None: what Buffer.raw() makes (a uint8 base over the whole
+    # storage, set_ having bumped its version, sliced to nbytes); a dtype:
+    # the view _frames.array makes of that flat tensor, sharing its base's
+    # version counter
+    t = torch.arange(6.0)
+    base, nbytes = storage(t)
+    for n in (nbytes, nbytes - 3):
+        flat = tensor_over(t, base, n, None, (), (), 0)
+        want = devpickle.Buffer("cpu", base, n, t).raw()
+        assert _tracked(flat) == _tracked(want) and storage(flat) == (base, nbytes)
+        made = []
+        for dt, shape, strides, offset in ((torch.float32, (2,), (2,), 1), (torch.int32, (3,), (1,), 0),
+                                           (torch.uint8, (4,), (1,), 2)):
+            k = n - n % torch.empty(0, dtype=dt).element_size()
+            made.append(tensor_over(flat, base, n, dt, shape, strides, offset))
+            assert _tracked(made[-1]) == _tracked(torch.as_strided(want[:k].view(dt), shape, strides, offset))
+        made[0].add_(1)
+        assert flat._version == made[1]._version == made[2]._version == 2  # one counter
+        assert t._version == 0  # never the source's
+
+
+import devpickle  # noqa: E402 (for Buffer.raw above)
