@@ -352,6 +352,14 @@ extern "C" PyObject *dp_tensor_over(PyObject *source, uintptr_t ptr, size_t nbyt
       base = at::Tensor(t._base());
     else
       base = make_flat_base(s);
+    /* a base still as made (torch 2's loaded views show it as their _base,
+     * which code run between two views can set_ or resize_): else what
+     * source's storage holds is no longer its view's, and _frames says so */
+    const c10::TensorImpl *bi = base.unsafeGetTensorImpl();
+    if (bi->storage().unsafeGetStorageImpl() != s.unsafeGetStorageImpl() || bi->dim() != 1 ||
+        bi->sizes()[0] != static_cast<int64_t>(s.nbytes()) || bi->strides()[0] != 1 || bi->storage_offset() != 0 ||
+        bi->dtype() != caffe2::TypeMeta::Make<uint8_t>())
+      return nullptr;
     /* _frames._array: flat[:whole items].view(dtype), then as_strided
      * (flat[:nbytes][:whole] is base[:whole], or base: the same view of
      * it; view(dtype) is made even for uint8, as there: the view's base is

@@ -556,3 +556,20 @@ def test_tensor_over_with_dtype_none_makes_raw_s_flat_tensor_and_views_of_it_as_
 
 
 import devpickle  # noqa: E402 (for Buffer.raw above)
+
+
+@pytest.mark.parametrize("change", ["set_", "resize_", "as_strided_"])
+def test_tensor_over_declines_a_view_of_a_flat_tensor_whose_base_was_changed_since(change):
+    # torch 2's loaded views show the flat tensor's base as their _base:
+    # code run between two views may set_ or resize_ it; a view made of it
+    # then would read other memory than the flat tensor's, which the
+    # general path views
+    t = torch.arange(6.0)
+    base, nbytes = storage(t)
+    flat = tensor_over(t, base, nbytes, None, (), (), 0)
+    assert tensor_over(flat, base, nbytes, torch.float32, (6,), (1,), 0) is not None  # the control
+    root = flat._base
+    other = torch.zeros(100, dtype=torch.uint8)
+    {"set_": lambda: root.set_(other), "resize_": lambda: root.resize_(8),
+     "as_strided_": lambda: root.as_strided_((12,), (2,), 0)}[change]()
+    assert tensor_over(flat, base, nbytes, torch.float32, (6,), (1,), 0) is None
