@@ -400,6 +400,7 @@ typedef struct loader {
   PyObject *buffer_type; /* _frames.Buffer, what dumps hands buffer_callback */
   PyObject *np_dtypes;   /* numpy arrays' fast path: dtype name -> (numpy.dtype, itemsize), or NULL */
   PyObject *torch_dtypes; /* torch tensors' fast path: dtype name -> torch.dtype or None, or NULL */
+  PyObject *torch_module; /* the sys.modules["torch"] torch_dtypes was answered for, or NULL */
   PyObject *torch_flats;  /* torch tensors' fast path: buffer -> (its flat uint8 tensor, ptr, nbytes), or NULL */
   /* memo_objs' mark of a node being made: an object of its own, as a node
      may well be made into None (a reduce whose callable returns it) */
@@ -669,8 +670,19 @@ static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, s
  * answer for the frame's dtype name, asked once per loads. */
 
 /* torch's dtype for a frame's dtype name (Py_None: none), borrowed from
- * the loader's cache, or NULL with an exception. */
+ * the loader's cache, or NULL with an exception. The general path asks
+ * sys.modules for torch at each view: where code run in between took torch
+ * out of it (the general path then says to import torch) or put another
+ * module there, the names are asked again. */
 static PyObject *torch_dtype(loader_t *l, const char *name) {
+  static PyObject *str_torch;
+  if (!str_torch && !(str_torch = PyUnicode_InternFromString("torch"))) return NULL;
+  PyObject *mod = PyDict_GetItemWithError(PyImport_GetModuleDict(), str_torch);
+  if (!mod) return PyErr_Occurred() ? NULL : Py_None;
+  if (mod != l->torch_module) {
+    Py_XSETREF(l->torch_module, Py_NewRef(mod));
+    Py_CLEAR(l->torch_dtypes);
+  }
   if (!l->torch_dtypes && !(l->torch_dtypes = PyDict_New())) return NULL;
   PyObject *dt = PyDict_GetItemString(l->torch_dtypes, name);
   if (dt) return dt;
@@ -1394,6 +1406,7 @@ done:
   Py_XDECREF(l.buffer_type);
   Py_XDECREF(l.np_dtypes);
   Py_XDECREF(l.torch_dtypes);
+  Py_XDECREF(l.torch_module);
   Py_XDECREF(l.torch_flats);
   return result;
 }

@@ -4868,3 +4868,52 @@ def test_torch_views_of_one_buffer_share_a_base_and_its_version_counter_as_the_g
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 y.backward()
     assert made[devpickle.Buffer] == made[Given]
+
+
+class _DropModule:
+    """Rebuilt by loads, it takes the module named in name[0] out of
+    sys.modules (kept in taken): code run between two views of one buffer."""
+
+    name = [None]
+    taken = {}
+
+    def __reduce__(self):
+        return (_DropModule, (), {"drop": True})
+
+    def __setstate__(self, state):
+        _DropModule.taken[self.name[0]] = sys.modules.pop(self.name[0])
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_a_torch_view_made_after_torch_left_sys_modules_is_made_as_the_general_path_makes_it(tmp_path, bare):
+    # the general path asks sys.modules for torch at each view: once code run
+    # in between took it out, a torch.Tensor is refused ("import torch
+    # first") and a bare tensor is made a numpy array; the adapter's path,
+    # which had torch's dtypes at hand, does the same
+    class Given(devpickle.Buffer):  # of another class: what the general path makes
+        __slots__ = ()
+
+    t = torch.arange(4.0)
+    data = devpickle.dumps([t, _DropModule(), t[1:]], buffer_callback=(bufs := []).append)
+    if bare:
+        def tensor(shape, offset):
+            return {"$tensor": {"device": "cpu", "ptr": "0x1000", "nbytes": 16, "dtype": "float32", "shape": shape,
+                                "offset": offset}}
+        drop = {"$object": f"{_DropModule.__module__}._DropModule", "attrs": {"drop": True}}
+        data = _packed(tmp_path, [tensor([4], 0), drop, tensor([3], 1)])
+    b = bufs[0]
+    _DropModule.name[0] = "torch"
+    made = []
+    for cls in (devpickle.Buffer, Given):
+        try:
+            out = devpickle.loads(data, buffers=[cls(b.device, b.ptr, b.nbytes, b.obj)], classes=[_DropModule])
+            made.append([(type(x).__name__, x.tolist()) for x in out if not isinstance(x, _DropModule)])
+        except TypeError as e:
+            made.append((type(e), str(e)))
+        finally:
+            sys.modules["torch"] = _DropModule.taken.pop("torch")
+    assert made[0] == made[1]
+    # a bare tensor becomes a numpy array over the buffer's flat tensor, which
+    # numpy reads only as a buffer, and a torch tensor exports none
+    assert made[0] == ((TypeError, "loads: buffers[0] is of type 'Tensor', not a buffer, at $[2]") if bare else
+                       (TypeError, "loads: the frame holds torch tensors; import torch first, at $[2]"))
