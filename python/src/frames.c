@@ -399,6 +399,7 @@ typedef struct loader {
   PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass, *fn_object, *fn_reduced_new, *fn_reduced_done;
   PyObject *buffer_type; /* _frames.Buffer, what dumps hands buffer_callback */
   PyObject *np_dtypes;   /* numpy arrays' fast path: dtype name -> (numpy.dtype, itemsize), or NULL */
+  PyObject *np_module;   /* the sys.modules["numpy"] np_dtypes was answered for, or NULL */
   PyObject *torch_dtypes; /* torch tensors' fast path: dtype name -> torch.dtype or None, or NULL */
   PyObject *torch_module; /* the sys.modules["torch"] torch_dtypes was answered for, or NULL */
   PyObject *torch_flats;  /* torch tensors' fast path: buffer -> (its flat uint8 tensor, ptr, nbytes), or NULL */
@@ -554,8 +555,18 @@ static PyObject *np_flat_source(PyObject *source, size_t nbytes) {
 }
 
 /* numpy's dtype for a frame's dtype name and its item size, cached per
- * loads. 1; 0: numpy has none (no exception); -1: error. */
+ * loads. 1; 0: numpy has none, or is not in sys.modules (no exception);
+ * -1: error. The general path asks sys.modules for numpy at each array:
+ * where code run in between took numpy out of it (the general path then
+ * says to import numpy) or put another module there, the names are asked
+ * again. */
 static int np_dtype(loader_t *l, const char *name, PyObject **dtype, Py_ssize_t *itemsize) {
+  PyObject *mod = PyDict_GetItemWithError(PyImport_GetModuleDict(), dpy.str_numpy);
+  if (!mod) return PyErr_Occurred() ? -1 : 0;
+  if (mod != l->np_module) {
+    Py_XSETREF(l->np_module, Py_NewRef(mod));
+    Py_CLEAR(l->np_dtypes);
+  }
   if (!l->np_dtypes && !(l->np_dtypes = PyDict_New())) return -1;
   PyObject *e = PyDict_GetItemString(l->np_dtypes, name);
   if (!e) {
@@ -1405,6 +1416,7 @@ done:
   Py_XDECREF(l.fn_object);
   Py_XDECREF(l.buffer_type);
   Py_XDECREF(l.np_dtypes);
+  Py_XDECREF(l.np_module);
   Py_XDECREF(l.torch_dtypes);
   Py_XDECREF(l.torch_module);
   Py_XDECREF(l.torch_flats);

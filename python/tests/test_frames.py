@@ -4917,3 +4917,30 @@ def test_a_torch_view_made_after_torch_left_sys_modules_is_made_as_the_general_p
     # numpy reads only as a buffer, and a torch tensor exports none
     assert made[0] == ((TypeError, "loads: buffers[0] is of type 'Tensor', not a buffer, at $[2]") if bare else
                        (TypeError, "loads: the frame holds torch tensors; import torch first, at $[2]"))
+
+
+@pytest.mark.parametrize("given", ["Buffer", "array"])
+def test_a_numpy_view_made_after_numpy_left_sys_modules_is_refused_as_the_general_path_refuses_it(given):
+    # the general path asks sys.modules for numpy at each array: once code
+    # run in between took it out, it says to import numpy; the fast path,
+    # which had numpy's dtypes at hand, says the same
+    class Given(devpickle.Buffer):  # of another class: what the general path makes
+        __slots__ = ()
+
+    a = np.arange(4.0)
+    data = devpickle.dumps([a, _DropModule(), a[1:]], buffer_callback=(bufs := []).append)
+    b = bufs[0]
+    _DropModule.name[0] = "numpy"
+    made = []
+    for cls in (devpickle.Buffer, Given):
+        buf = cls(b.device, b.ptr, b.nbytes, b.obj) if given == "Buffer" else (a if cls is Given else a.copy())
+        if given == "array" and cls is Given:
+            buf = memoryview(a)  # of another type than numpy's: the general path
+        try:
+            made.append(devpickle.loads(data, buffers=[buf], classes=[_DropModule]))
+        except TypeError as e:
+            made.append((type(e), str(e)))
+        finally:
+            sys.modules["numpy"] = _DropModule.taken.pop("numpy")
+    assert made[0] == made[1] == (TypeError, "loads: the frame holds numpy arrays or scalars; import numpy first, "
+                                             "at $[2]")
