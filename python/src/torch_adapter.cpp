@@ -317,8 +317,12 @@ extern "C" PyObject *dp_tensor_over(PyObject *source, uintptr_t ptr, size_t nbyt
     if (dt != c10::DeviceType::CPU && dt != c10::DeviceType::CUDA)
       return nullptr;
     if (flat) {
-      /* raw(): base[:nbytes], a view of the base even where it takes all */
-      return THPVariable_Wrap(make_flat_base(s).slice(0, 0, static_cast<int64_t>(nbytes)));
+      /* raw(): base[:nbytes]; the base itself where that is all of it,
+       * so that the views made of it know it in any grad or inference
+       * mode (an inference tensor's slice does not know its base): the
+       * views are the same, raw()'s own answer being seen by no one */
+      at::Tensor b = make_flat_base(s);
+      return THPVariable_Wrap(nbytes < s.nbytes() ? b.slice(0, 0, static_cast<int64_t>(nbytes)) : std::move(b));
     }
     const uint64_t isz = c10::elementSize(st);
     /* the bytes the view reaches: (offset + sum (shape-1)*stride + 1) items */

@@ -4944,3 +4944,49 @@ def test_a_numpy_view_made_after_numpy_left_sys_modules_is_refused_as_the_genera
             sys.modules["numpy"] = _DropModule.taken.pop("numpy")
     assert made[0] == made[1] == (TypeError, "loads: the frame holds numpy arrays or scalars; import numpy first, "
                                              "at $[2]")
+
+
+class _EnterMode:
+    """Rebuilt by loads, it enters the context made by make[0] and leaves it
+    entered (in entered): code run between two views of one buffer."""
+
+    make = [None]
+    entered = []
+
+    def __reduce__(self):
+        return (_EnterMode, (), {"enter": True})
+
+    def __setstate__(self, state):
+        cm = self.make[0]()
+        cm.__enter__()
+        _EnterMode.entered.append(cm)
+
+
+@pytest.mark.parametrize("outer, inner", [("inference_mode", "no_inference_mode"),
+                                          ("no_inference_mode", "inference_mode"), ("no_grad", "enable_grad"),
+                                          ("enable_grad", "no_grad")])
+def test_torch_views_of_one_buffer_made_on_both_sides_of_a_mode_change_are_the_general_paths(outer, inner):
+    # a view is made in the grad and inference modes of the moment, of the
+    # buffer's flat tensor made at its first view: a view of an inference
+    # tensor made outside inference mode is a normal tensor with a counter
+    # of its own, as torch makes it from the general path's flat tensor
+    class Given(devpickle.Buffer):  # of another class: what the general path makes
+        __slots__ = ()
+
+    modes = {"inference_mode": torch.inference_mode, "no_inference_mode": lambda: torch.inference_mode(False),
+             "no_grad": torch.no_grad, "enable_grad": torch.enable_grad}
+    t = torch.arange(8.0)
+    data = devpickle.dumps([t[:2], _EnterMode(), t[2:5], t.view(torch.int32)[4:8]],
+                           buffer_callback=(bufs := []).append)
+    b = bufs[0]
+    _EnterMode.make[0] = modes[inner]
+    made = []
+    for cls in (devpickle.Buffer, Given):
+        with modes[outer]():
+            try:
+                out = devpickle.loads(data, buffers=[cls(b.device, b.ptr, b.nbytes, b.obj)], classes=[_EnterMode])
+            finally:
+                while _EnterMode.entered:
+                    _EnterMode.entered.pop().__exit__(None, None, None)
+        made.append([(x.is_inference(), _as_autograd_sees_it(x), x.tolist()) for x in out if isinstance(x, torch.Tensor)])
+    assert made[0] == made[1]
