@@ -266,8 +266,9 @@ inline bool modes_active() {
 /* The base tensor tensor_over makes over a storage, as Buffer.raw()'s
  * torch.empty(0, dtype=torch.uint8).set_(storage) is: flat uint8 over the
  * whole storage, its version counter bumped once (set_ is an in-place op).
- * A class of its own only so that tensor_over knows its own bases again:
- * it overrides nothing, and views of it are plain TensorImpls. */
+ * A class of its own only so that tensor_over knows its own bases again
+ * (to leave one changed since to _frames): it overrides nothing, and views
+ * of it are plain TensorImpls. */
 struct FlatBase final : c10::TensorImpl {
   using c10::TensorImpl::TensorImpl;
 };
@@ -346,30 +347,31 @@ extern "C" PyObject *dp_tensor_over(PyObject *source, uintptr_t ptr, size_t nbyt
           need > s.nbytes())
         return nullptr;
     }
-    /* the base: source's own when source is a flat tensor made here (the
-     * base or a slice of it: its views share its version counter), else a
-     * new one over source's storage */
-    at::Tensor base;
-    if (is_flat_base(impl))
-      base = t;
-    else if (t.is_view() && t._base().defined() && is_flat_base(t._base().unsafeGetTensorImpl()))
-      base = at::Tensor(t._base());
-    else
-      base = make_flat_base(s);
-    /* a base still as made (torch 2's loaded views show it as their _base,
-     * which code run between two views can set_ or resize_): else what
-     * source's storage holds is no longer its view's, and _frames says so */
-    const c10::TensorImpl *bi = base.unsafeGetTensorImpl();
-    if (bi->storage().unsafeGetStorageImpl() != s.unsafeGetStorageImpl() || bi->dim() != 1 ||
-        bi->sizes()[0] != static_cast<int64_t>(s.nbytes()) || bi->strides()[0] != 1 || bi->storage_offset() != 0 ||
-        bi->dtype() != caffe2::TypeMeta::Make<uint8_t>())
+    /* the flat tensor the view is made of, as _frames._array makes it of
+     * raw()'s: source itself when it is one (uint8, 1-d, contiguous from
+     * its storage's start, nbytes long: what dtype None makes, which
+     * frames.c passes), so that the views of one buffer are made of one
+     * tensor in the modes of the moment; one made here from a flat tensor
+     * reshaped since (torch 2's loaded views show it as their _base, which
+     * code run between two views can resize_ or set_) is left to _frames;
+     * else a new one over source's storage */
+    const c10::TensorImpl *fi = impl;
+    at::Tensor flat_t;
+    if (fi->dtype() == caffe2::TypeMeta::Make<uint8_t>() && fi->dim() == 1 && fi->strides()[0] == 1 &&
+        fi->storage_offset() == 0 && fi->sizes()[0] == static_cast<int64_t>(nbytes)) {
+      flat_t = t;
+    } else if (is_flat_base(impl) ||
+               (t.is_view() && t._base().defined() && is_flat_base(t._base().unsafeGetTensorImpl()))) {
       return nullptr;
-    /* _frames._array: flat[:whole items].view(dtype), then as_strided
-     * (flat[:nbytes][:whole] is base[:whole], or base: the same view of
-     * it; view(dtype) is made even for uint8, as there: the view's base is
-     * what torch makes of it) */
+    } else {
+      flat_t = make_flat_base(s);
+      if (nbytes < s.nbytes())
+        flat_t = flat_t.slice(0, 0, static_cast<int64_t>(nbytes));
+    }
+    /* _frames._array: (flat[:whole items] where a part item ends it)
+     * .view(dtype), then as_strided */
     const int64_t whole = static_cast<int64_t>(nbytes - nbytes % isz);
-    const at::Tensor typed = (whole < base.size(0) ? base.slice(0, 0, whole) : base).view(st);
+    const at::Tensor typed = (whole < static_cast<int64_t>(nbytes) ? flat_t.slice(0, 0, whole) : flat_t).view(st);
     at::Tensor r = typed.as_strided(c10::IntArrayRef(shape, static_cast<size_t>(ndim)),
                                     c10::IntArrayRef(strides, static_cast<size_t>(ndim)), offset);
     return THPVariable_Wrap(std::move(r));
