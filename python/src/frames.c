@@ -674,8 +674,8 @@ static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, s
  * makes — a flat uint8 tensor over the storage of the Buffer's tensor,
  * with raw()'s checks (torch_api.h, tensor_over) — and the cache keeps it
  * as the general path keeps raw()'s answer, for every later view of the
- * buffer, of any kind; each view is then made of that flat tensor as
- * _frames.array makes it (a view of raw()'s base, sharing its version
+ * buffer, of any kind; each view is then made of that flat tensor by the
+ * torch ops _frames.array makes it with (views sharing its version
  * counter), with as_strided's checks. What the adapter declines,
  * _frames.array makes or says why not. The dtype is _frames.torch_dtype's
  * answer for the frame's dtype name, asked once per loads. */

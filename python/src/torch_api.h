@@ -81,15 +81,18 @@ typedef struct dp_torch_api {
    * is active (torch's Python API would consult it):
    *  - dtype None (ndim, shape, strides, offset unused): raw()'s answer, a
    *    new flat uint8 base over the whole storage (as
-   *    torch.empty(0).set_(storage) makes it, its version bumped once)
-   *    sliced to its first `nbytes` bytes;
+   *    torch.empty(0).set_(storage) makes it, its version bumped once),
+   *    sliced to its first `nbytes` bytes where it holds more;
    *  - dtype a torch.dtype: the view _frames.array makes from raw()'s
    *    answer, as_strided(flat[:whole items].view(dtype), shape, strides
    *    (in items, none negative), offset (items)), within the storage's
-   *    bytes as torch.as_strided requires; a view of source's base when
-   *    source is a flat tensor made here (the views of one buffer share
-   *    one base and its version counter, as autograd needs), else of a
-   *    new base over source's storage.
+   *    bytes as torch.as_strided requires, made by those torch ops in the
+   *    grad and inference modes of the moment; flat is source itself when
+   *    it is such a flat tensor (uint8, 1-d, contiguous from its storage's
+   *    start, `nbytes` long: the views of one buffer then share its
+   *    version counter, as autograd needs), else a new one over source's
+   *    storage (declined where source is a base made here and reshaped
+   *    since).
    * Returns the tensor; NULL with no exception where it declines (any
    * condition above unmet): _frames.array then makes the tensor or says
    * why not; NULL with an exception on error (memory). Runs no Python
