@@ -2151,6 +2151,10 @@ static void staged_wait_sleeps(const char *shm) {
   OK(dp_endpoint_send(ep, big, &d1, T_ERR));
   POLL_UNTIL(atomic_load(&dp__transport_slot_waits) > waits0);
   cr_assert_gt(atomic_load(&dp__transport_slot_waits), waits0, "the send never waited for a slot");
+  /* the copies into the 16 slots may still run on the host backend's
+     stream (64 MiB: a tenth of a second and more under a sanitizer): the
+     window starts once they are done */
+  sleep_ms(300);
   double cpu0 = cpu_s();
   sleep_ms(500); /* the window measured */
   double used = cpu_s() - cpu0;
