@@ -6975,7 +6975,10 @@ static void stray_ids_reach_a_worker(int lane) {
   t_track();
   dp_transport_t *t = new_transport(NULL);
   unsigned ids[] = {5, DP__AM_CLOSE + 1, 0xffff};
-  for (size_t i = 0; i < sizeof ids / sizeof *ids; i++) {
+  /* a lane takes a message only if UCX sends it at once (dp__tp_am_send):
+     under load the message may go on the connection instead, and the pair
+     is made again, a few times, until one comes on the lane */
+  for (size_t i = 0, attempt = 0; i < sizeof ids / sizeof *ids;) {
     dp_endpoint_t *c, *a;
     dp_listener_t *l = listen_pair(t, &c, &a);
     dp_error_t e;
@@ -6998,11 +7001,13 @@ static void stray_ids_reach_a_worker(int lane) {
     cr_assert_eq(rc, DP_EFORMAT, "id %#x: %s: %s", ids[i], dp_err_name(rc),
                  rc ? e.message : "the endpoint still works");
     cr_assert(strstr(e.message, "a message of an id the protocol does not use"), "%s", e.message);
-    cr_assert_eq(atomic_load(&dp__transport_lane_msgs) - before, (unsigned long)lane, "id %#x came on %s", ids[i],
-                 lane ? "the connection" : "a lane");
+    unsigned long on_lane = atomic_load(&dp__transport_lane_msgs) - before;
     dp_endpoint_free(c);
     dp_endpoint_free(a);
     dp_listener_free(l);
+    if (lane && !on_lane && attempt++ < 4) continue;
+    cr_assert_eq(on_lane, (unsigned long)lane, "id %#x came on %s", ids[i], lane ? "the connection" : "a lane");
+    i++, attempt = 0;
   }
   free_transport(t);
   check_no_leak();
