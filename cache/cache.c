@@ -510,6 +510,22 @@ static size_t seg_find(devpool_t *p, const char *ptr) {  /* last seg with base <
 
 static int dev_of(dp_cache_t *c, devpool_t *p) { return (int)(p - c->pools); }
 
+/* Rounds of freeing the cache that one allocation refused for want of
+ * memory makes (dp_cache_alloc): the first always, the others only while
+ * segments were cached again while the lock was let go. */
+#define OOM_ROUNDS 8
+
+/* 1 when a segment of p is free whole (drop_free_segments would give it
+ * back, its streams' work allowing). */
+static int has_free_segment(const devpool_t *p) {
+  for (size_t i = 0; i < p->nsegs; i++) {
+    int all_free = 1;
+    for (const block_t *b = p->segs[i]->first; b && all_free; b = b->next) all_free = b->state == B_FREE;
+    if (all_free) return 1;
+  }
+  return 0;
+}
+
 static int segment_alloc(dp_cache_t *c, devpool_t *p, size_t seg_size, int small, dp_stream_t *s, block_t **out,
                          dp_error_t *err) {
   segment_t *seg = dp__alloc(sizeof *seg);
@@ -1013,33 +1029,46 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
   if (c->pending_head) poll_some(c);
   /* A hit and a take from another stream are counted once the allocation
    * is made (below): one that fails after finding its block served none. */
-  int hit = 1, cross = 0;
-  block_t *b = find_free(p, size, small, own);
-  if (b) {
-    /* its own stream's, or one tied to none */
-  } else if ((b = find_free(p, size, small, NULL)) != NULL) {
-    /* Another stream's block: order this stream after its earlier work. */
-    if ((rc = dp_stream_wait_stream(s, b->stream, err)) != 0) goto out;
-    cross = 1;
-  } else {
-    hit = 0;
+  int hit = 1, cross = 0, released = 0;
+  block_t *b;
+  for (unsigned round = 0;; round++) {
+    rc = 0; /* a refusal retried is no error yet */
+    if ((b = find_free(p, size, small, own)) != NULL) break; /* its own stream's, or one tied to none */
+    if ((b = find_free(p, size, small, NULL)) != NULL) {
+      /* Another stream's block: order this stream after its earlier work. */
+      if ((rc = dp_stream_wait_stream(s, b->stream, err)) != 0) goto out;
+      cross = 1;
+      break;
+    }
     size_t seg_size = small ? SMALL_SEGMENT : (size + LARGE_ROUND - 1) / LARGE_ROUND * LARGE_ROUND;
     dp_error_t first;
     rc = segment_alloc(c, p, seg_size, small, s, &b, &first);
-    if (rc == DP_ENOMEM) {  /* free the cache and try once more */
+    if (rc == 0) {
+      hit = 0;
+      free_insert(p, b);
+      break;
+    }
+    /* Out of memory: free the cache and try again. Freeing it lets the
+     * lock go while the segments' streams are waited for, and meanwhile
+     * another thread (a host function that the wait waits for, say) may
+     * free a block that fits or cache a segment of its own: a refusal
+     * after a round that freed segments looks at the free blocks again,
+     * and frees the segments cached meanwhile, for up to OOM_ROUNDS
+     * rounds. A round that freed none let nothing change: its refusal
+     * stands. */
+    if (rc == DP_ENOMEM && round < OOM_ROUNDS && (round == 0 || (released && has_free_segment(p)))) {
       p->st.oom_retries++;
       poll_all(c);
+      uint64_t frees = p->st.segment_frees;
       release_free_segments(c, p, NULL); /* what stays cached shows in the OOM message's reserved */
-      rc = segment_alloc(c, p, seg_size, small, s, &b, &first);
+      released = p->st.segment_frees != frees;
+      continue;
     }
-    if (rc) {
-      if (err) *err = first;
-      if (rc == DP_ENOMEM)
-        dp__err(err, DP_ENOMEM, "dp_cache_alloc(%s:%d): out of memory allocating %zu bytes (%zu allocated, %zu reserved, %zu pending): %s",
-                dp_backend_name(c->b), dev.index, nbytes, p->st.allocated, p->st.reserved, p->st.pending_bytes, first.message);
-      goto out;
-    }
-    free_insert(p, b);
+    if (err) *err = first;
+    if (rc == DP_ENOMEM)
+      dp__err(err, DP_ENOMEM, "dp_cache_alloc(%s:%d): out of memory allocating %zu bytes (%zu allocated, %zu reserved, %zu pending): %s",
+              dp_backend_name(c->b), dev.index, nbytes, p->st.allocated, p->st.reserved, p->st.pending_bytes, first.message);
+    goto out;
   }
   free_remove(p, b);
   b->state = B_USED;  /* before splitting: the remainder must not merge back */

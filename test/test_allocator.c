@@ -2400,6 +2400,40 @@ Test(allocator, an_allocation_out_of_memory_reclaims_a_finished_pending_block_be
   OK(dp_host_set_memory_limit(H0, 0, T_ERR));
 }
 
+/* An allocation out of memory frees the cache and tries again; freeing
+ * lets the lock go while the device's streams are waited for, and a host
+ * function that the wait waits for cached a segment of its own meanwhile:
+ * that segment is freed in turn and the allocation made (it failed, with
+ * 0 bytes allocated and 2 MiB reserved, the whole of the cache free). */
+static void allocate_once_a_segment_went_back(void *arg) {
+  (void)arg;
+  dp_cache_stats_t st = {0};
+  while (dp_cache_stats(C, H0, &st, NULL) == 0 && st.segment_frees == 0) sched_yield();
+  void *p;
+  if (dp_cache_alloc(C, H0, 4096, NULL, &p, NULL) == 0) dp_cache_dealloc(C, p, NULL);
+}
+
+Test(allocator, an_allocation_out_of_memory_frees_what_was_cached_while_it_freed_the_cache, .timeout = 20) {
+  dp_stream_t *m = stream(H0), *s = stream(H0);
+  void *p;
+  OK(dp_cache_alloc(C, H0, 4096, m, &p, T_ERR));
+  OK(dp_cache_dealloc(C, p, T_ERR)); /* a free 2 MiB segment, cached */
+  OK(dp_host_set_memory_limit(H0, 4u << 20, T_ERR));
+  OK(dp_host_launch(s, allocate_once_a_segment_went_back, NULL, T_ERR));
+  dp_error_t e;
+  int rc = dp_cache_alloc(C, H0, 3u << 20, m, &p, &e); /* a 4 MiB segment: only the cache's 2 MiB stand in its way */
+  OK(dp_stream_synchronize(s, T_ERR));
+  OK(dp_host_set_memory_limit(H0, 0, T_ERR));
+  OK_WITH(&e, rc);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.segment_frees, 2, "the first segment, then the one the host function cached");
+  cr_assert_eq(st.oom_retries, 2);
+  cr_assert_eq(st.reserved, 4u << 20);
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_stream_free(s);
+  dp_stream_free(m);
+}
+
 /* A block freed with no recorded use is reusable at once on its stream,
  * however many blocks wait for slow streams: it waits in no pending list. */
 Test(allocator, a_block_freed_behind_many_pending_ones_is_reusable_at_once_on_its_stream, .timeout = 20) {
