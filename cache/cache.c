@@ -1051,18 +1051,24 @@ HOT int dp_cache_alloc(dp_cache_t *c, dp_device_t dev, size_t nbytes, dp_stream_
     /* Out of memory: free the cache and try again. Freeing it lets the
      * lock go while the segments' streams are waited for, and meanwhile
      * another thread (a host function that the wait waits for, say) may
-     * free a block that fits or cache a segment of its own: a refusal
-     * after a round that freed segments looks at the free blocks again,
-     * and frees the segments cached meanwhile, for up to OOM_ROUNDS
-     * rounds. A round that freed none let nothing change: its refusal
-     * stands. */
-    if (rc == DP_ENOMEM && round < OOM_ROUNDS && (round == 0 || (released && has_free_segment(p)))) {
-      p->st.oom_retries++;
-      poll_all(c);
-      uint64_t frees = p->st.segment_frees;
-      release_free_segments(c, p, NULL); /* what stays cached shows in the OOM message's reserved */
-      released = p->st.segment_frees != frees;
-      continue;
+     * cache a segment of its own or free a block that fits, and pending
+     * blocks may finish: a refusal after a round that freed segments
+     * reclaims those blocks and looks at the free ones again, and frees
+     * the segments cached meanwhile, for up to OOM_ROUNDS rounds. A round
+     * that freed none let the lock go nowhere: its refusal stands. */
+    if (rc == DP_ENOMEM && round < OOM_ROUNDS && (round == 0 || released)) {
+      int back = poll_all(c);
+      if (round == 0 || has_free_segment(p)) {
+        p->st.oom_retries++;
+        uint64_t frees = p->st.segment_frees;
+        release_free_segments(c, p, NULL); /* what stays cached shows in the OOM message's reserved */
+        released = p->st.segment_frees != frees;
+        continue;
+      }
+      if (back > 0) { /* a block that came back may fit: look again, letting the lock go nowhere */
+        released = 0;
+        continue;
+      }
     }
     if (err) *err = first;
     if (rc == DP_ENOMEM)

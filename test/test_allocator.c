@@ -2434,6 +2434,38 @@ Test(allocator, an_allocation_out_of_memory_frees_what_was_cached_while_it_freed
   dp_stream_free(m);
 }
 
+/* The same for a pending block whose stream finished while the cache was
+ * freed: it is reclaimed, its segment freed in turn, and the allocation
+ * made. */
+static void hold_until_a_segment_went_back(void *arg) {
+  (void)arg;
+  dp_cache_stats_t st = {0};
+  while (dp_cache_stats(C, H0, &st, NULL) == 0 && st.segment_frees == 0) sched_yield();
+}
+
+Test(allocator, an_allocation_out_of_memory_reclaims_a_block_that_finished_while_it_freed_the_cache, .timeout = 20) {
+  dp_stream_t *m = stream(H0), *g = stream(H0);
+  void *x, *y, *p;
+  OK(dp_cache_alloc(C, H0, 4096, m, &x, T_ERR));        /* a small segment, 2 MiB */
+  OK(dp_cache_alloc(C, H0, 3u << 19, m, &y, T_ERR));    /* a large one, 2 MiB */
+  OK(dp_host_set_memory_limit(H0, 4u << 20, T_ERR));   /* reached */
+  OK(dp_cache_dealloc(C, x, T_ERR));                    /* its segment is free */
+  OK(dp_host_launch(g, hold_until_a_segment_went_back, NULL, T_ERR));
+  OK(dp_cache_record_stream(C, y, g, T_ERR));
+  OK(dp_cache_dealloc(C, y, T_ERR)); /* pending until g's function returns */
+  dp_error_t e;
+  int rc = dp_cache_alloc(C, H0, 3u << 20, m, &p, &e); /* a 4 MiB segment */
+  OK(dp_stream_synchronize(g, T_ERR));
+  OK(dp_host_set_memory_limit(H0, 0, T_ERR));
+  OK_WITH(&e, rc);
+  dp_cache_stats_t st = stats(H0);
+  cr_assert_eq(st.segment_frees, 2, "x's segment, then y's once y came back");
+  cr_assert_eq(st.oom_retries, 2);
+  OK(dp_cache_dealloc(C, p, T_ERR));
+  dp_stream_free(g);
+  dp_stream_free(m);
+}
+
 /* A block freed with no recorded use is reusable at once on its stream,
  * however many blocks wait for slow streams: it waits in no pending list. */
 Test(allocator, a_block_freed_behind_many_pending_ones_is_reusable_at_once_on_its_stream, .timeout = 20) {

@@ -45,10 +45,11 @@
  *     allocator hears of every stream's destruction);
  *   - when the backend is out of memory: free the cached segments, retry,
  *     then DP_ENOMEM. Freeing them lets the allocator's lock go while
- *     their streams are waited for: segments that other threads (a host
- *     function that wait waits for) cached meanwhile are freed in turn,
- *     and blocks they freed that fit are taken, before the refusal stands
- *     (up to 8 such rounds). A segment goes back through dp_device_dealloc, which
+ *     their streams are waited for: pending blocks that finished
+ *     meanwhile are reclaimed, blocks that other threads (a host function
+ *     that wait waits for) freed and that fit are taken, and segments they
+ *     cached are freed in turn, before the refusal stands (up to 8 such
+ *     rounds). A segment goes back through dp_device_dealloc, which
  *     waits first for the work queued on every stream of its device, as
  *     cudaFree does (device.h): so that allocation blocks until then, even
  *     for streams that never used the allocator (dp_cache_empty too).
