@@ -159,8 +159,9 @@ typedef struct dp_cache_stats {
   uint64_t segment_allocs, segment_frees;
   uint64_t cross_stream;   /* blocks taken by another stream through an event wait */
   uint64_t oom_retries;    /* new segments refused for want of memory (the backend's, or the
-                              allocator hook's for the segment's bookkeeping), each answered
-                              by freeing the cache and trying once more */
+                              allocator hook's for the segment's bookkeeping) and answered
+                              by freeing the cache and trying again (dp_cache_alloc's rounds
+                              above: one, or more when segments were cached meanwhile) */
 } dp_cache_stats_t;
 
 /** A caching allocator over backend b (its own, independent of the
