@@ -63,8 +63,10 @@
  *
  * WAITING FOR ITSELF: a wait (or synchronize) from a then() callback on the
  * child its own result completes — or on that of a callback it is nested
- * in — would wait for itself: it is DP_EMISUSE at once, with a limit or
- * without. So is a wait there on any pending future that completes only
+ * in — would wait for itself: it is DP_EMISUSE without blocking, with a
+ * limit or without, once the callbacks queued on the thread have run (as
+ * any wait there on a pending future runs them, above: one of them that
+ * completes the child by hand makes the wait return 0). So is a wait there on any pending future that completes only
  * after such a child: its then() children (the callback's grandchildren),
  * a collect_all over it, and so on down any chain of then() parents and
  * collect_all inputs that are still pending. The wait follows those links
@@ -200,8 +202,8 @@ DP_API int dp_future_set_error(dp_future_t *f, const dp_error_t *error, dp_error
  *  tensors number, as the completion did). Returns 0, DP_ETIMEDOUT, or f's own
  *  error (copied into err); once f is complete, the errors of those streams'
  *  waits and records, as they came (dp_current_stream's, the backend's, the
- *  hooks': f stays complete with its value); from a then() callback, DP_EMISUSE at once
- *  when f completes only after that callback returns (WAITING FOR ITSELF
+ *  hooks': f stays complete with its value); from a then() callback, DP_EMISUSE without
+ *  blocking (after the callbacks queued on the thread, WAITS NEST) when f completes only after that callback returns (WAITING FOR ITSELF
  *  above) or only by the loop that runs it (WAITING FOR ONE'S OWN LOOP),
  *  and DP_ELIMIT at once past DP_FUTURE_WAIT_NESTING_MAX nested
  *  waits (WAITS NEST above). */
