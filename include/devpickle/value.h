@@ -352,7 +352,9 @@ typedef struct dp_type {
 
 /** Wraps obj (ownership of obj passes to the custom; destroy frees it, also
  *  when this call fails — but for a NULL type, which has no destroy to call:
- *  obj then stays the caller's). type must outlive the value. Errors:
+ *  obj then stays the caller's). type must outlive the value, unchanged:
+ *  its name is checked here, once (a name changed later is written to
+ *  frames as it stands, and a reader may refuse them). Errors:
  *  DP_EINVAL for a NULL type, type->name or out, or a name that is not
  *  non-empty UTF-8; DP_ENOMEM. */
 DP_API int dp_custom_new(const dp_type_t *type, void *obj, dp_value_t *out, dp_error_t *err);
