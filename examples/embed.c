@@ -1,5 +1,8 @@
 /* examples/embed.c — embedding devpickle: a user-defined C type, a scan with
- * paths, a frame for transport and the receiving side.
+ * paths, a frame for transport and the receiving side, then the same value
+ * as an inline frame, its device bytes read through the backend. The
+ * tensors live in memory of the default backend (cuda where a GPU is
+ * usable, else host: DEVPICKLE_BACKEND=host|cuda forces one).
  * Build: cc -std=c11 embed.c $(pkg-config --cflags --libs devpickle)
  * (installed under another PREFIX than /usr/local or /usr, set
  * PKG_CONFIG_PATH=PREFIX/lib/pkgconfig first, or pkg-config finds nothing;
@@ -29,24 +32,56 @@ static void block_destroy(void *obj) {
 
 static const dp_type_t block_type = {"Block", block_reduce, block_destroy};
 
-static dp_value_t device_tensor(uintptr_t address, int64_t n) {
+/* The storage's release callback: the memory goes back to its backend. */
+static void device_release(void *backend, dp_device_t device, void *base, size_t nbytes) {
+  (void)nbytes;
+  dp_device_dealloc(backend, device, base, NULL);
+}
+
+/* A float32 tensor of n elements in memory of device 0 of the backend, every
+ * byte set to fill (copied on the current stream, which the copy finishes). */
+static int device_tensor(dp_backend_t *be, int64_t n, unsigned char fill, dp_value_t *out, dp_error_t *err) {
+  dp_device_t dev = dp_backend_device(be, 0);
+  size_t nbytes = (size_t)n * 4;
+  unsigned char *src = malloc(nbytes);
+  void *mem;
+  dp_stream_t *s;
   dp_storage_t *st;
-  dp_value_t t = dp_none();
-  dp_device_t cuda0 = {DP_DEVICE_CUDA, 0};
-  if (dp_storage_new(cuda0, (void *)address, (size_t)n * 4, NULL, NULL, &st, NULL) == 0)
-    dp_tensor_new(st, DP_FLOAT32, 1, &n, NULL, 0, &t, NULL);  /* steals st */
-  return t;
+  int rc;
+  if (!src) return DP_ENOMEM;
+  for (size_t i = 0; i < nbytes; i++) src[i] = fill;
+  rc = dp_device_alloc(be, dev, nbytes, &mem, err);
+  if (rc) {
+    free(src);
+    return rc;
+  }
+  rc = dp_current_stream(be, dev, &s, err);
+  if (!rc) rc = dp_memcpy_async(s, mem, src, nbytes, err);
+  if (!rc) rc = dp_stream_synchronize(s, err);
+  free(src);
+  if (!rc) rc = dp_storage_new(dev, mem, nbytes, device_release, be, &st, err);
+  if (rc) {
+    dp_device_dealloc(be, dev, mem, NULL);  /* a failed dp_storage_new leaves the memory ours */
+    return rc;
+  }
+  return dp_tensor_new(st, DP_FLOAT32, 1, &n, NULL, 0, out, err);  /* steals st */
 }
 
 int main(void) {
   dp_error_t err;
-  dp_value_t model, blk;
+  dp_backend_t *be;
+  dp_value_t model, blk, bias;
   struct block *b = malloc(sizeof *b);
   if (!b) return 1;
-  b->weights = device_tensor(0x7f0000000000, 1024);
+  b->weights = dp_none();
+  if (dp_backend_default(&be, &err) || device_tensor(be, 1024, 0x11, &b->weights, &err) ||
+      device_tensor(be, 16, 0x22, &bias, &err)) {
+    fprintf(stderr, "device memory: %s: %s\n", dp_err_name(err.code), err.message);
+    return 1;
+  }
   if (dp_object_new("Model", &model, &err) || dp_custom_new(&block_type, b, &blk, &err) ||
       dp_object_set(model, "block", blk, &err) ||  /* steals blk */
-      dp_object_set(model, "bias", device_tensor(0x7f0000100000, 16), &err)) {
+      dp_object_set(model, "bias", bias, &err)) {   /* steals bias */
     fprintf(stderr, "build: %s: %s\n", dp_err_name(err.code), err.message);
     return 1;
   }
@@ -89,6 +124,36 @@ int main(void) {
     return 1;
   }
   printf("received a %s (reduced: %s)\n", dp_object_class(blk2), dp_object_is_reduced(blk2) ? "yes" : "no");
+  dp_value_release(copy);
+
+  /* Or inline, self-contained: the device bytes are read through the backend
+   * (device -> host, after the current stream's work) into the frame; bytes
+   * above is stale now (valid until the next pickle into the frame). */
+  dp_pickle_opts_t inl = {.flags = DP_PICKLE_INLINE, .read = dp_device_read};
+  if (dp_pickle(model, &inl, frame, &err)) {
+    fprintf(stderr, "inline pickle: %s: %s\n", dp_err_name(err.code), err.message);
+    return 1;
+  }
+  bytes = dp_frame_data(frame, &n);
+  if (dp_unpickle(bytes, n, NULL, &copy, &err)) {
+    fprintf(stderr, "unpickle: %s at byte %lld\n", err.message, (long long)err.offset);
+    return 1;
+  }
+  /* The receiver has the bytes without the sender's memory: its storages
+   * carry them as host data. */
+  dp_value_t bias2;
+  const unsigned char *data;
+  if (dp_object_get(copy, "bias", &bias2, &err)) {
+    fprintf(stderr, "%s: %s\n", dp_err_name(err.code), err.message);
+    return 1;
+  }
+  data = dp_storage_host_data(dp_tensor_storage(bias2));
+  for (size_t i = 0; i < 64; i++)
+    if (!data || data[i] != 0x22) {
+      fprintf(stderr, "inline frame: the bias's byte %zu is not the one written\n", i);
+      return 1;
+    }
+  printf("inline frame: %zu bytes, the bias's 64 bytes as written\n", n);
 
   dp_value_release(copy);
   dp_frame_free(frame);
