@@ -255,7 +255,7 @@ test-tsan: deps ## Run the concurrency stress and the Python suite under ThreadS
 	echo "test-tsan: no reports; the racy control was reported as it must be"
 	@$(MAKE) --no-print-directory test-python-tsan
 
-demo: deps all ## The future pipeline end to end (devpickle demo), then the examples packed, verified, dumped
+demo: deps all ## The future pipeline end to end (devpickle demo), then the examples packed, verified, dumped, unpacked and packed back
 	@sh tools/demo.sh $(BUILD)/devpickle
 
 bench: all $(BENCH_BIN) python ## Run the benchmarks (C, then Python against PyTorch); results in build/bench.json
