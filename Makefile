@@ -163,7 +163,7 @@ endif
 # Run there with carry [build/gpu-bin, build/gpu-libs, build/libdevpickle.a]:
 #   BIN=build/gpu-bin sh bench/h200.sh $$OUT; bash python/gpu_run.sh $$OUT
 GPU_BUNDLE := test_gpu test_future devpickle bench_future bench_pickler bench_device one_row
-gpu-bundle: deps ## Gather the GPU binaries and their libraries in build/gpu-bin, build/gpu-libs (../shared/GPU.md)
+gpu-bundle: deps ## Gather the GPU binaries and their libraries in build/gpu-bin, build/gpu-libs, to run on a GPU machine (needs ../shared/tools/bundle-libs beside the checkout)
 ifeq ($(DEMO_CUDA),1)
 	@test -x ../shared/tools/bundle-libs || { echo "gpu-bundle: needs ../shared/tools/bundle-libs, beside the checkout (../shared/GPU.md); this tree has no ../shared" >&2; exit 1; }
 	@$(MAKE) --no-print-directory all $(GPU_BUNDLE:%=$(BUILD)/%)
@@ -305,8 +305,10 @@ install: all $(BUILD)/devpickle.pc ## Install headers, libraries, CLI and devpic
 	@# The loader finds a new library in a directory it searches (/usr/local/lib)
 	@# only through its cache: refresh it, as root, for an install in place.
 	@# Not root: the cache stays as it was; say what a program linked without
-	@# an rpath needs.
+	@# an rpath needs. Root, but a PREFIX the loader does not search: the
+	@# refreshed cache still lacks the library; say so too.
 	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; \
+	  ldconfig -p | grep -qF " => $(abspath $(PREFIX))/lib/$(SONAME)" || echo "devpickle: the loader does not search $(PREFIX)/lib: for a program to find $(SONAME), link it with -Wl,-rpath,$(PREFIX)/lib or set LD_LIBRARY_PATH=$(PREFIX)/lib"; \
 	elif [ -z "$(DESTDIR)" ]; then echo "devpickle: not root, so the loader's cache was not refreshed: for a program to find $(SONAME), link it with -Wl,-rpath,$(PREFIX)/lib, set LD_LIBRARY_PATH=$(PREFIX)/lib, or (where the loader searches $(PREFIX)/lib) run ldconfig as root"; fi
 
 uninstall: ## Remove what install put in place
