@@ -185,8 +185,11 @@ static int wrap(dpy_scanner_t *s, PyObject *o, const char *cls, const char *attr
 
 /* A class's or function's name as a global, module.qualname, kept in *hold
  * (a new reference), *len bytes long: NULL when it has none, or with a
- * MemoryError. */
-static const char *global_name(PyObject *o, PyObject **hold, Py_ssize_t *len) {
+ * MemoryError. *text is cleared when a __module__ or __qualname__ (or
+ * __name__) that is a str is no UTF-8 (a lone surrogate): the name then
+ * made without it would be another global's. */
+static const char *global_name(PyObject *o, PyObject **hold, Py_ssize_t *len, int *text) {
+  *text = 1;
   PyObject *mod = PyObject_GetAttrString(o, "__module__");
   if (!mod) dpy_clear_error();
   PyObject *qual = PyObject_GetAttrString(o, "__qualname__");
@@ -196,8 +199,16 @@ static const char *global_name(PyObject *o, PyObject **hold, Py_ssize_t *len) {
   }
   Py_ssize_t mn = 0, qn = 0;
   const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8AndSize(mod, &mn) : NULL;
+  dpy_clear_error();
   const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8AndSize(qual, &qn) : NULL;
   dpy_clear_error();
+  if ((mod && PyUnicode_Check(mod) && !m) || (qual && PyUnicode_Check(qual) && !q)) {
+    *text = 0;
+    Py_XDECREF(mod);
+    Py_XDECREF(qual);
+    *hold = NULL;
+    return NULL;
+  }
   /* whole, however long (a fixed buffer cut it), and past a NUL byte (a
      format's %s cut it there: another global's name) */
   *hold = q ? PyBytes_FromStringAndSize(NULL, (m ? mn + 1 : 0) + qn) : NULL;
@@ -302,10 +313,13 @@ static int build_leaf(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   } else {
     PyObject *hold;
     Py_ssize_t len = 0;
-    const char *name = global_name(o, &hold, &len);
+    int text;
+    const char *name = global_name(o, &hold, &len, &text);
     if (!name) {
       if (PyErr_Occurred()) return -1; /* out of memory */
-      PyErr_SetString(PyExc_TypeError, "a class or function without a name");
+      PyErr_SetString(PyExc_TypeError, text ? "a class or function without a name"
+                                            : "a class or function whose __module__ or __qualname__ is no UTF-8 "
+                                              "(a lone surrogate): a frame would name it as another");
       return dpy_walk_error(s, o, "it cannot be carried in a frame");
     }
     dp_value_t n;

@@ -188,14 +188,22 @@ static const char *dotted(const char *m, const char *q, const char *fallback, Py
   return fallback;
 }
 
+/* What makes a class's name no name for a frame (type_name_nul's *bad). */
+enum { NAME_OK, NAME_NUL, NAME_NOT_TEXT };
+
 /* A type as paths, errors and frames name it: module.qualname for classes
  * defined in Python (tp_name is only their name), tp_name (already
  * qualified) for C types. *hold keeps the text (a new reference, or NULL:
- * Py_XDECREF it once the text is used). *nul (when given) is set when the
- * module or qualname holds a NUL byte: the text is then cut at it. */
-static const char *type_name_nul(PyTypeObject *t, PyObject **hold, int *nul) {
+ * Py_XDECREF it once the text is used). *bad (when given) says when the
+ * text is not the class's module.qualname, as loads' classes= labels it
+ * (module "builtins" or None: the qualname alone): NAME_NUL when the module
+ * or qualname holds a NUL byte (the text is then cut at it), NAME_NOT_TEXT
+ * when either is no str of UTF-8 (a lone surrogate; a __module__ of another
+ * type; a metaclass's __qualname__ that is none), whose place the text
+ * fills with tp_name, or leaves out: another class's name. */
+static const char *type_name_nul(PyTypeObject *t, PyObject **hold, int *bad) {
   *hold = NULL;
-  if (nul) *nul = 0;
+  if (bad) *bad = NAME_OK;
   if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return t->tp_name;
   /* each lookup may run a metaclass's code: an error it raised is cleared
      (an interrupt held) before the next runs, never left pending under it */
@@ -206,7 +214,10 @@ static const char *type_name_nul(PyTypeObject *t, PyObject **hold, int *nul) {
   PyObject *qual = PyObject_GetAttrString((PyObject *)t, "__qualname__");
   const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8AndSize(qual, &qn) : NULL;
   dpy_clear_error();
-  if (nul) *nul = (m && strlen(m) != (size_t)mn) || (q && strlen(q) != (size_t)qn);
+  if (bad) {
+    if ((m && strlen(m) != (size_t)mn) || (q && strlen(q) != (size_t)qn)) *bad = NAME_NUL;
+    else if (!q || (mod && mod != Py_None && !m)) *bad = NAME_NOT_TEXT;
+  }
   const char *name = dotted(m, q ? q : t->tp_name, t->tp_name, hold);
   Py_XDECREF(mod);
   Py_XDECREF(qual);
@@ -367,20 +378,25 @@ int dpy_walk_error(dpy_scanner_t *s, PyObject *obj, const char *what) {
  * frames carry none in class names (docs/FORMAT.md), never cut to another
  * class's name. NULL with the WalkError set. */
 const char *dpy_frame_class(dpy_scanner_t *s, PyObject *o, PyTypeObject *t, PyObject **hold) {
-  int nul;
-  const char *name = type_name_nul(t, hold, &nul);
+  int bad;
+  const char *name = type_name_nul(t, hold, &bad);
   /* a class of one of the names frames reserve (its __module__ and
      __qualname__ make "builtins.set") would come back from loads as that
      kind, a silent change of type: refused, whatever its attributes */
-  const char *kind = nul ? NULL : dpy_reserved_class(name);
-  if (!nul && !kind) return name;
+  const char *kind = bad ? NULL : dpy_reserved_class(name);
+  if (!bad && !kind) return name;
   if (kind)
     PyErr_Format(PyExc_TypeError,
                  "its class is named '%s', a name frames reserve for %s: loads would read it as %s (give the class "
                  "another __module__ or __qualname__)",
                  name, kind, kind);
-  else
+  else if (bad == NAME_NUL)
     PyErr_SetString(PyExc_ValueError, "its class's __module__ or __qualname__ holds a NUL byte");
+  else
+    /* named by what stands in for them (tp_name, the qualname alone), it
+       would come back from loads as the class of that name, listed */
+    PyErr_SetString(PyExc_TypeError, "its class's __module__ or __qualname__ is no str of UTF-8 (a lone surrogate, "
+                                     "a __module__ neither a str nor None): a frame would name it as another class");
   Py_CLEAR(*hold);
   dpy_walk_error(s, o, "its class cannot be named in a frame");
   return NULL;

@@ -3186,6 +3186,49 @@ def test_a_class_named_with_nul_is_refused_by_dumps_never_cut_to_another_name():
     assert devpickle.scan([obj, cases[1]], paths=False)  # scanning names no class in a frame
 
 
+def test_a_class_whose_name_is_no_utf8_or_whose_module_is_no_str_is_refused_by_dumps_never_named_as_another():
+    # a __qualname__ of a lone surrogate was replaced by the class's
+    # __name__, and a __module__ of one (or of another type than str or
+    # None) left out: the frame named another class, which loads made where
+    # classes= listed it
+    class Listed:
+        pass
+
+    Listed.__module__, Listed.__qualname__ = "m", "S"
+
+    class Evil:
+        pass
+
+    class EvilTensor(torch.Tensor):
+        pass
+
+    class EvilReduced:
+        def __reduce__(self):
+            return (EvilReduced, ())
+
+    for names in (("m", "\ud800"), ("m\ud800", "S"), (5, "S")):
+        for cls in (Evil, EvilTensor, EvilReduced):
+            cls.__name__ = "S"
+            cls.__module__, cls.__qualname__ = names
+        obj = Evil()
+        obj.x = 1
+        for value in (obj, torch.zeros(2).as_subclass(EvilTensor), EvilReduced()):
+            with pytest.raises(devpickle.WalkError, match=r"class cannot be named in a frame") as info:
+                devpickle.loads(devpickle.dumps({"k": value}), classes=(Listed, Evil, EvilTensor, EvilReduced))
+            assert "no str of UTF-8" in str(info.value)
+        assert devpickle.scan([obj], paths=False) == []  # scanning names no class in a frame
+    # a class or function held as a value (a global) so named is refused too
+    for names in (("m", "\ud800"), ("m\ud800", "S")):
+        Evil.__module__, Evil.__qualname__ = names
+        with pytest.raises(devpickle.WalkError, match=r"is no UTF-8 \(a lone surrogate\)"):
+            devpickle.dumps([Evil])
+    # None, as a class made with exec() in a namespace without __name__ has,
+    # names it by its qualname alone on both sides, as "builtins" does
+    Evil.__module__, Evil.__qualname__ = None, "Evil"
+    obj = Evil()
+    assert type(devpickle.loads(devpickle.dumps(obj), classes=(Evil,))) is Evil
+
+
 SAME_HASH_MAX = 128  # keys of one hash a dict or set may hold (frames.c)
 
 
