@@ -453,10 +453,24 @@ int dpy_visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   if (PyDict_Check(cai) && (dpy_iface_part(cai, dpy.str_shape, &shape) || dpy_iface_part(cai, dpy.str_strides, &strides) ||
                             dpy_iface_part(cai, dpy.str_typestr, &typestr)))
     goto out;
-  if (!data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1 || !shape || !PyTuple_Check(shape) || !typestr ||
-      !PyUnicode_Check(typestr)) {
-    PyErr_Format(PyExc_ValueError, "%s lacks data, shape or typestr",
-                 cuda ? "__cuda_array_interface__" : "__array_interface__");
+  if (!PyDict_Check(cai) || !data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1 || !shape ||
+      !PyTuple_Check(shape) || !typestr || !PyUnicode_Check(typestr)) {
+    /* which part, and what it is instead (the WalkError's text names the
+       interface): one written by hand, a list for shape, is told what to
+       change */
+    if (!PyDict_Check(cai))
+      PyErr_Format(PyExc_ValueError, "it is a '%s', not a dict", Py_TYPE(cai)->tp_name);
+    else if (data && PyTuple_Check(data) && PyTuple_GET_SIZE(data) < 1)
+      PyErr_SetString(PyExc_ValueError, "data must be a tuple (address, read-only flag), not an empty tuple");
+    else if (!data || !PyTuple_Check(data))
+      PyErr_Format(PyExc_ValueError, "data must be a tuple (address, read-only flag), not %s%s%s",
+                   data ? "a '" : "missing", data ? Py_TYPE(data)->tp_name : "", data ? "'" : "");
+    else if (!shape || !PyTuple_Check(shape))
+      PyErr_Format(PyExc_ValueError, "shape must be a tuple of ints, not %s%s%s", shape ? "a '" : "missing",
+                   shape ? Py_TYPE(shape)->tp_name : "", shape ? "'" : "");
+    else
+      PyErr_Format(PyExc_ValueError, "typestr must be a str (as '<f4'), not %s%s%s", typestr ? "a '" : "missing",
+                   typestr ? Py_TYPE(typestr)->tp_name : "", typestr ? "'" : "");
     goto out;
   }
   Py_ssize_t isz = typestr_itemsize(typestr);
@@ -473,8 +487,13 @@ int dpy_visit_iface(dpy_scanner_t *s, PyObject *o, int cuda) {
   }
   void *ptr = PyLong_AsVoidPtr(addr);
   if (!ptr && PyErr_Occurred()) goto out;
-  if (nd > 64 || isz <= 0) {
-    PyErr_SetString(PyExc_ValueError, "unsupported shape or typestr");
+  if (nd > 64) {
+    PyErr_Format(PyExc_ValueError, "unsupported shape: %zd dimensions (64 at most)", nd);
+    goto out;
+  }
+  if (isz <= 0) {
+    PyErr_Format(PyExc_ValueError, "unsupported typestr '%U': it names no item size (as '<f4': byte order, kind, size)",
+                 typestr);
     goto out;
   }
   if (strides && strides != Py_None && (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != nd)) {

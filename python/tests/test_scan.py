@@ -2038,8 +2038,55 @@ def test_an_allocation_at_address_zero_reads_as_hex_in_its_repr():
 
 @pytest.mark.parametrize("typestr", ["<f", "<f0", "<fx", "f4", "<f99999999999999999999999"])
 def test_cuda_array_interface_a_typestr_without_an_item_size_is_a_walk_error(typestr):
-    with pytest.raises(devpickle.WalkError, match="unsupported shape or typestr"):
+    with pytest.raises(devpickle.WalkError, match=f"unsupported typestr '{typestr}': it names no item size"):
         devpickle.scan(_CAI(shape=(2,), typestr=typestr))
+
+
+def test_cuda_array_interface_of_more_than_64_dimensions_is_a_walk_error_saying_so():
+    with pytest.raises(devpickle.WalkError, match=r"unsupported shape: 65 dimensions \(64 at most\)"):
+        devpickle.scan(_CAI(shape=(1,) * 65))
+
+
+class _Interfaces:
+    """An object with a __cuda_array_interface__ as given (not completed, as _CAI's is)."""
+
+    def __init__(self, cai):
+        self.cai = cai
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.cai
+
+
+class _ArrayInterface:
+    """An object with an __array_interface__ as given."""
+
+    def __init__(self, cai):
+        self.cai = cai
+
+    @property
+    def __array_interface__(self):
+        return self.cai
+
+
+@pytest.mark.parametrize("cls, name", [(_Interfaces, "__cuda_array_interface__"),
+                                       (_ArrayInterface, "__array_interface__")])
+@pytest.mark.parametrize("cai, says", [
+    ([("data", (16, False))], "it is a 'list', not a dict"),
+    ({"shape": (2,), "typestr": "<f4"}, r"data must be a tuple \(address, read-only flag\), not missing"),
+    ({"data": 16, "shape": (2,), "typestr": "<f4"}, r"data must be a tuple \(address, read-only flag\), not a 'int'"),
+    ({"data": (), "shape": (2,), "typestr": "<f4"}, r"data must be a tuple \(address, read-only flag\), not an empty tuple"),
+    ({"data": (16, False), "typestr": "<f4"}, "shape must be a tuple of ints, not missing"),
+    ({"data": (16, False), "shape": [2], "typestr": "<f4"}, "shape must be a tuple of ints, not a 'list'"),
+    ({"data": (16, False), "shape": (2,)}, "typestr must be a str \\(as '<f4'\\), not missing"),
+    ({"data": (16, False), "shape": (2,), "typestr": 4}, "typestr must be a str \\(as '<f4'\\), not a 'int'"),
+])
+def test_a_malformed_array_interface_says_which_part_is_wrong_and_what_it_is_instead(cls, name, cai, says):
+    # each of these said only that the interface "lacks data, shape or
+    # typestr", though it held them (a list for shape, numpy's own refusal)
+    with pytest.raises(devpickle.WalkError, match=f"a malformed {name}: {says}") as e:
+        devpickle.scan({"x": cls(cai)})
+    assert e.value.path == "$.x"
 
 
 def test_an_ndarray_subclass_property_cannot_hide_what_the_array_holds():
