@@ -344,7 +344,97 @@ static PyObject *result_list(const dpy_scanner_t *s) {
  * is the object's code: a missing or failing name is left out, but an
  * interrupt (not an Exception) or a MemoryError it raised passes through,
  * as the walk lets them through. -1. */
+/* An attribute read for opaque_refused's hint: a new reference, or NULL,
+ * cleared, where o has none or its code failed — but for an interrupt (not
+ * an Exception) or a MemoryError, which stays set (*fatal). */
+static PyObject *hint_attr(PyObject *o, const char *attr, int *fatal) {
+  PyObject *v = PyObject_GetAttrString(o, attr);
+  if (!v && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)) *fatal = 1;
+    else PyErr_Clear();
+  }
+  return v;
+}
+
+/* A type as code names it: its qualname, after its module but for
+ * builtins ("int", "torch.Tensor"). A new str, or NULL with an exception. */
+static PyObject *type_label(PyTypeObject *t) {
+  PyObject *q = PyType_GetQualName(t);
+  PyObject *m = q ? PyObject_GetAttrString((PyObject *)t, "__module__") : NULL;
+  PyObject *r = NULL;
+  if (m && PyUnicode_Check(m) && PyUnicode_CompareWithASCIIString(m, "builtins")) r = PyUnicode_FromFormat("%U.%U", m, q);
+  else if (m) r = Py_NewRef(q);
+  Py_XDECREF(q);
+  Py_XDECREF(m);
+  return r;
+}
+
+/* A tuple of types as code writes it, "(int, str)": a new str, or NULL
+ * with an exception. */
+static PyObject *type_labels(PyObject *types) {
+  PyObject *parts = PyList_New(0), *r = NULL;
+  for (Py_ssize_t i = 0; parts && i < PyTuple_GET_SIZE(types); i++) {
+    PyObject *l = type_label((PyTypeObject *)PyTuple_GET_ITEM(types, i));
+    if (!l || PyList_Append(parts, l)) {
+      Py_XDECREF(l);
+      Py_CLEAR(parts);
+      break;
+    }
+    Py_DECREF(l);
+  }
+  PyObject *sep = parts ? PyUnicode_FromString(", ") : NULL;
+  PyObject *joined = sep ? PyUnicode_Join(sep, parts) : NULL;
+  if (joined) r = PyUnicode_FromFormat("(%U%s)", joined, PyTuple_GET_SIZE(types) == 1 ? "," : "");
+  Py_XDECREF(parts);
+  Py_XDECREF(sep);
+  Py_XDECREF(joined);
+  return r;
+}
+
+/* 1 when t is a tuple of types (a union's __args__), else 0. */
+static int all_types(PyObject *t) {
+  if (!t || !PyTuple_Check(t) || PyTuple_GET_SIZE(t) == 0) return 0;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++)
+    if (!PyType_Check(PyTuple_GET_ITEM(t, i))) return 0;
+  return 1;
+}
+
+/* opaque='s TypeError for a generic alias (list[int],
+ * typing.List[int]: callable, and read as a factory by the hint below) or a
+ * union of types (int | str, typing.Optional[T]), which isinstance takes but
+ * opaque= does not: what to give instead. 1: raised; 0: o is neither (no
+ * exception); -1: an interrupt or a MemoryError its code raised. */
+static int opaque_generic_refused(const char *head, PyObject *o) {
+  int fatal = 0;
+  PyObject *origin = hint_attr(o, "__origin__", &fatal), *args = NULL, *text = NULL;
+  int r = 0;
+  if (!fatal && !(origin && PyType_Check(origin))) args = hint_attr(o, "__args__", &fatal);
+  if (!fatal && ((origin && PyType_Check(origin)) || all_types(args))) {
+    text = origin && PyType_Check(origin) ? type_label((PyTypeObject *)origin) : type_labels(args);
+    if (!text) {
+      if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)) fatal = 1;
+      else PyErr_Clear();
+    }
+  }
+  if (fatal) r = -1;
+  else if (text && origin && PyType_Check(origin)) {
+    PyErr_Format(PyExc_TypeError, "%s '%s' (a generic alias is not a type: give its origin, %U)", head,
+                 Py_TYPE(o)->tp_name, text);
+    r = 1;
+  } else if (text) {
+    PyErr_Format(PyExc_TypeError, "%s '%s' (a union is not a type: give its types instead, %U)", head,
+                 Py_TYPE(o)->tp_name, text);
+    r = 1;
+  }
+  Py_XDECREF(origin);
+  Py_XDECREF(args);
+  Py_XDECREF(text);
+  return r;
+}
+
 static int opaque_refused(const char *head, PyObject *o) {
+  int g = opaque_generic_refused(head, o);
+  if (g) return -1;
   PyObject *name = PyCallable_Check(o) ? PyObject_GetAttrString(o, "__qualname__") : NULL;
   if (!name && PyErr_Occurred() &&
       (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)))
@@ -364,6 +454,12 @@ int dpy_scan_opaque(PyObject *opaque, PyObject **out) {
   /* loads's stand-in answers __getitem__ with its own TypeError: named here */
   int r = dpy_refuse_stand_in(opaque, "opaque= takes types: a type or an iterable of types, not", "");
   if (r) return -1;
+  /* a generic alias or a union is iterable (PEP 646's unpacking)
+     or subscriptable, so told what to give before it is read as items */
+  if (!PyType_Check(opaque) && !PyTuple_CheckExact(opaque) && !PyList_CheckExact(opaque) &&
+      !PyAnySet_CheckExact(opaque) &&
+      opaque_generic_refused("opaque= takes types: a type or an iterable of types, not a", opaque))
+    return -1;
   if (PyType_Check(opaque)) opaque = PyTuple_Pack(1, opaque);
   else if (!Py_TYPE(opaque)->tp_iter && !PySequence_Check(opaque)) {
     /* named, as classes= is: "'int' object is not iterable" says not which argument */

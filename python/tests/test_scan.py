@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import typing
 import weakref
 
 import numpy as np
@@ -654,6 +655,26 @@ def test_a_factory_given_as_an_opaque_type_says_to_give_the_type_of_what_it_make
         assert str(e.value) == (f"{head} (test_a_factory_given_as_an_opaque_type_says_to_give_the_type_of_what_it_"
                                 "makes.<locals>.make is callable, not a type: give the type of what it makes, as "
                                 "type(threading.Lock()) for threading.Lock)")
+
+
+@pytest.mark.parametrize("opaque, says", [
+    (list[int], "a 'types.GenericAlias' (a generic alias is not a type: give its origin, list)"),
+    (typing.List[int], "a '_GenericAlias' (a generic alias is not a type: give its origin, list)"),
+    (int | torch.Tensor, "a 'types.UnionType' (a union is not a type: give its types instead, (int, torch.Tensor))"),
+    (typing.Optional[int], "a '_UnionGenericAlias' (a union is not a type: give its types instead, (int, NoneType))"),
+])
+def test_a_generic_or_a_union_given_as_opaque_says_which_types_to_give_instead(opaque, says):
+    # a generic alias is callable, and was told to give "the type of
+    # what it makes" as a factory is; typing's is iterable, and was read as
+    # its unpacking (Unpack[...]); a typing.Union is subscriptable, and was
+    # refused with no hint
+    for take in (lambda o: devpickle.scan([], opaque=o), lambda o: devpickle.Future(opaque=o)):
+        with pytest.raises(TypeError) as e:
+            take(opaque)
+        assert str(e.value) == f"opaque= takes types: a type or an iterable of types, not {says}"
+        with pytest.raises(TypeError) as e:
+            take((str, opaque))
+        assert str(e.value) == f"opaque= takes types; got {says}"
 
 
 @pytest.mark.parametrize("raised", [KeyboardInterrupt, MemoryError, SystemExit])
