@@ -422,11 +422,39 @@ static int int64_seq(PyObject *seq, int64_t *out, int max) {
 
 #define MAX_DIMS 64
 
+/* torch's own attribute `name` of tensor o (a new reference; called, when
+ * `call`, with no arguments: a method), read through the descriptor
+ * torch.Tensor's base class defines, never through what a subclass defines
+ * under that name: a property `dtype` or `shape`, or a method `stride`, of
+ * its own would describe other memory than the tensor's, and the frame
+ * would carry another tensor (its bytes read as another dtype, part of
+ * them). A subclass's __torch_function__ still answers, as torch's own
+ * descriptors ask it (pickle's reduce reads these through it too). Where
+ * torch has no such descriptor (an older torch), read as any attribute:
+ * NULL with AttributeError where it has none. */
+static PyObject *tensor_own(PyObject *o, const char *name, int call) {
+  PyObject *key = PyUnicode_FromString(name), *v = NULL;
+  if (!key) return NULL;
+  PyObject *d = dpy.torch_tensor_cls && PyType_Check(dpy.torch_tensor_cls)
+                    ? _PyType_Lookup((PyTypeObject *)dpy.torch_tensor_cls, key)
+                    : NULL;
+  if (d && Py_TYPE(d)->tp_descr_get) {
+    Py_INCREF(d); /* borrowed from the type's dict, which the getter's code may change */
+    v = Py_TYPE(d)->tp_descr_get(d, o, (PyObject *)Py_TYPE(o));
+    Py_DECREF(d);
+  } else if (!PyErr_Occurred()) {
+    v = PyObject_GetAttr(o, key);
+  }
+  Py_DECREF(key);
+  if (v && call) Py_SETREF(v, PyObject_CallNoArgs(v));
+  return v;
+}
+
 /* A tensor that requires grad carries it (attribute requires_grad: true),
  * as torch's pickling does; loads makes it a leaf that requires grad (its
  * graph, like pickle's, is not carried). */
 static int carry_requires_grad(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
-  PyObject *rg = PyObject_GetAttrString(o, "requires_grad");
+  PyObject *rg = tensor_own(o, "requires_grad", 0);
   int yes = rg ? PyObject_IsTrue(rg) : -1;
   Py_XDECREF(rg);
   if (yes < 0) return dpy_walk_error(s, o, "its requires_grad cannot be read");
@@ -486,7 +514,7 @@ static int carry_subclass(dpy_scanner_t *s, PyObject *o, dp_value_t obj) {
 /* 1 when torch's method `name` (is_conj, is_neg) says yes, 0 when it says
  * no or this torch has no such method, -1 with an exception. */
 static int tensor_bit(PyObject *o, const char *name) {
-  PyObject *r = PyObject_CallMethod(o, name, NULL);
+  PyObject *r = tensor_own(o, name, 1);
   if (!r) {
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
     PyErr_Clear();
@@ -507,7 +535,7 @@ static int refuse_unframed(dpy_scanner_t *s, PyObject *o) {
   /* a nested tensor's one buffer holds tensors of different shapes, which
      its own sizes tensor says: it has no shape or strides of its own (torch
      raises an "internal error" for them, sending the user to its tracker) */
-  PyObject *nested = PyObject_GetAttrString(o, "is_nested");
+  PyObject *nested = tensor_own(o, "is_nested", 0);
   int is_nested = nested ? PyObject_IsTrue(nested) : 0;
   Py_XDECREF(nested);
   if (!nested && PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear(); /* a torch without them */
@@ -571,11 +599,11 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
   /* each read only once the one before it succeeded: a subclass's
      __torch_function__ runs for each, and must not run under an exception
      (an interrupt) the one before raised */
-  PyObject *dtype = PyObject_GetAttrString(o, "dtype");
+  PyObject *dtype = tensor_own(o, "dtype", 0);
   PyObject *dstr = dtype ? PyObject_Str(dtype) : NULL;
-  PyObject *shp = dstr ? PyObject_GetAttrString(o, "shape") : NULL;
-  PyObject *str = shp ? PyObject_CallMethod(o, "stride", NULL) : NULL;
-  PyObject *off = str ? PyObject_CallMethod(o, "storage_offset", NULL) : NULL;
+  PyObject *shp = dstr ? tensor_own(o, "shape", 0) : NULL;
+  PyObject *str = shp ? tensor_own(o, "stride", 1) : NULL;
+  PyObject *off = str ? tensor_own(o, "storage_offset", 1) : NULL;
   int nd = -1, nd2 = -1;
   int64_t offset = 0;
   if (off) {

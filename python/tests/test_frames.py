@@ -2815,6 +2815,33 @@ def test_an_interrupt_raised_by_a_tensor_subclass_read_by_dumps_passes_through(a
     assert ran == [attr]
 
 
+@pytest.mark.parametrize("attrs", [
+    {"dtype": property(lambda self: torch.int32)},       # its bytes would be read as int32
+    {"shape": property(lambda self: torch.Size([2]))},   # part of them
+    {"stride": lambda self, *a: (2,)},
+    {"storage_offset": lambda self: 1},
+    {"is_conj": lambda self: True},                      # a view it is not
+    {"requires_grad": property(lambda self: True)},
+])
+@pytest.mark.parametrize("inline", [True, False])
+def test_dumps_describes_a_tensor_subclass_by_torchs_own_fields_never_by_what_the_subclass_defines_under_their_names(
+        attrs, inline):
+    # dumps read dtype, shape, stride(), storage_offset(), is_conj() and
+    # requires_grad as attributes of the instance, so a subclass's own
+    # property or method of that name described other memory than the
+    # tensor's: the frame carried another tensor (float bytes as int32, two
+    # of three items), or refused one that is none of those
+    T = type("T", (torch.Tensor,), dict(attrs))
+    t = torch.arange(3.0).as_subclass(T)
+    bufs = []
+    frame = devpickle.dumps(t, inline=inline, buffer_callback=None if inline else bufs.append)
+    got = devpickle.loads(frame, buffers=None if inline else bufs, classes=(T,))
+    assert type(got) is T
+    plain = got.as_subclass(torch.Tensor)
+    assert plain.dtype == torch.float32 and plain.shape == (3,) and plain.stride() == (1,)
+    assert plain.storage_offset() == 0 and not plain.requires_grad and plain.tolist() == [0.0, 1.0, 2.0]
+
+
 def test_dumps_and_loads_state_their_documented_signatures_and_take_obj_and_data_by_keyword():
     import inspect
     assert str(inspect.signature(devpickle.dumps)) == "(obj, *, inline=False, buffer_callback=None)"
