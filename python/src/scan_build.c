@@ -433,7 +433,21 @@ static int int64_seq(PyObject *seq, int64_t *out, int max) {
  * torch has no such descriptor (an older torch), read as any attribute:
  * NULL with AttributeError where it has none. */
 static PyObject *tensor_own(PyObject *o, const char *name, int call) {
-  PyObject *key = PyUnicode_FromString(name), *v = NULL;
+  /* the names, interned once: a handful of string literals */
+  static struct {
+    const char *name;
+    PyObject *key;
+  } keys[16];
+  PyObject *key = NULL, *v = NULL;
+  for (size_t i = 0; !key && i < sizeof keys / sizeof *keys; i++) {
+    if (!keys[i].name) {
+      if (!(keys[i].key = PyUnicode_InternFromString(name))) return NULL;
+      keys[i].name = name;
+    }
+    if (keys[i].name == name || !strcmp(keys[i].name, name)) key = keys[i].key;
+  }
+  if (!key) key = PyUnicode_InternFromString(name);
+  else Py_INCREF(key);
   if (!key) return NULL;
   PyObject *d = dpy.torch_tensor_cls && PyType_Check(dpy.torch_tensor_cls)
                     ? _PyType_Lookup((PyTypeObject *)dpy.torch_tensor_cls, key)
