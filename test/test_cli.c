@@ -5510,3 +5510,133 @@ Test(cli, attrs_keys_are_attribute_names_as_written_and_only_ascii_identifiers_a
   run_out_has("inspect a.dpk", 0, "$[\"\xc3\xa9\"] ");
   run_out_has("inspect a.dpk", 0, "$._a1 ");
 }
+
+/* Whether process pid sits in system call nr on descriptor fd (its
+ * /proc/PID/syscall: "NR 0xFD ..."), as a command waiting on its stdin or
+ * stdout does. */
+static int blocked_in(pid_t pid, long nr, int fd) {
+  char path[64], line[256], want[64];
+  snprintf(path, sizeof path, "/proc/%ld/syscall", (long)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  int got = fgets(line, sizeof line, f) != NULL;
+  fclose(f);
+  snprintf(want, sizeof want, "%ld 0x%x ", nr, fd);
+  return got && strncmp(line, want, strlen(want)) == 0;
+}
+
+/* A command started on a pipe whose end it holds is non-blocking. */
+typedef struct nb_child {
+  pid_t pid;
+  int end;    /* the test's end of the pipe */
+  int shared; /* the command's end of a stdin pipe, as the parent holds it too, or -1 */
+  int ended;  /* the command ended before it waited on the pipe */
+  int status; /* its exit status, once ended */
+} nb_child_t;
+
+/* Starts the CLI with args (NULL-terminated) in dir, its descriptor fd (0
+ * or 1) an end of a pipe made non-blocking (as a parent's event loop
+ * leaves it), and the other two of stdin, stdout and stderr on /dev/null
+ * and files; returns once it waits on fd in system call nr (read, write),
+ * or once it has ended. */
+static nb_child_t start_on_a_non_blocking_pipe(const char *const *args, int fd, long nr) {
+  char abs[512], out[256], err[256];
+  cr_assert_not_null(realpath(cli, abs));
+  path_in(out, sizeof out, ".childout");
+  path_in(err, sizeof err, ".childerr");
+  int p[2];
+  cr_assert_eq(pipe(p), 0);
+  cr_assert_eq(fcntl(p[fd], F_SETFL, fcntl(p[fd], F_GETFL) | O_NONBLOCK), 0);
+  nb_child_t c = {fork(), p[1 - fd], -1, 0, -1};
+  cr_assert_neq(c.pid, -1);
+  if (c.pid == 0) {
+    int in = fd == 0 ? p[0] : open("/dev/null", O_RDONLY);
+    int o = fd == 1 ? p[1] : open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int e = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (chdir(dir) != 0 || dup2(in, 0) < 0 || dup2(o, 1) < 0 || dup2(e, 2) < 0) _exit(126);
+    close(p[1 - fd]);
+    char *argv[16];
+    size_t n = 0;
+    argv[n++] = abs;
+    while (n < 15 && args[n - 1]) {
+      argv[n] = (char *)args[n - 1];
+      n++;
+    }
+    argv[n] = NULL;
+    execv(abs, argv);
+    _exit(127);
+  }
+  if (fd == 0) c.shared = p[0]; /* a reader's: holding it keeps no EOF away */
+  else close(p[fd]);
+  int st;
+  while (!blocked_in(c.pid, nr, fd)) {
+    if (waitpid(c.pid, &st, WNOHANG) == c.pid) {
+      c.ended = 1;
+      c.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+      break;
+    }
+    usleep(1000);
+  }
+  return c;
+}
+
+/* A stdin or stdout left non-blocking by whoever opened it (O_NONBLOCK is
+ * the pipe's open file description's, shared with the parent) failed each
+ * read that found the pipe empty and each write that found it full with
+ * EAGAIN: `devpickle verify -` ended "<stdin>: read error: Resource
+ * temporarily unavailable" before its writer wrote, and `unpack` into a
+ * slower reader "<stdout>: write failed: ..." after the first 64 KiB. The
+ * commands wait on such a pipe as on any other, and leave the parent's
+ * end as it was. */
+Test(cli, a_stdin_or_stdout_left_non_blocking_is_waited_on_as_a_blocking_one) {
+  FILE *sc = fopen("/proc/self/syscall", "r");
+  cr_assert_not_null(sc, "/proc/PID/syscall tells where a command waits");
+  fclose(sc);
+  signal(SIGPIPE, SIG_IGN); /* a command that ended early: the write below fails instead */
+  size_t cap = 100000 * 8 + 16, n = 0;
+  char *text = malloc(cap);
+  n += (size_t)snprintf(text + n, cap - n, "[0");
+  for (int i = 1; i < 100000; i++) n += (size_t)snprintf(text + n, cap - n, ",%d", i);
+  snprintf(text + n, cap - n, "]");
+  spit("big.json", text);
+  free(text);
+  run_ok("pack big.json -o big.dpk");
+  run_ok("unpack big.dpk -o big.out.json");
+  size_t fn, jn;
+  char *frame = slurp_in("big.dpk", &fn), *json = slurp_in("big.out.json", &jn);
+  cr_assert_gt(jn, (size_t)1 << 17, "the JSON must be more than a pipe holds");
+
+  /* stdin: the command waits for the frame, which comes once it waits */
+  static const char *const verify[] = {"verify", "-", NULL};
+  nb_child_t c = start_on_a_non_blocking_pipe(verify, 0, 0 /* read */);
+  cr_assert_not(c.ended, "verify ended (status %d) before its frame came: %s", c.status, slurp_in(".childerr", NULL));
+  for (size_t at = 0; at < fn;) {
+    ssize_t k = write(c.end, frame + at, fn - at);
+    cr_assert_gt(k, 0, "the pipe closed: verify gave up");
+    at += (size_t)k;
+  }
+  close(c.end);
+  cr_assert_eq(wait_status(c.pid), 0, "%s", slurp_in(".childerr", NULL));
+  cr_assert(fcntl(c.shared, F_GETFL) & O_NONBLOCK, "the parent's end was made blocking under it");
+  close(c.shared);
+  char want[128];
+  snprintf(want, sizeof want, "<stdin>: ok, %zu bytes, version 1, 0 buffers", fn);
+  char *got = slurp_in(".childout", NULL);
+  cr_assert(strncmp(got, want, strlen(want)) == 0, "%s", got);
+  free(got);
+
+  /* stdout: the command waits while the pipe is full, and all of it comes */
+  static const char *const unpack[] = {"unpack", "big.dpk", NULL};
+  c = start_on_a_non_blocking_pipe(unpack, 1, 1 /* write */);
+  cr_assert_not(c.ended, "unpack ended (status %d) with the pipe full: %s", c.status, slurp_in(".childerr", NULL));
+  char *back = malloc(jn + 1);
+  size_t bn = 0;
+  for (ssize_t k; (k = read(c.end, back + bn, jn + 1 - bn)) > 0;) bn += (size_t)k;
+  close(c.end);
+  cr_assert_eq(wait_status(c.pid), 0, "%s", slurp_in(".childerr", NULL));
+  cr_assert_eq(bn, jn, "unpack wrote %zu bytes of %zu", bn, jn);
+  cr_assert_eq(memcmp(back, json, jn), 0);
+  free(back);
+  free(frame);
+  free(json);
+}

@@ -1903,8 +1903,41 @@ static void hold_std_fds(void) {
   }
 }
 
+/* A stdin or stdout that is a pipe or a terminal left non-blocking by
+ * whoever opened it (a parent's event loop, a program that ran before on
+ * the same terminal) failed every read that found the pipe empty, and
+ * every write that found it full, with EAGAIN: `devpickle verify -` fed
+ * by a writer slower than the reader, or `unpack` into a pager, ended with
+ * "read error: Resource temporarily unavailable" half-way. O_NONBLOCK
+ * belongs to the open file description, which the shell and the parent
+ * share: cleared there, the parent's own reads would block. So the pipe
+ * or terminal is opened again, through /proc/self/fd/N, as a description
+ * of this process's own, made blocking once open (opened blocking, a FIFO
+ * whose other end has gone waits forever), and put in place of N. A
+ * socket cannot be opened so and stays as it is. */
+static void own_blocking_std_fds(void) {
+  for (int fd = 0; fd <= 1; fd++) {
+    struct stat st;
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || !(fl & O_NONBLOCK) || fd_held(fd) || fstat(fd, &st) != 0 ||
+        !(S_ISFIFO(st.st_mode) || S_ISCHR(st.st_mode)))
+      continue;
+    char name[32];
+    snprintf(name, sizeof name, "/proc/self/fd/%d", fd);
+    int d = open(name, (fl & (O_ACCMODE | O_APPEND)) | O_NONBLOCK | O_NOCTTY);
+    if (d < 0) continue; /* a FIFO without its reader (ENXIO): a write fails as it would have */
+    int dl = fcntl(d, F_GETFL);
+    if (dl < 0 || fcntl(d, F_SETFL, dl & ~O_NONBLOCK) != 0 || dup2(d, fd) < 0) {
+      close(d);
+      continue;
+    }
+    close(d);
+  }
+}
+
 int main(int argc, char **argv) {
   hold_std_fds();
+  own_blocking_std_fds();
   /* A file-size limit makes write() fail with EFBIG, which is reported and
    * cleaned up, instead of killing the process mid-write. */
   signal(SIGXFSZ, SIG_IGN);
