@@ -5512,8 +5512,8 @@ Test(cli, attrs_keys_are_attribute_names_as_written_and_only_ascii_identifiers_a
 }
 
 /* Whether process pid sits in system call nr on descriptor fd (its
- * /proc/PID/syscall: "NR 0xFD ..."), as a command waiting on its stdin or
- * stdout does. */
+ * /proc/PID/syscall: "NR 0xFD ..."; fd -1: any), as a command waiting on
+ * its stdin or stdout does. */
 static int blocked_in(pid_t pid, long nr, int fd) {
   char path[64], line[256], want[64];
   snprintf(path, sizeof path, "/proc/%ld/syscall", (long)pid);
@@ -5521,7 +5521,8 @@ static int blocked_in(pid_t pid, long nr, int fd) {
   if (!f) return 0;
   int got = fgets(line, sizeof line, f) != NULL;
   fclose(f);
-  snprintf(want, sizeof want, "%ld 0x%x ", nr, fd);
+  if (fd < 0) snprintf(want, sizeof want, "%ld ", nr);
+  else snprintf(want, sizeof want, "%ld 0x%x ", nr, fd);
   return got && strncmp(line, want, strlen(want)) == 0;
 }
 
@@ -5534,27 +5535,29 @@ typedef struct nb_child {
   int status; /* its exit status, once ended */
 } nb_child_t;
 
-/* Starts the CLI with args (NULL-terminated) in dir, its descriptor fd (0
- * or 1) an end of a pipe made non-blocking (as a parent's event loop
- * leaves it), and the other two of stdin, stdout and stderr on /dev/null
- * and files; returns once it waits on fd in system call nr (read, write),
- * or once it has ended. */
+/* Starts the CLI with args (NULL-terminated) in dir, its descriptor fd an
+ * end of a pipe made non-blocking (as a parent's event loop leaves it):
+ * the read end when fd is 0, else the write end; the others of stdin,
+ * stdout and stderr on /dev/null and files. Returns once it waits on fd in
+ * system call nr (read, write), or once it has ended. */
 static nb_child_t start_on_a_non_blocking_pipe(const char *const *args, int fd, long nr) {
   char abs[512], out[256], err[256];
   cr_assert_not_null(realpath(cli, abs));
   path_in(out, sizeof out, ".childout");
   path_in(err, sizeof err, ".childerr");
-  int p[2];
+  int p[2], mine = fd == 0 ? 0 : 1;
   cr_assert_eq(pipe(p), 0);
-  cr_assert_eq(fcntl(p[fd], F_SETFL, fcntl(p[fd], F_GETFL) | O_NONBLOCK), 0);
-  nb_child_t c = {fork(), p[1 - fd], -1, 0, -1};
+  cr_assert_eq(fcntl(p[mine], F_SETFL, fcntl(p[mine], F_GETFL) | O_NONBLOCK), 0);
+  nb_child_t c = {fork(), p[1 - mine], -1, 0, -1};
   cr_assert_neq(c.pid, -1);
   if (c.pid == 0) {
     int in = fd == 0 ? p[0] : open("/dev/null", O_RDONLY);
     int o = fd == 1 ? p[1] : open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     int e = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int other = fd > 2 ? dup(p[mine]) : -1; /* out of fd's way before the dup2s */
     if (chdir(dir) != 0 || dup2(in, 0) < 0 || dup2(o, 1) < 0 || dup2(e, 2) < 0) _exit(126);
-    close(p[1 - fd]);
+    if (fd > 2 && (other < 0 || dup2(other, fd) < 0)) _exit(126);
+    close(p[1 - mine]);
     char *argv[16];
     size_t n = 0;
     argv[n++] = abs;
@@ -5567,9 +5570,9 @@ static nb_child_t start_on_a_non_blocking_pipe(const char *const *args, int fd, 
     _exit(127);
   }
   if (fd == 0) c.shared = p[0]; /* a reader's: holding it keeps no EOF away */
-  else close(p[fd]);
+  else close(p[mine]);
   int st;
-  while (!blocked_in(c.pid, nr, fd)) {
+  while (!blocked_in(c.pid, nr, fd > 2 ? -1 : fd)) { /* a named one is written through a descriptor of its own */
     if (waitpid(c.pid, &st, WNOHANG) == c.pid) {
       c.ended = 1;
       c.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
@@ -5580,15 +5583,15 @@ static nb_child_t start_on_a_non_blocking_pipe(const char *const *args, int fd, 
   return c;
 }
 
-/* A stdin or stdout left non-blocking by whoever opened it (O_NONBLOCK is
- * the pipe's open file description's, shared with the parent) failed each
- * read that found the pipe empty and each write that found it full with
- * EAGAIN: `devpickle verify -` ended "<stdin>: read error: Resource
- * temporarily unavailable" before its writer wrote, and `unpack` into a
- * slower reader "<stdout>: write failed: ..." after the first 64 KiB. The
- * commands wait on such a pipe as on any other, and leave the parent's
- * end as it was. */
-Test(cli, a_stdin_or_stdout_left_non_blocking_is_waited_on_as_a_blocking_one) {
+/* A stdin, stdout or output descriptor left non-blocking by whoever opened
+ * it (O_NONBLOCK is the pipe's open file description's, shared with the
+ * parent) failed each read that found the pipe empty and each write that
+ * found it full with EAGAIN: `devpickle verify -` ended "<stdin>: read
+ * error: Resource temporarily unavailable" before its writer wrote, and
+ * `unpack` into a slower reader "<stdout>: write failed: ..." after the
+ * first 64 KiB. The commands wait on such a pipe as on any other, and
+ * leave the parent's end as it was. */
+Test(cli, a_stdin_stdout_or_output_descriptor_left_non_blocking_is_waited_on_as_a_blocking_one) {
   FILE *sc = fopen("/proc/self/syscall", "r");
   cr_assert_not_null(sc, "/proc/PID/syscall tells where a command waits");
   fclose(sc);
@@ -5625,18 +5628,25 @@ Test(cli, a_stdin_or_stdout_left_non_blocking_is_waited_on_as_a_blocking_one) {
   cr_assert(strncmp(got, want, strlen(want)) == 0, "%s", got);
   free(got);
 
-  /* stdout: the command waits while the pipe is full, and all of it comes */
+  /* stdout, and a descriptor named as the output (-o /dev/fd/N, which is
+     written as it stands, not replaced): the command waits while the pipe
+     is full, and all of it comes */
   static const char *const unpack[] = {"unpack", "big.dpk", NULL};
-  c = start_on_a_non_blocking_pipe(unpack, 1, 1 /* write */);
-  cr_assert_not(c.ended, "unpack ended (status %d) with the pipe full: %s", c.status, slurp_in(".childerr", NULL));
-  char *back = malloc(jn + 1);
-  size_t bn = 0;
-  for (ssize_t k; (k = read(c.end, back + bn, jn + 1 - bn)) > 0;) bn += (size_t)k;
-  close(c.end);
-  cr_assert_eq(wait_status(c.pid), 0, "%s", slurp_in(".childerr", NULL));
-  cr_assert_eq(bn, jn, "unpack wrote %zu bytes of %zu", bn, jn);
-  cr_assert_eq(memcmp(back, json, jn), 0);
-  free(back);
+  static const char *const unpack_fd[] = {"unpack", "big.dpk", "-o", "/dev/fd/5", NULL};
+  for (int named = 0; named < 2; named++) {
+    int fd = named ? 5 : 1;
+    c = start_on_a_non_blocking_pipe(named ? unpack_fd : unpack, fd, 1 /* write */);
+    cr_assert_not(c.ended, "unpack to fd %d ended (status %d) with the pipe full: %s", fd, c.status,
+                  slurp_in(".childerr", NULL));
+    char *back = malloc(jn + 1);
+    size_t bn = 0;
+    for (ssize_t k; (k = read(c.end, back + bn, jn + 1 - bn)) > 0;) bn += (size_t)k;
+    close(c.end);
+    cr_assert_eq(wait_status(c.pid), 0, "%s", slurp_in(".childerr", NULL));
+    cr_assert_eq(bn, jn, "unpack to fd %d wrote %zu bytes of %zu", fd, bn, jn);
+    cr_assert_eq(memcmp(back, json, jn), 0);
+    free(back);
+  }
   free(frame);
   free(json);
 }

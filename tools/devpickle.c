@@ -317,6 +317,38 @@ static int names_held_fd(const char *path) {
   return fd_held(fd);
 }
 
+/* A pipe or a terminal that whoever opened it left non-blocking (a
+ * parent's event loop, a program that ran before on the same terminal)
+ * failed every read that found it empty, and every write that found it
+ * full, with EAGAIN: `devpickle verify -` fed by a writer slower than the
+ * reader, or `unpack` into a slower reader, ended "Resource temporarily
+ * unavailable" half-way. O_NONBLOCK belongs to the open file description,
+ * which the parent shares: cleared there, the parent's own reads would
+ * block. So such a descriptor fd is opened again through /proc/self/fd/N,
+ * as a description of this process's own, made blocking once open
+ * (opened blocking, a FIFO whose other end has gone would wait forever).
+ * Returns that new descriptor, or -1 where fd is to be used as it is: a
+ * blocking one, a regular file (which O_NONBLOCK does not concern, and
+ * whose offset a new description would not share), a socket (which
+ * cannot be opened so), or a FIFO without its reader (ENXIO: a write fails
+ * as it would have). */
+static int blocking_twin(int fd) {
+  struct stat st;
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || !(fl & O_NONBLOCK) || fstat(fd, &st) != 0 || !(S_ISFIFO(st.st_mode) || S_ISCHR(st.st_mode)))
+    return -1;
+  char name[32];
+  snprintf(name, sizeof name, "/proc/self/fd/%d", fd);
+  int d = open(name, (fl & (O_ACCMODE | O_APPEND)) | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+  if (d < 0) return -1;
+  int dl = fcntl(d, F_GETFL);
+  if (dl < 0 || fcntl(d, F_SETFL, dl & ~O_NONBLOCK) != 0) {
+    close(d);
+    return -1;
+  }
+  return d;
+}
+
 /* The temporary file: a short fixed name in the target's directory, so that
  * it fits NAME_MAX whatever the target's own name is. */
 #define TMP_NAME ".devpickle-XXXXXX"
@@ -404,7 +436,8 @@ static int sink_open(sink_t *s, const char *path) {
       snprintf(what, sizeof what, "descriptor %d is open for reading only", fd);
       return data_error(path, what, -1);
     }
-    int d = dup(fd);
+    int d = blocking_twin(fd); /* a pipe left non-blocking: waited on as the shell's '>&N' would be */
+    if (d < 0) d = dup(fd);
     s->f = d >= 0 ? fdopen(d, "wb") : NULL;
     if (!s->f && d >= 0) close(d);
     return s->f ? 0 : data_error(path, strerror(errno), -1);
@@ -1903,35 +1936,13 @@ static void hold_std_fds(void) {
   }
 }
 
-/* A stdin or stdout that is a pipe or a terminal left non-blocking by
- * whoever opened it (a parent's event loop, a program that ran before on
- * the same terminal) failed every read that found the pipe empty, and
- * every write that found it full, with EAGAIN: `devpickle verify -` fed
- * by a writer slower than the reader, or `unpack` into a pager, ended with
- * "read error: Resource temporarily unavailable" half-way. O_NONBLOCK
- * belongs to the open file description, which the shell and the parent
- * share: cleared there, the parent's own reads would block. So the pipe
- * or terminal is opened again, through /proc/self/fd/N, as a description
- * of this process's own, made blocking once open (opened blocking, a FIFO
- * whose other end has gone waits forever), and put in place of N. A
- * socket cannot be opened so and stays as it is. */
+/* stdin and stdout as blocking_twin leaves them (main). */
 static void own_blocking_std_fds(void) {
   for (int fd = 0; fd <= 1; fd++) {
-    struct stat st;
-    int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || !(fl & O_NONBLOCK) || fd_held(fd) || fstat(fd, &st) != 0 ||
-        !(S_ISFIFO(st.st_mode) || S_ISCHR(st.st_mode)))
-      continue;
-    char name[32];
-    snprintf(name, sizeof name, "/proc/self/fd/%d", fd);
-    int d = open(name, (fl & (O_ACCMODE | O_APPEND)) | O_NONBLOCK | O_NOCTTY);
-    if (d < 0) continue; /* a FIFO without its reader (ENXIO): a write fails as it would have */
-    int dl = fcntl(d, F_GETFL);
-    if (dl < 0 || fcntl(d, F_SETFL, dl & ~O_NONBLOCK) != 0 || dup2(d, fd) < 0) {
-      close(d);
-      continue;
+    int d = fd_held(fd) ? -1 : blocking_twin(fd);
+    if (d >= 0 && dup2(d, fd) < 0) { /* then as it was */
     }
-    close(d);
+    if (d >= 0) close(d);
   }
 }
 
