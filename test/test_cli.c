@@ -5650,3 +5650,22 @@ Test(cli, a_stdin_stdout_or_output_descriptor_left_non_blocking_is_waited_on_as_
   free(frame);
   free(json);
 }
+
+/* VALUE_JSON.md, "Round trip": pack then unpack gives back the value, not
+ * the text, and each form the frame does not keep comes back in one form
+ * (escapes read, numbers as unpack writes them, $id names n0, n1, ... and
+ * an unused one dropped, $dict of plain keys as an object, attrs written,
+ * a float's bits as its number, every tensor field). */
+Test(cli, pack_then_unpack_gives_back_the_value_in_the_forms_value_json_lists) {
+  pack_unpack_gives(
+      "n.json",
+      "{\"b\": 1.50, \"a\": [1E2, \"\\/\\u00e9\", -0, -0.0, {\"$id\": \"zz\", \"$value\": []}, "
+      "{\"$id\": \"unused\", \"$value\": []}, {\"$ref\": \"zz\"}, {\"$dict\": [[\"k\", 1]]}, {\"$object\": \"C\"}, "
+      "{\"$float\": \"0x3ff0000000000000\"}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 2, "
+      "\"dtype\": \"uint8\", \"shape\": [2], \"data\": \"AAE=\"}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": "
+      "\"0x10\", \"nbytes\": 2, \"dtype\": \"uint8\", \"shape\": [1], \"offset\": 1, \"data\": \"AAE=\"}}]}",
+      "{\"b\":1.5,\"a\":[100.0,\"/\xc3\xa9\",0,-0.0,{\"$id\":\"n0\",\"$value\":[]},[],{\"$ref\":\"n0\"},{\"k\":1},"
+      "{\"$object\":\"C\",\"attrs\":{}},1.0,{\"$tensor\":{\"device\":\"cpu\",\"ptr\":\"0x10\",\"nbytes\":2,"
+      "\"dtype\":\"uint8\",\"shape\":[2],\"strides\":[1],\"offset\":0,\"data\":\"AAE=\"}},{\"$tensor\":{\"device\":"
+      "\"cpu\",\"ptr\":\"0x10\",\"nbytes\":2,\"dtype\":\"uint8\",\"shape\":[1],\"strides\":[1],\"offset\":1}}]}\n");
+}
