@@ -329,14 +329,14 @@ static int names_held_fd(const char *path) {
  * (opened blocking, a FIFO whose other end has gone would wait forever).
  * Returns that new descriptor, or -1 where fd is to be used as it is: a
  * blocking one, a regular file (which O_NONBLOCK does not concern, and
- * whose offset a new description would not share), a socket (which
- * cannot be opened so), or a FIFO without its reader (ENXIO: a write fails
- * as it would have). */
+ * whose offset a new description would not share), a device other than a
+ * terminal, a socket (which cannot be opened so), or a FIFO without its
+ * reader (ENXIO: a write fails as it would have). */
 static int blocking_twin(int fd) {
   struct stat st;
   int fl = fcntl(fd, F_GETFL);
-  if (fl < 0 || !(fl & O_NONBLOCK) || fstat(fd, &st) != 0 || !(S_ISFIFO(st.st_mode) || S_ISCHR(st.st_mode)))
-    return -1;
+  if (fl < 0 || !(fl & O_NONBLOCK) || fstat(fd, &st) != 0 || !(S_ISFIFO(st.st_mode) || isatty(fd)))
+    return -1; /* not another device: opened again, a tape drive's would rewind when this one closes */
   char name[32];
   snprintf(name, sizeof name, "/proc/self/fd/%d", fd);
   int d = open(name, (fl & (O_ACCMODE | O_APPEND)) | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
