@@ -5669,3 +5669,36 @@ Test(cli, pack_then_unpack_gives_back_the_value_in_the_forms_value_json_lists) {
       "\"dtype\":\"uint8\",\"shape\":[2],\"strides\":[1],\"offset\":0,\"data\":\"AAE=\"}},{\"$tensor\":{\"device\":"
       "\"cpu\",\"ptr\":\"0x10\",\"nbytes\":2,\"dtype\":\"uint8\",\"shape\":[1],\"strides\":[1],\"offset\":1}}]}\n");
 }
+
+/* A newcomer's slips at the command: a typo of one ('verfy', 'unpakc',
+ * 'inpsect') was answered like any unknown name, with the whole usage and
+ * no word of the command meant; and a file named first ('devpickle
+ * model.dpk') was called an unknown command without saying that the
+ * command comes first. A name no command is near stays as it was. */
+Test(cli, an_unknown_command_a_typo_away_from_one_names_it_and_a_file_given_first_says_the_command_comes_first) {
+  static const struct {
+    const char *typed, *line;
+  } cases[] = {
+      {"verfy", "devpickle: unknown command 'verfy' (did you mean 'verify'?)\n"},
+      {"unpakc", "devpickle: unknown command 'unpakc' (did you mean 'unpack'?)\n"},
+      {"inpsect", "devpickle: unknown command 'inpsect' (did you mean 'inspect'?)\n"},
+      {"dupm", "devpickle: unknown command 'dupm' (did you mean 'dump'?)\n"},
+      {"rcev", "devpickle: unknown command 'rcev' (did you mean 'recv'?)\n"},
+      {"ls", "devpickle: unknown command 'ls'\n"},
+      {"bogus", "devpickle: unknown command 'bogus'\n"},
+      {"f.dpk", "devpickle: unknown command 'f.dpk' (a frame: the command comes first, as in 'devpickle verify "
+                "FILE')\n"},
+      {"v.json", "devpickle: unknown command 'v.json' (a file: the command comes first, as in 'devpickle pack FILE "
+                 "-o FRAME.dpk')\n"},
+  };
+  pack_json("v.json", "[1]", "f.dpk");
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    res_t r = run(cases[i].typed);
+    cr_assert_eq(r.status, 2, "%s", cases[i].typed);
+    size_t n = strlen(cases[i].line);
+    cr_assert(strncmp(r.err, cases[i].line, n) == 0 && strncmp(r.err + n, "\nusage: devpickle <command>", 27) == 0,
+              "%s: %s", cases[i].typed, r.err);
+    cr_assert_str_eq(r.out, "");
+    res_free(r);
+  }
+}

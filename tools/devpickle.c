@@ -1866,11 +1866,53 @@ static const cmd_t commands[] = {
     {"send", cmd_send},       {"recv", cmd_recv},
 };
 
-/* Names a command that is not one, with the list of those that are. */
+/* The edit distance between a and b (insertions, deletions, substitutions
+ * and swaps of neighbours), for names of up to 15 bytes; 99 past that. */
+static int name_distance(const char *a, const char *b) {
+  size_t n = strlen(a), m = strlen(b);
+  if (n > 15 || m > 15) return 99;
+  int d[16][16];
+  for (size_t i = 0; i <= n; i++) d[i][0] = (int)i;
+  for (size_t j = 0; j <= m; j++) d[0][j] = (int)j;
+  for (size_t i = 1; i <= n; i++)
+    for (size_t j = 1; j <= m; j++) {
+      int best = d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
+      if (d[i - 1][j] + 1 < best) best = d[i - 1][j] + 1;
+      if (d[i][j - 1] + 1 < best) best = d[i][j - 1] + 1;
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] && d[i - 2][j - 2] + 1 < best)
+        best = d[i - 2][j - 2] + 1;
+      d[i][j] = best;
+    }
+  return d[n][m];
+}
+
+/* Names a command that is not one, with the list of those that are; a
+ * name a typo away from a command says which one ('verfy': verify), and a
+ * file given where the command goes says the command comes first
+ * ('devpickle model.dpk' read as a command). */
 static int unknown_command(const char *name) {
   fputs("devpickle: unknown command '", stderr);
   cli_put_text(stderr, name);
-  fprintf(stderr, "'\n\n%s", usage_main);
+  fputc('\'', stderr);
+  const char *near = NULL;
+  int best = strlen(name) < 4 ? 1 : 2; /* 'ls' is no typo of 'dump' */
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
+    int k = name_distance(name, commands[i].name);
+    if (k <= best) best = k - 1, near = commands[i].name;
+  }
+  struct stat st;
+  FILE *f;
+  if (near) {
+    fprintf(stderr, " (did you mean '%s'?)", near);
+  } else if (name[0] != '-' && stat(name, &st) == 0 && S_ISREG(st.st_mode) && (f = fopen(name, "rb"))) {
+    char magic[4] = {0};
+    int frame = fread(magic, 1, 4, f) == 4 && memcmp(magic, "DPKL", 4) == 0;
+    fclose(f);
+    fputs(frame ? " (a frame: the command comes first, as in 'devpickle verify FILE')"
+                : " (a file: the command comes first, as in 'devpickle pack FILE -o FRAME.dpk')",
+          stderr);
+  }
+  fprintf(stderr, "\n\n%s", usage_main);
   return EXIT_USAGE;
 }
 
