@@ -4323,8 +4323,8 @@ Test(cli, pack_refuses_utf8_that_is_overlong_a_surrogate_or_past_u10ffff) {
  * which pack reads back to the same bytes; the characters beside them
  * (U+00A0, U+2027, U+202A) stay as they are. They were written raw. */
 Test(cli, unpack_escapes_del_c1_and_the_line_separators_and_packs_them_back_to_the_same_bytes) {
-  pack_unpack_gives("c1.json", "[\"a\\u009b2J\\u007f\\u0085\\u2028\\u2029\\u009f\\u00a0\\u2027\\u202a\"]",
-                    "[\"a\\u009b2J\\u007f\\u0085\\u2028\\u2029\\u009f\xc2\xa0\xe2\x80\xa7\xe2\x80\xaa\"]\n");
+  pack_unpack_gives("c1.json", "[\"a\\u009b2J\\u007f\\u0085\\u2028\\u2029\\u009f\\u00a0\\u2027\\u202f\"]",
+                    "[\"a\\u009b2J\\u007f\\u0085\\u2028\\u2029\\u009f\xc2\xa0\xe2\x80\xa7\xe2\x80\xaf\"]\n");
   /* a key as well */
   spit("k.json", "{\"$dict\": [[\"\xc2\x9b\", 1]]}");
   res_t r = run_sh("\"$D\" pack k.json -o k.dpk && \"$D\" unpack --compact k.dpk");
@@ -5701,4 +5701,18 @@ Test(cli, an_unknown_command_a_typo_away_from_one_names_it_and_a_file_given_firs
     cr_assert_str_eq(r.out, "");
     res_free(r);
   }
+}
+
+/* VALUE_JSON.md, "Round trip": a bidirectional formatting character in a
+ * str (U+202E, a right-to-left override) was written as it is, so that
+ * the rest of its line — the keys and values after it — displayed
+ * reversed in an editor or terminal that honours it: a hostile frame could
+ * make its JSON read as another. Each one is written as \\uXXXX (and reads
+ * back to the same bytes); its neighbours, which reorder nothing, are not. */
+Test(cli, unpack_escapes_bidirectional_formatting_characters_and_packs_them_back_to_the_same_bytes) {
+  pack_unpack_gives("bidi.json",
+                    "{\"\\u202e\": [\"\\u061c\\u200e\\u200f\\u202a\\u202b\\u202c\\u202d\\u202e\\u2066\\u2067\\u2068\\u2069\", "
+                    "\"\\u061b\\u061d\\u200d\\u2010\\u2029\\u202f\\u2065\\u206a\"]}",
+                    "{\"\\u202e\":[\"\\u061c\\u200e\\u200f\\u202a\\u202b\\u202c\\u202d\\u202e\\u2066\\u2067\\u2068\\u2069\","
+                    "\"\xd8\x9b\xd8\x9d\xe2\x80\x8d\xe2\x80\x90\\u2029\xe2\x80\xaf\xe2\x81\xa5\xe2\x81\xaa\"]}\n");
 }

@@ -1698,13 +1698,21 @@ static void newline(wr_t *w) {
 
 /* The code point of the character at s[i] (n bytes in all) that a string is
  * written with as \uXXXX beyond C0 — DEL, C1 (U+0080-U+009F: a terminal takes
- * U+009B for CSI) and U+2028/U+2029 (line ends to JavaScript) — with its
+ * U+009B for CSI), U+2028/U+2029 (line ends to JavaScript) and the
+ * bidirectional formatting characters (U+061C, U+200E, U+200F,
+ * U+202A-U+202E, U+2066-U+2069: a right-to-left override in a str made
+ * what follows it on its line, keys and values of the JSON around it,
+ * display reversed in an editor or a terminal that honours it) — with its
  * length in *len; 0 for any other. The text is UTF-8 (the reader checked). */
 static unsigned hazard_at(const unsigned char *s, size_t i, size_t n, size_t *len) {
   if (s[i] == 0x7f) return *len = 1, 0x7f;
   if (s[i] == 0xc2 && i + 1 < n && s[i + 1] <= 0x9f) return *len = 2, s[i + 1];
-  if (s[i] == 0xe2 && i + 2 < n && s[i + 1] == 0x80 && (s[i + 2] == 0xa8 || s[i + 2] == 0xa9))
-    return *len = 3, 0x2000u | (s[i + 2] & 0x3f);
+  if (s[i] == 0xd8 && i + 1 < n && s[i + 1] == 0x9c) return *len = 2, 0x61cu;
+  if (s[i] != 0xe2 || i + 2 >= n) return 0;
+  unsigned b = s[i + 2];
+  if (s[i + 1] == 0x80 && (b == 0x8e || b == 0x8f || (b >= 0xa8 && b <= 0xae)))
+    return *len = 3, 0x2000u | (b & 0x3f);
+  if (s[i + 1] == 0x81 && b >= 0xa6 && b <= 0xa9) return *len = 3, 0x2040u | (b & 0x3f);
   return 0;
 }
 
