@@ -62,8 +62,6 @@ static size_t utf8_char(const unsigned char *p, size_t avail, uint32_t *cp) {
   return n;
 }
 
-/* \uXXXX for code point cp (at most U+FFFF), without snprintf: a name may
- * be 64 of them and a path hundreds. */
 int dp__is_identifier(const char *s, size_t n) {
   if (n == 0) return 0;
   for (size_t i = 0; i < n; i++) {
@@ -74,10 +72,22 @@ int dp__is_identifier(const char *s, size_t n) {
   return 1;
 }
 
+/* \uXXXX for code point cp (at most U+FFFF), without snprintf: a name may
+ * be 64 of them and a path hundreds. */
 static void put_u(dp__sbuf_t *b, uint32_t cp) {
   static const char hex[] = "0123456789abcdef";
   char t[6] = {'\\', 'u', hex[cp >> 12 & 15], hex[cp >> 8 & 15], hex[cp >> 4 & 15], hex[cp & 15]};
   dp__sb_put(b, t, 6);
+}
+
+/* A character past ASCII written \uXXXX (FORMAT.md, "Paths"): C1 controls
+ * (U+009B is CSI to a terminal), the line ends U+2028/U+2029, lone
+ * surrogates, and the bidirectional formatting characters — a right-to-left
+ * override (U+202E) in a key made the rest of its line display reversed,
+ * so that a hostile frame's path could read as another. */
+static int escaped_char(uint32_t cp) {
+  return cp <= 0x9F || cp == 0x2028 || cp == 0x2029 || (cp >= 0xD800 && cp <= 0xDFFF) || cp == 0x061C ||
+         cp == 0x200E || cp == 0x200F || (cp >= 0x202A && cp <= 0x202E) || (cp >= 0x2066 && cp <= 0x2069);
 }
 
 void dp__sb_escaped(dp__sbuf_t *b, const char *str, size_t n, dp__esc_t mode, int cut) {
@@ -96,7 +106,7 @@ void dp__sb_escaped(dp__sbuf_t *b, const char *str, size_t n, dp__esc_t mode, in
     size_t len = 1;
     if (c >= 0x80) {
       len = utf8_char(s + i, n - i, &cp);
-      if (len && !(cp <= 0x9F || cp == 0x2028 || cp == 0x2029 || (cp >= 0xD800 && cp <= 0xDFFF))) {
+      if (len && !escaped_char(cp)) {
         i += len;  /* a character shown as it is */
         continue;
       }

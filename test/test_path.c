@@ -97,6 +97,21 @@ Test(path, the_edges_of_the_escaped_ranges_are_escaped_and_their_neighbours_show
                    "U+D7FF and U+E000 are shown as they are");
 }
 
+/* The bidirectional formatting characters are escaped (a right-to-left
+ * override in a key made the rest of a path's line display reversed, so a
+ * hostile frame's path could read as another), and their neighbours, which
+ * reorder nothing, are shown. */
+Test(path, bidirectional_formatting_characters_are_escaped_and_their_neighbours_shown) {
+  static const char in[] = "\xd8\x9b\xd8\x9c\xd8\x9d|\xe2\x80\x8d\xe2\x80\x8e\xe2\x80\x8f\xe2\x80\x90|"
+                           "\xe2\x80\xaa\xe2\x80\xab\xe2\x80\xac\xe2\x80\xad\xe2\x80\xae\xe2\x80\xaf|"
+                           "\xe2\x81\xa5\xe2\x81\xa6\xe2\x81\xa7\xe2\x81\xa8\xe2\x81\xa9\xe2\x81\xaa";
+  cr_assert_str_eq(escaped(in, sizeof in - 1, DP__ESC_QUOTED),
+                   "\xd8\x9b\\u061c\xd8\x9d|\xe2\x80\x8d\\u200e\\u200f\xe2\x80\x90|"
+                   "\\u202a\\u202b\\u202c\\u202d\\u202e\xe2\x80\xaf|"
+                   "\xe2\x81\xa5\\u2066\\u2067\\u2068\\u2069\xe2\x81\xaa");
+  cr_assert_str_eq(shown(dp__name_bare, "a\xe2\x80\xae" "b", 5), "a\\u202eb", "a bare name too");
+}
+
 /* Each mode escapes its own delimiter and the backslash, and nothing else
  * of ASCII; text escaped already (a Python repr) keeps its backslashes. */
 Test(path, each_mode_escapes_its_delimiter_and_the_backslash_and_controls_mode_neither) {
