@@ -5716,3 +5716,65 @@ Test(cli, unpack_escapes_bidirectional_formatting_characters_and_packs_them_back
                     "{\"\\u202e\":[\"\\u061c\\u200e\\u200f\\u202a\\u202b\\u202c\\u202d\\u202e\\u2066\\u2067\\u2068\\u2069\","
                     "\"\xd8\x9b\xd8\x9d\xe2\x80\x8d\xe2\x80\x90\\u2029\xe2\x80\xaf\xe2\x81\xa5\xe2\x81\xaa\"]}\n");
 }
+
+/* Whether signal sig is pending for process pid (its /proc/PID/status:
+ * SigPnd for its thread, ShdPnd for the process). */
+static int signal_pending(pid_t pid, int sig) {
+  char path[64], line[256];
+  snprintf(path, sizeof path, "/proc/%ld/status", (long)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  int pending = 0;
+  while (fgets(line, sizeof line, f))
+    if (strncmp(line, "SigPnd:", 7) == 0 || strncmp(line, "ShdPnd:", 7) == 0)
+      pending |= (int)(strtoull(line + 7, NULL, 16) >> (sig - 1) & 1);
+  fclose(f);
+  return pending;
+}
+
+/* A signal whose handler was installed without SA_RESTART — UCX's debug
+ * signal, which UCX_DEBUG_SIGNO names and UCX installs as the library
+ * loads — interrupted the read of a command waiting on its input: `verify -`
+ * ended "<stdin>: read error: Interrupted system call". The read goes on. */
+Test(cli, a_signal_handled_without_restart_while_a_command_waits_on_its_input_does_not_fail_the_read) {
+  FILE *sc = fopen("/proc/self/syscall", "r");
+  cr_assert_not_null(sc, "/proc/PID/syscall tells where a command waits");
+  fclose(sc);
+  spit("x.json", "[1, 2]");
+  run_ok("pack x.json -o x.dpk");
+  size_t fn;
+  char *frame = slurp_in("x.dpk", &fn);
+  char abs[512], err[256];
+  signal(SIGPIPE, SIG_IGN); /* a command that ended at the signal: the write below fails instead */
+  cr_assert_not_null(realpath(cli, abs));
+  path_in(err, sizeof err, ".childerr");
+  int p[2];
+  cr_assert_eq(pipe(p), 0);
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    int e = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int o = open("/dev/null", O_WRONLY);
+    if (dup2(p[0], 0) < 0 || dup2(o, 1) < 0 || dup2(e, 2) < 0) _exit(126);
+    close(p[1]);
+    setenv("UCX_DEBUG_SIGNO", "10", 1); /* SIGUSR1 */
+    execl(abs, abs, "verify", "-", (char *)NULL);
+    _exit(127);
+  }
+  close(p[0]);
+  int st;
+  while (!blocked_in(pid, 0 /* read */, 0)) {
+    cr_assert_neq(waitpid(pid, &st, WNOHANG), pid, "verify ended before its frame came: %s", slurp_in(".childerr", NULL));
+    usleep(1000);
+  }
+  cr_assert_eq(kill(pid, SIGUSR1), 0);
+  /* once handled, the read it interrupted is made again: verify waits on its input once more */
+  while (signal_pending(pid, SIGUSR1) || !blocked_in(pid, 0, 0)) {
+    cr_assert_neq(waitpid(pid, &st, WNOHANG), pid, "verify ended at the signal: %s", slurp_in(".childerr", NULL));
+    usleep(1000);
+  }
+  cr_assert_eq(write(p[1], frame, fn), (ssize_t)fn);
+  close(p[1]);
+  cr_assert_eq(wait_status(pid), 0, "%s", slurp_in(".childerr", NULL));
+  free(frame);
+}

@@ -155,6 +155,19 @@ static int data_error(const char *file, const char *what, int64_t offset) {
 static const char *display(const char *path) { return strcmp(path, "-") == 0 ? "<stdin>" : path; }
 
 /* Doubles a read buffer's capacity; out of memory, frees it (*buf NULL). */
+/* fread that goes on after a signal whose handler was installed without
+ * SA_RESTART (UCX's debug signal, UCX_DEBUG_SIGNO): the read it interrupted
+ * is no error of the input's. Short only at the end of the input or on a
+ * real error (ferror set). */
+static size_t fread_all(void *dst, size_t n, FILE *f) {
+  size_t got = 0;
+  for (;;) {
+    got += fread((char *)dst + got, 1, n - got, f);
+    if (got == n || !ferror(f) || errno != EINTR) return got;
+    clearerr(f);
+  }
+}
+
 static void grow_or_drop(uint8_t **buf, size_t *cap) {
   uint8_t *nb = realloc(*buf, *cap * 2);
   if (!nb) free(*buf);
@@ -178,7 +191,7 @@ static int read_json(const char *path, uint8_t **out, size_t *n) {
   uint8_t *buf = malloc(cap);
   for (;;) {
     if (!buf) break;
-    size_t got = fread(buf + len, 1, cap - len, f);
+    size_t got = fread_all(buf + len, cap - len, f);
     len += got;
     if (len < cap || vjson_prefix_fails((const char *)buf, len)) break;
     grow_or_drop(&buf, &cap);
@@ -791,7 +804,7 @@ static int src_read(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err)
     }
   } else {
     if (n > s->limit - s->total) n = (size_t)(s->limit - s->total);
-    *got = fread(dst, 1, n, s->f);
+    *got = fread_all(dst, n, s->f);
   }
   if (*got == 0 && ferror(s->f)) {
     snprintf(err->message, sizeof err->message, "read error: %s", strerror(errno));
