@@ -1995,9 +1995,9 @@ static void hold_std_fds(void) {
 static void own_blocking_std_fds(void) {
   for (int fd = 0; fd <= 1; fd++) {
     int d = fd_held(fd) ? -1 : blocking_twin(fd);
-    if (d >= 0 && dup2(d, fd) < 0) { /* then as it was */
-    }
-    if (d >= 0) close(d);
+    if (d < 0) continue;
+    (void)dup2(d, fd); /* failing, fd stays as it was */
+    close(d);
   }
 }
 
