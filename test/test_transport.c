@@ -5928,6 +5928,74 @@ Test(transport, a_callback_run_by_a_callers_pass_may_close_its_endpoint_and_is_r
   closing_from_a_callback(1);
 }
 
+/* A send and a receive made in a callback after it freed the endpoint
+ * (still there until the loop closes it after the callback). */
+typedef struct after_free {
+  dp_endpoint_t *ep;
+  int send_rc, recv_rc;
+  dp_error_t send_e, recv_e;
+  dp_future_t *d, *r;
+} after_free_t;
+
+static int use_after_free_in_callback(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+  (void)parent, (void)result, (void)err;
+  after_free_t *a = ud;
+  dp_endpoint_free(a->ep);
+  a->send_rc = dp_endpoint_send(a->ep, dp_int(7), &a->d, &a->send_e);
+  a->recv_rc = dp_endpoint_recv(a->ep, &a->r, &a->recv_e);
+  return 0;
+}
+
+static void sending_after_a_free_in_a_callback(int caller) {
+  dp_transport_t *t = new_transport_driven(caller);
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
+  after_free_t af = {.ep = a, .send_rc = 1, .recv_rc = 1};
+  dp_future_t *d, *r, *child, *closed;
+  dp_error_t e;
+  OK(dp_endpoint_recv(a, &r, T_ERR));
+  OK(dp_future_then(r, use_after_free_in_callback, &af, &child, T_ERR));
+  OK(dp_endpoint_send(c, dp_int(1), &d, T_ERR));
+  OK_WITH(&e, wait_f(child, &e));
+  /* refused at once, naming the free; they were queued behind the close,
+     which failed them with an error never set (stack garbage) */
+  cr_assert_eq(af.send_rc, DP_ECANCELED, "%d", af.send_rc);
+  cr_assert_null(af.d);
+  cr_assert(strstr(af.send_e.message, "dp_endpoint_send: transport: endpoint accepted on port") &&
+                strstr(af.send_e.message, "the endpoint was freed (dp_endpoint_free)"),
+            "%s", af.send_e.message);
+  cr_assert_eq(af.recv_rc, DP_ECANCELED, "%d", af.recv_rc);
+  cr_assert_null(af.r);
+  cr_assert(strstr(af.recv_e.message, "dp_endpoint_recv: ") && strstr(af.recv_e.message, "was freed"), "%s",
+            af.recv_e.message);
+  /* the close is still graceful: the peer reads it as one (at once, when
+     its loop has seen the close already) */
+  int rc = dp_endpoint_recv(c, &closed, &e);
+  if (!rc) {
+    rc = wait_f(closed, &e);
+    dp_future_release(closed);
+  }
+  cr_assert_eq(rc, DP_ECANCELED, "%s", e.message);
+  cr_assert(strstr(e.message, "the peer closed its endpoint"), "%s", e.message);
+  dp_future_release(child);
+  dp_future_release(r);
+  dp_future_release(d);
+  dp_endpoint_free(c);
+  dp_listener_free(l);
+  free_transport(t);
+  check_no_leak();
+}
+
+Test(transport, a_send_or_receive_in_a_callback_after_it_freed_the_endpoint_is_refused_at_once_thread_driven) {
+  t_track();
+  sending_after_a_free_in_a_callback(0);
+}
+
+Test(transport, a_send_or_receive_in_a_callback_after_it_freed_the_endpoint_is_refused_at_once_caller_driven) {
+  t_track();
+  sending_after_a_free_in_a_callback(1);
+}
+
 /* runs whether its receive completed or failed */
 static int close_once_more(void *ud, dp_future_t *parent, dp_value_t *result, dp_ptrset_t *ptrs, dp_error_t *err) {
   (void)parent, (void)result, (void)ptrs, (void)err;

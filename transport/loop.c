@@ -19,6 +19,8 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
     if (ns || nr)
       dp__err(&e, DP_ECANCELED, "transport: %s: closed with %zu send%s and %zu receive%s pending", ep->name, ns,
               ns == 1 ? "" : "s", nr, nr == 1 ? "" : "s");
+    else /* its error all the same: a command queued behind the close fails with it */
+      dp__err(&e, DP_ECANCELED, "transport: %s: closed (dp_endpoint_free)", ep->name);
     /* a connector that never heard from its peer sends no CLOSE: its
        connection may not be made yet (and a listener of this process may be
        freed next, under the request: openucx/ucx#11087) */
@@ -28,7 +30,7 @@ static void ep_close_now(dp_transport_t *t, dp_endpoint_t *ep) {
     } else {
       /* receives only pending: they fail, and the close is graceful (the
          peer needs nothing of them) */
-      if (nr) dp__tp_ep_cancel_recvs(ep, &e);
+      dp__tp_ep_cancel_recvs(ep, &e);
       dp__tp_ep_drop_received(t, ep);
       /* the peer's slots whose copies run here go back before the close,
          or its sends would fail with the connection */

@@ -1100,9 +1100,24 @@ int dp_endpoint_error(const dp_endpoint_t *ep, dp_error_t *err) {
   return rc;
 }
 
-static int queue_send(dp_endpoint_t *ep, sop_t *s, dp_future_t **done, dp_error_t *err) {
+/* DP_ECANCELED once dp_endpoint_free was called on ep: from a callback the
+ * loop runs, ep is still there until the loop closes it after the callback,
+ * and a send or receive made meanwhile was queued behind the close, which
+ * then failed it with an error never set (a code and message of whatever
+ * the stack held). Under t->mu. */
+static int freed_locked(const dp_endpoint_t *ep, const char *fn, dp_error_t *err) {
+  if (!ep->free_asked) return 0;
+  return dp__err(err, DP_ECANCELED, "%s: transport: %s: the endpoint was freed (%s): nothing is sent or received on it "
+                 "after that",
+                 fn, ep->name, atomic_load(&ep->t->freeing) ? "dp_transport_free" : "dp_endpoint_free");
+}
+
+static int queue_send(dp_endpoint_t *ep, const char *fn, sop_t *s, dp_future_t **done, dp_error_t *err) {
   dp_transport_t *t = ep->t;
-  int rc = dp_endpoint_error(ep, err); /* DP_EINVAL in a forked child */
+  pthread_mutex_lock(&t->mu);
+  int rc = freed_locked(ep, fn, err);
+  pthread_mutex_unlock(&t->mu);
+  if (!rc) rc = dp_endpoint_error(ep, err); /* DP_EINVAL in a forked child */
   if (!rc && done) rc = new_future(t, &s->done, err);
   cmd_t *c = rc ? NULL : dp__alloc(sizeof *c);
   if (!rc && !c) rc = dp__err(err, DP_ENOMEM, "transport: out of memory");
@@ -1144,7 +1159,7 @@ int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done, dp_err
     return rc;
   }
   s->value = dp_value_retain(v);
-  return queue_send(ep, s, done, err);
+  return queue_send(ep, "dp_endpoint_send", s, done, err);
 }
 
 int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **done, dp_error_t *err) {
@@ -1174,7 +1189,7 @@ int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **don
     dp__tp_sop_free(s);
     return dp__err(err, DP_ENOMEM, "dp_endpoint_send_future: out of memory");
   }
-  return queue_send(ep, s, done, err);
+  return queue_send(ep, "dp_endpoint_send_future", s, done, err);
 }
 
 int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_future_t **done, dp_error_t *err) {
@@ -1196,7 +1211,7 @@ int dp_endpoint_send_frame(dp_endpoint_t *ep, const void *bytes, size_t n, dp_fu
   memcpy(s->bytes, bytes, n);
   s->bytes_cap = n ? n : 1;
   s->nbytes = n;
-  return queue_send(ep, s, done, err);
+  return queue_send(ep, "dp_endpoint_send_frame", s, done, err);
 }
 
 static int recv_common(dp_endpoint_t *ep, int frame, dp_future_t **out, dp_error_t *err) {
@@ -1208,8 +1223,8 @@ static int recv_common(dp_endpoint_t *ep, int frame, dp_future_t **out, dp_error
   /* a failed endpoint's error, as every later call returns it — unless the
      peer closed it and values it sent first are still to be taken */
   pthread_mutex_lock(&t->mu);
-  int rc = ep->kept ? 0 : ep->error;
-  if (rc && err) *err = ep->errinfo;
+  int rc = freed_locked(ep, fn, err);
+  if (!rc && (rc = ep->kept ? 0 : ep->error) && err) *err = ep->errinfo;
   pthread_mutex_unlock(&t->mu);
   if (rc) return rc;
   rwait_t *w = dp__alloc(sizeof *w);
@@ -1258,5 +1273,5 @@ int dp__endpoint_send_raw(dp_endpoint_t *ep, unsigned am_id, const void *hdr, si
   s->raw_len_hdr = hlen;
   s->raw_hlen = hlen ? hlen : 1;
   if (n) memcpy(s->bytes, data, n);
-  return queue_send(ep, s, NULL, err);
+  return queue_send(ep, "dp__endpoint_send_raw", s, NULL, err);
 }

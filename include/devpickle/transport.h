@@ -326,9 +326,10 @@ DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endp
  *  meanwhile sees it at this process's later passes); called from a
  *  callback the loop runs (a future of this transport completing on the
  *  progress thread, or in a caller's pass), it returns at once and the
- *  loop closes the endpoint after the callback (do not use ep after,
- *  except: a callback of another of its futures may call dp_endpoint_free
- *  on it again while that close runs — the close fails the futures still
+ *  loop closes the endpoint after the callback (do not use ep after:
+ *  a send or receive made on it there is DP_ECANCELED at once, "the
+ *  endpoint was freed (dp_endpoint_free)"; except: a callback of
+ *  another of its futures may call dp_endpoint_free on it again while that close runs — the close fails the futures still
  *  pending, so "on error, close" in each callback is safe: that call
  *  returns at once; one from a thread before the loop has closed it waits
  *  for that close; neither closes it twice).
