@@ -5880,6 +5880,45 @@ Test(transport, an_offer_naming_a_fifo_is_refused_at_once_and_never_blocks_the_l
   cr_assert_eq(peer_wait(p), 0, "the acceptor did not live on");
 }
 
+/* Two clients of one listener close: each accepted endpoint's error names
+ * its own client's address, so a server tells them apart (both read
+ * "endpoint accepted on port N" before). */
+Test(transport, the_errors_of_two_connections_one_listener_accepted_name_each_clients_address) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  int port = dp_listener_port(l);
+  dp_endpoint_t *c[2], *a[2];
+  char msg[2][DP_ERROR_MSG_MAX];
+  for (int i = 0; i < 2; i++) {
+    c[i] = connect_to(t, port);
+    OK(dp_listener_accept(l, 30 * SEC, &a[i], T_ERR));
+    dp_future_t *d;
+    OK(dp_endpoint_send(a[i], dp_int(i), &d, T_ERR));
+    dp_future_release(recv_ok(c[i])); /* the connector heard its peer: its close is graceful */
+    dp_future_release(d);
+  }
+  for (int i = 0; i < 2; i++) {
+    dp_future_t *r;
+    dp_error_t e;
+    OK(dp_endpoint_recv(a[i], &r, T_ERR));
+    dp_endpoint_free(c[i]);
+    cr_assert_eq(wait_f(r, &e), DP_ECANCELED, "%s", e.message);
+    char want[64];
+    snprintf(want, sizeof want, " accepted on port %d: the peer closed its endpoint", port);
+    cr_assert(!strncmp(e.message, "transport: endpoint from 127.0.0.1:", 35) && strstr(e.message, want), "%s",
+              e.message);
+    snprintf(msg[i], sizeof msg[i], "%s", e.message);
+    dp_future_release(r);
+    dp_endpoint_free(a[i]);
+  }
+  cr_assert_str_neq(msg[0], msg[1]); /* each names its client's port */
+  dp_listener_free(l);
+  free_transport(t);
+  check_no_leak();
+}
+
 /* ---- callbacks the loop runs may close endpoints; freeing their transport is refused ---- */
 
 static int echo_then_see_the_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg);
@@ -5961,7 +6000,7 @@ static void sending_after_a_free_in_a_callback(int caller) {
      which failed them with an error never set (stack garbage) */
   cr_assert_eq(af.send_rc, DP_ECANCELED, "%d", af.send_rc);
   cr_assert_null(af.d);
-  cr_assert(strstr(af.send_e.message, "dp_endpoint_send: transport: endpoint accepted on port") &&
+  cr_assert(strstr(af.send_e.message, "dp_endpoint_send: transport: endpoint from 127.0.0.1:") &&
                 strstr(af.send_e.message, "the endpoint was freed (dp_endpoint_free)"),
             "%s", af.send_e.message);
   cr_assert_eq(af.recv_rc, DP_ECANCELED, "%d", af.recv_rc);
@@ -7006,7 +7045,8 @@ Test(transport, an_accepted_endpoint_whose_connector_dies_before_sending_anythin
   dp_error_t e;
   int rc = wait_f(r, &e);
   cr_assert(rc == DP_EIO || rc == DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
-  cr_assert(strstr(e.message, "transport: endpoint accepted on port"), "%s", e.message);
+  cr_assert(strstr(e.message, "transport: endpoint from 127.0.0.1:") && strstr(e.message, " accepted on port"), "%s",
+            e.message);
   cr_assert(strstr(e.message, ": connection lost ("), "%s", e.message);
   int st;
   cr_assert_eq(waitpid(pid, &st, 0), pid);

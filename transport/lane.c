@@ -1,6 +1,7 @@
 /* transport/lane.c — same-host lanes (internal.h): a worker and an endpoint without error
  * handling beside each connection between two processes of one host. */
 #define _DEFAULT_SOURCE /* getifaddrs */
+#include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <sys/mman.h>
@@ -241,16 +242,32 @@ void dp__tp_on_conn(ucp_conn_request_h req, void *arg) {
   dp_listener_t *l = arg;
   dp_transport_t *t = l->t;
   dp_endpoint_t *ep;
+  /* where the peer connects from, asked before the request is used up; the
+     endpoint's name (every error of it) says so: "endpoint accepted on port
+     N" alone was the name of every connection a listener took, and a
+     server's errors could not tell its clients apart */
+  ucp_conn_request_attr_t ra;
+  ra.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  int known = ucp_conn_request_query(req, &ra) == UCS_OK;
+  char from[INET6_ADDRSTRLEN + 16] = "";
+  if (known && ra.client_address.ss_family == AF_INET) {
+    const struct sockaddr_in *in = (const struct sockaddr_in *)&ra.client_address;
+    char host[INET_ADDRSTRLEN];
+    if (inet_ntop(AF_INET, &in->sin_addr, host, sizeof host))
+      snprintf(from, sizeof from, "from %s:%d ", host, ntohs(in->sin_port));
+  } else if (known && ra.client_address.ss_family == AF_INET6) {
+    const struct sockaddr_in6 *in6 = (const struct sockaddr_in6 *)&ra.client_address;
+    char host[INET6_ADDRSTRLEN];
+    if (inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host))
+      snprintf(from, sizeof from, "from [%s]:%d ", host, ntohs(in6->sin6_port));
+  }
   char name[96];
-  snprintf(name, sizeof name, "endpoint accepted on port %d", l->port);
+  snprintf(name, sizeof name, "endpoint %saccepted on port %d", from, l->port);
   if (l->closed || dp__tp_ep_alloc(t, name, &ep, NULL)) {
     ucp_listener_reject(l->l, req);
     return;
   }
-  /* where the peer connects from, asked before the request is used up */
-  ucp_conn_request_attr_t ra;
-  ra.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-  ep->peer_local = ucp_conn_request_query(req, &ra) == UCS_OK && dp__tp_addr_is_local(&ra.client_address);
+  ep->peer_local = known && dp__tp_addr_is_local(&ra.client_address);
   ucp_ep_params_t p;
   memset(&p, 0, sizeof p);
   p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |
