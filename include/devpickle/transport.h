@@ -357,8 +357,12 @@ DP_API int dp_endpoint_send(dp_endpoint_t *ep, dp_value_t v, dp_future_t **done,
  *  completion wakes the transport's loop, which then polls the events: no
  *  host thread blocks, no device is synchronized, and nothing spins while
  *  f is pending). f is retained. If f fails, *done fails with its error and
- *  nothing is sent. Errors returned at once as dp_endpoint_send's, and
- *  DP_ENOMEM. */
+ *  nothing is sent. Errors returned at once (*done then NULL): DP_EINVAL
+ *  for a NULL argument, the endpoint's error, DP_ENOMEM. What
+ *  dp_endpoint_send refuses of a value at once (the pickler's errors,
+ *  DP_ENODEV, DP_EINVAL for a storage it cannot read) is known only once
+ *  f has completed: it fails *done then, nothing of that value is sent,
+ *  and the endpoint goes on with the next send. */
 DP_API int dp_endpoint_send_future(dp_endpoint_t *ep, dp_future_t *f, dp_future_t **done, dp_error_t *err);
 /** Sends a frame as it is (the bytes are copied): it must pass
  *  dp_frame_check (its error otherwise: DP_ETRUNC, DP_EFORMAT, ...) and
