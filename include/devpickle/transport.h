@@ -266,7 +266,9 @@ DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_
 /** Listens on "HOST:PORT" (PORT 0: an ephemeral port, see
  *  dp_listener_port; HOST may be an IPv4 address or a name, "0.0.0.0" all
  *  interfaces; a name's first IPv4 address is used). Returns once the
- *  socket is bound. Errors: DP_EINVAL for a malformed address, an IPv6
+ *  socket is bound. Errors: DP_EINVAL for a malformed address, a name
+ *  that does not resolve ("cannot resolve 'NAME': " and the resolver's
+ *  reason, a name server out of reach included), an IPv6
  *  address or a name with none but IPv6 ones (UCX 1.13's TCP transport
  *  corrupts its heap reaching an IPv6 peer: "'::1' is an IPv6 address,
  *  which the transport does not support ..."), or when called from a
@@ -305,7 +307,8 @@ DP_API void dp_listener_free(dp_listener_t *l);
  *  thread, as dp_listener_new does): a refused or failed connection fails the endpoint (its
  *  futures fail with DP_EIO, "connection refused or lost before any reply
  *  (UCX's reason)", or "connection lost (...)" once the peer answered).
- *  DP_EINVAL for a malformed address or an IPv6 one (as dp_listener_new). */
+ *  DP_EINVAL for a malformed address, a name that does not resolve or an
+ *  IPv6 address (as dp_listener_new). */
 DP_API int dp_endpoint_connect(dp_transport_t *t, const char *host_port, dp_endpoint_t **out, dp_error_t *err);
 /** Closes the endpoint: pending sends and receives fail with DP_ECANCELED
  *  ("closed with N sends and M receives pending"), received buffers not
