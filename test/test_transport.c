@@ -824,6 +824,22 @@ Test(transport, an_endpoint_to_an_address_of_one_of_this_hosts_interfaces_gets_a
   free_pair(c, a, l, t);
 }
 
+/* 0.0.0.0 as a destination is this host (the system connects there to a
+ * local address): the connector read it as another host's and offered no
+ * lane, so every value crossed TCP. */
+Test(transport, an_endpoint_connected_to_0_0_0_0_gets_a_lane) {
+  dp_transport_t *t = new_transport(NULL);
+  dp_listener_t *l;
+  OK(dp_listener_new(t, "127.0.0.1:0", &l, T_ERR));
+  char addr[64];
+  snprintf(addr, sizeof addr, "0.0.0.0:%d", dp_listener_port(l));
+  dp_endpoint_t *c, *a;
+  OK(dp_endpoint_connect(t, addr, &c, T_ERR));
+  OK(dp_listener_accept(l, 30 * SEC, &a, T_ERR));
+  cr_assert_gt(lane_echoes(c, a, 200, 1), 0, "an endpoint to %s has no lane", addr);
+  free_pair(c, a, l, t);
+}
+
 Test(transport, a_message_of_1024_bytes_goes_on_the_lane_and_one_of_1025_on_the_connection) {
   dp_transport_t *t = new_transport(NULL);
   dp_endpoint_t *c, *a;

@@ -87,7 +87,10 @@ int dp__tp_addr_is_local(const struct sockaddr_storage *addr) {
   /* IPv4 only: parse_addr refuses IPv6, so no listener or connection has it */
   if (addr->ss_family != AF_INET) return 0;
   in_addr_t ip = ((const struct sockaddr_in *)addr)->sin_addr.s_addr;
-  if ((ntohl(ip) >> 24) == 127) return 1;
+  /* 0.0.0.0 as a destination is this host: the system connects to one of
+     its own addresses (a connector to it offered no lane, and every value
+     crossed TCP) */
+  if ((ntohl(ip) >> 24) == 127 || ip == htonl(INADDR_ANY)) return 1;
   struct ifaddrs *ifs = NULL;
   if (getifaddrs(&ifs)) return 0;
   int local = 0;

@@ -37,7 +37,7 @@
  * dp_future_synchronize.
  *
  * SAME-HOST LANES. An endpoint connected to an address of this host
- * (loopback or a local interface), to a peer process of the same user,
+ * (loopback, a local interface, or 0.0.0.0), to a peer process of the same user,
  * also gets a shared-memory lane to its peer when UCX_TLS allows posix or
  * sysv (a peer of another user stays on the connection): messages of up to 1 KiB that UCX
  * takes at once go there (UCX 1.13 gives a connection that reports its
