@@ -89,7 +89,9 @@
  * one receive it was for, with the reader's error, and the endpoint goes on
  * with the next value (docs/TRANSPORT.md, "What the receiver checks").
  * Bounded in-flight bytes: an endpoint posts at most opts.max_inflight_bytes
- * of buffers (and frames over 64 KiB) not yet taken by the peer; more sends
+ * of buffers (and frames over 64 KiB) whose sends are not complete (one
+ * sent by rendezvous completes once the peer pulled it, a small one sent
+ * eagerly once UCX let go of the sender's memory); more sends
  * wait in the transport (their futures pending) — send() itself never
  * blocks. A receiver that holds more than max_inflight_bytes of received
  * values not yet taken by dp_endpoint_recv stops fetching what was sent by
