@@ -893,6 +893,21 @@ int dp_device_read(void *ud, dp_device_t device, const void *src, size_t nbytes,
   if (rc || !nbytes) return rc;
   dp_stream_t *s;
   if ((rc = dp_current_stream(b, device, &s, err)) != 0) return rc;
+  /* In a host function, a stream whose synchronize would wait for the
+     function itself (its own, or one waiting for work queued on it after
+     the function) is refused before the copy is queued: refused after, the
+     copy still ran once the function had returned, into a dst the caller
+     took as untouched (a buffer of the function's frame, gone by then). */
+  if (dp__host_fn_stream && b->type == DP_DEVICE_HOST &&
+      (rc = dp__host_stream_waits_for_itself(b, s->h, "dp_device_read", err)) != 0) {
+    if (rc < 0) return dp__named_dev("dp_device_read", device, rc, err);
+    char d[16];
+    return dp__err(err, DP_EMISUSE,
+                   "dp_device_read(%s): called from a host function, on a stream whose synchronize would wait for the "
+                   "function itself (%s): nothing copied",
+                   dp_device_format(device, d, sizeof d),
+                   rc == 1 ? "its own stream" : "the stream waits for work queued on the function's stream after it");
+  }
   /* after the work queued on the current stream so far, as a consumer of
      the memory on this thread would read it; then waited for */
   if ((rc = dp_memcpy_async(s, dst, src, nbytes, err)) != 0) return rc;

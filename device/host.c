@@ -397,6 +397,12 @@ static int waits_for_itself(host_impl_t *im, progress_t *p, uint64_t target, con
   return self;
 }
 
+int dp__host_stream_waits_for_itself(dp_backend_t *b, void *sh, const char *fn, dp_error_t *err) {
+  hstream_t *s = sh;
+  if (!dp__host_fn_stream) return 0;
+  return waits_for_itself(b->impl, s->prog, enqueued_now(s), fn, err);
+}
+
 static int h_stream_sync(dp_backend_t *b, void *h, dp_error_t *err) {
   hstream_t *s = h;
   uint64_t target = enqueued_now(s);

@@ -155,6 +155,12 @@ extern _Thread_local const void *dp__host_fn_stream;
  * memory: the caller must not wait then. */
 int dp__event_waits_for_itself(const dp_event_t *e, const char *fn, dp_error_t *err);
 int dp__host_event_waits_for_itself(void *eh, const char *fn, dp_error_t *err);
+/* The same for dp_stream_synchronize of host stream sh (its handle) from
+ * the host function calling it: 1 or 2 when it would wait for itself, 0
+ * when not, DP_ENOMEM (err names fn) when that could not be told. For a
+ * call that queues work before it waits (dp_device_read): asked first, so
+ * that a refusal queues nothing. */
+int dp__host_stream_waits_for_itself(dp_backend_t *b, void *sh, const char *fn, dp_error_t *err);
 /* Test hook: the steps (streams looked at, tasks scanned) that the host
  * backend's look for a host function waiting for itself has taken. */
 extern _Atomic uint64_t dp__host_self_wait_steps;

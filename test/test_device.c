@@ -3154,3 +3154,36 @@ Test(device, dp_device_read_refuses_a_device_of_another_backend_or_out_of_range_
   OK(dp_device_read(NULL, t_dev(DP_DEVICE_CPU, 0), src, 4, dst, T_ERR));
   cr_assert(!memcmp(src, dst, 4));
 }
+
+/* A read refused from a host function (it would wait for the function
+ * itself) must not leave the copy queued: it ran once the function had
+ * returned, into a dst the caller took as untouched. */
+typedef struct read_in_fn {
+  dp_backend_t *b;
+  const void *src;
+  uint8_t *dst;
+  int rc;
+  dp_error_t err;
+} read_in_fn_t;
+
+static void read_from_fn(void *arg) {
+  read_in_fn_t *r = arg;
+  r->rc = dp_device_read(r->b, H0, r->src, 16, r->dst, &r->err);
+}
+
+Test(device, dp_device_read_refused_in_a_host_function_on_its_own_stream_copies_nothing_later) {
+  dp_backend_t *b = host();
+  void *p;
+  OK(dp_device_alloc(b, H0, 16, &p, T_ERR));
+  memset(p, 'X', 16);
+  uint8_t dst[16] = {0};
+  read_in_fn_t r = {b, p, dst, 1, {0}};
+  dp_stream_t *s = current(b, H0); /* the worker's current stream is the default one too */
+  OK(dp_host_launch(s, read_from_fn, &r, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(r.rc, DP_EMISUSE, "%s: %s", dp_err_name(r.rc), r.err.message);
+  cr_assert(strstr(r.err.message, "dp_device_read(host:0)") && strstr(r.err.message, "nothing copied"), "%s",
+            r.err.message);
+  for (int i = 0; i < 16; i++) cr_assert_eq(dst[i], 0, "byte %d was copied after the refusal", i);
+  OK(dp_device_dealloc(b, H0, p, T_ERR));
+}

@@ -272,8 +272,10 @@ DP_API int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n,
  *  device's memory is copied directly. DP_EINVAL for a device of another
  *  backend than ud or out of its range, NULL src or dst with nbytes > 0;
  *  the errors of dp_current_stream, dp_memcpy_async and
- *  dp_stream_synchronize (in a host function, a read on its own stream is
- *  DP_EMISUSE: it would wait for itself). */
+ *  dp_stream_synchronize (in a host function, a read on its own stream, or
+ *  on one that waits for work queued there after the function, is
+ *  DP_EMISUSE: it would wait for itself; refused before the copy is
+ *  queued, so dst is left untouched). */
 DP_API int dp_device_read(void *ud, dp_device_t device, const void *src, size_t nbytes, void *dst, dp_error_t *err);
 
 /* ---- host backend only ---- */
