@@ -329,20 +329,31 @@ typedef struct reach_wait {
 
 _Atomic uint64_t dp__host_self_wait_steps;
 
-static int waits_for_itself_locked(host_impl_t *im, progress_t *p, uint64_t target, const char *fn,
-                                   dp_error_t *err) {
+/* One walk from n targets at once (dp_device_synchronize's, one for each
+ * stream of the device): a walk for each of them looked at the streams
+ * they share again each time, n * n steps for n streams that wait one for
+ * the next. */
+static int waits_for_itself_locked_n(host_impl_t *im, progress_t *const *ps, const uint64_t *targets, size_t nt,
+                                     const char *fn, dp_error_t *err) {
   const hstream_t *me = dp__host_fn_stream;
   if (!me) return 0;
   const progress_t *mine = me->prog;
   uint64_t now = dp__load_acquire(&mine->completed);
-  if (p == mine) return now < target;
+  for (size_t i = 0; i < nt; i++)
+    if (ps[i] == mine && now < targets[i]) return 1;
   /* No entry holds a reference: only mine and records whose stream is
      live are pushed, and those live while the impl's lock is held. */
-  reach_wait_t inl[16], *stack = inl;
+  reach_wait_t inl[16] = {{NULL, 0}}, *stack = inl;
   size_t cap = 16, sp = 0;
   uint64_t walk = ++im->walks, steps = 0;
   int found = 0, rc = 0;
-  stack[sp++] = (reach_wait_t){p, target};
+  if (dp__grow_inl((void **)&stack, &cap, nt, sizeof *stack, inl) != 0)
+    return dp__err(err, DP_ENOMEM,
+                   "%s: out of memory following the event waits of the streams it would wait for, to tell whether "
+                   "the host function calling it would wait for itself: nothing waited for",
+                   fn);
+  for (size_t i = nt; i-- > 0;)  /* popped in the order given */
+    if (ps[i] != mine) stack[sp++] = (reach_wait_t){ps[i], targets[i]};
   while (sp && !found) {
     reach_wait_t x = stack[--sp];
     steps++;
@@ -387,6 +398,11 @@ static int waits_for_itself_locked(host_impl_t *im, progress_t *p, uint64_t targ
   dp__free_inl(stack, cap, sizeof *stack, inl);
   dp__fetch_add_relaxed(&dp__host_self_wait_steps, steps);
   return rc ? rc : found;
+}
+
+static int waits_for_itself_locked(host_impl_t *im, progress_t *p, uint64_t target, const char *fn,
+                                   dp_error_t *err) {
+  return waits_for_itself_locked_n(im, &p, &target, 1, fn, err);
 }
 
 static int waits_for_itself(host_impl_t *im, progress_t *p, uint64_t target, const char *fn, dp_error_t *err) {
@@ -460,14 +476,13 @@ static int h_device_sync(dp_backend_t *b, int dev, dp_error_t *err) {
     return dp__err(err, DP_ENOMEM, "out of memory synchronizing a device");
   }
   size_t i = 0;
-  int self = 0;
   for (slink_t *l = im->streams[dev]; l; l = l->next) {
     if (!l->s) continue;
     p[i] = progress_retain(l->s->prog);
     target[i] = enqueued_now(l->s);
-    if (!self) self = waits_for_itself_locked(im, p[i], target[i], "dp_device_synchronize", err);
     i++;
   }
+  int self = waits_for_itself_locked_n(im, p, target, n, "dp_device_synchronize", err);
   pthread_mutex_unlock(&im->mu);
   for (i = 0; i < n && self; i++) progress_release(p[i]);
   for (i = 0; i < n && !self; i++) {

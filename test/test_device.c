@@ -3187,3 +3187,72 @@ Test(device, dp_device_read_refused_in_a_host_function_on_its_own_stream_copies_
   for (int i = 0; i < 16; i++) cr_assert_eq(dst[i], 0, "byte %d was copied after the refusal", i);
   OK(dp_device_dealloc(b, H0, p, T_ERR));
 }
+
+/* dp_device_synchronize from a host function looked for a wait for the
+ * function from each stream of the device in a walk of its own: streams
+ * that wait one for the next were looked at again from each of them, n * n
+ * steps for a chain of n. One walk from all of them is linear. */
+typedef struct dev_sync_steps {
+  dp_backend_t *b;
+  _Atomic int go;
+  int rc;
+  uint64_t steps;
+  dp_error_t err;
+} dev_sync_steps_t;
+
+static void device_sync_counting_steps(void *arg) {
+  dev_sync_steps_t *x = arg;
+  while (!atomic_load(&x->go)) sleep_ms(1);
+  dp_error_clear(&x->err);
+  uint64_t before = atomic_load(&dp__host_self_wait_steps);
+  x->rc = dp_device_synchronize(x->b, H1, &x->err);
+  x->steps = atomic_load(&dp__host_self_wait_steps) - before;
+}
+
+Test(device, a_host_function_synchronizing_a_device_follows_its_streams_waits_in_steps_linear_in_them, .timeout = 60) {
+  dp_backend_t *b = host();
+  dp_stream_t *mine, *x, *o;
+  dp_event_t *after, *held;
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  dev_sync_steps_t d = {.b = b, .rc = 1};
+  OK(dp_host_launch(mine, device_sync_counting_steps, &d, T_ERR));
+  OK(dp_event_new(b, H0, &after, T_ERR));
+  OK(dp_event_record(after, mine, T_ERR));
+  /* the oldest stream of host:1 waits for mine's work after the function:
+     the device's list is newest first, so it is reached last */
+  OK(dp_stream_new(b, H1, &x, T_ERR));
+  OK(dp_stream_wait_event(x, after, T_ERR));
+  /* a chain of NS streams, the first held by a gate that opens at the end */
+  OK(dp_stream_new(b, H0, &o, T_ERR));
+  started_gate_t g;
+  atomic_init(&g.started, 0);
+  atomic_init(&g.open, 0);
+  OK(dp_host_launch(o, hold_until_open, &g, T_ERR));
+  OK(dp_event_new(b, H0, &held, T_ERR));
+  OK(dp_event_record(held, o, T_ERR));
+  enum { NS = 300 };
+  dp_stream_t *chain[NS];
+  dp_event_t *ev[NS];
+  for (int i = 0; i < NS; i++) {
+    OK(dp_stream_new(b, H1, &chain[i], T_ERR));
+    OK(dp_stream_wait_event(chain[i], i ? ev[i - 1] : held, T_ERR));
+    OK(dp_event_new(b, H1, &ev[i], T_ERR));
+    OK(dp_event_record(ev[i], chain[i], T_ERR));
+  }
+  atomic_store(&d.go, 1);
+  OK(dp_stream_synchronize(mine, T_ERR));
+  atomic_store(&g.open, 1); /* before any assertion: the teardown waits for the chain */
+  cr_assert_eq(d.rc, DP_EMISUSE, "%s: %s", dp_err_name(d.rc), d.err.message);
+  cr_assert_leq(d.steps, 4 * (NS + 4), "%d streams waiting one for the next took %llu steps", NS,
+                (unsigned long long)d.steps);
+  for (int i = NS; i-- > 0;) {
+    OK(dp_stream_synchronize(chain[i], T_ERR));
+    dp_event_free(ev[i]);
+    dp_stream_free(chain[i]);
+  }
+  dp_event_free(held);
+  dp_event_free(after);
+  dp_stream_free(o);
+  dp_stream_free(x);
+  dp_stream_free(mine);
+}
