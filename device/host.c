@@ -329,6 +329,13 @@ typedef struct reach_wait {
 
 _Atomic uint64_t dp__host_self_wait_steps;
 
+static int push_wait(reach_wait_t **stack, size_t *cap, size_t *sp, const reach_wait_t *inl, progress_t *p,
+                     uint64_t target) {
+  if (dp__grow_inl((void **)stack, cap, *sp + 1, sizeof **stack, inl) != 0) return DP_ENOMEM;
+  (*stack)[(*sp)++] = (reach_wait_t){p, target};
+  return 0;
+}
+
 /* One walk from n targets at once (dp_device_synchronize's, one for each
  * stream of the device): a walk for each of them looked at the streams
  * they share again each time, n * n steps for n streams that wait one for
@@ -377,23 +384,25 @@ static int waits_for_itself_locked_n(host_impl_t *im, progress_t *const *ps, con
       n = s->count - (lo - first);
       if (n > x.target - lo + 1) n = x.target - lo + 1;
     }
-    if (dp__grow_inl((void **)&stack, &cap, sp + 1 + (size_t)n, sizeof *stack, inl) != 0) {
-      pthread_mutex_unlock(&s->mu);
+    /* room for the waits pushed, not for every task scanned: a stream
+       with a million host functions queued and no wait asked for 16 MB */
+    int oom = 0;
+    progress_t *q = s->waiting_on;
+    if (q && (q == mine || q->owner)) oom = push_wait(&stack, &cap, &sp, inl, q, s->waiting_for);
+    for (uint64_t j = 0; j < n && !oom; j++) {
+      const task_t *t = &s->ring[(s->head + (lo - first) + j) % s->cap];
+      q = t->wait_on;
+      if (t->kind == T_WAIT && (q == mine || q->owner)) oom = push_wait(&stack, &cap, &sp, inl, q, t->wait_for);
+    }
+    steps += n;
+    pthread_mutex_unlock(&s->mu);
+    if (oom) {
       rc = dp__err(err, DP_ENOMEM,
                    "%s: out of memory following the event waits of the streams it would wait for, to tell whether "
                    "the host function calling it would wait for itself: nothing waited for",
                    fn);
       break;
     }
-    progress_t *q = s->waiting_on;
-    if (q && (q == mine || q->owner)) stack[sp++] = (reach_wait_t){q, s->waiting_for};
-    for (uint64_t j = 0; j < n; j++) {
-      const task_t *t = &s->ring[(s->head + (lo - first) + j) % s->cap];
-      q = t->wait_on;
-      if (t->kind == T_WAIT && (q == mine || q->owner)) stack[sp++] = (reach_wait_t){q, t->wait_for};
-    }
-    steps += n;
-    pthread_mutex_unlock(&s->mu);
   }
   dp__free_inl(stack, cap, sizeof *stack, inl);
   dp__fetch_add_relaxed(&dp__host_self_wait_steps, steps);

@@ -3256,3 +3256,38 @@ Test(device, a_host_function_synchronizing_a_device_follows_its_streams_waits_in
   dp_stream_free(x);
   dp_stream_free(mine);
 }
+
+/* The walk made room on its stack for every task it scanned, waits or not:
+ * a host function synchronizing a stream with many host functions queued
+ * asked for 16 bytes a task (and, refused that, was DP_ENOMEM where it
+ * could tell). It makes room for the waits it follows only. */
+Test(device, a_host_function_synchronizing_a_stream_with_many_tasks_but_one_wait_asks_no_memory_per_task,
+     .timeout = 60) {
+  dp_backend_t *b = host();
+  dp_stream_t *mine, *o;
+  dp_event_t *after;
+  OK(dp_stream_new(b, H0, &mine, T_ERR));
+  OK(dp_stream_new(b, H1, &o, T_ERR));
+  steps_sync_t x = {.target = o, .rc = 1};
+  OK(dp_host_launch(mine, sync_counting_steps, &x, T_ERR));
+  OK(dp_event_new(b, H0, &after, T_ERR));
+  OK(dp_event_record(after, mine, T_ERR));
+  started_gate_t g;
+  atomic_init(&g.started, 0);
+  atomic_init(&g.open, 0);
+  OK(dp_host_launch(o, hold_until_open, &g, T_ERR)); /* nothing of o's completes meanwhile */
+  enum { K = 20000 };
+  for (int i = 0; i < K; i++) OK(dp_host_launch(o, nm_noop2, NULL, T_ERR));
+  OK(dp_stream_wait_event(o, after, T_ERR)); /* the one wait, behind them: for mine after the function */
+  atomic_store(&t_max_block, 0);
+  atomic_store(&x.go, 1);
+  OK(dp_stream_synchronize(mine, T_ERR));
+  long biggest = atomic_load(&t_max_block); /* the walk's, while nothing else here allocates */
+  atomic_store(&g.open, 1);
+  cr_assert_eq(x.rc, DP_EMISUSE, "%s: %s", dp_err_name(x.rc), x.err.message);
+  cr_assert_lt(biggest, 1024, "a walk over %d tasks and one wait asked for a block of %ld bytes", K, biggest);
+  OK(dp_stream_synchronize(o, T_ERR));
+  dp_event_free(after);
+  dp_stream_free(o);
+  dp_stream_free(mine);
+}
