@@ -16,6 +16,7 @@
 
 #define HOST_MAX_DEVICES 64
 #define HOST_ALIGN 256   /* as cudaMalloc's alignment */
+#define HOST_RING_KEEP 64  /* tasks: a stream's first ring, kept while idle; a larger one is freed once drained */
 
 struct hstream;
 
@@ -169,6 +170,17 @@ static void *worker(void *arg) {
     task_t t = s->ring[s->head];
     s->head = (s->head + 1) % s->cap;
     s->count--;
+    /* A burst grew the ring; once the last task is taken, the memory goes
+       back (the next launch makes a small one again), before that task
+       completes, so a synchronize sees it gone: a default or pool stream,
+       alive until dp_shutdown, kept 64 bytes for every task of its largest
+       burst (64 MB after a million launches queued at once). */
+    if (s->count == 0 && s->cap > HOST_RING_KEEP) {
+      dp__free(s->ring, s->cap * sizeof(task_t));
+      s->ring = NULL;
+      s->cap = 0;
+      s->head = 0;
+    }
     if (t.kind == T_WAIT) { /* still a wait of the stream's while it runs (waits_for_itself) */
       s->waiting_on = t.wait_on;
       s->waiting_for = t.wait_for;
@@ -204,7 +216,7 @@ static void *worker(void *arg) {
 static int enqueue(hstream_t *s, const task_t *t, dp_error_t *err) {
   pthread_mutex_lock(&s->mu);
   if (s->count == s->cap) {
-    size_t ncap = s->cap ? s->cap * 2 : 64;
+    size_t ncap = s->cap ? s->cap * 2 : HOST_RING_KEEP;
     task_t *r = dp__alloc_array(ncap, sizeof *r);
     if (!r) {
       pthread_mutex_unlock(&s->mu);

@@ -3291,3 +3291,30 @@ Test(device, a_host_function_synchronizing_a_stream_with_many_tasks_but_one_wait
   dp_stream_free(o);
   dp_stream_free(mine);
 }
+
+/* A stream's queue grew for a burst and kept that size until the stream
+ * went: a default or pool stream, alive until dp_shutdown, held 64 bytes
+ * for every task of its largest burst. Once drained, it gives them back. */
+Test(device, a_queue_grown_for_a_burst_gives_its_memory_back_once_drained, .timeout = 30) {
+  dp_backend_t *b = host();
+  dp_stream_t *s = dflt(b, H0);
+  OK(dp_stream_synchronize(s, T_ERR));
+  long before = atomic_load(&t_live_bytes);
+  started_gate_t g;
+  atomic_init(&g.started, 0);
+  atomic_init(&g.open, 0);
+  OK(dp_host_launch(s, hold_until_open, &g, T_ERR));
+  enum { K = 100000 };
+  for (int i = 0; i < K; i++) OK(dp_host_launch(s, nm_noop2, NULL, T_ERR));
+  long during = atomic_load(&t_live_bytes);
+  atomic_store(&g.open, 1);
+  OK(dp_stream_synchronize(s, T_ERR));
+  long after = atomic_load(&t_live_bytes);
+  cr_assert_gt(during - before, (long)K * 32, "the burst was queued (%ld bytes)", during - before);
+  cr_assert_leq(after - before, 64 * 64, "%ld bytes still held after a burst of %d tasks drained", after - before, K);
+  /* and the stream goes on as before */
+  _Atomic int one = 0;
+  OK(dp_host_launch(s, store_one, &one, T_ERR));
+  OK(dp_stream_synchronize(s, T_ERR));
+  cr_assert_eq(atomic_load(&one), 1);
+}
