@@ -289,7 +289,9 @@ typedef void (*dp_host_fn)(void *arg);
  *  of its device are DP_EMISUSE from fn (as CUDA refuses them in a host
  *  function), and so are these calls on another stream (event, device) that
  *  waits, through dp_stream_wait_event (or wait_stream) queued there, down
- *  any chain of such waits, for work queued on fn's stream after fn. (A
+ *  any chain of such waits, for work queued on fn's stream after fn
+ *  (dp_device_read on such a current stream too, before it queues its
+ *  copy). (A
  *  wait for another host function that itself waits for fn is not seen:
  *  it hangs, as two threads waiting on each other do.) Following those
  *  waits takes time linear in the streams and waits reached, and memory:
