@@ -266,8 +266,10 @@ DP_API int dp_memcpy_async(dp_stream_t *s, void *dst, const void *src, size_t n,
  *  callback of an inline pickle (dp_pickle_opts_t.read, pickler.h's
  *  dp_read_cb: `opts.read = dp_device_read`). Copies nbytes at src on
  *  `device` into dst on this thread's current stream of that device — after
- *  the work queued there so far — and waits for the copy (not for work
- *  queued later, nor on other streams). ud: the backend (a dp_backend_t *),
+ *  the work queued there so far — and waits for the copy, by a
+ *  synchronize of that stream: not for work queued on other streams, but
+ *  for work another thread queues on the same stream between the copy and
+ *  the wait too. ud: the backend (a dp_backend_t *),
  *  or NULL for the one of device.type (dp_backend_get; its errors). A cpu
  *  device's memory is copied directly. DP_EINVAL for a device of another
  *  backend than ud or out of its range, NULL src or dst with nbytes > 0;
