@@ -169,6 +169,61 @@ Test(value, long_attribute_names_and_objects_that_outgrow_their_first_block) {
   ASSERT_NO_LEAK();
 }
 
+/* An allocator that moves every block it grows and fills the old one with
+ * 'Z' before keeping it aside (freed at the end): a read of a grown array
+ * through a pointer taken before the growth reads 'Z's, not freed memory. */
+#define T_MOVED_MAX 64
+static struct {
+  void *p[T_MOVED_MAX];
+  size_t n[T_MOVED_MAX];
+  int len;
+} t_moved;
+
+static void *t_moving_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  if (!ptr || nsize == 0 || t_moved.len == T_MOVED_MAX) return t_alloc(ud, ptr, osize, nsize);
+  void *p = t_alloc(ud, NULL, 0, nsize);
+  if (!p) return NULL;
+  memcpy(p, ptr, osize < nsize ? osize : nsize);
+  memset(ptr, 'Z', osize);
+  t_moved.p[t_moved.len] = ptr;
+  t_moved.n[t_moved.len++] = osize;
+  return p;
+}
+
+Test(value, an_attribute_name_borrowed_from_the_objects_own_array_survives_the_array_growing) {
+  dp_value_t o = t_obj("Grown");
+  char name[32];
+  for (int i = 0; i < 8; i++) {  /* past the attributes allocated with the object: the array is the hook's */
+    snprintf(name, sizeof name, "x_%d", i);
+    OK(dp_object_set(o, name, dp_int(i), T_ERR));
+  }
+  t_moved.len = 0;
+  dp_set_allocator(t_moving_alloc, NULL);
+  /* The tail of each name ("_0", "_1", ...) is a new attribute: a name
+   * dp_object_attr gave is valid until the next set, which is this one. */
+  size_t had = dp_object_nattrs(o);
+  for (size_t i = 0; i < had; i++) {
+    const char *n;
+    OK(dp_object_attr(o, i, &n, NULL, T_ERR));
+    OK(dp_object_set(o, n + 1, dp_int((int64_t)i), T_ERR));
+  }
+  dp_set_allocator(t_alloc, NULL);
+  cr_assert_gt(t_moved.len, 0, "the attribute array never grew");
+  cr_assert_eq(dp_object_nattrs(o), 2 * had);
+  for (size_t i = 0; i < had; i++) {
+    const char *n;
+    OK(dp_object_attr(o, had + i, &n, NULL, T_ERR));
+    snprintf(name, sizeof name, "_%zu", i);
+    cr_assert_str_eq(n, name);
+    dp_value_t v;
+    OK(dp_object_get(o, name, &v, T_ERR));
+    cr_assert_eq(dp_value_as_int(v), (int64_t)i);
+  }
+  for (int i = 0; i < t_moved.len; i++) t_alloc(NULL, t_moved.p[i], t_moved.n[i], 0);
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, tensor_views_must_fit_their_storage) {
   dp_storage_t *s = t_storage(t_dev(DP_DEVICE_CUDA, 0), 0x1000, 400);
   dp_value_t t;

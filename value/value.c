@@ -676,6 +676,10 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
     return 0;
   }
   int rc = o->len >= MAX_ENTRIES ? too_many(err, "an object", "attributes") : 0;
+  /* Copied before the array grows: name may lie in it (a name from
+   * dp_object_attr, or the tail of one), which the growth frees. */
+  char short_name[DP_ATTR_INLINE];
+  if (n < DP_ATTR_INLINE) memcpy(short_name, name, n);
   char *copy = !rc && n >= DP_ATTR_INLINE ? dp__strndup(name, n) : NULL;
   if (!rc && ((n >= DP_ATTR_INLINE && !copy) ||
               (o->len == o->cap &&
@@ -690,7 +694,7 @@ int dp__object_set_n(dp_value_t obj, const char *name, size_t n, dp_value_t val,
   if (copy) {
     a->n.heap = copy;
   } else {
-    memcpy(a->n.inl, name, n);
+    memcpy(a->n.inl, short_name, n);
     a->n.inl[n] = '\0';
   }
   a->name_len = n;

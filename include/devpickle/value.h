@@ -312,8 +312,9 @@ DP_API const char *dp_object_class(dp_value_t obj);
 DP_API size_t dp_object_nattrs(dp_value_t obj);
 /** Attribute i in order (borrowed; name and val may be NULL). DP_EINVAL
  *  when out of range or not an object. *name is valid until the next
- *  dp_object_set on obj, or its end: short names live in the attribute
- *  array, which a new attribute may move (copy the name to keep it). */
+ *  dp_object_set on obj (which may be given it, or its tail, as the name),
+ *  or its end: short names live in the attribute array, which a new
+ *  attribute may move (copy the name to keep it). */
 DP_API int dp_object_attr(dp_value_t obj, size_t i, const char **name, dp_value_t *val, dp_error_t *err);
 /** True for the generic stand-in of a custom that came off the wire
  *  without a resolver: its class is the custom's type name and its one
