@@ -393,6 +393,37 @@ Test(value, a_custom_without_a_type_leaves_its_obj_to_the_caller_and_one_with_a_
   ASSERT_NO_LEAK();
 }
 
+/* An obj that holds its own type (a type made for each object): destroy
+ * fills it with 'Z', as freeing it would leave it for all the caller can
+ * tell (it is freed by the test afterwards, not by destroy). */
+typedef struct self_typed {
+  dp_type_t type;
+} self_typed_t;
+
+static void self_typed_destroy(void *obj) {
+  memset(obj, 'Z', sizeof(self_typed_t));
+}
+
+Test(value, a_failed_custom_new_says_what_was_wrong_with_a_type_its_obj_holds_and_destroys) {
+  dp_value_t c;
+  dp_error_t e;
+  self_typed_t *o = malloc(sizeof *o);
+  cr_assert_not_null(o);
+  *o = (self_typed_t){{NULL, NULL, self_typed_destroy}};
+  cr_assert_eq(dp_custom_new(&o->type, o, &c, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_custom_new: NULL type->name");
+  cr_assert_eq(((unsigned char *)o)[0], 'Z', "destroy took obj");
+  *o = (self_typed_t){{"SelfTyped", NULL, self_typed_destroy}};
+  cr_assert_eq(dp_custom_new(&o->type, o, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_custom_new: NULL out");
+  *o = (self_typed_t){{"", NULL, self_typed_destroy}};
+  cr_assert_eq(dp_custom_new(&o->type, o, &c, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_custom_new: a type name must be non-empty UTF-8");
+  cr_assert_eq(((unsigned char *)o)[0], 'Z', "destroy took obj");
+  free(o);
+  ASSERT_NO_LEAK();
+}
+
 Test(value, a_capacity_whose_size_overflows_is_out_of_memory_for_lists_tuples_and_dicts) {
   /* value.h: capacity is a hint allocated with the container; one whose
      byte size wraps must not wrap into a small block */

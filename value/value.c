@@ -963,18 +963,21 @@ int64_t dp_tensor_offset(dp_value_t t) { return t.kind == DP_TENSOR ? DP_TENSOR(
 /* ---- custom ---- */
 
 int dp_custom_new(const dp_type_t *type, void *obj, dp_value_t *out, dp_error_t *err) {
-  if (!type || !type->name || !out) {
-    if (type && type->destroy) type->destroy(obj);
-    return dp__err(err, DP_EINVAL, "dp_custom_new: NULL %s", !type ? "type" : !type->name ? "type->name" : "out");
-  }
-  if (!dp__name_valid(type->name, strlen(type->name))) { /* a frame names it: the reader would refuse it */
-    if (type->destroy) type->destroy(obj);
-    return dp__err(err, DP_EINVAL, "dp_custom_new: a type name must be non-empty UTF-8");
-  }
-  dp_custom_t *c = dp__alloc(sizeof *c);
-  if (!c) {
-    if (type->destroy) type->destroy(obj);
-    return oom(err, "custom");
+  /* On failure the type is read before destroy runs: obj may hold it (a
+   * type made for each object), and destroy frees obj. */
+  int rc;
+  if (!type || !type->name || !out)
+    rc = dp__err(err, DP_EINVAL, "dp_custom_new: NULL %s", !type ? "type" : !type->name ? "type->name" : "out");
+  else if (!dp__name_valid(type->name, strlen(type->name))) /* a frame names it: the reader would refuse it */
+    rc = dp__err(err, DP_EINVAL, "dp_custom_new: a type name must be non-empty UTF-8");
+  else
+    rc = 0;
+  dp_custom_t *c = rc ? NULL : dp__alloc(sizeof *c);
+  if (!rc && !c) rc = oom(err, "custom");
+  if (rc) {
+    void (*destroy)(void *) = type ? type->destroy : NULL;
+    if (destroy) destroy(obj);
+    return rc;
   }
   heap_init(&c->h, DP_CUSTOM);
   c->type = type;
