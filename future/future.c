@@ -245,6 +245,9 @@ static int init_opts(dp_future_t *f, const dp_future_opts_t *o, dp_error_t *err)
     f->nallowed = o->ndevices;
     for (size_t i = 0; i < o->ndevices; i++) {
       /* cpu is always allowed; any other device must be the backend's */
+      if (o->devices[i].type == DP_DEVICE_CPU && o->devices[i].index != 0) /* no storage can be there */
+        return dp__err(err, DP_EINVAL, "dp_future_new: device cpu:%u cannot exist (cpu has index 0 only)",
+                       (unsigned)o->devices[i].index);
       if (o->devices[i].type != DP_DEVICE_CPU && (rc = dp__check_device("dp_future_new", f->b, o->devices[i], err)) != 0) return rc;
       f->allowed[i] = o->devices[i];
     }

@@ -2056,6 +2056,25 @@ Test(future, a_future_refused_for_a_device_of_another_backend_gives_back_all_it_
   ASSERT_NO_LEAK();
 }
 
+/* value.h: cpu has index 0 only, so a listed cpu with another index names
+ * no device a storage can be on; it was taken as cpu and allowed. */
+Test(future, a_listed_cpu_with_an_index_other_than_0_is_refused_naming_it) {
+  dp_error_t e;
+  dp_future_t *f = NULL;
+  dp_device_t devs[2] = {H0, t_dev(DP_DEVICE_CPU, 7)};
+  dp_future_opts_t o = {B, devs, 2, NULL, 0, 0};
+  cr_assert_eq(dp_future_new(&o, &f, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_new: device cpu:7 cannot exist (cpu has index 0 only)");
+  cr_assert_null(f, "no future is handed out");
+  dp_future_t *in = future(), *all = NULL;
+  cr_assert_eq(dp_future_collect_all(&in, 1, &o, &all, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_future_collect_all: dp_future_new: device cpu:7 cannot exist (cpu has index 0 only)");
+  cr_assert_null(all);
+  dp_future_release(in);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* Bad arguments are refused up front, each naming the function and what is
  * wrong, and a completion refused for its arguments still completes the
  * future (with the error), so that no waiter hangs. */

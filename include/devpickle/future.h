@@ -152,7 +152,8 @@ typedef struct dp_future_opts {
 
 /** A new pending future. opts may be NULL. Errors: DP_EINVAL for a NULL
  *  out, devices NULL with ndevices above 0, a listed device that is
- *  neither cpu nor one of the backend's (its message names it), or hooks
+ *  neither cpu (index 0: value.h) nor one of the backend's (its message
+ *  names it), or hooks
  *  with neither record_stream nor record_streams; dp_backend_default's and dp_cache_default's
  *  errors when they are asked; DP_ENOMEM. */
 DP_API int dp_future_new(const dp_future_opts_t *opts, dp_future_t **out, dp_error_t *err);
