@@ -187,12 +187,15 @@ size_t dp__step_index(size_t i, char *out) {
   return sizeof tmp - k;
 }
 
+_Thread_local uint64_t dp__path_steps_rendered;
+
 size_t dp__path_render(char out[DP_PATH_MAX + 1], size_t nsteps, dp__step_fn step, void *ctx) {
   char buf[DP__STEP_BUF];
   size_t len = 1, head_steps = 0, head_len = 1, d, n;
   out[0] = '$';
   for (d = 0; d < nsteps; d++) {
     n = step(ctx, d, buf);
+    dp__path_steps_rendered++;
     if (len + n > DP_PATH_MAX) break;
     memcpy(out + len, buf, n);
     len += n;
@@ -207,7 +210,7 @@ size_t dp__path_render(char out[DP_PATH_MAX + 1], size_t nsteps, dp__step_fn ste
      * step is left out; no step is longer than the tail's budget, so the
      * last one is always shown. */
     size_t tail_len = 0, t = nsteps;
-    while (t > head_steps && tail_len + (n = step(ctx, t - 1, buf)) <= DP_PATH_TAIL) {
+    while (t > head_steps && (dp__path_steps_rendered++, tail_len + (n = step(ctx, t - 1, buf)) <= DP_PATH_TAIL)) {
       tail_len += n;
       t--;
     }
@@ -216,6 +219,7 @@ size_t dp__path_render(char out[DP_PATH_MAX + 1], size_t nsteps, dp__step_fn ste
                             t - head_steps, t - head_steps == 1 ? "" : "s");
     for (d = t; d < nsteps; d++) {
       n = step(ctx, d, buf);
+      dp__path_steps_rendered++;
       memcpy(out + len, buf, n);
       len += n;
     }

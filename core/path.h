@@ -14,6 +14,7 @@
 #define DP_CORE_PATH_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include "devpickle/ptrset.h"
 
 #define DP__ELLIPSIS "\xe2\x80\xa6" /* U+2026 */
@@ -80,5 +81,8 @@ size_t dp__name_quoted(const char *s, size_t n, char *out);
  * deep the path. Returns the length; out is NUL-terminated. */
 typedef size_t (*dp__step_fn)(void *ctx, size_t i, char *buf);
 size_t dp__path_render(char out[DP_PATH_MAX + 1], size_t nsteps, dp__step_fn step, void *ctx);
+/* Steps this thread's dp__path_render calls have asked their callback for:
+ * a test counter, so that tests count a path's cost instead of timing it. */
+extern _Thread_local uint64_t dp__path_steps_rendered;
 
 #endif

@@ -2578,6 +2578,41 @@ Test(pickler, a_long_key_repeated_down_a_deep_value_costs_bounded_path_memory) {
   ASSERT_NO_LEAK();
 }
 
+/* ptrset.h: rendering a path costs time bounded by its length, not by the
+ * depth. A chain of 20,000 lists with a tensor on its own storage at every
+ * level asks for 20,000 paths, most of them elided; steps are at least 2
+ * bytes, so one render asks for at most DP_PATH_MAX / 2 + 1 steps for its
+ * head and twice DP_PATH_TAIL / 2 + 1 for its tail. Rendering every step of
+ * each path asked for 200 million. */
+Test(pickler, a_scan_with_paths_renders_a_bounded_number_of_steps_however_deep_its_tensors) {
+  extern _Thread_local uint64_t dp__path_steps_rendered;
+  const size_t D = 20000;
+  dp_value_t root = t_list(), cur = root;
+  for (size_t i = 0; i < D; i++) {
+    dp_value_t next = t_list();
+    OK(dp_list_append(cur, t_tensor(CUDA0, 0x100000 + (uintptr_t)i * 64, 4), T_ERR));
+    OK(dp_list_append(cur, next, T_ERR));
+    cur = next;
+  }
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, T_ERR));
+  dp_scan_opts_t o = {DP_SCAN_PATHS, 0};
+  dp__path_steps_rendered = 0;
+  OK(dp_scan(root, &o, set, T_ERR));
+  uint64_t steps = dp__path_steps_rendered;
+  cr_assert_eq(dp_ptrset_count(set), D);
+  uint64_t per_path = DP_PATH_MAX / 2 + 1 + 2 * (DP_PATH_TAIL / 2 + 1);
+  cr_assert_leq(steps, D * per_path, "%llu steps rendered for %zu paths", (unsigned long long)steps, D);
+  cr_assert_geq(steps, D, "every path renders at least its last step");
+  dp_ptr_info_t p;
+  OK(dp_ptrset_get(set, D - 1, &p, T_ERR));
+  cr_assert_leq(strlen(p.path), DP_PATH_MAX);
+  cr_assert(strstr(p.path, "steps\u2026>") != NULL, "%s", p.path);
+  dp_ptrset_free(set);
+  dp_value_release(root);
+  ASSERT_NO_LEAK();
+}
+
 /* Heap nodes of v in preorder, each once (small values: a linear search). */
 static void collect_nodes(dp_value_t v, dp_value_t *out, size_t *n, size_t cap) {
   if (!dp_value_is_heap(v) || *n == cap) return;
