@@ -324,13 +324,39 @@ PyObject *dpy_private_list(PyObject *l) {
   return l;
 }
 
+/* Whether x is an exact scalar that holds no memory and no reference: the
+ * walk does nothing with it but pass it (scan.c, visit()). */
+static inline int bare_leaf(PyObject *x) {
+  PyTypeObject *t = Py_TYPE(x);
+  return plain_leaf(t) || t == &PyBytes_Type || t == &PyComplex_Type;
+}
+
+/* What the walk keeps of a drained item x (a new reference). Without a
+ * frame to build, a bare leaf is None in its place and a (key, value) pair
+ * of bare leaves one shared pair of Nones: the walk meets nothing in them,
+ * and a reduce that yields 10 million ints would otherwise hold them all
+ * until the walk ends (36 bytes an item in place of the list's 8; the
+ * indices, and so the paths of the items after them, stay as they were). */
+static PyObject *drained_item(dpy_scanner_t *s, PyObject *x) {
+  static PyObject *bare_pair;
+  if (s->build) return Py_NewRef(x);
+  if (bare_leaf(x)) return Py_NewRef(Py_None);
+  if (PyTuple_CheckExact(x) && PyTuple_GET_SIZE(x) == 2 && bare_leaf(PyTuple_GET_ITEM(x, 0)) &&
+      bare_leaf(PyTuple_GET_ITEM(x, 1))) {
+    if (!bare_pair && !(bare_pair = PyTuple_Pack(2, Py_None, Py_None))) return NULL;
+    return Py_NewRef(bare_pair);
+  }
+  return Py_NewRef(x);
+}
+
 PyObject *dpy_drain(dpy_scanner_t *s, PyObject *it) {
   PyObject *iter = PyObject_GetIter(it);
   if (!iter) return NULL;
   PyObject *l = dpy_private_list(PyList_New(0)), *x = NULL;
   for (size_t n = 1; l && (x = PyIter_Next(iter)) != NULL; n++) {
-    int rc = PyList_Append(l, x);
-    Py_DECREF(x);
+    Py_SETREF(x, drained_item(s, x));
+    int rc = x ? PyList_Append(l, x) : -1;
+    Py_XDECREF(x);
     if (rc) Py_CLEAR(l);
     else if (n % DRAIN_CHECK == 0 && PyErr_CheckSignals()) {
       /* the handler's exception, whatever it is, is no error of the
