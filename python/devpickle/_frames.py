@@ -330,10 +330,11 @@ def new(name, classes):
     return cls.__new__(cls)
 
 
-def fill(obj, attrs):
+def fill(obj, attrs, copies=None):
     """A plain object's attributes: those its class keeps in slots set with
     setattr, the others into its __dict__ (pickle's default __setstate__
-    for a (dict, slots) state)."""
+    for a (dict, slots) state). copies: the loads call's Copies, which
+    keeps each class's slot names once found."""
     if isinstance(obj, Object):
         try:
             own = object.__getattribute__(obj, "__attrs__")
@@ -346,7 +347,7 @@ def fill(obj, attrs):
                             "a devpickle.Object is carried as its reduce (its class name and attributes)") from None
         own.update(attrs)
         return obj
-    slots = _slot_names(type(obj))
+    slots = _slot_names(type(obj)) if copies is None else copies.slot_names(type(obj))
     state = {k: v for k, v in attrs.items() if k not in slots}
     slot_state = {k: v for k, v in attrs.items() if k in slots}
     setstate = _setstate(obj) if state or slot_state else None  # pickle calls it for a state other than None
@@ -483,7 +484,7 @@ class Copies:
     hash 1,000,000 items); the tuple items each hash walks are charged before
     Python hashes them (_hash_work, frames.c)."""
 
-    __slots__ = ("size", "left", "limit", "shared", "hashed")
+    __slots__ = ("size", "left", "limit", "shared", "hashed", "slots")
     PER_BYTE, FIXED = 4, 65536
 
     def __init__(self, size, max_copies=None):
@@ -499,6 +500,16 @@ class Copies:
         self.left = self.limit = max_copies
         self.shared = {}  # (kind, id(node's object)) -> (that object, what was made of it)
         self.hashed = {}  # _hash_work's memo: id(tuple) -> (that tuple, its work and height)
+        self.slots = {}  # slot_names' memo: class -> its slot names
+
+    def slot_names(self, cls):
+        """_slot_names(cls), found once a class a call: it reads every
+        attribute of every class in cls's MRO (an nn.Module subclass: some
+        200), which a frame of many small objects of one class paid each."""
+        names = self.slots.get(cls)
+        if names is None:
+            names = self.slots[cls] = _slot_names(cls)
+        return names
 
     def charge(self, what, n):
         self.left -= n
@@ -712,7 +723,7 @@ def finish(name, attrs, classes, copies):
                             f"are not its fields {fields!r}")
         return cls(**attrs)
     if cls is None or not any(k.startswith("<") for k in attrs):
-        return Object(name, attrs) if cls is None else fill(cls.__new__(cls), attrs)
+        return Object(name, attrs) if cls is None else fill(cls.__new__(cls), attrs, copies)
     if not set(attrs) <= _REDUCE_PARTS:
         # dumps writes a reduce's parts alone: a mix is no form it writes,
         # never read as a reduce with the rest dropped

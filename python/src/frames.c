@@ -1047,7 +1047,7 @@ static PyObject *finish(loader_t *l, cframe_t *f) {
     if (f->made)
       r = PyObject_CallFunction(l->fn_reduced_done, "OsOOO", f->made, dp_object_class(f->v), f->py, l->classes,
                                 l->copies);
-    else if (f->placeholder) r = PyObject_CallFunctionObjArgs(l->fn_fill, f->placeholder, f->py, NULL);
+    else if (f->placeholder) r = PyObject_CallFunctionObjArgs(l->fn_fill, f->placeholder, f->py, l->copies, NULL);
     else r = PyObject_CallFunction(l->fn_finish, "sOOO", dp_object_class(f->v), f->py, l->classes, l->copies);
     break;
   }

@@ -5060,3 +5060,28 @@ def test_torch_views_of_one_buffer_made_on_both_sides_of_a_mode_change_are_the_g
                     _EnterMode.entered.pop().__exit__(None, None, None)
         made.append([(x.is_inference(), _as_autograd_sees_it(x), x.tolist()) for x in out if isinstance(x, torch.Tensor)])
     assert made[0] == made[1]
+
+
+class _OneOfMany:
+    pass
+
+
+def test_loads_finds_a_classs_slot_names_once_a_call_not_once_an_object(monkeypatch):
+    # finding them reads every attribute of every class in the MRO (an
+    # nn.Module subclass: some 200): paid for each of a frame's many small
+    # objects, it multiplied the frame's cost by the class's size
+    from devpickle import _frames
+
+    found = []
+    real = _frames._slot_names
+    monkeypatch.setattr(_frames, "_slot_names", lambda cls: found.append(cls) or real(cls))
+    objs = []
+    for i in range(1000):
+        o = _OneOfMany()
+        o.s, o.a = i, -i
+        objs.append(o)
+    frame = devpickle.dumps(objs, inline=True)
+    for _ in range(2):
+        got = devpickle.loads(frame, classes=[_OneOfMany])
+        assert [(o.s, o.a) for o in got] == [(i, -i) for i in range(1000)]
+    assert found == [_OneOfMany, _OneOfMany]
