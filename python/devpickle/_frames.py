@@ -343,7 +343,7 @@ def fill(obj, attrs, copies=None):
             # Object is its class name and attributes, which its __init__
             # sets and dumps carries as its reduce; a plain frame object of
             # that class has no class name to give it
-            raise TypeError(f"loads: a {class_label(type(obj))} object in plain form (attributes: {sorted(attrs)!r}): "
+            raise TypeError(f"loads: a {class_label(type(obj))} object in plain form (attributes: {_shown_names(attrs)}): "
                             "a devpickle.Object is carried as its reduce (its class name and attributes)") from None
         own.update(attrs)
         return obj
@@ -443,14 +443,14 @@ def _set_state(obj, state, slots):
              _LIST_INSTANCE_PROTOCOL if isinstance(obj, (list, collections.deque)) else _INSTANCE_PROTOCOL)
     protocol = sorted(k for k in state if k in names)
     if protocol:
-        raise TypeError(f"loads: {class_label(type(obj))}'s attributes {protocol!r} are names numpy, torch, copy and "
+        raise TypeError(f"loads: {class_label(type(obj))}'s attributes {_shown_names(protocol)} are names numpy, torch, copy and "
                         "pickle look up on the instance: a frame's value there would answer for the object (an "
                         "__array_interface__ naming any address), so loads sets none")
     if state:
         d = getattr(obj, "__dict__", None)
         if not isinstance(d, dict):
             raise TypeError(f"loads: {class_label(type(obj))} has no __dict__ for the attributes "
-                            f"{list(state)!r} (it keeps only {sorted(_slot_names(type(obj)))!r}, in slots)")
+                            f"{_shown_names(state)} (it keeps only {sorted(_slot_names(type(obj)))!r}, in slots)")
         d.update(state)
     for k, v in slots.items():
         try:
@@ -655,9 +655,9 @@ def _reserved(name, attrs, attr, kind):
     v = attrs.get(attr)
     if not isinstance(v, kind):
         raise TypeError(f"loads: a {name} object whose {attr!r} is not a {kind.__name__} "
-                        f"(attributes: {sorted(attrs)!r})")
+                        f"(attributes: {_shown_names(attrs)})")
     if set(attrs) != _RESERVED_FORM[name]:
-        raise TypeError(f"loads: a {name} object whose attributes are {sorted(attrs)!r}, not "
+        raise TypeError(f"loads: a {name} object whose attributes are {_shown_names(attrs)}, not "
                         f"{sorted(_RESERVED_FORM[name])!r}")
     return v
 
@@ -666,6 +666,19 @@ def shown(x):
     """x for a message, bounded (reprlib's cuts): a frame's key or item may
     refer to one long str many times, whose full repr is that many copies."""
     return reprlib.repr(x)
+
+
+_NAMES_REPR = reprlib.Repr()
+_NAMES_REPR.maxlist, _NAMES_REPR.maxstring = 8, 64
+
+
+def _shown_names(attrs):
+    """A frame object's attribute names for a message, sorted and bounded:
+    the first 8, each cut at 64 characters, and how many there are (a
+    frame's object may have a million, each a megabyte long)."""
+    ns = sorted(attrs)
+    shown_ = _NAMES_REPR.repr(ns)
+    return shown_ if len(ns) <= _NAMES_REPR.maxlist else f"{shown_} ({len(ns)} names)"
 
 
 def _no_merge(name, items, made):
@@ -719,7 +732,7 @@ def finish(name, attrs, classes, copies):
     if cls is not None and issubclass(cls, tuple) and not any(k.startswith("<") for k in attrs):
         fields = getattr(cls, "_fields", None)
         if not isinstance(fields, tuple) or set(attrs) != set(fields):
-            raise TypeError(f"loads: {name} is a tuple class; the frame's attributes {sorted(attrs)!r} "
+            raise TypeError(f"loads: {name} is a tuple class; the frame's attributes {_shown_names(attrs)} "
                             f"are not its fields {fields!r}")
         return cls(**attrs)
     if cls is None or not any(k.startswith("<") for k in attrs):
@@ -728,7 +741,7 @@ def finish(name, attrs, classes, copies):
         # dumps writes a reduce's parts alone: a mix is no form it writes,
         # never read as a reduce with the rest dropped
         raise TypeError(f"loads: a {name} object whose attributes mix a reduce's parts and other names "
-                        f"(attributes: {sorted(attrs)!r})")
+                        f"(attributes: {_shown_names(attrs)})")
     return reduced(cls, attrs, classes, copies)
 
 

@@ -5085,3 +5085,17 @@ def test_loads_finds_a_classs_slot_names_once_a_call_not_once_an_object(monkeypa
         got = devpickle.loads(frame, classes=[_OneOfMany])
         assert [(o.s, o.a) for o in got] == [(i, -i) for i in range(1000)]
     assert found == [_OneOfMany, _OneOfMany]
+
+
+def test_an_error_names_a_frame_objects_attributes_boundedly(tmp_path):
+    # the names went into the message whole: a 1 MB frame of a set object
+    # with 100,001 attributes raised a 1.2 MB message
+    attrs = {f"a{i:06d}": 1 for i in range(100_000)}
+    attrs["x" * 100_000] = 2
+    for cls, what in (("builtins.set", "'items' is not a list"), ("builtins.complex", "'real' is not a float")):
+        frame = _packed(tmp_path, {"$object": cls, "attrs": attrs})
+        with pytest.raises(TypeError) as e:
+            devpickle.loads(frame)
+        msg = str(e.value)
+        assert what in msg and "(100001 names)" in msg and "'a000007', ...]" in msg, msg
+        assert len(msg) < 400, msg
