@@ -211,6 +211,10 @@ extern _Atomic unsigned long dp__transport_shm_accepted;
 /** Frames this process's receivers took in order (tests read it: the
  *  values that arrived, whatever their buffers or the memory they hold). */
 extern _Atomic unsigned long dp__transport_frames_in;
+/** Peers' CLOSE messages this process's receivers accepted (tests read it:
+ *  a test of what follows a close waits for it to have arrived, for a
+ *  message sent after it may overtake it). */
+extern _Atomic unsigned long dp__transport_closes_in;
 /** Messages this process's receivers found complete at the head of their
  *  queue with no receive waiting, each counted once (tests read it: the
  *  state "a value has arrived and waits to be taken"). */

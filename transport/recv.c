@@ -1282,8 +1282,10 @@ static ucs_status_t am_ctl(dp_transport_t *t, dp_endpoint_t *ep, unsigned id, co
     /* credit_top: the values arrived, those parked included */
     if (c->value != 0 || on_lane_worker || ep->peer_closed || c->token < ep->credit_top)
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "a close message the protocol does not expect");
-    else
+    else {
       ep->peer_closed = 1, ep->peer_sent = c->token; /* the loop's passes wait for its values */
+      atomic_fetch_add_explicit(&dp__transport_closes_in, 1, memory_order_relaxed);
+    }
   } else if (id == DP__AM_ACCEPT) {
     if (ep->acceptor || ep->accepted || on_lane_worker || c->value)
       dp__tp_ep_failf(ep, DP_EFORMAT, "%s", "an accept message the protocol does not expect");

@@ -25,6 +25,7 @@ void (*dp__transport_accept_gap)(void);
 _Atomic unsigned long dp__transport_slot_waits;
 _Atomic unsigned long dp__transport_shm_accepted;
 _Atomic unsigned long dp__transport_frames_in;
+_Atomic unsigned long dp__transport_closes_in;
 _Atomic unsigned long dp__transport_ready_unclaimed;
 
 /* ---- small things ---- */
