@@ -1115,10 +1115,11 @@ static int freed_locked(const dp_endpoint_t *ep, const char *fn, dp_error_t *err
 
 static int queue_send(dp_endpoint_t *ep, const char *fn, sop_t *s, dp_future_t **done, dp_error_t *err) {
   dp_transport_t *t = ep->t;
+  /* the fork is checked by every caller; freed, then failed, under one lock */
   pthread_mutex_lock(&t->mu);
   int rc = freed_locked(ep, fn, err);
+  if (!rc && (rc = ep->error) && err) *err = ep->errinfo;
   pthread_mutex_unlock(&t->mu);
-  if (!rc) rc = dp_endpoint_error(ep, err); /* DP_EINVAL in a forked child */
   if (!rc && done) rc = new_future(t, &s->done, err);
   cmd_t *c = rc ? NULL : dp__alloc(sizeof *c);
   if (!rc && !c) rc = dp__err(err, DP_ENOMEM, "transport: out of memory");
@@ -1258,6 +1259,7 @@ int dp_endpoint_recv_frame(dp_endpoint_t *ep, dp_future_t **out, dp_error_t *err
 
 int dp__endpoint_send_raw(dp_endpoint_t *ep, unsigned am_id, const void *hdr, size_t hlen, const void *data,
                           size_t n, dp_error_t *err) {
+  if (forked(ep->t, "dp__endpoint_send_raw", err)) return DP_EINVAL;
   sop_t *s = sop_new(SOP_RAW);
   if (!s) return dp__err(err, DP_ENOMEM, "out of memory");
   s->raw_id = am_id;
