@@ -2405,12 +2405,11 @@ Test(allocator, an_allocation_out_of_memory_reclaims_a_finished_pending_block_be
  * function that the wait waits for cached a segment of its own meanwhile:
  * that segment is freed in turn and the allocation made (it failed, with
  * 0 bytes allocated and 2 MiB reserved, the whole of the cache free). */
-static void allocate_once_a_segment_went_back(void *arg) {
-  (void)arg;
+static void wait_for_a_segment_to_go_back(void *allocate_then) {
   dp_cache_stats_t st = {0};
   while (dp_cache_stats(C, H0, &st, NULL) == 0 && st.segment_frees == 0) sched_yield();
   void *p;
-  if (dp_cache_alloc(C, H0, 4096, NULL, &p, NULL) == 0) dp_cache_dealloc(C, p, NULL);
+  if (allocate_then && dp_cache_alloc(C, H0, 4096, NULL, &p, NULL) == 0) dp_cache_dealloc(C, p, NULL);
 }
 
 Test(allocator, an_allocation_out_of_memory_frees_what_was_cached_while_it_freed_the_cache, .timeout = 20) {
@@ -2419,7 +2418,7 @@ Test(allocator, an_allocation_out_of_memory_frees_what_was_cached_while_it_freed
   OK(dp_cache_alloc(C, H0, 4096, m, &p, T_ERR));
   OK(dp_cache_dealloc(C, p, T_ERR)); /* a free 2 MiB segment, cached */
   OK(dp_host_set_memory_limit(H0, 4u << 20, T_ERR));
-  OK(dp_host_launch(s, allocate_once_a_segment_went_back, NULL, T_ERR));
+  OK(dp_host_launch(s, wait_for_a_segment_to_go_back, (void *)1, T_ERR)); /* and cache one */
   dp_error_t e;
   int rc = dp_cache_alloc(C, H0, 3u << 20, m, &p, &e); /* a 4 MiB segment: only the cache's 2 MiB stand in its way */
   OK(dp_stream_synchronize(s, T_ERR));
@@ -2437,11 +2436,6 @@ Test(allocator, an_allocation_out_of_memory_frees_what_was_cached_while_it_freed
 /* The same for a pending block whose stream finished while the cache was
  * freed: it is reclaimed, its segment freed in turn, and the allocation
  * made. */
-static void hold_until_a_segment_went_back(void *arg) {
-  (void)arg;
-  dp_cache_stats_t st = {0};
-  while (dp_cache_stats(C, H0, &st, NULL) == 0 && st.segment_frees == 0) sched_yield();
-}
 
 Test(allocator, an_allocation_out_of_memory_reclaims_a_block_that_finished_while_it_freed_the_cache, .timeout = 20) {
   dp_stream_t *m = stream(H0), *g = stream(H0);
@@ -2450,7 +2444,7 @@ Test(allocator, an_allocation_out_of_memory_reclaims_a_block_that_finished_while
   OK(dp_cache_alloc(C, H0, 3u << 19, m, &y, T_ERR));    /* a large one, 2 MiB */
   OK(dp_host_set_memory_limit(H0, 4u << 20, T_ERR));   /* reached */
   OK(dp_cache_dealloc(C, x, T_ERR));                    /* its segment is free */
-  OK(dp_host_launch(g, hold_until_a_segment_went_back, NULL, T_ERR));
+  OK(dp_host_launch(g, wait_for_a_segment_to_go_back, NULL, T_ERR));
   OK(dp_cache_record_stream(C, y, g, T_ERR));
   OK(dp_cache_dealloc(C, y, T_ERR)); /* pending until g's function returns */
   dp_error_t e;

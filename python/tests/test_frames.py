@@ -3187,7 +3187,11 @@ def test_a_tensor_subclass_name_holding_nul_is_not_cut_to_another_class(tmp_path
     assert out.data.tolist() == [1.0]
 
 
-def test_a_class_named_with_nul_is_refused_by_dumps_never_cut_to_another_name():
+def _classes_to_misname():
+    """Fresh classes of the three kinds dumps names in a frame (an object
+    with a __dict__, a tensor subclass, a reduce's callable), and a value of
+    each: a test renames the classes, then dumps the values."""
+
     class Evil:
         pass
 
@@ -3198,11 +3202,21 @@ def test_a_class_named_with_nul_is_refused_by_dumps_never_cut_to_another_name():
         def __reduce__(self):
             return (EvilReduced, ())
 
-    for cls in (Evil, EvilTensor, EvilReduced):
+    def values():
+        obj = Evil()
+        obj.x = 1
+        return [obj, torch.zeros(2).as_subclass(EvilTensor), EvilReduced()]
+
+    return (Evil, EvilTensor, EvilReduced), values
+
+
+def test_a_class_named_with_nul_is_refused_by_dumps_never_cut_to_another_name():
+    classes, values = _classes_to_misname()
+    Evil = classes[0]
+    for cls in classes:
         cls.__qualname__ = "Evil\x00Good"
-    obj = Evil()
-    obj.x = 1
-    cases = [obj, torch.zeros(2).as_subclass(EvilTensor), EvilReduced()]
+    cases = values()
+    obj = cases[0]
     for value in cases:
         with pytest.raises(devpickle.WalkError, match=r"class cannot be named in a frame") as info:
             devpickle.dumps({"k": value})
@@ -3222,28 +3236,17 @@ def test_a_class_whose_name_is_no_utf8_or_whose_module_is_no_str_is_refused_by_d
         pass
 
     Listed.__module__, Listed.__qualname__ = "m", "S"
-
-    class Evil:
-        pass
-
-    class EvilTensor(torch.Tensor):
-        pass
-
-    class EvilReduced:
-        def __reduce__(self):
-            return (EvilReduced, ())
-
+    classes, values = _classes_to_misname()
+    Evil = classes[0]
     for names in (("m", "\ud800"), ("m\ud800", "S"), (5, "S")):
-        for cls in (Evil, EvilTensor, EvilReduced):
+        for cls in classes:
             cls.__name__ = "S"
             cls.__module__, cls.__qualname__ = names
-        obj = Evil()
-        obj.x = 1
-        for value in (obj, torch.zeros(2).as_subclass(EvilTensor), EvilReduced()):
+        for value in values():
             with pytest.raises(devpickle.WalkError, match=r"class cannot be named in a frame") as info:
-                devpickle.loads(devpickle.dumps({"k": value}), classes=(Listed, Evil, EvilTensor, EvilReduced))
+                devpickle.loads(devpickle.dumps({"k": value}), classes=(Listed,) + classes)
             assert "no str of UTF-8" in str(info.value)
-        assert devpickle.scan([obj], paths=False) == []  # scanning names no class in a frame
+        assert devpickle.scan([values()[0]], paths=False) == []  # scanning names no class in a frame
     # a class or function held as a value (a global) so named is refused too
     for names in (("m", "\ud800"), ("m\ud800", "S")):
         Evil.__module__, Evil.__qualname__ = names
