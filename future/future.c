@@ -412,9 +412,43 @@ static size_t put_devices(char *buf, size_t cap, const dp_device_t *d, size_t n,
   return pos;
 }
 
-/* The value uses device d, which the future does not allow: says so. */
-static int refuse_device(const dp_future_t *f, const dp__ptrs_t *p, dp_device_t d, dp_error_t *err) {
-  char used[256], ok[256], one[16];
+/* The path of set's first allocation on device d, as " (first at PATH)"
+ * in out; 0 when it has none (a scan without paths, or nothing there). */
+static int set_path_on(const dp_ptrset_t *set, dp_device_t d, char *out, size_t cap) {
+  for (size_t j = 0; j < dp_ptrset_ndevices(set); j++) {
+    if (!dp_device_equal(dp_ptrset_device(set, j), d)) continue;
+    dp_ptr_info_t pi;
+    if (dp_ptrset_get(set, dp_ptrset_first_on(set, j), &pi, NULL) || !pi.path) return 0;
+    snprintf(out, cap, " (first at %s)", pi.path);
+    return 1;
+  }
+  return 0;
+}
+
+/* Where the value first holds memory on device d, as " (first at PATH)" in
+ * out: from the producer's set when it was scanned with paths (given:
+ * dp_future_mark_completed_with_ptrs), else by walking the value again
+ * with paths — the completion's own walk keeps none (they cost on every
+ * completion), and a refusal is rare; a custom's reduce runs once more, as
+ * in any walk. Nothing when that walk fails or meets no memory there (a
+ * set the producer filled itself may hold what the value does not). */
+static void first_path_on(dp_value_t value, const dp_ptrset_t *given, dp_device_t d, char *out, size_t cap) {
+  out[0] = 0;
+  if (given && set_path_on(given, d, out, cap)) return;
+  dp_ptrset_t *set;
+  if (dp_ptrset_new(&set, NULL)) return;
+  dp_scan_opts_t o = {0};
+  o.flags = DP_SCAN_PATHS;
+  if (dp_scan(value, &o, set, NULL) == 0) set_path_on(set, d, out, cap);
+  dp_ptrset_free(set);
+}
+
+/* The value uses device d, which the future does not allow: says so, and
+ * where the value holds memory there. */
+static int refuse_device(const dp_future_t *f, const dp__ptrs_t *p, dp_value_t value, const dp_ptrset_t *given,
+                         dp_device_t d, dp_error_t *err) {
+  char used[256], ok[256], one[16], where[DP_PATH_MAX + 16];
+  first_path_on(value, given, d, where, sizeof where);
   dp_device_t all[64];
   size_t k = 0;
   for (size_t j = 0; j < p->ndevs && k < 64; j++) all[k++] = p->devs[j].device;
@@ -438,16 +472,16 @@ static int refuse_device(const dp_future_t *f, const dp__ptrs_t *p, dp_device_t 
   else
     snprintf(list, sizeof list, "(none named: every device of its %s backend, %s; the value's devices: %s)",
              dp_backend_name(f->b), ok, used);
-  return dp__err(err, DP_EDEVICE, "the value uses %s, which is not among the future's devices %s%s",
-                 dp_device_format(d, one, sizeof one), list, why);
+  return dp__err(err, DP_EDEVICE, "the value uses %s%s, which is not among the future's devices %s%s",
+                 dp_device_format(d, one, sizeof one), where, list, why);
 }
 
 /* Freezes the set into a record (take: the set is scratch, whose block the
  * record takes instead of a copy: pickler/ptrs.h), checks devices, records
  * one event per used device on the given streams (the current ones when
  * streams is NULL) and the allocations on those streams. */
-static int prepare(dp_future_t *f, dp_ptrset_t *set, int take, dp_stream_t *const *streams, record_t *r,
-                   dp_error_t *err) {
+static int prepare(dp_future_t *f, dp_value_t value, dp_ptrset_t *set, int take, dp_stream_t *const *streams,
+                   record_t *r, dp_error_t *err) {
   r->devs = NULL;
   r->ndevs = 0;
   /* Room for an fdev_t a device (cpu's unused), with the record. */
@@ -456,7 +490,7 @@ static int prepare(dp_future_t *f, dp_ptrset_t *set, int take, dp_stream_t *cons
   r->devs = r->ptrs.extra;
   for (size_t g = 0; g < r->ptrs.ndevs; g++)
     if (!allowed(f, r->ptrs.devs[g].device)) {
-      rc = refuse_device(f, &r->ptrs, r->ptrs.devs[g].device, err);
+      rc = refuse_device(f, &r->ptrs, value, take ? NULL : set, r->ptrs.devs[g].device, err);
       record_free(r);
       return rc;
     }
@@ -549,7 +583,7 @@ static int complete_with_set(const char *fn, dp_future_t *f, dp_value_t value, d
   record_t rec;
   dp_error_t e;
   dp_error_clear(&e);
-  int rc = prepare(f, set, take, streams, &rec, &e);
+  int rc = prepare(f, value, set, take, streams, &rec, &e);
   if (rc) {
     if (err) *err = e;
     int prc = publish_only(fn, f, value, NULL, &e, err, cbs);  /* already complete: says so */

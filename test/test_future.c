@@ -707,8 +707,8 @@ Test(future, a_device_outside_the_future_is_an_error_naming_both_lists) {
   OK(dp_list_append(l, dp_value_retain(b), T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_future_mark_completed(f, l, &e), DP_EDEVICE);
-  cr_assert_str_eq(e.message, "the value uses host:1, which is not among the future's devices [host:0] "
-                              "(the value's devices: [host:0, host:1])");
+  cr_assert_str_eq(e.message, "the value uses host:1 (first at $[1]), which is not among the future's devices "
+                              "[host:0] (the value's devices: [host:0, host:1])");
   cr_assert_eq(dp_future_wait(f, -1, &e), DP_EDEVICE);
   free_ints(a);
   free_ints(b);
@@ -725,7 +725,7 @@ Test(future, another_backends_memory_is_an_error_saying_whether_that_backend_is_
   OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_CUDA, 0), 0x7f0000001000, 16), T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_future_mark_completed(f, l, &e), DP_EDEVICE);
-  cr_assert(strstr(e.message, "the value uses cuda:0, which is not among the future's devices (none named: every "
+  cr_assert(strstr(e.message, "the value uses cuda:0 (first at $[0]), which is not among the future's devices (none named: every "
                               "device of its host backend, [host:0, host:1]; the value's devices: [cuda:0])"),
             "%s", e.message);
   dp_backend_t *cuda;
@@ -1340,7 +1340,8 @@ Test(future, collect_all_may_store_its_future_over_an_input_of_the_same_array) {
 
 /* future.h: without opts the aggregate takes its first input's backend,
  * devices and hooks; an input on a device outside them fails it with
- * DP_EDEVICE, naming the device, while opts that allow it let it through. */
+ * DP_EDEVICE, naming the device and the path in the list of values, while
+ * opts that allow it let it through. */
 Test(future, collect_all_without_opts_takes_the_first_inputs_devices) {
   dp_future_t *only0;
   dp_device_t d0 = H0;
@@ -1352,7 +1353,7 @@ Test(future, collect_all_without_opts_takes_the_first_inputs_devices) {
   OK(dp_future_collect_all(in, 2, NULL, &all, T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_future_wait(all, 1000000000, &e), DP_EDEVICE, "%s", e.message);
-  cr_assert(strstr(e.message, "host:1"), "%s", e.message);
+  cr_assert(strstr(e.message, "the value uses host:1 (first at $[1]), which"), "%s", e.message); /* the list's */
   dp_future_release(all);
   OK(dp_future_collect_all(in, 2, &(dp_future_opts_t){B, NULL, 0, NULL, 0, 0}, &all, T_ERR));
   OK(dp_future_wait(all, 1000000000, T_ERR));
@@ -2714,9 +2715,53 @@ Test(future, memory_on_a_device_past_the_backends_last_is_refused_naming_it) {
   OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_HOST, 2), 0x7f0000001000, 16), T_ERR));
   dp_error_t e;
   cr_assert_eq(dp_future_mark_completed(f, l, &e), DP_EDEVICE);
-  cr_assert_str_eq(e.message, "the value uses host:2, which is not among the future's devices (none named: every "
-                              "device of its host backend, [host:0, host:1]; the value's devices: [host:2])");
+  cr_assert_str_eq(e.message, "the value uses host:2 (first at $[0]), which is not among the future's devices (none "
+                              "named: every device of its host backend, [host:0, host:1]; the value's devices: [host:2])");
   dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
+/* A refused device names where the value holds memory there: the first
+ * path of a walk with paths (the completion's own walk keeps none), under
+ * a dict and a list; a producer's set scanned with paths gives its own; a
+ * set the producer filled with memory the value does not hold names none. */
+Test(future, a_refused_device_names_the_first_path_to_its_memory_and_a_producers_set_names_none) {
+  dp_device_t only0[1] = {H0};
+  dp_future_opts_t o = {B, only0, 1, NULL, 0, 0};
+  dp_future_t *f, *g;
+  OK(dp_future_new(&o, &f, T_ERR));
+  OK(dp_future_new(&o, &g, T_ERR));
+  dp_value_t d, inner = t_list(), key;
+  OK(dp_dict_new(0, &d, T_ERR));
+  OK(dp_list_append(inner, t_tensor(H0, 0x7f0000001000, 16), T_ERR));
+  OK(dp_list_append(inner, t_tensor(H1, 0x7f0000002000, 16), T_ERR));
+  OK(dp_list_append(inner, t_tensor(H1, 0x7f0000003000, 16), T_ERR));
+  OK(dp_str_new("blocks", 6, &key, T_ERR));
+  OK(dp_dict_set(d, key, inner, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_future_mark_completed(f, d, &e), DP_EDEVICE);
+  cr_assert(strstr(e.message, "the value uses host:1 (first at $.blocks[1]), which"), "%s", e.message);
+  dp_ptrset_t *set;
+  OK(dp_ptrset_new(&set, T_ERR));
+  OK(dp_ptrset_add(set, H1, (void *)0x7f0000004000, 16, NULL, T_ERR));
+  cr_assert_eq(dp_future_mark_completed_with_ptrs(g, dp_int(3), set, &e), DP_EDEVICE);
+  cr_assert(strstr(e.message, "the value uses host:1, which"), "%s", e.message);
+  dp_ptrset_clear(set);
+  dp_value_t held = t_list(), none = t_list();
+  OK(dp_list_append(held, t_tensor(H1, 0x7f0000005000, 16), T_ERR));
+  dp_scan_opts_t so = {0};
+  so.flags = DP_SCAN_PATHS;
+  OK(dp_scan(held, &so, set, T_ERR));
+  dp_future_t *h;
+  OK(dp_future_new(&o, &h, T_ERR));
+  cr_assert_eq(dp_future_mark_completed_with_ptrs(h, none, set, &e), DP_EDEVICE); /* the set's own path */
+  cr_assert(strstr(e.message, "the value uses host:1 (first at $[0]), which"), "%s", e.message);
+  dp_value_release(held);
+  dp_ptrset_free(set);
+  dp_future_release(f);
+  dp_future_release(g);
+  dp_future_release(h);
   dp_shutdown();
   ASSERT_NO_LEAK();
 }

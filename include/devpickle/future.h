@@ -172,12 +172,16 @@ DP_API void dp_future_release(dp_future_t *f);
  *  taken. Errors (f then completes with that error, so no waiter hangs):
  *  DP_ETYPE / DP_ELIMIT from the walk, with the type and the path;
  *  DP_EDEVICE when the value uses a device outside f's devices (the message
- *  names both); backend errors, and the hooks' errors for the records on
+ *  names both lists, and the path where the value first holds memory on
+ *  the refused device: the value is walked again, with paths, to find it —
+ *  a custom's reduce runs once more); backend errors, and the hooks' errors for the records on
  *  the completing stream (unless consumers_only or no_hooks). DP_ESTATE if
  *  f was already complete (f is left as it was). */
 DP_API int dp_future_mark_completed(dp_future_t *f, dp_value_t value, dp_error_t *err);
 /** As dp_future_mark_completed, without the walk: the producer gives the
- *  allocations (copied from ptrs). A NULL ptrs is DP_EINVAL, and f
+ *  allocations (copied from ptrs). A DP_EDEVICE message takes its path
+ *  from ptrs when dp_scan filled it with DP_SCAN_PATHS, else from a walk
+ *  of value with paths (none when value holds no memory there). A NULL ptrs is DP_EINVAL, and f
  *  completes with that error (DP_ESTATE, as err says, if f was complete
  *  already). */
 DP_API int dp_future_mark_completed_with_ptrs(dp_future_t *f, dp_value_t value, const dp_ptrset_t *ptrs,
@@ -278,7 +282,8 @@ DP_API int dp_future_then_with_ptrs(dp_future_t *f, dp_then_ptrs_cb cb, void *ud
  *  backend, devices and hooks, as a then() child takes its parent's
  *  (dp_future_new's defaults when n is 0); an input's allocation on a
  *  device outside the aggregate's devices fails it with DP_EDEVICE, as
- *  dp_future_mark_completed does, so pass opts to gather futures made with
+ *  dp_future_mark_completed does (its path is in the list of the inputs'
+ *  values, which that refusal alone walks), so pass opts to gather futures made with
  *  different devices. *out is written once the inputs are read: it may be
  *  a slot of futures. */
 DP_API int dp_future_collect_all(dp_future_t *const *futures, size_t n, const dp_future_opts_t *opts,

@@ -310,15 +310,16 @@ static dp_future_t *completed_with_tensor_on(dp_backend_t *b, dp_device_t dev) {
 /* future.h: with opts NULL the aggregate takes futures[0]'s backend and
  * devices, and an input's allocation outside them fails it with
  * DP_EDEVICE, as dp_future_mark_completed does — a device of the other
- * backend too, whichever backend comes first. */
+ * backend too, whichever backend comes first — naming the second input's
+ * path in the list of values. */
 Test(gpu, collect_all_over_futures_of_two_backends_fails_with_edevice_naming_the_device) {
   dp_backend_t *host;
   OK(dp_backend_get(DP_DEVICE_HOST, &host, NULL));
   dp_future_t *on_host = completed_with_tensor_on(host, (dp_device_t){DP_DEVICE_HOST, 0});
   dp_future_t *on_gpu = completed_with_tensor_on(B, G0);
   dp_future_t *orders[2][2] = {{on_host, on_gpu}, {on_gpu, on_host}};
-  const char *foreign[2] = {"the value uses cuda:0, which is not among the future's devices",
-                            "the value uses host:0, which is not among the future's devices"};
+  const char *foreign[2] = {"the value uses cuda:0 (first at $[1]), which is not among the future's devices",
+                            "the value uses host:0 (first at $[1]), which is not among the future's devices"};
   for (int k = 0; k < 2; k++) {
     dp_future_t *all;
     dp_error_t e;
