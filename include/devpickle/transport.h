@@ -262,8 +262,10 @@ DP_API int dp_transport_progress(dp_transport_t *t);
  *  callback a caller's pass runs (no pass can run there), it is
  *  dp_future_wait (a message of its own limit running out names
  *  dp_transport_wait; a wait on the callback's own child, or on a pending
- *  future of this transport, is DP_EMISUSE at once, future.h). DP_EINVAL
- *  for NULL. */
+ *  future of this transport, is DP_EMISUSE at once, future.h). It drives
+ *  t alone: a future of another caller-driven transport completes only
+ *  while some thread drives that one (with none, a wait without a limit
+ *  waits forever, as dp_future_wait does). DP_EINVAL for NULL. */
 DP_API int dp_transport_wait(dp_transport_t *t, dp_future_t *f, int64_t timeout_ns, dp_error_t *err);
 /** Listens on "HOST:PORT" (PORT 0: an ephemeral port, see
  *  dp_listener_port; HOST may be an IPv4 address or a name, "0.0.0.0" all
