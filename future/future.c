@@ -392,7 +392,7 @@ void dp_future_release(dp_future_t *f) {
 
 /* ---- completion ---- */
 
-static int allowed(const dp_future_t *f, dp_device_t d) {
+int dp__future_accepts(const dp_future_t *f, dp_device_t d) {
   if (d.type == DP_DEVICE_CPU) return 1;
   if (d.type != dp_backend_type(f->b) || d.index >= dp_backend_device_count(f->b)) return 0;
   if (!f->nallowed) return 1;
@@ -489,7 +489,7 @@ static int prepare(dp_future_t *f, dp_value_t value, dp_ptrset_t *set, int take,
   if (rc) return rc;
   r->devs = r->ptrs.extra;
   for (size_t g = 0; g < r->ptrs.ndevs; g++)
-    if (!allowed(f, r->ptrs.devs[g].device)) {
+    if (!dp__future_accepts(f, r->ptrs.devs[g].device)) {
       rc = refuse_device(f, &r->ptrs, value, take ? NULL : set, r->ptrs.devs[g].device, err);
       record_free(r);
       return rc;
@@ -1318,7 +1318,7 @@ static void collect_finish(collect_t *c) {
     /* A device the aggregate does not allow gets no stream (one of another
      * backend cannot have one): prepare() refuses the value before it uses
      * any, with DP_EDEVICE naming the device, as a completion does. */
-    if (!allowed(c->out, d)) break;
+    if (!dp__future_accepts(c->out, d)) break;
     dp_stream_t *s;
     if ((rc = dp_stream_pool_next(c->out->b, d, &s, &err)) != 0) break;
     for (size_t i = 0; rc == 0 && i < c->n; i++)

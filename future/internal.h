@@ -9,6 +9,12 @@
  * (other threads' are freed at their exit, by a thread-specific destructor). */
 void dp__future_shutdown(void);
 
+/* 1 when a completion of f may hold memory on device d (cpu, or a device
+ * of f's backend that f's devices name, any of them when none are named),
+ * else 0: the completion would fail with DP_EDEVICE. f's devices never
+ * change: any thread may ask. */
+int dp__future_accepts(const dp_future_t *f, dp_device_t d);
+
 /* 1 while this thread runs a future's callbacks (then(), collect_all's,
  * dp__future_notify's), frees futures whose last reference went, or walks
  * the value that completes one: those frames hold futures, their pooled

@@ -26,6 +26,7 @@
  */
 #include "ext.h"
 #include "../../future/internal.h"
+#include "../../pickler/ptrset_impl.h"
 
 #include <string.h>
 
@@ -783,14 +784,14 @@ static _Thread_local walking_t *walking;
 
 /* The allocations of value, for a future that tracks devices. 0 and a
  * scanner holding them, or -1 with an exception. */
-static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_ptrset_t *into) {
+static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_ptrset_t *into, int paths) {
   *out = NULL;
   if (!self->track) return 0;
   dpy_scanner_t *s = dpy_scanner_get();
   if (!s) return -1;
   /* the future needs the allocations, not their refs. The opaque types are
      held for the walk: the value's code may replace self's (__init__) */
-  dpy_scan_opts_t o = {.paths = 0, .no_refs = 1, .opaque = Py_XNewRef(self->opaque), .chained = self->chained};
+  dpy_scan_opts_t o = {.paths = paths, .no_refs = 1, .opaque = Py_XNewRef(self->opaque), .chained = self->chained};
   /* the value's code runs under the walk: a wait() on self from it (on
      this thread) is refused, since self completes only once the walk
      returns. A nested walk of the same future cannot begin (completing is
@@ -809,6 +810,34 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_pt
   }
   *out = s;
   return 0;
+}
+
+/* The walk of value found memory (s) on a device self refuses: the value
+ * is walked again with paths, and the first path of its memory on each
+ * such device goes into that walk's set, so that the refusal (DP_EDEVICE)
+ * names where the value holds it, as the library's own walk does
+ * (future.h); the value's code runs once more, as in any walk. Returns the
+ * scanner to complete with: s, or the second walk's (s put back). A second
+ * walk that fails leaves s: the refusal then names no path. */
+static dpy_scanner_t *paths_where_refused(pyfut_t *self, PyObject *value, dpy_scanner_t *s) {
+  const dp_ptrset_t *set = dpy_scanner_ptrs(s);
+  size_t j = 0, n = dp_ptrset_ndevices(set);
+  while (j < n && dp__future_accepts(self->f, dp_ptrset_device(set, j))) j++;
+  if (j == n) return s;
+  dpy_scanner_t *p;
+  if (walk_value(self, value, &p, NULL, 1)) {
+    PyErr_Clear();
+    return s;
+  }
+  dp_ptrset_t *found = (dp_ptrset_t *)dpy_scanner_ptrs(p);
+  for (size_t k = 0; k < dp_ptrset_ndevices(found); k++) {
+    size_t i = dp_ptrset_first_on(found, k);
+    const char *path = dpy_scanner_path(p, i);
+    /* out of memory for the copy: the refusal names no path */
+    if (!dp__future_accepts(self->f, dp_ptrset_device(found, k)) && path) (void)dp__ptrset_set_path(found, i, path);
+  }
+  dpy_scanner_put(s);
+  return p;
 }
 
 static dp_error_t py_failure(const char *what) {
@@ -933,7 +962,7 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
   }
   claim(self);
   dpy_scanner_t *s;
-  if (walk_value(self, value, &s, NULL)) {
+  if (walk_value(self, value, &s, NULL, 0)) {
     /* the future fails with the WalkError too, so that no waiter hangs */
     PyObject *exc = fetch_raised();
     set_exc(self, walk_failure(exc));
@@ -948,6 +977,7 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
   }
   Py_XSETREF(self->result, Py_NewRef(value));
   if (!s) return empty_ptrs_complete(self);
+  s = paths_where_refused(self, value, s);
   cupy_swap_t sw = {0};
   if (dpy_scanner_saw_cupy(s)) {
     dp_device_t devs[DP_CURRENT_STREAM_SLOTS];
@@ -1315,7 +1345,7 @@ static void complete_child(pyfut_t *child, PyObject *r) {
     return;
   }
   dpy_scanner_t *s;
-  if (walk_value(child, r, &s, NULL)) {
+  if (walk_value(child, r, &s, NULL, 0)) {
     PyObject *exc = fetch_raised();
     set_exc(child, walk_failure(exc));
     Py_DECREF(exc);
@@ -1331,6 +1361,7 @@ static void complete_child(pyfut_t *child, PyObject *r) {
     Py_XDECREF(ok);
     return;
   }
+  s = paths_where_refused(child, r, s);
   child->cupy = dpy_scanner_saw_cupy(s);
   /* the events go on the pool streams, current for the callback; a
    * failure (a device outside the child's list) fails the child with it */

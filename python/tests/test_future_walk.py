@@ -50,6 +50,18 @@ class OnCuda0:
     __cuda_array_interface__ = {"data": (0x10000, False), "shape": (4,), "typestr": "<f4", "version": 3}
 
 
+class CountsReduce:
+    # a reduce that counts its calls (in CountsReduce.calls)
+    calls = []
+
+    def __init__(self, held):
+        self.held = held
+
+    def __reduce__(self):
+        CountsReduce.calls.append(1)
+        return (CountsReduce, (self.held,))
+
+
 def test_a_then_child_of_a_future_that_walks_nothing_walks_nothing_and_a_collect_all_ones_walks():
     # docs/PYTHON.md: a then() child takes its parent's devices down the
     # chain (devices=[]: it stores a lock, as torch's CPU future does); a
@@ -75,8 +87,34 @@ def test_a_then_child_keeps_its_parents_devices_and_refuses_a_result_on_another(
     parent = devpickle.Future(devices=["cpu"])
     child = parent.then(lambda p: OnCuda0())
     parent.set_result(1)
-    with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\] "):
+    with pytest.raises(ValueError, match=r"^the value uses cuda:0 \(first at \$\), which is not among the future's "
+                       r"devices \[cpu\] "):
         child.wait()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
+def test_a_refused_device_names_where_the_value_holds_it_by_a_second_walk_with_paths():
+    # future.h: the refusal names the path to the value's first memory on
+    # the refused device; the walk of a completion keeps no paths, so a
+    # refusal walks the value again (its code runs once more), and a value
+    # the future accepts is walked once
+    calls = CountsReduce.calls = []
+    value = {"ok": torch.zeros(2), "blocks": [1, CountsReduce(OnCuda0())]}
+    with pytest.raises(ValueError) as e:
+        devpickle.Future(devices=["cpu"]).set_result(value)
+    assert str(e.value).startswith(
+        "the value uses cuda:0 (first at $.blocks[1]<reduce test_future_walk.CountsReduce>.args[0]), which is not "
+        "among the future's devices [cpu]"
+    ), str(e.value)
+    assert len(calls) == 2
+    f = devpickle.Future(devices=["cpu"])
+    child = f.then(lambda p: value)
+    f.set_result(None)
+    with pytest.raises(ValueError, match=r"^the value uses cuda:0 \(first at \$\.blocks\[1\]<reduce "):
+        child.wait()
+    calls.clear()
+    devpickle.Future(devices=["cpu"]).set_result({"ok": torch.zeros(2), "h": CountsReduce(7)})
+    assert len(calls) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
@@ -85,7 +123,8 @@ def test_cuda_memory_given_to_a_future_without_devices_where_cuda_is_unusable_sa
     # had listed the backend's devices, and says why cuda:0 is out of reach
     with pytest.raises(ValueError) as e:
         devpickle.Future().set_result([OnCuda0()])
-    assert str(e.value).startswith("the value uses cuda:0, which is not among the future's devices (none named: "
+    assert str(e.value).startswith("the value uses cuda:0 (first at $[0]), which is not among the future's devices "
+                                   "(none named: "
                                    "every device of its host backend, [host:0, host:1]; the value's devices: "
                                    "[cuda:0]); memory on cuda:0 cannot be tracked in this process: "), str(e.value)
 
@@ -170,7 +209,8 @@ def test_a_class_another_thread_changes_while_the_walk_reads_it_is_walked_as_cha
     assert changed.is_set()
     assert [(a.device, a.ptr) for a in first] == [("cuda:0", 0x10000)]
     assert [(a.device, a.ptr) for a in devpickle.scan([Late(), Late()], paths=False)] == [("cuda:0", 0x10000)]
-    with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
+    with pytest.raises(ValueError, match=r"^the value uses cuda:0 \(first at \$\), which is not among the future's "
+                       r"devices \[cpu\]"):
         devpickle.Future(devices=["cpu"]).set_result(Late())
 
 
