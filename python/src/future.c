@@ -814,30 +814,35 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_pt
 
 /* The walk of value found memory (s) on a device self refuses: the value
  * is walked again with paths, and the first path of its memory on each
- * such device goes into that walk's set, so that the refusal (DP_EDEVICE)
- * names where the value holds it, as the library's own walk does
- * (future.h); the value's code runs once more, as in any walk. Returns the
- * scanner to complete with: s, or the second walk's (s put back). A second
- * walk that fails leaves s: the refusal then names no path. */
-static dpy_scanner_t *paths_where_refused(pyfut_t *self, PyObject *value, dpy_scanner_t *s) {
-  const dp_ptrset_t *set = dpy_scanner_ptrs(s);
+ * such device goes into s's set, at s's first allocation there, so that
+ * the refusal (DP_EDEVICE) names where the value holds it, as the
+ * library's own walk does (future.h); the value's code runs once more, as
+ * in any walk. The completion keeps s, the first walk's verdict: a second
+ * walk that differs (a reduce that returns another thing, or fails) only
+ * names a path, or none, and never lets a refused value through. */
+static void paths_where_refused(pyfut_t *self, PyObject *value, dpy_scanner_t *s) {
+  dp_ptrset_t *set = (dp_ptrset_t *)dpy_scanner_ptrs(s);
   size_t j = 0, n = dp_ptrset_ndevices(set);
   while (j < n && dp__future_accepts(self->f, dp_ptrset_device(set, j))) j++;
-  if (j == n) return s;
+  if (j == n) return;
   dpy_scanner_t *p;
   if (walk_value(self, value, &p, NULL, 1)) {
     PyErr_Clear();
-    return s;
+    return;
   }
-  dp_ptrset_t *found = (dp_ptrset_t *)dpy_scanner_ptrs(p);
-  for (size_t k = 0; k < dp_ptrset_ndevices(found); k++) {
-    size_t i = dp_ptrset_first_on(found, k);
-    const char *path = dpy_scanner_path(p, i);
-    /* out of memory for the copy: the refusal names no path */
-    if (!dp__future_accepts(self->f, dp_ptrset_device(found, k)) && path) (void)dp__ptrset_set_path(found, i, path);
+  const dp_ptrset_t *found = dpy_scanner_ptrs(p);
+  for (; j < n; j++) {
+    dp_device_t d = dp_ptrset_device(set, j);
+    if (dp__future_accepts(self->f, d)) continue;
+    for (size_t k = 0; k < dp_ptrset_ndevices(found); k++) {
+      if (!dp_device_equal(dp_ptrset_device(found, k), d)) continue;
+      const char *path = dpy_scanner_path(p, dp_ptrset_first_on(found, k));
+      /* out of memory for the copy: the refusal names no path */
+      if (path) (void)dp__ptrset_set_path(set, dp_ptrset_first_on(set, j), path);
+      break;
+    }
   }
-  dpy_scanner_put(s);
-  return p;
+  dpy_scanner_put(p);
 }
 
 static dp_error_t py_failure(const char *what) {
@@ -977,7 +982,7 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
   }
   Py_XSETREF(self->result, Py_NewRef(value));
   if (!s) return empty_ptrs_complete(self);
-  s = paths_where_refused(self, value, s);
+  paths_where_refused(self, value, s);
   cupy_swap_t sw = {0};
   if (dpy_scanner_saw_cupy(s)) {
     dp_device_t devs[DP_CURRENT_STREAM_SLOTS];
@@ -1361,7 +1366,7 @@ static void complete_child(pyfut_t *child, PyObject *r) {
     Py_XDECREF(ok);
     return;
   }
-  s = paths_where_refused(child, r, s);
+  paths_where_refused(child, r, s);
   child->cupy = dpy_scanner_saw_cupy(s);
   /* the events go on the pool streams, current for the callback; a
    * failure (a device outside the child's list) fails the child with it */

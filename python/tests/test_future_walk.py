@@ -117,6 +117,43 @@ def test_a_refused_device_names_where_the_value_holds_it_by_a_second_walk_with_p
     assert len(calls) == 1
 
 
+class OnCudaOnce:
+    # a reduce that holds memory on cuda:0 the first time only (then 1), or
+    # raises from its second call on (raises=True)
+    def __init__(self, raises=False):
+        self.calls = 0
+        self.raises = raises
+
+    def __reduce__(self):
+        self.calls += 1
+        if self.calls > 1 and self.raises:
+            raise KeyError("not again")
+        return (int, (1,)) if self.calls > 1 else (Holder, (OnCuda0(),))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
+def test_a_value_its_walk_refuses_stays_refused_whatever_the_walk_for_the_path_finds():
+    # the walk that looks for the path only names one: a value whose reduce
+    # holds cuda:0 memory the first time and none the second (or fails the
+    # second time) is refused, without a path, by set_result and in a then()
+    # child — the second walk must not let it through
+    for raises in (False, True):
+        v = OnCudaOnce(raises)
+        f = devpickle.Future(devices=["cpu"])
+        with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
+            f.set_result([v])
+        assert v.calls == 2
+        with pytest.raises(ValueError, match=r"^the value uses cuda:0, which"):
+            f.wait()
+        v = OnCudaOnce(raises)
+        parent = devpickle.Future(devices=["cpu"])
+        child = parent.then(lambda p: [v])
+        parent.set_result(None)
+        with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
+            child.wait()
+        assert v.calls == 2
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
 def test_cuda_memory_given_to_a_future_without_devices_where_cuda_is_unusable_says_no_devices_were_named():
     # devices=None names none: the message must not read as if the caller
