@@ -401,15 +401,25 @@ int dp__future_accepts(const dp_future_t *f, dp_device_t d) {
   return 0;
 }
 
-static size_t put_devices(char *buf, size_t cap, const dp_device_t *d, size_t n, const dp_backend_t *b) {
-  size_t pos = (size_t)snprintf(buf, cap, "[");
+/* "[a, b, c]" in buf (cap bytes, at least 48): the first n of total
+ * devices from d (total 0: every device of backend b) while they fit, the
+ * rest counted: "[cuda:0, cuda:1, and 62 more]". */
+static void put_devices(char *buf, size_t cap, const dp_device_t *d, size_t n, size_t total, const dp_backend_t *b) {
+  enum { SUFFIX = 34 }; /* ", and N more]", N of up to 20 digits */
   char one[16];
-  size_t count = n ? n : (size_t)dp_backend_device_count(b);
-  for (size_t i = 0; i < count && pos < cap; i++)
-    pos += (size_t)snprintf(buf + pos, cap - pos, "%s%s", i ? ", " : "",
-                            dp_device_format(n ? d[i] : dp_backend_device(b, (int)i), one, sizeof one));
-  if (pos < cap) pos += (size_t)snprintf(buf + pos, cap - pos, "]");
-  return pos;
+  size_t count = total ? total : (size_t)dp_backend_device_count(b), pos = 1;
+  buf[0] = '[';
+  for (size_t i = 0; i < count; i++) {
+    size_t len = cap; /* past the n devices given: only counted */
+    if (!total || i < n)
+      len = strlen(dp_device_format(total ? d[i] : dp_backend_device(b, (int)i), one, sizeof one)) + (i ? 2 : 0);
+    if (pos + len + (i + 1 < count ? SUFFIX : 1) >= cap) { /* room for this one and what may follow */
+      snprintf(buf + pos, cap - pos, "%sand %zu more]", i ? ", " : "", count - i);
+      return;
+    }
+    pos += (size_t)snprintf(buf + pos, cap - pos, "%s%s", i ? ", " : "", one);
+  }
+  snprintf(buf + pos, cap - pos, "]");
 }
 
 /* The path of set's first allocation on device d, as " (first at PATH)"
@@ -449,11 +459,11 @@ static int refuse_device(const dp_future_t *f, const dp__ptrs_t *p, dp_value_t v
                          dp_device_t d, dp_error_t *err) {
   char used[256], ok[256], one[16], where[DP_PATH_MAX + 16];
   first_path_on(value, given, d, where, sizeof where);
-  dp_device_t all[64];
+  dp_device_t all[64]; /* more cannot be named in used[] */
   size_t k = 0;
   for (size_t j = 0; j < p->ndevs && k < 64; j++) all[k++] = p->devs[j].device;
-  put_devices(used, sizeof used, all, k, f->b);
-  put_devices(ok, sizeof ok, f->allowed, f->nallowed, f->b);
+  put_devices(used, sizeof used, all, k, p->ndevs, f->b);
+  put_devices(ok, sizeof ok, f->allowed, f->nallowed, f->nallowed, f->b);
   /* another backend's memory: say whether that backend could have had it */
   char why[DP_ERROR_MSG_MAX / 2] = "";
   if (d.type != dp_backend_type(f->b)) {

@@ -2722,6 +2722,29 @@ Test(future, memory_on_a_device_past_the_backends_last_is_refused_naming_it) {
   ASSERT_NO_LEAK();
 }
 
+/* A device list too long for its message is cut at a device and says how
+ * many more there are, closing its bracket: the value's devices were cut
+ * mid-name, without "]", past 255 bytes. */
+Test(future, a_refusal_naming_many_devices_counts_those_it_leaves_out) {
+  dp_future_t *f = future();
+  dp_value_t l = t_list();
+  for (int i = 0; i < 100; i++) OK(dp_list_append(l, t_tensor(t_dev(DP_DEVICE_CUDA, i), 0x1000, 4), T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_future_mark_completed(f, l, &e), DP_EDEVICE);
+  const char *used = strstr(e.message, "the value's devices: [cuda:0, cuda:1, ");
+  cr_assert(used, "%s", e.message);
+  const char *more = strstr(used, " more])");
+  cr_assert(more, "%s", e.message);
+  int shown = 0, left = 0;
+  for (const char *c = used; c < more; c++) shown += strncmp(c, "cuda:", 5) == 0;
+  const char *and = strstr(used, ", and ");
+  cr_assert(and && sscanf(and, ", and %d more]", &left) == 1, "%s", e.message);
+  cr_assert_eq(shown + left, 100, "%d shown, %d more: %s", shown, left, e.message);
+  dp_future_release(f);
+  dp_shutdown();
+  ASSERT_NO_LEAK();
+}
+
 /* A refused device names where the value holds memory there: the first
  * path of a walk with paths (the completion's own walk keeps none), under
  * a dict and a list; a producer's set scanned with paths gives its own; a
