@@ -1233,6 +1233,14 @@ def _flat(kind, device, source, cache, key, nbytes, inline):
                 source = source.raw()
             except (TypeError, ValueError) as e:
                 raise type(e)(f"loads: buffers[{key}]: {e}") from e
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(source, torch.Tensor):
+            # a tensor given itself: an alias of the storage it holds now,
+            # so that code run before a later view (an allowed class's
+            # __setstate__ calling given.set_()) moves only the given
+            # tensor, never the views still to be made of this buffer (a
+            # flat uint8 one would otherwise be used as it is)
+            source = source.detach()
         cache[key] = source
     torch = sys.modules.get("torch")
     if isinstance(source, memoryview):

@@ -5102,3 +5102,37 @@ def test_an_error_names_a_frame_objects_attributes_boundedly(tmp_path):
         msg = str(e.value)
         assert what in msg and "(100001 names)" in msg and "'a000007', ...]" in msg, msg
         assert len(msg) < 400, msg
+
+
+class _MoveGiven:
+    """Rebuilt by loads, it moves the tensor in owner[0] (a buffer given
+    itself) to new memory holding -1s (set_): code run between two views of
+    one buffer."""
+
+    owner = [None]
+
+    def __reduce__(self):
+        return (_MoveGiven, (), {"move": True})
+
+    def __setstate__(self, state):
+        _MoveGiven.owner[0].set_(torch.full((16,), 255, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("first, later", [("torch", "torch"), ("torch", "numpy"), ("numpy", "torch")])
+def test_views_of_a_torch_tensor_given_as_a_buffer_are_made_over_the_memory_its_first_view_found(first, later):
+    # PYTHON.md: each buffer's bytes are taken at its first view and every
+    # later view is made over them, so t.set_() run in between reaches only
+    # a buffer not viewed yet; a flat uint8 tensor given itself (what raw()
+    # answers, what a receiver holds) was kept as the given object, so a
+    # later view followed it to the memory set_() put there
+    a = np.arange(4, dtype=np.float32)
+    view = {"torch": lambda x: torch.from_numpy(x), "numpy": lambda x: x}
+    data = devpickle.dumps([view[first](a), _MoveGiven(), view[later](a)[1:]], buffer_callback=lambda b: None)
+    given = torch.from_numpy(a.view(np.uint8).copy())
+    mem = given.data_ptr()
+    _MoveGiven.owner[0] = given
+    x, _, y = devpickle.loads(data, buffers=[given], classes=[_MoveGiven])
+    assert given.data_ptr() != mem  # moved in between
+    addr = {"torch": lambda t: t.data_ptr(), "numpy": lambda t: t.__array_interface__["data"][0]}
+    assert (np.asarray(x).tolist(), np.asarray(y).tolist()) == ([0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+    assert (addr[first](x) - mem, addr[later](y) - mem) == (0, 4)
