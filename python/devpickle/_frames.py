@@ -1171,6 +1171,13 @@ def _check_contiguous(source, key):
             # of a tensor made over it, crashes the process
             raise ValueError(f"loads: buffers[{key}] is a quantized torch tensor ({source.dtype}), whose values are "
                              "not its bytes: give its bytes as a plain tensor (q.int_repr())")
+        if source.is_conj() or source.is_neg():
+            # its memory holds other values than it reads: a view of the
+            # same dtype (a flat uint8 one's) keeps the bit, and a tensor
+            # made over it reads every byte negated
+            bit = "conjugate" if source.is_conj() else "negative"
+            raise ValueError(f"loads: buffers[{key}] is a {bit} view, whose values are not its bytes: give a plain "
+                             f"tensor (t.resolve_{'conj' if bit == 'conjugate' else 'neg'}(), its values)")
         ok = source.is_contiguous()
     elif cupy is not None and isinstance(source, cupy.ndarray):
         ok = source.flags.c_contiguous

@@ -5136,3 +5136,25 @@ def test_views_of_a_torch_tensor_given_as_a_buffer_are_made_over_the_memory_its_
     addr = {"torch": lambda t: t.data_ptr(), "numpy": lambda t: t.__array_interface__["data"][0]}
     assert (np.asarray(x).tolist(), np.asarray(y).tolist()) == ([0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
     assert (addr[first](x) - mem, addr[later](y) - mem) == (0, 4)
+
+
+@pytest.mark.parametrize("bit", ["neg", "conj"])
+def test_a_negative_or_conjugate_view_given_as_a_buffer_is_refused_naming_it_never_read_negated(bit):
+    # its memory holds other values than it reads, as a quantized tensor's:
+    # a flat uint8 negative view was kept as the buffer's flat tensor, so the
+    # tensors loaded over it carried the bit and read every byte negated
+    # (memory 1, 2, 3, 4 loaded as 255, 254, 253, 252)
+    if bit == "neg":
+        u = torch.arange(1, 5, dtype=torch.uint8)
+        given = torch._neg_view(u.clone())
+    else:
+        u = torch.tensor([1 + 2j], dtype=torch.complex64)
+        given = u.clone().conj()
+    data = devpickle.dumps([u, u[:1]], buffer_callback=lambda b: None)
+    word = "negative" if bit == "neg" else "conjugate"
+    with pytest.raises(ValueError, match=rf"^loads: buffers\[0\] is a {word} view, whose values are not its bytes: "
+                                         rf"give a plain tensor \(t\.resolve_{bit}\(\), its values\), at \$\[0\]$"):
+        devpickle.loads(data, buffers=[given])
+    plain = given.resolve_neg() if bit == "neg" else given.resolve_conj()
+    x, y = devpickle.loads(data, buffers=[plain])
+    assert torch.equal(x, plain) and not x.is_neg() and not x.is_conj()
