@@ -865,7 +865,8 @@ Test(transport, a_message_of_1024_bytes_goes_on_the_lane_and_one_of_1025_on_the_
     }
     unsigned long got = atomic_load(&dp__transport_lane_msgs) - before;
     if (extra) cr_assert_lt(got, K / 2, "%d messages of %zu bytes: %lu came on the lane", K, n, got);
-    else cr_assert_geq(got, K, "%d messages of %zu bytes: %lu came on the lane", K, n, got);
+    else /* three in four: under load UCX may not take one at once, which then goes on the connection */
+      cr_assert_geq(got, 3 * K / 4, "%d messages of %zu bytes: %lu came on the lane", K, n, got);
     dp_value_release(v);
   }
   free_pair(c, a, l, t);
@@ -7083,6 +7084,35 @@ static int ep_error_within(dp_endpoint_t *ep, int ms, dp_error_t *e) {
   return rc;
 }
 
+/* Values from a to c until one comes on a same-host lane (lane: else
+ * none need to): a's lane is then up. Returns how many went. */
+static int64_t until_a_lane(dp_endpoint_t *a, dp_endpoint_t *c, int lane) {
+  unsigned long before = atomic_load(&dp__transport_lane_msgs);
+  int64_t sent = 0;
+  dp_error_t e;
+  do {
+    dp_future_t *d;
+    OK(dp_endpoint_send(a, dp_int(sent++), &d, T_ERR));
+    dp_future_release(recv_ok(c));
+    OK_WITH(&e, wait_f(d, &e));
+    dp_future_release(d);
+  } while (lane && sent < 400 && atomic_load(&dp__transport_lane_msgs) == before);
+  cr_assert(!lane || atomic_load(&dp__transport_lane_msgs) != before, "no lane came up in %lld values",
+            (long long)sent);
+  return sent;
+}
+
+/* A test of what a message on the lane does makes its pair again when the
+ * message went on the connection instead: a lane takes a message only if
+ * UCX sends it at once (dp__tp_am_send), and under load (CI's make test
+ * as another user, beside other suites) it may not, several times in a
+ * row. Up to LANE_TRIES pairs, each waiting longer before its message so
+ * that the lane drains first. */
+#define LANE_TRIES 12
+static void lane_settle(int attempt) {
+  if (attempt) sleep_ms(10 * attempt);
+}
+
 /* A message of an id the protocol does not use, from a peer of this user
  * on a same-host lane (lane) or on the connection, fails the endpoint:
  * 5 (below the protocol's ids), one past them, and 0xffff (the last). A
@@ -7099,26 +7129,13 @@ static void stray_ids_reach_a_worker(int lane) {
   t_track();
   dp_transport_t *t = new_transport(NULL);
   unsigned ids[] = {5, DP__AM_CLOSE + 1, 0xffff};
-  /* a lane takes a message only if UCX sends it at once (dp__tp_am_send):
-     under load the message may go on the connection instead, and the pair
-     is made again, a few times, until one comes on the lane */
   for (size_t i = 0, attempt = 0; i < sizeof ids / sizeof *ids;) {
     dp_endpoint_t *c, *a;
     dp_listener_t *l = listen_pair(t, &c, &a);
     dp_error_t e;
-    /* values from a, with a lane until one comes on it: a's lane is up */
+    until_a_lane(a, c, lane);
+    lane_settle((int)attempt);
     unsigned long before = atomic_load(&dp__transport_lane_msgs);
-    int64_t sent = 0;
-    do {
-      dp_future_t *d;
-      OK(dp_endpoint_send(a, dp_int(sent++), &d, T_ERR));
-      dp_future_release(recv_ok(c));
-      OK_WITH(&e, wait_f(d, &e));
-      dp_future_release(d);
-    } while (lane && sent < 400 && atomic_load(&dp__transport_lane_msgs) == before);
-    cr_assert(!lane || atomic_load(&dp__transport_lane_msgs) != before, "no lane came up in %lld values",
-              (long long)sent);
-    before = atomic_load(&dp__transport_lane_msgs);
     uint8_t hdr[16] = {0};
     OK(dp__endpoint_send_raw(a, ids[i], hdr, sizeof hdr, "abc", 3, T_ERR));
     int rc = ep_error_within(c, 20000, &e);
@@ -7129,7 +7146,7 @@ static void stray_ids_reach_a_worker(int lane) {
     dp_endpoint_free(c);
     dp_endpoint_free(a);
     dp_listener_free(l);
-    if (lane && !on_lane && attempt++ < 4) continue;
+    if (lane && !on_lane && ++attempt < LANE_TRIES) continue;
     cr_assert_eq(on_lane, (unsigned long)lane, "id %#x came on %s", ids[i], lane ? "the connection" : "a lane");
     i++, attempt = 0;
   }
@@ -7208,31 +7225,30 @@ Test(transport, a_value_arriving_after_the_close_that_leaves_it_out_fails_the_en
 Test(transport, a_close_on_the_same_host_lane_fails_the_endpoint) {
   t_track();
   dp_transport_t *t = new_transport(NULL);
-  dp_endpoint_t *c, *a;
-  dp_listener_t *l = listen_pair(t, &c, &a);
-  /* values from a until one comes on a lane: a's lane is up (its HELLO went there) */
-  unsigned long before = atomic_load(&dp__transport_lane_msgs);
-  uint64_t sent = 0;
-  dp_error_t e;
-  for (; sent < 400 && atomic_load(&dp__transport_lane_msgs) == before; sent++) {
-    dp_future_t *d, *r;
-    OK(dp_endpoint_send(a, dp_int((int64_t)sent), &d, T_ERR));
-    r = recv_ok(c);
-    OK_WITH(&e, wait_f(d, &e));
-    dp_future_release(d);
-    dp_future_release(r);
+  for (int attempt = 0;; attempt++) {
+    dp_endpoint_t *c, *a;
+    dp_listener_t *l = listen_pair(t, &c, &a);
+    int64_t sent = until_a_lane(a, c, 1);
+    lane_settle(attempt);
+    unsigned long before = atomic_load(&dp__transport_lane_msgs);
+    int rc = 0;
+    dp_error_t e;
+    raw_close(a, 0, (uint64_t)sent, &e, &rc); /* counting every value a sent: a close but for its way */
+    cr_assert_eq(rc, 0, "%s", e.message);
+    rc = ep_error_within(c, 20000, &e);
+    unsigned long on_lane = atomic_load(&dp__transport_lane_msgs) - before;
+    if (!on_lane && attempt + 1 < LANE_TRIES) { /* on the connection: a close as any, accepted */
+      dp_endpoint_free(c);
+      dp_endpoint_free(a);
+      dp_listener_free(l);
+      continue;
+    }
+    cr_assert_eq(on_lane, 1, "the CLOSE did not come on the lane in %d tries", attempt + 1);
+    cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(rc), rc ? e.message : "the endpoint still works");
+    cr_assert(strstr(e.message, "a close message the protocol does not expect"), "%s", e.message);
+    free_pair_checked(c, a, l, t);
+    return;
   }
-  cr_assert_neq(atomic_load(&dp__transport_lane_msgs), before, "no lane came up in %llu values",
-                (unsigned long long)sent);
-  before = atomic_load(&dp__transport_lane_msgs);
-  int rc = 0;
-  raw_close(a, 0, sent, &e, &rc); /* counting every value a sent: a close but for its way */
-  cr_assert_eq(rc, 0, "%s", e.message);
-  rc = ep_error_within(c, 20000, &e);
-  cr_assert_eq(atomic_load(&dp__transport_lane_msgs) - before, 1, "the CLOSE did not come on the lane");
-  cr_assert_eq(rc, DP_EFORMAT, "%s: %s", dp_err_name(rc), rc ? e.message : "the endpoint still works");
-  cr_assert(strstr(e.message, "a close message the protocol does not expect"), "%s", e.message);
-  free_pair_checked(c, a, l, t);
 }
 
 /* peer: a corrupt frame announcing a buffer it never sends, then CLOSE
