@@ -3597,8 +3597,9 @@ Test(pickler, an_allow_list_finds_each_of_its_names_on_either_side_of_the_index_
     if (ntypes == 16)
       cr_assert_eq(dp__allowed_names_compared, (uint64_t)(16 * 17 / 2 + 16), "%llu names compared scanning 16",
                    (unsigned long long)dp__allowed_names_compared);
-    else
-      cr_assert_leq(dp__allowed_names_compared, (uint64_t)2 * (ntypes + 1), "%llu names compared through the index",
+    else /* about 23 on average, the index's slots placed by the process's random hash secret: 2 * (ntypes + 1)
+            failed one run in 75 (a CI run did); 6 * (ntypes + 1) none in 200,000 simulated, and a scan takes 170 */
+      cr_assert_leq(dp__allowed_names_compared, (uint64_t)6 * (ntypes + 1), "%llu names compared through the index",
                     (unsigned long long)dp__allowed_names_compared);
     dp_value_release(v);
     dp_frame_free(f);
