@@ -4005,7 +4005,7 @@ Test(future, a_wait_in_a_callback_on_an_unrelated_complete_future_runs_no_queued
 
 /* future.h: from a then() callback, a wait's limit counts from once the
  * callbacks queued on the thread that it runs first have run — a 1 ms
- * limit waited the 100 ms of a callback queued behind the waiting one,
+ * limit waited the 300 ms of a callback queued behind the waiting one,
  * which the header did not say ("until f completes or timeout_ns
  * passes"). Outside callbacks the limit holds. */
 static dp_future_t *lim_g;
@@ -4026,9 +4026,9 @@ static int waits_1ms_on_pending(void *ud, dp_future_t *parent, dp_value_t *resul
   return 0;
 }
 
-static int sleeps_100ms(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
+static int sleeps_300ms(void *ud, dp_future_t *parent, dp_value_t *result, dp_error_t *err) {
   (void)ud, (void)parent, (void)result, (void)err;
-  struct timespec ts = {0, 100 * 1000000};
+  struct timespec ts = {0, 300 * 1000000};
   nanosleep(&ts, NULL);
   return 0;
 }
@@ -4037,15 +4037,15 @@ Test(future, a_waits_limit_in_a_callback_counts_from_after_the_queued_callbacks_
   dp_future_t *f = future(), *a, *b;
   lim_g = future();
   OK(dp_future_then(f, waits_1ms_on_pending, NULL, &a, T_ERR));
-  OK(dp_future_then(f, sleeps_100ms, NULL, &b, T_ERR));
+  OK(dp_future_then(f, sleeps_300ms, NULL, &b, T_ERR));
   OK(dp_future_mark_completed(f, dp_int(0), T_ERR));
   cr_assert_eq(lim_rc, DP_ETIMEDOUT);
-  cr_assert(lim_waited_ms >= 100, "the wait ran the queued callback first: %.1f ms", lim_waited_ms);
+  cr_assert(lim_waited_ms >= 300, "the wait ran the queued callback first: %.1f ms", lim_waited_ms);
   /* control: the same wait outside a callback keeps to its limit */
   double t0 = mono_ms();
   cr_assert_eq(dp_future_wait(lim_g, 1000000, NULL), DP_ETIMEDOUT);
   double ms = mono_ms() - t0;
-  cr_assert(ms >= 1 && ms < 90, "outside callbacks: %.1f ms", ms);
+  cr_assert(ms >= 1 && ms < 250, "outside callbacks: %.1f ms", ms); /* room for a loaded machine, below 300 */
   dp_future_t *all[] = {f, a, b, lim_g};
   for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
 }
