@@ -3012,6 +3012,7 @@ Test(device, a_host_function_whose_wait_cannot_be_followed_for_want_of_memory_is
 typedef struct steps_sync {
   dp_stream_t *target;
   dp_event_t *ev;   /* when set, synchronized instead of target */
+  dp_backend_t *b;  /* when set, its device host:1 synchronized instead */
   _Atomic int go;
   int rc;
   uint64_t steps;
@@ -3023,7 +3024,9 @@ static void sync_counting_steps(void *arg) {
   while (!atomic_load(&x->go)) sleep_ms(1);
   dp_error_clear(&x->err);
   uint64_t before = atomic_load(&dp__host_self_wait_steps);
-  x->rc = x->ev ? dp_event_synchronize(x->ev, &x->err) : dp_stream_synchronize(x->target, &x->err);
+  x->rc = x->b    ? dp_device_synchronize(x->b, H1, &x->err)
+          : x->ev ? dp_event_synchronize(x->ev, &x->err)
+                  : dp_stream_synchronize(x->target, &x->err);
   x->steps = atomic_load(&dp__host_self_wait_steps) - before;
 }
 
@@ -3191,34 +3194,18 @@ Test(device, dp_device_read_refused_in_a_host_function_on_its_own_stream_copies_
 /* dp_device_synchronize from a host function looked for a wait for the
  * function from each stream of the device in a walk of its own: streams
  * that wait one for the next were looked at again from each of them, n * n
- * steps for a chain of n. One walk from all of them is linear. */
-typedef struct dev_sync_steps {
-  dp_backend_t *b;
-  _Atomic int go;
-  int rc;
-  uint64_t steps;
-  dp_error_t err;
-} dev_sync_steps_t;
-
-static void device_sync_counting_steps(void *arg) {
-  dev_sync_steps_t *x = arg;
-  while (!atomic_load(&x->go)) sleep_ms(1);
-  dp_error_clear(&x->err);
-  uint64_t before = atomic_load(&dp__host_self_wait_steps);
-  x->rc = dp_device_synchronize(x->b, H1, &x->err);
-  x->steps = atomic_load(&dp__host_self_wait_steps) - before;
-}
-
-/* Guarded by alarm(), as the other timed tests added alongside the one
- * above: Criterion's timeout record leaks when two timed tests overlap. */
+ * steps for a chain of n. One walk from all of them is linear (counted by
+ * sync_counting_steps above). Guarded by alarm(), as the other timed tests
+ * added alongside it: Criterion's timeout record leaks when two timed
+ * tests overlap. */
 Test(device, a_host_function_synchronizing_a_device_follows_its_streams_waits_in_steps_linear_in_them) {
   alarm(60);
   dp_backend_t *b = host();
   dp_stream_t *mine, *x, *o;
   dp_event_t *after, *held;
   OK(dp_stream_new(b, H0, &mine, T_ERR));
-  dev_sync_steps_t d = {.b = b, .rc = 1};
-  OK(dp_host_launch(mine, device_sync_counting_steps, &d, T_ERR));
+  steps_sync_t d = {.b = b, .rc = 1};
+  OK(dp_host_launch(mine, sync_counting_steps, &d, T_ERR));
   OK(dp_event_new(b, H0, &after, T_ERR));
   OK(dp_event_record(after, mine, T_ERR));
   /* the oldest stream of host:1 waits for mine's work after the function:

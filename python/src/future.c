@@ -782,9 +782,10 @@ typedef struct walking {
 
 static _Thread_local walking_t *walking;
 
-/* The allocations of value, for a future that tracks devices. 0 and a
- * scanner holding them, or -1 with an exception. */
-static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_ptrset_t *into, int paths) {
+/* The allocations of value, for a future that tracks devices (with their
+ * first paths when paths is set). 0 and a scanner holding them, or -1 with
+ * an exception. */
+static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, int paths) {
   *out = NULL;
   if (!self->track) return 0;
   dpy_scanner_t *s = dpy_scanner_get();
@@ -800,7 +801,7 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, dp_pt
   self->walker = PyThread_get_thread_ident();
   walking_t me = {self, walking}; /* self is held by the caller until the walk returns */
   walking = &me;
-  int rc = dpy_scan(s, value, &o, into);
+  int rc = dpy_scan(s, value, &o, NULL);
   walking = me.outer;
   self->walker = prev;
   Py_XDECREF(o.opaque);
@@ -826,7 +827,7 @@ static void paths_where_refused(pyfut_t *self, PyObject *value, dpy_scanner_t *s
   while (j < n && dp__future_accepts(self->f, dp_ptrset_device(set, j))) j++;
   if (j == n) return;
   dpy_scanner_t *p;
-  if (walk_value(self, value, &p, NULL, 1)) {
+  if (walk_value(self, value, &p, 1)) {
     PyErr_Clear();
     return;
   }
@@ -967,7 +968,7 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
   }
   claim(self);
   dpy_scanner_t *s;
-  if (walk_value(self, value, &s, NULL, 0)) {
+  if (walk_value(self, value, &s, 0)) {
     /* the future fails with the WalkError too, so that no waiter hangs */
     PyObject *exc = fetch_raised();
     set_exc(self, walk_failure(exc));
@@ -1350,7 +1351,7 @@ static void complete_child(pyfut_t *child, PyObject *r) {
     return;
   }
   dpy_scanner_t *s;
-  if (walk_value(child, r, &s, NULL, 0)) {
+  if (walk_value(child, r, &s, 0)) {
     PyObject *exc = fetch_raised();
     set_exc(child, walk_failure(exc));
     Py_DECREF(exc);
