@@ -813,6 +813,18 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, int p
   return 0;
 }
 
+/* The Python exception now raised, normalized, with its traceback (a new
+ * reference; cleared). */
+static PyObject *fetch_raised(void) {
+  PyObject *t, *v, *tb;
+  PyErr_Fetch(&t, &v, &tb);
+  PyErr_NormalizeException(&t, &v, &tb);
+  if (tb && v) PyException_SetTraceback(v, tb);
+  Py_XDECREF(t);
+  Py_XDECREF(tb);
+  return v ? v : Py_NewRef(Py_None);
+}
+
 /* The walk of value found memory (s) on a device self refuses: the value
  * is walked again with paths, and the first path of its memory on each
  * such device goes into s's set, at s's first allocation there, so that
@@ -820,16 +832,23 @@ static int walk_value(pyfut_t *self, PyObject *value, dpy_scanner_t **out, int p
  * library's own walk does (future.h); the value's code runs once more, as
  * in any walk. The completion keeps s, the first walk's verdict: a second
  * walk that differs (a reduce that returns another thing, or fails) only
- * names a path, or none, and never lets a refused value through. */
-static void paths_where_refused(pyfut_t *self, PyObject *value, dpy_scanner_t *s) {
+ * names a path, or none, and never lets a refused value through. Returns
+ * an interrupt (KeyboardInterrupt, SystemExit: not an Exception) that
+ * second walk raised, a new reference for the caller to raise once the
+ * future has failed with the refusal; NULL otherwise (an Exception it
+ * raised is dropped: the refusal names no path). */
+static PyObject *paths_where_refused(pyfut_t *self, PyObject *value, dpy_scanner_t *s) {
   dp_ptrset_t *set = (dp_ptrset_t *)dpy_scanner_ptrs(s);
   size_t j = 0, n = dp_ptrset_ndevices(set);
   while (j < n && dp__future_accepts(self->f, dp_ptrset_device(set, j))) j++;
-  if (j == n) return;
+  if (j == n) return NULL;
   dpy_scanner_t *p;
   if (walk_value(self, value, &p, 1)) {
-    PyErr_Clear();
-    return;
+    PyObject *raised = fetch_raised();
+    if (PyExceptionInstance_Check(raised) && !PyObject_TypeCheck(raised, (PyTypeObject *)PyExc_Exception))
+      return raised;
+    Py_DECREF(raised);
+    return NULL;
   }
   const dp_ptrset_t *found = dpy_scanner_ptrs(p);
   for (; j < n; j++) {
@@ -844,6 +863,17 @@ static void paths_where_refused(pyfut_t *self, PyObject *value, dpy_scanner_t *s
     }
   }
   dpy_scanner_put(p);
+  return NULL;
+}
+
+/* Raises interrupt (a new reference, stolen), replacing any exception
+ * now raised, when there is one; NULL either way. */
+static PyObject *raise_instead(PyObject *interrupt) {
+  if (interrupt) {
+    PyErr_SetObject((PyObject *)Py_TYPE(interrupt), interrupt);
+    Py_DECREF(interrupt);
+  }
+  return NULL;
 }
 
 static dp_error_t py_failure(const char *what) {
@@ -870,18 +900,6 @@ static void keep_raised(pyfut_t *f) {
   set_exc(f, v ? v : Py_NewRef(Py_None));
   Py_XDECREF(t);
   Py_XDECREF(tb);
-}
-
-/* The Python exception now raised, normalized, with its traceback (a new
- * reference; cleared). */
-static PyObject *fetch_raised(void) {
-  PyObject *t, *v, *tb;
-  PyErr_Fetch(&t, &v, &tb);
-  PyErr_NormalizeException(&t, &v, &tb);
-  if (tb && v) PyException_SetTraceback(v, tb);
-  Py_XDECREF(t);
-  Py_XDECREF(tb);
-  return v ? v : Py_NewRef(Py_None);
 }
 
 /* What a future whose result's walk raised `raised` fails with (a new
@@ -983,7 +1001,9 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
   }
   Py_XSETREF(self->result, Py_NewRef(value));
   if (!s) return empty_ptrs_complete(self);
-  paths_where_refused(self, value, s);
+  /* the future is refused, and set_result raises the interrupt that its
+     walk for the refusal's path raised, if any, rather than the refusal */
+  PyObject *interrupt = paths_where_refused(self, value, s);
   cupy_swap_t sw = {0};
   if (dpy_scanner_saw_cupy(s)) {
     dp_device_t devs[DP_CURRENT_STREAM_SLOTS];
@@ -998,13 +1018,17 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
       dp_future_set_error(self->f, &e, NULL);
       PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
       Py_DECREF(exc);
-      return NULL;
+      return raise_instead(interrupt);
     }
   }
   dp_error_t e;
   int rc = dp_future_mark_completed_with_ptrs(self->f, dp_none(), dpy_scanner_ptrs(s), &e);
   cupy_out(&sw);
   dpy_scanner_put(s);
+  if (interrupt) {
+    if (rc == DP_ESTATE) Py_CLEAR(self->result);
+    return raise_instead(interrupt);
+  }
   if (rc == DP_ESTATE) {
     /* completed meanwhile by the library itself (a collect_all future's
      * inputs, done while this walk ran): its outcome stands, not this one */
@@ -1367,7 +1391,9 @@ static void complete_child(pyfut_t *child, PyObject *r) {
     Py_XDECREF(ok);
     return;
   }
-  paths_where_refused(child, r, s);
+  /* an interrupt there is dropped, as the callback's own is: the child
+     fails (with the refusal) and nobody is interrupted */
+  Py_XDECREF(paths_where_refused(child, r, s));
   child->cupy = dpy_scanner_saw_cupy(s);
   /* the events go on the pool streams, current for the callback; a
    * failure (a device outside the child's list) fails the child with it */

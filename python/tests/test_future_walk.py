@@ -119,7 +119,7 @@ def test_a_refused_device_names_where_the_value_holds_it_by_a_second_walk_with_p
 
 class OnCudaOnce:
     # a reduce that holds memory on cuda:0 the first time only (then 1), or
-    # raises from its second call on (raises=True)
+    # raises from its second call on (raises=True: KeyError; or the class given)
     def __init__(self, raises=False):
         self.calls = 0
         self.raises = raises
@@ -127,7 +127,7 @@ class OnCudaOnce:
     def __reduce__(self):
         self.calls += 1
         if self.calls > 1 and self.raises:
-            raise KeyError("not again")
+            raise (KeyError if self.raises is True else self.raises)("not again")
         return (int, (1,)) if self.calls > 1 else (Holder, (OnCuda0(),))
 
 
@@ -152,6 +152,29 @@ def test_a_value_its_walk_refuses_stays_refused_whatever_the_walk_for_the_path_f
         with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
             child.wait()
         assert v.calls == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_in_the_walk_for_a_refusals_path_is_raised_by_set_result_and_the_future_stays_refused(interrupt):
+    # the second walk (for the path) belongs to set_result's caller as the
+    # first does: its interrupt passes through set_result, and the future
+    # fails with the refusal, which names no path; a then() child, whose
+    # callback nobody can interrupt, fails with the refusal alone
+    v = OnCudaOnce(interrupt)
+    f = devpickle.Future(devices=["cpu"])
+    with pytest.raises(interrupt, match="not again"):
+        f.set_result([v])
+    assert v.calls == 2
+    with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
+        f.wait()
+    v = OnCudaOnce(interrupt)
+    parent = devpickle.Future(devices=["cpu"])
+    child = parent.then(lambda p: [v])
+    parent.set_result(None)
+    with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
+        child.wait()
+    assert v.calls == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
