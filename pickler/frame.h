@@ -64,6 +64,17 @@ int dp__frame_fields_check(const dp_frame_info_t *fi, dp_error_t *err);
  * needs neither the payload nor the data bytes. */
 int dp__frame_table_check(const uint8_t *frame, const dp_frame_info_t *fi, dp_error_t *err);
 
+/* Binds the buffer table of a frame dp_frame_check has checked, as
+ * dp__unpickle_checked would before its payload (the same checks, under
+ * opts' limits, and opts->bind, required, once an entry), and releases
+ * what the binds returned: a caller that keeps a storage retains it in its
+ * bind. The transport binds a kept frame's buffers as it arrives, to
+ * receive their bytes, and reads its value only when a receive takes it,
+ * binding the same storages again. Reads neither the payload nor a data
+ * section (the frame has none: bind is for out-of-band buffers). */
+int dp__frame_bind(const uint8_t *frame, const dp_frame_info_t *fi, const dp_unpickle_opts_t *opts,
+                   dp_error_t *err);
+
 /* Checks what opts hands the reader (a resolver needs its callback, and its
  * list of types unless it has none): DP_EINVAL naming fn, the public call
  * given them, before any input is read. */

@@ -1288,6 +1288,19 @@ static void up_cleanup(up_t *u, int failed) {
   dp__table_destroy(&u->allow, DP_TABLE_PLAIN);
 }
 
+int dp__frame_bind(const uint8_t *frame, const dp_frame_info_t *fi, const dp_unpickle_opts_t *opts,
+                   dp_error_t *err) {
+  up_t u;
+  memset(&u, 0, sizeof u);
+  u.opts = opts;
+  resolve_limits(&u.lim, &opts->limits);
+  u.r.base = frame;
+  u.r.err = err;
+  int rc = read_table(&u, fi, NULL);
+  up_cleanup(&u, 1);
+  return rc;
+}
+
 /* Reads running on this thread, one inside another's bind or resolve
  * callback (a resolver rebuilding a custom from a frame its state holds):
  * bounded, as walks nested in reduce() are (walk.c), so that frames nested

@@ -4477,11 +4477,12 @@ static dp_endpoint_t *connect_until_arrived(dp_transport_t *t, int port, unsigne
 
 /* peer: sends n values, back to back, of the kind arg gives (then waits for
  * the close): EMPTY_DICTS, a list of 4,000 empty dicts and then i (a frame
- * of ~4 KiB whose value holds ~100 times that); INTS, the int i (a frame of
- * ~40 bytes); DEPTHS, [1], a list nested 40 deep, [1]; DEEP, lists nested
- * 40 deep */
+ * of ~4 KiB whose value holds ~100 times that); DICTS_TENSOR, the same and
+ * then a tensor of 16 bytes (an out-of-band buffer; owned_tensor(16, i));
+ * INTS, the int i (a frame of ~40 bytes); DEPTHS, [1], a list nested 40
+ * deep, [1]; DEEP, lists nested 40 deep */
 typedef struct values_arg {
-  enum { EMPTY_DICTS, INTS, DEPTHS, DEEP } kind;
+  enum { EMPTY_DICTS, DICTS_TENSOR, INTS, DEPTHS, DEEP } kind;
   long n;
 } values_arg_t;
 
@@ -4493,12 +4494,13 @@ static int send_values(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   dp_error_t e;
   for (long i = 0; i < a->n; i++) {
     dp_value_t v = dp_int(i), d;
-    if (a->kind == EMPTY_DICTS) {
-      if (dp_list_new(4001, &v, &e)) return 10;
+    if (a->kind == EMPTY_DICTS || a->kind == DICTS_TENSOR) {
+      if (dp_list_new(4002, &v, &e)) return 10;
       for (int k = 0; k < 4000; k++) {
         if (dp_dict_new(0, &d, &e) || dp_list_append(v, d, &e)) return 11;
       }
       if (dp_list_append(v, dp_int(i), &e)) return 12;
+      if (a->kind == DICTS_TENSOR && dp_list_append(v, owned_tensor(16, (unsigned)i), &e)) return 12;
     } else if (a->kind == DEPTHS || a->kind == DEEP) {
       v = nested(a->kind == DEEP || i == 1 ? 40 : 1);
     }
@@ -4541,10 +4543,12 @@ static void untaken_values_hold_about_their_frames(values_arg_t a, long bound) {
   for (long i = 0; i < a.n; i++) {
     dp_future_t *f = recv_ok(ep);
     dp_value_t v = dp_future_value(f), last = v;
-    if (a.kind == EMPTY_DICTS) {
-      cr_assert_eq(dp_seq_len(v), 4001, "value %ld", i);
+    if (a.kind == EMPTY_DICTS || a.kind == DICTS_TENSOR) {
+      cr_assert_eq(dp_seq_len(v), a.kind == DICTS_TENSOR ? 4002 : 4001, "value %ld", i);
       cr_assert_eq(dp_value_kind(dp_seq_get(v, 0)), DP_DICT, "value %ld", i);
       last = dp_seq_get(v, 4000);
+      if (a.kind == DICTS_TENSOR)
+        cr_assert(tensor_ok(dp_seq_get(v, 4001), 16, (unsigned)i), "value %ld: its tensor's bytes differ", i);
     }
     cr_assert_eq(dp_value_kind(last), DP_INT, "value %ld", i);
     cr_assert_eq(dp_value_as_int(last), i, "value %ld came as %lld", i, (long long)dp_value_as_int(last));
@@ -4555,6 +4559,14 @@ static void untaken_values_hold_about_their_frames(values_arg_t a, long bound) {
 
 Test(transport, values_of_empty_dicts_nobody_took_hold_about_their_frames_not_their_memory) {
   untaken_values_hold_about_their_frames((values_arg_t){EMPTY_DICTS, 400}, 4l << 20);
+}
+
+/* A value with out-of-band buffers was read as its frame arrived (its
+ * buffers bound to allocations from its table): 1 MiB of such frames held
+ * ~110 MiB. Its buffers are now bound as it arrives, and its value read
+ * when it is delivered. */
+Test(transport, values_with_buffers_nobody_took_hold_about_their_frames_and_buffers_not_their_memory) {
+  untaken_values_hold_about_their_frames((values_arg_t){DICTS_TENSOR, 400}, 4l << 20);
 }
 
 Test(transport, tiny_values_nobody_took_hold_about_the_window_not_two_kib_each) {
@@ -4635,22 +4647,17 @@ Test(transport, refused_frames_nobody_took_hold_about_their_credit_not_two_kib_o
 }
 
 /* peer: the reduced stand-ins of customs "test.R" (state: 0, a bytes of
- * 100 KB — a frame sent by rendezvous —, 2), a tensor of 1,000 bytes (an
- * out-of-band buffer), then "test.R" again (4, and 100 KB); waits for the
- * close */
+ * 100 KB — a frame sent by rendezvous —, 2, a tensor of 1,000 bytes — an
+ * out-of-band buffer —, 4, and 100 KB); waits for the close */
 static int send_customs_around_a_tensor(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;
   static uint8_t big[100000];
   dp_error_t e;
   for (int i = 0; i < 6; i++) {
-    dp_value_t v, st = dp_int(i);
-    if (i == 3) {
-      v = owned_tensor(1000, 3);
-    } else {
-      memset(big, i, sizeof big);
-      if ((i == 1 || i == 5) && dp_bytes_new(big, sizeof big, &st, &e)) return 10;
-      if (dp_object_new_reduced("test.R", st, &v, &e)) return 11;
-    }
+    dp_value_t v, st = i == 3 ? owned_tensor(1000, 3) : dp_int(i);
+    memset(big, i, sizeof big);
+    if ((i == 1 || i == 5) && dp_bytes_new(big, sizeof big, &st, &e)) return 10;
+    if (dp_object_new_reduced("test.R", st, &v, &e)) return 11;
     dp_future_t *d;
     if (dp_endpoint_send(ep, v, &d, &e)) return 12;
     dp_value_release(v);
@@ -4673,10 +4680,11 @@ static int resolve_r_but_the_second(void *ud, const char *type_name, dp_value_t 
 }
 
 /* Values kept as their frames are read as they are taken, each with the
- * transport's resolver: one it refuses (a frame that came by rendezvous,
- * whose pulled memory was kept) fails its receive with the resolver's
- * error; a frame receive then takes the next kept frame as it came, the
- * value with buffers read as it arrived comes whole, and the endpoint
+ * transport's resolver, in their order: one it refuses (a frame that came
+ * by rendezvous, whose pulled memory was kept) fails its receive with the
+ * resolver's error; a frame receive then takes the next kept frame as it
+ * came, the custom around a tensor (an out-of-band buffer: once read as its
+ * frame arrived, the resolver's first call) comes whole, and the endpoint
  * freed with two more kept (one pulled by rendezvous) leaks nothing. */
 Test(transport, kept_frames_are_read_as_taken_and_one_the_resolver_refuses_fails_that_receive_alone) {
   t_track();

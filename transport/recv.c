@@ -35,13 +35,22 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
   int rc = d->device.type == DP_DEVICE_CPU ? dp__tp_cpu_alloc(d->device, d->nbytes, out, &b->dst, err)
                                            : dp__tp_dev_alloc(t, d->device, d->nbytes, out, &b->dst, err);
   if (rc) return rc;
-  b->storage = *out;
+  b->storage = dp_storage_retain(*out); /* the message's own: its bytes arrive there whatever the value does */
   b->nbytes = d->nbytes;
   b->dev = d->device;
   b->staged = mode == MODE_STAGED;
   return 0;
 }
 
+/* Binds a kept frame's buffer again, as its value is read: to the storage
+ * bind_cb made for it as the frame arrived (the same table, checked then). */
+static int rebind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
+  rmsg_t *m = ((void **)ud)[1];
+  assert(d->id < m->nbuf && m->bufs[d->id].storage && m->bufs[d->id].nbytes == d->nbytes);
+  (void)err;
+  *out = dp_storage_retain(m->bufs[d->id].storage);
+  return 0;
+}
 
 /* What a value costs of its sender's credit: its frame, its buffers and
  * DP__CREDIT_PER_VALUE (internal.h, CREDIT), saturated (a header may say
@@ -85,12 +94,14 @@ static dp_error_t rmsg_error(const rmsg_t *m) {
 }
 
 /* Reads the frame of message m (checked by dp_frame_check: info) into
- * m->value, binding its buffers to new receive allocations. */
-static int read_frame(dp_transport_t *t, rmsg_t *m, const uint8_t *b, dp_frame_info_t *info, dp_error_t *e) {
+ * m->value, binding its buffers to new receive allocations — or, for a
+ * kept frame (bound), to those made as it arrived. */
+static int read_frame(dp_transport_t *t, rmsg_t *m, const uint8_t *b, dp_frame_info_t *info, int bound,
+                      dp_error_t *e) {
   dp_unpickle_opts_t o = t->uopts;
   void *ctx[2] = {t, m};
   if (m->nbuf) {
-    o.bind = bind_cb;
+    o.bind = bound ? rebind_cb : bind_cb;
     o.bind_ud = ctx;
   }
   /* checked: its checksum is not computed twice */
@@ -106,15 +117,26 @@ static void read_deferred(dp_transport_t *t, rmsg_t *m) {
   dp_frame_info_t info;
   m->deferred = 0;
   dp__frame_header_parse(m->frame_copy, &info);
-  if (read_frame(t, m, m->frame_copy, &info, &e)) refuse(m, &e);
+  if (read_frame(t, m, m->frame_copy, &info, 1, &e)) refuse(m, &e);
+}
+
+/* Binds the buffers of a frame kept to be read later (on_frame), so that
+ * their bytes have somewhere to arrive. */
+static int bind_kept(dp_transport_t *t, rmsg_t *m, const uint8_t *b, const dp_frame_info_t *info, dp_error_t *e) {
+  dp_unpickle_opts_t o = t->uopts;
+  void *ctx[2] = {t, m};
+  o.bind = bind_cb;
+  o.bind_ud = ctx;
+  return dp__frame_bind(b, info, &o, e);
 }
 
 /* A frame message: check the frame, and read it into its value, binding its
- * buffers to new receive allocations — a self-contained frame that no value
- * receive takes at once is kept as its bytes and read when it is delivered
- * (deferred), so that what values nobody took hold is their frames, as the
- * credit counts them, and not up to DP_UNPICKLE_MEMORY_PER_BYTE times as
- * much. A frame the unpickler refuses fails this message only (its buffers
+ * buffers to new receive allocations — a frame that no value receive takes
+ * at once is kept as its bytes, its buffers bound, and read when it is
+ * delivered (deferred), so that what values nobody took hold is their
+ * frames and buffers, as the credit counts them, and not up to
+ * DP_UNPICKLE_MEMORY_PER_BYTE times as much, and the resolver meets values
+ * in their order. A frame the unpickler refuses fails this message only (its buffers
  * are drained); bad framing fails the endpoint. pulled: NULL for an eager
  * frame (data is UCX's); for one that came by rendezvous, the memory it was
  * pulled into (data), which a kept frame keeps instead of a copy (*pulled
@@ -157,13 +179,16 @@ static int on_frame(dp_transport_t *t, dp_endpoint_t *ep, const dp__am_frame_hdr
      delivered) unless a value receive takes it at once (nothing queued
      before it) */
   int now = !ep->rq_head && ep->w_head && !ep->w_head->frame;
-  int keep = !rc && !m->nbuf && !now;
-  if (!rc && !keep) rc = read_frame(t, m, data, &info, &e);
-  if (keep && pulled) {
+  int keep = !rc && !now;
+  if (!rc && !keep) rc = read_frame(t, m, data, &info, 0, &e);
+  /* a kept frame's buffers are bound now, their bytes arriving before a
+     receive takes it; its value is read then, in the values' order */
+  if (keep && m->nbuf) rc = bind_kept(t, m, data, &info, &e);
+  if (keep && !rc && pulled) {
     m->frame_copy = *pulled; /* allocated as frame_copy is, len ? len : 1 */
     m->frame_len = len;
     *pulled = NULL;
-  } else if (keep) {
+  } else if (keep && !rc) {
     if (!(m->frame_copy = dp__alloc(len ? len : 1)))
       rc = dp__err(&e, DP_ENOMEM, "transport: out of memory");
     else {

@@ -156,7 +156,8 @@ struct sop {
 };
 
 typedef struct rbuf {
-  dp_storage_t *storage;    /* borrowed from the value */
+  dp_storage_t *storage;    /* the message's reference (its value holds its own): the
+                               bytes arrive there until the message is freed */
   void *dst;
   uint64_t nbytes;
   dp_device_t dev;
@@ -195,10 +196,11 @@ struct rmsg {
   int failed;               /* the message is refused: its buffers are drained */
   int answered;             /* failed, and its receive already told so: kept only to absorb its buffers */
   int ready_counted;        /* counted in dp__transport_ready_unclaimed */
-  int deferred;             /* a self-contained frame queued behind others, or for a frame
-                               receive: kept as its bytes (frame_copy) and read as it is
-                               delivered, so that values nobody took hold their frames'
-                               bytes, not the memory of their values (recv.c, on_frame) */
+  int deferred;             /* a frame queued behind others, or for a frame receive: kept
+                               as its bytes (frame_copy), its buffers bound, and read as
+                               it is delivered, so that values nobody took hold their
+                               frames' bytes, not the memory of their values (recv.c,
+                               on_frame) */
   uint64_t got;             /* bytes of its buffers' messages received so far */
   rerr_t *error;            /* why it is refused (failed; NULL: out of memory for it) —
                                apart, so that a message holds ~160 bytes, not ~2 KiB */

@@ -298,7 +298,10 @@ void dp__tp_sop_fail(sop_t *s, const dp_error_t *e) {
 
 void dp__tp_rmsg_free(rmsg_t *m) {
   dp_value_release(m->value);
-  if (m->bufs) dp__free(m->bufs, m->nbuf * sizeof *m->bufs);
+  if (m->bufs) {
+    for (uint32_t i = 0; i < m->nbuf; i++) dp_storage_release(m->bufs[i].storage);
+    dp__free(m->bufs, m->nbuf * sizeof *m->bufs);
+  }
   if (m->frame_copy) dp__free(m->frame_copy, m->frame_len ? m->frame_len : 1);
   if (m->error) dp__free(m->error, DP__RERR_SIZE(strlen(m->error->message)));
   dp__free(m, sizeof *m);

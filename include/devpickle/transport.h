@@ -177,10 +177,10 @@ typedef struct dp_transport_opts {
    *  goes, alone. As a receiver, also the credit it grants its peers (at
    *  least 1 MiB): bytes of values (frames, buffers and 256 bytes a
    *  value) sent and not yet taken, which the last value sent may cross; a
-   *  self-contained frame nobody has taken yet is held as its bytes and
-   *  read when taken, while a value with buffers is read as it arrives (its
-   *  frame's part up to DP_UNPICKLE_MEMORY_PER_BYTE a frame byte;
-   *  docs/TRANSPORT.md, "Flow control");
+   *  frame nobody has taken yet is held as its bytes (and a value's buffers
+   *  in the allocations its buffer table asks for, bound as it arrives) and
+   *  read when taken, values in their order (docs/TRANSPORT.md, "Flow
+   *  control");
    *  messages that arrive out of order or held back wait (parked) holding
    *  at most that credit plus 64 MiB of the receiver's memory (their
    *  data, or for one sent by rendezvous the descriptor UCX keeps of it),
