@@ -27,7 +27,8 @@ typedef struct dpy_state {
       *str_typestr, /* the array interfaces' keys */
       *str_torch_dot, /* "torch.", the prefix of torch's modules */
       *str_instancecheck, *str_subclasscheck, *str_getattribute, *str_class, *str_class_name,
-      *str_numpy, *str_numpy_ndarray, *str_torch_tensor; /* "numpy", "numpy.ndarray", "torch.Tensor" (loads' C paths) */
+      *str_numpy, *str_numpy_ndarray, *str_torch_tensor, /* "numpy", "numpy.ndarray", "torch.Tensor" (loads' C paths) */
+      *str_base, *str_ptr, *str_nbytes, *str_obj; /* an array's base; a Buffer's fields (loads' C paths) */
   /* type.__instancecheck__, object.__getattribute__ and object.__class__ as
    * their dicts hold them (borrowed from static types): what isinstance
    * reads when nothing overrides them (scan_classify.h, opaque=) */

@@ -398,7 +398,8 @@ typedef struct loader {
   uint64_t hash_owed;  /* dict keys' hashing work not yet charged to copies */
   PyObject *fn_array, *fn_new, *fn_fill, *fn_finish, *fn_subclass, *fn_object, *fn_reduced_new, *fn_reduced_done;
   PyObject *buffer_type; /* _frames.Buffer, what dumps hands buffer_callback */
-  PyObject *np_dtypes;   /* numpy arrays' fast path: dtype name -> (numpy.dtype, itemsize), or NULL */
+  PyObject *np_dtypes[DP_DTYPE_COUNT]; /* numpy arrays' fast path: numpy.dtype of each dtype, or NULL */
+  Py_ssize_t np_itemsize[DP_DTYPE_COUNT]; /* and its item size (-1: numpy has none; 0: not asked) */
   PyObject *np_module;   /* the sys.modules["numpy"] np_dtypes was answered for, or NULL */
   PyObject *torch_dtypes; /* torch tensors' fast path: dtype name -> torch.dtype or None, or NULL */
   PyObject *torch_module; /* the sys.modules["torch"] torch_dtypes was answered for, or NULL */
@@ -494,34 +495,35 @@ static PyObject *key_to_py(loader_t *l, dp_value_t k, int depth) {
  * (np_fast returns 0; numpy's own refusal is read again there, with the
  * buffer named). */
 
-/* obj as a flat source of at least `need` bytes (exactly `exact`, when not
- * 0, at address ptr): an exact numpy.ndarray owning its memory, C-contiguous,
- * its format free of objects. 1: it is; 0: not (no exception); -1: error. */
-static int np_owning_source(PyObject *obj, uintptr_t ptr, size_t need, size_t exact) {
-  if (!dpy.numpy_ndarray || Py_TYPE(obj) != dpy.numpy_ndarray) return 0;
-  PyObject *base = PyObject_GetAttrString(obj, "base");
-  if (!base) return -1;
+/* The flat bytes of obj, exported once (a memoryview: see above), where obj
+ * is an exact numpy.ndarray owning its memory, C-contiguous, its format
+ * free of objects, of at least `need` bytes (exactly `exact`, when not 0, at
+ * address ptr); NULL with no exception where it is not; NULL with one. */
+static PyObject *np_owning_view(PyObject *obj, uintptr_t ptr, size_t need, size_t exact) {
+  if (!dpy.numpy_ndarray || Py_TYPE(obj) != dpy.numpy_ndarray) return NULL;
+  PyObject *base = PyObject_GetAttr(obj, dpy.str_base);
+  if (!base) return NULL;
   int owns = base == Py_None;
   Py_DECREF(base);
-  if (!owns) return 0;
-  Py_buffer v;
-  if (PyObject_GetBuffer(obj, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)) { /* datetime64: no buffer; _frames says so */
-    if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError) &&
-        !PyErr_ExceptionMatches(PyExc_TypeError))
-      return -1;
-    PyErr_Clear();
-    return 0;
+  if (!owns) return NULL;
+  PyObject *mv = PyMemoryView_FromObject(obj);
+  if (!mv) { /* datetime64: no buffer; _frames says so */
+    if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_ValueError) ||
+        PyErr_ExceptionMatches(PyExc_TypeError))
+      PyErr_Clear();
+    return NULL;
   }
-  int ok = v.len > 0 && (size_t)v.len >= need && (!v.format || !strchr(v.format, 'O')) &&
-           (!exact || ((uintptr_t)v.buf == ptr && (size_t)v.len == exact));
-  PyBuffer_Release(&v);
-  return ok;
+  const Py_buffer *v = PyMemoryView_GET_BUFFER(mv);
+  int ok = v->len > 0 && (size_t)v->len >= need && PyBuffer_IsContiguous(v, 'C') &&
+           (!v->format || !strchr(v->format, 'O')) && (!exact || ((uintptr_t)v->buf == ptr && (size_t)v->len == exact));
+  if (!ok) Py_CLEAR(mv);
+  return mv;
 }
 
 /* A Buffer's int field (ptr, nbytes): 1 and *out, or 0 where it is no
  * exact non-negative int that fits (raw() says why), -1: error. */
-static int buffer_field(PyObject *b, const char *name, unsigned long long *out) {
-  PyObject *x = PyObject_GetAttrString(b, name);
+static int buffer_field(PyObject *b, PyObject *name, unsigned long long *out) {
+  PyObject *x = PyObject_GetAttr(b, name);
   if (!x) return -1;
   int ok = PyLong_CheckExact(x);
   if (ok) {
@@ -535,41 +537,38 @@ static int buffer_field(PyObject *b, const char *name, unsigned long long *out) 
   return ok;
 }
 
-/* The flat source of buffer `at` for numpy arrays (see above), or NULL: not
- * such a source (no exception), or an error. */
+/* The flat bytes of buffer source `source` for numpy arrays (see above): a
+ * memoryview of the array given itself or of a Buffer's obj; NULL with no
+ * exception where it is no such source, NULL with one on error. */
 static PyObject *np_flat_source(PyObject *source, size_t nbytes) {
-  if (PyObject_TypeCheck(source, dpy.numpy_ndarray)) {
-    int r = np_owning_source(source, 0, nbytes, 0);
-    return r == 1 ? Py_NewRef(source) : NULL;
-  }
+  if (PyObject_TypeCheck(source, dpy.numpy_ndarray)) return np_owning_view(source, 0, nbytes, 0);
   unsigned long long ptr, n;
-  int r = buffer_field(source, "ptr", &ptr);
-  if (r == 1) r = buffer_field(source, "nbytes", &n);
-  if (r != 1 || n < nbytes) return NULL;
-  PyObject *obj = PyObject_GetAttrString(source, "obj");
+  int r = buffer_field(source, dpy.str_ptr, &ptr);
+  if (r == 1) r = buffer_field(source, dpy.str_nbytes, &n);
+  if (r != 1 || n < nbytes || !n) return NULL;
+  PyObject *obj = PyObject_GetAttr(source, dpy.str_obj);
   if (!obj) return NULL;
-  r = n ? np_owning_source(obj, (uintptr_t)ptr, (size_t)n, (size_t)n) : 0;
-  if (r == 1) return obj;
+  PyObject *mv = np_owning_view(obj, (uintptr_t)ptr, (size_t)n, (size_t)n);
   Py_DECREF(obj);
-  return NULL;
+  return mv;
 }
 
-/* numpy's dtype for a frame's dtype name and its item size, cached per
- * loads. 1; 0: numpy has none, or is not in sys.modules (no exception);
- * -1: error. The general path asks sys.modules for numpy at each array:
- * where code run in between took numpy out of it (the general path then
- * says to import numpy) or put another module there, the names are asked
- * again. */
-static int np_dtype(loader_t *l, const char *name, PyObject **dtype, Py_ssize_t *itemsize) {
+/* numpy's dtype for a frame's dtype and its item size, cached per loads. 1;
+ * 0: numpy has none, or is not in sys.modules (no exception); -1: error.
+ * The general path asks sys.modules for numpy at each array: where code
+ * run in between took numpy out of it (the general path then says to
+ * import numpy) or put another module there, the dtypes are asked again. */
+static int np_dtype(loader_t *l, dp_dtype_t dtype, PyObject **dt, Py_ssize_t *itemsize) {
   PyObject *mod = PyDict_GetItemWithError(PyImport_GetModuleDict(), dpy.str_numpy);
   if (!mod) return PyErr_Occurred() ? -1 : 0;
   if (mod != l->np_module) {
     Py_XSETREF(l->np_module, Py_NewRef(mod));
-    Py_CLEAR(l->np_dtypes);
+    for (int i = 0; i < DP_DTYPE_COUNT; i++) Py_CLEAR(l->np_dtypes[i]);
+    memset(l->np_itemsize, 0, sizeof l->np_itemsize);
   }
-  if (!l->np_dtypes && !(l->np_dtypes = PyDict_New())) return -1;
-  PyObject *e = PyDict_GetItemString(l->np_dtypes, name);
-  if (!e) {
+  if ((unsigned)dtype >= DP_DTYPE_COUNT) return 0;
+  if (!l->np_dtypes[dtype]) {
+    if (l->np_itemsize[dtype] < 0) return 0; /* asked already: numpy has none (bfloat16) */
     PyObject *np = PyImport_GetModule(dpy.str_numpy);
     PyObject *mk = np ? PyObject_GetAttrString(np, "dtype") : NULL;
     Py_XDECREF(np);
@@ -577,24 +576,24 @@ static int np_dtype(loader_t *l, const char *name, PyObject **dtype, Py_ssize_t 
       PyErr_Clear();
       return 0;
     }
-    PyObject *dt = PyObject_CallFunction(mk, "s", name);
+    PyObject *d = PyObject_CallFunction(mk, "s", dp_dtype_name(dtype));
     Py_DECREF(mk);
-    PyObject *size = dt ? PyObject_GetAttrString(dt, "itemsize") : NULL;
-    if (size && PyLong_CheckExact(size)) e = PyTuple_Pack(2, dt, size);
-    Py_XDECREF(dt);
+    PyObject *size = d ? PyObject_GetAttrString(d, "itemsize") : NULL;
+    Py_ssize_t n = size && PyLong_CheckExact(size) ? PyLong_AsSsize_t(size) : 0;
     Py_XDECREF(size);
-    if (!e) {
+    if (n <= 0) {
+      Py_XDECREF(d);
       if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
       PyErr_Clear(); /* bfloat16: _frames names the buffer */
+      l->np_itemsize[dtype] = -1;
       return 0;
     }
-    int rc = PyDict_SetItemString(l->np_dtypes, name, e);
-    Py_DECREF(e);
-    if (rc) return -1;
+    l->np_dtypes[dtype] = d;
+    l->np_itemsize[dtype] = n;
   }
-  *dtype = PyTuple_GET_ITEM(e, 0);
-  *itemsize = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 1));
-  return *itemsize > 0 ? 1 : 0;
+  *dt = l->np_dtypes[dtype];
+  *itemsize = l->np_itemsize[dtype];
+  return 1;
 }
 
 /* A numpy array view t of buffer key over flat (np_flat_source's): the
@@ -603,7 +602,7 @@ static int np_dtype(loader_t *l, const char *name, PyObject **dtype, Py_ssize_t 
 static PyObject *np_fast(loader_t *l, dp_value_t t, PyObject *flat) {
   PyObject *dt;
   Py_ssize_t isz;
-  int r = np_dtype(l, dp_dtype_name(dp_tensor_dtype(t)), &dt, &isz);
+  int r = np_dtype(l, dp_tensor_dtype(t), &dt, &isz);
   if (r != 1) return NULL;
   int nd = dp_tensor_ndim(t);
   const int64_t *shp = dp_tensor_shape(t), *str = dp_tensor_strides(t);
@@ -645,7 +644,6 @@ static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, s
              (Py_ssize_t)at < PyTuple_GET_SIZE(l->buffers)) {
     PyObject *src = PyTuple_GET_ITEM(l->buffers, (Py_ssize_t)at);
     if ((PyObject *)Py_TYPE(src) == l->buffer_type || Py_TYPE(src) == dpy.numpy_ndarray) {
-      PyObject *owner = np_flat_source(src, nbytes);
       /* its bytes exported once, as the general path takes them (raw()'s
          uint8 view, numpy.frombuffer): every later view, of any kind, is
          made over that export, so its memory and writability are those the
@@ -655,10 +653,10 @@ static PyObject *np_array(loader_t *l, dp_value_t t, PyObject *key, size_t at, s
          uint8 view's. The cache holds what the general path's would: the
          source (raw()'s bytes for a Buffer, the array given itself) and the
          flat bytes */
-      flat = owner ? PyMemoryView_FromObject(owner) : NULL;
-      if (flat && (PyDict_SetItem(l->cache, key, src == owner ? owner : flat) || PyDict_SetItem(l->cache, kk, flat)))
+      flat = np_flat_source(src, nbytes);
+      if (flat && (PyDict_SetItem(l->cache, key, Py_TYPE(src) == dpy.numpy_ndarray ? src : flat) ||
+                   PyDict_SetItem(l->cache, kk, flat)))
         Py_CLEAR(flat);
-      Py_XDECREF(owner);
     }
   }
   if (flat) a = np_fast(l, t, flat);
@@ -721,10 +719,10 @@ static PyObject *torch_array(loader_t *l, dp_value_t t, PyObject *key, size_t at
     if ((PyObject *)Py_TYPE(src) != l->buffer_type || PyDict_GetItemWithError(l->cache, key) || PyErr_Occurred())
       return NULL; /* not a Buffer, or its bytes taken by the general path or as numpy's */
     unsigned long long ptr, n;
-    int r = buffer_field(src, "ptr", &ptr);
-    if (r == 1) r = buffer_field(src, "nbytes", &n);
+    int r = buffer_field(src, dpy.str_ptr, &ptr);
+    if (r == 1) r = buffer_field(src, dpy.str_nbytes, &n);
     if (r != 1 || n < nbytes || n > INT64_MAX) return NULL;
-    PyObject *obj = PyObject_GetAttrString(src, "obj");
+    PyObject *obj = PyObject_GetAttr(src, dpy.str_obj);
     if (!obj) return NULL;
     PyObject *flat = dpy.torch->tensor_over(obj, (uintptr_t)ptr, (size_t)n, Py_None, 0, NULL, NULL, 0);
     Py_DECREF(obj);
@@ -1415,7 +1413,7 @@ done:
   Py_XDECREF(l.fn_subclass);
   Py_XDECREF(l.fn_object);
   Py_XDECREF(l.buffer_type);
-  Py_XDECREF(l.np_dtypes);
+  for (int i = 0; i < DP_DTYPE_COUNT; i++) Py_XDECREF(l.np_dtypes[i]);
   Py_XDECREF(l.np_module);
   Py_XDECREF(l.torch_dtypes);
   Py_XDECREF(l.torch_module);

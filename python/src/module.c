@@ -367,7 +367,8 @@ PyMODINIT_FUNC PyInit__devpickle(void) {
       intern(&dpy.str_subclasscheck, "__subclasscheck__") || intern(&dpy.str_getattribute, "__getattribute__") ||
       intern(&dpy.str_class, "__class__") || intern(&dpy.str_class_name, "__class_name__") ||
       intern(&dpy.str_numpy, "numpy") || intern(&dpy.str_numpy_ndarray, "numpy.ndarray") ||
-      intern(&dpy.str_torch_tensor, "torch.Tensor"))
+      intern(&dpy.str_torch_tensor, "torch.Tensor") || intern(&dpy.str_base, "base") ||
+      intern(&dpy.str_ptr, "ptr") || intern(&dpy.str_nbytes, "nbytes") || intern(&dpy.str_obj, "obj"))
     goto fail;
   dpy.type_instancecheck = _PyType_Lookup(&PyType_Type, dpy.str_instancecheck);
   dpy.object_getattribute = _PyType_Lookup(&PyBaseObject_Type, dpy.str_getattribute);
