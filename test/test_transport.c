@@ -29,6 +29,7 @@
 #include "net.h"
 #include "../transport/internal.h"
 #include "../transport/shm.h"
+#include "../pickler/frame.h" /* crafted frames: dp__frame_checksum */
 
 #define SEC 1000000000ll
 
@@ -4950,6 +4951,72 @@ Test(transport, kept_frames_of_a_peer_killed_go_with_the_endpoint_and_nothing_le
   dp_endpoint_free(ep);
   free_transport(t);
   check_no_leak();
+}
+
+/* A frame of one out-of-band cpu buffer whose table is valid and whose
+ * payload the reader refuses only as a value is read: `payload` (plen
+ * bytes), table [[cpu, 0, nbytes, 0x1000]], the checksum computed. Its
+ * length, at most 64 + plen bytes. */
+static size_t oob_frame(uint8_t *out, const uint8_t *payload, size_t plen, uint16_t nbytes) {
+  const uint8_t table[] = {0x91, 0x94, 0x00, 0x00, 0xcd, (uint8_t)(nbytes >> 8), (uint8_t)nbytes, 0xcd, 0x10, 0x00};
+  memset(out, 0, DP_FRAME_HEADER);
+  memcpy(out, "DPKL", 4);
+  dp__put_le16(out + 4, DP_FRAME_VERSION);
+  dp__put_le64(out + 8, plen);
+  dp__put_le64(out + 16, sizeof table);
+  memcpy(out + DP_FRAME_HEADER, payload, plen);
+  memcpy(out + DP_FRAME_HEADER + plen, table, sizeof table);
+  size_t n = DP_FRAME_HEADER + plen + sizeof table;
+  dp__put_le64(out + 32, dp__frame_checksum(out, n));
+  return n;
+}
+
+/* peer: a frame whose table holds one buffer of 4 KiB and whose payload,
+ * nil, refers to none ("referred to by no tensor", at delivery), its
+ * buffer never sent; once a value comes, sends 7 (waits for the close) */
+static int send_unreferenced_buffer_never_sent_then_7(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  uint8_t b[128];
+  const uint8_t nil = 0xc0;
+  size_t n = oob_frame(b, &nil, 1, 4096);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, 4096};
+  dp_error_t e;
+  dp_future_t *f;
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) return 10;
+  if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 11;
+  dp_future_release(f);
+  return send_good_and_stay(ep, 7, 12);
+}
+
+/* A kept value the reader refuses as a receive takes it is refused as one
+ * refused on arrival is: its receive fails with the reader's error, and its
+ * buffers that never come do not fail the endpoint once timeout_ns passes
+ * ("a value's buffers stopped arriving" timed the refused message, whose
+ * buffers are drained, not waited for): the next value still arrives. */
+Test(transport, a_kept_value_refused_as_it_is_taken_whose_buffers_never_come_does_not_time_out_its_endpoint) {
+  t_track();
+  alarm(60);
+  peer_t p = spawn_peer(send_unreferenced_buffer_never_sent_then_7, NULL, NULL);
+  dp_transport_opts_t o = {0};
+  o.timeout_ns = 200 * 1000000ll;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_until_arrived(t, p.port, 1);
+  dp_future_t *f, *d;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &f, T_ERR));
+  cr_assert_eq(wait_f(f, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "buffer 0 is referred to by no tensor"), "%s", e.message);
+  dp_future_release(f);
+  sleep_ms(1000); /* five times the timeout: a timed message would have failed the endpoint */
+  cr_assert_eq(dp_endpoint_error(ep, &e), 0, "the endpoint failed: %s", e.message);
+  OK(dp_endpoint_send(ep, dp_none(), &d, T_ERR));
+  f = recv_ok(ep);
+  cr_assert_eq(dp_value_as_int(dp_future_value(f)), 7);
+  dp_future_release(f);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_future_release(d);
+  close_clean(ep, t, p);
+  alarm(0);
 }
 
 /* peer: sends the value arg points to 1,000 times, back to back */

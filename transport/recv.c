@@ -111,13 +111,21 @@ static int read_frame(dp_transport_t *t, rmsg_t *m, const uint8_t *b, dp_frame_i
 /* A deferred message is read as it is delivered; one the reader refuses
  * fails its receive as a frame refused on arrival does. Its frame is a copy
  * of our own, checked by dp_frame_check as it arrived: its header is only
- * parsed again, its checksum not computed twice. */
-static void read_deferred(dp_transport_t *t, rmsg_t *m) {
+ * parsed again, its checksum not computed twice. Refused, its buffers still
+ * to come are drained, as a message refused on arrival has them: they are
+ * no longer timed (a peer that never sends them holds nothing back —
+ * pass_refused — and must not fail the endpoint as a stopped value does)
+ * nor counted as held. */
+static void read_deferred(dp_transport_t *t, dp_endpoint_t *ep, rmsg_t *m) {
   dp_error_t e;
   dp_frame_info_t info;
   m->deferred = 0;
   dp__frame_header_parse(m->frame_copy, &info);
-  if (read_frame(t, m, m->frame_copy, &info, 1, &e)) refuse(m, &e);
+  if (!read_frame(t, m, m->frame_copy, &info, 1, &e)) return;
+  refuse(m, &e);
+  m->deadline = 0;
+  if (!ep->dead) ep->held -= m->held; /* a dead endpoint's count went with it (as in taken) */
+  m->held = 0;
 }
 
 /* Binds the buffers of a frame kept to be read later (on_frame), so that
@@ -606,7 +614,7 @@ static void pass_refused(dp_transport_t *t, dp_endpoint_t *ep);
 void dp__tp_deliver(dp_transport_t *t, dp_endpoint_t *ep) {
   while (ep->rq_head && (!ep->dead || ep->keep_received)) {
     rmsg_t *m = ep->rq_head;
-    if (m->deferred && ep->w_head) read_deferred(t, m);
+    if (m->deferred && ep->w_head) read_deferred(t, ep, m);
     if (m->failed && !m->answered) {
       /* a refused frame fails its receive at once: its buffers (as many as
          its message announced, which a corrupt frame cannot vouch for) are
