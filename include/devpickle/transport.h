@@ -207,10 +207,12 @@ typedef struct dp_transport_opts {
    *  or with NULL types and ntypes > 0, is DP_EINVAL, as dp_unpickle). bind is ignored: the
    *  transport binds buffers itself. NULL: dp_unpickle's defaults. A frame
    *  is read (its resolver called, on the loop's thread) as it arrives when
-   *  it has out-of-band buffers or a dp_endpoint_recv already waits for it,
-   *  else as a receive (dp_endpoint_recv or dp_endpoint_recv_frame) takes
-   *  it: not necessarily in the order the values were sent. A frame they
-   *  refuse fails the receive that takes it, a frame receive included. */
+   *  a dp_endpoint_recv already waits for it, else as a receive
+   *  (dp_endpoint_recv or dp_endpoint_recv_frame) takes it: in the order
+   *  the values were sent. A frame with out-of-band buffers has its buffer
+   *  table alone checked and bound, under these limits, as it arrives. A
+   *  frame they refuse fails the receive that takes it, a frame receive
+   *  included (its buffers are drained, as they come or never do). */
   const dp_unpickle_opts_t *unpickle;
   /** Where received device buffers are allocated: an allocator of
    *  `backend`. NULL: the backend's default caching allocator. Must
