@@ -1968,8 +1968,10 @@ static size_t staged_specs(spec_t *sp) {
   return k;
 }
 
-/* shm: same-host slots (the default) or UCX carrying the bytes */
-static void staged_round_trip(int shm) {
+/* shm: same-host slots (the default) or UCX carrying the bytes; kept: the
+ * echo's frame has come before its receive is posted (kept, its buffers
+ * bound as it arrived, its value read as taken) */
+static void staged_round_trip_as(int shm, int kept) {
   t_track();
   dp__transport_stage_host = 1; /* both ends: the peer is forked after */
   if (!shm) setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
@@ -1983,7 +1985,12 @@ static void staged_round_trip(int shm) {
   for (size_t i = 0; i < n; i++) OK(dp_list_append(v, dev_tensor(sp[i].dev, sp[i].n, (unsigned)i), T_ERR));
   dp_future_t *d, *r;
   dp_error_t e;
+  unsigned long frames0 = atomic_load(&dp__transport_frames_in);
   OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  if (kept) {
+    POLL_UNTIL(atomic_load(&dp__transport_frames_in) - frames0 >= 1);
+    cr_assert_geq(atomic_load(&dp__transport_frames_in) - frames0, 1, "the echo did not arrive");
+  }
   OK(dp_endpoint_recv(ep, &r, T_ERR));
   OK_WITH(&e, wait_f(d, &e));
   OK_WITH(&e, wait_f(r, &e));
@@ -2006,8 +2013,18 @@ static void staged_round_trip(int shm) {
   close_clean(ep, t, p);
 }
 
+static void staged_round_trip(int shm) { staged_round_trip_as(shm, 0); }
+
 Test(transport, device_buffers_are_staged_in_chunks_and_packs_and_arrive_byte_for_byte_on_their_devices) {
   staged_round_trip(1);
+}
+
+Test(transport, a_kept_value_of_staged_buffers_bound_as_its_frame_came_arrives_byte_for_byte_when_taken) {
+  staged_round_trip_as(1, 1);
+}
+
+Test(transport, a_kept_value_of_staged_buffers_through_ucx_arrives_byte_for_byte_when_taken) {
+  staged_round_trip_as(0, 1);
 }
 
 Test(transport, without_same_host_slots_staged_pieces_travel_through_ucx_and_arrive_byte_for_byte) {
@@ -5019,6 +5036,174 @@ Test(transport, a_kept_value_refused_as_it_is_taken_whose_buffers_never_come_doe
   alarm(0);
 }
 
+/* peer: a value of two 64-byte cpu tensors, its frame and only its first
+ * buffer sent (the second never); waits for the close, or its kill */
+static int send_half_of_two_buffers(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  dp_value_t a = owned_tensor(64, 1), b = owned_tensor(64, 2), v;
+  dp_frame_t *fr;
+  if (dp_list_new(2, &v, &e) || dp_list_append(v, a, &e) || dp_list_append(v, b, &e) || dp_frame_new(&fr, &e) ||
+      dp_pickle(v, NULL, fr, &e))
+    return 10;
+  size_t n;
+  const uint8_t *bytes = dp_frame_data(fr, &n);
+  uint8_t data[64];
+  memset(data, 0x5a, sizeof data);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 2, 0, n, 128};
+  dp__am_bufs_hdr_t b0 = {DP__WIRE_MAGIC, 1, 0, 0, 64, 0, 64};
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, bytes, n, &e) ||
+      dp__endpoint_send_raw(ep, DP__AM_BUFS, &b0, sizeof b0, data, sizeof data, &e))
+    return 11;
+  return peer_linger(ep, fr, v);
+}
+
+/* A kept value whose buffers are half here (the first bound and written,
+ * the second owed) goes with its transport (how 0), with its endpoint
+ * failed by the peer's kill (1), or with a receive waiting for it that the
+ * kill fails (2): the storages bound as its frame arrived are freed. */
+static void half_arrived_kept_value_goes(int how) {
+  t_track();
+  alarm(60);
+  peer_t p = spawn_peer(send_half_of_two_buffers, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_until_arrived(t, p.port, 1);
+  dp_future_t *f = NULL;
+  dp_error_t e;
+  if (how == 2) OK(dp_endpoint_recv(ep, &f, T_ERR));
+  if (how) {
+    kill(p.pid, SIGKILL);
+    cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+    int rc = ep_error_within(ep, 30000, &e);
+    cr_assert_neq(rc, 0, "the endpoint outlived its peer");
+    if (f) {
+      cr_assert_eq(wait_f(f, &e), rc, "%s: %s", dp_err_name(e.code), e.message);
+      dp_future_release(f);
+    }
+    dp_endpoint_free(ep);
+  }
+  free_transport(t);
+  if (!how) {
+    kill(p.pid, SIGKILL);
+    peer_wait(p);
+  }
+  check_no_leak();
+  alarm(0);
+}
+
+Test(transport, a_transport_freed_with_a_kept_value_whose_buffers_are_half_here_leaks_nothing) {
+  half_arrived_kept_value_goes(0);
+}
+
+Test(transport, a_kept_value_whose_peer_is_killed_between_its_buffers_goes_with_the_endpoint) {
+  half_arrived_kept_value_goes(1);
+}
+
+Test(transport, a_receive_waiting_for_a_kept_values_last_buffer_fails_with_the_killed_peers_endpoint) {
+  half_arrived_kept_value_goes(2);
+}
+
+/* peer: 600 values of a 4 KiB tensor nested 12 lists deep (over two
+ * windows of credit), then 7; waits for the close */
+static int send_deep_tensors_then_7(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  for (int i = 0; i < 600; i++) {
+    dp_value_t v = owned_tensor(4096, (unsigned)i), l;
+    for (int k = 0; k < 12; k++) {
+      if (dp_list_new(1, &l, &e) || dp_list_append(l, v, &e)) return 10;
+      v = l;
+    }
+    dp_future_t *d;
+    int rc = dp_endpoint_send(ep, v, &d, &e);
+    dp_value_release(v);
+    if (rc) return 11;
+    dp_future_release(d);
+  }
+  return send_good_and_stay(ep, 7, 12);
+}
+
+/* Kept values with buffers that the reader refuses only as they are taken
+ * (deeper than the receiver's max_depth; their tables bind) fail their
+ * receives with the reader's error, in order; their buffers, come whole,
+ * give their credit back, so the sender goes on past the window and the
+ * value after them arrives. */
+Test(transport, kept_values_with_buffers_refused_as_taken_give_their_credit_back_and_the_next_value_arrives) {
+  t_track();
+  alarm(120);
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1); /* one connection, in the order sent */
+  peer_t p = spawn_peer(send_deep_tensors_then_7, NULL, NULL);
+  dp_unpickle_opts_t u = {0};
+  u.limits.max_depth = 8;
+  dp_transport_opts_t o = {0};
+  o.unpickle = &u;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_until_arrived(t, p.port, 100); /* kept: nobody receives yet */
+  dp_error_t e;
+  for (int i = 0; i < 600; i++) {
+    dp_future_t *f;
+    OK(dp_endpoint_recv(ep, &f, T_ERR));
+    cr_assert_eq(wait_f(f, &e), DP_ELIMIT, "value %d: %s: %s", i, dp_err_name(e.code), e.message);
+    cr_assert(strstr(e.message, "depth"), "value %d: %s", i, e.message);
+    dp_future_release(f);
+  }
+  dp_future_t *f = recv_ok(ep);
+  cr_assert_eq(dp_value_as_int(dp_future_value(f)), 7);
+  dp_future_release(f);
+  cr_assert_eq(dp_endpoint_error(ep, &e), 0, "%s", e.message);
+  close_clean(ep, t, p);
+  alarm(0);
+}
+
+/* peer: 7, a 64-byte tensor (an out-of-band buffer), 8; waits for the close */
+static int send_7_tensor_8(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  dp_error_t e;
+  dp_value_t v[3] = {dp_int(7), owned_tensor(64, 1), dp_int(8)};
+  for (int i = 0; i < 3; i++) {
+    dp_future_t *d;
+    int rc = dp_endpoint_send(ep, v[i], &d, &e);
+    dp_value_release(v[i]);
+    if (rc) return 10;
+    dp_future_release(d);
+  }
+  return stay_until_closed(ep);
+}
+
+/* Frame receives that take kept values: the value with a buffer, kept and
+ * bound behind another, fails its frame receive with DP_EFORMAT once
+ * delivered, and the frames around it come as they were sent. */
+Test(transport, frame_receives_taking_kept_values_refuse_the_one_with_a_buffer_and_take_the_next) {
+  t_track();
+  alarm(60);
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  peer_t p = spawn_peer(send_7_tensor_8, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_until_arrived(t, p.port, 3);
+  dp_future_t *f[3];
+  dp_error_t e;
+  for (int i = 0; i < 3; i++) OK(dp_endpoint_recv_frame(ep, &f[i], T_ERR));
+  for (int i = 0; i < 3; i++) {
+    if (i == 1) {
+      cr_assert_eq(wait_f(f[i], &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+      cr_assert(strstr(e.message, "the message carries 1 out-of-band buffer, not a self-contained frame"), "%s",
+                e.message);
+      continue;
+    }
+    OK_WITH(&e, wait_f(f[i], &e));
+    size_t n;
+    const uint8_t *b = dp_bytes_data(dp_future_value(f[i]), &n);
+    dp_value_t back;
+    OK(dp_unpickle(b, n, NULL, &back, T_ERR));
+    cr_assert_eq(dp_value_as_int(back), i ? 8 : 7);
+    dp_value_release(back);
+  }
+  for (int i = 0; i < 3; i++) dp_future_release(f[i]);
+  cr_assert_eq(dp_endpoint_error(ep, &e), 0, "%s", e.message);
+  close_clean(ep, t, p);
+  alarm(0);
+}
+
 /* peer: sends the value arg points to 1,000 times, back to back */
 static int send_one_value_1000_times(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t;
@@ -7363,6 +7548,49 @@ Test(transport, a_close_after_a_refused_frame_whose_buffers_never_come_fails_the
   dp_future_release(r1);
   dp_future_release(r2);
   close_clean(ep, t, p);
+}
+
+/* peer: the frame of send_unreferenced_buffer_never_sent_then_7 (refused
+ * only as a value is read), its buffer never sent, then CLOSE counting it */
+static int send_unreferenced_owing_then_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
+  uint8_t b[128];
+  const uint8_t nil = 0xc0;
+  size_t n = oob_frame(b, &nil, 1, 4096);
+  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, 4096};
+  dp_error_t e;
+  int rc = 0;
+  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) rc = 11;
+  raw_close(ep, 0, 1, &e, &rc);
+  return rc ? rc : stay_until_closed(ep);
+}
+
+/* The same, the frame kept (nobody receiving as it came) and refused only
+ * as a receive takes it: the close it held back (its buffer owed, a value
+ * to the receiver until read) goes on then. */
+Test(transport, a_close_after_a_kept_value_refused_as_taken_whose_buffers_never_come_fails_the_next_receive) {
+  t_track();
+  alarm(60);
+  setenv("DEVPICKLE_TRANSPORT_SHM", "0", 1);
+  peer_t p = spawn_peer(send_unreferenced_owing_then_close, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_until_arrived(t, p.port, 1);
+  dp_future_t *r1, *r2 = NULL;
+  dp_error_t e;
+  OK(dp_endpoint_recv(ep, &r1, T_ERR));
+  /* the close may be through before this receive is posted (the refusal
+     let it go): the receive is refused at once then */
+  int rc = dp_endpoint_recv(ep, &r2, &e);
+  if (rc == 0) rc = wait_f(r2, &e);
+  cr_assert_eq(rc, DP_ECANCELED, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "the peer closed its endpoint (after sending 1 value, all received)"), "%s",
+            e.message);
+  cr_assert_eq(wait_f(r1, &e), DP_EFORMAT, "%s: %s", dp_err_name(e.code), e.message);
+  cr_assert(strstr(e.message, "buffer 0 is referred to by no tensor"), "%s", e.message);
+  dp_future_release(r1);
+  dp_future_release(r2);
+  close_clean(ep, t, p);
+  alarm(0);
 }
 
 /* peer (the acceptor): one receive, which must fail with DP_EFORMAT and
