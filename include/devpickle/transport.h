@@ -210,7 +210,10 @@ typedef struct dp_transport_opts {
    *  a dp_endpoint_recv already waits for it, else as a receive
    *  (dp_endpoint_recv or dp_endpoint_recv_frame) takes it: in the order
    *  the values were sent. A frame with out-of-band buffers has its buffer
-   *  table alone checked and bound, under these limits, as it arrives. A
+   *  table alone checked and bound, under these limits, as it arrives; its
+   *  value may be read before its buffers' bytes have all arrived, so a
+   *  resolver must not read them (it may keep the tensors: the receive's
+   *  future completes, with events covering the bytes, once they are in). A
    *  frame they refuse fails the receive that takes it, a frame receive
    *  included (its buffers are drained, as they come or never do). */
   const dp_unpickle_opts_t *unpickle;
