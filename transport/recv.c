@@ -46,8 +46,10 @@ static int bind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_e
  * bind_cb made for it as the frame arrived (the same table, checked then). */
 static int rebind_cb(void *ud, const dp_buffer_desc_t *d, dp_storage_t **out, dp_error_t *err) {
   rmsg_t *m = ((void **)ud)[1];
-  assert(d->id < m->nbuf && m->bufs[d->id].storage && m->bufs[d->id].nbytes == d->nbytes);
-  (void)err;
+  /* the same bytes read again bind the same table: a difference would be
+     a fault of ours, refused rather than trusted */
+  if (d->id >= m->nbuf || !m->bufs[d->id].storage || m->bufs[d->id].nbytes != d->nbytes)
+    return dp__err(err, DP_ESTATE, "transport: buffer %u is not the one bound as its frame arrived", d->id);
   *out = dp_storage_retain(m->bufs[d->id].storage);
   return 0;
 }
