@@ -5030,15 +5030,20 @@ static size_t oob_frame(uint8_t *out, const uint8_t *payload, size_t plen, uint1
 /* peer: a frame whose table holds one buffer of 4 KiB and whose payload,
  * nil, refers to none ("referred to by no tensor", at delivery), its
  * buffer never sent; once a value comes, sends 7 (waits for the close) */
-static int send_unreferenced_buffer_never_sent_then_7(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
-  (void)t, (void)arg;
+/* Sends that frame (a FRAME message announcing its one 4 KiB buffer). */
+static int send_unreferenced_owing(dp_endpoint_t *ep, dp_error_t *e) {
   uint8_t b[128];
   const uint8_t nil = 0xc0;
   size_t n = oob_frame(b, &nil, 1, 4096);
   dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, 4096};
+  return dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, e);
+}
+
+static int send_unreferenced_buffer_never_sent_then_7(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
+  (void)t, (void)arg;
   dp_error_t e;
   dp_future_t *f;
-  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) return 10;
+  if (send_unreferenced_owing(ep, &e)) return 10;
   if (dp_endpoint_recv(ep, &f, &e) || wait_f(f, &e)) return 11;
   dp_future_release(f);
   return send_good_and_stay(ep, 7, 12);
@@ -7592,13 +7597,9 @@ Test(transport, a_close_after_a_refused_frame_whose_buffers_never_come_fails_the
  * only as a value is read), its buffer never sent, then CLOSE counting it */
 static int send_unreferenced_owing_then_close(dp_transport_t *t, dp_endpoint_t *ep, void *arg) {
   (void)t, (void)arg;
-  uint8_t b[128];
-  const uint8_t nil = 0xc0;
-  size_t n = oob_frame(b, &nil, 1, 4096);
-  dp__am_frame_hdr_t h = {DP__WIRE_MAGIC, 1, 0, n, 4096};
   dp_error_t e;
   int rc = 0;
-  if (dp__endpoint_send_raw(ep, DP__AM_FRAME, &h, sizeof h, b, n, &e)) rc = 11;
+  if (send_unreferenced_owing(ep, &e)) rc = 11;
   raw_close(ep, 0, 1, &e, &rc);
   return rc ? rc : stay_until_closed(ep);
 }

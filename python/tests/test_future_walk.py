@@ -131,6 +131,29 @@ class OnCudaOnce:
         return (int, (1,)) if self.calls > 1 else (Holder, (OnCuda0(),))
 
 
+REFUSED_WITHOUT_PATH = r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"
+
+
+def refused_without_a_path(raises, set_result_raises, match):
+    # an OnCudaOnce(raises) given to set_result raises set_result_raises
+    # (matching match) and leaves the future refused without a path; one
+    # returned by a then() callback fails the child so; each reduce runs twice
+    v = OnCudaOnce(raises)
+    f = devpickle.Future(devices=["cpu"])
+    with pytest.raises(set_result_raises, match=match):
+        f.set_result([v])
+    assert v.calls == 2
+    with pytest.raises(ValueError, match=REFUSED_WITHOUT_PATH):
+        f.wait()
+    v = OnCudaOnce(raises)
+    parent = devpickle.Future(devices=["cpu"])
+    child = parent.then(lambda p: [v])
+    parent.set_result(None)
+    with pytest.raises(ValueError, match=REFUSED_WITHOUT_PATH):
+        child.wait()
+    assert v.calls == 2
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
 def test_a_value_its_walk_refuses_stays_refused_whatever_the_walk_for_the_path_finds():
     # the walk that looks for the path only names one: a value whose reduce
@@ -138,20 +161,7 @@ def test_a_value_its_walk_refuses_stays_refused_whatever_the_walk_for_the_path_f
     # second time) is refused, without a path, by set_result and in a then()
     # child — the second walk must not let it through
     for raises in (False, True):
-        v = OnCudaOnce(raises)
-        f = devpickle.Future(devices=["cpu"])
-        with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
-            f.set_result([v])
-        assert v.calls == 2
-        with pytest.raises(ValueError, match=r"^the value uses cuda:0, which"):
-            f.wait()
-        v = OnCudaOnce(raises)
-        parent = devpickle.Future(devices=["cpu"])
-        child = parent.then(lambda p: [v])
-        parent.set_result(None)
-        with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
-            child.wait()
-        assert v.calls == 2
+        refused_without_a_path(raises, ValueError, REFUSED_WITHOUT_PATH)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
@@ -161,20 +171,7 @@ def test_an_interrupt_in_the_walk_for_a_refusals_path_is_raised_by_set_result_an
     # first does: its interrupt passes through set_result, and the future
     # fails with the refusal, which names no path; a then() child, whose
     # callback nobody can interrupt, fails with the refusal alone
-    v = OnCudaOnce(interrupt)
-    f = devpickle.Future(devices=["cpu"])
-    with pytest.raises(interrupt, match="not again"):
-        f.set_result([v])
-    assert v.calls == 2
-    with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
-        f.wait()
-    v = OnCudaOnce(interrupt)
-    parent = devpickle.Future(devices=["cpu"])
-    child = parent.then(lambda p: [v])
-    parent.set_result(None)
-    with pytest.raises(ValueError, match=r"^the value uses cuda:0, which is not among the future's devices \[cpu\]"):
-        child.wait()
-    assert v.calls == 2
+    refused_without_a_path(interrupt, interrupt, "not again")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a made-up address on a machine without CUDA")
