@@ -7450,7 +7450,9 @@ static void stray_ids_reach_a_worker(int lane) {
     dp_endpoint_free(a);
     dp_listener_free(l);
     if (lane && !on_lane && ++attempt < LANE_TRIES) continue;
-    cr_assert_eq(on_lane, (unsigned long)lane, "id %#x came on %s", ids[i], lane ? "the connection" : "a lane");
+    /* on the lane, a control message of the pair (a CREDIT) may come there
+       beside it: at least one, not exactly one */
+    cr_assert(lane ? on_lane >= 1 : on_lane == 0, "id %#x came on %s", ids[i], lane ? "the connection" : "a lane");
     i++, attempt = 0;
   }
   free_transport(t);
