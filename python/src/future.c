@@ -1646,9 +1646,11 @@ static PyObject *as_futures(const char *who, PyObject *arg, dp_future_t ***out, 
       Py_DECREF(list);
       return NULL;
     }
-    ((pyfut_t *)x)->used = 1;
     (*out)[i] = ((pyfut_t *)x)->f;
   }
+  /* only once every item is a future: a refused call collected and waited on
+   * nothing, so the futures before the refused item may still be remade */
+  for (Py_ssize_t i = 0; i < *n; i++) ((pyfut_t *)PyList_GET_ITEM(list, i))->used = 1;
   return list;
 }
 

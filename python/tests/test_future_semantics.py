@@ -1789,6 +1789,31 @@ def test_a_subclass_init_may_choose_the_devices_until_the_future_is_used():
     assert child.wait() == 2
 
 
+def test_a_refused_collect_all_or_wait_all_leaves_its_futures_unused():
+    # PYTHON.md: a subclass's __init__ may change the devices until the
+    # future was completed, waited on, chained or collected. A collect_all
+    # or wait_all refused for a later item (not a future) collected and
+    # waited on nothing: the futures before that item may still be remade.
+    class Sub(devpickle.Future):
+        def __init__(self, devices=None):
+            super().__init__(devices=devices)
+
+    f, g = Sub(), Sub()
+    with pytest.raises(TypeError, match="item 1 is"):
+        devpickle.collect_all([f, 1])
+    with pytest.raises(TypeError, match="item 1 is"):
+        devpickle.wait_all([g, None])
+    f.__init__(devices=[])
+    g.__init__(devices=[])
+    gen = a_generator()
+    f.set_result(gen)  # devices=[]: walks nothing
+    assert f.wait() is gen
+    h = Sub()
+    devpickle.collect_all([h])
+    with pytest.raises(RuntimeError, match="collected"):
+        h.__init__(devices=[])
+
+
 def test_a_subclass_whose_init_does_not_call_the_futures_init_takes_devices_from_the_constructor():
     # PYTHON.md: devices= is still read as a keyword by Future.__new__, so a
     # subclass's __init__ need not hand it on
