@@ -4615,6 +4615,30 @@ Test(cli, inspect_shows_sixty_four_levels_below_the_root_and_summarizes_the_next
   }
 }
 
+/* A shared list first met 64 levels down had a line whose children were cut
+ * ("deeper levels not shown"), and its later meeting at the top was "->" that
+ * line: its items were shown nowhere. Met again shallower, it is shown in full. */
+Test(cli, a_shared_container_whose_children_the_depth_limit_cut_is_shown_in_full_where_met_again_shallower) {
+  char json[512];
+  int n = snprintf(json, sizeof json, "[");
+  for (int i = 0; i < 63; i++) json[n++] = '[';
+  n += snprintf(json + n, sizeof json - (size_t)n, "{\"$id\": \"a\", \"$value\": [41, [42]]}");
+  for (int i = 0; i < 63; i++) json[n++] = ']';
+  snprintf(json + n, sizeof json - (size_t)n, ", {\"$ref\": \"a\"}]");
+  pack_json("c.json", json, "c.dpk");
+  res_t r = run("inspect c.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_not_null(strstr(r.out, "  list (2 items)\n                                          (deeper levels not shown)\n"),
+                     "%s", r.out);
+  const char *tail = "$[1]                                      list (2 items)\n"
+                     "$[1][0]                                   int 41\n"
+                     "$[1][1]                                   list (1 item)\n"
+                     "$[1][1][0]                                int 42\n";
+  size_t len = strlen(r.out), tl = strlen(tail);
+  cr_assert(len > tl && strcmp(r.out + len - tl, tail) == 0, "%s", r.out);
+  res_free(r);
+}
+
 /* inspect shows a float as the 17 significant digits that name its double,
  * not a rounding of it to another double. */
 Test(cli, inspect_shows_a_float_with_the_seventeen_digits_that_name_its_double) {

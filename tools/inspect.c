@@ -247,6 +247,12 @@ static void put_path(FILE *out, const char *path) {
 static int visit(ins_t *s, dp_value_t v) {
   put_path(s->out, cur_path(s));
   uint32_t r = NO_REC;
+  size_t count = child_count(v);
+  /* A container on the last level shown has its children cut: its line
+   * shows no more of it than a node below that level, so a later meeting
+   * shows it again (in full when it is shallower) rather than pointing back
+   * to a line that never showed its children. */
+  int cut = count && s->top >= INSPECT_DEPTH;
   /* A node held once is met once (the caller's reference aside, which only
    * adds): it needs no entry in `seen`. */
   if (dp_value_is_heap(v) && dp_value_refcount(v) > 1) {
@@ -258,14 +264,13 @@ static int visit(ins_t *s, dp_value_t v) {
     }
     uint32_t parent = NO_REC;
     frame_t *up = s->top ? &s->stack[s->top - 1] : NULL;
-    if ((s->top && frame_rec(s, s->top - 1, &parent)) ||
-        rec_add(s, up ? up->v : dp_none(), up ? up->i - 1 : 0, parent, &r) || seen_add(s, id, r))
+    if (!cut && ((s->top && frame_rec(s, s->top - 1, &parent)) ||
+                 rec_add(s, up ? up->v : dp_none(), up ? up->i - 1 : 0, parent, &r) || seen_add(s, id, r)))
       return -1;
   }
   summary(s->out, v);
-  size_t count = child_count(v);
   if (!count) return 0;
-  if (s->top >= INSPECT_DEPTH) {
+  if (cut) {
     fprintf(s->out, "%-40s  (deeper levels not shown)\n", "");
     return 0;
   }
