@@ -653,6 +653,26 @@ Test(cli, a_frame_command_refuses_a_terminal_by_any_name) {
   res_free(r);
 }
 
+/* `devpickle verify /dev/stdout | cat` opened the pipe it writes into by
+ * that name, for reading: it held the writing end itself, so the end of
+ * its input never came and every reading command waited forever. An input
+ * that names a descriptor open for writing only is refused, as an output
+ * open for reading only is; one open for reading is read as before. */
+Test(cli, an_input_naming_a_descriptor_open_for_writing_only_is_refused_instead_of_waiting_on_itself) {
+  pack_json("w.json", "[1]", "w.dpk");
+  res_t r = run_sh("for c in verify dump inspect unpack; do { timeout 5 \"$D\" $c /dev/stdout 2>>e.txt; echo $? >>st.txt; } | cat; done;"
+                   " { timeout 5 \"$D\" pack /dev/stdout -o x.dpk 2>>e.txt; echo $? >>st.txt; } | cat;"
+                   " { timeout 5 \"$D\" send /dev/fd/1 127.0.0.1:1 2>>e.txt; echo $? >>st.txt; } | cat;"
+                   " cat st.txt e.txt; \"$D\" verify /dev/fd/3 3<w.dpk");
+  const char *line = "devpickle: /dev/stdout: descriptor 1 is open for writing only, so it cannot be the input\n";
+  char want[1024];
+  snprintf(want, sizeof want, "1\n1\n1\n1\n1\n1\n%s%s%s%s%sdevpickle: /dev/fd/1: descriptor 1 is open for writing only, so it cannot be the input\n"
+           "/dev/fd/3: ok, %s", line, line, line, line, line, "");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_assert_eq(strncmp(r.out, want, strlen(want)), 0, "%s", r.out);
+  res_free(r);
+}
+
 /* A binary frame is not written to a terminal unless asked for (-o -). */
 Test(cli, recv_refuses_a_terminal_on_stdout_unless_told_with_dash_o_dash) {
   int m;

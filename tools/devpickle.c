@@ -176,6 +176,7 @@ static void grow_or_drop(uint8_t **buf, size_t *cap) {
 }
 
 static int names_held_fd(const char *path);
+static int input_names_write_only_fd(const char *path);
 
 /* Reads value JSON from a file (or stdin) to its end, or up to where what
  * came already fails to parse whatever follows: checked each time the
@@ -185,6 +186,8 @@ static int names_held_fd(const char *path);
  * parse of the bytes read then reports that byte as the whole text would. */
 static int read_json(const char *path, uint8_t **out, size_t *n) {
   if (names_held_fd(path)) return data_error(display(path), strerror(EBADF), -1);
+  int rc = input_names_write_only_fd(path);
+  if (rc) return rc;
   FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
   if (!f) return data_error(display(path), strerror(errno), -1);
   size_t cap = 1 << 16, len = 0;
@@ -328,6 +331,22 @@ static int names_held_fd(const char *path) {
   int fd;
   free(follow_links(path, &fd));
   return fd_held(fd);
+}
+
+/* An input that names (through links) one of this process's descriptors
+ * open for writing only: 0, or the exit status after the message. Opened
+ * by that name it is read from the other end: `verify /dev/stdout | cat`
+ * read the pipe this command itself holds open for writing, so its end
+ * never came and the command waited forever. Refused as an output open
+ * for reading only is. */
+static int input_names_write_only_fd(const char *path) {
+  if (strcmp(path, "-") == 0) return 0;
+  int fd, fl;
+  free(follow_links(path, &fd));
+  if (fd < 0 || fd_held(fd) || (fl = fcntl(fd, F_GETFL)) < 0 || (fl & O_ACCMODE) != O_WRONLY) return 0;
+  char what[96];
+  snprintf(what, sizeof what, "descriptor %d is open for writing only, so it cannot be the input", fd);
+  return data_error(path, what, -1);
 }
 
 /* A pipe or a terminal that whoever opened it left non-blocking (a
@@ -841,6 +860,8 @@ static int src_open(src_t *s, const char *path) {
   memset(s, 0, sizeof *s);
   s->limit = UINT64_MAX;
   if (names_held_fd(path)) return data_error(display(path), strerror(EBADF), -1);
+  int rc = input_names_write_only_fd(path);
+  if (rc) return rc;
   s->f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
   if (!s->f) return data_error(display(path), strerror(errno), -1);
   if (isatty(fileno(s->f))) {
