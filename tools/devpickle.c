@@ -1212,12 +1212,12 @@ static const char *const help_inspect =
     "line: the path, the kind and a summary. A node met again is shown as\n"
     "'-> PATH' of its first line. Levels deeper than 64 are summarized, and\n"
     "dict keys are shown only in paths: a node first met there, or a\n"
-    "container 64 levels down (its children cut), is shown again where it is\n"
-    "met again (in full when shallower). Long names and paths are shortened (docs/VALUE_JSON.md,\n"
-    "\"Paths\"); a str shows its first 40 bytes, then '\xe2\x80\xa6' when longer; a\n"
-    "float is written as value JSON writes it (nan, inf, -inf, a NaN other\n"
-    "than the default by its bits, 0x...); a tensor's strides are shown when\n"
-    "they are not its shape's row-major default.\n"
+    "container 64 levels down (whose children are cut), is not pointed back\n"
+    "to but shown where it is met again. Long names and paths are shortened\n"
+    "(docs/VALUE_JSON.md, \"Paths\"); a str shows its first 40 bytes, then\n"
+    "'\xe2\x80\xa6' when longer; a float is written as value JSON writes it (nan,\n"
+    "inf, -inf, a NaN other than the default by its bits, 0x...); a tensor's\n"
+    "strides are shown when they are not its shape's row-major default.\n"
     "Use - for stdin. " STDIN_FRAME FRAME_LIMITS
 
     "Exit status: 0 done; 1 a frame the reader refuses ('devpickle: FILE: what,\n"
