@@ -312,3 +312,31 @@ Test(path, a_bare_name_cut_to_64_bytes_ends_with_an_ellipsis) {
   snprintf(want, sizeof want, "%.64s", name);
   cr_assert_str_eq(shown(dp__name_bare, name, 64), want, "64 bytes are shown whole");
 }
+
+/* A byte that starts no character (C0, C1: only overlong forms; F5..F7:
+ * past U+10FFFF) just before the cut is a stray byte of its own, shown as
+ * \ufffd: the continuation bytes after it are no part of it, so the cut
+ * stays at the limit rather than moving back over it. */
+Test(path, a_byte_that_starts_no_character_before_the_cut_is_kept_as_a_stray_byte) {
+  static const unsigned char strays[] = {0xC0, 0xC1, 0xF5, 0xF7};
+  for (size_t s = 0; s < sizeof strays; s++) {
+    char name[70];
+    memset(name, 'a', sizeof name);
+    name[63] = (char)strays[s];
+    memset(name + 64, 0x80, 3);
+    cr_assert_eq(dp__name_shown(name, sizeof name, DP_PATH_NAME_MAX), 64, "a stray %02X at 63", strays[s]);
+    char want[160];
+    snprintf(want, sizeof want, "%.63s\\ufffd\u2026", name);
+    cr_assert_str_eq(shown(dp__name_bare, name, sizeof name), want, "a stray %02X at 63", strays[s]);
+  }
+}
+
+/* An identifier is a letter or '_' then letters, digits or '_': an empty
+ * name or one that starts with a digit is shown quoted, as a dict key. */
+Test(path, an_empty_name_or_one_starting_with_a_digit_is_shown_quoted) {
+  cr_assert_str_eq(shown(dp__step_name, "", 0), "[\"\"]");
+  cr_assert_str_eq(shown(dp__step_name, "1a", 2), "[\"1a\"]");
+  cr_assert_str_eq(shown(dp__step_name, "9", 1), "[\"9\"]");
+  cr_assert_str_eq(shown(dp__step_name, "a1", 2), ".a1", "a digit after the first byte is part of an identifier");
+  cr_assert_str_eq(shown(dp__step_name, "_0", 2), "._0");
+}
