@@ -4069,3 +4069,70 @@ Test(value, a_dict_key_met_twice_is_compared_once_whichever_side_holds_it_twice)
   dp_value_release(b);
   ASSERT_NO_LEAK();
 }
+
+/* Tuple keys of different lengths whose kept words (and so dict hashes)
+ * collide are met by key_same: they differ by their lengths alone, here
+ * (1,) and (1, 2), whose first items are equal. */
+Test(value, tuple_keys_that_hash_alike_but_differ_in_length_are_different_keys) {
+  dp_value_t k1, k2, x = t_dict(), y = t_dict();
+  OK(dp_tuple_new(1, &k1, T_ERR));
+  OK(dp_seq_set(k1, 0, dp_int(1), T_ERR));
+  k2 = t_pair(dp_int(1), dp_int(2));
+  OK(dp_dict_set(y, k1, dp_int(0), T_ERR)); /* k1 keeps its word */
+  dp__store_relaxed(&DP_SEQ(k2)->key, dp__key_word(k1)); /* k2 is made to keep it too */
+  OK(dp_dict_set(x, k2, dp_int(0), T_ERR));
+  cr_assert_eq(dp_value_equal(x, y, 0, NULL), 0, "{(1, 2): 0} and {(1,): 0} are not equal");
+  cr_assert_eq(dp_value_equal(x, y, DP_EQ_SHARING, NULL), 0);
+  dp_value_release(x);
+  dp_value_release(y);
+  ASSERT_NO_LEAK();
+}
+
+/* A shared node met earlier marks only the pairs below it: a later sibling
+ * tree, reached without passing a shared node, is compared with the stack
+ * alone again, allocating what a list of ints of its length does. */
+Test(value, a_tree_compared_after_a_shared_sibling_is_compared_with_the_stack_alone) {
+  long asked[2];
+  for (int heap = 0; heap < 2; heap++) {
+    dp_value_t v[2];
+    for (int s = 0; s < 2; s++) {
+      dp_value_t shared = t_list();
+      v[s] = t_list();
+      OK(dp_list_append(v[s], dp_value_retain(shared), T_ERR));
+      OK(dp_list_append(v[s], shared, T_ERR));
+      OK(dp_list_append(v[s], n_items(1000, heap, 0), T_ERR));
+    }
+    long before = t_alloc_count;
+    cr_assert_eq(dp_value_equal(v[0], v[1], 0, NULL), 1);
+    asked[heap] = t_alloc_count - before;
+    dp_value_release(v[0]);
+    dp_value_release(v[1]);
+  }
+  cr_assert_eq(asked[1], asked[0], "%ld allocations for heap nodes, %ld for ints", asked[1], asked[0]);
+  ASSERT_NO_LEAK();
+}
+
+/* Items of tuple keys met by key_same that keep hashes which differ are
+ * found unequal by those hashes, without reading their bytes: here the
+ * tuples' words are made to collide, and their str items differ. */
+Test(value, str_items_of_tuple_keys_known_to_differ_by_their_kept_hashes_are_not_read) {
+  enum { LEN = 1000 };
+  char text[LEN];
+  memset(text, 's', LEN);
+  dp_value_t s1, s2, x = t_dict(), y = t_dict();
+  OK(dp_str_new(text, LEN, &s1, T_ERR));
+  text[0] = 't';
+  OK(dp_str_new(text, LEN, &s2, T_ERR));
+  dp_value_t k1 = t_pair(s1, dp_int(0)), k2 = t_pair(s2, dp_int(0));
+  OK(dp_dict_set(y, k1, dp_int(0), T_ERR));
+  dp__store_relaxed(&DP_SEQ(k2)->key, dp__key_word(k1));
+  OK(dp_dict_set(x, k2, dp_int(0), T_ERR));
+  (void)dp_value_hash(s2); /* s2 keeps its hash, as s1 does */
+  cr_assert(dp__load_relaxed(&DP_STROBJ(s1)->hash) && dp__load_relaxed(&DP_STROBJ(s2)->hash));
+  dp__key_bytes_compared = 0;
+  cr_assert_eq(dp_value_equal(x, y, 0, NULL), 0);
+  cr_assert_eq(dp__key_bytes_compared, 0, "%llu key bytes compared", (unsigned long long)dp__key_bytes_compared);
+  dp_value_release(x);
+  dp_value_release(y);
+  ASSERT_NO_LEAK();
+}
