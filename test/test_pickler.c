@@ -7793,3 +7793,44 @@ Test(pickler, a_bad_magic_is_refused_at_offset_0_whichever_of_its_bytes_is_wrong
     f[i] ^= 0x20;
   }
 }
+
+/* The inline data is reserved at its exact size: a frame whose data ends
+ * exactly at the end of the buffer already held (256 bytes, the first size
+ * a frame gets) asks the allocator for nothing more than one a byte
+ * shorter does. */
+static dp_value_t one_float_on(uint8_t *host, size_t nbytes) {
+  dp_storage_t *s = t_storage(CPU, (uintptr_t)host, nbytes);
+  dp_value_t t = t_view(s, 1, 0);
+  dp_storage_release(s);
+  return t;
+}
+
+static long allocations_to_pickle_inline(dp_value_t v, size_t *len) {
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  long before = t_alloc_count;
+  OK(dp_pickle(v, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, NULL, NULL}, f, T_ERR));
+  long n = t_alloc_count - before;
+  (void)dp_frame_data(f, len);
+  dp_frame_free(f);
+  return n;
+}
+
+Test(pickler, an_inline_frame_that_exactly_fills_its_buffer_asks_for_no_more_memory) {
+  static uint8_t host[256];
+  size_t len;
+  dp_value_t probe = one_float_on(host, 128);
+  allocations_to_pickle_inline(probe, &len);
+  dp_value_release(probe);
+  size_t rest = len - 128, nb = 256 - rest; /* all but the data: the same for any size of 128..255 */
+  cr_assert(nb >= 128 && nb < 256, "data of %zu bytes", nb);
+  dp_value_t fits = one_float_on(host, nb), short_by_one = one_float_on(host, nb - 1);
+  long exact = allocations_to_pickle_inline(fits, &len);
+  cr_assert_eq(len, 256, "the frame fills its first 256 bytes exactly");
+  long less = allocations_to_pickle_inline(short_by_one, &len);
+  cr_assert_eq(len, 255);
+  cr_assert_eq(exact, less, "%ld allocations for a frame of 256 bytes, %ld for one of 255", exact, less);
+  dp_value_release(fits);
+  dp_value_release(short_by_one);
+  ASSERT_NO_LEAK();
+}
