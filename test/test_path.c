@@ -340,3 +340,27 @@ Test(path, an_empty_name_or_one_starting_with_a_digit_is_shown_quoted) {
   cr_assert_str_eq(shown(dp__step_name, "a1", 2), ".a1", "a digit after the first byte is part of an identifier");
   cr_assert_str_eq(shown(dp__step_name, "_0", 2), "._0");
 }
+
+/* An index is written in decimal, from 0 to SIZE_MAX. */
+Test(path, an_index_step_is_its_decimal_number_in_brackets) {
+  char out[DP__STEP_BUF];
+  out[dp__step_index(0, out)] = '\0';
+  cr_assert_str_eq(out, "[0]");
+  out[dp__step_index(1234567890, out)] = '\0';
+  cr_assert_str_eq(out, "[1234567890]");
+  char want[32];
+  snprintf(want, sizeof want, "[%zu]", (size_t)SIZE_MAX);
+  out[dp__step_index(SIZE_MAX, out)] = '\0';
+  cr_assert_str_eq(out, want);
+}
+
+/* A quoted name (a dict key in a message) cut to 64 bytes ends with an
+ * ellipsis inside its quotes, and one of 64 bytes has none. */
+Test(path, a_quoted_name_cut_to_64_bytes_ends_with_an_ellipsis_inside_its_quotes) {
+  char name[70], want[80];
+  memset(name, 'q', sizeof name);
+  snprintf(want, sizeof want, "\"%.64s\u2026\"", name);
+  cr_assert_str_eq(shown(dp__name_quoted, name, sizeof name), want);
+  snprintf(want, sizeof want, "\"%.64s\"", name);
+  cr_assert_str_eq(shown(dp__name_quoted, name, 64), want, "64 bytes are shown whole");
+}

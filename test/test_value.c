@@ -4136,3 +4136,31 @@ Test(value, str_items_of_tuple_keys_known_to_differ_by_their_kept_hashes_are_not
   dp_value_release(y);
   ASSERT_NO_LEAK();
 }
+
+/* Strs and bytes are compared by their contents wherever they are met: at
+ * the root, or as items, held once or shared, with or without sharing. */
+Test(value, strs_and_bytes_of_different_contents_compare_unequal_as_items_too) {
+  for (int bytes = 0; bytes < 2; bytes++) {
+    dp_value_t x, y;
+    if (bytes) {
+      OK(dp_bytes_new("abc", 3, &x, T_ERR));
+      OK(dp_bytes_new("abd", 3, &y, T_ERR));
+    } else {
+      x = t_str("abc");
+      y = t_str("abd");
+    }
+    dp_value_t a = t_list(), b = t_list();
+    OK(dp_list_append(a, dp_value_retain(x), T_ERR));
+    OK(dp_list_append(b, dp_value_retain(y), T_ERR));
+    for (unsigned flags = 0; flags <= DP_EQ_SHARING; flags += DP_EQ_SHARING) {
+      cr_assert_eq(dp_value_equal(x, y, flags, NULL), 0, "%s at the root, flags %u", bytes ? "bytes" : "str", flags);
+      cr_assert_eq(dp_value_equal(a, b, flags, NULL), 0, "%s as an item, flags %u", bytes ? "bytes" : "str", flags);
+    }
+    OK(dp_list_append(a, x, T_ERR)); /* now shared */
+    OK(dp_list_append(b, y, T_ERR));
+    cr_assert_eq(dp_value_equal(a, b, 0, NULL), 0, "%s shared", bytes ? "bytes" : "str");
+    dp_value_release(a);
+    dp_value_release(b);
+  }
+  ASSERT_NO_LEAK();
+}
