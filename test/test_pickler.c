@@ -7834,3 +7834,21 @@ Test(pickler, an_inline_frame_that_exactly_fills_its_buffer_asks_for_no_more_mem
   dp_value_release(short_by_one);
   ASSERT_NO_LEAK();
 }
+
+/* Each buffer's description carries its own id, the index it was asked
+ * by, in first-met order. */
+Test(pickler, each_buffer_description_carries_its_own_id) {
+  dp_value_t l = t_list();
+  for (int i = 0; i < 3; i++) OK(dp_list_append(l, t_tensor(CPU, 0x1000 * (uintptr_t)(i + 1), 4), T_ERR));
+  dp_frame_t *f = pickle_ok(l, 0);
+  cr_assert_eq(dp_frame_nbuffers(f), 3);
+  for (size_t i = 0; i < 3; i++) {
+    dp_buffer_desc_t b;
+    OK(dp_frame_buffer(f, i, &b, T_ERR));
+    cr_assert_eq(b.id, i, "buffer %zu has id %u", i, b.id);
+    cr_assert_eq(b.base, 0x1000 * (i + 1), "buffer %zu is the %zu-th met", i, i);
+  }
+  dp_frame_free(f);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}

@@ -4164,3 +4164,17 @@ Test(value, strs_and_bytes_of_different_contents_compare_unequal_as_items_too) {
   }
   ASSERT_NO_LEAK();
 }
+
+/* The same with tuple keys of one length whose items are leaves that
+ * differ, (1, 2) and (1, 3): the leaves are compared by value. */
+Test(value, tuple_keys_that_hash_alike_but_differ_in_a_leaf_item_are_different_keys) {
+  dp_value_t k1 = t_pair(dp_int(1), dp_int(2)), k2 = t_pair(dp_int(1), dp_int(3)), x = t_dict(), y = t_dict();
+  OK(dp_dict_set(y, k1, dp_int(0), T_ERR));
+  dp__store_relaxed(&DP_SEQ(k2)->key, dp__key_word(k1));
+  OK(dp_dict_set(x, k2, dp_int(0), T_ERR));
+  cr_assert_eq(dp_value_equal(x, y, 0, NULL), 0, "{(1, 3): 0} and {(1, 2): 0} are not equal");
+  cr_assert_eq(dp_value_equal(x, y, DP_EQ_SHARING, NULL), 0);
+  dp_value_release(x);
+  dp_value_release(y);
+  ASSERT_NO_LEAK();
+}
