@@ -4178,3 +4178,27 @@ Test(value, tuple_keys_that_hash_alike_but_differ_in_a_leaf_item_are_different_k
   dp_value_release(y);
   ASSERT_NO_LEAK();
 }
+
+/* A shared key found equal to one key is remembered as that pair only: met
+ * next with another key that keeps the same hash but differs, it is
+ * compared again, and found different. */
+Test(value, a_shared_key_found_equal_to_one_key_is_not_taken_for_equal_to_another) {
+  dp_value_t shared = t_str("one"), same = t_str("one"), other = t_str("two");
+  (void)dp_value_hash(shared); /* shared keeps its hash; other is made to keep it too */
+  dp__store_relaxed(&DP_STROBJ(other)->hash, dp__load_relaxed(&DP_STROBJ(shared)->hash));
+  dp_value_t a = t_list(), b = t_list();
+  dp_value_t keys[2] = {same, other};
+  for (int i = 0; i < 2; i++) {
+    dp_value_t x = t_dict(), y = t_dict();
+    OK(dp_dict_set(x, keys[i], dp_int(0), T_ERR));
+    OK(dp_dict_set(y, dp_value_retain(shared), dp_int(0), T_ERR));
+    OK(dp_list_append(a, x, T_ERR));
+    OK(dp_list_append(b, y, T_ERR));
+  }
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 0, "[{'one': 0}, {'two': 0}] and [{'one': 0}, {'one': 0}] differ");
+  cr_assert_eq(dp_value_equal(a, b, DP_EQ_SHARING, NULL), 0);
+  dp_value_release(shared);
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
