@@ -364,3 +364,19 @@ Test(path, a_quoted_name_cut_to_64_bytes_ends_with_an_ellipsis_inside_its_quotes
   snprintf(want, sizeof want, "\"%.64s\"", name);
   cr_assert_str_eq(shown(dp__name_quoted, name, 64), want, "64 bytes are shown whole");
 }
+
+/* A step inside a dict entry's key names the entry's index. */
+Test(path, a_step_into_a_key_names_the_entrys_index) {
+  char out[DP__STEP_BUF];
+  out[dp__step_in_key(3, out)] = '\0';
+  cr_assert_str_eq(out, "<key 3>");
+}
+
+/* What rendering a path costs is counted, a step at a time: a path shown
+ * whole renders each of its steps once. */
+Test(path, a_path_shown_whole_renders_each_step_once) {
+  static const size_t lens[3] = {5, 6, 7};
+  dp__path_steps_rendered = 0;
+  cr_assert_str_eq(render(lens, 3), want_path(lens, 3, "", 3, 3));
+  cr_assert_eq(dp__path_steps_rendered, 3);
+}

@@ -7852,3 +7852,24 @@ Test(pickler, each_buffer_description_carries_its_own_id) {
   dp_value_release(l);
   ASSERT_NO_LEAK();
 }
+
+/* Inline data of more than 2^64 bytes (five buffers of 2^62, the most
+ * one may hold) cannot be laid out: the pickle says so when it writes the
+ * table, before it asks for memory for any of it. */
+Test(pickler, inline_data_past_2_64_bytes_is_refused_before_any_of_it_is_read) {
+  dp_value_t l = t_list();
+  for (int i = 0; i < 5; i++) {
+    dp_storage_t *s = t_storage(CPU, ((uintptr_t)i + 1) << 40, (size_t)1 << 62);
+    OK(dp_list_append(l, t_view(s, 1, 0), T_ERR));
+    dp_storage_release(s);
+  }
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_error_t e;
+  cr_assert_eq(dp_pickle(l, &(dp_pickle_opts_t){DP_PICKLE_INLINE, 0, NULL, NULL}, f, &e), DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory: inline data of more than 2^64 bytes");
+  cr_assert_null(dp_frame_data(f, NULL), "the frame is left empty");
+  dp_frame_free(f);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}

@@ -4202,3 +4202,21 @@ Test(value, a_shared_key_found_equal_to_one_key_is_not_taken_for_equal_to_anothe
   dp_value_release(b);
   ASSERT_NO_LEAK();
 }
+
+/* Tensors of different ranks are different even where the dims of the
+ * lesser rank begin those of the greater: [4] (shape 4, stride 1) and
+ * [4, 1] (shape 4, 1, strides 1, 1) on one storage. */
+Test(value, tensors_of_different_ranks_compare_unequal_whatever_their_leading_dims) {
+  dp_storage_t *s = t_storage(t_dev(DP_DEVICE_CPU, 0), 0x1000, 64);
+  dp_value_t x, y;
+  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 1, (int64_t[]){4}, (int64_t[]){1}, 0, &x, T_ERR));
+  OK(dp_tensor_new(dp_storage_retain(s), DP_FLOAT32, 2, (int64_t[]){4, 1}, (int64_t[]){1, 1}, 0, &y, T_ERR));
+  dp_storage_release(s);
+  for (unsigned flags = 0; flags <= DP_EQ_SHARING; flags += DP_EQ_SHARING) {
+    cr_assert_eq(dp_value_equal(x, y, flags, NULL), 0, "flags %u: [4] and [4, 1]", flags);
+    cr_assert_eq(dp_value_equal(y, x, flags, NULL), 0, "flags %u: [4, 1] and [4]", flags);
+  }
+  dp_value_release(x);
+  dp_value_release(y);
+  ASSERT_NO_LEAK();
+}
