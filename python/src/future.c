@@ -949,6 +949,11 @@ static PyObject *empty_ptrs_complete(pyfut_t *self) {
     return dpy_raise(e.code, &e);
   }
   int rc = dp_future_mark_completed_with_ptrs(self->f, dp_none(), empty, &e);
+  if (rc == DP_ESTATE) { /* completed meanwhile by the library (a collect_all future): that stands */
+    Py_CLEAR(self->result);
+    already_complete(self);
+    return NULL;
+  }
   if (rc) return dpy_raise(rc, &e);
   Py_RETURN_NONE;
 }
@@ -1006,8 +1011,14 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
     Py_DECREF(exc);
     return NULL;
   }
-  Py_XSETREF(self->result, Py_NewRef(value));
-  if (!s) return empty_ptrs_complete(self);
+  /* the result is stored only as the future completes, with no Python code
+     run between (the refusal's second walk and cupy's streams run some):
+     a collect_all future its inputs complete meanwhile is then never seen
+     with this result by a waiter the completion let in */
+  if (!s) {
+    Py_XSETREF(self->result, Py_NewRef(value));
+    return empty_ptrs_complete(self);
+  }
   /* the future is refused, and set_result raises the interrupt that its
      walk for the refusal's path raised, if any, rather than the refusal */
   PyObject *interrupt = paths_where_refused(self, value, s);
@@ -1029,6 +1040,7 @@ static PyObject *set_result(pyfut_t *self, PyObject *value) {
     }
   }
   dp_error_t e;
+  Py_XSETREF(self->result, Py_NewRef(value));
   int rc = dp_future_mark_completed_with_ptrs(self->f, dp_none(), dpy_scanner_ptrs(s), &e);
   cupy_out(&sw);
   dpy_scanner_put(s);
