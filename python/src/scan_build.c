@@ -666,6 +666,18 @@ static int build_view(dpy_scanner_t *s, PyObject *o, int cupy, const char *dt, i
  * export is of another form (another byte order, a structured or datetime
  * dtype, none at all), which __array_interface__ then reads and names. No
  * Python code runs: numpy exports its own arrays. */
+/* numpy.ndarray's own strides of array o (a new reference), read through
+ * ndarray's descriptor; NULL (maybe with an exception) otherwise. */
+static PyObject *ndarray_strides(PyObject *o) {
+  static PyObject *descr;
+  if (!dpy.numpy_ndarray || !PyObject_TypeCheck(o, dpy.numpy_ndarray)) return NULL;
+  if (!descr) {
+    PyObject *d = PyDict_GetItemString(dpy.numpy_ndarray->tp_dict, "strides");
+    if (d && Py_TYPE(d)->tp_descr_get) descr = Py_NewRef(d); /* numpy.ndarray is never unloaded */
+  }
+  return descr ? Py_TYPE(descr)->tp_descr_get(descr, o, (PyObject *)Py_TYPE(o)) : NULL;
+}
+
 static int buffer_view(PyObject *o, const char **dt, int *nd, int64_t *shape, int64_t *strides, int *have_strides,
                        char **ptr) {
   Py_buffer v;
@@ -686,9 +698,31 @@ static int buffer_view(PyObject *o, const char **dt, int *nd, int64_t *shape, in
     if (v.itemsize == map[i].size && !strcmp(v.format, map[i].fmt)) *dt = map[i].name;
   int ok = *dt && v.ndim >= 0 && v.ndim <= MAX_DIMS && (v.ndim == 0 || (v.shape && v.strides));
   for (int i = 0; ok && i < v.ndim; i++) shape[i] = v.shape[i], strides[i] = v.strides[i];
-  /* C-contiguous (size-1 dimensions' strides aside, and any empty array):
-     strides as __array_interface__ gives them, None, the frame's own */
-  *have_strides = !PyBuffer_IsContiguous(&v, 'C');
+  /* the strides as numpy has them, a C-contiguous array's too: numpy calls
+     an array contiguous whatever its size-1 dimensions' strides, and any
+     empty one (np.empty((0, 3)).strides is (0, 0)), but a.strides is part
+     of the value, carried as a tensor's stride() is. Such a stride
+     addresses nothing: one that is no whole number of items, which a frame
+     cannot count, is carried as the item size instead of refused */
+  *have_strides = 1;
+  if (ok && v.ndim > 0 && PyBuffer_IsContiguous(&v, 'C')) {
+    /* numpy exports a contiguous array's strides recomputed (PEP 3118):
+       its own are numpy.ndarray's strides, read through ndarray's own
+       descriptor (C code, never a subclass's property) */
+    PyObject *own = ndarray_strides(o);
+    if (own && PyTuple_Check(own) && PyTuple_GET_SIZE(own) == v.ndim) {
+      for (int i = 0; i < v.ndim; i++) {
+        long long x = PyLong_AsLongLong(PyTuple_GET_ITEM(own, i));
+        if (x == -1 && PyErr_Occurred()) {
+          PyErr_Clear();
+          x = strides[i];
+        }
+        strides[i] = x % v.itemsize ? v.itemsize : x;
+      }
+    }
+    Py_XDECREF(own);
+    PyErr_Clear();
+  }
   *nd = v.ndim;
   *ptr = v.buf;
   PyBuffer_Release(&v);

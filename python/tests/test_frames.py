@@ -5158,3 +5158,31 @@ def test_a_negative_or_conjugate_view_given_as_a_buffer_is_refused_naming_it_nev
     plain = given.resolve_neg() if bit == "neg" else given.resolve_conj()
     x, y = devpickle.loads(data, buffers=[plain])
     assert torch.equal(x, plain) and not x.is_neg() and not x.is_conj()
+
+
+@pytest.mark.parametrize("inline", [False, True])
+@pytest.mark.parametrize("make", [
+    lambda a: np.lib.stride_tricks.as_strided(a, (1, 3), (800, 8)),    # a size-1 dimension's stride
+    lambda a: np.lib.stride_tricks.as_strided(a, (3, 1), (8, 88)),
+    lambda a: np.lib.stride_tricks.as_strided(a, (0, 3), (80, 8)),     # an empty array's
+    lambda a: np.empty((0, 3)),                                         # numpy's own (0, 0)
+    lambda a: a[2:5].reshape(1, 3)[:, None, :],
+])
+def test_a_contiguous_numpy_array_comes_back_with_its_own_strides_as_a_tensor_does(make, inline):
+    # numpy calls these C-contiguous (a size-1 or empty dimension's stride
+    # addresses nothing), but a.strides is part of what was given: the
+    # frame carries it, as it carries a torch tensor's stride()
+    a = make(np.arange(10.0))
+    bufs = []
+    frame = devpickle.dumps(a, inline=inline, buffer_callback=None if inline else bufs.append)
+    out = devpickle.loads(frame, buffers=None if inline else bufs)
+    assert (out.dtype, out.shape, out.strides) == (a.dtype, a.shape, a.strides)
+    assert np.array_equal(out, a)
+
+
+def test_a_contiguous_numpy_array_whose_size_1_stride_is_no_whole_item_comes_back_contiguous():
+    # a stride a frame cannot count in items, on a dimension where it
+    # addresses nothing: carried as the C-contiguous one, never refused
+    a = np.lib.stride_tricks.as_strided(np.arange(10.0), (1, 3), (801, 8))
+    out = devpickle.loads(devpickle.dumps(a, inline=True))
+    assert out.shape == (1, 3) and out.strides[1] == 8 and np.array_equal(out, a)
