@@ -1165,6 +1165,12 @@ def _check_contiguous(source, key):
     if torch is not None and isinstance(source, torch.Tensor):
         if source.is_meta:  # a view over it would be a meta tensor: no values at all
             raise ValueError(f"loads: buffers[{key}] is a torch tensor on meta, which holds no bytes")
+        if getattr(source, "_is_zerotensor", None) is not None and source._is_zerotensor():
+            # torch._efficientzerotensor: a storage of no memory that reads
+            # as zeros; a numpy array over it reads whatever its null-based
+            # pointer names, a torch tensor zeros: neither the frame's bytes
+            raise ValueError(f"loads: buffers[{key}] is a torch zero tensor (torch._efficientzerotensor), which "
+                             "holds no bytes: give a tensor that holds them (torch.zeros)")
         if source.is_quantized:
             # torch's view(torch.uint8) of a quantized tensor keeps its
             # quantizer under a plain dtype: the first read of the view, or
@@ -1221,6 +1227,16 @@ def _plain_bytes(np, x):
     return b is None or (type(b) is np.ndarray and b.base is None and not b.dtype.hasobject)
 
 
+def _read_only(source):
+    """Whether a bytes-like buffer's memory is read-only (bytes, a read-only
+    array); False for what exports no buffer (cupy), refused elsewhere."""
+    try:
+        with memoryview(source) as m:
+            return m.readonly
+    except (TypeError, ValueError):
+        return False
+
+
 def _flat(kind, device, source, cache, key, nbytes, inline):
     """The whole buffer as a flat uint8 array of the kind wanted, made once
     per buffer and kind so that views of one storage share it (cache[key]:
@@ -1261,6 +1277,19 @@ def _flat(kind, device, source, cache, key, nbytes, inline):
     plain = kind == "numpy.ndarray" and np is not None and _plain_bytes(np, source)
     if not plain:
         _check_contiguous(source, key)
+    if kind == "torch.Tensor" and not isinstance(source, torch.Tensor) and _read_only(source):
+        # a torch tensor is always writable: over a read-only buffer (bytes)
+        # it gets a copy, never a writable view of immutable memory. The
+        # copy is kept as the buffer's source, so that the numpy arrays made
+        # of the buffer later are made over it too: a tensor and an array
+        # that shared memory still do. An array made before over the
+        # read-only bytes cannot be moved: the tensor would silently no
+        # longer share its memory, so that is refused
+        if (key, "numpy.ndarray") in cache:
+            raise ValueError(f"loads: buffers[{key}] is read-only and a numpy array was made over it before this "
+                             "torch tensor, which is always writable: the tensor would be a copy, no longer "
+                             "sharing the array's memory (give a writable buffer: bytearray(data))")
+        source = cache[key] = bytearray(source)
     if kind != "torch.Tensor" and torch is not None and isinstance(source, torch.Tensor):
         if source.device.type != "cpu":
             raise TypeError(f"loads: a {kind} over a torch tensor on {source.device}")

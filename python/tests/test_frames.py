@@ -4748,14 +4748,22 @@ def test_numpy_views_of_one_buffer_share_the_bytes_its_first_view_found_whatever
         mem = b.__array_interface__["data"][0]
         cls = devpickle.Buffer if how == "fast" else Given
         given_bufs = [cls("cpu", mem, 64, b)] if given == "Buffer" else [b]
-        first, _, later, t = devpickle.loads(data, buffers=given_bufs, classes=[_FlipWritable])
-        assert b.flags.writeable is not writable  # flipped in between
-        made[how] = (first.flags.writeable, later.flags.writeable, np.shares_memory(later, b),
-                     t.data_ptr() == mem + 16)
+        try:
+            first, _, later, t = devpickle.loads(data, buffers=given_bufs, classes=[_FlipWritable])
+        except ValueError as e:
+            # torch would copy read-only memory that numpy views of the
+            # buffer were made over before: no longer one storage, refused
+            assert "is read-only and a numpy array was made over it before this torch tensor" in str(e)
+            made[how] = "refused"
+        else:
+            assert b.flags.writeable is not writable  # flipped in between
+            made[how] = (first.flags.writeable, later.flags.writeable, np.shares_memory(later, b),
+                         t.data_ptr() == mem + 16)
         if given == "array":
             break
     # the torch view over an array given itself reads the array as it is then
-    assert made["fast"] == (writable, writable, True, writable if given == "Buffer" else not writable)
+    copied = not writable if given == "Buffer" else writable
+    assert made["fast"] == ("refused" if copied else (writable, writable, True, True))
     if given == "Buffer":
         assert made["fast"] == made["general"]
 
@@ -5186,3 +5194,46 @@ def test_a_contiguous_numpy_array_whose_size_1_stride_is_no_whole_item_comes_bac
     a = np.lib.stride_tricks.as_strided(np.arange(10.0), (1, 3), (801, 8))
     out = devpickle.loads(devpickle.dumps(a, inline=True))
     assert out.shape == (1, 3) and out.strides[1] == 8 and np.array_equal(out, a)
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+@pytest.mark.parametrize("given", ["bytes", "readonly array", "readonly memoryview", "Buffer of a readonly array"])
+@pytest.mark.parametrize("tensor_first", [True, False])
+def test_a_tensor_and_an_array_over_one_read_only_buffer_share_its_copy_or_are_refused(given, tensor_first):
+    # a torch tensor over a read-only buffer gets a writable copy: the numpy
+    # arrays made of that buffer after it are made over the same copy; one
+    # made before, over the read-only bytes, would silently no longer share
+    # the tensor's memory: refused, naming the buffer
+    src = np.arange(6, dtype=np.float32)
+    if given == "Buffer of a readonly array":
+        src.flags.writeable = False
+    t = torch.from_numpy(src)
+    value = [t, src[1:]] if tensor_first else [src[1:], t]
+    bufs = []
+    frame = devpickle.dumps(value, buffer_callback=bufs.append)
+    raw = bytes(bufs[0].raw())
+    buf = {"bytes": raw, "readonly array": np.frombuffer(raw, np.uint8),
+           "readonly memoryview": memoryview(raw), "Buffer of a readonly array": bufs[0]}[given]
+    if not tensor_first:
+        with pytest.raises(ValueError, match=r"buffers\[0\] is read-only and a numpy array was made over it before "
+                                             r"this torch tensor.*bytearray\(data\)\), at \$\[1\]"):
+            devpickle.loads(frame, buffers=[buf])
+        out = devpickle.loads(frame, buffers=[bytearray(raw)])  # a writable one: one memory
+        arr, tt = out
+    else:
+        tt, arr = devpickle.loads(frame, buffers=[buf])
+    assert tt.tolist() == [0, 1, 2, 3, 4, 5] and arr.tolist() == [1, 2, 3, 4, 5]
+    tt[2] = 42
+    assert arr[1] == 42  # one memory, as it was
+
+
+@pytest.mark.parametrize("value", [lambda x: [x], lambda x: [x.numpy()], lambda x: [x, x.numpy()[1:]]])
+def test_a_zero_tensor_given_as_a_buffer_is_refused_never_an_array_over_no_memory(value):
+    # torch._efficientzerotensor has a storage of no memory: a numpy array
+    # made over it read arbitrary memory, a tensor zeros, as the buffer's
+    # bytes
+    bufs = []
+    frame = devpickle.dumps(value(torch.arange(6.0)), buffer_callback=bufs.append)
+    zero = torch._efficientzerotensor(24, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"buffers\[0\] is a torch zero tensor .*holds no bytes.*, at \$\[0\]"):
+        devpickle.loads(frame, buffers=[zero])
