@@ -700,15 +700,20 @@ static int buffer_view(PyObject *o, const char **dt, int *nd, int64_t *shape, in
   for (int i = 0; ok && i < v.ndim; i++) shape[i] = v.shape[i], strides[i] = v.strides[i];
   /* the strides as numpy has them, a C-contiguous array's too: numpy calls
      an array contiguous whatever its size-1 dimensions' strides, and any
-     empty one (np.empty((0, 3)).strides is (0, 0)), but a.strides is part
-     of the value, carried as a tensor's stride() is. Such a stride
-     addresses nothing: one that is no whole number of items, which a frame
-     cannot count, is carried as the item size instead of refused */
-  *have_strides = 1;
-  if (ok && v.ndim > 0 && PyBuffer_IsContiguous(&v, 'C')) {
-    /* numpy exports a contiguous array's strides recomputed (PEP 3118):
-       its own are numpy.ndarray's strides, read through ndarray's own
-       descriptor (C code, never a subclass's property) */
+     empty one (np.empty((0, 3)).strides is (0, 0)), and exports such an
+     array's strides recomputed (PEP 3118); but a.strides is part of the
+     value, carried as a tensor's stride() is. Only an array with a
+     dimension of size 0 or 1 can differ so: its own strides are read
+     (numpy.ndarray's descriptor: C code, never a subclass's property) and
+     carried where they differ; any other contiguous array carries none,
+     the frame's own. Such a stride addresses nothing: one that is no whole
+     number of items, which a frame cannot count, is carried as the item
+     size instead of refused */
+  int contiguous = ok && PyBuffer_IsContiguous(&v, 'C');
+  *have_strides = !contiguous;
+  int small_dim = 0;
+  for (int i = 0; contiguous && i < v.ndim; i++) small_dim |= shape[i] <= 1;
+  if (small_dim) {
     PyObject *own = ndarray_strides(o);
     if (own && PyTuple_Check(own) && PyTuple_GET_SIZE(own) == v.ndim) {
       for (int i = 0; i < v.ndim; i++) {
@@ -717,7 +722,9 @@ static int buffer_view(PyObject *o, const char **dt, int *nd, int64_t *shape, in
           PyErr_Clear();
           x = strides[i];
         }
-        strides[i] = x % v.itemsize ? v.itemsize : x;
+        x = x % v.itemsize ? v.itemsize : x;
+        if (x != strides[i]) *have_strides = 1;
+        strides[i] = x;
       }
     }
     Py_XDECREF(own);
