@@ -1337,3 +1337,288 @@ Test(ptrset, an_entry_past_the_limit_is_elimit_by_a_scan_with_or_without_paths) 
   dp_value_release(l);
   ASSERT_NO_LEAK();
 }
+
+/* A set of n entries on one device, bases 0x100, 0x200, ... */
+static dp_ptrset_t *filled_set(size_t n, dp_device_t d) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  for (size_t k = 0; k < n; k++) OK(dp_ptrset_add(s, d, (void *)(uintptr_t)(0x100 * (k + 1)), 8, NULL, T_ERR));
+  return s;
+}
+
+/* A thread keeps freed blocks of up to 1 MiB, 8 MiB in all: eight blocks of
+ * exactly 1 MiB are kept and a ninth is freed; records that take them back
+ * and free them again leave the thread keeping as much as before; a drain
+ * frees them all and forgets them, so that the next records allocate and
+ * the thread keeps eight again. */
+Test(ptrset, a_thread_keeps_eight_blocks_of_one_mib_frees_a_ninth_and_a_drain_forgets_them) {
+  dp__ptrs_recycle_drain();
+  size_t n = dp__ptrs_block_cap((size_t)1 << 20);
+  cr_assert_eq(dp__ptrs_block_size(n), (size_t)1 << 20);
+  dp_ptrset_t *s = filled_set(n, t_dev(DP_DEVICE_CUDA, 0));
+  dp__ptrs_t r[9];
+  for (int i = 0; i < 9; i++) {
+    OK(dp__ptrs_freeze(&r[i], s, 0, 0, T_ERR));
+    cr_assert_eq(r[i].block_size, (size_t)1 << 20);
+    cr_assert_null(r[i].meta, "one device and no extra: all in the block");
+  }
+  long live = t_live_blocks;
+  for (int i = 0; i < 8; i++) dp__ptrs_free(&r[i]);
+  cr_assert_eq(t_live_blocks, live, "eight blocks of 1 MiB (8 MiB in all) are kept, %ld freed", live - t_live_blocks);
+  dp__ptrs_free(&r[8]);
+  cr_assert_eq(t_live_blocks, live - 1, "a ninth would pass 8 MiB: it is freed");
+  for (int round = 0; round < 2; round++) {
+    long allocs = t_alloc_count;
+    for (int i = 0; i < 8; i++) OK(dp__ptrs_freeze(&r[i], s, 0, 0, T_ERR));
+    cr_assert_eq(t_alloc_count, allocs, "round %d: eight records take the kept blocks (%ld allocations)", round,
+                 t_alloc_count - allocs);
+    dp_ptr_info_t p;
+    dp__ptrs_get(&r[7], n - 1, &p);
+    cr_assert_eq((uintptr_t)p.base, 0x100 * n);
+    for (int i = 0; i < 8; i++) dp__ptrs_free(&r[i]);
+    cr_assert_eq(t_live_blocks, live - 1, "round %d: freed again, all eight are kept again", round);
+  }
+  dp__ptrs_recycle_drain();
+  cr_assert_eq(t_live_blocks, live - 9, "a drain frees every kept block");
+  long allocs = t_alloc_count;
+  for (int i = 0; i < 8; i++) OK(dp__ptrs_freeze(&r[i], s, 0, 0, T_ERR));
+  cr_assert_eq(t_alloc_count, allocs + 8, "after a drain nothing is kept: each record allocates its block");
+  for (int i = 0; i < 8; i++) dp__ptrs_free(&r[i]);
+  cr_assert_eq(t_live_blocks, live - 1, "and the thread keeps eight blocks again");
+  dp__ptrs_recycle_drain();
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* A thread keeps at most 32 blocks, however small: the 33rd is freed. */
+Test(ptrset, a_thread_keeps_at_most_32_blocks_and_frees_the_33rd) {
+  dp__ptrs_recycle_drain();
+  dp_ptrset_t *s = filled_set(1, t_dev(DP_DEVICE_CUDA, 0));
+  dp__ptrs_t r[33];
+  for (int i = 0; i < 33; i++) OK(dp__ptrs_freeze(&r[i], s, 0, 0, T_ERR));
+  long live = t_live_blocks;
+  for (int i = 0; i < 32; i++) dp__ptrs_free(&r[i]);
+  cr_assert_eq(t_live_blocks, live, "32 blocks are kept, %ld freed", live - t_live_blocks);
+  dp__ptrs_free(&r[32]);
+  cr_assert_eq(t_live_blocks, live - 1, "the 33rd is freed");
+  dp__ptrs_recycle_drain();
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* A kept block goes to a record that needs exactly half of it, and not to
+ * one that needs less than half: 9 entries' block (352 bytes) holds 2
+ * entries' (176), not 1 entry's (160). */
+Test(ptrset, a_kept_block_goes_to_a_record_needing_exactly_half_of_it_and_not_to_one_needing_less) {
+  dp__ptrs_recycle_drain();
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0);
+  cr_assert_eq(dp__ptrs_block_size(9), 2 * dp__ptrs_block_size(2));
+  cr_assert_lt(2 * dp__ptrs_block_size(1), dp__ptrs_block_size(9));
+  dp_ptrset_t *s9 = filled_set(9, a), *s2 = filled_set(2, a), *s1 = filled_set(1, a);
+  dp__ptrs_t r9, r2, r1;
+  OK(dp__ptrs_freeze(&r9, s9, 0, 0, T_ERR));
+  dp__ptrs_free(&r9); /* kept */
+  long allocs = t_alloc_count;
+  OK(dp__ptrs_freeze(&r1, s1, 0, 0, T_ERR));
+  cr_assert_eq(t_alloc_count, allocs + 1, "1 entry needs less than half of the kept block: it allocates");
+  cr_assert_eq(r1.block_size, dp__ptrs_block_size(1));
+  allocs = t_alloc_count;
+  OK(dp__ptrs_freeze(&r2, s2, 0, 0, T_ERR));
+  cr_assert_eq(t_alloc_count, allocs, "2 entries need exactly half of it: they take it");
+  cr_assert_eq(r2.block_size, dp__ptrs_block_size(9));
+  dp__ptrs_free(&r1);
+  dp__ptrs_free(&r2);
+  dp_ptrset_free(s9);
+  dp_ptrset_free(s2);
+  dp_ptrset_free(s1);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* A taken set given a kept block larger than it needed uses all of that
+ * block; then, sized for records, a value that fills half of it is copied
+ * and leaves the set, its block and its entries as they were. */
+Test(ptrset, a_taken_set_uses_the_whole_kept_block_it_gets_and_then_keeps_it_for_smaller_values) {
+  dp__ptrs_recycle_drain();
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0);
+  dp_ptrset_t *s40 = filled_set(40, a), *s = filled_set(24, a);
+  cr_assert_eq(s->cap, 32);
+  dp__ptrs_t r40, r, r2;
+  OK(dp__ptrs_freeze(&r40, s40, 0, 0, T_ERR));
+  dp__ptrs_free(&r40); /* kept: room for 40 */
+  void *block = s->block;
+  OK(dp__ptrs_freeze(&r, s, 1, 0, T_ERR));
+  cr_assert_eq(r.block, block, "taken");
+  cr_assert_eq(s->block_size, dp__ptrs_block_size(40), "the set got the kept block");
+  cr_assert_eq(s->cap, 40, "and all of its room: %zu entries, not 40", s->cap);
+  for (uintptr_t k = 0; k < 20; k++) OK(dp_ptrset_add(s, a, (void *)(0x10000 + 0x100 * k), 8, NULL, T_ERR));
+  void *sized = s->block;
+  OK(dp__ptrs_freeze(&r2, s, 1, 0, T_ERR));
+  cr_assert_neq(r2.block, sized, "half of the block unused: copied");
+  cr_assert_eq(s->block, sized, "the set sized for records keeps its block");
+  cr_assert_eq(s->cap, 40);
+  cr_assert_eq(dp_ptrset_count(s), 20, "and its entries");
+  dp__ptrs_free(&r);
+  dp__ptrs_free(&r2);
+  dp_ptrset_free(s);
+  dp_ptrset_free(s40);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* A set that grew to 64 entries' room: taken when at most n/16 + 8 of it are
+ * unused (53 entries: 11), copied with one more unused (52: 12); copied at
+ * exactly half full (32), it is emptied and given a block of 32. */
+Test(ptrset, a_grown_set_is_taken_with_at_most_n_16_plus_8_unused_and_emptied_when_half_full) {
+  dp__ptrs_recycle_drain();
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0);
+  size_t ns[3] = {53, 52, 32};
+  for (int i = 0; i < 3; i++) {
+    dp_ptrset_t *s = filled_set(i == 2 ? 40 : ns[i], a);
+    if (i == 2) { /* cleared: its room stays */
+      dp_ptrset_clear(s);
+      for (uintptr_t k = 0; k < ns[i]; k++) OK(dp_ptrset_add(s, a, (void *)(0x100 * (k + 1)), 8, NULL, T_ERR));
+    }
+    cr_assert_eq(s->cap, 64);
+    void *block = s->block;
+    dp__ptrs_t r;
+    OK(dp__ptrs_freeze(&r, s, 1, 0, T_ERR));
+    cr_assert_eq(r.n, ns[i]);
+    if (i == 0) cr_assert_eq(r.block, block, "53 of 64: taken");
+    else cr_assert_neq(r.block, block, "%zu of 64: copied", ns[i]);
+    if (i == 2) {
+      cr_assert_eq(dp_ptrset_count(s), 0, "half full: the set is emptied");
+      cr_assert_eq(s->cap, 32, "and given a block of 32 entries, not %zu", s->cap);
+    }
+    dp__ptrs_free(&r);
+    dp_ptrset_free(s);
+  }
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* The caller's extra bytes go in the block's tail when they fit beside the
+ * one device's entry (DP__PTRS_TAIL - 32 bytes), else in a block of their
+ * own; an empty set frozen with extra bytes has them too. */
+Test(ptrset, extra_bytes_that_just_fit_the_tail_go_there_one_more_gets_a_block_and_an_empty_set_has_them_too) {
+  dp__ptrs_recycle_drain();
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0);
+  dp_ptrset_t *s = filled_set(3, a);
+  size_t fit = DP__PTRS_TAIL - 32;
+  dp__ptrs_t r;
+  OK(dp__ptrs_freeze(&r, s, 0, fit, T_ERR));
+  cr_assert_null(r.meta, "%zu extra bytes fit the tail", fit);
+  cr_assert(r.extra && (char *)r.extra + fit <= (char *)r.block + r.block_size);
+  memset(r.extra, 0x5a, fit);
+  cr_assert_eq(r.ndevs, 1);
+  cr_assert_eq(r.devs[0].count, 3);
+  dp__ptrs_free(&r);
+  OK(dp__ptrs_freeze(&r, s, 0, fit + 1, T_ERR));
+  cr_assert_not_null(r.meta, "%zu do not", fit + 1);
+  memset(r.extra, 0x5a, fit + 1);
+  dp__ptrs_free(&r);
+  dp_ptrset_t *e;
+  OK(dp_ptrset_new(&e, T_ERR));
+  OK(dp__ptrs_freeze(&r, e, 0, 16, T_ERR));
+  cr_assert_eq(r.n, 0);
+  cr_assert_not_null(r.extra, "an empty set frozen with extra bytes has them");
+  memset(r.extra, 0x5a, 16);
+  dp__ptrs_free(&r);
+  OK(dp__ptrs_freeze(&r, e, 0, 0, T_ERR));
+  cr_assert(!r.block && !r.meta && !r.extra, "and without extra allocates nothing");
+  dp_ptrset_free(e);
+  dp_ptrset_free(s);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* With two devices the extra bytes lie after the grouped bases: writing all
+ * of them leaves every device's bases as they were. */
+Test(ptrset, extra_bytes_beside_grouped_bases_do_not_overlap_them) {
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0), b = t_dev(DP_DEVICE_CUDA, 1);
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  for (uintptr_t k = 0; k < 6; k++) OK(dp_ptrset_add(s, k & 1 ? b : a, (void *)(0x100 * (k + 1)), 8, NULL, T_ERR));
+  dp__ptrs_t r;
+  OK(dp__ptrs_freeze(&r, s, 0, 64, T_ERR));
+  memset(r.extra, 0xff, 64);
+  cr_assert_eq(r.ndevs, 2);
+  for (size_t g = 0; g < 2; g++) {
+    cr_assert_eq(r.devs[g].count, 3);
+    for (size_t i = 0; i < 3; i++)
+      cr_assert_eq((uintptr_t)r.by_dev[r.devs[g].first + i], 0x100 * (2 * i + g + 1), "device %zu, base %zu", g, i);
+  }
+  dp__ptrs_free(&r);
+  dp_ptrset_free(s);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* A taken set whose grouped bases cannot be stored (two devices) fails
+ * with DP_ENOMEM and keeps its block, which nothing else keeps: freeing
+ * the set and draining the thread frees each block once. */
+Test(ptrset, a_taken_set_whose_grouped_bases_cannot_be_stored_keeps_its_block_and_it_is_freed_once) {
+  dp__ptrs_recycle_drain();
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0), b = t_dev(DP_DEVICE_CUDA, 1);
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  for (uintptr_t k = 0; k < 16; k++) OK(dp_ptrset_add(s, k & 1 ? b : a, (void *)(0x100 * (k + 1)), 8, NULL, T_ERR));
+  cr_assert_eq(s->cap, 16);
+  void *block = s->block;
+  dp__ptrs_t r;
+  dp_error_t e;
+  dp_error_clear(&e);
+  t_fail_at = t_alloc_count + 1;
+  int rc = dp__ptrs_freeze(&r, s, 1, 0, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM);
+  cr_assert_str_eq(e.message, "out of memory freezing 16 allocations");
+  cr_assert(!r.block && !r.meta, "the record is left empty");
+  cr_assert_eq(s->block, block, "the set keeps its block");
+  cr_assert_eq(dp_ptrset_count(s), 16);
+  dp_ptrset_free(s);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* A record's distinct list fails with DP_ENOMEM whichever allocation fails,
+ * and without a failure lists each allocation once. */
+typedef struct distinct_ctx {
+  dp__ptrs_t raw, out;
+} distinct_ctx_t;
+static int distinct_run(void *ctx, dp_error_t *err) {
+  distinct_ctx_t *c = ctx;
+  return dp__ptrs_distinct(&c->raw, &c->out, err);
+}
+static void distinct_check(void *ctx, int rc, long k) {
+  distinct_ctx_t *c = ctx;
+  if (rc) cr_assert(!c->out.block && c->out.n == 0, "allocation %ld failed: nothing listed", k);
+  else cr_assert_eq(c->out.n, 3, "allocation %ld failed: %zu listed", k, c->out.n);
+  dp__ptrs_free(&c->out);
+}
+Test(ptrset, a_distinct_list_is_enomem_whichever_allocation_fails) {
+  dp_device_t a = t_dev(DP_DEVICE_CUDA, 0);
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp__ptrset_set_raw(s, 1);
+  uintptr_t bases[5] = {0x100, 0x200, 0x100, 0x300, 0x200};
+  for (int k = 0; k < 5; k++) OK(dp_ptrset_add(s, a, (void *)bases[k], 8, NULL, T_ERR));
+  distinct_ctx_t c;
+  OK(dp__ptrs_freeze(&c.raw, s, 0, 0, T_ERR));
+  cr_assert_eq(c.raw.n, 5);
+  t_sweep_t sw = {NULL, distinct_run, distinct_check};
+  cr_assert_geq(t_sweep(&sw, &c), 2, "the set and its block can each fail");
+  dp__ptrs_free(&c.raw);
+  dp_ptrset_free(s);
+  dp__ptrs_recycle_drain();
+  ASSERT_NO_LEAK();
+}
+
+/* The largest capacity whose block size fits in a size_t gets one, and one
+ * entry more gets 0. */
+Test(ptrset, the_largest_capacity_whose_block_fits_gets_a_size_and_one_more_gets_0) {
+  size_t per = sizeof(void *) + sizeof(dp__ptrs_rest_t);
+  size_t max = (SIZE_MAX - DP__PTRS_TAIL - 64) / per;
+  cr_assert_gt(dp__ptrs_block_size(max), max * per);
+  cr_assert_eq(dp__ptrs_block_size(max + 1), 0);
+}
