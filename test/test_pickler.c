@@ -7873,3 +7873,136 @@ Test(pickler, inline_data_past_2_64_bytes_is_refused_before_any_of_it_is_read) {
   dp_value_release(l);
   ASSERT_NO_LEAK();
 }
+
+/* ---- frame_stream: prefixes, requests, the body buffer ---- */
+
+/* The prefix checks read no byte past the prefix they are given: every
+ * prefix of a written frame, followed in memory by bytes that are no
+ * MessagePack type (0xc1), passes both checks. */
+Test(pickler, the_prefix_checks_read_no_byte_past_the_prefix_they_are_given) {
+  dp_value_t v = t_list();
+  OK(dp_list_append(v, dp_int(1), T_ERR));
+  OK(dp_list_append(v, t_str("two"), T_ERR));
+  OK(dp_list_append(v, dp_int(3), T_ERR));
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  uint8_t *buf = malloc(n + 64);
+  for (size_t k = 0; k <= n; k++) {
+    memset(buf, 0xc1, n + 64);
+    memcpy(buf, b, k);
+    dp_error_t e;
+    dp_error_clear(&e);
+    cr_assert_eq(dp_frame_prefix_check(buf, k, &e), 0, "prefix of %zu bytes: %s (at %lld)", k, e.message,
+                 (long long)e.offset);
+    cr_assert_eq(dp_frame_value_check(buf, k, NULL, &e), 0, "prefix of %zu bytes: %s (at %lld)", k, e.message,
+                 (long long)e.offset);
+  }
+  free(buf);
+  dp_frame_free(f);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+/* A mem_reader that counts the calls asking for no byte. */
+typedef struct zero_counting {
+  mem_reader_t m;
+  int zero_asks, calls;
+} zero_counting_t;
+static int read_counting_zero_asks(void *ud, void *dst, size_t n, size_t *got, dp_error_t *err) {
+  zero_counting_t *z = ud;
+  z->calls++;
+  if (n == 0) z->zero_asks++;
+  return mem_read(&z->m, dst, n, got, err);
+}
+
+/* A stream's read callback is never asked for 0 bytes: each call asks for
+ * what is still missing, whether the callback hands it all or in pieces. */
+Test(pickler, a_stream_read_callback_is_never_asked_for_zero_bytes) {
+  dp_value_t v = t_list();
+  OK(dp_list_append(v, t_str("some text"), T_ERR));
+  OK(dp_list_append(v, t_tensor(CUDA0, 0x1000, 4), T_ERR));
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  size_t chunks[2] = {SIZE_MAX, 5};
+  for (int i = 0; i < 2; i++) {
+    zero_counting_t z = {{b, n, chunks[i]}, 0, 0};
+    dp_value_t back;
+    uint64_t size = 0;
+    OK(dp_unpickle_stream(read_counting_zero_asks, &z, NULL, &back, NULL, &size, T_ERR));
+    cr_assert_eq(size, n);
+    cr_assert_eq(z.zero_asks, 0, "chunks of %zu: %d of %d calls asked for 0 bytes", chunks[i], z.zero_asks, z.calls);
+    dp_value_release(back);
+  }
+  dp_frame_free(f);
+  dp_value_release(v);
+  ASSERT_NO_LEAK();
+}
+
+/* The buffer holding a streamed frame's header, payload and table grows by
+ * doubling from 64 KiB and never past what the header announces: a payload
+ * of 1 MB costs a handful of allocations, and the largest block is no
+ * larger than the frame. */
+Test(pickler, a_streamed_payload_buffer_grows_by_doubling_and_never_past_the_frames_size) {
+  size_t nb = 1000000;
+  uint8_t *data = malloc(nb);
+  for (size_t i = 0; i < nb; i++) data[i] = (uint8_t)(i * 7);
+  dp_value_t v;
+  OK(dp_bytes_new(data, nb, &v, T_ERR));
+  dp_frame_t *f = pickle_ok(v, 0);
+  size_t n;
+  const uint8_t *b = dp_frame_data(f, &n);
+  cr_assert_lt(n, nb + 64);
+  dp_value_t whole;
+  long before = t_alloc_count;
+  OK(dp_unpickle(b, n, NULL, &whole, T_ERR));
+  long reader_allocs = t_alloc_count - before;
+  mem_reader_t c = {b, n, SIZE_MAX};
+  dp_value_t back;
+  before = t_alloc_count;
+  t_max_block = 0;
+  OK(dp_unpickle_stream(mem_read, &c, NULL, &back, NULL, NULL, T_ERR));
+  long stream_allocs = t_alloc_count - before;
+  /* the reader's own, the 64 KiB chunk and the buffer: 64 KiB + 40, then
+     doubled four times, then the frame's size */
+  cr_assert_leq(stream_allocs, reader_allocs + 7, "%ld allocations streamed, %ld read whole", stream_allocs,
+                reader_allocs);
+  cr_assert_leq((size_t)t_max_block, n, "a block of %ld bytes for a frame of %zu", (long)t_max_block, n);
+  cr_assert_eq(dp_value_equal(back, v, 0, NULL), 1);
+  dp_value_release(back);
+  dp_value_release(whole);
+  dp_frame_free(f);
+  dp_value_release(v);
+  free(data);
+  ASSERT_NO_LEAK();
+}
+
+/* Behind a header announcing a long payload, bytes held are checked at
+ * 64 KiB and then each time they double: a fault 300,000 bytes in is
+ * refused, at its offset, before twice its bytes (and a read's chunk) are
+ * read, not held until four times as many are in. */
+Test(pickler, a_fault_far_into_a_long_payload_is_refused_before_twice_its_bytes_are_read) {
+  size_t total = 2u << 20, fault = 300000;
+  uint8_t *mem = malloc(total);
+  memset(mem, 0xc0, total);
+  uint8_t h[40] = {'D', 'P', 'K', 'L', 1, 0, 0, 0};
+  uint64_t payload = (uint64_t)1 << 40;
+  for (int i = 0; i < 8; i++) h[8 + i] = (uint8_t)(payload >> (8 * i));
+  h[16] = 1;
+  memcpy(mem, h, 40);
+  mem[40] = 0xdd; /* an array of 2^32 - 1 nils, the 300,000th byte no type */
+  memset(mem + 41, 0xff, 4);
+  mem[40 + fault] = 0xc1;
+  mem_reader_t c = {mem, total, 4096};
+  dp_value_t out;
+  dp_error_t e;
+  cr_assert_eq(dp_unpickle_stream(mem_read, &c, NULL, &out, NULL, NULL, &e), DP_EFORMAT, "%s", e.message);
+  cr_assert_str_eq(e.message, "invalid msgpack type byte 0xc1");
+  cr_assert_eq(e.offset, (int64_t)(40 + fault));
+  size_t read = total - c.left;
+  cr_assert_geq(read, 40 + fault);
+  cr_assert_leq(read, 40 + 2 * fault + (64u << 10), "read %zu bytes of a stream with a fault at %zu", read, 40 + fault);
+  free(mem);
+  ASSERT_NO_LEAK();
+}
