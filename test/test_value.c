@@ -4220,3 +4220,180 @@ Test(value, tensors_of_different_ranks_compare_unequal_whatever_their_leading_di
   dp_value_release(y);
   ASSERT_NO_LEAK();
 }
+
+/* ---- keys and hashes at their bounds ---- */
+
+/* A tuple whose kept word spends the last of a key's 1,024 nodes is
+ * hashable: 23 nones, then a 1,000-node tuple that keys a dict already. */
+Test(value, a_kept_tuple_that_spends_the_last_of_a_keys_1024_nodes_leaves_the_key_hashable) {
+  dp_value_t big, d = t_dict(), t;
+  OK(dp_tuple_new(999, &big, T_ERR));
+  for (int i = 0; i < 999; i++) OK(dp_seq_set(big, (size_t)i, dp_int(i), T_ERR));
+  OK(dp_dict_set(d, dp_value_retain(big), dp_int(1), T_ERR));
+  OK(dp_tuple_new(24, &t, T_ERR)); /* itself, 23 nones, big's 1,000 last */
+  OK(dp_seq_set(t, 23, dp_value_retain(big), T_ERR));
+  cr_assert(dp_value_is_hashable(t), "1 + 23 + 1,000 = 1,024 nodes");
+  OK(dp_dict_set(d, dp_value_retain(t), dp_int(2), T_ERR));
+  dp_value_t got;
+  OK(dp_dict_get(d, t, &got, T_ERR));
+  cr_assert_eq(dp_value_as_int(got), 2);
+  dp_value_release(t);
+  dp_value_release(big);
+  dp_value_release(d);
+  ASSERT_NO_LEAK();
+}
+
+/* An empty tuple can be a key's 1,024th node: 1,022 ints and () in a
+ * tuple is hashable; one int more is not. */
+Test(value, an_empty_tuple_as_a_keys_1024th_node_leaves_it_hashable) {
+  for (int extra = 0; extra < 2; extra++) {
+    dp_value_t t, empty;
+    size_t n = 1023 + (size_t)extra;
+    OK(dp_tuple_new(n, &t, T_ERR));
+    for (size_t i = 0; i + 1 < n; i++) OK(dp_seq_set(t, i, dp_int((int64_t)i), T_ERR));
+    OK(dp_tuple_new(0, &empty, T_ERR));
+    OK(dp_seq_set(t, n - 1, empty, T_ERR));
+    cr_assert_eq(dp_value_is_hashable(t), !extra, "%zu nodes", n + 1);
+    dp_value_release(t);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* A tuple that keys a dict already is walked as one node (its kept word)
+ * when it keys another: nothing more is walked to keep it again. */
+Test(value, keying_another_dict_with_a_kept_tuple_walks_exactly_one_node) {
+  dp_value_t k, d0 = t_dict(), d1 = t_dict();
+  OK(dp_tuple_new(3, &k, T_ERR));
+  for (int i = 0; i < 3; i++) OK(dp_seq_set(k, (size_t)i, dp_int(i), T_ERR));
+  uint64_t before = dp__key_nodes_walked;
+  OK(dp_dict_set(d0, dp_value_retain(k), dp_int(0), T_ERR));
+  cr_assert_eq(dp__key_nodes_walked - before, 8, "hashed (4 nodes), then kept (4 nodes)");
+  before = dp__key_nodes_walked;
+  OK(dp_dict_set(d1, dp_value_retain(k), dp_int(1), T_ERR));
+  cr_assert_eq(dp__key_nodes_walked - before, 1, "%llu nodes walked", (unsigned long long)(dp__key_nodes_walked - before));
+  dp_value_release(k);
+  dp_value_release(d0);
+  dp_value_release(d1);
+  ASSERT_NO_LEAK();
+}
+
+/* A list's hash stops at its budget: items past the 256th node, of any
+ * kind, are not read (a list of 300 ints and one whose last 45 items are
+ * strs hash alike). */
+Test(value, a_lists_items_past_the_hash_budget_do_not_count_whatever_their_kind) {
+  dp_value_t a, b;
+  OK(dp_list_new(300, &a, T_ERR));
+  OK(dp_list_new(300, &b, T_ERR));
+  for (int i = 0; i < 300; i++) {
+    OK(dp_list_append(a, dp_int(0), T_ERR));
+    OK(dp_list_append(b, i < 255 ? dp_int(0) : t_str("s"), T_ERR));
+  }
+  cr_assert_eq(dp_value_equal(a, b, 0, NULL), 0);
+  cr_assert_eq(dp_value_hash(a), dp_value_hash(b), "an item past the budget was read");
+  dp_value_release(a);
+  dp_value_release(b);
+  ASSERT_NO_LEAK();
+}
+
+/* A dict or an object whose entries just fit the budget (the root is one
+ * node, each entry two: 127 of them in the 255 left) hashes its values:
+ * two that differ in one value hash apart. */
+Test(value, a_dict_or_object_whose_entries_just_fit_the_hash_budget_hashes_its_values) {
+  dp_value_t d[2], o[2];
+  for (int k = 0; k < 2; k++) {
+    d[k] = t_dict();
+    o[k] = t_obj("C");
+    for (int i = 0; i < 127; i++) {
+      char name[16];
+      snprintf(name, sizeof name, "a%d", i);
+      OK(dp_dict_set(d[k], dp_int(i), dp_int(i == 126 ? k : 0), T_ERR));
+      OK(dp_object_set(o[k], name, dp_int(i == 126 ? k : 0), T_ERR));
+    }
+  }
+  cr_assert_neq(dp_value_hash(d[0]), dp_value_hash(d[1]), "a dict of 127 entries hashed its size only");
+  cr_assert_neq(dp_value_hash(o[0]), dp_value_hash(o[1]), "an object of 127 attributes hashed its size only");
+  for (int k = 0; k < 2; k++) {
+    dp_value_release(d[k]);
+    dp_value_release(o[k]);
+  }
+  ASSERT_NO_LEAK();
+}
+
+/* Looking a str key up by an equal str of its own compares the two keys'
+ * bytes once, and counts them. */
+Test(value, a_str_key_found_by_an_equal_str_compares_and_counts_its_bytes_once) {
+  dp_value_t d = t_dict(), probe = t_str("a key of 20 bytes...");
+  OK(dp_dict_set(d, t_str("a key of 20 bytes..."), dp_int(7), T_ERR));
+  dp__key_bytes_compared = 0;
+  dp_value_t got;
+  OK(dp_dict_get(d, probe, &got, T_ERR));
+  cr_assert_eq(dp_value_as_int(got), 7);
+  cr_assert_eq(dp__key_bytes_compared, 20, "%llu key bytes compared", (unsigned long long)dp__key_bytes_compared);
+  dp_value_release(probe);
+  dp_value_release(d);
+  ASSERT_NO_LEAK();
+}
+
+/* Setting a dict key that is there already replaces its value: the old
+ * value's reference (and the key given again) are released. */
+Test(value, replacing_a_dict_value_releases_the_old_value_and_the_key_given_again) {
+  dp_value_t d = t_dict(), key = t_str("k"), old = t_str("old");
+  OK(dp_dict_set(d, dp_value_retain(key), dp_value_retain(old), T_ERR));
+  cr_assert_eq(dp_value_refcount(old), 2);
+  cr_assert_eq(dp_value_refcount(key), 2);
+  dp_value_t again = t_str("k");
+  OK(dp_dict_set(d, dp_value_retain(again), t_str("new"), T_ERR));
+  cr_assert_eq(dp_value_refcount(old), 1, "the dict let its reference to the old value go");
+  cr_assert_eq(dp_value_refcount(again), 1, "the key given again is released: the dict keeps its first");
+  cr_assert_eq(dp_value_refcount(key), 2);
+  dp_value_t got;
+  OK(dp_dict_get(d, key, &got, T_ERR));
+  cr_assert_str_eq(dp_str_data(got, NULL), "new");
+  dp_value_release(again);
+  dp_value_release(old);
+  dp_value_release(key);
+  dp_value_release(d);
+  ASSERT_NO_LEAK();
+}
+
+/* t_alloc, with every byte it hands out new set to 0xff. */
+static void *alloc_ff(void *ud, void *ptr, size_t osize, size_t nsize) {
+  void *p = t_alloc(ud, ptr, osize, nsize);
+  if (p && nsize > osize) memset((char *)p + osize, 0xff, nsize - osize);
+  return p;
+}
+
+/* A storage made by dp_storage_new is the caller's memory, never one a
+ * frame named (foreign), whatever its memory held before: an inline pickle
+ * reads it through the read callback. */
+Test(value, a_new_storage_is_read_as_the_callers_memory_whatever_its_allocation_held) {
+  dp_set_allocator(alloc_ff, NULL);
+  static const uint8_t bytes[16] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+  dp_storage_t *s;
+  dp_device_t cpu = {DP_DEVICE_CPU, 0};
+  OK(dp_storage_new(cpu, (void *)bytes, sizeof bytes, NULL, NULL, &s, T_ERR));
+  cr_assert_null(dp_storage_host_data(s));
+  int64_t shape[1] = {16};
+  dp_value_t t;
+  OK(dp_tensor_new(s, DP_UINT8, 1, shape, NULL, 0, &t, T_ERR));
+  dp_frame_t *f;
+  OK(dp_frame_new(&f, T_ERR));
+  dp_pickle_opts_t o = {DP_PICKLE_INLINE, 0, NULL, NULL};
+  OK(dp_pickle(t, &o, f, T_ERR));
+  dp_frame_free(f);
+  dp_value_release(t);
+  ASSERT_NO_LEAK();
+}
+
+/* Setting an attribute on a value that is no object says so, whatever the
+ * name (an empty one included), and releases the value it was given. */
+Test(value, setting_an_attribute_with_an_empty_name_on_a_list_says_it_is_no_object) {
+  dp_value_t l = t_list(), v = t_str("v");
+  dp_error_t e;
+  cr_assert_eq(dp_object_set(l, "", dp_value_retain(v), &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_object_set: expected object, got list");
+  cr_assert_eq(dp_value_refcount(v), 1);
+  dp_value_release(v);
+  dp_value_release(l);
+  ASSERT_NO_LEAK();
+}
