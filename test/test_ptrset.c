@@ -1,4 +1,6 @@
 /* ptrset: dedup by device + base, discovery order, device groups, reuse. */
+#include <pthread.h>
+
 #include "helpers.h"
 
 /* The set's layout and its frozen records (pickler/ptrs.h): the hash a
@@ -1621,4 +1623,38 @@ Test(ptrset, the_largest_capacity_whose_block_fits_gets_a_size_and_one_more_gets
   size_t max = (SIZE_MAX - DP__PTRS_TAIL - 64) / per;
   cr_assert_gt(dp__ptrs_block_size(max), max * per);
   cr_assert_eq(dp__ptrs_block_size(max + 1), 0);
+}
+
+/* A record freed by a thread-exit destructor that runs after the thread's
+ * kept blocks were drained is kept again and drained in the next round:
+ * nothing the thread kept outlives it. */
+static pthread_key_t late_key;
+static void late_free(void *p) {
+  dp__ptrs_free(p);
+  free(p);
+}
+static void *keep_then_free_late(void *arg) {
+  dp_ptrset_t *s = arg;
+  dp__ptrs_t r, *late = malloc(sizeof *late);
+  if (!late || dp__ptrs_freeze(&r, s, 0, 0, NULL) != 0) return (void *)1;
+  dp__ptrs_free(&r); /* kept: the thread's drain is armed */
+  if (dp__ptrs_freeze(late, s, 0, 0, NULL) != 0) return (void *)1;
+  pthread_setspecific(late_key, late); /* freed after the drain (a later key) */
+  return NULL;
+}
+Test(ptrset, a_record_freed_by_a_later_thread_exit_destructor_is_drained_too) {
+  dp_ptrset_t *s = filled_set(4, t_dev(DP_DEVICE_CUDA, 0));
+  dp__ptrs_t r;
+  OK(dp__ptrs_freeze(&r, s, 0, 0, T_ERR));
+  dp__ptrs_free(&r); /* the drain's key exists before late_key */
+  dp__ptrs_recycle_drain();
+  cr_assert_eq(pthread_key_create(&late_key, late_free), 0);
+  pthread_t th;
+  void *ret;
+  cr_assert_eq(pthread_create(&th, NULL, keep_then_free_late, s), 0);
+  cr_assert_eq(pthread_join(th, &ret), 0);
+  cr_assert_null(ret);
+  pthread_key_delete(late_key);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
 }
