@@ -4397,3 +4397,32 @@ Test(value, setting_an_attribute_with_an_empty_name_on_a_list_says_it_is_no_obje
   dp_value_release(l);
   ASSERT_NO_LEAK();
 }
+
+/* Attribute names of 15, 16 and 17 bytes (either side of the inline room)
+ * are kept whole, found by name and listed by position. */
+Test(value, attribute_names_either_side_of_the_inline_room_are_kept_whole) {
+  static const char *names[] = {"abcdefghijklmno", "abcdefghijklmnop", "abcdefghijklmnopq"};
+  dp_value_t o = t_obj("C");
+  for (int i = 1; i < 3; i++) { /* out of memory for the copy of a name too long to keep inline */
+    dp_error_t e;
+    dp_value_t lost = t_str("lost");
+    t_fail_at = t_alloc_count + 1;
+    int rc = dp_object_set(o, names[i], lost, &e);
+    t_fail_at = 0;
+    cr_assert_eq(rc, DP_ENOMEM, "a %zu-byte name", strlen(names[i]));
+    cr_assert_str_eq(e.message, "out of memory allocating object attributes");
+    cr_assert_eq(dp_object_nattrs(o), 0);
+  }
+  for (int i = 0; i < 3; i++) OK(dp_object_set(o, names[i], dp_int(i), T_ERR));
+  for (int i = 0; i < 3; i++) {
+    dp_value_t v;
+    const char *name;
+    OK(dp_object_get(o, names[i], &v, T_ERR));
+    cr_assert_eq(dp_value_as_int(v), i);
+    OK(dp_object_attr(o, (size_t)i, &name, &v, T_ERR));
+    cr_assert_str_eq(name, names[i]);
+    cr_assert_eq(dp_value_as_int(v), i);
+  }
+  dp_value_release(o);
+  ASSERT_NO_LEAK();
+}
