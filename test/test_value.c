@@ -4426,3 +4426,26 @@ Test(value, attribute_names_either_side_of_the_inline_room_are_kept_whole) {
   dp_value_release(o);
   ASSERT_NO_LEAK();
 }
+
+/* A dict's entries cost the hash two nodes each: in a list holding a dict
+ * of 100 entries (201 nodes) and then ints, the ints from the 55th on lie
+ * past the 256 nodes read, and lists that differ only there hash alike. */
+Test(value, a_dicts_entries_spend_two_nodes_each_of_the_hash_budget) {
+  dp_value_t l[2];
+  for (int k = 0; k < 2; k++) {
+    dp_value_t d = t_dict();
+    for (int i = 0; i < 100; i++) OK(dp_dict_set(d, dp_int(i), dp_int(i), T_ERR));
+    l[k] = t_list();
+    OK(dp_list_append(l[k], d, T_ERR));
+    for (int i = 1; i <= 150; i++) OK(dp_list_append(l[k], dp_int(k && i == 100), T_ERR));
+  }
+  cr_assert_eq(dp_value_hash(l[0]), dp_value_hash(l[1]), "the 100th int was read");
+  dp_value_t m = t_list(); /* the 54th int is read */
+  OK(dp_list_append(m, dp_value_retain(dp_seq_get(l[0], 0)), T_ERR));
+  for (int i = 1; i <= 150; i++) OK(dp_list_append(m, dp_int(i == 54), T_ERR));
+  cr_assert_neq(dp_value_hash(l[0]), dp_value_hash(m), "the 54th int was not read");
+  dp_value_release(m);
+  dp_value_release(l[0]);
+  dp_value_release(l[1]);
+  ASSERT_NO_LEAK();
+}
