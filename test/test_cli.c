@@ -5822,3 +5822,103 @@ Test(cli, a_signal_handled_without_restart_while_a_command_waits_on_its_input_do
   cr_assert_eq(wait_status(pid), 0, "%s", slurp_in(".childerr", NULL));
   free(frame);
 }
+
+/* An overlong form is refused up to the last code point that each shorter
+ * form holds, whose lead byte is in range: U+07FF in three bytes (E0 9F BF)
+ * and U+FFFF in four (F0 8F BF BF); the first code point of each length
+ * (E0 A0 80, F0 90 80 80) is taken. */
+Test(cli, pack_refuses_the_overlong_form_of_the_last_code_point_of_each_shorter_length) {
+  static const char *const bad[] = {"[\"\xe0\x9f\xbf\"]", "[\"\xf0\x8f\xbf\xbf\"]"};
+  for (int i = 0; i < 2; i++)
+    pack_fails("u.json", "x.dpk", bad[i],
+               "devpickle: u.json: invalid JSON: invalid UTF-8 in a string (line 1, column 3), at byte 2\n");
+  pack_unpack_gives("ok.json", "[\"\xe0\xa0\x80\xf0\x90\x80\x80\"]", "[\"\xe0\xa0\x80\xf0\x90\x80\x80\"]\n");
+}
+
+/* DEL (0x7F) is a control character: an error names it by its byte, as it
+ * names the others, not quoted as a character a terminal shows as nothing;
+ * '~' (0x7E) beside it is shown as itself. */
+Test(cli, a_json_error_names_a_del_byte_by_its_value_and_the_tilde_before_it_as_itself) {
+  pack_fails("d.json", "x.dpk", "[\x7f]",
+             "devpickle: d.json: invalid JSON: unexpected byte 0x7F (line 1, column 2), at byte 1\n");
+  pack_fails("t.json", "x.dpk", "[~]", "devpickle: t.json: invalid JSON: unexpected '~' (line 1, column 2), at byte 1\n");
+}
+
+/* A \u escape cut after three of its hex digits, the longest cut there is,
+ * may still be completed: the text ends too soon, reported at its end, not
+ * an invalid escape where it starts (also for the low surrogate after a
+ * high one). */
+Test(cli, a_u_escape_cut_after_three_hex_digits_is_a_premature_end_not_an_invalid_escape) {
+  pack_fails("a.json", "x.dpk", "[\"a\\u00e",
+             "devpickle: a.json: invalid JSON: premature end of input in a string (line 1, column 9), at byte 8\n");
+  pack_fails("b.json", "x.dpk", "[\"\\ud800\\udc0",
+             "devpickle: b.json: invalid JSON: premature end of input in a string (line 1, column 14), at byte 13\n");
+}
+
+/* A UTF-16 or UTF-32 byte order mark is named whatever follows it, nothing
+ * included (a text that is the mark alone), and in little-endian order as
+ * in big-endian (FF FE, and FF FE 00 00 for UTF-32). */
+Test(cli, pack_names_a_byte_order_mark_of_utf16_or_utf32_alone_and_in_little_endian_order) {
+  static const char *const boms[] = {"\\376\\377", "\\000\\000\\376\\377", "\\377\\376[1]", "\\377\\376\\000\\000[1]"};
+  for (int i = 0; i < 4; i++) {
+    char script[256];
+    snprintf(script, sizeof script, "printf '%s' > bom.json; \"$D\" pack bom.json -o x.dpk", boms[i]);
+    res_t r = run_sh(script);
+    cr_assert_eq(r.status, 1, "%s: %s", boms[i], r.err);
+    cr_assert_str_eq(r.err, "devpickle: bom.json: invalid JSON: a UTF-16 or UTF-32 byte order mark: value JSON is "
+                            "UTF-8 (line 1, column 1), at byte 0\n", "%s", boms[i]);
+    res_free(r);
+  }
+}
+
+/* Bytes and tensors have identity: an $id names them and a $ref shares
+ * them, as unpack writes them back (an $id of bytes was read as a plain
+ * dict whose key "$bytes" is an unknown tag). */
+Test(cli, an_id_names_bytes_and_a_tensor_that_a_ref_then_shares) {
+  pack_unpack_gives("b.json", "[{\"$id\": \"b\", \"$value\": {\"$bytes\": \"AAE=\"}}, {\"$ref\": \"b\"}]",
+                    "[{\"$id\":\"n0\",\"$value\":{\"$bytes\":\"AAE=\"}},{\"$ref\":\"n0\"}]\n");
+  pack_unpack_gives("t.json",
+                    "[{\"$id\": \"t\", \"$value\": {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x10\", \"nbytes\": 4,"
+                    " \"dtype\": \"uint8\", \"shape\": [4]}}}, {\"$ref\": \"t\"}]",
+                    "[{\"$id\":\"n0\",\"$value\":{\"$tensor\":{\"device\":\"cpu\",\"ptr\":\"0x10\",\"nbytes\":4,"
+                    "\"dtype\":\"uint8\",\"shape\":[4],\"strides\":[1],\"offset\":0}}},{\"$ref\":\"n0\"}]\n");
+}
+
+/* A key that is "$" alone starts with '$' too: a plain object refuses it
+ * as an unknown tag, and $dict takes it. */
+Test(cli, a_key_that_is_a_lone_dollar_needs_dict_as_every_key_starting_with_one) {
+  pack_fails("d.json", "x.dpk", "{\"$\": 1}",
+             "devpickle: d.json: unknown tag \"$\" (a plain key starting with '$' needs $dict), at $\n");
+  pack_unpack_gives("ok.json", "{\"$dict\": [[\"$\", 1]]}", "{\"$dict\":[[\"$\",1]]}\n");
+}
+
+/* Where several storages of an inline value lack "data", pack names the
+ * first of them in document order, at its first tensor. */
+Test(cli, of_several_storages_without_data_pack_names_the_first_in_the_document) {
+  pack_fails("two.json", "two.dpk",
+             "[{\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x1000\", \"nbytes\": 1, \"dtype\": \"uint8\", "
+             "\"shape\": [1], \"data\": \"AA==\"}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": \"0x2000\", "
+             "\"nbytes\": 1, \"dtype\": \"uint8\", \"shape\": [1]}}, {\"$tensor\": {\"device\": \"cpu\", \"ptr\": "
+             "\"0x3000\", \"nbytes\": 1, \"dtype\": \"uint8\", \"shape\": [1]}}]",
+             "devpickle: two.json: no tensor on cpu 0x2000 carries \"data\", but tensors on 1 other "
+             "storage do: an inline frame needs each storage's data (on one of its tensors), at $[1]\n");
+}
+
+/* inspect shows a class name of 64 bytes whole and one of 65 cut to its
+ * first 64, followed by the ellipsis, as paths show names. */
+Test(cli, inspect_shows_a_class_name_of_64_bytes_whole_and_cuts_one_of_65_with_an_ellipsis) {
+  char c64[65], c65[66], json[256], want[256];
+  memset(c64, 'C', 64);
+  c64[64] = '\0';
+  memset(c65, 'C', 65);
+  c65[65] = '\0';
+  snprintf(json, sizeof json, "[{\"$object\": \"%s\"}, {\"$object\": \"%s\"}]", c64, c65);
+  pack_json("c.json", json, "c.dpk");
+  res_t r = run("inspect c.dpk");
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  snprintf(want, sizeof want, "$[0]                                      object %s (0 attributes)\n", c64);
+  cr_assert_not_null(strstr(r.out, want), "%s", r.out);
+  snprintf(want, sizeof want, "$[1]                                      object %s\xe2\x80\xa6 (0 attributes)\n", c64);
+  cr_assert_not_null(strstr(r.out, want), "%s", r.out);
+  res_free(r);
+}
