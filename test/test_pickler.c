@@ -8007,13 +8007,6 @@ Test(pickler, a_fault_far_into_a_long_payload_is_refused_before_twice_its_bytes_
   ASSERT_NO_LEAK();
 }
 
-/* t_alloc, with every byte it hands out new set to 0xff. */
-static void *alloc_ff(void *ud, void *ptr, size_t osize, size_t nsize) {
-  void *p = t_alloc(ud, ptr, osize, nsize);
-  if (p && nsize > osize) memset((char *)p + osize, 0xff, nsize - osize);
-  return p;
-}
-
 /* A str the reader made is a finished value whatever its memory held
  * before (no leaf is ever open): a custom whose state refers back to it is
  * in no cycle. Nodes: the list 0, the str 1, the custom 2, its state 3. */
@@ -8025,7 +8018,7 @@ Test(pickler, a_custom_whose_state_refers_to_an_earlier_str_is_resolved_whatever
                        0x93, 0xd4, 0x00, DP_TAG_REDUCE, 0xa1, 'A', 0x91, 0xd6, DP_EXT_REF, 0, 0, 0, 1};
   uint8_t frame[64];
   size_t n = make_frame(frame, p, sizeof p);
-  dp_set_allocator(alloc_ff, NULL);
+  dp_set_allocator(t_alloc_filled, NULL);
   dp_value_t out;
   OK(dp_unpickle(frame, n, &uo, &out, T_ERR));
   cr_assert_eq(dp_seq_len(out), 2);

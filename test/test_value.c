@@ -2279,14 +2279,6 @@ Test(value, a_tuple_is_not_appended_to_and_keeps_its_length) {
   ASSERT_NO_LEAK();
 }
 
-/* Fills every new block with 0xa5, so that a read past a container's items
- * finds no zero that happens to read as none. */
-static void *poisoning_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
-  void *p = t_alloc(ud, ptr, osize, nsize);
-  if (p && nsize > osize) memset((char *)p + osize, 0xa5, nsize - osize);
-  return p;
-}
-
 /* A set that fails steals its item: when the item is the caller's only
  * reference to the sequence itself, the sequence is gone before the
  * message is written, which must not read it ("length 0" came from a
@@ -2314,7 +2306,7 @@ Test(value, a_set_out_of_range_that_steals_the_last_reference_to_the_sequence_re
 }
 
 Test(value, the_index_one_past_the_last_is_out_of_range_for_every_lookup) {
-  dp_set_allocator(poisoning_alloc, NULL);
+  dp_set_allocator(t_alloc_filled, NULL);
   dp_value_t l, d, o, v;
   dp_error_t e;
   OK(dp_list_new(4, &l, T_ERR));  /* room past its items */
@@ -2932,7 +2924,7 @@ Test(base, an_array_whose_size_overflows_is_not_allocated) {
 }
 
 Test(base, strndup_ends_the_copy_after_n_bytes_whatever_the_block_held) {
-  dp_set_allocator(poisoning_alloc, NULL);
+  dp_set_allocator(t_alloc_filled, NULL);
   char *s = dp__strndup("abcdef", 3);
   cr_assert_str_eq(s, "abc");
   dp__free(s, 4);
@@ -4356,18 +4348,11 @@ Test(value, replacing_a_dict_value_releases_the_old_value_and_the_key_given_agai
   ASSERT_NO_LEAK();
 }
 
-/* t_alloc, with every byte it hands out new set to 0xff. */
-static void *alloc_ff(void *ud, void *ptr, size_t osize, size_t nsize) {
-  void *p = t_alloc(ud, ptr, osize, nsize);
-  if (p && nsize > osize) memset((char *)p + osize, 0xff, nsize - osize);
-  return p;
-}
-
 /* A storage made by dp_storage_new is the caller's memory, never one a
  * frame named (foreign), whatever its memory held before: an inline pickle
  * reads it through the read callback. */
 Test(value, a_new_storage_is_read_as_the_callers_memory_whatever_its_allocation_held) {
-  dp_set_allocator(alloc_ff, NULL);
+  dp_set_allocator(t_alloc_filled, NULL);
   static const uint8_t bytes[16] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
   dp_storage_t *s;
   dp_device_t cpu = {DP_DEVICE_CPU, 0};
