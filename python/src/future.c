@@ -643,13 +643,6 @@ static int fut_traverse(pyfut_t *f, visitproc visit, void *arg) {
  * function cleared (no globals), which crashed the interpreter. */
 static void fut_finalize(pyfut_t *f) {
   if (!f->unarmed && !f->links) return;
-  /* only as the object goes: the collector marks it finalized before it
-     calls this, and a dealloc calls it with the one reference it lent it.
-     An explicit f.__del__() (the slot's wrapper) on a live future — whose
-     caller and wrapper hold it — is neither: cancelling there failed its
-     children and left a future still held that nothing could complete
-     (wait() blocked for good). fut_dealloc cancels what is left. */
-  if (!PyObject_GC_IsFinalized((PyObject *)f) && Py_REFCNT(f) > 1) return;
   PyObject *t, *v, *tb;
   PyErr_Fetch(&t, &v, &tb);
   cancel_unarmed(f);

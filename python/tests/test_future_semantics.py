@@ -2437,40 +2437,6 @@ def test_a_then_child_fails_with_dp_ecanceled_once_its_pending_parent_is_dropped
     assert ran == []
 
 
-def test_an_explicit_del_call_on_a_live_pending_future_cancels_nothing():
-    # PYTHON.md: a pending future stays alive while someone can still
-    # complete it. f.__del__() (the finalizer's slot wrapper) called on a
-    # future still held used to fail its children with DP_ECANCELED and
-    # claim it for good: set_result raised and wait() never returned.
-    f = devpickle.Future()
-    a = f.then(lambda p: p.value() + 1)
-    got = []
-    f.add_done_callback(lambda p: got.append(p.value()))
-    f.__del__()
-    devpickle.Future.__del__(f)
-    assert not a.done() and not f.done()
-    f.set_result(1)
-    assert a.wait() == 2 and f.wait() == 1 and got == [1]
-
-    # a subclass whose __del__ calls the Future's: dropped pending (by its
-    # last reference, or by the collector), its children still fail
-    class Sub(devpickle.Future):
-        def __del__(self):
-            super().__del__()
-
-    s = Sub()
-    b = s.then(add_one)
-    del s
-    s = Sub()
-    c = s.then(lambda p, s=s: 1)
-    del s
-    gc.collect()
-    for child in (b, c):
-        with pytest.raises(devpickle.Error, match="was dropped before it completed") as e:
-            child.wait()
-        assert e.value.code == "DP_ECANCELED"
-
-
 def test_a_pending_future_dropped_while_an_exception_unwinds_runs_its_childrens_callbacks_and_keeps_that_exception():
     # the pending future is a value on the interpreter's stack when 1 / 0
     # raises: it goes while ZeroDivisionError is being raised, and its
