@@ -1280,15 +1280,11 @@ def _flat(kind, device, source, cache, key, nbytes, inline):
     if kind == "torch.Tensor" and not isinstance(source, torch.Tensor) and _read_only(source):
         # a torch tensor is always writable: over a read-only buffer (bytes)
         # it gets a copy, never a writable view of immutable memory. The
-        # copy is kept as the buffer's source, so that the numpy arrays made
-        # of the buffer later are made over it too: a tensor and an array
-        # that shared memory still do. An array made before over the
-        # read-only bytes cannot be moved: the tensor would silently no
-        # longer share its memory, so that is refused
-        if (key, "numpy.ndarray") in cache:
-            raise ValueError(f"loads: buffers[{key}] is read-only and a numpy array was made over it before this "
-                             "torch tensor, which is always writable: the tensor would be a copy, no longer "
-                             "sharing the array's memory (give a writable buffer: bytearray(data))")
+        # copy is kept as the buffer's source, so that numpy arrays first
+        # made of the buffer after it are made over it too: a tensor and an
+        # array that shared memory still do. Arrays made before, over the
+        # read-only bytes, stay there (PYTHON.md: give a writable buffer
+        # for them to share the tensor's memory)
         source = cache[key] = bytearray(source)
     if kind != "torch.Tensor" and torch is not None and isinstance(source, torch.Tensor):
         if source.device.type != "cpu":

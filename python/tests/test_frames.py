@@ -4748,22 +4748,14 @@ def test_numpy_views_of_one_buffer_share_the_bytes_its_first_view_found_whatever
         mem = b.__array_interface__["data"][0]
         cls = devpickle.Buffer if how == "fast" else Given
         given_bufs = [cls("cpu", mem, 64, b)] if given == "Buffer" else [b]
-        try:
-            first, _, later, t = devpickle.loads(data, buffers=given_bufs, classes=[_FlipWritable])
-        except ValueError as e:
-            # torch would copy read-only memory that numpy views of the
-            # buffer were made over before: no longer one storage, refused
-            assert "is read-only and a numpy array was made over it before this torch tensor" in str(e)
-            made[how] = "refused"
-        else:
-            assert b.flags.writeable is not writable  # flipped in between
-            made[how] = (first.flags.writeable, later.flags.writeable, np.shares_memory(later, b),
-                         t.data_ptr() == mem + 16)
+        first, _, later, t = devpickle.loads(data, buffers=given_bufs, classes=[_FlipWritable])
+        assert b.flags.writeable is not writable  # flipped in between
+        made[how] = (first.flags.writeable, later.flags.writeable, np.shares_memory(later, b),
+                     t.data_ptr() == mem + 16)
         if given == "array":
             break
     # the torch view over an array given itself reads the array as it is then
-    copied = not writable if given == "Buffer" else writable
-    assert made["fast"] == ("refused" if copied else (writable, writable, True, True))
+    assert made["fast"] == (writable, writable, True, writable if given == "Buffer" else not writable)
     if given == "Buffer":
         assert made["fast"] == made["general"]
 
@@ -5199,11 +5191,11 @@ def test_a_contiguous_numpy_array_whose_size_1_stride_is_no_whole_item_comes_bac
 @pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 @pytest.mark.parametrize("given", ["bytes", "readonly array", "readonly memoryview", "Buffer of a readonly array"])
 @pytest.mark.parametrize("tensor_first", [True, False])
-def test_a_tensor_and_an_array_over_one_read_only_buffer_share_its_copy_or_are_refused(given, tensor_first):
+def test_a_tensor_and_an_array_after_it_over_one_read_only_buffer_share_its_copy(given, tensor_first):
     # a torch tensor over a read-only buffer gets a writable copy: the numpy
     # arrays made of that buffer after it are made over the same copy; one
-    # made before, over the read-only bytes, would silently no longer share
-    # the tensor's memory: refused, naming the buffer
+    # made before stays over the read-only bytes (PYTHON.md), with its
+    # values, and a writable buffer keeps the two on one memory
     src = np.arange(6, dtype=np.float32)
     if given == "Buffer of a readonly array":
         src.flags.writeable = False
@@ -5214,17 +5206,27 @@ def test_a_tensor_and_an_array_over_one_read_only_buffer_share_its_copy_or_are_r
     raw = bytes(bufs[0].raw())
     buf = {"bytes": raw, "readonly array": np.frombuffer(raw, np.uint8),
            "readonly memoryview": memoryview(raw), "Buffer of a readonly array": bufs[0]}[given]
-    if not tensor_first:
-        with pytest.raises(ValueError, match=r"buffers\[0\] is read-only and a numpy array was made over it before "
-                                             r"this torch tensor.*bytearray\(data\)\), at \$\[1\]"):
-            devpickle.loads(frame, buffers=[buf])
-        out = devpickle.loads(frame, buffers=[bytearray(raw)])  # a writable one: one memory
-        arr, tt = out
-    else:
-        tt, arr = devpickle.loads(frame, buffers=[buf])
+    out = devpickle.loads(frame, buffers=[buf])
+    tt, arr = out if tensor_first else out[::-1]
     assert tt.tolist() == [0, 1, 2, 3, 4, 5] and arr.tolist() == [1, 2, 3, 4, 5]
     tt[2] = 42
-    assert arr[1] == 42  # one memory, as it was
+    assert arr[1] == (42 if tensor_first else 2)  # one memory only when the array came after
+    if not tensor_first:
+        arr, tt = devpickle.loads(frame, buffers=[bytearray(raw)])  # a writable one: one memory
+        tt[2] = 42
+        assert arr[1] == 42
+
+
+def test_arrays_over_a_read_only_buffer_that_share_nothing_with_a_tensor_after_them_load():
+    # empty views and slices beside the tensor's bytes, made before it over
+    # bytes: loaded with their values (the tensor a copy), never refused
+    t = torch.arange(4.0)
+    n = t.numpy()
+    for value in ([n[:0], t[:0]], [n[:0], t], [n[2:2], t[1:]], [n[:2], torch.from_numpy(n)[2:]]):
+        bufs = []
+        frame = devpickle.dumps(value, buffer_callback=bufs.append)
+        a, b = devpickle.loads(frame, buffers=[bytes(x.raw()) for x in bufs])
+        assert a.tolist() == value[0].tolist() and b.tolist() == value[1].tolist()
 
 
 @pytest.mark.parametrize("value", [lambda x: [x], lambda x: [x.numpy()], lambda x: [x, x.numpy()[1:]]])
