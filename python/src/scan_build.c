@@ -660,12 +660,6 @@ static const char *typestr_dtype(const char *ts) {
 static int build_view(dpy_scanner_t *s, PyObject *o, int cupy, const char *dt, int nd, const int64_t *shape,
                       int64_t *strides, int have_strides, char *ptr, dp_value_t *out);
 
-/* The view of a numpy array as its buffer export describes it (the format
- * numpy gives a dtype of the machine's byte order, a struct code, and the
- * item size): 1 with *dt, shape, strides (in bytes) and *ptr; 0 where the
- * export is of another form (another byte order, a structured or datetime
- * dtype, none at all), which __array_interface__ then reads and names. No
- * Python code runs: numpy exports its own arrays. */
 /* numpy.ndarray's own strides of array o (a new reference), read through
  * ndarray's descriptor; NULL (maybe with an exception) otherwise. */
 static PyObject *ndarray_strides(PyObject *o) {
@@ -678,6 +672,12 @@ static PyObject *ndarray_strides(PyObject *o) {
   return descr ? Py_TYPE(descr)->tp_descr_get(descr, o, (PyObject *)Py_TYPE(o)) : NULL;
 }
 
+/* The view of a numpy array as its buffer export describes it (the format
+ * numpy gives a dtype of the machine's byte order, a struct code, and the
+ * item size): 1 with *dt, shape, strides (in bytes) and *ptr; 0 where the
+ * export is of another form (another byte order, a structured or datetime
+ * dtype, none at all), which __array_interface__ then reads and names. No
+ * Python code runs: numpy exports its own arrays. */
 static int buffer_view(PyObject *o, const char **dt, int *nd, int64_t *shape, int64_t *strides, int *have_strides,
                        char **ptr) {
   Py_buffer v;
