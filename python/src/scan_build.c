@@ -604,8 +604,9 @@ static int build_torch(dpy_scanner_t *s, PyObject *o, dp_value_t *out) {
     return dpy_walk_error(s, o, "it cannot be carried in a frame");
   }
   if (n != 1) {
-    PyErr_SetString(PyExc_TypeError, "sparse tensors are not carried in frames (make them dense, or send "
-                                     "their indices and values)");
+    PyErr_SetString(PyExc_TypeError, "a tensor over more than one storage (a sparse tensor, a per-channel quantized "
+                                     "one) is not carried in frames (make a sparse tensor dense, or send its indices "
+                                     "and values; send a quantized one's int_repr() and its scales and zero points)");
     return dpy_walk_error(s, o, "it cannot be carried in a frame");
   }
   if (refuse_unframed(s, o)) return -1;

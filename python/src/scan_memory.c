@@ -196,6 +196,22 @@ int dpy_storage_extent(PyObject *st, dp_torch_alloc_t *out) {
   return PyErr_Occurred() ? -1 : 0;
 }
 
+/* Whether tensor t is quantized with a per-channel scheme, whose scales
+ * and zero points are tensors of their own: 1, 0, or -1 with an exception. */
+static int per_channel_quantized(PyObject *t) {
+  PyObject *isq = tensor_get(t, "is_quantized");
+  int q = isq ? PyObject_IsTrue(isq) : -1;
+  Py_XDECREF(isq);
+  if (q <= 0) return q;
+  PyObject *scheme = tensor_get(t, "qscheme");
+  PyObject *ss = scheme ? PyObject_Str(scheme) : NULL;
+  Py_XDECREF(scheme);
+  const char *n = ss ? PyUnicode_AsUTF8(ss) : NULL;
+  q = n ? !strncmp(n, "torch.per_channel", 17) : -1;
+  Py_XDECREF(ss);
+  return q;
+}
+
 /* Without the C++ adapter: the same answers through torch's Python API. */
 static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
   if (depth == 0) {
@@ -216,10 +232,16 @@ static int torch_python_allocs(PyObject *t, dp_torch_alloc_t *out, int depth) {
                                : !strcmp(l, "torch.sparse_csc") || !strcmp(l, "torch.sparse_bsc") ? csc
                                                                                                   : NULL;
     Py_DECREF(ls);
+    if (!parts) { /* a per-channel quantized tensor: its storage, its scales and zero points */
+      static const char *const qch[] = {"", "q_per_channel_scales", "q_per_channel_zero_points", NULL}; /* "": t */
+      int q = per_channel_quantized(t);
+      if (q < 0) return -1;
+      if (q) parts = qch;
+    }
     if (parts) {
       int n = 0;
       for (int i = 0; parts[i]; i++) {
-        PyObject *p = tensor_get(t, parts[i]);
+        PyObject *p = *parts[i] ? tensor_get(t, parts[i]) : Py_NewRef(t);
         if (!p) return -1;
         int k = torch_python_allocs(p, out + n, 1);
         Py_DECREF(p);

@@ -166,6 +166,12 @@ inline int dense_alloc(const at::Tensor &t, const at::Tensor &whole, dp_torch_al
 [[gnu::noinline]] int sparse_allocs(const at::Tensor &t, c10::Layout layout,
                                     dp_torch_alloc_t *out);
 
+/* The allocations of a quantized tensor (an out-of-line cold path): its
+ * storage, and for a per-channel scheme its quantizer's scales and zero
+ * points, tensors of their own that pickle carries beside the data (its
+ * reduce's quantizer parameters) and every kernel reading the values reads. */
+[[gnu::noinline]] int quantized_allocs(const at::Tensor &t, dp_torch_alloc_t *out);
+
 inline int tensor_allocs_impl(PyObject *o, dp_torch_alloc_t *out) {
   const at::Tensor &t = THPVariable_Unpack(o);
   if (!t.defined()) {
@@ -176,8 +182,24 @@ inline int tensor_allocs_impl(PyObject *o, dp_torch_alloc_t *out) {
   const c10::TensorImpl *impl = t.unsafeGetTensorImpl();
   const c10::Layout layout = layout_of(impl);
   if (C10_LIKELY(layout == c10::kStrided))
-    return dense_alloc(t, t, out) == 0 ? 1 : -1;
+    return C10_UNLIKELY(impl->is_quantized()) ? quantized_allocs(t, out) : dense_alloc(t, t, out) == 0 ? 1 : -1;
   return sparse_allocs(t, layout, out);
+}
+
+int quantized_allocs(const at::Tensor &t, dp_torch_alloc_t *out) {
+  if (dense_alloc(t, t, out) != 0)
+    return -1;
+  const c10::QScheme q = t.qscheme();
+  if (q != c10::kPerChannelAffine && q != c10::kPerChannelSymmetric &&
+      q != c10::kPerChannelAffineFloatQParams)
+    return 1; /* per tensor: the scale and zero point are numbers */
+  /* the quantizer's own tensors (aliases, never copies) */
+  const at::Tensor parts[2] = {t.q_per_channel_scales(), t.q_per_channel_zero_points()};
+  int n = 1;
+  for (const at::Tensor &p : parts)
+    if (dense_alloc(p, t, &out[n++]) != 0)
+      return -1;
+  return n;
 }
 
 int sparse_allocs(const at::Tensor &t, c10::Layout layout, dp_torch_alloc_t *out) {
@@ -245,7 +267,7 @@ extern "C" Py_ssize_t dp_dense_run(PyObject *const *items, Py_ssize_t n, dp_torc
         break;
       const c10::TensorImpl *impl = t.unsafeGetTensorImpl();
       if (C10_UNLIKELY(impl->is_python_dispatch()) || layout_of(impl) != c10::kStrided ||
-          dense_read(t, &out[i]) != nullptr)
+          C10_UNLIKELY(impl->is_quantized()) || dense_read(t, &out[i]) != nullptr)
         break;
     }
   } catch (...) {

@@ -44,7 +44,8 @@ typedef struct dp_torch_api {
   /* o's allocations when o is a torch.Tensor (any subclass): a dense tensor
    * gives its storage (views of one storage give the same base); a sparse
    * COO tensor its indices' and values' storages; sparse CSR/CSC/BSR/BSC its
-   * index and values storages. Returns the count (1..DP_TORCH_MAX_ALLOCS),
+   * index and values storages; a quantized tensor its storage, then for a
+   * per-channel scheme its scales' and zero points' storages. Returns the count (1..DP_TORCH_MAX_ALLOCS),
    * 0 when o is not a torch tensor, -1 with a Python exception set when o is
    * a tensor whose memory cannot be described (a meta tensor, say). */
   int (*tensor_allocs)(PyObject *o, dp_torch_alloc_t *out);

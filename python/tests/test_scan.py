@@ -2182,6 +2182,46 @@ def test_sparse_compressed_tensors_are_walked_with_or_without_the_torch_adapter(
     assert "csr" in out.stdout
 
 
+_QUANTIZED = (
+    "import torch, devpickle\n"
+    "x = torch.randn(4, 3)\n"
+    "def st(t):\n"
+    "    s = t.untyped_storage() if hasattr(t, 'untyped_storage') else t.storage()._storage\n"
+    "    return (s.data_ptr(), s.nbytes())\n"
+    "scales = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.double)\n"
+    "for q in [torch.quantize_per_channel(x, scales, torch.tensor([0, 1, 2, 3]), 0, torch.qint8),\n"
+    "          torch.quantize_per_channel(x, scales.float(), scales.float(), 0, torch.quint8)]:\n"
+    "    s, z = q.q_per_channel_scales(), q.q_per_channel_zero_points()\n"
+    "    got = [(a.ptr, a.nbytes, a.refs, a.path) for a in devpickle.scan({'q': q, 'v': q.detach()})]\n"
+    "    want = [st(t) + (2, '$.q') for t in (q, s, z)]\n"
+    "    assert got == want, (q.qscheme(), got, want)\n"
+    "    assert len({a[0] for a in got}) == 3\n"
+    "    f = devpickle.Future(devices=[])\n"
+    "    f.set_result([q])\n"
+    "    assert f.wait()[0] is q\n"
+    "    try:\n"
+    "        devpickle.dumps(q)\n"
+    "    except devpickle.WalkError as e:\n"
+    "        assert 'per-channel quantized' in str(e) and e.path == '$', e\n"
+    "    else:\n"
+    "        raise AssertionError('dumps carried a quantized tensor')\n"
+    "p = torch.quantize_per_tensor(x, 0.1, 2, torch.quint8)\n"
+    "assert [(a.ptr, a.nbytes) for a in devpickle.scan([p])] == [st(p)]\n"
+    "print('quantized', devpickle._devpickle._torch_adapter())\n"
+)
+
+
+@pytest.mark.parametrize("no_adapter", ["0", "1"])
+def test_a_per_channel_quantized_tensor_gives_its_storage_scales_and_zero_points_with_or_without_the_adapter(
+        no_adapter):
+    # pickle carries a per-channel quantized tensor's scales and zero points
+    # (tensors of the quantizer's own) in its reduce, and kernels read them
+    # with the values: the walk reported the data storage alone
+    out = _run_child_adapter(_QUANTIZED, no_adapter)
+    assert out.returncode == 0, out.stderr
+    assert "quantized" in out.stdout
+
+
 def test_a_cuda_array_interface_set_on_the_instance_is_device_memory_too():
     # cupy.asarray, numba and torch.as_tensor read the interface with getattr,
     # so an instance carrying it in its __dict__ is device memory to them

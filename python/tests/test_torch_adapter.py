@@ -153,6 +153,21 @@ def test_a_run_of_dense_tensors_reads_each_as_tensor_allocs_does_and_stops_at_th
         allocs(meta)
 
 
+def test_a_per_channel_quantized_tensor_gives_its_storage_then_its_scales_and_zero_points():
+    x = torch.randn(4, 3)
+    q = torch.quantize_per_channel(x, torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.double),
+                                   torch.tensor([0, 1, 2, 3]), 0, torch.qint8)
+    want = [(CPU, 0) + storage(t) for t in (q, q.q_per_channel_scales(), q.q_per_channel_zero_points())]
+    assert allocs(q) == (3, want)
+    assert allocs(q[2:]) == (3, want)  # a view shares its quantizer
+    p = torch.quantize_per_tensor(x, 0.1, 2, torch.quint8)  # per tensor: numbers, no tensors
+    assert allocs(p) == (1, [(CPU, 0) + storage(p)])
+    # a run stops at either: tensor_allocs reads them on their own
+    d = torch.ones(2)
+    assert dense_run([d, q, d]) == (1, [allocs(d)[1][0]])
+    assert dense_run([d, d, p]) == (2, [allocs(d)[1][0]] * 2)
+
+
 def test_dense_tensor_gives_its_storage():
     t = torch.arange(12, dtype=torch.float64).reshape(3, 4)
     n, a = allocs(t)
