@@ -237,6 +237,21 @@ Test(ptrset, adding_many_refuses_a_bad_item_or_no_memory_and_changes_nothing) {
   ASSERT_NO_LEAK();
 }
 
+/* Every item is checked before any is added, the first one too. */
+Test(ptrset, adding_many_refuses_a_bad_first_item_naming_item_0_and_changes_nothing) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_ptr_info_t items[2] = {{t_dev(DP_DEVICE_CPU, 1), (void *)0x40, 8, 0, NULL},
+                            {t_dev(DP_DEVICE_CUDA, 0), (void *)0x80, 8, 0, NULL}};
+  dp_error_t e;
+  cr_assert_eq(dp_ptrset_add_many(s, items, 2, NULL, &e), DP_EINVAL);
+  cr_assert_str_eq(e.message, "dp_ptrset_add_many: item 0: invalid device (type 0, index 1)");
+  cr_assert_eq(dp_ptrset_count(s), 0);
+  cr_assert_eq(dp_ptrset_ndevices(s), 0);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
 Test(ptrset, a_null_set_is_einval_with_a_message_and_a_miss_says_what_was_missed) {
   dp_error_t e;
   size_t i;
