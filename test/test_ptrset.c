@@ -1120,6 +1120,48 @@ Test(ptrset, a_null_out_or_set_is_einval_naming_it_and_a_set_that_cannot_be_made
  * by add_many, and add_many makes room for all n first, so it refuses a
  * batch whose items are in the set already; neither changes the set. (The
  * count is set by hand: four billion entries do not fit a test.) */
+/* Room for entries up to the limit exactly is asked of the allocator, not
+ * refused as too many (a set this large cannot be made here: the allocator
+ * refuses it). */
+Test(ptrset, adding_many_up_to_the_limit_exactly_is_not_refused_as_too_many) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_ptr_info_t items[2] = {{t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, 0, NULL},
+                            {t_dev(DP_DEVICE_CUDA, 0), (void *)0x80, 8, 0, NULL}};
+  dp_error_t e;
+  s->count = DP_PTRSET_MAX_ENTRIES - 2;
+  t_fail_at = t_alloc_count + 1;
+  int rc = dp_ptrset_add_many(s, items, 2, NULL, &e);
+  t_fail_at = 0;
+  cr_assert_eq(rc, DP_ENOMEM, "%s", e.message);
+  cr_assert_str_eq(e.message, "out of memory growing a pointer set");
+  s->count = 0;
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
+/* A batch hashes each base with its device's key, derived when the device
+ * changes: cpu's key too, though cpu is device 0 (the bits a batch starts
+ * comparing with). */
+Test(ptrset, a_batch_on_cpu_hashes_its_bases_as_a_single_add_does) {
+  dp_ptrset_t *s;
+  OK(dp_ptrset_new(&s, T_ERR));
+  dp_ptr_info_t items[3] = {{t_dev(DP_DEVICE_CPU, 0), (void *)0x40, 8, 0, NULL},
+                            {t_dev(DP_DEVICE_CPU, 0), (void *)0x80, 8, 0, NULL},
+                            {t_dev(DP_DEVICE_CUDA, 0), (void *)0x40, 8, 0, NULL}};
+  OK(dp_ptrset_add_many(s, items, 3, NULL, T_ERR));
+  for (size_t i = 0; i < 3; i++) {
+    size_t at;
+    OK(dp_ptrset_find(s, items[i].device, items[i].base, &at, T_ERR));
+    cr_assert_eq(at, i);
+    OK(dp_ptrset_add(s, items[i].device, items[i].base, 8, &at, T_ERR));
+    cr_assert_eq(at, i, "item %zu was added again, as entry %zu", i, at);
+  }
+  cr_assert_eq(dp_ptrset_count(s), 3);
+  dp_ptrset_free(s);
+  ASSERT_NO_LEAK();
+}
+
 Test(ptrset, an_entry_past_the_limit_is_elimit_by_add_or_add_many_and_changes_nothing) {
   dp_ptrset_t *s;
   OK(dp_ptrset_new(&s, T_ERR));
