@@ -896,35 +896,38 @@ Test(ptrset, a_raw_set_appends_and_its_records_distinct_list_is_what_a_plain_set
 /* A thread's scratch set goes from raw to plain: it keeps the entries'
  * room its raw use grew to, while its table is still small. Adding one at a
  * time then grows the table as it fills, never past a load of one half,
- * whether or not a batch (dp_ptrset_add_many) filled half of it first:
- * every entry is found, and a miss is answered. */
+ * whether or not a batch (dp_ptrset_add_many) filled half of it first, on
+ * one device or on two in turn: every entry is found, and a miss is
+ * answered. */
 Test(ptrset, a_set_made_plain_after_a_large_raw_use_grows_its_table_as_it_fills, .timeout = 10) {
-  dp_device_t dev = t_dev(DP_DEVICE_CUDA, 0);
+  dp_device_t dev[2] = {t_dev(DP_DEVICE_CUDA, 0), t_dev(DP_DEVICE_CUDA, 1)};
   enum { N = 1000, BATCH = 32 };
   static dp_ptr_info_t items[N];
-  for (size_t i = 0; i < N; i++) items[i] = (dp_ptr_info_t){dev, (void *)(uintptr_t)(0x1000 * (i + 1)), 8, 0, NULL};
-  for (int batch = 0; batch < 2; batch++) {
+  for (int mode = 0; mode < 3; mode++) { /* no batch, a batch on one device, a batch on two in turn */
+    for (size_t i = 0; i < N; i++)
+      items[i] = (dp_ptr_info_t){dev[mode == 2 ? i & 1 : 0], (void *)(uintptr_t)(0x1000 * (i + 1)), 8, 0, NULL};
     dp_ptrset_t *s;
     OK(dp_ptrset_new(&s, T_ERR));
     dp__ptrset_set_raw(s, 1);
-    for (size_t i = 0; i < N; i++) OK(dp_ptrset_add(s, dev, items[i].base, 8, NULL, T_ERR));
+    for (size_t i = 0; i < N; i++) OK(dp_ptrset_add(s, items[i].device, items[i].base, 8, NULL, T_ERR));
     cr_assert_geq(s->cap, (size_t)N);
     dp__ptrset_set_raw(s, 0);
-    size_t first = batch ? BATCH : 0;
-    if (batch) OK(dp_ptrset_add_many(s, items, BATCH, NULL, T_ERR));
-    cr_assert_eq(s->tab.count, first, "the table counts the batch's entries");
+    size_t first = mode ? BATCH : 0;
+    if (mode) OK(dp_ptrset_add_many(s, items, BATCH, NULL, T_ERR));
+    cr_assert_eq(s->tab.count, first, "mode %d: the table counts the batch's entries", mode);
     for (size_t i = first; i < N; i++) {
       size_t at;
-      OK(dp_ptrset_add(s, dev, items[i].base, 8, &at, T_ERR));
+      OK(dp_ptrset_add(s, items[i].device, items[i].base, 8, &at, T_ERR));
       cr_assert_eq(at, i);
-      cr_assert_leq(s->tab.count * 2, s->tab.nslots, "%zu entries in %zu slots", s->tab.count, s->tab.nslots);
+      cr_assert_leq(s->tab.count * 2, s->tab.nslots, "mode %d: %zu entries in %zu slots", mode, s->tab.count,
+                    s->tab.nslots);
     }
     for (size_t i = 0; i < N; i++) {
       size_t at;
-      OK(dp_ptrset_find(s, dev, items[i].base, &at, T_ERR));
+      OK(dp_ptrset_find(s, items[i].device, items[i].base, &at, T_ERR));
       cr_assert_eq(at, i);
     }
-    cr_assert_eq(dp_ptrset_find(s, dev, (void *)0x8, NULL, NULL), DP_ENOTFOUND);
+    cr_assert_eq(dp_ptrset_find(s, dev[0], (void *)0x8, NULL, NULL), DP_ENOTFOUND);
     cr_assert_eq(dp_ptrset_count(s), N);
     dp_ptrset_free(s);
   }
