@@ -133,6 +133,10 @@ static int device_ok(dp_device_t d) {
   return d.type < DP_DEVICE_TYPE_COUNT && (d.type != DP_DEVICE_CPU || d.index == 0);
 }
 
+/* A table refuses DP_ELIMIT from UINT32_MAX - 1 items (table.h): a set at
+ * its limit never asks that of its table. */
+_Static_assert(DP_PTRSET_MAX_ENTRIES < UINT32_MAX - 1, "a set's table can hold its entries");
+
 /* Errors are written where they happen, and passed through by every caller. */
 static int too_many(dp_error_t *err) {
   return dp__err(err, DP_ELIMIT, "a pointer set holds at most %u entries", DP_PTRSET_MAX_ENTRIES);
@@ -142,8 +146,8 @@ int dp__ptrset_insert_new(dp_ptrset_t *s, dp_device_t device, void *base, size_t
                           size_t slot, size_t *index, dp_error_t *err) {
   if (s->count >= DP_PTRSET_MAX_ENTRIES) return too_many(err);
   if (!s->raw && dp__table_full(&s->tab)) {
+    /* never DP_ELIMIT: the count is below DP_PTRSET_MAX_ENTRIES (above) */
     int rc = dp__table_grow(&s->tab, DP_TABLE_TAGGED, s->count, 64, entry_hash, s);
-    if (rc == DP_ELIMIT) return too_many(err);
     if (rc) return dp__err(err, rc, "out of memory growing a pointer set's table");
     slot = SIZE_MAX;
   }
