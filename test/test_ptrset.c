@@ -862,6 +862,7 @@ Test(ptrset, a_raw_set_appends_and_its_records_distinct_list_is_what_a_plain_set
       i += m;
     }
     OK(dp_ptrset_add_many(plain, items, N, NULL, T_ERR));
+    cr_assert_eq(raw->tab.nslots, 0, "round %d: a raw set's table stays empty", round);
     cr_assert_eq(dp_ptrset_count(raw), N - repeats, "round %d: %zu entries, not %zu", round, dp_ptrset_count(raw),
                  N - repeats);
     dp__ptrs_t r, d;
@@ -1287,6 +1288,23 @@ Test(ptrset, an_arena_string_too_long_to_size_a_chunk_for_is_refused_without_all
 
 /* A string longer than the next chunk would be gets a chunk of its own
  * size, its NUL included, and nothing is wasted on the way. */
+/* Chunks double from 4 KiB up to 1 MiB, then stay at 1 MiB: a large
+ * scan's paths do not take chunks ever larger than they need. */
+Test(ptrset, arena_chunks_double_up_to_one_mib_and_stay_there) {
+  static char text[1000];
+  memset(text, 'p', sizeof text);
+  dp__arena_t a = {0};
+  for (int i = 0; i < 6000; i++) cr_assert_not_null(dp__arena_strdup(&a, text, sizeof text - 1));
+  size_t want = 4096, chunks = 0;
+  for (dp__achunk_t *c = a.head; c; c = c->next, chunks++) {
+    cr_assert_eq(c->cap, want, "chunk %zu: %zu bytes, not %zu", chunks, c->cap, want);
+    if (want < (1u << 20)) want *= 2;
+  }
+  cr_assert_geq(chunks, 10, "6 MB of paths in %zu chunks", chunks);
+  dp__arena_free(&a);
+  ASSERT_NO_LEAK();
+}
+
 Test(ptrset, an_arena_string_longer_than_a_chunk_gets_a_chunk_of_exactly_its_size) {
   static char text[10000];
   memset(text, 'c', sizeof text);
