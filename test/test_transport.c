@@ -3608,6 +3608,22 @@ Test(transport, a_buffer_on_a_device_index_the_backend_does_not_have_is_refused_
   send_is_refused(st, 64, DP_ENODEV, "buffer 0 is on host:200", "this process's host backend has"); /* of DEVPICKLE_HOST_DEVICES */
 }
 
+/* The first index past the backend's devices (host:N of an N-device
+ * backend) is as foreign as host:200: the bound is "index < count". */
+Test(transport, a_buffer_on_the_first_device_index_past_the_backends_is_refused_before_anything_is_sent) {
+  dp_backend_t *b;
+  OK(dp_backend_get(DP_DEVICE_HOST, &b, T_ERR));
+  int n = dp_backend_device_count(b);
+  cr_assert_gt(n, 0);
+  cr_assert_lt(n, 200);
+  char want[32];
+  snprintf(want, sizeof want, "buffer 0 is on host:%d:", n);
+  dp_storage_t *st;
+  static uint8_t bytes[64];
+  OK(dp_storage_new(t_dev(DP_DEVICE_HOST, (unsigned)n), bytes, sizeof bytes, NULL, NULL, &st, T_ERR));
+  send_is_refused(st, 64, DP_ENODEV, want, "this process's host backend has");
+}
+
 Test(transport, a_storage_carrying_host_data_is_refused_never_read_at_its_base) {
   dp_storage_t *st; /* as a value read from an inline frame: the writer's address, the bytes beside it */
   OK(dp_storage_new(t_dev(DP_DEVICE_CPU, 0), (void *)0x10, 4, NULL, NULL, &st, T_ERR));
