@@ -1516,6 +1516,37 @@ static dp_value_t dev_tensor(int dev, size_t nbytes, unsigned seed) {
   return t;
 }
 
+/* A buffer of 0 bytes is a storage of 0 bytes on arrival, cpu or not: the
+ * receiver asks its allocator for no block (dp__alloc(0) is NULL) and that
+ * is no "out of memory". */
+Test(transport, empty_cpu_and_host_buffers_arrive_as_empty_tensors_on_their_devices) {
+  t_track();
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *c, *a;
+  dp_listener_t *l = listen_pair(t, &c, &a);
+  dp_value_t v;
+  OK(dp_list_new(3, &v, T_ERR));
+  OK(dp_list_append(v, owned_tensor(0, 1), T_ERR));
+  OK(dp_list_append(v, dev_tensor(0, 0, 2), T_ERR));
+  OK(dp_list_append(v, owned_tensor(5, 3), T_ERR));
+  dp_future_t *d;
+  dp_error_t e;
+  OK(dp_endpoint_send(c, v, &d, T_ERR));
+  dp_future_t *r = recv_ok(a);
+  OK_WITH(&e, wait_f(d, &e));
+  dp_value_t back = dp_future_value(r);
+  cr_assert_eq(dp_seq_len(back), 3);
+  cr_assert(tensor_ok(dp_seq_get(back, 0), 0, 1));
+  cr_assert_eq(dp_storage_device(dp_tensor_storage(dp_seq_get(back, 0))).type, DP_DEVICE_CPU);
+  cr_assert(tensor_ok(dp_seq_get(back, 1), 0, 2));
+  cr_assert_eq(dp_storage_device(dp_tensor_storage(dp_seq_get(back, 1))).type, DP_DEVICE_HOST);
+  cr_assert(tensor_ok(dp_seq_get(back, 2), 5, 3));
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_value_release(v);
+  free_pair_checked(c, a, l, t);
+}
+
 /* Sends a host:0 buffer right after queueing a slow fill of it on a host
  * stream: as a future completed on that stream (as_future), or with
  * dp_endpoint_send while that stream is current. Returns the peer's
