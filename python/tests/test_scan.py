@@ -1121,6 +1121,20 @@ def test_a_namedtuple_with_its_own_reduce_or_a_dispatch_entry_is_walked_through_
     assert [a.ptr for a in got] == [storage_ptr(hidden)[0]]
 
 
+class _FieldsOnTuple(tuple):
+    __slots__ = ()
+    _fields = ("a", "b")
+
+
+def test_a_tuple_subclass_with_fields_and_tuples_own_getnewargs_is_walked_as_a_namedtuple():
+    # pickle makes it from tuple(self) (tuple.__getnewargs__), as it makes a
+    # namedtuple: its items, named by _fields, not a reduce's args.
+    t = torch.ones(2)
+    got = devpickle.scan(_FieldsOnTuple((1, t)))
+    assert [a.path for a in got] == ["$.b"]
+    assert pickle.loads(pickle.dumps(_FieldsOnTuple((1, 2)))) == (1, 2)
+
+
 def test_a_reduces_state_setter_is_walked():
     import functools
 
@@ -5126,3 +5140,27 @@ def test_an_item_after_drained_leaves_keeps_its_index_in_the_path():
     got = devpickle.scan(r)
     reduce = "$<reduce test_scan.ReducedInParts>"
     assert [a.path for a in got] == [reduce + ".listitems[4]", reduce + ".dictitems.k"]
+
+
+def test_a_python_class_of_module_builtins_is_named_by_its_qualname_alone():
+    # "module.qualname, a builtin one by its qualname alone": a class whose
+    # __module__ is "builtins" is named as builtins' own are, in <reduce T>
+    # and in WalkError's type_name.
+    t = torch.ones(2)
+
+    class InBuiltins:
+        def __reduce__(self):
+            return (list, ([t],))
+
+    class LockLike:
+        def __reduce__(self):
+            raise TypeError("no")
+
+    for c in (InBuiltins, LockLike):
+        c.__module__, c.__qualname__ = "builtins", c.__name__
+    got = devpickle.scan(InBuiltins())
+    assert [a.path for a in got] == ["$<reduce InBuiltins>.args[0][0]"]
+    with pytest.raises(devpickle.WalkError) as e:
+        devpickle.scan({"x": LockLike()})
+    assert e.value.type_name == "LockLike" and e.value.path == "$.x"
+    assert str(e.value).startswith("cannot walk a 'LockLike' at $.x: ")
