@@ -5164,3 +5164,16 @@ def test_a_python_class_of_module_builtins_is_named_by_its_qualname_alone():
         devpickle.scan({"x": LockLike()})
     assert e.value.type_name == "LockLike" and e.value.path == "$.x"
     assert str(e.value).startswith("cannot walk a 'LockLike' at $.x: ")
+
+
+class _BytesSub(bytes):
+    pass
+
+
+def test_a_bytes_subclass_is_reduced_as_pickle_carries_it_not_reported_as_cpu_memory():
+    # bytes is a leaf, not memory; a subclass is reduced (its attributes in
+    # the state), never taken for a buffer-protocol object's memory.
+    b = _BytesSub(b"abc")
+    b.t = torch.ones(2)
+    assert [(a.device, a.path) for a in devpickle.scan([b])] == [("cpu", "$[0]<reduce test_scan._BytesSub>.state.t")]
+    assert devpickle.scan([_BytesSub(b"xyz"), b"xyz"]) == []
