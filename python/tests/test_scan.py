@@ -5177,3 +5177,21 @@ def test_a_bytes_subclass_is_reduced_as_pickle_carries_it_not_reported_as_cpu_me
     b.t = torch.ones(2)
     assert [(a.device, a.path) for a in devpickle.scan([b])] == [("cpu", "$[0]<reduce test_scan._BytesSub>.state.t")]
     assert devpickle.scan([_BytesSub(b"xyz"), b"xyz"]) == []
+
+
+def test_a_class_with_dlpack_but_no_dlpack_device_is_no_dlpack_array():
+    # DLPack is both methods: __dlpack__ alone is walked as any instance
+    # (its attributes), never called.
+    called = []
+
+    class HalfDLPack:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, stream=None):
+            called.append(1)
+            raise AssertionError("called")
+
+    t = torch.ones(2)
+    assert [a.path for a in devpickle.scan({"h": HalfDLPack(t)})] == ["$.h.t"]
+    assert called == []
