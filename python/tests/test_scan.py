@@ -5195,3 +5195,17 @@ def test_a_class_with_dlpack_but_no_dlpack_device_is_no_dlpack_array():
     t = torch.ones(2)
     assert [a.path for a in devpickle.scan({"h": HalfDLPack(t)})] == ["$.h.t"]
     assert called == []
+
+
+class _PairWithDict(Pair):  # no __slots__: its instances have a __dict__, which pickle carries
+    pass
+
+
+def test_a_namedtuple_subclass_with_a_dict_is_reduced_and_its_attributes_walked():
+    t, extra = torch.ones(2), torch.zeros(3)
+    p = _PairWithDict(t, 1)
+    p.extra = extra
+    got = devpickle.scan(p)
+    assert sorted(a.path for a in got) == ["$<reduce test_scan._PairWithDict>.args[1]",
+                                           "$<reduce test_scan._PairWithDict>.state.extra"]
+    assert pickle.loads(pickle.dumps(p)).extra is not None
