@@ -5209,3 +5209,11 @@ def test_a_namedtuple_subclass_with_a_dict_is_reduced_and_its_attributes_walked(
     assert sorted(a.path for a in got) == ["$<reduce test_scan._PairWithDict>.args[1]",
                                            "$<reduce test_scan._PairWithDict>.state.extra"]
     assert pickle.loads(pickle.dumps(p)).extra is not None
+
+
+def test_a_drained_item_of_three_parts_is_kept_whole_though_its_first_two_are_leaves():
+    # only an exact pair of bare leaves is kept as a shared pair of Nones: a
+    # longer tuple whose first two items are leaves holds more
+    a = np.zeros(3)
+    r = ReducedInParts(ReducedInParts, (), None, [(1, 2, a)], [], None)
+    assert [x.path for x in devpickle.scan(r)] == ["$<reduce test_scan.ReducedInParts>.listitems[0][2]"]
