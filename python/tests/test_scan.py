@@ -5217,3 +5217,61 @@ def test_a_drained_item_of_three_parts_is_kept_whole_though_its_first_two_are_le
     a = np.zeros(3)
     r = ReducedInParts(ReducedInParts, (), None, [(1, 2, a)], [], None)
     assert [x.path for x in devpickle.scan(r)] == ["$<reduce test_scan.ReducedInParts>.listitems[0][2]"]
+
+
+class _PairOtherClass(Pair):
+    __slots__ = ()
+
+    @property
+    def __class__(self):
+        return Pair
+
+
+def test_a_namedtuple_with_a_class_property_of_its_own_is_reduced_as_pickle_refuses_it():
+    # pickle asks obj.__class__ of a __newobj__ reduce: another class is
+    # refused; the walk reduces it and words the refusal as pickle does
+    with pytest.raises(pickle.PicklingError, match="has the wrong class"):
+        pickle.dumps(_PairOtherClass(1, 2), protocol=5)
+    with pytest.raises(devpickle.WalkError, match=r"^cannot walk a 'test_scan._PairOtherClass' at \$: its reduce is "
+                                                  r"malformed: args\[0\] from __newobj__ args has the wrong class"):
+        devpickle.scan(_PairOtherClass(torch.ones(2), 1))
+
+
+class _NewArgsEx:
+    def __init__(self, t, hidden):
+        self.t, self._hidden = t, hidden
+
+    def __getnewargs_ex__(self):
+        return (self._hidden,), {}
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls)
+
+
+def test_a_class_with_getnewargs_ex_alone_is_walked_through_its_reduce():
+    t, hidden = torch.ones(2), torch.zeros(3)
+    got = devpickle.scan(_NewArgsEx(t, hidden))
+    paths = {a.ptr: a.path for a in got}
+    assert paths[storage_ptr(hidden)[0]] == "$<reduce test_scan._NewArgsEx>.args[1]"  # copyreg.__newobj__(cls, *args)
+    assert paths[storage_ptr(t)[0]] == "$<reduce test_scan._NewArgsEx>.state.t"
+
+
+class _ReduceExCallable:  # no __get__: the class attribute is called as it is
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+    def __call__(self, protocol):
+        return (list, ([self.hidden],))
+
+
+def test_a_tensor_subclass_whose_reduce_ex_is_no_function_is_reduced_through_it():
+    hidden = torch.zeros(3)
+
+    class T(torch.Tensor):
+        __reduce_ex__ = _ReduceExCallable(hidden)
+
+    t = torch.ones(2).as_subclass(T)
+    got = devpickle.scan({"w": t})
+    assert [a.path for a in got] == ["$.w", "$.w<reduce test_scan.test_a_tensor_subclass_whose_reduce_ex_is_no_function_…"
+                                            ">.args[0][0]"]
+    assert got[1].ptr == storage_ptr(hidden)[0]
