@@ -5275,3 +5275,18 @@ def test_a_tensor_subclass_whose_reduce_ex_is_no_function_is_reduced_through_it(
     assert [a.path for a in got] == ["$.w", "$.w<reduce test_scan.test_a_tensor_subclass_whose_reduce_ex_is_no_function_…"
                                             ">.args[0][0]"]
     assert got[1].ptr == storage_ptr(hidden)[0]
+
+
+class _PairOwnReduce(Pair):
+    __slots__ = ()  # no __dict__: only its own __reduce__ makes pickle reduce it
+
+    def __reduce__(self):
+        return (Pair, (self.b, self.a))
+
+
+def test_a_slotted_namedtuple_with_its_own_reduce_is_walked_through_it():
+    t, u = torch.ones(2), torch.zeros(3)
+    got = devpickle.scan(_PairOwnReduce(t, u))
+    assert [a.path for a in got] == ["$<reduce test_scan._PairOwnReduce>.args[0]",
+                                     "$<reduce test_scan._PairOwnReduce>.args[1]"]
+    assert got[0].ptr == storage_ptr(u)[0]
