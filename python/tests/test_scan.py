@@ -5290,3 +5290,9 @@ def test_a_slotted_namedtuple_with_its_own_reduce_is_walked_through_it():
     assert [a.path for a in got] == ["$<reduce test_scan._PairOwnReduce>.args[0]",
                                      "$<reduce test_scan._PairOwnReduce>.args[1]"]
     assert got[0].ptr == storage_ptr(u)[0]
+
+
+def test_a_frozensets_items_are_walked_as_a_sets_by_position_not_through_its_reduce():
+    t = torch.ones(2)
+    for fs in (frozenset([t]), {t}):
+        assert [a.path for a in devpickle.scan([1, fs])] == ["$[1][0]"], type(fs)
