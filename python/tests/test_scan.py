@@ -5296,3 +5296,25 @@ def test_a_frozensets_items_are_walked_as_a_sets_by_position_not_through_its_red
     t = torch.ones(2)
     for fs in (frozenset([t]), {t}):
         assert [a.path for a in devpickle.scan([1, fs])] == ["$[1][0]"], type(fs)
+
+
+class _NoCudaButArray:
+    """A __cuda_array_interface__ that has none (AttributeError) beside an
+    __array_interface__ that names host memory."""
+
+    def __init__(self, a):
+        self.a = a
+
+    @property
+    def __cuda_array_interface__(self):
+        raise AttributeError("no cuda here")
+
+    @property
+    def __array_interface__(self):
+        return self.a.__array_interface__
+
+
+def test_a_cuda_interface_that_has_none_leaves_the_array_interface_to_name_the_memory():
+    a = np.zeros(4)
+    got = devpickle.scan({"x": _NoCudaButArray(a)})
+    assert [(g.device, g.ptr, g.path) for g in got][0] == ("cpu", a.__array_interface__["data"][0], "$.x")
