@@ -31,11 +31,13 @@ static int note_path(dpy_scanner_t *s, size_t index) {
   return 0;
 }
 
-/* Enters o (a new reference, stolen) in `counted`: 1 when it was there. */
-static int counted_before(dpy_scanner_t *s, PyObject *o) {
+/* Enters key o (DPY_REF_KEY: its object a new reference, stolen) in
+ * `counted`: 1 when it was there. */
+static int counted_before(dpy_scanner_t *s, PyObject *key) {
   size_t before = dp_ptrset_count(s->counted), idx;
   dp_error_t e;
-  int rc = dp_ptrset_add(s->counted, (dp_device_t){DP_DEVICE_CPU, 0}, o, 0, &idx, &e);
+  PyObject *o = DPY_REF_OBJ(key);
+  int rc = dp_ptrset_add(s->counted, (dp_device_t){DP_DEVICE_CPU, 0}, key, 0, &idx, &e);
   if (rc) {
     Py_DECREF(o);
     dpy_raise(rc, &e);
@@ -70,14 +72,14 @@ static int first_grow(dpy_scanner_t *s, size_t idx) {
 /* account() for an allocation met before (idx < nfirst). */
 static int account_again(dpy_scanner_t *s, size_t idx, PyObject *obj) {
   if (idx > s->nfirst) { /* an allocation not accounted: a bug of this file's, never the value's */
-    Py_DECREF(obj);
+    Py_DECREF(DPY_REF_OBJ(obj));
     PyErr_Format(PyExc_SystemError, "devpickle: allocation %zu counted before allocation %zu", idx, s->nfirst);
     return -1;
   }
   PyObject *f = s->first[idx];
   if (f) { /* not yet in `counted`: it holds one or two objects */
     if (f == obj || s->second[idx] == obj) {
-      Py_DECREF(obj);
+      Py_DECREF(DPY_REF_OBJ(obj));
       return 0;
     }
     if (!s->second[idx]) {
@@ -88,12 +90,12 @@ static int account_again(dpy_scanner_t *s, size_t idx, PyObject *obj) {
     PyObject *f2 = s->second[idx];
     s->first[idx] = s->second[idx] = NULL;
     if (counted_before(s, f) < 0) {
-      Py_DECREF(f2);
-      Py_DECREF(obj);
+      Py_DECREF(DPY_REF_OBJ(f2));
+      Py_DECREF(DPY_REF_OBJ(obj));
       return -1;
     }
     if (counted_before(s, f2) < 0) {
-      Py_DECREF(obj);
+      Py_DECREF(DPY_REF_OBJ(obj));
       return -1;
     }
   }
@@ -115,7 +117,7 @@ static int account_again(dpy_scanner_t *s, size_t idx, PyObject *obj) {
 static inline __attribute__((always_inline)) int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
   if (idx != s->nfirst) return account_again(s, idx, obj); /* allocations are numbered in discovery order */
   if (idx >= s->first_cap && first_grow(s, idx)) {
-    Py_DECREF(obj);
+    Py_DECREF(DPY_REF_OBJ(obj));
     return -1;
   }
   s->first[idx] = obj;
@@ -126,13 +128,17 @@ static inline __attribute__((always_inline)) int account(dpy_scanner_t *s, size_
 }
 
 void dpy_refs_reset(dpy_scanner_t *s) {
-  for (int i = 0; i < s->npend; i++) Py_CLEAR(s->pend_obj[i]);
+  for (int i = 0; i < s->npend; i++) {
+    Py_XDECREF(DPY_REF_OBJ(s->pend_obj[i]));
+    s->pend_obj[i] = NULL;
+  }
   s->npend = 0;
   size_t n = s->nfirst;
   s->nfirst = 0;
   for (size_t i = 0; i < n; i++) {
-    Py_CLEAR(s->first[i]);
-    Py_CLEAR(s->second[i]);
+    Py_XDECREF(DPY_REF_OBJ(s->first[i]));
+    Py_XDECREF(DPY_REF_OBJ(s->second[i]));
+    s->first[i] = s->second[i] = NULL;
   }
   dp_ptrset_clear(s->counted);
 }
@@ -147,7 +153,7 @@ int dpy_flush_pending(dpy_scanner_t *s) {
   for (int i = 0; i < n && s->count_refs; i++) {
     PyObject *o = s->pend_obj[i];
     s->pend_obj[i] = NULL;
-    if (rc) Py_DECREF(o);
+    if (rc) Py_DECREF(DPY_REF_OBJ(o));
     else rc = account(s, idx[i], o); /* takes the batch's reference */
   }
   s->npend = 0;
@@ -157,6 +163,11 @@ int dpy_flush_pending(dpy_scanner_t *s) {
 /* Adds an allocation found on obj, at once: *at (may be NULL) gets its
  * index, and its first path is rendered. */
 int dpy_add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, size_t *at) {
+  return dpy_add_alloc_part(s, dev, base, nbytes, obj, 0, at);
+}
+
+int dpy_add_alloc_part(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, int part,
+                       size_t *at) {
   size_t idx;
   dp_error_t e;
   if (dpy_flush_pending(s)) return -1;
@@ -169,7 +180,7 @@ int dpy_add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbyte
     PyErr_NoMemory();
     return -1;
   }
-  if (s->count_refs && account(s, idx, Py_NewRef(obj))) return -1;
+  if (s->count_refs && account(s, idx, DPY_REF_KEY(Py_NewRef(obj), part))) return -1;
   if (at) *at = idx;
   return 0;
 }

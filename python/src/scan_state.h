@@ -130,14 +130,42 @@ int dpy_flush_pending(dpy_scanner_t *s);
 /* Lets go of the objects the last walk counted refs on. */
 void dpy_refs_reset(dpy_scanner_t *s);
 
-/* Adds an allocation found on obj: in a batch when no path or index is
- * asked for it. */
-static inline __attribute__((always_inline)) int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj) {
-  if (s->want_paths || s->build) return dpy_add_alloc_at(s, dev, base, nbytes, obj, NULL);
+/* An object found on an allocation, as refs counts it: the object, its low
+ * bits (a Python object is aligned to 16 bytes) the part of the object the
+ * allocation is (a tensor's storage, a per-channel quantizer's scales, ...):
+ * `counted` holds one entry per object and part, so that an object on
+ * several allocations counts on each (refs of one allocation must not find
+ * it counted on another). */
+#define DPY_REF_PARTS 4
+#define DPY_REF_KEY(obj, part) ((PyObject *)((uintptr_t)(obj) | (uintptr_t)(part)))
+#define DPY_REF_OBJ(key) ((PyObject *)((uintptr_t)(key) & ~(uintptr_t)(DPY_REF_PARTS - 1)))
+int dpy_add_alloc_part(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, int part,
+                       size_t *at);
+
+/* Adds an allocation found on obj, its part-th (0 .. DPY_REF_PARTS-1; one
+ * allocation is always the same part of obj): in a batch when no path or
+ * index is asked for it. */
+static inline __attribute__((always_inline)) int add_alloc_part(dpy_scanner_t *s, dp_device_t dev, void *base,
+                                                                size_t nbytes, PyObject *obj, int part) {
+  if (s->want_paths || s->build) return dpy_add_alloc_part(s, dev, base, nbytes, obj, part, NULL);
   if (s->npend == (int)(sizeof s->pend / sizeof s->pend[0]) && dpy_flush_pending(s)) return -1;
-  if (s->count_refs) s->pend_obj[s->npend] = Py_NewRef(obj);
+  if (s->count_refs) s->pend_obj[s->npend] = DPY_REF_KEY(Py_NewRef(obj), part);
   s->pend[s->npend++] = (dp_ptr_info_t){dev, base, nbytes, 0, NULL};
   return 0;
+}
+
+static inline __attribute__((always_inline)) int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj) {
+  return add_alloc_part(s, dev, base, nbytes, obj, 0);
+}
+
+/* The part of a tensor allocation a[i] is: the first of a[0..i] at its base
+ * (a quantizer whose scales and zero points share a storage is one part). */
+static inline int dpy_alloc_part(const dp_torch_alloc_t *a, int i) {
+  int j = 0;
+  while (j < i && (a[j].base != a[i].base || a[j].device_type != a[i].device_type ||
+                   a[j].device_index != a[i].device_index))
+    j++;
+  return j;
 }
 
 #endif

@@ -5318,3 +5318,29 @@ def test_a_cuda_interface_that_has_none_leaves_the_array_interface_to_name_the_m
     a = np.zeros(4)
     got = devpickle.scan({"x": _NoCudaButArray(a)})
     assert [(g.device, g.ptr, g.path) for g in got][0] == ("cpu", a.__array_interface__["data"][0], "$.x")
+
+
+_QUANTIZED_REFS = (
+    "import torch, devpickle\n"
+    "x = torch.randn(4, 3)\n"
+    "S = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.double)\n"
+    "q = torch.quantize_per_channel(x, S, torch.tensor([0, 1, 2, 3]), 0, torch.qint8)\n"
+    "f = torch.tensor([0.1, 0.2, 0.3, 0.4])\n"
+    "r = torch.quantize_per_channel(x, f, f, 0, torch.quint8)  # scales and zero points one tensor\n"
+    "for paths in (False, True):\n"
+    "    got = [a.refs for a in devpickle.scan([q, q, q.detach(), q[1:]], paths=paths)]\n"
+    "    assert got == [3, 3, 3], (paths, got)\n"
+    "    got = [a.refs for a in devpickle.scan([r, r.detach(), r.detach()], paths=paths)]\n"
+    "    assert got == [3, 3], (paths, got)\n"
+    "print('refs ok')\n"
+)
+
+
+@pytest.mark.parametrize("no_adapter", ["0", "1"])
+def test_objects_on_several_allocations_count_in_the_refs_of_each(no_adapter):
+    # refs kept one set of objects counted past two for all allocations: a
+    # tensor counted on its data's storage was taken as counted already on
+    # its quantizer's scales (q, q.detach(), q[1:] share all three): 2, not 3
+    out = _run_child_adapter(_QUANTIZED_REFS, no_adapter)
+    assert out.returncode == 0, out.stderr
+    assert "refs ok" in out.stdout
