@@ -131,8 +131,9 @@ int dpy_flush_pending(dpy_scanner_t *s);
 void dpy_refs_reset(dpy_scanner_t *s);
 
 /* An object found on an allocation, as refs counts it: the object, its low
- * bits (a Python object is aligned to 16 bytes) the part of the object the
- * allocation is (a tensor's storage, a per-channel quantizer's scales, ...):
+ * bits (a Python object is aligned to 8 bytes at least: two bits are free)
+ * the part of the object the allocation is (a tensor's storage, a
+ * per-channel quantizer's scales, ...):
  * `counted` holds one entry per object and part, so that an object on
  * several allocations counts on each (refs of one allocation must not find
  * it counted on another). */
