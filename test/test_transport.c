@@ -7854,6 +7854,35 @@ Test(transport, a_sender_that_used_its_credit_exactly_posts_nothing_more) {
   free_transport(t);
 }
 
+Test(transport, a_sender_whose_values_fill_the_credit_to_the_byte_posts_nothing_more) {
+  /* 32 values whose frames are 32 KiB less DP__CREDIT_PER_VALUE each cost
+     32 KiB of credit: the first grant, 1 MiB, used to the byte, and no
+     value crossing it. The 33rd waits for a grant the peer (taking
+     nothing) never makes: a credit used exactly is used up */
+  dp_transport_opts_t po = {0};
+  po.max_inflight_bytes = 64 << 10; /* a window of 1 MiB */
+  peer_t p = spawn_peer(never_take, NULL, &po);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t v = bytes_of_frame_len((32 << 10) - DP__CREDIT_PER_VALUE);
+  dp_future_t *d[DP__CREDIT_INITIAL / (32 << 10) + 1];
+  size_t n = sizeof d / sizeof d[0];
+  dp_error_t e;
+  for (size_t i = 0; i < n; i++) OK(dp_endpoint_send(ep, v, &d[i], T_ERR));
+  for (size_t i = 0; i + 1 < n; i++) {
+    dp_error_clear(&e);
+    cr_assert_eq(dp_future_wait(d[i], 20 * SEC, &e), 0, "value %zu: %s", i, e.message);
+  }
+  cr_assert_eq(dp_future_wait(d[n - 1], SEC / 5, &e), DP_ETIMEDOUT, "a value past the peer's credit was sent");
+  cr_assert_eq(dp_endpoint_error(ep, &e), 0, "%s", e.message);
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  for (size_t i = 0; i < n; i++) dp_future_release(d[i]);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  free_transport(t);
+}
+
 /* peer: value 0's frame (one cpu buffer of 4 KiB), CLOSE counting that one
  * value, value 1's frame (the int 7: past the count), then value 0's
  * buffer; stays until the other side closes */
