@@ -7883,6 +7883,38 @@ Test(transport, a_sender_whose_values_fill_the_credit_to_the_byte_posts_nothing_
   free_transport(t);
 }
 
+Test(transport, a_send_held_back_by_a_credit_that_a_live_peer_never_renews_fails_with_the_timeout) {
+  /* the peer's loop runs but its program takes nothing: every value
+     before the 33rd went (eager, complete as they go), so no posted send
+     is timed; the wait for the grant alone is, and fails the endpoint */
+  t_track();
+  dp_transport_opts_t po = {0};
+  po.max_inflight_bytes = 64 << 10; /* a window of 1 MiB */
+  peer_t p = spawn_peer(never_take, NULL, &po);
+  dp_transport_opts_t o = {0};
+  o.timeout_ns = 2 * SEC; /* the peer's ACCEPT is timed too: a sanitizer peer on a loaded machine takes a while */
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t v = bytes_of_frame_len((32 << 10) - DP__CREDIT_PER_VALUE);
+  dp_future_t *d[DP__CREDIT_INITIAL / (32 << 10) + 1];
+  size_t n = sizeof d / sizeof d[0];
+  dp_error_t e;
+  for (size_t i = 0; i < n; i++) OK(dp_endpoint_send(ep, v, &d[i], T_ERR));
+  for (size_t i = 0; i + 1 < n; i++) OK_WITH(&e, dp_future_wait(d[i], 20 * SEC, &e));
+  dp_error_clear(&e);
+  int rc = dp_future_wait(d[n - 1], 20 * SEC, &e); /* not wait_f: its limit would hide a hang */
+  cr_assert_eq(rc, DP_ETIMEDOUT, "%s: %s", dp_err_name(rc), e.message);
+  cr_assert(strstr(e.message, "a send waited for the peer's credit for over 2000 ms"), "%s", e.message);
+  cr_assert_eq(dp_endpoint_error(ep, &e), DP_ETIMEDOUT);
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  for (size_t i = 0; i < n; i++) dp_future_release(d[i]);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  free_transport(t);
+  check_no_leak();
+}
+
 /* peer: value 0's frame (one cpu buffer of 4 KiB), CLOSE counting that one
  * value, value 1's frame (the int 7: past the count), then value 0's
  * buffer; stays until the other side closes */
