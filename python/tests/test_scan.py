@@ -5344,3 +5344,32 @@ def test_objects_on_several_allocations_count_in_the_refs_of_each(no_adapter):
     out = _run_child_adapter(_QUANTIZED_REFS, no_adapter)
     assert out.returncode == 0, out.stderr
     assert "refs ok" in out.stdout
+
+
+def test_an_abc_listed_opaque_is_asked_per_object_where_its_class_attribute_answers_per_instance():
+    """ABCMeta reads o.__class__: where that differs from one instance to
+    the next, the ABC's answer for one instance is not its type's — each is
+    asked, as isinstance(o, Handle) asks it."""
+    import abc
+
+    class Handle(abc.ABC):
+        pass
+
+    class Registered:
+        pass
+
+    Handle.register(Registered)
+
+    class Shifty:
+        def __init__(self, t, pose):
+            self.t, self.pose = t, pose
+
+        @property
+        def __class__(self):
+            return Registered if self.pose else Shifty
+
+    hidden, shown = Shifty(torch.ones(2), True), Shifty(torch.ones(3), False)
+    assert [isinstance(o, Handle) for o in (hidden, shown)] == [True, False]
+    for paths in (True, False):
+        assert _nbytes([hidden, shown], paths=paths, opaque=Handle) == [12], paths
+        assert _nbytes([shown, hidden], paths=paths, opaque=Handle) == [12], paths
