@@ -5373,3 +5373,27 @@ def test_an_abc_listed_opaque_is_asked_per_object_where_its_class_attribute_answ
     for paths in (True, False):
         assert _nbytes([hidden, shown], paths=paths, opaque=Handle) == [12], paths
         assert _nbytes([shown, hidden], paths=paths, opaque=Handle) == [12], paths
+
+
+def test_an_abc_with_a_subclasscheck_of_its_own_is_asked_for_each_object_as_isinstance_asks_it():
+    """ABCMeta's __instancecheck__ calls cls.__subclasscheck__: an ABC's
+    own answers each time, not once for a type (here: no, then yes)."""
+    import abc
+
+    asked = []
+
+    class Turns(abc.ABC):
+        @classmethod
+        def __subclasscheck__(cls, c):
+            if c is NotOpaque:
+                asked.append(c)
+                return len(asked) % 2 == 0
+            return False
+
+    value = [NotOpaque(torch.ones(2)), NotOpaque(torch.ones(3))]
+    for paths in (True, False):
+        del asked[:]
+        assert _nbytes(value, paths=paths, opaque=Turns) == [8], paths
+        assert len(asked) == 2
+    del asked[:]
+    assert [isinstance(o, Turns) for o in value] == [False, True]
