@@ -5397,3 +5397,26 @@ def test_an_abc_with_a_subclasscheck_of_its_own_is_asked_for_each_object_as_isin
         assert len(asked) == 2
     del asked[:]
     assert [isinstance(o, Turns) for o in value] == [False, True]
+
+
+def test_a_class_registered_with_an_opaque_abc_during_the_walk_is_opaque_from_then_on():
+    """abc's register() moves the cache token: the answers the walk kept
+    for the ABC are forgotten, and the class's next instance is opaque."""
+    import abc
+
+    for paths in (True, False):
+        class Handle(abc.ABC):
+            pass
+
+        class Foreign:
+            def __init__(self, t):
+                self.t = t
+
+        class Registers:
+            def __reduce__(self):
+                Handle.register(Foreign)
+                return (Registers, ())
+
+        value = [Foreign(torch.ones(2)), Registers(), Foreign(torch.ones(3))]
+        assert _nbytes(value, paths=paths, opaque=Handle) == [8], paths
+        assert isinstance(value[0], Handle)
