@@ -5420,3 +5420,34 @@ def test_a_class_registered_with_an_opaque_abc_during_the_walk_is_opaque_from_th
         value = [Foreign(torch.ones(2)), Registers(), Foreign(torch.ones(3))]
         assert _nbytes(value, paths=paths, opaque=Handle) == [8], paths
         assert isinstance(value[0], Handle)
+
+
+def test_an_abc_whose_metaclass_reads_its_subclasscheck_through_its_own_getattribute_is_asked_each_time():
+    """ABCMeta's __instancecheck__ reads cls.__subclasscheck__ through the
+    metaclass's __getattribute__: one of its own may answer each time
+    anew (here: no, then yes), and is asked for each object."""
+    import abc
+
+    asked = []
+
+    class Turning(abc.ABCMeta):
+        def __getattribute__(cls, name):
+            if name == "__subclasscheck__":
+                def check(c):
+                    if c is NotOpaque:
+                        asked.append(c)
+                        return len(asked) % 2 == 0
+                    return False
+                return check
+            return super().__getattribute__(name)
+
+    class Turns(metaclass=Turning):
+        pass
+
+    value = [NotOpaque(torch.ones(2)), NotOpaque(torch.ones(3))]
+    for paths in (True, False):
+        del asked[:]
+        assert _nbytes(value, paths=paths, opaque=Turns) == [8], paths
+        assert len(asked) == 2
+    del asked[:]
+    assert [isinstance(o, Turns) for o in value] == [False, True]
