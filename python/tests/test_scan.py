@@ -5451,3 +5451,14 @@ def test_an_abc_whose_metaclass_reads_its_subclasscheck_through_its_own_getattri
         assert len(asked) == 2
     del asked[:]
     assert [isinstance(o, Turns) for o in value] == [False, True]
+
+
+def test_an_allocation_key_that_cannot_be_encoded_is_no_key_of_it_as_of_a_dict():
+    # a lone surrogate has no UTF-8: no field's name, and no error of its own
+    a = devpickle.scan({"x": np.ones(3)})[0]
+    assert "\ud800" not in a and "ptr\ud800" not in a
+    assert a.get("\ud800", 7) == 7 and a.get("\ud800") is None
+    with pytest.raises(KeyError) as e:
+        a["\ud800"]
+    assert e.value.args == ("\ud800",)
+    assert a == dict(a)
