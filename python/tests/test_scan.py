@@ -5462,3 +5462,36 @@ def test_an_allocation_key_that_cannot_be_encoded_is_no_key_of_it_as_of_a_dict()
         a["\ud800"]
     assert e.value.args == ("\ud800",)
     assert a == dict(a)
+
+
+def test_an_abc_whose_hook_gives_a_later_opaque_type_another_metaclass_for_this_very_class_has_it_asked():
+    """As above, with the hook changing Listed only when asked about the
+    object's own class (not the list holding it, met first): Listed is
+    asked through its new metaclass for that object."""
+    import abc
+
+    for paths in (True, False):
+        class Plain(type):
+            pass
+
+        class Says(type):
+            def __instancecheck__(cls, o):
+                return type(o).__name__ == "Other"
+
+        class Listed(metaclass=Plain):
+            pass
+
+        class Other:
+            def __init__(self, t):
+                self.t = t
+
+        class Hooked(abc.ABC):
+            @classmethod
+            def __subclasshook__(cls, c):
+                if c is Other:
+                    Listed.__class__ = Says
+                return NotImplemented
+
+        assert _nbytes([torch.ones(1), Other(torch.ones(2)), torch.ones(3)], paths=paths,
+                       opaque=(Hooked, Listed)) == [4, 12], paths
+        assert isinstance(Other(None), (Hooked, Listed))
