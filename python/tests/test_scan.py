@@ -5495,3 +5495,46 @@ def test_an_abc_whose_hook_gives_a_later_opaque_type_another_metaclass_for_this_
         assert _nbytes([torch.ones(1), Other(torch.ones(2)), torch.ones(3)], paths=paths,
                        opaque=(Hooked, Listed)) == [4, 12], paths
         assert isinstance(Other(None), (Hooked, Listed))
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, MemoryError])
+def test_an_interrupt_raised_reading_an_opaques_origin_or_args_passes_through(raised):
+    # the generic-alias hint reads __origin__ and __args__, the object's own
+    # code: an interrupt or a MemoryError it raises is not swallowed
+    for attr in ("__origin__", "__args__"):
+        class Reads:
+            def __getattr__(self, name):
+                if name == attr:
+                    raise raised(f"while reading {attr}")
+                raise AttributeError(name)
+
+        for opaque in (Reads(), [int, Reads()]):
+            with pytest.raises(raised, match=f"^while reading {attr}$"):
+                devpickle.scan([], opaque=opaque)
+
+
+def test_an_opaque_with_args_of_one_type_or_none_is_told_as_code_writes_a_tuple():
+    class OneArg:
+        __args__ = (int,)
+
+    class NoArgs:
+        __args__ = ()
+
+    with pytest.raises(TypeError) as e:
+        devpickle.scan([], opaque=OneArg())
+    assert str(e.value) == ("opaque= takes types: a type or an iterable of types, not a 'OneArg' "
+                            "(a union is not a type: give its types instead, (int,))")
+    with pytest.raises(TypeError) as e:
+        devpickle.scan([], opaque=NoArgs())
+    assert str(e.value) == "opaque= takes types: a type or an iterable of types, not a 'NoArgs'"
+
+
+def test_an_opaque_item_that_is_not_callable_gets_no_factory_hint_whatever_its_qualname():
+    class Named:
+        pass
+
+    named = Named()
+    named.__qualname__ = "Pretends"
+    with pytest.raises(TypeError) as e:
+        devpickle.scan([], opaque=[int, named])
+    assert str(e.value) == "opaque= takes types; got a 'Named'"
