@@ -5538,3 +5538,25 @@ def test_an_opaque_item_that_is_not_callable_gets_no_factory_hint_whatever_its_q
     with pytest.raises(TypeError) as e:
         devpickle.scan([], opaque=[int, named])
     assert str(e.value) == "opaque= takes types; got a 'Named'"
+
+
+def test_a_callable_opaque_item_whose_qualname_is_no_str_gets_no_factory_hint():
+    class Odd:
+        def __call__(self):
+            return 1
+
+    odd = Odd()
+    odd.__qualname__ = 5
+    with pytest.raises(TypeError) as e:
+        devpickle.scan([], opaque=[int, odd])
+    assert str(e.value) == "opaque= takes types; got a 'Odd'"
+
+
+def test_opaque_given_as_a_sequence_of_the_old_getitem_protocol_is_read_by_index():
+    class Types:
+        def __getitem__(self, i):
+            if i == 0:
+                return NotOpaque
+            raise IndexError(i)
+
+    assert _nbytes([NotOpaque(torch.ones(2)), torch.ones(3)], opaque=Types()) == [12]
