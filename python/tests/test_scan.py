@@ -5560,3 +5560,22 @@ def test_opaque_given_as_a_sequence_of_the_old_getitem_protocol_is_read_by_index
             raise IndexError(i)
 
     assert _nbytes([NotOpaque(torch.ones(2)), torch.ones(3)], opaque=Types()) == [12]
+
+
+_SPARSE_COO_ORDER = (
+    "import torch, devpickle\n"
+    "sp = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (3,))\n"
+    "def st(t):\n"
+    "    s = t.untyped_storage() if hasattr(t, 'untyped_storage') else t.storage()._storage\n"
+    "    return s.data_ptr()\n"
+    "got = [a.ptr for a in devpickle.scan([sp])]\n"
+    "assert got == [st(sp._indices()), st(sp._values())], got\n"
+    "print('coo')\n"
+)
+
+
+@pytest.mark.parametrize("no_adapter", ["0", "1"])
+def test_a_sparse_coo_tensor_gives_its_indices_then_its_values_with_or_without_the_adapter(no_adapter):
+    out = _run_child_adapter(_SPARSE_COO_ORDER, no_adapter)
+    assert out.returncode == 0, out.stderr
+    assert "coo" in out.stdout
