@@ -581,8 +581,7 @@ static inline __attribute__((always_inline)) int run_tensor(dpy_scanner_t *s, Py
   }
   for (int i = 0; i < na && rc == 1; i++)
     if (a[i].nbytes &&
-        add_alloc_part(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes,
-                       o, dpy_alloc_part(a, i)))
+        add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o))
       rc = -1;
   /* Python code under the adapter may have given it attributes: visit()
      walks them after its memory */

@@ -294,8 +294,6 @@ int dpy_visit_tensor_attrs(dpy_scanner_t *s, PyObject *o) {
   return dpy_push(s, FR_ATTRS, d, Py_TYPE(o));
 }
 
-_Static_assert(DP_TORCH_MAX_ALLOCS <= DPY_REF_PARTS, "a tensor allocation's part fits a reference key's low bits");
-
 int dpy_visit_torch(dpy_scanner_t *s, PyObject *o) {
   dp_torch_alloc_t a[DP_TORCH_MAX_ALLOCS];
   int n = dpy_torch_allocs(o, a);
@@ -305,8 +303,7 @@ int dpy_visit_torch(dpy_scanner_t *s, PyObject *o) {
        of an empty view points at the array's own memory, whose allocation
        it would otherwise join (its path the first, one more in its refs) */
     if (!a[i].nbytes) continue;
-    if (add_alloc_part(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes,
-                       o, dpy_alloc_part(a, i)))
+    if (add_alloc(s, (dp_device_t){(dp_device_type_t)a[i].device_type, a[i].device_index}, a[i].base, a[i].nbytes, o))
       return -1;
   }
   return dpy_visit_tensor_attrs(s, o);

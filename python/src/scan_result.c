@@ -30,7 +30,6 @@ dpy_scanner_t *dpy_scanner_get(void) {
   int rc = dp_ptrset_new(&s->found, &e);
   s->own = s->found;
   if (!rc) rc = dp_ptrset_new(&s->memo, &e);
-  if (!rc) rc = dp_ptrset_new(&s->counted, &e);
   if (rc) {
     dp_ptrset_free(s->memo);
     dp_ptrset_free(s->found);

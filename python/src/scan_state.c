@@ -31,22 +31,39 @@ static int note_path(dpy_scanner_t *s, size_t index) {
   return 0;
 }
 
-/* Enters key o (DPY_REF_KEY: its object a new reference, stolen) in
- * `counted`: 1 when it was there. */
-static int counted_before(dpy_scanner_t *s, PyObject *key) {
-  size_t before = dp_ptrset_count(s->counted), idx;
-  dp_error_t e;
-  PyObject *o = DPY_REF_OBJ(key);
-  int rc = dp_ptrset_add(s->counted, (dp_device_t){DP_DEVICE_CPU, 0}, key, 0, &idx, &e);
-  if (rc) {
-    Py_DECREF(o);
-    dpy_raise(rc, &e);
-    return -1;
+static size_t counted_slot(const struct dpy_counted *t, size_t mask, PyObject *o, size_t alloc) {
+  uint64_t h = ((uint64_t)(uintptr_t)o >> 3) * 0x9E3779B97F4A7C15u ^ (uint64_t)alloc * 0xC2B2AE3D27D4EB4Fu;
+  size_t i = (size_t)(h ^ h >> 29) & mask;
+  while (t[i].obj && (t[i].obj != o || t[i].alloc != alloc)) i = (i + 1) & mask;
+  return i;
+}
+
+/* Enters o (a new reference, stolen), found on allocation alloc, in
+ * `counted`: 1 when it was there, 0, or -1 with an exception. The key is
+ * the object and the allocation: an object counted on one allocation is
+ * not thereby counted on another. */
+static int counted_before(dpy_scanner_t *s, size_t alloc, PyObject *o) {
+  if (2 * (s->ncounted + 1) > s->counted_cap) {
+    size_t cap = s->counted_cap ? 2 * s->counted_cap : 64;
+    struct dpy_counted *t = PyMem_Calloc(cap, sizeof *t);
+    if (!t) {
+      Py_DECREF(o);
+      PyErr_NoMemory();
+      return -1;
+    }
+    for (size_t k = 0; k < s->counted_cap; k++)
+      if (s->counted[k].obj) t[counted_slot(t, cap - 1, s->counted[k].obj, s->counted[k].alloc)] = s->counted[k];
+    PyMem_Free(s->counted);
+    s->counted = t;
+    s->counted_cap = cap;
   }
-  if (idx < before) {
+  size_t k = counted_slot(s->counted, s->counted_cap - 1, o, alloc);
+  if (s->counted[k].obj) {
     Py_DECREF(o);
     return 1;
   }
+  s->counted[k] = (struct dpy_counted){o, alloc};
+  s->ncounted++;
   return dpy_keep(s, o) ? 0 : -1; /* alive until the walk ends: its address stays its own */
 }
 
@@ -72,14 +89,14 @@ static int first_grow(dpy_scanner_t *s, size_t idx) {
 /* account() for an allocation met before (idx < nfirst). */
 static int account_again(dpy_scanner_t *s, size_t idx, PyObject *obj) {
   if (idx > s->nfirst) { /* an allocation not accounted: a bug of this file's, never the value's */
-    Py_DECREF(DPY_REF_OBJ(obj));
+    Py_DECREF(obj);
     PyErr_Format(PyExc_SystemError, "devpickle: allocation %zu counted before allocation %zu", idx, s->nfirst);
     return -1;
   }
   PyObject *f = s->first[idx];
   if (f) { /* not yet in `counted`: it holds one or two objects */
     if (f == obj || s->second[idx] == obj) {
-      Py_DECREF(DPY_REF_OBJ(obj));
+      Py_DECREF(obj);
       return 0;
     }
     if (!s->second[idx]) {
@@ -89,17 +106,17 @@ static int account_again(dpy_scanner_t *s, size_t idx, PyObject *obj) {
     }
     PyObject *f2 = s->second[idx];
     s->first[idx] = s->second[idx] = NULL;
-    if (counted_before(s, f) < 0) {
-      Py_DECREF(DPY_REF_OBJ(f2));
-      Py_DECREF(DPY_REF_OBJ(obj));
+    if (counted_before(s, idx, f) < 0) {
+      Py_DECREF(f2);
+      Py_DECREF(obj);
       return -1;
     }
-    if (counted_before(s, f2) < 0) {
-      Py_DECREF(DPY_REF_OBJ(obj));
+    if (counted_before(s, idx, f2) < 0) {
+      Py_DECREF(obj);
       return -1;
     }
   }
-  int c = counted_before(s, obj); /* takes it */
+  int c = counted_before(s, idx, obj); /* takes it */
   if (c < 0) return -1;
   if (!c) s->refs[idx]++;
   return 0;
@@ -117,7 +134,7 @@ static int account_again(dpy_scanner_t *s, size_t idx, PyObject *obj) {
 static inline __attribute__((always_inline)) int account(dpy_scanner_t *s, size_t idx, PyObject *obj) {
   if (idx != s->nfirst) return account_again(s, idx, obj); /* allocations are numbered in discovery order */
   if (idx >= s->first_cap && first_grow(s, idx)) {
-    Py_DECREF(DPY_REF_OBJ(obj));
+    Py_DECREF(obj);
     return -1;
   }
   s->first[idx] = obj;
@@ -128,19 +145,16 @@ static inline __attribute__((always_inline)) int account(dpy_scanner_t *s, size_
 }
 
 void dpy_refs_reset(dpy_scanner_t *s) {
-  for (int i = 0; i < s->npend; i++) {
-    Py_XDECREF(DPY_REF_OBJ(s->pend_obj[i]));
-    s->pend_obj[i] = NULL;
-  }
+  for (int i = 0; i < s->npend; i++) Py_CLEAR(s->pend_obj[i]);
   s->npend = 0;
   size_t n = s->nfirst;
   s->nfirst = 0;
   for (size_t i = 0; i < n; i++) {
-    Py_XDECREF(DPY_REF_OBJ(s->first[i]));
-    Py_XDECREF(DPY_REF_OBJ(s->second[i]));
-    s->first[i] = s->second[i] = NULL;
+    Py_CLEAR(s->first[i]);
+    Py_CLEAR(s->second[i]);
   }
-  dp_ptrset_clear(s->counted);
+  if (s->ncounted) memset(s->counted, 0, s->counted_cap * sizeof *s->counted);
+  s->ncounted = 0;
 }
 
 int dpy_flush_pending(dpy_scanner_t *s) {
@@ -153,7 +167,7 @@ int dpy_flush_pending(dpy_scanner_t *s) {
   for (int i = 0; i < n && s->count_refs; i++) {
     PyObject *o = s->pend_obj[i];
     s->pend_obj[i] = NULL;
-    if (rc) Py_DECREF(DPY_REF_OBJ(o));
+    if (rc) Py_DECREF(o);
     else rc = account(s, idx[i], o); /* takes the batch's reference */
   }
   s->npend = 0;
@@ -163,11 +177,6 @@ int dpy_flush_pending(dpy_scanner_t *s) {
 /* Adds an allocation found on obj, at once: *at (may be NULL) gets its
  * index, and its first path is rendered. */
 int dpy_add_alloc_at(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, size_t *at) {
-  return dpy_add_alloc_part(s, dev, base, nbytes, obj, 0, at);
-}
-
-int dpy_add_alloc_part(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, int part,
-                       size_t *at) {
   size_t idx;
   dp_error_t e;
   if (dpy_flush_pending(s)) return -1;
@@ -180,7 +189,7 @@ int dpy_add_alloc_part(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nby
     PyErr_NoMemory();
     return -1;
   }
-  if (s->count_refs && account(s, idx, DPY_REF_KEY(Py_NewRef(obj), part))) return -1;
+  if (s->count_refs && account(s, idx, Py_NewRef(obj))) return -1;
   if (at) *at = idx;
   return 0;
 }

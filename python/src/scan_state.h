@@ -66,7 +66,10 @@ struct dpy_scanner {
    * one; the scanner counts distinct objects instead (account()). first[i]
    * and second[i] are the first two distinct objects found on allocation i
    * (held until a third comes: then all are entered in `counted`, the
-   * objects counted on allocations met with more than two). */
+   * objects counted on allocations met with more than two, each with the
+   * allocation it was counted on: an object found on several allocations —
+   * a sparse or per-channel quantized tensor, a tensor whose storage the
+   * value's code swapped during the walk — counts on each). */
   int count_refs;
   /* the walk of the next visit() (not building): `solo` — its only
    * reference is its container's slot; `ran_code` — the walk has called
@@ -79,7 +82,8 @@ struct dpy_scanner {
   uint32_t *refs;
   PyObject **first, **second;
   size_t nfirst, first_cap;
-  dp_ptrset_t *counted;
+  struct dpy_counted { PyObject *obj; size_t alloc; } *counted; /* open addressing; obj NULL: empty */
+  size_t ncounted, counted_cap;
   PyObject *opaque;   /* opts->opaque: the types, or NULL */
   dpy_opaque_t op;    /* and what each type met is to them (scan_classify.h) */
   uint32_t max_depth;
@@ -130,43 +134,14 @@ int dpy_flush_pending(dpy_scanner_t *s);
 /* Lets go of the objects the last walk counted refs on. */
 void dpy_refs_reset(dpy_scanner_t *s);
 
-/* An object found on an allocation, as refs counts it: the object, its low
- * bits (a Python object is aligned to 8 bytes at least: two bits are free)
- * the part of the object the allocation is (a tensor's storage, a
- * per-channel quantizer's scales, ...):
- * `counted` holds one entry per object and part, so that an object on
- * several allocations counts on each (refs of one allocation must not find
- * it counted on another). */
-#define DPY_REF_PARTS 4
-#define DPY_REF_KEY(obj, part) ((PyObject *)((uintptr_t)(obj) | (uintptr_t)(part)))
-#define DPY_REF_OBJ(key) ((PyObject *)((uintptr_t)(key) & ~(uintptr_t)(DPY_REF_PARTS - 1)))
-int dpy_add_alloc_part(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj, int part,
-                       size_t *at);
-
-/* Adds an allocation found on obj, its part-th (0 .. DPY_REF_PARTS-1; one
- * allocation is always the same part of obj): in a batch when no path or
- * index is asked for it. */
-static inline __attribute__((always_inline)) int add_alloc_part(dpy_scanner_t *s, dp_device_t dev, void *base,
-                                                                size_t nbytes, PyObject *obj, int part) {
-  if (s->want_paths || s->build) return dpy_add_alloc_part(s, dev, base, nbytes, obj, part, NULL);
+/* Adds an allocation found on obj: in a batch when no path or index is
+ * asked for it. */
+static inline __attribute__((always_inline)) int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj) {
+  if (s->want_paths || s->build) return dpy_add_alloc_at(s, dev, base, nbytes, obj, NULL);
   if (s->npend == (int)(sizeof s->pend / sizeof s->pend[0]) && dpy_flush_pending(s)) return -1;
-  if (s->count_refs) s->pend_obj[s->npend] = DPY_REF_KEY(Py_NewRef(obj), part);
+  if (s->count_refs) s->pend_obj[s->npend] = Py_NewRef(obj);
   s->pend[s->npend++] = (dp_ptr_info_t){dev, base, nbytes, 0, NULL};
   return 0;
-}
-
-static inline __attribute__((always_inline)) int add_alloc(dpy_scanner_t *s, dp_device_t dev, void *base, size_t nbytes, PyObject *obj) {
-  return add_alloc_part(s, dev, base, nbytes, obj, 0);
-}
-
-/* The part of a tensor allocation a[i] is: the first of a[0..i] at its base
- * (a quantizer whose scales and zero points share a storage is one part). */
-static inline int dpy_alloc_part(const dp_torch_alloc_t *a, int i) {
-  int j = 0;
-  while (j < i && (a[j].base != a[i].base || a[j].device_type != a[i].device_type ||
-                   a[j].device_index != a[i].device_index))
-    j++;
-  return j;
 }
 
 #endif

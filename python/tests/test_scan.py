@@ -5579,3 +5579,25 @@ def test_a_sparse_coo_tensor_gives_its_indices_then_its_values_with_or_without_t
     out = _run_child_adapter(_SPARSE_COO_ORDER, no_adapter)
     assert out.returncode == 0, out.stderr
     assert "coo" in out.stdout
+
+
+class _SwapsStorage:
+    """Its reduce points tensor t at u's storage: t's memory changes mid-walk."""
+
+    def __init__(self, t, u):
+        self.t, self.u = t, u
+
+    def __reduce__(self):
+        self.t.set_(self.u.storage())
+        return (tuple, ((),))
+
+
+@pytest.mark.parametrize("paths", [False, True])
+def test_a_tensor_counted_on_one_allocation_still_counts_on_the_one_it_moves_to(paths):
+    # `counted` was keyed by object (and part): t, counted past two on its
+    # first storage, was taken as counted already on u's, which the value's
+    # code moved it to — u's refs read 3 where u, its two views and t hold it
+    torch = pytest.importorskip("torch")
+    t, u = torch.zeros(8), torch.ones(8)
+    v = [t, t.detach(), t.detach(), u, u.detach(), u.detach(), _SwapsStorage(t, u), t]
+    assert [a.refs for a in devpickle.scan(v, paths=paths)] == [3, 4]
