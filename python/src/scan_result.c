@@ -26,6 +26,7 @@ dpy_scanner_t *dpy_scanner_get(void) {
   }
   s = PyMem_Calloc(1, sizeof *s);
   if (!s) return (dpy_scanner_t *)PyErr_NoMemory();
+  dp__table_init(&s->counted_tab);
   dp_error_t e;
   int rc = dp_ptrset_new(&s->found, &e);
   s->own = s->found;

@@ -31,38 +31,62 @@ static int note_path(dpy_scanner_t *s, size_t index) {
   return 0;
 }
 
-static size_t counted_slot(const struct dpy_counted *t, size_t mask, PyObject *o, size_t alloc) {
-  uint64_t h = ((uint64_t)(uintptr_t)o >> 3) * 0x9E3779B97F4A7C15u ^ (uint64_t)alloc * 0xC2B2AE3D27D4EB4Fu;
-  size_t i = (size_t)(h ^ h >> 29) & mask;
-  while (t[i].obj && (t[i].obj != o || t[i].alloc != alloc)) i = (i + 1) & mask;
-  return i;
+/* `counted`: the objects counted on allocations met with more than two,
+ * each with the allocation it was counted on (entries in the order
+ * entered, found through the library's table: core/table.h). An object's
+ * address is the allocator's choice, hashed as the library hashes local
+ * addresses; the allocation's index is mixed in first. */
+static inline uint64_t counted_hash(PyObject *o, size_t alloc) {
+  return dp__hash_ptr((const void *)((uintptr_t)o ^ (uintptr_t)((uint64_t)alloc * 0x9E3779B97F4A7C15u)));
+}
+
+static uint64_t counted_hash_at(const void *ctx, size_t i) {
+  const dpy_scanner_t *s = ctx;
+  return counted_hash(s->counted[i].obj, s->counted[i].alloc);
+}
+
+static inline int counted_eq(const void *ctx, size_t i, const void *key) {
+  const struct dpy_counted *e = &((const dpy_scanner_t *)ctx)->counted[i], *k = key;
+  return e->obj == k->obj && e->alloc == k->alloc;
 }
 
 /* Enters o (a new reference, stolen), found on allocation alloc, in
  * `counted`: 1 when it was there, 0, or -1 with an exception. The key is
  * the object and the allocation: an object counted on one allocation is
- * not thereby counted on another. */
+ * not thereby counted on another (a sparse or per-channel quantized
+ * tensor, a tensor whose storage the value's code swapped meanwhile). */
 static int counted_before(dpy_scanner_t *s, size_t alloc, PyObject *o) {
-  if (2 * (s->ncounted + 1) > s->counted_cap) {
-    size_t cap = s->counted_cap ? 2 * s->counted_cap : 64;
-    struct dpy_counted *t = PyMem_Calloc(cap, sizeof *t);
-    if (!t) {
+  const struct dpy_counted key = {o, alloc};
+  const uint64_t h = counted_hash(o, alloc);
+  size_t j;
+  if (dp__table_find(&s->counted_tab, DP_TABLE_TAGGED, h, counted_eq, s, &key, &j) != DP_TABLE_NONE) {
+    Py_DECREF(o);
+    return 1;
+  }
+  if (s->ncounted == s->counted_cap) {
+    size_t cap = s->counted_cap ? 2 * s->counted_cap : 32;
+    struct dpy_counted *c = cap <= PY_SSIZE_T_MAX / sizeof *c ? PyMem_Realloc(s->counted, cap * sizeof *c) : NULL;
+    if (!c) {
       Py_DECREF(o);
       PyErr_NoMemory();
       return -1;
     }
-    for (size_t k = 0; k < s->counted_cap; k++)
-      if (s->counted[k].obj) t[counted_slot(t, cap - 1, s->counted[k].obj, s->counted[k].alloc)] = s->counted[k];
-    PyMem_Free(s->counted);
-    s->counted = t;
+    s->counted = c;
     s->counted_cap = cap;
   }
-  size_t k = counted_slot(s->counted, s->counted_cap - 1, o, alloc);
-  if (s->counted[k].obj) {
-    Py_DECREF(o);
-    return 1;
+  if (dp__table_full(&s->counted_tab)) {
+    int rc = dp__table_grow(&s->counted_tab, DP_TABLE_TAGGED, s->ncounted, 64, counted_hash_at, s);
+    if (rc) {
+      Py_DECREF(o);
+      if (rc == DP_ENOMEM) PyErr_NoMemory();
+      else PyErr_Format(PyExc_OverflowError, "devpickle: more objects on shared allocations than refs can count (%zu)",
+                        s->ncounted);
+      return -1;
+    }
+    j = dp__table_empty_slot(&s->counted_tab, DP_TABLE_TAGGED, h);
   }
-  s->counted[k] = (struct dpy_counted){o, alloc};
+  s->counted[s->ncounted] = key;
+  dp__table_put(&s->counted_tab, DP_TABLE_TAGGED, j, h, s->ncounted);
   s->ncounted++;
   return dpy_keep(s, o) ? 0 : -1; /* alive until the walk ends: its address stays its own */
 }
@@ -153,7 +177,7 @@ void dpy_refs_reset(dpy_scanner_t *s) {
     Py_CLEAR(s->first[i]);
     Py_CLEAR(s->second[i]);
   }
-  if (s->ncounted) memset(s->counted, 0, s->counted_cap * sizeof *s->counted);
+  dp__table_clear(&s->counted_tab, DP_TABLE_TAGGED); /* a new generation: no slot is touched */
   s->ncounted = 0;
 }
 

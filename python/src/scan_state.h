@@ -8,6 +8,7 @@
 
 #include "ext.h"
 #include "scan_classify.h"
+#include "../../core/table.h"
 
 #include <stdint.h>
 
@@ -82,8 +83,9 @@ struct dpy_scanner {
   uint32_t *refs;
   PyObject **first, **second;
   size_t nfirst, first_cap;
-  struct dpy_counted { PyObject *obj; size_t alloc; } *counted; /* open addressing; obj NULL: empty */
+  struct dpy_counted { PyObject *obj; size_t alloc; } *counted; /* [ncounted], in the order entered */
   size_t ncounted, counted_cap;
+  dp__table_t counted_tab; /* (obj, alloc) -> its entry (scan_state.c) */
   PyObject *opaque;   /* opts->opaque: the types, or NULL */
   dpy_opaque_t op;    /* and what each type met is to them (scan_classify.h) */
   uint32_t max_depth;
