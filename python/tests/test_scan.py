@@ -2153,13 +2153,20 @@ def test_an_ndarray_subclass_property_cannot_hide_what_the_array_holds():
     assert [(x.ptr, x.nbytes) for x in devpickle.scan(r)] == [(r.ctypes.data, 24)]
 
 
+# a child's st(t): the (data_ptr, nbytes) of tensor t's untyped storage, on
+# torch 1.13 and 2.x alike
+_CHILD_STORAGE = (
+    "def st(t):\n"
+    "    s = t.untyped_storage() if hasattr(t, 'untyped_storage') else t.storage()._storage\n"
+    "    return (s.data_ptr(), s.nbytes())\n"
+)
+
+
 _SPARSE_COMPRESSED = (
     "import torch, devpickle, warnings\n"
     "warnings.simplefilter('ignore')\n"
     "d = torch.tensor([[1.0, 0, 0, 2], [0, 0, 3, 0], [0, 0, 0, 0], [4, 0, 0, 5]])\n"
-    "def st(t):\n"
-    "    s = t.untyped_storage() if hasattr(t, 'untyped_storage') else t.storage()._storage\n"
-    "    return (s.data_ptr(), s.nbytes())\n"
+    + _CHILD_STORAGE +
     "for name, make, parts in [\n"
     "        ('csr', lambda: d.to_sparse_csr(), ('crow_indices', 'col_indices', 'values')),\n"
     "        ('csc', lambda: d.to_sparse_csc(), ('ccol_indices', 'row_indices', 'values')),\n"
@@ -2187,21 +2194,24 @@ def _run_child_adapter(code, no_adapter):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
 
 
+def _assert_child_prints(code, no_adapter, marker):
+    """code ran to its end in a child (_run_child_adapter) and printed marker."""
+    out = _run_child_adapter(code, no_adapter)
+    assert out.returncode == 0, out.stderr
+    assert marker in out.stdout
+
+
 @pytest.mark.parametrize("no_adapter", ["0", "1"])
 def test_sparse_compressed_tensors_are_walked_with_or_without_the_torch_adapter(no_adapter):
     # the Python path (no C++ adapter) read only COO: a CSR tensor's storage
     # lookup raised, a WalkError where the adapter gives its three tensors
-    out = _run_child_adapter(_SPARSE_COMPRESSED, no_adapter)
-    assert out.returncode == 0, out.stderr
-    assert "csr" in out.stdout
+    _assert_child_prints(_SPARSE_COMPRESSED, no_adapter, "csr")
 
 
 _QUANTIZED = (
     "import torch, devpickle\n"
     "x = torch.randn(4, 3)\n"
-    "def st(t):\n"
-    "    s = t.untyped_storage() if hasattr(t, 'untyped_storage') else t.storage()._storage\n"
-    "    return (s.data_ptr(), s.nbytes())\n"
+    + _CHILD_STORAGE +
     "scales = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.double)\n"
     "for q in [torch.quantize_per_channel(x, scales, torch.tensor([0, 1, 2, 3]), 0, torch.qint8),\n"
     "          torch.quantize_per_channel(x, scales.float(), scales.float(), 0, torch.quint8)]:\n"
@@ -2231,9 +2241,7 @@ def test_a_per_channel_quantized_tensor_gives_its_storage_scales_and_zero_points
     # pickle carries a per-channel quantized tensor's scales and zero points
     # (tensors of the quantizer's own) in its reduce, and kernels read them
     # with the values: the walk reported the data storage alone
-    out = _run_child_adapter(_QUANTIZED, no_adapter)
-    assert out.returncode == 0, out.stderr
-    assert "quantized" in out.stdout
+    _assert_child_prints(_QUANTIZED, no_adapter, "quantized")
 
 
 def test_a_cuda_array_interface_set_on_the_instance_is_device_memory_too():
@@ -5341,9 +5349,7 @@ def test_objects_on_several_allocations_count_in_the_refs_of_each(no_adapter):
     # refs kept one set of objects counted past two for all allocations: a
     # tensor counted on its data's storage was taken as counted already on
     # its quantizer's scales (q, q.detach(), q[1:] share all three): 2, not 3
-    out = _run_child_adapter(_QUANTIZED_REFS, no_adapter)
-    assert out.returncode == 0, out.stderr
-    assert "refs ok" in out.stdout
+    _assert_child_prints(_QUANTIZED_REFS, no_adapter, "refs ok")
 
 
 def test_an_abc_listed_opaque_is_asked_per_object_where_its_class_attribute_answers_per_instance():
@@ -5565,20 +5571,16 @@ def test_opaque_given_as_a_sequence_of_the_old_getitem_protocol_is_read_by_index
 _SPARSE_COO_ORDER = (
     "import torch, devpickle\n"
     "sp = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (3,))\n"
-    "def st(t):\n"
-    "    s = t.untyped_storage() if hasattr(t, 'untyped_storage') else t.storage()._storage\n"
-    "    return s.data_ptr()\n"
+    + _CHILD_STORAGE +
     "got = [a.ptr for a in devpickle.scan([sp])]\n"
-    "assert got == [st(sp._indices()), st(sp._values())], got\n"
+    "assert got == [st(sp._indices())[0], st(sp._values())[0]], got\n"
     "print('coo')\n"
 )
 
 
 @pytest.mark.parametrize("no_adapter", ["0", "1"])
 def test_a_sparse_coo_tensor_gives_its_indices_then_its_values_with_or_without_the_adapter(no_adapter):
-    out = _run_child_adapter(_SPARSE_COO_ORDER, no_adapter)
-    assert out.returncode == 0, out.stderr
-    assert "coo" in out.stdout
+    _assert_child_prints(_SPARSE_COO_ORDER, no_adapter, "coo")
 
 
 class _SwapsStorage:
