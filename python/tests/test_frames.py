@@ -5239,3 +5239,38 @@ def test_a_zero_tensor_given_as_a_buffer_is_refused_never_an_array_over_no_memor
     zero = torch._efficientzerotensor(24, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"buffers\[0\] is a torch zero tensor .*holds no bytes.*, at \$\[0\]"):
         devpickle.loads(frame, buffers=[zero])
+
+
+_CPU_BYTES_AS_MET = r"""
+import os, numpy as np, torch, devpickle
+want = "python" if os.environ.get("DEVPICKLE_NO_TORCH_ADAPTER") == "1" else "c++"
+assert devpickle._devpickle._torch_adapter() == want, devpickle._devpickle._torch_adapter()
+a = np.arange(4, dtype=np.float32)
+t = torch.from_numpy(a)   # cpu memory torch did not allocate
+u = torch.arange(4.0)     # torch's own: copied when met only without the adapter
+class Later:
+    def __reduce__(self):  # run by the walk after it met t and u
+        a[:] = 9
+        u[:] = 9
+        return (int, (0,))
+got_t, got_u, _ = devpickle.loads(devpickle.dumps([t, u, Later()], inline=True))
+assert got_t.tolist() == [0, 1, 2, 3], got_t
+assert got_u.tolist() == ([0, 1, 2, 3] if want == "python" else [9, 9, 9, 9]), got_u
+print("met")
+"""
+
+
+@pytest.mark.parametrize("no_adapter", ["0", "1"])
+def test_cpu_memory_copied_when_met_is_framed_with_the_bytes_the_walk_met_with_or_without_the_torch_adapter(no_adapter):
+    # PYTHON.md: cpu memory torch did not allocate (torch.from_numpy) is
+    # copied when the walk meets it, and without the C++ adapter every cpu
+    # tensor is: a later __reduce__ that writes those bytes leaves the frame
+    # with the bytes as they were met (with the adapter, a tensor torch
+    # allocated is read when the frame is written)
+    env = dict(os.environ)
+    env.pop("DEVPICKLE_NO_TORCH_ADAPTER", None)
+    if no_adapter == "1":
+        env["DEVPICKLE_NO_TORCH_ADAPTER"] = "1"
+    out = subprocess.run([sys.executable, "-c", _CPU_BYTES_AS_MET], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["met"]
