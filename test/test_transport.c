@@ -10237,3 +10237,38 @@ Test(transport, a_transport_freed_from_a_callback_that_a_caller_driven_wait_runs
   for (size_t i = 0; i < sizeof all / sizeof *all; i++) dp_future_release(all[i]);
   free_pair_checked(c, a, l, t);
 }
+
+Test(transport, once_every_posted_send_completed_a_timeout_check_looks_at_no_send) {
+  /* the oldest posted send (check_timeouts) is unlinked with its
+     completion: a check afterwards finds none, never the freed send */
+  peer_t p = spawn_peer(echo_n, (void *)(intptr_t)1, NULL);
+  dp_transport_opts_t o = {0};
+  o.timeout_ns = 600 * SEC;
+  o.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_value_t v;
+  OK(dp_bytes_new("abc", 3, &v, T_ERR));
+  dp_future_t *d, *r;
+  OK(dp_endpoint_send(ep, v, &d, T_ERR));
+  OK(dp_endpoint_recv(ep, &r, T_ERR));
+  for (int i = 0; i < 60000 && !(dp_future_is_done(d) && dp_future_is_done(r)); i++) {
+    dp_transport_progress(t);
+    sleep_ms(1);
+  }
+  cr_assert(dp_future_is_done(d) && dp_future_is_done(r), "the echo did not come back");
+  unsigned long steps0 = atomic_load(&dp__transport_timeout_steps);
+  unsigned long checks0 = atomic_load(&dp__transport_timeout_checks);
+  for (int i = 0; i < 60000 && atomic_load(&dp__transport_timeout_checks) - checks0 < 20; i++) {
+    dp_transport_progress(t);
+    sleep_ms(1);
+  }
+  cr_assert_geq(atomic_load(&dp__transport_timeout_checks) - checks0, 20);
+  cr_assert_eq(atomic_load(&dp__transport_timeout_steps) - steps0, 0, "a check looked at a send that completed");
+  dp_future_release(d);
+  dp_future_release(r);
+  dp_value_release(v);
+  dp_endpoint_free(ep);
+  dp_transport_free(t);
+  cr_assert_eq(peer_wait(p), 0);
+}
