@@ -10272,3 +10272,63 @@ Test(transport, once_every_posted_send_completed_a_timeout_check_looks_at_no_sen
   dp_transport_free(t);
   cr_assert_eq(peer_wait(p), 0);
 }
+
+Test(transport, sends_that_fill_the_in_flight_bound_exactly_are_posted_together) {
+  /* TRANSPORT.md: an endpoint posts at most max_inflight_bytes — up to the
+     bound, not short of it. Two frames by rendezvous (each counts) to a
+     peer that pulls nothing, with a bound of exactly both: the second is
+     posted beside the first, which the post hook (failing the endpoint
+     at the second post) shows */
+  t_track();
+  peer_t p = spawn_peer(stop_self, NULL, NULL);
+  enum { B = 100000 }; /* a frame over DP__FRAME_EAGER_MAX: by rendezvous */
+  uint8_t *buf = calloc(1, B);
+  dp_value_t v;
+  OK(dp_bytes_new(buf, B, &v, T_ERR));
+  dp_frame_t *fr;
+  size_t flen;
+  OK(dp_frame_new(&fr, T_ERR));
+  OK(dp_pickle(v, NULL, fr, T_ERR));
+  dp_frame_data(fr, &flen);
+  dp_frame_free(fr);
+  cr_assert_gt(flen, DP__FRAME_EAGER_MAX);
+  dp_transport_opts_t o = {0};
+  o.max_inflight_bytes = 2 * flen;
+  o.progress = DP_TRANSPORT_PROGRESS_CALLER;
+  dp_transport_t *t = new_transport(&o);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  int st = 0; /* the peer stops once it accepted, which takes passes of ours */
+  for (int i = 0; i < 20000 && waitpid(p.pid, &st, WUNTRACED | WNOHANG) == 0; i++) {
+    dp_transport_progress(t);
+    sleep_ms(1);
+  }
+  cr_assert(WIFSTOPPED(st), "the peer did not accept");
+  dp__transport_skip_credit = 1; /* the stopped peer grants nothing */
+  atomic_store(&dp__transport_fail_in_post, 2);
+  dp_future_t *d[2];
+  for (int i = 0; i < 2; i++) OK(dp_endpoint_send(ep, v, &d[i], T_ERR));
+  for (int i = 0; i < 10000 && atomic_load(&dp__transport_fail_in_post) != 0; i++) {
+    dp_transport_progress(t);
+    sleep_ms(1);
+  }
+  int left = atomic_load(&dp__transport_fail_in_post);
+  atomic_store(&dp__transport_fail_in_post, 0);
+  dp__transport_skip_credit = 0;
+  cr_assert_eq(left, 0, "the second send, which fills the bound exactly, was never posted");
+  for (int i = 0; i < 20000 && !(dp_future_is_done(d[0]) && dp_future_is_done(d[1])); i++) {
+    dp_transport_progress(t);
+    sleep_ms(1);
+  }
+  for (int i = 0; i < 2; i++) {
+    dp_error_t e;
+    cr_assert(dp_future_is_done(d[i]) && dp_future_error(d[i], &e), "send %d did not fail with its endpoint", i);
+    dp_future_release(d[i]);
+  }
+  kill(p.pid, SIGKILL);
+  cr_assert_eq(peer_wait(p), 128 + SIGKILL);
+  dp_value_release(v);
+  free(buf);
+  dp_endpoint_free(ep);
+  free_transport(t);
+  check_no_leak();
+}
