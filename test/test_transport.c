@@ -10332,3 +10332,25 @@ Test(transport, sends_that_fill_the_in_flight_bound_exactly_are_posted_together)
   free_transport(t);
   check_no_leak();
 }
+
+Test(transport, a_send_whose_future_failed_is_no_longer_pending_when_its_endpoint_closes) {
+  /* TRANSPORT.md: an endpoint closed with no send pending closes
+     gracefully (the peer reads "the peer closed its endpoint"); a send
+     whose future failed is over, and counts as pending no more */
+  peer_t p = spawn_peer(echo_then_see_the_close, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *f, *d;
+  OK(dp_future_new(NULL, &f, T_ERR));
+  OK(dp_endpoint_send_future(ep, f, &d, T_ERR));
+  dp_error_t bad, e;
+  dp_error_clear(&bad);
+  bad.code = DP_EIO;
+  snprintf(bad.message, sizeof bad.message, "the producer failed");
+  OK(dp_future_set_error(f, &bad, T_ERR));
+  cr_assert_eq(wait_f(d, &e), DP_EIO, "%s: %s", dp_err_name(e.code), e.message);
+  echo_once(ep);
+  dp_future_release(d);
+  dp_future_release(f);
+  close_clean(ep, t, p); /* the peer exits 0 only on a graceful close */
+}
