@@ -10354,3 +10354,25 @@ Test(transport, a_send_whose_future_failed_is_no_longer_pending_when_its_endpoin
   dp_future_release(f);
   close_clean(ep, t, p); /* the peer exits 0 only on a graceful close */
 }
+
+Test(transport, an_endpoint_that_fails_inside_the_post_of_a_small_frame_frees_the_send) {
+  /* the frame's message went at once (no UCX request holds the send):
+     the send, let go of by the failed endpoint, is freed by its poster */
+  t_track();
+  peer_t p = spawn_peer(hello_then_wait_for_close, NULL, NULL);
+  dp_transport_t *t = new_transport(NULL);
+  dp_endpoint_t *ep = connect_to(t, p.port);
+  dp_future_t *hello = recv_ok(ep); /* the connection is established */
+  dp_future_release(hello);
+  dp_future_t *d;
+  dp_error_t e;
+  dp__transport_fail_in_post = 1;
+  OK(dp_endpoint_send(ep, dp_int(3), &d, T_ERR));
+  cr_assert_eq(wait_f(d, &e), DP_EIO, "%s: %s", dp_err_name(e.code), e.message);
+  dp__transport_fail_in_post = 0;
+  dp_future_release(d);
+  dp_endpoint_free(ep);
+  free_transport(t);
+  peer_wait(p);
+  check_no_leak();
+}
